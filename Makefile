@@ -1,0 +1,31 @@
+# The README's two commands. Each sets itself up from a fresh clone and is quick once set up.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test demo lint clean
+
+$(PY):
+	python3 -m venv $(VENV)
+
+# torch first, pinned to the CPU build on this machine's disk when none is installed,
+# so an unpinned requirement never pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+demo: $(STAMP)
+	$(VENV)/bin/hybridflow train
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check hybridflow tests benchmarks
+	$(VENV)/bin/ruff format --check hybridflow tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache

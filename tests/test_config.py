@@ -1,0 +1,188 @@
+import pytest
+
+from hybridflow.config import Config, ConfigError, field_docs, load_config, validate
+
+
+def _problems(overrides):
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(None, overrides))
+    return "\n".join(e.value.problems)
+
+
+def test_defaults_validate():
+    d = validate(Config())
+    assert d.samples_per_step == Config().data.train_batch_size * Config().rollout.n
+
+
+def test_precedence_defaults_yaml_overrides(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("rollout:\n  n: 4\n  temperature: 0.7\nactor:\n  lr: 1.0e-5\n")
+    cfg = load_config(f, ["rollout.n=16"])
+    assert cfg.rollout.n == 16  # override beats YAML
+    assert cfg.rollout.temperature == 0.7  # YAML beats default
+    assert cfg.actor.lr == 1e-5
+    assert cfg.actor.grad_clip == Config().actor.grad_clip  # default kept
+
+
+def test_unknown_key_suggests():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["rollout.temprature=0.5"])
+    assert "rollout.temprature" in str(e.value) and "did you mean 'temperature'" in str(e.value)
+
+
+def test_unknown_section_in_yaml(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("rollot:\n  n: 4\n")
+    with pytest.raises(ConfigError, match="did you mean 'rollout'"):
+        load_config(f)
+
+
+def test_bad_type_names_key_and_type():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["rollout.n=eight", "actor.use_kl_loss=3"])
+    msg = str(e.value)
+    assert "rollout.n" in msg and "expects int" in msg
+    assert "actor.use_kl_loss" in msg and "expects bool" in msg
+
+
+def test_types_coerced():
+    cfg = load_config(
+        None, ["actor.lr=1", "data.train_files=a.parquet", "actor.max_tokens_per_gpu=null"]
+    )
+    assert isinstance(cfg.actor.lr, float)
+    assert cfg.data.train_files == ["a.parquet"]
+    assert cfg.actor.max_tokens_per_gpu is None
+
+
+def test_issue_example_train_batch_divisibility():
+    msg = _problems(
+        [
+            "data.train_batch_size=60",
+            "rollout.n=12",
+            "trainer.n_gpus_per_node=64",
+            "trainer.backend=local",
+        ]
+    )
+    # 60 × 12 = 720 samples over 64 ranks: need train_batch_size multiple of 64 / gcd(12, 64) = 16
+    assert "data.train_batch_size × rollout.n = 60 × 12 = 720" in msg
+    assert "make data.train_batch_size a multiple of 16" in msg
+
+
+def test_all_problems_reported_at_once():
+    msg = _problems(["actor.ppo_epochs=0", "rollout.top_p=1.5", "algorithm.adv_estimator=grpoo"])
+    assert "actor.ppo_epochs = 0" in msg
+    assert "rollout.top_p = 1.5" in msg
+    assert "did you mean 'grpo'" in msg
+
+
+def test_mini_batch_rules():
+    msg = _problems(["data.train_batch_size=32", "actor.ppo_mini_batch_size=12"])
+    assert "not a multiple of actor.ppo_mini_batch_size = 12" in msg
+    msg = _problems(["data.train_batch_size=32", "actor.ppo_mini_batch_size=64"])
+    assert "actor.ppo_mini_batch_size = 64 must be between 1 and data.train_batch_size = 32" in msg
+
+
+def test_mini_batch_split_over_ranks():
+    msg = _problems(
+        [
+            "trainer.backend=local",
+            "trainer.n_gpus_per_node=8",
+            "rollout.n=2",
+            "data.train_batch_size=32",
+            "actor.ppo_mini_batch_size=2",
+            "actor.micro_batch_size_per_gpu=1",
+        ]
+    )
+    # 2 × 2 = 4 samples over 8 ranks: need a multiple of 8 / gcd(2, 8) = 4
+    assert "actor.ppo_mini_batch_size × rollout.n = 2 × 2 = 4" in msg
+    assert "multiple of 4" in msg
+
+
+def test_micro_batch_divides_mini_batch():
+    msg = _problems(
+        ["rollout.n=4", "actor.ppo_mini_batch_size=4", "actor.micro_batch_size_per_gpu=3"]
+    )
+    assert "= 16 samples is not a multiple of actor.micro_batch_size_per_gpu = 3" in msg
+
+
+def test_token_budget_vs_lengths():
+    msg = _problems(
+        [
+            "data.max_prompt_length=100",
+            "data.max_response_length=50",
+            "actor.max_tokens_per_gpu=120",
+        ]
+    )
+    assert "actor.max_tokens_per_gpu = 120" in msg and "= 150" in msg
+
+
+def test_group_estimator_needs_n_ge_2():
+    msg = _problems(["rollout.n=1", "algorithm.adv_estimator=rloo"])
+    assert "rollout.n >= 2" in msg
+    validate(load_config(None, ["rollout.n=1", "algorithm.adv_estimator=gae"]))
+
+
+def test_unknown_loss_and_agg_names():
+    msg = _problems(["actor.policy_loss=vanila", "actor.loss_agg_mode=token_mean"])
+    assert "actor.policy_loss = 'vanila'" in msg and "'vanilla'" in msg
+    assert "actor.loss_agg_mode" in msg
+
+
+def test_lengths_within_model_context(tmp_path):
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 64}')
+    msg = _problems(
+        [f"model.path={tmp_path}", "data.max_prompt_length=60", "data.max_response_length=10"]
+    )
+    assert "exceeds the context" in msg and "(64 tokens)" in msg
+
+
+def test_placement_and_backend():
+    msg = _problems(["trainer.n_gpus_per_node=4"])
+    assert "trainer.backend = inprocess" in msg
+    msg = _problems(["trainer.backend=local", "trainer.nnodes=2"])
+    assert "trainer.backend=ray" in msg
+    msg = _problems(
+        [
+            "trainer.backend=local",
+            "trainer.n_gpus_per_node=4",
+            "trainer.placement=split",
+            "trainer.rollout_gpus=4",
+        ]
+    )
+    assert "trainer.rollout_gpus" in msg
+    with pytest.raises(ConfigError, match="this node has 2 GPU"):
+        validate(
+            load_config(
+                None, ["trainer.backend=local", "trainer.n_gpus_per_node=4", "trainer.device=cuda"]
+            ),
+            gpus_available=2,
+        )
+
+
+def test_derived_sizes():
+    cfg = load_config(
+        None,
+        [
+            "trainer.backend=local",
+            "trainer.n_gpus_per_node=4",
+            "data.train_batch_size=32",
+            "rollout.n=8",
+            "actor.ppo_mini_batch_size=8",
+            "actor.micro_batch_size_per_gpu=4",
+        ],
+    )
+    d = validate(cfg)
+    assert d.samples_per_step == 256
+    assert d.mini_batches_per_step == 4
+    assert d.mini_batch_samples_per_gpu == 8 * 8 // 4
+    assert d.micro_batches_per_mini_batch == 4
+
+
+def test_every_field_documented():
+    import dataclasses
+
+    cfg = Config()
+    for section in dataclasses.fields(Config):
+        cls = type(getattr(cfg, section.name))
+        missing = {f.name for f in dataclasses.fields(cls)} - set(field_docs(cls))
+        assert not missing, f"{section.name}: fields without a docstring: {missing}"
