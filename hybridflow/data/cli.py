@@ -1,0 +1,151 @@
+"""`hybridflow data ...`: prepare and check prompt files.
+
+hybridflow data gsm8k --input /path/to/train.jsonl --out data/gsm8k
+hybridflow data gsm8k --from-hub --out data/gsm8k
+hybridflow data arithmetic --out data/arithmetic
+hybridflow data countdown --out data/countdown
+hybridflow data check data/gsm8k/train.parquet
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+
+
+def _cmd_gsm8k(args) -> int:
+    from hybridflow.data.gsm8k import convert_gsm8k_file, convert_gsm8k_from_hub, describe
+
+    if args.from_hub == bool(args.input):
+        print("error: give exactly one of --input FILE and --from-hub", file=sys.stderr)
+        return 2
+    if args.from_hub:
+        paths = convert_gsm8k_from_hub(args.out)
+    else:
+        paths = [convert_gsm8k_file(args.input, args.out, split=args.split)]
+    for path in paths:
+        print(f"wrote {describe(path)}")
+    return 0
+
+
+def _cmd_arithmetic(args) -> int:
+    from hybridflow.data.arithmetic import write_arithmetic_dataset
+
+    paths = write_arithmetic_dataset(
+        args.out,
+        train_size=args.train_size,
+        test_size=args.test_size,
+        sft_size=args.sft_size,
+        seed=args.seed,
+        operations=tuple(args.operations),
+        max_operand=args.max_operand,
+        file_format=args.format,
+    )
+    for name, path in paths.items():
+        print(f"wrote {name}: {path}")
+    return 0
+
+
+def _cmd_countdown(args) -> int:
+    from hybridflow.data.countdown import write_countdown_dataset
+
+    paths = write_countdown_dataset(
+        args.out,
+        train_size=args.train_size,
+        test_size=args.test_size,
+        seed=args.seed,
+        num_numbers=args.num_numbers,
+        max_number=args.max_number,
+        file_format=args.format,
+    )
+    for name, path in paths.items():
+        print(f"wrote {name}: {path}")
+    return 0
+
+
+def _cmd_check(args) -> int:
+    from hybridflow.data.schema import load_prompt_records
+
+    known = None
+    if args.known_sources:
+        from hybridflow.rewards.registry import default_registry
+
+        known = default_registry().names()
+    for path in args.files:
+        records = load_prompt_records(path, known_data_sources=known, prompt_key=args.prompt_key)
+        counts = Counter(record.data_source for record in records)
+        print(f"{path}: {len(records)} rows OK; data sources {dict(counts)}")
+    return 0
+
+
+def _run(handler):
+    """Turn data errors into one readable line and exit code 2 instead of a traceback."""
+
+    def run(args) -> int:
+        from hybridflow.data.schema import DataSchemaError
+
+        try:
+            return handler(args)
+        except (DataSchemaError, RuntimeError, ValueError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+
+    return run
+
+
+def add_data_subcommand(subparsers) -> argparse.ArgumentParser:
+    """Register `data` and its actions on the top-level `hybridflow` subparsers."""
+    parser = subparsers.add_parser("data", help="prepare and check prompt data files")
+    actions = parser.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+
+    p = actions.add_parser("gsm8k", help="convert original GSM8K (jsonl/parquet) to verl schema")
+    p.add_argument("--input", help="original gsm8k file with 'question' and 'answer'")
+    p.add_argument("--from-hub", action="store_true", help="download with `datasets` instead")
+    p.add_argument("--out", required=True, help="output directory (<split>.parquet)")
+    p.add_argument("--split", default=None, help="split name (default: input file stem)")
+    p.set_defaults(func=_run(_cmd_gsm8k))
+
+    p = actions.add_parser("arithmetic", help="write the built-in arithmetic task")
+    p.add_argument("--out", required=True)
+    p.add_argument("--train-size", type=int, default=4000)
+    p.add_argument("--test-size", type=int, default=200)
+    p.add_argument("--sft-size", type=int, default=4000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--operations", nargs="+", default=["+"], choices=["+", "-", "*"])
+    p.add_argument("--max-operand", type=int, default=99)
+    p.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
+    p.set_defaults(func=_run(_cmd_arithmetic))
+
+    p = actions.add_parser("countdown", help="write the built-in countdown task")
+    p.add_argument("--out", required=True)
+    p.add_argument("--train-size", type=int, default=4000)
+    p.add_argument("--test-size", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-numbers", type=int, default=3)
+    p.add_argument("--max-number", type=int, default=20)
+    p.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
+    p.set_defaults(func=_run(_cmd_countdown))
+
+    p = actions.add_parser("check", help="validate prompt files and count rows per data source")
+    p.add_argument("files", nargs="+")
+    p.add_argument("--prompt-key", default="prompt")
+    p.add_argument(
+        "--known-sources",
+        action="store_true",
+        help="also fail on data sources no built-in scorer handles",
+    )
+    p.set_defaults(func=_run(_cmd_check))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m hybridflow.data.cli ...`, the same as `hybridflow data ...`."""
+    parser = argparse.ArgumentParser(prog="hybridflow")
+    add_data_subcommand(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["data", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""Prompt dataset: validated records -> prompt token ids -> left-padded batches.
+
+The chat template is applied once, when the dataset is built, so the training loop only
+gathers and pads ids. Prompts longer than `max_prompt_length` are filtered (the count is
+kept in `num_filtered` for the log), raise an error, or are truncated from the left (the
+end of the prompt, with the generation prompt, is what the model must see).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridflow.data.chat import ChatTokenizer, encode_chat_prompt
+from hybridflow.data.sampler import ResumableSampler
+from hybridflow.data.schema import DataSchemaError, PromptRecord, load_prompt_records
+
+OVERLONG_MODES = ("filter", "error", "truncate")
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """One tokenised prompt; `index` is the row's position in the source records."""
+
+    prompt_ids: list[int]
+    record: PromptRecord
+    index: int
+
+
+def tokenize_records(
+    records: Sequence[PromptRecord],
+    tokenizer: ChatTokenizer,
+    max_prompt_length: int | None,
+    overlong: str = "filter",
+) -> tuple[list[PromptItem], int]:
+    """Apply the chat template to each record; returns (items kept, number filtered)."""
+    if overlong not in OVERLONG_MODES:
+        raise ValueError(f"overlong={overlong!r}; expected one of {OVERLONG_MODES}")
+    items, num_filtered = [], 0
+    for index, record in enumerate(records):
+        prompt_ids = encode_chat_prompt(tokenizer, record.prompt)
+        if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
+            if overlong == "error":
+                raise DataSchemaError(
+                    f"{record.where}: prompt has {len(prompt_ids)} tokens, more than "
+                    f"data.max_prompt_length={max_prompt_length}; raise the limit or set "
+                    f"the overlong prompt mode to 'filter' or 'truncate'"
+                )
+            if overlong == "filter":
+                num_filtered += 1
+                continue
+            prompt_ids = prompt_ids[-max_prompt_length:]
+        items.append(PromptItem(prompt_ids=prompt_ids, record=record, index=index))
+    return items, num_filtered
+
+
+class PromptDataset:
+    """Tokenised prompts, indexable; see module docstring for overlong handling."""
+
+    def __init__(
+        self,
+        records: Sequence[PromptRecord],
+        tokenizer: ChatTokenizer,
+        max_prompt_length: int | None = None,
+        overlong: str = "filter",
+    ):
+        self.max_prompt_length = max_prompt_length
+        self.items, self.num_filtered = tokenize_records(
+            records, tokenizer, max_prompt_length, overlong
+        )
+        if not self.items:
+            raise DataSchemaError(
+                f"all {len(records)} prompts are longer than "
+                f"data.max_prompt_length={max_prompt_length}; raise the limit"
+            )
+
+    @classmethod
+    def from_files(
+        cls,
+        paths: str | Path | Sequence[str | Path],
+        tokenizer: ChatTokenizer,
+        max_prompt_length: int | None = None,
+        overlong: str = "filter",
+        known_data_sources: Iterable[str] | None = None,
+        prompt_key: str = "prompt",
+    ) -> PromptDataset:
+        records = load_prompt_records(paths, known_data_sources, prompt_key)
+        return cls(records, tokenizer, max_prompt_length, overlong)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> PromptItem:
+        return self.items[index]
+
+    def data_sources(self) -> list[str]:
+        return sorted({item.record.data_source for item in self.items})
+
+
+def _object_array(values: Sequence[Any]) -> np.ndarray:
+    """A 1-D object array, even when the values are lists or dicts of equal shape."""
+    array = np.empty(len(values), dtype=object)
+    for position, value in enumerate(values):
+        array[position] = value
+    return array
+
+
+def collate_prompts(
+    items: Sequence[PromptItem], pad_token_id: int, pad_to: int | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
+    """Left-pad prompts into tensors and gather the per-row metadata into arrays.
+
+    Returns `(tensors, arrays)`:
+      tensors: `prompts` [B, P] int64 (left-padded), `attention_mask` [B, P] int64.
+      arrays: `data_source`, `ground_truth`, `raw_prompt`, `extra_info`, `ability`
+              (object), `index` (int64) — all [B].
+    `P` is the longest prompt, or `pad_to` (fixed shapes for the engine) when given.
+    """
+    longest = max(len(item.prompt_ids) for item in items)
+    width = longest if pad_to is None else pad_to
+    if width < longest:
+        raise ValueError(f"pad_to={pad_to} is shorter than the longest prompt ({longest})")
+    prompts = torch.full((len(items), width), pad_token_id, dtype=torch.long)  # [B, P]
+    attention_mask = torch.zeros((len(items), width), dtype=torch.long)  # [B, P]
+    for row, item in enumerate(items):
+        length = len(item.prompt_ids)
+        prompts[row, width - length :] = torch.tensor(item.prompt_ids, dtype=torch.long)
+        attention_mask[row, width - length :] = 1
+    records = [item.record for item in items]
+    arrays = {
+        "data_source": _object_array([r.data_source for r in records]),
+        "ground_truth": _object_array([r.ground_truth for r in records]),
+        "raw_prompt": _object_array([r.prompt for r in records]),
+        "extra_info": _object_array([r.extra_info for r in records]),
+        "ability": _object_array([r.ability for r in records]),
+        "index": np.array([item.index for item in items], dtype=np.int64),
+    }
+    return {"prompts": prompts, "attention_mask": attention_mask}, arrays
+
+
+def make_prompt_batch(items: Sequence[PromptItem], pad_token_id: int, pad_to: int | None = None):
+    """`collate_prompts` wrapped in a `hybridflow.protocol.Batch`."""
+    from hybridflow.protocol import Batch
+
+    tensors, arrays = collate_prompts(items, pad_token_id, pad_to)
+    return Batch(tensors=tensors, arrays=arrays, meta={})
+
+
+class PromptLoader:
+    """Dataset + resumable sampler: `next_batch()` gives the next training `Batch`."""
+
+    def __init__(
+        self,
+        dataset: PromptDataset,
+        batch_size: int,
+        pad_token_id: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        pad_to: int | None = None,
+    ):
+        self.dataset, self.pad_token_id, self.pad_to = dataset, pad_token_id, pad_to
+        self.sampler = ResumableSampler(len(dataset), batch_size, seed=seed, shuffle=shuffle)
+
+    def next_items(self) -> list[PromptItem]:
+        return [self.dataset[i] for i in self.sampler.next_batch()]
+
+    def next_batch(self):
+        return make_prompt_batch(self.next_items(), self.pad_token_id, self.pad_to)
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state["sampler"])

@@ -1,0 +1,226 @@
+"""Prompt data in verl's schema: reading, validating and writing parquet / jsonl files.
+
+One row of a prompt file (the layout verl users already have on disk)::
+
+    {
+      "data_source": "openai/gsm8k",                       # picks the reward scorer
+      "prompt": [{"role": "user", "content": "..."}],      # chat messages
+      "ability": "math",                                   # optional, free text
+      "reward_model": {"style": "rule", "ground_truth": "72"},
+      "extra_info": {"split": "train", "index": 0},        # optional, passed to the scorer
+    }
+
+Every problem is reported as a `DataSchemaError` whose message names the file, the row
+(parquet rows are 0-based, jsonl lines 1-based) and the key, so a user can fix the file
+before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REQUIRED_KEYS = ("data_source", "prompt", "reward_model")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+SUPPORTED_SUFFIXES = (".parquet", ".jsonl", ".json")
+
+
+class DataSchemaError(ValueError):
+    """A data file does not follow the expected schema; the message says where and why."""
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One validated prompt row."""
+
+    data_source: str
+    prompt: list[dict[str, str]]
+    """Chat messages, each {"role": ..., "content": ...}."""
+    ground_truth: Any
+    """`reward_model.ground_truth`: a string for most tasks, a dict for countdown."""
+    ability: str = ""
+    reward_style: str = "rule"
+    extra_info: dict[str, Any] = field(default_factory=dict)
+    where: str = field(default="", compare=False)
+    """Human-readable location (`file: row N`), used in later error messages."""
+
+    def to_row(self) -> dict[str, Any]:
+        """The verl-schema dict for this record (the inverse of `validate_row`)."""
+        return {
+            "data_source": self.data_source,
+            "prompt": [dict(m) for m in self.prompt],
+            "ability": self.ability,
+            "reward_model": {"style": self.reward_style, "ground_truth": self.ground_truth},
+            "extra_info": dict(self.extra_info),
+        }
+
+
+def _check_suffix(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix not in SUPPORTED_SUFFIXES:
+        raise DataSchemaError(
+            f"{path}: unsupported file type {suffix!r}; use one of {', '.join(SUPPORTED_SUFFIXES)}"
+        )
+    return suffix
+
+
+def iter_rows(path: str | Path, required_keys: Sequence[str] = ()) -> Iterator[tuple[str, Any]]:
+    """Yield `(where, row)` for each row of a parquet or jsonl file.
+
+    `required_keys` are checked as columns of a parquet file up front, so a missing
+    column is one error instead of one per row. Rows of jsonl files are not checked here.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataSchemaError(f"{path}: data file does not exist")
+    suffix = _check_suffix(path)
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(path)
+        except Exception as error:  # pyarrow raises several types for corrupt files
+            raise DataSchemaError(f"{path}: cannot read parquet file ({error})") from error
+        missing = [key for key in required_keys if key not in table.column_names]
+        if missing:
+            raise DataSchemaError(
+                f"{path}: missing column(s) {missing}; columns present: {table.column_names}"
+            )
+        for index, row in enumerate(table.to_pylist()):
+            yield f"{path}: row {index}", row
+        return
+    with path.open(encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}: line {line_number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DataSchemaError(f"{where}: not valid JSON ({error.msg})") from error
+            yield where, row
+
+
+def _validate_messages(messages: Any, where: str, key: str) -> list[dict[str, str]]:
+    if isinstance(messages, str) or not isinstance(messages, Sequence) or len(messages) == 0:
+        raise DataSchemaError(
+            f"{where}: key '{key}' must be a non-empty list of chat messages "
+            f"{{'role', 'content'}}, got {type(messages).__name__}"
+        )
+    validated = []
+    for position, message in enumerate(messages):
+        message_key = f"{key}[{position}]"
+        if not isinstance(message, dict):
+            raise DataSchemaError(
+                f"{where}: key '{message_key}' must be a dict with 'role' and 'content', "
+                f"got {type(message).__name__}"
+            )
+        role, content = message.get("role"), message.get("content")
+        if role not in CHAT_ROLES:
+            raise DataSchemaError(
+                f"{where}: key '{message_key}.role' is {role!r}; expected one of {CHAT_ROLES}"
+            )
+        if not isinstance(content, str):
+            raise DataSchemaError(
+                f"{where}: key '{message_key}.content' must be a string, "
+                f"got {type(content).__name__}"
+            )
+        validated.append({"role": role, "content": content})
+    return validated
+
+
+def validate_row(
+    row: Any,
+    where: str,
+    known_data_sources: Iterable[str] | None = None,
+    prompt_key: str = "prompt",
+) -> PromptRecord:
+    """Check one row against the schema and return it as a `PromptRecord`.
+
+    `known_data_sources`, when given (e.g. the keys of a scorer registry), rejects rows
+    whose `data_source` no scorer handles.
+    """
+    if not isinstance(row, dict):
+        raise DataSchemaError(f"{where}: row must be a JSON object, got {type(row).__name__}")
+    for key in ("data_source", prompt_key, "reward_model"):
+        if key not in row or row[key] is None:
+            raise DataSchemaError(f"{where}: missing key '{key}' (present: {sorted(row)})")
+    data_source = row["data_source"]
+    if not isinstance(data_source, str) or not data_source:
+        raise DataSchemaError(f"{where}: key 'data_source' must be a non-empty string")
+    if known_data_sources is not None:
+        known = sorted(known_data_sources)
+        if data_source not in known:
+            raise DataSchemaError(
+                f"{where}: unknown data_source {data_source!r}; no reward scorer is registered "
+                f"for it (known: {known}); register one or set reward.custom_fn"
+            )
+    messages = row[prompt_key]
+    if isinstance(messages, str):  # a plain-text prompt is one user turn
+        messages = [{"role": "user", "content": messages}]
+    messages = _validate_messages(messages, where, prompt_key)
+    reward_model = row["reward_model"]
+    if not isinstance(reward_model, dict):
+        raise DataSchemaError(f"{where}: key 'reward_model' must be a dict with 'ground_truth'")
+    if reward_model.get("ground_truth") is None:
+        raise DataSchemaError(f"{where}: missing key 'reward_model.ground_truth'")
+    extra_info = row.get("extra_info") or {}
+    if not isinstance(extra_info, dict):
+        raise DataSchemaError(
+            f"{where}: key 'extra_info' must be a dict, got {type(extra_info).__name__}"
+        )
+    ability = row.get("ability") or ""
+    return PromptRecord(
+        data_source=data_source,
+        prompt=messages,
+        ground_truth=reward_model["ground_truth"],
+        ability=str(ability),
+        reward_style=str(reward_model.get("style") or "rule"),
+        extra_info=dict(extra_info),
+        where=where,
+    )
+
+
+def load_prompt_records(
+    paths: str | Path | Sequence[str | Path],
+    known_data_sources: Iterable[str] | None = None,
+    prompt_key: str = "prompt",
+) -> list[PromptRecord]:
+    """Read and validate every row of one or more prompt files (parquet or jsonl)."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    known = None if known_data_sources is None else frozenset(known_data_sources)
+    records = []
+    for path in paths:
+        required = ("data_source", prompt_key, "reward_model")
+        rows_before = len(records)
+        for where, row in iter_rows(path, required_keys=required):
+            records.append(validate_row(row, where, known, prompt_key))
+        if len(records) == rows_before:
+            raise DataSchemaError(f"{path}: file holds no rows")
+    return records
+
+
+def write_rows(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
+    """Write rows to `path`; the suffix (.parquet or .jsonl) picks the format."""
+    path = Path(path)
+    suffix = _check_suffix(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(list(rows)), path)
+    else:
+        with path.open("w", encoding="utf-8") as handle:
+            for row in rows:
+                handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return path
+
+
+def write_records(records: Sequence[PromptRecord], path: str | Path) -> Path:
+    """Write validated records back to disk in verl's schema."""
+    return write_rows([record.to_row() for record in records], path)
