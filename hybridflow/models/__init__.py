@@ -1,0 +1,94 @@
+"""Model runtime: one Llama-family decoder that reads and writes Hugging Face checkpoints.
+
+model = load_model("qwen2.5-0.5b", dtype=torch.bfloat16, device="cuda")  # preset, random
+model = load_model("/path/to/hf_dir")                                    # HF checkpoint
+tokenizer = load_tokenizer("/path/to/hf_dir")  # or "char" for the built-in one
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hybridflow.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from hybridflow.models.llama import CausalLM
+from hybridflow.models.presets import PRESETS, preset_config
+
+__all__ = [
+    "PRESETS",
+    "CausalLM",
+    "ModelConfig",
+    "build_model",
+    "load_model",
+    "load_tokenizer",
+]
+
+PRESET_SEED = 0
+
+
+def build_model(
+    config: ModelConfig,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = PRESET_SEED,
+) -> CausalLM:
+    """Randomly initialised model (built on meta, materialised once on `device`)."""
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()  # to_empty keeps sharing, but re-tie to be explicit
+    model.init_weights(seed=seed)
+    return model
+
+
+def load_model(
+    name_or_path: str,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    backend: str = "auto",
+):
+    """A preset name (random init with a fixed seed) or a local HF model directory.
+
+    backend: "auto" uses our decoder for llama/mistral/qwen2/qwen3 checkpoints and falls back to
+    transformers' AutoModelForCausalLM (slower; same forward/forward_packed/save_pretrained
+    interface, see hf_fallback.py) for anything else; "native" or "hf" force one.
+    """
+    if backend not in ("auto", "native", "hf"):
+        raise ValueError(f"backend={backend!r} must be 'auto', 'native' or 'hf'")
+    if name_or_path in PRESETS:
+        if backend == "hf":
+            raise ValueError("presets are built with our decoder; backend='hf' needs a directory")
+        return build_model(preset_config(name_or_path), dtype=dtype, device=device)
+    if not os.path.isdir(name_or_path):
+        raise ValueError(
+            f"{name_or_path!r} is neither a preset ({sorted(PRESETS)}) nor a local directory "
+            "(no downloads: point to a directory holding config.json and *.safetensors)"
+        )
+    from hybridflow.models.checkpoint import load_model_from_dir, read_hf_config
+
+    if backend == "auto":
+        backend = "native" if _native_supports(read_hf_config(name_or_path)) else "hf"
+    if backend == "native":
+        return load_model_from_dir(name_or_path, dtype=dtype, device=device)
+    from hybridflow.models.hf_fallback import load_hf_model
+
+    return load_hf_model(name_or_path, dtype=dtype, device=device)
+
+
+def _native_supports(hf_config: dict) -> bool:
+    if hf_config.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        return False
+    try:
+        ModelConfig.from_hf(hf_config)
+    except (ValueError, KeyError):
+        return False
+    return hf_config.get("hidden_act", "silu") == "silu" and not hf_config.get("mlp_bias", False)
+
+
+def load_tokenizer(name_or_path: str):
+    """HF tokenizer from a local directory (with its chat template), or the built-in
+    character-level tokenizer for "char" and the tiny presets."""
+    from hybridflow.models.tokenizer import load_tokenizer as _load
+
+    return _load(name_or_path)

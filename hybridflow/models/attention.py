@@ -1,0 +1,174 @@
+"""Causal attention kernels for the padded and the packed (variable-length) forward.
+
+Packed backends, all taking q [N, n_heads, head_dim], k/v [N, n_kv_heads, head_dim] and
+cu_seqlens int32 [S+1] (sequence i owns tokens cu_seqlens[i]:cu_seqlens[i+1]):
+- "flash_varlen": PyTorch's bundled FlashAttention-2 varlen kernel (aten._flash_attention_*),
+  CUDA + fp16/bf16 only. No padding, GQA native. Default on CUDA (chosen by measurement,
+  docs/PERFORMANCE.md).
+- "flex": torch flex_attention with a document-causal block mask (compiled kernel).
+- "nested": SDPA on a jagged nested tensor.
+- "sdpa_loop": one SDPA call per sequence; the CPU path and the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+PACKED_BACKENDS = ("auto", "flash_varlen", "flex", "nested", "sdpa_loop")
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Map "auto" to a concrete backend for this device/dtype."""
+    if backend not in PACKED_BACKENDS:
+        raise ValueError(f"attention backend {backend!r} is not one of {PACKED_BACKENDS}")
+    if backend != "auto":
+        return backend
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        return "flash_varlen"
+    return "sdpa_loop"
+
+
+# ---------------------------------------------------------------------------------------------
+# Padded batch [B, T]
+
+
+def padded_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """q [B, T, nh, hd], k/v [B, T, nkv, hd], attention_mask [B, T] (1 = token) -> [B, T, nh, hd].
+
+    Padding keys are masked out; padding queries attend to themselves only (their outputs are
+    garbage but finite, so no NaN leaks into gradients)."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, hd]
+    gqa = q.shape[1] != k.shape[1]
+    if attention_mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    else:
+        seq_len = q.shape[2]
+        causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).tril()
+        allowed = causal & attention_mask.bool()[:, None, None, :]  # [B, 1, T, T]
+        allowed = allowed | torch.eye(seq_len, dtype=torch.bool, device=q.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa)
+    return out.transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed tokens [N]
+
+
+def make_packed_attention(
+    backend: str, cu_seqlens: torch.Tensor, max_seqlen: int, num_tokens: int
+) -> Attend:
+    """Build the attention function shared by all layers of one packed forward (the flex block
+    mask and the per-sequence lengths are computed once here, not once per layer)."""
+    if backend == "flash_varlen":
+        return functools.partial(
+            flash_varlen_attention, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
+        )
+    if backend == "flex":
+        block_mask = document_causal_block_mask(cu_seqlens, num_tokens)
+        return functools.partial(flex_packed_attention, block_mask=block_mask)
+    if backend == "nested":
+        return functools.partial(nested_packed_attention, offsets=cu_seqlens.long())
+    if backend == "sdpa_loop":
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        return functools.partial(sdpa_loop_attention, lengths=lengths)
+    raise ValueError(f"unknown packed attention backend {backend!r}")
+
+
+def sdpa_loop_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]
+) -> torch.Tensor:
+    """Reference: causal SDPA on each sequence separately."""
+    outputs = []
+    for q_i, k_i, v_i in zip(q.split(lengths), k.split(lengths), v.split(lengths)):
+        q_i, k_i, v_i = (t.transpose(0, 1).unsqueeze(0) for t in (q_i, k_i, v_i))
+        out = F.scaled_dot_product_attention(
+            q_i, k_i, v_i, is_causal=True, enable_gqa=q_i.shape[1] != k_i.shape[1]
+        )
+        outputs.append(out.squeeze(0).transpose(0, 1))
+    return torch.cat(outputs, dim=0)
+
+
+class _FlashVarlen(torch.autograd.Function):
+    """FlashAttention-2 varlen forward/backward as shipped inside PyTorch (no flash-attn wheel)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen):
+        out, lse, rng_a, rng_b, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False
+        )
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng_a, rng_b)
+        ctx.max_seqlen = max_seqlen
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, cu_seqlens, rng_a, rng_b = ctx.saved_tensors
+        m = ctx.max_seqlen
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, cu_seqlens, m, m, 0.0, True,
+            rng_a, rng_b,
+        )  # fmt: skip
+        return dq, dk, dv, None, None
+
+
+def flash_varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
+) -> torch.Tensor:
+    return _FlashVarlen.apply(
+        q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, max_seqlen
+    )
+
+
+@functools.cache
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def document_causal_block_mask(cu_seqlens: torch.Tensor, num_tokens: int):
+    """flex_attention BlockMask: token q sees token k iff same sequence and k <= q."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    positions = torch.arange(num_tokens, device=cu_seqlens.device)
+    # Tokens past cu_seqlens[-1] (none in practice) get their own id and stay isolated.
+    document_id = torch.searchsorted(cu_seqlens[1:].long(), positions, right=True)
+
+    def document_causal(batch, head, q_idx, kv_idx):
+        return (document_id[q_idx] == document_id[kv_idx]) & (kv_idx <= q_idx)
+
+    return create_block_mask(
+        document_causal, None, None, num_tokens, num_tokens, device=cu_seqlens.device
+    )
+
+
+def flex_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask):
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, N, hd]
+    out = _compiled_flex_attention()(
+        q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+def nested_packed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
+    """SDPA on jagged nested tensors [S, j, heads, hd] (kv heads repeated: NJT has no GQA)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    q, k, v = (
+        torch.nested.nested_tensor_from_jagged(t, offsets=offsets).transpose(1, 2)
+        for t in (q, k, v)
+    )
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return out.transpose(1, 2).values()

@@ -1,0 +1,222 @@
+"""One decoder for the Llama family: Llama 2/3/3.1, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (qk-norm).
+
+Parameter names equal Hugging Face's, so checkpoints load and save without renaming. A layer
+works on any leading shape ([B, T, H] padded or [N, H] packed); only the attention function
+passed in differs, so the padded and packed forwards share every other line.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hybridflow.models.attention import (
+    Attend,
+    make_packed_attention,
+    padded_causal_attention,
+    resolve_backend,
+)
+from hybridflow.models.config import ModelConfig
+from hybridflow.models.rope import apply_rope, rope_cos_sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # F.rms_norm accumulates in fp32 and is one fused kernel on CUDA.
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden, q_dim = config.hidden_size, self.num_heads * self.head_dim
+        kv_dim = self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, q_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_dim, hidden, bias=config.o_proj_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = None
+            self.k_norm = None
+
+    def project_qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., H] -> q [..., nh, hd], k/v [..., nkv, hd], with qk-norm and RoPE applied.
+
+        Exposed separately so the generation engine can write k/v into its cache."""
+        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
+        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
+        q, k, v = self.project_qkv(x, cos, sin)
+        return self.o_proj(attend(q, k, v).flatten(-2))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attend)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderStack(nn.Module):
+    """HF's `model` submodule: embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Llama-family causal LM with HF parameter names.
+
+    Attributes:
+        gradient_checkpointing: recompute each layer in backward (saves activations) when True.
+        attention_backend: packed attention kernel, one of attention.PACKED_BACKENDS; "auto"
+            picks the measured fastest for the device and dtype.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.gradient_checkpointing = False
+        self.attention_backend = "auto"
+        self.tie_weights()
+
+    # -- weights ------------------------------------------------------------------------------
+
+    def tie_weights(self) -> None:
+        """Make lm_head share the embedding Parameter when the config says so."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        """HF-style init (normal(0, std) matrices, zero biases, unit norms), reproducible."""
+        generator = torch.Generator(device=self.lm_head.weight.device).manual_seed(seed)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std, generator=generator)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+    def enable_gradient_checkpointing(self, enabled: bool = True) -> None:
+        self.gradient_checkpointing = enabled
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def _run_layers(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        for layer in self.model.layers:
+            if recompute:
+                hidden = checkpoint(layer, hidden, cos, sin, attend, use_reentrant=False)
+            else:
+                hidden = layer(hidden, cos, sin, attend)
+        return self.model.norm(hidden)
+
+    def forward_hidden(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """input_ids [B, T], attention_mask [B, T] (left or right padding) -> hidden [B, T, H]."""
+        if attention_mask is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            positions = positions.expand(input_ids.shape)
+        else:
+            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, T]
+        hidden = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(self.config, positions, hidden.dtype)
+
+        def attend(q, k, v):
+            return padded_causal_attention(q, k, v, attention_mask)
+
+        return self._run_layers(hidden, cos, sin, attend)
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, V] in the model dtype."""
+        return self.lm_head(self.forward_hidden(input_ids, attention_mask))
+
+    def forward_packed(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+    ) -> torch.Tensor:
+        """Many sequences concatenated: input_ids/position_ids [N], cu_seqlens int32 [S+1].
+
+        Returns the final-norm hidden states [N, H] (no lm_head: log-probs are computed from
+        them in chunks, see logprobs.py). Attention never crosses a sequence boundary."""
+        hidden = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(self.config, position_ids, hidden.dtype)
+        backend = resolve_backend(self.attention_backend, hidden.device, hidden.dtype)
+        attend = make_packed_attention(
+            backend, cu_seqlens.to(torch.int32), int(max_seqlen), input_ids.shape[0]
+        )
+        return self._run_layers(hidden, cos, sin, attend)
+
+    # -- io -----------------------------------------------------------------------------------
+
+    def save_pretrained(self, save_directory: str, max_shard_size: int = 5 * 1024**3) -> None:
+        """Write config.json + safetensors (sharded with an index above max_shard_size bytes)."""
+        from hybridflow.models.checkpoint import save_model
+
+        save_model(self, save_directory, max_shard_size=max_shard_size)
