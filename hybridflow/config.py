@@ -519,11 +519,14 @@ def _known_names() -> tuple[set[str], set[str], set[str], set[str]]:
     try:
         from hybridflow import algos
 
+        def names(registry) -> set[str]:
+            return set(registry.names()) if hasattr(registry, "names") else set(registry)
+
         return (
-            set(algos.ADVANTAGE_ESTIMATORS),
-            set(algos.POLICY_LOSSES),
-            set(algos.AGG_MODES),
-            set(algos.KL_ESTIMATORS),
+            names(algos.ADVANTAGE_ESTIMATORS),
+            names(algos.POLICY_LOSSES),
+            names(algos.LOSS_AGG_MODES),
+            names(algos.KL_KINDS),
         )
     except (ImportError, AttributeError):  # algos not importable: fall back to the built-ins
         adv = {"gae", "remax", "reinforce_plus_plus", *GROUP_ESTIMATORS}
