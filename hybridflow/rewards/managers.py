@@ -1,0 +1,255 @@
+"""Reward managers: decoded responses + ground truths -> one score per response.
+
+    manager = RewardManager("naive", num_workers=4, timeout_s=10)
+    scores, metrics = manager.score(responses, ground_truths, data_sources, extra_infos)
+
+Modes (`reward.manager`):
+  naive  one scorer call per response, the scorer picked by `data_source` (or custom_fn)
+  batch  custom_fn called with lists, split into chunks over the workers
+  dapo   naive + DAPO overlong shaping on the response lengths
+
+A scorer that raises or runs past the timeout scores 0 and is counted in
+`reward/num_errors` / `reward/num_timeouts`; training goes on. A scorer may return a
+float or a dict with a "score" key; the dict's other numeric keys are averaged into
+`reward/extra/<key>` and kept per sample in `RewardResult.per_sample`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hybridflow.rewards.custom import load_function, split_target
+from hybridflow.rewards.parallel import Outcome, ScoringPool
+from hybridflow.rewards.registry import ScorerRegistry, ScorerSpec, default_registry
+
+MANAGER_MODES = ("naive", "batch", "dapo")
+MAX_ERROR_MESSAGES = 5
+
+
+@dataclass
+class RewardResult:
+    """Scores [B] plus scalar metrics; unpacks as `scores, metrics = result`."""
+
+    scores: list[float]
+    metrics: dict[str, float]
+    per_sample: dict[str, list[float]] = field(default_factory=dict)
+    """Per-response values, e.g. `raw_score` (before shaping), `overlong_penalty`, `acc`."""
+    error_messages: list[str] = field(default_factory=list)
+    """The first few failure messages, for the log."""
+
+    def __iter__(self) -> Iterator[Any]:
+        yield self.scores
+        yield self.metrics
+
+
+def _as_float(value: Any) -> float | None:
+    """A finite float from a Python, numpy or torch number (bools count as 0/1), else None."""
+    if hasattr(value, "item") and not isinstance(value, (int, float)):
+        try:
+            value = value.item()
+        except (ValueError, RuntimeError):  # arrays with more than one element
+            return None
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def normalise_value(value: Any) -> tuple[float, dict[str, float]]:
+    """A scorer's return -> (score, numeric extras); raises ValueError for anything else."""
+    extras: dict[str, float] = {}
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise ValueError(f"scorer returned a dict without 'score': keys {sorted(value)}")
+        for key, item in value.items():
+            number = _as_float(item)
+            if key != "score" and number is not None:
+                extras[key] = number
+        value = value["score"]
+    score = _as_float(value)
+    if score is None:
+        raise ValueError(f"scorer returned {value!r}; expected a finite number or a dict")
+    return score, extras
+
+
+def _absolute_target(custom_fn: str) -> str:
+    """Resolve a file path once here, so worker processes find the same file."""
+    location, function_name = split_target(custom_fn)
+    if location.endswith(".py") or "/" in location:
+        location = str(Path(location).expanduser().resolve())
+    return f"{location}:{function_name}"
+
+
+class RewardManager:
+    """Scores responses; see the module docstring for the modes."""
+
+    def __init__(
+        self,
+        mode: str = "naive",
+        registry: ScorerRegistry | None = None,
+        custom_fn: str | None = None,
+        num_workers: int = 0,
+        timeout_s: float | None = 10.0,
+        overlong_buffer_len: int = 0,
+        overlong_penalty_factor: float = 1.0,
+        max_response_length: int | None = None,
+        start_method: str = "spawn",
+    ):
+        if mode not in MANAGER_MODES:
+            raise ValueError(f"reward.manager={mode!r}; expected one of {MANAGER_MODES}")
+        if mode == "batch" and custom_fn is None:
+            raise ValueError("reward.manager=batch calls reward.custom_fn with lists; set it")
+        if mode == "dapo" and overlong_buffer_len > 0 and max_response_length is None:
+            raise ValueError("dapo overlong shaping needs max_response_length")
+        self.mode = mode
+        self.registry = registry if registry is not None else default_registry()
+        self.custom_spec = None
+        if custom_fn is not None:
+            target = _absolute_target(custom_fn)
+            load_function(target)  # fail now, before training, if the file or name is wrong
+            style = "batch" if mode == "batch" else "custom"
+            self.custom_spec = ScorerSpec(target, style=style)
+        self.overlong_buffer_len = overlong_buffer_len
+        self.overlong_penalty_factor = overlong_penalty_factor
+        self.max_response_length = max_response_length
+        self.pool = ScoringPool(num_workers, timeout_s, start_method)
+
+    def known_data_sources(self) -> list[str] | None:
+        """Data sources this manager can score; None means any (custom_fn handles all)."""
+        return None if self.custom_spec is not None else self.registry.names()
+
+    def check_data_sources(self, data_sources: Sequence[str]) -> None:
+        if self.custom_spec is None:
+            self.registry.check(data_sources)
+
+    def score(
+        self,
+        responses: Sequence[str],
+        ground_truths: Sequence[Any],
+        data_sources: Sequence[str],
+        extra_infos: Sequence[dict | None] | None = None,
+        response_lengths: Sequence[int] | None = None,
+    ) -> RewardResult:
+        """Score each decoded response; `response_lengths` (tokens) is needed by dapo."""
+        size = len(responses)
+        extra_infos = list(extra_infos) if extra_infos is not None else [None] * size
+        if not (len(ground_truths) == len(data_sources) == len(extra_infos) == size):
+            raise ValueError("responses, ground_truths, data_sources, extra_infos differ in length")
+        if self.mode == "batch":
+            outcomes = self._score_batched(responses, ground_truths, data_sources, extra_infos)
+        else:
+            calls = [
+                self._call(responses[i], ground_truths[i], data_sources[i], extra_infos[i])
+                for i in range(size)
+            ]
+            outcomes = self.pool.run(calls)
+        result = self._collect(outcomes, data_sources)
+        if self.mode == "dapo" and self.overlong_buffer_len > 0:
+            self._apply_overlong_shaping(result, response_lengths)
+        return result
+
+    def _call(self, response, ground_truth, data_source, extra_info):
+        arguments = {
+            "data_source": data_source,
+            "solution_str": response,
+            "ground_truth": ground_truth,
+            "extra_info": extra_info,
+        }
+        spec = self.custom_spec or self.registry.get(data_source)
+        return spec, arguments
+
+    def _score_batched(self, responses, ground_truths, data_sources, extra_infos):
+        """One list call per chunk; a failed chunk fails all of its samples."""
+        workers = max(1, self.pool.num_workers)
+        chunk_size = max(1, math.ceil(len(responses) / workers))
+        starts = list(range(0, len(responses), chunk_size))
+        calls = [
+            (
+                self.custom_spec,
+                {
+                    "data_sources": list(data_sources[s : s + chunk_size]),
+                    "solution_strs": list(responses[s : s + chunk_size]),
+                    "ground_truths": list(ground_truths[s : s + chunk_size]),
+                    "extra_infos": list(extra_infos[s : s + chunk_size]),
+                },
+            )
+            for s in starts
+        ]
+        outcomes: list[Outcome] = []
+        for start, chunk_outcome in zip(starts, self.pool.run(calls)):
+            size = min(chunk_size, len(responses) - start)
+            values = chunk_outcome.value
+            if chunk_outcome.status == "ok" and (
+                not isinstance(values, Sequence) or len(values) != size
+            ):
+                message = f"batch custom_fn returned {type(values).__name__}, not {size} scores"
+                chunk_outcome = Outcome("error", message=message)
+            if chunk_outcome.status == "ok":
+                outcomes += [Outcome("ok", value) for value in values]
+            else:
+                outcomes += [chunk_outcome] * size
+        return outcomes
+
+    def _collect(self, outcomes: list[Outcome], data_sources: Sequence[str]) -> RewardResult:
+        scores, messages = [], []
+        counts = {"error": 0, "timeout": 0}
+        extras: dict[str, list[float]] = defaultdict(list)
+        for outcome in outcomes:
+            status, score, sample_extras = outcome.status, 0.0, {}
+            if status == "ok":
+                try:
+                    score, sample_extras = normalise_value(outcome.value)
+                except ValueError as error:
+                    status, outcome = "error", Outcome("error", message=str(error))
+            if status != "ok":
+                counts[status] += 1
+                if len(messages) < MAX_ERROR_MESSAGES:
+                    messages.append(outcome.message)
+            scores.append(score)
+            for key, value in sample_extras.items():
+                extras[key].append(value)
+        size = max(1, len(scores))
+        metrics = {
+            "reward/num_errors": float(counts["error"]),
+            "reward/num_timeouts": float(counts["timeout"]),
+            "reward/failure_rate": (counts["error"] + counts["timeout"]) / size,
+        }
+        by_source: dict[str, list[float]] = defaultdict(list)
+        for source, score in zip(data_sources, scores):
+            by_source[source].append(score)
+        for source, values in by_source.items():
+            metrics[f"reward/{source}/score_mean"] = sum(values) / len(values)
+        for key, values in extras.items():
+            metrics[f"reward/extra/{key}"] = sum(values) / len(values)
+        per_sample = {"raw_score": list(scores)}
+        per_sample.update({k: v for k, v in extras.items() if len(v) == len(scores)})
+        return RewardResult(scores, metrics, per_sample, messages)
+
+    def _apply_overlong_shaping(self, result: RewardResult, response_lengths) -> None:
+        from hybridflow.algos.dapo import overlong_penalty
+
+        if response_lengths is None or len(response_lengths) != len(result.scores):
+            raise ValueError("reward.manager=dapo needs response_lengths for every response")
+        penalties = overlong_penalty(
+            response_lengths,
+            self.max_response_length,
+            self.overlong_buffer_len,
+            self.overlong_penalty_factor,
+        ).tolist()
+        result.scores = [score + penalty for score, penalty in zip(result.scores, penalties)]
+        result.per_sample["overlong_penalty"] = penalties
+        result.metrics["reward/overlong_penalty_mean"] = sum(penalties) / len(penalties)
+        result.metrics["reward/overlong_ratio"] = sum(p < 0 for p in penalties) / len(penalties)
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def __enter__(self) -> RewardManager:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

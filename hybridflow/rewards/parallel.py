@@ -1,0 +1,185 @@
+"""Running scorers with a per-call timeout, in this process or in a pool of workers.
+
+A scorer is user code: it may raise, loop forever or crash its process. None of that may
+stop training, so every call ends as an `Outcome` with status "ok", "error" or "timeout",
+and the caller scores the failures 0 and counts them.
+
+Two layers of timeout:
+  1. Inside the process that runs the scorer, `SIGALRM` interrupts Python code after
+     `timeout_s` (also `time.sleep`, regexes). The exception derives from BaseException
+     so a scorer's own `except Exception` cannot swallow it.
+  2. The parent waits at most a bound derived from the per-call timeout; a worker
+     still busy after that (stuck in C code that ignores signals) is killed and the pool
+     is rebuilt. A worker that dies (segfault, `os._exit`) breaks the pool: its calls
+     become errors and the pool is rebuilt too.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+from hybridflow.rewards.custom import load_function
+from hybridflow.rewards.registry import ScorerSpec
+
+
+class ScoringTimeout(BaseException):
+    """Raised inside a scorer by the alarm; BaseException so `except Exception` misses it."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: str  # "ok" | "error" | "timeout"
+    value: Any = None
+    message: str = ""
+
+
+Call = tuple[ScorerSpec, dict[str, Any]]
+
+
+def call_scorer(spec: ScorerSpec, arguments: dict[str, Any]) -> Any:
+    """Resolve the spec's function and call it in the spec's style."""
+    function = load_function(spec.target)
+    if spec.style == "builtin":
+        return function(
+            arguments["solution_str"],
+            arguments["ground_truth"],
+            extra_info=arguments.get("extra_info"),
+            **spec.options,
+        )
+    return function(**arguments, **spec.options)
+
+
+def _on_alarm(signum, frame):
+    raise ScoringTimeout()
+
+
+def _alarm_available() -> bool:
+    return hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+
+
+def guarded_call(spec: ScorerSpec, arguments: dict[str, Any], timeout_s: float | None) -> Outcome:
+    """Run one scorer call; never raises (except KeyboardInterrupt)."""
+    use_alarm = bool(timeout_s) and _alarm_available()
+    if use_alarm:
+        previous = signal.signal(signal.SIGALRM, _on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        return Outcome("ok", call_scorer(spec, arguments))
+    except ScoringTimeout:
+        return Outcome("timeout", message=f"scorer {spec.target} took more than {timeout_s}s")
+    except Exception as error:
+        return Outcome("error", message=f"scorer {spec.target}: {type(error).__name__}: {error}")
+    finally:
+        if use_alarm:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+
+def run_chunk(calls: Sequence[Call], timeout_s: float | None) -> list[Outcome]:
+    """Run calls one after another, each with its own timeout (the worker-side entry)."""
+    return [guarded_call(spec, arguments, timeout_s) for spec, arguments in calls]
+
+
+class ScoringPool:
+    """Runs scorer calls in `num_workers` processes (0: in this process).
+
+    The pool starts on first use and is reused across training steps; `close()` (or
+    `with`) stops it. `spawn` is the default start method: forking a process that holds
+    CUDA contexts or Ray threads is unsafe.
+    """
+
+    def __init__(
+        self,
+        num_workers: int = 0,
+        timeout_s: float | None = 10.0,
+        start_method: str = "spawn",
+        startup_grace_s: float = 60.0,
+    ):
+        self.num_workers, self.timeout_s = num_workers, timeout_s
+        self.start_method, self.startup_grace_s = start_method, startup_grace_s
+        self._executor: ProcessPoolExecutor | None = None
+
+    def run(self, calls: Sequence[Call]) -> list[Outcome]:
+        if not calls:
+            return []
+        if self.num_workers <= 0:
+            return run_chunk(calls, self.timeout_s)
+        return self._run_in_workers(list(calls))
+
+    def _executor_or_start(self) -> ProcessPoolExecutor:
+        if self._executor is None:
+            context = multiprocessing.get_context(self.start_method)
+            self._executor = ProcessPoolExecutor(self.num_workers, mp_context=context)
+        return self._executor
+
+    def _run_in_workers(self, calls: list[Call]) -> list[Outcome]:
+        executor = self._executor_or_start()
+        # A few chunks per worker: fewer round trips than one task per call, and a slow
+        # chunk does not leave the other workers idle for long.
+        chunk_size = max(1, math.ceil(len(calls) / (4 * self.num_workers)))
+        starts = range(0, len(calls), chunk_size)
+        futures = {
+            executor.submit(run_chunk, calls[s : s + chunk_size], self.timeout_s): s for s in starts
+        }
+        # Bound on the whole run: each worker runs ceil(n / workers) calls at most one
+        # chunk unevenly, each no longer than the per-call timeout, plus process start-up.
+        per_call = self.timeout_s or 0.0
+        calls_per_worker = math.ceil(len(calls) / self.num_workers) + chunk_size
+        deadline = time.monotonic() + self.startup_grace_s + per_call * calls_per_worker
+        done, not_done = set(), set(futures)
+        while not_done and time.monotonic() < deadline:
+            finished, not_done = wait(
+                not_done, timeout=deadline - time.monotonic(), return_when=FIRST_EXCEPTION
+            )
+            done |= finished
+            if any(f.exception() is not None for f in finished):
+                # The pool is broken: the other futures fail within moments; collect them.
+                finished, not_done = wait(not_done, timeout=5.0)
+                done |= finished
+                break
+        outcomes: list[Outcome | None] = [None] * len(calls)
+        pool_broken = bool(not_done)
+        for future, start in futures.items():
+            size = min(chunk_size, len(calls) - start)
+            if future in done and future.exception() is None:
+                outcomes[start : start + size] = future.result()
+            elif future in done:
+                pool_broken = True
+                error = future.exception()
+                message = f"scoring worker died: {type(error).__name__}: {error}"
+                outcomes[start : start + size] = [Outcome("error", message=message)] * size
+            else:
+                message = "scoring worker did not finish in time and was stopped"
+                outcomes[start : start + size] = [Outcome("timeout", message=message)] * size
+        if pool_broken:
+            self._kill()
+        return outcomes
+
+    def _kill(self) -> None:
+        """Stop all workers now (a hung worker ignores a polite shutdown)."""
+        executor, self._executor = self._executor, None
+        if executor is None:
+            return
+        for process in list(getattr(executor, "_processes", {}).values()):
+            if process.is_alive():
+                process.kill()
+        executor.shutdown(wait=True, cancel_futures=True)
+
+    def close(self) -> None:
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> ScoringPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
