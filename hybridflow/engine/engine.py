@@ -1,0 +1,357 @@
+"""Engine: token ids in, token ids + log-probs out, with continuous batching.
+
+    engine = Engine(model, max_batch_size=256, max_seq_len=1024)
+    completions = engine.generate(prompts, SamplingParams(n=4, max_new_tokens=256, seed=0))
+    engine.release()  # KV cache freed; the next generate() allocates it again
+
+Loop: admit waiting requests into free slots (packed prefill of each unique prompt once, KV
+copied to its n sample slots, first tokens sampled), run `steps_per_sync` decode steps on the
+device (CUDA-graph replays, no host sync), then one sync to collect finished rows and free
+their slots for the next admission.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from hybridflow.engine import kv_cache
+from hybridflow.engine.forward import DECODE_FORWARDS, RopeTable, prefill_forward
+from hybridflow.engine.graphs import DecodeRunner
+from hybridflow.engine.sampling import SamplingParams, request_seeds, split_seed
+from hybridflow.engine.state import DecodeState
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    """Generated tokens; a stop token that ended the sample is included."""
+    logprobs: list[float]
+    """log_softmax(logits / T) at each token, before top-k/top-p/min-p (T = 1 when greedy)."""
+    finish_reason: str
+    """'stop' (a stop token was emitted) or 'length' (max_new_tokens or max_seq_len reached)."""
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class Engine:
+    """Generation engine over a hybridflow CausalLM's parameters (in place, no copy).
+
+    Args:
+        model: hybridflow.models.CausalLM (any other module runs the slow path, slow.py).
+        max_batch_size: sequences decoded together (KV-cache slots).
+        max_seq_len: prompt + generated tokens per sequence.
+        memory_budget: KV-cache bytes (int), fraction of free device memory (float in (0, 1]),
+            or None (all of max_batch_size if it fits in 90% of free memory).
+        decode_backend: "auto" (triton on CUDA when importable, else torch), "triton", "torch".
+        cuda_graphs: replay decode steps as CUDA graphs (default: on for CUDA).
+        steps_per_sync: decode steps between two host checks for finished sequences.
+        max_prefill_tokens: prompt tokens per packed prefill pass (bounds activation memory).
+    """
+
+    def __init__(
+        self,
+        model,
+        max_batch_size: int = 256,
+        max_seq_len: int = 2048,
+        memory_budget: int | float | None = None,
+        *,
+        decode_backend: str = "auto",
+        cuda_graphs: bool | None = None,
+        steps_per_sync: int = 16,
+        max_prefill_tokens: int = 16384,
+    ):
+        self.model = model
+        self.config = model.config
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.memory_budget = memory_budget
+        self.steps_per_sync = steps_per_sync
+        self.max_prefill_tokens = max_prefill_tokens
+        self.native = all(
+            hasattr(layer.self_attn, "project_qkv") for layer in getattr(model.model, "layers", [])
+        )
+        if decode_backend == "auto":
+            use_triton = self.device.type == "cuda" and _triton_available()
+            decode_backend = "triton" if use_triton else "torch"
+        if decode_backend not in DECODE_FORWARDS:
+            raise ValueError(f"decode_backend={decode_backend!r} not in {sorted(DECODE_FORWARDS)}")
+        if decode_backend == "triton" and self.device.type != "cuda":
+            raise ValueError("decode_backend='triton' needs the model on a CUDA device")
+        self.decode_backend = decode_backend
+        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.cache: kv_cache.KVCache | None = None
+        self.state: DecodeState | None = None
+        self.runner: DecodeRunner | None = None
+        self.rope = None
+        self.stats: dict[str, float] = {}
+
+    # -- memory ---------------------------------------------------------------------------------
+
+    def _allocate(self) -> None:
+        cfg = self.config
+        slot_bytes = kv_cache.bytes_per_slot(
+            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.max_seq_len,
+            self.dtype,
+        )  # fmt: skip
+        # Reserve for decode logits and prefill activations, which live outside the cache.
+        element = torch.empty((), dtype=self.dtype).element_size()
+        reserve = (self.max_batch_size * cfg.vocab_size * 6) + self.max_prefill_tokens * (
+            4 * cfg.intermediate_size + 8 * cfg.hidden_size
+        ) * element
+        slots = kv_cache.plan_slots(
+            self.max_batch_size, slot_bytes, self.memory_budget, self.device, reserve
+        )
+        self.cache = kv_cache.allocate_cache(
+            cfg.num_hidden_layers, slots, self.max_seq_len, cfg.num_key_value_heads,
+            cfg.head_dim, self.dtype, self.device,
+        )  # fmt: skip
+        self.state = DecodeState(slots, slots, self.max_seq_len, cfg.vocab_size, self.device)
+        self.rope = RopeTable(cfg, self.max_seq_len, self.dtype, self.device)
+        self.runner = DecodeRunner(
+            self.model, self.cache, self.state, self.rope, DECODE_FORWARDS[self.decode_backend],
+            use_graphs=self.cuda_graphs, use_triton_sampler=self.decode_backend == "triton",
+        )  # fmt: skip
+
+    def release(self) -> None:
+        """Free the KV cache, decode state and captured graphs (memory back to training)."""
+        self.cache = self.state = self.runner = self.rope = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @property
+    def num_slots(self) -> int:
+        if self.cache is None:
+            self._allocate()
+        return self.cache.num_slots
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors, bucket_bytes: int = 256 * 2**20) -> None:
+        """Copy (name, tensor) pairs (HF names) into the model's parameters, in buckets of about
+        bucket_bytes (one device sync per bucket bounds the staging memory)."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        pending = 0
+        for name, tensor in named_tensors:
+            if name not in params:
+                raise KeyError(f"load_weights: {name!r} is not a parameter of the model")
+            target = params[name]
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"load_weights: {name} has shape {tuple(tensor.shape)}, "
+                    f"model expects {tuple(target.shape)}"
+                )
+            target.data.copy_(tensor, non_blocking=True)
+            pending += tensor.numel() * tensor.element_size()
+            if pending >= bucket_bytes and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                pending = 0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # -- generation -----------------------------------------------------------------------------
+
+    def _stop_ids(self, params: SamplingParams) -> list[int]:
+        stop = list(params.stop_token_ids)
+        eos = self.config.eos_token_id
+        if not params.ignore_eos and eos is not None:
+            stop += list(eos) if isinstance(eos, (list, tuple)) else [eos]
+        return sorted(set(stop))
+
+    def _check_prompts(self, prompts: list[list[int]]) -> None:
+        vocab = self.config.vocab_size
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            if len(prompt) >= self.max_seq_len:
+                raise ValueError(
+                    f"prompt {i} has {len(prompt)} tokens; max_seq_len={self.max_seq_len} "
+                    "leaves no room to generate: raise max_seq_len"
+                )
+            if min(prompt) < 0 or max(prompt) >= vocab:
+                raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """n completions per prompt, prompt-major: result[i * n + j] is sample j of prompt i."""
+        if not self.native:
+            from hybridflow.engine.slow import generate_slow
+
+            return generate_slow(self, prompts, params)
+        self._check_prompts(prompts)
+        if self.cache is None:
+            self._allocate()
+        base_seed = params.seed
+        if base_seed is None:
+            base_seed = int(torch.randint(0, 2**62, (1,)).item())
+        seed_lo, seed_hi = split_seed(request_seeds(base_seed, len(prompts), params.n))
+        self.state.set_stop_tokens(self._stop_ids(params))
+        self.runner.prepare(params)
+        loop = _GenerationLoop(self, prompts, params, seed_lo.tolist(), seed_hi.tolist())
+        return loop.run()
+
+    def generate_padded(
+        self, prompts: list[list[int]], params: SamplingParams, pad_token_id: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Tensors for the trainer, prompt-major rows [B * n]: responses [B*n, R] int64
+        right-padded with pad_token_id, rollout_logprobs [B*n, R] fp32 (0 on padding),
+        response_lengths [B*n] int64; R = longest response. On CPU."""
+        completions = self.generate(prompts, params)
+        if pad_token_id is None:
+            pad_token_id = self.config.pad_token_id or 0
+        width = max(len(c.token_ids) for c in completions)
+        responses = torch.full((len(completions), width), pad_token_id, dtype=torch.int64)
+        logprobs = torch.zeros(len(completions), width)
+        lengths = torch.zeros(len(completions), dtype=torch.int64)
+        for row, c in enumerate(completions):
+            responses[row, : len(c.token_ids)] = torch.tensor(c.token_ids)
+            logprobs[row, : len(c.logprobs)] = torch.tensor(c.logprobs)
+            lengths[row] = len(c.token_ids)
+        return {"responses": responses, "rollout_logprobs": logprobs, "response_lengths": lengths}
+
+
+class _GenerationLoop:
+    """Host-side bookkeeping of one generate() call: requests, slots, rows, results."""
+
+    def __init__(self, engine: Engine, prompts, params: SamplingParams, seed_lo, seed_hi):
+        self.engine, self.prompts, self.params = engine, prompts, params
+        self.state, self.runner, self.cache = engine.state, engine.runner, engine.cache
+        self.seed_lo, self.seed_hi = seed_lo, seed_hi
+        n = params.n
+        self.waiting = deque(range(len(prompts) * n))  # request id = prompt * n + sample
+        self.max_new = [
+            min(params.max_new_tokens, engine.max_seq_len - len(p))
+            for p in prompts
+            for _ in range(n)
+        ]
+        self.free_slots = list(range(self.cache.num_slots - 1, -1, -1))
+        self.row_request: list[int] = []  # request id of each live row
+        self.row_budget: list[int] = []  # upper bound on steps each row may still take
+        self.row_end: list[int] = []  # prompt length + max_new: bound on the row's cache length
+        self.results: list[Completion | None] = [None] * len(self.max_new)
+
+    def run(self) -> list[Completion]:
+        while self.waiting or self.row_request:
+            if self.waiting and self._should_admit():
+                self._admit()
+            steps = min(self.engine.steps_per_sync, max(self.row_budget, default=0))
+            if steps > 0:
+                self.runner.decode_steps(len(self.row_request), steps, self._max_live_len(steps))
+                self.row_budget = [b - steps for b in self.row_budget]
+            self._collect_finished()
+        return self.results
+
+    def _should_admit(self) -> bool:
+        # Prefill in batches: wait until a useful share of the slots is free (amortises the
+        # eager prefill) unless nothing is decoding or the queue is short.
+        free = len(self.free_slots)
+        return free > 0 and (
+            not self.row_request
+            or free >= min(len(self.waiting), max(1, self.cache.num_slots // 8))
+        )
+
+    def _max_live_len(self, steps: int) -> int:
+        """Host upper bound on cache positions read during the next `steps` steps (eager torch
+        decode reads only these); no device sync needed."""
+        bound = max(end - budget + steps for end, budget in zip(self.row_end, self.row_budget))
+        return min(self.cache.max_seq_len, bound)
+
+    def _admit(self) -> None:
+        engine, params = self.engine, self.params
+        taken: list[int] = []
+        tokens = 0
+        while self.waiting and len(taken) < len(self.free_slots):
+            request = self.waiting[0]
+            prompt_len = len(self.prompts[request // params.n])
+            new_prompt = not taken or taken[-1] // params.n != request // params.n
+            if new_prompt and taken and tokens + prompt_len > engine.max_prefill_tokens:
+                break
+            tokens += prompt_len if new_prompt else 0
+            taken.append(self.waiting.popleft())
+        slots = [self.free_slots.pop() for _ in taken]
+        device = engine.device
+        # One prefill per unique prompt (its first request's slot), then KV fan-out.
+        firsts: list[int] = []  # index into `taken` of each unique prompt's first request
+        group: list[int] = []  # unique-prompt index of each taken request
+        for i, request in enumerate(taken):
+            if not firsts or taken[firsts[-1]] // params.n != request // params.n:
+                firsts.append(i)
+            group.append(len(firsts) - 1)
+        unique_prompts = [self.prompts[taken[i] // params.n] for i in firsts]
+        lengths = [len(p) for p in unique_prompts]
+        ids = torch.tensor([t for p in unique_prompts for t in p], device=device)
+        positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
+        token_slots = torch.repeat_interleave(
+            torch.tensor([slots[i] for i in firsts]), torch.tensor(lengths)
+        ).to(device)
+        cu = torch.tensor([0] + lengths).cumsum(0)
+        cu_seqlens = cu.to(device=device, dtype=torch.int32)
+        last_index = (cu[1:] - 1).to(device)
+        logits = prefill_forward(
+            engine.model, self.cache, engine.rope, ids, positions, token_slots, cu_seqlens,
+            max(lengths), last_index,
+        )  # fmt: skip  # [U, V]
+        first_set = set(firsts)
+        copies = [i for i in range(len(taken)) if i not in first_set]
+        if copies:
+            self.cache.copy_prefix(
+                torch.tensor([slots[firsts[group[i]]] for i in copies], device=device),
+                torch.tensor([slots[i] for i in copies], device=device),
+                torch.tensor([lengths[group[i]] for i in copies], device=device),
+            )
+        long = dict(dtype=torch.int64, device=device)
+        seed_lo = torch.tensor([self.seed_lo[r] for r in taken], **long)
+        seed_hi = torch.tensor([self.seed_hi[r] for r in taken], **long)
+        request_logits = logits[torch.tensor(group, device=device)]  # [R, V]
+        first_tokens, first_logprobs = self.runner.sample(
+            request_logits, seed_lo, seed_hi, torch.zeros(len(taken), **long)
+        )
+        max_new = [self.max_new[r] for r in taken]
+        self.state.append_rows(
+            first_tokens, first_logprobs,
+            torch.tensor([lengths[g] for g in group], **long),
+            torch.tensor(slots, **long), torch.tensor(max_new, **long), seed_lo, seed_hi,
+        )  # fmt: skip
+        self.row_request += taken
+        self.row_budget += [m - 1 for m in max_new]
+        self.row_end += [lengths[g] + m for g, m in zip(group, max_new)]
+
+    def _collect_finished(self) -> None:
+        state = self.state
+        rows = len(self.row_request)
+        if rows == 0:
+            return
+        finished = state.finished[:rows].tolist()  # the one host sync per chunk
+        done = [r for r in range(rows) if finished[r] or self.row_budget[r] <= 0]
+        if not done:
+            return
+        done_index = torch.tensor(done, device=state.tokens.device)
+        slots = state.row_slots[done_index]
+        counts = state.generated[done_index].tolist()
+        width = max(counts)
+        tokens = state.out_tokens[slots, :width].tolist()
+        logprobs = state.out_logprobs[slots, :width].tolist()
+        stop_mask = state.stop_mask
+        stop_ids = set(torch.nonzero(stop_mask).flatten().tolist())
+        for k, row in enumerate(done):
+            count = counts[k]
+            token_ids = tokens[k][:count]
+            reason = "stop" if token_ids and token_ids[-1] in stop_ids else "length"
+            self.results[self.row_request[row]] = Completion(token_ids, logprobs[k][:count], reason)
+        for slot in slots.tolist():
+            self.free_slots.append(slot)
+        done_set = set(done)
+        keep = [r for r in range(rows) if r not in done_set]
+        state.keep_rows(keep)
+        self.row_request = [self.row_request[r] for r in keep]
+        self.row_budget = [self.row_budget[r] for r in keep]
+        self.row_end = [self.row_end[r] for r in keep]

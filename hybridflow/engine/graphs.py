@@ -1,0 +1,118 @@
+"""Decode steps, eager or replayed as CUDA graphs captured per bucketed batch size.
+
+A step = forward one token per row + sample + advance the device state. Everything it reads
+(tokens, positions, slots, seeds, stop mask, weights, cache) lives at fixed addresses, so the
+step is captured once per (bucket, sampling mode) and replayed; the weights are read where the
+trainer keeps them, so in-place optimizer updates need no recapture (a changed parameter
+address does: checked at every generate()).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.engine.sampling import SamplingParams, sample_reference
+from hybridflow.engine.state import DecodeState, advance, mode_uses_reference_sampler
+
+
+def batch_buckets(max_rows: int) -> list[int]:
+    """Captured batch sizes: powers of two to 16, then steps of 16 to 128, 32 to 512, 64 on."""
+    sizes, size = [], 1
+    while size < max_rows:
+        sizes.append(size)
+        step = 16 if size >= 16 else size
+        step = 32 if size >= 128 else step
+        step = 64 if size >= 512 else step
+        size += step
+    sizes.append(max_rows)
+    return sorted(set(sizes))
+
+
+class DecodeRunner:
+    def __init__(
+        self,
+        model,
+        cache,
+        state: DecodeState,
+        rope,
+        decode_forward,
+        use_graphs: bool,
+        use_triton_sampler: bool,
+    ):
+        self.model, self.cache, self.state, self.rope = model, cache, state, rope
+        self.decode_forward = decode_forward
+        self.use_graphs = use_graphs
+        self.use_triton_sampler = use_triton_sampler
+        self.buckets = batch_buckets(state.capacity)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        self.params: SamplingParams | None = None
+        self._weights_key = None
+
+    # -- sampling ----------------------------------------------------------------------------
+
+    def sample(self, logits, seed_lo, seed_hi, steps):
+        """logits [B, V] -> (tokens [B] int64, logprobs [B] fp32), no host sync."""
+        if self.use_triton_sampler and not mode_uses_reference_sampler(self.params):
+            from hybridflow.engine.kernels import sample_fused
+
+            return sample_fused(logits, self.params, seed_lo, seed_hi, steps)
+        return sample_reference(logits, self.params, seed_lo, seed_hi, steps)
+
+    # -- steps -------------------------------------------------------------------------------
+
+    def prepare(self, params: SamplingParams) -> None:
+        """Called at each generate(): drop graphs if a parameter moved (new storage)."""
+        self.params = params
+        key = tuple(p.data_ptr() for p in self.model.parameters())
+        if key != self._weights_key:
+            self.graphs.clear()
+            self._weights_key = key
+
+    def _step(self, rows: int, max_len: int) -> None:
+        state = self.state
+        logits = self.decode_forward(
+            self.model, self.cache, self.rope, state.tokens[:rows], state.positions[:rows],
+            state.row_slots[:rows], max_len,
+        )  # fmt: skip
+        tokens, logprobs = self.sample(
+            logits, state.seed_lo[:rows], state.seed_hi[:rows], state.generated[:rows]
+        )
+        advance(state, rows, tokens, logprobs)
+
+    def decode_steps(self, num_rows: int, steps: int, max_live_len: int) -> None:
+        """Advance rows [0, num_rows) by `steps` tokens (finished rows stay put)."""
+        bucket = next(b for b in self.buckets if b >= num_rows)
+        if not self.use_graphs:
+            for i in range(steps):
+                self._step(num_rows, min(max_live_len, self.cache.max_seq_len))
+            return
+        graph = self._graph(bucket)
+        for _ in range(steps):
+            graph.replay()
+
+    def _graph(self, bucket: int) -> torch.cuda.CUDAGraph:
+        key = (bucket, self.params.mode_key())
+        graph = self.graphs.get(key)
+        if graph is not None:
+            return graph
+        max_len = self.cache.max_seq_len
+        # Warm-up (kernel compilation, cuBLAS workspaces) runs the step for real: snapshot the
+        # row state and restore it after, so the live rows redo exactly the same step later.
+        # (Their cache and output writes are overwritten by that step before being read.)
+        snapshot = [f.clone() for f in self.state._row_fields]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._step(bucket, max_len)
+        torch.cuda.current_stream().wait_stream(stream)
+        for field, saved in zip(self.state._row_fields, snapshot):
+            field.copy_(saved)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._step(bucket, max_len)
+        self.graphs[key] = graph
+        return graph

@@ -1,0 +1,109 @@
+"""Slot-based preallocated KV cache and its sizing from a memory budget.
+
+One slot holds one sequence (prompt + generated tokens) up to max_seq_len. Layout
+[layers, slots + 1, max_seq_len, kv_heads, head_dim], token-major inside a slot, so a
+prefill writes each prompt as one contiguous block and decode writes one row per slot.
+The extra last slot is a scratch slot: padded rows of a bucketed decode batch write there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class KVCache:
+    keys: torch.Tensor  # [L, slots + 1, S, kv_heads, head_dim]
+    values: torch.Tensor  # [L, slots + 1, S, kv_heads, head_dim]
+
+    @property
+    def num_slots(self) -> int:
+        """Usable slots (the scratch slot excluded)."""
+        return self.keys.shape[1] - 1
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.keys.shape[1] - 1
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.keys.shape[2]
+
+    def nbytes(self) -> int:
+        return self.keys.numel() * self.keys.element_size() * 2
+
+    def copy_prefix(
+        self, src_slots: torch.Tensor, dst_slots: torch.Tensor, lengths: torch.Tensor
+    ) -> None:
+        """Copy positions [0, lengths[i]) of slot src_slots[i] into dst_slots[i], all layers,
+        in one gather/scatter (used to fan a prefilled prompt out to its n sample slots)."""
+        if dst_slots.numel() == 0:
+            return
+        max_len = int(lengths.max())
+        positions = torch.arange(max_len, device=lengths.device)
+        valid = positions[None, :] < lengths[:, None]  # [P, max_len]
+        src_s = src_slots[:, None].expand_as(valid)[valid]
+        dst_s = dst_slots[:, None].expand_as(valid)[valid]
+        pos = positions[None, :].expand_as(valid)[valid]
+        for cache in (self.keys, self.values):
+            cache[:, dst_s, pos] = cache[:, src_s, pos]
+
+
+def bytes_per_slot(
+    num_layers: int, kv_heads: int, head_dim: int, max_seq_len: int, dtype: torch.dtype
+) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * max_seq_len * kv_heads * head_dim * element
+
+
+def plan_slots(
+    max_batch_size: int,
+    slot_bytes: int,
+    memory_budget: int | float | None,
+    device: torch.device,
+    reserve_bytes: int = 0,
+) -> int:
+    """Number of slots: max_batch_size, or fewer if the budget does not hold them.
+
+    memory_budget: bytes (int > 1), a fraction of the currently free device memory (float in
+    (0, 1]), or None (90% of free memory minus reserve_bytes on CUDA; unlimited on CPU)."""
+    if memory_budget is None:
+        if device.type != "cuda":
+            return max_batch_size
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(0.9 * free) - reserve_bytes
+    elif isinstance(memory_budget, float) and 0 < memory_budget <= 1:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(memory_budget * free) - reserve_bytes
+        else:
+            return max_batch_size
+    else:
+        budget = int(memory_budget)
+    slots = min(max_batch_size, budget // slot_bytes - 1)  # -1: the scratch slot
+    if slots < 1:
+        raise ValueError(
+            f"memory_budget={memory_budget} holds no KV-cache slot of {slot_bytes / 2**20:.1f} MiB "
+            "(max_seq_len tokens): raise memory_budget or lower max_seq_len"
+        )
+    return slots
+
+
+def allocate_cache(
+    num_layers: int,
+    slots: int,
+    max_seq_len: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> KVCache:
+    shape = (num_layers, slots + 1, max_seq_len, kv_heads, head_dim)
+    # zeros, not empty: stale NaNs in never-written positions must not reach a masked softmax
+    # through 0 * NaN in a matmul.
+    return KVCache(
+        torch.zeros(shape, dtype=dtype, device=device),
+        torch.zeros(shape, dtype=dtype, device=device),
+    )

@@ -1,0 +1,176 @@
+"""Sampling parameters and the on-device, sync-free token sampler (torch reference path).
+
+Sampling is Gumbel-max: token = argmax_i(z_i + g_i) over the allowed set, with z = logits / T
+and g_i = -log(-log(u_i)). The uniforms u come from a counter-based hash of
+(request seed, decode step, token id), so a request's samples depend on its seed only, never
+on which batch or slot it ran in, and nothing needs a torch.Generator per request.
+
+Filters (applied in this order, each keeps the tokens whose z is >= a per-row threshold):
+top-k (the k largest), top-p (smallest prefix of the top-k set, sorted by probability and
+renormalised, whose mass reaches p), min-p (p_i >= min_p * p_max). The returned log-prob is
+log_softmax(z) at the sampled token BEFORE filtering: the quantity PPO's ratio uses.
+Greedy (temperature 0) returns argmax and log_softmax(logits) (temperature 1).
+
+The fused Triton version of the same sampler is in kernels.py; both share the hash below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+_MIX_C1 = 0x7FEB352D
+_MIX_C2 = 0x846CA68B
+_GOLDEN = 0x9E3779B9
+_STEP_SALT = 0x27D4EB2F
+_SEED_SALT = 0x165667B1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample; one instance applies to every prompt of a generate() call."""
+
+    n: int = 1
+    """Samples per prompt (prefilled once, fanned out)."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 (or 0) disables."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1 disables."""
+    min_p: float = 0.0
+    """Keep tokens with p >= min_p * p_max; 0 disables."""
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    """Generation of a sample ends after it emits one of these (the stop token is returned)."""
+    seed: int | None = None
+    """Base seed; request (prompt i, sample j) uses a seed derived from (seed, i, j).
+    None draws the base seed from torch's global generator."""
+    ignore_eos: bool = False
+    """Do not add the model's eos_token_id to the stop ids (stop_token_ids still apply)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.n < 1:
+            problems.append(f"n={self.n} must be >= 1")
+        if self.temperature < 0:
+            problems.append(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p={self.top_p} must be in (0, 1]")
+        if not 0 <= self.min_p < 1:
+            problems.append(f"min_p={self.min_p} must be in [0, 1)")
+        if self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if problems:
+            raise ValueError("invalid SamplingParams: " + "; ".join(problems))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def mode_key(self) -> tuple:
+        """What a compiled decode step depends on (CUDA graphs are cached per key)."""
+        return (self.temperature, self.top_k, self.top_p, self.min_p)
+
+
+# -------------------------------------------------------------------------------------------
+# Counter-based noise (identical arithmetic in kernels.py, there on uint32)
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """(x * constant) mod 2^32 for int64 x in [0, 2^32), without signed overflow."""
+    low, high = constant & 0xFFFF, constant >> 16
+    return (x * low + (((x * high) & 0xFFFF) << 16)) & MASK32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """32-bit integer finaliser ("lowbias32", C. Wellons) on int64 tensors holding uint32."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, _MIX_C1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _MIX_C2)
+    return x ^ (x >> 16)
+
+
+def split_seed(seeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 seeds [B] -> (low, high) 32-bit halves as int64 [B]."""
+    return seeds & MASK32, (seeds >> 32) & MASK32
+
+
+def row_keys(seed_lo: torch.Tensor, seed_hi: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """One 32-bit key per (request seed, step) [B]."""
+    key = mix32((steps & MASK32) ^ _STEP_SALT)
+    key = mix32(key ^ seed_lo)
+    return mix32(key ^ seed_hi ^ _SEED_SALT)
+
+
+def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """u [B, V] fp32 in (0, 1): 24 random bits per (row key, token id)."""
+    token_mix = mix32(torch.arange(vocab_size, device=keys.device, dtype=torch.int64))
+    bits = mix32(keys[:, None] ^ token_mix[None, :])  # [B, V]
+    return ((bits >> 8).float() + 0.5) * (1.0 / 16777216.0)
+
+
+def request_seeds(base_seed: int, num_prompts: int, n: int) -> torch.Tensor:
+    """Seeds [num_prompts * n] int64 for (prompt i, sample j), prompt-major."""
+    idx = torch.arange(num_prompts * n, dtype=torch.int64)
+    lo = mix32(torch.full_like(idx, base_seed & MASK32) ^ mix32(idx & MASK32))
+    hi = mix32((torch.full_like(idx, (base_seed >> 32) & MASK32) + _GOLDEN) ^ lo)
+    return lo | ((hi & 0x7FFFFFFF) << 32)
+
+
+# -------------------------------------------------------------------------------------------
+# Reference sampler (CPU, and the CUDA path for top-p)
+
+
+def filter_threshold(z: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Per-row threshold [B] on z [B, V] fp32: a token is allowed iff z >= threshold."""
+    rows, vocab = z.shape
+    threshold = torch.full((rows,), float("-inf"), device=z.device, dtype=z.dtype)
+    k = top_k if 0 < top_k < vocab else vocab
+    if top_p < 1.0:
+        sorted_z = torch.topk(z, k, dim=-1).values if k < vocab else z.sort(-1, True).values
+        probs = torch.softmax(sorted_z, dim=-1)  # renormalised over the top-k set
+        mass_before = probs.cumsum(-1) - probs  # [B, k]
+        kept = (mass_before < top_p).sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
+        threshold = sorted_z.gather(-1, kept - 1).squeeze(-1)
+    elif k < vocab:
+        threshold = torch.topk(z, k, dim=-1).values[:, -1]
+    if min_p > 0:
+        min_p_threshold = z.max(-1).values + torch.log(torch.tensor(min_p, device=z.device))
+        threshold = torch.maximum(threshold, min_p_threshold)
+    return threshold
+
+
+def sample_reference(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    seed_lo: torch.Tensor,
+    seed_hi: torch.Tensor,
+    steps: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] (any float dtype) -> (tokens [B] int64, logprobs [B] fp32). No host sync."""
+    if params.greedy:
+        z = logits.float()
+        tokens = z.argmax(-1)
+    else:
+        z = logits.float() / params.temperature
+        threshold = filter_threshold(z, params.top_k, params.top_p, params.min_p)
+        gumbel = -torch.log(
+            -torch.log(uniform_noise(row_keys(seed_lo, seed_hi, steps), z.shape[1]))
+        )
+        scores = torch.where(z >= threshold[:, None], z + gumbel, float("-inf"))
+        tokens = scores.argmax(-1)
+    logprobs = z.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
+    return tokens, logprobs
+
+
+def allowed_probs_reference(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution the sampler draws from [B, V] (for tests): filtered, renormalised."""
+    z = logits.double() / params.temperature
+    threshold = filter_threshold(z, params.top_k, params.top_p, params.min_p)
+    z = torch.where(z >= threshold[:, None], z, float("-inf"))
+    return torch.softmax(z, dim=-1)

@@ -1,0 +1,105 @@
+"""Device-side decode state: one row per running sequence, updated without host syncs.
+
+Rows [0, num_rows) are live sequences; a decode step of bucket size b runs rows [0, b), the
+rows past num_rows being padding (finished, pointing at the cache's scratch slot). The host
+touches this state only between chunks of decode steps: to compact finished rows away and to
+append newly prefilled ones.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.engine.sampling import SamplingParams
+
+
+class DecodeState:
+    def __init__(self, rows: int, num_slots: int, max_seq_len: int, vocab_size: int, device):
+        self.capacity = rows
+        self.scratch_slot = num_slots
+        long = dict(dtype=torch.int64, device=device)
+        self.tokens = torch.zeros(rows, **long)  # last sampled token = next input
+        self.positions = torch.zeros(rows, **long)  # cache position the next input goes to
+        self.row_slots = torch.full((rows,), num_slots, **long)
+        self.generated = torch.zeros(rows, **long)  # tokens generated so far (= sampling step)
+        self.max_new = torch.ones(rows, **long)
+        self.seed_lo = torch.zeros(rows, **long)
+        self.seed_hi = torch.zeros(rows, **long)
+        self.finished = torch.ones(rows, dtype=torch.bool, device=device)
+        self.stop_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        # Outputs are per slot (rows move when compacted, slots do not); +1 column so finished
+        # rows can keep writing harmlessly one past their end.
+        self.out_tokens = torch.zeros(num_slots + 1, max_seq_len + 1, **long)
+        self.out_logprobs = torch.zeros(num_slots + 1, max_seq_len + 1, device=device)
+        self.num_rows = 0
+        self._row_fields = (
+            self.tokens, self.positions, self.row_slots, self.generated, self.max_new,
+            self.seed_lo, self.seed_hi, self.finished,
+        )  # fmt: skip
+
+    def set_stop_tokens(self, stop_ids: list[int]) -> None:
+        self.stop_mask.zero_()
+        if stop_ids:
+            self.stop_mask[torch.tensor(stop_ids, device=self.stop_mask.device)] = True
+
+    def keep_rows(self, keep: list[int]) -> None:
+        """Compact: rows `keep` (in that order) become rows [0, len(keep)); the rest padding."""
+        device = self.tokens.device
+        if keep != list(range(len(keep))):
+            index = torch.tensor(keep, dtype=torch.int64, device=device)
+            for field in self._row_fields:
+                field[: len(keep)] = field[index]
+        self.num_rows = len(keep)
+        self._reset_padding()
+
+    def _reset_padding(self) -> None:
+        n = self.num_rows
+        self.finished[n:] = True
+        self.row_slots[n:] = self.scratch_slot
+        self.positions[n:] = 0
+        self.generated[n:] = 0
+
+    def append_rows(
+        self,
+        tokens: torch.Tensor,
+        logprobs: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        max_new: torch.Tensor,
+        seed_lo: torch.Tensor,
+        seed_hi: torch.Tensor,
+    ) -> None:
+        """New sequences whose prompt is prefilled and first token sampled (step 0), all [R]."""
+        start, count = self.num_rows, tokens.shape[0]
+        rows = slice(start, start + count)
+        self.out_tokens[slots, 0] = tokens
+        self.out_logprobs[slots, 0] = logprobs
+        self.tokens[rows] = tokens
+        self.positions[rows] = positions
+        self.row_slots[rows] = slots
+        self.generated[rows] = 1
+        self.max_new[rows] = max_new
+        self.seed_lo[rows] = seed_lo
+        self.seed_hi[rows] = seed_hi
+        self.finished[rows] = self.stop_mask[tokens] | (max_new <= 1)
+        self.num_rows = start + count
+
+
+def advance(state: DecodeState, rows: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+    """Record one sampled token per row [rows] and advance unfinished rows (no host sync)."""
+    live = ~state.finished[:rows]
+    slots = state.row_slots[:rows]
+    columns = state.generated[:rows]
+    state.out_tokens[slots, columns] = tokens
+    state.out_logprobs[slots, columns] = logprobs
+    generated = columns + live
+    stop = state.stop_mask[tokens] | (generated >= state.max_new[:rows])
+    state.finished[:rows] |= stop
+    state.tokens[:rows] = torch.where(live, tokens, state.tokens[:rows])
+    state.positions[:rows] += live
+    state.generated[:rows] = generated
+
+
+def mode_uses_reference_sampler(params: SamplingParams) -> bool:
+    """top-p needs a sort: the torch sampler handles it; the rest the fused kernel."""
+    return params.top_p < 1.0
