@@ -215,8 +215,13 @@ class CausalLM(nn.Module):
 
     # -- io -----------------------------------------------------------------------------------
 
-    def save_pretrained(self, save_directory: str, max_shard_size: int = 5 * 1024**3) -> None:
-        """Write config.json + safetensors (sharded with an index above max_shard_size bytes)."""
+    def save_pretrained(
+        self, save_directory: str, max_shard_size: int = 5 * 1024**3, tokenizer=None
+    ) -> None:
+        """Write config.json + safetensors (sharded with an index above max_shard_size bytes),
+        plus the tokenizer files when a tokenizer is given: a directory transformers loads."""
         from hybridflow.models.checkpoint import save_model
 
         save_model(self, save_directory, max_shard_size=max_shard_size)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(save_directory)

@@ -1,0 +1,68 @@
+"""Tokenizers: a local HF directory (with its chat template), or the built-in character-level
+tokenizer used with the tiny presets for synthetic tasks.
+
+The char tokenizer is a standard `tokenizers` BPE model without merges (so every character is
+one token), wrapped in transformers' PreTrainedTokenizerFast: `save_pretrained(dir)` writes an
+ordinary tokenizer directory that `AutoTokenizer.from_pretrained(dir)` reads back.
+"""
+
+from __future__ import annotations
+
+import os
+
+# ChatML, as used by Qwen: <|im_start|>role\ncontent<|im_end|>\n
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Fixed ids (the tiny presets' pad/eos ids refer to them).
+CHAR_SPECIAL_TOKENS = ["<pad>", "<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAR_ALPHABET = ["\t", "\n"] + [chr(c) for c in range(32, 127)]
+CHAR_VOCAB_SIZE = len(CHAR_SPECIAL_TOKENS) + len(CHAR_ALPHABET)  # 102 <= tiny vocab 128
+
+# Names that resolve to the built-in char tokenizer.
+CHAR_TOKENIZER_NAMES = ("char", "tiny", "tiny-4l")
+
+
+def build_char_tokenizer():
+    """Character-level tokenizer: printable ASCII + tab/newline, ChatML special tokens,
+    eos = <|im_end|> (end of an assistant turn), pad = <pad>."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(CHAR_SPECIAL_TOKENS + CHAR_ALPHABET)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.decoder = decoders.Fuse()  # join characters without separators
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|endoftext|>", "<|im_start|>"],
+        chat_template=CHATML_TEMPLATE,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+        model_max_length=2048,
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|endoftext|>", "<|im_start|>"]})
+    return tokenizer
+
+
+def load_tokenizer(name_or_path: str):
+    """Built-in char tokenizer for "char"/tiny presets, else AutoTokenizer on a local directory."""
+    if name_or_path in CHAR_TOKENIZER_NAMES:
+        return build_char_tokenizer()
+    if not os.path.isdir(name_or_path):
+        raise ValueError(
+            f"no tokenizer for {name_or_path!r}: pass a local HF directory or one of "
+            f"{CHAR_TOKENIZER_NAMES} (the large presets come without a tokenizer)"
+        )
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token  # batching needs some pad id
+    return tokenizer

@@ -1,0 +1,97 @@
+"""HF checkpoint round trips: ours -> transformers, transformers -> ours, sharded, fallback."""
+
+import json
+import os
+
+import pytest
+import torch
+import transformers
+from conftest import randomized_model, small_config
+from test_parity import to_transformers
+
+from hybridflow.models import CausalLM, load_model, load_tokenizer
+from hybridflow.models.hf_fallback import HFCausalLM
+
+
+def _ids(vocab=97):
+    return torch.randint(3, vocab, (2, 21))
+
+
+@pytest.mark.parametrize("model_type,tied", [("qwen2", True), ("llama", False), ("qwen3", True)])
+def test_saved_checkpoint_loads_in_transformers(tmp_path, model_type, tied):
+    model = randomized_model(small_config(model_type, tie_word_embeddings=tied))
+    model.save_pretrained(str(tmp_path), tokenizer=load_tokenizer("char"))
+    assert os.path.exists(tmp_path / "model.safetensors")
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    input_ids = _ids()
+    with torch.no_grad():
+        assert (hf_model(input_ids).logits - model(input_ids)).abs().max() <= 1e-5
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    assert tokenizer.decode(tokenizer("a+b")["input_ids"]) == "a+b"
+
+
+def test_transformers_checkpoint_loads_here(tmp_path):
+    reference = randomized_model(small_config("qwen3", tie_word_embeddings=False))
+    hf_model = to_transformers(reference)
+    hf_model.save_pretrained(str(tmp_path))
+    model = load_model(str(tmp_path))
+    assert isinstance(model, CausalLM)
+    assert not any(p.is_meta for p in model.parameters())
+    input_ids = _ids()
+    with torch.no_grad():
+        assert (hf_model(input_ids).logits - model(input_ids)).abs().max() <= 1e-5
+
+
+def test_sharded_round_trip_and_dtype(tmp_path):
+    model = randomized_model(small_config("qwen2", tie_word_embeddings=True))
+    model.save_pretrained(str(tmp_path), max_shard_size=20_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shard_files = set(index["weight_map"].values())
+    assert len(shard_files) > 1 and not (tmp_path / "model.safetensors").exists()
+    assert "lm_head.weight" not in index["weight_map"]  # tied: stored once
+
+    loaded = load_model(str(tmp_path))
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor, rtol=0, atol=0)
+
+    half = load_model(str(tmp_path), dtype=torch.bfloat16)
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    with torch.no_grad():
+        input_ids = _ids()
+        assert (hf_model(input_ids).logits - model(input_ids)).abs().max() <= 1e-5
+
+
+def test_missing_tensor_is_reported(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = randomized_model(small_config("llama"))
+    model.save_pretrained(str(tmp_path))
+    state = load_file(str(tmp_path / "model.safetensors"))
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="lacks 1 tensors"):
+        load_model(str(tmp_path))
+
+
+def test_unsupported_architecture_uses_hf_fallback(tmp_path):
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=97, n_positions=64)
+    transformers.GPT2LMHeadModel(config).save_pretrained(str(tmp_path))
+    model = load_model(str(tmp_path))
+    assert isinstance(model, HFCausalLM)
+    assert "lm_head.weight" in dict(model.named_parameters()) or model.config.tie_word_embeddings
+    model.eval()
+    sequences = [torch.randint(0, 97, (n,)) for n in (4, 9)]
+    cu_seqlens = torch.tensor([0, 4, 13], dtype=torch.int32)
+    positions = torch.cat([torch.arange(4), torch.arange(9)])
+    with torch.no_grad():
+        hidden = model.forward_packed(torch.cat(sequences), positions, cu_seqlens, 9)
+        packed_logits = model.lm_head(hidden)
+        one_by_one = torch.cat([model(s[None])[0] for s in sequences])
+    torch.testing.assert_close(packed_logits, one_by_one, atol=1e-5, rtol=1e-5)
+
+    model.save_pretrained(str(tmp_path / "copy"))
+    again = load_model(str(tmp_path / "copy"))
+    with torch.no_grad():
+        torch.testing.assert_close(again(sequences[1][None]), model(sequences[1][None]))

@@ -1,0 +1,70 @@
+import pytest
+import torch
+import transformers
+
+from hybridflow.models import PRESETS, ModelConfig, load_model, load_tokenizer
+from hybridflow.models.tokenizer import CHAR_VOCAB_SIZE
+
+
+def test_char_tokenizer_round_trip_and_chat_template(tmp_path):
+    tokenizer = load_tokenizer("char")
+    text = "Q: 12*3=?\n\tA: 36"
+    ids = tokenizer(text)["input_ids"]
+    assert len(ids) == len(text)  # one token per character
+    assert tokenizer.decode(ids) == text
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    assert prompt_ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 4
+    assert tokenizer.pad_token_id == PRESETS["tiny"].pad_token_id == 0
+    assert tokenizer.eos_token_id == PRESETS["tiny"].eos_token_id
+    assert len(tokenizer) == CHAR_VOCAB_SIZE <= PRESETS["tiny"].vocab_size
+
+    tokenizer.save_pretrained(str(tmp_path))
+    reloaded = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    assert reloaded(prompt)["input_ids"] == prompt_ids
+    assert (
+        reloaded.apply_chat_template(
+            [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+        )
+        == prompt
+    )
+    assert reloaded.eos_token_id == 4 and reloaded.pad_token_id == 0
+    assert load_tokenizer(str(tmp_path))(text)["input_ids"] == ids
+
+
+def test_unknown_names_fail_with_the_options():
+    with pytest.raises(ValueError, match="qwen2.5-1.5b"):
+        load_model("no-such-model")
+    with pytest.raises(ValueError, match="char"):
+        load_tokenizer("no-such-tokenizer")
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_shapes_and_hf_round_trip(name):
+    config = PRESETS[name]
+    assert ModelConfig.from_hf(config.to_hf()) == config.replace(torch_dtype="float32")
+    if name.startswith("tiny"):
+        assert config.num_parameters() < 1_000_000
+    hf_config = transformers.AutoConfig.for_model(**config.to_hf())
+    with torch.device("meta"):
+        hf_model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    assert sum(p.numel() for p in hf_model.parameters()) == config.num_parameters()
+
+
+def test_preset_is_seeded_and_counts_parameters():
+    first, second = load_model("tiny"), load_model("tiny")
+    assert sum(p.numel() for p in first.parameters()) == PRESETS["tiny"].num_parameters()
+    for a, b in zip(first.parameters(), second.parameters()):
+        assert torch.equal(a, b)
+    assert first.lm_head.weight is first.model.embed_tokens.weight
+
+
+def test_known_parameter_counts():
+    # Published sizes: Qwen2.5-1.5B 1.54B, Qwen2.5-7B 7.62B, Llama-3-8B 8.03B.
+    assert round(PRESETS["qwen2.5-1.5b"].num_parameters() / 1e9, 2) == 1.54
+    assert round(PRESETS["qwen2.5-7b"].num_parameters() / 1e9, 2) == 7.62
+    assert round(PRESETS["llama3-8b"].num_parameters() / 1e9, 2) == 8.03
