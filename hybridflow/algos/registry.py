@@ -66,6 +66,10 @@ class Registry:
                 f"unknown {self.kind} {name!r}{where}; known: {', '.join(self.names())}"
             ) from None
 
+    def unregister(self, name: str) -> None:
+        """Remove ``name`` (no error if absent); mainly for tests and notebooks."""
+        self._entries.pop(name, None)
+
     def names(self) -> list[str]:
         return sorted(self._entries)
 
