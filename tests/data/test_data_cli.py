@@ -1,0 +1,57 @@
+"""`hybridflow data ...` through the real argument parser."""
+
+from pathlib import Path
+
+import pytest
+
+from hybridflow.data.cli import main
+from hybridflow.data.schema import load_prompt_records
+
+GSM8K_TEST = Path("/work/shared/data/gsm8k/test.jsonl")
+
+
+@pytest.mark.skipif(not GSM8K_TEST.exists(), reason="shared gsm8k copy not present")
+def test_gsm8k_command(tmp_path, capsys):
+    assert main(["gsm8k", "--input", str(GSM8K_TEST), "--out", str(tmp_path)]) == 0
+    assert len(load_prompt_records(tmp_path / "test.parquet")) == 1319
+    assert "1319 rows" in capsys.readouterr().out
+
+
+def test_gsm8k_needs_exactly_one_source(tmp_path, capsys):
+    assert main(["gsm8k", "--out", str(tmp_path)]) == 2
+    assert "exactly one of --input" in capsys.readouterr().err
+
+
+def test_arithmetic_and_check_commands(tmp_path, capsys):
+    assert (
+        main(
+            [
+                "arithmetic",
+                "--out",
+                str(tmp_path),
+                "--train-size",
+                "20",
+                "--test-size",
+                "5",
+                "--sft-size",
+                "5",
+            ]
+        )
+        == 0
+    )
+    assert main(["check", str(tmp_path / "train.parquet"), "--known-sources"]) == 0
+    assert "20 rows OK" in capsys.readouterr().out
+
+
+def test_check_reports_schema_error_without_traceback(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"data_source": "x"}\n')
+    assert main(["check", str(bad)]) == 2
+    assert "bad.jsonl: line 1: missing key 'prompt'" in capsys.readouterr().err
+
+
+def test_registered_on_the_top_level_parser():
+    from hybridflow.cli import build_parser
+
+    args = build_parser().parse_args(["data", "countdown", "--out", "x"])
+    assert args.data_command == "countdown" and callable(args.func)

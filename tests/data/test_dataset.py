@@ -1,0 +1,132 @@
+"""PromptDataset + collate: chat template, overlong modes, left padding, Batch wrapping."""
+
+import numpy as np
+import pytest
+import torch
+
+from hybridflow.data.char_tokenizer import CharTokenizer
+from hybridflow.data.dataset import PromptDataset, PromptLoader, collate_prompts, make_prompt_batch
+from hybridflow.data.schema import DataSchemaError, PromptRecord
+
+TOKENIZER = CharTokenizer.for_arithmetic()
+
+
+def record(question, truth="0", where="f.jsonl: line 1"):
+    return PromptRecord(
+        data_source="arithmetic",
+        prompt=[{"role": "user", "content": question}],
+        ground_truth=truth,
+        extra_info={"q": question},
+        where=where,
+    )
+
+
+RECORDS = [
+    record("1+2=", "3"),
+    record("10+20=", "30"),
+    record("100+200=", "300", "f.jsonl: line 3"),
+]
+
+
+def test_chat_template_applied():
+    dataset = PromptDataset(RECORDS, TOKENIZER)
+    ids = dataset[0].prompt_ids
+    # <|user|> 1 + 2 = <|eos|> <|assistant|>
+    assert ids == [
+        TOKENIZER.token_to_id["<|user|>"],
+        *TOKENIZER.encode("1+2="),
+        1,
+        TOKENIZER.token_to_id["<|assistant|>"],
+    ]
+
+
+def test_overlong_filter_counts():
+    # lengths: 4+3=7, 6+3=9, 8+3=11 tokens
+    dataset = PromptDataset(RECORDS, TOKENIZER, max_prompt_length=9, overlong="filter")
+    assert len(dataset) == 2 and dataset.num_filtered == 1
+    assert [item.index for item in dataset.items] == [0, 1]
+
+
+def test_overlong_error_names_row_and_limit():
+    with pytest.raises(
+        DataSchemaError, match=r"f\.jsonl: line 3: prompt has 11 tokens.*max_prompt_length=9"
+    ):
+        PromptDataset(RECORDS, TOKENIZER, max_prompt_length=9, overlong="error")
+
+
+def test_overlong_truncate_keeps_the_end():
+    dataset = PromptDataset(RECORDS, TOKENIZER, max_prompt_length=5, overlong="truncate")
+    full = PromptDataset(RECORDS, TOKENIZER)
+    assert dataset.num_filtered == 0
+    assert dataset[2].prompt_ids == full[2].prompt_ids[-5:]
+    assert dataset[2].prompt_ids[-1] == TOKENIZER.token_to_id["<|assistant|>"]
+
+
+def test_collate_left_pads_and_gathers_arrays():
+    dataset = PromptDataset(RECORDS, TOKENIZER)
+    tensors, arrays = collate_prompts([dataset[0], dataset[2]], TOKENIZER.pad_token_id)
+    prompts, mask = tensors["prompts"], tensors["attention_mask"]
+    assert prompts.shape == (2, 11) and prompts.dtype == torch.long
+    assert mask[0].tolist() == [0] * 4 + [1] * 7
+    assert prompts[0, :4].tolist() == [TOKENIZER.pad_token_id] * 4
+    assert prompts[0, 4:].tolist() == dataset[0].prompt_ids
+    assert prompts[1].tolist() == dataset[2].prompt_ids
+    assert list(arrays["ground_truth"]) == ["3", "300"]
+    assert arrays["raw_prompt"][1] == [{"role": "user", "content": "100+200="}]
+    assert arrays["extra_info"][0] == {"q": "1+2="}
+    assert arrays["index"].tolist() == [0, 2]
+    assert all(a.shape == (2,) for a in arrays.values())
+
+
+def test_collate_pad_to_fixed_width():
+    dataset = PromptDataset(RECORDS, TOKENIZER)
+    tensors, _ = collate_prompts([dataset[0]], TOKENIZER.pad_token_id, pad_to=16)
+    assert tensors["prompts"].shape == (1, 16) and tensors["attention_mask"].sum() == 7
+    with pytest.raises(ValueError, match="shorter than the longest"):
+        collate_prompts([dataset[2]], 0, pad_to=4)
+
+
+def test_object_arrays_hold_equal_shaped_lists():
+    # np.array would turn two equal-length lists into a 2-D array; rows must stay lists.
+    cd = [
+        PromptRecord(
+            "countdown", [{"role": "user", "content": "x"}], {"target": 3, "numbers": [1, 2]}
+        ),
+        PromptRecord(
+            "countdown", [{"role": "user", "content": "y"}], {"target": 4, "numbers": [2, 2]}
+        ),
+    ]
+    _, arrays = collate_prompts(PromptDataset(cd, CharTokenizer()).items, 0)
+    assert arrays["raw_prompt"].dtype == object and arrays["raw_prompt"].shape == (2,)
+
+
+def test_loader_batches_are_batch_objects_and_resume_exactly():
+    dataset = PromptDataset([record(f"{i}+1=", str(i + 1)) for i in range(10)], TOKENIZER)
+    loader = PromptLoader(dataset, batch_size=3, pad_token_id=0, seed=5)
+    first = [loader.next_batch() for _ in range(2)]
+    assert len(first[0]) == 3 and "prompts" in first[0] and "ground_truth" in first[0]
+    state = loader.state_dict()
+    later = [loader.next_batch()["index"].tolist() for _ in range(4)]
+    resumed = PromptLoader(dataset, batch_size=3, pad_token_id=0, seed=5)
+    resumed.load_state_dict(state)
+    assert [resumed.next_batch()["index"].tolist() for _ in range(4)] == later
+
+
+def test_make_prompt_batch_matches_collate():
+    dataset = PromptDataset(RECORDS, TOKENIZER)
+    batch = make_prompt_batch(dataset.items, TOKENIZER.pad_token_id)
+    tensors, arrays = collate_prompts(dataset.items, TOKENIZER.pad_token_id)
+    assert torch.equal(batch["prompts"], tensors["prompts"])
+    assert np.array_equal(batch["index"], arrays["index"])
+
+
+class ListOfListsTokenizer:
+    """transformers returns nested lists / BatchEncoding in some versions."""
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        return {"input_ids": [[5, 6, len(messages[0]["content"])]]}
+
+
+def test_tokenizer_output_forms_are_normalised():
+    dataset = PromptDataset(RECORDS[:1], ListOfListsTokenizer())
+    assert dataset[0].prompt_ids == [5, 6, 4]
