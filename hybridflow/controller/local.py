@@ -1,0 +1,273 @@
+"""``local`` backend: one spawned process per device on this node.
+
+Each worker initialises torch.distributed (NCCL on GPU, gloo on CPU) and then serves calls
+from a pipe; tensors travel through shared memory (transport.py). A thread per worker
+reads its replies; a closed pipe means the process died, and every pending call fails at
+once with ``WorkerDiedError``. Workers ignore SIGINT (the controller decides when they stop)
+and exit by themselves when the controller process disappears.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import socket
+import threading
+import time
+from concurrent.futures import Future
+
+from hybridflow.controller import transport
+from hybridflow.controller.errors import WorkerDiedError
+from hybridflow.controller.resources import ResourcePool
+from hybridflow.controller.worker import (
+    Outcome,
+    WorkerContext,
+    WorkerHost,
+    destroy_distributed,
+    init_distributed,
+)
+
+_PARENT_POLL_S = 1.0
+
+
+class LocalBackend:
+    name = "local"
+
+    def __init__(
+        self,
+        worker_cls: type,
+        pool: ResourcePool,
+        group: str,
+        init_kwargs: dict,
+        start_timeout_s: float,
+        collective_timeout_s: float,
+    ) -> None:
+        import torch.multiprocessing as mp
+
+        if pool.num_nodes != 1:
+            raise ValueError(
+                f"the local backend runs on one node; {pool} spans {pool.num_nodes}: use backend='ray'"
+            )
+        self.group = group
+        self.world_size = pool.world_size
+        self.owner = f"{os.getpid()}-{group}"  # names this controller's shm segments for this group
+        self.closing = False
+        self.dead: dict[int, str] = {}
+        self.pending: list[dict[int, Future]] = [{} for _ in range(self.world_size)]
+        self.lock = threading.Lock()
+        self.call_ids = itertools.count()
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.procs, self.conns = [], []
+        for rank in range(self.world_size):
+            context = WorkerContext(
+                rank,
+                self.world_size,
+                rank,
+                self.world_size,
+                pool.device_for(rank),
+                group,
+                self.name,
+            )
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(child_end, context, port, collective_timeout_s, os.getpid()),
+                name=f"hybridflow-{group}-{rank}",
+                daemon=False,  # workers may start their own children (daemons cannot)
+            )
+            proc.start()
+            child_end.close()  # so that the pipe reports EOF when the worker dies
+            self.procs.append(proc)
+            self.conns.append(parent_end)
+        for conn in self.conns:
+            conn.send_bytes(transport.encode((worker_cls, init_kwargs), self.owner))
+        self.start_outcomes = [
+            self._wait_ready(rank, start_timeout_s) for rank in range(self.world_size)
+        ]
+        for rank in range(self.world_size):
+            threading.Thread(
+                target=self._read_replies,
+                args=(rank,),
+                name=f"hybridflow-{group}-reader-{rank}",
+                daemon=True,
+            ).start()
+
+    def _wait_ready(self, rank: int, timeout_s: float) -> Outcome:
+        deadline = time.monotonic() + timeout_s
+        conn, proc = self.conns[rank], self.procs[rank]
+        while not conn.poll(0.2):
+            if not proc.is_alive():
+                return Outcome(
+                    error=f"worker process exited with code {proc.exitcode} while starting"
+                )
+            if time.monotonic() > deadline:
+                return Outcome(error=f"worker did not start within {timeout_s:.0f}s")
+        try:
+            return transport.decode(conn.recv_bytes())
+        except EOFError:
+            proc.join(1)
+            return Outcome(error=f"worker process exited with code {proc.exitcode} while starting")
+
+    def submit(self, path: str, per_rank: list[tuple[tuple, dict]]) -> list[Future]:
+        futures = []
+        with self.lock:  # every rank sees calls in the same order (collectives match up)
+            for rank, (args, kwargs) in enumerate(per_rank):
+                future: Future = Future()
+                if rank in self.dead:
+                    future.set_exception(self._died(rank, path))
+                else:
+                    call_id = next(self.call_ids)
+                    self.pending[rank][call_id] = future
+                    future.path = path  # type: ignore[attr-defined]
+                    try:
+                        self.conns[rank].send_bytes(
+                            transport.encode((call_id, path, args, kwargs), self.owner)
+                        )
+                    except (OSError, EOFError):
+                        self.pending[rank].pop(call_id, None)
+                        self._mark_dead(rank)
+                        future.set_exception(self._died(rank, path))
+                futures.append(future)
+        return futures
+
+    def _read_replies(self, rank: int) -> None:
+        conn = self.conns[rank]
+        while True:
+            try:
+                call_id, outcome = transport.decode(conn.recv_bytes())
+            except (EOFError, OSError):
+                break
+            future = self.pending[rank].pop(call_id, None)
+            if future is not None:
+                future.set_result(outcome)
+        if not self.closing:
+            self._mark_dead(rank)
+
+    def _mark_dead(self, rank: int) -> None:
+        proc = self.procs[rank]
+        proc.join(0.5)
+        self.dead[rank] = f"worker process {proc.pid} exited with code {proc.exitcode}"
+        for future in list(self.pending[rank].values()):
+            if not future.done():
+                future.set_exception(self._died(rank, getattr(future, "path", "?")))
+        self.pending[rank].clear()
+
+    def _died(self, rank: int, path: str) -> WorkerDiedError:
+        return WorkerDiedError(
+            self.group, "", rank, path, self.dead.get(rank, "worker process died")
+        )
+
+    def check_alive(self) -> None:
+        """Backstop to the pipe EOF: poll the processes themselves."""
+        for rank, proc in enumerate(self.procs):
+            if rank not in self.dead and not proc.is_alive() and not self.closing:
+                self._mark_dead(rank)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def shutdown(self, grace_s: float = 5.0) -> None:
+        import psutil
+
+        self.closing = True
+        descendants = []
+        for proc in self.procs:
+            try:
+                descendants += psutil.Process(proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                pass
+        for conn in self.conns:
+            try:
+                conn.send_bytes(transport.encode(("stop",), self.owner))
+            except (OSError, EOFError):
+                pass
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(2)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2)
+        for child in descendants:  # e.g. a sandbox a worker started: never left behind
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(descendants, timeout=2)
+        for conn in self.conns:
+            conn.close()
+        transport.remove_segments(self.owner)
+        for proc in self.procs:
+            transport.remove_segments(str(proc.pid))
+        for rank in range(self.world_size):
+            for future in self.pending[rank].values():
+                if not future.done():
+                    future.set_exception(
+                        WorkerDiedError(self.group, "", rank, "?", "worker group was shut down")
+                    )
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker_main(
+    conn, context: WorkerContext, port: int, collective_timeout_s: float, parent_pid: int
+) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    owner = str(os.getpid())
+    host = WorkerHost()
+    try:
+        try:
+            worker_cls, init_kwargs = transport.decode(conn.recv_bytes())
+            init_distributed(context, "127.0.0.1", port, collective_timeout_s)
+        except BaseException as exc:  # noqa: BLE001 - reported to the controller
+            import traceback
+
+            conn.send_bytes(
+                transport.encode(
+                    Outcome(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()),
+                    owner,
+                )
+            )
+            return
+        conn.send_bytes(transport.encode(host.start(worker_cls, context, init_kwargs), owner))
+        _serve(conn, host, owner)
+    finally:
+        destroy_distributed()
+
+
+def _serve(conn, host: WorkerHost, owner: str) -> None:
+    while True:
+        try:
+            message = transport.decode(conn.recv_bytes())
+        except (EOFError, OSError):
+            return  # the controller is gone
+        if message[0] == "stop":
+            return
+        call_id, path, args, kwargs = message
+        outcome = host.call(path, args, kwargs)
+        try:
+            reply = transport.encode((call_id, outcome), owner)
+        except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable return value
+            reply = transport.encode(
+                (call_id, Outcome(error=f"{path} returned a value that cannot be sent: {exc}")),
+                owner,
+            )
+        conn.send_bytes(reply)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    # If the controller is SIGKILLed no atexit runs: workers notice and leave on their own.
+    while True:
+        time.sleep(_PARENT_POLL_S)
+        if os.getppid() != parent_pid:
+            os._exit(1)

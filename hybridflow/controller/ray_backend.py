@@ -1,0 +1,237 @@
+"""``ray`` backend: one Ray actor per device, in one placement group per node.
+
+``ray.init(address="auto")`` joins a running cluster; without one a local Ray is started
+(a Ray that the program already initialised is used as is). Ranks are ordered by node,
+then by bundle; rank 0's node address and a free port there become the torch.distributed
+master. Batches travel through Ray's object store (``Batch`` pickles to its raw tensor
+bytes); a Batch sent to every rank is put in the store once.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from concurrent.futures import Future
+from typing import Any
+
+from hybridflow.controller.errors import WorkerDiedError
+from hybridflow.controller.resources import ResourcePool
+from hybridflow.controller.worker import Outcome, WorkerContext, WorkerHost, init_distributed
+from hybridflow.protocol import Batch
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError as exc:
+        raise ImportError(
+            "backend='ray' needs Ray: pip install 'hybridflow[ray]' (or pip install ray)"
+        ) from exc
+    return ray
+
+
+def ensure_ray_initialized() -> None:
+    ray = import_ray()
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address="auto")  # an existing cluster (RAY_ADDRESS or a local head node)
+    except ConnectionError:
+        ray.init()
+
+
+class _RayHost:
+    """The actor: a WorkerHost plus what placement needs to know about its node."""
+
+    def __init__(self, driver_sys_path: list[str]) -> None:
+        # Like multiprocessing's spawn: modules the driver can import (its worker classes,
+        # e.g. from a script's directory) become importable here too, before any call's
+        # arguments are unpickled.
+        import sys
+
+        sys.path.extend(p for p in driver_sys_path if p not in sys.path)
+        self.host = WorkerHost()
+
+    def node(self) -> tuple[str, str, int]:
+        import ray
+
+        return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(), os.getpid()
+
+    def free_port(self) -> int:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            return sock.getsockname()[1]
+
+    def start(
+        self,
+        worker_cls: type,
+        context: WorkerContext,
+        master: tuple[str, int],
+        timeout_s: float,
+        init_kwargs: dict,
+    ) -> Outcome:
+        try:
+            init_distributed(context, master[0], master[1], timeout_s)
+        except Exception as exc:  # noqa: BLE001 - reported to the controller
+            import traceback
+
+            return Outcome(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+        return self.host.start(worker_cls, context, init_kwargs)
+
+    def call(self, path: str, kwarg_names: list[str], *values: Any) -> Outcome:
+        # Arguments arrive flat: Ray resolves ObjectRefs only at the top level.
+        n_args = len(values) - len(kwarg_names)
+        kwargs = dict(zip(kwarg_names, values[n_args:]))
+        return self.host.call(path, values[:n_args], kwargs)
+
+    def kill_children(self) -> None:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+class RayBackend:
+    name = "ray"
+
+    def __init__(
+        self,
+        worker_cls: type,
+        pool: ResourcePool,
+        group: str,
+        init_kwargs: dict,
+        start_timeout_s: float,
+        collective_timeout_s: float,
+    ) -> None:
+        ray = import_ray()
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        ensure_ray_initialized()
+        self.ray, self.group, self.world_size = ray, group, pool.world_size
+        self.actors: list[Any] = []
+        self.placement_groups = []
+        bundle = {"CPU": pool.cpus_per_worker, **({"GPU": 1} if pool.use_gpu else {})}
+        remote_host = ray.remote(_RayHost)
+        try:
+            for per_node in pool.per_node:
+                pg = placement_group([dict(bundle)] * per_node, strategy="STRICT_PACK")
+                self.placement_groups.append(pg)
+                ray.get(pg.ready(), timeout=start_timeout_s)
+                for index in range(per_node):
+                    strategy = PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=index
+                    )
+                    options = dict(
+                        num_cpus=pool.cpus_per_worker,
+                        num_gpus=1 if pool.use_gpu else 0,
+                        scheduling_strategy=strategy,
+                    )
+                    self.actors.append(remote_host.options(**options).remote(sys.path))
+            nodes = ray.get([a.node.remote() for a in self.actors], timeout=start_timeout_s)
+            # Ranks ordered by node (first appearance), then bundle: rank r's neighbours share its node.
+            node_order = {node_id: i for i, (_, node_id, _) in reversed(list(enumerate(nodes)))}
+            order = sorted(range(len(self.actors)), key=lambda i: (node_order[nodes[i][1]], i))
+            self.actors = [self.actors[i] for i in order]
+            nodes = [nodes[i] for i in order]
+            self._pids = [pid for _, _, pid in nodes]
+            master = (
+                nodes[0][0],
+                ray.get(self.actors[0].free_port.remote(), timeout=start_timeout_s),
+            )
+            contexts = _contexts(nodes, pool, group)
+            starts = [
+                a.start.remote(worker_cls, c, master, collective_timeout_s, init_kwargs)
+                for a, c in zip(self.actors, contexts)
+            ]
+            self.start_outcomes: list[Outcome] = ray.get(starts, timeout=start_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def submit(self, path: str, per_rank: list[tuple[tuple, dict]]) -> list[Future]:
+        stored: dict[
+            int, Any
+        ] = {}  # id(batch) -> ObjectRef: a Batch sent to many ranks is stored once
+
+        def put(value: Any) -> Any:
+            if not isinstance(value, Batch):
+                return value
+            if id(value) not in stored:
+                stored[id(value)] = self.ray.put(value)
+            return stored[id(value)]
+
+        futures = []
+        for rank, (args, kwargs) in enumerate(per_rank):
+            values = [put(v) for v in [*args, *kwargs.values()]]
+            ref = self.actors[rank].call.remote(path, list(kwargs), *values)
+            futures.append(self._wrap(ref, rank, path))
+        return futures
+
+    def _wrap(self, ref: Any, rank: int, path: str) -> Future:
+        out: Future = Future()
+
+        def settle(ray_future: Future) -> None:
+            exc = ray_future.exception()
+            if exc is None:
+                out.set_result(ray_future.result())
+            elif isinstance(exc, self.ray.exceptions.RayActorError):
+                out.set_exception(
+                    WorkerDiedError(self.group, "", rank, path, f"Ray actor died: {exc}")
+                )
+            else:
+                out.set_exception(exc)
+
+        ref.future().add_done_callback(settle)
+        return out
+
+    def check_alive(self) -> None:
+        """Ray reports dead actors through the call futures."""
+
+    def pids(self) -> list[int]:
+        return list(self._pids)
+
+    def shutdown(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        if not self.ray.is_initialized():
+            return  # Ray shut down first (its atexit runs before ours): actors are gone
+        try:
+            self.ray.get([a.kill_children.remote() for a in self.actors], timeout=5)
+        except Exception:  # noqa: BLE001 - dead actors cannot clean up; kill them anyway
+            pass
+        for actor in self.actors:
+            try:
+                self.ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        for pg in self.placement_groups:
+            try:
+                remove_placement_group(pg)
+            except Exception:  # noqa: BLE001
+                pass
+        self.actors, self.placement_groups = [], []
+
+
+def _contexts(
+    nodes: list[tuple[str, str, int]], pool: ResourcePool, group: str
+) -> list[WorkerContext]:
+    contexts, seen = [], {}
+    per_node_count = {}
+    for _, node_id, _ in nodes:
+        per_node_count[node_id] = per_node_count.get(node_id, 0) + 1
+    for rank, (_, node_id, _) in enumerate(nodes):
+        local_rank = seen.get(node_id, 0)
+        seen[node_id] = local_rank + 1
+        # Ray restricts CUDA_VISIBLE_DEVICES to the actor's GPU, which is then cuda:0.
+        device = "cuda:0" if pool.use_gpu else "cpu"
+        contexts.append(
+            WorkerContext(
+                rank, len(nodes), local_rank, per_node_count[node_id], device, group, "ray"
+            )
+        )
+    return contexts

@@ -1,0 +1,215 @@
+"""What runs inside a worker: its context (rank, device...), role fusion, and the host that
+builds the worker object and runs calls on it, turning exceptions into plain data."""
+
+from __future__ import annotations
+
+import os
+import threading
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridflow.controller.dispatch import Dispatch, dispatch_of
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """Where a worker runs. Set by the backend before the worker's ``__init__``."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: str
+    """``"cuda:<i>"`` or ``"cpu"``; torch.cuda.set_device has been called for CUDA."""
+    group: str
+    """Name of the WorkerGroup, used in error messages."""
+    backend: str
+    """``"inprocess"``, ``"local"`` or ``"ray"``. torch.distributed is initialised for the
+    last two (gloo on CPU, NCCL on GPU); ``inprocess`` leaves it alone."""
+    colocated: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """Role objects fused into this process by ``fuse``, by role name, e.g. a rollout role
+    reads ``colocated["actor"]`` to use the actor's weights in place."""
+
+
+_local = threading.local()
+
+
+def current_context() -> WorkerContext:
+    """The context of the worker running on this thread (inside worker code only)."""
+    ctx = getattr(_local, "context", None)
+    if ctx is None:
+        raise RuntimeError("current_context() is only available inside a worker")
+    return ctx
+
+
+class Worker:
+    """Convenience mix-in giving ``self.rank``, ``self.world_size``, ``self.device``...
+
+    Any class can be a worker: the backend sets ``self.context`` before calling ``__init__``;
+    this class only adds read-only shortcuts to it (no hooks to override).
+    """
+
+    context: WorkerContext
+
+    @property
+    def rank(self) -> int:
+        return self.context.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.context.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.context.local_rank
+
+    @property
+    def device(self) -> str:
+        return self.context.device
+
+
+FUSED_ATTR = "__hybridflow_roles__"
+
+
+def fuse(**roles: type | tuple[type, dict[str, Any]]) -> type:
+    """One worker class holding several roles in one process per device (the hybrid engine).
+
+    ``fuse(actor=Actor, rollout=Rollout, ref=(Ref, {"offload": True}))``: the group's init
+    kwargs go to every role, plus the role's own extra kwargs; roles are built in the given
+    order and see the earlier ones in ``context.colocated``. Call them on the group as
+    ``group.actor.update(batch)``; the same trainer code works with separate groups
+    (``actor = WorkerGroup(Actor, ...)``) for split placement.
+    """
+    if not roles:
+        raise ValueError("fuse needs at least one role, e.g. fuse(actor=Actor, rollout=Rollout)")
+    specs = {name: spec if isinstance(spec, tuple) else (spec, {}) for name, spec in roles.items()}
+
+    class FusedWorker(Worker):
+        def __init__(self, **kwargs: Any) -> None:
+            self.roles: dict[str, Any] = {}
+            for name, (cls, extra) in specs.items():
+                obj = construct(cls, self.context, {**kwargs, **extra})
+                self.roles[name] = obj
+                self.context.colocated[name] = obj
+
+    FusedWorker.__name__ = FusedWorker.__qualname__ = "Fused_" + "_".join(specs)
+    setattr(FusedWorker, FUSED_ATTR, {name: cls for name, (cls, _) in specs.items()})
+    return FusedWorker
+
+
+def fused_roles(worker_cls: type) -> dict[str, type]:
+    return getattr(worker_cls, FUSED_ATTR, {})
+
+
+def resolve_method(worker_cls: type, path: str) -> tuple[Dispatch, str]:
+    """Dispatch mode of ``path`` (``"generate"`` or ``"actor.update"`` on a fused class)."""
+    cls, role, name = worker_cls, None, path
+    if "." in path:
+        role, name = path.split(".", 1)
+        cls = fused_roles(worker_cls).get(role)
+        if cls is None:
+            raise AttributeError(f"{worker_cls.__name__} has no role {role!r}")
+    mode = dispatch_of(getattr(cls, name, None))
+    if mode is None:
+        registered = sorted(n for n in dir(cls) if dispatch_of(getattr(cls, n, None)))
+        raise AttributeError(
+            f"{cls.__name__}.{name} is not a remote method; registered: {registered} "
+            "(mark methods with @register(dispatch=...))"
+        )
+    return mode, role or ""
+
+
+def construct(cls: type, context: WorkerContext, kwargs: dict[str, Any]) -> Any:
+    """Build a worker object with ``context`` already set, so ``__init__`` can use it."""
+    obj = cls.__new__(cls)
+    obj.context = context
+    obj.__init__(**kwargs)
+    return obj
+
+
+@dataclass
+class Outcome:
+    """Result of one call on one rank, as plain data (exceptions may not pickle)."""
+
+    value: Any = None
+    error: str | None = None
+    """``"ExceptionType: message"`` when the call raised."""
+    traceback: str = ""
+
+
+class WorkerHost:
+    """Owns the worker object of one rank and runs calls on it."""
+
+    def __init__(self) -> None:
+        self.worker: Any = None
+        self.context: WorkerContext | None = None
+
+    def start(self, worker_cls: type, context: WorkerContext, init_kwargs: dict) -> Outcome:
+        self.context = context
+        _local.context = context
+        return _capture(
+            lambda: setattr(self, "worker", construct(worker_cls, context, init_kwargs))
+        )
+
+    def call(self, path: str, args: tuple, kwargs: dict) -> Outcome:
+        _local.context = self.context
+        return _capture(lambda: self._bound(path)(*args, **kwargs))
+
+    def _bound(self, path: str):
+        target, name = self.worker, path
+        if "." in path:
+            role, name = path.split(".", 1)
+            target = self.worker.roles[role]
+        return getattr(target, name)
+
+
+def _capture(fn) -> Outcome:
+    try:
+        return Outcome(value=fn())
+    except BaseException as exc:  # noqa: BLE001 - reported to the controller, which re-raises
+        # Drop this frame and the host's lambda: the traceback starts in worker code.
+        tb = exc.__traceback__.tb_next.tb_next or exc.__traceback__
+        lines = traceback.format_exception(type(exc), exc, tb)
+        return Outcome(error=f"{type(exc).__name__}: {exc}", traceback="".join(lines))
+
+
+def init_distributed(
+    context: WorkerContext, master_addr: str, master_port: int, timeout_s: float
+) -> None:
+    """torch.distributed for one worker: NCCL on its GPU, gloo on CPU; env vars set for
+    libraries that read them (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR...)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+        RANK=str(context.rank),
+        WORLD_SIZE=str(context.world_size),
+        LOCAL_RANK=str(context.local_rank),
+        LOCAL_WORLD_SIZE=str(context.local_world_size),
+    )
+    kwargs: dict[str, Any] = {}
+    if context.device.startswith("cuda"):
+        torch.cuda.set_device(context.device)
+        kwargs["device_id"] = torch.device(context.device)
+    dist.init_process_group(
+        backend="nccl" if context.device.startswith("cuda") else "gloo",
+        rank=context.rank,
+        world_size=context.world_size,
+        timeout=timedelta(seconds=timeout_s),
+        **kwargs,
+    )
+
+
+def destroy_distributed() -> None:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort on the way out
+        pass

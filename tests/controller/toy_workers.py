@@ -1,0 +1,90 @@
+"""Worker classes for the controller tests (importable by spawned and Ray workers)."""
+
+import os
+import subprocess
+import time
+
+import torch
+
+from hybridflow.controller import Dispatch, Worker, current_context, register
+from hybridflow.protocol import Batch
+
+
+class Toy(Worker):
+    def __init__(self, scale: int = 1, fail_on_rank: int | None = None) -> None:
+        if fail_on_rank == self.rank:
+            raise RuntimeError(f"cannot build on rank {self.rank}")
+        self.scale = scale
+
+    @register(dispatch=Dispatch.DP_SPLIT)
+    def transform(self, batch: Batch) -> Batch:
+        # One output row per input row, tagged with the rank that computed it.
+        y = batch["x"] * self.scale + batch["x"].sum(dim=1, keepdim=True)  # [b, T]
+        rank = torch.full((len(batch),), self.rank)
+        return Batch({"y": y, "rank": rank}, {"uid": batch["uid"]}, {"seen_rows": len(batch)})
+
+    @register(dispatch=Dispatch.DP_SPLIT)
+    def count_rows(self, batch: Batch) -> int:
+        return len(batch)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def whoami(self) -> tuple:
+        ctx = current_context()
+        return ctx.rank, ctx.world_size, ctx.device, self.scale
+
+    @register(dispatch=Dispatch.RANK_ZERO)
+    def sum_of_ranks(self) -> int:
+        # A real collective: every rank must take part.
+        value = torch.tensor([self.rank])
+        torch.distributed.all_reduce(value)
+        return int(value.item())
+
+    @register(dispatch=Dispatch.ALL_TO_ALL)
+    def add_rank(self, value: int) -> int:
+        return value + self.rank
+
+    @register
+    def fail(self, message: str) -> None:
+        raise ValueError(message)
+
+    @register
+    def sleep(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
+    @register
+    def pid(self) -> int:
+        return os.getpid()
+
+    @register
+    def start_child(self) -> int:
+        """A grandchild of the controller, which must not outlive the group."""
+        return subprocess.Popen(["sleep", "300"]).pid
+
+    @register
+    def echo(self, value):
+        return value
+
+    def private_helper(self) -> None:
+        """Not registered: not callable from the controller."""
+
+
+class Counter(Worker):
+    def __init__(self, start: int = 0) -> None:
+        self.value = start
+
+    @register(dispatch=Dispatch.RANK_ZERO)
+    def add(self, amount: int) -> int:
+        self.value += amount
+        return self.value
+
+
+class ReadsPeer(Worker):
+    """A role that uses another role of the same fused worker in place."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.peer = self.context.colocated["counter"]
+
+    @register(dispatch=Dispatch.RANK_ZERO)
+    def peer_value(self) -> int:
+        return self.peer.value
