@@ -1,0 +1,1 @@
+"""The RL and SFT loops, metrics, loggers, checkpoints and validation."""

@@ -1,0 +1,191 @@
+"""Checkpoint directories that are either complete or ignored, never half-written.
+
+Layout under `root` (usually `<trainer.run_dir>/checkpoints`):
+
+    step_20/               a complete checkpoint: whatever the writer put there, plus
+      metadata.json        {"step": 20, "saved_at": ..., ...caller's metadata}
+      COMPLETE             written last; its presence is what "complete" means
+    .tmp-step_30/          a save in progress (or killed mid-way): ignored, removed later
+
+`save` lets the writer fill `.tmp-step_N`, writes the metadata and the marker, fsyncs, and
+renames the directory to `step_N` (a rename within one file system is atomic). A process
+killed at any point leaves the previous complete checkpoint as `latest()`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+COMPLETE_MARKER = "COMPLETE"
+METADATA_FILE = "metadata.json"
+RNG_FILE = "rng_state.pt"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def is_complete(path: str | Path) -> bool:
+    return (Path(path) / COMPLETE_MARKER).is_file()
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    return json.loads((Path(path) / METADATA_FILE).read_text())
+
+
+def _fsync_tree(path: Path) -> None:
+    """Flush file contents and directory entries so the marker never outlives the data."""
+    for directory, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(directory, name), "rb") as handle:
+                os.fsync(handle.fileno())
+        _fsync_dir(Path(directory))
+
+
+def _fsync_dir(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+class CheckpointManager:
+    """Atomic `step_N` checkpoints under `root`, keeping the newest `keep_last_k`."""
+
+    def __init__(self, root: str | Path, keep_last_k: int | None = 2):
+        if keep_last_k is not None and keep_last_k < 1:
+            raise ValueError(f"trainer.keep_last_k={keep_last_k} must be >= 1 (or None: keep all)")
+        self.root = Path(root)
+        self.keep_last_k = keep_last_k
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"step_{step}"
+
+    def save(
+        self,
+        step: int,
+        writer_fn: Callable[[Path], None],
+        metadata: dict[str, Any] | None = None,
+    ) -> Path:
+        """Run `writer_fn(tmp_dir)`, then publish the directory as `step_N` atomically."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        temporary = self.root / f".tmp-step_{step}"
+        if temporary.exists():  # left by a killed save of the same step
+            shutil.rmtree(temporary)
+        temporary.mkdir()
+        writer_fn(temporary)
+        info = {"step": step, "saved_at": time.time(), **(metadata or {})}
+        (temporary / METADATA_FILE).write_text(json.dumps(info, indent=2, default=str))
+        _fsync_tree(temporary)
+        (temporary / COMPLETE_MARKER).write_text(f"{step}\n")
+        _fsync_tree(temporary)
+        final = self.step_dir(step)
+        if final.exists():  # re-saving a step (e.g. after resuming from an older one)
+            stale = self.root / f".old-step_{step}"
+            shutil.rmtree(stale, ignore_errors=True)
+            os.rename(final, stale)
+            os.rename(temporary, final)
+            shutil.rmtree(stale)
+        else:
+            os.rename(temporary, final)
+        _fsync_dir(self.root)
+        self._prune()
+        return final
+
+    def complete_checkpoints(self) -> list[tuple[int, Path]]:
+        """`(step, path)` of every complete checkpoint, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for path in self.root.iterdir():
+            match = _STEP_DIR.match(path.name)
+            if match and path.is_dir() and is_complete(path):
+                found.append((int(match.group(1)), path))
+        return sorted(found)
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint; temporary and incomplete directories are ignored."""
+        complete = self.complete_checkpoints()
+        return complete[-1][1] if complete else None
+
+    def latest_step(self) -> int | None:
+        complete = self.complete_checkpoints()
+        return complete[-1][0] if complete else None
+
+    def resolve_resume(self, resume: str | None) -> Path | None:
+        """`trainer.resume`: "auto" -> latest (or None), "disable" -> None, else a path."""
+        if resume in (None, "", "disable", "none"):
+            return None
+        if resume == "auto":
+            return self.latest()
+        path = Path(resume)
+        if not is_complete(path):
+            raise FileNotFoundError(
+                f"trainer.resume={resume!r}: not a complete checkpoint (no {COMPLETE_MARKER} "
+                f"marker); use 'auto' to pick the latest complete one in {self.root}"
+            )
+        return path
+
+    def _prune(self) -> None:
+        """Delete all but the newest `keep_last_k` complete checkpoints and stale temps."""
+        for path in self.root.glob(".tmp-step_*"):
+            shutil.rmtree(path, ignore_errors=True)
+        for path in self.root.glob(".old-step_*"):
+            shutil.rmtree(path, ignore_errors=True)
+        complete = self.complete_checkpoints()
+        if self.keep_last_k is None:
+            return
+        for _, path in complete[: -self.keep_last_k]:
+            # Drop the marker first: a crash mid-delete leaves an ignored directory.
+            (path / COMPLETE_MARKER).unlink()
+            shutil.rmtree(path)
+
+
+# torch is imported inside the RNG helpers only, so the manager itself stays light.
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """RNG states of python, numpy, torch (CPU) and every CUDA device if present."""
+    import torch
+
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_rng_state(directory: str | Path, filename: str = RNG_FILE) -> Path:
+    import torch
+
+    path = Path(directory) / filename
+    torch.save(capture_rng_state(), path)
+    return path
+
+
+def load_rng_state(directory: str | Path, filename: str = RNG_FILE) -> None:
+    import torch
+
+    # Our own file holding python tuples and numpy arrays: not a weights-only payload.
+    restore_rng_state(torch.load(Path(directory) / filename, weights_only=False))

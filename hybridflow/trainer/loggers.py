@@ -1,0 +1,250 @@
+"""Where metrics go: console (rich), metrics.jsonl, TensorBoard, W&B.
+
+`Tracker` fans one `log(metrics, step)` out to the backends named in `trainer.loggers`.
+TensorBoard and W&B are imported only when asked for, with a message saying what to
+install if they are missing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+LOGGER_NAMES = ("console", "jsonl", "tensorboard", "wandb")
+
+# What the console table shows, in order, when present (short header, key).
+CONSOLE_COLUMNS = (
+    ("score", "score/mean"),
+    ("reward", "reward/mean"),
+    ("resp_len", "response_length/mean"),
+    ("clip", "response_length/clip_ratio"),
+    ("pg_loss", "actor/pg_loss"),
+    ("entropy", "actor/entropy"),
+    ("kl", "actor/ppo_kl"),
+    ("grad", "actor/grad_norm"),
+    ("tok/s/gpu", "perf/tokens_per_s_per_gpu"),
+    ("step_s", "timing_s/step"),
+)
+
+
+class LoggerUnavailable(RuntimeError):
+    """A requested logging backend is not installed."""
+
+
+def _is_scalar(value: Any) -> bool:
+    if isinstance(value, (numbers.Number, str)) or value is None:
+        return True
+    size = getattr(value, "numel", None) or getattr(value, "size", None)
+    size = size() if callable(size) else size
+    return size == 1 and hasattr(value, "item")
+
+
+def to_scalar(value: Any) -> float | int | str | None:
+    """A JSON-friendly scalar: tensors and numpy numbers become numbers, NaN/inf None."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, (int, str)):
+        return value
+    if isinstance(value, numbers.Real) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def clean_metrics(metrics: Mapping[str, Any]) -> dict[str, float | int | str | None]:
+    """Scalars only (NaN/inf become None); lists, dicts and larger tensors are dropped."""
+    return {key: to_scalar(value) for key, value in metrics.items() if _is_scalar(value)}
+
+
+class JsonlLogger:
+    """Appends one JSON object per step, `{"step": N, ...}`, to `path`.
+
+    On resume from step K, lines with step > K (written after the checkpoint, before a
+    crash) are dropped first, so the file reads as one uninterrupted run.
+    """
+
+    def __init__(self, path: str | Path, resume_step: int | None = None):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None and self.path.exists():
+            self._truncate_after(resume_step)
+        self._handle = self.path.open("a", encoding="utf-8")
+
+    def _truncate_after(self, step: int) -> None:
+        kept = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by the crash
+                continue
+            if record.get("step", 0) <= step:
+                kept.append(line)
+        temporary = self.path.with_suffix(".jsonl.tmp")
+        temporary.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(temporary, self.path)
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        record = {"step": step, **clean_metrics(metrics)}
+        self._handle.write(json.dumps(record) + "\n")
+        self._handle.flush()
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+def _format(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+class ConsoleLogger:
+    """A rich progress bar over the steps and a compact table: one row per step.
+
+    The header is printed again every `header_every` rows; validation metrics (`val/…`)
+    get a line of their own.
+    """
+
+    def __init__(self, total_steps: int, header_every: int = 20, console=None):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+        self.console = console or Console()
+        self.header_every, self.rows = header_every, 0
+        self.progress = Progress(
+            "[progress.description]{task.description}",
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=True,
+        )
+        self.task = self.progress.add_task("training", total=total_steps)
+        self.progress.start()
+        self.columns: list[tuple[str, str]] = []
+
+    def _line(self, cells: Sequence[str]) -> str:
+        return " ".join(f"{cell:>10}" for cell in cells)
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        metrics = clean_metrics(metrics)
+        train = [(name, key) for name, key in CONSOLE_COLUMNS if key in metrics]
+        if train:
+            if train != self.columns or self.rows % self.header_every == 0:
+                self.columns = train
+                self.progress.console.print(
+                    self._line(["step", *[n for n, _ in train]]), style="bold", highlight=False
+                )
+            cells = [str(step), *[_format(metrics[key]) for _, key in train]]
+            self.progress.console.print(self._line(cells), highlight=False)
+            self.rows += 1
+        validation = {k: v for k, v in metrics.items() if k.startswith("val/")}
+        if validation:
+            text = "  ".join(f"{k}={_format(v)}" for k, v in sorted(validation.items()))
+            self.progress.console.print(f"[step {step}] {text}", highlight=False)
+        self.progress.update(self.task, completed=step)
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+class TensorBoardLogger:
+    def __init__(self, log_dir: str | Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as error:
+            raise LoggerUnavailable(
+                "trainer.loggers has 'tensorboard' but the tensorboard package is not "
+                "installed: pip install tensorboard (or hybridflow[tensorboard]), or remove it"
+            ) from error
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        for key, value in clean_metrics(metrics).items():
+            if isinstance(value, (int, float)):
+                self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbLogger:
+    def __init__(self, project: str, name: str, run_dir: str | Path, config: Any = None):
+        try:
+            import wandb
+        except ImportError as error:
+            raise LoggerUnavailable(
+                "trainer.loggers has 'wandb' but wandb is not installed: pip install wandb "
+                "(or hybridflow[wandb]), or remove it"
+            ) from error
+        self.run = wandb.init(project=project, name=name, dir=str(run_dir), config=config)
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        scalars = {k: v for k, v in clean_metrics(metrics).items() if v is not None}
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Tracker:
+    """Sends each step's metrics to every configured backend.
+
+    with Tracker(["console", "jsonl"], run_dir, total_steps=40) as tracker:
+        tracker.log(metrics, step)
+    """
+
+    def __init__(
+        self,
+        loggers: Sequence[str],
+        run_dir: str | Path,
+        total_steps: int,
+        project_name: str = "hybridflow",
+        experiment_name: str = "run",
+        config: Any = None,
+        resume_step: int | None = None,
+    ):
+        unknown = [name for name in loggers if name not in LOGGER_NAMES]
+        if unknown:
+            raise ValueError(f"trainer.loggers has unknown {unknown}; choose from {LOGGER_NAMES}")
+        run_dir = Path(run_dir)
+        self.backends: dict[str, Any] = {}
+        try:
+            for name in loggers:
+                if name == "console":
+                    self.backends[name] = ConsoleLogger(total_steps)
+                elif name == "jsonl":
+                    self.backends[name] = JsonlLogger(run_dir / "metrics.jsonl", resume_step)
+                elif name == "tensorboard":
+                    self.backends[name] = TensorBoardLogger(run_dir / "tensorboard")
+                else:
+                    self.backends[name] = WandbLogger(
+                        project_name, experiment_name, run_dir, config
+                    )
+        except BaseException:
+            self.close()
+            raise
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        for backend in self.backends.values():
+            backend.log(metrics, step)
+
+    def close(self) -> None:
+        for backend in self.backends.values():
+            backend.close()
+        self.backends = {}
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

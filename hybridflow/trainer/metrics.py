@@ -1,0 +1,216 @@
+"""Training metrics as pure functions of tensors and numbers, plus a stage timer.
+
+Key names (what `metrics.jsonl` and the console show):
+  response_length/{mean,max,min,clip_ratio}   clip_ratio: fraction that hit the max length
+  prompt_length/{mean,max,min,clip_ratio}
+  score/{mean,max,min}       sequence score (sum of token_level_scores)
+  reward/{mean,max,min}      sequence reward after KL / shaping (sum of token_level_rewards)
+  advantage/…, return/…, value/…   over valid response tokens
+  perf/{total_tokens,tokens_per_s,tokens_per_s_per_gpu,mfu,max_memory_allocated_gb,…}
+  timing_s/<stage>, timing_per_token_ms/<stage>
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+
+import torch
+
+# Dense bf16 tensor-core peak per device, FLOP/s, from the vendors' data sheets. Used only
+# for the MFU estimate; an unknown device gives no MFU rather than a wrong one.
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "A10G": 70e12,
+    "RTX 4090": 165e12,
+}
+
+
+def _stats(values: torch.Tensor, prefix: str) -> dict[str, float]:
+    if values.numel() == 0:
+        return {}
+    values = values.detach().float()
+    return {
+        f"{prefix}/mean": values.mean().item(),
+        f"{prefix}/max": values.max().item(),
+        f"{prefix}/min": values.min().item(),
+    }
+
+
+def length_metrics(mask: torch.Tensor, max_length: int | None, prefix: str) -> dict[str, float]:
+    """Lengths of the rows of a [B, T] 0/1 mask; clip_ratio = fraction with length >= max_length."""
+    lengths = mask.sum(dim=-1).float()  # [B]
+    limit = mask.shape[-1] if max_length is None else max_length
+    metrics = _stats(lengths, prefix)
+    metrics[f"{prefix}/clip_ratio"] = (lengths >= limit).float().mean().item()
+    return metrics
+
+
+def response_length_metrics(
+    response_mask: torch.Tensor, max_response_length: int | None = None
+) -> dict[str, float]:
+    """`response_length/*` from response_mask [B, R]; the limit defaults to R."""
+    return length_metrics(response_mask, max_response_length, "response_length")
+
+
+def prompt_length_metrics(
+    prompt_mask: torch.Tensor, max_prompt_length: int | None = None
+) -> dict[str, float]:
+    """`prompt_length/*` from the prompts' attention mask [B, P]."""
+    return length_metrics(prompt_mask, max_prompt_length, "prompt_length")
+
+
+def masked_token_stats(values: torch.Tensor, mask: torch.Tensor, prefix: str) -> dict[str, float]:
+    """mean/max/min of values [B, R] over tokens where mask [B, R] is 1."""
+    return _stats(values[mask.bool()], prefix)
+
+
+def data_metrics(
+    tensors: Mapping[str, torch.Tensor], max_response_length: int | None = None
+) -> dict[str, float]:
+    """Score, reward, advantage, return, value and length statistics of a step's batch.
+
+    `tensors` holds `response_mask` [B, R] and whichever of `token_level_scores`,
+    `token_level_rewards`, `advantages`, `returns`, `values` ([B, R]) exist; the
+    optional `attention_mask` of the prompts ([B, P]) adds prompt lengths.
+    """
+    mask = tensors["response_mask"]
+    metrics = response_length_metrics(mask, max_response_length)
+    for key, prefix in (("token_level_scores", "score"), ("token_level_rewards", "reward")):
+        if key in tensors:
+            metrics.update(_stats((tensors[key] * mask).sum(dim=-1), prefix))
+    for key, prefix in (("advantages", "advantage"), ("returns", "return"), ("values", "value")):
+        if key in tensors:
+            metrics.update(masked_token_stats(tensors[key], mask, prefix))
+    if "prompt_mask" in tensors:
+        metrics.update(prompt_length_metrics(tensors["prompt_mask"]))
+    return metrics
+
+
+def throughput_metrics(num_tokens: int, step_time_s: float, n_gpus: int) -> dict[str, float]:
+    """Tokens (prompt + response, all samples) processed per second, overall and per GPU."""
+    tokens_per_s = num_tokens / max(step_time_s, 1e-9)
+    return {
+        "perf/total_tokens": float(num_tokens),
+        "perf/tokens_per_s": tokens_per_s,
+        "perf/tokens_per_s_per_gpu": tokens_per_s / max(n_gpus, 1),
+    }
+
+
+def forward_flops_per_token(
+    num_params: int, num_layers: int = 0, hidden_size: int = 0, context_length: float = 0
+) -> float:
+    """FLOPs of one token's forward pass: 2N for the matmuls plus 4·L·H·ctx for attention
+    (QKᵀ and AV over `context_length` earlier tokens); Kaplan et al. 2020, table 1."""
+    return 2.0 * num_params + 4.0 * num_layers * hidden_size * context_length
+
+
+def rl_step_flops(
+    flops_per_token: float, total_tokens: int, forward_passes: int = 1, train_passes: int = 1
+) -> float:
+    """FLOPs of one RL step over `total_tokens` (prompt + response, all samples).
+
+    Generation is counted as one forward over every token (prefill + one decode per
+    generated token); each scoring pass (old / ref log-probs, values) is one forward;
+    each training pass (PPO epoch, actor or critic) is forward + backward = 3 forwards.
+    """
+    return flops_per_token * total_tokens * (1 + forward_passes + 3 * train_passes)
+
+
+def peak_flops_per_gpu(device_name: str | None = None) -> float | None:
+    """Dense bf16 peak of the current (or named) CUDA device, None if unknown."""
+    if device_name is None:
+        if not torch.cuda.is_available():
+            return None
+        device_name = torch.cuda.get_device_name()
+    for key, flops in PEAK_BF16_FLOPS.items():
+        if key in device_name:
+            return flops
+    return None
+
+
+def estimate_mfu(
+    flops: float, step_time_s: float, n_gpus: int, peak_flops: float | None
+) -> float | None:
+    """Model FLOPs utilisation: achieved FLOP/s over the devices' peak (None if unknown)."""
+    if not peak_flops or step_time_s <= 0:
+        return None
+    return flops / (step_time_s * n_gpus * peak_flops)
+
+
+def memory_metrics() -> dict[str, float]:
+    """Peak CUDA memory since the last reset (GiB) and this process's resident memory."""
+    metrics: dict[str, float] = {}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        gib = 1024**3
+        metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / gib
+        metrics["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / gib
+    try:
+        import psutil
+
+        metrics["perf/cpu_memory_used_gb"] = psutil.Process().memory_info().rss / 1024**3
+    except ImportError:  # psutil is a dependency, but metrics must never stop training
+        pass
+    return metrics
+
+
+def mean_metrics(per_call: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Average each key over a list of metric dicts (e.g. micro-batches or ranks)."""
+    sums: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for metrics in per_call:
+        for key, value in metrics.items():
+            sums[key] += float(value)
+            counts[key] += 1
+    return {key: sums[key] / counts[key] for key in sums}
+
+
+class Timer:
+    """Wall-clock time per stage, as `timing_s/<stage>`; repeated stages add up.
+
+        timer = Timer()
+        with timer("gen"):
+            ...
+        metrics.update(timer.metrics())
+
+    CUDA work is asynchronous, so by default the device is synchronised at both ends
+    of a stage (cheap at stage granularity) to charge the kernels to the right stage.
+    """
+
+    def __init__(self, sync_cuda: bool = True):
+        self.sync_cuda = sync_cuda
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def _sync(self) -> None:
+        if self.sync_cuda and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.seconds[stage] += time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing_s/{stage}": seconds for stage, seconds in self.seconds.items()}
+
+    def per_token_metrics(self, num_tokens: int) -> dict[str, float]:
+        """Milliseconds per token of each stage (comparable across batch sizes)."""
+        return {
+            f"timing_per_token_ms/{stage}": 1000 * seconds / max(num_tokens, 1)
+            for stage, seconds in self.seconds.items()
+        }
+
+    def reset(self) -> None:
+        self.seconds.clear()
