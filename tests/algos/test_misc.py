@@ -94,3 +94,25 @@ def test_registry_errors():
         registry.register("one")(lambda: 2)
     registry.register("one", override=True)(lambda: 3)
     assert registry.get("one").fn() == 3
+
+
+def saved_bytes_for_backward(logits, chunk_size):
+    """Bytes autograd keeps for the backward pass of the entropy (saved-tensor hooks)."""
+    saved = [0]
+
+    def pack(tensor):
+        saved[0] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        entropy_from_logits(logits, chunk_size=chunk_size)
+    return saved[0]
+
+
+def test_chunked_entropy_keeps_no_softmax_for_backward():
+    # Chunks are recomputed in the backward pass, so only the logits themselves are kept;
+    # one big chunk keeps logsumexp + the full softmax (4x the logits here).
+    logits = torch.randn(64, 500, requires_grad=True)
+    logits_bytes = logits.numel() * logits.element_size()
+    assert saved_bytes_for_backward(logits, chunk_size=8) <= 1.05 * logits_bytes
+    assert saved_bytes_for_backward(logits, chunk_size=64) >= 2 * logits_bytes
