@@ -390,4 +390,3 @@ def sample_fused(
         num_warps=8,
     )  # fmt: skip
     return tokens, logprobs
-

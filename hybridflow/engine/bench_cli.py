@@ -1,0 +1,193 @@
+"""`hybridflow bench rollout`: engine throughput next to HF transformers generate, same run.
+
+    hybridflow bench rollout --preset qwen2.5-0.5b --prompts 256 --prompt-len 128 --new-tokens 256
+    python -m hybridflow.engine.bench_cli rollout --preset tiny --prompts 8 --new-tokens 16 --device cpu
+
+Random-weight presets never emit EOS on purpose, so every sample runs to --new-tokens
+(ignore_eos on the engine, min_new_tokens on HF): both sides generate the same token count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="qwen2.5-0.5b", help="model preset or local HF directory")
+    p.add_argument("--prompts", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--max-batch-size", type=int, default=None, help="default: prompts * n")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--device", default=None, help="default: cuda if available")
+    p.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"])
+    p.add_argument("--no-graphs", action="store_true", help="eager decode steps")
+    p.add_argument("--steps-per-sync", type=int, default=16)
+    p.add_argument("--hf", dest="hf", action="store_true", default=True)
+    p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HF baseline")
+    p.add_argument("--hf-batch-size", type=int, default=None, help="default: all prompts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the results to this file")
+
+
+def add_bench_subcommand(subparsers) -> None:
+    """Register `bench rollout` on the CLI's subparsers (the lead wires it into cli.py)."""
+    bench = subparsers.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    rollout = bench_sub.add_parser("rollout", help="generation engine vs HF generate")
+    add_rollout_arguments(rollout)
+    rollout.set_defaults(func=run_rollout_command)
+
+
+def run_rollout_command(args) -> int:
+    result = bench_rollout(args)
+    print_result(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    # Skip the lowest ids (specials in the char tokenizer) so no prompt holds an EOS.
+    return torch.randint(16, vocab, (num, length), generator=g).tolist()
+
+
+def bench_rollout(args) -> dict:
+    import torch
+
+    from hybridflow.engine import Engine, SamplingParams
+    from hybridflow.models import load_model
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, args.dtype)
+    model = load_model(args.preset, dtype=dtype, device=device).eval()
+    prompts = make_prompts(args.prompts, args.prompt_len, model.config.vocab_size, args.seed)
+    rows = args.prompts * args.n
+    engine = Engine(
+        model,
+        max_batch_size=args.max_batch_size or rows,
+        max_seq_len=args.prompt_len + args.new_tokens,
+        decode_backend=args.backend,
+        cuda_graphs=None if not args.no_graphs else False,
+        steps_per_sync=args.steps_per_sync,
+    )
+    params = SamplingParams(
+        n=args.n, temperature=args.temperature, max_new_tokens=args.new_tokens,
+        seed=args.seed, ignore_eos=True,
+    )  # fmt: skip
+    # Warm-up: kernel compilation and graph capture for the buckets this run uses.
+    engine.generate(prompts, params)
+    _sync(device)
+    # Time to first token: prefill of every prompt + first sampled token.
+    start = time.perf_counter()
+    engine.generate(prompts, SamplingParams(n=args.n, max_new_tokens=1, seed=1, ignore_eos=True))
+    _sync(device)
+    ttft = time.perf_counter() - start
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    completions = engine.generate(prompts, params)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(c.token_ids) for c in completions)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    result = {
+        "preset": args.preset, "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda" else "cpu", "dtype": args.dtype, "prompts": args.prompts,
+        "n": args.n, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "engine": {
+            "backend": engine.decode_backend, "cuda_graphs": engine.cuda_graphs,
+            "slots": engine.num_slots, "tokens": tokens, "seconds": seconds,
+            "tokens_per_s": tokens / seconds, "ttft_s": ttft, "peak_mem_gib": peak / 2**30,
+        },
+    }  # fmt: skip
+    if args.hf:
+        engine.release()
+        result["hf"] = bench_hf(model, prompts, args, device)
+        result["speedup_vs_hf"] = result["engine"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
+    return result
+
+
+def bench_hf(model, prompts, args, device) -> dict:
+    """transformers generate on the same weights (sdpa, dynamic cache), sampling, no early stop."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**model.config.to_hf())
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        hf = transformers.AutoModelForCausalLM.from_config(config, dtype=model.dtype)
+    missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        raise RuntimeError(f"HF model names differ: missing {missing}, unexpected {unexpected}")
+    hf.eval()
+    batch = args.hf_batch_size or len(prompts)
+    total, seconds = 0, 0.0
+    pad = model.config.pad_token_id or 0
+    kwargs = dict(
+        max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=True,
+        temperature=args.temperature, top_k=0, top_p=1.0, pad_token_id=pad,
+        num_return_sequences=args.n,
+    )  # fmt: skip
+    for start in range(0, len(prompts), batch):
+        ids = torch.tensor(prompts[start : start + batch], device=device)
+        mask = torch.ones_like(ids)
+        if start == 0:  # warm-up on a slice
+            hf.generate(input_ids=ids[:2], attention_mask=mask[:2], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # fmt: skip
+        _sync(device)
+        t0 = time.perf_counter()
+        out = hf.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        _sync(device)
+        seconds += time.perf_counter() - t0
+        total += (out.shape[1] - ids.shape[1]) * out.shape[0]
+    del hf
+    return {"tokens": total, "seconds": seconds, "tokens_per_s": total / seconds}
+
+
+def print_result(result: dict) -> None:
+    e = result["engine"]
+    print(
+        f"{result['preset']} {result['dtype']} on {result['device']}: {result['prompts']} prompts"
+        f" x n={result['n']}, {result['prompt_len']} prompt + {result['new_tokens']} new tokens"
+    )
+    print(
+        f"  engine ({e['backend']}, graphs={e['cuda_graphs']}, slots={e['slots']}): "
+        f"{e['tokens_per_s']:,.0f} tok/s ({e['tokens']} tokens in {e['seconds']:.3f} s), "
+        f"TTFT {e['ttft_s'] * 1000:.1f} ms, peak mem {e['peak_mem_gib']:.2f} GiB"
+    )
+    if "hf" in result:
+        h = result["hf"]
+        print(
+            f"  HF generate: {h['tokens_per_s']:,.0f} tok/s ({h['tokens']} tokens in "
+            f"{h['seconds']:.3f} s); engine speedup {result['speedup_vs_hf']:.1f}x"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hybridflow.engine.bench_cli")
+    sub = parser.add_subparsers(dest="command", required=True)
+    rollout = sub.add_parser("rollout", help="generation engine vs HF generate")
+    add_rollout_arguments(rollout)
+    rollout.set_defaults(func=run_rollout_command)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

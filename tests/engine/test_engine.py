@@ -1,0 +1,172 @@
+"""Engine on CPU (tiny preset, fp32): parity with transformers and with the trainer's
+log-probs, batching invariance, stops, seeds, weights, memory release."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from hybridflow.engine import Completion, Engine, SamplingParams
+from hybridflow.models import build_model
+from hybridflow.models.logprobs import logprobs_from_hidden
+from hybridflow.models.presets import preset_config
+
+PROMPTS = [[5, 17, 9, 33, 2, 71], [40, 41], [100, 3, 8, 19, 23, 60, 61, 62, 63, 7], [12]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    # std 0.3: peaked logits, so greedy decoding is far from ties and sampling is not uniform
+    return (
+        build_model(preset_config("tiny"), seed=1)
+        .eval()
+        .requires_grad_(False)
+        .apply(
+            lambda m: [
+                p.normal_(0, 0.3) for n, p in m.named_parameters(recurse=False) if n != "bias"
+            ]
+        )
+    )
+
+
+def _engine(model, **kwargs) -> Engine:
+    kwargs.setdefault("max_batch_size", 8)
+    kwargs.setdefault("max_seq_len", 64)
+    return Engine(model, **kwargs)
+
+
+def _tokens(completions: list[Completion]) -> list[list[int]]:
+    return [c.token_ids for c in completions]
+
+
+def test_greedy_matches_transformers_generate(model):
+    hf_config = transformers.AutoConfig.for_model(**model.config.to_hf())
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    hf.load_state_dict(model.state_dict(), strict=False)
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    ours = _tokens(_engine(model).generate(PROMPTS, params))
+    for prompt, tokens in zip(PROMPTS, ours):
+        ids = torch.tensor([prompt])
+        out = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
+            min_new_tokens=12, pad_token_id=0,
+        )  # fmt: skip
+        assert tokens == out[0, len(prompt) :].tolist()
+
+
+def test_logprobs_equal_trainer_logprobs(model):
+    params = SamplingParams(n=2, temperature=0.8, top_k=20, max_new_tokens=10, seed=3)
+    completions = _engine(model).generate(PROMPTS, params)
+    for i, c in enumerate(completions):
+        prompt = PROMPTS[i // 2]
+        ids = torch.tensor(prompt + c.token_ids)
+        hidden = model.forward_packed(
+            ids, torch.arange(len(ids)), torch.tensor([0, len(ids)], dtype=torch.int32), len(ids)
+        )
+        start = len(prompt) - 1  # hidden at t predicts token t + 1
+        expected, _ = logprobs_from_hidden(
+            hidden[start : start + len(c.token_ids)], model.lm_head.weight,
+            torch.tensor(c.token_ids), temperature=0.8,
+        )  # fmt: skip
+        assert (torch.tensor(c.logprobs) - expected).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_batching_invariance(model, temperature):
+    """Together, one prompt at a time, and squeezed through 2 slots (continuous batching with
+    slot reuse) give the same samples: noise depends on (seed, prompt, sample, step) only."""
+    params = SamplingParams(n=2, temperature=temperature, max_new_tokens=9, seed=5)
+    together = _tokens(_engine(model).generate(PROMPTS, params))
+    squeezed = _tokens(_engine(model, max_batch_size=2).generate(PROMPTS, params))
+    assert squeezed == together
+    first_alone = _tokens(_engine(model).generate(PROMPTS[:1], params))
+    assert first_alone == together[:2]
+    if temperature == 0:
+        for i, prompt in enumerate(PROMPTS):
+            assert _tokens(_engine(model).generate([prompt], params)) == together[2 * i : 2 * i + 2]
+
+
+def test_samples_of_one_prompt_differ_and_seed_reproduces(model):
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=8, seed=11)
+    engine = _engine(model)
+    first = _tokens(engine.generate(PROMPTS[:2], params))
+    assert len({tuple(t) for t in first[:4]}) > 1
+    assert _tokens(engine.generate(PROMPTS[:2], params)) == first
+    other = SamplingParams(n=4, temperature=1.0, max_new_tokens=8, seed=12)
+    assert _tokens(engine.generate(PROMPTS[:2], other)) != first
+
+
+def test_stop_ids_and_max_new_tokens(model):
+    engine = _engine(model)
+    free = engine.generate(
+        PROMPTS, SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+    )
+    assert all(len(c.token_ids) == 10 and c.finish_reason == "length" for c in free)
+    stop = free[0].token_ids[3]  # greedy: this token appears at step 3 of prompt 0
+    stopped = engine.generate(
+        PROMPTS,
+        SamplingParams(temperature=0, max_new_tokens=10, stop_token_ids=[stop], ignore_eos=True),
+    )
+    for before, after in zip(free, stopped):
+        cut = before.token_ids.index(stop) + 1 if stop in before.token_ids else 10
+        assert after.token_ids == before.token_ids[:cut]
+        assert after.finish_reason == ("stop" if stop in before.token_ids else "length")
+    assert stopped[0].token_ids[-1] == stop and len(stopped[0].token_ids) <= 4
+    # eos from the model config stops too unless ignore_eos
+    model.config.eos_token_id, saved = stop, model.config.eos_token_id
+    try:
+        eos_stopped = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=10))
+    finally:
+        model.config.eos_token_id = saved
+    assert _tokens(eos_stopped) == _tokens(stopped)
+
+
+def test_max_seq_len_bounds_generation(model):
+    engine = _engine(model, max_seq_len=16)
+    out = engine.generate(
+        [PROMPTS[2]], SamplingParams(temperature=0, max_new_tokens=50, ignore_eos=True)
+    )
+    assert len(out[0].token_ids) == 16 - len(PROMPTS[2]) and out[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="max_seq_len"):
+        engine.generate([list(range(1, 17))], SamplingParams())
+
+
+def test_generate_padded(model):
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=7, seed=2)
+    engine = _engine(model)
+    completions = engine.generate(PROMPTS, params)
+    padded = engine.generate_padded(PROMPTS, params, pad_token_id=0)
+    assert padded["responses"].shape == (8, 7)
+    for row, c in enumerate(completions):
+        length = padded["response_lengths"][row].item()
+        assert padded["responses"][row, :length].tolist() == c.token_ids
+        assert (padded["responses"][row, length:] == 0).all()
+        assert padded["rollout_logprobs"][row, :length].tolist() == pytest.approx(c.logprobs)
+
+
+def test_release_and_load_weights(model):
+    params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    other = build_model(preset_config("tiny"), seed=7).eval()
+    other_out = _tokens(_engine(other).generate(PROMPTS, params))
+    clone = build_model(preset_config("tiny"), seed=1).eval()
+    clone.load_state_dict(model.state_dict())
+    engine = _engine(clone)
+    before = _tokens(engine.generate(PROMPTS, params))
+    engine.release()
+    assert engine.cache is None
+    engine.load_weights(other.state_dict().items(), bucket_bytes=1024)
+    assert _tokens(engine.generate(PROMPTS, params)) == other_out != before
+    with pytest.raises(KeyError, match="not a parameter"):
+        engine.load_weights([("nope.weight", torch.zeros(1))])
+
+
+def test_memory_budget_limits_slots(model):
+    cfg = model.config
+    per_slot = 2 * cfg.num_hidden_layers * 64 * cfg.num_key_value_heads * cfg.head_dim * 4
+    engine = _engine(model, memory_budget=per_slot * 4)  # 3 slots + scratch
+    assert engine.num_slots == 3
+    out = engine.generate(PROMPTS, SamplingParams(n=2, temperature=0, max_new_tokens=5))
+    assert len(out) == 8
+    with pytest.raises(ValueError, match="memory_budget"):
+        _engine(model, memory_budget=per_slot).num_slots
