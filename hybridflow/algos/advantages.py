@@ -114,16 +114,17 @@ def _baseline_or_zero(stats: GroupStats) -> tuple[Tensor, Tensor]:
 def _reverse_discounted_sum(rewards: Tensor, response_mask: Tensor, gamma: float) -> Tensor:
     """``G_t = m_t (r_t + gamma G_{t+1})``: the running return restarts after a masked token.
 
-    A loop over time (not samples), vectorised across the batch.
+    A loop over time (not samples), vectorised across the batch; time-major copies make
+    each step's slice contiguous.
     """
-    valid = response_mask.bool()
-    rewards = masked_fill_zero(rewards, valid)
-    returns = torch.zeros_like(rewards)
-    running = torch.zeros_like(rewards[:, 0])
-    for t in reversed(range(rewards.shape[1])):
-        running = torch.where(valid[:, t], rewards[:, t] + gamma * running, 0.0)
-        returns[:, t] = running
-    return returns
+    valid_tb = response_mask.bool().T.contiguous()  # [T, B]
+    rewards_tb = masked_fill_zero(rewards, response_mask).T.contiguous()  # [T, B]
+    returns_tb = torch.zeros_like(rewards_tb)
+    running = torch.zeros_like(rewards_tb[0])
+    for t in range(rewards_tb.shape[0] - 1, -1, -1):
+        running = torch.where(valid_tb[t], rewards_tb[t] + gamma * running, 0.0)
+        returns_tb[t] = running
+    return returns_tb.T.contiguous()
 
 
 # ------------------------------------------------------------------------- estimators
@@ -148,15 +149,18 @@ def gae_advantage(
     valid = response_mask.bool()
     rewards = masked_fill_zero(token_level_rewards, valid)
     values = masked_fill_zero(values.to(rewards.dtype), valid)
-    advantages = torch.zeros_like(rewards)
-    next_value = torch.zeros_like(rewards[:, 0])
-    next_advantage = torch.zeros_like(rewards[:, 0])
-    for t in reversed(range(rewards.shape[1])):
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
+    valid_tb, rewards_tb, values_tb = (x.T.contiguous() for x in (valid, rewards, values))
+    advantages_tb = torch.zeros_like(rewards_tb)  # [T, B]
+    next_value = torch.zeros_like(rewards_tb[0])  # [B]
+    next_advantage = torch.zeros_like(rewards_tb[0])  # [B]
+    for t in range(rewards_tb.shape[0] - 1, -1, -1):
+        delta = rewards_tb[t] + gamma * next_value - values_tb[t]
         advantage = delta + gamma * lam * next_advantage
-        advantages[:, t] = torch.where(valid[:, t], advantage, 0.0)
-        next_value = torch.where(valid[:, t], values[:, t], next_value)
-        next_advantage = torch.where(valid[:, t], advantage, next_advantage)
+        # On a masked token both carries pass through unchanged (output masked below).
+        next_value = torch.where(valid_tb[t], values_tb[t], next_value)
+        next_advantage = torch.where(valid_tb[t], advantage, next_advantage)
+        advantages_tb[t] = next_advantage
+    advantages = masked_fill_zero(advantages_tb.T, valid)
     returns = masked_fill_zero(advantages + values, valid)
     return masked_whiten(advantages, valid), returns
 

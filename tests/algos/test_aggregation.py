@@ -212,3 +212,9 @@ def test_value_loss_hand_computed():
     assert loss.item() == pytest.approx(2.5625)
     torch.testing.assert_close(values.grad, torch.tensor([[0.5 * 4 / 2, 0.0]]))
     assert float(metrics["vf_clipfrac"]) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_garbage_in_padding_changes_nothing(mode):
+    garbage = torch.where(MASK, LOSS, torch.tensor(float("nan")))
+    assert float(agg_loss(garbage, MASK, mode)) == pytest.approx(float(agg_loss(LOSS, MASK, mode)))

@@ -224,6 +224,14 @@ def test_rollout_is_weights_hand_computed_and_applied():
     torch.testing.assert_close(grad, -weights / 3)
 
 
+def test_rollout_is_weights_extreme_log_ratios():
+    # +-50: exp clamped at 20 -> capped at C; exp(-20) ~ 2e-9 -> finite, tiny
+    old = torch.tensor([[50.0, -50.0]])
+    weights, metrics = rollout_is_weights(old, torch.zeros(1, 2), torch.ones(1, 2), cap=3.0)
+    assert weights[0, 0] == 3.0 and 0 < weights[0, 1] < 1e-8
+    assert all(torch.isfinite(value) for value in metrics.values())
+
+
 # ------------------------------------------------------------------------------ invariances
 
 
