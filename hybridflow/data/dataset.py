@@ -181,3 +181,33 @@ class PromptLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state["sampler"])
+
+
+def build_prompt_datasets(
+    data_config: Any,
+    tokenizer: ChatTokenizer,
+    seed: int = 0,
+    known_data_sources: Iterable[str] | None = None,
+) -> tuple[PromptDataset, PromptDataset | None]:
+    """Train and validation datasets from the `data` config section (validation: None when
+    `val_files` is empty). Every file is validated before any model is loaded; each
+    dataset's `num_filtered` is the count of overlong prompts dropped, for the log."""
+    from hybridflow.data.builtin import load_records
+
+    def build(files, split, overlong):
+        records = load_records(
+            files,
+            split=split,
+            known_data_sources=known_data_sources,
+            prompt_key=data_config.prompt_key,
+            builtin_train_size=data_config.builtin_train_size,
+            builtin_val_size=data_config.builtin_val_size,
+            seed=seed,
+        )
+        return PromptDataset(records, tokenizer, data_config.max_prompt_length, overlong)
+
+    train = build(data_config.train_files, "train", data_config.overlong_prompts)
+    val = None
+    if data_config.val_files:
+        val = build(data_config.val_files, "test", data_config.overlong_prompts)
+    return train, val

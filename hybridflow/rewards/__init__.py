@@ -6,7 +6,12 @@ Importing this package does not import torch (scoring workers import it cheaply)
 """
 
 from hybridflow.rewards.custom import CustomRewardError, load_function
-from hybridflow.rewards.managers import MANAGER_MODES, RewardManager, RewardResult
+from hybridflow.rewards.managers import (
+    MANAGER_MODES,
+    RewardManager,
+    RewardResult,
+    build_reward_manager,
+)
 from hybridflow.rewards.registry import (
     ScorerRegistry,
     ScorerSpec,
@@ -22,6 +27,7 @@ __all__ = [
     "ScorerRegistry",
     "ScorerSpec",
     "UnknownDataSource",
+    "build_reward_manager",
     "default_registry",
     "load_function",
 ]

@@ -253,3 +253,16 @@ class RewardManager:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def build_reward_manager(reward_config: Any, max_response_length: int | None) -> RewardManager:
+    """A manager from the `reward` config section (any object with its fields)."""
+    return RewardManager(
+        mode=reward_config.manager,
+        custom_fn=reward_config.custom_fn,
+        num_workers=reward_config.num_workers,
+        timeout_s=reward_config.timeout_s,
+        overlong_buffer_len=reward_config.overlong_buffer_len,
+        overlong_penalty_factor=reward_config.overlong_penalty_factor,
+        max_response_length=max_response_length,
+    )

@@ -130,3 +130,38 @@ class ListOfListsTokenizer:
 def test_tokenizer_output_forms_are_normalised():
     dataset = PromptDataset(RECORDS[:1], ListOfListsTokenizer())
     assert dataset[0].prompt_ids == [5, 6, 4]
+
+
+def tiny_hf_tokenizer():
+    """A real transformers tokenizer built offline (transformers 5 returns a BatchEncoding)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    symbols = ["<pad>", "<eos>", "<unk>", *"abcdefghijklmnopqrstuvwxyz0123456789+=:| "]
+    backend = Tokenizer(models.WordLevel({c: i for i, c in enumerate(symbols)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}|{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    return tokenizer
+
+
+def test_hugging_face_tokenizer_prompt_ids():
+    tokenizer = tiny_hf_tokenizer()
+    dataset = PromptDataset(RECORDS[:1], tokenizer)
+    assert tokenizer.decode(dataset[0].prompt_ids).replace(" ", "") == "user:1+2=|assistant:"
+
+
+def test_build_prompt_datasets_from_config():
+    from hybridflow.config import DataConfig
+    from hybridflow.data.dataset import build_prompt_datasets
+
+    config = DataConfig(builtin_train_size=50, builtin_val_size=10, max_prompt_length=32)
+    train, val = build_prompt_datasets(config, TOKENIZER, seed=0, known_data_sources=["arithmetic"])
+    assert len(train) == 50 and len(val) == 10 and train.num_filtered == 0
+    config.val_files = []
+    assert build_prompt_datasets(config, TOKENIZER)[1] is None

@@ -141,3 +141,16 @@ def test_dapo_manager_adds_overlong_penalty():
     assert result.metrics["reward/overlong_ratio"] == 0.5
     with pytest.raises(ValueError, match="response_lengths"):
         manager.score(["68"], ["68"], ["arithmetic"])
+
+
+def test_build_from_reward_config(scorer_file):
+    from hybridflow.config import RewardConfig
+    from hybridflow.rewards import build_reward_manager
+
+    config = RewardConfig(
+        manager="dapo", overlong_buffer_len=2, custom_fn=f"{scorer_file}:compute_score"
+    )
+    manager = build_reward_manager(config, max_response_length=8)
+    assert manager.known_data_sources() is None  # a custom_fn scores every data source
+    result = manager.score(["a"], ["a"], ["anything"], response_lengths=[8])
+    assert result.scores == [0.0]  # 1.0 correct, -1.0 at the full length
