@@ -8,12 +8,17 @@ paper defines its own aggregation (GSPO, SAPO, GMPO) registers it with ``agg_mod
 which then overrides ``loss_agg_mode``.
 
 A user loss has the signature ``fn(*, old_logprobs, logprobs, advantages, response_mask,
-clip_ratio_low, clip_ratio_high, clip_ratio_c, **variant_kwargs) -> (loss_mat, metrics)``.
+clip_ratio_low, clip_ratio_high, clip_ratio_c, <its options>, **_) -> (loss_mat, metrics)``;
+options must be declared by name: an option no loss declares is a ``ValueError`` (a
+misspelt ``actor.policy_loss_kwargs`` key would otherwise be silently ignored).
 Metrics are detached 0-d tensors (no host sync on CUDA); call ``float()`` when logging.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,6 +68,7 @@ def policy_loss(
         ``(loss, metrics)``; metrics always include ``ppo_kl = mean_m(old_logp - logp)``.
     """
     entry = POLICY_LOSSES.get(name)
+    _check_options(name, entry.fn, variant_kwargs)
     loss_mat, metrics = entry.fn(
         old_logprobs=old_logprobs,
         logprobs=logprobs,
@@ -89,6 +95,30 @@ def policy_loss(
 
 
 # ----------------------------------------------------------------------------- helpers
+
+_COMMON_ARGUMENTS = frozenset(
+    ("old_logprobs", "logprobs", "advantages", "response_mask")
+    + ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
+)
+
+
+@functools.cache
+def _declared_options(fn: Callable[..., Any]) -> frozenset[str]:
+    """Keyword options a loss declares by name (its ``**_`` catch-all does not count)."""
+    parameters = inspect.signature(fn).parameters.values()
+    named = (p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+    return frozenset(named) - _COMMON_ARGUMENTS
+
+
+def _check_options(name: str, fn: Callable[..., Any], options: dict[str, Any]) -> None:
+    """A misspelt ``actor.policy_loss_kwargs`` key must fail loudly, not be swallowed."""
+    unknown = set(options) - _declared_options(fn)
+    if unknown:
+        accepted = ", ".join(sorted(_declared_options(fn))) or "none"
+        raise ValueError(
+            f"policy loss {name!r} has no option {', '.join(sorted(unknown))} "
+            f"(actor.policy_loss_kwargs); its options: {accepted}"
+        )
 
 
 def importance_ratio(logprobs: Tensor, old_logprobs: Tensor) -> Tensor:

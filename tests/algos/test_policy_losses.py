@@ -284,6 +284,15 @@ def test_unknown_loss_lists_known_names():
         loss_and_grad("ppo2", *random_inputs(0))
 
 
+def test_misspelt_option_is_rejected():
+    with pytest.raises(
+        ValueError, match="no option clip_cov_ratoi.*options: clip_cov_lb, clip_cov_ratio"
+    ):
+        loss_and_grad("clip_cov", *random_inputs(0), clip_cov_ratoi=0.1)
+    with pytest.raises(ValueError, match="'gpg' has no option tau_pos.*options: none"):
+        loss_and_grad("gpg", *random_inputs(0), tau_pos=1.0)
+
+
 def test_user_registered_loss_and_agg_override():
     @register_policy_loss("test_double_gpg", agg_mode="seq-mean-token-sum")
     def double_gpg(*, logprobs, advantages, **_):
