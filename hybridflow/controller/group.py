@@ -189,7 +189,7 @@ class GroupFuture:
                 _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
             )
             done, pending = wait(pending, timeout=step, return_when=FIRST_COMPLETED)
-            for future in done:
+            for future in sorted(done, key=self._futures.index):
                 self._raise_if_failed(future)
             if pending:
                 self._group._backend.check_alive()

@@ -183,6 +183,8 @@ class LocalBackend:
                 conn.send_bytes(transport.encode(("stop",), self.owner))
             except (OSError, EOFError):
                 pass
+        if any(self.pending):
+            grace_s = min(grace_s, 0.5)  # busy workers will not read "stop" soon: do not wait
         deadline = time.monotonic() + grace_s
         for proc in self.procs:
             proc.join(max(0.0, deadline - time.monotonic()))

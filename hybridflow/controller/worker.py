@@ -3,6 +3,7 @@ builds the worker object and runs calls on it, turning exceptions into plain dat
 
 from __future__ import annotations
 
+import copyreg
 import os
 import threading
 import traceback
@@ -72,6 +73,11 @@ class Worker:
 FUSED_ATTR = "__hybridflow_roles__"
 
 
+class _FusedMeta(type):
+    """Metaclass of ``fuse`` classes. They are built at run time, so they cannot be pickled
+    by name; they pickle as their role spec and are rebuilt in the receiving process."""
+
+
 def fuse(**roles: type | tuple[type, dict[str, Any]]) -> type:
     """One worker class holding several roles in one process per device (the hybrid engine).
 
@@ -84,18 +90,28 @@ def fuse(**roles: type | tuple[type, dict[str, Any]]) -> type:
     if not roles:
         raise ValueError("fuse needs at least one role, e.g. fuse(actor=Actor, rollout=Rollout)")
     specs = {name: spec if isinstance(spec, tuple) else (spec, {}) for name, spec in roles.items()}
+    name = "Fused_" + "_".join(specs)
+    attrs = {
+        "__init__": _fused_init,
+        "_role_specs": specs,
+        FUSED_ATTR: {n: c for n, (c, _) in specs.items()},
+    }
+    return _FusedMeta(name, (Worker,), attrs)
 
-    class FusedWorker(Worker):
-        def __init__(self, **kwargs: Any) -> None:
-            self.roles: dict[str, Any] = {}
-            for name, (cls, extra) in specs.items():
-                obj = construct(cls, self.context, {**kwargs, **extra})
-                self.roles[name] = obj
-                self.context.colocated[name] = obj
 
-    FusedWorker.__name__ = FusedWorker.__qualname__ = "Fused_" + "_".join(specs)
-    setattr(FusedWorker, FUSED_ATTR, {name: cls for name, (cls, _) in specs.items()})
-    return FusedWorker
+def _fused_init(self, **kwargs: Any) -> None:
+    self.roles = {}
+    for name, (cls, extra) in type(self)._role_specs.items():
+        obj = construct(cls, self.context, {**kwargs, **extra})
+        self.roles[name] = obj
+        self.context.colocated[name] = obj
+
+
+def _rebuild_fused(specs: dict) -> type:
+    return fuse(**specs)
+
+
+copyreg.pickle(_FusedMeta, lambda cls: (_rebuild_fused, (cls._role_specs,)))
 
 
 def fused_roles(worker_cls: type) -> dict[str, type]:

@@ -44,8 +44,10 @@ class Toy(Worker):
         return value + self.rank
 
     @register
-    def fail(self, message: str) -> None:
-        raise ValueError(message)
+    def fail(self, message: str, only_rank: int | None = None) -> int:
+        if only_rank is None or only_rank == self.rank:
+            raise ValueError(message)
+        return self.rank
 
     @register
     def sleep(self, seconds: float) -> int:
@@ -88,3 +90,36 @@ class ReadsPeer(Worker):
     @register(dispatch=Dispatch.RANK_ZERO)
     def peer_value(self) -> int:
         return self.peer.value
+
+
+def toy_input(rows: int = 7) -> Batch:
+    x = torch.arange(rows * 4).reshape(rows, 4)
+    return Batch({"x": x}, {"uid": [f"p{i}" for i in range(rows)]}, {"temperature": 1.0})
+
+
+def exercise(group) -> dict:
+    """Every dispatch mode on a 2-rank Toy group, as plain Python values to compare."""
+    batch = toy_input(7)  # not divisible by 2 ranks
+    out = group.transform(batch)
+    return {
+        "y": out["y"].tolist(),
+        "rank": out["rank"].tolist(),
+        "uid": out["uid"].tolist(),
+        "meta": out.meta,
+        "count_rows": group.count_rows(batch),
+        "whoami": group.whoami(),
+        "add_rank": group.add_rank([10, 20]),
+    }
+
+
+EXPECTED_EXERCISE = {
+    # row i of x is [4i, 4i+1, 4i+2, 4i+3], sum 16i+6; y = 3x + sum
+    "y": [[3 * (4 * i + j) + 16 * i + 6 for j in range(4)] for i in range(7)],
+    # 7 rows padded to 8: rank 0 gets rows 0-3, rank 1 rows 4-6 (+ one padding row)
+    "rank": [0, 0, 0, 0, 1, 1, 1],
+    "uid": [f"p{i}" for i in range(7)],
+    "meta": {"seen_rows": 4},
+    "count_rows": [4, 4],
+    "whoami": [(0, 2, "cpu", 3), (1, 2, "cpu", 3)],
+    "add_rank": [10, 21],
+}

@@ -1,0 +1,142 @@
+"""The `local` backend: spawned processes, gloo, shared-memory transport, failure handling.
+
+Each group start costs a few seconds (every process imports torch), so the tests share
+one group where they can.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from toy_workers import EXPECTED_EXERCISE, Counter, ReadsPeer, Toy, exercise, toy_input
+
+from hybridflow.controller import ResourcePool, WorkerDiedError, WorkerError, WorkerGroup, fuse
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_gone(pids: list[int], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(gone(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture(scope="module")
+def group():
+    with WorkerGroup(Toy, ResourcePool(cpus=2), "local", scale=3, call_timeout_s=60) as g:
+        yield g
+
+
+def test_same_results_as_inprocess(group):
+    assert exercise(group) == EXPECTED_EXERCISE
+    pids = group.pids()
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    assert group.pid() == pids
+
+
+def test_collectives_run_over_gloo(group):
+    assert group.sum_of_ranks() == 0 + 1
+
+
+def test_large_batch_round_trip(group):
+    batch = toy_input(2048)
+    out = group.transform(batch)
+    assert out["y"].shape == (2048, 4) and out["uid"].tolist() == batch["uid"].tolist()
+    assert out["rank"].tolist() == [0] * 1024 + [1] * 1024
+
+
+def test_exception_names_rank_and_carries_remote_traceback(group):
+    with pytest.raises(WorkerError) as info:
+        group.fail("no reward function", only_rank=1)
+    assert "group 'Toy" in str(info.value) and "rank 1 failed in fail" in str(info.value)
+    assert "ValueError: no reward function" in info.value.remote_traceback
+    assert 'toy_workers.py", line' in info.value.remote_traceback
+    assert group.add_rank([1, 1]) == [1, 2]  # the group keeps working after a worker exception
+
+
+def test_futures_of_two_groups_overlap(group):
+    other = WorkerGroup(Toy, ResourcePool(cpus=1), "inprocess")
+    start = time.monotonic()
+    first, second = group.sleep.remote(1.0), other.sleep.remote(1.0)
+    assert first.get(timeout=30) == [0, 1] and second.get(timeout=30) == [0]
+    assert time.monotonic() - start < 1.8  # sequential: >= 2 s
+    other.shutdown()
+
+
+def test_fused_roles_pickle_into_worker_processes():
+    with WorkerGroup(
+        fuse(counter=Counter, reader=ReadsPeer), ResourcePool(cpus=1), "local", start=1
+    ) as g:
+        assert g.counter.add(2) == 3 and g.reader.peer_value() == 3
+
+
+def test_killed_worker_is_detected_quickly_and_the_group_shuts_down():
+    group = WorkerGroup(Toy, ResourcePool(cpus=2), "local")
+    pids = group.pids()
+    child = group.start_child()[0]
+    future = group.sleep.remote(60)
+    time.sleep(0.5)
+    os.kill(pids[1], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="rank 1") as info:
+        future.get(timeout=60)
+    assert time.monotonic() - start < 10
+    assert "exited with code -9" in str(info.value)
+    # The survivor (stuck in a 60 s call) and the grandchild are killed too.
+    assert wait_gone([pids[0], child], timeout_s=10)
+
+
+def test_failure_while_building_reports_rank_and_leaves_no_process():
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(
+        WorkerError, match="rank 1 failed in Toy.__init__: RuntimeError: cannot build"
+    ):
+        WorkerGroup(Toy, ResourcePool(cpus=2), "local", fail_on_rank=1)
+    after = {p.pid for p in psutil.Process().children(recursive=True)}
+    assert wait_gone(list(after - before))
+
+
+CONTROLLER_SCRIPT = """
+    import sys
+    sys.path.insert(0, {tests_dir!r})
+    from hybridflow.controller import ResourcePool, WorkerGroup
+    from toy_workers import Toy
+
+    if __name__ == "__main__":
+        group = WorkerGroup(Toy, ResourcePool(cpus=1), "local")
+        print(group.pids()[0], group.start_child()[0], flush=True)
+        group.sleep(600)
+"""
+
+
+def test_ctrl_c_on_the_controller_leaves_no_orphans(tmp_path: Path):
+    script = tmp_path / "controller.py"
+    script.write_text(
+        textwrap.dedent(CONTROLLER_SCRIPT.format(tests_dir=str(Path(__file__).parent)))
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        worker_pid, grandchild_pid = map(int, proc.stdout.readline().split())
+        assert not gone(worker_pid) and not gone(grandchild_pid)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert "KeyboardInterrupt" in stderr
+    assert wait_gone([worker_pid, grandchild_pid], timeout_s=10)
