@@ -154,3 +154,28 @@ def test_build_from_reward_config(scorer_file):
     assert manager.known_data_sources() is None  # a custom_fn scores every data source
     result = manager.score(["a"], ["a"], ["anything"], response_lengths=[8])
     assert result.scores == [0.0]  # 1.0 correct, -1.0 at the full length
+
+
+@pytest.mark.slow
+def test_worker_stuck_in_c_code_is_killed_and_pool_rebuilt(tmp_path):
+    # `sum(range(...))` runs inside one C call, so the in-worker alarm cannot interrupt
+    # it; the parent's deadline must kill the worker.
+    path = tmp_path / "stuck.py"
+    path.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if solution_str == 'stuck':\n"
+        "        return float(sum(range(10**12)))\n"
+        "    return 1.0\n"
+    )
+    manager = RewardManager(
+        "naive", custom_fn=f"{path}:compute_score", num_workers=1, timeout_s=0.5
+    )
+    with manager:
+        manager.pool.startup_grace_s = 3.0
+        start = time.monotonic()
+        result = manager.score(["stuck"], ["x"], ["x"])
+        assert time.monotonic() - start < 20
+        assert result.scores == [0.0] and result.metrics["reward/num_timeouts"] == 1.0
+        assert manager.pool._executor is None  # the stuck pool was torn down
+        manager.pool.startup_grace_s = 60.0
+        assert manager.score(["ok"], ["x"], ["x"]).scores == [1.0]
