@@ -104,7 +104,7 @@ def iter_rows(path: str | Path, required_keys: Sequence[str] = ()) -> Iterator[t
             yield where, row
 
 
-def _validate_messages(messages: Any, where: str, key: str) -> list[dict[str, str]]:
+def validate_messages(messages: Any, where: str, key: str) -> list[dict[str, str]]:
     if isinstance(messages, str) or not isinstance(messages, Sequence) or len(messages) == 0:
         raise DataSchemaError(
             f"{where}: key '{key}' must be a non-empty list of chat messages "
@@ -161,7 +161,7 @@ def validate_row(
     messages = row[prompt_key]
     if isinstance(messages, str):  # a plain-text prompt is one user turn
         messages = [{"role": "user", "content": messages}]
-    messages = _validate_messages(messages, where, prompt_key)
+    messages = validate_messages(messages, where, prompt_key)
     reward_model = row["reward_model"]
     if not isinstance(reward_model, dict):
         raise DataSchemaError(f"{where}: key 'reward_model' must be a dict with 'ground_truth'")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.data.chat import ChatTokenizer, as_token_list, encode_chat_prompt, encode_text
-from hybridflow.data.schema import DataSchemaError, _validate_messages, iter_rows
+from hybridflow.data.schema import DataSchemaError, iter_rows, validate_messages
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ def validate_sft_row(row: Any, where: str) -> list[dict[str, str]] | tuple[list,
     if not isinstance(row, dict):
         raise DataSchemaError(f"{where}: row must be an object, got {type(row).__name__}")
     if row.get("messages") is not None:
-        messages = _validate_messages(row["messages"], where, "messages")
+        messages = validate_messages(row["messages"], where, "messages")
         if not any(m["role"] == "assistant" for m in messages):
             raise DataSchemaError(f"{where}: key 'messages' holds no assistant turn to learn")
         return messages
@@ -44,7 +44,7 @@ def validate_sft_row(row: Any, where: str) -> list[dict[str, str]] | tuple[list,
     prompt = row["prompt"]
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
-    prompt = _validate_messages(prompt, where, "prompt")
+    prompt = validate_messages(prompt, where, "prompt")
     if not isinstance(row["response"], str):
         raise DataSchemaError(f"{where}: key 'response' must be a string")
     return prompt, row["response"]

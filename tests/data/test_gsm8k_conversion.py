@@ -55,3 +55,17 @@ def test_from_hub_without_datasets_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # import fails
     with pytest.raises(RuntimeError, match="needs the `datasets` package"):
         convert_gsm8k_from_hub(tmp_path)
+
+
+def test_convert_hub_style_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    source = tmp_path / "test-00000-of-00001.parquet"
+    rows = [
+        {"question": "2+2?", "answer": "2+2=4\n#### 4"},
+        {"question": "big?", "answer": "#### 12,345"},
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), source)
+    out = convert_gsm8k_file(source, tmp_path / "out", split="test")
+    assert [r.ground_truth for r in load_prompt_records(out)] == ["4", "12345"]
