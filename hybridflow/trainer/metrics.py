@@ -214,3 +214,50 @@ class Timer:
 
     def reset(self) -> None:
         self.seconds.clear()
+
+
+def validation_metrics(
+    data_sources: Sequence[str],
+    uids: Sequence[object],
+    scores: Sequence[float],
+    predictions: Sequence[str | None] | None = None,
+) -> dict[str, float]:
+    """Per data source `val/<source>/mean@n`, `best@n` and (with predictions) `maj@n`.
+
+    Samples sharing a uid are the n answers to one prompt. mean@n averages every score;
+    best@n averages each prompt's best score; maj@n averages, per prompt, the score of the
+    most frequent prediction (ties: the one seen first; None predictions do not vote).
+    """
+    groups: dict[tuple[str, object], list[int]] = defaultdict(list)
+    for position, (source, uid) in enumerate(zip(data_sources, uids)):
+        groups[(source, uid)].append(position)
+    per_source: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    sizes: dict[str, set[int]] = defaultdict(set)
+    for (source, _), positions in groups.items():
+        sizes[source].add(len(positions))
+        group_scores = [float(scores[p]) for p in positions]
+        per_source[source]["mean"] += group_scores
+        per_source[source]["best"].append(max(group_scores))
+        if predictions is not None:
+            per_source[source]["maj"].append(_majority_score(positions, predictions, scores))
+    metrics = {}
+    for source, values in per_source.items():
+        n = max(sizes[source])  # prompts normally all have n samples
+        for kind, numbers in values.items():
+            metrics[f"val/{source}/{kind}@{n}"] = sum(numbers) / len(numbers)
+    return metrics
+
+
+def _majority_score(positions, predictions, scores) -> float:
+    votes: dict[str, int] = {}
+    first_position: dict[str, int] = {}
+    for position in positions:
+        prediction = predictions[position]
+        if prediction is None:
+            continue
+        votes[prediction] = votes.get(prediction, 0) + 1
+        first_position.setdefault(prediction, position)
+    if not votes:
+        return 0.0
+    winner = max(votes, key=lambda p: (votes[p], -first_position[p]))
+    return float(scores[first_position[winner]])

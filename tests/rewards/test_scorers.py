@@ -128,3 +128,17 @@ def test_arithmetic(response, expected):
 def test_arithmetic_negative_answers():
     assert arithmetic.compute_score("-12", "-12") == 1.0
     assert arithmetic.compute_score("12", "-12") == 0.0
+
+
+def test_predictions_vote_together_when_equal():
+    from hybridflow.rewards.answers import extract_prediction
+
+    assert extract_prediction("math", r"\boxed{\dfrac{1}{2}}") == extract_prediction(
+        "math", r"so \boxed{\frac12}"
+    )
+    assert extract_prediction("openai/gsm8k", "#### 1,000") == extract_prediction(
+        "gsm8k", "#### 1000.00"
+    )
+    assert extract_prediction("countdown", "<answer>2 * 3</answer>") == "2*3"
+    assert extract_prediction("arithmetic", " 68 ") == "68"
+    assert extract_prediction("math", "no box") is None

@@ -88,3 +88,34 @@ def test_timer_accumulates_per_stage():
     assert per_token["timing_per_token_ms/gen"] == pytest.approx(100 * metrics["timing_s/gen"])
     timer.reset()
     assert timer.metrics() == {}
+
+
+def test_validation_mean_best_majority():
+    from hybridflow.trainer.metrics import validation_metrics
+
+    # prompt u1 (gsm8k): answers 18, 17, 17 -> majority "17" is wrong
+    # prompt u2 (gsm8k): answers 5, 5, None -> majority "5" right
+    # prompt u3 (arithmetic, n=1): right
+    metrics = validation_metrics(
+        data_sources=["gsm8k"] * 6 + ["arithmetic"],
+        uids=["u1", "u1", "u1", "u2", "u2", "u2", "u3"],
+        scores=[1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0],
+        predictions=["18", "17", "17", "5", "5", None, "68"],
+    )
+    assert metrics == {
+        "val/gsm8k/mean@3": pytest.approx(0.5),
+        "val/gsm8k/best@3": 1.0,
+        "val/gsm8k/maj@3": 0.5,
+        "val/arithmetic/mean@1": 1.0,
+        "val/arithmetic/best@1": 1.0,
+        "val/arithmetic/maj@1": 1.0,
+    }
+    no_votes = validation_metrics(["a"], ["u"], [1.0])
+    assert set(no_votes) == {"val/a/mean@1", "val/a/best@1"}
+
+
+def test_majority_tie_goes_to_the_first_seen():
+    from hybridflow.trainer.metrics import validation_metrics
+
+    metrics = validation_metrics(["s"] * 4, ["u"] * 4, [0.0, 1.0, 0.0, 1.0], ["a", "b", "a", "b"])
+    assert metrics["val/s/maj@4"] == 0.0
