@@ -167,7 +167,7 @@ class ActorEngine:
                 for mini in range(num_minis):
                     rows = order[mini * mini_size : (mini + 1) * mini_size]
                     self._mini_batch_step(batch.index(rows), temperature, sums)
-        self.core.scheduler.step()
+        self.core.scheduler_step()
         self.update_count += 1
         metrics = sums.result()
         metrics["lr"] = self.core.optimizer.param_groups[0]["lr"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -181,6 +182,14 @@ class TrainCore:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, skipped
 
+    def scheduler_step(self) -> None:
+        """Advance the LR schedule (once per update, also when every step was skipped)."""
+        with warnings.catch_warnings():
+            # Torch warns when no optimizer.step() ran since the last call: expected after a
+            # skipped (non-finite) step.
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            self.scheduler.step()
+
     @property
     def _optimizer_device(self) -> torch.device:
         return torch.device("cpu") if self.param_offload else self.device
@@ -236,10 +245,16 @@ class TrainCore:
                 model_state, optim_state = get_state_dict(
                     self.module, self.optimizer, options=options
                 )
-                state = {"model": model_state, "optimizer": optim_state}
+                state = {"model": self._keep(model_state, trainable_only), "optimizer": optim_state}
             else:
-                state = {"model": get_state_dict(self.module, [], options=options)[0]}
-            dcp.save(state, checkpoint_id=str(directory), process_group=self._dcp_group())
+                model_state = get_state_dict(self.module, [], options=options)[0]
+                state = {"model": self._keep(model_state, trainable_only)}
+            dcp.save(
+                state,
+                checkpoint_id=str(directory),
+                process_group=self._dcp_group(),
+                no_dist=not _dist_on(),
+            )
         extra = dict(extra)
         if self.scheduler is not None:
             extra["scheduler"] = self.scheduler.state_dict()
@@ -263,10 +278,15 @@ class TrainCore:
         with self.on_device():
             optimizers = [self.optimizer] if self.optimizer is not None else []
             model_state, optim_state = get_state_dict(self.module, optimizers, options=options)
-            state = {"model": model_state}
+            state = {"model": self._keep(model_state, trainable_only)}
             if self.optimizer is not None:
                 state["optimizer"] = optim_state
-            dcp.load(state, checkpoint_id=str(directory), process_group=self._dcp_group())
+            dcp.load(
+                state,
+                checkpoint_id=str(directory),
+                process_group=self._dcp_group(),
+                no_dist=not _dist_on(),
+            )
             set_state_dict(
                 self.module,
                 optimizers,
@@ -299,6 +319,19 @@ class TrainCore:
                 if self.dp_rank == 0:
                     out[name] = full.detach().to("cpu", copy=True)
         return out
+
+    def _keep(self, model_state: dict, trainable_only: bool) -> dict:
+        """Drop frozen tensors. ``ignore_frozen_params`` alone keeps a tied lm_head (a
+        duplicate name of the frozen embedding), which would put the whole vocabulary matrix
+        into a LoRA adapter checkpoint."""
+        if not trainable_only:
+            return model_state
+        trainable = {
+            name
+            for name, param in self.module.named_parameters(remove_duplicate=False)
+            if param.requires_grad
+        }
+        return {name: value for name, value in model_state.items() if name in trainable}
 
     def _dcp_group(self) -> dist.ProcessGroup | None:
         return self.dp_group if _dist_on() else None

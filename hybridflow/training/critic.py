@@ -131,7 +131,7 @@ class CriticEngine:
                             sums=sums,
                         )
                     )
-        self.core.scheduler.step()
+        self.core.scheduler_step()
         self.update_count += 1
         metrics = sums.result()
         metrics["lr"] = self.core.optimizer.param_groups[0]["lr"]
