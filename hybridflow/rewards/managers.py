@@ -25,7 +25,12 @@ from typing import Any
 
 from hybridflow.rewards.custom import load_function, split_target
 from hybridflow.rewards.parallel import Outcome, ScoringPool
-from hybridflow.rewards.registry import ScorerRegistry, ScorerSpec, default_registry
+from hybridflow.rewards.registry import (
+    ScorerRegistry,
+    ScorerSpec,
+    UnknownDataSource,
+    default_registry,
+)
 
 MANAGER_MODES = ("naive", "batch", "dapo")
 MAX_ERROR_MESSAGES = 5
@@ -146,7 +151,7 @@ class RewardManager:
                 self._call(responses[i], ground_truths[i], data_sources[i], extra_infos[i])
                 for i in range(size)
             ]
-            outcomes = self.pool.run(calls)
+            outcomes = self._run_known(calls)
         result = self._collect(outcomes, data_sources)
         if self.mode == "dapo" and self.overlong_buffer_len > 0:
             self._apply_overlong_shaping(result, response_lengths)
@@ -159,8 +164,30 @@ class RewardManager:
             "ground_truth": ground_truth,
             "extra_info": extra_info,
         }
-        spec = self.custom_spec or self.registry.get(data_source)
-        return spec, arguments
+        if self.custom_spec is not None:
+            return self.custom_spec, arguments
+        if data_source not in self.registry:
+            # Caught before training by check_data_sources; here it must not stop a run.
+            return None, arguments
+        return self.registry.get(data_source), arguments
+
+    def _run_known(self, calls) -> list[Outcome]:
+        """Score calls that have a scorer; the others fail with an 'unknown source' error."""
+        known = [i for i, (spec, _) in enumerate(calls) if spec is not None]
+        outcomes: list[Outcome] = [
+            Outcome("error", message=str(self._unknown_source_error(arguments["data_source"])))
+            for _, arguments in calls
+        ]
+        for i, outcome in zip(known, self.pool.run([calls[i] for i in known])):
+            outcomes[i] = outcome
+        return outcomes
+
+    def _unknown_source_error(self, data_source: str) -> Exception:
+        try:
+            self.registry.get(data_source)
+        except UnknownDataSource as error:
+            return error
+        return ValueError(data_source)
 
     def _score_batched(self, responses, ground_truths, data_sources, extra_infos):
         """One list call per chunk; a failed chunk fails all of its samples."""

@@ -67,19 +67,29 @@ def _alarm_available() -> bool:
 
 def guarded_call(spec: ScorerSpec, arguments: dict[str, Any], timeout_s: float | None) -> Outcome:
     """Run one scorer call; never raises (except KeyboardInterrupt)."""
+    timeout = Outcome("timeout", message=f"scorer {spec.target} took more than {timeout_s}s")
     use_alarm = bool(timeout_s) and _alarm_available()
-    if use_alarm:
-        previous = signal.signal(signal.SIGALRM, _on_alarm)
-        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    previous = signal.signal(signal.SIGALRM, _on_alarm) if use_alarm else None
     try:
-        return Outcome("ok", call_scorer(spec, arguments))
-    except ScoringTimeout:
-        return Outcome("timeout", message=f"scorer {spec.target} took more than {timeout_s}s")
-    except Exception as error:
-        return Outcome("error", message=f"scorer {spec.target}: {type(error).__name__}: {error}")
+        try:
+            if use_alarm:
+                signal.setitimer(signal.ITIMER_REAL, timeout_s)
+            try:
+                value = call_scorer(spec, arguments)
+            finally:
+                if use_alarm:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+            return Outcome("ok", value)
+        except ScoringTimeout:
+            return timeout
+        except Exception as error:
+            return Outcome(
+                "error", message=f"scorer {spec.target}: {type(error).__name__}: {error}"
+            )
+    except ScoringTimeout:  # the alarm landed while an exception was being handled
+        return timeout
     finally:
         if use_alarm:
-            signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
 
 
@@ -131,14 +141,15 @@ class ScoringPool:
         }
         # Bound on the whole run: each worker runs ceil(n / workers) calls at most one
         # chunk unevenly, each no longer than the per-call timeout, plus process start-up.
-        per_call = self.timeout_s or 0.0
+        # Without a per-call timeout there is no bound: wait as long as scoring takes.
         calls_per_worker = math.ceil(len(calls) / self.num_workers) + chunk_size
-        deadline = time.monotonic() + self.startup_grace_s + per_call * calls_per_worker
+        deadline = math.inf
+        if self.timeout_s:
+            deadline = time.monotonic() + self.startup_grace_s + self.timeout_s * calls_per_worker
         done, not_done = set(), set(futures)
         while not_done and time.monotonic() < deadline:
-            finished, not_done = wait(
-                not_done, timeout=deadline - time.monotonic(), return_when=FIRST_EXCEPTION
-            )
+            remaining = None if deadline == math.inf else deadline - time.monotonic()
+            finished, not_done = wait(not_done, timeout=remaining, return_when=FIRST_EXCEPTION)
             done |= finished
             if any(f.exception() is not None for f in finished):
                 # The pool is broken: the other futures fail within moments; collect them.

@@ -179,3 +179,19 @@ def test_worker_stuck_in_c_code_is_killed_and_pool_rebuilt(tmp_path):
         assert manager.pool._executor is None  # the stuck pool was torn down
         manager.pool.startup_grace_s = 60.0
         assert manager.score(["ok"], ["x"], ["x"]).scores == [1.0]
+
+
+def test_unknown_data_source_at_scoring_time_scores_zero_and_is_counted():
+    manager = RewardManager("naive")
+    result = manager.score(["68", "68"], ["68", "68"], ["arithmetic", "mystery"])
+    assert result.scores == [1.0, 0.0] and result.metrics["reward/num_errors"] == 1.0
+    assert "mystery" in result.error_messages[0]
+
+
+def test_no_timeout_means_no_deadline(scorer_file):
+    manager = RewardManager(
+        "naive", custom_fn=f"{scorer_file}:compute_score", num_workers=1, timeout_s=None
+    )
+    with manager:
+        manager.pool.startup_grace_s = 0.0  # would kill at once if a deadline were applied
+        assert manager.score(["a"], ["a"], ["x"]).scores == [1.0]
