@@ -174,20 +174,16 @@ class RewardManager:
     def _run_known(self, calls) -> list[Outcome]:
         """Score calls that have a scorer; the others fail with an 'unknown source' error."""
         known = [i for i, (spec, _) in enumerate(calls) if spec is not None]
-        outcomes: list[Outcome] = [
-            Outcome("error", message=str(self._unknown_source_error(arguments["data_source"])))
-            for _, arguments in calls
-        ]
+        outcomes: list[Outcome | None] = [None] * len(calls)
         for i, outcome in zip(known, self.pool.run([calls[i] for i in known])):
             outcomes[i] = outcome
+        for i, (spec, arguments) in enumerate(calls):
+            if spec is None:
+                try:
+                    self.registry.get(arguments["data_source"])
+                except UnknownDataSource as error:
+                    outcomes[i] = Outcome("error", message=str(error))
         return outcomes
-
-    def _unknown_source_error(self, data_source: str) -> Exception:
-        try:
-            self.registry.get(data_source)
-        except UnknownDataSource as error:
-            return error
-        return ValueError(data_source)
 
     def _score_batched(self, responses, ground_truths, data_sources, extra_infos):
         """One list call per chunk; a failed chunk fails all of its samples."""
