@@ -32,6 +32,7 @@ def small_config(model_type: str, **changes) -> ModelConfig:
 def randomized_model(config: ModelConfig, seed: int = 0):
     """Our model with random weights, norms and biases too (so a wrongly placed norm shows)."""
     model = build_model(config, seed=seed)
+    model.init_weights(seed=seed, std=0.15)  # logits of order 1, so errors are not hidden
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -47,11 +47,11 @@ CASES = {
 def test_logits_match_transformers(case):
     model = randomized_model(CASES[case])
     hf_model = to_transformers(model)
-    input_ids = torch.randint(0, model.config.vocab_size, (2, 40))
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 128))
     with torch.no_grad():
         ours = model(input_ids)
         theirs = hf_model(input_ids).logits
-    assert ours.shape == theirs.shape == (2, 40, model.config.vocab_size)
+    assert ours.shape == theirs.shape == (2, 128, model.config.vocab_size)
     assert (ours - theirs).abs().max().item() <= TOLERANCE
 
 
