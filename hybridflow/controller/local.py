@@ -111,25 +111,27 @@ class LocalBackend:
             return Outcome(error=f"worker process exited with code {proc.exitcode} while starting")
 
     def submit(self, path: str, per_rank: list[tuple[tuple, dict]]) -> list[Future]:
-        futures = []
+        futures: list[Future] = [Future() for _ in per_rank]
         with self.lock:  # every rank sees calls in the same order (collectives match up)
-            for rank, (args, kwargs) in enumerate(per_rank):
-                future: Future = Future()
+            call_id = next(self.call_ids)
+            messages, segment = transport.encode_many(
+                [(call_id, path, args, kwargs) for args, kwargs in per_rank], self.owner
+            )
+            if segment is not None:  # shared by all ranks: unlinked once every rank is done
+                _unlink_when_all_done(futures, segment)
+            for rank, (future, message) in enumerate(zip(futures, messages)):
+                future.path = path  # type: ignore[attr-defined]
                 if rank in self.dead:
                     future.set_exception(self._died(rank, path))
-                else:
-                    call_id = next(self.call_ids)
-                    self.pending[rank][call_id] = future
-                    future.path = path  # type: ignore[attr-defined]
-                    try:
-                        self.conns[rank].send_bytes(
-                            transport.encode((call_id, path, args, kwargs), self.owner)
-                        )
-                    except (OSError, EOFError):
-                        self.pending[rank].pop(call_id, None)
-                        self._mark_dead(rank)
+                    continue
+                self.pending[rank][call_id] = future
+                try:
+                    self.conns[rank].send_bytes(message)
+                except (OSError, EOFError):
+                    self.pending[rank].pop(call_id, None)
+                    self._mark_dead(rank)
+                    if not future.done():
                         future.set_exception(self._died(rank, path))
-                futures.append(future)
         return futures
 
     def _read_replies(self, rank: int) -> None:
@@ -212,6 +214,24 @@ class LocalBackend:
                     future.set_exception(
                         WorkerDiedError(self.group, "", rank, "?", "worker group was shut down")
                     )
+
+
+def _unlink_when_all_done(futures: list[Future], path: str) -> None:
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: Future) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    for future in futures:
+        future.add_done_callback(one_done)
 
 
 def _free_port() -> int:

@@ -26,7 +26,9 @@ import torch
 from hybridflow.protocol import Batch
 
 SHM_DIR = "/dev/shm"
-SHM_MIN_BYTES = 1 << 20
+# Below this many tensor bytes a message goes inline (creating a file costs ~50 us).
+# The environment variable exists for benchmarks that compare both paths.
+SHM_MIN_BYTES = int(os.environ.get("HYBRIDFLOW_SHM_MIN_BYTES", 1 << 20))
 SHM_PREFIX = "hybridflow-"
 _ALIGN = 64
 
@@ -37,15 +39,18 @@ def segment_prefix(owner: str) -> str:
 
 
 class _TensorPickler(pickle.Pickler):
-    def __init__(self, file: io.BytesIO) -> None:
+    def __init__(
+        self, file: io.BytesIO, tensors: list[torch.Tensor], slots: dict[int, int]
+    ) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.tensors: list[torch.Tensor] = []
+        self.tensors, self.slots = tensors, slots  # shared by all messages of one encode_many
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
-            flat = obj.detach().to("cpu").contiguous().reshape(-1)
-            self.tensors.append(flat)
-            return ("tensor", len(self.tensors) - 1, obj.dtype, tuple(obj.shape))
+            if id(obj) not in self.slots:  # the same tensor sent to several ranks: stored once
+                self.slots[id(obj)] = len(self.tensors)
+                self.tensors.append(obj)
+            return ("tensor", self.slots[id(obj)], obj.dtype, tuple(obj.shape))
         if type(obj) is Batch:
             # The nested tensors come back through persistent_id as well.
             return ("batch", obj.tensors, obj.arrays, obj.meta)
@@ -66,27 +71,46 @@ class _TensorUnpickler(pickle.Unpickler):
 
 
 def encode(obj: Any, owner: str) -> bytes:
-    """Serialise ``obj``; ``owner`` names the shared-memory segment (see ``segment_prefix``)."""
-    buffer = io.BytesIO()
-    pickler = _TensorPickler(buffer)
-    pickler.dump(obj)
-    raw = [t.view(torch.uint8) for t in pickler.tensors]  # [nbytes] each
-    offsets, total = _layout([r.numel() for r in raw])
+    """Serialise ``obj``; ``owner`` names the shared-memory segment (see ``segment_prefix``).
+    The receiver unlinks the segment when it maps it."""
+    messages, _ = encode_many([obj], owner, receiver_unlinks=True)
+    return messages[0]
+
+
+def encode_many(
+    objs: list[Any], owner: str, receiver_unlinks: bool = False
+) -> tuple[list[bytes], str | None]:
+    """One message per object (e.g. per rank), all tensors in one segment, each distinct
+    tensor written once. Unless ``receiver_unlinks``, the caller unlinks the returned
+    segment path once every receiver has decoded its message."""
+    tensors: list[torch.Tensor] = []
+    slots: dict[int, int] = {}
+    payloads = []
+    for obj in objs:
+        buffer = io.BytesIO()
+        _TensorPickler(buffer, tensors, slots).dump(obj)
+        payloads.append(buffer.getvalue())
+    raw = [
+        t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8) for t in tensors
+    ]  # [nbytes]
+    sizes = [r.numel() for r in raw]
+    offsets, total = _layout(sizes)
     segment = None
     if total >= SHM_MIN_BYTES and os.path.isdir(SHM_DIR):
         segment = _write_segment(raw, offsets, total, owner)
     if segment is not None:
-        carrier: Any = ("shm", segment, offsets, total)
+        carrier: Any = ("shm", segment, offsets, total, receiver_unlinks)
     else:
         carrier = ("inline", [r.numpy().tobytes() for r in raw])
-    return pickle.dumps((carrier, [r.numel() for r in raw], buffer.getvalue()), protocol=5)
+    messages = [pickle.dumps((carrier, sizes, p), protocol=5) for p in payloads]
+    return messages, None if receiver_unlinks else segment
 
 
 def decode(data: bytes) -> Any:
     carrier, sizes, payload = pickle.loads(data)
     if carrier[0] == "shm":
-        _, path, offsets, total = carrier
-        base = _map_segment(path, total)
+        _, path, offsets, total, unlink = carrier
+        base = _map_segment(path, total, unlink)
         tensors = [base[o : o + n] for o, n in zip(offsets, sizes)]
     else:
         tensors = [
@@ -121,8 +145,9 @@ def _write_segment(
     path = os.path.join(SHM_DIR, segment_prefix(owner) + uuid.uuid4().hex[:16])
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        # Reserve the pages now: writing past a full tmpfs through a mapping is a SIGBUS.
-        os.posix_fallocate(fd, 0, total)
+        # Sized up front (sparse), filled with pwrite: a full /dev/shm then fails here with
+        # ENOSPC (and we fall back to inline bytes) instead of a SIGBUS through a mapping.
+        os.ftruncate(fd, total)
         for data, offset in zip(raw, offsets):
             view = memoryview(data.numpy())
             while len(view):
@@ -136,12 +161,17 @@ def _write_segment(
     return path
 
 
-def _map_segment(path: str, total: int) -> torch.Tensor:
-    fd = os.open(path, os.O_RDWR)
+def _map_segment(path: str, total: int, unlink: bool) -> torch.Tensor:
+    fd = os.open(path, os.O_RDONLY)
     try:
-        mapping = mmap.mmap(fd, total)
+        # Private (copy-on-write): a worker that edits its tensors in place neither changes
+        # what another rank mapped from the same segment nor needs a copy to read.
+        mapping = mmap.mmap(
+            fd, total, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        )
     finally:
         os.close(fd)
-        os.unlink(path)
+        if unlink:
+            os.unlink(path)
     # The tensor keeps the mapping alive; it is unmapped when the last view is freed.
     return torch.frombuffer(mapping, dtype=torch.uint8)

@@ -4,6 +4,7 @@ Each group start costs a few seconds (every process imports torch), so the tests
 one group where they can.
 """
 
+import glob
 import os
 import signal
 import subprocess
@@ -14,9 +15,17 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from toy_workers import EXPECTED_EXERCISE, Counter, ReadsPeer, Toy, exercise, toy_input
 
-from hybridflow.controller import ResourcePool, WorkerDiedError, WorkerError, WorkerGroup, fuse
+from hybridflow.controller import (
+    ResourcePool,
+    WorkerDiedError,
+    WorkerError,
+    WorkerGroup,
+    fuse,
+    transport,
+)
 
 
 def gone(pid: int) -> bool:
@@ -52,11 +61,26 @@ def test_collectives_run_over_gloo(group):
     assert group.sum_of_ranks() == 0 + 1
 
 
-def test_large_batch_round_trip(group):
-    batch = toy_input(2048)
+def test_large_batch_round_trip_through_shared_memory(group, monkeypatch):
+    segments = []
+
+    def spy(*args, **kwargs):
+        segments.append(write_segment(*args, **kwargs))
+        return segments[-1]
+
+    write_segment = transport._write_segment
+    monkeypatch.setattr(transport, "_write_segment", spy)
+    batch = toy_input(2048, cols=128)  # 2 MiB of int64
     out = group.transform(batch)
-    assert out["y"].shape == (2048, 4) and out["uid"].tolist() == batch["uid"].tolist()
+    assert len(segments) == 1 and segments[0] is not None  # one segment for both ranks
+    assert out["y"].shape == (2048, 128) and out["uid"].tolist() == batch["uid"].tolist()
+    assert torch.equal(out["y"], batch["x"] * 3 + batch["x"].sum(dim=1, keepdim=True))
     assert out["rank"].tolist() == [0] * 1024 + [1] * 1024
+    # The segment both ranks mapped is removed once both replied.
+    deadline = time.monotonic() + 2
+    while glob.glob(f"/dev/shm/hybridflow-{os.getpid()}-*") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert glob.glob(f"/dev/shm/hybridflow-{os.getpid()}-*") == []
 
 
 def test_exception_names_rank_and_carries_remote_traceback(group):

@@ -43,3 +43,15 @@ def test_remove_segments_cleans_up_unreceived_messages():
     assert len(glob.glob(prefix + "*")) == 1
     transport.remove_segments("test-orphan")
     assert glob.glob(prefix + "*") == [] and not os.path.exists(prefix)
+
+
+def test_one_segment_for_all_ranks_with_private_copies_on_write():
+    shared = torch.arange(1 << 19)  # 4 MiB, sent to two ranks
+    messages, segment = transport.encode_many([(shared, 0), (shared, 1)], "test-many")
+    assert os.path.getsize(segment) == shared.numel() * 8  # written once, not per rank
+    (first, rank0), (second, rank1) = (transport.decode(m) for m in messages)
+    first[0] = -5  # one rank editing its batch in place ...
+    assert second[0] == 0 and shared[0] == 0  # ... changes nothing the others see
+    assert (rank0, rank1) == (0, 1) and torch.equal(second, shared)
+    os.unlink(segment)  # the sender's job once every rank has decoded
+    assert torch.equal(second, shared)  # mappings outlive the file

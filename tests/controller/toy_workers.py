@@ -92,8 +92,8 @@ class ReadsPeer(Worker):
         return self.peer.value
 
 
-def toy_input(rows: int = 7) -> Batch:
-    x = torch.arange(rows * 4).reshape(rows, 4)
+def toy_input(rows: int = 7, cols: int = 4) -> Batch:
+    x = torch.arange(rows * cols).reshape(rows, cols)
     return Batch({"x": x}, {"uid": [f"p{i}" for i in range(rows)]}, {"temperature": 1.0})
 
 

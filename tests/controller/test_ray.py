@@ -1,0 +1,63 @@
+"""The `ray` backend on a local 2-CPU Ray. Ray's start-up is the slow part (~10 s on two
+cores), so the tests share one Ray and one group; the last test kills a worker."""
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+from toy_workers import EXPECTED_EXERCISE, Toy, exercise, toy_input
+
+from hybridflow.controller import ResourcePool, WorkerDiedError, WorkerError, WorkerGroup
+
+
+def test_missing_ray_gives_an_actionable_error(monkeypatch):
+    from hybridflow.controller.ray_backend import import_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(ImportError, match=r"pip install 'hybridflow\[ray\]'"):
+        import_ray()
+
+
+@pytest.fixture(scope="module")
+def group():
+    ray = pytest.importorskip("ray")
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    group = WorkerGroup(Toy, ResourcePool(cpus=2), "ray", scale=3, call_timeout_s=120)
+    yield group
+    group.shutdown()
+    if started_here:
+        ray.shutdown()
+
+
+def test_same_results_as_inprocess(group):
+    assert exercise(group) == EXPECTED_EXERCISE
+    assert os.getpid() not in group.pids()
+
+
+def test_collectives_and_large_batches(group):
+    assert group.sum_of_ranks() == 1
+    batch = toy_input(1024)
+    out = group.transform(batch)
+    assert out["uid"].tolist() == batch["uid"].tolist()
+    out["y"][0, 0] = -1  # tensors from the object store come back writable
+
+
+def test_exception_names_rank_and_remote_traceback(group):
+    with pytest.raises(WorkerError) as info:
+        group.fail("sandbox crashed", only_rank=1)
+    assert "rank 1 failed in fail: ValueError: sandbox crashed" in str(info.value)
+    assert 'toy_workers.py", line' in info.value.remote_traceback
+
+
+def test_killed_actor_is_detected_quickly(group):
+    future = group.sleep.remote(60)
+    time.sleep(0.5)
+    os.kill(group.pids()[1], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="rank 1"):
+        future.get(timeout=60)
+    assert time.monotonic() - start < 10
