@@ -306,6 +306,33 @@ class TrainerConfig:
 
 
 @dataclass
+class SFTConfig:
+    train_files: list[str] = field(default_factory=lambda: ["builtin:arithmetic"])
+    """``hybridflow sft`` data: prompt/response or chat-message rows (parquet/jsonl), or
+    ``builtin:<task>`` for the SFT split of a synthetic task."""
+    preset: str = "tiny-4l"
+    """Shape preset of the model trained from scratch for ``model.path=sft:<task>``
+    (``hybridflow sft`` fine-tunes ``model.path`` instead when it is not ``sft:``)."""
+    total_steps: int = 300
+    """Optimizer steps of supervised fine-tuning."""
+    batch_size: int = 64
+    """Examples per optimizer step."""
+    lr: float = 3e-3
+    """Peak AdamW learning rate (cosine decay after a linear warm-up)."""
+    warmup_steps: int = 20
+    """Linear warm-up steps."""
+    max_length: int = 64
+    """Longest example in tokens; longer examples are dropped (and counted)."""
+    max_tokens_per_gpu: int | None = None
+    """Token budget per packed micro-batch; None: the whole batch in one pass."""
+    builtin_size: int = 20000
+    """Examples generated for a ``builtin:`` SFT task."""
+    out_dir: str | None = None
+    """Where ``hybridflow sft`` writes checkpoints and the final HF model; default
+    ``<trainer.run_dir>/sft``."""
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -316,6 +343,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
 
 
 @dataclass
@@ -483,6 +511,11 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return True, float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-6" (no dot) as a string
+            try:
+                return True, float(value)
+            except ValueError:
+                pass
         return False, value
     if tp is str:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
