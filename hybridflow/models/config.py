@@ -11,7 +11,7 @@ from typing import Any
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 # rope_scaling types rope.py implements (HF names; "type" is the legacy key for "rope_type").
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",

@@ -11,19 +11,28 @@ from hybridflow.models.config import ModelConfig
 
 def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] in fp32, with config.rope_scaling applied."""
+    return rope_parameters(config, device)[0]
+
+
+def rope_parameters(
+    config: ModelConfig, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [head_dim // 2] fp32, scale applied to cos and sin)."""
     dim = config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
     inv_freq = 1.0 / (config.rope_theta**exponents)
     rope_type = config.rope_type
     if rope_type == "default":
-        return inv_freq
+        return inv_freq, 1.0
     scaling = config.rope_scaling
     factor = float(scaling["factor"])
     if rope_type == "linear":
         # Positions divided by factor == frequencies divided by factor.
-        return inv_freq / factor
+        return inv_freq / factor, 1.0
     if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling, factor, config.max_position_embeddings)
+        return _llama3_inv_freq(inv_freq, scaling, factor, config.max_position_embeddings), 1.0
+    if rope_type == "yarn":
+        return _yarn_parameters(inv_freq, scaling, factor, config)
     raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
 
 
@@ -45,14 +54,56 @@ def _llama3_inv_freq(
     return torch.where(is_medium, blended, slowed)
 
 
+def _yarn_parameters(
+    inv_freq: torch.Tensor, scaling: dict, factor: float, config: ModelConfig
+) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023, arXiv:2309.00071): frequencies that turn fewer than beta_slow
+    times over the original context are interpolated (divided by factor), those that turn more
+    than beta_fast times are kept, a linear ramp over dimensions in between; cos/sin are scaled
+    by the attention factor 0.1 * ln(factor) + 1 (or the mscale ratio when given)."""
+    dim = config.head_dim
+    base = config.rope_theta
+    original = float(
+        scaling.get("original_max_position_embeddings") or config.max_position_embeddings
+    )
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = (
+            mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        )
+
+    def correction_dim(rotations: float) -> float:
+        # Dimension index whose wavelength fits `rotations` turns into the original context.
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = correction_dim(scaling.get("beta_fast") or 32)
+    high = correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = (1 - ramp).to(inv_freq.device)  # 1 = extrapolate (original frequency)
+    return inv_freq / factor * (1 - keep) + inv_freq * keep, float(attention_factor)
+
+
 def rope_cos_sin(
     config: ModelConfig, position_ids: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [..., head_dim] for integer positions [...], computed in fp32, cast to dtype."""
-    inv_freq = rope_inv_freq(config, position_ids.device)  # [head_dim // 2]
+    inv_freq, scale = rope_parameters(config, position_ids.device)  # [head_dim // 2]
     freqs = position_ids.float().unsqueeze(-1) * inv_freq  # [..., head_dim // 2]
     angles = torch.cat((freqs, freqs), dim=-1)  # [..., head_dim]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = angles.cos(), angles.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

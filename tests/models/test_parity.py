@@ -36,6 +36,11 @@ CASES = {
         },
     ),
     "llama-linear-rope": small_config("llama", rope_scaling={"type": "linear", "factor": 2.0}),
+    "qwen2-yarn-rope": small_config(
+        "qwen2",
+        head_dim=16,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    ),
     "llama-bias": small_config("llama", attention_bias=True, o_proj_bias=True),
     "mistral": small_config("mistral", sliding_window=4096),
     "qwen2-bias-tied": small_config("qwen2", tie_word_embeddings=True),
