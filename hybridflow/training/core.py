@@ -78,6 +78,13 @@ class TrainCore:
             module.to(self.device)
         if self.fsdp:
             self._shard(module)
+        elif self.compute_dtype is not None:
+            # Autocast leaves embedding outputs in fp32; cast them so the residual stream, RoPE
+            # and the packed attention kernel run in bf16 as under FSDP's mixed precision.
+            compute_dtype = self.compute_dtype
+            module.lm.model.embed_tokens.register_forward_hook(
+                lambda _module, _inputs, output: output.to(compute_dtype)
+            )
         self.module = module
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None

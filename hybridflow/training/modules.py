@@ -33,9 +33,14 @@ class PolicyModel(nn.Module):
         hidden = self.lm.forward_packed(
             packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen
         )  # [N, H]
+        weight = self.lm.lm_head.weight
+        if weight.dtype != hidden.dtype:
+            # Under autocast (unsharded bf16 path) the chunked log-prob kernel's backward runs
+            # outside autocast, so hand it one dtype; the cast is differentiable.
+            weight = weight.to(hidden.dtype)
         return logprobs_from_hidden(
             hidden[packed.hidden_index],
-            self.lm.lm_head.weight,
+            weight,
             packed.targets,
             temperature=temperature,
             with_entropy=with_entropy,
