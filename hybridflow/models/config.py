@@ -54,7 +54,8 @@ class ModelConfig:
     o_proj_bias: bool = False
     """Bias on o_proj (HF Llama with attention_bias=True). Derived by from_hf."""
     sliding_window: int | None = None
-    """Mistral's window; recorded for the round trip, attention here is always full-causal."""
+    """Mistral's window. Attention here is full-causal, which equals the sliding window for
+    sequences up to this length; longer ones raise (use the HF fallback)."""
     torch_dtype: str | None = None
     """dtype named in config.json (informational; load_model's dtype argument decides)."""
 

@@ -160,6 +160,15 @@ class CausalLM(nn.Module):
 
     # -- forward ------------------------------------------------------------------------------
 
+    def _check_window(self, seq_len: int) -> None:
+        """Attention here is full-causal; equal to Mistral's sliding window only within it."""
+        window = self.config.sliding_window
+        if window is not None and seq_len > window:
+            raise ValueError(
+                f"sequence of {seq_len} tokens exceeds sliding_window={window}, which this "
+                "decoder does not implement; load the model with backend='hf'"
+            )
+
     def _run_layers(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
     ) -> torch.Tensor:
@@ -180,6 +189,7 @@ class CausalLM(nn.Module):
             positions = positions.expand(input_ids.shape)
         else:
             positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, T]
+        self._check_window(input_ids.shape[1])
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.config, positions, hidden.dtype)
 
@@ -205,6 +215,7 @@ class CausalLM(nn.Module):
 
         Returns the final-norm hidden states [N, H] (no lm_head: log-probs are computed from
         them in chunks, see logprobs.py). Attention never crosses a sequence boundary."""
+        self._check_window(int(max_seqlen))
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.config, position_ids, hidden.dtype)
         backend = resolve_backend(self.attention_backend, hidden.device, hidden.dtype)

@@ -84,3 +84,12 @@ def test_sdpa_loop_gqa_matches_repeated_heads():
         q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), [4, 6]
     )
     torch.testing.assert_close(grouped, repeated)
+
+
+def test_sequences_longer_than_the_sliding_window_are_refused():
+    model = randomized_model(small_config("mistral", sliding_window=8))
+    with pytest.raises(ValueError, match="sliding_window=8"):
+        model(torch.randint(3, 97, (1, 9)))
+    with pytest.raises(ValueError, match="sliding_window=8"):
+        model.forward_packed(*pack([torch.randint(3, 97, (n,)) for n in (3, 9)]))
+    assert model(torch.randint(3, 97, (1, 8))).shape == (1, 8, 97)
