@@ -68,20 +68,35 @@ def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]
     return torch.randint(16, vocab, (num, length), generator=g).tolist()
 
 
-def bench_rollout(args) -> dict:
+def bench_rollout(args, model=None) -> dict:
     import torch
 
-    from hybridflow.engine import Engine, SamplingParams
     from hybridflow.models import load_model
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = getattr(torch, args.dtype)
-    model = load_model(args.preset, dtype=dtype, device=device).eval()
+    if model is None:
+        model = load_model(args.preset, dtype=getattr(torch, args.dtype), device=device).eval()
     prompts = make_prompts(args.prompts, args.prompt_len, model.config.vocab_size, args.seed)
-    rows = args.prompts * args.n
+    result = {
+        "preset": args.preset, "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda" else "cpu", "dtype": args.dtype, "prompts": args.prompts,
+        "n": args.n, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "engine": bench_engine(model, prompts, args, device),
+    }  # fmt: skip
+    if args.hf:
+        result["hf"] = bench_hf(model, prompts, args, device)
+        result["speedup_vs_hf"] = result["engine"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
+    return result
+
+
+def bench_engine(model, prompts, args, device) -> dict:
+    import torch
+
+    from hybridflow.engine import Engine, SamplingParams
+
     engine = Engine(
         model,
-        max_batch_size=args.max_batch_size or rows,
+        max_batch_size=args.max_batch_size or len(prompts) * args.n,
         max_seq_len=args.prompt_len + args.new_tokens,
         decode_backend=args.backend,
         cuda_graphs=None if not args.no_graphs else False,
@@ -92,8 +107,10 @@ def bench_rollout(args) -> dict:
         seed=args.seed, ignore_eos=True,
     )  # fmt: skip
     # Warm-up: kernel compilation and graph capture for the buckets this run uses.
+    start = time.perf_counter()
     engine.generate(prompts, params)
     _sync(device)
+    warmup = time.perf_counter() - start
     # Time to first token: prefill of every prompt + first sampled token.
     start = time.perf_counter()
     engine.generate(prompts, SamplingParams(n=args.n, max_new_tokens=1, seed=1, ignore_eos=True))
@@ -107,21 +124,14 @@ def bench_rollout(args) -> dict:
     seconds = time.perf_counter() - start
     tokens = sum(len(c.token_ids) for c in completions)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    result = {
-        "preset": args.preset, "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda" else "cpu", "dtype": args.dtype, "prompts": args.prompts,
-        "n": args.n, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-        "engine": {
-            "backend": engine.decode_backend, "cuda_graphs": engine.cuda_graphs,
-            "slots": engine.num_slots, "tokens": tokens, "seconds": seconds,
-            "tokens_per_s": tokens / seconds, "ttft_s": ttft, "peak_mem_gib": peak / 2**30,
-        },
+    slots = engine.num_slots
+    engine.release()
+    return {
+        "backend": engine.decode_backend, "cuda_graphs": engine.cuda_graphs, "slots": slots,
+        "steps_per_sync": args.steps_per_sync, "tokens": tokens, "seconds": seconds,
+        "tokens_per_s": tokens / seconds, "ttft_s": ttft, "peak_mem_gib": peak / 2**30,
+        "warmup_s": warmup,
     }  # fmt: skip
-    if args.hf:
-        engine.release()
-        result["hf"] = bench_hf(model, prompts, args, device)
-        result["speedup_vs_hf"] = result["engine"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
-    return result
 
 
 def bench_hf(model, prompts, args, device) -> dict:

@@ -295,7 +295,8 @@ def decode_attention(
 
 
 # -------------------------------------------------------------------------------------------
-# Fused sampler: one program per row, two passes over the logits, no fp32 [B, V] copy
+# Fused sampler: vocabulary split over programs, one pass over the logits (two with min-p),
+# no fp32 [B, V] copy
 
 
 @triton.jit
@@ -308,34 +309,36 @@ def _mix32(x):
 
 
 @triton.jit
-def _sample_kernel(
+def _sample_split_kernel(
     logits_ptr, stride_l, V, seed_lo_ptr, seed_hi_ptr, step_ptr, threshold_ptr,
-    tok_ptr, logprob_ptr, temperature, log_min_p,
-    GREEDY: tl.constexpr, HAS_THRESHOLD: tl.constexpr, HAS_MIN_P: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    part_m_ptr, part_s_ptr, part_score_ptr, part_idx_ptr, part_z_ptr, temperature, log_min_p,
+    MAX_ONLY: tl.constexpr, GREEDY: tl.constexpr, HAS_THRESHOLD: tl.constexpr,
+    HAS_MIN_P: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    SPLIT_SIZE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
+    """One (row, vocab split): running max/sum-exp of z = logits / T and the best Gumbel score
+    over allowed tokens. MAX_ONLY: just the split max (min-p needs the row max first)."""
     row = tl.program_id(0)
+    split = tl.program_id(1)
     base = logits_ptr + row.to(tl.int64) * stride_l
+    part = row * SPLITS + split
     offs = tl.arange(0, BLOCK_V)
-    # pass 1: running max and sum of exp of z = logits / T
-    m = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK_V], tl.float32)
-    for v0 in range(0, V, BLOCK_V):
-        idx = v0 + offs
-        z = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32) / temperature
-        m_new = tl.maximum(m, z)
-        s = s * tl.exp(tl.where(m_new == float("-inf"), 0.0, m - m_new)) + tl.where(
-            z == float("-inf"), 0.0, tl.exp(z - m_new)
-        )
-        m = m_new
-    m_row = tl.max(m, axis=0)
-    lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), axis=0))
-    # pass 2: Gumbel-max over the allowed tokens (z >= threshold)
+    lo = split * SPLIT_SIZE
+    if MAX_ONLY:
+        m = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        for v0 in range(lo, lo + SPLIT_SIZE, BLOCK_V):
+            idx = v0 + offs
+            z = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+            m = tl.maximum(m, z / temperature)
+        tl.store(part_m_ptr + part, tl.max(m, axis=0))
+        return
     threshold = float("-inf")
     if HAS_THRESHOLD:
         threshold = tl.load(threshold_ptr + row)
     if HAS_MIN_P:
-        threshold = tl.maximum(threshold, m_row + log_min_p)
+        sp = tl.arange(0, SPLITS_PAD)
+        maxima = tl.load(part_m_ptr + row * SPLITS + sp, mask=sp < SPLITS, other=float("-inf"))
+        threshold = tl.maximum(threshold, tl.max(maxima, axis=0) + log_min_p)
     if not GREEDY:
         step = tl.load(step_ptr + row).to(tl.uint32)
         seed_lo = tl.load(seed_lo_ptr + row).to(tl.uint32)
@@ -343,12 +346,19 @@ def _sample_kernel(
         key = _mix32(step ^ tl.full([], STEP_SALT, tl.uint32))
         key = _mix32(key ^ seed_lo)
         key = _mix32(key ^ seed_hi ^ tl.full([], SEED_SALT, tl.uint32))
+    m = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_V], tl.float32)
     best_score = float("-inf")
     best_idx = 0
     best_z = 0.0
-    for v0 in range(0, V, BLOCK_V):
+    for v0 in range(lo, lo + SPLIT_SIZE, BLOCK_V):
         idx = v0 + offs
         z = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32) / temperature
+        m_new = tl.maximum(m, z)
+        s = s * tl.exp(tl.where(m_new == float("-inf"), 0.0, m - m_new)) + tl.where(
+            z == float("-inf"), 0.0, tl.exp(z - m_new)
+        )
+        m = m_new
         if GREEDY:
             score = z
         else:
@@ -361,8 +371,34 @@ def _sample_kernel(
             best_score = block_best
             best_idx = v0 + block_idx
             best_z = tl.sum(tl.where(offs == block_idx, z, 0.0), axis=0)
-    tl.store(tok_ptr + row, best_idx.to(tl.int64))
-    tl.store(logprob_ptr + row, best_z - lse)
+    m_split = tl.max(m, axis=0)
+    s_split = tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - m_split)), axis=0)
+    tl.store(part_m_ptr + part, m_split)
+    tl.store(part_s_ptr + part, s_split)
+    tl.store(part_score_ptr + part, best_score)
+    tl.store(part_idx_ptr + part, best_idx)
+    tl.store(part_z_ptr + part, best_z)
+
+
+@triton.jit
+def _sample_combine_kernel(
+    part_m_ptr, part_s_ptr, part_score_ptr, part_idx_ptr, part_z_ptr, tok_ptr, logprob_ptr,
+    SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    sp = tl.arange(0, SPLITS_PAD)
+    mask = sp < SPLITS
+    parts = row * SPLITS + sp
+    m = tl.load(part_m_ptr + parts, mask=mask, other=float("-inf"))
+    s = tl.load(part_s_ptr + parts, mask=mask, other=0.0)
+    m_row = tl.max(m, axis=0)
+    lse = m_row + tl.log(tl.sum(tl.where(mask, s * tl.exp(m - m_row), 0.0), axis=0))
+    score = tl.load(part_score_ptr + parts, mask=mask, other=float("-inf"))
+    best = tl.argmax(score, axis=0)  # first split on ties = lowest token id, like torch.argmax
+    idx = tl.sum(tl.where(sp == best, tl.load(part_idx_ptr + parts, mask=mask, other=0), 0))
+    z = tl.sum(tl.where(sp == best, tl.load(part_z_ptr + parts, mask=mask, other=0.0), 0.0))
+    tl.store(tok_ptr + row, idx.to(tl.int64))
+    tl.store(logprob_ptr + row, z - lse)
 
 
 def sample_fused(
@@ -371,22 +407,45 @@ def sample_fused(
     seed_lo: torch.Tensor,
     seed_hi: torch.Tensor,
     steps: torch.Tensor,
+    block_v: int = 2048,
+    target_splits: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract and noise as sampling.sample_reference (top-p excepted: not fused)."""
+    """Same contract and noise as sampling.sample_reference (top-p excepted: not fused).
+
+    The vocabulary is split over `target_splits` programs per row (one program per row left
+    most SMs idle: measured 234 us at 256 x 152k on an H200), then combined per row."""
     rows, vocab = logits.shape
-    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    device = logits.device
+    tokens = torch.empty(rows, dtype=torch.int64, device=device)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=device)
+    split_size = triton.cdiv(triton.cdiv(vocab, target_splits), block_v) * block_v
+    splits = triton.cdiv(vocab, split_size)
+    part_m, part_s, part_score, part_z = (
+        torch.empty(rows, splits, dtype=torch.float32, device=device) for _ in range(4)
+    )
+    part_idx = torch.empty(rows, splits, dtype=torch.int32, device=device)
     greedy = params.greedy
     temperature = 1.0 if greedy else float(params.temperature)
     has_threshold = not greedy and 0 < params.top_k < vocab
-    threshold = tokens  # placeholder pointer when unused
+    threshold = part_m  # placeholder pointer when unused
     if has_threshold:
         threshold = torch.topk(logits, params.top_k, dim=-1).values[:, -1].float() / temperature
     has_min_p = not greedy and params.min_p > 0
-    _sample_kernel[(rows,)](
-        logits, logits.stride(0), vocab, seed_lo, seed_hi, steps, threshold, tokens, logprobs,
-        temperature, math.log(params.min_p) if has_min_p else 0.0,
-        GREEDY=greedy, HAS_THRESHOLD=has_threshold, HAS_MIN_P=has_min_p, BLOCK_V=2048,
-        num_warps=8,
+    common = dict(
+        GREEDY=greedy, HAS_THRESHOLD=has_threshold, HAS_MIN_P=has_min_p, SPLITS=splits,
+        SPLITS_PAD=max(2, triton.next_power_of_2(splits)), SPLIT_SIZE=split_size,
+        BLOCK_V=block_v, num_warps=4,
+    )  # fmt: skip
+    args = (
+        logits, logits.stride(0), vocab, seed_lo, seed_hi, steps, threshold, part_m, part_s,
+        part_score, part_idx, part_z, temperature,
+        math.log(params.min_p) if has_min_p else 0.0,
+    )  # fmt: skip
+    if has_min_p:
+        _sample_split_kernel[(rows, splits)](*args, MAX_ONLY=True, **common)
+    _sample_split_kernel[(rows, splits)](*args, MAX_ONLY=False, **common)
+    _sample_combine_kernel[(rows,)](
+        part_m, part_s, part_score, part_idx, part_z, tokens, logprobs, SPLITS=splits,
+        SPLITS_PAD=common["SPLITS_PAD"],
     )  # fmt: skip
     return tokens, logprobs

@@ -1,0 +1,308 @@
+"""Rollout benchmark suite for one GPU call: correctness on the device, step breakdown,
+engine variants, HF baselines. Prints a table last; writes JSON + markdown to --out.
+
+    python benchmarks/rollout.py --out $OUT                 # full suite (H200: ~4 min)
+    python benchmarks/rollout.py --out /tmp/r --only check  # just the device checks
+    python benchmarks/rollout.py --device cpu --quick       # CPU dry run of every code path
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import traceback
+from types import SimpleNamespace
+
+import torch
+
+from hybridflow.engine import Engine, SamplingParams
+from hybridflow.engine.bench_cli import bench_engine, bench_hf, make_prompts
+from hybridflow.models import load_model
+from hybridflow.models.logprobs import logprobs_from_hidden
+
+
+def trainer_logprobs(model, prompt, tokens, temperature):
+    ids = torch.tensor(prompt + tokens, device=model.device)
+    hidden = model.forward_packed(
+        ids, torch.arange(len(ids), device=ids.device),
+        torch.tensor([0, len(ids)], dtype=torch.int32, device=ids.device), len(ids),
+    )  # fmt: skip
+    start = len(prompt) - 1
+    lp, _ = logprobs_from_hidden(
+        hidden[start : start + len(tokens)], model.lm_head.weight,
+        torch.tensor(tokens, device=ids.device), temperature=temperature,
+    )  # fmt: skip
+    return lp.float().cpu()
+
+
+@torch.no_grad()
+def logprob_gap(model, engine, prompts, params) -> dict:
+    completions = engine.generate(prompts, params)
+    diffs = []
+    for i, c in enumerate(completions):
+        expected = trainer_logprobs(model, prompts[i // params.n], c.token_ids, params.temperature)
+        diffs.append((torch.tensor(c.logprobs) - expected).abs())
+    d = torch.cat(diffs)
+    return {"max_abs": d.max().item(), "mean_abs": d.mean().item(), "tokens": d.numel()}
+
+
+@torch.no_grad()
+def check_correctness(device, quick: bool) -> dict:
+    """Fast path (triton + graphs) vs eager torch path on the device, and vs the trainer."""
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load_model("tiny-4l", dtype=dtype, device=device).eval()
+        for p in model.parameters():  # peaked logits: greedy far from ties
+            p.normal_(0, 0.3)
+        prompts = make_prompts(6, 9, model.config.vocab_size, 0) + [[20, 21], list(range(30, 70))]
+        params = SamplingParams(n=3, temperature=0.9, max_new_tokens=24, seed=4)
+        greedy = SamplingParams(n=2, temperature=0, max_new_tokens=24, ignore_eos=True)
+        fast = Engine(model, max_batch_size=8, max_seq_len=96)  # 8 slots < 24 rows: refills
+        eager = Engine(model, max_batch_size=24, max_seq_len=96, decode_backend="torch",
+                       cuda_graphs=False)  # fmt: skip
+        name = str(dtype).split(".")[-1]
+        for label, p in (("greedy", greedy), ("sampled", params)):
+            a = fast.generate(prompts, p)
+            b = eager.generate(prompts, p)
+            same = sum(x.token_ids == y.token_ids for x, y in zip(a, b))
+            out[f"{name}_{label}_same_as_eager"] = f"{same}/{len(a)}"
+        out[f"{name}_fast_vs_trainer"] = logprob_gap(model, fast, prompts, params)
+        out[f"{name}_eager_vs_trainer"] = logprob_gap(model, eager, prompts, params)
+    if not quick:
+        model = load_model("qwen2.5-0.5b", dtype=torch.bfloat16, device=device).eval()
+        prompts = make_prompts(16, 64, model.config.vocab_size, 1)
+        params = SamplingParams(n=2, temperature=1.0, max_new_tokens=64, seed=0, ignore_eos=True)
+        engine = Engine(model, max_batch_size=32, max_seq_len=128)
+        out["qwen0.5b_bf16_fast_vs_trainer"] = logprob_gap(model, engine, prompts, params)
+        out["qwen0.5b_bf16_swaps"] = kernel_swap_gaps(model, prompts, params)
+    return out
+
+
+def _torch_ops():
+    """Torch equivalents of each fused kernel (to find which one moves the bf16 gap)."""
+    import torch.nn.functional as F
+
+    from hybridflow.engine.forward import cached_attention_torch
+    from hybridflow.models.rope import apply_rope
+
+    def add_rms_norm(residual, delta, norm):
+        residual.copy_(residual + delta)
+        return norm(residual)
+
+    def rope_store(q, k, v, cos, sin, positions, row_slots, key_cache, value_cache):
+        c, s_ = cos[positions], sin[positions]
+        q.copy_(apply_rope(q, c, s_))
+        key_cache[row_slots, positions] = apply_rope(k, c, s_)
+        value_cache[row_slots, positions] = v
+
+    def attention(q, kc, vc, row_slots, lengths, max_len):
+        return cached_attention_torch(q, kc, vc, row_slots, lengths, max_len)
+
+    return {
+        "rms_norm": {"rms_norm": lambda x, norm: norm(x), "add_rms_norm": add_rms_norm},
+        "silu_mul": {"silu_mul": lambda g, u: F.silu(g) * u},
+        "rope_store": {"rope_store": rope_store},
+        "decode_attention": {"decode_attention": attention},
+    }
+
+
+@torch.no_grad()
+def kernel_swap_gaps(model, prompts, params) -> dict:
+    from hybridflow.engine import kernels
+
+    out = {}
+    for name, replacements in _torch_ops().items():
+        saved = {k: getattr(kernels, k) for k in replacements}
+        for k, fn in replacements.items():
+            setattr(kernels, k, fn)
+        try:
+            engine = Engine(model, max_batch_size=32, max_seq_len=128, cuda_graphs=False)
+            out[f"torch_{name}"] = logprob_gap(model, engine, prompts, params)["mean_abs"]
+        finally:
+            for k, fn in saved.items():
+                setattr(kernels, k, fn)
+    return out
+
+
+@torch.no_grad()
+def profile_step(device, preset: str, prompts: int) -> str:
+    """Kernel-level profile of CUDA-graph decode replays (top kernels by device time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = load_model(preset, dtype=torch.bfloat16, device=device).eval()
+    ids = make_prompts(prompts, 128, model.config.vocab_size, 0)
+    engine = Engine(model, max_batch_size=prompts, max_seq_len=384)
+    params = SamplingParams(max_new_tokens=64, seed=0, ignore_eos=True)
+    engine.generate(ids, params)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.generate(ids, params)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=18, max_name_column_width=60
+    )
+
+
+@torch.no_grad()
+def step_breakdown(device, preset: str, batch: int, length: int) -> dict:
+    """Median times (us) of one decode step's parts at `batch` rows of `length` cached tokens."""
+    import triton.testing
+
+    from hybridflow.engine import kernels
+    from hybridflow.engine.sampling import request_seeds, sample_reference, split_seed
+
+    model = load_model(preset, dtype=torch.bfloat16, device=device).eval()
+    cfg = model.config
+    layer = model.model.layers[0]
+    x = torch.randn(batch, cfg.hidden_size, device=device, dtype=torch.bfloat16)
+
+    def bench(fn):
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1000
+
+    t = {}
+    a, m = layer.self_attn, layer.mlp
+    t["qkv_gemms"] = bench(lambda: (a.q_proj(x), a.k_proj(x), a.v_proj(x)))
+    attn_in = torch.randn(batch, a.num_heads * a.head_dim, device=device, dtype=torch.bfloat16)
+    t["o_gemm"] = bench(lambda: a.o_proj(attn_in))
+    t["gate_up_gemms"] = bench(lambda: (m.gate_proj(x), m.up_proj(x)))
+    inner = torch.randn(batch, cfg.intermediate_size, device=device, dtype=torch.bfloat16)
+    t["down_gemm"] = bench(lambda: m.down_proj(inner))
+    t["silu_mul"] = bench(lambda: kernels.silu_mul(inner, inner))
+    t["add_rms_norm"] = bench(lambda: kernels.add_rms_norm(x.clone(), x, layer.input_layernorm))
+    slots = batch
+    cache_k = torch.randn(slots + 1, length + 1, cfg.num_key_value_heads, cfg.head_dim,
+                          device=device, dtype=torch.bfloat16)  # fmt: skip
+    cache_v = torch.randn_like(cache_k)
+    q = torch.randn(batch, a.num_heads, a.head_dim, device=device, dtype=torch.bfloat16)
+    k = torch.randn(batch, a.num_kv_heads, a.head_dim, device=device, dtype=torch.bfloat16)
+    row_slots = torch.arange(batch, device=device)
+    lengths = torch.full((batch,), length, device=device)
+    cos = torch.randn(length + 1, a.head_dim, device=device, dtype=torch.bfloat16)
+    t["rope_store"] = bench(lambda: kernels.rope_store(q, k, k, cos, cos, lengths, row_slots,
+                                                       cache_k, cache_v))  # fmt: skip
+    t["decode_attention"] = bench(
+        lambda: kernels.decode_attention(q, cache_k, cache_v, row_slots, lengths, length + 1)
+    )
+    per_layer = sum(t.values())
+    hidden = torch.randn(batch, cfg.hidden_size, device=device, dtype=torch.bfloat16)
+    t["lm_head"] = bench(lambda: model.lm_head(hidden))
+    logits = model.lm_head(hidden)
+    lo, hi = split_seed(request_seeds(0, batch, 1))
+    lo, hi, steps = (
+        lo.to(device),
+        hi.to(device),
+        torch.zeros(batch, dtype=torch.int64, device=device),
+    )
+    params = SamplingParams()
+    t["sample_fused"] = bench(lambda: kernels.sample_fused(logits, params, lo, hi, steps))
+    t["sample_torch"] = bench(lambda: sample_reference(logits, params, lo, hi, steps))
+    t["per_layer_sum"] = per_layer
+    t["step_estimate"] = per_layer * cfg.num_hidden_layers + t["lm_head"] + t["sample_fused"]
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_bytes = (
+        2 * cfg.num_hidden_layers * batch * length * cfg.num_key_value_heads * cfg.head_dim * 2
+    )
+    t["roofline_step_us_at_4.3TBps"] = (weight_bytes + kv_bytes) / 4.3e12 * 1e6
+    return {k: round(v, 1) for k, v in t.items()}
+
+
+VARIANTS = [
+    # (preset, prompts, backend, graphs, steps_per_sync, hf)
+    ("qwen2.5-0.5b", 256, "triton", True, 16, True),
+    ("qwen2.5-0.5b", 256, "triton", True, 64, False),
+    ("qwen2.5-0.5b", 1024, "triton", True, 16, False),
+    ("qwen2.5-1.5b", 256, "triton", True, 16, True),
+]
+
+
+def run_variants(device, variants, quick: bool) -> list[dict]:
+    rows, models = [], {}
+    for preset, prompts, backend, graphs, sync, hf in variants:
+        args = SimpleNamespace(
+            preset=preset, prompts=prompts, prompt_len=128 if not quick else 8,
+            new_tokens=256 if not quick else 8, n=1, max_batch_size=None, temperature=1.0,
+            dtype="bfloat16", device=str(device), backend=backend, no_graphs=not graphs,
+            steps_per_sync=sync, hf=hf, hf_batch_size=None, seed=0,
+        )  # fmt: skip
+        if preset not in models:
+            models.clear()
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+            models[preset] = load_model(preset, dtype=torch.bfloat16, device=device).eval()
+        model = models[preset]
+        prompt_ids = make_prompts(prompts, args.prompt_len, model.config.vocab_size, 0)
+        row = {"preset": preset, "prompts": prompts, "backend": backend, "graphs": graphs,
+               "steps_per_sync": sync}  # fmt: skip
+        try:
+            row.update(bench_engine(model, prompt_ids, args, device))
+            if hf:
+                row["hf_tokens_per_s"] = bench_hf(model, prompt_ids, args, device)["tokens_per_s"]
+                row["speedup_vs_hf"] = row["tokens_per_s"] / row["hf_tokens_per_s"]
+        except Exception as e:  # keep the other variants' numbers
+            row["error"] = repr(e)
+            traceback.print_exc()
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| preset | prompts | backend | graphs | tok/s | TTFT ms | peak GiB | HF tok/s | x HF |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['preset']} | {r['prompts']} | {r['backend']} | {r['graphs']} | "
+                         f"error: {r['error'][:60]} | | | | |")  # fmt: skip
+            continue
+        hf = f"{r['hf_tokens_per_s']:,.0f}" if "hf_tokens_per_s" in r else ""
+        x = f"{r['speedup_vs_hf']:.1f}" if "speedup_vs_hf" in r else ""
+        lines.append(
+            f"| {r['preset']} | {r['prompts']} | {r['backend']} | {r['graphs']} | "
+            f"{r['tokens_per_s']:,.0f} | {r['ttft_s'] * 1000:.0f} | {r['peak_mem_gib']:.2f} | "
+            f"{hf} | {x} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/rollout_bench"))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true", help="small shapes (CPU dry run)")
+    parser.add_argument("--only", default="check,breakdown,variants")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    device = torch.device(args.device)
+    results, parts = {}, args.only.split(",")
+    start = time.time()
+    if "check" in parts:
+        results["check"] = check_correctness(device, args.quick)
+        print("check", json.dumps(results["check"], indent=1), flush=True)
+    if "breakdown" in parts and device.type == "cuda":
+        results["breakdown"] = {
+            "0.5b_b256_L256": step_breakdown(device, "qwen2.5-0.5b", 256, 256),
+            "0.5b_b1024_L256": step_breakdown(device, "qwen2.5-0.5b", 1024, 256),
+        }
+        print("breakdown", json.dumps(results["breakdown"], indent=1), flush=True)
+        try:
+            results["profile"] = profile_step(device, "qwen2.5-0.5b", 256)
+            print(results["profile"], flush=True)
+        except Exception:
+            traceback.print_exc()
+    if "variants" in parts:
+        variants = VARIANTS if not args.quick else [("tiny", 4, "torch", False, 4, True)]
+        results["variants"] = run_variants(device, variants, args.quick)
+        results["table"] = table(results["variants"])
+    results["wall_s"] = time.time() - start
+    with open(os.path.join(args.out, "rollout.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    if "table" in results:
+        with open(os.path.join(args.out, "rollout.md"), "w") as f:
+            f.write(results["table"] + "\n")
+        print(results["table"])
+    print(f"wall {results['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
