@@ -95,3 +95,16 @@ def test_unsupported_architecture_uses_hf_fallback(tmp_path):
     again = load_model(str(tmp_path / "copy"))
     with torch.no_grad():
         torch.testing.assert_close(again(sequences[1][None]), model(sequences[1][None]))
+
+
+def test_hf_fallback_trains_with_gradient_checkpointing(tmp_path):
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=97, n_positions=64)
+    transformers.GPT2LMHeadModel(config).save_pretrained(str(tmp_path))
+    model = load_model(str(tmp_path), backend="hf").train()
+    model.enable_gradient_checkpointing(True)
+    assert model.hf_model.is_gradient_checkpointing
+    cu_seqlens = torch.tensor([0, 5, 12], dtype=torch.int32)
+    positions = torch.cat([torch.arange(5), torch.arange(7)])
+    hidden = model.forward_packed(torch.randint(0, 97, (12,)), positions, cu_seqlens, 7)
+    model.lm_head(hidden).logsumexp(-1).sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
