@@ -81,11 +81,15 @@ class LocalBackend:
             child_end.close()  # so that the pipe reports EOF when the worker dies
             self.procs.append(proc)
             self.conns.append(parent_end)
-        for conn in self.conns:
-            conn.send_bytes(transport.encode((worker_cls, init_kwargs), self.owner))
-        self.start_outcomes = [
-            self._wait_ready(rank, start_timeout_s) for rank in range(self.world_size)
-        ]
+        try:
+            for conn in self.conns:
+                conn.send_bytes(transport.encode((worker_cls, init_kwargs), self.owner))
+            self.start_outcomes = self._wait_ready(start_timeout_s)
+        except BaseException:  # e.g. Ctrl-C while starting, or an unpicklable init kwarg
+            self.shutdown()
+            raise
+        if any(o.error for o in self.start_outcomes):
+            return  # the group shuts us down; late start replies must not look like results
         for rank in range(self.world_size):
             threading.Thread(
                 target=self._read_replies,
@@ -94,21 +98,32 @@ class LocalBackend:
                 daemon=True,
             ).start()
 
-    def _wait_ready(self, rank: int, timeout_s: float) -> Outcome:
+    def _wait_ready(self, timeout_s: float) -> list[Outcome]:
+        """Start outcome of every rank; returns early when one rank fails, since the others
+        may be waiting for it in a collective of their ``__init__``."""
         deadline = time.monotonic() + timeout_s
-        conn, proc = self.conns[rank], self.procs[rank]
-        while not conn.poll(0.2):
-            if not proc.is_alive():
-                return Outcome(
-                    error=f"worker process exited with code {proc.exitcode} while starting"
-                )
-            if time.monotonic() > deadline:
-                return Outcome(error=f"worker did not start within {timeout_s:.0f}s")
-        try:
-            return transport.decode(conn.recv_bytes())
-        except EOFError:
-            proc.join(1)
-            return Outcome(error=f"worker process exited with code {proc.exitcode} while starting")
+        outcomes: dict[int, Outcome] = {}
+        while len(outcomes) < self.world_size:
+            for rank, (conn, proc) in enumerate(zip(self.conns, self.procs)):
+                if rank in outcomes:
+                    continue
+                if conn.poll(0.05):
+                    try:
+                        outcomes[rank] = transport.decode(conn.recv_bytes())
+                    except EOFError:
+                        proc.join(1)
+                        outcomes[rank] = Outcome(
+                            error=f"worker process exited with code {proc.exitcode} while starting"
+                        )
+                elif not proc.is_alive():
+                    outcomes[rank] = Outcome(
+                        error=f"worker process exited with code {proc.exitcode} while starting"
+                    )
+                elif time.monotonic() > deadline:
+                    outcomes[rank] = Outcome(error=f"worker did not start within {timeout_s:.0f}s")
+                if rank in outcomes and outcomes[rank].error:
+                    return [outcomes.get(r, Outcome()) for r in range(self.world_size)]
+        return [outcomes[r] for r in range(self.world_size)]
 
     def submit(self, path: str, per_rank: list[tuple[tuple, dict]]) -> list[Future]:
         futures: list[Future] = [Future() for _ in per_rank]
@@ -185,8 +200,10 @@ class LocalBackend:
                 conn.send_bytes(transport.encode(("stop",), self.owner))
             except (OSError, EOFError):
                 pass
-        if any(self.pending):
-            grace_s = min(grace_s, 0.5)  # busy workers will not read "stop" soon: do not wait
+        if any(self.pending) or not all(
+            o.error is None for o in getattr(self, "start_outcomes", [None])
+        ):
+            grace_s = min(grace_s, 0.5)  # busy or half-built workers will not read "stop" soon
         deadline = time.monotonic() + grace_s
         for proc in self.procs:
             proc.join(max(0.0, deadline - time.monotonic()))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -148,7 +149,7 @@ class RayBackend:
                 a.start.remote(worker_cls, c, master, collective_timeout_s, init_kwargs)
                 for a, c in zip(self.actors, contexts)
             ]
-            self.start_outcomes: list[Outcome] = ray.get(starts, timeout=start_timeout_s)
+            self.start_outcomes = _first_failure_or_all(ray, starts, start_timeout_s)
         except BaseException:
             self.shutdown()
             raise
@@ -215,6 +216,25 @@ class RayBackend:
             except Exception:  # noqa: BLE001
                 pass
         self.actors, self.placement_groups = [], []
+
+
+def _first_failure_or_all(ray: Any, refs: list, timeout_s: float) -> list[Outcome]:
+    """Start outcomes in rank order; returns as soon as one rank fails (the others may wait
+    for it in a collective of their ``__init__``)."""
+    outcomes: dict[int, Outcome] = {}
+    index = {ref: rank for rank, ref in enumerate(refs)}
+    pending = list(refs)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        remaining = max(0.0, deadline - time.monotonic())
+        done, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+        if not done:
+            raise TimeoutError(f"Ray workers did not start within {timeout_s:.0f}s")
+        rank = index[done[0]]
+        outcomes[rank] = ray.get(done[0])
+        if outcomes[rank].error:
+            break
+    return [outcomes.get(r, Outcome()) for r in range(len(refs))]
 
 
 def _contexts(

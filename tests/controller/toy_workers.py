@@ -14,6 +14,8 @@ class Toy(Worker):
     def __init__(self, scale: int = 1, fail_on_rank: int | None = None) -> None:
         if fail_on_rank == self.rank:
             raise RuntimeError(f"cannot build on rank {self.rank}")
+        if fail_on_rank is not None and torch.distributed.is_initialized():
+            torch.distributed.barrier()  # waits for the failed rank: never returns
         self.scale = scale
 
     @register(dispatch=Dispatch.DP_SPLIT)
