@@ -216,8 +216,10 @@ class GroupFuture:
                 self._path,
                 exc.error + "; the group was shut down",
             )
-        if exc is not None:
-            raise exc
+        if exc is not None:  # e.g. Ray could not deliver the arguments or the result
+            raise WorkerError(
+                self._group.name, self._role, rank, self._path, f"{type(exc).__name__}: {exc}"
+            ) from exc
         outcome: Outcome = future.result()
         if outcome.error:
             raise WorkerError(

@@ -122,7 +122,14 @@ class RayBackend:
             for per_node in pool.per_node:
                 pg = placement_group([dict(bundle)] * per_node, strategy="STRICT_PACK")
                 self.placement_groups.append(pg)
-                ray.get(pg.ready(), timeout=start_timeout_s)
+                try:
+                    ray.get(pg.ready(), timeout=start_timeout_s)
+                except ray.exceptions.GetTimeoutError:
+                    raise TimeoutError(
+                        f"Ray could not reserve {per_node} x {bundle} on one node within "
+                        f"{start_timeout_s:.0f}s; free resources: {ray.available_resources()}. "
+                        "Reduce the pool, lower cpus_per_worker, or add nodes."
+                    ) from None
                 for index in range(per_node):
                     strategy = PlacementGroupSchedulingStrategy(
                         placement_group=pg, placement_group_bundle_index=index

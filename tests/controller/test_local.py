@@ -114,8 +114,13 @@ def test_fused_roles_pickle_into_worker_processes():
         assert g.counter.add(2) == 3 and g.reader.peer_value() == 3
 
 
-def test_killed_worker_is_detected_quickly_and_the_group_shuts_down():
-    group = WorkerGroup(Toy, ResourcePool(cpus=2), "local")
+def test_collective_timeout_then_killed_worker_detected_quickly_and_group_shut_down():
+    group = WorkerGroup(Toy, ResourcePool(cpus=2), "local", collective_timeout_s=2)
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="rank 1 failed in barrier_on") as info:
+        group.barrier_on([1])  # rank 0 never joins
+    assert time.monotonic() - start < 20
+    assert "timed out" in str(info.value).lower() or "timeout" in str(info.value).lower()
     pids = group.pids()
     child = group.start_child()[0]
     future = group.sleep.remote(60)

@@ -52,6 +52,13 @@ class Toy(Worker):
         return self.rank
 
     @register
+    def barrier_on(self, ranks: list[int]) -> int:
+        """A barrier that only ``ranks`` join: they hit the collective timeout."""
+        if self.rank in ranks:
+            torch.distributed.barrier()
+        return self.rank
+
+    @register
     def sleep(self, seconds: float) -> int:
         time.sleep(seconds)
         return self.rank
