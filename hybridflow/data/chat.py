@@ -1,9 +1,12 @@
 """Chat templates: turning chat messages into prompt token ids.
 
 Any tokenizer with `apply_chat_template(messages, add_generation_prompt=True,
-tokenize=True)` works: Hugging Face tokenizers and `CharTokenizer`. Return types differ
-between transformers versions (a list, a nested list, a tensor or a `BatchEncoding`), so
-the result is normalised to a flat `list[int]` here, once.
+tokenize=True)` and `encode(text, add_special_tokens=False)` works: a Hugging Face
+tokenizer loaded from a model directory, or the built-in character-level one
+(`hybridflow.models.tokenizer.load_tokenizer("char")`, itself a standard HF tokenizer).
+Return types differ between transformers versions (a list, a nested list, a tensor, or a
+`BatchEncoding` holding `input_ids` as transformers 5 does), so the result is normalised to
+a flat `list[int]` here, once.
 """
 
 from __future__ import annotations

@@ -4,18 +4,33 @@ tokenizer used with the tiny presets for synthetic tasks.
 The char tokenizer is a standard `tokenizers` BPE model without merges (so every character is
 one token), wrapped in transformers' PreTrainedTokenizerFast: `save_pretrained(dir)` writes an
 ordinary tokenizer directory that `AutoTokenizer.from_pretrained(dir)` reads back.
+
+Ids: 0 `<pad>`, 1 `<unk>`, 2 `<|endoftext|>`, 3 `<|im_start|>`, 4 `<|im_end|>` (= eos, the
+tiny presets' eos_token_id), then tab, newline and printable ASCII 32..126, one id each.
+
+Chat format (compact ChatML: prompt length is what bounds CPU demo speed). Each message is
+`<|im_start|>` + the first letter of its role (`s`ystem, `u`ser, `a`ssistant) + content +
+`<|im_end|>`, with no newlines; `add_generation_prompt` appends `<|im_start|>a`:
+
+    <|im_start|>u23+45=<|im_end|><|im_start|>a          (11 tokens)
+    ... then the model writes `68<|im_end|>`; eos closes the assistant turn.
+
+Other roles are rejected by the template (a "tool" turn would otherwise read as `t`).
 """
 
 from __future__ import annotations
 
 import os
 
-# ChatML, as used by Qwen: <|im_start|>role\ncontent<|im_end|>\n
-CHATML_TEMPLATE = (
+# Compact ChatML (see module docstring): <|im_start|>{role[0]}{content}<|im_end|>
+CHAR_CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('char tokenizer chat template: unsupported role ' + message['role']) }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'][0] + message['content'] + '<|im_end|>' }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>a' }}{% endif %}"
 )
 
 # Fixed ids (the tiny presets' pad/eos ids refer to them).
@@ -29,7 +44,7 @@ CHAR_TOKENIZER_NAMES = ("char", "tiny", "tiny-4l")
 
 def build_char_tokenizer():
     """Character-level tokenizer: printable ASCII + tab/newline, ChatML special tokens,
-    eos = <|im_end|> (end of an assistant turn), pad = <pad>."""
+    eos = <|im_end|> (end of an assistant turn), pad = <pad>, the compact chat template."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
@@ -42,7 +57,7 @@ def build_char_tokenizer():
         unk_token="<unk>",
         eos_token="<|im_end|>",
         additional_special_tokens=["<|endoftext|>", "<|im_start|>"],
-        chat_template=CHATML_TEMPLATE,
+        chat_template=CHAR_CHAT_TEMPLATE,
         padding_side="left",
         clean_up_tokenization_spaces=False,
         model_max_length=2048,

@@ -4,11 +4,12 @@ import numpy as np
 import pytest
 import torch
 
-from hybridflow.data.char_tokenizer import CharTokenizer
 from hybridflow.data.dataset import PromptDataset, PromptLoader, collate_prompts, make_prompt_batch
 from hybridflow.data.schema import DataSchemaError, PromptRecord
+from hybridflow.models.tokenizer import build_char_tokenizer
 
-TOKENIZER = CharTokenizer.for_arithmetic()
+TOKENIZER = build_char_tokenizer()
+IM_START = TOKENIZER.convert_tokens_to_ids("<|im_start|>")
 
 
 def record(question, truth="0", where="f.jsonl: line 1"):
@@ -31,43 +32,46 @@ RECORDS = [
 def test_chat_template_applied():
     dataset = PromptDataset(RECORDS, TOKENIZER)
     ids = dataset[0].prompt_ids
-    # <|user|> 1 + 2 = <|eos|> <|assistant|>
+    # <|im_start|> u 1 + 2 = <|im_end|> <|im_start|> a   (<|im_end|> is eos, id 4)
     assert ids == [
-        TOKENIZER.token_to_id["<|user|>"],
-        *TOKENIZER.encode("1+2="),
-        1,
-        TOKENIZER.token_to_id["<|assistant|>"],
+        IM_START,
+        *TOKENIZER.encode("u1+2=", add_special_tokens=False),
+        4,
+        IM_START,
+        TOKENIZER.convert_tokens_to_ids("a"),
     ]
 
 
 def test_overlong_filter_counts():
-    # lengths: 4+3=7, 6+3=9, 8+3=11 tokens
-    dataset = PromptDataset(RECORDS, TOKENIZER, max_prompt_length=9, overlong="filter")
+    # lengths: 4+5=9, 6+5=11, 8+5=13 tokens; the one exactly at the limit is kept
+    dataset = PromptDataset(RECORDS, TOKENIZER, max_prompt_length=11, overlong="filter")
     assert len(dataset) == 2 and dataset.num_filtered == 1
     assert [item.index for item in dataset.items] == [0, 1]
 
 
 def test_overlong_error_names_row_and_limit():
     with pytest.raises(
-        DataSchemaError, match=r"f\.jsonl: line 3: prompt has 11 tokens.*max_prompt_length=9"
+        DataSchemaError, match=r"f\.jsonl: line 3: prompt has 13 tokens.*max_prompt_length=11"
     ):
-        PromptDataset(RECORDS, TOKENIZER, max_prompt_length=9, overlong="error")
+        PromptDataset(RECORDS, TOKENIZER, max_prompt_length=11, overlong="error")
 
 
 def test_overlong_truncate_keeps_the_end():
     dataset = PromptDataset(RECORDS, TOKENIZER, max_prompt_length=5, overlong="truncate")
     full = PromptDataset(RECORDS, TOKENIZER)
     assert dataset.num_filtered == 0
+    assert len(full[2].prompt_ids) == 13 and len(dataset[2].prompt_ids) == 5
     assert dataset[2].prompt_ids == full[2].prompt_ids[-5:]
-    assert dataset[2].prompt_ids[-1] == TOKENIZER.token_to_id["<|assistant|>"]
+    # the last 5 tokens: "0=" of the question, then <|im_end|> and the generation prompt
+    assert TOKENIZER.decode(dataset[2].prompt_ids) == "0=<|im_end|><|im_start|>a"
 
 
 def test_collate_left_pads_and_gathers_arrays():
     dataset = PromptDataset(RECORDS, TOKENIZER)
     tensors, arrays = collate_prompts([dataset[0], dataset[2]], TOKENIZER.pad_token_id)
     prompts, mask = tensors["prompts"], tensors["attention_mask"]
-    assert prompts.shape == (2, 11) and prompts.dtype == torch.long
-    assert mask[0].tolist() == [0] * 4 + [1] * 7
+    assert prompts.shape == (2, 13) and prompts.dtype == torch.long
+    assert mask[0].tolist() == [0] * 4 + [1] * 9
     assert prompts[0, :4].tolist() == [TOKENIZER.pad_token_id] * 4
     assert prompts[0, 4:].tolist() == dataset[0].prompt_ids
     assert prompts[1].tolist() == dataset[2].prompt_ids
@@ -81,7 +85,7 @@ def test_collate_left_pads_and_gathers_arrays():
 def test_collate_pad_to_fixed_width():
     dataset = PromptDataset(RECORDS, TOKENIZER)
     tensors, _ = collate_prompts([dataset[0]], TOKENIZER.pad_token_id, pad_to=16)
-    assert tensors["prompts"].shape == (1, 16) and tensors["attention_mask"].sum() == 7
+    assert tensors["prompts"].shape == (1, 16) and tensors["attention_mask"].sum() == 9
     with pytest.raises(ValueError, match="shorter than the longest"):
         collate_prompts([dataset[2]], 0, pad_to=4)
 
@@ -96,7 +100,7 @@ def test_object_arrays_hold_equal_shaped_lists():
             "countdown", [{"role": "user", "content": "y"}], {"target": 4, "numbers": [2, 2]}
         ),
     ]
-    _, arrays = collate_prompts(PromptDataset(cd, CharTokenizer()).items, 0)
+    _, arrays = collate_prompts(PromptDataset(cd, TOKENIZER).items, 0)
     assert arrays["raw_prompt"].dtype == object and arrays["raw_prompt"].shape == (2,)
 
 

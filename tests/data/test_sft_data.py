@@ -4,12 +4,16 @@ import json
 
 import pytest
 
-from hybridflow.data.char_tokenizer import CharTokenizer
 from hybridflow.data.schema import DataSchemaError
 from hybridflow.data.sft import collate_packed, load_sft_rows, pack_examples, tokenize_sft_rows
+from hybridflow.models.tokenizer import build_char_tokenizer
 
-TOKENIZER = CharTokenizer.for_arithmetic()
-USER, ASSISTANT, EOS = (TOKENIZER.token_to_id[t] for t in ("<|user|>", "<|assistant|>", "<|eos|>"))
+TOKENIZER = build_char_tokenizer()
+IM_START, EOS = TOKENIZER.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+
+
+def chars(text):
+    return TOKENIZER.encode(text, add_special_tokens=False)
 
 
 def test_prompt_response_loss_mask(tmp_path):
@@ -18,15 +22,9 @@ def test_prompt_response_loss_mask(tmp_path):
         json.dumps({"prompt": [{"role": "user", "content": "1+2="}], "response": "3"}) + "\n"
     )
     (example,), dropped = tokenize_sft_rows(load_sft_rows(path), TOKENIZER, EOS)
-    assert example.input_ids == [
-        USER,
-        *TOKENIZER.encode("1+2="),
-        EOS,
-        ASSISTANT,
-        *TOKENIZER.encode("3"),
-        EOS,
-    ]
-    assert example.loss_mask == [0] * 7 + [1, 1]  # the answer and its end-of-turn
+    # <|im_start|>u1+2=<|im_end|><|im_start|>a | 3<|im_end|>
+    assert example.input_ids == [IM_START, *chars("u1+2="), EOS, IM_START, *chars("a3"), EOS]
+    assert example.loss_mask == [0] * 9 + [1, 1]  # the answer and its end-of-turn
     assert dropped == 0
 
 
@@ -39,8 +37,10 @@ def test_messages_layout_masks_every_assistant_turn():
     ]
     (example,), _ = tokenize_sft_rows([messages], TOKENIZER, EOS)
     learned = [t for t, m in zip(example.input_ids, example.loss_mask) if m]
-    assert TOKENIZER.decode(learned) == "24"
-    assert learned.count(EOS) == 2 and ASSISTANT not in learned
+    assert TOKENIZER.decode(learned, skip_special_tokens=False) == "2<|im_end|>4<|im_end|>"
+    assert learned.count(EOS) == 2 and IM_START not in learned
+    # the turn opener <|im_start|>a is prompt, not target: ...<|im_start|> a | 4 <|im_end|>
+    assert example.loss_mask[-4:] == [0, 0, 1, 1]
 
 
 def test_rows_over_max_length_are_dropped():
@@ -48,7 +48,8 @@ def test_rows_over_max_length_are_dropped():
         ([{"role": "user", "content": "1+2="}], "3"),
         ([{"role": "user", "content": "10+20="}], "30"),
     ]
-    examples, dropped = tokenize_sft_rows(rows, TOKENIZER, EOS, max_length=9)
+    # lengths: 9 + 2 = 11 and 11 + 3 = 14 tokens; a row exactly at the limit is kept
+    examples, dropped = tokenize_sft_rows(rows, TOKENIZER, EOS, max_length=11)
     assert len(examples) == 1 and dropped == 1
 
 

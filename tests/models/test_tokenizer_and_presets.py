@@ -1,7 +1,9 @@
+import jinja2
 import pytest
 import torch
 import transformers
 
+from hybridflow.data.chat import as_token_list
 from hybridflow.models import PRESETS, ModelConfig, load_model, load_tokenizer
 from hybridflow.models.tokenizer import CHAR_VOCAB_SIZE
 
@@ -15,9 +17,12 @@ def test_char_tokenizer_round_trip_and_chat_template(tmp_path):
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
     )
-    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert prompt == "<|im_start|>uhi<|im_end|><|im_start|>a"
     prompt_ids = tokenizer(prompt)["input_ids"]
-    assert prompt_ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
+    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert im_start == 3
+    u, h, i, a = (tokenizer.convert_tokens_to_ids(c) for c in "uhia")
+    assert prompt_ids == [im_start, u, h, i, 4, im_start, a]
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 4
     assert tokenizer.pad_token_id == PRESETS["tiny"].pad_token_id == 0
     assert tokenizer.eos_token_id == PRESETS["tiny"].eos_token_id
@@ -34,6 +39,28 @@ def test_char_tokenizer_round_trip_and_chat_template(tmp_path):
     )
     assert reloaded.eos_token_id == 4 and reloaded.pad_token_id == 0
     assert load_tokenizer(str(tmp_path))(text)["input_ids"] == ids
+
+
+def test_char_chat_template_is_compact_and_closes_turns_with_eos():
+    tokenizer = load_tokenizer("char")
+    conversation = [
+        {"role": "system", "content": "add"},
+        {"role": "user", "content": "23+45="},
+        {"role": "assistant", "content": "68"},
+    ]
+    text = tokenizer.apply_chat_template(conversation, tokenize=False)
+    assert (
+        text == "<|im_start|>sadd<|im_end|><|im_start|>u23+45=<|im_end|><|im_start|>a68<|im_end|>"
+    )
+    # The arithmetic prompt, as the data pipeline tokenises it (transformers 5: BatchEncoding).
+    prompt_ids = as_token_list(
+        tokenizer.apply_chat_template(conversation[1:2], add_generation_prompt=True, tokenize=True)
+    )
+    assert len(prompt_ids) == 11
+    assert tokenizer.decode(prompt_ids) == "<|im_start|>u23+45=<|im_end|><|im_start|>a"
+    assert tokenizer.decode(prompt_ids, skip_special_tokens=True) == "u23+45=a"
+    with pytest.raises(jinja2.TemplateError, match="unsupported role tool"):
+        tokenizer.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
 
 
 def test_unknown_names_fail_with_the_options():

@@ -1,6 +1,6 @@
 import torch
 
-from hybridflow.data.char_tokenizer import CharTokenizer
+from hybridflow.models.tokenizer import build_char_tokenizer
 from hybridflow.rewards.placement import decode_responses, place_scores
 
 
@@ -23,8 +23,9 @@ def test_place_scores_rejects_wrong_batch_size():
 
 
 def test_decode_responses_skips_padding_and_special_tokens():
-    tokenizer = CharTokenizer.for_arithmetic()
-    ids = tokenizer.encode("68") + [tokenizer.eos_token_id, tokenizer.pad_token_id]
+    tokenizer = build_char_tokenizer()
+    ids = tokenizer.encode("68", add_special_tokens=False)
+    ids += [tokenizer.eos_token_id, tokenizer.pad_token_id]
     responses = torch.tensor([ids])
     mask = torch.tensor([[1, 1, 1, 0]])
     assert decode_responses(tokenizer, responses, mask) == ["68"]
