@@ -126,6 +126,7 @@ def worker(rank: int, world: int, port: int, args, out_path: str) -> None:
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump(results, f)
+        dist.barrier()  # no rank tears gloo/NCCL down while another still talks
     finally:
         dist.destroy_process_group()
 

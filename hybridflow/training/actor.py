@@ -14,6 +14,7 @@ one optimizer step equals the whole mini-batch computed at once.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -57,7 +58,7 @@ class ActorEngine:
         rollout_n: samples per prompt; ``ppo_mini_batch_size`` counts prompts.
         max_response_length: ``T`` of ``seq-mean-token-sum-norm``; None: the batch's width.
         fsdp: force FSDP2 on/off; None: on when the DP group has more than one rank.
-        seed: seeds the mini-batch shuffle.
+        seed: seeds the mini-batch shuffle and the LoRA initialisation.
     """
 
     def __init__(
@@ -86,6 +87,7 @@ class ActorEngine:
                 alpha=model_cfg.lora_alpha,
                 target_modules=model_cfg.lora_target_modules,
                 dropout=model_cfg.lora_dropout,
+                seed=seed,
             )
         if model_cfg is not None and model_cfg.gradient_checkpointing:
             model.enable_gradient_checkpointing(True)
@@ -262,31 +264,45 @@ class ActorEngine:
     def reload(self) -> None:
         self.core.reload()
 
+    def hf_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(HF name, full tensor on the device)`` of the current policy, LoRA merged, one
+        tensor at a time, on every rank (all ranks must iterate it to the end: each sharded
+        tensor is all-gathered). For weight sync to a rollout engine and for export. Without
+        FSDP and LoRA the tensors are the parameters themselves (no copy). A tied lm_head is
+        not repeated (HF checkpoints omit it)."""
+        stream = self.core.iter_full_tensors(self.model)
+        if self.lora:
+            stream = lora.merge_lora_stream(stream, lora.lora_scalings(self.model))
+        tied = self.model.config.tie_word_embeddings
+        for name, tensor in stream:
+            if tied and name == "lm_head.weight":
+                continue
+            yield name, (tensor.detach().to(dtype) if dtype is not None else tensor.detach())
+
     def export_hf(self, directory: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
         """Full Hugging Face checkpoint (LoRA merged) written by rank 0; all ranks must call."""
-        full = self.core.full_state_dict(self.model)
+        full = {}
+        for name, tensor in self.hf_weights(dtype):
+            if self.core.dp_rank == 0:
+                full[name] = tensor.to("cpu", copy=True)
         if self.core.dp_rank == 0:
-            if self.lora:
-                full = lora.merged_hf_state_dict(full, lora.lora_scalings(self.model))
-            export_causal_lm(self.model, full, directory, dtype)
+            export_causal_lm(self.model.config, full, directory)
         self.core._barrier()
 
 
-def export_causal_lm(
-    model: nn.Module,
-    state_dict: dict[str, torch.Tensor],
-    directory: str | os.PathLike,
-    dtype: torch.dtype | None = None,
-) -> None:
-    """Rebuild a plain CausalLM from full CPU tensors and ``save_pretrained`` it."""
+def export_causal_lm(config, state_dict: dict[str, torch.Tensor], directory) -> None:
+    """Rebuild a plain CausalLM from full CPU tensors (HF names) and ``save_pretrained`` it."""
     from hybridflow.models import CausalLM
 
     with torch.device("meta"):
-        plain = CausalLM(model.config)
-    plain.load_state_dict(state_dict, strict=True, assign=True)
+        plain = CausalLM(config)
+    result = plain.load_state_dict(state_dict, strict=False, assign=True)
     plain.tie_weights()
-    if dtype is not None:
-        plain.to(dtype)
+    allowed_missing = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(result.missing_keys) - allowed_missing or result.unexpected_keys:
+        raise ValueError(
+            f"export: missing {result.missing_keys}, unexpected {result.unexpected_keys}"
+        )
     Path(directory).mkdir(parents=True, exist_ok=True)
     plain.save_pretrained(str(directory))
 

@@ -178,7 +178,12 @@ class TrainCore:
     def optimizer_step(self, grad_clip: float) -> tuple[float, bool]:
         """Clip, then step unless the gradient norm is not finite. Returns (norm, skipped)."""
         assert self.optimizer is not None and self.scheduler is not None
-        grad_norm = clip_grad_norm(self.trainable_parameters, grad_clip)
+        grad_norm = clip_grad_norm(
+            self.trainable_parameters,
+            grad_clip,
+            group=self.dp_group,
+            comm_device=self.comm_device(),
+        )
         skipped = not math.isfinite(grad_norm)
         if not skipped:
             if self.optimizer_offload:
@@ -312,19 +317,25 @@ class TrainCore:
             torch.cuda.set_rng_state(extra["rng_cuda"], self.device)
         return extra
 
-    def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        """Unsharded CPU copies of ``module``'s tensors on rank 0 (empty dict elsewhere); every
-        rank must call it (each DTensor is all-gathered in turn, one at a time)."""
-        out: dict[str, torch.Tensor] = {}
+    def iter_full_tensors(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, full tensor on the device)`` for each entry of ``module.state_dict()``, on
+        every rank, in the same order (each DTensor is all-gathered in turn, so at most one
+        full tensor is alive at a time). Unsharded tensors are yielded as they are (no copy)."""
         with self.on_device():
             for name, tensor in module.state_dict().items():
                 if hasattr(tensor, "full_tensor"):
                     # CPU-offloaded shards are gathered on the device (NCCL needs CUDA tensors).
-                    full = tensor.to(self.device).full_tensor()
+                    yield name, tensor.to(self.device).full_tensor()
                 else:
-                    full = tensor
-                if self.dp_rank == 0:
-                    out[name] = full.detach().to("cpu", copy=True)
+                    yield name, tensor
+
+    def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """Unsharded CPU copies of ``module``'s tensors on rank 0 (empty dict elsewhere); every
+        rank must call it."""
+        out: dict[str, torch.Tensor] = {}
+        for name, full in self.iter_full_tensors(module):
+            if self.dp_rank == 0:
+                out[name] = full.detach().to("cpu", copy=True)
         return out
 
     def _keep(self, model_state: dict, trainable_only: bool) -> dict:

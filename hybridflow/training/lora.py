@@ -2,14 +2,14 @@
 
 ``peft.inject_adapter_in_model`` replaces each targeted ``nn.Linear`` by a LoRA layer that
 holds the original as ``base_layer`` and freezes every base weight. Parameter names become
-``...q_proj.base_layer.weight`` and ``...q_proj.lora_A.default.weight``; :func:`merged_hf_state_dict`
+``...q_proj.base_layer.weight`` and ``...q_proj.lora_A.default.weight``; :func:`merge_lora_stream`
 folds the adapters back into plain HF names for export.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -18,15 +18,27 @@ ADAPTER = "default"
 
 
 def apply_lora(
-    model: nn.Module, *, rank: int, alpha: float, target_modules: list[str], dropout: float = 0.0
+    model: nn.Module,
+    *,
+    rank: int,
+    alpha: float,
+    target_modules: list[str],
+    dropout: float = 0.0,
+    seed: int = 0,
 ) -> nn.Module:
-    """Inject LoRA adapters in place; only adapter weights stay trainable. Returns ``model``."""
+    """Inject LoRA adapters in place; only adapter weights stay trainable. Returns ``model``.
+
+    ``lora_A`` is drawn from a generator seeded with ``seed`` (``lora_B`` starts at 0), so every
+    data-parallel rank creates the same adapters before FSDP shards them, and runs repeat."""
     import peft
 
     config = peft.LoraConfig(
         r=rank, lora_alpha=alpha, target_modules=list(target_modules), lora_dropout=dropout
     )
-    return peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    devices = [model.lm_head.weight.device] if model.lm_head.weight.is_cuda else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        return peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
 
 
 def lora_layers(model: nn.Module) -> list[nn.Module]:
@@ -67,26 +79,32 @@ def lora_scalings(model: nn.Module, prefix_to_strip: str = "") -> dict[str, floa
     return scalings
 
 
-def merged_hf_state_dict(
-    state_dict: dict[str, torch.Tensor], scalings: dict[str, float]
-) -> dict[str, torch.Tensor]:
-    """Fold LoRA into the base weights: ``W + scale · B @ A`` under the plain HF names.
+def merge_lora_stream(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], scalings: dict[str, float]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Fold LoRA into the base weights, ``W + scale · B @ A``, under the plain HF names.
 
-    ``state_dict`` holds full (unsharded) tensors with peft's names; modules without adapters
-    pass through unchanged.
+    Takes full (unsharded) tensors with peft's names in ``state_dict`` order (a LoRA layer
+    lists ``base_layer.*`` then ``lora_A`` then ``lora_B``) and yields each merged weight as
+    soon as its ``lora_B`` arrives, so a stream of gathered tensors never has to be held in
+    full. Modules without adapters pass through unchanged.
     """
-    merged: dict[str, torch.Tensor] = {}
-    for name, tensor in state_dict.items():
-        if ".lora_A." in name or ".lora_B." in name:
-            continue
-        if ".base_layer." not in name:
-            merged[name] = tensor
-            continue
-        module, leaf = name.split(".base_layer.")
-        if leaf == "weight":
-            lora_a = state_dict[f"{module}.lora_A.{ADAPTER}.weight"].float()  # [r, in]
-            lora_b = state_dict[f"{module}.lora_B.{ADAPTER}.weight"].float()  # [out, r]
-            delta = scalings[module] * (lora_b @ lora_a)
-            tensor = (tensor.float() + delta).to(tensor.dtype)
-        merged[f"{module}.{leaf}"] = tensor
-    return merged
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in named_tensors:
+        if ".base_layer." in name:
+            module, leaf = name.split(".base_layer.")
+            pending.setdefault(module, {})[leaf] = tensor
+        elif ".lora_A." in name:
+            pending.setdefault(name.split(".lora_A.")[0], {})["lora_A"] = tensor
+        elif ".lora_B." in name:
+            module = name.split(".lora_B.")[0]
+            parts = pending.pop(module)
+            base = parts["weight"]
+            delta = scalings[module] * (tensor.float() @ parts["lora_A"].float())  # [out, in]
+            yield f"{module}.weight", (base.float() + delta).to(base.dtype)
+            if "bias" in parts:
+                yield f"{module}.bias", parts["bias"]
+        else:
+            yield name, tensor
+    if pending:
+        raise ValueError(f"LoRA layers without a lora_B weight: {sorted(pending)}")

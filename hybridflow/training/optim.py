@@ -6,6 +6,7 @@ import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 SCHEDULES = ("constant", "linear", "cosine")
@@ -82,19 +83,34 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+def clip_grad_norm(
+    params: list[nn.Parameter],
+    max_norm: float,
+    *,
+    group: dist.ProcessGroup | None = None,
+    comm_device: torch.device | str | None = None,
+) -> float:
+    """Global L2 norm of the gradients, clipped in place to ``max_norm`` when it is finite
+    and ``max_norm > 0``. Returns the norm before clipping, possibly ``inf``/``nan``: the
+    caller then skips the optimizer step.
 
-
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
-    """Global L2 norm of the gradients (over all ranks for FSDP DTensors), clipped in place to
-    ``max_norm`` when it is finite and ``max_norm > 0``. Returns the norm before clipping,
-    possibly ``inf``/``nan``: the caller then skips the optimizer step."""
+    FSDP2 gradients are DTensors sharded over ``group``: the squared norms of the local
+    shards are summed and all-reduced on ``comm_device`` (explicitly, so that CPU-offloaded
+    shards work with NCCL, where DTensor's own reduction would not).
+    """
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return 0.0
-    total = _local(torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=None))
-    norm = float(total)
+    sharded = any(hasattr(g, "to_local") for g in grads)
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    device = torch.device(comm_device) if comm_device is not None else local[0].device
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    for tensor in local:
+        if tensor.numel():
+            squares += torch.linalg.vector_norm(tensor, dtype=torch.float32).square().to(device)
+    if sharded and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(squares, group=group)
+    norm = float(squares.sqrt())
     if math.isfinite(norm) and max_norm > 0 and norm > max_norm:
         # A Python scalar multiplies plain tensors and FSDP DTensor shards alike.
         scale = max_norm / (norm + 1e-6)

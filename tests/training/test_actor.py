@@ -148,3 +148,14 @@ def test_batch_contract_errors_and_output_keys():
         )
     with pytest.raises(ValueError, match="mini-batch"):
         _actor(ppo_mini_batch_size=3).update(batch)
+
+
+def test_hf_weights_stream_is_zero_copy_on_one_device():
+    actor = _actor()
+    params = dict(actor.model.named_parameters())
+    names = []
+    for name, tensor in actor.hf_weights():
+        names.append(name)
+        assert tensor.data_ptr() == params[name].data_ptr()  # the parameter itself
+    # HF layout, tied lm_head omitted (the tiny preset ties embeddings)
+    assert names == [n for n in tiny_model().state_dict() if n != "lm_head.weight"]

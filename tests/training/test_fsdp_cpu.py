@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from train_helpers import actor_config, make_batch, max_abs_diff, tiny_model
 
+from hybridflow.config import ModelConfig
 from hybridflow.models import load_model
 from hybridflow.training import ActorEngine
 
@@ -24,6 +25,8 @@ CFG = dict(
 # Rank r holds rows 4r..4r+3; its mini-batch m is rows 4r+2m, 4r+2m+1. One process sees the
 # same global mini-batches when the batch is reordered like this:
 SINGLE_PROCESS_ORDER = [0, 1, 4, 5, 2, 3, 6, 7]
+LORA = ModelConfig(path="tiny", lora_rank=4, lora_alpha=8, gradient_checkpointing=True)
+LORA_CFG = dict(ppo_mini_batch_size=8, micro_batch_size_per_gpu=2, lr=1e-2)
 
 
 def _record_full_gradients(actor):
@@ -65,6 +68,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         resumed_metrics2 = resumed.update(second.index(shard))
         resumed_weights2 = resumed.core.full_state_dict(resumed.model)
         actor.export_hf(os.path.join(out_dir, "hf"))
+        # LoRA + activation checkpointing under FSDP2: merged weights after one step.
+        lora_actor = ActorEngine(
+            tiny_model(), actor_config(**LORA_CFG), total_steps=2, device="cpu", model_cfg=LORA
+        )
+        lora_metrics = lora_actor.update(first.index(shard))
+        lora_weights = {n: t.clone() for n, t in lora_actor.hf_weights()}
         result = dict(
             logprobs=logprobs,
             metrics1=metrics1,
@@ -74,8 +83,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             weights1=weights1,
             weights2=weights2,
             resumed_weights2=resumed_weights2,
+            lora_metrics=lora_metrics,
+            lora_weights=lora_weights,
         )
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # no rank tears gloo/NCCL down while another still talks
     finally:
         dist.destroy_process_group()
 
@@ -124,6 +136,23 @@ def test_two_rank_fsdp_update_equals_single_process(tmp_path):
     # Sharded save -> load -> continue is bit-exact on the same world size.
     assert max_abs_diff(rank0["resumed_weights2"], rank0["weights2"]) == 0.0
     assert rank0["resumed_metrics2"] == rank0["metrics2"]
+    # LoRA (seeded adapters, same on every rank) with activation checkpointing.
+    lora_single = ActorEngine(
+        tiny_model(), actor_config(**LORA_CFG), total_steps=2, device="cpu", model_cfg=LORA
+    )
+    lora_metrics = lora_single.update(first)
+    assert rank0["lora_metrics"]["grad_norm"] == pytest.approx(lora_metrics["grad_norm"], rel=1e-5)
+    lora_weights = dict(lora_single.hf_weights())
+    assert max_abs_diff(rank0["lora_weights"], lora_weights) < 2e-2 * LORA_CFG["lr"]
+    assert (
+        max_abs_diff(
+            lora_weights,
+            dict(
+                ActorEngine(tiny_model(), actor_config(), total_steps=1, device="cpu").hf_weights()
+            ),
+        )
+        > 1e-3
+    )
     # Export on rank 0 holds the trained full weights in HF layout.
     exported = load_model(str(tmp_path / "hf")).state_dict()
     assert max_abs_diff(exported, rank0["weights2"]) == 0.0
