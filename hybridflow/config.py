@@ -327,6 +327,9 @@ class SFTConfig:
     """Token budget per packed micro-batch; None: the whole batch in one pass."""
     builtin_size: int = 20000
     """Examples generated for a ``builtin:`` SFT task."""
+    carry_error_rate: float = 0.0
+    """Built-in arithmetic SFT only: fraction of the answers that need a carry written with
+    the carry forgotten (imperfect demonstrations that RL against the exact checker fixes)."""
     out_dir: str | None = None
     """Where ``hybridflow sft`` writes checkpoints and the final HF model; default
     ``<trainer.run_dir>/sft``."""

@@ -1,0 +1,105 @@
+"""Placement: which worker groups run the roles, on which devices (DESIGN.md §1, §3).
+
+- ``colocate`` (hybrid engine): one group on every device holds actor + rollout (+ ref,
+  + critic); the rollout reads the actor's weights in place on one device, or gathers them
+  after each update when the actor is sharded.
+- ``split``: the rollout gets ``trainer.rollout_gpus`` devices of its own; the actor (+ ref,
+  + critic) the rest. After each update the actor's full weights go to the rollout group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridflow.config import Config, Derived
+
+
+@dataclass
+class Roles:
+    """The controller's handles: ``roles.actor.update(batch)``, ``roles.rollout.generate(…)``."""
+
+    actor: Any
+    rollout: Any
+    ref: Any | None
+    critic: Any | None
+    split: bool
+    """Rollout on devices of its own: weights travel through the controller."""
+    rollout_dp: int
+    """Ranks of the rollout group (a generate batch is split over them)."""
+    groups: list[Any] = field(default_factory=list)
+
+    def shutdown(self) -> None:
+        for group in self.groups:
+            group.shutdown()
+
+
+def resolve_device(device: str) -> str:
+    """``trainer.device``: auto is cuda when a GPU is visible, else cpu."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _pool(device: str, per_node: list[int], first_device: int = 0):
+    from hybridflow.controller import ResourcePool
+
+    if device == "cuda":
+        return ResourcePool(gpus=per_node, first_device=first_device)
+    return ResourcePool(cpus=per_node, first_device=first_device)
+
+
+def build_roles(cfg: Config, derived: Derived) -> Roles:
+    """Start the worker groups of this run (models are loaded inside the workers)."""
+    from hybridflow.controller import WorkerGroup
+    from hybridflow.workers import fused_roles
+
+    t = cfg.trainer
+    device = resolve_device(t.device)
+    options = dict(backend=t.backend, call_timeout_s=t.call_timeout_s, config=cfg)
+    with_ref, with_critic = derived.use_reference, derived.use_critic
+    if t.placement == "colocate":
+        cls = fused_roles(actor=True, rollout=True, ref=with_ref, critic=with_critic)
+        group = WorkerGroup(cls, _pool(device, [t.n_gpus_per_node] * t.nnodes), **options)
+        return Roles(
+            actor=group.actor,
+            rollout=group.rollout,
+            ref=group.ref if with_ref else None,
+            critic=group.critic if with_critic else None,
+            split=False,
+            rollout_dp=group.world_size,
+            groups=[group],
+        )
+    # split placement, one node (validate() checked 0 < rollout_gpus < world)
+    train_devices = t.n_gpus_per_node - t.rollout_gpus
+    cls = fused_roles(actor=True, rollout=False, ref=with_ref, critic=with_critic)
+    train = WorkerGroup(cls, _pool(device, [train_devices]), name="train", **options)
+    try:
+        rollout = WorkerGroup(
+            fused_roles(actor=False, rollout=True),
+            _pool(device, [t.rollout_gpus], first_device=train_devices),
+            name="rollout",
+            **options,
+        )
+    except BaseException:
+        train.shutdown()
+        raise
+    return Roles(
+        actor=train.actor,
+        rollout=rollout.rollout,
+        ref=train.ref if with_ref else None,
+        critic=train.critic if with_critic else None,
+        split=True,
+        rollout_dp=rollout.world_size,
+        groups=[train, rollout],
+    )
+
+
+def sync_weights(roles: Roles) -> None:
+    """Make the rollout engine sample with the actor's current weights."""
+    if roles.split:
+        roles.rollout.load_weights(roles.actor.full_weights())
+    else:
+        roles.rollout.sync_from_actor()

@@ -1,0 +1,210 @@
+"""The stages of one RL step that need more than one line in the loop.
+
+Each takes the run's context and a Batch and returns a new Batch (plus metrics). The
+controller never touches a model: generation and every forward pass are worker calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridflow.config import Config, Derived
+from hybridflow.protocol import Batch
+
+PROMPT_MASK = "prompt_mask"
+
+
+@dataclass
+class RunContext:
+    """Everything the loop needs, built by ``trainer.run.setup``."""
+
+    cfg: Config
+    derived: Derived
+    roles: Any
+    """trainer.roles.Roles"""
+    tokenizer: Any
+    loader: Any
+    """data.dataset.PromptLoader over the training prompts."""
+    val_dataset: Any | None
+    reward: Any
+    """rewards.RewardManager"""
+    kl_ctrl: Any
+    tracker: Any
+    checkpoints: Any
+    step: int = 0
+    flops_per_token: float | None = None
+    history: dict[str, list] = field(default_factory=dict)
+    """Validation results by step, for the before/after summary."""
+
+
+def sampling_meta(run: RunContext, *, n: int, temperature: float, seed: int) -> dict[str, Any]:
+    """What the rollout workers read from ``batch.meta``."""
+    tokenizer = run.tokenizer
+    stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return {
+        "n": n,
+        "temperature": temperature,
+        "seed": seed,
+        "pad_token_id": pad,
+        "stop_token_ids": stop,
+    }
+
+
+def generate(run: RunContext, prompts: Batch, *, n: int, temperature: float, seed: int) -> Batch:
+    """``n`` samples of each prompt row; returns the prompt rows repeated (interleaved) with
+    ``responses``, ``response_mask``, ``rollout_logprobs`` and the full ``attention_mask``
+    [B*n, P+R] (``prompt_mask`` [B*n, P] keeps the prompt part)."""
+    prompts = Batch(prompts.tensors, prompts.arrays, dict(prompts.meta))
+    # The engine prefills a prompt once for its n samples. When the rows do not divide over
+    # the rollout ranks, DP_SPLIT must pad, which needs one output row per input row.
+    engine_n = n if len(prompts) % run.roles.rollout_dp == 0 else 1
+    request = prompts.select("prompts", "attention_mask", meta=False)
+    if engine_n != n:
+        request = request.repeat(n, interleave=True)
+    request.meta.update(sampling_meta(run, n=engine_n, temperature=temperature, seed=seed))
+    out = run.roles.rollout.generate(request)
+    rows = prompts.repeat(n, interleave=True)
+    prompt_mask = rows.tensors.pop("attention_mask")
+    rows = rows.union(out)
+    rows.tensors[PROMPT_MASK] = prompt_mask
+    rows.tensors["attention_mask"] = torch.cat(
+        [prompt_mask.long(), rows.tensors["response_mask"].long()], dim=1
+    )  # [B*n, P+R]
+    rows.meta["temperature"] = temperature
+    return rows
+
+
+def score(run: RunContext, batch: Batch) -> tuple[Batch, dict[str, float]]:
+    """Decode the responses, score them with the reward manager, put each score on its last
+    response token (``token_level_scores`` [B, R]); ``scores`` [B] kept as an array."""
+    from hybridflow.rewards.placement import decode_responses, place_scores
+
+    response_mask = batch.tensors["response_mask"]
+    texts = decode_responses(run.tokenizer, batch.tensors["responses"], response_mask)
+    result = run.reward.score(
+        texts,
+        list(batch.arrays["ground_truth"]),
+        list(batch.arrays["data_source"]),
+        list(batch.arrays["extra_info"]),
+        response_lengths=response_mask.sum(-1).long().tolist(),
+    )
+    batch.tensors["token_level_scores"] = place_scores(result.scores, response_mask)
+    batch.arrays["scores"] = np.asarray(result.scores, dtype=np.float64)
+    batch.arrays["response_text"] = np.asarray(texts, dtype=object)
+    return batch, dict(result.metrics)
+
+
+def step_seed(run: RunContext, round_index: int = 0, salt: int = 0) -> int:
+    """Sampling seed of a generation call: a function of (trainer.seed, step, round), so a
+    resumed run draws exactly the samples the uninterrupted run drew."""
+    return (run.cfg.trainer.seed * 1_000_003 + run.step * 1_009 + round_index * 31 + salt) % 2**62
+
+
+def next_prompts(run: RunContext, round_index: int) -> Batch:
+    prompts = run.loader.next_batch()
+    prompts.arrays["uid"] = np.asarray(
+        [f"{run.step}.{round_index}.{i}" for i in range(len(prompts))], dtype=object
+    )
+    return prompts
+
+
+def collect_rollouts(run: RunContext, timer) -> tuple[Batch, dict[str, float]]:
+    """Generate and score ``data.train_batch_size`` groups of ``rollout.n`` samples.
+
+    DAPO dynamic sampling keeps only groups whose scores differ and draws more prompts
+    (up to ``algorithm.max_gen_rounds`` rounds) until the batch is full; if it is still
+    short, groups without signal fill it (zero advantage) and the shortfall is reported.
+    ReMax adds ``reward_baselines`` [B]: the score of a greedy answer to each prompt.
+    """
+    cfg = run.cfg
+    alg, n = cfg.algorithm, cfg.rollout.n
+    want = cfg.data.train_batch_size
+    kept: list[Batch] = []
+    spare: list[Batch] = []
+    metrics: dict[str, float] = {}
+    rounds = 0
+    while True:
+        prompts = next_prompts(run, rounds)
+        with timer("gen"):
+            batch = generate(
+                run, prompts, n=n, temperature=cfg.rollout.temperature, seed=step_seed(run, rounds)
+            )
+        if alg.adv_estimator == "remax":
+            with timer("gen_baseline"):
+                batch.tensors["reward_baselines"] = greedy_baseline(run, prompts, rounds)
+        with timer("reward"):
+            batch, reward_metrics = score(run, batch)
+        metrics.update(reward_metrics)
+        rounds += 1
+        if not alg.dynamic_sampling:
+            return batch, metrics
+        from hybridflow.algos import groups_with_signal
+
+        signal = groups_with_signal(batch.arrays["scores"], batch.arrays["uid"]).numpy()
+        kept.append(batch.index(np.flatnonzero(signal)))
+        spare.append(batch.index(np.flatnonzero(~signal)))
+        have = sum(len(b) for b in kept) // n
+        if have >= want or rounds >= alg.max_gen_rounds:
+            break
+    batch = Batch.concat(kept + spare).index(slice(0, want * n))
+    metrics["dynamic_sampling/gen_rounds"] = float(rounds)
+    metrics["dynamic_sampling/groups_with_signal"] = float(have)
+    metrics["dynamic_sampling/filled_groups"] = float(max(want - have, 0))
+    return batch, metrics
+
+
+def greedy_baseline(run: RunContext, prompts: Batch, round_index: int) -> torch.Tensor:
+    """ReMax baseline: the score of one greedy response per prompt, repeated ``n`` times."""
+    greedy = generate(run, prompts, n=1, temperature=0.0, seed=step_seed(run, round_index, 7))
+    greedy, _ = score(run, greedy)
+    baseline = torch.as_tensor(greedy.arrays["scores"], dtype=torch.float32)  # [B]
+    return baseline.repeat_interleave(run.cfg.rollout.n)  # [B*n]
+
+
+def rewards_and_advantages(run: RunContext, batch: Batch) -> tuple[Batch, dict[str, float]]:
+    """``token_level_rewards`` (scores, minus β·KL when KL is in the reward), then the
+    configured advantage estimator's ``advantages`` and ``returns`` (all [B, R])."""
+    from hybridflow.algos import apply_kl_in_reward, compute_advantage
+
+    cfg, t = run.cfg.algorithm, batch.tensors
+    metrics: dict[str, float] = {}
+    rewards = t["token_level_scores"]
+    if cfg.use_kl_in_reward:
+        rewards, kl_metrics = apply_kl_in_reward(
+            rewards,
+            t["old_logprobs"],
+            t["ref_logprobs"],
+            t["response_mask"],
+            run.kl_ctrl,
+            kind=cfg.kl_penalty,
+        )
+        metrics.update(kl_metrics)
+    t["token_level_rewards"] = rewards
+    t["advantages"], t["returns"] = compute_advantage(
+        cfg.adv_estimator,
+        token_level_rewards=rewards,
+        response_mask=t["response_mask"],
+        index=batch.arrays["uid"],
+        values=t.get("values"),
+        gamma=cfg.gamma,
+        lam=cfg.lam,
+        norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo,
+        reward_baselines=t.get("reward_baselines"),
+    )
+    return batch, metrics
+
+
+def balance_ranks(batch: Batch, dp_size: int) -> Batch:
+    """Reorder rows so each data-parallel rank's contiguous chunk carries about the same number
+    of tokens (Karmarkar–Karp on sequence lengths); one rank never waits for a longer one."""
+    if dp_size <= 1:
+        return batch
+    from hybridflow.training import balanced_dp_order
+
+    lengths = batch.tensors["attention_mask"].sum(-1).tolist()
+    return batch.index(balanced_dp_order(lengths, dp_size))

@@ -1,0 +1,90 @@
+"""Saving and resuming a run: the workers' training state plus the controller's own.
+
+A checkpoint directory ``<run_dir>/checkpoints/step_N`` holds
+
+    actor/            model (or LoRA adapters), optimizer, scheduler, RNG: written by the workers
+    critic/           the same for the critic (GAE runs)
+    trainer_state.pt  step, sampler position, KL controller, controller RNG states
+    config.yaml       the resolved run config (``hybridflow export`` rebuilds the model from it)
+    tokenizer/        the tokenizer, so an export is a complete HF model directory
+
+and is published atomically by the CheckpointManager (temporary directory, COMPLETE marker,
+rename), so a run killed while saving resumes from the previous complete one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+import yaml
+
+from hybridflow.trainer.stages import RunContext
+
+TRAINER_STATE = "trainer_state.pt"
+CONFIG_FILE = "config.yaml"
+TOKENIZER_DIR = "tokenizer"
+
+
+def save_checkpoint(run: RunContext) -> Path:
+    """Write ``step_<run.step>`` (all ranks of every group take part)."""
+    from hybridflow.trainer.checkpoint import capture_rng_state
+
+    def write(directory: Path) -> None:
+        run.roles.actor.save(str(directory))
+        if run.roles.critic is not None:
+            run.roles.critic.save(str(directory))
+        state = {
+            "step": run.step,
+            "loader": run.loader.state_dict(),
+            "kl_ctrl": run.kl_ctrl.state_dict(),
+            "rng": capture_rng_state(),
+            "history": run.history,
+        }
+        torch.save(state, directory / TRAINER_STATE)
+        (directory / CONFIG_FILE).write_text(
+            yaml.safe_dump(dataclasses.asdict(run.cfg), sort_keys=False)
+        )
+        if hasattr(run.tokenizer, "save_pretrained"):
+            run.tokenizer.save_pretrained(str(directory / TOKENIZER_DIR))
+
+    return run.checkpoints.save(run.step, write, metadata={"model_path": run.cfg.model.path})
+
+
+def resume(run: RunContext) -> Path | None:
+    """Load the checkpoint ``trainer.resume`` names (auto: the latest complete one)."""
+    from hybridflow.trainer.checkpoint import restore_rng_state
+    from hybridflow.trainer.roles import sync_weights
+
+    path = run.checkpoints.resolve_resume(run.cfg.trainer.resume)
+    if path is None:
+        return None
+    run.roles.actor.load(str(path))
+    if run.roles.critic is not None:
+        run.roles.critic.load(str(path))
+    state = torch.load(path / TRAINER_STATE, weights_only=False)
+    run.step = int(state["step"])
+    run.loader.load_state_dict(state["loader"])
+    run.kl_ctrl.load_state_dict(state["kl_ctrl"])
+    run.history = state.get("history", {})
+    restore_rng_state(state["rng"])
+    sync_weights(run.roles)  # a rollout engine with its own copy must see the loaded weights
+    return path
+
+
+def read_run_config(checkpoint: str | Path):
+    """The Config a checkpoint was written with."""
+    from hybridflow.config import Config, _apply_mapping
+
+    path = Path(checkpoint) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{checkpoint}: no {CONFIG_FILE}; is this a hybridflow checkpoint directory "
+            "(<run_dir>/checkpoints/step_N)?"
+        )
+    cfg = Config()
+    problems = _apply_mapping(cfg, yaml.safe_load(path.read_text()) or {}, source=str(path))
+    if problems:
+        raise ValueError(f"{path}: " + "; ".join(problems))
+    return cfg

@@ -1,0 +1,54 @@
+"""Validation: generate on the held-out prompts, score, report mean@n / best@n / maj@n.
+
+``rollout.val_n`` samples per prompt at ``rollout.val_temperature`` (0: greedy, then n = 1
+is all that makes sense). Metrics per data source: ``val/<source>/mean@<n>`` (average score),
+``best@<n>`` (best of the n per prompt) and ``maj@<n>`` (score of the majority answer).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hybridflow.protocol import Batch
+from hybridflow.trainer.stages import RunContext, generate, score
+
+VALIDATION_SEED = 12345
+
+
+def run_validation(run: RunContext) -> dict[str, float]:
+    """Validation metrics of the current policy over the whole validation set."""
+    from hybridflow.data.dataset import make_prompt_batch
+    from hybridflow.rewards.answers import extract_prediction
+    from hybridflow.trainer.metrics import validation_metrics
+
+    cfg, dataset = run.cfg, run.val_dataset
+    if dataset is None or len(dataset) == 0:
+        return {}
+    n, temperature = cfg.rollout.val_n, cfg.rollout.val_temperature
+    if temperature == 0:
+        n = 1  # greedy answers are all the same
+    pad = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
+    sources, uids, scores, predictions, lengths = [], [], [], [], []
+    size = cfg.data.val_batch_size
+    for start in range(0, len(dataset), size):
+        items = [dataset[i] for i in range(start, min(start + size, len(dataset)))]
+        prompts: Batch = make_prompt_batch(items, pad)
+        prompts.arrays["uid"] = np.asarray([item.index for item in items])
+        batch = generate(run, prompts, n=n, temperature=temperature, seed=VALIDATION_SEED + start)
+        batch, _ = score(run, batch)
+        sources += list(batch.arrays["data_source"])
+        uids += list(batch.arrays["uid"])
+        scores += list(batch.arrays["scores"])
+        predictions += [
+            extract_prediction(source, text)
+            for source, text in zip(batch.arrays["data_source"], batch.arrays["response_text"])
+        ]
+        lengths += batch.tensors["response_mask"].sum(-1).tolist()
+    metrics = validation_metrics(sources, uids, scores, predictions)
+    metrics["val/response_length/mean"] = float(np.mean(lengths))
+    return metrics
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    """The ``mean@n`` entries (one accuracy per data source), for the summary line."""
+    return {k: v for k, v in metrics.items() if k.startswith("val/") and "/mean@" in k}

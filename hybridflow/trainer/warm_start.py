@@ -1,0 +1,137 @@
+"""``model.path = sft:<task>``: a tiny model SFT-trained on a built-in task, trained once and
+cached under ``trainer.cache_dir`` keyed by a hash of everything that shapes it.
+
+The demo's warm start. The SFT demonstrations of ``arithmetic`` are imperfect on purpose:
+``sft.carry_error_rate`` of the answers that need a carry are written as a careless student
+would, forgetting it (``58+27=75``). Supervised learning copies that habit; RL against the exact
+checker does not reward it, which is the point the demo makes (and what makes its accuracy
+gain large and repeatable within a few minutes of CPU time). Set the rate to 0 for clean data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from hybridflow.config import Config, SFTConfig
+
+SFT_PREFIX = "sft:"
+CACHE_VERSION = 1
+COMPLETE = "COMPLETE"
+
+
+def without_carry(question: str) -> str | None:
+    """The answer of ``a+b=`` with every carry dropped (digit-wise sums mod 10); None for
+    other operations."""
+    if "+" not in question:
+        return None
+    left, right = question.rstrip("=").split("+")
+    a, b = int(left), int(right)
+    digits, place = 0, 1
+    while a or b:
+        digits += ((a % 10 + b % 10) % 10) * place
+        a, b, place = a // 10, b // 10, place * 10
+    return str(digits)
+
+
+def builtin_sft_rows(task: str, sft_cfg: SFTConfig, val_size: int, data_seed: int = 0):
+    """Prompt/response rows for SFT on a built-in task, never from its validation split."""
+    import random
+
+    from hybridflow.data.arithmetic import arithmetic_problems, arithmetic_splits
+
+    if task != "arithmetic":
+        raise ValueError(
+            f"sft.train_files has builtin:{task}, but only builtin:arithmetic has SFT "
+            "demonstrations; give a prompt/response file for other tasks"
+        )
+    held_out = frozenset(q for q, _ in arithmetic_splits(0, val_size, data_seed)["test"])
+    problems = arithmetic_problems(sft_cfg.builtin_size, data_seed + 2_000_003, exclude=held_out)
+    rng = random.Random(data_seed + 17)
+    rows = []
+    for question, answer in problems:
+        careless = without_carry(question)
+        if careless is not None and careless != answer and rng.random() < sft_cfg.carry_error_rate:
+            answer = careless
+        rows.append((_user(question), answer))
+    return rows
+
+
+def _user(content: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": content}]
+
+
+def cache_key(cfg: Config, task: str) -> str:
+    """Hash of the SFT settings, the data split and the seed (same key = same model)."""
+    payload = {
+        "version": CACHE_VERSION,
+        "task": task,
+        "sft": dataclasses.asdict(cfg.sft),
+        "val_size": cfg.data.builtin_val_size,
+        "seed": cfg.trainer.seed,
+        "tokenizer": cfg.model.tokenizer_path or "char",
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def resolve_model_path(cfg: Config, log=print) -> str:
+    """The model directory or preset to start RL from; trains and caches ``sft:<task>``."""
+    if not cfg.model.path.startswith(SFT_PREFIX):
+        return cfg.model.path
+    task = cfg.model.path.removeprefix(SFT_PREFIX)
+    root = Path(os.path.expanduser(cfg.trainer.cache_dir))
+    target = root / f"sft-{task}-{cache_key(cfg, task)}"
+    if (target / COMPLETE).is_file():
+        log(f"warm start: cached SFT model {target}")
+        return str(target)
+    log(f"warm start: SFT of a {cfg.sft.preset} model on builtin:{task} (cached in {target})")
+    train_warm_start(cfg, task, target, log)
+    return str(target)
+
+
+def train_warm_start(cfg: Config, task: str, target: Path, log=print) -> None:
+    """SFT from scratch on the built-in task; published atomically at ``target``."""
+    import time
+
+    import torch
+
+    from hybridflow.models import load_model, load_tokenizer
+    from hybridflow.trainer.roles import resolve_device
+    from hybridflow.trainer.sft import load_sft_examples, run_sft, save_hf_model
+
+    started = time.perf_counter()
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path or "char")
+    sft_cfg = dataclasses.replace(cfg.sft, train_files=[f"builtin:{task}"])
+    examples, _ = load_sft_examples(
+        sft_cfg.train_files, tokenizer, sft_cfg, val_size=cfg.data.builtin_val_size
+    )
+    device = resolve_device(cfg.trainer.device)
+    device = "cuda:0" if device == "cuda" else device
+    model = load_model(sft_cfg.preset, dtype=torch.float32, device=device)
+
+    def log_progress(metrics: dict[str, Any], step: int) -> None:
+        if step % 50 == 0 or step == sft_cfg.total_steps:
+            log(f"  sft step {step}/{sft_cfg.total_steps}  loss {metrics['sft/loss']:.3f}")
+
+    trainer = run_sft(
+        model,
+        examples,
+        sft_cfg,
+        device=device,
+        seed=cfg.trainer.seed,
+        pad_token_id=tokenizer.pad_token_id or 0,
+        log=log_progress,
+    )
+    temporary = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(temporary, ignore_errors=True)
+    save_hf_model(trainer.model.to("cpu"), tokenizer, temporary)
+    (temporary / COMPLETE).write_text(json.dumps(dataclasses.asdict(sft_cfg)))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(target, ignore_errors=True)
+    os.rename(temporary, target)
+    log(f"warm start: SFT done in {time.perf_counter() - started:.0f} s")

@@ -1,0 +1,107 @@
+"""The actor and reference roles: remote-callable wrappers of the training engines.
+
+Each method is one coarse call from the controller (DESIGN.md §1). ``DP_SPLIT`` methods get
+this rank's share of the batch; the engines do the data-parallel reductions themselves.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hybridflow.config import Config
+from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.protocol import Batch
+from hybridflow.workers.models import load_causal_lm, resolve_dtype
+
+
+class ActorWorker(Worker):
+    """Policy training on this rank: log-probs, PPO-family update, checkpoints, export.
+
+    Args:
+        config: the run config with ``model.path`` already resolved to a directory or preset.
+    """
+
+    def __init__(self, config: Config):
+        from hybridflow.training import ActorEngine
+
+        self.config = config
+        torch.manual_seed(config.trainer.seed)
+        dtype = resolve_dtype(config.model, self.device)
+        model = load_causal_lm(config.model.path, dtype, self.device)
+        self.engine = ActorEngine(
+            model,
+            config.actor,
+            total_steps=max(config.trainer.total_steps, 1),
+            device=self.device,
+            model_cfg=config.model,
+            rollout_n=config.rollout.n,
+            max_response_length=config.data.max_response_length,
+            seed=config.trainer.seed,
+        )
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The trained CausalLM (FSDP2-sharded when the group has several ranks)."""
+        return self.engine.model
+
+    @register(dispatch=Dispatch.DP_SPLIT)
+    def compute_logprobs(self, batch: Batch) -> Batch:
+        """``old_logprobs`` and ``entropy`` [b, R] of the responses under the current policy."""
+        return self.engine.compute_logprobs(batch, with_entropy=True)
+
+    @register(dispatch=Dispatch.DP_SPLIT)
+    def update(self, batch: Batch) -> dict[str, float]:
+        """One PPO-family update; metrics are already reduced over ranks (same on each)."""
+        return {f"actor/{k}": v for k, v in self.engine.update(batch).items()}
+
+    @register(dispatch=Dispatch.RANK_ZERO)
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """Unsharded HF-named CPU weights (LoRA merged), for a rollout engine elsewhere."""
+        from hybridflow.training import lora
+
+        state = self.engine.core.full_state_dict(self.model)
+        if self.engine.lora and state:
+            state = lora.merged_hf_state_dict(state, lora.lora_scalings(self.model))
+        return state
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def save(self, directory: str) -> None:
+        self.engine.save(os.path.join(directory, "actor"))
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def load(self, directory: str) -> None:
+        self.engine.load(os.path.join(directory, "actor"))
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def export_hf(self, directory: str) -> None:
+        self.engine.export_hf(directory)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def offload(self) -> None:
+        self.engine.offload()
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def reload(self) -> None:
+        self.engine.reload()
+
+
+class RefWorker(Worker):
+    """Frozen reference policy: ``ref.path`` or the initial policy; with LoRA, the colocated
+    actor with its adapters switched off (no second copy of the weights)."""
+
+    def __init__(self, config: Config):
+        from hybridflow.training import RefEngine
+
+        actor = self.context.colocated.get("actor")
+        if config.model.lora_rank > 0 and config.ref.path is None and actor is not None:
+            self.engine = RefEngine.from_actor(actor.engine, config.ref)
+            return
+        dtype = resolve_dtype(config.model, self.device)
+        model = load_causal_lm(config.ref.path or config.model.path, dtype, self.device)
+        self.engine = RefEngine(model, config.ref, device=self.device)
+
+    @register(dispatch=Dispatch.DP_SPLIT)
+    def compute_ref_logprobs(self, batch: Batch) -> Batch:
+        return self.engine.compute_ref_logprobs(batch)

@@ -1,0 +1,45 @@
+"""The critic role (GAE only): values of the response tokens and the clipped value update."""
+
+from __future__ import annotations
+
+import os
+
+from hybridflow.config import Config
+from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.protocol import Batch
+from hybridflow.workers.models import load_causal_lm, resolve_dtype
+
+
+class CriticWorker(Worker):
+    """Value model on ``critic.path`` or the actor's initial weights, fresh value head."""
+
+    def __init__(self, config: Config):
+        from hybridflow.training import CriticEngine
+
+        dtype = resolve_dtype(config.model, self.device)
+        model = load_causal_lm(config.critic.path or config.model.path, dtype, self.device)
+        self.engine = CriticEngine(
+            model,
+            config.critic,
+            total_steps=max(config.trainer.total_steps, 1),
+            device=self.device,
+            actor_cfg=config.actor,
+            rollout_n=config.rollout.n,
+            max_response_length=config.data.max_response_length,
+        )
+
+    @register(dispatch=Dispatch.DP_SPLIT)
+    def compute_values(self, batch: Batch) -> Batch:
+        return self.engine.compute_values(batch)
+
+    @register(dispatch=Dispatch.DP_SPLIT)
+    def update(self, batch: Batch) -> dict[str, float]:
+        return {f"critic/{k}": v for k, v in self.engine.update(batch).items()}
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def save(self, directory: str) -> None:
+        self.engine.save(os.path.join(directory, "critic"))
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def load(self, directory: str) -> None:
+        self.engine.load(os.path.join(directory, "critic"))

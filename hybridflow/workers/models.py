@@ -1,0 +1,47 @@
+"""Loading the models a role needs, on the device of its worker."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from hybridflow.config import ModelConfig as ModelSettings
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def resolve_dtype(model_cfg: ModelSettings, device: str) -> torch.dtype:
+    """``model.dtype``: auto is bf16 on a GPU (the rollout engine reads these weights in
+    place, so they are what it samples with) and fp32 on the CPU."""
+    if model_cfg.dtype == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    return DTYPES[model_cfg.dtype]
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, device: str) -> nn.Module:
+    """A CausalLM from a local HF directory or a shape preset (random weights, fixed seed).
+
+    ``sft:<task>`` paths are resolved to a directory by the trainer before workers start."""
+    if path.startswith("sft:"):
+        raise ValueError(
+            f"model path {path!r} must be resolved to the cached SFT model directory first "
+            "(hybridflow.trainer.warm_start.resolve_model_path)"
+        )
+    from hybridflow.models import load_model
+
+    return load_model(path, dtype=dtype, device=device)
+
+
+def full_named_tensors(
+    module: nn.Module, device: torch.device
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) of every state-dict entry of a possibly FSDP2-sharded module.
+
+    Every rank must iterate to the end: each sharded tensor is all-gathered in turn, so the
+    peak extra memory is one full tensor, not the whole model."""
+    for name, tensor in module.state_dict().items():
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.to(device).full_tensor()
+        yield name, tensor

@@ -1,0 +1,133 @@
+"""The rollout role: the generation engine, fed from the actor's weights.
+
+Three ways to get the weights, picked at construction:
+
+- hybrid engine on one device (colocated actor, no sharding, no LoRA): the engine runs on the
+  actor's own parameter tensors. An optimizer step is visible to the next ``generate`` with no
+  copy, so :meth:`RolloutWorker.sync_from_actor` has nothing to do.
+- colocated with a sharded (FSDP2) or LoRA actor: the engine owns a full copy; each sync
+  all-gathers the actor's tensors one at a time (LoRA folded in) and loads them in buckets.
+- split placement (no actor in this process): the controller moves the actor's full weights
+  and calls :meth:`RolloutWorker.load_weights`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.config import Config
+from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.protocol import Batch
+from hybridflow.workers.models import full_named_tensors, load_causal_lm, resolve_dtype
+
+# Different ranks draw different samples for their (different) prompts; keep their seeds apart.
+RANK_SEED_STRIDE = 1_000_003
+
+
+class RolloutWorker(Worker):
+    """``generate(batch)``: n samples per prompt row, as right-padded response tensors."""
+
+    def __init__(self, config: Config):
+        from hybridflow.engine import Engine
+
+        self.config = config
+        actor = self.context.colocated.get("actor")
+        self.actor = actor
+        self.shares_actor_weights = (
+            actor is not None
+            and self.world_size == 1
+            and not actor.engine.lora
+            and not actor.engine.core.fsdp
+        )
+        if self.shares_actor_weights:
+            model = actor.model
+        else:
+            dtype = resolve_dtype(config.model, self.device)
+            model = load_causal_lm(config.model.path, dtype, self.device)
+            model.requires_grad_(False)
+        on_gpu = str(self.device).startswith("cuda")
+        self.engine = Engine(
+            model,
+            max_batch_size=config.rollout.max_num_seqs,
+            max_seq_len=config.data.max_prompt_length + config.data.max_response_length,
+            memory_budget=config.rollout.gpu_memory_utilization if on_gpu else None,
+        )
+
+    @register(dispatch=Dispatch.DP_SPLIT)
+    def generate(self, batch: Batch) -> Batch:
+        """Sample ``meta["n"]`` responses for each row of ``prompts [b, P]`` (left-padded,
+        ``attention_mask [b, P]``).
+
+        Returns ``b * n`` rows, prompt-major (the samples of a prompt are adjacent):
+        ``responses [b*n, R]`` (pad after the end), ``response_mask [b*n, R]`` (1 on generated
+        tokens, the stop token included), ``rollout_logprobs [b*n, R]``; ``R`` is
+        ``data.max_response_length`` on every rank so the pieces concatenate.
+        """
+        from hybridflow.engine import SamplingParams
+
+        cfg, meta = self.config.rollout, batch.meta
+        width = self.config.data.max_response_length
+        seed = meta.get("seed")
+        params = SamplingParams(
+            n=int(meta.get("n", 1)),
+            temperature=float(meta.get("temperature", cfg.temperature)),
+            top_k=cfg.top_k,
+            top_p=cfg.top_p,
+            min_p=cfg.min_p,
+            max_new_tokens=width,
+            stop_token_ids=tuple(meta.get("stop_token_ids", ())),
+            seed=None if seed is None else int(seed) + RANK_SEED_STRIDE * self.rank,
+            ignore_eos=cfg.ignore_eos,
+        )
+        prompt_ids = [
+            row[mask.bool()].tolist()
+            for row, mask in zip(batch.tensors["prompts"], batch.tensors["attention_mask"])
+        ]
+        pad_token_id = int(meta.get("pad_token_id", 0))
+        out = self.engine.generate_padded(prompt_ids, params, pad_token_id=pad_token_id)
+        if cfg.release_cache and str(self.device).startswith("cuda"):
+            self.engine.release()
+        rows = out["responses"].shape[0]
+        responses = torch.full((rows, width), pad_token_id, dtype=torch.long)  # [b*n, R]
+        rollout_logprobs = torch.zeros(rows, width)  # [b*n, R]
+        got = out["responses"].shape[1]
+        responses[:, :got] = out["responses"]
+        rollout_logprobs[:, :got] = out["rollout_logprobs"]
+        positions = torch.arange(width)
+        response_mask = (positions[None, :] < out["response_lengths"][:, None]).float()
+        return Batch(
+            {
+                "responses": responses,
+                "response_mask": response_mask,
+                "rollout_logprobs": rollout_logprobs,
+            }
+        )
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def sync_from_actor(self) -> None:
+        """Copy the colocated actor's current weights into the engine (no-op when shared)."""
+        if self.shares_actor_weights:
+            return
+        if self.actor is None:
+            raise RuntimeError(
+                "sync_from_actor needs an actor in the same worker (hybrid engine); with split "
+                "placement the controller calls load_weights(actor.full_weights())"
+            )
+        from hybridflow.training import lora
+
+        actor_engine = self.actor.engine
+        named = full_named_tensors(self.actor.model, actor_engine.core.device)
+        if actor_engine.lora:
+            named = lora.merged_hf_state_dict(dict(named), lora.lora_scalings(self.actor.model))
+            named = named.items()
+        self.engine.load_weights(named)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load full HF-named weights sent by the controller (split placement)."""
+        self.engine.load_weights(weights.items())
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def release(self) -> None:
+        """Free the KV cache (training gets the memory back)."""
+        self.engine.release()
