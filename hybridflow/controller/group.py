@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import signal
+import threading
 import time
 import weakref
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -78,6 +80,7 @@ class WorkerGroup:
             collective_timeout_s,
         )
         _live_groups.add(self)
+        _exit_cleanly_on_sigterm()
         failed = [(rank, o) for rank, o in enumerate(self._backend.start_outcomes) if o.error]
         if failed:
             self.shutdown()
@@ -249,6 +252,19 @@ def _make_backend(
     from hybridflow.controller.ray_backend import RayBackend
 
     return RayBackend(worker_cls, pool, name, init_kwargs, start_timeout_s, collective_timeout_s)
+
+
+def _exit_cleanly_on_sigterm() -> None:
+    """Turn SIGTERM (e.g. from a job scheduler) into SystemExit so that the atexit shutdown
+    runs, unless the program installed its own handler. Main thread only (Python's rule)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _raise_system_exit)
+
+
+def _raise_system_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 @atexit.register

@@ -309,4 +309,15 @@ def _exit_with_parent(parent_pid: int) -> None:
     while True:
         time.sleep(_PARENT_POLL_S)
         if os.getppid() != parent_pid:
+            _kill_descendants()
             os._exit(1)
+
+
+def _kill_descendants() -> None:
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass

@@ -7,11 +7,7 @@ one group where they can.
 import glob
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import time
-from pathlib import Path
 
 import psutil
 import pytest
@@ -144,35 +140,3 @@ def test_failure_while_building_reports_rank_and_leaves_no_process():
     assert time.monotonic() - start < 60
     after = child_pids()
     assert wait_gone(list(after - before))
-
-
-CONTROLLER_SCRIPT = """
-    import sys
-    sys.path.insert(0, {tests_dir!r})
-    from hybridflow.controller import ResourcePool, WorkerGroup
-    from toy_workers import Toy
-
-    if __name__ == "__main__":
-        group = WorkerGroup(Toy, ResourcePool(cpus=1), "local")
-        print(group.pids()[0], group.start_child()[0], flush=True)
-        group.sleep(600)
-"""
-
-
-def test_ctrl_c_on_the_controller_leaves_no_orphans(tmp_path: Path):
-    script = tmp_path / "controller.py"
-    script.write_text(
-        textwrap.dedent(CONTROLLER_SCRIPT.format(tests_dir=str(Path(__file__).parent)))
-    )
-    proc = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        worker_pid, grandchild_pid = map(int, proc.stdout.readline().split())
-        assert not gone(worker_pid) and not gone(grandchild_pid)
-        proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=30)
-    finally:
-        proc.kill()
-    assert "KeyboardInterrupt" in stderr
-    assert wait_gone([worker_pid, grandchild_pid], timeout_s=10)

@@ -7,9 +7,9 @@ import sys
 import time
 
 import pytest
-from toy_workers import EXPECTED_EXERCISE, Toy, exercise, toy_input
+from toy_workers import EXPECTED_EXERCISE, Counter, ReadsPeer, Toy, exercise, toy_input
 
-from hybridflow.controller import ResourcePool, WorkerDiedError, WorkerError, WorkerGroup
+from hybridflow.controller import ResourcePool, WorkerDiedError, WorkerError, WorkerGroup, fuse
 
 
 def test_missing_ray_gives_an_actionable_error(monkeypatch):
@@ -26,7 +26,9 @@ def group():
     started_here = not ray.is_initialized()
     if started_here:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    group = WorkerGroup(Toy, ResourcePool(cpus=2), "ray", scale=3, call_timeout_s=120)
+    # Half a CPU per worker leaves room for a second group on the 2-CPU Ray.
+    pool = ResourcePool(cpus=2, cpus_per_worker=0.5)
+    group = WorkerGroup(Toy, pool, "ray", scale=3, call_timeout_s=120)
     yield group
     group.shutdown()
     if started_here:
@@ -51,6 +53,12 @@ def test_exception_names_rank_and_remote_traceback(group):
         group.fail("sandbox crashed", only_rank=1)
     assert "rank 1 failed in fail: ValueError: sandbox crashed" in str(info.value)
     assert 'toy_workers.py", line' in info.value.remote_traceback
+
+
+def test_fused_roles_on_ray(group):
+    pool = ResourcePool(cpus=1, cpus_per_worker=0.5)
+    with WorkerGroup(fuse(counter=Counter, reader=ReadsPeer), pool, "ray", start=4) as fused:
+        assert fused.counter.add(1) == 5 and fused.reader.peer_value() == 5
 
 
 def test_killed_actor_is_detected_quickly(group):
