@@ -12,6 +12,7 @@ their slots for the next admission.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import deque
 from dataclasses import dataclass
@@ -19,7 +20,12 @@ from dataclasses import dataclass
 import torch
 
 from hybridflow.engine import kv_cache
-from hybridflow.engine.forward import DECODE_FORWARDS, RopeTable, prefill_forward
+from hybridflow.engine.forward import (
+    DECODE_FORWARDS,
+    FusedProjections,
+    RopeTable,
+    prefill_forward,
+)
 from hybridflow.engine.graphs import DecodeRunner
 from hybridflow.engine.sampling import SamplingParams, request_seeds, split_seed
 from hybridflow.engine.state import DecodeState
@@ -56,6 +62,10 @@ class Engine:
         cuda_graphs: replay decode steps as CUDA graphs (default: on for CUDA).
         steps_per_sync: decode steps between two host checks for finished sequences.
         max_prefill_tokens: prompt tokens per packed prefill pass (bounds activation memory).
+        fuse_projections: triton backend: "qkv" (default) keeps a concatenated copy of each
+            layer's q/k/v weights (one matmul instead of three; the copy is ~1.2x the q_proj
+            weights, refreshed at every generate, freed by release()), "all" also concatenates
+            gate/up (copy ~2/3 of the MLP weights), "none" reads every weight in place.
     """
 
     def __init__(
@@ -69,6 +79,7 @@ class Engine:
         cuda_graphs: bool | None = None,
         steps_per_sync: int = 16,
         max_prefill_tokens: int = 16384,
+        fuse_projections: str = "qkv",
     ):
         self.model = model
         self.config = model.config
@@ -90,6 +101,10 @@ class Engine:
         interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # kernel tests on CPU
         if decode_backend == "triton" and self.device.type != "cuda" and not interpreted:
             raise ValueError("decode_backend='triton' needs the model on a CUDA device")
+        if fuse_projections not in ("none", "qkv", "all"):
+            raise ValueError(f"fuse_projections={fuse_projections!r} not in none/qkv/all")
+        self.fuse_projections = fuse_projections if decode_backend == "triton" else "none"
+        self.fused = None
         self.decode_backend = decode_backend
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.cache: kv_cache.KVCache | None = None
@@ -120,14 +135,18 @@ class Engine:
         )  # fmt: skip
         self.state = DecodeState(slots, slots, self.max_seq_len, cfg.vocab_size, self.device)
         self.rope = RopeTable(cfg, self.max_seq_len, self.dtype, self.device)
+        decode_forward = DECODE_FORWARDS[self.decode_backend]
+        if self.fuse_projections != "none":
+            self.fused = FusedProjections(self.model, gate_up=self.fuse_projections == "all")
+            decode_forward = functools.partial(decode_forward, fused=self.fused)
         self.runner = DecodeRunner(
-            self.model, self.cache, self.state, self.rope, DECODE_FORWARDS[self.decode_backend],
+            self.model, self.cache, self.state, self.rope, decode_forward,
             use_graphs=self.cuda_graphs, use_triton_sampler=self.decode_backend == "triton",
         )  # fmt: skip
 
     def release(self) -> None:
         """Free the KV cache, decode state and captured graphs (memory back to training)."""
-        self.cache = self.state = self.runner = self.rope = None
+        self.cache = self.state = self.runner = self.rope = self.fused = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -197,6 +216,8 @@ class Engine:
             base_seed = int(torch.randint(0, 2**62, (1,)).item())
         seed_lo, seed_hi = split_seed(request_seeds(base_seed, len(prompts), params.n))
         self.state.set_stop_tokens(self._stop_ids(params))
+        if self.fused is not None:
+            self.fused.refresh(self.model)  # weights may have changed since the last call
         self.runner.prepare(params)
         loop = _GenerationLoop(self, prompts, params, seed_lo.tolist(), seed_hi.tolist())
         return loop.run()

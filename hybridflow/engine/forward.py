@@ -132,6 +132,53 @@ def decode_forward_torch(
 # Decode, fused Triton kernels (CUDA)
 
 
+class FusedProjections:
+    """Concatenated copies of each layer's q/k/v (and optionally gate/up) weights, so a decode
+    layer runs one matmul where the model has three (two). A transient copy: made when the KV
+    cache is allocated, refreshed from the live parameters at every generate() (in place, so
+    captured graphs stay valid), freed by Engine.release()."""
+
+    def __init__(self, model, gate_up: bool):
+        layers = model.model.layers
+        attn, mlp = layers[0].self_attn, layers[0].mlp
+        weight = attn.q_proj.weight
+        self.q_size = attn.num_heads * attn.head_dim
+        self.kv_size = attn.num_kv_heads * attn.head_dim
+        rows = self.q_size + 2 * self.kv_size
+        like = dict(dtype=weight.dtype, device=weight.device)
+        self.qkv_weight = torch.empty(len(layers), rows, weight.shape[1], **like)
+        self.qkv_bias = (
+            torch.empty(len(layers), rows, **like) if attn.q_proj.bias is not None else None
+        )
+        self.gate_up_weight = None
+        if gate_up:
+            inner, hidden = mlp.gate_proj.weight.shape
+            self.gate_up_weight = torch.empty(len(layers), 2 * inner, hidden, **like)
+        self.refresh(model)
+
+    @torch.no_grad()
+    def refresh(self, model) -> None:
+        for index, layer in enumerate(model.model.layers):
+            attn = layer.self_attn
+            torch.cat(
+                [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
+                out=self.qkv_weight[index],
+            )
+            if self.qkv_bias is not None:
+                torch.cat(
+                    [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], out=self.qkv_bias[index]
+                )
+            if self.gate_up_weight is not None:
+                torch.cat(
+                    [layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight],
+                    out=self.gate_up_weight[index],
+                )
+
+    def nbytes(self) -> int:
+        tensors = [self.qkv_weight, self.qkv_bias, self.gate_up_weight]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
 @torch.no_grad()
 def decode_forward_triton(
     model,
@@ -141,6 +188,7 @@ def decode_forward_triton(
     positions: torch.Tensor,
     row_slots: torch.Tensor,
     max_len: int,
+    fused: FusedProjections | None = None,
 ) -> torch.Tensor:
     """Same contract as decode_forward_torch; fused kernels, attention over live lengths only
     (max_len only sizes the split of the sequence among thread blocks)."""
@@ -152,12 +200,17 @@ def decode_forward_triton(
     lengths = positions + 1
     for index, layer in enumerate(layers):
         attn = layer.self_attn
-        q = F.linear(normed, attn.q_proj.weight, attn.q_proj.bias)
-        k = F.linear(normed, attn.k_proj.weight, attn.k_proj.bias)
-        v = F.linear(normed, attn.v_proj.weight, attn.v_proj.bias)
-        q = q.view(-1, attn.num_heads, attn.head_dim)
-        k = k.view(-1, attn.num_kv_heads, attn.head_dim)
-        v = v.view(-1, attn.num_kv_heads, attn.head_dim)
+        if fused is not None:
+            bias = fused.qkv_bias[index] if fused.qkv_bias is not None else None
+            qkv = F.linear(normed, fused.qkv_weight[index], bias)
+            q, k, v = qkv.split([fused.q_size, fused.kv_size, fused.kv_size], dim=-1)
+        else:
+            q = F.linear(normed, attn.q_proj.weight, attn.q_proj.bias)
+            k = F.linear(normed, attn.k_proj.weight, attn.k_proj.bias)
+            v = F.linear(normed, attn.v_proj.weight, attn.v_proj.bias)
+        q = q.unflatten(-1, (attn.num_heads, attn.head_dim))  # rows may be strided (fused)
+        k = k.unflatten(-1, (attn.num_kv_heads, attn.head_dim))
+        v = v.unflatten(-1, (attn.num_kv_heads, attn.head_dim))
         if attn.q_norm is not None:
             q, k = attn.q_norm(q), attn.k_norm(k)
         kernels.rope_store(
@@ -170,9 +223,11 @@ def decode_forward_triton(
         delta = F.linear(out.view(out.shape[0], -1), attn.o_proj.weight, attn.o_proj.bias)
         normed = kernels.add_rms_norm(hidden, delta, layer.post_attention_layernorm)
         mlp = layer.mlp
-        gated = kernels.silu_mul(
-            F.linear(normed, mlp.gate_proj.weight), F.linear(normed, mlp.up_proj.weight)
-        )
+        if fused is not None and fused.gate_up_weight is not None:
+            gate, up = F.linear(normed, fused.gate_up_weight[index]).chunk(2, dim=-1)
+        else:
+            gate, up = F.linear(normed, mlp.gate_proj.weight), F.linear(normed, mlp.up_proj.weight)
+        gated = kernels.silu_mul(gate, up)
         delta = F.linear(gated, mlp.down_proj.weight)
         next_norm = layers[index + 1].input_layernorm if index + 1 < len(layers) else None
         normed = kernels.add_rms_norm(hidden, delta, next_norm or model.model.norm)

@@ -75,6 +75,14 @@ class DecodeRunner:
             self.model, self.cache, self.rope, state.tokens[:rows], state.positions[:rows],
             state.row_slots[:rows], max_len,
         )  # fmt: skip
+        if self.use_triton_sampler and not mode_uses_reference_sampler(self.params):
+            from hybridflow.engine.kernels import sample_fused
+
+            # sampling and the state update in the same kernels (one launch less per op)
+            sample_fused(
+                logits, self.params, state.seed_lo, state.seed_hi, state.generated, state=state
+            )
+            return
         tokens, logprobs = self.sample(
             logits, state.seed_lo[:rows], state.seed_hi[:rows], state.generated[:rows]
         )
@@ -84,7 +92,7 @@ class DecodeRunner:
         """Advance rows [0, num_rows) by `steps` tokens (finished rows stay put)."""
         bucket = next(b for b in self.buckets if b >= num_rows)
         if not self.use_graphs:
-            for i in range(steps):
+            for _ in range(steps):
                 self._step(num_rows, min(max_live_len, self.cache.max_seq_len))
             return
         graph = self._graph(bucket)

@@ -13,6 +13,7 @@ would), so bf16 outputs stay within a rounding step of the eager path.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import torch
 import triton
@@ -26,6 +27,11 @@ MIX_C1 = tl.constexpr(sampling._MIX_C1)
 MIX_C2 = tl.constexpr(sampling._MIX_C2)
 STEP_SALT = tl.constexpr(sampling._STEP_SALT)
 SEED_SALT = tl.constexpr(sampling._SEED_SALT)
+GOLDEN = tl.constexpr(sampling._GOLDEN)
+LN2 = tl.constexpr(0.6931471805599453)
+
+# Autotune the attention kernel's tile (CUDA only); off gives a fixed tile (for A/B runs).
+AUTOTUNE = True
 
 # -------------------------------------------------------------------------------------------
 # RMSNorm, residual add + RMSNorm
@@ -78,21 +84,25 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, norm) -> torch.Ten
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_o, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)  # torch rounds silu(g) first
-    tl.store(out_ptr + offs, (silu * u).to(dtype), mask=mask)
+    tl.store(out_ptr + row * stride_o + cols, (silu * u).to(dtype), mask=mask)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_like(gate)
-    n = gate.numel()
+    """silu(gate) * up, both [B, I] with contiguous rows (may be halves of one [B, 2I])."""
+    rows, inner = gate.shape
+    out = torch.empty(rows, inner, dtype=gate.dtype, device=gate.device)
     block = 1024
-    _silu_mul_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block)
+    _silu_mul_kernel[(rows, triton.cdiv(inner, block))](
+        gate, up, out, gate.stride(0), up.stride(0), out.stride(0), inner, BLOCK=block
+    )
     return out
 
 
@@ -171,10 +181,9 @@ def rope_store(q, k, v, cos, sin, positions, row_slots, key_cache, value_cache) 
 @triton.jit
 def _decode_attention_kernel(
     q_ptr, kc_ptr, vc_ptr, slot_ptr, len_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-    stride_q, stride_cslot, stride_cpos, stride_o, scale_log2,
+    stride_q, stride_cslot, stride_cpos, stride_o, scale_log2, CHUNK,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, NH: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-    FP32_DOT: tl.constexpr,
+    SPLITS: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -245,12 +254,23 @@ def _combine_splits_kernel(
     tl.store(out_ptr + row * stride_o + head * D + d, out.to(out_ptr.dtype.element_ty))
 
 
-def attention_splits(rows: int, num_kv_heads: int, max_len: int, block_n: int) -> int:
+# Tried on the first call of each shape (outside graph capture; the kernel only writes its
+# outputs, so re-running it while tuning is harmless). Interpreter runs use the first config.
+_ATTENTION_CONFIGS = [
+    triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
+    for bn, w, st in [(64, 4, 2), (32, 4, 2), (64, 4, 3), (128, 4, 2), (64, 8, 3), (128, 8, 3)]
+]
+_decode_attention_tuned = triton.autotune(_ATTENTION_CONFIGS, key=["G", "D", "SPLITS", "FP32_DOT"])(
+    _decode_attention_kernel
+)
+
+
+def attention_splits(rows: int, num_kv_heads: int, max_len: int) -> int:
     """Sequence splits per (row, kv head): enough thread blocks to fill ~2 waves of 132 SMs,
-    but at least 4 key blocks per split."""
+    but at least 256 positions per split."""
     programs = rows * num_kv_heads
     splits = max(1, math.ceil(264 / programs))
-    return max(1, min(splits, max_len // (4 * block_n), 16))
+    return max(1, min(splits, max_len // 256, 16))
 
 
 def decode_attention(
@@ -262,30 +282,35 @@ def decode_attention(
     max_len: int,
     splits: int | None = None,
 ) -> torch.Tensor:
-    """q [B, nh, D] (contiguous), caches [slots, S, nkv, D], lengths [B] -> out [B, nh, D]:
-    row b attends over positions [0, lengths[b]) of slot row_slots[b]. max_len is a static
-    bound on lengths (it only sizes the splits)."""
+    """q [B, nh, D] (rows may be strided), caches [slots, S, nkv, D], lengths [B] -> out
+    [B, nh, D]: row b attends over positions [0, lengths[b]) of slot row_slots[b]. max_len is
+    a static bound on lengths (it only sizes the splits)."""
     rows, num_heads, head_dim = q.shape
     num_kv = key_cache.shape[2]
     group = num_heads // num_kv
-    block_n = 64 if head_dim <= 64 else 32
     if splits is None:
-        splits = attention_splits(rows, num_kv, max_len, block_n)
-    chunk = triton.cdiv(triton.cdiv(max_len, splits), block_n) * block_n
-    out = torch.empty_like(q)
+        splits = attention_splits(rows, num_kv, max_len)
+    chunk = triton.cdiv(max_len, splits)
+    out = torch.empty(rows, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if splits > 1:
         part_o = torch.empty(rows, num_heads, splits, head_dim, device=q.device)
         part_lse = torch.empty(rows, num_heads, splits, device=q.device)
     else:
         part_o = part_lse = out
     scale_log2 = (1.0 / math.sqrt(head_dim)) * 1.4426950408889634
-    _decode_attention_kernel[(rows, num_kv, splits)](
+    args = (
         q, key_cache, value_cache, row_slots, lengths, out, part_o, part_lse,
-        q.stride(0), key_cache.stride(0), key_cache.stride(1), out.stride(0), scale_log2,
-        G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=head_dim, NH=num_heads,
-        CHUNK=chunk, BLOCK_N=block_n, SPLITS=splits, FP32_DOT=q.dtype == torch.float32,
-        num_warps=4,
+        q.stride(0), key_cache.stride(0), key_cache.stride(1), out.stride(0), scale_log2, chunk,
     )  # fmt: skip
+    meta = dict(
+        G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=head_dim, NH=num_heads,
+        SPLITS=splits, FP32_DOT=q.dtype == torch.float32,
+    )  # fmt: skip
+    grid = (rows, num_kv, splits)
+    if q.is_cuda and AUTOTUNE:
+        _decode_attention_tuned[grid](*args, **meta)
+    else:
+        _decode_attention_kernel[grid](*args, **meta, BLOCK_N=64 if head_dim <= 64 else 32)
     if splits > 1:
         _combine_splits_kernel[(rows, num_heads)](
             part_o, part_lse, out, out.stride(0), NH=num_heads, D=head_dim, SPLITS=splits,
@@ -309,12 +334,21 @@ def _mix32(x):
 
 
 @triton.jit
+def _log2(x, FAST_MATH: tl.constexpr):
+    if FAST_MATH:  # lg2.approx: the noise needs no last-bit accuracy
+        return tl.extra.cuda.libdevice.fast_log2f(x)
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
 def _sample_split_kernel(
     logits_ptr, stride_l, V, seed_lo_ptr, seed_hi_ptr, step_ptr, threshold_ptr,
-    part_m_ptr, part_s_ptr, part_score_ptr, part_idx_ptr, part_z_ptr, temperature, log_min_p,
-    MAX_ONLY: tl.constexpr, GREEDY: tl.constexpr, HAS_THRESHOLD: tl.constexpr,
-    HAS_MIN_P: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    SPLIT_SIZE: tl.constexpr, BLOCK_V: tl.constexpr,
+    part_m_ptr, part_s_ptr, part_score_ptr, part_idx_ptr, part_z_ptr, inv_temperature,
+    log_min_p, MAX_ONLY: tl.constexpr, GREEDY: tl.constexpr, SCALE: tl.constexpr,
+    HAS_THRESHOLD: tl.constexpr, HAS_MIN_P: tl.constexpr, SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, SPLIT_SIZE: tl.constexpr, BLOCK_V: tl.constexpr,
+    FAST_MATH: tl.constexpr,
 ):  # fmt: skip
     """One (row, vocab split): running max/sum-exp of z = logits / T and the best Gumbel score
     over allowed tokens. MAX_ONLY: just the split max (min-p needs the row max first)."""
@@ -329,7 +363,9 @@ def _sample_split_kernel(
         for v0 in range(lo, lo + SPLIT_SIZE, BLOCK_V):
             idx = v0 + offs
             z = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-            m = tl.maximum(m, z / temperature)
+            if SCALE:
+                z = z * inv_temperature
+            m = tl.maximum(m, z)
         tl.store(part_m_ptr + part, tl.max(m, axis=0))
         return
     threshold = float("-inf")
@@ -353,7 +389,9 @@ def _sample_split_kernel(
     best_z = 0.0
     for v0 in range(lo, lo + SPLIT_SIZE, BLOCK_V):
         idx = v0 + offs
-        z = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32) / temperature
+        z = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+        if SCALE:
+            z = z * inv_temperature
         m_new = tl.maximum(m, z)
         s = s * tl.exp(tl.where(m_new == float("-inf"), 0.0, m - m_new)) + tl.where(
             z == float("-inf"), 0.0, tl.exp(z - m_new)
@@ -362,9 +400,11 @@ def _sample_split_kernel(
         if GREEDY:
             score = z
         else:
-            bits = _mix32(key ^ _mix32(idx.to(tl.uint32)))
+            token_mix = idx.to(tl.uint32) * tl.full([], GOLDEN, tl.uint32)
+            bits = _mix32(key ^ token_mix)
             u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-            score = tl.where(z >= threshold, z - tl.log(-tl.log(u)), float("-inf"))
+            gumbel = -LN2 * _log2(-_log2(u, FAST_MATH), FAST_MATH)  # + ln(ln 2): argmax-neutral
+            score = tl.where(z >= threshold, z + gumbel, float("-inf"))
         block_best = tl.max(score, axis=0)
         block_idx = tl.argmax(score, axis=0)
         if block_best > best_score:
@@ -383,8 +423,12 @@ def _sample_split_kernel(
 @triton.jit
 def _sample_combine_kernel(
     part_m_ptr, part_s_ptr, part_score_ptr, part_idx_ptr, part_z_ptr, tok_ptr, logprob_ptr,
-    SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    finished_ptr, slot_ptr, generated_ptr, max_new_ptr, stop_mask_ptr, state_tok_ptr,
+    positions_ptr, out_tok_ptr, out_lp_ptr, stride_out,
+    SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, ADVANCE: tl.constexpr,
 ):  # fmt: skip
+    """Per row: the winning split's token, log-prob = z - logsumexp; with ADVANCE, also the
+    decode-state update of state.advance (record, count, stop, move) in the same launch."""
     row = tl.program_id(0)
     sp = tl.arange(0, SPLITS_PAD)
     mask = sp < SPLITS
@@ -395,10 +439,28 @@ def _sample_combine_kernel(
     lse = m_row + tl.log(tl.sum(tl.where(mask, s * tl.exp(m - m_row), 0.0), axis=0))
     score = tl.load(part_score_ptr + parts, mask=mask, other=float("-inf"))
     best = tl.argmax(score, axis=0)  # first split on ties = lowest token id, like torch.argmax
-    idx = tl.sum(tl.where(sp == best, tl.load(part_idx_ptr + parts, mask=mask, other=0), 0))
+    token = tl.sum(tl.where(sp == best, tl.load(part_idx_ptr + parts, mask=mask, other=0), 0))
+    token = token.to(tl.int64)
     z = tl.sum(tl.where(sp == best, tl.load(part_z_ptr + parts, mask=mask, other=0.0), 0.0))
-    tl.store(tok_ptr + row, idx.to(tl.int64))
-    tl.store(logprob_ptr + row, z - lse)
+    logprob = z - lse
+    if ADVANCE:
+        finished = tl.load(finished_ptr + row).to(tl.int32)
+        live = 1 - finished
+        slot = tl.load(slot_ptr + row)
+        column = tl.load(generated_ptr + row)
+        tl.store(out_tok_ptr + slot * stride_out + column, token)
+        tl.store(out_lp_ptr + slot * stride_out + column, logprob)
+        generated = column + live
+        stop = tl.load(stop_mask_ptr + token).to(tl.int32)
+        stop = stop | (generated >= tl.load(max_new_ptr + row)).to(tl.int32)
+        tl.store(finished_ptr + row, (finished | stop).to(finished_ptr.dtype.element_ty))
+        old_token = tl.load(state_tok_ptr + row)
+        tl.store(state_tok_ptr + row, tl.where(live == 1, token, old_token))
+        tl.store(positions_ptr + row, tl.load(positions_ptr + row) + live)
+        tl.store(generated_ptr + row, generated)
+    else:
+        tl.store(tok_ptr + row, token)
+        tl.store(logprob_ptr + row, logprob)
 
 
 def sample_fused(
@@ -409,15 +471,16 @@ def sample_fused(
     steps: torch.Tensor,
     block_v: int = 2048,
     target_splits: int = 16,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    state=None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Same contract and noise as sampling.sample_reference (top-p excepted: not fused).
 
     The vocabulary is split over `target_splits` programs per row (one program per row left
-    most SMs idle: measured 234 us at 256 x 152k on an H200), then combined per row."""
+    most SMs idle: measured 234 us at 256 x 152k on an H200), then combined per row.
+    With `state` (a DecodeState whose first rows these are), the combine kernel also applies
+    state.advance and nothing is returned."""
     rows, vocab = logits.shape
     device = logits.device
-    tokens = torch.empty(rows, dtype=torch.int64, device=device)
-    logprobs = torch.empty(rows, dtype=torch.float32, device=device)
     split_size = triton.cdiv(triton.cdiv(vocab, target_splits), block_v) * block_v
     splits = triton.cdiv(vocab, split_size)
     part_m, part_s, part_score, part_z = (
@@ -432,20 +495,34 @@ def sample_fused(
         threshold = torch.topk(logits, params.top_k, dim=-1).values[:, -1].float() / temperature
     has_min_p = not greedy and params.min_p > 0
     common = dict(
-        GREEDY=greedy, HAS_THRESHOLD=has_threshold, HAS_MIN_P=has_min_p, SPLITS=splits,
-        SPLITS_PAD=max(2, triton.next_power_of_2(splits)), SPLIT_SIZE=split_size,
-        BLOCK_V=block_v, num_warps=4,
+        GREEDY=greedy, SCALE=temperature != 1.0, HAS_THRESHOLD=has_threshold,
+        HAS_MIN_P=has_min_p, SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
+        SPLIT_SIZE=split_size, BLOCK_V=block_v, FAST_MATH=logits.is_cuda, num_warps=4,
     )  # fmt: skip
     args = (
         logits, logits.stride(0), vocab, seed_lo, seed_hi, steps, threshold, part_m, part_s,
-        part_score, part_idx, part_z, temperature,
+        part_score, part_idx, part_z, 1.0 / temperature,
         math.log(params.min_p) if has_min_p else 0.0,
     )  # fmt: skip
     if has_min_p:
         _sample_split_kernel[(rows, splits)](*args, MAX_ONLY=True, **common)
     _sample_split_kernel[(rows, splits)](*args, MAX_ONLY=False, **common)
+    if state is None:
+        tokens = torch.empty(rows, dtype=torch.int64, device=device)
+        logprobs = torch.empty(rows, dtype=torch.float32, device=device)
+        st = SimpleNamespace(
+            finished=tokens, row_slots=tokens, generated=tokens, max_new=tokens,
+            stop_mask=tokens, tokens=tokens, positions=tokens, out_tokens=tokens,
+            out_logprobs=logprobs,
+        )  # fmt: skip
+        stride_out = 0
+    else:
+        tokens = logprobs = part_m  # unused pointers
+        st, stride_out = state, state.out_tokens.stride(0)
     _sample_combine_kernel[(rows,)](
-        part_m, part_s, part_score, part_idx, part_z, tokens, logprobs, SPLITS=splits,
-        SPLITS_PAD=common["SPLITS_PAD"],
+        part_m, part_s, part_score, part_idx, part_z, tokens, logprobs, st.finished,
+        st.row_slots, st.generated, st.max_new, st.stop_mask, st.tokens, st.positions,
+        st.out_tokens, st.out_logprobs, stride_out, SPLITS=splits,
+        SPLITS_PAD=common["SPLITS_PAD"], ADVANCE=state is not None,
     )  # fmt: skip
-    return tokens, logprobs
+    return None if state is not None else (tokens, logprobs)

@@ -16,6 +16,7 @@ The fused Triton version of the same sampler is in kernels.py; both share the ha
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ MASK32 = 0xFFFFFFFF
 _MIX_C1 = 0x7FEB352D
 _MIX_C2 = 0x846CA68B
 _GOLDEN = 0x9E3779B9
+LN2 = math.log(2)
 _STEP_SALT = 0x27D4EB2F
 _SEED_SALT = 0x165667B1
 
@@ -109,7 +111,7 @@ def row_keys(seed_lo: torch.Tensor, seed_hi: torch.Tensor, steps: torch.Tensor) 
 
 def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """u [B, V] fp32 in (0, 1): 24 random bits per (row key, token id)."""
-    token_mix = mix32(torch.arange(vocab_size, device=keys.device, dtype=torch.int64))
+    token_mix = _mul32(torch.arange(vocab_size, device=keys.device, dtype=torch.int64), _GOLDEN)
     bits = mix32(keys[:, None] ^ token_mix[None, :])  # [B, V]
     return ((bits >> 8).float() + 0.5) * (1.0 / 16777216.0)
 
@@ -159,9 +161,9 @@ def sample_reference(
     else:
         z = logits.float() / params.temperature
         threshold = filter_threshold(z, params.top_k, params.top_p, params.min_p)
-        gumbel = -torch.log(
-            -torch.log(uniform_noise(row_keys(seed_lo, seed_hi, steps), z.shape[1]))
-        )
+        u = uniform_noise(row_keys(seed_lo, seed_hi, steps), z.shape[1])
+        # Gumbel noise minus the constant ln(ln 2) (argmax-neutral), in log2 like the kernel.
+        gumbel = -LN2 * torch.log2(-torch.log2(u))
         scores = torch.where(z >= threshold[:, None], z + gumbel, float("-inf"))
         tokens = scores.argmax(-1)
     logprobs = z.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)

@@ -169,4 +169,4 @@ def test_memory_budget_limits_slots(model):
     out = engine.generate(PROMPTS, SamplingParams(n=2, temperature=0, max_new_tokens=5))
     assert len(out) == 8
     with pytest.raises(ValueError, match="memory_budget"):
-        _engine(model, memory_budget=per_slot).num_slots
+        assert _engine(model, memory_budget=per_slot).num_slots
