@@ -122,7 +122,14 @@ def worker(rank: int, world: int, port: int, args, out_path: str) -> None:
         configs = [("fsdp", True, False), ("fsdp+optimizer_offload", True, True)]
         if world == 1:
             configs.insert(0, ("unsharded (autocast)", False, False))
-        results = [run_config(args, world, rank, device, *c) for c in configs]
+        results = []
+        for config in configs:
+            try:
+                results.append(run_config(args, world, rank, device, *config))
+            except Exception as error:  # report and go on: one broken variant keeps the rest
+                results.append({"config": config[0], "gpus": world, "error": repr(error)[:300]})
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump(results, f)
@@ -157,7 +164,8 @@ def main() -> None:
         )
         with open(out_path) as f:
             rows += json.load(f)
-    base = next((r for r in rows if r["gpus"] == 1 and r["config"] == "fsdp"), None)
+    ok = [r for r in rows if "error" not in r]
+    base = next((r for r in ok if r["gpus"] == 1 and r["config"] == "fsdp"), None)
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     print(f"\nmodel {args.model}, {gpu}, {args.rows_per_gpu} seqs/GPU")
     print(
@@ -165,6 +173,9 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
+        if "error" in r:
+            print(f"| {r['gpus']} | {r['config']} | failed: {r['error']} | | | | |")
+            continue
         eff = ""
         if base and r["config"].startswith("fsdp") and r["gpus"] > 1:
             same = next((b for b in rows if b["gpus"] == 1 and b["config"] == r["config"]), base)

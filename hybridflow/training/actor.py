@@ -50,8 +50,9 @@ class ActorEngine:
     Args:
         model: a CausalLM (fp32 weights recommended; on CUDA compute runs in bf16).
         actor_cfg: the ``actor`` config section.
-        total_steps: RL steps of the run; the LR schedule advances once per :meth:`update`
-            (warm-up and decay are counted in RL steps, as verl does).
+        total_steps: RL steps of the run. The LR schedule advances once per optimizer step;
+            its length is ``total_steps`` × the optimizer steps of the first :meth:`update`
+            (ppo_epochs × mini-batches), so ``lr_warmup_steps`` counts optimizer steps.
         device: compute device of this rank.
         dp_group: data-parallel group (default: the whole world when distributed is on).
         model_cfg: the ``model`` config section (LoRA, gradient checkpointing); None: no LoRA.
@@ -152,14 +153,15 @@ class ActorEngine:
     # ------------------------------------------------------------------ update
 
     def update(self, batch: Batch, *, temperature: float | None = None) -> dict[str, float]:
-        """ppo_epochs × mini-batches × micro-batches of policy-gradient steps; one LR-schedule
-        step at the end. Returns metrics averaged over the optimizer steps (and ranks)."""
+        """ppo_epochs × mini-batches × micro-batches of policy-gradient steps. Returns metrics
+        averaged over the optimizer steps (and ranks); ``lr`` is the last step's."""
         keys = UPDATE_INPUTS + (("ref_logprobs",) if self.cfg.use_kl_loss else ())
         check_keys(batch, keys, "ActorEngine.update")
         temperature = _temperature(batch, temperature)
         num_rows = len(batch)
         mini_size = min(self.mini_batch_size, num_rows)
         num_minis = mini_batch_count(num_rows, mini_size)
+        self.core.set_steps_per_update(self.cfg.ppo_epochs * num_minis)
         sums = MetricSums(self.core)
         skipped_before = self.total_skipped_steps
         self.core.module.train()
@@ -169,10 +171,9 @@ class ActorEngine:
                 for mini in range(num_minis):
                     rows = order[mini * mini_size : (mini + 1) * mini_size]
                     self._mini_batch_step(batch.index(rows), temperature, sums)
-        self.core.scheduler_step()
         self.update_count += 1
         metrics = sums.result()
-        metrics["lr"] = self.core.optimizer.param_groups[0]["lr"]
+        metrics["lr"] = sums.last_lr
         metrics["skipped_steps"] = float(self.total_skipped_steps - skipped_before)
         return metrics
 

@@ -128,13 +128,23 @@ class TrainCore:
             betas=betas,
             device=optimizer_device,
         )
+        self.rl_steps = total_steps
+        self.schedule_steps = total_steps  # optimizer steps; sized by set_steps_per_update
         self.scheduler = build_scheduler(
             self.optimizer,
             schedule=schedule,
             warmup_steps=warmup_steps,
-            total_steps=total_steps,
+            total_steps=lambda: self.schedule_steps,
             min_lr_ratio=min_lr_ratio,
         )
+        self._schedule_sized = False
+
+    def set_steps_per_update(self, steps: int) -> None:
+        """Size the LR schedule: ``total_steps`` RL steps × optimizer steps per update (taken
+        from the first update; warm-up and decay count optimizer steps)."""
+        if not self._schedule_sized:
+            self.schedule_steps = self.rl_steps * steps
+            self._schedule_sized = True
 
     @property
     def trainable_parameters(self) -> list[nn.Parameter]:
@@ -195,7 +205,8 @@ class TrainCore:
         return grad_norm, skipped
 
     def scheduler_step(self) -> None:
-        """Advance the LR schedule (once per update, also when every step was skipped)."""
+        """Advance the LR schedule by one optimizer step (also a skipped one, so the schedule
+        still ends with the run)."""
         with warnings.catch_warnings():
             # Torch warns when no optimizer.step() ran since the last call: expected after a
             # skipped (non-finite) step.

@@ -33,7 +33,7 @@ class CriticEngine:
         model: the backbone CausalLM (from ``critic.path``, or the actor's initial weights);
             a zero-initialised ``Linear(hidden, 1)`` value head is added unless given.
         critic_cfg: the ``critic`` config section.
-        total_steps: RL steps (the LR warm-up advances once per :meth:`update`).
+        total_steps: RL steps (``lr_warmup_steps`` counts optimizer steps, as for the actor).
         actor_cfg: fallbacks for ``ppo_mini_batch_size`` / ``ppo_epochs`` left as None, and the
             AdamW betas / weight decay.
         rollout_n, max_response_length, device, dp_group, fsdp: as for the actor.
@@ -96,6 +96,7 @@ class CriticEngine:
         num_rows = len(batch)
         mini_size = min(self.mini_batch_size, num_rows)
         num_minis = mini_batch_count(num_rows, mini_size)
+        self.core.set_steps_per_update(self.ppo_epochs * num_minis)
         sums = MetricSums(self.core)
         skipped_before = self.total_skipped_steps
 
@@ -131,10 +132,9 @@ class CriticEngine:
                             sums=sums,
                         )
                     )
-        self.core.scheduler_step()
         self.update_count += 1
         metrics = sums.result()
-        metrics["lr"] = self.core.optimizer.param_groups[0]["lr"]
+        metrics["lr"] = sums.last_lr
         metrics["skipped_steps"] = float(self.total_skipped_steps - skipped_before)
         return metrics
 

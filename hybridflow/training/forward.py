@@ -66,4 +66,7 @@ def forward_response_tokens(
                     out[row_index] = packed.scatter(values.float()).cpu()
     finally:
         core.module.train(was_training)
+        if core.fsdp:
+            # FSDP2 keeps the root unit gathered after a forward that has no backward; free it.
+            core.module.reshard()
     return outputs or []

@@ -28,6 +28,7 @@ class MetricSums:
         self.steps = 0
         self.skipped = 0
         self.grad_norm_sum = 0.0
+        self.last_lr = 0.0
 
     def add_mini_batch_terms(self, terms: dict[str, torch.Tensor]) -> None:
         for name, value in terms.items():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -65,10 +65,13 @@ def build_scheduler(
     *,
     schedule: str,
     warmup_steps: int,
-    total_steps: int,
+    total_steps: int | Callable[[], int],
     min_lr_ratio: float = 0.0,
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR driven by :func:`lr_multiplier` (state_dict holds only the step count)."""
+    """A LambdaLR driven by :func:`lr_multiplier` (state_dict holds only the step count).
+
+    ``total_steps`` may be a callable, read at every step, for a length known only later
+    (the engines learn the optimizer steps per RL step from the first batch)."""
     lr_multiplier(0, schedule=schedule, warmup_steps=0, total_steps=1)  # validate the name now
 
     def factor(step: int) -> float:
@@ -76,7 +79,7 @@ def build_scheduler(
             step,
             schedule=schedule,
             warmup_steps=warmup_steps,
-            total_steps=total_steps,
+            total_steps=total_steps() if callable(total_steps) else total_steps,
             min_lr_ratio=min_lr_ratio,
         )
 

@@ -81,4 +81,6 @@ def accumulate_and_step(
             sums.add_mini_batch_terms(terms)
     grad_norm, skipped = core.optimizer_step(grad_clip)
     sums.add_step(grad_norm, skipped)
+    sums.last_lr = core.optimizer.param_groups[0]["lr"]
+    core.scheduler_step()
     return skipped

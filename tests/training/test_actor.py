@@ -159,3 +159,12 @@ def test_hf_weights_stream_is_zero_copy_on_one_device():
         assert tensor.data_ptr() == params[name].data_ptr()  # the parameter itself
     # HF layout, tied lm_head omitted (the tiny preset ties embeddings)
     assert names == [n for n in tiny_model().state_dict() if n != "lm_head.weight"]
+
+
+def test_lr_schedule_counts_optimizer_steps():
+    # 2 RL steps x 2 mini-batches = 4 optimizer steps; warm-up 2, then linear decay to 0.
+    # Step i uses lr * f(i): f(0) = 1/3, f(1) = 2/3, f(2) = 1, f(3) = 1 - (3 - 2) / 2 = 0.5.
+    actor = _actor(total_steps=2, lr_scheduler="linear", lr_warmup_steps=2, lr=0.3)
+    batch = make_batch(seed=8)
+    assert actor.update(batch)["lr"] == pytest.approx(0.3 * 2 / 3)
+    assert actor.update(batch)["lr"] == pytest.approx(0.3 * 0.5)

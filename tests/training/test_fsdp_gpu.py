@@ -75,14 +75,24 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         freed = allocated - torch.cuda.memory_allocated(device)
         actor.reload()
         reloaded = actor.compute_logprobs(batch.index(shard))["old_logprobs"]
+        after_reload = actor.update(batch.index(shard))  # optimizer still holds the params
+        del actor
+        torch.cuda.empty_cache()
+        # FSDP2 CPU offload of parameters (optimizer step on the CPU): same first update.
+        cfg["param_offload"] = True
+        offloaded = engine(None)
+        offload_metrics = offloaded.update(batch.index(shard))
+        cfg["param_offload"] = False
+        del offloaded
         result = dict(
+            after_reload=after_reload,
+            offload_metrics=offload_metrics,
             logprobs=logprobs,
             metrics=metrics,
             grads=grads,
             freed=freed,
             reload_diff=float((reloaded - after).abs().max()),
         )
-        del actor
         torch.cuda.empty_cache()
 
         # LoRA under FSDP2: only adapters move; the reference is the base model.
@@ -138,7 +148,10 @@ def test_two_rank_fsdp_matches_one_rank_on_qwen05b(tmp_path):
     m2, m1 = r0["metrics"], r0["solo_metrics"]
     assert m2["pg_loss"] == pytest.approx(m1["pg_loss"], rel=2e-2, abs=1e-4)
     assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=5e-2)
+    assert m2["pg_loss"] == pytest.approx(r0["offload_metrics"]["pg_loss"], rel=1e-3, abs=1e-5)
+    assert m2["grad_norm"] == pytest.approx(r0["offload_metrics"]["grad_norm"], rel=1e-2)
     for r in (r0, r1):
+        assert r["after_reload"]["skipped_steps"] == 0.0 and r["after_reload"]["grad_norm"] > 0
         assert r["freed"] > 2.5e9  # 1 GB fp32 weight shard + 2 GB Adam state per rank
         assert r["reload_diff"] < 1e-6
         assert r["lora_moved"] > 1e-3 and r["lora_ref_diff"] < 1e-5
