@@ -193,7 +193,7 @@ class LocalBackend:
         for proc in self.procs:
             try:
                 descendants += psutil.Process(proc.pid).children(recursive=True)
-            except psutil.NoSuchProcess:
+            except psutil.Error:
                 pass
         for conn in self.conns:
             try:
@@ -217,7 +217,7 @@ class LocalBackend:
         for child in descendants:  # e.g. a sandbox a worker started: never left behind
             try:
                 child.kill()
-            except psutil.NoSuchProcess:
+            except psutil.Error:
                 pass
         psutil.wait_procs(descendants, timeout=2)
         for conn in self.conns:
@@ -309,8 +309,10 @@ def _exit_with_parent(parent_pid: int) -> None:
     while True:
         time.sleep(_PARENT_POLL_S)
         if os.getppid() != parent_pid:
-            _kill_descendants()
-            os._exit(1)
+            try:
+                _kill_descendants()
+            finally:
+                os._exit(1)
 
 
 def _kill_descendants() -> None:
@@ -319,5 +321,5 @@ def _kill_descendants() -> None:
     for child in psutil.Process().children(recursive=True):
         try:
             child.kill()
-        except psutil.NoSuchProcess:
+        except psutil.Error:
             pass

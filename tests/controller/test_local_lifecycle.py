@@ -32,6 +32,13 @@ def gone(pid: int) -> bool:
         return True
 
 
+def describe(pid: int) -> dict:
+    try:
+        return psutil.Process(pid).as_dict(["pid", "ppid", "status", "cmdline"])
+    except psutil.NoSuchProcess:
+        return {"pid": pid, "status": "gone"}
+
+
 def wait_gone(pids: list[int], timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -46,18 +53,25 @@ def test_stopped_controller_leaves_no_orphans(tmp_path: Path, signum: int):
     script = tmp_path / "controller.py"
     tests_dir = str(Path(__file__).parent)
     script.write_text(textwrap.dedent(CONTROLLER_SCRIPT.format(tests_dir=tests_dir)))
-    proc = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    # Output goes to files, not pipes: the workers inherit them, and waiting on a pipe
+    # would wait for the workers rather than check that they are gone.
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, str(script)], stdout=stdout, stderr=stderr)
     try:
-        worker_pid, grandchild_pid = map(int, proc.stdout.readline().split())
+        deadline = time.monotonic() + 120
+        while not out.read_text().endswith("\n") and time.monotonic() < deadline:
+            assert proc.poll() is None, err.read_text()
+            time.sleep(0.1)
+        worker_pid, grandchild_pid = map(int, out.read_text().split())
         assert not gone(worker_pid) and not gone(grandchild_pid)
         proc.send_signal(signum)
-        _, stderr = proc.communicate(timeout=30)
+        proc.wait(timeout=30)
     finally:
         proc.kill()
     if signum == signal.SIGINT:
-        assert "KeyboardInterrupt" in stderr
+        assert "KeyboardInterrupt" in err.read_text()
     if signum == signal.SIGTERM:
         assert proc.returncode == 128 + signal.SIGTERM  # SystemExit, so atexit ran
-    assert wait_gone([worker_pid, grandchild_pid], timeout_s=10)
+    survivors = [worker_pid, grandchild_pid]
+    assert wait_gone(survivors, timeout_s=15), [describe(p) for p in survivors if not gone(p)]
