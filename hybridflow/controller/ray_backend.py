@@ -141,9 +141,7 @@ class RayBackend:
                     )
                     self.actors.append(remote_host.options(**options).remote(sys.path))
             nodes = ray.get([a.node.remote() for a in self.actors], timeout=start_timeout_s)
-            # Ranks ordered by node (first appearance), then bundle: rank r's neighbours share its node.
-            node_order = {node_id: i for i, (_, node_id, _) in reversed(list(enumerate(nodes)))}
-            order = sorted(range(len(self.actors)), key=lambda i: (node_order[nodes[i][1]], i))
+            order = rank_order([node_id for _, node_id, _ in nodes])
             self.actors = [self.actors[i] for i in order]
             nodes = [nodes[i] for i in order]
             self._pids = [pid for _, _, pid in nodes]
@@ -244,9 +242,19 @@ def _first_failure_or_all(ray: Any, refs: list, timeout_s: float) -> list[Outcom
     return [outcomes.get(r, Outcome()) for r in range(len(refs))]
 
 
+def rank_order(node_ids: list[str]) -> list[int]:
+    """Actor indices in rank order: grouped by node (in order of first appearance), then by
+    creation order, so that the ranks of one node are consecutive (local ranks 0..k-1)."""
+    first_seen: dict[str, int] = {}
+    for index, node_id in enumerate(node_ids):
+        first_seen.setdefault(node_id, index)
+    return sorted(range(len(node_ids)), key=lambda i: (first_seen[node_ids[i]], i))
+
+
 def _contexts(
     nodes: list[tuple[str, str, int]], pool: ResourcePool, group: str
 ) -> list[WorkerContext]:
+    """Contexts for actors already in rank order; ``nodes`` holds (ip, node id, pid)."""
     contexts, seen = [], {}
     per_node_count = {}
     for _, node_id, _ in nodes:

@@ -20,6 +20,43 @@ def test_missing_ray_gives_an_actionable_error(monkeypatch):
         import_ray()
 
 
+def test_ranks_are_grouped_by_node():
+    from hybridflow.controller.ray_backend import _contexts, rank_order
+
+    # Actors came up interleaved over two nodes (as a placement group may place them).
+    node_ids = ["B", "A", "B", "A"]
+    order = rank_order(node_ids)
+    assert order == [0, 2, 1, 3]  # node B's actors first (seen first), then node A's
+    nodes = [("10.0.0.2", node_ids[i], 100 + i) for i in order]
+    contexts = _contexts(nodes, ResourcePool(gpus=[2, 2]), "g")
+    assert [(c.rank, c.local_rank, c.local_world_size) for c in contexts] == [
+        (0, 0, 2),
+        (1, 1, 2),
+        (2, 0, 2),
+        (3, 1, 2),
+    ]
+    assert {c.device for c in contexts} == {"cuda:0"} and contexts[0].world_size == 4
+
+
+def test_joins_a_running_cluster_else_starts_one(monkeypatch):
+    from hybridflow.controller import ray_backend
+
+    calls = []
+
+    class FakeRay:
+        def is_initialized(self):
+            return False
+
+        def init(self, **kwargs):
+            calls.append(kwargs)
+            if kwargs.get("address") == "auto":
+                raise ConnectionError("Could not find any running Ray instance")
+
+    monkeypatch.setattr(ray_backend, "import_ray", FakeRay)
+    ray_backend.ensure_ray_initialized()
+    assert calls == [{"address": "auto"}, {}]
+
+
 @pytest.fixture(scope="module")
 def group():
     ray = pytest.importorskip("ray")
