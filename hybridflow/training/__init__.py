@@ -16,12 +16,14 @@ from hybridflow.training.micro_batch import (
     split_fixed,
 )
 from hybridflow.training.optim import lr_multiplier
+from hybridflow.training.packing import balance_for_data_parallel
 from hybridflow.training.ref import RefEngine
 
 __all__ = [
     "ActorEngine",
     "CriticEngine",
     "RefEngine",
+    "balance_for_data_parallel",
     "balanced_dp_order",
     "karmarkar_karp",
     "lr_multiplier",

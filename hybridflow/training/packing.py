@@ -90,3 +90,12 @@ def pack_rows(
         num_rows=num_rows,
         response_length=response_length,
     )
+
+
+def balance_for_data_parallel(batch, dp_size: int):
+    """Reorder a Batch so that a contiguous DP split (chunk ``r`` to rank ``r``) gives every
+    rank nearly the same number of real tokens (Karmarkar–Karp on sequence lengths, equal
+    sample counts). Call before dispatching to the actor/critic/ref worker groups."""
+    from hybridflow.training.micro_batch import balanced_dp_order
+
+    return batch.index(balanced_dp_order(sequence_lengths(batch["attention_mask"]), dp_size))

@@ -104,3 +104,17 @@ def test_balanced_dp_order_is_a_balanced_permutation():
     assert max(sums) - min(sums) <= max(naive) - min(naive)
     assert max(sums) - min(sums) <= 1024
     assert balanced_dp_order(lengths, 1) == list(range(32))
+
+
+def test_balance_for_data_parallel_reorders_a_batch():
+    import torch
+
+    from hybridflow.protocol import Batch
+    from hybridflow.training import balance_for_data_parallel
+
+    lengths = torch.tensor([90, 80, 70, 60, 10, 20, 30, 40])  # contiguous halves: 300 vs 100
+    mask = (torch.arange(100)[None] < lengths[:, None]).long()
+    balanced = balance_for_data_parallel(Batch({"attention_mask": mask, "id": torch.arange(8)}), 2)
+    halves = balanced["attention_mask"].sum(-1).view(2, 4).sum(-1).tolist()
+    assert sum(halves) == 400 and abs(halves[0] - halves[1]) <= 20
+    assert sorted(balanced["id"].tolist()) == list(range(8))
