@@ -15,6 +15,7 @@ import signal
 import socket
 import threading
 import time
+import uuid
 from concurrent.futures import Future
 
 from hybridflow.controller import transport
@@ -51,7 +52,8 @@ class LocalBackend:
             )
         self.group = group
         self.world_size = pool.world_size
-        self.owner = f"{os.getpid()}-{group}"  # names this controller's shm segments for this group
+        # Names this group's shm segments (unique even when two groups share a name).
+        self.owner = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.closing = False
         self.dead: dict[int, str] = {}
         self.pending: list[dict[int, Future]] = [{} for _ in range(self.world_size)]
@@ -153,11 +155,17 @@ class LocalBackend:
         conn = self.conns[rank]
         while True:
             try:
-                call_id, outcome = transport.decode(conn.recv_bytes())
+                data = conn.recv_bytes()
             except (EOFError, OSError):
                 break
+            try:
+                call_id, outcome = transport.decode(data)
+            except Exception as exc:  # noqa: BLE001 - e.g. a result class the controller cannot import
+                # Calls run in order on a worker: the reply belongs to its oldest pending call.
+                call_id = min(self.pending[rank], default=None)
+                outcome = Outcome(error=f"the controller could not unpickle the result: {exc!r}")
             future = self.pending[rank].pop(call_id, None)
-            if future is not None:
+            if future is not None and not future.done():
                 future.set_result(outcome)
         if not self.closing:
             self._mark_dead(rank)
