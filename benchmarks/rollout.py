@@ -76,53 +76,10 @@ def check_correctness(device, quick: bool) -> dict:
         params = SamplingParams(n=2, temperature=1.0, max_new_tokens=64, seed=0, ignore_eos=True)
         engine = Engine(model, max_batch_size=32, max_seq_len=128)
         out["qwen0.5b_bf16_fast_vs_trainer"] = logprob_gap(model, engine, prompts, params)
-        out["qwen0.5b_bf16_swaps"] = kernel_swap_gaps(model, prompts, params)
-    return out
-
-
-def _torch_ops():
-    """Torch equivalents of each fused kernel (to find which one moves the bf16 gap)."""
-    import torch.nn.functional as F
-
-    from hybridflow.engine.forward import cached_attention_torch
-    from hybridflow.models.rope import apply_rope
-
-    def add_rms_norm(residual, delta, norm):
-        residual.copy_(residual + delta)
-        return norm(residual)
-
-    def rope_store(q, k, v, cos, sin, positions, row_slots, key_cache, value_cache):
-        c, s_ = cos[positions], sin[positions]
-        q.copy_(apply_rope(q, c, s_))
-        key_cache[row_slots, positions] = apply_rope(k, c, s_)
-        value_cache[row_slots, positions] = v
-
-    def attention(q, kc, vc, row_slots, lengths, max_len):
-        return cached_attention_torch(q, kc, vc, row_slots, lengths, max_len)
-
-    return {
-        "rms_norm": {"rms_norm": lambda x, norm: norm(x), "add_rms_norm": add_rms_norm},
-        "silu_mul": {"silu_mul": lambda g, u: F.silu(g) * u},
-        "rope_store": {"rope_store": rope_store},
-        "decode_attention": {"decode_attention": attention},
-    }
-
-
-@torch.no_grad()
-def kernel_swap_gaps(model, prompts, params) -> dict:
-    from hybridflow.engine import kernels
-
-    out = {}
-    for name, replacements in _torch_ops().items():
-        saved = {k: getattr(kernels, k) for k in replacements}
-        for k, fn in replacements.items():
-            setattr(kernels, k, fn)
-        try:
-            engine = Engine(model, max_batch_size=32, max_seq_len=128, cuda_graphs=False)
-            out[f"torch_{name}"] = logprob_gap(model, engine, prompts, params)["mean_abs"]
-        finally:
-            for k, fn in saved.items():
-                setattr(kernels, k, fn)
+        engine.release()
+        eager = Engine(model, max_batch_size=32, max_seq_len=128, decode_backend="torch",
+                       cuda_graphs=False)  # fmt: skip
+        out["qwen0.5b_bf16_eager_vs_trainer"] = logprob_gap(model, eager, prompts, params)
     return out
 
 
@@ -209,22 +166,27 @@ def step_breakdown(device, preset: str, batch: int, length: int) -> dict:
 
 
 VARIANTS = [
-    # (preset, prompts, backend, graphs, steps_per_sync, hf)
-    ("qwen2.5-0.5b", 256, "triton", True, 16, True),
-    ("qwen2.5-0.5b", 256, "triton", True, 64, False),
-    ("qwen2.5-0.5b", 1024, "triton", True, 16, False),
-    ("qwen2.5-1.5b", 256, "triton", True, 16, True),
+    # (preset, prompts, backend, graphs, steps_per_sync, fuse, hf)
+    ("qwen2.5-0.5b", 256, "triton", True, 16, "qkv", True),
+    ("qwen2.5-0.5b", 256, "triton", True, 16, "none", False),
+    ("qwen2.5-0.5b", 256, "triton", True, 16, "all", False),
+    ("qwen2.5-0.5b", 256, "triton", True, 8, "all", False),
+    ("qwen2.5-0.5b", 256, "triton", True, 32, "all", False),
+    ("qwen2.5-0.5b", 1024, "triton", True, 16, "qkv", False),
+    ("qwen2.5-0.5b", 1024, "triton", True, 16, "all", False),
+    ("qwen2.5-1.5b", 256, "triton", True, 16, "qkv", True),
+    ("qwen2.5-1.5b", 256, "triton", True, 16, "all", False),
 ]
 
 
 def run_variants(device, variants, quick: bool) -> list[dict]:
     rows, models = [], {}
-    for preset, prompts, backend, graphs, sync, hf in variants:
+    for preset, prompts, backend, graphs, sync, fuse, hf in variants:
         args = SimpleNamespace(
             preset=preset, prompts=prompts, prompt_len=128 if not quick else 8,
             new_tokens=256 if not quick else 8, n=1, max_batch_size=None, temperature=1.0,
             dtype="bfloat16", device=str(device), backend=backend, no_graphs=not graphs,
-            steps_per_sync=sync, hf=hf, hf_batch_size=None, seed=0,
+            steps_per_sync=sync, fuse=fuse, hf=hf, hf_batch_size=None, seed=0,
         )  # fmt: skip
         if preset not in models:
             models.clear()
@@ -233,7 +195,7 @@ def run_variants(device, variants, quick: bool) -> list[dict]:
         model = models[preset]
         prompt_ids = make_prompts(prompts, args.prompt_len, model.config.vocab_size, 0)
         row = {"preset": preset, "prompts": prompts, "backend": backend, "graphs": graphs,
-               "steps_per_sync": sync}  # fmt: skip
+               "steps_per_sync": sync, "fuse": fuse}  # fmt: skip
         try:
             row.update(bench_engine(model, prompt_ids, args, device))
             if hf:
@@ -248,17 +210,17 @@ def run_variants(device, variants, quick: bool) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| preset | prompts | backend | graphs | tok/s | TTFT ms | peak GiB | HF tok/s | x HF |",
+    lines = ["| preset | prompts | fuse | sync | tok/s | TTFT ms | peak GiB | HF tok/s | x HF |",
              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['preset']} | {r['prompts']} | {r['backend']} | {r['graphs']} | "
+            lines.append(f"| {r['preset']} | {r['prompts']} | {r['fuse']} | {r['steps_per_sync']} | "
                          f"error: {r['error'][:60]} | | | | |")  # fmt: skip
             continue
         hf = f"{r['hf_tokens_per_s']:,.0f}" if "hf_tokens_per_s" in r else ""
         x = f"{r['speedup_vs_hf']:.1f}" if "speedup_vs_hf" in r else ""
         lines.append(
-            f"| {r['preset']} | {r['prompts']} | {r['backend']} | {r['graphs']} | "
+            f"| {r['preset']} | {r['prompts']} | {r['fuse']} | {r['steps_per_sync']} | "
             f"{r['tokens_per_s']:,.0f} | {r['ttft_s'] * 1000:.0f} | {r['peak_mem_gib']:.2f} | "
             f"{hf} | {x} |"
         )
@@ -270,7 +232,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/rollout_bench"))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="small shapes (CPU dry run)")
-    parser.add_argument("--only", default="check,breakdown,variants")
+    parser.add_argument("--only", default="check,profile,variants")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     device = torch.device(args.device)
@@ -282,16 +244,16 @@ def main() -> None:
     if "breakdown" in parts and device.type == "cuda":
         results["breakdown"] = {
             "0.5b_b256_L256": step_breakdown(device, "qwen2.5-0.5b", 256, 256),
-            "0.5b_b1024_L256": step_breakdown(device, "qwen2.5-0.5b", 1024, 256),
         }
         print("breakdown", json.dumps(results["breakdown"], indent=1), flush=True)
+    if "profile" in parts and device.type == "cuda":
         try:
             results["profile"] = profile_step(device, "qwen2.5-0.5b", 256)
             print(results["profile"], flush=True)
         except Exception:
             traceback.print_exc()
     if "variants" in parts:
-        variants = VARIANTS if not args.quick else [("tiny", 4, "torch", False, 4, True)]
+        variants = VARIANTS if not args.quick else [("tiny", 4, "torch", False, 4, "none", True)]
         results["variants"] = run_variants(device, variants, args.quick)
         results["table"] = table(results["variants"])
     results["wall_s"] = time.time() - start

@@ -27,6 +27,8 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="default: cuda if available")
     p.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"])
     p.add_argument("--no-graphs", action="store_true", help="eager decode steps")
+    p.add_argument("--fuse", default="qkv", choices=["none", "qkv", "all"],
+                   help="Engine(fuse_projections=...)")  # fmt: skip
     p.add_argument("--steps-per-sync", type=int, default=16)
     p.add_argument("--hf", dest="hf", action="store_true", default=True)
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HF baseline")
@@ -101,6 +103,7 @@ def bench_engine(model, prompts, args, device) -> dict:
         decode_backend=args.backend,
         cuda_graphs=None if not args.no_graphs else False,
         steps_per_sync=args.steps_per_sync,
+        fuse_projections=getattr(args, "fuse", "qkv"),
     )
     params = SamplingParams(
         n=args.n, temperature=args.temperature, max_new_tokens=args.new_tokens,
@@ -128,6 +131,7 @@ def bench_engine(model, prompts, args, device) -> dict:
     engine.release()
     return {
         "backend": engine.decode_backend, "cuda_graphs": engine.cuda_graphs, "slots": slots,
+        "fuse": engine.fuse_projections,
         "steps_per_sync": args.steps_per_sync, "tokens": tokens, "seconds": seconds,
         "tokens_per_s": tokens / seconds, "ttft_s": ttft, "peak_mem_gib": peak / 2**30,
         "warmup_s": warmup,
@@ -177,7 +181,8 @@ def print_result(result: dict) -> None:
         f" x n={result['n']}, {result['prompt_len']} prompt + {result['new_tokens']} new tokens"
     )
     print(
-        f"  engine ({e['backend']}, graphs={e['cuda_graphs']}, slots={e['slots']}): "
+        f"  engine ({e['backend']}, graphs={e['cuda_graphs']}, fuse={e['fuse']}, "
+        f"slots={e['slots']}): "
         f"{e['tokens_per_s']:,.0f} tok/s ({e['tokens']} tokens in {e['seconds']:.3f} s), "
         f"TTFT {e['ttft_s'] * 1000:.1f} ms, peak mem {e['peak_mem_gib']:.2f} GiB"
     )

@@ -25,6 +25,7 @@ from hybridflow.engine.forward import (
     FusedProjections,
     RopeTable,
     prefill_forward,
+    prefill_forward_triton,
 )
 from hybridflow.engine.graphs import DecodeRunner
 from hybridflow.engine.sampling import SamplingParams, request_seeds, split_seed
@@ -111,7 +112,7 @@ class Engine:
         self.state: DecodeState | None = None
         self.runner: DecodeRunner | None = None
         self.rope = None
-        self.stats: dict[str, float] = {}
+        self.prefill = prefill_forward
 
     # -- memory ---------------------------------------------------------------------------------
 
@@ -136,9 +137,12 @@ class Engine:
         self.state = DecodeState(slots, slots, self.max_seq_len, cfg.vocab_size, self.device)
         self.rope = RopeTable(cfg, self.max_seq_len, self.dtype, self.device)
         decode_forward = DECODE_FORWARDS[self.decode_backend]
-        if self.fuse_projections != "none":
-            self.fused = FusedProjections(self.model, gate_up=self.fuse_projections == "all")
+        self.prefill = prefill_forward
+        if self.decode_backend == "triton":
+            if self.fuse_projections != "none":
+                self.fused = FusedProjections(self.model, gate_up=self.fuse_projections == "all")
             decode_forward = functools.partial(decode_forward, fused=self.fused)
+            self.prefill = functools.partial(prefill_forward_triton, fused=self.fused)
         self.runner = DecodeRunner(
             self.model, self.cache, self.state, self.rope, decode_forward,
             use_graphs=self.cuda_graphs, use_triton_sampler=self.decode_backend == "triton",
@@ -319,7 +323,7 @@ class _GenerationLoop:
         cu = torch.tensor([0] + lengths).cumsum(0)
         cu_seqlens = cu.to(device=device, dtype=torch.int32)
         last_index = (cu[1:] - 1).to(device)
-        logits = prefill_forward(
+        logits = engine.prefill(
             engine.model, self.cache, engine.rope, ids, positions, token_slots, cu_seqlens,
             max(lengths), last_index,
         )  # fmt: skip  # [U, V]

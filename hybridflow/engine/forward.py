@@ -179,25 +179,24 @@ class FusedProjections:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-@torch.no_grad()
-def decode_forward_triton(
+def fused_layers(
     model,
     cache: KVCache,
     rope: RopeTable,
-    tokens: torch.Tensor,
+    input_ids: torch.Tensor,
     positions: torch.Tensor,
-    row_slots: torch.Tensor,
-    max_len: int,
-    fused: FusedProjections | None = None,
+    slots: torch.Tensor,
+    attend,
+    fused: FusedProjections | None,
 ) -> torch.Tensor:
-    """Same contract as decode_forward_torch; fused kernels, attention over live lengths only
-    (max_len only sizes the split of the sequence among thread blocks)."""
+    """Embedding + every layer with the fused kernels, K/V stored at (slots, positions);
+    attend(layer_index, q, k, v) -> [N, nh, D] is the only part that differs between prefill
+    (packed causal) and decode (cached). Returns the final-normed hidden states [N, H]."""
     from hybridflow.engine import kernels
 
     layers = model.model.layers
-    hidden = model.model.embed_tokens(tokens)  # [B, H] residual stream, updated in place
+    hidden = model.model.embed_tokens(input_ids)  # [N, H] residual stream, updated in place
     normed = kernels.rms_norm(hidden, layers[0].input_layernorm)
-    lengths = positions + 1
     for index, layer in enumerate(layers):
         attn = layer.self_attn
         if fused is not None:
@@ -214,24 +213,73 @@ def decode_forward_triton(
         if attn.q_norm is not None:
             q, k = attn.q_norm(q), attn.k_norm(k)
         kernels.rope_store(
-            q, k, v, rope.cos, rope.sin, positions, row_slots, cache.keys[index],
+            q, k, v, rope.cos, rope.sin, positions, slots, cache.keys[index],
             cache.values[index],
         )  # fmt: skip
-        out = kernels.decode_attention(
-            q, cache.keys[index], cache.values[index], row_slots, lengths, max_len
-        )
-        delta = F.linear(out.view(out.shape[0], -1), attn.o_proj.weight, attn.o_proj.bias)
+        out = attend(index, q, k, v)
+        delta = F.linear(out.flatten(-2), attn.o_proj.weight, attn.o_proj.bias)
         normed = kernels.add_rms_norm(hidden, delta, layer.post_attention_layernorm)
         mlp = layer.mlp
         if fused is not None and fused.gate_up_weight is not None:
             gate, up = F.linear(normed, fused.gate_up_weight[index]).chunk(2, dim=-1)
         else:
             gate, up = F.linear(normed, mlp.gate_proj.weight), F.linear(normed, mlp.up_proj.weight)
-        gated = kernels.silu_mul(gate, up)
-        delta = F.linear(gated, mlp.down_proj.weight)
+        delta = F.linear(kernels.silu_mul(gate, up), mlp.down_proj.weight)
         next_norm = layers[index + 1].input_layernorm if index + 1 < len(layers) else None
         normed = kernels.add_rms_norm(hidden, delta, next_norm or model.model.norm)
+    return normed
+
+
+@torch.no_grad()
+def decode_forward_triton(
+    model,
+    cache: KVCache,
+    rope: RopeTable,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    row_slots: torch.Tensor,
+    max_len: int,
+    fused: FusedProjections | None = None,
+) -> torch.Tensor:
+    """Same contract as decode_forward_torch; fused kernels, attention over live lengths only
+    (max_len only sizes the split of the sequence among thread blocks)."""
+    from hybridflow.engine import kernels
+
+    lengths = positions + 1
+
+    def attend(index, q, k, v):
+        return kernels.decode_attention(
+            q, cache.keys[index], cache.values[index], row_slots, lengths, max_len
+        )
+
+    normed = fused_layers(model, cache, rope, tokens, positions, row_slots, attend, fused)
     return model.lm_head(normed)
+
+
+@torch.no_grad()
+def prefill_forward_triton(
+    model,
+    cache: KVCache,
+    rope: RopeTable,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    token_slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    last_index: torch.Tensor,
+    fused: FusedProjections | None = None,
+) -> torch.Tensor:
+    """Same contract as prefill_forward, with the decode step's fused kernels around the
+    model's packed attention (reads the rotated keys back from the cache)."""
+    backend = resolve_backend(model.attention_backend, input_ids.device, model.dtype)
+    packed = make_packed_attention(backend, cu_seqlens, max_seqlen, input_ids.shape[0])
+
+    def attend(index, q, k, v):
+        keys = cache.keys[index, token_slots, position_ids]  # rotated by rope_store
+        return packed(q, keys, v)
+
+    normed = fused_layers(model, cache, rope, input_ids, position_ids, token_slots, attend, fused)
+    return model.lm_head(normed[last_index])
 
 
 DECODE_FORWARDS = {"torch": decode_forward_torch, "triton": decode_forward_triton}
