@@ -13,6 +13,7 @@ offload. fp32 master weights, bf16 compute. Prints a markdown table; ``--json`` 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -92,6 +93,7 @@ def run_config(args, world: int, rank: int, device, name: str, fsdp, optimizer_o
     else:
         gathered = [stats]
     del actor, model
+    gc.collect()  # drop this config's weights and optimizer state before the next one
     if cuda:
         torch.cuda.empty_cache()
     rates = [float(s[0]) for s in gathered]
