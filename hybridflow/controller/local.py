@@ -161,9 +161,10 @@ class LocalBackend:
             try:
                 call_id, outcome = transport.decode(data)
             except Exception as exc:  # noqa: BLE001 - e.g. a result class the controller cannot import
-                # Calls run in order on a worker: the reply belongs to its oldest pending call.
-                call_id = min(self.pending[rank], default=None)
+                call_id = None  # calls run in order: the reply is the oldest pending call's
                 outcome = Outcome(error=f"the controller could not unpickle the result: {exc!r}")
+            if call_id is None:  # the worker could not read which call this was
+                call_id = min(self.pending[rank], default=None)
             future = self.pending[rank].pop(call_id, None)
             if future is not None and not future.done():
                 future.set_result(outcome)
@@ -295,9 +296,15 @@ def _worker_main(
 def _serve(conn, host: WorkerHost, owner: str) -> None:
     while True:
         try:
-            message = transport.decode(conn.recv_bytes())
+            data = conn.recv_bytes()
         except (EOFError, OSError):
             return  # the controller is gone
+        try:
+            message = transport.decode(data)
+        except Exception as exc:  # noqa: BLE001 - e.g. an argument class this process cannot import
+            error = f"the worker could not unpickle the arguments: {exc!r}"
+            conn.send_bytes(transport.encode((None, Outcome(error=error)), owner))
+            continue
         if message[0] == "stop":
             return
         call_id, path, args, kwargs = message

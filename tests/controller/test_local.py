@@ -7,7 +7,9 @@ one group where they can.
 import glob
 import os
 import signal
+import sys
 import time
+import types
 
 import psutil
 import pytest
@@ -140,3 +142,12 @@ def test_failure_while_building_reports_rank_and_leaves_no_process():
     assert time.monotonic() - start < 60
     after = child_pids()
     assert wait_gone(list(after - before))
+
+
+def test_arguments_the_worker_cannot_unpickle_fail_that_call_only(group, monkeypatch):
+    ghost = types.ModuleType("ghost_module_only_in_the_controller")
+    exec("class Ghost:\n    pass", ghost.__dict__)
+    monkeypatch.setitem(sys.modules, ghost.__name__, ghost)
+    with pytest.raises(WorkerError, match="could not unpickle the arguments"):
+        group.echo(ghost.Ghost())
+    assert group.add_rank([5, 5]) == [5, 6]  # the next call is matched to its own reply
