@@ -20,7 +20,6 @@ import itertools
 import signal
 import threading
 import time
-import weakref
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
@@ -31,7 +30,8 @@ from hybridflow.controller.worker import Outcome, fused_roles, resolve_method
 
 BACKENDS = ("inprocess", "local", "ray")
 _POLL_S = 0.25
-_live_groups: weakref.WeakSet = weakref.WeakSet()
+# Strong references: a group lives until shutdown() (or exit), even if the trainer drops it.
+_live_groups: set[WorkerGroup] = set()
 _group_ids = itertools.count()
 
 
