@@ -212,9 +212,7 @@ def sft_main(cfg: Config) -> Path:
 def write_sft_checkpoint(checkpoints, trainer, sampler, step, run_cfg, tokenizer) -> Path:
     """Same layout as an RL checkpoint (``actor/``, config, tokenizer): ``hybridflow export``
     works on both."""
-    import yaml
-
-    from hybridflow.trainer.state import CONFIG_FILE, TOKENIZER_DIR
+    from hybridflow.trainer.state import write_model_files
 
     def write(directory: Path) -> None:
         trainer.core.save(
@@ -222,10 +220,7 @@ def write_sft_checkpoint(checkpoints, trainer, sampler, step, run_cfg, tokenizer
             {"step": step, "sampler": sampler.state_dict()},
             trainable_only=False,
         )
-        (directory / CONFIG_FILE).write_text(
-            yaml.safe_dump(dataclasses.asdict(run_cfg), sort_keys=False)
-        )
-        tokenizer.save_pretrained(str(directory / TOKENIZER_DIR))
+        write_model_files(directory, run_cfg, tokenizer, trainer.model.dtype)
 
     return checkpoints.save(step, write, metadata={"kind": "sft"})
 

@@ -5,7 +5,8 @@ A checkpoint directory ``<run_dir>/checkpoints/step_N`` holds
     actor/            model (or LoRA adapters), optimizer, scheduler, RNG: written by the workers
     critic/           the same for the critic (GAE runs)
     trainer_state.pt  step, sampler position, KL controller, controller RNG states
-    config.yaml       the resolved run config (``hybridflow export`` rebuilds the model from it)
+    config.yaml       the resolved run config
+    hf_config.json    the model's architecture and training dtype (``hybridflow export``)
     tokenizer/        the tokenizer, so an export is a complete HF model directory
 
 and is published atomically by the CheckpointManager (temporary directory, COMPLETE marker,
@@ -25,6 +26,7 @@ from hybridflow.trainer.stages import RunContext
 TRAINER_STATE = "trainer_state.pt"
 CONFIG_FILE = "config.yaml"
 TOKENIZER_DIR = "tokenizer"
+MODEL_CONFIG = "hf_config.json"
 
 
 def save_checkpoint(run: RunContext) -> Path:
@@ -43,13 +45,41 @@ def save_checkpoint(run: RunContext) -> Path:
             "history": run.history,
         }
         torch.save(state, directory / TRAINER_STATE)
-        (directory / CONFIG_FILE).write_text(
-            yaml.safe_dump(dataclasses.asdict(run.cfg), sort_keys=False)
-        )
-        if hasattr(run.tokenizer, "save_pretrained"):
-            run.tokenizer.save_pretrained(str(directory / TOKENIZER_DIR))
+        write_model_files(directory, run.cfg, run.tokenizer, training_dtype(run.cfg))
 
     return run.checkpoints.save(run.step, write, metadata={"model_path": run.cfg.model.path})
+
+
+def training_dtype(cfg) -> torch.dtype:
+    """The dtype the workers hold the weights in (see workers.models.resolve_dtype)."""
+    from hybridflow.trainer.roles import resolve_device
+    from hybridflow.workers.models import resolve_dtype
+
+    return resolve_dtype(cfg.model, resolve_device(cfg.trainer.device))
+
+
+def write_model_files(directory: Path, cfg, tokenizer, dtype: torch.dtype) -> None:
+    """The resolved config, the architecture (HF config.json content with the training dtype)
+    and the tokenizer: what ``hybridflow export`` needs besides the weights."""
+    import json
+
+    (directory / CONFIG_FILE).write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    hf_config = model_hf_config(cfg.model.path)
+    hf_config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (directory / MODEL_CONFIG).write_text(json.dumps(hf_config, indent=2))
+    if hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(str(directory / TOKENIZER_DIR))
+
+
+def model_hf_config(path: str) -> dict:
+    """HF config.json content of a local model directory or a preset."""
+    import json
+
+    from hybridflow.models.presets import PRESETS
+
+    if path in PRESETS:
+        return PRESETS[path].to_hf()
+    return json.loads((Path(path) / "config.json").read_text())
 
 
 def resume(run: RunContext) -> Path | None:

@@ -58,13 +58,12 @@ class ActorWorker(Worker):
 
     @register(dispatch=Dispatch.RANK_ZERO)
     def full_weights(self) -> dict[str, torch.Tensor]:
-        """Unsharded HF-named CPU weights (LoRA merged), for a rollout engine elsewhere."""
-        from hybridflow.training import lora
-
-        state = self.engine.core.full_state_dict(self.model)
-        if self.engine.lora and state:
-            state = lora.merged_hf_state_dict(state, lora.lora_scalings(self.model))
-        return state
+        """Unsharded HF-named CPU weights (LoRA merged), for a rollout engine elsewhere.
+        Every rank takes part in the gathers; rank 0's copy is returned."""
+        keep = self.engine.core.dp_rank == 0
+        return {
+            name: tensor.to("cpu", copy=True) for name, tensor in self.engine.hf_weights() if keep
+        }
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def save(self, directory: str) -> None:

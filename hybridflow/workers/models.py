@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 from torch import nn
 
@@ -32,16 +30,3 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: str) -> nn.Module:
     from hybridflow.models import load_model
 
     return load_model(path, dtype=dtype, device=device)
-
-
-def full_named_tensors(
-    module: nn.Module, device: torch.device
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) of every state-dict entry of a possibly FSDP2-sharded module.
-
-    Every rank must iterate to the end: each sharded tensor is all-gathered in turn, so the
-    peak extra memory is one full tensor, not the whole model."""
-    for name, tensor in module.state_dict().items():
-        if hasattr(tensor, "full_tensor"):
-            tensor = tensor.to(device).full_tensor()
-        yield name, tensor

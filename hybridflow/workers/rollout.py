@@ -18,7 +18,7 @@ import torch
 from hybridflow.config import Config
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.protocol import Batch
-from hybridflow.workers.models import full_named_tensors, load_causal_lm, resolve_dtype
+from hybridflow.workers.models import load_causal_lm, resolve_dtype
 
 # Different ranks draw different samples for their (different) prompts; keep their seeds apart.
 RANK_SEED_STRIDE = 1_000_003
@@ -113,14 +113,7 @@ class RolloutWorker(Worker):
                 "sync_from_actor needs an actor in the same worker (hybrid engine); with split "
                 "placement the controller calls load_weights(actor.full_weights())"
             )
-        from hybridflow.training import lora
-
-        actor_engine = self.actor.engine
-        named = full_named_tensors(self.actor.model, actor_engine.core.device)
-        if actor_engine.lora:
-            named = lora.merged_hf_state_dict(dict(named), lora.lora_scalings(self.actor.model))
-            named = named.items()
-        self.engine.load_weights(named)
+        self.engine.load_weights(self.actor.engine.hf_weights(dtype=self.engine.dtype))
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
