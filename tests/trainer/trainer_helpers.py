@@ -1,0 +1,45 @@
+"""Tiny CPU runs of the RL trainer: a ~0.1M-parameter preset, 4 prompts x 4 samples."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hybridflow.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+DIGIT_REWARD = f"{Path(__file__).parent / 'digit_reward.py'}:digit_fraction"
+
+# Shrinks any example config to a run of a few seconds; keys the examples set are overridden.
+TINY = [
+    "model.path=tiny",
+    "data.train_batch_size=4",
+    "data.builtin_train_size=64",
+    "data.builtin_val_size=8",
+    "data.val_batch_size=8",
+    "data.max_response_length=6",
+    "rollout.n=4",
+    "actor.ppo_mini_batch_size=4",
+    "actor.micro_batch_size_per_gpu=8",
+    "critic.micro_batch_size_per_gpu=8",
+    "critic.ppo_mini_batch_size=4",
+    "trainer.total_steps=2",
+    "trainer.test_freq=0",
+    "trainer.device=cpu",
+    "trainer.loggers=[jsonl]",
+    f"reward.custom_fn={DIGIT_REWARD}",
+]
+
+
+def tiny_config(tmp_path: Path, *overrides: str, example: str | None = None):
+    """An example's config (or the defaults) shrunk by TINY, writing under ``tmp_path``."""
+    path = REPO / "examples" / f"{example}.yaml" if example else None
+    run = [f"trainer.run_dir={tmp_path / 'run'}", f"trainer.cache_dir={tmp_path / 'cache'}"]
+    return load_config(path, [*TINY, *run, *overrides])
+
+
+def read_metrics(run_dir: Path) -> dict[int, dict]:
+    """metrics.jsonl as {step: metrics}."""
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return {row["step"]: row for row in map(json.loads, lines)}
+
