@@ -1,0 +1,116 @@
+"""Resuming is exact: 4 steps straight == 2 steps, stop, resume to 4; and a process killed
+while writing a checkpoint resumes from the last complete one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from hybridflow.trainer.run import train
+
+from trainer_helpers import REPO, read_metrics, tiny_config
+
+# Wall-clock and memory readings differ between runs; everything else must be identical.
+VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/")
+
+
+def training_metrics(row: dict) -> dict:
+    return {
+        k: v for k, v in row.items() if not k.startswith(VOLATILE) and not k.startswith("val/")
+    }
+
+
+def assert_same_steps(straight: dict, resumed: dict, steps) -> None:
+    for step in steps:
+        a, b = training_metrics(straight[step]), training_metrics(resumed[step])
+        assert a.keys() == b.keys(), step
+        differing = {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+        assert not differing, f"step {step}: {differing}"
+
+
+# KL controller state, sampler position, optimizer and RNG all matter here: adaptive KL in
+# the reward, shuffled data, and sampling seeds.
+RESUME_SETTINGS = (
+    "algorithm.use_kl_in_reward=true",
+    "algorithm.kl_ctrl_type=adaptive",
+    "algorithm.kl_coef=0.05",
+    "actor.lr=1e-3",
+    "actor.ppo_mini_batch_size=2",
+)
+
+
+def test_resume_is_exact(tmp_path, quiet):
+    straight = tiny_config(tmp_path / "a", "trainer.total_steps=4", *RESUME_SETTINGS)
+    train(straight, log=quiet)
+    first = tiny_config(tmp_path / "b", "trainer.total_steps=2", *RESUME_SETTINGS)
+    train(first, log=quiet)
+    second = tiny_config(
+        tmp_path / "b", "trainer.total_steps=4", "trainer.resume=auto", *RESUME_SETTINGS
+    )
+    train(second, log=quiet)
+    a, b = read_metrics(straight.trainer.run_dir), read_metrics(second.trainer.run_dir)
+    assert sorted(b) == [0, 1, 2, 3, 4]  # metrics.jsonl continued, not restarted
+    assert a[4]["actor/reward_kl_penalty_coeff"] != a[1]["actor/reward_kl_penalty_coeff"]
+    assert_same_steps(a, b, steps=(1, 2, 3, 4))
+    assert a[4]["val/arithmetic/mean@1"] == b[4]["val/arithmetic/mean@1"]
+
+
+KILLER = textwrap.dedent(
+    """
+    import os, signal, sys
+    import hybridflow.trainer.state as state
+    from hybridflow.config import load_config
+    from hybridflow.trainer.run import train
+
+    original = state.write_model_files
+
+    def write_then_die(directory, cfg, tokenizer, dtype):
+        # Step 2's weights are on disk but the checkpoint is not complete yet.
+        if directory.name == ".tmp-step_2":
+            os.kill(os.getpid(), signal.SIGKILL)
+        original(directory, cfg, tokenizer, dtype)
+
+    state.write_model_files = write_then_die
+    train(load_config(None, sys.argv[1:]), log=lambda *a, **k: None)
+    """
+)
+
+
+def test_killed_while_saving_resumes_from_last_complete(tmp_path, quiet):
+    cfg = tiny_config(tmp_path / "k", "trainer.total_steps=3", "trainer.save_freq=1")
+    overrides = [
+        f"{section}.{key}={value}"
+        for section, values in (
+            ("trainer", cfg.trainer),
+            ("data", cfg.data),
+            ("rollout", cfg.rollout),
+            ("actor", cfg.actor),
+            ("critic", cfg.critic),
+            ("reward", cfg.reward),
+            ("model", cfg.model),
+        )
+        for key, value in vars(values).items()
+        if value is not None and not isinstance(value, (list, dict))
+    ] + ["trainer.loggers=[jsonl]"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLER, *overrides], env=env, capture_output=True, timeout=300
+    )
+    assert killed.returncode == -9, killed.stderr.decode()[-2000:]
+    checkpoints = tmp_path / "k" / "run" / "checkpoints"
+    assert (checkpoints / "step_1" / "COMPLETE").is_file()
+    assert (checkpoints / ".tmp-step_2").is_dir() and not (checkpoints / "step_2").exists()
+
+    messages = []
+    train(cfg, log=messages.append)  # trainer.resume=auto by default
+    assert any("resumed from" in m and "step_1" in m for m in messages), messages
+    assert not (checkpoints / ".tmp-step_2").exists()  # the half-written save was cleaned up
+    assert (checkpoints / "step_3" / "COMPLETE").is_file()
+
+    straight = tiny_config(tmp_path / "s", "trainer.total_steps=3", "trainer.save_freq=1")
+    train(straight, log=quiet)
+    assert_same_steps(
+        read_metrics(straight.trainer.run_dir), read_metrics(cfg.trainer.run_dir), (2, 3)
+    )
