@@ -27,13 +27,18 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="default: cuda if available")
     p.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"])
     p.add_argument("--no-graphs", action="store_true", help="eager decode steps")
-    p.add_argument("--fuse", default="qkv", choices=["none", "qkv", "all"],
+    p.add_argument("--fuse", default="all", choices=["none", "qkv", "all"],
                    help="Engine(fuse_projections=...)")  # fmt: skip
-    p.add_argument("--steps-per-sync", type=int, default=16)
+    p.add_argument("--steps-per-sync", type=int, default=8)
     p.add_argument("--hf", dest="hf", action="store_true", default=True)
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HF baseline")
     p.add_argument("--hf-batch-size", type=int, default=None, help="default: all prompts")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--mean-length", type=int, default=None,
+        help="make ~vocab/L random token ids stop tokens: with a random-weight model, sample "
+        "lengths become ~geometric with mean L (exercises continuous batching)",
+    )  # fmt: skip
     p.add_argument("--json", default=None, help="also write the results to this file")
 
 
@@ -70,6 +75,16 @@ def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]
     return torch.randint(16, vocab, (num, length), generator=g).tolist()
 
 
+def stop_ids_for_mean_length(vocab: int, mean_length: int | None, seed: int) -> tuple[int, ...]:
+    if not mean_length:
+        return ()
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 1)
+    count = max(1, round(vocab / mean_length))
+    return tuple(torch.randperm(vocab, generator=g)[:count].tolist())
+
+
 def bench_rollout(args, model=None) -> dict:
     import torch
 
@@ -103,11 +118,14 @@ def bench_engine(model, prompts, args, device) -> dict:
         decode_backend=args.backend,
         cuda_graphs=None if not args.no_graphs else False,
         steps_per_sync=args.steps_per_sync,
-        fuse_projections=getattr(args, "fuse", "qkv"),
+        fuse_projections=getattr(args, "fuse", "all"),
+    )
+    stop_ids = stop_ids_for_mean_length(
+        model.config.vocab_size, getattr(args, "mean_length", None), args.seed
     )
     params = SamplingParams(
         n=args.n, temperature=args.temperature, max_new_tokens=args.new_tokens,
-        seed=args.seed, ignore_eos=True,
+        seed=args.seed, ignore_eos=True, stop_token_ids=stop_ids,
     )  # fmt: skip
     # Warm-up: kernel compilation and graph capture for the buckets this run uses.
     start = time.perf_counter()
@@ -125,6 +143,7 @@ def bench_engine(model, prompts, args, device) -> dict:
     completions = engine.generate(prompts, params)
     _sync(device)
     seconds = time.perf_counter() - start
+    stopped = sum(c.finish_reason == "stop" for c in completions)
     tokens = sum(len(c.token_ids) for c in completions)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     slots = engine.num_slots
@@ -134,7 +153,7 @@ def bench_engine(model, prompts, args, device) -> dict:
         "fuse": engine.fuse_projections,
         "steps_per_sync": args.steps_per_sync, "tokens": tokens, "seconds": seconds,
         "tokens_per_s": tokens / seconds, "ttft_s": ttft, "peak_mem_gib": peak / 2**30,
-        "warmup_s": warmup,
+        "warmup_s": warmup, "stopped": stopped,
     }  # fmt: skip
 
 
@@ -154,10 +173,13 @@ def bench_hf(model, prompts, args, device) -> dict:
     batch = args.hf_batch_size or len(prompts)
     total, seconds = 0, 0.0
     pad = model.config.pad_token_id or 0
+    stop_ids = stop_ids_for_mean_length(
+        model.config.vocab_size, getattr(args, "mean_length", None), args.seed
+    )
     kwargs = dict(
-        max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=True,
-        temperature=args.temperature, top_k=0, top_p=1.0, pad_token_id=pad,
-        num_return_sequences=args.n,
+        max_new_tokens=args.new_tokens, min_new_tokens=0 if stop_ids else args.new_tokens,
+        do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0, pad_token_id=pad,
+        num_return_sequences=args.n, eos_token_id=list(stop_ids) or None,
     )  # fmt: skip
     for start in range(0, len(prompts), batch):
         ids = torch.tensor(prompts[start : start + batch], device=device)
@@ -169,9 +191,20 @@ def bench_hf(model, prompts, args, device) -> dict:
         out = hf.generate(input_ids=ids, attention_mask=mask, **kwargs)
         _sync(device)
         seconds += time.perf_counter() - t0
-        total += (out.shape[1] - ids.shape[1]) * out.shape[0]
+        total += _count_generated(out[:, ids.shape[1] :], stop_ids)
     del hf
     return {"tokens": total, "seconds": seconds, "tokens_per_s": total / seconds}
+
+
+def _count_generated(responses, stop_ids) -> int:
+    """Tokens up to and including each row's first stop id (HF pads after it)."""
+    import torch
+
+    if not stop_ids:
+        return responses.numel()
+    is_stop = torch.isin(responses, torch.tensor(stop_ids, device=responses.device))
+    after_stop = (is_stop.cumsum(-1) - is_stop.long()) > 0  # strictly after the first stop
+    return int((~after_stop).sum())
 
 
 def print_result(result: dict) -> None:

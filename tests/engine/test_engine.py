@@ -170,3 +170,28 @@ def test_memory_budget_limits_slots(model):
     assert len(out) == 8
     with pytest.raises(ValueError, match="memory_budget"):
         assert _engine(model, memory_budget=per_slot).num_slots
+
+
+def test_transformers_fallback_runs_slow_path():
+    """A model our decoder does not implement (GPT-2 here) generates through the slow path
+    with the same sampler: greedy equals its own HF generate."""
+    from hybridflow.models.hf_fallback import HFCausalLM
+
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=64)
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(config).eval()
+    engine = Engine(HFCausalLM(hf), max_batch_size=4, max_seq_len=32)
+    assert not engine.native
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    out = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
+    for prompt, completion in zip(prompts, out):
+        ids = torch.tensor([prompt])
+        expected = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,
+            min_new_tokens=6, pad_token_id=0,
+        )  # fmt: skip
+        assert completion.token_ids == expected[0, len(prompt) :].tolist()
+    params = SamplingParams(n=2, max_new_tokens=5, seed=1)  # GPT-2's eos is outside vocab 64
+    sampled = _tokens(engine.generate(prompts, params))
+    assert [len(t) for t in sampled] == [5, 5, 5, 5]
+    assert _tokens(engine.generate(prompts, params)) == sampled
