@@ -7,12 +7,11 @@ import math
 
 import pytest
 import torch
+from trainer_helpers import read_metrics, tiny_config
 
 from hybridflow.trainer.metrics import Timer
 from hybridflow.trainer.run import setup, train
 from hybridflow.trainer.stages import collect_rollouts, rewards_and_advantages
-
-from trainer_helpers import read_metrics, tiny_config
 
 EXAMPLES = ["grpo", "ppo", "dapo", "rloo", "reinforce_plus_plus", "remax", "gspo"]
 

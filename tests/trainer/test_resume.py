@@ -8,18 +8,16 @@ import subprocess
 import sys
 import textwrap
 
-from hybridflow.trainer.run import train
-
 from trainer_helpers import REPO, read_metrics, tiny_config
+
+from hybridflow.trainer.run import train
 
 # Wall-clock and memory readings differ between runs; everything else must be identical.
 VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/")
 
 
 def training_metrics(row: dict) -> dict:
-    return {
-        k: v for k, v in row.items() if not k.startswith(VOLATILE) and not k.startswith("val/")
-    }
+    return {k: v for k, v in row.items() if not k.startswith(VOLATILE) and not k.startswith("val/")}
 
 
 def assert_same_steps(straight: dict, resumed: dict, steps) -> None:

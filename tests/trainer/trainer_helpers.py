@@ -42,4 +42,3 @@ def read_metrics(run_dir: Path) -> dict[int, dict]:
     """metrics.jsonl as {step: metrics}."""
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     return {row["step"]: row for row in map(json.loads, lines)}
-
