@@ -1,0 +1,125 @@
+"""The roles as worker groups: the hybrid engine's rollout samples with the actor's own
+weights (log-probs agree, so PPO's ratio starts at 1, also right after an update), and the
+weight sync of split placement and of a sharded (FSDP2, 2 processes) actor."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hybridflow.config import load_config
+from hybridflow.controller import ResourcePool, WorkerGroup
+from hybridflow.protocol import Batch
+from hybridflow.workers import fused_roles
+
+N_SAMPLES = 4
+
+
+def tiny_config(*overrides: str):
+    return load_config(
+        None,
+        [
+            "model.path=tiny",
+            "data.max_prompt_length=8",
+            "data.max_response_length=6",
+            "data.train_batch_size=4",
+            "rollout.n=4",
+            "actor.ppo_mini_batch_size=4",
+            "actor.micro_batch_size_per_gpu=8",
+            "actor.lr=1e-2",
+            "trainer.device=cpu",
+            *overrides,
+        ],
+    )
+
+
+def prompts(num: int = 4) -> Batch:
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, 100, (num, 8), generator=generator)  # [B, P]
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    ids[1, :3] = 0
+    meta = {"n": N_SAMPLES, "temperature": 1.0, "seed": 3, "pad_token_id": 0}
+    return Batch({"prompts": ids, "attention_mask": mask}, meta=meta)
+
+
+def rollout_batch(rollout) -> Batch:
+    """Generate, then lay the samples out as the trainer does."""
+    request = prompts()
+    out = rollout.generate(request)
+    rows = request.repeat(N_SAMPLES)
+    prompt_mask = rows.tensors.pop("attention_mask")
+    batch = rows.union(out)
+    batch.tensors["attention_mask"] = torch.cat(
+        [prompt_mask, batch.tensors["response_mask"].long()], dim=1
+    )
+    batch.meta = {"temperature": 1.0}
+    return batch
+
+
+def rollout_matches_actor(rollout, actor) -> float:
+    """Max |rollout log-prob - actor log-prob| over the generated tokens."""
+    batch = rollout_batch(rollout)
+    old = actor.compute_logprobs(batch).tensors["old_logprobs"]
+    mask = batch.tensors["response_mask"].bool()
+    assert mask.sum() > 0
+    return float((old - batch.tensors["rollout_logprobs"])[mask].abs().max())
+
+
+def actor_update(actor, rollout) -> None:
+    batch = rollout_batch(rollout)
+    batch = batch.union(actor.compute_logprobs(batch))
+    advantages = torch.randn(batch.tensors["response_mask"].shape) * batch.tensors["response_mask"]
+    batch.tensors["advantages"] = advantages
+    batch.arrays["uid"] = np.arange(len(batch))
+    metrics = actor.update(batch)[0]
+    assert metrics["actor/grad_norm"] > 0
+
+
+def test_hybrid_engine_shares_actor_weights_in_place():
+    group = WorkerGroup(fused_roles(actor=True, rollout=True), config=tiny_config())
+    try:
+        worker = group._backend.ranks[0].host.worker  # in-process: look at the tensors
+        actor, rollout = worker.roles["actor"], worker.roles["rollout"]
+        assert rollout.shares_actor_weights
+        assert rollout.engine.model is actor.model
+        assert rollout_matches_actor(group.rollout, group.actor) < 1e-4
+        actor_update(group.actor, group.rollout)
+        # Same weights right after the update, with no sync call.
+        assert rollout_matches_actor(group.rollout, group.actor) < 1e-4
+    finally:
+        group.shutdown()
+
+
+def test_split_placement_syncs_weights_through_the_controller():
+    cfg = tiny_config()
+    train = WorkerGroup(fused_roles(actor=True, rollout=False), config=cfg, name="train")
+    rollout = WorkerGroup(fused_roles(actor=False, rollout=True), config=cfg, name="rollout")
+    try:
+        assert rollout_matches_actor(rollout.rollout, train.actor) < 1e-4  # same init
+        actor_update(train.actor, rollout.rollout)
+        assert rollout_matches_actor(rollout.rollout, train.actor) > 1e-3  # stale copy
+        rollout.rollout.load_weights(train.actor.full_weights())
+        assert rollout_matches_actor(rollout.rollout, train.actor) < 1e-4
+    finally:
+        train.shutdown()
+        rollout.shutdown()
+
+
+@pytest.mark.slow
+def test_sharded_actor_syncs_to_colocated_rollout_two_processes():
+    cfg = tiny_config("trainer.backend=local", "trainer.n_gpus_per_node=2")
+    group = WorkerGroup(
+        fused_roles(actor=True, rollout=True),
+        pool=ResourcePool(cpus=2),
+        backend="local",
+        config=cfg,
+    )
+    try:
+        actor_update(group.actor, group.rollout)
+        assert rollout_matches_actor(group.rollout, group.actor) > 1e-3  # not synced yet
+        group.rollout.sync_from_actor()
+        assert rollout_matches_actor(group.rollout, group.actor) < 1e-4
+    finally:
+        group.shutdown()
