@@ -41,16 +41,19 @@ def _tokens(completions: list[Completion]) -> list[list[int]]:
 
 
 def test_greedy_matches_transformers_generate(model):
-    hf_config = transformers.AutoConfig.for_model(**model.config.to_hf())
+    # No eos on the HF side: with one, min_new_tokens would mask it (HF's MinNewTokens
+    # processor) while our ignore_eos samples it like any token.
+    hf_config = transformers.AutoConfig.for_model(**{**model.config.to_hf(), "eos_token_id": None})
     hf = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
     hf.load_state_dict(model.state_dict(), strict=False)
+    hf.generation_config.eos_token_id = None
     params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
     ours = _tokens(_engine(model).generate(PROMPTS, params))
     for prompt, tokens in zip(PROMPTS, ours):
         ids = torch.tensor([prompt])
         out = hf.generate(
             ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
-            min_new_tokens=12, pad_token_id=0,
+            pad_token_id=0,
         )  # fmt: skip
         assert tokens == out[0, len(prompt) :].tolist()
 
@@ -188,7 +191,7 @@ def test_transformers_fallback_runs_slow_path():
         ids = torch.tensor([prompt])
         expected = hf.generate(
             ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,
-            min_new_tokens=6, pad_token_id=0,
+            pad_token_id=0,
         )  # fmt: skip
         assert completion.token_ids == expected[0, len(prompt) :].tolist()
     params = SamplingParams(n=2, max_new_tokens=5, seed=1)  # GPT-2's eos is outside vocab 64
