@@ -168,3 +168,28 @@ def test_lr_schedule_counts_optimizer_steps():
     batch = make_batch(seed=8)
     assert actor.update(batch)["lr"] == pytest.approx(0.3 * 2 / 3)
     assert actor.update(batch)["lr"] == pytest.approx(0.3 * 0.5)
+
+
+def test_padding_micro_batches_for_other_ranks_change_nothing():
+    # Under FSDP every rank must run as many micro-batches as the busiest one; a rank with
+    # fewer rows runs empty ones (one row, loss weight 0). Simulate "another rank needs 6".
+    batch = make_batch(seed=9)
+    reference = _actor(max_tokens_per_gpu=64, ppo_mini_batch_size=8)
+    ref_grads = _record_gradients(reference)
+    ref_logprobs = reference.compute_logprobs(batch)["old_logprobs"]
+    ref_metrics = reference.update(batch)
+    padded = _actor(max_tokens_per_gpu=64, ppo_mini_batch_size=8)
+    real_all_reduce = padded.core.all_reduce
+
+    def busier_peer(tensor, op="sum"):
+        return tensor.fill_(10) if op == "max" else real_all_reduce(tensor, op)
+
+    padded.core.all_reduce = busier_peer
+    plan = padded.core.plan_micro_batches(batch["attention_mask"], 8, 64)
+    assert len(plan) == 10 and sum(1 for rows in plan if not rows) == 2  # 8 rows, 10 slots
+    grads = _record_gradients(padded)
+    torch.testing.assert_close(padded.compute_logprobs(batch)["old_logprobs"], ref_logprobs)
+    metrics = padded.update(batch)
+    assert max_abs_diff(grads[0], ref_grads[0]) < 1e-6
+    for key in ("pg_loss", "pg_clipfrac", "grad_norm"):
+        assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-5), key

@@ -16,7 +16,9 @@ from hybridflow.training import ActorEngine
 
 CFG = dict(
     ppo_mini_batch_size=4,
-    max_tokens_per_gpu=14,  # token budget: ranks plan their micro-batches independently
+    # Token budget: with seed 21 rank 0 needs 1 micro-batch per mini-batch and rank 1 needs 2,
+    # so the engine's max-over-ranks count sync is exercised.
+    max_tokens_per_gpu=14,
     entropy_coeff=0.01,
     use_kl_loss=True,
     lr_scheduler="cosine",
