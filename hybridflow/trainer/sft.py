@@ -92,7 +92,6 @@ class SFTTrainer:
             micro_loss=micro_loss,
             sums=sums,
         )
-        self.core.scheduler_step()
         metrics = {f"sft/{k}": v for k, v in sums.result().items()}
         metrics["sft/lr"] = self.core.optimizer.param_groups[0]["lr"]
         return metrics
