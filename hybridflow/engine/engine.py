@@ -241,7 +241,7 @@ class Engine:
         completions = self.generate(prompts, params)
         if pad_token_id is None:
             pad_token_id = self.config.pad_token_id or 0
-        width = max(len(c.token_ids) for c in completions)
+        width = max((len(c.token_ids) for c in completions), default=0)
         responses = torch.full((len(completions), width), pad_token_id, dtype=torch.int64)
         logprobs = torch.zeros(len(completions), width)
         lengths = torch.zeros(len(completions), dtype=torch.int64)

@@ -48,6 +48,7 @@ class DecodeRunner:
         self.pool = None
         self.params: SamplingParams | None = None
         self._weights_key = None
+        self._recent_modes: list[tuple] = []
 
     # -- sampling ----------------------------------------------------------------------------
 
@@ -62,12 +63,17 @@ class DecodeRunner:
     # -- steps -------------------------------------------------------------------------------
 
     def prepare(self, params: SamplingParams) -> None:
-        """Called at each generate(): drop graphs if a parameter moved (new storage)."""
+        """Called at each generate(): drop graphs if a parameter moved (new storage), and
+        graphs of sampling modes other than the last two used (training + validation)."""
         self.params = params
         key = tuple(p.data_ptr() for p in self.model.parameters())
         if key != self._weights_key:
             self.graphs.clear()
             self._weights_key = key
+        mode = params.mode_key()
+        self._recent_modes = [mode] + [m for m in self._recent_modes if m != mode][:1]
+        for graph_key in [k for k in self.graphs if k[1] not in self._recent_modes]:
+            del self.graphs[graph_key]
 
     def _step(self, rows: int, max_len: int) -> None:
         state = self.state

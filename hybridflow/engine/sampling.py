@@ -142,7 +142,7 @@ def filter_threshold(z: torch.Tensor, top_k: int, top_p: float, min_p: float) ->
     elif k < vocab:
         threshold = torch.topk(z, k, dim=-1).values[:, -1]
     if min_p > 0:
-        min_p_threshold = z.max(-1).values + torch.log(torch.tensor(min_p, device=z.device))
+        min_p_threshold = z.max(-1).values + math.log(min_p)  # no host tensor: graph-safe
         threshold = torch.maximum(threshold, min_p_threshold)
     return threshold
 

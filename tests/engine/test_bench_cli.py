@@ -1,0 +1,28 @@
+"""`bench rollout` end to end on CPU (tiny preset): both sides generate the same token count."""
+
+from __future__ import annotations
+
+import json
+
+from hybridflow.engine.bench_cli import main
+
+
+def test_bench_rollout_counts_equal_tokens(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    args = ["rollout", "--preset", "tiny", "--prompts", "3", "--prompt-len", "5",
+            "--new-tokens", "6", "--n", "2", "--device", "cpu", "--dtype", "float32",
+            "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    assert result["engine"]["tokens"] == 3 * 2 * 6 == result["hf"]["tokens"]
+    assert "tok/s" in capsys.readouterr().out
+
+
+def test_bench_rollout_mean_length_stops_early(tmp_path):
+    out = tmp_path / "r.json"
+    args = ["rollout", "--preset", "tiny", "--prompts", "8", "--prompt-len", "4",
+            "--new-tokens", "40", "--mean-length", "8", "--max-batch-size", "4",
+            "--device", "cpu", "--dtype", "float32", "--no-hf", "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    engine = json.loads(out.read_text())["engine"]
+    assert engine["stopped"] > 0 and engine["tokens"] < 8 * 40
