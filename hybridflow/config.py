@@ -286,7 +286,7 @@ class TrainerConfig:
     rollout_gpus: int = 0
     """With placement=split: devices given to the rollout engine; the rest train."""
     save_freq: int = 0
-    """Checkpoint every k steps (0: only at the end)."""
+    """Checkpoint every k steps (0: only at the end; -1: never, e.g. for benchmarks)."""
     keep_last_k: int = 2
     """Checkpoints kept; older ones are deleted after a new one is complete."""
     test_freq: int = 10

@@ -83,7 +83,7 @@ def fit(run: RunContext) -> dict[str, float]:
         if (t.test_freq > 0 and run.step % t.test_freq == 0) or is_last:
             last_val = _validate(run)
             metrics.update(last_val)
-        if (t.save_freq > 0 and run.step % t.save_freq == 0) or is_last:
+        if (t.save_freq > 0 and run.step % t.save_freq == 0) or (is_last and t.save_freq >= 0):
             started = time.perf_counter()
             save_checkpoint(run)
             metrics["timing_s/save_checkpoint"] = time.perf_counter() - started

@@ -125,7 +125,8 @@ def run_sft(
         if log is not None:
             log(metrics, step)
         if checkpoint is not None and (
-            (save_freq > 0 and step % save_freq == 0) or step == sft_cfg.total_steps
+            (save_freq > 0 and step % save_freq == 0)
+            or (step == sft_cfg.total_steps and save_freq >= 0)
         ):
             checkpoint(trainer, sampler, step)
     return trainer
