@@ -75,7 +75,8 @@ def fit(run: RunContext) -> dict[str, float]:
     last_val: dict[str, float] = {}
     if run.step == 0 and t.val_before_train:
         last_val = _validate(run)
-        run.tracker.log(last_val, step=0)
+        if last_val:
+            run.tracker.log(last_val, step=0)
     while run.step < t.total_steps:
         run.step += 1
         metrics = train_step(run)

@@ -103,7 +103,8 @@ def train(cfg: Config, log=print) -> dict[str, float]:
             project_name=t.project_name,
             experiment_name=t.experiment_name,
             config=dataclasses.asdict(run.cfg),
-            resume_step=run.step if path is not None else None,
+            # A fresh run starts a fresh metrics.jsonl (-1 drops every old line).
+            resume_step=run.step if path is not None else -1,
         )
         final = fit(run)
     finally:

@@ -44,7 +44,10 @@ class RunContext:
 def sampling_meta(run: RunContext, *, n: int, temperature: float, seed: int) -> dict[str, Any]:
     """What the rollout workers read from ``batch.meta``."""
     tokenizer = run.tokenizer
+    # The tokenizer's end of turn may differ from the model config's eos (chat models).
     stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if run.cfg.rollout.ignore_eos:  # benchmarks: always max_response_length tokens
+        stop = []
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return {
         "n": n,
