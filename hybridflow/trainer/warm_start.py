@@ -74,9 +74,20 @@ def cache_key(cfg: Config, task: str) -> str:
         "sft": dataclasses.asdict(cfg.sft),
         "val_size": cfg.data.builtin_val_size,
         "seed": cfg.trainer.seed,
-        "tokenizer": cfg.model.tokenizer_path or "char",
+        "tokenizer": tokenizer_fingerprint(cfg.model.tokenizer_path or "char"),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def tokenizer_fingerprint(name_or_path: str) -> list:
+    """What the tokenizer makes of a sample conversation: a changed template or vocabulary
+    gives a different cache entry instead of a stale model."""
+    from hybridflow.data.chat import encode_chat_prompt
+    from hybridflow.models import load_tokenizer
+
+    tokenizer = load_tokenizer(name_or_path)
+    sample = [{"role": "user", "content": "12+34="}]
+    return [name_or_path, encode_chat_prompt(tokenizer, sample), tokenizer.encode("0123456789")]
 
 
 def resolve_model_path(cfg: Config, log=print) -> str:
