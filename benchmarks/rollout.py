@@ -107,7 +107,7 @@ def step_breakdown(device, preset: str, batch: int, length: int) -> dict:
     """Median times (us) of one decode step's parts at `batch` rows of `length` cached tokens."""
     import triton.testing
 
-    from hybridflow.engine import kernels
+    from hybridflow.engine import kernels, sampler_kernels
     from hybridflow.engine.sampling import request_seeds, sample_reference, split_seed
 
     model = load_model(preset, dtype=torch.bfloat16, device=device).eval()
@@ -153,7 +153,7 @@ def step_breakdown(device, preset: str, batch: int, length: int) -> dict:
         torch.zeros(batch, dtype=torch.int64, device=device),
     )
     params = SamplingParams()
-    t["sample_fused"] = bench(lambda: kernels.sample_fused(logits, params, lo, hi, steps))
+    t["sample_fused"] = bench(lambda: sampler_kernels.sample_fused(logits, params, lo, hi, steps))
     t["sample_torch"] = bench(lambda: sample_reference(logits, params, lo, hi, steps))
     t["per_layer_sum"] = per_layer
     t["step_estimate"] = per_layer * cfg.num_hidden_layers + t["lm_head"] + t["sample_fused"]

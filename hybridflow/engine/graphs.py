@@ -55,7 +55,7 @@ class DecodeRunner:
     def sample(self, logits, seed_lo, seed_hi, steps):
         """logits [B, V] -> (tokens [B] int64, logprobs [B] fp32), no host sync."""
         if self.use_triton_sampler and not mode_uses_reference_sampler(self.params):
-            from hybridflow.engine.kernels import sample_fused
+            from hybridflow.engine.sampler_kernels import sample_fused
 
             return sample_fused(logits, self.params, seed_lo, seed_hi, steps)
         return sample_reference(logits, self.params, seed_lo, seed_hi, steps)
@@ -82,7 +82,7 @@ class DecodeRunner:
             state.row_slots[:rows], max_len,
         )  # fmt: skip
         if self.use_triton_sampler and not mode_uses_reference_sampler(self.params):
-            from hybridflow.engine.kernels import sample_fused
+            from hybridflow.engine.sampler_kernels import sample_fused
 
             # sampling and the state update in the same kernels (one launch less per op)
             sample_fused(

@@ -11,7 +11,7 @@ renormalised, whose mass reaches p), min-p (p_i >= min_p * p_max). The returned 
 log_softmax(z) at the sampled token BEFORE filtering: the quantity PPO's ratio uses.
 Greedy (temperature 0) returns argmax and log_softmax(logits) (temperature 1).
 
-The fused Triton version of the same sampler is in kernels.py; both share the hash below.
+The fused Triton version of the same sampler is in sampler_kernels.py; both share the hash.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class SamplingParams:
 
 
 # -------------------------------------------------------------------------------------------
-# Counter-based noise (identical arithmetic in kernels.py, there on uint32)
+# Counter-based noise (identical arithmetic in sampler_kernels.py, there on uint32)
 
 
 def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ elif os.environ.get("TRITON_INTERPRET") == "1":
 else:
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
-from hybridflow.engine import Engine, SamplingParams, kernels  # noqa: E402
+from hybridflow.engine import Engine, SamplingParams, kernels, sampler_kernels  # noqa: E402
 from hybridflow.engine.forward import cached_attention_torch  # noqa: E402
 from hybridflow.engine.sampling import request_seeds, sample_reference, split_seed  # noqa: E402
 from hybridflow.models import build_model  # noqa: E402
@@ -96,7 +96,7 @@ def test_fused_sampler_matches_reference(params):
     lo, hi = (t.to(DEVICE) for t in split_seed(request_seeds(5, 64, 1)))
     steps = torch.arange(64, device=DEVICE)
     ref_tokens, ref_logprobs = sample_reference(logits, params, lo, hi, steps)
-    tokens, logprobs = kernels.sample_fused(logits, params, lo, hi, steps, block_v=256)
+    tokens, logprobs = sampler_kernels.sample_fused(logits, params, lo, hi, steps, block_v=256)
     assert (tokens != ref_tokens).sum().item() <= 1
     same = tokens == ref_tokens
     torch.testing.assert_close(logprobs[same], ref_logprobs[same], rtol=0, atol=1e-5)
