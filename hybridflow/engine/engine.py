@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from hybridflow.engine import kv_cache
 from hybridflow.engine.forward import (
@@ -214,10 +215,21 @@ class Engine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """n completions per prompt, prompt-major: result[i * n + j] is sample j of prompt i."""
+        return [
+            Completion(tokens.tolist(), logprobs.tolist(), reason)
+            for tokens, logprobs, reason in self._generate_tensors(prompts, params)
+        ]
+
+    @torch.no_grad()
+    def _generate_tensors(self, prompts, params: SamplingParams) -> list[tuple]:
+        """generate() as (token_ids [R] int64, logprobs [R] fp32, finish_reason) on CPU."""
         if not self.native:
             from hybridflow.engine.slow import generate_slow
 
-            return generate_slow(self, prompts, params)
+            return [
+                (torch.tensor(c.token_ids), torch.tensor(c.logprobs), c.finish_reason)
+                for c in generate_slow(self, prompts, params)
+            ]
         self._check_prompts(prompts)
         if self.cache is None:
             self._allocate()
@@ -238,17 +250,17 @@ class Engine:
         """Tensors for the trainer, prompt-major rows [B * n]: responses [B*n, R] int64
         right-padded with pad_token_id, rollout_logprobs [B*n, R] fp32 (0 on padding),
         response_lengths [B*n] int64; R = longest response. On CPU."""
-        completions = self.generate(prompts, params)
+        results = self._generate_tensors(prompts, params)
         if pad_token_id is None:
             pad_token_id = self.config.pad_token_id or 0
-        width = max((len(c.token_ids) for c in completions), default=0)
-        responses = torch.full((len(completions), width), pad_token_id, dtype=torch.int64)
-        logprobs = torch.zeros(len(completions), width)
-        lengths = torch.zeros(len(completions), dtype=torch.int64)
-        for row, c in enumerate(completions):
-            responses[row, : len(c.token_ids)] = torch.tensor(c.token_ids)
-            logprobs[row, : len(c.logprobs)] = torch.tensor(c.logprobs)
-            lengths[row] = len(c.token_ids)
+        if not results:
+            empty = torch.zeros(0, 0)
+            return {"responses": empty.long(), "rollout_logprobs": empty,
+                    "response_lengths": torch.zeros(0, dtype=torch.int64)}  # fmt: skip
+        tokens = [t for t, _, _ in results]
+        responses = pad_sequence(tokens, batch_first=True, padding_value=pad_token_id)
+        logprobs = pad_sequence([lp for _, lp, _ in results], batch_first=True)
+        lengths = torch.tensor([len(t) for t in tokens], dtype=torch.int64)
         return {"responses": responses, "rollout_logprobs": logprobs, "response_lengths": lengths}
 
 
@@ -270,9 +282,10 @@ class _GenerationLoop:
         self.row_request: list[int] = []  # request id of each live row
         self.row_budget: list[int] = []  # upper bound on steps each row may still take
         self.row_end: list[int] = []  # prompt length + max_new: bound on the row's cache length
-        self.results: list[Completion | None] = [None] * len(self.max_new)
+        # (token_ids [R], logprobs [R], finish_reason) per request, CPU tensors
+        self.results: list[tuple | None] = [None] * len(self.max_new)
 
-    def run(self) -> list[Completion]:
+    def run(self) -> list[tuple]:
         while self.waiting or self.row_request:
             if self.waiting and self._should_admit():
                 self._admit()
@@ -371,15 +384,14 @@ class _GenerationLoop:
         slots = state.row_slots[done_index]
         counts = state.generated[done_index].tolist()
         width = max(counts)
-        tokens = state.out_tokens[slots, :width].tolist()
-        logprobs = state.out_logprobs[slots, :width].tolist()
-        stop_mask = state.stop_mask
-        stop_ids = set(torch.nonzero(stop_mask).flatten().tolist())
+        tokens = state.out_tokens[slots, :width].cpu()  # [done, width]
+        logprobs = state.out_logprobs[slots, :width].cpu()
+        last = tokens[torch.arange(len(done)), torch.tensor(counts) - 1]
+        stopped = state.stop_mask.cpu()[last].tolist()
         for k, row in enumerate(done):
             count = counts[k]
-            token_ids = tokens[k][:count]
-            reason = "stop" if token_ids and token_ids[-1] in stop_ids else "length"
-            self.results[self.row_request[row]] = Completion(token_ids, logprobs[k][:count], reason)
+            reason = "stop" if stopped[k] else "length"
+            self.results[self.row_request[row]] = (tokens[k, :count], logprobs[k, :count], reason)
         for slot in slots.tolist():
             self.free_slots.append(slot)
         done_set = set(done)
