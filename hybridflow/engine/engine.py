@@ -242,7 +242,10 @@ class Engine:
             self.fused.refresh(self.model)  # weights may have changed since the last call
         self.runner.prepare(params)
         loop = _GenerationLoop(self, prompts, params, seed_lo.tolist(), seed_hi.tolist())
-        return loop.run()
+        if self.device.type != "cuda":
+            return loop.run()
+        with torch.cuda.device(self.device):  # graphs and side streams on the model's GPU
+            return loop.run()
 
     def generate_padded(
         self, prompts: list[list[int]], params: SamplingParams, pad_token_id: int | None = None
