@@ -92,6 +92,12 @@ class Engine:
         self.config = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        window = getattr(self.config, "sliding_window", None)
+        if window is not None and max_seq_len > window:
+            raise ValueError(
+                f"max_seq_len={max_seq_len} exceeds sliding_window={window}: the engine attends "
+                "to the full prefix (like the model), so lower max_seq_len to the window"
+            )
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.memory_budget = memory_budget

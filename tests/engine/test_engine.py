@@ -198,3 +198,10 @@ def test_transformers_fallback_runs_slow_path():
     sampled = _tokens(engine.generate(prompts, params))
     assert [len(t) for t in sampled] == [5, 5, 5, 5]
     assert _tokens(engine.generate(prompts, params)) == sampled
+
+
+def test_refuses_max_seq_len_beyond_sliding_window():
+    model = build_model(preset_config("tiny").replace(sliding_window=32)).eval()
+    with pytest.raises(ValueError, match="sliding_window=32"):
+        Engine(model, max_batch_size=2, max_seq_len=64)
+    assert Engine(model, max_batch_size=2, max_seq_len=32).max_seq_len == 32
