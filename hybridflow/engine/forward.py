@@ -1,4 +1,5 @@
-"""The engine's cached forward over the CausalLM's own parameters (read in place, never copied).
+"""The engine's cached forward over the CausalLM's own parameters, read in place (the triton
+path can add FusedProjections: concatenated copies of q/k/v and gate/up, see Engine).
 
 Two passes:
 - prefill_forward: packed prompts (no padding) -> K/V written into their cache slots, logits of
@@ -10,7 +11,8 @@ Two implementations of the decode layer, same math:
 - "torch": the model's own modules (RMSNorm, project_qkv, MLP) + SDPA over the cache. Runs
   anywhere; bitwise the model's arithmetic, which the fp32 log-prob tests rely on.
 - "triton": fused kernels (kernels.py) for add+RMSNorm, RoPE+cache store, decode attention over
-  the live length only, SiLU*up; cuBLAS for the matmuls. CUDA only.
+  the live length only, SiLU*up; cuBLAS for the matmuls. CUDA only (CPU under
+  TRITON_INTERPRET=1 for tests). Prefill uses the same kernels around packed attention.
 """
 
 from __future__ import annotations
