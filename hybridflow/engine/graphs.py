@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from hybridflow.engine.sampling import SamplingParams, sample_reference
-from hybridflow.engine.state import DecodeState, advance, mode_uses_reference_sampler
+from hybridflow.engine.state import DecodeState, advance
 
 
 def batch_buckets(max_rows: int) -> list[int]:
@@ -54,7 +54,7 @@ class DecodeRunner:
 
     def sample(self, logits, seed_lo, seed_hi, steps):
         """logits [B, V] -> (tokens [B] int64, logprobs [B] fp32), no host sync."""
-        if self.use_triton_sampler and not mode_uses_reference_sampler(self.params):
+        if self.use_triton_sampler:
             from hybridflow.engine.sampler_kernels import sample_fused
 
             return sample_fused(logits, self.params, seed_lo, seed_hi, steps)
@@ -81,7 +81,7 @@ class DecodeRunner:
             self.model, self.cache, self.rope, state.tokens[:rows], state.positions[:rows],
             state.row_slots[:rows], max_len,
         )  # fmt: skip
-        if self.use_triton_sampler and not mode_uses_reference_sampler(self.params):
+        if self.use_triton_sampler:
             from hybridflow.engine.sampler_kernels import sample_fused
 
             # sampling and the state update in the same kernels (one launch less per op)

@@ -175,7 +175,7 @@ def sample_fused(
     target_splits: int = 16,
     state=None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Same contract and noise as sampling.sample_reference (top-p excepted: not fused).
+    """Same contract and noise as sampling.sample_reference.
 
     The vocabulary is split over `target_splits` programs per row (one program per row left
     most SMs idle: measured 234 us at 256 x 152k on an H200), then combined per row.
@@ -191,13 +191,22 @@ def sample_fused(
     part_idx = torch.empty(rows, splits, dtype=torch.int32, device=device)
     greedy = params.greedy
     temperature = 1.0 if greedy else float(params.temperature)
-    has_threshold = not greedy and 0 < params.top_k < vocab
+    scale = temperature != 1.0
+    # Thresholds in the kernel's own arithmetic (z = logits * (1 / T)), so the boundary token
+    # compares equal to itself.
+    has_threshold = not greedy and (0 < params.top_k < vocab or params.top_p < 1.0)
     threshold = part_m  # placeholder pointer when unused
-    if has_threshold:
-        threshold = torch.topk(logits, params.top_k, dim=-1).values[:, -1].float() / temperature
+    if has_threshold and params.top_p < 1.0:
+        # top-p needs the sorted distribution: torch sort (graph-safe, slower), then the
+        # kernel samples under the resulting threshold.
+        z = logits.float() * (1.0 / temperature) if scale else logits.float()
+        threshold = sampling.filter_threshold(z, params.top_k, params.top_p, 0.0)
+    elif has_threshold:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1].float()
+        threshold = kth * (1.0 / temperature) if scale else kth
     has_min_p = not greedy and params.min_p > 0
     common = dict(
-        GREEDY=greedy, SCALE=temperature != 1.0, HAS_THRESHOLD=has_threshold,
+        GREEDY=greedy, SCALE=scale, HAS_THRESHOLD=has_threshold,
         HAS_MIN_P=has_min_p, SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
         SPLIT_SIZE=split_size, BLOCK_V=block_v, FAST_MATH=logits.is_cuda, num_warps=4,
     )  # fmt: skip

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.engine.sampling import SamplingParams
-
 
 class DecodeState:
     def __init__(self, rows: int, num_slots: int, max_seq_len: int, vocab_size: int, device):
@@ -98,8 +96,3 @@ def advance(state: DecodeState, rows: int, tokens: torch.Tensor, logprobs: torch
     state.tokens[:rows] = torch.where(live, tokens, state.tokens[:rows])
     state.positions[:rows] += live
     state.generated[:rows] = generated
-
-
-def mode_uses_reference_sampler(params: SamplingParams) -> bool:
-    """top-p needs a sort: the torch sampler handles it; the rest the fused kernel."""
-    return params.top_p < 1.0

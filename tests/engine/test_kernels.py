@@ -86,8 +86,10 @@ def test_decode_attention_matches_sdpa(splits):
         SamplingParams(temperature=1.0),
         SamplingParams(temperature=0.7, top_k=20),
         SamplingParams(temperature=1.2, min_p=0.1),
+        SamplingParams(temperature=0.8, top_p=0.9),
+        SamplingParams(temperature=1.0, top_k=30, top_p=0.8, min_p=0.02),
     ],
-    ids=["greedy", "T1", "topk", "minp"],
+    ids=["greedy", "T1", "topk", "minp", "topp", "all-filters"],
 )
 def test_fused_sampler_matches_reference(params):
     """Same noise, same filters: identical tokens except where the fast log2 on CUDA flips a
@@ -108,7 +110,7 @@ def test_fast_engine_matches_eager_engine(fuse):
     for p in model.parameters():
         p.data.normal_(0, 0.3, generator=torch.Generator(DEVICE).manual_seed(p.numel()))
     prompts = [[5, 17, 9, 33, 2, 71], [40, 41], [100, 3, 8, 19, 23, 60, 61, 62, 63, 7]]
-    params = SamplingParams(n=2, temperature=0.9, top_k=40, max_new_tokens=8, seed=3)
+    params = SamplingParams(n=2, temperature=0.9, top_k=40, top_p=0.95, max_new_tokens=8, seed=3)
     fast = Engine(model, max_batch_size=4, max_seq_len=64, decode_backend="triton",
                   fuse_projections=fuse)  # fmt: skip
     eager = Engine(model, max_batch_size=6, max_seq_len=64, decode_backend="torch",
