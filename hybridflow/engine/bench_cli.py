@@ -30,6 +30,8 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fuse", default="all", choices=["none", "qkv", "all"],
                    help="Engine(fuse_projections=...)")  # fmt: skip
     p.add_argument("--steps-per-sync", type=int, default=8)
+    p.add_argument("--matmul", default="auto", choices=["auto", "cublas", "triton"],
+                   help="Engine(decode_matmul=...)")  # fmt: skip
     p.add_argument("--hf", dest="hf", action="store_true", default=True)
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HF baseline")
     p.add_argument("--hf-batch-size", type=int, default=None, help="default: all prompts")
@@ -119,6 +121,7 @@ def bench_engine(model, prompts, args, device) -> dict:
         cuda_graphs=None if not args.no_graphs else False,
         steps_per_sync=args.steps_per_sync,
         fuse_projections=getattr(args, "fuse", "all"),
+        decode_matmul=getattr(args, "matmul", "auto"),
     )
     stop_ids = stop_ids_for_mean_length(
         model.config.vocab_size, getattr(args, "mean_length", None), args.seed
@@ -147,6 +150,7 @@ def bench_engine(model, prompts, args, device) -> dict:
     tokens = sum(len(c.token_ids) for c in completions)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     slots = engine.num_slots
+    matmul = engine.matmul
     engine.release()
     return {
         "backend": engine.decode_backend, "cuda_graphs": engine.cuda_graphs, "slots": slots,
@@ -154,6 +158,8 @@ def bench_engine(model, prompts, args, device) -> dict:
         "steps_per_sync": args.steps_per_sync, "tokens": tokens, "seconds": seconds,
         "tokens_per_s": tokens / seconds, "ttft_s": ttft, "peak_mem_gib": peak / 2**30,
         "warmup_s": warmup, "stopped": stopped,
+        "matmul": matmul.mode if matmul else None,
+        "matmul_timings_us": {str(k[:3]): v for k, v in matmul.timings.items()} if matmul else {},
     }  # fmt: skip
 
 

@@ -73,6 +73,9 @@ class Engine:
             every generate(), freed by release(), outside memory_budget); "qkv" copies q/k/v
             only (~10%); "none" reads every weight in place. Measured on an H200, 0.5B, 256
             prompts: all 128k, qkv 122k, none 113k tok/s (docs/PERFORMANCE.md).
+        decode_matmul: triton backend: "auto" (default) times cuBLAS against a skinny-M Triton
+            matmul (with SiLU*up fused into the down projection) once per shape and keeps the
+            faster; "cublas" or "triton" force one (gemm.DecodeMatmul).
     """
 
     def __init__(
@@ -87,6 +90,7 @@ class Engine:
         steps_per_sync: int = 8,
         max_prefill_tokens: int = 16384,
         fuse_projections: str = "all",
+        decode_matmul: str = "auto",
     ):
         self.model = model
         self.config = model.config
@@ -118,6 +122,11 @@ class Engine:
             raise ValueError(f"fuse_projections={fuse_projections!r} not in none/qkv/all")
         self.fuse_projections = fuse_projections if decode_backend == "triton" else "none"
         self.fused = None
+        self.matmul = None
+        if decode_backend == "triton":
+            from hybridflow.engine.gemm import DecodeMatmul
+
+            self.matmul = DecodeMatmul(decode_matmul)  # kept across release(): shape choices
         self.decode_backend = decode_backend
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.cache: kv_cache.KVCache | None = None
@@ -154,8 +163,9 @@ class Engine:
         decode_forward = DECODE_FORWARDS[self.decode_backend]
         self.prefill = prefill_forward
         if self.decode_backend == "triton":
-            decode_forward = functools.partial(decode_forward, fused=self.fused)
-            self.prefill = functools.partial(prefill_forward_triton, fused=self.fused)
+            kw = dict(fused=self.fused, matmul=self.matmul)
+            decode_forward = functools.partial(decode_forward, **kw)
+            self.prefill = functools.partial(prefill_forward_triton, **kw)
         self.runner = DecodeRunner(
             self.model, self.cache, self.state, self.rope, decode_forward,
             use_graphs=self.cuda_graphs, use_triton_sampler=self.decode_backend == "triton",

@@ -181,6 +181,14 @@ class FusedProjections:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+def _cublas_linear(x, weight, bias=None, up=None):
+    if up is not None:
+        from hybridflow.engine import kernels
+
+        x = kernels.silu_mul(x, up)
+    return F.linear(x, weight, bias)
+
+
 def fused_layers(
     model,
     cache: KVCache,
@@ -190,11 +198,15 @@ def fused_layers(
     slots: torch.Tensor,
     attend,
     fused: FusedProjections | None,
+    matmul=None,
 ) -> torch.Tensor:
     """Embedding + every layer with the fused kernels, K/V stored at (slots, positions);
     attend(layer_index, q, k, v) -> [N, nh, D] is the only part that differs between prefill
-    (packed causal) and decode (cached). Returns the final-normed hidden states [N, H]."""
+    (packed causal) and decode (cached). matmul: a gemm.DecodeMatmul (None: cuBLAS, with the
+    SiLU*up product in its own kernel). Returns the final-normed hidden states [N, H]."""
     from hybridflow.engine import kernels
+
+    linear = matmul.linear if matmul is not None else _cublas_linear
 
     layers = model.model.layers
     hidden = model.model.embed_tokens(input_ids)  # [N, H] residual stream, updated in place
@@ -203,12 +215,12 @@ def fused_layers(
         attn = layer.self_attn
         if fused is not None:
             bias = fused.qkv_bias[index] if fused.qkv_bias is not None else None
-            qkv = F.linear(normed, fused.qkv_weight[index], bias)
+            qkv = linear(normed, fused.qkv_weight[index], bias)
             q, k, v = qkv.split([fused.q_size, fused.kv_size, fused.kv_size], dim=-1)
         else:
-            q = F.linear(normed, attn.q_proj.weight, attn.q_proj.bias)
-            k = F.linear(normed, attn.k_proj.weight, attn.k_proj.bias)
-            v = F.linear(normed, attn.v_proj.weight, attn.v_proj.bias)
+            q = linear(normed, attn.q_proj.weight, attn.q_proj.bias)
+            k = linear(normed, attn.k_proj.weight, attn.k_proj.bias)
+            v = linear(normed, attn.v_proj.weight, attn.v_proj.bias)
         q = q.unflatten(-1, (attn.num_heads, attn.head_dim))  # rows may be strided (fused)
         k = k.unflatten(-1, (attn.num_kv_heads, attn.head_dim))
         v = v.unflatten(-1, (attn.num_kv_heads, attn.head_dim))
@@ -219,14 +231,14 @@ def fused_layers(
             cache.values[index],
         )  # fmt: skip
         out = attend(index, q, k, v)
-        delta = F.linear(out.flatten(-2), attn.o_proj.weight, attn.o_proj.bias)
+        delta = linear(out.flatten(-2), attn.o_proj.weight, attn.o_proj.bias)
         normed = kernels.add_rms_norm(hidden, delta, layer.post_attention_layernorm)
         mlp = layer.mlp
         if fused is not None and fused.gate_up_weight is not None:
-            gate, up = F.linear(normed, fused.gate_up_weight[index]).chunk(2, dim=-1)
+            gate, up = linear(normed, fused.gate_up_weight[index]).chunk(2, dim=-1)
         else:
-            gate, up = F.linear(normed, mlp.gate_proj.weight), F.linear(normed, mlp.up_proj.weight)
-        delta = F.linear(kernels.silu_mul(gate, up), mlp.down_proj.weight)
+            gate, up = linear(normed, mlp.gate_proj.weight), linear(normed, mlp.up_proj.weight)
+        delta = linear(gate, mlp.down_proj.weight, up=up)  # silu(gate) * up, then the matmul
         next_norm = layers[index + 1].input_layernorm if index + 1 < len(layers) else None
         normed = kernels.add_rms_norm(hidden, delta, next_norm or model.model.norm)
     return normed
@@ -242,6 +254,7 @@ def decode_forward_triton(
     row_slots: torch.Tensor,
     max_len: int,
     fused: FusedProjections | None = None,
+    matmul=None,
 ) -> torch.Tensor:
     """Same contract as decode_forward_torch; fused kernels, attention over live lengths only
     (max_len only sizes the split of the sequence among thread blocks)."""
@@ -254,7 +267,7 @@ def decode_forward_triton(
             q, cache.keys[index], cache.values[index], row_slots, lengths, max_len
         )
 
-    normed = fused_layers(model, cache, rope, tokens, positions, row_slots, attend, fused)
+    normed = fused_layers(model, cache, rope, tokens, positions, row_slots, attend, fused, matmul)
     return model.lm_head(normed)
 
 
@@ -270,6 +283,7 @@ def prefill_forward_triton(
     max_seqlen: int,
     last_index: torch.Tensor,
     fused: FusedProjections | None = None,
+    matmul=None,
 ) -> torch.Tensor:
     """Same contract as prefill_forward, with the decode step's fused kernels around the
     model's packed attention (reads the rotated keys back from the cache)."""
@@ -280,7 +294,9 @@ def prefill_forward_triton(
         keys = cache.keys[index, token_slots, position_ids]  # rotated by rope_store
         return packed(q, keys, v)
 
-    normed = fused_layers(model, cache, rope, input_ids, position_ids, token_slots, attend, fused)
+    normed = fused_layers(
+        model, cache, rope, input_ids, position_ids, token_slots, attend, fused, matmul
+    )
     return model.lm_head(normed[last_index])
 
 

@@ -104,18 +104,79 @@ def test_fused_sampler_matches_reference(params):
     torch.testing.assert_close(logprobs[same], ref_logprobs[same], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("fuse", ["none", "qkv", "all"])
-def test_fast_engine_matches_eager_engine(fuse):
+@pytest.mark.parametrize(
+    "fuse,matmul", [("none", "auto"), ("qkv", "auto"), ("all", "auto"), ("all", "cublas")]
+)
+def test_fast_engine_matches_eager_engine(fuse, matmul):
     model = build_model(preset_config("tiny"), seed=1, device=DEVICE).eval()
     for p in model.parameters():
         p.data.normal_(0, 0.3, generator=torch.Generator(DEVICE).manual_seed(p.numel()))
     prompts = [[5, 17, 9, 33, 2, 71], [40, 41], [100, 3, 8, 19, 23, 60, 61, 62, 63, 7]]
     params = SamplingParams(n=2, temperature=0.9, top_k=40, top_p=0.95, max_new_tokens=8, seed=3)
     fast = Engine(model, max_batch_size=4, max_seq_len=64, decode_backend="triton",
-                  fuse_projections=fuse)  # fmt: skip
+                  fuse_projections=fuse, decode_matmul=matmul)  # fmt: skip
     eager = Engine(model, max_batch_size=6, max_seq_len=64, decode_backend="torch",
                    cuda_graphs=False)  # fmt: skip
     a, b = fast.generate(prompts, params), eager.generate(prompts, params)
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
     for x, y in zip(a, b):
         assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
+
+
+def _matmul_reference(x, weight, bias=None, up=None):
+    """fp64 reference; with up, the activation rounded like torch (silu, then the product)."""
+    if up is not None:
+        x = F.silu(x.float()).to(x.dtype).float() * up.float()
+        x = x.to(up.dtype)
+    out = x.double() @ weight.double().T
+    return out + bias.double() if bias is not None else out
+
+
+def _relative_error(out, ref):
+    assert not out.isnan().any()
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,cols,depth", [(5, 72, 64), (33, 130, 96), (16, 64, 100)])
+def test_skinny_matmul_matches_reference(dtype, rows, cols, depth):
+    from hybridflow.engine import gemm
+
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("the Triton interpreter's bf16 tl.dot returns garbage (triton 3.6)")
+    configs = [gemm.INTERPRETER_CONFIG]
+    if DEVICE == "cuda":  # every tile on one shape, two elsewhere (compile time)
+        configs = gemm.CONFIGS if rows == 33 else [gemm.CONFIGS[0], gemm.CONFIGS[-1]]
+    weight = torch.randn(cols, depth, device=DEVICE).to(dtype)
+    bias = torch.randn(cols, device=DEVICE).to(dtype)
+    # gate|up halves of one [rows, 2 * depth] tensor: strided rows, as the engine passes them
+    gate_up = torch.randn(rows, 2 * depth, device=DEVICE).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    bound = 1e-5 if dtype == torch.float32 else 1e-2
+    for config in configs:
+        out = torch.full((rows, cols), float("nan"), device=DEVICE, dtype=dtype)  # poisoned
+        gemm.skinny_matmul(gate, weight, bias, config=config, out=out)
+        assert _relative_error(out, _matmul_reference(gate, weight, bias)) < bound, config
+        out.fill_(float("nan"))
+        gemm.skinny_matmul(gate, weight, None, up=up, config=config, out=out)
+        ref = _matmul_reference(gate, weight, None, up)
+        assert _relative_error(out, ref) < bound, config
+        # the same function as the torch ops it replaces, within a rounding step
+        torch_out = F.linear(kernels.silu_mul(gate, up), weight)
+        assert _relative_error(out, torch_out.double()) < bound, config
+
+
+def test_decode_matmul_modes_agree():
+    from hybridflow.engine.gemm import DecodeMatmul
+
+    x = torch.randn(24, 128, device=DEVICE)
+    weight, bias = torch.randn(96, 128, device=DEVICE), torch.randn(96, device=DEVICE)
+    expected = F.linear(x, weight, bias)
+    for mode in ("auto", "triton", "cublas"):
+        matmul = DecodeMatmul(mode)
+        torch.testing.assert_close(matmul.linear(x, weight, bias), expected, rtol=1e-4, atol=1e-4)
+    big = DecodeMatmul("triton", max_rows=8)  # rows above max_rows: cuBLAS, no tuning
+    torch.testing.assert_close(big.linear(x, weight, bias), expected, rtol=1e-4, atol=1e-4)
+    assert big.choices == {}
+    with pytest.raises(ValueError, match="decode matmul mode"):
+        DecodeMatmul("fast")
