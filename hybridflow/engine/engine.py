@@ -73,9 +73,12 @@ class Engine:
             every generate(), freed by release(), outside memory_budget); "qkv" copies q/k/v
             only (~10%); "none" reads every weight in place. Measured on an H200, 0.5B, 256
             prompts: all 128k, qkv 122k, none 113k tok/s (docs/PERFORMANCE.md).
-        decode_matmul: triton backend: "auto" (default) times cuBLAS against a skinny-M Triton
-            matmul (with SiLU*up fused into the down projection) once per shape and keeps the
-            faster; "cublas" or "triton" force one (gemm.DecodeMatmul).
+        decode_matmul: triton backend: "cublas" (default) runs the matmuls through cuBLAS;
+            "auto" times cuBLAS against a skinny-M Triton matmul (SiLU*up fused into the down
+            projection) once per shape and keeps the faster; "triton" forces the Triton one
+            (gemm.DecodeMatmul). On an H200 the Triton kernel lost at every decode shape of
+            qwen2.5-0.5b/1.5b (1.3-6x slower), so "auto" picked cuBLAS everywhere
+            (hybridflow/engine/NOTES.md, run 4).
     """
 
     def __init__(
@@ -90,7 +93,7 @@ class Engine:
         steps_per_sync: int = 8,
         max_prefill_tokens: int = 16384,
         fuse_projections: str = "all",
-        decode_matmul: str = "auto",
+        decode_matmul: str = "cublas",
     ):
         self.model = model
         self.config = model.config
