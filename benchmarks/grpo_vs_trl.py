@@ -1,0 +1,235 @@
+"""GRPO step time: hybridflow vs TRL's GRPOTrainer on the same workload, in one process run.
+
+    python benchmarks/grpo_vs_trl.py --which both            # H200: the issue's workload
+    python benchmarks/grpo_vs_trl.py --which trl --preset tiny --prompts 4 --samples 2 \
+        --prompt-len 8 --new-tokens 8 --steps 2                 # CPU smoke test
+
+Workload (issue 8): a `qwen2.5-0.5b`-shaped model with random weights, 128 prompts × 8
+samples, 128-token prompts, 256 new tokens forced (no early stop), bf16, gradient
+checkpointing, lr 1e-6, no reference model (beta 0), one optimizer step per generation
+batch, 3 steps with the first excluded. Both sides get the same random-token prompts and
+a reward that scores random numbers (so advantages and gradients are non-zero).
+
+TRL runs with its own `model.generate` (no vLLM: not installable on our GPU machines).
+Prints a table: seconds per step, tokens/s (prompt + response tokens), peak GPU memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import tempfile
+import time
+
+import torch
+
+
+def build_hf_model_dir(preset: str, out_dir: str, seed: int = 0) -> str:
+    """Random-weight HF checkpoint of the preset's shape, plus a word-level tokenizer whose
+    vocabulary covers every id (token i is spelled ``w{i}``), so text round-trips exactly."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from hybridflow.models import load_model
+
+    torch.manual_seed(seed)
+    model = load_model(preset, dtype=torch.float32, device="cpu")
+    model.save_pretrained(out_dir)
+    vocab_size = model.config.vocab_size
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=f"w{vocab_size - 1}", pad_token=f"w{vocab_size - 2}"
+    )
+    fast.save_pretrained(out_dir)
+    # sanity: transformers reads what we wrote
+    AutoConfig.from_pretrained(out_dir)
+    del model
+    _ = AutoModelForCausalLM  # imported to fail early if transformers is broken
+    return out_dir
+
+
+def load_word_tokenizer(model_dir: str):
+    """The word-level tokenizer written by build_hf_model_dir. (AutoTokenizer would pick the
+    model type's own tokenizer class, which re-tokenizes ``w123`` differently.)"""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(model_dir)
+
+
+def random_prompts(n: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    # avoid the last ids (eos / pad of the word-level tokenizer)
+    return [[rng.randrange(10, vocab_size - 10) for _ in range(length)] for _ in range(n)]
+
+
+def run_trl(model_dir: str, prompts: list[list[int]], args) -> dict:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    tok = load_word_tokenizer(model_dir)
+    texts = [" ".join(f"w{i}" for i in p) for p in prompts]
+    assert len(tok(texts[0])["input_ids"]) == args.prompt_len, (
+        "prompt must tokenize to prompt-len ids"
+    )
+    n_prompts_total = args.prompts * args.steps
+    ds = Dataset.from_dict({"prompt": (texts * args.steps)[:n_prompts_total]})
+
+    def random_reward(completions, **kwargs):
+        return [random.random() for _ in completions]
+
+    cuda = torch.cuda.is_available()
+    samples = args.prompts * args.samples
+    micro = min(args.trl_micro_batch, samples)
+    cfg = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl-bench-"),
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=samples // micro,
+        steps_per_generation=samples // micro,  # one optimizer step per generation batch
+        num_generations=args.samples,
+        max_completion_length=args.new_tokens,
+        generation_kwargs={"min_new_tokens": args.new_tokens},
+        learning_rate=1e-6,
+        beta=0.0,
+        num_iterations=1,
+        bf16=cuda,
+        gradient_checkpointing=True,
+        max_steps=args.steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        use_cpu=not cuda,
+        shuffle_dataset=False,
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16 if cuda else torch.float32, attn_implementation="sdpa"
+    )
+
+    times: list[float] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            if cuda:
+                torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - self.t0)
+
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=random_reward,
+        args=cfg,
+        train_dataset=ds,
+        processing_class=tok,
+        callbacks=[StepTimer()],
+    )
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    del trainer, model
+    if cuda:
+        torch.cuda.empty_cache()
+    return _summary("TRL " + _version("trl"), times, args, peak)
+
+
+def run_hybridflow(model_dir: str, prompts: list[list[int]], args) -> dict:
+    from hybridflow.trainer.bench import time_grpo_steps
+
+    times, peak, breakdown = time_grpo_steps(
+        model_path=model_dir,
+        prompts=prompts,
+        samples_per_prompt=args.samples,
+        new_tokens=args.new_tokens,
+        steps=args.steps,
+        micro_batch_tokens=args.hf_micro_tokens,
+        tokenizer=load_word_tokenizer(model_dir),
+    )
+    out = _summary("hybridflow", times, args, peak)
+    out["breakdown"] = breakdown
+    return out
+
+
+def _version(pkg: str) -> str:
+    from importlib.metadata import version
+
+    try:
+        return version(pkg)
+    except Exception:
+        return "?"
+
+
+def _summary(name: str, times: list[float], args, peak_gib: float) -> dict:
+    timed = times[1:] if len(times) > 1 else times  # first step excluded (warm-up)
+    step_s = sum(timed) / len(timed)
+    tokens = args.prompts * args.samples * (args.prompt_len + args.new_tokens)
+    return {
+        "name": name,
+        "step_s": step_s,
+        "all_steps_s": times,
+        "tokens_per_s": tokens / step_s,
+        "peak_gib": peak_gib,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--which", choices=["both", "trl", "hybridflow"], default="both")
+    p.add_argument("--preset", default="qwen2.5-0.5b")
+    p.add_argument("--prompts", type=int, default=128)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--trl-micro-batch", type=int, default=32, help="TRL per-device micro-batch")
+    p.add_argument("--hf-micro-tokens", type=int, default=65536, help="hybridflow token budget")
+    p.add_argument("--json", default=None, help="also write results here")
+    args = p.parse_args()
+
+    model_dir = build_hf_model_dir(args.preset, tempfile.mkdtemp(prefix="bench-model-"))
+    vocab = json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"]
+    prompts = random_prompts(args.prompts, args.prompt_len, vocab)
+    results = []
+    if args.which in ("both", "hybridflow"):
+        results.append(run_hybridflow(model_dir, prompts, args))
+    if args.which in ("both", "trl"):
+        results.append(run_trl(model_dir, prompts, args))
+
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(
+        f"\nGRPO step, {args.preset}, {args.prompts} prompts × {args.samples} samples, "
+        f"{args.prompt_len}+{args.new_tokens} tokens, {dev}, torch {torch.__version__}"
+    )
+    print(f"{'system':<22}{'s/step':>10}{'tokens/s':>12}{'peak GiB':>10}  steps")
+    for r in results:
+        steps = " ".join(f"{t:.2f}" for t in r["all_steps_s"])
+        print(
+            f"{r['name']:<22}{r['step_s']:>10.2f}{r['tokens_per_s']:>12.0f}{r['peak_gib']:>10.1f}  {steps}"
+        )
+    if len(results) == 2:
+        print(f"speed-up hybridflow / TRL: {results[1]['step_s'] / results[0]['step_s']:.2f}×")
+    if results and "breakdown" in results[0]:
+        print("hybridflow breakdown (mean of timed steps, s):")
+        breakdown = results[0]["breakdown"]
+        step = breakdown["timing_s/step"]
+        for k, v in breakdown.items():
+            print(f"  {k:<28}{v:>8.3f}{100 * v / step:>7.1f}%")
+        stages = sum(v for k, v in breakdown.items() if k != "timing_s/step")
+        print(
+            f"  {'controller (step - stages)':<28}{step - stages:>8.3f}{100 * (step - stages) / step:>7.1f}%"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
