@@ -1,11 +1,11 @@
 """``model.path = sft:<task>``: a tiny model SFT-trained on a built-in task, trained once and
 cached under ``trainer.cache_dir`` keyed by a hash of everything that shapes it.
 
-The demo's warm start. The SFT demonstrations of ``arithmetic`` are imperfect on purpose:
-``sft.carry_error_rate`` of the answers that need a carry are written as a careless student
-would, forgetting it (``58+27=75``). Supervised learning copies that habit; RL against the exact
-checker does not reward it, which is the point the demo makes (and what makes its accuracy
-gain large and repeatable within a few minutes of CPU time). Set the rate to 0 for clean data.
+The demo's warm start: a short SFT (``sft.total_steps``) leaves the model partly right, so RL
+has room to improve it. ``sft.carry_error_rate`` can make the arithmetic demonstrations
+imperfect on purpose (answers that need a carry written with the carry forgotten, as a
+careless student would); measured here, such noise slows SFT down a lot (loss 1.25 vs 0.35
+after 400 steps at a rate of 0.35), so the default is clean data.
 """
 
 from __future__ import annotations
