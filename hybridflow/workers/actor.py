@@ -13,7 +13,7 @@ import torch
 from hybridflow.config import Config
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.protocol import Batch
-from hybridflow.workers.models import load_causal_lm, resolve_dtype
+from hybridflow.workers.models import load_causal_lm, resolve_dtype, training_dtype
 
 
 class ActorWorker(Worker):
@@ -28,7 +28,7 @@ class ActorWorker(Worker):
 
         self.config = config
         torch.manual_seed(config.trainer.seed)
-        dtype = resolve_dtype(config.model, self.device)
+        dtype = training_dtype(config.model)
         model = load_causal_lm(config.model.path, dtype, self.device)
         self.engine = ActorEngine(
             model,

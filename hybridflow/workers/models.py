@@ -18,6 +18,17 @@ def resolve_dtype(model_cfg: ModelSettings, device: str) -> torch.dtype:
     return DTYPES[model_cfg.dtype]
 
 
+def training_dtype(model_cfg: ModelSettings) -> torch.dtype:
+    """Parameter dtype of the models being trained (actor, critic). ``auto`` keeps fp32 master
+    weights and computes in bf16 on a GPU (autocast, or FSDP2's mixed-precision policy):
+    with bf16 parameters an AdamW step of lr 1e-6 is below bf16's resolution (~4e-3 relative)
+    and most updates would be rounded away. The rollout engine then samples with a bf16 copy
+    refreshed at each weight sync."""
+    if model_cfg.dtype == "auto":
+        return torch.float32
+    return DTYPES[model_cfg.dtype]
+
+
 def load_causal_lm(path: str, dtype: torch.dtype, device: str) -> nn.Module:
     """A CausalLM from a local HF directory or a shape preset (random weights, fixed seed).
 

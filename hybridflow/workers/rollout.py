@@ -33,16 +33,17 @@ class RolloutWorker(Worker):
         self.config = config
         actor = self.context.colocated.get("actor")
         self.actor = actor
+        dtype = resolve_dtype(config.model, self.device)
         self.shares_actor_weights = (
             actor is not None
             and self.world_size == 1
             and not actor.engine.lora
             and not actor.engine.core.fsdp
+            and next(actor.model.parameters()).dtype == dtype  # fp32 masters: bf16 copy
         )
         if self.shares_actor_weights:
             model = actor.model
         else:
-            dtype = resolve_dtype(config.model, self.device)
             model = load_causal_lm(config.model.path, dtype, self.device)
             model.requires_grad_(False)
         on_gpu = str(self.device).startswith("cuda")
