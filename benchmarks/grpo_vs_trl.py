@@ -192,9 +192,12 @@ def main() -> None:
     p.add_argument("--trl-micro-batch", type=int, default=32, help="TRL per-device micro-batch")
     p.add_argument("--hf-micro-tokens", type=int, default=65536, help="hybridflow token budget")
     p.add_argument("--json", default=None, help="also write results here")
+    p.add_argument("--model-dir", default=None, help="reuse (or create) the random model here")
     args = p.parse_args()
 
-    model_dir = build_hf_model_dir(args.preset, tempfile.mkdtemp(prefix="bench-model-"))
+    model_dir = args.model_dir or tempfile.mkdtemp(prefix="bench-model-")
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        build_hf_model_dir(args.preset, model_dir)
     vocab = json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"]
     prompts = random_prompts(args.prompts, args.prompt_len, vocab)
     results = []
