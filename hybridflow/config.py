@@ -48,7 +48,7 @@ class DataConfig:
     generated synthetic task (``arithmetic``, ``countdown``)."""
     val_files: list[str] = field(default_factory=lambda: ["builtin:arithmetic"])
     """Validation prompt files; same forms as ``train_files``. Empty list: no validation."""
-    train_batch_size: int = 32
+    train_batch_size: int = 64
     """Prompts per RL step. Each prompt produces ``rollout.n`` samples."""
     val_batch_size: int = 256
     """Prompts per validation generation call (a memory knob, not a statistic)."""
@@ -104,8 +104,9 @@ class ModelConfig:
 
 @dataclass
 class ActorConfig:
-    lr: float = 2e-5
-    """Peak learning rate of AdamW."""
+    lr: float = 2e-4
+    """Peak learning rate of AdamW. The default suits the built-in tiny demo model; LLMs of
+    0.5B+ parameters use about 1e-6."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -118,7 +119,7 @@ class ActorConfig:
     """Floor of the cosine/linear decay as a fraction of ``lr``."""
     grad_clip: float = 1.0
     """Max global grad norm; a step with a non-finite norm is skipped and counted."""
-    ppo_mini_batch_size: int = 16
+    ppo_mini_batch_size: int = 32
     """Prompts per optimizer step (× rollout.n samples, split over data-parallel ranks)."""
     micro_batch_size_per_gpu: int = 8
     """Samples per forward/backward on one GPU (ignored when max_tokens_per_gpu is set)."""
@@ -176,9 +177,10 @@ class RolloutConfig:
     """Fraction of free GPU memory the KV cache may take while generating."""
     release_cache: bool = True
     """Free the KV cache after each generate so training gets the memory back."""
-    val_temperature: float = 0.0
-    """Validation sampling temperature; 0: greedy."""
-    val_n: int = 1
+    val_temperature: float = 1.0
+    """Validation sampling temperature; 0: greedy (then val_n is 1). At the training
+    temperature, mean@n is the expected score of the policy RL optimizes."""
+    val_n: int = 4
     """Samples per validation prompt (mean@n / best@n / maj@n)."""
 
 
@@ -265,7 +267,7 @@ class AlgorithmConfig:
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = 40
+    total_steps: int = 60
     """RL steps to run."""
     run_dir: str = "runs/demo"
     """Where metrics.jsonl, checkpoints and exports go."""
@@ -313,8 +315,9 @@ class SFTConfig:
     preset: str = "tiny-4l"
     """Shape preset of the model trained from scratch for ``model.path=sft:<task>``
     (``hybridflow sft`` fine-tunes ``model.path`` instead when it is not ``sft:``)."""
-    total_steps: int = 300
-    """Optimizer steps of supervised fine-tuning."""
+    total_steps: int = 400
+    """Optimizer steps of supervised fine-tuning (the demo's warm start stops while the model
+    is still partly wrong, about 70% greedy accuracy, so RL has room to improve it)."""
     batch_size: int = 64
     """Examples per optimizer step."""
     lr: float = 3e-3
