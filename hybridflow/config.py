@@ -149,6 +149,11 @@ class ActorConfig:
     """Weight of the KL loss."""
     kl_loss_type: str = "low_var_kl"
     """KL estimator for the loss: kl | abs | mse | low_var_kl | k1+ | k3+ …"""
+    skip_old_logprob_on_policy: bool = True
+    """When each RL batch is exactly one optimizer step (ppo_epochs = 1, one mini-batch) and
+    the KL is not in the reward, skip the old-log-prob forward pass and use the detached
+    current log-probs (ratio exactly 1, same gradient). Turn off to log entropy/ratios of a
+    separate pass."""
     rollout_is_cap: float | None = None
     """Truncated importance weight cap C for rollout/trainer log-prob mismatch; None: off."""
     param_offload: bool = False

@@ -40,8 +40,9 @@ def train_step(run: RunContext) -> dict[str, float]:
         metrics.update(rollout_metrics)
         batch = balance_ranks(batch, run.derived.train_dp_size)
 
-        with timer("old_logprob"):
-            batch = batch.union(roles.actor.compute_logprobs(batch))
+        if not on_policy_shortcut(run):
+            with timer("old_logprob"):
+                batch = batch.union(roles.actor.compute_logprobs(batch))
         if roles.ref is not None:
             with timer("ref"):
                 batch = batch.union(roles.ref.compute_ref_logprobs(batch))
@@ -62,11 +63,24 @@ def train_step(run: RunContext) -> dict[str, float]:
             sync_weights(roles)
 
     mask = batch.tensors["response_mask"]
-    metrics["actor/entropy"] = float((batch.tensors["entropy"] * mask).sum() / mask.sum())
+    if "entropy" in batch.tensors:
+        metrics["actor/entropy"] = float((batch.tensors["entropy"] * mask).sum() / mask.sum())
     metrics.update(data_metrics(batch.tensors, run.cfg.data.max_response_length))
     metrics.update(timer.metrics())
     metrics.update(_perf_metrics(run, batch, timer.seconds["step"]))
     return metrics
+
+
+def on_policy_shortcut(run: RunContext) -> bool:
+    """Skip the old-log-prob pass: each RL batch is one optimizer step, so old = sg(current)
+    exactly (actor.skip_old_logprob_on_policy). KL in the reward needs old_logprobs first."""
+    cfg = run.cfg
+    return (
+        cfg.actor.skip_old_logprob_on_policy
+        and cfg.actor.ppo_epochs == 1
+        and run.derived.mini_batches_per_step == 1
+        and not cfg.algorithm.use_kl_in_reward
+    )
 
 
 def fit(run: RunContext) -> dict[str, float]:

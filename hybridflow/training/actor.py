@@ -156,11 +156,18 @@ class ActorEngine:
         """ppo_epochs × mini-batches × micro-batches of policy-gradient steps. Returns metrics
         averaged over the optimizer steps (and ranks); ``lr`` is the last step's."""
         keys = UPDATE_INPUTS + (("ref_logprobs",) if self.cfg.use_kl_loss else ())
-        check_keys(batch, keys, "ActorEngine.update")
+        on_policy = "old_logprobs" not in batch.tensors
+        check_keys(batch, tuple(k for k in keys if k != "old_logprobs"), "ActorEngine.update")
         temperature = _temperature(batch, temperature)
         num_rows = len(batch)
         mini_size = min(self.mini_batch_size, num_rows)
         num_minis = mini_batch_count(num_rows, mini_size)
+        if on_policy and (self.cfg.ppo_epochs != 1 or num_minis != 1):
+            raise KeyError(
+                "ActorEngine.update without old_logprobs is only exact on-policy (one epoch, one "
+                f"mini-batch); got ppo_epochs={self.cfg.ppo_epochs} and {num_minis} mini-batches: "
+                "compute old_logprobs first (compute_logprobs)"
+            )
         self.core.set_steps_per_update(self.cfg.ppo_epochs * num_minis)
         sums = MetricSums(self.core)
         skipped_before = self.total_skipped_steps
@@ -211,6 +218,12 @@ class ActorEngine:
         device = logprobs.device
         take = {k: micro.tensors[k].to(device) for k in LOSS_INPUTS if k in micro.tensors}
         response_mask = take["response_mask"]
+        if "old_logprobs" not in take:
+            # On-policy (one epoch, one mini-batch): the policy that sampled is the one being
+            # differentiated, so old = sg(current) and the ratio is exactly 1; this saves the
+            # separate old-log-prob forward pass (the same shortcut TRL takes with
+            # num_iterations=1). The gradient equals that of a recomputed old_logprobs.
+            take["old_logprobs"] = logprobs.detach()
         is_weights = None
         token_means: dict[str, torch.Tensor] = {}
         if cfg.rollout_is_cap is not None and "rollout_logprobs" in take:
