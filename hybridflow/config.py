@@ -310,6 +310,10 @@ class TrainerConfig:
     """Run name for W&B / TensorBoard."""
     call_timeout_s: float = 3600.0
     """Timeout of each remote call on a worker group."""
+    cpu_threads: int | None = 1
+    """torch intra-op threads of each process when running on the CPU. Tiny models run
+    fastest on one (measured: 1.9 s vs 2.9 s per demo step with 2); None: torch's default.
+    Ignored on GPU."""
 
 
 @dataclass

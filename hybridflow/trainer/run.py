@@ -35,10 +35,12 @@ def setup(cfg: Config, log=print) -> RunContext:
     from hybridflow.models import load_tokenizer
     from hybridflow.rewards import build_reward_manager
     from hybridflow.trainer.checkpoint import CheckpointManager
-    from hybridflow.trainer.roles import build_roles
+    from hybridflow.trainer.roles import build_roles, resolve_device
     from hybridflow.trainer.warm_start import resolve_model_path
+    from hybridflow.workers.models import set_cpu_threads
 
     derived = validate(cfg)
+    set_cpu_threads(cfg, resolve_device(cfg.trainer.device))  # SFT and in-process workers
     if cfg.trainer.placement == "split" and cfg.trainer.nnodes > 1:
         raise ValueError("trainer.placement=split runs on one node: set trainer.nnodes=1")
     tokenizer = load_tokenizer(default_tokenizer_path(cfg))

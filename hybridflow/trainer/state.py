@@ -51,11 +51,10 @@ def save_checkpoint(run: RunContext) -> Path:
 
 
 def training_dtype(cfg) -> torch.dtype:
-    """The dtype the workers hold the weights in (see workers.models.resolve_dtype)."""
-    from hybridflow.trainer.roles import resolve_device
-    from hybridflow.workers.models import resolve_dtype
+    """The dtype the actor holds its weights in (see workers.models.training_dtype)."""
+    from hybridflow.workers.models import training_dtype as actor_dtype
 
-    return resolve_dtype(cfg.model, resolve_device(cfg.trainer.device))
+    return actor_dtype(cfg.model)
 
 
 def write_model_files(directory: Path, cfg, tokenizer, dtype: torch.dtype) -> None:

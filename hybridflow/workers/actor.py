@@ -13,7 +13,7 @@ import torch
 from hybridflow.config import Config
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.protocol import Batch
-from hybridflow.workers.models import load_causal_lm, resolve_dtype, training_dtype
+from hybridflow.workers.models import load_causal_lm, resolve_dtype, set_cpu_threads, training_dtype
 
 
 class ActorWorker(Worker):
@@ -26,6 +26,7 @@ class ActorWorker(Worker):
     def __init__(self, config: Config):
         from hybridflow.training import ActorEngine
 
+        set_cpu_threads(config, self.device)
         self.config = config
         torch.manual_seed(config.trainer.seed)
         dtype = training_dtype(config.model)

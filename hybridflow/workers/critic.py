@@ -7,7 +7,7 @@ import os
 from hybridflow.config import Config
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.protocol import Batch
-from hybridflow.workers.models import load_causal_lm, training_dtype
+from hybridflow.workers.models import load_causal_lm, set_cpu_threads, training_dtype
 
 
 class CriticWorker(Worker):
@@ -16,6 +16,7 @@ class CriticWorker(Worker):
     def __init__(self, config: Config):
         from hybridflow.training import CriticEngine
 
+        set_cpu_threads(config, self.device)
         dtype = training_dtype(config.model)
         model = load_causal_lm(config.critic.path or config.model.path, dtype, self.device)
         self.engine = CriticEngine(

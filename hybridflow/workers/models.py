@@ -41,3 +41,10 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: str) -> nn.Module:
     from hybridflow.models import load_model
 
     return load_model(path, dtype=dtype, device=device)
+
+
+def set_cpu_threads(config, device: str) -> None:
+    """Apply ``trainer.cpu_threads`` in this process when it computes on the CPU."""
+    threads = config.trainer.cpu_threads
+    if threads is not None and not str(device).startswith("cuda"):
+        torch.set_num_threads(threads)

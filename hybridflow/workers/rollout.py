@@ -18,7 +18,7 @@ import torch
 from hybridflow.config import Config
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.protocol import Batch
-from hybridflow.workers.models import load_causal_lm, resolve_dtype
+from hybridflow.workers.models import load_causal_lm, resolve_dtype, set_cpu_threads
 
 # Different ranks draw different samples for their (different) prompts; keep their seeds apart.
 RANK_SEED_STRIDE = 1_000_003
@@ -30,6 +30,7 @@ class RolloutWorker(Worker):
     def __init__(self, config: Config):
         from hybridflow.engine import Engine
 
+        set_cpu_threads(config, self.device)
         self.config = config
         actor = self.context.colocated.get("actor")
         self.actor = actor
