@@ -92,6 +92,8 @@ class ActorEngine:
             )
         if model_cfg is not None and model_cfg.gradient_checkpointing:
             model.enable_gradient_checkpointing(True)
+        if model_cfg is not None and model_cfg.compile:
+            compile_layers(model)
         self.policy = PolicyModel(model)
         self.core = TrainCore(
             self.policy,
@@ -325,3 +327,12 @@ def _temperature(batch: Batch, temperature: float | None) -> float:
     if temperature is not None:
         return float(temperature)
     return float(batch.meta.get("temperature", 1.0))
+
+
+def compile_layers(model: nn.Module) -> None:
+    """``torch.compile`` each decoder layer (``model.compile``): fuses the norms, RoPE and
+    SwiGLU around the matmuls (+10% tokens/s on the H200, docs/PERFORMANCE.md). Dynamic
+    shapes, because packed micro-batches change length every call. The rollout engine reads
+    the same parameters and is unaffected."""
+    for layer in model.model.layers:
+        layer.compile(dynamic=True)
