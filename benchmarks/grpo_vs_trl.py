@@ -152,8 +152,10 @@ def run_hybridflow(model_dir: str, prompts: list[list[int]], args) -> dict:
         steps=args.steps,
         micro_batch_tokens=args.hf_micro_tokens,
         tokenizer=load_word_tokenizer(model_dir),
+        overrides=tuple(args.override),
     )
-    out = _summary("hybridflow", times, args, peak)
+    name = "hybridflow" + "".join(f" {o}" for o in args.override)
+    out = _summary(name, times, args, peak)
     out["breakdown"] = breakdown
     return out
 
@@ -193,6 +195,7 @@ def main() -> None:
     p.add_argument("--hf-micro-tokens", type=int, default=65536, help="hybridflow token budget")
     p.add_argument("--json", default=None, help="also write results here")
     p.add_argument("--model-dir", default=None, help="reuse (or create) the random model here")
+    p.add_argument("--override", action="append", default=[], help="hybridflow config override")
     args = p.parse_args()
 
     model_dir = args.model_dir or tempfile.mkdtemp(prefix="bench-model-")
