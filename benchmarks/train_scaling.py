@@ -48,7 +48,9 @@ def make_global_batch(rows: int, prompt_len: int, response_len: int, vocab: int,
     )
 
 
-def run_config(args, world: int, rank: int, device, name: str, fsdp, optimizer_offload: bool):
+def run_config(
+    args, world: int, rank: int, device, name: str, fsdp, optimizer_offload: bool, zero3: bool
+):
     from hybridflow.config import ActorConfig
     from hybridflow.models import load_model
     from hybridflow.training import ActorEngine, balanced_dp_order
@@ -68,6 +70,7 @@ def run_config(args, world: int, rank: int, device, name: str, fsdp, optimizer_o
     model = load_model(args.model, dtype=torch.float32, device=device)
     model.enable_gradient_checkpointing(args.grad_ckpt)
     actor = ActorEngine(model, cfg, total_steps=100, device=device, fsdp=fsdp)
+    actor.core.accumulate_unsharded = not zero3
     actor.update(shard)  # warm-up: kernels, allocator, optimizer state
     cuda = device.type == "cuda"
     if cuda:
@@ -121,9 +124,13 @@ def worker(rank: int, world: int, port: int, args, out_path: str) -> None:
         device = torch.device("cpu")
         dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        configs = [("fsdp", True, False), ("fsdp+optimizer_offload", True, True)]
-        if world == 1:
-            configs.insert(0, ("unsharded (autocast)", False, False))
+        configs = [
+            ("unsharded (autocast)", False, False, False),
+            ("fsdp", True, False, False),
+            ("fsdp+optimizer_offload", True, True, False),
+            ("fsdp zero3-per-micro-batch", True, False, True),
+        ]
+        configs = [c for c in configs if c[0] in args.configs and (world == 1 or c[1])]
         results = []
         for config in configs:
             try:
@@ -151,6 +158,13 @@ def main() -> None:
     parser.add_argument("--minis", type=int, default=2, help="optimizer steps per update")
     parser.add_argument("--steps", type=int, default=2, help="timed updates")
     parser.add_argument("--grad-ckpt", action="store_true")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=["unsharded (autocast)", "fsdp", "fsdp+optimizer_offload"],
+        help="any of: 'unsharded (autocast)' (1 GPU only), fsdp, fsdp+optimizer_offload, "
+        "'fsdp zero3-per-micro-batch' (reshard and reduce-scatter after every micro-batch)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 

@@ -67,7 +67,8 @@ def accumulate_and_step(
         "norm_length": norm_length,
     }
     plan = core.plan_micro_batches(mini.tensors["attention_mask"], micro_batch_size, max_tokens)
-    for rows in plan:
+    for index, rows in enumerate(plan):
+        core.accumulation_phase(last=index == len(plan) - 1)
         # An empty micro-batch (this rank has fewer than another) runs one row with weight 0,
         # so every rank joins the same FSDP collectives.
         weight = 1.0 if rows else 0.0
