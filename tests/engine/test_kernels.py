@@ -153,9 +153,16 @@ def test_skinny_matmul_matches_reference(dtype, rows, cols, depth):
     gate_up = torch.randn(rows, 2 * depth, device=DEVICE).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     bound = 1e-5 if dtype == torch.float32 else 1e-2
+    ran = 0
     for config in configs:
         out = torch.full((rows, cols), float("nan"), device=DEVICE, dtype=dtype)  # poisoned
-        gemm.skinny_matmul(gate, weight, bias, config=config, out=out)
+        try:
+            gemm.skinny_matmul(gate, weight, bias, config=config, out=out)
+        except Exception as error:  # fp32 tiles can exceed shared memory; DecodeMatmul skips them
+            if type(error).__name__ != "OutOfResources":
+                raise
+            continue
+        ran += 1
         assert _relative_error(out, _matmul_reference(gate, weight, bias)) < bound, config
         out.fill_(float("nan"))
         gemm.skinny_matmul(gate, weight, None, up=up, config=config, out=out)
@@ -164,6 +171,7 @@ def test_skinny_matmul_matches_reference(dtype, rows, cols, depth):
         # the same function as the torch ops it replaces, within a rounding step
         torch_out = F.linear(kernels.silu_mul(gate, up), weight)
         assert _relative_error(out, torch_out.double()) < bound, config
+    assert ran > 0, "no tile configuration fits this device"
 
 
 def test_decode_matmul_modes_agree():
