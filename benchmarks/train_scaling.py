@@ -84,6 +84,17 @@ def run_config(
     if cuda:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
+    if args.profile and rank == 0 and cuda:
+        # One more update under the profiler (after the timed ones): where the time goes.
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            actor.update(shard)
+        safe = name.replace(" ", "_").replace("(", "").replace(")", "").replace("+", "_")
+        prof.export_chrome_trace(os.path.join(args.profile, f"trace_{world}gpu_{safe}.json"))
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+    elif args.profile and world > 1:
+        actor.update(shard)  # the other ranks join the profiled update's collectives
     tokens = int(shard["attention_mask"].sum()) * args.steps
     stats = torch.tensor(
         [tokens / elapsed, torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0, elapsed],
@@ -166,6 +177,7 @@ def main() -> None:
         "'fsdp zero3-per-micro-batch' (reshard and reduce-scatter after every micro-batch)",
     )
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile", default=None, help="directory for chrome traces (rank 0)")
     args = parser.parse_args()
 
     rows = []
