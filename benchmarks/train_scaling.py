@@ -125,6 +125,28 @@ def run_config(
     }
 
 
+def collective_bandwidth(world: int, device, mib: int = 512, repeats: int = 5) -> dict:
+    """Bus bandwidth (GB/s, NCCL-tests convention: bytes × (n-1)/n / time) of the two FSDP2
+    collectives: all-gather of bf16 parameter shards and reduce-scatter of fp32 gradients."""
+    numel = mib * 2**20 // 4
+    shard = torch.randn(numel // world, device=device)
+    full = torch.empty(numel, device=device)
+    out = {}
+    for name, run in (
+        ("all_gather_GBps", lambda: dist.all_gather_into_tensor(full, shard)),
+        ("reduce_scatter_GBps", lambda: dist.reduce_scatter_tensor(shard, full)),
+    ):
+        run()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            run()
+        torch.cuda.synchronize()
+        seconds = (time.perf_counter() - start) / repeats
+        out[name] = numel * 4 * (world - 1) / world / seconds / 1e9
+    return out
+
+
 def worker(rank: int, world: int, port: int, args, out_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
     if torch.cuda.is_available():
@@ -143,6 +165,10 @@ def worker(rank: int, world: int, port: int, args, out_path: str) -> None:
         ]
         configs = [c for c in configs if c[0] in args.configs and (world == 1 or c[1])]
         results = []
+        if world > 1 and device.type == "cuda":
+            bandwidth = collective_bandwidth(world, device)
+            if rank == 0:
+                print(f"NCCL on {world} GPUs, 512 MiB fp32: {bandwidth}")
         for config in configs:
             try:
                 results.append(run_config(args, world, rank, device, *config))
