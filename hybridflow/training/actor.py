@@ -30,7 +30,7 @@ from hybridflow.training.core import TrainCore
 from hybridflow.training.forward import check_keys, forward_response_tokens
 from hybridflow.training.metrics import MetricSums
 from hybridflow.training.modules import PolicyModel
-from hybridflow.training.packing import PackedRows
+from hybridflow.training.packing import PackedRows, to_device
 from hybridflow.training.step import accumulate_and_step, mini_batch_count
 
 UPDATE_INPUTS = (
@@ -218,7 +218,7 @@ class ActorEngine:
         cfg = self.cfg
         logprobs = packed.scatter(logprobs_m)  # [b, R]
         device = logprobs.device
-        take = {k: micro.tensors[k].to(device) for k in LOSS_INPUTS if k in micro.tensors}
+        take = {k: to_device(micro.tensors[k], device) for k in LOSS_INPUTS if k in micro.tensors}
         response_mask = take["response_mask"]
         if "old_logprobs" not in take:
             # On-policy (one epoch, one mini-batch): the policy that sampled is the one being

@@ -20,7 +20,7 @@ from hybridflow.training.core import TrainCore
 from hybridflow.training.forward import check_keys, forward_response_tokens
 from hybridflow.training.metrics import MetricSums
 from hybridflow.training.modules import ValueModel
-from hybridflow.training.packing import PackedRows
+from hybridflow.training.packing import PackedRows, to_device
 from hybridflow.training.step import accumulate_and_step, mini_batch_count
 
 UPDATE_INPUTS = ("prompts", "responses", "attention_mask", "response_mask", "values", "returns")
@@ -102,7 +102,7 @@ class CriticEngine:
 
         def micro_loss(micro: Batch, packed: PackedRows, counts: dict):
             values = packed.scatter(self.value_model(packed))  # [b, R] fp32
-            take = {k: micro.tensors[k].to(values.device) for k in UPDATE_INPUTS[3:]}
+            take = {k: to_device(micro.tensors[k], values.device) for k in UPDATE_INPUTS[3:]}
             loss, metrics = value_loss(
                 values,
                 take["values"],

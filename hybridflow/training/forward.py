@@ -8,7 +8,7 @@ import torch
 
 from hybridflow.protocol import Batch
 from hybridflow.training.core import TrainCore
-from hybridflow.training.packing import PackedRows, pack_rows
+from hybridflow.training.packing import PackedRows, pack_rows, to_device
 
 REQUIRED_INPUTS = ("prompts", "responses", "attention_mask")
 
@@ -23,13 +23,16 @@ def check_keys(batch: Batch, keys: tuple[str, ...], caller: str) -> None:
 
 
 def pack_batch_rows(batch: Batch, rows: list[int], device: torch.device) -> PackedRows:
-    """Pack ``rows`` of the batch's prompts/responses (unpadded) and move them to ``device``."""
+    """Pack ``rows`` of the batch's prompts/responses (unpadded) and move them to ``device``.
+
+    Packing runs where the batch lives (the CPU, as the controller sends it): on a GPU its
+    boolean indexing and ``max`` would each stall the host until the GPU is idle."""
     index = torch.as_tensor(rows, dtype=torch.long)
     prompts, responses, attention_mask = (
         batch.tensors[key].index_select(0, index.to(batch.tensors[key].device))
         for key in REQUIRED_INPUTS
     )
-    return pack_rows(prompts.to(device), responses.to(device), attention_mask.to(device))
+    return pack_rows(prompts, responses, attention_mask).to(device)
 
 
 @torch.no_grad()
@@ -46,7 +49,7 @@ def forward_response_tokens(
     check_keys(batch, REQUIRED_INPUTS, "forward")
     num_rows, response_length = batch.tensors["responses"].shape
     plan = core.plan_micro_batches(batch.tensors["attention_mask"], micro_batch_size, max_tokens)
-    outputs: list[torch.Tensor] | None = None
+    outputs: list[torch.Tensor] | None = None  # on the device; one copy back at the end
     was_training = core.module.training
     core.module.eval()
     try:
@@ -58,15 +61,17 @@ def forward_response_tokens(
                 with core.autocast():
                     results = run(packed)
                 if outputs is None:
-                    outputs = [torch.zeros(num_rows, response_length) for _ in results]
+                    outputs = [
+                        torch.zeros(num_rows, response_length, device=core.device) for _ in results
+                    ]
                 if not rows:
                     continue
-                row_index = torch.as_tensor(rows, dtype=torch.long)
+                row_index = to_device(torch.as_tensor(rows, dtype=torch.long), core.device)
                 for out, values in zip(outputs, results):
-                    out[row_index] = packed.scatter(values.float()).cpu()
+                    out[row_index] = packed.scatter(values.float())
     finally:
         core.module.train(was_training)
         if core.fsdp:
             # FSDP2 keeps the root unit gathered after a forward that has no backward; free it.
             core.module.reshard()
-    return outputs or []
+    return [out.cpu() for out in outputs or []]

@@ -17,7 +17,8 @@ class MetricSums:
       optimizer steps.
     - token means (clip fractions, ppo_kl, …): averaged weighted by the micro-batch's tokens.
     - per-step values: ``grad_norm`` (mean over the steps that were taken) and skipped steps.
-    Values stay tensors until :meth:`result`, which does one all-reduce and one host sync.
+    Values stay tensors on their device until :meth:`result`, which does one all-reduce and
+    one host sync (a ``.cpu()`` per micro-batch would stall the host on every micro-batch).
     """
 
     def __init__(self, core: TrainCore):
@@ -32,12 +33,12 @@ class MetricSums:
 
     def add_mini_batch_terms(self, terms: dict[str, torch.Tensor]) -> None:
         for name, value in terms.items():
-            value = torch.as_tensor(value, dtype=torch.float64).detach().reshape(())
-            self.terms[name] = self.terms.get(name, 0.0) + value.cpu()
+            value = torch.as_tensor(value).detach().reshape(()).double()
+            self.terms[name] = self.terms.get(name, 0.0) + value
 
     def add_token_means(self, means: dict[str, torch.Tensor], weight: float) -> None:
         for name, value in means.items():
-            value = torch.as_tensor(value, dtype=torch.float64).detach().reshape(()).cpu()
+            value = torch.as_tensor(value).detach().reshape(()).double()
             self.weighted[name] = self.weighted.get(name, 0.0) + value * weight
             self.weights[name] = self.weights.get(name, 0.0) + weight
 
@@ -51,10 +52,13 @@ class MetricSums:
     def result(self) -> dict[str, float]:
         term_names = sorted(self.terms)
         mean_names = sorted(self.weighted)
-        flat = [float(self.terms[n]) for n in term_names]
-        flat += [float(self.weighted[n]) for n in mean_names]
-        flat += [self.weights[n] for n in mean_names]
-        reduced = torch.tensor(flat, dtype=torch.float64, device=self.core.comm_device())
+        device = self.core.comm_device()
+        flat = [torch.as_tensor(self.terms[n]).to(device) for n in term_names]
+        flat += [torch.as_tensor(self.weighted[n]).to(device) for n in mean_names]
+        flat += [
+            torch.tensor(self.weights[n], dtype=torch.float64, device=device) for n in mean_names
+        ]
+        reduced = torch.stack(flat) if flat else torch.zeros(0, dtype=torch.float64, device=device)
         values = self.core.all_reduce(reduced).tolist()
         out: dict[str, float] = {}
         for i, name in enumerate(term_names):

@@ -29,7 +29,7 @@ class PackedRows:
 
     def to(self, device: torch.device | str) -> PackedRows:
         moved = {
-            name: (value.to(device, non_blocking=True) if torch.is_tensor(value) else value)
+            name: (to_device(value, device) if torch.is_tensor(value) else value)
             for name, value in self.__dict__.items()
         }
         return PackedRows(**moved)
@@ -38,6 +38,16 @@ class PackedRows:
         """values [M] -> [S, R] (``fill`` where there is no response token)."""
         out = values.new_full((self.num_rows, self.response_length), fill)
         return out.index_put((self.out_rows, self.out_cols), values)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Copy a CPU tensor to ``device`` without a host sync: a copy from pageable memory makes
+    the host wait for the GPU's queue to drain, a pinned non-blocking copy does not, so the
+    CPU keeps launching the next micro-batch while the GPU works."""
+    device = torch.device(device)
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def sequence_lengths(attention_mask: torch.Tensor) -> list[int]:
