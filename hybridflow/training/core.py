@@ -92,7 +92,8 @@ class TrainCore:
         # Within a mini-batch, keep parameters gathered and gradients unsharded (fp32) until
         # the last micro-batch: one all-gather and one reduce-scatter per optimizer step instead
         # of two all-gathers and a reduce-scatter per micro-batch. Costs one unsharded copy
-        # of the bf16 weights and fp32 gradients during the update; False: pure ZeRO-3.
+        # of the bf16 weights and fp32 gradients during the update (and of the weights during
+        # later log-prob passes, released at their end); False: pure ZeRO-3.
         self.accumulate_unsharded = True
 
     # ------------------------------------------------------------------ setup
