@@ -50,5 +50,6 @@ def run_validation(run: RunContext) -> dict[str, float]:
 
 
 def headline(metrics: dict[str, float]) -> dict[str, float]:
-    """The ``mean@n`` entries (one accuracy per data source), for the summary line."""
-    return {k: v for k, v in metrics.items() if k.startswith("val/") and "/mean@" in k}
+    """The ``mean@n``, ``maj@n`` and ``best@n`` entries of each data source, for the summary."""
+    kinds = ("/mean@", "/maj@", "/best@")
+    return {k: v for k, v in metrics.items() if k.startswith("val/") and any(x in k for x in kinds)}
