@@ -104,7 +104,7 @@ def resume(run: RunContext) -> Path | None:
 
 def read_run_config(checkpoint: str | Path):
     """The Config a checkpoint was written with."""
-    from hybridflow.config import Config, _apply_mapping
+    from hybridflow.config import Config, apply_mapping
 
     path = Path(checkpoint) / CONFIG_FILE
     if not path.is_file():
@@ -113,7 +113,7 @@ def read_run_config(checkpoint: str | Path):
             "(<run_dir>/checkpoints/step_N)?"
         )
     cfg = Config()
-    problems = _apply_mapping(cfg, yaml.safe_load(path.read_text()) or {}, source=str(path))
+    problems = apply_mapping(cfg, yaml.safe_load(path.read_text()) or {}, source=str(path))
     if problems:
         raise ValueError(f"{path}: " + "; ".join(problems))
     return cfg

@@ -1,0 +1,180 @@
+"""Loading: defaults < YAML file < dotted overrides, with type checks and "did you mean".
+
+Values of overrides are parsed as YAML scalars/lists, so ``data.train_files=[a,b]`` and
+``actor.lr=1e-6`` both work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from hybridflow.config.sections import SECTIONS, Config, ConfigError
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> Config:
+    """Defaults < YAML file < dotted overrides. Raises ConfigError naming the bad keys."""
+    cfg = Config()
+    problems: list[str] = []
+    if path is not None:
+        problems += apply_mapping(cfg, _read_yaml(path), source=str(path))
+    for item in overrides:
+        if "=" not in item:
+            problems.append(
+                f"override {item!r} is not of the form section.key=value (e.g. rollout.n=8)"
+            )
+            continue
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        if len(parts) != 2:
+            problems.append(f"override key {key!r} must be section.key (e.g. actor.lr=1e-6)")
+            continue
+        problems += apply_mapping(
+            cfg, {parts[0]: {parts[1]: _parse_scalar(raw)}}, source="command line"
+        )
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def _read_yaml(path: str | Path) -> dict:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError([f"config file {str(p)!r} does not exist"])
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError([f"config file {str(p)!r} is not valid YAML: {e}"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            [f"config file {str(p)!r} must hold a mapping of sections, got {type(data).__name__}"]
+        )
+    return data
+
+
+def _parse_scalar(raw: str) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        return raw
+
+
+def _suggest(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(sorted(known))}"
+
+
+def apply_mapping(cfg: Config, data: dict, source: str) -> list[str]:
+    problems = []
+    for section, values in data.items():
+        if section not in SECTIONS:
+            problems.append(
+                f"unknown section {section!r} ({source}){_suggest(str(section), list(SECTIONS))}"
+            )
+            continue
+        if not isinstance(values, dict):
+            problems.append(f"section {section!r} ({source}) must be a mapping, got {values!r}")
+            continue
+        sec = getattr(cfg, section)
+        hints = typing.get_type_hints(type(sec))
+        for key, value in values.items():
+            if key not in hints:
+                problems.append(
+                    f"unknown key {section}.{key} ({source}){_suggest(str(key), list(hints))}"
+                )
+                continue
+            ok, coerced = _coerce(value, hints[key])
+            if not ok:
+                problems.append(
+                    f"{section}.{key} ({source}) expects {_type_name(hints[key])}, got {value!r} "
+                    f"({type(value).__name__})"
+                )
+                continue
+            setattr(sec, key, coerced)
+    return problems
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
+    """Check ``value`` against annotation ``tp``; ints are accepted where floats are expected."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            if arg is type(None):
+                if value is None:
+                    return True, None
+                continue
+            ok, v = _coerce(value, arg)
+            if ok:
+                return True, v
+        return False, value
+    if tp is Any:
+        return True, value
+    if origin is list:
+        if isinstance(value, str):  # a single path given where a list is expected
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            return False, value
+        (item_tp,) = typing.get_args(tp) or (Any,)
+        out = []
+        for v in value:
+            ok, c = _coerce(v, item_tp)
+            if not ok:
+                return False, value
+            out.append(c)
+        return True, out
+    if origin is dict:
+        return isinstance(value, dict), value
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True, float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-6" (no dot) as a string
+            try:
+                return True, float(value)
+            except ValueError:
+                pass
+        return False, value
+    if tp is str:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True, str(value)  # e.g. model.path=7b parsed as a number-like string
+        return isinstance(value, str), value
+    return isinstance(value, tp), value
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def field_docs(section_cls: type) -> dict[str, str]:
+    """Docstrings written under each dataclass field (read from the source)."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(section_cls)))
+    docs: dict[str, str] = {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr):
+            if isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                docs[node.target.id] = " ".join(nxt.value.value.split())  # type: ignore[attr-defined]
+    return docs

@@ -1,0 +1,382 @@
+"""The config sections: one dataclass per section, a docstring under every field.
+
+Batch sizes follow the semantics verl users know: ``data.train_batch_size`` counts prompts,
+each prompt yields ``rollout.n`` samples; ``actor.ppo_mini_batch_size`` counts prompts per
+optimizer step; per-GPU sizes are *derived* by ``validate`` and never set by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+GROUP_ESTIMATORS = (
+    "grpo",
+    "grpo_passk",
+    "rloo",
+    "reinforce_plus_plus_baseline",
+    "opo",
+    "gpg",
+)
+
+
+class ConfigError(ValueError):
+    """A configuration problem a user can act on. ``problems`` lists every one found."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{len(self.problems)} configuration problem(s):\n{lines}")
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=lambda: ["builtin:arithmetic"])
+    """Training prompt files (parquet or jsonl in verl's schema), or ``builtin:<task>`` for a
+    generated synthetic task (``arithmetic``, ``countdown``)."""
+    val_files: list[str] = field(default_factory=lambda: ["builtin:arithmetic"])
+    """Validation prompt files; same forms as ``train_files``. Empty list: no validation."""
+    train_batch_size: int = 64
+    """Prompts per RL step. Each prompt produces ``rollout.n`` samples."""
+    val_batch_size: int = 256
+    """Prompts per validation generation call (a memory knob, not a statistic)."""
+    max_prompt_length: int = 32
+    """Longest prompt in tokens after the chat template; see ``overlong_prompts``."""
+    max_response_length: int = 16
+    """Most tokens generated per response (rollout max_new_tokens)."""
+    overlong_prompts: str = "filter"
+    """What to do with prompts longer than ``max_prompt_length``: filter | error | truncate."""
+    shuffle: bool = True
+    """Shuffle the training prompts each epoch (deterministic given ``trainer.seed``)."""
+    builtin_train_size: int = 4000
+    """Number of prompts generated for a ``builtin:`` training task."""
+    builtin_val_size: int = 200
+    """Number of prompts generated for a ``builtin:`` validation task."""
+    prompt_key: str = "prompt"
+    """Column holding the chat messages (a list of ``{role, content}``) or a plain string."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "sft:arithmetic"
+    """Policy model: a local Hugging Face directory, a shape preset (``tiny``,
+    ``qwen2.5-0.5b``, …; random weights), or ``sft:<task>``: a tiny model SFT-trained on a
+    built-in task (trained once, then cached under ``trainer.cache_dir``)."""
+    tokenizer_path: str | None = None
+    """Tokenizer directory; default: the model's own, or the built-in char tokenizer."""
+    dtype: str = "auto"
+    """Parameter/compute dtype: auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float32."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer in the backward pass (less memory, ~30% more compute)."""
+    compile: bool = False
+    """torch.compile the decoder layers for training."""
+    lora_rank: int = 0
+    """LoRA rank; 0 trains all weights."""
+    lora_alpha: int = 16
+    """LoRA scaling numerator (scale = alpha / rank)."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA input."""
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ]
+    )
+    """Linear layers that get LoRA adapters."""
+
+
+@dataclass
+class ActorConfig:
+    lr: float = 2e-4
+    """Peak learning rate of AdamW. The default suits the built-in tiny demo model; LLMs of
+    0.5B+ parameters use about 1e-6."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    lr_scheduler: str = "constant"
+    """constant | linear | cosine (after the warm-up)."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to ``lr``."""
+    min_lr_ratio: float = 0.0
+    """Floor of the cosine/linear decay as a fraction of ``lr``."""
+    grad_clip: float = 1.0
+    """Max global grad norm; a step with a non-finite norm is skipped and counted."""
+    ppo_mini_batch_size: int = 32
+    """Prompts per optimizer step (× rollout.n samples, split over data-parallel ranks)."""
+    micro_batch_size_per_gpu: int = 8
+    """Samples per forward/backward on one GPU (ignored when max_tokens_per_gpu is set)."""
+    max_tokens_per_gpu: int | None = None
+    """Token budget per micro-batch (dynamic batching of packed sequences). None: off."""
+    ppo_epochs: int = 1
+    """Passes over each RL batch."""
+    shuffle: bool = False
+    """Shuffle samples between mini-batches within an RL step."""
+    policy_loss: str = "vanilla"
+    """Policy loss: vanilla | gspo | cispo | sapo | gpg | clip_cov | kl_cov | geo_mean | …"""
+    policy_loss_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of the chosen policy loss (e.g. clip_cov_ratio)."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."""
+    clip_ratio_low: float = 0.2
+    """PPO lower clip ε_low: ratio ≥ 1 − ε_low."""
+    clip_ratio_high: float = 0.2
+    """PPO upper clip ε_high (DAPO's clip-higher uses 0.28)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip constant c > 1 for negative advantages."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus coefficient (loss −= coeff · entropy)."""
+    use_kl_loss: bool = False
+    """Add ``kl_loss_coef · KL(π‖π_ref)`` to the loss (GRPO style); needs the reference."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator for the loss: kl | abs | mse | low_var_kl | k1+ | k3+ …"""
+    skip_old_logprob_on_policy: bool = True
+    """When each RL batch is exactly one optimizer step (ppo_epochs = 1, one mini-batch) and
+    the KL is not in the reward, skip the old-log-prob forward pass and use the detached
+    current log-probs (ratio exactly 1, same gradient). Turn off to log entropy/ratios of a
+    separate pass."""
+    rollout_is_cap: float | None = None
+    """Truncated importance weight cap C for rollout/trainer log-prob mismatch; None: off."""
+    param_offload: bool = False
+    """Keep parameters on CPU between uses (FSDP CPU offload)."""
+    optimizer_offload: bool = False
+    """Keep optimizer state on CPU between updates."""
+
+
+@dataclass
+class RolloutConfig:
+    n: int = 8
+    """Samples per prompt (group size for GRPO/RLOO)."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer's log-probs use the same temperature."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1: off."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1.0: off."""
+    min_p: float = 0.0
+    """Drop tokens with p < min_p · p_max; 0: off."""
+    ignore_eos: bool = False
+    """Keep generating past EOS up to max_response_length (benchmarks)."""
+    max_num_seqs: int = 1024
+    """Most sequences decoded at once per engine (KV slots)."""
+    gpu_memory_utilization: float = 0.4
+    """Fraction of free GPU memory the KV cache may take while generating."""
+    release_cache: bool = True
+    """Free the KV cache after each generate so training gets the memory back."""
+    val_temperature: float = 1.0
+    """Validation sampling temperature; 0: greedy (then val_n is 1). At the training
+    temperature, mean@n is the expected score of the policy RL optimizes."""
+    val_n: int = 4
+    """Samples per validation prompt (mean@n / best@n / maj@n)."""
+
+
+@dataclass
+class RefConfig:
+    path: str | None = None
+    """Reference policy weights; default: the initial policy (with LoRA: adapters disabled)."""
+    micro_batch_size_per_gpu: int = 16
+    """Samples per reference forward on one GPU."""
+    max_tokens_per_gpu: int | None = None
+    """Token budget per reference micro-batch; None: use micro_batch_size_per_gpu."""
+    param_offload: bool = False
+    """Keep the reference weights on CPU between uses."""
+
+
+@dataclass
+class CriticConfig:
+    path: str | None = None
+    """Critic backbone; default: the actor's initial weights with a fresh value head."""
+    lr: float = 1e-5
+    """Critic learning rate."""
+    ppo_mini_batch_size: int | None = None
+    """Prompts per critic optimizer step; default: actor.ppo_mini_batch_size."""
+    micro_batch_size_per_gpu: int = 8
+    """Samples per critic forward/backward on one GPU."""
+    max_tokens_per_gpu: int | None = None
+    """Token budget per critic micro-batch; None: off."""
+    ppo_epochs: int | None = None
+    """Critic passes per RL batch; default: actor.ppo_epochs."""
+    cliprange_value: float = 0.5
+    """Value clip c: v̂ = clip(v, v_old − c, v_old + c)."""
+    grad_clip: float = 1.0
+    """Max global grad norm of the critic."""
+    loss_agg_mode: str = "token-mean"
+    """Aggregation of the value loss."""
+    lr_warmup_steps: int = 0
+    """Critic warm-up steps."""
+
+
+@dataclass
+class RewardConfig:
+    manager: str = "naive"
+    """naive (one call per sample) | batch (custom_fn gets lists) | dapo (adds overlong shaping)."""
+    custom_fn: str | None = None
+    """``path/to/file.py:function`` scoring (data_source, solution_str, ground_truth, extra_info)."""
+    num_workers: int = 0
+    """Parallel scoring processes; 0: score in the controller process."""
+    timeout_s: float = 10.0
+    """Per-sample scoring timeout; a timeout or exception scores 0 and is counted."""
+    overlong_buffer_len: int = 0
+    """DAPO overlong shaping buffer B in tokens; 0: off."""
+    overlong_penalty_factor: float = 1.0
+    """DAPO overlong penalty factor."""
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    """gae | grpo | grpo_passk | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline |
+    remax | opo | gpg (or a name you registered)."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lam: float = 1.0
+    """GAE λ."""
+    norm_adv_by_std_in_grpo: bool = True
+    """Divide GRPO advantages by the group std; false gives Dr. GRPO."""
+    use_kl_in_reward: bool = False
+    """Subtract β·KL(old‖ref) from the token rewards (PPO style); needs the reference."""
+    kl_penalty: str = "kl"
+    """KL estimator used in the reward: kl | abs | mse | low_var_kl."""
+    kl_ctrl_type: str = "fixed"
+    """fixed | adaptive KL coefficient controller."""
+    kl_coef: float = 0.001
+    """Initial β of the KL controller."""
+    kl_target: float = 0.1
+    """Adaptive controller's target KL."""
+    kl_horizon: int = 10000
+    """Adaptive controller's horizon."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose samples all score the same; generate more to refill."""
+    max_gen_rounds: int = 3
+    """Most generation rounds per step when dynamic_sampling refills the batch."""
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 60
+    """RL steps to run."""
+    run_dir: str = "runs/demo"
+    """Where metrics.jsonl, checkpoints and exports go."""
+    cache_dir: str = "~/.cache/hybridflow"
+    """Cache for built-in SFT warm-start models."""
+    seed: int = 1
+    """Seed for data order, sampling and initialisation."""
+    device: str = "auto"
+    """auto | cpu | cuda."""
+    backend: str = "inprocess"
+    """inprocess (one device, no extra processes) | local (one process per GPU) | ray."""
+    nnodes: int = 1
+    """Number of nodes (ray backend)."""
+    n_gpus_per_node: int = 1
+    """Devices per node used by the run (processes per node on CPU)."""
+    placement: str = "colocate"
+    """colocate: actor, rollout and ref share every device (hybrid engine) | split."""
+    rollout_gpus: int = 0
+    """With placement=split: devices given to the rollout engine; the rest train."""
+    save_freq: int = 0
+    """Checkpoint every k steps (0: only at the end; -1: never, e.g. for benchmarks)."""
+    keep_last_k: int = 2
+    """Checkpoints kept; older ones are deleted after a new one is complete."""
+    test_freq: int = 10
+    """Validate every k steps (0: only before and after training)."""
+    val_before_train: bool = True
+    """Validate once before the first step."""
+    resume: str = "auto"
+    """auto (continue the latest checkpoint in run_dir) | disable | path to a checkpoint."""
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    """console | jsonl | tensorboard | wandb."""
+    project_name: str = "hybridflow"
+    """Project name for W&B / TensorBoard."""
+    experiment_name: str = "demo"
+    """Run name for W&B / TensorBoard."""
+    call_timeout_s: float = 3600.0
+    """Timeout of each remote call on a worker group."""
+    cpu_threads: int | None = 1
+    """torch intra-op threads of each process when running on the CPU. Tiny models run
+    fastest on one (measured: 1.9 s vs 2.9 s per demo step with 2); None: torch's default.
+    Ignored on GPU."""
+
+
+@dataclass
+class SFTConfig:
+    train_files: list[str] = field(default_factory=lambda: ["builtin:arithmetic"])
+    """``hybridflow sft`` data: prompt/response or chat-message rows (parquet/jsonl), or
+    ``builtin:<task>`` for the SFT split of a synthetic task."""
+    preset: str = "tiny-4l"
+    """Shape preset of the model trained from scratch for ``model.path=sft:<task>``
+    (``hybridflow sft`` fine-tunes ``model.path`` instead when it is not ``sft:``)."""
+    total_steps: int = 400
+    """Optimizer steps of supervised fine-tuning (the demo's warm start stops while the model
+    is still partly wrong, 70% greedy accuracy at trainer.seed=1, so RL has room to improve
+    it; where the tiny model "gets" addition is seed-dependent: seed 2 is at ~15% here)."""
+    batch_size: int = 64
+    """Examples per optimizer step."""
+    lr: float = 3e-3
+    """Peak AdamW learning rate (cosine decay after a linear warm-up)."""
+    warmup_steps: int = 20
+    """Linear warm-up steps."""
+    max_length: int = 64
+    """Longest example in tokens; longer examples are dropped (and counted)."""
+    max_tokens_per_gpu: int | None = None
+    """Token budget per packed micro-batch; None: the whole batch in one pass."""
+    builtin_size: int = 20000
+    """Examples generated for a ``builtin:`` SFT task."""
+    carry_error_rate: float = 0.0
+    """Built-in arithmetic SFT only: fraction of the answers that need a carry written with
+    the carry forgotten (imperfect demonstrations that RL against the exact checker fixes)."""
+    out_dir: str | None = None
+    """Where ``hybridflow sft`` writes checkpoints and the final HF model; default
+    ``<trainer.run_dir>/sft``."""
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+
+@dataclass
+class Derived:
+    """Values computed by :func:`validate` from the global ones. Never set by hand."""
+
+    world_size: int
+    """Devices (or processes) in the run."""
+    train_dp_size: int
+    """Data-parallel ranks of the actor/critic/ref."""
+    rollout_dp_size: int
+    """Data-parallel rollout engines."""
+    samples_per_step: int
+    """data.train_batch_size × rollout.n."""
+    mini_batches_per_step: int
+    """Optimizer steps of the actor per RL step and epoch."""
+    mini_batch_samples_per_gpu: int
+    """Samples of one actor mini-batch on one rank."""
+    micro_batches_per_mini_batch: int | None
+    """Gradient-accumulation steps per mini-batch (None with a token budget)."""
+    critic_mini_batch_samples_per_gpu: int
+    """Samples of one critic mini-batch on one rank."""
+    use_reference: bool
+    """A reference policy is needed (KL loss or KL in reward)."""
+    use_critic: bool
+    """A critic is needed (GAE)."""
+    max_sequence_length: int
+    """max_prompt_length + max_response_length."""
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}

@@ -1,0 +1,276 @@
+"""``validate(cfg)``: every rule checked at once, each problem naming keys, numbers and the fix;
+returns the derived per-device sizes."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from hybridflow.config.loading import _suggest
+from hybridflow.config.sections import GROUP_ESTIMATORS, Config, ConfigError, Derived
+
+
+def _known_names() -> tuple[set[str], set[str], set[str], set[str]]:
+    """Registered estimator, policy-loss, aggregation and KL names (user registrations too)."""
+    try:
+        from hybridflow import algos
+
+        def names(registry) -> set[str]:
+            return set(registry.names()) if hasattr(registry, "names") else set(registry)
+
+        return (
+            names(algos.ADVANTAGE_ESTIMATORS),
+            names(algos.POLICY_LOSSES),
+            names(algos.LOSS_AGG_MODES),
+            names(algos.KL_KINDS),
+        )
+    except (ImportError, AttributeError):  # algos not importable: fall back to the built-ins
+        adv = {"gae", "remax", "reinforce_plus_plus", *GROUP_ESTIMATORS}
+        pl = {"vanilla", "gspo", "cispo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean"}
+        agg = {"token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"}
+        kl = {"kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "low_var_kl+"}
+        return adv, pl, agg, kl
+
+
+def model_context_length(path: str) -> int | None:
+    """Max positions of the model at ``path`` without loading weights; None if unknown."""
+    import json
+
+    p = Path(path).expanduser()
+    if (p / "config.json").is_file():
+        try:
+            return int(json.loads((p / "config.json").read_text()).get("max_position_embeddings"))
+        except (ValueError, TypeError):
+            return None
+    try:
+        from hybridflow.models.presets import PRESETS
+
+        preset = PRESETS.get(path)
+        if preset is not None:
+            cfg = preset() if callable(preset) else preset
+            return int(cfg.max_position_embeddings)
+    except ImportError:
+        pass
+    return None
+
+
+def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
+    """Check every rule at once; return the derived per-device sizes or raise ConfigError."""
+    d, a, r, c, t, alg = cfg.data, cfg.actor, cfg.rollout, cfg.critic, cfg.trainer, cfg.algorithm
+    problems: list[str] = []
+    add = problems.append
+
+    # ---- devices and placement
+    world = t.nnodes * t.n_gpus_per_node
+    if t.nnodes < 1 or t.n_gpus_per_node < 1:
+        add(
+            f"trainer.nnodes = {t.nnodes} and trainer.n_gpus_per_node = {t.n_gpus_per_node} must both be >= 1"
+        )
+        world = max(world, 1)
+    if t.backend not in ("inprocess", "local", "ray"):
+        add(f"trainer.backend = {t.backend!r} is unknown: use inprocess, local or ray")
+    if t.backend == "inprocess" and world != 1:
+        add(
+            f"trainer.backend = inprocess runs on one device but trainer.nnodes × trainer.n_gpus_per_node "
+            f"= {t.nnodes} × {t.n_gpus_per_node} = {world}: set trainer.backend=local (one node) or ray"
+        )
+    if t.backend == "local" and t.nnodes != 1:
+        add(
+            f"trainer.backend = local runs on one node but trainer.nnodes = {t.nnodes}: use trainer.backend=ray"
+        )
+    if gpus_available is not None and t.device != "cpu" and t.n_gpus_per_node > gpus_available > 0:
+        add(
+            f"trainer.n_gpus_per_node = {t.n_gpus_per_node} but this node has {gpus_available} GPU(s): "
+            f"set trainer.n_gpus_per_node <= {gpus_available}"
+        )
+    if t.placement not in ("colocate", "split"):
+        add(f"trainer.placement = {t.placement!r} is unknown: use colocate or split")
+    train_dp, rollout_dp = world, world
+    if t.placement == "split":
+        if not 0 < t.rollout_gpus < world:
+            add(
+                f"trainer.placement = split needs 0 < trainer.rollout_gpus < {world} (all devices), "
+                f"got trainer.rollout_gpus = {t.rollout_gpus}: give the rollout some devices and "
+                f"leave the rest for training"
+            )
+        else:
+            train_dp, rollout_dp = world - t.rollout_gpus, t.rollout_gpus
+
+    # ---- batch sizes
+    n = r.n
+    if n < 1:
+        add(f"rollout.n = {n} must be >= 1")
+        n = 1
+    if alg.adv_estimator in GROUP_ESTIMATORS and n < 2:
+        add(
+            f"algorithm.adv_estimator = {alg.adv_estimator} normalises within groups of rollout.n samples "
+            f"but rollout.n = {n}: set rollout.n >= 2 (e.g. 8)"
+        )
+    if d.train_batch_size < 1:
+        add(f"data.train_batch_size = {d.train_batch_size} must be >= 1")
+    samples = d.train_batch_size * n
+    splits = [(train_dp, "data-parallel ranks")]
+    if rollout_dp != train_dp:
+        splits.append((rollout_dp, "rollout engines"))
+    for dp, what in splits:
+        if dp > 0 and samples % dp:
+            need = dp // math.gcd(n, dp)
+            add(
+                f"data.train_batch_size × rollout.n = {d.train_batch_size} × {n} = {samples} samples cannot be "
+                f"split over {dp} {what}: make data.train_batch_size a multiple of {need}"
+            )
+    mini = a.ppo_mini_batch_size
+    mini_per_gpu = 0
+    if mini < 1 or mini > d.train_batch_size:
+        add(
+            f"actor.ppo_mini_batch_size = {mini} must be between 1 and data.train_batch_size = "
+            f"{d.train_batch_size}"
+        )
+    else:
+        if d.train_batch_size % mini:
+            add(
+                f"data.train_batch_size = {d.train_batch_size} is not a multiple of actor.ppo_mini_batch_size "
+                f"= {mini}: the last mini-batch would be partial; pick a divisor of {d.train_batch_size}"
+            )
+        if (mini * n) % train_dp:
+            need = train_dp // math.gcd(n, train_dp)
+            add(
+                f"actor.ppo_mini_batch_size × rollout.n = {mini} × {n} = {mini * n} samples cannot be split "
+                f"over {train_dp} data-parallel ranks: make actor.ppo_mini_batch_size a multiple of {need}"
+            )
+        mini_per_gpu = mini * n // max(train_dp, 1)
+    micro_per_mini = None
+    if a.max_tokens_per_gpu is None:
+        mb = a.micro_batch_size_per_gpu
+        if mb < 1:
+            add(
+                f"actor.micro_batch_size_per_gpu = {mb} must be >= 1 (or set actor.max_tokens_per_gpu)"
+            )
+        elif mini_per_gpu and mini_per_gpu % mb:
+            add(
+                f"actor mini-batch per GPU = actor.ppo_mini_batch_size × rollout.n / ranks = {mini} × {n} / "
+                f"{train_dp} = {mini_per_gpu} samples is not a multiple of actor.micro_batch_size_per_gpu = "
+                f"{mb}: pick a divisor of {mini_per_gpu}"
+            )
+        elif mini_per_gpu:
+            micro_per_mini = mini_per_gpu // mb
+    max_len = d.max_prompt_length + d.max_response_length
+    for key, budget in (
+        ("actor.max_tokens_per_gpu", a.max_tokens_per_gpu),
+        ("ref.max_tokens_per_gpu", cfg.ref.max_tokens_per_gpu),
+        ("critic.max_tokens_per_gpu", c.max_tokens_per_gpu),
+    ):
+        if budget is not None and budget < max_len:
+            add(
+                f"{key} = {budget} is smaller than one full sequence, data.max_prompt_length + "
+                f"data.max_response_length = {d.max_prompt_length} + {d.max_response_length} = {max_len}: "
+                f"raise it to at least {max_len} (2-4× that packs better)"
+            )
+    if a.ppo_epochs < 1:
+        add(f"actor.ppo_epochs = {a.ppo_epochs} must be >= 1")
+    if d.max_prompt_length < 1 or d.max_response_length < 1:
+        add(
+            f"data.max_prompt_length = {d.max_prompt_length} and data.max_response_length = "
+            f"{d.max_response_length} must both be >= 1"
+        )
+    if d.overlong_prompts not in ("filter", "error", "truncate"):
+        add(
+            f"data.overlong_prompts = {d.overlong_prompts!r} is unknown: use filter, error or truncate"
+        )
+
+    # ---- critic (GAE)
+    use_critic = alg.adv_estimator == "gae"
+    critic_mini_per_gpu = 0
+    if use_critic:
+        cmini = c.ppo_mini_batch_size or mini
+        if cmini < 1 or d.train_batch_size % cmini or (cmini * n) % train_dp:
+            add(
+                f"critic.ppo_mini_batch_size = {cmini} must divide data.train_batch_size = {d.train_batch_size} "
+                f"and × rollout.n = {n} split evenly over {train_dp} ranks"
+            )
+        else:
+            critic_mini_per_gpu = cmini * n // train_dp
+            if c.max_tokens_per_gpu is None and critic_mini_per_gpu % max(
+                c.micro_batch_size_per_gpu, 1
+            ):
+                add(
+                    f"critic mini-batch per GPU = {critic_mini_per_gpu} samples is not a multiple of "
+                    f"critic.micro_batch_size_per_gpu = {c.micro_batch_size_per_gpu}"
+                )
+        if c.ppo_epochs is not None and c.ppo_epochs < 1:
+            add(f"critic.ppo_epochs = {c.ppo_epochs} must be >= 1")
+
+    # ---- names
+    adv_names, loss_names, agg_names, kl_names = _known_names()
+    for key, value, known in (
+        ("algorithm.adv_estimator", alg.adv_estimator, adv_names),
+        ("actor.policy_loss", a.policy_loss, loss_names),
+        ("actor.loss_agg_mode", a.loss_agg_mode, agg_names),
+        ("critic.loss_agg_mode", c.loss_agg_mode, agg_names),
+        ("actor.kl_loss_type", a.kl_loss_type, kl_names),
+        ("algorithm.kl_penalty", alg.kl_penalty, kl_names),
+    ):
+        if value not in known:
+            add(f"{key} = {value!r} is unknown{_suggest(value, sorted(known))}")
+    if a.lr_scheduler not in ("constant", "linear", "cosine"):
+        add(f"actor.lr_scheduler = {a.lr_scheduler!r} is unknown: use constant, linear or cosine")
+    if alg.kl_ctrl_type not in ("fixed", "adaptive"):
+        add(f"algorithm.kl_ctrl_type = {alg.kl_ctrl_type!r} is unknown: use fixed or adaptive")
+    if cfg.reward.manager not in ("naive", "batch", "dapo"):
+        add(f"reward.manager = {cfg.reward.manager!r} is unknown: use naive, batch or dapo")
+    if cfg.reward.custom_fn is not None and ":" not in cfg.reward.custom_fn:
+        add(
+            f"reward.custom_fn = {cfg.reward.custom_fn!r} must look like path/to/file.py:function_name"
+        )
+
+    # ---- sampling and algorithm knobs
+    if r.temperature < 0:
+        add(f"rollout.temperature = {r.temperature} must be >= 0 (0 = greedy)")
+    if not 0 < r.top_p <= 1:
+        add(f"rollout.top_p = {r.top_p} must be in (0, 1]")
+    if not 0 <= r.min_p < 1:
+        add(f"rollout.min_p = {r.min_p} must be in [0, 1)")
+    if r.top_k == 0 or r.top_k < -1:
+        add(f"rollout.top_k = {r.top_k} must be -1 (off) or >= 1")
+    if not 0 < r.gpu_memory_utilization <= 0.95:
+        add(f"rollout.gpu_memory_utilization = {r.gpu_memory_utilization} must be in (0, 0.95]")
+    if a.clip_ratio_c <= 1:
+        add(f"actor.clip_ratio_c = {a.clip_ratio_c} must be > 1 (dual clip; 3.0 is standard)")
+    if alg.dynamic_sampling and alg.adv_estimator not in GROUP_ESTIMATORS:
+        add(
+            f"algorithm.dynamic_sampling filters groups but algorithm.adv_estimator = {alg.adv_estimator} "
+            f"is not a group estimator ({', '.join(GROUP_ESTIMATORS)})"
+        )
+    if alg.dynamic_sampling and alg.max_gen_rounds < 1:
+        add(f"algorithm.max_gen_rounds = {alg.max_gen_rounds} must be >= 1")
+    if cfg.model.lora_rank < 0:
+        add(f"model.lora_rank = {cfg.model.lora_rank} must be >= 0")
+    if cfg.model.dtype not in ("auto", "bfloat16", "float32", "float16"):
+        add(f"model.dtype = {cfg.model.dtype!r} is unknown: use auto, bfloat16 or float32")
+    if t.total_steps < 0:
+        add(f"trainer.total_steps = {t.total_steps} must be >= 0")
+
+    # ---- lengths vs the model's context
+    ctx = model_context_length(cfg.model.path)
+    if ctx is not None and max_len > ctx:
+        add(
+            f"data.max_prompt_length + data.max_response_length = {d.max_prompt_length} + "
+            f"{d.max_response_length} = {max_len} exceeds the context of model.path = {cfg.model.path!r} "
+            f"({ctx} tokens): shorten one of them"
+        )
+
+    if problems:
+        raise ConfigError(problems)
+    return Derived(
+        world_size=world,
+        train_dp_size=train_dp,
+        rollout_dp_size=rollout_dp,
+        samples_per_step=samples,
+        mini_batches_per_step=d.train_batch_size // max(mini, 1),
+        mini_batch_samples_per_gpu=mini_per_gpu,
+        micro_batches_per_mini_batch=micro_per_mini,
+        critic_mini_batch_samples_per_gpu=critic_mini_per_gpu,
+        use_reference=a.use_kl_loss or alg.use_kl_in_reward,
+        use_critic=use_critic,
+        max_sequence_length=max_len,
+    )
