@@ -51,6 +51,7 @@ class SFTTrainer:
         from hybridflow.training.modules import PolicyModel
 
         self.cfg, self.grad_clip = sft_cfg, grad_clip
+        self.steps_done = 0
         self.policy = PolicyModel(model)
         self.core = TrainCore(self.policy, device=device)
         self.core.build_optimizer(
@@ -109,9 +110,12 @@ def run_sft(
     checkpoint: Callable[[SFTTrainer, Any, int], None] | None = None,
     save_freq: int = 0,
     resume: Callable[[SFTTrainer, Any], int] | None = None,
+    should_stop: Callable[[SFTTrainer, int], bool] | None = None,
 ) -> SFTTrainer:
     """``sft.total_steps`` optimizer steps over shuffled ``examples`` (deterministic in
-    ``seed``); ``checkpoint(trainer, sampler, step)`` every ``save_freq`` steps and at the end."""
+    ``seed``); ``checkpoint(trainer, sampler, step)`` every ``save_freq`` steps and at the end.
+    ``should_stop(trainer, step)``, asked after each step, ends training early when True
+    (``trainer.steps_done`` says where it stopped)."""
     from hybridflow.data.sampler import ResumableSampler
 
     torch.manual_seed(seed)
@@ -119,16 +123,21 @@ def run_sft(
     batch_size = min(sft_cfg.batch_size, len(examples))
     sampler = ResumableSampler(len(examples), batch_size, seed=seed)
     start = resume(trainer, sampler) if resume is not None else 0
+    trainer.steps_done = start
     for step in range(start + 1, sft_cfg.total_steps + 1):
         batch = examples_to_batch([examples[i] for i in sampler.next_batch()], pad_token_id)
         metrics = trainer.step(batch)
+        trainer.steps_done = step
         if log is not None:
             log(metrics, step)
+        stop = should_stop is not None and should_stop(trainer, step)
         if checkpoint is not None and (
             (save_freq > 0 and step % save_freq == 0)
-            or (step == sft_cfg.total_steps and save_freq >= 0)
+            or ((step == sft_cfg.total_steps or stop) and save_freq >= 0)
         ):
             checkpoint(trainer, sampler, step)
+        if stop:
+            break
     return trainer
 
 

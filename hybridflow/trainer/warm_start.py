@@ -1,11 +1,15 @@
 """``model.path = sft:<task>``: a tiny model SFT-trained on a built-in task, trained once and
 cached under ``trainer.cache_dir`` keyed by a hash of everything that shapes it.
 
-The demo's warm start: a short SFT (``sft.total_steps``) leaves the model partly right, so RL
-has room to improve it. ``sft.carry_error_rate`` can make the arithmetic demonstrations
-imperfect on purpose (answers that need a carry written with the carry forgotten, as a
-careless student would); measured here, such noise slows SFT down a lot (loss 1.25 vs 0.35
-after 400 steps at a rate of 0.35), so the default is clean data.
+The demo's warm start: a short SFT leaves the model partly right, so RL has room to improve
+it. It stops once greedy accuracy reaches ``sft.stop_at_accuracy`` (checked every
+``sft.eval_every`` steps, ``sft.total_steps`` the cap) rather than after a fixed step count,
+because the step at which the tiny model "gets" addition depends on the seed.
+
+``sft.carry_error_rate`` can make the arithmetic demonstrations imperfect on purpose (answers
+that need a carry written with the carry forgotten, as a careless student would); measured
+here, such noise slows SFT down a lot (loss 1.25 vs 0.35 after 400 steps at a rate of 0.35),
+so the default is clean data.
 """
 
 from __future__ import annotations
@@ -60,6 +64,67 @@ def builtin_sft_rows(task: str, sft_cfg: SFTConfig, val_size: int, data_seed: in
             answer = careless
         rows.append((_user(question), answer))
     return rows
+
+
+def accuracy_problems(task: str, size: int, val_size: int, data_seed: int = 0):
+    """``size`` (question, answer) pairs of the built-in task for the greedy-accuracy check of
+    ``sft.stop_at_accuracy``, never from its validation split (the RL before/after numbers)."""
+    from hybridflow.data.arithmetic import arithmetic_problems, arithmetic_splits
+
+    if task != "arithmetic":
+        raise ValueError(f"sft.stop_at_accuracy: no built-in accuracy check for {task!r}")
+    held_out = frozenset(q for q, _ in arithmetic_splits(0, val_size, data_seed)["test"])
+    return arithmetic_problems(size, data_seed + 3_000_017, exclude=held_out)
+
+
+def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int = 8) -> float:
+    """Fraction of ``problems`` (question, answer) whose greedy completion, up to EOS, is
+    exactly the answer. Prompts are batched by token length, so no padding is needed."""
+    import torch
+
+    from hybridflow.data.chat import encode_chat_prompt
+
+    by_length: dict[int, list[tuple[list[int], str]]] = {}
+    for question, answer in problems:
+        ids = encode_chat_prompt(tokenizer, _user(question))
+        by_length.setdefault(len(ids), []).append((ids, answer))
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    correct = 0
+    for group in by_length.values():
+        ids = torch.tensor([prompt for prompt, _ in group], device=device)  # [b, P]
+        prompt_len = ids.shape[1]
+        for _ in range(max_new_tokens):
+            with torch.no_grad():
+                output = model(ids)  # our decoder: logits [b, T, V]; HF: an output object
+            logits = getattr(output, "logits", output)[:, -1]  # [b, V]
+            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
+        for row, (_, answer) in zip(ids[:, prompt_len:].tolist(), group):
+            if tokenizer.eos_token_id in row:
+                row = row[: row.index(tokenizer.eos_token_id)]
+            correct += tokenizer.decode(row, skip_special_tokens=True).strip() == answer
+    model.train(was_training)
+    return correct / max(len(problems), 1)
+
+
+def accuracy_stopper(sft_cfg: SFTConfig, evaluate, log=print):
+    """``should_stop(trainer, step)`` for :func:`run_sft`: True once ``evaluate(model)``,
+    run every ``sft.eval_every`` steps, reaches ``sft.stop_at_accuracy``."""
+    if sft_cfg.stop_at_accuracy is not None and sft_cfg.eval_every < 1:
+        raise ValueError(f"sft.eval_every = {sft_cfg.eval_every} must be >= 1")
+
+    def should_stop(trainer, step: int) -> bool:
+        if sft_cfg.stop_at_accuracy is None or step % sft_cfg.eval_every != 0:
+            return False
+        accuracy = evaluate(trainer.model)
+        log(f"  sft step {step}: greedy accuracy {accuracy:.3f}")
+        if accuracy >= sft_cfg.stop_at_accuracy:
+            log(f"  sft stops at step {step}: accuracy >= {sft_cfg.stop_at_accuracy}")
+            return True
+        return False
+
+    return should_stop
 
 
 def _user(content: str) -> list[dict[str, str]]:
@@ -129,6 +194,7 @@ def train_warm_start(cfg: Config, task: str, target: Path, log=print) -> None:
         if step % 50 == 0 or step == sft_cfg.total_steps:
             log(f"  sft step {step}/{sft_cfg.total_steps}  loss {metrics['sft/loss']:.3f}")
 
+    problems = accuracy_problems(task, sft_cfg.eval_size, cfg.data.builtin_val_size)
     trainer = run_sft(
         model,
         examples,
@@ -137,6 +203,9 @@ def train_warm_start(cfg: Config, task: str, target: Path, log=print) -> None:
         seed=cfg.trainer.seed,
         pad_token_id=tokenizer.pad_token_id or 0,
         log=log_progress,
+        should_stop=accuracy_stopper(
+            sft_cfg, lambda lm: greedy_accuracy(lm, tokenizer, problems), log
+        ),
     )
     temporary = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(temporary, ignore_errors=True)
@@ -145,4 +214,7 @@ def train_warm_start(cfg: Config, task: str, target: Path, log=print) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(target, ignore_errors=True)
     os.rename(temporary, target)
-    log(f"warm start: SFT done in {time.perf_counter() - started:.0f} s")
+    log(
+        f"warm start: SFT done in {time.perf_counter() - started:.0f} s "
+        f"({trainer.steps_done} steps)"
+    )

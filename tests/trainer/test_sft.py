@@ -112,3 +112,55 @@ def test_warm_start_is_trained_once_then_cached(tmp_path):
     # Different SFT settings: a different cache entry.
     cfg.sft.total_steps = 3
     assert resolve_model_path(cfg, log=messages.append) != path
+    # The early-stop target is part of the key too.
+    cfg.sft.total_steps, cfg.sft.stop_at_accuracy = 2, 0.9
+    assert resolve_model_path(cfg, log=messages.append) != path
+
+
+def test_sft_stops_at_the_accuracy_target_and_the_cap_still_applies():
+    from hybridflow.models import load_model, load_tokenizer
+    from hybridflow.trainer.warm_start import accuracy_stopper, greedy_accuracy
+
+    tokenizer = load_tokenizer("char")
+    # a trivially learnable task: every question's answer is "7"
+    problems = [(f"{a}+{b}=", "7") for a in range(10, 14) for b in range(10, 14)]
+    examples, _ = load_sft_examples_for(problems, tokenizer)
+
+    def train(overrides):
+        cfg = load_config(
+            None,
+            ["sft.lr=1e-2", "sft.warmup_steps=2", "sft.batch_size=16", "sft.eval_every=5"]
+            + overrides,
+        ).sft
+        accuracies = []
+
+        def evaluate(model):
+            accuracies.append(greedy_accuracy(model, tokenizer, problems))
+            return accuracies[-1]
+
+        trainer = run_sft(
+            load_model("tiny"),
+            examples,
+            cfg,
+            device="cpu",
+            seed=0,
+            pad_token_id=0,
+            should_stop=accuracy_stopper(cfg, evaluate, log=lambda _: None),
+        )
+        return trainer.steps_done, accuracies
+
+    steps, accuracies = train(["sft.total_steps=200", "sft.stop_at_accuracy=0.9"])
+    assert steps < 200 and steps % 5 == 0  # stopped at a check, long before the cap
+    assert accuracies[-1] >= 0.9 and all(a < 0.9 for a in accuracies[:-1])
+    assert greedy_accuracy(load_model("tiny"), tokenizer, problems) < 0.9  # not from the start
+    steps, accuracies = train(["sft.total_steps=10", "sft.stop_at_accuracy=1.01"])
+    assert steps == 10 and len(accuracies) == 2  # unreachable target: the cap ends it
+    steps, accuracies = train(["sft.total_steps=10", "sft.stop_at_accuracy=null"])
+    assert steps == 10 and accuracies == []  # no target: no checks
+
+
+def load_sft_examples_for(problems, tokenizer):
+    from hybridflow.data.sft import tokenize_sft_rows
+
+    rows = [([{"role": "user", "content": q}], a) for q, a in problems]
+    return tokenize_sft_rows(rows, tokenizer, tokenizer.eos_token_id, 64)
