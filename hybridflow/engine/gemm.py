@@ -118,6 +118,117 @@ def skinny_matmul(
     return out
 
 
+# -------------------------------------------------------------------------------------------
+# Version 2 (run 5): weight tiles read K-contiguous ([BLOCK_N, BLOCK_K], transposed for the
+# dot), optional split-K with fp32 partials (reduced by the consumer: the residual add+RMSNorm
+# reads the row anyway), and an epilogue that turns interleaved gate/up columns into
+# silu(gate) * up, so the MLP's [M, 2I] product is never written.
+
+
+@triton.jit
+def _gemm_nt_kernel(
+    a_ptr, w_ptr, bias_ptr, c_ptr, M, N, K_SPLIT, stride_am, stride_wn, stride_cs, stride_cm,
+    HAS_BIAS: tl.constexpr, SILU_PAIRS: tl.constexpr, PARTIAL: tl.constexpr, FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """c = a @ w^T over k in [pid_k * K_SPLIT, (pid_k + 1) * K_SPLIT) (K_SPLIT % BLOCK_K == 0).
+
+    PARTIAL: store the fp32 sum of this K range at c[pid_k] (split-K; no bias).
+    SILU_PAIRS: w's rows are interleaved (gate_0, up_0, gate_1, up_1, ...): store
+    silu(gate) * up into c [M, N / 2], rounded like the torch ops (gate and up to the output
+    dtype first, then silu, then the product)."""
+    # M tiles vary fastest: the blocks that read one weight tile run at the same time and
+    # share it through L2.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
+    m_mask = rm < M
+    n_mask = rn < N
+    rm_safe = tl.where(m_mask, rm, 0).to(tl.int64)  # unmasked loads stay in bounds
+    rn_safe = tl.where(n_mask, rn, 0).to(tl.int64)
+    a_ptrs = a_ptr + rm_safe[:, None] * stride_am + rk[None, :]
+    w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for _ in range(0, K_SPLIT, BLOCK_K):
+        a = tl.load(a_ptrs)
+        w = tl.load(w_ptrs)
+        if FP32:
+            acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if PARTIAL:
+        c = c_ptr + pid_k * stride_cs + rm_safe[:, None] * stride_cm + rn_safe[None, :]
+        tl.store(c, acc, mask=m_mask[:, None] & n_mask[None, :])
+        return
+    dtype = c_ptr.dtype.element_ty
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn_safe, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if SILU_PAIRS:
+        gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
+        gate = gate.to(dtype).to(tl.float32)
+        up = up.to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        c = c_ptr + rm_safe[:, None] * stride_cm + cols[None, :]
+        tl.store(c, (silu * up).to(dtype), mask=m_mask[:, None] & (cols < N // 2)[None, :])
+    else:
+        c = c_ptr + rm_safe[:, None] * stride_cm + rn_safe[None, :]
+        tl.store(c, acc.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def interleave_pairs(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """[I, K] gate and up weights -> [2I, K] rows gate_0, up_0, gate_1, up_1, ... (the layout
+    gemm_nt(silu_pairs=True) expects)."""
+    return torch.stack([gate, up], dim=1).flatten(0, 1)
+
+
+def gemm_nt(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: tuple,
+    splits: int = 1,
+    silu_pairs: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] (rows may be strided) @ weight [N, K]^T (+ bias).
+
+    splits > 1: returns fp32 partial sums [splits, M, N] (K divided evenly; no bias; the caller
+    reduces them). silu_pairs: weight rows interleaved gate/up (interleave_pairs), returns
+    silu(gate) * up [M, N / 2]. config: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    rows, depth = x.shape
+    cols = weight.shape[0]
+    block_m, block_n, block_k, warps, stages = config
+    k_split = depth // splits
+    if weight.shape[1] != depth or weight.stride(1) != 1 or x.stride(1) != 1:
+        raise ValueError("gemm_nt needs x [M, K] and weight [N, K] with contiguous rows")
+    if k_split * splits != depth or k_split % block_k:
+        raise ValueError(f"K={depth} is not {splits} splits of a multiple of {block_k}")
+    if splits > 1 and (bias is not None or silu_pairs):
+        raise ValueError("split-K partials carry no bias or SiLU epilogue")
+    if out is None:
+        if splits > 1:
+            out = torch.empty(splits, rows, cols, dtype=torch.float32, device=x.device)
+        else:
+            out_cols = cols // 2 if silu_pairs else cols
+            out = torch.empty(rows, out_cols, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n), splits)
+    _gemm_nt_kernel[grid](
+        x, weight, bias if bias is not None else weight, out, rows, cols, k_split,
+        x.stride(0), weight.stride(0), out.stride(0) if splits > 1 else 0,
+        out.stride(-2), HAS_BIAS=bias is not None, SILU_PAIRS=silu_pairs, PARTIAL=splits > 1,
+        FP32=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
 def _row_bucket(rows: int) -> int:
     return max(16, triton.next_power_of_2(rows))
 
