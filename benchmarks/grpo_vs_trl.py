@@ -3,6 +3,9 @@
     python benchmarks/grpo_vs_trl.py --which both            # H200: the issue's workload
     python benchmarks/grpo_vs_trl.py --which trl --preset tiny --prompts 4 --samples 2 \
         --prompt-len 8 --new-tokens 8 --steps 2                 # CPU smoke test
+    python benchmarks/grpo_vs_trl.py --which hybridflow --scaling 1 2   # 2 H200s: scaling
+    python benchmarks/grpo_vs_trl.py --which hybridflow --scaling 1 2 --device cpu \
+        --preset tiny --prompts 2 --samples 2 --prompt-len 8 --new-tokens 8 --steps 2
 
 Workload (issue 8): a `qwen2.5-0.5b`-shaped model with random weights, 128 prompts × 8
 samples, 128-token prompts, 256 new tokens forced (no early stop), bf16, gradient
@@ -12,6 +15,12 @@ a reward that scores random numbers (so advantages and gradients are non-zero).
 
 TRL runs with its own `model.generate` (no vLLM: not installable on our GPU machines).
 Prints a table: seconds per step, tokens/s (prompt + response tokens), peak GPU memory.
+
+``--gpus N`` runs the hybridflow side on N GPUs (``local`` backend: one worker process per
+GPU, FSDP2-sharded actor, a rollout engine per GPU, prompts split over the ranks) with
+``--prompts`` prompts per GPU. ``--scaling 1 2`` runs each GPU count in a fresh process at
+that equal per-GPU work and prints step time, tokens/s, tokens/s per GPU, scaling efficiency
+(per-GPU tokens/s over the 1-GPU run's), peak memory of each GPU and the stage breakdown.
 """
 
 from __future__ import annotations
@@ -20,6 +29,8 @@ import argparse
 import json
 import os
 import random
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -142,22 +153,86 @@ def run_trl(model_dir: str, prompts: list[list[int]], args) -> dict:
 
 
 def run_hybridflow(model_dir: str, prompts: list[list[int]], args) -> dict:
+    """The hybridflow side on ``args.gpus`` GPUs, each with ``args.prompts`` prompts (equal
+    per-GPU work: the global batch grows with the GPU count)."""
     from hybridflow.trainer.bench import time_grpo_steps
 
-    times, peak, breakdown = time_grpo_steps(
+    prompts = (prompts * args.gpus)[: args.prompts * args.gpus]
+    times, peaks, breakdown = time_grpo_steps(
         model_path=model_dir,
         prompts=prompts,
         samples_per_prompt=args.samples,
         new_tokens=args.new_tokens,
         steps=args.steps,
         micro_batch_tokens=args.hf_micro_tokens,
+        gpus=args.gpus,
         tokenizer=load_word_tokenizer(model_dir),
         overrides=tuple(args.override),
     )
-    name = "hybridflow" + "".join(f" {o}" for o in args.override)
-    out = _summary(name, times, args, peak)
+    name = f"hybridflow {args.gpus}GPU" + "".join(f" {o}" for o in args.override)
+    out = _summary(name, times, args, max(peaks, default=float("nan")), gpus=args.gpus)
+    out["peak_gib_per_gpu"] = peaks
     out["breakdown"] = breakdown
     return out
+
+
+def run_scaling(model_dir: str, args) -> list[dict]:
+    """hybridflow on each GPU count of ``args.scaling``, each in a fresh process (the GPUs
+    start empty: the rollout's KV cache is sized from free memory), at equal per-GPU work."""
+    results = []
+    for gpus in args.scaling:
+        out_json = os.path.join(tempfile.mkdtemp(prefix="bench-scaling-"), "r.json")
+        command = [
+            sys.executable, __file__, "--which", "hybridflow", "--gpus", str(gpus),
+            "--preset", args.preset, "--prompts", str(args.prompts),
+            "--samples", str(args.samples), "--prompt-len", str(args.prompt_len),
+            "--new-tokens", str(args.new_tokens), "--steps", str(args.steps),
+            "--hf-micro-tokens", str(args.hf_micro_tokens), "--model-dir", model_dir,
+            "--json", out_json,
+            *(f"--override={o}" for o in args.override),
+        ]  # fmt: skip
+        print(f"\n=== hybridflow on {gpus} GPU(s) ===", flush=True)
+        try:
+            subprocess.run(command, check=True, timeout=args.run_timeout)
+            results += json.load(open(out_json))
+        except (subprocess.SubprocessError, OSError) as error:  # keep the other GPU counts
+            results.append({"name": f"hybridflow {gpus}GPU", "gpus": gpus, "error": repr(error)})
+    return results
+
+
+def scaling_table(results: list[dict]) -> list[str]:
+    """Step time, tokens/s (total and per GPU), scaling efficiency against the 1-GPU run
+    (per-GPU tokens/s ratio, equal per-GPU work), peak memory per GPU, stage breakdown."""
+    base = next((r for r in results if r.get("gpus") == 1 and "error" not in r), None)
+    lines = [
+        f"{'GPUs':>4}{'prompts':>9}{'s/step':>9}{'tokens/s':>11}{'tok/s/GPU':>11}"
+        f"{'scaling':>9}  peak GiB per GPU"
+    ]
+    for r in results:
+        if "error" in r:
+            lines.append(f"{r['gpus']:>4}  failed: {r['error'][:200]}")
+            continue
+        eff = r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"] if base else float("nan")
+        peaks = " ".join(f"{p:.1f}" for p in r.get("peak_gib_per_gpu", [])) or "n/a"
+        lines.append(
+            f"{r['gpus']:>4}{r['prompts']:>9}{r['step_s']:>9.2f}{r['tokens_per_s']:>11.0f}"
+            f"{r['tokens_per_s_per_gpu']:>11.0f}{100 * eff:>8.1f}%  {peaks}"
+        )
+        r["scaling_efficiency"] = eff
+    ok = [r for r in results if "breakdown" in r]
+    if ok:
+        lines.append("stage breakdown (s, mean of timed steps): " + " | ".join(
+            f"{r['gpus']} GPU" for r in ok))  # fmt: skip
+        for key in ok[0]["breakdown"]:
+            values = "".join(f"{r['breakdown'].get(key, 0.0):>10.3f}" for r in ok)
+            lines.append(f"  {key:<28}{values}")
+        overhead = "".join(f"{_controller_s(r['breakdown']):>10.3f}" for r in ok)
+        lines.append(f"  {'controller (step - stages)':<28}{overhead}")
+    return lines
+
+
+def _controller_s(breakdown: dict[str, float]) -> float:
+    return breakdown["timing_s/step"] - sum(v for k, v in breakdown.items() if k != "timing_s/step")
 
 
 def _version(pkg: str) -> str:
@@ -169,17 +244,25 @@ def _version(pkg: str) -> str:
         return "?"
 
 
-def _summary(name: str, times: list[float], args, peak_gib: float) -> dict:
+def _summary(name: str, times: list[float], args, peak_gib: float, gpus: int = 1) -> dict:
+    """``args.prompts`` prompts per GPU; tokens count prompt + response tokens."""
     timed = times[1:] if len(times) > 1 else times  # first step excluded (warm-up)
     step_s = sum(timed) / len(timed)
-    tokens = args.prompts * args.samples * (args.prompt_len + args.new_tokens)
+    tokens = gpus * args.prompts * args.samples * (args.prompt_len + args.new_tokens)
     return {
         "name": name,
+        "gpus": gpus,
+        "prompts": gpus * args.prompts,
         "step_s": step_s,
         "all_steps_s": times,
         "tokens_per_s": tokens / step_s,
+        "tokens_per_s_per_gpu": tokens / step_s / gpus,
         "peak_gib": peak_gib,
     }
+
+
+def _device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def main() -> None:
@@ -196,11 +279,46 @@ def main() -> None:
     p.add_argument("--json", default=None, help="also write results here")
     p.add_argument("--model-dir", default=None, help="reuse (or create) the random model here")
     p.add_argument("--override", action="append", default=[], help="hybridflow config override")
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help="GPUs for the hybridflow side (>1: local backend, FSDP2, one rollout engine per "
+        "GPU); --prompts is per GPU",
+    )
+    p.add_argument(
+        "--scaling",
+        type=int,
+        nargs="+",
+        default=None,
+        help="hybridflow only: run each GPU count (e.g. 1 2) in a fresh process at equal "
+        "per-GPU work and print scaling efficiency",
+    )
+    p.add_argument("--run-timeout", type=float, default=None, help="seconds per --scaling run")
+    p.add_argument(
+        "--device", default=None, help="cpu: run the hybridflow workers on CPU (smoke test)"
+    )
     args = p.parse_args()
+    if args.device:
+        args.override = [f"trainer.device={args.device}", *args.override]
+    if (args.gpus > 1 or args.scaling) and args.which != "hybridflow":
+        p.error("--gpus > 1 and --scaling measure hybridflow alone: add --which hybridflow")
 
     model_dir = args.model_dir or tempfile.mkdtemp(prefix="bench-model-")
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         build_hf_model_dir(args.preset, model_dir)
+    if args.scaling:
+        results = run_scaling(model_dir, args)
+        print(
+            f"\nhybridflow GRPO scaling, {args.preset}, {args.prompts} prompts/GPU × "
+            f"{args.samples} samples, {args.prompt_len}+{args.new_tokens} tokens, "
+            f"{_device_name()}, torch {torch.__version__}"
+        )
+        print("\n".join(scaling_table(results)))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return
     vocab = json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"]
     prompts = random_prompts(args.prompts, args.prompt_len, vocab)
     results = []
@@ -209,9 +327,9 @@ def main() -> None:
     if args.which in ("both", "trl"):
         results.append(run_trl(model_dir, prompts, args))
 
-    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    dev = _device_name()
     print(
-        f"\nGRPO step, {args.preset}, {args.prompts} prompts × {args.samples} samples, "
+        f"\nGRPO step, {args.preset}, {args.prompts} prompts (per GPU) × {args.samples} samples, "
         f"{args.prompt_len}+{args.new_tokens} tokens, {dev}, torch {torch.__version__}"
     )
     print(f"{'system':<22}{'s/step':>10}{'tokens/s':>12}{'peak GiB':>10}  steps")

@@ -3,6 +3,9 @@
 The step is ``trainer.loop.train_step``: the same code ``hybridflow train`` runs. Only the
 prompt source (fixed token-id prompts, no chat template) and the reward (random scores, so
 advantages and gradients are non-zero) are replaced, to match the peer's workload.
+
+``gpus > 1`` runs the ``local`` backend: one worker process per device, each with an FSDP2
+shard of the actor and a rollout engine of its own; the prompts are split over the ranks.
 """
 
 from __future__ import annotations
@@ -69,10 +72,17 @@ def bench_config(
     prompt_len: int,
     new_tokens: int,
     micro_batch_tokens: int,
+    gpus: int = 1,
     overrides: tuple[str, ...] = (),
 ) -> Config:
     """The issue-8 workload as a hybridflow config: one optimizer step per generation batch,
-    lr 1e-6, no reference model, bf16, gradient checkpointing, no early stop."""
+    lr 1e-6, no reference model, bf16, gradient checkpointing, no early stop.
+
+    ``prompts`` is the global batch; each of the ``gpus`` rollout engines gets
+    ``prompts / gpus`` of them (``rollout.max_num_seqs`` is per engine)."""
+    if prompts % gpus:
+        raise ValueError(f"{prompts} prompts do not split evenly over {gpus} GPUs")
+    placement = ["trainer.backend=local", f"trainer.n_gpus_per_node={gpus}"] if gpus > 1 else []
     cfg = load_config(
         None,
         [
@@ -84,7 +94,7 @@ def bench_config(
             f"data.max_response_length={new_tokens}",
             f"rollout.n={samples}",
             "rollout.ignore_eos=true",
-            f"rollout.max_num_seqs={prompts * samples}",
+            f"rollout.max_num_seqs={prompts // gpus * samples}",
             f"actor.ppo_mini_batch_size={prompts}",
             f"actor.max_tokens_per_gpu={micro_batch_tokens}",
             "actor.lr=1e-6",
@@ -92,6 +102,7 @@ def bench_config(
             "algorithm.adv_estimator=grpo",
             "trainer.loggers=[]",
             "trainer.val_before_train=false",
+            *placement,
             *overrides,
         ],
     )
@@ -106,11 +117,14 @@ def time_grpo_steps(
     new_tokens: int,
     steps: int,
     micro_batch_tokens: int = 65536,
+    gpus: int = 1,
     overrides: tuple[str, ...] = (),
     tokenizer: Any = None,
-) -> tuple[list[float], float, dict[str, float]]:
-    """Run ``steps`` GRPO steps; returns (seconds per step, peak GPU GiB, mean stage timings
-    of the steps after the first)."""
+) -> tuple[list[float], list[float], dict[str, float]]:
+    """Run ``steps`` GRPO steps on ``gpus`` devices (``prompts`` is the global batch).
+
+    Returns (seconds per step, peak allocated GiB of each rank's GPU over all steps, empty
+    on CPU; mean stage timings of the steps after the first)."""
     from hybridflow.models import load_tokenizer
     from hybridflow.trainer.loop import train_step
     from hybridflow.trainer.roles import build_roles
@@ -122,10 +136,10 @@ def time_grpo_steps(
         prompt_len=len(prompts[0]),
         new_tokens=new_tokens,
         micro_batch_tokens=micro_batch_tokens,
+        gpus=gpus,
         overrides=overrides,
     )
     derived = validate(cfg)
-    cuda = torch.cuda.is_available() and cfg.trainer.device != "cpu"
     roles = build_roles(cfg, derived)
     run = RunContext(
         cfg=cfg,
@@ -139,18 +153,19 @@ def time_grpo_steps(
         tracker=None,
         checkpoints=None,
     )
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
     times, per_step = [], []
     try:
+        # Asked of the workers: with the local backend the controller never touches a GPU.
+        roles.actor.device_memory(reset=True)
         for _ in range(steps):
             run.step += 1
             metrics = train_step(run)
             times.append(metrics["timing_s/step"])
             per_step.append({k: v for k, v in metrics.items() if k.startswith("timing_s/")})
+        # One entry per rank; CPU workers report nothing.
+        peaks = [m["max_allocated_gib"] for m in roles.actor.device_memory() if m]
     finally:
         roles.shutdown()
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     timed = per_step[1:] or per_step
     breakdown = {k: sum(m.get(k, 0.0) for m in timed) / len(timed) for k in timed[0]}
-    return times, peak, breakdown
+    return times, peaks, breakdown

@@ -79,6 +79,21 @@ class ActorWorker(Worker):
         self.engine.export_hf(directory)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
+    def device_memory(self, reset: bool = False) -> dict[str, float]:
+        """Peak GPU memory of this rank's process since the last reset, GiB (empty on CPU):
+        every role of a fused worker shares the process, so this is the whole rank's peak.
+        ``reset=True`` starts a new peak after reading."""
+        if not str(self.device).startswith("cuda"):
+            return {}
+        stats = {
+            "max_allocated_gib": torch.cuda.max_memory_allocated(self.device) / 2**30,
+            "max_reserved_gib": torch.cuda.max_memory_reserved(self.device) / 2**30,
+        }
+        if reset:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return stats
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
     def offload(self) -> None:
         self.engine.offload()
 
