@@ -1,8 +1,16 @@
-"""Fused sampler kernels: the vocabulary split over programs, one pass over the logits (two
-with min-p), no fp32 [B, V] copy; the decode-state update folded into the combine kernel.
+"""Fused sampler kernels for the hierarchical scheme of sampling.py (read its docstring).
 
-Same noise and filters as sampling.sample_reference (the hash constants are shared), so the
-CPU and CUDA paths draw the same tokens up to the fast log2's last bits.
+Pass 1 (grid rows x splits, the splits of sampling.SPLIT_SIZE tokens): per split, the max m,
+the sum s of exp(z - m) over all tokens (the log-prob's logsumexp, unfiltered) and the sum f
+of exp(z - m) over allowed tokens; one exp per entry (block-wise max: the running scalar sums
+are rescaled when a block raises the max), no per-entry noise. With min-p a max-only pass
+runs first (the threshold needs the row max).
+Combine (grid rows): logsumexp from the (m, s) partials, Gumbel-max over the splits' log
+f + m, then an inverse-CDF walk through the chosen split only (tl.cumsum per block); with
+`state`, also the decode-state update of state.advance.
+
+Same hash, splits and uniforms as sampling.sample_reference, so the CPU and CUDA paths draw
+the same tokens up to fp rounding at a split/CDF boundary (rare: see tests/engine).
 """
 
 from __future__ import annotations
@@ -15,13 +23,14 @@ import triton
 import triton.language as tl
 
 from hybridflow.engine import sampling
-from hybridflow.engine.sampling import SamplingParams
+from hybridflow.engine.sampling import SPLIT_SIZE, SamplingParams
 
 # The hash constants of sampling.py, as constants a Triton kernel may read.
 MIX_C1 = tl.constexpr(sampling._MIX_C1)
 MIX_C2 = tl.constexpr(sampling._MIX_C2)
 STEP_SALT = tl.constexpr(sampling._STEP_SALT)
 SEED_SALT = tl.constexpr(sampling._SEED_SALT)
+SCAN_SALT = tl.constexpr(sampling._SCAN_SALT)
 GOLDEN = tl.constexpr(sampling._GOLDEN)
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -36,115 +45,163 @@ def _mix32(x):
 
 
 @triton.jit
-def _log2(x, FAST_MATH: tl.constexpr):
-    if FAST_MATH:  # lg2.approx: the noise needs no last-bit accuracy
-        return tl.extra.cuda.libdevice.fast_log2f(x)
-    else:
-        return tl.log2(x)
+def _uniform(bits):
+    """uint32 -> fp32 in (0, 1): sampling.uniform_from_bits."""
+    return ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
 
 
 @triton.jit
-def _sample_split_kernel(
-    logits_ptr, stride_l, V, seed_lo_ptr, seed_hi_ptr, step_ptr, threshold_ptr,
-    part_m_ptr, part_s_ptr, part_score_ptr, part_idx_ptr, part_z_ptr, inv_temperature,
-    log_min_p, MAX_ONLY: tl.constexpr, GREEDY: tl.constexpr, SCALE: tl.constexpr,
-    HAS_THRESHOLD: tl.constexpr, HAS_MIN_P: tl.constexpr, SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr, SPLIT_SIZE: tl.constexpr, BLOCK_V: tl.constexpr,
-    FAST_MATH: tl.constexpr,
-):  # fmt: skip
-    """One (row, vocab split): running max/sum-exp of z = logits / T and the best Gumbel score
-    over allowed tokens. MAX_ONLY: just the split max (min-p needs the row max first)."""
-    row = tl.program_id(0)
-    split = tl.program_id(1)
-    base = logits_ptr + row.to(tl.int64) * stride_l
-    part = row * SPLITS + split
-    offs = tl.arange(0, BLOCK_V)
-    lo = split * SPLIT_SIZE
-    if MAX_ONLY:
-        m = tl.full([BLOCK_V], float("-inf"), tl.float32)
-        for v0 in range(lo, lo + SPLIT_SIZE, BLOCK_V):
-            idx = v0 + offs
-            z = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-            if SCALE:
-                z = z * inv_temperature
-            m = tl.maximum(m, z)
-        tl.store(part_m_ptr + part, tl.max(m, axis=0))
-        return
-    threshold = float("-inf")
+def _row_threshold(
+    threshold_ptr,
+    part_m_ptr,
+    row,
+    log_min_p,
+    HAS_THRESHOLD: tl.constexpr,
+    HAS_MIN_P: tl.constexpr,
+    SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    """The row's filter threshold (a token is allowed iff z >= it); min-p from the split maxima
+    (max is exact in any order, so every program of the row gets the same value)."""  # fmt: skip
+    threshold = tl.full([], float("-inf"), tl.float32)
     if HAS_THRESHOLD:
         threshold = tl.load(threshold_ptr + row)
     if HAS_MIN_P:
         sp = tl.arange(0, SPLITS_PAD)
         maxima = tl.load(part_m_ptr + row * SPLITS + sp, mask=sp < SPLITS, other=float("-inf"))
         threshold = tl.maximum(threshold, tl.max(maxima, axis=0) + log_min_p)
-    if not GREEDY:
-        step = tl.load(step_ptr + row).to(tl.uint32)
-        seed_lo = tl.load(seed_lo_ptr + row).to(tl.uint32)
-        seed_hi = tl.load(seed_hi_ptr + row).to(tl.uint32)
-        key = _mix32(step ^ tl.full([], STEP_SALT, tl.uint32))
-        key = _mix32(key ^ seed_lo)
-        key = _mix32(key ^ seed_hi ^ tl.full([], SEED_SALT, tl.uint32))
-    m = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK_V], tl.float32)
-    best_score = float("-inf")
-    best_idx = 0
-    best_z = 0.0
+    return threshold
+
+
+@triton.jit
+def _split_stats_kernel(
+    logits_ptr, stride_l, V, threshold_ptr, part_m_ptr, part_s_ptr, part_f_ptr, part_idx_ptr,
+    inv_temperature, log_min_p, MAX_ONLY: tl.constexpr, GREEDY: tl.constexpr,
+    SCALE: tl.constexpr, HAS_THRESHOLD: tl.constexpr, HAS_MIN_P: tl.constexpr,
+    SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLIT_SIZE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """Pass 1, one (row, split): m = max z; s = sum exp(z - m) (all tokens); f = the same sum
+    over allowed tokens (only when filtering; else f = s); GREEDY (never filtered): also the
+    first argmax. MAX_ONLY: just m (min-p needs the row max before anything is allowed)."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    base = logits_ptr + row.to(tl.int64) * stride_l
+    part = row * SPLITS + split
+    offs = tl.arange(0, BLOCK_V)
+    lo = split * SPLIT_SIZE
+    filtered: tl.constexpr = HAS_THRESHOLD or HAS_MIN_P
+    if filtered and not MAX_ONLY:
+        threshold = _row_threshold(threshold_ptr, part_m_ptr, row, log_min_p, HAS_THRESHOLD,
+                                   HAS_MIN_P, SPLITS, SPLITS_PAD)  # fmt: skip
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.zeros([], tl.float32)
+    f = tl.zeros([], tl.float32)
+    best_idx = lo
     for v0 in range(lo, lo + SPLIT_SIZE, BLOCK_V):
         idx = v0 + offs
         z = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
         if SCALE:
             z = z * inv_temperature
-        m_new = tl.maximum(m, z)
-        s = s * tl.exp(tl.where(m_new == float("-inf"), 0.0, m - m_new)) + tl.where(
-            z == float("-inf"), 0.0, tl.exp(z - m_new)
-        )
-        m = m_new
+        block_max = tl.max(z, axis=0)
         if GREEDY:
-            score = z
-        else:
-            token_mix = idx.to(tl.uint32) * tl.full([], GOLDEN, tl.uint32)
-            bits = _mix32(key ^ token_mix)
-            u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-            gumbel = -LN2 * _log2(-_log2(u, FAST_MATH), FAST_MATH)  # + ln(ln 2): argmax-neutral
-            score = tl.where(z >= threshold, z + gumbel, float("-inf"))
-        block_best = tl.max(score, axis=0)
-        block_idx = tl.argmax(score, axis=0)
-        if block_best > best_score:
-            best_score = block_best
-            best_idx = v0 + block_idx
-            best_z = tl.sum(tl.where(offs == block_idx, z, 0.0), axis=0)
-    m_split = tl.max(m, axis=0)
-    s_split = tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - m_split)), axis=0)
-    tl.store(part_m_ptr + part, m_split)
-    tl.store(part_s_ptr + part, s_split)
-    tl.store(part_score_ptr + part, best_score)
-    tl.store(part_idx_ptr + part, best_idx)
-    tl.store(part_z_ptr + part, best_z)
+            if block_max > m:  # strict: the first block holding the max wins ties
+                best_idx = v0 + tl.argmax(z, axis=0)
+        if not MAX_ONLY:
+            m_new = tl.maximum(m, block_max)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: no nan
+            rescale = tl.exp(m - m_safe)  # the only per-block extra exp; 0 while m = -inf
+            mass = tl.exp(z - m_safe)  # the one exp per entry
+            s = s * rescale + tl.sum(mass, axis=0)
+            if filtered:
+                f = f * rescale + tl.sum(tl.where(z >= threshold, mass, 0.0), axis=0)
+        m = tl.maximum(m, block_max)
+    tl.store(part_m_ptr + part, m)
+    if not MAX_ONLY:
+        tl.store(part_s_ptr + part, s)
+        if filtered:
+            tl.store(part_f_ptr + part, f)
+        if GREEDY:
+            tl.store(part_idx_ptr + part, best_idx)
 
 
 @triton.jit
 def _sample_combine_kernel(
-    part_m_ptr, part_s_ptr, part_score_ptr, part_idx_ptr, part_z_ptr, tok_ptr, logprob_ptr,
+    logits_ptr, stride_l, V, seed_lo_ptr, seed_hi_ptr, step_ptr, threshold_ptr, part_m_ptr,
+    part_s_ptr, part_f_ptr, part_idx_ptr, inv_temperature, log_min_p, tok_ptr, logprob_ptr,
     finished_ptr, slot_ptr, generated_ptr, max_new_ptr, stop_mask_ptr, state_tok_ptr,
-    positions_ptr, out_tok_ptr, out_lp_ptr, stride_out,
-    SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, ADVANCE: tl.constexpr,
+    positions_ptr, out_tok_ptr, out_lp_ptr, stride_out, GREEDY: tl.constexpr,
+    SCALE: tl.constexpr, HAS_THRESHOLD: tl.constexpr, HAS_MIN_P: tl.constexpr,
+    SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLIT_SIZE: tl.constexpr,
+    BLOCK_V: tl.constexpr, ADVANCE: tl.constexpr,
 ):  # fmt: skip
-    """Per row: the winning split's token, log-prob = z - logsumexp; with ADVANCE, also the
-    decode-state update of state.advance (record, count, stop, move) in the same launch."""
+    """Per row: logsumexp from the partials; the token (greedy: the best split's argmax; else
+    Gumbel-max over splits, then the inverse-CDF walk inside the chosen split); log-prob
+    = z - logsumexp. ADVANCE: also state.advance (record, count, stop, move)."""
     row = tl.program_id(0)
     sp = tl.arange(0, SPLITS_PAD)
     mask = sp < SPLITS
     parts = row * SPLITS + sp
     m = tl.load(part_m_ptr + parts, mask=mask, other=float("-inf"))
-    s = tl.load(part_s_ptr + parts, mask=mask, other=0.0)
     m_row = tl.max(m, axis=0)
+    s = tl.load(part_s_ptr + parts, mask=mask, other=0.0)
+    if GREEDY:
+        best = tl.argmax(m, axis=0)  # first split on ties = lowest token id, like torch.argmax
+        idx = tl.load(part_idx_ptr + parts, mask=mask, other=0)
+        token = tl.sum(tl.where(sp == best, idx, 0), axis=0)
+        z_token = m_row
+    else:
+        filtered: tl.constexpr = HAS_THRESHOLD or HAS_MIN_P
+        if filtered:
+            f = tl.load(part_f_ptr + parts, mask=mask, other=0.0)
+        else:
+            f = s
+        step = tl.load(step_ptr + row).to(tl.uint32)
+        key = _mix32(step ^ tl.full([], STEP_SALT, tl.uint32))
+        key = _mix32(key ^ tl.load(seed_lo_ptr + row).to(tl.uint32))
+        key = _mix32(
+            key ^ tl.load(seed_hi_ptr + row).to(tl.uint32) ^ tl.full([], SEED_SALT, tl.uint32)
+        )
+        u = _uniform(_mix32(key ^ (sp.to(tl.uint32) * tl.full([], GOLDEN, tl.uint32))))
+        gumbel = -LN2 * tl.log2(-tl.log2(u))  # + ln(ln 2): argmax-neutral
+        score = tl.where(mask & (f > 0), tl.log(f) + m + gumbel, float("-inf"))
+        chosen = tl.argmax(score, axis=0)
+        m_chosen = tl.sum(tl.where(sp == chosen, m, 0.0), axis=0)
+        target = _uniform(_mix32(key ^ tl.full([], SCAN_SALT, tl.uint32)))
+        target = target * tl.sum(tl.where(sp == chosen, f, 0.0), axis=0)
+        if filtered:
+            threshold = _row_threshold(threshold_ptr, part_m_ptr, row, log_min_p, HAS_THRESHOLD,
+                                       HAS_MIN_P, SPLITS, SPLITS_PAD)  # fmt: skip
+        base = logits_ptr + row.to(tl.int64) * stride_l
+        lo = chosen * SPLIT_SIZE
+        offs = tl.arange(0, BLOCK_V)
+        running = tl.zeros([], tl.float32)
+        found = tl.zeros([], tl.int32)
+        token = lo
+        last_positive = lo  # the rounding fallback: last token of the split with mass > 0
+        # No break in Triton: every block of the split is read; `found` freezes the token.
+        for v0 in range(0, SPLIT_SIZE, BLOCK_V):
+            idx = lo + v0 + offs
+            z = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+            if SCALE:
+                z = z * inv_temperature
+            mass = tl.exp(z - m_chosen)
+            if filtered:
+                mass = tl.where(z >= threshold, mass, 0.0)
+            positive = mass > 0
+            hit = (tl.cumsum(mass, axis=0) + running >= target) & positive
+            first = tl.min(tl.where(hit, offs, BLOCK_V), axis=0)
+            token = tl.where((found == 0) & (first < BLOCK_V), lo + v0 + first, token)
+            found = tl.maximum(found, (first < BLOCK_V).to(tl.int32))
+            last_positive = tl.maximum(last_positive, tl.max(tl.where(positive, idx, -1), axis=0))
+            running += tl.sum(mass, axis=0)
+        token = tl.where(found == 1, token, last_positive)
+        z_token = tl.load(base + token).to(tl.float32)
+        if SCALE:
+            z_token = z_token * inv_temperature
     lse = m_row + tl.log(tl.sum(tl.where(mask, s * tl.exp(m - m_row), 0.0), axis=0))
-    score = tl.load(part_score_ptr + parts, mask=mask, other=float("-inf"))
-    best = tl.argmax(score, axis=0)  # first split on ties = lowest token id, like torch.argmax
-    token = tl.sum(tl.where(sp == best, tl.load(part_idx_ptr + parts, mask=mask, other=0), 0))
     token = token.to(tl.int64)
-    z = tl.sum(tl.where(sp == best, tl.load(part_z_ptr + parts, mask=mask, other=0.0), 0.0))
-    logprob = z - lse
+    logprob = z_token - lse
     if ADVANCE:
         finished = tl.load(finished_ptr + row).to(tl.int32)
         live = 1 - finished
@@ -172,21 +229,25 @@ def sample_fused(
     seed_hi: torch.Tensor,
     steps: torch.Tensor,
     block_v: int = 2048,
-    target_splits: int = 16,
     state=None,
+    split_size: int = SPLIT_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Same contract and noise as sampling.sample_reference.
+    """Same contract, splits and uniforms as sampling.sample_reference.
 
-    The vocabulary is split over `target_splits` programs per row (one program per row left
-    most SMs idle: measured 234 us at 256 x 152k on an H200), then combined per row.
-    With `state` (a DecodeState whose first rows these are), the combine kernel also applies
-    state.advance and nothing is returned."""
+    logits [B, V] (bf16/fp16/fp32) -> (tokens [B] int64, logprobs [B] fp32). block_v is the
+    kernels' tile (a power of two; free, it does not change the draw); split_size belongs to
+    the sampling scheme (only tests pass another value). With `state` (a DecodeState whose
+    first rows these are), the combine kernel also applies state.advance; nothing returned."""
     rows, vocab = logits.shape
     device = logits.device
-    split_size = triton.cdiv(triton.cdiv(vocab, target_splits), block_v) * block_v
-    splits = triton.cdiv(vocab, split_size)
-    part_m, part_s, part_score, part_z = (
-        torch.empty(rows, splits, dtype=torch.float32, device=device) for _ in range(4)
+    splits, width = sampling.split_layout(vocab, split_size)
+    block_v = min(block_v, triton.next_power_of_2(width))
+    # The kernels walk whole tiles; a one-split vocabulary only needs enough tiles to cover it.
+    kernel_split = width if splits > 1 else triton.cdiv(width, block_v) * block_v
+    if kernel_split % block_v:
+        raise ValueError(f"split size {width} must be a multiple of block_v={block_v}")
+    part_m, part_s, part_f = (
+        torch.empty(rows, splits, dtype=torch.float32, device=device) for _ in range(3)
     )
     part_idx = torch.empty(rows, splits, dtype=torch.int32, device=device)
     greedy = params.greedy
@@ -198,7 +259,7 @@ def sample_fused(
     threshold = part_m  # placeholder pointer when unused
     if has_threshold and params.top_p < 1.0:
         # top-p needs the sorted distribution: torch sort (graph-safe, slower), then the
-        # kernel samples under the resulting threshold.
+        # kernels sample under the resulting threshold.
         z = logits.float() * (1.0 / temperature) if scale else logits.float()
         threshold = sampling.filter_threshold(z, params.top_k, params.top_p, 0.0)
     elif has_threshold:
@@ -206,18 +267,16 @@ def sample_fused(
         threshold = kth * (1.0 / temperature) if scale else kth
     has_min_p = not greedy and params.min_p > 0
     common = dict(
-        GREEDY=greedy, SCALE=scale, HAS_THRESHOLD=has_threshold,
-        HAS_MIN_P=has_min_p, SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
-        SPLIT_SIZE=split_size, BLOCK_V=block_v, FAST_MATH=logits.is_cuda, num_warps=4,
+        GREEDY=greedy, SCALE=scale, HAS_THRESHOLD=has_threshold, HAS_MIN_P=has_min_p,
+        SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
+        SPLIT_SIZE=kernel_split, BLOCK_V=block_v,
     )  # fmt: skip
-    args = (
-        logits, logits.stride(0), vocab, seed_lo, seed_hi, steps, threshold, part_m, part_s,
-        part_score, part_idx, part_z, 1.0 / temperature,
-        math.log(params.min_p) if has_min_p else 0.0,
-    )  # fmt: skip
+    rows_args = (logits, logits.stride(0), vocab)
+    scalars = (1.0 / temperature, math.log(params.min_p) if has_min_p else 0.0)
+    stats_args = (*rows_args, threshold, part_m, part_s, part_f, part_idx, *scalars)
     if has_min_p:
-        _sample_split_kernel[(rows, splits)](*args, MAX_ONLY=True, **common)
-    _sample_split_kernel[(rows, splits)](*args, MAX_ONLY=False, **common)
+        _split_stats_kernel[(rows, splits)](*stats_args, MAX_ONLY=True, **common, num_warps=4)
+    _split_stats_kernel[(rows, splits)](*stats_args, MAX_ONLY=False, **common, num_warps=4)
     if state is None:
         tokens = torch.empty(rows, dtype=torch.int64, device=device)
         logprobs = torch.empty(rows, dtype=torch.float32, device=device)
@@ -231,9 +290,9 @@ def sample_fused(
         tokens = logprobs = part_m  # unused pointers
         st, stride_out = state, state.out_tokens.stride(0)
     _sample_combine_kernel[(rows,)](
-        part_m, part_s, part_score, part_idx, part_z, tokens, logprobs, st.finished,
-        st.row_slots, st.generated, st.max_new, st.stop_mask, st.tokens, st.positions,
-        st.out_tokens, st.out_logprobs, stride_out, SPLITS=splits,
-        SPLITS_PAD=common["SPLITS_PAD"], ADVANCE=state is not None,
+        *rows_args, seed_lo, seed_hi, steps, threshold, part_m, part_s, part_f, part_idx,
+        *scalars, tokens, logprobs, st.finished, st.row_slots, st.generated, st.max_new,
+        st.stop_mask, st.tokens, st.positions, st.out_tokens, st.out_logprobs, stride_out,
+        ADVANCE=state is not None, **common, num_warps=4,
     )  # fmt: skip
     return None if state is not None else (tokens, logprobs)

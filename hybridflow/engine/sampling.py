@@ -1,17 +1,30 @@
 """Sampling parameters and the on-device, sync-free token sampler (torch reference path).
 
-Sampling is Gumbel-max: token = argmax_i(z_i + g_i) over the allowed set, with z = logits / T
-and g_i = -log(-log(u_i)). The uniforms u come from a counter-based hash of
-(request seed, decode step, token id), so a request's samples depend on its seed only, never
-on which batch or slot it ran in, and nothing needs a torch.Generator per request.
+Exact sampling from softmax(z) over the allowed set, z = logits / T, done hierarchically so
+that a GPU kernel needs one exp per vocabulary entry and no per-entry noise:
+
+1. The vocabulary is cut into splits of SPLIT_SIZE tokens (the last one shorter; a vocabulary
+   no longer than SPLIT_SIZE is one split). Per split j: m_j = max z, and
+   f_j = sum over ALLOWED tokens of exp(z - m_j), so split j holds mass f_j * e^{m_j}.
+2. One split J is drawn with Gumbel-max over log f_j + m_j (one hashed uniform per split):
+   P(J = j) = f_j e^{m_j} / sum_k f_k e^{m_k}.
+3. Inside split J, a token is drawn by inverse CDF: the first allowed token whose running
+   sum of exp(z - m_J) reaches u2 * f_J (u2 another hashed uniform); should fp rounding leave
+   the walk short of the target, the last token with positive mass in the split is taken.
+   P(token i) = P(J) * e^{z_i - m_J} / f_J = e^{z_i} / sum_allowed e^{z}: exact.
+
+The uniforms come from a counter-based hash of (request seed, decode step, split index) and
+(request seed, decode step, a salt), so a request's samples depend on its seed only, never on
+which batch or slot it ran in, and nothing needs a torch.Generator per request. The split
+size is part of the scheme (same seed -> same token needs the same splits), so it is a
+constant shared by this reference and the fused kernel (sampler_kernels.py), not a property
+of the device.
 
 Filters (applied in this order, each keeps the tokens whose z is >= a per-row threshold):
 top-k (the k largest), top-p (smallest prefix of the top-k set, sorted by probability and
 renormalised, whose mass reaches p), min-p (p_i >= min_p * p_max). The returned log-prob is
 log_softmax(z) at the sampled token BEFORE filtering: the quantity PPO's ratio uses.
 Greedy (temperature 0) returns argmax and log_softmax(logits) (temperature 1).
-
-The fused Triton version of the same sampler is in sampler_kernels.py; both share the hash.
 """
 
 from __future__ import annotations
@@ -28,6 +41,11 @@ _GOLDEN = 0x9E3779B9
 LN2 = math.log(2)
 _STEP_SALT = 0x27D4EB2F
 _SEED_SALT = 0x165667B1
+_SCAN_SALT = 0x85EBCA77  # differs from split * _GOLDEN (mod 2^32) for every split < 2^22
+
+SPLIT_SIZE = 4096
+"""Tokens per split of the hierarchical sampler (see the module docstring and NOTES.md, run 5:
+152k vocab -> 38 splits per row; short enough that the in-split walk is cheap)."""
 
 
 @dataclass(frozen=True)
@@ -109,11 +127,20 @@ def row_keys(seed_lo: torch.Tensor, seed_hi: torch.Tensor, steps: torch.Tensor) 
     return mix32(key ^ seed_hi ^ _SEED_SALT)
 
 
-def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """u [B, V] fp32 in (0, 1): 24 random bits per (row key, token id)."""
-    token_mix = _mul32(torch.arange(vocab_size, device=keys.device, dtype=torch.int64), _GOLDEN)
-    bits = mix32(keys[:, None] ^ token_mix[None, :])  # [B, V]
+def uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """uint32 hash values (int64) -> fp32 uniforms in (0, 1): the top 24 bits, centred."""
     return ((bits >> 8).float() + 0.5) * (1.0 / 16777216.0)
+
+
+def uniform_noise(keys: torch.Tensor, count: int) -> torch.Tensor:
+    """u [B, count] fp32 in (0, 1): one uniform per (row key, index) (index = split id)."""
+    index_mix = _mul32(torch.arange(count, device=keys.device, dtype=torch.int64), _GOLDEN)
+    return uniform_from_bits(mix32(keys[:, None] ^ index_mix[None, :]))  # [B, count]
+
+
+def scan_uniform(keys: torch.Tensor) -> torch.Tensor:
+    """u2 [B] fp32 in (0, 1): the in-split inverse-CDF draw of each row."""
+    return uniform_from_bits(mix32(keys ^ _SCAN_SALT))
 
 
 def request_seeds(base_seed: int, num_prompts: int, n: int) -> torch.Tensor:
@@ -125,7 +152,7 @@ def request_seeds(base_seed: int, num_prompts: int, n: int) -> torch.Tensor:
 
 
 # -------------------------------------------------------------------------------------------
-# Reference sampler (CPU, and the CUDA path for top-p)
+# Reference sampler (CPU and the eager decode path)
 
 
 def filter_threshold(z: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
@@ -147,25 +174,59 @@ def filter_threshold(z: torch.Tensor, top_k: int, top_p: float, min_p: float) ->
     return threshold
 
 
+def split_layout(vocab: int, split_size: int = SPLIT_SIZE) -> tuple[int, int]:
+    """(number of splits, tokens per split) of a vocabulary; one split if it fits in one."""
+    splits = -(-vocab // split_size)
+    return splits, split_size if splits > 1 else vocab
+
+
+def hierarchical_draw(
+    z: torch.Tensor, threshold: torch.Tensor, keys: torch.Tensor, split_size: int = SPLIT_SIZE
+) -> torch.Tensor:
+    """Tokens [B] int64 drawn from softmax(z) restricted to z >= threshold [B] (module
+    docstring, steps 1-3); z [B, V] fp32, keys [B] the per-row hash keys."""
+    rows, vocab = z.shape
+    splits, width = split_layout(vocab, split_size)
+    zs = torch.nn.functional.pad(z, (0, splits * width - vocab), value=float("-inf"))
+    zs = zs.view(rows, splits, width)  # [B, S, W]
+    m = zs.amax(-1)  # [B, S]
+    m_safe = torch.where(m == float("-inf"), 0.0, m)  # an all -inf split: exp(-inf) = 0, no nan
+    allowed = zs >= threshold[:, None, None]
+    mass = torch.where(allowed, torch.exp(zs - m_safe[..., None]), 0.0)  # [B, S, W]
+    f = mass.sum(-1)  # [B, S]
+    u = uniform_noise(keys, splits)
+    gumbel = -LN2 * torch.log2(-torch.log2(u))  # minus the argmax-neutral ln(ln 2), like the kernel
+    chosen = (torch.log(f) + m + gumbel).argmax(-1)  # [B]; f = 0 -> -inf, never chosen
+    row = torch.arange(rows, device=z.device)
+    mass = mass[row, chosen]  # [B, W]
+    target = scan_uniform(keys) * f[row, chosen]  # [B]
+    positive = mass > 0
+    hit = (mass.cumsum(-1) >= target[:, None]) & positive
+    first_hit = hit.to(torch.uint8).argmax(-1)  # first True
+    last_positive = width - 1 - positive.flip(-1).to(torch.uint8).argmax(-1)
+    position = torch.where(hit.any(-1), first_hit, last_positive)
+    return chosen * width + position
+
+
 def sample_reference(
     logits: torch.Tensor,
     params: SamplingParams,
     seed_lo: torch.Tensor,
     seed_hi: torch.Tensor,
     steps: torch.Tensor,
+    split_size: int = SPLIT_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] (any float dtype) -> (tokens [B] int64, logprobs [B] fp32). No host sync."""
+    """logits [B, V] (any float dtype) -> (tokens [B] int64, logprobs [B] fp32). No host sync.
+
+    split_size is part of the sampling scheme: only tests pass another value."""
     if params.greedy:
         z = logits.float()
         tokens = z.argmax(-1)
     else:
         z = logits.float() / params.temperature
         threshold = filter_threshold(z, params.top_k, params.top_p, params.min_p)
-        u = uniform_noise(row_keys(seed_lo, seed_hi, steps), z.shape[1])
-        # Gumbel noise minus the constant ln(ln 2) (argmax-neutral), in log2 like the kernel.
-        gumbel = -LN2 * torch.log2(-torch.log2(u))
-        scores = torch.where(z >= threshold[:, None], z + gumbel, float("-inf"))
-        tokens = scores.argmax(-1)
+        keys = row_keys(seed_lo, seed_hi, steps)
+        tokens = hierarchical_draw(z, threshold, keys, split_size)
     logprobs = z.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
     return tokens, logprobs
 
