@@ -153,11 +153,10 @@ def run_trl(model_dir: str, prompts: list[list[int]], args) -> dict:
 
 
 def run_hybridflow(model_dir: str, prompts: list[list[int]], args) -> dict:
-    """The hybridflow side on ``args.gpus`` GPUs, each with ``args.prompts`` prompts (equal
-    per-GPU work: the global batch grows with the GPU count)."""
+    """The hybridflow side on ``args.gpus`` GPUs; ``prompts`` holds ``args.prompts`` per GPU
+    (equal per-GPU work: the global batch grows with the GPU count)."""
     from hybridflow.trainer.bench import time_grpo_steps
 
-    prompts = (prompts * args.gpus)[: args.prompts * args.gpus]
     times, peaks, breakdown = time_grpo_steps(
         model_path=model_dir,
         prompts=prompts,
@@ -200,10 +199,20 @@ def run_scaling(model_dir: str, args) -> list[dict]:
     return results
 
 
-def scaling_table(results: list[dict]) -> list[str]:
-    """Step time, tokens/s (total and per GPU), scaling efficiency against the 1-GPU run
-    (per-GPU tokens/s ratio, equal per-GPU work), peak memory per GPU, stage breakdown."""
+def add_scaling_efficiency(results: list[dict]) -> None:
+    """``scaling_efficiency``: per-GPU tokens/s over the 1-GPU run's (equal per-GPU work, so
+    also 1-GPU step time / N-GPU step time); NaN without a 1-GPU run."""
     base = next((r for r in results if r.get("gpus") == 1 and "error" not in r), None)
+    for r in results:
+        if "error" not in r:
+            r["scaling_efficiency"] = (
+                r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"] if base else float("nan")
+            )
+
+
+def scaling_table(results: list[dict]) -> list[str]:
+    """Step time, tokens/s (total and per GPU), scaling efficiency, peak memory per GPU and
+    the stage breakdown of each run (``add_scaling_efficiency`` first)."""
     lines = [
         f"{'GPUs':>4}{'prompts':>9}{'s/step':>9}{'tokens/s':>11}{'tok/s/GPU':>11}"
         f"{'scaling':>9}  peak GiB per GPU"
@@ -212,18 +221,16 @@ def scaling_table(results: list[dict]) -> list[str]:
         if "error" in r:
             lines.append(f"{r['gpus']:>4}  failed: {r['error'][:200]}")
             continue
-        eff = r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"] if base else float("nan")
         peaks = " ".join(f"{p:.1f}" for p in r.get("peak_gib_per_gpu", [])) or "n/a"
         lines.append(
             f"{r['gpus']:>4}{r['prompts']:>9}{r['step_s']:>9.2f}{r['tokens_per_s']:>11.0f}"
-            f"{r['tokens_per_s_per_gpu']:>11.0f}{100 * eff:>8.1f}%  {peaks}"
+            f"{r['tokens_per_s_per_gpu']:>11.0f}{100 * r['scaling_efficiency']:>8.1f}%  {peaks}"
         )
-        r["scaling_efficiency"] = eff
     ok = [r for r in results if "breakdown" in r]
     if ok:
         lines.append("stage breakdown (s, mean of timed steps): " + " | ".join(
             f"{r['gpus']} GPU" for r in ok))  # fmt: skip
-        for key in ok[0]["breakdown"]:
+        for key in dict.fromkeys(k for r in ok for k in r["breakdown"]):  # union, in order
             values = "".join(f"{r['breakdown'].get(key, 0.0):>10.3f}" for r in ok)
             lines.append(f"  {key:<28}{values}")
         overhead = "".join(f"{_controller_s(r['breakdown']):>10.3f}" for r in ok)
@@ -309,6 +316,7 @@ def main() -> None:
         build_hf_model_dir(args.preset, model_dir)
     if args.scaling:
         results = run_scaling(model_dir, args)
+        add_scaling_efficiency(results)
         print(
             f"\nhybridflow GRPO scaling, {args.preset}, {args.prompts} prompts/GPU × "
             f"{args.samples} samples, {args.prompt_len}+{args.new_tokens} tokens, "
@@ -320,7 +328,8 @@ def main() -> None:
                 json.dump(results, f, indent=1)
         return
     vocab = json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"]
-    prompts = random_prompts(args.prompts, args.prompt_len, vocab)
+    # args.prompts per GPU; the first args.prompts are the same whatever the GPU count.
+    prompts = random_prompts(args.prompts * args.gpus, args.prompt_len, vocab)
     results = []
     if args.which in ("both", "hybridflow"):
         results.append(run_hybridflow(model_dir, prompts, args))
