@@ -36,6 +36,7 @@ def test_bench_config_splits_the_batch_over_gpus():
         )
 
 
+@pytest.mark.slow
 def test_scaling_one_and_two_cpu_ranks(tmp_path):
     out = tmp_path / "scaling.json"
     command = [
