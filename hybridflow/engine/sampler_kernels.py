@@ -164,7 +164,8 @@ def _sample_combine_kernel(
         )
         u = _uniform(_mix32(key ^ (sp.to(tl.uint32) * tl.full([], GOLDEN, tl.uint32))))
         gumbel = -LN2 * tl.log2(-tl.log2(u))  # + ln(ln 2): argmax-neutral
-        score = tl.where(mask & (f > 0), tl.log(f) + m + gumbel, float("-inf"))
+        has_mass = mask & (f > 0)  # f = 0: the split has no allowed token
+        score = tl.where(has_mass, tl.log(tl.where(has_mass, f, 1.0)) + m + gumbel, float("-inf"))
         chosen = tl.argmax(score, axis=0)
         m_chosen = tl.sum(tl.where(sp == chosen, m, 0.0), axis=0)
         target = _uniform(_mix32(key ^ tl.full([], SCAN_SALT, tl.uint32)))

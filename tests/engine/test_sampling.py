@@ -1,4 +1,5 @@
-"""Sampler: hash arithmetic, filters, distribution, and the pre-filter log-prob."""
+"""Sampler (torch reference): hash arithmetic, filters, the hierarchical draw's distribution
+(one split and several), its rounding fallback, and the pre-filter log-prob."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import math
 import pytest
 import torch
 
+from hybridflow.engine import sampling
 from hybridflow.engine.sampling import (
     SamplingParams,
+    hierarchical_draw,
     mix32,
     request_seeds,
     sample_reference,
@@ -35,12 +38,12 @@ def test_params_validation_names_every_problem():
         SamplingParams(top_p=0.0, min_p=1.5)
 
 
-def _draw(logits_row: torch.Tensor, params: SamplingParams, count: int):
+def _draw(logits_row: torch.Tensor, params: SamplingParams, count: int, split_size: int):
     """`count` independent samples of one distribution: one row per sample, each its own seed."""
     logits = logits_row.expand(count, -1)
     lo, hi = split_seed(request_seeds(7, count, 1))
     steps = torch.zeros(count, dtype=torch.int64)
-    return sample_reference(logits, params, lo, hi, steps)
+    return sample_reference(logits, params, lo, hi, steps, split_size=split_size)
 
 
 def _expected(logits_row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -76,12 +79,15 @@ def _expected(logits_row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     ],
     ids=["T1", "T0.6", "topk3", "topp0.7", "topk5+topp0.8", "minp0.15"],
 )
-def test_sampled_frequencies_match_distribution(params):
+@pytest.mark.parametrize("split_size", [4096, 3], ids=["one-split", "3-splits"])
+def test_sampled_frequencies_match_distribution(params, split_size):
     """Total-variation distance between empirical and target distribution over 8 tokens with
     N = 40000 draws: E[TV] <= 0.5 * sqrt(V / N) = 0.007; we require TV < 0.02 (a wrong filter
-    or temperature moves TV by > 0.05 on these logits). Filtered-out tokens must never appear."""
+    or temperature moves TV by > 0.05 on these logits). Filtered-out tokens must never appear.
+    split_size 3 cuts the 8 tokens into splits of 3, 3, 2 (the most likely tokens spread over
+    two splits, the last one short): a wrong split choice or in-split walk moves TV too."""
     logits_row = torch.tensor([2.0, 1.5, 1.0, 0.7, 0.3, 0.0, -0.5, -1.0])
-    tokens, _ = _draw(logits_row, params, 40000)
+    tokens, _ = _draw(logits_row, params, 40000, split_size)
     empirical = torch.bincount(tokens, minlength=8).double() / tokens.numel()
     expected = _expected(logits_row, params)
     tv = 0.5 * (empirical - expected).abs().sum().item()
@@ -108,16 +114,49 @@ def test_greedy_is_argmax_with_unit_temperature_logprob():
     torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).max(-1).values)
 
 
-def test_noise_depends_on_seed_and_step_only():
+@pytest.mark.parametrize("split_size", [4096, 64])
+def test_noise_depends_on_seed_and_step_only(split_size):
     logits = torch.zeros(4, 1000)  # uniform: the token is decided by the noise alone
     lo, hi = split_seed(request_seeds(11, 4, 1))
     steps = torch.tensor([0, 1, 2, 3])
     params = SamplingParams()
-    tokens, _ = sample_reference(logits, params, lo, hi, steps)
-    # row 2 alone, in another batch position, draws the same token
-    again, _ = sample_reference(logits[:1], params, lo[2:3], hi[2:3], steps[2:3])
+
+    def draw(*args):
+        return sample_reference(*args, split_size=split_size)
+
+    tokens, _ = draw(logits, params, lo, hi, steps)
+    # row 2 alone, in another batch position, draws the same token; so does a rerun
+    again, _ = draw(logits[:1], params, lo[2:3], hi[2:3], steps[2:3])
     assert again.item() == tokens[2].item()
+    assert draw(logits, params, lo, hi, steps)[0].tolist() == tokens.tolist()
     # different steps of one request draw different tokens (1000 uniform choices)
-    same_seed, _ = sample_reference(logits, params, lo[:1].expand(4), hi[:1].expand(4), steps)
+    same_seed, logprobs = draw(logits, params, lo[:1].expand(4), hi[:1].expand(4), steps)
     assert len(set(same_seed.tolist())) == 4
-    assert math.isfinite(_.sum().item())
+    assert math.isfinite(logprobs.sum().item())
+
+
+def test_uniform_draws_cover_every_split():
+    """Uniform logits over 1000 tokens in 16 splits (the last one 40 tokens): every split is
+    chosen, in proportion to its size (the short last split about 40/1000 of the time)."""
+    count = 20000
+    logits = torch.zeros(count, 1000)
+    lo, hi = split_seed(request_seeds(2, count, 1))
+    tokens, _ = sample_reference(logits, SamplingParams(), lo, hi, torch.zeros(count).long(), 64)
+    per_split = torch.bincount(tokens // 64, minlength=16).double() / count
+    expected = torch.full((16,), 64 / 1000, dtype=torch.float64)
+    expected[-1] = 40 / 1000
+    assert (per_split - expected).abs().max() < 0.01  # sd per split ~0.0017
+    assert tokens.max() < 1000
+
+
+@pytest.mark.parametrize("u2", [1.0, 1.5])
+def test_rounding_fallback_returns_the_last_allowed_token_of_the_split(monkeypatch, u2):
+    """u2 -> 1 puts the inverse-CDF target at the split's total mass, which the running sum
+    may miss by rounding (u2 = 1.5 forces the miss): the draw must still land on an allowed
+    token of the chosen split (its last one with mass), never on a filtered or padding one."""
+    monkeypatch.setattr(sampling, "scan_uniform", lambda keys: torch.full(keys.shape, u2))
+    z = torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, -5.0, 0.9, 1.0, -5.0]])  # splits of 4
+    keys = torch.arange(200, dtype=torch.int64)[:, None].expand(-1, 1).flatten()
+    tokens = hierarchical_draw(z.expand(200, -1), torch.full((200,), -1.0), keys, split_size=4)
+    # the last allowed token of splits [0..3], [4..7], [8..10] is 3, 6 (7 is filtered), 9
+    assert set(tokens.tolist()) == {3, 6, 9}
