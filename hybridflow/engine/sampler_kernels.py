@@ -229,7 +229,7 @@ def sample_fused(
     seed_lo: torch.Tensor,
     seed_hi: torch.Tensor,
     steps: torch.Tensor,
-    block_v: int = 2048,
+    block_v: int = SPLIT_SIZE,
     state=None,
     split_size: int = SPLIT_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -238,7 +238,12 @@ def sample_fused(
     logits [B, V] (bf16/fp16/fp32) -> (tokens [B] int64, logprobs [B] fp32). block_v is the
     kernels' tile (a power of two; free, it does not change the draw); split_size belongs to
     the sampling scheme (only tests pass another value). With `state` (a DecodeState whose
-    first rows these are), the combine kernel also applies state.advance; nothing returned."""
+    first rows these are), the combine kernel also applies state.advance; nothing returned.
+
+    Launch shape (reasoned, not measured; NOTES.md run 5): at 256 x 151,936 the first pass is
+    256 x 38 programs of one 4096-token tile each (8 KB of bf16, 16 entries per thread with 8
+    warps, loads all issued before the reductions: no loop-carried latency, no rescale), ~700
+    resident CTAs keep ~5 MB in flight, enough for HBM. The combine walks one tile per row."""
     rows, vocab = logits.shape
     device = logits.device
     splits, width = sampling.split_layout(vocab, split_size)
@@ -270,14 +275,14 @@ def sample_fused(
     common = dict(
         GREEDY=greedy, SCALE=scale, HAS_THRESHOLD=has_threshold, HAS_MIN_P=has_min_p,
         SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
-        SPLIT_SIZE=kernel_split, BLOCK_V=block_v,
+        SPLIT_SIZE=kernel_split, BLOCK_V=block_v, num_warps=8 if block_v >= 4096 else 4,
     )  # fmt: skip
     rows_args = (logits, logits.stride(0), vocab)
     scalars = (1.0 / temperature, math.log(params.min_p) if has_min_p else 0.0)
     stats_args = (*rows_args, threshold, part_m, part_s, part_f, part_idx, *scalars)
     if has_min_p:
-        _split_stats_kernel[(rows, splits)](*stats_args, MAX_ONLY=True, **common, num_warps=4)
-    _split_stats_kernel[(rows, splits)](*stats_args, MAX_ONLY=False, **common, num_warps=4)
+        _split_stats_kernel[(rows, splits)](*stats_args, MAX_ONLY=True, **common)
+    _split_stats_kernel[(rows, splits)](*stats_args, MAX_ONLY=False, **common)
     if state is None:
         tokens = torch.empty(rows, dtype=torch.int64, device=device)
         logprobs = torch.empty(rows, dtype=torch.float32, device=device)
@@ -294,6 +299,6 @@ def sample_fused(
         *rows_args, seed_lo, seed_hi, steps, threshold, part_m, part_s, part_f, part_idx,
         *scalars, tokens, logprobs, st.finished, st.row_slots, st.generated, st.max_new,
         st.stop_mask, st.tokens, st.positions, st.out_tokens, st.out_logprobs, stride_out,
-        ADVANCE=state is not None, **common, num_warps=4,
+        ADVANCE=state is not None, **common,
     )  # fmt: skip
     return None if state is not None else (tokens, logprobs)
