@@ -98,7 +98,7 @@ def profile_step(device, preset: str, prompts: int) -> str:
         engine.generate(ids, params)
         torch.cuda.synchronize()
     return prof.key_averages().table(
-        sort_by="cuda_time_total", row_limit=18, max_name_column_width=60
+        sort_by="cuda_time_total", row_limit=32, max_name_column_width=60
     )
 
 

@@ -136,9 +136,10 @@ def decode_forward_torch(
 
 class FusedProjections:
     """Concatenated copies of each layer's q/k/v (and optionally gate/up) weights, so a decode
-    layer runs one matmul where the model has three (two). A transient copy: made when the KV
-    cache is allocated, refreshed from the live parameters at every generate() (in place, so
-    captured graphs stay valid), freed by Engine.release()."""
+    layer runs one matmul where the model has three (two). gate/up rows are interleaved
+    (gate_0, up_0, gate_1, ...) so a matmul epilogue can pair them (gemm.gemm_nt). A transient
+    copy: made when the KV cache is allocated, refreshed from the live parameters at every
+    generate() (in place, so captured graphs stay valid), freed by Engine.release()."""
 
     def __init__(self, model, gate_up: bool):
         layers = model.model.layers
@@ -171,22 +172,13 @@ class FusedProjections:
                     [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], out=self.qkv_bias[index]
                 )
             if self.gate_up_weight is not None:
-                torch.cat(
-                    [layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight],
-                    out=self.gate_up_weight[index],
-                )
+                pairs = self.gate_up_weight[index].unflatten(0, (-1, 2))  # [I, 2, H]
+                pairs[:, 0].copy_(layer.mlp.gate_proj.weight)
+                pairs[:, 1].copy_(layer.mlp.up_proj.weight)
 
     def nbytes(self) -> int:
         tensors = [self.qkv_weight, self.qkv_bias, self.gate_up_weight]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-def _cublas_linear(x, weight, bias=None, up=None):
-    if up is not None:
-        from hybridflow.engine import kernels
-
-        x = kernels.silu_mul(x, up)
-    return F.linear(x, weight, bias)
 
 
 def fused_layers(
@@ -201,12 +193,14 @@ def fused_layers(
     matmul=None,
 ) -> torch.Tensor:
     """Embedding + every layer with the fused kernels, K/V stored at (slots, positions);
-    attend(layer_index, q, k, v) -> [N, nh, D] is the only part that differs between prefill
-    (packed causal) and decode (cached). matmul: a gemm.DecodeMatmul (None: cuBLAS, with the
-    SiLU*up product in its own kernel). Returns the final-normed hidden states [N, H]."""
-    from hybridflow.engine import kernels
+    attend(layer_index, q, k, v) -> [N, nh, D] (q/k unrotated: it applies RoPE and stores k/v
+    in the cache) is the only part that differs between prefill (packed causal) and decode
+    (cached). matmul: a gemm.DecodeMatmul (None: cuBLAS, with the SiLU*up product in its own
+    kernel). Returns the final-normed hidden states [N, H]."""
+    from hybridflow.engine import gemm, kernels
 
-    linear = matmul.linear if matmul is not None else _cublas_linear
+    linear = matmul.linear if matmul is not None else F.linear
+    gate_up_silu = matmul.gate_up_silu if matmul is not None else gemm.gate_up_silu_cublas
 
     layers = model.model.layers
     hidden = model.model.embed_tokens(input_ids)  # [N, H] residual stream, updated in place
@@ -226,19 +220,17 @@ def fused_layers(
         v = v.unflatten(-1, (attn.num_kv_heads, attn.head_dim))
         if attn.q_norm is not None:
             q, k = attn.q_norm(q), attn.k_norm(k)
-        kernels.rope_store(
-            q, k, v, rope.cos, rope.sin, positions, slots, cache.keys[index],
-            cache.values[index],
-        )  # fmt: skip
-        out = attend(index, q, k, v)
+        out = attend(index, q, k, v)  # RoPE, the cache store and attention
         delta = linear(out.flatten(-2), attn.o_proj.weight, attn.o_proj.bias)
         normed = kernels.add_rms_norm(hidden, delta, layer.post_attention_layernorm)
         mlp = layer.mlp
         if fused is not None and fused.gate_up_weight is not None:
-            gate, up = linear(normed, fused.gate_up_weight[index]).chunk(2, dim=-1)
+            act = gate_up_silu(normed, fused.gate_up_weight[index])  # silu(gate) * up
         else:
-            gate, up = linear(normed, mlp.gate_proj.weight), linear(normed, mlp.up_proj.weight)
-        delta = linear(gate, mlp.down_proj.weight, up=up)  # silu(gate) * up, then the matmul
+            act = kernels.silu_mul(
+                linear(normed, mlp.gate_proj.weight), linear(normed, mlp.up_proj.weight)
+            )
+        delta = linear(act, mlp.down_proj.weight)
         next_norm = layers[index + 1].input_layernorm if index + 1 < len(layers) else None
         normed = kernels.add_rms_norm(hidden, delta, next_norm or model.model.norm)
     return normed
@@ -260,12 +252,11 @@ def decode_forward_triton(
     (max_len only sizes the split of the sequence among thread blocks)."""
     from hybridflow.engine import kernels
 
-    lengths = positions + 1
-
     def attend(index, q, k, v):
-        return kernels.decode_attention(
-            q, cache.keys[index], cache.values[index], row_slots, lengths, max_len
-        )
+        return kernels.decode_attention_rope(
+            q, k, v, rope.cos, rope.sin, positions, cache.keys[index], cache.values[index],
+            row_slots, max_len,
+        )  # fmt: skip
 
     normed = fused_layers(model, cache, rope, tokens, positions, row_slots, attend, fused, matmul)
     return model.lm_head(normed)
@@ -290,7 +281,13 @@ def prefill_forward_triton(
     backend = resolve_backend(model.attention_backend, input_ids.device, model.dtype)
     packed = make_packed_attention(backend, cu_seqlens, max_seqlen, input_ids.shape[0])
 
+    from hybridflow.engine import kernels
+
     def attend(index, q, k, v):
+        kernels.rope_store(
+            q, k, v, rope.cos, rope.sin, position_ids, token_slots, cache.keys[index],
+            cache.values[index],
+        )  # fmt: skip
         keys = cache.keys[index, token_slots, position_ids]  # rotated by rope_store
         return packed(q, keys, v)
 

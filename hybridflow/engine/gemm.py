@@ -1,122 +1,26 @@
-"""Skinny matmuls for decode: y = x @ W^T (+ bias), x [M, K] with M = decode rows (<= ~1024),
-optionally with x = silu(gate) * up computed while loading (the MLP's down projection, so the
-[M, I] product is never written and its kernel never launched).
+"""Decode matmuls: y = x @ W^T (+ bias) with x [M, K], M = decode rows (<= ~1024).
 
-Why: at M = 256 cuBLAS often picks few thread blocks or split-K plus a separate reduce kernel
-for these shapes (~20% of HBM bandwidth measured on an H200, hybridflow/engine/NOTES.md).
-A Triton kernel with small M tiles and the M tiles of one weight tile adjacent in launch order
-(they share it through L2) is tried against cuBLAS once per (M bucket, N, K, kind) on the
-device, and the faster one is kept (`DecodeMatmul`): a shape where cuBLAS wins stays on cuBLAS.
-
-Measured on an H200 (NOTES.md, run 4): this kernel loses to cuBLAS at every decode shape of
-qwen2.5-0.5b/1.5b, by 1.3x (o_proj) to 6x (down_proj with the fused SiLU*up, which every N
-tile recomputes), so the engine's default is cuBLAS. Kept as the base for a split-K version
-and for "auto" on other shapes; the timing method (eager do_bench) also charges Triton's
-host launch cost, which CUDA graphs would hide (see NOTES.md).
+What the H200 taught (hybridflow/engine/NOTES.md, runs 4-5, timed as CUDA-graph replays with
+cold L2): cuBLAS is hard to beat on these skinny shapes. A Triton kernel with small M tiles
+and SiLU*up in its prologue lost at every shape (run 4); `gemm_nt` below (weight tiles read
+K-contiguous, split-K partials) also loses on q/k/v, o_proj, down and lm_head, but wins the
+MLP's gate/up projection when SiLU*up is its epilogue (0.5b, 256 rows: 11.4 us vs 13.2 us for
+cuBLAS + the silu_mul kernel): the [M, 2I] product is never written and one launch goes.
+So `DecodeMatmul` only chooses for that one op, per shape, by timing graph replays.
 
 Rounding follows the torch ops replaced: fp32 accumulation, the bias added before the single
-rounding to the output dtype, silu(gate) rounded to the activation dtype before the product.
+rounding to the output dtype; gate and up rounded to the activation dtype, then silu rounded,
+then the product.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from hybridflow.engine.forward import _cublas_linear as _cublas
-
-
-@triton.jit
-def _skinny_matmul_kernel(
-    a_ptr, up_ptr, w_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_um, stride_wn, stride_cm,
-    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr, FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """c[m, n] = sum_k a[m, k] * w[n, k] (+ bias[n]); with SILU_MUL, a = silu(a) * up."""
-    # M tiles vary fastest: the blocks that read one weight tile run at the same time.
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    m_mask = rm < M
-    n_mask = rn < N
-    rm_safe = tl.where(m_mask, rm, 0).to(tl.int64)  # unmasked loads stay in bounds
-    rn_safe = tl.where(n_mask, rn, 0).to(tl.int64)
-    a_rows = a_ptr + rm_safe[:, None] * stride_am
-    u_rows = up_ptr + rm_safe[:, None] * stride_um
-    w_cols = w_ptr + rn_safe[None, :] * stride_wn
-    dtype = c_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        if EVEN_K:
-            a = tl.load(a_rows + kk[None, :])
-            w = tl.load(w_cols + kk[:, None])  # [BLOCK_K, BLOCK_N]
-        else:
-            k_mask = kk < K
-            a = tl.load(a_rows + kk[None, :], mask=k_mask[None, :], other=0.0)
-            w = tl.load(w_cols + kk[:, None], mask=k_mask[:, None], other=0.0)
-        if SILU_MUL:
-            if EVEN_K:
-                u = tl.load(u_rows + kk[None, :]).to(tl.float32)
-            else:
-                u = tl.load(u_rows + kk[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
-            g = a.to(tl.float32)
-            silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)  # torch rounds silu first
-            a = (silu * u).to(dtype)
-        if FP32:
-            acc = tl.dot(a, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w, acc)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn_safe, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    c = c_ptr + rm_safe[:, None] * stride_cm + rn_safe[None, :]
-    tl.store(c, acc.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
-
-
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Small tiles first: at M <= 256 the
-# weights (not the FLOPs) bound the time, and more blocks keep more loads in flight.
-CONFIGS = [
-    (16, 64, 128, 4, 4),
-    (32, 64, 128, 4, 4),
-    (64, 32, 128, 4, 4),
-    (64, 64, 128, 4, 3),
-    (64, 128, 64, 4, 4),
-    (128, 64, 64, 4, 4),
-    (128, 128, 64, 8, 3),
-]
-INTERPRETER_CONFIG = (16, 32, 32, 4, 1)
-
-
-def skinny_matmul(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    up: torch.Tensor | None = None,
-    config: tuple = CONFIGS[1],
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """x [M, K] (rows may be strided), weight [N, K] contiguous, bias [N] -> [M, N].
-    With `up` [M, K]: computes (silu(x) * up) @ weight^T (x, up may be halves of one row)."""
-    rows, depth = x.shape
-    cols = weight.shape[0]
-    assert weight.shape[1] == depth and weight.stride(1) == 1 and x.stride(1) == 1
-    if out is None:
-        out = torch.empty(rows, cols, dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k, warps, stages = config
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n))
-    upper = up if up is not None else x
-    _skinny_matmul_kernel[grid](
-        x, upper, weight, bias if bias is not None else weight, out, rows, cols, depth,
-        x.stride(0), upper.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, SILU_MUL=up is not None, EVEN_K=depth % block_k == 0,
-        FP32=x.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    return out
-
 
 # -------------------------------------------------------------------------------------------
 # Version 2 (run 5): weight tiles read K-contiguous ([BLOCK_N, BLOCK_K], transposed for the
@@ -233,15 +137,63 @@ def _row_bucket(rows: int) -> int:
     return max(16, triton.next_power_of_2(rows))
 
 
-class DecodeMatmul:
-    """Per-shape choice between cuBLAS and the Triton kernel's configs, timed on first use.
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tried for gate/up + SiLU; the first won
+# at 0.5b / 256 rows on the H200 (run 5).
+PAIR_CONFIGS = [
+    (64, 128, 64, 4, 3),
+    (128, 64, 64, 8, 3),
+    (128, 128, 64, 8, 3),
+    (64, 64, 64, 4, 4),
+]
+INTERPRETER_CONFIG = (16, 32, 32, 4, 1)
 
-    mode: "auto" (time cuBLAS and each fitting Triton config at the first call of each
-    (row bucket, N, K, kind), keep the fastest), "cublas" (never Triton), "triton" (the fastest
-    Triton config, never cuBLAS). Rows above max_rows (prefill) always go to cuBLAS. The
-    choice is made outside CUDA-graph capture (the graph warm-up runs each step first); a
-    shape first met during capture uses cuBLAS. Under TRITON_INTERPRET (CPU tests) the
-    Triton kernel runs with a small fixed tile."""
+
+def gate_up_silu_cublas(x: torch.Tensor, weight_pairs: torch.Tensor) -> torch.Tensor:
+    """cuBLAS matmul with the interleaved gate/up weight, then the silu_mul kernel on the
+    even (gate) and odd (up) columns -> [M, I]."""
+    from hybridflow.engine import kernels
+
+    product = F.linear(x, weight_pairs)  # [M, 2I], columns gate_0, up_0, gate_1, ...
+    return kernels.silu_mul(product[:, 0::2], product[:, 1::2])
+
+
+def graph_time_us(fn, calls: int = 10, replays: int = 3) -> float:
+    """Device time of fn() as a CUDA-graph replay (what a decode step pays: no launch cost),
+    median over `replays` replays of `calls` captured calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile / workspace outside capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls):
+                fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    times = []
+    for _ in range(replays):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+class DecodeMatmul:
+    """The decode layer's matmuls. `linear` is cuBLAS; `gate_up_silu` (the MLP's gate/up
+    projection with SiLU*up, weight rows interleaved gate/up) chooses per shape between
+    cuBLAS + silu_mul and gemm_nt's SiLU epilogue.
+
+    mode: "auto" (time cuBLAS and each PAIR_CONFIGS tile as graph replays at the first call
+    of each (row bucket, N, K), keep the fastest), "cublas" (never Triton), "triton" (the
+    fastest Triton tile, never cuBLAS). Rows above max_rows (prefill) always go to cuBLAS.
+    The choice is made outside CUDA-graph capture (the graph warm-up runs each step first);
+    a shape first met during capture uses cuBLAS. Timing reads several weight copies (~100
+    MB in all) so the weight is not in L2, as in a real step. Under TRITON_INTERPRET (CPU
+    tests) the Triton path runs with a small fixed tile."""
 
     def __init__(self, mode: str = "auto", max_rows: int = 1024):
         if mode not in ("auto", "cublas", "triton"):
@@ -251,41 +203,61 @@ class DecodeMatmul:
         self.choices: dict[tuple, tuple | None] = {}  # None = cuBLAS
         self.timings: dict[tuple, dict] = {}  # key -> {candidate: us}, for the notes
 
-    def linear(self, x, weight, bias=None, up=None) -> torch.Tensor:
-        rows = x.shape[0]
+    def linear(self, x, weight, bias=None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    def gate_up_silu(self, x: torch.Tensor, weight_pairs: torch.Tensor) -> torch.Tensor:
+        rows, depth = x.shape
         if self.mode == "cublas" or rows > self.max_rows:
-            return _cublas(x, weight, bias, up)
+            return gate_up_silu_cublas(x, weight_pairs)
         if not x.is_cuda:
-            return skinny_matmul(x, weight, bias, up, config=INTERPRETER_CONFIG)
-        key = (_row_bucket(rows), weight.shape[0], weight.shape[1], up is not None,
-               bias is not None, x.dtype, x.device.index)  # fmt: skip
+            if depth % INTERPRETER_CONFIG[2]:
+                return gate_up_silu_cublas(x, weight_pairs)
+            return gemm_nt(x, weight_pairs, config=INTERPRETER_CONFIG, silu_pairs=True)
+        key = (_row_bucket(rows), weight_pairs.shape[0], depth, x.dtype, x.device.index)
         if key not in self.choices:
             if torch.cuda.is_current_stream_capturing():
-                return _cublas(x, weight, bias, up)
-            self.choices[key] = self._choose(key, x, weight, bias, up)
+                return gate_up_silu_cublas(x, weight_pairs)
+            self.choices[key] = self._choose(key, x, weight_pairs)
         config = self.choices[key]
         if config is None:
-            return _cublas(x, weight, bias, up)
-        return skinny_matmul(x, weight, bias, up, config=config)
+            return gate_up_silu_cublas(x, weight_pairs)
+        return gemm_nt(x, weight_pairs, config=config, silu_pairs=True)
 
-    def _choose(self, key, x, weight, bias, up) -> tuple | None:
-        import triton.testing
+    def _choose(self, key, x, weight_pairs) -> tuple | None:
+        bucket, cols, depth = key[:3]
+        nbytes = weight_pairs.numel() * weight_pairs.element_size()
+        copies = [weight_pairs] + [
+            weight_pairs.clone() for _ in range(min(7, math.ceil(100e6 / nbytes) - 1))
+        ]
+        x = torch.randn(bucket, depth, dtype=x.dtype, device=x.device)
 
-        def bench(fn):
-            return triton.testing.do_bench(fn, warmup=3, rep=15, return_mode="median") * 1000
+        def cycled(call):
+            state = {"i": 0}
 
-        bucket = key[0]
-        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+            def fn():
+                state["i"] = (state["i"] + 1) % len(copies)
+                return call(copies[state["i"]])
+
+            return fn
+
         times: dict = {}
         if self.mode == "auto":
-            times["cublas"] = bench(lambda: _cublas(x, weight, bias, up))
-        for config in CONFIGS:
-            if config[0] > bucket:
+            times["cublas"] = graph_time_us(cycled(lambda w: gate_up_silu_cublas(x, w)),
+                                            calls=len(copies) * 2)  # fmt: skip
+        for config in PAIR_CONFIGS:
+            if depth % config[2] or config[0] > max(64, bucket):
                 continue
             try:
-                times[config] = bench(lambda c=config: skinny_matmul(x, weight, bias, up, c, out))
+                times[config] = graph_time_us(
+                    cycled(lambda w, c=config: gemm_nt(x, w, config=c, silu_pairs=True)),
+                    calls=len(copies) * 2,
+                )
             except triton.runtime.errors.OutOfResources:  # fp32 tiles can exceed shared memory
                 continue
-        self.timings[key[:5]] = {str(k): round(v, 2) for k, v in times.items()}
+        copies.clear()  # free the timing copies
+        self.timings[key[:3]] = {str(k): round(v, 2) for k, v in times.items()}
+        if not times:
+            return None
         best = min(times, key=times.get)
         return None if best == "cublas" else best

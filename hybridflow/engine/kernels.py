@@ -72,25 +72,31 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, norm) -> torch.Ten
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_o, n, BLOCK: tl.constexpr):
+def _silu_mul_kernel(
+    g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_o, col_stride, n, BLOCK: tl.constexpr
+):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
-    g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * stride_g + cols * col_stride, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols * col_stride, mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)  # torch rounds silu(g) first
     tl.store(out_ptr + row * stride_o + cols, (silu * u).to(dtype), mask=mask)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, both [B, I] with contiguous rows (may be halves of one [B, 2I])."""
+    """silu(gate) * up, both [B, I] views of one product: halves of a [B, 2I] tensor, or its
+    even and odd columns (interleaved gate/up weights) -> contiguous [B, I]."""
     rows, inner = gate.shape
+    if gate.stride(1) != up.stride(1):
+        raise ValueError("silu_mul: gate and up need the same column stride")
     out = torch.empty(rows, inner, dtype=gate.dtype, device=gate.device)
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(inner, block))](
-        gate, up, out, gate.stride(0), up.stride(0), out.stride(0), inner, BLOCK=block
-    )
+        gate, up, out, gate.stride(0), up.stride(0), out.stride(0), gate.stride(1), inner,
+        BLOCK=block,
+    )  # fmt: skip
     return out
 
 
@@ -168,37 +174,71 @@ def rope_store(q, k, v, cos, sin, positions, row_slots, key_cache, value_cache) 
 
 @triton.jit
 def _decode_attention_kernel(
-    q_ptr, kc_ptr, vc_ptr, slot_ptr, len_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-    stride_q, stride_cslot, stride_cpos, stride_o, scale_log2, CHUNK,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, NH: tl.constexpr,
-    SPLITS: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
+    q_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, out_ptr,
+    part_o_ptr, part_lse_ptr, stride_q, stride_kn, stride_vn, stride_cs, stride_cslot,
+    stride_cpos, stride_o, scale_log2, CHUNK,
+    G: tl.constexpr, G_PAD: tl.constexpr, HALF: tl.constexpr, NH: tl.constexpr,
+    SPLITS: tl.constexpr, FP32_DOT: tl.constexpr, ROPE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
+    """One (row, kv head, split): attention of the head group's queries over cached positions
+    [split * CHUNK, (split + 1) * CHUNK) up to the row's last position pos.
+
+    ROPE: q and the new token's k arrive unrotated; both are rotated here, the new k/v are
+    stored at cache[slot, pos] (by split 0) and the new token is attended from registers (so
+    no program reads the position being written). Without ROPE, position pos is read from the
+    cache like the others. Vectors are handled as halves (rotate_half RoPE pairs them)."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     slot = tl.load(slot_ptr + row)
-    length = tl.load(len_ptr + row)
+    pos = tl.load(pos_ptr + row)
     start = split * CHUNK
-    end = tl.minimum(start + CHUNK, length)
+    chunk_end = start + CHUNK
+    if ROPE:
+        end = tl.minimum(chunk_end, pos)  # cached positions; pos itself comes from registers
+    else:
+        end = tl.minimum(chunk_end, pos + 1)
+    dtype = q_ptr.dtype.element_ty
     g = tl.arange(0, G_PAD)
-    d = tl.arange(0, D)
+    h = tl.arange(0, HALF)
+    d = tl.arange(0, 2 * HALF)
     heads = kv_head * G + g
     g_mask = g < G
-    q = tl.load(q_ptr + row * stride_q + heads[:, None] * D + d[None, :], mask=g_mask[:, None])
+    q_offs = row * stride_q + heads[:, None] * (2 * HALF) + h[None, :]
+    q1 = tl.load(q_ptr + q_offs, mask=g_mask[:, None], other=0.0)
+    q2 = tl.load(q_ptr + q_offs + HALF, mask=g_mask[:, None], other=0.0)
+    base = slot.to(tl.int64) * stride_cslot + kv_head * (2 * HALF)
+    if ROPE:
+        c = tl.load(cos_ptr + pos * stride_cs + h).to(tl.float32)
+        s = tl.load(sin_ptr + pos * stride_cs + h).to(tl.float32)
+        q1, q2 = _rotate(q1.to(tl.float32), q2.to(tl.float32), c[None, :], s[None, :], dtype)
+        kn_offs = row * stride_kn + kv_head * (2 * HALF) + h
+        k1n, k2n = _rotate(
+            tl.load(kn_ptr + kn_offs).to(tl.float32),
+            tl.load(kn_ptr + kn_offs + HALF).to(tl.float32), c, s, dtype,
+        )  # fmt: skip
+        v_new = tl.load(vn_ptr + row * stride_vn + kv_head * (2 * HALF) + d)
+        if split == 0:
+            new_offs = base + pos.to(tl.int64) * stride_cpos
+            tl.store(kc_ptr + new_offs + h, k1n)
+            tl.store(kc_ptr + new_offs + HALF + h, k2n)
+            tl.store(vc_ptr + new_offs + d, v_new)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D], tl.float32)
-    base = slot.to(tl.int64) * stride_cslot + kv_head * D
+    acc = tl.zeros([G_PAD, 2 * HALF], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
-        offs = base + n[:, None].to(tl.int64) * stride_cpos + d[None, :]
-        k = tl.load(kc_ptr + offs, mask=n_mask[:, None], other=0.0)
-        v = tl.load(vc_ptr + offs, mask=n_mask[:, None], other=0.0)
+        offs = base + n[:, None].to(tl.int64) * stride_cpos
+        k1 = tl.load(kc_ptr + offs + h[None, :], mask=n_mask[:, None], other=0.0)
+        k2 = tl.load(kc_ptr + offs + HALF + h[None, :], mask=n_mask[:, None], other=0.0)
+        v = tl.load(vc_ptr + offs + d[None, :], mask=n_mask[:, None], other=0.0)
         if FP32_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            s = tl.dot(q1, tl.trans(k1), input_precision="ieee")
+            s = tl.dot(q2, tl.trans(k2), s, input_precision="ieee")
         else:
-            s = tl.dot(q, tl.trans(k))
+            s = tl.dot(q1, tl.trans(k1))
+            s = tl.dot(q2, tl.trans(k2), s)
         s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))  # [G_PAD, BLOCK_N], log2
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -210,17 +250,30 @@ def _decode_attention_kernel(
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+    if ROPE:
+        if (start <= pos) & (pos < chunk_end):  # the new token belongs to this split
+            s_new = tl.sum(q1.to(tl.float32) * k1n.to(tl.float32)[None, :], axis=1)
+            s_new += tl.sum(q2.to(tl.float32) * k2n.to(tl.float32)[None, :], axis=1)
+            s_new = s_new * scale_log2
+            m_new = tl.maximum(m_i, s_new)
+            alpha = tl.exp2(m_i - m_new)
+            p_new = tl.exp2(s_new - m_new)
+            l_i = l_i * alpha + p_new
+            if not FP32_DOT:  # the PV dot rounds P to the value dtype
+                p_new = p_new.to(dtype).to(tl.float32)
+            acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+            m_i = m_new
     out_dtype = out_ptr.dtype.element_ty
     if SPLITS == 1:
         out = acc / l_i[:, None]
-        o_offs = row * stride_o + heads[:, None] * D + d[None, :]
+        o_offs = row * stride_o + heads[:, None] * (2 * HALF) + d[None, :]
         tl.store(out_ptr + o_offs, out.to(out_dtype), mask=g_mask[:, None])
     else:
         safe_l = tl.where(l_i > 0, l_i, 1.0)
         out = acc / safe_l[:, None]
         lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))  # log2 units
         part = (row * NH + heads) * SPLITS + split  # [G_PAD]
-        tl.store(part_o_ptr + part[:, None] * D + d[None, :], out, mask=g_mask[:, None])
+        tl.store(part_o_ptr + part[:, None] * (2 * HALF) + d[None, :], out, mask=g_mask[:, None])
         tl.store(part_lse_ptr + part, lse, mask=g_mask)
 
 
@@ -243,14 +296,15 @@ def _combine_splits_kernel(
 
 
 # Tried on the first call of each shape (outside graph capture; the kernel only writes its
-# outputs, so re-running it while tuning is harmless). Interpreter runs use the first config.
+# outputs and, with ROPE, the same k/v at the same cache position, so re-running it while
+# tuning is harmless). Interpreter runs use the first config.
 _ATTENTION_CONFIGS = [
     triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
     for bn, w, st in [(64, 4, 2), (32, 4, 2), (64, 4, 3), (128, 4, 2), (64, 8, 3), (128, 8, 3)]
 ]
-_decode_attention_tuned = triton.autotune(_ATTENTION_CONFIGS, key=["G", "D", "SPLITS", "FP32_DOT"])(
-    _decode_attention_kernel
-)
+_decode_attention_tuned = triton.autotune(
+    _ATTENTION_CONFIGS, key=["G", "HALF", "SPLITS", "FP32_DOT", "ROPE"]
+)(_decode_attention_kernel)
 
 
 def attention_splits(rows: int, num_kv_heads: int, max_len: int) -> int:
@@ -273,9 +327,40 @@ def decode_attention(
     """q [B, nh, D] (rows may be strided), caches [slots, S, nkv, D], lengths [B] -> out
     [B, nh, D]: row b attends over positions [0, lengths[b]) of slot row_slots[b]. max_len is
     a static bound on lengths (it only sizes the splits)."""
+    return _attention(q, None, None, None, None, lengths - 1, key_cache, value_cache,
+                      row_slots, max_len, splits)  # fmt: skip
+
+
+def decode_attention_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    row_slots: torch.Tensor,
+    max_len: int,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """rope_store + decode_attention in one launch: q [B, nh, D], k/v [B, nkv, D] of the new
+    token (unrotated; rows may be strided), cos/sin [S, D] tables, positions [B] (the new
+    token's position). Stores rotated k and v at cache[row_slots, positions] and returns the
+    attention over positions [0, positions[b]] -> [B, nh, D]. q is not modified."""
+    return _attention(q, k, v, cos, sin, positions, key_cache, value_cache, row_slots,
+                      max_len, splits)  # fmt: skip
+
+
+def _attention(q, k, v, cos, sin, positions, key_cache, value_cache, row_slots, max_len, splits):
     rows, num_heads, head_dim = q.shape
     num_kv = key_cache.shape[2]
     group = num_heads // num_kv
+    rope = k is not None
+    assert q.stride(2) == 1 and q.stride(1) == head_dim
+    if rope:
+        assert k.stride(1) == head_dim and v.stride(1) == head_dim
+        assert k.stride(2) == 1 and v.stride(2) == 1
     if splits is None:
         splits = attention_splits(rows, num_kv, max_len)
     chunk = triton.cdiv(max_len, splits)
@@ -287,12 +372,14 @@ def decode_attention(
         part_o = part_lse = out
     scale_log2 = (1.0 / math.sqrt(head_dim)) * 1.4426950408889634
     args = (
-        q, key_cache, value_cache, row_slots, lengths, out, part_o, part_lse,
-        q.stride(0), key_cache.stride(0), key_cache.stride(1), out.stride(0), scale_log2, chunk,
+        q, k if rope else q, v if rope else q, cos if rope else q, sin if rope else q,
+        key_cache, value_cache, row_slots, positions, out, part_o, part_lse, q.stride(0),
+        k.stride(0) if rope else 0, v.stride(0) if rope else 0, cos.stride(0) if rope else 0,
+        key_cache.stride(0), key_cache.stride(1), out.stride(0), scale_log2, chunk,
     )  # fmt: skip
     meta = dict(
-        G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=head_dim, NH=num_heads,
-        SPLITS=splits, FP32_DOT=q.dtype == torch.float32,
+        G=group, G_PAD=max(16, triton.next_power_of_2(group)), HALF=head_dim // 2,
+        NH=num_heads, SPLITS=splits, FP32_DOT=q.dtype == torch.float32, ROPE=rope,
     )  # fmt: skip
     grid = (rows, num_kv, splits)
     if q.is_cuda and AUTOTUNE:

@@ -79,6 +79,36 @@ def test_decode_attention_matches_sdpa(splits):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("splits", [1, 2, 3])
+def test_decode_attention_rope_equals_rope_store_then_attention(splits):
+    """The fused decode kernel (RoPE + cache store + attention, the new token attended from
+    registers) against the two-kernel path, including a row at position 0 (no cached
+    tokens) and a row whose new token sits at the start of a split."""
+    config = preset_config("tiny")
+    rows, heads, kv_heads, dim, seq = 4, 6, 2, 16, 70
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, device=DEVICE)  # strided views
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = (t.unflatten(-1, (-1, dim)) for t in (q, k, v))
+    cos, sin = rope_cos_sin(config, torch.arange(seq, device=DEVICE), torch.float32)
+    slots = torch.tensor([2, 0, 1, 3], device=DEVICE)
+    positions = torch.tensor([3, 0, 24, 69], device=DEVICE)  # 24 = 70 // 3 + 1: split start
+    keys = torch.randn(5, seq, kv_heads, dim, device=DEVICE)
+    values = torch.randn_like(keys)
+    keys_ref, values_ref, q_ref = keys.clone(), values.clone(), q.clone()
+    kernels.rope_store(q_ref, k, v, cos, sin, positions, slots, keys_ref, values_ref)
+    expected = kernels.decode_attention(
+        q_ref, keys_ref, values_ref, slots, positions + 1, seq, splits=splits
+    )
+    q_before = q.clone()
+    got = kernels.decode_attention_rope(
+        q, k, v, cos, sin, positions, keys, values, slots, seq, splits=splits
+    )
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(keys, keys_ref)  # rotated k stored, nothing else touched
+    torch.testing.assert_close(values, values_ref)
+    assert torch.equal(q, q_before)  # q is rotated in registers only
+
+
 @pytest.mark.parametrize(
     "params",
     [
@@ -138,53 +168,65 @@ def _relative_error(out, ref):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,cols,depth", [(5, 72, 64), (33, 130, 96), (16, 64, 100)])
-def test_skinny_matmul_matches_reference(dtype, rows, cols, depth):
+@pytest.mark.parametrize("rows,cols,depth", [(5, 72, 64), (33, 130, 96), (16, 64, 128)])
+def test_gemm_nt_matches_reference(dtype, rows, cols, depth):
+    """Plain + bias, split-K partials (summed by the caller) and the SiLU-pairs epilogue, on
+    strided input rows, with an odd row count and a column count that is not a tile multiple."""
     from hybridflow.engine import gemm
 
     if dtype == torch.bfloat16 and DEVICE == "cpu":
         pytest.skip("the Triton interpreter's bf16 tl.dot returns garbage (triton 3.6)")
     configs = [gemm.INTERPRETER_CONFIG]
-    if DEVICE == "cuda":  # every tile on one shape, two elsewhere (compile time)
-        configs = gemm.CONFIGS if rows == 33 else [gemm.CONFIGS[0], gemm.CONFIGS[-1]]
+    if DEVICE == "cuda":
+        configs = [(16, 32, 32, 4, 3), *gemm.PAIR_CONFIGS]
     weight = torch.randn(cols, depth, device=DEVICE).to(dtype)
     bias = torch.randn(cols, device=DEVICE).to(dtype)
-    # gate|up halves of one [rows, 2 * depth] tensor: strided rows, as the engine passes them
-    gate_up = torch.randn(rows, 2 * depth, device=DEVICE).to(dtype)
-    gate, up = gate_up.chunk(2, dim=-1)
+    x = torch.randn(rows, 2 * depth, device=DEVICE).to(dtype)[:, :depth]  # strided rows
     bound = 1e-5 if dtype == torch.float32 else 1e-2
+    pairs = gemm.interleave_pairs(weight[: cols // 2], weight[cols // 2 : 2 * (cols // 2)])
     ran = 0
     for config in configs:
-        out = torch.full((rows, cols), float("nan"), device=DEVICE, dtype=dtype)  # poisoned
+        if depth % config[2]:
+            continue
         try:
-            gemm.skinny_matmul(gate, weight, bias, config=config, out=out)
-        except Exception as error:  # fp32 tiles can exceed shared memory; DecodeMatmul skips them
+            out = gemm.gemm_nt(x, weight, bias, config=config)
+        except Exception as error:  # fp32 tiles can exceed shared memory; DecodeMatmul skips
             if type(error).__name__ != "OutOfResources":
                 raise
             continue
         ran += 1
-        assert _relative_error(out, _matmul_reference(gate, weight, bias)) < bound, config
-        out.fill_(float("nan"))
-        gemm.skinny_matmul(gate, weight, None, up=up, config=config, out=out)
-        ref = _matmul_reference(gate, weight, None, up)
-        assert _relative_error(out, ref) < bound, config
-        # the same function as the torch ops it replaces, within a rounding step
-        torch_out = F.linear(kernels.silu_mul(gate, up), weight)
-        assert _relative_error(out, torch_out.double()) < bound, config
+        assert _relative_error(out, _matmul_reference(x, weight, bias)) < bound, config
+        if depth % (2 * config[2]) == 0:
+            partials = gemm.gemm_nt(x, weight, config=config, splits=2)
+            assert partials.shape == (2, rows, cols) and partials.dtype == torch.float32
+            ref = _matmul_reference(x, weight, None)
+            assert _relative_error(partials.sum(0), ref) < bound, config
+        act = gemm.gemm_nt(x, pairs, config=config, silu_pairs=True)
+        gate, up = F.linear(x, pairs[0::2]), F.linear(x, pairs[1::2])
+        assert act.shape == (rows, cols // 2)
+        assert _relative_error(act, (F.silu(gate) * up).double()) < bound, config
+        # the cuBLAS path of the same op agrees (interleaved columns through silu_mul)
+        cublas = gemm.gate_up_silu_cublas(x, pairs)
+        assert _relative_error(act, cublas.double()) < bound, config
     assert ran > 0, "no tile configuration fits this device"
+    with pytest.raises(ValueError, match="splits"):
+        gemm.gemm_nt(x, weight, config=configs[0], splits=5)
 
 
 def test_decode_matmul_modes_agree():
-    from hybridflow.engine.gemm import DecodeMatmul
+    from hybridflow.engine.gemm import DecodeMatmul, gate_up_silu_cublas, interleave_pairs
 
     x = torch.randn(24, 128, device=DEVICE)
     weight, bias = torch.randn(96, 128, device=DEVICE), torch.randn(96, device=DEVICE)
-    expected = F.linear(x, weight, bias)
+    pairs = interleave_pairs(weight[:48], weight[48:])
+    expected = gate_up_silu_cublas(x, pairs)
+    torch.testing.assert_close(expected, F.silu(x @ weight[:48].T) * (x @ weight[48:].T))
     for mode in ("auto", "triton", "cublas"):
         matmul = DecodeMatmul(mode)
-        torch.testing.assert_close(matmul.linear(x, weight, bias), expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(matmul.linear(x, weight, bias), F.linear(x, weight, bias))
+        torch.testing.assert_close(matmul.gate_up_silu(x, pairs), expected, rtol=1e-4, atol=1e-3)
     big = DecodeMatmul("triton", max_rows=8)  # rows above max_rows: cuBLAS, no tuning
-    torch.testing.assert_close(big.linear(x, weight, bias), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(big.gate_up_silu(x, pairs), expected)
     assert big.choices == {}
     with pytest.raises(ValueError, match="decode matmul mode"):
         DecodeMatmul("fast")
