@@ -103,6 +103,34 @@ def profile_step(device, preset: str, prompts: int) -> str:
 
 
 @torch.no_grad()
+def profile_prefill(device, preset: str, prompts: int) -> str:
+    """Where a prefill-only generate() (max_new_tokens=1) spends its wall time: host ops by
+    self CPU time and the device kernel total, next to the wall clock."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = load_model(preset, dtype=torch.bfloat16, device=device).eval()
+    ids = make_prompts(prompts, 128, model.config.vocab_size, 0)
+    engine = Engine(model, max_batch_size=prompts, max_seq_len=384)
+    params = SamplingParams(max_new_tokens=1, seed=0, ignore_eos=True)
+    for _ in range(2):
+        engine.generate(ids, params)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    engine.generate(ids, params)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.generate(ids, params)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events)
+    head = f"prefill-only generate: wall {wall * 1000:.1f} ms, kernels {device_us / 1000:.1f} ms"
+    cpu = events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50)
+    gpu = events.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=50)
+    return "\n".join([head, cpu, gpu])
+
+
+@torch.no_grad()
 def step_breakdown(device, preset: str, batch: int, length: int) -> dict:
     """Median times (us) of one decode step's parts at `batch` rows of `length` cached tokens."""
     import triton.testing
@@ -247,6 +275,12 @@ def main() -> None:
             "0.5b_b256_L256": step_breakdown(device, "qwen2.5-0.5b", 256, 256),
         }
         print("breakdown", json.dumps(results["breakdown"], indent=1), flush=True)
+    if "prefill" in parts and device.type == "cuda":
+        try:
+            results["prefill_profile"] = profile_prefill(device, "qwen2.5-0.5b", 256)
+            print(results["prefill_profile"], flush=True)
+        except Exception:
+            traceback.print_exc()
     if "profile" in parts and device.type == "cuda":
         try:
             results["profile"] = profile_step(device, "qwen2.5-0.5b", 256)
