@@ -209,13 +209,15 @@ def _decode_attention_kernel(
     q2 = tl.load(q_ptr + q_offs + HALF, mask=g_mask[:, None], other=0.0)
     base = slot.to(tl.int64) * stride_cslot + kv_head * (2 * HALF)
     if ROPE:
-        c = tl.load(cos_ptr + pos * stride_cs + h).to(tl.float32)
-        s = tl.load(sin_ptr + pos * stride_cs + h).to(tl.float32)
-        q1, q2 = _rotate(q1.to(tl.float32), q2.to(tl.float32), c[None, :], s[None, :], dtype)
+        cos = tl.load(cos_ptr + pos * stride_cs + h).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * stride_cs + h).to(tl.float32)
+        q1, q2 = _rotate(
+            q1.to(tl.float32), q2.to(tl.float32), cos[None, :], sin[None, :], dtype
+        )  # fmt: skip
         kn_offs = row * stride_kn + kv_head * (2 * HALF) + h
         k1n, k2n = _rotate(
             tl.load(kn_ptr + kn_offs).to(tl.float32),
-            tl.load(kn_ptr + kn_offs + HALF).to(tl.float32), c, s, dtype,
+            tl.load(kn_ptr + kn_offs + HALF).to(tl.float32), cos, sin, dtype,
         )  # fmt: skip
         v_new = tl.load(vn_ptr + row * stride_vn + kv_head * (2 * HALF) + d)
         if split == 0:
@@ -226,19 +228,18 @@ def _decode_attention_kernel(
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, 2 * HALF], tl.float32)
+    # the halves back into one [G_PAD, D] row block (one dot per tile; K = D >= 16)
+    q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (G_PAD, 2 * HALF))
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
-        offs = base + n[:, None].to(tl.int64) * stride_cpos
-        k1 = tl.load(kc_ptr + offs + h[None, :], mask=n_mask[:, None], other=0.0)
-        k2 = tl.load(kc_ptr + offs + HALF + h[None, :], mask=n_mask[:, None], other=0.0)
-        v = tl.load(vc_ptr + offs + d[None, :], mask=n_mask[:, None], other=0.0)
+        offs = base + n[:, None].to(tl.int64) * stride_cpos + d[None, :]
+        k = tl.load(kc_ptr + offs, mask=n_mask[:, None], other=0.0)
+        v = tl.load(vc_ptr + offs, mask=n_mask[:, None], other=0.0)
         if FP32_DOT:
-            s = tl.dot(q1, tl.trans(k1), input_precision="ieee")
-            s = tl.dot(q2, tl.trans(k2), s, input_precision="ieee")
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
-            s = tl.dot(q1, tl.trans(k1))
-            s = tl.dot(q2, tl.trans(k2), s)
+            s = tl.dot(q, tl.trans(k))
         s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))  # [G_PAD, BLOCK_N], log2
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
