@@ -30,7 +30,7 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fuse", default="all", choices=["none", "qkv", "all"],
                    help="Engine(fuse_projections=...)")  # fmt: skip
     p.add_argument("--steps-per-sync", type=int, default=8)
-    p.add_argument("--matmul", default="cublas", choices=["auto", "cublas", "triton"],
+    p.add_argument("--matmul", default="auto", choices=["auto", "cublas", "triton"],
                    help="Engine(decode_matmul=...)")  # fmt: skip
     p.add_argument("--hf", dest="hf", action="store_true", default=True)
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HF baseline")
@@ -121,7 +121,7 @@ def bench_engine(model, prompts, args, device) -> dict:
         cuda_graphs=None if not args.no_graphs else False,
         steps_per_sync=args.steps_per_sync,
         fuse_projections=getattr(args, "fuse", "all"),
-        decode_matmul=getattr(args, "matmul", "cublas"),
+        decode_matmul=getattr(args, "matmul", "auto"),
     )
     stop_ids = stop_ids_for_mean_length(
         model.config.vocab_size, getattr(args, "mean_length", None), args.seed

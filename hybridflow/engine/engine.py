@@ -73,12 +73,12 @@ class Engine:
             every generate(), freed by release(), outside memory_budget); "qkv" copies q/k/v
             only (~10%); "none" reads every weight in place. Measured on an H200, 0.5B, 256
             prompts: all 128k, qkv 122k, none 113k tok/s (docs/PERFORMANCE.md).
-        decode_matmul: triton backend: "cublas" (default) runs the matmuls through cuBLAS;
-            "auto" times cuBLAS against a skinny-M Triton matmul (SiLU*up fused into the down
-            projection) once per shape and keeps the faster; "triton" forces the Triton one
-            (gemm.DecodeMatmul). On an H200 the Triton kernel lost at every decode shape of
-            qwen2.5-0.5b/1.5b (1.3-6x slower), so "auto" picked cuBLAS everywhere
-            (hybridflow/engine/NOTES.md, run 4).
+        decode_matmul: triton backend: "auto" (default) times, once per shape, cuBLAS +
+            the silu_mul kernel against a Triton matmul with SiLU*up in its epilogue for the
+            MLP's gate/up projection, and keeps the faster (gemm.DecodeMatmul; the other
+            matmuls are cuBLAS: it won every other decode shape). "cublas" never uses Triton;
+            "triton" always does for gate/up. H200, 256 prompts: auto 150k vs cublas 140k
+            tok/s on 0.5b (Triton chosen), equal on 1.5b (cuBLAS chosen; NOTES.md, run 5).
     """
 
     def __init__(
@@ -93,7 +93,7 @@ class Engine:
         steps_per_sync: int = 8,
         max_prefill_tokens: int = 16384,
         fuse_projections: str = "all",
-        decode_matmul: str = "cublas",
+        decode_matmul: str = "auto",
     ):
         self.model = model
         self.config = model.config
@@ -358,43 +358,50 @@ class _GenerationLoop:
                 firsts.append(i)
             group.append(len(firsts) - 1)
         unique_prompts = [self.prompts[taken[i] // params.n] for i in firsts]
-        lengths = [len(p) for p in unique_prompts]
-        ids = torch.tensor([t for p in unique_prompts for t in p], device=device)
-        positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
-        token_slots = torch.repeat_interleave(
-            torch.tensor([slots[i] for i in firsts]), torch.tensor(lengths)
-        ).to(device)
-        cu = torch.tensor([0] + lengths).cumsum(0)
-        cu_seqlens = cu.to(device=device, dtype=torch.int32)
-        last_index = (cu[1:] - 1).to(device)
-        logits = engine.prefill(
-            engine.model, self.cache, engine.rope, ids, positions, token_slots, cu_seqlens,
-            max(lengths), last_index,
-        )  # fmt: skip  # [U, V]
+        lengths = torch.tensor([len(p) for p in unique_prompts])
+        cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        group_t = torch.tensor(group)
+        first_slots = torch.tensor([slots[i] for i in firsts])
+        # Prefix fan-out (n > 1): positions [0, len) of each prompt's first slot to the
+        # slots of its other samples, as flat (src slot, dst slot, position) index lists.
         first_set = set(firsts)
-        copies = [i for i in range(len(taken)) if i not in first_set]
-        if copies:
-            self.cache.copy_prefix(
-                torch.tensor([slots[firsts[group[i]]] for i in copies], device=device),
-                torch.tensor([slots[i] for i in copies], device=device),
-                torch.tensor([lengths[group[i]] for i in copies], device=device),
-            )
-        long = dict(dtype=torch.int64, device=device)
-        seed_lo = torch.tensor([self.seed_lo[r] for r in taken], **long)
-        seed_hi = torch.tensor([self.seed_hi[r] for r in taken], **long)
-        request_logits = logits[torch.tensor(group, device=device)]  # [R, V]
+        copies = torch.tensor(
+            [i for i in range(len(taken)) if i not in first_set], dtype=torch.long
+        )
+        copy_lengths = lengths[group_t[copies]]
+        copy_src = torch.repeat_interleave(first_slots[group_t[copies]], copy_lengths)
+        copy_dst = torch.repeat_interleave(torch.tensor(slots)[copies], copy_lengths)
+        copy_pos = _ranges(copy_lengths)
+        (
+            ids, positions, token_slots, cu_dev, group_dev, seed_lo, seed_hi, row_positions,
+            row_slots, max_new_dev, copy_src, copy_dst, copy_pos,
+        ) = _upload(
+            device,
+            torch.tensor([t for p in unique_prompts for t in p]), _ranges(lengths),
+            torch.repeat_interleave(first_slots, lengths), cu, group_t,
+            torch.tensor([self.seed_lo[r] for r in taken]),
+            torch.tensor([self.seed_hi[r] for r in taken]), lengths[group_t],
+            torch.tensor(slots), torch.tensor([self.max_new[r] for r in taken]),
+            copy_src, copy_dst, copy_pos,
+        )  # fmt: skip
+        logits = engine.prefill(
+            engine.model, self.cache, engine.rope, ids, positions, token_slots,
+            cu_dev.to(torch.int32), int(lengths.max()), cu_dev[1:] - 1,
+        )  # fmt: skip  # [U, V]
+        if copy_pos.numel():
+            self.cache.copy_positions(copy_src, copy_dst, copy_pos)
+        request_logits = logits[group_dev]  # [R, V]
         first_tokens, first_logprobs = self.runner.sample(
-            request_logits, seed_lo, seed_hi, torch.zeros(len(taken), **long)
+            request_logits, seed_lo, seed_hi, torch.zeros_like(seed_lo)
         )
         max_new = [self.max_new[r] for r in taken]
         self.state.append_rows(
-            first_tokens, first_logprobs,
-            torch.tensor([lengths[g] for g in group], **long),
-            torch.tensor(slots, **long), torch.tensor(max_new, **long), seed_lo, seed_hi,
-        )  # fmt: skip
+            first_tokens, first_logprobs, row_positions, row_slots, max_new_dev, seed_lo, seed_hi
+        )
         self.row_request += taken
         self.row_budget += [m - 1 for m in max_new]
-        self.row_end += [lengths[g] + m for g, m in zip(group, max_new)]
+        prompt_lengths = lengths.tolist()
+        self.row_end += [prompt_lengths[g] + m for g, m in zip(group, max_new)]
 
     def _collect_finished(self) -> None:
         state = self.state
@@ -425,3 +432,20 @@ class _GenerationLoop:
         self.row_request = [self.row_request[r] for r in keep]
         self.row_budget = [self.row_budget[r] for r in keep]
         self.row_end = [self.row_end[r] for r in keep]
+
+
+def _ranges(lengths: torch.Tensor) -> torch.Tensor:
+    """[n0, n1, ...] -> [0..n0-1, 0..n1-1, ...] (int64, CPU)."""
+    starts = torch.cumsum(lengths, 0) - lengths
+    return torch.arange(int(lengths.sum())) - torch.repeat_interleave(starts, lengths)
+
+
+def _upload(device: torch.device, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """CPU int64 tensors -> device tensors through one pinned buffer and one non-blocking
+    copy. (torch.tensor(list, device="cuda") copies from pageable memory, which waits for the
+    GPU to drain: each admission would wait for the previous prefill pass to finish.)"""
+    sizes = [t.numel() for t in tensors]
+    flat = torch.cat([t.reshape(-1).to(torch.int64) for t in tensors])
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    return list(flat.split(sizes))

@@ -73,29 +73,51 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, norm) -> torch.Ten
 
 @triton.jit
 def _silu_mul_kernel(
-    g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_o, col_stride, n, BLOCK: tl.constexpr
-):
+    g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_o, n, PAIRS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """PAIRS: g_ptr rows hold (gate_0, up_0, gate_1, up_1, ...), read as [BLOCK, 2] tiles
+    (contiguous, vectorised) and split; else gate and up are separate rows."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
-    g = tl.load(g_ptr + row * stride_g + cols * col_stride, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + row * stride_u + cols * col_stride, mask=mask, other=0.0).to(tl.float32)
+    if PAIRS:
+        two = tl.arange(0, 2)
+        offs = row * stride_g + cols[:, None] * 2 + two[None, :]
+        pairs = tl.load(g_ptr + offs, mask=mask[:, None], other=0.0).to(tl.float32)
+        g, u = tl.split(pairs)
+    else:
+        g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)  # torch rounds silu(g) first
     tl.store(out_ptr + row * stride_o + cols, (silu * u).to(dtype), mask=mask)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, both [B, I] views of one product: halves of a [B, 2I] tensor, or its
-    even and odd columns (interleaved gate/up weights) -> contiguous [B, I]."""
+    """silu(gate) * up, both [B, I] with contiguous rows (may be halves of one [B, 2I])."""
     rows, inner = gate.shape
-    if gate.stride(1) != up.stride(1):
-        raise ValueError("silu_mul: gate and up need the same column stride")
+    assert gate.stride(1) == 1 and up.stride(1) == 1
     out = torch.empty(rows, inner, dtype=gate.dtype, device=gate.device)
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(inner, block))](
-        gate, up, out, gate.stride(0), up.stride(0), out.stride(0), gate.stride(1), inner,
+        gate, up, out, gate.stride(0), up.stride(0), out.stride(0), inner, PAIRS=False,
         BLOCK=block,
+    )  # fmt: skip
+    return out
+
+
+def silu_mul_pairs(product: torch.Tensor) -> torch.Tensor:
+    """[B, 2I] with columns interleaved (gate_0, up_0, gate_1, ...) -> silu(gate) * up
+    [B, I] (the matmul output of FusedProjections' interleaved gate/up weight)."""
+    rows, width = product.shape
+    assert product.stride(1) == 1 and width % 2 == 0
+    inner = width // 2
+    out = torch.empty(rows, inner, dtype=product.dtype, device=product.device)
+    block = 512
+    _silu_mul_kernel[(rows, triton.cdiv(inner, block))](
+        product, product, out, product.stride(0), product.stride(0), out.stride(0), inner,
+        PAIRS=True, BLOCK=block,
     )  # fmt: skip
     return out
 

@@ -34,21 +34,14 @@ class KVCache:
     def nbytes(self) -> int:
         return self.keys.numel() * self.keys.element_size() * 2
 
-    def copy_prefix(
-        self, src_slots: torch.Tensor, dst_slots: torch.Tensor, lengths: torch.Tensor
+    def copy_positions(
+        self, src_slots: torch.Tensor, dst_slots: torch.Tensor, positions: torch.Tensor
     ) -> None:
-        """Copy positions [0, lengths[i]) of slot src_slots[i] into dst_slots[i], all layers,
-        in one gather/scatter (used to fan a prefilled prompt out to its n sample slots)."""
-        if dst_slots.numel() == 0:
-            return
-        max_len = int(lengths.max())
-        positions = torch.arange(max_len, device=lengths.device)
-        valid = positions[None, :] < lengths[:, None]  # [P, max_len]
-        src_s = src_slots[:, None].expand_as(valid)[valid]
-        dst_s = dst_slots[:, None].expand_as(valid)[valid]
-        pos = positions[None, :].expand_as(valid)[valid]
+        """cache[:, dst_slots[i], positions[i]] = cache[:, src_slots[i], positions[i]] for
+        every layer, K and V, in one gather/scatter each (fans a prefilled prompt out to its n
+        sample slots; flat index lists built on the host, so no device sync)."""
         for cache in (self.keys, self.values):
-            cache[:, dst_s, pos] = cache[:, src_s, pos]
+            cache[:, dst_slots, positions] = cache[:, src_slots, positions]
 
 
 def bytes_per_slot(

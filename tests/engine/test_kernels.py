@@ -44,6 +44,8 @@ def test_rms_norms_and_silu_match_torch():
     gate_up = torch.randn(3, 400, device=DEVICE)
     gate, up = gate_up.chunk(2, dim=-1)  # strided halves, as with fused gate/up weights
     torch.testing.assert_close(kernels.silu_mul(gate, up), F.silu(gate) * up)
+    interleaved = torch.stack([gate, up], dim=-1).flatten(1)  # gate_0, up_0, gate_1, ...
+    torch.testing.assert_close(kernels.silu_mul_pairs(interleaved), F.silu(gate) * up)
 
 
 def test_rope_store_matches_apply_rope():
