@@ -12,6 +12,8 @@ Per token, with logits l = (h @ W.T) / temperature, p = softmax(l), lse = logsum
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -35,9 +37,24 @@ def logprobs_from_hidden(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     logprobs, entropy = _ChunkedLogprobs.apply(
-        hidden, lm_head_weight, targets, float(temperature), bool(with_entropy), int(chunk_size)
-    )
+        hidden, lm_head_weight, targets, float(temperature), bool(with_entropy), int(chunk_size),
+        _use_kernels(hidden),
+    )  # fmt: skip
     return logprobs, (entropy if with_entropy else None)
+
+
+def _use_kernels(hidden: torch.Tensor) -> bool:
+    """The Triton statistics/gradient kernels (logprob_kernels.py) for half-precision logits
+    on CUDA (or under TRITON_INTERPRET=1, for the CPU tests); the torch path otherwise."""
+    if hidden.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if not hidden.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _chunk_stats(h, weight, targets, temperature, with_entropy):
@@ -57,27 +74,36 @@ def _chunk_stats(h, weight, targets, temperature, with_entropy):
 
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, with_entropy, chunk_size):
+    def forward(ctx, hidden, weight, targets, temperature, with_entropy, chunk_size, kernels):
         n = hidden.shape[0]
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(n if kernels else 0, dtype=torch.float32, device=hidden.device)
         for start in range(0, n, chunk_size):
             stop = min(start + chunk_size, n)
-            _, _, chunk_logprobs, chunk_entropy = _chunk_stats(
-                hidden[start:stop], weight, targets[start:stop], temperature, with_entropy
-            )
+            if kernels:  # half-precision logits read once; lse kept for the backward
+                from hybridflow.models import logprob_kernels
+
+                chunk_lse, chunk_logprobs, chunk_entropy = logprob_kernels.chunk_stats(
+                    hidden[start:stop] @ weight.T, targets[start:stop], temperature, with_entropy
+                )
+                lse[start:stop] = chunk_lse
+            else:
+                _, _, chunk_logprobs, chunk_entropy = _chunk_stats(
+                    hidden[start:stop], weight, targets[start:stop], temperature, with_entropy
+                )
             logprobs[start:stop] = chunk_logprobs
             if with_entropy:
                 entropy[start:stop] = chunk_entropy
-        ctx.save_for_backward(hidden, weight, targets)
-        ctx.config = (temperature, with_entropy, chunk_size)
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        ctx.config = (temperature, with_entropy, chunk_size, kernels)
         ctx.mark_non_differentiable(targets)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, targets = ctx.saved_tensors
-        temperature, with_entropy, chunk_size = ctx.config
+        hidden, weight, targets, saved_lse, saved_entropy = ctx.saved_tensors
+        temperature, with_entropy, chunk_size, kernels = ctx.config
         use_entropy = with_entropy and grad_entropy is not None
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         # fp32 accumulation over chunks: bf16 would drop the small late contributions.
@@ -95,6 +121,21 @@ class _ChunkedLogprobs(torch.autograd.Function):
             stop = min(start + chunk_size, n)
             h = hidden[start:stop]
             chunk_targets = targets[start:stop]
+            if kernels:
+                from hybridflow.models import logprob_kernels
+
+                grad_logits = logprob_kernels.chunk_grad_(
+                    h @ weight.T, chunk_targets, saved_lse[start:stop],
+                    saved_entropy[start:stop] if use_entropy else None,
+                    grad_logprobs[start:stop] if grad_logprobs is not None
+                    else torch.zeros(stop - start, device=h.device),
+                    grad_entropy[start:stop] if use_entropy else None, temperature,
+                )  # fmt: skip
+                if grad_hidden is not None:
+                    grad_hidden[start:stop] = grad_logits @ weight
+                if grad_weight is not None:
+                    grad_weight += grad_logits.T @ h
+                continue
             logits, lse, _, _ = _chunk_stats(h, weight, chunk_targets, temperature, False)
             # In-place arithmetic keeps at most two fp32 [C, V] blocks alive.
             logp_all = logits.sub_(lse[:, None])  # [C, V] log p
@@ -123,7 +164,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 grad_weight += grad_logits.T @ h
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def naive_logprobs(
