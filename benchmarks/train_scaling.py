@@ -152,6 +152,10 @@ def worker(rank: int, world: int, port: int, args, out_path: str) -> None:
     if torch.cuda.is_available():
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
+        if args.share_cores:
+            from hybridflow.controller.worker import share_host_cores
+
+            share_host_cores(world)
         dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
     else:  # CPU smoke run of the script itself (--model tiny)
         device = torch.device("cpu")
@@ -203,6 +207,10 @@ def main() -> None:
         "'fsdp zero3-per-micro-batch' (reshard and reduce-scatter after every micro-batch)",
     )
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--no-share-cores", dest="share_cores", action="store_false",
+        help="keep torch's default CPU threads per rank (all cores each)",
+    )  # fmt: skip
     parser.add_argument("--profile", default=None, help="directory for chrome traces (rank 0)")
     args = parser.parse_args()
 

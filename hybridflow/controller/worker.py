@@ -212,6 +212,7 @@ def init_distributed(
     if context.device.startswith("cuda"):
         torch.cuda.set_device(context.device)
         kwargs["device_id"] = torch.device(context.device)
+        share_host_cores(context.local_world_size)
     dist.init_process_group(
         backend="nccl" if context.device.startswith("cuda") else "gloo",
         rank=context.rank,
@@ -219,6 +220,17 @@ def init_distributed(
         timeout=timedelta(seconds=timeout_s),
         **kwargs,
     )
+
+
+def share_host_cores(local_world_size: int) -> None:
+    """GPU ranks on one host split its cores between their CPU thread pools. torch's default
+    gives every process all cores, so N ranks start N × cores OpenMP threads whose spinning
+    competes with each rank's kernel-launching thread (torchrun sets OMP_NUM_THREADS=1 for
+    the same reason)."""
+    import torch
+
+    if local_world_size > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
 
 
 def destroy_distributed() -> None:

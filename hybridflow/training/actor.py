@@ -286,7 +286,14 @@ class ActorEngine:
         tensor is all-gathered). For weight sync to a rollout engine and for export. Without
         FSDP and LoRA the tensors are the parameters themselves (no copy). A tied lm_head is
         not repeated (HF checkpoints omit it)."""
-        stream = self.core.iter_full_tensors(self.model)
+        core = self.core
+        if core.fsdp and not self.lora and dtype in (None, core.gather_dtype()):
+            # One all-gather per layer, already in the rollout's dtype (weight sync).
+            for name, tensor in core.iter_unit_gathered(self.model):
+                if not (self.model.config.tie_word_embeddings and name == "lm_head.weight"):
+                    yield name, tensor
+            return
+        stream = core.iter_full_tensors(self.model)
         if self.lora:
             stream = lora.merge_lora_stream(stream, lora.lora_scalings(self.model))
         tied = self.model.config.tie_word_embeddings

@@ -355,6 +355,46 @@ class TrainCore:
                 else:
                     yield name, tensor
 
+    def gather_dtype(self) -> torch.dtype:
+        """dtype of the tensors iter_unit_gathered yields (FSDP2 all-gathers in param_dtype)."""
+        return self.compute_dtype or next(self.module.parameters()).dtype
+
+    def iter_unit_gathered(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, full parameter)`` of ``module`` (a submodule of the sharded one, e.g. the
+        causal LM), one FSDP2 unit at a time: one all-gather per decoder layer and one for
+        the root's own parameters (``FSDPModule.unshard``), in ``gather_dtype()``, instead of
+        one collective per tensor (measured: 0.205 s for qwen2.5-0.5b's ~290 tensors on 2
+        H200s, nearly all per-call overhead). Parameters only (no buffers), named like
+        ``state_dict`` (a tied head under both names).
+        A yielded tensor is valid until the generator advances past its unit; every rank
+        must iterate to the end."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if not self.fsdp:
+            raise ValueError("iter_unit_gathered needs an FSDP2-sharded module")
+        names = {id(m): name for name, m in module.named_modules()}
+        units = [m for m in module.modules() if isinstance(m, FSDPModule) and m is not module]
+        prefixes = tuple(names[id(unit)] + "." for unit in units)
+        with self.on_device():
+            for unit, prefix in zip(units, prefixes):
+                unit.unshard()
+                for name, param in unit.named_parameters(remove_duplicate=False):
+                    yield prefix + name, param.detach()
+                self._release_gathered(unit)
+            root = self.module  # its own parameters: embeddings, final norm, untied head
+            root.unshard()
+            for name, param in module.named_parameters(remove_duplicate=False):
+                if not name.startswith(prefixes):  # a tied head under both names, like state_dict
+                    yield name, param.detach()
+            self._release_gathered(root)
+
+    def _release_gathered(self, unit) -> None:
+        # The consumer's copies out of the gathered buffer are queued on this stream; let them
+        # finish before FSDP frees (and another all-gather reuses) the buffer.
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        unit.reshard()
+
     def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """Unsharded CPU copies of ``module``'s tensors on rank 0 (empty dict elsewhere); every
         rank must call it."""

@@ -70,6 +70,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         resumed_metrics2 = resumed.update(second.index(shard))
         resumed_weights2 = resumed.core.full_state_dict(resumed.model)
         actor.export_hf(os.path.join(out_dir, "hf"))
+        # Per-unit gathers (weight sync) equal the per-tensor full state dict.
+        per_unit = {name: t.clone() for name, t in actor.core.iter_unit_gathered(actor.model)}
+        per_tensor = actor.core.full_state_dict(actor.model)  # collective: every rank
         # LoRA + activation checkpointing under FSDP2: merged weights after one step.
         lora_actor = ActorEngine(
             tiny_model(), actor_config(**LORA_CFG), total_steps=2, device="cpu", model_cfg=LORA
@@ -87,6 +90,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             resumed_weights2=resumed_weights2,
             lora_metrics=lora_metrics,
             lora_weights=lora_weights,
+            per_unit=per_unit,
+            per_tensor=per_tensor,
+            hf_names=[name for name, _ in actor.hf_weights()],
         )
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()  # no rank tears gloo/NCCL down while another still talks
@@ -154,6 +160,14 @@ def test_two_rank_fsdp_update_equals_single_process(tmp_path):
             ),
         )
         > 1e-3
+    )
+    # Weight sync gathers one FSDP unit at a time: same names and values as per tensor.
+    assert rank0["per_unit"].keys() == rank0["per_tensor"].keys()
+    assert max_abs_diff(rank0["per_unit"], rank0["per_tensor"]) == 0.0
+    assert max_abs_diff(rank1["per_unit"], rank0["per_tensor"]) == 0.0
+    tied = tiny_model().config.tie_word_embeddings
+    assert set(rank0["hf_names"]) == set(rank0["per_tensor"]) - (
+        {"lm_head.weight"} if tied else set()
     )
     # Export on rank 0 holds the trained full weights in HF layout.
     exported = load_model(str(tmp_path / "hf")).state_dict()
