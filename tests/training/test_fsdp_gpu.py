@@ -69,6 +69,13 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         logprobs = actor.compute_logprobs(batch.index(shard))["old_logprobs"]
         metrics = actor.update(batch.index(shard))
         after = actor.compute_logprobs(batch.index(shard))["old_logprobs"]
+        # weight sync: per-unit bf16 gathers == per-tensor full fp32 state dict, cast
+        synced = {n: t.float().cpu() for n, t in actor.hf_weights(dtype=torch.bfloat16)}
+        full = actor.core.full_state_dict(actor.model)  # collective: every rank
+        sync_diff = max(
+            float((synced[n] - full[n].to(torch.bfloat16).float()).abs().max()) for n in synced
+        ) if rank == 0 else 0.0  # fmt: skip
+        sync_names_ok = rank != 0 or set(synced) == set(full) - {"lm_head.weight"}
         # offload -> reload leaves the weights and the log-probs unchanged
         allocated = torch.cuda.memory_allocated(device)
         actor.offload()
@@ -92,6 +99,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             grads=grads,
             freed=freed,
             reload_diff=float((reloaded - after).abs().max()),
+            sync_diff=sync_diff,
+            sync_names_ok=sync_names_ok,
         )
         torch.cuda.empty_cache()
 
@@ -154,4 +163,5 @@ def test_two_rank_fsdp_matches_one_rank_on_qwen05b(tmp_path):
         assert r["after_reload"]["skipped_steps"] == 0.0 and r["after_reload"]["grad_norm"] > 0
         assert r["freed"] > 2.5e9  # 1 GB fp32 weight shard + 2 GB Adam state per rank
         assert r["reload_diff"] < 1e-6
+        assert r["sync_diff"] == 0.0 and r["sync_names_ok"]
         assert r["lora_moved"] > 1e-3 and r["lora_ref_diff"] < 1e-5
