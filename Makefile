@@ -17,8 +17,14 @@ $(STAMP): pyproject.toml | $(PY)
 
 setup: $(STAMP)
 
+# Then the Triton kernels on the CPU through the interpreter (run as numpy; the main run
+# skips them, and compiles each one for sm_90 instead).
+KERNEL_TESTS := tests/engine/test_kernels.py tests/engine/test_sampler_fused.py \
+	tests/models/test_logprob_kernels.py
+
 test: $(STAMP)
 	$(PY) -m pytest
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(KERNEL_TESTS)
 
 demo: $(STAMP)
 	$(VENV)/bin/hybridflow train
