@@ -12,6 +12,8 @@ Key names (what `metrics.jsonl` and the console show):
 
 from __future__ import annotations
 
+import functools
+import subprocess
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
@@ -125,15 +127,33 @@ def rl_step_flops(
 
 
 def peak_flops_per_gpu(device_name: str | None = None) -> float | None:
-    """Dense bf16 peak of the current (or named) CUDA device, None if unknown."""
+    """Dense bf16 peak of this machine's (or the named) CUDA device, None if unknown."""
     if device_name is None:
-        if not torch.cuda.is_available():
-            return None
-        device_name = torch.cuda.get_device_name()
+        device_name = cuda_device_name()
+    if device_name is None:
+        return None
     for key, flops in PEAK_BF16_FLOPS.items():
         if key in device_name:
             return flops
     return None
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_device_name() -> str | None:
+    """Name of GPU 0, without creating a CUDA context in a process that has none: the
+    controller of the local and ray backends computes no tensors, and a context there would
+    hold ~0.5 GB of GPU 0 that rank 0's KV cache then lacks. nvidia-smi answers instead."""
+    if torch.cuda.is_initialized():
+        return torch.cuda.get_device_name()
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "--id=0"],
+            capture_output=True, text=True, timeout=10,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    name = out.stdout.strip().splitlines()[0].strip() if out.stdout.strip() else ""
+    return name if out.returncode == 0 and name else None
 
 
 def estimate_mfu(

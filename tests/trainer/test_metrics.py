@@ -119,3 +119,35 @@ def test_majority_tie_goes_to_the_first_seen():
 
     metrics = validation_metrics(["s"] * 4, ["u"] * 4, [0.0, 1.0, 0.0, 1.0], ["a", "b", "a", "b"])
     assert metrics["val/s/maj@4"] == 0.0
+
+
+def test_device_name_comes_from_nvidia_smi_without_a_cuda_context(monkeypatch):
+    """The controller (no CUDA context) asks nvidia-smi; it never initialises CUDA."""
+    import subprocess
+
+    from hybridflow.trainer import metrics
+
+    calls = []
+
+    def fake_run(cmd, **kwargs):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout="NVIDIA H200\n", stderr="")
+
+    monkeypatch.setattr(metrics.torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(
+        metrics.torch.cuda, "get_device_name", lambda *a: pytest.fail("would create a context")
+    )
+    monkeypatch.setattr(metrics.subprocess, "run", fake_run)
+    metrics.cuda_device_name.cache_clear()
+    try:
+        assert metrics.peak_flops_per_gpu() == 989e12
+        assert calls and calls[0][0] == "nvidia-smi"
+
+        def missing(cmd, **kwargs):
+            raise FileNotFoundError(cmd[0])
+
+        monkeypatch.setattr(metrics.subprocess, "run", missing)
+        metrics.cuda_device_name.cache_clear()
+        assert metrics.peak_flops_per_gpu() is None  # no GPU tool: MFU unknown, no crash
+    finally:
+        metrics.cuda_device_name.cache_clear()
