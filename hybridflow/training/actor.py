@@ -287,7 +287,8 @@ class ActorEngine:
         FSDP and LoRA the tensors are the parameters themselves (no copy). A tied lm_head is
         not repeated (HF checkpoints omit it)."""
         core = self.core
-        if core.fsdp and not self.lora and dtype in (None, core.gather_dtype()):
+        wanted = dtype or core.master_dtype()  # None: the fp32 masters (export)
+        if core.fsdp and not self.lora and wanted == core.gather_dtype():
             # One all-gather per layer, already in the rollout's dtype (weight sync).
             for name, tensor in core.iter_unit_gathered(self.model):
                 if not (self.model.config.tie_word_embeddings and name == "lm_head.weight"):

@@ -355,9 +355,13 @@ class TrainCore:
                 else:
                     yield name, tensor
 
+    def master_dtype(self) -> torch.dtype:
+        """dtype of the (sharded) parameters the optimizer updates."""
+        return next(self.module.parameters()).dtype
+
     def gather_dtype(self) -> torch.dtype:
         """dtype of the tensors iter_unit_gathered yields (FSDP2 all-gathers in param_dtype)."""
-        return self.compute_dtype or next(self.module.parameters()).dtype
+        return self.compute_dtype or self.master_dtype()
 
     def iter_unit_gathered(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, full parameter)`` of ``module`` (a submodule of the sharded one, e.g. the

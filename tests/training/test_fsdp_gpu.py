@@ -76,6 +76,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             float((synced[n] - full[n].to(torch.bfloat16).float()).abs().max()) for n in synced
         ) if rank == 0 else 0.0  # fmt: skip
         sync_names_ok = rank != 0 or set(synced) == set(full) - {"lm_head.weight"}
+        # without a dtype (export) the fp32 masters, not the bf16 compute copies
+        sync_names_ok = sync_names_ok and all(
+            t.dtype == torch.float32 for _, t in actor.hf_weights()
+        )
         # offload -> reload leaves the weights and the log-probs unchanged
         allocated = torch.cuda.memory_allocated(device)
         actor.offload()
