@@ -1,23 +1,16 @@
 """Triton kernels against their torch references, and the whole fast decode path against the
 eager one. Runs on CUDA (marked gpu), or on CPU under TRITON_INTERPRET=1 when triton is
-installed; skipped otherwise (CI has no triton)."""
+installed (make test runs them so); skipped otherwise."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_device import triton_test_device  # noqa: E402
 
-triton = pytest.importorskip("triton")
-if torch.cuda.is_available():
-    DEVICE = "cuda"
-    pytestmark = pytest.mark.gpu
-elif os.environ.get("TRITON_INTERPRET") == "1":
-    DEVICE = "cpu"
-else:
-    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+DEVICE = triton_test_device()  # skips this module without CUDA or TRITON_INTERPRET=1
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 
 from hybridflow.engine import Engine, SamplingParams, kernels, sampler_kernels  # noqa: E402
 from hybridflow.engine.forward import cached_attention_torch  # noqa: E402

@@ -6,19 +6,13 @@ interpreter costs ~5 ms per program, so rows and splits are kept small); skipped
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
+from triton_device import triton_test_device  # noqa: E402
 
-triton = pytest.importorskip("triton")
-if torch.cuda.is_available():
-    DEVICE = "cuda"
-    pytestmark = pytest.mark.gpu
-elif os.environ.get("TRITON_INTERPRET") == "1":
-    DEVICE = "cpu"
-else:
-    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+DEVICE = triton_test_device()  # skips this module without CUDA or TRITON_INTERPRET=1
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 
 from hybridflow.engine.sampler_kernels import sample_fused  # noqa: E402
 from hybridflow.engine.sampling import (  # noqa: E402

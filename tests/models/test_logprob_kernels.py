@@ -1,22 +1,15 @@
 """The Triton log-prob/entropy kernels (half-precision logits) against the torch chunked path
 on the same bf16 inputs: values and gradients. CUDA (marked gpu), or CPU under
-TRITON_INTERPRET=1 when triton is installed; skipped otherwise (CI has no triton)."""
+TRITON_INTERPRET=1 when triton is installed (make test runs them so); skipped otherwise."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from triton_device import triton_test_device  # noqa: E402
 
-triton = pytest.importorskip("triton")
-if torch.cuda.is_available():
-    DEVICE = "cuda"
-    pytestmark = pytest.mark.gpu
-elif os.environ.get("TRITON_INTERPRET") == "1":
-    DEVICE = "cpu"
-else:
-    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+DEVICE = triton_test_device()  # skips this module without CUDA or TRITON_INTERPRET=1
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 
 from hybridflow.models.logprobs import _ChunkedLogprobs, _use_kernels  # noqa: E402
 
