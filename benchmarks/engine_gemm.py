@@ -46,8 +46,15 @@ TILES = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
     (64, 64, 128, 4, 3),
     (256, 64, 64, 8, 3),
     (128, 128, 128, 8, 2),
+    # deeper pipelines: most of K in flight at once (cuBLAS's skinny kernels keep ~15 stages)
+    (64, 32, 64, 4, 8),
+    (64, 64, 64, 4, 7),
+    (64, 64, 128, 4, 4),
+    (64, 128, 64, 4, 5),
+    (128, 128, 64, 8, 4),
+    (128, 256, 64, 8, 3),
 ]
-SPLITS = [1, 2, 4, 8]
+SPLITS = [1, 2, 4]
 
 
 def graph_time_us(calls, reps: int = 20) -> float:

@@ -65,8 +65,12 @@ def _gemm_nt_kernel(
             acc = tl.dot(a, tl.trans(w), acc)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    # Stores index with rm/rn themselves (masked): the clamped copies hide the columns'
+    # contiguity from the compiler, which then emits one 2-byte store per element (64 per
+    # thread for a 128 x 128 tile) instead of vector stores.
+    rm64 = rm.to(tl.int64)
     if PARTIAL:
-        c = c_ptr + pid_k * stride_cs + rm_safe[:, None] * stride_cm + rn_safe[None, :]
+        c = c_ptr + pid_k * stride_cs + rm64[:, None] * stride_cm + rn[None, :]
         tl.store(c, acc, mask=m_mask[:, None] & n_mask[None, :])
         return
     dtype = c_ptr.dtype.element_ty
@@ -78,10 +82,10 @@ def _gemm_nt_kernel(
         up = up.to(dtype).to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        c = c_ptr + rm_safe[:, None] * stride_cm + cols[None, :]
+        c = c_ptr + rm64[:, None] * stride_cm + cols[None, :]
         tl.store(c, (silu * up).to(dtype), mask=m_mask[:, None] & (cols < N // 2)[None, :])
     else:
-        c = c_ptr + rm_safe[:, None] * stride_cm + rn_safe[None, :]
+        c = c_ptr + rm64[:, None] * stride_cm + rn[None, :]
         tl.store(c, acc.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
 
 
