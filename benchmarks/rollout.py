@@ -194,22 +194,25 @@ def step_breakdown(device, preset: str, batch: int, length: int) -> dict:
 
 
 VARIANTS = [
-    # (preset, prompts, backend, graphs, steps_per_sync, fuse, matmul, hf)
-    ("qwen2.5-0.5b", 256, "triton", True, 8, "all", "auto", True),
-    ("qwen2.5-0.5b", 256, "triton", True, 8, "all", "cublas", False),
-    ("qwen2.5-0.5b", 1024, "triton", True, 8, "all", "auto", False),
-    ("qwen2.5-1.5b", 256, "triton", True, 8, "all", "auto", True),
+    # (preset, prompts, backend, graphs, steps_per_sync, fuse, matmul, fuse_norms, hf)
+    ("qwen2.5-0.5b", 256, "triton", True, 8, "all", "auto", "auto", True),
+    ("qwen2.5-0.5b", 256, "triton", True, 8, "all", "auto", "off", False),
+    ("qwen2.5-0.5b", 1024, "triton", True, 8, "all", "auto", "auto", False),
+    ("qwen2.5-0.5b", 1024, "triton", True, 8, "all", "auto", "off", False),
+    ("qwen2.5-1.5b", 256, "triton", True, 8, "all", "auto", "auto", True),
+    ("qwen2.5-1.5b", 256, "triton", True, 8, "all", "auto", "off", False),
 ]
 
 
 def run_variants(device, variants, quick: bool) -> list[dict]:
     rows, models = [], {}
-    for preset, prompts, backend, graphs, sync, fuse, matmul, hf in variants:
+    for preset, prompts, backend, graphs, sync, fuse, matmul, norms, hf in variants:
         args = SimpleNamespace(
             preset=preset, prompts=prompts, prompt_len=128 if not quick else 8,
             new_tokens=256 if not quick else 8, n=1, max_batch_size=None, temperature=1.0,
             dtype="bfloat16", device=str(device), backend=backend, no_graphs=not graphs,
-            steps_per_sync=sync, fuse=fuse, matmul=matmul, hf=hf, hf_batch_size=None, seed=0,
+            steps_per_sync=sync, fuse=fuse, matmul=matmul, fuse_norms=norms, hf=hf,
+            hf_batch_size=None, seed=0,
         )  # fmt: skip
         if preset not in models:
             models.clear()
@@ -218,7 +221,8 @@ def run_variants(device, variants, quick: bool) -> list[dict]:
         model = models[preset]
         prompt_ids = make_prompts(prompts, args.prompt_len, model.config.vocab_size, 0)
         row = {"preset": preset, "prompts": prompts, "backend": backend, "graphs": graphs,
-               "steps_per_sync": sync, "fuse": fuse, "matmul": matmul}  # fmt: skip
+               "steps_per_sync": sync, "fuse": fuse, "matmul": matmul,
+               "fuse_norms": norms}  # fmt: skip
         try:
             row.update(bench_engine(model, prompt_ids, args, device))
             if hf:
@@ -227,7 +231,8 @@ def run_variants(device, variants, quick: bool) -> list[dict]:
         except Exception as e:  # keep the other variants' numbers
             row["error"] = repr(e)
             traceback.print_exc()
-        print(json.dumps({k: v for k, v in row.items() if k != "matmul_timings_us"}), flush=True)
+        skip = ("matmul_timings_us", "chain_timings_us")
+        print(json.dumps({k: v for k, v in row.items() if k not in skip}), flush=True)
         rows.append(row)
     return rows
 
@@ -238,7 +243,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['preset']} | {r['prompts']} | {r['fuse']} | {r['steps_per_sync']} | "
-                         f"{r['matmul']} | error: {r['error'][:60]} | | | | | |")  # fmt: skip
+                         f"{r['matmul']}, norms {r.get('fuse_norms')} | error: {r['error'][:60]} | | | | | |")  # fmt: skip
             continue
         hf = f"{r['hf_tokens_per_s']:,.0f}" if "hf_tokens_per_s" in r else ""
         x = f"{r['speedup_vs_hf']:.1f}" if "speedup_vs_hf" in r else ""
@@ -247,7 +252,7 @@ def table(rows: list[dict]) -> str:
         step_ms = (r["seconds"] - r["ttft_s"]) / max(steps, 1) * 1000
         lines.append(
             f"| {r['preset']} | {r['prompts']} | {r['fuse']} | {r['steps_per_sync']} | "
-            f"{r['matmul']} | {r['tokens_per_s']:,.0f} | {step_ms:.2f} | {r['ttft_s'] * 1000:.0f} | "
+            f"{r['matmul']}, norms {r.get('fuse_norms')} | {r['tokens_per_s']:,.0f} | {step_ms:.2f} | {r['ttft_s'] * 1000:.0f} | "
             f"{r['peak_mem_gib']:.2f} | "
             f"{hf} | {x} |"
         )
@@ -287,7 +292,9 @@ def main() -> None:
             traceback.print_exc()
     if "variants" in parts:
         variants = (
-            VARIANTS if not args.quick else [("tiny", 4, "torch", False, 4, "none", "auto", True)]
+            VARIANTS
+            if not args.quick
+            else [("tiny", 4, "torch", False, 4, "none", "auto", "auto", True)]
         )
         results["variants"] = run_variants(device, variants, args.quick)
         results["table"] = table(results["variants"])
@@ -300,6 +307,9 @@ def main() -> None:
         for r in results.get("variants", []):  # per-shape cuBLAS vs Triton tile times (us)
             if r.get("matmul_timings_us"):
                 print(r["preset"], r["prompts"], r["matmul"], json.dumps(r["matmul_timings_us"]))
+            if r.get("chain_timings_us"):
+                print(r["preset"], r["prompts"], "chain", json.dumps(r["chain_decisions"]),
+                      json.dumps(r["chain_timings_us"]))  # fmt: skip
         print(results["table"])
     print(f"wall {results['wall_s']:.0f} s")
 

@@ -32,6 +32,8 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps-per-sync", type=int, default=8)
     p.add_argument("--matmul", default="auto", choices=["auto", "cublas", "triton"],
                    help="Engine(decode_matmul=...)")  # fmt: skip
+    p.add_argument("--fuse-norms", default="auto", choices=["auto", "on", "off"],
+                   help="Engine(fuse_norms=...)")  # fmt: skip
     p.add_argument("--hf", dest="hf", action="store_true", default=True)
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HF baseline")
     p.add_argument("--hf-batch-size", type=int, default=None, help="default: all prompts")
@@ -122,6 +124,7 @@ def bench_engine(model, prompts, args, device) -> dict:
         steps_per_sync=args.steps_per_sync,
         fuse_projections=getattr(args, "fuse", "all"),
         decode_matmul=getattr(args, "matmul", "auto"),
+        fuse_norms=getattr(args, "fuse_norms", "auto"),
     )
     stop_ids = stop_ids_for_mean_length(
         model.config.vocab_size, getattr(args, "mean_length", None), args.seed
@@ -150,7 +153,7 @@ def bench_engine(model, prompts, args, device) -> dict:
     tokens = sum(len(c.token_ids) for c in completions)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     slots = engine.num_slots
-    matmul = engine.matmul
+    matmul, chain = engine.matmul, engine.chain
     engine.release()
     return {
         "backend": engine.decode_backend, "cuda_graphs": engine.cuda_graphs, "slots": slots,
@@ -160,6 +163,9 @@ def bench_engine(model, prompts, args, device) -> dict:
         "warmup_s": warmup, "stopped": stopped,
         "matmul": matmul.mode if matmul else None,
         "matmul_timings_us": {str(k[:3]): v for k, v in matmul.timings.items()} if matmul else {},
+        "fuse_norms": chain.mode if chain else None,
+        "chain_decisions": {str(k): v for k, v in chain.decisions.items()} if chain else {},
+        "chain_timings_us": chain.timings if chain else {},
     }  # fmt: skip
 
 

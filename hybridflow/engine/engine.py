@@ -79,6 +79,10 @@ class Engine:
             matmuls are cuBLAS: it won every other decode shape). "cublas" never uses Triton;
             "triton" always does for gate/up. H200, 256 prompts: auto 150k vs cublas 140k
             tok/s on 0.5b (Triton chosen), equal on 1.5b (cuBLAS chosen; NOTES.md, run 5).
+        fuse_norms: triton backend with fuse_projections="all", decode batches up to 1024
+            rows: "auto" (default) times, once per batch-size bucket, the five-launch decode
+            layer (chain.py: RMSNorms and residual adds inside the matmuls) against the
+            eight-launch one and keeps the faster; "on" always uses it; "off" never.
     """
 
     def __init__(
@@ -94,6 +98,7 @@ class Engine:
         max_prefill_tokens: int = 16384,
         fuse_projections: str = "all",
         decode_matmul: str = "auto",
+        fuse_norms: str = "auto",
     ):
         self.model = model
         self.config = model.config
@@ -125,11 +130,14 @@ class Engine:
             raise ValueError(f"fuse_projections={fuse_projections!r} not in none/qkv/all")
         self.fuse_projections = fuse_projections if decode_backend == "triton" else "none"
         self.fused = None
-        self.matmul = None
+        self.matmul = self.chain = None
         if decode_backend == "triton":
+            from hybridflow.engine.chain import DecodeChain
             from hybridflow.engine.gemm import DecodeMatmul
 
-            self.matmul = DecodeMatmul(decode_matmul)  # kept across release(): shape choices
+            # kept across release(): shape choices
+            self.matmul = DecodeMatmul(decode_matmul)
+            self.chain = DecodeChain(fuse_norms)
         self.decode_backend = decode_backend
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.cache: kv_cache.KVCache | None = None
@@ -167,7 +175,7 @@ class Engine:
         self.prefill = prefill_forward
         if self.decode_backend == "triton":
             kw = dict(fused=self.fused, matmul=self.matmul)
-            decode_forward = functools.partial(decode_forward, **kw)
+            decode_forward = functools.partial(decode_forward, chain=self.chain, **kw)
             self.prefill = functools.partial(prefill_forward_triton, **kw)
         self.runner = DecodeRunner(
             self.model, self.cache, self.state, self.rope, decode_forward,

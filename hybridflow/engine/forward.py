@@ -247,10 +247,14 @@ def decode_forward_triton(
     max_len: int,
     fused: FusedProjections | None = None,
     matmul=None,
+    chain=None,
 ) -> torch.Tensor:
     """Same contract as decode_forward_torch; fused kernels, attention over live lengths only
-    (max_len only sizes the split of the sequence among thread blocks)."""
+    (max_len only sizes the split of the sequence among thread blocks). chain: a
+    chain.DecodeChain (five launches per layer, the norms inside the matmuls), used where it
+    applies and wins (needs fused gate/up weights)."""
     from hybridflow.engine import kernels
+    from hybridflow.engine.chain import chain_layers
 
     def attend(index, q, k, v):
         return kernels.decode_attention_rope(
@@ -258,7 +262,22 @@ def decode_forward_triton(
             row_slots, max_len,
         )  # fmt: skip
 
-    normed = fused_layers(model, cache, rope, tokens, positions, row_slots, attend, fused, matmul)
+    def run_split():
+        return fused_layers(model, cache, rope, tokens, positions, row_slots, attend, fused,
+                            matmul)  # fmt: skip
+
+    def run_chain():
+        return chain_layers(model, tokens, attend, fused, chain)
+
+    rows = tokens.shape[0]
+    usable = chain is not None and fused is not None and fused.gate_up_weight is not None
+    if usable and chain.applies(rows):
+        hidden_size = model.config.hidden_size
+        normed = (
+            run_chain() if chain.choose(rows, hidden_size, run_chain, run_split) else run_split()
+        )
+    else:
+        normed = run_split()
     return model.lm_head(normed)
 
 

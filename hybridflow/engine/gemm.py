@@ -32,12 +32,23 @@ import triton.language as tl
 @triton.jit
 def _gemm_nt_kernel(
     a_ptr, w_ptr, bias_ptr, c_ptr, M, N, K_SPLIT, stride_am, stride_wn, stride_cs, stride_cm,
+    ss_in_ptr, norm_w_ptr, ss_out_ptr, ws_ptr, count_ptr, stride_ss, N_SS, K_NORM, eps,
     HAS_BIAS: tl.constexpr, SILU_PAIRS: tl.constexpr, PARTIAL: tl.constexpr, FP32: tl.constexpr,
+    NORM_A: tl.constexpr, N_SS_PAD: tl.constexpr, RESIDUAL: tl.constexpr, SERIAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """c = a @ w^T over k in [pid_k * K_SPLIT, (pid_k + 1) * K_SPLIT) (K_SPLIT % BLOCK_K == 0).
 
     PARTIAL: store the fp32 sum of this K range at c[pid_k] (split-K; no bias).
+    SERIAL (with a K split): each program parks its fp32 sum in ws_ptr; the last program of
+    an output tile (an atomic count) adds them in split order, so the result does not depend
+    on which finished first, and runs the epilogue.
+    NORM_A: a is the residual stream; the matmul reads RMSNorm(a) * norm_w instead, the row's
+    1/rms from N_SS partial sums of squares (ss_in[j, row], summed in a fixed order; K_NORM
+    values per row), rounded like kernels.rms_norm (fp32 product, one rounding).
+    RESIDUAL: c is the residual stream, updated in place: c += round(a @ w^T + bias) (the
+    rounding of F.linear then of the add, as kernels.add_rms_norm does), and this tile's
+    sums of squares of the new values go to ss_out[pid_n, row] for the next NORM_A.
     SILU_PAIRS: w's rows are interleaved (gate_0, up_0, gate_1, up_1, ...): store
     silu(gate) * up into c [M, N / 2], rounded like the torch ops (gate and up to the output
     dtype first, then silu, then the product)."""
@@ -55,9 +66,20 @@ def _gemm_nt_kernel(
     rn_safe = tl.where(n_mask, rn, 0).to(tl.int64)
     a_ptrs = a_ptr + rm_safe[:, None] * stride_am + rk[None, :]
     w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk[None, :]
+    dtype = c_ptr.dtype.element_ty
+    if NORM_A:
+        parts = tl.arange(0, N_SS_PAD)
+        ss_ptrs = ss_in_ptr + parts[:, None] * stride_ss + rm_safe[None, :]
+        ss = tl.load(ss_ptrs, mask=(parts < N_SS)[:, None], other=0.0)
+        rstd = tl.rsqrt(tl.sum(ss, axis=0) / K_NORM + eps)  # [BLOCK_M]
+        norm_ptrs = norm_w_ptr + rk
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for _ in range(0, K_SPLIT, BLOCK_K):
         a = tl.load(a_ptrs)
+        if NORM_A:
+            norm_w = tl.load(norm_ptrs).to(tl.float32)
+            a = (a.to(tl.float32) * rstd[:, None] * norm_w[None, :]).to(a_ptr.dtype.element_ty)
+            norm_ptrs += BLOCK_K
         w = tl.load(w_ptrs)
         if FP32:
             acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
@@ -73,7 +95,37 @@ def _gemm_nt_kernel(
         c = c_ptr + pid_k * stride_cs + rm64[:, None] * stride_cm + rn[None, :]
         tl.store(c, acc, mask=m_mask[:, None] & n_mask[None, :])
         return
-    dtype = c_ptr.dtype.element_ty
+    if SERIAL:
+        splits = tl.num_programs(2)
+        tile = pid_n * tl.num_programs(0) + pid_m
+        tile_offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        ws = ws_ptr + tile.to(tl.int64) * splits * BLOCK_M * BLOCK_N + tile_offs
+        tl.store(ws + pid_k * BLOCK_M * BLOCK_N, acc)
+        tl.debug_barrier()  # every thread's part is written before the count moves
+        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if done == splits - 1:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k in range(0, splits):  # split order: the same sum whoever finished last
+                acc += tl.load(ws + k * BLOCK_M * BLOCK_N, cache_modifier=".cg")
+            tl.store(count_ptr + tile, 0)  # ready for the next launch (graph replays)
+            _gemm_epilogue(
+                acc, bias_ptr, c_ptr, ss_out_ptr, stride_cm, stride_ss, pid_n, rm64, rn,
+                rn_safe, m_mask, n_mask, N, dtype, HAS_BIAS, SILU_PAIRS, RESIDUAL, BLOCK_M,
+                BLOCK_N,
+            )  # fmt: skip
+    else:
+        _gemm_epilogue(
+            acc, bias_ptr, c_ptr, ss_out_ptr, stride_cm, stride_ss, pid_n, rm64, rn, rn_safe,
+            m_mask, n_mask, N, dtype, HAS_BIAS, SILU_PAIRS, RESIDUAL, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+
+
+@triton.jit
+def _gemm_epilogue(
+    acc, bias_ptr, c_ptr, ss_out_ptr, stride_cm, stride_ss, pid_n, rm64, rn, rn_safe, m_mask,
+    n_mask, N, dtype: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_PAIRS: tl.constexpr,
+    RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn_safe, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if SILU_PAIRS:
@@ -84,6 +136,15 @@ def _gemm_nt_kernel(
         cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         c = c_ptr + rm64[:, None] * stride_cm + cols[None, :]
         tl.store(c, (silu * up).to(dtype), mask=m_mask[:, None] & (cols < N // 2)[None, :])
+    elif RESIDUAL:
+        mask = m_mask[:, None] & n_mask[None, :]
+        c = c_ptr + rm64[:, None] * stride_cm + rn[None, :]
+        residual = tl.load(c, mask=mask, other=0.0).to(tl.float32)
+        updated = (residual + acc.to(dtype).to(tl.float32)).to(dtype)
+        tl.store(c, updated, mask=mask)
+        squares = updated.to(tl.float32)
+        tl.store(ss_out_ptr + pid_n * stride_ss + rm64, tl.sum(squares * squares, axis=1),
+                 mask=m_mask)  # fmt: skip
     else:
         c = c_ptr + rm64[:, None] * stride_cm + rn[None, :]
         tl.store(c, acc.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
@@ -129,10 +190,11 @@ def gemm_nt(
     grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n), splits)
     _gemm_nt_kernel[grid](
         x, weight, bias if bias is not None else weight, out, rows, cols, k_split,
-        x.stride(0), weight.stride(0), out.stride(0) if splits > 1 else 0,
-        out.stride(-2), HAS_BIAS=bias is not None, SILU_PAIRS=silu_pairs, PARTIAL=splits > 1,
-        FP32=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages,
+        x.stride(0), weight.stride(0), out.stride(0) if splits > 1 else 0, out.stride(-2),
+        out, out, out, out, out, 0, 1, depth, 0.0, HAS_BIAS=bias is not None,
+        SILU_PAIRS=silu_pairs, PARTIAL=splits > 1, FP32=x.dtype == torch.float32,
+        NORM_A=False, N_SS_PAD=1, RESIDUAL=False, SERIAL=False, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 

@@ -19,6 +19,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from hybridflow.engine import chain as chain_mod  # noqa: E402
 from hybridflow.engine import gemm, kernels, sampler_kernels  # noqa: E402
 from hybridflow.models import logprob_kernels  # noqa: E402
 
@@ -109,14 +110,43 @@ def test_decode_layer_kernels_compile(activation):
 def test_gemm_nt_compiles(config):
     block_m, block_n, block_k, warps, stages = config
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    chain = dict(NORM_A=False, N_SS_PAD=1, RESIDUAL=False, SERIAL=False)
     for bias, pairs, partial in [(True, False, False), (False, True, False), (False, False, True)]:
         _compile(
             gemm._gemm_nt_kernel,
-            dict(HAS_BIAS=bias, SILU_PAIRS=pairs, PARTIAL=partial, FP32=False, **tiles),
+            dict(HAS_BIAS=bias, SILU_PAIRS=pairs, PARTIAL=partial, FP32=False, **chain, **tiles),
             overrides={"c_ptr": "*fp32" if partial else "*bf16"},
             warps=warps,
             stages=stages,
         )
+
+
+@pytest.mark.parametrize("config", chain_mod.CHAIN_TILES)
+def test_chain_matmuls_compile(config):
+    """The five-launch layer's variants: normalised input (+ SiLU pairs, + bias), residual
+    epilogue with and without the in-kernel split-K reduction."""
+    block_m, block_n, block_k, warps, stages = config
+    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    plain = dict(PARTIAL=False, FP32=False)
+    fp32 = {"ss_in_ptr": "*fp32", "ss_out_ptr": "*fp32", "ws_ptr": "*fp32", "count_ptr": "*i32",
+            "eps": "fp32"}  # fmt: skip
+    variants = [
+        dict(HAS_BIAS=True, SILU_PAIRS=False, NORM_A=True, N_SS_PAD=16, RESIDUAL=False,
+             SERIAL=False),
+        dict(HAS_BIAS=False, SILU_PAIRS=True, NORM_A=True, N_SS_PAD=32, RESIDUAL=False,
+             SERIAL=False),
+        dict(HAS_BIAS=False, SILU_PAIRS=False, NORM_A=False, N_SS_PAD=1, RESIDUAL=True,
+             SERIAL=False),
+        dict(HAS_BIAS=True, SILU_PAIRS=False, NORM_A=False, N_SS_PAD=1, RESIDUAL=True,
+             SERIAL=True),
+    ]  # fmt: skip
+    for flags in variants:
+        compiled = _compile(
+            gemm._gemm_nt_kernel, dict(**flags, **plain, **tiles), overrides=fp32, warps=warps,
+            stages=stages,
+        )  # fmt: skip
+        if flags["SERIAL"]:
+            assert "atom" in compiled.asm["ptx"]
 
 
 @pytest.mark.parametrize(

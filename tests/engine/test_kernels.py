@@ -132,19 +132,23 @@ def test_fused_sampler_matches_reference(params):
 
 
 @pytest.mark.parametrize(
-    "fuse,matmul", [("none", "auto"), ("qkv", "auto"), ("all", "auto"), ("all", "cublas")]
-)
-def test_fast_engine_matches_eager_engine(fuse, matmul):
+    "fuse,matmul,norms",
+    [("none", "auto", "auto"), ("qkv", "auto", "auto"), ("all", "auto", "on"),
+     ("all", "auto", "off"), ("all", "cublas", "auto")],
+)  # fmt: skip
+def test_fast_engine_matches_eager_engine(fuse, matmul, norms):
     model = build_model(preset_config("tiny"), seed=1, device=DEVICE).eval()
     for p in model.parameters():
         p.data.normal_(0, 0.3, generator=torch.Generator(DEVICE).manual_seed(p.numel()))
     prompts = [[5, 17, 9, 33, 2, 71], [40, 41], [100, 3, 8, 19, 23, 60, 61, 62, 63, 7]]
     params = SamplingParams(n=2, temperature=0.9, top_k=40, top_p=0.95, max_new_tokens=8, seed=3)
     fast = Engine(model, max_batch_size=4, max_seq_len=64, decode_backend="triton",
-                  fuse_projections=fuse, decode_matmul=matmul)  # fmt: skip
+                  fuse_projections=fuse, decode_matmul=matmul, fuse_norms=norms)  # fmt: skip
     eager = Engine(model, max_batch_size=6, max_seq_len=64, decode_backend="torch",
                    cuda_graphs=False)  # fmt: skip
     a, b = fast.generate(prompts, params), eager.generate(prompts, params)
+    if fuse == "all" and norms == "on":  # the five-launch layer ran, with a K split
+        assert any(splits > 1 for _, splits in fast.chain.plans.values()) or DEVICE == "cuda"
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
     for x, y in zip(a, b):
         assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4

@@ -1,0 +1,89 @@
+"""The five-launch decode layer's matmuls (chain.py) against the split path's ops: RMSNorm in
+the matmul's prologue, residual add + sums of squares in its epilogue, the in-kernel split-K
+reduction. CUDA (marked gpu) or CPU under TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from triton_device import triton_test_device  # noqa: E402
+
+DEVICE = triton_test_device()
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
+
+from hybridflow.engine import chain as chain_mod  # noqa: E402
+from hybridflow.engine import gemm, kernels  # noqa: E402
+
+
+class _Norm:
+    def __init__(self, dim):
+        self.weight = torch.randn(dim, device=DEVICE)
+        self.eps = 1e-6
+
+
+def _tile():
+    return chain_mod.INTERPRETER_PLAN[0] if DEVICE == "cpu" else chain_mod.CHAIN_TILES[0]
+
+
+@pytest.mark.parametrize("rows", [5, 16, 37])
+@pytest.mark.parametrize("silu", [False, True])
+def test_norm_linear_equals_rms_norm_then_matmul(rows, silu):
+    """Sums of squares in parts (as a residual epilogue leaves them) -> the same normalised
+    matmul as kernels.rms_norm followed by the matmul (fp32: up to summation order)."""
+    hidden, cols = 128, 96
+    chain = chain_mod.DecodeChain("on")
+    residual = torch.randn(rows, hidden, device=DEVICE) * 3
+    norm = _Norm(hidden)
+    weight = torch.randn(cols, hidden, device=DEVICE) / hidden**0.5
+    bias = None if silu else torch.randn(cols, device=DEVICE)
+    sums = chain.sums_buffer(rows, hidden, residual.device)
+    parts = 4  # as if a producer with 32-column tiles wrote them
+    for j in range(parts):
+        block = residual[:, j * 32 : (j + 1) * 32]
+        sums[j, :rows] = (block * block).sum(-1)
+    sums[parts:].fill_(1e9)  # beyond `parts`: must not be read
+    out = chain.norm_linear(residual, (sums, parts), norm, weight, bias, silu_pairs=silu)
+    normed = kernels.rms_norm(residual, norm)
+    if silu:
+        expected = gemm.gate_up_silu_cublas(normed, weight)
+    else:
+        expected = F.linear(normed, weight, bias)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [5, 37])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_residual_linear_updates_stream_and_sums(rows, splits):
+    """residual += x @ W^T + b in place, the sums of squares per column tile of the new rows,
+    and a K split reduced in the kernel gives the same result as none."""
+    hidden, depth = 96, 128
+    chain = chain_mod.DecodeChain("on")
+    tile = _tile()
+    x = torch.randn(rows, depth, device=DEVICE)
+    weight = torch.randn(hidden, depth, device=DEVICE) / depth**0.5
+    bias = torch.randn(hidden, device=DEVICE)
+    residual = torch.randn(rows, hidden, device=DEVICE)
+    expected = residual + F.linear(x, weight, bias)
+    key = chain_mod._key("residual", rows, weight)
+    chain.plans[key] = (tile, splits)
+    sums = chain.sums_buffer(rows, hidden, x.device)
+    for _repeat in range(2):  # the split counters reset themselves for the next launch
+        updated = residual.clone()
+        sums_out, parts = chain.residual_linear(x, weight, bias, updated, (sums, 0))
+        torch.testing.assert_close(updated, expected, rtol=1e-5, atol=1e-5)
+        assert parts == -(-hidden // tile[1])
+        tiles = updated.split(tile[1], dim=1)
+        want = torch.stack([(t * t).sum(-1) for t in tiles])
+        torch.testing.assert_close(sums_out[:parts, :rows], want, rtol=1e-5, atol=1e-4)
+    if splits > 1:
+        counts = chain._scratch[(key, tile, splits)][1]
+        assert counts.eq(0).all()
+
+
+def test_chain_mode_validation_and_off():
+    with pytest.raises(ValueError, match="fuse_norms"):
+        chain_mod.DecodeChain("maybe")
+    off = chain_mod.DecodeChain("off")
+    assert not off.applies(8)
+    assert not chain_mod.DecodeChain("on", max_rows=16).applies(17)
