@@ -8,12 +8,15 @@ set the step time. Here the norms ride on the matmuls (gemm._gemm_nt_kernel):
 - o_proj and down add their product into the residual stream in their epilogue and write
   each tile's sums of squares of the new rows (RESIDUAL; a K split is reduced inside the
   kernel by the last program of each tile, in split order: SERIAL);
-- qkv and gate/up normalise their input rows while loading them, from those partial sums
-  (NORM_A), so the normalised activations are never written.
+- qkv and gate/up read the residual stream itself with the RMSNorm weight folded into their
+  weights (FusedProjections(fold_norms=True)) and scale each output row by its 1/rms from
+  those partial sums (ROW_RSTD), so the normalised activations are never formed.
 
-Same rounding as the split path (one rounding per torch op it replaces); the sum of squares is
-added in a different order, so rows can differ in the last bit of 1/rms. Deterministic: no
-float atomics. Which path a batch size runs ("auto") and each matmul's tile are chosen by
+Rounding: RMSNorm(h) @ W^T becomes rstd * (h @ (W * w)^T): the bf16 rounding moves from the
+normalised activations to the folded weights (same precision, another place; the split path
+with folded weights rounds h * rstd instead). Normalising inside the matmul's prologue kept
+the rounding exact but cost ~4 us per matmul on the H200 (A through registers: 9.0 vs 5.1 us
+for qkv at 256 rows), more than the launch it saved. Deterministic: no float atomics. Which path a batch size runs ("auto") and each matmul's tile are chosen by
 timing CUDA-graph replays, outside capture (the decode graph's warm-up runs each step first).
 """
 
@@ -101,8 +104,9 @@ class DecodeChain:
         torch.sum(values * values, dim=-1, out=sums[0, : hidden.shape[0]])
         return sums, 1
 
-    def norm_linear(self, residual, sums, norm, weight, bias=None, silu_pairs=False):
-        """RMSNorm(residual) * norm.weight @ weight^T (+ bias); silu_pairs as gemm_nt."""
+    def norm_linear(self, residual, sums, eps, weight, bias=None, silu_pairs=False):
+        """RMSNorm(residual) @ weight^T (+ bias), the norm's weight folded into `weight`;
+        silu_pairs as gemm_nt."""
         sums, parts = sums
         rows, depth = residual.shape
         kind = "norm_silu" if silu_pairs else "norm"
@@ -111,7 +115,7 @@ class DecodeChain:
         out = torch.empty(rows, cols // 2 if silu_pairs else cols, dtype=residual.dtype,
                           device=residual.device)  # fmt: skip
         self._launch(residual, weight, bias, out, tile, 1, silu_pairs=silu_pairs,
-                     norm=(sums, parts, norm.weight, norm.eps))  # fmt: skip
+                     norm=(sums, parts, eps))  # fmt: skip
         return out
 
     def residual_linear(self, x, weight, bias, residual, sums) -> tuple[torch.Tensor, int]:
@@ -131,16 +135,16 @@ class DecodeChain:
         block_m, block_n, block_k, warps, stages = tile
         if depth % (splits * block_k) or x.stride(1) != 1 or weight.stride(1) != 1:
             raise ValueError(f"chain matmul: K={depth} is not {splits} x a multiple of {block_k}")
-        sums_in, parts, norm_w, eps = norm if norm is not None else (out, 1, out, 0.0)
+        sums_in, parts, eps = norm if norm is not None else (out, 1, 0.0)
         sums = sums_out if sums_out is not None else sums_in
         ws, counts = scratch if scratch is not None else (out, out)
         grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n), splits)
         gemm._gemm_nt_kernel[grid](
             x, weight, bias if bias is not None else weight, out, rows, cols, depth // splits,
-            x.stride(0), weight.stride(0), 0, out.stride(0), sums_in, norm_w, sums, ws,
-            counts, sums.stride(0), parts, depth, eps, HAS_BIAS=bias is not None,
+            x.stride(0), weight.stride(0), 0, out.stride(0), sums_in, sums, ws, counts,
+            sums.stride(0), parts, depth, eps, HAS_BIAS=bias is not None,
             SILU_PAIRS=silu_pairs, PARTIAL=False, FP32=x.dtype == torch.float32,
-            NORM_A=norm is not None, N_SS_PAD=max(2, triton.next_power_of_2(parts)),
+            ROW_RSTD=norm is not None, N_SS_PAD=max(2, triton.next_power_of_2(parts)),
             RESIDUAL=sums_out is not None, SERIAL=splits > 1, BLOCK_M=block_m,
             BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         )  # fmt: skip
@@ -189,8 +193,7 @@ class DecodeChain:
         hidden = cols if kind == "residual" else depth
         sums = torch.rand(triton.cdiv(hidden, 32), bucket, device=x.device) + 1.0
         residual = torch.randn(bucket, hidden, dtype=x.dtype, device=x.device)
-        norm = (sums, triton.cdiv(hidden, 64), torch.ones(depth, dtype=x.dtype,
-                device=x.device), 1e-6)  # fmt: skip
+        norm = (sums, triton.cdiv(hidden, 64), 1e-6)
         out_cols = cols // 2 if kind == "norm_silu" else cols
         out = torch.empty(bucket, out_cols, dtype=x.dtype, device=x.device)
         times: dict[tuple, float] = {}
@@ -227,7 +230,8 @@ class DecodeChain:
 
 def chain_layers(model, tokens, attend, fused, chain: DecodeChain) -> torch.Tensor:
     """Embedding + every decoder layer in five launches; returns the final-normed hidden
-    states [B, H]. attend as in forward.fused_layers; fused: FusedProjections with gate/up."""
+    states [B, H]. attend as in forward.fused_layers; fused: FusedProjections with gate/up and
+    the norms folded in."""
     from hybridflow.engine import kernels
 
     hidden = model.model.embed_tokens(tokens)  # [B, H] residual stream, updated in place
@@ -235,7 +239,8 @@ def chain_layers(model, tokens, attend, fused, chain: DecodeChain) -> torch.Tens
     for index, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         bias = fused.qkv_bias[index] if fused.qkv_bias is not None else None
-        qkv = chain.norm_linear(hidden, sums, layer.input_layernorm, fused.qkv_weight[index], bias)
+        eps = layer.input_layernorm.eps
+        qkv = chain.norm_linear(hidden, sums, eps, fused.qkv_weight[index], bias)
         q, k, v = qkv.split([fused.q_size, fused.kv_size, fused.kv_size], dim=-1)
         q = q.unflatten(-1, (attn.num_heads, attn.head_dim))
         k = k.unflatten(-1, (attn.num_kv_heads, attn.head_dim))
@@ -246,9 +251,7 @@ def chain_layers(model, tokens, attend, fused, chain: DecodeChain) -> torch.Tens
         sums = chain.residual_linear(
             out.flatten(-2), attn.o_proj.weight, attn.o_proj.bias, hidden, sums
         )
-        act = chain.norm_linear(
-            hidden, sums, layer.post_attention_layernorm, fused.gate_up_weight[index],
-            silu_pairs=True,
-        )  # fmt: skip
+        eps = layer.post_attention_layernorm.eps
+        act = chain.norm_linear(hidden, sums, eps, fused.gate_up_weight[index], silu_pairs=True)
         sums = chain.residual_linear(act, layer.mlp.down_proj.weight, None, hidden, sums)
     return kernels.rms_norm(hidden, model.model.norm)

@@ -137,9 +137,12 @@ def decode_forward_torch(
 class FusedProjections:
     """Concatenated copies of each layer's q/k/v (and optionally gate/up) weights, so a decode
     layer runs one matmul where the model has three (two). gate/up rows are interleaved
-    (gate_0, up_0, gate_1, ...) so a matmul epilogue can pair them (gemm.gemm_nt). A transient
-    copy: made when the KV cache is allocated, refreshed from the live parameters at every
-    generate() (in place, so captured graphs stay valid), freed by Engine.release()."""
+    (gate_0, up_0, gate_1, ...) so a matmul epilogue can pair them (gemm.gemm_nt). With gate/up,
+    the RMSNorm weight in front of each is folded in (W * w, one rounding): the norms before
+    them then skip their weight, and chain.py can scale rows by 1/rms in the matmul's
+    epilogue. A transient copy: made when the KV cache is allocated, refreshed from the live
+    parameters at every generate() (in place, so captured graphs stay valid), freed by
+    Engine.release()."""
 
     def __init__(self, model, gate_up: bool):
         layers = model.model.layers
@@ -154,6 +157,7 @@ class FusedProjections:
             torch.empty(len(layers), rows, **like) if attn.q_proj.bias is not None else None
         )
         self.gate_up_weight = None
+        self.folded = gate_up  # the norm weights folded into qkv and gate/up
         if gate_up:
             inner, hidden = mlp.gate_proj.weight.shape
             self.gate_up_weight = torch.empty(len(layers), 2 * inner, hidden, **like)
@@ -167,6 +171,8 @@ class FusedProjections:
                 [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
                 out=self.qkv_weight[index],
             )
+            if self.folded:
+                _fold(self.qkv_weight[index], layer.input_layernorm.weight)
             if self.qkv_bias is not None:
                 torch.cat(
                     [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], out=self.qkv_bias[index]
@@ -175,10 +181,16 @@ class FusedProjections:
                 pairs = self.gate_up_weight[index].unflatten(0, (-1, 2))  # [I, 2, H]
                 pairs[:, 0].copy_(layer.mlp.gate_proj.weight)
                 pairs[:, 1].copy_(layer.mlp.up_proj.weight)
+                _fold(self.gate_up_weight[index], layer.post_attention_layernorm.weight)
 
     def nbytes(self) -> int:
         tensors = [self.qkv_weight, self.qkv_bias, self.gate_up_weight]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _fold(weight: torch.Tensor, norm_weight: torch.Tensor) -> None:
+    """weight[n, k] *= norm_weight[k] in place, in fp32, one rounding."""
+    weight.copy_(weight.float() * norm_weight.float()[None, :])
 
 
 def fused_layers(
@@ -204,7 +216,8 @@ def fused_layers(
 
     layers = model.model.layers
     hidden = model.model.embed_tokens(input_ids)  # [N, H] residual stream, updated in place
-    normed = kernels.rms_norm(hidden, layers[0].input_layernorm)
+    weighted = fused is None or not fused.folded  # else the norm weights are in the matmuls
+    normed = kernels.rms_norm(hidden, layers[0].input_layernorm, weighted)
     for index, layer in enumerate(layers):
         attn = layer.self_attn
         if fused is not None:
@@ -222,7 +235,7 @@ def fused_layers(
             q, k = attn.q_norm(q), attn.k_norm(k)
         out = attend(index, q, k, v)  # RoPE, the cache store and attention
         delta = linear(out.flatten(-2), attn.o_proj.weight, attn.o_proj.bias)
-        normed = kernels.add_rms_norm(hidden, delta, layer.post_attention_layernorm)
+        normed = kernels.add_rms_norm(hidden, delta, layer.post_attention_layernorm, weighted)
         mlp = layer.mlp
         if fused is not None and fused.gate_up_weight is not None:
             act = gate_up_silu(normed, fused.gate_up_weight[index])  # silu(gate) * up
@@ -231,8 +244,11 @@ def fused_layers(
                 linear(normed, mlp.gate_proj.weight), linear(normed, mlp.up_proj.weight)
             )
         delta = linear(act, mlp.down_proj.weight)
-        next_norm = layers[index + 1].input_layernorm if index + 1 < len(layers) else None
-        normed = kernels.add_rms_norm(hidden, delta, next_norm or model.model.norm)
+        if index + 1 < len(layers):
+            normed = kernels.add_rms_norm(hidden, delta, layers[index + 1].input_layernorm,
+                                          weighted)  # fmt: skip
+        else:  # the final norm feeds lm_head, never folded
+            normed = kernels.add_rms_norm(hidden, delta, model.model.norm)
     return normed
 
 
@@ -299,6 +315,14 @@ def prefill_forward_triton(
     model's packed attention (reads the rotated keys back from the cache)."""
     backend = resolve_backend(model.attention_backend, input_ids.device, model.dtype)
     packed = make_packed_attention(backend, cu_seqlens, max_seqlen, input_ids.shape[0])
+    if backend == "flash_varlen":
+        # q and v are column slices of the fused qkv product: the flash kernel takes their
+        # row stride as is (flash_varlen_attention's .contiguous() copies cost ~20 us a
+        # layer per 16k tokens on the H200).
+        def packed(q, k, v):
+            return torch.ops.aten._flash_attention_forward(
+                q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False
+            )[0]
 
     from hybridflow.engine import kernels
 

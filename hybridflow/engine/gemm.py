@@ -32,9 +32,9 @@ import triton.language as tl
 @triton.jit
 def _gemm_nt_kernel(
     a_ptr, w_ptr, bias_ptr, c_ptr, M, N, K_SPLIT, stride_am, stride_wn, stride_cs, stride_cm,
-    ss_in_ptr, norm_w_ptr, ss_out_ptr, ws_ptr, count_ptr, stride_ss, N_SS, K_NORM, eps,
+    ss_in_ptr, ss_out_ptr, ws_ptr, count_ptr, stride_ss, N_SS, K_NORM, eps,
     HAS_BIAS: tl.constexpr, SILU_PAIRS: tl.constexpr, PARTIAL: tl.constexpr, FP32: tl.constexpr,
-    NORM_A: tl.constexpr, N_SS_PAD: tl.constexpr, RESIDUAL: tl.constexpr, SERIAL: tl.constexpr,
+    ROW_RSTD: tl.constexpr, N_SS_PAD: tl.constexpr, RESIDUAL: tl.constexpr, SERIAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """c = a @ w^T over k in [pid_k * K_SPLIT, (pid_k + 1) * K_SPLIT) (K_SPLIT % BLOCK_K == 0).
@@ -43,12 +43,13 @@ def _gemm_nt_kernel(
     SERIAL (with a K split): each program parks its fp32 sum in ws_ptr; the last program of
     an output tile (an atomic count) adds them in split order, so the result does not depend
     on which finished first, and runs the epilogue.
-    NORM_A: a is the residual stream; the matmul reads RMSNorm(a) * norm_w instead, the row's
-    1/rms from N_SS partial sums of squares (ss_in[j, row], summed in a fixed order; K_NORM
-    values per row), rounded like kernels.rms_norm (fp32 product, one rounding).
+    ROW_RSTD (no K split): a is the residual stream and w has the RMSNorm weight folded in
+    (FusedProjections); each output row is scaled by the row's 1/rms before the bias and the
+    rounding, from N_SS partial sums of squares (ss_in[j, row], summed in a fixed order; K_NORM
+    values per row). RMSNorm(a) is never formed.
     RESIDUAL: c is the residual stream, updated in place: c += round(a @ w^T + bias) (the
     rounding of F.linear then of the add, as kernels.add_rms_norm does), and this tile's
-    sums of squares of the new values go to ss_out[pid_n, row] for the next NORM_A.
+    sums of squares of the new values go to ss_out[pid_n, row] for the next ROW_RSTD.
     SILU_PAIRS: w's rows are interleaved (gate_0, up_0, gate_1, up_1, ...): store
     silu(gate) * up into c [M, N / 2], rounded like the torch ops (gate and up to the output
     dtype first, then silu, then the product)."""
@@ -67,19 +68,13 @@ def _gemm_nt_kernel(
     a_ptrs = a_ptr + rm_safe[:, None] * stride_am + rk[None, :]
     w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk[None, :]
     dtype = c_ptr.dtype.element_ty
-    if NORM_A:
+    if ROW_RSTD:  # loaded before the loop: its latency hides behind the matmul
         parts = tl.arange(0, N_SS_PAD)
         ss_ptrs = ss_in_ptr + parts[:, None] * stride_ss + rm_safe[None, :]
-        ss = tl.load(ss_ptrs, mask=(parts < N_SS)[:, None], other=0.0)
-        rstd = tl.rsqrt(tl.sum(ss, axis=0) / K_NORM + eps)  # [BLOCK_M]
-        norm_ptrs = norm_w_ptr + rk
+        sum_squares = tl.load(ss_ptrs, mask=(parts < N_SS)[:, None], other=0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for _ in range(0, K_SPLIT, BLOCK_K):
         a = tl.load(a_ptrs)
-        if NORM_A:
-            norm_w = tl.load(norm_ptrs).to(tl.float32)
-            a = (a.to(tl.float32) * rstd[:, None] * norm_w[None, :]).to(a_ptr.dtype.element_ty)
-            norm_ptrs += BLOCK_K
         w = tl.load(w_ptrs)
         if FP32:
             acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
@@ -91,6 +86,8 @@ def _gemm_nt_kernel(
     # contiguity from the compiler, which then emits one 2-byte store per element (64 per
     # thread for a 128 x 128 tile) instead of vector stores.
     rm64 = rm.to(tl.int64)
+    if ROW_RSTD:
+        acc = acc * tl.rsqrt(tl.sum(sum_squares, axis=0) / K_NORM + eps)[:, None]
     if PARTIAL:
         c = c_ptr + pid_k * stride_cs + rm64[:, None] * stride_cm + rn[None, :]
         tl.store(c, acc, mask=m_mask[:, None] & n_mask[None, :])
@@ -191,9 +188,9 @@ def gemm_nt(
     _gemm_nt_kernel[grid](
         x, weight, bias if bias is not None else weight, out, rows, cols, k_split,
         x.stride(0), weight.stride(0), out.stride(0) if splits > 1 else 0, out.stride(-2),
-        out, out, out, out, out, 0, 1, depth, 0.0, HAS_BIAS=bias is not None,
+        out, out, out, out, 0, 1, depth, 0.0, HAS_BIAS=bias is not None,
         SILU_PAIRS=silu_pairs, PARTIAL=splits > 1, FP32=x.dtype == torch.float32,
-        NORM_A=False, N_SS_PAD=1, RESIDUAL=False, SERIAL=False, BLOCK_M=block_m, BLOCK_N=block_n,
+        ROW_RSTD=False, N_SS_PAD=1, RESIDUAL=False, SERIAL=False, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
@@ -210,6 +207,7 @@ PAIR_CONFIGS = [
     (128, 64, 64, 8, 3),
     (128, 128, 64, 8, 3),
     (64, 64, 64, 4, 4),
+    (128, 256, 64, 8, 3),  # prefill sizes
 ]
 INTERPRETER_CONFIG = (16, 32, 32, 4, 1)
 
@@ -254,13 +252,14 @@ class DecodeMatmul:
 
     mode: "auto" (time cuBLAS and each PAIR_CONFIGS tile as graph replays at the first call
     of each (row bucket, N, K), keep the fastest), "cublas" (never Triton), "triton" (the
-    fastest Triton tile, never cuBLAS). Rows above max_rows (prefill) always go to cuBLAS.
+    fastest Triton tile, never cuBLAS). Prefill passes (up to Engine.max_prefill_tokens rows)
+    are timed like decode shapes; rows above max_rows always go to cuBLAS.
     The choice is made outside CUDA-graph capture (the graph warm-up runs each step first);
     a shape first met during capture uses cuBLAS. Timing reads several weight copies (~100
     MB in all) so the weight is not in L2, as in a real step. Under TRITON_INTERPRET (CPU
     tests) the Triton path runs with a small fixed tile."""
 
-    def __init__(self, mode: str = "auto", max_rows: int = 1024):
+    def __init__(self, mode: str = "auto", max_rows: int = 32768):
         if mode not in ("auto", "cublas", "triton"):
             raise ValueError(f"decode matmul mode {mode!r} not in auto/cublas/triton")
         self.mode = mode

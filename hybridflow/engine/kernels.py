@@ -28,7 +28,7 @@ AUTOTUNE = True
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, delta_ptr, w_ptr, out_ptr, stride_x, stride_d, stride_o, H, eps,
-    ADD: tl.constexpr, BLOCK_H: tl.constexpr,
+    ADD: tl.constexpr, WEIGHT: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_H)
@@ -40,29 +40,34 @@ def _rms_norm_kernel(
         tl.store(x_ptr + row * stride_x + cols, x, mask=mask)
     xf = x.to(tl.float32)
     variance = tl.sum(xf * xf, axis=0) / H
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = xf * tl.rsqrt(variance + eps) * w
+    y = xf * tl.rsqrt(variance + eps)
+    if WEIGHT:  # else the weight is folded into the next matmul (FusedProjections)
+        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
-    """x [B, H] -> RMSNorm(x) * norm.weight [B, H] (norm: the model's RMSNorm module)."""
+def rms_norm(x: torch.Tensor, norm, weighted: bool = True) -> torch.Tensor:
+    """x [B, H] -> RMSNorm(x) * norm.weight [B, H] (norm: the model's RMSNorm module; without
+    `weighted`, the weight is left to the next matmul)."""
     out = torch.empty_like(x)
     rows, hidden = x.shape
     _rms_norm_kernel[(rows,)](
         x, x, norm.weight, out, x.stride(0), x.stride(0), out.stride(0), hidden, norm.eps,
-        ADD=False, BLOCK_H=triton.next_power_of_2(hidden),
+        ADD=False, WEIGHT=weighted, BLOCK_H=triton.next_power_of_2(hidden),
     )  # fmt: skip
     return out
 
 
-def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, norm) -> torch.Tensor:
-    """residual += delta (in place, [B, H]); returns RMSNorm(residual) * norm.weight."""
+def add_rms_norm(
+    residual: torch.Tensor, delta: torch.Tensor, norm, weighted: bool = True
+) -> torch.Tensor:
+    """residual += delta (in place, [B, H]); returns RMSNorm(residual) * norm.weight (without
+    `weighted`: not multiplied by the weight)."""
     out = torch.empty_like(residual)
     rows, hidden = residual.shape
     _rms_norm_kernel[(rows,)](
         residual, delta, norm.weight, out, residual.stride(0), delta.stride(0), out.stride(0),
-        hidden, norm.eps, ADD=True, BLOCK_H=triton.next_power_of_2(hidden),
+        hidden, norm.eps, ADD=True, WEIGHT=weighted, BLOCK_H=triton.next_power_of_2(hidden),
     )  # fmt: skip
     return out
 

@@ -29,8 +29,9 @@ def _tile():
 @pytest.mark.parametrize("rows", [5, 16, 37])
 @pytest.mark.parametrize("silu", [False, True])
 def test_norm_linear_equals_rms_norm_then_matmul(rows, silu):
-    """Sums of squares in parts (as a residual epilogue leaves them) -> the same normalised
-    matmul as kernels.rms_norm followed by the matmul (fp32: up to summation order)."""
+    """Sums of squares in parts (as a residual epilogue leaves them) and the norm weight folded
+    into the matmul's weight -> the same result as kernels.rms_norm (weighted) followed by the
+    matmul with the unfolded weight (fp32: up to rounding order)."""
     hidden, cols = 128, 96
     chain = chain_mod.DecodeChain("on")
     residual = torch.randn(rows, hidden, device=DEVICE) * 3
@@ -43,8 +44,11 @@ def test_norm_linear_equals_rms_norm_then_matmul(rows, silu):
         block = residual[:, j * 32 : (j + 1) * 32]
         sums[j, :rows] = (block * block).sum(-1)
     sums[parts:].fill_(1e9)  # beyond `parts`: must not be read
-    out = chain.norm_linear(residual, (sums, parts), norm, weight, bias, silu_pairs=silu)
+    folded = weight * norm.weight[None, :]
+    out = chain.norm_linear(residual, (sums, parts), norm.eps, folded, bias, silu_pairs=silu)
     normed = kernels.rms_norm(residual, norm)
+    unweighted = kernels.rms_norm(residual, norm, weighted=False)
+    torch.testing.assert_close(unweighted * norm.weight, normed, rtol=1e-5, atol=1e-5)
     if silu:
         expected = gemm.gate_up_silu_cublas(normed, weight)
     else:

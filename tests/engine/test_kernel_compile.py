@@ -110,7 +110,7 @@ def test_decode_layer_kernels_compile(activation):
 def test_gemm_nt_compiles(config):
     block_m, block_n, block_k, warps, stages = config
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
-    chain = dict(NORM_A=False, N_SS_PAD=1, RESIDUAL=False, SERIAL=False)
+    chain = dict(ROW_RSTD=False, N_SS_PAD=1, RESIDUAL=False, SERIAL=False)
     for bias, pairs, partial in [(True, False, False), (False, True, False), (False, False, True)]:
         _compile(
             gemm._gemm_nt_kernel,
@@ -123,7 +123,7 @@ def test_gemm_nt_compiles(config):
 
 @pytest.mark.parametrize("config", chain_mod.CHAIN_TILES)
 def test_chain_matmuls_compile(config):
-    """The five-launch layer's variants: normalised input (+ SiLU pairs, + bias), residual
+    """The five-launch layer's variants: rows scaled by 1/rms (+ SiLU pairs, + bias), residual
     epilogue with and without the in-kernel split-K reduction."""
     block_m, block_n, block_k, warps, stages = config
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
@@ -131,13 +131,13 @@ def test_chain_matmuls_compile(config):
     fp32 = {"ss_in_ptr": "*fp32", "ss_out_ptr": "*fp32", "ws_ptr": "*fp32", "count_ptr": "*i32",
             "eps": "fp32"}  # fmt: skip
     variants = [
-        dict(HAS_BIAS=True, SILU_PAIRS=False, NORM_A=True, N_SS_PAD=16, RESIDUAL=False,
+        dict(HAS_BIAS=True, SILU_PAIRS=False, ROW_RSTD=True, N_SS_PAD=16, RESIDUAL=False,
              SERIAL=False),
-        dict(HAS_BIAS=False, SILU_PAIRS=True, NORM_A=True, N_SS_PAD=32, RESIDUAL=False,
+        dict(HAS_BIAS=False, SILU_PAIRS=True, ROW_RSTD=True, N_SS_PAD=32, RESIDUAL=False,
              SERIAL=False),
-        dict(HAS_BIAS=False, SILU_PAIRS=False, NORM_A=False, N_SS_PAD=1, RESIDUAL=True,
+        dict(HAS_BIAS=False, SILU_PAIRS=False, ROW_RSTD=False, N_SS_PAD=1, RESIDUAL=True,
              SERIAL=False),
-        dict(HAS_BIAS=True, SILU_PAIRS=False, NORM_A=False, N_SS_PAD=1, RESIDUAL=True,
+        dict(HAS_BIAS=True, SILU_PAIRS=False, ROW_RSTD=False, N_SS_PAD=1, RESIDUAL=True,
              SERIAL=True),
     ]  # fmt: skip
     for flags in variants:
