@@ -265,6 +265,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="small shapes (CPU dry run)")
     parser.add_argument("--only", default="check,profile,variants")
+    parser.add_argument("--profile-cases", default="qwen2.5-0.5b:256",
+                        help="preset:prompts,... for --only profile")  # fmt: skip
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     device = torch.device(args.device)
@@ -285,11 +287,13 @@ def main() -> None:
         except Exception:
             traceback.print_exc()
     if "profile" in parts and device.type == "cuda":
-        try:
-            results["profile"] = profile_step(device, "qwen2.5-0.5b", 256)
-            print(results["profile"], flush=True)
-        except Exception:
-            traceback.print_exc()
+        for case in args.profile_cases.split(","):
+            preset, prompts = case.split(":")
+            try:
+                results[f"profile {case}"] = profile_step(device, preset, int(prompts))
+                print(case, results[f"profile {case}"], flush=True)
+            except Exception:
+                traceback.print_exc()
     if "variants" in parts:
         variants = (
             VARIANTS

@@ -23,7 +23,9 @@ class _Norm:
 
 
 def _tile():
-    return chain_mod.INTERPRETER_PLAN[0] if DEVICE == "cpu" else chain_mod.CHAIN_TILES[0]
+    # on the GPU a shallow pipeline: the tests run in fp32, where the deep tiles of
+    # CHAIN_TILES need more shared memory than an SM has (the tuner skips those)
+    return chain_mod.INTERPRETER_PLAN[0] if DEVICE == "cpu" else (64, 32, 64, 4, 3)
 
 
 @pytest.mark.parametrize("rows", [5, 16, 37])
