@@ -20,6 +20,7 @@ import triton.language as tl
 
 # Autotune the attention kernel's tile (CUDA only); off gives a fixed tile (for A/B runs).
 AUTOTUNE = True
+HEAD_MAJOR = False  # decode attention grid order (see _decode_attention_kernel)
 
 # -------------------------------------------------------------------------------------------
 # RMSNorm, residual add + RMSNorm
@@ -206,6 +207,7 @@ def _decode_attention_kernel(
     stride_cpos, stride_o, scale_log2, CHUNK,
     G: tl.constexpr, G_PAD: tl.constexpr, HALF: tl.constexpr, NH: tl.constexpr,
     SPLITS: tl.constexpr, FP32_DOT: tl.constexpr, ROPE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr = False,
 ):  # fmt: skip
     """One (row, kv head, split): attention of the head group's queries over cached positions
     [split * CHUNK, (split + 1) * CHUNK) up to the row's last position pos.
@@ -214,8 +216,12 @@ def _decode_attention_kernel(
     stored at cache[slot, pos] (by split 0) and the new token is attended from registers (so
     no program reads the position being written). Without ROPE, position pos is read from the
     cache like the others. Vectors are handled as halves (rotate_half RoPE pairs them)."""
-    row = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEAD_MAJOR:  # grid (kv heads, rows, splits): a row's heads run side by side
+        kv_head = tl.program_id(0)
+        row = tl.program_id(1)
+    else:
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     slot = tl.load(slot_ptr + row)
     pos = tl.load(pos_ptr + row)
@@ -331,7 +337,7 @@ _ATTENTION_CONFIGS = [
     for bn, w, st in [(64, 4, 2), (32, 4, 2), (64, 4, 3), (128, 4, 2), (64, 8, 3), (128, 8, 3)]
 ]
 _decode_attention_tuned = triton.autotune(
-    _ATTENTION_CONFIGS, key=["G", "HALF", "SPLITS", "FP32_DOT", "ROPE"]
+    _ATTENTION_CONFIGS, key=["G", "HALF", "SPLITS", "FP32_DOT", "ROPE", "HEAD_MAJOR"]
 )(_decode_attention_kernel)
 
 
@@ -380,7 +386,12 @@ def decode_attention_rope(
                       max_len, splits)  # fmt: skip
 
 
-def _attention(q, k, v, cos, sin, positions, key_cache, value_cache, row_slots, max_len, splits):
+def _attention(
+    q, k, v, cos, sin, positions, key_cache, value_cache, row_slots, max_len, splits,
+    config: tuple | None = None, head_major: bool | None = None,
+):  # fmt: skip
+    """config (BLOCK_N, num_warps, num_stages) and head_major override the tuned tile and
+    the grid order (benchmarks/engine_attention.py)."""
     rows, num_heads, head_dim = q.shape
     num_kv = key_cache.shape[2]
     group = num_heads // num_kv
@@ -409,8 +420,14 @@ def _attention(q, k, v, cos, sin, positions, key_cache, value_cache, row_slots, 
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), HALF=head_dim // 2,
         NH=num_heads, SPLITS=splits, FP32_DOT=q.dtype == torch.float32, ROPE=rope,
     )  # fmt: skip
-    grid = (rows, num_kv, splits)
-    if q.is_cuda and AUTOTUNE:
+    head_major = HEAD_MAJOR if head_major is None else head_major
+    meta["HEAD_MAJOR"] = head_major
+    grid = (num_kv, rows, splits) if head_major else (rows, num_kv, splits)
+    if config is not None:
+        block_n, warps, stages = config
+        _decode_attention_kernel[grid](*args, **meta, BLOCK_N=block_n, num_warps=warps,
+                                       num_stages=stages)  # fmt: skip
+    elif q.is_cuda and AUTOTUNE:
         _decode_attention_tuned[grid](*args, **meta)
     else:
         _decode_attention_kernel[grid](*args, **meta, BLOCK_N=64 if head_dim <= 64 else 32)
