@@ -47,9 +47,8 @@ def bench_case(name, rows, nh, nkv, d, length) -> list[dict]:
     for config, major, splits in itertools.product(CONFIGS, [False, True], [1, 2]):
         if config[0] > max_len // splits:
             continue
-        state = {"i": 0}
 
-        def call(config=config, major=major, splits=splits):
+        def call(config=config, major=major, splits=splits, state={"i": 0}):  # noqa: B006
             state["i"] = (state["i"] + 1) % len(caches)
             kc, vc = caches[state["i"]]
             kernels._attention(q, k, v, cos, sin, pos, kc, vc, slots, max_len, splits,

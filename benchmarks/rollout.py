@@ -198,9 +198,7 @@ VARIANTS = [
     ("qwen2.5-0.5b", 256, "triton", True, 8, "all", "auto", "auto", True),
     ("qwen2.5-0.5b", 256, "triton", True, 8, "all", "auto", "off", False),
     ("qwen2.5-0.5b", 1024, "triton", True, 8, "all", "auto", "auto", False),
-    ("qwen2.5-0.5b", 1024, "triton", True, 8, "all", "auto", "off", False),
     ("qwen2.5-1.5b", 256, "triton", True, 8, "all", "auto", "auto", True),
-    ("qwen2.5-1.5b", 256, "triton", True, 8, "all", "auto", "off", False),
 ]
 
 

@@ -204,7 +204,7 @@ def rope_store(q, k, v, cos, sin, positions, row_slots, key_cache, value_cache) 
 def _decode_attention_kernel(
     q_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, out_ptr,
     part_o_ptr, part_lse_ptr, stride_q, stride_kn, stride_vn, stride_cs, stride_cslot,
-    stride_cpos, stride_o, scale_log2, CHUNK,
+    stride_cpos, stride_o, scale_log2, CHUNK, ROWS_BUCKET,
     G: tl.constexpr, G_PAD: tl.constexpr, HALF: tl.constexpr, NH: tl.constexpr,
     SPLITS: tl.constexpr, FP32_DOT: tl.constexpr, ROPE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_MAJOR: tl.constexpr = False,
@@ -337,7 +337,7 @@ _ATTENTION_CONFIGS = [
     for bn, w, st in [(64, 4, 2), (32, 4, 2), (64, 4, 3), (128, 4, 2), (64, 8, 3), (128, 8, 3)]
 ]
 _decode_attention_tuned = triton.autotune(
-    _ATTENTION_CONFIGS, key=["G", "HALF", "SPLITS", "FP32_DOT", "ROPE", "HEAD_MAJOR"]
+    _ATTENTION_CONFIGS, key=["G", "HALF", "SPLITS", "FP32_DOT", "ROPE", "HEAD_MAJOR", "ROWS_BUCKET"]
 )(_decode_attention_kernel)
 
 
@@ -415,6 +415,7 @@ def _attention(
         key_cache, value_cache, row_slots, positions, out, part_o, part_lse, q.stride(0),
         k.stride(0) if rope else 0, v.stride(0) if rope else 0, cos.stride(0) if rope else 0,
         key_cache.stride(0), key_cache.stride(1), out.stride(0), scale_log2, chunk,
+        max(16, triton.next_power_of_2(rows)),  # ROWS_BUCKET: only keys the tuning
     )  # fmt: skip
     meta = dict(
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), HALF=head_dim // 2,
