@@ -32,7 +32,7 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps-per-sync", type=int, default=8)
     p.add_argument("--matmul", default="auto", choices=["auto", "cublas", "triton"],
                    help="Engine(decode_matmul=...)")  # fmt: skip
-    p.add_argument("--fuse-norms", default="auto", choices=["auto", "on", "off"],
+    p.add_argument("--fuse-norms", default="off", choices=["auto", "on", "off"],
                    help="Engine(fuse_norms=...)")  # fmt: skip
     p.add_argument("--hf", dest="hf", action="store_true", default=True)
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HF baseline")
@@ -124,7 +124,7 @@ def bench_engine(model, prompts, args, device) -> dict:
         steps_per_sync=args.steps_per_sync,
         fuse_projections=getattr(args, "fuse", "all"),
         decode_matmul=getattr(args, "matmul", "auto"),
-        fuse_norms=getattr(args, "fuse_norms", "auto"),
+        fuse_norms=getattr(args, "fuse_norms", "off"),
     )
     stop_ids = stop_ids_for_mean_length(
         model.config.vocab_size, getattr(args, "mean_length", None), args.seed
