@@ -28,34 +28,49 @@ HEAD_MAJOR = False  # decode attention grid order (see _decode_attention_kernel)
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, delta_ptr, w_ptr, out_ptr, stride_x, stride_d, stride_o, H, eps,
-    ADD: tl.constexpr, WEIGHT: tl.constexpr, BLOCK_H: tl.constexpr,
+    x_ptr, delta_ptr, w_ptr, out_ptr, stride_x, stride_d, stride_o, M, H, eps,
+    ADD: tl.constexpr, WEIGHT: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
+    """ROWS rows per program (one warp each with num_warps=ROWS: the row's sum stays inside
+    its warp, no shared-memory round trip)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_H)
-    mask = cols < H
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    mask = (rows < M)[:, None] & (cols < H)[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + rows64 * stride_x + cols[None, :], mask=mask, other=0.0)
     if ADD:
-        d = tl.load(delta_ptr + row * stride_d + cols, mask=mask, other=0.0)
+        d = tl.load(delta_ptr + rows64 * stride_d + cols[None, :], mask=mask, other=0.0)
         x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(x_ptr + row * stride_x + cols, x, mask=mask)
+        tl.store(x_ptr + rows64 * stride_x + cols[None, :], x, mask=mask)
     xf = x.to(tl.float32)
-    variance = tl.sum(xf * xf, axis=0) / H
-    y = xf * tl.rsqrt(variance + eps)
+    variance = tl.sum(xf * xf, axis=1) / H
+    y = xf * tl.rsqrt(variance + eps)[:, None]
     if WEIGHT:  # else the weight is folded into the next matmul (FusedProjections)
-        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+        y = y * tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows64 * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=mask)  # fmt: skip
+
+
+NORM_ROWS = 4  # rows per program of the RMSNorm kernels (one warp each)
+
+
+def _launch_rms_norm(x, delta, weight, out, eps, add: bool, weighted: bool,
+                     per_program: int | None = None, warps: int | None = None) -> None:  # fmt: skip
+    """per_program/warps override NORM_ROWS (benchmarks/engine_norm.py)."""
+    rows, hidden = x.shape
+    per_program = per_program or NORM_ROWS
+    _rms_norm_kernel[(triton.cdiv(rows, per_program),)](
+        x, delta, weight, out, x.stride(0), delta.stride(0), out.stride(0), rows, hidden, eps,
+        ADD=add, WEIGHT=weighted, ROWS=per_program, BLOCK_H=triton.next_power_of_2(hidden),
+        num_warps=warps or per_program,
+    )  # fmt: skip
 
 
 def rms_norm(x: torch.Tensor, norm, weighted: bool = True) -> torch.Tensor:
     """x [B, H] -> RMSNorm(x) * norm.weight [B, H] (norm: the model's RMSNorm module; without
     `weighted`, the weight is left to the next matmul)."""
     out = torch.empty_like(x)
-    rows, hidden = x.shape
-    _rms_norm_kernel[(rows,)](
-        x, x, norm.weight, out, x.stride(0), x.stride(0), out.stride(0), hidden, norm.eps,
-        ADD=False, WEIGHT=weighted, BLOCK_H=triton.next_power_of_2(hidden),
-    )  # fmt: skip
+    _launch_rms_norm(x, x, norm.weight, out, norm.eps, add=False, weighted=weighted)
     return out
 
 
@@ -65,11 +80,7 @@ def add_rms_norm(
     """residual += delta (in place, [B, H]); returns RMSNorm(residual) * norm.weight (without
     `weighted`: not multiplied by the weight)."""
     out = torch.empty_like(residual)
-    rows, hidden = residual.shape
-    _rms_norm_kernel[(rows,)](
-        residual, delta, norm.weight, out, residual.stride(0), delta.stride(0), out.stride(0),
-        hidden, norm.eps, ADD=True, WEIGHT=weighted, BLOCK_H=triton.next_power_of_2(hidden),
-    )  # fmt: skip
+    _launch_rms_norm(residual, delta, norm.weight, out, norm.eps, add=True, weighted=weighted)
     return out
 
 

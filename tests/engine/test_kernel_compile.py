@@ -80,8 +80,9 @@ def _compile(fn, constexprs: dict, activation="bf16", overrides=None, warps=4, s
 
 @pytest.mark.parametrize("activation", ["bf16", "fp32"])
 def test_decode_layer_kernels_compile(activation):
-    _compile(kernels._rms_norm_kernel, dict(ADD=True, BLOCK_H=1024), activation)
-    _compile(kernels._rms_norm_kernel, dict(ADD=False, BLOCK_H=1024), activation)
+    for add, weighted in [(True, True), (False, True), (True, False)]:
+        norm = dict(ADD=add, WEIGHT=weighted, ROWS=kernels.NORM_ROWS, BLOCK_H=1024)
+        _compile(kernels._rms_norm_kernel, norm, activation, warps=kernels.NORM_ROWS)
     for pairs in (True, False):
         _compile(kernels._silu_mul_kernel, dict(PAIRS=pairs, BLOCK=512), activation)
     _compile(
