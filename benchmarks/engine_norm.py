@@ -33,8 +33,8 @@ def main() -> None:
         line = {"rows": rows, "hidden": hidden}
         for per_program, warps in VARIANTS:
             line[f"{per_program}x{warps}w"] = round(graph_time_us(
-                lambda p=per_program, n=warps: kernels._launch_rms_norm(
-                    x, d, w, out, 1e-6, add=True, weighted=True, per_program=p, warps=n),
+                lambda p=per_program, n=warps, t=(x, d, w, out): kernels._launch_rms_norm(
+                    *t, 1e-6, add=True, weighted=True, per_program=p, warps=n),
                 calls=20), 2)  # fmt: skip
         print(json.dumps(line), flush=True)
         results.append(line)
