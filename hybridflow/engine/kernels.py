@@ -31,8 +31,7 @@ def _rms_norm_kernel(
     x_ptr, delta_ptr, w_ptr, out_ptr, stride_x, stride_d, stride_o, M, H, eps,
     ADD: tl.constexpr, WEIGHT: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
-    """ROWS rows per program (one warp each with num_warps=ROWS: the row's sum stays inside
-    its warp, no shared-memory round trip)."""
+    """ROWS rows per program (NORM_ROWS: 1 measured fastest)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_H)
     mask = (rows < M)[:, None] & (cols < H)[None, :]
@@ -51,7 +50,12 @@ def _rms_norm_kernel(
              mask=mask)  # fmt: skip
 
 
-NORM_ROWS = 4  # rows per program of the RMSNorm kernels (one warp each)
+# Rows per program and warps of the RMSNorm kernels. One row on 4 warps was fastest on the
+# H200 at 256 / 1024 / 16384 rows (benchmarks/engine_norm.py, NOTES.md run 7): 4 rows per
+# program on 4 warps took 2.18 vs 1.94 us at 256 rows and split each row across the warps
+# anyway (the compiler's layout), so nothing was saved.
+NORM_ROWS = 1
+NORM_WARPS = 4
 
 
 def _launch_rms_norm(x, delta, weight, out, eps, add: bool, weighted: bool,
@@ -62,7 +66,7 @@ def _launch_rms_norm(x, delta, weight, out, eps, add: bool, weighted: bool,
     _rms_norm_kernel[(triton.cdiv(rows, per_program),)](
         x, delta, weight, out, x.stride(0), delta.stride(0), out.stride(0), rows, hidden, eps,
         ADD=add, WEIGHT=weighted, ROWS=per_program, BLOCK_H=triton.next_power_of_2(hidden),
-        num_warps=warps or per_program,
+        num_warps=warps or (NORM_WARPS if per_program == 1 else per_program),
     )  # fmt: skip
 
 

@@ -82,7 +82,7 @@ def _compile(fn, constexprs: dict, activation="bf16", overrides=None, warps=4, s
 def test_decode_layer_kernels_compile(activation):
     for add, weighted in [(True, True), (False, True), (True, False)]:
         norm = dict(ADD=add, WEIGHT=weighted, ROWS=kernels.NORM_ROWS, BLOCK_H=1024)
-        _compile(kernels._rms_norm_kernel, norm, activation, warps=kernels.NORM_ROWS)
+        _compile(kernels._rms_norm_kernel, norm, activation, warps=kernels.NORM_WARPS)
     for pairs in (True, False):
         _compile(kernels._silu_mul_kernel, dict(PAIRS=pairs, BLOCK=512), activation)
     _compile(

@@ -34,6 +34,14 @@ def test_rms_norms_and_silu_match_torch():
     torch.testing.assert_close(kernels.add_rms_norm(residual, d, norm), expected)
     torch.testing.assert_close(residual, x + d)
     torch.testing.assert_close(kernels.rms_norm(x, norm), F.rms_norm(x, (96,), norm.weight, 1e-6))
+    unweighted = kernels.rms_norm(x, norm, weighted=False)
+    torch.testing.assert_close(unweighted, F.rms_norm(x, (96,), None, 1e-6))
+    # several rows per program (5 rows: the last program is partly masked)
+    residual, out = x.clone(), torch.empty_like(x)
+    kernels._launch_rms_norm(residual, d, norm.weight, out, norm.eps, add=True, weighted=True,
+                             per_program=4)  # fmt: skip
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(residual, x + d)
     gate_up = torch.randn(3, 400, device=DEVICE)
     gate, up = gate_up.chunk(2, dim=-1)  # strided halves, as with fused gate/up weights
     torch.testing.assert_close(kernels.silu_mul(gate, up), F.silu(gate) * up)
