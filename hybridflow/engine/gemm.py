@@ -1,12 +1,15 @@
 """Decode matmuls: y = x @ W^T (+ bias) with x [M, K], M = decode rows (<= ~1024).
 
-What the H200 taught (hybridflow/engine/NOTES.md, runs 4-5, timed as CUDA-graph replays with
+What the H200 taught (hybridflow/engine/NOTES.md, runs 4-7, timed as CUDA-graph replays with
 cold L2): cuBLAS is hard to beat on these skinny shapes. A Triton kernel with small M tiles
-and SiLU*up in its prologue lost at every shape (run 4); `gemm_nt` below (weight tiles read
-K-contiguous, split-K partials) also loses on q/k/v, o_proj, down and lm_head, but wins the
-MLP's gate/up projection when SiLU*up is its epilogue (0.5b, 256 rows: 11.4 us vs 13.2 us for
-cuBLAS + the silu_mul kernel): the [M, 2I] product is never written and one launch goes.
-So `DecodeMatmul` only chooses for that one op, per shape, by timing graph replays.
+and SiLU*up in its prologue lost at every shape (run 4). `gemm_nt` below (weight tiles read
+K-contiguous, deep cp.async pipelines, split-K) stored its output one element at a time until
+run 7 (lm_head 650 -> 130 us after the fix; cuBLAS 105); now it edges out cuBLAS on the 0.5b
+shapes at 256 rows (qkv 5.1 vs 5.4 us, down 7.9 + reduce vs 10.1) but loses at 1024 rows and
+on 1.5b. `DecodeMatmul` chooses, per shape, by timing graph replays, for the MLP's gate/up
+projection with SiLU*up as the epilogue (0.5b, 256 rows: 11.4 vs 13.2 us for cuBLAS + the
+silu_mul kernel: the [M, 2I] product is never written, one launch goes); chain.py uses the
+other epilogues (residual add, rows scaled by 1/rms, in-kernel split-K reduction).
 
 Rounding follows the torch ops replaced: fp32 accumulation, the bias added before the single
 rounding to the output dtype; gate and up rounded to the activation dtype, then silu rounded,
