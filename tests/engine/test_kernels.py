@@ -239,3 +239,36 @@ def test_decode_matmul_modes_agree():
     assert big.choices == {}
     with pytest.raises(ValueError, match="decode matmul mode"):
         DecodeMatmul("fast")
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="flash attention (the bf16 prefill) needs CUDA")
+def test_bf16_prefill_with_strided_flash_inputs_matches_model_prefill():
+    """The fast prefill hands flash its q and v as strided column slices of the fused qkv
+    product (no copies) and reads folded norm weights: its last-token logits stay within bf16
+    noise of the model's own modules (a wrong row stride would give unrelated logits)."""
+    from hybridflow.engine.forward import (
+        FusedProjections,
+        RopeTable,
+        prefill_forward,
+        prefill_forward_triton,
+    )
+    from hybridflow.engine.kv_cache import allocate_cache
+
+    cfg = preset_config("tiny")
+    model = build_model(cfg, seed=3, device=DEVICE).to(torch.bfloat16).eval()
+    lengths = [7, 19, 12]
+    ids = torch.randint(0, cfg.vocab_size, (sum(lengths),), device=DEVICE)
+    positions = torch.cat([torch.arange(n) for n in lengths]).to(DEVICE)
+    slots = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).to(DEVICE)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
+    last = cu[1:] - 1
+    rope = RopeTable(cfg, 32, torch.bfloat16, DEVICE)
+    logits = []
+    for forward, extra in [(prefill_forward, {}),
+                           (prefill_forward_triton, {"fused": FusedProjections(model, True)})]:  # fmt: skip
+        cache = allocate_cache(cfg.num_hidden_layers, 3, 32, cfg.num_key_value_heads,
+                               cfg.head_dim, torch.bfloat16, DEVICE)  # fmt: skip
+        logits.append(forward(model, cache, rope, ids, positions, slots, cu.to(torch.int32),
+                              max(lengths), last, **extra).float())  # fmt: skip
+    reference, fast = logits
+    assert ((fast - reference).norm() / reference.norm()).item() < 0.05
