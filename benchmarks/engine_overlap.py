@@ -4,6 +4,9 @@ decode forward (the fused Triton path, lm_head included, sampler excluded) as gr
 one stream over all rows vs k streams over rows/k each.
 
     PYTHONPATH=. python benchmarks/engine_overlap.py --out $OUT   # H200, ~1 min
+
+Timed with gemm.graph_time_us (median replay). The session-3 results (NOTES.md run 7) came
+from this script's own timer before it was folded into that one: the mean of 20 replays.
 """
 
 from __future__ import annotations
@@ -16,29 +19,8 @@ import torch
 
 from hybridflow.engine import Engine, SamplingParams
 from hybridflow.engine.bench_cli import make_prompts
+from hybridflow.engine.gemm import graph_time_us
 from hybridflow.models import load_model
-
-
-def replay_us(capture, reps: int = 20) -> float:
-    main = torch.cuda.Stream()
-    main.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(main):
-        capture()  # warm-up outside capture (autotuning, workspaces)
-        capture()
-    torch.cuda.current_stream().wait_stream(main)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=main):
-        capture()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / reps
 
 
 @torch.no_grad()
@@ -70,13 +52,13 @@ def measure(preset: str, rows: int, length: int, ways: list[int]) -> dict:
             for s in streams:
                 here.wait_stream(s)
 
-        out[f"{k}_streams_us"] = round(replay_us(capture), 1)
+        out[f"{k}_streams_us"] = round(graph_time_us(capture, calls=1, replays=20), 1)
         print(json.dumps(out), flush=True)
     # one stream over half the rows: what a half costs alone
     half = slice(0, rows // 2)
-    out["half_rows_1_stream_us"] = round(replay_us(lambda: forward(
+    out["half_rows_1_stream_us"] = round(graph_time_us(lambda: forward(
         model, engine.cache, engine.rope, tokens[half], positions[half], slots[half], max_len
-    )), 1)  # fmt: skip
+    ), calls=1, replays=20), 1)  # fmt: skip
     print(json.dumps(out), flush=True)
     engine.release()
     return out
