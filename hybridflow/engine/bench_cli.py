@@ -34,6 +34,10 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
                    help="Engine(decode_matmul=...)")  # fmt: skip
     p.add_argument("--fuse-norms", default="off", choices=["auto", "on", "off"],
                    help="Engine(fuse_norms=...)")  # fmt: skip
+    p.add_argument("--pdl", default="auto", choices=["auto", "on", "off", "noprefetch"],
+                   help="programmatic dependent launch of the decode kernels (engine/pdl.py); "
+                   "noprefetch: PDL without the L2 prefetch")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=1, help="timed runs (the median is kept)")
     p.add_argument("--hf", dest="hf", action="store_true", default=True)
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HF baseline")
     p.add_argument("--hf-batch-size", type=int, default=None, help="default: all prompts")
@@ -115,6 +119,14 @@ def bench_engine(model, prompts, args, device) -> dict:
 
     from hybridflow.engine import Engine, SamplingParams
 
+    try:
+        from hybridflow.engine import pdl
+    except ImportError:  # no triton: the torch decode path, nothing to launch with PDL
+        pdl = None
+    mode = getattr(args, "pdl", "auto")
+    if pdl is not None:  # process-wide: set before any graph is captured
+        pdl.ENABLED = {"auto": None, "on": True, "noprefetch": True, "off": False}[mode]
+        pdl.PREFETCH_WEIGHTS = pdl.PREFETCH_KV = mode != "noprefetch"
     engine = Engine(
         model,
         max_batch_size=args.max_batch_size or len(prompts) * args.n,
@@ -145,10 +157,13 @@ def bench_engine(model, prompts, args, device) -> dict:
     ttft = time.perf_counter() - start
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    start = time.perf_counter()
-    completions = engine.generate(prompts, params)
-    _sync(device)
-    seconds = time.perf_counter() - start
+    runs = []
+    for _ in range(max(1, getattr(args, "repeats", 1))):
+        start = time.perf_counter()
+        completions = engine.generate(prompts, params)
+        _sync(device)
+        runs.append(time.perf_counter() - start)
+    seconds = sorted(runs)[len(runs) // 2]
     stopped = sum(c.finish_reason == "stop" for c in completions)
     tokens = sum(len(c.token_ids) for c in completions)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
@@ -160,7 +175,8 @@ def bench_engine(model, prompts, args, device) -> dict:
         "fuse": engine.fuse_projections,
         "steps_per_sync": args.steps_per_sync, "tokens": tokens, "seconds": seconds,
         "tokens_per_s": tokens / seconds, "ttft_s": ttft, "peak_mem_gib": peak / 2**30,
-        "warmup_s": warmup, "stopped": stopped,
+        "warmup_s": warmup, "stopped": stopped, "runs_s": [round(r, 4) for r in runs],
+        "pdl": f"{mode} ({'on' if pdl and pdl.enabled(torch.empty(0, device=device)) else 'off'})",
         "matmul": matmul.mode if matmul else None,
         "matmul_timings_us": {str(k[:3]): v for k, v in matmul.timings.items()} if matmul else {},
         "fuse_norms": chain.mode if chain else None,

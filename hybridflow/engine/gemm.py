@@ -25,6 +25,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from hybridflow.engine import pdl
+from hybridflow.engine.pdl import prefetch_l2, wait_then_release
+
 # -------------------------------------------------------------------------------------------
 # Version 2 (run 5): weight tiles read K-contiguous ([BLOCK_N, BLOCK_K], transposed for the
 # dot), optional split-K with fp32 partials (reduced by the consumer: the residual add+RMSNorm
@@ -39,6 +42,8 @@ def _gemm_nt_kernel(
     HAS_BIAS: tl.constexpr, SILU_PAIRS: tl.constexpr, PARTIAL: tl.constexpr, FP32: tl.constexpr,
     ROW_RSTD: tl.constexpr, N_SS_PAD: tl.constexpr, RESIDUAL: tl.constexpr, SERIAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, PF_LINE: tl.constexpr = 64,
+    PF_COLS: tl.constexpr = 1,
 ):  # fmt: skip
     """c = a @ w^T over k in [pid_k * K_SPLIT, (pid_k + 1) * K_SPLIT) (K_SPLIT % BLOCK_K == 0).
 
@@ -55,7 +60,10 @@ def _gemm_nt_kernel(
     sums of squares of the new values go to ss_out[pid_n, row] for the next ROW_RSTD.
     SILU_PAIRS: w's rows are interleaved (gate_0, up_0, gate_1, up_1, ...): store
     silu(gate) * up into c [M, N / 2], rounded like the torch ops (gate and up to the output
-    dtype first, then silu, then the product)."""
+    dtype first, then silu, then the product).
+    PDL / PREFETCH (pdl.py): the first M tile's program of each weight stripe asks L2 for the
+    stripe (PF_COLS lines of PF_LINE elements per BLOCK_K) before waiting for the kernel that
+    writes a, so the weights stream in while that kernel finishes."""
     # M tiles vary fastest: the blocks that read one weight tile run at the same time and
     # share it through L2.
     pid_m = tl.program_id(0)
@@ -70,6 +78,13 @@ def _gemm_nt_kernel(
     rn_safe = tl.where(n_mask, rn, 0).to(tl.int64)
     a_ptrs = a_ptr + rm_safe[:, None] * stride_am + rk[None, :]
     w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk[None, :]
+    if PREFETCH:
+        if pid_m == 0:
+            lines = tl.arange(0, PF_COLS) * PF_LINE
+            row_ptrs = w_ptr + rn_safe[:, None] * stride_wn + pid_k * K_SPLIT + lines[None, :]
+            for k0 in range(0, K_SPLIT, PF_COLS * PF_LINE):
+                prefetch_l2(row_ptrs + k0)
+    wait_then_release(PDL)
     dtype = c_ptr.dtype.element_ty
     if ROW_RSTD:  # loaded before the loop: its latency hides behind the matmul
         parts = tl.arange(0, N_SS_PAD)
@@ -194,9 +209,19 @@ def gemm_nt(
         out, out, out, out, 0, 1, depth, 0.0, HAS_BIAS=bias is not None,
         SILU_PAIRS=silu_pairs, PARTIAL=splits > 1, FP32=x.dtype == torch.float32,
         ROW_RSTD=False, N_SS_PAD=1, RESIDUAL=False, SERIAL=False, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        BLOCK_K=block_k, num_warps=warps, num_stages=stages, **launch_options(x, weight, block_k),
     )  # fmt: skip
     return out
+
+
+def launch_options(x: torch.Tensor, weight: torch.Tensor, block_k: int) -> dict:
+    """PDL keywords for _gemm_nt_kernel, with the weight prefetch (pdl.PREFETCH_WEIGHTS)."""
+    options = pdl.options(x)
+    if options and pdl.PREFETCH_WEIGHTS:
+        line = 128 // weight.element_size()
+        cols = max(1, block_k // line)
+        options.update(PREFETCH=True, PF_LINE=line, PF_COLS=cols)
+    return options
 
 
 def _row_bucket(rows: int) -> int:

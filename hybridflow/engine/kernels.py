@@ -18,6 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridflow.engine import pdl
+from hybridflow.engine.pdl import prefetch_l2, wait_then_release
+
 # Autotune the attention kernel's tile (CUDA only); off gives a fixed tile (for A/B runs).
 AUTOTUNE = True
 HEAD_MAJOR = False  # decode attention grid order (see _decode_attention_kernel)
@@ -30,8 +33,10 @@ HEAD_MAJOR = False  # decode attention grid order (see _decode_attention_kernel)
 def _rms_norm_kernel(
     x_ptr, delta_ptr, w_ptr, out_ptr, stride_x, stride_d, stride_o, M, H, eps,
     ADD: tl.constexpr, WEIGHT: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """ROWS rows per program (NORM_ROWS: 1 measured fastest)."""
+    wait_then_release(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_H)
     mask = (rows < M)[:, None] & (cols < H)[None, :]
@@ -66,7 +71,7 @@ def _launch_rms_norm(x, delta, weight, out, eps, add: bool, weighted: bool,
     _rms_norm_kernel[(triton.cdiv(rows, per_program),)](
         x, delta, weight, out, x.stride(0), delta.stride(0), out.stride(0), rows, hidden, eps,
         ADD=add, WEIGHT=weighted, ROWS=per_program, BLOCK_H=triton.next_power_of_2(hidden),
-        num_warps=warps or (NORM_WARPS if per_program == 1 else per_program),
+        **pdl.options(x), num_warps=warps or (NORM_WARPS if per_program == 1 else per_program),
     )  # fmt: skip
 
 
@@ -95,10 +100,11 @@ def add_rms_norm(
 @triton.jit
 def _silu_mul_kernel(
     g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_o, n, PAIRS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """PAIRS: g_ptr rows hold (gate_0, up_0, gate_1, up_1, ...), read as [BLOCK, 2] tiles
     (contiguous, vectorised) and split; else gate and up are separate rows."""
+    wait_then_release(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
@@ -123,7 +129,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(inner, block))](
         gate, up, out, gate.stride(0), up.stride(0), out.stride(0), inner, PAIRS=False,
-        BLOCK=block,
+        BLOCK=block, **pdl.options(gate),
     )  # fmt: skip
     return out
 
@@ -138,7 +144,7 @@ def silu_mul_pairs(product: torch.Tensor) -> torch.Tensor:
     block = 512
     _silu_mul_kernel[(rows, triton.cdiv(inner, block))](
         product, product, out, product.stride(0), product.stride(0), out.stride(0), inner,
-        PAIRS=True, BLOCK=block,
+        PAIRS=True, BLOCK=block, **pdl.options(product),
     )  # fmt: skip
     return out
 
@@ -162,8 +168,9 @@ def _rope_store_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,
     stride_q, stride_k, stride_v, stride_cs, stride_cslot, stride_cpos,
     NH: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr,
-    NH_PAD: tl.constexpr, NKV_PAD: tl.constexpr,
+    NH_PAD: tl.constexpr, NKV_PAD: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    wait_then_release(PDL)
     row = tl.program_id(0)
     pos = tl.load(pos_ptr + row)
     slot = tl.load(slot_ptr + row)
@@ -208,6 +215,7 @@ def rope_store(q, k, v, cos, sin, positions, row_slots, key_cache, value_cache) 
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), key_cache.stride(0),
         key_cache.stride(1), NH=num_heads, NKV=num_kv, HALF=head_dim // 2,
         NH_PAD=triton.next_power_of_2(num_heads), NKV_PAD=triton.next_power_of_2(num_kv),
+        **pdl.options(q),
     )  # fmt: skip
 
 
@@ -222,7 +230,8 @@ def _decode_attention_kernel(
     stride_cpos, stride_o, scale_log2, CHUNK, ROWS_BUCKET,
     G: tl.constexpr, G_PAD: tl.constexpr, HALF: tl.constexpr, NH: tl.constexpr,
     SPLITS: tl.constexpr, FP32_DOT: tl.constexpr, ROPE: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_MAJOR: tl.constexpr = False,
+    HEAD_MAJOR: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    PF_LINE: tl.constexpr = 64, PF_LINES: tl.constexpr = 1,
 ):  # fmt: skip
     """One (row, kv head, split): attention of the head group's queries over cached positions
     [split * CHUNK, (split + 1) * CHUNK) up to the row's last position pos.
@@ -230,7 +239,11 @@ def _decode_attention_kernel(
     ROPE: q and the new token's k arrive unrotated; both are rotated here, the new k/v are
     stored at cache[slot, pos] (by split 0) and the new token is attended from registers (so
     no program reads the position being written). Without ROPE, position pos is read from the
-    cache like the others. Vectors are handled as halves (rotate_half RoPE pairs them)."""
+    cache like the others. Vectors are handled as halves (rotate_half RoPE pairs them).
+
+    PDL / PREFETCH (pdl.py): the cached keys and values of earlier steps are asked into L2
+    before waiting for the previous kernel (the qkv matmul); PF_LINE elements make a 128-byte
+    line, PF_LINES lines a head vector."""
     if HEAD_MAJOR:  # grid (kv heads, rows, splits): a row's heads run side by side
         kv_head = tl.program_id(0)
         row = tl.program_id(1)
@@ -246,6 +259,15 @@ def _decode_attention_kernel(
         end = tl.minimum(chunk_end, pos)  # cached positions; pos itself comes from registers
     else:
         end = tl.minimum(chunk_end, pos + 1)
+    base = slot.to(tl.int64) * stride_cslot + kv_head * (2 * HALF)
+    if PREFETCH:  # written by earlier steps only (the new token's k/v come from registers)
+        lines = tl.arange(0, PF_LINES) * PF_LINE
+        for p0 in range(start, tl.minimum(chunk_end, pos), 128):
+            p = tl.minimum(p0 + tl.arange(0, 128), pos - 1).to(tl.int64)
+            offs = base + p[:, None] * stride_cpos + lines[None, :]
+            prefetch_l2(kc_ptr + offs)
+            prefetch_l2(vc_ptr + offs)
+    wait_then_release(PDL)
     dtype = q_ptr.dtype.element_ty
     g = tl.arange(0, G_PAD)
     h = tl.arange(0, HALF)
@@ -255,7 +277,6 @@ def _decode_attention_kernel(
     q_offs = row * stride_q + heads[:, None] * (2 * HALF) + h[None, :]
     q1 = tl.load(q_ptr + q_offs, mask=g_mask[:, None], other=0.0)
     q2 = tl.load(q_ptr + q_offs + HALF, mask=g_mask[:, None], other=0.0)
-    base = slot.to(tl.int64) * stride_cslot + kv_head * (2 * HALF)
     if ROPE:
         cos = tl.load(cos_ptr + pos * stride_cs + h).to(tl.float32)
         sin = tl.load(sin_ptr + pos * stride_cs + h).to(tl.float32)
@@ -329,8 +350,9 @@ def _decode_attention_kernel(
 @triton.jit
 def _combine_splits_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, stride_o, NH: tl.constexpr, D: tl.constexpr,
-    SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    wait_then_release(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     sp = tl.arange(0, SPLITS_PAD)
@@ -438,6 +460,10 @@ def _attention(
     )  # fmt: skip
     head_major = HEAD_MAJOR if head_major is None else head_major
     meta["HEAD_MAJOR"] = head_major
+    meta.update(pdl.options(q))
+    if meta.get("PDL") and pdl.PREFETCH_KV:
+        line = 128 // key_cache.element_size()
+        meta.update(PREFETCH=True, PF_LINE=line, PF_LINES=max(1, head_dim // line))
     grid = (num_kv, rows, splits) if head_major else (rows, num_kv, splits)
     if config is not None:
         block_n, warps, stages = config
@@ -450,6 +476,6 @@ def _attention(
     if splits > 1:
         _combine_splits_kernel[(rows, num_heads)](
             part_o, part_lse, out, out.stride(0), NH=num_heads, D=head_dim, SPLITS=splits,
-            SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
+            SPLITS_PAD=max(2, triton.next_power_of_2(splits)), **pdl.options(q),
         )  # fmt: skip
     return out

@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridflow.engine import sampling
+from hybridflow.engine import pdl, sampling
+from hybridflow.engine.pdl import wait_then_release
 from hybridflow.engine.sampling import SPLIT_SIZE, SamplingParams
 
 # The hash constants of sampling.py, as constants a Triton kernel may read.
@@ -79,11 +80,12 @@ def _split_stats_kernel(
     inv_temperature, log_min_p, MAX_ONLY: tl.constexpr, GREEDY: tl.constexpr,
     SCALE: tl.constexpr, HAS_THRESHOLD: tl.constexpr, HAS_MIN_P: tl.constexpr,
     SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLIT_SIZE: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    BLOCK_V: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Pass 1, one (row, split): m = max z; s = sum exp(z - m) (all tokens); f = the same sum
     over allowed tokens (only when filtering; else f = s); GREEDY (never filtered): also the
     first argmax. MAX_ONLY: just m (min-p needs the row max before anything is allowed)."""
+    wait_then_release(PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
     base = logits_ptr + row.to(tl.int64) * stride_l
@@ -133,11 +135,12 @@ def _sample_combine_kernel(
     positions_ptr, out_tok_ptr, out_lp_ptr, stride_out, GREEDY: tl.constexpr,
     SCALE: tl.constexpr, HAS_THRESHOLD: tl.constexpr, HAS_MIN_P: tl.constexpr,
     SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLIT_SIZE: tl.constexpr,
-    BLOCK_V: tl.constexpr, ADVANCE: tl.constexpr,
+    BLOCK_V: tl.constexpr, ADVANCE: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Per row: logsumexp from the partials; the token (greedy: the best split's argmax; else
     Gumbel-max over splits, then the inverse-CDF walk inside the chosen split); log-prob
     = z - logsumexp. ADVANCE: also state.advance (record, count, stop, move)."""
+    wait_then_release(PDL)
     row = tl.program_id(0)
     sp = tl.arange(0, SPLITS_PAD)
     mask = sp < SPLITS
@@ -276,6 +279,7 @@ def sample_fused(
         GREEDY=greedy, SCALE=scale, HAS_THRESHOLD=has_threshold, HAS_MIN_P=has_min_p,
         SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
         SPLIT_SIZE=kernel_split, BLOCK_V=block_v, num_warps=8 if block_v >= 4096 else 4,
+        **pdl.options(logits),
     )  # fmt: skip
     rows_args = (logits, logits.stride(0), vocab)
     scalars = (1.0 / temperature, math.log(params.min_p) if has_min_p else 0.0)

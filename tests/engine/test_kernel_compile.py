@@ -8,6 +8,7 @@ Skipped without triton (the main CI run) and under the interpreter."""
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import pytest
@@ -58,6 +59,13 @@ def _signature(fn, constexprs: dict, activation: str, overrides: dict) -> dict:
 
 def _compile(fn, constexprs: dict, activation="bf16", overrides=None, warps=4, stages=3):
     names = fn.arg_names
+    # constexpr parameters left out take their defaults (as at a launch), not a runtime i32
+    defaults = {
+        p.name: p.default
+        for p in fn.params
+        if p.is_constexpr and p.default is not inspect.Parameter.empty
+    }
+    constexprs = {**defaults, **constexprs}
     signature = _signature(fn, constexprs, activation, overrides or {})
     # pointers 16-byte aligned, as torch allocations are (Triton specialises on it)
     attrs = {
@@ -182,3 +190,87 @@ def test_logprob_kernels_compile(with_entropy):
     constexprs = dict(WITH_ENTROPY=with_entropy, BLOCK=logprob_kernels.BLOCK_V)
     _compile(logprob_kernels._stats_kernel, constexprs, warps=8)
     _compile(logprob_kernels._grad_kernel, constexprs, warps=8)
+
+
+def test_pdl_variants_compile_with_grid_dependency_control():
+    """With PDL every kernel waits on the previous one (griddepcontrol.wait) and lets the next
+    launch; the matmul and attention also prefetch into L2 before the wait (pdl.py)."""
+    on = dict(PDL=True)
+    compiled = [
+        _compile(
+            kernels._rms_norm_kernel, dict(ADD=True, WEIGHT=True, ROWS=1, BLOCK_H=1024, **on)
+        ),  # fmt: skip
+        _compile(
+            kernels._combine_splits_kernel,
+            dict(NH=14, D=64, SPLITS=3, SPLITS_PAD=4, **on),
+            overrides={"out_ptr": "*bf16"},
+        ),  # fmt: skip
+        _compile(
+            sampler_kernels._sample_combine_kernel,
+            dict(
+                GREEDY=False,
+                SCALE=True,
+                HAS_THRESHOLD=False,
+                HAS_MIN_P=False,
+                SPLITS=38,
+                SPLITS_PAD=64,
+                SPLIT_SIZE=4096,
+                BLOCK_V=4096,
+                ADVANCE=True,
+                **on,
+            ),
+            overrides={"part_idx_ptr": "*i32"},
+            warps=8,
+        ),  # fmt: skip
+    ]
+    prefetching = [
+        _compile(
+            kernels._decode_attention_kernel,
+            dict(
+                G=7,
+                G_PAD=16,
+                HALF=64,
+                NH=14,
+                SPLITS=1,
+                FP32_DOT=False,
+                ROPE=True,
+                BLOCK_N=64,
+                PREFETCH=True,
+                PF_LINE=64,
+                PF_LINES=2,
+                **on,
+            ),
+            stages=2,
+        ),  # fmt: skip
+        _compile(
+            gemm._gemm_nt_kernel,
+            dict(
+                HAS_BIAS=False,
+                SILU_PAIRS=True,
+                PARTIAL=False,
+                FP32=False,
+                ROW_RSTD=False,
+                N_SS_PAD=1,
+                RESIDUAL=False,
+                SERIAL=False,
+                BLOCK_M=64,
+                BLOCK_N=128,
+                BLOCK_K=64,
+                PREFETCH=True,
+                PF_LINE=64,
+                PF_COLS=1,
+                **on,
+            ),
+        ),  # fmt: skip
+    ]
+    for kernel in compiled + prefetching:
+        ptx = kernel.asm["ptx"]
+        assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+    for kernel in prefetching:
+        ptx = kernel.asm["ptx"]
+        assert "prefetch.global.L2" in ptx
+        # the prefetch comes before the wait, every activation load after it
+        assert ptx.index("prefetch.global.L2") < ptx.index("griddepcontrol.wait")
+    # off by default: no grid dependency control in the plain kernels
+    plain = _compile(kernels._rms_norm_kernel, dict(ADD=True, WEIGHT=True, ROWS=1, BLOCK_H=1024))
+    assert "griddepcontrol" not in plain.asm["ptx"]
