@@ -14,6 +14,12 @@ import json
 import sys
 import time
 
+# --pdl: (pdl.ENABLED, pdl.PREFETCH_WEIGHTS, pdl.PREFETCH_KV)
+PDL_MODES = {
+    "auto": (None, True, True), "on": (True, True, True), "off": (False, True, True),
+    "noprefetch": (True, False, False), "weights": (True, True, False), "kv": (True, False, True),
+}  # fmt: skip
+
 
 def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="qwen2.5-0.5b", help="model preset or local HF directory")
@@ -34,9 +40,9 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
                    help="Engine(decode_matmul=...)")  # fmt: skip
     p.add_argument("--fuse-norms", default="off", choices=["auto", "on", "off"],
                    help="Engine(fuse_norms=...)")  # fmt: skip
-    p.add_argument("--pdl", default="auto", choices=["auto", "on", "off", "noprefetch"],
+    p.add_argument("--pdl", default="auto", choices=sorted(PDL_MODES),
                    help="programmatic dependent launch of the decode kernels (engine/pdl.py); "
-                   "noprefetch: PDL without the L2 prefetch")  # fmt: skip
+                   "noprefetch / weights / kv: PDL with no / only that L2 prefetch")  # fmt: skip
     p.add_argument("--repeats", type=int, default=1, help="timed runs (the median is kept)")
     p.add_argument("--hf", dest="hf", action="store_true", default=True)
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HF baseline")
@@ -125,8 +131,7 @@ def bench_engine(model, prompts, args, device) -> dict:
         pdl = None
     mode = getattr(args, "pdl", "auto")
     if pdl is not None:  # process-wide: set before any graph is captured
-        pdl.ENABLED = {"auto": None, "on": True, "noprefetch": True, "off": False}[mode]
-        pdl.PREFETCH_WEIGHTS = pdl.PREFETCH_KV = mode != "noprefetch"
+        pdl.ENABLED, pdl.PREFETCH_WEIGHTS, pdl.PREFETCH_KV = PDL_MODES[mode]
     engine = Engine(
         model,
         max_batch_size=args.max_batch_size or len(prompts) * args.n,

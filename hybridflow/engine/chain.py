@@ -147,7 +147,7 @@ class DecodeChain:
             ROW_RSTD=norm is not None, N_SS_PAD=max(2, triton.next_power_of_2(parts)),
             RESIDUAL=sums_out is not None, SERIAL=splits > 1, BLOCK_M=block_m,
             BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
-            **gemm.launch_options(x, weight, block_k),
+            **gemm.launch_options(x, weight, block_k, depth // splits),
         )  # fmt: skip
 
     def _scratch_for(self, key, tile, splits, x):

@@ -43,7 +43,7 @@ def _gemm_nt_kernel(
     ROW_RSTD: tl.constexpr, N_SS_PAD: tl.constexpr, RESIDUAL: tl.constexpr, SERIAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, PF_LINE: tl.constexpr = 64,
-    PF_COLS: tl.constexpr = 1,
+    PF_COLS: tl.constexpr = 1, PF_K: tl.constexpr = 0,
 ):  # fmt: skip
     """c = a @ w^T over k in [pid_k * K_SPLIT, (pid_k + 1) * K_SPLIT) (K_SPLIT % BLOCK_K == 0).
 
@@ -62,8 +62,8 @@ def _gemm_nt_kernel(
     silu(gate) * up into c [M, N / 2], rounded like the torch ops (gate and up to the output
     dtype first, then silu, then the product).
     PDL / PREFETCH (pdl.py): the first M tile's program of each weight stripe asks L2 for the
-    stripe (PF_COLS lines of PF_LINE elements per BLOCK_K) before waiting for the kernel that
-    writes a, so the weights stream in while that kernel finishes."""
+    stripe's first PF_K columns (PF_COLS lines of PF_LINE elements at a time) before waiting
+    for the kernel that writes a, so the weights stream in while that kernel finishes."""
     # M tiles vary fastest: the blocks that read one weight tile run at the same time and
     # share it through L2.
     pid_m = tl.program_id(0)
@@ -82,7 +82,7 @@ def _gemm_nt_kernel(
         if pid_m == 0:
             lines = tl.arange(0, PF_COLS) * PF_LINE
             row_ptrs = w_ptr + rn_safe[:, None] * stride_wn + pid_k * K_SPLIT + lines[None, :]
-            for k0 in range(0, K_SPLIT, PF_COLS * PF_LINE):
+            for k0 in range(0, PF_K, PF_COLS * PF_LINE):
                 prefetch_l2(row_ptrs + k0)
     wait_then_release(PDL)
     dtype = c_ptr.dtype.element_ty
@@ -209,18 +209,23 @@ def gemm_nt(
         out, out, out, out, 0, 1, depth, 0.0, HAS_BIAS=bias is not None,
         SILU_PAIRS=silu_pairs, PARTIAL=splits > 1, FP32=x.dtype == torch.float32,
         ROW_RSTD=False, N_SS_PAD=1, RESIDUAL=False, SERIAL=False, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=warps, num_stages=stages, **launch_options(x, weight, block_k),
+        BLOCK_K=block_k, num_warps=warps, num_stages=stages, **launch_options(x, weight, block_k, k_split),
     )  # fmt: skip
     return out
 
 
-def launch_options(x: torch.Tensor, weight: torch.Tensor, block_k: int) -> dict:
-    """PDL keywords for _gemm_nt_kernel, with the weight prefetch (pdl.PREFETCH_WEIGHTS)."""
+def launch_options(x: torch.Tensor, weight: torch.Tensor, block_k: int, k_split: int) -> dict:
+    """PDL keywords for _gemm_nt_kernel, with the weight prefetch (pdl.PREFETCH_WEIGHTS):
+    the first columns of every weight row, pdl.WEIGHT_PREFETCH_BYTES in all (a K split's
+    programs each take their share of their own range)."""
     options = pdl.options(x)
     if options and pdl.PREFETCH_WEIGHTS:
         line = 128 // weight.element_size()
         cols = max(1, block_k // line)
-        options.update(PREFETCH=True, PF_LINE=line, PF_COLS=cols)
+        fraction = min(1.0, pdl.WEIGHT_PREFETCH_BYTES / (weight.numel() * weight.element_size()))
+        step = cols * line
+        prefetch_k = min(k_split, math.ceil(k_split * fraction / step) * step)
+        options.update(PREFETCH=True, PF_LINE=line, PF_COLS=cols, PF_K=prefetch_k)
     return options
 
 

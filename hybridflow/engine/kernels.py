@@ -231,7 +231,7 @@ def _decode_attention_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, HALF: tl.constexpr, NH: tl.constexpr,
     SPLITS: tl.constexpr, FP32_DOT: tl.constexpr, ROPE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_MAJOR: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-    PF_LINE: tl.constexpr = 64, PF_LINES: tl.constexpr = 1,
+    PF_LINE: tl.constexpr = 64, PF_LINES: tl.constexpr = 1, PF_POSITIONS: tl.constexpr = 0,
 ):  # fmt: skip
     """One (row, kv head, split): attention of the head group's queries over cached positions
     [split * CHUNK, (split + 1) * CHUNK) up to the row's last position pos.
@@ -241,9 +241,9 @@ def _decode_attention_kernel(
     no program reads the position being written). Without ROPE, position pos is read from the
     cache like the others. Vectors are handled as halves (rotate_half RoPE pairs them).
 
-    PDL / PREFETCH (pdl.py): the cached keys and values of earlier steps are asked into L2
-    before waiting for the previous kernel (the qkv matmul); PF_LINE elements make a 128-byte
-    line, PF_LINES lines a head vector."""
+    PDL / PREFETCH (pdl.py): the first PF_POSITIONS cached keys and values (earlier steps')
+    are asked into L2 before waiting for the previous kernel (the qkv matmul); PF_LINE
+    elements make a 128-byte line, PF_LINES lines a head vector."""
     if HEAD_MAJOR:  # grid (kv heads, rows, splits): a row's heads run side by side
         kv_head = tl.program_id(0)
         row = tl.program_id(1)
@@ -262,8 +262,9 @@ def _decode_attention_kernel(
     base = slot.to(tl.int64) * stride_cslot + kv_head * (2 * HALF)
     if PREFETCH:  # written by earlier steps only (the new token's k/v come from registers)
         lines = tl.arange(0, PF_LINES) * PF_LINE
-        for p0 in range(start, tl.minimum(chunk_end, pos), 128):
-            p = tl.minimum(p0 + tl.arange(0, 128), pos - 1).to(tl.int64)
+        stop = tl.minimum(tl.minimum(chunk_end, pos), start + PF_POSITIONS)
+        for p0 in range(start, stop, 64):
+            p = tl.minimum(p0 + tl.arange(0, 64), stop - 1).to(tl.int64)
             offs = base + p[:, None] * stride_cpos + lines[None, :]
             prefetch_l2(kc_ptr + offs)
             prefetch_l2(vc_ptr + offs)
@@ -461,9 +462,13 @@ def _attention(
     head_major = HEAD_MAJOR if head_major is None else head_major
     meta["HEAD_MAJOR"] = head_major
     meta.update(pdl.options(q))
-    if meta.get("PDL") and pdl.PREFETCH_KV:
-        line = 128 // key_cache.element_size()
-        meta.update(PREFETCH=True, PF_LINE=line, PF_LINES=max(1, head_dim // line))
+    if meta.get("PDL") and pdl.PREFETCH_KV:  # the first positions, KV_PREFETCH_BYTES in all
+        size = key_cache.element_size()
+        per_program = pdl.KV_PREFETCH_BYTES // (rows * num_kv * splits * 2 * head_dim * size)
+        if per_program >= 32:
+            line = 128 // size
+            meta.update(PREFETCH=True, PF_LINE=line, PF_LINES=max(1, head_dim // line),
+                        PF_POSITIONS=min(1024, 1 << (per_program.bit_length() - 1)))  # fmt: skip
     grid = (num_kv, rows, splits) if head_major else (rows, num_kv, splits)
     if config is not None:
         block_n, warps, stages = config

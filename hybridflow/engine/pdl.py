@@ -50,6 +50,11 @@ ENABLED: bool | None = None
 # L2 prefetch before the wait (matmul weights, attention's cached K/V); only with PDL.
 PREFETCH_WEIGHTS = True
 PREFETCH_KV = True
+# Bytes one kernel may prefetch in all (the H200's L2 is 50 MB). Measured (NOTES.md run 8):
+# prefetching a whole 67 MB layer of cached K/V (1.5b, 256 rows) or a 55 MB weight thrashes
+# L2 and cost 10% end to end; the start of each program's stream is what the overlap needs.
+WEIGHT_PREFETCH_BYTES = 24 << 20
+KV_PREFETCH_BYTES = 16 << 20
 
 
 @functools.lru_cache(maxsize=8)

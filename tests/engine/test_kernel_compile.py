@@ -238,6 +238,7 @@ def test_pdl_variants_compile_with_grid_dependency_control():
                 PREFETCH=True,
                 PF_LINE=64,
                 PF_LINES=2,
+                PF_POSITIONS=128,
                 **on,
             ),
             stages=2,
@@ -259,6 +260,7 @@ def test_pdl_variants_compile_with_grid_dependency_control():
                 PREFETCH=True,
                 PF_LINE=64,
                 PF_COLS=1,
+                PF_K=896,
                 **on,
             ),
         ),  # fmt: skip
