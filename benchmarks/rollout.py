@@ -196,18 +196,15 @@ def step_breakdown(device, preset: str, batch: int, length: int) -> dict:
 VARIANTS = [
     # (preset, prompts, backend, graphs, steps_per_sync, fuse, matmul, fuse_norms, hf, pdl)
     ("qwen2.5-0.5b", 256, "triton", True, 8, "all", "auto", "off", True, "off"),
-    ("qwen2.5-0.5b", 256, "triton", True, 8, "all", "auto", "on", False, "on"),
-    ("qwen2.5-0.5b", 256, "triton", True, 8, "all", "auto", "on", False, "weights"),
-    ("qwen2.5-0.5b", 256, "triton", True, 8, "all", "auto", "on", False, "kv"),
-    ("qwen2.5-0.5b", 256, "triton", True, 8, "all", "auto", "off", False, "weights"),
+    ("qwen2.5-0.5b", 256, "triton", True, 8, "all", "auto", "auto", False, "auto"),
+    ("qwen2.5-0.5b", 256, "triton", True, 8, "all", "auto", "on", False, "auto"),
+    ("qwen2.5-0.5b", 256, "triton", True, 8, "all", "auto", "off", False, "auto"),
+    ("qwen2.5-0.5b", 256, "triton", True, 16, "all", "auto", "on", False, "auto"),
     ("qwen2.5-0.5b", 1024, "triton", True, 8, "all", "auto", "off", False, "off"),
-    ("qwen2.5-0.5b", 1024, "triton", True, 8, "all", "auto", "off", False, "noprefetch"),
-    ("qwen2.5-0.5b", 1024, "triton", True, 8, "all", "auto", "on", False, "on"),
-    ("qwen2.5-0.5b", 1024, "triton", True, 8, "all", "auto", "on", False, "weights"),
+    ("qwen2.5-0.5b", 1024, "triton", True, 8, "all", "auto", "auto", False, "auto"),
+    ("qwen2.5-0.5b", 1024, "triton", True, 8, "all", "auto", "off", False, "auto"),
     ("qwen2.5-1.5b", 256, "triton", True, 8, "all", "auto", "off", True, "off"),
-    ("qwen2.5-1.5b", 256, "triton", True, 8, "all", "auto", "off", False, "noprefetch"),
-    ("qwen2.5-1.5b", 256, "triton", True, 8, "all", "auto", "off", False, "on"),
-    ("qwen2.5-1.5b", 256, "triton", True, 8, "all", "auto", "on", False, "on"),
+    ("qwen2.5-1.5b", 256, "triton", True, 8, "all", "auto", "auto", False, "auto"),
 ]
 
 

@@ -49,7 +49,10 @@ except ImportError:  # pragma: no cover - older Triton: PDL stays off
 ENABLED: bool | None = None
 # L2 prefetch before the wait (matmul weights, attention's cached K/V); only with PDL.
 PREFETCH_WEIGHTS = True
-PREFETCH_KV = True
+# Off: measured slower end to end (0.5b/256 with the chain: 146k vs 156k tok/s with weights
+# only; NOTES.md run 8): attention's programs launch early but their K/V prefetch competes
+# with the matmul they overlap, and the pipelined loop hides most of the start anyway.
+PREFETCH_KV = False
 # Bytes one kernel may prefetch in all (the H200's L2 is 50 MB). Measured (NOTES.md run 8):
 # prefetching a whole 67 MB layer of cached K/V (1.5b, 256 rows) or a 55 MB weight thrashes
 # L2 and cost 10% end to end; the start of each program's stream is what the overlap needs.

@@ -286,14 +286,19 @@ def test_pdl_launches_give_bitwise_the_same_generation(norms):
     if not pdl.SUPPORTED or torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs sm_90 and a Triton with grid dependency control")
     model = build_model(preset_config("tiny-4l"), seed=2, device=DEVICE).to(torch.bfloat16)
-    prompts = [[(7 * i + j) % 500 + 3 for j in range(5 + i % 9)] for i in range(24)]
+    vocab = model.config.vocab_size
+    prompts = [[(7 * i + j) % (vocab - 3) + 3 for j in range(5 + i % 9)] for i in range(24)]
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=48, seed=11, ignore_eos=True)
-    results = {}
+    results, first = {}, None
     try:
         for mode in (False, True):
             pdl.ENABLED = mode
             engine = Engine(model.eval(), max_batch_size=48, max_seq_len=64, fuse_norms=norms)
+            if first is not None:  # the same tiles and K splits (chosen by timing) both times
+                engine.matmul.choices.update(first.matmul.choices)
+                engine.chain.plans.update(first.chain.plans)
             out = engine.generate(prompts, params)
+            first = first or engine
             results[mode] = ([c.token_ids for c in out], [c.logprobs for c in out])
             engine.release()
     finally:
