@@ -194,29 +194,43 @@ def step_breakdown(device, preset: str, batch: int, length: int) -> dict:
 
 
 VARIANTS = [
-    # (preset, prompts, backend, graphs, steps_per_sync, fuse, matmul, fuse_norms, hf, pdl)
-    ("qwen2.5-0.5b", 256, "triton", True, 8, "all", "auto", "off", True, "off"),
-    ("qwen2.5-0.5b", 256, "triton", True, 8, "all", "auto", "auto", False, "auto"),
-    ("qwen2.5-0.5b", 256, "triton", True, 8, "all", "auto", "on", False, "auto"),
-    ("qwen2.5-0.5b", 256, "triton", True, 8, "all", "auto", "off", False, "auto"),
-    ("qwen2.5-0.5b", 256, "triton", True, 16, "all", "auto", "on", False, "auto"),
-    ("qwen2.5-0.5b", 1024, "triton", True, 8, "all", "auto", "off", False, "off"),
-    ("qwen2.5-0.5b", 1024, "triton", True, 8, "all", "auto", "auto", False, "auto"),
-    ("qwen2.5-0.5b", 1024, "triton", True, 8, "all", "auto", "off", False, "auto"),
-    ("qwen2.5-1.5b", 256, "triton", True, 8, "all", "auto", "off", True, "off"),
-    ("qwen2.5-1.5b", 256, "triton", True, 8, "all", "auto", "auto", False, "auto"),
+    # (preset, prompts, backend, graphs, steps_per_sync, fuse, matmul, fuse_norms, hf, pdl,
+    #  ahead)
+    ("qwen2.5-0.5b", 256, "triton", True, 8, "all", "auto", "off", True, "off", "off"),
+    ("qwen2.5-0.5b", 256, "triton", True, 8, "all", "auto", "on", False, "auto", "off"),
+    ("qwen2.5-0.5b", 256, "triton", True, 8, "all", "auto", "on", False, "auto", "on"),
+    ("qwen2.5-0.5b", 256, "triton", True, 8, "all", "auto", "on", False, "auto", "noevict"),
+    ("qwen2.5-0.5b", 256, "triton", True, 8, "all", "auto", "auto", False, "auto", "on"),
+    ("qwen2.5-0.5b", 1024, "triton", True, 8, "all", "auto", "off", False, "off", "off"),
+    ("qwen2.5-0.5b", 1024, "triton", True, 8, "all", "auto", "on", False, "auto", "on"),
+    ("qwen2.5-0.5b", 1024, "triton", True, 8, "all", "auto", "auto", False, "auto", "on"),
+    ("qwen2.5-1.5b", 256, "triton", True, 8, "all", "auto", "off", True, "off", "off"),
+    ("qwen2.5-1.5b", 256, "triton", True, 8, "all", "auto", "on", False, "auto", "on"),
+    ("qwen2.5-1.5b", 256, "triton", True, 8, "all", "auto", "auto", False, "auto", "on"),
 ]
 
 
 def run_variants(device, variants, quick: bool) -> list[dict]:
     rows, models = [], {}
-    for preset, prompts, backend, graphs, sync, fuse, matmul, norms, hf, pdl_mode in variants:
+    for (
+        preset,
+        prompts,
+        backend,
+        graphs,
+        sync,
+        fuse,
+        matmul,
+        norms,
+        hf,
+        pdl_mode,
+        ahead,
+    ) in variants:
         args = SimpleNamespace(
             preset=preset, prompts=prompts, prompt_len=128 if not quick else 8,
             new_tokens=256 if not quick else 8, n=1, max_batch_size=None, temperature=1.0,
             dtype="bfloat16", device=str(device), backend=backend, no_graphs=not graphs,
             steps_per_sync=sync, fuse=fuse, matmul=matmul, fuse_norms=norms, hf=hf,
-            hf_batch_size=None, seed=0, pdl=pdl_mode, repeats=3 if not quick else 1,
+            hf_batch_size=None, seed=0, pdl=pdl_mode, ahead=ahead, repeats=3 if not quick else 1,
         )  # fmt: skip
         if preset not in models:
             models.clear()
@@ -226,7 +240,7 @@ def run_variants(device, variants, quick: bool) -> list[dict]:
         prompt_ids = make_prompts(prompts, args.prompt_len, model.config.vocab_size, 0)
         row = {"preset": preset, "prompts": prompts, "backend": backend, "graphs": graphs,
                "steps_per_sync": sync, "fuse": fuse, "matmul": matmul,
-               "fuse_norms": norms, "pdl": pdl_mode}  # fmt: skip
+               "fuse_norms": norms, "pdl": pdl_mode, "ahead": ahead}  # fmt: skip
         try:
             row.update(bench_engine(model, prompt_ids, args, device))
             if hf:
@@ -256,7 +270,7 @@ def table(rows: list[dict]) -> str:
         step_ms = (r["seconds"] - r["ttft_s"]) / max(steps, 1) * 1000
         lines.append(
             f"| {r['preset']} | {r['prompts']} | {r['fuse']} | {r['steps_per_sync']} | "
-            f"{r['matmul']}, norms {r.get('fuse_norms')}, pdl {r.get('pdl')} | {r['tokens_per_s']:,.0f} | {step_ms:.2f} | {r['ttft_s'] * 1000:.0f} | "
+            f"{r['matmul']}, norms {r.get('fuse_norms')}, pdl {r.get('pdl')}, ahead {r.get('ahead')} | {r['tokens_per_s']:,.0f} | {step_ms:.2f} | {r['ttft_s'] * 1000:.0f} | "
             f"{r['peak_mem_gib']:.2f} | "
             f"{hf} | {x} |"
         )
@@ -302,7 +316,7 @@ def main() -> None:
         variants = (
             VARIANTS
             if not args.quick
-            else [("tiny", 4, "torch", False, 4, "none", "auto", "auto", True, "auto")]
+            else [("tiny", 4, "torch", False, 4, "none", "auto", "auto", True, "auto", "on")]
         )
         results["variants"] = run_variants(device, variants, args.quick)
         results["table"] = table(results["variants"])

@@ -43,6 +43,9 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pdl", default="auto", choices=sorted(PDL_MODES),
                    help="programmatic dependent launch of the decode kernels (engine/pdl.py); "
                    "noprefetch / weights / kv: PDL with no / only that L2 prefetch")  # fmt: skip
+    p.add_argument("--ahead", default="on", choices=["on", "off", "noevict"],
+                   help="chain matmuls prefetch the weight two launches ahead (chain.py), with "
+                   "cached K/V loaded evict-first (noevict: without that)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=1, help="timed runs (the median is kept)")
     p.add_argument("--hf", dest="hf", action="store_true", default=True)
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HF baseline")
@@ -132,6 +135,11 @@ def bench_engine(model, prompts, args, device) -> dict:
     mode = getattr(args, "pdl", "auto")
     if pdl is not None:  # process-wide: set before any graph is captured
         pdl.ENABLED, pdl.PREFETCH_WEIGHTS, pdl.PREFETCH_KV = PDL_MODES[mode]
+        from hybridflow.engine import chain, kernels
+
+        ahead = getattr(args, "ahead", "on")
+        chain.PREFETCH_AHEAD = ahead != "off"
+        kernels.KV_EVICT_FIRST = ahead == "on"
     engine = Engine(
         model,
         max_batch_size=args.max_batch_size or len(prompts) * args.n,
@@ -185,6 +193,7 @@ def bench_engine(model, prompts, args, device) -> dict:
         "steps_per_sync": args.steps_per_sync, "tokens": tokens, "seconds": seconds,
         "tokens_per_s": tokens / seconds, "ttft_s": ttft, "peak_mem_gib": peak / 2**30,
         "warmup_s": warmup, "stopped": stopped, "runs_s": [round(r, 4) for r in runs],
+        "ahead": getattr(args, "ahead", "on"),
         "pdl": f"{mode} ({'on' if pdl and pdl.enabled(torch.empty(0, device=device)) else 'off'})",
         "matmul": matmul.mode if matmul else None,
         "matmul_timings_us": {str(k[:3]): v for k, v in matmul.timings.items()} if matmul else {},

@@ -44,6 +44,20 @@ RESIDUAL_SPLITS = [1, 2, 4]
 # "auto" takes the chain only when its forward replays are this much faster: at a tie (0.5b,
 # 1024 rows with PDL: 2418 vs 2420 us) whole generate() calls ran 3% slower with the chain.
 CHAIN_MARGIN = 0.02
+# Each matmul asks L2 (evict-last) for the weight of the matmul two launches later (qkv ->
+# gate/up, o_proj -> down, gate/up -> next qkv, down -> next o_proj): at 256 rows the
+# matmuls are latency-bound on HBM, and their weights can arrive while earlier kernels run.
+PREFETCH_AHEAD = True
+
+
+def _lines(weight: torch.Tensor | None) -> int:
+    """128-byte lines of a contiguous weight (0 without one)."""
+    if weight is None:
+        return 0
+    assert weight.is_contiguous()
+    return triton.cdiv(weight.numel() * weight.element_size(), 128)
+
+
 INTERPRETER_PLAN = ((16, 32, 32, 4, 1), 2)  # CPU tests: small tile, a K split when it fits
 
 
@@ -107,9 +121,9 @@ class DecodeChain:
         torch.sum(values * values, dim=-1, out=sums[0, : hidden.shape[0]])
         return sums, 1
 
-    def norm_linear(self, residual, sums, eps, weight, bias=None, silu_pairs=False):
+    def norm_linear(self, residual, sums, eps, weight, bias=None, silu_pairs=False, ahead=None):
         """RMSNorm(residual) @ weight^T (+ bias), the norm's weight folded into `weight`;
-        silu_pairs as gemm_nt."""
+        silu_pairs as gemm_nt; ahead: a later matmul's weight to prefetch into L2."""
         sums, parts = sums
         rows, depth = residual.shape
         kind = "norm_silu" if silu_pairs else "norm"
@@ -118,21 +132,23 @@ class DecodeChain:
         out = torch.empty(rows, cols // 2 if silu_pairs else cols, dtype=residual.dtype,
                           device=residual.device)  # fmt: skip
         self._launch(residual, weight, bias, out, tile, 1, silu_pairs=silu_pairs,
-                     norm=(sums, parts, eps))  # fmt: skip
+                     norm=(sums, parts, eps), ahead=ahead)  # fmt: skip
         return out
 
-    def residual_linear(self, x, weight, bias, residual, sums) -> tuple[torch.Tensor, int]:
-        """residual += x @ weight^T (+ bias), in place; returns (sums, parts) of the new rows."""
+    def residual_linear(self, x, weight, bias, residual, sums, ahead=None) -> tuple:
+        """residual += x @ weight^T (+ bias), in place; returns (sums, parts) of the new rows.
+        ahead as norm_linear."""
         sums = sums[0]
         tile, splits = self._plan("residual", x, weight)
         scratch = self._scratch_for(_key("residual", x.shape[0], weight), tile, splits, x)
-        self._launch(x, weight, bias, residual, tile, splits, sums_out=sums, scratch=scratch)
+        self._launch(x, weight, bias, residual, tile, splits, sums_out=sums, scratch=scratch,
+                     ahead=ahead)  # fmt: skip
         return sums, triton.cdiv(weight.shape[0], tile[1])
 
     # -- internals -------------------------------------------------------------------------
 
     def _launch(self, x, weight, bias, out, tile, splits, *, silu_pairs=False, norm=None,
-                sums_out=None, scratch=None):  # fmt: skip
+                sums_out=None, scratch=None, ahead=None):  # fmt: skip
         rows, depth = x.shape
         cols = weight.shape[0]
         block_m, block_n, block_k, warps, stages = tile
@@ -142,15 +158,19 @@ class DecodeChain:
         sums = sums_out if sums_out is not None else sums_in
         ws, counts = scratch if scratch is not None else (out, out)
         grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n), splits)
+        options = gemm.launch_options(x, weight, block_k, depth // splits)
+        if ahead is not None and PREFETCH_AHEAD and x.is_cuda:
+            options.update(PF_NEXT=True, PF_LINE=128 // ahead.element_size())
         gemm._gemm_nt_kernel[grid](
             x, weight, bias if bias is not None else weight, out, rows, cols, depth // splits,
             x.stride(0), weight.stride(0), 0, out.stride(0), sums_in, sums, ws, counts,
-            sums.stride(0), parts, depth, eps, HAS_BIAS=bias is not None,
+            sums.stride(0), parts, depth, eps, ahead if ahead is not None else weight,
+            _lines(ahead), HAS_BIAS=bias is not None,
             SILU_PAIRS=silu_pairs, PARTIAL=False, FP32=x.dtype == torch.float32,
             ROW_RSTD=norm is not None, N_SS_PAD=max(2, triton.next_power_of_2(parts)),
             RESIDUAL=sums_out is not None, SERIAL=splits > 1, BLOCK_M=block_m,
             BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
-            **gemm.launch_options(x, weight, block_k, depth // splits),
+            **options,
         )  # fmt: skip
 
     def _scratch_for(self, key, tile, splits, x):
@@ -240,11 +260,14 @@ def chain_layers(model, tokens, attend, fused, chain: DecodeChain) -> torch.Tens
 
     hidden = model.model.embed_tokens(tokens)  # [B, H] residual stream, updated in place
     sums = chain.start(hidden)
-    for index, layer in enumerate(model.model.layers):
+    layers = model.model.layers
+    for index, layer in enumerate(layers):
         attn = layer.self_attn
         bias = fused.qkv_bias[index] if fused.qkv_bias is not None else None
         eps = layer.input_layernorm.eps
-        qkv = chain.norm_linear(hidden, sums, eps, fused.qkv_weight[index], bias)
+        last = index + 1 == len(layers)
+        qkv = chain.norm_linear(hidden, sums, eps, fused.qkv_weight[index], bias,
+                                ahead=fused.gate_up_weight[index])  # fmt: skip
         q, k, v = qkv.split([fused.q_size, fused.kv_size, fused.kv_size], dim=-1)
         q = q.unflatten(-1, (attn.num_heads, attn.head_dim))
         k = k.unflatten(-1, (attn.num_kv_heads, attn.head_dim))
@@ -253,9 +276,14 @@ def chain_layers(model, tokens, attend, fused, chain: DecodeChain) -> torch.Tens
             q, k = attn.q_norm(q), attn.k_norm(k)
         out = attend(index, q, k, v)
         sums = chain.residual_linear(
-            out.flatten(-2), attn.o_proj.weight, attn.o_proj.bias, hidden, sums
-        )
+            out.flatten(-2), attn.o_proj.weight, attn.o_proj.bias, hidden, sums,
+            ahead=layer.mlp.down_proj.weight,
+        )  # fmt: skip
         eps = layer.post_attention_layernorm.eps
-        act = chain.norm_linear(hidden, sums, eps, fused.gate_up_weight[index], silu_pairs=True)
-        sums = chain.residual_linear(act, layer.mlp.down_proj.weight, None, hidden, sums)
+        act = chain.norm_linear(hidden, sums, eps, fused.gate_up_weight[index], silu_pairs=True,
+                                ahead=None if last else fused.qkv_weight[index + 1])  # fmt: skip
+        sums = chain.residual_linear(
+            act, layer.mlp.down_proj.weight, None, hidden, sums,
+            ahead=None if last else layers[index + 1].self_attn.o_proj.weight,
+        )  # fmt: skip
     return kernels.rms_norm(hidden, model.model.norm)

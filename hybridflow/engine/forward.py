@@ -269,7 +269,7 @@ def decode_forward_triton(
     (max_len only sizes the split of the sequence among thread blocks). chain: a
     chain.DecodeChain (five launches per layer, the norms inside the matmuls), used where it
     applies and wins (needs fused gate/up weights)."""
-    from hybridflow.engine import kernels
+    from hybridflow.engine import kernels, pdl
     from hybridflow.engine.chain import chain_layers
 
     def attend(index, q, k, v):
@@ -279,8 +279,9 @@ def decode_forward_triton(
         )  # fmt: skip
 
     def run_split():
-        return fused_layers(model, cache, rope, tokens, positions, row_slots, attend, fused,
-                            matmul)  # fmt: skip
+        with pdl.suspended():
+            return fused_layers(model, cache, rope, tokens, positions, row_slots, attend, fused,
+                                matmul)  # fmt: skip
 
     def run_chain():
         return chain_layers(model, tokens, attend, fused, chain)

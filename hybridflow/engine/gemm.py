@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from hybridflow.engine import pdl
-from hybridflow.engine.pdl import prefetch_l2, wait_then_release
+from hybridflow.engine.pdl import prefetch_l2, prefetch_share, wait_then_release
 
 # -------------------------------------------------------------------------------------------
 # Version 2 (run 5): weight tiles read K-contiguous ([BLOCK_N, BLOCK_K], transposed for the
@@ -38,12 +38,12 @@ from hybridflow.engine.pdl import prefetch_l2, wait_then_release
 @triton.jit
 def _gemm_nt_kernel(
     a_ptr, w_ptr, bias_ptr, c_ptr, M, N, K_SPLIT, stride_am, stride_wn, stride_cs, stride_cm,
-    ss_in_ptr, ss_out_ptr, ws_ptr, count_ptr, stride_ss, N_SS, K_NORM, eps,
+    ss_in_ptr, ss_out_ptr, ws_ptr, count_ptr, stride_ss, N_SS, K_NORM, eps, nx_ptr, NX_LINES,
     HAS_BIAS: tl.constexpr, SILU_PAIRS: tl.constexpr, PARTIAL: tl.constexpr, FP32: tl.constexpr,
     ROW_RSTD: tl.constexpr, N_SS_PAD: tl.constexpr, RESIDUAL: tl.constexpr, SERIAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, PF_LINE: tl.constexpr = 64,
-    PF_COLS: tl.constexpr = 1, PF_K: tl.constexpr = 0,
+    PF_COLS: tl.constexpr = 1, PF_K: tl.constexpr = 0, PF_NEXT: tl.constexpr = False,
 ):  # fmt: skip
     """c = a @ w^T over k in [pid_k * K_SPLIT, (pid_k + 1) * K_SPLIT) (K_SPLIT % BLOCK_K == 0).
 
@@ -63,7 +63,9 @@ def _gemm_nt_kernel(
     dtype first, then silu, then the product).
     PDL / PREFETCH (pdl.py): the first M tile's program of each weight stripe asks L2 for the
     stripe's first PF_K columns (PF_COLS lines of PF_LINE elements at a time) before waiting
-    for the kernel that writes a, so the weights stream in while that kernel finishes."""
+    for the kernel that writes a, so the weights stream in while that kernel finishes.
+    PF_NEXT: the grid also asks L2 (evict-last) for the NX_LINES 128-byte lines at nx_ptr, a
+    later matmul's weight (chain.py: two matmuls ahead), each program its share."""
     # M tiles vary fastest: the blocks that read one weight tile run at the same time and
     # share it through L2.
     pid_m = tl.program_id(0)
@@ -78,6 +80,8 @@ def _gemm_nt_kernel(
     rn_safe = tl.where(n_mask, rn, 0).to(tl.int64)
     a_ptrs = a_ptr + rm_safe[:, None] * stride_am + rk[None, :]
     w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk[None, :]
+    if PF_NEXT:
+        prefetch_share(nx_ptr, NX_LINES, PF_LINE)
     if PREFETCH:
         if pid_m == 0:
             lines = tl.arange(0, PF_COLS) * PF_LINE
@@ -206,7 +210,7 @@ def gemm_nt(
     _gemm_nt_kernel[grid](
         x, weight, bias if bias is not None else weight, out, rows, cols, k_split,
         x.stride(0), weight.stride(0), out.stride(0) if splits > 1 else 0, out.stride(-2),
-        out, out, out, out, 0, 1, depth, 0.0, HAS_BIAS=bias is not None,
+        out, out, out, out, 0, 1, depth, 0.0, weight, 0, HAS_BIAS=bias is not None,
         SILU_PAIRS=silu_pairs, PARTIAL=splits > 1, FP32=x.dtype == torch.float32,
         ROW_RSTD=False, N_SS_PAD=1, RESIDUAL=False, SERIAL=False, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=warps, num_stages=stages, **launch_options(x, weight, block_k, k_split),

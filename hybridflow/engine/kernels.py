@@ -24,6 +24,9 @@ from hybridflow.engine.pdl import prefetch_l2, wait_then_release
 # Autotune the attention kernel's tile (CUDA only); off gives a fixed tile (for A/B runs).
 AUTOTUNE = True
 HEAD_MAJOR = False  # decode attention grid order (see _decode_attention_kernel)
+# Cached K/V loaded with L2's evict-first policy (CUDA), so the stream of keys and values does
+# not push out weights prefetched for the next matmuls (chain.PREFETCH_AHEAD).
+KV_EVICT_FIRST = True
 
 # -------------------------------------------------------------------------------------------
 # RMSNorm, residual add + RMSNorm
@@ -232,6 +235,7 @@ def _decode_attention_kernel(
     SPLITS: tl.constexpr, FP32_DOT: tl.constexpr, ROPE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_MAJOR: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
     PF_LINE: tl.constexpr = 64, PF_LINES: tl.constexpr = 1, PF_POSITIONS: tl.constexpr = 0,
+    EVICT_FIRST: tl.constexpr = False,
 ):  # fmt: skip
     """One (row, kv head, split): attention of the head group's queries over cached positions
     [split * CHUNK, (split + 1) * CHUNK) up to the row's last position pos.
@@ -304,8 +308,16 @@ def _decode_attention_kernel(
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
         offs = base + n[:, None].to(tl.int64) * stride_cpos + d[None, :]
-        k = tl.load(kc_ptr + offs, mask=n_mask[:, None], other=0.0)
-        v = tl.load(vc_ptr + offs, mask=n_mask[:, None], other=0.0)
+        if EVICT_FIRST:  # read once per step: let L2 keep prefetched weights instead
+            k = tl.load(
+                kc_ptr + offs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first"
+            )
+            v = tl.load(
+                vc_ptr + offs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first"
+            )
+        else:
+            k = tl.load(kc_ptr + offs, mask=n_mask[:, None], other=0.0)
+            v = tl.load(vc_ptr + offs, mask=n_mask[:, None], other=0.0)
         if FP32_DOT:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -462,6 +474,8 @@ def _attention(
     head_major = HEAD_MAJOR if head_major is None else head_major
     meta["HEAD_MAJOR"] = head_major
     meta.update(pdl.options(q))
+    if q.is_cuda and KV_EVICT_FIRST:
+        meta["EVICT_FIRST"] = True
     if meta.get("PDL") and pdl.PREFETCH_KV:  # the first positions, KV_PREFETCH_BYTES in all
         size = key_cache.element_size()
         per_program = pdl.KV_PREFETCH_BYTES // (rows * num_kv * splits * 2 * head_dim * size)

@@ -22,6 +22,7 @@ Kernels take a `PDL: tl.constexpr = False` and are launched with `**options(tens
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -60,6 +61,21 @@ WEIGHT_PREFETCH_BYTES = 24 << 20
 KV_PREFETCH_BYTES = 16 << 20
 
 
+_suspended = 0
+
+
+@contextlib.contextmanager
+def suspended():
+    """Plain launches inside (forward.py's split decode path: its cuBLAS matmuls break every
+    other link, and PDL measured 0-2.5% slower there, NOTES.md run 8)."""
+    global _suspended
+    _suspended += 1
+    try:
+        yield
+    finally:
+        _suspended -= 1
+
+
 @functools.lru_cache(maxsize=8)
 def _device_supports(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
@@ -67,7 +83,7 @@ def _device_supports(index: int) -> bool:
 
 def enabled(tensor: torch.Tensor) -> bool:
     """Whether kernels on tensor's device launch with PDL."""
-    if not SUPPORTED or not tensor.is_cuda or ENABLED is False:
+    if not SUPPORTED or not tensor.is_cuda or ENABLED is False or _suspended:
         return False
     return _device_supports(tensor.device.index or 0)
 
@@ -94,3 +110,29 @@ def prefetch_l2(ptrs):
         "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
         is_pure=False, pack=1,
     )  # fmt: skip
+
+
+@triton.jit
+def prefetch_l2_keep(ptrs):
+    """prefetch_l2 with L2's evict-last priority: the lines outlive streaming reads (cached
+    K/V, loaded evict-first) until their reader comes."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+        is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def prefetch_share(ptr, lines, PER_LINE: tl.constexpr):
+    """This program's share of prefetching `lines` 128-byte lines from ptr (a contiguous
+    tensor, PER_LINE elements a line), split evenly over all programs of the grid."""
+    programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+    pid = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(
+        0
+    ) + tl.program_id(0)
+    per = tl.cdiv(lines, programs)
+    lo = pid * per
+    hi = tl.minimum(lo + per, lines)
+    for l0 in range(lo, hi, 128):
+        line = tl.minimum(l0 + tl.arange(0, 128), hi - 1).to(tl.int64)
+        prefetch_l2_keep(ptr + line * PER_LINE)

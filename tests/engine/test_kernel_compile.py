@@ -265,6 +265,22 @@ def test_pdl_variants_compile_with_grid_dependency_control():
             ),
         ),  # fmt: skip
     ]
+    ahead = _compile(
+        gemm._gemm_nt_kernel,
+        dict(HAS_BIAS=False, SILU_PAIRS=False, PARTIAL=False, FP32=False, ROW_RSTD=False,
+             N_SS_PAD=1, RESIDUAL=True, SERIAL=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64,
+             PF_NEXT=True, **on),
+        overrides={"ss_in_ptr": "*fp32", "ss_out_ptr": "*fp32", "ws_ptr": "*fp32",
+                   "count_ptr": "*i32", "eps": "fp32"},
+    )  # fmt: skip
+    assert "prefetch.global.L2::evict_last" in ahead.asm["ptx"]
+    evicting = _compile(
+        kernels._decode_attention_kernel,
+        dict(G=7, G_PAD=16, HALF=32, NH=14, SPLITS=1, FP32_DOT=False, ROPE=True, BLOCK_N=64,
+             EVICT_FIRST=True),
+        stages=2,
+    )  # fmt: skip
+    assert "evict_first" in evicting.asm["ptx"]
     for kernel in compiled + prefetching:
         ptx = kernel.asm["ptx"]
         assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
