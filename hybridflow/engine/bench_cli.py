@@ -38,12 +38,12 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps-per-sync", type=int, default=8)
     p.add_argument("--matmul", default="auto", choices=["auto", "cublas", "triton"],
                    help="Engine(decode_matmul=...)")  # fmt: skip
-    p.add_argument("--fuse-norms", default="off", choices=["auto", "on", "off"],
+    p.add_argument("--fuse-norms", default="auto", choices=["auto", "on", "off"],
                    help="Engine(fuse_norms=...)")  # fmt: skip
     p.add_argument("--pdl", default="auto", choices=sorted(PDL_MODES),
                    help="programmatic dependent launch of the decode kernels (engine/pdl.py); "
                    "noprefetch / weights / kv: PDL with no / only that L2 prefetch")  # fmt: skip
-    p.add_argument("--ahead", default="on", choices=["on", "off", "noevict"],
+    p.add_argument("--ahead", default="off", choices=["on", "off", "noevict"],
                    help="chain matmuls prefetch the weight two launches ahead (chain.py), with "
                    "cached K/V loaded evict-first (noevict: without that)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=1, help="timed runs (the median is kept)")
@@ -137,7 +137,7 @@ def bench_engine(model, prompts, args, device) -> dict:
         pdl.ENABLED, pdl.PREFETCH_WEIGHTS, pdl.PREFETCH_KV = PDL_MODES[mode]
         from hybridflow.engine import chain, kernels
 
-        ahead = getattr(args, "ahead", "on")
+        ahead = getattr(args, "ahead", "off")
         chain.PREFETCH_AHEAD = ahead != "off"
         kernels.KV_EVICT_FIRST = ahead == "on"
     engine = Engine(
@@ -149,7 +149,7 @@ def bench_engine(model, prompts, args, device) -> dict:
         steps_per_sync=args.steps_per_sync,
         fuse_projections=getattr(args, "fuse", "all"),
         decode_matmul=getattr(args, "matmul", "auto"),
-        fuse_norms=getattr(args, "fuse_norms", "off"),
+        fuse_norms=getattr(args, "fuse_norms", "auto"),
     )
     stop_ids = stop_ids_for_mean_length(
         model.config.vocab_size, getattr(args, "mean_length", None), args.seed
@@ -193,7 +193,7 @@ def bench_engine(model, prompts, args, device) -> dict:
         "steps_per_sync": args.steps_per_sync, "tokens": tokens, "seconds": seconds,
         "tokens_per_s": tokens / seconds, "ttft_s": ttft, "peak_mem_gib": peak / 2**30,
         "warmup_s": warmup, "stopped": stopped, "runs_s": [round(r, 4) for r in runs],
-        "ahead": getattr(args, "ahead", "on"),
+        "ahead": getattr(args, "ahead", "off"),
         "pdl": f"{mode} ({'on' if pdl and pdl.enabled(torch.empty(0, device=device)) else 'off'})",
         "matmul": matmul.mode if matmul else None,
         "matmul_timings_us": {str(k[:3]): v for k, v in matmul.timings.items()} if matmul else {},

@@ -45,9 +45,11 @@ RESIDUAL_SPLITS = [1, 2, 4]
 # 1024 rows with PDL: 2418 vs 2420 us) whole generate() calls ran 3% slower with the chain.
 CHAIN_MARGIN = 0.02
 # Each matmul asks L2 (evict-last) for the weight of the matmul two launches later (qkv ->
-# gate/up, o_proj -> down, gate/up -> next qkv, down -> next o_proj): at 256 rows the
-# matmuls are latency-bound on HBM, and their weights can arrive while earlier kernels run.
-PREFETCH_AHEAD = True
+# gate/up, o_proj -> down, gate/up -> next qkv, down -> next o_proj), so the weights could
+# arrive while earlier kernels run. Measured slower (0.5b/256 with PDL: 158k vs 167k tok/s,
+# NOTES.md run 8: each program issues its share of ~10^5 prefetches ahead of its own loads);
+# off, kept for the next attempt (e.g. from the attention kernel, or fewer, larger requests).
+PREFETCH_AHEAD = False
 
 
 def _lines(weight: torch.Tensor | None) -> int:

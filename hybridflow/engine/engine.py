@@ -81,10 +81,12 @@ class Engine:
             tok/s on 0.5b (Triton chosen), equal on 1.5b (cuBLAS chosen; NOTES.md, run 5).
         fuse_norms: triton backend with fuse_projections="all", decode batches up to 1024
             rows: the five-launch decode layer (chain.py: RMSNorms and residual adds inside
-            the matmuls) instead of the eight-launch one. "off" (default): never; "auto": times
-            both, once per batch-size bucket (~4 s of warm-up), keeps the faster; "on":
-            always. H200, 0.5b/256: the chain's forward replays 3.5% faster, but whole
-            generate() calls were 1% slower in two runs, so it stays opt-in (NOTES.md, run 7).
+            the matmuls) instead of the eight-launch one. "auto" (default): times both, once
+            per batch-size bucket (~4 s of warm-up), keeps the chain only when its forward is
+            2% faster; "on": always; "off": never. With programmatic dependent launch (pdl.py;
+            the chain is all Triton, so every launch overlaps the previous one) the chain won
+            at 0.5b/256 on the H200: 167k vs 153k tok/s; the split path wins at 1024 rows and
+            on 1.5b, where "auto" keeps it (NOTES.md, run 8).
     """
 
     def __init__(
@@ -100,7 +102,7 @@ class Engine:
         max_prefill_tokens: int = 16384,
         fuse_projections: str = "all",
         decode_matmul: str = "auto",
-        fuse_norms: str = "off",
+        fuse_norms: str = "auto",
     ):
         self.model = model
         self.config = model.config

@@ -25,8 +25,9 @@ from hybridflow.engine.pdl import prefetch_l2, wait_then_release
 AUTOTUNE = True
 HEAD_MAJOR = False  # decode attention grid order (see _decode_attention_kernel)
 # Cached K/V loaded with L2's evict-first policy (CUDA), so the stream of keys and values does
-# not push out weights prefetched for the next matmuls (chain.PREFETCH_AHEAD).
-KV_EVICT_FIRST = True
+# not push out weights prefetched for the next matmuls (chain.PREFETCH_AHEAD). No measurable
+# effect either way (NOTES.md run 8); off.
+KV_EVICT_FIRST = False
 
 # -------------------------------------------------------------------------------------------
 # RMSNorm, residual add + RMSNorm
