@@ -256,6 +256,8 @@ def _decode_attention_kernel(
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # Read before the PDL wait (below): slots and positions change only at the end of a step
+    # (the sampler) or between graph replays, never in the last two launches (pdl.py).
     slot = tl.load(slot_ptr + row)
     pos = tl.load(pos_ptr + row)
     start = split * CHUNK
