@@ -1,0 +1,130 @@
+"""Anatomy of one decode step: where the time between two sampled tokens goes.
+
+Times, as CUDA-graph replays of the engine's own code at `rows` live rows of `length` cached
+tokens: the whole step (forward, lm_head, sampler, state update: what generate() replays),
+the forward with lm_head, lm_head alone and the sampler alone; next to the step time a
+generate() call implies ((wall - TTFT) / decode steps), whose excess over the replayed step
+is host time (syncs, bookkeeping) and gaps between graph launches.
+
+    python benchmarks/engine_step.py --preset qwen2.5-0.5b --rows 256 --length 256
+    python benchmarks/engine_step.py --device cpu --preset tiny --rows 4 --length 16  # dry run
+
+On CPU every part is timed eagerly (no graphs): only the code paths are exercised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from hybridflow.engine import Engine, SamplingParams
+from hybridflow.engine.bench_cli import make_prompts
+from hybridflow.models import load_model
+
+
+def time_us(fn, device: torch.device, calls: int = 10) -> float:
+    if device.type == "cuda":
+        from hybridflow.engine.gemm import graph_time_us
+
+        return graph_time_us(fn, calls=calls)
+    fn()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def anatomy(preset: str, rows: int, length: int, new_tokens: int, device: torch.device) -> dict:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = load_model(preset, dtype=dtype, device=device).eval()
+    vocab = model.config.vocab_size
+    engine = Engine(model, max_batch_size=rows, max_seq_len=length + new_tokens + 64)
+    prompts = make_prompts(rows, length, vocab, 0)
+    params = SamplingParams(max_new_tokens=new_tokens, seed=0, ignore_eos=True)
+    # generate() as the rollout benchmark times it: warm-up, TTFT, then the timed call
+    engine.generate(prompts, params)
+    sync(device)
+    start = time.perf_counter()
+    engine.generate(prompts, SamplingParams(max_new_tokens=1, seed=1, ignore_eos=True))
+    sync(device)
+    ttft = time.perf_counter() - start
+    start = time.perf_counter()
+    engine.generate(prompts, params)
+    sync(device)
+    wall = time.perf_counter() - start
+    implied_step_us = (wall - ttft) / max(new_tokens - 1, 1) * 1e6
+
+    # Live rows at `length` cached tokens that never finish (the cache holds stale K/V of the
+    # last call there: values do not change the time).
+    state, runner, cache = engine.state, engine.runner, engine.cache
+    state.keep_rows([])
+    arange = torch.arange(rows, device=device)
+    state.append_rows(
+        arange % vocab, torch.zeros(rows, device=device), torch.full_like(arange, length),
+        arange, torch.full_like(arange, 1 << 20), arange, arange,
+    )  # fmt: skip
+    max_len = cache.max_seq_len
+    parts = {}
+    parts["step (graph the engine replays)"] = time_us(lambda: runner._step(rows, max_len), device)
+
+    def forward():
+        return runner.decode_forward(
+            model, cache, engine.rope, state.tokens[:rows], state.positions[:rows],
+            state.row_slots[:rows], max_len,
+        )  # fmt: skip
+
+    parts["forward + lm_head"] = time_us(forward, device)
+    hidden = torch.randn(rows, model.config.hidden_size, dtype=dtype, device=device)
+    parts["lm_head"] = time_us(lambda: model.lm_head(hidden), device)
+    logits = model.lm_head(hidden)
+    generated = state.generated[:rows].clone()
+    parts["sampler"] = time_us(
+        lambda: runner.sample(logits, state.seed_lo[:rows], state.seed_hi[:rows], generated),
+        device,
+    )
+    step = parts["step (graph the engine replays)"]
+    parts["generate() per step (wall - TTFT)"] = implied_step_us
+    return {
+        "preset": preset, "rows": rows, "length": length, "device": str(device),
+        "chain": engine.chain.decisions if engine.chain else None, "ttft_ms": ttft * 1e3,
+        "tokens_per_s": rows * new_tokens / wall, "parts_us": parts,
+        "host_and_gaps_us": implied_step_us - step,
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="qwen2.5-0.5b")
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--length", type=int, default=128, help="prompt tokens")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    result = anatomy(args.preset, args.rows, args.length, args.new_tokens,
+                     torch.device(args.device))  # fmt: skip
+    step = result["parts_us"]["step (graph the engine replays)"]
+    print(f"{result['preset']}, {result['rows']} rows, {result['length']} prompt tokens, "
+          f"{result['device']}: {result['tokens_per_s']:,.0f} tok/s, TTFT "
+          f"{result['ttft_ms']:.1f} ms, chain {result['chain']}")  # fmt: skip
+    print("| part | us | / step |\n|---|---|---|")
+    for name, us in result["parts_us"].items():
+        print(f"| {name} | {us:,.1f} | {us / step:.2f} |")
+    print(f"| host + gaps (generate - replayed step) | {result['host_and_gaps_us']:,.1f} | "
+          f"{result['host_and_gaps_us'] / step:.2f} |")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
