@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from hybridflow.engine import kernels
+from hybridflow.engine import attention_kernels
 from hybridflow.engine.gemm import graph_time_us
 
 CASES = [  # (name, rows, q heads, kv heads, head dim, cached length)
@@ -51,7 +51,7 @@ def bench_case(name, rows, nh, nkv, d, length) -> list[dict]:
         def call(config=config, major=major, splits=splits, state={"i": 0}):  # noqa: B006
             state["i"] = (state["i"] + 1) % len(caches)
             kc, vc = caches[state["i"]]
-            kernels._attention(q, k, v, cos, sin, pos, kc, vc, slots, max_len, splits,
+            attention_kernels._attention(q, k, v, cos, sin, pos, kc, vc, slots, max_len, splits,
                                config=config, head_major=major)  # fmt: skip
 
         try:

@@ -135,7 +135,7 @@ def step_breakdown(device, preset: str, batch: int, length: int) -> dict:
     """Median times (us) of one decode step's parts at `batch` rows of `length` cached tokens."""
     import triton.testing
 
-    from hybridflow.engine import kernels, sampler_kernels
+    from hybridflow.engine import attention_kernels, kernels, sampler_kernels
     from hybridflow.engine.sampling import request_seeds, sample_reference, split_seed
 
     model = load_model(preset, dtype=torch.bfloat16, device=device).eval()
@@ -168,7 +168,9 @@ def step_breakdown(device, preset: str, batch: int, length: int) -> dict:
     t["rope_store"] = bench(lambda: kernels.rope_store(q, k, k, cos, cos, lengths, row_slots,
                                                        cache_k, cache_v))  # fmt: skip
     t["decode_attention"] = bench(
-        lambda: kernels.decode_attention(q, cache_k, cache_v, row_slots, lengths, length + 1)
+        lambda: attention_kernels.decode_attention(
+            q, cache_k, cache_v, row_slots, lengths, length + 1
+        )
     )
     per_layer = sum(t.values())
     hidden = torch.randn(batch, cfg.hidden_size, device=device, dtype=torch.bfloat16)

@@ -135,11 +135,11 @@ def bench_engine(model, prompts, args, device) -> dict:
     mode = getattr(args, "pdl", "auto")
     if pdl is not None:  # process-wide: set before any graph is captured
         pdl.ENABLED, pdl.PREFETCH_WEIGHTS, pdl.PREFETCH_KV = PDL_MODES[mode]
-        from hybridflow.engine import chain, kernels
+        from hybridflow.engine import attention_kernels, chain
 
         ahead = getattr(args, "ahead", "off")
         chain.PREFETCH_AHEAD = ahead != "off"
-        kernels.KV_EVICT_FIRST = ahead == "on"
+        attention_kernels.KV_EVICT_FIRST = ahead == "on"
     engine = Engine(
         model,
         max_batch_size=args.max_batch_size or len(prompts) * args.n,

@@ -10,8 +10,8 @@ Two passes:
 Two implementations of the decode layer, same math:
 - "torch": the model's own modules (RMSNorm, project_qkv, MLP) + SDPA over the cache. Runs
   anywhere; bitwise the model's arithmetic, which the fp32 log-prob tests rely on.
-- "triton": fused kernels (kernels.py) for add+RMSNorm, RoPE+cache store, decode attention over
-  the live length only, SiLU*up; cuBLAS for the matmuls. CUDA only (CPU under
+- "triton": fused kernels (kernels.py, attention_kernels.py) for add+RMSNorm, RoPE+cache
+  store, decode attention over the live length only, SiLU*up; cuBLAS for the matmuls. CUDA only (CPU under
   TRITON_INTERPRET=1 for tests). Prefill uses the same kernels around packed attention.
 """
 
@@ -269,11 +269,11 @@ def decode_forward_triton(
     (max_len only sizes the split of the sequence among thread blocks). chain: a
     chain.DecodeChain (five launches per layer, the norms inside the matmuls), used where it
     applies and wins (needs fused gate/up weights)."""
-    from hybridflow.engine import kernels, pdl
+    from hybridflow.engine import attention_kernels, pdl
     from hybridflow.engine.chain import chain_layers
 
     def attend(index, q, k, v):
-        return kernels.decode_attention_rope(
+        return attention_kernels.decode_attention_rope(
             q, k, v, rope.cos, rope.sin, positions, cache.keys[index], cache.values[index],
             row_slots, max_len,
         )  # fmt: skip

@@ -20,8 +20,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from hybridflow.engine import attention_kernels, gemm, kernels, sampler_kernels  # noqa: E402
 from hybridflow.engine import chain as chain_mod  # noqa: E402
-from hybridflow.engine import gemm, kernels, sampler_kernels  # noqa: E402
 from hybridflow.models import logprob_kernels  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -102,13 +102,13 @@ def test_decode_layer_kernels_compile(activation):
         for splits in (1, 3):
             for head_dim in (64, 128):
                 _compile(
-                    kernels._decode_attention_kernel,
+                    attention_kernels._decode_attention_kernel,
                     dict(G=7, G_PAD=16, HALF=head_dim // 2, NH=14, SPLITS=splits,
                          FP32_DOT=activation == "fp32", ROPE=rope, BLOCK_N=64),
                     activation, stages=2,
                 )  # fmt: skip
     _compile(
-        kernels._combine_splits_kernel,
+        attention_kernels._combine_splits_kernel,
         dict(NH=14, D=64, SPLITS=3, SPLITS_PAD=4),
         activation,
         overrides={"out_ptr": "*" + activation},
@@ -201,7 +201,7 @@ def test_pdl_variants_compile_with_grid_dependency_control():
             kernels._rms_norm_kernel, dict(ADD=True, WEIGHT=True, ROWS=1, BLOCK_H=1024, **on)
         ),  # fmt: skip
         _compile(
-            kernels._combine_splits_kernel,
+            attention_kernels._combine_splits_kernel,
             dict(NH=14, D=64, SPLITS=3, SPLITS_PAD=4, **on),
             overrides={"out_ptr": "*bf16"},
         ),  # fmt: skip
@@ -225,7 +225,7 @@ def test_pdl_variants_compile_with_grid_dependency_control():
     ]
     prefetching = [
         _compile(
-            kernels._decode_attention_kernel,
+            attention_kernels._decode_attention_kernel,
             dict(
                 G=7,
                 G_PAD=16,
@@ -275,7 +275,7 @@ def test_pdl_variants_compile_with_grid_dependency_control():
     )  # fmt: skip
     assert "prefetch.global.L2::evict_last" in ahead.asm["ptx"]
     evicting = _compile(
-        kernels._decode_attention_kernel,
+        attention_kernels._decode_attention_kernel,
         dict(G=7, G_PAD=16, HALF=32, NH=14, SPLITS=1, FP32_DOT=False, ROPE=True, BLOCK_N=64,
              EVICT_FIRST=True),
         stages=2,

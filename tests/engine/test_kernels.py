@@ -12,7 +12,7 @@ from triton_device import triton_test_device  # noqa: E402
 DEVICE = triton_test_device()  # skips this module without CUDA or TRITON_INTERPRET=1
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 
-from hybridflow.engine import Engine, SamplingParams, kernels, sampler_kernels  # noqa: E402
+from hybridflow.engine import Engine, SamplingParams, attention_kernels, kernels, sampler_kernels  # noqa: E402
 from hybridflow.engine.forward import cached_attention_torch  # noqa: E402
 from hybridflow.engine.sampling import request_seeds, sample_reference, split_seed  # noqa: E402
 from hybridflow.models import build_model  # noqa: E402
@@ -80,7 +80,7 @@ def test_decode_attention_matches_sdpa(splits):
     slots = torch.tensor([2, 0, 1, 3], device=DEVICE)
     lengths = torch.tensor([4, 1, 18, 70], device=DEVICE)
     expected = cached_attention_torch(q, keys, values, slots, lengths, seq)
-    got = kernels.decode_attention(q, keys, values, slots, lengths, seq, splits=splits)
+    got = attention_kernels.decode_attention(q, keys, values, slots, lengths, seq, splits=splits)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
@@ -101,11 +101,11 @@ def test_decode_attention_rope_equals_rope_store_then_attention(splits):
     values = torch.randn_like(keys)
     keys_ref, values_ref, q_ref = keys.clone(), values.clone(), q.clone()
     kernels.rope_store(q_ref, k, v, cos, sin, positions, slots, keys_ref, values_ref)
-    expected = kernels.decode_attention(
+    expected = attention_kernels.decode_attention(
         q_ref, keys_ref, values_ref, slots, positions + 1, seq, splits=splits
     )
     q_before = q.clone()
-    got = kernels.decode_attention_rope(
+    got = attention_kernels.decode_attention_rope(
         q, k, v, cos, sin, positions, keys, values, slots, seq, splits=splits
     )
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)

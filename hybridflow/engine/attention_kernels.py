@@ -1,0 +1,307 @@
+"""Decode attention kernels: each row's queries over its live cache length (GQA, split-K
+flash-decoding), with RoPE and the new token's cache store fused in (CUDA; CPU under
+TRITON_INTERPRET=1 in tests). Split from kernels.py, whose _rotate they share.
+
+What the H200 measured (engine/NOTES.md runs 5-8): ~2.6 TB/s at 256 rows and 3.2 TB/s at
+1024 rows of 0.5b (256 cached tokens); the tile is autotuned per row bucket; sequence splits
+only pay when rows x kv heads do not fill the GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridflow.engine import pdl
+from hybridflow.engine.kernels import _rotate
+from hybridflow.engine.pdl import prefetch_l2, wait_then_release
+
+# Autotune the attention kernel's tile (CUDA only); off gives a fixed tile (for A/B runs).
+AUTOTUNE = True
+HEAD_MAJOR = False  # decode attention grid order (see _decode_attention_kernel)
+# Cached K/V loaded with L2's evict-first policy (CUDA), so the stream of keys and values does
+# not push out weights prefetched for the next matmuls (chain.PREFETCH_AHEAD). No measurable
+# effect either way (NOTES.md run 8); off.
+KV_EVICT_FIRST = False
+
+# -------------------------------------------------------------------------------------------
+# Decode attention over each row's live length (GQA, split-K flash-decoding)
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, out_ptr,
+    part_o_ptr, part_lse_ptr, stride_q, stride_kn, stride_vn, stride_cs, stride_cslot,
+    stride_cpos, stride_o, scale_log2, CHUNK, ROWS_BUCKET,
+    G: tl.constexpr, G_PAD: tl.constexpr, HALF: tl.constexpr, NH: tl.constexpr,
+    SPLITS: tl.constexpr, FP32_DOT: tl.constexpr, ROPE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    PF_LINE: tl.constexpr = 64, PF_LINES: tl.constexpr = 1, PF_POSITIONS: tl.constexpr = 0,
+    EVICT_FIRST: tl.constexpr = False,
+):  # fmt: skip
+    """One (row, kv head, split): attention of the head group's queries over cached positions
+    [split * CHUNK, (split + 1) * CHUNK) up to the row's last position pos.
+
+    ROPE: q and the new token's k arrive unrotated; both are rotated here, the new k/v are
+    stored at cache[slot, pos] (by split 0) and the new token is attended from registers (so
+    no program reads the position being written). Without ROPE, position pos is read from the
+    cache like the others. Vectors are handled as halves (rotate_half RoPE pairs them).
+
+    PDL / PREFETCH (pdl.py): the first PF_POSITIONS cached keys and values (earlier steps')
+    are asked into L2 before waiting for the previous kernel (the qkv matmul); PF_LINE
+    elements make a 128-byte line, PF_LINES lines a head vector."""
+    if HEAD_MAJOR:  # grid (kv heads, rows, splits): a row's heads run side by side
+        kv_head = tl.program_id(0)
+        row = tl.program_id(1)
+    else:
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    # Read before the PDL wait (below): slots and positions change only at the end of a step
+    # (the sampler) or between graph replays, never in the last two launches (pdl.py).
+    slot = tl.load(slot_ptr + row)
+    pos = tl.load(pos_ptr + row)
+    start = split * CHUNK
+    chunk_end = start + CHUNK
+    if ROPE:
+        end = tl.minimum(chunk_end, pos)  # cached positions; pos itself comes from registers
+    else:
+        end = tl.minimum(chunk_end, pos + 1)
+    base = slot.to(tl.int64) * stride_cslot + kv_head * (2 * HALF)
+    if PREFETCH:  # written by earlier steps only (the new token's k/v come from registers)
+        lines = tl.arange(0, PF_LINES) * PF_LINE
+        stop = tl.minimum(tl.minimum(chunk_end, pos), start + PF_POSITIONS)
+        for p0 in range(start, stop, 64):
+            p = tl.minimum(p0 + tl.arange(0, 64), stop - 1).to(tl.int64)
+            offs = base + p[:, None] * stride_cpos + lines[None, :]
+            prefetch_l2(kc_ptr + offs)
+            prefetch_l2(vc_ptr + offs)
+    wait_then_release(PDL)
+    dtype = q_ptr.dtype.element_ty
+    g = tl.arange(0, G_PAD)
+    h = tl.arange(0, HALF)
+    d = tl.arange(0, 2 * HALF)
+    heads = kv_head * G + g
+    g_mask = g < G
+    q_offs = row * stride_q + heads[:, None] * (2 * HALF) + h[None, :]
+    q1 = tl.load(q_ptr + q_offs, mask=g_mask[:, None], other=0.0)
+    q2 = tl.load(q_ptr + q_offs + HALF, mask=g_mask[:, None], other=0.0)
+    if ROPE:
+        cos = tl.load(cos_ptr + pos * stride_cs + h).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * stride_cs + h).to(tl.float32)
+        q1, q2 = _rotate(
+            q1.to(tl.float32), q2.to(tl.float32), cos[None, :], sin[None, :], dtype
+        )  # fmt: skip
+        kn_offs = row * stride_kn + kv_head * (2 * HALF) + h
+        k1n, k2n = _rotate(
+            tl.load(kn_ptr + kn_offs).to(tl.float32),
+            tl.load(kn_ptr + kn_offs + HALF).to(tl.float32), cos, sin, dtype,
+        )  # fmt: skip
+        v_new = tl.load(vn_ptr + row * stride_vn + kv_head * (2 * HALF) + d)
+        if split == 0:
+            new_offs = base + pos.to(tl.int64) * stride_cpos
+            tl.store(kc_ptr + new_offs + h, k1n)
+            tl.store(kc_ptr + new_offs + HALF + h, k2n)
+            tl.store(vc_ptr + new_offs + d, v_new)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, 2 * HALF], tl.float32)
+    # the halves back into one [G_PAD, D] row block (one dot per tile; K = D >= 16)
+    q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (G_PAD, 2 * HALF))
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < end
+        offs = base + n[:, None].to(tl.int64) * stride_cpos + d[None, :]
+        if EVICT_FIRST:  # read once per step: let L2 keep prefetched weights instead
+            k = tl.load(
+                kc_ptr + offs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first"
+            )
+            v = tl.load(
+                vc_ptr + offs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first"
+            )
+        else:
+            k = tl.load(kc_ptr + offs, mask=n_mask[:, None], other=0.0)
+            v = tl.load(vc_ptr + offs, mask=n_mask[:, None], other=0.0)
+        if FP32_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))  # [G_PAD, BLOCK_N], log2
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if FP32_DOT:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    if ROPE:
+        if (start <= pos) & (pos < chunk_end):  # the new token belongs to this split
+            s_new = tl.sum(q1.to(tl.float32) * k1n.to(tl.float32)[None, :], axis=1)
+            s_new += tl.sum(q2.to(tl.float32) * k2n.to(tl.float32)[None, :], axis=1)
+            s_new = s_new * scale_log2
+            m_new = tl.maximum(m_i, s_new)
+            alpha = tl.exp2(m_i - m_new)
+            p_new = tl.exp2(s_new - m_new)
+            l_i = l_i * alpha + p_new
+            if not FP32_DOT:  # the PV dot rounds P to the value dtype
+                p_new = p_new.to(dtype).to(tl.float32)
+            acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+            m_i = m_new
+    out_dtype = out_ptr.dtype.element_ty
+    if SPLITS == 1:
+        out = acc / l_i[:, None]
+        o_offs = row * stride_o + heads[:, None] * (2 * HALF) + d[None, :]
+        tl.store(out_ptr + o_offs, out.to(out_dtype), mask=g_mask[:, None])
+    else:
+        safe_l = tl.where(l_i > 0, l_i, 1.0)
+        out = acc / safe_l[:, None]
+        lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))  # log2 units
+        part = (row * NH + heads) * SPLITS + split  # [G_PAD]
+        tl.store(part_o_ptr + part[:, None] * (2 * HALF) + d[None, :], out, mask=g_mask[:, None])
+        tl.store(part_lse_ptr + part, lse, mask=g_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, stride_o, NH: tl.constexpr, D: tl.constexpr,
+    SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    wait_then_release(PDL)
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    sp = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, D)
+    part = (row * NH + head) * SPLITS + sp
+    sp_mask = sp < SPLITS
+    lse = tl.load(part_lse_ptr + part, mask=sp_mask, other=float("-inf"))
+    o = tl.load(part_o_ptr + part[:, None] * D + d[None, :], mask=sp_mask[:, None], other=0.0)
+    w = tl.exp2(lse - tl.max(lse, axis=0))
+    out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + row * stride_o + head * D + d, out.to(out_ptr.dtype.element_ty))
+
+
+# Tried on the first call of each shape (outside graph capture; the kernel only writes its
+# outputs and, with ROPE, the same k/v at the same cache position, so re-running it while
+# tuning is harmless). Interpreter runs use the first config.
+_ATTENTION_CONFIGS = [
+    triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
+    for bn, w, st in [(64, 4, 2), (32, 4, 2), (64, 4, 3), (128, 4, 2), (64, 8, 3), (128, 8, 3)]
+]
+_decode_attention_tuned = triton.autotune(
+    _ATTENTION_CONFIGS, key=["G", "HALF", "SPLITS", "FP32_DOT", "ROPE", "HEAD_MAJOR", "ROWS_BUCKET"]
+)(_decode_attention_kernel)
+
+
+def attention_splits(rows: int, num_kv_heads: int, max_len: int) -> int:
+    """Sequence splits per (row, kv head): enough thread blocks to fill ~2 waves of 132 SMs,
+    but at least 256 positions per split."""
+    programs = rows * num_kv_heads
+    splits = max(1, math.ceil(264 / programs))
+    return max(1, min(splits, max_len // 256, 16))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    row_slots: torch.Tensor,
+    lengths: torch.Tensor,
+    max_len: int,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """q [B, nh, D] (rows may be strided), caches [slots, S, nkv, D], lengths [B] -> out
+    [B, nh, D]: row b attends over positions [0, lengths[b]) of slot row_slots[b]. max_len is
+    a static bound on lengths (it only sizes the splits)."""
+    return _attention(q, None, None, None, None, lengths - 1, key_cache, value_cache,
+                      row_slots, max_len, splits)  # fmt: skip
+
+
+def decode_attention_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    row_slots: torch.Tensor,
+    max_len: int,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """rope_store + decode_attention in one launch: q [B, nh, D], k/v [B, nkv, D] of the new
+    token (unrotated; rows may be strided), cos/sin [S, D] tables, positions [B] (the new
+    token's position). Stores rotated k and v at cache[row_slots, positions] and returns the
+    attention over positions [0, positions[b]] -> [B, nh, D]. q is not modified."""
+    return _attention(q, k, v, cos, sin, positions, key_cache, value_cache, row_slots,
+                      max_len, splits)  # fmt: skip
+
+
+def _attention(
+    q, k, v, cos, sin, positions, key_cache, value_cache, row_slots, max_len, splits,
+    config: tuple | None = None, head_major: bool | None = None,
+):  # fmt: skip
+    """config (BLOCK_N, num_warps, num_stages) and head_major override the tuned tile and
+    the grid order (benchmarks/engine_attention.py)."""
+    rows, num_heads, head_dim = q.shape
+    num_kv = key_cache.shape[2]
+    group = num_heads // num_kv
+    rope = k is not None
+    assert q.stride(2) == 1 and q.stride(1) == head_dim
+    if rope:
+        assert k.stride(1) == head_dim and v.stride(1) == head_dim
+        assert k.stride(2) == 1 and v.stride(2) == 1
+    if splits is None:
+        splits = attention_splits(rows, num_kv, max_len)
+    chunk = triton.cdiv(max_len, splits)
+    out = torch.empty(rows, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if splits > 1:
+        part_o = torch.empty(rows, num_heads, splits, head_dim, device=q.device)
+        part_lse = torch.empty(rows, num_heads, splits, device=q.device)
+    else:
+        part_o = part_lse = out
+    scale_log2 = (1.0 / math.sqrt(head_dim)) * 1.4426950408889634
+    args = (
+        q, k if rope else q, v if rope else q, cos if rope else q, sin if rope else q,
+        key_cache, value_cache, row_slots, positions, out, part_o, part_lse, q.stride(0),
+        k.stride(0) if rope else 0, v.stride(0) if rope else 0, cos.stride(0) if rope else 0,
+        key_cache.stride(0), key_cache.stride(1), out.stride(0), scale_log2, chunk,
+        max(16, triton.next_power_of_2(rows)),  # ROWS_BUCKET: only keys the tuning
+    )  # fmt: skip
+    meta = dict(
+        G=group, G_PAD=max(16, triton.next_power_of_2(group)), HALF=head_dim // 2,
+        NH=num_heads, SPLITS=splits, FP32_DOT=q.dtype == torch.float32, ROPE=rope,
+    )  # fmt: skip
+    head_major = HEAD_MAJOR if head_major is None else head_major
+    meta["HEAD_MAJOR"] = head_major
+    meta.update(pdl.options(q))
+    if q.is_cuda and KV_EVICT_FIRST:
+        meta["EVICT_FIRST"] = True
+    if meta.get("PDL") and pdl.PREFETCH_KV:  # the first positions, KV_PREFETCH_BYTES in all
+        size = key_cache.element_size()
+        per_program = pdl.KV_PREFETCH_BYTES // (rows * num_kv * splits * 2 * head_dim * size)
+        if per_program >= 32:
+            line = 128 // size
+            meta.update(PREFETCH=True, PF_LINE=line, PF_LINES=max(1, head_dim // line),
+                        PF_POSITIONS=min(1024, 1 << (per_program.bit_length() - 1)))  # fmt: skip
+    grid = (num_kv, rows, splits) if head_major else (rows, num_kv, splits)
+    if config is not None:
+        block_n, warps, stages = config
+        _decode_attention_kernel[grid](*args, **meta, BLOCK_N=block_n, num_warps=warps,
+                                       num_stages=stages)  # fmt: skip
+    elif q.is_cuda and AUTOTUNE:
+        _decode_attention_tuned[grid](*args, **meta)
+    else:
+        _decode_attention_kernel[grid](*args, **meta, BLOCK_N=64 if head_dim <= 64 else 32)
+    if splits > 1:
+        _combine_splits_kernel[(rows, num_heads)](
+            part_o, part_lse, out, out.stride(0), NH=num_heads, D=head_dim, SPLITS=splits,
+            SPLITS_PAD=max(2, triton.next_power_of_2(splits)), **pdl.options(q),
+        )  # fmt: skip
+    return out
