@@ -77,6 +77,17 @@ def run_rollout_command(args) -> int:
     return 0
 
 
+def _median_seconds(call, device, repeats: int) -> tuple[float, list[float], object]:
+    """Median wall time of `repeats` synchronised calls, every time, and the last result."""
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = call()
+        _sync(device)
+        runs.append(time.perf_counter() - start)
+    return sorted(runs)[len(runs) // 2], runs, result
+
+
 def _sync(device) -> None:
     import torch
 
@@ -164,23 +175,14 @@ def bench_engine(model, prompts, args, device) -> dict:
     _sync(device)
     warmup = time.perf_counter() - start
     # Time to first token: prefill of every prompt + first sampled token.
+    repeats = max(1, getattr(args, "repeats", 1))
     first_token = SamplingParams(n=args.n, max_new_tokens=1, seed=1, ignore_eos=True)
-    ttfts = []
-    for _ in range(max(1, getattr(args, "repeats", 1))):
-        start = time.perf_counter()
-        engine.generate(prompts, first_token)
-        _sync(device)
-        ttfts.append(time.perf_counter() - start)
-    ttft = sorted(ttfts)[len(ttfts) // 2]
+    ttft = _median_seconds(lambda: engine.generate(prompts, first_token), device, repeats)[0]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    runs = []
-    for _ in range(max(1, getattr(args, "repeats", 1))):
-        start = time.perf_counter()
-        completions = engine.generate(prompts, params)
-        _sync(device)
-        runs.append(time.perf_counter() - start)
-    seconds = sorted(runs)[len(runs) // 2]
+    seconds, runs, completions = _median_seconds(
+        lambda: engine.generate(prompts, params), device, repeats
+    )
     stopped = sum(c.finish_reason == "stop" for c in completions)
     tokens = sum(len(c.token_ids) for c in completions)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
