@@ -31,11 +31,16 @@ def bench_case(name, rows, nh, nkv, d, length) -> list[dict]:
     # several caches, cycled, so L2 (50 MB) holds none of them, as in a real step
     kv_bytes = 2 * rows * length * nkv * d * 2
     copies = max(1, -(-150_000_000 // kv_bytes))
-    caches = [
-        (torch.randn(rows + 1, max_len, nkv, d, device=dev, dtype=dt),
-         torch.randn(rows + 1, max_len, nkv, d, device=dev, dtype=dt))
-        for _ in range(copies)
-    ]  # fmt: skip
+
+    def cache(layout):  # [slots, S, nkv, D] views of token- or head-major storage
+        if layout == "head":
+            return torch.randn(rows + 1, nkv, max_len, d, device=dev, dtype=dt).transpose(1, 2)
+        return torch.randn(rows + 1, max_len, nkv, d, device=dev, dtype=dt)
+
+    caches = {
+        layout: [(cache(layout), cache(layout)) for _ in range(copies)]
+        for layout in ("token", "head")
+    }
     q = torch.randn(rows, nh, d, device=dev, dtype=dt)
     k = torch.randn(rows, nkv, d, device=dev, dtype=dt)
     v = torch.randn(rows, nkv, d, device=dev, dtype=dt)
@@ -44,13 +49,15 @@ def bench_case(name, rows, nh, nkv, d, length) -> list[dict]:
     pos = torch.full((rows,), length, device=dev, dtype=torch.int64)
     slots = torch.randperm(rows, device=dev)
     results = []
-    for config, major, splits in itertools.product(CONFIGS, [False, True], [1, 2]):
+    for layout, config, major, splits in itertools.product(
+        ("token", "head"), CONFIGS, [False, True], [1, 2]
+    ):
         if config[0] > max_len // splits:
             continue
 
-        def call(config=config, major=major, splits=splits, state={"i": 0}):  # noqa: B006
-            state["i"] = (state["i"] + 1) % len(caches)
-            kc, vc = caches[state["i"]]
+        def call(config=config, major=major, splits=splits, state={"i": 0}, layout=layout):  # noqa: B006
+            state["i"] = (state["i"] + 1) % copies
+            kc, vc = caches[layout][state["i"]]
             attention_kernels._attention(q, k, v, cos, sin, pos, kc, vc, slots, max_len, splits,
                                config=config, head_major=major)  # fmt: skip
 
@@ -59,7 +66,8 @@ def bench_case(name, rows, nh, nkv, d, length) -> list[dict]:
         except Exception as error:  # out of shared memory etc.
             print(name, rows, config, major, splits, type(error).__name__, flush=True)
             continue
-        results.append({"case": name, "rows": rows, "config": config, "head_major": major,
+        results.append({"case": name, "rows": rows, "layout": layout, "config": config,
+                        "head_major": major,
                         "splits": splits, "us": round(us, 2),
                         "TBps": round(kv_bytes / us / 1e6, 2)})  # fmt: skip
     return results
@@ -75,17 +83,14 @@ def main() -> None:
         rows = bench_case(*case)
         results += rows
         best = min(rows, key=lambda r: r["us"])
-        default = [r for r in rows if r["config"] == (64, 4, 2) and not r["head_major"]
-                   and r["splits"] == 1]  # fmt: skip
-        print("BEST", json.dumps(best), "| (64,4,2) row-major x1:", json.dumps(default),
-              flush=True)  # fmt: skip
-        for major in (False, True):
-            for splits in (1, 2):
-                sub = [r for r in rows if r["head_major"] == major and r["splits"] == splits]
-                if sub:
-                    b = min(sub, key=lambda r: r["us"])
-                    print("  best with head_major", major, "splits", splits, b["config"],
-                          b["us"], b["TBps"], flush=True)  # fmt: skip
+        print("BEST", json.dumps(best), flush=True)
+        for layout, major, splits in itertools.product(("token", "head"), (False, True), (1, 2)):
+            sub = [r for r in rows if (r["layout"], r["head_major"], r["splits"])
+                   == (layout, major, splits)]  # fmt: skip
+            if sub:
+                b = min(sub, key=lambda r: r["us"])
+                print(f"  {layout}-major cache, grid head_major={major}, splits {splits}: "
+                      f"{b['config']} {b['us']} us {b['TBps']} TB/s", flush=True)  # fmt: skip
     with open(os.path.join(args.out, "attention.json"), "w") as f:
         json.dump(results, f, indent=1)
 

@@ -1,7 +1,7 @@
 """Anatomy of one decode step: where the time between two sampled tokens goes.
 
-Times, as CUDA-graph replays of the engine's own code at `rows` live rows of `length` cached
-tokens: the whole step (forward, lm_head, sampler, state update: what generate() replays),
+Times, as CUDA-graph replays of the engine's own code at `rows` live rows of length + new/2
+cached tokens (the mean over a generate() call: attention time grows with it): the whole step (forward, lm_head, sampler, state update: what generate() replays),
 the forward with lm_head, lm_head alone and the sampler alone; next to the step time a
 generate() call implies ((wall - TTFT) / decode steps), whose excess over the replayed step
 is host time (syncs, bookkeeping) and gaps between graph launches.
@@ -63,13 +63,14 @@ def anatomy(preset: str, rows: int, length: int, new_tokens: int, device: torch.
     wall = time.perf_counter() - start
     implied_step_us = (wall - ttft) / max(new_tokens - 1, 1) * 1e6
 
-    # Live rows at `length` cached tokens that never finish (the cache holds stale K/V of the
-    # last call there: values do not change the time).
+    # Live rows at the call's mean cache length that never finish (the cache holds stale K/V
+    # of the last call there: values do not change the time).
+    mean_length = length + new_tokens // 2
     state, runner, cache = engine.state, engine.runner, engine.cache
     state.keep_rows([])
     arange = torch.arange(rows, device=device)
     state.append_rows(
-        arange % vocab, torch.zeros(rows, device=device), torch.full_like(arange, length),
+        arange % vocab, torch.zeros(rows, device=device), torch.full_like(arange, mean_length),
         arange, torch.full_like(arange, 1 << 20), arange, arange,
     )  # fmt: skip
     max_len = cache.max_seq_len
@@ -95,7 +96,7 @@ def anatomy(preset: str, rows: int, length: int, new_tokens: int, device: torch.
     parts["generate() per step (wall - TTFT)"] = implied_step_us
     return {
         "preset": preset, "rows": rows, "length": length, "device": str(device),
-        "chain": engine.chain.decisions if engine.chain else None, "ttft_ms": ttft * 1e3,
+        "chain": {str(k): v for k, v in engine.chain.decisions.items()} if engine.chain else None, "ttft_ms": ttft * 1e3,
         "tokens_per_s": rows * new_tokens / wall, "parts_us": parts,
         "host_and_gaps_us": implied_step_us - step,
     }  # fmt: skip
@@ -108,8 +109,13 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=128, help="prompt tokens")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--kv-layout", default=None, choices=["token", "head"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.kv_layout:
+        from hybridflow.engine import kv_cache
+
+        kv_cache.LAYOUT = args.kv_layout
     result = anatomy(args.preset, args.rows, args.length, args.new_tokens,
                      torch.device(args.device))  # fmt: skip
     step = result["parts_us"]["step (graph the engine replays)"]

@@ -98,7 +98,7 @@ def profile_step(device, preset: str, prompts: int) -> str:
         engine.generate(ids, params)
         torch.cuda.synchronize()
     return prof.key_averages().table(
-        sort_by="cuda_time_total", row_limit=32, max_name_column_width=60
+        sort_by="cuda_time_total", row_limit=40, max_name_column_width=60
     )
 
 
@@ -195,44 +195,34 @@ def step_breakdown(device, preset: str, batch: int, length: int) -> dict:
     return {k: round(v, 1) for k, v in t.items()}
 
 
+# What a variant does not say is the engine's default (VARIANT_DEFAULTS); hf: also time HF
+# transformers generate on the same prompts.
+VARIANT_DEFAULTS = dict(backend="triton", graphs=True, sync=8, fuse="all", matmul="auto",
+                        norms="auto", hf=False, pdl="auto", ahead="off", kv_layout="token")  # fmt: skip
 VARIANTS = [
-    # (preset, prompts, backend, graphs, steps_per_sync, fuse, matmul, fuse_norms, hf, pdl,
-    #  ahead)
-    ("qwen2.5-0.5b", 256, "triton", True, 8, "all", "auto", "off", True, "off", "off"),
-    ("qwen2.5-0.5b", 256, "triton", True, 8, "all", "auto", "on", False, "auto", "off"),
-    ("qwen2.5-0.5b", 256, "triton", True, 8, "all", "auto", "on", False, "auto", "on"),
-    ("qwen2.5-0.5b", 256, "triton", True, 8, "all", "auto", "on", False, "auto", "noevict"),
-    ("qwen2.5-0.5b", 256, "triton", True, 8, "all", "auto", "auto", False, "auto", "on"),
-    ("qwen2.5-0.5b", 1024, "triton", True, 8, "all", "auto", "off", False, "off", "off"),
-    ("qwen2.5-0.5b", 1024, "triton", True, 8, "all", "auto", "on", False, "auto", "on"),
-    ("qwen2.5-0.5b", 1024, "triton", True, 8, "all", "auto", "auto", False, "auto", "on"),
-    ("qwen2.5-1.5b", 256, "triton", True, 8, "all", "auto", "off", True, "off", "off"),
-    ("qwen2.5-1.5b", 256, "triton", True, 8, "all", "auto", "on", False, "auto", "on"),
-    ("qwen2.5-1.5b", 256, "triton", True, 8, "all", "auto", "auto", False, "auto", "on"),
+    dict(preset="qwen2.5-0.5b", prompts=256, hf=True),
+    dict(preset="qwen2.5-0.5b", prompts=256, kv_layout="head"),
+    dict(preset="qwen2.5-0.5b", prompts=256),
+    dict(preset="qwen2.5-0.5b", prompts=256, kv_layout="head"),
+    dict(preset="qwen2.5-0.5b", prompts=1024),
+    dict(preset="qwen2.5-0.5b", prompts=1024, kv_layout="head"),
+    dict(preset="qwen2.5-1.5b", prompts=256),
+    dict(preset="qwen2.5-1.5b", prompts=256, kv_layout="head"),
 ]
 
 
 def run_variants(device, variants, quick: bool) -> list[dict]:
     rows, models = [], {}
-    for (
-        preset,
-        prompts,
-        backend,
-        graphs,
-        sync,
-        fuse,
-        matmul,
-        norms,
-        hf,
-        pdl_mode,
-        ahead,
-    ) in variants:
+    for variant in variants:
+        v = {**VARIANT_DEFAULTS, **variant}
+        preset, prompts = v["preset"], v["prompts"]
         args = SimpleNamespace(
             preset=preset, prompts=prompts, prompt_len=128 if not quick else 8,
             new_tokens=256 if not quick else 8, n=1, max_batch_size=None, temperature=1.0,
-            dtype="bfloat16", device=str(device), backend=backend, no_graphs=not graphs,
-            steps_per_sync=sync, fuse=fuse, matmul=matmul, fuse_norms=norms, hf=hf,
-            hf_batch_size=None, seed=0, pdl=pdl_mode, ahead=ahead, repeats=3 if not quick else 1,
+            dtype="bfloat16", device=str(device), backend=v["backend"], no_graphs=not v["graphs"],
+            steps_per_sync=v["sync"], fuse=v["fuse"], matmul=v["matmul"], fuse_norms=v["norms"],
+            hf=v["hf"], hf_batch_size=None, seed=0, pdl=v["pdl"], ahead=v["ahead"],
+            kv_layout=v["kv_layout"], repeats=3 if not quick else 1,
         )  # fmt: skip
         if preset not in models:
             models.clear()
@@ -240,12 +230,13 @@ def run_variants(device, variants, quick: bool) -> list[dict]:
             models[preset] = load_model(preset, dtype=torch.bfloat16, device=device).eval()
         model = models[preset]
         prompt_ids = make_prompts(prompts, args.prompt_len, model.config.vocab_size, 0)
-        row = {"preset": preset, "prompts": prompts, "backend": backend, "graphs": graphs,
-               "steps_per_sync": sync, "fuse": fuse, "matmul": matmul,
-               "fuse_norms": norms, "pdl": pdl_mode, "ahead": ahead}  # fmt: skip
+        row = {"preset": preset, "prompts": prompts, "backend": v["backend"],
+               "graphs": v["graphs"], "steps_per_sync": v["sync"], "fuse": v["fuse"],
+               "matmul": v["matmul"], "fuse_norms": v["norms"], "pdl": v["pdl"],
+               "ahead": v["ahead"], "kv_layout": v["kv_layout"]}  # fmt: skip
         try:
             row.update(bench_engine(model, prompt_ids, args, device))
-            if hf:
+            if v["hf"]:
                 row["hf_tokens_per_s"] = bench_hf(model, prompt_ids, args, device)["tokens_per_s"]
                 row["speedup_vs_hf"] = row["tokens_per_s"] / row["hf_tokens_per_s"]
         except Exception as e:  # keep the other variants' numbers
@@ -272,7 +263,7 @@ def table(rows: list[dict]) -> str:
         step_ms = (r["seconds"] - r["ttft_s"]) / max(steps, 1) * 1000
         lines.append(
             f"| {r['preset']} | {r['prompts']} | {r['fuse']} | {r['steps_per_sync']} | "
-            f"{r['matmul']}, norms {r.get('fuse_norms')}, pdl {r.get('pdl')}, ahead {r.get('ahead')} | {r['tokens_per_s']:,.0f} | {step_ms:.2f} | {r['ttft_s'] * 1000:.0f} | "
+            f"{r['matmul']}, norms {r.get('fuse_norms')}, pdl {r.get('pdl')}, kv {r.get('kv_layout')} | {r['tokens_per_s']:,.0f} | {step_ms:.2f} | {r['ttft_s'] * 1000:.0f} | "
             f"{r['peak_mem_gib']:.2f} | "
             f"{hf} | {x} |"
         )
@@ -287,6 +278,8 @@ def main() -> None:
     parser.add_argument("--only", default="check,profile,variants")
     parser.add_argument("--profile-cases", default="qwen2.5-0.5b:256",
                         help="preset:prompts,... for --only profile")  # fmt: skip
+    parser.add_argument("--prefill-cases", default="qwen2.5-0.5b:256",
+                        help="preset:prompts,... for --only prefill")  # fmt: skip
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     device = torch.device(args.device)
@@ -301,11 +294,13 @@ def main() -> None:
         }
         print("breakdown", json.dumps(results["breakdown"], indent=1), flush=True)
     if "prefill" in parts and device.type == "cuda":
-        try:
-            results["prefill_profile"] = profile_prefill(device, "qwen2.5-0.5b", 256)
-            print(results["prefill_profile"], flush=True)
-        except Exception:
-            traceback.print_exc()
+        for case in args.prefill_cases.split(","):
+            preset, prompts = case.split(":")
+            try:
+                results[f"prefill {case}"] = profile_prefill(device, preset, int(prompts))
+                print(case, results[f"prefill {case}"], flush=True)
+            except Exception:
+                traceback.print_exc()
     if "profile" in parts and device.type == "cuda":
         for case in args.profile_cases.split(","):
             preset, prompts = case.split(":")
@@ -318,7 +313,18 @@ def main() -> None:
         variants = (
             VARIANTS
             if not args.quick
-            else [("tiny", 4, "torch", False, 4, "none", "auto", "auto", True, "auto", "on")]
+            else [
+                dict(
+                    preset="tiny",
+                    prompts=4,
+                    backend="torch",
+                    graphs=False,
+                    sync=4,
+                    fuse="none",
+                    hf=True,
+                ),
+                dict(preset="tiny", prompts=4, backend="torch", graphs=False, kv_layout="head"),
+            ]  # fmt: skip
         )
         results["variants"] = run_variants(device, variants, args.quick)
         results["table"] = table(results["variants"])

@@ -35,7 +35,7 @@ KV_EVICT_FIRST = False
 def _decode_attention_kernel(
     q_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, out_ptr,
     part_o_ptr, part_lse_ptr, stride_q, stride_kn, stride_vn, stride_cs, stride_cslot,
-    stride_cpos, stride_o, scale_log2, CHUNK, ROWS_BUCKET,
+    stride_cpos, stride_chead, stride_o, scale_log2, CHUNK, ROWS_BUCKET,
     G: tl.constexpr, G_PAD: tl.constexpr, HALF: tl.constexpr, NH: tl.constexpr,
     SPLITS: tl.constexpr, FP32_DOT: tl.constexpr, ROPE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_MAJOR: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
@@ -70,7 +70,7 @@ def _decode_attention_kernel(
         end = tl.minimum(chunk_end, pos)  # cached positions; pos itself comes from registers
     else:
         end = tl.minimum(chunk_end, pos + 1)
-    base = slot.to(tl.int64) * stride_cslot + kv_head * (2 * HALF)
+    base = slot.to(tl.int64) * stride_cslot + kv_head * stride_chead
     if PREFETCH:  # written by earlier steps only (the new token's k/v come from registers)
         lines = tl.arange(0, PF_LINES) * PF_LINE
         stop = tl.minimum(tl.minimum(chunk_end, pos), start + PF_POSITIONS)
@@ -194,7 +194,9 @@ _ATTENTION_CONFIGS = [
     for bn, w, st in [(64, 4, 2), (32, 4, 2), (64, 4, 3), (128, 4, 2), (64, 8, 3), (128, 8, 3)]
 ]
 _decode_attention_tuned = triton.autotune(
-    _ATTENTION_CONFIGS, key=["G", "HALF", "SPLITS", "FP32_DOT", "ROPE", "HEAD_MAJOR", "ROWS_BUCKET"]
+    _ATTENTION_CONFIGS,
+    # stride_cpos tells the cache layouts apart (kv_cache.LAYOUT: D for head-major)
+    key=["G", "HALF", "SPLITS", "FP32_DOT", "ROPE", "HEAD_MAJOR", "ROWS_BUCKET", "stride_cpos"],
 )(_decode_attention_kernel)
 
 
@@ -251,6 +253,7 @@ def _attention(
     the grid order (benchmarks/engine_attention.py)."""
     rows, num_heads, head_dim = q.shape
     num_kv = key_cache.shape[2]
+    assert key_cache.stride() == value_cache.stride() and key_cache.stride(3) == 1
     group = num_heads // num_kv
     rope = k is not None
     assert q.stride(2) == 1 and q.stride(1) == head_dim
@@ -271,7 +274,8 @@ def _attention(
         q, k if rope else q, v if rope else q, cos if rope else q, sin if rope else q,
         key_cache, value_cache, row_slots, positions, out, part_o, part_lse, q.stride(0),
         k.stride(0) if rope else 0, v.stride(0) if rope else 0, cos.stride(0) if rope else 0,
-        key_cache.stride(0), key_cache.stride(1), out.stride(0), scale_log2, chunk,
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), out.stride(0), scale_log2,
+        chunk,
         max(16, triton.next_power_of_2(rows)),  # ROWS_BUCKET: only keys the tuning
     )  # fmt: skip
     meta = dict(

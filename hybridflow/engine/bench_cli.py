@@ -46,6 +46,9 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ahead", default="off", choices=["on", "off", "noevict"],
                    help="chain matmuls prefetch the weight two launches ahead (chain.py), with "
                    "cached K/V loaded evict-first (noevict: without that)")  # fmt: skip
+    p.add_argument("--kv-layout", default=None, choices=["token", "head"],
+                   help="KV cache storage order (engine/kv_cache.py LAYOUT; default: its "
+                   "current value)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=1, help="timed runs (the median is kept)")
     p.add_argument("--hf", dest="hf", action="store_true", default=True)
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HF baseline")
@@ -151,6 +154,10 @@ def bench_engine(model, prompts, args, device) -> dict:
         ahead = getattr(args, "ahead", "off")
         chain.PREFETCH_AHEAD = ahead != "off"
         attention_kernels.KV_EVICT_FIRST = ahead == "on"
+    from hybridflow.engine import kv_cache
+
+    if getattr(args, "kv_layout", None):  # process-wide, read when the cache is allocated
+        kv_cache.LAYOUT = args.kv_layout
     engine = Engine(
         model,
         max_batch_size=args.max_batch_size or len(prompts) * args.n,
@@ -195,7 +202,7 @@ def bench_engine(model, prompts, args, device) -> dict:
         "steps_per_sync": args.steps_per_sync, "tokens": tokens, "seconds": seconds,
         "tokens_per_s": tokens / seconds, "ttft_s": ttft, "peak_mem_gib": peak / 2**30,
         "warmup_s": warmup, "stopped": stopped, "runs_s": [round(r, 4) for r in runs],
-        "ahead": getattr(args, "ahead", "off"),
+        "ahead": getattr(args, "ahead", "off"), "kv_layout": kv_cache.LAYOUT,
         "pdl": f"{mode} ({'on' if pdl and pdl.enabled(torch.empty(0, device=device)) else 'off'})",
         "matmul": matmul.mode if matmul else None,
         "matmul_timings_us": {str(k[:3]): v for k, v in matmul.timings.items()} if matmul else {},

@@ -205,3 +205,26 @@ def test_refuses_max_seq_len_beyond_sliding_window():
     with pytest.raises(ValueError, match="sliding_window=32"):
         Engine(model, max_batch_size=2, max_seq_len=64)
     assert Engine(model, max_batch_size=2, max_seq_len=32).max_seq_len == 32
+
+
+def test_head_major_cache_layout_gives_the_same_generation(model, monkeypatch):
+    """kv_cache.LAYOUT="head" stores each slot's K/V head-major under the same [L, slots + 1,
+    S, kv_heads, D] view: n samples (prefix fan-out), stops and batching read it through
+    strides: the same tokens, log-probs within fp32 rounding (SDPA's reduction order follows
+    the gathered tensor's strides, and 5 slots instead of 8 batch the rows differently)."""
+    from hybridflow.engine import kv_cache
+
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=10, seed=4)
+    expected = _engine(model).generate(PROMPTS, params)
+    monkeypatch.setattr(kv_cache, "LAYOUT", "head")
+    engine = _engine(model, max_batch_size=5)  # fewer slots than requests: slots are reused
+    got = engine.generate(PROMPTS, params)
+    keys = engine.cache.keys
+    assert keys.shape[2:] == (64, model.config.num_key_value_heads, model.config.head_dim)
+    assert keys.stride(3) == 64 * model.config.head_dim  # heads outermost inside a slot
+    assert _tokens(got) == _tokens(expected)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+    monkeypatch.setattr(kv_cache, "LAYOUT", "slot")
+    with pytest.raises(ValueError, match="LAYOUT"):
+        _engine(model).generate(PROMPTS[:1], params)

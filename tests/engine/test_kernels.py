@@ -20,6 +20,13 @@ from hybridflow.models.presets import preset_config  # noqa: E402
 from hybridflow.models.rope import apply_rope, rope_cos_sin  # noqa: E402
 
 
+def _cache_like(slots, seq, kv_heads, dim, layout, fill=torch.zeros):
+    """A one-layer cache view [slots, seq, kv_heads, dim] stored token- or head-major."""
+    if layout == "head":
+        return fill(slots, kv_heads, seq, dim, device=DEVICE).transpose(1, 2)
+    return fill(slots, seq, kv_heads, dim, device=DEVICE)
+
+
 class _Norm:
     def __init__(self, dim):
         self.weight = torch.randn(dim, device=DEVICE)
@@ -49,7 +56,8 @@ def test_rms_norms_and_silu_match_torch():
     torch.testing.assert_close(kernels.silu_mul_pairs(interleaved), F.silu(gate) * up)
 
 
-def test_rope_store_matches_apply_rope():
+@pytest.mark.parametrize("layout", ["token", "head"])
+def test_rope_store_matches_apply_rope(layout):
     config = preset_config("tiny")
     rows, heads, kv_heads, dim, seq = 4, 4, 2, 16, 40
     q = torch.randn(rows, heads, dim, device=DEVICE)
@@ -58,8 +66,8 @@ def test_rope_store_matches_apply_rope():
     cos, sin = rope_cos_sin(config, torch.arange(seq, device=DEVICE), torch.float32)
     positions = torch.tensor([3, 0, 17, 39], device=DEVICE)
     slots = torch.tensor([2, 0, 1, 3], device=DEVICE)
-    keys = torch.zeros(5, seq, kv_heads, dim, device=DEVICE)
-    values = torch.zeros_like(keys)
+    keys = _cache_like(5, seq, kv_heads, dim, layout)
+    values = _cache_like(5, seq, kv_heads, dim, layout)
     rotated = q.clone()
     kernels.rope_store(rotated, k, v, cos, sin, positions, slots, keys, values)
     c, s = cos[positions], sin[positions]
@@ -71,12 +79,13 @@ def test_rope_store_matches_apply_rope():
     assert untouched.abs().max() == 0  # nothing else written
 
 
+@pytest.mark.parametrize("layout", ["token", "head"])
 @pytest.mark.parametrize("splits", [1, 2, 3])
-def test_decode_attention_matches_sdpa(splits):
+def test_decode_attention_matches_sdpa(splits, layout):
     rows, heads, kv_heads, dim, seq = 4, 6, 2, 16, 70
     q = torch.randn(rows, heads, dim, device=DEVICE)
-    keys = torch.randn(5, seq, kv_heads, dim, device=DEVICE)
-    values = torch.randn_like(keys)
+    keys = _cache_like(5, seq, kv_heads, dim, layout, torch.randn)
+    values = _cache_like(5, seq, kv_heads, dim, layout, torch.randn)
     slots = torch.tensor([2, 0, 1, 3], device=DEVICE)
     lengths = torch.tensor([4, 1, 18, 70], device=DEVICE)
     expected = cached_attention_torch(q, keys, values, slots, lengths, seq)
@@ -84,8 +93,9 @@ def test_decode_attention_matches_sdpa(splits):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["token", "head"])
 @pytest.mark.parametrize("splits", [1, 2, 3])
-def test_decode_attention_rope_equals_rope_store_then_attention(splits):
+def test_decode_attention_rope_equals_rope_store_then_attention(splits, layout):
     """The fused decode kernel (RoPE + cache store + attention, the new token attended from
     registers) against the two-kernel path, including a row at position 0 (no cached
     tokens) and a row whose new token sits at the start of a split."""
@@ -97,8 +107,8 @@ def test_decode_attention_rope_equals_rope_store_then_attention(splits):
     cos, sin = rope_cos_sin(config, torch.arange(seq, device=DEVICE), torch.float32)
     slots = torch.tensor([2, 0, 1, 3], device=DEVICE)
     positions = torch.tensor([3, 0, 24, 69], device=DEVICE)  # 24 = 70 // 3 + 1: split start
-    keys = torch.randn(5, seq, kv_heads, dim, device=DEVICE)
-    values = torch.randn_like(keys)
+    keys = _cache_like(5, seq, kv_heads, dim, layout, torch.randn)
+    values = _cache_like(5, seq, kv_heads, dim, layout, torch.randn)
     keys_ref, values_ref, q_ref = keys.clone(), values.clone(), q.clone()
     kernels.rope_store(q_ref, k, v, cos, sin, positions, slots, keys_ref, values_ref)
     expected = attention_kernels.decode_attention(
@@ -140,11 +150,15 @@ def test_fused_sampler_matches_reference(params):
 
 
 @pytest.mark.parametrize(
-    "fuse,matmul,norms",
-    [("none", "auto", "auto"), ("qkv", "auto", "auto"), ("all", "auto", "on"),
-     ("all", "auto", "off"), ("all", "cublas", "auto")],
+    "fuse,matmul,norms,layout",
+    [("none", "auto", "auto", "token"), ("qkv", "auto", "auto", "token"),
+     ("all", "auto", "on", "token"), ("all", "auto", "off", "token"),
+     ("all", "cublas", "auto", "token"), ("all", "auto", "on", "head")],
 )  # fmt: skip
-def test_fast_engine_matches_eager_engine(fuse, matmul, norms):
+def test_fast_engine_matches_eager_engine(fuse, matmul, norms, layout, monkeypatch):
+    from hybridflow.engine import kv_cache
+
+    monkeypatch.setattr(kv_cache, "LAYOUT", layout)
     model = build_model(preset_config("tiny"), seed=1, device=DEVICE).eval()
     for p in model.parameters():
         p.data.normal_(0, 0.3, generator=torch.Generator(DEVICE).manual_seed(p.numel()))
