@@ -11,6 +11,8 @@ Candidates per shape:
 - triton      gemm.gemm_nt, every config x split-K count (split-K: fp32 partials; the
               reduce is folded into the next add+RMSNorm in the engine, so it is reported
               separately as "+reduce" = a torch sum over the splits)
+- tma         the same tiles loaded through TMA tensor descriptors (gemm.TMA = True); the
+              "triton" rows then run with gemm.TMA = False (per-thread pointer loads)
 - kind "silu": gate_up followed by silu(gate) * up. cuBLAS rows add the separate silu_mul
   kernel; Triton rows use the interleaved-pairs epilogue (one kernel, [M, I] output).
 
@@ -92,7 +94,8 @@ def shapes_for(model: str):
     }
 
 
-def bench_shape(rows: int, cols: int, depth: int, bias: bool, silu: bool, quick: bool) -> dict:
+def bench_shape(rows: int, cols: int, depth: int, bias: bool, silu: bool, quick: bool,
+                tma_modes=(False, True)) -> dict:  # fmt: skip
     from hybridflow.engine import gemm, kernels
 
     dtype, dev = torch.bfloat16, "cuda"
@@ -128,13 +131,14 @@ def bench_shape(rows: int, cols: int, depth: int, bias: bool, silu: bool, quick:
         torch.backends.cuda.preferred_blas_library("cublas")
 
     tiles = TILES[:3] if quick else TILES
-    for tile, splits in itertools.product(tiles, SPLITS):
+    for tma, tile, splits in itertools.product(tma_modes, tiles, SPLITS):
         block_m, block_n, block_k = tile[:3]
         if block_m > max(64, rows) or (silu or bias) and splits > 1:
             continue
         if depth % (splits * block_k):
             continue
-        name = f"triton{tile}x{splits}"
+        gemm.TMA = tma  # read when the call is captured
+        name = f"{'tma' if tma else 'triton'}{tile}x{splits}"
         calls = [
             (lambda w=w, b=b, t=tile, s=splits: gemm.gemm_nt(
                 x, w, b, config=t, splits=s, silu_pairs=silu))
@@ -148,7 +152,7 @@ def bench_shape(rows: int, cols: int, depth: int, bias: bool, silu: bool, quick:
         except Exception as error:  # out of shared memory etc.
             results[name] = float("nan")
             print(f"  {name}: {type(error).__name__}: {str(error)[:80]}", flush=True)
-    # correctness of the fastest Triton candidate against F.linear
+    gemm.TMA = None
     return {"us": results, "weight_bytes": weight_bytes, "copies": copies}
 
 
@@ -181,30 +185,39 @@ def main() -> None:
     parser.add_argument("--models", default="qwen2.5-0.5b,qwen2.5-1.5b")
     parser.add_argument("--rows", default="256,1024")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--ops", default="qkv,o_proj,gate_up,down,lm_head")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     out["correctness_max_abs"] = check_correctness()
     print("correctness", json.dumps(out["correctness_max_abs"]), flush=True)
     lines = ["| model | rows | op | N x K | cublas | cublas_t | cublaslt | best triton | config "
-             "| TB/s cublas | TB/s best |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| best tma | config | TB/s cublas | TB/s best |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     results = []
     for model in args.models.split(","):
         for rows in [int(r) for r in args.rows.split(",")]:
             for op, (cols, depth, bias, silu) in shapes_for(model).items():
+                if op not in args.ops.split(","):
+                    continue
                 start = time.time()
                 res = bench_shape(rows, cols, depth, bias, silu, args.quick)
                 us = res["us"]
                 triton_rows = {k: v for k, v in us.items() if k.startswith("triton")
                                and not math.isnan(v)}  # fmt: skip
+                tma_rows = {k: v for k, v in us.items() if k.startswith("tma")
+                            and not math.isnan(v)}  # fmt: skip
                 # split-K partial times exclude the reduce (the engine folds it elsewhere)
                 best = min(triton_rows, key=triton_rows.get) if triton_rows else None
+                best_tma = min(tma_rows, key=tma_rows.get) if tma_rows else None
+                fastest = min([us["cublas"], us["cublas_t"], *triton_rows.values(),
+                               *tma_rows.values()])  # fmt: skip
                 gb = res["weight_bytes"] / 1e9
                 line = (f"| {model} | {rows} | {op} | {cols}x{depth} | {us['cublas']:.1f} | "
                         f"{us['cublas_t']:.1f} | {us.get('cublaslt', float('nan')):.1f} | "
                         f"{triton_rows.get(best, float('nan')):.1f} | {best} | "
-                        f"{gb / us['cublas'] * 1e3:.2f} | "
-                        f"{gb / min(us['cublas'], us['cublas_t'], triton_rows.get(best, 1e9)) * 1e3:.2f} |")  # fmt: skip
+                        f"{tma_rows.get(best_tma, float('nan')):.1f} | {best_tma} | "
+                        f"{gb / us['cublas'] * 1e3:.2f} | {gb / fastest * 1e3:.2f} |")  # fmt: skip
                 print(line, f"({time.time() - start:.0f}s)", flush=True)
                 lines.append(line)
                 results.append({"model": model, "rows": rows, "op": op, **res})

@@ -49,6 +49,12 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-layout", default=None, choices=["token", "head"],
                    help="KV cache storage order (engine/kv_cache.py LAYOUT; default: its "
                    "current value)")  # fmt: skip
+    p.add_argument(
+        "--tma",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="gemm_nt tiles through TMA tensor descriptors (engine/gemm.py TMA)",
+    )
     p.add_argument("--repeats", type=int, default=1, help="timed runs (the median is kept)")
     p.add_argument("--hf", dest="hf", action="store_true", default=True)
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HF baseline")
@@ -158,6 +164,11 @@ def bench_engine(model, prompts, args, device) -> dict:
 
     if getattr(args, "kv_layout", None):  # process-wide, read when the cache is allocated
         kv_cache.LAYOUT = args.kv_layout
+    tma = getattr(args, "tma", "auto")
+    if pdl is not None:  # process-wide, read at each launch (graph capture included)
+        from hybridflow.engine import gemm
+
+        gemm.TMA = {"auto": None, "on": True, "off": False}[tma]
     engine = Engine(
         model,
         max_batch_size=args.max_batch_size or len(prompts) * args.n,
@@ -203,6 +214,7 @@ def bench_engine(model, prompts, args, device) -> dict:
         "tokens_per_s": tokens / seconds, "ttft_s": ttft, "peak_mem_gib": peak / 2**30,
         "warmup_s": warmup, "stopped": stopped, "runs_s": [round(r, 4) for r in runs],
         "ahead": getattr(args, "ahead", "off"), "kv_layout": kv_cache.LAYOUT,
+        "tma": tma,
         "pdl": f"{mode} ({'on' if pdl and pdl.enabled(torch.empty(0, device=device)) else 'off'})",
         "matmul": matmul.mode if matmul else None,
         "matmul_timings_us": {str(k[:3]): v for k, v in matmul.timings.items()} if matmul else {},

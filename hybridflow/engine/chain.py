@@ -39,6 +39,10 @@ CHAIN_TILES = [
     (64, 128, 64, 4, 3),
     (64, 128, 64, 4, 5),
     (128, 128, 64, 8, 3),
+    # session 5, for the TMA loads (gemm.TMA): deeper or wider tiles
+    (64, 128, 64, 4, 4),
+    (128, 128, 64, 8, 4),
+    (64, 256, 64, 8, 3),
 ]
 RESIDUAL_SPLITS = [1, 2, 4]
 # "auto" takes the chain only when its forward replays are this much faster: at a tie (0.5b,
@@ -163,11 +167,12 @@ class DecodeChain:
         options = gemm.launch_options(x, weight, block_k, depth // splits)
         if ahead is not None and PREFETCH_AHEAD and x.is_cuda:
             options.update(PF_NEXT=True, PF_LINE=128 // ahead.element_size())
+        *descriptors, tma = gemm.tma_operands(x, weight, block_m, block_n, block_k)
         gemm._gemm_nt_kernel[grid](
             x, weight, bias if bias is not None else weight, out, rows, cols, depth // splits,
             x.stride(0), weight.stride(0), 0, out.stride(0), sums_in, sums, ws, counts,
             sums.stride(0), parts, depth, eps, ahead if ahead is not None else weight,
-            _lines(ahead), HAS_BIAS=bias is not None,
+            _lines(ahead), *descriptors, HAS_BIAS=bias is not None, TMA=tma,
             SILU_PAIRS=silu_pairs, PARTIAL=False, FP32=x.dtype == torch.float32,
             ROW_RSTD=norm is not None, N_SS_PAD=max(2, triton.next_power_of_2(parts)),
             RESIDUAL=sums_out is not None, SERIAL=splits > 1, BLOCK_M=block_m,

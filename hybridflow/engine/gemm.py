@@ -22,6 +22,7 @@ then the product.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -42,13 +43,18 @@ from hybridflow.engine.pdl import prefetch_l2, prefetch_share, wait_then_release
 def _gemm_nt_kernel(
     a_ptr, w_ptr, bias_ptr, c_ptr, M, N, K_SPLIT, stride_am, stride_wn, stride_cs, stride_cm,
     ss_in_ptr, ss_out_ptr, ws_ptr, count_ptr, stride_ss, N_SS, K_NORM, eps, nx_ptr, NX_LINES,
-    HAS_BIAS: tl.constexpr, SILU_PAIRS: tl.constexpr, PARTIAL: tl.constexpr, FP32: tl.constexpr,
+    a_desc, w_desc, HAS_BIAS: tl.constexpr, SILU_PAIRS: tl.constexpr, PARTIAL: tl.constexpr, FP32: tl.constexpr,
     ROW_RSTD: tl.constexpr, N_SS_PAD: tl.constexpr, RESIDUAL: tl.constexpr, SERIAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, PF_LINE: tl.constexpr = 64,
     PF_COLS: tl.constexpr = 1, PF_K: tl.constexpr = 0, PF_NEXT: tl.constexpr = False,
+    TMA: tl.constexpr = False,
 ):  # fmt: skip
     """c = a @ w^T over k in [pid_k * K_SPLIT, (pid_k + 1) * K_SPLIT) (K_SPLIT % BLOCK_K == 0).
+
+    TMA: the a and w tiles come through the tensor descriptors a_desc [M, K] / w_desc [N, K]
+    (blocks [BLOCK_M, BLOCK_K] / [BLOCK_N, BLOCK_K]; rows past M or N read as zeros) instead
+    of per-thread pointer loads; a_ptr / w_ptr are still used for the L2 prefetch.
 
     PARTIAL: store the fp32 sum of this K range at c[pid_k] (split-K; no bias).
     SERIAL (with a K split): each program parks its fp32 sum in ws_ptr; the last program of
@@ -98,15 +104,25 @@ def _gemm_nt_kernel(
         ss_ptrs = ss_in_ptr + parts[:, None] * stride_ss + rm_safe[None, :]
         sum_squares = tl.load(ss_ptrs, mask=(parts < N_SS)[:, None], other=0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for _ in range(0, K_SPLIT, BLOCK_K):
-        a = tl.load(a_ptrs)
-        w = tl.load(w_ptrs)
-        if FP32:
-            acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, tl.trans(w), acc)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    if TMA:
+        k_start = pid_k * K_SPLIT
+        for k0 in range(0, K_SPLIT, BLOCK_K):
+            a = a_desc.load([pid_m * BLOCK_M, k_start + k0])
+            w = w_desc.load([pid_n * BLOCK_N, k_start + k0])
+            if FP32:
+                acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)
+    else:
+        for _ in range(0, K_SPLIT, BLOCK_K):
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+            if FP32:
+                acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
     # Stores index with rm/rn themselves (masked): the clamped copies hide the columns'
     # contiguity from the compiler, which then emits one 2-byte store per element (64 per
     # thread for a 128 x 128 tile) instead of vector stores.
@@ -210,15 +226,50 @@ def gemm_nt(
             out_cols = cols // 2 if silu_pairs else cols
             out = torch.empty(rows, out_cols, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n), splits)
+    *descriptors, tma = tma_operands(x, weight, block_m, block_n, block_k)
     _gemm_nt_kernel[grid](
         x, weight, bias if bias is not None else weight, out, rows, cols, k_split,
         x.stride(0), weight.stride(0), out.stride(0) if splits > 1 else 0, out.stride(-2),
-        out, out, out, out, 0, 1, depth, 0.0, weight, 0, HAS_BIAS=bias is not None,
+        out, out, out, out, 0, 1, depth, 0.0, weight, 0, *descriptors, HAS_BIAS=bias is not None,
         SILU_PAIRS=silu_pairs, PARTIAL=splits > 1, FP32=x.dtype == torch.float32,
         ROW_RSTD=False, N_SS_PAD=1, RESIDUAL=False, SERIAL=False, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=warps, num_stages=stages, **launch_options(x, weight, block_k, k_split),
+        BLOCK_K=block_k, num_warps=warps, num_stages=stages, TMA=tma,
+        **launch_options(x, weight, block_k, k_split),
     )  # fmt: skip
     return out
+
+
+# Load gemm_nt's tiles through TMA tensor descriptors (Hopper's bulk copy engine) where the
+# operands allow it; None: on CUDA devices of compute capability >= 9 and under the Triton
+# interpreter (CPU tests), off elsewhere. False/True force it (A/B runs).
+TMA = None
+
+
+def tma_operands(x: torch.Tensor, weight: torch.Tensor, block_m: int, block_n: int,
+                 block_k: int) -> tuple:  # fmt: skip
+    """(a_desc, w_desc, use_tma) for _gemm_nt_kernel: TensorDescriptors over x [M, K] and
+    weight [N, K] when TMA applies (16-byte aligned bases and row strides), else the tensors
+    themselves (unused by the kernel) and False."""
+    use = TMA
+    if use is None:
+        if x.is_cuda:
+            use = pdl._device_supports(x.device.index or 0)  # sm_90+
+        else:
+            use = os.environ.get("TRITON_INTERPRET") == "1"
+    size = x.element_size()
+    aligned = all(
+        t.data_ptr() % 16 == 0 and (t.stride(0) * size) % 16 == 0 and t.stride(1) == 1
+        for t in (x, weight)
+    )
+    if not (use and aligned):
+        return x, weight, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return (
+        TensorDescriptor.from_tensor(x, [block_m, block_k]),
+        TensorDescriptor.from_tensor(weight, [block_n, block_k]),
+        True,
+    )
 
 
 def launch_options(x: torch.Tensor, weight: torch.Tensor, block_k: int, k_split: int) -> dict:

@@ -292,3 +292,27 @@ def test_pdl_variants_compile_with_grid_dependency_control():
     # off by default: no grid dependency control in the plain kernels
     plain = _compile(kernels._rms_norm_kernel, dict(ADD=True, WEIGHT=True, ROWS=1, BLOCK_H=1024))
     assert "griddepcontrol" not in plain.asm["ptx"]
+
+
+@pytest.mark.parametrize("config", [(64, 128, 64, 4, 3), (64, 64, 128, 4, 4)])
+def test_gemm_nt_tma_variant_loads_tiles_with_bulk_tensor_copies(config):
+    """gemm.TMA: a and w tiles through tensor descriptors; the PTX must use the TMA engine
+    (cp.async.bulk.tensor), with the chain's epilogues too."""
+    block_m, block_n, block_k, warps, stages = config
+    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    descriptors = {
+        "a_desc": f"tensordesc<bf16[{block_m}, {block_k}]>",
+        "w_desc": f"tensordesc<bf16[{block_n}, {block_k}]>",
+        "ss_in_ptr": "*fp32", "ss_out_ptr": "*fp32", "ws_ptr": "*fp32", "count_ptr": "*i32",
+        "eps": "fp32",
+    }  # fmt: skip
+    for flags in [
+        dict(SILU_PAIRS=True, ROW_RSTD=True, N_SS_PAD=32, RESIDUAL=False, SERIAL=False),
+        dict(SILU_PAIRS=False, ROW_RSTD=False, N_SS_PAD=1, RESIDUAL=True, SERIAL=True),
+    ]:
+        compiled = _compile(
+            gemm._gemm_nt_kernel,
+            dict(HAS_BIAS=False, PARTIAL=False, FP32=False, TMA=True, **flags, **tiles),
+            overrides=descriptors, warps=warps, stages=stages,
+        )  # fmt: skip
+        assert "cp.async.bulk.tensor" in compiled.asm["ptx"]

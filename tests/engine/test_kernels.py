@@ -236,6 +236,31 @@ def test_gemm_nt_matches_reference(dtype, rows, cols, depth):
         gemm.gemm_nt(x, weight, config=configs[0], splits=5)
 
 
+@pytest.mark.parametrize("rows,cols,depth", [(5, 130, 64), (33, 72, 128)])
+def test_gemm_nt_tma_tiles_equal_pointer_tiles(rows, cols, depth, monkeypatch):
+    """gemm.TMA changes only how tiles reach shared memory (rows/columns past the end read as
+    zeros either way): plain, split-K and SiLU-pair outputs are bitwise equal."""
+    from hybridflow.engine import gemm
+
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    x = torch.randn(rows, 2 * depth, device=DEVICE).to(dtype)[:, :depth]  # strided rows
+    weight = torch.randn(cols, depth, device=DEVICE).to(dtype)
+    bias = torch.randn(cols, device=DEVICE).to(dtype)
+    config = gemm.INTERPRETER_CONFIG if DEVICE == "cpu" else (64, 64, 64, 4, 3)
+    assert gemm.tma_operands(x, weight, *config[:3])[-1]  # the default takes TMA here
+    outputs = {}
+    for tma in (True, False):
+        monkeypatch.setattr(gemm, "TMA", tma)
+        assert gemm.tma_operands(x, weight, *config[:3])[-1] == tma
+        outputs[tma] = (
+            gemm.gemm_nt(x, weight, bias, config=config),
+            gemm.gemm_nt(x, weight, config=config, splits=2),
+            gemm.gemm_nt(x, weight[: cols // 2 * 2], config=config, silu_pairs=True),
+        )
+    for with_tma, without in zip(outputs[True], outputs[False]):
+        assert torch.equal(with_tma, without)
+
+
 def test_decode_matmul_modes_agree():
     from hybridflow.engine.gemm import DecodeMatmul, gate_up_silu_cublas, interleave_pairs
 
