@@ -207,7 +207,7 @@ VARIANTS = [
     dict(preset="qwen2.5-0.5b", prompts=256, tma="on"),
     dict(preset="qwen2.5-0.5b", prompts=1024, tma="off"),
     dict(preset="qwen2.5-0.5b", prompts=1024, tma="on"),
-    dict(preset="qwen2.5-1.5b", prompts=256, tma="off"),
+    dict(preset="qwen2.5-1.5b", prompts=256, hf=True, tma="off"),
     dict(preset="qwen2.5-1.5b", prompts=256, tma="on"),
 ]
 
