@@ -294,20 +294,16 @@ def main() -> None:
             "0.5b_b256_L256": step_breakdown(device, "qwen2.5-0.5b", 256, 256),
         }
         print("breakdown", json.dumps(results["breakdown"], indent=1), flush=True)
-    if "prefill" in parts and device.type == "cuda":
-        for case in args.prefill_cases.split(","):
+    profiles = [("prefill", profile_prefill, args.prefill_cases),
+                ("profile", profile_step, args.profile_cases)]  # fmt: skip
+    for part, profiler, cases in profiles:
+        if part not in parts or device.type != "cuda":
+            continue
+        for case in cases.split(","):  # preset:prompts
             preset, prompts = case.split(":")
             try:
-                results[f"prefill {case}"] = profile_prefill(device, preset, int(prompts))
-                print(case, results[f"prefill {case}"], flush=True)
-            except Exception:
-                traceback.print_exc()
-    if "profile" in parts and device.type == "cuda":
-        for case in args.profile_cases.split(","):
-            preset, prompts = case.split(":")
-            try:
-                results[f"profile {case}"] = profile_step(device, preset, int(prompts))
-                print(case, results[f"profile {case}"], flush=True)
+                results[f"{part} {case}"] = profiler(device, preset, int(prompts))
+                print(part, case, results[f"{part} {case}"], flush=True)
             except Exception:
                 traceback.print_exc()
     if "variants" in parts:
