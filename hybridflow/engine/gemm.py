@@ -24,6 +24,7 @@ then the product.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -242,6 +243,17 @@ def gemm_nt(
     return out
 
 
+@functools.lru_cache(maxsize=1)
+def _tensor_descriptor():
+    """triton's host-side TensorDescriptor class, or None (Triton < 3.3 has none: pointer
+    loads then)."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    return TensorDescriptor
+
+
 # Load gemm_nt's tiles through TMA tensor descriptors (Hopper's bulk copy engine) where the
 # operands allow it; None: on CUDA devices of compute capability >= 9 and under the Triton
 # interpreter (CPU tests), off elsewhere. False/True force it (A/B runs).
@@ -264,13 +276,12 @@ def tma_operands(x: torch.Tensor, weight: torch.Tensor, block_m: int, block_n: i
         t.data_ptr() % 16 == 0 and (t.stride(0) * size) % 16 == 0 and t.stride(1) == 1
         for t in (x, weight)
     )
-    if not (use and aligned):
+    descriptor = _tensor_descriptor()
+    if not (use and aligned and descriptor is not None):
         return x, weight, False
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     return (
-        TensorDescriptor.from_tensor(x, [block_m, block_k]),
-        TensorDescriptor.from_tensor(weight, [block_n, block_k]),
+        descriptor.from_tensor(x, [block_m, block_k]),
+        descriptor.from_tensor(weight, [block_n, block_k]),
         True,
     )
 
