@@ -12,6 +12,8 @@ import json
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 from hybridflow.engine import attention_kernels
 from hybridflow.engine.gemm import graph_time_us
@@ -23,6 +25,36 @@ CASES = [  # (name, rows, q heads, kv heads, head dim, cached length)
 ]
 CONFIGS = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3),
            (64, 8, 3), (128, 8, 3), (256, 8, 2)]  # fmt: skip
+
+
+@triton.jit
+def _read_kernel(kc_ptr, vc_ptr, slot_ptr, out_ptr, stride_slot, stride_pos, stride_head,
+                 length, D: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """The attention kernel's reads and nothing else: program (row, kv head) sums K and V
+    over positions [0, length) of its slot (the sum is stored so the loads stay)."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    base = tl.load(slot_ptr + row).to(tl.int64) * stride_slot + head * stride_head
+    d = tl.arange(0, D)
+    acc = tl.zeros([BLOCK_N, D], tl.float32)
+    for n0 in range(0, length, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        offs = base + n[:, None].to(tl.int64) * stride_pos + d[None, :]
+        mask = (n < length)[:, None]
+        acc += tl.load(kc_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.load(vc_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + (row * tl.num_programs(1) + head) * D + d, tl.sum(acc, axis=0))
+
+
+def read_floor(key_cache, value_cache, slots, length, block_n, warps=4):
+    """Launch _read_kernel over caches [slots, S, nkv, D] (any layout) -> [rows, nkv, D]."""
+    rows, (nkv, d) = slots.shape[0], key_cache.shape[2:]
+    out = torch.empty(rows, nkv, d, device=key_cache.device)
+    _read_kernel[(rows, nkv)](
+        key_cache, value_cache, slots, out, key_cache.stride(0), key_cache.stride(1),
+        key_cache.stride(2), length, D=d, BLOCK_N=block_n, num_warps=warps,
+    )  # fmt: skip
+    return out
 
 
 def bench_case(name, rows, nh, nkv, d, length) -> list[dict]:
@@ -70,6 +102,30 @@ def bench_case(name, rows, nh, nkv, d, length) -> list[dict]:
                         "head_major": major,
                         "splits": splits, "us": round(us, 2),
                         "TBps": round(kv_bytes / us / 1e6, 2)})  # fmt: skip
+    # Floors: the same bytes read by a kernel that only reads (same grid), and by torch.sum
+    # over contiguous memory of that size.
+    for layout, block_n in itertools.product(("token", "head"), (64, 128)):
+
+        def read(state={"i": 0}, layout=layout, block_n=block_n):  # noqa: B006
+            state["i"] = (state["i"] + 1) % copies
+            kc, vc = caches[layout][state["i"]]
+            read_floor(kc, vc, slots, length, block_n)
+
+        us = graph_time_us(read, calls=4 * copies)
+        results.append({"case": name, "rows": rows, "layout": layout, "config": f"read-only {block_n}",
+                        "head_major": False, "splits": 1, "us": round(us, 2),
+                        "TBps": round(kv_bytes / us / 1e6, 2)})  # fmt: skip
+    flat = [torch.randn(kv_bytes // 2, device=dev, dtype=dt) for _ in range(copies)]
+    sink = torch.empty((), device=dev, dtype=torch.float32)
+
+    def total(state={"i": 0}):  # noqa: B006
+        state["i"] = (state["i"] + 1) % copies
+        torch.sum(flat[state["i"]], dtype=torch.float32, out=sink)
+
+    us = graph_time_us(total, calls=4 * copies)
+    results.append({"case": name, "rows": rows, "layout": "contiguous", "config": "torch.sum",
+                    "head_major": False, "splits": 1, "us": round(us, 2),
+                    "TBps": round(kv_bytes / us / 1e6, 2)})  # fmt: skip
     return results
 
 
@@ -82,8 +138,11 @@ def main() -> None:
     for case in CASES:
         rows = bench_case(*case)
         results += rows
-        best = min(rows, key=lambda r: r["us"])
-        print("BEST", json.dumps(best), flush=True)
+        attention = [r for r in rows if isinstance(r["config"], tuple)]
+        print("BEST", json.dumps(min(attention, key=lambda r: r["us"])), flush=True)
+        for r in rows:
+            if not isinstance(r["config"], tuple):
+                print(f"  floor: {r['layout']} {r['config']}: {r['us']} us {r['TBps']} TB/s")
         for layout, major, splits in itertools.product(("token", "head"), (False, True), (1, 2)):
             sub = [r for r in rows if (r["layout"], r["head_major"], r["splits"])
                    == (layout, major, splits)]  # fmt: skip
