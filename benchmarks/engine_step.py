@@ -9,6 +9,7 @@ is host time (syncs, bookkeeping) and gaps between graph launches.
     python benchmarks/engine_step.py --preset qwen2.5-0.5b --rows 256 --length 256
     python benchmarks/engine_step.py --device cpu --preset tiny --rows 4 --length 16  # dry run
 
+Then the top kernels of the replayed step (torch.profiler over graph replays, per step).
 On CPU every part is timed eagerly (no graphs): only the code paths are exercised.
 """
 
@@ -42,8 +43,43 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def kernel_table(fn, device: torch.device, steps: int = 10, top: int = 25) -> list[dict]:
+    """Per-kernel device time of fn (one decode step) under torch.profiler, per step: on CUDA
+    fn is captured as a graph and replayed `steps` times (the kernels the engine replays);
+    on CPU the ops' own CPU time of eager calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run, activity = fn, ProfilerActivity.CPU
+    if device.type == "cuda":
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        run, activity = graph.replay, ProfilerActivity.CUDA
+    run()
+    sync(device)
+    with profile(activities=[activity]) as prof:
+        for _ in range(steps):
+            run()
+        sync(device)
+    rows = []
+    for event in prof.key_averages():
+        us = event.self_device_time_total if device.type == "cuda" else event.self_cpu_time_total
+        if us > 0:
+            rows.append({"kernel": event.key[:70], "calls_per_step": event.count / steps,
+                         "us_per_step": us / steps})  # fmt: skip
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows[:top]
+
+
 @torch.no_grad()
-def anatomy(preset: str, rows: int, length: int, new_tokens: int, device: torch.device) -> dict:
+def anatomy(
+    preset: str, rows: int, length: int, new_tokens: int, device: torch.device, kernels: int = 25
+) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = load_model(preset, dtype=dtype, device=device).eval()
     vocab = model.config.vocab_size
@@ -73,6 +109,9 @@ def anatomy(preset: str, rows: int, length: int, new_tokens: int, device: torch.
         arange % vocab, torch.zeros(rows, device=device), torch.full_like(arange, mean_length),
         arange, torch.full_like(arange, 1 << 20), arange, arange,
     )  # fmt: skip
+    # Marked finished, so the timed replays do the same work without moving the rows on
+    # (a live row would gain a cached token per replay: ~40 over the measurements).
+    state.finished[:rows] = True
     max_len = cache.max_seq_len
     parts = {}
     parts["step (graph the engine replays)"] = time_us(lambda: runner._step(rows, max_len), device)
@@ -94,10 +133,14 @@ def anatomy(preset: str, rows: int, length: int, new_tokens: int, device: torch.
     )
     step = parts["step (graph the engine replays)"]
     parts["generate() per step (wall - TTFT)"] = implied_step_us
+    table = (
+        kernel_table(lambda: runner._step(rows, max_len), device, top=kernels) if kernels else []
+    )
     return {
-        "preset": preset, "rows": rows, "length": length, "device": str(device),
+        "preset": preset, "rows": rows, "length": length, "cached_tokens": mean_length,
+        "live_positions": state.positions[:rows].tolist(), "device": str(device),
         "chain": {str(k): v for k, v in engine.chain.decisions.items()} if engine.chain else None, "ttft_ms": ttft * 1e3,
-        "tokens_per_s": rows * new_tokens / wall, "parts_us": parts,
+        "tokens_per_s": rows * new_tokens / wall, "parts_us": parts, "kernels": table,
         "host_and_gaps_us": implied_step_us - step,
     }  # fmt: skip
 
@@ -110,6 +153,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--kv-layout", default=None, choices=["token", "head"])
+    parser.add_argument("--kernels", type=int, default=25,
+                        help="print the top N kernels of the replayed step (0: none)")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.kv_layout:
@@ -117,7 +162,7 @@ def main() -> None:
 
         kv_cache.LAYOUT = args.kv_layout
     result = anatomy(args.preset, args.rows, args.length, args.new_tokens,
-                     torch.device(args.device))  # fmt: skip
+                     torch.device(args.device), args.kernels)  # fmt: skip
     step = result["parts_us"]["step (graph the engine replays)"]
     print(f"{result['preset']}, {result['rows']} rows, {result['length']} prompt tokens, "
           f"{result['device']}: {result['tokens_per_s']:,.0f} tok/s, TTFT "
@@ -127,6 +172,10 @@ def main() -> None:
         print(f"| {name} | {us:,.1f} | {us / step:.2f} |")
     print(f"| host + gaps (generate - replayed step) | {result['host_and_gaps_us']:,.1f} | "
           f"{result['host_and_gaps_us'] / step:.2f} |")  # fmt: skip
+    if result["kernels"]:
+        print("\n| kernel (replayed step) | calls / step | us / step |\n|---|---|---|")
+        for row in result["kernels"]:
+            print(f"| {row['kernel']} | {row['calls_per_step']:.0f} | {row['us_per_step']:,.1f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
