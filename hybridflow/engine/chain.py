@@ -101,8 +101,10 @@ class DecodeChain:
         if key not in self.decisions:
             if torch.cuda.is_current_stream_capturing():
                 return False
-            chain_us = gemm.graph_time_us(run_chain, calls=2)
-            split_us = gemm.graph_time_us(run_split, calls=2)
+            # 5 x 5 forwards each (~50 ms at 1024 rows): with 2 x 3 the two layers' order
+            # flipped between processes at 1024 rows, where they are ~3% apart (run 9)
+            chain_us = gemm.graph_time_us(run_chain, calls=5, replays=5)
+            split_us = gemm.graph_time_us(run_split, calls=5, replays=5)
             self.timings[f"forward{key}"] = {"chain": round(chain_us, 1),
                                              "split": round(split_us, 1)}  # fmt: skip
             self.decisions[key] = chain_us < split_us * (1 - CHAIN_MARGIN)
