@@ -64,6 +64,11 @@ def bench_case(name, rows, nh, nkv, d, length) -> list[dict]:
     kv_bytes = 2 * rows * length * nkv * d * 2
     copies = max(1, -(-150_000_000 // kv_bytes))
 
+    def record(layout, config, us, major=False, splits=1) -> dict:
+        return {"case": name, "rows": rows, "layout": layout, "config": config,
+                "head_major": major, "splits": splits, "us": round(us, 2),
+                "TBps": round(kv_bytes / us / 1e6, 2)}  # fmt: skip
+
     def cache(layout):  # [slots, S, nkv, D] views of token- or head-major storage
         if layout == "head":
             return torch.randn(rows + 1, nkv, max_len, d, device=dev, dtype=dt).transpose(1, 2)
@@ -98,10 +103,7 @@ def bench_case(name, rows, nh, nkv, d, length) -> list[dict]:
         except Exception as error:  # out of shared memory etc.
             print(name, rows, config, major, splits, type(error).__name__, flush=True)
             continue
-        results.append({"case": name, "rows": rows, "layout": layout, "config": config,
-                        "head_major": major,
-                        "splits": splits, "us": round(us, 2),
-                        "TBps": round(kv_bytes / us / 1e6, 2)})  # fmt: skip
+        results.append(record(layout, config, us, major, splits))
     # Floors: the same bytes read by a kernel that only reads (same grid), and by torch.sum
     # over contiguous memory of that size.
     for layout, block_n in itertools.product(("token", "head"), (64, 128)):
@@ -112,9 +114,7 @@ def bench_case(name, rows, nh, nkv, d, length) -> list[dict]:
             read_floor(kc, vc, slots, length, block_n)
 
         us = graph_time_us(read, calls=4 * copies)
-        results.append({"case": name, "rows": rows, "layout": layout, "config": f"read-only {block_n}",
-                        "head_major": False, "splits": 1, "us": round(us, 2),
-                        "TBps": round(kv_bytes / us / 1e6, 2)})  # fmt: skip
+        results.append(record(layout, f"read-only {block_n}", us))
     flat = [torch.randn(kv_bytes // 2, device=dev, dtype=dt) for _ in range(copies)]
     sink = torch.empty((), device=dev, dtype=torch.float32)
 
@@ -123,9 +123,7 @@ def bench_case(name, rows, nh, nkv, d, length) -> list[dict]:
         torch.sum(flat[state["i"]], dtype=torch.float32, out=sink)
 
     us = graph_time_us(total, calls=4 * copies)
-    results.append({"case": name, "rows": rows, "layout": "contiguous", "config": "torch.sum",
-                    "head_major": False, "splits": 1, "us": round(us, 2),
-                    "TBps": round(kv_bytes / us / 1e6, 2)})  # fmt: skip
+    results.append(record("contiguous", "torch.sum", us))
     return results
 
 
