@@ -46,6 +46,44 @@ def _read_kernel(kc_ptr, vc_ptr, slot_ptr, out_ptr, stride_slot, stride_pos, str
     tl.store(out_ptr + (row * tl.num_programs(1) + head) * D + d, tl.sum(acc, axis=0))
 
 
+@triton.jit
+def _read_persistent_kernel(kc_ptr, vc_ptr, slot_ptr, out_ptr, stride_slot, stride_pos,
+                            stride_head, items, NKV: tl.constexpr, TILES: tl.constexpr,
+                            D: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """The same reads from a persistent grid: program p takes items (row, kv head) p, p + P,
+    ... and streams their tiles as one flattened loop, so the next item's loads are in flight
+    while the current one finishes (no per-program start-up latency between items)."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    mine = tl.cdiv(items - pid, programs)
+    d = tl.arange(0, D)
+    acc = tl.zeros([BLOCK_N, D], tl.float32)
+    for t in range(0, mine * TILES):
+        item = pid + (t // TILES) * programs
+        tile = t % TILES
+        row = item // NKV
+        head = item % NKV
+        base = tl.load(slot_ptr + row).to(tl.int64) * stride_slot + head * stride_head
+        n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs = base + n[:, None].to(tl.int64) * stride_pos + d[None, :]
+        acc += tl.load(kc_ptr + offs).to(tl.float32)
+        acc += tl.load(vc_ptr + offs).to(tl.float32)
+        if tile == TILES - 1:
+            tl.store(out_ptr + item * D + d, tl.sum(acc, axis=0))
+            acc = tl.zeros([BLOCK_N, D], tl.float32)
+
+
+def read_floor_persistent(key_cache, value_cache, slots, length, block_n, programs, stages=3):
+    rows, (nkv, d) = slots.shape[0], key_cache.shape[2:]
+    out = torch.empty(rows, nkv, d, device=key_cache.device)
+    _read_persistent_kernel[(programs,)](
+        key_cache, value_cache, slots, out, key_cache.stride(0), key_cache.stride(1),
+        key_cache.stride(2), rows * nkv, NKV=nkv, TILES=length // block_n, D=d,
+        BLOCK_N=block_n, num_warps=4, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
 def read_floor(key_cache, value_cache, slots, length, block_n, warps=4):
     """Launch _read_kernel over caches [slots, S, nkv, D] (any layout) -> [rows, nkv, D]."""
     rows, (nkv, d) = slots.shape[0], key_cache.shape[2:]
@@ -115,6 +153,18 @@ def bench_case(name, rows, nh, nkv, d, length) -> list[dict]:
 
         us = graph_time_us(read, calls=4 * copies)
         results.append(record(layout, f"read-only {block_n}", us))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for block_n, waves, stages in itertools.product((32, 64), (1, 2, 4), (2, 3, 4)):
+        if block_n > length:
+            continue
+
+        def read_p(state={"i": 0}, block_n=block_n, waves=waves, stages=stages):  # noqa: B006
+            state["i"] = (state["i"] + 1) % copies
+            kc, vc = caches["token"][state["i"]]
+            read_floor_persistent(kc, vc, slots, length, block_n, waves * sms, stages)
+
+        us = graph_time_us(read_p, calls=4 * copies)
+        results.append(record("token", f"read-only persistent {block_n} x{waves} s{stages}", us))
     flat = [torch.randn(kv_bytes // 2, device=dev, dtype=dt) for _ in range(copies)]
     sink = torch.empty((), device=dev, dtype=torch.float32)
 
