@@ -199,16 +199,16 @@ def step_breakdown(device, preset: str, batch: int, length: int) -> dict:
 # transformers generate on the same prompts.
 VARIANT_DEFAULTS = dict(backend="triton", graphs=True, sync=8, fuse="all", matmul="auto",
                         norms="auto", hf=False, pdl="auto", ahead="off", kv_layout="token",
-                        tma="auto")  # fmt: skip
+                        tma="auto", lag=1)  # fmt: skip
 VARIANTS = [
-    dict(preset="qwen2.5-0.5b", prompts=256, hf=True, tma="off"),
-    dict(preset="qwen2.5-0.5b", prompts=256, tma="on"),
-    dict(preset="qwen2.5-0.5b", prompts=256, tma="off"),
-    dict(preset="qwen2.5-0.5b", prompts=256, tma="on"),
-    dict(preset="qwen2.5-0.5b", prompts=1024, tma="off"),
-    dict(preset="qwen2.5-0.5b", prompts=1024, tma="on"),
-    dict(preset="qwen2.5-1.5b", prompts=256, hf=True, tma="off"),
-    dict(preset="qwen2.5-1.5b", prompts=256, tma="on"),
+    dict(preset="qwen2.5-0.5b", prompts=256, hf=True, lag=0),
+    dict(preset="qwen2.5-0.5b", prompts=256, lag=1),
+    dict(preset="qwen2.5-0.5b", prompts=256, lag=0),
+    dict(preset="qwen2.5-0.5b", prompts=256, lag=1),
+    dict(preset="qwen2.5-0.5b", prompts=1024, lag=0),
+    dict(preset="qwen2.5-0.5b", prompts=1024, lag=1),
+    dict(preset="qwen2.5-1.5b", prompts=256, hf=True, lag=0),
+    dict(preset="qwen2.5-1.5b", prompts=256, lag=1),
 ]
 
 
@@ -223,7 +223,8 @@ def run_variants(device, variants, quick: bool) -> list[dict]:
             dtype="bfloat16", device=str(device), backend=v["backend"], no_graphs=not v["graphs"],
             steps_per_sync=v["sync"], fuse=v["fuse"], matmul=v["matmul"], fuse_norms=v["norms"],
             hf=v["hf"], hf_batch_size=None, seed=0, pdl=v["pdl"], ahead=v["ahead"],
-            kv_layout=v["kv_layout"], tma=v["tma"], repeats=3 if not quick else 1,
+            kv_layout=v["kv_layout"], tma=v["tma"], sync_lag=v["lag"],
+            repeats=3 if not quick else 1,
         )  # fmt: skip
         if preset not in models:
             models.clear()
@@ -234,7 +235,8 @@ def run_variants(device, variants, quick: bool) -> list[dict]:
         row = {"preset": preset, "prompts": prompts, "backend": v["backend"],
                "graphs": v["graphs"], "steps_per_sync": v["sync"], "fuse": v["fuse"],
                "matmul": v["matmul"], "fuse_norms": v["norms"], "pdl": v["pdl"],
-               "ahead": v["ahead"], "kv_layout": v["kv_layout"], "tma": v["tma"]}  # fmt: skip
+               "ahead": v["ahead"], "kv_layout": v["kv_layout"], "tma": v["tma"],
+               "lag": v["lag"]}  # fmt: skip
         try:
             row.update(bench_engine(model, prompt_ids, args, device))
             if v["hf"]:
@@ -264,7 +266,7 @@ def table(rows: list[dict]) -> str:
         step_ms = (r["seconds"] - r["ttft_s"]) / max(steps, 1) * 1000
         lines.append(
             f"| {r['preset']} | {r['prompts']} | {r['fuse']} | {r['steps_per_sync']} | "
-            f"{r['matmul']}, norms {r.get('fuse_norms')}, pdl {r.get('pdl')}, kv {r.get('kv_layout')}, tma {r.get('tma')} | {r['tokens_per_s']:,.0f} | {step_ms:.2f} | {r['ttft_s'] * 1000:.0f} | "
+            f"{r['matmul']}, norms {r.get('fuse_norms')}, pdl {r.get('pdl')}, kv {r.get('kv_layout')}, tma {r.get('tma')}, lag {r.get('lag')} | {r['tokens_per_s']:,.0f} | {step_ms:.2f} | {r['ttft_s'] * 1000:.0f} | "
             f"{r['peak_mem_gib']:.2f} | "
             f"{hf} | {x} |"
         )

@@ -18,7 +18,6 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from hybridflow.engine import kv_cache
 from hybridflow.engine.forward import (
@@ -246,19 +245,16 @@ class Engine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """n completions per prompt, prompt-major: result[i * n + j] is sample j of prompt i."""
-        return [
-            Completion(tokens.tolist(), logprobs.tolist(), reason)
-            for tokens, logprobs, reason in self._generate_tensors(prompts, params)
-        ]
+        return [Completion(*result) for result in self._generate(prompts, params)]
 
     @torch.no_grad()
-    def _generate_tensors(self, prompts, params: SamplingParams) -> list[tuple]:
-        """generate() as (token_ids [R] int64, logprobs [R] fp32, finish_reason) on CPU."""
+    def _generate(self, prompts, params: SamplingParams) -> list[tuple]:
+        """generate() as (token_ids list, logprobs list, finish_reason) tuples."""
         if not self.native:
             from hybridflow.engine.slow import generate_slow
 
             return [
-                (torch.tensor(c.token_ids), torch.tensor(c.logprobs), c.finish_reason)
+                (c.token_ids, c.logprobs, c.finish_reason)
                 for c in generate_slow(self, prompts, params)
             ]
         self._check_prompts(prompts)
@@ -284,18 +280,44 @@ class Engine:
         """Tensors for the trainer, prompt-major rows [B * n]: responses [B*n, R] int64
         right-padded with pad_token_id, rollout_logprobs [B*n, R] fp32 (0 on padding),
         response_lengths [B*n] int64; R = longest response. On CPU."""
-        results = self._generate_tensors(prompts, params)
+        results = self._generate(prompts, params)
         if pad_token_id is None:
             pad_token_id = self.config.pad_token_id or 0
-        if not results:
-            empty = torch.zeros(0, 0)
-            return {"responses": empty.long(), "rollout_logprobs": empty,
-                    "response_lengths": torch.zeros(0, dtype=torch.int64)}  # fmt: skip
-        tokens = [t for t, _, _ in results]
-        responses = pad_sequence(tokens, batch_first=True, padding_value=pad_token_id)
-        logprobs = pad_sequence([lp for _, lp, _ in results], batch_first=True)
-        lengths = torch.tensor([len(t) for t in tokens], dtype=torch.int64)
-        return {"responses": responses, "rollout_logprobs": logprobs, "response_lengths": lengths}
+        lengths = [len(tokens) for tokens, _, _ in results]
+        width = max(lengths, default=0)
+        responses = torch.tensor(
+            [tokens + [pad_token_id] * (width - len(tokens)) for tokens, _, _ in results],
+            dtype=torch.int64,
+        ).reshape(len(results), width)
+        logprobs = torch.tensor(
+            [lp + [0.0] * (width - len(lp)) for _, lp, _ in results], dtype=torch.float32
+        ).reshape(len(results), width)
+        return {"responses": responses, "rollout_logprobs": logprobs,
+                "response_lengths": torch.tensor(lengths, dtype=torch.int64)}  # fmt: skip
+
+
+# Host reads of the decode state lag the device by one chunk of steps: the next chunk's
+# replays are queued before the host waits for the previous chunk's finished flags and new
+# tokens, so the GPU does not idle while the host compacts rows, admits prompts and turns
+# tokens into lists (0: wait for each chunk before queueing the next; benchmarks A/B it).
+SYNC_LAG = 1
+
+
+@dataclass
+class _Snapshot:
+    """Copies of the decode state queued right after a chunk of steps (pinned host memory on
+    CUDA), read by the host one chunk later. Rows are in the order of `requests`."""
+
+    requests: list[int]
+    finished: torch.Tensor  # [rows] bool
+    generated: torch.Tensor  # [rows] tokens generated so far
+    tokens: torch.Tensor  # [rows, W]: the last W output columns up to `generated`
+    logprobs: torch.Tensor  # [rows, W]
+    ready: object  # torch.cuda.Event, or None on CPU
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
 
 
 class _GenerationLoop:
@@ -312,15 +334,23 @@ class _GenerationLoop:
             for p in prompts
             for _ in range(n)
         ]
+        self.stop_ids = set(engine._stop_ids(params))
         self.free_slots = list(range(self.cache.num_slots - 1, -1, -1))
         self.row_request: list[int] = []  # request id of each live row
+        self.row_slot: list[int] = []  # its cache slot
         self.row_budget: list[int] = []  # upper bound on steps each row may still take
         self.row_end: list[int] = []  # prompt length + max_new: bound on the row's cache length
-        # (token_ids [R], logprobs [R], finish_reason) per request, CPU tensors
+        # tokens and log-probs read back so far, per live request
+        self.partial: dict[int, tuple[list[int], list[float]]] = {}
+        # (token_ids, logprobs, finish_reason) per request
         self.results: list[tuple | None] = [None] * len(self.max_new)
+        # output columns a snapshot reads per row: a chunk's steps + the admission's token
+        self.window = engine.steps_per_sync + 1
+        self.columns = torch.arange(self.window, device=engine.device)
 
     def run(self) -> list[tuple]:
-        while self.waiting or self.row_request:
+        pending = None
+        while self.waiting or self.row_request or pending is not None:
             # Admit until the slots or the queue run out (several prefill passes back to back):
             # rows admitted later would otherwise trail the first ones by a whole chunk of
             # steps at a smaller batch (an H200 profile of 256 prompts showed 15 steps at 128 rows).
@@ -328,10 +358,21 @@ class _GenerationLoop:
                 self._admit()
             steps = min(self.engine.steps_per_sync, max(self.row_budget, default=0))
             if steps > 0:
-                self.runner.decode_steps(len(self.row_request), steps, self._max_live_len(steps))
-                self.row_budget = [b - steps for b in self.row_budget]
-            self._collect_finished()
+                self._decode(steps)
+            snapshot = None
+            if self.row_request and (steps > 0 or pending is None):
+                snapshot = self._snapshot()
+            if pending is not None:
+                self._absorb(pending)  # the GPU runs the chunk just queued meanwhile
+            if snapshot is not None and (SYNC_LAG == 0 or steps == 0):
+                self._absorb(snapshot)  # nothing queued to overlap with: read it now
+                snapshot = None
+            pending = snapshot
         return self.results
+
+    def _decode(self, steps: int) -> None:
+        self.runner.decode_steps(len(self.row_request), steps, self._max_live_len(steps))
+        self.row_budget = [b - steps for b in self.row_budget]
 
     def _should_admit(self) -> bool:
         # Prefill in batches: wait until a useful share of the slots is free (amortises the
@@ -411,37 +452,68 @@ class _GenerationLoop:
             first_tokens, first_logprobs, row_positions, row_slots, max_new_dev, seed_lo, seed_hi
         )
         self.row_request += taken
+        self.row_slot += slots
+        for request in taken:
+            self.partial[request] = ([], [])
         self.row_budget += [m - 1 for m in max_new]
         prompt_lengths = lengths.tolist()
         self.row_end += [prompt_lengths[g] + m for g, m in zip(group, max_new)]
 
-    def _collect_finished(self) -> None:
-        state = self.state
-        rows = len(self.row_request)
-        if rows == 0:
-            return
-        finished = state.finished[:rows].tolist()  # the one host sync per chunk
-        done = [r for r in range(rows) if finished[r] or self.row_budget[r] <= 0]
-        if not done:
-            return
-        done_index = torch.tensor(done, device=state.tokens.device)
-        slots = state.row_slots[done_index]
-        counts = state.generated[done_index].tolist()
-        width = max(counts)
-        tokens = state.out_tokens[slots, :width].cpu()  # [done, width]
-        logprobs = state.out_logprobs[slots, :width].cpu()
-        last = tokens[torch.arange(len(done)), torch.tensor(counts) - 1]
-        stopped = state.stop_mask.cpu()[last].tolist()
-        for k, row in enumerate(done):
-            count = counts[k]
-            reason = "stop" if stopped[k] else "length"
-            self.results[self.row_request[row]] = (tokens[k, :count], logprobs[k, :count], reason)
-        for slot in slots.tolist():
-            self.free_slots.append(slot)
-        done_set = set(done)
-        keep = [r for r in range(rows) if r not in done_set]
-        state.keep_rows(keep)
+    def _snapshot(self) -> _Snapshot:
+        """Queue copies of the live rows' flags, counts and newest output columns."""
+        state, rows = self.state, len(self.row_request)
+        generated = state.generated[:rows]
+        columns = (generated[:, None] - self.window + self.columns[None, :]).clamp_(min=0)
+        slots = state.row_slots[:rows, None]
+        parts = [state.finished[:rows], generated, state.out_tokens[slots, columns],
+                 state.out_logprobs[slots, columns]]  # fmt: skip
+        ready = None
+        if self.engine.device.type == "cuda":
+            host = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in parts]
+            for h, p in zip(host, parts):
+                h.copy_(p, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            parts = host
+        else:
+            parts = [p.clone() for p in parts]
+        return _Snapshot(list(self.row_request), *parts, ready)
+
+    def _absorb(self, snapshot: _Snapshot) -> None:
+        """Append a snapshot's new tokens to each request's lists; retire finished rows."""
+        snapshot.wait()
+        finished = snapshot.finished.tolist()
+        generated = snapshot.generated.tolist()
+        tokens, logprobs = snapshot.tokens.tolist(), snapshot.logprobs.tolist()
+        width = self.window
+        done = set()
+        for row, request in enumerate(snapshot.requests):
+            lists = self.partial.get(request)
+            if lists is None:  # retired by an earlier snapshot
+                continue
+            new = generated[row] - len(lists[0])
+            if new > 0:
+                lists[0].extend(tokens[row][width - new :])
+                lists[1].extend(logprobs[row][width - new :])
+            if finished[row]:
+                done.add(request)
+        if done:
+            self._retire(done)
+
+    def _retire(self, done: set[int]) -> None:
+        """Record finished requests' results, free their slots and compact the live rows."""
+        keep = []
+        for row, request in enumerate(self.row_request):
+            if request not in done:
+                keep.append(row)
+                continue
+            tokens, logprobs = self.partial.pop(request)
+            reason = "stop" if tokens and tokens[-1] in self.stop_ids else "length"
+            self.results[request] = (tokens, logprobs, reason)
+            self.free_slots.append(self.row_slot[row])
+        self.state.keep_rows(keep, _upload(self.engine.device, torch.tensor(keep))[0])
         self.row_request = [self.row_request[r] for r in keep]
+        self.row_slot = [self.row_slot[r] for r in keep]
         self.row_budget = [self.row_budget[r] for r in keep]
         self.row_end = [self.row_end[r] for r in keep]
 

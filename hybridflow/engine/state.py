@@ -40,11 +40,12 @@ class DecodeState:
         if stop_ids:
             self.stop_mask[torch.tensor(stop_ids, device=self.stop_mask.device)] = True
 
-    def keep_rows(self, keep: list[int]) -> None:
-        """Compact: rows `keep` (in that order) become rows [0, len(keep)); the rest padding."""
-        device = self.tokens.device
+    def keep_rows(self, keep: list[int], index: torch.Tensor | None = None) -> None:
+        """Compact: rows `keep` (in that order) become rows [0, len(keep)); the rest padding.
+        index: `keep` already on the device (uploaded without a sync; else made here)."""
         if keep != list(range(len(keep))):
-            index = torch.tensor(keep, dtype=torch.int64, device=device)
+            if index is None:
+                index = torch.tensor(keep, dtype=torch.int64, device=self.tokens.device)
             for field in self._row_fields:
                 field[: len(keep)] = field[index]
         self.num_rows = len(keep)

@@ -228,3 +228,42 @@ def test_head_major_cache_layout_gives_the_same_generation(model, monkeypatch):
     monkeypatch.setattr(kv_cache, "LAYOUT", "slot")
     with pytest.raises(ValueError, match="LAYOUT"):
         _engine(model).generate(PROMPTS[:1], params)
+
+
+@pytest.mark.parametrize("steps_per_sync", [1, 3])
+def test_lagged_host_reads_give_the_same_results(model, monkeypatch, steps_per_sync):
+    """The host reads each chunk's flags and tokens one chunk late (engine.SYNC_LAG = 1): with
+    early stops and slots reused through 2 slots, every request's tokens, log-probs and
+    finish reason equal those of the wait-for-every-chunk loop (SYNC_LAG = 0). (Log-probs to
+    fp32 rounding: rows are admitted at other steps, so a step's batch size differs.)"""
+    from hybridflow.engine import engine as engine_module
+
+    prompts = PROMPTS * 3
+    free = _engine(model).generate(prompts, SamplingParams(temperature=0, max_new_tokens=12,
+                                                           ignore_eos=True))  # fmt: skip
+    stop = free[1].token_ids[2]
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=4,
+                            stop_token_ids=[stop], ignore_eos=True)  # fmt: skip
+    results = {}
+    for lag in (0, 1):
+        monkeypatch.setattr(engine_module, "SYNC_LAG", lag)
+        engine = _engine(model, max_batch_size=2, steps_per_sync=steps_per_sync)
+        results[lag] = engine.generate(prompts, params)
+    assert _tokens(results[1]) == _tokens(results[0])
+    assert [c.finish_reason for c in results[1]] == [c.finish_reason for c in results[0]]
+    for lagged, waited in zip(results[1], results[0]):
+        assert torch.allclose(torch.tensor(lagged.logprobs), torch.tensor(waited.logprobs),
+                              atol=1e-5, rtol=0)  # fmt: skip
+    assert {c.finish_reason for c in results[1]} == {"stop", "length"}
+    for c in results[1]:
+        assert (c.finish_reason == "stop") == (c.token_ids[-1] == stop)
+        assert len(c.token_ids) == len(c.logprobs) <= 12
+
+
+def test_one_new_token_per_request(model):
+    """max_new_tokens=1: rows finish at admission and the loop ends (no decode chunk)."""
+    out = _engine(model, max_batch_size=3).generate(
+        PROMPTS, SamplingParams(n=2, temperature=0, max_new_tokens=1, ignore_eos=True)
+    )
+    assert [len(c.token_ids) for c in out] == [1] * 8
+    assert all(c.finish_reason == "length" for c in out)

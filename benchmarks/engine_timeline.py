@@ -1,0 +1,176 @@
+"""Where a generate() call's wall time goes on the device: a torch.profiler trace of one warm
+call, reduced to GPU busy time, GPU idle gaps, and which host phase (admission, decode
+replays, collection) was running when each gap opened.
+
+engine_step.py finds the replayed step a few percent shorter than a generate() call implies
+(8% at 0.5b / 1024 rows); this names the difference.
+
+    python benchmarks/engine_timeline.py --preset qwen2.5-0.5b --rows 1024   # H200, ~1 min
+    python benchmarks/engine_timeline.py --device cpu --preset tiny --rows 4 --new-tokens 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import torch
+
+from hybridflow.engine import Engine, SamplingParams, engine
+from hybridflow.engine.bench_cli import make_prompts
+from hybridflow.models import load_model
+
+# Host phases marked in the trace (record_function around these _GenerationLoop methods).
+PHASES = ("_admit", "_decode", "_snapshot", "_absorb", "_retire")
+
+
+def idle_gaps(kernels: list[tuple[float, float]], phases: list[tuple[str, float, float]],
+              top: int = 15) -> dict:  # fmt: skip
+    """kernels: (start, end) device intervals; phases: (name, start, end) host intervals on
+    the same clock (us). Returns busy and idle time over the kernels' span, idle time by the
+    host phase running when each gap opened ("other" outside every phase), and the largest
+    gaps."""
+    if not kernels:
+        return {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "idle_by_phase": {},
+                "largest": []}  # fmt: skip
+    kernels = sorted(kernels)
+    busy, gaps = 0.0, []
+    cur_start, cur_end = kernels[0]
+    for start, end in kernels[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            gaps.append((cur_end, start))
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    span = cur_end - kernels[0][0]
+
+    def phase_at(t: float) -> str:
+        inside = [(s, name) for name, s, e in phases if s <= t <= e]
+        return max(inside)[1] if inside else "other"  # the innermost (latest started)
+
+    by_phase: dict[str, float] = {}
+    described = []
+    for start, end in gaps:
+        name = phase_at(start)
+        by_phase[name] = by_phase.get(name, 0.0) + (end - start)
+        described.append({"at_us": start - kernels[0][0], "us": end - start, "phase": name})
+    described.sort(key=lambda g: -g["us"])
+    return {"span_us": span, "busy_us": busy, "idle_us": span - busy,
+            "idle_by_phase": dict(sorted(by_phase.items(), key=lambda kv: -kv[1])),
+            "gaps": len(gaps), "largest": described[:top]}  # fmt: skip
+
+
+def _trace_intervals(path: str) -> tuple[list, list, float]:
+    """Chrome trace -> kernel intervals, host phase intervals, generate()'s own duration."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels, phases, call = [], [], 0.0
+    for event in events:
+        if event.get("ph") != "X":
+            continue
+        start, end = float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0))
+        cat, name = event.get("cat", ""), event.get("name", "")
+        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            kernels.append((start, end))
+        elif cat == "user_annotation" and name in PHASES:
+            phases.append((name, start, end))
+        elif cat == "user_annotation" and name == "generate":
+            call = end - start
+    return kernels, phases, call
+
+
+def _annotate(loop_class) -> None:
+    """Wrap the loop's phase methods in record_function ranges (this process only)."""
+    for name in PHASES:
+        method = getattr(loop_class, name, None)
+        if method is None or getattr(method, "_annotated", False):
+            continue
+
+        def wrapped(self, *args, _method=method, _name=name, **kwargs):
+            with torch.profiler.record_function(_name):
+                return _method(self, *args, **kwargs)
+
+        wrapped._annotated = True
+        setattr(loop_class, name, wrapped)
+
+
+@torch.no_grad()
+def timeline(preset: str, rows: int, length: int, new_tokens: int, device: torch.device) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = load_model(preset, dtype=dtype, device=device).eval()
+    eng = Engine(model, max_batch_size=rows, max_seq_len=length + new_tokens + 64)
+    prompts = make_prompts(rows, length, model.config.vocab_size, 0)
+    params = SamplingParams(max_new_tokens=new_tokens, seed=0, ignore_eos=True)
+    eng.generate(prompts, params)  # compile, tune, capture
+    _annotate(engine._GenerationLoop)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    eng.generate(prompts, params)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    unprofiled = time.perf_counter() - start
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
+                                           else [])  # fmt: skip
+    with profile(activities=activities) as prof:
+        with torch.profiler.record_function("generate"):
+            eng.generate(prompts, params)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        kernels, phases, call_us = _trace_intervals(path)
+    host_by_phase: dict[str, float] = {}
+    for name, s, e in phases:
+        host_by_phase[name] = host_by_phase.get(name, 0.0) + (e - s)
+    result = idle_gaps(kernels, phases)
+    result.update(preset=preset, rows=rows, length=length, new_tokens=new_tokens,
+                  unprofiled_call_ms=unprofiled * 1e3, profiled_call_us=call_us,
+                  host_by_phase_us=host_by_phase,
+                  host_calls={n: sum(1 for p in phases if p[0] == n) for n in PHASES})  # fmt: skip
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="qwen2.5-0.5b")
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--length", type=int, default=128, help="prompt tokens")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--lag",
+        type=int,
+        default=None,
+        choices=[0, 1],
+        help="engine.SYNC_LAG for this run (default: the engine's)",
+    )
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.lag is not None:
+        engine.SYNC_LAG = args.lag
+    r = timeline(args.preset, args.rows, args.length, args.new_tokens, torch.device(args.device))
+    print(f"{r['preset']}, {r['rows']} rows, lag {engine.SYNC_LAG}: call {r['unprofiled_call_ms']:.1f} ms "
+          f"unprofiled, {r['profiled_call_us'] / 1e3:.1f} ms profiled; kernels span "
+          f"{r['span_us'] / 1e3:.1f} ms, busy {r['busy_us'] / 1e3:.1f} ms, idle "
+          f"{r['idle_us'] / 1e3:.2f} ms in {r.get('gaps', 0)} gaps")  # fmt: skip
+    print("idle by host phase (us):", {k: round(v) for k, v in r["idle_by_phase"].items()})
+    print("host time by phase (us):", {k: round(v) for k, v in r["host_by_phase_us"].items()},
+          "calls:", r["host_calls"])  # fmt: skip
+    for gap in r["largest"]:
+        print(f"  gap {gap['us']:8.1f} us at {gap['at_us'] / 1e3:8.2f} ms during {gap['phase']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

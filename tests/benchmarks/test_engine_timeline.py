@@ -1,0 +1,32 @@
+"""benchmarks/engine_timeline.py: the gap accounting over device intervals, and a CPU run of
+the whole script (trace export, phase annotations)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import engine_timeline  # noqa: E402
+
+
+def test_idle_gaps_merges_overlaps_and_names_the_phase():
+    kernels = [(0, 10), (5, 12), (20, 30), (30, 31), (40, 50)]
+    phases = [("_decode", 0, 15), ("_absorb", 12, 25), ("_admit", 35, 36)]
+    r = engine_timeline.idle_gaps(kernels, phases)
+    assert r["span_us"] == 50 and r["busy_us"] == 12 + 11 + 10
+    assert r["idle_us"] == pytest.approx(8 + 9)
+    # gap 12-20 opened while _absorb (started later than _decode) ran; 31-40 outside phases
+    assert r["idle_by_phase"] == {"other": 9, "_absorb": 8}
+    assert [g["us"] for g in r["largest"]] == [9, 8]
+
+
+def test_timeline_runs_on_cpu():
+    r = engine_timeline.timeline("tiny", rows=4, length=8, new_tokens=6,
+                                 device=torch.device("cpu"))  # fmt: skip
+    assert r["host_calls"]["_admit"] >= 1 and r["host_calls"]["_absorb"] >= 1
+    assert r["profiled_call_us"] > 0 and r["span_us"] == 0  # no device kernels on CPU
