@@ -12,6 +12,7 @@ engine_step.py finds the replayed step a few percent shorter than a generate() c
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import tempfile
@@ -28,11 +29,11 @@ PHASES = ("_admit", "_decode", "_snapshot", "_absorb", "_retire")
 
 
 def idle_gaps(kernels: list[tuple[float, float]], phases: list[tuple[str, float, float]],
-              top: int = 15) -> dict:  # fmt: skip
+              top: int = 15, ops: list[tuple[str, float, float]] = ()) -> dict:  # fmt: skip
     """kernels: (start, end) device intervals; phases: (name, start, end) host intervals on
     the same clock (us). Returns busy and idle time over the kernels' span, idle time by the
     host phase running when each gap opened ("other" outside every phase), and the largest
-    gaps."""
+    gaps, each with the innermost host op (ops: (name, start, end)) running when it opened."""
     if not kernels:
         return {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "idle_by_phase": {},
                 "largest": []}  # fmt: skip
@@ -49,8 +50,8 @@ def idle_gaps(kernels: list[tuple[float, float]], phases: list[tuple[str, float,
     busy += cur_end - cur_start
     span = cur_end - kernels[0][0]
 
-    def phase_at(t: float) -> str:
-        inside = [(s, name) for name, s, e in phases if s <= t <= e]
+    def phase_at(t: float, intervals=phases) -> str:
+        inside = [(s, name) for name, s, e in intervals if s <= t <= e]
         return max(inside)[1] if inside else "other"  # the innermost (latest started)
 
     by_phase: dict[str, float] = {}
@@ -60,6 +61,8 @@ def idle_gaps(kernels: list[tuple[float, float]], phases: list[tuple[str, float,
         by_phase[name] = by_phase.get(name, 0.0) + (end - start)
         described.append({"at_us": start - kernels[0][0], "us": end - start, "phase": name})
     described.sort(key=lambda g: -g["us"])
+    for gap in described[:top]:
+        gap["host_op"] = phase_at(gap["at_us"] + kernels[0][0], ops)
     return {"span_us": span, "busy_us": busy, "idle_us": span - busy,
             "idle_by_phase": dict(sorted(by_phase.items(), key=lambda kv: -kv[1])),
             "gaps": len(gaps), "largest": described[:top]}  # fmt: skip
@@ -69,7 +72,7 @@ def _trace_intervals(path: str) -> tuple[list, list, float]:
     """Chrome trace -> kernel intervals, host phase intervals, generate()'s own duration."""
     with open(path) as f:
         events = json.load(f)["traceEvents"]
-    kernels, phases, call = [], [], 0.0
+    kernels, phases, ops, call = [], [], [], 0.0
     for event in events:
         if event.get("ph") != "X":
             continue
@@ -81,7 +84,9 @@ def _trace_intervals(path: str) -> tuple[list, list, float]:
             phases.append((name, start, end))
         elif cat == "user_annotation" and name == "generate":
             call = end - start
-    return kernels, phases, call
+        elif cat in ("cpu_op", "cuda_runtime", "cuda_driver", "python_function"):
+            ops.append((name[:60], start, end))
+    return kernels, phases, ops, call
 
 
 def _annotate(loop_class) -> None:
@@ -112,6 +117,17 @@ def timeline(preset: str, rows: int, length: int, new_tokens: int, device: torch
     _annotate(engine._GenerationLoop)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    pauses: dict[str, list[float]] = {"unprofiled": [], "profiled": []}
+    run = "unprofiled"
+    began = [0.0]
+
+    def on_gc(phase, info):  # Python's collector stops the host (and a host-bound GPU)
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            pauses[run].append(round((time.perf_counter() - began[0]) * 1e3, 3))
+
+    gc.callbacks.append(on_gc)
     start = time.perf_counter()
     eng.generate(prompts, params)
     if device.type == "cuda":
@@ -119,19 +135,22 @@ def timeline(preset: str, rows: int, length: int, new_tokens: int, device: torch
     unprofiled = time.perf_counter() - start
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
                                            else [])  # fmt: skip
+    run = "profiled"
     with profile(activities=activities) as prof:
         with torch.profiler.record_function("generate"):
             eng.generate(prompts, params)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+    gc.callbacks.remove(on_gc)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
-        kernels, phases, call_us = _trace_intervals(path)
+        kernels, phases, ops, call_us = _trace_intervals(path)
     host_by_phase: dict[str, float] = {}
     for name, s, e in phases:
         host_by_phase[name] = host_by_phase.get(name, 0.0) + (e - s)
-    result = idle_gaps(kernels, phases)
+    result = idle_gaps(kernels, phases, ops=ops)
+    result["gc_pauses_ms"] = pauses
     result.update(preset=preset, rows=rows, length=length, new_tokens=new_tokens,
                   unprofiled_call_ms=unprofiled * 1e3, profiled_call_us=call_us,
                   host_by_phase_us=host_by_phase,
@@ -165,8 +184,12 @@ def main() -> None:
     print("idle by host phase (us):", {k: round(v) for k, v in r["idle_by_phase"].items()})
     print("host time by phase (us):", {k: round(v) for k, v in r["host_by_phase_us"].items()},
           "calls:", r["host_calls"])  # fmt: skip
+    for name, p in r["gc_pauses_ms"].items():
+        print(f"GC pauses in the {name} call: {len(p)}, {sum(p):.1f} ms in all, max "
+              f"{max(p, default=0):.1f} ms")  # fmt: skip
     for gap in r["largest"]:
-        print(f"  gap {gap['us']:8.1f} us at {gap['at_us'] / 1e3:8.2f} ms during {gap['phase']}")
+        print(f"  gap {gap['us']:8.1f} us at {gap['at_us'] / 1e3:8.2f} ms during {gap['phase']}"
+              f" / {gap['host_op']}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=1)

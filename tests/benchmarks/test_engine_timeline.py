@@ -17,12 +17,14 @@ import engine_timeline  # noqa: E402
 def test_idle_gaps_merges_overlaps_and_names_the_phase():
     kernels = [(0, 10), (5, 12), (20, 30), (30, 31), (40, 50)]
     phases = [("_decode", 0, 15), ("_absorb", 12, 25), ("_admit", 35, 36)]
-    r = engine_timeline.idle_gaps(kernels, phases)
+    ops = [("aten::copy_", 11, 13), ("cudaStreamSynchronize", 11.5, 12.5)]
+    r = engine_timeline.idle_gaps(kernels, phases, ops=ops)
     assert r["span_us"] == 50 and r["busy_us"] == 12 + 11 + 10
     assert r["idle_us"] == pytest.approx(8 + 9)
     # gap 12-20 opened while _absorb (started later than _decode) ran; 31-40 outside phases
     assert r["idle_by_phase"] == {"other": 9, "_absorb": 8}
     assert [g["us"] for g in r["largest"]] == [9, 8]
+    assert [g["host_op"] for g in r["largest"]] == ["other", "cudaStreamSynchronize"]
 
 
 def test_timeline_runs_on_cpu():
@@ -30,3 +32,4 @@ def test_timeline_runs_on_cpu():
                                  device=torch.device("cpu"))  # fmt: skip
     assert r["host_calls"]["_admit"] >= 1 and r["host_calls"]["_absorb"] >= 1
     assert r["profiled_call_us"] > 0 and r["span_us"] == 0  # no device kernels on CPU
+    assert set(r["gc_pauses_ms"]) == {"unprofiled", "profiled"}
