@@ -76,39 +76,6 @@ def kernel_table(fn, device: torch.device, steps: int = 10, top: int = 25) -> li
     return rows[:top]
 
 
-def launch_patterns(runner, rows: int, steps: int, repeats: int = 5) -> dict:
-    """Per-step device time of `steps` steps launched as the engine does: `steps` launches
-    of its one-step graph, or one launch of its chunk graph of `steps` steps (median of
-    `repeats`, each timed between events around the launches)."""
-    from hybridflow.engine import graphs
-
-    one = runner._graph(rows)
-    saved, graphs.CHUNK_GRAPHS = graphs.CHUNK_GRAPHS, True
-    try:
-        runner._chunk_graph(rows, steps)
-        chunk = runner._chunk_graph(rows, steps)  # captured on the second request
-    finally:
-        graphs.CHUNK_GRAPHS = saved
-
-    def per_step_us(launch) -> float:
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            launch()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1000 / steps)
-        return sorted(times)[repeats // 2]
-
-    def one_by_one():
-        for _ in range(steps):
-            one.replay()
-
-    return {f"{steps} one-step graph launches, per step": per_step_us(one_by_one),
-            f"one {steps}-step chunk graph, per step": per_step_us(chunk.replay)}  # fmt: skip
-
-
 @torch.no_grad()
 def anatomy(
     preset: str, rows: int, length: int, new_tokens: int, device: torch.device, kernels: int = 25
@@ -165,8 +132,6 @@ def anatomy(
         device,
     )
     step = parts["step (graph the engine replays)"]
-    if device.type == "cuda":  # the engine's own launches: one graph per step, or per chunk
-        parts.update(launch_patterns(runner, rows, steps=8))
     parts["generate() per step (wall - TTFT)"] = implied_step_us
     table = (
         kernel_table(lambda: runner._step(rows, max_len), device, top=kernels) if kernels else []

@@ -58,9 +58,6 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync-lag", type=int, default=None, choices=[0, 1],
                    help="host reads of each chunk's flags and tokens lag the device by this "
                    "many chunks (engine.SYNC_LAG; default: its current value)")  # fmt: skip
-    p.add_argument("--chunk-graphs", default=None, choices=["on", "off"],
-                   help="a chunk of decode steps as one multi-step CUDA graph (engine/graphs.py "
-                   "CHUNK_GRAPHS; default: its current value)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=1, help="timed runs (the median is kept)")
     p.add_argument("--hf", dest="hf", action="store_true", default=True)
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HF baseline")
@@ -179,10 +176,6 @@ def bench_engine(model, prompts, args, device) -> dict:
 
     if getattr(args, "sync_lag", None) is not None:
         engine_module.SYNC_LAG = args.sync_lag
-    from hybridflow.engine import graphs
-
-    if getattr(args, "chunk_graphs", None) is not None:
-        graphs.CHUNK_GRAPHS = args.chunk_graphs == "on"
     engine = Engine(
         model,
         max_batch_size=args.max_batch_size or len(prompts) * args.n,
@@ -228,7 +221,7 @@ def bench_engine(model, prompts, args, device) -> dict:
         "tokens_per_s": tokens / seconds, "ttft_s": ttft, "peak_mem_gib": peak / 2**30,
         "warmup_s": warmup, "stopped": stopped, "runs_s": [round(r, 4) for r in runs],
         "ahead": getattr(args, "ahead", "off"), "kv_layout": kv_cache.LAYOUT,
-        "tma": tma, "sync_lag": engine_module.SYNC_LAG, "chunk_graphs": graphs.CHUNK_GRAPHS,
+        "tma": tma, "sync_lag": engine_module.SYNC_LAG,
         "pdl": f"{mode} ({'on' if pdl and pdl.enabled(torch.empty(0, device=device)) else 'off'})",
         "matmul": matmul.mode if matmul else None,
         "matmul_timings_us": {str(k[:3]): v for k, v in matmul.timings.items()} if matmul else {},

@@ -12,7 +12,9 @@ their slots for the next admission.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import os
 from collections import deque
 from dataclasses import dataclass
@@ -269,10 +271,11 @@ class Engine:
             self.fused.refresh(self.model)  # weights may have changed since the last call
         self.runner.prepare(params)
         loop = _GenerationLoop(self, prompts, params, seed_lo.tolist(), seed_hi.tolist())
-        if self.device.type != "cuda":
-            return loop.run()
-        with torch.cuda.device(self.device):  # graphs and side streams on the model's GPU
-            return loop.run()
+        with _cyclic_gc_paused():
+            if self.device.type != "cuda":
+                return loop.run()
+            with torch.cuda.device(self.device):  # graphs and side streams on the model's GPU
+                return loop.run()
 
     def generate_padded(
         self, prompts: list[list[int]], params: SamplingParams, pad_token_id: int | None = None
@@ -516,6 +519,23 @@ class _GenerationLoop:
         self.row_slot = [self.row_slot[r] for r in keep]
         self.row_budget = [self.row_budget[r] for r in keep]
         self.row_end = [self.row_end[r] for r in keep]
+
+
+@contextlib.contextmanager
+def _cyclic_gc_paused():
+    """Python's cyclic garbage collector off inside (restored after). A full collection walks
+    every object of the process (155 ms with torch, transformers and a 0.5b model loaded, on
+    the CPU machine): in the middle of generate() it stops the host while the GPU drains the
+    one chunk it has queued, and it fired in some timed calls but not others (H200, 0.5b:
+    runs of 0.389 vs 0.473 s at 256 rows, 1.07 vs 1.20 s at 1024). The loop's own objects are
+    lists of numbers, freed by reference counting; collection resumes when the call returns."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _ranges(lengths: torch.Tensor) -> torch.Tensor:

@@ -267,3 +267,27 @@ def test_one_new_token_per_request(model):
     )
     assert [len(c.token_ids) for c in out] == [1] * 8
     assert all(c.finish_reason == "length" for c in out)
+
+
+def test_cyclic_gc_is_paused_inside_generate_and_restored(model, monkeypatch):
+    import gc
+
+    from hybridflow.engine import engine as engine_module
+
+    seen = []
+    run = engine_module._GenerationLoop.run
+
+    def spy(self):
+        seen.append(gc.isenabled())
+        return run(self)
+
+    monkeypatch.setattr(engine_module._GenerationLoop, "run", spy)
+    assert gc.isenabled()
+    _engine(model).generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, seed=0))
+    assert seen == [False] and gc.isenabled()
+    gc.disable()  # a caller that turned it off keeps it off
+    try:
+        _engine(model).generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, seed=0))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

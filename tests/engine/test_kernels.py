@@ -370,33 +370,3 @@ def test_lagged_snapshots_on_cuda_give_the_same_tokens(monkeypatch):
     assert results[1] == results[0]
     reasons = [reason for _, reason in results[1]]
     assert "stop" in reasons and "length" in reasons
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
-def test_chunk_graphs_give_bitwise_the_same_generation(monkeypatch):
-    """A chunk of steps replayed as one multi-step graph (graphs.CHUNK_GRAPHS) runs the same
-    kernels on the same buffers as that many one-step replays: tokens and log-probs must be
-    bitwise equal (same tiles forced), through admissions, stops and several buckets."""
-    from hybridflow.engine import graphs
-
-    model = build_model(preset_config("tiny-4l"), seed=2, device=DEVICE).to(torch.bfloat16)
-    vocab = model.config.vocab_size
-    prompts = [[(3 * i + j) % (vocab - 3) + 3 for j in range(4 + i % 5)] for i in range(24)]
-    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=40, seed=5, ignore_eos=True,
-                            stop_token_ids=list(range(3, 3 + vocab // 40)))  # fmt: skip
-    results, first = {}, None
-    for chunked in (False, True):
-        monkeypatch.setattr(graphs, "CHUNK_GRAPHS", chunked)
-        engine = Engine(model.eval(), max_batch_size=16, max_seq_len=64, steps_per_sync=4)
-        if first is not None:  # the same tiles and K splits (chosen by timing) both times
-            engine.matmul.choices.update(first.matmul.choices)
-            engine.chain.plans.update(first.chain.plans)
-            engine.chain.decisions.update(first.chain.decisions)
-        out = engine.generate(prompts, params)
-        out = engine.generate(prompts, params)  # second call: chunk graphs captured and used
-        if chunked:
-            assert any(len(key) == 3 for key in engine.runner.graphs)
-        first = first or engine
-        results[chunked] = ([c.token_ids for c in out], [c.logprobs for c in out])
-        engine.release()
-    assert results[True] == results[False]
