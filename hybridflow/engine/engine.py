@@ -5,9 +5,11 @@
     engine.release()  # KV cache freed; the next generate() allocates it again
 
 Loop: admit waiting requests into free slots (packed prefill of each unique prompt once, KV
-copied to its n sample slots, first tokens sampled), run `steps_per_sync` decode steps on the
-device (CUDA-graph replays, no host sync), then one sync to collect finished rows and free
-their slots for the next admission.
+copied to its n sample slots, first tokens sampled), queue `steps_per_sync` decode steps on
+the device (CUDA-graph replays, no host sync) and a copy of the rows' finished flags and new
+tokens; then read the copy of the chunk before (SYNC_LAG): append its tokens to the
+requests' lists, retire finished rows and free their slots for the next admission. The GPU
+runs the queued chunk while the host does that.
 """
 
 from __future__ import annotations
@@ -66,7 +68,9 @@ class Engine:
         decode_backend: "auto" (triton on CUDA when importable, else torch), "triton", "torch".
         cuda_graphs: replay decode steps as CUDA graphs (default: on for CUDA).
         steps_per_sync: decode steps between two host checks for finished sequences (8 was
-            fastest of 8/16/32/64 on an H200, docs/PERFORMANCE.md).
+            fastest of 8/16/32/64 on an H200, docs/PERFORMANCE.md). The host reads each
+            chunk's flags one chunk late (SYNC_LAG), so a finished row's slot is refilled up
+            to two chunks after it finished.
         max_prefill_tokens: prompt tokens per packed prefill pass (bounds activation memory).
         fuse_projections: triton backend: "all" (default) keeps a concatenated copy of each
             layer's q/k/v and gate/up weights (one matmul instead of three, one instead of two;
@@ -303,6 +307,9 @@ class Engine:
 # replays are queued before the host waits for the previous chunk's finished flags and new
 # tokens, so the GPU does not idle while the host compacts rows, admits prompts and turns
 # tokens into lists (0: wait for each chunk before queueing the next; benchmarks A/B it).
+# H200, 0.5b (docs/PERFORMANCE.md, session 6): 171k vs 162k tok/s at 256 rows, 242k vs 227k
+# at 1024; with a queue and early stops (1024 prompts through 256 slots), where a slot is
+# refilled one chunk later, still 93.6k vs 74.4k.
 SYNC_LAG = 1
 
 
