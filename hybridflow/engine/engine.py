@@ -17,10 +17,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import itertools
 import os
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hybridflow.engine import kv_cache
@@ -236,17 +238,24 @@ class Engine:
         return sorted(set(stop))
 
     def _check_prompts(self, prompts: list[list[int]]) -> None:
+        """Raise ValueError naming the first bad prompt. Vectorised: it runs before the first
+        prefill kernel with the GPU idle (1024 prompts x 128 tokens: 2.2 ms, against 3.8 ms
+        for per-prompt min/max on the CPU machine)."""
+        lengths = np.fromiter(map(len, prompts), dtype=np.int64, count=len(prompts))
+        if (lengths == 0).any():
+            raise ValueError(f"prompt {int(np.argmax(lengths == 0))} is empty")
+        if (lengths >= self.max_seq_len).any():
+            i = int(np.argmax(lengths >= self.max_seq_len))
+            raise ValueError(
+                f"prompt {i} has {lengths[i]} tokens; max_seq_len={self.max_seq_len} "
+                "leaves no room to generate: raise max_seq_len"
+            )
         vocab = self.config.vocab_size
-        for i, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise ValueError(f"prompt {i} is empty")
-            if len(prompt) >= self.max_seq_len:
-                raise ValueError(
-                    f"prompt {i} has {len(prompt)} tokens; max_seq_len={self.max_seq_len} "
-                    "leaves no room to generate: raise max_seq_len"
-                )
-            if min(prompt) < 0 or max(prompt) >= vocab:
-                raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
+        flat = _flat_int64(prompts).numpy()
+        bad = (flat < 0) | (flat >= vocab)
+        if bad.any():
+            i = int(np.searchsorted(np.cumsum(lengths), int(np.argmax(bad)), side="right"))
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
@@ -440,7 +449,7 @@ class _GenerationLoop:
             row_slots, max_new_dev, copy_src, copy_dst, copy_pos,
         ) = _upload(
             device,
-            torch.tensor([t for p in unique_prompts for t in p]), _ranges(lengths),
+            _flat_int64(unique_prompts), _ranges(lengths),
             torch.repeat_interleave(first_slots, lengths), cu, group_t,
             torch.tensor([self.seed_lo[r] for r in taken]),
             torch.tensor([self.seed_hi[r] for r in taken]), lengths[group_t],
@@ -543,6 +552,13 @@ def _cyclic_gc_paused():
     finally:
         if enabled:
             gc.enable()
+
+
+def _flat_int64(lists: list[list[int]]) -> torch.Tensor:
+    """Concatenated int lists as one int64 tensor (CPU). numpy's fromiter is ~8x faster than
+    torch.tensor on a list here (16k tokens: 0.25 vs 2.0 ms on the CPU machine), and this is
+    host time before the first prefill kernel, with the GPU idle."""
+    return torch.from_numpy(np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64))
 
 
 def _ranges(lengths: torch.Tensor) -> torch.Tensor:
