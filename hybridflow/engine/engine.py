@@ -272,16 +272,18 @@ class Engine:
                 (c.token_ids, c.logprobs, c.finish_reason)
                 for c in generate_slow(self, prompts, params)
             ]
+        if self.fused is not None:
+            # Weights may have changed since the last call. Queued first: the GPU copies while
+            # the host checks the prompts and builds the first prefill's inputs.
+            self.fused.refresh(self.model)
         self._check_prompts(prompts)
         if self.cache is None:
-            self._allocate()
+            self._allocate()  # makes (and fills) the fused copies
         base_seed = params.seed
         if base_seed is None:
             base_seed = int(torch.randint(0, 2**62, (1,)).item())
         seed_lo, seed_hi = split_seed(request_seeds(base_seed, len(prompts), params.n))
         self.state.set_stop_tokens(self._stop_ids(params))
-        if self.fused is not None:
-            self.fused.refresh(self.model)  # weights may have changed since the last call
         self.runner.prepare(params)
         loop = _GenerationLoop(self, prompts, params, seed_lo.tolist(), seed_hi.tolist())
         with _cyclic_gc_paused():

@@ -36,9 +36,16 @@ class DecodeState:
         )  # fmt: skip
 
     def set_stop_tokens(self, stop_ids: list[int]) -> None:
-        self.stop_mask.zero_()
-        if stop_ids:
-            self.stop_mask[torch.tensor(stop_ids, device=self.stop_mask.device)] = True
+        """Built on the host and copied without a sync (a pageable copy would wait for the
+        GPU's queue, e.g. the fused-weight refresh generate() has just launched). Ids outside
+        the vocabulary (a tokenizer's eos on a smaller model) can never be sampled: ignored."""
+        mask = torch.zeros(self.stop_mask.shape, dtype=torch.bool)
+        reachable = [i for i in stop_ids if 0 <= i < mask.shape[0]]  # others are never sampled
+        if reachable:
+            mask[torch.tensor(reachable)] = True
+        if self.stop_mask.is_cuda:
+            mask = mask.pin_memory()
+        self.stop_mask.copy_(mask, non_blocking=True)
 
     def keep_rows(self, keep: list[int], index: torch.Tensor | None = None) -> None:
         """Compact: rows `keep` (in that order) become rows [0, len(keep)); the rest padding.

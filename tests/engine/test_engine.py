@@ -304,3 +304,13 @@ def test_bad_prompts_are_named(model):
     for prompts, message in cases:
         with pytest.raises(ValueError, match=message):
             engine.generate(prompts, SamplingParams(max_new_tokens=2))
+
+
+def test_stop_ids_outside_the_vocabulary_are_ignored(model):
+    vocab = model.config.vocab_size
+    params = SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True)
+    engine = _engine(model)
+    plain = engine.generate(PROMPTS, params)
+    params_far = SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True,
+                                stop_token_ids=[vocab, vocab + 7])  # fmt: skip
+    assert _tokens(engine.generate(PROMPTS, params_far)) == _tokens(plain)
