@@ -177,7 +177,7 @@ def main() -> None:
     if args.lag is not None:
         engine.SYNC_LAG = args.lag
     r = timeline(args.preset, args.rows, args.length, args.new_tokens, torch.device(args.device))
-    print(f"{r['preset']}, {r['rows']} rows, lag {engine.SYNC_LAG}: call {r['unprofiled_call_ms']:.1f} ms "
+    print(f"{r['preset']}, {r['rows']} rows, lag {engine.SYNC_LAG if engine.SYNC_LAG is not None else 'auto'}: call {r['unprofiled_call_ms']:.1f} ms "
           f"unprofiled, {r['profiled_call_us'] / 1e3:.1f} ms profiled; kernels span "
           f"{r['span_us'] / 1e3:.1f} ms, busy {r['busy_us'] / 1e3:.1f} ms, idle "
           f"{r['idle_us'] / 1e3:.2f} ms in {r.get('gaps', 0)} gaps")  # fmt: skip

@@ -221,7 +221,7 @@ def bench_engine(model, prompts, args, device) -> dict:
         "tokens_per_s": tokens / seconds, "ttft_s": ttft, "peak_mem_gib": peak / 2**30,
         "warmup_s": warmup, "stopped": stopped, "runs_s": [round(r, 4) for r in runs],
         "ahead": getattr(args, "ahead", "off"), "kv_layout": kv_cache.LAYOUT,
-        "tma": tma, "sync_lag": engine_module.SYNC_LAG,
+        "tma": tma, "sync_lag": "auto" if engine_module.SYNC_LAG is None else engine_module.SYNC_LAG,
         "pdl": f"{mode} ({'on' if pdl and pdl.enabled(torch.empty(0, device=device)) else 'off'})",
         "matmul": matmul.mode if matmul else None,
         "matmul_timings_us": {str(k[:3]): v for k, v in matmul.timings.items()} if matmul else {},

@@ -317,11 +317,12 @@ class Engine:
 # Host reads of the decode state lag the device by one chunk of steps: the next chunk's
 # replays are queued before the host waits for the previous chunk's finished flags and new
 # tokens, so the GPU does not idle while the host compacts rows, admits prompts and turns
-# tokens into lists (0: wait for each chunk before queueing the next; benchmarks A/B it).
-# H200, 0.5b (docs/PERFORMANCE.md, session 6): 171k vs 162k tok/s at 256 rows, 242k vs 227k
-# at 1024; with a queue and early stops (1024 prompts through 256 slots), where a slot is
-# refilled one chunk later, still 93.6k vs 74.4k.
-SYNC_LAG = 1
+# tokens into lists. H200, 0.5b (docs/PERFORMANCE.md, session 6): 171k vs 162k tok/s at 256
+# rows, 242k vs 227k at 1024; with a queue and early stops (1024 prompts through 256 slots),
+# where a slot is refilled one chunk later, still 93.6k vs 74.4k. None: 1 on CUDA, 0 on CPU
+# (nothing runs while the host reads there, so lagging only keeps finished rows in the batch
+# one chunk longer); 0 or 1 force it (tests, A/B runs).
+SYNC_LAG: int | None = None
 
 
 @dataclass
@@ -368,6 +369,7 @@ class _GenerationLoop:
         # output columns a snapshot reads per row: a chunk's steps + the admission's token
         self.window = engine.steps_per_sync + 1
         self.columns = torch.arange(self.window, device=engine.device)
+        self.lagged = engine.device.type == "cuda" if SYNC_LAG is None else SYNC_LAG > 0
 
     def run(self) -> list[tuple]:
         pending = None
@@ -385,7 +387,7 @@ class _GenerationLoop:
                 snapshot = self._snapshot()
             if pending is not None:
                 self._absorb(pending)  # the GPU runs the chunk just queued meanwhile
-            if snapshot is not None and (SYNC_LAG == 0 or steps == 0):
+            if snapshot is not None and (not self.lagged or steps == 0):
                 self._absorb(snapshot)  # nothing queued to overlap with: read it now
                 snapshot = None
             pending = snapshot
