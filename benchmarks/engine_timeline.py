@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from hybridflow.engine import Engine, SamplingParams, engine
+from hybridflow.engine import Engine, SamplingParams, loop
 from hybridflow.engine.bench_cli import make_prompts
 from hybridflow.models import load_model
 
-# Host phases marked in the trace (record_function around these _GenerationLoop methods).
+# Host phases marked in the trace (record_function around these loop.GenerationLoop methods).
 PHASES = ("_admit", "_decode", "_snapshot", "_absorb", "_retire")
 
 
@@ -114,7 +114,7 @@ def timeline(preset: str, rows: int, length: int, new_tokens: int, device: torch
     prompts = make_prompts(rows, length, model.config.vocab_size, 0)
     params = SamplingParams(max_new_tokens=new_tokens, seed=0, ignore_eos=True)
     eng.generate(prompts, params)  # compile, tune, capture
-    _annotate(engine._GenerationLoop)
+    _annotate(loop.GenerationLoop)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     pauses: dict[str, list[float]] = {"unprofiled": [], "profiled": []}
@@ -170,14 +170,14 @@ def main() -> None:
         type=int,
         default=None,
         choices=[0, 1],
-        help="engine.SYNC_LAG for this run (default: the engine's)",
+        help="loop.SYNC_LAG for this run (default: the engine's)",
     )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.lag is not None:
-        engine.SYNC_LAG = args.lag
+        loop.SYNC_LAG = args.lag
     r = timeline(args.preset, args.rows, args.length, args.new_tokens, torch.device(args.device))
-    print(f"{r['preset']}, {r['rows']} rows, lag {engine.SYNC_LAG if engine.SYNC_LAG is not None else 'auto'}: call {r['unprofiled_call_ms']:.1f} ms "
+    print(f"{r['preset']}, {r['rows']} rows, lag {loop.SYNC_LAG if loop.SYNC_LAG is not None else 'auto'}: call {r['unprofiled_call_ms']:.1f} ms "
           f"unprofiled, {r['profiled_call_us'] / 1e3:.1f} ms profiled; kernels span "
           f"{r['span_us'] / 1e3:.1f} ms, busy {r['busy_us'] / 1e3:.1f} ms, idle "
           f"{r['idle_us'] / 1e3:.2f} ms in {r.get('gaps', 0)} gaps")  # fmt: skip

@@ -57,7 +57,7 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--sync-lag", type=int, default=None, choices=[0, 1],
                    help="host reads of each chunk's flags and tokens lag the device by this "
-                   "many chunks (engine.SYNC_LAG; default: its current value)")  # fmt: skip
+                   "many chunks (loop.SYNC_LAG; default: its current value)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=1, help="timed runs (the median is kept)")
     p.add_argument("--hf", dest="hf", action="store_true", default=True)
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HF baseline")
@@ -172,10 +172,10 @@ def bench_engine(model, prompts, args, device) -> dict:
         from hybridflow.engine import gemm
 
         gemm.TMA = {"auto": None, "on": True, "off": False}[tma]
-    from hybridflow.engine import engine as engine_module
+    from hybridflow.engine import loop
 
     if getattr(args, "sync_lag", None) is not None:
-        engine_module.SYNC_LAG = args.sync_lag
+        loop.SYNC_LAG = args.sync_lag
     engine = Engine(
         model,
         max_batch_size=args.max_batch_size or len(prompts) * args.n,
@@ -221,7 +221,7 @@ def bench_engine(model, prompts, args, device) -> dict:
         "tokens_per_s": tokens / seconds, "ttft_s": ttft, "peak_mem_gib": peak / 2**30,
         "warmup_s": warmup, "stopped": stopped, "runs_s": [round(r, 4) for r in runs],
         "ahead": getattr(args, "ahead", "off"), "kv_layout": kv_cache.LAYOUT,
-        "tma": tma, "sync_lag": "auto" if engine_module.SYNC_LAG is None else engine_module.SYNC_LAG,
+        "tma": tma, "sync_lag": "auto" if loop.SYNC_LAG is None else loop.SYNC_LAG,
         "pdl": f"{mode} ({'on' if pdl and pdl.enabled(torch.empty(0, device=device)) else 'off'})",
         "matmul": matmul.mode if matmul else None,
         "matmul_timings_us": {str(k[:3]): v for k, v in matmul.timings.items()} if matmul else {},

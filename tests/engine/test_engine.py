@@ -229,11 +229,11 @@ def test_head_major_cache_layout_gives_the_same_generation(model, monkeypatch):
 
 @pytest.mark.parametrize("steps_per_sync", [1, 3])
 def test_lagged_host_reads_give_the_same_results(model, monkeypatch, steps_per_sync):
-    """The host reads each chunk's flags and tokens one chunk late (engine.SYNC_LAG = 1): with
+    """The host reads each chunk's flags and tokens one chunk late (loop.SYNC_LAG = 1): with
     early stops and slots reused through 2 slots, every request's tokens, log-probs and
     finish reason equal those of the wait-for-every-chunk loop (SYNC_LAG = 0). (Log-probs to
     fp32 rounding: rows are admitted at other steps, so a step's batch size differs.)"""
-    from hybridflow.engine import engine as engine_module
+    from hybridflow.engine import loop as loop_module
 
     prompts = PROMPTS * 3
     sampling = dict(n=2, temperature=1.0, max_new_tokens=12, seed=4, ignore_eos=True)
@@ -244,7 +244,7 @@ def test_lagged_host_reads_give_the_same_results(model, monkeypatch, steps_per_s
     params = SamplingParams(**sampling, stop_token_ids=[stop])
     results = {}
     for lag in (0, 1):
-        monkeypatch.setattr(engine_module, "SYNC_LAG", lag)
+        monkeypatch.setattr(loop_module, "SYNC_LAG", lag)
         engine = _engine(model, max_batch_size=2, steps_per_sync=steps_per_sync)
         results[lag] = engine.generate(prompts, params)
     assert _tokens(results[1]) == _tokens(results[0])
@@ -270,16 +270,16 @@ def test_one_new_token_per_request(model):
 def test_cyclic_gc_is_paused_inside_generate_and_restored(model, monkeypatch):
     import gc
 
-    from hybridflow.engine import engine as engine_module
+    from hybridflow.engine import loop as loop_module
 
     seen = []
-    run = engine_module._GenerationLoop.run
+    run = loop_module.GenerationLoop.run
 
     def spy(self):
         seen.append(gc.isenabled())
         return run(self)
 
-    monkeypatch.setattr(engine_module._GenerationLoop, "run", spy)
+    monkeypatch.setattr(loop_module.GenerationLoop, "run", spy)
     assert gc.isenabled()
     _engine(model).generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, seed=0))
     assert seen == [False] and gc.isenabled()

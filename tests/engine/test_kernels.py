@@ -348,12 +348,12 @@ def test_pdl_launches_give_bitwise_the_same_generation(norms):
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="pinned, non-blocking snapshot copies are CUDA's")
 def test_lagged_snapshots_on_cuda_give_the_same_tokens(monkeypatch):
-    """engine.SYNC_LAG = 1 reads each chunk's flags and tokens from pinned host copies one
+    """loop.SYNC_LAG = 1 reads each chunk's flags and tokens from pinned host copies one
     chunk late, while the next chunk's graphs run; a read before its copy landed would show
     as wrong or missing tokens against SYNC_LAG = 0 (early stops, 40 requests through 8
     slots, 2 steps per chunk: many chunks, retirements and admissions). fp32: the two loops
     admit rows at other steps, so batch sizes differ, and bf16 rounding could flip a sample."""
-    from hybridflow.engine import engine as engine_module
+    from hybridflow.engine import loop as loop_module
 
     model = build_model(preset_config("tiny-4l"), seed=2, device=DEVICE)
     vocab = model.config.vocab_size
@@ -362,7 +362,7 @@ def test_lagged_snapshots_on_cuda_give_the_same_tokens(monkeypatch):
                             stop_token_ids=list(range(3, 3 + vocab // 12)))  # fmt: skip
     results = {}
     for lag in (0, 1):
-        monkeypatch.setattr(engine_module, "SYNC_LAG", lag)
+        monkeypatch.setattr(loop_module, "SYNC_LAG", lag)
         engine = Engine(model.eval(), max_batch_size=8, max_seq_len=64, steps_per_sync=2)
         out = engine.generate(prompts, params)
         results[lag] = [(c.token_ids, c.finish_reason) for c in out]

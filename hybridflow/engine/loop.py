@@ -1,0 +1,293 @@
+"""The host side of one Engine.generate() call: requests waiting for a slot, live rows, their
+budgets and the tokens read back so far.
+
+Each turn: admit waiting requests into free slots (one packed prefill per unique prompt, its
+KV fanned out to the n sample slots, first tokens sampled), queue a chunk of decode steps
+(graph replays, no host sync) and pinned copies of the rows' flags and newest tokens; then
+read the previous chunk's copies (SYNC_LAG) while the GPU runs this chunk: extend each
+request's lists, retire finished requests, free and compact their rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import itertools
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from hybridflow.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from hybridflow.engine.engine import Engine
+
+# Host reads of the decode state lag the device by one chunk of steps: the next chunk's
+# replays are queued before the host waits for the previous chunk's finished flags and new
+# tokens, so the GPU does not idle while the host compacts rows, admits prompts and turns
+# tokens into lists. H200, 0.5b (docs/PERFORMANCE.md, session 6): 171k vs 162k tok/s at 256
+# rows, 242k vs 227k at 1024; with a queue and early stops (1024 prompts through 256 slots),
+# where a slot is refilled one chunk later, still 93.6k vs 74.4k. None: 1 on CUDA, 0 on CPU
+# (nothing runs while the host reads there, so lagging only keeps finished rows in the batch
+# one chunk longer); 0 or 1 force it (tests, A/B runs).
+SYNC_LAG: int | None = None
+
+
+@dataclass
+class _Snapshot:
+    """Copies of the decode state queued right after a chunk of steps (pinned host memory on
+    CUDA), read by the host one chunk later. Rows are in the order of `requests`."""
+
+    requests: list[int]
+    finished: torch.Tensor  # [rows] bool
+    generated: torch.Tensor  # [rows] tokens generated so far
+    tokens: torch.Tensor  # [rows, W]: the last W output columns up to `generated`
+    logprobs: torch.Tensor  # [rows, W]
+    ready: object  # torch.cuda.Event, or None on CPU
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+
+
+class GenerationLoop:
+    """Host-side bookkeeping of one generate() call: requests, slots, rows, results."""
+
+    def __init__(self, engine: Engine, prompts, params: SamplingParams, seed_lo, seed_hi):
+        self.engine, self.prompts, self.params = engine, prompts, params
+        self.state, self.runner, self.cache = engine.state, engine.runner, engine.cache
+        self.seed_lo, self.seed_hi = seed_lo, seed_hi
+        n = params.n
+        self.waiting = deque(range(len(prompts) * n))  # request id = prompt * n + sample
+        self.max_new = [
+            min(params.max_new_tokens, engine.max_seq_len - len(p))
+            for p in prompts
+            for _ in range(n)
+        ]
+        self.stop_ids = set(engine._stop_ids(params))
+        self.free_slots = list(range(self.cache.num_slots - 1, -1, -1))
+        self.row_request: list[int] = []  # request id of each live row
+        self.row_slot: list[int] = []  # its cache slot
+        self.row_budget: list[int] = []  # upper bound on steps each row may still take
+        self.row_end: list[int] = []  # prompt length + max_new: bound on the row's cache length
+        # tokens and log-probs read back so far, per live request
+        self.partial: dict[int, tuple[list[int], list[float]]] = {}
+        # (token_ids, logprobs, finish_reason) per request
+        self.results: list[tuple | None] = [None] * len(self.max_new)
+        # output columns a snapshot reads per row: a chunk's steps + the admission's token
+        self.window = engine.steps_per_sync + 1
+        self.columns = torch.arange(self.window, device=engine.device)
+        self.lagged = engine.device.type == "cuda" if SYNC_LAG is None else SYNC_LAG > 0
+
+    def run(self) -> list[tuple]:
+        pending = None
+        while self.waiting or self.row_request or pending is not None:
+            # Admit until the slots or the queue run out (several prefill passes back to back):
+            # rows admitted later would otherwise trail the first ones by a whole chunk of
+            # steps at a smaller batch (an H200 profile of 256 prompts showed 15 steps at 128 rows).
+            while self.waiting and self._should_admit():
+                self._admit()
+            steps = min(self.engine.steps_per_sync, max(self.row_budget, default=0))
+            if steps > 0:
+                self._decode(steps)
+            snapshot = None
+            if self.row_request and (steps > 0 or pending is None):
+                snapshot = self._snapshot()
+            if pending is not None:
+                self._absorb(pending)  # the GPU runs the chunk just queued meanwhile
+            if snapshot is not None and (not self.lagged or steps == 0):
+                self._absorb(snapshot)  # nothing queued to overlap with: read it now
+                snapshot = None
+            pending = snapshot
+        return self.results
+
+    def _decode(self, steps: int) -> None:
+        self.runner.decode_steps(len(self.row_request), steps, self._max_live_len(steps))
+        self.row_budget = [b - steps for b in self.row_budget]
+
+    def _should_admit(self) -> bool:
+        # Prefill in batches: wait until a useful share of the slots is free (amortises the
+        # eager prefill) unless nothing is decoding or the queue is short.
+        free = len(self.free_slots)
+        return free > 0 and (
+            not self.row_request
+            or free >= min(len(self.waiting), max(1, self.cache.num_slots // 8))
+        )
+
+    def _max_live_len(self, steps: int) -> int:
+        """Host upper bound on cache positions read during the next `steps` steps (eager torch
+        decode reads only these); no device sync needed."""
+        bound = max(end - budget + steps for end, budget in zip(self.row_end, self.row_budget))
+        return min(self.cache.max_seq_len, bound)
+
+    def _admit(self) -> None:
+        engine, params = self.engine, self.params
+        taken: list[int] = []
+        tokens = 0
+        while self.waiting and len(taken) < len(self.free_slots):
+            request = self.waiting[0]
+            prompt_len = len(self.prompts[request // params.n])
+            new_prompt = not taken or taken[-1] // params.n != request // params.n
+            if new_prompt and taken and tokens + prompt_len > engine.max_prefill_tokens:
+                break
+            tokens += prompt_len if new_prompt else 0
+            taken.append(self.waiting.popleft())
+        slots = [self.free_slots.pop() for _ in taken]
+        device = engine.device
+        # One prefill per unique prompt (its first request's slot), then KV fan-out.
+        firsts: list[int] = []  # index into `taken` of each unique prompt's first request
+        group: list[int] = []  # unique-prompt index of each taken request
+        for i, request in enumerate(taken):
+            if not firsts or taken[firsts[-1]] // params.n != request // params.n:
+                firsts.append(i)
+            group.append(len(firsts) - 1)
+        unique_prompts = [self.prompts[taken[i] // params.n] for i in firsts]
+        lengths = torch.tensor([len(p) for p in unique_prompts])
+        cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        group_t = torch.tensor(group)
+        first_slots = torch.tensor([slots[i] for i in firsts])
+        # Prefix fan-out (n > 1): positions [0, len) of each prompt's first slot to the
+        # slots of its other samples, as flat (src slot, dst slot, position) index lists.
+        first_set = set(firsts)
+        copies = torch.tensor(
+            [i for i in range(len(taken)) if i not in first_set], dtype=torch.long
+        )
+        copy_lengths = lengths[group_t[copies]]
+        copy_src = torch.repeat_interleave(first_slots[group_t[copies]], copy_lengths)
+        copy_dst = torch.repeat_interleave(torch.tensor(slots)[copies], copy_lengths)
+        copy_pos = ranges(copy_lengths)
+        (
+            ids, positions, token_slots, cu_dev, group_dev, seed_lo, seed_hi, row_positions,
+            row_slots, max_new_dev, copy_src, copy_dst, copy_pos,
+        ) = upload(
+            device,
+            flat_int64(unique_prompts), ranges(lengths),
+            torch.repeat_interleave(first_slots, lengths), cu, group_t,
+            torch.tensor([self.seed_lo[r] for r in taken]),
+            torch.tensor([self.seed_hi[r] for r in taken]), lengths[group_t],
+            torch.tensor(slots), torch.tensor([self.max_new[r] for r in taken]),
+            copy_src, copy_dst, copy_pos,
+        )  # fmt: skip
+        logits = engine.prefill(
+            engine.model, self.cache, engine.rope, ids, positions, token_slots,
+            cu_dev.to(torch.int32), int(lengths.max()), cu_dev[1:] - 1,
+        )  # fmt: skip  # [U, V]
+        if copy_pos.numel():
+            self.cache.copy_positions(copy_src, copy_dst, copy_pos)
+        request_logits = logits[group_dev]  # [R, V]
+        first_tokens, first_logprobs = self.runner.sample(
+            request_logits, seed_lo, seed_hi, torch.zeros_like(seed_lo)
+        )
+        max_new = [self.max_new[r] for r in taken]
+        self.state.append_rows(
+            first_tokens, first_logprobs, row_positions, row_slots, max_new_dev, seed_lo, seed_hi
+        )
+        self.row_request += taken
+        self.row_slot += slots
+        for request in taken:
+            self.partial[request] = ([], [])
+        self.row_budget += [m - 1 for m in max_new]
+        prompt_lengths = lengths.tolist()
+        self.row_end += [prompt_lengths[g] + m for g, m in zip(group, max_new)]
+
+    def _snapshot(self) -> _Snapshot:
+        """Queue copies of the live rows' flags, counts and newest output columns."""
+        state, rows = self.state, len(self.row_request)
+        generated = state.generated[:rows]
+        columns = (generated[:, None] - self.window + self.columns[None, :]).clamp_(min=0)
+        slots = state.row_slots[:rows, None]
+        parts = [state.finished[:rows], generated, state.out_tokens[slots, columns],
+                 state.out_logprobs[slots, columns]]  # fmt: skip
+        ready = None
+        if self.engine.device.type == "cuda":
+            host = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in parts]
+            for h, p in zip(host, parts):
+                h.copy_(p, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            parts = host
+        else:
+            parts = [p.clone() for p in parts]
+        return _Snapshot(list(self.row_request), *parts, ready)
+
+    def _absorb(self, snapshot: _Snapshot) -> None:
+        """Append a snapshot's new tokens to each request's lists; retire finished rows."""
+        snapshot.wait()
+        finished = snapshot.finished.tolist()
+        generated = snapshot.generated.tolist()
+        tokens, logprobs = snapshot.tokens.tolist(), snapshot.logprobs.tolist()
+        width = self.window
+        done = set()
+        for row, request in enumerate(snapshot.requests):
+            lists = self.partial.get(request)
+            if lists is None:  # retired by an earlier snapshot
+                continue
+            new = generated[row] - len(lists[0])
+            if new > 0:
+                lists[0].extend(tokens[row][width - new :])
+                lists[1].extend(logprobs[row][width - new :])
+            if finished[row]:
+                done.add(request)
+        if done:
+            self._retire(done)
+
+    def _retire(self, done: set[int]) -> None:
+        """Record finished requests' results, free their slots and compact the live rows."""
+        keep = []
+        for row, request in enumerate(self.row_request):
+            if request not in done:
+                keep.append(row)
+                continue
+            tokens, logprobs = self.partial.pop(request)
+            reason = "stop" if tokens and tokens[-1] in self.stop_ids else "length"
+            self.results[request] = (tokens, logprobs, reason)
+            self.free_slots.append(self.row_slot[row])
+        self.state.keep_rows(keep, upload(self.engine.device, torch.tensor(keep))[0])
+        self.row_request = [self.row_request[r] for r in keep]
+        self.row_slot = [self.row_slot[r] for r in keep]
+        self.row_budget = [self.row_budget[r] for r in keep]
+        self.row_end = [self.row_end[r] for r in keep]
+
+
+@contextlib.contextmanager
+def cyclic_gc_paused():
+    """Python's cyclic garbage collector off inside (restored after). A full collection walks
+    every object of the process (155 ms with torch, transformers and a 0.5b model loaded, on
+    the CPU machine): in the middle of generate() it stops the host while the GPU drains the
+    one chunk it has queued, and it fired in some timed calls but not others (H200, 0.5b:
+    runs of 0.389 vs 0.473 s at 256 rows, 1.07 vs 1.20 s at 1024). The loop's own objects are
+    lists of numbers, freed by reference counting; collection resumes when the call returns."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def flat_int64(lists: list[list[int]]) -> torch.Tensor:
+    """Concatenated int lists as one int64 tensor (CPU). numpy's fromiter is ~8x faster than
+    torch.tensor on a list here (16k tokens: 0.25 vs 2.0 ms on the CPU machine), and this is
+    host time before the first prefill kernel, with the GPU idle."""
+    return torch.from_numpy(np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64))
+
+
+def ranges(lengths: torch.Tensor) -> torch.Tensor:
+    """[n0, n1, ...] -> [0..n0-1, 0..n1-1, ...] (int64, CPU)."""
+    starts = torch.cumsum(lengths, 0) - lengths
+    return torch.arange(int(lengths.sum())) - torch.repeat_interleave(starts, lengths)
+
+
+def upload(device: torch.device, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """CPU int64 tensors -> device tensors through one pinned buffer and one non-blocking
+    copy. (torch.tensor(list, device="cuda") copies from pageable memory, which waits for the
+    GPU to drain: each admission would wait for the previous prefill pass to finish.)"""
+    sizes = [t.numel() for t in tensors]
+    flat = torch.cat([t.reshape(-1).to(torch.int64) for t in tensors])
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    return list(flat.split(sizes))
