@@ -145,13 +145,18 @@ def anatomy(
     }  # fmt: skip
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def add_case_arguments(parser: argparse.ArgumentParser) -> None:
+    """The decode case (model, rows, lengths, device); engine_timeline.py takes the same."""
     parser.add_argument("--preset", default="qwen2.5-0.5b")
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--length", type=int, default=128, help="prompt tokens")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    add_case_arguments(parser)
     parser.add_argument("--kv-layout", default=None, choices=["token", "head"])
     parser.add_argument("--kernels", type=int, default=25,
                         help="print the top N kernels of the replayed step (0: none)")  # fmt: skip

@@ -159,12 +159,10 @@ def timeline(preset: str, rows: int, length: int, new_tokens: int, device: torch
 
 
 def main() -> None:
+    from engine_step import add_case_arguments  # benchmarks/ is the script's own folder
+
     parser = argparse.ArgumentParser()
-    parser.add_argument("--preset", default="qwen2.5-0.5b")
-    parser.add_argument("--rows", type=int, default=256)
-    parser.add_argument("--length", type=int, default=128, help="prompt tokens")
-    parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_case_arguments(parser)
     parser.add_argument(
         "--lag",
         type=int,
