@@ -68,25 +68,87 @@ def idle_gaps(kernels: list[tuple[float, float]], phases: list[tuple[str, float,
             "gaps": len(gaps), "largest": described[:top]}  # fmt: skip
 
 
-def _trace_intervals(path: str) -> tuple[list, list, float]:
-    """Chrome trace -> kernel intervals, host phase intervals, generate()'s own duration."""
+def _trace_intervals(path: str) -> tuple[list, list, list, float, list, dict]:
+    """Chrome trace -> kernel intervals, host phase intervals, host ops, generate()'s own
+    duration, kernel records (name, start, duration, correlation) and each runtime call's
+    start by correlation id (a graph replay's kernels carry its cudaGraphLaunch's id)."""
     with open(path) as f:
         events = json.load(f)["traceEvents"]
-    kernels, phases, ops, call = [], [], [], 0.0
+    kernels, phases, ops, records, launches, call = [], [], [], [], {}, 0.0
     for event in events:
         if event.get("ph") != "X":
             continue
         start, end = float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0))
         cat, name = event.get("cat", ""), event.get("name", "")
+        correlation = (event.get("args") or {}).get("correlation")
         if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
             kernels.append((start, end))
+            records.append((name, start, end - start, correlation))
         elif cat == "user_annotation" and name in PHASES:
             phases.append((name, start, end))
         elif cat == "user_annotation" and name == "generate":
             call = end - start
         elif cat in ("cpu_op", "cuda_runtime", "cuda_driver", "python_function"):
             ops.append((name[:60], start, end))
-    return kernels, phases, ops, call
+            if cat in ("cuda_runtime", "cuda_driver") and correlation is not None:
+                launches[correlation] = start
+    return kernels, phases, ops, call, records, launches
+
+
+def kernels_by_phase(records, launches: dict, phases, top: int = 12) -> dict:
+    """Device time of each kernel name, grouped by the host phase that launched it (the phase
+    running when its runtime call started): {phase: {"us": total, "kernels": {name: us}}},
+    the top kernels per phase. Prefill kernels are the ones _admit launched."""
+    grouped: dict[str, dict[str, float]] = {}
+    for name, start, duration, correlation in records:
+        launched = launches.get(correlation, start)
+        inside = [(s, p) for p, s, e in phases if s <= launched <= e]
+        phase = max(inside)[1] if inside else "other"
+        by_name = grouped.setdefault(phase, {})
+        by_name[name[:70]] = by_name.get(name[:70], 0.0) + duration
+    out = {}
+    for phase, by_name in grouped.items():
+        ranked = sorted(by_name.items(), key=lambda kv: -kv[1])
+        out[phase] = {"us": sum(by_name.values()),
+                      "kernels": {n: round(us, 1) for n, us in ranked[:top]}}  # fmt: skip
+    return out
+
+
+def runtime_calls(ops, names=("cudaHostAlloc", "cudaFreeHost", "cudaStreamSynchronize",
+                              "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+                              "cudaMallocHost", "cudaHostRegister")) -> dict:  # fmt: skip
+    """Count and total host time of the runtime calls that can stall the host (or allocate
+    pinned memory) among the trace's host ops."""
+    out: dict[str, dict] = {}
+    for name, start, end in ops:
+        if name.startswith(names):
+            entry = out.setdefault(name, {"calls": 0, "us": 0.0})
+            entry["calls"] += 1
+            entry["us"] += end - start
+    return out
+
+
+def sync_points(engine, prompts, params) -> dict:
+    """Lines that synchronised the host with the GPU during one generate() call
+    (torch.cuda.set_sync_debug_mode: .item(), .tolist() on device tensors, pageable copies;
+    event waits are not reported): {"file:line": count}."""
+    import warnings
+
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            engine.generate(prompts, params)
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    counts: dict[str, int] = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            key = f"{os.path.relpath(w.filename)}:{w.lineno}"
+            counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def _annotate(loop_class) -> None:
@@ -118,17 +180,22 @@ def timeline(preset: str, rows: int, length: int, new_tokens: int, device: torch
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     pauses: dict[str, list[float]] = {"unprofiled": [], "profiled": []}
+    pauses_at: dict[str, list[tuple]] = {"unprofiled": [], "profiled": []}
     run = "unprofiled"
     began = [0.0]
+    call_start = [0.0]
 
     def on_gc(phase, info):  # Python's collector stops the host (and a host-bound GPU)
         if phase == "start":
             began[0] = time.perf_counter()
         else:
             pauses[run].append(round((time.perf_counter() - began[0]) * 1e3, 3))
+            # (ms into the call, generation collected): inside the loop means GC was not off
+            pauses_at[run].append(
+                (round((began[0] - call_start[0]) * 1e3, 2), info.get("generation")))
 
     gc.callbacks.append(on_gc)
-    start = time.perf_counter()
+    start = call_start[0] = time.perf_counter()
     eng.generate(prompts, params)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -136,6 +203,7 @@ def timeline(preset: str, rows: int, length: int, new_tokens: int, device: torch
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
                                            else [])  # fmt: skip
     run = "profiled"
+    call_start[0] = time.perf_counter()
     with profile(activities=activities) as prof:
         with torch.profiler.record_function("generate"):
             eng.generate(prompts, params)
@@ -145,12 +213,17 @@ def timeline(preset: str, rows: int, length: int, new_tokens: int, device: torch
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
-        kernels, phases, ops, call_us = _trace_intervals(path)
+        kernels, phases, ops, call_us, records, launches = _trace_intervals(path)
     host_by_phase: dict[str, float] = {}
     for name, s, e in phases:
         host_by_phase[name] = host_by_phase.get(name, 0.0) + (e - s)
     result = idle_gaps(kernels, phases, ops=ops)
     result["gc_pauses_ms"] = pauses
+    result["gc_pauses_at_ms"] = pauses_at
+    result["kernels_by_phase"] = kernels_by_phase(records, launches, phases)
+    result["runtime_calls"] = runtime_calls(ops)
+    if device.type == "cuda":
+        result["sync_points"] = sync_points(eng, prompts, params)
     result.update(preset=preset, rows=rows, length=length, new_tokens=new_tokens,
                   unprofiled_call_ms=unprofiled * 1e3, profiled_call_us=call_us,
                   host_by_phase_us=host_by_phase,
@@ -185,6 +258,14 @@ def main() -> None:
     for name, p in r["gc_pauses_ms"].items():
         print(f"GC pauses in the {name} call: {len(p)}, {sum(p):.1f} ms in all, max "
               f"{max(p, default=0):.1f} ms")  # fmt: skip
+    print("GC pauses (ms into the call, generation):", r["gc_pauses_at_ms"])
+    print("runtime calls:", r["runtime_calls"])
+    if "sync_points" in r:
+        print("host syncs in one generate():", r["sync_points"] or "none")
+    for phase, entry in r["kernels_by_phase"].items():
+        print(f"kernels launched in {phase}: {entry['us'] / 1e3:.1f} ms")
+        for name, us in entry["kernels"].items():
+            print(f"    {us / 1e3:8.2f} ms  {name}")
     for gap in r["largest"]:
         print(f"  gap {gap['us']:8.1f} us at {gap['at_us'] / 1e3:8.2f} ms during {gap['phase']}"
               f" / {gap['host_op']}")  # fmt: skip

@@ -254,7 +254,8 @@ class Engine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """n completions per prompt, prompt-major: result[i * n + j] is sample j of prompt i."""
-        return [Completion(*result) for result in self._generate(prompts, params)]
+        with cyclic_gc_paused():  # also while the results are wrapped (thousands of objects)
+            return [Completion(*result) for result in self._generate(prompts, params)]
 
     @torch.no_grad()
     def _generate(self, prompts, params: SamplingParams) -> list[tuple]:

@@ -161,7 +161,8 @@ def _rope_store_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,
     stride_q, stride_k, stride_v, stride_cs, stride_cslot, stride_cpos, stride_chead,
     NH: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr,
-    NH_PAD: tl.constexpr, NKV_PAD: tl.constexpr, PDL: tl.constexpr = False,
+    NH_PAD: tl.constexpr, NKV_PAD: tl.constexpr, K_IN_PLACE: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     wait_then_release(PDL)
     row = tl.program_id(0)
@@ -190,16 +191,22 @@ def _rope_store_kernel(
     cache_offs = slot * stride_cslot + pos * stride_cpos + kv_heads * stride_chead + half[None, :]
     tl.store(kc_ptr + cache_offs, r1, mask=kv_mask)
     tl.store(kc_ptr + cache_offs + HALF, r2, mask=kv_mask)
+    if K_IN_PLACE:
+        tl.store(k_ptr + row * stride_k + kv_offs, r1, mask=kv_mask)
+        tl.store(k_ptr + row * stride_k + kv_offs + HALF, r2, mask=kv_mask)
     v1 = tl.load(v_ptr + row * stride_v + kv_offs, mask=kv_mask, other=0.0)
     v2 = tl.load(v_ptr + row * stride_v + kv_offs + HALF, mask=kv_mask, other=0.0)
     tl.store(vc_ptr + cache_offs, v1, mask=kv_mask)
     tl.store(vc_ptr + cache_offs + HALF, v2, mask=kv_mask)
 
 
-def rope_store(q, k, v, cos, sin, positions, row_slots, key_cache, value_cache) -> None:
+def rope_store(
+    q, k, v, cos, sin, positions, row_slots, key_cache, value_cache, rotate_k: bool = False
+) -> None:
     """q [B, nh, D] rotated in place; rotated k [B, nkv, D] and v stored at
     cache[row_slots, positions] (key_cache/value_cache: one layer, [slots, S, nkv, D], any
-    slot/position/head strides, D contiguous).
+    slot/position/head strides, D contiguous). rotate_k: k is rotated in place too (prefill
+    hands it to the packed attention as is, instead of gathering it back from the cache).
     q/k/v rows may be strided (views of matmul outputs); heads and dims contiguous."""
     rows, num_heads, head_dim = q.shape
     num_kv = k.shape[1]
@@ -209,5 +216,5 @@ def rope_store(q, k, v, cos, sin, positions, row_slots, key_cache, value_cache) 
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), key_cache.stride(0),
         key_cache.stride(1), key_cache.stride(2), NH=num_heads, NKV=num_kv, HALF=head_dim // 2,
         NH_PAD=triton.next_power_of_2(num_heads), NKV_PAD=triton.next_power_of_2(num_kv),
-        **pdl.options(q),
+        K_IN_PLACE=rotate_k, **pdl.options(q),
     )  # fmt: skip

@@ -33,3 +33,24 @@ def test_timeline_runs_on_cpu():
     assert r["host_calls"]["_admit"] >= 1 and r["host_calls"]["_absorb"] >= 1
     assert r["profiled_call_us"] > 0 and r["span_us"] == 0  # no device kernels on CPU
     assert set(r["gc_pauses_ms"]) == {"unprofiled", "profiled"}
+
+
+def test_kernels_by_phase_follows_the_launch_not_the_kernel_start():
+    # A replay launched in _decode runs (on the device) after _absorb has begun on the host:
+    # its kernels belong to _decode. A kernel with no known launch falls back to its start.
+    records = [("gemm", 30.0, 5.0, 7), ("attn", 36.0, 3.0, 7), ("flash", 12.0, 4.0, 9),
+               ("memset", 100.0, 1.0, None)]  # fmt: skip
+    launches = {7: 5.0, 9: 11.0}
+    phases = [("_decode", 0, 10), ("_admit", 10, 20), ("_absorb", 20, 50)]
+    r = engine_timeline.kernels_by_phase(records, launches, phases)
+    assert r["_decode"] == {"us": 8.0, "kernels": {"gemm": 5.0, "attn": 3.0}}
+    assert r["_admit"]["kernels"] == {"flash": 4.0}
+    assert r["other"]["us"] == 1.0
+
+
+def test_runtime_calls_counts_only_stalling_calls():
+    ops = [("cudaHostAlloc", 0, 30), ("cudaLaunchKernel", 30, 31), ("cudaHostAlloc", 40, 45),
+           ("cudaEventSynchronize", 50, 60)]  # fmt: skip
+    r = engine_timeline.runtime_calls(ops)
+    assert r == {"cudaHostAlloc": {"calls": 2, "us": 35.0},
+                 "cudaEventSynchronize": {"calls": 1, "us": 10.0}}  # fmt: skip

@@ -95,7 +95,7 @@ def test_decode_layer_kernels_compile(activation):
         _compile(kernels._silu_mul_kernel, dict(PAIRS=pairs, BLOCK=512), activation)
     _compile(
         kernels._rope_store_kernel,
-        dict(NH=14, NKV=2, HALF=32, NH_PAD=16, NKV_PAD=2),
+        dict(NH=14, NKV=2, HALF=32, NH_PAD=16, NKV_PAD=2, K_IN_PLACE=True),
         activation,
     )
     for rope in (True, False):

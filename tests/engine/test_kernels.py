@@ -74,6 +74,15 @@ def test_rope_store_matches_apply_rope(layout):
     torch.testing.assert_close(rotated, apply_rope(q, c, s))
     torch.testing.assert_close(keys[slots, positions], apply_rope(k, c, s))
     torch.testing.assert_close(values[slots, positions], v)
+    # rotate_k: the same cache writes, and k itself rotated in place (a strided view)
+    qkv = torch.cat([q, k, v], dim=1).reshape(rows, -1).clone()
+    q2, k2, v2 = qkv.view(rows, heads + 2 * kv_heads, dim).split([heads, kv_heads, kv_heads], 1)
+    keys2, values2 = keys.clone().zero_(), values.clone().zero_()
+    kernels.rope_store(q2, k2, v2, cos, sin, positions, slots, keys2, values2, rotate_k=True)
+    torch.testing.assert_close(k2, apply_rope(k, c, s))
+    torch.testing.assert_close(q2, rotated)
+    torch.testing.assert_close(v2, v)
+    assert torch.equal(keys2, keys) and torch.equal(values2, values)
     untouched = keys.clone()
     untouched[slots, positions] = 0
     assert untouched.abs().max() == 0  # nothing else written
