@@ -192,7 +192,8 @@ def timeline(preset: str, rows: int, length: int, new_tokens: int, device: torch
             pauses[run].append(round((time.perf_counter() - began[0]) * 1e3, 3))
             # (ms into the call, generation collected): inside the loop means GC was not off
             pauses_at[run].append(
-                (round((began[0] - call_start[0]) * 1e3, 2), info.get("generation")))
+                (round((began[0] - call_start[0]) * 1e3, 2), info.get("generation"))
+            )
 
     gc.callbacks.append(on_gc)
     start = call_start[0] = time.perf_counter()
