@@ -224,7 +224,7 @@ def bench_engine(model, prompts, args, device) -> dict:
         "tma": tma, "sync_lag": "auto" if loop.SYNC_LAG is None else loop.SYNC_LAG,
         "pdl": f"{mode} ({'on' if pdl and pdl.enabled(torch.empty(0, device=device)) else 'off'})",
         "matmul": matmul.mode if matmul else None,
-        "matmul_timings_us": {str(k[:3]): v for k, v in matmul.timings.items()} if matmul else {},
+        "matmul_timings_us": {str(k): v for k, v in matmul.timings.items()} if matmul else {},
         "fuse_norms": chain.mode if chain else None,
         "chain_decisions": {str(k): v for k, v in chain.decisions.items()} if chain else {},
         "chain_timings_us": chain.timings if chain else {},

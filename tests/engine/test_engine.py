@@ -311,3 +311,19 @@ def test_stop_ids_outside_the_vocabulary_are_ignored(model):
     params_far = SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True,
                                 stop_token_ids=[vocab, vocab + 7])  # fmt: skip
     assert _tokens(engine.generate(PROMPTS, params_far)) == _tokens(plain)
+
+
+def test_a_bad_prompt_past_the_first_prefill_is_named_and_the_engine_recovers(model):
+    """Token ids are range-checked in pieces: the first admission's prompts before its prefill,
+    the rest while it runs. A bad id in a later admission still raises before any result, and
+    the rows the first admission left in the decode state do not leak into the next call."""
+    engine = _engine(model, max_seq_len=32, max_prefill_tokens=8)
+    vocab = model.config.vocab_size
+    good = [[3, 4, 5, 6], [7, 8, 9, 10], [11, 12, 13], [14, 15]]
+    params = SamplingParams(n=2, temperature=0.8, max_new_tokens=5, seed=4)
+    expected = [(c.token_ids, c.finish_reason) for c in engine.generate(good, params)]
+    with pytest.raises(ValueError, match=r"prompt 3 has token ids outside"):
+        engine.generate(good[:3] + [[14, vocab + 1]], params)
+    assert engine.state.num_rows > 0  # the first admission had been queued when it raised
+    again = [(c.token_ids, c.finish_reason) for c in engine.generate(good, params)]
+    assert again == expected
