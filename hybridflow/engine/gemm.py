@@ -313,6 +313,7 @@ PAIR_CONFIGS = [
     (128, 128, 64, 8, 3),
     (64, 64, 64, 4, 4),
     (128, 256, 64, 8, 3),  # prefill sizes
+    (128, 256, 64, 8, 4),
 ]
 INTERPRETER_CONFIG = (16, 32, 32, 4, 1)
 
@@ -351,16 +352,16 @@ def graph_time_us(fn, calls: int = 10, replays: int = 3) -> float:
 
 
 class DecodeMatmul:
-    """The layer's matmuls outside chain.py: `linear` (qkv, o_proj, down) and `gate_up_silu`
-    (the MLP's gate/up projection with SiLU*up, weight rows interleaved gate/up). Each chooses
-    per shape between cuBLAS (+ the silu_mul kernel) and gemm_nt's tiles.
+    """The decode layer's matmuls. `linear` is cuBLAS (session 7 timed gemm_nt's tiles for
+    qkv, o_proj and down at 256, 1024 and 16384 rows on 0.5b and 1.5b: cuBLAS won every
+    shape, e.g. prefill down 194 vs 241 us, 1.5b decode down 19 vs 40 us); `gate_up_silu` (the MLP's gate/up
+    projection with SiLU*up, weight rows interleaved gate/up) chooses per shape between
+    cuBLAS + silu_mul and gemm_nt's SiLU epilogue.
 
-    mode: "auto" (time cuBLAS and each candidate tile as graph replays at the first call of
-    each (row bucket, N, K), keep the fastest), "cublas" (never Triton), "triton" (the
+    mode: "auto" (time cuBLAS and each PAIR_CONFIGS tile as graph replays at the first call
+    of each (row bucket, N, K), keep the fastest), "cublas" (never Triton), "triton" (the
     fastest Triton tile, never cuBLAS). Prefill passes (up to Engine.max_prefill_tokens rows)
-    are timed like decode shapes; rows above max_rows always go to cuBLAS. `linear` is tuned
-    for 16-bit activations only (fp32 stays on cuBLAS: the fp32 tests compare against
-    torch's own matmuls to 1e-5).
+    are timed like decode shapes; rows above max_rows always go to cuBLAS.
     The choice is made outside CUDA-graph capture (the graph warm-up runs each step first);
     a shape first met during capture uses cuBLAS. Timing reads several weight copies (~100
     MB in all) so the weight is not in L2, as in a real step. Under TRITON_INTERPRET (CPU
@@ -375,22 +376,7 @@ class DecodeMatmul:
         self.timings: dict[tuple, dict] = {}  # key -> {candidate: us}, for the notes
 
     def linear(self, x, weight, bias=None) -> torch.Tensor:
-        rows, depth = x.shape
-        if (
-            self.mode == "cublas"
-            or rows > self.max_rows
-            or not x.is_cuda
-            or x.dtype == torch.float32
-            or x.stride(1) != 1
-            or weight.stride(1) != 1
-        ):
-            return F.linear(x, weight, bias)
-        key = ("linear", _row_bucket(rows), weight.shape[0], depth, bias is not None, x.dtype,
-               x.device.index)  # fmt: skip
-        config = self._config(key, x, weight, bias, silu_pairs=False)
-        if config is None:
-            return F.linear(x, weight, bias)
-        return gemm_nt(x, weight, bias, config=config)
+        return F.linear(x, weight, bias)
 
     def gate_up_silu(self, x: torch.Tensor, weight_pairs: torch.Tensor) -> torch.Tensor:
         rows, depth = x.shape
@@ -401,24 +387,21 @@ class DecodeMatmul:
                 return gate_up_silu_cublas(x, weight_pairs)
             return gemm_nt(x, weight_pairs, config=INTERPRETER_CONFIG, silu_pairs=True)
         key = (_row_bucket(rows), weight_pairs.shape[0], depth, x.dtype, x.device.index)
-        config = self._config(key, x, weight_pairs, None, silu_pairs=True)
+        if key not in self.choices:
+            if torch.cuda.is_current_stream_capturing():
+                return gate_up_silu_cublas(x, weight_pairs)
+            self.choices[key] = self._choose(key, x, weight_pairs)
+        config = self.choices[key]
         if config is None:
             return gate_up_silu_cublas(x, weight_pairs)
         return gemm_nt(x, weight_pairs, config=config, silu_pairs=True)
 
-    def _config(self, key, x, weight, bias, silu_pairs: bool) -> tuple | None:
-        """The chosen tile for key (None: cuBLAS), timed on first use outside capture."""
-        if key not in self.choices:
-            if torch.cuda.is_current_stream_capturing():
-                return None
-            self.choices[key] = self._choose(key, x, weight, bias, silu_pairs)
-        return self.choices[key]
-
-    def _choose(self, key, x, weight, bias, silu_pairs: bool) -> tuple | None:
-        linear = not silu_pairs
-        bucket, cols, depth = key[1:4] if linear else key[:3]
-        nbytes = weight.numel() * weight.element_size()
-        copies = [weight] + [weight.clone() for _ in range(min(7, math.ceil(100e6 / nbytes) - 1))]
+    def _choose(self, key, x, weight_pairs) -> tuple | None:
+        bucket, cols, depth = key[:3]
+        nbytes = weight_pairs.numel() * weight_pairs.element_size()
+        copies = [weight_pairs] + [
+            weight_pairs.clone() for _ in range(min(7, math.ceil(100e6 / nbytes) - 1))
+        ]
         x = torch.randn(bucket, depth, dtype=x.dtype, device=x.device)
 
         def cycled(call):
@@ -430,27 +413,22 @@ class DecodeMatmul:
 
             return fn
 
-        def reference(w):
-            return F.linear(x, w, bias) if linear else gate_up_silu_cublas(x, w)
-
         times: dict = {}
         if self.mode == "auto":
-            times["cublas"] = graph_time_us(cycled(reference), calls=len(copies) * 2)
+            times["cublas"] = graph_time_us(cycled(lambda w: gate_up_silu_cublas(x, w)),
+                                            calls=len(copies) * 2)  # fmt: skip
         for config in PAIR_CONFIGS:
             if depth % config[2] or config[0] > max(64, bucket):
                 continue
             try:
                 times[config] = graph_time_us(
-                    cycled(lambda w, c=config: gemm_nt(x, w, bias, config=c,
-                                                       silu_pairs=silu_pairs)),
+                    cycled(lambda w, c=config: gemm_nt(x, w, config=c, silu_pairs=True)),
                     calls=len(copies) * 2,
-                )  # fmt: skip
+                )
             except triton.runtime.errors.OutOfResources:  # fp32 tiles can exceed shared memory
                 continue
         copies.clear()  # free the timing copies
-        self.timings[key[:4] if linear else key[:3]] = {
-            str(k): round(v, 2) for k, v in times.items()
-        }
+        self.timings[key[:3]] = {str(k): round(v, 2) for k, v in times.items()}
         if not times:
             return None
         best = min(times, key=times.get)

@@ -327,3 +327,42 @@ def test_a_bad_prompt_past_the_first_prefill_is_named_and_the_engine_recovers(mo
     assert engine.state.num_rows > 0  # the first admission had been queued when it raised
     again = [(c.token_ids, c.finish_reason) for c in engine.generate(good, params)]
     assert again == expected
+
+
+def test_young_objects_are_collected_only_while_the_gpu_is_busy():
+    import gc
+
+    from hybridflow.engine.loop import collect_young, cyclic_gc_paused
+
+    class Event:  # stands in for torch.cuda.Event
+        def __init__(self, done):
+            self.done = done
+
+        def query(self):
+            return self.done
+
+    collected = []
+
+    def watch(phase, info):
+        if phase == "start":
+            collected.append(info["generation"])
+
+    gc.callbacks.append(watch)
+    try:
+        with cyclic_gc_paused():
+            kept = [[i, float(i)] for i in range(2 * gc.get_threshold()[0])]  # young objects
+            assert not collect_young(Event(done=True))  # GPU idle: do not delay the next launch
+            assert not collect_young(None)  # CPU: nothing to overlap with
+            assert collected == []
+            assert collect_young(Event(done=False))
+            assert collected == [1] and gc.get_count()[0] < len(kept)
+            assert not collect_young(Event(done=False))  # nothing young left
+        gc.disable()  # a caller that turned collection off is never collected for
+        try:
+            with cyclic_gc_paused():
+                kept += [[i] for i in range(2 * gc.get_threshold()[0])]
+                assert not collect_young(Event(done=False))
+        finally:
+            gc.enable()
+    finally:
+        gc.callbacks.remove(watch)
