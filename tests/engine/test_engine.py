@@ -366,3 +366,18 @@ def test_young_objects_are_collected_only_while_the_gpu_is_busy():
             gc.enable()
     finally:
         gc.callbacks.remove(watch)
+
+
+def test_padded_tensors_pad_each_row_after_its_own_length():
+    from hybridflow.engine.engine import padded_tensors
+
+    results = [([5, 6, 7], [-0.5, -1.25, -2.0], "length"), ([9], [-0.1], "stop"),
+               ([], [], "stop"), ([1, 2], [-3.0, -4.0], "length")]  # fmt: skip
+    out = padded_tensors(results, pad_token_id=99)
+    assert out["responses"].tolist() == [[5, 6, 7], [9, 99, 99], [99, 99, 99], [1, 2, 99]]
+    assert out["response_lengths"].tolist() == [3, 1, 0, 2]
+    assert out["rollout_logprobs"].dtype == torch.float32
+    expected = torch.tensor([[-0.5, -1.25, -2.0], [-0.1, 0, 0], [0, 0, 0], [-3.0, -4.0, 0]])
+    assert torch.equal(out["rollout_logprobs"], expected)  # fp32, rounded as torch rounds
+    empty = padded_tensors([], pad_token_id=0)
+    assert empty["responses"].shape == (0, 0) and empty["response_lengths"].shape == (0,)
