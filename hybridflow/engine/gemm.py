@@ -354,9 +354,9 @@ def graph_time_us(fn, calls: int = 10, replays: int = 3) -> float:
 class DecodeMatmul:
     """The decode layer's matmuls. `linear` is cuBLAS (session 7 timed gemm_nt's tiles for
     qkv, o_proj and down at 256, 1024 and 16384 rows on 0.5b and 1.5b: cuBLAS won every
-    shape, e.g. prefill down 194 vs 241 us, 1.5b decode down 19 vs 40 us); `gate_up_silu` (the MLP's gate/up
-    projection with SiLU*up, weight rows interleaved gate/up) chooses per shape between
-    cuBLAS + silu_mul and gemm_nt's SiLU epilogue.
+    shape, e.g. prefill down 194 vs 241 us, 1.5b decode down 19 vs 40 us). `gate_up_silu`
+    (the MLP's gate/up projection with SiLU*up, weight rows interleaved gate/up) chooses per
+    shape between cuBLAS + silu_mul and gemm_nt's SiLU epilogue.
 
     mode: "auto" (time cuBLAS and each PAIR_CONFIGS tile as graph replays at the first call
     of each (row bucket, N, K), keep the fastest), "cublas" (never Triton), "triton" (the

@@ -196,6 +196,7 @@ class GenerationLoop:
                 firsts.append(i)
             group.append(len(firsts) - 1)
         # the taken requests are consecutive ids, so their prompts are a consecutive range
+        assert taken[-1] - taken[0] == len(taken) - 1, "requests are admitted in order"
         first_prompt, last_prompt = taken[0] // params.n, taken[-1] // params.n + 1
         lengths = torch.from_numpy(self.table.lengths[first_prompt:last_prompt])
         cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
