@@ -55,6 +55,9 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
         choices=["auto", "on", "off"],
         help="gemm_nt tiles through TMA tensor descriptors (engine/gemm.py TMA)",
     )
+    p.add_argument("--tail-split", default=None, choices=["on", "off"],
+                   help="also time gate/up tiles with the last partial wave split along K "
+                   "(engine/gemm.py TAIL_SPLIT; default: its current value)")  # fmt: skip
     p.add_argument("--sync-lag", type=int, default=None, choices=[0, 1],
                    help="host reads of each chunk's flags and tokens lag the device by this "
                    "many chunks (loop.SYNC_LAG; default: its current value)")  # fmt: skip
@@ -172,6 +175,8 @@ def bench_engine(model, prompts, args, device) -> dict:
         from hybridflow.engine import gemm
 
         gemm.TMA = {"auto": None, "on": True, "off": False}[tma]
+        if getattr(args, "tail_split", None):  # read when a gate/up shape is first tuned
+            gemm.TAIL_SPLIT = args.tail_split == "on"
     from hybridflow.engine import loop
 
     if getattr(args, "sync_lag", None) is not None:
@@ -221,7 +226,7 @@ def bench_engine(model, prompts, args, device) -> dict:
         "tokens_per_s": tokens / seconds, "ttft_s": ttft, "peak_mem_gib": peak / 2**30,
         "warmup_s": warmup, "stopped": stopped, "runs_s": [round(r, 4) for r in runs],
         "ahead": getattr(args, "ahead", "off"), "kv_layout": kv_cache.LAYOUT,
-        "tma": tma, "sync_lag": "auto" if loop.SYNC_LAG is None else loop.SYNC_LAG,
+        "tma": tma, "tail_split": _tail_split(), "sync_lag": "auto" if loop.SYNC_LAG is None else loop.SYNC_LAG,
         "pdl": f"{mode} ({'on' if pdl and pdl.enabled(torch.empty(0, device=device)) else 'off'})",
         "matmul": matmul.mode if matmul else None,
         "matmul_timings_us": {str(k): v for k, v in matmul.timings.items()} if matmul else {},
@@ -313,3 +318,11 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _tail_split() -> bool | None:
+    try:
+        from hybridflow.engine import gemm
+    except ImportError:  # no triton
+        return None
+    return gemm.TAIL_SPLIT

@@ -47,14 +47,21 @@ from hybridflow.engine.pdl import prefetch_l2, prefetch_share, wait_then_release
 def _gemm_nt_kernel(
     a_ptr, w_ptr, bias_ptr, c_ptr, M, N, K_SPLIT, stride_am, stride_wn, stride_cs, stride_cm,
     ss_in_ptr, ss_out_ptr, ws_ptr, count_ptr, stride_ss, N_SS, K_NORM, eps, nx_ptr, NX_LINES,
+    DP_TILES, TILES_M, TAIL_SPLITS, K_ITERS,
     a_desc, w_desc, HAS_BIAS: tl.constexpr, SILU_PAIRS: tl.constexpr, PARTIAL: tl.constexpr, FP32: tl.constexpr,
     ROW_RSTD: tl.constexpr, N_SS_PAD: tl.constexpr, RESIDUAL: tl.constexpr, SERIAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, PF_LINE: tl.constexpr = 64,
     PF_COLS: tl.constexpr = 1, PF_K: tl.constexpr = 0, PF_NEXT: tl.constexpr = False,
-    TMA: tl.constexpr = False,
+    TMA: tl.constexpr = False, TAIL: tl.constexpr = False,
 ):  # fmt: skip
     """c = a @ w^T over k in [pid_k * K_SPLIT, (pid_k + 1) * K_SPLIT) (K_SPLIT % BLOCK_K == 0).
+
+    TAIL (a 1-D grid, see tail_plan): programs [0, DP_TILES) each compute one whole output
+    tile (tiles numbered M-fastest over TILES_M row tiles); the tiles after DP_TILES, which
+    would run as a last, partly filled wave, are each split TAIL_SPLITS ways along K's
+    K_ITERS blocks and reduced like SERIAL (ws_ptr / count_ptr indexed by tile - DP_TILES).
+    No PARTIAL, SERIAL or PREFETCH with it.
 
     TMA: the a and w tiles come through the tensor descriptors a_desc [M, K] / w_desc [N, K]
     (blocks [BLOCK_M, BLOCK_K] / [BLOCK_N, BLOCK_K]; rows past M or N read as zeros) instead
@@ -81,12 +88,26 @@ def _gemm_nt_kernel(
     later matmul's weight (chain.py: two matmuls ahead), each program its share."""
     # M tiles vary fastest: the blocks that read one weight tile run at the same time and
     # share it through L2.
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
+    if TAIL:
+        pid = tl.program_id(0)
+        in_tail = pid >= DP_TILES
+        t = tl.maximum(pid - DP_TILES, 0)
+        tile = tl.where(in_tail, DP_TILES + t // TAIL_SPLITS, pid)
+        split = tl.where(in_tail, t % TAIL_SPLITS, 0)
+        parts = tl.where(in_tail, TAIL_SPLITS, 1)
+        pid_m = tile % TILES_M
+        pid_n = tile // TILES_M
+        k_start = (split * K_ITERS // parts) * BLOCK_K
+        k_len = ((split + 1) * K_ITERS // parts) * BLOCK_K - k_start
+    else:
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        k_start = pid_k * K_SPLIT
+        k_len = K_SPLIT
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
+    rk = k_start + tl.arange(0, BLOCK_K)
     m_mask = rm < M
     n_mask = rn < N
     rm_safe = tl.where(m_mask, rm, 0).to(tl.int64)  # unmasked loads stay in bounds
@@ -109,8 +130,7 @@ def _gemm_nt_kernel(
         sum_squares = tl.load(ss_ptrs, mask=(parts < N_SS)[:, None], other=0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if TMA:
-        k_start = pid_k * K_SPLIT
-        for k0 in range(0, K_SPLIT, BLOCK_K):
+        for k0 in range(0, k_len, BLOCK_K):
             a = a_desc.load([pid_m * BLOCK_M, k_start + k0])
             w = w_desc.load([pid_n * BLOCK_N, k_start + k0])
             if FP32:
@@ -118,7 +138,7 @@ def _gemm_nt_kernel(
             else:
                 acc = tl.dot(a, tl.trans(w), acc)
     else:
-        for _ in range(0, K_SPLIT, BLOCK_K):
+        for _ in range(0, k_len, BLOCK_K):
             a = tl.load(a_ptrs)
             w = tl.load(w_ptrs)
             if FP32:
@@ -138,18 +158,28 @@ def _gemm_nt_kernel(
         tl.store(c, acc, mask=m_mask[:, None] & n_mask[None, :])
         return
     if SERIAL:
-        splits = tl.num_programs(2)
-        tile = pid_n * tl.num_programs(0) + pid_m
-        tile_offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        ws = ws_ptr + tile.to(tl.int64) * splits * BLOCK_M * BLOCK_N + tile_offs
-        tl.store(ws + pid_k * BLOCK_M * BLOCK_N, acc)
-        tl.debug_barrier()  # every thread's part is written before the count moves
-        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if done == splits - 1:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k in range(0, splits):  # split order: the same sum whoever finished last
-                acc += tl.load(ws + k * BLOCK_M * BLOCK_N, cache_modifier=".cg")
-            tl.store(count_ptr + tile, 0)  # ready for the next launch (graph replays)
+        last, acc = _reduce_splits(
+            acc, ws_ptr, count_ptr, pid_n * tl.num_programs(0) + pid_m, pid_k,
+            tl.num_programs(2), BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+        if last:
+            _gemm_epilogue(
+                acc, bias_ptr, c_ptr, ss_out_ptr, stride_cm, stride_ss, pid_n, rm64, rn,
+                rn_safe, m_mask, n_mask, N, dtype, HAS_BIAS, SILU_PAIRS, RESIDUAL, BLOCK_M,
+                BLOCK_N,
+            )  # fmt: skip
+    elif TAIL:
+        if in_tail:
+            last, acc = _reduce_splits(
+                acc, ws_ptr, count_ptr, tile - DP_TILES, split, TAIL_SPLITS, BLOCK_M, BLOCK_N
+            )
+            if last:
+                _gemm_epilogue(
+                    acc, bias_ptr, c_ptr, ss_out_ptr, stride_cm, stride_ss, pid_n, rm64, rn,
+                    rn_safe, m_mask, n_mask, N, dtype, HAS_BIAS, SILU_PAIRS, RESIDUAL, BLOCK_M,
+                    BLOCK_N,
+                )  # fmt: skip
+        else:
             _gemm_epilogue(
                 acc, bias_ptr, c_ptr, ss_out_ptr, stride_cm, stride_ss, pid_n, rm64, rn,
                 rn_safe, m_mask, n_mask, N, dtype, HAS_BIAS, SILU_PAIRS, RESIDUAL, BLOCK_M,
@@ -160,6 +190,27 @@ def _gemm_nt_kernel(
             acc, bias_ptr, c_ptr, ss_out_ptr, stride_cm, stride_ss, pid_n, rm64, rn, rn_safe,
             m_mask, n_mask, N, dtype, HAS_BIAS, SILU_PAIRS, RESIDUAL, BLOCK_M, BLOCK_N,
         )  # fmt: skip
+
+
+@triton.jit
+def _reduce_splits(acc, ws_ptr, count_ptr, slot, split, splits, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):  # fmt: skip
+    """Split-K without float atomics: park this split's fp32 tile at ws[slot, split]; the
+    last of the `splits` programs of output tile `slot` (an atomic count) adds the parked
+    tiles in split order, so the sum does not depend on which finished first, and resets the
+    count for the next launch (graph replays). Returns (is the last, the sum)."""
+    tile_offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    ws = ws_ptr + slot.to(tl.int64) * splits * BLOCK_M * BLOCK_N + tile_offs
+    tl.store(ws + split * BLOCK_M * BLOCK_N, acc)
+    tl.debug_barrier()  # every thread's part is written before the count moves
+    done = tl.atomic_add(count_ptr + slot, 1, sem="acq_rel", scope="gpu")
+    last = done == splits - 1
+    if last:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k in range(0, splits):  # split order: the same sum whoever finished last
+            acc += tl.load(ws + k * BLOCK_M * BLOCK_N, cache_modifier=".cg")
+        tl.store(count_ptr + slot, 0)
+    return last, acc
 
 
 @triton.jit
@@ -207,15 +258,18 @@ def gemm_nt(
     splits: int = 1,
     silu_pairs: bool = False,
     out: torch.Tensor | None = None,
+    tail: tuple | None = None,
 ) -> torch.Tensor:
     """x [M, K] (rows may be strided) @ weight [N, K]^T (+ bias).
 
     splits > 1: returns fp32 partial sums [splits, M, N] (K divided evenly; no bias; the caller
     reduces them). silu_pairs: weight rows interleaved gate/up (interleave_pairs), returns
-    silu(gate) * up [M, N / 2]. config: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    silu(gate) * up [M, N / 2]. config: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages).
+    tail: (plan, workspace, counts) with plan = tail_plan(...) and the buffers from
+    tail_scratch(plan, config): the last partial wave's tiles split along K (TAIL)."""
     rows, depth = x.shape
     cols = weight.shape[0]
-    block_m, block_n, block_k, warps, stages = config
+    block_m, block_n, block_k, warps, stages = config[:5]
     k_split = depth // splits
     if weight.shape[1] != depth or weight.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError("gemm_nt needs x [M, K] and weight [N, K] with contiguous rows")
@@ -223,6 +277,8 @@ def gemm_nt(
         raise ValueError(f"K={depth} is not {splits} splits of a multiple of {block_k}")
     if splits > 1 and (bias is not None or silu_pairs):
         raise ValueError("split-K partials carry no bias or SiLU epilogue")
+    if tail is not None and splits > 1:
+        raise ValueError("tail splitting and split-K partials do not mix")
     if out is None:
         if splits > 1:
             out = torch.empty(splits, rows, cols, dtype=torch.float32, device=x.device)
@@ -230,17 +286,55 @@ def gemm_nt(
             out_cols = cols // 2 if silu_pairs else cols
             out = torch.empty(rows, out_cols, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n), splits)
+    options = launch_options(x, weight, block_k, k_split)
+    tail_args, ws, counts = (0, 1, 1, 1), out, out
+    if tail is not None:
+        (dp_tiles, tail_tiles, tail_splits), ws, counts = tail
+        grid = (dp_tiles + tail_tiles * tail_splits,)
+        tail_args = (dp_tiles, triton.cdiv(rows, block_m), tail_splits, depth // block_k)
+        options.pop("PREFETCH", None)  # the prefetch assumes the 3-D grid's K ranges
     *descriptors, tma = tma_operands(x, weight, block_m, block_n, block_k)
     _gemm_nt_kernel[grid](
         x, weight, bias if bias is not None else weight, out, rows, cols, k_split,
         x.stride(0), weight.stride(0), out.stride(0) if splits > 1 else 0, out.stride(-2),
-        out, out, out, out, 0, 1, depth, 0.0, weight, 0, *descriptors, HAS_BIAS=bias is not None,
-        SILU_PAIRS=silu_pairs, PARTIAL=splits > 1, FP32=x.dtype == torch.float32,
-        ROW_RSTD=False, N_SS_PAD=1, RESIDUAL=False, SERIAL=False, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=warps, num_stages=stages, TMA=tma,
-        **launch_options(x, weight, block_k, k_split),
+        out, out, ws, counts, 0, 1, depth, 0.0, weight, 0, *tail_args, *descriptors,
+        HAS_BIAS=bias is not None, SILU_PAIRS=silu_pairs, PARTIAL=splits > 1,
+        FP32=x.dtype == torch.float32, ROW_RSTD=False, N_SS_PAD=1, RESIDUAL=False, SERIAL=False,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        TMA=tma, TAIL=tail is not None, **options,
     )  # fmt: skip
     return out
+
+
+def tail_plan(rows: int, cols: int, depth: int, config: tuple, slots: int) -> tuple | None:
+    """Where the last wave of a gemm_nt grid would run partly empty, split its tiles along K.
+
+    slots: programs the GPU runs at once (SMs x programs per SM for this tile). The
+    T = tiles_m x tiles_n output tiles fill floor(T / slots) whole waves; the R tiles left
+    over would make a last wave of R programs (e.g. 1.5b's gate/up at 256 rows, 64 x 128
+    tiles, 3 per SM on 132 SMs: 560 tiles = 396 + 164, the last wave 41% full). Each of them
+    is split S = min(slots // R, K blocks) ways instead, so the last wave has R x S programs
+    doing 1/S of the work each. Returns (whole-wave tiles, R, S), or None where nothing is
+    left over or S < 2."""
+    block_m, block_n, block_k = config[:3]
+    tiles = triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n)
+    whole = tiles // slots * slots
+    left = tiles - whole
+    if left == 0:
+        return None
+    splits = min(slots // left, depth // block_k)
+    if splits < 2:
+        return None
+    return whole, left, splits
+
+
+def tail_scratch(plan: tuple, config: tuple, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 workspace, zeroed int32 counts) for tail_plan's split tiles (the kernel resets
+    the counts after each use, so a buffer serves every later launch and graph replay)."""
+    _, left, splits = plan
+    workspace = torch.empty(left * splits * config[0] * config[1], dtype=torch.float32,
+                            device=device)  # fmt: skip
+    return workspace, torch.zeros(left, dtype=torch.int32, device=device)
 
 
 @functools.lru_cache(maxsize=1)
@@ -316,6 +410,12 @@ PAIR_CONFIGS = [
     (128, 256, 64, 8, 4),
 ]
 INTERPRETER_CONFIG = (16, 32, 32, 4, 1)
+# Also time each PAIR_CONFIGS tile with its last partial wave split along K (tail_plan), at 1,
+# 2 and 3 programs per SM. Off until measured on a GPU (written in session 7 without device
+# time left; interpreter and sm_90 compile tests only): where it should pay, by the wave
+# arithmetic, is 1.5b's gate/up at 256 rows (560 tiles of 64 x 128 over 396 slots) and
+# 0.5b's at 1024 rows (608 tiles of 128 x 128 over 264).
+TAIL_SPLIT = False
 
 
 def gate_up_silu_cublas(x: torch.Tensor, weight_pairs: torch.Tensor) -> torch.Tensor:
@@ -374,6 +474,7 @@ class DecodeMatmul:
         self.max_rows = max_rows
         self.choices: dict[tuple, tuple | None] = {}  # None = cuBLAS
         self.timings: dict[tuple, dict] = {}  # key -> {candidate: us}, for the notes
+        self._scratch: dict[tuple, tuple] = {}  # (tail config, device) -> (workspace, counts)
 
     def linear(self, x, weight, bias=None) -> torch.Tensor:
         return F.linear(x, weight, bias)
@@ -394,7 +495,25 @@ class DecodeMatmul:
         config = self.choices[key]
         if config is None:
             return gate_up_silu_cublas(x, weight_pairs)
-        return gemm_nt(x, weight_pairs, config=config, silu_pairs=True)
+        return gemm_nt(x, weight_pairs, config=config[:5], silu_pairs=True,
+                       tail=self._tail(x, weight_pairs, config))  # fmt: skip
+
+    def _tail(self, x, weight, config) -> tuple | None:
+        """gemm_nt's tail argument for a config chosen with a programs-per-SM count (a 6th
+        entry; TAIL_SPLIT), planned for these rows; the scratch (sized for any row count:
+        split tiles x splits <= slots) is made on the first call, outside graph capture."""
+        if len(config) < 6:
+            return None
+        slots = _sm_count(x.device) * config[5]
+        plan = tail_plan(x.shape[0], weight.shape[0], x.shape[1], config, slots)
+        if plan is None:
+            return None
+        skey = (config, x.device.index)
+        if skey not in self._scratch:
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("DecodeMatmul: tail scratch first needed during capture")
+            self._scratch[skey] = tail_scratch((0, slots, 1), config, x.device)
+        return (plan, *self._scratch[skey])
 
     def _choose(self, key, x, weight_pairs) -> tuple | None:
         bucket, cols, depth = key[:3]
@@ -427,9 +546,30 @@ class DecodeMatmul:
                 )
             except triton.runtime.errors.OutOfResources:  # fp32 tiles can exceed shared memory
                 continue
+            if not TAIL_SPLIT or config not in times:
+                continue
+            plans = set()
+            for per_sm in (1, 2, 3):  # the tile's occupancy is not known here: try each
+                candidate = (*config, per_sm)
+                plan = tail_plan(bucket, cols, depth, config, _sm_count(x.device) * per_sm)
+                if plan is None or plan in plans:
+                    continue
+                plans.add(plan)
+                times[candidate] = graph_time_us(
+                    cycled(lambda w, c=candidate: gemm_nt(
+                        x, w, config=c[:5], silu_pairs=True, tail=self._tail(x, w, c))),
+                    calls=len(copies) * 2,
+                )  # fmt: skip
         copies.clear()  # free the timing copies
         self.timings[key[:3]] = {str(k): round(v, 2) for k, v in times.items()}
         if not times:
             return None
         best = min(times, key=times.get)
+        for candidate in list(self._scratch):  # keep the chosen tail's scratch only
+            if candidate[0] != best:
+                del self._scratch[candidate]
         return None if best == "cublas" else best
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -120,14 +120,26 @@ def test_gemm_nt_compiles(config):
     block_m, block_n, block_k, warps, stages = config
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     chain = dict(ROW_RSTD=False, N_SS_PAD=1, RESIDUAL=False, SERIAL=False)
-    for bias, pairs, partial in [(True, False, False), (False, True, False), (False, False, True)]:
-        _compile(
+    fp32 = {"ws_ptr": "*fp32", "count_ptr": "*i32"}
+    for bias, pairs, partial, tail in [(True, False, False, False), (False, True, False, False),
+                                       (False, False, True, False), (False, True, False, True),
+                                       (True, False, False, True)]:  # fmt: skip
+        compiled = _compile(
             gemm._gemm_nt_kernel,
-            dict(HAS_BIAS=bias, SILU_PAIRS=pairs, PARTIAL=partial, FP32=False, **chain, **tiles),
-            overrides={"c_ptr": "*fp32" if partial else "*bf16"},
+            dict(
+                HAS_BIAS=bias,
+                SILU_PAIRS=pairs,
+                PARTIAL=partial,
+                FP32=False,
+                TAIL=tail,
+                **chain,
+                **tiles,
+            ),  # fmt: skip
+            overrides={"c_ptr": "*fp32" if partial else "*bf16", **fp32},
             warps=warps,
             stages=stages,
         )
+        assert ("atom" in compiled.asm["ptx"]) == tail  # the tail tiles' reduction count
 
 
 @pytest.mark.parametrize("config", chain_mod.CHAIN_TILES)
@@ -309,6 +321,7 @@ def test_gemm_nt_tma_variant_loads_tiles_with_bulk_tensor_copies(config):
     for flags in [
         dict(SILU_PAIRS=True, ROW_RSTD=True, N_SS_PAD=32, RESIDUAL=False, SERIAL=False),
         dict(SILU_PAIRS=False, ROW_RSTD=False, N_SS_PAD=1, RESIDUAL=True, SERIAL=True),
+        dict(SILU_PAIRS=True, ROW_RSTD=False, N_SS_PAD=1, RESIDUAL=False, SERIAL=False, TAIL=True),
     ]:
         compiled = _compile(
             gemm._gemm_nt_kernel,
