@@ -57,7 +57,7 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tail-split", default=None, choices=["on", "off"],
                    help="also time gate/up tiles with the last partial wave split along K "
-                   "(engine/gemm.py TAIL_SPLIT; default: its current value)")  # fmt: skip
+                   "(engine/matmul_choice.py TAIL_SPLIT; default: its current value)")  # fmt: skip
     p.add_argument("--sync-lag", type=int, default=None, choices=[0, 1],
                    help="host reads of each chunk's flags and tokens lag the device by this "
                    "many chunks (loop.SYNC_LAG; default: its current value)")  # fmt: skip
@@ -176,7 +176,9 @@ def bench_engine(model, prompts, args, device) -> dict:
 
         gemm.TMA = {"auto": None, "on": True, "off": False}[tma]
         if getattr(args, "tail_split", None):  # read when a gate/up shape is first tuned
-            gemm.TAIL_SPLIT = args.tail_split == "on"
+            from hybridflow.engine import matmul_choice
+
+            matmul_choice.TAIL_SPLIT = args.tail_split == "on"
     from hybridflow.engine import loop
 
     if getattr(args, "sync_lag", None) is not None:
@@ -322,7 +324,7 @@ if __name__ == "__main__":
 
 def _tail_split() -> bool | None:
     try:
-        from hybridflow.engine import gemm
+        from hybridflow.engine import matmul_choice
     except ImportError:  # no triton
         return None
-    return gemm.TAIL_SPLIT
+    return matmul_choice.TAIL_SPLIT

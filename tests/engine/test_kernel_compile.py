@@ -20,7 +20,13 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from hybridflow.engine import attention_kernels, gemm, kernels, sampler_kernels  # noqa: E402
+from hybridflow.engine import (  # noqa: E402
+    attention_kernels,
+    gemm,
+    kernels,
+    matmul_choice,
+    sampler_kernels,  # noqa: E402
+)
 from hybridflow.engine import chain as chain_mod  # noqa: E402
 from hybridflow.models import logprob_kernels  # noqa: E402
 
@@ -115,7 +121,7 @@ def test_decode_layer_kernels_compile(activation):
     )
 
 
-@pytest.mark.parametrize("config", [gemm.INTERPRETER_CONFIG, *gemm.PAIR_CONFIGS])
+@pytest.mark.parametrize("config", [gemm.INTERPRETER_CONFIG, *matmul_choice.PAIR_CONFIGS])
 def test_gemm_nt_compiles(config):
     block_m, block_n, block_k, warps, stages = config
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)

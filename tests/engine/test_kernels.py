@@ -204,13 +204,13 @@ def _relative_error(out, ref):
 def test_gemm_nt_matches_reference(dtype, rows, cols, depth):
     """Plain + bias, split-K partials (summed by the caller) and the SiLU-pairs epilogue, on
     strided input rows, with an odd row count and a column count that is not a tile multiple."""
-    from hybridflow.engine import gemm
+    from hybridflow.engine import gemm, matmul_choice
 
     if dtype == torch.bfloat16 and DEVICE == "cpu":
         pytest.skip("the Triton interpreter's bf16 tl.dot returns garbage (triton 3.6)")
     configs = [gemm.INTERPRETER_CONFIG]
     if DEVICE == "cuda":
-        configs = [(16, 32, 32, 4, 3), *gemm.PAIR_CONFIGS]
+        configs = [(16, 32, 32, 4, 3), *matmul_choice.PAIR_CONFIGS]
     weight = torch.randn(cols, depth, device=DEVICE).to(dtype)
     bias = torch.randn(cols, device=DEVICE).to(dtype)
     x = torch.randn(rows, 2 * depth, device=DEVICE).to(dtype)[:, :depth]  # strided rows
@@ -289,14 +289,14 @@ def test_decode_matmul_tail_plans_per_call_and_reuses_one_scratch(monkeypatch):
     """A gate/up tile chosen with a programs-per-SM count (TAIL_SPLIT) is planned for each
     call's rows; one scratch, sized for any row count, serves them all (graph replays of
     several buckets included)."""
-    from hybridflow.engine import gemm
+    from hybridflow.engine import gemm, matmul_choice
 
-    monkeypatch.setattr(gemm, "_sm_count", lambda device: 2)
+    monkeypatch.setattr(matmul_choice, "_sm_count", lambda device: 2)
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     config = gemm.INTERPRETER_CONFIG if DEVICE == "cpu" else (64, 128, 64, 4, 3)
     block_m, block_n, block_k = config[:3]
     weight = torch.randn(10 * block_n, 2 * block_k, device=DEVICE).to(dtype)  # 10 tile columns
-    matmul = gemm.DecodeMatmul("triton")
+    matmul = matmul_choice.DecodeMatmul("triton")
     chosen = (*config, 2)  # 4 slots
     for rows in (block_m, 2 * block_m - 3, 3 * block_m):  # 10, 20, 30 tiles: 2, 0, 2 left
         x = torch.randn(rows, 2 * block_k, device=DEVICE).to(dtype)
@@ -339,7 +339,8 @@ def test_gemm_nt_tma_tiles_equal_pointer_tiles(rows, cols, depth, monkeypatch):
 
 
 def test_decode_matmul_modes_agree():
-    from hybridflow.engine.gemm import DecodeMatmul, gate_up_silu_cublas, interleave_pairs
+    from hybridflow.engine.gemm import gate_up_silu_cublas, interleave_pairs
+    from hybridflow.engine.matmul_choice import DecodeMatmul
 
     x = torch.randn(24, 128, device=DEVICE)
     weight, bias = torch.randn(96, 128, device=DEVICE), torch.randn(96, device=DEVICE)
