@@ -77,8 +77,8 @@ class Engine:
             prompts: all 128k, qkv 122k, none 113k tok/s (docs/PERFORMANCE.md).
         decode_matmul: triton backend: "auto" (default) times, once per shape, cuBLAS +
             the silu_mul kernel against a Triton matmul with SiLU*up in its epilogue for the
-            MLP's gate/up projection, and keeps the faster (matmul_choice.DecodeMatmul; the other
-            matmuls are cuBLAS: it won every other decode shape). "cublas" never uses Triton;
+            MLP's gate/up projection, and keeps the faster (matmul_choice.DecodeMatmul; the
+            other matmuls are cuBLAS: it won every other decode shape). "cublas" never uses Triton;
             "triton" always does for gate/up. H200, 256 prompts: auto 150k vs cublas 140k
             tok/s on 0.5b (Triton chosen), equal on 1.5b (cuBLAS chosen; NOTES.md, run 5).
         fuse_norms: triton backend with fuse_projections="all", decode batches up to 1024

@@ -207,8 +207,8 @@ def fused_layers(
     """Embedding + every layer with the fused kernels, K/V stored at (slots, positions);
     attend(layer_index, q, k, v) -> [N, nh, D] (q/k unrotated: it applies RoPE and stores k/v
     in the cache) is the only part that differs between prefill (packed causal) and decode
-    (cached). matmul: a matmul_choice.DecodeMatmul (None: cuBLAS, with the SiLU*up product in its own
-    kernel). Returns the final-normed hidden states [N, H]."""
+    (cached). matmul: a matmul_choice.DecodeMatmul (None: cuBLAS, with the SiLU*up product in
+    its own kernel). Returns the final-normed hidden states [N, H]."""
     from hybridflow.engine import gemm, kernels
 
     linear = matmul.linear if matmul is not None else F.linear
