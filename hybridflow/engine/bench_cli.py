@@ -55,9 +55,9 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
         choices=["auto", "on", "off"],
         help="gemm_nt tiles through TMA tensor descriptors (engine/gemm.py TMA)",
     )
-    p.add_argument("--tail-split", default=None, choices=["on", "off"],
-                   help="also time gate/up tiles with the last partial wave split along K "
-                   "(engine/matmul_choice.py TAIL_SPLIT; default: its current value)")  # fmt: skip
+    p.add_argument("--persistent", default=None, choices=["on", "off"],
+                   help="also time persistent gate/up kernels (engine/matmul_choice.py "
+                   "PERSISTENT; default: its current value)")  # fmt: skip
     p.add_argument("--sync-lag", type=int, default=None, choices=[0, 1],
                    help="host reads of each chunk's flags and tokens lag the device by this "
                    "many chunks (loop.SYNC_LAG; default: its current value)")  # fmt: skip
@@ -175,10 +175,10 @@ def bench_engine(model, prompts, args, device) -> dict:
         from hybridflow.engine import gemm
 
         gemm.TMA = {"auto": None, "on": True, "off": False}[tma]
-        if getattr(args, "tail_split", None):  # read when a gate/up shape is first tuned
+        if getattr(args, "persistent", None):  # read when a gate/up shape is first tuned
             from hybridflow.engine import matmul_choice
 
-            matmul_choice.TAIL_SPLIT = args.tail_split == "on"
+            matmul_choice.PERSISTENT = args.persistent == "on"
     from hybridflow.engine import loop
 
     if getattr(args, "sync_lag", None) is not None:
@@ -228,7 +228,7 @@ def bench_engine(model, prompts, args, device) -> dict:
         "tokens_per_s": tokens / seconds, "ttft_s": ttft, "peak_mem_gib": peak / 2**30,
         "warmup_s": warmup, "stopped": stopped, "runs_s": [round(r, 4) for r in runs],
         "ahead": getattr(args, "ahead", "off"), "kv_layout": kv_cache.LAYOUT,
-        "tma": tma, "tail_split": _tail_split(), "sync_lag": "auto" if loop.SYNC_LAG is None else loop.SYNC_LAG,
+        "tma": tma, "persistent": _persistent(), "sync_lag": "auto" if loop.SYNC_LAG is None else loop.SYNC_LAG,
         "pdl": f"{mode} ({'on' if pdl and pdl.enabled(torch.empty(0, device=device)) else 'off'})",
         "matmul": matmul.mode if matmul else None,
         "matmul_timings_us": {str(k): v for k, v in matmul.timings.items()} if matmul else {},
@@ -322,9 +322,9 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-def _tail_split() -> bool | None:
+def _persistent() -> bool | None:
     try:
         from hybridflow.engine import matmul_choice
     except ImportError:  # no triton
         return None
-    return matmul_choice.TAIL_SPLIT
+    return matmul_choice.PERSISTENT

@@ -174,7 +174,7 @@ class DecodeChain:
             x, weight, bias if bias is not None else weight, out, rows, cols, depth // splits,
             x.stride(0), weight.stride(0), 0, out.stride(0), sums_in, sums, ws, counts,
             sums.stride(0), parts, depth, eps, ahead if ahead is not None else weight,
-            _lines(ahead), 0, 1, 1, 1, *descriptors, HAS_BIAS=bias is not None, TMA=tma,
+            _lines(ahead), *descriptors, HAS_BIAS=bias is not None, TMA=tma,
             SILU_PAIRS=silu_pairs, PARTIAL=False, FP32=x.dtype == torch.float32,
             ROW_RSTD=norm is not None, N_SS_PAD=max(2, triton.next_power_of_2(parts)),
             RESIDUAL=sums_out is not None, SERIAL=splits > 1, BLOCK_M=block_m,

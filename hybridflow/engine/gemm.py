@@ -48,21 +48,14 @@ from hybridflow.engine.pdl import prefetch_l2, prefetch_share, wait_then_release
 def _gemm_nt_kernel(
     a_ptr, w_ptr, bias_ptr, c_ptr, M, N, K_SPLIT, stride_am, stride_wn, stride_cs, stride_cm,
     ss_in_ptr, ss_out_ptr, ws_ptr, count_ptr, stride_ss, N_SS, K_NORM, eps, nx_ptr, NX_LINES,
-    DP_TILES, TILES_M, TAIL_SPLITS, K_ITERS,
     a_desc, w_desc, HAS_BIAS: tl.constexpr, SILU_PAIRS: tl.constexpr, PARTIAL: tl.constexpr, FP32: tl.constexpr,
     ROW_RSTD: tl.constexpr, N_SS_PAD: tl.constexpr, RESIDUAL: tl.constexpr, SERIAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, PF_LINE: tl.constexpr = 64,
     PF_COLS: tl.constexpr = 1, PF_K: tl.constexpr = 0, PF_NEXT: tl.constexpr = False,
-    TMA: tl.constexpr = False, TAIL: tl.constexpr = False,
+    TMA: tl.constexpr = False,
 ):  # fmt: skip
     """c = a @ w^T over k in [pid_k * K_SPLIT, (pid_k + 1) * K_SPLIT) (K_SPLIT % BLOCK_K == 0).
-
-    TAIL (a 1-D grid, see tail_plan): programs [0, DP_TILES) each compute one whole output
-    tile (tiles numbered M-fastest over TILES_M row tiles); the tiles after DP_TILES, which
-    would run as a last, partly filled wave, are each split TAIL_SPLITS ways along K's
-    K_ITERS blocks and reduced like SERIAL (ws_ptr / count_ptr indexed by tile - DP_TILES).
-    No PARTIAL, SERIAL or PREFETCH with it.
 
     TMA: the a and w tiles come through the tensor descriptors a_desc [M, K] / w_desc [N, K]
     (blocks [BLOCK_M, BLOCK_K] / [BLOCK_N, BLOCK_K]; rows past M or N read as zeros) instead
@@ -89,23 +82,11 @@ def _gemm_nt_kernel(
     later matmul's weight (chain.py: two matmuls ahead), each program its share."""
     # M tiles vary fastest: the blocks that read one weight tile run at the same time and
     # share it through L2.
-    if TAIL:
-        pid = tl.program_id(0)
-        in_tail = pid >= DP_TILES
-        t = tl.maximum(pid - DP_TILES, 0)
-        tile = tl.where(in_tail, DP_TILES + t // TAIL_SPLITS, pid)
-        split = tl.where(in_tail, t % TAIL_SPLITS, 0)
-        parts = tl.where(in_tail, TAIL_SPLITS, 1)
-        pid_m = tile % TILES_M
-        pid_n = tile // TILES_M
-        k_start = (split * K_ITERS // parts) * BLOCK_K
-        k_len = ((split + 1) * K_ITERS // parts) * BLOCK_K - k_start
-    else:
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        pid_k = tl.program_id(2)
-        k_start = pid_k * K_SPLIT
-        k_len = K_SPLIT
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    k_start = pid_k * K_SPLIT
+    k_len = K_SPLIT
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = k_start + tl.arange(0, BLOCK_K)
@@ -164,11 +145,6 @@ def _gemm_nt_kernel(
             acc, ws_ptr, count_ptr, pid_n * tl.num_programs(0) + pid_m, pid_k,
             tl.num_programs(2), BLOCK_M, BLOCK_N,
         )  # fmt: skip
-    elif TAIL:
-        if in_tail:
-            last, acc = _reduce_splits(
-                acc, ws_ptr, count_ptr, tile - DP_TILES, split, TAIL_SPLITS, BLOCK_M, BLOCK_N
-            )
     if last:
         _gemm_epilogue(
             acc, bias_ptr, c_ptr, ss_out_ptr, stride_cm, stride_ss, pid_n, rm64, rn, rn_safe,
@@ -242,15 +218,12 @@ def gemm_nt(
     splits: int = 1,
     silu_pairs: bool = False,
     out: torch.Tensor | None = None,
-    tail: tuple | None = None,
 ) -> torch.Tensor:
     """x [M, K] (rows may be strided) @ weight [N, K]^T (+ bias).
 
     splits > 1: returns fp32 partial sums [splits, M, N] (K divided evenly; no bias; the caller
     reduces them). silu_pairs: weight rows interleaved gate/up (interleave_pairs), returns
-    silu(gate) * up [M, N / 2]. config: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages).
-    tail: (plan, workspace, counts) with plan = tail_plan(...) and the buffers from
-    tail_scratch(plan, config): the last partial wave's tiles split along K (TAIL)."""
+    silu(gate) * up [M, N / 2]. config: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)."""
     rows, depth = x.shape
     cols = weight.shape[0]
     block_m, block_n, block_k, warps, stages = config[:5]
@@ -261,8 +234,6 @@ def gemm_nt(
         raise ValueError(f"K={depth} is not {splits} splits of a multiple of {block_k}")
     if splits > 1 and (bias is not None or silu_pairs):
         raise ValueError("split-K partials carry no bias or SiLU epilogue")
-    if tail is not None and splits > 1:
-        raise ValueError("tail splitting and split-K partials do not mix")
     if out is None:
         if splits > 1:
             out = torch.empty(splits, rows, cols, dtype=torch.float32, device=x.device)
@@ -271,54 +242,17 @@ def gemm_nt(
             out = torch.empty(rows, out_cols, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n), splits)
     options = launch_options(x, weight, block_k, k_split)
-    tail_args, ws, counts = (0, 1, 1, 1), out, out
-    if tail is not None:
-        (dp_tiles, tail_tiles, tail_splits), ws, counts = tail
-        grid = (dp_tiles + tail_tiles * tail_splits,)
-        tail_args = (dp_tiles, triton.cdiv(rows, block_m), tail_splits, depth // block_k)
-        options.pop("PREFETCH", None)  # the prefetch assumes the 3-D grid's K ranges
     *descriptors, tma = tma_operands(x, weight, block_m, block_n, block_k)
     _gemm_nt_kernel[grid](
         x, weight, bias if bias is not None else weight, out, rows, cols, k_split,
         x.stride(0), weight.stride(0), out.stride(0) if splits > 1 else 0, out.stride(-2),
-        out, out, ws, counts, 0, 1, depth, 0.0, weight, 0, *tail_args, *descriptors,
+        out, out, out, out, 0, 1, depth, 0.0, weight, 0, *descriptors,
         HAS_BIAS=bias is not None, SILU_PAIRS=silu_pairs, PARTIAL=splits > 1,
         FP32=x.dtype == torch.float32, ROW_RSTD=False, N_SS_PAD=1, RESIDUAL=False, SERIAL=False,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
-        TMA=tma, TAIL=tail is not None, **options,
+        TMA=tma, **options,
     )  # fmt: skip
     return out
-
-
-def tail_plan(rows: int, cols: int, depth: int, config: tuple, slots: int) -> tuple | None:
-    """Where the last wave of a gemm_nt grid would run partly empty, split its tiles along K.
-
-    slots: programs the GPU runs at once (SMs x programs per SM for this tile). The
-    T = tiles_m x tiles_n output tiles fill floor(T / slots) whole waves; the R tiles left
-    over would make a last wave of R programs (e.g. 1.5b's gate/up at 256 rows, 64 x 128
-    tiles, 3 per SM on 132 SMs: 560 tiles = 396 + 164, the last wave 41% full). Each of them
-    is split S = min(slots // R, K blocks) ways instead, so the last wave has R x S programs
-    doing 1/S of the work each. Returns (whole-wave tiles, R, S), or None where nothing is
-    left over or S < 2."""
-    block_m, block_n, block_k = config[:3]
-    tiles = triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n)
-    whole = tiles // slots * slots
-    left = tiles - whole
-    if left == 0:
-        return None
-    splits = min(slots // left, depth // block_k)
-    if splits < 2:
-        return None
-    return whole, left, splits
-
-
-def tail_scratch(plan: tuple, config: tuple, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 workspace, zeroed int32 counts) for tail_plan's split tiles (the kernel resets
-    the counts after each use, so a buffer serves every later launch and graph replay)."""
-    _, left, splits = plan
-    workspace = torch.empty(left * splits * config[0] * config[1], dtype=torch.float32,
-                            device=device)  # fmt: skip
-    return workspace, torch.zeros(left, dtype=torch.int32, device=device)
 
 
 @functools.lru_cache(maxsize=1)

@@ -23,6 +23,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from hybridflow.engine import (  # noqa: E402
     attention_kernels,
     gemm,
+    gemm_persistent,
     kernels,
     matmul_choice,
     sampler_kernels,  # noqa: E402
@@ -127,9 +128,8 @@ def test_gemm_nt_compiles(config):
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     chain = dict(ROW_RSTD=False, N_SS_PAD=1, RESIDUAL=False, SERIAL=False)
     fp32 = {"ws_ptr": "*fp32", "count_ptr": "*i32"}
-    for bias, pairs, partial, tail in [(True, False, False, False), (False, True, False, False),
-                                       (False, False, True, False), (False, True, False, True),
-                                       (True, False, False, True)]:  # fmt: skip
+    for bias, pairs, partial in [(True, False, False), (False, True, False),
+                                 (False, False, True)]:  # fmt: skip
         compiled = _compile(
             gemm._gemm_nt_kernel,
             dict(
@@ -137,7 +137,6 @@ def test_gemm_nt_compiles(config):
                 SILU_PAIRS=pairs,
                 PARTIAL=partial,
                 FP32=False,
-                TAIL=tail,
                 **chain,
                 **tiles,
             ),  # fmt: skip
@@ -145,7 +144,24 @@ def test_gemm_nt_compiles(config):
             warps=warps,
             stages=stages,
         )
-        assert ("atom" in compiled.asm["ptx"]) == tail  # the tail tiles' reduction count
+        assert "atom" not in compiled.asm["ptx"]  # only SERIAL split-K counts programs
+
+
+@pytest.mark.parametrize("config", matmul_choice.PERSISTENT_CONFIGS)
+def test_persistent_gemm_compiles_to_tma_and_wgmma(config):
+    """Each persistent tile compiles for sm_90 with TMA loads and wgmma (a loop the
+    pipeliner could not handle would fall back to plain loads and mma.sync)."""
+    block_m, block_n, block_k, warps, stages, group_m = config
+    compiled = _compile(
+        gemm_persistent._persistent_nt_kernel,
+        dict(HAS_BIAS=False, SILU_PAIRS=True, FP32=False, BLOCK_M=block_m, BLOCK_N=block_n,
+             BLOCK_K=block_k, GROUP_M=group_m),
+        overrides={"a_desc": f"tensordesc<bf16[{block_m}, {block_k}]>",
+                   "w_desc": f"tensordesc<bf16[{block_n}, {block_k}]>"},
+        warps=warps, stages=stages,
+    )  # fmt: skip
+    ptx = compiled.asm["ptx"]
+    assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
 
 
 @pytest.mark.parametrize("config", chain_mod.CHAIN_TILES)
@@ -327,7 +343,6 @@ def test_gemm_nt_tma_variant_loads_tiles_with_bulk_tensor_copies(config):
     for flags in [
         dict(SILU_PAIRS=True, ROW_RSTD=True, N_SS_PAD=32, RESIDUAL=False, SERIAL=False),
         dict(SILU_PAIRS=False, ROW_RSTD=False, N_SS_PAD=1, RESIDUAL=True, SERIAL=True),
-        dict(SILU_PAIRS=True, ROW_RSTD=False, N_SS_PAD=1, RESIDUAL=False, SERIAL=False, TAIL=True),
     ]:
         compiled = _compile(
             gemm._gemm_nt_kernel,

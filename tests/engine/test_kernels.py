@@ -245,74 +245,6 @@ def test_gemm_nt_matches_reference(dtype, rows, cols, depth):
         gemm.gemm_nt(x, weight, config=configs[0], splits=5)
 
 
-@pytest.mark.parametrize("silu_pairs,bias", [(True, False), (False, True)])
-def test_gemm_nt_tail_split_matches_whole_tiles(silu_pairs, bias):
-    """TAIL: the tiles of a last, partly filled wave are split along K and reduced in split
-    order by the last program. Whole-wave tiles are bitwise the plain kernel's; split tiles
-    agree to rounding; a second launch (counts reset by the kernel) repeats the first bitwise;
-    every slot count that leaves a remainder gives the same result."""
-    from hybridflow.engine import gemm
-
-    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
-    config = gemm.INTERPRETER_CONFIG if DEVICE == "cpu" else (64, 128, 64, 4, 3)
-    block_m, block_n, block_k = config[:3]
-    rows, cols, depth = 3 * block_m - 5, 6 * block_n, 4 * block_k  # 3 x 6 = 18 tiles
-    x = torch.randn(rows, 2 * depth, device=DEVICE).to(dtype)[:, :depth]  # strided rows
-    weight = torch.randn(cols, depth, device=DEVICE).to(dtype)
-    b = torch.randn(cols, device=DEVICE).to(dtype) if bias else None
-    plain = gemm.gemm_nt(x, weight, b, config=config, silu_pairs=silu_pairs)
-    assert gemm.tail_plan(rows, cols, depth, config, slots=6) is None  # 18 = 3 whole waves
-    assert gemm.tail_plan(rows, cols, depth, config, slots=10) is None  # 8 left, 1 split each
-    plans = {slots: gemm.tail_plan(rows, cols, depth, config, slots) for slots in (4, 8, 16)}
-    assert plans == {4: (16, 2, 2), 8: (16, 2, 4), 16: (16, 2, 4)}  # splits <= K blocks (4)
-    width = block_n // 2 if silu_pairs else block_n
-    whole_rows = slice(0, rows)
-    for slots, plan in plans.items():
-        tail = (plan, *gemm.tail_scratch(plan, config, DEVICE))
-        tail[1].fill_(float("nan"))
-        first = gemm.gemm_nt(x, weight, b, config=config, silu_pairs=silu_pairs, tail=tail)
-        assert torch.isfinite(tail[1]).all()  # every split of every tail tile parked its sum
-        again = gemm.gemm_nt(x, weight, b, config=config, silu_pairs=silu_pairs, tail=tail)
-        assert torch.equal(first, again), slots
-        assert not tail[2].any()  # counts back at zero for the next launch
-        # tiles are numbered M-fastest: 16 whole tiles = column blocks 0-4 and rows 0..1 of 5
-        split_cols = slice(5 * width, 6 * width)
-        assert torch.equal(first[whole_rows, : 5 * width], plain[whole_rows, : 5 * width])
-        assert torch.equal(first[:block_m, split_cols], plain[:block_m, split_cols])
-        tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(first, plain, **tol)
-    with pytest.raises(ValueError, match="do not mix"):
-        gemm.gemm_nt(x, weight, config=config, splits=2, tail=tail)
-
-
-def test_decode_matmul_tail_plans_per_call_and_reuses_one_scratch(monkeypatch):
-    """A gate/up tile chosen with a programs-per-SM count (TAIL_SPLIT) is planned for each
-    call's rows; one scratch, sized for any row count, serves them all (graph replays of
-    several buckets included)."""
-    from hybridflow.engine import gemm, matmul_choice
-
-    monkeypatch.setattr(matmul_choice, "_sm_count", lambda device: 2)
-    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
-    config = gemm.INTERPRETER_CONFIG if DEVICE == "cpu" else (64, 128, 64, 4, 3)
-    block_m, block_n, block_k = config[:3]
-    weight = torch.randn(10 * block_n, 2 * block_k, device=DEVICE).to(dtype)  # 10 tile columns
-    matmul = matmul_choice.DecodeMatmul("triton")
-    chosen = (*config, 2)  # 4 slots
-    for rows in (block_m, 2 * block_m - 3, 3 * block_m):  # 10, 20, 30 tiles: 2, 0, 2 left
-        x = torch.randn(rows, 2 * block_k, device=DEVICE).to(dtype)
-        tail = matmul._tail(x, weight, chosen)
-        assert (tail is None) == (rows == 2 * block_m - 3)
-        if tail is None:
-            continue
-        assert tail[0][1] * tail[0][2] * block_m * block_n <= tail[1].numel()
-        out = gemm.gemm_nt(x, weight, config=config, silu_pairs=True, tail=tail)
-        plain = gemm.gemm_nt(x, weight, config=config, silu_pairs=True)
-        tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(out, plain, **tol)
-    assert len(matmul._scratch) == 1
-    assert matmul._tail(x, weight, config) is None  # a 5-entry config: no tail
-
-
 @pytest.mark.parametrize("rows,cols,depth", [(5, 130, 64), (33, 72, 128)])
 def test_gemm_nt_tma_tiles_equal_pointer_tiles(rows, cols, depth, monkeypatch):
     """gemm.TMA changes only how tiles reach shared memory (rows/columns past the end read as
@@ -336,6 +268,93 @@ def test_gemm_nt_tma_tiles_equal_pointer_tiles(rows, cols, depth, monkeypatch):
         )
     for with_tma, without in zip(outputs[True], outputs[False]):
         assert torch.equal(with_tma, without)
+
+
+@pytest.mark.parametrize("rows,cols,depth", [(37, 192, 128), (300, 512, 256)])
+def test_gemm_persistent_equals_gemm_nt(rows, cols, depth):
+    """The persistent kernel is gemm_nt's arithmetic looped over tiles: for the same tile it
+    gives bitwise the same plain, biased and SiLU-pair outputs whatever the number of
+    programs (one, a few that each take many tiles, more than there are tiles)."""
+    from hybridflow.engine import gemm, matmul_choice
+    from hybridflow.engine.gemm_persistent import gemm_persistent
+
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    configs = ([(*gemm.INTERPRETER_CONFIG, 2)] if DEVICE == "cpu"
+               else matmul_choice.PERSISTENT_CONFIGS)  # fmt: skip
+    x = torch.randn(rows, depth, device=DEVICE).to(dtype)
+    weight = torch.randn(cols, depth, device=DEVICE).to(dtype)
+    bias = torch.randn(cols, device=DEVICE).to(dtype)
+    for config in configs:
+        tile = config[:5]
+        expected = (
+            gemm.gemm_nt(x, weight, bias, config=tile),
+            gemm.gemm_nt(x, weight, config=tile, silu_pairs=True),
+        )
+        for programs in (1, 3, 10_000):
+            got = (
+                gemm_persistent(x, weight, bias, config=config, programs=programs),
+                gemm_persistent(x, weight, config=config, programs=programs, silu_pairs=True),
+            )
+            for g, e in zip(got, expected):
+                assert torch.equal(g, e), (config, programs)
+
+
+def test_gemm_persistent_reads_a_partial_last_k_block_as_zeros():
+    """K need not be a multiple of BLOCK_K (TMA fills past the end with zeros): the product
+    matches torch's; operands TMA cannot read are refused by name."""
+    from hybridflow.engine import gemm
+    from hybridflow.engine.gemm_persistent import gemm_persistent
+
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    config = (*gemm.INTERPRETER_CONFIG, 2) if DEVICE == "cpu" else (128, 128, 64, 8, 3, 8)
+    depth = config[2] * 2 + 8  # 16-byte rows in either dtype
+    x = torch.randn(70, depth, device=DEVICE).to(dtype)
+    weight = torch.randn(96, depth, device=DEVICE).to(dtype)
+    out = gemm_persistent(x, weight, config=config, programs=4)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(out.float(), (x.double() @ weight.double().T).float(), **tol)
+    odd = torch.randn(70, depth + 1, device=DEVICE).to(dtype)[:, :depth]  # unaligned row stride
+    with pytest.raises(ValueError, match="TMA"):
+        gemm_persistent(odd, weight, config=config, programs=4)
+
+
+def test_decode_matmul_runs_its_persistent_choice(monkeypatch):
+    """A ("persistent", tile, programs per SM) choice runs gemm_persistent with that many
+    programs per SM, giving what gemm_nt gives for the tile."""
+    from hybridflow.engine import gemm, gemm_persistent, matmul_choice
+
+    monkeypatch.setattr(matmul_choice, "_sm_count", lambda device: 3)
+    launched = []
+    real = gemm_persistent.gemm_persistent
+
+    def spy(*args, programs, **kwargs):
+        launched.append(programs)
+        return real(*args, programs=programs, **kwargs)
+
+    monkeypatch.setattr(matmul_choice, "gemm_persistent", spy)
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    config = (*gemm.INTERPRETER_CONFIG, 2) if DEVICE == "cpu" else (128, 128, 64, 8, 3, 8)
+    x = torch.randn(50, 128, device=DEVICE).to(dtype)
+    pairs = torch.randn(128, 128, device=DEVICE).to(dtype)
+    out = matmul_choice.DecodeMatmul._run(("persistent", config, 2), x, pairs)
+    assert launched == [6]
+    assert torch.equal(out, gemm.gemm_nt(x, pairs, config=config[:5], silu_pairs=True))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the tuner times CUDA-graph replays")
+def test_decode_matmul_times_persistent_candidates_at_large_row_counts():
+    from hybridflow.engine import matmul_choice
+    from hybridflow.engine.gemm import gate_up_silu_cublas
+
+    matmul = matmul_choice.DecodeMatmul("auto")
+    x = torch.randn(1024, 256, device=DEVICE, dtype=torch.bfloat16)
+    pairs = torch.randn(1024, 256, device=DEVICE, dtype=torch.bfloat16)
+    out = matmul.gate_up_silu(x, pairs)
+    timings = next(iter(matmul.timings.values()))
+    assert sum(k.startswith("('persistent'") for k in timings) == len(
+        matmul_choice.PERSISTENT_CONFIGS
+    ) * len(matmul_choice.PERSISTENT_PER_SM)
+    torch.testing.assert_close(out, gate_up_silu_cublas(x, pairs), rtol=2e-2, atol=5e-2)
 
 
 def test_decode_matmul_modes_agree():
