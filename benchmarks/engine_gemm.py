@@ -13,6 +13,8 @@ Candidates per shape:
               separately as "+reduce" = a torch sum over the splits)
 - tma         the same tiles loaded through TMA tensor descriptors (gemm.TMA = True); the
               "triton" rows then run with gemm.TMA = False (per-thread pointer loads)
+- triton-persistent (--persistent: instead of the two rows above) gemm_persistent's tiles
+              at 1 and 2 programs per SM
 - kind "silu": gate_up followed by silu(gate) * up. cuBLAS rows add the separate silu_mul
   kernel; Triton rows use the interleaved-pairs epilogue (one kernel, [M, I] output).
 
@@ -57,6 +59,13 @@ TILES = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
     (128, 256, 64, 8, 3),
 ]
 SPLITS = [1, 2, 4]
+PERSISTENT_TILES = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M)
+    (64, 128, 64, 4, 4, 8),
+    (128, 128, 64, 8, 3, 8),
+    (128, 128, 64, 8, 4, 8),
+    (128, 256, 64, 8, 3, 8),
+    (128, 256, 64, 8, 4, 8),
+]
 
 
 def graph_time_us(calls, reps: int = 20) -> float:
@@ -95,8 +104,9 @@ def shapes_for(model: str):
 
 
 def bench_shape(rows: int, cols: int, depth: int, bias: bool, silu: bool, quick: bool,
-                tma_modes=(False, True)) -> dict:  # fmt: skip
+                tma_modes=(False, True), persistent: bool = False) -> dict:  # fmt: skip
     from hybridflow.engine import gemm, kernels
+    from hybridflow.engine.gemm_persistent import gemm_persistent
 
     dtype, dev = torch.bfloat16, "cuda"
     weight_bytes = cols * depth * 2
@@ -130,7 +140,22 @@ def bench_shape(rows: int, cols: int, depth: int, bias: bool, silu: bool, quick:
     finally:
         torch.backends.cuda.preferred_blas_library("cublas")
 
-    tiles = TILES[:3] if quick else TILES
+    tiles = [] if persistent else TILES[:3] if quick else TILES
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    for tile, per_sm in itertools.product(PERSISTENT_TILES if persistent else [], (1, 2)):
+        if tile[0] > max(64, rows):
+            continue
+        name = f"triton-persistent{tile}x{per_sm}"
+        calls = [
+            (lambda w=w, b=b, t=tile, p=per_sm: gemm_persistent(
+                x, w, b, config=t, programs=sms * p, silu_pairs=silu))
+            for w, b in zip(weights, biases)
+        ]  # fmt: skip
+        try:
+            results[name] = graph_time_us(calls)
+        except Exception as error:  # out of shared memory etc.
+            results[name] = float("nan")
+            print(f"  {name}: {type(error).__name__}: {str(error)[:80]}", flush=True)
     for tma, tile, splits in itertools.product(tma_modes, tiles, SPLITS):
         block_m, block_n, block_k = tile[:3]
         if block_m > max(64, rows) or (silu or bias) and splits > 1:
@@ -186,11 +211,14 @@ def main() -> None:
     parser.add_argument("--rows", default="256,1024")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--ops", default="qkv,o_proj,gate_up,down,lm_head")
+    parser.add_argument("--persistent", action="store_true",
+                        help="time gemm_persistent's tiles instead of gemm_nt's")  # fmt: skip
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    out["correctness_max_abs"] = check_correctness()
-    print("correctness", json.dumps(out["correctness_max_abs"]), flush=True)
+    if not args.persistent:  # (tests/engine/test_kernels.py checks gemm_persistent)
+        out["correctness_max_abs"] = check_correctness()
+        print("correctness", json.dumps(out["correctness_max_abs"]), flush=True)
     lines = ["| model | rows | op | N x K | cublas | cublas_t | cublaslt | best triton | config "
              "| best tma | config | TB/s cublas | TB/s best |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -201,7 +229,8 @@ def main() -> None:
                 if op not in args.ops.split(","):
                     continue
                 start = time.time()
-                res = bench_shape(rows, cols, depth, bias, silu, args.quick)
+                res = bench_shape(rows, cols, depth, bias, silu, args.quick,
+                                  persistent=args.persistent)  # fmt: skip
                 us = res["us"]
                 triton_rows = {k: v for k, v in us.items() if k.startswith("triton")
                                and not math.isnan(v)}  # fmt: skip
