@@ -21,6 +21,8 @@ from hybridflow.engine.gemm import graph_time_us
 CASES = [  # (name, rows, q heads, kv heads, head dim, cached length)
     ("0.5b", 256, 14, 2, 64, 256),
     ("0.5b", 1024, 14, 2, 64, 256),
+    ("0.5b", 1024, 14, 2, 64, 130),  # a generate() call's first steps (where the tile is tuned)
+    ("0.5b", 1024, 14, 2, 64, 380),  # and its last
     ("1.5b", 256, 12, 2, 128, 256),
 ]
 CONFIGS = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3),

@@ -233,6 +233,7 @@ def bench_engine(model, prompts, args, device) -> dict:
         "matmul": matmul.mode if matmul else None,
         "matmul_timings_us": {str(k): v for k, v in matmul.timings.items()} if matmul else {},
         "fuse_norms": chain.mode if chain else None,
+        "attention_tiles": _attention_tiles(),
         "chain_decisions": {str(k): v for k, v in chain.decisions.items()} if chain else {},
         "chain_timings_us": chain.timings if chain else {},
     }  # fmt: skip
@@ -320,6 +321,16 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _attention_tiles() -> dict:
+    """The decode attention tile autotuning kept, per tuning key (for the notes)."""
+    try:
+        from hybridflow.engine import attention_kernels
+    except ImportError:  # no triton
+        return {}
+    cache = getattr(attention_kernels._decode_attention_tuned, "cache", {})
+    return {str(key): str(config) for key, config in cache.items()}
 
 
 def _persistent() -> bool | None:
