@@ -95,17 +95,6 @@ def _decode_attention_kernel(
         q1, q2 = _rotate(
             q1.to(tl.float32), q2.to(tl.float32), cos[None, :], sin[None, :], dtype
         )  # fmt: skip
-        kn_offs = row * stride_kn + kv_head * (2 * HALF) + h
-        k1n, k2n = _rotate(
-            tl.load(kn_ptr + kn_offs).to(tl.float32),
-            tl.load(kn_ptr + kn_offs + HALF).to(tl.float32), cos, sin, dtype,
-        )  # fmt: skip
-        v_new = tl.load(vn_ptr + row * stride_vn + kv_head * (2 * HALF) + d)
-        if split == 0:
-            new_offs = base + pos.to(tl.int64) * stride_cpos
-            tl.store(kc_ptr + new_offs + h, k1n)
-            tl.store(kc_ptr + new_offs + HALF + h, k2n)
-            tl.store(vc_ptr + new_offs + d, v_new)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, 2 * HALF], tl.float32)
@@ -141,6 +130,23 @@ def _decode_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     if ROPE:
+        # The new token's k/v are read, rotated and stored only after the loop: a store to the
+        # cache ahead of the loop kept the loop's first loads behind it in the PTX (the
+        # compiler cannot tell the addresses apart), one more memory round trip before each
+        # program's first tile, which short rows pay for (1024 rows x 130 cached positions
+        # ran 21% over a read-only kernel on the same grid, session 8). No program reads
+        # position pos from the cache, so the store may come last.
+        kn_offs = row * stride_kn + kv_head * (2 * HALF) + h
+        k1n, k2n = _rotate(
+            tl.load(kn_ptr + kn_offs).to(tl.float32),
+            tl.load(kn_ptr + kn_offs + HALF).to(tl.float32), cos, sin, dtype,
+        )  # fmt: skip
+        v_new = tl.load(vn_ptr + row * stride_vn + kv_head * (2 * HALF) + d)
+        if split == 0:
+            new_offs = base + pos.to(tl.int64) * stride_cpos
+            tl.store(kc_ptr + new_offs + h, k1n)
+            tl.store(kc_ptr + new_offs + HALF + h, k2n)
+            tl.store(vc_ptr + new_offs + d, v_new)
         if (start <= pos) & (pos < chunk_end):  # the new token belongs to this split
             s_new = tl.sum(q1.to(tl.float32) * k1n.to(tl.float32)[None, :], axis=1)
             s_new += tl.sum(q2.to(tl.float32) * k2n.to(tl.float32)[None, :], axis=1)
