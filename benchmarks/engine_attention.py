@@ -178,11 +178,57 @@ def bench_case(name, rows, nh, nkv, d, length) -> list[dict]:
     return results
 
 
+def store_order_ab(rounds: int = 3) -> list[dict]:
+    """attention_kernels.STORE_LAST off vs on, alternated `rounds` times in one process
+    (token-major cache, one split, the tiles the tuner keeps at these shapes)."""
+    return [row for case in CASES for row in _store_order_case(*case, rounds)]
+
+
+def _store_order_case(name, rows, nh, nkv, d, length, rounds) -> list[dict]:
+    dev, dt = "cuda", torch.bfloat16
+    max_len = length + 128
+    kv_bytes = 2 * rows * length * nkv * d * 2
+    copies = max(1, -(-150_000_000 // kv_bytes))
+    caches = [tuple(torch.randn(rows + 1, max_len, nkv, d, device=dev, dtype=dt)
+                    for _ in range(2)) for _ in range(copies)]  # fmt: skip
+    q = torch.randn(rows, nh, d, device=dev, dtype=dt)
+    k, v = (torch.randn(rows, nkv, d, device=dev, dtype=dt) for _ in range(2))
+    cos, sin = (torch.randn(max_len, d, device=dev, dtype=dt) for _ in range(2))
+    pos = torch.full((rows,), length, device=dev, dtype=torch.int64)
+    slots = torch.randperm(rows, device=dev)
+
+    def call(config, state={"i": 0}):  # noqa: B006
+        state["i"] = (state["i"] + 1) % copies
+        kc, vc = caches[state["i"]]
+        attention_kernels._attention(q, k, v, cos, sin, pos, kc, vc, slots, max_len, 1,
+                                     config=config)  # fmt: skip
+
+    results = []
+    for config in [(64, 4, 3), (128, 4, 2)] if d == 64 else [(32, 4, 2)]:
+        times = {False: [], True: []}
+        for _, last in itertools.product(range(rounds), (False, True)):
+            attention_kernels.STORE_LAST = last
+            times[last].append(graph_time_us(lambda c=config: call(c), calls=4 * copies))
+        attention_kernels.STORE_LAST = False
+        row = {"case": name, "rows": rows, "length": length, "config": config,
+               **{f"store_last_{k}": round(sorted(t)[len(t) // 2], 2)
+                  for k, t in times.items()}}  # fmt: skip
+        print("STORE_LAST", json.dumps(row), flush=True)
+        results.append(row)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/attn"))
+    parser.add_argument("--store-order", action="store_true",
+                        help="only the A/B of attention_kernels.STORE_LAST")  # fmt: skip
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.store_order:
+        with open(os.path.join(args.out, "store_order.json"), "w") as f:
+            json.dump(store_order_ab(), f, indent=1)
+        return
     results = []
     for case in CASES:
         rows = bench_case(*case)

@@ -26,6 +26,11 @@ HEAD_MAJOR = False  # decode attention grid order (see _decode_attention_kernel)
 # not push out weights prefetched for the next matmuls (chain.PREFETCH_AHEAD). No measurable
 # effect either way (NOTES.md run 8); off.
 KV_EVICT_FIRST = False
+# Store the new token's rotated k/v into the cache after the loop instead of before it (its
+# load and RoPE stay in front, beside q's): a store ahead of the loop keeps the loop's first
+# loads behind it in the PTX (the compiler cannot tell the addresses apart). Off until
+# measured on the GPU (session 8 measured moving the load as well: 3% slower).
+STORE_LAST = False
 
 # -------------------------------------------------------------------------------------------
 # Decode attention over each row's live length (GQA, split-K flash-decoding)
@@ -40,7 +45,7 @@ def _decode_attention_kernel(
     SPLITS: tl.constexpr, FP32_DOT: tl.constexpr, ROPE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_MAJOR: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
     PF_LINE: tl.constexpr = 64, PF_LINES: tl.constexpr = 1, PF_POSITIONS: tl.constexpr = 0,
-    EVICT_FIRST: tl.constexpr = False,
+    EVICT_FIRST: tl.constexpr = False, STORE_LAST: tl.constexpr = False,
 ):  # fmt: skip
     """One (row, kv head, split): attention of the head group's queries over cached positions
     [split * CHUNK, (split + 1) * CHUNK) up to the row's last position pos.
@@ -95,6 +100,15 @@ def _decode_attention_kernel(
         q1, q2 = _rotate(
             q1.to(tl.float32), q2.to(tl.float32), cos[None, :], sin[None, :], dtype
         )  # fmt: skip
+        kn_offs = row * stride_kn + kv_head * (2 * HALF) + h
+        k1n, k2n = _rotate(
+            tl.load(kn_ptr + kn_offs).to(tl.float32),
+            tl.load(kn_ptr + kn_offs + HALF).to(tl.float32), cos, sin, dtype,
+        )  # fmt: skip
+        v_new = tl.load(vn_ptr + row * stride_vn + kv_head * (2 * HALF) + d)
+        if not STORE_LAST:
+            _store_new_kv(kc_ptr, vc_ptr, base, pos, stride_cpos, split, k1n, k2n, v_new, h, d,
+                          HALF)  # fmt: skip
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, 2 * HALF], tl.float32)
@@ -130,23 +144,9 @@ def _decode_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     if ROPE:
-        # The new token's k/v are read, rotated and stored only after the loop: a store to the
-        # cache ahead of the loop kept the loop's first loads behind it in the PTX (the
-        # compiler cannot tell the addresses apart), one more memory round trip before each
-        # program's first tile, which short rows pay for (1024 rows x 130 cached positions
-        # ran 21% over a read-only kernel on the same grid, session 8). No program reads
-        # position pos from the cache, so the store may come last.
-        kn_offs = row * stride_kn + kv_head * (2 * HALF) + h
-        k1n, k2n = _rotate(
-            tl.load(kn_ptr + kn_offs).to(tl.float32),
-            tl.load(kn_ptr + kn_offs + HALF).to(tl.float32), cos, sin, dtype,
-        )  # fmt: skip
-        v_new = tl.load(vn_ptr + row * stride_vn + kv_head * (2 * HALF) + d)
-        if split == 0:
-            new_offs = base + pos.to(tl.int64) * stride_cpos
-            tl.store(kc_ptr + new_offs + h, k1n)
-            tl.store(kc_ptr + new_offs + HALF + h, k2n)
-            tl.store(vc_ptr + new_offs + d, v_new)
+        if STORE_LAST:  # no program reads position pos from the cache: it may come last
+            _store_new_kv(kc_ptr, vc_ptr, base, pos, stride_cpos, split, k1n, k2n, v_new, h, d,
+                          HALF)  # fmt: skip
         if (start <= pos) & (pos < chunk_end):  # the new token belongs to this split
             s_new = tl.sum(q1.to(tl.float32) * k1n.to(tl.float32)[None, :], axis=1)
             s_new += tl.sum(q2.to(tl.float32) * k2n.to(tl.float32)[None, :], axis=1)
@@ -171,6 +171,17 @@ def _decode_attention_kernel(
         part = (row * NH + heads) * SPLITS + split  # [G_PAD]
         tl.store(part_o_ptr + part[:, None] * (2 * HALF) + d[None, :], out, mask=g_mask[:, None])
         tl.store(part_lse_ptr + part, lse, mask=g_mask)
+
+
+@triton.jit
+def _store_new_kv(kc_ptr, vc_ptr, base, pos, stride_cpos, split, k1n, k2n, v_new, h, d,
+                  HALF: tl.constexpr):  # fmt: skip
+    """The new token's rotated k (two halves) and v at cache position pos (split 0 only)."""
+    if split == 0:
+        new_offs = base + pos.to(tl.int64) * stride_cpos
+        tl.store(kc_ptr + new_offs + h, k1n)
+        tl.store(kc_ptr + new_offs + HALF + h, k2n)
+        tl.store(vc_ptr + new_offs + d, v_new)
 
 
 @triton.jit
@@ -293,6 +304,8 @@ def _attention(
     meta.update(pdl.options(q))
     if q.is_cuda and KV_EVICT_FIRST:
         meta["EVICT_FIRST"] = True
+    if rope and STORE_LAST:
+        meta["STORE_LAST"] = True
     if meta.get("PDL") and pdl.PREFETCH_KV:  # the first positions, KV_PREFETCH_BYTES in all
         size = key_cache.element_size()
         per_program = pdl.KV_PREFETCH_BYTES // (rows * num_kv * splits * 2 * head_dim * size)
