@@ -102,12 +102,16 @@ def test_decode_attention_matches_sdpa(splits, layout):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("store_last", [False, True])
 @pytest.mark.parametrize("layout", ["token", "head"])
 @pytest.mark.parametrize("splits", [1, 2, 3])
-def test_decode_attention_rope_equals_rope_store_then_attention(splits, layout):
+def test_decode_attention_rope_equals_rope_store_then_attention(splits, layout, store_last,
+                                                                 monkeypatch):  # fmt: skip
     """The fused decode kernel (RoPE + cache store + attention, the new token attended from
     registers) against the two-kernel path, including a row at position 0 (no cached
-    tokens) and a row whose new token sits at the start of a split."""
+    tokens) and a row whose new token sits at the start of a split; with the new token's
+    store before the loop or after it (STORE_LAST)."""
+    monkeypatch.setattr(attention_kernels, "STORE_LAST", store_last)
     config = preset_config("tiny")
     rows, heads, kv_heads, dim, seq = 4, 6, 2, 16, 70
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, device=DEVICE)  # strided views
