@@ -94,6 +94,10 @@ class DecodeMatmul:
             return gate_up_silu_cublas(x, weight_pairs)
         if choice[0] == "persistent":
             _, config, per_sm = choice
+            if not tma_operands(x, weight_pairs, *config[:3])[2]:
+                # chosen on aligned operands; these rows are not (a strided view), or TMA was
+                # switched off since (gemm.TMA): the kernel needs descriptors, cuBLAS does not
+                return gate_up_silu_cublas(x, weight_pairs)
             return gemm_persistent(x, weight_pairs, config=config, silu_pairs=True,
                                    programs=_sm_count(x.device) * per_sm)  # fmt: skip
         return gemm_nt(x, weight_pairs, config=choice, silu_pairs=True)

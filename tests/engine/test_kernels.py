@@ -343,6 +343,11 @@ def test_decode_matmul_runs_its_persistent_choice(monkeypatch):
     out = matmul_choice.DecodeMatmul._run(("persistent", config, 2), x, pairs)
     assert launched == [6]
     assert torch.equal(out, gemm.gemm_nt(x, pairs, config=config[:5], silu_pairs=True))
+    # rows TMA cannot read (an odd row stride) fall back to cuBLAS + silu_mul, not an error
+    odd = torch.randn(50, 129, device=DEVICE).to(dtype)[:, :128]
+    out = matmul_choice.DecodeMatmul._run(("persistent", config, 2), odd, pairs)
+    assert launched == [6]
+    torch.testing.assert_close(out, gemm.gate_up_silu_cublas(odd, pairs))
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the tuner times CUDA-graph replays")
