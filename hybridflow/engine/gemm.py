@@ -272,11 +272,9 @@ def _tensor_descriptor():
 TMA = None
 
 
-def tma_operands(x: torch.Tensor, weight: torch.Tensor, block_m: int, block_n: int,
-                 block_k: int) -> tuple:  # fmt: skip
-    """(a_desc, w_desc, use_tma) for _gemm_nt_kernel: TensorDescriptors over x [M, K] and
-    weight [N, K] when TMA applies (16-byte aligned bases and row strides), else the tensors
-    themselves (unused by the kernel) and False."""
+def tma_ready(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether gemm kernels load x [M, K] and weight [N, K] through TMA descriptors: TMA on
+    (see TMA), a Triton with host descriptors, 16-byte aligned bases and row strides."""
     use = TMA
     if use is None:
         if x.is_cuda:
@@ -288,9 +286,17 @@ def tma_operands(x: torch.Tensor, weight: torch.Tensor, block_m: int, block_n: i
         t.data_ptr() % 16 == 0 and (t.stride(0) * size) % 16 == 0 and t.stride(1) == 1
         for t in (x, weight)
     )
-    descriptor = _tensor_descriptor()
-    if not (use and aligned and descriptor is not None):
+    return bool(use) and aligned and _tensor_descriptor() is not None
+
+
+def tma_operands(x: torch.Tensor, weight: torch.Tensor, block_m: int, block_n: int,
+                 block_k: int) -> tuple:  # fmt: skip
+    """(a_desc, w_desc, use_tma) for _gemm_nt_kernel: TensorDescriptors over x [M, K] and
+    weight [N, K] when tma_ready, else the tensors themselves (unused by the kernel) and
+    False."""
+    if not tma_ready(x, weight):
         return x, weight, False
+    descriptor = _tensor_descriptor()
     return (
         descriptor.from_tensor(x, [block_m, block_k]),
         descriptor.from_tensor(weight, [block_n, block_k]),

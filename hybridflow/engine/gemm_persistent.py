@@ -92,7 +92,7 @@ def gemm_persistent(
 
     config: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M); programs: how many
     programs loop over the tiles (at most one per tile). Needs operands TMA can read (16-byte
-    aligned base and row stride; gemm.tma_operands) on an sm_90+ GPU or the interpreter."""
+    aligned base and row stride; gemm.tma_ready) on an sm_90+ GPU or the interpreter."""
     rows, depth = x.shape
     cols = weight.shape[0]
     block_m, block_n, block_k, warps, stages, group_m = config

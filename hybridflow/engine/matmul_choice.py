@@ -16,7 +16,7 @@ from hybridflow.engine.gemm import (
     gate_up_silu_cublas,
     gemm_nt,
     graph_time_us,
-    tma_operands,
+    tma_ready,
 )
 from hybridflow.engine.gemm_persistent import gemm_persistent
 
@@ -52,8 +52,8 @@ class DecodeMatmul:
     rows, operands TMA can read) the persistent kernel's.
 
     mode: "auto" (time cuBLAS, each PAIR_CONFIGS tile and each persistent candidate as graph
-    replays at the first call of each (row bucket, N, K), keep the fastest), "cublas" (never Triton), "triton" (the
-    fastest Triton tile, never cuBLAS). Prefill passes (up to Engine.max_prefill_tokens rows)
+    replays at the first call of each (row bucket, N, K), keep the fastest), "cublas" (never
+    Triton), "triton" (the fastest Triton tile, never cuBLAS). Prefill passes (up to Engine.max_prefill_tokens rows)
     are timed like decode shapes; rows above max_rows always go to cuBLAS.
     The choice is made outside CUDA-graph capture (the graph warm-up runs each step first);
     a shape first met during capture uses cuBLAS. Timing reads several weight copies (~100
@@ -94,7 +94,7 @@ class DecodeMatmul:
             return gate_up_silu_cublas(x, weight_pairs)
         if choice[0] == "persistent":
             _, config, per_sm = choice
-            if not tma_operands(x, weight_pairs, *config[:3])[2]:
+            if not tma_ready(x, weight_pairs):
                 # chosen on aligned operands; these rows are not (a strided view), or TMA was
                 # switched off since (gemm.TMA): the kernel needs descriptors, cuBLAS does not
                 return gate_up_silu_cublas(x, weight_pairs)
@@ -104,7 +104,7 @@ class DecodeMatmul:
 
     def _choose(self, key, x, weight_pairs) -> tuple | None:
         bucket, cols, depth = key[:3]
-        tma = tma_operands(x, weight_pairs, 64, 64, 64)[2]
+        tma = tma_ready(x, weight_pairs)
         nbytes = weight_pairs.numel() * weight_pairs.element_size()
         copies = [weight_pairs] + [
             weight_pairs.clone() for _ in range(min(7, math.ceil(100e6 / nbytes) - 1))
