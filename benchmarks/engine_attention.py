@@ -209,7 +209,7 @@ def _store_order_case(name, rows, nh, nkv, d, length, rounds) -> list[dict]:
         for _, last in itertools.product(range(rounds), (False, True)):
             attention_kernels.STORE_LAST = last
             times[last].append(graph_time_us(lambda c=config: call(c), calls=4 * copies))
-        attention_kernels.STORE_LAST = False
+        attention_kernels.STORE_LAST = None
         row = {"case": name, "rows": rows, "length": length, "config": config,
                **{f"store_last_{k}": round(sorted(t)[len(t) // 2], 2)
                   for k, t in times.items()}}  # fmt: skip

@@ -28,9 +28,12 @@ HEAD_MAJOR = False  # decode attention grid order (see _decode_attention_kernel)
 KV_EVICT_FIRST = False
 # Store the new token's rotated k/v into the cache after the loop instead of before it (its
 # load and RoPE stay in front, beside q's): a store ahead of the loop keeps the loop's first
-# loads behind it in the PTX (the compiler cannot tell the addresses apart). Off until
-# measured on the GPU (session 8 measured moving the load as well: 3% slower).
-STORE_LAST = False
+# loads behind it in the PTX (the compiler cannot tell the addresses apart). H200 (session 9,
+# engine_attention.py --store-order): head dim 64 (0.5b) 0.2-2.3% faster at every row count
+# and length, head dim 128 (1.5b, 256 rows) 38% slower (22.4 vs 31.0 us). None: the tuner
+# times both orders with each tile (ROPE kernels only); True/False force one (A/B runs, and
+# the order used where nothing is tuned: the CPU interpreter, a fixed config).
+STORE_LAST: bool | None = None
 
 # -------------------------------------------------------------------------------------------
 # Decode attention over each row's live length (GQA, split-K flash-decoding)
@@ -207,13 +210,30 @@ def _combine_splits_kernel(
 # outputs and, with ROPE, the same k/v at the same cache position, so re-running it while
 # tuning is harmless). Interpreter runs use the first config.
 _ATTENTION_CONFIGS = [
-    triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
+    triton.Config({"BLOCK_N": bn, "STORE_LAST": last}, num_warps=w, num_stages=st)
     for bn, w, st in [(64, 4, 2), (32, 4, 2), (64, 4, 3), (128, 4, 2), (64, 8, 3), (128, 8, 3)]
+    for last in (False, True)
 ]
+
+
+def store_orders(rope: bool) -> set[bool]:
+    """The STORE_LAST values worth compiling: both where the tuner may choose (ROPE kernels
+    with STORE_LAST None), else the one forced (without ROPE there is no store: False)."""
+    if not rope:
+        return {False}
+    return {False, True} if STORE_LAST is None else {bool(STORE_LAST)}
+
+
+def _prune_store_orders(configs, named_args, **kwargs):
+    orders = store_orders(bool(kwargs.get("ROPE")))
+    return [c for c in configs if c.kwargs["STORE_LAST"] in orders]
+
+
 _decode_attention_tuned = triton.autotune(
     _ATTENTION_CONFIGS,
     # stride_cpos tells the cache layouts apart (kv_cache.LAYOUT: D for head-major)
     key=["G", "HALF", "SPLITS", "FP32_DOT", "ROPE", "HEAD_MAJOR", "ROWS_BUCKET", "stride_cpos"],
+    prune_configs_by={"early_config_prune": _prune_store_orders},
 )(_decode_attention_kernel)
 
 
@@ -304,8 +324,6 @@ def _attention(
     meta.update(pdl.options(q))
     if q.is_cuda and KV_EVICT_FIRST:
         meta["EVICT_FIRST"] = True
-    if rope and STORE_LAST:
-        meta["STORE_LAST"] = True
     if meta.get("PDL") and pdl.PREFETCH_KV:  # the first positions, KV_PREFETCH_BYTES in all
         size = key_cache.element_size()
         per_program = pdl.KV_PREFETCH_BYTES // (rows * num_kv * splits * 2 * head_dim * size)
@@ -314,14 +332,18 @@ def _attention(
             meta.update(PREFETCH=True, PF_LINE=line, PF_LINES=max(1, head_dim // line),
                         PF_POSITIONS=min(1024, 1 << (per_program.bit_length() - 1)))  # fmt: skip
     grid = (num_kv, rows, splits) if head_major else (rows, num_kv, splits)
+    # STORE_LAST is a tuned parameter; untuned launches take the forced order, else the store
+    # in front (the order measured best at head dim 128, and the one without ROPE)
+    store_last = max(store_orders(rope)) if STORE_LAST is not None else False
     if config is not None:
         block_n, warps, stages = config
         _decode_attention_kernel[grid](*args, **meta, BLOCK_N=block_n, num_warps=warps,
-                                       num_stages=stages)  # fmt: skip
+                                       num_stages=stages, STORE_LAST=store_last)  # fmt: skip
     elif q.is_cuda and AUTOTUNE:
         _decode_attention_tuned[grid](*args, **meta)
     else:
-        _decode_attention_kernel[grid](*args, **meta, BLOCK_N=64 if head_dim <= 64 else 32)
+        _decode_attention_kernel[grid](*args, **meta, BLOCK_N=64 if head_dim <= 64 else 32,
+                                       STORE_LAST=store_last)  # fmt: skip
     if splits > 1:
         _combine_splits_kernel[(rows, num_heads)](
             part_o, part_lse, out, out.stride(0), NH=num_heads, D=head_dim, SPLITS=splits,

@@ -58,6 +58,10 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--persistent", default=None, choices=["on", "off"],
                    help="also time persistent gate/up kernels (engine/matmul_choice.py "
                    "PERSISTENT; default: its current value)")  # fmt: skip
+    p.add_argument("--store-last", default=None, choices=["tune", "on", "off"],
+                   help="decode attention stores the new token's k/v after its loop "
+                   "(engine/attention_kernels.py STORE_LAST; tune: timed with each tile; "
+                   "default: its current value)")  # fmt: skip
     p.add_argument("--sync-lag", type=int, default=None, choices=[0, 1],
                    help="host reads of each chunk's flags and tokens lag the device by this "
                    "many chunks (loop.SYNC_LAG; default: its current value)")  # fmt: skip
@@ -179,6 +183,10 @@ def bench_engine(model, prompts, args, device) -> dict:
             from hybridflow.engine import matmul_choice
 
             matmul_choice.PERSISTENT = args.persistent == "on"
+        if getattr(args, "store_last", None):  # read when an attention shape is first tuned
+            from hybridflow.engine import attention_kernels
+
+            attention_kernels.STORE_LAST = {"tune": None, "on": True, "off": False}[args.store_last]
     from hybridflow.engine import loop
 
     if getattr(args, "sync_lag", None) is not None:

@@ -102,6 +102,22 @@ def test_decode_attention_matches_sdpa(splits, layout):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
+def test_attention_tuner_times_both_store_orders_only_where_they_differ(monkeypatch):
+    """STORE_LAST None lets the tuner time each tile with the store before and after the loop
+    (ROPE kernels); a forced value or a kernel without the store compiles one order only."""
+    prune = attention_kernels._prune_store_orders
+    configs = attention_kernels._ATTENTION_CONFIGS
+    tiles = {(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in configs}
+    monkeypatch.setattr(attention_kernels, "STORE_LAST", None)
+    both = prune(configs, {}, ROPE=True)
+    assert len(both) == 2 * len(tiles)
+    assert {c.kwargs["STORE_LAST"] for c in both} == {False, True}
+    assert {c.kwargs["STORE_LAST"] for c in prune(configs, {}, ROPE=False)} == {False}
+    monkeypatch.setattr(attention_kernels, "STORE_LAST", True)
+    forced = prune(configs, {}, ROPE=True)
+    assert len(forced) == len(tiles) and all(c.kwargs["STORE_LAST"] for c in forced)
+
+
 @pytest.mark.parametrize("store_last", [False, True])
 @pytest.mark.parametrize("layout", ["token", "head"])
 @pytest.mark.parametrize("splits", [1, 2, 3])
@@ -112,6 +128,8 @@ def test_decode_attention_rope_equals_rope_store_then_attention(splits, layout, 
     tokens) and a row whose new token sits at the start of a split; with the new token's
     store before the loop or after it (STORE_LAST)."""
     monkeypatch.setattr(attention_kernels, "STORE_LAST", store_last)
+    # a fresh tuning cache, or a GPU run reuses the order tuned by the other parametrisation
+    monkeypatch.setattr(attention_kernels._decode_attention_tuned, "cache", {})
     config = preset_config("tiny")
     rows, heads, kv_heads, dim, seq = 4, 6, 2, 16, 70
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, device=DEVICE)  # strided views
