@@ -173,32 +173,42 @@ class FusedProjections:
 
     @torch.no_grad()
     def refresh(self, model) -> None:
-        for index, layer in enumerate(model.model.layers):
-            attn = layer.self_attn
-            torch.cat(
-                [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
-                out=self.qkv_weight[index],
-            )
-            if self.folded:
-                _fold(self.qkv_weight[index], layer.input_layernorm.weight)
+        """Copy the live parameters in and fold the norm weights, for all layers in a handful
+        of launches: one batched copy, one stack and one in-place multiply per folded tensor
+        (a per-layer loop was ~300 small ops, ~7 ms of host time at the start of every
+        generate() on the H200 with the GPU idle behind it: docs/results/2026-12-01-s9)."""
+        layers = model.model.layers
+        q, kv = self.q_size, self.kv_size
+        targets, sources = [], []
+        for index, layer in enumerate(layers):
+            attn, weight = layer.self_attn, self.qkv_weight[index]
+            targets += [weight[:q], weight[q : q + kv], weight[q + kv :]]
+            sources += [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
             if self.qkv_bias is not None:
-                torch.cat(
-                    [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], out=self.qkv_bias[index]
-                )
+                bias = self.qkv_bias[index]
+                targets += [bias[:q], bias[q : q + kv], bias[q + kv :]]
+                sources += [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
             if self.gate_up_weight is not None:
                 pairs = self.gate_up_weight[index].unflatten(0, (-1, 2))  # [I, 2, H]
-                pairs[:, 0].copy_(layer.mlp.gate_proj.weight)
-                pairs[:, 1].copy_(layer.mlp.up_proj.weight)
-                _fold(self.gate_up_weight[index], layer.post_attention_layernorm.weight)
+                targets += [pairs[:, 0], pairs[:, 1]]
+                sources += [layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]
+        torch._foreach_copy_(targets, sources)
+        if self.folded:
+            _fold(self.qkv_weight, [layer.input_layernorm.weight for layer in layers])
+            if self.gate_up_weight is not None:
+                _fold(self.gate_up_weight, [layer.post_attention_layernorm.weight
+                                            for layer in layers])  # fmt: skip
 
     def nbytes(self) -> int:
         tensors = [self.qkv_weight, self.qkv_bias, self.gate_up_weight]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def _fold(weight: torch.Tensor, norm_weight: torch.Tensor) -> None:
-    """weight[n, k] *= norm_weight[k] in place, in fp32, one rounding."""
-    weight.copy_(weight.float() * norm_weight.float()[None, :])
+def _fold(weights: torch.Tensor, norm_weights: list[torch.Tensor]) -> None:
+    """weights[l, n, k] *= norm_weights[l][k] in place. One rounding, as in fp32: an
+    elementwise product of bf16 (or fp16) tensors is computed in fp32 and rounded once, and
+    the product of two bf16 values is exact in fp32."""
+    weights.mul_(torch.stack(norm_weights)[:, None, :])
 
 
 def fused_layers(
