@@ -16,3 +16,4 @@ timeout 90 python benchmarks/engine_timeline.py --preset qwen2.5-0.5b --rows 102
 grep -v -i warn $OUT/timeline.txt | grep -v "^USDT" | grep -v "^    " | head -12
 timeout 130 python -m pytest -q -m gpu tests/engine/test_engine.py tests/engine/test_forward.py tests/engine/test_kernels.py -p no:cacheprovider > $OUT/gpu_tests.txt 2>&1
 tail -3 $OUT/gpu_tests.txt
+bash benchmarks/triton_cache.sh save $OUT
