@@ -36,6 +36,9 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fuse", default="all", choices=["none", "qkv", "all"],
                    help="Engine(fuse_projections=...)")  # fmt: skip
     p.add_argument("--steps-per-sync", type=int, default=8)
+    p.add_argument("--prefill-tokens", type=int, default=None,
+                   help="Engine(max_prefill_tokens=...): prompt tokens per packed prefill pass "
+                   "(default: the engine's)")  # fmt: skip
     p.add_argument("--matmul", default="auto", choices=["auto", "cublas", "triton"],
                    help="Engine(decode_matmul=...)")  # fmt: skip
     p.add_argument("--fuse-norms", default="auto", choices=["auto", "on", "off"],
@@ -198,6 +201,11 @@ def bench_engine(model, prompts, args, device) -> dict:
         decode_backend=args.backend,
         cuda_graphs=None if not args.no_graphs else False,
         steps_per_sync=args.steps_per_sync,
+        **(
+            {"max_prefill_tokens": args.prefill_tokens}
+            if getattr(args, "prefill_tokens", None)
+            else {}
+        ),
         fuse_projections=getattr(args, "fuse", "all"),
         decode_matmul=getattr(args, "matmul", "auto"),
         fuse_norms=getattr(args, "fuse_norms", "auto"),
@@ -232,7 +240,8 @@ def bench_engine(model, prompts, args, device) -> dict:
     return {
         "backend": engine.decode_backend, "cuda_graphs": engine.cuda_graphs, "slots": slots,
         "fuse": engine.fuse_projections,
-        "steps_per_sync": args.steps_per_sync, "tokens": tokens, "seconds": seconds,
+        "steps_per_sync": args.steps_per_sync, "max_prefill_tokens": engine.max_prefill_tokens,
+        "tokens": tokens, "seconds": seconds,
         "tokens_per_s": tokens / seconds, "ttft_s": ttft, "peak_mem_gib": peak / 2**30,
         "warmup_s": warmup, "stopped": stopped, "runs_s": [round(r, 4) for r in runs],
         "ahead": getattr(args, "ahead", "off"), "kv_layout": kv_cache.LAYOUT,
