@@ -164,6 +164,24 @@ def test_persistent_gemm_compiles_to_tma_and_wgmma(config):
     assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
 
 
+@pytest.mark.parametrize("config", matmul_choice.STREAMK_CONFIGS)
+def test_streamk_gemm_compiles_to_tma_and_wgmma(config):
+    """Each stream-K tile compiles for sm_90 with TMA loads and wgmma inside its loop over
+    iteration ranges, and with the arrival count's atomic."""
+    block_m, block_n, block_k, warps, stages, group_m = config
+    compiled = _compile(
+        gemm_persistent._streamk_nt_kernel,
+        dict(HAS_BIAS=False, SILU_PAIRS=True, FP32=False, BLOCK_M=block_m, BLOCK_N=block_n,
+             BLOCK_K=block_k, GROUP_M=group_m),
+        overrides={"a_desc": f"tensordesc<bf16[{block_m}, {block_k}]>",
+                   "w_desc": f"tensordesc<bf16[{block_n}, {block_k}]>",
+                   "ws_ptr": "*fp32", "count_ptr": "*i32"},
+        warps=warps, stages=stages,
+    )  # fmt: skip
+    ptx = compiled.asm["ptx"]
+    assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx and "atom" in ptx
+
+
 @pytest.mark.parametrize("config", chain_mod.CHAIN_TILES)
 def test_chain_matmuls_compile(config):
     """The five-launch layer's variants: rows scaled by 1/rms (+ SiLU pairs, + bias), residual

@@ -321,6 +321,50 @@ def test_gemm_persistent_equals_gemm_nt(rows, cols, depth):
                 assert torch.equal(g, e), (config, programs)
 
 
+@pytest.mark.parametrize("rows,cols,depth", [(37, 192, 128), (300, 512, 320)])
+def test_gemm_streamk_equals_gemm_nt_and_is_deterministic(rows, cols, depth):
+    """Stream-K splits the (tile, K-step) iterations evenly over the programs. With whole
+    tiles per program (one program, one per tile) it is gemm_nt bitwise; with tiles cut in
+    two (programs between) it matches gemm_nt to the rounding of a two-part K sum, gives the
+    same bits on a second run, and leaves its arrival counts at zero for the next launch."""
+    import triton
+
+    from hybridflow.engine import gemm, gemm_persistent, matmul_choice
+
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    configs = ([(*gemm.INTERPRETER_CONFIG, 2)] if DEVICE == "cpu"
+               else matmul_choice.STREAMK_CONFIGS)  # fmt: skip
+    x = torch.randn(rows, depth, device=DEVICE).to(dtype)
+    weight = torch.randn(cols, depth, device=DEVICE).to(dtype)
+    bias = torch.randn(cols, device=DEVICE).to(dtype)
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)
+    for config in configs:
+        tile = config[:5]
+        tiles = triton.cdiv(rows, config[0]) * triton.cdiv(cols, config[1])
+        expected = (
+            gemm.gemm_nt(x, weight, bias, config=tile),
+            gemm.gemm_nt(x, weight, config=tile, silu_pairs=True),
+        )
+
+        def run(programs, config=config):
+            return (
+                gemm_persistent.gemm_streamk(x, weight, bias, config=config, programs=programs),
+                gemm_persistent.gemm_streamk(x, weight, config=config, programs=programs,
+                                             silu_pairs=True),
+            )  # fmt: skip
+
+        for programs in (1, tiles, 10_000):
+            for g, e in zip(run(programs), expected):
+                assert torch.equal(g, e), (config, programs)
+        for programs in sorted({2, 5, max(2, tiles - 1)}):
+            first, second = run(programs), run(programs)
+            for g, again, e in zip(first, second, expected):
+                torch.testing.assert_close(g.float(), e.float(), **tol)
+                assert torch.equal(g, again), (config, programs)
+            scratch = gemm_persistent._STREAMK_SCRATCH[(x.device.type, x.device.index)]
+            assert not scratch[1].any(), "a count left non-zero breaks the next launch"
+
+
 def test_gemm_persistent_reads_a_partial_last_k_block_as_zeros():
     """K need not be a multiple of BLOCK_K (TMA fills past the end with zeros): the product
     matches torch's; operands TMA cannot read are refused by name."""
