@@ -43,8 +43,12 @@ PERSISTENT_PER_SM = (1, 2)
 PERSISTENT_MIN_ROWS = 1024
 # Stream-K tiles (gemm_persistent.gemm_streamk), each timed at STREAMK_PER_SM programs per SM
 # for row buckets of at least STREAMK_MIN_ROWS: where one tile per program leaves a nearly
-# empty last wave (1.5b gate/up at 256 rows: 140 or 280 tiles on 132 SMs).
-STREAMK = True
+# empty last wave (1.5b gate/up at 256 rows: 140 or 280 tiles on 132 SMs). Off: slower than
+# every other candidate on the H200 (session 9: 1.5b/256 40.9-54.6 us vs cuBLAS 28.1 and
+# gemm_nt 32.5; 0.5b/256 15.2-23.0 vs 12.2; at 16384 rows 6-50% behind the persistent
+# kernel, so each segment's pipeline fill and the fp32 parking cost more than the balance
+# wins). Kept, GPU-tested correct, for a version with the segments' loops flattened.
+STREAMK = False
 STREAMK_CONFIGS = [
     (128, 256, 64, 8, 3, 8),
     (128, 128, 64, 8, 3, 8),

@@ -321,7 +321,11 @@ def test_gemm_persistent_equals_gemm_nt(rows, cols, depth):
                 assert torch.equal(g, e), (config, programs)
 
 
-@pytest.mark.parametrize("rows,cols,depth", [(37, 192, 128), (300, 512, 320)])
+@pytest.mark.parametrize(
+    "rows,cols,depth",
+    # the interpreter runs every program in turn: small shapes there (62 s for the GPU's)
+    [(37, 192, 128), (70, 256, 160) if DEVICE == "cpu" else (300, 512, 320)],
+)
 def test_gemm_streamk_equals_gemm_nt_and_is_deterministic(rows, cols, depth):
     """Stream-K splits the (tile, K-step) iterations evenly over the programs. With whole
     tiles per program (one program, one per tile) it is gemm_nt bitwise; with tiles cut in
@@ -410,6 +414,31 @@ def test_decode_matmul_runs_its_persistent_choice(monkeypatch):
     out = matmul_choice.DecodeMatmul._run(("persistent", config, 2), odd, pairs)
     assert launched == [6]
     torch.testing.assert_close(out, gemm.gate_up_silu_cublas(odd, pairs))
+
+
+def test_decode_matmul_runs_its_streamk_choice(monkeypatch):
+    """A ("streamk", tile, programs per SM) choice runs gemm_streamk with that many programs
+    per SM; its result matches gemm_nt's for the tile (a K sum cut in two)."""
+    from hybridflow.engine import gemm, matmul_choice
+
+    monkeypatch.setattr(matmul_choice, "_sm_count", lambda device: 3)
+    launched = []
+    real = matmul_choice.gemm_streamk
+
+    def spy(*args, programs, **kwargs):
+        launched.append(programs)
+        return real(*args, programs=programs, **kwargs)
+
+    monkeypatch.setattr(matmul_choice, "gemm_streamk", spy)
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    config = (*gemm.INTERPRETER_CONFIG, 2) if DEVICE == "cpu" else (128, 128, 64, 8, 3, 8)
+    x = torch.randn(50, 128, device=DEVICE).to(dtype)
+    pairs = torch.randn(128, 128, device=DEVICE).to(dtype)
+    out = matmul_choice.DecodeMatmul._run(("streamk", config, 2), x, pairs)
+    assert launched == [6]
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)
+    expected = gemm.gemm_nt(x, pairs, config=config[:5], silu_pairs=True)
+    torch.testing.assert_close(out.float(), expected.float(), **tol)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the tuner times CUDA-graph replays")
