@@ -126,9 +126,10 @@ def gemm_persistent(
 # [p * T / P, (p + 1) * T / P) of the T = tiles x K-steps, walking tile by tile: whole tiles
 # go through the epilogue as above; a tile cut by a program boundary has exactly two parts
 # (no more: with P <= tiles every program covers at least one tile's K range), each program
-# parks its fp32 part at ws[boundary, part] and the second to arrive (an atomic count) adds
-# the other's part and runs the epilogue. Two addends: the sum is the same whichever arrives
-# last, so results are deterministic (not bitwise gemm_nt's: the K sum is split in two).
+# parks its fp32 part at ws[boundary, part] and the second to arrive (an atomic count) sums
+# the two parked parts (first + later, in row chunks) and runs the epilogue: the same sum
+# whoever arrives last, so results are deterministic (not bitwise gemm_nt's: the K sum is
+# split in two).
 
 
 @triton.jit
@@ -136,6 +137,7 @@ def _streamk_nt_kernel(
     a_desc, w_desc, bias_ptr, c_ptr, ws_ptr, count_ptr, M, N, K, stride_cm, PROGRAMS,
     HAS_BIAS: tl.constexpr, SILU_PAIRS: tl.constexpr, FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    CHUNK_M: tl.constexpr = 32,
 ):  # fmt: skip
     """Program p computes iterations [p * T / PROGRAMS, (p + 1) * T / PROGRAMS) of the
     T = tiles * K-steps (tiles numbered by _tile_coords); PROGRAMS <= tiles. ws_ptr: fp32
@@ -150,6 +152,7 @@ def _streamk_nt_kernel(
     end = ((pid + 1) * total) // PROGRAMS
     dtype = c_ptr.dtype.element_ty
     tile_offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    chunk_offs = tl.arange(0, CHUNK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     it = begin
     while it < end:
         tile = it // k_iters
@@ -164,31 +167,37 @@ def _streamk_nt_kernel(
                 acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, tl.trans(w), acc)
-        finish = (k0 == 0) & (k1 == k_iters)
-        if not finish:
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = rn < N
+        rn_safe = tl.where(n_mask, rn, 0).to(tl.int64)
+        if (k0 == 0) & (k1 == k_iters):  # a whole tile
+            rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            _gemm_epilogue(
+                acc, bias_ptr, c_ptr, c_ptr, stride_cm, 0, pid_n, rm.to(tl.int64), rn, rn_safe,
+                rm < M, n_mask, N, dtype, HAS_BIAS, SILU_PAIRS, False, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+        else:
             # the tile's later part starts this program's range, its first part ends it
             later = k0 > 0
             boundary = tl.where(later, pid, pid + 1)
-            part = later.to(tl.int64)
             base = ws_ptr + boundary.to(tl.int64) * (2 * BLOCK_M * BLOCK_N)
-            tl.store(base + part * (BLOCK_M * BLOCK_N) + tile_offs, acc)
+            tl.store(base + later.to(tl.int64) * (BLOCK_M * BLOCK_N) + tile_offs, acc)
             tl.debug_barrier()  # every thread's share is written before the count moves
             arrived = tl.atomic_add(count_ptr + boundary, 1, sem="acq_rel", scope="gpu")
-            finish = arrived == 1
-            if finish:
-                other = base + (1 - part) * (BLOCK_M * BLOCK_N) + tile_offs
-                acc += tl.load(other, cache_modifier=".cg")
+            if arrived == 1:  # the second part here: sum both from the parking area (first
+                # + later, whoever arrived last) in row chunks, so no second full fp32 tile
+                # sits in registers beside acc
+                for c in tl.static_range(BLOCK_M // CHUNK_M):
+                    chunk = c * CHUNK_M * BLOCK_N + chunk_offs
+                    first = tl.load(base + chunk, cache_modifier=".cg")
+                    later_part = tl.load(base + BLOCK_M * BLOCK_N + chunk, cache_modifier=".cg")
+                    rm = pid_m * BLOCK_M + c * CHUNK_M + tl.arange(0, CHUNK_M)
+                    _gemm_epilogue(
+                        first + later_part, bias_ptr, c_ptr, c_ptr, stride_cm, 0, pid_n, rm.to(tl.int64),
+                        rn, rn_safe, rm < M, n_mask, N, dtype, HAS_BIAS, SILU_PAIRS, False,
+                        CHUNK_M, BLOCK_N,
+                    )  # fmt: skip
                 tl.store(count_ptr + boundary, 0)
-        if finish:
-            rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            m_mask = rm < M
-            n_mask = rn < N
-            rn_safe = tl.where(n_mask, rn, 0).to(tl.int64)
-            _gemm_epilogue(
-                acc, bias_ptr, c_ptr, c_ptr, stride_cm, 0, pid_n, rm.to(tl.int64), rn, rn_safe,
-                m_mask, n_mask, N, dtype, HAS_BIAS, SILU_PAIRS, False, BLOCK_M, BLOCK_N,
-            )  # fmt: skip
         it += k1 - k0
 
 
@@ -242,6 +251,6 @@ def gemm_streamk(
         a_desc, w_desc, bias if bias is not None else weight, out, ws, counts, rows, cols,
         depth, out.stride(0), launched, HAS_BIAS=bias is not None, SILU_PAIRS=silu_pairs,
         FP32=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        GROUP_M=group_m, num_warps=warps, num_stages=stages,
+        GROUP_M=group_m, CHUNK_M=min(32, block_m), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

@@ -52,6 +52,7 @@ STREAMK = False
 STREAMK_CONFIGS = [
     (128, 256, 64, 8, 3, 8),
     (128, 128, 64, 8, 3, 8),
+    (256, 128, 64, 8, 3, 1),  # all 256 rows in one tile: each weight tile crosses L2 once
 ]
 STREAMK_PER_SM = (1, 2)
 STREAMK_MIN_ROWS = 256
