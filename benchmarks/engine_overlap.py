@@ -27,6 +27,7 @@ import argparse
 import json
 
 import torch
+from engine_step import live_rows  # benchmarks/ is the script's own folder
 
 from hybridflow.engine import Engine, SamplingParams, attention_kernels, pdl
 from hybridflow.engine.bench_cli import make_prompts
@@ -45,12 +46,7 @@ def overlap(preset: str, rows: int, length: int, new_tokens: int) -> dict:
     engine.generate(prompts, SamplingParams(max_new_tokens=8, seed=0, ignore_eos=True))
     state, cache, rope = engine.state, engine.cache, engine.rope
     mean_length = length + new_tokens // 2
-    state.keep_rows([])
-    arange = torch.arange(rows, device=device)
-    state.append_rows(
-        arange % vocab, torch.zeros(rows, device=device), torch.full_like(arange, mean_length),
-        arange, torch.full_like(arange, 1 << 20), arange, arange,
-    )  # fmt: skip
+    live_rows(engine, rows, mean_length)
     max_len = cache.max_seq_len
     half = rows // 2
 

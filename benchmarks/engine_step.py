@@ -76,6 +76,19 @@ def kernel_table(fn, device: torch.device, steps: int = 10, top: int = 25) -> li
     return rows[:top]
 
 
+def live_rows(engine, rows: int, length: int) -> None:
+    """Replace the engine's decode rows by `rows` live rows at `length` cached positions that
+    never finish (the cache holds stale K/V of the last call there: values do not change the
+    time), in slots 0..rows-1."""
+    state, device = engine.state, engine.device
+    state.keep_rows([])
+    arange = torch.arange(rows, device=device)
+    state.append_rows(
+        arange % engine.config.vocab_size, torch.zeros(rows, device=device),
+        torch.full_like(arange, length), arange, torch.full_like(arange, 1 << 20), arange, arange,
+    )  # fmt: skip
+
+
 @torch.no_grad()
 def anatomy(
     preset: str, rows: int, length: int, new_tokens: int, device: torch.device, kernels: int = 25
@@ -99,16 +112,9 @@ def anatomy(
     wall = time.perf_counter() - start
     implied_step_us = (wall - ttft) / max(new_tokens - 1, 1) * 1e6
 
-    # Live rows at the call's mean cache length that never finish (the cache holds stale K/V
-    # of the last call there: values do not change the time).
     mean_length = length + new_tokens // 2
     state, runner, cache = engine.state, engine.runner, engine.cache
-    state.keep_rows([])
-    arange = torch.arange(rows, device=device)
-    state.append_rows(
-        arange % vocab, torch.zeros(rows, device=device), torch.full_like(arange, mean_length),
-        arange, torch.full_like(arange, 1 << 20), arange, arange,
-    )  # fmt: skip
+    live_rows(engine, rows, mean_length)
     # Marked finished, so the timed replays do the same work without moving the rows on
     # (a live row would gain a cached token per replay: ~40 over the measurements).
     state.finished[:rows] = True

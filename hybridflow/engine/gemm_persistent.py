@@ -93,27 +93,35 @@ def gemm_persistent(
     config: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M); programs: how many
     programs loop over the tiles (at most one per tile). Needs operands TMA can read (16-byte
     aligned base and row stride; gemm.tma_ready) on an sm_90+ GPU or the interpreter."""
-    rows, depth = x.shape
-    cols = weight.shape[0]
+    a_desc, w_desc, out, launched = _operands("gemm_persistent", x, weight, config, programs,
+                                              silu_pairs, out)  # fmt: skip
     block_m, block_n, block_k, warps, stages, group_m = config
-    if weight.shape[1] != depth or weight.stride(1) != 1 or x.stride(1) != 1:
-        raise ValueError("gemm_persistent needs x [M, K] and weight [N, K] with contiguous rows")
-    if silu_pairs and cols % 2:
-        raise ValueError(f"silu_pairs needs an even number of weight rows, got {cols}")
-    a_desc, w_desc, tma = tma_operands(x, weight, block_m, block_n, block_k)
-    if not tma:
-        raise ValueError("gemm_persistent needs TMA-readable operands (16-byte aligned rows)")
-    if out is None:
-        out = torch.empty(rows, cols // 2 if silu_pairs else cols, dtype=x.dtype, device=x.device)
-    tiles = triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n)
-    launched = max(1, min(programs, tiles))
     _persistent_nt_kernel[(launched,)](
-        a_desc, w_desc, bias if bias is not None else weight, out, rows, cols, depth,
-        out.stride(0), launched, HAS_BIAS=bias is not None, SILU_PAIRS=silu_pairs,
+        a_desc, w_desc, bias if bias is not None else weight, out, x.shape[0], weight.shape[0],
+        x.shape[1], out.stride(0), launched, HAS_BIAS=bias is not None, SILU_PAIRS=silu_pairs,
         FP32=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         GROUP_M=group_m, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
+
+
+def _operands(name, x, weight, config, programs, silu_pairs, out):
+    """Checks shared by the two kernels' wrappers -> (x's and weight's TMA descriptors, the
+    output (allocated unless given), programs to launch: at most one per output tile)."""
+    rows, depth = x.shape
+    cols = weight.shape[0]
+    block_m, block_n, block_k = config[:3]
+    if weight.shape[1] != depth or weight.stride(1) != 1 or x.stride(1) != 1:
+        raise ValueError(f"{name} needs x [M, K] and weight [N, K] with contiguous rows")
+    if silu_pairs and cols % 2:
+        raise ValueError(f"silu_pairs needs an even number of weight rows, got {cols}")
+    a_desc, w_desc, tma = tma_operands(x, weight, block_m, block_n, block_k)
+    if not tma:
+        raise ValueError(f"{name} needs TMA-readable operands (16-byte aligned rows)")
+    if out is None:
+        out = torch.empty(rows, cols // 2 if silu_pairs else cols, dtype=x.dtype, device=x.device)
+    tiles = triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n)
+    return a_desc, w_desc, out, max(1, min(programs, tiles))
 
 
 # -------------------------------------------------------------------------------------------
@@ -232,24 +240,15 @@ def gemm_streamk(
 ) -> torch.Tensor:
     """gemm_persistent's contract, the work split evenly over `programs` programs (at most one
     per tile) by (tile, K-step) iterations (stream-K). Deterministic; not bitwise gemm_nt's."""
-    rows, depth = x.shape
-    cols = weight.shape[0]
+    # launched <= tiles: a tile cut by a program boundary has two parts, no more
+    a_desc, w_desc, out, launched = _operands("gemm_streamk", x, weight, config, programs,
+                                              silu_pairs, out)  # fmt: skip
     block_m, block_n, block_k, warps, stages, group_m = config
-    if weight.shape[1] != depth or weight.stride(1) != 1 or x.stride(1) != 1:
-        raise ValueError("gemm_streamk needs x [M, K] and weight [N, K] with contiguous rows")
-    if silu_pairs and cols % 2:
-        raise ValueError(f"silu_pairs needs an even number of weight rows, got {cols}")
-    a_desc, w_desc, tma = tma_operands(x, weight, block_m, block_n, block_k)
-    if not tma:
-        raise ValueError("gemm_streamk needs TMA-readable operands (16-byte aligned rows)")
-    if out is None:
-        out = torch.empty(rows, cols // 2 if silu_pairs else cols, dtype=x.dtype, device=x.device)
-    tiles = triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n)
-    launched = max(1, min(programs, tiles))  # <= tiles: a cut tile has two parts, no more
     ws, counts = _streamk_scratch(x.device, launched + 1, block_m * block_n)
     _streamk_nt_kernel[(launched,)](
-        a_desc, w_desc, bias if bias is not None else weight, out, ws, counts, rows, cols,
-        depth, out.stride(0), launched, HAS_BIAS=bias is not None, SILU_PAIRS=silu_pairs,
+        a_desc, w_desc, bias if bias is not None else weight, out, ws, counts, x.shape[0],
+        weight.shape[0], x.shape[1], out.stride(0), launched, HAS_BIAS=bias is not None,
+        SILU_PAIRS=silu_pairs,
         FP32=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         GROUP_M=group_m, CHUNK_M=min(32, block_m), num_warps=warps, num_stages=stages,
     )  # fmt: skip

@@ -195,57 +195,39 @@ def test_gemm_persistent_reads_a_partial_last_k_block_as_zeros():
         gemm_persistent(odd, weight, config=config, programs=4)
 
 
-def test_decode_matmul_runs_its_persistent_choice(monkeypatch):
-    """A ("persistent", tile, programs per SM) choice runs gemm_persistent with that many
-    programs per SM, giving what gemm_nt gives for the tile."""
-    from hybridflow.engine import gemm, gemm_persistent, matmul_choice
-
-    monkeypatch.setattr(matmul_choice, "_sm_count", lambda device: 3)
-    launched = []
-    real = gemm_persistent.gemm_persistent
-
-    def spy(*args, programs, **kwargs):
-        launched.append(programs)
-        return real(*args, programs=programs, **kwargs)
-
-    monkeypatch.setattr(matmul_choice, "gemm_persistent", spy)
-    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
-    config = (*gemm.INTERPRETER_CONFIG, 2) if DEVICE == "cpu" else (128, 128, 64, 8, 3, 8)
-    x = torch.randn(50, 128, device=DEVICE).to(dtype)
-    pairs = torch.randn(128, 128, device=DEVICE).to(dtype)
-    out = matmul_choice.DecodeMatmul._run(("persistent", config, 2), x, pairs)
-    assert launched == [6]
-    assert torch.equal(out, gemm.gemm_nt(x, pairs, config=config[:5], silu_pairs=True))
-    # rows TMA cannot read (an odd row stride) fall back to cuBLAS + silu_mul, not an error
-    odd = torch.randn(50, 129, device=DEVICE).to(dtype)[:, :128]
-    out = matmul_choice.DecodeMatmul._run(("persistent", config, 2), odd, pairs)
-    assert launched == [6]
-    torch.testing.assert_close(out, gemm.gate_up_silu_cublas(odd, pairs))
-
-
-def test_decode_matmul_runs_its_streamk_choice(monkeypatch):
-    """A ("streamk", tile, programs per SM) choice runs gemm_streamk with that many programs
-    per SM; its result matches gemm_nt's for the tile (a K sum cut in two)."""
+@pytest.mark.parametrize("kind", ["persistent", "streamk"])
+def test_decode_matmul_runs_its_persistent_and_streamk_choices(kind, monkeypatch):
+    """A (kind, tile, programs per SM) choice runs that kernel with that many programs per SM,
+    giving what gemm_nt gives for the tile (bitwise for the persistent kernel; stream-K cuts
+    the K sum of some tiles in two); rows TMA cannot read fall back to cuBLAS + silu_mul."""
     from hybridflow.engine import gemm, matmul_choice
 
     monkeypatch.setattr(matmul_choice, "_sm_count", lambda device: 3)
     launched = []
-    real = matmul_choice.gemm_streamk
+    kernel = "gemm_persistent" if kind == "persistent" else "gemm_streamk"
+    real = getattr(matmul_choice, kernel)
 
     def spy(*args, programs, **kwargs):
         launched.append(programs)
         return real(*args, programs=programs, **kwargs)
 
-    monkeypatch.setattr(matmul_choice, "gemm_streamk", spy)
+    monkeypatch.setattr(matmul_choice, kernel, spy)
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     config = (*gemm.INTERPRETER_CONFIG, 2) if DEVICE == "cpu" else (128, 128, 64, 8, 3, 8)
     x = torch.randn(50, 128, device=DEVICE).to(dtype)
     pairs = torch.randn(128, 128, device=DEVICE).to(dtype)
-    out = matmul_choice.DecodeMatmul._run(("streamk", config, 2), x, pairs)
+    out = matmul_choice.DecodeMatmul._run((kind, config, 2), x, pairs)
     assert launched == [6]
-    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)
     expected = gemm.gemm_nt(x, pairs, config=config[:5], silu_pairs=True)
-    torch.testing.assert_close(out.float(), expected.float(), **tol)
+    if kind == "persistent":
+        assert torch.equal(out, expected)
+    else:
+        tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)
+        torch.testing.assert_close(out.float(), expected.float(), **tol)
+    odd = torch.randn(50, 129, device=DEVICE).to(dtype)[:, :128]  # an odd row stride
+    out = matmul_choice.DecodeMatmul._run((kind, config, 2), odd, pairs)
+    assert launched == [6]
+    torch.testing.assert_close(out, gemm.gate_up_silu_cublas(odd, pairs))
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the tuner times CUDA-graph replays")
