@@ -174,9 +174,10 @@ class FusedProjections:
     @torch.no_grad()
     def refresh(self, model) -> None:
         """Copy the live parameters in and fold the norm weights, for all layers in a handful
-        of launches: one batched copy, one stack and one in-place multiply per folded tensor
-        (a per-layer loop was ~300 small ops, ~7 ms of host time at the start of every
-        generate() on the H200 with the GPU idle behind it: docs/results/2026-12-01-s9)."""
+        of launches: one batched copy, one stack and one in-place multiply per folded tensor.
+        (A per-layer loop was ~300 small ops at the start of every generate(), where the
+        H200's timeline showed the GPU idle between them; its kernels alone went from 2.7 to
+        1.6 ms: engine/NOTES.md run 13.)"""
         layers = model.model.layers
         q, kv = self.q_size, self.kv_size
         targets, sources = [], []
