@@ -47,7 +47,9 @@ PERSISTENT_MIN_ROWS = 1024
 # every other candidate on the H200 (session 9: 1.5b/256 40.9-54.6 us vs cuBLAS 28.1 and
 # gemm_nt 32.5; 0.5b/256 15.2-23.0 vs 12.2; at 16384 rows 6-50% behind the persistent
 # kernel, so each segment's pipeline fill and the fp32 parking cost more than the balance
-# wins). Kept, GPU-tested correct, for a version with the segments' loops flattened.
+# wins). The version measured was GPU-tested correct; this one (cut tiles summed from the
+# parking area in row chunks, a 256-row tile) passes the interpreter tests and compiles for
+# sm_90 but has not run on a GPU: docs/results/2026-12-01-s9/call10.sh is its first call.
 STREAMK = False
 STREAMK_CONFIGS = [
     (128, 256, 64, 8, 3, 8),
