@@ -49,6 +49,8 @@ def _decode_attention_kernel(
     HEAD_MAJOR: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
     PF_LINE: tl.constexpr = 64, PF_LINES: tl.constexpr = 1, PF_POSITIONS: tl.constexpr = 0,
     EVICT_FIRST: tl.constexpr = False, STORE_LAST: tl.constexpr = False,
+    h_ptr=None, bias_ptr=None, stride_h=0, H=1, eps=0.0, NORM: tl.constexpr = False,
+    H_PAD: tl.constexpr = 16, HAS_BIAS: tl.constexpr = False,
 ):  # fmt: skip
     """One (row, kv head, split): attention of the head group's queries over cached positions
     [split * CHUNK, (split + 1) * CHUNK) up to the row's last position pos.
@@ -60,7 +62,12 @@ def _decode_attention_kernel(
 
     PDL / PREFETCH (pdl.py): the first PF_POSITIONS cached keys and values (earlier steps')
     are asked into L2 before waiting for the previous kernel (the qkv matmul); PF_LINE
-    elements make a 128-byte line, PF_LINES lines a head vector."""
+    elements make a 128-byte line, PF_LINES lines a head vector.
+
+    NORM (with ROPE; lean.py): q/k/v arrive as residual @ W^T with the RMSNorm weight folded
+    into W and no bias; this program takes the row's 1/rms from the residual stream h [B, H]
+    and forms rstd * x + bias (rounded to the activation dtype, as the matmul's output
+    would be) before RoPE."""
     if HEAD_MAJOR:  # grid (kv heads, rows, splits): a row's heads run side by side
         kv_head = tl.program_id(0)
         row = tl.program_id(1)
@@ -97,6 +104,13 @@ def _decode_attention_kernel(
     q_offs = row * stride_q + heads[:, None] * (2 * HALF) + h[None, :]
     q1 = tl.load(q_ptr + q_offs, mask=g_mask[:, None], other=0.0)
     q2 = tl.load(q_ptr + q_offs + HALF, mask=g_mask[:, None], other=0.0)
+    if NORM:
+        cols = tl.arange(0, H_PAD)
+        hrow = tl.load(h_ptr + row * stride_h + cols, mask=cols < H, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(hrow * hrow, axis=0) / H + eps)
+        q_bias = heads[:, None] * (2 * HALF) + h[None, :]
+        q1 = _norm_bias(q1, rstd, bias_ptr, q_bias, g_mask[:, None], HAS_BIAS)
+        q2 = _norm_bias(q2, rstd, bias_ptr, q_bias + HALF, g_mask[:, None], HAS_BIAS)
     if ROPE:
         cos = tl.load(cos_ptr + pos * stride_cs + h).to(tl.float32)
         sin = tl.load(sin_ptr + pos * stride_cs + h).to(tl.float32)
@@ -104,11 +118,16 @@ def _decode_attention_kernel(
             q1.to(tl.float32), q2.to(tl.float32), cos[None, :], sin[None, :], dtype
         )  # fmt: skip
         kn_offs = row * stride_kn + kv_head * (2 * HALF) + h
-        k1n, k2n = _rotate(
-            tl.load(kn_ptr + kn_offs).to(tl.float32),
-            tl.load(kn_ptr + kn_offs + HALF).to(tl.float32), cos, sin, dtype,
-        )  # fmt: skip
+        k1n = tl.load(kn_ptr + kn_offs)
+        k2n = tl.load(kn_ptr + kn_offs + HALF)
         v_new = tl.load(vn_ptr + row * stride_vn + kv_head * (2 * HALF) + d)
+        if NORM:  # bias layout: q (NH heads), k, v (NH // G heads each)
+            k_bias = NH * (2 * HALF) + kv_head * (2 * HALF) + h
+            k1n = _norm_bias(k1n, rstd, bias_ptr, k_bias, True, HAS_BIAS)
+            k2n = _norm_bias(k2n, rstd, bias_ptr, k_bias + HALF, True, HAS_BIAS)
+            v_bias = (NH + NH // G) * (2 * HALF) + kv_head * (2 * HALF) + d
+            v_new = _norm_bias(v_new, rstd, bias_ptr, v_bias, True, HAS_BIAS)
+        k1n, k2n = _rotate(k1n.to(tl.float32), k2n.to(tl.float32), cos, sin, dtype)
         if not STORE_LAST:
             _store_new_kv(kc_ptr, vc_ptr, base, pos, stride_cpos, split, k1n, k2n, v_new, h, d,
                           HALF)  # fmt: skip
@@ -177,6 +196,15 @@ def _decode_attention_kernel(
 
 
 @triton.jit
+def _norm_bias(x, rstd, bias_ptr, offs, mask, HAS_BIAS: tl.constexpr):
+    """rstd * x (+ bias[offs]) in fp32, rounded to x's dtype."""
+    y = x.to(tl.float32) * rstd
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return y.to(x.dtype)
+
+
+@triton.jit
 def _store_new_kv(kc_ptr, vc_ptr, base, pos, stride_cpos, split, k1n, k2n, v_new, h, d,
                   HALF: tl.constexpr):  # fmt: skip
     """The new token's rotated k (two halves) and v at cache position pos (split 0 only)."""
@@ -232,7 +260,17 @@ def _prune_store_orders(configs, named_args, **kwargs):
 _decode_attention_tuned = triton.autotune(
     _ATTENTION_CONFIGS,
     # stride_cpos tells the cache layouts apart (kv_cache.LAYOUT: D for head-major)
-    key=["G", "HALF", "SPLITS", "FP32_DOT", "ROPE", "HEAD_MAJOR", "ROWS_BUCKET", "stride_cpos"],
+    key=[
+        "G",
+        "HALF",
+        "SPLITS",
+        "FP32_DOT",
+        "ROPE",
+        "HEAD_MAJOR",
+        "ROWS_BUCKET",
+        "stride_cpos",
+        "NORM",
+    ],  # fmt: skip
     prune_configs_by={"early_config_prune": _prune_store_orders},
 )(_decode_attention_kernel)
 
@@ -273,18 +311,23 @@ def decode_attention_rope(
     row_slots: torch.Tensor,
     max_len: int,
     splits: int | None = None,
+    norm: tuple | None = None,
 ) -> torch.Tensor:
     """rope_store + decode_attention in one launch: q [B, nh, D], k/v [B, nkv, D] of the new
     token (unrotated; rows may be strided), cos/sin [S, D] tables, positions [B] (the new
     token's position). Stores rotated k and v at cache[row_slots, positions] and returns the
-    attention over positions [0, positions[b]] -> [B, nh, D]. q is not modified."""
+    attention over positions [0, positions[b]] -> [B, nh, D]. q is not modified.
+
+    norm: (residual [B, H], eps, qkv bias [nh*D + 2*nkv*D] or None): q/k/v are
+    residual @ W^T with the RMSNorm weight folded into W and without the bias; the kernel
+    scales them by each row's 1/rms(residual) and adds the bias (lean.py)."""
     return _attention(q, k, v, cos, sin, positions, key_cache, value_cache, row_slots,
-                      max_len, splits)  # fmt: skip
+                      max_len, splits, norm=norm)  # fmt: skip
 
 
 def _attention(
     q, k, v, cos, sin, positions, key_cache, value_cache, row_slots, max_len, splits,
-    config: tuple | None = None, head_major: bool | None = None,
+    config: tuple | None = None, head_major: bool | None = None, norm: tuple | None = None,
 ):  # fmt: skip
     """config (BLOCK_N, num_warps, num_stages) and head_major override the tuned tile and
     the grid order (benchmarks/engine_attention.py)."""
@@ -321,6 +364,14 @@ def _attention(
     )  # fmt: skip
     head_major = HEAD_MAJOR if head_major is None else head_major
     meta["HEAD_MAJOR"] = head_major
+    if norm is not None:
+        assert rope, "norm needs the new token's k/v (decode_attention_rope)"
+        residual, eps, bias = norm
+        assert residual.stride(1) == 1 and residual.shape[0] == rows
+        meta.update(h_ptr=residual, bias_ptr=bias if bias is not None else residual,
+                    stride_h=residual.stride(0), H=residual.shape[1], eps=eps, NORM=True,
+                    H_PAD=triton.next_power_of_2(residual.shape[1]),
+                    HAS_BIAS=bias is not None)  # fmt: skip
     meta.update(pdl.options(q))
     if q.is_cuda and KV_EVICT_FIRST:
         meta["EVICT_FIRST"] = True

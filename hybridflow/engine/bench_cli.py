@@ -68,6 +68,10 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode attention stores the new token's k/v after its loop "
                    "(engine/attention_kernels.py STORE_LAST; tune: timed with each tile; "
                    "default: its current value)")  # fmt: skip
+    p.add_argument("--lean", default=None, choices=["auto", "silu", "kernel", "off"],
+                   help="decode layers with the norms inside attention and SiLU*up "
+                   "(engine/lean.py MODE; auto: timed against the other paths; default: its "
+                   "current value)")  # fmt: skip
     p.add_argument("--sync-lag", type=int, default=None, choices=[0, 1],
                    help="host reads of each chunk's flags and tokens lag the device by this "
                    "many chunks (loop.SYNC_LAG; default: its current value)")  # fmt: skip
@@ -197,6 +201,10 @@ def bench_engine(model, prompts, args, device) -> dict:
             from hybridflow.engine import attention_kernels
 
             attention_kernels.STORE_LAST = {"tune": None, "on": True, "off": False}[args.store_last]
+        if getattr(args, "lean", None):  # read at each decode forward (graph capture too)
+            from hybridflow.engine import lean
+
+            lean.MODE = args.lean
     from hybridflow.engine import loop
 
     if getattr(args, "sync_lag", None) is not None:
@@ -256,11 +264,17 @@ def bench_engine(model, prompts, args, device) -> dict:
         "pdl": f"{mode} ({'on' if pdl and pdl.enabled(torch.empty(0, device=device)) else 'off'})",
         "matmul": matmul.mode if matmul else None,
         "matmul_timings_us": {str(k): v for k, v in matmul.timings.items()} if matmul else {},
-        "fuse_norms": chain.mode if chain else None,
+        "fuse_norms": chain.mode if chain else None, "lean": _lean_mode(),
         "attention_tiles": _attention_tiles(),
         "chain_decisions": {str(k): v for k, v in chain.decisions.items()} if chain else {},
         "chain_timings_us": chain.timings if chain else {},
     }  # fmt: skip
+
+
+def _lean_mode() -> str:
+    from hybridflow.engine import lean
+
+    return lean.MODE
 
 
 def bench_hf(model, prompts, args, device) -> dict:

@@ -48,6 +48,7 @@ RESIDUAL_SPLITS = [1, 2, 4]
 # "auto" takes the chain only when its forward replays are this much faster: at a tie (0.5b,
 # 1024 rows with PDL: 2418 vs 2420 us) whole generate() calls ran 3% slower with the chain.
 CHAIN_MARGIN = 0.02
+MARGINS = {"chain": CHAIN_MARGIN}  # per decode path (choose); others: any win
 # Each matmul asks L2 (evict-last) for the weight of the matmul two launches later (qkv ->
 # gate/up, o_proj -> down, gate/up -> next qkv, down -> next o_proj), so the weights could
 # arrive while earlier kernels run. Measured slower (0.5b/256 with PDL: 158k vs 167k tok/s,
@@ -83,7 +84,7 @@ class DecodeChain:
         self.mode = mode
         self.max_rows = max_rows
         self.plans: dict[tuple, tuple] = {}  # op key -> (tile, splits)
-        self.decisions: dict[tuple, bool] = {}  # (bucket, hidden) -> chain faster
+        self.decisions: dict[tuple, str] = {}  # (bucket, hidden) -> decode path (choose)
         self.timings: dict[str, dict] = {}  # for the notes: candidate -> us
         self._scratch: dict[tuple, tuple] = {}  # (op key, tile, splits) -> (workspace, counts)
         self._sums: dict[tuple, torch.Tensor] = {}  # (bucket, hidden, device) -> [parts, rows]
@@ -93,21 +94,33 @@ class DecodeChain:
     def applies(self, rows: int) -> bool:
         return self.mode != "off" and rows <= self.max_rows
 
-    def choose(self, rows: int, hidden: int, run_chain, run_split) -> bool:
-        """Whether this batch size runs the chain ("auto": timed once per bucket)."""
-        if self.mode != "auto" or not torch.cuda.is_available():
-            return self.mode == "on" or self.mode == "auto"
+    def choose(self, rows: int, hidden: int, candidates: dict) -> str:
+        """Which decode path this batch size runs: candidates maps a path name ("split",
+        "chain", "lean:silu", ...) to a zero-argument forward; "split" must be among them.
+        Timed once per bucket as graph replays where more than one is left (mode "on" keeps
+        the chain only, where it is a candidate); a path other than split must beat split
+        by its MARGINS share."""
+        candidates = dict(candidates)
+        if self.mode == "off":
+            candidates.pop("chain", None)
+        if self.mode == "on" and "chain" in candidates:
+            return "chain"
+        if not torch.cuda.is_available():  # nothing to time (interpreter tests): the chain
+            return "chain" if "chain" in candidates else "split"
+        if len(candidates) == 1:
+            return next(iter(candidates))
         key = (gemm._row_bucket(rows), hidden)
         if key not in self.decisions:
             if torch.cuda.is_current_stream_capturing():
-                return False
+                return "split"
             # 5 x 5 forwards each (~50 ms at 1024 rows): with 2 x 3 the two layers' order
             # flipped between processes at 1024 rows, where they are ~3% apart (run 9)
-            chain_us = gemm.graph_time_us(run_chain, calls=5, replays=5)
-            split_us = gemm.graph_time_us(run_split, calls=5, replays=5)
-            self.timings[f"forward{key}"] = {"chain": round(chain_us, 1),
-                                             "split": round(split_us, 1)}  # fmt: skip
-            self.decisions[key] = chain_us < split_us * (1 - CHAIN_MARGIN)
+            times = {name: gemm.graph_time_us(run, calls=5, replays=5)
+                     for name, run in candidates.items()}  # fmt: skip
+            self.timings[f"forward{key}"] = {n: round(t, 1) for n, t in times.items()}
+            limit = {n: times["split"] * (1 - MARGINS.get(n, 0.0)) for n in times}
+            winners = [n for n in times if n == "split" or times[n] < limit[n]]
+            self.decisions[key] = min(winners, key=times.get)
         return self.decisions[key]
 
     # -- the ops ---------------------------------------------------------------------------

@@ -17,6 +17,8 @@ Two implementations of the decode layer, same math:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -291,14 +293,15 @@ def decode_forward_triton(
     """Same contract as decode_forward_torch; fused kernels, attention over live lengths only
     (max_len only sizes the split of the sequence among thread blocks). chain: a
     chain.DecodeChain (five launches per layer, the norms inside the matmuls), used where it
-    applies and wins (needs fused gate/up weights)."""
-    from hybridflow.engine import attention_kernels, pdl
+    applies and wins (needs fused gate/up weights); it also times and records the lean
+    layers (lean.py: cuBLAS matmuls, the norms inside attention and SiLU*up) against both."""
+    from hybridflow.engine import attention_kernels, lean, pdl
     from hybridflow.engine.chain import chain_layers
 
-    def attend(index, q, k, v):
+    def attend(index, q, k, v, norm=None):
         return attention_kernels.decode_attention_rope(
             q, k, v, rope.cos, rope.sin, positions, cache.keys[index], cache.values[index],
-            row_slots, max_len,
+            row_slots, max_len, norm=norm,
         )  # fmt: skip
 
     def run_split():
@@ -309,15 +312,25 @@ def decode_forward_triton(
     def run_chain():
         return chain_layers(model, tokens, attend, fused, chain)
 
+    def run_lean(mlp):
+        with pdl.suspended():
+            return lean.lean_layers(model, tokens, attend, fused, matmul, mlp)
+
     rows = tokens.shape[0]
-    usable = chain is not None and fused is not None and fused.gate_up_weight is not None
-    if usable and chain.applies(rows):
-        hidden_size = model.config.hidden_size
-        normed = (
-            run_chain() if chain.choose(rows, hidden_size, run_chain, run_split) else run_split()
-        )
+    candidates = {"split": run_split}
+    usable = fused is not None and fused.gate_up_weight is not None
+    if usable and chain is not None and chain.applies(rows):
+        candidates["chain"] = run_chain
+    forced = None
+    if lean.MODE != "off" and lean.applies(model, fused):
+        for mlp in lean.VARIANTS if lean.MODE == "auto" else [lean.MODE]:
+            candidates[f"lean:{mlp}"] = functools.partial(run_lean, mlp)
+        forced = None if lean.MODE == "auto" else f"lean:{lean.MODE}"
+    if forced is None and chain is not None:
+        path = chain.choose(rows, model.config.hidden_size, candidates)
     else:
-        normed = run_split()
+        path = forced or "split"
+    normed = candidates[path]()
     return model.lm_head(normed)
 
 

@@ -93,10 +93,13 @@ def add_rms_norm(
 @triton.jit
 def _silu_mul_kernel(
     g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_o, n, PAIRS: tl.constexpr,
-    BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK: tl.constexpr, PDL: tl.constexpr = False, h_ptr=None, stride_h=0, H=1, eps=0.0,
+    NORM: tl.constexpr = False, H_PAD: tl.constexpr = 16,
 ):  # fmt: skip
     """PAIRS: g_ptr rows hold (gate_0, up_0, gate_1, up_1, ...), read as [BLOCK, 2] tiles
-    (contiguous, vectorised) and split; else gate and up are separate rows."""
+    (contiguous, vectorised) and split; else gate and up are separate rows. NORM: gate and
+    up are residual @ W^T with the RMSNorm weight folded into W; each is scaled by the row's
+    1/rms(residual) (h [B, H]) and rounded to the activation dtype first (lean.py)."""
     wait_then_release(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -110,6 +113,12 @@ def _silu_mul_kernel(
         g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
+    if NORM:
+        hcols = tl.arange(0, H_PAD)
+        hrow = tl.load(h_ptr + row * stride_h + hcols, mask=hcols < H, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(hrow * hrow, axis=0) / H + eps)
+        g = (g * rstd).to(dtype).to(tl.float32)
+        u = (u * rstd).to(dtype).to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)  # torch rounds silu(g) first
     tl.store(out_ptr + row * stride_o + cols, (silu * u).to(dtype), mask=mask)
 
@@ -127,17 +136,26 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def silu_mul_pairs(product: torch.Tensor) -> torch.Tensor:
+def silu_mul_pairs(product: torch.Tensor, norm: tuple | None = None) -> torch.Tensor:
     """[B, 2I] with columns interleaved (gate_0, up_0, gate_1, ...) -> silu(gate) * up
-    [B, I] (the matmul output of FusedProjections' interleaved gate/up weight)."""
+    [B, I] (the matmul output of FusedProjections' interleaved gate/up weight).
+
+    norm: (residual [B, H], eps): the product is residual @ W^T with the RMSNorm weight
+    folded into W; gate and up are first scaled by each row's 1/rms(residual)."""
     rows, width = product.shape
     assert product.stride(1) == 1 and width % 2 == 0
     inner = width // 2
     out = torch.empty(rows, inner, dtype=product.dtype, device=product.device)
     block = 512
+    extra = {}
+    if norm is not None:
+        residual, eps = norm
+        assert residual.stride(1) == 1 and residual.shape[0] == rows
+        extra = dict(h_ptr=residual, stride_h=residual.stride(0), H=residual.shape[1], eps=eps,
+                     NORM=True, H_PAD=triton.next_power_of_2(residual.shape[1]))  # fmt: skip
     _silu_mul_kernel[(rows, triton.cdiv(inner, block))](
         product, product, out, product.stride(0), product.stride(0), out.stride(0), inner,
-        PAIRS=True, BLOCK=block, **pdl.options(product),
+        PAIRS=True, BLOCK=block, **pdl.options(product), **extra,
     )  # fmt: skip
     return out
 

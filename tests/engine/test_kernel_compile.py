@@ -100,6 +100,8 @@ def test_decode_layer_kernels_compile(activation):
         _compile(kernels._rms_norm_kernel, norm, activation, warps=kernels.NORM_WARPS)
     for pairs in (True, False):
         _compile(kernels._silu_mul_kernel, dict(PAIRS=pairs, BLOCK=512), activation)
+    _compile(kernels._silu_mul_kernel, dict(PAIRS=True, BLOCK=512, NORM=True, H_PAD=2048),
+             activation)  # lean.py's 1/rms from the residual row  # fmt: skip
     _compile(
         kernels._rope_store_kernel,
         dict(NH=14, NKV=2, HALF=32, NH_PAD=16, NKV_PAD=2, K_IN_PLACE=True),
@@ -114,6 +116,13 @@ def test_decode_layer_kernels_compile(activation):
                          FP32_DOT=activation == "fp32", ROPE=rope, BLOCK_N=64),
                     activation, stages=2,
                 )  # fmt: skip
+    for bias in (True, False):  # lean.py: 1/rms and the qkv bias inside the kernel
+        _compile(
+            attention_kernels._decode_attention_kernel,
+            dict(G=6, G_PAD=16, HALF=64, NH=12, SPLITS=1, FP32_DOT=activation == "fp32",
+                 ROPE=True, BLOCK_N=32, NORM=True, H_PAD=2048, HAS_BIAS=bias),
+            activation, stages=2,
+        )  # fmt: skip
     _compile(
         attention_kernels._combine_splits_kernel,
         dict(NH=14, D=64, SPLITS=3, SPLITS_PAD=4),
