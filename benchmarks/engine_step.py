@@ -164,6 +164,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     add_case_arguments(parser)
     parser.add_argument("--kv-layout", default=None, choices=["token", "head"])
+    parser.add_argument("--lean", default=None, choices=["auto", "silu", "kernel", "off"],
+                        help="engine/lean.py MODE (default: its current value)")  # fmt: skip
     parser.add_argument("--kernels", type=int, default=25,
                         help="print the top N kernels of the replayed step (0: none)")  # fmt: skip
     parser.add_argument("--json", default=None)
@@ -172,6 +174,10 @@ def main() -> None:
         from hybridflow.engine import kv_cache
 
         kv_cache.LAYOUT = args.kv_layout
+    if args.lean:
+        from hybridflow.engine import lean
+
+        lean.MODE = args.lean
     result = anatomy(args.preset, args.rows, args.length, args.new_tokens,
                      torch.device(args.device), args.kernels)  # fmt: skip
     step = result["parts_us"]["step (graph the engine replays)"]
