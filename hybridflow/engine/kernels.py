@@ -136,17 +136,27 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def silu_mul_pairs(product: torch.Tensor, norm: tuple | None = None) -> torch.Tensor:
+# Pairs per program of silu_mul_pairs: without a norm, and with one (each program then also
+# reads and reduces its row of the residual stream, so fewer, larger programs; H200 A/B in
+# benchmarks/engine_lean.py).
+SILU_BLOCK = 512
+SILU_NORM_BLOCK = 2048
+
+
+def silu_mul_pairs(
+    product: torch.Tensor, norm: tuple | None = None, block: int | None = None
+) -> torch.Tensor:
     """[B, 2I] with columns interleaved (gate_0, up_0, gate_1, ...) -> silu(gate) * up
     [B, I] (the matmul output of FusedProjections' interleaved gate/up weight).
 
     norm: (residual [B, H], eps): the product is residual @ W^T with the RMSNorm weight
-    folded into W; gate and up are first scaled by each row's 1/rms(residual)."""
+    folded into W; gate and up are first scaled by each row's 1/rms(residual). block
+    overrides SILU_BLOCK / SILU_NORM_BLOCK (benchmarks)."""
     rows, width = product.shape
     assert product.stride(1) == 1 and width % 2 == 0
     inner = width // 2
     out = torch.empty(rows, inner, dtype=product.dtype, device=product.device)
-    block = 512
+    block = block or (SILU_BLOCK if norm is None else SILU_NORM_BLOCK)
     extra = {}
     if norm is not None:
         residual, eps = norm

@@ -23,14 +23,18 @@ def _rstd(residual, eps):
     return torch.rsqrt(residual.float().pow(2).mean(-1, keepdim=True) + eps)
 
 
+@pytest.mark.parametrize("in_loop", [False, True])
 @pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_attention_norm_equals_scaling_the_projections_first(splits, with_bias, monkeypatch):
+def test_attention_norm_equals_scaling_the_projections_first(splits, with_bias, in_loop,
+                                                             monkeypatch):  # fmt: skip
     """norm=(residual, eps, bias): q/k/v scaled by each row's 1/rms(residual) plus the bias
     inside the kernel give what the kernel gives for q/k/v scaled and biased beforehand
-    (output, stored k and v). A wrong row's rstd, a missing or misplaced bias (q vs k vs v
+    (output, stored k and v), with 1/rms applied in front of the loop or to each tile's
+    scores (NORM_IN_LOOP). A wrong row's rstd, a missing or misplaced bias (q vs k vs v
     heads) or an unscaled v would all differ."""
     monkeypatch.setattr(attention_kernels._decode_attention_tuned, "cache", {})
+    monkeypatch.setattr(attention_kernels, "NORM_IN_LOOP", in_loop)
     config = preset_config("tiny")
     rows, heads, kv_heads, dim, seq, hidden = 4, 6, 2, 16, 70, 48  # hidden: not a power of 2
     raw = torch.randn(rows, (heads + 2 * kv_heads) * dim, device=DEVICE) * 4
