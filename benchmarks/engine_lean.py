@@ -3,9 +3,9 @@ time, as CUDA-graph replays at the benchmark's decode shapes (operands cycled th
 L2 holds none of the weights or cached K/V, as in a real step). Variants alternate over
 `--rounds` rounds; medians are printed.
 
-- attention: plain (q/k/v biased by the matmul), 1/rms in front of the loop (NORM), 1/rms on
-  each tile's scores (NORM_IN_LOOP), over the tiles the tuner picks from;
-- SiLU*up: plain against 1/rms per row at several pairs per program;
+- attention: plain (q/k/v biased by the matmul) against 1/rms and the bias in the kernel
+  (NORM), over the tiles the tuner picks from;
+- SiLU*up: plain against 1/rms per row, at several pairs per program;
 - add+RMSNorm (what lean removes), o_proj and down: F.linear against addmm_ into the residual.
 
     PYTHONPATH=. python benchmarks/engine_lean.py --json $OUT/lean.json   # H200, ~1 min
@@ -62,9 +62,8 @@ def bench_case(name, rows, hidden, inner, nh, nkv, d, length, rounds) -> dict:
     pos = torch.full((rows,), length, device=dev, dtype=torch.int64)
     slots = torch.randperm(rows, device=dev)
 
-    def attention(config, norm, late):
+    def attention(config, norm):
         def run(i):
-            attention_kernels.NORM_IN_LOOP = late
             kc, vc = caches[i]
             attention_kernels._attention(
                 q, k, v, cos, sin, pos, kc, vc, slots, max_len, 1, config=config,
@@ -75,12 +74,13 @@ def bench_case(name, rows, hidden, inner, nh, nkv, d, length, rounds) -> dict:
 
     variants = {}
     for config in TILES[d]:
-        variants[f"attention plain {config}"] = attention(config, False, False)
-        variants[f"attention norm {config}"] = attention(config, True, False)
-        variants[f"attention norm in loop {config}"] = attention(config, True, True)
+        variants[f"attention plain {config}"] = attention(config, False)
+        variants[f"attention norm {config}"] = attention(config, True)
     product = torch.randn(rows, 2 * inner, device=dev, dtype=dt)
-    variants["silu plain 512"] = lambda: kernels.silu_mul_pairs(product)
-    for block in (512, 1024, 2048, 4096):
+    for block in (512, 1024, 2048):
+        variants[f"silu plain {block}"] = (
+            lambda block=block: kernels.silu_mul_pairs(product, block=block)
+        )  # fmt: skip
         variants[f"silu norm {block}"] = (
             lambda block=block: kernels.silu_mul_pairs(product, (residual, 1e-6), block)
         )  # fmt: skip
@@ -101,7 +101,6 @@ def bench_case(name, rows, hidden, inner, nh, nkv, d, length, rounds) -> dict:
     for _ in range(rounds):
         for key, fn in variants.items():
             times[key].append(graph_time_us(fn, calls=4 * copies))
-    attention_kernels.NORM_IN_LOOP = False
     return {key: round(statistics.median(t), 2) for key, t in times.items()}
 
 

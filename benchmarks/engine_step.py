@@ -164,7 +164,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     add_case_arguments(parser)
     parser.add_argument("--kv-layout", default=None, choices=["token", "head"])
-    parser.add_argument("--lean", default=None, choices=["auto", "silu", "kernel", "off"],
+    parser.add_argument("--lean", default=None, choices=["auto", "qkv+mlp", "qkv", "mlp", "off"],
                         help="engine/lean.py MODE (default: its current value)")  # fmt: skip
     parser.add_argument("--kernels", type=int, default=25,
                         help="print the top N kernels of the replayed step (0: none)")  # fmt: skip

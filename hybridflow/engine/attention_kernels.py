@@ -34,10 +34,6 @@ KV_EVICT_FIRST = False
 # times both orders with each tile (ROPE kernels only); True/False force one (A/B runs, and
 # the order used where nothing is tuned: the CPU interpreter, a fixed config).
 STORE_LAST: bool | None = None
-# lean.py's 1/rms inside the kernel: taken in front of the loop (False) or applied to each
-# tile's scores, so its reduction waits behind the loop's first loads (True). A/B on the
-# H200 pending (benchmarks/engine_attention.py --norm).
-NORM_IN_LOOP = False
 
 # -------------------------------------------------------------------------------------------
 # Decode attention over each row's live length (GQA, split-K flash-decoding)
@@ -54,7 +50,7 @@ def _decode_attention_kernel(
     PF_LINE: tl.constexpr = 64, PF_LINES: tl.constexpr = 1, PF_POSITIONS: tl.constexpr = 0,
     EVICT_FIRST: tl.constexpr = False, STORE_LAST: tl.constexpr = False,
     h_ptr=None, bias_ptr=None, stride_h=0, H=1, eps=0.0, NORM: tl.constexpr = False,
-    H_PAD: tl.constexpr = 16, HAS_BIAS: tl.constexpr = False, NORM_LATE: tl.constexpr = False,
+    H_PAD: tl.constexpr = 16, HAS_BIAS: tl.constexpr = False,
 ):  # fmt: skip
     """One (row, kv head, split): attention of the head group's queries over cached positions
     [split * CHUNK, (split + 1) * CHUNK) up to the row's last position pos.
@@ -71,10 +67,7 @@ def _decode_attention_kernel(
     NORM (with ROPE; lean.py): q/k/v arrive as residual @ W^T with the RMSNorm weight folded
     into W and no bias; this program takes the row's 1/rms from the residual stream h [B, H]
     and forms rstd * x + bias (rounded to the activation dtype, as the matmul's output
-    would be) before RoPE. NORM_LATE: q is rotated as it came and each tile's scores are scaled
-    by 1/rms (plus the rotated bias's scores), so the row's reduction waits behind the
-    loop's first loads instead of in front of them; the new token's k/v are formed and
-    stored after the loop."""
+    would be) before RoPE."""
     if HEAD_MAJOR:  # grid (kv heads, rows, splits): a row's heads run side by side
         kv_head = tl.program_id(0)
         row = tl.program_id(1)
@@ -111,14 +104,11 @@ def _decode_attention_kernel(
     q_offs = row * stride_q + heads[:, None] * (2 * HALF) + h[None, :]
     q1 = tl.load(q_ptr + q_offs, mask=g_mask[:, None], other=0.0)
     q2 = tl.load(q_ptr + q_offs + HALF, mask=g_mask[:, None], other=0.0)
-    EARLY: tl.constexpr = NORM and not NORM_LATE
-    LATE: tl.constexpr = NORM and NORM_LATE
     if NORM:
         cols = tl.arange(0, H_PAD)
         hrow = tl.load(h_ptr + row * stride_h + cols, mask=cols < H, other=0.0).to(tl.float32)
-        q_bias = heads[:, None] * (2 * HALF) + h[None, :]
-    if EARLY:
         rstd = tl.rsqrt(tl.sum(hrow * hrow, axis=0) / H + eps)
+        q_bias = heads[:, None] * (2 * HALF) + h[None, :]
         q1 = _norm_bias(q1, rstd, bias_ptr, q_bias, g_mask[:, None], HAS_BIAS)
         q2 = _norm_bias(q2, rstd, bias_ptr, q_bias + HALF, g_mask[:, None], HAS_BIAS)
     if ROPE:
@@ -128,34 +118,24 @@ def _decode_attention_kernel(
             q1.to(tl.float32), q2.to(tl.float32), cos[None, :], sin[None, :], dtype
         )  # fmt: skip
         kn_offs = row * stride_kn + kv_head * (2 * HALF) + h
-        vn_offs = row * stride_vn + kv_head * (2 * HALF) + d
-        k_bias = NH * (2 * HALF) + kv_head * (2 * HALF) + h  # bias: q, k, v heads
-        v_bias = (NH + NH // G) * (2 * HALF) + kv_head * (2 * HALF) + d
-        if not LATE:  # (LATE loads them after the loop: no registers held across it)
-            k1n = tl.load(kn_ptr + kn_offs)
-            k2n = tl.load(kn_ptr + kn_offs + HALF)
-            v_new = tl.load(vn_ptr + vn_offs)
-        if EARLY:
+        k1n = tl.load(kn_ptr + kn_offs)
+        k2n = tl.load(kn_ptr + kn_offs + HALF)
+        v_new = tl.load(vn_ptr + row * stride_vn + kv_head * (2 * HALF) + d)
+        if NORM:  # bias layout: q (NH heads), k, v (NH // G heads each)
+            k_bias = NH * (2 * HALF) + kv_head * (2 * HALF) + h
             k1n = _norm_bias(k1n, rstd, bias_ptr, k_bias, True, HAS_BIAS)
             k2n = _norm_bias(k2n, rstd, bias_ptr, k_bias + HALF, True, HAS_BIAS)
+            v_bias = (NH + NH // G) * (2 * HALF) + kv_head * (2 * HALF) + d
             v_new = _norm_bias(v_new, rstd, bias_ptr, v_bias, True, HAS_BIAS)
-        if not LATE:
-            k1n, k2n = _rotate(k1n.to(tl.float32), k2n.to(tl.float32), cos, sin, dtype)
-            if not STORE_LAST:
-                _store_new_kv(kc_ptr, vc_ptr, base, pos, stride_cpos, split, k1n, k2n, v_new,
-                              h, d, HALF)  # fmt: skip
+        k1n, k2n = _rotate(k1n.to(tl.float32), k2n.to(tl.float32), cos, sin, dtype)
+        if not STORE_LAST:
+            _store_new_kv(kc_ptr, vc_ptr, base, pos, stride_cpos, split, k1n, k2n, v_new, h, d,
+                          HALF)  # fmt: skip
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, 2 * HALF], tl.float32)
     # the halves back into one [G_PAD, D] row block (one dot per tile; K = D >= 16)
     q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (G_PAD, 2 * HALF))
-    if LATE and HAS_BIAS:  # RoPE is linear: rope(rstd * q + b) = rstd * rope(q) + rope(b)
-        qb1 = tl.load(bias_ptr + q_bias, mask=g_mask[:, None], other=0.0).to(tl.float32)
-        qb2 = tl.load(bias_ptr + q_bias + HALF, mask=g_mask[:, None], other=0.0).to(tl.float32)
-        qb1, qb2 = _rotate(qb1, qb2, cos[None, :], sin[None, :], tl.float32)
-        qb = tl.reshape(tl.permute(tl.join(qb1, qb2), (0, 2, 1)), (G_PAD, 2 * HALF))
-        if not FP32_DOT:
-            qb = qb.to(dtype)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
@@ -174,13 +154,6 @@ def _decode_attention_kernel(
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        if LATE:  # 1/rms first needed here, after the loop's first loads are in flight
-            s = s * tl.rsqrt(tl.sum(hrow * hrow, axis=0) / H + eps)
-            if HAS_BIAS:
-                if FP32_DOT:
-                    s += tl.dot(qb, tl.trans(k), input_precision="ieee")
-                else:
-                    s += tl.dot(qb, tl.trans(k))
         s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))  # [G_PAD, BLOCK_N], log2
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -192,25 +165,8 @@ def _decode_attention_kernel(
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    if LATE:  # the new token's q, k and v, normalised and biased, then rotated and stored
-        rstd = tl.rsqrt(tl.sum(hrow * hrow, axis=0) / H + eps)
-        q1 = q1.to(tl.float32) * rstd
-        q2 = q2.to(tl.float32) * rstd
-        if HAS_BIAS:  # reloaded rather than held in registers across the loop
-            qb1 = tl.load(bias_ptr + q_bias, mask=g_mask[:, None], other=0.0).to(tl.float32)
-            qb2 = tl.load(bias_ptr + q_bias + HALF, mask=g_mask[:, None], other=0.0)
-            qb1, qb2 = _rotate(qb1, qb2.to(tl.float32), cos[None, :], sin[None, :], tl.float32)
-            q1 += qb1
-            q2 += qb2
-        k1n = _norm_bias(tl.load(kn_ptr + kn_offs), rstd, bias_ptr, k_bias, True, HAS_BIAS)
-        k2n = _norm_bias(tl.load(kn_ptr + kn_offs + HALF), rstd, bias_ptr, k_bias + HALF, True,
-                         HAS_BIAS)  # fmt: skip
-        v_new = _norm_bias(tl.load(vn_ptr + vn_offs), rstd, bias_ptr, v_bias, True, HAS_BIAS)
-        k1n, k2n = _rotate(k1n.to(tl.float32), k2n.to(tl.float32), cos, sin, dtype)
-        _store_new_kv(kc_ptr, vc_ptr, base, pos, stride_cpos, split, k1n, k2n, v_new, h, d,
-                      HALF)  # fmt: skip
     if ROPE:
-        if STORE_LAST and not LATE:  # no program reads position pos from the cache
+        if STORE_LAST:  # no program reads position pos from the cache: it may come last
             _store_new_kv(kc_ptr, vc_ptr, base, pos, stride_cpos, split, k1n, k2n, v_new, h, d,
                           HALF)  # fmt: skip
         if (start <= pos) & (pos < chunk_end):  # the new token belongs to this split
@@ -298,8 +254,6 @@ def store_orders(rope: bool) -> set[bool]:
 
 def _prune_store_orders(configs, named_args, **kwargs):
     orders = store_orders(bool(kwargs.get("ROPE")))
-    if kwargs.get("NORM_LATE"):  # stores after the loop whatever STORE_LAST says
-        orders = {True}
     return [c for c in configs if c.kwargs["STORE_LAST"] in orders]
 
 
@@ -417,7 +371,7 @@ def _attention(
         meta.update(h_ptr=residual, bias_ptr=bias if bias is not None else residual,
                     stride_h=residual.stride(0), H=residual.shape[1], eps=eps, NORM=True,
                     H_PAD=triton.next_power_of_2(residual.shape[1]),
-                    HAS_BIAS=bias is not None, NORM_LATE=NORM_IN_LOOP)  # fmt: skip
+                    HAS_BIAS=bias is not None)  # fmt: skip
     meta.update(pdl.options(q))
     if q.is_cuda and KV_EVICT_FIRST:
         meta["EVICT_FIRST"] = True

@@ -68,13 +68,10 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode attention stores the new token's k/v after its loop "
                    "(engine/attention_kernels.py STORE_LAST; tune: timed with each tile; "
                    "default: its current value)")  # fmt: skip
-    p.add_argument("--lean", default=None, choices=["auto", "silu", "kernel", "off"],
+    p.add_argument("--lean", default=None, choices=["auto", "qkv+mlp", "qkv", "mlp", "off"],
                    help="decode layers with the norms inside attention and SiLU*up "
                    "(engine/lean.py MODE; auto: timed against the other paths; default: its "
                    "current value)")  # fmt: skip
-    p.add_argument("--norm-in-loop", default=None, choices=["on", "off"],
-                   help="the lean layers' attention applies 1/rms to each tile's scores "
-                   "(engine/attention_kernels.py NORM_IN_LOOP; default: its current value)")  # fmt: skip
     p.add_argument("--sync-lag", type=int, default=None, choices=[0, 1],
                    help="host reads of each chunk's flags and tokens lag the device by this "
                    "many chunks (loop.SYNC_LAG; default: its current value)")  # fmt: skip
@@ -208,10 +205,6 @@ def bench_engine(model, prompts, args, device) -> dict:
             from hybridflow.engine import lean
 
             lean.MODE = args.lean
-        if getattr(args, "norm_in_loop", None):
-            from hybridflow.engine import attention_kernels
-
-            attention_kernels.NORM_IN_LOOP = args.norm_in_loop == "on"
     from hybridflow.engine import loop
 
     if getattr(args, "sync_lag", None) is not None:
@@ -272,19 +265,10 @@ def bench_engine(model, prompts, args, device) -> dict:
         "matmul": matmul.mode if matmul else None,
         "matmul_timings_us": {str(k): v for k, v in matmul.timings.items()} if matmul else {},
         "fuse_norms": chain.mode if chain else None, "lean": _lean_mode(),
-        "norm_in_loop": _norm_in_loop(),
         "attention_tiles": _attention_tiles(),
         "chain_decisions": {str(k): v for k, v in chain.decisions.items()} if chain else {},
         "chain_timings_us": chain.timings if chain else {},
     }  # fmt: skip
-
-
-def _norm_in_loop() -> bool | None:
-    try:
-        from hybridflow.engine import attention_kernels
-    except ImportError:  # no triton
-        return None
-    return attention_kernels.NORM_IN_LOOP
 
 
 def _lean_mode() -> str:

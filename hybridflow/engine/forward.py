@@ -312,9 +312,9 @@ def decode_forward_triton(
     def run_chain():
         return chain_layers(model, tokens, attend, fused, chain)
 
-    def run_lean(mlp):
+    def run_lean(variant):
         with pdl.suspended():
-            return lean.lean_layers(model, tokens, attend, fused, matmul, mlp)
+            return lean.lean_layers(model, tokens, attend, fused, matmul, variant)
 
     rows = tokens.shape[0]
     candidates = {"split": run_split}
@@ -323,8 +323,8 @@ def decode_forward_triton(
         candidates["chain"] = run_chain
     forced = None
     if lean.MODE != "off" and lean.applies(model, fused):
-        for mlp in lean.VARIANTS if lean.MODE == "auto" else [lean.MODE]:
-            candidates[f"lean:{mlp}"] = functools.partial(run_lean, mlp)
+        for variant in lean.VARIANTS if lean.MODE == "auto" else [lean.MODE]:
+            candidates[f"lean:{variant}"] = functools.partial(run_lean, variant)
         forced = None if lean.MODE == "auto" else f"lean:{lean.MODE}"
     if forced is None and chain is not None:
         path = chain.choose(rows, model.config.hidden_size, candidates)

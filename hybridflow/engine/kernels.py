@@ -140,7 +140,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 # reads and reduces its row of the residual stream, so fewer, larger programs; H200 A/B in
 # benchmarks/engine_lean.py).
 SILU_BLOCK = 512
-SILU_NORM_BLOCK = 2048
+SILU_NORM_BLOCK = 1024
 
 
 def silu_mul_pairs(

@@ -1,4 +1,4 @@
-"""Decode layers with cuBLAS matmuls and no RMSNorm kernels (six launches a layer).
+"""Decode layers with cuBLAS matmuls and the RMSNorms inside other kernels (six launches).
 
 The split path (forward.fused_layers) runs eight per layer at decode sizes: add+RMSNorm, qkv,
 attention, o_proj, add+RMSNorm, gate/up, SiLU*up, down. Each norm is ~2-3 us of mostly fixed
@@ -16,12 +16,15 @@ read each row:
   attention (attention_kernels NORM: then the qkv bias, then RoPE) and SiLU*up (kernels
   silu_mul_pairs with norm).
 
-MLP variants (both timed where they apply): "silu" as above; "kernel" keeps the add+RMSNorm
-before gate/up so a tuned Triton gate/up with SiLU in its epilogue (matmul_choice) can run,
-the choice at 0.5b where that matmul beats cuBLAS.
+Variants (each timed where it applies, as a decode path of its own): which of the layer's
+two norms move. "qkv+mlp": both, as above; "qkv": the one in front of qkv only (the MLP keeps
+add+RMSNorm, so a tuned Triton gate/up with SiLU in its epilogue can run: matmul_choice);
+"mlp": the one in front of gate/up only (attention keeps its plain kernel: on the H200, 1/rms
+inside attention cost 2-4 us a layer, as much as the norm kernel it replaces, while inside
+SiLU*up it cost nothing: benchmarks/engine_lean.py, engine/NOTES.md run 14).
 
 Rounding differs from the split path by where the bf16 roundings fall, not by how many
-(checked against the model's forward in tests/engine/test_lean.py). Needs FusedProjections
+(whole generations checked against the eager engine in tests/engine/test_lean.py). Needs FusedProjections
 with gate/up (the folded weights), no o_proj bias and no q/k norms (Qwen3); else the split
 path runs.
 """
@@ -31,10 +34,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-VARIANTS = ("silu", "kernel")
-# "auto": both variants timed against the other decode paths per batch-size bucket
-# (chain.DecodeChain.choose); "silu" / "kernel": that variant always, where it applies;
-# "off": never. The CLI's --lean sets it for A/B runs.
+VARIANTS = ("qkv+mlp", "qkv", "mlp")
+# "auto": every variant timed against the other decode paths per batch-size bucket
+# (chain.DecodeChain.choose); a variant's name: that one always, where it applies; "off":
+# never. The CLI's --lean sets it for A/B runs.
 MODE = "auto"
 
 
@@ -49,36 +52,54 @@ def applies(model, fused) -> bool:
     )
 
 
-def lean_layers(model, tokens, attend, fused, matmul=None, mlp: str = "silu") -> torch.Tensor:
+def lean_layers(
+    model, tokens, attend, fused, matmul=None, variant: str = "qkv+mlp"
+) -> torch.Tensor:
     """Embedding + every decoder layer; returns the final-normed hidden states [B, H].
 
-    attend(layer_index, q, k, v, norm) -> [B, nh, D] as forward.fused_layers' with the
-    attention kernel's norm argument (residual, eps, qkv bias). mlp: "silu" or "kernel"
-    (module docstring); matmul: a matmul_choice.DecodeMatmul for "kernel"'s gate/up."""
+    attend(layer_index, q, k, v, norm=None) -> [B, nh, D] as forward.fused_layers' with the
+    attention kernel's norm argument (residual, eps, qkv bias). variant: VARIANTS (module
+    docstring); matmul: a matmul_choice.DecodeMatmul for the gate/up where the MLP keeps its
+    norm kernel."""
     from hybridflow.engine import gemm, kernels
 
-    if mlp not in VARIANTS:
-        raise ValueError(f"lean mlp={mlp!r} not in {VARIANTS}")
+    if variant not in VARIANTS:
+        raise ValueError(f"lean variant={variant!r} not in {VARIANTS}")
+    in_attention, in_silu = variant != "mlp", variant != "qkv"
     gate_up_silu = matmul.gate_up_silu if matmul is not None else gemm.gate_up_silu_cublas
+    layers = model.model.layers
     hidden = model.model.embed_tokens(tokens)  # [B, H] residual stream, updated in place
-    for index, layer in enumerate(model.model.layers):
-        attn, mlp_module = layer.self_attn, layer.mlp
-        qkv = F.linear(hidden, fused.qkv_weight[index])  # the bias comes after the scaling
+    normed = None if in_attention else kernels.rms_norm(hidden, layers[0].input_layernorm, False)
+    for index, layer in enumerate(layers):
+        attn = layer.self_attn
+        bias = fused.qkv_bias[index] if fused.qkv_bias is not None else None
+        if in_attention:  # the bias comes after the scaling, in the kernel
+            qkv = F.linear(hidden, fused.qkv_weight[index])
+        else:
+            qkv = F.linear(normed, fused.qkv_weight[index], bias)
         q, k, v = qkv.split([fused.q_size, fused.kv_size, fused.kv_size], dim=-1)
         q = q.unflatten(-1, (attn.num_heads, attn.head_dim))
         k = k.unflatten(-1, (attn.num_kv_heads, attn.head_dim))
         v = v.unflatten(-1, (attn.num_kv_heads, attn.head_dim))
-        bias = fused.qkv_bias[index] if fused.qkv_bias is not None else None
-        out = attend(index, q, k, v, (hidden, layer.input_layernorm.eps, bias))
-        eps = layer.post_attention_layernorm.eps
-        if mlp == "silu":
+        if in_attention:
+            out = attend(index, q, k, v, (hidden, layer.input_layernorm.eps, bias))
+        else:
+            out = attend(index, q, k, v)
+        if in_silu:
             hidden.addmm_(out.flatten(-2), attn.o_proj.weight.t())
             product = F.linear(hidden, fused.gate_up_weight[index])
-            act = kernels.silu_mul_pairs(product, norm=(hidden, eps))
+            act = kernels.silu_mul_pairs(product, (hidden, layer.post_attention_layernorm.eps))
         else:
             delta = F.linear(out.flatten(-2), attn.o_proj.weight)
             normed = kernels.add_rms_norm(hidden, delta, layer.post_attention_layernorm,
                                           weighted=False)  # fmt: skip
             act = gate_up_silu(normed, fused.gate_up_weight[index])
-        hidden.addmm_(act, mlp_module.down_proj.weight.t())
+        down = layer.mlp.down_proj.weight
+        if in_attention:
+            hidden.addmm_(act, down.t())
+        elif index + 1 < len(layers):
+            normed = kernels.add_rms_norm(hidden, F.linear(act, down),
+                                          layers[index + 1].input_layernorm, weighted=False)  # fmt: skip
+        else:  # the final norm feeds lm_head, never folded
+            return kernels.add_rms_norm(hidden, F.linear(act, down), model.model.norm)
     return kernels.rms_norm(hidden, model.model.norm)

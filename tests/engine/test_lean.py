@@ -23,18 +23,14 @@ def _rstd(residual, eps):
     return torch.rsqrt(residual.float().pow(2).mean(-1, keepdim=True) + eps)
 
 
-@pytest.mark.parametrize("in_loop", [False, True])
 @pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_attention_norm_equals_scaling_the_projections_first(splits, with_bias, in_loop,
-                                                             monkeypatch):  # fmt: skip
+def test_attention_norm_equals_scaling_the_projections_first(splits, with_bias, monkeypatch):
     """norm=(residual, eps, bias): q/k/v scaled by each row's 1/rms(residual) plus the bias
     inside the kernel give what the kernel gives for q/k/v scaled and biased beforehand
-    (output, stored k and v), with 1/rms applied in front of the loop or to each tile's
-    scores (NORM_IN_LOOP). A wrong row's rstd, a missing or misplaced bias (q vs k vs v
+    (output, stored k and v). A wrong row's rstd, a missing or misplaced bias (q vs k vs v
     heads) or an unscaled v would all differ."""
     monkeypatch.setattr(attention_kernels._decode_attention_tuned, "cache", {})
-    monkeypatch.setattr(attention_kernels, "NORM_IN_LOOP", in_loop)
     config = preset_config("tiny")
     rows, heads, kv_heads, dim, seq, hidden = 4, 6, 2, 16, 70, 48  # hidden: not a power of 2
     raw = torch.randn(rows, (heads + 2 * kv_heads) * dim, device=DEVICE) * 4
@@ -84,7 +80,7 @@ def _model(seed=1):
     return model
 
 
-@pytest.mark.parametrize("variant", ["silu", "kernel"])
+@pytest.mark.parametrize("variant", lean.VARIANTS)
 def test_lean_engine_matches_eager_engine(variant, monkeypatch):
     """Whole generations (n = 2, filters, fp32 tiny model with a qkv bias) through the lean
     layers equal the eager torch engine's tokens, log-probs within 1e-4; the lean layers
@@ -122,7 +118,7 @@ def test_lean_does_not_apply_without_folded_gate_up_or_with_qk_norms():
 def test_choose_times_every_path_and_applies_the_margins(monkeypatch):
     """The fastest path wins, but the chain only by more than its margin; one timing per
     bucket; mode "off" drops the chain from the timing."""
-    times = {"split": 100.0, "chain": 98.5, "lean:silu": 99.0, "lean:kernel": 101.0}
+    times = {"split": 100.0, "chain": 98.5, "lean:qkv+mlp": 99.0, "lean:qkv": 101.0}
     timed = []
 
     def fake_time(fn, calls, replays):
@@ -134,12 +130,12 @@ def test_choose_times_every_path_and_applies_the_margins(monkeypatch):
     monkeypatch.setattr(chain_mod.gemm, "graph_time_us", fake_time)
     candidates = {name: (lambda name=name: name) for name in times}
     chain = chain_mod.DecodeChain("auto")
-    assert chain.choose(200, 64, candidates) == "lean:silu"  # chain 1.5% faster: not enough
-    assert chain.choose(250, 64, candidates) == "lean:silu"  # same bucket: no new timing
+    assert chain.choose(200, 64, candidates) == "lean:qkv+mlp"  # chain 1.5% faster: not enough
+    assert chain.choose(250, 64, candidates) == "lean:qkv+mlp"  # same bucket: no new timing
     assert sorted(timed) == sorted(times)
     times["chain"] = 97.0
     assert chain_mod.DecodeChain("auto").choose(200, 64, candidates) == "chain"
     timed.clear()
-    assert chain_mod.DecodeChain("off").choose(200, 64, candidates) == "lean:silu"
+    assert chain_mod.DecodeChain("off").choose(200, 64, candidates) == "lean:qkv+mlp"
     assert "chain" not in timed
     assert chain_mod.DecodeChain("on").choose(200, 64, candidates) == "chain"
