@@ -136,10 +136,11 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# Pairs per program of silu_mul_pairs: without a norm, and with one (each program then also
-# reads and reduces its row of the residual stream, so fewer, larger programs; H200 A/B in
-# benchmarks/engine_lean.py).
-SILU_BLOCK = 512
+# Pairs per program of silu_mul_pairs, without a norm and with one (lean.py). H200
+# (benchmarks/engine_lean.py, session 10): 1024 against 512 took 4.1 vs 6.8 us at 1.5b/256,
+# 7.6 vs 13.8 at 0.5b/1024, 2.4 vs 3.8 at 0.5b/256 (2048: 4.5 / 7.1 / 3.4); with the norm
+# 1024 was fastest at all three (5.5 / 9.3 / 3.9).
+SILU_BLOCK = 1024
 SILU_NORM_BLOCK = 1024
 
 
