@@ -37,8 +37,11 @@ import torch.nn.functional as F
 VARIANTS = ("qkv+mlp", "qkv", "mlp")
 # "auto": every variant timed against the other decode paths per batch-size bucket
 # (chain.DecodeChain.choose); a variant's name: that one always, where it applies; "off":
-# never. The CLI's --lean sets it for A/B runs.
-MODE = "auto"
+# never. The CLI's --lean sets it for A/B runs. Off: on the H200 "auto" chose a lean variant
+# whose forward replays were 1.6-2.5% faster (1.5b/256: qkv+mlp 2146 vs split 2202 us;
+# 0.5b/1024: qkv 2157 vs 2196), but whole generate() calls were not faster (1.5b 76.8k/76.8k
+# vs 78.1k/76.9k tok/s, 0.5b/1024 252.5k vs 252.9k: NOTES.md run 14).
+MODE = "off"
 
 
 def applies(model, fused) -> bool:
