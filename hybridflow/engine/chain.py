@@ -96,7 +96,7 @@ class DecodeChain:
 
     def choose(self, rows: int, hidden: int, candidates: dict) -> str:
         """Which decode path this batch size runs: candidates maps a path name ("split",
-        "chain", "lean:silu", ...) to a zero-argument forward; "split" must be among them.
+        "chain", "lean:qkv", ...) to a zero-argument forward; "split" must be among them.
         Timed once per bucket as graph replays where more than one is left (mode "on" keeps
         the chain only, where it is a candidate); a path other than split must beat split
         by its MARGINS share."""
