@@ -184,18 +184,27 @@ def store_order_ab(rounds: int = 3) -> list[dict]:
     return [row for case in CASES for row in _store_order_case(*case, rounds)]
 
 
-def _store_order_case(name, rows, nh, nkv, d, length, rounds) -> list[dict]:
-    dev, dt = "cuda", torch.bfloat16
+def decode_operands(rows, nkv, d, length, dev="cuda", dt=torch.bfloat16):
+    """Random operands of a decode-attention launch at one shape, except q/k/v: token-major
+    cache copies ([rows + 1, length + 128, nkv, d] key/value pairs, ~150 MB in all so a
+    caller cycling through them finds none in L2), RoPE tables, every row at `length`."""
     max_len = length + 128
     kv_bytes = 2 * rows * length * nkv * d * 2
     copies = max(1, -(-150_000_000 // kv_bytes))
     caches = [tuple(torch.randn(rows + 1, max_len, nkv, d, device=dev, dtype=dt)
                     for _ in range(2)) for _ in range(copies)]  # fmt: skip
-    q = torch.randn(rows, nh, d, device=dev, dtype=dt)
-    k, v = (torch.randn(rows, nkv, d, device=dev, dtype=dt) for _ in range(2))
     cos, sin = (torch.randn(max_len, d, device=dev, dtype=dt) for _ in range(2))
     pos = torch.full((rows,), length, device=dev, dtype=torch.int64)
     slots = torch.randperm(rows, device=dev)
+    return caches, cos, sin, pos, slots, max_len
+
+
+def _store_order_case(name, rows, nh, nkv, d, length, rounds) -> list[dict]:
+    dev, dt = "cuda", torch.bfloat16
+    caches, cos, sin, pos, slots, max_len = decode_operands(rows, nkv, d, length)
+    copies = len(caches)
+    q = torch.randn(rows, nh, d, device=dev, dtype=dt)
+    k, v = (torch.randn(rows, nkv, d, device=dev, dtype=dt) for _ in range(2))
 
     def call(config, state={"i": 0}):  # noqa: B006
         state["i"] = (state["i"] + 1) % copies

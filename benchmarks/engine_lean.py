@@ -19,6 +19,7 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+from engine_attention import decode_operands  # benchmarks/, the script's own folder
 
 from hybridflow.engine import attention_kernels, kernels
 from hybridflow.engine.gemm import graph_time_us
@@ -49,18 +50,12 @@ def _cycled(fn, copies):
 
 def bench_case(name, rows, hidden, inner, nh, nkv, d, length, rounds) -> dict:
     dev, dt = "cuda", torch.bfloat16
-    max_len = length + 128
-    kv_bytes = 2 * rows * length * nkv * d * 2
-    copies = max(2, -(-150_000_000 // kv_bytes))
-    caches = [tuple(torch.randn(rows + 1, max_len, nkv, d, device=dev, dtype=dt)
-                    for _ in range(2)) for _ in range(copies)]  # fmt: skip
+    caches, cos, sin, pos, slots, max_len = decode_operands(rows, nkv, d, length)
+    copies = len(caches)
     qkv = torch.randn(rows, (nh + 2 * nkv) * d, device=dev, dtype=dt)
     q, k, v = (t.unflatten(-1, (-1, d)) for t in qkv.split([nh * d, nkv * d, nkv * d], dim=-1))
     bias = torch.randn(qkv.shape[1], device=dev, dtype=dt)
     residual = torch.randn(rows, hidden, device=dev, dtype=dt)
-    cos, sin = (torch.randn(max_len, d, device=dev, dtype=dt) for _ in range(2))
-    pos = torch.full((rows,), length, device=dev, dtype=torch.int64)
-    slots = torch.randperm(rows, device=dev)
 
     def attention(config, norm):
         def run(i):
