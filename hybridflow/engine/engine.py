@@ -88,7 +88,9 @@ class Engine:
             2% faster; "on": always; "off": never. With programmatic dependent launch (pdl.py;
             the chain is all Triton, so every launch overlaps the previous one) the chain won
             at 0.5b/256 on the H200: 167k vs 153k tok/s; the split path wins at 1024 rows and
-            on 1.5b, where "auto" keeps it (NOTES.md, run 8).
+            on 1.5b, where "auto" keeps it (NOTES.md, run 8). A third decode layer
+            (lean.py: cuBLAS matmuls, the norms inside attention and SiLU*up) joins the
+            timing when `lean.MODE` is "auto"; it is "off" by default (NOTES.md, run 14).
     """
 
     def __init__(
