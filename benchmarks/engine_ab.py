@@ -73,6 +73,35 @@ def applied(globals_: dict):
             setattr(target, attr, value)
 
 
+TUNED_MODULES = ("attention_kernels", "kernels", "gemm", "gemm_persistent", "sampler_kernels",
+                 "chain", "lean")  # fmt: skip
+
+
+def clear_tuners() -> int:
+    """Empty every triton.autotune cache in the engine's kernel modules, so the next engine
+    built tunes its own tiles (they are process-wide: without this side B would reuse the
+    tiles side A's warm-up chose, and a setting that changes where tuning happens could not
+    be compared). Graphs already captured keep the kernels they launched. Returns how many."""
+    try:
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:
+        return 0
+    cleared = 0
+    for name in TUNED_MODULES:
+        module = importlib.import_module(f"hybridflow.engine.{name}")
+        for value in vars(module).values():
+            if isinstance(value, Autotuner):
+                value.cache.clear()
+                cleared += 1
+    return cleared
+
+
+def attention_tiles() -> dict:
+    from hybridflow.engine.bench_cli import _attention_tiles
+
+    return _attention_tiles()
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -84,15 +113,18 @@ def run_ab(args, sides: dict[str, list[str]]) -> dict:
     model = load_model(args.preset, dtype=dtype, device=device).eval()
     prompts = make_prompts(args.prompts, args.prompt_len, model.config.vocab_size, 0)
     params = SamplingParams(max_new_tokens=args.new_tokens, seed=0, ignore_eos=True)
-    engines, settings = {}, {}
+    engines, settings, tiles = {}, {}, {}
     for side, pairs in sides.items():
         settings[side] = parse_settings(pairs)
+        if getattr(args, "retune", False):
+            clear_tuners()
         with applied(settings[side][0]):
             kwargs = {"max_batch_size": args.prompts,
                       "max_seq_len": args.prompt_len + args.new_tokens, **settings[side][1]}  # fmt: skip
             engines[side] = Engine(model, **kwargs)
             engines[side].generate(prompts, params)  # warm-up: compile, tune, capture
             sync(device)
+        tiles[side] = attention_tiles()
     runs: dict[str, list[float]] = {side: [] for side in sides}
     order = list(sides)
     for round_index in range(args.rounds):
@@ -115,6 +147,7 @@ def run_ab(args, sides: dict[str, list[str]]) -> dict:
         "b_faster_rounds": sum(r < 1 for r in ratios),
         "decisions": {side: {str(k): v for k, v in e.chain.decisions.items()} if e.chain else {}
                       for side, e in engines.items()},
+        "attention_tiles": tiles,
     }  # fmt: skip
     for engine in engines.values():
         engine.release()
@@ -132,6 +165,9 @@ def main() -> None:
     parser.add_argument("--a", nargs="*", default=[], help="side A's settings (NAME=VALUE)")
     parser.add_argument("--b", nargs="*", default=[], help="side B's settings (NAME=VALUE)")
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--retune", action="store_true",
+                        help="empty the Triton autotuners' caches before each side's warm-up "
+                        "(else B reuses A's tiles)")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     result = run_ab(args, {"A": args.a, "B": args.b})
@@ -142,6 +178,10 @@ def main() -> None:
         print(f"| {side} | {' '.join(result['sides'][side]) or '(defaults)'} | "
               f"{result['tokens_per_s'][side]:,.0f} | {result['runs_s'][side]} | "
               f"{result['decisions'][side]} |")  # fmt: skip
+    for side in ("A", "B"):
+        for key, tile in result["attention_tiles"][side].items():
+            head = ", ".join(k for k in key.strip("()").split(", ") if "torch." not in k)
+            print(f"attention tile {side}: {tile} (key {head})")
     ratio = result["b_over_a_time"]
     print(f"B / A time per round: median {ratio['median']:.4f}, all {ratio['all']}; "
           f"B faster in {result['b_faster_rounds']} of {len(ratio['all'])} rounds")  # fmt: skip

@@ -227,13 +227,70 @@ def _store_order_case(name, rows, nh, nkv, d, length, rounds) -> list[dict]:
     return results
 
 
+LENGTH_CASES = [  # (name, rows, q heads, kv heads, head dim): the issue's three cases
+    ("0.5b", 256, 14, 2, 64),
+    ("0.5b", 1024, 14, 2, 64),
+    ("1.5b", 256, 12, 2, 128),
+]
+
+
+def tiles_by_length(lengths=(130, 256, 380)) -> list[dict]:
+    """Every tile the tuner may pick (attention_kernels._ATTENTION_CONFIGS, both store
+    orders), RoPE fused, one split, timed at a call's first, middle and last lengths: does
+    the tile that wins at one length win the call (the sum over lengths)?"""
+    dev, dt = "cuda", torch.bfloat16
+    results = []
+    for name, rows, nh, nkv, d in LENGTH_CASES:
+        q = torch.randn(rows, nh, d, device=dev, dtype=dt)
+        k, v = (torch.randn(rows, nkv, d, device=dev, dtype=dt) for _ in range(2))
+        table: dict[tuple, dict[int, float]] = {}
+        for length in lengths:
+            caches, cos, sin, pos, slots, max_len = decode_operands(rows, nkv, d, length)
+            copies = len(caches)
+            for c in attention_kernels._ATTENTION_CONFIGS:
+                config = (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+                last = c.kwargs["STORE_LAST"]
+
+                def call(config=config, state={"i": 0}):  # noqa: B006
+                    state["i"] = (state["i"] + 1) % copies
+                    kc, vc = caches[state["i"]]
+                    attention_kernels._attention(q, k, v, cos, sin, pos, kc, vc, slots,
+                                                 max_len, 1, config=config)  # fmt: skip
+
+                attention_kernels.STORE_LAST = last
+                try:
+                    us = graph_time_us(call, calls=4 * copies)
+                finally:
+                    attention_kernels.STORE_LAST = None
+                table.setdefault((*config, last), {})[length] = round(us, 2)
+            del caches
+        best_at = {n: min(table, key=lambda t, n=n: table[t][n]) for n in lengths}
+        best_sum = min(table, key=lambda t: sum(table[t].values()))
+        print(f"{name} {rows} rows: tile (BLOCK_N, warps, stages, STORE_LAST) -> us at "
+              f"{list(lengths)}, sum")
+        for tile, times in sorted(table.items(), key=lambda kv: sum(kv[1].values())):
+            marks = [f"best@{n}" for n in lengths if best_at[n] == tile]
+            print(f"  {tile}: {[times[n] for n in lengths]} {sum(times.values()):.1f} "
+                  f"{' '.join(marks)}")
+        results.append({"case": name, "rows": rows, "best_at": {n: list(t) for n, t in
+                        best_at.items()}, "best_sum": list(best_sum),
+                        "us": {str(t): times for t, times in table.items()}})  # fmt: skip
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/attn"))
     parser.add_argument("--store-order", action="store_true",
                         help="only the A/B of attention_kernels.STORE_LAST")  # fmt: skip
+    parser.add_argument("--by-length", action="store_true",
+                        help="only the tuner's tiles at a call's first/middle/last lengths")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.by_length:
+        with open(os.path.join(args.out, "tiles_by_length.json"), "w") as f:
+            json.dump(tiles_by_length(), f, indent=1)
+        return
     if args.store_order:
         with open(os.path.join(args.out, "store_order.json"), "w") as f:
             json.dump(store_order_ab(), f, indent=1)

@@ -68,13 +68,13 @@ def idle_gaps(kernels: list[tuple[float, float]], phases: list[tuple[str, float,
             "gaps": len(gaps), "largest": described[:top]}  # fmt: skip
 
 
-def _trace_intervals(path: str) -> tuple[list, list, list, float, list, dict]:
+def _trace_intervals(path: str) -> tuple[list, list, list, tuple, list, dict]:
     """Chrome trace -> kernel intervals, host phase intervals, host ops, generate()'s own
-    duration, kernel records (name, start, duration, correlation) and each runtime call's
+    (start, end), kernel records (name, start, duration, correlation) and each runtime call's
     start by correlation id (a graph replay's kernels carry its cudaGraphLaunch's id)."""
     with open(path) as f:
         events = json.load(f)["traceEvents"]
-    kernels, phases, ops, records, launches, call = [], [], [], [], {}, 0.0
+    kernels, phases, ops, records, launches, call = [], [], [], [], {}, (0.0, 0.0)
     for event in events:
         if event.get("ph") != "X":
             continue
@@ -87,12 +87,28 @@ def _trace_intervals(path: str) -> tuple[list, list, list, float, list, dict]:
         elif cat == "user_annotation" and name in PHASES:
             phases.append((name, start, end))
         elif cat == "user_annotation" and name == "generate":
-            call = end - start
+            call = (start, end)
         elif cat in ("cpu_op", "cuda_runtime", "cuda_driver", "python_function"):
             ops.append((name[:60], start, end))
             if cat in ("cuda_runtime", "cuda_driver") and correlation is not None:
                 launches[correlation] = start
     return kernels, phases, ops, call, records, launches
+
+
+def start_ops(ops, phases, call: tuple[float, float], least_us: float = 30.0) -> list[dict]:
+    """The host's work between generate()'s start and its first admission (the GPU has only
+    the weight refresh to run meanwhile): top-level host ops (not inside another listed op)
+    of at least least_us, in order, with their start (us into the call) and length."""
+    admits = [s for name, s, _ in phases if name == "_admit"]
+    stop = min(admits) if admits else call[1]
+    inside = sorted((s, e, n) for n, s, e in ops if call[0] <= s < stop)
+    top, last_end = [], -1.0
+    for s, e, n in inside:
+        if s >= last_end:  # not nested in the previous top-level op
+            top.append({"op": n, "at_us": round(s - call[0], 1), "us": round(e - s, 1)})
+            last_end = e
+    return [t for t in top if t["us"] >= least_us] + [
+        {"op": "(first admission starts)", "at_us": round(stop - call[0], 1), "us": 0.0}]
 
 
 def kernels_by_phase(records, launches: dict, phases, top: int = 12) -> dict:
@@ -214,7 +230,8 @@ def timeline(preset: str, rows: int, length: int, new_tokens: int, device: torch
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
-        kernels, phases, ops, call_us, records, launches = _trace_intervals(path)
+        kernels, phases, ops, call, records, launches = _trace_intervals(path)
+    call_us = call[1] - call[0]
     host_by_phase: dict[str, float] = {}
     for name, s, e in phases:
         host_by_phase[name] = host_by_phase.get(name, 0.0) + (e - s)
@@ -223,6 +240,7 @@ def timeline(preset: str, rows: int, length: int, new_tokens: int, device: torch
     result["gc_pauses_at_ms"] = pauses_at
     result["kernels_by_phase"] = kernels_by_phase(records, launches, phases)
     result["runtime_calls"] = runtime_calls(ops)
+    result["start_ops"] = start_ops(ops, phases, call)
     if device.type == "cuda":
         result["sync_points"] = sync_points(eng, prompts, params)
     result.update(preset=preset, rows=rows, length=length, new_tokens=new_tokens,
@@ -267,6 +285,9 @@ def main() -> None:
         print(f"kernels launched in {phase}: {entry['us'] / 1e3:.1f} ms")
         for name, us in entry["kernels"].items():
             print(f"    {us / 1e3:8.2f} ms  {name}")
+    print("host ops before the first admission (us into the call, us):")
+    for op in r["start_ops"]:
+        print(f"  {op['at_us'] / 1e3:8.2f} ms {op['us']:9.1f} us  {op['op']}")
     for gap in r["largest"]:
         print(f"  gap {gap['us']:8.1f} us at {gap['at_us'] / 1e3:8.2f} ms during {gap['phase']}"
               f" / {gap['host_op']}")  # fmt: skip

@@ -37,11 +37,12 @@ import torch.nn.functional as F
 VARIANTS = ("qkv+mlp", "qkv", "mlp")
 # "auto": every variant timed against the other decode paths per batch-size bucket
 # (chain.DecodeChain.choose); a variant's name: that one always, where it applies; "off":
-# never. The CLI's --lean sets it for A/B runs. Off: on the H200 "auto" chose a lean variant
-# whose forward replays were 1.6-2.5% faster (1.5b/256: qkv+mlp 2146 vs split 2202 us;
-# 0.5b/1024: qkv 2157 vs 2196), but whole generate() calls were not faster (1.5b 76.8k/76.8k
-# vs 78.1k/76.9k tok/s, 0.5b/1024 252.5k vs 252.9k: NOTES.md run 14).
-MODE = "off"
+# never. The CLI's --lean sets it for A/B runs. Auto: on the H200 the forward replays of the
+# lean variant chosen were 1.6-2.5% faster (1.5b/256: qkv+mlp 2146 vs split 2202 us;
+# 0.5b/1024: qkv 2157 vs 2196), which separate processes could not resolve end to end (they
+# spread 1.7%: NOTES.md run 14); one process with the calls interleaved (engine_ab.py) did:
+# 1.5b/256 1.9% faster in 8 rounds of 8, 0.5b/1024 1.3% (median; 5 of 8): NOTES.md run 15.
+MODE = "auto"
 
 
 def applies(model, fused) -> bool:

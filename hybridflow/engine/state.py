@@ -58,6 +58,14 @@ class DecodeState:
         self.num_rows = len(keep)
         self._reset_padding()
 
+    def move_to_middle(self, rows: int, max_len: int) -> None:
+        """Rows [0, rows) jump halfway through the tokens they may still generate (cache
+        positions in between are read as whatever they hold: zeros or stale K/V, finite).
+        For warm-up steps that tune kernels at representative lengths; the caller restores
+        the fields after (graphs.DecodeRunner._graph)."""
+        ahead = (self.max_new[:rows] - self.generated[:rows]).clamp_(min=0) // 2
+        self.positions[:rows] = (self.positions[:rows] + ahead).clamp_(max=max_len - 1)
+
     def _reset_padding(self) -> None:
         n = self.num_rows
         self.finished[n:] = True

@@ -47,3 +47,15 @@ def test_each_side_runs_under_its_own_settings(monkeypatch):
     assert loop.SYNC_LAG == before
     assert len(result["runs_s"]["A"]) == len(result["runs_s"]["B"]) == 2
     assert result["tokens_per_s"]["A"] > 0 and len(result["b_over_a_time"]["all"]) == 2
+
+
+def test_clear_tuners_empties_the_autotuner_caches():
+    """--retune relies on this: a tile left in a tuner's cache would be reused by the other
+    side's engine instead of being tuned under its own settings."""
+    pytest.importorskip("triton")
+    from hybridflow.engine import attention_kernels
+
+    tuner = attention_kernels._decode_attention_tuned
+    tuner.cache[("a key",)] = "a config"
+    assert engine_ab.clear_tuners() >= 1
+    assert tuner.cache == {}

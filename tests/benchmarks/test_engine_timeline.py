@@ -54,3 +54,14 @@ def test_runtime_calls_counts_only_stalling_calls():
     r = engine_timeline.runtime_calls(ops)
     assert r == {"cudaHostAlloc": {"calls": 2, "us": 35.0},
                  "cudaEventSynchronize": {"calls": 1, "us": 10.0}}  # fmt: skip
+
+
+def test_start_ops_lists_top_level_host_ops_before_the_first_admission():
+    ops = [("aten::mul_", 105, 140), ("cudaLaunchKernel", 110, 112), ("aten::copy_", 150, 400),
+           ("aten::tolist", 420, 430), ("aten::cat", 600, 700)]  # fmt: skip
+    phases = [("_admit", 500, 900), ("_decode", 900, 950)]
+    r = engine_timeline.start_ops(ops, phases, (100.0, 1000.0), least_us=30)
+    # the launch is inside mul_; tolist is too short; cat is after the first admission
+    assert [(o["op"], o["at_us"], o["us"]) for o in r] == [
+        ("aten::mul_", 5.0, 35.0), ("aten::copy_", 50.0, 250.0),
+        ("(first admission starts)", 400.0, 0.0)]  # fmt: skip
