@@ -227,6 +227,25 @@ def _store_order_case(name, rows, nh, nkv, d, length, rounds) -> list[dict]:
     return results
 
 
+def _time_tile(q, k, v, operands, config: tuple, store_last: bool) -> float:
+    """One decode-attention launch (RoPE fused, one split) with a fixed tile, as graph
+    replays cycling through the operands' cache copies (none left in L2)."""
+    caches, cos, sin, pos, slots, max_len = operands
+    state = {"i": 0}
+
+    def call():
+        state["i"] = (state["i"] + 1) % len(caches)
+        kc, vc = caches[state["i"]]
+        attention_kernels._attention(q, k, v, cos, sin, pos, kc, vc, slots, max_len, 1,
+                                     config=config)  # fmt: skip
+
+    attention_kernels.STORE_LAST = store_last
+    try:
+        return graph_time_us(call, calls=4 * len(caches))
+    finally:
+        attention_kernels.STORE_LAST = None
+
+
 LENGTH_CASES = [  # (name, rows, q heads, kv heads, head dim): the issue's three cases
     ("0.5b", 256, 14, 2, 64),
     ("0.5b", 1024, 14, 2, 64),
@@ -245,33 +264,25 @@ def tiles_by_length(lengths=(130, 256, 380)) -> list[dict]:
         k, v = (torch.randn(rows, nkv, d, device=dev, dtype=dt) for _ in range(2))
         table: dict[tuple, dict[int, float]] = {}
         for length in lengths:
-            caches, cos, sin, pos, slots, max_len = decode_operands(rows, nkv, d, length)
-            copies = len(caches)
+            operands = decode_operands(rows, nkv, d, length)
             for c in attention_kernels._ATTENTION_CONFIGS:
                 config = (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
                 last = c.kwargs["STORE_LAST"]
-
-                def call(config=config, state={"i": 0}):  # noqa: B006
-                    state["i"] = (state["i"] + 1) % copies
-                    kc, vc = caches[state["i"]]
-                    attention_kernels._attention(q, k, v, cos, sin, pos, kc, vc, slots,
-                                                 max_len, 1, config=config)  # fmt: skip
-
-                attention_kernels.STORE_LAST = last
-                try:
-                    us = graph_time_us(call, calls=4 * copies)
-                finally:
-                    attention_kernels.STORE_LAST = None
+                us = _time_tile(q, k, v, operands, config, last)
                 table.setdefault((*config, last), {})[length] = round(us, 2)
-            del caches
+            del operands
         best_at = {n: min(table, key=lambda t, n=n: table[t][n]) for n in lengths}
         best_sum = min(table, key=lambda t: sum(table[t].values()))
-        print(f"{name} {rows} rows: tile (BLOCK_N, warps, stages, STORE_LAST) -> us at "
-              f"{list(lengths)}, sum")
+        print(
+            f"{name} {rows} rows: tile (BLOCK_N, warps, stages, STORE_LAST) -> us at "
+            f"{list(lengths)}, sum"
+        )
         for tile, times in sorted(table.items(), key=lambda kv: sum(kv[1].values())):
             marks = [f"best@{n}" for n in lengths if best_at[n] == tile]
-            print(f"  {tile}: {[times[n] for n in lengths]} {sum(times.values()):.1f} "
-                  f"{' '.join(marks)}")
+            print(
+                f"  {tile}: {[times[n] for n in lengths]} {sum(times.values()):.1f} "
+                f"{' '.join(marks)}"
+            )
         results.append({"case": name, "rows": rows, "best_at": {n: list(t) for n, t in
                         best_at.items()}, "best_sum": list(best_sum),
                         "us": {str(t): times for t, times in table.items()}})  # fmt: skip
@@ -283,8 +294,11 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/attn"))
     parser.add_argument("--store-order", action="store_true",
                         help="only the A/B of attention_kernels.STORE_LAST")  # fmt: skip
-    parser.add_argument("--by-length", action="store_true",
-                        help="only the tuner's tiles at a call's first/middle/last lengths")
+    parser.add_argument(
+        "--by-length",
+        action="store_true",
+        help="only the tuner's tiles at a call's first/middle/last lengths",
+    )
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.by_length:

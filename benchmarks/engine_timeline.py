@@ -108,7 +108,8 @@ def start_ops(ops, phases, call: tuple[float, float], least_us: float = 30.0) ->
             top.append({"op": n, "at_us": round(s - call[0], 1), "us": round(e - s, 1)})
             last_end = e
     return [t for t in top if t["us"] >= least_us] + [
-        {"op": "(first admission starts)", "at_us": round(stop - call[0], 1), "us": 0.0}]
+        {"op": "(first admission starts)", "at_us": round(stop - call[0], 1), "us": 0.0}
+    ]
 
 
 def kernels_by_phase(records, launches: dict, phases, top: int = 12) -> dict:
