@@ -176,10 +176,14 @@ class FusedProjections:
     @torch.no_grad()
     def refresh(self, model) -> None:
         """Copy the live parameters in and fold the norm weights, for all layers in a handful
-        of launches: one batched copy, one stack and one in-place multiply per folded tensor.
-        (A per-layer loop was ~300 small ops at the start of every generate(), where the
-        H200's timeline showed the GPU idle between them; its kernels alone went from 2.7 to
-        1.6 ms: engine/NOTES.md run 13.)"""
+        of launches: one list copy of the q/k/v (contiguous slices), one stack per layer
+        into the interleaved gate/up, one fold per stacked tensor.
+
+        Why this shape (H200, engine/NOTES.md runs 13 and 15): a per-layer loop was ~300
+        small ops at the start of every generate(), the GPU idle between them; one list copy
+        of everything took ~4.5 ms of host time, because the gate/up rows' strided targets
+        send torch's list copy to one launch per tensor; and the broadcast multiply of the
+        fold ran at ~0.7 TB/s (4.6 ms at 1.5b)."""
         layers = model.model.layers
         q, kv = self.q_size, self.kv_size
         targets, sources = [], []
@@ -191,11 +195,12 @@ class FusedProjections:
                 bias = self.qkv_bias[index]
                 targets += [bias[:q], bias[q : q + kv], bias[q + kv :]]
                 sources += [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-            if self.gate_up_weight is not None:
-                pairs = self.gate_up_weight[index].unflatten(0, (-1, 2))  # [I, 2, H]
-                targets += [pairs[:, 0], pairs[:, 1]]
-                sources += [layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]
         torch._foreach_copy_(targets, sources)
+        if self.gate_up_weight is not None:
+            for index, layer in enumerate(layers):
+                pairs = self.gate_up_weight[index].unflatten(0, (-1, 2))  # [I, 2, H]
+                torch.stack([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight], dim=1,
+                            out=pairs)  # fmt: skip
         if self.folded:
             _fold(self.qkv_weight, [layer.input_layernorm.weight for layer in layers])
             if self.gate_up_weight is not None:
@@ -210,8 +215,16 @@ class FusedProjections:
 def _fold(weights: torch.Tensor, norm_weights: list[torch.Tensor]) -> None:
     """weights[l, n, k] *= norm_weights[l][k] in place. One rounding, as in fp32: an
     elementwise product of bf16 (or fp16) tensors is computed in fp32 and rounded once, and
-    the product of two bf16 values is exact in fp32."""
-    weights.mul_(torch.stack(norm_weights)[:, None, :])
+    the product of two bf16 values is exact in fp32. A Triton kernel on CUDA, torch on the
+    CPU (Triton's interpreter rounds fp32 -> bf16 by truncation, so it would not be the
+    same weights)."""
+    norms = torch.stack(norm_weights)
+    if weights.is_cuda:
+        from hybridflow.engine.kernels import fold_norm_weights
+
+        fold_norm_weights(weights, norms)
+    else:
+        weights.mul_(norms[:, None, :])
 
 
 def fused_layers(

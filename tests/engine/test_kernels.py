@@ -180,6 +180,23 @@ def test_fused_sampler_matches_reference(params):
     torch.testing.assert_close(logprobs[same], ref_logprobs[same], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("hidden", [40, 1536])
+def test_fold_norm_weights_is_torchs_broadcast_multiply(hidden):
+    """fold_norm_weights (FusedProjections' fold on CUDA) scales every row of each layer by
+    that layer's norm weights, past a partial row block and (at 1536) across two column
+    blocks: bitwise torch's multiply on CUDA; within one bf16 step under the interpreter,
+    whose fp32 -> bf16 cast truncates instead of rounding to nearest."""
+    gen = torch.Generator(DEVICE).manual_seed(hidden)
+    weights = torch.randn(3, 37, hidden, generator=gen, device=DEVICE).to(torch.bfloat16)
+    norms = (torch.rand(3, hidden, generator=gen, device=DEVICE) + 0.5).to(torch.bfloat16)
+    expected = weights.mul(norms[:, None, :])
+    kernels.fold_norm_weights(weights, norms)
+    if DEVICE == "cuda":
+        assert torch.equal(weights, expected)
+    else:
+        torch.testing.assert_close(weights, expected, rtol=2**-7, atol=0)
+
+
 @pytest.mark.parametrize(
     "fuse,matmul,norms,layout",
     [("none", "auto", "auto", "token"), ("qkv", "auto", "auto", "token"),
