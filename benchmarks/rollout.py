@@ -54,6 +54,37 @@ def _record(out: dict, key: str, value) -> None:
     print(f"check {key}: {json.dumps(value)}", flush=True)
 
 
+# Decode paths forced one at a time for the bf16 gap: (name, lean.MODE, Engine fuse_norms).
+GAP_PATHS = [("default", None, "auto"), ("split", "off", "off"), ("chain", "off", "on"),
+             ("lean:qkv+mlp", "qkv+mlp", "off"), ("lean:qkv", "qkv", "off"),
+             ("lean:mlp", "mlp", "off")]  # fmt: skip
+
+
+@torch.no_grad()
+def bf16_gaps(device, preset: str = "qwen2.5-0.5b") -> dict:
+    """The bf16 log-prob gap (engine vs trainer) through each decode path: they round at
+    different places (lean adds products into the residual inside cuBLAS; the chain scales
+    rows by 1/rms in its epilogues), and the tuner picks among them per batch size."""
+    from hybridflow.engine import lean
+
+    model = load_model(preset, dtype=torch.bfloat16, device=device).eval()
+    prompts = make_prompts(16, 64, model.config.vocab_size, 1)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=64, seed=0, ignore_eos=True)
+    out, default_mode = {}, lean.MODE
+    for name, mode, norms in GAP_PATHS:
+        lean.MODE = default_mode if mode is None else mode
+        try:
+            engine = Engine(model, max_batch_size=32, max_seq_len=128, fuse_norms=norms)
+            gap = logprob_gap(model, engine, prompts, params)
+            gap["paths"] = {str(k): v for k, v in engine.chain.decisions.items()} if (
+                engine.chain) else {}  # fmt: skip
+            _record(out, f"{preset}_bf16_{name}", gap)
+            engine.release()
+        finally:
+            lean.MODE = default_mode
+    return out
+
+
 @torch.no_grad()
 def check_correctness(device, quick: bool) -> dict:
     """Fast path (triton + graphs) vs eager torch path on the device, and vs the trainer.
@@ -299,6 +330,8 @@ def main() -> None:
     if "check" in parts:
         results["check"] = check_correctness(device, args.quick)
         print("check", json.dumps(results["check"], indent=1), flush=True)
+    if "gap" in parts:
+        results["gap"] = bf16_gaps(device)
     if "breakdown" in parts and device.type == "cuda":
         results["breakdown"] = {
             "0.5b_b256_L256": step_breakdown(device, "qwen2.5-0.5b", 256, 256),

@@ -175,32 +175,28 @@ class FusedProjections:
 
     @torch.no_grad()
     def refresh(self, model) -> None:
-        """Copy the live parameters in and fold the norm weights, for all layers in a handful
-        of launches: one list copy of the q/k/v (contiguous slices), one stack per layer
-        into the interleaved gate/up, one fold per stacked tensor.
+        """Copy the live parameters in and fold the norm weights: per layer one cat into the
+        q/k/v rows (one more for the biases) and one stack into the interleaved gate/up
+        rows, then one fold per stacked tensor.
 
-        Why this shape (H200, engine/NOTES.md runs 13 and 15): a per-layer loop was ~300
-        small ops at the start of every generate(), the GPU idle between them; one list copy
-        of everything took ~4.5 ms of host time, because the gate/up rows' strided targets
-        send torch's list copy to one launch per tensor; and the broadcast multiply of the
-        fold ran at ~0.7 TB/s (4.6 ms at 1.5b)."""
-        layers = model.model.layers
-        q, kv = self.q_size, self.kv_size
-        targets, sources = [], []
-        for index, layer in enumerate(layers):
-            attn, weight = layer.self_attn, self.qkv_weight[index]
-            targets += [weight[:q], weight[q : q + kv], weight[q + kv :]]
-            sources += [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+        Why this shape (H200, engine/NOTES.md runs 13 and 15): a per-layer loop of ~300 small
+        ops left the GPU idle between them at the start of every generate(); one list copy
+        (torch._foreach_copy_) of all slices took 3-4.5 ms of host time at 0.5b and 1.5b
+        (one launch per tensor: strided gate/up targets, and even with those taken out
+        3 ms), where a cat or stack per layer is one vectorised launch; and the fold as a
+        broadcast multiply ran at ~0.7 TB/s (4.6 ms at 1.5b; kernels.fold_norm_weights)."""
+        for index, layer in enumerate(model.model.layers):
+            attn = layer.self_attn
+            torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
+                      out=self.qkv_weight[index])  # fmt: skip
             if self.qkv_bias is not None:
-                bias = self.qkv_bias[index]
-                targets += [bias[:q], bias[q : q + kv], bias[q + kv :]]
-                sources += [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-        torch._foreach_copy_(targets, sources)
-        if self.gate_up_weight is not None:
-            for index, layer in enumerate(layers):
+                torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias],
+                          out=self.qkv_bias[index])  # fmt: skip
+            if self.gate_up_weight is not None:
                 pairs = self.gate_up_weight[index].unflatten(0, (-1, 2))  # [I, 2, H]
                 torch.stack([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight], dim=1,
                             out=pairs)  # fmt: skip
+        layers = model.model.layers
         if self.folded:
             _fold(self.qkv_weight, [layer.input_layernorm.weight for layer in layers])
             if self.gate_up_weight is not None:

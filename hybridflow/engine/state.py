@@ -25,6 +25,7 @@ class DecodeState:
         self.seed_hi = torch.zeros(rows, **long)
         self.finished = torch.ones(rows, dtype=torch.bool, device=device)
         self.stop_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        self._stop_host = self._stop_copied = None  # pinned staging buffer (CUDA)
         # Outputs are per slot (rows move when compacted, slots do not); +1 column so finished
         # rows can keep writing harmlessly one past their end.
         self.out_tokens = torch.zeros(num_slots + 1, max_seq_len + 1, **long)
@@ -37,15 +38,26 @@ class DecodeState:
 
     def set_stop_tokens(self, stop_ids: list[int]) -> None:
         """Built on the host and copied without a sync (a pageable copy would wait for the
-        GPU's queue, e.g. the fused-weight refresh generate() has just launched). Ids outside
-        the vocabulary (a tokenizer's eos on a smaller model) can never be sampled: ignored."""
-        mask = torch.zeros(self.stop_mask.shape, dtype=torch.bool)
-        reachable = [i for i in stop_ids if 0 <= i < mask.shape[0]]  # others are never sampled
-        if reachable:
-            mask[torch.tensor(reachable)] = True
-        if self.stop_mask.is_cuda:
-            mask = mask.pin_memory()
-        self.stop_mask.copy_(mask, non_blocking=True)
+        GPU's queue, e.g. the fused-weight refresh generate() has just launched), from one
+        pinned buffer kept for the engine's life (a fresh pinned tensor per call can mean a
+        cudaHostAlloc: up to ~5 ms of host time at a call's start on the H200, NOTES.md run
+        15). Ids outside the vocabulary (a tokenizer's eos on a smaller model) can never be
+        sampled: ignored."""
+        reachable = [i for i in stop_ids if 0 <= i < self.stop_mask.shape[0]]
+        if not self.stop_mask.is_cuda:
+            self.stop_mask.zero_()
+            self.stop_mask[reachable] = True
+            return
+        if self._stop_host is None:
+            self._stop_host = torch.zeros(self.stop_mask.shape, dtype=torch.bool,
+                                          pin_memory=True)  # fmt: skip
+            self._stop_copied = torch.cuda.Event()
+        else:
+            self._stop_copied.synchronize()  # the last call's copy (long done) read it
+        self._stop_host.zero_()
+        self._stop_host[reachable] = True
+        self.stop_mask.copy_(self._stop_host, non_blocking=True)
+        self._stop_copied.record(torch.cuda.current_stream(self.stop_mask.device))
 
     def keep_rows(self, keep: list[int], index: torch.Tensor | None = None) -> None:
         """Compact: rows `keep` (in that order) become rows [0, len(keep)); the rest padding.
