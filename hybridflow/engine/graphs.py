@@ -16,9 +16,9 @@ from hybridflow.engine.state import DecodeState, advance
 
 # Run the capture's warm-up steps (where the attention tile, the matmul tiles and the decode
 # path are tuned) with each row moved halfway through what it may still generate, not at its
-# first step: a call's attention time is spent mostly at longer lengths, and a tile timed at
-# 129 cached positions is not the best one at 384 (H200, 1.5b: a whole call's attention
-# averaged 28.2 us a layer against 23.4 at the mean length, engine/NOTES.md run 15).
+# first step: a call's attention time is spent mostly at longer lengths, and the tile that
+# wins at 129 cached positions is not the one that wins a call (H200: 0.5b/1024's best at 130
+# is 2-3% slower at 256 and 380; engine_attention.py --by-length, engine/NOTES.md run 15).
 TUNE_AT_MIDDLE = True
 
 
