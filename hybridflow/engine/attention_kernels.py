@@ -51,6 +51,8 @@ def _decode_attention_kernel(
     EVICT_FIRST: tl.constexpr = False, STORE_LAST: tl.constexpr = False,
     h_ptr=None, bias_ptr=None, stride_h=0, H=1, eps=0.0, NORM: tl.constexpr = False,
     H_PAD: tl.constexpr = 16, HAS_BIAS: tl.constexpr = False,
+    first_ptr=None, qs_ptr=None, pm_ptr=None, pl_ptr=None, pacc_ptr=None,
+    SHARED: tl.constexpr = False,
 ):  # fmt: skip
     """One (row, kv head, split): attention of the head group's queries over cached positions
     [split * CHUNK, (split + 1) * CHUNK) up to the row's last position pos.
@@ -67,7 +69,12 @@ def _decode_attention_kernel(
     NORM (with ROPE; lean.py): q/k/v arrive as residual @ W^T with the RMSNorm weight folded
     into W and no bias; this program takes the row's 1/rms from the residual stream h [B, H]
     and forms rstd * x + bias (rounded to the activation dtype, as the matmul's output
-    would be) before RoPE."""
+    would be) before RoPE.
+
+    SHARED (one split; shared_prefix.py): the row's cached positions start at first[row],
+    the end of a prompt prefix its group attends to once (shared_prefix.prefix_attention,
+    launched next); instead of the output, this program leaves the rotated q (qs) and its
+    unnormalised softmax state (max m, sum l, acc) for that kernel to merge into."""
     if HEAD_MAJOR:  # grid (kv heads, rows, splits): a row's heads run side by side
         kv_head = tl.program_id(0)
         row = tl.program_id(1)
@@ -136,7 +143,10 @@ def _decode_attention_kernel(
     acc = tl.zeros([G_PAD, 2 * HALF], tl.float32)
     # the halves back into one [G_PAD, D] row block (one dot per tile; K = D >= 16)
     q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (G_PAD, 2 * HALF))
-    for n0 in range(start, end, BLOCK_N):
+    loop_start = start
+    if SHARED:  # positions before first[row] are the group's shared prefix
+        loop_start = tl.maximum(start, tl.load(first_ptr + row).to(tl.int32))
+    for n0 in range(loop_start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
         offs = base + n[:, None].to(tl.int64) * stride_cpos + d[None, :]
@@ -182,7 +192,13 @@ def _decode_attention_kernel(
             acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
             m_i = m_new
     out_dtype = out_ptr.dtype.element_ty
-    if SPLITS == 1:
+    if SHARED:
+        state = row * NH + heads  # [G_PAD]
+        tl.store(qs_ptr + state[:, None] * (2 * HALF) + d[None, :], q, mask=g_mask[:, None])
+        tl.store(pm_ptr + state, m_i, mask=g_mask)
+        tl.store(pl_ptr + state, l_i, mask=g_mask)
+        tl.store(pacc_ptr + state[:, None] * (2 * HALF) + d[None, :], acc, mask=g_mask[:, None])
+    elif SPLITS == 1:
         out = acc / l_i[:, None]
         o_offs = row * stride_o + heads[:, None] * (2 * HALF) + d[None, :]
         tl.store(out_ptr + o_offs, out.to(out_dtype), mask=g_mask[:, None])
@@ -270,6 +286,7 @@ _decode_attention_tuned = triton.autotune(
         "ROWS_BUCKET",
         "stride_cpos",
         "NORM",
+        "SHARED",
     ],  # fmt: skip
     prune_configs_by={"early_config_prune": _prune_store_orders},
 )(_decode_attention_kernel)
@@ -291,12 +308,14 @@ def decode_attention(
     lengths: torch.Tensor,
     max_len: int,
     splits: int | None = None,
+    shared: tuple | None = None,
 ) -> torch.Tensor:
     """q [B, nh, D] (rows may be strided), caches [slots, S, nkv, D], lengths [B] -> out
     [B, nh, D]: row b attends over positions [0, lengths[b]) of slot row_slots[b]. max_len is
-    a static bound on lengths (it only sizes the splits)."""
+    a static bound on lengths (it only sizes the splits). shared: (first [B], groups) from
+    shared_prefix.group_table: each group's prefix read once (one split)."""
     return _attention(q, None, None, None, None, lengths - 1, key_cache, value_cache,
-                      row_slots, max_len, splits)  # fmt: skip
+                      row_slots, max_len, splits, shared=shared)  # fmt: skip
 
 
 def decode_attention_rope(
@@ -312,6 +331,7 @@ def decode_attention_rope(
     max_len: int,
     splits: int | None = None,
     norm: tuple | None = None,
+    shared: tuple | None = None,
 ) -> torch.Tensor:
     """rope_store + decode_attention in one launch: q [B, nh, D], k/v [B, nkv, D] of the new
     token (unrotated; rows may be strided), cos/sin [S, D] tables, positions [B] (the new
@@ -320,14 +340,18 @@ def decode_attention_rope(
 
     norm: (residual [B, H], eps, qkv bias [nh*D + 2*nkv*D] or None): q/k/v are
     residual @ W^T with the RMSNorm weight folded into W and without the bias; the kernel
-    scales them by each row's 1/rms(residual) and adds the bias (lean.py)."""
+    scales them by each row's 1/rms(residual) and adds the bias (lean.py).
+
+    shared: (first [B], groups) from shared_prefix.group_table: each group's prompt prefix
+    is read once for all its rows (one split)."""
     return _attention(q, k, v, cos, sin, positions, key_cache, value_cache, row_slots,
-                      max_len, splits, norm=norm)  # fmt: skip
+                      max_len, splits, norm=norm, shared=shared)  # fmt: skip
 
 
 def _attention(
     q, k, v, cos, sin, positions, key_cache, value_cache, row_slots, max_len, splits,
     config: tuple | None = None, head_major: bool | None = None, norm: tuple | None = None,
+    shared: tuple | None = None,
 ):  # fmt: skip
     """config (BLOCK_N, num_warps, num_stages) and head_major override the tuned tile and
     the grid order (benchmarks/engine_attention.py)."""
@@ -340,6 +364,8 @@ def _attention(
     if rope:
         assert k.stride(1) == head_dim and v.stride(1) == head_dim
         assert k.stride(2) == 1 and v.stride(2) == 1
+    if shared is not None:
+        splits = 1  # the prefix is the other "split" (shared_prefix.prefix_attention)
     if splits is None:
         splits = attention_splits(rows, num_kv, max_len)
     chunk = triton.cdiv(max_len, splits)
@@ -372,7 +398,15 @@ def _attention(
                     stride_h=residual.stride(0), H=residual.shape[1], eps=eps, NORM=True,
                     H_PAD=triton.next_power_of_2(residual.shape[1]),
                     HAS_BIAS=bias is not None)  # fmt: skip
-    meta.update(pdl.options(q))
+    states = None
+    if shared is not None:
+        from hybridflow.engine import shared_prefix
+
+        first, groups = shared
+        states = shared_prefix.state_buffers(q)
+        meta.update(first_ptr=first, qs_ptr=states[0], pm_ptr=states[1], pl_ptr=states[2],
+                    pacc_ptr=states[3], SHARED=True)  # fmt: skip
+    meta.update(pdl.options(q) if shared is None else {})
     if q.is_cuda and KV_EVICT_FIRST:
         meta["EVICT_FIRST"] = True
     if meta.get("PDL") and pdl.PREFETCH_KV:  # the first positions, KV_PREFETCH_BYTES in all
@@ -395,7 +429,9 @@ def _attention(
     else:
         _decode_attention_kernel[grid](*args, **meta, BLOCK_N=64 if head_dim <= 64 else 32,
                                        STORE_LAST=store_last)  # fmt: skip
-    if splits > 1:
+    if states is not None:
+        shared_prefix.prefix_attention(states, groups, key_cache, value_cache, out)
+    elif splits > 1:
         _combine_splits_kernel[(rows, num_heads)](
             part_o, part_lse, out, out.stride(0), NH=num_heads, D=head_dim, SPLITS=splits,
             SPLITS_PAD=max(2, triton.next_power_of_2(splits)), **pdl.options(q),

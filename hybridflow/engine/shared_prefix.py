@@ -1,0 +1,141 @@
+"""Decode attention that reads a prompt's cached prefix once for all its samples (n > 1).
+
+GRPO-style rollouts decode n samples of each prompt side by side. Their slots hold identical
+copies of the prompt's K/V (the prefill runs once, then fans out), and the plain decode
+attention reads that prefix once per sample: at n = 8 with prompts about as long as the
+responses, half of a step's KV reads are the same bytes eight times. Here the attention of a
+row is split at its prompt's length:
+
+- the row kernel (attention_kernels, SHARED) covers the row's own positions [first, pos]
+  (and RoPE, the new token's store, 1/rms where it applies, as usual) and leaves its rotated
+  q and unnormalised softmax state (max m, sum l, accumulator) behind;
+- prefix_attention runs one program per (group, kv head): a group is up to GROUP_ROWS
+  consecutive rows of one prompt; it reads the prefix [0, first) once from one member's slot,
+  attends all the group's query heads to it as one [rows x heads, D] block (a real matrix
+  product where the row kernel's is 6-7 rows padded to 16), merges each row's own state and
+  writes the output.
+
+Rows without a shared prefix (n = 1, a last surviving sample) are groups of one with first =
+0: the prefix loop is empty and the merge returns the row kernel's result. The groups are a
+small table the host rewrites whenever rows are admitted or compacted (group_table).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Rows per group (the prefix program's query block is GROUP_ROWS x heads per kv head).
+GROUP_ROWS = 8
+
+
+def group_table(row_prompts: list[int], prompt_lengths: list[int], row_slots: list[int],
+                capacity: int, group_rows: int = GROUP_ROWS) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Host-side groups of the live rows: rows r of one prompt (row_prompts[r], consecutive,
+    as admission appends them and compaction keeps their order) form groups of up to
+    group_rows rows. Returns (groups int32 [capacity, 4]: first row, rows, the slot to read
+    the prefix from (the group's first row's: every member holds the same copy), prefix
+    length; unused entries 0 rows), first int64 [capacity]: each row's prefix length, 0 for
+    a group of one (its prefix is read by its own row program as usual)."""
+    groups = torch.zeros(capacity, 4, dtype=torch.int32)
+    first = torch.zeros(capacity, dtype=torch.int64)
+    count, row = 0, 0
+    while row < len(row_prompts):
+        end = row + 1
+        while (end < len(row_prompts) and end - row < group_rows
+               and row_prompts[end] == row_prompts[row]):  # fmt: skip
+            end += 1
+        size = end - row
+        length = prompt_lengths[row] if size > 1 else 0
+        groups[count] = torch.tensor([row, size, row_slots[row], length], dtype=torch.int32)
+        first[row:end] = length
+        count, row = count + 1, end
+    return groups, first
+
+
+@triton.jit
+def _prefix_attention_kernel(
+    qs_ptr, kc_ptr, vc_ptr, groups_ptr, pm_ptr, pl_ptr, pacc_ptr, out_ptr, stride_cslot,
+    stride_cpos, stride_chead, stride_o, scale_log2, G: tl.constexpr, NH: tl.constexpr,
+    D: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr,
+):  # fmt: skip
+    group = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    entry = groups_ptr + group * 4
+    row0 = tl.load(entry)
+    count = tl.load(entry + 1)
+    if count == 0:
+        return
+    slot = tl.load(entry + 2)
+    length = tl.load(entry + 3)
+    i = tl.arange(0, M_PAD)  # (row in group, head in kv group) flattened
+    valid = i < count * G
+    rows = row0 + i // G
+    heads = kv_head * G + i % G
+    state = rows * NH + heads
+    d = tl.arange(0, D)
+    q = tl.load(qs_ptr + state[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+    m_i = tl.full([M_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([M_PAD], tl.float32)
+    acc = tl.zeros([M_PAD, D], tl.float32)
+    base = slot.to(tl.int64) * stride_cslot + kv_head * stride_chead
+    for n0 in range(0, length, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < length
+        offs = base + n[:, None].to(tl.int64) * stride_cpos + d[None, :]
+        k = tl.load(kc_ptr + offs, mask=n_mask[:, None], other=0.0)
+        v = tl.load(vc_ptr + offs, mask=n_mask[:, None], other=0.0)
+        if FP32_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if FP32_DOT:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    # the row's own positions (the row kernel's state; always >= 1 position: its new token)
+    m_s = tl.load(pm_ptr + state, mask=valid, other=0.0)
+    l_s = tl.load(pl_ptr + state, mask=valid, other=1.0)
+    acc_s = tl.load(pacc_ptr + state[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+    m = tl.maximum(m_i, m_s)
+    a = tl.exp2(m_i - m)
+    b = tl.exp2(m_s - m)
+    out = (acc * a[:, None] + acc_s * b[:, None]) / (l_i * a + l_s * b)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_o + heads[:, None] * D + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=valid[:, None])  # fmt: skip
+
+
+def state_buffers(q: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What the SHARED row kernel leaves for prefix_attention: rotated q [B, nh, D] (q's
+    dtype), m and l [B, nh] and the accumulator [B, nh, D] (fp32)."""
+    rows, heads, dim = q.shape
+    fp32 = dict(dtype=torch.float32, device=q.device)
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty(rows, heads, **fp32), torch.empty(rows, heads, **fp32),
+            torch.empty(rows, heads, dim, **fp32))  # fmt: skip
+
+
+def prefix_attention(states: tuple, groups: torch.Tensor, key_cache: torch.Tensor,
+                     value_cache: torch.Tensor, out: torch.Tensor, block_n: int = 32) -> None:  # fmt: skip
+    """Attend every group's query heads to its prefix and merge each row's own state into
+    out [B, nh, D]. groups: int32 [>= groups, 4] (group_table); entries with 0 rows skip."""
+    qs, row_max, row_sum, acc = states
+    rows, num_heads, dim = qs.shape
+    num_kv = key_cache.shape[2]
+    group = num_heads // num_kv
+    m_pad = max(16, triton.next_power_of_2(GROUP_ROWS * group))
+    scale_log2 = (1.0 / dim**0.5) * 1.4426950408889634
+    _prefix_attention_kernel[(rows, num_kv)](  # at most one group a row
+        qs, key_cache, value_cache, groups, row_max, row_sum, acc, out, key_cache.stride(0),
+        key_cache.stride(1), key_cache.stride(2), out.stride(0), scale_log2, G=group,
+        NH=num_heads, D=dim, M_PAD=m_pad, BLOCK_N=block_n,
+        FP32_DOT=qs.dtype == torch.float32,
+    )  # fmt: skip
