@@ -112,14 +112,15 @@ def run_ab(args, sides: dict[str, list[str]]) -> dict:
     dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
     model = load_model(args.preset, dtype=dtype, device=device).eval()
     prompts = make_prompts(args.prompts, args.prompt_len, model.config.vocab_size, 0)
-    params = SamplingParams(max_new_tokens=args.new_tokens, seed=0, ignore_eos=True)
+    params = SamplingParams(n=getattr(args, "n", 1), max_new_tokens=args.new_tokens, seed=0,
+                            ignore_eos=True)  # fmt: skip
     engines, settings, tiles = {}, {}, {}
     for side, pairs in sides.items():
         settings[side] = parse_settings(pairs)
         if getattr(args, "retune", False):
             clear_tuners()
         with applied(settings[side][0]):
-            kwargs = {"max_batch_size": args.prompts,
+            kwargs = {"max_batch_size": args.prompts * getattr(args, "n", 1),
                       "max_seq_len": args.prompt_len + args.new_tokens, **settings[side][1]}  # fmt: skip
             engines[side] = Engine(model, **kwargs)
             engines[side].generate(prompts, params)  # warm-up: compile, tune, capture
@@ -135,11 +136,12 @@ def run_ab(args, sides: dict[str, list[str]]) -> dict:
                 engines[side].generate(prompts, params)
                 sync(device)
                 runs[side].append(time.perf_counter() - start)
-    tokens = args.prompts * args.new_tokens
+    tokens = args.prompts * getattr(args, "n", 1) * args.new_tokens
     a, b = order
     ratios = [tb / ta for ta, tb in zip(runs[a], runs[b])]
     result = {
-        "preset": args.preset, "prompts": args.prompts, "new_tokens": args.new_tokens,
+        "preset": args.preset, "prompts": args.prompts, "n": getattr(args, "n", 1),
+        "new_tokens": args.new_tokens,
         "device": str(device), "sides": sides,
         "runs_s": {side: [round(t, 4) for t in ts] for side, ts in runs.items()},
         "tokens_per_s": {side: tokens / statistics.median(ts) for side, ts in runs.items()},
@@ -160,6 +162,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--n", type=int, default=1, help="samples per prompt")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--a", nargs="*", default=[], help="side A's settings (NAME=VALUE)")
@@ -171,7 +174,8 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     result = run_ab(args, {"A": args.a, "B": args.b})
-    print(f"{result['preset']}, {result['prompts']} prompts x {result['new_tokens']} tokens, "
+    print(f"{result['preset']}, {result['prompts']} prompts x {result['n']} samples x "
+          f"{result['new_tokens']} tokens, "
           f"{result['device']}")  # fmt: skip
     print("| side | settings | tok/s (median) | runs (s) | decode paths |\n|---|---|---|---|---|")
     for side in ("A", "B"):

@@ -274,13 +274,22 @@ class Engine:
             base_seed = int(torch.randint(0, 2**62, (1,)).item())
         seed_lo, seed_hi = split_seed(request_seeds(base_seed, len(prompts), params.n))
         self.state.set_stop_tokens(self._stop_ids(params))
-        self.runner.prepare(params)
+        self.runner.prepare(params, shared=self._shares_prefixes(params))
         loop = GenerationLoop(self, table, params, seed_lo.tolist(), seed_hi.tolist())
         with cyclic_gc_paused():
             if self.device.type != "cuda":
                 return loop.run()
             with torch.cuda.device(self.device):  # graphs and side streams on the model's GPU
                 return loop.run()
+
+    def _shares_prefixes(self, params: SamplingParams) -> bool:
+        """Whether this call's decode attention reads each prompt's prefix once per group
+        of its samples (shared_prefix.MODE; n > 1 on the triton backend)."""
+        if params.n < 2 or self.decode_backend != "triton":
+            return False
+        from hybridflow.engine import shared_prefix
+
+        return shared_prefix.MODE == "auto"
 
     def generate_padded(
         self, prompts: list[list[int]], params: SamplingParams, pad_token_id: int | None = None

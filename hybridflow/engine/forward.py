@@ -119,11 +119,13 @@ def decode_forward_torch(
     positions: torch.Tensor,
     row_slots: torch.Tensor,
     max_len: int,
+    shared=None,
 ) -> torch.Tensor:
     """tokens/positions/row_slots [B] -> logits [B, V]; K/V stored at (row_slots, positions).
 
     max_len: positions read by attention (a static bound under CUDA graphs, the live maximum
-    in eager mode)."""
+    in eager mode). shared (the triton path's shared-prefix groups) is ignored: each row
+    reads its whole cache, the same values."""
     hidden = model.model.embed_tokens(tokens)  # [B, H]
     cos, sin = rope.cos[positions], rope.sin[positions]  # [B, D]
     lengths = positions + 1
@@ -298,19 +300,22 @@ def decode_forward_triton(
     fused: FusedProjections | None = None,
     matmul=None,
     chain=None,
+    shared=None,
 ) -> torch.Tensor:
     """Same contract as decode_forward_torch; fused kernels, attention over live lengths only
     (max_len only sizes the split of the sequence among thread blocks). chain: a
     chain.DecodeChain (five launches per layer, the norms inside the matmuls), used where it
     applies and wins (needs fused gate/up weights); it also times and records the lean
-    layers (lean.py: cuBLAS matmuls, the norms inside attention and SiLU*up) against both."""
+    layers (lean.py: cuBLAS matmuls, the norms inside attention and SiLU*up) against both.
+    shared: (first [B], groups) of shared_prefix.group_table: each prompt's prefix is read
+    once per group of its samples."""
     from hybridflow.engine import attention_kernels, lean, pdl
     from hybridflow.engine.chain import chain_layers
 
     def attend(index, q, k, v, norm=None):
         return attention_kernels.decode_attention_rope(
             q, k, v, rope.cos, rope.sin, positions, cache.keys[index], cache.values[index],
-            row_slots, max_len, norm=norm,
+            row_slots, max_len, norm=norm, shared=shared,
         )  # fmt: skip
 
     def run_split():

@@ -56,6 +56,7 @@ class DecodeRunner:
         self.params: SamplingParams | None = None
         self._weights_key = None
         self._recent_modes: list[tuple] = []
+        self.shared = False  # shared_prefix attention for this call (prepare)
 
     # -- sampling ----------------------------------------------------------------------------
 
@@ -69,24 +70,30 @@ class DecodeRunner:
 
     # -- steps -------------------------------------------------------------------------------
 
-    def prepare(self, params: SamplingParams) -> None:
+    def prepare(self, params: SamplingParams, shared: bool = False) -> None:
         """Called at each generate(): drop graphs if a parameter moved (new storage), and
-        graphs of sampling modes other than the last two used (training + validation)."""
+        graphs of sampling modes other than the last two used (training + validation).
+        shared: decode attention reads each prompt's prefix once per group of its samples
+        (shared_prefix.py; the loop keeps the state's group table current)."""
         self.params = params
+        self.shared = shared
         key = tuple(p.data_ptr() for p in self.model.parameters())
         if key != self._weights_key:
             self.graphs.clear()
             self._weights_key = key
-        mode = params.mode_key()
+        mode = (params.mode_key(), shared)
         self._recent_modes = [mode] + [m for m in self._recent_modes if m != mode][:1]
         for graph_key in [k for k in self.graphs if k[1] not in self._recent_modes]:
             del self.graphs[graph_key]
 
     def _step(self, rows: int, max_len: int) -> None:
         state = self.state
+        extra = {}
+        if self.shared:
+            extra["shared"] = (state.prefix_first[:rows], state.prefix_groups)
         logits = self.decode_forward(
             self.model, self.cache, self.rope, state.tokens[:rows], state.positions[:rows],
-            state.row_slots[:rows], max_len,
+            state.row_slots[:rows], max_len, **extra,
         )  # fmt: skip
         if self.use_triton_sampler:
             from hybridflow.engine.sampler_kernels import sample_fused
@@ -115,7 +122,7 @@ class DecodeRunner:
             graph.replay()
 
     def _graph(self, bucket: int) -> torch.cuda.CUDAGraph:
-        key = (bucket, self.params.mode_key())
+        key = (bucket, (self.params.mode_key(), self.shared))
         graph = self.graphs.get(key)
         if graph is not None:
             return graph

@@ -245,6 +245,7 @@ class GenerationLoop:
         self.row_budget += [m - 1 for m in max_new]
         prompt_lengths = lengths.tolist()
         self.row_end += [prompt_lengths[g] + m for g, m in zip(group, max_new)]
+        self._upload_groups()
 
     def _snapshot(self) -> _Snapshot:
         """Queue copies of the live rows' flags, counts and newest output columns."""
@@ -304,6 +305,22 @@ class GenerationLoop:
         self.row_slot = [self.row_slot[r] for r in keep]
         self.row_budget = [self.row_budget[r] for r in keep]
         self.row_end = [self.row_end[r] for r in keep]
+        self._upload_groups()
+
+    def _upload_groups(self) -> None:
+        """The live rows' shared-prefix groups into the state (rows changed): queued before
+        the next decode chunk, which reads them (shared_prefix.py)."""
+        if not self.runner.shared:
+            return
+        from hybridflow.engine.shared_prefix import group_table
+
+        n, lengths = self.params.n, self.table.lengths
+        prompts = [request // n for request in self.row_request]
+        groups, first = group_table(prompts, [int(lengths[p]) for p in prompts],
+                                    self.row_slot, self.state.capacity)  # fmt: skip
+        groups_dev, first_dev = upload(self.engine.device, groups, first)
+        self.state.prefix_groups.copy_(groups_dev.view(-1, 4))
+        self.state.prefix_first.copy_(first_dev)
 
 
 # Whether the caller of the outermost cyclic_gc_paused() had the collector on (None: not

@@ -30,34 +30,43 @@ import triton.language as tl
 GROUP_ROWS = 8
 
 
+# "auto": generate() calls with n > 1 on the triton backend read each prompt's prefix once per
+# group of samples; "off": never (A/B runs). Staged (session 11): CPU-tested, not yet timed.
+MODE = "off"
+
+
 def group_table(row_prompts: list[int], prompt_lengths: list[int], row_slots: list[int],
                 capacity: int, group_rows: int = GROUP_ROWS) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Host-side groups of the live rows: rows r of one prompt (row_prompts[r], consecutive,
     as admission appends them and compaction keeps their order) form groups of up to
     group_rows rows. Returns (groups int32 [capacity, 4]: first row, rows, the slot to read
     the prefix from (the group's first row's: every member holds the same copy), prefix
-    length; unused entries 0 rows), first int64 [capacity]: each row's prefix length, 0 for
-    a group of one (its prefix is read by its own row program as usual)."""
-    groups = torch.zeros(capacity, 4, dtype=torch.int32)
-    first = torch.zeros(capacity, dtype=torch.int64)
-    count, row = 0, 0
-    while row < len(row_prompts):
+    length; first int64 [capacity]: each row's prefix length). A group of one has no shared
+    prefix (length 0: its row program reads everything, as without sharing); rows past the
+    live ones (a graph bucket's padding) are groups of one; entries past the groups have 0
+    rows."""
+    live = len(row_prompts)
+    entries, first = [], [0] * capacity
+    row = 0
+    while row < capacity:
         end = row + 1
-        while (end < len(row_prompts) and end - row < group_rows
-               and row_prompts[end] == row_prompts[row]):  # fmt: skip
-            end += 1
+        if row < live:
+            while (end < live and end - row < group_rows
+                   and row_prompts[end] == row_prompts[row]):  # fmt: skip
+                end += 1
         size = end - row
         length = prompt_lengths[row] if size > 1 else 0
-        groups[count] = torch.tensor([row, size, row_slots[row], length], dtype=torch.int32)
-        first[row:end] = length
-        count, row = count + 1, end
-    return groups, first
+        entries.append([row, size, row_slots[row] if row < live else 0, length])
+        first[row:end] = [length] * size
+        row = end
+    entries += [[0, 0, 0, 0]] * (capacity - len(entries))
+    return torch.tensor(entries, dtype=torch.int32), torch.tensor(first, dtype=torch.int64)
 
 
 @triton.jit
 def _prefix_attention_kernel(
     qs_ptr, kc_ptr, vc_ptr, groups_ptr, pm_ptr, pl_ptr, pacc_ptr, out_ptr, stride_cslot,
-    stride_cpos, stride_chead, stride_o, scale_log2, G: tl.constexpr, NH: tl.constexpr,
+    stride_cpos, stride_chead, stride_o, scale_log2, num_rows, G: tl.constexpr, NH: tl.constexpr,
     D: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr,
 ):  # fmt: skip
     group = tl.program_id(0)
@@ -70,8 +79,9 @@ def _prefix_attention_kernel(
     slot = tl.load(entry + 2)
     length = tl.load(entry + 3)
     i = tl.arange(0, M_PAD)  # (row in group, head in kv group) flattened
-    valid = i < count * G
     rows = row0 + i // G
+    # the table covers the engine's capacity; this batch may be fewer rows (eager steps)
+    valid = (i < count * G) & (rows < num_rows)
     heads = kv_head * G + i % G
     state = rows * NH + heads
     d = tl.arange(0, D)
@@ -129,13 +139,14 @@ def prefix_attention(states: tuple, groups: torch.Tensor, key_cache: torch.Tenso
     out [B, nh, D]. groups: int32 [>= groups, 4] (group_table); entries with 0 rows skip."""
     qs, row_max, row_sum, acc = states
     rows, num_heads, dim = qs.shape
+    assert groups.shape[0] >= rows, "group_table covers every row of the batch"
     num_kv = key_cache.shape[2]
     group = num_heads // num_kv
     m_pad = max(16, triton.next_power_of_2(GROUP_ROWS * group))
     scale_log2 = (1.0 / dim**0.5) * 1.4426950408889634
     _prefix_attention_kernel[(rows, num_kv)](  # at most one group a row
         qs, key_cache, value_cache, groups, row_max, row_sum, acc, out, key_cache.stride(0),
-        key_cache.stride(1), key_cache.stride(2), out.stride(0), scale_log2, G=group,
+        key_cache.stride(1), key_cache.stride(2), out.stride(0), scale_log2, rows, G=group,
         NH=num_heads, D=dim, M_PAD=m_pad, BLOCK_N=block_n,
         FP32_DOT=qs.dtype == torch.float32,
     )  # fmt: skip

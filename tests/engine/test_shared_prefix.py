@@ -9,18 +9,21 @@ from triton_device import triton_test_device
 
 from hybridflow.engine.shared_prefix import group_table
 
+pytestmark = [pytest.mark.gpu] if torch.cuda.is_available() else []
+
 
 def test_group_table_groups_consecutive_rows_of_one_prompt():
     """Rows of one prompt form groups of up to group_rows rows; a group of one has no
-    shared prefix (first 0); entries past the groups have 0 rows."""
+    shared prefix (first 0); padding rows past the live ones are groups of one; entries
+    past the groups have 0 rows."""
     prompts = [4, 4, 4, 7, 9, 9, 9, 9, 9]
     lengths = [10, 10, 10, 5, 12, 12, 12, 12, 12]
     slots = [3, 8, 1, 0, 2, 5, 6, 7, 4]
     groups, first = group_table(prompts, lengths, slots, capacity=12, group_rows=4)
-    assert groups[:5].tolist() == [[0, 3, 3, 10], [3, 1, 0, 0], [4, 4, 2, 12], [8, 1, 4, 0],
-                                   [0, 0, 0, 0]]  # fmt: skip
+    assert groups[:8].tolist() == [[0, 3, 3, 10], [3, 1, 0, 0], [4, 4, 2, 12], [8, 1, 4, 0],
+                                   [9, 1, 0, 0], [10, 1, 0, 0], [11, 1, 0, 0], [0, 0, 0, 0]]  # fmt: skip
     assert first.tolist() == [10, 10, 10, 0, 12, 12, 12, 12, 0, 0, 0, 0]
-    assert groups[5:, 1].sum() == 0
+    assert groups[7:, 1].sum() == 0 and groups[:, 1].sum() == 12
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +112,49 @@ def test_a_wrong_prefix_length_changes_the_output(device):
     assert not torch.allclose(shared[1], plain[1], atol=1e-3)
     torch.testing.assert_close(shared[0], plain[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(shared[2], plain[2], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("norms", ["off", "on", "lean"])
+def test_engine_generations_with_shared_prefixes_equal_plain_ones(device, norms, monkeypatch):
+    """A whole generate() with n = 3 through the triton decode path, shared_prefix on
+    against off: the same tokens, log-probs within fp32 noise, and the prefix kernel ran.
+    Six slots for 18 requests with early stops: rows retire, compact and refill, so the
+    group table is rewritten many times (a stale table would read another prompt's prefix:
+    other tokens). norms "on" runs the chain's layers, "off" the split (cuBLAS) ones, "lean"
+    the lean layers (1/rms, bias and RoPE inside the row kernel, before q is left for the
+    prefix kernel)."""
+    from hybridflow.engine import Engine, SamplingParams, lean, shared_prefix
+
+    if norms == "lean":
+        monkeypatch.setattr(lean, "MODE", "qkv+mlp")
+        norms = "off"
+    from hybridflow.models import build_model
+    from hybridflow.models.presets import preset_config
+
+    model = build_model(preset_config("tiny"), seed=1, device=device).eval()
+    for p in model.parameters():
+        p.data.normal_(0, 0.3, generator=torch.Generator(device).manual_seed(p.numel()))
+    vocab = model.config.vocab_size
+    prompts = [[(5 * i + j) % (vocab - 3) + 3 for j in range(4 + 3 * i)] for i in range(6)]
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12, seed=5,
+                            stop_token_ids=list(range(3, 3 + vocab // 10)))  # fmt: skip
+    calls = []
+    real = shared_prefix.prefix_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(shared_prefix, "prefix_attention", counted)
+    results = {}
+    for mode in ("off", "auto"):
+        monkeypatch.setattr(shared_prefix, "MODE", mode)
+        engine = Engine(model, max_batch_size=6, max_seq_len=64, decode_backend="triton",
+                        fuse_norms=norms, steps_per_sync=2)  # fmt: skip
+        results[mode] = engine.generate(prompts, params)
+        assert bool(calls) == (mode == "auto")
+    off, on = results["off"], results["auto"]
+    assert [c.token_ids for c in on] == [c.token_ids for c in off]
+    assert {c.finish_reason for c in on} == {"stop", "length"}
+    for a, b in zip(on, off):
+        assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs)), default=0) < 1e-4
