@@ -127,15 +127,17 @@ def run_ab(args, sides: dict[str, list[str]]) -> dict:
             sync(device)
         tiles[side] = attention_tiles()
     runs: dict[str, list[float]] = {side: [] for side in sides}
+    tokens_of: dict[str, list] = {}
     order = list(sides)
     for round_index in range(args.rounds):
         for side in order if round_index % 2 == 0 else order[::-1]:  # A B, B A, A B, ...
             with applied(settings[side][0]):
                 sync(device)
                 start = time.perf_counter()
-                engines[side].generate(prompts, params)
+                out = engines[side].generate(prompts, params)
                 sync(device)
                 runs[side].append(time.perf_counter() - start)
+                tokens_of[side] = [c.token_ids for c in out]
     tokens = args.prompts * getattr(args, "n", 1) * args.new_tokens
     a, b = order
     ratios = [tb / ta for ta, tb in zip(runs[a], runs[b])]
@@ -150,6 +152,10 @@ def run_ab(args, sides: dict[str, list[str]]) -> dict:
         "decisions": {side: {str(k): v for k, v in e.chain.decisions.items()} if e.chain else {}
                       for side, e in engines.items()},
         "attention_tiles": tiles,
+        # same seeds on both sides: a setting that keeps the arithmetic gives the same
+        # completions (one that reorders sums may flip a few bf16 samples)
+        "same_completions": sum(x == y for x, y in zip(tokens_of[a], tokens_of[b])),
+        "completions": len(tokens_of[a]),
     }  # fmt: skip
     for engine in engines.values():
         engine.release()
@@ -186,6 +192,8 @@ def main() -> None:
         for key, tile in result["attention_tiles"][side].items():
             head = ", ".join(k for k in key.strip("()").split(", ") if "torch." not in k)
             print(f"attention tile {side}: {tile} (key {head})")
+    print(f"identical completions A vs B (last round): {result['same_completions']} of "
+          f"{result['completions']}")  # fmt: skip
     ratio = result["b_over_a_time"]
     print(f"B / A time per round: median {ratio['median']:.4f}, all {ratio['all']}; "
           f"B faster in {result['b_faster_rounds']} of {len(ratio['all'])} rounds")  # fmt: skip

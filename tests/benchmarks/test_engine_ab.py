@@ -47,6 +47,7 @@ def test_each_side_runs_under_its_own_settings(monkeypatch):
     assert loop.SYNC_LAG == before
     assert len(result["runs_s"]["A"]) == len(result["runs_s"]["B"]) == 2
     assert result["tokens_per_s"]["A"] > 0 and len(result["b_over_a_time"]["all"]) == 2
+    assert result["same_completions"] == result["completions"] == 3  # sync lag: same tokens
 
 
 def test_clear_tuners_empties_the_autotuner_caches():
