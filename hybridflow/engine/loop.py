@@ -123,6 +123,8 @@ class GenerationLoop:
         self.row_slot: list[int] = []  # its cache slot
         self.row_budget: list[int] = []  # upper bound on steps each row may still take
         self.row_end: list[int] = []  # prompt length + max_new: bound on the row's cache length
+        self.row_admission: list[int] = []  # which admission prefilled each row's prompt
+        self.admissions = 0
         # tokens and log-probs read back so far, per live request
         self.partial: dict[int, tuple[list[int], list[float]]] = {}
         # (token_ids, logprobs, finish_reason) per request
@@ -245,6 +247,8 @@ class GenerationLoop:
         self.row_budget += [m - 1 for m in max_new]
         prompt_lengths = lengths.tolist()
         self.row_end += [prompt_lengths[g] + m for g, m in zip(group, max_new)]
+        self.row_admission += [self.admissions] * len(taken)
+        self.admissions += 1
         self._upload_groups()
 
     def _snapshot(self) -> _Snapshot:
@@ -305,6 +309,7 @@ class GenerationLoop:
         self.row_slot = [self.row_slot[r] for r in keep]
         self.row_budget = [self.row_budget[r] for r in keep]
         self.row_end = [self.row_end[r] for r in keep]
+        self.row_admission = [self.row_admission[r] for r in keep]
         self._upload_groups()
 
     def _upload_groups(self) -> None:
@@ -316,8 +321,9 @@ class GenerationLoop:
 
         n, lengths = self.params.n, self.table.lengths
         prompts = [request // n for request in self.row_request]
-        groups, first = group_table(prompts, [int(lengths[p]) for p in prompts],
-                                    self.row_slot, self.state.capacity)  # fmt: skip
+        keys = list(zip(prompts, self.row_admission))
+        groups, first = group_table(keys, [int(lengths[p]) for p in prompts], self.row_slot,
+                                    self.state.capacity)  # fmt: skip
         groups_dev, first_dev = upload(self.engine.device, groups, first)
         self.state.prefix_groups.copy_(groups_dev.view(-1, 4))
         self.state.prefix_first.copy_(first_dev)

@@ -35,24 +35,26 @@ GROUP_ROWS = 8
 MODE = "off"
 
 
-def group_table(row_prompts: list[int], prompt_lengths: list[int], row_slots: list[int],
+def group_table(row_keys: list, prompt_lengths: list[int], row_slots: list[int],
                 capacity: int, group_rows: int = GROUP_ROWS) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Host-side groups of the live rows: rows r of one prompt (row_prompts[r], consecutive,
-    as admission appends them and compaction keeps their order) form groups of up to
+    """Host-side groups of the live rows: consecutive rows with equal keys (row_keys[r]: the
+    loop passes (prompt, admission), as admission appends a prompt's samples side by side and
+    compaction keeps their order; samples of one prompt prefilled by two admissions are two
+    groups, their K/V from two prefill passes need not be bitwise equal) form groups of up to
     group_rows rows. Returns (groups int32 [capacity, 4]: first row, rows, the slot to read
     the prefix from (the group's first row's: every member holds the same copy), prefix
     length; first int64 [capacity]: each row's prefix length). A group of one has no shared
     prefix (length 0: its row program reads everything, as without sharing); rows past the
     live ones (a graph bucket's padding) are groups of one; entries past the groups have 0
     rows."""
-    live = len(row_prompts)
+    live = len(row_keys)
     entries, first = [], [0] * capacity
     row = 0
     while row < capacity:
         end = row + 1
         if row < live:
             while (end < live and end - row < group_rows
-                   and row_prompts[end] == row_prompts[row]):  # fmt: skip
+                   and row_keys[end] == row_keys[row]):  # fmt: skip
                 end += 1
         size = end - row
         length = prompt_lengths[row] if size > 1 else 0

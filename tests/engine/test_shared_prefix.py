@@ -158,3 +158,12 @@ def test_engine_generations_with_shared_prefixes_equal_plain_ones(device, norms,
     assert {c.finish_reason for c in on} == {"stop", "length"}
     for a, b in zip(on, off):
         assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs)), default=0) < 1e-4
+
+
+def test_samples_of_one_prompt_from_two_admissions_are_two_groups():
+    """Two prefill passes need not give bitwise the same prompt K/V (other batch shapes,
+    other kernels), so rows of one prompt admitted twice keep reading their own copies."""
+    keys = [(5, 0), (5, 0), (5, 1), (5, 1), (5, 1)]
+    groups, first = group_table(keys, [9] * 5, [0, 1, 2, 3, 4], capacity=5)
+    assert groups[:2].tolist() == [[0, 2, 0, 9], [2, 3, 2, 9]]
+    assert first.tolist() == [9] * 5
