@@ -364,6 +364,11 @@ def _attention(
     if rope:
         assert k.stride(1) == head_dim and v.stride(1) == head_dim
         assert k.stride(2) == 1 and v.stride(2) == 1
+    if shared is not None and splits is None and attention_splits(rows, num_kv, max_len) > 1:
+        # too few rows to fill the GPU: the sequence splits (a row's positions over several
+        # programs) do that; sharing needs one split, so these batches read their prefixes
+        # as usual (the tail of a call, once most rows have finished)
+        shared = None
     if shared is not None:
         splits = 1  # the prefix is the other "split" (shared_prefix.prefix_attention)
     if splits is None:

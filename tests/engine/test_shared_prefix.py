@@ -167,3 +167,26 @@ def test_samples_of_one_prompt_from_two_admissions_are_two_groups():
     groups, first = group_table(keys, [9] * 5, [0, 1, 2, 3, 4], capacity=5)
     assert groups[:2].tolist() == [[0, 2, 0, 9], [2, 3, 2, 9]]
     assert first.tolist() == [9] * 5
+
+
+def test_few_rows_over_long_caches_keep_their_sequence_splits(device, monkeypatch):
+    """4 rows x 2 kv heads cannot fill a GPU: the plain kernel splits each row's positions
+    over several programs (attention_splits > 1 at a 600-position bound), which sharing (one
+    split) would undo; there the group table is ignored and the splits run."""
+    from hybridflow.engine import attention_kernels, shared_prefix
+
+    calls = []
+    monkeypatch.setattr(shared_prefix, "prefix_attention", lambda *a, **k: calls.append(1))
+    heads, kv_heads, dim, seq = 4, 2, 16, 600
+    assert attention_kernels.attention_splits(4, kv_heads, seq) > 1
+    prompts, lengths, slots = [0, 0, 0, 0], [300] * 4, [0, 1, 2, 3]
+    keys, values = _prefix_cache(device, "token", prompts, lengths, slots, seq, kv_heads, dim)
+    q = torch.randn(4, heads, dim, device=device)
+    lengths_t = torch.tensor([310, 420, 301, 599], device=device)
+    slots_t = torch.tensor(slots, device=device)
+    groups, first = group_table(list(zip(prompts, [0] * 4)), lengths, slots, capacity=4)
+    got = attention_kernels.decode_attention(q, keys, values, slots_t, lengths_t, seq,
+                                             shared=(first.to(device), groups.to(device)))  # fmt: skip
+    expected = attention_kernels.decode_attention(q, keys, values, slots_t, lengths_t, seq)
+    assert not calls
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
