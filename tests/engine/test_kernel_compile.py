@@ -27,6 +27,7 @@ from hybridflow.engine import (  # noqa: E402
     kernels,
     matmul_choice,
     sampler_kernels,  # noqa: E402
+    shared_prefix,
 )
 from hybridflow.engine import chain as chain_mod  # noqa: E402
 from hybridflow.models import logprob_kernels  # noqa: E402
@@ -35,10 +36,12 @@ TARGET = GPUTarget("cuda", 90, 32)
 INT64_POINTERS = {
     "slot_ptr", "pos_ptr", "targets_ptr", "seed_lo_ptr", "seed_hi_ptr", "step_ptr", "tok_ptr",
     "generated_ptr", "max_new_ptr", "state_tok_ptr", "positions_ptr", "out_tok_ptr",
+    "first_ptr",
 }  # fmt: skip
 FP32_POINTERS = {
     "part_o_ptr", "part_lse_ptr", "part_m_ptr", "part_s_ptr", "part_f_ptr", "threshold_ptr",
     "logprob_ptr", "out_lp_ptr", "lse_ptr", "entropy_ptr", "g_logprob_ptr", "g_entropy_ptr",
+    "pm_ptr", "pl_ptr", "pacc_ptr",
 }  # fmt: skip
 FLOAT_SCALARS = {"eps", "scale_log2", "inv_temperature", "log_min_p"}
 
@@ -122,6 +125,20 @@ def test_decode_layer_kernels_compile(activation):
             dict(G=6, G_PAD=16, HALF=64, NH=12, SPLITS=1, FP32_DOT=activation == "fp32",
                  ROPE=True, BLOCK_N=32, NORM=True, H_PAD=2048, HAS_BIAS=bias),
             activation, stages=2,
+        )  # fmt: skip
+    for norm in (False, True):  # shared_prefix.py: the row kernel's half, with and without lean
+        _compile(
+            attention_kernels._decode_attention_kernel,
+            dict(G=6, G_PAD=16, HALF=64, NH=12, SPLITS=1, FP32_DOT=activation == "fp32",
+                 ROPE=True, BLOCK_N=64, NORM=norm, H_PAD=2048, HAS_BIAS=norm, SHARED=True),
+            activation, stages=2,
+        )  # fmt: skip
+    for group, dim in ((7, 64), (6, 128)):  # and the prefix kernel, at 0.5b's and 1.5b's heads
+        _compile(
+            shared_prefix._prefix_attention_kernel,
+            dict(G=group, NH=2 * group, D=dim, M_PAD=64, BLOCK_N=32,
+                 FP32_DOT=activation == "fp32"),
+            activation, overrides={"groups_ptr": "*i32"}, stages=2,
         )  # fmt: skip
     _compile(
         attention_kernels._combine_splits_kernel,
