@@ -160,21 +160,7 @@ def _decode_attention_kernel(
         else:
             k = tl.load(kc_ptr + offs, mask=n_mask[:, None], other=0.0)
             v = tl.load(vc_ptr + offs, mask=n_mask[:, None], other=0.0)
-        if FP32_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))  # [G_PAD, BLOCK_N], log2
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if FP32_DOT:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _softmax_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2, FP32_DOT)
     if ROPE:
         if STORE_LAST:  # no program reads position pos from the cache: it may come last
             _store_new_kv(kc_ptr, vc_ptr, base, pos, stride_cpos, split, k1n, k2n, v_new, h, d,
@@ -209,6 +195,28 @@ def _decode_attention_kernel(
         part = (row * NH + heads) * SPLITS + split  # [G_PAD]
         tl.store(part_o_ptr + part[:, None] * (2 * HALF) + d[None, :], out, mask=g_mask[:, None])
         tl.store(part_lse_ptr + part, lse, mask=g_mask)
+
+
+@triton.jit
+def _softmax_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2, FP32_DOT: tl.constexpr):
+    """One tile of flash attention's online softmax, in log2 units: queries q [M, D] over
+    keys/values k, v [N, D] (n_mask: the valid ones) update the running max m_i [M], sum
+    l_i [M] and unnormalised output acc [M, D]. The PV product rounds P to the values'
+    dtype, as torch's attention does. Shared by the decode kernels (row and prefix)."""
+    if FP32_DOT:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if FP32_DOT:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
 
 
 @triton.jit

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridflow.engine.attention_kernels import _softmax_tile
+
 # Rows per group (the prefix program's query block is GROUP_ROWS x heads per kv head).
 GROUP_ROWS = 8
 
@@ -98,21 +100,7 @@ def _prefix_attention_kernel(
         offs = base + n[:, None].to(tl.int64) * stride_cpos + d[None, :]
         k = tl.load(kc_ptr + offs, mask=n_mask[:, None], other=0.0)
         v = tl.load(vc_ptr + offs, mask=n_mask[:, None], other=0.0)
-        if FP32_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if FP32_DOT:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _softmax_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2, FP32_DOT)
     # the row's own positions (the row kernel's state; always >= 1 position: its new token)
     m_s = tl.load(pm_ptr + state, mask=valid, other=0.0)
     l_s = tl.load(pl_ptr + state, mask=valid, other=1.0)
