@@ -72,6 +72,10 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode layers with the norms inside attention and SiLU*up "
                    "(engine/lean.py MODE; auto: timed against the other paths; default: its "
                    "current value)")  # fmt: skip
+    p.add_argument("--shared-prefix", default=None, choices=["auto", "off"],
+                   help="with --n > 1, decode attention reads each prompt's prefix once per "
+                   "group of its samples (engine/shared_prefix.py MODE; default: its current "
+                   "value)")  # fmt: skip
     p.add_argument("--sync-lag", type=int, default=None, choices=[0, 1],
                    help="host reads of each chunk's flags and tokens lag the device by this "
                    "many chunks (loop.SYNC_LAG; default: its current value)")  # fmt: skip
@@ -205,6 +209,10 @@ def bench_engine(model, prompts, args, device) -> dict:
             from hybridflow.engine import lean
 
             lean.MODE = args.lean
+        if getattr(args, "shared_prefix", None):  # read at each generate()
+            from hybridflow.engine import shared_prefix
+
+            shared_prefix.MODE = args.shared_prefix
     from hybridflow.engine import loop
 
     if getattr(args, "sync_lag", None) is not None:
@@ -265,10 +273,19 @@ def bench_engine(model, prompts, args, device) -> dict:
         "matmul": matmul.mode if matmul else None,
         "matmul_timings_us": {str(k): v for k, v in matmul.timings.items()} if matmul else {},
         "fuse_norms": chain.mode if chain else None, "lean": _lean_mode(),
+        "shared_prefix": _shared_prefix_mode(),
         "attention_tiles": _attention_tiles(),
         "chain_decisions": {str(k): v for k, v in chain.decisions.items()} if chain else {},
         "chain_timings_us": chain.timings if chain else {},
     }  # fmt: skip
+
+
+def _shared_prefix_mode() -> str | None:
+    try:
+        from hybridflow.engine import shared_prefix
+    except ImportError:  # no triton: the torch backend never shares
+        return None
+    return shared_prefix.MODE
 
 
 def _lean_mode() -> str:
