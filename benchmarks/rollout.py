@@ -54,34 +54,40 @@ def _record(out: dict, key: str, value) -> None:
     print(f"check {key}: {json.dumps(value)}", flush=True)
 
 
-# Decode paths forced one at a time for the bf16 gap: (name, lean.MODE, Engine fuse_norms).
-GAP_PATHS = [("default", None, "auto"), ("split", "off", "off"), ("chain", "off", "on"),
-             ("lean:qkv+mlp", "qkv+mlp", "off"), ("lean:qkv", "qkv", "off"),
-             ("lean:mlp", "mlp", "off")]  # fmt: skip
+# Decode paths forced one at a time for the bf16 gap: (name, lean.MODE, Engine fuse_norms,
+# shared_prefix.MODE); None keeps the default.
+GAP_PATHS = [("default", None, "auto", None), ("default:no-shared-prefix", None, "auto", "off"),
+             ("split", "off", "off", None), ("chain", "off", "on", None),
+             ("lean:qkv+mlp", "qkv+mlp", "off", None), ("lean:qkv", "qkv", "off", None),
+             ("lean:mlp", "mlp", "off", None)]  # fmt: skip
 
 
 @torch.no_grad()
 def bf16_gaps(device, preset: str = "qwen2.5-0.5b") -> dict:
     """The bf16 log-prob gap (engine vs trainer) through each decode path: they round at
     different places (lean adds products into the residual inside cuBLAS; the chain scales
-    rows by 1/rms in its epilogues), and the tuner picks among them per batch size."""
-    from hybridflow.engine import lean
+    rows by 1/rms in its epilogues; the shared-prefix attention merges two softmax parts),
+    and the tuner picks among them per batch size. n = 2, so the shared prefix is on unless
+    a path turns it off."""
+    from hybridflow.engine import lean, shared_prefix
 
     model = load_model(preset, dtype=torch.bfloat16, device=device).eval()
     prompts = make_prompts(16, 64, model.config.vocab_size, 1)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=64, seed=0, ignore_eos=True)
-    out, default_mode = {}, lean.MODE
-    for name, mode, norms in GAP_PATHS:
-        lean.MODE = default_mode if mode is None else mode
+    out, defaults = {}, (lean.MODE, shared_prefix.MODE)
+    for name, mode, norms, sharing in GAP_PATHS:
+        lean.MODE = defaults[0] if mode is None else mode
+        shared_prefix.MODE = defaults[1] if sharing is None else sharing
         try:
             engine = Engine(model, max_batch_size=32, max_seq_len=128, fuse_norms=norms)
             gap = logprob_gap(model, engine, prompts, params)
             gap["paths"] = {str(k): v for k, v in engine.chain.decisions.items()} if (
                 engine.chain) else {}  # fmt: skip
+            gap["shared_prefix"] = shared_prefix.MODE
             _record(out, f"{preset}_bf16_{name}", gap)
             engine.release()
         finally:
-            lean.MODE = default_mode
+            lean.MODE, shared_prefix.MODE = defaults
     return out
 
 

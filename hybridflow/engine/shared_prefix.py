@@ -31,24 +31,33 @@ from hybridflow.engine.attention_kernels import _softmax_tile
 # Rows per group (the prefix program's query block is GROUP_ROWS x heads per kv head).
 GROUP_ROWS = 8
 
+# The prefix program's tile (BLOCK_N positions a step, num_warps, num_stages): best or within
+# 0.5% of the best of 7 tiles at every shape engine_prefix.py timed (session 12).
+PREFIX_CONFIG = (64, 4, 3)
+# Programs per (group, kv head) along the prefix; None: prefix_splits chooses.
+PREFIX_SPLITS: int | None = None
+
 
 # "auto": generate() calls with n > 1 on the triton backend read each prompt's prefix once per
-# group of samples; "off": never (A/B runs). Staged (session 11): CPU-tested, not yet timed.
-MODE = "off"
+# group of samples; "off": never (A/B runs). On since session 12: engine-level GPU tests pass
+# (fp32, same tokens as off), and 64 prompts x n = 8 ran +6.3% (0.5b) and +9.1% (1.5b) faster,
+# 128 x 8 with 384 new tokens +4.2%, faster in every interleaved round (NOTES run 16).
+MODE = "auto"
 
 
 def group_table(row_keys: list, prompt_lengths: list[int], row_slots: list[int],
-                capacity: int, group_rows: int = GROUP_ROWS) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                capacity: int, group_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Host-side groups of the live rows: consecutive rows with equal keys (row_keys[r]: the
     loop passes (prompt, admission), as admission appends a prompt's samples side by side and
     compaction keeps their order; samples of one prompt prefilled by two admissions are two
     groups, their K/V from two prefill passes need not be bitwise equal) form groups of up to
-    group_rows rows. Returns (groups int32 [capacity, 4]: first row, rows, the slot to read
+    group_rows (default GROUP_ROWS) rows. Returns (groups int32 [capacity, 4]: first row, rows, the slot to read
     the prefix from (the group's first row's: every member holds the same copy), prefix
     length; first int64 [capacity]: each row's prefix length). A group of one has no shared
     prefix (length 0: its row program reads everything, as without sharing); rows past the
     live ones (a graph bucket's padding) are groups of one; entries past the groups have 0
     rows."""
+    group_rows = group_rows or GROUP_ROWS  # read here: A/B runs set the module's
     live = len(row_keys)
     entries, first = [], [0] * capacity
     row = 0
@@ -69,12 +78,18 @@ def group_table(row_keys: list, prompt_lengths: list[int], row_slots: list[int],
 
 @triton.jit
 def _prefix_attention_kernel(
-    qs_ptr, kc_ptr, vc_ptr, groups_ptr, pm_ptr, pl_ptr, pacc_ptr, out_ptr, stride_cslot,
-    stride_cpos, stride_chead, stride_o, scale_log2, num_rows, G: tl.constexpr, NH: tl.constexpr,
-    D: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr,
+    qs_ptr, kc_ptr, vc_ptr, groups_ptr, pm_ptr, pl_ptr, pacc_ptr, out_ptr, ws_ptr, count_ptr,
+    stride_cslot, stride_cpos, stride_chead, stride_o, scale_log2, num_rows, G: tl.constexpr,
+    NH: tl.constexpr, D: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr, FP32_DOT: tl.constexpr,
 ):  # fmt: skip
+    """Program (group, kv head, split): the split's share of the group's prefix. With
+    SPLITS > 1 each share's softmax state is parked in ws and the last program of the
+    (group, kv head) to arrive (an atomic count, reset by it for the next launch) merges them
+    in split order, so the result does not depend on which finished first."""
     group = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     entry = groups_ptr + group * 4
     row0 = tl.load(entry)
     count = tl.load(entry + 1)
@@ -82,6 +97,8 @@ def _prefix_attention_kernel(
         return
     slot = tl.load(entry + 2)
     length = tl.load(entry + 3)
+    if (length == 0) & (split > 0):
+        return  # a group of one: split 0 writes its row's own result
     i = tl.arange(0, M_PAD)  # (row in group, head in kv group) flattened
     rows = row0 + i // G
     # the table covers the engine's capacity; this batch may be fewer rows (eager steps)
@@ -93,10 +110,16 @@ def _prefix_attention_kernel(
     m_i = tl.full([M_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([M_PAD], tl.float32)
     acc = tl.zeros([M_PAD, D], tl.float32)
+    lo = 0
+    hi = length
+    if SPLITS > 1:
+        chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(length, lo + chunk)
     base = slot.to(tl.int64) * stride_cslot + kv_head * stride_chead
-    for n0 in range(0, length, BLOCK_N):
+    for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n < length
+        n_mask = n < hi
         offs = base + n[:, None].to(tl.int64) * stride_cpos + d[None, :]
         k = tl.load(kc_ptr + offs, mask=n_mask[:, None], other=0.0)
         v = tl.load(vc_ptr + offs, mask=n_mask[:, None], other=0.0)
@@ -105,12 +128,41 @@ def _prefix_attention_kernel(
     m_s = tl.load(pm_ptr + state, mask=valid, other=0.0)
     l_s = tl.load(pl_ptr + state, mask=valid, other=1.0)
     acc_s = tl.load(pacc_ptr + state[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
-    m = tl.maximum(m_i, m_s)
-    a = tl.exp2(m_i - m)
-    b = tl.exp2(m_s - m)
-    out = (acc * a[:, None] + acc_s * b[:, None]) / (l_i * a + l_s * b)[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_o + heads[:, None] * D + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=valid[:, None])  # fmt: skip
+    out_offs = rows[:, None] * stride_o + heads[:, None] * D + d[None, :]
+    if (SPLITS > 1) & (length > 0):
+        # park (m, l, acc) of this share: ws [groups x kv heads, SPLITS, M_PAD, D + 2] fp32
+        pair = group * tl.num_programs(1) + kv_head
+        ws = ws_ptr + pair.to(tl.int64) * (SPLITS * M_PAD * (D + 2))
+        part = ws + split * (M_PAD * (D + 2)) + i * (D + 2)
+        tl.store(part[:, None] + d[None, :], acc)
+        tl.store(part + D, m_i)
+        tl.store(part + D + 1, l_i)
+        tl.debug_barrier()  # every thread's share is written before the count moves
+        arrived = tl.atomic_add(count_ptr + pair, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            tl.store(count_ptr + pair, 0)
+            # fold the shares into the row's own state in split order (its m is finite: an
+            # empty share's -inf adds nothing)
+            m, total, out = m_s, l_s, acc_s
+            for k_split in tl.static_range(SPLITS):
+                share = ws + k_split * (M_PAD * (D + 2)) + i * (D + 2)
+                m_k = tl.load(share + D, cache_modifier=".cg")
+                l_k = tl.load(share + D + 1, cache_modifier=".cg")
+                acc_k = tl.load(share[:, None] + d[None, :], cache_modifier=".cg")
+                m_new = tl.maximum(m, m_k)
+                a = tl.exp2(m - m_new)
+                b = tl.exp2(m_k - m_new)
+                out = out * a[:, None] + acc_k * b[:, None]
+                total = total * a + l_k * b
+                m = m_new
+            out = out / total[:, None]
+            tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+    else:
+        m = tl.maximum(m_i, m_s)
+        a = tl.exp2(m_i - m)
+        b = tl.exp2(m_s - m)
+        out = (acc * a[:, None] + acc_s * b[:, None]) / (l_i * a + l_s * b)[:, None]
+        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
 
 
 def state_buffers(q: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -123,20 +175,59 @@ def state_buffers(q: torch.Tensor) -> tuple[torch.Tensor, ...]:
             torch.empty(rows, heads, dim, **fp32))  # fmt: skip
 
 
+def prefix_splits(rows: int, num_kv_heads: int) -> int:
+    """Programs per (group, kv head): a batch's groups x kv heads alone leave most of the
+    GPU idle (64 groups x 2 kv heads at 512 rows, on 132 SMs), and each program walks its
+    prefix one tile after another; splits make ~2 waves. PREFIX_SPLITS overrides."""
+    if PREFIX_SPLITS is not None:
+        return PREFIX_SPLITS
+    pairs = triton.cdiv(rows, GROUP_ROWS) * num_kv_heads
+    return max(1, min(8, triton.cdiv(264, pairs)))
+
+
+_COUNTS: dict = {}  # device -> every count buffer made there, the newest last
+
+
+def _arrival_counts(device: torch.device, size: int) -> torch.Tensor:
+    """Zeroed int32 counts the prefix programs leave at zero: one buffer per device, shared by
+    every layer's launch (they run one after another on the stream). Grown outside capture,
+    and a grown buffer's predecessors are kept, not freed: captured graphs still use them. A
+    capture that needs more gets zeros of its own (a memset node each replay)."""
+    made = _COUNTS.setdefault(device, [])
+    if not made or made[-1].numel() < size:
+        zeros = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return zeros
+        made.append(zeros)
+    return made[-1]
+
+
 def prefix_attention(states: tuple, groups: torch.Tensor, key_cache: torch.Tensor,
-                     value_cache: torch.Tensor, out: torch.Tensor, block_n: int = 32) -> None:  # fmt: skip
+                     value_cache: torch.Tensor, out: torch.Tensor, config: tuple | None = None,
+                     group_rows: int | None = None, splits: int | None = None) -> None:  # fmt: skip
     """Attend every group's query heads to its prefix and merge each row's own state into
-    out [B, nh, D]. groups: int32 [>= groups, 4] (group_table); entries with 0 rows skip."""
+    out [B, nh, D]. groups: int32 [>= groups, 4] (group_table with the same group_rows);
+    entries with 0 rows skip. config (BLOCK_N, num_warps, num_stages) overrides
+    PREFIX_CONFIG and splits prefix_splits (benchmarks/engine_prefix.py)."""
     qs, row_max, row_sum, acc = states
     rows, num_heads, dim = qs.shape
     assert groups.shape[0] >= rows, "group_table covers every row of the batch"
     num_kv = key_cache.shape[2]
     group = num_heads // num_kv
-    m_pad = max(16, triton.next_power_of_2(GROUP_ROWS * group))
+    m_pad = max(16, triton.next_power_of_2((group_rows or GROUP_ROWS) * group))
+    block_n, warps, stages = config or PREFIX_CONFIG
+    splits = splits or prefix_splits(rows, num_kv)
+    if splits > 1:
+        ws = torch.empty(rows * num_kv * splits * m_pad * (dim + 2), dtype=torch.float32,
+                         device=qs.device)  # fmt: skip
+        counts = _arrival_counts(qs.device, rows * num_kv)
+    else:
+        ws = counts = row_max  # unused
     scale_log2 = (1.0 / dim**0.5) * 1.4426950408889634
-    _prefix_attention_kernel[(rows, num_kv)](  # at most one group a row
-        qs, key_cache, value_cache, groups, row_max, row_sum, acc, out, key_cache.stride(0),
-        key_cache.stride(1), key_cache.stride(2), out.stride(0), scale_log2, rows, G=group,
-        NH=num_heads, D=dim, M_PAD=m_pad, BLOCK_N=block_n,
-        FP32_DOT=qs.dtype == torch.float32,
+    _prefix_attention_kernel[(rows, num_kv, splits)](  # at most one group a row
+        qs, key_cache, value_cache, groups, row_max, row_sum, acc, out, ws, counts,
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), out.stride(0),
+        scale_log2, rows, G=group, NH=num_heads, D=dim, M_PAD=m_pad, BLOCK_N=block_n,
+        SPLITS=splits, FP32_DOT=qs.dtype == torch.float32, num_warps=warps,
+        num_stages=stages,
     )  # fmt: skip

@@ -9,6 +9,7 @@ Skipped without triton (the main CI run) and under the interpreter."""
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
 
 import pytest
@@ -133,12 +134,14 @@ def test_decode_layer_kernels_compile(activation):
                  ROPE=True, BLOCK_N=64, NORM=norm, H_PAD=2048, HAS_BIAS=norm, SHARED=True),
             activation, stages=2,
         )  # fmt: skip
-    for group, dim in ((7, 64), (6, 128)):  # and the prefix kernel, at 0.5b's and 1.5b's heads
+    # and the prefix kernel, at 0.5b's and 1.5b's heads, whole prefixes and split ones
+    for (group, dim), splits in itertools.product(((7, 64), (6, 128)), (1, 3)):
         _compile(
             shared_prefix._prefix_attention_kernel,
-            dict(G=group, NH=2 * group, D=dim, M_PAD=64, BLOCK_N=32,
+            dict(G=group, NH=2 * group, D=dim, M_PAD=64, BLOCK_N=64, SPLITS=splits,
                  FP32_DOT=activation == "fp32"),
-            activation, overrides={"groups_ptr": "*i32"}, stages=2,
+            activation, overrides={"groups_ptr": "*i32", "ws_ptr": "*fp32",
+                                   "count_ptr": "*i32"}, stages=3,
         )  # fmt: skip
     _compile(
         attention_kernels._combine_splits_kernel,

@@ -52,6 +52,44 @@ def test_shared_prefix_attention_equals_plain_attention(device, layout, rope):
     """Groups of 3 and 4 rows, 9 rows of one prompt (a group of GROUP_ROWS = 8 and a group
     of one), a lone row, rows whose own part is only the new token, prefixes shorter than a
     tile and not a multiple of it: outputs and cache writes equal the plain kernel's (fp32)."""
+    _check_against_plain(device, layout, rope)
+
+
+@pytest.mark.parametrize("group_rows", [4, 16])
+def test_other_group_sizes_equal_plain_attention(device, group_rows, monkeypatch):
+    """The same batch with groups of up to 4 (the 9 rows of one prompt: 4 + 4 + 1) and 16
+    (one group of 9; the prefix program's query block doubles to 128 rows)."""
+    from hybridflow.engine import shared_prefix
+
+    monkeypatch.setattr(shared_prefix, "GROUP_ROWS", group_rows)
+    groups = _check_against_plain(device, "token", True)
+    sizes = [n for n in groups[:, 1].tolist() if n]
+    assert max(sizes) == min(9, group_rows) and sum(sizes) == 17
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3])
+def test_split_prefixes_equal_plain_attention(device, splits, monkeypatch):
+    """Prefixes cut into 1-3 shares of 16-position tiles (the 37-token prefix: 3 tiles, so
+    every share holds some; the 9-token one leaves shares empty), parked and merged by the
+    last program of each (group, kv head) to arrive."""
+    from hybridflow.engine import shared_prefix
+
+    monkeypatch.setattr(shared_prefix, "PREFIX_CONFIG", (16, 4, 3))
+    monkeypatch.setattr(shared_prefix, "PREFIX_SPLITS", splits)
+    for rope in (False, True):
+        _check_against_plain(device, "token", rope)
+
+
+def test_prefix_splits_fill_about_two_waves():
+    from hybridflow.engine import shared_prefix
+
+    assert shared_prefix.prefix_splits(512, 2) == 3  # 64 groups x 2 kv heads
+    assert shared_prefix.prefix_splits(1024, 2) == 2
+    assert shared_prefix.prefix_splits(4096, 2) == 1
+    assert shared_prefix.prefix_splits(8, 2) == 8  # capped
+
+
+def _check_against_plain(device, layout, rope) -> torch.Tensor:
     from hybridflow.engine import attention_kernels
     from hybridflow.models.presets import preset_config
     from hybridflow.models.rope import rope_cos_sin
@@ -88,7 +126,12 @@ def test_shared_prefix_attention_equals_plain_attention(device, layout, rope):
                                                       splits=1)  # fmt: skip
         got = attention_kernels.decode_attention(q, keys, values, slots_t, lengths_t, seq,
                                                  shared=shared)  # fmt: skip
+        # a second launch finds the arrival counts back at zero (split prefixes)
+        again = attention_kernels.decode_attention(q, keys, values, slots_t, lengths_t, seq,
+                                                   shared=shared)  # fmt: skip
+        assert torch.equal(again, got)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    return groups
 
 
 def test_a_wrong_prefix_length_changes_the_output(device):
