@@ -24,8 +24,9 @@ CASES = [  # (prompts, n, prompt length, own tokens past the prompt)
     (128, 8, 128, 192),
     (32, 16, 256, 128),
 ]
-PREFIX_CONFIGS = [(64, 4, 3), (32, 4, 3), (64, 4, 2), (64, 8, 3)]
-SPLITS = (1, 2, 3, 4, 6, 8)
+PREFIX_CONFIGS = [(64, 4, 3), (32, 4, 3), (64, 4, 2)]
+SPLITS = (1, 2, 3, 4)
+PROGRAMS = (132, 264, 528)
 GROUP_SIZES = (8, 16)
 
 
@@ -87,7 +88,7 @@ def run(out_dir: str) -> list[dict]:
                   f"({row['plain_TBps']} TB/s of KV), own positions only {own_only:.1f} us; "
                   f"auto splits {shared_prefix.prefix_splits(ops['rows'], nkv)}", flush=True)  # fmt: skip
             saved = (shared_prefix.GROUP_ROWS, shared_prefix.PREFIX_CONFIG,
-                     shared_prefix.PREFIX_SPLITS)  # fmt: skip
+                     shared_prefix.PREFIX_SPLITS, shared_prefix.PREFIX_PROGRAMS)  # fmt: skip
             try:
                 for group_rows in GROUP_SIZES:
                     if group_rows > n:
@@ -95,20 +96,25 @@ def run(out_dir: str) -> list[dict]:
                     shared_prefix.GROUP_ROWS = group_rows
                     shared = table_for(ops, prompts, n, prompt_len, group_rows)
                     times = {}
-                    for config, splits in itertools.product(PREFIX_CONFIGS, SPLITS):
+                    for config, splits, programs in itertools.product(PREFIX_CONFIGS, SPLITS,
+                                                                      PROGRAMS):  # fmt: skip
                         shared_prefix.PREFIX_CONFIG = config
                         shared_prefix.PREFIX_SPLITS = splits
-                        times[f"{config} x{splits}"] = round(timed(ops, shared=shared), 2)
+                        shared_prefix.PREFIX_PROGRAMS = programs
+                        key = f"{config} x{splits} p{programs}"
+                        times[key] = round(timed(ops, shared=shared), 2)
                     best = min(times, key=times.get)
                     row["shared"][group_rows] = times
                     print(
                         f"  group {group_rows}: best {best} {times[best]:.1f} us "
-                        f"({plain / times[best]:.2f}x plain); all {times}",
+                        f"({plain / times[best]:.2f}x plain); fastest five "
+                        f"{sorted(times.items(), key=lambda kv: kv[1])[:5]}; by splits "
+                        f"{ {sp: min(t for k, t in times.items() if f' x{sp} ' in k) for sp in SPLITS} }",
                         flush=True,
                     )
             finally:
                 (shared_prefix.GROUP_ROWS, shared_prefix.PREFIX_CONFIG,
-                 shared_prefix.PREFIX_SPLITS) = saved  # fmt: skip
+                 shared_prefix.PREFIX_SPLITS, shared_prefix.PREFIX_PROGRAMS) = saved  # fmt: skip
             results.append(row)
             del ops
     os.makedirs(out_dir, exist_ok=True)

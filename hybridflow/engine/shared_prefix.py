@@ -36,6 +36,8 @@ GROUP_ROWS = 8
 PREFIX_CONFIG = (64, 4, 3)
 # Programs per (group, kv head) along the prefix; None: prefix_splits chooses.
 PREFIX_SPLITS: int | None = None
+# At most this many prefix programs a launch (they loop over the work items): 2 per H200 SM.
+PREFIX_PROGRAMS = 264
 
 
 # "auto": generate() calls with n > 1 on the triton backend read each prompt's prefix once per
@@ -51,9 +53,10 @@ def group_table(row_keys: list, prompt_lengths: list[int], row_slots: list[int],
     loop passes (prompt, admission), as admission appends a prompt's samples side by side and
     compaction keeps their order; samples of one prompt prefilled by two admissions are two
     groups, their K/V from two prefill passes need not be bitwise equal) form groups of up to
-    group_rows (default GROUP_ROWS) rows. Returns (groups int32 [capacity, 4]: first row, rows, the slot to read
-    the prefix from (the group's first row's: every member holds the same copy), prefix
-    length; first int64 [capacity]: each row's prefix length). A group of one has no shared
+    group_rows (default GROUP_ROWS) rows. Returns (groups int32 [capacity + 1, 4]: row 0 holds
+    the number of entries, then one entry a group: first row, rows, the slot to read the
+    prefix from (the group's first row's: every member holds the same copy), prefix length;
+    first int64 [capacity]: each row's prefix length). A group of one has no shared
     prefix (length 0: its row program reads everything, as without sharing); rows past the
     live ones (a graph bucket's padding) are groups of one; entries past the groups have 0
     rows."""
@@ -72,40 +75,57 @@ def group_table(row_keys: list, prompt_lengths: list[int], row_slots: list[int],
         entries.append([row, size, row_slots[row] if row < live else 0, length])
         first[row:end] = [length] * size
         row = end
+    header = [[len(entries), 0, 0, 0]]
     entries += [[0, 0, 0, 0]] * (capacity - len(entries))
-    return torch.tensor(entries, dtype=torch.int32), torch.tensor(first, dtype=torch.int64)
+    return (torch.tensor(header + entries, dtype=torch.int32),
+            torch.tensor(first, dtype=torch.int64))  # fmt: skip
 
 
 @triton.jit
 def _prefix_attention_kernel(
     qs_ptr, kc_ptr, vc_ptr, groups_ptr, pm_ptr, pl_ptr, pacc_ptr, out_ptr, ws_ptr, count_ptr,
     stride_cslot, stride_cpos, stride_chead, stride_o, scale_log2, num_rows, G: tl.constexpr,
-    NH: tl.constexpr, D: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr, FP32_DOT: tl.constexpr,
+    NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, M_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, FP32_DOT: tl.constexpr,
 ):  # fmt: skip
-    """Program (group, kv head, split): the split's share of the group's prefix. With
-    SPLITS > 1 each share's softmax state is parked in ws and the last program of the
-    (group, kv head) to arrive (an atomic count, reset by it for the next launch) merges them
-    in split order, so the result does not depend on which finished first."""
-    group = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    entry = groups_ptr + group * 4
-    row0 = tl.load(entry)
-    count = tl.load(entry + 1)
-    if count == 0:
-        return
-    slot = tl.load(entry + 2)
-    length = tl.load(entry + 3)
-    if (length == 0) & (split > 0):
-        return  # a group of one: split 0 writes its row's own result
+    """A fixed grid of programs walks the work items (entry, kv head, split): the split's
+    share of the entry's prefix (a launch of one program per possible entry spent more time
+    starting the empty ones than the rest took). With SPLITS > 1 each share's softmax state
+    is parked in ws and the last program of the (entry, kv head) to arrive (an atomic count,
+    reset by it for the next launch) merges them in split order, so the result does not
+    depend on which finished first."""
+    items = tl.load(groups_ptr) * (NKV * SPLITS)  # row 0: the number of entries
     i = tl.arange(0, M_PAD)  # (row in group, head in kv group) flattened
+    d = tl.arange(0, D)
+    for item in range(tl.program_id(0), items, tl.num_programs(0)):
+        split = item % SPLITS
+        pair = item // SPLITS  # entry * NKV + kv head
+        kv_head = pair % NKV
+        entry = groups_ptr + (1 + pair // NKV) * 4
+        row0 = tl.load(entry)
+        count = tl.load(entry + 1)
+        slot = tl.load(entry + 2)
+        length = tl.load(entry + 3)
+        # entries past this batch's rows (the table covers the engine's capacity), and the
+        # other splits of a group of one (split 0 writes its row's own result), do nothing
+        if (row0 < num_rows) & ((length > 0) | (split == 0)):
+            _prefix_item(qs_ptr, kc_ptr, vc_ptr, pm_ptr, pl_ptr, pacc_ptr, out_ptr, ws_ptr,
+                         count_ptr, stride_cslot, stride_cpos, stride_chead, stride_o,
+                         scale_log2, num_rows, i, d, pair, kv_head, split, row0, count, slot,
+                         length, G, NH, D, M_PAD, BLOCK_N, SPLITS, FP32_DOT)  # fmt: skip
+
+
+@triton.jit
+def _prefix_item(
+    qs_ptr, kc_ptr, vc_ptr, pm_ptr, pl_ptr, pacc_ptr, out_ptr, ws_ptr, count_ptr, stride_cslot,
+    stride_cpos, stride_chead, stride_o, scale_log2, num_rows, i, d, pair, kv_head, split, row0,
+    count, slot, length, G: tl.constexpr, NH: tl.constexpr, D: tl.constexpr,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, FP32_DOT: tl.constexpr,
+):  # fmt: skip
     rows = row0 + i // G
-    # the table covers the engine's capacity; this batch may be fewer rows (eager steps)
     valid = (i < count * G) & (rows < num_rows)
     heads = kv_head * G + i % G
     state = rows * NH + heads
-    d = tl.arange(0, D)
     q = tl.load(qs_ptr + state[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
     m_i = tl.full([M_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([M_PAD], tl.float32)
@@ -130,8 +150,7 @@ def _prefix_attention_kernel(
     acc_s = tl.load(pacc_ptr + state[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
     out_offs = rows[:, None] * stride_o + heads[:, None] * D + d[None, :]
     if (SPLITS > 1) & (length > 0):
-        # park (m, l, acc) of this share: ws [groups x kv heads, SPLITS, M_PAD, D + 2] fp32
-        pair = group * tl.num_programs(1) + kv_head
+        # park (m, l, acc) of this share: ws [entries x kv heads, SPLITS, M_PAD, D + 2] fp32
         ws = ws_ptr + pair.to(tl.int64) * (SPLITS * M_PAD * (D + 2))
         part = ws + split * (M_PAD * (D + 2)) + i * (D + 2)
         tl.store(part[:, None] + d[None, :], acc)
@@ -211,7 +230,7 @@ def prefix_attention(states: tuple, groups: torch.Tensor, key_cache: torch.Tenso
     PREFIX_CONFIG and splits prefix_splits (benchmarks/engine_prefix.py)."""
     qs, row_max, row_sum, acc = states
     rows, num_heads, dim = qs.shape
-    assert groups.shape[0] >= rows, "group_table covers every row of the batch"
+    assert groups.shape[0] > rows, "group_table covers every row of the batch"
     num_kv = key_cache.shape[2]
     group = num_heads // num_kv
     m_pad = max(16, triton.next_power_of_2((group_rows or GROUP_ROWS) * group))
@@ -224,10 +243,13 @@ def prefix_attention(states: tuple, groups: torch.Tensor, key_cache: torch.Tenso
     else:
         ws = counts = row_max  # unused
     scale_log2 = (1.0 / dim**0.5) * 1.4426950408889634
-    _prefix_attention_kernel[(rows, num_kv, splits)](  # at most one group a row
+    # programs: enough for the groups a full batch makes (rows / GROUP_ROWS of them), at most
+    # PREFIX_PROGRAMS; the entries past them (groups of one, a batch's tail) are walked
+    programs = min(PREFIX_PROGRAMS, triton.cdiv(rows, group_rows or GROUP_ROWS) * num_kv * splits)
+    _prefix_attention_kernel[(max(1, programs),)](
         qs, key_cache, value_cache, groups, row_max, row_sum, acc, out, ws, counts,
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), out.stride(0),
-        scale_log2, rows, G=group, NH=num_heads, D=dim, M_PAD=m_pad, BLOCK_N=block_n,
-        SPLITS=splits, FP32_DOT=qs.dtype == torch.float32, num_warps=warps,
+        scale_log2, rows, G=group, NH=num_heads, NKV=num_kv, D=dim, M_PAD=m_pad,
+        BLOCK_N=block_n, SPLITS=splits, FP32_DOT=qs.dtype == torch.float32, num_warps=warps,
         num_stages=stages,
     )  # fmt: skip

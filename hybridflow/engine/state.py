@@ -27,7 +27,7 @@ class DecodeState:
         self.stop_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         self._stop_host = self._stop_copied = None  # pinned staging buffer (CUDA)
         # shared_prefix groups of the live rows (rewritten by the loop when rows change)
-        self.prefix_groups = torch.zeros(rows, 4, dtype=torch.int32, device=device)
+        self.prefix_groups = torch.zeros(rows + 1, 4, dtype=torch.int32, device=device)
         self.prefix_first = torch.zeros(rows, **long)
         # Outputs are per slot (rows move when compacted, slots do not); +1 column so finished
         # rows can keep writing harmlessly one past their end.

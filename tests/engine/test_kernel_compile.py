@@ -138,7 +138,7 @@ def test_decode_layer_kernels_compile(activation):
     for (group, dim), splits in itertools.product(((7, 64), (6, 128)), (1, 3)):
         _compile(
             shared_prefix._prefix_attention_kernel,
-            dict(G=group, NH=2 * group, D=dim, M_PAD=64, BLOCK_N=64, SPLITS=splits,
+            dict(G=group, NH=2 * group, NKV=2, D=dim, M_PAD=64, BLOCK_N=64, SPLITS=splits,
                  FP32_DOT=activation == "fp32"),
             activation, overrides={"groups_ptr": "*i32", "ws_ptr": "*fp32",
                                    "count_ptr": "*i32"}, stages=3,

@@ -20,10 +20,11 @@ def test_group_table_groups_consecutive_rows_of_one_prompt():
     lengths = [10, 10, 10, 5, 12, 12, 12, 12, 12]
     slots = [3, 8, 1, 0, 2, 5, 6, 7, 4]
     groups, first = group_table(prompts, lengths, slots, capacity=12, group_rows=4)
-    assert groups[:8].tolist() == [[0, 3, 3, 10], [3, 1, 0, 0], [4, 4, 2, 12], [8, 1, 4, 0],
-                                   [9, 1, 0, 0], [10, 1, 0, 0], [11, 1, 0, 0], [0, 0, 0, 0]]  # fmt: skip
+    assert groups[0].tolist() == [7, 0, 0, 0]  # the number of entries
+    assert groups[1:9].tolist() == [[0, 3, 3, 10], [3, 1, 0, 0], [4, 4, 2, 12], [8, 1, 4, 0],
+                                    [9, 1, 0, 0], [10, 1, 0, 0], [11, 1, 0, 0], [0, 0, 0, 0]]  # fmt: skip
     assert first.tolist() == [10, 10, 10, 0, 12, 12, 12, 12, 0, 0, 0, 0]
-    assert groups[7:, 1].sum() == 0 and groups[:, 1].sum() == 12
+    assert groups[8:, 1].sum() == 0 and groups[1:, 1].sum() == 12
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,7 @@ def test_other_group_sizes_equal_plain_attention(device, group_rows, monkeypatch
 
     monkeypatch.setattr(shared_prefix, "GROUP_ROWS", group_rows)
     groups = _check_against_plain(device, "token", True)
-    sizes = [n for n in groups[:, 1].tolist() if n]
+    sizes = [n for n in groups[1:, 1].tolist() if n]
     assert max(sizes) == min(9, group_rows) and sum(sizes) == 17
 
 
@@ -208,7 +209,7 @@ def test_samples_of_one_prompt_from_two_admissions_are_two_groups():
     other kernels), so rows of one prompt admitted twice keep reading their own copies."""
     keys = [(5, 0), (5, 0), (5, 1), (5, 1), (5, 1)]
     groups, first = group_table(keys, [9] * 5, [0, 1, 2, 3, 4], capacity=5)
-    assert groups[:2].tolist() == [[0, 2, 0, 9], [2, 3, 2, 9]]
+    assert groups[:3].tolist() == [[2, 0, 0, 0], [0, 2, 0, 9], [2, 3, 2, 9]]
     assert first.tolist() == [9] * 5
 
 
