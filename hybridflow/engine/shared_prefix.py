@@ -34,8 +34,12 @@ GROUP_ROWS = 8
 # The prefix program's tile (BLOCK_N positions a step, num_warps, num_stages): best or within
 # 0.5% of the best of 7 tiles at every shape engine_prefix.py timed (session 12).
 PREFIX_CONFIG = (64, 4, 3)
-# Programs per (group, kv head) along the prefix; None: prefix_splits chooses.
-PREFIX_SPLITS: int | None = None
+# Programs per (group, kv head) along the prefix; None: prefix_splits chooses (enough for ~2
+# waves). 1 by default: at 128-256-token prompts every split count above 1 was slower at every
+# shape engine_prefix.py timed (session 12: 0.5b 64 x 8, x2 28.2 vs 24.1 us, x3 31.2; the
+# parking and merging cost more than the parallelism gives), and in whole generations (0.5b
+# 64 x 8: auto, i.e. 3, 9-12% slower). Long prompts with few groups are not measured.
+PREFIX_SPLITS: int | None = 1
 # At most this many prefix programs a launch (they loop over the work items): 2 per H200 SM.
 PREFIX_PROGRAMS = 264
 

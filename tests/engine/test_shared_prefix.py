@@ -81,8 +81,11 @@ def test_split_prefixes_equal_plain_attention(device, splits, monkeypatch):
         _check_against_plain(device, "token", rope)
 
 
-def test_prefix_splits_fill_about_two_waves():
+def test_prefix_splits_fill_about_two_waves(monkeypatch):
     from hybridflow.engine import shared_prefix
+
+    assert shared_prefix.prefix_splits(512, 2) == shared_prefix.PREFIX_SPLITS == 1
+    monkeypatch.setattr(shared_prefix, "PREFIX_SPLITS", None)
 
     assert shared_prefix.prefix_splits(512, 2) == 3  # 64 groups x 2 kv heads
     assert shared_prefix.prefix_splits(1024, 2) == 2
