@@ -27,6 +27,7 @@ CASES = [  # (prompts, n, prompt length, own tokens past the prompt)
 PREFIX_CONFIGS = [(64, 4, 3), (32, 4, 3), (64, 4, 2)]
 SPLITS = (1, 2, 3, 4)
 PROGRAMS = (132, 264, 528)
+PDL = (False, True)  # shared_prefix.PDL: the prefix programs launch early and prefetch
 GROUP_SIZES = (8, 16)
 
 
@@ -88,7 +89,8 @@ def run(out_dir: str) -> list[dict]:
                   f"({row['plain_TBps']} TB/s of KV), own positions only {own_only:.1f} us; "
                   f"auto splits {shared_prefix.prefix_splits(ops['rows'], nkv)}", flush=True)  # fmt: skip
             saved = (shared_prefix.GROUP_ROWS, shared_prefix.PREFIX_CONFIG,
-                     shared_prefix.PREFIX_SPLITS, shared_prefix.PREFIX_PROGRAMS)  # fmt: skip
+                     shared_prefix.PREFIX_SPLITS, shared_prefix.PREFIX_PROGRAMS,
+                     shared_prefix.PDL)  # fmt: skip
             try:
                 for group_rows in GROUP_SIZES:
                     if group_rows > n:
@@ -96,12 +98,13 @@ def run(out_dir: str) -> list[dict]:
                     shared_prefix.GROUP_ROWS = group_rows
                     shared = table_for(ops, prompts, n, prompt_len, group_rows)
                     times = {}
-                    for config, splits, programs in itertools.product(PREFIX_CONFIGS, SPLITS,
-                                                                      PROGRAMS):  # fmt: skip
+                    for config, splits, programs, pdl in itertools.product(
+                            PREFIX_CONFIGS, SPLITS, PROGRAMS, PDL):  # fmt: skip
                         shared_prefix.PREFIX_CONFIG = config
                         shared_prefix.PREFIX_SPLITS = splits
                         shared_prefix.PREFIX_PROGRAMS = programs
-                        key = f"{config} x{splits} p{programs}"
+                        shared_prefix.PDL = pdl
+                        key = f"{config} x{splits} p{programs}{' pdl' if pdl else ''}"
                         times[key] = round(timed(ops, shared=shared), 2)
                     best = min(times, key=times.get)
                     row["shared"][group_rows] = times
@@ -109,12 +112,15 @@ def run(out_dir: str) -> list[dict]:
                         f"  group {group_rows}: best {best} {times[best]:.1f} us "
                         f"({plain / times[best]:.2f}x plain); fastest five "
                         f"{sorted(times.items(), key=lambda kv: kv[1])[:5]}; by splits "
-                        f"{ {sp: min(t for k, t in times.items() if f' x{sp} ' in k) for sp in SPLITS} }",
+                        f"{ {sp: min(t for k, t in times.items() if f' x{sp} ' in k) for sp in SPLITS} }; "
+                        f"PDL off/on {min(t for k, t in times.items() if 'pdl' not in k)} / "
+                        f"{min((t for k, t in times.items() if 'pdl' in k), default=None)}",
                         flush=True,
                     )
             finally:
                 (shared_prefix.GROUP_ROWS, shared_prefix.PREFIX_CONFIG,
-                 shared_prefix.PREFIX_SPLITS, shared_prefix.PREFIX_PROGRAMS) = saved  # fmt: skip
+                 shared_prefix.PREFIX_SPLITS, shared_prefix.PREFIX_PROGRAMS,
+                 shared_prefix.PDL) = saved  # fmt: skip
             results.append(row)
             del ops
     os.makedirs(out_dir, exist_ok=True)
@@ -126,7 +132,13 @@ def run(out_dir: str) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/prefix"))
+    parser.add_argument("--pdl-only", action="store_true",
+                        help="only the default tile, splits and programs, PDL off and on")  # fmt: skip
     args = parser.parse_args()
+    if args.pdl_only:
+        global PREFIX_CONFIGS, SPLITS, PROGRAMS, GROUP_SIZES
+        PREFIX_CONFIGS = [shared_prefix.PREFIX_CONFIG]
+        SPLITS, PROGRAMS, GROUP_SIZES = (1,), (shared_prefix.PREFIX_PROGRAMS,), (8,)
     run(args.out)
 
 

@@ -419,7 +419,10 @@ def _attention(
         states = shared_prefix.state_buffers(q)
         meta.update(first_ptr=first, qs_ptr=states[0], pm_ptr=states[1], pl_ptr=states[2],
                     pacc_ptr=states[3], SHARED=True)  # fmt: skip
-    meta.update(pdl.options(q) if shared is None else {})
+    if shared is None:
+        meta.update(pdl.options(q))
+    else:  # the prefix kernel after it may launch early to prefetch (shared_prefix.PDL)
+        meta.update(shared_prefix.pdl_options(q))
     if q.is_cuda and KV_EVICT_FIRST:
         meta["EVICT_FIRST"] = True
     if meta.get("PDL") and pdl.PREFETCH_KV:  # the first positions, KV_PREFETCH_BYTES in all

@@ -88,6 +88,14 @@ def enabled(tensor: torch.Tensor) -> bool:
     return _device_supports(tensor.device.index or 0)
 
 
+def pair_options(tensor: torch.Tensor) -> dict:
+    """options() that ignores suspended(): for a pair of kernels that link to each other
+    whatever surrounds them (shared_prefix.py's row kernel and prefix kernel)."""
+    if not SUPPORTED or not tensor.is_cuda or ENABLED is False:
+        return {}
+    return {"PDL": True, "launch_pdl": True} if _device_supports(tensor.device.index or 0) else {}
+
+
 def options(tensor: torch.Tensor) -> dict:
     """Launch keywords of a kernel with a `PDL` constexpr: {} where PDL is off (the kernel's
     default), else PDL=True and launch_pdl=True."""

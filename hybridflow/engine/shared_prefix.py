@@ -26,7 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridflow.engine import pdl
 from hybridflow.engine.attention_kernels import _softmax_tile
+from hybridflow.engine.pdl import prefetch_l2, wait_then_release
 
 # Rows per group (the prefix program's query block is GROUP_ROWS x heads per kv head).
 GROUP_ROWS = 8
@@ -42,6 +44,15 @@ PREFIX_CONFIG = (64, 4, 3)
 PREFIX_SPLITS: int | None = 1
 # At most this many prefix programs a launch (they loop over the work items): 2 per H200 SM.
 PREFIX_PROGRAMS = 264
+# Launch the row kernel and the prefix kernel with PDL (pdl.py, sm_90+), so the prefix
+# programs start while the row kernel's last wave runs and ask L2 for their prefixes (written
+# at prefill, never by the row kernel) before they wait for its state. Even inside the paths
+# that suspend PDL elsewhere (split, lean).
+PDL = True
+
+
+def pdl_options(tensor: torch.Tensor) -> dict:
+    return pdl.pair_options(tensor) if PDL else {}
 
 
 # "auto": generate() calls with n > 1 on the triton backend read each prompt's prefix once per
@@ -91,6 +102,7 @@ def _prefix_attention_kernel(
     stride_cslot, stride_cpos, stride_chead, stride_o, scale_log2, num_rows, G: tl.constexpr,
     NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, M_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, FP32_DOT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """A fixed grid of programs walks the work items (entry, kv head, split): the split's
     share of the entry's prefix (a launch of one program per possible entry spent more time
@@ -101,6 +113,26 @@ def _prefix_attention_kernel(
     items = tl.load(groups_ptr) * (NKV * SPLITS)  # row 0: the number of entries
     i = tl.arange(0, M_PAD)  # (row in group, head in kv group) flattened
     d = tl.arange(0, D)
+    if PDL:  # before the wait: the group table (uploaded between replays) and the prefixes
+        for item in range(tl.program_id(0), items, tl.num_programs(0)):
+            pair = item // SPLITS
+            entry = groups_ptr + (1 + pair // NKV) * 4
+            base = (tl.load(entry + 2).to(tl.int64) * stride_cslot
+                    + (pair % NKV) * stride_chead)  # fmt: skip
+            length = tl.load(entry + 3)
+            if SPLITS > 1:  # this item's share only
+                chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+                lo = (item % SPLITS) * chunk
+                length = tl.minimum(length, lo + chunk)
+            else:
+                lo = 0
+            lines = tl.arange(0, (D * 2 + 127) // 128) * 64  # 128-byte lines of a position
+            for p0 in range(lo, length, 64):
+                p = tl.minimum(p0 + tl.arange(0, 64), length - 1).to(tl.int64)
+                offs = base + p[:, None] * stride_cpos + lines[None, :]
+                prefetch_l2(kc_ptr + offs)
+                prefetch_l2(vc_ptr + offs)
+    wait_then_release(PDL)
     for item in range(tl.program_id(0), items, tl.num_programs(0)):
         split = item % SPLITS
         pair = item // SPLITS  # entry * NKV + kv head
@@ -255,5 +287,5 @@ def prefix_attention(states: tuple, groups: torch.Tensor, key_cache: torch.Tenso
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), out.stride(0),
         scale_log2, rows, G=group, NH=num_heads, NKV=num_kv, D=dim, M_PAD=m_pad,
         BLOCK_N=block_n, SPLITS=splits, FP32_DOT=qs.dtype == torch.float32, num_warps=warps,
-        num_stages=stages,
+        num_stages=stages, **pdl_options(qs),
     )  # fmt: skip
