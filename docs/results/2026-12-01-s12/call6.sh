@@ -5,6 +5,6 @@
 # PDL off/on per layer; a short whole-generation A/B.
 export PYTHONPATH=$PWD
 source benchmarks/triton_cache.sh restore
-timeout 100 python -m pytest -q -m gpu tests/engine/test_shared_prefix.py -k "not engine or lean" -p no:cacheprovider 2>&1 | tail -2
+timeout 100 python -m pytest -q -m gpu tests/engine/test_shared_prefix.py -k "not generations or lean" -p no:cacheprovider 2>&1 | tail -2
 timeout 45 python benchmarks/engine_prefix.py --pdl-only --out $OUT 2>&1 | grep -v -i warn
 timeout 80 python benchmarks/engine_ab.py --preset qwen2.5-0.5b --prompts 64 --n 8 --prompt-len 256 --rounds 4 --a shared_prefix.PDL=False --b shared_prefix.PDL=True 2>&1 | grep -v -i warn | grep -v "attention tile"
