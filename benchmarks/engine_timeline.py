@@ -184,14 +184,18 @@ def _annotate(loop_class) -> None:
 
 
 @torch.no_grad()
-def timeline(preset: str, rows: int, length: int, new_tokens: int, device: torch.device) -> dict:
+def timeline(preset: str, rows: int, length: int, new_tokens: int, device: torch.device,
+             n: int = 1) -> dict:  # fmt: skip
+    """n > 1: rows // n prompts of n samples each (GRPO-shaped: the shared-prefix path)."""
     from torch.profiler import ProfilerActivity, profile
 
+    if rows % n:
+        raise ValueError(f"--rows {rows} is not a multiple of --n {n}")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = load_model(preset, dtype=dtype, device=device).eval()
     eng = Engine(model, max_batch_size=rows, max_seq_len=length + new_tokens + 64)
-    prompts = make_prompts(rows, length, model.config.vocab_size, 0)
-    params = SamplingParams(max_new_tokens=new_tokens, seed=0, ignore_eos=True)
+    prompts = make_prompts(rows // n, length, model.config.vocab_size, 0)
+    params = SamplingParams(n=n, max_new_tokens=new_tokens, seed=0, ignore_eos=True)
     eng.generate(prompts, params)  # compile, tune, capture
     _annotate(loop.GenerationLoop)
     if device.type == "cuda":
@@ -263,11 +267,13 @@ def main() -> None:
         choices=[0, 1],
         help="loop.SYNC_LAG for this run (default: the engine's)",
     )
+    parser.add_argument("--n", type=int, default=1, help="samples per prompt (rows / n prompts)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.lag is not None:
         loop.SYNC_LAG = args.lag
-    r = timeline(args.preset, args.rows, args.length, args.new_tokens, torch.device(args.device))
+    r = timeline(args.preset, args.rows, args.length, args.new_tokens, torch.device(args.device),
+                 n=args.n)  # fmt: skip
     print(f"{r['preset']}, {r['rows']} rows, lag {loop.SYNC_LAG if loop.SYNC_LAG is not None else 'auto'}: call {r['unprofiled_call_ms']:.1f} ms "
           f"unprofiled, {r['profiled_call_us'] / 1e3:.1f} ms profiled; kernels span "
           f"{r['span_us'] / 1e3:.1f} ms, busy {r['busy_us'] / 1e3:.1f} ms, idle "
