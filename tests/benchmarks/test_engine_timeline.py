@@ -27,12 +27,19 @@ def test_idle_gaps_merges_overlaps_and_names_the_phase():
     assert [g["host_op"] for g in r["largest"]] == ["other", "cudaStreamSynchronize"]
 
 
-def test_timeline_runs_on_cpu():
+@pytest.mark.parametrize("n", [1, 2])
+def test_timeline_runs_on_cpu(n):
     r = engine_timeline.timeline("tiny", rows=4, length=8, new_tokens=6,
-                                 device=torch.device("cpu"))  # fmt: skip
+                                 device=torch.device("cpu"), n=n)  # fmt: skip
     assert r["host_calls"]["_admit"] >= 1 and r["host_calls"]["_absorb"] >= 1
     assert r["profiled_call_us"] > 0 and r["span_us"] == 0  # no device kernels on CPU
     assert set(r["gc_pauses_ms"]) == {"unprofiled", "profiled"}
+
+
+def test_timeline_rows_must_split_into_samples():
+    with pytest.raises(ValueError, match="--rows 5 is not a multiple of --n 2"):
+        engine_timeline.timeline("tiny", rows=5, length=8, new_tokens=6,
+                                 device=torch.device("cpu"), n=2)  # fmt: skip
 
 
 def test_kernels_by_phase_follows_the_launch_not_the_kernel_start():
