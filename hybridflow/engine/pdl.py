@@ -81,25 +81,31 @@ def _device_supports(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def enabled(tensor: torch.Tensor) -> bool:
-    """Whether kernels on tensor's device launch with PDL."""
-    if not SUPPORTED or not tensor.is_cuda or ENABLED is False or _suspended:
+def _capable(tensor: torch.Tensor) -> bool:
+    """PDL is supported and allowed for kernels on tensor's device (suspended() aside)."""
+    if not SUPPORTED or not tensor.is_cuda or ENABLED is False:
         return False
     return _device_supports(tensor.device.index or 0)
 
 
-def pair_options(tensor: torch.Tensor) -> dict:
-    """options() that ignores suspended(): for a pair of kernels that link to each other
-    whatever surrounds them (shared_prefix.py's row kernel and prefix kernel)."""
-    if not SUPPORTED or not tensor.is_cuda or ENABLED is False:
-        return {}
-    return {"PDL": True, "launch_pdl": True} if _device_supports(tensor.device.index or 0) else {}
+def enabled(tensor: torch.Tensor) -> bool:
+    """Whether kernels on tensor's device launch with PDL."""
+    return not _suspended and _capable(tensor)
+
+
+_LAUNCH = {"PDL": True, "launch_pdl": True}
 
 
 def options(tensor: torch.Tensor) -> dict:
     """Launch keywords of a kernel with a `PDL` constexpr: {} where PDL is off (the kernel's
     default), else PDL=True and launch_pdl=True."""
-    return {"PDL": True, "launch_pdl": True} if enabled(tensor) else {}
+    return dict(_LAUNCH) if enabled(tensor) else {}
+
+
+def pair_options(tensor: torch.Tensor) -> dict:
+    """options() that ignores suspended(): for a pair of kernels that link to each other
+    whatever surrounds them (shared_prefix.py's row kernel and prefix kernel)."""
+    return dict(_LAUNCH) if _capable(tensor) else {}
 
 
 @triton.jit

@@ -22,6 +22,23 @@ def test_pdl_is_off_for_cpu_tensors_and_inside_suspended():
     assert pdl._suspended == 0
 
 
+def test_pair_options_ignore_suspended_but_not_the_switch(monkeypatch):
+    """shared_prefix's kernel pair links by PDL inside the paths that suspend it for the
+    rest; ENABLED = False (A/B runs) still turns it off, and CPU tensors never get it."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(pdl, "SUPPORTED", True)
+    monkeypatch.setattr(pdl, "_device_supports", lambda index: True)
+    gpu = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))
+    on = {"PDL": True, "launch_pdl": True}
+    with pdl.suspended():
+        assert pdl.options(gpu) == {} and pdl.pair_options(gpu) == on
+    assert pdl.options(gpu) == on
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    assert pdl.pair_options(gpu) == {} and pdl.options(gpu) == {}
+    assert pdl.pair_options(torch.empty(1)) == {}
+
+
 def test_suspended_restores_after_an_error():
     with pytest.raises(RuntimeError):
         with pdl.suspended():
