@@ -96,11 +96,7 @@ def _decode_attention_kernel(
     if PREFETCH:  # written by earlier steps only (the new token's k/v come from registers)
         lines = tl.arange(0, PF_LINES) * PF_LINE
         stop = tl.minimum(tl.minimum(chunk_end, pos), start + PF_POSITIONS)
-        for p0 in range(start, stop, 64):
-            p = tl.minimum(p0 + tl.arange(0, 64), stop - 1).to(tl.int64)
-            offs = base + p[:, None] * stride_cpos + lines[None, :]
-            prefetch_l2(kc_ptr + offs)
-            prefetch_l2(vc_ptr + offs)
+        prefetch_kv(kc_ptr, vc_ptr, base, lines, start, stop, stride_cpos)
     wait_then_release(PDL)
     dtype = q_ptr.dtype.element_ty
     g = tl.arange(0, G_PAD)
@@ -195,6 +191,17 @@ def _decode_attention_kernel(
         part = (row * NH + heads) * SPLITS + split  # [G_PAD]
         tl.store(part_o_ptr + part[:, None] * (2 * HALF) + d[None, :], out, mask=g_mask[:, None])
         tl.store(part_lse_ptr + part, lse, mask=g_mask)
+
+
+@triton.jit
+def prefetch_kv(kc_ptr, vc_ptr, base, lines, lo, hi, stride_cpos):
+    """Ask L2 for the cached keys and values of positions [lo, hi) at base (a slot and kv
+    head), `lines` the element offsets of a position's 128-byte lines (pdl.py)."""
+    for p0 in range(lo, hi, 64):
+        p = tl.minimum(p0 + tl.arange(0, 64), hi - 1).to(tl.int64)
+        offs = base + p[:, None] * stride_cpos + lines[None, :]
+        prefetch_l2(kc_ptr + offs)
+        prefetch_l2(vc_ptr + offs)
 
 
 @triton.jit

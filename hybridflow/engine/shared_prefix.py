@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from hybridflow.engine import pdl
-from hybridflow.engine.attention_kernels import _softmax_tile
-from hybridflow.engine.pdl import prefetch_l2, wait_then_release
+from hybridflow.engine.attention_kernels import _softmax_tile, prefetch_kv
+from hybridflow.engine.pdl import wait_then_release
 
 # Rows per group (the prefix program's query block is GROUP_ROWS x heads per kv head).
 GROUP_ROWS = 8
@@ -121,19 +121,9 @@ def _prefix_attention_kernel(
             entry = groups_ptr + (1 + pair // NKV) * 4
             base = (tl.load(entry + 2).to(tl.int64) * stride_cslot
                     + (pair % NKV) * stride_chead)  # fmt: skip
-            length = tl.load(entry + 3)
-            if SPLITS > 1:  # this item's share only
-                chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
-                lo = (item % SPLITS) * chunk
-                length = tl.minimum(length, lo + chunk)
-            else:
-                lo = 0
+            lo, hi = _share(tl.load(entry + 3), item % SPLITS, SPLITS, BLOCK_N)
             lines = tl.arange(0, (D * 2 + 127) // 128) * 64  # 128-byte lines of a position
-            for p0 in range(lo, length, 64):
-                p = tl.minimum(p0 + tl.arange(0, 64), length - 1).to(tl.int64)
-                offs = base + p[:, None] * stride_cpos + lines[None, :]
-                prefetch_l2(kc_ptr + offs)
-                prefetch_l2(vc_ptr + offs)
+            prefetch_kv(kc_ptr, vc_ptr, base, lines, lo, hi, stride_cpos)
     wait_then_release(PDL)
     for item in range(tl.program_id(0), items, tl.num_programs(0)):
         split = item % SPLITS
@@ -154,6 +144,20 @@ def _prefix_attention_kernel(
 
 
 @triton.jit
+def _share(length, split, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Positions [lo, hi) of a prefix of `length` that share `split` of SPLITS walks: whole
+    tiles each, the last ones possibly empty."""
+    if SPLITS > 1:
+        chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(length, lo + chunk)
+    else:
+        lo = 0
+        hi = length
+    return lo, hi
+
+
+@triton.jit
 def _prefix_item(
     qs_ptr, kc_ptr, vc_ptr, pm_ptr, pl_ptr, pacc_ptr, out_ptr, ws_ptr, count_ptr, stride_cslot,
     stride_cpos, stride_chead, stride_o, scale_log2, num_rows, i, d, pair, kv_head, split, row0,
@@ -168,12 +172,7 @@ def _prefix_item(
     m_i = tl.full([M_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([M_PAD], tl.float32)
     acc = tl.zeros([M_PAD, D], tl.float32)
-    lo = 0
-    hi = length
-    if SPLITS > 1:
-        chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
-        lo = split * chunk
-        hi = tl.minimum(length, lo + chunk)
+    lo, hi = _share(length, split, SPLITS, BLOCK_N)
     base = slot.to(tl.int64) * stride_cslot + kv_head * stride_chead
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
