@@ -90,7 +90,10 @@ class DecodeRunner:
         state = self.state
         extra = {}
         if self.shared:
-            extra["shared"] = (state.prefix_first[:rows], state.prefix_groups)
+            from hybridflow.engine import shared_prefix
+
+            slots = state.prefix_slot[:rows] if shared_prefix.KERNEL == "l2" else None
+            extra["shared"] = (state.prefix_first[:rows], state.prefix_groups, slots)
         logits = self.decode_forward(
             self.model, self.cache, self.rope, state.tokens[:rows], state.positions[:rows],
             state.row_slots[:rows], max_len, **extra,
