@@ -64,14 +64,12 @@ def timed(ops, shared=None, splits=None) -> float:
     return graph_time_us(call, calls=4 * len(caches))
 
 
-def table_for(ops, prompts, n, prompt_len, group_rows, l2=False):
-    """decode attention's shared= for the pair of kernels, or (l2) for the row kernel
-    reading each prompt's prefix from its first sample's slot (shared_prefix.KERNEL)."""
+def table_for(ops, prompts, n, prompt_len, group_rows):
     keys = [r // n for r in range(ops["rows"])]
     slots = ops["slots"].tolist()
-    groups, first, slot = shared_prefix.group_table(keys, [prompt_len] * ops["rows"], slots,
-                                                    ops["rows"], group_rows)  # fmt: skip
-    return first.cuda(), groups.cuda(), slot.cuda() if l2 else None
+    groups, first = shared_prefix.group_table(keys, [prompt_len] * ops["rows"], slots,
+                                              ops["rows"], group_rows)  # fmt: skip
+    return first.cuda(), groups.cuda()
 
 
 def run(out_dir: str) -> list[dict]:
@@ -84,15 +82,11 @@ def run(out_dir: str) -> list[dict]:
             plain = timed(ops)
             # what the row kernel's share costs: a plain launch over `own` positions only
             own_only = timed(dict(ops, pos=torch.full_like(ops["pos"], own)), splits=1)
-            # KERNEL "l2": the row kernel alone, prefixes from each prompt's first slot
-            l2 = timed(ops, shared=table_for(ops, prompts, n, prompt_len, ops["rows"], True))
             row = {"model": model, "prompts": prompts, "n": n, "prompt_len": prompt_len,
                    "own": own, "plain_us": round(plain, 2), "own_only_us": round(own_only, 2),
-                   "plain_TBps": round(kv_gb / plain * 1e6 / 1e3, 2), "l2_us": round(l2, 2),
-                   "shared": {}}  # fmt: skip
+                   "plain_TBps": round(kv_gb / plain * 1e6 / 1e3, 2), "shared": {}}  # fmt: skip
             print(f"{model} {prompts}x{n} prompt {prompt_len} own {own}: plain {plain:.1f} us "
-                  f"({row['plain_TBps']} TB/s of KV), own positions only {own_only:.1f} us, "
-                  f"l2 {l2:.1f} us ({plain / l2:.2f}x plain); "
+                  f"({row['plain_TBps']} TB/s of KV), own positions only {own_only:.1f} us; "
                   f"auto splits {shared_prefix.prefix_splits(ops['rows'], nkv)}", flush=True)  # fmt: skip
             saved = (shared_prefix.GROUP_ROWS, shared_prefix.PREFIX_CONFIG,
                      shared_prefix.PREFIX_SPLITS, shared_prefix.PREFIX_PROGRAMS,

@@ -52,7 +52,7 @@ def _decode_attention_kernel(
     h_ptr=None, bias_ptr=None, stride_h=0, H=1, eps=0.0, NORM: tl.constexpr = False,
     H_PAD: tl.constexpr = 16, HAS_BIAS: tl.constexpr = False,
     first_ptr=None, qs_ptr=None, pm_ptr=None, pl_ptr=None, pacc_ptr=None,
-    SHARED: tl.constexpr = False, pslot_ptr=None, PREFIX_SLOT: tl.constexpr = False,
+    SHARED: tl.constexpr = False,
 ):  # fmt: skip
     """One (row, kv head, split): attention of the head group's queries over cached positions
     [split * CHUNK, (split + 1) * CHUNK) up to the row's last position pos.
@@ -74,12 +74,7 @@ def _decode_attention_kernel(
     SHARED (one split; shared_prefix.py): the row's cached positions start at first[row],
     the end of a prompt prefix its group attends to once (shared_prefix.prefix_attention,
     launched next); instead of the output, this program leaves the rotated q (qs) and its
-    unnormalised softmax state (max m, sum l, acc) for that kernel to merge into.
-
-    PREFIX_SLOT (shared_prefix.KERNEL "l2"): positions before first[row] are read from slot
-    pslot[row] (the first sample's of the row's prompt) instead of the row's own copy: the
-    samples of a prompt run side by side in the grid and read the same prefix addresses, so
-    L2 serves all but the first of them."""
+    unnormalised softmax state (max m, sum l, acc) for that kernel to merge into."""
     if HEAD_MAJOR:  # grid (kv heads, rows, splits): a row's heads run side by side
         kv_head = tl.program_id(0)
         row = tl.program_id(1)
@@ -98,21 +93,10 @@ def _decode_attention_kernel(
     else:
         end = tl.minimum(chunk_end, pos + 1)
     base = slot.to(tl.int64) * stride_cslot + kv_head * stride_chead
-    pfirst = 0
-    pbase = base
-    if PREFIX_SLOT:  # uploaded between replays, like slots and positions
-        pfirst = tl.load(first_ptr + row).to(tl.int32)
-        pbase = tl.load(pslot_ptr + row).to(tl.int64) * stride_cslot + kv_head * stride_chead
     if PREFETCH:  # written by earlier steps only (the new token's k/v come from registers)
         lines = tl.arange(0, PF_LINES) * PF_LINE
         stop = tl.minimum(tl.minimum(chunk_end, pos), start + PF_POSITIONS)
-        if PREFIX_SLOT:
-            prefetch_kv(kc_ptr, vc_ptr, pbase, lines, start, tl.minimum(stop, pfirst),
-                        stride_cpos)  # fmt: skip
-            prefetch_kv(kc_ptr, vc_ptr, base, lines, tl.maximum(start, pfirst), stop,
-                        stride_cpos)  # fmt: skip
-        else:
-            prefetch_kv(kc_ptr, vc_ptr, base, lines, start, stop, stride_cpos)
+        prefetch_kv(kc_ptr, vc_ptr, base, lines, start, stop, stride_cpos)
     wait_then_release(PDL)
     dtype = q_ptr.dtype.element_ty
     g = tl.arange(0, G_PAD)
@@ -161,11 +145,7 @@ def _decode_attention_kernel(
     for n0 in range(loop_start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
-        if PREFIX_SLOT:
-            n_base = tl.where(n < pfirst, pbase, base)
-            offs = n_base[:, None] + n[:, None].to(tl.int64) * stride_cpos + d[None, :]
-        else:
-            offs = base + n[:, None].to(tl.int64) * stride_cpos + d[None, :]
+        offs = base + n[:, None].to(tl.int64) * stride_cpos + d[None, :]
         if EVICT_FIRST:  # read once per step: let L2 keep prefetched weights instead
             k = tl.load(
                 kc_ptr + offs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first"
@@ -322,7 +302,6 @@ _decode_attention_tuned = triton.autotune(
         "stride_cpos",
         "NORM",
         "SHARED",
-        "PREFIX_SLOT",
     ],  # fmt: skip
     prune_configs_by={"early_config_prune": _prune_store_orders},
 )(_decode_attention_kernel)
@@ -400,12 +379,6 @@ def _attention(
     if rope:
         assert k.stride(1) == head_dim and v.stride(1) == head_dim
         assert k.stride(2) == 1 and v.stride(2) == 1
-    prefix_slots = None
-    if shared is not None and len(shared) == 3 and shared[2] is not None:
-        # shared_prefix.KERNEL "l2": no prefix kernel; each row reads its prompt's prefix
-        # from the first sample's slot (any splits)
-        first, _, prefix_slots = shared
-        shared = None
     if shared is not None and splits is None and attention_splits(rows, num_kv, max_len) > 1:
         # too few rows to fill the GPU: the sequence splits (a row's positions over several
         # programs) do that; sharing needs one split, so these batches read their prefixes
@@ -446,12 +419,10 @@ def _attention(
                     H_PAD=triton.next_power_of_2(residual.shape[1]),
                     HAS_BIAS=bias is not None)  # fmt: skip
     states = None
-    if prefix_slots is not None:
-        meta.update(first_ptr=first, pslot_ptr=prefix_slots, PREFIX_SLOT=True)
     if shared is not None:
         from hybridflow.engine import shared_prefix
 
-        first, groups = shared[:2]
+        first, groups = shared
         states = shared_prefix.state_buffers(q)
         meta.update(first_ptr=first, qs_ptr=states[0], pm_ptr=states[1], pl_ptr=states[2],
                     pacc_ptr=states[3], SHARED=True)  # fmt: skip

@@ -90,10 +90,7 @@ class DecodeRunner:
         state = self.state
         extra = {}
         if self.shared:
-            from hybridflow.engine import shared_prefix
-
-            slots = state.prefix_slot[:rows] if shared_prefix.KERNEL == "l2" else None
-            extra["shared"] = (state.prefix_first[:rows], state.prefix_groups, slots)
+            extra["shared"] = (state.prefix_first[:rows], state.prefix_groups)
         logits = self.decode_forward(
             self.model, self.cache, self.rope, state.tokens[:rows], state.positions[:rows],
             state.row_slots[:rows], max_len, **extra,

@@ -317,18 +317,16 @@ class GenerationLoop:
         the next decode chunk, which reads them (shared_prefix.py)."""
         if not self.runner.shared:
             return
-        from hybridflow.engine.shared_prefix import group_table, prefix_rows
+        from hybridflow.engine.shared_prefix import group_table
 
         n, lengths = self.params.n, self.table.lengths
         prompts = [request // n for request in self.row_request]
         keys = list(zip(prompts, self.row_admission))
-        capacity = self.state.capacity
-        groups, first, slot = group_table(keys, [int(lengths[p]) for p in prompts],
-                                          self.row_slot, capacity, prefix_rows(capacity))  # fmt: skip
-        groups_dev, first_dev, slot_dev = upload(self.engine.device, groups, first, slot)
+        groups, first = group_table(keys, [int(lengths[p]) for p in prompts], self.row_slot,
+                                    self.state.capacity)  # fmt: skip
+        groups_dev, first_dev = upload(self.engine.device, groups, first)
         self.state.prefix_groups.copy_(groups_dev.view(-1, 4))
         self.state.prefix_first.copy_(first_dev)
-        self.state.prefix_slot.copy_(slot_dev)
 
 
 # Whether the caller of the outermost cyclic_gc_paused() had the collector on (None: not

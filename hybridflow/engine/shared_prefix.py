@@ -62,21 +62,10 @@ def pdl_options(tensor: torch.Tensor) -> dict:
 # pass (fp32, the same tokens as off), and 64 prompts x n = 8 ran 9.3% (0.5b) and 11.2% (1.5b)
 # faster, in every interleaved round (NOTES run 16).
 MODE = "auto"
-# How a shared prefix is read once: "pair": the row kernel and the prefix kernel above; "l2":
-# no prefix kernel, each row reads its prompt's prefix from the first sample's slot (the
-# samples run side by side in the row kernel's grid, so L2 serves all but the first read of
-# each line; any group size, any sequence splits).
-KERNEL = "pair"
-
-
-def prefix_rows(capacity: int) -> int | None:
-    """group_table's group_rows for KERNEL: unbounded for "l2" (a prompt's samples all read
-    one copy), GROUP_ROWS for the prefix kernel's query block."""
-    return capacity if KERNEL == "l2" else None
 
 
 def group_table(row_keys: list, prompt_lengths: list[int], row_slots: list[int],
-                capacity: int, group_rows: int | None = None) -> tuple[torch.Tensor, ...]:  # fmt: skip
+                capacity: int, group_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Host-side groups of the live rows: consecutive rows with equal keys (row_keys[r]: the
     loop passes (prompt, admission), as admission appends a prompt's samples side by side and
     compaction keeps their order; samples of one prompt prefilled by two admissions are two
@@ -84,14 +73,13 @@ def group_table(row_keys: list, prompt_lengths: list[int], row_slots: list[int],
     group_rows (default GROUP_ROWS) rows. Returns (groups int32 [capacity + 1, 4]: row 0 holds
     the number of entries, then one entry a group: first row, rows, the slot to read the
     prefix from (the group's first row's: every member holds the same copy), prefix length;
-    first int64 [capacity]: each row's prefix length; slot int64 [capacity]: the slot each
-    row reads its prefix from, its group's). A group of one has no shared
+    first int64 [capacity]: each row's prefix length). A group of one has no shared
     prefix (length 0: its row program reads everything, as without sharing); rows past the
     live ones (a graph bucket's padding) are groups of one; entries past the groups have 0
     rows."""
     group_rows = group_rows or GROUP_ROWS  # read here: A/B runs set the module's
     live = len(row_keys)
-    entries, first, slot = [], [0] * capacity, [0] * capacity
+    entries, first = [], [0] * capacity
     row = 0
     while row < capacity:
         end = row + 1
@@ -103,12 +91,11 @@ def group_table(row_keys: list, prompt_lengths: list[int], row_slots: list[int],
         length = prompt_lengths[row] if size > 1 else 0
         entries.append([row, size, row_slots[row] if row < live else 0, length])
         first[row:end] = [length] * size
-        slot[row:end] = [entries[-1][2]] * size
         row = end
     header = [[len(entries), 0, 0, 0]]
     entries += [[0, 0, 0, 0]] * (capacity - len(entries))
     return (torch.tensor(header + entries, dtype=torch.int32),
-            torch.tensor(first, dtype=torch.int64), torch.tensor(slot, dtype=torch.int64))  # fmt: skip
+            torch.tensor(first, dtype=torch.int64))  # fmt: skip
 
 
 @triton.jit

@@ -29,7 +29,6 @@ class DecodeState:
         # shared_prefix groups of the live rows (rewritten by the loop when rows change)
         self.prefix_groups = torch.zeros(rows + 1, 4, dtype=torch.int32, device=device)
         self.prefix_first = torch.zeros(rows, **long)
-        self.prefix_slot = torch.zeros(rows, **long)
         # Outputs are per slot (rows move when compacted, slots do not); +1 column so finished
         # rows can keep writing harmlessly one past their end.
         self.out_tokens = torch.zeros(num_slots + 1, max_seq_len + 1, **long)

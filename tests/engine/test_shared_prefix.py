@@ -19,12 +19,11 @@ def test_group_table_groups_consecutive_rows_of_one_prompt():
     prompts = [4, 4, 4, 7, 9, 9, 9, 9, 9]
     lengths = [10, 10, 10, 5, 12, 12, 12, 12, 12]
     slots = [3, 8, 1, 0, 2, 5, 6, 7, 4]
-    groups, first, slot = group_table(prompts, lengths, slots, capacity=12, group_rows=4)
+    groups, first = group_table(prompts, lengths, slots, capacity=12, group_rows=4)
     assert groups[0].tolist() == [7, 0, 0, 0]  # the number of entries
     assert groups[1:9].tolist() == [[0, 3, 3, 10], [3, 1, 0, 0], [4, 4, 2, 12], [8, 1, 4, 0],
                                     [9, 1, 0, 0], [10, 1, 0, 0], [11, 1, 0, 0], [0, 0, 0, 0]]  # fmt: skip
     assert first.tolist() == [10, 10, 10, 0, 12, 12, 12, 12, 0, 0, 0, 0]
-    assert slot.tolist() == [3, 3, 3, 0, 2, 2, 2, 2, 4, 0, 0, 0]  # each row's group's slot
     assert groups[8:, 1].sum() == 0 and groups[1:, 1].sum() == 12
 
 
@@ -48,15 +47,13 @@ def _prefix_cache(device, layout, prompts, lengths, slots, seq, kv_heads, dim):
     return caches
 
 
-@pytest.mark.parametrize("kernel", ["pair", "l2"])
 @pytest.mark.parametrize("layout", ["token", "head"])
 @pytest.mark.parametrize("rope", [False, True])
-def test_shared_prefix_attention_equals_plain_attention(device, layout, rope, kernel):
+def test_shared_prefix_attention_equals_plain_attention(device, layout, rope):
     """Groups of 3 and 4 rows, 9 rows of one prompt (a group of GROUP_ROWS = 8 and a group
-    of one for the pair; one group of 9 for "l2"), a lone row, rows whose own part is only
-    the new token, prefixes shorter than a tile and not a multiple of it: outputs and cache
-    writes equal the plain kernel's (fp32)."""
-    _check_against_plain(device, layout, rope, kernel)
+    of one), a lone row, rows whose own part is only the new token, prefixes shorter than a
+    tile and not a multiple of it: outputs and cache writes equal the plain kernel's (fp32)."""
+    _check_against_plain(device, layout, rope)
 
 
 @pytest.mark.parametrize("group_rows", [4, 16])
@@ -96,15 +93,7 @@ def test_prefix_splits_fill_about_two_waves(monkeypatch):
     assert shared_prefix.prefix_splits(8, 2) == 8  # capped
 
 
-def _shared_args(kernel, prompts, lengths, slots, capacity, device):
-    """decode_attention's shared= for shared_prefix.KERNEL `kernel` (what graphs.py passes)."""
-    group_rows = capacity if kernel == "l2" else None
-    groups, first, slot = group_table(prompts, lengths, slots, capacity, group_rows)
-    shared = (first.to(device), groups.to(device), slot.to(device) if kernel == "l2" else None)
-    return shared, groups
-
-
-def _check_against_plain(device, layout, rope, kernel="pair") -> torch.Tensor:
+def _check_against_plain(device, layout, rope) -> torch.Tensor:
     from hybridflow.engine import attention_kernels
     from hybridflow.models.presets import preset_config
     from hybridflow.models.rope import rope_cos_sin
@@ -118,7 +107,8 @@ def _check_against_plain(device, layout, rope, kernel="pair") -> torch.Tensor:
     extra = [0, 5, 17, 3, 0, 1, 2, 8, 9, 30, 4, 6, 7, 11, 0, 40, 2]  # own tokens per row
     positions = torch.tensor([n + e for n, e in zip(lengths, extra)], device=device)
     keys, values = _prefix_cache(device, layout, prompts, lengths, slots, seq, kv_heads, dim)
-    shared, groups = _shared_args(kernel, prompts, lengths, slots, rows, device)
+    groups, first = group_table(prompts, lengths, slots, capacity=rows)
+    shared = (first.to(device), groups.to(device))
     slots_t = torch.tensor(slots, device=device)
     q = torch.randn(rows, heads, dim, device=device)
     if rope:
@@ -148,9 +138,8 @@ def _check_against_plain(device, layout, rope, kernel="pair") -> torch.Tensor:
     return groups
 
 
-@pytest.mark.parametrize("kernel", ["pair", "l2"])
-def test_a_wrong_prefix_length_changes_the_output(device, kernel):
-    """The comparison above can fail: the shared kernels read a group's prefix from its
+def test_a_wrong_prefix_length_changes_the_output(device):
+    """The comparison above can fail: the shared kernel reads a group's prefix from its
     first row's slot only, so a member whose own copy differs gets another output there
     (and in the engine every copy is the same, so this is the saving)."""
     from hybridflow.engine import attention_kernels
@@ -163,29 +152,25 @@ def test_a_wrong_prefix_length_changes_the_output(device, kernel):
     lengths_t = torch.tensor([25, 25, 25], device=device)
     slots_t = torch.tensor(slots, device=device)
     plain = attention_kernels.decode_attention(q, keys, values, slots_t, lengths_t, seq, splits=1)
-    args, _ = _shared_args(kernel, prompts, lengths, slots, 3, device)
+    groups, first = group_table(prompts, lengths, slots, capacity=3)
     shared = attention_kernels.decode_attention(q, keys, values, slots_t, lengths_t, seq,
-                                                shared=args)  # fmt: skip
+                                                shared=(first.to(device), groups.to(device)))  # fmt: skip
     # row 1 read row 0's prefix copy in the shared kernel: differs; rows 0 and 2 agree
     assert not torch.allclose(shared[1], plain[1], atol=1e-3)
     torch.testing.assert_close(shared[0], plain[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(shared[2], plain[2], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("norms,kernel", [("off", "pair"), ("on", "pair"), ("lean", "pair"),
-                                          ("lean", "l2"), ("on", "l2")])  # fmt: skip
-def test_engine_generations_with_shared_prefixes_equal_plain_ones(device, norms, kernel,
-                                                                   monkeypatch):  # fmt: skip
+@pytest.mark.parametrize("norms", ["off", "on", "lean"])
+def test_engine_generations_with_shared_prefixes_equal_plain_ones(device, norms, monkeypatch):
     """A whole generate() with n = 3 through the triton decode path, shared_prefix on
     against off: the same tokens, log-probs within fp32 noise, and the prefix kernel ran.
     Six slots for 18 requests with early stops: rows retire, compact and refill, so the
     group table is rewritten many times (a stale table would read another prompt's prefix:
     other tokens). norms "on" runs the chain's layers, "off" the split (cuBLAS) ones, "lean"
     the lean layers (1/rms, bias and RoPE inside the row kernel, before q is left for the
-    prefix kernel). kernel "l2": no prefix kernel; the row kernel reads the group's slot."""
-    from hybridflow.engine import Engine, SamplingParams, attention_kernels, lean, shared_prefix
-
-    monkeypatch.setattr(shared_prefix, "KERNEL", kernel)
+    prefix kernel)."""
+    from hybridflow.engine import Engine, SamplingParams, lean, shared_prefix
 
     if norms == "lean":
         monkeypatch.setattr(lean, "MODE", "qkv+mlp")
@@ -200,27 +185,21 @@ def test_engine_generations_with_shared_prefixes_equal_plain_ones(device, norms,
     prompts = [[(5 * i + j) % (vocab - 3) + 3 for j in range(4 + 3 * i)] for i in range(6)]
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12, seed=5,
                             stop_token_ids=list(range(3, 3 + vocab // 10)))  # fmt: skip
-    calls = []  # which shared reads ran: prefix kernels, row kernels reading a group's slot
-    real_prefix, real_attention = shared_prefix.prefix_attention, attention_kernels._attention
+    calls = []
+    real = shared_prefix.prefix_attention
 
-    def prefix_counted(*args, **kwargs):
-        calls.append("pair")
-        return real_prefix(*args, **kwargs)
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
 
-    def attention_counted(*args, shared=None, **kwargs):
-        if shared is not None and shared[2] is not None:
-            calls.append("l2")
-        return real_attention(*args, shared=shared, **kwargs)
-
-    monkeypatch.setattr(shared_prefix, "prefix_attention", prefix_counted)
-    monkeypatch.setattr(attention_kernels, "_attention", attention_counted)
+    monkeypatch.setattr(shared_prefix, "prefix_attention", counted)
     results = {}
     for mode in ("off", "auto"):
         monkeypatch.setattr(shared_prefix, "MODE", mode)
         engine = Engine(model, max_batch_size=6, max_seq_len=64, decode_backend="triton",
                         fuse_norms=norms, steps_per_sync=2)  # fmt: skip
         results[mode] = engine.generate(prompts, params)
-        assert set(calls) == ({kernel} if mode == "auto" else set())
+        assert bool(calls) == (mode == "auto")
     off, on = results["off"], results["auto"]
     assert [c.token_ids for c in on] == [c.token_ids for c in off]
     assert {c.finish_reason for c in on} == {"stop", "length"}
@@ -232,7 +211,7 @@ def test_samples_of_one_prompt_from_two_admissions_are_two_groups():
     """Two prefill passes need not give bitwise the same prompt K/V (other batch shapes,
     other kernels), so rows of one prompt admitted twice keep reading their own copies."""
     keys = [(5, 0), (5, 0), (5, 1), (5, 1), (5, 1)]
-    groups, first, _ = group_table(keys, [9] * 5, [0, 1, 2, 3, 4], capacity=5)
+    groups, first = group_table(keys, [9] * 5, [0, 1, 2, 3, 4], capacity=5)
     assert groups[:3].tolist() == [[2, 0, 0, 0], [0, 2, 0, 9], [2, 3, 2, 9]]
     assert first.tolist() == [9] * 5
 
@@ -252,7 +231,7 @@ def test_few_rows_over_long_caches_keep_their_sequence_splits(device, monkeypatc
     q = torch.randn(4, heads, dim, device=device)
     lengths_t = torch.tensor([310, 420, 301, 599], device=device)
     slots_t = torch.tensor(slots, device=device)
-    groups, first, _ = group_table(list(zip(prompts, [0] * 4)), lengths, slots, capacity=4)
+    groups, first = group_table(list(zip(prompts, [0] * 4)), lengths, slots, capacity=4)
     got = attention_kernels.decode_attention(q, keys, values, slots_t, lengths_t, seq,
                                              shared=(first.to(device), groups.to(device)))  # fmt: skip
     expected = attention_kernels.decode_attention(q, keys, values, slots_t, lengths_t, seq)
