@@ -75,6 +75,88 @@ def _read_persistent_kernel(kc_ptr, vc_ptr, slot_ptr, out_ptr, stride_slot, stri
             acc = tl.zeros([BLOCK_N, D], tl.float32)
 
 
+@triton.jit
+def _read_rows_kernel(kc_ptr, vc_ptr, slot_ptr, out_ptr, stride_slot, stride_pos, length,
+                      W: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """The reads of a program per row for all its kv heads (token-major cache: a position's
+    heads are W = kv heads x D contiguous elements): half the programs of _read_kernel, each
+    position one contiguous run instead of one per head."""
+    row = tl.program_id(0)
+    base = tl.load(slot_ptr + row).to(tl.int64) * stride_slot
+    w = tl.arange(0, W)
+    acc = tl.zeros([BLOCK_N, W], tl.float32)
+    for n0 in range(0, length, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        offs = base + n[:, None].to(tl.int64) * stride_pos + w[None, :]
+        mask = (n < length)[:, None]
+        acc += tl.load(kc_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.load(vc_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * W + w, tl.sum(acc, axis=0))
+
+
+def read_rows_floor(key_cache, value_cache, slots, length, block_n, warps=4, stages=3):
+    rows, (nkv, d) = slots.shape[0], key_cache.shape[2:]
+    assert key_cache.stride(2) == d, "token-major cache"
+    out = torch.empty(rows, nkv, d, device=key_cache.device)
+    _read_rows_kernel[(rows,)](
+        key_cache, value_cache, slots, out, key_cache.stride(0), key_cache.stride(1), length,
+        W=nkv * d, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+def row_reads(lengths=(130, 256, 380)) -> list[dict]:
+    """Read floors at the issue's n = 1 shapes: a program per (row, kv head) as the attention
+    kernel runs, against a program per row reading all its kv heads (is the per-head grid,
+    512 programs at 1.5b/256, leaving bandwidth behind?), next to the tuned attention."""
+    results = []
+    for name, rows, nh, nkv, d in [("1.5b", 256, 12, 2, 128), ("0.5b", 256, 14, 2, 64),
+                                   ("0.5b", 1024, 14, 2, 64)]:  # fmt: skip
+        for length in lengths:
+            results.append(_row_reads_case(name, rows, nh, nkv, d, length))
+    return results
+
+
+def _row_reads_case(name, rows, nh, nkv, d, length) -> dict:
+    dev, dt = "cuda", torch.bfloat16
+    max_len = length + 128
+    kv_bytes = 2 * rows * length * nkv * d * 2
+    copies = max(1, -(-150_000_000 // kv_bytes))
+    caches = [tuple(torch.randn(rows + 1, max_len, nkv, d, device=dev, dtype=dt)
+                    for _ in range(2)) for _ in range(copies)]  # fmt: skip
+    slots = torch.randperm(rows, device=dev)
+    q = torch.randn(rows, nh, d, device=dev, dtype=dt)
+    k, v = (torch.randn(rows, nkv, d, device=dev, dtype=dt) for _ in range(2))
+    cos, sin = (torch.randn(max_len, d, device=dev, dtype=dt) for _ in range(2))
+    pos = torch.full((rows,), length, device=dev, dtype=torch.int64)
+    state = {"i": 0}
+
+    def timed(fn, *args) -> float:  # fn(kc, vc, *args), cycling through the cache copies
+        def call():
+            state["i"] = (state["i"] + 1) % copies
+            fn(*caches[state["i"]], *args)
+
+        return graph_time_us(call)
+
+    def attention(kc, vc):
+        attention_kernels._attention(q, k, v, cos, sin, pos, kc, vc, slots, max_len, 1)
+
+    times = {"attention (tuned)": timed(attention)}
+    for block_n, warps in itertools.product((64, 128), (4, 8)):
+        times[f"per head {block_n} w{warps}"] = timed(read_floor, slots, length, block_n, warps)
+    for block_n, warps, stages in itertools.product((32, 64), (4, 8), (2, 3)):
+        if block_n * nkv * d <= 16384:  # the [BLOCK_N, W] fp32 accumulator in registers
+            times[f"per row {block_n} w{warps} s{stages}"] = timed(
+                read_rows_floor, slots, length, block_n, warps, stages)  # fmt: skip
+    best = {kind: min((t, key) for key, t in times.items() if key.startswith(kind))
+            for kind in ("attention", "per head", "per row")}  # fmt: skip
+    print(f"{name}/{rows} at {length}: " + "; ".join(
+        f"{kind} {t:.2f} us ({kv_bytes / t / 1e6:.2f} TB/s, {key})"
+        for kind, (t, key) in best.items()), flush=True)  # fmt: skip
+    return {"case": name, "rows": rows, "length": length,
+            "us": {key: round(t, 2) for key, t in times.items()}}  # fmt: skip
+
+
 def read_floor_persistent(key_cache, value_cache, slots, length, block_n, programs, stages=3):
     rows, (nkv, d) = slots.shape[0], key_cache.shape[2:]
     out = torch.empty(rows, nkv, d, device=key_cache.device)
@@ -299,8 +381,14 @@ def main() -> None:
         action="store_true",
         help="only the tuner's tiles at a call's first/middle/last lengths",
     )
+    parser.add_argument("--row-reads", action="store_true",
+                        help="only the read floors per (row, kv head) vs per row")  # fmt: skip
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.row_reads:
+        with open(os.path.join(args.out, "row_reads.json"), "w") as f:
+            json.dump(row_reads(), f, indent=1)
+        return
     if args.by_length:
         with open(os.path.join(args.out, "tiles_by_length.json"), "w") as f:
             json.dump(tiles_by_length(), f, indent=1)
