@@ -110,37 +110,14 @@ def row_reads(lengths=(130, 256, 380)) -> list[dict]:
     kernel runs, against a program per row reading all its kv heads (is the per-head grid,
     512 programs at 1.5b/256, leaving bandwidth behind?), next to the tuned attention."""
     results = []
-    for name, rows, nh, nkv, d in CASES_N1:
+    for name, rows, nh, nkv, d in [("1.5b", 256, 12, 2, 128), ("0.5b", 256, 14, 2, 64),
+                                   ("0.5b", 1024, 14, 2, 64)]:  # fmt: skip
         for length in lengths:
             results.append(_row_reads_case(name, rows, nh, nkv, d, length))
     return results
 
 
-CASES_N1 = [("1.5b", 256, 12, 2, 128), ("0.5b", 256, 14, 2, 64), ("0.5b", 1024, 14, 2, 64)]
-
-
-def start_prefetch(lengths=(256, 130, 380), positions=(0, 128, 256, 1024)) -> list[dict]:
-    """The tuned attention with attention_kernels.START_PREFETCH at each value (positions
-    asked into L2 at a program's start), at the n = 1 shapes and a call's lengths."""
-    results = []
-    saved = attention_kernels.START_PREFETCH
-    try:
-        for name, rows, nh, nkv, d in CASES_N1:
-            for length in lengths:
-                times = {}
-                for count in positions:
-                    attention_kernels.START_PREFETCH = count
-                    times[count] = _row_reads_case(name, rows, nh, nkv, d, length,
-                                                   floors=False)["us"]["attention (tuned)"]  # fmt: skip
-                print(f"{name}/{rows} at {length}: " + ", ".join(
-                    f"{c}: {t:.2f}" for c, t in times.items()) + " us", flush=True)  # fmt: skip
-                results.append({"case": name, "rows": rows, "length": length, "us": times})
-    finally:
-        attention_kernels.START_PREFETCH = saved
-    return results
-
-
-def _row_reads_case(name, rows, nh, nkv, d, length, floors=True) -> dict:
+def _row_reads_case(name, rows, nh, nkv, d, length) -> dict:
     dev, dt = "cuda", torch.bfloat16
     max_len = length + 128
     kv_bytes = 2 * rows * length * nkv * d * 2
@@ -165,8 +142,6 @@ def _row_reads_case(name, rows, nh, nkv, d, length, floors=True) -> dict:
         attention_kernels._attention(q, k, v, cos, sin, pos, kc, vc, slots, max_len, 1)
 
     times = {"attention (tuned)": timed(attention)}
-    if not floors:
-        return {"us": times}
     for block_n, warps in itertools.product((64, 128), (4, 8)):
         times[f"per head {block_n} w{warps}"] = timed(read_floor, slots, length, block_n, warps)
     for block_n, warps, stages in itertools.product((32, 64), (4, 8), (2, 3)):
@@ -408,14 +383,8 @@ def main() -> None:
     )
     parser.add_argument("--row-reads", action="store_true",
                         help="only the read floors per (row, kv head) vs per row")  # fmt: skip
-    parser.add_argument("--start-prefetch", action="store_true",
-                        help="only the tuned attention at each START_PREFETCH")  # fmt: skip
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    if args.start_prefetch:
-        with open(os.path.join(args.out, "start_prefetch.json"), "w") as f:
-            json.dump(start_prefetch(), f, indent=1)
-        return
     if args.row_reads:
         with open(os.path.join(args.out, "row_reads.json"), "w") as f:
             json.dump(row_reads(), f, indent=1)

@@ -34,9 +34,6 @@ KV_EVICT_FIRST = False
 # times both orders with each tile (ROPE kernels only); True/False force one (A/B runs, and
 # the order used where nothing is tuned: the CPU interpreter, a fixed config).
 STORE_LAST: bool | None = None
-# Positions of each row's cached K/V asked into L2 at its program's start, before q's loads
-# and RoPE (which otherwise stand between the start and the loop's first loads); 0: none.
-START_PREFETCH = 0
 
 # -------------------------------------------------------------------------------------------
 # Decode attention over each row's live length (GQA, split-K flash-decoding)
@@ -55,7 +52,7 @@ def _decode_attention_kernel(
     h_ptr=None, bias_ptr=None, stride_h=0, H=1, eps=0.0, NORM: tl.constexpr = False,
     H_PAD: tl.constexpr = 16, HAS_BIAS: tl.constexpr = False,
     first_ptr=None, qs_ptr=None, pm_ptr=None, pl_ptr=None, pacc_ptr=None,
-    SHARED: tl.constexpr = False, START_PREFETCH: tl.constexpr = 0,
+    SHARED: tl.constexpr = False,
 ):  # fmt: skip
     """One (row, kv head, split): attention of the head group's queries over cached positions
     [split * CHUNK, (split + 1) * CHUNK) up to the row's last position pos.
@@ -101,11 +98,6 @@ def _decode_attention_kernel(
         stop = tl.minimum(tl.minimum(chunk_end, pos), start + PF_POSITIONS)
         prefetch_kv(kc_ptr, vc_ptr, base, lines, start, stop, stride_cpos)
     wait_then_release(PDL)
-    if START_PREFETCH > 0:
-        if not SHARED:  # (a shared row's positions start at first[row], loaded below)
-            lines = tl.arange(0, PF_LINES) * PF_LINE
-            stop = tl.minimum(tl.minimum(chunk_end, pos), start + START_PREFETCH)
-            prefetch_kv(kc_ptr, vc_ptr, base, lines, start, stop, stride_cpos)
     dtype = q_ptr.dtype.element_ty
     g = tl.arange(0, G_PAD)
     h = tl.arange(0, HALF)
@@ -310,7 +302,6 @@ _decode_attention_tuned = triton.autotune(
         "stride_cpos",
         "NORM",
         "SHARED",
-        "START_PREFETCH",
     ],  # fmt: skip
     prune_configs_by={"early_config_prune": _prune_store_orders},
 )(_decode_attention_kernel)
@@ -441,10 +432,6 @@ def _attention(
         meta.update(shared_prefix.pdl_options(q))
     if q.is_cuda and KV_EVICT_FIRST:
         meta["EVICT_FIRST"] = True
-    if q.is_cuda and START_PREFETCH:
-        line = 128 // key_cache.element_size()
-        meta.update(START_PREFETCH=START_PREFETCH, PF_LINE=line,
-                    PF_LINES=max(1, head_dim // line))  # fmt: skip
     if meta.get("PDL") and pdl.PREFETCH_KV:  # the first positions, KV_PREFETCH_BYTES in all
         size = key_cache.element_size()
         per_program = pdl.KV_PREFETCH_BYTES // (rows * num_kv * splits * 2 * head_dim * size)

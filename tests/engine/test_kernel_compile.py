@@ -398,15 +398,3 @@ def test_gemm_nt_tma_variant_loads_tiles_with_bulk_tensor_copies(config):
             overrides=descriptors, warps=warps, stages=stages,
         )  # fmt: skip
         assert "cp.async.bulk.tensor" in compiled.asm["ptx"]
-
-
-def test_start_prefetch_asks_l2_for_the_first_positions():
-    """attention_kernels.START_PREFETCH: the program's first positions asked into L2 with
-    prefetch instructions (no PDL needed); none without it."""
-    base = dict(G=7, G_PAD=16, HALF=32, NH=14, SPLITS=1, FP32_DOT=False, ROPE=True, BLOCK_N=64)
-    plain = _compile(attention_kernels._decode_attention_kernel, base, stages=2)
-    early = _compile(attention_kernels._decode_attention_kernel,
-                     dict(base, START_PREFETCH=256, PF_LINE=64, PF_LINES=1), stages=2)  # fmt: skip
-    assert "prefetch.global.L2" not in plain.asm["ptx"]
-    assert "prefetch.global.L2" in early.asm["ptx"]
-    assert "griddepcontrol" not in early.asm["ptx"]

@@ -155,34 +155,6 @@ def test_decode_attention_rope_equals_rope_store_then_attention(splits, layout, 
     assert torch.equal(q, q_before)  # q is rotated in registers only
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="L2 prefetch is PTX (the interpreter has none)")
-@pytest.mark.parametrize("splits", [1, 3])
-def test_start_prefetch_leaves_outputs_and_cache_bitwise_unchanged(splits, monkeypatch):
-    """START_PREFETCH only asks L2 for lines the program reads anyway: outputs and cache
-    writes are bitwise those without it (rows at position 0, mid-split and the end). One
-    fixed tile: tuned tiles could differ between the two settings."""
-    monkeypatch.setattr(attention_kernels, "AUTOTUNE", False)
-    config = preset_config("tiny")
-    rows, heads, kv_heads, dim, seq = 4, 6, 2, 64, 300
-    cos, sin = rope_cos_sin(config, torch.arange(seq, device=DEVICE), torch.float32)
-    slots = torch.tensor([2, 0, 1, 3], device=DEVICE)
-    positions = torch.tensor([3, 0, 101, 299], device=DEVICE)
-    q, k, v = (torch.randn(rows, h, dim, device=DEVICE, dtype=torch.bfloat16)
-               for h in (heads, kv_heads, kv_heads))  # fmt: skip
-    keys = torch.randn(5, seq, kv_heads, dim, device=DEVICE, dtype=torch.bfloat16)
-    values = torch.randn_like(keys)
-    results = []
-    for count in (0, 256):
-        monkeypatch.setattr(attention_kernels, "START_PREFETCH", count)
-        kc, vc = keys.clone(), values.clone()
-        out = attention_kernels.decode_attention_rope(q, k, v, cos.bfloat16(), sin.bfloat16(),
-                                                      positions, kc, vc, slots, seq,
-                                                      splits=splits)  # fmt: skip
-        results.append((out, kc, vc))
-    for plain, prefetched in zip(*results):
-        assert torch.equal(plain, prefetched)
-
-
 @pytest.mark.parametrize(
     "params",
     [
