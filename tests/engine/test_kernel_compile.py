@@ -339,8 +339,17 @@ def test_pdl_variants_compile_with_grid_dependency_control():
         *[
             _compile(  # shared_prefix.PDL: the prefixes asked of L2 before the wait
                 shared_prefix._prefix_attention_kernel,
-                dict(G=7, NH=14, NKV=2, D=dim, M_PAD=64, BLOCK_N=64, SPLITS=splits,
-                     FP32_DOT=False, **on),
+                dict(
+                    G=7,
+                    NH=14,
+                    NKV=2,
+                    D=dim,
+                    M_PAD=64,
+                    BLOCK_N=64,
+                    SPLITS=splits,
+                    FP32_DOT=False,
+                    **on,
+                ),
                 overrides={"groups_ptr": "*i32", "ws_ptr": "*fp32", "count_ptr": "*i32"},
                 stages=3,
             )  # fmt: skip
