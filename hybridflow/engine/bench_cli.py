@@ -61,9 +61,6 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--persistent", default=None, choices=["on", "off"],
                    help="also time persistent gate/up kernels (engine/matmul_choice.py "
                    "PERSISTENT; default: its current value)")  # fmt: skip
-    p.add_argument("--streamk", default=None, choices=["on", "off"],
-                   help="also time stream-K gate/up kernels (engine/matmul_choice.py STREAMK; "
-                   "default: its current value)")  # fmt: skip
     p.add_argument("--store-last", default=None, choices=["tune", "on", "off"],
                    help="decode attention stores the new token's k/v after its loop "
                    "(engine/attention_kernels.py STORE_LAST; tune: timed with each tile; "
@@ -197,10 +194,6 @@ def bench_engine(model, prompts, args, device) -> dict:
             from hybridflow.engine import matmul_choice
 
             matmul_choice.PERSISTENT = args.persistent == "on"
-        if getattr(args, "streamk", None):
-            from hybridflow.engine import matmul_choice
-
-            matmul_choice.STREAMK = args.streamk == "on"
         if getattr(args, "store_last", None):  # read when an attention shape is first tuned
             from hybridflow.engine import attention_kernels
 

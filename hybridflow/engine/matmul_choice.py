@@ -18,7 +18,7 @@ from hybridflow.engine.gemm import (
     graph_time_us,
     tma_ready,
 )
-from hybridflow.engine.gemm_persistent import gemm_persistent, gemm_streamk
+from hybridflow.engine.gemm_persistent import gemm_persistent
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tried for gate/up + SiLU; the first won
 # at 0.5b / 256 rows on the H200 (run 5).
@@ -41,23 +41,10 @@ PERSISTENT_CONFIGS = [
 ]
 PERSISTENT_PER_SM = (1, 2)
 PERSISTENT_MIN_ROWS = 1024
-# Stream-K tiles (gemm_persistent.gemm_streamk), each timed at STREAMK_PER_SM programs per SM
-# for row buckets of at least STREAMK_MIN_ROWS: where one tile per program leaves a nearly
-# empty last wave (1.5b gate/up at 256 rows: 140 or 280 tiles on 132 SMs). Off: slower than
-# every other candidate on the H200 (session 9: 1.5b/256 40.9-54.6 us vs cuBLAS 28.1 and
-# gemm_nt 32.5; 0.5b/256 15.2-23.0 vs 12.2; at 16384 rows 6-50% behind the persistent
-# kernel, so each segment's pipeline fill and the fp32 parking cost more than the balance
-# wins). The version measured was GPU-tested correct; this one (cut tiles summed from the
-# parking area in row chunks, a 256-row tile) passes the interpreter tests and compiles for
-# sm_90 but has not run on a GPU: docs/results/2026-12-01-s9/call10.sh is its first call.
-STREAMK = False
-STREAMK_CONFIGS = [
-    (128, 256, 64, 8, 3, 8),
-    (128, 128, 64, 8, 3, 8),
-    (256, 128, 64, 8, 3, 1),  # all 256 rows in one tile: each weight tile crosses L2 once
-]
-STREAMK_PER_SM = (1, 2)
-STREAMK_MIN_ROWS = 256
+# A stream-K gate/up (the (tile, K-step) iterations split evenly over the programs, cut tiles
+# parked in fp32 and summed by the second to arrive) was measured slower than every other
+# candidate in sessions 9 and 10 (1.5b/256: 40.9-54.6 us vs cuBLAS 28.1; NOTES.md runs 13-14)
+# and removed in session 13; git history has it (gemm_persistent.gemm_streamk).
 
 
 class DecodeMatmul:
@@ -105,19 +92,18 @@ class DecodeMatmul:
 
     @staticmethod
     def _run(choice, x, weight_pairs) -> torch.Tensor:
-        """One candidate: None (cuBLAS + silu_mul), a gemm_nt tile, or ("persistent" or
-        "streamk", tile, programs per SM)."""
+        """One candidate: None (cuBLAS + silu_mul), a gemm_nt tile, or ("persistent", tile,
+        programs per SM)."""
         if choice is None:
             return gate_up_silu_cublas(x, weight_pairs)
-        if choice[0] in ("persistent", "streamk"):
-            kind, config, per_sm = choice
+        if choice[0] == "persistent":
+            _, config, per_sm = choice
             if not tma_ready(x, weight_pairs):
                 # chosen on aligned operands; these rows are not (a strided view), or TMA was
                 # switched off since (gemm.TMA): the kernels need descriptors, cuBLAS does not
                 return gate_up_silu_cublas(x, weight_pairs)
-            run = gemm_persistent if kind == "persistent" else gemm_streamk
-            return run(x, weight_pairs, config=config, silu_pairs=True,
-                       programs=_sm_count(x.device) * per_sm)  # fmt: skip
+            return gemm_persistent(x, weight_pairs, config=config, silu_pairs=True,
+                                   programs=_sm_count(x.device) * per_sm)  # fmt: skip
         return gemm_nt(x, weight_pairs, config=choice, silu_pairs=True)
 
     def _choose(self, key, x, weight_pairs) -> tuple | None:
@@ -143,9 +129,6 @@ class DecodeMatmul:
         if PERSISTENT and tma and bucket >= PERSISTENT_MIN_ROWS:
             candidates += [("persistent", c, per_sm) for c in PERSISTENT_CONFIGS
                            for per_sm in PERSISTENT_PER_SM]  # fmt: skip
-        if STREAMK and tma and bucket >= STREAMK_MIN_ROWS:
-            candidates += [("streamk", c, per_sm) for c in STREAMK_CONFIGS
-                           for per_sm in STREAMK_PER_SM]  # fmt: skip
         times: dict = {}
         for choice in candidates:
             try:

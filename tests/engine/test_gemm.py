@@ -128,54 +128,6 @@ def test_gemm_persistent_equals_gemm_nt(rows, cols, depth):
                 assert torch.equal(g, e), (config, programs)
 
 
-@pytest.mark.parametrize(
-    "rows,cols,depth",
-    # the interpreter runs every program in turn: small shapes there (62 s for the GPU's)
-    [(37, 192, 128), (70, 256, 160) if DEVICE == "cpu" else (300, 512, 320)],
-)
-def test_gemm_streamk_equals_gemm_nt_and_is_deterministic(rows, cols, depth):
-    """Stream-K splits the (tile, K-step) iterations evenly over the programs. With whole
-    tiles per program (one program, one per tile) it is gemm_nt bitwise; with tiles cut in
-    two (programs between) it matches gemm_nt to the rounding of a two-part K sum, gives the
-    same bits on a second run, and leaves its arrival counts at zero for the next launch."""
-    import triton
-
-    from hybridflow.engine import gemm, gemm_persistent, matmul_choice
-
-    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
-    configs = ([(*gemm.INTERPRETER_CONFIG, 2)] if DEVICE == "cpu"
-               else matmul_choice.STREAMK_CONFIGS)  # fmt: skip
-    x = torch.randn(rows, depth, device=DEVICE).to(dtype)
-    weight = torch.randn(cols, depth, device=DEVICE).to(dtype)
-    bias = torch.randn(cols, device=DEVICE).to(dtype)
-    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)
-    for config in configs:
-        tile = config[:5]
-        tiles = triton.cdiv(rows, config[0]) * triton.cdiv(cols, config[1])
-        expected = (
-            gemm.gemm_nt(x, weight, bias, config=tile),
-            gemm.gemm_nt(x, weight, config=tile, silu_pairs=True),
-        )
-
-        def run(programs, config=config):
-            return (
-                gemm_persistent.gemm_streamk(x, weight, bias, config=config, programs=programs),
-                gemm_persistent.gemm_streamk(x, weight, config=config, programs=programs,
-                                             silu_pairs=True),
-            )  # fmt: skip
-
-        for programs in (1, tiles, 10_000):
-            for g, e in zip(run(programs), expected):
-                assert torch.equal(g, e), (config, programs)
-        for programs in sorted({2, 5, max(2, tiles - 1)}):
-            first, second = run(programs), run(programs)
-            for g, again, e in zip(first, second, expected):
-                torch.testing.assert_close(g.float(), e.float(), **tol)
-                assert torch.equal(g, again), (config, programs)
-            scratch = gemm_persistent._STREAMK_SCRATCH[(x.device.type, x.device.index)]
-            assert not scratch[1].any(), "a count left non-zero breaks the next launch"
-
-
 def test_gemm_persistent_reads_a_partial_last_k_block_as_zeros():
     """K need not be a multiple of BLOCK_K (TMA fills past the end with zeros): the product
     matches torch's; operands TMA cannot read are refused by name."""
@@ -195,37 +147,30 @@ def test_gemm_persistent_reads_a_partial_last_k_block_as_zeros():
         gemm_persistent(odd, weight, config=config, programs=4)
 
 
-@pytest.mark.parametrize("kind", ["persistent", "streamk"])
-def test_decode_matmul_runs_its_persistent_and_streamk_choices(kind, monkeypatch):
-    """A (kind, tile, programs per SM) choice runs that kernel with that many programs per SM,
-    giving what gemm_nt gives for the tile (bitwise for the persistent kernel; stream-K cuts
-    the K sum of some tiles in two); rows TMA cannot read fall back to cuBLAS + silu_mul."""
+def test_decode_matmul_runs_its_persistent_choice(monkeypatch):
+    """A ("persistent", tile, programs per SM) choice runs that kernel with that many programs
+    per SM, giving bitwise what gemm_nt gives for the tile; rows TMA cannot read fall back to
+    cuBLAS + silu_mul."""
     from hybridflow.engine import gemm, matmul_choice
 
     monkeypatch.setattr(matmul_choice, "_sm_count", lambda device: 3)
     launched = []
-    kernel = "gemm_persistent" if kind == "persistent" else "gemm_streamk"
-    real = getattr(matmul_choice, kernel)
+    real = matmul_choice.gemm_persistent
 
     def spy(*args, programs, **kwargs):
         launched.append(programs)
         return real(*args, programs=programs, **kwargs)
 
-    monkeypatch.setattr(matmul_choice, kernel, spy)
+    monkeypatch.setattr(matmul_choice, "gemm_persistent", spy)
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     config = (*gemm.INTERPRETER_CONFIG, 2) if DEVICE == "cpu" else (128, 128, 64, 8, 3, 8)
     x = torch.randn(50, 128, device=DEVICE).to(dtype)
     pairs = torch.randn(128, 128, device=DEVICE).to(dtype)
-    out = matmul_choice.DecodeMatmul._run((kind, config, 2), x, pairs)
+    out = matmul_choice.DecodeMatmul._run(("persistent", config, 2), x, pairs)
     assert launched == [6]
-    expected = gemm.gemm_nt(x, pairs, config=config[:5], silu_pairs=True)
-    if kind == "persistent":
-        assert torch.equal(out, expected)
-    else:
-        tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)
-        torch.testing.assert_close(out.float(), expected.float(), **tol)
+    assert torch.equal(out, gemm.gemm_nt(x, pairs, config=config[:5], silu_pairs=True))
     odd = torch.randn(50, 129, device=DEVICE).to(dtype)[:, :128]  # an odd row stride
-    out = matmul_choice.DecodeMatmul._run((kind, config, 2), odd, pairs)
+    out = matmul_choice.DecodeMatmul._run(("persistent", config, 2), odd, pairs)
     assert launched == [6]
     torch.testing.assert_close(out, gemm.gate_up_silu_cublas(odd, pairs))
 

@@ -176,30 +176,22 @@ def test_gemm_nt_compiles(config):
         assert "atom" not in compiled.asm["ptx"]  # only SERIAL split-K counts programs
 
 
-@pytest.mark.parametrize(
-    "kernel,config",
-    [("persistent", c) for c in matmul_choice.PERSISTENT_CONFIGS]
-    + [("streamk", c) for c in matmul_choice.STREAMK_CONFIGS],
-)
-def test_persistent_and_streamk_gemms_compile_to_tma_and_wgmma(kernel, config):
-    """Each persistent and stream-K tile compiles for sm_90 with TMA loads and wgmma (a loop
-    the pipeliner could not handle would fall back to plain loads and mma.sync); stream-K
-    with the atomic count of its cut tiles."""
+@pytest.mark.parametrize("config", matmul_choice.PERSISTENT_CONFIGS)
+def test_persistent_gemms_compile_to_tma_and_wgmma(config):
+    """Each persistent tile compiles for sm_90 with TMA loads and wgmma (a loop the pipeliner
+    could not handle would fall back to plain loads and mma.sync), and no atomics."""
     block_m, block_n, block_k, warps, stages, group_m = config
-    fn = {"persistent": gemm_persistent._persistent_nt_kernel,
-          "streamk": gemm_persistent._streamk_nt_kernel}[kernel]  # fmt: skip
-    scratch = {"ws_ptr": "*fp32", "count_ptr": "*i32"} if kernel == "streamk" else {}
     compiled = _compile(
-        fn,
+        gemm_persistent._persistent_nt_kernel,
         dict(HAS_BIAS=False, SILU_PAIRS=True, FP32=False, BLOCK_M=block_m, BLOCK_N=block_n,
              BLOCK_K=block_k, GROUP_M=group_m),
         overrides={"a_desc": f"tensordesc<bf16[{block_m}, {block_k}]>",
-                   "w_desc": f"tensordesc<bf16[{block_n}, {block_k}]>", **scratch},
+                   "w_desc": f"tensordesc<bf16[{block_n}, {block_k}]>"},
         warps=warps, stages=stages,
     )  # fmt: skip
     ptx = compiled.asm["ptx"]
     assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
-    assert ("atom" in ptx) == (kernel == "streamk")
+    assert "atom" not in ptx
 
 
 @pytest.mark.parametrize("config", chain_mod.CHAIN_TILES)
