@@ -155,7 +155,7 @@ def run_trl(model_dir: str, prompts: list[list[int]], args) -> dict:
 def run_hybridflow(model_dir: str, prompts: list[list[int]], args) -> dict:
     """The hybridflow side on ``args.gpus`` GPUs; ``prompts`` holds ``args.prompts`` per GPU
     (equal per-GPU work: the global batch grows with the GPU count)."""
-    from hybridflow.trainer.bench import time_grpo_steps
+    from hybridflow.trainer.grpo_bench import time_grpo_steps
 
     times, peaks, breakdown = time_grpo_steps(
         model_path=model_dir,

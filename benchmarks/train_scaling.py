@@ -4,7 +4,7 @@
 
 Each GPU gets the same work (``--rows-per-gpu`` sequences of random prompt/response lengths,
 packed into micro-batches of at most ``--max-tokens`` tokens, balanced over ranks with
-Karmarkar–Karp); one ``ActorEngine.update`` = ``--minis`` AdamW steps. Reported: real
+Karmarkar–Karp); one ``ActorLearner.update`` = ``--minis`` AdamW steps. Reported: real
 (non-padding) tokens trained per second per GPU, scaling efficiency against the 1-GPU FSDP run
 (same code path, 1 rank), and peak allocated memory per GPU, with and without optimizer-state
 offload. fp32 master weights, bf16 compute. Prints a markdown table; ``--json`` writes the rows.
@@ -52,9 +52,9 @@ def run_config(
     args, world: int, rank: int, device, name: str, fsdp, optimizer_offload: bool, zero3: bool
 ):
     from hybridflow.config import ActorConfig
+    from hybridflow.learners import ActorLearner, balanced_dp_order
+    from hybridflow.learners.packing import sequence_lengths
     from hybridflow.models import load_model
-    from hybridflow.training import ActorEngine, balanced_dp_order
-    from hybridflow.training.packing import sequence_lengths
 
     rows_total = args.rows_per_gpu * world
     vocab = 128 if args.model.startswith("tiny") else 151936
@@ -69,7 +69,7 @@ def run_config(
     )
     model = load_model(args.model, dtype=torch.float32, device=device)
     model.enable_gradient_checkpointing(args.grad_ckpt)
-    actor = ActorEngine(model, cfg, total_steps=100, device=device, fsdp=fsdp)
+    actor = ActorLearner(model, cfg, total_steps=100, device=device, fsdp=fsdp)
     actor.core.accumulate_unsharded = not zero3
     actor.update(shard)  # warm-up: kernels, allocator, optimizer state
     cuda = device.type == "cuda"

@@ -64,7 +64,7 @@ def _run_trainer(kind: str, args) -> int:
 
             train(cfg)
         else:
-            from hybridflow.trainer.sft import sft_main
+            from hybridflow.trainer.sft_loop import sft_main
 
             sft_main(cfg)
     except ConfigError as e:

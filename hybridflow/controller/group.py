@@ -26,7 +26,7 @@ from typing import Any
 from hybridflow.controller.dispatch import Dispatch, gather, scatter
 from hybridflow.controller.errors import CallTimeoutError, WorkerDiedError, WorkerError
 from hybridflow.controller.resources import ResourcePool
-from hybridflow.controller.worker import Outcome, fused_roles, resolve_method
+from hybridflow.controller.worker import RankResult, resolve_method, role_classes
 
 BACKENDS = ("inprocess", "local", "ray")
 _POLL_S = 0.25
@@ -97,7 +97,7 @@ class WorkerGroup:
     def __getattr__(self, attr: str) -> Any:
         if attr.startswith("_"):
             raise AttributeError(attr)
-        if attr in fused_roles(self.worker_cls):
+        if attr in role_classes(self.worker_cls):
             return RoleView(self, attr)
         return RemoteMethod(self, attr)
 
@@ -223,7 +223,7 @@ class GroupFuture:
             raise WorkerError(
                 self._group.name, self._role, rank, self._path, f"{type(exc).__name__}: {exc}"
             ) from exc
-        outcome: Outcome = future.result()
+        outcome: RankResult = future.result()
         if outcome.error:
             raise WorkerError(
                 self._group.name, self._role, rank, self._path, outcome.error, outcome.traceback

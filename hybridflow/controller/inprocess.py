@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from hybridflow.controller.resources import ResourcePool
-from hybridflow.controller.worker import Outcome, WorkerContext, WorkerHost
+from hybridflow.controller.worker import RankResult, WorkerContext, WorkerHost
 
 _JOIN_TIMEOUT_S = 30.0  # a call still running (timed out earlier) must not hang shutdown
 
@@ -63,7 +63,7 @@ class InProcessBackend:
                     lambda w=worker, c=context: _start(w.host, worker_cls, c, init_kwargs)
                 )
             )
-        self.start_outcomes: list[Outcome] = [f.result(timeout=start_timeout_s) for f in starts]
+        self.start_outcomes: list[RankResult] = [f.result(timeout=start_timeout_s) for f in starts]
 
     def submit(self, path: str, per_rank: list[tuple[tuple, dict]]) -> list[Future]:
         return [
@@ -92,7 +92,7 @@ class InProcessBackend:
 
 def _start(
     host: WorkerHost, worker_cls: type, context: WorkerContext, init_kwargs: dict[str, Any]
-) -> Outcome:
+) -> RankResult:
     if context.device.startswith("cuda"):
         import torch
 

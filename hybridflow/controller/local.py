@@ -22,7 +22,7 @@ from hybridflow.controller import transport
 from hybridflow.controller.errors import WorkerDiedError
 from hybridflow.controller.resources import ResourcePool
 from hybridflow.controller.worker import (
-    Outcome,
+    RankResult,
     WorkerContext,
     WorkerHost,
     destroy_distributed,
@@ -100,11 +100,11 @@ class LocalBackend:
                 daemon=True,
             ).start()
 
-    def _wait_ready(self, timeout_s: float) -> list[Outcome]:
+    def _wait_ready(self, timeout_s: float) -> list[RankResult]:
         """Start outcome of every rank; returns early when one rank fails, since the others
         may be waiting for it in a collective of their ``__init__``."""
         deadline = time.monotonic() + timeout_s
-        outcomes: dict[int, Outcome] = {}
+        outcomes: dict[int, RankResult] = {}
         while len(outcomes) < self.world_size:
             for rank, (conn, proc) in enumerate(zip(self.conns, self.procs)):
                 if rank in outcomes:
@@ -114,17 +114,19 @@ class LocalBackend:
                         outcomes[rank] = transport.decode(conn.recv_bytes())
                     except EOFError:
                         proc.join(1)
-                        outcomes[rank] = Outcome(
+                        outcomes[rank] = RankResult(
                             error=f"worker process exited with code {proc.exitcode} while starting"
                         )
                 elif not proc.is_alive():
-                    outcomes[rank] = Outcome(
+                    outcomes[rank] = RankResult(
                         error=f"worker process exited with code {proc.exitcode} while starting"
                     )
                 elif time.monotonic() > deadline:
-                    outcomes[rank] = Outcome(error=f"worker did not start within {timeout_s:.0f}s")
+                    outcomes[rank] = RankResult(
+                        error=f"worker did not start within {timeout_s:.0f}s"
+                    )
                 if rank in outcomes and outcomes[rank].error:
-                    return [outcomes.get(r, Outcome()) for r in range(self.world_size)]
+                    return [outcomes.get(r, RankResult()) for r in range(self.world_size)]
         return [outcomes[r] for r in range(self.world_size)]
 
     def submit(self, path: str, per_rank: list[tuple[tuple, dict]]) -> list[Future]:
@@ -162,7 +164,7 @@ class LocalBackend:
                 call_id, outcome = transport.decode(data)
             except Exception as exc:  # noqa: BLE001 - e.g. a result class the controller cannot import
                 call_id = None  # calls run in order: the reply is the oldest pending call's
-                outcome = Outcome(error=f"the controller could not unpickle the result: {exc!r}")
+                outcome = RankResult(error=f"the controller could not unpickle the result: {exc!r}")
             if call_id is None:  # the worker could not read which call this was
                 call_id = min(self.pending[rank], default=None)
             future = self.pending[rank].pop(call_id, None)
@@ -282,7 +284,9 @@ def _worker_main(
 
             conn.send_bytes(
                 transport.encode(
-                    Outcome(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()),
+                    RankResult(
+                        error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()
+                    ),
                     owner,
                 )
             )
@@ -303,7 +307,7 @@ def _serve(conn, host: WorkerHost, owner: str) -> None:
             message = transport.decode(data)
         except Exception as exc:  # noqa: BLE001 - e.g. an argument class this process cannot import
             error = f"the worker could not unpickle the arguments: {exc!r}"
-            conn.send_bytes(transport.encode((None, Outcome(error=error)), owner))
+            conn.send_bytes(transport.encode((None, RankResult(error=error)), owner))
             continue
         if message[0] == "stop":
             return
@@ -313,7 +317,7 @@ def _serve(conn, host: WorkerHost, owner: str) -> None:
             reply = transport.encode((call_id, outcome), owner)
         except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable return value
             reply = transport.encode(
-                (call_id, Outcome(error=f"{path} returned a value that cannot be sent: {exc}")),
+                (call_id, RankResult(error=f"{path} returned a value that cannot be sent: {exc}")),
                 owner,
             )
         conn.send_bytes(reply)

@@ -18,7 +18,7 @@ from typing import Any
 
 from hybridflow.controller.errors import WorkerDiedError
 from hybridflow.controller.resources import ResourcePool
-from hybridflow.controller.worker import Outcome, WorkerContext, WorkerHost, init_distributed
+from hybridflow.controller.worker import RankResult, WorkerContext, WorkerHost, init_distributed
 from hybridflow.protocol import Batch
 
 
@@ -71,16 +71,18 @@ class _RayHost:
         master: tuple[str, int],
         timeout_s: float,
         init_kwargs: dict,
-    ) -> Outcome:
+    ) -> RankResult:
         try:
             init_distributed(context, master[0], master[1], timeout_s)
         except Exception as exc:  # noqa: BLE001 - reported to the controller
             import traceback
 
-            return Outcome(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+            return RankResult(
+                error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()
+            )
         return self.host.start(worker_cls, context, init_kwargs)
 
-    def call(self, path: str, kwarg_names: list[str], *values: Any) -> Outcome:
+    def call(self, path: str, kwarg_names: list[str], *values: Any) -> RankResult:
         # Arguments arrive flat: Ray resolves ObjectRefs only at the top level.
         n_args = len(values) - len(kwarg_names)
         kwargs = dict(zip(kwarg_names, values[n_args:]))
@@ -223,10 +225,10 @@ class RayBackend:
         self.actors, self.placement_groups = [], []
 
 
-def _first_failure_or_all(ray: Any, refs: list, timeout_s: float) -> list[Outcome]:
+def _first_failure_or_all(ray: Any, refs: list, timeout_s: float) -> list[RankResult]:
     """Start outcomes in rank order; returns as soon as one rank fails (the others may wait
     for it in a collective of their ``__init__``)."""
-    outcomes: dict[int, Outcome] = {}
+    outcomes: dict[int, RankResult] = {}
     index = {ref: rank for rank, ref in enumerate(refs)}
     pending = list(refs)
     deadline = time.monotonic() + timeout_s
@@ -239,7 +241,7 @@ def _first_failure_or_all(ray: Any, refs: list, timeout_s: float) -> list[Outcom
         outcomes[rank] = ray.get(done[0])
         if outcomes[rank].error:
             break
-    return [outcomes.get(r, Outcome()) for r in range(len(refs))]
+    return [outcomes.get(r, RankResult()) for r in range(len(refs))]
 
 
 def rank_order(node_ids: list[str]) -> list[int]:

@@ -114,7 +114,7 @@ def _rebuild_fused(specs: dict) -> type:
 copyreg.pickle(_FusedMeta, lambda cls: (_rebuild_fused, (cls._role_specs,)))
 
 
-def fused_roles(worker_cls: type) -> dict[str, type]:
+def role_classes(worker_cls: type) -> dict[str, type]:
     return getattr(worker_cls, FUSED_ATTR, {})
 
 
@@ -123,7 +123,7 @@ def resolve_method(worker_cls: type, path: str) -> tuple[Dispatch, str]:
     cls, role, name = worker_cls, None, path
     if "." in path:
         role, name = path.split(".", 1)
-        cls = fused_roles(worker_cls).get(role)
+        cls = role_classes(worker_cls).get(role)
         if cls is None:
             raise AttributeError(f"{worker_cls.__name__} has no role {role!r}")
     mode = dispatch_of(getattr(cls, name, None))
@@ -145,7 +145,7 @@ def construct(cls: type, context: WorkerContext, kwargs: dict[str, Any]) -> Any:
 
 
 @dataclass
-class Outcome:
+class RankResult:
     """Result of one call on one rank, as plain data (exceptions may not pickle)."""
 
     value: Any = None
@@ -161,14 +161,14 @@ class WorkerHost:
         self.worker: Any = None
         self.context: WorkerContext | None = None
 
-    def start(self, worker_cls: type, context: WorkerContext, init_kwargs: dict) -> Outcome:
+    def start(self, worker_cls: type, context: WorkerContext, init_kwargs: dict) -> RankResult:
         self.context = context
         _local.context = context
         return _capture(
             lambda: setattr(self, "worker", construct(worker_cls, context, init_kwargs))
         )
 
-    def call(self, path: str, args: tuple, kwargs: dict) -> Outcome:
+    def call(self, path: str, args: tuple, kwargs: dict) -> RankResult:
         _local.context = self.context
         return _capture(lambda: self._bound(path)(*args, **kwargs))
 
@@ -180,14 +180,14 @@ class WorkerHost:
         return getattr(target, name)
 
 
-def _capture(fn) -> Outcome:
+def _capture(fn) -> RankResult:
     try:
-        return Outcome(value=fn())
+        return RankResult(value=fn())
     except BaseException as exc:  # noqa: BLE001 - reported to the controller, which re-raises
         # Drop this frame and the host's lambda: the traceback starts in worker code.
         tb = exc.__traceback__.tb_next.tb_next or exc.__traceback__
         lines = traceback.format_exception(type(exc), exc, tb)
-        return Outcome(error=f"{type(exc).__name__}: {exc}", traceback="".join(lines))
+        return RankResult(error=f"{type(exc).__name__}: {exc}", traceback="".join(lines))
 
 
 def init_distributed(

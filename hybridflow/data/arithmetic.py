@@ -85,7 +85,7 @@ def arithmetic_splits(
 
 
 def sft_row(question: str, answer: str) -> dict[str, Any]:
-    """One prompt/response row for supervised warm-start (see `hybridflow.data.sft`)."""
+    """One prompt/response row for supervised warm-start (see `hybridflow.data.sft_examples`)."""
     return {
         "data_source": ARITHMETIC_DATA_SOURCE,
         "prompt": [{"role": "user", "content": question}],

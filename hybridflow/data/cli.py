@@ -69,7 +69,7 @@ def _cmd_check(args) -> int:
 
     known = None
     if args.known_sources:
-        from hybridflow.rewards.registry import default_registry
+        from hybridflow.rewards.scorer_registry import default_registry
 
         known = default_registry().names()
     for path in args.files:

@@ -11,14 +11,14 @@ import os
 
 import torch
 
-from hybridflow.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from hybridflow.models.architecture import SUPPORTED_MODEL_TYPES, ModelArchitecture
 from hybridflow.models.llama import CausalLM
 from hybridflow.models.presets import PRESETS, preset_config
 
 __all__ = [
     "PRESETS",
     "CausalLM",
-    "ModelConfig",
+    "ModelArchitecture",
     "build_model",
     "load_model",
     "load_tokenizer",
@@ -28,7 +28,7 @@ PRESET_SEED = 0
 
 
 def build_model(
-    config: ModelConfig,
+    config: ModelArchitecture,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     seed: int = PRESET_SEED,
@@ -65,7 +65,7 @@ def load_model(
             f"{name_or_path!r} is neither a preset ({sorted(PRESETS)}) nor a local directory "
             "(no downloads: point to a directory holding config.json and *.safetensors)"
         )
-    from hybridflow.models.checkpoint import load_model_from_dir, read_hf_config
+    from hybridflow.models.hf_checkpoint import load_model_from_dir, read_hf_config
 
     if backend == "auto":
         backend = "native" if _native_supports(read_hf_config(name_or_path)) else "hf"
@@ -80,7 +80,7 @@ def _native_supports(hf_config: dict) -> bool:
     if hf_config.get("model_type") not in SUPPORTED_MODEL_TYPES:
         return False
     try:
-        ModelConfig.from_hf(hf_config)
+        ModelArchitecture.from_hf(hf_config)
     except (ValueError, KeyError):
         return False
     return hf_config.get("hidden_act", "silu") == "silu" and not hf_config.get("mlp_bias", False)

@@ -6,7 +6,7 @@ simply fails to load. Slower because: forward_packed re-pads the packed tokens i
 engine cannot read its layers (it needs our CausalLM), so rollout falls back to HF generate.
 
 Parameter names equal the HF model's (its submodules are registered directly on the wrapper).
-`.config` is the transformers config object (same field names as ModelConfig for the shared
+`.config` is the transformers config object (same field names as ModelArchitecture for the shared
 fields: vocab_size, hidden_size, num_hidden_layers, tie_word_embeddings, eos_token_id...).
 """
 

@@ -12,13 +12,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hybridflow.models.architecture import ModelArchitecture
 from hybridflow.models.attention import (
     Attend,
     make_packed_attention,
     padded_causal_attention,
     resolve_backend,
 )
-from hybridflow.models.config import ModelConfig
 from hybridflow.models.rope import apply_rope, rope_cos_sin
 
 
@@ -38,7 +38,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelArchitecture):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -78,7 +78,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelArchitecture):
         super().__init__()
         hidden, inner = config.hidden_size, config.intermediate_size
         self.gate_proj = nn.Linear(hidden, inner, bias=False)
@@ -90,7 +90,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelArchitecture):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
@@ -107,7 +107,7 @@ class DecoderLayer(nn.Module):
 class DecoderStack(nn.Module):
     """HF's `model` submodule: embeddings, layers, final norm."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelArchitecture):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
@@ -123,7 +123,7 @@ class CausalLM(nn.Module):
             picks the measured fastest for the device and dtype.
     """
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelArchitecture):
         super().__init__()
         self.config = config
         self.model = DecoderStack(config)
@@ -235,7 +235,7 @@ class CausalLM(nn.Module):
     ) -> None:
         """Write config.json + safetensors (sharded with an index above max_shard_size bytes),
         plus the tokenizer files when a tokenizer is given: a directory transformers loads."""
-        from hybridflow.models.checkpoint import save_model
+        from hybridflow.models.hf_checkpoint import save_model
 
         save_model(self, save_directory, max_shard_size=max_shard_size)
         if tokenizer is not None:

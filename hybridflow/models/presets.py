@@ -4,14 +4,14 @@ Shapes copied from the public config.json of each model."""
 
 from __future__ import annotations
 
-from hybridflow.models.config import ModelConfig
+from hybridflow.models.architecture import ModelArchitecture
 
 # Built-in character tokenizer (tokenizer.py) ids; the tiny presets share its vocabulary.
 _CHAR_PAD, _CHAR_EOS = 0, 4
 
-PRESETS: dict[str, ModelConfig] = {
+PRESETS: dict[str, ModelArchitecture] = {
     # ~0.1M parameters: fast CPU tests. vocab_size 128 covers the built-in char tokenizer.
-    "tiny": ModelConfig(
+    "tiny": ModelArchitecture(
         model_type="qwen2",
         vocab_size=128,
         hidden_size=64,
@@ -30,7 +30,7 @@ PRESETS: dict[str, ModelConfig] = {
         pad_token_id=_CHAR_PAD,
     ),
     # ~0.8M parameters: still CPU-fast, enough capacity to learn small synthetic tasks.
-    "tiny-4l": ModelConfig(
+    "tiny-4l": ModelArchitecture(
         model_type="qwen2",
         vocab_size=128,
         hidden_size=128,
@@ -47,7 +47,7 @@ PRESETS: dict[str, ModelConfig] = {
         eos_token_id=_CHAR_EOS,
         pad_token_id=_CHAR_PAD,
     ),
-    "qwen2.5-0.5b": ModelConfig(
+    "qwen2.5-0.5b": ModelArchitecture(
         model_type="qwen2",
         vocab_size=151936,
         hidden_size=896,
@@ -65,7 +65,7 @@ PRESETS: dict[str, ModelConfig] = {
         eos_token_id=151645,
         pad_token_id=151643,
     ),
-    "qwen2.5-1.5b": ModelConfig(
+    "qwen2.5-1.5b": ModelArchitecture(
         model_type="qwen2",
         vocab_size=151936,
         hidden_size=1536,
@@ -83,7 +83,7 @@ PRESETS: dict[str, ModelConfig] = {
         eos_token_id=151645,
         pad_token_id=151643,
     ),
-    "qwen2.5-7b": ModelConfig(
+    "qwen2.5-7b": ModelArchitecture(
         model_type="qwen2",
         vocab_size=152064,
         hidden_size=3584,
@@ -101,7 +101,7 @@ PRESETS: dict[str, ModelConfig] = {
         eos_token_id=151645,
         pad_token_id=151643,
     ),
-    "qwen3-0.6b": ModelConfig(
+    "qwen3-0.6b": ModelArchitecture(
         model_type="qwen3",
         vocab_size=151936,
         hidden_size=1024,
@@ -119,7 +119,7 @@ PRESETS: dict[str, ModelConfig] = {
         eos_token_id=151645,
         pad_token_id=151643,
     ),
-    "llama3-8b": ModelConfig(
+    "llama3-8b": ModelArchitecture(
         model_type="llama",
         vocab_size=128256,
         hidden_size=4096,
@@ -135,7 +135,7 @@ PRESETS: dict[str, ModelConfig] = {
         bos_token_id=128000,
         eos_token_id=128001,
     ),
-    "llama3.1-8b": ModelConfig(
+    "llama3.1-8b": ModelArchitecture(
         model_type="llama",
         vocab_size=128256,
         hidden_size=4096,
@@ -161,7 +161,7 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def preset_config(name: str) -> ModelConfig:
+def preset_config(name: str) -> ModelArchitecture:
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; known presets: {sorted(PRESETS)}")
     return PRESETS[name].replace()  # a copy the caller may modify

@@ -6,16 +6,18 @@ import math
 
 import torch
 
-from hybridflow.models.config import ModelConfig
+from hybridflow.models.architecture import ModelArchitecture
 
 
-def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
+def rope_inv_freq(
+    config: ModelArchitecture, device: torch.device | str | None = None
+) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] in fp32, with config.rope_scaling applied."""
     return rope_parameters(config, device)[0]
 
 
 def rope_parameters(
-    config: ModelConfig, device: torch.device | str | None = None
+    config: ModelArchitecture, device: torch.device | str | None = None
 ) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [head_dim // 2] fp32, scale applied to cos and sin)."""
     dim = config.head_dim
@@ -55,7 +57,7 @@ def _llama3_inv_freq(
 
 
 def _yarn_parameters(
-    inv_freq: torch.Tensor, scaling: dict, factor: float, config: ModelConfig
+    inv_freq: torch.Tensor, scaling: dict, factor: float, config: ModelArchitecture
 ) -> tuple[torch.Tensor, float]:
     """YaRN (Peng et al. 2023, arXiv:2309.00071): frequencies that turn fewer than beta_slow
     times over the original context are interpolated (divided by factor), those that turn more
@@ -94,7 +96,7 @@ def _yarn_parameters(
 
 
 def rope_cos_sin(
-    config: ModelConfig, position_ids: torch.Tensor, dtype: torch.dtype
+    config: ModelArchitecture, position_ids: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [..., head_dim] for integer positions [...], computed in fp32, cast to dtype."""
     inv_freq, scale = rope_parameters(config, position_ids.device)  # [head_dim // 2]

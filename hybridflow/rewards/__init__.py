@@ -12,7 +12,7 @@ from hybridflow.rewards.managers import (
     RewardResult,
     build_reward_manager,
 )
-from hybridflow.rewards.registry import (
+from hybridflow.rewards.scorer_registry import (
     ScorerRegistry,
     ScorerSpec,
     UnknownDataSource,

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.rewards.custom import load_function, split_target
-from hybridflow.rewards.parallel import Outcome, ScoringPool
-from hybridflow.rewards.registry import (
+from hybridflow.rewards.parallel import ScoreOutcome, ScoringPool
+from hybridflow.rewards.scorer_registry import (
     ScorerRegistry,
     ScorerSpec,
     UnknownDataSource,
@@ -171,10 +171,10 @@ class RewardManager:
             return None, arguments
         return self.registry.get(data_source), arguments
 
-    def _run_known(self, calls) -> list[Outcome]:
+    def _run_known(self, calls) -> list[ScoreOutcome]:
         """Score calls that have a scorer; the others fail with an 'unknown source' error."""
         known = [i for i, (spec, _) in enumerate(calls) if spec is not None]
-        outcomes: list[Outcome | None] = [None] * len(calls)
+        outcomes: list[ScoreOutcome | None] = [None] * len(calls)
         for i, outcome in zip(known, self.pool.run([calls[i] for i in known])):
             outcomes[i] = outcome
         for i, (spec, arguments) in enumerate(calls):
@@ -182,7 +182,7 @@ class RewardManager:
                 try:
                     self.registry.get(arguments["data_source"])
                 except UnknownDataSource as error:
-                    outcomes[i] = Outcome("error", message=str(error))
+                    outcomes[i] = ScoreOutcome("error", message=str(error))
         return outcomes
 
     def _score_batched(self, responses, ground_truths, data_sources, extra_infos):
@@ -202,7 +202,7 @@ class RewardManager:
             )
             for s in starts
         ]
-        outcomes: list[Outcome] = []
+        outcomes: list[ScoreOutcome] = []
         for start, chunk_outcome in zip(starts, self.pool.run(calls)):
             size = min(chunk_size, len(responses) - start)
             values = chunk_outcome.value
@@ -210,14 +210,14 @@ class RewardManager:
                 not isinstance(values, Sequence) or len(values) != size
             ):
                 message = f"batch custom_fn returned {type(values).__name__}, not {size} scores"
-                chunk_outcome = Outcome("error", message=message)
+                chunk_outcome = ScoreOutcome("error", message=message)
             if chunk_outcome.status == "ok":
-                outcomes += [Outcome("ok", value) for value in values]
+                outcomes += [ScoreOutcome("ok", value) for value in values]
             else:
                 outcomes += [chunk_outcome] * size
         return outcomes
 
-    def _collect(self, outcomes: list[Outcome], data_sources: Sequence[str]) -> RewardResult:
+    def _collect(self, outcomes: list[ScoreOutcome], data_sources: Sequence[str]) -> RewardResult:
         scores, messages = [], []
         counts = {"error": 0, "timeout": 0}
         extras: dict[str, list[float]] = defaultdict(list)
@@ -227,7 +227,7 @@ class RewardManager:
                 try:
                     score, sample_extras = normalise_value(outcome.value)
                 except ValueError as error:
-                    status, outcome = "error", Outcome("error", message=str(error))
+                    status, outcome = "error", ScoreOutcome("error", message=str(error))
             if status != "ok":
                 counts[status] += 1
                 if len(messages) < MAX_ERROR_MESSAGES:

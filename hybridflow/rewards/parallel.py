@@ -1,7 +1,7 @@
 """Running scorers with a per-call timeout, in this process or in a pool of workers.
 
 A scorer is user code: it may raise, loop forever or crash its process. None of that may
-stop training, so every call ends as an `Outcome` with status "ok", "error" or "timeout",
+stop training, so every call ends as a `ScoreOutcome` with status "ok", "error" or "timeout",
 and the caller scores the failures 0 and counts them.
 
 Two layers of timeout:
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.rewards.custom import load_function
-from hybridflow.rewards.registry import ScorerSpec
+from hybridflow.rewards.scorer_registry import ScorerSpec
 
 
 class ScoringTimeout(BaseException):
@@ -35,7 +35,7 @@ class ScoringTimeout(BaseException):
 
 
 @dataclass(frozen=True)
-class Outcome:
+class ScoreOutcome:
     status: str  # "ok" | "error" | "timeout"
     value: Any = None
     message: str = ""
@@ -65,9 +65,11 @@ def _alarm_available() -> bool:
     return hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
 
 
-def guarded_call(spec: ScorerSpec, arguments: dict[str, Any], timeout_s: float | None) -> Outcome:
+def guarded_call(
+    spec: ScorerSpec, arguments: dict[str, Any], timeout_s: float | None
+) -> ScoreOutcome:
     """Run one scorer call; never raises (except KeyboardInterrupt)."""
-    timeout = Outcome("timeout", message=f"scorer {spec.target} took more than {timeout_s}s")
+    timeout = ScoreOutcome("timeout", message=f"scorer {spec.target} took more than {timeout_s}s")
     use_alarm = bool(timeout_s) and _alarm_available()
     previous = signal.signal(signal.SIGALRM, _on_alarm) if use_alarm else None
     try:
@@ -79,11 +81,11 @@ def guarded_call(spec: ScorerSpec, arguments: dict[str, Any], timeout_s: float |
             finally:
                 if use_alarm:
                     signal.setitimer(signal.ITIMER_REAL, 0)
-            return Outcome("ok", value)
+            return ScoreOutcome("ok", value)
         except ScoringTimeout:
             return timeout
         except Exception as error:
-            return Outcome(
+            return ScoreOutcome(
                 "error", message=f"scorer {spec.target}: {type(error).__name__}: {error}"
             )
     except ScoringTimeout:  # the alarm landed while an exception was being handled
@@ -93,7 +95,7 @@ def guarded_call(spec: ScorerSpec, arguments: dict[str, Any], timeout_s: float |
             signal.signal(signal.SIGALRM, previous)
 
 
-def run_chunk(calls: Sequence[Call], timeout_s: float | None) -> list[Outcome]:
+def run_chunk(calls: Sequence[Call], timeout_s: float | None) -> list[ScoreOutcome]:
     """Run calls one after another, each with its own timeout (the worker-side entry)."""
     return [guarded_call(spec, arguments, timeout_s) for spec, arguments in calls]
 
@@ -117,7 +119,7 @@ class ScoringPool:
         self.start_method, self.startup_grace_s = start_method, startup_grace_s
         self._executor: ProcessPoolExecutor | None = None
 
-    def run(self, calls: Sequence[Call]) -> list[Outcome]:
+    def run(self, calls: Sequence[Call]) -> list[ScoreOutcome]:
         if not calls:
             return []
         if self.num_workers <= 0:
@@ -130,7 +132,7 @@ class ScoringPool:
             self._executor = ProcessPoolExecutor(self.num_workers, mp_context=context)
         return self._executor
 
-    def _run_in_workers(self, calls: list[Call]) -> list[Outcome]:
+    def _run_in_workers(self, calls: list[Call]) -> list[ScoreOutcome]:
         executor = self._executor_or_start()
         # A few chunks per worker: fewer round trips than one task per call, and a slow
         # chunk does not leave the other workers idle for long.
@@ -156,7 +158,7 @@ class ScoringPool:
                 finished, not_done = wait(not_done, timeout=5.0)
                 done |= finished
                 break
-        outcomes: list[Outcome | None] = [None] * len(calls)
+        outcomes: list[ScoreOutcome | None] = [None] * len(calls)
         pool_broken = bool(not_done)
         for future, start in futures.items():
             size = min(chunk_size, len(calls) - start)
@@ -166,10 +168,10 @@ class ScoringPool:
                 pool_broken = True
                 error = future.exception()
                 message = f"scoring worker died: {type(error).__name__}: {error}"
-                outcomes[start : start + size] = [Outcome("error", message=message)] * size
+                outcomes[start : start + size] = [ScoreOutcome("error", message=message)] * size
             else:
                 message = "scoring worker did not finish in time and was stopped"
-                outcomes[start : start + size] = [Outcome("timeout", message=message)] * size
+                outcomes[start : start + size] = [ScoreOutcome("timeout", message=message)] * size
         if pool_broken:
             self._kill()
         return outcomes

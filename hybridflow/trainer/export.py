@@ -17,14 +17,14 @@ import torch
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
     """Write the actor of ``checkpoint`` as an HF model directory at ``out``."""
+    from hybridflow.learners import lora
+    from hybridflow.learners.actor_learner import export_causal_lm
+    from hybridflow.learners.core import TrainCore
+    from hybridflow.learners.modules import PolicyModel
     from hybridflow.models import build_model, load_model
-    from hybridflow.models.config import ModelConfig
+    from hybridflow.models.architecture import ModelArchitecture
     from hybridflow.trainer.checkpoint import is_complete
-    from hybridflow.trainer.state import MODEL_CONFIG, TOKENIZER_DIR, read_run_config
-    from hybridflow.training import lora
-    from hybridflow.training.actor import export_causal_lm
-    from hybridflow.training.core import TrainCore
-    from hybridflow.training.modules import PolicyModel
+    from hybridflow.trainer.run_state import MODEL_CONFIG, TOKENIZER_DIR, read_run_config
 
     checkpoint, out = Path(checkpoint), Path(out)
     if not (checkpoint / "actor").is_dir() or not is_complete(checkpoint):
@@ -46,7 +46,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
             dropout=cfg.model.lora_dropout,
         )
     else:
-        model = build_model(ModelConfig.from_hf(hf_config), dtype=dtype, device="cpu")
+        model = build_model(ModelArchitecture.from_hf(hf_config), dtype=dtype, device="cpu")
     core = TrainCore(PolicyModel(model), device="cpu", fsdp=False)
     rng = torch.get_rng_state()
     core.load(checkpoint / "actor", trainable_only=use_lora)

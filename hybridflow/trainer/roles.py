@@ -54,14 +54,14 @@ def _pool(device: str, per_node: list[int], first_device: int = 0):
 def build_roles(cfg: Config, derived: Derived) -> Roles:
     """Start the worker groups of this run (models are loaded inside the workers)."""
     from hybridflow.controller import WorkerGroup
-    from hybridflow.workers import fused_roles
+    from hybridflow.workers import fused_worker
 
     t = cfg.trainer
     device = resolve_device(t.device)
     options = dict(backend=t.backend, call_timeout_s=t.call_timeout_s, config=cfg)
     with_ref, with_critic = derived.use_reference, derived.use_critic
     if t.placement == "colocate":
-        cls = fused_roles(actor=True, rollout=True, ref=with_ref, critic=with_critic)
+        cls = fused_worker(actor=True, rollout=True, ref=with_ref, critic=with_critic)
         group = WorkerGroup(cls, _pool(device, [t.n_gpus_per_node] * t.nnodes), **options)
         return Roles(
             actor=group.actor,
@@ -74,11 +74,11 @@ def build_roles(cfg: Config, derived: Derived) -> Roles:
         )
     # split placement, one node (validate() checked 0 < rollout_gpus < world)
     train_devices = t.n_gpus_per_node - t.rollout_gpus
-    cls = fused_roles(actor=True, rollout=False, ref=with_ref, critic=with_critic)
+    cls = fused_worker(actor=True, rollout=False, ref=with_ref, critic=with_critic)
     train = WorkerGroup(cls, _pool(device, [train_devices]), name="train", **options)
     try:
         rollout = WorkerGroup(
-            fused_roles(actor=False, rollout=True),
+            fused_worker(actor=False, rollout=True),
             _pool(device, [t.rollout_gpus], first_device=train_devices),
             name="rollout",
             **options,

@@ -37,7 +37,7 @@ def setup(cfg: Config, log=print) -> RunContext:
     from hybridflow.trainer.checkpoint import CheckpointManager
     from hybridflow.trainer.roles import build_roles, resolve_device
     from hybridflow.trainer.warm_start import resolve_model_path
-    from hybridflow.workers.models import set_cpu_threads
+    from hybridflow.workers.model_loading import set_cpu_threads
 
     derived = validate(cfg)
     set_cpu_threads(cfg, resolve_device(cfg.trainer.device))  # SFT and in-process workers
@@ -88,8 +88,8 @@ def setup(cfg: Config, log=print) -> RunContext:
 def train(cfg: Config, log=print) -> dict[str, float]:
     """Run RL training; returns the final validation metrics."""
     from hybridflow.trainer.loggers import Tracker
-    from hybridflow.trainer.loop import fit
-    from hybridflow.trainer.state import resume
+    from hybridflow.trainer.rl_loop import fit
+    from hybridflow.trainer.run_state import resume
 
     started = time.perf_counter()
     run = setup(cfg, log=log)
@@ -137,7 +137,7 @@ def summary(run: RunContext, seconds: float) -> str:
 def _flops_per_token(model_path: str) -> float | None:
     """2 × parameters (+ attention) per token for the MFU estimate; None if unknown."""
     try:
-        from hybridflow.models.config import ModelConfig
+        from hybridflow.models.architecture import ModelArchitecture
         from hybridflow.models.presets import PRESETS
 
         if model_path in PRESETS:
@@ -146,7 +146,9 @@ def _flops_per_token(model_path: str) -> float | None:
             import json
             from pathlib import Path
 
-            mc = ModelConfig.from_hf(json.loads((Path(model_path) / "config.json").read_text()))
+            mc = ModelArchitecture.from_hf(
+                json.loads((Path(model_path) / "config.json").read_text())
+            )
         from hybridflow.trainer.metrics import forward_flops_per_token
 
         hidden, layers = mc.hidden_size, mc.num_hidden_layers

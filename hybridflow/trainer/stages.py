@@ -207,7 +207,7 @@ def balance_ranks(batch: Batch, dp_size: int) -> Batch:
     of tokens (Karmarkar–Karp on sequence lengths); one rank never waits for a longer one."""
     if dp_size <= 1:
         return batch
-    from hybridflow.training import balanced_dp_order
+    from hybridflow.learners import balanced_dp_order
 
     lengths = batch.tensors["attention_mask"].sum(-1).tolist()
     return batch.index(balanced_dp_order(lengths, dp_size))

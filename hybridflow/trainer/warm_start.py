@@ -178,7 +178,7 @@ def train_warm_start(cfg: Config, task: str, target: Path, log=print) -> None:
 
     from hybridflow.models import load_model, load_tokenizer
     from hybridflow.trainer.roles import resolve_device
-    from hybridflow.trainer.sft import load_sft_examples, run_sft, save_hf_model
+    from hybridflow.trainer.sft_loop import load_sft_examples, run_sft, save_hf_model
 
     started = time.perf_counter()
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or "char")

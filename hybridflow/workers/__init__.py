@@ -21,11 +21,11 @@ __all__ = [
     "CriticWorker",
     "RefWorker",
     "RolloutWorker",
-    "fused_roles",
+    "fused_worker",
 ]
 
 
-def fused_roles(
+def fused_worker(
     *, actor: bool = True, rollout: bool = True, ref: bool = False, critic: bool = False
 ) -> type:
     """One worker class holding the chosen roles (actor first: the others read its weights)."""
@@ -38,5 +38,5 @@ def fused_roles(
     return fuse(**{name: cls for name, cls in chosen.items() if cls is not None})
 
 
-ActorRolloutRef = fused_roles(actor=True, rollout=True, ref=True)
+ActorRolloutRef = fused_worker(actor=True, rollout=True, ref=True)
 """The hybrid engine: actor training, rollout on the same parameters, and the reference."""

@@ -1,7 +1,7 @@
-"""The actor and reference roles: remote-callable wrappers of the training engines.
+"""The actor and reference roles: remote-callable wrappers of the learners.
 
 Each method is one coarse call from the controller (DESIGN.md §1). ``DP_SPLIT`` methods get
-this rank's share of the batch; the engines do the data-parallel reductions themselves.
+this rank's share of the batch; the learners do the data-parallel reductions themselves.
 """
 
 from __future__ import annotations
@@ -13,7 +13,12 @@ import torch
 from hybridflow.config import Config
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.protocol import Batch
-from hybridflow.workers.models import load_causal_lm, resolve_dtype, set_cpu_threads, training_dtype
+from hybridflow.workers.model_loading import (
+    load_causal_lm,
+    resolve_dtype,
+    set_cpu_threads,
+    training_dtype,
+)
 
 
 class ActorWorker(Worker):
@@ -24,14 +29,14 @@ class ActorWorker(Worker):
     """
 
     def __init__(self, config: Config):
-        from hybridflow.training import ActorEngine
+        from hybridflow.learners import ActorLearner
 
         set_cpu_threads(config, self.device)
         self.config = config
         torch.manual_seed(config.trainer.seed)
         dtype = training_dtype(config.model)
         model = load_causal_lm(config.model.path, dtype, self.device)
-        self.engine = ActorEngine(
+        self.learner = ActorLearner(
             model,
             config.actor,
             total_steps=max(config.trainer.total_steps, 1),
@@ -45,38 +50,38 @@ class ActorWorker(Worker):
     @property
     def model(self) -> torch.nn.Module:
         """The trained CausalLM (FSDP2-sharded when the group has several ranks)."""
-        return self.engine.model
+        return self.learner.model
 
     @register(dispatch=Dispatch.DP_SPLIT)
     def compute_logprobs(self, batch: Batch) -> Batch:
         """``old_logprobs`` and ``entropy`` [b, R] of the responses under the current policy."""
-        return self.engine.compute_logprobs(batch, with_entropy=True)
+        return self.learner.compute_logprobs(batch, with_entropy=True)
 
     @register(dispatch=Dispatch.DP_SPLIT)
     def update(self, batch: Batch) -> dict[str, float]:
         """One PPO-family update; metrics are already reduced over ranks (same on each)."""
-        return {f"actor/{k}": v for k, v in self.engine.update(batch).items()}
+        return {f"actor/{k}": v for k, v in self.learner.update(batch).items()}
 
     @register(dispatch=Dispatch.RANK_ZERO)
     def full_weights(self) -> dict[str, torch.Tensor]:
         """Unsharded HF-named CPU weights (LoRA merged), for a rollout engine elsewhere.
         Every rank takes part in the gathers; rank 0's copy is returned."""
-        keep = self.engine.core.dp_rank == 0
+        keep = self.learner.core.dp_rank == 0
         return {
-            name: tensor.to("cpu", copy=True) for name, tensor in self.engine.hf_weights() if keep
+            name: tensor.to("cpu", copy=True) for name, tensor in self.learner.hf_weights() if keep
         }
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def save(self, directory: str) -> None:
-        self.engine.save(os.path.join(directory, "actor"))
+        self.learner.save(os.path.join(directory, "actor"))
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def load(self, directory: str) -> None:
-        self.engine.load(os.path.join(directory, "actor"))
+        self.learner.load(os.path.join(directory, "actor"))
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def export_hf(self, directory: str) -> None:
-        self.engine.export_hf(directory)
+        self.learner.export_hf(directory)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def device_memory(self, reset: bool = False) -> dict[str, float]:
@@ -95,11 +100,11 @@ class ActorWorker(Worker):
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def offload(self) -> None:
-        self.engine.offload()
+        self.learner.offload()
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def reload(self) -> None:
-        self.engine.reload()
+        self.learner.reload()
 
 
 class RefWorker(Worker):
@@ -107,16 +112,16 @@ class RefWorker(Worker):
     actor with its adapters switched off (no second copy of the weights)."""
 
     def __init__(self, config: Config):
-        from hybridflow.training import RefEngine
+        from hybridflow.learners import RefPolicy
 
         actor = self.context.colocated.get("actor")
         if config.model.lora_rank > 0 and config.ref.path is None and actor is not None:
-            self.engine = RefEngine.from_actor(actor.engine, config.ref)
+            self.policy = RefPolicy.from_actor(actor.learner, config.ref)
             return
         dtype = resolve_dtype(config.model, self.device)
         model = load_causal_lm(config.ref.path or config.model.path, dtype, self.device)
-        self.engine = RefEngine(model, config.ref, device=self.device)
+        self.policy = RefPolicy(model, config.ref, device=self.device)
 
     @register(dispatch=Dispatch.DP_SPLIT)
     def compute_ref_logprobs(self, batch: Batch) -> Batch:
-        return self.engine.compute_ref_logprobs(batch)
+        return self.policy.compute_ref_logprobs(batch)

@@ -7,19 +7,19 @@ import os
 from hybridflow.config import Config
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.protocol import Batch
-from hybridflow.workers.models import load_causal_lm, set_cpu_threads, training_dtype
+from hybridflow.workers.model_loading import load_causal_lm, set_cpu_threads, training_dtype
 
 
 class CriticWorker(Worker):
     """Value model on ``critic.path`` or the actor's initial weights, fresh value head."""
 
     def __init__(self, config: Config):
-        from hybridflow.training import CriticEngine
+        from hybridflow.learners import CriticLearner
 
         set_cpu_threads(config, self.device)
         dtype = training_dtype(config.model)
         model = load_causal_lm(config.critic.path or config.model.path, dtype, self.device)
-        self.engine = CriticEngine(
+        self.learner = CriticLearner(
             model,
             config.critic,
             total_steps=max(config.trainer.total_steps, 1),
@@ -31,16 +31,16 @@ class CriticWorker(Worker):
 
     @register(dispatch=Dispatch.DP_SPLIT)
     def compute_values(self, batch: Batch) -> Batch:
-        return self.engine.compute_values(batch)
+        return self.learner.compute_values(batch)
 
     @register(dispatch=Dispatch.DP_SPLIT)
     def update(self, batch: Batch) -> dict[str, float]:
-        return {f"critic/{k}": v for k, v in self.engine.update(batch).items()}
+        return {f"critic/{k}": v for k, v in self.learner.update(batch).items()}
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def save(self, directory: str) -> None:
-        self.engine.save(os.path.join(directory, "critic"))
+        self.learner.save(os.path.join(directory, "critic"))
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def load(self, directory: str) -> None:
-        self.engine.load(os.path.join(directory, "critic"))
+        self.learner.load(os.path.join(directory, "critic"))

@@ -18,7 +18,7 @@ import torch
 from hybridflow.config import Config
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.protocol import Batch
-from hybridflow.workers.models import load_causal_lm, resolve_dtype, set_cpu_threads
+from hybridflow.workers.model_loading import load_causal_lm, resolve_dtype, set_cpu_threads
 
 # Different ranks draw different samples for their (different) prompts; keep their seeds apart.
 RANK_SEED_STRIDE = 1_000_003
@@ -38,8 +38,8 @@ class RolloutWorker(Worker):
         self.shares_actor_weights = (
             actor is not None
             and self.world_size == 1
-            and not actor.engine.lora
-            and not actor.engine.core.fsdp
+            and not actor.learner.lora
+            and not actor.learner.core.fsdp
             and next(actor.model.parameters()).dtype == dtype  # fp32 masters: bf16 copy
         )
         if self.shares_actor_weights:
@@ -115,7 +115,7 @@ class RolloutWorker(Worker):
                 "sync_from_actor needs an actor in the same worker (hybrid engine); with split "
                 "placement the controller calls load_weights(actor.full_weights())"
             )
-        self.engine.load_weights(self.actor.engine.hf_weights(dtype=self.engine.dtype))
+        self.engine.load_weights(self.actor.learner.hf_weights(dtype=self.engine.dtype))
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hybridflow.config import validate
-from hybridflow.trainer.bench import bench_config
+from hybridflow.trainer.grpo_bench import bench_config
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,7 +6,7 @@ from hybridflow.data.arithmetic import arithmetic_splits, write_arithmetic_datas
 from hybridflow.data.builtin import load_records
 from hybridflow.data.countdown import countdown_problem, write_countdown_dataset
 from hybridflow.data.schema import iter_rows, load_prompt_records
-from hybridflow.data.sft import load_sft_rows
+from hybridflow.data.sft_examples import load_sft_rows
 from hybridflow.rewards import default_registry
 from hybridflow.rewards.scorers import arithmetic as arithmetic_scorer
 from hybridflow.rewards.scorers import countdown as countdown_scorer

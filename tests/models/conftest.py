@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from hybridflow.models import ModelConfig, build_model
+from hybridflow.models import ModelArchitecture, build_model
 
 
-def small_config(model_type: str, **changes) -> ModelConfig:
+def small_config(model_type: str, **changes) -> ModelArchitecture:
     """A few-thousand-parameter config of each family, GQA by default."""
     fields = dict(
         model_type=model_type,
@@ -26,10 +26,10 @@ def small_config(model_type: str, **changes) -> ModelConfig:
         pad_token_id=0,
     )
     fields.update(changes)
-    return ModelConfig(**fields)
+    return ModelArchitecture(**fields)
 
 
-def randomized_model(config: ModelConfig, seed: int = 0):
+def randomized_model(config: ModelArchitecture, seed: int = 0):
     """Our model with random weights, norms and biases too (so a wrongly placed norm shows)."""
     model = build_model(config, seed=seed)
     model.init_weights(seed=seed, std=0.15)  # logits of order 1, so errors are not hidden

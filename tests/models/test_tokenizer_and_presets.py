@@ -4,7 +4,7 @@ import torch
 import transformers
 
 from hybridflow.data.chat import as_token_list
-from hybridflow.models import PRESETS, ModelConfig, load_model, load_tokenizer
+from hybridflow.models import PRESETS, ModelArchitecture, load_model, load_tokenizer
 from hybridflow.models.tokenizer import CHAR_VOCAB_SIZE
 
 
@@ -73,7 +73,7 @@ def test_unknown_names_fail_with_the_options():
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_preset_shapes_and_hf_round_trip(name):
     config = PRESETS[name]
-    assert ModelConfig.from_hf(config.to_hf()) == config.replace(torch_dtype="float32")
+    assert ModelArchitecture.from_hf(config.to_hf()) == config.replace(torch_dtype="float32")
     if name.startswith("tiny"):
         assert config.num_parameters() < 1_000_000
     hf_config = transformers.AutoConfig.for_model(**config.to_hf())

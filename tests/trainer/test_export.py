@@ -24,10 +24,10 @@ def test_export_round_trip_matches_transformers(tmp_path, quiet):
     prompt = encode_chat_prompt(tokenizer, [{"role": "user", "content": "12+34="}])
     ids = torch.tensor([prompt + tokenizer.encode("46")])
 
-    # The trained weights, read straight from the checkpoint through the training engine.
+    # The trained weights, read straight from the checkpoint through the actor learner.
+    from hybridflow.learners.core import TrainCore
+    from hybridflow.learners.modules import PolicyModel
     from hybridflow.models import load_model
-    from hybridflow.training.core import TrainCore
-    from hybridflow.training.modules import PolicyModel
 
     trained = load_model("tiny")
     initial_logits = trained(ids).detach()

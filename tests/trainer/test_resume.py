@@ -58,7 +58,7 @@ def test_resume_is_exact(tmp_path, quiet):
 KILLER = textwrap.dedent(
     """
     import os, signal, sys
-    import hybridflow.trainer.state as state
+    import hybridflow.trainer.run_state as state
     from hybridflow.config import load_config
     from hybridflow.trainer.run import train
 

@@ -11,7 +11,7 @@ import torch
 from hybridflow.config import load_config
 from hybridflow.controller import ResourcePool, WorkerGroup
 from hybridflow.protocol import Batch
-from hybridflow.workers import fused_roles
+from hybridflow.workers import fused_worker
 
 N_SAMPLES = 4
 
@@ -78,7 +78,7 @@ def actor_update(actor, rollout) -> None:
 
 
 def test_hybrid_engine_shares_actor_weights_in_place():
-    group = WorkerGroup(fused_roles(actor=True, rollout=True), config=tiny_config())
+    group = WorkerGroup(fused_worker(actor=True, rollout=True), config=tiny_config())
     try:
         worker = group._backend.ranks[0].host.worker  # in-process: look at the tensors
         actor, rollout = worker.roles["actor"], worker.roles["rollout"]
@@ -94,8 +94,8 @@ def test_hybrid_engine_shares_actor_weights_in_place():
 
 def test_split_placement_syncs_weights_through_the_controller():
     cfg = tiny_config()
-    train = WorkerGroup(fused_roles(actor=True, rollout=False), config=cfg, name="train")
-    rollout = WorkerGroup(fused_roles(actor=False, rollout=True), config=cfg, name="rollout")
+    train = WorkerGroup(fused_worker(actor=True, rollout=False), config=cfg, name="train")
+    rollout = WorkerGroup(fused_worker(actor=False, rollout=True), config=cfg, name="rollout")
     try:
         assert rollout_matches_actor(rollout.rollout, train.actor) < 1e-4  # same init
         actor_update(train.actor, rollout.rollout)
@@ -111,7 +111,7 @@ def test_split_placement_syncs_weights_through_the_controller():
 def test_sharded_actor_syncs_to_colocated_rollout_two_processes():
     cfg = tiny_config("trainer.backend=local", "trainer.n_gpus_per_node=2")
     group = WorkerGroup(
-        fused_roles(actor=True, rollout=True),
+        fused_worker(actor=True, rollout=True),
         pool=ResourcePool(cpus=2),
         backend="local",
         config=cfg,

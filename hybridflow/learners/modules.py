@@ -1,0 +1,77 @@
+"""The trained modules: a causal LM that returns per-token log-probs, and a value model.
+
+Each does all of its work inside one ``forward`` call. That matters under FSDP2: the root
+unit's parameters (embeddings, final norm, lm_head, value head) are gathered in the forward
+pre-hook and released after, so the lm_head weight must be used inside ``forward``, not in a
+separate call afterwards.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridflow.learners.packing import PackedRows
+from hybridflow.models.logprobs import logprobs_from_hidden
+
+
+def decoder_layers(causal_lm: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a CausalLM (each one becomes an FSDP unit)."""
+    return list(causal_lm.model.layers)
+
+
+class PolicyModel(nn.Module):
+    """``forward(packed) -> (logprobs [M], entropy [M] | None)`` of the packed targets."""
+
+    def __init__(self, causal_lm: nn.Module):
+        super().__init__()
+        self.lm = causal_lm
+
+    def forward(
+        self, packed: PackedRows, temperature: float = 1.0, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hidden = self.lm.forward_packed(
+            packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen
+        )  # [N, H]
+        weight = self.lm.lm_head.weight
+        if weight.dtype != hidden.dtype:
+            # Under autocast (unsharded bf16 path) the chunked log-prob kernel's backward runs
+            # outside autocast, so hand it one dtype; the cast is differentiable.
+            weight = weight.to(hidden.dtype)
+        return logprobs_from_hidden(
+            hidden[packed.hidden_index],
+            weight,
+            packed.targets,
+            temperature=temperature,
+            with_entropy=with_entropy,
+        )
+
+
+class ValueModel(nn.Module):
+    """A causal-LM backbone with a scalar head: ``forward(packed) -> values [M]`` (fp32).
+
+    The value of response token ``t`` is read where its log-prob would be (the state before
+    the token is chosen). The lm_head is unused; when it is not tied to the embeddings it is
+    frozen so the optimizer keeps no state for it.
+    """
+
+    def __init__(self, causal_lm: nn.Module, value_head: nn.Linear | None = None):
+        super().__init__()
+        self.lm = causal_lm
+        hidden_size = causal_lm.config.hidden_size
+        if value_head is None:
+            weight = causal_lm.lm_head.weight
+            value_head = nn.Linear(hidden_size, 1, device=weight.device, dtype=weight.dtype)
+            # Zero init: values start at 0 (an unbiased baseline); the backbone gets gradients
+            # once the head has moved away from 0 after the first step.
+            nn.init.zeros_(value_head.weight)
+            nn.init.zeros_(value_head.bias)
+        self.value_head = value_head
+        if causal_lm.lm_head.weight is not causal_lm.model.embed_tokens.weight:
+            causal_lm.lm_head.weight.requires_grad_(False)
+
+    def forward(self, packed: PackedRows) -> torch.Tensor:
+        hidden = self.lm.forward_packed(
+            packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen
+        )  # [N, H]
+        return self.value_head(hidden[packed.hidden_index]).squeeze(-1).float()  # [M]

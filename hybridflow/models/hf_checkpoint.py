@@ -1,0 +1,120 @@
+"""Read and write Hugging Face checkpoints: config.json + safetensors (single or sharded)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from hybridflow.models.architecture import ModelArchitecture
+from hybridflow.models.llama import CausalLM
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def read_hf_config(path: str) -> dict:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """Safetensors files of a HF model directory (index order for sharded checkpoints)."""
+    index_path = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+        return [os.path.join(path, name) for name in dict.fromkeys(weight_map.values())]
+    single = os.path.join(path, SINGLE_FILE)
+    if os.path.exists(single):
+        return [single]
+    raise FileNotFoundError(
+        f"no {SINGLE_FILE} or {INDEX_FILE} in {path!r} (only safetensors checkpoints are read)"
+    )
+
+
+def iter_checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of every tensor in the checkpoint, one file open at a time."""
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model_from_dir(
+    path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> CausalLM:
+    """Build the model on the meta device (no memory), then put each checkpoint tensor in place
+    as it is read (cast + moved once), so peak memory is one copy of the weights."""
+    config = ModelArchitecture.from_hf(read_hf_config(path))
+    with torch.device("meta"):
+        model = CausalLM(config)
+    expected = set(model.state_dict())
+    if config.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in iter_checkpoint_tensors(path):
+        if name in expected:
+            state[name] = tensor.to(device=device, dtype=dtype)
+        elif not (config.tie_word_embeddings and name == "lm_head.weight"):
+            # Unused extras (e.g. rotary inv_freq buffers of old checkpoints) are skipped.
+            if not name.endswith("rotary_emb.inv_freq"):
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {config.model_type}")
+    missing = sorted(expected - set(state))
+    if missing:
+        raise ValueError(f"checkpoint {path!r} lacks {len(missing)} tensors, e.g. {missing[:5]}")
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, assign=True, strict=True)
+    model.tie_weights()
+    return model
+
+
+def save_model(model: CausalLM, directory: str, max_shard_size: int = 5 * 1024**3) -> None:
+    """config.json + safetensors in HF layout; shards with an index above max_shard_size bytes.
+
+    Tied lm_head.weight is not written (HF convention)."""
+    os.makedirs(directory, exist_ok=True)
+    hf_config = model.config.to_hf()
+    hf_config["torch_dtype"] = str(model.dtype).removeprefix("torch.")
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)
+    state = {
+        name: tensor.detach().contiguous().cpu()
+        for name, tensor in model.state_dict().items()
+        if not (model.config.tie_word_embeddings and name == "lm_head.weight")
+    }
+    shards = _split_into_shards(state, max_shard_size)
+    for stale in (SINGLE_FILE, INDEX_FILE):
+        if os.path.exists(os.path.join(directory, stale)):
+            os.remove(os.path.join(directory, stale))
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(directory, SINGLE_FILE), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(directory, file_name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file_name))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    with open(os.path.join(directory, INDEX_FILE), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def _split_into_shards(
+    state: dict[str, torch.Tensor], max_shard_size: int
+) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    current = 0
+    for name, tensor in state.items():
+        size = tensor.numel() * tensor.element_size()
+        if shards[-1] and current + size > max_shard_size:
+            shards.append({})
+            current = 0
+        shards[-1][name] = tensor
+        current += size
+    return shards

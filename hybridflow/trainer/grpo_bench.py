@@ -1,0 +1,171 @@
+"""Time whole GRPO steps of the real loop on a fixed workload (benchmarks/grpo_vs_trl.py).
+
+The step is ``trainer.rl_loop.train_step``: the same code ``hybridflow train`` runs. Only the
+prompt source (fixed token-id prompts, no chat template) and the reward (random scores, so
+advantages and gradients are non-zero) are replaced, to match the peer's workload.
+
+``gpus > 1`` runs the ``local`` backend: one worker process per device, each with an FSDP2
+shard of the actor and a rollout engine of its own; the prompts are split over the ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridflow.config import Config, load_config, validate
+from hybridflow.protocol import Batch
+from hybridflow.trainer.stages import RunContext
+
+
+class FixedPrompts:
+    """A loader that returns the same equal-length prompts every step."""
+
+    def __init__(self, prompts: list[list[int]]):
+        ids = torch.tensor(prompts, dtype=torch.long)  # [B, P]
+        self.batch = Batch(
+            tensors={"prompts": ids, "attention_mask": torch.ones_like(ids)},
+            arrays={
+                "data_source": np.asarray(["bench"] * len(prompts), dtype=object),
+                "ground_truth": np.asarray([""] * len(prompts), dtype=object),
+                "extra_info": np.asarray([{}] * len(prompts), dtype=object),
+            },
+        )
+
+    def next_batch(self) -> Batch:
+        return Batch(dict(self.batch.tensors), dict(self.batch.arrays), {})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+
+@dataclasses.dataclass
+class _Result:
+    scores: list[float]
+    metrics: dict[str, float]
+
+
+class RandomReward:
+    """Uniform random scores in [0, 1): the peer benchmark's reward, seeded."""
+
+    def __init__(self, seed: int = 0):
+        self.rng = random.Random(seed)
+
+    def score(
+        self, responses, ground_truths, data_sources, extra_infos=None, response_lengths=None
+    ):
+        return _Result([self.rng.random() for _ in responses], {})
+
+    def close(self) -> None:
+        pass
+
+
+def bench_config(
+    model_path: str,
+    *,
+    prompts: int,
+    samples: int,
+    prompt_len: int,
+    new_tokens: int,
+    micro_batch_tokens: int,
+    gpus: int = 1,
+    overrides: tuple[str, ...] = (),
+) -> Config:
+    """The issue-8 workload as a hybridflow config: one optimizer step per generation batch,
+    lr 1e-6, no reference model, bf16, gradient checkpointing, no early stop.
+
+    ``prompts`` is the global batch; each of the ``gpus`` rollout engines gets
+    ``prompts / gpus`` of them (``rollout.max_num_seqs`` is per engine)."""
+    if prompts % gpus:
+        raise ValueError(f"{prompts} prompts do not split evenly over {gpus} GPUs")
+    placement = ["trainer.backend=local", f"trainer.n_gpus_per_node={gpus}"] if gpus > 1 else []
+    cfg = load_config(
+        None,
+        [
+            f"model.path={model_path}",
+            f"model.tokenizer_path={model_path}",
+            "model.gradient_checkpointing=true",
+            f"data.train_batch_size={prompts}",
+            f"data.max_prompt_length={prompt_len}",
+            f"data.max_response_length={new_tokens}",
+            f"rollout.n={samples}",
+            "rollout.ignore_eos=true",
+            f"rollout.max_num_seqs={prompts // gpus * samples}",
+            f"actor.ppo_mini_batch_size={prompts}",
+            f"actor.max_tokens_per_gpu={micro_batch_tokens}",
+            "actor.lr=1e-6",
+            "actor.use_kl_loss=false",
+            "algorithm.adv_estimator=grpo",
+            "trainer.loggers=[]",
+            "trainer.val_before_train=false",
+            *placement,
+            *overrides,
+        ],
+    )
+    return cfg
+
+
+def time_grpo_steps(
+    *,
+    model_path: str,
+    prompts: list[list[int]],
+    samples_per_prompt: int,
+    new_tokens: int,
+    steps: int,
+    micro_batch_tokens: int = 65536,
+    gpus: int = 1,
+    overrides: tuple[str, ...] = (),
+    tokenizer: Any = None,
+) -> tuple[list[float], list[float], dict[str, float]]:
+    """Run ``steps`` GRPO steps on ``gpus`` devices (``prompts`` is the global batch).
+
+    Returns (seconds per step, peak allocated GiB of each rank's GPU over all steps, empty
+    on CPU; mean stage timings of the steps after the first)."""
+    from hybridflow.models import load_tokenizer
+    from hybridflow.trainer.rl_loop import train_step
+    from hybridflow.trainer.roles import build_roles
+
+    cfg = bench_config(
+        model_path,
+        prompts=len(prompts),
+        samples=samples_per_prompt,
+        prompt_len=len(prompts[0]),
+        new_tokens=new_tokens,
+        micro_batch_tokens=micro_batch_tokens,
+        gpus=gpus,
+        overrides=overrides,
+    )
+    derived = validate(cfg)
+    roles = build_roles(cfg, derived)
+    run = RunContext(
+        cfg=cfg,
+        derived=derived,
+        roles=roles,
+        tokenizer=tokenizer if tokenizer is not None else load_tokenizer(model_path),
+        loader=FixedPrompts(prompts),
+        val_dataset=None,
+        reward=RandomReward(),
+        kl_ctrl=None,
+        tracker=None,
+        checkpoints=None,
+    )
+    times, per_step = [], []
+    try:
+        # Asked of the workers: with the local backend the controller never touches a GPU.
+        roles.actor.device_memory(reset=True)
+        for _ in range(steps):
+            run.step += 1
+            metrics = train_step(run)
+            times.append(metrics["timing_s/step"])
+            per_step.append({k: v for k, v in metrics.items() if k.startswith("timing_s/")})
+        # One entry per rank; CPU workers report nothing.
+        peaks = [m["max_allocated_gib"] for m in roles.actor.device_memory() if m]
+    finally:
+        roles.shutdown()
+    timed = per_step[1:] or per_step
+    breakdown = {k: sum(m.get(k, 0.0) for m in timed) / len(timed) for k in timed[0]}
+    return times, peaks, breakdown

@@ -1,0 +1,131 @@
+"""The RL loop (DESIGN.md §1). One step reads like the algorithm:
+
+    generate -> reward -> old log-probs -> ref log-probs -> values -> advantages
+             -> critic update -> actor update -> weight sync
+
+Every stage is one call on a worker group (or cheap controller math) and is timed as
+``timing_s/<stage>``. Validation every ``trainer.test_freq`` steps, checkpoints every
+``trainer.save_freq`` steps and at the end.
+"""
+
+from __future__ import annotations
+
+import time
+
+from hybridflow.trainer.evaluation import headline, run_validation
+from hybridflow.trainer.metrics import (
+    Timer,
+    data_metrics,
+    estimate_mfu,
+    memory_metrics,
+    peak_flops_per_gpu,
+    rl_step_flops,
+    throughput_metrics,
+)
+from hybridflow.trainer.roles import sync_weights
+from hybridflow.trainer.run_state import save_checkpoint
+from hybridflow.trainer.stages import (
+    RunContext,
+    balance_ranks,
+    collect_rollouts,
+    rewards_and_advantages,
+)
+
+
+def train_step(run: RunContext) -> dict[str, float]:
+    """One RL step on ``data.train_batch_size`` prompts; returns its metrics."""
+    roles, timer, metrics = run.roles, Timer(), {}
+    with timer("step"):
+        batch, rollout_metrics = collect_rollouts(run, timer)  # times gen and reward
+        metrics.update(rollout_metrics)
+        batch = balance_ranks(batch, run.derived.train_dp_size)
+
+        if not on_policy_shortcut(run):
+            with timer("old_logprob"):
+                batch = batch.union(roles.actor.compute_logprobs(batch))
+        if roles.ref is not None:
+            with timer("ref"):
+                batch = batch.union(roles.ref.compute_ref_logprobs(batch))
+        if roles.critic is not None:
+            with timer("values"):
+                batch = batch.union(roles.critic.compute_values(batch))
+
+        with timer("adv"):
+            batch, adv_metrics = rewards_and_advantages(run, batch)
+        metrics.update(adv_metrics)
+
+        if roles.critic is not None:
+            with timer("update_critic"):
+                metrics.update(roles.critic.update(batch)[0])
+        with timer("update_actor"):
+            metrics.update(roles.actor.update(batch)[0])
+        with timer("sync_weights"):
+            sync_weights(roles)
+
+    mask = batch.tensors["response_mask"]
+    if "entropy" in batch.tensors:
+        metrics["actor/entropy"] = float((batch.tensors["entropy"] * mask).sum() / mask.sum())
+    metrics.update(data_metrics(batch.tensors, run.cfg.data.max_response_length))
+    metrics.update(timer.metrics())
+    metrics.update(_perf_metrics(run, batch, timer.seconds["step"]))
+    return metrics
+
+
+def on_policy_shortcut(run: RunContext) -> bool:
+    """Skip the old-log-prob pass: each RL batch is one optimizer step, so old = sg(current)
+    exactly (actor.skip_old_logprob_on_policy). KL in the reward needs old_logprobs first."""
+    cfg = run.cfg
+    return (
+        cfg.actor.skip_old_logprob_on_policy
+        and cfg.actor.ppo_epochs == 1
+        and run.derived.mini_batches_per_step == 1
+        and not cfg.algorithm.use_kl_in_reward
+    )
+
+
+def fit(run: RunContext) -> dict[str, float]:
+    """Run from ``run.step`` to ``trainer.total_steps``; returns the last validation."""
+    t = run.cfg.trainer
+    last_val: dict[str, float] = {}
+    if run.step == 0 and t.val_before_train:
+        last_val = _validate(run)
+        if last_val:
+            run.tracker.log(last_val, step=0)
+    while run.step < t.total_steps:
+        run.step += 1
+        metrics = train_step(run)
+        is_last = run.step == t.total_steps
+        if (t.test_freq > 0 and run.step % t.test_freq == 0) or is_last:
+            last_val = _validate(run)
+            metrics.update(last_val)
+        if (t.save_freq > 0 and run.step % t.save_freq == 0) or (is_last and t.save_freq >= 0):
+            started = time.perf_counter()
+            save_checkpoint(run)
+            metrics["timing_s/save_checkpoint"] = time.perf_counter() - started
+        run.tracker.log(metrics, step=run.step)
+    return last_val
+
+
+def _validate(run: RunContext) -> dict[str, float]:
+    started = time.perf_counter()
+    metrics = run_validation(run)
+    if metrics:
+        metrics["timing_s/validation"] = time.perf_counter() - started
+        run.history.setdefault("val", []).append((run.step, headline(metrics)))
+    return metrics
+
+
+def _perf_metrics(run: RunContext, batch, step_seconds: float) -> dict[str, float]:
+    """Tokens/s per device, an MFU estimate (known GPUs only) and memory."""
+    n_devices = run.derived.world_size
+    num_tokens = int(batch.tensors["attention_mask"].sum())
+    metrics = throughput_metrics(num_tokens, step_seconds, n_devices)
+    if run.flops_per_token is not None:
+        train_passes = run.cfg.actor.ppo_epochs + (run.roles.critic is not None)
+        forward_passes = 1 + (run.roles.ref is not None) + (run.roles.critic is not None)
+        flops = rl_step_flops(run.flops_per_token, num_tokens, forward_passes, train_passes)
+        mfu = estimate_mfu(flops, step_seconds, n_devices, peak_flops_per_gpu())
+        if mfu is not None:
+            metrics["perf/mfu"] = mfu
+    metrics.update(memory_metrics())
+    return metrics

@@ -1,0 +1,245 @@
+"""Supervised fine-tuning: loss on response tokens only, packed sequences, checkpoints.
+
+An SFT example is laid out like an RL sample so the actor learner's machinery is reused
+as is: ``prompts`` = the first token, ``responses`` = the rest, ``response_mask`` = the loss
+mask shifted by one. The loss is the token-mean negative log-likelihood of the masked tokens
+over the whole batch (packed micro-batches under ``sft.max_tokens_per_gpu``, accumulated).
+
+    hybridflow sft model.path=/path/to/hf_dir sft.train_files=[data.parquet] sft.total_steps=500
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridflow.config import Config, SFTConfig
+from hybridflow.protocol import Batch
+
+
+def examples_to_batch(examples: Sequence[Any], pad_token_id: int) -> Batch:
+    """SFTExamples -> Batch(prompts [b, 1], responses [b, L-1], attention_mask [b, L],
+    response_mask [b, L-1]) with right padding."""
+    width = max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), width), pad_token_id, dtype=torch.long)  # [b, L]
+    attention_mask = torch.zeros(len(examples), width, dtype=torch.long)  # [b, L]
+    loss_mask = torch.zeros(len(examples), width)  # [b, L]
+    for row, example in enumerate(examples):
+        length = len(example.input_ids)
+        ids[row, :length] = torch.tensor(example.input_ids)
+        attention_mask[row, :length] = 1
+        loss_mask[row, :length] = torch.tensor(example.loss_mask, dtype=torch.float32)
+    return Batch(
+        {
+            "prompts": ids[:, :1],
+            "responses": ids[:, 1:],
+            "attention_mask": attention_mask,
+            "response_mask": loss_mask[:, 1:],
+        }
+    )
+
+
+class SFTTrainer:
+    """Token-mean NLL training of a CausalLM on one device (FSDP2 when distributed is on)."""
+
+    def __init__(self, model: torch.nn.Module, sft_cfg: SFTConfig, device: str, grad_clip: float):
+        from hybridflow.learners.core import TrainCore
+        from hybridflow.learners.modules import PolicyModel
+
+        self.cfg, self.grad_clip = sft_cfg, grad_clip
+        self.steps_done = 0
+        self.policy = PolicyModel(model)
+        self.core = TrainCore(self.policy, device=device)
+        self.core.build_optimizer(
+            lr=sft_cfg.lr,
+            weight_decay=0.0,
+            betas=(0.9, 0.95),
+            schedule="cosine",
+            warmup_steps=sft_cfg.warmup_steps,
+            total_steps=max(sft_cfg.total_steps, 1),
+            min_lr_ratio=0.1,
+        )
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.policy.lm
+
+    def step(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step on ``batch``; returns loss, grad norm, lr."""
+        from hybridflow.algos import agg_loss
+        from hybridflow.learners.metric_sums import MetricSums
+        from hybridflow.learners.step import accumulate_and_step
+
+        def micro_loss(micro, packed, counts):
+            logprobs, _ = self.policy(packed, 1.0, False)
+            logprobs = packed.scatter(logprobs)  # [b, R]
+            mask = micro.tensors["response_mask"].to(logprobs.device)
+            nll = agg_loss(-logprobs, mask, "token-mean", **counts)
+            return nll, {"loss": nll.detach()}, {}
+
+        sums = MetricSums(self.core)
+        self.core.module.train()
+        accumulate_and_step(
+            self.core,
+            batch,
+            micro_batch_size=len(batch),
+            max_tokens=self.cfg.max_tokens_per_gpu,
+            grad_clip=self.grad_clip,
+            norm_length=batch.tensors["responses"].shape[1],
+            micro_loss=micro_loss,
+            sums=sums,
+        )
+        metrics = {f"sft/{k}": v for k, v in sums.result().items()}
+        metrics["sft/lr"] = self.core.optimizer.param_groups[0]["lr"]
+        return metrics
+
+
+def run_sft(
+    model: torch.nn.Module,
+    examples: Sequence[Any],
+    sft_cfg: SFTConfig,
+    *,
+    device: str,
+    seed: int,
+    pad_token_id: int,
+    log: Callable[[dict[str, float], int], None] | None = None,
+    checkpoint: Callable[[SFTTrainer, Any, int], None] | None = None,
+    save_freq: int = 0,
+    resume: Callable[[SFTTrainer, Any], int] | None = None,
+    should_stop: Callable[[SFTTrainer, int], bool] | None = None,
+) -> SFTTrainer:
+    """``sft.total_steps`` optimizer steps over shuffled ``examples`` (deterministic in
+    ``seed``); ``checkpoint(trainer, sampler, step)`` every ``save_freq`` steps and at the end.
+    ``should_stop(trainer, step)``, asked after each step, ends training early when True
+    (``trainer.steps_done`` says where it stopped)."""
+    from hybridflow.data.sampler import ResumableSampler
+
+    torch.manual_seed(seed)
+    trainer = SFTTrainer(model, sft_cfg, device, grad_clip=1.0)
+    batch_size = min(sft_cfg.batch_size, len(examples))
+    sampler = ResumableSampler(len(examples), batch_size, seed=seed)
+    start = resume(trainer, sampler) if resume is not None else 0
+    trainer.steps_done = start
+    for step in range(start + 1, sft_cfg.total_steps + 1):
+        batch = examples_to_batch([examples[i] for i in sampler.next_batch()], pad_token_id)
+        metrics = trainer.step(batch)
+        trainer.steps_done = step
+        if log is not None:
+            log(metrics, step)
+        stop = should_stop is not None and should_stop(trainer, step)
+        if checkpoint is not None and (
+            (save_freq > 0 and step % save_freq == 0)
+            or ((step == sft_cfg.total_steps or stop) and save_freq >= 0)
+        ):
+            checkpoint(trainer, sampler, step)
+        if stop:
+            break
+    return trainer
+
+
+def load_sft_examples(
+    files: Sequence[str], tokenizer, sft_cfg: SFTConfig, *, val_size: int, data_seed: int = 0
+):
+    """Tokenised examples of ``sft.train_files`` (``builtin:<task>`` or prompt/response /
+    chat-message files), those longer than ``sft.max_length`` dropped (count returned).
+    ``val_size``: size of the built-in task's validation split, which SFT never sees."""
+    from hybridflow.data.sft_examples import load_sft_rows, tokenize_sft_rows
+    from hybridflow.trainer.warm_start import builtin_sft_rows
+
+    rows: list[Any] = []
+    for entry in files:
+        if entry.startswith("builtin:"):
+            task = entry.removeprefix("builtin:")
+            rows += builtin_sft_rows(task, sft_cfg, val_size, data_seed)
+        else:
+            rows += load_sft_rows(entry)
+    return tokenize_sft_rows(rows, tokenizer, tokenizer.eos_token_id, sft_cfg.max_length)
+
+
+def sft_main(cfg: Config) -> Path:
+    """``hybridflow sft``: fine-tune ``model.path`` (or a fresh ``sft.preset`` model when the
+    path is ``sft:<task>``) on ``sft.train_files``; writes checkpoints and ``<out>/hf``."""
+    from hybridflow.models import load_model, load_tokenizer
+    from hybridflow.trainer.checkpoint import CheckpointManager
+    from hybridflow.trainer.loggers import Tracker
+    from hybridflow.trainer.roles import resolve_device
+    from hybridflow.workers.model_loading import resolve_dtype
+
+    sft_cfg = cfg.sft
+    out = Path(sft_cfg.out_dir or Path(cfg.trainer.run_dir) / "sft")
+    device = resolve_device(cfg.trainer.device)
+    if device == "cuda":
+        device = "cuda:0"
+    model_path = sft_cfg.preset if cfg.model.path.startswith("sft:") else cfg.model.path
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path or model_path)
+    examples, dropped = load_sft_examples(
+        sft_cfg.train_files, tokenizer, sft_cfg, val_size=cfg.data.builtin_val_size
+    )
+    if not examples:
+        raise ValueError(f"sft.train_files={sft_cfg.train_files}: no example fits sft.max_length")
+    dtype = torch.float32 if cfg.model.dtype == "auto" else resolve_dtype(cfg.model, device)
+    model = load_model(model_path, dtype=dtype, device=device)
+    checkpoints = CheckpointManager(out / "checkpoints", cfg.trainer.keep_last_k)
+    run_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=model_path))
+
+    def save(trainer: SFTTrainer, sampler, step: int) -> None:
+        write_sft_checkpoint(checkpoints, trainer, sampler, step, run_cfg, tokenizer)
+
+    def resume(trainer: SFTTrainer, sampler) -> int:
+        path = checkpoints.resolve_resume(cfg.trainer.resume)
+        if path is None:
+            return 0
+        state = trainer.core.load(path / "actor", trainable_only=False)
+        sampler.load_state_dict(state["sampler"])
+        print(f"resumed SFT from {path} (step {state['step']})")
+        return int(state["step"])
+
+    print(f"SFT: {len(examples)} examples ({dropped} longer than sft.max_length dropped)")
+    with Tracker(cfg.trainer.loggers, out, sft_cfg.total_steps) as tracker:
+        trainer = run_sft(
+            model,
+            examples,
+            sft_cfg,
+            device=device,
+            seed=cfg.trainer.seed,
+            pad_token_id=_pad_id(tokenizer),
+            log=tracker.log,
+            checkpoint=save,
+            save_freq=cfg.trainer.save_freq,
+            resume=resume,
+        )
+    final = out / "hf"
+    save_hf_model(trainer.model, tokenizer, final)
+    print(f"wrote the fine-tuned model to {final}")
+    return final
+
+
+def write_sft_checkpoint(checkpoints, trainer, sampler, step, run_cfg, tokenizer) -> Path:
+    """Same layout as an RL checkpoint (``actor/``, config, tokenizer): ``hybridflow export``
+    works on both."""
+    from hybridflow.trainer.run_state import write_model_files
+
+    def write(directory: Path) -> None:
+        trainer.core.save(
+            directory / "actor",
+            {"step": step, "sampler": sampler.state_dict()},
+            trainable_only=False,
+        )
+        write_model_files(directory, run_cfg, tokenizer, trainer.model.dtype)
+
+    return checkpoints.save(step, write, metadata={"kind": "sft"})
+
+
+def save_hf_model(model: torch.nn.Module, tokenizer, directory: Path) -> None:
+    """Model (save_pretrained) + tokenizer, as one Hugging Face directory."""
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(directory))
+    tokenizer.save_pretrained(str(directory))
+
+
+def _pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -1,0 +1,50 @@
+"""Loading the models a role needs, on the device of its worker."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridflow.config import ModelConfig
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def resolve_dtype(model_cfg: ModelConfig, device: str) -> torch.dtype:
+    """``model.dtype``: auto is bf16 on a GPU (the rollout engine reads these weights in
+    place, so they are what it samples with) and fp32 on the CPU."""
+    if model_cfg.dtype == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    return DTYPES[model_cfg.dtype]
+
+
+def training_dtype(model_cfg: ModelConfig) -> torch.dtype:
+    """Parameter dtype of the models being trained (actor, critic). ``auto`` keeps fp32 master
+    weights and computes in bf16 on a GPU (autocast, or FSDP2's mixed-precision policy):
+    with bf16 parameters an AdamW step of lr 1e-6 is below bf16's resolution (~4e-3 relative)
+    and most updates would be rounded away. The rollout engine then samples with a bf16 copy
+    refreshed at each weight sync."""
+    if model_cfg.dtype == "auto":
+        return torch.float32
+    return DTYPES[model_cfg.dtype]
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, device: str) -> nn.Module:
+    """A CausalLM from a local HF directory or a shape preset (random weights, fixed seed).
+
+    ``sft:<task>`` paths are resolved to a directory by the trainer before workers start."""
+    if path.startswith("sft:"):
+        raise ValueError(
+            f"model path {path!r} must be resolved to the cached SFT model directory first "
+            "(hybridflow.trainer.warm_start.resolve_model_path)"
+        )
+    from hybridflow.models import load_model
+
+    return load_model(path, dtype=dtype, device=device)
+
+
+def set_cpu_threads(config, device: str) -> None:
+    """Apply ``trainer.cpu_threads`` in this process when it computes on the CPU."""
+    threads = config.trainer.cpu_threads
+    if threads is not None and not str(device).startswith("cuda"):
+        torch.set_num_threads(threads)
