@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+from hybridflow.protocol import Batch
 from hybridflow.trainer.evaluation import headline, run_validation
 from hybridflow.trainer.metrics import (
     Timer,
@@ -22,7 +23,7 @@ from hybridflow.trainer.metrics import (
     rl_step_flops,
     throughput_metrics,
 )
-from hybridflow.trainer.roles import sync_weights
+from hybridflow.trainer.roles import Roles, sync_weights
 from hybridflow.trainer.run_state import save_checkpoint
 from hybridflow.trainer.stages import (
     RunContext,
@@ -33,8 +34,12 @@ from hybridflow.trainer.stages import (
 
 
 def train_step(run: RunContext) -> dict[str, float]:
-    """One RL step on ``data.train_batch_size`` prompts; returns its metrics."""
-    roles, timer, metrics = run.roles, Timer(), {}
+    """One RL step on ``data.train_batch_size`` prompts; returns its metrics.
+
+    ``roles.<role>.<method>(…)`` runs that method on the role's worker group; its Protocol
+    (trainer/role_handles.py) names the worker and learner code behind it."""
+    roles: Roles = run.roles
+    timer, metrics = Timer(), {}
     with timer("step"):
         batch, rollout_metrics = collect_rollouts(run, timer)  # times gen and reward
         metrics.update(rollout_metrics)
@@ -61,13 +66,7 @@ def train_step(run: RunContext) -> dict[str, float]:
             metrics.update(roles.actor.update(batch)[0])
         with timer("sync_weights"):
             sync_weights(roles)
-
-    mask = batch.tensors["response_mask"]
-    if "entropy" in batch.tensors:
-        metrics["actor/entropy"] = float((batch.tensors["entropy"] * mask).sum() / mask.sum())
-    metrics.update(data_metrics(batch.tensors, run.cfg.data.max_response_length))
-    metrics.update(timer.metrics())
-    metrics.update(_perf_metrics(run, batch, timer.seconds["step"]))
+    metrics.update(_step_metrics(run, batch, timer))
     return metrics
 
 
@@ -115,7 +114,19 @@ def _validate(run: RunContext) -> dict[str, float]:
     return metrics
 
 
-def _perf_metrics(run: RunContext, batch, step_seconds: float) -> dict[str, float]:
+def _step_metrics(run: RunContext, batch: Batch, timer: Timer) -> dict[str, float]:
+    """Entropy, lengths, scores, stage times and throughput of the finished step."""
+    metrics: dict[str, float] = {}
+    mask = batch.tensors["response_mask"]
+    if "entropy" in batch.tensors:
+        metrics["actor/entropy"] = float((batch.tensors["entropy"] * mask).sum() / mask.sum())
+    metrics.update(data_metrics(batch.tensors, run.cfg.data.max_response_length))
+    metrics.update(timer.metrics())
+    metrics.update(_perf_metrics(run, batch, timer.seconds["step"]))
+    return metrics
+
+
+def _perf_metrics(run: RunContext, batch: Batch, step_seconds: float) -> dict[str, float]:
     """Tokens/s per device, an MFU estimate (known GPUs only) and memory."""
     n_devices = run.derived.world_size
     num_tokens = int(batch.tensors["attention_mask"].sum())

@@ -10,24 +10,31 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from hybridflow.config import Config, Derived
+from hybridflow.trainer.role_handles import (
+    ActorHandle,
+    CriticHandle,
+    GroupHandle,
+    RefHandle,
+    RolloutHandle,
+)
 
 
 @dataclass
 class Roles:
-    """The controller's handles: ``roles.actor.update(batch)``, ``roles.rollout.generate(…)``."""
+    """The controller's handles: ``roles.actor.update(batch)``, ``roles.rollout.generate(…)``;
+    each field's Protocol (trainer/role_handles.py) names the worker code a call runs."""
 
-    actor: Any
-    rollout: Any
-    ref: Any | None
-    critic: Any | None
+    actor: ActorHandle
+    rollout: RolloutHandle
+    ref: RefHandle | None
+    critic: CriticHandle | None
     split: bool
     """Rollout on devices of its own: weights travel through the controller."""
     rollout_dp: int
     """Ranks of the rollout group (a generate batch is split over them)."""
-    groups: list[Any] = field(default_factory=list)
+    groups: list[GroupHandle] = field(default_factory=list)
 
     def shutdown(self) -> None:
         for group in self.groups:

@@ -7,13 +7,22 @@ controller never touches a model: generation and every forward pass are worker c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from hybridflow.config import Config, Derived
 from hybridflow.protocol import Batch
+from hybridflow.trainer.metrics import Timer
+from hybridflow.trainer.roles import Roles
+
+if TYPE_CHECKING:
+    from hybridflow.algos.kl import AdaptiveKLController, FixedKLController
+    from hybridflow.data.dataset import PromptDataset, PromptLoader
+    from hybridflow.rewards.managers import RewardManager
+    from hybridflow.trainer.checkpoint import CheckpointManager
+    from hybridflow.trainer.loggers import Tracker
 
 PROMPT_MASK = "prompt_mask"
 
@@ -24,17 +33,19 @@ class RunContext:
 
     cfg: Config
     derived: Derived
-    roles: Any
-    """trainer.roles.Roles"""
+    roles: Roles
+    """The worker groups' handles (trainer/role_handles.py says what each call runs)."""
     tokenizer: Any
-    loader: Any
-    """data.dataset.PromptLoader over the training prompts."""
-    val_dataset: Any | None
-    reward: Any
-    """rewards.RewardManager"""
-    kl_ctrl: Any
-    tracker: Any
-    checkpoints: Any
+    """An HF tokenizer, or the built-in character tokenizer (models/tokenizer.py)."""
+    loader: PromptLoader
+    """``next_batch()``: the next ``data.train_batch_size`` training prompts (the GRPO
+    benchmark passes fixed prompts with the same method, trainer/grpo_bench.py)."""
+    val_dataset: PromptDataset | None
+    reward: RewardManager
+    """``score(texts, ground_truths, …)`` (the GRPO benchmark passes random scores)."""
+    kl_ctrl: FixedKLController | AdaptiveKLController
+    tracker: Tracker | None
+    checkpoints: CheckpointManager
     step: int = 0
     flops_per_token: float | None = None
     history: dict[str, list] = field(default_factory=dict)
@@ -116,7 +127,7 @@ def next_prompts(run: RunContext, round_index: int) -> Batch:
     return prompts
 
 
-def collect_rollouts(run: RunContext, timer) -> tuple[Batch, dict[str, float]]:
+def collect_rollouts(run: RunContext, timer: Timer) -> tuple[Batch, dict[str, float]]:
     """Generate and score ``data.train_batch_size`` groups of ``rollout.n`` samples.
 
     DAPO dynamic sampling keeps only groups whose scores differ and draws more prompts
