@@ -1,13 +1,54 @@
 """`hybridflow` command line: config, train, sft, export, data, bench.
 
 Subcommands import their heavy modules only when they run, so `hybridflow --help` and
-`hybridflow config validate` stay instant.
+`hybridflow config validate` stay instant. Every subcommand is always listed: one whose
+module cannot be imported (a missing optional package, a broken install) says so in one line
+when it runs, with what to install, and exits with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+# Import name -> what `pip install` takes, where the two differ.
+PIP_NAMES = {
+    "yaml": "pyyaml",
+    "ray": "'hybridflow[ray]'",
+    "tensorboard": "'hybridflow[tensorboard]'",
+    "wandb": "'hybridflow[wandb]'",
+}
+
+# Subcommands whose parsers their own modules add: (name, module, adder, help).
+PACKAGE_SUBCOMMANDS = (
+    ("data", "hybridflow.data.cli", "add_data_subcommand", "prepare and check prompt data files"),
+    ("bench", "hybridflow.engine.bench_cli", "add_bench_subcommand", "benchmarks"),
+)
+
+
+class SubcommandUnavailable(Exception):
+    """A subcommand's module could not be imported; ``str()`` is the line users see."""
+
+
+def unavailable_reason(command: str, module: str, error: ImportError) -> str:
+    """One line: which import failed, why, and what to install."""
+    missing = (error.name or "").split(".")[0]
+    what = f"`hybridflow {command}` is unavailable: importing {module} failed ({error})"
+    if not missing or missing == "hybridflow":
+        return f"{what}; the hybridflow install is incomplete: reinstall it (pip install -e .)"
+    package = PIP_NAMES.get(missing, missing)
+    if isinstance(error, ModuleNotFoundError):
+        return f"{what}; install the missing package: pip install {package}"
+    return f"{what}; reinstall the package it names: pip install --force-reinstall {package}"
+
+
+def import_for(command: str, module: str):
+    """``module``, imported for ``command``; :class:`SubcommandUnavailable` when it fails."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise SubcommandUnavailable(unavailable_reason(command, module, error)) from None
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -60,13 +101,9 @@ def _run_trainer(kind: str, args) -> int:
     try:
         cfg = _load(args)
         if kind == "train":
-            from hybridflow.trainer.run import train
-
-            train(cfg)
+            import_for("train", "hybridflow.trainer.run").train(cfg)
         else:
-            from hybridflow.trainer.sft_loop import sft_main
-
-            sft_main(cfg)
+            import_for("sft", "hybridflow.trainer.sft_loop").sft_main(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -74,9 +111,8 @@ def _run_trainer(kind: str, args) -> int:
 
 
 def cmd_export(args) -> int:
-    from hybridflow.trainer.export import export_checkpoint
-
-    export_checkpoint(args.checkpoint, args.out)
+    export = import_for("export", "hybridflow.trainer.export")
+    export.export_checkpoint(args.checkpoint, args.out)
     print(f"wrote Hugging Face model directory {args.out}")
     return 0
 
@@ -103,27 +139,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out")
     p.set_defaults(func=cmd_export)
 
-    # Subcommands owned by their packages; each registers itself if importable.
-    for module, adder in (
-        ("hybridflow.data.cli", "add_data_subcommand"),
-        ("hybridflow.engine.bench_cli", "add_bench_subcommand"),
-    ):
+    # Subcommands owned by their packages: each adds its own parser when its module imports,
+    # and is listed all the same when it does not (running it then says why).
+    for name, module, adder, help_text in PACKAGE_SUBCOMMANDS:
         try:
-            mod = __import__(module, fromlist=[adder])
-        except ImportError:
-            continue
-        getattr(mod, adder)(sub)
+            getattr(import_for(name, module), adder)(sub)
+        except SubcommandUnavailable as unavailable:
+            _add_unavailable(sub, name, help_text, str(unavailable))
     return parser
+
+
+def _add_unavailable(sub, name: str, help_text: str, reason: str) -> None:
+    """A stand-in parser that takes any arguments and, when run, reports ``reason``."""
+    p = sub.add_parser(name, help=f"{help_text} (unavailable here: run it to see why)",
+                       add_help=False)  # fmt: skip
+
+    def report(args) -> int:
+        raise SubcommandUnavailable(reason)
+
+    p.set_defaults(func=report, takes_any_arguments=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "takes_any_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
     try:
         return int(args.func(args) or 0)
+    except SubcommandUnavailable as unavailable:
+        print(f"error: {unavailable}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as error:  # a package the command imports as it goes
+        print(f"error: {unavailable_reason(args.command, error.name, error)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

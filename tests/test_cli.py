@@ -1,8 +1,13 @@
+import importlib.abc
 import subprocess
 import sys
 import time
 
-from hybridflow.cli import main
+import pytest
+
+from hybridflow.cli import build_parser, main
+
+SUBCOMMANDS = ("config", "train", "sft", "export", "data", "bench")
 
 
 def test_validate_exit_codes(capsys):
@@ -39,3 +44,67 @@ def test_import_is_light():
     ).stdout.split()
     assert float(out[0]) < 1.0 and time.time() - t0 < 10
     assert out[1] == "False", "import hybridflow must not import torch"
+
+
+class FailingImport(importlib.abc.MetaPathFinder):
+    """Makes importing ``module`` fail as if the package ``missing`` were not installed."""
+
+    def __init__(self, module: str, missing: str):
+        self.module, self.missing = module, missing
+
+    def find_spec(self, name, path=None, target=None):
+        if name == self.module:
+            raise ModuleNotFoundError(f"No module named {self.missing!r}", name=self.missing)
+        return None
+
+
+@pytest.fixture
+def failing_import(monkeypatch):
+    def install(module: str, missing: str) -> None:
+        monkeypatch.delitem(sys.modules, module, raising=False)
+        monkeypatch.setattr(sys, "meta_path", [FailingImport(module, missing), *sys.meta_path])
+
+    return install
+
+
+def _listed(parser) -> set[str]:
+    return {a for action in parser._subparsers._group_actions for a in action.choices}
+
+
+def test_every_subcommand_listed():
+    assert _listed(build_parser()) == set(SUBCOMMANDS)
+
+
+@pytest.mark.parametrize(
+    "command, module, missing, argv",
+    [
+        ("data", "hybridflow.data.cli", "pyarrow", ["data", "check", "x.parquet"]),
+        ("bench", "hybridflow.engine.bench_cli", "triton", ["bench", "rollout", "--help"]),
+    ],
+)
+def test_subcommand_whose_module_fails_to_import_stays_listed_and_says_why(
+    failing_import, capsys, command, module, missing, argv
+):
+    failing_import(module, missing)
+    parser = build_parser()
+    assert _listed(parser) == set(SUBCOMMANDS)
+    assert "unavailable" in parser.format_help()
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert f"hybridflow {command}" in err and module in err and f"pip install {missing}" in err
+
+
+def test_train_whose_module_is_broken_exits_2_naming_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "hybridflow.trainer.run", None)  # a broken install
+    assert main(["train"]) == 2
+    err = capsys.readouterr().err
+    assert "hybridflow.trainer.run" in err and "reinstall" in err and "Traceback" not in err
+
+
+def test_unknown_arguments_still_rejected(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["config", "validate", "--no-such-flag"])
+    assert exit_info.value.code == 2
+    assert "--no-such-flag" in capsys.readouterr().err
