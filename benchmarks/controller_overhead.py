@@ -1,6 +1,6 @@
-"""Per-call overhead and Batch transfer bandwidth of the controller backends.
+"""`python benchmarks/controller_overhead.py`: per-call overhead and Batch bandwidth per backend.
 
-    .venv/bin/python benchmarks/controller_overhead.py [--backends inprocess local ray] [--world-size 2]
+    python benchmarks/controller_overhead.py [--backends inprocess local ray] [--world-size 2]
 
 For each backend, with one group of ``--world-size`` CPU workers:
 - ``noop``: a ONE_TO_ALL call without arguments (pure dispatch + round trip), median of N;

@@ -1,19 +1,22 @@
-"""GRPO step time: hybridflow vs TRL's GRPOTrainer on the same workload, in one process run.
+"""`python benchmarks/grpo_vs_trl.py`: GRPO s/step and tokens/s, hybridflow vs TRL's GRPOTrainer.
 
-    python benchmarks/grpo_vs_trl.py --which both            # H200: the issue's workload
+Both run the same workload in one process run; results: docs/performance.md, End-to-end
+GRPO vs TRL and 2-GPU scaling.
+
+    python benchmarks/grpo_vs_trl.py --which both            # one GPU: the workload below
     python benchmarks/grpo_vs_trl.py --which trl --preset tiny --prompts 4 --samples 2 \
         --prompt-len 8 --new-tokens 8 --steps 2                 # CPU smoke test
     python benchmarks/grpo_vs_trl.py --which hybridflow --scaling 1 2   # 2 H200s: scaling
     python benchmarks/grpo_vs_trl.py --which hybridflow --scaling 1 2 --device cpu \
         --preset tiny --prompts 2 --samples 2 --prompt-len 8 --new-tokens 8 --steps 2
 
-Workload (issue 8): a `qwen2.5-0.5b`-shaped model with random weights, 128 prompts × 8
+Default workload: a `qwen2.5-0.5b`-shaped model with random weights, 128 prompts × 8
 samples, 128-token prompts, 256 new tokens forced (no early stop), bf16, gradient
 checkpointing, lr 1e-6, no reference model (beta 0), one optimizer step per generation
 batch, 3 steps with the first excluded. Both sides get the same random-token prompts and
 a reward that scores random numbers (so advantages and gradients are non-zero).
 
-TRL runs with its own `model.generate` (no vLLM: not installable on our GPU machines).
+TRL generates with its own `model.generate` (its vLLM mode is not used).
 Prints a table: seconds per step, tokens/s (prompt + response tokens), peak GPU memory.
 
 ``--gpus N`` runs the hybridflow side on N GPUs (``local`` backend: one worker process per

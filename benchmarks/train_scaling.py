@@ -1,4 +1,4 @@
-"""Training throughput of the actor update on 1 vs N GPUs (weak scaling), and peak memory.
+"""`python benchmarks/train_scaling.py --gpus 1 2`: actor-update tokens/s/GPU, scaling, memory.
 
     python benchmarks/train_scaling.py --model qwen2.5-0.5b --gpus 1 2
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import socket
 import tempfile
@@ -30,6 +31,7 @@ def make_global_batch(rows: int, prompt_len: int, response_len: int, vocab: int,
     from hybridflow.protocol import Batch
 
     g = torch.Generator().manual_seed(seed)
+    old_logprob = 0.5 - math.log(vocab)
     prompts = torch.randint(10, vocab, (rows, prompt_len), generator=g)
     responses = torch.randint(10, vocab, (rows, response_len), generator=g)
     p_len = torch.randint(prompt_len // 4, prompt_len + 1, (rows,), generator=g)
@@ -43,7 +45,9 @@ def make_global_batch(rows: int, prompt_len: int, response_len: int, vocab: int,
             "attention_mask": torch.cat([p_mask, r_mask], 1).long(),
             "response_mask": r_mask.float(),
             "advantages": torch.randn(rows, response_len, generator=g) * r_mask,
-            "old_logprobs": (-torch.rand(rows, response_len, generator=g) * 4 - 8) * r_mask,
+            # Near a random-weight model's own log-probs (-log V): ratios stay about 1, so
+            # the PPO clip leaves the gradient non-zero at every vocabulary size.
+            "old_logprobs": (old_logprob - torch.rand(rows, response_len, generator=g)) * r_mask,
         }
     )
 

@@ -1,6 +1,8 @@
-"""Training throughput (fwd+bwd, bf16) of our packed CausalLM vs HF transformers (padded).
+"""`python benchmarks/train_throughput.py`: fwd+bwd tokens/s and MFU, ours packed vs HF padded.
 
     python benchmarks/train_throughput.py --preset qwen2.5-1.5b --json out.json
+
+Results: docs/performance.md, Training throughput (MFU).
 
 Same random sequences (lengths uniform in [min_len, max_len]) for every variant, grouped in
 micro-batches of at most --tokens-per-batch real tokens. Ours runs them packed (no padding);
@@ -10,7 +12,7 @@ FLOPs of one micro-batch (only real tokens count, padding is not useful work):
     model_flops = 6 * (P_nonembed + V*H) * tokens + 6 * n_layers * n_heads * head_dim * sum(L_i^2)
 P_nonembed excludes the embedding table; V*H is the lm_head matmul, which runs whether or not
 it is tied. The attention term is causal (half of 4*L^2*d per layer forward, x3 for fwd+bwd).
-The brief's narrower formula (no lm_head term) is reported as mfu_no_lm_head.
+The narrower formula without the lm_head term is reported as mfu_no_lm_head.
 MFU = model_flops / time / peak, with peak = 989 TFLOP/s (H100/H200 dense bf16 datasheet);
 the measured bf16 matmul ceiling of the same run is printed next to it.
 

@@ -54,7 +54,7 @@ def test_types_coerced():
     assert cfg.actor.max_tokens_per_gpu is None
 
 
-def test_issue_example_train_batch_divisibility():
+def test_indivisible_train_batch_names_the_multiple_to_use():
     msg = _problems(
         [
             "data.train_batch_size=60",

@@ -1,5 +1,5 @@
 """Advantage estimators: GAE, GRPO (+ Dr. GRPO, pass@k), RLOO, REINFORCE++ (+ baseline),
-ReMax, OPO, GPG. Formulas: ``shared/ALGORITHMS.md``; user docs: ``docs/algorithms.md``.
+ReMax, OPO, GPG. Formulas and how to choose one: ``docs/algorithms.md``.
 
 Conventions shared by every estimator:
 - Inputs are ``[B, T]`` response-aligned tensors; ``response_mask`` is 1 on tokens that

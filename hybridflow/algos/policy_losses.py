@@ -1,5 +1,5 @@
 """Policy-gradient losses: PPO (asymmetric + dual clip), GSPO, CISPO, SAPO, GPG, Clip-Cov,
-KL-Cov, GMPO (geo_mean). Formulas: ``shared/ALGORITHMS.md``; docs: ``docs/algorithms.md``.
+KL-Cov, GMPO (geo_mean). Formulas and how to choose one: ``docs/algorithms.md``.
 
 Every loss is a function registered with ``@register_policy_loss(name)`` that returns a
 per-token loss matrix ``[B, T]`` and a metrics dict; :func:`policy_loss` applies the

@@ -338,7 +338,8 @@ def _temperature(batch: Batch, temperature: float | None) -> float:
 
 def compile_layers(model: nn.Module) -> None:
     """``torch.compile`` each decoder layer (``model.compile``): fuses the norms, RoPE and
-    SwiGLU around the matmuls (+10% tokens/s on the H200, docs/PERFORMANCE.md). Dynamic
+    SwiGLU around the matmuls (+11% tokens/s on an H200: docs/performance.md, Training
+    throughput (MFU)). Dynamic
     shapes, because packed micro-batches change length every call. The rollout engine reads
     the same parameters and is unaffected."""
     for layer in model.model.layers:

@@ -3,8 +3,8 @@
 Packed backends, all taking q [N, n_heads, head_dim], k/v [N, n_kv_heads, head_dim] and
 cu_seqlens int32 [S+1] (sequence i owns tokens cu_seqlens[i]:cu_seqlens[i+1]):
 - "flash_varlen": PyTorch's bundled FlashAttention-2 varlen kernel (aten._flash_attention_*),
-  CUDA + fp16/bf16 only. No padding, GQA native. Default on CUDA (chosen by measurement,
-  docs/PERFORMANCE.md).
+  CUDA + fp16/bf16 only. No padding, GQA native. Default on CUDA (the fastest measured:
+  docs/performance.md, Training throughput (MFU)).
 - "flex": torch flex_attention with a document-causal block mask (compiled kernel).
 - "nested": SDPA on a jagged nested tensor.
 - "sdpa_loop": one SDPA call per sequence; the CPU path and the reference.

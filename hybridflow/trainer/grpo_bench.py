@@ -75,7 +75,7 @@ def bench_config(
     gpus: int = 1,
     overrides: tuple[str, ...] = (),
 ) -> Config:
-    """The issue-8 workload as a hybridflow config: one optimizer step per generation batch,
+    """The GRPO-vs-TRL workload (benchmarks/grpo_vs_trl.py) as a hybridflow config: one optimizer step per generation batch,
     lr 1e-6, no reference model, bf16, gradient checkpointing, no early stop.
 
     ``prompts`` is the global batch; each of the ``gpus`` rollout engines gets

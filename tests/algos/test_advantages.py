@@ -236,7 +236,7 @@ def test_gae_skips_masked_tokens_inside_a_response():
 
 
 def reference_group_advantages(name, scores, lengths, groups, norm_by_std=True, eps=1e-6):
-    """Per-sample loop over the formulas of ALGORITHMS.md."""
+    """Per-sample loop over the formulas of docs/algorithms.md."""
     members: dict = {}
     for i, group in enumerate(groups):
         members.setdefault(group, []).append(i)

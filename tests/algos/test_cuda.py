@@ -1,4 +1,4 @@
-"""The algos run unchanged on CUDA tensors and agree with CPU (device machine only)."""
+"""The algos run unchanged on CUDA tensors and agree with CPU (needs a CUDA device)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""CUDA paths: the fused packed attention kernels and bf16 numerics (run on the device machine)."""
+"""CUDA paths: the fused packed attention kernels and bf16 numerics (needs a CUDA device)."""
 
 import pytest
 import torch

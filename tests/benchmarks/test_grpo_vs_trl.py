@@ -1,6 +1,7 @@
-"""benchmarks/grpo_vs_trl.py --scaling on CPU: the 2-rank local-backend GRPO step (gloo,
-FSDP2 actor, one rollout engine per rank) runs end to end through the real train_step, at
-equal per-rank work, and the scaling numbers are computed from what was measured."""
+"""benchmarks/grpo_vs_trl.py on CPU: one hybridflow GRPO run prints its step table, and
+--scaling runs the 2-rank local-backend GRPO step (gloo, FSDP2 actor, one rollout engine per
+rank) end to end through the real train_step, at equal per-rank work, with the scaling
+numbers computed from what was measured."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from benchmark_run import run_benchmark
 
 from hybridflow.config import validate
 from hybridflow.trainer.grpo_bench import bench_config
@@ -65,3 +67,26 @@ def test_scaling_one_and_two_cpu_ranks(tmp_path):
         assert stages["timing_s/step"] >= stages["timing_s/update_actor"] + stages["timing_s/gen"]
     assert two["breakdown"]["timing_s/sync_weights"] > 0
     assert "scaling" in done.stdout and "2 GPU" in done.stdout
+
+
+def test_one_hybridflow_run_prints_its_step_table(tmp_path):
+    out_json = tmp_path / "grpo.json"
+    out = run_benchmark(
+        "grpo_vs_trl.py", "--which", "hybridflow", "--device", "cpu", "--preset", "tiny",
+        "--prompts", "2", "--samples", "2", "--prompt-len", "6", "--new-tokens", "5",
+        "--steps", "3", "--model-dir", str(tmp_path / "model"), "--json", str(out_json),
+    )  # fmt: skip
+    (result,) = json.loads(out_json.read_text())
+    assert len(result["all_steps_s"]) == 3
+    assert result["step_s"] == pytest.approx(sum(result["all_steps_s"][1:]) / 2)  # warm-up out
+    assert result["tokens_per_s"] * result["step_s"] == pytest.approx(2 * 2 * (6 + 5))
+    row = next(line for line in out.splitlines() if line.startswith(result["name"]))
+    step_s, tokens_per_s, _peak, *steps = row[len(result["name"]) :].split()
+    assert float(step_s) == pytest.approx(result["step_s"], abs=0.006)
+    assert float(tokens_per_s) == pytest.approx(result["tokens_per_s"], abs=0.6)
+    assert [float(s) for s in steps] == pytest.approx(result["all_steps_s"], abs=0.006)
+    stages = {line.split()[0]: float(line.split()[1]) for line in out.splitlines()
+              if line.startswith("  timing_s/")}  # fmt: skip
+    assert stages["timing_s/gen"] > 0 and stages["timing_s/update_actor"] > 0
+    assert stages["timing_s/step"] >= stages["timing_s/gen"] + stages["timing_s/update_actor"]
+    assert "controller (step - stages)" in out
