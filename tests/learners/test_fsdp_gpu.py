@@ -33,7 +33,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         batch = make_batch(ROWS, PROMPT, RESPONSE, vocab=151936, seed=31)
         cfg = dict(lr=1e-5, ppo_mini_batch_size=ROWS, max_tokens_per_gpu=2048, grad_clip=1e9)
 
-        def engine(group, **extra):
+        def learner(group, **extra):
             model = load_model(PRESET, dtype=torch.float32, device=device)
             return ActorLearner(
                 model,
@@ -64,7 +64,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             return recorded
 
         shard = list(range(rank * ROWS // 2, (rank + 1) * ROWS // 2))
-        actor = engine(None)
+        actor = learner(None)
         grads = first_step_gradient(actor)
         logprobs = actor.compute_logprobs(batch.index(shard))["old_logprobs"]
         metrics = actor.update(batch.index(shard))
@@ -91,7 +91,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         torch.cuda.empty_cache()
         # FSDP2 CPU offload of parameters (optimizer step on the CPU): same first update.
         cfg["param_offload"] = True
-        offloaded = engine(None)
+        offloaded = learner(None)
         offload_metrics = offloaded.update(batch.index(shard))
         cfg["param_offload"] = False
         del offloaded
@@ -110,7 +110,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
         # LoRA under FSDP2: only adapters move; the reference is the base model.
         lora_cfg = ModelConfig(path=PRESET, lora_rank=8, lora_alpha=16)
-        lora_actor = engine(None, model_cfg=lora_cfg)
+        lora_actor = learner(None, model_cfg=lora_cfg)
         lora_actor.cfg.lr = 1e-3
         base = lora_actor.compute_logprobs(batch.index(shard))["old_logprobs"]
         lora_actor.update(batch.index(shard))
@@ -125,7 +125,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         torch.cuda.empty_cache()
 
         if rank == 0:  # the same global mini-batch on one rank
-            solo = engine(solo_group)
+            solo = learner(solo_group)
             solo_grads = first_step_gradient(solo)
             result["solo_logprobs"] = solo.compute_logprobs(batch)["old_logprobs"]
             result["solo_metrics"] = solo.update(batch)
