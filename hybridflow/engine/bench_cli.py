@@ -1,24 +1,21 @@
 """`hybridflow bench rollout`: engine throughput next to HF transformers generate, same run.
 
     hybridflow bench rollout --preset qwen2.5-0.5b --prompts 256 --prompt-len 128 --new-tokens 256
+    hybridflow bench rollout --preset qwen2.5-1.5b --prompts 64 --n 8 --engine decode_layer=split
     python -m hybridflow.engine.bench_cli rollout --preset tiny --prompts 8 --new-tokens 16 --device cpu
 
 Random-weight presets never emit EOS on purpose, so every sample runs to --new-tokens
 (ignore_eos on the engine, min_new_tokens on HF): both sides generate the same token count.
+`--engine NAME=VALUE` sets any EngineOptions field (hybridflow/engine/options.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import sys
 import time
-
-# --pdl: (pdl.ENABLED, pdl.PREFETCH_WEIGHTS, pdl.PREFETCH_KV)
-PDL_MODES = {
-    "auto": (None, True, False), "on": (True, True, True), "off": (False, True, False),
-    "noprefetch": (True, False, False), "weights": (True, True, False), "kv": (True, False, True),
-}  # fmt: skip
 
 
 def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,51 +28,16 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--device", default=None, help="default: cuda if available")
-    p.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"])
+    p.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"],
+                   help="EngineOptions.decode_backend")  # fmt: skip
     p.add_argument("--no-graphs", action="store_true", help="eager decode steps")
-    p.add_argument("--fuse", default="all", choices=["none", "qkv", "all"],
-                   help="Engine(fuse_projections=...)")  # fmt: skip
-    p.add_argument("--steps-per-sync", type=int, default=8)
-    p.add_argument("--prefill-tokens", type=int, default=None,
-                   help="Engine(max_prefill_tokens=...): prompt tokens per packed prefill pass "
-                   "(default: the engine's)")  # fmt: skip
-    p.add_argument("--matmul", default="auto", choices=["auto", "cublas", "triton"],
-                   help="Engine(decode_matmul=...)")  # fmt: skip
-    p.add_argument("--fuse-norms", default="auto", choices=["auto", "on", "off"],
-                   help="Engine(fuse_norms=...)")  # fmt: skip
-    p.add_argument("--pdl", default="auto", choices=sorted(PDL_MODES),
-                   help="programmatic dependent launch of the decode kernels (engine/pdl.py); "
-                   "noprefetch / weights / kv: PDL with no / only that L2 prefetch")  # fmt: skip
-    p.add_argument("--ahead", default="off", choices=["on", "off", "noevict"],
-                   help="chain matmuls prefetch the weight two launches ahead (chain.py), with "
-                   "cached K/V loaded evict-first (noevict: without that)")  # fmt: skip
-    p.add_argument("--kv-layout", default=None, choices=["token", "head"],
-                   help="KV cache storage order (engine/kv_cache.py LAYOUT; default: its "
-                   "current value)")  # fmt: skip
-    p.add_argument(
-        "--tma",
-        default="auto",
-        choices=["auto", "on", "off"],
-        help="gemm_nt tiles through TMA tensor descriptors (engine/gemm.py TMA)",
-    )
-    p.add_argument("--persistent", default=None, choices=["on", "off"],
-                   help="also time persistent gate/up kernels (engine/matmul_choice.py "
-                   "PERSISTENT; default: its current value)")  # fmt: skip
-    p.add_argument("--store-last", default=None, choices=["tune", "on", "off"],
-                   help="decode attention stores the new token's k/v after its loop "
-                   "(engine/attention_kernels.py STORE_LAST; tune: timed with each tile; "
-                   "default: its current value)")  # fmt: skip
-    p.add_argument("--lean", default=None, choices=["auto", "qkv+mlp", "qkv", "mlp", "off"],
-                   help="decode layers with the norms inside attention and SiLU*up "
-                   "(engine/lean.py MODE; auto: timed against the other paths; default: its "
-                   "current value)")  # fmt: skip
-    p.add_argument("--shared-prefix", default=None, choices=["auto", "off"],
-                   help="with --n > 1, decode attention reads each prompt's prefix once per "
-                   "group of its samples (engine/shared_prefix.py MODE; default: its current "
-                   "value)")  # fmt: skip
-    p.add_argument("--sync-lag", type=int, default=None, choices=[0, 1],
-                   help="host reads of each chunk's flags and tokens lag the device by this "
-                   "many chunks (loop.SYNC_LAG; default: its current value)")  # fmt: skip
+    p.add_argument("--engine", action="append", default=[], metavar="NAME=VALUE",
+                   help="an EngineOptions field, e.g. decode_layer=split or steps_per_sync=16 "
+                   "(repeatable)")  # fmt: skip
+    p.add_argument("--cache-dir", default=None,
+                   help="pin the engine's timing choices here (EngineOptions.cache_dir)")  # fmt: skip
+    p.add_argument("--retune", action="store_true",
+                   help="time the engine's kernel choices again (EngineOptions.retune)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=1, help="timed runs (the median is kept)")
     p.add_argument("--hf", dest="hf", action="store_true", default=True)
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HF baseline")
@@ -89,8 +51,38 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="also write the results to this file")
 
 
+def parse_engine_settings(pairs: list[str]) -> dict:
+    """["decode_layer=split", "steps_per_sync=16"] -> {"decode_layer": "split", ...}: VALUE
+    is a Python literal (16, None, True), else a string."""
+    out = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--engine {pair!r}: expected NAME=VALUE")
+        try:
+            out[name] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            out[name] = text
+    return out
+
+
+def engine_options(args):
+    """The EngineOptions of a `bench rollout` command line (ValueError naming a bad field)."""
+    from hybridflow.engine.options import EngineOptions
+
+    values = parse_engine_settings(getattr(args, "engine", []) or [])
+    values.setdefault("decode_backend", getattr(args, "backend", "auto"))
+    if getattr(args, "no_graphs", False):
+        values.setdefault("cuda_graphs", False)
+    if getattr(args, "cache_dir", None):
+        values.setdefault("cache_dir", args.cache_dir)
+    if getattr(args, "retune", False):
+        values.setdefault("retune", True)
+    return EngineOptions.from_dict(values).checked()
+
+
 def add_bench_subcommand(subparsers) -> None:
-    """Register `bench rollout` on the CLI's subparsers (the lead wires it into cli.py)."""
+    """Register `bench rollout` on the CLI's subparsers."""
     bench = subparsers.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     rollout = bench_sub.add_parser("rollout", help="generation engine vs HF generate")
@@ -99,6 +91,11 @@ def add_bench_subcommand(subparsers) -> None:
 
 
 def run_rollout_command(args) -> int:
+    try:
+        engine_options(args)
+    except ValueError as error:  # a bad --engine field: say which, no traceback
+        print(f"hybridflow bench rollout: {error}", file=sys.stderr)
+        return 2
     result = bench_rollout(args)
     print_result(result)
     if args.json:
@@ -169,62 +166,12 @@ def bench_engine(model, prompts, args, device) -> dict:
 
     from hybridflow.engine import Engine, SamplingParams
 
-    try:
-        from hybridflow.engine import pdl
-    except ImportError:  # no triton: the torch decode path, nothing to launch with PDL
-        pdl = None
-    mode = getattr(args, "pdl", "auto")
-    if pdl is not None:  # process-wide: set before any graph is captured
-        pdl.ENABLED, pdl.PREFETCH_WEIGHTS, pdl.PREFETCH_KV = PDL_MODES[mode]
-        from hybridflow.engine import attention_kernels, chain
-
-        ahead = getattr(args, "ahead", "off")
-        chain.PREFETCH_AHEAD = ahead != "off"
-        attention_kernels.KV_EVICT_FIRST = ahead == "on"
-    from hybridflow.engine import kv_cache
-
-    if getattr(args, "kv_layout", None):  # process-wide, read when the cache is allocated
-        kv_cache.LAYOUT = args.kv_layout
-    tma = getattr(args, "tma", "auto")
-    if pdl is not None:  # process-wide, read at each launch (graph capture included)
-        from hybridflow.engine import gemm
-
-        gemm.TMA = {"auto": None, "on": True, "off": False}[tma]
-        if getattr(args, "persistent", None):  # read when a gate/up shape is first tuned
-            from hybridflow.engine import matmul_choice
-
-            matmul_choice.PERSISTENT = args.persistent == "on"
-        if getattr(args, "store_last", None):  # read when an attention shape is first tuned
-            from hybridflow.engine import attention_kernels
-
-            attention_kernels.STORE_LAST = {"tune": None, "on": True, "off": False}[args.store_last]
-        if getattr(args, "lean", None):  # read at each decode forward (graph capture too)
-            from hybridflow.engine import lean
-
-            lean.MODE = args.lean
-        if getattr(args, "shared_prefix", None):  # read at each generate()
-            from hybridflow.engine import shared_prefix
-
-            shared_prefix.MODE = args.shared_prefix
-    from hybridflow.engine import loop
-
-    if getattr(args, "sync_lag", None) is not None:
-        loop.SYNC_LAG = args.sync_lag
+    options = engine_options(args)
     engine = Engine(
         model,
         max_batch_size=args.max_batch_size or len(prompts) * args.n,
         max_seq_len=args.prompt_len + args.new_tokens,
-        decode_backend=args.backend,
-        cuda_graphs=None if not args.no_graphs else False,
-        steps_per_sync=args.steps_per_sync,
-        **(
-            {"max_prefill_tokens": args.prefill_tokens}
-            if getattr(args, "prefill_tokens", None)
-            else {}
-        ),
-        fuse_projections=getattr(args, "fuse", "all"),
-        decode_matmul=getattr(args, "matmul", "auto"),
-        fuse_norms=getattr(args, "fuse_norms", "auto"),
+        options=options,
     )
     stop_ids = stop_ids_for_mean_length(
         model.config.vocab_size, getattr(args, "mean_length", None), args.seed
@@ -251,40 +198,20 @@ def bench_engine(model, prompts, args, device) -> dict:
     tokens = sum(len(c.token_ids) for c in completions)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     slots = engine.num_slots
-    matmul, chain = engine.matmul, engine.chain
+    pinned = engine.pinned_choices()["choices"]
     engine.release()
     return {
         "backend": engine.decode_backend, "cuda_graphs": engine.cuda_graphs, "slots": slots,
-        "fuse": engine.fuse_projections,
-        "steps_per_sync": args.steps_per_sync, "max_prefill_tokens": engine.max_prefill_tokens,
+        "fuse": engine.fuse_projections, "options": options.to_dict(),
+        "launch": None if engine.launch is None else vars(engine.launch),
         "tokens": tokens, "seconds": seconds,
         "tokens_per_s": tokens / seconds, "ttft_s": ttft, "peak_mem_gib": peak / 2**30,
         "warmup_s": warmup, "stopped": stopped, "runs_s": [round(r, 4) for r in runs],
-        "ahead": getattr(args, "ahead", "off"), "kv_layout": kv_cache.LAYOUT,
-        "tma": tma, "persistent": _persistent(), "sync_lag": "auto" if loop.SYNC_LAG is None else loop.SYNC_LAG,
-        "pdl": f"{mode} ({'on' if pdl and pdl.enabled(torch.empty(0, device=device)) else 'off'})",
-        "matmul": matmul.mode if matmul else None,
-        "matmul_timings_us": {str(k): v for k, v in matmul.timings.items()} if matmul else {},
-        "fuse_norms": chain.mode if chain else None, "lean": _lean_mode(),
-        "shared_prefix": _shared_prefix_mode(),
-        "attention_tiles": _attention_tiles(),
-        "chain_decisions": {str(k): v for k, v in chain.decisions.items()} if chain else {},
-        "chain_timings_us": chain.timings if chain else {},
+        "choices": pinned,
+        "decode_layer_timings_us": engine.chooser.timings if engine.chooser else {},
+        "matmul_timings_us": {str(k): v for k, v in engine.matmul.timings.items()}
+        if engine.matmul else {},
     }  # fmt: skip
-
-
-def _shared_prefix_mode() -> str | None:
-    try:
-        from hybridflow.engine import shared_prefix
-    except ImportError:  # no triton: the torch backend never shares
-        return None
-    return shared_prefix.MODE
-
-
-def _lean_mode() -> str:
-    from hybridflow.engine import lean
-
-    return lean.MODE
 
 
 def bench_hf(model, prompts, args, device) -> dict:
@@ -369,21 +296,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def _attention_tiles() -> dict:
-    """The decode attention tile autotuning kept, per tuning key (for the notes)."""
-    try:
-        from hybridflow.engine import attention_kernels
-    except ImportError:  # no triton
-        return {}
-    cache = getattr(attention_kernels._decode_attention_tuned, "cache", {})
-    return {str(key): str(config) for key, config in cache.items()}
-
-
-def _persistent() -> bool | None:
-    try:
-        from hybridflow.engine import matmul_choice
-    except ImportError:  # no triton
-        return None
-    return matmul_choice.PERSISTENT

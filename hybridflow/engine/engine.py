@@ -5,8 +5,9 @@
     engine.release()  # KV cache freed; the next generate() allocates it again
 
 The Engine owns the device memory (KV cache, decode state, fused weight copies, captured
-graphs) and the choices made per shape; one generate() call's host bookkeeping (admission,
-chunks of decode steps, reading tokens back one chunk late) is loop.GenerationLoop.
+graphs) and the choices made per shape (pinned across processes: choices.py); one generate()
+call's host bookkeeping (admission, chunks of decode steps, reading tokens back one chunk
+late) is scheduler.GenerationLoop. Every choice is an EngineOptions field (options.py).
 """
 
 from __future__ import annotations
@@ -20,16 +21,13 @@ import numpy as np
 import torch
 
 from hybridflow.engine import kv_cache
-from hybridflow.engine.forward import (
-    DECODE_FORWARDS,
-    FusedProjections,
-    RopeTable,
-    prefill_forward,
-    prefill_forward_triton,
-)
+from hybridflow.engine.choices import PinnedChoices, choices_path, identity
 from hybridflow.engine.graphs import DecodeRunner
-from hybridflow.engine.loop import GenerationLoop, PromptTable, cyclic_gc_paused
+from hybridflow.engine.kernels.launch import PLAIN
+from hybridflow.engine.options import EngineOptions
+from hybridflow.engine.prefill import RopeTable, prefill_forward
 from hybridflow.engine.sampling import SamplingParams, request_seeds, split_seed
+from hybridflow.engine.scheduler import GenerationLoop, PromptTable, cyclic_gc_paused
 from hybridflow.engine.state import DecodeState
 
 
@@ -51,6 +49,15 @@ def _triton_available() -> bool:
     return True
 
 
+def _resolve_backend(requested: str, device: torch.device) -> str:
+    if requested == "auto":
+        return "triton" if device.type == "cuda" and _triton_available() else "torch"
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # kernel tests on CPU
+    if requested == "triton" and device.type != "cuda" and not interpreted:
+        raise ValueError("decode_backend='triton' needs the model on a CUDA device")
+    return requested
+
+
 class Engine:
     """Generation engine over a hybridflow CausalLM's parameters (in place, no copy).
 
@@ -62,36 +69,8 @@ class Engine:
         max_seq_len: prompt + generated tokens per sequence.
         memory_budget: KV-cache bytes (int), fraction of free device memory (float in (0, 1]),
             or None (all of max_batch_size if it fits in 90% of free memory).
-        decode_backend: "auto" (triton on CUDA when importable, else torch), "triton", "torch".
-        cuda_graphs: replay decode steps as CUDA graphs (default: on for CUDA).
-        steps_per_sync: decode steps between two host checks for finished sequences (8 was
-            fastest of 8/16/32/64 on an H200, docs/PERFORMANCE.md). The host reads each
-            chunk's flags one chunk late (loop.SYNC_LAG), so a finished row's slot is refilled up
-            to two chunks after it finished.
-        max_prefill_tokens: prompt tokens per packed prefill pass (bounds activation memory).
-        fuse_projections: triton backend: "all" (default) keeps a concatenated copy of each
-            layer's q/k/v and gate/up weights (one matmul instead of three, one instead of two;
-            the copy is ~70% of the non-embedding weights, refreshed from the parameters at
-            every generate(), freed by release(), outside memory_budget); "qkv" copies q/k/v
-            only (~10%); "none" reads every weight in place. Measured on an H200, 0.5B, 256
-            prompts: all 128k, qkv 122k, none 113k tok/s (docs/PERFORMANCE.md).
-        decode_matmul: triton backend: "auto" (default) times, once per shape, cuBLAS +
-            the silu_mul kernel against a Triton matmul with SiLU*up in its epilogue for the
-            MLP's gate/up projection, and keeps the faster (matmul_choice.DecodeMatmul; the
-            other matmuls are cuBLAS: it won every other decode shape). "cublas" never uses Triton;
-            "triton" always does for gate/up. H200, 256 prompts: auto 150k vs cublas 140k
-            tok/s on 0.5b (Triton chosen), equal on 1.5b (cuBLAS chosen; NOTES.md, run 5).
-        fuse_norms: triton backend with fuse_projections="all", decode batches up to 1024
-            rows: the five-launch decode layer (chain.py: RMSNorms and residual adds inside
-            the matmuls) instead of the eight-launch one. "auto" (default): times both, once
-            per batch-size bucket (~4 s of warm-up), keeps the chain only when its forward is
-            2% faster; "on": always; "off": never. With programmatic dependent launch (pdl.py;
-            the chain is all Triton, so every launch overlaps the previous one) the chain won
-            at 0.5b/256 on the H200: 167k vs 153k tok/s; the split path wins at 1024 rows and
-            on 1.5b, where "auto" keeps it (NOTES.md, run 8). A third decode layer
-            (lean.py: cuBLAS matmuls, the norms inside attention and SiLU*up) joins the
-            timing when `lean.MODE` is "auto", the default since it won 1.3-1.9% end to end
-            (NOTES.md, run 15).
+        options: EngineOptions (every choice of how to run; the defaults are the fastest
+            measured).
     """
 
     def __init__(
@@ -100,14 +79,7 @@ class Engine:
         max_batch_size: int = 256,
         max_seq_len: int = 2048,
         memory_budget: int | float | None = None,
-        *,
-        decode_backend: str = "auto",
-        cuda_graphs: bool | None = None,
-        steps_per_sync: int = 8,
-        max_prefill_tokens: int = 16384,
-        fuse_projections: str = "all",
-        decode_matmul: str = "auto",
-        fuse_norms: str = "auto",
+        options: EngineOptions | None = None,
     ):
         self.model = model
         self.config = model.config
@@ -119,41 +91,89 @@ class Engine:
                 f"max_seq_len={max_seq_len} exceeds sliding_window={window}: the engine attends "
                 "to the full prefix (like the model), so lower max_seq_len to the window"
             )
+        self.options = options = (options or EngineOptions()).checked()
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.memory_budget = memory_budget
-        self.steps_per_sync = steps_per_sync
-        self.max_prefill_tokens = max_prefill_tokens
+        self.steps_per_sync = options.steps_per_sync
+        self.max_prefill_tokens = options.max_prefill_tokens
         from hybridflow.models.llama import CausalLM
 
         self.native = isinstance(model, CausalLM)  # else: slow path (slow.py)
-        if decode_backend == "auto":
-            use_triton = self.device.type == "cuda" and _triton_available()
-            decode_backend = "triton" if use_triton else "torch"
-        if decode_backend not in DECODE_FORWARDS:
-            raise ValueError(f"decode_backend={decode_backend!r} not in {sorted(DECODE_FORWARDS)}")
-        interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # kernel tests on CPU
-        if decode_backend == "triton" and self.device.type != "cuda" and not interpreted:
-            raise ValueError("decode_backend='triton' needs the model on a CUDA device")
-        if fuse_projections not in ("none", "qkv", "all"):
-            raise ValueError(f"fuse_projections={fuse_projections!r} not in none/qkv/all")
-        self.fuse_projections = fuse_projections if decode_backend == "triton" else "none"
+        self.decode_backend = _resolve_backend(options.decode_backend, self.device)
+        triton_backend = self.decode_backend == "triton"
+        cuda = self.device.type == "cuda"
+        self.cuda_graphs = cuda if options.cuda_graphs is None else options.cuda_graphs
+        self.sync_lag = int(cuda) if options.sync_lag is None else options.sync_lag
+        self.fuse_projections = options.fuse_projections if triton_backend else "none"
+        self.pinned = self._pinned_choices() if triton_backend else PinnedChoices()
         self.fused = None
-        self.matmul = self.chain = None
-        if decode_backend == "triton":
-            from hybridflow.engine.chain import DecodeChain
-            from hybridflow.engine.matmul_choice import DecodeMatmul
+        self.matmul = self.chain = self.chooser = None
+        self.launch = None
+        if triton_backend:
+            from hybridflow.engine.kernels.launch import launch_for
+            from hybridflow.engine.layers.chain import DecodeChain
+            from hybridflow.engine.layers.chooser import DecodeLayerChooser
+            from hybridflow.engine.layers.matmul_choice import DecodeMatmul
 
+            self.launch = launch_for(self.device, options.pdl, options.prefetch_weights,
+                                     options.tma)  # fmt: skip
             # kept across release(): shape choices
-            self.matmul = DecodeMatmul(decode_matmul)
-            self.chain = DecodeChain(fuse_norms)
-        self.decode_backend = decode_backend
-        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+            self.matmul = DecodeMatmul(options.decode_matmul, persistent=options.persistent_matmul,
+                                       pinned=self.pinned)  # fmt: skip
+            self.chain = DecodeChain(launch=self.launch, pinned=self.pinned)
+            self.chooser = DecodeLayerChooser(options.decode_layer, pinned=self.pinned)
+            self._pin_attention_tiles()
         self.cache: kv_cache.KVCache | None = None
         self.state: DecodeState | None = None
         self.runner: DecodeRunner | None = None
         self.rope = None
         self.prefill = prefill_forward
+
+    # -- pinned choices -------------------------------------------------------------------------
+
+    def _pinned_choices(self) -> PinnedChoices:
+        """The choices made by timing, read from options.cache_dir (choices.py)."""
+        import triton
+
+        gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        versions = {"torch": torch.__version__, "triton": triton.__version__}
+        ident = identity(self.config, self.dtype, gpu, self.options.timing_identity(), versions)
+        path = choices_path(self.options.cache_dir, ident) if self.options.cache_dir else None
+        return PinnedChoices(path, ident, retune=self.options.retune)
+
+    def _pin_attention_tiles(self) -> None:
+        from hybridflow.engine.kernels import attention
+
+        entries = {name[len("attention:"):]: value for name, value in self.pinned.entries.items()
+                   if name.startswith("attention:")}  # fmt: skip
+        attention.pin_tiles(entries)
+
+    def _record_choices(self) -> None:
+        """Every choice made so far into the pinned set, saved if any is new."""
+        if self.decode_backend != "triton":
+            return
+        from hybridflow.engine.kernels import attention
+
+        self.pinned.update({f"attention:{name}": entry
+                            for name, entry in attention.tuned_tiles().items()})  # fmt: skip
+        self.pinned.save()
+
+    def pinned_choices(self) -> dict:
+        """The timing choices this engine runs with (a checkpoint records them)."""
+        self._record_choices()
+        return {"identity": self.pinned.identity, "choices": dict(self.pinned.entries)}
+
+    def pin_choices(self, recorded: dict) -> bool:
+        """Run with choices recorded earlier (pinned_choices() of a run with the same model,
+        GPU, dtype, options and versions); False, and nothing changed, when they were made
+        for something else."""
+        if recorded.get("identity") != self.pinned.identity:
+            return False
+        self.pinned.update(recorded.get("choices", {}))
+        if self.decode_backend == "triton":
+            self._pin_attention_tiles()
+        return True
 
     # -- memory ---------------------------------------------------------------------------------
 
@@ -161,6 +181,8 @@ class Engine:
         cfg = self.config
         if self.decode_backend == "triton" and self.fuse_projections != "none":
             # Before the cache: a budget given as a fraction of free memory must see it used.
+            from hybridflow.engine.weights import FusedProjections
+
             self.fused = FusedProjections(self.model, gate_up=self.fuse_projections == "all")
         slot_bytes = kv_cache.bytes_per_slot(
             cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.max_seq_len,
@@ -180,15 +202,24 @@ class Engine:
         )  # fmt: skip
         self.state = DecodeState(slots, slots, self.max_seq_len, cfg.vocab_size, self.device)
         self.rope = RopeTable(cfg, self.max_seq_len, self.dtype, self.device)
-        decode_forward = DECODE_FORWARDS[self.decode_backend]
         self.prefill = prefill_forward
         if self.decode_backend == "triton":
-            kw = dict(fused=self.fused, matmul=self.matmul)
-            decode_forward = functools.partial(decode_forward, chain=self.chain, **kw)
-            self.prefill = functools.partial(prefill_forward_triton, **kw)
+            from hybridflow.engine.layers.chooser import decode_forward_triton
+            from hybridflow.engine.prefill import prefill_forward_triton
+
+            decode_forward = functools.partial(
+                decode_forward_triton, fused=self.fused, matmul=self.matmul, chain=self.chain,
+                chooser=self.chooser, launch=self.launch,
+                autotune=self.options.attention_autotune,
+            )  # fmt: skip
+            self.prefill = functools.partial(prefill_forward_triton, fused=self.fused,
+                                             matmul=self.matmul, launch=self.launch)  # fmt: skip
+        else:
+            from hybridflow.engine.layers.eager import decode_forward_torch as decode_forward
         self.runner = DecodeRunner(
             self.model, self.cache, self.state, self.rope, decode_forward,
             use_graphs=self.cuda_graphs, use_triton_sampler=self.decode_backend == "triton",
+            launch=self.launch or PLAIN,
         )  # fmt: skip
 
     def release(self) -> None:
@@ -278,18 +309,17 @@ class Engine:
         loop = GenerationLoop(self, table, params, seed_lo.tolist(), seed_hi.tolist())
         with cyclic_gc_paused():
             if self.device.type != "cuda":
-                return loop.run()
-            with torch.cuda.device(self.device):  # graphs and side streams on the model's GPU
-                return loop.run()
+                results = loop.run()
+            else:
+                with torch.cuda.device(self.device):  # graphs and side streams on its GPU
+                    results = loop.run()
+        self._record_choices()
+        return results
 
     def _shares_prefixes(self, params: SamplingParams) -> bool:
         """Whether this call's decode attention reads each prompt's prefix once per group
-        of its samples (shared_prefix.MODE; n > 1 on the triton backend)."""
-        if params.n < 2 or self.decode_backend != "triton":
-            return False
-        from hybridflow.engine import shared_prefix
-
-        return shared_prefix.MODE == "auto"
+        of its samples (options.shared_prefix; n > 1 on the triton backend)."""
+        return params.n > 1 and self.decode_backend == "triton" and self.options.shared_prefix
 
     def generate_padded(
         self, prompts: list[list[int]], params: SamplingParams, pad_token_id: int | None = None
@@ -306,7 +336,7 @@ class Engine:
 def padded_tensors(results: list[tuple], pad_token_id: int) -> dict[str, torch.Tensor]:
     """(token_ids, logprobs, reason) lists -> right-padded CPU tensors, through numpy: one
     flat conversion of all the numbers and a masked scatter (1024 x ~256 tokens: ~15 ms on
-    the CPU machine, against ~50 ms for torch.tensor on padded nested lists)."""
+    a 2-core CPU host, against ~50 ms for torch.tensor on padded nested lists)."""
     count = len(results)
     lengths = np.fromiter((len(r[0]) for r in results), dtype=np.int64, count=count)
     width = int(lengths.max()) if count else 0

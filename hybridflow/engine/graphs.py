@@ -11,15 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from hybridflow.engine.kernels.launch import PLAIN, Launch
 from hybridflow.engine.sampling import SamplingParams, sample_reference
 from hybridflow.engine.state import DecodeState, advance
-
-# Run the capture's warm-up steps (where the attention tile, the matmul tiles and the decode
-# path are tuned) with each row moved halfway through what it may still generate, not at its
-# first step: a call's attention time is spent mostly at longer lengths, and the tile that
-# wins at 129 cached positions is not the one that wins a call (H200: 0.5b/1024's best at 130
-# is 2-3% slower at 256 and 380; engine_attention.py --by-length, engine/NOTES.md run 15).
-TUNE_AT_MIDDLE = True
 
 
 def batch_buckets(max_rows: int) -> list[int]:
@@ -45,11 +39,13 @@ class DecodeRunner:
         decode_forward,
         use_graphs: bool,
         use_triton_sampler: bool,
+        launch: Launch = PLAIN,
     ):
         self.model, self.cache, self.state, self.rope = model, cache, state, rope
         self.decode_forward = decode_forward
         self.use_graphs = use_graphs
         self.use_triton_sampler = use_triton_sampler
+        self.launch = launch  # the fused sampler's (kernels/launch.py)
         self.buckets = batch_buckets(state.capacity)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -63,9 +59,9 @@ class DecodeRunner:
     def sample(self, logits, seed_lo, seed_hi, steps):
         """logits [B, V] -> (tokens [B] int64, logprobs [B] fp32), no host sync."""
         if self.use_triton_sampler:
-            from hybridflow.engine.sampler_kernels import sample_fused
+            from hybridflow.engine.kernels.sampler import sample_fused
 
-            return sample_fused(logits, self.params, seed_lo, seed_hi, steps)
+            return sample_fused(logits, self.params, seed_lo, seed_hi, steps, launch=self.launch)
         return sample_reference(logits, self.params, seed_lo, seed_hi, steps)
 
     # -- steps -------------------------------------------------------------------------------
@@ -96,12 +92,11 @@ class DecodeRunner:
             state.row_slots[:rows], max_len, **extra,
         )  # fmt: skip
         if self.use_triton_sampler:
-            from hybridflow.engine.sampler_kernels import sample_fused
+            from hybridflow.engine.kernels.sampler import sample_fused
 
             # sampling and the state update in the same kernels (one launch less per op)
-            sample_fused(
-                logits, self.params, state.seed_lo, state.seed_hi, state.generated, state=state
-            )
+            sample_fused(logits, self.params, state.seed_lo, state.seed_hi, state.generated,
+                         state=state, launch=self.launch)  # fmt: skip
             return
         tokens, logprobs = self.sample(
             logits, state.seed_lo[:rows], state.seed_hi[:rows], state.generated[:rows]
@@ -132,8 +127,12 @@ class DecodeRunner:
         # (Their output writes are overwritten by that step; the cache writes, at the middle
         # positions, by the step that reaches them, before any step reads them.)
         snapshot = [f.clone() for f in self.state._row_fields]
-        if TUNE_AT_MIDDLE:
-            self.state.move_to_middle(bucket, max_len)
+        # Warm up (and so tune the attention tile, the matmul tiles and the decode layer) with
+        # each row moved halfway through what it may still generate, not at its first step: a
+        # call's attention time is spent mostly at longer lengths, and the tile that wins at
+        # 129 cached positions is not the one that wins a call (H200: 0.5b/1024's best at 130
+        # was 2-3% slower at 256 and 380).
+        self.state.move_to_middle(bucket, max_len)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

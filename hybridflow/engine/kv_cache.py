@@ -1,14 +1,9 @@
 """Slot-based preallocated KV cache and its sizing from a memory budget.
 
-One slot holds one sequence (prompt + generated tokens) up to max_seq_len. Every user sees
-`keys`/`values` as [layers, slots + 1, max_seq_len, kv_heads, head_dim] and indexes them
-through their strides; the storage under that view is one of two layouts (LAYOUT):
-
-- "token": token-major inside a slot ([.., S, kv_heads, D] contiguous): a prefill writes each
-  prompt as one block; a decode attention program (one row, one kv head) reads its head's
-  D elements at a stride of kv_heads * D.
-- "head": head-major inside a slot ([.., kv_heads, S, D] contiguous): each attention program
-  reads one contiguous run of positions.
+One slot holds one sequence (prompt + generated tokens) up to max_seq_len: `keys`/`values`
+are [layers, slots + 1, max_seq_len, kv_heads, head_dim], token-major inside a slot (a
+prefill writes each prompt as one block; a decode attention program, one row and one kv head,
+reads its head's D elements at a stride of kv_heads * D). Kernels index through the strides.
 
 The extra last slot is a scratch slot: padded rows of a bucketed decode batch write there.
 """
@@ -18,13 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-# Storage order under the [L, slots + 1, S, kv_heads, D] view (module docstring); read at
-# allocation, so a change applies from the next Engine allocation on. Both measured the same
-# on the H200 (decode attention within 1-2%, engine/NOTES.md run 9); "token" stays.
-LAYOUT = "token"
-LAYOUTS = ("token", "head")
-
 
 @dataclass
 class KVCache:
@@ -106,19 +94,8 @@ def allocate_cache(
     dtype: torch.dtype,
     device: torch.device,
 ) -> KVCache:
-    """Zeroed K and V caches, viewed as [L, slots + 1, S, kv_heads, D] whatever the LAYOUT."""
-    if LAYOUT not in LAYOUTS:
-        raise ValueError(f"kv_cache.LAYOUT={LAYOUT!r} not in {LAYOUTS}")
-    head_major = LAYOUT == "head"
-    if head_major:
-        shape = (num_layers, slots + 1, kv_heads, max_seq_len, head_dim)
-    else:
-        shape = (num_layers, slots + 1, max_seq_len, kv_heads, head_dim)
-
-    def make() -> torch.Tensor:
-        # zeros, not empty: stale NaNs in never-written positions must not reach a masked
-        # softmax through 0 * NaN in a matmul.
-        storage = torch.zeros(shape, dtype=dtype, device=device)
-        return storage.transpose(2, 3) if head_major else storage
-
-    return KVCache(make(), make())
+    """Zeroed K and V caches [L, slots + 1, S, kv_heads, D]. Zeros, not empty: stale NaNs in
+    never-written positions must not reach a masked softmax through 0 * NaN in a matmul."""
+    shape = (num_layers, slots + 1, max_seq_len, kv_heads, head_dim)
+    return KVCache(torch.zeros(shape, dtype=dtype, device=device),
+                   torch.zeros(shape, dtype=dtype, device=device))  # fmt: skip

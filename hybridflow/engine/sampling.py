@@ -44,8 +44,8 @@ _SEED_SALT = 0x165667B1
 _SCAN_SALT = 0x85EBCA77  # differs from split * _GOLDEN (mod 2^32) for every split < 2^22
 
 SPLIT_SIZE = 4096
-"""Tokens per split of the hierarchical sampler (see the module docstring and NOTES.md, run 5:
-152k vocab -> 38 splits per row; short enough that the in-split walk is cheap)."""
+"""Tokens per split of the hierarchical sampler (see the module docstring: a 152k vocabulary
+is 38 splits per row; short enough that the in-split walk is cheap)."""
 
 
 @dataclass(frozen=True)

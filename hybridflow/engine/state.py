@@ -43,8 +43,7 @@ class DecodeState:
         """Built on the host and copied without a sync (a pageable copy would wait for the
         GPU's queue, e.g. the fused-weight refresh generate() has just launched), from one
         pinned buffer kept for the engine's life (a fresh pinned tensor per call can mean a
-        cudaHostAlloc: up to ~5 ms of host time at a call's start on the H200, NOTES.md run
-        15). Ids outside the vocabulary (a tokenizer's eos on a smaller model) can never be
+        cudaHostAlloc: up to ~5 ms of host time at a call's start on the H200). Ids outside the vocabulary (a tokenizer's eos on a smaller model) can never be
         sampled: ignored."""
         reachable = [i for i in stop_ids if 0 <= i < self.stop_mask.shape[0]]
         if not self.stop_mask.is_cuda:

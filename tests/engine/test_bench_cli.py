@@ -28,18 +28,27 @@ def test_bench_rollout_mean_length_stops_early(tmp_path):
     assert engine["stopped"] > 0 and engine["tokens"] < 8 * 40
 
 
-def test_bench_rollout_sets_and_records_shared_prefix(tmp_path, monkeypatch):
-    """--shared-prefix sets shared_prefix.MODE for the run and the JSON says which ran (on
-    the CPU's torch backend nothing is shared, and the tokens are the same count)."""
-    import pytest
-
-    shared_prefix = pytest.importorskip("hybridflow.engine.shared_prefix")
-    monkeypatch.setattr(shared_prefix, "MODE", "off")  # restored after the test
+def test_bench_rollout_passes_engine_options_and_records_them(tmp_path):
+    """--engine NAME=VALUE reaches EngineOptions (literals parsed) and the JSON records the
+    options the run used; the tokens are the same count."""
     out = tmp_path / "r.json"
     args = ["rollout", "--preset", "tiny", "--prompts", "2", "--prompt-len", "4",
             "--new-tokens", "3", "--n", "3", "--device", "cpu", "--dtype", "float32",
-            "--no-hf", "--shared-prefix", "auto", "--json", str(out)]  # fmt: skip
+            "--no-hf", "--engine", "steps_per_sync=2", "--engine", "shared_prefix=False",
+            "--engine", "sync_lag=None", "--json", str(out)]  # fmt: skip
     assert main(args) == 0
     engine = json.loads(out.read_text())["engine"]
-    assert engine["shared_prefix"] == "auto" == shared_prefix.MODE
+    assert engine["options"]["steps_per_sync"] == 2
+    assert engine["options"]["shared_prefix"] is False and engine["options"]["sync_lag"] is None
     assert engine["tokens"] == 2 * 3 * 3
+
+
+def test_bench_rollout_names_a_bad_engine_option_and_exits_2(capsys):
+    args = ["rollout", "--preset", "tiny", "--device", "cpu", "--no-hf",
+            "--engine", "decode_layer=fast", "--engine", "bogus=1"]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "bogus" in err and "Traceback" not in err
+    assert main(["rollout", "--preset", "tiny", "--device", "cpu", "--no-hf",
+                 "--engine", "decode_layer=fast"]) == 2  # fmt: skip
+    assert "decode_layer='fast'" in capsys.readouterr().err

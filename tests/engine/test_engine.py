@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from hybridflow.engine import Completion, Engine, SamplingParams
+from hybridflow.engine import Completion, Engine, EngineOptions, SamplingParams
 from hybridflow.models import build_model
 from hybridflow.models.logprobs import logprobs_from_hidden
 from hybridflow.models.presets import preset_config
@@ -204,37 +204,12 @@ def test_refuses_max_seq_len_beyond_sliding_window():
     assert Engine(model, max_batch_size=2, max_seq_len=32).max_seq_len == 32
 
 
-def test_head_major_cache_layout_gives_the_same_generation(model, monkeypatch):
-    """kv_cache.LAYOUT="head" stores each slot's K/V head-major under the same [L, slots + 1,
-    S, kv_heads, D] view: n samples (prefix fan-out), stops and batching read it through
-    strides: the same tokens, log-probs within fp32 rounding (SDPA's reduction order follows
-    the gathered tensor's strides, and 5 slots instead of 8 batch the rows differently)."""
-    from hybridflow.engine import kv_cache
-
-    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=10, seed=4)
-    expected = _engine(model).generate(PROMPTS, params)
-    monkeypatch.setattr(kv_cache, "LAYOUT", "head")
-    engine = _engine(model, max_batch_size=5)  # fewer slots than requests: slots are reused
-    got = engine.generate(PROMPTS, params)
-    keys = engine.cache.keys
-    assert keys.shape[2:] == (64, model.config.num_key_value_heads, model.config.head_dim)
-    assert keys.stride(3) == 64 * model.config.head_dim  # heads outermost inside a slot
-    assert _tokens(got) == _tokens(expected)
-    for a, b in zip(got, expected):
-        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
-    monkeypatch.setattr(kv_cache, "LAYOUT", "slot")
-    with pytest.raises(ValueError, match="LAYOUT"):
-        _engine(model).generate(PROMPTS[:1], params)
-
-
 @pytest.mark.parametrize("steps_per_sync", [1, 3])
-def test_lagged_host_reads_give_the_same_results(model, monkeypatch, steps_per_sync):
-    """The host reads each chunk's flags and tokens one chunk late (loop.SYNC_LAG = 1): with
-    early stops and slots reused through 2 slots, every request's tokens, log-probs and
-    finish reason equal those of the wait-for-every-chunk loop (SYNC_LAG = 0). (Log-probs to
-    fp32 rounding: rows are admitted at other steps, so a step's batch size differs.)"""
-    from hybridflow.engine import loop as loop_module
-
+def test_lagged_host_reads_give_the_same_results(model, steps_per_sync):
+    """The host reads each chunk's flags and tokens one chunk late (sync_lag=1): with early
+    stops and slots reused through 2 slots, every request's tokens, log-probs and finish
+    reason equal those of the wait-for-every-chunk loop (sync_lag=0). (Log-probs to fp32
+    rounding: rows are admitted at other steps, so a step's batch size differs.)"""
     prompts = PROMPTS * 3
     sampling = dict(n=2, temperature=1.0, max_new_tokens=12, seed=4, ignore_eos=True)
     free = _engine(model).generate(prompts, SamplingParams(**sampling))
@@ -244,8 +219,9 @@ def test_lagged_host_reads_give_the_same_results(model, monkeypatch, steps_per_s
     params = SamplingParams(**sampling, stop_token_ids=[stop])
     results = {}
     for lag in (0, 1):
-        monkeypatch.setattr(loop_module, "SYNC_LAG", lag)
-        engine = _engine(model, max_batch_size=2, steps_per_sync=steps_per_sync)
+        options = EngineOptions(sync_lag=lag, steps_per_sync=steps_per_sync)
+        engine = _engine(model, max_batch_size=2, options=options)
+        assert engine.sync_lag == lag
         results[lag] = engine.generate(prompts, params)
     assert _tokens(results[1]) == _tokens(results[0])
     assert [c.finish_reason for c in results[1]] == [c.finish_reason for c in results[0]]
@@ -270,7 +246,7 @@ def test_one_new_token_per_request(model):
 def test_cyclic_gc_is_paused_inside_generate_and_restored(model, monkeypatch):
     import gc
 
-    from hybridflow.engine import loop as loop_module
+    from hybridflow.engine import scheduler as loop_module
 
     seen = []
     run = loop_module.GenerationLoop.run
@@ -317,7 +293,7 @@ def test_a_bad_prompt_past_the_first_prefill_is_named_and_the_engine_recovers(mo
     """Token ids are range-checked in pieces: the first admission's prompts before its prefill,
     the rest while it runs. A bad id in a later admission still raises before any result, and
     the rows the first admission left in the decode state do not leak into the next call."""
-    engine = _engine(model, max_seq_len=32, max_prefill_tokens=8)
+    engine = _engine(model, max_seq_len=32, options=EngineOptions(max_prefill_tokens=8))
     vocab = model.config.vocab_size
     good = [[3, 4, 5, 6], [7, 8, 9, 10], [11, 12, 13], [14, 15]]
     params = SamplingParams(n=2, temperature=0.8, max_new_tokens=5, seed=4)
@@ -332,7 +308,7 @@ def test_a_bad_prompt_past_the_first_prefill_is_named_and_the_engine_recovers(mo
 def test_young_objects_are_collected_only_while_the_gpu_is_busy():
     import gc
 
-    from hybridflow.engine.loop import collect_young, cyclic_gc_paused
+    from hybridflow.engine.scheduler import collect_young, cyclic_gc_paused
 
     class Event:  # stands in for torch.cuda.Event
         def __init__(self, done):

@@ -8,7 +8,7 @@ from hybridflow.engine.state import DecodeState
 
 
 def test_move_to_middle_puts_rows_halfway_through_what_they_may_still_generate():
-    """The graph warm-up tunes kernels with rows moved there (graphs.TUNE_AT_MIDDLE): a row
+    """The graph warm-up tunes kernels with rows moved there (DecodeRunner._graph): a row
     with 9 tokens allowed and 1 generated moves 4 positions on, a row with 1 allowed stays,
     a row past max_len is clamped, and padding rows (finished, position 0) stay at 0."""
     state = DecodeState(rows=5, num_slots=4, max_seq_len=32, vocab_size=16, device="cpu")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from triton_device import triton_test_device
 
-from hybridflow.engine.shared_prefix import group_table
+from hybridflow.engine.kernels.shared_prefix import group_table
 
 pytestmark = [pytest.mark.gpu] if torch.cuda.is_available() else []
 
@@ -60,7 +60,7 @@ def test_shared_prefix_attention_equals_plain_attention(device, layout, rope):
 def test_other_group_sizes_equal_plain_attention(device, group_rows, monkeypatch):
     """The same batch with groups of up to 4 (the 9 rows of one prompt: 4 + 4 + 1) and 16
     (one group of 9; the prefix program's query block doubles to 128 rows)."""
-    from hybridflow.engine import shared_prefix
+    from hybridflow.engine.kernels import shared_prefix
 
     monkeypatch.setattr(shared_prefix, "GROUP_ROWS", group_rows)
     groups = _check_against_plain(device, "token", True)
@@ -73,7 +73,7 @@ def test_split_prefixes_equal_plain_attention(device, splits, monkeypatch):
     """Prefixes cut into 1-3 shares of 16-position tiles (the 37-token prefix: 3 tiles, so
     every share holds some; the 9-token one leaves shares empty), parked and merged by the
     last program of each (group, kv head) to arrive."""
-    from hybridflow.engine import shared_prefix
+    from hybridflow.engine.kernels import shared_prefix
 
     monkeypatch.setattr(shared_prefix, "PREFIX_CONFIG", (16, 4, 3))
     monkeypatch.setattr(shared_prefix, "PREFIX_SPLITS", splits)
@@ -82,7 +82,7 @@ def test_split_prefixes_equal_plain_attention(device, splits, monkeypatch):
 
 
 def test_prefix_splits_fill_about_two_waves(monkeypatch):
-    from hybridflow.engine import shared_prefix
+    from hybridflow.engine.kernels import shared_prefix
 
     assert shared_prefix.prefix_splits(512, 2) == shared_prefix.PREFIX_SPLITS == 1
     monkeypatch.setattr(shared_prefix, "PREFIX_SPLITS", None)
@@ -94,7 +94,7 @@ def test_prefix_splits_fill_about_two_waves(monkeypatch):
 
 
 def _check_against_plain(device, layout, rope) -> torch.Tensor:
-    from hybridflow.engine import attention_kernels
+    from hybridflow.engine.kernels import attention
     from hybridflow.models.presets import preset_config
     from hybridflow.models.rope import rope_cos_sin
 
@@ -118,7 +118,7 @@ def _check_against_plain(device, layout, rope) -> torch.Tensor:
         results = []
         for extra_args in ({}, {"shared": shared}):
             kc, vc = keys.clone(), values.clone()
-            out = attention_kernels.decode_attention_rope(
+            out = attention.decode_attention_rope(
                 q, k, v, cos, sin, positions, kc, vc, slots_t, seq, **extra_args
             )
             results.append((out, kc, vc))
@@ -126,12 +126,12 @@ def _check_against_plain(device, layout, rope) -> torch.Tensor:
         assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
     else:
         lengths_t = positions + 1
-        expected = attention_kernels.decode_attention(q, keys, values, slots_t, lengths_t, seq,
+        expected = attention.decode_attention(q, keys, values, slots_t, lengths_t, seq,
                                                       splits=1)  # fmt: skip
-        got = attention_kernels.decode_attention(q, keys, values, slots_t, lengths_t, seq,
+        got = attention.decode_attention(q, keys, values, slots_t, lengths_t, seq,
                                                  shared=shared)  # fmt: skip
         # a second launch finds the arrival counts back at zero (split prefixes)
-        again = attention_kernels.decode_attention(q, keys, values, slots_t, lengths_t, seq,
+        again = attention.decode_attention(q, keys, values, slots_t, lengths_t, seq,
                                                    shared=shared)  # fmt: skip
         assert torch.equal(again, got)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
@@ -142,7 +142,7 @@ def test_a_wrong_prefix_length_changes_the_output(device):
     """The comparison above can fail: the shared kernel reads a group's prefix from its
     first row's slot only, so a member whose own copy differs gets another output there
     (and in the engine every copy is the same, so this is the saving)."""
-    from hybridflow.engine import attention_kernels
+    from hybridflow.engine.kernels import attention
 
     heads, kv_heads, dim, seq = 4, 2, 16, 40
     prompts, lengths, slots = [0, 0, 0], [20, 20, 20], [0, 1, 2]
@@ -151,9 +151,9 @@ def test_a_wrong_prefix_length_changes_the_output(device):
     q = torch.randn(3, heads, dim, device=device)
     lengths_t = torch.tensor([25, 25, 25], device=device)
     slots_t = torch.tensor(slots, device=device)
-    plain = attention_kernels.decode_attention(q, keys, values, slots_t, lengths_t, seq, splits=1)
+    plain = attention.decode_attention(q, keys, values, slots_t, lengths_t, seq, splits=1)
     groups, first = group_table(prompts, lengths, slots, capacity=3)
-    shared = attention_kernels.decode_attention(q, keys, values, slots_t, lengths_t, seq,
+    shared = attention.decode_attention(q, keys, values, slots_t, lengths_t, seq,
                                                 shared=(first.to(device), groups.to(device)))  # fmt: skip
     # row 1 read row 0's prefix copy in the shared kernel: differs; rows 0 and 2 agree
     assert not torch.allclose(shared[1], plain[1], atol=1e-3)
@@ -170,7 +170,9 @@ def test_engine_generations_with_shared_prefixes_equal_plain_ones(device, norms,
     other tokens). norms "on" runs the chain's layers, "off" the split (cuBLAS) ones, "lean"
     the lean layers (1/rms, bias and RoPE inside the row kernel, before q is left for the
     prefix kernel)."""
-    from hybridflow.engine import Engine, SamplingParams, lean, shared_prefix
+    from hybridflow.engine import Engine, SamplingParams
+    from hybridflow.engine.kernels import shared_prefix
+    from hybridflow.engine.layers import lean
 
     if norms == "lean":
         monkeypatch.setattr(lean, "MODE", "qkv+mlp")
@@ -220,20 +222,20 @@ def test_few_rows_over_long_caches_keep_their_sequence_splits(device, monkeypatc
     """4 rows x 2 kv heads cannot fill a GPU: the plain kernel splits each row's positions
     over several programs (attention_splits > 1 at a 600-position bound), which sharing (one
     split) would undo; there the group table is ignored and the splits run."""
-    from hybridflow.engine import attention_kernels, shared_prefix
+    from hybridflow.engine.kernels import attention, shared_prefix
 
     calls = []
     monkeypatch.setattr(shared_prefix, "prefix_attention", lambda *a, **k: calls.append(1))
     heads, kv_heads, dim, seq = 4, 2, 16, 600
-    assert attention_kernels.attention_splits(4, kv_heads, seq) > 1
+    assert attention.attention_splits(4, kv_heads, seq) > 1
     prompts, lengths, slots = [0, 0, 0, 0], [300] * 4, [0, 1, 2, 3]
     keys, values = _prefix_cache(device, "token", prompts, lengths, slots, seq, kv_heads, dim)
     q = torch.randn(4, heads, dim, device=device)
     lengths_t = torch.tensor([310, 420, 301, 599], device=device)
     slots_t = torch.tensor(slots, device=device)
     groups, first = group_table(list(zip(prompts, [0] * 4)), lengths, slots, capacity=4)
-    got = attention_kernels.decode_attention(q, keys, values, slots_t, lengths_t, seq,
+    got = attention.decode_attention(q, keys, values, slots_t, lengths_t, seq,
                                              shared=(first.to(device), groups.to(device)))  # fmt: skip
-    expected = attention_kernels.decode_attention(q, keys, values, slots_t, lengths_t, seq)
+    expected = attention.decode_attention(q, keys, values, slots_t, lengths_t, seq)
     assert not calls
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -14,7 +14,7 @@ from triton_device import triton_test_device  # noqa: E402
 DEVICE = triton_test_device()  # skips this module without CUDA or TRITON_INTERPRET=1
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 
-from hybridflow.engine.sampler_kernels import sample_fused  # noqa: E402
+from hybridflow.engine.kernels.sampler import sample_fused  # noqa: E402
 from hybridflow.engine.sampling import (  # noqa: E402
     SamplingParams,
     allowed_probs_reference,

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridflow.engine import pdl
-from hybridflow.engine.pdl import wait_then_release
+from hybridflow.engine.kernels.launch import PLAIN, Launch
+from hybridflow.engine.kernels.pdl import wait_then_release
 
 # -------------------------------------------------------------------------------------------
 # RMSNorm, residual add + RMSNorm
@@ -24,65 +24,54 @@ from hybridflow.engine.pdl import wait_then_release
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, delta_ptr, w_ptr, out_ptr, stride_x, stride_d, stride_o, M, H, eps,
-    ADD: tl.constexpr, WEIGHT: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
-    PDL: tl.constexpr = False,
+    x_ptr, delta_ptr, w_ptr, out_ptr, stride_x, stride_d, stride_o, H, eps,
+    ADD: tl.constexpr, WEIGHT: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """ROWS rows per program (NORM_ROWS: 1 measured fastest)."""
+    """One row per program (on 4 warps: the fastest on the H200 at 256, 1024 and 16384 rows;
+    4 rows a program took 2.18 vs 1.94 us at 256 rows)."""
     wait_then_release(PDL)
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
-    mask = (rows < M)[:, None] & (cols < H)[None, :]
-    rows64 = rows.to(tl.int64)[:, None]
-    x = tl.load(x_ptr + rows64 * stride_x + cols[None, :], mask=mask, other=0.0)
+    mask = cols < H
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if ADD:
-        d = tl.load(delta_ptr + rows64 * stride_d + cols[None, :], mask=mask, other=0.0)
+        d = tl.load(delta_ptr + row * stride_d + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(x_ptr + rows64 * stride_x + cols[None, :], x, mask=mask)
+        tl.store(x_ptr + row * stride_x + cols, x, mask=mask)
     xf = x.to(tl.float32)
-    variance = tl.sum(xf * xf, axis=1) / H
-    y = xf * tl.rsqrt(variance + eps)[:, None]
+    variance = tl.sum(xf * xf, axis=0) / H
+    y = xf * tl.rsqrt(variance + eps)
     if WEIGHT:  # else the weight is folded into the next matmul (FusedProjections)
-        y = y * tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rows64 * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty),
-             mask=mask)  # fmt: skip
-
-
-# Rows per program and warps of the RMSNorm kernels. One row on 4 warps was fastest on the
-# H200 at 256 / 1024 / 16384 rows (benchmarks/engine_norm.py, NOTES.md run 7): 4 rows per
-# program on 4 warps took 2.18 vs 1.94 us at 256 rows and split each row across the warps
-# anyway (the compiler's layout), so nothing was saved.
-NORM_ROWS = 1
-NORM_WARPS = 4
+        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch_rms_norm(x, delta, weight, out, eps, add: bool, weighted: bool,
-                     per_program: int | None = None, warps: int | None = None) -> None:  # fmt: skip
-    """per_program/warps override NORM_ROWS (benchmarks/engine_norm.py)."""
+                     launch: Launch) -> None:  # fmt: skip
     rows, hidden = x.shape
-    per_program = per_program or NORM_ROWS
-    _rms_norm_kernel[(triton.cdiv(rows, per_program),)](
-        x, delta, weight, out, x.stride(0), delta.stride(0), out.stride(0), rows, hidden, eps,
-        ADD=add, WEIGHT=weighted, ROWS=per_program, BLOCK_H=triton.next_power_of_2(hidden),
-        **pdl.options(x), num_warps=warps or (NORM_WARPS if per_program == 1 else per_program),
+    _rms_norm_kernel[(rows,)](
+        x, delta, weight, out, x.stride(0), delta.stride(0), out.stride(0), hidden, eps,
+        ADD=add, WEIGHT=weighted, BLOCK_H=triton.next_power_of_2(hidden), num_warps=4,
+        **launch.keywords(),
     )  # fmt: skip
 
 
-def rms_norm(x: torch.Tensor, norm, weighted: bool = True) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, norm, weighted: bool = True, launch: Launch = PLAIN) -> torch.Tensor:
     """x [B, H] -> RMSNorm(x) * norm.weight [B, H] (norm: the model's RMSNorm module; without
     `weighted`, the weight is left to the next matmul)."""
     out = torch.empty_like(x)
-    _launch_rms_norm(x, x, norm.weight, out, norm.eps, add=False, weighted=weighted)
+    _launch_rms_norm(x, x, norm.weight, out, norm.eps, False, weighted, launch)
     return out
 
 
 def add_rms_norm(
-    residual: torch.Tensor, delta: torch.Tensor, norm, weighted: bool = True
-) -> torch.Tensor:
+    residual: torch.Tensor, delta: torch.Tensor, norm, weighted: bool = True,
+    launch: Launch = PLAIN,
+) -> torch.Tensor:  # fmt: skip
     """residual += delta (in place, [B, H]); returns RMSNorm(residual) * norm.weight (without
     `weighted`: not multiplied by the weight)."""
     out = torch.empty_like(residual)
-    _launch_rms_norm(residual, delta, norm.weight, out, norm.eps, add=True, weighted=weighted)
+    _launch_rms_norm(residual, delta, norm.weight, out, norm.eps, True, weighted, launch)
     return out
 
 
@@ -123,7 +112,7 @@ def _silu_mul_kernel(
     tl.store(out_ptr + row * stride_o + cols, (silu * u).to(dtype), mask=mask)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, launch: Launch = PLAIN) -> torch.Tensor:
     """silu(gate) * up, both [B, I] with contiguous rows (may be halves of one [B, 2I])."""
     rows, inner = gate.shape
     assert gate.stride(1) == 1 and up.stride(1) == 1
@@ -131,33 +120,30 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(inner, block))](
         gate, up, out, gate.stride(0), up.stride(0), out.stride(0), inner, PAIRS=False,
-        BLOCK=block, **pdl.options(gate),
+        BLOCK=block, **launch.keywords(),
     )  # fmt: skip
     return out
 
 
-# Pairs per program of silu_mul_pairs, without a norm and with one (lean.py). H200
-# (benchmarks/engine_lean.py, session 10): 1024 against 512 took 4.1 vs 6.8 us at 1.5b/256,
-# 7.6 vs 13.8 at 0.5b/1024, 2.4 vs 3.8 at 0.5b/256 (2048: 4.5 / 7.1 / 3.4); with the norm
-# 1024 was fastest at all three (5.5 / 9.3 / 3.9).
+# Pairs per program of silu_mul_pairs, with or without the norm (lean.py). H200: 1024 against
+# 512 took 4.1 vs 6.8 us at 1.5b/256, 7.6 vs 13.8 at 0.5b/1024, 2.4 vs 3.8 at 0.5b/256 (2048:
+# 4.5 / 7.1 / 3.4); with the norm 1024 was fastest at all three (5.5 / 9.3 / 3.9).
 SILU_BLOCK = 1024
-SILU_NORM_BLOCK = 1024
 
 
 def silu_mul_pairs(
-    product: torch.Tensor, norm: tuple | None = None, block: int | None = None
+    product: torch.Tensor, norm: tuple | None = None, launch: Launch = PLAIN
 ) -> torch.Tensor:
     """[B, 2I] with columns interleaved (gate_0, up_0, gate_1, ...) -> silu(gate) * up
     [B, I] (the matmul output of FusedProjections' interleaved gate/up weight).
 
     norm: (residual [B, H], eps): the product is residual @ W^T with the RMSNorm weight
-    folded into W; gate and up are first scaled by each row's 1/rms(residual). block
-    overrides SILU_BLOCK / SILU_NORM_BLOCK (benchmarks)."""
+    folded into W; gate and up are first scaled by each row's 1/rms(residual)."""
     rows, width = product.shape
     assert product.stride(1) == 1 and width % 2 == 0
     inner = width // 2
     out = torch.empty(rows, inner, dtype=product.dtype, device=product.device)
-    block = block or (SILU_BLOCK if norm is None else SILU_NORM_BLOCK)
+    block = SILU_BLOCK
     extra = {}
     if norm is not None:
         residual, eps = norm
@@ -166,7 +152,7 @@ def silu_mul_pairs(
                      NORM=True, H_PAD=triton.next_power_of_2(residual.shape[1]))  # fmt: skip
     _silu_mul_kernel[(rows, triton.cdiv(inner, block))](
         product, product, out, product.stride(0), product.stride(0), out.stride(0), inner,
-        PAIRS=True, BLOCK=block, **pdl.options(product), **extra,
+        PAIRS=True, BLOCK=block, **launch.keywords(), **extra,
     )  # fmt: skip
     return out
 
@@ -193,8 +179,7 @@ def _fold_kernel(w_ptr, n_ptr, R, H, stride_l, stride_r, stride_n, BLOCK_R: tl.c
 def fold_norm_weights(weights: torch.Tensor, norms: torch.Tensor) -> None:
     """weights [L, R, H] *= norms [L, H] (broadcast over R) in place, the product in fp32 and
     rounded once: bitwise torch's `weights.mul_(norms[:, None, :])`, which on the H200 ran a
-    non-vectorised broadcast kernel at ~0.7 TB/s (4.6 ms at every 1.5b generate(): NOTES.md
-    run 15)."""
+    non-vectorised broadcast kernel at ~0.7 TB/s (4.6 ms at every 1.5b generate())."""
     layers, rows, hidden = weights.shape
     assert weights.stride(2) == 1 and norms.stride(1) == 1 and norms.shape == (layers, hidden)
     block_r, block_h = 16, min(1024, triton.next_power_of_2(hidden))
@@ -263,7 +248,8 @@ def _rope_store_kernel(
 
 
 def rope_store(
-    q, k, v, cos, sin, positions, row_slots, key_cache, value_cache, rotate_k: bool = False
+    q, k, v, cos, sin, positions, row_slots, key_cache, value_cache, rotate_k: bool = False,
+    launch: Launch = PLAIN,
 ) -> None:
     """q [B, nh, D] rotated in place; rotated k [B, nkv, D] and v stored at
     cache[row_slots, positions] (key_cache/value_cache: one layer, [slots, S, nkv, D], any
@@ -278,5 +264,5 @@ def rope_store(
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), key_cache.stride(0),
         key_cache.stride(1), key_cache.stride(2), NH=num_heads, NKV=num_kv, HALF=head_dim // 2,
         NH_PAD=triton.next_power_of_2(num_heads), NKV_PAD=triton.next_power_of_2(num_kv),
-        K_IN_PLACE=rotate_k, **pdl.options(q),
+        K_IN_PLACE=rotate_k, **launch.keywords(),
     )  # fmt: skip

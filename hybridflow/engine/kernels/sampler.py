@@ -22,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridflow.engine import pdl, sampling
-from hybridflow.engine.pdl import wait_then_release
+from hybridflow.engine import sampling
+from hybridflow.engine.kernels.launch import PLAIN, Launch
+from hybridflow.engine.kernels.pdl import wait_then_release
 from hybridflow.engine.sampling import SPLIT_SIZE, SamplingParams
 
 # The hash constants of sampling.py, as constants a Triton kernel may read.
@@ -235,6 +236,7 @@ def sample_fused(
     block_v: int = SPLIT_SIZE,
     state=None,
     split_size: int = SPLIT_SIZE,
+    launch: Launch = PLAIN,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Same contract, splits and uniforms as sampling.sample_reference.
 
@@ -243,7 +245,7 @@ def sample_fused(
     the sampling scheme (only tests pass another value). With `state` (a DecodeState whose
     first rows these are), the combine kernel also applies state.advance; nothing returned.
 
-    Launch shape (reasoned, not measured; NOTES.md run 5): at 256 x 151,936 the first pass is
+    Launch shape (reasoned, not measured): at 256 x 151,936 the first pass is
     256 x 38 programs of one 4096-token tile each (8 KB of bf16, 16 entries per thread with 8
     warps, loads all issued before the reductions: no loop-carried latency, no rescale), ~700
     resident CTAs keep ~5 MB in flight, enough for HBM. The combine walks one tile per row."""
@@ -279,7 +281,7 @@ def sample_fused(
         GREEDY=greedy, SCALE=scale, HAS_THRESHOLD=has_threshold, HAS_MIN_P=has_min_p,
         SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
         SPLIT_SIZE=kernel_split, BLOCK_V=block_v, num_warps=8 if block_v >= 4096 else 4,
-        **pdl.options(logits),
+        **launch.keywords(),
     )  # fmt: skip
     rows_args = (logits, logits.stride(0), vocab)
     scalars = (1.0 / temperature, math.log(params.min_p) if has_min_p else 0.0)

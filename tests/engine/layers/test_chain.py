@@ -12,8 +12,11 @@ from triton_device import triton_test_device  # noqa: E402
 DEVICE = triton_test_device()
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 
-from hybridflow.engine import chain as chain_mod  # noqa: E402
-from hybridflow.engine import gemm, kernels  # noqa: E402
+from hybridflow.engine.kernels import (
+    gemm,  # noqa: E402
+    rowwise,
+)
+from hybridflow.engine.layers import chain as chain_mod  # noqa: E402
 
 
 class _Norm:
@@ -32,7 +35,7 @@ def _tile():
 @pytest.mark.parametrize("silu", [False, True])
 def test_norm_linear_equals_rms_norm_then_matmul(rows, silu):
     """Sums of squares in parts (as a residual epilogue leaves them) and the norm weight folded
-    into the matmul's weight -> the same result as kernels.rms_norm (weighted) followed by the
+    into the matmul's weight -> the same result as rowwise.rms_norm (weighted) followed by the
     matmul with the unfolded weight (fp32: up to rounding order)."""
     hidden, cols = 128, 96
     chain = chain_mod.DecodeChain("on")
@@ -48,8 +51,8 @@ def test_norm_linear_equals_rms_norm_then_matmul(rows, silu):
     sums[parts:].fill_(1e9)  # beyond `parts`: must not be read
     folded = weight * norm.weight[None, :]
     out = chain.norm_linear(residual, (sums, parts), norm.eps, folded, bias, silu_pairs=silu)
-    normed = kernels.rms_norm(residual, norm)
-    unweighted = kernels.rms_norm(residual, norm, weighted=False)
+    normed = rowwise.rms_norm(residual, norm)
+    unweighted = rowwise.rms_norm(residual, norm, weighted=False)
     torch.testing.assert_close(unweighted * norm.weight, normed, rtol=1e-5, atol=1e-5)
     if silu:
         expected = gemm.gate_up_silu_cublas(normed, weight)

@@ -1,6 +1,6 @@
 """Decode layers with cuBLAS matmuls and the RMSNorms inside other kernels (six launches).
 
-The split path (forward.fused_layers) runs eight per layer at decode sizes: add+RMSNorm, qkv,
+The split layer (split.py) runs eight per layer at decode sizes: add+RMSNorm, qkv,
 attention, o_proj, add+RMSNorm, gate/up, SiLU*up, down. Each norm is ~2-3 us of mostly fixed
 cost in a graph replay (a launch, a ramp, a drain), 56 of them a step at 1.5b. The chain
 (chain.py) removes them by running every matmul in Triton, which loses to cuBLAS at 1.5b and
@@ -21,12 +21,13 @@ two norms move. "qkv+mlp": both, as above; "qkv": the one in front of qkv only (
 add+RMSNorm, so a tuned Triton gate/up with SiLU in its epilogue can run: matmul_choice);
 "mlp": the one in front of gate/up only (attention keeps its plain kernel: on the H200, 1/rms
 inside attention cost 2-4 us a layer, as much as the norm kernel it replaces, while inside
-SiLU*up it cost nothing: benchmarks/engine_lean.py, engine/NOTES.md run 14).
+SiLU*up it cost nothing).
 
 Rounding differs from the split path by where the bf16 roundings fall, not by how many
-(whole generations checked against the eager engine in tests/engine/test_lean.py). Needs FusedProjections
-with gate/up (the folded weights), no o_proj bias and no q/k norms (Qwen3); else the split
-path runs.
+(whole generations checked against the eager engine in tests/engine/layers/test_lean.py).
+Needs FusedProjections with gate/up (the folded weights), no o_proj bias and no q/k norms
+(Qwen3); else the split layer runs. Launched without PDL (its cuBLAS matmuls break every
+other link).
 """
 
 from __future__ import annotations
@@ -34,15 +35,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-VARIANTS = ("qkv+mlp", "qkv", "mlp")
-# "auto": every variant timed against the other decode paths per batch-size bucket
-# (chain.DecodeChain.choose); a variant's name: that one always, where it applies; "off":
-# never. The CLI's --lean sets it for A/B runs. Auto: on the H200 the forward replays of the
-# lean variant chosen were 1.6-2.5% faster (1.5b/256: qkv+mlp 2146 vs split 2202 us;
-# 0.5b/1024: qkv 2157 vs 2196), which separate processes could not resolve end to end (they
-# spread 1.7%: NOTES.md run 14); one process with the calls interleaved (engine_ab.py) did:
-# 1.5b/256 1.9% faster in 8 rounds of 8, 0.5b/1024 1.3% (median; 5 of 8): NOTES.md run 15.
-MODE = "auto"
+from hybridflow.engine.kernels.launch import PLAIN, Launch
+from hybridflow.engine.options import LEAN_VARIANTS
 
 
 def applies(model, fused) -> bool:
@@ -57,23 +51,23 @@ def applies(model, fused) -> bool:
 
 
 def lean_layers(
-    model, tokens, attend, fused, matmul=None, variant: str = "qkv+mlp"
+    model, tokens, attend, fused, matmul=None, variant: str = "qkv+mlp", launch: Launch = PLAIN
 ) -> torch.Tensor:
     """Embedding + every decoder layer; returns the final-normed hidden states [B, H].
 
     attend(layer_index, q, k, v, norm=None) -> [B, nh, D] as forward.fused_layers' with the
     attention kernel's norm argument (residual, eps, qkv bias). variant: VARIANTS (module
     docstring); matmul: a matmul_choice.DecodeMatmul for the gate/up where the MLP keeps its
-    norm kernel."""
-    from hybridflow.engine import gemm, kernels
+    norm kernel; launch: the kernels' launch options."""
+    from hybridflow.engine.kernels import gemm, rowwise
 
-    if variant not in VARIANTS:
-        raise ValueError(f"lean variant={variant!r} not in {VARIANTS}")
+    if variant not in LEAN_VARIANTS:
+        raise ValueError(f"lean variant={variant!r} not in {LEAN_VARIANTS}")
     in_attention, in_silu = variant != "mlp", variant != "qkv"
     gate_up_silu = matmul.gate_up_silu if matmul is not None else gemm.gate_up_silu_cublas
     layers = model.model.layers
     hidden = model.model.embed_tokens(tokens)  # [B, H] residual stream, updated in place
-    normed = None if in_attention else kernels.rms_norm(hidden, layers[0].input_layernorm, False)
+    normed = None if in_attention else rowwise.rms_norm(hidden, layers[0].input_layernorm, False, launch)
     for index, layer in enumerate(layers):
         attn = layer.self_attn
         bias = fused.qkv_bias[index] if fused.qkv_bias is not None else None
@@ -92,18 +86,20 @@ def lean_layers(
         if in_silu:
             hidden.addmm_(out.flatten(-2), attn.o_proj.weight.t())
             product = F.linear(hidden, fused.gate_up_weight[index])
-            act = kernels.silu_mul_pairs(product, (hidden, layer.post_attention_layernorm.eps))
+            act = rowwise.silu_mul_pairs(product, (hidden, layer.post_attention_layernorm.eps), launch)
         else:
             delta = F.linear(out.flatten(-2), attn.o_proj.weight)
-            normed = kernels.add_rms_norm(hidden, delta, layer.post_attention_layernorm,
-                                          weighted=False)  # fmt: skip
-            act = gate_up_silu(normed, fused.gate_up_weight[index])
+            normed = rowwise.add_rms_norm(hidden, delta, layer.post_attention_layernorm,
+                                          weighted=False, launch=launch)  # fmt: skip
+            act = gate_up_silu(normed, fused.gate_up_weight[index], launch)
         down = layer.mlp.down_proj.weight
         if in_attention:
             hidden.addmm_(act, down.t())
         elif index + 1 < len(layers):
-            normed = kernels.add_rms_norm(hidden, F.linear(act, down),
-                                          layers[index + 1].input_layernorm, weighted=False)  # fmt: skip
+            normed = rowwise.add_rms_norm(hidden, F.linear(act, down),
+                                          layers[index + 1].input_layernorm, weighted=False,
+                                          launch=launch)  # fmt: skip
         else:  # the final norm feeds lm_head, never folded
-            return kernels.add_rms_norm(hidden, F.linear(act, down), model.model.norm)
-    return kernels.rms_norm(hidden, model.model.norm)
+            return rowwise.add_rms_norm(hidden, F.linear(act, down), model.model.norm,
+                                        launch=launch)
+    return rowwise.rms_norm(hidden, model.model.norm, launch=launch)

@@ -21,16 +21,16 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from hybridflow.engine import (  # noqa: E402
-    attention_kernels,
+from hybridflow.engine.kernels import (
+    attention,
     gemm,
     gemm_persistent,
-    kernels,
-    matmul_choice,
-    sampler_kernels,  # noqa: E402
+    rowwise,
+    sampler,
     shared_prefix,
 )
-from hybridflow.engine import chain as chain_mod  # noqa: E402
+from hybridflow.engine.layers import chain as chain_mod  # noqa: E402
+from hybridflow.engine.layers import matmul_choice
 from hybridflow.models import logprob_kernels  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -100,14 +100,14 @@ def _compile(fn, constexprs: dict, activation="bf16", overrides=None, warps=4, s
 @pytest.mark.parametrize("activation", ["bf16", "fp32"])
 def test_decode_layer_kernels_compile(activation):
     for add, weighted in [(True, True), (False, True), (True, False)]:
-        norm = dict(ADD=add, WEIGHT=weighted, ROWS=kernels.NORM_ROWS, BLOCK_H=1024)
-        _compile(kernels._rms_norm_kernel, norm, activation, warps=kernels.NORM_WARPS)
+        norm = dict(ADD=add, WEIGHT=weighted, ROWS=rowwise.NORM_ROWS, BLOCK_H=1024)
+        _compile(rowwise._rms_norm_kernel, norm, activation, warps=rowwise.NORM_WARPS)
     for pairs in (True, False):
-        _compile(kernels._silu_mul_kernel, dict(PAIRS=pairs, BLOCK=512), activation)
-    _compile(kernels._silu_mul_kernel, dict(PAIRS=True, BLOCK=512, NORM=True, H_PAD=2048),
+        _compile(rowwise._silu_mul_kernel, dict(PAIRS=pairs, BLOCK=512), activation)
+    _compile(rowwise._silu_mul_kernel, dict(PAIRS=True, BLOCK=512, NORM=True, H_PAD=2048),
              activation)  # lean.py's 1/rms from the residual row  # fmt: skip
     _compile(
-        kernels._rope_store_kernel,
+        rowwise._rope_store_kernel,
         dict(NH=14, NKV=2, HALF=32, NH_PAD=16, NKV_PAD=2, K_IN_PLACE=True),
         activation,
     )
@@ -115,21 +115,21 @@ def test_decode_layer_kernels_compile(activation):
         for splits in (1, 3):
             for head_dim in (64, 128):
                 _compile(
-                    attention_kernels._decode_attention_kernel,
+                    attention._decode_attention_kernel,
                     dict(G=7, G_PAD=16, HALF=head_dim // 2, NH=14, SPLITS=splits,
                          FP32_DOT=activation == "fp32", ROPE=rope, BLOCK_N=64),
                     activation, stages=2,
                 )  # fmt: skip
     for bias in (True, False):
         _compile(  # lean.py: 1/rms and the qkv bias inside the kernel
-            attention_kernels._decode_attention_kernel,
+            attention._decode_attention_kernel,
             dict(G=6, G_PAD=16, HALF=64, NH=12, SPLITS=1, FP32_DOT=activation == "fp32",
                  ROPE=True, BLOCK_N=32, NORM=True, H_PAD=2048, HAS_BIAS=bias),
             activation, stages=2,
         )  # fmt: skip
     for norm in (False, True):  # shared_prefix.py: the row kernel's half, with and without lean
         _compile(
-            attention_kernels._decode_attention_kernel,
+            attention._decode_attention_kernel,
             dict(G=6, G_PAD=16, HALF=64, NH=12, SPLITS=1, FP32_DOT=activation == "fp32",
                  ROPE=True, BLOCK_N=64, NORM=norm, H_PAD=2048, HAS_BIAS=norm, SHARED=True),
             activation, stages=2,
@@ -144,7 +144,7 @@ def test_decode_layer_kernels_compile(activation):
                                    "count_ptr": "*i32"}, stages=3,
         )  # fmt: skip
     _compile(
-        attention_kernels._combine_splits_kernel,
+        attention._combine_splits_kernel,
         dict(NH=14, D=64, SPLITS=3, SPLITS_PAD=4),
         activation,
         overrides={"out_ptr": "*" + activation},
@@ -235,14 +235,14 @@ def test_sampler_kernels_compile(greedy, filtered):
     part_idx = {"part_idx_ptr": "*i32"}
     for max_only in [True, False] if filtered else [False]:
         _compile(
-            sampler_kernels._split_stats_kernel,
+            sampler._split_stats_kernel,
             dict(common, MAX_ONLY=max_only),
             overrides=part_idx,
             warps=8,
         )
     for advance in (True, False):
         _compile(
-            sampler_kernels._sample_combine_kernel,
+            sampler._sample_combine_kernel,
             dict(common, ADVANCE=advance),
             overrides=part_idx,
             warps=8,
@@ -262,15 +262,15 @@ def test_pdl_variants_compile_with_grid_dependency_control():
     on = dict(PDL=True)
     compiled = [
         _compile(
-            kernels._rms_norm_kernel, dict(ADD=True, WEIGHT=True, ROWS=1, BLOCK_H=1024, **on)
+            rowwise._rms_norm_kernel, dict(ADD=True, WEIGHT=True, ROWS=1, BLOCK_H=1024, **on)
         ),  # fmt: skip
         _compile(
-            attention_kernels._combine_splits_kernel,
+            attention._combine_splits_kernel,
             dict(NH=14, D=64, SPLITS=3, SPLITS_PAD=4, **on),
             overrides={"out_ptr": "*bf16"},
         ),  # fmt: skip
         _compile(
-            sampler_kernels._sample_combine_kernel,
+            sampler._sample_combine_kernel,
             dict(
                 GREEDY=False,
                 SCALE=True,
@@ -289,7 +289,7 @@ def test_pdl_variants_compile_with_grid_dependency_control():
     ]
     prefetching = [
         _compile(
-            attention_kernels._decode_attention_kernel,
+            attention._decode_attention_kernel,
             dict(
                 G=7,
                 G_PAD=16,
@@ -358,7 +358,7 @@ def test_pdl_variants_compile_with_grid_dependency_control():
     )  # fmt: skip
     assert "prefetch.global.L2::evict_last" in ahead.asm["ptx"]
     evicting = _compile(
-        attention_kernels._decode_attention_kernel,
+        attention._decode_attention_kernel,
         dict(G=7, G_PAD=16, HALF=32, NH=14, SPLITS=1, FP32_DOT=False, ROPE=True, BLOCK_N=64,
              EVICT_FIRST=True),
         stages=2,
@@ -373,7 +373,7 @@ def test_pdl_variants_compile_with_grid_dependency_control():
         # the prefetch comes before the wait, every activation load after it
         assert ptx.index("prefetch.global.L2") < ptx.index("griddepcontrol.wait")
     # off by default: no grid dependency control in the plain kernels
-    plain = _compile(kernels._rms_norm_kernel, dict(ADD=True, WEIGHT=True, ROWS=1, BLOCK_H=1024))
+    plain = _compile(rowwise._rms_norm_kernel, dict(ADD=True, WEIGHT=True, ROWS=1, BLOCK_H=1024))
     assert "griddepcontrol" not in plain.asm["ptx"]
 
 

@@ -9,7 +9,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from hybridflow.engine import gemm, pdl  # noqa: E402
+from hybridflow.engine.kernels import (
+    gemm,  # noqa: E402
+    pdl,
+)
 
 
 def test_pdl_is_off_for_cpu_tensors_and_inside_suspended():

@@ -33,7 +33,8 @@ def _relative_error(out, ref):
 def test_gemm_nt_matches_reference(dtype, rows, cols, depth):
     """Plain + bias, split-K partials (summed by the caller) and the SiLU-pairs epilogue, on
     strided input rows, with an odd row count and a column count that is not a tile multiple."""
-    from hybridflow.engine import gemm, matmul_choice
+    from hybridflow.engine.kernels import gemm
+    from hybridflow.engine.layers import matmul_choice
 
     if dtype == torch.bfloat16 and DEVICE == "cpu":
         pytest.skip("the Triton interpreter's bf16 tl.dot returns garbage (triton 3.6)")
@@ -78,7 +79,7 @@ def test_gemm_nt_matches_reference(dtype, rows, cols, depth):
 def test_gemm_nt_tma_tiles_equal_pointer_tiles(rows, cols, depth, monkeypatch):
     """gemm.TMA changes only how tiles reach shared memory (rows/columns past the end read as
     zeros either way): plain, split-K and SiLU-pair outputs are bitwise equal."""
-    from hybridflow.engine import gemm
+    from hybridflow.engine.kernels import gemm
 
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     x = torch.randn(rows, 2 * depth, device=DEVICE).to(dtype)[:, :depth]  # strided rows
@@ -104,8 +105,9 @@ def test_gemm_persistent_equals_gemm_nt(rows, cols, depth):
     """The persistent kernel is gemm_nt's arithmetic looped over tiles: for the same tile it
     gives bitwise the same plain, biased and SiLU-pair outputs whatever the number of
     programs (one, a few that each take many tiles, more than there are tiles)."""
-    from hybridflow.engine import gemm, matmul_choice
-    from hybridflow.engine.gemm_persistent import gemm_persistent
+    from hybridflow.engine.kernels import gemm
+    from hybridflow.engine.kernels.gemm_persistent import gemm_persistent
+    from hybridflow.engine.layers import matmul_choice
 
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     configs = ([(*gemm.INTERPRETER_CONFIG, 2)] if DEVICE == "cpu"
@@ -131,8 +133,8 @@ def test_gemm_persistent_equals_gemm_nt(rows, cols, depth):
 def test_gemm_persistent_reads_a_partial_last_k_block_as_zeros():
     """K need not be a multiple of BLOCK_K (TMA fills past the end with zeros): the product
     matches torch's; operands TMA cannot read are refused by name."""
-    from hybridflow.engine import gemm
-    from hybridflow.engine.gemm_persistent import gemm_persistent
+    from hybridflow.engine.kernels import gemm
+    from hybridflow.engine.kernels.gemm_persistent import gemm_persistent
 
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     config = (*gemm.INTERPRETER_CONFIG, 2) if DEVICE == "cpu" else (128, 128, 64, 8, 3, 8)
@@ -151,7 +153,8 @@ def test_decode_matmul_runs_its_persistent_choice(monkeypatch):
     """A ("persistent", tile, programs per SM) choice runs that kernel with that many programs
     per SM, giving bitwise what gemm_nt gives for the tile; rows TMA cannot read fall back to
     cuBLAS + silu_mul."""
-    from hybridflow.engine import gemm, matmul_choice
+    from hybridflow.engine.kernels import gemm
+    from hybridflow.engine.layers import matmul_choice
 
     monkeypatch.setattr(matmul_choice, "_sm_count", lambda device: 3)
     launched = []
@@ -177,8 +180,8 @@ def test_decode_matmul_runs_its_persistent_choice(monkeypatch):
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the tuner times CUDA-graph replays")
 def test_decode_matmul_times_persistent_candidates_at_large_row_counts():
-    from hybridflow.engine import matmul_choice
-    from hybridflow.engine.gemm import gate_up_silu_cublas
+    from hybridflow.engine.kernels.gemm import gate_up_silu_cublas
+    from hybridflow.engine.layers import matmul_choice
 
     matmul = matmul_choice.DecodeMatmul("auto")
     x = torch.randn(1024, 256, device=DEVICE, dtype=torch.bfloat16)
@@ -192,8 +195,8 @@ def test_decode_matmul_times_persistent_candidates_at_large_row_counts():
 
 
 def test_decode_matmul_modes_agree():
-    from hybridflow.engine.gemm import gate_up_silu_cublas, interleave_pairs
-    from hybridflow.engine.matmul_choice import DecodeMatmul
+    from hybridflow.engine.kernels.gemm import gate_up_silu_cublas, interleave_pairs
+    from hybridflow.engine.layers.matmul_choice import DecodeMatmul
 
     x = torch.randn(24, 128, device=DEVICE)
     weight, bias = torch.randn(96, 128, device=DEVICE), torch.randn(96, device=DEVICE)

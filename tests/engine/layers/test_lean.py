@@ -12,8 +12,10 @@ from triton_device import triton_test_device  # noqa: E402
 DEVICE = triton_test_device()
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 
-from hybridflow.engine import Engine, SamplingParams, attention_kernels, kernels, lean  # noqa: E402
-from hybridflow.engine import chain as chain_mod  # noqa: E402
+from hybridflow.engine import Engine, SamplingParams  # noqa: E402
+from hybridflow.engine.kernels import attention, rowwise
+from hybridflow.engine.layers import chain as chain_mod  # noqa: E402
+from hybridflow.engine.layers import lean
 from hybridflow.models import build_model  # noqa: E402
 from hybridflow.models.presets import preset_config  # noqa: E402
 from hybridflow.models.rope import rope_cos_sin  # noqa: E402
@@ -30,7 +32,7 @@ def test_attention_norm_equals_scaling_the_projections_first(splits, with_bias, 
     inside the kernel give what the kernel gives for q/k/v scaled and biased beforehand
     (output, stored k and v). A wrong row's rstd, a missing or misplaced bias (q vs k vs v
     heads) or an unscaled v would all differ."""
-    monkeypatch.setattr(attention_kernels._decode_attention_tuned, "cache", {})
+    monkeypatch.setattr(attention._decode_attention_tuned, "cache", {})
     config = preset_config("tiny")
     rows, heads, kv_heads, dim, seq, hidden = 4, 6, 2, 16, 70, 48  # hidden: not a power of 2
     raw = torch.randn(rows, (heads + 2 * kv_heads) * dim, device=DEVICE) * 4
@@ -50,10 +52,10 @@ def test_attention_norm_equals_scaling_the_projections_first(splits, with_bias, 
     keys = torch.randn(5, seq, kv_heads, dim, device=DEVICE)
     values = torch.randn(5, seq, kv_heads, dim, device=DEVICE)
     keys_ref, values_ref = keys.clone(), values.clone()
-    expected = attention_kernels.decode_attention_rope(
+    expected = attention.decode_attention_rope(
         *views(scaled), cos, sin, positions, keys_ref, values_ref, slots, seq, splits=splits
     )
-    got = attention_kernels.decode_attention_rope(
+    got = attention.decode_attention_rope(
         *views(raw), cos, sin, positions, keys, values, slots, seq, splits=splits,
         norm=(residual, eps, bias),
     )  # fmt: skip
@@ -67,7 +69,7 @@ def test_silu_pairs_norm_scales_gate_and_up():
     product = torch.randn(rows, 2 * inner, device=DEVICE) * 3
     residual = torch.randn(rows, hidden, device=DEVICE) * torch.arange(1, rows + 1,
                                                                        device=DEVICE)[:, None]  # fmt: skip
-    got = kernels.silu_mul_pairs(product, norm=(residual, 1e-5))
+    got = rowwise.silu_mul_pairs(product, norm=(residual, 1e-5))
     scaled = product * _rstd(residual, 1e-5)
     gate, up = scaled[:, 0::2], scaled[:, 1::2]
     torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-5, atol=1e-5)

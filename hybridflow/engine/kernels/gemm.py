@@ -1,22 +1,14 @@
 """Decode matmuls: y = x @ W^T (+ bias) with x [M, K], M = decode rows (<= ~1024).
 
-What the H200 taught (hybridflow/engine/NOTES.md, runs 4-7, timed as CUDA-graph replays with
-cold L2): cuBLAS is hard to beat on these skinny shapes. A Triton kernel with small M tiles
-and SiLU*up in its prologue lost at every shape (run 4). `gemm_nt` below (weight tiles read
-K-contiguous, deep cp.async pipelines, split-K) stored its output one element at a time until
-run 7 (lm_head 650 -> 130 us after the fix; cuBLAS 105); now it edges out cuBLAS on the 0.5b
-shapes at 256 rows (qkv 5.1 vs 5.4 us, down 7.9 + reduce vs 10.1) but loses at 1024 rows and
-on 1.5b. `matmul_choice.DecodeMatmul` chooses, per shape, by timing graph replays, for the
-MLP's gate/up projection with SiLU*up as the epilogue (0.5b, 256 rows: 11.4 vs 13.2 us for
-cuBLAS + the silu_mul kernel: the [M, 2I] product is never written, one launch goes);
-chain.py uses the other epilogues (residual add, rows scaled by 1/rms, in-kernel split-K
-reduction). Run 8:
-with programmatic dependent launch (pdl.py) the kernel prefetches a budgeted prefix of its
-weight rows into L2 before waiting for the kernel that writes its input; that made the
-all-Triton chain the faster layer at 0.5b/256 (167k vs 153k tok/s end to end). Run 9: the
-tiles come through TMA tensor descriptors (`TMA`): 5-10% faster per matmul (0.5b/256
-gate/up 14.1 -> 12.7 us), enough for the chain to win at 1024 rows too (231k -> 238k tok/s);
-still ~35% slower than cuBLAS on 1.5b's gate/up at 256 rows.
+cuBLAS is hard to beat on these skinny shapes (timed as CUDA-graph replays with cold L2 on the
+H200), so `gemm_nt` is used only where its epilogues save launches: SiLU*up for the MLP's
+interleaved gate/up projection (the [M, 2I] product is never written; 0.5b, 256 rows: 11.4 vs
+13.2 us for cuBLAS + silu_mul), chosen per shape by layers/matmul_choice.py, and the residual
+add, rows scaled by 1/rms and in-kernel split-K reduction of the five-launch layer
+(layers/chain.py). Weight tiles are read K-contiguous through deep pipelines, through TMA
+tensor descriptors on sm_90+ (5-10% faster per matmul than pointer loads); with programmatic
+dependent launch (pdl.py) a kernel asks L2 for the start of its weight before waiting for
+the kernel that writes its input.
 
 Rounding follows the torch ops replaced: fp32 accumulation, the bias added before the single
 rounding to the output dtype; gate and up rounded to the activation dtype, then silu rounded,
@@ -27,18 +19,17 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from hybridflow.engine import pdl
-from hybridflow.engine.pdl import prefetch_l2, prefetch_share, wait_then_release
+from hybridflow.engine.kernels.launch import PLAIN, Launch
+from hybridflow.engine.kernels.pdl import WEIGHT_PREFETCH_BYTES, prefetch_l2, wait_then_release
 
 # -------------------------------------------------------------------------------------------
-# Version 2 (run 5): weight tiles read K-contiguous ([BLOCK_N, BLOCK_K], transposed for the
+# Weight tiles read K-contiguous ([BLOCK_N, BLOCK_K], transposed for the
 # dot), optional split-K with fp32 partials (reduced by the consumer: the residual add+RMSNorm
 # reads the row anyway), and an epilogue that turns interleaved gate/up columns into
 # silu(gate) * up, so the MLP's [M, 2I] product is never written.
@@ -47,12 +38,12 @@ from hybridflow.engine.pdl import prefetch_l2, prefetch_share, wait_then_release
 @triton.jit
 def _gemm_nt_kernel(
     a_ptr, w_ptr, bias_ptr, c_ptr, M, N, K_SPLIT, stride_am, stride_wn, stride_cs, stride_cm,
-    ss_in_ptr, ss_out_ptr, ws_ptr, count_ptr, stride_ss, N_SS, K_NORM, eps, nx_ptr, NX_LINES,
+    ss_in_ptr, ss_out_ptr, ws_ptr, count_ptr, stride_ss, N_SS, K_NORM, eps,
     a_desc, w_desc, HAS_BIAS: tl.constexpr, SILU_PAIRS: tl.constexpr, PARTIAL: tl.constexpr, FP32: tl.constexpr,
     ROW_RSTD: tl.constexpr, N_SS_PAD: tl.constexpr, RESIDUAL: tl.constexpr, SERIAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, PF_LINE: tl.constexpr = 64,
-    PF_COLS: tl.constexpr = 1, PF_K: tl.constexpr = 0, PF_NEXT: tl.constexpr = False,
+    PF_COLS: tl.constexpr = 1, PF_K: tl.constexpr = 0,
     TMA: tl.constexpr = False,
 ):  # fmt: skip
     """c = a @ w^T over k in [pid_k * K_SPLIT, (pid_k + 1) * K_SPLIT) (K_SPLIT % BLOCK_K == 0).
@@ -70,16 +61,14 @@ def _gemm_nt_kernel(
     rounding, from N_SS partial sums of squares (ss_in[j, row], summed in a fixed order; K_NORM
     values per row). RMSNorm(a) is never formed.
     RESIDUAL: c is the residual stream, updated in place: c += round(a @ w^T + bias) (the
-    rounding of F.linear then of the add, as kernels.add_rms_norm does), and this tile's
+    rounding of F.linear then of the add, as rowwise.add_rms_norm does), and this tile's
     sums of squares of the new values go to ss_out[pid_n, row] for the next ROW_RSTD.
     SILU_PAIRS: w's rows are interleaved (gate_0, up_0, gate_1, up_1, ...): store
     silu(gate) * up into c [M, N / 2], rounded like the torch ops (gate and up to the output
     dtype first, then silu, then the product).
     PDL / PREFETCH (pdl.py): the first M tile's program of each weight stripe asks L2 for the
     stripe's first PF_K columns (PF_COLS lines of PF_LINE elements at a time) before waiting
-    for the kernel that writes a, so the weights stream in while that kernel finishes.
-    PF_NEXT: the grid also asks L2 (evict-last) for the NX_LINES 128-byte lines at nx_ptr, a
-    later matmul's weight (chain.py: two matmuls ahead), each program its share."""
+    for the kernel that writes a, so the weights stream in while that kernel finishes."""
     # M tiles vary fastest: the blocks that read one weight tile run at the same time and
     # share it through L2.
     pid_m = tl.program_id(0)
@@ -96,8 +85,6 @@ def _gemm_nt_kernel(
     rn_safe = tl.where(n_mask, rn, 0).to(tl.int64)
     a_ptrs = a_ptr + rm_safe[:, None] * stride_am + rk[None, :]
     w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk[None, :]
-    if PF_NEXT:
-        prefetch_share(nx_ptr, NX_LINES, PF_LINE)
     if PREFETCH:
         if pid_m == 0:
             lines = tl.arange(0, PF_COLS) * PF_LINE
@@ -218,12 +205,14 @@ def gemm_nt(
     splits: int = 1,
     silu_pairs: bool = False,
     out: torch.Tensor | None = None,
+    launch: Launch = PLAIN,
 ) -> torch.Tensor:
     """x [M, K] (rows may be strided) @ weight [N, K]^T (+ bias).
 
     splits > 1: returns fp32 partial sums [splits, M, N] (K divided evenly; no bias; the caller
     reduces them). silu_pairs: weight rows interleaved gate/up (interleave_pairs), returns
-    silu(gate) * up [M, N / 2]. config: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    silu(gate) * up [M, N / 2]. config: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages).
+    launch: PDL, the weight prefetch and TMA loads (pdl.Launch)."""
     rows, depth = x.shape
     cols = weight.shape[0]
     block_m, block_n, block_k, warps, stages = config[:5]
@@ -241,12 +230,12 @@ def gemm_nt(
             out_cols = cols // 2 if silu_pairs else cols
             out = torch.empty(rows, out_cols, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n), splits)
-    options = launch_options(x, weight, block_k, k_split)
-    *descriptors, tma = tma_operands(x, weight, block_m, block_n, block_k)
+    options = launch_options(weight, block_k, k_split, launch)
+    *descriptors, tma = tma_operands(x, weight, block_m, block_n, block_k, launch.tma)
     _gemm_nt_kernel[grid](
         x, weight, bias if bias is not None else weight, out, rows, cols, k_split,
         x.stride(0), weight.stride(0), out.stride(0) if splits > 1 else 0, out.stride(-2),
-        out, out, out, out, 0, 1, depth, 0.0, weight, 0, *descriptors,
+        out, out, out, out, 0, 1, depth, 0.0, *descriptors,
         HAS_BIAS=bias is not None, SILU_PAIRS=silu_pairs, PARTIAL=splits > 1,
         FP32=x.dtype == torch.float32, ROW_RSTD=False, N_SS_PAD=1, RESIDUAL=False, SERIAL=False,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
@@ -266,35 +255,23 @@ def _tensor_descriptor():
     return TensorDescriptor
 
 
-# Load gemm_nt's tiles through TMA tensor descriptors (Hopper's bulk copy engine) where the
-# operands allow it; None: on CUDA devices of compute capability >= 9 and under the Triton
-# interpreter (CPU tests), off elsewhere. False/True force it (A/B runs).
-TMA = None
-
-
-def tma_ready(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether gemm kernels load x [M, K] and weight [N, K] through TMA descriptors: TMA on
-    (see TMA), a Triton with host descriptors, 16-byte aligned bases and row strides."""
-    use = TMA
-    if use is None:
-        if x.is_cuda:
-            use = pdl._device_supports(x.device.index or 0)  # sm_90+
-        else:
-            use = os.environ.get("TRITON_INTERPRET") == "1"
+def tma_ready(x: torch.Tensor, weight: torch.Tensor, tma: bool) -> bool:
+    """Whether gemm kernels load x [M, K] and weight [N, K] through TMA descriptors: tma on
+    (Launch.tma), a Triton with host descriptors, 16-byte aligned bases and row strides."""
     size = x.element_size()
     aligned = all(
         t.data_ptr() % 16 == 0 and (t.stride(0) * size) % 16 == 0 and t.stride(1) == 1
         for t in (x, weight)
     )
-    return bool(use) and aligned and _tensor_descriptor() is not None
+    return tma and aligned and _tensor_descriptor() is not None
 
 
 def tma_operands(x: torch.Tensor, weight: torch.Tensor, block_m: int, block_n: int,
-                 block_k: int) -> tuple:  # fmt: skip
+                 block_k: int, tma: bool) -> tuple:  # fmt: skip
     """(a_desc, w_desc, use_tma) for _gemm_nt_kernel: TensorDescriptors over x [M, K] and
     weight [N, K] when tma_ready, else the tensors themselves (unused by the kernel) and
     False."""
-    if not tma_ready(x, weight):
+    if not tma_ready(x, weight, tma):
         return x, weight, False
     descriptor = _tensor_descriptor()
     return (
@@ -304,15 +281,15 @@ def tma_operands(x: torch.Tensor, weight: torch.Tensor, block_m: int, block_n: i
     )
 
 
-def launch_options(x: torch.Tensor, weight: torch.Tensor, block_k: int, k_split: int) -> dict:
-    """PDL keywords for _gemm_nt_kernel, with the weight prefetch (pdl.PREFETCH_WEIGHTS):
-    the first columns of every weight row, pdl.WEIGHT_PREFETCH_BYTES in all (a K split's
+def launch_options(weight: torch.Tensor, block_k: int, k_split: int, launch: Launch) -> dict:
+    """PDL keywords for _gemm_nt_kernel, with the weight prefetch (Launch.prefetch_weights):
+    the first columns of every weight row, WEIGHT_PREFETCH_BYTES in all (a K split's
     programs each take their share of their own range)."""
-    options = pdl.options(x)
-    if options and pdl.PREFETCH_WEIGHTS:
+    options = launch.keywords()
+    if options and launch.prefetch_weights:
         line = 128 // weight.element_size()
         cols = max(1, block_k // line)
-        fraction = min(1.0, pdl.WEIGHT_PREFETCH_BYTES / (weight.numel() * weight.element_size()))
+        fraction = min(1.0, WEIGHT_PREFETCH_BYTES / (weight.numel() * weight.element_size()))
         step = cols * line
         prefetch_k = min(k_split, math.ceil(k_split * fraction / step) * step)
         options.update(PREFETCH=True, PF_LINE=line, PF_COLS=cols, PF_K=prefetch_k)
@@ -326,12 +303,14 @@ def _row_bucket(rows: int) -> int:
 INTERPRETER_CONFIG = (16, 32, 32, 4, 1)  # the tile under TRITON_INTERPRET (CPU tests)
 
 
-def gate_up_silu_cublas(x: torch.Tensor, weight_pairs: torch.Tensor) -> torch.Tensor:
+def gate_up_silu_cublas(x: torch.Tensor, weight_pairs: torch.Tensor,
+                        launch: Launch = PLAIN) -> torch.Tensor:  # fmt: skip
     """cuBLAS matmul with the interleaved gate/up weight, then the silu_mul kernel reading
     (gate, up) column pairs -> [M, I]."""
-    from hybridflow.engine import kernels
+    from hybridflow.engine.kernels import rowwise
 
-    return kernels.silu_mul_pairs(F.linear(x, weight_pairs))  # columns gate_0, up_0, ...
+    # columns gate_0, up_0, ...
+    return rowwise.silu_mul_pairs(F.linear(x, weight_pairs), launch=launch)
 
 
 def graph_time_us(fn, calls: int = 10, replays: int = 3) -> float:

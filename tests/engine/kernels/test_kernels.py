@@ -12,8 +12,9 @@ from triton_device import triton_test_device  # noqa: E402
 DEVICE = triton_test_device()  # skips this module without CUDA or TRITON_INTERPRET=1
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 
-from hybridflow.engine import Engine, SamplingParams, attention_kernels, kernels, sampler_kernels  # noqa: E402
+from hybridflow.engine import Engine, SamplingParams  # noqa: E402
 from hybridflow.engine.forward import cached_attention_torch  # noqa: E402
+from hybridflow.engine.kernels import attention, rowwise, sampler
 from hybridflow.engine.sampling import request_seeds, sample_reference, split_seed  # noqa: E402
 from hybridflow.models import build_model  # noqa: E402
 from hybridflow.models.presets import preset_config  # noqa: E402
@@ -38,22 +39,22 @@ def test_rms_norms_and_silu_match_torch():
     norm = _Norm(96)
     expected = F.rms_norm(x + d, (96,), norm.weight, norm.eps)
     residual = x.clone()
-    torch.testing.assert_close(kernels.add_rms_norm(residual, d, norm), expected)
+    torch.testing.assert_close(rowwise.add_rms_norm(residual, d, norm), expected)
     torch.testing.assert_close(residual, x + d)
-    torch.testing.assert_close(kernels.rms_norm(x, norm), F.rms_norm(x, (96,), norm.weight, 1e-6))
-    unweighted = kernels.rms_norm(x, norm, weighted=False)
+    torch.testing.assert_close(rowwise.rms_norm(x, norm), F.rms_norm(x, (96,), norm.weight, 1e-6))
+    unweighted = rowwise.rms_norm(x, norm, weighted=False)
     torch.testing.assert_close(unweighted, F.rms_norm(x, (96,), None, 1e-6))
     # several rows per program (5 rows: the last program is partly masked)
     residual, out = x.clone(), torch.empty_like(x)
-    kernels._launch_rms_norm(residual, d, norm.weight, out, norm.eps, add=True, weighted=True,
+    rowwise._launch_rms_norm(residual, d, norm.weight, out, norm.eps, add=True, weighted=True,
                              per_program=4)  # fmt: skip
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(residual, x + d)
     gate_up = torch.randn(3, 400, device=DEVICE)
     gate, up = gate_up.chunk(2, dim=-1)  # strided halves, as with fused gate/up weights
-    torch.testing.assert_close(kernels.silu_mul(gate, up), F.silu(gate) * up)
+    torch.testing.assert_close(rowwise.silu_mul(gate, up), F.silu(gate) * up)
     interleaved = torch.stack([gate, up], dim=-1).flatten(1)  # gate_0, up_0, gate_1, ...
-    torch.testing.assert_close(kernels.silu_mul_pairs(interleaved), F.silu(gate) * up)
+    torch.testing.assert_close(rowwise.silu_mul_pairs(interleaved), F.silu(gate) * up)
 
 
 @pytest.mark.parametrize("layout", ["token", "head"])
@@ -69,7 +70,7 @@ def test_rope_store_matches_apply_rope(layout):
     keys = _cache_like(5, seq, kv_heads, dim, layout)
     values = _cache_like(5, seq, kv_heads, dim, layout)
     rotated = q.clone()
-    kernels.rope_store(rotated, k, v, cos, sin, positions, slots, keys, values)
+    rowwise.rope_store(rotated, k, v, cos, sin, positions, slots, keys, values)
     c, s = cos[positions], sin[positions]
     torch.testing.assert_close(rotated, apply_rope(q, c, s))
     torch.testing.assert_close(keys[slots, positions], apply_rope(k, c, s))
@@ -78,7 +79,7 @@ def test_rope_store_matches_apply_rope(layout):
     qkv = torch.cat([q, k, v], dim=1).reshape(rows, -1).clone()
     q2, k2, v2 = qkv.view(rows, heads + 2 * kv_heads, dim).split([heads, kv_heads, kv_heads], 1)
     keys2, values2 = keys.clone().zero_(), values.clone().zero_()
-    kernels.rope_store(q2, k2, v2, cos, sin, positions, slots, keys2, values2, rotate_k=True)
+    rowwise.rope_store(q2, k2, v2, cos, sin, positions, slots, keys2, values2, rotate_k=True)
     torch.testing.assert_close(k2, apply_rope(k, c, s))
     torch.testing.assert_close(q2, rotated)
     torch.testing.assert_close(v2, v)
@@ -98,15 +99,15 @@ def test_decode_attention_matches_sdpa(splits, layout):
     slots = torch.tensor([2, 0, 1, 3], device=DEVICE)
     lengths = torch.tensor([4, 1, 18, 70], device=DEVICE)
     expected = cached_attention_torch(q, keys, values, slots, lengths, seq)
-    got = attention_kernels.decode_attention(q, keys, values, slots, lengths, seq, splits=splits)
+    got = attention.decode_attention(q, keys, values, slots, lengths, seq, splits=splits)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_attention_tuner_times_both_store_orders_only_where_they_differ(monkeypatch):
     """STORE_LAST None lets the tuner time each tile with the store before and after the loop
     (ROPE kernels); a forced value or a kernel without the store compiles one order only."""
-    prune = attention_kernels._prune_store_orders
-    configs = attention_kernels._ATTENTION_CONFIGS
+    prune = attention._prune_store_orders
+    configs = attention._ATTENTION_CONFIGS
     tiles = {(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in configs}
     monkeypatch.setattr(attention_kernels, "STORE_LAST", None)
     both = prune(configs, {}, ROPE=True)
@@ -129,7 +130,7 @@ def test_decode_attention_rope_equals_rope_store_then_attention(splits, layout, 
     store before the loop or after it (STORE_LAST)."""
     monkeypatch.setattr(attention_kernels, "STORE_LAST", store_last)
     # a fresh tuning cache, or a GPU run reuses the order tuned by the other parametrisation
-    monkeypatch.setattr(attention_kernels._decode_attention_tuned, "cache", {})
+    monkeypatch.setattr(attention._decode_attention_tuned, "cache", {})
     config = preset_config("tiny")
     rows, heads, kv_heads, dim, seq = 4, 6, 2, 16, 70
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, device=DEVICE)  # strided views
@@ -141,12 +142,12 @@ def test_decode_attention_rope_equals_rope_store_then_attention(splits, layout, 
     keys = _cache_like(5, seq, kv_heads, dim, layout, torch.randn)
     values = _cache_like(5, seq, kv_heads, dim, layout, torch.randn)
     keys_ref, values_ref, q_ref = keys.clone(), values.clone(), q.clone()
-    kernels.rope_store(q_ref, k, v, cos, sin, positions, slots, keys_ref, values_ref)
-    expected = attention_kernels.decode_attention(
+    rowwise.rope_store(q_ref, k, v, cos, sin, positions, slots, keys_ref, values_ref)
+    expected = attention.decode_attention(
         q_ref, keys_ref, values_ref, slots, positions + 1, seq, splits=splits
     )
     q_before = q.clone()
-    got = attention_kernels.decode_attention_rope(
+    got = attention.decode_attention_rope(
         q, k, v, cos, sin, positions, keys, values, slots, seq, splits=splits
     )
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
@@ -174,7 +175,7 @@ def test_fused_sampler_matches_reference(params):
     lo, hi = (t.to(DEVICE) for t in split_seed(request_seeds(5, 64, 1)))
     steps = torch.arange(64, device=DEVICE)
     ref_tokens, ref_logprobs = sample_reference(logits, params, lo, hi, steps)
-    tokens, logprobs = sampler_kernels.sample_fused(logits, params, lo, hi, steps, block_v=256)
+    tokens, logprobs = sampler.sample_fused(logits, params, lo, hi, steps, block_v=256)
     assert (tokens != ref_tokens).sum().item() <= 1
     same = tokens == ref_tokens
     torch.testing.assert_close(logprobs[same], ref_logprobs[same], rtol=0, atol=1e-5)
@@ -190,7 +191,7 @@ def test_fold_norm_weights_is_torchs_broadcast_multiply(hidden):
     weights = torch.randn(3, 37, hidden, generator=gen, device=DEVICE).to(torch.bfloat16)
     norms = (torch.rand(3, hidden, generator=gen, device=DEVICE) + 0.5).to(torch.bfloat16)
     expected = weights.mul(norms[:, None, :])
-    kernels.fold_norm_weights(weights, norms)
+    rowwise.fold_norm_weights(weights, norms)
     if DEVICE == "cuda":
         assert torch.equal(weights, expected)
     else:
@@ -264,7 +265,7 @@ def test_pdl_launches_give_bitwise_the_same_generation(norms):
     cached K/V; the arithmetic is unchanged, so tokens and log-probs must be bitwise those of
     plain launches. A kernel that reads an activation before its wait would race and differ
     somewhere in 24 x 48 sampled tokens of a 4-layer bf16 model at 48 rows (several waves)."""
-    from hybridflow.engine import pdl
+    from hybridflow.engine.kernels import pdl
 
     if not pdl.SUPPORTED or torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs sm_90 and a Triton with grid dependency control")
@@ -297,7 +298,7 @@ def test_lagged_snapshots_on_cuda_give_the_same_tokens(monkeypatch):
     as wrong or missing tokens against SYNC_LAG = 0 (early stops, 40 requests through 8
     slots, 2 steps per chunk: many chunks, retirements and admissions). fp32: the two loops
     admit rows at other steps, so batch sizes differ, and bf16 rounding could flip a sample."""
-    from hybridflow.engine import loop as loop_module
+    from hybridflow.engine import scheduler as loop_module
 
     model = build_model(preset_config("tiny-4l"), seed=2, device=DEVICE)
     vocab = model.config.vocab_size

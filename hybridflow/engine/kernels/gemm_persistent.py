@@ -3,7 +3,7 @@
 Why: gemm.gemm_nt runs one program per output tile. At K = 896 (qwen2.5-0.5b) a tile is only
 14 K-steps, so every program pays a pipeline fill (the first `stages` loads with nothing to
 multiply) and an epilogue (SiLU, stores) during which its SM's tensor cores idle. In the
-prefill of session 7 our SiLU gate/up ran at ~580 TFLOP/s (94 of the 186 ms of a 1024-prompt
+1024-prompt prefill our SiLU gate/up ran at ~580 TFLOP/s (94 of the 186 ms of the
 prefill) where cuBLAS's lm_head, the same K, reached ~720. Here `programs` programs (a
 multiple of the SM count) each walk a strided list of tiles; the loop over tiles and the loop
 over K are flattened into one (tl.range(flatten=True)), so the software pipeliner issues the
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridflow.engine.gemm import _gemm_epilogue, tma_operands
+from hybridflow.engine.kernels.gemm import _gemm_epilogue, tma_operands
 
 
 @triton.jit
@@ -115,7 +115,7 @@ def _operands(name, x, weight, config, programs, silu_pairs, out):
         raise ValueError(f"{name} needs x [M, K] and weight [N, K] with contiguous rows")
     if silu_pairs and cols % 2:
         raise ValueError(f"silu_pairs needs an even number of weight rows, got {cols}")
-    a_desc, w_desc, tma = tma_operands(x, weight, block_m, block_n, block_k)
+    a_desc, w_desc, tma = tma_operands(x, weight, block_m, block_n, block_k, tma=True)
     if not tma:
         raise ValueError(f"{name} needs TMA-readable operands (16-byte aligned rows)")
     if out is None:

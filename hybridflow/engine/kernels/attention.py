@@ -1,8 +1,8 @@
 """Decode attention kernels: each row's queries over its live cache length (GQA, split-K
 flash-decoding), with RoPE and the new token's cache store fused in (CUDA; CPU under
-TRITON_INTERPRET=1 in tests). Split from kernels.py, whose _rotate they share.
+TRITON_INTERPRET=1 in tests). They share rowwise.py's _rotate.
 
-What the H200 measured (engine/NOTES.md runs 5-8): ~2.6 TB/s at 256 rows and 3.2 TB/s at
+What the H200 measured: ~2.6 TB/s at 256 rows and 3.2 TB/s at
 1024 rows of 0.5b (256 cached tokens); the tile is autotuned per row bucket; sequence splits
 only pay when rows x kv heads do not fill the GPU.
 """
@@ -15,25 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridflow.engine import pdl
-from hybridflow.engine.kernels import _rotate
-from hybridflow.engine.pdl import prefetch_l2, wait_then_release
-
-# Autotune the attention kernel's tile (CUDA only); off gives a fixed tile (for A/B runs).
-AUTOTUNE = True
-HEAD_MAJOR = False  # decode attention grid order (see _decode_attention_kernel)
-# Cached K/V loaded with L2's evict-first policy (CUDA), so the stream of keys and values does
-# not push out weights prefetched for the next matmuls (chain.PREFETCH_AHEAD). No measurable
-# effect either way (NOTES.md run 8); off.
-KV_EVICT_FIRST = False
-# Store the new token's rotated k/v into the cache after the loop instead of before it (its
-# load and RoPE stay in front, beside q's): a store ahead of the loop keeps the loop's first
-# loads behind it in the PTX (the compiler cannot tell the addresses apart). H200 (session 9,
-# engine_attention.py --store-order): head dim 64 (0.5b) 0.2-2.3% faster at every row count
-# and length, head dim 128 (1.5b, 256 rows) 38% slower (22.4 vs 31.0 us). None: the tuner
-# times both orders with each tile (ROPE kernels only); True/False force one (A/B runs, and
-# the order used where nothing is tuned: the CPU interpreter, a fixed config).
-STORE_LAST: bool | None = None
+from hybridflow.engine.kernels import sm_count
+from hybridflow.engine.kernels.launch import PLAIN, Launch
+from hybridflow.engine.kernels.pdl import prefetch_l2, wait_then_release
+from hybridflow.engine.kernels.rowwise import _rotate
 
 # -------------------------------------------------------------------------------------------
 # Decode attention over each row's live length (GQA, split-K flash-decoding)
@@ -46,9 +31,7 @@ def _decode_attention_kernel(
     stride_cpos, stride_chead, stride_o, scale_log2, CHUNK, ROWS_BUCKET,
     G: tl.constexpr, G_PAD: tl.constexpr, HALF: tl.constexpr, NH: tl.constexpr,
     SPLITS: tl.constexpr, FP32_DOT: tl.constexpr, ROPE: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_MAJOR: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-    PF_LINE: tl.constexpr = 64, PF_LINES: tl.constexpr = 1, PF_POSITIONS: tl.constexpr = 0,
-    EVICT_FIRST: tl.constexpr = False, STORE_LAST: tl.constexpr = False,
+    PDL: tl.constexpr = False, STORE_LAST: tl.constexpr = False,
     h_ptr=None, bias_ptr=None, stride_h=0, H=1, eps=0.0, NORM: tl.constexpr = False,
     H_PAD: tl.constexpr = 16, HAS_BIAS: tl.constexpr = False,
     first_ptr=None, qs_ptr=None, pm_ptr=None, pl_ptr=None, pacc_ptr=None,
@@ -62,9 +45,10 @@ def _decode_attention_kernel(
     no program reads the position being written). Without ROPE, position pos is read from the
     cache like the others. Vectors are handled as halves (rotate_half RoPE pairs them).
 
-    PDL / PREFETCH (pdl.py): the first PF_POSITIONS cached keys and values (earlier steps')
-    are asked into L2 before waiting for the previous kernel (the qkv matmul); PF_LINE
-    elements make a 128-byte line, PF_LINES lines a head vector.
+    STORE_LAST: store the new token's rotated k/v after the loop instead of before it (a
+    store ahead of the loop keeps the loop's first loads behind it in the PTX: the compiler
+    cannot tell the addresses apart). Tuned with the tile: on the H200 head dim 64 ran
+    0.2-2.3% faster with it, head dim 128 (1.5b, 256 rows) 38% slower.
 
     NORM (with ROPE; lean.py): q/k/v arrive as residual @ W^T with the RMSNorm weight folded
     into W and no bias; this program takes the row's 1/rms from the residual stream h [B, H]
@@ -75,12 +59,8 @@ def _decode_attention_kernel(
     the end of a prompt prefix its group attends to once (shared_prefix.prefix_attention,
     launched next); instead of the output, this program leaves the rotated q (qs) and its
     unnormalised softmax state (max m, sum l, acc) for that kernel to merge into."""
-    if HEAD_MAJOR:  # grid (kv heads, rows, splits): a row's heads run side by side
-        kv_head = tl.program_id(0)
-        row = tl.program_id(1)
-    else:
-        row = tl.program_id(0)
-        kv_head = tl.program_id(1)
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
     split = tl.program_id(2)
     # Read before the PDL wait (below): slots and positions change only at the end of a step
     # (the sampler) or between graph replays, never in the last two launches (pdl.py).
@@ -93,10 +73,6 @@ def _decode_attention_kernel(
     else:
         end = tl.minimum(chunk_end, pos + 1)
     base = slot.to(tl.int64) * stride_cslot + kv_head * stride_chead
-    if PREFETCH:  # written by earlier steps only (the new token's k/v come from registers)
-        lines = tl.arange(0, PF_LINES) * PF_LINE
-        stop = tl.minimum(tl.minimum(chunk_end, pos), start + PF_POSITIONS)
-        prefetch_kv(kc_ptr, vc_ptr, base, lines, start, stop, stride_cpos)
     wait_then_release(PDL)
     dtype = q_ptr.dtype.element_ty
     g = tl.arange(0, G_PAD)
@@ -146,16 +122,8 @@ def _decode_attention_kernel(
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
         offs = base + n[:, None].to(tl.int64) * stride_cpos + d[None, :]
-        if EVICT_FIRST:  # read once per step: let L2 keep prefetched weights instead
-            k = tl.load(
-                kc_ptr + offs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first"
-            )
-            v = tl.load(
-                vc_ptr + offs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first"
-            )
-        else:
-            k = tl.load(kc_ptr + offs, mask=n_mask[:, None], other=0.0)
-            v = tl.load(vc_ptr + offs, mask=n_mask[:, None], other=0.0)
+        k = tl.load(kc_ptr + offs, mask=n_mask[:, None], other=0.0)
+        v = tl.load(vc_ptr + offs, mask=n_mask[:, None], other=0.0)
         m_i, l_i, acc = _softmax_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2, FP32_DOT)
     if ROPE:
         if STORE_LAST:  # no program reads position pos from the cache: it may come last
@@ -196,7 +164,8 @@ def _decode_attention_kernel(
 @triton.jit
 def prefetch_kv(kc_ptr, vc_ptr, base, lines, lo, hi, stride_cpos):
     """Ask L2 for the cached keys and values of positions [lo, hi) at base (a slot and kv
-    head), `lines` the element offsets of a position's 128-byte lines (pdl.py)."""
+    head), `lines` the element offsets of a position's 128-byte lines (pdl.py; the
+    shared-prefix kernel's prefixes before its PDL wait)."""
     for p0 in range(lo, hi, 64):
         p = tl.minimum(p0 + tl.arange(0, 64), hi - 1).to(tl.int64)
         offs = base + p[:, None] * stride_cpos + lines[None, :]
@@ -275,43 +244,24 @@ _ATTENTION_CONFIGS = [
 ]
 
 
-def store_orders(rope: bool) -> set[bool]:
-    """The STORE_LAST values worth compiling: both where the tuner may choose (ROPE kernels
-    with STORE_LAST None), else the one forced (without ROPE there is no store: False)."""
-    if not rope:
-        return {False}
-    return {False, True} if STORE_LAST is None else {bool(STORE_LAST)}
-
-
 def _prune_store_orders(configs, named_args, **kwargs):
-    orders = store_orders(bool(kwargs.get("ROPE")))
-    return [c for c in configs if c.kwargs["STORE_LAST"] in orders]
+    """Both store orders where there is a store (ROPE), else the store-first configs only."""
+    return [c for c in configs if kwargs.get("ROPE") or not c.kwargs["STORE_LAST"]]
 
 
 _decode_attention_tuned = triton.autotune(
     _ATTENTION_CONFIGS,
-    # stride_cpos tells the cache layouts apart (kv_cache.LAYOUT: D for head-major)
-    key=[
-        "G",
-        "HALF",
-        "SPLITS",
-        "FP32_DOT",
-        "ROPE",
-        "HEAD_MAJOR",
-        "ROWS_BUCKET",
-        "stride_cpos",
-        "NORM",
-        "SHARED",
-    ],  # fmt: skip
+    key=["G", "HALF", "SPLITS", "FP32_DOT", "ROPE", "ROWS_BUCKET", "stride_cpos", "NORM",
+         "SHARED"],  # fmt: skip
     prune_configs_by={"early_config_prune": _prune_store_orders},
 )(_decode_attention_kernel)
 
 
-def attention_splits(rows: int, num_kv_heads: int, max_len: int) -> int:
-    """Sequence splits per (row, kv head): enough thread blocks to fill ~2 waves of 132 SMs,
-    but at least 256 positions per split."""
+def attention_splits(rows: int, num_kv_heads: int, max_len: int, sms: int) -> int:
+    """Sequence splits per (row, kv head): enough thread blocks to fill ~2 waves of the
+    device's `sms` SMs, but at least 256 positions per split."""
     programs = rows * num_kv_heads
-    splits = max(1, math.ceil(264 / programs))
+    splits = max(1, math.ceil(2 * sms / programs))
     return max(1, min(splits, max_len // 256, 16))
 
 
@@ -322,15 +272,20 @@ def decode_attention(
     row_slots: torch.Tensor,
     lengths: torch.Tensor,
     max_len: int,
+    *,
     splits: int | None = None,
     shared: tuple | None = None,
+    launch: Launch = PLAIN,
+    autotune: bool = True,
 ) -> torch.Tensor:
     """q [B, nh, D] (rows may be strided), caches [slots, S, nkv, D], lengths [B] -> out
     [B, nh, D]: row b attends over positions [0, lengths[b]) of slot row_slots[b]. max_len is
     a static bound on lengths (it only sizes the splits). shared: (first [B], groups) from
-    shared_prefix.group_table: each group's prefix read once (one split)."""
+    shared_prefix.group_table: each group's prefix read once (one split). autotune: time the
+    tile per shape (CUDA), else a fixed tile."""
     return _attention(q, None, None, None, None, lengths - 1, key_cache, value_cache,
-                      row_slots, max_len, splits, shared=shared)  # fmt: skip
+                      row_slots, max_len, splits, shared=shared, launch=launch,
+                      autotune=autotune)  # fmt: skip
 
 
 def decode_attention_rope(
@@ -344,9 +299,12 @@ def decode_attention_rope(
     value_cache: torch.Tensor,
     row_slots: torch.Tensor,
     max_len: int,
+    *,
     splits: int | None = None,
     norm: tuple | None = None,
     shared: tuple | None = None,
+    launch: Launch = PLAIN,
+    autotune: bool = True,
 ) -> torch.Tensor:
     """rope_store + decode_attention in one launch: q [B, nh, D], k/v [B, nkv, D] of the new
     token (unrotated; rows may be strided), cos/sin [S, D] tables, positions [B] (the new
@@ -360,16 +318,15 @@ def decode_attention_rope(
     shared: (first [B], groups) from shared_prefix.group_table: each group's prompt prefix
     is read once for all its rows (one split)."""
     return _attention(q, k, v, cos, sin, positions, key_cache, value_cache, row_slots,
-                      max_len, splits, norm=norm, shared=shared)  # fmt: skip
+                      max_len, splits, norm=norm, shared=shared, launch=launch,
+                      autotune=autotune)  # fmt: skip
 
 
 def _attention(
-    q, k, v, cos, sin, positions, key_cache, value_cache, row_slots, max_len, splits,
-    config: tuple | None = None, head_major: bool | None = None, norm: tuple | None = None,
-    shared: tuple | None = None,
+    q, k, v, cos, sin, positions, key_cache, value_cache, row_slots, max_len, splits, *,
+    norm: tuple | None = None, shared: tuple | None = None, launch: Launch = PLAIN,
+    autotune: bool = True,
 ):  # fmt: skip
-    """config (BLOCK_N, num_warps, num_stages) and head_major override the tuned tile and
-    the grid order (benchmarks/engine_attention.py)."""
     rows, num_heads, head_dim = q.shape
     num_kv = key_cache.shape[2]
     assert key_cache.stride() == value_cache.stride() and key_cache.stride(3) == 1
@@ -379,7 +336,8 @@ def _attention(
     if rope:
         assert k.stride(1) == head_dim and v.stride(1) == head_dim
         assert k.stride(2) == 1 and v.stride(2) == 1
-    if shared is not None and splits is None and attention_splits(rows, num_kv, max_len) > 1:
+    sms = sm_count(q.device)
+    if shared is not None and splits is None and attention_splits(rows, num_kv, max_len, sms) > 1:
         # too few rows to fill the GPU: the sequence splits (a row's positions over several
         # programs) do that; sharing needs one split, so these batches read their prefixes
         # as usual (the tail of a call, once most rows have finished)
@@ -387,7 +345,7 @@ def _attention(
     if shared is not None:
         splits = 1  # the prefix is the other "split" (shared_prefix.prefix_attention)
     if splits is None:
-        splits = attention_splits(rows, num_kv, max_len)
+        splits = attention_splits(rows, num_kv, max_len, sms)
     chunk = triton.cdiv(max_len, splits)
     out = torch.empty(rows, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if splits > 1:
@@ -408,8 +366,6 @@ def _attention(
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), HALF=head_dim // 2,
         NH=num_heads, SPLITS=splits, FP32_DOT=q.dtype == torch.float32, ROPE=rope,
     )  # fmt: skip
-    head_major = HEAD_MAJOR if head_major is None else head_major
-    meta["HEAD_MAJOR"] = head_major
     if norm is not None:
         assert rope, "norm needs the new token's k/v (decode_attention_rope)"
         residual, eps, bias = norm
@@ -420,43 +376,57 @@ def _attention(
                     HAS_BIAS=bias is not None)  # fmt: skip
     states = None
     if shared is not None:
-        from hybridflow.engine import shared_prefix
+        from hybridflow.engine.kernels import shared_prefix
 
         first, groups = shared
         states = shared_prefix.state_buffers(q)
         meta.update(first_ptr=first, qs_ptr=states[0], pm_ptr=states[1], pl_ptr=states[2],
                     pacc_ptr=states[3], SHARED=True)  # fmt: skip
-    if shared is None:
-        meta.update(pdl.options(q))
-    else:  # the prefix kernel after it may launch early to prefetch (shared_prefix.PDL)
-        meta.update(shared_prefix.pdl_options(q))
-    if q.is_cuda and KV_EVICT_FIRST:
-        meta["EVICT_FIRST"] = True
-    if meta.get("PDL") and pdl.PREFETCH_KV:  # the first positions, KV_PREFETCH_BYTES in all
-        size = key_cache.element_size()
-        per_program = pdl.KV_PREFETCH_BYTES // (rows * num_kv * splits * 2 * head_dim * size)
-        if per_program >= 32:
-            line = 128 // size
-            meta.update(PREFETCH=True, PF_LINE=line, PF_LINES=max(1, head_dim // line),
-                        PF_POSITIONS=min(1024, 1 << (per_program.bit_length() - 1)))  # fmt: skip
-    grid = (num_kv, rows, splits) if head_major else (rows, num_kv, splits)
-    # STORE_LAST is a tuned parameter; untuned launches take the forced order, else the store
-    # in front (the order measured best at head dim 128, and the one without ROPE)
-    store_last = max(store_orders(rope)) if STORE_LAST is not None else False
-    if config is not None:
-        block_n, warps, stages = config
-        _decode_attention_kernel[grid](*args, **meta, BLOCK_N=block_n, num_warps=warps,
-                                       num_stages=stages, STORE_LAST=store_last)  # fmt: skip
-    elif q.is_cuda and AUTOTUNE:
-        _decode_attention_tuned[grid](*args, **meta)
+        # the prefix kernel after it may launch early to prefetch (Launch.pair_pdl)
+        meta.update(launch.pair_keywords())
     else:
-        _decode_attention_kernel[grid](*args, **meta, BLOCK_N=64 if head_dim <= 64 else 32,
-                                       STORE_LAST=store_last)  # fmt: skip
+        meta.update(launch.keywords())
+    grid = (rows, num_kv, splits)
+    if q.is_cuda and autotune:
+        _decode_attention_tuned[grid](*args, **meta)
+    else:  # the store in front: the order measured best at head dim 128, and the one without ROPE
+        _decode_attention_kernel[grid](*args, **meta, BLOCK_N=64 if head_dim <= 64 else 32)
     if states is not None:
-        shared_prefix.prefix_attention(states, groups, key_cache, value_cache, out)
+        shared_prefix.prefix_attention(states, groups, key_cache, value_cache, out, launch)
     elif splits > 1:
         _combine_splits_kernel[(rows, num_heads)](
             part_o, part_lse, out, out.stride(0), NH=num_heads, D=head_dim, SPLITS=splits,
-            SPLITS_PAD=max(2, triton.next_power_of_2(splits)), **pdl.options(q),
+            SPLITS_PAD=max(2, triton.next_power_of_2(splits)), **launch.keywords(),
         )  # fmt: skip
     return out
+
+
+# -------------------------------------------------------------------------------------------
+# The autotuner's choices, in and out (pinned across processes: engine/choices.py)
+
+
+def tuned_tiles() -> dict[str, dict]:
+    """The attention tiles the autotuner chose in this process: repr(tuning key) ->
+    {"key": [...], "config": {kwargs, num_warps, num_stages}}."""
+    out = {}
+    for key, config in getattr(_decode_attention_tuned, "cache", {}).items():
+        out[repr(key)] = {"key": list(key), "config": {
+            "kwargs": dict(config.kwargs), "num_warps": config.num_warps,
+            "num_stages": config.num_stages}}  # fmt: skip
+    return out
+
+
+def pin_tiles(entries: dict[str, dict]) -> int:
+    """Seed the autotuner with tiles chosen earlier (tuned_tiles' format): a shape met again
+    runs the same tile without timing. Entries whose config is no longer a candidate are
+    skipped. Returns how many were seeded."""
+    seeded = 0
+    for entry in entries.values():
+        wanted = entry["config"]
+        for config in _ATTENTION_CONFIGS:
+            if (dict(config.kwargs) == wanted["kwargs"] and config.num_warps == wanted["num_warps"]
+                    and config.num_stages == wanted["num_stages"]):  # fmt: skip
+                _decode_attention_tuned.cache[tuple(entry["key"])] = config
+                seeded += 1
+                break
+    return seeded

@@ -4,7 +4,7 @@ budgets and the tokens read back so far.
 Each turn: admit waiting requests into free slots (one packed prefill per unique prompt, its
 KV fanned out to the n sample slots, first tokens sampled), queue a chunk of decode steps
 (graph replays, no host sync) and pinned copies of the rows' flags and newest tokens; then
-read the previous chunk's copies (SYNC_LAG) while the GPU runs this chunk: extend each
+read the previous chunk's copies (EngineOptions.sync_lag) while the GPU runs this chunk: extend each
 request's lists, retire finished requests, free and compact their rows.
 """
 
@@ -24,17 +24,6 @@ from hybridflow.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from hybridflow.engine.engine import Engine
-
-# Host reads of the decode state lag the device by one chunk of steps: the next chunk's
-# replays are queued before the host waits for the previous chunk's finished flags and new
-# tokens, so the GPU does not idle while the host compacts rows, admits prompts and turns
-# tokens into lists. H200, 0.5b (docs/PERFORMANCE.md, session 6): 171k vs 162k tok/s at 256
-# rows, 242k vs 227k at 1024; with a queue and early stops (1024 prompts through 256 slots),
-# where a slot is refilled one chunk later, still 93.6k vs 74.4k. None: 1 on CUDA, 0 on CPU
-# (nothing runs while the host reads there, so lagging only keeps finished rows in the batch
-# one chunk longer); 0 or 1 force it (tests, A/B runs).
-SYNC_LAG: int | None = None
-
 
 @dataclass
 class _Snapshot:
@@ -132,7 +121,11 @@ class GenerationLoop:
         # output columns a snapshot reads per row: a chunk's steps + the admission's token
         self.window = engine.steps_per_sync + 1
         self.columns = torch.arange(self.window, device=engine.device)
-        self.lagged = engine.device.type == "cuda" if SYNC_LAG is None else SYNC_LAG > 0
+        # Host reads lag the device by one chunk: the next chunk's replays are queued before
+        # the host waits for the previous chunk's flags and tokens, so the GPU does not idle
+        # while the host compacts rows, admits prompts and turns tokens into lists (H200,
+        # 0.5b: 171k vs 162k tok/s at 256 rows, 242k vs 227k at 1024).
+        self.lagged = engine.sync_lag > 0
 
     def run(self) -> list[tuple]:
         pending = None
@@ -317,7 +310,7 @@ class GenerationLoop:
         the next decode chunk, which reads them (shared_prefix.py)."""
         if not self.runner.shared:
             return
-        from hybridflow.engine.shared_prefix import group_table
+        from hybridflow.engine.kernels.shared_prefix import group_table
 
         n, lengths = self.params.n, self.table.lengths
         prompts = [request // n for request in self.row_request]
@@ -338,7 +331,7 @@ _caller_collects: bool | None = None
 def cyclic_gc_paused():
     """Python's cyclic garbage collector off inside (restored after). A full collection walks
     every object of the process (155 ms with torch, transformers and a 0.5b model loaded, on
-    the CPU machine): in the middle of generate() it stops the host while the GPU drains the
+    a 2-core CPU host): in the middle of generate() it stops the host while the GPU drains the
     one chunk it has queued, and it fired in some timed calls but not others (H200, 0.5b:
     runs of 0.389 vs 0.473 s at 256 rows, 1.07 vs 1.20 s at 1024). The loop's own objects are
     lists of numbers, freed by reference counting; collection resumes when the call returns
@@ -362,8 +355,8 @@ def collect_young(gpu_done) -> bool:
     are waiting, and the GPU is still busy (gpu_done: an event with query(), or None on CPU).
     Why: the result lists (one per request, hundreds of numbers each) all sit in the youngest
     generation while collection is paused, and the first allocation after the call paid for
-    walking them: a 9 ms generation-0 pause after a 1024-row call on the H200 (session 7,
-    engine_timeline.py), inside the caller's timing. Collected here, it overlaps GPU work the
+    walking them: a 9 ms generation-0 pause after a 1024-row call on the H200, inside the
+    caller's timing. Collected here, it overlaps GPU work the
     host would otherwise just wait for; the survivors move to an old generation."""
     if (
         not _caller_collects

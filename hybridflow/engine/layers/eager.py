@@ -1,0 +1,72 @@
+"""The eager decode step: the model's own modules (RMSNorm, project_qkv, MLP) + SDPA over the
+cache. Runs anywhere; bitwise the model's arithmetic, which the fp32 log-prob tests rely on.
+The engine's torch backend, and the reference the fused layers are tested against."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from hybridflow.engine.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from hybridflow.engine.prefill import RopeTable
+
+
+def cached_attention_torch(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    row_slots: torch.Tensor,
+    lengths: torch.Tensor,
+    max_len: int,
+) -> torch.Tensor:
+    """q [B, nh, D]; keys/values one layer's cache [slots, S, nkv, D]; each row attends to
+    positions [0, lengths[b]) of its slot -> [B, nh, D]. Reads max_len positions per row."""
+    k = keys[row_slots, :max_len].transpose(1, 2)  # [B, nkv, max_len, D]
+    v = values[row_slots, :max_len].transpose(1, 2)
+    visible = torch.arange(max_len, device=q.device)[None, :] < lengths[:, None]  # [B, max_len]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),
+        k,
+        v,
+        attn_mask=visible[:, None, None, :],
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out.squeeze(2)
+
+
+@torch.no_grad()
+def decode_forward_torch(
+    model,
+    cache: KVCache,
+    rope: RopeTable,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    row_slots: torch.Tensor,
+    max_len: int,
+    shared=None,
+) -> torch.Tensor:
+    """tokens/positions/row_slots [B] -> logits [B, V]; K/V stored at (row_slots, positions).
+
+    max_len: positions read by attention (a static bound under CUDA graphs, the live maximum
+    in eager mode). shared (the triton path's shared-prefix groups) is ignored: each row
+    reads its whole cache, the same values."""
+    hidden = model.model.embed_tokens(tokens)  # [B, H]
+    cos, sin = rope.cos[positions], rope.sin[positions]  # [B, D]
+    lengths = positions + 1
+    for index, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        q, k, v = attn.project_qkv(layer.input_layernorm(hidden), cos, sin)
+        cache.keys[index, row_slots, positions] = k
+        cache.values[index, row_slots, positions] = v
+        out = cached_attention_torch(
+            q, cache.keys[index], cache.values[index], row_slots, lengths, max_len
+        )
+        hidden = hidden + attn.o_proj(out.flatten(-2))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return model.lm_head(model.model.norm(hidden))
+
+

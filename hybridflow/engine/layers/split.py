@@ -1,0 +1,76 @@
+"""The split decode layer: eight launches a layer at decode sizes (add+RMSNorm, qkv,
+attention, o_proj, add+RMSNorm, gate/up (+SiLU), down), cuBLAS for the matmuls (or the
+DecodeMatmul's choice for gate/up), the fused row-wise kernels around them. Also the layer
+stack of the triton prefill (with its packed attention). The reference the other decode
+layers (chain.py, lean.py) are timed against, and the one that always applies.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hybridflow.engine.kernels.launch import PLAIN, Launch
+
+
+def fused_layers(
+    model,
+    input_ids: torch.Tensor,
+    attend,
+    fused,
+    matmul=None,
+    keep: torch.Tensor | None = None,
+    launch: Launch = PLAIN,
+) -> torch.Tensor:
+    """Embedding + every layer with the fused kernels; attend(layer_index, q, k, v) -> [N, nh,
+    D] (q/k unrotated: it applies RoPE and stores k/v in the cache) is the only part that
+    differs between prefill (packed causal) and decode (cached). fused: weights.
+    FusedProjections or None (every weight read in place). matmul: a matmul_choice.
+    DecodeMatmul (None: cuBLAS, with the SiLU*up product in its own kernel). keep: the rows
+    whose output is wanted (the last layer past attention runs on those only: prefill).
+    launch: the kernels' launch options. Returns the final-normed hidden states [N or
+    len(keep), H]."""
+    from hybridflow.engine.kernels import gemm, rowwise
+
+    linear = matmul.linear if matmul is not None else F.linear
+    gate_up_silu = matmul.gate_up_silu if matmul is not None else gemm.gate_up_silu_cublas
+
+    layers = model.model.layers
+    hidden = model.model.embed_tokens(input_ids)  # [N, H] residual stream, updated in place
+    weighted = fused is None or not fused.folded  # else the norm weights are in the matmuls
+    normed = rowwise.rms_norm(hidden, layers[0].input_layernorm, weighted, launch)
+    for index, layer in enumerate(layers):
+        attn = layer.self_attn
+        if fused is not None:
+            bias = fused.qkv_bias[index] if fused.qkv_bias is not None else None
+            qkv = linear(normed, fused.qkv_weight[index], bias)
+            q, k, v = qkv.split([fused.q_size, fused.kv_size, fused.kv_size], dim=-1)
+        else:
+            q = linear(normed, attn.q_proj.weight, attn.q_proj.bias)
+            k = linear(normed, attn.k_proj.weight, attn.k_proj.bias)
+            v = linear(normed, attn.v_proj.weight, attn.v_proj.bias)
+        q = q.unflatten(-1, (attn.num_heads, attn.head_dim))  # rows may be strided (fused)
+        k = k.unflatten(-1, (attn.num_kv_heads, attn.head_dim))
+        v = v.unflatten(-1, (attn.num_kv_heads, attn.head_dim))
+        if attn.q_norm is not None:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        out = attend(index, q, k, v)  # RoPE, the cache store and attention
+        if keep is not None and index + 1 == len(layers):  # prefill: the last tokens only
+            out, hidden = out[keep], hidden[keep]
+        delta = linear(out.flatten(-2), attn.o_proj.weight, attn.o_proj.bias)
+        normed = rowwise.add_rms_norm(hidden, delta, layer.post_attention_layernorm, weighted,
+                                      launch)  # fmt: skip
+        mlp = layer.mlp
+        if fused is not None and fused.gate_up_weight is not None:
+            act = gate_up_silu(normed, fused.gate_up_weight[index], launch)  # silu(gate) * up
+        else:
+            act = rowwise.silu_mul(
+                linear(normed, mlp.gate_proj.weight), linear(normed, mlp.up_proj.weight), launch
+            )
+        delta = linear(act, mlp.down_proj.weight)
+        if index + 1 < len(layers):
+            normed = rowwise.add_rms_norm(hidden, delta, layers[index + 1].input_layernorm,
+                                          weighted, launch)  # fmt: skip
+        else:  # the final norm feeds lm_head, never folded
+            normed = rowwise.add_rms_norm(hidden, delta, model.model.norm, launch=launch)
+    return normed

@@ -1,0 +1,126 @@
+"""EngineOptions: every choice the generation engine makes, in one place, passed explicitly
+from Engine(...) down to the function that uses it. The config's `rollout.engine.*` section
+maps onto it (hybridflow/config/sections.py).
+
+The defaults are what measured fastest on an H200 (docs/performance.md, Rollout engine; what
+lost is in docs/engine.md, Tried and rejected). Choices the engine makes by timing (the decode
+layer per batch bucket, matmul and attention tiles) are pinned in `cache_dir` (choices.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+DECODE_BACKENDS = ("auto", "triton", "torch")
+FUSE_PROJECTIONS = ("all", "qkv", "none")
+DECODE_MATMULS = ("auto", "cublas", "triton")
+LEAN_VARIANTS = ("qkv+mlp", "qkv", "mlp")
+DECODE_LAYERS = ("auto", "split", "chain", "lean", *(f"lean:{v}" for v in LEAN_VARIANTS))
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    decode_backend: str = "auto"
+    """"triton" (fused kernels, CUDA; the CPU only under TRITON_INTERPRET=1), "torch" (the
+    model's own modules and SDPA over the cache: runs anywhere, bitwise the model's
+    arithmetic), or "auto": triton on CUDA when Triton imports, else torch."""
+    cuda_graphs: bool | None = None
+    """Replay decode steps as CUDA graphs captured per batch-size bucket. None: on for CUDA."""
+    steps_per_sync: int = 8
+    """Decode steps between two host checks for finished rows (8 was fastest of 8/16/32/64 on
+    an H200)."""
+    sync_lag: int | None = None
+    """Chunks the host's reads of finished flags and tokens lag the device: 1 lets the GPU
+    run the next chunk while the host reads the last one (a finished row's slot is refilled
+    up to two chunks after it finished); 0 waits for every chunk. None: 1 on CUDA, else 0."""
+    max_prefill_tokens: int = 16384
+    """Prompt tokens per packed prefill pass (bounds prefill activation memory)."""
+    fuse_projections: str = "all"
+    """triton backend: "all" keeps a concatenated copy of each layer's q/k/v and interleaved
+    gate/up weights with the RMSNorm weights folded in (one matmul instead of three and two;
+    ~70% of the non-embedding weights, refreshed at every generate(), outside the KV budget);
+    "qkv" copies q/k/v only (~10%); "none" reads every weight in place. H200, 0.5B, 256
+    prompts: all 128k, qkv 122k, none 113k tok/s (before the other fusions)."""
+    decode_matmul: str = "auto"
+    """triton backend, the MLP's gate/up projection with SiLU*up: "auto" times cuBLAS +
+    silu_mul against Triton tiles with SiLU*up in the epilogue once per shape and keeps the
+    faster; "cublas" never uses Triton; "triton" always does. Every other matmul is cuBLAS
+    (it won every other decode shape)."""
+    persistent_matmul: bool = True
+    """With decode_matmul auto/triton: also time the persistent gate/up kernel (one program
+    per SM walking the tiles) at 1024+ rows, where it can win (prefill, large batches)."""
+    decode_layer: str = "auto"
+    """The decode layer (layers/): "split" (eight launches a layer, cuBLAS matmuls), "chain"
+    (five launches, the norms and residual adds inside Triton matmuls), "lean" (cuBLAS, the
+    norms inside attention and SiLU*up; all three variants timed), "lean:qkv+mlp" /
+    "lean:qkv" / "lean:mlp" (one variant), or "auto": every applicable layer timed once per
+    batch-size bucket, the fastest kept (the chain must win by 2%). A forced layer that does
+    not apply to the model or options falls back to split."""
+    shared_prefix: bool = True
+    """With n > 1 on the triton backend, decode attention reads each prompt's cached prefix
+    once per group of its samples (64 prompts x 8: 9.3% faster at 0.5b, 11.2% at 1.5b)."""
+    pdl: bool | None = None
+    """Programmatic dependent launch of the Triton decode kernels (each may start while the
+    previous one drains). None: wherever supported (sm_90+, Triton >= 3.4); True where it is
+    not supported is an error."""
+    prefetch_weights: bool = True
+    """With PDL, a Triton matmul asks L2 for the start of its weight before waiting for the
+    kernel that writes its input."""
+    tma: bool | None = None
+    """Triton matmul tiles through TMA tensor descriptors (5-10% faster per matmul). None: on
+    sm_90+ GPUs."""
+    attention_autotune: bool = True
+    """Time the decode attention tile per shape (CUDA); off: a fixed tile."""
+    cache_dir: str | None = None
+    """Directory of the pinned timing choices (choices.py): a JSON file per (model shape, GPU,
+    dtype, options), read at the first generate() and written when a choice is new, so later
+    processes make the same choices without timing. None: choices live in the process only."""
+    retune: bool = False
+    """Ignore pinned choices and time again (the new ones replace them in cache_dir)."""
+
+    def validate(self) -> list[str]:
+        """Problems as 'field=value: what to change' lines (empty when valid)."""
+        problems = []
+
+        def one_of(name, allowed):
+            value = getattr(self, name)
+            if value not in allowed:
+                problems.append(f"{name}={value!r}: must be one of {', '.join(allowed)}")
+
+        one_of("decode_backend", DECODE_BACKENDS)
+        one_of("fuse_projections", FUSE_PROJECTIONS)
+        one_of("decode_matmul", DECODE_MATMULS)
+        one_of("decode_layer", DECODE_LAYERS)
+        if not isinstance(self.steps_per_sync, int) or self.steps_per_sync < 1:
+            problems.append(f"steps_per_sync={self.steps_per_sync!r}: must be an integer >= 1")
+        if self.sync_lag not in (None, 0, 1):
+            problems.append(f"sync_lag={self.sync_lag!r}: must be 0, 1 or null (auto)")
+        if not isinstance(self.max_prefill_tokens, int) or self.max_prefill_tokens < 1:
+            problems.append(
+                f"max_prefill_tokens={self.max_prefill_tokens!r}: must be an integer >= 1"
+            )
+        return problems
+
+    def checked(self) -> EngineOptions:
+        """self, or ValueError listing every problem."""
+        problems = self.validate()
+        if problems:
+            raise ValueError("invalid engine options:\n  " + "\n  ".join(problems))
+        return self
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> EngineOptions:
+        """From a mapping of field names (unknown names raise, naming them)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown engine options {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+    def timing_identity(self) -> dict:
+        """The options that change what timing chooses (the pinned choices' key)."""
+        skip = {"cache_dir", "retune", "steps_per_sync", "sync_lag", "cuda_graphs"}
+        return {k: v for k, v in asdict(self).items() if k not in skip}
