@@ -1,5 +1,7 @@
-"""Rollout benchmark suite for one GPU call: correctness on the device, step breakdown,
-engine variants, HF baselines. Prints a table last; writes JSON + markdown to --out.
+"""`python benchmarks/rollout.py --out DIR`: engine tokens/s, step time and TTFT vs HF generate.
+
+Also checks the engine on the device (fast path vs eager torch path vs the trainer's
+log-probs) and can profile a decode step. Prints a table last; writes JSON + markdown to --out.
 
     python benchmarks/rollout.py --out $OUT                 # full suite (H200: ~4 min)
     python benchmarks/rollout.py --out /tmp/r --only check  # just the device checks
@@ -69,7 +71,8 @@ def bf16_gaps(device, preset: str = "qwen2.5-0.5b") -> dict:
     rows by 1/rms in its epilogues; the shared-prefix attention merges two softmax parts),
     and the tuner picks among them per batch size. n = 2, so the shared prefix is on unless
     a path turns it off."""
-    from hybridflow.engine import lean, shared_prefix
+    from hybridflow.engine.kernels import shared_prefix
+    from hybridflow.engine.layers import lean
 
     model = load_model(preset, dtype=torch.bfloat16, device=device).eval()
     prompts = make_prompts(16, 64, model.config.vocab_size, 1)
@@ -94,7 +97,7 @@ def bf16_gaps(device, preset: str = "qwen2.5-0.5b") -> dict:
 @torch.no_grad()
 def check_correctness(device, quick: bool) -> dict:
     """Fast path (triton + graphs) vs eager torch path on the device, and vs the trainer.
-    The bf16 0.5b gap (the number docs/PERFORMANCE.md reports) runs first."""
+    The bf16 0.5b gap (docs/performance.md, Log-prob gap (bf16)) runs first."""
     out = {}
     if not quick:
         model = load_model("qwen2.5-0.5b", dtype=torch.bfloat16, device=device).eval()
@@ -180,7 +183,7 @@ def step_breakdown(device, preset: str, batch: int, length: int) -> dict:
     """Median times (us) of one decode step's parts at `batch` rows of `length` cached tokens."""
     import triton.testing
 
-    from hybridflow.engine import attention_kernels, kernels, sampler_kernels
+    from hybridflow.engine.kernels import attention, rowwise, sampler
     from hybridflow.engine.sampling import request_seeds, sample_reference, split_seed
 
     model = load_model(preset, dtype=torch.bfloat16, device=device).eval()
@@ -199,8 +202,8 @@ def step_breakdown(device, preset: str, batch: int, length: int) -> dict:
     t["gate_up_gemms"] = bench(lambda: (m.gate_proj(x), m.up_proj(x)))
     inner = torch.randn(batch, cfg.intermediate_size, device=device, dtype=torch.bfloat16)
     t["down_gemm"] = bench(lambda: m.down_proj(inner))
-    t["silu_mul"] = bench(lambda: kernels.silu_mul(inner, inner))
-    t["add_rms_norm"] = bench(lambda: kernels.add_rms_norm(x.clone(), x, layer.input_layernorm))
+    t["silu_mul"] = bench(lambda: rowwise.silu_mul(inner, inner))
+    t["add_rms_norm"] = bench(lambda: rowwise.add_rms_norm(x.clone(), x, layer.input_layernorm))
     slots = batch
     cache_k = torch.randn(slots + 1, length + 1, cfg.num_key_value_heads, cfg.head_dim,
                           device=device, dtype=torch.bfloat16)  # fmt: skip
@@ -210,12 +213,10 @@ def step_breakdown(device, preset: str, batch: int, length: int) -> dict:
     row_slots = torch.arange(batch, device=device)
     lengths = torch.full((batch,), length, device=device)
     cos = torch.randn(length + 1, a.head_dim, device=device, dtype=torch.bfloat16)
-    t["rope_store"] = bench(lambda: kernels.rope_store(q, k, k, cos, cos, lengths, row_slots,
+    t["rope_store"] = bench(lambda: rowwise.rope_store(q, k, k, cos, cos, lengths, row_slots,
                                                        cache_k, cache_v))  # fmt: skip
     t["decode_attention"] = bench(
-        lambda: attention_kernels.decode_attention(
-            q, cache_k, cache_v, row_slots, lengths, length + 1
-        )
+        lambda: attention.decode_attention(q, cache_k, cache_v, row_slots, lengths, length + 1)
     )
     per_layer = sum(t.values())
     hidden = torch.randn(batch, cfg.hidden_size, device=device, dtype=torch.bfloat16)
@@ -228,7 +229,7 @@ def step_breakdown(device, preset: str, batch: int, length: int) -> dict:
         torch.zeros(batch, dtype=torch.int64, device=device),
     )
     params = SamplingParams()
-    t["sample_fused"] = bench(lambda: sampler_kernels.sample_fused(logits, params, lo, hi, steps))
+    t["sample_fused"] = bench(lambda: sampler.sample_fused(logits, params, lo, hi, steps))
     t["sample_torch"] = bench(lambda: sample_reference(logits, params, lo, hi, steps))
     t["per_layer_sum"] = per_layer
     t["step_estimate"] = per_layer * cfg.num_hidden_layers + t["lm_head"] + t["sample_fused"]
