@@ -30,8 +30,8 @@ demo: $(STAMP)
 	$(VENV)/bin/hybridflow train
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check hybridflow tests benchmarks
-	$(VENV)/bin/ruff format --check hybridflow tests benchmarks
+	$(VENV)/bin/ruff check hybridflow tests benchmarks dev
+	$(VENV)/bin/ruff format --check hybridflow tests benchmarks dev
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -186,3 +186,29 @@ def test_every_field_documented():
         cls = type(getattr(cfg, section.name))
         missing = {f.name for f in dataclasses.fields(cls)} - set(field_docs(cls))
         assert not missing, f"{section.name}: fields without a docstring: {missing}"
+
+
+def test_rollout_engine_options_from_yaml_and_dotted_overrides(tmp_path):
+    """rollout.engine.* maps onto EngineOptions: nested YAML and three-part overrides, the
+    override winning; the default object is not shared between configs."""
+    f = tmp_path / "run.yaml"
+    f.write_text("rollout:\n  engine:\n    decode_layer: chain\n    steps_per_sync: 4\n")
+    cfg = load_config(f, ["rollout.engine.decode_layer=split", "rollout.engine.pdl=false",
+                          "rollout.engine.retune=true"])  # fmt: skip
+    engine = cfg.rollout.engine
+    assert (engine.decode_layer, engine.steps_per_sync, engine.pdl, engine.retune) == (
+        "split", 4, False, True)  # fmt: skip
+    assert Config().rollout.engine.decode_layer == "auto"
+    validate(cfg)
+
+
+def test_rollout_engine_problems_are_named():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["rollout.engine.decode_layr=split", "rollout.engine.steps_per_sync=x"])
+    text = str(e.value)
+    assert "rollout.engine.decode_layr" in text and "did you mean 'decode_layer'" in text
+    assert "rollout.engine.steps_per_sync" in text and "expects int" in text
+    text = _problems(["rollout.engine.decode_layer=fast", "rollout.engine.sync_lag=3"])
+    assert "rollout.engine.decode_layer='fast'" in text and "rollout.engine.sync_lag=3" in text
+    with pytest.raises(ConfigError, match="section.group.key"):
+        load_config(None, ["rollout.engine.a.b=1"])

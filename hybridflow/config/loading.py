@@ -32,12 +32,16 @@ def load_config(
             continue
         key, raw = item.split("=", 1)
         parts = key.strip().split(".")
-        if len(parts) != 2:
-            problems.append(f"override key {key!r} must be section.key (e.g. actor.lr=1e-6)")
+        if len(parts) not in (2, 3):
+            problems.append(
+                f"override key {key!r} must be section.key (e.g. actor.lr=1e-6) or "
+                "section.group.key (e.g. rollout.engine.decode_layer=split)"
+            )
             continue
-        problems += apply_mapping(
-            cfg, {parts[0]: {parts[1]: _parse_scalar(raw)}}, source="command line"
-        )
+        value: Any = _parse_scalar(raw)
+        for name in reversed(parts[1:]):
+            value = {name: value}
+        problems += apply_mapping(cfg, {parts[0]: value}, source="command line")
     if problems:
         raise ConfigError(problems)
     return cfg
@@ -85,23 +89,45 @@ def apply_mapping(cfg: Config, data: dict, source: str) -> list[str]:
         if not isinstance(values, dict):
             problems.append(f"section {section!r} ({source}) must be a mapping, got {values!r}")
             continue
-        sec = getattr(cfg, section)
-        hints = typing.get_type_hints(type(sec))
-        for key, value in values.items():
-            if key not in hints:
-                problems.append(
-                    f"unknown key {section}.{key} ({source}){_suggest(str(key), list(hints))}"
-                )
-                continue
-            ok, coerced = _coerce(value, hints[key])
-            if not ok:
-                problems.append(
-                    f"{section}.{key} ({source}) expects {_type_name(hints[key])}, got {value!r} "
-                    f"({type(value).__name__})"
-                )
-                continue
-            setattr(sec, key, coerced)
+        problems += _apply_section(getattr(cfg, section), section, values, source)
     return problems
+
+
+def _apply_section(sec: Any, prefix: str, values: dict, source: str) -> list[str]:
+    """Set `values` on the dataclass `sec` (fields that are dataclasses themselves, like
+    rollout.engine, take a mapping and are replaced, so frozen ones work too)."""
+    problems = []
+    hints = typing.get_type_hints(type(sec))
+    for key, value in values.items():
+        name = f"{prefix}.{key}"
+        if key not in hints:
+            problems.append(f"unknown key {name} ({source}){_suggest(str(key), list(hints))}")
+            continue
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                problems.append(f"{name} ({source}) must be a mapping of its keys, got {value!r}")
+                continue
+            group = dataclasses.replace(getattr(sec, key))  # a copy: the default is shared
+            problems += _apply_section(group, name, value, source)
+            _set(sec, key, group)
+            continue
+        ok, coerced = _coerce(value, tp)
+        if not ok:
+            problems.append(
+                f"{name} ({source}) expects {_type_name(tp)}, got {value!r} "
+                f"({type(value).__name__})"
+            )
+            continue
+        _set(sec, key, coerced)
+    return problems
+
+
+def _set(sec: Any, key: str, value: Any) -> None:
+    if type(sec).__dataclass_params__.frozen:
+        object.__setattr__(sec, key, value)  # on a private copy (_apply_section's caller)
+    else:
+        setattr(sec, key, value)
 
 
 def _type_name(tp: Any) -> str:

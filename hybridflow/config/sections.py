@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridflow.engine.options import EngineOptions
+
 GROUP_ESTIMATORS = (
     "grpo",
     "grpo_passk",
@@ -176,6 +178,12 @@ class RolloutConfig:
     temperature, mean@n is the expected score of the policy RL optimizes."""
     val_n: int = 4
     """Samples per validation prompt (mean@n / best@n / maj@n)."""
+    engine: EngineOptions = field(default_factory=EngineOptions)
+    """How the generation engine runs: decode path, fused projections, matmul choice, PDL,
+    CUDA graphs, steps per sync, ... (every field documented in hybridflow/engine/options.py;
+    e.g. rollout.engine.decode_layer=split). Its timing choices are pinned under
+    rollout.engine.cache_dir (default: trainer.cache_dir); rollout.engine.retune=true times
+    them again."""
 
 
 @dataclass

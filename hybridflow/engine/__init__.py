@@ -1,8 +1,23 @@
 """Generation engine: token ids in, token ids + log-probs out (see engine.py; how it works:
-docs/engine.md)."""
+docs/engine.md).
 
-from hybridflow.engine.engine import Completion, Engine
-from hybridflow.engine.options import EngineOptions
-from hybridflow.engine.sampling import SamplingParams
+Names are imported on first use, so `hybridflow.engine.options` (a plain dataclass, read by
+the config) loads without torch."""
 
-__all__ = ["Completion", "Engine", "EngineOptions", "SamplingParams"]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "Completion": "hybridflow.engine.engine",
+    "Engine": "hybridflow.engine.engine",
+    "EngineOptions": "hybridflow.engine.options",
+    "SamplingParams": "hybridflow.engine.sampling",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'hybridflow.engine' has no attribute {name!r}")

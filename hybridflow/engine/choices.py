@@ -82,14 +82,14 @@ class PinnedChoices:
     def put(self, kind: str, key: tuple, value: Any) -> None:
         name = self.key(kind, key)
         encoded = json.loads(json.dumps(value))
-        if self.entries.get(name) != encoded:
+        if name not in self.entries or self.entries[name] != encoded:  # None is a choice too
             self.entries[name] = encoded
             self.dirty = True
 
     def update(self, entries: dict) -> None:
         """Add choices recorded elsewhere (a checkpoint); existing keys are replaced."""
         for name, value in entries.items():
-            if self.entries.get(name) != value:
+            if name not in self.entries or self.entries[name] != value:
                 self.entries[name] = value
                 self.dirty = True
 

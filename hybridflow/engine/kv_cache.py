@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+
 @dataclass
 class KVCache:
     keys: torch.Tensor  # [L, slots + 1, S, kv_heads, head_dim]

@@ -105,5 +105,3 @@ def prefill_forward_triton(
 
     normed = fused_layers(model, input_ids, attend, fused, matmul, keep=last_index, launch=launch)
     return model.lm_head(normed)
-
-

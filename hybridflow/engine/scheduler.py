@@ -25,6 +25,7 @@ from hybridflow.engine.sampling import SamplingParams
 if TYPE_CHECKING:
     from hybridflow.engine.engine import Engine
 
+
 @dataclass
 class _Snapshot:
     """Copies of the decode state queued right after a chunk of steps (pinned host memory on

@@ -84,5 +84,3 @@ def _fold(weights: torch.Tensor, norm_weights: list[torch.Tensor]) -> None:
         fold_norm_weights(weights, norms)
     else:
         weights.mul_(norms[:, None, :])
-
-

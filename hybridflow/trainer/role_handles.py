@@ -67,6 +67,15 @@ class RolloutHandle(Protocol):
         ``RolloutWorker.load_weights``."""
         ...
 
+    def engine_choices(self) -> dict:
+        """The engine's timing choices, for the checkpoint: ``RolloutWorker.engine_choices``
+        -> ``Engine.pinned_choices`` (hybridflow/engine/engine.py)."""
+        ...
+
+    def pin_engine_choices(self, recorded: dict) -> list[bool]:
+        """Run with the choices a checkpoint recorded: ``RolloutWorker.pin_engine_choices``."""
+        ...
+
 
 class RefHandle(Protocol):
     """The reference policy's group; runs :class:`hybridflow.workers.actor.RefWorker`."""

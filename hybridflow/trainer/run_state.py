@@ -8,6 +8,8 @@ A checkpoint directory ``<run_dir>/checkpoints/step_N`` holds
     config.yaml       the resolved run config
     hf_config.json    the model's architecture and training dtype (``hybridflow export``)
     tokenizer/        the tokenizer, so an export is a complete HF model directory
+    engine_choices.json  the rollout engine's timing choices (kernels, decode layers), pinned
+                      again on resume so the resumed run generates with the same kernels
 
 and is published atomically by the CheckpointManager (temporary directory, COMPLETE marker,
 rename), so a run killed while saving resumes from the previous complete one.
@@ -16,6 +18,7 @@ rename), so a run killed while saving resumes from the previous complete one.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import torch
@@ -27,6 +30,7 @@ TRAINER_STATE = "trainer_state.pt"
 CONFIG_FILE = "config.yaml"
 TOKENIZER_DIR = "tokenizer"
 MODEL_CONFIG = "hf_config.json"
+ENGINE_CHOICES = "engine_choices.json"
 
 
 def save_checkpoint(run: RunContext) -> Path:
@@ -45,6 +49,9 @@ def save_checkpoint(run: RunContext) -> Path:
             "history": run.history,
         }
         torch.save(state, directory / TRAINER_STATE)
+        # the rollout's kernel choices, so a resumed run generates with the same kernels
+        choices = run.roles.rollout.engine_choices()
+        (directory / ENGINE_CHOICES).write_text(json.dumps(choices, indent=1, sort_keys=True))
         write_model_files(directory, run.cfg, run.tokenizer, training_dtype(run.cfg))
 
     return run.checkpoints.save(run.step, write, metadata={"model_path": run.cfg.model.path})
@@ -99,6 +106,9 @@ def resume(run: RunContext) -> Path | None:
     run.history = state.get("history", {})
     restore_rng_state(state["rng"])
     sync_weights(run.roles)  # a rollout engine with its own copy must see the loaded weights
+    choices = path / ENGINE_CHOICES
+    if choices.is_file():  # made on another GPU or with other options: timed afresh instead
+        run.roles.rollout.pin_engine_choices(json.loads(choices.read_text()))
     return path
 
 

@@ -53,7 +53,19 @@ class RolloutWorker(Worker):
             max_batch_size=config.rollout.max_num_seqs,
             max_seq_len=config.data.max_prompt_length + config.data.max_response_length,
             memory_budget=config.rollout.gpu_memory_utilization if on_gpu else None,
+            options=engine_options(config),
         )
+
+    @register(dispatch=Dispatch.RANK_ZERO)
+    def engine_choices(self) -> dict:
+        """The engine's timing choices (kernels, decode layers), for the run's checkpoint."""
+        return self.engine.pinned_choices()
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def pin_engine_choices(self, recorded: dict) -> bool:
+        """Run with the choices a checkpoint recorded (same model, GPU, options and versions;
+        else nothing changes and False comes back), so a resumed run uses the same kernels."""
+        return self.engine.pin_choices(recorded)
 
     @register(dispatch=Dispatch.DP_SPLIT)
     def generate(self, batch: Batch) -> Batch:
@@ -126,3 +138,16 @@ class RolloutWorker(Worker):
     def release(self) -> None:
         """Free the KV cache (training gets the memory back)."""
         self.engine.release()
+
+
+def engine_options(config: Config):
+    """rollout.engine, its pinned choices under trainer.cache_dir unless it names a directory."""
+    import dataclasses
+    import os
+
+    options = config.rollout.engine
+    if options.cache_dir is None:
+        options = dataclasses.replace(
+            options, cache_dir=os.path.expanduser(config.trainer.cache_dir)
+        )
+    return options

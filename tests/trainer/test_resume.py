@@ -3,6 +3,7 @@ while writing a checkpoint resumes from the last complete one."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -90,7 +91,9 @@ def test_killed_while_saving_resumes_from_last_complete(tmp_path, quiet):
             ("model", cfg.model),
         )
         for key, value in vars(values).items()
-        if value is not None and not isinstance(value, (list, dict))
+        if value is not None
+        and not isinstance(value, (list, dict))
+        and not dataclasses.is_dataclass(value)  # rollout.engine: its defaults
     ] + ["trainer.loggers=[jsonl]"]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     killed = subprocess.run(
@@ -112,3 +115,26 @@ def test_killed_while_saving_resumes_from_last_complete(tmp_path, quiet):
     assert_same_steps(
         read_metrics(straight.trainer.run_dir), read_metrics(cfg.trainer.run_dir), (2, 3)
     )
+
+
+def test_checkpoints_record_the_engine_choices_and_resume_pins_them(tmp_path, quiet, monkeypatch):
+    """Each checkpoint holds the rollout engine's timing choices (engine_choices.json); a
+    resumed run hands them back to the engine before it generates, so it runs the same
+    kernels (on CPU the torch backend has none: the identity and the empty set travel)."""
+    import json
+
+    from hybridflow.engine.engine import Engine
+
+    first = tiny_config(tmp_path / "c", "trainer.total_steps=1", *RESUME_SETTINGS)
+    train(first, log=quiet)
+    saved = tmp_path / "c" / "run" / "checkpoints" / "step_1" / "engine_choices.json"
+    recorded = json.loads(saved.read_text())
+    assert set(recorded) == {"identity", "choices"}
+    pinned = []
+    real = Engine.pin_choices
+    monkeypatch.setattr(Engine, "pin_choices",
+                        lambda self, choices: pinned.append(choices) or real(self, choices))  # fmt: skip
+    again = tiny_config(tmp_path / "c", "trainer.total_steps=2", "trainer.resume=auto",
+                        *RESUME_SETTINGS)  # fmt: skip
+    train(again, log=quiet)
+    assert pinned == [recorded]

@@ -251,8 +251,17 @@ def _prune_store_orders(configs, named_args, **kwargs):
 
 _decode_attention_tuned = triton.autotune(
     _ATTENTION_CONFIGS,
-    key=["G", "HALF", "SPLITS", "FP32_DOT", "ROPE", "ROWS_BUCKET", "stride_cpos", "NORM",
-         "SHARED"],  # fmt: skip
+    key=[
+        "G",
+        "HALF",
+        "SPLITS",
+        "FP32_DOT",
+        "ROPE",
+        "ROWS_BUCKET",
+        "stride_cpos",
+        "NORM",
+        "SHARED",
+    ],  # fmt: skip
     prune_configs_by={"early_config_prune": _prune_store_orders},
 )(_decode_attention_kernel)
 
@@ -325,8 +334,9 @@ def decode_attention_rope(
 def _attention(
     q, k, v, cos, sin, positions, key_cache, value_cache, row_slots, max_len, splits, *,
     norm: tuple | None = None, shared: tuple | None = None, launch: Launch = PLAIN,
-    autotune: bool = True,
+    autotune: bool = True, store_last: bool = False,
 ):  # fmt: skip
+    """store_last: the untuned launch's store order (the tuner times both; tests force one)."""
     rows, num_heads, head_dim = q.shape
     num_kv = key_cache.shape[2]
     assert key_cache.stride() == value_cache.stride() and key_cache.stride(3) == 1
@@ -389,8 +399,9 @@ def _attention(
     grid = (rows, num_kv, splits)
     if q.is_cuda and autotune:
         _decode_attention_tuned[grid](*args, **meta)
-    else:  # the store in front: the order measured best at head dim 128, and the one without ROPE
-        _decode_attention_kernel[grid](*args, **meta, BLOCK_N=64 if head_dim <= 64 else 32)
+    else:  # by default the store in front: best at head dim 128, and the one without ROPE
+        _decode_attention_kernel[grid](*args, **meta, BLOCK_N=64 if head_dim <= 64 else 32,
+                                       STORE_LAST=store_last and rope)  # fmt: skip
     if states is not None:
         shared_prefix.prefix_attention(states, groups, key_cache, value_cache, out, launch)
     elif splits > 1:

@@ -46,6 +46,7 @@ except ImportError:  # pragma: no cover - older Triton: PDL stays off
 # overlap needs (docs/engine.md, Programmatic dependent launch).
 WEIGHT_PREFETCH_BYTES = 24 << 20
 
+
 @triton.jit
 def wait_then_release(PDL: tl.constexpr):
     """The previous kernel's writes are visible after this; the next kernel may launch."""

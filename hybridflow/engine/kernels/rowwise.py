@@ -248,7 +248,16 @@ def _rope_store_kernel(
 
 
 def rope_store(
-    q, k, v, cos, sin, positions, row_slots, key_cache, value_cache, rotate_k: bool = False,
+    q,
+    k,
+    v,
+    cos,
+    sin,
+    positions,
+    row_slots,
+    key_cache,
+    value_cache,
+    rotate_k: bool = False,
     launch: Launch = PLAIN,
 ) -> None:
     """q [B, nh, D] rotated in place; rotated k [B, nkv, D] and v stored at

@@ -68,5 +68,3 @@ def decode_forward_torch(
         hidden = hidden + attn.o_proj(out.flatten(-2))
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
     return model.lm_head(model.model.norm(hidden))
-
-

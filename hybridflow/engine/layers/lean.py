@@ -67,7 +67,9 @@ def lean_layers(
     gate_up_silu = matmul.gate_up_silu if matmul is not None else gemm.gate_up_silu_cublas
     layers = model.model.layers
     hidden = model.model.embed_tokens(tokens)  # [B, H] residual stream, updated in place
-    normed = None if in_attention else rowwise.rms_norm(hidden, layers[0].input_layernorm, False, launch)
+    normed = (
+        None if in_attention else rowwise.rms_norm(hidden, layers[0].input_layernorm, False, launch)
+    )
     for index, layer in enumerate(layers):
         attn = layer.self_attn
         bias = fused.qkv_bias[index] if fused.qkv_bias is not None else None
@@ -86,7 +88,9 @@ def lean_layers(
         if in_silu:
             hidden.addmm_(out.flatten(-2), attn.o_proj.weight.t())
             product = F.linear(hidden, fused.gate_up_weight[index])
-            act = rowwise.silu_mul_pairs(product, (hidden, layer.post_attention_layernorm.eps), launch)
+            act = rowwise.silu_mul_pairs(
+                product, (hidden, layer.post_attention_layernorm.eps), launch
+            )
         else:
             delta = F.linear(out.flatten(-2), attn.o_proj.weight)
             normed = rowwise.add_rms_norm(hidden, delta, layer.post_attention_layernorm,
@@ -100,6 +104,7 @@ def lean_layers(
                                           layers[index + 1].input_layernorm, weighted=False,
                                           launch=launch)  # fmt: skip
         else:  # the final norm feeds lm_head, never folded
-            return rowwise.add_rms_norm(hidden, F.linear(act, down), model.model.norm,
-                                        launch=launch)
+            return rowwise.add_rms_norm(
+                hidden, F.linear(act, down), model.model.norm, launch=launch
+            )
     return rowwise.rms_norm(hidden, model.model.norm, launch=launch)

@@ -160,4 +160,3 @@ class DecodeMatmul:
             "cublas" if k is None else str(k): round(v, 2) for k, v in times.items()
         }
         return min(times, key=times.get) if times else None
-

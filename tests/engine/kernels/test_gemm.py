@@ -1,5 +1,5 @@
 """gemm.py, gemm_persistent.py and matmul_choice.py: the Triton matmuls (gemm_nt's tiles,
-the persistent and stream-K kernels) against torch and each other, and DecodeMatmul's
+the persistent kernel) against torch and each other, and DecodeMatmul's
 choices. Runs on CUDA (marked gpu), or on CPU under TRITON_INTERPRET=1 when triton is
 installed (make test runs them so); skipped otherwise."""
 
@@ -76,25 +76,27 @@ def test_gemm_nt_matches_reference(dtype, rows, cols, depth):
 
 
 @pytest.mark.parametrize("rows,cols,depth", [(5, 130, 64), (33, 72, 128)])
-def test_gemm_nt_tma_tiles_equal_pointer_tiles(rows, cols, depth, monkeypatch):
-    """gemm.TMA changes only how tiles reach shared memory (rows/columns past the end read as
-    zeros either way): plain, split-K and SiLU-pair outputs are bitwise equal."""
+def test_gemm_nt_tma_tiles_equal_pointer_tiles(rows, cols, depth):
+    """Launch.tma changes only how tiles reach shared memory (rows/columns past the end read
+    as zeros either way): plain, split-K and SiLU-pair outputs are bitwise equal."""
     from hybridflow.engine.kernels import gemm
+    from hybridflow.engine.kernels.launch import Launch
 
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     x = torch.randn(rows, 2 * depth, device=DEVICE).to(dtype)[:, :depth]  # strided rows
     weight = torch.randn(cols, depth, device=DEVICE).to(dtype)
     bias = torch.randn(cols, device=DEVICE).to(dtype)
     config = gemm.INTERPRETER_CONFIG if DEVICE == "cpu" else (64, 64, 32, 4, 3)  # K = 64: 2 splits
-    assert gemm.tma_operands(x, weight, *config[:3])[-1]  # the default takes TMA here
     outputs = {}
     for tma in (True, False):
-        monkeypatch.setattr(gemm, "TMA", tma)
-        assert gemm.tma_operands(x, weight, *config[:3])[-1] == tma
+        assert gemm.tma_operands(x, weight, *config[:3], tma)[-1] == tma
+        launch = Launch(tma=tma)
         outputs[tma] = (
-            gemm.gemm_nt(x, weight, bias, config=config),
-            gemm.gemm_nt(x, weight, config=config, splits=2),
-            gemm.gemm_nt(x, weight[: cols // 2 * 2], config=config, silu_pairs=True),
+            gemm.gemm_nt(x, weight, bias, config=config, launch=launch),
+            gemm.gemm_nt(x, weight, config=config, splits=2, launch=launch),
+            gemm.gemm_nt(
+                x, weight[: cols // 2 * 2], config=config, silu_pairs=True, launch=launch
+            ),  # fmt: skip
         )
     for with_tma, without in zip(outputs[True], outputs[False]):
         assert torch.equal(with_tma, without)
@@ -154,9 +156,10 @@ def test_decode_matmul_runs_its_persistent_choice(monkeypatch):
     per SM, giving bitwise what gemm_nt gives for the tile; rows TMA cannot read fall back to
     cuBLAS + silu_mul."""
     from hybridflow.engine.kernels import gemm
+    from hybridflow.engine.kernels.launch import Launch
     from hybridflow.engine.layers import matmul_choice
 
-    monkeypatch.setattr(matmul_choice, "_sm_count", lambda device: 3)
+    monkeypatch.setattr(matmul_choice, "sm_count", lambda device: 3)
     launched = []
     real = matmul_choice.gemm_persistent
 
@@ -169,11 +172,12 @@ def test_decode_matmul_runs_its_persistent_choice(monkeypatch):
     config = (*gemm.INTERPRETER_CONFIG, 2) if DEVICE == "cpu" else (128, 128, 64, 8, 3, 8)
     x = torch.randn(50, 128, device=DEVICE).to(dtype)
     pairs = torch.randn(128, 128, device=DEVICE).to(dtype)
-    out = matmul_choice.DecodeMatmul._run(("persistent", config, 2), x, pairs)
+    tma = Launch(tma=True)
+    out = matmul_choice.DecodeMatmul._run(("persistent", config, 2), x, pairs, tma)
     assert launched == [6]
     assert torch.equal(out, gemm.gemm_nt(x, pairs, config=config[:5], silu_pairs=True))
     odd = torch.randn(50, 129, device=DEVICE).to(dtype)[:, :128]  # an odd row stride
-    out = matmul_choice.DecodeMatmul._run(("persistent", config, 2), odd, pairs)
+    out = matmul_choice.DecodeMatmul._run(("persistent", config, 2), odd, pairs, tma)
     assert launched == [6]
     torch.testing.assert_close(out, gemm.gate_up_silu_cublas(odd, pairs))
 
@@ -181,12 +185,13 @@ def test_decode_matmul_runs_its_persistent_choice(monkeypatch):
 @pytest.mark.skipif(DEVICE != "cuda", reason="the tuner times CUDA-graph replays")
 def test_decode_matmul_times_persistent_candidates_at_large_row_counts():
     from hybridflow.engine.kernels.gemm import gate_up_silu_cublas
+    from hybridflow.engine.kernels.launch import launch_for
     from hybridflow.engine.layers import matmul_choice
 
     matmul = matmul_choice.DecodeMatmul("auto")
     x = torch.randn(1024, 256, device=DEVICE, dtype=torch.bfloat16)
     pairs = torch.randn(1024, 256, device=DEVICE, dtype=torch.bfloat16)
-    out = matmul.gate_up_silu(x, pairs)
+    out = matmul.gate_up_silu(x, pairs, launch_for(x.device))
     timings = next(iter(matmul.timings.values()))
     assert sum(k.startswith("('persistent'") for k in timings) == len(
         matmul_choice.PERSISTENT_CONFIGS
@@ -210,5 +215,25 @@ def test_decode_matmul_modes_agree():
     big = DecodeMatmul("triton", max_rows=8)  # rows above max_rows: cuBLAS, no tuning
     torch.testing.assert_close(big.gate_up_silu(x, pairs), expected)
     assert big.choices == {}
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the tuner times CUDA-graph replays")
+def test_decode_matmul_uses_a_pinned_choice_without_timing_and_records_new_ones(tmp_path):
+    """A second DecodeMatmul reading the first one's pinned choices (as a later process does,
+    through the same file) runs the same kernel without timing anything."""
+    from hybridflow.engine.choices import PinnedChoices
+    from hybridflow.engine.kernels.launch import launch_for
+    from hybridflow.engine.layers.matmul_choice import DecodeMatmul
+
+    x = torch.randn(256, 256, device=DEVICE, dtype=torch.bfloat16)
+    pairs = torch.randn(1024, 256, device=DEVICE, dtype=torch.bfloat16)
+    launch = launch_for(x.device)
+    first = DecodeMatmul("auto", pinned=PinnedChoices(tmp_path / "c.json", {"m": 1}))
+    expected = first.gate_up_silu(x, pairs, launch)
+    assert first.timings and first.pinned.dirty
+    first.pinned.save()
+    second = DecodeMatmul("auto", pinned=PinnedChoices(tmp_path / "c.json", {"m": 1}))
+    assert torch.equal(second.gate_up_silu(x, pairs, launch), expected)
+    assert second.timings == {} and second.choices == first.choices
     with pytest.raises(ValueError, match="decode matmul mode"):
         DecodeMatmul("fast")

@@ -9,7 +9,6 @@ Skipped without triton (the main CI run) and under the interpreter."""
 from __future__ import annotations
 
 import inspect
-import itertools
 import os
 
 import pytest
@@ -100,8 +99,8 @@ def _compile(fn, constexprs: dict, activation="bf16", overrides=None, warps=4, s
 @pytest.mark.parametrize("activation", ["bf16", "fp32"])
 def test_decode_layer_kernels_compile(activation):
     for add, weighted in [(True, True), (False, True), (True, False)]:
-        norm = dict(ADD=add, WEIGHT=weighted, ROWS=rowwise.NORM_ROWS, BLOCK_H=1024)
-        _compile(rowwise._rms_norm_kernel, norm, activation, warps=rowwise.NORM_WARPS)
+        norm = dict(ADD=add, WEIGHT=weighted, BLOCK_H=1024)
+        _compile(rowwise._rms_norm_kernel, norm, activation, warps=4)
     for pairs in (True, False):
         _compile(rowwise._silu_mul_kernel, dict(PAIRS=pairs, BLOCK=512), activation)
     _compile(rowwise._silu_mul_kernel, dict(PAIRS=True, BLOCK=512, NORM=True, H_PAD=2048),
@@ -134,14 +133,13 @@ def test_decode_layer_kernels_compile(activation):
                  ROPE=True, BLOCK_N=64, NORM=norm, H_PAD=2048, HAS_BIAS=norm, SHARED=True),
             activation, stages=2,
         )  # fmt: skip
-    # and the prefix kernel, at 0.5b's and 1.5b's heads, whole prefixes and split ones
-    for (group, dim), splits in itertools.product(((7, 64), (6, 128)), (1, 3)):
+    # and the prefix kernel, at 0.5b's and 1.5b's heads
+    for group, dim in ((7, 64), (6, 128)):
         _compile(
             shared_prefix._prefix_attention_kernel,
-            dict(G=group, NH=2 * group, NKV=2, D=dim, M_PAD=64, BLOCK_N=64, SPLITS=splits,
+            dict(G=group, NH=2 * group, NKV=2, D=dim, M_PAD=64, BLOCK_N=64,
                  FP32_DOT=activation == "fp32"),
-            activation, overrides={"groups_ptr": "*i32", "ws_ptr": "*fp32",
-                                   "count_ptr": "*i32"}, stages=3,
+            activation, overrides={"groups_ptr": "*i32"}, stages=3,
         )  # fmt: skip
     _compile(
         attention._combine_splits_kernel,
@@ -258,11 +256,19 @@ def test_logprob_kernels_compile(with_entropy):
 
 def test_pdl_variants_compile_with_grid_dependency_control():
     """With PDL every kernel waits on the previous one (griddepcontrol.wait) and lets the next
-    launch; the matmul and attention also prefetch into L2 before the wait (pdl.py)."""
+    launch; the matmul and the shared-prefix kernel also prefetch into L2 before the wait
+    (pdl.py)."""
     on = dict(PDL=True)
     compiled = [
         _compile(
-            rowwise._rms_norm_kernel, dict(ADD=True, WEIGHT=True, ROWS=1, BLOCK_H=1024, **on)
+            rowwise._rms_norm_kernel, dict(ADD=True, WEIGHT=True, BLOCK_H=1024, **on)
+        ),  # fmt: skip
+        _compile(
+            attention._decode_attention_kernel,
+            dict(
+                G=7, G_PAD=16, HALF=64, NH=14, SPLITS=1, FP32_DOT=False, ROPE=True, BLOCK_N=64, **on
+            ),
+            stages=2,
         ),  # fmt: skip
         _compile(
             attention._combine_splits_kernel,
@@ -289,25 +295,6 @@ def test_pdl_variants_compile_with_grid_dependency_control():
     ]
     prefetching = [
         _compile(
-            attention._decode_attention_kernel,
-            dict(
-                G=7,
-                G_PAD=16,
-                HALF=64,
-                NH=14,
-                SPLITS=1,
-                FP32_DOT=False,
-                ROPE=True,
-                BLOCK_N=64,
-                PREFETCH=True,
-                PF_LINE=64,
-                PF_LINES=2,
-                PF_POSITIONS=128,
-                **on,
-            ),
-            stages=2,
-        ),  # fmt: skip
-        _compile(
             gemm._gemm_nt_kernel,
             dict(
                 HAS_BIAS=False,
@@ -329,41 +316,15 @@ def test_pdl_variants_compile_with_grid_dependency_control():
             ),
         ),  # fmt: skip
         *[
-            _compile(  # shared_prefix.PDL: the prefixes asked of L2 before the wait
+            _compile(  # the shared prefixes asked of L2 before the wait
                 shared_prefix._prefix_attention_kernel,
-                dict(
-                    G=7,
-                    NH=14,
-                    NKV=2,
-                    D=dim,
-                    M_PAD=64,
-                    BLOCK_N=64,
-                    SPLITS=splits,
-                    FP32_DOT=False,
-                    **on,
-                ),
-                overrides={"groups_ptr": "*i32", "ws_ptr": "*fp32", "count_ptr": "*i32"},
+                dict(G=7, NH=14, NKV=2, D=dim, M_PAD=64, BLOCK_N=64, FP32_DOT=False, **on),
+                overrides={"groups_ptr": "*i32"},
                 stages=3,
             )  # fmt: skip
-            for dim, splits in ((64, 1), (128, 3))
+            for dim in (64, 128)
         ],
     ]
-    ahead = _compile(
-        gemm._gemm_nt_kernel,
-        dict(HAS_BIAS=False, SILU_PAIRS=False, PARTIAL=False, FP32=False, ROW_RSTD=False,
-             N_SS_PAD=1, RESIDUAL=True, SERIAL=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64,
-             PF_NEXT=True, **on),
-        overrides={"ss_in_ptr": "*fp32", "ss_out_ptr": "*fp32", "ws_ptr": "*fp32",
-                   "count_ptr": "*i32", "eps": "fp32"},
-    )  # fmt: skip
-    assert "prefetch.global.L2::evict_last" in ahead.asm["ptx"]
-    evicting = _compile(
-        attention._decode_attention_kernel,
-        dict(G=7, G_PAD=16, HALF=32, NH=14, SPLITS=1, FP32_DOT=False, ROPE=True, BLOCK_N=64,
-             EVICT_FIRST=True),
-        stages=2,
-    )  # fmt: skip
-    assert "evict_first" in evicting.asm["ptx"]
     for kernel in compiled + prefetching:
         ptx = kernel.asm["ptx"]
         assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
@@ -373,13 +334,13 @@ def test_pdl_variants_compile_with_grid_dependency_control():
         # the prefetch comes before the wait, every activation load after it
         assert ptx.index("prefetch.global.L2") < ptx.index("griddepcontrol.wait")
     # off by default: no grid dependency control in the plain kernels
-    plain = _compile(rowwise._rms_norm_kernel, dict(ADD=True, WEIGHT=True, ROWS=1, BLOCK_H=1024))
+    plain = _compile(rowwise._rms_norm_kernel, dict(ADD=True, WEIGHT=True, BLOCK_H=1024))
     assert "griddepcontrol" not in plain.asm["ptx"]
 
 
 @pytest.mark.parametrize("config", [(64, 128, 64, 4, 3), (64, 64, 128, 4, 4)])
 def test_gemm_nt_tma_variant_loads_tiles_with_bulk_tensor_copies(config):
-    """gemm.TMA: a and w tiles through tensor descriptors; the PTX must use the TMA engine
+    """Launch.tma: a and w tiles through tensor descriptors; the PTX must use the TMA engine
     (cp.async.bulk.tensor), with the chain's epilogues too."""
     block_m, block_n, block_k, warps, stages = config
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)

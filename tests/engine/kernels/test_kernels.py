@@ -12,19 +12,17 @@ from triton_device import triton_test_device  # noqa: E402
 DEVICE = triton_test_device()  # skips this module without CUDA or TRITON_INTERPRET=1
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 
-from hybridflow.engine import Engine, SamplingParams  # noqa: E402
-from hybridflow.engine.forward import cached_attention_torch  # noqa: E402
+from hybridflow.engine import Engine, EngineOptions, SamplingParams
 from hybridflow.engine.kernels import attention, rowwise, sampler
+from hybridflow.engine.layers.eager import cached_attention_torch
 from hybridflow.engine.sampling import request_seeds, sample_reference, split_seed  # noqa: E402
 from hybridflow.models import build_model  # noqa: E402
 from hybridflow.models.presets import preset_config  # noqa: E402
 from hybridflow.models.rope import apply_rope, rope_cos_sin  # noqa: E402
 
 
-def _cache_like(slots, seq, kv_heads, dim, layout, fill=torch.zeros):
-    """A one-layer cache view [slots, seq, kv_heads, dim] stored token- or head-major."""
-    if layout == "head":
-        return fill(slots, kv_heads, seq, dim, device=DEVICE).transpose(1, 2)
+def _cache_like(slots, seq, kv_heads, dim, fill=torch.zeros):
+    """A one-layer cache [slots, seq, kv_heads, dim]."""
     return fill(slots, seq, kv_heads, dim, device=DEVICE)
 
 
@@ -44,12 +42,6 @@ def test_rms_norms_and_silu_match_torch():
     torch.testing.assert_close(rowwise.rms_norm(x, norm), F.rms_norm(x, (96,), norm.weight, 1e-6))
     unweighted = rowwise.rms_norm(x, norm, weighted=False)
     torch.testing.assert_close(unweighted, F.rms_norm(x, (96,), None, 1e-6))
-    # several rows per program (5 rows: the last program is partly masked)
-    residual, out = x.clone(), torch.empty_like(x)
-    rowwise._launch_rms_norm(residual, d, norm.weight, out, norm.eps, add=True, weighted=True,
-                             per_program=4)  # fmt: skip
-    torch.testing.assert_close(out, expected)
-    torch.testing.assert_close(residual, x + d)
     gate_up = torch.randn(3, 400, device=DEVICE)
     gate, up = gate_up.chunk(2, dim=-1)  # strided halves, as with fused gate/up weights
     torch.testing.assert_close(rowwise.silu_mul(gate, up), F.silu(gate) * up)
@@ -57,8 +49,7 @@ def test_rms_norms_and_silu_match_torch():
     torch.testing.assert_close(rowwise.silu_mul_pairs(interleaved), F.silu(gate) * up)
 
 
-@pytest.mark.parametrize("layout", ["token", "head"])
-def test_rope_store_matches_apply_rope(layout):
+def test_rope_store_matches_apply_rope():
     config = preset_config("tiny")
     rows, heads, kv_heads, dim, seq = 4, 4, 2, 16, 40
     q = torch.randn(rows, heads, dim, device=DEVICE)
@@ -67,8 +58,8 @@ def test_rope_store_matches_apply_rope(layout):
     cos, sin = rope_cos_sin(config, torch.arange(seq, device=DEVICE), torch.float32)
     positions = torch.tensor([3, 0, 17, 39], device=DEVICE)
     slots = torch.tensor([2, 0, 1, 3], device=DEVICE)
-    keys = _cache_like(5, seq, kv_heads, dim, layout)
-    values = _cache_like(5, seq, kv_heads, dim, layout)
+    keys = _cache_like(5, seq, kv_heads, dim)
+    values = _cache_like(5, seq, kv_heads, dim)
     rotated = q.clone()
     rowwise.rope_store(rotated, k, v, cos, sin, positions, slots, keys, values)
     c, s = cos[positions], sin[positions]
@@ -89,13 +80,12 @@ def test_rope_store_matches_apply_rope(layout):
     assert untouched.abs().max() == 0  # nothing else written
 
 
-@pytest.mark.parametrize("layout", ["token", "head"])
 @pytest.mark.parametrize("splits", [1, 2, 3])
-def test_decode_attention_matches_sdpa(splits, layout):
+def test_decode_attention_matches_sdpa(splits):
     rows, heads, kv_heads, dim, seq = 4, 6, 2, 16, 70
     q = torch.randn(rows, heads, dim, device=DEVICE)
-    keys = _cache_like(5, seq, kv_heads, dim, layout, torch.randn)
-    values = _cache_like(5, seq, kv_heads, dim, layout, torch.randn)
+    keys = _cache_like(5, seq, kv_heads, dim, torch.randn)
+    values = _cache_like(5, seq, kv_heads, dim, torch.randn)
     slots = torch.tensor([2, 0, 1, 3], device=DEVICE)
     lengths = torch.tensor([4, 1, 18, 70], device=DEVICE)
     expected = cached_attention_torch(q, keys, values, slots, lengths, seq)
@@ -103,34 +93,42 @@ def test_decode_attention_matches_sdpa(splits, layout):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
-def test_attention_tuner_times_both_store_orders_only_where_they_differ(monkeypatch):
-    """STORE_LAST None lets the tuner time each tile with the store before and after the loop
-    (ROPE kernels); a forced value or a kernel without the store compiles one order only."""
+def test_attention_tuner_times_both_store_orders_only_where_they_differ():
+    """The tuner times each tile with the new token's store before and after the loop (ROPE
+    kernels); a kernel without the store compiles one order only."""
     prune = attention._prune_store_orders
     configs = attention._ATTENTION_CONFIGS
     tiles = {(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in configs}
-    monkeypatch.setattr(attention_kernels, "STORE_LAST", None)
     both = prune(configs, {}, ROPE=True)
     assert len(both) == 2 * len(tiles)
     assert {c.kwargs["STORE_LAST"] for c in both} == {False, True}
     assert {c.kwargs["STORE_LAST"] for c in prune(configs, {}, ROPE=False)} == {False}
-    monkeypatch.setattr(attention_kernels, "STORE_LAST", True)
-    forced = prune(configs, {}, ROPE=True)
-    assert len(forced) == len(tiles) and all(c.kwargs["STORE_LAST"] for c in forced)
+
+
+def test_pinned_attention_tiles_seed_the_tuner(monkeypatch):
+    """tuned_tiles() -> pin_tiles() round trip (through JSON, as the pinned-choices file
+    does): the autotuner finds the same config object under the same key, so it does not
+    time; an entry whose config is no longer a candidate is skipped."""
+    import json
+
+    monkeypatch.setattr(attention._decode_attention_tuned, "cache", {})
+    config = attention._ATTENTION_CONFIGS[3]
+    key = (1, 8, 1, False, True, 16, 64, False, False, "torch.float32")
+    attention._decode_attention_tuned.cache[key] = config
+    saved = json.loads(json.dumps(attention.tuned_tiles()))
+    attention._decode_attention_tuned.cache.clear()
+    stale = {"key": [2], "config": {"kwargs": {"BLOCK_N": 999}, "num_warps": 4, "num_stages": 2}}
+    assert attention.pin_tiles({**saved, "stale": stale}) == 1
+    assert attention._decode_attention_tuned.cache == {key: config}
 
 
 @pytest.mark.parametrize("store_last", [False, True])
-@pytest.mark.parametrize("layout", ["token", "head"])
 @pytest.mark.parametrize("splits", [1, 2, 3])
-def test_decode_attention_rope_equals_rope_store_then_attention(splits, layout, store_last,
-                                                                 monkeypatch):  # fmt: skip
+def test_decode_attention_rope_equals_rope_store_then_attention(splits, store_last):
     """The fused decode kernel (RoPE + cache store + attention, the new token attended from
     registers) against the two-kernel path, including a row at position 0 (no cached
     tokens) and a row whose new token sits at the start of a split; with the new token's
-    store before the loop or after it (STORE_LAST)."""
-    monkeypatch.setattr(attention_kernels, "STORE_LAST", store_last)
-    # a fresh tuning cache, or a GPU run reuses the order tuned by the other parametrisation
-    monkeypatch.setattr(attention._decode_attention_tuned, "cache", {})
+    store before the loop or after it (the tuner's STORE_LAST, forced on an untuned launch)."""
     config = preset_config("tiny")
     rows, heads, kv_heads, dim, seq = 4, 6, 2, 16, 70
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, device=DEVICE)  # strided views
@@ -139,17 +137,16 @@ def test_decode_attention_rope_equals_rope_store_then_attention(splits, layout, 
     cos, sin = rope_cos_sin(config, torch.arange(seq, device=DEVICE), torch.float32)
     slots = torch.tensor([2, 0, 1, 3], device=DEVICE)
     positions = torch.tensor([3, 0, 24, 69], device=DEVICE)  # 24 = 70 // 3 + 1: split start
-    keys = _cache_like(5, seq, kv_heads, dim, layout, torch.randn)
-    values = _cache_like(5, seq, kv_heads, dim, layout, torch.randn)
+    keys = _cache_like(5, seq, kv_heads, dim, torch.randn)
+    values = _cache_like(5, seq, kv_heads, dim, torch.randn)
     keys_ref, values_ref, q_ref = keys.clone(), values.clone(), q.clone()
     rowwise.rope_store(q_ref, k, v, cos, sin, positions, slots, keys_ref, values_ref)
     expected = attention.decode_attention(
         q_ref, keys_ref, values_ref, slots, positions + 1, seq, splits=splits
     )
     q_before = q.clone()
-    got = attention.decode_attention_rope(
-        q, k, v, cos, sin, positions, keys, values, slots, seq, splits=splits
-    )
+    got = attention._attention(q, k, v, cos, sin, positions, keys, values, slots, seq, splits,
+                               autotune=False, store_last=store_last)  # fmt: skip
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(keys, keys_ref)  # rotated k stored, nothing else touched
     torch.testing.assert_close(values, values_ref)
@@ -199,26 +196,23 @@ def test_fold_norm_weights_is_torchs_broadcast_multiply(hidden):
 
 
 @pytest.mark.parametrize(
-    "fuse,matmul,norms,layout",
-    [("none", "auto", "auto", "token"), ("qkv", "auto", "auto", "token"),
-     ("all", "auto", "on", "token"), ("all", "auto", "off", "token"),
-     ("all", "cublas", "auto", "token"), ("all", "auto", "on", "head")],
+    "fuse,matmul,layer",
+    [("none", "auto", "auto"), ("qkv", "auto", "auto"), ("all", "auto", "chain"),
+     ("all", "auto", "split"), ("all", "cublas", "auto")],
 )  # fmt: skip
-def test_fast_engine_matches_eager_engine(fuse, matmul, norms, layout, monkeypatch):
-    from hybridflow.engine import kv_cache
-
-    monkeypatch.setattr(kv_cache, "LAYOUT", layout)
+def test_fast_engine_matches_eager_engine(fuse, matmul, layer):
     model = build_model(preset_config("tiny"), seed=1, device=DEVICE).eval()
     for p in model.parameters():
         p.data.normal_(0, 0.3, generator=torch.Generator(DEVICE).manual_seed(p.numel()))
     prompts = [[5, 17, 9, 33, 2, 71], [40, 41], [100, 3, 8, 19, 23, 60, 61, 62, 63, 7]]
     params = SamplingParams(n=2, temperature=0.9, top_k=40, top_p=0.95, max_new_tokens=8, seed=3)
-    fast = Engine(model, max_batch_size=4, max_seq_len=64, decode_backend="triton",
-                  fuse_projections=fuse, decode_matmul=matmul, fuse_norms=norms)  # fmt: skip
-    eager = Engine(model, max_batch_size=6, max_seq_len=64, decode_backend="torch",
-                   cuda_graphs=False)  # fmt: skip
+    options = EngineOptions(decode_backend="triton", fuse_projections=fuse, decode_matmul=matmul,
+                            decode_layer=layer)  # fmt: skip
+    fast = Engine(model, max_batch_size=4, max_seq_len=64, options=options)
+    eager = Engine(model, max_batch_size=6, max_seq_len=64,
+                   options=EngineOptions(decode_backend="torch", cuda_graphs=False))  # fmt: skip
     a, b = fast.generate(prompts, params), eager.generate(prompts, params)
-    if fuse == "all" and norms == "on":  # the five-launch layer ran, with a K split
+    if fuse == "all" and layer == "chain":  # the five-launch layer ran, with a K split
         assert any(splits > 1 for _, splits in fast.chain.plans.values()) or DEVICE == "cuda"
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
     for x, y in zip(a, b):
@@ -230,13 +224,9 @@ def test_bf16_prefill_with_strided_flash_inputs_matches_model_prefill():
     """The fast prefill hands flash its q and v as strided column slices of the fused qkv
     product (no copies) and reads folded norm weights: its last-token logits stay within bf16
     noise of the model's own modules (a wrong row stride would give unrelated logits)."""
-    from hybridflow.engine.forward import (
-        FusedProjections,
-        RopeTable,
-        prefill_forward,
-        prefill_forward_triton,
-    )
     from hybridflow.engine.kv_cache import allocate_cache
+    from hybridflow.engine.prefill import RopeTable, prefill_forward, prefill_forward_triton
+    from hybridflow.engine.weights import FusedProjections
 
     cfg = preset_config("tiny")
     model = build_model(cfg, seed=3, device=DEVICE).to(torch.bfloat16).eval()
@@ -259,47 +249,42 @@ def test_bf16_prefill_with_strided_flash_inputs_matches_model_prefill():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="programmatic dependent launch is a CUDA feature")
-@pytest.mark.parametrize("norms", ["off", "on"])
-def test_pdl_launches_give_bitwise_the_same_generation(norms):
-    """With PDL (pdl.py) kernels start before the previous one ends and prefetch weights and
-    cached K/V; the arithmetic is unchanged, so tokens and log-probs must be bitwise those of
-    plain launches. A kernel that reads an activation before its wait would race and differ
-    somewhere in 24 x 48 sampled tokens of a 4-layer bf16 model at 48 rows (several waves)."""
-    from hybridflow.engine.kernels import pdl
+@pytest.mark.parametrize("layer", ["split", "chain"])
+def test_pdl_launches_give_bitwise_the_same_generation(layer):
+    """With PDL kernels start before the previous one ends and prefetch weights; the
+    arithmetic is unchanged, so tokens and log-probs must be bitwise those of plain launches.
+    A kernel that reads an activation before its wait would race and differ somewhere in
+    24 x 48 sampled tokens of a 4-layer bf16 model at 48 rows (several waves)."""
+    from hybridflow.engine.kernels.launch import supported
 
-    if not pdl.SUPPORTED or torch.cuda.get_device_capability()[0] < 9:
+    if not supported(torch.device(DEVICE)):
         pytest.skip("PDL needs sm_90 and a Triton with grid dependency control")
     model = build_model(preset_config("tiny-4l"), seed=2, device=DEVICE).to(torch.bfloat16)
     vocab = model.config.vocab_size
     prompts = [[(7 * i + j) % (vocab - 3) + 3 for j in range(5 + i % 9)] for i in range(24)]
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=48, seed=11, ignore_eos=True)
     results, first = {}, None
-    try:
-        for mode in (False, True):
-            pdl.ENABLED = mode
-            engine = Engine(model.eval(), max_batch_size=48, max_seq_len=64, fuse_norms=norms)
-            if first is not None:  # the same tiles and K splits (chosen by timing) both times
-                engine.matmul.choices.update(first.matmul.choices)
-                engine.chain.plans.update(first.chain.plans)
-            out = engine.generate(prompts, params)
-            first = first or engine
-            results[mode] = ([c.token_ids for c in out], [c.logprobs for c in out])
-            engine.release()
-    finally:
-        pdl.ENABLED = None
+    for pdl in (False, True):
+        options = EngineOptions(pdl=pdl, decode_layer=layer)
+        engine = Engine(model.eval(), max_batch_size=48, max_seq_len=64, options=options)
+        if first is not None:  # the same tiles and K splits (chosen by timing) both times
+            engine.matmul.choices.update(first.matmul.choices)
+            engine.chain.plans.update(first.chain.plans)
+        out = engine.generate(prompts, params)
+        first = first or engine
+        results[pdl] = ([c.token_ids for c in out], [c.logprobs for c in out])
+        engine.release()
     assert results[True][0] == results[False][0]
     assert results[True][1] == results[False][1]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="pinned, non-blocking snapshot copies are CUDA's")
-def test_lagged_snapshots_on_cuda_give_the_same_tokens(monkeypatch):
-    """loop.SYNC_LAG = 1 reads each chunk's flags and tokens from pinned host copies one
-    chunk late, while the next chunk's graphs run; a read before its copy landed would show
-    as wrong or missing tokens against SYNC_LAG = 0 (early stops, 40 requests through 8
-    slots, 2 steps per chunk: many chunks, retirements and admissions). fp32: the two loops
-    admit rows at other steps, so batch sizes differ, and bf16 rounding could flip a sample."""
-    from hybridflow.engine import scheduler as loop_module
-
+def test_lagged_snapshots_on_cuda_give_the_same_tokens():
+    """sync_lag=1 reads each chunk's flags and tokens from pinned host copies one chunk late,
+    while the next chunk's graphs run; a read before its copy landed would show as wrong or
+    missing tokens against sync_lag=0 (early stops, 40 requests through 8 slots, 2 steps per
+    chunk: many chunks, retirements and admissions). fp32: the two loops admit rows at other
+    steps, so batch sizes differ, and bf16 rounding could flip a sample."""
     model = build_model(preset_config("tiny-4l"), seed=2, device=DEVICE)
     vocab = model.config.vocab_size
     prompts = [[(5 * i + j) % (vocab - 3) + 3 for j in range(3 + i % 7)] for i in range(20)]
@@ -307,8 +292,8 @@ def test_lagged_snapshots_on_cuda_give_the_same_tokens(monkeypatch):
                             stop_token_ids=list(range(3, 3 + vocab // 12)))  # fmt: skip
     results = {}
     for lag in (0, 1):
-        monkeypatch.setattr(loop_module, "SYNC_LAG", lag)
-        engine = Engine(model.eval(), max_batch_size=8, max_seq_len=64, steps_per_sync=2)
+        options = EngineOptions(sync_lag=lag, steps_per_sync=2)
+        engine = Engine(model.eval(), max_batch_size=8, max_seq_len=64, options=options)
         out = engine.generate(prompts, params)
         results[lag] = [(c.token_ids, c.finish_reason) for c in out]
         engine.release()

@@ -5,8 +5,6 @@ interpreter costs ~5 ms per program, so rows and splits are kept small); skipped
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from triton_device import triton_test_device  # noqa: E402
@@ -118,14 +116,8 @@ def test_fused_frequencies_match_distribution(params):
     assert empirical[expected == 0].sum() == 0
 
 
-def test_state_update_in_the_combine_kernel_matches_advance():
-    """sample_fused(state=...) = sample_fused + state.advance: tokens and log-probs recorded
-    per slot, counts, stop by stop token and by max_new, finished rows left alone."""
-    rows, vocab = 5, 300
+def _state_for_update_test(rows, vocab, lo, hi, stop_token=None) -> DecodeState:
     state = DecodeState(rows, num_slots=6, max_seq_len=8, vocab_size=vocab, device=DEVICE)
-    logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(4)) * 2).to(DEVICE)
-    params = SamplingParams(temperature=0.8, top_k=3)
-    lo, hi = _seeds(rows, base=3)
     state.seed_lo[:], state.seed_hi[:] = lo, hi
     state.row_slots[:] = torch.tensor([4, 0, 2, 1, 3])
     state.generated[:] = torch.tensor([1, 2, 3, 1, 5])
@@ -133,9 +125,24 @@ def test_state_update_in_the_combine_kernel_matches_advance():
     state.max_new[:] = torch.tensor([8, 3, 8, 8, 8])  # row 1 reaches max_new now
     state.finished[:] = torch.tensor([False, False, False, False, True])
     state.tokens[:] = 11
-    expected_tokens, _ = sample_fused(logits, params, lo, hi, state.generated.clone(), 128)
-    state.set_stop_tokens([int(expected_tokens[2])])  # row 2 emits a stop token
-    reference = copy.deepcopy(state)
+    if stop_token is not None:
+        state.set_stop_tokens([stop_token])
+    return state
+
+
+def test_state_update_in_the_combine_kernel_matches_advance():
+    """sample_fused(state=...) = sample_fused + state.advance: tokens and log-probs recorded
+    per slot, counts, stop by stop token and by max_new, finished rows left alone. (Two
+    states built the same way: a state holds a CUDA event, which does not copy.)"""
+    rows, vocab = 5, 300
+    logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(4)) * 2).to(DEVICE)
+    params = SamplingParams(temperature=0.8, top_k=3)
+    lo, hi = _seeds(rows, base=3)
+    probe = _state_for_update_test(rows, vocab, lo, hi)
+    expected_tokens, _ = sample_fused(logits, params, lo, hi, probe.generated.clone(), 128)
+    stop = int(expected_tokens[2])  # row 2 emits a stop token
+    state = _state_for_update_test(rows, vocab, lo, hi, stop)
+    reference = _state_for_update_test(rows, vocab, lo, hi, stop)
     tokens, logprobs = sample_fused(logits, params, lo, hi, reference.generated.clone(), 128)
     advance(reference, rows, tokens, logprobs)
     assert sample_fused(logits, params, lo, hi, state.generated, 128, state=state) is None

@@ -32,7 +32,7 @@ def device():
     return triton_test_device()  # skips without CUDA or TRITON_INTERPRET=1
 
 
-def _prefix_cache(device, layout, prompts, lengths, slots, seq, kv_heads, dim):
+def _prefix_cache(device, prompts, lengths, slots, seq, kv_heads, dim):
     """Random caches whose slots of one prompt share identical positions [0, length)."""
     shape = (max(slots) + 2, seq, kv_heads, dim)
     caches = []
@@ -41,59 +41,21 @@ def _prefix_cache(device, layout, prompts, lengths, slots, seq, kv_heads, dim):
         for row, (prompt, length) in enumerate(zip(prompts, lengths)):
             lead = prompts.index(prompt)
             cache[slots[row], :length] = cache[slots[lead], :length]
-        if layout == "head":
-            cache = cache.transpose(1, 2).contiguous().transpose(1, 2)
         caches.append(cache)
     return caches
 
 
-@pytest.mark.parametrize("layout", ["token", "head"])
 @pytest.mark.parametrize("rope", [False, True])
-def test_shared_prefix_attention_equals_plain_attention(device, layout, rope):
+def test_shared_prefix_attention_equals_plain_attention(device, rope):
     """Groups of 3 and 4 rows, 9 rows of one prompt (a group of GROUP_ROWS = 8 and a group
     of one), a lone row, rows whose own part is only the new token, prefixes shorter than a
     tile and not a multiple of it: outputs and cache writes equal the plain kernel's (fp32)."""
-    _check_against_plain(device, layout, rope)
-
-
-@pytest.mark.parametrize("group_rows", [4, 16])
-def test_other_group_sizes_equal_plain_attention(device, group_rows, monkeypatch):
-    """The same batch with groups of up to 4 (the 9 rows of one prompt: 4 + 4 + 1) and 16
-    (one group of 9; the prefix program's query block doubles to 128 rows)."""
-    from hybridflow.engine.kernels import shared_prefix
-
-    monkeypatch.setattr(shared_prefix, "GROUP_ROWS", group_rows)
-    groups = _check_against_plain(device, "token", True)
+    groups = _check_against_plain(device, rope)
     sizes = [n for n in groups[1:, 1].tolist() if n]
-    assert max(sizes) == min(9, group_rows) and sum(sizes) == 17
+    assert max(sizes) == 8 and sum(sizes) == 17
 
 
-@pytest.mark.parametrize("splits", [1, 2, 3])
-def test_split_prefixes_equal_plain_attention(device, splits, monkeypatch):
-    """Prefixes cut into 1-3 shares of 16-position tiles (the 37-token prefix: 3 tiles, so
-    every share holds some; the 9-token one leaves shares empty), parked and merged by the
-    last program of each (group, kv head) to arrive."""
-    from hybridflow.engine.kernels import shared_prefix
-
-    monkeypatch.setattr(shared_prefix, "PREFIX_CONFIG", (16, 4, 3))
-    monkeypatch.setattr(shared_prefix, "PREFIX_SPLITS", splits)
-    for rope in (False, True):
-        _check_against_plain(device, "token", rope)
-
-
-def test_prefix_splits_fill_about_two_waves(monkeypatch):
-    from hybridflow.engine.kernels import shared_prefix
-
-    assert shared_prefix.prefix_splits(512, 2) == shared_prefix.PREFIX_SPLITS == 1
-    monkeypatch.setattr(shared_prefix, "PREFIX_SPLITS", None)
-
-    assert shared_prefix.prefix_splits(512, 2) == 3  # 64 groups x 2 kv heads
-    assert shared_prefix.prefix_splits(1024, 2) == 2
-    assert shared_prefix.prefix_splits(4096, 2) == 1
-    assert shared_prefix.prefix_splits(8, 2) == 8  # capped
-
-
-def _check_against_plain(device, layout, rope) -> torch.Tensor:
+def _check_against_plain(device, rope) -> torch.Tensor:
     from hybridflow.engine.kernels import attention
     from hybridflow.models.presets import preset_config
     from hybridflow.models.rope import rope_cos_sin
@@ -106,7 +68,7 @@ def _check_against_plain(device, layout, rope) -> torch.Tensor:
     slots = torch.randperm(rows + 3)[:rows].tolist()
     extra = [0, 5, 17, 3, 0, 1, 2, 8, 9, 30, 4, 6, 7, 11, 0, 40, 2]  # own tokens per row
     positions = torch.tensor([n + e for n, e in zip(lengths, extra)], device=device)
-    keys, values = _prefix_cache(device, layout, prompts, lengths, slots, seq, kv_heads, dim)
+    keys, values = _prefix_cache(device, prompts, lengths, slots, seq, kv_heads, dim)
     groups, first = group_table(prompts, lengths, slots, capacity=rows)
     shared = (first.to(device), groups.to(device))
     slots_t = torch.tensor(slots, device=device)
@@ -130,7 +92,7 @@ def _check_against_plain(device, layout, rope) -> torch.Tensor:
                                                       splits=1)  # fmt: skip
         got = attention.decode_attention(q, keys, values, slots_t, lengths_t, seq,
                                                  shared=shared)  # fmt: skip
-        # a second launch finds the arrival counts back at zero (split prefixes)
+        # a second launch gives the same (nothing left behind between launches)
         again = attention.decode_attention(q, keys, values, slots_t, lengths_t, seq,
                                                    shared=shared)  # fmt: skip
         assert torch.equal(again, got)
@@ -146,7 +108,7 @@ def test_a_wrong_prefix_length_changes_the_output(device):
 
     heads, kv_heads, dim, seq = 4, 2, 16, 40
     prompts, lengths, slots = [0, 0, 0], [20, 20, 20], [0, 1, 2]
-    keys, values = _prefix_cache(device, "token", prompts, lengths, slots, seq, kv_heads, dim)
+    keys, values = _prefix_cache(device, prompts, lengths, slots, seq, kv_heads, dim)
     keys[1, :20] += 1.0  # row 1's copy of the prefix differs from row 0's
     q = torch.randn(3, heads, dim, device=device)
     lengths_t = torch.tensor([25, 25, 25], device=device)
@@ -161,22 +123,16 @@ def test_a_wrong_prefix_length_changes_the_output(device):
     torch.testing.assert_close(shared[2], plain[2], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("norms", ["off", "on", "lean"])
-def test_engine_generations_with_shared_prefixes_equal_plain_ones(device, norms, monkeypatch):
+@pytest.mark.parametrize("layer", ["split", "chain", "lean:qkv+mlp"])
+def test_engine_generations_with_shared_prefixes_equal_plain_ones(device, layer, monkeypatch):
     """A whole generate() with n = 3 through the triton decode path, shared_prefix on
     against off: the same tokens, log-probs within fp32 noise, and the prefix kernel ran.
     Six slots for 18 requests with early stops: rows retire, compact and refill, so the
     group table is rewritten many times (a stale table would read another prompt's prefix:
-    other tokens). norms "on" runs the chain's layers, "off" the split (cuBLAS) ones, "lean"
-    the lean layers (1/rms, bias and RoPE inside the row kernel, before q is left for the
-    prefix kernel)."""
-    from hybridflow.engine import Engine, SamplingParams
+    other tokens). Through each decode layer: "lean" puts 1/rms, bias and RoPE inside the
+    row kernel, before q is left for the prefix kernel."""
+    from hybridflow.engine import Engine, EngineOptions, SamplingParams
     from hybridflow.engine.kernels import shared_prefix
-    from hybridflow.engine.layers import lean
-
-    if norms == "lean":
-        monkeypatch.setattr(lean, "MODE", "qkv+mlp")
-        norms = "off"
     from hybridflow.models import build_model
     from hybridflow.models.presets import preset_config
 
@@ -196,13 +152,13 @@ def test_engine_generations_with_shared_prefixes_equal_plain_ones(device, norms,
 
     monkeypatch.setattr(shared_prefix, "prefix_attention", counted)
     results = {}
-    for mode in ("off", "auto"):
-        monkeypatch.setattr(shared_prefix, "MODE", mode)
-        engine = Engine(model, max_batch_size=6, max_seq_len=64, decode_backend="triton",
-                        fuse_norms=norms, steps_per_sync=2)  # fmt: skip
-        results[mode] = engine.generate(prompts, params)
-        assert bool(calls) == (mode == "auto")
-    off, on = results["off"], results["auto"]
+    for sharing in (False, True):
+        options = EngineOptions(decode_backend="triton", decode_layer=layer,
+                                shared_prefix=sharing, steps_per_sync=2)  # fmt: skip
+        engine = Engine(model, max_batch_size=6, max_seq_len=64, options=options)
+        results[sharing] = engine.generate(prompts, params)
+        assert bool(calls) == sharing
+    off, on = results[False], results[True]
     assert [c.token_ids for c in on] == [c.token_ids for c in off]
     assert {c.finish_reason for c in on} == {"stop", "length"}
     for a, b in zip(on, off):
@@ -227,9 +183,9 @@ def test_few_rows_over_long_caches_keep_their_sequence_splits(device, monkeypatc
     calls = []
     monkeypatch.setattr(shared_prefix, "prefix_attention", lambda *a, **k: calls.append(1))
     heads, kv_heads, dim, seq = 4, 2, 16, 600
-    assert attention.attention_splits(4, kv_heads, seq) > 1
+    assert attention.attention_splits(4, kv_heads, seq, sms=132) > 1
     prompts, lengths, slots = [0, 0, 0, 0], [300] * 4, [0, 1, 2, 3]
-    keys, values = _prefix_cache(device, "token", prompts, lengths, slots, seq, kv_heads, dim)
+    keys, values = _prefix_cache(device, prompts, lengths, slots, seq, kv_heads, dim)
     q = torch.randn(4, heads, dim, device=device)
     lengths_t = torch.tensor([310, 420, 301, 599], device=device)
     slots_t = torch.tensor(slots, device=device)

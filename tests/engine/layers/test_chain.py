@@ -38,7 +38,7 @@ def test_norm_linear_equals_rms_norm_then_matmul(rows, silu):
     into the matmul's weight -> the same result as rowwise.rms_norm (weighted) followed by the
     matmul with the unfolded weight (fp32: up to rounding order)."""
     hidden, cols = 128, 96
-    chain = chain_mod.DecodeChain("on")
+    chain = chain_mod.DecodeChain()
     residual = torch.randn(rows, hidden, device=DEVICE) * 3
     norm = _Norm(hidden)
     weight = torch.randn(cols, hidden, device=DEVICE) / hidden**0.5
@@ -67,7 +67,7 @@ def test_residual_linear_updates_stream_and_sums(rows, splits):
     """residual += x @ W^T + b in place, the sums of squares per column tile of the new rows,
     and a K split reduced in the kernel gives the same result as none."""
     hidden, depth = 96, 128
-    chain = chain_mod.DecodeChain("on")
+    chain = chain_mod.DecodeChain()
     tile = _tile()
     x = torch.randn(rows, depth, device=DEVICE)
     weight = torch.randn(hidden, depth, device=DEVICE) / depth**0.5
@@ -90,9 +90,22 @@ def test_residual_linear_updates_stream_and_sums(rows, splits):
         assert counts.eq(0).all()
 
 
-def test_chain_mode_validation_and_off():
-    with pytest.raises(ValueError, match="fuse_norms"):
-        chain_mod.DecodeChain("maybe")
-    off = chain_mod.DecodeChain("off")
-    assert not off.applies(8)
-    assert not chain_mod.DecodeChain("on", max_rows=16).applies(17)
+def test_chain_applies_up_to_its_row_limit():
+    assert chain_mod.DecodeChain(max_rows=16).applies(16)
+    assert not chain_mod.DecodeChain(max_rows=16).applies(17)
+
+
+def test_pinned_tiles_are_used_if_still_candidates():
+    """A tile chosen in an earlier process is used without timing while it is a candidate;
+    one the tile table no longer has (or a split that does not divide K) is timed again."""
+    from hybridflow.engine.choices import PinnedChoices
+
+    key = ("residual", 16, 64, 128, "torch.float32")
+    tile = chain_mod.CHAIN_TILES[0]
+    assert chain_mod.DecodeChain._known("residual", key, tile, 2)
+    assert not chain_mod.DecodeChain._known("residual", key, (1, 2, 3, 4, 5), 1)
+    assert not chain_mod.DecodeChain._known("norm", key, tile, 2)  # only residuals split
+    assert not chain_mod.DecodeChain._known("residual", key, (64, 64, 128, 4, 4), 2)  # 128*2>K
+    pinned = PinnedChoices()
+    pinned.put("chain_tile", key, (tile, 2))
+    assert pinned.get("chain_tile", key) == (tile, 2)  # JSON lists back to tuples

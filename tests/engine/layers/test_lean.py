@@ -1,6 +1,5 @@
 """The lean decode layers (lean.py): RMSNorm's 1/rms taken inside decode attention and SiLU*up,
-residual adds inside cuBLAS, and the per-bucket choice among decode paths. CUDA (marked gpu)
-or CPU under TRITON_INTERPRET=1."""
+residual adds inside cuBLAS. CUDA (marked gpu) or CPU under TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
@@ -12,10 +11,10 @@ from triton_device import triton_test_device  # noqa: E402
 DEVICE = triton_test_device()
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 
-from hybridflow.engine import Engine, SamplingParams  # noqa: E402
+from hybridflow.engine import Engine, EngineOptions, SamplingParams
 from hybridflow.engine.kernels import attention, rowwise
-from hybridflow.engine.layers import chain as chain_mod  # noqa: E402
 from hybridflow.engine.layers import lean
+from hybridflow.engine.options import LEAN_VARIANTS
 from hybridflow.models import build_model  # noqa: E402
 from hybridflow.models.presets import preset_config  # noqa: E402
 from hybridflow.models.rope import rope_cos_sin  # noqa: E402
@@ -82,21 +81,21 @@ def _model(seed=1):
     return model
 
 
-@pytest.mark.parametrize("variant", lean.VARIANTS)
+@pytest.mark.parametrize("variant", LEAN_VARIANTS)
 def test_lean_engine_matches_eager_engine(variant, monkeypatch):
     """Whole generations (n = 2, filters, fp32 tiny model with a qkv bias) through the lean
     layers equal the eager torch engine's tokens, log-probs within 1e-4; the lean layers
     must have run (counted), not the split path."""
-    monkeypatch.setattr(lean, "MODE", variant)
     calls = []
     real = lean.lean_layers
-    monkeypatch.setattr(lean, "lean_layers", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
+    monkeypatch.setattr(lean, "lean_layers", lambda *a, **k: calls.append(a[5]) or real(*a, **k))
     model = _model()
     prompts = [[5, 17, 9, 33, 2, 71], [40, 41], [100, 3, 8, 19, 23, 60, 61, 62, 63, 7]]
     params = SamplingParams(n=2, temperature=0.9, top_k=40, top_p=0.95, max_new_tokens=8, seed=3)
-    fast = Engine(model, max_batch_size=4, max_seq_len=64, decode_backend="triton")
-    eager = Engine(model, max_batch_size=6, max_seq_len=64, decode_backend="torch",
-                   cuda_graphs=False)  # fmt: skip
+    options = EngineOptions(decode_backend="triton", decode_layer=f"lean:{variant}")
+    fast = Engine(model, max_batch_size=4, max_seq_len=64, options=options)
+    eager = Engine(model, max_batch_size=6, max_seq_len=64,
+                   options=EngineOptions(decode_backend="torch", cuda_graphs=False))  # fmt: skip
     a, b = fast.generate(prompts, params), eager.generate(prompts, params)
     assert calls and set(calls) == {variant}
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
@@ -105,7 +104,7 @@ def test_lean_engine_matches_eager_engine(variant, monkeypatch):
 
 
 def test_lean_does_not_apply_without_folded_gate_up_or_with_qk_norms():
-    from hybridflow.engine.forward import FusedProjections
+    from hybridflow.engine.weights import FusedProjections
 
     model = _model()
     assert lean.applies(model, FusedProjections(model, gate_up=True))
@@ -115,29 +114,3 @@ def test_lean_does_not_apply_without_folded_gate_up_or_with_qk_norms():
     config.qk_norm = True
     qwen3 = build_model(config, seed=0, device=DEVICE)
     assert not lean.applies(qwen3, FusedProjections(qwen3, gate_up=True))
-
-
-def test_choose_times_every_path_and_applies_the_margins(monkeypatch):
-    """The fastest path wins, but the chain only by more than its margin; one timing per
-    bucket; mode "off" drops the chain from the timing."""
-    times = {"split": 100.0, "chain": 98.5, "lean:qkv+mlp": 99.0, "lean:qkv": 101.0}
-    timed = []
-
-    def fake_time(fn, calls, replays):
-        timed.append(fn())
-        return times[timed[-1]]
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(chain_mod.gemm, "graph_time_us", fake_time)
-    candidates = {name: (lambda name=name: name) for name in times}
-    chain = chain_mod.DecodeChain("auto")
-    assert chain.choose(200, 64, candidates) == "lean:qkv+mlp"  # chain 1.5% faster: not enough
-    assert chain.choose(250, 64, candidates) == "lean:qkv+mlp"  # same bucket: no new timing
-    assert sorted(timed) == sorted(times)
-    times["chain"] = 97.0
-    assert chain_mod.DecodeChain("auto").choose(200, 64, candidates) == "chain"
-    timed.clear()
-    assert chain_mod.DecodeChain("off").choose(200, 64, candidates) == "lean:qkv+mlp"
-    assert "chain" not in timed
-    assert chain_mod.DecodeChain("on").choose(200, 64, candidates) == "chain"

@@ -1,6 +1,6 @@
-"""benchmarks/triton_cache.sh and triton_cache_log.py on CPU: after `restore`, a real Triton
+"""dev/triton_cache.sh and triton_cache_log.py on CPU: after `restore`, a real Triton
 compile (sm_90 target, no GPU needed) logs its cache key, and `save` packs only the logged
-entries, so stale ones left by edited kernels are not carried to the next device call."""
+entries, so stale ones left by edited kernels are not carried to the next job."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("the interpreter does not compile", allow_module_level=True)
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "triton_cache.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "dev" / "triton_cache.sh"
 REPO = SCRIPT.parents[1]
 
 COMPILE = """

@@ -5,8 +5,8 @@ replays, collection) was running when each gap opened.
 engine_step.py finds the replayed step a few percent shorter than a generate() call implies
 (8% at 0.5b / 1024 rows); this names the difference.
 
-    python benchmarks/engine_timeline.py --preset qwen2.5-0.5b --rows 1024   # H200, ~1 min
-    python benchmarks/engine_timeline.py --device cpu --preset tiny --rows 4 --new-tokens 8
+    python dev/engine_timeline.py --preset qwen2.5-0.5b --rows 1024   # H200, ~1 min
+    python dev/engine_timeline.py --device cpu --preset tiny --rows 4 --new-tokens 8
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from hybridflow.engine import Engine, SamplingParams, loop
-from hybridflow.engine.bench_cli import make_prompts
+from hybridflow.engine import Engine, EngineOptions, SamplingParams, scheduler
+from hybridflow.engine.bench_cli import make_prompts, parse_engine_settings
 from hybridflow.models import load_model
 
-# Host phases marked in the trace (record_function around these loop.GenerationLoop methods).
+# Host phases marked in the trace (record_function around these scheduler.GenerationLoop methods).
 PHASES = ("_admit", "_decode", "_snapshot", "_absorb", "_retire")
 
 
@@ -185,7 +185,7 @@ def _annotate(loop_class) -> None:
 
 @torch.no_grad()
 def timeline(preset: str, rows: int, length: int, new_tokens: int, device: torch.device,
-             n: int = 1) -> dict:  # fmt: skip
+             n: int = 1, options: EngineOptions | None = None) -> dict:  # fmt: skip
     """n > 1: rows // n prompts of n samples each (GRPO-shaped: the shared-prefix path)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -193,11 +193,12 @@ def timeline(preset: str, rows: int, length: int, new_tokens: int, device: torch
         raise ValueError(f"--rows {rows} is not a multiple of --n {n}")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = load_model(preset, dtype=dtype, device=device).eval()
-    eng = Engine(model, max_batch_size=rows, max_seq_len=length + new_tokens + 64)
+    eng = Engine(model, max_batch_size=rows, max_seq_len=length + new_tokens + 64,
+                 options=options)  # fmt: skip
     prompts = make_prompts(rows // n, length, model.config.vocab_size, 0)
     params = SamplingParams(n=n, max_new_tokens=new_tokens, seed=0, ignore_eos=True)
     eng.generate(prompts, params)  # compile, tune, capture
-    _annotate(loop.GenerationLoop)
+    _annotate(scheduler.GenerationLoop)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     pauses: dict[str, list[float]] = {"unprofiled": [], "profiled": []}
@@ -249,6 +250,7 @@ def timeline(preset: str, rows: int, length: int, new_tokens: int, device: torch
     if device.type == "cuda":
         result["sync_points"] = sync_points(eng, prompts, params)
     result.update(preset=preset, rows=rows, length=length, new_tokens=new_tokens,
+                  sync_lag=eng.sync_lag,
                   unprofiled_call_ms=unprofiled * 1e3, profiled_call_us=call_us,
                   host_by_phase_us=host_by_phase,
                   host_calls={n: sum(1 for p in phases if p[0] == n) for n in PHASES})  # fmt: skip
@@ -256,25 +258,20 @@ def timeline(preset: str, rows: int, length: int, new_tokens: int, device: torch
 
 
 def main() -> None:
-    from engine_step import add_case_arguments  # benchmarks/ is the script's own folder
+    from engine_step import add_case_arguments  # dev/ is the script's own folder
 
     parser = argparse.ArgumentParser()
     add_case_arguments(parser)
-    parser.add_argument(
-        "--lag",
-        type=int,
-        default=None,
-        choices=[0, 1],
-        help="loop.SYNC_LAG for this run (default: the engine's)",
-    )
+    parser.add_argument("--engine", action="append", default=[], metavar="NAME=VALUE",
+                        help="an EngineOptions field, e.g. sync_lag=0 (repeatable)")  # fmt: skip
     parser.add_argument("--n", type=int, default=1, help="samples per prompt (rows / n prompts)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    if args.lag is not None:
-        loop.SYNC_LAG = args.lag
+    options = EngineOptions.from_dict(parse_engine_settings(args.engine)).checked()
     r = timeline(args.preset, args.rows, args.length, args.new_tokens, torch.device(args.device),
-                 n=args.n)  # fmt: skip
-    print(f"{r['preset']}, {r['rows']} rows, lag {loop.SYNC_LAG if loop.SYNC_LAG is not None else 'auto'}: call {r['unprofiled_call_ms']:.1f} ms "
+                 n=args.n, options=options)  # fmt: skip
+    print(f"{r['preset']}, {r['rows']} rows, sync lag {r['sync_lag']}: "
+          f"generate {r['unprofiled_call_ms']:.1f} ms "
           f"unprofiled, {r['profiled_call_us'] / 1e3:.1f} ms profiled; kernels span "
           f"{r['span_us'] / 1e3:.1f} ms, busy {r['busy_us'] / 1e3:.1f} ms, idle "
           f"{r['idle_us'] / 1e3:.2f} ms in {r.get('gaps', 0)} gaps")  # fmt: skip

@@ -1,4 +1,4 @@
-"""benchmarks/engine_step.py on CPU: the step anatomy runs the engine's own decode step at
+"""dev/engine_step.py on CPU: the step anatomy runs the engine's own decode step at
 the call's mean cache length, and its kernel table accounts for the step's ops."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "dev"))
 
 import engine_step  # noqa: E402
 

@@ -1,9 +1,9 @@
 """A Triton cache manager that logs the key of every cache entry a process looks up, so
-benchmarks/triton_cache.sh can carry only the entries the last device call used (the
-restored cache otherwise grows with every edited kernel's stale versions: ~70 MB after
-session 10, over what a call's $OUT can bring back). Selected by triton_cache.sh restore:
+dev/triton_cache.sh can carry only the entries the last job used (the restored cache
+otherwise grows with every edited kernel's stale versions, to ~70 MB). Selected by
+triton_cache.sh restore:
 
-    TRITON_CACHE_MANAGER=triton_cache_log:LoggingCacheManager  (benchmarks/ on PYTHONPATH)
+    TRITON_CACHE_MANAGER=triton_cache_log:LoggingCacheManager  (dev/ on PYTHONPATH)
     TRITON_CACHE_LOG=<file>                                    (one key per line, appended)
 """
 

@@ -6,8 +6,9 @@ the forward with lm_head, lm_head alone and the sampler alone; next to the step 
 generate() call implies ((wall - TTFT) / decode steps), whose excess over the replayed step
 is host time (syncs, bookkeeping) and gaps between graph launches.
 
-    python benchmarks/engine_step.py --preset qwen2.5-0.5b --rows 256 --length 256
-    python benchmarks/engine_step.py --device cpu --preset tiny --rows 4 --length 16  # dry run
+    python dev/engine_step.py --preset qwen2.5-0.5b --rows 256 --length 256
+    python dev/engine_step.py --preset qwen2.5-1.5b --rows 256 --engine decode_layer=split
+    python dev/engine_step.py --device cpu --preset tiny --rows 4 --length 16  # dry run
 
 Then the top kernels of the replayed step (torch.profiler over graph replays, per step).
 On CPU every part is timed eagerly (no graphs): only the code paths are exercised.
@@ -21,14 +22,14 @@ import time
 
 import torch
 
-from hybridflow.engine import Engine, SamplingParams
-from hybridflow.engine.bench_cli import make_prompts
+from hybridflow.engine import Engine, EngineOptions, SamplingParams
+from hybridflow.engine.bench_cli import make_prompts, parse_engine_settings
 from hybridflow.models import load_model
 
 
 def time_us(fn, device: torch.device, calls: int = 10) -> float:
     if device.type == "cuda":
-        from hybridflow.engine.gemm import graph_time_us
+        from hybridflow.engine.kernels.gemm import graph_time_us
 
         return graph_time_us(fn, calls=calls)
     fn()
@@ -91,12 +92,19 @@ def live_rows(engine, rows: int, length: int) -> None:
 
 @torch.no_grad()
 def anatomy(
-    preset: str, rows: int, length: int, new_tokens: int, device: torch.device, kernels: int = 25
+    preset: str,
+    rows: int,
+    length: int,
+    new_tokens: int,
+    device: torch.device,
+    kernels: int = 25,
+    options: EngineOptions | None = None,
 ) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = load_model(preset, dtype=dtype, device=device).eval()
     vocab = model.config.vocab_size
-    engine = Engine(model, max_batch_size=rows, max_seq_len=length + new_tokens + 64)
+    engine = Engine(model, max_batch_size=rows, max_seq_len=length + new_tokens + 64,
+                    options=options)  # fmt: skip
     prompts = make_prompts(rows, length, vocab, 0)
     params = SamplingParams(max_new_tokens=new_tokens, seed=0, ignore_eos=True)
     # generate() as the rollout benchmark times it: warm-up, TTFT, then the timed call
@@ -145,7 +153,8 @@ def anatomy(
     return {
         "preset": preset, "rows": rows, "length": length, "cached_tokens": mean_length,
         "live_positions": state.positions[:rows].tolist(), "device": str(device),
-        "chain": {str(k): v for k, v in engine.chain.decisions.items()} if engine.chain else None, "ttft_ms": ttft * 1e3,
+        "decode_layers": {str(k): v for k, v in engine.chooser.decisions.items()}
+        if engine.chooser else None, "ttft_ms": ttft * 1e3,
         "tokens_per_s": rows * new_tokens / wall, "parts_us": parts, "kernels": table,
         "host_and_gaps_us": implied_step_us - step,
     }  # fmt: skip
@@ -163,27 +172,19 @@ def add_case_arguments(parser: argparse.ArgumentParser) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     add_case_arguments(parser)
-    parser.add_argument("--kv-layout", default=None, choices=["token", "head"])
-    parser.add_argument("--lean", default=None, choices=["auto", "qkv+mlp", "qkv", "mlp", "off"],
-                        help="engine/lean.py MODE (default: its current value)")  # fmt: skip
+    parser.add_argument("--engine", action="append", default=[], metavar="NAME=VALUE",
+                        help="an EngineOptions field (repeatable)")  # fmt: skip
     parser.add_argument("--kernels", type=int, default=25,
                         help="print the top N kernels of the replayed step (0: none)")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    if args.kv_layout:
-        from hybridflow.engine import kv_cache
-
-        kv_cache.LAYOUT = args.kv_layout
-    if args.lean:
-        from hybridflow.engine import lean
-
-        lean.MODE = args.lean
+    options = EngineOptions.from_dict(parse_engine_settings(args.engine)).checked()
     result = anatomy(args.preset, args.rows, args.length, args.new_tokens,
-                     torch.device(args.device), args.kernels)  # fmt: skip
+                     torch.device(args.device), args.kernels, options)  # fmt: skip
     step = result["parts_us"]["step (graph the engine replays)"]
     print(f"{result['preset']}, {result['rows']} rows, {result['length']} prompt tokens, "
           f"{result['device']}: {result['tokens_per_s']:,.0f} tok/s, TTFT "
-          f"{result['ttft_ms']:.1f} ms, chain {result['chain']}")  # fmt: skip
+          f"{result['ttft_ms']:.1f} ms, decode layers {result['decode_layers']}")  # fmt: skip
     print("| part | us | / step |\n|---|---|---|")
     for name, us in result["parts_us"].items():
         print(f"| {name} | {us:,.1f} | {us / step:.2f} |")

@@ -1,4 +1,4 @@
-"""benchmarks/engine_timeline.py: the gap accounting over device intervals, and a CPU run of
+"""dev/engine_timeline.py: the gap accounting over device intervals, and a CPU run of
 the whole script (trace export, phase annotations)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "dev"))
 
 import engine_timeline  # noqa: E402
 

@@ -1,18 +1,18 @@
 #!/bin/bash
-# Carry Triton's compile cache between device calls: a fresh machine spends minutes compiling
-# the engine's kernels before its first number (session 8: 2-4 min of a 30 min budget each).
+# Carry Triton's compile cache between jobs on fresh GPU machines: a fresh machine spends
+# 2-4 minutes compiling the engine's kernels before its first number.
 #
-#   start of a call:  source benchmarks/triton_cache.sh restore
+#   start of a job:   source dev/triton_cache.sh restore
 #                     (unpacks .cache/triton_parts if present; sets TRITON_CACHE_DIR)
-#   end of a call:    bash benchmarks/triton_cache.sh save "$OUT"
-#                     ($OUT/triton_cache.tgz.part-aa, -ab, ...: $OUT gives back files of at
-#                     most 16 MiB, eight in all; the cache was ~19 MB gzipped)
-#   here, after it:   bash benchmarks/triton_cache.sh collect /work/.device/N
-#                     (-> .cache/triton_parts, ignored by git: name it in the next call's carry)
+#   end of a job:     bash dev/triton_cache.sh save "$OUT"
+#                     ($OUT/triton_cache.tgz.part-aa, -ab, ...: 15 MiB pieces, for a job
+#                     runner that returns small files only; the cache is ~19 MB gzipped)
+#   after it, here:   bash dev/triton_cache.sh collect DIR_THE_FILES_CAME_BACK_IN
+#                     (-> .cache/triton_parts, ignored by git: ship it with the next job)
 # Entries are keyed by each kernel's source and the Triton version, so an edited kernel just
-# compiles again. `save` keeps only the entries this call looked up (restore logs them:
-# triton_cache_log.py), so stale versions of edited kernels drop out; a call that ran only
-# part of the engine therefore saves only that part: collect the cache of a call that ran
+# compiles again. `save` keeps only the entries this job looked up (restore logs them:
+# triton_cache_log.py), so stale versions of edited kernels drop out; a job that ran only
+# part of the engine therefore saves only that part: collect the cache of a job that ran
 # the whole benchmark.
 cache_command=${1:?usage: triton_cache.sh save OUT | collect DIR | restore}
 case $cache_command in
@@ -40,7 +40,7 @@ restore)
   rm -f .cache/triton_used.log
   export TRITON_CACHE_LOG=$PWD/.cache/triton_used.log
   export TRITON_CACHE_MANAGER=triton_cache_log:LoggingCacheManager
-  here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)  # benchmarks/, for triton_cache_log.py
+  here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)  # dev/, for triton_cache_log.py
   export PYTHONPATH=$here${PYTHONPATH:+:$PYTHONPATH}
   ;;
 *)

@@ -1,0 +1,45 @@
+"""EngineOptions (options.py): validation that names every bad field, the dict round trip,
+and the options that key the pinned choices."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridflow.engine.options import DECODE_LAYERS, EngineOptions
+
+
+def test_defaults_are_valid_and_round_trip_through_a_dict():
+    options = EngineOptions()
+    assert options.validate() == []
+    assert EngineOptions.from_dict(options.to_dict()) == options
+    assert "lean:qkv" in DECODE_LAYERS and "auto" in DECODE_LAYERS
+
+
+def test_every_bad_field_is_named_with_what_to_use():
+    bad = EngineOptions(decode_backend="cuda", decode_layer="fast", fuse_projections="some",
+                        decode_matmul="cutlass", steps_per_sync=0, sync_lag=2,
+                        max_prefill_tokens=-1)  # fmt: skip
+    problems = bad.validate()
+    assert len(problems) == 7
+    text = "\n".join(problems)
+    for name in ("decode_backend='cuda'", "decode_layer='fast'", "fuse_projections='some'",
+                 "decode_matmul='cutlass'", "steps_per_sync=0", "sync_lag=2",
+                 "max_prefill_tokens=-1"):  # fmt: skip
+        assert name in text
+    assert "split" in text  # the allowed values are listed
+    with pytest.raises(ValueError, match="invalid engine options"):
+        bad.checked()
+
+
+def test_unknown_fields_are_refused_by_name():
+    with pytest.raises(ValueError, match="bogus"):
+        EngineOptions.from_dict({"bogus": 1, "steps_per_sync": 4})
+
+
+def test_timing_identity_leaves_out_what_does_not_change_timing():
+    base = EngineOptions().timing_identity()
+    assert (
+        EngineOptions(cache_dir="/tmp/x", retune=True, steps_per_sync=16).timing_identity() == base
+    )
+    assert EngineOptions(decode_layer="split").timing_identity() != base
+    assert EngineOptions(pdl=False).timing_identity() != base
