@@ -19,10 +19,12 @@ from types import SimpleNamespace
 
 import torch
 
-from hybridflow.engine import Engine, SamplingParams
+from hybridflow.engine import Engine, EngineOptions, SamplingParams
 from hybridflow.engine.bench_cli import bench_engine, bench_hf, make_prompts
 from hybridflow.models import load_model
 from hybridflow.models.logprobs import logprobs_from_hidden
+
+EAGER = EngineOptions(decode_backend="torch", cuda_graphs=False)  # the reference path
 
 
 def trainer_logprobs(model, prompt, tokens, temperature):
@@ -56,41 +58,33 @@ def _record(out: dict, key: str, value) -> None:
     print(f"check {key}: {json.dumps(value)}", flush=True)
 
 
-# Decode paths forced one at a time for the bf16 gap: (name, lean.MODE, Engine fuse_norms,
-# shared_prefix.MODE); None keeps the default.
-GAP_PATHS = [("default", None, "auto", None), ("default:no-shared-prefix", None, "auto", "off"),
-             ("split", "off", "off", None), ("chain", "off", "on", None),
-             ("lean:qkv+mlp", "qkv+mlp", "off", None), ("lean:qkv", "qkv", "off", None),
-             ("lean:mlp", "mlp", "off", None)]  # fmt: skip
+# Decode layers forced one at a time for the bf16 gap: (name, EngineOptions fields).
+GAP_PATHS = [("default", {}), ("default:no-shared-prefix", {"shared_prefix": False}),
+             ("split", {"decode_layer": "split"}), ("chain", {"decode_layer": "chain"}),
+             ("lean:qkv+mlp", {"decode_layer": "lean:qkv+mlp"}),
+             ("lean:qkv", {"decode_layer": "lean:qkv"}),
+             ("lean:mlp", {"decode_layer": "lean:mlp"})]  # fmt: skip
 
 
 @torch.no_grad()
 def bf16_gaps(device, preset: str = "qwen2.5-0.5b") -> dict:
-    """The bf16 log-prob gap (engine vs trainer) through each decode path: they round at
+    """The bf16 log-prob gap (engine vs trainer) through each decode layer: they round at
     different places (lean adds products into the residual inside cuBLAS; the chain scales
     rows by 1/rms in its epilogues; the shared-prefix attention merges two softmax parts),
-    and the tuner picks among them per batch size. n = 2, so the shared prefix is on unless
+    and the chooser picks among them per batch size. n = 2, so the shared prefix is on unless
     a path turns it off."""
-    from hybridflow.engine.kernels import shared_prefix
-    from hybridflow.engine.layers import lean
-
     model = load_model(preset, dtype=torch.bfloat16, device=device).eval()
     prompts = make_prompts(16, 64, model.config.vocab_size, 1)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=64, seed=0, ignore_eos=True)
-    out, defaults = {}, (lean.MODE, shared_prefix.MODE)
-    for name, mode, norms, sharing in GAP_PATHS:
-        lean.MODE = defaults[0] if mode is None else mode
-        shared_prefix.MODE = defaults[1] if sharing is None else sharing
-        try:
-            engine = Engine(model, max_batch_size=32, max_seq_len=128, fuse_norms=norms)
-            gap = logprob_gap(model, engine, prompts, params)
-            gap["paths"] = {str(k): v for k, v in engine.chain.decisions.items()} if (
-                engine.chain) else {}  # fmt: skip
-            gap["shared_prefix"] = shared_prefix.MODE
-            _record(out, f"{preset}_bf16_{name}", gap)
-            engine.release()
-        finally:
-            lean.MODE, shared_prefix.MODE = defaults
+    out = {}
+    for name, fields in GAP_PATHS:
+        engine = Engine(model, max_batch_size=32, max_seq_len=128, options=EngineOptions(**fields))
+        gap = logprob_gap(model, engine, prompts, params)
+        gap["layers"] = ({str(k): v for k, v in engine.chooser.decisions.items()}
+                         if engine.chooser else {})  # fmt: skip
+        gap["options"] = fields
+        _record(out, f"{preset}_bf16_{name}", gap)
+        engine.release()
     return out
 
 
@@ -106,8 +100,7 @@ def check_correctness(device, quick: bool) -> dict:
         engine = Engine(model, max_batch_size=32, max_seq_len=128)
         _record(out, "qwen0.5b_bf16_fast_vs_trainer", logprob_gap(model, engine, prompts, params))
         engine.release()
-        eager = Engine(model, max_batch_size=32, max_seq_len=128, decode_backend="torch",
-                       cuda_graphs=False)  # fmt: skip
+        eager = Engine(model, max_batch_size=32, max_seq_len=128, options=EAGER)
         _record(out, "qwen0.5b_bf16_eager_vs_trainer", logprob_gap(model, eager, prompts, params))
         del model, engine, eager
     for dtype in (torch.float32, torch.bfloat16):
@@ -118,8 +111,7 @@ def check_correctness(device, quick: bool) -> dict:
         params = SamplingParams(n=3, temperature=0.9, max_new_tokens=24, seed=4)
         greedy = SamplingParams(n=2, temperature=0, max_new_tokens=24, ignore_eos=True)
         fast = Engine(model, max_batch_size=8, max_seq_len=96)  # 8 slots < 24 rows: refills
-        eager = Engine(model, max_batch_size=24, max_seq_len=96, decode_backend="torch",
-                       cuda_graphs=False)  # fmt: skip
+        eager = Engine(model, max_batch_size=24, max_seq_len=96, options=EAGER)
         name = str(dtype).split(".")[-1]
         for label, p in (("greedy", greedy), ("sampled", params)):
             a = fast.generate(prompts, p)
@@ -241,35 +233,33 @@ def step_breakdown(device, preset: str, batch: int, length: int) -> dict:
     return {k: round(v, 1) for k, v in t.items()}
 
 
-# What a variant does not say is the engine's default (VARIANT_DEFAULTS); hf: also time HF
-# transformers generate on the same prompts.
-VARIANT_DEFAULTS = dict(backend="triton", graphs=True, sync=8, fuse="all", matmul="auto",
-                        norms="auto", hf=False, pdl="auto", ahead="off", kv_layout="token",
-                        tma="auto", lag=1)  # fmt: skip
+# The table's workloads (128 prompt + 256 new tokens each); engine: EngineOptions fields
+# (none: the defaults); hf: also time HF transformers generate on the same prompts.
 VARIANTS = [
-    dict(preset="qwen2.5-0.5b", prompts=256, hf=True, lag=0),
-    dict(preset="qwen2.5-0.5b", prompts=256, lag=1),
-    dict(preset="qwen2.5-0.5b", prompts=256, lag=0),
-    dict(preset="qwen2.5-0.5b", prompts=256, lag=1),
-    dict(preset="qwen2.5-0.5b", prompts=1024, lag=0),
-    dict(preset="qwen2.5-0.5b", prompts=1024, lag=1),
-    dict(preset="qwen2.5-1.5b", prompts=256, hf=True, lag=0),
-    dict(preset="qwen2.5-1.5b", prompts=256, lag=1),
+    dict(preset="qwen2.5-0.5b", prompts=256, hf=True),
+    dict(preset="qwen2.5-0.5b", prompts=1024),
+    dict(preset="qwen2.5-1.5b", prompts=256, hf=True),
+    dict(preset="qwen2.5-0.5b", prompts=64, n=8, hf=True),
+    dict(preset="qwen2.5-1.5b", prompts=64, n=8, hf=True),
 ]
+QUICK_VARIANTS = [
+    dict(preset="tiny", prompts=4, hf=True,
+         engine={"decode_backend": "torch", "cuda_graphs": False, "steps_per_sync": 4}),
+    dict(preset="tiny", prompts=2, n=2, engine={"decode_backend": "torch", "cuda_graphs": False}),
+]  # fmt: skip
 
 
 def run_variants(device, variants, quick: bool) -> list[dict]:
     rows, models = [], {}
     for variant in variants:
-        v = {**VARIANT_DEFAULTS, **variant}
-        preset, prompts = v["preset"], v["prompts"]
+        preset, prompts, n = variant["preset"], variant["prompts"], variant.get("n", 1)
+        fields = variant.get("engine", {})
         args = SimpleNamespace(
             preset=preset, prompts=prompts, prompt_len=128 if not quick else 8,
-            new_tokens=256 if not quick else 8, n=1, max_batch_size=None, temperature=1.0,
-            dtype="bfloat16", device=str(device), backend=v["backend"], no_graphs=not v["graphs"],
-            steps_per_sync=v["sync"], fuse=v["fuse"], matmul=v["matmul"], fuse_norms=v["norms"],
-            hf=v["hf"], hf_batch_size=None, seed=0, pdl=v["pdl"], ahead=v["ahead"],
-            kv_layout=v["kv_layout"], tma=v["tma"], sync_lag=v["lag"],
+            new_tokens=256 if not quick else 8, n=n, max_batch_size=None, temperature=1.0,
+            dtype="bfloat16", device=str(device), backend=fields.get("decode_backend", "auto"),
+            engine=[f"{k}={v!r}" for k, v in fields.items() if k != "decode_backend"],
+            hf=variant.get("hf", False), hf_batch_size=None, seed=0,
             repeats=3 if not quick else 1,
         )  # fmt: skip
         if preset not in models:
@@ -278,43 +268,38 @@ def run_variants(device, variants, quick: bool) -> list[dict]:
             models[preset] = load_model(preset, dtype=torch.bfloat16, device=device).eval()
         model = models[preset]
         prompt_ids = make_prompts(prompts, args.prompt_len, model.config.vocab_size, 0)
-        row = {"preset": preset, "prompts": prompts, "backend": v["backend"],
-               "graphs": v["graphs"], "steps_per_sync": v["sync"], "fuse": v["fuse"],
-               "matmul": v["matmul"], "fuse_norms": v["norms"], "pdl": v["pdl"],
-               "ahead": v["ahead"], "kv_layout": v["kv_layout"], "tma": v["tma"],
-               "lag": v["lag"]}  # fmt: skip
+        row = {"preset": preset, "prompts": prompts, "n": n, "engine_options": fields}
         try:
             row.update(bench_engine(model, prompt_ids, args, device))
-            if v["hf"]:
+            if args.hf:
                 row["hf_tokens_per_s"] = bench_hf(model, prompt_ids, args, device)["tokens_per_s"]
                 row["speedup_vs_hf"] = row["tokens_per_s"] / row["hf_tokens_per_s"]
         except Exception as e:  # keep the other variants' numbers
             row["error"] = repr(e)
             traceback.print_exc()
-        skip = ("matmul_timings_us", "chain_timings_us")
+        skip = ("matmul_timings_us", "decode_layer_timings_us", "choices")
         print(json.dumps({k: v for k, v in row.items() if k not in skip}), flush=True)
         rows.append(row)
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| preset | prompts | fuse | sync | matmul | tok/s | ms/step | TTFT ms | peak GiB "
-             "| HF tok/s | x HF |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| preset | prompts x n | options | tok/s | ms/step | TTFT ms | peak GiB | HF tok/s "
+             "| x HF |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
+        options = " ".join(f"{k}={v}" for k, v in r["engine_options"].items()) or "defaults"
         if "error" in r:
-            lines.append(f"| {r['preset']} | {r['prompts']} | {r['fuse']} | {r['steps_per_sync']} | "
-                         f"{r['matmul']}, norms {r.get('fuse_norms')} | error: {r['error'][:60]} | | | | | |")  # fmt: skip
+            lines.append(f"| {r['preset']} | {r['prompts']} x {r['n']} | {options} | "
+                         f"error: {r['error'][:60]} | | | | | |")  # fmt: skip
             continue
         hf = f"{r['hf_tokens_per_s']:,.0f}" if "hf_tokens_per_s" in r else ""
         x = f"{r['speedup_vs_hf']:.1f}" if "speedup_vs_hf" in r else ""
         # decode time per step: the timed call minus a prefill (TTFT), over the decode steps
-        steps = r["tokens"] / r["prompts"] - 1
+        steps = r["tokens"] / (r["prompts"] * r["n"]) - 1
         step_ms = (r["seconds"] - r["ttft_s"]) / max(steps, 1) * 1000
         lines.append(
-            f"| {r['preset']} | {r['prompts']} | {r['fuse']} | {r['steps_per_sync']} | "
-            f"{r['matmul']}, norms {r.get('fuse_norms')}, pdl {r.get('pdl')}, kv {r.get('kv_layout')}, tma {r.get('tma')}, lag {r.get('lag')} | {r['tokens_per_s']:,.0f} | {step_ms:.2f} | {r['ttft_s'] * 1000:.0f} | "
-            f"{r['peak_mem_gib']:.2f} | "
-            f"{hf} | {x} |"
+            f"| {r['preset']} | {r['prompts']} x {r['n']} | {options} | {r['tokens_per_s']:,.0f} "
+            f"| {step_ms:.2f} | {r['ttft_s'] * 1000:.0f} | {r['peak_mem_gib']:.2f} | {hf} | {x} |"
         )
     return "\n".join(lines)
 
@@ -357,22 +342,7 @@ def main() -> None:
             except Exception:
                 traceback.print_exc()
     if "variants" in parts:
-        variants = (
-            VARIANTS
-            if not args.quick
-            else [
-                dict(
-                    preset="tiny",
-                    prompts=4,
-                    backend="torch",
-                    graphs=False,
-                    sync=4,
-                    fuse="none",
-                    hf=True,
-                ),
-                dict(preset="tiny", prompts=4, backend="torch", graphs=False, kv_layout="head"),
-            ]  # fmt: skip
-        )
+        variants = QUICK_VARIANTS if args.quick else VARIANTS
         results["variants"] = run_variants(device, variants, args.quick)
         results["table"] = table(results["variants"])
     results["wall_s"] = time.time() - start
@@ -381,12 +351,12 @@ def main() -> None:
     if "table" in results:
         with open(os.path.join(args.out, "rollout.md"), "w") as f:
             f.write(results["table"] + "\n")
-        for r in results.get("variants", []):  # per-shape cuBLAS vs Triton tile times (us)
+        for r in results.get("variants", []):  # per-shape timings (us) behind the choices
             if r.get("matmul_timings_us"):
-                print(r["preset"], r["prompts"], r["matmul"], json.dumps(r["matmul_timings_us"]))
-            if r.get("chain_timings_us"):
-                print(r["preset"], r["prompts"], "chain", json.dumps(r["chain_decisions"]),
-                      json.dumps(r["chain_timings_us"]))  # fmt: skip
+                print(r["preset"], r["prompts"], "gate/up", json.dumps(r["matmul_timings_us"]))
+            if r.get("decode_layer_timings_us"):
+                print(r["preset"], r["prompts"], "decode layers",
+                      json.dumps(r["decode_layer_timings_us"]))  # fmt: skip
         print(results["table"])
     print(f"wall {results['wall_s']:.0f} s")
 

@@ -13,13 +13,14 @@ def test_quick_variants_print_a_table_with_the_hf_baseline(tmp_path):
         "rollout.py", "--device", "cpu", "--quick", "--only", "variants", "--out", str(tmp_path)
     )
     rows = markdown_rows(out, "| preset |")
-    assert [(r["preset"], r["prompts"]) for r in rows] == [("tiny", "4"), ("tiny", "4")]
+    assert [(r["preset"], r["prompts x n"]) for r in rows] == [("tiny", "4 x 1"), ("tiny", "2 x 2")]
     results = json.loads((tmp_path / "rollout.json").read_text())
     assert (tmp_path / "rollout.md").read_text().strip() == results["table"]
     for row, variant in zip(rows, results["variants"]):
         assert "error" not in variant, variant["error"]
-        assert variant["tokens"] == 4 * 8  # 4 prompts, 8 new tokens each (--quick)
+        assert variant["tokens"] == 4 * 8  # 4 samples, 8 new tokens each (--quick)
         assert number(row["tok/s"]) > 0 and number(row["ms/step"]) > 0
+    assert rows[0]["options"] == "decode_backend=torch cuda_graphs=False steps_per_sync=4"
     # The first variant also times HF generate on the same prompts.
     assert number(rows[0]["HF tok/s"]) > 0
     assert number(rows[0]["x HF"]) == pytest.approx(
