@@ -132,9 +132,16 @@ def run_ab(args, sides: dict[str, dict]) -> dict:
         "same_completions": sum(x == y for x, y in zip(tokens_of[a], tokens_of[b])),
         "completions": len(tokens_of[a]),
     }  # fmt: skip
+    result["decode_layers"] = {side: decode_layers(entry[0]) for side, entry in built.items()}
     for engine, *_ in built.values():
         engine.release()
     return result
+
+
+def decode_layers(engine) -> dict:
+    """The decode layer each batch bucket ran (this version's chooser, or an older one's)."""
+    chooser = getattr(engine, "chooser", None) or getattr(engine, "chain", None)
+    return {str(k): v for k, v in getattr(chooser, "decisions", {}).items()}
 
 
 def print_result(result: dict) -> None:
@@ -145,6 +152,7 @@ def print_result(result: dict) -> None:
         options = " ".join(f"{k}={v}" for k, v in spec["options"].items()) or "(defaults)"
         print(f"| {side} | {spec['label']} | {options} | {result['tokens_per_s'][side]:,.0f} | "
               f"{result['runs_s'][side]} |")  # fmt: skip
+    print(f"decode layers: {result['decode_layers']}")
     print(f"identical completions A vs B (last round): {result['same_completions']} of "
           f"{result['completions']}")  # fmt: skip
     ratio = result["b_over_a_time"]

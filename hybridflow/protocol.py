@@ -153,7 +153,7 @@ class Batch:
     def index(self, idx: Index) -> Batch:
         """Rows ``idx`` (slice, int, list/array/tensor of ints, or boolean mask) as a new Batch.
 
-        An int keeps the leading dimension: ``batch.index(3)`` has length 1.
+        An int keeps the first dimension: ``batch.index(3)`` has length 1.
         """
         if isinstance(idx, int | np.integer):
             idx = slice(int(idx), int(idx) + 1) if idx != -1 else slice(-1, None)

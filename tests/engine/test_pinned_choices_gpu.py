@@ -51,7 +51,8 @@ SCRIPT = textwrap.dedent(
 
 
 def _run(cache_dir: Path, out: Path, retune: bool = False) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=path)
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(cache_dir), str(out), "retune" if retune else "-"],
         env=env, capture_output=True, text=True, timeout=600,
