@@ -26,7 +26,7 @@ from hybridflow.engine.graphs import DecodeRunner
 from hybridflow.engine.kernels.launch import PLAIN
 from hybridflow.engine.options import EngineOptions
 from hybridflow.engine.prefill import RopeTable, prefill_forward
-from hybridflow.engine.sampling import SamplingParams, request_seeds, split_seed
+from hybridflow.engine.sampling import SamplingParams, prompt_seeds, request_seeds, split_seed
 from hybridflow.engine.scheduler import GenerationLoop, PromptTable, cyclic_gc_paused
 from hybridflow.engine.state import DecodeState
 
@@ -276,20 +276,34 @@ class Engine:
         self._prompt_table(prompts).check()
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """n completions per prompt, prompt-major: result[i * n + j] is sample j of prompt i."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 seeds: list[int] | None = None) -> list[Completion]:  # fmt: skip
+        """n completions per prompt, prompt-major: result[i * n + j] is sample j of prompt i.
+
+        seeds: a base seed per prompt (instead of params.seed): prompt i samples exactly as a
+        call of it alone with seed=seeds[i] would (a server batching independent requests)."""
         with cyclic_gc_paused():  # also while the results are wrapped (thousands of objects)
-            return [Completion(*result) for result in self._generate(prompts, params)]
+            return [Completion(*result) for result in self._generate(prompts, params, seeds)]
+
+    def _seeds(self, prompts, params: SamplingParams, seeds) -> torch.Tensor:
+        if seeds is not None:
+            if len(seeds) != len(prompts):
+                raise ValueError(f"seeds: {len(seeds)} given for {len(prompts)} prompts")
+            return prompt_seeds(list(seeds), params.n)
+        base_seed = params.seed
+        if base_seed is None:
+            base_seed = int(torch.randint(0, 2**62, (1,)).item())
+        return request_seeds(base_seed, len(prompts), params.n)
 
     @torch.no_grad()
-    def _generate(self, prompts, params: SamplingParams) -> list[tuple]:
+    def _generate(self, prompts, params: SamplingParams, seeds=None) -> list[tuple]:
         """generate() as (token_ids list, logprobs list, finish_reason) tuples."""
         if not self.native:
             from hybridflow.engine.slow import generate_slow
 
             return [
                 (c.token_ids, c.logprobs, c.finish_reason)
-                for c in generate_slow(self, prompts, params)
+                for c in generate_slow(self, prompts, params, self._seeds(prompts, params, seeds))
             ]
         if self.fused is not None:
             # Weights may have changed since the last call. Queued first: the GPU copies while
@@ -300,10 +314,7 @@ class Engine:
             self._allocate()  # makes (and fills) the fused copies
         elif self.state.num_rows:  # a call that raised (or was interrupted) left rows behind
             self.state.keep_rows([])
-        base_seed = params.seed
-        if base_seed is None:
-            base_seed = int(torch.randint(0, 2**62, (1,)).item())
-        seed_lo, seed_hi = split_seed(request_seeds(base_seed, len(prompts), params.n))
+        seed_lo, seed_hi = split_seed(self._seeds(prompts, params, seeds))
         self.state.set_stop_tokens(self._stop_ids(params))
         self.runner.prepare(params, shared=self._shares_prefixes(params))
         loop = GenerationLoop(self, table, params, seed_lo.tolist(), seed_hi.tolist())

@@ -146,8 +146,20 @@ def scan_uniform(keys: torch.Tensor) -> torch.Tensor:
 def request_seeds(base_seed: int, num_prompts: int, n: int) -> torch.Tensor:
     """Seeds [num_prompts * n] int64 for (prompt i, sample j), prompt-major."""
     idx = torch.arange(num_prompts * n, dtype=torch.int64)
-    lo = mix32(torch.full_like(idx, base_seed & MASK32) ^ mix32(idx & MASK32))
-    hi = mix32((torch.full_like(idx, (base_seed >> 32) & MASK32) + _GOLDEN) ^ lo)
+    return _derive(torch.full_like(idx, base_seed), idx)
+
+
+def prompt_seeds(seeds: list[int], n: int) -> torch.Tensor:
+    """Seeds [len(seeds) * n] when each prompt brings its own base seed: prompt i's samples
+    draw what a call of that prompt alone with `seed=seeds[i]` draws, so requests batched
+    together by a server sample as they would one by one."""
+    base = torch.tensor(seeds, dtype=torch.int64).repeat_interleave(n)
+    return _derive(base, torch.arange(n, dtype=torch.int64).repeat(len(seeds)))
+
+
+def _derive(base: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    lo = mix32((base & MASK32) ^ mix32(idx & MASK32))
+    hi = mix32((((base >> 32) & MASK32) + _GOLDEN) ^ lo)
     return lo | ((hi & 0x7FFFFFFF) << 32)
 
 

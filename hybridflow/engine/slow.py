@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.engine.sampling import request_seeds, sample_reference, split_seed
+from hybridflow.engine.sampling import sample_reference, split_seed
 
 
 @torch.no_grad()
-def generate_slow(engine, prompts: list[list[int]], params):
+def generate_slow(engine, prompts: list[list[int]], params, seeds: torch.Tensor):
+    """seeds: [len(prompts) * n] per-request seeds (Engine._seeds)."""
     from hybridflow.engine.engine import Completion
 
     engine._check_prompts(prompts)
     device, n = engine.device, params.n
-    base_seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
-    seed_lo, seed_hi = (s.to(device) for s in split_seed(request_seeds(base_seed, len(prompts), n)))
+    seed_lo, seed_hi = (s.to(device) for s in split_seed(seeds))
     stop_ids = set(engine._stop_ids(params))
     sequences = [list(p) for p in prompts for _ in range(n)]
     max_new = [min(params.max_new_tokens, engine.max_seq_len - len(s)) for s in sequences]

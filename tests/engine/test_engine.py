@@ -357,3 +357,19 @@ def test_padded_tensors_pad_each_row_after_its_own_length():
     assert torch.equal(out["rollout_logprobs"], expected)  # fp32, rounded as torch rounds
     empty = padded_tensors([], pad_token_id=0)
     assert empty["responses"].shape == (0, 0) and empty["response_lengths"].shape == (0,)
+
+
+def test_per_prompt_seeds_sample_as_calls_of_each_prompt_alone(model):
+    """seeds=[...]: prompt i of a batched call draws what generate([prompt i], seed=seeds[i])
+    draws (a server batches independent requests without changing their samples)."""
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6)
+    seeds = [11, 5, 11, 2**40 + 3]
+    batched = _engine(model).generate(PROMPTS, params, seeds=seeds)
+    for i, (prompt, seed) in enumerate(zip(PROMPTS, seeds)):
+        alone = _engine(model).generate([prompt], SamplingParams(**{**vars(params), "seed": seed}))
+        assert _tokens(batched[2 * i : 2 * i + 2]) == _tokens(alone)
+        for a, b in zip(batched[2 * i : 2 * i + 2], alone):
+            torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+    assert _tokens(batched[0:2]) != _tokens(batched[2:4]) or PROMPTS[0] != PROMPTS[2]
+    with pytest.raises(ValueError, match="seeds: 2 given for 4 prompts"):
+        _engine(model).generate(PROMPTS, params, seeds=[1, 2])
