@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridflow.agents.options import AgentOptions
 from hybridflow.engine.options import EngineOptions
 
 GROUP_ESTIMATORS = (
@@ -178,6 +179,10 @@ class RolloutConfig:
     temperature, mean@n is the expected score of the policy RL optimizes."""
     val_n: int = 4
     """Samples per validation prompt (mean@n / best@n / maj@n)."""
+    agent: AgentOptions = field(default_factory=AgentOptions)
+    """Multi-turn episodes with tools (hybridflow/agents/options.py): rollout.agent.loop=tools
+    rollout.agent.tools=[calculator,python] trains on the model's turns, tool results masked
+    out of the loss. Rows need chat messages as prompts."""
     engine: EngineOptions = field(default_factory=EngineOptions)
     """How the generation engine runs: decode path, fused projections, matmul choice, PDL,
     CUDA graphs, steps per sync, ... (every field documented in hybridflow/engine/options.py;

@@ -236,6 +236,8 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
         add(f"rollout.gpu_memory_utilization = {r.gpu_memory_utilization} must be in (0, 0.95]")
     for problem in r.engine.validate():
         add(f"rollout.engine.{problem}")
+    for problem in r.agent.validate():
+        add(f"rollout.agent.{problem}")
     if a.clip_ratio_c <= 1:
         add(f"actor.clip_ratio_c = {a.clip_ratio_c} must be > 1 (dual clip; 3.0 is standard)")
     if alg.dynamic_sampling and alg.adv_estimator not in GROUP_ESTIMATORS:

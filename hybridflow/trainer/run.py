@@ -16,18 +16,6 @@ DATA_SEED = 0
 """Seed of the built-in tasks' problems: the validation set is the same whatever trainer.seed."""
 
 
-def default_tokenizer_path(cfg: Config) -> str:
-    """``model.tokenizer_path``, else the char tokenizer for ``sft:`` and presets, else the
-    model directory's own."""
-    from hybridflow.models import PRESETS
-
-    if cfg.model.tokenizer_path:
-        return cfg.model.tokenizer_path
-    if cfg.model.path.startswith("sft:") or cfg.model.path in PRESETS:
-        return "char"
-    return cfg.model.path
-
-
 def setup(cfg: Config, log=print) -> RunContext:
     """Validate config and data, warm-start if needed, start the workers."""
     from hybridflow.algos import build_kl_controller
@@ -37,13 +25,13 @@ def setup(cfg: Config, log=print) -> RunContext:
     from hybridflow.trainer.checkpoint import CheckpointManager
     from hybridflow.trainer.roles import build_roles, resolve_device
     from hybridflow.trainer.warm_start import resolve_model_path
-    from hybridflow.workers.model_loading import set_cpu_threads
+    from hybridflow.workers.model_loading import default_tokenizer_path, set_cpu_threads
 
     derived = validate(cfg)
     set_cpu_threads(cfg, resolve_device(cfg.trainer.device))  # SFT and in-process workers
     if cfg.trainer.placement == "split" and cfg.trainer.nnodes > 1:
         raise ValueError("trainer.placement=split runs on one node: set trainer.nnodes=1")
-    tokenizer = load_tokenizer(default_tokenizer_path(cfg))
+    tokenizer = load_tokenizer(default_tokenizer_path(cfg.model))
     reward = build_reward_manager(cfg.reward, cfg.data.max_response_length)
     try:
         train_set, val_set = build_prompt_datasets(

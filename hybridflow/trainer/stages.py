@@ -77,17 +77,26 @@ def generate(run: RunContext, prompts: Batch, *, n: int, temperature: float, see
     # The engine prefills a prompt once for its n samples. When the rows do not divide over
     # the rollout ranks, DP_SPLIT must pad, which needs one output row per input row.
     engine_n = n if len(prompts) % run.roles.rollout_dp == 0 else 1
-    request = prompts.select("prompts", "attention_mask", meta=False)
+    agent = run.cfg.rollout.agent.loop is not None
+    keys = ("prompts", "attention_mask", "raw_prompt") if agent else ("prompts", "attention_mask")
+    request = prompts.select(*keys, meta=False)
     if engine_n != n:
         request = request.repeat(n, interleave=True)
     request.meta.update(sampling_meta(run, n=engine_n, temperature=temperature, seed=seed))
     out = run.roles.rollout.generate(request)
     rows = prompts.repeat(n, interleave=True)
     prompt_mask = rows.tensors.pop("attention_mask")
+    if "agent_prompts" in out.tensors:  # episodes render their own prompt (with the tools)
+        rows.tensors["prompts"] = out.tensors.pop("agent_prompts")
+        prompt_mask = out.tensors.pop("agent_prompt_mask")
+    # the tokens the policy reads: all real ones (tool output too); the loss: response_mask
+    response_attention = out.tensors.pop("response_attention_mask", None)
     rows = rows.union(out)
+    if response_attention is None:
+        response_attention = rows.tensors["response_mask"]
     rows.tensors[PROMPT_MASK] = prompt_mask
     rows.tensors["attention_mask"] = torch.cat(
-        [prompt_mask.long(), rows.tensors["response_mask"].long()], dim=1
+        [prompt_mask.long(), response_attention.long()], dim=1
     )  # [B*n, P+R]
     rows.meta["temperature"] = temperature
     return rows
@@ -99,7 +108,10 @@ def score(run: RunContext, batch: Batch) -> tuple[Batch, dict[str, float]]:
     from hybridflow.rewards.placement import decode_responses, place_scores
 
     response_mask = batch.tensors["response_mask"]
-    texts = decode_responses(run.tokenizer, batch.tensors["responses"], response_mask)
+    if "final_text" in batch.arrays:  # agent episodes: the model's last message is scored
+        texts = [str(text) for text in batch.arrays["final_text"]]
+    else:
+        texts = decode_responses(run.tokenizer, batch.tensors["responses"], response_mask)
     result = run.reward.score(
         texts,
         list(batch.arrays["ground_truth"]),
@@ -110,7 +122,12 @@ def score(run: RunContext, batch: Batch) -> tuple[Batch, dict[str, float]]:
     batch.tensors["token_level_scores"] = place_scores(result.scores, response_mask)
     batch.arrays["scores"] = np.asarray(result.scores, dtype=np.float64)
     batch.arrays["response_text"] = np.asarray(texts, dtype=object)
-    return batch, dict(result.metrics)
+    metrics = dict(result.metrics)
+    if "agent_turns" in batch.arrays:
+        from hybridflow.agents.rollout import agent_metrics
+
+        metrics.update(agent_metrics(batch.arrays))
+    return batch, metrics
 
 
 def step_seed(run: RunContext, round_index: int = 0, salt: int = 0) -> int:

@@ -48,3 +48,15 @@ def set_cpu_threads(config, device: str) -> None:
     threads = config.trainer.cpu_threads
     if threads is not None and not str(device).startswith("cuda"):
         torch.set_num_threads(threads)
+
+
+def default_tokenizer_path(model: ModelConfig) -> str:
+    """``model.tokenizer_path``, else the char tokenizer for ``sft:`` and presets, else the
+    model directory's own."""
+    from hybridflow.models import PRESETS
+
+    if model.tokenizer_path:
+        return model.tokenizer_path
+    if model.path.startswith("sft:") or model.path in PRESETS:
+        return "char"
+    return model.path

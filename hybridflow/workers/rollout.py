@@ -18,7 +18,12 @@ import torch
 from hybridflow.config import Config
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.protocol import Batch
-from hybridflow.workers.model_loading import load_causal_lm, resolve_dtype, set_cpu_threads
+from hybridflow.workers.model_loading import (
+    default_tokenizer_path,
+    load_causal_lm,
+    resolve_dtype,
+    set_cpu_threads,
+)
 
 # Different ranks draw different samples for their (different) prompts; keep their seeds apart.
 RANK_SEED_STRIDE = 1_000_003
@@ -55,6 +60,48 @@ class RolloutWorker(Worker):
             memory_budget=config.rollout.gpu_memory_utilization if on_gpu else None,
             options=engine_options(config),
         )
+        self._agent_loop = None  # built at the first agent rollout (rollout.agent.loop)
+        self.tokenizer = None
+        if config.rollout.agent.loop is not None:
+            from hybridflow.agents.templates import with_tool_template
+            from hybridflow.models.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(default_tokenizer_path(config.model))
+            # a tokenizer whose template cannot render tools gets the built-in ChatML one
+            template = getattr(tokenizer, "chat_template", None) or ""
+            self.tokenizer = tokenizer if "tools" in template else with_tool_template(tokenizer)
+
+    def _generate_episodes(self, batch: Batch, params, pad_token_id: int) -> Batch:
+        """rollout.agent.loop: n multi-turn episodes per prompt row (its `raw_prompt`
+        messages) through the agent loop; the rows' prompts become the agent's own
+        (hybridflow/agents/rollout.py)."""
+        import dataclasses
+
+        from hybridflow.agents.client import EngineClient
+        from hybridflow.agents.rollout import (
+            build_loop,
+            pack_trajectories,
+            prompt_width,
+            run_agent_batch,
+        )
+
+        cfg = self.config
+        if "raw_prompt" not in batch.arrays:
+            raise ValueError("rollout.agent.loop needs each row's chat messages (raw_prompt)")
+        width = cfg.data.max_response_length
+        turn_params = dataclasses.replace(params, n=1, seed=None)
+        if self._agent_loop is None:
+            self._agent_loop = build_loop(cfg.rollout.agent, self.tokenizer, turn_params, width)
+        self._agent_loop.sampling = turn_params  # the temperature differs for validation
+        trajectories = run_agent_batch(
+            self._agent_loop, EngineClient(self.engine), list(batch.arrays["raw_prompt"]),
+            params.n, params.seed, cfg.rollout.agent.concurrency,
+        )  # fmt: skip
+        if cfg.rollout.release_cache and str(self.device).startswith("cuda"):
+            self.engine.release()
+        packed = pack_trajectories(trajectories, width, pad_token_id,
+                                   prompt_width(self._agent_loop, cfg.data.max_prompt_length))  # fmt: skip
+        return Batch(packed["tensors"], packed["arrays"])
 
     @register(dispatch=Dispatch.RANK_ZERO)
     def engine_choices(self) -> dict:
@@ -93,11 +140,13 @@ class RolloutWorker(Worker):
             seed=None if seed is None else int(seed) + RANK_SEED_STRIDE * self.rank,
             ignore_eos=cfg.ignore_eos,
         )
+        pad_token_id = int(meta.get("pad_token_id", 0))
+        if self.config.rollout.agent.loop is not None:
+            return self._generate_episodes(batch, params, pad_token_id)
         prompt_ids = [
             row[mask.bool()].tolist()
             for row, mask in zip(batch.tensors["prompts"], batch.tensors["attention_mask"])
         ]
-        pad_token_id = int(meta.get("pad_token_id", 0))
         out = self.engine.generate_padded(prompt_ids, params, pad_token_id=pad_token_id)
         if cfg.release_cache and str(self.device).startswith("cuda"):
             self.engine.release()

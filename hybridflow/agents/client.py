@@ -1,0 +1,66 @@
+"""EngineClient: the GenerationClient that agent loops talk to, over one Engine.
+
+Hundreds of episodes run as asyncio tasks; each turn awaits one completion. The client
+gathers the requests that arrive together and runs them as one batched `Engine.generate`
+call (requests with equal sampling settings share a call; each keeps its own seed, so a
+request samples what it would alone), in a worker thread, so tools keep running on the event
+loop while the engine decodes. One engine call runs at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import torch
+
+
+class EngineClient:
+    """engine: hybridflow.engine.Engine. max_batch: requests per engine call (None: all
+    waiting). gather_s: how long the first request of a batch waits for others to join."""
+
+    def __init__(self, engine, max_batch: int | None = None, gather_s: float = 0.002):
+        self.engine = engine
+        self.max_batch = max_batch
+        self.gather_s = gather_s
+        self._waiting: list[tuple[list[int], object, asyncio.Future]] = []
+        self._worker: asyncio.Task | None = None
+        self.calls = 0  # engine.generate calls made (for metrics and tests)
+
+    async def generate(self, prompt_ids: list[int], params):
+        """One completion of prompt_ids (params.n must be 1)."""
+        if params.n != 1:
+            raise ValueError(f"EngineClient.generate takes n=1 requests, got n={params.n}")
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append((list(prompt_ids), params, future))
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        while self._waiting:
+            await asyncio.sleep(self.gather_s)  # let the other episodes' requests join
+            cut = len(self._waiting) if self.max_batch is None else self.max_batch
+            batch, self._waiting = self._waiting[:cut], self._waiting[cut:]
+            groups: dict[str, tuple] = {}  # equal sampling settings (seed aside) share a call
+            for request in batch:
+                params = dataclasses.replace(request[1], seed=None)
+                groups.setdefault(repr(params), (params, []))[1].append(request)
+            for params, requests in groups.values():
+                await self._run(params, requests)
+
+    async def _run(self, params, requests) -> None:
+        prompts = [prompt for prompt, _, _ in requests]
+        seeds = [p.seed if p.seed is not None else int(torch.randint(0, 2**62, (1,)))
+                 for _, p, _ in requests]  # fmt: skip
+        try:
+            completions = await asyncio.to_thread(self.engine.generate, prompts, params, seeds)
+        except Exception as error:  # every waiting episode learns why
+            for _, _, future in requests:
+                if not future.done():
+                    future.set_exception(error)
+            return
+        self.calls += 1
+        for (_, _, future), completion in zip(requests, completions):
+            if not future.done():
+                future.set_result(completion)
