@@ -57,7 +57,10 @@ def test_grpo_on_tool_episodes_masks_tool_output_and_logs_agent_metrics(
         "data.max_prompt_length=64", "trainer.total_steps=1", "reward.custom_fn=null",
     )  # fmt: skip
     train(cfg, log=lambda *a, **k: None)
-    batch = batches[0]
+    # validation (8 prompts, one sample each) runs episodes too, before and after the
+    # training step of 4 prompts x 4 samples
+    assert [len(b) for b in batches] == [8, 16, 8]
+    batch = batches[1]
     assert list(batch.arrays["final_text"]) == ["42"] * 16
     assert all(score == 0.0 or score == 1.0 for score in batch.arrays["scores"])
     mask, attention = batch.tensors["response_mask"], batch.tensors["attention_mask"]
