@@ -88,6 +88,12 @@ def add_bench_subcommand(subparsers) -> None:
     rollout = bench_sub.add_parser("rollout", help="generation engine vs HF generate")
     add_rollout_arguments(rollout)
     rollout.set_defaults(func=run_rollout_command)
+    # multi-turn episodes (hybridflow/agents/bench.py): registered here, where `bench` lives
+    from hybridflow.agents.bench import add_agent_arguments, run_agent_command
+
+    agent = bench_sub.add_parser("agent", help="multi-turn episodes vs single-turn generate")
+    add_agent_arguments(agent)
+    agent.set_defaults(func=run_agent_command)
 
 
 def run_rollout_command(args) -> int:

@@ -1,0 +1,169 @@
+"""`hybridflow bench agent`: multi-turn episodes through the agent path (EngineClient and an
+asyncio loop per episode, a tool of fixed latency between turns) against one single-turn
+`generate` of the same number of generated tokens, in the same run.
+
+    hybridflow bench agent --preset qwen2.5-0.5b --episodes 256 --turns 4 --tool-latency-ms 10
+    hybridflow bench agent --preset tiny --episodes 4 --turns 2 --turn-tokens 4 --device cpu
+
+Random-weight presets write no tool calls, so each episode follows a fixed schedule: a turn
+of --turn-tokens tokens (ignore_eos), then a "tool" that waits --tool-latency-ms and returns
+--tool-tokens token ids, for --turns turns. Prefill recomputed: the context tokens the engine
+prefilled again because a turn is a fresh request (every turn re-prefills its conversation;
+with KV kept between turns only the tool's tokens would be new).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import time
+
+
+def add_agent_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="qwen2.5-0.5b", help="model preset or local HF directory")
+    p.add_argument("--episodes", type=int, default=256)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--turn-tokens", type=int, default=64, help="tokens the model writes a turn")
+    p.add_argument("--tool-tokens", type=int, default=32, help="tokens a tool result adds")
+    p.add_argument("--tool-latency-ms", type=float, default=10.0)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--device", default=None, help="default: cuda if available")
+    p.add_argument("--engine", action="append", default=[], metavar="NAME=VALUE",
+                   help="an EngineOptions field (repeatable)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the results to this file")
+
+
+class FixedScheduleEpisodes:
+    """The benchmark's episodes: `turns` turns of `turn_tokens`, a tool of `latency_s`
+    between them returning `tool_tokens` ids. Counts what the engine prefilled."""
+
+    def __init__(self, turns: int, turn_tokens: int, tool_tokens: int, latency_s: float,
+                 vocab: int, sampling):  # fmt: skip
+        self.turns, self.turn_tokens, self.tool_tokens = turns, turn_tokens, tool_tokens
+        self.latency_s, self.vocab, self.sampling = latency_s, vocab, sampling
+        self.prefilled = 0
+        self.generated = 0
+
+    async def run(self, prompt: list[int], client, seed: int) -> list[int]:
+        context = list(prompt)
+        for turn in range(self.turns):
+            params = dataclasses.replace(self.sampling, max_new_tokens=self.turn_tokens,
+                                         seed=seed + turn)  # fmt: skip
+            self.prefilled += len(context)
+            completion = await client.generate(context, params)
+            context += completion.token_ids
+            self.generated += len(completion.token_ids)
+            if turn + 1 < self.turns:
+                await asyncio.sleep(self.latency_s)  # the tool
+                context += [(seed * 31 + turn * 7 + i) % (self.vocab - 16) + 16
+                            for i in range(self.tool_tokens)]  # fmt: skip
+        return context
+
+
+def bench_agent(args) -> dict:
+    import torch
+
+    from hybridflow.agents.client import EngineClient
+    from hybridflow.engine import Engine, SamplingParams
+    from hybridflow.engine.bench_cli import _sync, engine_options, make_prompts
+    from hybridflow.models import load_model
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
+    model = load_model(args.preset, dtype=dtype, device=device).eval()
+    vocab = model.config.vocab_size
+    prompts = make_prompts(args.episodes, args.prompt_len, vocab, args.seed)
+    per_episode = args.turns * args.turn_tokens + (args.turns - 1) * args.tool_tokens
+    options = engine_options(SimpleArgs(args.engine))
+    engine = Engine(model, max_batch_size=args.episodes, max_seq_len=args.prompt_len + per_episode,
+                    options=options)  # fmt: skip
+    sampling = SamplingParams(temperature=1.0, ignore_eos=True)
+
+    def agent_run() -> tuple[float, FixedScheduleEpisodes, EngineClient]:
+        episodes = FixedScheduleEpisodes(args.turns, args.turn_tokens, args.tool_tokens,
+                                         args.tool_latency_ms / 1000, vocab, sampling)  # fmt: skip
+        client = EngineClient(engine)
+
+        async def everything():
+            await asyncio.gather(*(episodes.run(p, client, args.seed + 1000 * i)
+                                   for i, p in enumerate(prompts)))  # fmt: skip
+
+        start = time.perf_counter()
+        asyncio.run(everything())
+        _sync(device)
+        return time.perf_counter() - start, episodes, client
+
+    single_params = SamplingParams(temperature=1.0, ignore_eos=True, seed=args.seed,
+                                   max_new_tokens=args.turns * args.turn_tokens)  # fmt: skip
+
+    def single_run() -> float:
+        start = time.perf_counter()
+        engine.generate(prompts, single_params)
+        _sync(device)
+        return time.perf_counter() - start
+
+    agent_run(), single_run()  # warm-up: compile, tune, capture every bucket both use
+    agent_s, episodes, client = agent_run()
+    single_s = single_run()
+    generated = episodes.generated
+    # with KV kept between turns only the first prompt and the tools' tokens need a prefill
+    needed = args.episodes * (args.prompt_len + (args.turns - 1) * args.tool_tokens)
+    context = args.episodes * (args.prompt_len + per_episode)
+    result = {
+        "preset": args.preset, "episodes": args.episodes, "turns": args.turns,
+        "prompt_len": args.prompt_len, "turn_tokens": args.turn_tokens,
+        "tool_tokens": args.tool_tokens, "tool_latency_ms": args.tool_latency_ms,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "agent": {"seconds": agent_s, "generated_tokens": generated,
+                  "tokens_per_s": generated / agent_s, "engine_calls": client.calls,
+                  "prefilled_tokens": episodes.prefilled},
+        "single_turn": {"seconds": single_s, "generated_tokens": args.episodes * args.turns
+                        * args.turn_tokens, "tokens_per_s": args.episodes * args.turns
+                        * args.turn_tokens / single_s},
+        "prefill_recomputed_over_context": (episodes.prefilled - needed) / context,
+    }  # fmt: skip
+    result["agent_over_single_turn"] = (result["agent"]["tokens_per_s"]
+                                        / result["single_turn"]["tokens_per_s"])  # fmt: skip
+    engine.release()
+    return result
+
+
+@dataclasses.dataclass
+class SimpleArgs:
+    engine: list
+
+
+def print_result(result: dict) -> None:
+    a, s = result["agent"], result["single_turn"]
+    print(f"{result['preset']} on {result['device']}: {result['episodes']} episodes x "
+          f"{result['turns']} turns x {result['turn_tokens']} tokens, tools +"
+          f"{result['tool_tokens']} tokens after {result['tool_latency_ms']:g} ms")  # fmt: skip
+    print("| path | generated tok/s | seconds | engine calls |\n|---|---|---|---|")
+    print(
+        f"| agent episodes | {a['tokens_per_s']:,.0f} | {a['seconds']:.3f} | {a['engine_calls']} |"
+    )
+    print(f"| single-turn generate | {s['tokens_per_s']:,.0f} | {s['seconds']:.3f} | 1 |")
+    print(f"agent / single-turn: {result['agent_over_single_turn']:.2f}; prefill recomputed / "
+          f"context tokens: {result['prefill_recomputed_over_context']:.2f}")  # fmt: skip
+
+
+def run_agent_command(args) -> int:
+    import sys
+
+    from hybridflow.engine.bench_cli import engine_options
+
+    try:
+        engine_options(SimpleArgs(args.engine))
+    except ValueError as error:
+        print(f"hybridflow bench agent: {error}", file=sys.stderr)
+        return 2
+    result = bench_agent(args)
+    print_result(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0

@@ -1,0 +1,30 @@
+"""`hybridflow bench agent` on CPU (tiny preset): episodes generate the scheduled tokens in
+fewer engine calls than turns, and the prefill accounting matches the schedule."""
+
+from __future__ import annotations
+
+import json
+
+from hybridflow.cli import main
+
+
+def test_bench_agent_counts_tokens_and_recomputed_prefill(tmp_path, capsys):
+    out = tmp_path / "agent.json"
+    args = ["bench", "agent", "--preset", "tiny", "--episodes", "6", "--turns", "3",
+            "--prompt-len", "5", "--turn-tokens", "4", "--tool-tokens", "2",
+            "--tool-latency-ms", "1", "--device", "cpu", "--dtype", "float32",
+            "--engine", "decode_backend=torch", "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    agent = result["agent"]
+    assert agent["generated_tokens"] == 6 * 3 * 4 == result["single_turn"]["generated_tokens"]
+    assert agent["engine_calls"] < 6 * 3  # concurrent episodes share engine calls
+    # turn contexts 5, 5+4+2, 5+2*(4+2): 38 prefilled a row, of which 5+2*2 were new
+    assert agent["prefilled_tokens"] == 6 * (5 + 11 + 17)
+    assert abs(result["prefill_recomputed_over_context"] - (33 - 9) / 21) < 1e-9
+    assert "agent / single-turn" in capsys.readouterr().out
+
+
+def test_bench_agent_names_a_bad_engine_option(capsys):
+    assert main(["bench", "agent", "--preset", "tiny", "--engine", "decode_layer=fast"]) == 2
+    assert "decode_layer='fast'" in capsys.readouterr().err
