@@ -1,4 +1,4 @@
-"""`hybridflow` command line: config, train, sft, export, data, bench.
+"""`hybridflow` command line: config, train, sft, export, data, bench, serve.
 
 Subcommands import their heavy modules only when they run, so `hybridflow --help` and
 `hybridflow config validate` stay instant. Every subcommand is always listed: one whose
@@ -18,12 +18,14 @@ PIP_NAMES = {
     "ray": "'hybridflow[ray]'",
     "tensorboard": "'hybridflow[tensorboard]'",
     "wandb": "'hybridflow[wandb]'",
+    "aiohttp": "'hybridflow[serve]'",
 }
 
 # Subcommands whose parsers their own modules add: (name, module, adder, help).
 PACKAGE_SUBCOMMANDS = (
     ("data", "hybridflow.data.cli", "add_data_subcommand", "prepare and check prompt data files"),
     ("bench", "hybridflow.engine.bench_cli", "add_bench_subcommand", "benchmarks"),
+    ("serve", "hybridflow.serve.cli", "add_serve_subcommand", "serve a model with the OpenAI API"),
 )
 
 

@@ -1,0 +1,505 @@
+"""The OpenAI-compatible HTTP server: an aiohttp Application over one engine.
+
+    app = build_app(engine, tokenizer, "my-model")
+    with BackgroundServer(app) as server:           # a thread, a free port, 127.0.0.1
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+        ...
+        records = app[RECORDS]                       # the token ids of every request
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET
+/v1/models/{model}, GET /health, GET /v1/hybridflow/requests (the kept records' ids) and GET
+/v1/hybridflow/requests/{id} (one record: prompt and completion token ids, log-probs; see
+records.py). Field by field, what the two POST routes take and reject: openai_protocol.py.
+
+Every request's samples go through one GenerationClient (by default agents' EngineClient:
+the requests that arrive together become one batched Engine.generate call, run in a worker
+thread, each sample with its own seed, so a seeded request samples the same whatever it was
+batched with). n > 1 is n samples of the prompt; choice j's seed is derived from the
+request's seed (choice 0 uses it as is).
+
+Streaming (`stream: true`): Server-Sent Events in OpenAI's chunk format, ending with
+`data: [DONE]`. The engine returns whole completions (it is not request-level yet), so the
+events are sent once the completion is ready: one chunk per generated token (its text and,
+when asked, its log-prob), then the finish chunk, then the usage chunk with
+`stream_options: {"include_usage": true}`. The chunks reassemble to exactly the text of the
+same request unstreamed; what streaming does not give yet is an early first token.
+
+Chat: the messages are rendered by the tokenizer's chat template with the request's `tools`
+(agents' ChatRenderer); an assistant message's `tool_calls` are written into its content as
+Hermes `<tool_call>` blocks, so templates without native tool support show them too. With
+`tools`, the generated text is parsed by a ToolCallParser (Hermes by default): calls come back
+as `message.tool_calls` with finish_reason "tool_calls", the text outside them as `content`.
+
+Errors are OpenAI's JSON error body: 400 for a request that cannot be served as written
+(invalid JSON, a missing or out-of-range field, an unknown role, a prompt with no room left
+under max_seq_len), 404 for an unknown route or model, 500 when generation itself fails.
+Never a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from array import array
+
+from aiohttp import web
+
+from hybridflow.serve.openai_protocol import (
+    ChatRequest,
+    RequestError,
+    Sampling,
+    chat_chunk,
+    chat_logprobs,
+    chat_response,
+    completion_chunk,
+    completion_logprobs,
+    completion_response,
+    error_body,
+    parse_chat_request,
+    parse_completion_request,
+    usage,
+)
+from hybridflow.serve.records import RequestRecord, RequestRecords, choice_record
+from hybridflow.serve.text import Output, finish_output
+
+log = logging.getLogger("hybridflow.serve")
+
+RECORDS = web.AppKey("hybridflow.records", RequestRecords)
+"""app[RECORDS]: the RequestRecords of the requests served."""
+
+
+class OpenAIServer:
+    """The request handlers (build_app wires them into an Application)."""
+
+    def __init__(self, tokenizer, model_name: str, client, max_seq_len: int, vocab_size: int,
+                 records: RequestRecords, max_n: int = 128, parser=None):  # fmt: skip
+        from hybridflow.agents.parsers import HermesParser
+
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.client = client
+        self.max_seq_len = max_seq_len
+        self.vocab_size = vocab_size
+        self.records = records
+        self.max_n = max_n
+        self.parser = parser or HermesParser()
+        self.created = int(time.time())
+        self.eos_id = getattr(tokenizer, "eos_token_id", None)
+
+    # -- routes --------------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "hybridflow", "max_model_len": self.max_seq_len}  # fmt: skip
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        self._check_model(request.match_info["model"])
+        return web.json_response(self._model_card())
+
+    async def list_records(self, request: web.Request) -> web.Response:
+        data = [{"id": r.id, "object": "hybridflow.request", "endpoint": r.endpoint,
+                 "created": r.created} for r in self.records.records()]  # fmt: skip
+        return web.json_response({"object": "list", "data": data})
+
+    async def get_record(self, request: web.Request) -> web.Response:
+        record = self.records.get(request.match_info["id"])
+        if record is None:
+            raise RequestError(f"no record of request {request.match_info['id']!r} (kept: the "
+                               f"last {self.records.max_records})", "id", "record_not_found",
+                               status=404)  # fmt: skip
+        return web.json_response(record.to_dict())
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = parse_completion_request(await read_json(request), self.max_n)
+        self._check_model(req.model)
+        sampling = req.sampling
+        prompts = [self._completion_prompt(p, i, len(req.prompts))
+                   for i, p in enumerate(req.prompts)]  # fmt: skip
+        outputs = await self._generate(prompts, sampling)
+        rid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), sampling.n
+        want_logprobs = req.logprobs is not None
+        choices, chosen = [], []
+        for i, prompt_outputs in enumerate(outputs):
+            for j, out in enumerate(prompt_outputs):
+                lp = (completion_logprobs(out.tokens, out.logprobs, out.offsets)
+                      if want_logprobs else None)  # fmt: skip
+                choices.append({"index": i * n + j, "text": out.text, "logprobs": lp,
+                                "finish_reason": out.finish_reason})  # fmt: skip
+                chosen.append((i * n + j, prompts[i], out, out.finish_reason))
+        counts = usage(
+            sum(len(p) for p in prompts) * n, sum(len(o.token_ids) for _, _, o, _ in chosen)
+        )
+        self._record(rid, "completions", created, chosen, sampling, req.user, req.metadata)
+        if not sampling.stream:
+            return web.json_response(completion_response(rid, created, self.model_name, choices,
+                                                         counts))  # fmt: skip
+
+        def events():
+            for index, _, out, finish in chosen:
+                for k, piece in enumerate(out.pieces):
+                    lp = (completion_logprobs([out.tokens[k]], [out.logprobs[k]],
+                                              [out.offsets[k]]) if want_logprobs else None)  # fmt: skip
+                    if piece or lp:
+                        yield completion_chunk(rid, created, self.model_name, [
+                            {"index": index, "text": piece, "logprobs": lp, "finish_reason": None}
+                        ])  # fmt: skip
+                yield completion_chunk(rid, created, self.model_name, [
+                    {"index": index, "text": "", "logprobs": None, "finish_reason": finish}
+                ])  # fmt: skip
+            if sampling.include_usage:
+                yield completion_chunk(rid, created, self.model_name, [], counts)
+
+        return await stream_events(request, events())
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        req = parse_chat_request(await read_json(request), self.max_n)
+        self._check_model(req.model)
+        sampling = req.sampling
+        prompt = self._chat_prompt(req)
+        outputs = (await self._generate([prompt], sampling))[0]
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        choices, chosen = [], []
+        for index, out in enumerate(outputs):
+            message, finish = self._message(out, req.parse_tool_calls)
+            lp = chat_logprobs(out.tokens, out.logprobs) if req.logprobs else None
+            choices.append({"index": index, "message": message, "logprobs": lp,
+                            "finish_reason": finish})  # fmt: skip
+            chosen.append((index, prompt, out, finish, message))
+        counts = usage(len(prompt) * sampling.n, sum(len(c[2].token_ids) for c in chosen))
+        self._record(rid, "chat.completions", created, [c[:4] for c in chosen], sampling,
+                     req.user, req.metadata)  # fmt: skip
+        if not sampling.stream:
+            return web.json_response(chat_response(rid, created, self.model_name, choices, counts))
+
+        def chunk(index, delta, logprobs=None, finish=None):
+            return chat_chunk(rid, created, self.model_name, [
+                {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            ])  # fmt: skip
+
+        def events():
+            for index, _, out, finish, message in chosen:
+                yield chunk(index, {"role": "assistant", "content": ""})
+                calls = message.get("tool_calls")
+                if calls:  # the content (what the calls left) in one piece, then the calls
+                    delta = {"content": message["content"]} if message["content"] else {}
+                    lp = chat_logprobs(out.tokens, out.logprobs) if req.logprobs else None
+                    if delta or lp:
+                        yield chunk(index, delta, lp)
+                    yield chunk(index, {"tool_calls": [{"index": k, **call}
+                                                       for k, call in enumerate(calls)]})  # fmt: skip
+                else:
+                    for k, piece in enumerate(out.pieces):
+                        lp = (chat_logprobs([out.tokens[k]], [out.logprobs[k]])
+                              if req.logprobs else None)  # fmt: skip
+                        if piece or lp:
+                            yield chunk(index, {"content": piece}, lp)
+                yield chunk(index, {}, None, finish)
+            if sampling.include_usage:
+                yield chat_chunk(rid, created, self.model_name, [], counts)
+
+        return await stream_events(request, events())
+
+    # -- pieces --------------------------------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise RequestError(f"the model {model!r} does not exist; this server serves "
+                               f"{self.model_name!r}", "model", "model_not_found",
+                               status=404)  # fmt: skip
+
+    def _check_length(self, ids: list[int], param: str) -> list[int]:
+        if not ids:
+            raise RequestError("the prompt is empty (no tokens)", param)
+        if len(ids) >= self.max_seq_len:
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens; this server's max_seq_len is "
+                f"{self.max_seq_len}, so a prompt may have at most {self.max_seq_len - 1}",
+                param, "context_length_exceeded",
+            )  # fmt: skip
+        return ids
+
+    def _check_ids(self, ids: list[int], param: str) -> list[int]:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is out of the vocabulary [0, "
+                               f"{self.vocab_size})", param)  # fmt: skip
+        return ids
+
+    def _completion_prompt(self, prompt, index: int, count: int) -> list[int]:
+        param = "prompt" if count == 1 else f"prompt[{index}]"
+        if isinstance(prompt, str):
+            ids = list(self.tokenizer.encode(prompt))  # the tokenizer's special tokens (BOS)
+        else:
+            ids = self._check_ids(prompt, param)
+        return self._check_length(ids, param)
+
+    def _chat_prompt(self, req: ChatRequest) -> list[int]:
+        from jinja2 import TemplateError
+
+        from hybridflow.agents.loop import ChatRenderer
+
+        try:
+            ids = ChatRenderer(self.tokenizer, req.tools).prompt_ids(req.messages)
+        except (TemplateError, ValueError, TypeError, KeyError) as error:
+            raise RequestError(f"the chat template could not render the messages: {error}",
+                               "messages", "template_error") from None  # fmt: skip
+        return self._check_length(self._check_ids(ids, "messages"), "messages")
+
+    def _single_token_stops(self, stops: list[str]) -> set[int]:
+        """Stop strings that are one token: the engine can stop on them itself."""
+        out = set()
+        for stop in stops:
+            ids = self.tokenizer.encode(stop, add_special_tokens=False)
+            if len(ids) == 1 and self.tokenizer.decode(ids) == stop:
+                out.add(int(ids[0]))
+        return out
+
+    async def _generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Output]]:
+        """sampling.n outputs per prompt."""
+        from hybridflow.engine.sampling import SamplingParams
+
+        stop_ids = set(self._check_ids(sampling.stop_token_ids, "stop_token_ids"))
+        stop_ids |= self._single_token_stops(sampling.stop)
+        if not sampling.ignore_eos and self.eos_id is not None:
+            stop_ids.add(int(self.eos_id))
+        # Not cut to each prompt's room (the engine stops at max_seq_len, finish "length"):
+        # requests with equal settings then share an engine call whatever their lengths.
+        max_new = self.max_seq_len if sampling.max_tokens is None else sampling.max_tokens
+        try:
+            params = [
+                SamplingParams(
+                    n=1, temperature=sampling.temperature, top_k=sampling.top_k,
+                    top_p=sampling.top_p, min_p=sampling.min_p, max_new_tokens=max_new,
+                    stop_token_ids=tuple(sorted(stop_ids)), seed=sampling.choice_seed(j),
+                    ignore_eos=sampling.ignore_eos,
+                )
+                for j in range(sampling.n)
+            ]  # fmt: skip
+        except ValueError as error:
+            raise RequestError(str(error)) from None
+        calls = [self.client.generate(prompt, p) for prompt in prompts for p in params]
+        try:
+            completions = await asyncio.gather(*calls)
+        except Exception as error:
+            log.exception("generation failed")
+            raise RequestError(f"generation failed: {type(error).__name__}: {error}", None,
+                               "generation_failed", status=500, type="server_error") from None  # fmt: skip
+        outputs = [
+            finish_output(self.tokenizer, c.token_ids, c.logprobs, c.finish_reason,
+                          sampling.stop, sampling.skip_special_tokens)
+            for c in completions
+        ]  # fmt: skip
+        n = sampling.n
+        return [outputs[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _message(self, out: Output, parse_tool_calls: bool) -> tuple[dict, str]:
+        message = {"role": "assistant", "content": out.text, "refusal": None}
+        if parse_tool_calls:
+            parsed = self.parser.parse(out.text)
+            if parsed.calls:
+                message["content"] = parsed.content or None
+                message["tool_calls"] = [
+                    {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                     "function": {"name": call.name,
+                                  "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+                    for call in parsed.calls
+                ]  # fmt: skip
+                return message, "tool_calls"
+        return message, out.finish_reason
+
+    def _record(self, request_id: str, endpoint: str, created: int, chosen, sampling: Sampling,
+                user: str | None, metadata: dict | None) -> None:  # fmt: skip
+        prompts: dict[int, array] = {}  # the choices of one prompt share its array
+        choices = []
+        for index, prompt, out, finish in chosen:
+            stored = prompts.setdefault(id(prompt), array("i", prompt))
+            choices.append(choice_record(index, stored, out.token_ids, out.logprobs, finish))
+        settings = {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                    "top_k": sampling.top_k, "min_p": sampling.min_p, "seed": sampling.seed,
+                    "max_tokens": sampling.max_tokens, "stop": list(sampling.stop)}  # fmt: skip
+        self.records.add(RequestRecord(request_id, endpoint, self.model_name, created, choices, settings,
+                                       user, metadata))  # fmt: skip
+
+
+async def read_json(request: web.Request) -> dict:
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as error:  # JSONDecodeError, UnicodeDecodeError
+        raise RequestError(f"the request body is not valid JSON: {error}", None,
+                           "invalid_json") from None  # fmt: skip
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object", None, "invalid_json")
+    return body
+
+
+async def stream_events(request: web.Request, events) -> web.StreamResponse:
+    """Server-Sent Events: `data: {json}` per event, then `data: [DONE]`."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})  # fmt: skip
+    await response.prepare(request)
+    try:
+        for event in events:
+            await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except (ConnectionError, asyncio.CancelledError):  # the client went away mid-stream
+        log.info("stream to %s ended early: the client disconnected", request.remote)
+    return response
+
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler):
+    """Every error as OpenAI's JSON error body; never a traceback to the client."""
+    try:
+        return await handler(request)
+    except RequestError as error:
+        return web.json_response(error.body(), status=error.status)
+    except web.HTTPException as error:
+        if error.status < 400:
+            raise
+        kind = "invalid_request_error" if error.status < 500 else "server_error"
+        text = error.text or ""
+        message = (text if text and not text.startswith(f"{error.status}:")
+                   else f"{error.reason}: {request.method} {request.path}")  # fmt: skip
+        headers = {k: v for k, v in error.headers.items() if k.lower() == "allow"}
+        body = error_body(message, kind, None, _HTTP_CODES.get(error.status))
+        return web.json_response(body, status=error.status, headers=headers)
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path)
+        body = error_body("internal server error", "server_error", None, "internal_error")
+        return web.json_response(body, status=500)
+
+
+def build_app(engine, tokenizer, model_name: str, *, client=None, max_seq_len: int | None = None,
+              vocab_size: int | None = None, max_records: int = 10_000, max_n: int = 128,
+              parser=None, max_body_bytes: int = 64 * 2**20) -> web.Application:  # fmt: skip
+    """The server's Application.
+
+    engine: a hybridflow Engine (None when `client` is given). tokenizer: encodes prompts,
+    decodes completions, renders chats (its chat template). client: any object with
+    `async generate(prompt_ids, params) -> Completion` (default: EngineClient(engine)).
+    max_seq_len / vocab_size: default to the engine's. max_records: request records kept
+    (app[RECORDS]). max_n: the largest `n` served. parser: the ToolCallParser of chat
+    completions with tools (default HermesParser)."""
+    if client is None:
+        if engine is None:
+            raise ValueError("build_app needs an engine or a client")
+        from hybridflow.agents.client import EngineClient
+
+        client = EngineClient(engine)
+    if max_seq_len is None:
+        if engine is None:
+            raise ValueError("build_app without an engine needs max_seq_len")
+        max_seq_len = engine.max_seq_len
+    if vocab_size is None:
+        config = getattr(engine, "config", None)
+        vocab_size = getattr(config, "vocab_size", None) or len(tokenizer)
+    records = RequestRecords(max_records)
+    server = OpenAIServer(tokenizer, model_name, client, max_seq_len, vocab_size, records,
+                          max_n=max_n, parser=parser)  # fmt: skip
+    app = web.Application(middlewares=[json_errors], client_max_size=max_body_bytes)
+    app[RECORDS] = records
+    app.add_routes([
+        web.get("/health", server.health),
+        web.get("/v1/models", server.models),
+        web.get("/v1/models/{model}", server.model),
+        web.post("/v1/completions", server.completions),
+        web.post("/v1/chat/completions", server.chat_completions),
+        web.get("/v1/hybridflow/requests", server.list_records),
+        web.get("/v1/hybridflow/requests/{id}", server.get_record),
+    ])  # fmt: skip
+    return app
+
+
+async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve `app` on host:port (0: a free port); -> (runner, the port bound)."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, runner.addresses[0][1]
+
+
+class BackgroundServer:
+    """`app` served from a thread with its own event loop, for tests and a trainer
+    in-process: `with BackgroundServer(app) as server:` then point an OpenAI client at
+    `server.url + "/v1"`. port 0 (the default) binds a free port; `url` names it."""
+
+    def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0):
+        self.app, self.host, self.port = app, host, port
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self) -> BackgroundServer:
+        self._thread = threading.Thread(target=self._run, name="hybridflow-serve", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def _run(self) -> None:
+        loop = self._loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            runner, self.port = loop.run_until_complete(start_site(self.app, self.host, self.port))
+        except BaseException as error:  # e.g. the port is taken: start() raises it
+            self._error = error
+            self._ready.set()
+            loop.close()
+            return
+        self._ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(runner.cleanup())
+            loop.close()
+
+    def stop(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+async def serve_forever(app: web.Application, host: str, port: int, on_started=None) -> None:
+    """Serve until cancelled (Ctrl-C); on_started(url) once the port is bound."""
+    runner, port = await start_site(app, host, port)
+    try:
+        if on_started is not None:
+            shown = f"[{host}]" if ":" in host else host
+            on_started(f"http://{shown}:{port}")
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()

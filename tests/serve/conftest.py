@@ -1,0 +1,49 @@
+"""A server over the tiny preset (random weights, char tokenizer with the tool template) in
+a background thread, shared by the serve tests, and an OpenAI client of it."""
+
+from __future__ import annotations
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("aiohttp")
+
+from hybridflow.agents.templates import with_tool_template
+from hybridflow.models.tokenizer import build_char_tokenizer
+
+TOKENIZER = with_tool_template(build_char_tokenizer())
+MAX_SEQ_LEN = 512
+
+
+@pytest.fixture(scope="session")
+def engine_client():
+    """The EngineClient the server's requests go through (its `calls` count engine calls)."""
+    from hybridflow.agents.client import EngineClient
+    from hybridflow.engine import Engine, EngineOptions
+    from hybridflow.models import load_model
+
+    options = EngineOptions(decode_backend="torch", cuda_graphs=False)
+    engine = Engine(load_model("tiny"), max_batch_size=32, max_seq_len=MAX_SEQ_LEN,
+                    options=options)  # fmt: skip
+    return EngineClient(engine)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(engine_client):
+    from hybridflow.serve.app import BackgroundServer, build_app
+
+    app = build_app(engine_client.engine, TOKENIZER, "tiny", client=engine_client)
+    with BackgroundServer(app) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def client(tiny_server):
+    return openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="x", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def records(tiny_server):
+    from hybridflow.serve.app import RECORDS
+
+    return tiny_server.app[RECORDS]

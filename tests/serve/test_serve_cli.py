@@ -1,0 +1,70 @@
+"""`hybridflow serve`: registered and documented; without aiohttp still listed and saying
+what to install; a real run on the tiny preset prints its URL and answers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from hybridflow.cli import build_parser, main
+
+
+def _listed(parser) -> set[str]:
+    return {a for action in parser._subparsers._group_actions for a in action.choices}
+
+
+def test_serve_is_registered_and_has_help(capsys):
+    assert "serve" in _listed(build_parser())
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--model", "--host", "--port", "--tokenizer", "--max-batch-size",
+                 "--max-seq-len", "--dtype", "--device"):  # fmt: skip
+        assert flag in out
+
+
+def test_serve_without_aiohttp_stays_listed_and_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.delitem(sys.modules, "hybridflow.serve.cli", raising=False)
+    monkeypatch.setitem(sys.modules, "aiohttp", None)  # as if it were not installed
+    parser = build_parser()
+    assert "serve" in _listed(parser) and "unavailable" in parser.format_help()
+    capsys.readouterr()
+    assert main(["serve", "--model", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "hybridflow serve" in err and "pip install 'hybridflow[serve]'" in err
+
+
+def test_bad_model_exits_2_in_one_line(capsys):
+    assert main(["serve", "--model", "/no/such/model", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "hybridflow serve:" in err and "Traceback" not in err
+
+
+def test_serve_runs_the_tiny_preset_and_prints_its_url():
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    command = [sys.executable, "-m", "hybridflow.cli", "serve", "--model", "tiny", "--port",
+               "0", "--device", "cpu", "--max-seq-len", "256"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=env)  # fmt: skip
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("serving tiny"), (line, process.stderr.read())
+        url = line.split(" at ")[1].split()[0]
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
+        body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                           "max_tokens": 3}).encode()  # fmt: skip
+        request = urllib.request.Request(url + "/chat/completions", body,
+                                         {"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(request, timeout=60) as response:
+            answer = json.loads(response.read())
+        assert answer["usage"]["completion_tokens"] <= 3
+    finally:
+        process.terminate()
+        process.wait(timeout=30)

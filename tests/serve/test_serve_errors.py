@@ -1,0 +1,123 @@
+"""Bad requests get a 4xx with OpenAI's JSON error body (never a traceback, never a 500),
+and the server keeps serving afterwards."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from conftest import MAX_SEQ_LEN
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def _post(url: str, data: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def _check_error_body(body: dict) -> dict:
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and "Traceback" not in error["message"]
+    return error
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("data", [b"{not json", b"[1, 2]", b"\xff\xfe\x00", b""])
+def test_bad_json_is_400(tiny_server, path, data):
+    status, body = _post(tiny_server.url + path, data)
+    assert status == 400
+    assert _check_error_body(body)["type"] == "invalid_request_error"
+
+
+CHAT_CASES = [
+    ({"n": 0}, "n"),
+    ({"temperature": -1}, "temperature"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_logprobs": 3, "logprobs": True}, "top_logprobs"),
+    ({"messages": None}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x" * MAX_SEQ_LEN}]}, "messages"),
+    ({"stop": ""}, "stop"),
+    ({"seed": "one"}, "seed"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function"}]}, "tools[0]"),
+    (
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}],
+                }
+            ]
+        },
+        "messages[0].tool_calls[0].function.arguments",
+    ),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize("fields, param", CHAT_CASES)
+def test_bad_chat_fields_are_400_naming_the_field(tiny_server, fields, param):
+    body = {"model": "tiny", "messages": USER, "max_tokens": 4, **fields}
+    body = {k: v for k, v in body.items() if v is not None}
+    status, answer = _post(tiny_server.url + "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400, answer
+    assert _check_error_body(answer)["param"] == param
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"prompt": "a" * MAX_SEQ_LEN}, "prompt"),
+    ({"prompt": [1000]}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": [[5, 6], "ab", 3]}, "prompt[2]"),
+    ({"prompt": None}, "prompt"),
+    ({"logprobs": True}, "logprobs"),
+    ({"echo": True}, "echo"),
+    ({"n": 1000}, "n"),
+])  # fmt: skip
+def test_bad_completion_fields_are_400(tiny_server, fields, param):
+    body = {"model": "tiny", "prompt": "ab", "max_tokens": 4, **fields}
+    body = {k: v for k, v in body.items() if v is not None}
+    status, answer = _post(tiny_server.url + "/v1/completions", json.dumps(body).encode())
+    assert status == 400, answer
+    assert _check_error_body(answer)["param"] == param
+
+
+def test_too_long_prompt_says_so(client):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model="tiny", prompt="a" * MAX_SEQ_LEN, max_tokens=2)
+    assert error.value.body["code"] == "context_length_exceeded"
+    assert str(MAX_SEQ_LEN) in error.value.body["message"]
+
+
+def test_unknown_model_and_route_are_404_json(tiny_server, client):
+    with pytest.raises(openai.NotFoundError) as error:
+        client.chat.completions.create(model="gpt-9", messages=USER)
+    assert error.value.body["code"] == "model_not_found"
+    status, body = _post(tiny_server.url + "/v1/nowhere", b"{}")
+    assert status == 404 and _check_error_body(body)["code"] == "not_found"
+    status, body = _post(tiny_server.url + "/v1/hybridflow/requests/cmpl-none", b"{}")
+    assert status == 405 and _check_error_body(body)["code"] == "method_not_allowed"
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        urllib.request.urlopen(tiny_server.url + "/v1/hybridflow/requests/cmpl-none")
+    assert missing.value.code == 404
+    assert json.loads(missing.value.read())["error"]["code"] == "record_not_found"
+
+
+def test_server_keeps_serving_after_bad_requests(tiny_server, client):
+    for data in (b"{", b'{"messages": 3}', json.dumps({"messages": USER, "n": -1}).encode()):
+        assert _post(tiny_server.url + "/v1/chat/completions", data)[0] == 400
+    response = client.chat.completions.create(model="tiny", messages=USER, max_tokens=3)
+    assert response.usage.completion_tokens <= 3

@@ -1,0 +1,120 @@
+"""Tool calls through the API, with a scripted generation client in place of the engine (a
+random model never calls a tool): the client gets parsed `tool_calls`, and the tool result
+sent back renders into the next prompt. Also: generation failures are a JSON 500, and the
+records are bounded."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import openai
+import pytest
+from conftest import TOKENIZER
+
+from hybridflow.serve.app import RECORDS, BackgroundServer, build_app
+
+EOS = TOKENIZER.eos_token_id
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]},
+}}]  # fmt: skip
+USER = {"role": "user", "content": "Weather in Paris?"}
+
+
+class ScriptedClient:
+    """Answers request k with script[k] as tokens ending in EOS (log-prob -0.25 each); keeps
+    each prompt it was given. A script entry that is an exception is raised instead."""
+
+    def __init__(self, script):
+        self.script, self.prompts = list(script), []
+
+    async def generate(self, prompt_ids, params):
+        self.prompts.append(list(prompt_ids))
+        answer = self.script[(len(self.prompts) - 1) % len(self.script)]
+        if isinstance(answer, Exception):
+            raise answer
+        ids = TOKENIZER.encode(answer, add_special_tokens=False) + [EOS]
+        return SimpleNamespace(token_ids=ids, logprobs=[-0.25] * len(ids), finish_reason="stop")
+
+
+@pytest.fixture
+def scripted():
+    servers = []
+
+    def start(script, **kwargs):
+        fake = ScriptedClient(script)
+        app = build_app(None, TOKENIZER, "scripted", client=fake, max_seq_len=4096, **kwargs)
+        server = BackgroundServer(app).start()
+        servers.append(server)
+        api = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        return api, fake, app
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def test_tool_call_round_trip(scripted):
+    api, fake, app = scripted([f"Let me look.{CALL}", "It is sunny in Paris."])
+    first = api.chat.completions.create(model="scripted", messages=[USER], tools=TOOLS)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"} and call.id
+    assert choice.message.content == "Let me look."
+    prompt = TOKENIZER.decode(fake.prompts[0])
+    assert '"name": "get_weather"' in prompt  # the tools rendered by the template
+
+    messages = [USER, choice.message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": "sunny, 24 C"}]  # fmt: skip
+    second = api.chat.completions.create(model="scripted", messages=messages, tools=TOOLS)
+    assert second.choices[0].message.content == "It is sunny in Paris."
+    assert second.choices[0].finish_reason == "stop"
+    assert second.choices[0].message.tool_calls is None
+    prompt = TOKENIZER.decode(fake.prompts[1])
+    assert "<tool_response>\nsunny, 24 C\n</tool_response>" in prompt
+    assert f"<|im_start|>assistant\nLet me look.\n{CALL}<|im_end|>" in prompt
+    kept = app[RECORDS].get(second.id).choices[0]
+    assert list(kept.prompt_token_ids) == fake.prompts[1] and kept.finish_reason == "stop"
+
+
+def test_tool_calls_stream_and_tool_choice_none(scripted):
+    api, fake, _ = scripted([CALL])
+    stream = api.chat.completions.create(model="scripted", messages=[USER], tools=TOOLS,
+                                         stream=True)  # fmt: skip
+    deltas = [c.choices[0] for c in stream]
+    calls = [tc for d in deltas if d.delta.tool_calls for tc in d.delta.tool_calls]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    assert deltas[-1].finish_reason == "tool_calls"
+    plain = api.chat.completions.create(model="scripted", messages=[USER], tools=TOOLS,
+                                        tool_choice="none")  # fmt: skip
+    assert plain.choices[0].message.content == CALL and plain.choices[0].finish_reason == "stop"
+    untooled = api.chat.completions.create(model="scripted", messages=[USER])
+    assert untooled.choices[0].message.tool_calls is None
+
+
+def test_generation_failure_is_a_json_500_and_the_server_keeps_serving(scripted):
+    api, _, _ = scripted([RuntimeError("device lost"), "fine"])
+    with pytest.raises(openai.InternalServerError) as error:
+        api.chat.completions.create(model="scripted", messages=[USER])
+    assert error.value.status_code == 500
+    assert "device lost" in error.value.body["message"] and "Traceback" not in str(error.value)
+    assert error.value.body["type"] == "server_error"
+    assert (
+        api.chat.completions.create(model="scripted", messages=[USER]).choices[0].message.content
+        == "fine"
+    )
+
+
+def test_records_keep_the_last_n(scripted):
+    api, _, app = scripted(["a"], max_records=2)
+    ids = [api.completions.create(model="scripted", prompt="x").id for _ in range(3)]
+    records = app[RECORDS]
+    assert records.ids() == ids[1:] and ids[0] not in records
+    assert list(records.get(ids[2]).choices[0].token_ids) == TOKENIZER.encode("a") + [EOS]
