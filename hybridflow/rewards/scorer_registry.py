@@ -67,6 +67,7 @@ def default_registry() -> ScorerRegistry:
     """Built-in scorers under the data source names verl's datasets use."""
     gsm8k = ScorerSpec(f"{SCORERS}.gsm8k:compute_score")
     math = ScorerSpec(f"{SCORERS}.math_answer:compute_score")
+    code = ScorerSpec(f"{SCORERS}.code:compute_score")  # stdin/stdout tests in a sandbox
     return ScorerRegistry(
         {
             "openai/gsm8k": gsm8k,
@@ -78,5 +79,8 @@ def default_registry() -> ScorerRegistry:
             "math": math,
             "countdown": ScorerSpec(f"{SCORERS}.countdown:compute_score"),
             "arithmetic": ScorerSpec(f"{SCORERS}.arithmetic:compute_score"),
+            "code": code,
+            "codecontests": code,
+            "codeforces": code,
         }
     )
