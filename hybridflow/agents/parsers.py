@@ -63,7 +63,7 @@ class HermesParser:
         if self.open_tag in rest:  # opened and never closed: the turn was cut off
             head, _, tail = rest.partition(self.open_tag)
             outside.append(head)
-            errors.append(f"tool call {len(calls) + len(errors) + 1} was not closed with "
+            errors.append(f"tool call #{len(calls) + len(errors) + 1} was not closed with "
                           f"{self.close_tag}: {tail.strip()[:80]!r}")  # fmt: skip
         else:
             outside.append(rest)
@@ -71,7 +71,7 @@ class HermesParser:
 
     @staticmethod
     def _read(body: str, index: int) -> tuple[ToolCall | None, str]:
-        where = f"tool call {index + 1}"
+        where = f"tool call #{index + 1}"
         try:
             data = json.loads(body.strip())
         except json.JSONDecodeError as error:

@@ -4,8 +4,9 @@ ids and log-probs are kept: records.py).
 
     hybridflow serve --model PATH [--host 127.0.0.1] [--port 8000]
 
-app.py: build_app (the aiohttp Application: routes, streaming, errors), BackgroundServer (it
-in a thread, for tests and a trainer in-process); openai_protocol.py: the request fields
+app.py: build_app (the aiohttp Application: routes, streaming, errors); running.py:
+BackgroundServer (it in a thread, for tests and a trainer in-process) and serve_forever;
+openai_protocol.py: the request fields
 taken and the response shapes; text.py: token ids -> text, stop strings; records.py: the
 request records; cli.py: the `serve` subcommand.
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "BackgroundServer": "hybridflow.serve.app",
+    "BackgroundServer": "hybridflow.serve.running",
     "RECORDS": "hybridflow.serve.app",
     "build_app": "hybridflow.serve.app",
     "RequestRecord": "hybridflow.serve.records",

@@ -105,7 +105,7 @@ def run_serve_command(args) -> int:
     import asyncio
     import logging
 
-    from hybridflow.serve.app import serve_forever
+    from hybridflow.serve.running import serve_forever
 
     logging.basicConfig(level=logging.INFO if args.log_requests else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip

@@ -118,7 +118,7 @@ def test_bad_calls_unknown_tools_failures_and_timeouts_are_answered_not_raised()
     assert "failed: RuntimeError: asked to fail" in results[1]
     assert "took longer than 0.2 s" in results[2]
     assert results[3] == "D"
-    assert results[4].startswith("Error: tool call 1 is not valid JSON")
+    assert results[4].startswith("Error: tool call #1 is not valid JSON")
     turn_stats = trajectory.turns[0]
     assert (turn_stats.tool_calls, turn_stats.tool_errors, turn_stats.tool_timeouts) == (4, 3, 1)
     assert trajectory.finish_reason == "answer"

@@ -32,7 +32,7 @@ def test_malformed_calls_become_errors_and_good_ones_still_run():
     turn = HermesParser().parse(text)
     assert [c.name for c in turn.calls] == ["ok"]
     assert len(turn.errors) == 3
-    assert "tool call 1 is not valid JSON" in turn.errors[0]
+    assert "tool call #1 is not valid JSON" in turn.errors[0]
     assert '"name" string' in turn.errors[1] and '"arguments" must be' in turn.errors[2]
 
 

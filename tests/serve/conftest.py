@@ -30,7 +30,8 @@ def engine_client():
 
 @pytest.fixture(scope="session")
 def tiny_server(engine_client):
-    from hybridflow.serve.app import BackgroundServer, build_app
+    from hybridflow.serve.app import build_app
+    from hybridflow.serve.running import BackgroundServer
 
     app = build_app(engine_client.engine, TOKENIZER, "tiny", client=engine_client)
     with BackgroundServer(app) as server:

@@ -12,7 +12,8 @@ import openai
 import pytest
 from conftest import TOKENIZER
 
-from hybridflow.serve.app import RECORDS, BackgroundServer, build_app
+from hybridflow.serve.app import RECORDS, build_app
+from hybridflow.serve.running import BackgroundServer
 
 EOS = TOKENIZER.eos_token_id
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
