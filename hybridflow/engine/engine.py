@@ -23,9 +23,10 @@ import torch
 from hybridflow.engine import kv_cache
 from hybridflow.engine.choices import PinnedChoices, choices_path, identity
 from hybridflow.engine.graphs import DecodeRunner
+from hybridflow.engine.kept import KeptKV
 from hybridflow.engine.kernels.launch import PLAIN
 from hybridflow.engine.options import EngineOptions
-from hybridflow.engine.prefill import RopeTable, prefill_forward
+from hybridflow.engine.prefill import RopeTable, extend_forward, prefill_forward
 from hybridflow.engine.sampling import SamplingParams, prompt_seeds, request_seeds, split_seed
 from hybridflow.engine.scheduler import GenerationLoop, PromptTable, cyclic_gc_paused
 from hybridflow.engine.state import DecodeState
@@ -39,6 +40,8 @@ class Completion:
     """log_softmax(logits / T) at each token, before top-k/top-p/min-p (T = 1 when greedy)."""
     finish_reason: str
     """'stop' (a stop token was emitted) or 'length' (max_new_tokens or max_seq_len reached)."""
+    kv_handle: int | None = None
+    """With generate(keep=True): the kept slot's handle, for `reuse` by the next turn."""
 
 
 def _triton_available() -> bool:
@@ -129,6 +132,9 @@ class Engine:
         self.runner: DecodeRunner | None = None
         self.rope = None
         self.prefill = prefill_forward
+        self.extend = extend_forward
+        self.kept = KeptKV()  # slots kept for the next turn of their conversation
+        self.prefill_tokens = 0  # prompt tokens run through prefill or extend (a counter)
 
     # -- pinned choices -------------------------------------------------------------------------
 
@@ -179,6 +185,7 @@ class Engine:
 
     def _allocate(self) -> None:
         cfg = self.config
+        self.kept.clear()  # a new cache holds nothing
         if self.decode_backend == "triton" and self.fuse_projections != "none":
             # Before the cache: a budget given as a fraction of free memory must see it used.
             from hybridflow.engine.weights import FusedProjections
@@ -205,7 +212,7 @@ class Engine:
         self.prefill = prefill_forward
         if self.decode_backend == "triton":
             from hybridflow.engine.layers.chooser import decode_forward_triton
-            from hybridflow.engine.prefill import prefill_forward_triton
+            from hybridflow.engine.prefill import extend_forward_triton, prefill_forward_triton
 
             decode_forward = functools.partial(
                 decode_forward_triton, fused=self.fused, matmul=self.matmul, chain=self.chain,
@@ -214,6 +221,8 @@ class Engine:
             )  # fmt: skip
             self.prefill = functools.partial(prefill_forward_triton, fused=self.fused,
                                              matmul=self.matmul, launch=self.launch)  # fmt: skip
+            self.extend = functools.partial(extend_forward_triton, fused=self.fused,
+                                            matmul=self.matmul, launch=self.launch)  # fmt: skip
         else:
             from hybridflow.engine.layers.eager import decode_forward_torch as decode_forward
         self.runner = DecodeRunner(
@@ -223,7 +232,9 @@ class Engine:
         )  # fmt: skip
 
     def release(self) -> None:
-        """Free the KV cache, decode state and captured graphs (memory back to training)."""
+        """Free the KV cache, decode state and captured graphs (memory back to training);
+        kept KV goes with it."""
+        self.kept.clear()
         self.cache = self.state = self.runner = self.rope = self.fused = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -237,7 +248,9 @@ class Engine:
     @torch.no_grad()
     def load_weights(self, named_tensors, bucket_bytes: int = 256 * 2**20) -> None:
         """Copy (name, tensor) pairs (HF names) into the model's parameters, in buckets of about
-        bucket_bytes (one device sync per bucket bounds the staging memory)."""
+        bucket_bytes (one device sync per bucket bounds the staging memory). Kept KV was made
+        by the old weights: it is dropped."""
+        self.kept.clear()
         params = dict(self.model.named_parameters(remove_duplicate=False))
         pending = 0
         for name, tensor in named_tensors:
@@ -277,13 +290,22 @@ class Engine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 seeds: list[int] | None = None) -> list[Completion]:  # fmt: skip
+                 seeds: list[int] | None = None, *, keep: bool = False,
+                 reuse: list[int | None] | None = None) -> list[Completion]:  # fmt: skip
         """n completions per prompt, prompt-major: result[i * n + j] is sample j of prompt i.
 
         seeds: a base seed per prompt (instead of params.seed): prompt i samples exactly as a
-        call of it alone with seed=seeds[i] would (a server batching independent requests)."""
+        call of it alone with seed=seeds[i] would (a server batching independent requests).
+        keep: each finished sample keeps its KV (Completion.kv_handle; kept.py). reuse (n=1):
+        per prompt a handle from an earlier call (or None): a prompt that extends that
+        handle's tokens prefills only the rest; the samples are the same either way."""
         with cyclic_gc_paused():  # also while the results are wrapped (thousands of objects)
-            return [Completion(*result) for result in self._generate(prompts, params, seeds)]
+            results = self._generate(prompts, params, seeds, keep=keep, reuse=reuse)
+            return [Completion(*result) for result in results]
+
+    def release_kept(self, handles) -> None:
+        """Give kept slots back (their handles become invalid; unknown ones are ignored)."""
+        self.kept.release(handles)
 
     def _seeds(self, prompts, params: SamplingParams, seeds) -> torch.Tensor:
         if seeds is not None:
@@ -296,7 +318,8 @@ class Engine:
         return request_seeds(base_seed, len(prompts), params.n)
 
     @torch.no_grad()
-    def _generate(self, prompts, params: SamplingParams, seeds=None) -> list[tuple]:
+    def _generate(self, prompts, params: SamplingParams, seeds=None, keep=False,
+                  reuse=None) -> list[tuple]:  # fmt: skip
         """generate() as (token_ids list, logprobs list, finish_reason) tuples."""
         if not self.native:
             from hybridflow.engine.slow import generate_slow
@@ -317,7 +340,8 @@ class Engine:
         seed_lo, seed_hi = split_seed(self._seeds(prompts, params, seeds))
         self.state.set_stop_tokens(self._stop_ids(params))
         self.runner.prepare(params, shared=self._shares_prefixes(params))
-        loop = GenerationLoop(self, table, params, seed_lo.tolist(), seed_hi.tolist())
+        loop = GenerationLoop(self, table, params, seed_lo.tolist(), seed_hi.tolist(),
+                              keep=keep, reuse=reuse)  # fmt: skip
         with cyclic_gc_paused():
             if self.device.type != "cuda":
                 results = loop.run()

@@ -105,3 +105,83 @@ def prefill_forward_triton(
 
     normed = fused_layers(model, input_ids, attend, fused, matmul, keep=last_index, launch=launch)
     return model.lm_head(normed)
+
+
+# -------------------------------------------------------------------------------------------
+# Extend: tokens appended to sequences whose earlier K/V are kept in their slots (kept.py)
+
+
+@torch.no_grad()
+def extend_forward(
+    model,
+    cache: KVCache,
+    rope: RopeTable,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    token_slots: torch.Tensor,
+    last_index: torch.Tensor,
+    chunk_tokens: int = 2048,
+) -> torch.Tensor:
+    """input_ids/position_ids/token_slots [N]: each sequence's new tokens, contiguous and in
+    position order; every token attends to its slot's cache up to its own position (the
+    model's own modules, eager). -> logits [len(last_index), V] of the rows at last_index.
+
+    In chunks of tokens, each through every layer before the next: a later token reads the
+    K/V an earlier chunk wrote (causal order), and the gathered cache stays bounded."""
+    from hybridflow.engine.layers.eager import cached_attention_torch
+
+    rows = input_ids.shape[0]
+    wanted = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
+    wanted[last_index] = True
+    kept = []
+    for start in range(0, rows, chunk_tokens):
+        ids = input_ids[start : start + chunk_tokens]
+        positions = position_ids[start : start + chunk_tokens]
+        slots = token_slots[start : start + chunk_tokens]
+        max_len = int(positions.max()) + 1
+        hidden = model.model.embed_tokens(ids)
+        cos, sin = rope.cos[positions], rope.sin[positions]
+        for index, layer in enumerate(model.model.layers):
+            attn = layer.self_attn
+            q, k, v = attn.project_qkv(layer.input_layernorm(hidden), cos, sin)
+            cache.keys[index, slots, positions] = k
+            cache.values[index, slots, positions] = v
+            out = cached_attention_torch(q, cache.keys[index], cache.values[index], slots,
+                                         positions + 1, max_len)  # fmt: skip
+            hidden = hidden + attn.o_proj(out.flatten(-2))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        kept.append(hidden[wanted[start : start + chunk_tokens]])
+    return model.lm_head(model.model.norm(torch.cat(kept)))
+
+
+@torch.no_grad()
+def extend_forward_triton(
+    model,
+    cache: KVCache,
+    rope: RopeTable,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    token_slots: torch.Tensor,
+    last_index: torch.Tensor,
+    fused: FusedProjections | None = None,
+    matmul=None,
+    launch: Launch = PLAIN,
+) -> torch.Tensor:
+    """extend_forward with the fused kernels: RoPE and the cache store of every new token
+    first (rope_store), then each token's attention over its slot (decode_attention), two
+    launches, so no program reads a position another program of the same launch writes."""
+    from hybridflow.engine.kernels import attention, rowwise
+    from hybridflow.engine.layers.split import fused_layers
+
+    lengths = position_ids + 1
+    max_len = int(position_ids.max()) + 1
+
+    def attend(index, q, k, v):
+        keys, values = cache.keys[index], cache.values[index]
+        rowwise.rope_store(q, k, v, rope.cos, rope.sin, position_ids, token_slots, keys, values,
+                           launch=launch)  # fmt: skip
+        return attention.decode_attention(q, keys, values, token_slots, lengths, max_len,
+                                          launch=launch)  # fmt: skip
+
+    normed = fused_layers(model, input_ids, attend, fused, matmul, keep=last_index, launch=launch)
+    return model.lm_head(normed)

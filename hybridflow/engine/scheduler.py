@@ -95,7 +95,7 @@ class GenerationLoop:
     """Host-side bookkeeping of one generate() call: requests, slots, rows, results."""
 
     def __init__(self, engine: Engine, table: PromptTable, params: SamplingParams, seed_lo,
-                 seed_hi):  # fmt: skip
+                 seed_hi, keep: bool = False, reuse: list | None = None):  # fmt: skip
         self.engine, self.table, self.params = engine, table, params
         prompts = self.prompts = table.prompts
         self.state, self.runner, self.cache = engine.state, engine.runner, engine.cache
@@ -108,7 +108,21 @@ class GenerationLoop:
             for _ in range(n)
         ]
         self.stop_ids = set(engine._stop_ids(params))
-        self.free_slots = list(range(self.cache.num_slots - 1, -1, -1))
+        # kept KV (kept.py): keep finished requests' slots; continue requests in theirs
+        self.keep = keep
+        self.extending: deque[tuple[int, int, int]] = deque()  # (request, slot, cached length)
+        if reuse is not None:
+            if n != 1 or len(reuse) != len(prompts):
+                raise ValueError("reuse: one handle (or None) per prompt, with n = 1")
+            self.waiting = deque()
+            for request, handle in enumerate(reuse):
+                taken = engine.kept.take(handle, prompts[request])
+                if taken is None:
+                    self.waiting.append(request)
+                else:
+                    self.extending.append((request, *taken))
+        busy = engine.kept.slots() | {slot for _, slot, _ in self.extending}
+        self.free_slots = [s for s in range(self.cache.num_slots - 1, -1, -1) if s not in busy]
         self.row_request: list[int] = []  # request id of each live row
         self.row_slot: list[int] = []  # its cache slot
         self.row_budget: list[int] = []  # upper bound on steps each row may still take
@@ -130,10 +144,12 @@ class GenerationLoop:
 
     def run(self) -> list[tuple]:
         pending = None
-        while self.waiting or self.row_request or pending is not None:
+        while self.waiting or self.extending or self.row_request or pending is not None:
             # Admit until the slots or the queue run out (several prefill passes back to back):
             # rows admitted later would otherwise trail the first ones by a whole chunk of
             # steps at a smaller batch (an H200 profile of 256 prompts showed 15 steps at 128 rows).
+            while self.extending:
+                self._admit_extension()
             while self.waiting and self._should_admit():
                 self._admit()
                 self.table.check()  # the rest, while the GPU runs the first prefill (once)
@@ -159,6 +175,10 @@ class GenerationLoop:
         # Prefill in batches: wait until a useful share of the slots is free (amortises the
         # eager prefill) unless nothing is decoding or the queue is short.
         free = len(self.free_slots)
+        want = min(len(self.waiting), max(1, self.cache.num_slots // 8))
+        while free < want and len(self.engine.kept):  # kept KV gives way, oldest first
+            self.free_slots.append(self.engine.kept.evict_oldest())
+            free += 1
         return free > 0 and (
             not self.row_request
             or free >= min(len(self.waiting), max(1, self.cache.num_slots // 8))
@@ -176,6 +196,8 @@ class GenerationLoop:
         tokens = 0
         while self.waiting and len(taken) < len(self.free_slots):
             request = self.waiting[0]
+            if taken and request != taken[-1] + 1:  # one pass packs consecutive requests
+                break
             prompt_len = len(self.prompts[request // params.n])
             new_prompt = not taken or taken[-1] // params.n != request // params.n
             if new_prompt and taken and tokens + prompt_len > engine.max_prefill_tokens:
@@ -183,6 +205,7 @@ class GenerationLoop:
             tokens += prompt_len if new_prompt else 0
             taken.append(self.waiting.popleft())
         slots = [self.free_slots.pop() for _ in taken]
+        engine.prefill_tokens += tokens
         device = engine.device
         # One prefill per unique prompt (its first request's slot), then KV fan-out.
         firsts: list[int] = []  # index into `taken` of each unique prompt's first request
@@ -245,6 +268,52 @@ class GenerationLoop:
         self.admissions += 1
         self._upload_groups()
 
+    def _admit_extension(self) -> None:
+        """Admit requests that continue a kept slot: only the tokens past the cached prefix
+        are prefilled (Engine.extend), into the same slot."""
+        engine = self.engine
+        self.table.check()  # every id in range before it indexes the embedding
+        taken, tokens = [], 0
+        while self.extending:
+            request, slot, cached = self.extending[0]
+            new = len(self.prompts[request]) - cached
+            if taken and tokens + new > engine.max_prefill_tokens:
+                break
+            taken.append(self.extending.popleft())
+            tokens += new
+        engine.prefill_tokens += tokens
+        requests = [request for request, _, _ in taken]
+        slots = [slot for _, slot, _ in taken]
+        lengths = [len(self.prompts[r]) for r in requests]
+        starts = torch.tensor([cached for _, _, cached in taken])
+        counts = torch.tensor(lengths) - starts
+        ids = torch.tensor([t for (r, _, c) in taken for t in self.prompts[r][c:]])
+        positions = ranges(counts) + torch.repeat_interleave(starts, counts)
+        (ids, positions, token_slots, last, seed_lo, seed_hi, row_positions, row_slots,
+         max_new_dev) = upload(
+            engine.device, ids, positions, torch.repeat_interleave(torch.tensor(slots), counts),
+            counts.cumsum(0) - 1, torch.tensor([self.seed_lo[r] for r in requests]),
+            torch.tensor([self.seed_hi[r] for r in requests]), torch.tensor(lengths),
+            torch.tensor(slots), torch.tensor([self.max_new[r] for r in requests]),
+        )  # fmt: skip
+        logits = engine.extend(engine.model, self.cache, engine.rope, ids, positions,
+                               token_slots, last)  # fmt: skip  # [R, V]
+        first_tokens, first_logprobs = self.runner.sample(
+            logits, seed_lo, seed_hi, torch.zeros_like(seed_lo)
+        )
+        self.state.append_rows(first_tokens, first_logprobs, row_positions, row_slots,
+                               max_new_dev, seed_lo, seed_hi)  # fmt: skip
+        max_new = [self.max_new[r] for r in requests]
+        self.row_request += requests
+        self.row_slot += slots
+        for request in requests:
+            self.partial[request] = ([], [])
+        self.row_budget += [m - 1 for m in max_new]
+        self.row_end += [length + m for length, m in zip(lengths, max_new)]
+        self.row_admission += [self.admissions] * len(requests)
+        self.admissions += 1
+        self._upload_groups()
+
     def _snapshot(self) -> _Snapshot:
         """Queue copies of the live rows' flags, counts and newest output columns."""
         state, rows = self.state, len(self.row_request)
@@ -296,8 +365,13 @@ class GenerationLoop:
                 continue
             tokens, logprobs = self.partial.pop(request)
             reason = "stop" if tokens and tokens[-1] in self.stop_ids else "length"
-            self.results[request] = (tokens, logprobs, reason)
-            self.free_slots.append(self.row_slot[row])
+            if self.keep:  # the slot holds the prompt and every token but the last
+                prompt = self.prompts[request // self.params.n]
+                handle = self.engine.kept.keep(self.row_slot[row], [*prompt, *tokens[:-1]])
+                self.results[request] = (tokens, logprobs, reason, handle)
+            else:
+                self.results[request] = (tokens, logprobs, reason)
+                self.free_slots.append(self.row_slot[row])
         self.state.keep_rows(keep, upload(self.engine.device, torch.tensor(keep))[0])
         self.row_request = [self.row_request[r] for r in keep]
         self.row_slot = [self.row_slot[r] for r in keep]
