@@ -7,9 +7,10 @@ asyncio loop per episode, a tool of fixed latency between turns) against one sin
 
 Random-weight presets write no tool calls, so each episode follows a fixed schedule: a turn
 of --turn-tokens tokens (ignore_eos), then a "tool" that waits --tool-latency-ms and returns
---tool-tokens token ids, for --turns turns. Prefill recomputed: the context tokens the engine
-prefilled again because a turn is a fresh request (every turn re-prefills its conversation;
-with KV kept between turns only the tool's tokens would be new).
+--tool-tokens token ids, for --turns turns. Each episode is an EngineClient session, so a
+turn continues the KV the last one kept (--no-kept-kv: every turn prefills its whole
+conversation). Prefill recomputed: prefilled tokens beyond the prompts and the tools' tokens
+(with kept KV that is the last sampled token of each turn), over all context tokens.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="default: cuda if available")
     p.add_argument("--engine", action="append", default=[], metavar="NAME=VALUE",
                    help="an EngineOptions field (repeatable)")  # fmt: skip
+    p.add_argument("--no-kept-kv", dest="kept_kv", action="store_false",
+                   help="every turn prefills its whole conversation")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results to this file")
 
@@ -42,25 +45,27 @@ class FixedScheduleEpisodes:
     between them returning `tool_tokens` ids. Counts what the engine prefilled."""
 
     def __init__(self, turns: int, turn_tokens: int, tool_tokens: int, latency_s: float,
-                 vocab: int, sampling):  # fmt: skip
+                 vocab: int, sampling, kept_kv: bool = True):  # fmt: skip
         self.turns, self.turn_tokens, self.tool_tokens = turns, turn_tokens, tool_tokens
         self.latency_s, self.vocab, self.sampling = latency_s, vocab, sampling
-        self.prefilled = 0
+        self.kept_kv = kept_kv
         self.generated = 0
 
     async def run(self, prompt: list[int], client, seed: int) -> list[int]:
         context = list(prompt)
+        session = {"session": seed} if self.kept_kv else {}
         for turn in range(self.turns):
             params = dataclasses.replace(self.sampling, max_new_tokens=self.turn_tokens,
                                          seed=seed + turn)  # fmt: skip
-            self.prefilled += len(context)
-            completion = await client.generate(context, params)
+            completion = await client.generate(context, params, **session)
             context += completion.token_ids
             self.generated += len(completion.token_ids)
             if turn + 1 < self.turns:
                 await asyncio.sleep(self.latency_s)  # the tool
                 context += [(seed * 31 + turn * 7 + i) % (self.vocab - 16) + 16
                             for i in range(self.tool_tokens)]  # fmt: skip
+        if self.kept_kv:
+            await client.close_session(seed)
         return context
 
 
@@ -85,8 +90,10 @@ def bench_agent(args) -> dict:
 
     def agent_run() -> tuple[float, FixedScheduleEpisodes, EngineClient]:
         episodes = FixedScheduleEpisodes(args.turns, args.turn_tokens, args.tool_tokens,
-                                         args.tool_latency_ms / 1000, vocab, sampling)  # fmt: skip
+                                         args.tool_latency_ms / 1000, vocab, sampling,
+                                         args.kept_kv)  # fmt: skip
         client = EngineClient(engine)
+        before = engine.prefill_tokens
 
         async def everything():
             await asyncio.gather(*(episodes.run(p, client, args.seed + 1000 * i)
@@ -95,7 +102,10 @@ def bench_agent(args) -> dict:
         start = time.perf_counter()
         asyncio.run(everything())
         _sync(device)
-        return time.perf_counter() - start, episodes, client
+        seconds = time.perf_counter() - start
+        episodes.prefilled = engine.prefill_tokens - before
+        engine.release_kept(list(client._handles.values()))  # none left: sessions closed
+        return seconds, episodes, client
 
     single_params = SamplingParams(temperature=1.0, ignore_eos=True, seed=args.seed,
                                    max_new_tokens=args.turns * args.turn_tokens)  # fmt: skip
@@ -117,6 +127,7 @@ def bench_agent(args) -> dict:
         "preset": args.preset, "episodes": args.episodes, "turns": args.turns,
         "prompt_len": args.prompt_len, "turn_tokens": args.turn_tokens,
         "tool_tokens": args.tool_tokens, "tool_latency_ms": args.tool_latency_ms,
+        "kept_kv": args.kept_kv, "kv_evictions": engine.kept.evictions,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "agent": {"seconds": agent_s, "generated_tokens": generated,
                   "tokens_per_s": generated / agent_s, "engine_calls": client.calls,
@@ -141,7 +152,8 @@ def print_result(result: dict) -> None:
     a, s = result["agent"], result["single_turn"]
     print(f"{result['preset']} on {result['device']}: {result['episodes']} episodes x "
           f"{result['turns']} turns x {result['turn_tokens']} tokens, tools +"
-          f"{result['tool_tokens']} tokens after {result['tool_latency_ms']:g} ms")  # fmt: skip
+          f"{result['tool_tokens']} tokens after {result['tool_latency_ms']:g} ms, kept KV "
+          f"{'on' if result['kept_kv'] else 'off'}")  # fmt: skip
     print("| path | generated tok/s | seconds | engine calls |\n|---|---|---|---|")
     print(
         f"| agent episodes | {a['tokens_per_s']:,.0f} | {a['seconds']:.3f} | {a['engine_calls']} |"

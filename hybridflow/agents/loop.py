@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -89,7 +90,9 @@ class Trajectory:
 
 
 class GenerationClient(Protocol):
-    """What a loop needs from the engine: one completion of one prompt (token ids)."""
+    """What a loop needs from the engine: one completion of one prompt (token ids). A client
+    that also has `close_session` (EngineClient) takes `session=`: the turns of one episode
+    then continue its kept KV instead of prefilling the conversation again."""
 
     async def generate(self, prompt_ids: list[int], params) -> Any:
         """-> an engine Completion (token_ids, logprobs, finish_reason)."""
@@ -168,6 +171,7 @@ class ToolCallingLoop:
         self.limits = limits or LoopLimits()
         self.sampling = sampling
         self._schemas = {name: openai_schema(tool) for name, tool in self.tools.items()}
+        self._sessions = itertools.count()
         eos = tokenizer.eos_token_id
         self.stop_ids = set(sampling.stop_token_ids) | ({eos} if eos is not None else set())
 
@@ -179,6 +183,15 @@ class ToolCallingLoop:
         return ChatRenderer(self.tokenizer, [self._schemas[name] for name in names])
 
     async def run(self, episode: Episode, client: GenerationClient) -> Trajectory:
+        if not hasattr(client, "close_session"):
+            return await self._run(episode, client, {})
+        session = ("episode", next(self._sessions))
+        try:
+            return await self._run(episode, client, {"session": session})
+        finally:
+            await client.close_session(session)
+
+    async def _run(self, episode: Episode, client: GenerationClient, session: dict) -> Trajectory:
         limits = self.limits
         renderer = self._renderer(episode)
         allowed = set(self.tools) if episode.tools is None else set(episode.tools)
@@ -196,7 +209,7 @@ class ToolCallingLoop:
                 break
             seed = None if episode.seed is None else episode.seed + turn_index
             params = dataclasses.replace(self.sampling, n=1, max_new_tokens=budget, seed=seed)
-            completion = await client.generate(prompt + ids, params)
+            completion = await client.generate(prompt + ids, params, **session)
             tokens = list(completion.token_ids)
             ids += tokens
             logprobs += list(completion.logprobs)

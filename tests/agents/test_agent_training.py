@@ -28,7 +28,7 @@ def scripted_turns(monkeypatch):
     tokenizer = with_tool_template(build_char_tokenizer())
     seen = []
 
-    async def generate(self, prompt_ids, params):
+    async def generate(self, prompt_ids, params, session=None):
         text = tokenizer.decode(prompt_ids, skip_special_tokens=False)
         seen.append(text)
         reply = "42" if "<tool_response>" in text else f"Let me compute.{CALL}"

@@ -19,10 +19,15 @@ def test_bench_agent_counts_tokens_and_recomputed_prefill(tmp_path, capsys):
     agent = result["agent"]
     assert agent["generated_tokens"] == 6 * 3 * 4 == result["single_turn"]["generated_tokens"]
     assert agent["engine_calls"] < 6 * 3  # concurrent episodes share engine calls
-    # turn contexts 5, 5+4+2, 5+2*(4+2): 38 prefilled a row, of which 5+2*2 were new
-    assert agent["prefilled_tokens"] == 6 * (5 + 11 + 17)
-    assert abs(result["prefill_recomputed_over_context"] - (33 - 9) / 21) < 1e-9
+    # kept KV: 5, then (the last sampled token + 2 tool tokens) twice; 9 of them needed
+    assert agent["prefilled_tokens"] == 6 * (5 + 3 + 3)
+    assert abs(result["prefill_recomputed_over_context"] - (11 - 9) / 21) < 1e-9
     assert "agent / single-turn" in capsys.readouterr().out
+    # without kept KV every turn prefills its conversation: 5, 5+4+2, 5+2*(4+2)
+    assert main([*args, "--no-kept-kv"]) == 0
+    result = json.loads(out.read_text())
+    assert result["agent"]["prefilled_tokens"] == 6 * (5 + 11 + 17)
+    assert abs(result["prefill_recomputed_over_context"] - (33 - 9) / 21) < 1e-9
 
 
 def test_bench_agent_names_a_bad_engine_option(capsys):

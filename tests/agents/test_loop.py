@@ -190,3 +190,42 @@ def test_concurrent_episodes_batch_into_few_engine_calls_and_sample_as_alone():
     for trajectory in together:
         assert len(trajectory.response_ids) == len(trajectory.loss_mask)
         assert len(trajectory.prompt_ids) + len(trajectory.response_ids) <= 512
+
+
+def test_sessions_continue_their_kept_kv_and_sample_the_same_as_full_prefills():
+    """8 concurrent conversations of 3 turns (each turn: the completion, then 3 tokens of a
+    "tool"): through sessions every turn after the first prefills only the tokens added
+    since; the tokens and log-probs equal those of full prefills, and the kept slots are
+    given back once the sessions close."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=5, ignore_eos=True)
+
+    async def conversations(client, use_sessions: bool):
+        async def one(i):
+            context, outputs = [10 + i, 20 + i, 30], []
+            for turn in range(3):
+                extra = {"session": i} if use_sessions else {}
+                seeded = SamplingParams(**{**vars(params), "seed": 100 * i + turn})
+                completion = await client.generate(context, seeded, **extra)
+                outputs.append((completion.token_ids, completion.logprobs))
+                context = context + completion.token_ids + [40 + turn, 41, 42]
+            if use_sessions:
+                await client.close_session(i)
+            return outputs
+
+        return await asyncio.gather(*(one(i) for i in range(8)))
+
+    results, prefilled = {}, {}
+    for use_sessions in (False, True):
+        engine = _tiny_engine()
+        client = EngineClient(engine)
+        results[use_sessions] = asyncio.run(conversations(client, use_sessions))
+        prefilled[use_sessions] = engine.prefill_tokens
+        if use_sessions:  # given back at the next engine call
+            asyncio.run(client.generate([5, 6], SamplingParams(max_new_tokens=1)))
+            assert len(engine.kept) == 0
+    for kept_turns, full_turns in zip(results[True], results[False]):
+        for (kept_ids, kept_lp), (full_ids, full_lp) in zip(kept_turns, full_turns):
+            assert kept_ids == full_ids
+            torch.testing.assert_close(kept_lp, full_lp, rtol=0, atol=1e-5)
+    # full: 3 + 11 + 19 tokens a conversation; kept: 3, then 1 + 3 twice
+    assert (prefilled[False], prefilled[True]) == (8 * 33, 8 * 11)
