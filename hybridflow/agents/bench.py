@@ -104,7 +104,7 @@ def bench_agent(args) -> dict:
         _sync(device)
         seconds = time.perf_counter() - start
         episodes.prefilled = engine.prefill_tokens - before
-        engine.release_kept(list(client._handles.values()))  # none left: sessions closed
+        client.close()  # the kept slots back before anything else runs on the engine
         return seconds, episodes, client
 
     single_params = SamplingParams(temperature=1.0, ignore_eos=True, seed=args.seed,

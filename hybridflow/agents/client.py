@@ -57,6 +57,13 @@ class EngineClient:
             for (_, sessions), (params, requests) in groups.items():
                 await self._run(params, requests, sessions)
 
+    def close(self) -> None:
+        """Give back every slot this client kept (sessions open or closed). Only with no
+        request in flight: it touches the engine from the caller's thread."""
+        handles = [*self._released, *self._handles.values()]
+        self._released, self._handles = [], {}
+        self.engine.release_kept(handles)
+
     async def close_session(self, session) -> None:
         """The conversation is over: its kept slot goes back (at the next engine call)."""
         handle = self._handles.pop(session, None)

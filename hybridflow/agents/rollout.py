@@ -60,7 +60,11 @@ def run_agent_batch(loop, client, raw_prompts: list, n: int, seed: int | None,
             k = i * n + j
             episode_seed = None if seed is None else seed + EPISODE_SEED_STRIDE * k
             episodes.append(Episode([dict(m) for m in messages], seed=episode_seed))
-    return asyncio.run(run_episodes(loop, episodes, client, concurrency))
+    try:
+        return asyncio.run(run_episodes(loop, episodes, client, concurrency))
+    finally:
+        if hasattr(client, "close"):
+            client.close()  # no episode continues past the batch: its kept slots go back
 
 
 def prompt_width(loop, max_prompt_length: int) -> int:

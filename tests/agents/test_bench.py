@@ -23,6 +23,7 @@ def test_bench_agent_counts_tokens_and_recomputed_prefill(tmp_path, capsys):
     assert agent["prefilled_tokens"] == 6 * (5 + 3 + 3)
     assert abs(result["prefill_recomputed_over_context"] - (11 - 9) / 21) < 1e-9
     assert "agent / single-turn" in capsys.readouterr().out
+    assert result["kv_evictions"] == 0  # the single-turn call found every slot free
     # without kept KV every turn prefills its conversation: 5, 5+4+2, 5+2*(4+2)
     assert main([*args, "--no-kept-kv"]) == 0
     result = json.loads(out.read_text())
