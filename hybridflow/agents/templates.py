@@ -32,3 +32,16 @@ def with_tool_template(tokenizer):
     tokenizer = copy.deepcopy(tokenizer)
     tokenizer.chat_template = CHATML_TOOL_TEMPLATE
     return tokenizer
+
+
+def renders_tool_messages(tokenizer) -> bool:
+    """Whether the tokenizer's own chat template renders a `tool` message (and shows it)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return False
+    probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+             {"role": "tool", "content": "tool-result-7"}]  # fmt: skip
+    try:
+        text = tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
+    except Exception:  # jinja raise_exception, missing variables: it does not
+        return False
+    return "tool-result-7" in text

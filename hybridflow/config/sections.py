@@ -357,6 +357,10 @@ class SFTConfig:
     carry_error_rate: float = 0.0
     """Built-in arithmetic SFT only: fraction of the answers that need a carry written with
     the carry forgotten (imperfect demonstrations that RL against the exact checker fixes)."""
+    miscopy_rate: float = 0.3
+    """Built-in calc SFT only: fraction of the tool-use traces whose calculator call miscopies
+    one digit of the question (the rest of the trace follows from it), so the warm-started
+    model is partly right and RL against the exact checker has something to fix."""
     out_dir: str | None = None
     """Where ``hybridflow sft`` writes checkpoints and the final HF model; default
     ``<trainer.run_dir>/sft``."""

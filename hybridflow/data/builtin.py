@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.data.arithmetic import arithmetic_row, arithmetic_splits
+from hybridflow.data.calc import calc_row, calc_splits
 from hybridflow.data.countdown import countdown_problem, countdown_row
 from hybridflow.data.schema import PromptRecord, load_prompt_records, validate_row
 
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_TASKS = ("arithmetic", "countdown")
+BUILTIN_TASKS = ("arithmetic", "countdown", "calc")
 
 
 def builtin_rows(
@@ -30,6 +31,9 @@ def builtin_rows(
     if task == "arithmetic":
         problems = arithmetic_splits(train_size, val_size, seed)[split]
         return [arithmetic_row(q, a, split, i) for i, (q, a) in enumerate(problems)]
+    if task == "calc":
+        problems = calc_splits(train_size, val_size, seed)[split]
+        return [calc_row(q, a, split, i) for i, (q, a) in enumerate(problems)]
     rng = random.Random(seed if split == "train" else seed + 1)
     size = train_size if split == "train" else val_size
     rows = []

@@ -25,7 +25,7 @@ import os
 # Compact ChatML (see module docstring): <|im_start|>{role[0]}{content}<|im_end|>
 CHAR_CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
     "{{ raise_exception('char tokenizer chat template: unsupported role ' + message['role']) }}"
     "{% endif %}"
     "{{ '<|im_start|>' + message['role'][0] + message['content'] + '<|im_end|>' }}"

@@ -79,6 +79,7 @@ def default_registry() -> ScorerRegistry:
             "math": math,
             "countdown": ScorerSpec(f"{SCORERS}.countdown:compute_score"),
             "arithmetic": ScorerSpec(f"{SCORERS}.arithmetic:compute_score"),
+            "calc": ScorerSpec(f"{SCORERS}.arithmetic:compute_score"),  # the exact integer
             "code": code,
             "codecontests": code,
             "codeforces": code,

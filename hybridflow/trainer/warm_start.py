@@ -49,10 +49,12 @@ def builtin_sft_rows(task: str, sft_cfg: SFTConfig, val_size: int, data_seed: in
 
     from hybridflow.data.arithmetic import arithmetic_problems, arithmetic_splits
 
+    if task == "calc":
+        return calc_sft_rows(sft_cfg, val_size, data_seed)
     if task != "arithmetic":
         raise ValueError(
-            f"sft.train_files has builtin:{task}, but only builtin:arithmetic has SFT "
-            "demonstrations; give a prompt/response file for other tasks"
+            f"sft.train_files has builtin:{task}, but only builtin:arithmetic and builtin:calc "
+            "have SFT demonstrations; give a prompt/response file for other tasks"
         )
     held_out = frozenset(q for q, _ in arithmetic_splits(0, val_size, data_seed)["test"])
     problems = arithmetic_problems(sft_cfg.builtin_size, data_seed + 2_000_003, exclude=held_out)
@@ -66,11 +68,29 @@ def builtin_sft_rows(task: str, sft_cfg: SFTConfig, val_size: int, data_seed: in
     return rows
 
 
+def calc_sft_rows(sft_cfg: SFTConfig, val_size: int, data_seed: int = 0) -> list[list[dict]]:
+    """Tool-use traces of the calc task (chat messages: loss on the assistant turns), never
+    from its validation split; `sft.miscopy_rate` of them miscopy a digit (data/calc.py)."""
+    import random
+
+    from hybridflow.data.calc import calc_problems, calc_splits, calc_trace
+
+    held_out = frozenset(q for q, _ in calc_splits(0, val_size, data_seed)["test"])
+    problems = calc_problems(sft_cfg.builtin_size, data_seed + 2_000_003, held_out)
+    rng = random.Random(data_seed + 17)
+    return [calc_trace(question, rng, sft_cfg.miscopy_rate) for question, _ in problems]
+
+
 def accuracy_problems(task: str, size: int, val_size: int, data_seed: int = 0):
     """``size`` (question, answer) pairs of the built-in task for the greedy-accuracy check of
     ``sft.stop_at_accuracy``, never from its validation split (the RL before/after numbers)."""
     from hybridflow.data.arithmetic import arithmetic_problems, arithmetic_splits
 
+    if task == "calc":
+        from hybridflow.data.calc import calc_problems, calc_splits
+
+        held_out = frozenset(q for q, _ in calc_splits(0, val_size, data_seed)["test"])
+        return calc_problems(size, data_seed + 3_000_017, held_out)
     if task != "arithmetic":
         raise ValueError(f"sft.stop_at_accuracy: no built-in accuracy check for {task!r}")
     held_out = frozenset(q for q, _ in arithmetic_splits(0, val_size, data_seed)["test"])
@@ -105,6 +125,34 @@ def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int = 8) -> floa
                 row = row[: row.index(tokenizer.eos_token_id)]
             correct += tokenizer.decode(row, skip_special_tokens=True).strip() == answer
     model.train(was_training)
+    return correct / max(len(problems), 1)
+
+
+def tool_accuracy(model, tokenizer, problems, max_turns: int = 2, max_tokens: int = 160) -> float:
+    """Fraction of `problems` whose greedy episode with the calculator (the calc task's
+    loop) ends with exactly the answer."""
+    import asyncio
+
+    from hybridflow.agents.calculator import CalculatorTool
+    from hybridflow.agents.client import EngineClient
+    from hybridflow.agents.loop import Episode, LoopLimits, ToolCallingLoop, run_episodes
+    from hybridflow.engine import Engine, EngineOptions, SamplingParams
+
+    was_training = model.training
+    model.eval()
+    engine = Engine(model, max_batch_size=len(problems), max_seq_len=256,
+                    options=EngineOptions(decode_backend="torch", cuda_graphs=False))  # fmt: skip
+    sampling = SamplingParams(temperature=0, stop_token_ids=(tokenizer.eos_token_id,))
+    loop = ToolCallingLoop(tokenizer, {"calculator": CalculatorTool()}, sampling,
+                           limits=LoopLimits(max_turns=max_turns, max_tokens=max_tokens,
+                                             max_tokens_per_turn=max_tokens))  # fmt: skip
+    episodes = [Episode(_user(question)) for question, _ in problems]
+    client = EngineClient(engine)
+    trajectories = asyncio.run(run_episodes(loop, episodes, client))
+    client.close()
+    engine.release()
+    model.train(was_training)
+    correct = sum(t.final_text.strip() == answer for t, (_, answer) in zip(trajectories, problems))
     return correct / max(len(problems), 1)
 
 
@@ -195,6 +243,7 @@ def train_warm_start(cfg: Config, task: str, target: Path, log=print) -> None:
             log(f"  sft step {step}/{sft_cfg.total_steps}  loss {metrics['sft/loss']:.3f}")
 
     problems = accuracy_problems(task, sft_cfg.eval_size, cfg.data.builtin_val_size)
+    check = tool_accuracy if task == "calc" else greedy_accuracy
     trainer = run_sft(
         model,
         examples,
@@ -203,9 +252,7 @@ def train_warm_start(cfg: Config, task: str, target: Path, log=print) -> None:
         seed=cfg.trainer.seed,
         pad_token_id=tokenizer.pad_token_id or 0,
         log=log_progress,
-        should_stop=accuracy_stopper(
-            sft_cfg, lambda lm: greedy_accuracy(lm, tokenizer, problems), log
-        ),
+        should_stop=accuracy_stopper(sft_cfg, lambda lm: check(lm, tokenizer, problems), log),
     )
     temporary = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(temporary, ignore_errors=True)

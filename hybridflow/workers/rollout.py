@@ -63,13 +63,13 @@ class RolloutWorker(Worker):
         self._agent_loop = None  # built at the first agent rollout (rollout.agent.loop)
         self.tokenizer = None
         if config.rollout.agent.loop is not None:
-            from hybridflow.agents.templates import with_tool_template
+            from hybridflow.agents.templates import renders_tool_messages, with_tool_template
             from hybridflow.models.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(default_tokenizer_path(config.model))
-            # a tokenizer whose template cannot render tools gets the built-in ChatML one
-            template = getattr(tokenizer, "chat_template", None) or ""
-            self.tokenizer = tokenizer if "tools" in template else with_tool_template(tokenizer)
+            # a tokenizer whose template cannot render tool results gets the built-in ChatML one
+            self.tokenizer = tokenizer if renders_tool_messages(tokenizer) else (
+                with_tool_template(tokenizer))  # fmt: skip
 
     def _generate_episodes(self, batch: Batch, params, pad_token_id: int) -> Batch:
         """rollout.agent.loop: n multi-turn episodes per prompt row (its `raw_prompt`

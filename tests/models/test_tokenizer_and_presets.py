@@ -59,8 +59,11 @@ def test_char_chat_template_is_compact_and_closes_turns_with_eos():
     assert len(prompt_ids) == 11
     assert tokenizer.decode(prompt_ids) == "<|im_start|>u23+45=<|im_end|><|im_start|>a"
     assert tokenizer.decode(prompt_ids, skip_special_tokens=True) == "u23+45=a"
-    with pytest.raises(jinja2.TemplateError, match="unsupported role tool"):
-        tokenizer.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+    # tool results (the calc task's episodes) are turns of their own, marked t
+    tool = tokenizer.apply_chat_template([{"role": "tool", "content": "5535"}], tokenize=False)
+    assert tool == "<|im_start|>t5535<|im_end|>"
+    with pytest.raises(jinja2.TemplateError, match="unsupported role critic"):
+        tokenizer.apply_chat_template([{"role": "critic", "content": "x"}], tokenize=False)
 
 
 def test_unknown_names_fail_with_the_options():
