@@ -102,3 +102,25 @@ def test_bad_agent_settings_are_named_before_anything_loads():
     assert "rollout.agent.loop='react'" in text and "rollout.agent.max_turns=0" in text
     with pytest.raises(ConfigError, match="a tool loop needs tools"):
         validate(load_config(None, ["rollout.agent.loop=tools"]))
+
+
+def test_the_calc_task_runs_end_to_end_from_its_tool_use_warm_start(tmp_path):
+    """sft:calc (a few SFT steps on tool-use traces) then a GRPO step of real two-turn
+    episodes with the calculator: the pipeline of examples/calc_tools.yaml at toy size (the
+    learning itself is measured by running the example: docs/agents.md)."""
+    from trainer.trainer_helpers import REPO
+
+    from hybridflow.config import load_config
+
+    cfg = load_config(REPO / "examples" / "calc_tools.yaml", [
+        f"trainer.run_dir={tmp_path / 'run'}", f"trainer.cache_dir={tmp_path / 'cache'}",
+        "trainer.device=cpu", "trainer.loggers=[jsonl]", "trainer.total_steps=1",
+        "trainer.test_freq=0", "sft.total_steps=8", "sft.stop_at_accuracy=null",
+        "sft.builtin_size=256", "data.builtin_train_size=32", "data.builtin_val_size=8",
+        "data.train_batch_size=4", "data.val_batch_size=8", "rollout.n=2", "rollout.val_n=1",
+        "actor.ppo_mini_batch_size=4", "rollout.agent.max_tokens_per_turn=48",
+    ])  # fmt: skip
+    train(cfg, log=lambda *a, **k: None)
+    metrics = read_metrics(cfg.trainer.run_dir)
+    assert "val/calc/mean@1" in metrics[0] and "rollout/agent_turns" in metrics[1]
+    assert 1 <= metrics[1]["rollout/agent_turns"] <= 2
