@@ -12,7 +12,10 @@ _EXPORTS = {
     "Completion": "hybridflow.engine.engine",
     "Engine": "hybridflow.engine.engine",
     "EngineOptions": "hybridflow.engine.options",
+    "RequestHandle": "hybridflow.engine.handles",
+    "RolloutService": "hybridflow.engine.service",
     "SamplingParams": "hybridflow.engine.sampling",
+    "TokenDelta": "hybridflow.engine.handles",
 }
 __all__ = sorted(_EXPORTS)
 

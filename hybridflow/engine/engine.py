@@ -5,9 +5,11 @@
     engine.release()  # KV cache freed; the next generate() allocates it again
 
 The Engine owns the device memory (KV cache, decode state, fused weight copies, captured
-graphs) and the choices made per shape (pinned across processes: choices.py); one generate()
-call's host bookkeeping (admission, chunks of decode steps, reading tokens back one chunk
-late) is scheduler.GenerationLoop. Every choice is an EngineOptions field (options.py).
+graphs) and the choices made per shape (pinned across processes: choices.py); the host
+bookkeeping (admission, chunks of decode steps, reading tokens back one chunk late) is
+scheduler.Scheduler, which generate() runs until its prompts are done and the rollout service
+(service.py: requests submitted from any thread while others decode) runs on its own thread.
+Every choice is an EngineOptions field (options.py).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import functools
 import itertools
 import os
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -23,25 +24,15 @@ import torch
 from hybridflow.engine import kv_cache
 from hybridflow.engine.choices import PinnedChoices, choices_path, identity
 from hybridflow.engine.graphs import DecodeRunner
+from hybridflow.engine.host import cyclic_gc_paused
 from hybridflow.engine.kept import KeptKV
 from hybridflow.engine.kernels.launch import PLAIN
 from hybridflow.engine.options import EngineOptions
 from hybridflow.engine.prefill import RopeTable, extend_forward, prefill_forward
-from hybridflow.engine.sampling import SamplingParams, prompt_seeds, request_seeds, split_seed
-from hybridflow.engine.scheduler import GenerationLoop, PromptTable, cyclic_gc_paused
+from hybridflow.engine.requests import Completion, PromptTable, Submission
+from hybridflow.engine.sampling import SamplingParams, prompt_seeds, request_seeds
+from hybridflow.engine.scheduler import Scheduler
 from hybridflow.engine.state import DecodeState
-
-
-@dataclass
-class Completion:
-    token_ids: list[int]
-    """Generated tokens; a stop token that ended the sample is included."""
-    logprobs: list[float]
-    """log_softmax(logits / T) at each token, before top-k/top-p/min-p (T = 1 when greedy)."""
-    finish_reason: str
-    """'stop' (a stop token was emitted) or 'length' (max_new_tokens or max_seq_len reached)."""
-    kv_handle: int | None = None
-    """With generate(keep=True): the kept slot's handle, for `reuse` by the next turn."""
 
 
 def _triton_available() -> bool:
@@ -134,6 +125,9 @@ class Engine:
         self.prefill = prefill_forward
         self.extend = extend_forward
         self.kept = KeptKV()  # slots kept for the next turn of their conversation
+        self.scheduler: Scheduler | None = None  # made with the cache
+        self.service = None  # the RolloutService driving this engine, while one runs
+        self.policy_version = 0  # bumped by load_weights / new_policy_version
         self.prefill_tokens = 0  # prompt tokens run through prefill or extend (a counter)
 
     # -- pinned choices -------------------------------------------------------------------------
@@ -230,11 +224,19 @@ class Engine:
             use_graphs=self.cuda_graphs, use_triton_sampler=self.decode_backend == "triton",
             launch=self.launch or PLAIN,
         )  # fmt: skip
+        self.scheduler = Scheduler(self)
+        self.scheduler.version = self.policy_version
 
     def release(self) -> None:
         """Free the KV cache, decode state and captured graphs (memory back to training);
         kept KV goes with it."""
+        if self.service is not None and not self.service.on_engine_thread():
+            return self.service._call(self.release)
+        if self.scheduler is not None and self.scheduler.busy:
+            raise RuntimeError("Engine.release: requests are still running (pause the service "
+                               "and let them finish, or abort them, first)")  # fmt: skip
         self.kept.clear()
+        self.scheduler = None
         self.cache = self.state = self.runner = self.rope = self.fused = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -249,8 +251,12 @@ class Engine:
     def load_weights(self, named_tensors, bucket_bytes: int = 256 * 2**20) -> None:
         """Copy (name, tensor) pairs (HF names) into the model's parameters, in buckets of about
         bucket_bytes (one device sync per bucket bounds the staging memory). Kept KV was made
-        by the old weights: it is dropped."""
-        self.kept.clear()
+        by the old weights: it is dropped. Tokens sampled afterwards carry a new policy
+        version (Completion.version_spans). While a RolloutService runs, use its
+        update_weights (it pauses decoding around the copy)."""
+        if self.service is not None and not self.service.on_engine_thread():
+            self.service.update_weights(named_tensors)
+            return
         params = dict(self.model.named_parameters(remove_duplicate=False))
         pending = 0
         for name, tensor in named_tensors:
@@ -269,6 +275,22 @@ class Engine:
                 pending = 0
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self.new_policy_version()
+
+    def new_policy_version(self, version: int | None = None) -> int:
+        """The weights changed (loaded, or updated in place by a colocated trainer): kept KV
+        is dropped and tokens sampled from now on record `version` (default: the last + 1).
+        Live requests keep their K/V (their earlier tokens keep the old version)."""
+        if self.service is not None and not self.service.on_engine_thread():
+            return self.service._call(lambda: self.new_policy_version(version))
+        self.policy_version = self.policy_version + 1 if version is None else int(version)
+        if self.scheduler is not None:
+            self.scheduler.flush()
+            self.scheduler.drop_kept()
+            self.scheduler.new_version(self.policy_version)
+        else:
+            self.kept.clear()
+        return self.policy_version
 
     # -- generation -----------------------------------------------------------------------------
 
@@ -298,63 +320,84 @@ class Engine:
         call of it alone with seed=seeds[i] would (a server batching independent requests).
         keep: each finished sample keeps its KV (Completion.kv_handle; kept.py). reuse (n=1):
         per prompt a handle from an earlier call (or None): a prompt that extends that
-        handle's tokens prefills only the rest; the samples are the same either way."""
-        with cyclic_gc_paused():  # also while the results are wrapped (thousands of objects)
-            results = self._generate(prompts, params, seeds, keep=keep, reuse=reuse)
-            return [Completion(*result) for result in results]
+        handle's tokens prefills only the rest; the samples are the same either way.
+        While a RolloutService runs this engine, the prompts are submitted to it (and decode
+        beside its other requests)."""
+        if self.service is not None:
+            return self.service.generate(prompts, params, seeds, keep=keep, reuse=reuse)
+        with cyclic_gc_paused():  # also while the results are made (thousands of objects)
+            return self._generate(prompts, params, seeds, keep=keep, reuse=reuse)
 
     def release_kept(self, handles) -> None:
         """Give kept slots back (their handles become invalid; unknown ones are ignored)."""
-        self.kept.release(handles)
+        if self.service is not None and not self.service.on_engine_thread():
+            self.service.release_kept(handles)
+        elif self.scheduler is not None:
+            self.scheduler.release_kept(handles)
+        else:
+            self.kept.release(handles)
 
-    def _seeds(self, prompts, params: SamplingParams, seeds) -> torch.Tensor:
+    def _seeds(self, count: int, params: SamplingParams, seeds) -> torch.Tensor:
         if seeds is not None:
-            if len(seeds) != len(prompts):
-                raise ValueError(f"seeds: {len(seeds)} given for {len(prompts)} prompts")
+            if len(seeds) != count:
+                raise ValueError(f"seeds: {len(seeds)} given for {count} prompts")
             return prompt_seeds(list(seeds), params.n)
         base_seed = params.seed
         if base_seed is None:
             base_seed = int(torch.randint(0, 2**62, (1,)).item())
-        return request_seeds(base_seed, len(prompts), params.n)
+        return request_seeds(base_seed, count, params.n)
+
+    def submission(self, prompts, params: SamplingParams, seeds=None, keep=False, reuse=None,
+                   listener=None, on_finish=None) -> Submission:  # fmt: skip
+        """The scheduler's unit of work for these prompts; lengths checked (ValueError naming
+        the first bad prompt), token ids checked when admitted (or by table.check())."""
+        table = self._prompt_table(prompts)
+        n = params.n
+        limit = self.max_seq_len
+        max_new = [min(params.max_new_tokens, limit - len(p)) for p in prompts for _ in range(n)]
+        return Submission(table, params, self._seeds(len(prompts), params, seeds), max_new,
+                          self._stop_ids(params), keep=keep, reuse=reuse, listener=listener,
+                          on_finish=on_finish)  # fmt: skip
+
+    def start_generation(self) -> None:
+        """Before the scheduler runs after a pause: the cache allocated, the fused weight
+        copies refreshed (the weights may have changed in place), graphs re-captured if a
+        parameter moved."""
+        if self.fused is not None:
+            # Queued first: the GPU copies while the host builds the first prefill's inputs.
+            self.fused.refresh(self.model)
+        if self.cache is None:
+            self._allocate()  # makes (and fills) the fused copies
+        self.runner.check_weights()
 
     @torch.no_grad()
     def _generate(self, prompts, params: SamplingParams, seeds=None, keep=False,
-                  reuse=None) -> list[tuple]:  # fmt: skip
-        """generate() as (token_ids list, logprobs list, finish_reason) tuples."""
+                  reuse=None) -> list[Completion]:  # fmt: skip
         if not self.native:
             from hybridflow.engine.slow import generate_slow
 
-            return [
-                (c.token_ids, c.logprobs, c.finish_reason)
-                for c in generate_slow(self, prompts, params, self._seeds(prompts, params, seeds))
-            ]
-        if self.fused is not None:
-            # Weights may have changed since the last call. Queued first: the GPU copies while
-            # the host checks the prompts and builds the first prefill's inputs.
-            self.fused.refresh(self.model)
-        table = self._prompt_table(prompts)
-        if self.cache is None:
-            self._allocate()  # makes (and fills) the fused copies
-        elif self.state.num_rows:  # a call that raised (or was interrupted) left rows behind
-            self.state.keep_rows([])
-        seed_lo, seed_hi = split_seed(self._seeds(prompts, params, seeds))
-        self.state.set_stop_tokens(self._stop_ids(params))
-        self.runner.prepare(params, shared=self._shares_prefixes(params))
-        loop = GenerationLoop(self, table, params, seed_lo.tolist(), seed_hi.tolist(),
-                              keep=keep, reuse=reuse)  # fmt: skip
-        with cyclic_gc_paused():
-            if self.device.type != "cuda":
-                results = loop.run()
-            else:
-                with torch.cuda.device(self.device):  # graphs and side streams on its GPU
-                    results = loop.run()
+            return generate_slow(self, prompts, params, self._seeds(len(prompts), params, seeds))
+        sub = self.submission(prompts, params, seeds, keep=keep, reuse=reuse)
+        self.start_generation()
+        try:
+            with cyclic_gc_paused():
+                if self.device.type != "cuda":
+                    results = self.scheduler.run(sub)
+                else:
+                    with torch.cuda.device(self.device):  # graphs and side streams on its GPU
+                        results = self.scheduler.run(sub)
+        except BaseException:
+            self._reset_scheduler()  # a bad prompt id, an interrupt: nothing half-admitted
+            raise
         self._record_choices()
         return results
 
-    def _shares_prefixes(self, params: SamplingParams) -> bool:
-        """Whether this call's decode attention reads each prompt's prefix once per group
-        of its samples (options.shared_prefix; n > 1 on the triton backend)."""
-        return params.n > 1 and self.decode_backend == "triton" and self.options.shared_prefix
+    def _reset_scheduler(self) -> None:
+        if self.state is None:
+            return
+        self.state.keep_rows([])
+        self.scheduler = Scheduler(self)
+        self.scheduler.version = self.policy_version
 
     def generate_padded(
         self, prompts: list[list[int]], params: SamplingParams, pad_token_id: int | None = None
@@ -368,16 +411,20 @@ class Engine:
         return padded_tensors(results, pad_token_id)
 
 
-def padded_tensors(results: list[tuple], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """(token_ids, logprobs, reason) lists -> right-padded CPU tensors, through numpy: one
+def padded_tensors(results: list[Completion], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Completions -> right-padded CPU tensors, through numpy: one
     flat conversion of all the numbers and a masked scatter (1024 x ~256 tokens: ~15 ms on
     a 2-core CPU host, against ~50 ms for torch.tensor on padded nested lists)."""
     count = len(results)
-    lengths = np.fromiter((len(r[0]) for r in results), dtype=np.int64, count=count)
+    lengths = np.fromiter((len(r.token_ids) for r in results), dtype=np.int64, count=count)
     width = int(lengths.max()) if count else 0
     total = int(lengths.sum())
-    tokens = np.fromiter(itertools.chain.from_iterable(r[0] for r in results), np.int64, total)
-    logprobs = np.fromiter(itertools.chain.from_iterable(r[1] for r in results), np.float32, total)
+    tokens = np.fromiter(
+        itertools.chain.from_iterable(r.token_ids for r in results), np.int64, total
+    )
+    logprobs = np.fromiter(
+        itertools.chain.from_iterable(r.logprobs for r in results), np.float32, total
+    )
     filled = np.arange(width)[None, :] < lengths[:, None]  # row-major: the flat order
     responses = np.full((count, width), pad_token_id, dtype=np.int64)
     responses[filled] = tokens

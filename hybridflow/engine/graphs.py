@@ -4,7 +4,8 @@ A step = forward one token per row + sample + advance the device state. Everythi
 (tokens, positions, slots, seeds, stop mask, weights, cache) lives at fixed addresses, so the
 step is captured once per (bucket, sampling mode) and replayed; the weights are read where the
 trainer keeps them, so in-place optimizer updates need no recapture (a changed parameter
-address does: checked at every generate()).
+address does: checked whenever generation starts). A batch whose rows share one sampling
+setting runs the sampler specialised for it; rows that differ run row_sampling.py's.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from hybridflow.engine.kernels.launch import PLAIN, Launch
+from hybridflow.engine.row_sampling import RowMixedMode, sample_rows
 from hybridflow.engine.sampling import SamplingParams, sample_reference
 from hybridflow.engine.state import DecodeState, advance
 
@@ -49,38 +51,57 @@ class DecodeRunner:
         self.buckets = batch_buckets(state.capacity)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = None
-        self.params: SamplingParams | None = None
+        self.params: SamplingParams | RowMixedMode | None = None
         self._weights_key = None
         self._recent_modes: list[tuple] = []
         self.shared = False  # shared_prefix attention for this call (prepare)
 
     # -- sampling ----------------------------------------------------------------------------
 
-    def sample(self, logits, seed_lo, seed_hi, steps):
-        """logits [B, V] -> (tokens [B] int64, logprobs [B] fp32), no host sync."""
+    def sample(self, logits, seed_lo, seed_hi, steps, params=None, rows=None):
+        """logits [B, V] -> (tokens [B] int64, logprobs [B] fp32), no host sync. params: the
+        rows' one SamplingParams; or a RowMixedMode with `rows`, the state's row slice whose
+        settings apply (rows just appended)."""
+        params = self.params if params is None else params
+        if isinstance(params, RowMixedMode):
+            state = self.state
+            return sample_rows(logits, state.temperature[rows], state.top_k[rows],
+                               state.top_p[rows], state.min_p[rows], seed_lo, seed_hi, steps,
+                               params)  # fmt: skip
         if self.use_triton_sampler:
             from hybridflow.engine.kernels.sampler import sample_fused
 
-            return sample_fused(logits, self.params, seed_lo, seed_hi, steps, launch=self.launch)
-        return sample_reference(logits, self.params, seed_lo, seed_hi, steps)
+            return sample_fused(logits, params, seed_lo, seed_hi, steps, launch=self.launch)
+        return sample_reference(logits, params, seed_lo, seed_hi, steps)
 
     # -- steps -------------------------------------------------------------------------------
 
-    def prepare(self, params: SamplingParams, shared: bool = False) -> None:
-        """Called at each generate(): drop graphs if a parameter moved (new storage), and
-        graphs of sampling modes other than the last two used (training + validation).
-        shared: decode attention reads each prompt's prefix once per group of its samples
-        (shared_prefix.py; the loop keeps the state's group table current)."""
-        self.params = params
-        self.shared = shared
+    def check_weights(self) -> None:
+        """Drop every graph if a parameter moved (new storage): graphs read weights at the
+        addresses they were captured with. Called when generation (re)starts."""
         key = tuple(p.data_ptr() for p in self.model.parameters())
         if key != self._weights_key:
             self.graphs.clear()
             self._weights_key = key
-        mode = (params.mode_key(), shared)
-        self._recent_modes = [mode] + [m for m in self._recent_modes if m != mode][:1]
+
+    def set_mode(self, mode, shared: bool = False) -> None:
+        """The sampling mode of the next steps: a SamplingParams every live row shares (its
+        fused, specialised sampler) or a RowMixedMode (each row's settings from the state:
+        row_sampling.py). Graphs of modes other than the last few used are dropped.
+        shared: decode attention reads each prompt's prefix once per group of its samples
+        (shared_prefix.py; the scheduler keeps the state's group table current)."""
+        self.params = mode
+        self.shared = shared
+        key = (mode.mode_key(), shared)
+        if self._recent_modes and self._recent_modes[0] == key:
+            return
+        self._recent_modes = [key] + [m for m in self._recent_modes if m != key][:3]
         for graph_key in [k for k in self.graphs if k[1] not in self._recent_modes]:
             del self.graphs[graph_key]
+
+    @property
+    def mixed(self) -> bool:
+        return isinstance(self.params, RowMixedMode)
 
     def _step(self, rows: int, max_len: int) -> None:
         state = self.state
@@ -91,6 +112,14 @@ class DecodeRunner:
             self.model, self.cache, self.rope, state.tokens[:rows], state.positions[:rows],
             state.row_slots[:rows], max_len, **extra,
         )  # fmt: skip
+        if self.mixed:
+            tokens, logprobs = sample_rows(
+                logits, state.temperature[:rows], state.top_k[:rows], state.top_p[:rows],
+                state.min_p[:rows], state.seed_lo[:rows], state.seed_hi[:rows],
+                state.generated[:rows], self.params,
+            )  # fmt: skip
+            advance(state, rows, tokens, logprobs)
+            return
         if self.use_triton_sampler:
             from hybridflow.engine.kernels.sampler import sample_fused
 

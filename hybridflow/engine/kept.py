@@ -29,6 +29,9 @@ class KeptKV:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def handles(self) -> list[int]:
+        return list(self._entries)
+
     def slots(self) -> set[int]:
         return {slot for slot, _ in self._entries.values()}
 

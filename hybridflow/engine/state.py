@@ -24,6 +24,12 @@ class DecodeState:
         self.seed_lo = torch.zeros(rows, **long)
         self.seed_hi = torch.zeros(rows, **long)
         self.finished = torch.ones(rows, dtype=torch.bool, device=device)
+        # Each row's sampling settings, read only when the live rows mix settings (a
+        # uniform batch runs the sampler specialised for its one setting: graphs.py).
+        self.temperature = torch.ones(rows, device=device)  # 0 = greedy
+        self.top_k = torch.zeros(rows, **long)  # <= 0: off
+        self.top_p = torch.ones(rows, device=device)
+        self.min_p = torch.zeros(rows, device=device)
         self.stop_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         self._stop_host = self._stop_copied = None  # pinned staging buffer (CUDA)
         # shared_prefix groups of the live rows (rewritten by the loop when rows change)
@@ -36,7 +42,8 @@ class DecodeState:
         self.num_rows = 0
         self._row_fields = (
             self.tokens, self.positions, self.row_slots, self.generated, self.max_new,
-            self.seed_lo, self.seed_hi, self.finished,
+            self.seed_lo, self.seed_hi, self.finished, self.temperature, self.top_k, self.top_p,
+            self.min_p,
         )  # fmt: skip
 
     def set_stop_tokens(self, stop_ids: list[int]) -> None:
@@ -111,6 +118,21 @@ class DecodeState:
         self.seed_hi[rows] = seed_hi
         self.finished[rows] = self.stop_mask[tokens] | (max_new <= 1)
         self.num_rows = start + count
+
+    def set_row_sampling(self, first: int, modes: list[tuple]) -> None:
+        """Rows [first, first + len(modes)) sample with these (temperature, top_k, top_p,
+        min_p) settings (SamplingParams.mode_key()). One setting for all: four fills, no copy."""
+        rows = slice(first, first + len(modes))
+        fields = (self.temperature, self.top_k, self.top_p, self.min_p)
+        if all(mode == modes[0] for mode in modes):
+            for field, value in zip(fields, modes[0]):
+                field[rows] = value
+            return
+        values = torch.tensor(modes, dtype=torch.float64).T  # [4, R]
+        if self.tokens.is_cuda:
+            values = values.pin_memory().to(self.tokens.device, non_blocking=True)
+        for field, column in zip(fields, values):
+            field[rows] = column.to(field.dtype)
 
 
 def advance(state: DecodeState, rows: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:

@@ -249,13 +249,13 @@ def test_cyclic_gc_is_paused_inside_generate_and_restored(model, monkeypatch):
     from hybridflow.engine import scheduler as loop_module
 
     seen = []
-    run = loop_module.GenerationLoop.run
+    run = loop_module.Scheduler.run
 
-    def spy(self):
+    def spy(self, sub):
         seen.append(gc.isenabled())
-        return run(self)
+        return run(self, sub)
 
-    monkeypatch.setattr(loop_module.GenerationLoop, "run", spy)
+    monkeypatch.setattr(loop_module.Scheduler, "run", spy)
     assert gc.isenabled()
     _engine(model).generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, seed=0))
     assert seen == [False] and gc.isenabled()
@@ -300,7 +300,7 @@ def test_a_bad_prompt_past_the_first_prefill_is_named_and_the_engine_recovers(mo
     expected = [(c.token_ids, c.finish_reason) for c in engine.generate(good, params)]
     with pytest.raises(ValueError, match=r"prompt 3 has token ids outside"):
         engine.generate(good[:3] + [[14, vocab + 1]], params)
-    assert engine.state.num_rows > 0  # the first admission had been queued when it raised
+    assert engine.state.num_rows == 0  # the rows its first admission queued were dropped
     again = [(c.token_ids, c.finish_reason) for c in engine.generate(good, params)]
     assert again == expected
 
@@ -308,7 +308,7 @@ def test_a_bad_prompt_past_the_first_prefill_is_named_and_the_engine_recovers(mo
 def test_young_objects_are_collected_only_while_the_gpu_is_busy():
     import gc
 
-    from hybridflow.engine.scheduler import collect_young, cyclic_gc_paused
+    from hybridflow.engine.host import collect_young, cyclic_gc_paused
 
     class Event:  # stands in for torch.cuda.Event
         def __init__(self, done):
@@ -345,10 +345,10 @@ def test_young_objects_are_collected_only_while_the_gpu_is_busy():
 
 
 def test_padded_tensors_pad_each_row_after_its_own_length():
-    from hybridflow.engine.engine import padded_tensors
+    from hybridflow.engine.engine import Completion, padded_tensors
 
-    results = [([5, 6, 7], [-0.5, -1.25, -2.0], "length"), ([9], [-0.1], "stop"),
-               ([], [], "stop"), ([1, 2], [-3.0, -4.0], "length")]  # fmt: skip
+    results = [Completion([5, 6, 7], [-0.5, -1.25, -2.0], "length"), Completion([9], [-0.1], "stop"),
+               Completion([], [], "stop"), Completion([1, 2], [-3.0, -4.0], "length")]  # fmt: skip
     out = padded_tensors(results, pad_token_id=99)
     assert out["responses"].tolist() == [[5, 6, 7], [9, 99, 99], [99, 99, 99], [1, 2, 99]]
     assert out["response_lengths"].tolist() == [3, 1, 0, 2]
