@@ -94,6 +94,7 @@ def bench_agent(args) -> dict:
                                          args.kept_kv)  # fmt: skip
         client = EngineClient(engine)
         before = engine.prefill_tokens
+        counters = _decode_counters(engine)
 
         async def everything():
             await asyncio.gather(*(episodes.run(p, client, args.seed + 1000 * i)
@@ -104,21 +105,26 @@ def bench_agent(args) -> dict:
         _sync(device)
         seconds = time.perf_counter() - start
         episodes.prefilled = engine.prefill_tokens - before
+        steps, rows = (b - a for a, b in zip(counters, _decode_counters(engine)))
+        episodes.mean_rows = rows / max(steps, 1)
         client.close()  # the kept slots back before anything else runs on the engine
         return seconds, episodes, client
 
     single_params = SamplingParams(temperature=1.0, ignore_eos=True, seed=args.seed,
                                    max_new_tokens=args.turns * args.turn_tokens)  # fmt: skip
 
-    def single_run() -> float:
+    def single_run() -> tuple[float, float]:
+        counters = _decode_counters(engine)
         start = time.perf_counter()
         engine.generate(prompts, single_params)
         _sync(device)
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        steps, rows = (b - a for a, b in zip(counters, _decode_counters(engine)))
+        return seconds, rows / max(steps, 1)
 
     agent_run(), single_run()  # warm-up: compile, tune, capture every bucket both use
     agent_s, episodes, client = agent_run()
-    single_s = single_run()
+    single_s, single_rows = single_run()
     generated = episodes.generated
     # with KV kept between turns only the first prompt and the tools' tokens need a prefill
     needed = args.episodes * (args.prompt_len + (args.turns - 1) * args.tool_tokens)
@@ -130,17 +136,24 @@ def bench_agent(args) -> dict:
         "kept_kv": args.kept_kv, "kv_evictions": engine.kept.evictions,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "agent": {"seconds": agent_s, "generated_tokens": generated,
-                  "tokens_per_s": generated / agent_s, "engine_calls": client.calls,
+                  "tokens_per_s": generated / agent_s, "requests": client.requests,
+                  "mean_rows_per_step": episodes.mean_rows,
                   "prefilled_tokens": episodes.prefilled},
         "single_turn": {"seconds": single_s, "generated_tokens": args.episodes * args.turns
                         * args.turn_tokens, "tokens_per_s": args.episodes * args.turns
-                        * args.turn_tokens / single_s},
+                        * args.turn_tokens / single_s, "mean_rows_per_step": single_rows},
         "prefill_recomputed_over_context": (episodes.prefilled - needed) / context,
     }  # fmt: skip
     result["agent_over_single_turn"] = (result["agent"]["tokens_per_s"]
                                         / result["single_turn"]["tokens_per_s"])  # fmt: skip
     engine.release()
     return result
+
+
+def _decode_counters(engine) -> tuple[int, int]:
+    """(decode steps, rows decoded summed over them) so far: their ratio is the mean batch."""
+    scheduler = engine.scheduler
+    return (0, 0) if scheduler is None else (scheduler.decode_steps, scheduler.decoded_rows)
 
 
 @dataclasses.dataclass
@@ -154,11 +167,11 @@ def print_result(result: dict) -> None:
           f"{result['turns']} turns x {result['turn_tokens']} tokens, tools +"
           f"{result['tool_tokens']} tokens after {result['tool_latency_ms']:g} ms, kept KV "
           f"{'on' if result['kept_kv'] else 'off'}")  # fmt: skip
-    print("| path | generated tok/s | seconds | engine calls |\n|---|---|---|---|")
-    print(
-        f"| agent episodes | {a['tokens_per_s']:,.0f} | {a['seconds']:.3f} | {a['engine_calls']} |"
-    )
-    print(f"| single-turn generate | {s['tokens_per_s']:,.0f} | {s['seconds']:.3f} | 1 |")
+    print("| path | generated tok/s | seconds | mean rows per decode step |\n|---|---|---|---|")
+    print(f"| agent episodes | {a['tokens_per_s']:,.0f} | {a['seconds']:.3f} | "
+          f"{a['mean_rows_per_step']:.1f} |")  # fmt: skip
+    print(f"| single-turn generate | {s['tokens_per_s']:,.0f} | {s['seconds']:.3f} | "
+          f"{s['mean_rows_per_step']:.1f} |")  # fmt: skip
     print(f"agent / single-turn: {result['agent_over_single_turn']:.2f}; prefill recomputed / "
           f"context tokens: {result['prefill_recomputed_over_context']:.2f}")  # fmt: skip
 

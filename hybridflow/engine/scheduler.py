@@ -66,6 +66,8 @@ class Scheduler:
         self.row_end: list[int] = []  # prompt length + max_new: bound on the row's cache length
         self.row_admission: list[int] = []  # which admission prefilled each row's prompt
         self.admissions = 0
+        self.decode_steps = 0  # steps run, and rows decoded summed over them (their ratio: the
+        self.decoded_rows = 0  # mean batch, a counter of how well requests share steps)
         self.pending: _Snapshot | None = None
         self.version = 0  # the policy version sampling now (new_version)
         self.live_subs: dict[Submission, int] = {}  # live rows per submission
@@ -187,6 +189,8 @@ class Scheduler:
         if self._groups_changed and self.runner.shared:
             self._upload_groups()
         self.runner.decode_steps(len(self.rows), steps, self._max_live_len(steps))
+        self.decode_steps += steps
+        self.decoded_rows += steps * len(self.rows)
         self.row_budget = [b - steps for b in self.row_budget]
 
     def _sync_submissions(self) -> None:

@@ -17,7 +17,7 @@ MAX_SEQ_LEN = 512
 
 @pytest.fixture(scope="session")
 def engine_client():
-    """The EngineClient the server's requests go through (its `calls` count engine calls)."""
+    """The EngineClient the server's requests go through."""
     from hybridflow.agents.client import EngineClient
     from hybridflow.engine import Engine, EngineOptions
     from hybridflow.models import load_model
