@@ -105,8 +105,8 @@ def bench_agent(args) -> dict:
         _sync(device)
         seconds = time.perf_counter() - start
         episodes.prefilled = engine.prefill_tokens - before
-        steps, rows = (b - a for a, b in zip(counters, _decode_counters(engine)))
-        episodes.mean_rows = rows / max(steps, 1)
+        steps, rows, passes = (b - a for a, b in zip(counters, _decode_counters(engine)))
+        episodes.mean_rows, episodes.prefill_passes = rows / max(steps, 1), passes
         client.close()  # the kept slots back before anything else runs on the engine
         return seconds, episodes, client
 
@@ -119,11 +119,14 @@ def bench_agent(args) -> dict:
         engine.generate(prompts, single_params)
         _sync(device)
         seconds = time.perf_counter() - start
-        steps, rows = (b - a for a, b in zip(counters, _decode_counters(engine)))
+        steps, rows, _ = (b - a for a, b in zip(counters, _decode_counters(engine)))
         return seconds, rows / max(steps, 1)
 
+    engine.warm_up(sampling)  # every batch size's graph: the episodes' batch size wanders
     agent_run(), single_run()  # warm-up: compile, tune, capture every bucket both use
+    captures = engine.runner.captures if engine.runner is not None else 0
     agent_s, episodes, client = agent_run()
+    captures = (engine.runner.captures if engine.runner is not None else 0) - captures
     single_s, single_rows = single_run()
     generated = episodes.generated
     # with KV kept between turns only the first prompt and the tools' tokens need a prefill
@@ -138,6 +141,7 @@ def bench_agent(args) -> dict:
         "agent": {"seconds": agent_s, "generated_tokens": generated,
                   "tokens_per_s": generated / agent_s, "requests": client.requests,
                   "mean_rows_per_step": episodes.mean_rows,
+                  "prefill_passes": episodes.prefill_passes, "graph_captures": captures,
                   "prefilled_tokens": episodes.prefilled},
         "single_turn": {"seconds": single_s, "generated_tokens": args.episodes * args.turns
                         * args.turn_tokens, "tokens_per_s": args.episodes * args.turns
@@ -150,10 +154,13 @@ def bench_agent(args) -> dict:
     return result
 
 
-def _decode_counters(engine) -> tuple[int, int]:
-    """(decode steps, rows decoded summed over them) so far: their ratio is the mean batch."""
+def _decode_counters(engine) -> tuple[int, int, int]:
+    """(decode steps, rows decoded summed over them, prefill passes) so far (steps and rows:
+    their ratio is the mean batch)."""
     scheduler = engine.scheduler
-    return (0, 0) if scheduler is None else (scheduler.decode_steps, scheduler.decoded_rows)
+    if scheduler is None:
+        return (0, 0, 0)
+    return (scheduler.decode_steps, scheduler.decoded_rows, scheduler.admissions)
 
 
 @dataclasses.dataclass
@@ -173,7 +180,8 @@ def print_result(result: dict) -> None:
     print(f"| single-turn generate | {s['tokens_per_s']:,.0f} | {s['seconds']:.3f} | "
           f"{s['mean_rows_per_step']:.1f} |")  # fmt: skip
     print(f"agent / single-turn: {result['agent_over_single_turn']:.2f}; prefill recomputed / "
-          f"context tokens: {result['prefill_recomputed_over_context']:.2f}")  # fmt: skip
+          f"context tokens: {result['prefill_recomputed_over_context']:.2f}; prefill passes: "
+          f"{a['prefill_passes']}; graphs captured while timed: {a['graph_captures']}")  # fmt: skip
 
 
 def run_agent_command(args) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -215,8 +216,15 @@ class Engine:
             )  # fmt: skip
             self.prefill = functools.partial(prefill_forward_triton, fused=self.fused,
                                              matmul=self.matmul, launch=self.launch)  # fmt: skip
+            # Extend passes (kept-KV turns) come in whatever token counts the requests arrive
+            # with: timing candidates at each new count would stall the engine (an H200
+            # agent benchmark spent 3.7 of its 4.3 s in 14 such passes), so they run cuBLAS
+            # and the untuned attention tile.
+            from hybridflow.engine.layers.matmul_choice import DecodeMatmul
+
             self.extend = functools.partial(extend_forward_triton, fused=self.fused,
-                                            matmul=self.matmul, launch=self.launch)  # fmt: skip
+                                            matmul=DecodeMatmul("cublas"), launch=self.launch,
+                                            autotune=False)  # fmt: skip
         else:
             from hybridflow.engine.layers.eager import decode_forward_torch as decode_forward
         self.runner = DecodeRunner(
@@ -369,6 +377,24 @@ class Engine:
         if self.cache is None:
             self._allocate()  # makes (and fills) the fused copies
         self.runner.check_weights()
+
+    @torch.no_grad()
+    def warm_up(self, params: SamplingParams) -> int:
+        """Capture the decode graph of every batch-size bucket for `params`' sampling mode
+        now, with the timing choices each bucket makes, instead of when a batch first has
+        that many rows: a server whose batch size wanders (requests come and go) would
+        otherwise stall at each new size. -> graphs captured. Idle engines only."""
+        if self.service is not None and not self.service.on_engine_thread():
+            return self.service._call(lambda: self.warm_up(params))
+        if not self.native or self.scheduler is not None and self.scheduler.busy:
+            return 0
+        self.start_generation()
+        self.runner.set_mode(params)
+        context = torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
+        with context:
+            captured = self.runner.capture_all()
+        self._record_choices()
+        return captured
 
     @torch.no_grad()
     def _generate(self, prompts, params: SamplingParams, seeds=None, keep=False,

@@ -54,7 +54,8 @@ class DecodeRunner:
         self.params: SamplingParams | RowMixedMode | None = None
         self._weights_key = None
         self._recent_modes: list[tuple] = []
-        self.shared = False  # shared_prefix attention for this call (prepare)
+        self.shared = False  # shared_prefix attention of the steps (set_mode)
+        self.captures = 0  # graphs captured so far (a counter: each costs a warm-up and timing)
 
     # -- sampling ----------------------------------------------------------------------------
 
@@ -145,6 +146,23 @@ class DecodeRunner:
         for _ in range(steps):
             graph.replay()
 
+    def capture_all(self) -> int:
+        """Capture the current mode's graph of every batch-size bucket now (with the timing
+        choices each makes), not at first use; -> how many were new."""
+        if not self.use_graphs or self.state.num_rows:
+            return 0
+        before = self.captures
+        # The rows are padding (the scratch slot): at position 0 the warm-up would tune the
+        # attention tiles for one cached token. Half the cache is what a call averages.
+        positions = self.state.positions.clone()
+        self.state.positions.fill_(self.cache.max_seq_len // 2)
+        try:
+            for bucket in self.buckets:
+                self._graph(bucket)
+        finally:
+            self.state.positions.copy_(positions)
+        return self.captures - before
+
     def _graph(self, bucket: int) -> torch.cuda.CUDAGraph:
         key = (bucket, (self.params.mode_key(), self.shared))
         graph = self.graphs.get(key)
@@ -176,4 +194,5 @@ class DecodeRunner:
         with torch.cuda.graph(graph, pool=self.pool):
             self._step(bucket, max_len)
         self.graphs[key] = graph
+        self.captures += 1
         return graph

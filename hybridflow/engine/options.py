@@ -35,6 +35,11 @@ class EngineOptions:
     up to two chunks after it finished); 0 waits for every chunk. None: 1 on CUDA, else 0."""
     max_prefill_tokens: int = 16384
     """Prompt tokens per packed prefill pass (bounds prefill activation memory)."""
+    admission_wait_chunks: int = 2
+    """While rows decode, requests that arrive a few at a time (agent turns, a server's
+    traffic) wait up to this many chunks of decode steps for others to share their prefill
+    pass (each pass is a fixed cost: ~a millisecond of launches per layer stack); an eighth of
+    the slots' worth of waiting requests is admitted at once. 0: admit at every chunk."""
     fuse_projections: str = "all"
     """triton backend: "all" keeps a concatenated copy of each layer's q/k/v and interleaved
     gate/up weights with the RMSNorm weights folded in (one matmul instead of three and two;
@@ -95,6 +100,9 @@ class EngineOptions:
             problems.append(f"steps_per_sync={self.steps_per_sync!r}: must be an integer >= 1")
         if self.sync_lag not in (None, 0, 1):
             problems.append(f"sync_lag={self.sync_lag!r}: must be 0, 1 or null (auto)")
+        if not isinstance(self.admission_wait_chunks, int) or self.admission_wait_chunks < 0:
+            problems.append(f"admission_wait_chunks={self.admission_wait_chunks!r}: must be an "
+                            "integer >= 0")  # fmt: skip
         if not isinstance(self.max_prefill_tokens, int) or self.max_prefill_tokens < 1:
             problems.append(
                 f"max_prefill_tokens={self.max_prefill_tokens!r}: must be an integer >= 1"
@@ -122,5 +130,6 @@ class EngineOptions:
 
     def timing_identity(self) -> dict:
         """The options that change what timing chooses (the pinned choices' key)."""
-        skip = {"cache_dir", "retune", "steps_per_sync", "sync_lag", "cuda_graphs"}
+        skip = {"cache_dir", "retune", "steps_per_sync", "sync_lag", "cuda_graphs",
+                "admission_wait_chunks"}
         return {k: v for k, v in asdict(self).items() if k not in skip}

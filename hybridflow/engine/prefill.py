@@ -166,10 +166,12 @@ def extend_forward_triton(
     fused: FusedProjections | None = None,
     matmul=None,
     launch: Launch = PLAIN,
+    autotune: bool = True,
 ) -> torch.Tensor:
     """extend_forward with the fused kernels: RoPE and the cache store of every new token
     first (rope_store), then each token's attention over its slot (decode_attention), two
-    launches, so no program reads a position another program of the same launch writes."""
+    launches, so no program reads a position another program of the same launch writes.
+    autotune: time the attention tile for each new token count (Engine turns it off)."""
     from hybridflow.engine.kernels import attention, rowwise
     from hybridflow.engine.layers.split import fused_layers
 
@@ -181,7 +183,7 @@ def extend_forward_triton(
         rowwise.rope_store(q, k, v, rope.cos, rope.sin, position_ids, token_slots, keys, values,
                            launch=launch)  # fmt: skip
         return attention.decode_attention(q, keys, values, token_slots, lengths, max_len,
-                                          launch=launch)  # fmt: skip
+                                          launch=launch, autotune=autotune)  # fmt: skip
 
     normed = fused_layers(model, input_ids, attend, fused, matmul, keep=last_index, launch=launch)
     return model.lm_head(normed)

@@ -121,6 +121,7 @@ class Submission:
         self.remaining = len(max_new)
         self.aborted: set[int] = set()  # requests to end early (abort)
         self.error: BaseException | None = None
+        self.queued_at = 0  # the scheduler's step count when it was added
 
     @property
     def done(self) -> bool:

@@ -66,6 +66,7 @@ class Scheduler:
         self.row_end: list[int] = []  # prompt length + max_new: bound on the row's cache length
         self.row_admission: list[int] = []  # which admission prefilled each row's prompt
         self.admissions = 0
+        self.steps = 0  # step() calls so far (a clock for how long requests have waited)
         self.decode_steps = 0  # steps run, and rows decoded summed over them (their ratio: the
         self.decoded_rows = 0  # mean batch, a counter of how well requests share steps)
         self.pending: _Snapshot | None = None
@@ -89,6 +90,7 @@ class Scheduler:
     def add(self, sub: Submission) -> None:
         """Queue a submission's requests; those naming a kept slot their prompt extends
         continue in it (kept.py), the rest wait for a free slot."""
+        sub.queued_at = self.steps
         if sub.reuse is None:
             self.waiting.extend((sub, request) for request in range(len(sub.max_new)))
             return
@@ -166,7 +168,8 @@ class Scheduler:
         # Admit until the slots or the queue run out (several prefill passes back to back):
         # rows admitted later would otherwise trail the first ones by a whole chunk of steps
         # at a smaller batch (an H200 profile of 256 prompts showed 15 steps at 128 rows).
-        while self.extending:
+        self.steps += 1
+        while self.extending and self._ready(self.extending):
             self._admit_extension()
         while self.waiting and self._should_admit():
             self._admit()
@@ -222,7 +225,15 @@ class Scheduler:
         while free < want and len(self.engine.kept):  # kept KV gives way, oldest first
             self.free_slots.append(self.engine.kept.evict_oldest())
             free += 1
-        return free > 0 and (not self.rows or free >= want)
+        return free > 0 and (not self.rows or (free >= want and self._ready(self.waiting)))
+
+    def _ready(self, queue) -> bool:
+        """Whether a queue's requests go in now rather than wait for company (prefill passes
+        are a fixed cost each: options.admission_wait_chunks): yes when nothing decodes, an
+        eighth of the slots' worth waits, or its oldest request has waited long enough."""
+        if not self.rows or len(queue) >= max(1, self.cache.num_slots // 8):
+            return True
+        return self.steps - queue[0][0].queued_at > self.engine.options.admission_wait_chunks
 
     def _max_live_len(self, steps: int) -> int:
         """Host upper bound on cache positions read during the next `steps` steps (eager torch
