@@ -130,6 +130,12 @@ class EngineOptions:
 
     def timing_identity(self) -> dict:
         """The options that change what timing chooses (the pinned choices' key)."""
-        skip = {"cache_dir", "retune", "steps_per_sync", "sync_lag", "cuda_graphs",
-                "admission_wait_chunks"}
+        skip = {
+            "cache_dir",
+            "retune",
+            "steps_per_sync",
+            "sync_lag",
+            "cuda_graphs",
+            "admission_wait_chunks",
+        }
         return {k: v for k, v in asdict(self).items() if k not in skip}

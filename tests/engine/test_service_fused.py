@@ -37,8 +37,9 @@ def test_mixed_settings_and_a_joining_group_sample_as_the_eager_engine_alone():
     settings = [
         SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True),
         SamplingParams(temperature=0.7, top_k=5, max_new_tokens=9, ignore_eos=True),
-        SamplingParams(temperature=1.0, stop_token_ids=(stop_at,), max_new_tokens=14,
-                       ignore_eos=True),  # fmt: skip
+        SamplingParams(
+            temperature=1.0, stop_token_ids=(stop_at,), max_new_tokens=14, ignore_eos=True
+        ),  # fmt: skip
         SamplingParams(temperature=1.3, top_p=0.8, max_new_tokens=10, ignore_eos=True),
         SamplingParams(temperature=1.0, min_p=0.05, max_new_tokens=11, ignore_eos=True),
     ]
