@@ -17,7 +17,7 @@ import subprocess
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -202,10 +202,12 @@ class Timer:
 
     CUDA work is asynchronous, so by default the device is synchronised at both ends
     of a stage (cheap at stage granularity) to charge the kernels to the right stage.
+    ``on_stage(stage)``, if given, returns a context manager entered around each stage (the
+    run's progress status and profiler range: trainer/stages.py, stage_scope).
     """
 
-    def __init__(self, sync_cuda: bool = True):
-        self.sync_cuda = sync_cuda
+    def __init__(self, sync_cuda: bool = True, on_stage=None):
+        self.sync_cuda, self.on_stage = sync_cuda, on_stage
         self.seconds: dict[str, float] = defaultdict(float)
 
     def _sync(self) -> None:
@@ -214,13 +216,15 @@ class Timer:
 
     @contextmanager
     def __call__(self, stage: str) -> Iterator[None]:
-        self._sync()
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
+        # the hook's scope holds the syncs: a profile charges the stage's kernels to its range
+        with self.on_stage(stage) if self.on_stage is not None else nullcontext():
             self._sync()
-            self.seconds[stage] += time.perf_counter() - start
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._sync()
+                self.seconds[stage] += time.perf_counter() - start
 
     def metrics(self) -> dict[str, float]:
         return {f"timing_s/{stage}": seconds for stage, seconds in self.seconds.items()}

@@ -38,7 +38,7 @@ def test_clean_metrics_converts_scalars_and_drops_the_rest():
 
 
 def test_tracker_writes_one_json_object_per_step(tmp_path):
-    with Tracker(["jsonl"], tmp_path, total_steps=3) as tracker:
+    with Tracker(["jsonl"], tmp_path) as tracker:
         for step in (1, 2, 3):
             tracker.log({"score/mean": torch.tensor(step / 10), "val/arithmetic/mean@1": 0.5}, step)
     rows = read_jsonl(tmp_path / "metrics.jsonl")
@@ -62,9 +62,7 @@ def test_resume_drops_lines_written_after_the_checkpoint(tmp_path):
 
 def test_console_prints_compact_rows_and_validation(tmp_path):
     buffer = io.StringIO()
-    logger = ConsoleLogger(
-        total_steps=2, console=Console(file=buffer, width=140, force_terminal=False)
-    )
+    logger = ConsoleLogger(console=Console(file=buffer, width=140, force_terminal=False))
     logger.log({"score/mean": 0.25, "timing_s/step": 1.5, "actor/grad_norm": 0.123456}, 1)
     logger.log(
         {
@@ -85,14 +83,14 @@ def test_console_prints_compact_rows_and_validation(tmp_path):
 
 def test_unknown_and_missing_backends(tmp_path):
     with pytest.raises(ValueError, match="unknown \\['tensorbored'\\]"):
-        Tracker(["tensorbored"], tmp_path, 1)
+        Tracker(["tensorbored"], tmp_path)
     try:
         import tensorboard  # noqa: F401
     except ImportError:
         with pytest.raises(LoggerUnavailable, match="pip install tensorboard"):
-            Tracker(["jsonl", "tensorboard"], tmp_path, 1)
+            Tracker(["jsonl", "tensorboard"], tmp_path)
     try:
         import wandb  # noqa: F401
     except ImportError:
         with pytest.raises(LoggerUnavailable, match="pip install wandb"):
-            Tracker(["wandb"], tmp_path, 1)
+            Tracker(["wandb"], tmp_path)
