@@ -129,6 +129,6 @@ def _show(value) -> str:
 
 
 def _ago(seconds: float) -> str:
-    from hybridflow.trainer.progress import format_duration
+    from hybridflow.progress import format_duration
 
     return format_duration(seconds)

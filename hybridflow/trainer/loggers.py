@@ -127,12 +127,12 @@ class ConsoleLogger:
     The columns are those of ``CONSOLE_COLUMNS`` the first step reports (a later step without
     one shows ``-``). The header is printed again every ``header_every`` rows, and after the
     Python warnings collected since the last row (printed first, so never between two rows).
-    Lines go through the run's :class:`~hybridflow.trainer.progress.ProgressReporter`, above
+    Lines go through the run's :class:`~hybridflow.progress.ProgressReporter`, above
     its progress bars.
     """
 
     def __init__(self, header_every: int = 20, console=None, progress=None):
-        from hybridflow.trainer.progress import ProgressReporter
+        from hybridflow.progress import ProgressReporter
 
         self.progress = progress or ProgressReporter(console, live=False, tick_s=None)
         self.header_every, self.rows = header_every, 0

@@ -10,7 +10,7 @@ import dataclasses
 import time
 
 from hybridflow.config import Config, validate
-from hybridflow.trainer.progress import ProgressReporter, quiet_reporter
+from hybridflow.progress import ProgressReporter, quiet_reporter
 from hybridflow.trainer.stages import RunContext
 
 DATA_SEED = 0
@@ -30,15 +30,17 @@ def setup(cfg: Config, log=print, progress: ProgressReporter | None = None) -> R
     from hybridflow.workers.model_loading import default_tokenizer_path, set_cpu_threads
 
     derived = validate(cfg)
+    progress = progress or quiet_reporter()
     set_cpu_threads(cfg, resolve_device(cfg.trainer.device))  # SFT and in-process workers
     if cfg.trainer.placement == "split" and cfg.trainer.nnodes > 1:
         raise ValueError("trainer.placement=split runs on one node: set trainer.nnodes=1")
     tokenizer = load_tokenizer(default_tokenizer_path(cfg.model))
     reward = build_reward_manager(cfg.reward, cfg.data.max_response_length)
     try:
-        train_set, val_set = build_prompt_datasets(
-            cfg.data, tokenizer, seed=DATA_SEED, known_data_sources=reward.known_data_sources()
-        )
+        with progress.task("data: reading and tokenizing the prompt files"):
+            train_set, val_set = build_prompt_datasets(
+                cfg.data, tokenizer, seed=DATA_SEED, known_data_sources=reward.known_data_sources()
+            )
         log(
             f"data: {len(train_set)} training prompts ({train_set.num_filtered} overlong "
             f"dropped), {len(val_set) if val_set else 0} validation prompts"
@@ -72,7 +74,7 @@ def setup(cfg: Config, log=print, progress: ProgressReporter | None = None) -> R
             f"{cfg.trainer.run_dir}/checkpoints", cfg.trainer.keep_last_k
         ),
         flops_per_token=_flops_per_token(model_path),
-        progress=progress or quiet_reporter(),
+        progress=progress,
         profiler=build_profiler(cfg, roles),
     )
 

@@ -164,9 +164,9 @@ def sft_main(cfg: Config) -> Path:
     """``hybridflow sft``: fine-tune ``model.path`` (or a fresh ``sft.preset`` model when the
     path is ``sft:<task>``) on ``sft.train_files``; writes checkpoints and ``<out>/hf``."""
     from hybridflow.models import load_model, load_tokenizer
+    from hybridflow.progress import ProgressReporter
     from hybridflow.trainer.checkpoint import CheckpointManager
     from hybridflow.trainer.loggers import Tracker
-    from hybridflow.trainer.progress import ProgressReporter
     from hybridflow.trainer.roles import resolve_device
     from hybridflow.workers.model_loading import resolve_dtype
 

@@ -15,9 +15,9 @@ import numpy as np
 import torch
 
 from hybridflow.config import Config, Derived
+from hybridflow.progress import ProgressReporter, quiet_reporter
 from hybridflow.protocol import Batch
 from hybridflow.trainer.metrics import Timer
-from hybridflow.trainer.progress import ProgressReporter, quiet_reporter
 from hybridflow.trainer.roles import Roles
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ class RunContext:
     history: dict[str, list] = field(default_factory=dict)
     """Validation results by step, for the before/after summary."""
     progress: ProgressReporter = field(default_factory=quiet_reporter)
-    """Where long phases report how far they are (trainer/progress.py)."""
+    """Where long phases report how far they are (hybridflow/progress.py)."""
     profiler: StepProfiler | None = None
     """Profiles the steps of ``trainer.profile.steps`` (trainer/profiling.py); None: off."""
 

@@ -225,7 +225,7 @@ def train_warm_start(cfg: Config, task: str, target: Path, log=print, progress=N
     import torch
 
     from hybridflow.models import load_model, load_tokenizer
-    from hybridflow.trainer.progress import quiet_reporter
+    from hybridflow.progress import quiet_reporter
     from hybridflow.trainer.roles import resolve_device
     from hybridflow.trainer.sft_loop import load_sft_examples, run_sft, save_hf_model
 

@@ -45,7 +45,7 @@ def test_config_differences_name_the_dotted_keys_that_differ():
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory):
     """Two 2-step CPU runs that differ in actor.lr (a few seconds each)."""
-    from hybridflow.trainer.progress import quiet_reporter
+    from hybridflow.progress import quiet_reporter
     from hybridflow.trainer.run import train
 
     root = tmp_path_factory.mktemp("runs")
@@ -119,3 +119,13 @@ def test_report_renders_in_headless_chromium(two_runs, tmp_path):
     blue = ((pixels[..., 2] > 0.6) & (pixels[..., 0] < 0.3)).sum()
     red = ((pixels[..., 0] > 0.7) & (pixels[..., 1] < 0.3) & (pixels[..., 2] < 0.3)).sum()
     assert not_white > 0.03 and blue > 100 and red > 100, (not_white, blue, red)
+
+
+def test_report_without_matplotlib_says_what_to_install(tmp_path, monkeypatch, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
+    for module in ("hybridflow.report.page", "hybridflow.report.plots"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'hybridflow[report]'" in err and "Traceback" not in err
