@@ -32,6 +32,8 @@ class Panel:
     """(metric key, label) of each line."""
     band: tuple[str, str] | None = None
     """(lower key, upper key): shaded between them, in the run's colour."""
+    spread: str | None = None
+    """A std key: where a run logged it, the band is the first line's mean ± std instead."""
     ylabel: str = ""
 
 
@@ -70,10 +72,9 @@ def draw_panel(ax, runs: Sequence[Run], panel: Panel) -> None:
     drawn = False
     for index, run in enumerate(runs):
         color = run_color(index)
-        if panel.band is not None:
-            (xs, low), (xs_high, high) = run.series(panel.band[0]), run.series(panel.band[1])
-            if xs and xs == xs_high:
-                ax.fill_between(xs, low, high, color=color, alpha=0.15, linewidth=0)
+        band = band_of(run, panel)
+        if band is not None:
+            ax.fill_between(*band, color=color, alpha=0.15, linewidth=0)
         for style, (key, label) in zip(LINE_STYLES * 4, panel.lines):
             xs, ys = run.series(key)
             if not xs:
@@ -88,11 +89,24 @@ def draw_panel(ax, runs: Sequence[Run], panel: Panel) -> None:
     ax.tick_params(labelsize=7)
     ax.grid(alpha=0.3)
     if drawn and ax.get_legend_handles_labels()[1]:
-        ax.legend(fontsize=7, frameon=False)
+        ax.legend(fontsize=7, frameon=False, loc="best")
     if not drawn:
         keys = ", ".join(key for key, _ in panel.lines)
         ax.text(0.5, 0.5, f"not logged:\n{keys}", ha="center", va="center", fontsize=8,
                 color="#777777", transform=ax.transAxes, wrap=True)  # fmt: skip
+
+
+def band_of(run: Run, panel: Panel) -> tuple[list, list, list] | None:
+    """(steps, lower, upper) of the panel's shading for ``run``, or None."""
+    if panel.spread is not None:
+        (xs, mean), (xs_std, std) = run.series(panel.lines[0][0]), run.series(panel.spread)
+        if xs and xs == xs_std:
+            return xs, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)]
+    if panel.band is not None:
+        (xs, low), (xs_high, high) = run.series(panel.band[0]), run.series(panel.band[1])
+        if xs and xs == xs_high:
+            return xs, low, high
+    return None
 
 
 def _step_axis(ax) -> None:
@@ -175,14 +189,17 @@ def draw_timing(runs: Sequence[Run]) -> bytes:
     return to_png(figure)
 
 
+REWARD_PANELS = (
+    Panel("reward", (("reward/mean", "mean"),), ("reward/min", "reward/max"), "reward/std"),
+    Panel("score", (("score/mean", "mean"),), ("score/min", "score/max"), "score/std"),
+)
+
 PLOTS: tuple[Plot, ...] = (
     Plot("validation", "Validation", "Held-out score per data source: mean@n (average of the "
          "n samples), maj@n (the majority answer), best@n (the best of n).", draw_validation),
-    Plot("reward", "Reward", "Sequence reward and score per sample: the mean, shaded from the "
-         "batch's min to its max.", panels_plot((
-             Panel("reward", (("reward/mean", "mean"),), ("reward/min", "reward/max")),
-             Panel("score", (("score/mean", "mean"),), ("score/min", "score/max")),
-         ))),
+    Plot("reward", "Reward", "Sequence reward (after KL or shaping) and score per sample: the "
+         "batch mean, shaded ± one standard deviation (min to max for runs that logged no "
+         "std).", panels_plot(REWARD_PANELS)),
     Plot("response_length", "Response length", "Tokens per response (mean, max) and the "
          "fraction cut at data.max_response_length.", panels_plot((
              Panel("response length", (("response_length/mean", "mean"),

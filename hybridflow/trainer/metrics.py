@@ -3,8 +3,8 @@
 Key names (what `metrics.jsonl` and the console show):
   response_length/{mean,max,min,clip_ratio}   clip_ratio: fraction that hit the max length
   prompt_length/{mean,max,min,clip_ratio}
-  score/{mean,max,min}       sequence score (sum of token_level_scores)
-  reward/{mean,max,min}      sequence reward after KL / shaping (sum of token_level_rewards)
+  score/{mean,max,min,std}   sequence score (sum of token_level_scores)
+  reward/{mean,max,min,std}  sequence reward after KL / shaping (sum of token_level_rewards)
   advantage/…, return/…, value/…   over valid response tokens
   perf/{total_tokens,tokens_per_s,tokens_per_s_per_gpu,mfu,max_memory_allocated_gb,…}
   timing_s/<stage>, timing_per_token_ms/<stage>
@@ -87,7 +87,10 @@ def data_metrics(
     metrics = response_length_metrics(mask, max_response_length)
     for key, prefix in (("token_level_scores", "score"), ("token_level_rewards", "reward")):
         if key in tensors:
-            metrics.update(_stats((tensors[key] * mask).sum(dim=-1), prefix))
+            per_sequence = (tensors[key] * mask).sum(dim=-1).float()  # [B]
+            metrics.update(_stats(per_sequence, prefix))
+            # the spread the report shades (population std: the batch is all there is)
+            metrics[f"{prefix}/std"] = per_sequence.std(correction=0).item()
     for key, prefix in (("advantages", "advantage"), ("returns", "return"), ("values", "value")):
         if key in tensors:
             metrics.update(masked_token_stats(tensors[key], mask, prefix))

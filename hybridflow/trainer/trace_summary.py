@@ -18,6 +18,7 @@ from pathlib import Path
 
 STAGE_PREFIX = "stage/"
 KERNEL_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+NAME_WIDTH = 70  # CUDA kernel names run to hundreds of characters (templates)
 
 
 def load_events(path: str | Path) -> list[dict]:
@@ -87,14 +88,17 @@ def top_by_region(events: Sequence[dict], top_k: int) -> tuple[str, dict[str, li
 
 
 def format_summary(name: str, kind: str, table: dict[str, list]) -> list[str]:
-    """Lines for one trace: per region its total and its top entries with their times."""
+    """Lines for one trace: each region's total, then its top entries (time, share, name)."""
     if not table:
         return [f"  {name}: no stage or worker-call ranges"]
     what = "kernels" if kind == "kernels" else "ops by self time (no GPU kernels)"
     lines = [f"  {name}: top {what} per stage"]
     for region, ((_, total), *top) in table.items():
-        listed = " · ".join(f"{op} {_ms(us)}" for op, us in top)
-        lines.append(f"    {region:<14} {_ms(total):>10}  {listed}")
+        lines.append(f"    {region:<16} {_ms(total):>11}")
+        for op, micros in top:
+            share = 100 * micros / total if total else 0.0
+            label = op if len(op) <= NAME_WIDTH else op[: NAME_WIDTH - 1] + "…"
+            lines.append(f"      {_ms(micros):>11} {share:4.0f}%  {label}")
     return lines
 
 

@@ -129,3 +129,15 @@ def test_report_without_matplotlib_says_what_to_install(tmp_path, monkeypatch, c
     assert main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "pip install 'hybridflow[report]'" in err and "Traceback" not in err
+
+
+def test_band_is_mean_plus_minus_std_else_min_to_max():
+    from hybridflow.report.plots import REWARD_PANELS, band_of
+    from hybridflow.report.runs import Run
+
+    panel = REWARD_PANELS[0]
+    with_std = Run("a", Path("."), {1: {"reward/mean": 0.5, "reward/std": 0.1}})
+    without = Run("b", Path("."), {1: {"reward/mean": 0.5, "reward/min": 0.0, "reward/max": 1.0}})
+    xs, low, high = band_of(with_std, panel)
+    assert xs == [1] and low == pytest.approx([0.4]) and high == pytest.approx([0.6])
+    assert band_of(without, panel) == ([1], [0.0], [1.0])
