@@ -36,3 +36,23 @@ def test_a_status_line_only_after_the_interval_of_silence():
         "training: 0/10 steps (0%), 21s elapsed",
         "training: done, 0 steps in 21s",
     ]
+
+
+def test_a_terminal_gets_bars_and_the_printed_lines_no_status_lines():
+    import io
+
+    from rich.console import Console
+
+    from hybridflow.progress import ProgressReporter
+
+    buffer = io.StringIO()
+    terminal = Console(file=buffer, force_terminal=True, width=100)
+    reporter = ProgressReporter(terminal, interval_s=0.0, tick_s=None)
+    assert reporter.live
+    with reporter.task("validation", total=4, unit="prompts") as task:
+        reporter.print("a table row")
+        task.advance(2)
+        reporter.tick()  # a bar, not a status line, even after the interval
+    reporter.close()
+    out = buffer.getvalue()
+    assert "a table row" in out and "elapsed" not in out
