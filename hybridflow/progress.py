@@ -218,10 +218,19 @@ class ProgressReporter:
 
     def set_status(self, status: str) -> None:
         """What the innermost open task is doing now (e.g. a step's stage)."""
-        with self._lock:
-            task = self.tasks[-1] if self.tasks else None
+        task = self._innermost()
         if task is not None:
             task.set_status(status)
+
+    def set_done(self, done: float) -> None:
+        """How far the innermost open task is; clears its status (e.g. a step finished)."""
+        task = self._innermost()
+        if task is not None:
+            task.update(done, status="")
+
+    def _innermost(self) -> TaskProgress | None:
+        with self._lock:
+            return self.tasks[-1] if self.tasks else None
 
     def refresh(self, task: TaskProgress) -> None:
         if self.live:

@@ -88,26 +88,25 @@ def fit(run: RunContext) -> dict[str, float]:
     """Run from ``run.step`` to ``trainer.total_steps``; returns the last validation."""
     t = run.cfg.trainer
     last_val: dict[str, float] = {}
-    with run.progress.task("training", total=t.total_steps, unit="steps", done=run.step) as bar:
-        if run.step == 0 and t.val_before_train:
+    if run.step == 0 and t.val_before_train:
+        last_val = _validate(run)
+        if last_val:
+            run.tracker.log(last_val, step=0)
+    while run.step < t.total_steps:
+        run.step += 1
+        with run.profiler.step(run.step) if run.profiler is not None else nullcontext():
+            metrics = train_step(run)
+        run.progress.set_done(run.step)  # the "training" task opened by trainer/run.py
+        is_last = run.step == t.total_steps
+        if (t.test_freq > 0 and run.step % t.test_freq == 0) or is_last:
             last_val = _validate(run)
-            if last_val:
-                run.tracker.log(last_val, step=0)
-        while run.step < t.total_steps:
-            run.step += 1
-            with run.profiler.step(run.step) if run.profiler is not None else nullcontext():
-                metrics = train_step(run)
-            bar.update(run.step, status="")
-            is_last = run.step == t.total_steps
-            if (t.test_freq > 0 and run.step % t.test_freq == 0) or is_last:
-                last_val = _validate(run)
-                metrics.update(last_val)
-            if (t.save_freq > 0 and run.step % t.save_freq == 0) or (is_last and t.save_freq >= 0):
-                started = time.perf_counter()
-                with run.progress.task(f"saving checkpoint step_{run.step}"):
-                    save_checkpoint(run)
-                metrics["timing_s/save_checkpoint"] = time.perf_counter() - started
-            run.tracker.log(metrics, step=run.step)
+            metrics.update(last_val)
+        if (t.save_freq > 0 and run.step % t.save_freq == 0) or (is_last and t.save_freq >= 0):
+            started = time.perf_counter()
+            with run.progress.task(f"saving checkpoint step_{run.step}"):
+                save_checkpoint(run)
+            metrics["timing_s/save_checkpoint"] = time.perf_counter() - started
+        run.tracker.log(metrics, step=run.step)
     return last_val
 
 

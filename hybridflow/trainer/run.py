@@ -115,7 +115,8 @@ def _train(cfg: Config, log, progress: ProgressReporter) -> dict[str, float]:
             resume_step=run.step if path is not None else -1,
             progress=progress,
         )
-        final = fit(run)
+        with progress.task("training", total=t.total_steps, unit="steps", done=run.step):
+            final = fit(run)
     finally:
         if run.tracker is not None:
             run.tracker.close()
