@@ -92,8 +92,9 @@ def read_config(path: Path) -> dict[str, Any] | None:
     import yaml
 
     candidates = [path / CONFIG_FILE]
-    checkpoints = sorted((path / "checkpoints").glob("step_*/config.yaml"),
-                         key=lambda p: int(p.parent.name.removeprefix("step_") or 0))  # fmt: skip
+    checkpoints = [p for p in (path / "checkpoints").glob("step_*/config.yaml")
+                   if p.parent.name.removeprefix("step_").isdigit()]  # fmt: skip
+    checkpoints.sort(key=lambda p: int(p.parent.name.removeprefix("step_")))
     candidates += checkpoints[::-1]
     for candidate in candidates:
         if candidate.is_file():
