@@ -1,4 +1,4 @@
-"""`hybridflow` command line: config, train, sft, export, data, bench, serve.
+"""`hybridflow` command line: config, train, sft, export, data, bench, serve, report.
 
 Subcommands import their heavy modules only when they run, so `hybridflow --help` and
 `hybridflow config validate` stay instant. Every subcommand is always listed: one whose
@@ -19,6 +19,7 @@ PIP_NAMES = {
     "tensorboard": "'hybridflow[tensorboard]'",
     "wandb": "'hybridflow[wandb]'",
     "aiohttp": "'hybridflow[serve]'",
+    "matplotlib": "'hybridflow[report]'",
 }
 
 # Subcommands whose parsers their own modules add: (name, module, adder, help).
@@ -26,6 +27,7 @@ PACKAGE_SUBCOMMANDS = (
     ("data", "hybridflow.data.cli", "add_data_subcommand", "prepare and check prompt data files"),
     ("bench", "hybridflow.engine.bench_cli", "add_bench_subcommand", "benchmarks"),
     ("serve", "hybridflow.serve.cli", "add_serve_subcommand", "serve a model with the OpenAI API"),
+    ("report", "hybridflow.report.cli", "add_report_subcommand", "plots of runs as one HTML page"),
 )
 
 

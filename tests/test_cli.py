@@ -7,7 +7,7 @@ import pytest
 
 from hybridflow.cli import build_parser, main
 
-SUBCOMMANDS = ("config", "train", "sft", "export", "data", "bench", "serve")
+SUBCOMMANDS = ("config", "train", "sft", "export", "data", "bench", "serve", "report")
 
 
 def test_validate_exit_codes(capsys):

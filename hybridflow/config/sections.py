@@ -13,6 +13,7 @@ from typing import Any
 
 from hybridflow.agents.options import AgentOptions
 from hybridflow.engine.options import EngineOptions
+from hybridflow.trainer.profile_options import ProfileOptions
 
 GROUP_ESTIMATORS = (
     "grpo",
@@ -306,6 +307,12 @@ class TrainerConfig:
     """auto (continue the latest checkpoint in run_dir) | disable | path to a checkpoint."""
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     """console | jsonl | tensorboard | wandb."""
+    progress_interval_s: float = 10.0
+    """Output that is not a terminal (log files, CI): after this many seconds without output,
+    a line says what the run is doing (a terminal shows progress bars instead)."""
+    profile: ProfileOptions = field(default_factory=ProfileOptions)
+    """Profile chosen steps: trainer.profile.steps=[2] trainer.profile.tool=torch|nvtx (every
+    field documented in hybridflow/trainer/profile_options.py; docs/observability.md)."""
     project_name: str = "hybridflow"
     """Project name for W&B / TensorBoard."""
     experiment_name: str = "demo"

@@ -238,6 +238,10 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
         add(f"rollout.engine.{problem}")
     for problem in r.agent.validate():
         add(f"rollout.agent.{problem}")
+    for problem in t.profile.validate(t.total_steps):
+        add(f"trainer.profile.{problem}")
+    if t.progress_interval_s <= 0:
+        add(f"trainer.progress_interval_s = {t.progress_interval_s} must be > 0 (seconds)")
     if a.clip_ratio_c <= 1:
         add(f"actor.clip_ratio_c = {a.clip_ratio_c} must be > 1 (dual clip; 3.0 is standard)")
     if alg.dynamic_sampling and alg.adv_estimator not in GROUP_ESTIMATORS:

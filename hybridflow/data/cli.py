@@ -16,14 +16,19 @@ from collections import Counter
 
 def _cmd_gsm8k(args) -> int:
     from hybridflow.data.gsm8k import convert_gsm8k_file, convert_gsm8k_from_hub, describe
+    from hybridflow.progress import ProgressReporter
 
     if args.from_hub == bool(args.input):
         print("error: give exactly one of --input FILE and --from-hub", file=sys.stderr)
         return 2
-    if args.from_hub:
-        paths = convert_gsm8k_from_hub(args.out)
-    else:
-        paths = [convert_gsm8k_file(args.input, args.out, split=args.split)]
+    progress = ProgressReporter()
+    source = "the Hub's openai/gsm8k" if args.from_hub else args.input
+    with progress.task(f"gsm8k: converting {source}"):
+        if args.from_hub:
+            paths = convert_gsm8k_from_hub(args.out)
+        else:
+            paths = [convert_gsm8k_file(args.input, args.out, split=args.split)]
+    progress.close()
     for path in paths:
         print(f"wrote {describe(path)}")
     return 0

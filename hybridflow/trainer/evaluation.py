@@ -30,20 +30,27 @@ def run_validation(run: RunContext) -> dict[str, float]:
     pad = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
     sources, uids, scores, predictions, lengths = [], [], [], [], []
     size = cfg.data.val_batch_size
-    for start in range(0, len(dataset), size):
-        items = [dataset[i] for i in range(start, min(start + size, len(dataset)))]
-        prompts: Batch = make_prompt_batch(items, pad)
-        prompts.arrays["uid"] = np.asarray([item.index for item in items])
-        batch = generate(run, prompts, n=n, temperature=temperature, seed=VALIDATION_SEED + start)
-        batch, _ = score(run, batch)
-        sources += list(batch.arrays["data_source"])
-        uids += list(batch.arrays["uid"])
-        scores += list(batch.arrays["scores"])
-        predictions += [
-            extract_prediction(source, text)
-            for source, text in zip(batch.arrays["data_source"], batch.arrays["response_text"])
-        ]
-        lengths += batch.tensors["response_mask"].sum(-1).tolist()
+    run.progress.print(
+        f"validation at step {run.step}: {len(dataset)} prompts × {n} sample{'s' * (n != 1)} "
+        f"({-(-len(dataset) // size)} batches of data.val_batch_size={size})"
+    )
+    with run.progress.task("validation", total=len(dataset), unit="prompts") as task:
+        for start in range(0, len(dataset), size):
+            items = [dataset[i] for i in range(start, min(start + size, len(dataset)))]
+            prompts: Batch = make_prompt_batch(items, pad)
+            prompts.arrays["uid"] = np.asarray([item.index for item in items])
+            seed = VALIDATION_SEED + start
+            batch = generate(run, prompts, n=n, temperature=temperature, seed=seed)
+            batch, _ = score(run, batch)
+            sources += list(batch.arrays["data_source"])
+            uids += list(batch.arrays["uid"])
+            scores += list(batch.arrays["scores"])
+            predictions += [
+                extract_prediction(source, text)
+                for source, text in zip(batch.arrays["data_source"], batch.arrays["response_text"])
+            ]
+            lengths += batch.tensors["response_mask"].sum(-1).tolist()
+            task.advance(len(items))
     metrics = validation_metrics(sources, uids, scores, predictions)
     metrics["val/response_length/mean"] = float(np.mean(lengths))
     return metrics

@@ -98,62 +98,65 @@ class JsonlLogger:
         self._handle.close()
 
 
-def _format(value: Any) -> str:
+STEP_WIDTH, CELL_WIDTH = 6, 10
+"""Characters per column of the step table: its width depends on the columns only, never on
+the terminal, so a log file holds one line per step."""
+
+
+def fit_cell(value: Any, width: int = CELL_WIDTH) -> str:
+    """``value`` in at most ``width`` characters: 4 significant digits, fewer if needed."""
     if value is None:
         return "-"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        for text in (str(value) if isinstance(value, int) else f"{value:.4g}", f"{value:.2g}"):
+            if len(text) <= width:
+                return text
+        return f"{value:.0e}"[:width]
+    return str(value)[:width]
+
+
+def table_line(cells: Sequence[str]) -> str:
+    """The step column, then fixed-width cells, right-aligned."""
+    first, rest = cells[0], cells[1:]
+    return " ".join([first.rjust(STEP_WIDTH), *(cell.rjust(CELL_WIDTH) for cell in rest)])
 
 
 class ConsoleLogger:
-    """A rich progress bar over the steps and a compact table: one row per step.
+    """A compact table, one fixed-width row per step; validation metrics on a line of their own.
 
-    The header is printed again every `header_every` rows; validation metrics (`val/…`)
-    get a line of their own.
+    The columns are those of ``CONSOLE_COLUMNS`` the first step reports (a later step without
+    one shows ``-``). The header is printed again every ``header_every`` rows, and after the
+    Python warnings collected since the last row (printed first, so never between two rows).
+    Lines go through the run's :class:`~hybridflow.progress.ProgressReporter`, above
+    its progress bars.
     """
 
-    def __init__(self, total_steps: int, header_every: int = 20, console=None):
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+    def __init__(self, header_every: int = 20, console=None, progress=None):
+        from hybridflow.progress import ProgressReporter
 
-        self.console = console or Console()
+        self.progress = progress or ProgressReporter(console, live=False, tick_s=None)
         self.header_every, self.rows = header_every, 0
-        self.progress = Progress(
-            "[progress.description]{task.description}",
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeRemainingColumn(),
-            console=self.console,
-            transient=True,
-        )
-        self.task = self.progress.add_task("training", total=total_steps)
-        self.progress.start()
-        self.columns: list[tuple[str, str]] = []
-
-    def _line(self, cells: Sequence[str]) -> str:
-        return " ".join(f"{cell:>10}" for cell in cells)
+        self.columns: list[tuple[str, str]] | None = None
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         metrics = clean_metrics(metrics)
-        train = [(name, key) for name, key in CONSOLE_COLUMNS if key in metrics]
-        if train:
-            if train != self.columns or self.rows % self.header_every == 0:
-                self.columns = train
-                self.progress.console.print(
-                    self._line(["step", *[n for n, _ in train]]), style="bold", highlight=False
-                )
-            cells = [str(step), *[_format(metrics[key]) for _, key in train]]
-            self.progress.console.print(self._line(cells), highlight=False)
+        if self.columns is None:
+            self.columns = [(name, key) for name, key in CONSOLE_COLUMNS if key in metrics] or None
+        if self.columns and any(key in metrics for _, key in self.columns):
+            warned = self.progress.flush_warnings()
+            if warned or self.rows % self.header_every == 0:
+                header = table_line(["step", *[name for name, _ in self.columns]])
+                self.progress.print(header, style="bold")
+            row = [str(step), *[fit_cell(metrics.get(key)) for _, key in self.columns]]
+            self.progress.print(table_line(row))
             self.rows += 1
         validation = {k: v for k, v in metrics.items() if k.startswith("val/")}
         if validation:
-            text = "  ".join(f"{k}={_format(v)}" for k, v in sorted(validation.items()))
-            self.progress.console.print(f"[step {step}] {text}", highlight=False)
-        self.progress.update(self.task, completed=step)
+            text = "  ".join(f"{k}={fit_cell(v)}" for k, v in sorted(validation.items()))
+            self.progress.print(f"[step {step}] {text}")
 
     def close(self) -> None:
-        self.progress.stop()
+        self.progress.flush_warnings()
 
 
 class TensorBoardLogger:
@@ -197,9 +200,10 @@ class WandbLogger:
 
 
 class Tracker:
-    """Sends each step's metrics to every configured backend.
+    """Sends each step's metrics to every configured backend (``progress``: where the
+    console table prints, default stdout).
 
-    with Tracker(["console", "jsonl"], run_dir, total_steps=40) as tracker:
+    with Tracker(["console", "jsonl"], run_dir) as tracker:
         tracker.log(metrics, step)
     """
 
@@ -207,11 +211,11 @@ class Tracker:
         self,
         loggers: Sequence[str],
         run_dir: str | Path,
-        total_steps: int,
         project_name: str = "hybridflow",
         experiment_name: str = "run",
         config: Any = None,
         resume_step: int | None = None,
+        progress=None,
     ):
         unknown = [name for name in loggers if name not in LOGGER_NAMES]
         if unknown:
@@ -221,7 +225,7 @@ class Tracker:
         try:
             for name in loggers:
                 if name == "console":
-                    self.backends[name] = ConsoleLogger(total_steps)
+                    self.backends[name] = ConsoleLogger(progress=progress)
                 elif name == "jsonl":
                     self.backends[name] = JsonlLogger(run_dir / "metrics.jsonl", resume_step)
                 elif name == "tensorboard":

@@ -3,8 +3,8 @@
 Key names (what `metrics.jsonl` and the console show):
   response_length/{mean,max,min,clip_ratio}   clip_ratio: fraction that hit the max length
   prompt_length/{mean,max,min,clip_ratio}
-  score/{mean,max,min}       sequence score (sum of token_level_scores)
-  reward/{mean,max,min}      sequence reward after KL / shaping (sum of token_level_rewards)
+  score/{mean,max,min,std}   sequence score (sum of token_level_scores)
+  reward/{mean,max,min,std}  sequence reward after KL / shaping (sum of token_level_rewards)
   advantage/…, return/…, value/…   over valid response tokens
   perf/{total_tokens,tokens_per_s,tokens_per_s_per_gpu,mfu,max_memory_allocated_gb,…}
   timing_s/<stage>, timing_per_token_ms/<stage>
@@ -17,7 +17,7 @@ import subprocess
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -87,7 +87,10 @@ def data_metrics(
     metrics = response_length_metrics(mask, max_response_length)
     for key, prefix in (("token_level_scores", "score"), ("token_level_rewards", "reward")):
         if key in tensors:
-            metrics.update(_stats((tensors[key] * mask).sum(dim=-1), prefix))
+            per_sequence = (tensors[key] * mask).sum(dim=-1).float()  # [B]
+            metrics.update(_stats(per_sequence, prefix))
+            # the spread the report shades (population std: the batch is all there is)
+            metrics[f"{prefix}/std"] = per_sequence.std(correction=0).item()
     for key, prefix in (("advantages", "advantage"), ("returns", "return"), ("values", "value")):
         if key in tensors:
             metrics.update(masked_token_stats(tensors[key], mask, prefix))
@@ -202,10 +205,12 @@ class Timer:
 
     CUDA work is asynchronous, so by default the device is synchronised at both ends
     of a stage (cheap at stage granularity) to charge the kernels to the right stage.
+    ``on_stage(stage)``, if given, returns a context manager entered around each stage (the
+    run's progress status and profiler range: trainer/stages.py, stage_scope).
     """
 
-    def __init__(self, sync_cuda: bool = True):
-        self.sync_cuda = sync_cuda
+    def __init__(self, sync_cuda: bool = True, on_stage=None):
+        self.sync_cuda, self.on_stage = sync_cuda, on_stage
         self.seconds: dict[str, float] = defaultdict(float)
 
     def _sync(self) -> None:
@@ -214,13 +219,15 @@ class Timer:
 
     @contextmanager
     def __call__(self, stage: str) -> Iterator[None]:
-        self._sync()
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
+        # the hook's scope holds the syncs: a profile charges the stage's kernels to its range
+        with self.on_stage(stage) if self.on_stage is not None else nullcontext():
             self._sync()
-            self.seconds[stage] += time.perf_counter() - start
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._sync()
+                self.seconds[stage] += time.perf_counter() - start
 
     def metrics(self) -> dict[str, float]:
         return {f"timing_s/{stage}": seconds for stage, seconds in self.seconds.items()}

@@ -11,6 +11,7 @@ Every stage is one call on a worker group (or cheap controller math) and is time
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 from hybridflow.protocol import Batch
 from hybridflow.trainer.evaluation import headline, run_validation
@@ -30,6 +31,7 @@ from hybridflow.trainer.stages import (
     balance_ranks,
     collect_rollouts,
     rewards_and_advantages,
+    stage_scope,
 )
 
 
@@ -39,7 +41,7 @@ def train_step(run: RunContext) -> dict[str, float]:
     ``roles.<role>.<method>(…)`` runs that method on the role's worker group; its Protocol
     (trainer/role_handles.py) names the worker and learner code behind it."""
     roles: Roles = run.roles
-    timer, metrics = Timer(), {}
+    timer, metrics = Timer(on_stage=lambda stage: stage_scope(run, stage)), {}
     with timer("step"):
         batch, rollout_metrics = collect_rollouts(run, timer)  # times gen and reward
         metrics.update(rollout_metrics)
@@ -92,14 +94,17 @@ def fit(run: RunContext) -> dict[str, float]:
             run.tracker.log(last_val, step=0)
     while run.step < t.total_steps:
         run.step += 1
-        metrics = train_step(run)
+        with run.profiler.step(run.step) if run.profiler is not None else nullcontext():
+            metrics = train_step(run)
+        run.progress.set_done(run.step)  # the "training" task opened by trainer/run.py
         is_last = run.step == t.total_steps
         if (t.test_freq > 0 and run.step % t.test_freq == 0) or is_last:
             last_val = _validate(run)
             metrics.update(last_val)
         if (t.save_freq > 0 and run.step % t.save_freq == 0) or (is_last and t.save_freq >= 0):
             started = time.perf_counter()
-            save_checkpoint(run)
+            with run.progress.task(f"saving checkpoint step_{run.step}"):
+                save_checkpoint(run)
             metrics["timing_s/save_checkpoint"] = time.perf_counter() - started
         run.tracker.log(metrics, step=run.step)
     return last_val

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from hybridflow.config import Config, Derived
 from hybridflow.trainer.role_handles import (
@@ -19,6 +20,9 @@ from hybridflow.trainer.role_handles import (
     RefHandle,
     RolloutHandle,
 )
+
+if TYPE_CHECKING:
+    from hybridflow.trainer.profiling import ProfilerHandle
 
 
 @dataclass
@@ -35,6 +39,8 @@ class Roles:
     rollout_dp: int
     """Ranks of the rollout group (a generate batch is split over them)."""
     groups: list[GroupHandle] = field(default_factory=list)
+    profilers: list[ProfilerHandle] = field(default_factory=list)
+    """Each group's ``profiler`` role, when the run profiles steps (trainer/profiling.py)."""
 
     def shutdown(self) -> None:
         for group in self.groups:
@@ -67,8 +73,11 @@ def build_roles(cfg: Config, derived: Derived) -> Roles:
     device = resolve_device(t.device)
     options = dict(backend=t.backend, call_timeout_s=t.call_timeout_s, config=cfg)
     with_ref, with_critic = derived.use_reference, derived.use_critic
+    profiler = bool(t.profile.steps)
     if t.placement == "colocate":
-        cls = fused_worker(actor=True, rollout=True, ref=with_ref, critic=with_critic)
+        cls = fused_worker(
+            actor=True, rollout=True, ref=with_ref, critic=with_critic, profiler=profiler
+        )
         group = WorkerGroup(cls, _pool(device, [t.n_gpus_per_node] * t.nnodes), **options)
         return Roles(
             actor=group.actor,
@@ -78,14 +87,17 @@ def build_roles(cfg: Config, derived: Derived) -> Roles:
             split=False,
             rollout_dp=group.world_size,
             groups=[group],
+            profilers=[group.profiler] if profiler else [],
         )
     # split placement, one node (validate() checked 0 < rollout_gpus < world)
     train_devices = t.n_gpus_per_node - t.rollout_gpus
-    cls = fused_worker(actor=True, rollout=False, ref=with_ref, critic=with_critic)
+    cls = fused_worker(
+        actor=True, rollout=False, ref=with_ref, critic=with_critic, profiler=profiler
+    )
     train = WorkerGroup(cls, _pool(device, [train_devices]), name="train", **options)
     try:
         rollout = WorkerGroup(
-            fused_worker(actor=False, rollout=True),
+            fused_worker(actor=False, rollout=True, profiler=profiler),
             _pool(device, [t.rollout_gpus], first_device=train_devices),
             name="rollout",
             **options,
@@ -101,6 +113,7 @@ def build_roles(cfg: Config, derived: Derived) -> Roles:
         split=True,
         rollout_dp=rollout.world_size,
         groups=[train, rollout],
+        profilers=[train.profiler, rollout.profiler] if profiler else [],
     )
 
 

@@ -10,38 +10,42 @@ import dataclasses
 import time
 
 from hybridflow.config import Config, validate
+from hybridflow.progress import ProgressReporter, quiet_reporter
 from hybridflow.trainer.stages import RunContext
 
 DATA_SEED = 0
 """Seed of the built-in tasks' problems: the validation set is the same whatever trainer.seed."""
 
 
-def setup(cfg: Config, log=print) -> RunContext:
+def setup(cfg: Config, log=print, progress: ProgressReporter | None = None) -> RunContext:
     """Validate config and data, warm-start if needed, start the workers."""
     from hybridflow.algos import build_kl_controller
     from hybridflow.data.dataset import PromptLoader, build_prompt_datasets
     from hybridflow.models import load_tokenizer
     from hybridflow.rewards import build_reward_manager
     from hybridflow.trainer.checkpoint import CheckpointManager
+    from hybridflow.trainer.profiling import build_profiler
     from hybridflow.trainer.roles import build_roles, resolve_device
     from hybridflow.trainer.warm_start import resolve_model_path
     from hybridflow.workers.model_loading import default_tokenizer_path, set_cpu_threads
 
     derived = validate(cfg)
+    progress = progress or quiet_reporter()
     set_cpu_threads(cfg, resolve_device(cfg.trainer.device))  # SFT and in-process workers
     if cfg.trainer.placement == "split" and cfg.trainer.nnodes > 1:
         raise ValueError("trainer.placement=split runs on one node: set trainer.nnodes=1")
     tokenizer = load_tokenizer(default_tokenizer_path(cfg.model))
     reward = build_reward_manager(cfg.reward, cfg.data.max_response_length)
     try:
-        train_set, val_set = build_prompt_datasets(
-            cfg.data, tokenizer, seed=DATA_SEED, known_data_sources=reward.known_data_sources()
-        )
+        with progress.task("data: reading and tokenizing the prompt files"):
+            train_set, val_set = build_prompt_datasets(
+                cfg.data, tokenizer, seed=DATA_SEED, known_data_sources=reward.known_data_sources()
+            )
         log(
             f"data: {len(train_set)} training prompts ({train_set.num_filtered} overlong "
             f"dropped), {len(val_set) if val_set else 0} validation prompts"
         )
-        model_path = resolve_model_path(cfg, log=log)
+        model_path = resolve_model_path(cfg, log=log, progress=progress)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=model_path))
         roles = build_roles(cfg, derived)
     except BaseException:
@@ -70,40 +74,76 @@ def setup(cfg: Config, log=print) -> RunContext:
             f"{cfg.trainer.run_dir}/checkpoints", cfg.trainer.keep_last_k
         ),
         flops_per_token=_flops_per_token(model_path),
+        progress=progress,
+        profiler=build_profiler(cfg, roles),
     )
 
 
-def train(cfg: Config, log=print) -> dict[str, float]:
-    """Run RL training; returns the final validation metrics."""
+def train(cfg: Config, log=print, progress: ProgressReporter | None = None) -> dict[str, float]:
+    """Run RL training; returns the final validation metrics. ``progress``: where progress,
+    the step table and warnings print (default: stdout, bars on a terminal)."""
+    if progress is None:
+        progress = ProgressReporter(interval_s=cfg.trainer.progress_interval_s)
+    try:
+        with progress.collecting_warnings():
+            return _train(cfg, log, progress)
+    finally:
+        progress.close()
+
+
+def _train(cfg: Config, log, progress: ProgressReporter) -> dict[str, float]:
     from hybridflow.trainer.loggers import Tracker
     from hybridflow.trainer.rl_loop import fit
     from hybridflow.trainer.run_state import resume
 
     started = time.perf_counter()
-    run = setup(cfg, log=log)
+    run = setup(cfg, log=log, progress=progress)
     try:
-        path = resume(run)
+        write_run_config(run.cfg)
+        with progress.task("resuming: loading the latest checkpoint"):
+            path = resume(run)
         if path is not None:
             log(f"resumed from {path} at step {run.step}")
         t = run.cfg.trainer
         run.tracker = Tracker(
             t.loggers,
             t.run_dir,
-            t.total_steps,
             project_name=t.project_name,
             experiment_name=t.experiment_name,
             config=dataclasses.asdict(run.cfg),
             # A fresh run starts a fresh metrics.jsonl (-1 drops every old line).
             resume_step=run.step if path is not None else -1,
+            progress=progress,
         )
-        final = fit(run)
+        with progress.task("training", total=t.total_steps, unit="steps", done=run.step):
+            final = fit(run)
     finally:
         if run.tracker is not None:
             run.tracker.close()
         run.roles.shutdown()
         run.reward.close()
     log(summary(run, time.perf_counter() - started))
+    if run.profiler is not None and run.profiler.summary():
+        log(run.profiler.summary())
     return final
+
+
+RUN_CONFIG = "config.yaml"
+"""The resolved config of a run, beside its metrics.jsonl (``hybridflow report`` shows it)."""
+
+
+def write_run_config(cfg: Config) -> None:
+    """``<run_dir>/config.yaml``, written atomically (a report may read it at any time)."""
+    import os
+    from pathlib import Path
+
+    import yaml
+
+    run_dir = Path(cfg.trainer.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    temporary = run_dir / f"{RUN_CONFIG}.tmp{os.getpid()}"
+    temporary.write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    os.replace(temporary, run_dir / RUN_CONFIG)
 
 
 def summary(run: RunContext, seconds: float) -> str:

@@ -164,6 +164,7 @@ def sft_main(cfg: Config) -> Path:
     """``hybridflow sft``: fine-tune ``model.path`` (or a fresh ``sft.preset`` model when the
     path is ``sft:<task>``) on ``sft.train_files``; writes checkpoints and ``<out>/hf``."""
     from hybridflow.models import load_model, load_tokenizer
+    from hybridflow.progress import ProgressReporter
     from hybridflow.trainer.checkpoint import CheckpointManager
     from hybridflow.trainer.loggers import Tracker
     from hybridflow.trainer.roles import resolve_device
@@ -199,7 +200,17 @@ def sft_main(cfg: Config) -> Path:
         return int(state["step"])
 
     print(f"SFT: {len(examples)} examples ({dropped} longer than sft.max_length dropped)")
-    with Tracker(cfg.trainer.loggers, out, sft_cfg.total_steps) as tracker:
+    progress = ProgressReporter(interval_s=cfg.trainer.progress_interval_s)
+    with (
+        progress.collecting_warnings(),
+        progress.task("SFT", total=sft_cfg.total_steps, unit="steps") as bar,
+        Tracker(cfg.trainer.loggers, out, progress=progress) as tracker,
+    ):
+
+        def log(metrics: dict[str, float], step: int) -> None:
+            tracker.log(metrics, step)
+            bar.update(step, status=f"loss {metrics['sft/loss']:.3f}")
+
         trainer = run_sft(
             model,
             examples,
@@ -207,11 +218,12 @@ def sft_main(cfg: Config) -> Path:
             device=device,
             seed=cfg.trainer.seed,
             pad_token_id=_pad_id(tokenizer),
-            log=tracker.log,
+            log=log,
             checkpoint=save,
             save_freq=cfg.trainer.save_freq,
             resume=resume,
         )
+    progress.close()
     final = out / "hf"
     save_hf_model(trainer.model, tokenizer, final)
     print(f"wrote the fine-tuned model to {final}")

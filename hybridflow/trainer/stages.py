@@ -6,6 +6,8 @@ controller never touches a model: generation and every forward pass are worker c
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +15,7 @@ import numpy as np
 import torch
 
 from hybridflow.config import Config, Derived
+from hybridflow.progress import ProgressReporter, quiet_reporter
 from hybridflow.protocol import Batch
 from hybridflow.trainer.metrics import Timer
 from hybridflow.trainer.roles import Roles
@@ -23,6 +26,7 @@ if TYPE_CHECKING:
     from hybridflow.rewards.managers import RewardManager
     from hybridflow.trainer.checkpoint import CheckpointManager
     from hybridflow.trainer.loggers import Tracker
+    from hybridflow.trainer.profiling import StepProfiler
 
 PROMPT_MASK = "prompt_mask"
 
@@ -50,6 +54,19 @@ class RunContext:
     flops_per_token: float | None = None
     history: dict[str, list] = field(default_factory=dict)
     """Validation results by step, for the before/after summary."""
+    progress: ProgressReporter = field(default_factory=quiet_reporter)
+    """Where long phases report how far they are (hybridflow/progress.py)."""
+    profiler: StepProfiler | None = None
+    """Profiles the steps of ``trainer.profile.steps`` (trainer/profiling.py); None: off."""
+
+
+@contextmanager
+def stage_scope(run: RunContext, stage: str) -> Iterator[None]:
+    """Around each timed stage: the progress status names it, a profile gets its range."""
+    if stage != "step":
+        run.progress.set_status(stage)
+    with run.profiler.stage(stage) if run.profiler is not None else nullcontext():
+        yield
 
 
 def sampling_meta(run: RunContext, *, n: int, temperature: float, seed: int) -> dict[str, Any]:

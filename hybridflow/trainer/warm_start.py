@@ -203,7 +203,7 @@ def tokenizer_fingerprint(name_or_path: str) -> list:
     return [name_or_path, encode_chat_prompt(tokenizer, sample), tokenizer.encode("0123456789")]
 
 
-def resolve_model_path(cfg: Config, log=print) -> str:
+def resolve_model_path(cfg: Config, log=print, progress=None) -> str:
     """The model directory or preset to start RL from; trains and caches ``sft:<task>``."""
     if not cfg.model.path.startswith(SFT_PREFIX):
         return cfg.model.path
@@ -214,17 +214,18 @@ def resolve_model_path(cfg: Config, log=print) -> str:
         log(f"warm start: cached SFT model {target}")
         return str(target)
     log(f"warm start: SFT of a {cfg.sft.preset} model on builtin:{task} (cached in {target})")
-    train_warm_start(cfg, task, target, log)
+    train_warm_start(cfg, task, target, log, progress)
     return str(target)
 
 
-def train_warm_start(cfg: Config, task: str, target: Path, log=print) -> None:
+def train_warm_start(cfg: Config, task: str, target: Path, log=print, progress=None) -> None:
     """SFT from scratch on the built-in task; published atomically at ``target``."""
     import time
 
     import torch
 
     from hybridflow.models import load_model, load_tokenizer
+    from hybridflow.progress import quiet_reporter
     from hybridflow.trainer.roles import resolve_device
     from hybridflow.trainer.sft_loop import load_sft_examples, run_sft, save_hf_model
 
@@ -239,21 +240,24 @@ def train_warm_start(cfg: Config, task: str, target: Path, log=print) -> None:
     model = load_model(sft_cfg.preset, dtype=torch.float32, device=device)
 
     def log_progress(metrics: dict[str, Any], step: int) -> None:
+        bar.update(step, status=f"loss {metrics['sft/loss']:.3f}")
         if step % 50 == 0 or step == sft_cfg.total_steps:
             log(f"  sft step {step}/{sft_cfg.total_steps}  loss {metrics['sft/loss']:.3f}")
 
     problems = accuracy_problems(task, sft_cfg.eval_size, cfg.data.builtin_val_size)
     check = tool_accuracy if task == "calc" else greedy_accuracy
-    trainer = run_sft(
-        model,
-        examples,
-        sft_cfg,
-        device=device,
-        seed=cfg.trainer.seed,
-        pad_token_id=tokenizer.pad_token_id or 0,
-        log=log_progress,
-        should_stop=accuracy_stopper(sft_cfg, lambda lm: check(lm, tokenizer, problems), log),
-    )
+    progress = progress or quiet_reporter()
+    with progress.task("warm start SFT", total=sft_cfg.total_steps, unit="steps") as bar:
+        trainer = run_sft(
+            model,
+            examples,
+            sft_cfg,
+            device=device,
+            seed=cfg.trainer.seed,
+            pad_token_id=tokenizer.pad_token_id or 0,
+            log=log_progress,
+            should_stop=accuracy_stopper(sft_cfg, lambda lm: check(lm, tokenizer, problems), log),
+        )
     temporary = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(temporary, ignore_errors=True)
     save_hf_model(trainer.model.to("cpu"), tokenizer, temporary)

@@ -13,12 +13,14 @@ from __future__ import annotations
 from hybridflow.controller import fuse
 from hybridflow.workers.actor import ActorWorker, RefWorker
 from hybridflow.workers.critic import CriticWorker
+from hybridflow.workers.profiler import ProfilerWorker
 from hybridflow.workers.rollout import RolloutWorker
 
 __all__ = [
     "ActorRolloutRef",
     "ActorWorker",
     "CriticWorker",
+    "ProfilerWorker",
     "RefWorker",
     "RolloutWorker",
     "fused_worker",
@@ -26,14 +28,21 @@ __all__ = [
 
 
 def fused_worker(
-    *, actor: bool = True, rollout: bool = True, ref: bool = False, critic: bool = False
+    *,
+    actor: bool = True,
+    rollout: bool = True,
+    ref: bool = False,
+    critic: bool = False,
+    profiler: bool = False,
 ) -> type:
-    """One worker class holding the chosen roles (actor first: the others read its weights)."""
+    """One worker class holding the chosen roles (actor first: the others read its weights;
+    the profiler last: it names its traces by the roles before it)."""
     chosen = {
         "actor": ActorWorker if actor else None,
         "rollout": RolloutWorker if rollout else None,
         "ref": RefWorker if ref else None,
         "critic": CriticWorker if critic else None,
+        "profiler": ProfilerWorker if profiler else None,
     }
     return fuse(**{name: cls for name, cls in chosen.items() if cls is not None})
 

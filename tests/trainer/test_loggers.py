@@ -3,13 +3,17 @@
 import io
 import json
 import math
+import warnings
 
 import numpy as np
 import pytest
 import torch
+from progress_helpers import FakeClock, log_reporter
 from rich.console import Console
 
 from hybridflow.trainer.loggers import (
+    CELL_WIDTH,
+    STEP_WIDTH,
     ConsoleLogger,
     JsonlLogger,
     LoggerUnavailable,
@@ -38,7 +42,7 @@ def test_clean_metrics_converts_scalars_and_drops_the_rest():
 
 
 def test_tracker_writes_one_json_object_per_step(tmp_path):
-    with Tracker(["jsonl"], tmp_path, total_steps=3) as tracker:
+    with Tracker(["jsonl"], tmp_path) as tracker:
         for step in (1, 2, 3):
             tracker.log({"score/mean": torch.tensor(step / 10), "val/arithmetic/mean@1": 0.5}, step)
     rows = read_jsonl(tmp_path / "metrics.jsonl")
@@ -62,9 +66,7 @@ def test_resume_drops_lines_written_after_the_checkpoint(tmp_path):
 
 def test_console_prints_compact_rows_and_validation(tmp_path):
     buffer = io.StringIO()
-    logger = ConsoleLogger(
-        total_steps=2, console=Console(file=buffer, width=140, force_terminal=False)
-    )
+    logger = ConsoleLogger(console=Console(file=buffer, width=140, force_terminal=False))
     logger.log({"score/mean": 0.25, "timing_s/step": 1.5, "actor/grad_norm": 0.123456}, 1)
     logger.log(
         {
@@ -85,14 +87,45 @@ def test_console_prints_compact_rows_and_validation(tmp_path):
 
 def test_unknown_and_missing_backends(tmp_path):
     with pytest.raises(ValueError, match="unknown \\['tensorbored'\\]"):
-        Tracker(["tensorbored"], tmp_path, 1)
+        Tracker(["tensorbored"], tmp_path)
     try:
         import tensorboard  # noqa: F401
     except ImportError:
         with pytest.raises(LoggerUnavailable, match="pip install tensorboard"):
-            Tracker(["jsonl", "tensorboard"], tmp_path, 1)
+            Tracker(["jsonl", "tensorboard"], tmp_path)
     try:
         import wandb  # noqa: F401
     except ImportError:
         with pytest.raises(LoggerUnavailable, match="pip install wandb"):
-            Tracker(["wandb"], tmp_path, 1)
+            Tracker(["wandb"], tmp_path)
+
+
+def test_table_lines_have_one_width_whatever_the_values_and_terminal():
+    buffer = io.StringIO()
+    logger = ConsoleLogger(console=Console(file=buffer, width=40, force_terminal=False))
+    first = {"score/mean": 0.5, "actor/pg_loss": -2.484e-09, "actor/grad_norm": 12345678.9}
+    logger.log({**first, "timing_s/step": 1.5, "perf/tokens_per_s_per_gpu": 123456789012}, 1)
+    logger.log({"score/mean": None, "actor/pg_loss": 1e300, "timing_s/step": 0.001}, 2)
+    logger.close()
+    lines = buffer.getvalue().splitlines()
+    width = STEP_WIDTH + 5 * (CELL_WIDTH + 1)  # step, then score, pg_loss, grad, tok/s, step_s
+    assert len(lines) == 3  # header and two rows: nothing wrapped at the 40 columns
+    assert [len(line) for line in lines] == [width] * 3
+    assert lines[2].split() == ["2", "-", "1e+300", "-", "-", "0.001"]
+
+
+def test_warnings_print_once_above_a_fresh_header_never_between_rows():
+    reporter, buffer = log_reporter(FakeClock())
+    logger = ConsoleLogger(progress=reporter)
+    with reporter.collecting_warnings():
+        logger.log({"score/mean": 0.1}, 1)
+        for _ in range(3):
+            warnings.warn("a library says so", UserWarning, stacklevel=1)
+        logger.log({"score/mean": 0.2}, 2)
+        logger.log({"score/mean": 0.3}, 3)
+    lines = [line.strip() for line in buffer.getvalue().splitlines()]
+    assert len(lines) == 6, lines
+    assert lines[0].split() == ["step", "score"] and lines[1].split() == ["1", "0.1"]
+    assert lines[2].startswith("warning: UserWarning: a library says so (trainer/test_loggers.py:")
+    assert lines[3].split() == ["step", "score"]
+    assert [line.split()[0] for line in lines[4:]] == ["2", "3"]

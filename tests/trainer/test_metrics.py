@@ -45,6 +45,8 @@ def test_data_metrics_use_sequence_sums_and_valid_tokens_only():
     )
     assert metrics["score/mean"] == pytest.approx(0.5)
     assert metrics["score/max"] == 1.0 and metrics["score/min"] == 0.0
+    # scores 1, 0, 0.5 around their mean 0.5: sqrt((0.25 + 0.25 + 0) / 3)
+    assert metrics["score/std"] == pytest.approx((0.5 / 3) ** 0.5)
     # rewards per sequence: 1 - 0.4, 0 - 0.2, 0.5 - 0.1
     assert metrics["reward/mean"] == pytest.approx((0.6 - 0.2 + 0.4) / 3)
     # advantages over the 7 valid tokens: 4*1 - 2*2 + 3 = 3

@@ -1,0 +1,25 @@
+"""A fake clock and a reporter that writes like a log file, for the progress tests."""
+
+import io
+
+from rich.console import Console
+
+from hybridflow.progress import ProgressReporter
+
+
+class FakeClock:
+    """Seconds that move only when told (or by ``step`` on every read)."""
+
+    def __init__(self, step: float = 0.0):
+        self.now, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def log_reporter(clock, interval_s=10.0):
+    """A reporter writing to a non-terminal buffer, as in a log file (no bars)."""
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=60, force_terminal=False)
+    return ProgressReporter(console, interval_s=interval_s, tick_s=None, clock=clock), buffer
