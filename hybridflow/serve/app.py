@@ -18,11 +18,13 @@ batched with). n > 1 is n samples of the prompt; choice j's seed is derived from
 request's seed (choice 0 uses it as is).
 
 Streaming (`stream: true`): Server-Sent Events in OpenAI's chunk format, ending with
-`data: [DONE]`. The engine returns whole completions (it is not request-level yet), so the
-events are sent once the completion is ready: one chunk per generated token (its text and,
-when asked, its log-prob), then the finish chunk, then the usage chunk with
-`stream_options: {"include_usage": true}`. The chunks reassemble to exactly the text of the
-same request unstreamed; what streaming does not give yet is an early first token.
+`data: [DONE]`. Text is sent as the engine decodes it (a chunk per chunk of decode steps:
+EngineClient.stream; streaming.py holds back what could still start a stop string), then
+each choice's finish chunk, then the usage chunk with `stream_options: {"include_usage":
+true}`. The chunks reassemble to exactly the text of the same request unstreamed. A client
+that disconnects mid-stream has its requests aborted (their rows go back to the engine).
+Chat with `tools` streams once the whole text is there (the calls are parsed from it); so
+does a generation client without `stream` (the scripted one in tests).
 
 Chat: the messages are rendered by the tokenizer's chat template with the request's `tools`
 (agents' ChatRenderer); an assistant message's `tool_calls` are written into its content as
@@ -47,6 +49,7 @@ from array import array
 
 from aiohttp import web
 
+from hybridflow.serve.http import generation_failed, json_errors, read_json, stream_events
 from hybridflow.serve.openai_protocol import (
     ChatRequest,
     RequestError,
@@ -57,12 +60,12 @@ from hybridflow.serve.openai_protocol import (
     completion_chunk,
     completion_logprobs,
     completion_response,
-    error_body,
     parse_chat_request,
     parse_completion_request,
     usage,
 )
 from hybridflow.serve.records import RequestRecord, RequestRecords, choice_record
+from hybridflow.serve.streaming import stream_choices
 from hybridflow.serve.text import Output, finish_output
 
 log = logging.getLogger("hybridflow.serve")
@@ -124,9 +127,11 @@ class OpenAIServer:
         sampling = req.sampling
         prompts = [self._completion_prompt(p, i, len(req.prompts))
                    for i, p in enumerate(req.prompts)]  # fmt: skip
-        outputs = await self._generate(prompts, sampling)
         rid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), sampling.n
         want_logprobs = req.logprobs is not None
+        if sampling.stream and self._streams():
+            return await self._stream_completions(request, req, prompts, rid, created)
+        outputs = await self._generate(prompts, sampling)
         choices, chosen = [], []
         for i, prompt_outputs in enumerate(outputs):
             for j, out in enumerate(prompt_outputs):
@@ -165,8 +170,10 @@ class OpenAIServer:
         self._check_model(req.model)
         sampling = req.sampling
         prompt = self._chat_prompt(req)
-        outputs = (await self._generate([prompt], sampling))[0]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if sampling.stream and self._streams() and not req.parse_tool_calls:
+            return await self._stream_chat(request, req, prompt, rid, created)
+        outputs = (await self._generate([prompt], sampling))[0]
         choices, chosen = [], []
         for index, out in enumerate(outputs):
             message, finish = self._message(out, req.parse_tool_calls)
@@ -207,6 +214,55 @@ class OpenAIServer:
                 yield chat_chunk(rid, created, self.model_name, [], counts)
 
         return await stream_events(request, events())
+
+    async def _stream_completions(self, request, req, prompts, rid, created):
+        """`stream: true` on /v1/completions: chunks as the tokens decode."""
+        model, want_logprobs = self.model_name, req.logprobs is not None
+
+        def event(index, emits):
+            text = "".join(e.text for e in emits)
+            lp = (completion_logprobs([e.token for e in emits], [e.logprob for e in emits],
+                                      [e.offset for e in emits]) if want_logprobs else None)  # fmt: skip
+            if not text and lp is None:
+                return None
+            return completion_chunk(rid, created, model, [
+                {"index": index, "text": text, "logprobs": lp, "finish_reason": None}])  # fmt: skip
+
+        def finish(index, reason):
+            return completion_chunk(rid, created, model, [
+                {"index": index, "text": "", "logprobs": None, "finish_reason": reason}])  # fmt: skip
+
+        response, chosen = await self._stream(
+            request, prompts, req.sampling, event, finish,
+            lambda counts: completion_chunk(rid, created, model, [], counts),
+        )  # fmt: skip
+        self._record(rid, "completions", created, chosen, req.sampling, req.user, req.metadata)
+        return response
+
+    async def _stream_chat(self, request, req, prompt, rid, created):
+        """`stream: true` on /v1/chat/completions without tool parsing: content chunks as
+        the tokens decode (with tools the calls are parsed from the whole text: buffered)."""
+        model = self.model_name
+
+        def chunk(index, delta, logprobs=None, finish=None):
+            return chat_chunk(rid, created, model, [
+                {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            ])  # fmt: skip
+
+        def event(index, emits):
+            text = "".join(e.text for e in emits)
+            lp = (chat_logprobs([e.token for e in emits], [e.logprob for e in emits])
+                  if req.logprobs else None)  # fmt: skip
+            return chunk(index, {"content": text}, lp) if text or lp else None
+
+        response, chosen = await self._stream(
+            request, [prompt], req.sampling, event, lambda index, reason: chunk(index, {}, None, reason),
+            lambda counts: chat_chunk(rid, created, model, [], counts),
+            start_event=lambda index: chunk(index, {"role": "assistant", "content": ""}),
+        )  # fmt: skip
+        self._record(rid, "chat.completions", created, chosen, req.sampling, req.user,
+                     req.metadata)  # fmt: skip
+        return response
 
     # -- pieces --------------------------------------------------------------------------------
 
@@ -263,16 +319,15 @@ class OpenAIServer:
                 out.add(int(ids[0]))
         return out
 
-    async def _generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Output]]:
-        """sampling.n outputs per prompt."""
+    def _params(self, sampling: Sampling) -> tuple[list, set[int]]:
+        """One SamplingParams per choice (each its own seed), and the stop token ids."""
         from hybridflow.engine.sampling import SamplingParams
 
         stop_ids = set(self._check_ids(sampling.stop_token_ids, "stop_token_ids"))
         stop_ids |= self._single_token_stops(sampling.stop)
         if not sampling.ignore_eos and self.eos_id is not None:
             stop_ids.add(int(self.eos_id))
-        # Not cut to each prompt's room (the engine stops at max_seq_len, finish "length"):
-        # requests with equal settings then share an engine call whatever their lengths.
+        # Not cut to each prompt's room (the engine stops at max_seq_len, finish "length").
         max_new = self.max_seq_len if sampling.max_tokens is None else sampling.max_tokens
         try:
             params = [
@@ -286,13 +341,17 @@ class OpenAIServer:
             ]  # fmt: skip
         except ValueError as error:
             raise RequestError(str(error)) from None
+        return params, stop_ids
+
+    async def _generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Output]]:
+        """sampling.n outputs per prompt."""
+        params, _ = self._params(sampling)
         calls = [self.client.generate(prompt, p) for prompt in prompts for p in params]
         try:
             completions = await asyncio.gather(*calls)
         except Exception as error:
             log.exception("generation failed")
-            raise RequestError(f"generation failed: {type(error).__name__}: {error}", None,
-                               "generation_failed", status=500, type="server_error") from None  # fmt: skip
+            raise generation_failed(error) from None
         outputs = [
             finish_output(self.tokenizer, c.token_ids, c.logprobs, c.finish_reason,
                           sampling.stop, sampling.skip_special_tokens)
@@ -300,6 +359,17 @@ class OpenAIServer:
         ]  # fmt: skip
         n = sampling.n
         return [outputs[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _streams(self) -> bool:
+        """Whether the client streams tokens as they decode (EngineClient does)."""
+        return callable(getattr(self.client, "stream", None))
+
+    async def _stream(self, request, prompts, sampling: Sampling, event, finish_event,
+                      usage_event, start_event=lambda index: None):  # fmt: skip
+        params, stop_ids = self._params(sampling)
+        return await stream_choices(self.client, self.tokenizer, request, prompts, sampling,
+                                    params, stop_ids, event, finish_event, usage_event,
+                                    start_event)  # fmt: skip
 
     def _message(self, out: Output, parse_tool_calls: bool) -> tuple[dict, str]:
         message = {"role": "assistant", "content": out.text, "refusal": None}
@@ -328,59 +398,6 @@ class OpenAIServer:
                     "max_tokens": sampling.max_tokens, "stop": list(sampling.stop)}  # fmt: skip
         self.records.add(RequestRecord(request_id, endpoint, self.model_name, created, choices, settings,
                                        user, metadata))  # fmt: skip
-
-
-async def read_json(request: web.Request) -> dict:
-    raw = await request.read()
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as error:  # JSONDecodeError, UnicodeDecodeError
-        raise RequestError(f"the request body is not valid JSON: {error}", None,
-                           "invalid_json") from None  # fmt: skip
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object", None, "invalid_json")
-    return body
-
-
-async def stream_events(request: web.Request, events) -> web.StreamResponse:
-    """Server-Sent Events: `data: {json}` per event, then `data: [DONE]`."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})  # fmt: skip
-    await response.prepare(request)
-    try:
-        for event in events:
-            await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-    except (ConnectionError, asyncio.CancelledError):  # the client went away mid-stream
-        log.info("stream to %s ended early: the client disconnected", request.remote)
-    return response
-
-
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
-
-
-@web.middleware
-async def json_errors(request: web.Request, handler):
-    """Every error as OpenAI's JSON error body; never a traceback to the client."""
-    try:
-        return await handler(request)
-    except RequestError as error:
-        return web.json_response(error.body(), status=error.status)
-    except web.HTTPException as error:
-        if error.status < 400:
-            raise
-        kind = "invalid_request_error" if error.status < 500 else "server_error"
-        text = error.text or ""
-        message = (text if text and not text.startswith(f"{error.status}:")
-                   else f"{error.reason}: {request.method} {request.path}")  # fmt: skip
-        headers = {k: v for k, v in error.headers.items() if k.lower() == "allow"}
-        body = error_body(message, kind, None, _HTTP_CODES.get(error.status))
-        return web.json_response(body, status=error.status, headers=headers)
-    except Exception:
-        log.exception("%s %s failed", request.method, request.path)
-        body = error_body("internal server error", "server_error", None, "internal_error")
-        return web.json_response(body, status=500)
 
 
 def build_app(engine, tokenizer, model_name: str, *, client=None, max_seq_len: int | None = None,

@@ -15,26 +15,15 @@ from dataclasses import dataclass
 
 
 def token_pieces(tokenizer, ids: list[int], skip_special_tokens: bool = True) -> list[str]:
-    """The text each token adds, by incremental decoding (a window of the last few tokens, so
-    a character split over several byte tokens comes out whole, on its last token): the
-    pieces joined are the decoded text."""
-    pieces: list[str] = []
-    prefix = read = 0  # ids[prefix:read] is the decoded context the next piece follows
+    """The text each token adds, by incremental decoding (streaming.PieceDecoder: a character
+    split over several byte tokens comes out whole, on its last token): the pieces joined are
+    the decoded text."""
+    from hybridflow.serve.streaming import PieceDecoder
 
-    def decode(part):
-        return tokenizer.decode(part, skip_special_tokens=skip_special_tokens)
-
-    before = ""
-    for i in range(len(ids)):
-        after = decode(ids[prefix : i + 1])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            pieces.append(after[len(before) :])
-            prefix, read = read, i + 1
-            before = decode(ids[prefix:read])
-        else:
-            pieces.append("")
-    if read < len(ids) and pieces:  # an unfinished character at the end: its replacement text
-        pieces[-1] += decode(ids[prefix:])[len(before) :]
+    decoder = PieceDecoder(tokenizer, skip_special_tokens)
+    pieces = [decoder.push(token_id) for token_id in ids]
+    if pieces:  # an unfinished character at the end: its replacement text
+        pieces[-1] += decoder.trailing()
     return pieces
 
 

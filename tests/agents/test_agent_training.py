@@ -14,7 +14,7 @@ import pytest
 from trainer.trainer_helpers import read_metrics, tiny_config
 
 from hybridflow.agents import client as client_module
-from hybridflow.trainer import stages
+from hybridflow.trainer import evaluation, stages
 from hybridflow.trainer.run import train
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
@@ -51,6 +51,7 @@ def test_grpo_on_tool_episodes_masks_tool_output_and_logs_agent_metrics(
         return real_score(run, batch)
 
     monkeypatch.setattr(stages, "score", spy_score)
+    monkeypatch.setattr(evaluation, "score", spy_score)  # validation's own binding of it
     cfg = tiny_config(
         tmp_path, "rollout.agent.loop=tools", "rollout.agent.tools=[calculator]",
         "rollout.agent.max_turns=3", "data.max_response_length=160",

@@ -1,0 +1,80 @@
+"""The HTTP plumbing of the server: JSON bodies in, OpenAI's JSON errors out (never a
+traceback), Server-Sent Events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from aiohttp import web
+
+from hybridflow.serve.openai_protocol import RequestError, error_body
+
+log = logging.getLogger("hybridflow.serve")
+
+
+async def read_json(request: web.Request) -> dict:
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as error:  # JSONDecodeError, UnicodeDecodeError
+        raise RequestError(f"the request body is not valid JSON: {error}", None,
+                           "invalid_json") from None  # fmt: skip
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object", None, "invalid_json")
+    return body
+
+
+def generation_failed(error: Exception) -> RequestError:
+    return RequestError(f"generation failed: {type(error).__name__}: {error}", None,
+                        "generation_failed", status=500, type="server_error")  # fmt: skip
+
+
+async def stream_events(request: web.Request, events) -> web.StreamResponse:
+    """Server-Sent Events: `data: {json}` per event (an iterable or an async iterable),
+    then `data: [DONE]`."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})  # fmt: skip
+    await response.prepare(request)
+    try:
+        if not hasattr(events, "__aiter__"):
+            events = _async_iter(events)
+        async for event in events:
+            await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except (ConnectionError, asyncio.CancelledError):  # the client went away mid-stream
+        log.info("stream to %s ended early: the client disconnected", request.remote)
+    return response
+
+
+async def _async_iter(items):
+    for item in items:
+        yield item
+
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler):
+    """Every error as OpenAI's JSON error body; never a traceback to the client."""
+    try:
+        return await handler(request)
+    except RequestError as error:
+        return web.json_response(error.body(), status=error.status)
+    except web.HTTPException as error:
+        if error.status < 400:
+            raise
+        kind = "invalid_request_error" if error.status < 500 else "server_error"
+        text = error.text or ""
+        message = (text if text and not text.startswith(f"{error.status}:")
+                   else f"{error.reason}: {request.method} {request.path}")  # fmt: skip
+        headers = {k: v for k, v in error.headers.items() if k.lower() == "allow"}
+        body = error_body(message, kind, None, _HTTP_CODES.get(error.status))
+        return web.json_response(body, status=error.status, headers=headers)
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path)
+        body = error_body("internal server error", "server_error", None, "internal_error")
+        return web.json_response(body, status=500)
