@@ -13,6 +13,7 @@ from typing import Any
 
 from hybridflow.agents.options import AgentOptions
 from hybridflow.engine.options import EngineOptions
+from hybridflow.errors import UserError
 
 GROUP_ESTIMATORS = (
     "grpo",
@@ -24,7 +25,7 @@ GROUP_ESTIMATORS = (
 )
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration problem a user can act on. ``problems`` lists every one found."""
 
     def __init__(self, problems: list[str]):

@@ -9,6 +9,9 @@ from pathlib import Path
 from hybridflow.config.loading import _suggest
 from hybridflow.config.sections import GROUP_ESTIMATORS, Config, ConfigError, Derived
 
+LOGGER_NAMES = ("console", "jsonl", "tensorboard", "wandb")
+"""trainer.loggers choices (trainer/loggers.py implements them)."""
+
 
 def _known_names() -> tuple[set[str], set[str], set[str], set[str]]:
     """Registered estimator, policy-loss, aggregation and KL names (user registrations too)."""
@@ -83,9 +86,19 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
             f"trainer.n_gpus_per_node = {t.n_gpus_per_node} but this node has {gpus_available} GPU(s): "
             f"set trainer.n_gpus_per_node <= {gpus_available}"
         )
+    if t.device not in ("auto", "cpu", "cuda"):
+        add(f"trainer.device = {t.device!r} is unknown: use auto, cpu or cuda")
+    unknown_loggers = [name for name in t.loggers if name not in LOGGER_NAMES]
+    if unknown_loggers:
+        add(
+            f"trainer.loggers has unknown {unknown_loggers}"
+            f"{_suggest(unknown_loggers[0], list(LOGGER_NAMES))}"
+        )
     if t.placement not in ("colocate", "split"):
         add(f"trainer.placement = {t.placement!r} is unknown: use colocate or split")
     train_dp, rollout_dp = world, world
+    if t.placement == "split" and t.nnodes > 1:
+        add("trainer.placement = split runs on one node: set trainer.nnodes=1")
     if t.placement == "split":
         if not 0 < t.rollout_gpus < world:
             add(
@@ -224,8 +237,15 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
         )
 
     # ---- sampling and algorithm knobs
-    if r.temperature < 0:
-        add(f"rollout.temperature = {r.temperature} must be >= 0 (0 = greedy)")
+    if r.temperature <= 0:
+        add(
+            f"rollout.temperature = {r.temperature}: training rollouts must sample (greedy "
+            f"decoding gives the rollout.n samples of a prompt the same answer, so there is "
+            f"nothing to compare): set rollout.temperature > 0 (1.0 is standard); "
+            f"rollout.val_temperature=0 makes validation greedy"
+        )
+    if r.val_temperature < 0:
+        add(f"rollout.val_temperature = {r.val_temperature} must be >= 0 (0 = greedy)")
     if not 0 < r.top_p <= 1:
         add(f"rollout.top_p = {r.top_p} must be in (0, 1]")
     if not 0 <= r.min_p < 1:
@@ -238,6 +258,9 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
         add(f"rollout.engine.{problem}")
     for problem in r.agent.validate():
         add(f"rollout.agent.{problem}")
+    for key, lr, used in (("actor.lr", a.lr, True), ("critic.lr", c.lr, use_critic)):
+        if used and not (lr > 0 and math.isfinite(lr)):
+            add(f"{key} = {lr} must be a positive number (the tiny demo uses 2e-4, LLMs ~1e-6)")
     if a.clip_ratio_c <= 1:
         add(f"actor.clip_ratio_c = {a.clip_ratio_c} must be > 1 (dual clip; 3.0 is standard)")
     if alg.dynamic_sampling and alg.adv_estimator not in GROUP_ESTIMATORS:

@@ -92,6 +92,7 @@ class WorkerGroup:
                 f"{worker_cls.__name__}.__init__",
                 outcome.error,
                 outcome.traceback,
+                user_error=outcome.user_error,
             )
 
     def __getattr__(self, attr: str) -> Any:
@@ -226,7 +227,13 @@ class GroupFuture:
         outcome: RankResult = future.result()
         if outcome.error:
             raise WorkerError(
-                self._group.name, self._role, rank, self._path, outcome.error, outcome.traceback
+                self._group.name,
+                self._role,
+                rank,
+                self._path,
+                outcome.error,
+                outcome.traceback,
+                user_error=outcome.user_error,
             )
 
 

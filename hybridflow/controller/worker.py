@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridflow.controller.dispatch import Dispatch, dispatch_of
+from hybridflow.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,8 @@ class RankResult:
     error: str | None = None
     """``"ExceptionType: message"`` when the call raised."""
     traceback: str = ""
+    user_error: bool = False
+    """The exception was a hybridflow UserError: its message is what the user must see."""
 
 
 class WorkerHost:
@@ -187,7 +190,11 @@ def _capture(fn) -> RankResult:
         # Drop this frame and the host's lambda: the traceback starts in worker code.
         tb = exc.__traceback__.tb_next.tb_next or exc.__traceback__
         lines = traceback.format_exception(type(exc), exc, tb)
-        return RankResult(error=f"{type(exc).__name__}: {exc}", traceback="".join(lines))
+        return RankResult(
+            error=f"{type(exc).__name__}: {exc}",
+            traceback="".join(lines),
+            user_error=isinstance(exc, UserError),
+        )
 
 
 def init_distributed(

@@ -15,7 +15,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-LOGGER_NAMES = ("console", "jsonl", "tensorboard", "wandb")
+from hybridflow.config.validation import LOGGER_NAMES
+from hybridflow.errors import UserError
 
 # What the console table shows, in order, when present (short header, key).
 CONSOLE_COLUMNS = (
@@ -32,7 +33,7 @@ CONSOLE_COLUMNS = (
 )
 
 
-class LoggerUnavailable(RuntimeError):
+class LoggerUnavailable(UserError, RuntimeError):
     """A requested logging backend is not installed."""
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from hybridflow.config import Config, validate
+from hybridflow.config import Config
 from hybridflow.trainer.stages import RunContext
 
 DATA_SEED = 0
@@ -17,26 +17,20 @@ DATA_SEED = 0
 
 
 def setup(cfg: Config, log=print) -> RunContext:
-    """Validate config and data, warm-start if needed, start the workers."""
+    """Check everything (trainer/preflight.py), warm-start if needed, start the workers."""
     from hybridflow.algos import build_kl_controller
-    from hybridflow.data.dataset import PromptLoader, build_prompt_datasets
-    from hybridflow.models import load_tokenizer
-    from hybridflow.rewards import build_reward_manager
+    from hybridflow.data.dataset import PromptLoader
     from hybridflow.trainer.checkpoint import CheckpointManager
+    from hybridflow.trainer.preflight import prepare_run
     from hybridflow.trainer.roles import build_roles, resolve_device
     from hybridflow.trainer.warm_start import resolve_model_path
-    from hybridflow.workers.model_loading import default_tokenizer_path, set_cpu_threads
+    from hybridflow.workers.model_loading import set_cpu_threads
 
-    derived = validate(cfg)
+    checked = prepare_run(cfg, log)
+    derived, tokenizer, reward = checked.derived, checked.tokenizer, checked.reward
+    train_set, val_set = checked.train_set, checked.val_set
     set_cpu_threads(cfg, resolve_device(cfg.trainer.device))  # SFT and in-process workers
-    if cfg.trainer.placement == "split" and cfg.trainer.nnodes > 1:
-        raise ValueError("trainer.placement=split runs on one node: set trainer.nnodes=1")
-    tokenizer = load_tokenizer(default_tokenizer_path(cfg.model))
-    reward = build_reward_manager(cfg.reward, cfg.data.max_response_length)
     try:
-        train_set, val_set = build_prompt_datasets(
-            cfg.data, tokenizer, seed=DATA_SEED, known_data_sources=reward.known_data_sources()
-        )
         log(
             f"data: {len(train_set)} training prompts ({train_set.num_filtered} overlong "
             f"dropped), {len(val_set) if val_set else 0} validation prompts"
