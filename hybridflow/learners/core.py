@@ -311,7 +311,10 @@ class TrainCore:
             set_state_dict,
         )
 
+        from hybridflow.state_files import check_dcp_metadata, load_state_file
+
         directory = Path(directory)
+        check_dcp_metadata(directory)  # torch unpickles it unrestricted: refuse planted code
         options = StateDictOptions(ignore_frozen_params=trainable_only)
         with self.on_device():
             optimizers = [self.optimizer] if self.optimizer is not None else []
@@ -335,7 +338,7 @@ class TrainCore:
             if self.optimizer_offload and self.optimizer is not None:
                 _move_optimizer_state(self.optimizer, torch.device("cpu"))
         extra_path = directory / f"extra_rank{self.dp_rank}.pt"
-        extra = torch.load(extra_path, weights_only=False)
+        extra = load_state_file(extra_path)  # tensors and plain data only
         if self.scheduler is not None and "scheduler" in extra:
             self.scheduler.load_state_dict(extra["scheduler"])
         torch.set_rng_state(extra["rng_cpu"])

@@ -153,12 +153,20 @@ class CheckpointManager:
 
 
 def capture_rng_state() -> dict[str, Any]:
-    """RNG states of python, numpy, torch (CPU) and every CUDA device if present."""
+    """RNG states of python, numpy, torch (CPU) and every CUDA device if present, as tensors
+    and plain Python data (so the file loads with ``weights_only=True``)."""
     import torch
 
+    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),  # uint32 words, widened
+            "position": int(position),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -169,11 +177,26 @@ def capture_rng_state() -> dict[str, Any]:
 def restore_rng_state(state: dict[str, Any]) -> None:
     import torch
 
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    random.setstate(_as_python_random_state(state["python"]))
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, dict):
+        numpy_state = (
+            numpy_state["kind"],
+            numpy_state["keys"].numpy().astype(np.uint32),
+            numpy_state["position"],
+            numpy_state["has_gauss"],
+            numpy_state["cached_gaussian"],
+        )
+    np.random.set_state(numpy_state)  # a tuple in checkpoints of earlier versions
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_python_random_state(state):
+    """``random.setstate`` wants tuples; a state file may hand back lists."""
+    version, internal, gauss = state
+    return version, tuple(internal), gauss
 
 
 def save_rng_state(directory: str | Path, filename: str = RNG_FILE) -> Path:
@@ -185,7 +208,6 @@ def save_rng_state(directory: str | Path, filename: str = RNG_FILE) -> Path:
 
 
 def load_rng_state(directory: str | Path, filename: str = RNG_FILE) -> None:
-    import torch
+    from hybridflow.state_files import load_state_file
 
-    # Our own file holding python tuples and numpy arrays: not a weights-only payload.
-    restore_rng_state(torch.load(Path(directory) / filename, weights_only=False))
+    restore_rng_state(load_state_file(Path(directory) / filename))

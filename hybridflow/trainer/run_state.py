@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from hybridflow.errors import UserError
 from hybridflow.trainer.stages import RunContext
 
 TRAINER_STATE = "trainer_state.pt"
@@ -35,6 +36,7 @@ ENGINE_CHOICES = "engine_choices.json"
 
 def save_checkpoint(run: RunContext) -> Path:
     """Write ``step_<run.step>`` (all ranks of every group take part)."""
+    from hybridflow.state_files import to_plain_data
     from hybridflow.trainer.checkpoint import capture_rng_state
 
     def write(directory: Path) -> None:
@@ -48,7 +50,7 @@ def save_checkpoint(run: RunContext) -> Path:
             "rng": capture_rng_state(),
             "history": run.history,
         }
-        torch.save(state, directory / TRAINER_STATE)
+        torch.save(to_plain_data(state), directory / TRAINER_STATE)
         # the rollout's kernel choices, so a resumed run generates with the same kernels
         choices = run.roles.rollout.engine_choices()
         (directory / ENGINE_CHOICES).write_text(json.dumps(choices, indent=1, sort_keys=True))
@@ -90,6 +92,7 @@ def model_hf_config(path: str) -> dict:
 
 def resume(run: RunContext) -> Path | None:
     """Load the checkpoint ``trainer.resume`` names (auto: the latest complete one)."""
+    from hybridflow.state_files import load_state_file
     from hybridflow.trainer.checkpoint import restore_rng_state
     from hybridflow.trainer.roles import sync_weights
 
@@ -99,7 +102,7 @@ def resume(run: RunContext) -> Path | None:
     run.roles.actor.load(str(path))
     if run.roles.critic is not None:
         run.roles.critic.load(str(path))
-    state = torch.load(path / TRAINER_STATE, weights_only=False)
+    state = load_state_file(path / TRAINER_STATE)  # tensors and plain data only
     run.step = int(state["step"])
     run.loader.load_state_dict(state["loader"])
     run.kl_ctrl.load_state_dict(state["kl_ctrl"])
@@ -118,12 +121,12 @@ def read_run_config(checkpoint: str | Path):
 
     path = Path(checkpoint) / CONFIG_FILE
     if not path.is_file():
-        raise FileNotFoundError(
-            f"{checkpoint}: no {CONFIG_FILE}; is this a hybridflow checkpoint directory "
-            "(<run_dir>/checkpoints/step_N)?"
+        raise UserError(
+            f"{checkpoint}: no {CONFIG_FILE}",
+            "give a hybridflow checkpoint directory (<run_dir>/checkpoints/step_N)",
         )
     cfg = Config()
     problems = apply_mapping(cfg, yaml.safe_load(path.read_text()) or {}, source=str(path))
     if problems:
-        raise ValueError(f"{path}: " + "; ".join(problems))
+        raise UserError(f"{path}: " + "; ".join(problems), "was it written by another version?")
     return cfg
