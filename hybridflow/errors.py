@@ -14,6 +14,8 @@ This module imports nothing heavy (no torch): the config package and the CLI use
 from __future__ import annotations
 
 import errno
+import os
+import shutil
 import traceback
 from collections.abc import Iterator
 
@@ -51,13 +53,26 @@ def causes(error: BaseException) -> Iterator[BaseException]:
         error = error.__cause__ or error.__context__
 
 
-def is_disk_full(error: BaseException) -> bool:
-    """ENOSPC anywhere in the chain (torch's writer reports it as a RuntimeError text)."""
+WRITE_FAILED = ("file write failed", "inline_container")
+"""How torch.save reports a failed write (no errno): a full disk when space is short."""
+
+LOW_SPACE_BYTES = 64 * 2**20
+
+
+def is_disk_full(error: BaseException, path: str | os.PathLike | None = None) -> bool:
+    """ENOSPC anywhere in the chain, or torch's "file write failed" while ``path``'s file
+    system has almost no space left."""
     for cause in causes(error):
         if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if "No space left on device" in str(cause):
+        text = str(cause)
+        if "No space left on device" in text:
             return True
+        if path is not None and any(marker in text for marker in WRITE_FAILED):
+            try:
+                return shutil.disk_usage(path).free < LOW_SPACE_BYTES
+            except OSError:
+                return False
     return False
 
 

@@ -271,7 +271,10 @@ def _free_port() -> int:
 def _worker_main(
     conn, context: WorkerContext, port: int, collective_timeout_s: float, parent_pid: int
 ) -> None:
+    # The controller decides when workers stop: a scheduler's SIGTERM to the whole process
+    # group must not kill them while the controller saves a checkpoint.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     owner = str(os.getpid())
     host = WorkerHost()

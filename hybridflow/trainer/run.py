@@ -27,6 +27,8 @@ def setup(cfg: Config, log=print) -> RunContext:
     from hybridflow.workers.model_loading import set_cpu_threads
 
     checked = prepare_run(cfg, log)
+    # what a killed save left behind (on a full disk, the rerun needs that space)
+    CheckpointManager(f"{cfg.trainer.run_dir}/checkpoints").remove_stale()
     derived, tokenizer, reward = checked.derived, checked.tokenizer, checked.reward
     train_set, val_set = checked.train_set, checked.val_set
     set_cpu_threads(cfg, resolve_device(cfg.trainer.device))  # SFT and in-process workers
@@ -68,15 +70,47 @@ def setup(cfg: Config, log=print) -> RunContext:
 
 
 def train(cfg: Config, log=print) -> dict[str, float]:
-    """Run RL training; returns the final validation metrics."""
+    """Run RL training; returns the final validation metrics ({} when already finished)."""
+    from hybridflow.trainer.stop import StopRequest
+
+    finished = finished_message(cfg)
+    if finished is not None:
+        log(finished)
+        return {}
+    stop = StopRequest()
+    with stop.on_sigterm(log):
+        return _train(cfg, log, stop)
+
+
+def finished_message(cfg: Config) -> str | None:
+    """What to say when run_dir already holds the checkpoint of trainer.total_steps."""
+    from hybridflow.trainer.checkpoint import CheckpointManager
+
+    t = cfg.trainer
+    if t.resume != "auto":
+        return None
+    latest = CheckpointManager(f"{t.run_dir}/checkpoints").latest_step()
+    if latest is None or latest < t.total_steps:
+        return None
+    return (
+        f"nothing to do: {t.run_dir} already holds the checkpoint of step {latest} and "
+        f"trainer.total_steps = {t.total_steps}. To train further, raise it (e.g. "
+        f"trainer.total_steps={latest + t.total_steps}: it resumes from step {latest}); to "
+        f"start over, use another trainer.run_dir or trainer.resume=disable; "
+        f"`hybridflow export {t.run_dir}/checkpoints/step_{latest} OUT` writes the model"
+    )
+
+
+def _train(cfg: Config, log, stop) -> dict[str, float]:
     from hybridflow.trainer.loggers import Tracker
     from hybridflow.trainer.rl_loop import fit
     from hybridflow.trainer.run_state import resume
 
     started = time.perf_counter()
     run = setup(cfg, log=log)
+    run.stop, run.log = stop, log
     try:
-        path = resume(run)
+        path = resume(run, log=log)
         if path is not None:
             log(f"resumed from {path} at step {run.step}")
         t = run.cfg.trainer

@@ -6,6 +6,7 @@ controller never touches a model: generation and every forward pass are worker c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,7 @@ from hybridflow.config import Config, Derived
 from hybridflow.protocol import Batch
 from hybridflow.trainer.metrics import Timer
 from hybridflow.trainer.roles import Roles
+from hybridflow.trainer.stop import StopRequest
 
 if TYPE_CHECKING:
     from hybridflow.algos.kl import AdaptiveKLController, FixedKLController
@@ -50,6 +52,10 @@ class RunContext:
     flops_per_token: float | None = None
     history: dict[str, list] = field(default_factory=dict)
     """Validation results by step, for the before/after summary."""
+    stop: StopRequest = field(default_factory=StopRequest)
+    """Set by SIGTERM: the loop saves after the current step and stops (trainer/stop.py)."""
+    log: Callable[[str], None] = print
+    """Progress and warning lines (reward failures, the stop message)."""
 
 
 def sampling_meta(run: RunContext, *, n: int, temperature: float, seed: int) -> dict[str, Any]:
