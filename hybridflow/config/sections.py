@@ -237,7 +237,11 @@ class RewardConfig:
     num_workers: int = 0
     """Parallel scoring processes; 0: score in the controller process."""
     timeout_s: float = 10.0
-    """Per-sample scoring timeout; a timeout or exception scores 0 and is counted."""
+    """Per-sample scoring timeout; a timeout or exception scores 0 and is counted (the
+    samples of a step are scored concurrently, so timeouts do not add up)."""
+    max_failed_steps: int = 3
+    """Consecutive training steps on which the reward fails on every sample before the run
+    stops with the error (the messages are printed as they first happen)."""
     overlong_buffer_len: int = 0
     """DAPO overlong shaping buffer B in tokens; 0: off."""
     overlong_penalty_factor: float = 1.0

@@ -231,6 +231,8 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
         add(f"algorithm.kl_ctrl_type = {alg.kl_ctrl_type!r} is unknown: use fixed or adaptive")
     if cfg.reward.manager not in ("naive", "batch", "dapo"):
         add(f"reward.manager = {cfg.reward.manager!r} is unknown: use naive, batch or dapo")
+    if cfg.reward.max_failed_steps < 1:
+        add(f"reward.max_failed_steps = {cfg.reward.max_failed_steps} must be >= 1")
     if cfg.reward.custom_fn is not None and ":" not in cfg.reward.custom_fn:
         add(
             f"reward.custom_fn = {cfg.reward.custom_fn!r} must look like path/to/file.py:function_name"

@@ -35,7 +35,7 @@ def run_validation(run: RunContext) -> dict[str, float]:
         prompts: Batch = make_prompt_batch(items, pad)
         prompts.arrays["uid"] = np.asarray([item.index for item in items])
         batch = generate(run, prompts, n=n, temperature=temperature, seed=VALIDATION_SEED + start)
-        batch, _ = score(run, batch)
+        batch, _ = score(run, batch, training=False)
         sources += list(batch.arrays["data_source"])
         uids += list(batch.arrays["uid"])
         scores += list(batch.arrays["scores"])

@@ -20,6 +20,7 @@ def setup(cfg: Config, log=print) -> RunContext:
     """Check everything (trainer/preflight.py), warm-start if needed, start the workers."""
     from hybridflow.algos import build_kl_controller
     from hybridflow.data.dataset import PromptLoader
+    from hybridflow.rewards.monitor import RewardFailureMonitor
     from hybridflow.trainer.checkpoint import CheckpointManager
     from hybridflow.trainer.preflight import prepare_run
     from hybridflow.trainer.roles import build_roles, resolve_device
@@ -66,6 +67,8 @@ def setup(cfg: Config, log=print) -> RunContext:
             f"{cfg.trainer.run_dir}/checkpoints", cfg.trainer.keep_last_k
         ),
         flops_per_token=_flops_per_token(model_path),
+        log=log,
+        reward_monitor=RewardFailureMonitor(log, patience=cfg.reward.max_failed_steps),
     )
 
 
@@ -108,7 +111,7 @@ def _train(cfg: Config, log, stop) -> dict[str, float]:
 
     started = time.perf_counter()
     run = setup(cfg, log=log)
-    run.stop, run.log = stop, log
+    run.stop = stop
     try:
         path = resume(run, log=log)
         if path is not None:

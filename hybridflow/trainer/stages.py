@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from hybridflow.algos.kl import AdaptiveKLController, FixedKLController
     from hybridflow.data.dataset import PromptDataset, PromptLoader
     from hybridflow.rewards.managers import RewardManager
+    from hybridflow.rewards.monitor import RewardFailureMonitor
     from hybridflow.trainer.checkpoint import CheckpointManager
     from hybridflow.trainer.loggers import Tracker
 
@@ -56,6 +57,8 @@ class RunContext:
     """Set by SIGTERM: the loop saves after the current step and stops (trainer/stop.py)."""
     log: Callable[[str], None] = print
     """Progress and warning lines (reward failures, the stop message)."""
+    reward_monitor: RewardFailureMonitor | None = None
+    """Prints reward errors once each, stops a run whose reward always fails."""
 
 
 def sampling_meta(run: RunContext, *, n: int, temperature: float, seed: int) -> dict[str, Any]:
@@ -108,9 +111,11 @@ def generate(run: RunContext, prompts: Batch, *, n: int, temperature: float, see
     return rows
 
 
-def score(run: RunContext, batch: Batch) -> tuple[Batch, dict[str, float]]:
+def score(run: RunContext, batch: Batch, training: bool = True) -> tuple[Batch, dict[str, float]]:
     """Decode the responses, score them with the reward manager, put each score on its last
-    response token (``token_level_scores`` [B, R]); ``scores`` [B] kept as an array."""
+    response token (``token_level_scores`` [B, R]); ``scores`` [B] kept as an array.
+    Failures are reported by ``run.reward_monitor`` (``training``: they count towards
+    stopping a run whose reward always fails)."""
     from hybridflow.rewards.placement import decode_responses, place_scores
 
     response_mask = batch.tensors["response_mask"]
@@ -125,6 +130,8 @@ def score(run: RunContext, batch: Batch) -> tuple[Batch, dict[str, float]]:
         list(batch.arrays["extra_info"]),
         response_lengths=response_mask.sum(-1).long().tolist(),
     )
+    if run.reward_monitor is not None:
+        run.reward_monitor.observe(result, run.step, training=training)
     batch.tensors["token_level_scores"] = place_scores(result.scores, response_mask)
     batch.arrays["scores"] = np.asarray(result.scores, dtype=np.float64)
     batch.arrays["response_text"] = np.asarray(texts, dtype=object)
@@ -198,7 +205,7 @@ def collect_rollouts(run: RunContext, timer: Timer) -> tuple[Batch, dict[str, fl
 def greedy_baseline(run: RunContext, prompts: Batch, round_index: int) -> torch.Tensor:
     """ReMax baseline: the score of one greedy response per prompt, repeated ``n`` times."""
     greedy = generate(run, prompts, n=1, temperature=0.0, seed=step_seed(run, round_index, 7))
-    greedy, _ = score(run, greedy)
+    greedy, _ = score(run, greedy, training=False)
     baseline = torch.as_tensor(greedy.arrays["scores"], dtype=torch.float32)  # [B]
     return baseline.repeat_interleave(run.cfg.rollout.n)  # [B*n]
 
