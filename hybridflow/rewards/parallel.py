@@ -202,9 +202,12 @@ class ScoringPool:
 
     def _run_in_workers(self, calls: list[Call]) -> list[ScoreOutcome]:
         executor = self._executor_or_start()
-        # A few chunks per worker: fewer round trips than one task per call, and a slow
-        # chunk does not leave the other workers idle for long.
-        chunk_size = max(1, math.ceil(len(calls) / (4 * self.num_workers)))
+        # With a timeout, one chunk per worker: its calls run concurrently there (run_chunk),
+        # so hanging calls time out together. Without one, a few chunks per worker: fewer
+        # round trips than one task per call, and a slow chunk does not leave the other
+        # workers idle for long.
+        chunks_per_worker = 1 if self.timeout_s else 4
+        chunk_size = max(1, math.ceil(len(calls) / (chunks_per_worker * self.num_workers)))
         starts = range(0, len(calls), chunk_size)
         futures = {
             executor.submit(run_chunk, calls[s : s + chunk_size], self.timeout_s): s for s in starts

@@ -133,3 +133,12 @@ def test_a_reward_returning_none_stops_training_with_exit_2(tmp_path, capsys):
     assert status == 2 and "Traceback" not in output
     assert output.count("reward error (shown once)") == 1 and "returned None" in output
     assert "every sample for 3 steps in a row (up to step 3)" in captured.err
+
+
+def test_timeouts_in_worker_processes_run_concurrently(scorers, tmp_path):
+    started_log = tmp_path / "started.txt"
+    with scorers("sleeps", timeout_s=1.0, num_workers=2) as manager:
+        result = manager.score(["a"] * 8, [str(started_log)] * 8, ["s"] * 8)
+    assert result.metrics["reward/num_timeouts"] == 8.0
+    starts = sorted(float(line) for line in started_log.read_text().split())
+    assert len(starts) == 8 and starts[-1] - starts[0] < 1.0  # not 4 rounds of 2
