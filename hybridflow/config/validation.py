@@ -276,6 +276,8 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
         add(f"model.lora_rank = {cfg.model.lora_rank} must be >= 0")
     if cfg.model.dtype not in ("auto", "bfloat16", "float32", "float16"):
         add(f"model.dtype = {cfg.model.dtype!r} is unknown: use auto, bfloat16 or float32")
+    if t.keep_last_k is not None and t.keep_last_k < 1:
+        add(f"trainer.keep_last_k = {t.keep_last_k} must be >= 1 (or null: keep all)")
     if t.total_steps < 0:
         add(f"trainer.total_steps = {t.total_steps} must be >= 0")
 

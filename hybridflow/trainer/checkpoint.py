@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from hybridflow.config import ConfigError
 from hybridflow.errors import UserError, is_disk_full
 
 COMPLETE_MARKER = "COMPLETE"
@@ -95,7 +96,9 @@ class CheckpointManager:
 
     def __init__(self, root: str | Path, keep_last_k: int | None = 2):
         if keep_last_k is not None and keep_last_k < 1:
-            raise ValueError(f"trainer.keep_last_k={keep_last_k} must be >= 1 (or None: keep all)")
+            raise ConfigError(
+                [f"trainer.keep_last_k={keep_last_k} must be >= 1 (or None: keep all)"]
+            )
         self.root = Path(root)
         self.keep_last_k = keep_last_k
 

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hybridflow.config import ConfigError
 from hybridflow.config.validation import LOGGER_NAMES
 from hybridflow.errors import UserError
 
@@ -216,7 +217,9 @@ class Tracker:
     ):
         unknown = [name for name in loggers if name not in LOGGER_NAMES]
         if unknown:
-            raise ValueError(f"trainer.loggers has unknown {unknown}; choose from {LOGGER_NAMES}")
+            raise ConfigError(
+                [f"trainer.loggers has unknown {unknown}; choose from {LOGGER_NAMES}"]
+            )
         run_dir = Path(run_dir)
         self.backends: dict[str, Any] = {}
         try:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hybridflow.config import Config, SFTConfig
+from hybridflow.config import Config, ConfigError, SFTConfig
 from hybridflow.protocol import Batch
 
 
@@ -180,7 +180,9 @@ def sft_main(cfg: Config) -> Path:
         sft_cfg.train_files, tokenizer, sft_cfg, val_size=cfg.data.builtin_val_size
     )
     if not examples:
-        raise ValueError(f"sft.train_files={sft_cfg.train_files}: no example fits sft.max_length")
+        raise ConfigError(
+            [f"sft.train_files={sft_cfg.train_files}: no example fits sft.max_length"]
+        )
     dtype = torch.float32 if cfg.model.dtype == "auto" else resolve_dtype(cfg.model, device)
     model = load_model(model_path, dtype=dtype, device=device)
     checkpoints = CheckpointManager(out / "checkpoints", cfg.trainer.keep_last_k)
