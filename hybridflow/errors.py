@@ -109,8 +109,9 @@ def format_oom(message: str, *, stage: str | None = None, rank: int | None = Non
     )
 
 
-def _is_oom(error: BaseException) -> bool:
-    return type(error).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(error)
+def _is_oom(text: str) -> bool:
+    """torch's CUDA out-of-memory, from its text (also as a worker reports it)."""
+    return text.startswith("OutOfMemoryError") or "CUDA out of memory" in text
 
 
 def as_user_error(error: BaseException) -> UserError | None:
@@ -121,7 +122,7 @@ def as_user_error(error: BaseException) -> UserError | None:
         if getattr(cause, "user_error", False):  # a UserError raised in a worker (WorkerError)
             return UserError(f"{_without_type(cause.error)} (group {cause.group!r}, "
                              f"rank {cause.rank}, in {cause.method})")  # fmt: skip
-        if hasattr(cause, "method") and _is_oom(RuntimeError(getattr(cause, "error", ""))):
+        if hasattr(cause, "method") and _is_oom(str(getattr(cause, "error", ""))):  # a worker's
             return UserError(format_oom(cause.error, stage=cause.method, rank=cause.rank))
     if is_disk_full(error):
         path = next((c.filename for c in causes(error) if getattr(c, "filename", None)), None)
@@ -135,7 +136,7 @@ def as_user_error(error: BaseException) -> UserError | None:
                 f"permission denied: {cause.filename or cause}",
                 "make the path writable or choose another directory (trainer.run_dir)",
             )
-        if _is_oom(cause):  # torch.OutOfMemoryError raised in this process
+        if type(cause).__name__ == "OutOfMemoryError" or _is_oom(str(cause)):  # in this process
             return UserError(format_oom(str(cause)))
     return None
 

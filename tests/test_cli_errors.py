@@ -164,3 +164,8 @@ def test_debug_shows_the_traceback(capsys, tmp_path):
     status = main(["--debug", "config", "validate", "actor.lr=-1"])
     err = capsys.readouterr().err
     assert status == 2 and "Traceback" in err and "actor.lr" in err
+
+
+def test_sft_checks_the_machine_before_it_loads_a_model(capsys, tmp_path):
+    err = run_cli(capsys, tmp_path, "trainer.run_dir=/proc/hybridflow-run", command=("sft",))
+    assert "cannot write in /proc" in err

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from hybridflow.protocol import Batch
-from hybridflow.trainer.stages import RunContext, generate, score
+from hybridflow.trainer.stages import SCORED_FOR, RunContext, generate, score
 
 VALIDATION_SEED = 12345
 
@@ -35,7 +35,8 @@ def run_validation(run: RunContext) -> dict[str, float]:
         prompts: Batch = make_prompt_batch(items, pad)
         prompts.arrays["uid"] = np.asarray([item.index for item in items])
         batch = generate(run, prompts, n=n, temperature=temperature, seed=VALIDATION_SEED + start)
-        batch, _ = score(run, batch, training=False)
+        batch.meta[SCORED_FOR] = "validation"  # its reward failures do not stop the run
+        batch, _ = score(run, batch)
         sources += list(batch.arrays["data_source"])
         uids += list(batch.arrays["uid"])
         scores += list(batch.arrays["scores"])

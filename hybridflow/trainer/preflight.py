@@ -55,9 +55,7 @@ def prepare_run(cfg: Config, log=lambda *a, **k: None) -> Preflight:
     from hybridflow.workers.model_loading import default_tokenizer_path
 
     derived = validate(cfg, gpus_available=_gpu_count() if cfg.trainer.device == "cuda" else None)
-    problems = device_problems(cfg.trainer.device, cfg.trainer.n_gpus_per_node)
-    problems += run_dir_problems(cfg.trainer.run_dir, _checkpoint_bytes(cfg))
-    problems += logger_problems(cfg.trainer.loggers)
+    problems = machine_problems(cfg, cfg.trainer.run_dir)
     problems += model_problems(cfg.model.path, cfg.model.tokenizer_path)
     if problems:
         raise ConfigError(problems)
@@ -69,6 +67,15 @@ def prepare_run(cfg: Config, log=lambda *a, **k: None) -> Preflight:
         reward.close()
         raise
     return Preflight(derived, tokenizer, reward, train_set, val_set)
+
+
+def machine_problems(cfg: Config, out_dir: str) -> list[str]:
+    """The device, a writable ``out_dir`` with room for a checkpoint, the logger packages."""
+    return (
+        device_problems(cfg.trainer.device, cfg.trainer.n_gpus_per_node)
+        + run_dir_problems(out_dir, _checkpoint_bytes(cfg))
+        + logger_problems(cfg.trainer.loggers)
+    )
 
 
 def _datasets(cfg: Config, tokenizer, reward):
@@ -153,26 +160,33 @@ def _checkpoint_bytes(cfg: Config) -> int:
     """fp32 weights + AdamW's two moments (12 bytes a parameter), when the size is known."""
     if cfg.trainer.save_freq < 0:
         return MIN_FREE_BYTES
-    params = parameter_count(cfg.model.path)
-    return max(MIN_FREE_BYTES, 12 * params) if params else MIN_FREE_BYTES
+    architecture = model_architecture(cfg.model.path)
+    if architecture is None:
+        return MIN_FREE_BYTES
+    return max(MIN_FREE_BYTES, 12 * parameter_count(architecture))
 
 
-def parameter_count(model_path: str) -> int | None:
-    """Parameters of a preset or a local HF directory, from its architecture; None if unknown."""
+def model_architecture(model_path: str):
+    """The ModelArchitecture of a preset or a local HF directory, without loading weights;
+    None if unknown (``sft:`` before its warm start, an unreadable config.json)."""
     try:
         from hybridflow.models.architecture import ModelArchitecture
         from hybridflow.models.presets import PRESETS
 
         if model_path in PRESETS:
-            mc = PRESETS[model_path]
-        else:
-            config = json.loads((Path(model_path) / "config.json").read_text())
-            mc = ModelArchitecture.from_hf(config)
-        q, kv = mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim
-        per_layer = mc.hidden_size * (2 * q + 2 * kv) + 3 * mc.hidden_size * mc.intermediate_size
-        return mc.num_hidden_layers * per_layer + mc.vocab_size * mc.hidden_size
+            return PRESETS[model_path]
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        return ModelArchitecture.from_hf(config)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, ImportError):
         return None
+
+
+def parameter_count(architecture) -> int:
+    """Weights of the decoder layers (attention, SwiGLU MLP) and the embedding."""
+    a = architecture
+    q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+    per_layer = a.hidden_size * (2 * q + 2 * kv) + 3 * a.hidden_size * a.intermediate_size
+    return a.num_hidden_layers * per_layer + a.vocab_size * a.hidden_size
 
 
 def logger_problems(loggers: list[str]) -> list[str]:

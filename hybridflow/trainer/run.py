@@ -155,26 +155,15 @@ def summary(run: RunContext, seconds: float) -> str:
 
 def _flops_per_token(model_path: str) -> float | None:
     """2 × parameters (+ attention) per token for the MFU estimate; None if unknown."""
-    try:
-        from hybridflow.models.architecture import ModelArchitecture
-        from hybridflow.models.presets import PRESETS
+    from hybridflow.trainer.metrics import forward_flops_per_token
+    from hybridflow.trainer.preflight import model_architecture, parameter_count
 
-        if model_path in PRESETS:
-            mc = PRESETS[model_path]
-        else:
-            import json
-            from pathlib import Path
-
-            mc = ModelArchitecture.from_hf(
-                json.loads((Path(model_path) / "config.json").read_text())
-            )
-        from hybridflow.trainer.metrics import forward_flops_per_token
-
-        hidden, layers = mc.hidden_size, mc.num_hidden_layers
-        q = mc.num_attention_heads * mc.head_dim
-        kv = mc.num_key_value_heads * mc.head_dim
-        per_layer = hidden * (2 * q + 2 * kv) + 3 * hidden * mc.intermediate_size
-        params = layers * per_layer + mc.vocab_size * hidden
-        return forward_flops_per_token(params, layers, hidden, 0)
-    except (OSError, ValueError, KeyError, ImportError):
+    architecture = model_architecture(model_path)
+    if architecture is None:
         return None
+    return forward_flops_per_token(
+        parameter_count(architecture),
+        architecture.num_hidden_layers,
+        architecture.hidden_size,
+        0,
+    )

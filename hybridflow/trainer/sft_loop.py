@@ -166,11 +166,15 @@ def sft_main(cfg: Config) -> Path:
     from hybridflow.models import load_model, load_tokenizer
     from hybridflow.trainer.checkpoint import CheckpointManager
     from hybridflow.trainer.loggers import Tracker
+    from hybridflow.trainer.preflight import machine_problems
     from hybridflow.trainer.roles import resolve_device
     from hybridflow.workers.model_loading import resolve_dtype
 
     sft_cfg = cfg.sft
     out = Path(sft_cfg.out_dir or Path(cfg.trainer.run_dir) / "sft")
+    problems = machine_problems(cfg, str(out))
+    if problems:
+        raise ConfigError(problems)
     device = resolve_device(cfg.trainer.device)
     if device == "cuda":
         device = "cuda:0"

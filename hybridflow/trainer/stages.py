@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from hybridflow.trainer.loggers import Tracker
 
 PROMPT_MASK = "prompt_mask"
+SCORED_FOR = "scored_for"
+"""``batch.meta`` key: what a scored batch is for (training, validation, baseline)."""
 
 
 @dataclass
@@ -111,11 +113,12 @@ def generate(run: RunContext, prompts: Batch, *, n: int, temperature: float, see
     return rows
 
 
-def score(run: RunContext, batch: Batch, training: bool = True) -> tuple[Batch, dict[str, float]]:
+def score(run: RunContext, batch: Batch) -> tuple[Batch, dict[str, float]]:
     """Decode the responses, score them with the reward manager, put each score on its last
     response token (``token_level_scores`` [B, R]); ``scores`` [B] kept as an array.
-    Failures are reported by ``run.reward_monitor`` (``training``: they count towards
-    stopping a run whose reward always fails)."""
+    Failures are reported by ``run.reward_monitor``; those of training samples (not
+    ``batch.meta[SCORED_FOR]`` = validation / baseline) count towards stopping a run whose
+    reward always fails."""
     from hybridflow.rewards.placement import decode_responses, place_scores
 
     response_mask = batch.tensors["response_mask"]
@@ -131,6 +134,7 @@ def score(run: RunContext, batch: Batch, training: bool = True) -> tuple[Batch, 
         response_lengths=response_mask.sum(-1).long().tolist(),
     )
     if run.reward_monitor is not None:
+        training = batch.meta.get(SCORED_FOR, "training") == "training"
         run.reward_monitor.observe(result, run.step, training=training)
     batch.tensors["token_level_scores"] = place_scores(result.scores, response_mask)
     batch.arrays["scores"] = np.asarray(result.scores, dtype=np.float64)
@@ -205,7 +209,8 @@ def collect_rollouts(run: RunContext, timer: Timer) -> tuple[Batch, dict[str, fl
 def greedy_baseline(run: RunContext, prompts: Batch, round_index: int) -> torch.Tensor:
     """ReMax baseline: the score of one greedy response per prompt, repeated ``n`` times."""
     greedy = generate(run, prompts, n=1, temperature=0.0, seed=step_seed(run, round_index, 7))
-    greedy, _ = score(run, greedy, training=False)
+    greedy.meta[SCORED_FOR] = "baseline"
+    greedy, _ = score(run, greedy)
     baseline = torch.as_tensor(greedy.arrays["scores"], dtype=torch.float32)  # [B]
     return baseline.repeat_interleave(run.cfg.rollout.n)  # [B*n]
 
