@@ -142,6 +142,7 @@ def test_sigterm_saves_after_the_step_and_says_how_to_resume(tmp_path, monkeypat
         return metrics
 
     monkeypatch.setattr(rl_loop, "train_step", step_then_sigterm)
+    before = signal.getsignal(signal.SIGTERM)
     messages = []
     cfg = tiny_config(tmp_path, "trainer.total_steps=4", "trainer.save_freq=0")
     with pytest.raises(RunStopped) as info:
@@ -150,7 +151,7 @@ def test_sigterm_saves_after_the_step_and_says_how_to_resume(tmp_path, monkeypat
     assert "stopped by SIGTERM after step 2 of 4" in str(info.value)
     assert "step_2" in str(info.value) and "run the same command again" in str(info.value)
     assert any("SIGTERM: finishing this step" in m for m in messages)
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is removed
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is removed
     monkeypatch.undo()
     messages = []
     train(cfg, log=messages.append)
