@@ -112,6 +112,7 @@ def _train(cfg: Config, log, stop) -> dict[str, float]:
     started = time.perf_counter()
     run = setup(cfg, log=log)
     run.stop = stop
+    stop.reclaim()  # starting the workers may have installed another SIGTERM handler (Ray)
     try:
         path = resume(run, log=log)
         if path is not None:

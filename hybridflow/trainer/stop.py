@@ -20,6 +20,12 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.requested = False
+        self._handler = None
+
+    def reclaim(self) -> None:
+        """Install the handler again: ``ray.init`` replaces it with its own (which exits)."""
+        if self._handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._handler)
 
     @contextlib.contextmanager
     def on_sigterm(self, log: Callable[[str], None]) -> Iterator[StopRequest]:
@@ -35,8 +41,10 @@ class StopRequest:
             log("SIGTERM: finishing this step, then saving a checkpoint and stopping "
                 "(a second SIGTERM stops at once)")  # fmt: skip
 
+        self._handler = handle
         previous = signal.signal(signal.SIGTERM, handle)
         try:
             yield self
         finally:
+            self._handler = None
             signal.signal(signal.SIGTERM, previous)
