@@ -123,4 +123,6 @@ def check_dcp_metadata(directory: str | Path) -> None:
             REFUSED_FIX,
         ) from None
     except (EOFError, ValueError, AttributeError, TypeError, ImportError) as error:
-        raise UserError(f"{path} is damaged ({type(error).__name__}: {error})", REFUSED_FIX) from None
+        raise UserError(
+            f"{path} is damaged ({type(error).__name__}: {error})", REFUSED_FIX
+        ) from None
