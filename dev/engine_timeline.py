@@ -24,7 +24,7 @@ from hybridflow.engine import Engine, EngineOptions, SamplingParams, scheduler
 from hybridflow.engine.bench_cli import make_prompts, parse_engine_settings
 from hybridflow.models import load_model
 
-# Host phases marked in the trace (record_function around these scheduler.GenerationLoop methods).
+# Host phases marked in the trace (record_function around these scheduler.Scheduler methods).
 PHASES = ("_admit", "_decode", "_snapshot", "_absorb", "_retire")
 
 
@@ -198,7 +198,7 @@ def timeline(preset: str, rows: int, length: int, new_tokens: int, device: torch
     prompts = make_prompts(rows // n, length, model.config.vocab_size, 0)
     params = SamplingParams(n=n, max_new_tokens=new_tokens, seed=0, ignore_eos=True)
     eng.generate(prompts, params)  # compile, tune, capture
-    _annotate(scheduler.GenerationLoop)
+    _annotate(scheduler.Scheduler)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     pauses: dict[str, list[float]] = {"unprofiled": [], "profiled": []}

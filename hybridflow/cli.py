@@ -4,6 +4,10 @@ Subcommands import their heavy modules only when they run, so `hybridflow --help
 `hybridflow config validate` stay instant. Every subcommand is always listed: one whose
 module cannot be imported (a missing optional package, a broken install) says so in one line
 when it runs, with what to install, and exits with status 2.
+
+Errors: a problem with the input or the environment prints one paragraph naming the file,
+key, row or line and the fix, and exits with status 2; anything else is a bug and shows its
+traceback (hybridflow/errors.py). ``--debug`` shows the traceback of every error.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from hybridflow.errors import UserError, report
 
 # Import name -> what `pip install` takes, where the two differ.
 PIP_NAMES = {
@@ -31,7 +37,7 @@ PACKAGE_SUBCOMMANDS = (
 )
 
 
-class SubcommandUnavailable(Exception):
+class SubcommandUnavailable(UserError):
     """A subcommand's module could not be imported; ``str()`` is the line users see."""
 
 
@@ -55,7 +61,14 @@ def import_for(command: str, module: str):
         raise SubcommandUnavailable(unavailable_reason(command, module, error)) from None
 
 
+def _add_debug_flag(p: argparse.ArgumentParser) -> None:
+    """``--debug`` after the subcommand too (SUPPRESS: absent, it keeps the top-level value)."""
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="show the traceback of every error")  # fmt: skip
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
+    _add_debug_flag(p)
     p.add_argument("--config", "-c", default=None, help="YAML file with config sections")
     p.add_argument(
         "overrides", nargs="*", help="dotted overrides such as rollout.n=8 actor.lr=1e-6"
@@ -69,14 +82,14 @@ def _load(args):
 
 
 def cmd_config(args) -> int:
-    from hybridflow.config import ConfigError, validate
+    from hybridflow.config import validate
 
-    try:
-        cfg = _load(args)
-        derived = validate(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = _load(args)
+    if args.action == "validate":  # everything `train` checks before it loads a model
+        import_for("config", "hybridflow.trainer.preflight").check_run(cfg)
+        print("config OK")
+        return 0
+    derived = validate(cfg)
     if args.action == "show":
         _print_config(cfg, derived)
     else:
@@ -100,17 +113,11 @@ def _print_config(cfg, derived) -> None:
 
 
 def _run_trainer(kind: str, args) -> int:
-    from hybridflow.config import ConfigError
-
-    try:
-        cfg = _load(args)
-        if kind == "train":
-            import_for("train", "hybridflow.trainer.run").train(cfg)
-        else:
-            import_for("sft", "hybridflow.trainer.sft_loop").sft_main(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = _load(args)
+    if kind == "train":
+        import_for("train", "hybridflow.trainer.run").train(cfg)
+    else:
+        import_for("sft", "hybridflow.trainer.sft_loop").sft_main(cfg)
     return 0
 
 
@@ -123,6 +130,9 @@ def cmd_export(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridflow", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of every error (also user errors)"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("config", help="show or validate a resolved config")
@@ -141,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
     p.add_argument("checkpoint")
     p.add_argument("out")
+    _add_debug_flag(p)
     p.set_defaults(func=cmd_export)
 
     # Subcommands owned by their packages: each adds its own parser when its module imports,
@@ -158,10 +169,10 @@ def _add_unavailable(sub, name: str, help_text: str, reason: str) -> None:
     p = sub.add_parser(name, help=f"{help_text} (unavailable here: run it to see why)",
                        add_help=False)  # fmt: skip
 
-    def report(args) -> int:
+    def say_unavailable(args) -> int:
         raise SubcommandUnavailable(reason)
 
-    p.set_defaults(func=report, takes_any_arguments=True)
+    p.set_defaults(func=say_unavailable, takes_any_arguments=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,15 +185,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return int(args.func(args) or 0)
-    except SubcommandUnavailable as unavailable:
-        print(f"error: {unavailable}", file=sys.stderr)
-        return 2
-    except ModuleNotFoundError as error:  # a package the command imports as it goes
-        print(f"error: {unavailable_reason(args.command, error.name, error)}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except ModuleNotFoundError as error:  # a package the command imports as it goes
+        missing = UserError(unavailable_reason(args.command, error.name, error))
+        missing.__cause__, missing.__traceback__ = error, error.__traceback__
+        text, status = report(missing, debug=args.debug)
+    except Exception as error:  # the one error boundary (hybridflow/errors.py)
+        text, status = report(error, debug=args.debug)
+    print(text, file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

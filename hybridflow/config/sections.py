@@ -13,6 +13,7 @@ from typing import Any
 
 from hybridflow.agents.options import AgentOptions
 from hybridflow.engine.options import EngineOptions
+from hybridflow.errors import UserError
 from hybridflow.trainer.profile_options import ProfileOptions
 
 GROUP_ESTIMATORS = (
@@ -25,7 +26,7 @@ GROUP_ESTIMATORS = (
 )
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration problem a user can act on. ``problems`` lists every one found."""
 
     def __init__(self, problems: list[str]):
@@ -237,7 +238,11 @@ class RewardConfig:
     num_workers: int = 0
     """Parallel scoring processes; 0: score in the controller process."""
     timeout_s: float = 10.0
-    """Per-sample scoring timeout; a timeout or exception scores 0 and is counted."""
+    """Per-sample scoring timeout; a timeout or exception scores 0 and is counted (the
+    samples of a step are scored concurrently, so timeouts do not add up)."""
+    max_failed_steps: int = 3
+    """Consecutive training steps on which the reward fails on every sample before the run
+    stops with the error (the messages are printed as they first happen)."""
     overlong_buffer_len: int = 0
     """DAPO overlong shaping buffer B in tokens; 0: off."""
     overlong_penalty_factor: float = 1.0
@@ -319,6 +324,9 @@ class TrainerConfig:
     """Run name for W&B / TensorBoard."""
     call_timeout_s: float = 3600.0
     """Timeout of each remote call on a worker group."""
+    rendezvous_host: str = "127.0.0.1"
+    """Address the ``local`` backend's torch.distributed store listens on. All its ranks
+    are on this host, so the default keeps the store off the network."""
     cpu_threads: int | None = 1
     """torch intra-op threads of each process when running on the CPU. Tiny models run
     fastest on one (measured: 1.9 s vs 2.9 s per demo step with 2); None: torch's default.

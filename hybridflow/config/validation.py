@@ -9,6 +9,9 @@ from pathlib import Path
 from hybridflow.config.loading import _suggest
 from hybridflow.config.sections import GROUP_ESTIMATORS, Config, ConfigError, Derived
 
+LOGGER_NAMES = ("console", "jsonl", "tensorboard", "wandb")
+"""trainer.loggers choices (trainer/loggers.py implements them)."""
+
 
 def _known_names() -> tuple[set[str], set[str], set[str], set[str]]:
     """Registered estimator, policy-loss, aggregation and KL names (user registrations too)."""
@@ -83,9 +86,19 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
             f"trainer.n_gpus_per_node = {t.n_gpus_per_node} but this node has {gpus_available} GPU(s): "
             f"set trainer.n_gpus_per_node <= {gpus_available}"
         )
+    if t.device not in ("auto", "cpu", "cuda"):
+        add(f"trainer.device = {t.device!r} is unknown: use auto, cpu or cuda")
+    unknown_loggers = [name for name in t.loggers if name not in LOGGER_NAMES]
+    if unknown_loggers:
+        add(
+            f"trainer.loggers has unknown {unknown_loggers}"
+            f"{_suggest(unknown_loggers[0], list(LOGGER_NAMES))}"
+        )
     if t.placement not in ("colocate", "split"):
         add(f"trainer.placement = {t.placement!r} is unknown: use colocate or split")
     train_dp, rollout_dp = world, world
+    if t.placement == "split" and t.nnodes > 1:
+        add("trainer.placement = split runs on one node: set trainer.nnodes=1")
     if t.placement == "split":
         if not 0 < t.rollout_gpus < world:
             add(
@@ -218,14 +231,23 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
         add(f"algorithm.kl_ctrl_type = {alg.kl_ctrl_type!r} is unknown: use fixed or adaptive")
     if cfg.reward.manager not in ("naive", "batch", "dapo"):
         add(f"reward.manager = {cfg.reward.manager!r} is unknown: use naive, batch or dapo")
+    if cfg.reward.max_failed_steps < 1:
+        add(f"reward.max_failed_steps = {cfg.reward.max_failed_steps} must be >= 1")
     if cfg.reward.custom_fn is not None and ":" not in cfg.reward.custom_fn:
         add(
             f"reward.custom_fn = {cfg.reward.custom_fn!r} must look like path/to/file.py:function_name"
         )
 
     # ---- sampling and algorithm knobs
-    if r.temperature < 0:
-        add(f"rollout.temperature = {r.temperature} must be >= 0 (0 = greedy)")
+    if r.temperature <= 0:
+        add(
+            f"rollout.temperature = {r.temperature}: training rollouts must sample (greedy "
+            f"decoding gives the rollout.n samples of a prompt the same answer, so there is "
+            f"nothing to compare): set rollout.temperature > 0 (1.0 is standard); "
+            f"rollout.val_temperature=0 makes validation greedy"
+        )
+    if r.val_temperature < 0:
+        add(f"rollout.val_temperature = {r.val_temperature} must be >= 0 (0 = greedy)")
     if not 0 < r.top_p <= 1:
         add(f"rollout.top_p = {r.top_p} must be in (0, 1]")
     if not 0 <= r.min_p < 1:
@@ -242,6 +264,9 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
         add(f"trainer.profile.{problem}")
     if t.progress_interval_s <= 0:
         add(f"trainer.progress_interval_s = {t.progress_interval_s} must be > 0 (seconds)")
+    for key, lr, used in (("actor.lr", a.lr, True), ("critic.lr", c.lr, use_critic)):
+        if used and not (lr > 0 and math.isfinite(lr)):
+            add(f"{key} = {lr} must be a positive number (the tiny demo uses 2e-4, LLMs ~1e-6)")
     if a.clip_ratio_c <= 1:
         add(f"actor.clip_ratio_c = {a.clip_ratio_c} must be > 1 (dual clip; 3.0 is standard)")
     if alg.dynamic_sampling and alg.adv_estimator not in GROUP_ESTIMATORS:
@@ -255,6 +280,8 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
         add(f"model.lora_rank = {cfg.model.lora_rank} must be >= 0")
     if cfg.model.dtype not in ("auto", "bfloat16", "float32", "float16"):
         add(f"model.dtype = {cfg.model.dtype!r} is unknown: use auto, bfloat16 or float32")
+    if t.keep_last_k is not None and t.keep_last_k < 1:
+        add(f"trainer.keep_last_k = {t.keep_last_k} must be >= 1 (or null: keep all)")
     if t.total_steps < 0:
         add(f"trainer.total_steps = {t.total_steps} must be >= 0")
 

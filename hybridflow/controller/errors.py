@@ -8,10 +8,18 @@ class WorkerError(RuntimeError):
     the remote traceback (also in ``remote_traceback``)."""
 
     def __init__(
-        self, group: str, role: str, rank: int, method: str, error: str, remote_traceback: str = ""
+        self,
+        group: str,
+        role: str,
+        rank: int,
+        method: str,
+        error: str,
+        remote_traceback: str = "",
+        user_error: bool = False,
     ) -> None:
         self.group, self.role, self.rank, self.method = group, role, rank, method
         self.error, self.remote_traceback = error, remote_traceback
+        self.user_error = user_error  # a hybridflow UserError: errors.report shows it alone
         where = f"group {group!r}" + (f" role {role!r}" if role else "") + f" rank {rank}"
         message = f"{where} failed in {method}: {error}"
         if remote_traceback:
@@ -19,7 +27,8 @@ class WorkerError(RuntimeError):
         super().__init__(message)
 
     def __reduce__(self):
-        args = (self.group, self.role, self.rank, self.method, self.error, self.remote_traceback)
+        args = (self.group, self.role, self.rank, self.method, self.error, self.remote_traceback,
+                self.user_error)  # fmt: skip
         return type(self), args
 
 

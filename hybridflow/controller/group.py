@@ -59,6 +59,7 @@ class WorkerGroup:
         call_timeout_s: float | None = 3600.0,
         start_timeout_s: float = 600.0,
         collective_timeout_s: float = 1800.0,
+        rendezvous_host: str = "127.0.0.1",
         **init_kwargs: Any,
     ) -> None:
         if backend not in BACKENDS:
@@ -78,6 +79,7 @@ class WorkerGroup:
             init_kwargs,
             start_timeout_s,
             collective_timeout_s,
+            rendezvous_host,
         )
         _live_groups.add(self)
         _exit_cleanly_on_sigterm()
@@ -92,6 +94,7 @@ class WorkerGroup:
                 f"{worker_cls.__name__}.__init__",
                 outcome.error,
                 outcome.traceback,
+                user_error=outcome.user_error,
             )
 
     def __getattr__(self, attr: str) -> Any:
@@ -226,7 +229,13 @@ class GroupFuture:
         outcome: RankResult = future.result()
         if outcome.error:
             raise WorkerError(
-                self._group.name, self._role, rank, self._path, outcome.error, outcome.traceback
+                self._group.name,
+                self._role,
+                rank,
+                self._path,
+                outcome.error,
+                outcome.traceback,
+                user_error=outcome.user_error,
             )
 
 
@@ -238,6 +247,7 @@ def _make_backend(
     init_kwargs: dict,
     start_timeout_s: float,
     collective_timeout_s: float,
+    rendezvous_host: str,
 ):
     if backend == "inprocess":
         from hybridflow.controller.inprocess import InProcessBackend
@@ -247,7 +257,13 @@ def _make_backend(
         from hybridflow.controller.local import LocalBackend
 
         return LocalBackend(
-            worker_cls, pool, name, init_kwargs, start_timeout_s, collective_timeout_s
+            worker_cls,
+            pool,
+            name,
+            init_kwargs,
+            start_timeout_s,
+            collective_timeout_s,
+            rendezvous_host,
         )
     from hybridflow.controller.ray_backend import RayBackend
 

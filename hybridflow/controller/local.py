@@ -43,7 +43,10 @@ class LocalBackend:
         init_kwargs: dict,
         start_timeout_s: float,
         collective_timeout_s: float,
+        rendezvous_host: str = "127.0.0.1",
     ) -> None:
+        """``rendezvous_host``: where rank 0's torch.distributed store listens; the default
+        keeps it off the network (all ranks are on this host)."""
         import torch.multiprocessing as mp
 
         if pool.num_nodes != 1:
@@ -75,7 +78,14 @@ class LocalBackend:
             parent_end, child_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=_worker_main,
-                args=(child_end, context, port, collective_timeout_s, os.getpid()),
+                args=(
+                    child_end,
+                    context,
+                    port,
+                    collective_timeout_s,
+                    os.getpid(),
+                    rendezvous_host,
+                ),
                 name=f"hybridflow-{group}-{rank}",
                 daemon=False,  # workers may start their own children (daemons cannot)
             )
@@ -269,16 +279,25 @@ def _free_port() -> int:
 
 
 def _worker_main(
-    conn, context: WorkerContext, port: int, collective_timeout_s: float, parent_pid: int
+    conn,
+    context: WorkerContext,
+    port: int,
+    collective_timeout_s: float,
+    parent_pid: int,
+    rendezvous_host: str = "127.0.0.1",
 ) -> None:
+    # The controller decides when workers stop: a scheduler's SIGTERM to the whole process
+    # group must not kill them while the controller saves a checkpoint.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     owner = str(os.getpid())
     host = WorkerHost()
     try:
         try:
             worker_cls, init_kwargs = transport.decode(conn.recv_bytes())
-            init_distributed(context, "127.0.0.1", port, collective_timeout_s)
+            connect = "127.0.0.1" if rendezvous_host in ("0.0.0.0", "::", "") else rendezvous_host
+            init_distributed(context, connect, port, collective_timeout_s, rendezvous_host)
         except BaseException as exc:  # noqa: BLE001 - reported to the controller
             import traceback
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridflow.controller.dispatch import Dispatch, dispatch_of
+from hybridflow.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,8 @@ class RankResult:
     error: str | None = None
     """``"ExceptionType: message"`` when the call raised."""
     traceback: str = ""
+    user_error: bool = False
+    """The exception was a hybridflow UserError: its message is what the user must see."""
 
 
 class WorkerHost:
@@ -194,14 +197,25 @@ def _capture(fn, range_name: str | None = None) -> RankResult:
         # Drop this frame and the host's lambda: the traceback starts in worker code.
         tb = exc.__traceback__.tb_next.tb_next or exc.__traceback__
         lines = traceback.format_exception(type(exc), exc, tb)
-        return RankResult(error=f"{type(exc).__name__}: {exc}", traceback="".join(lines))
+        return RankResult(
+            error=f"{type(exc).__name__}: {exc}",
+            traceback="".join(lines),
+            user_error=isinstance(exc, UserError),
+        )
 
 
 def init_distributed(
-    context: WorkerContext, master_addr: str, master_port: int, timeout_s: float
+    context: WorkerContext,
+    master_addr: str,
+    master_port: int,
+    timeout_s: float,
+    listen_host: str | None = None,
 ) -> None:
     """torch.distributed for one worker: NCCL on its GPU, gloo on CPU; env vars set for
-    libraries that read them (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR...)."""
+    libraries that read them (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR...).
+
+    ``listen_host``: the address rank 0's rendezvous store listens on (the local backend
+    passes 127.0.0.1); None lets torch listen on every interface, as Ray's nodes need."""
     from datetime import timedelta
 
     import torch
@@ -220,6 +234,9 @@ def init_distributed(
         torch.cuda.set_device(context.device)
         kwargs["device_id"] = torch.device(context.device)
         share_host_cores(context.local_world_size)
+    if listen_host is not None:
+        kwargs["store"] = _rendezvous_store(context, listen_host, master_addr, master_port,
+                                            timedelta(seconds=timeout_s))  # fmt: skip
     dist.init_process_group(
         backend="nccl" if context.device.startswith("cuda") else "gloo",
         rank=context.rank,
@@ -227,6 +244,26 @@ def init_distributed(
         timeout=timedelta(seconds=timeout_s),
         **kwargs,
     )
+
+
+def _rendezvous_store(context: WorkerContext, listen_host: str, master_addr: str, port: int,
+                      timeout):  # fmt: skip
+    """A TCPStore whose server (rank 0) listens on ``listen_host`` only: torch's own binds
+    every interface, which would let anyone on the network talk to the store."""
+    import socket
+
+    import torch.distributed as dist
+
+    if context.rank != 0:
+        return dist.TCPStore(master_addr, port, context.world_size, False, timeout)
+    family = socket.AF_INET6 if ":" in listen_host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((listen_host, port))
+    listener.listen(128)
+    # detach: the store owns the descriptor now (closing the socket object would close it)
+    return dist.TCPStore(master_addr, port, context.world_size, True, timeout,
+                         master_listen_fd=listener.detach())  # fmt: skip
 
 
 def share_host_cores(local_world_size: int) -> None:

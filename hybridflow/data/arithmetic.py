@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.data.schema import write_rows
+from hybridflow.errors import UserError
 
 ARITHMETIC_DATA_SOURCE = "arithmetic"
 OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -58,7 +59,7 @@ def arithmetic_problems(
     while len(problems) < num:
         attempts += 1
         if attempts > 100 * num + 1000:
-            raise ValueError(
+            raise UserError(
                 f"cannot draw {num} problems with max_operand={max_operand} outside the "
                 f"excluded set; raise max_operand or ask for fewer problems"
             )

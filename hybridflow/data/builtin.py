@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from hybridflow.config import ConfigError
 from hybridflow.data.arithmetic import arithmetic_row, arithmetic_splits
 from hybridflow.data.calc import calc_row, calc_splits
 from hybridflow.data.countdown import countdown_problem, countdown_row
@@ -25,7 +26,7 @@ def builtin_rows(
 ) -> list[dict[str, Any]]:
     """Rows of the `split` ("train" or "test") of a built-in task, in verl's schema."""
     if task not in BUILTIN_TASKS:
-        raise ValueError(f"unknown built-in task {task!r}; expected one of {BUILTIN_TASKS}")
+        raise ConfigError([f"unknown built-in task {task!r}; expected one of {BUILTIN_TASKS}"])
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     if task == "arithmetic":

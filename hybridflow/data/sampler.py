@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from hybridflow.config import ConfigError
+
 
 def epoch_order(num_items: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
     """Index order of one epoch; `np.random.default_rng([seed, epoch])` keeps epochs independent."""
@@ -31,9 +33,11 @@ class ResumableSampler:
         if num_items <= 0:
             raise ValueError("ResumableSampler: the dataset is empty")
         if not 0 < batch_size <= num_items:
-            raise ValueError(
-                f"ResumableSampler: batch_size={batch_size} must be in [1, {num_items}] "
-                f"(the dataset holds {num_items} prompts); lower data.train_batch_size"
+            raise ConfigError(
+                [
+                    f"ResumableSampler: batch_size={batch_size} must be in [1, {num_items}] "
+                    f"(the dataset holds {num_items} prompts); lower data.train_batch_size"
+                ]
             )
         self.num_items, self.batch_size = num_items, batch_size
         self.seed, self.shuffle = seed, shuffle

@@ -23,12 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridflow.errors import UserError
+
 REQUIRED_KEYS = ("data_source", "prompt", "reward_model")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 SUPPORTED_SUFFIXES = (".parquet", ".jsonl", ".json")
 
 
-class DataSchemaError(ValueError):
+class DataSchemaError(UserError, ValueError):
     """A data file does not follow the expected schema; the message says where and why."""
 
 
@@ -74,8 +76,15 @@ def iter_rows(path: str | Path, required_keys: Sequence[str] = ()) -> Iterator[t
     column is one error instead of one per row. Rows of jsonl files are not checked here.
     """
     path = Path(path)
+    if path.is_dir():
+        inside = sorted(p.name for p in path.iterdir() if p.suffix.lower() in SUPPORTED_SUFFIXES)
+        example = f" (here: {', '.join(inside[:3])})" if inside else ""
+        raise DataSchemaError(
+            f"{path}: is a directory, not a data file",
+            f"list the files in it, e.g. data.train_files=[{path}/part-0.parquet]{example}",
+        )
     if not path.is_file():
-        raise DataSchemaError(f"{path}: data file does not exist")
+        raise DataSchemaError(f"{path}: data file does not exist", "check the path")
     suffix = _check_suffix(path)
     if suffix == ".parquet":
         import pyarrow.parquet as pq
@@ -92,11 +101,18 @@ def iter_rows(path: str | Path, required_keys: Sequence[str] = ()) -> Iterator[t
         for index, row in enumerate(table.to_pylist()):
             yield f"{path}: row {index}", row
         return
-    with path.open(encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            where = f"{path}: line {line_number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise DataSchemaError(
+                    f"{where}: not valid UTF-8 (byte {error.start + 1} of the line)",
+                    "save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)",
+                ) from None
             if not line.strip():
                 continue
-            where = f"{path}: line {line_number}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as error:
@@ -200,7 +216,11 @@ def load_prompt_records(
         for where, row in iter_rows(path, required_keys=required):
             records.append(validate_row(row, where, known, prompt_key))
         if len(records) == rows_before:
-            raise DataSchemaError(f"{path}: file holds no rows")
+            raise DataSchemaError(
+                f"{path}: file holds no rows",
+                "add rows in the prompt schema (data_source, prompt, reward_model) or leave "
+                "the file out of the list",
+            )
     return records
 
 

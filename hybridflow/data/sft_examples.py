@@ -17,6 +17,7 @@ from typing import Any
 
 from hybridflow.data.chat import ChatTokenizer, as_token_list, encode_chat_prompt, encode_text
 from hybridflow.data.schema import DataSchemaError, iter_rows, validate_messages
+from hybridflow.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -84,9 +85,10 @@ def tokenize_messages(tokenizer: ChatTokenizer, messages: Sequence[dict[str, str
             )
         )
         if closed[: len(input_ids)] != input_ids or closed[: len(opener)] != opener:
-            raise ValueError(
+            raise UserError(
                 "the tokenizer's chat template does not render conversations as extensions "
-                "of their prefixes; use the prompt/response layout for this tokenizer"
+                "of their prefixes",
+                "use the prompt/response layout for this tokenizer",
             )
         loss_mask += [0] * (len(opener) - len(input_ids)) + [1] * (len(closed) - len(opener))
         input_ids = closed

@@ -31,7 +31,12 @@ from hybridflow.engine.kernels.launch import PLAIN
 from hybridflow.engine.options import EngineOptions
 from hybridflow.engine.prefill import RopeTable, extend_forward, prefill_forward
 from hybridflow.engine.requests import Completion, PromptTable, Submission
-from hybridflow.engine.sampling import SamplingParams, prompt_seeds, request_seeds
+from hybridflow.engine.sampling import (
+    SamplingParams,
+    prompt_seed_values,
+    prompt_seeds,
+    request_seeds,
+)
 from hybridflow.engine.scheduler import Scheduler
 from hybridflow.engine.state import DecodeState
 
@@ -345,14 +350,18 @@ class Engine:
         else:
             self.kept.release(handles)
 
-    def _seeds(self, count: int, params: SamplingParams, seeds) -> torch.Tensor:
+    def _seeds(self, count: int, params: SamplingParams, seeds) -> torch.Tensor | list[int]:
         if seeds is not None:
             if len(seeds) != count:
                 raise ValueError(f"seeds: {len(seeds)} given for {count} prompts")
+            if count * params.n <= 64:  # a server's request: ints, no tensor ops
+                return prompt_seed_values(list(seeds), params.n)
             return prompt_seeds(list(seeds), params.n)
         base_seed = params.seed
         if base_seed is None:
             base_seed = int(torch.randint(0, 2**62, (1,)).item())
+        if count == 1:  # request_seeds of one prompt: prompt_seeds with its base seed
+            return prompt_seed_values([base_seed], params.n)
         return request_seeds(base_seed, count, params.n)
 
     def submission(self, prompts, params: SamplingParams, seeds=None, keep=False, reuse=None,

@@ -100,14 +100,18 @@ class Submission:
     on_finish(request, result) each request's end; both are called on the scheduler's
     thread and must be quick."""
 
-    def __init__(self, table: PromptTable, params: SamplingParams, seeds: torch.Tensor,
+    def __init__(self, table: PromptTable, params: SamplingParams, seeds: torch.Tensor | list,
                  max_new: list[int], stop_ids: list[int], keep: bool = False,
                  reuse: list | None = None, listener: Callable | None = None,
                  on_finish: Callable | None = None):  # fmt: skip
         self.table, self.params, self.n = table, params, params.n
         self.prompts = table.prompts
-        seed_lo, seed_hi = split_seed(seeds)
-        self.seed_lo, self.seed_hi = seed_lo.tolist(), seed_hi.tolist()
+        if isinstance(seeds, list):  # Python ints (sampling.prompt_seed_values)
+            self.seed_lo = [seed & 0xFFFFFFFF for seed in seeds]
+            self.seed_hi = [(seed >> 32) & 0xFFFFFFFF for seed in seeds]
+        else:
+            seed_lo, seed_hi = split_seed(seeds)
+            self.seed_lo, self.seed_hi = seed_lo.tolist(), seed_hi.tolist()
         self.max_new = max_new
         self.stop_ids = frozenset(stop_ids)
         self.mode = params.mode_key()

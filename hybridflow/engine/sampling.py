@@ -163,6 +163,26 @@ def _derive(base: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return lo | ((hi & 0x7FFFFFFF) << 32)
 
 
+def prompt_seed_values(seeds: list[int], n: int) -> list[int]:
+    """prompt_seeds as Python ints, the same arithmetic on ints: a server's single request
+    gets its seed in microseconds instead of ~20 small tensor ops (~0.1 ms)."""
+    out = []
+    for base in seeds:
+        for idx in range(n):
+            lo = _mix32_int((base & MASK32) ^ _mix32_int(idx & MASK32))
+            hi = _mix32_int((((base >> 32) & MASK32) + _GOLDEN) ^ lo)
+            out.append(lo | ((hi & 0x7FFFFFFF) << 32))
+    return out
+
+
+def _mix32_int(x: int) -> int:
+    x ^= x >> 16
+    x = (x * _MIX_C1) & MASK32
+    x ^= x >> 15
+    x = (x * _MIX_C2) & MASK32
+    return x ^ (x >> 16)
+
+
 # -------------------------------------------------------------------------------------------
 # Reference sampler (CPU and the eager decode path)
 

@@ -311,8 +311,12 @@ class TrainCore:
             set_state_dict,
         )
 
+        from hybridflow.state_files import check_dcp_metadata, load_state_file
+
         directory = Path(directory)
+        check_dcp_metadata(directory)  # torch unpickles it unrestricted: refuse planted code
         options = StateDictOptions(ignore_frozen_params=trainable_only)
+        configured = _hyperparameters(self.optimizer)  # this run's config, before loading
         with self.on_device():
             optimizers = [self.optimizer] if self.optimizer is not None else []
             model_state, optim_state = get_state_dict(self.module, optimizers, options=options)
@@ -335,9 +339,11 @@ class TrainCore:
             if self.optimizer_offload and self.optimizer is not None:
                 _move_optimizer_state(self.optimizer, torch.device("cpu"))
         extra_path = directory / f"extra_rank{self.dp_rank}.pt"
-        extra = torch.load(extra_path, weights_only=False)
+        extra = load_state_file(extra_path)  # tensors and plain data only
         if self.scheduler is not None and "scheduler" in extra:
             self.scheduler.load_state_dict(extra["scheduler"])
+        if self.optimizer is not None:
+            _apply_hyperparameters(self.optimizer, self.scheduler, configured)
         torch.set_rng_state(extra["rng_cpu"])
         if self.device.type == "cuda" and "rng_cuda" in extra:
             torch.cuda.set_rng_state(extra["rng_cuda"], self.device)
@@ -441,3 +447,28 @@ def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device
                 state[key] = value.to(device, non_blocking=True)
     if device.type == "cpu" and torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+HYPERPARAMETERS = ("initial_lr", "weight_decay", "betas", "eps")
+"""Optimizer settings the run's config decides; a resumed run applies its own values."""
+
+
+def _hyperparameters(optimizer) -> list[dict]:
+    if optimizer is None:
+        return []
+    return [{k: g[k] for k in HYPERPARAMETERS if k in g} for g in optimizer.param_groups]
+
+
+def _apply_hyperparameters(optimizer, scheduler, configured: list[dict]) -> None:
+    """After loading a checkpoint: keep its moments and schedule position, but this run's
+    peak LR, weight decay, betas and eps (a changed ``actor.lr`` takes effect on resume).
+    The current LR is rescaled by new peak / saved peak, which is exactly 1.0 when the LR
+    did not change, so an unchanged resume stays bit-exact."""
+    for group, config in zip(optimizer.param_groups, configured):
+        saved_peak = group.get("initial_lr", config.get("initial_lr"))
+        group.update(config)
+        if saved_peak and "initial_lr" in config:
+            group["lr"] = group["lr"] * (config["initial_lr"] / saved_peak)
+    if scheduler is not None and configured and "initial_lr" in configured[0]:
+        scheduler.base_lrs = [config["initial_lr"] for config in configured]
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from hybridflow.config import ConfigError
 from hybridflow.models.architecture import SUPPORTED_MODEL_TYPES, ModelArchitecture
 from hybridflow.models.llama import CausalLM
 from hybridflow.models.presets import PRESETS, preset_config
@@ -61,9 +62,11 @@ def load_model(
             raise ValueError("presets are built with our decoder; backend='hf' needs a directory")
         return build_model(preset_config(name_or_path), dtype=dtype, device=device)
     if not os.path.isdir(name_or_path):
-        raise ValueError(
-            f"{name_or_path!r} is neither a preset ({sorted(PRESETS)}) nor a local directory "
-            "(no downloads: point to a directory holding config.json and *.safetensors)"
+        raise ConfigError(
+            [
+                f"{name_or_path!r} is neither a preset ({sorted(PRESETS)}) nor a local directory "
+                "(no downloads: point to a directory holding config.json and *.safetensors)"
+            ]
         )
     from hybridflow.models.hf_checkpoint import load_model_from_dir, read_hf_config
 

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from hybridflow.errors import UserError
 from hybridflow.models.architecture import ModelArchitecture
 from hybridflow.models.llama import CausalLM
 
@@ -37,9 +38,31 @@ def checkpoint_files(path: str) -> list[str]:
     )
 
 
+def safetensors_problem(file: str | os.PathLike) -> str | None:
+    """Why ``file`` is not a complete safetensors file (truncated, bad header), or None.
+    Reads the header only: 8 bytes of length, then JSON with each tensor's byte range."""
+    try:
+        size = os.path.getsize(file)
+        with open(file, "rb") as handle:
+            header_length = int.from_bytes(handle.read(8), "little")
+            if size < 8 or 8 + header_length > size:
+                return f"{file} is truncated or not a safetensors file ({size} bytes)"
+            header = json.loads(handle.read(header_length))
+    except (OSError, ValueError, UnicodeDecodeError) as error:
+        return f"{file} cannot be read as safetensors ({error})"
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    expected = 8 + header_length + max(ends, default=0)
+    if size < expected:
+        return f"{file} is truncated: {size} bytes on disk, its header describes {expected}"
+    return None
+
+
 def iter_checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs of every tensor in the checkpoint, one file open at a time."""
     for file in checkpoint_files(path):
+        problem = safetensors_problem(file)
+        if problem is not None:
+            raise UserError(problem, "copy the model directory again (a download cut short?)")
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import os
 
+from hybridflow.config import ConfigError
+
 # Compact ChatML (see module docstring): <|im_start|>{role[0]}{content}<|im_end|>
 CHAR_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -71,9 +73,11 @@ def load_tokenizer(name_or_path: str):
     if name_or_path in CHAR_TOKENIZER_NAMES:
         return build_char_tokenizer()
     if not os.path.isdir(name_or_path):
-        raise ValueError(
-            f"no tokenizer for {name_or_path!r}: pass a local HF directory or one of "
-            f"{CHAR_TOKENIZER_NAMES} (the large presets come without a tokenizer)"
+        raise ConfigError(
+            [
+                f"no tokenizer for {name_or_path!r}: pass a local HF directory or one of "
+                f"{CHAR_TOKENIZER_NAMES} (the large presets come without a tokenizer)"
+            ]
         )
     from transformers import AutoTokenizer
 

@@ -11,10 +11,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from hybridflow.errors import UserError
+
 _CACHE: dict[str, Callable] = {}
 
 
-class CustomRewardError(ValueError):
+class CustomRewardError(UserError, ValueError):
     """`reward.custom_fn` cannot be loaded; the message names the file and function."""
 
 
@@ -40,7 +42,8 @@ def _load_file_module(path: Path):
         spec.loader.exec_module(module)
     except Exception as error:
         raise CustomRewardError(
-            f"reward.custom_fn: importing {path} failed: {type(error).__name__}: {error}"
+            f"reward.custom_fn: importing {path} failed: {type(error).__name__}: {error}",
+            f"fix that file (python {path} shows the full error)",
         ) from error
     sys.modules[module_name] = module
     return module

@@ -8,8 +8,10 @@ Modes (`reward.manager`):
   batch  custom_fn called with lists, split into chunks over the workers
   dapo   naive + DAPO overlong shaping on the response lengths
 
-A scorer that raises or runs past the timeout scores 0 and is counted in
-`reward/num_errors` / `reward/num_timeouts`; training goes on. A scorer may return a
+A scorer that raises, runs past the timeout or returns something else than a finite number
+(None, a string, NaN) scores 0 and is counted in `reward/num_errors` / `reward/num_timeouts`;
+the first distinct messages are kept in `RewardResult.error_messages` (rewards/monitor.py
+prints them and stops a run whose reward always fails). A scorer may return a
 float or a dict with a "score" key; the dict's other numeric keys are averaged into
 `reward/extra/<key>` and kept per sample in `RewardResult.per_sample`.
 """
@@ -45,7 +47,7 @@ class RewardResult:
     per_sample: dict[str, list[float]] = field(default_factory=dict)
     """Per-response values, e.g. `raw_score` (before shaping), `overlong_penalty`, `acc`."""
     error_messages: list[str] = field(default_factory=list)
-    """The first few failure messages, for the log."""
+    """The first few distinct failure messages, for the log."""
 
     def __iter__(self) -> Iterator[Any]:
         yield self.scores
@@ -230,7 +232,7 @@ class RewardManager:
                     status, outcome = "error", ScoreOutcome("error", message=str(error))
             if status != "ok":
                 counts[status] += 1
-                if len(messages) < MAX_ERROR_MESSAGES:
+                if len(messages) < MAX_ERROR_MESSAGES and outcome.message not in messages:
                     messages.append(outcome.message)
             scores.append(score)
             for key, value in sample_extras.items():

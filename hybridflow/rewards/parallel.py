@@ -5,9 +5,17 @@ stop training, so every call ends as a `ScoreOutcome` with status "ok", "error" 
 and the caller scores the failures 0 and counts them.
 
 Two layers of timeout:
-  1. Inside the process that runs the scorer, `SIGALRM` interrupts Python code after
-     `timeout_s` (also `time.sleep`, regexes). The exception derives from BaseException
-     so a scorer's own `except Exception` cannot swallow it.
+  1. Inside the process that runs the scorers. The calls of a chunk run concurrently, one
+     thread each (up to `MAX_CONCURRENT_CALLS`), so calls that hang or sleep time out
+     together: 8 samples at a 1 s timeout take about 1 s, not 8. A call's time is its wall
+     time minus the CPU time the other scorer threads used meanwhile (under the GIL a busy
+     scorer delays the others: CPU-bound scorers are timed as if run one after another).
+     A call past its timeout gets `ScoringTimeout` raised inside its thread (this stops
+     Python loops; a call blocked in C is abandoned, its thread is a daemon) and scores as
+     a timeout. A single call runs in the main thread, where `SIGALRM` interrupts it (also
+     `time.sleep`, regexes). `ScoringTimeout` derives from BaseException so a scorer's own
+     `except Exception` cannot swallow it. Scorers therefore must be thread-safe and must
+     not install signal handlers.
   2. The parent waits at most a bound derived from the per-call timeout; a worker
      still busy after that (stuck in C code that ignores signals) is killed and the pool
      is rebuilt. A worker that dies (segfault, `os._exit`) breaks the pool: its calls
@@ -95,9 +103,69 @@ def guarded_call(
             signal.signal(signal.SIGALRM, previous)
 
 
+MAX_CONCURRENT_CALLS = 64
+"""Scorer threads alive at once in one process."""
+_POLL_S = 0.01
+
+
 def run_chunk(calls: Sequence[Call], timeout_s: float | None) -> list[ScoreOutcome]:
-    """Run calls one after another, each with its own timeout (the worker-side entry)."""
-    return [guarded_call(spec, arguments, timeout_s) for spec, arguments in calls]
+    """Run calls, each with its own timeout (the worker-side entry): concurrently when there
+    is a timeout to share, else one after another."""
+    if not timeout_s or len(calls) <= 1:
+        return [guarded_call(spec, arguments, timeout_s) for spec, arguments in calls]
+    outcomes: list[ScoreOutcome] = []
+    for start in range(0, len(calls), MAX_CONCURRENT_CALLS):
+        outcomes += _run_concurrently(calls[start : start + MAX_CONCURRENT_CALLS], timeout_s)
+    return outcomes
+
+
+def _thread_cpu_s(thread: threading.Thread, finished_cpu: dict[int, float], index: int) -> float:
+    if index in finished_cpu:
+        return finished_cpu[index]
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    except (AttributeError, OSError, TypeError):  # no per-thread clocks, or it just ended
+        return finished_cpu.get(index, 0.0)
+
+
+def _raise_in_thread(thread: threading.Thread, exception: type[BaseException]) -> None:
+    import ctypes
+
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(thread.ident), ctypes.py_object(exception)
+    )
+
+
+def _run_concurrently(calls: Sequence[Call], timeout_s: float) -> list[ScoreOutcome]:
+    results: dict[int, ScoreOutcome] = {}
+    finished_cpu: dict[int, float] = {}
+
+    def run(index: int, spec: ScorerSpec, arguments: dict[str, Any]) -> None:
+        outcome = guarded_call(spec, arguments, timeout_s)  # no alarm off the main thread
+        finished_cpu[index] = time.thread_time()
+        results.setdefault(index, outcome)
+
+    threads = [
+        threading.Thread(target=run, args=(i, *call), name="hybridflow-scorer", daemon=True)
+        for i, call in enumerate(calls)
+    ]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    pending = set(range(len(threads)))
+    while pending:
+        time.sleep(_POLL_S)
+        cpu = [_thread_cpu_s(t, finished_cpu, i) for i, t in enumerate(threads)]
+        wall, total_cpu = time.monotonic() - started, sum(cpu)
+        for index in list(pending):
+            if not threads[index].is_alive():
+                pending.discard(index)
+            elif cpu[index] > timeout_s or wall - (total_cpu - cpu[index]) > timeout_s:
+                pending.discard(index)
+                message = f"scorer {calls[index][0].target} took more than {timeout_s}s"
+                results.setdefault(index, ScoreOutcome("timeout", message=message))
+                _raise_in_thread(threads[index], ScoringTimeout)
+    return [results[i] for i in range(len(calls))]
 
 
 class ScoringPool:
@@ -134,9 +202,12 @@ class ScoringPool:
 
     def _run_in_workers(self, calls: list[Call]) -> list[ScoreOutcome]:
         executor = self._executor_or_start()
-        # A few chunks per worker: fewer round trips than one task per call, and a slow
-        # chunk does not leave the other workers idle for long.
-        chunk_size = max(1, math.ceil(len(calls) / (4 * self.num_workers)))
+        # With a timeout, one chunk per worker: its calls run concurrently there (run_chunk),
+        # so hanging calls time out together. Without one, a few chunks per worker: fewer
+        # round trips than one task per call, and a slow chunk does not leave the other
+        # workers idle for long.
+        chunks_per_worker = 1 if self.timeout_s else 4
+        chunk_size = max(1, math.ceil(len(calls) / (chunks_per_worker * self.num_workers)))
         starts = range(0, len(calls), chunk_size)
         futures = {
             executor.submit(run_chunk, calls[s : s + chunk_size], self.timeout_s): s for s in starts

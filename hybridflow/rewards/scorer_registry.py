@@ -11,6 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridflow.errors import UserError
+
 SCORERS = "hybridflow.rewards.scorers"
 
 
@@ -30,8 +32,8 @@ class ScorerSpec:
     style: str = "builtin"
 
 
-class UnknownDataSource(ValueError):
-    pass
+class UnknownDataSource(UserError, ValueError):
+    """A data source no scorer is registered for; the message lists the known ones."""
 
 
 class ScorerRegistry:

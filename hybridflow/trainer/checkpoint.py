@@ -3,13 +3,17 @@
 Layout under `root` (usually `<trainer.run_dir>/checkpoints`):
 
     step_20/               a complete checkpoint: whatever the writer put there, plus
-      metadata.json        {"step": 20, "saved_at": ..., ...caller's metadata}
+      metadata.json        {"step": 20, "saved_at": ..., "files": {path: bytes}, ...caller's}
       COMPLETE             written last; its presence is what "complete" means
     .tmp-step_30/          a save in progress (or killed mid-way): ignored, removed later
 
 `save` lets the writer fill `.tmp-step_N`, writes the metadata and the marker, fsyncs, and
 renames the directory to `step_N` (a rename within one file system is atomic). A process
-killed at any point leaves the previous complete checkpoint as `latest()`.
+killed at any point leaves the previous complete checkpoint as `latest()`. A save that fails
+(a full disk) removes its temporary directory, so the space is free for the rerun.
+
+`metadata.json` lists every file with its size: `damage(path)` finds a checkpoint whose
+files were truncated or deleted afterwards, and resuming falls back to an older one.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from hybridflow.config import ConfigError
+from hybridflow.errors import UserError, is_disk_full
+
 COMPLETE_MARKER = "COMPLETE"
 METADATA_FILE = "metadata.json"
 RNG_FILE = "rng_state.pt"
@@ -38,6 +45,33 @@ def is_complete(path: str | Path) -> bool:
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
     return json.loads((Path(path) / METADATA_FILE).read_text())
+
+
+def file_sizes(directory: Path) -> dict[str, int]:
+    """``{relative path: bytes}`` of every file under ``directory``."""
+    return {
+        str(path.relative_to(directory)): path.stat().st_size
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
+
+
+def damage(path: str | Path) -> list[str]:
+    """What is wrong with a complete checkpoint's files: missing or of another size than
+    when saved (checkpoints of earlier versions list no files: only metadata is checked)."""
+    path = Path(path)
+    try:
+        listed = read_metadata(path).get("files", {})
+    except (OSError, ValueError) as error:
+        return [f"{METADATA_FILE} unreadable ({error})"]
+    problems = []
+    for name, size in listed.items():
+        file = path / name
+        if not file.is_file():
+            problems.append(f"{name} is missing")
+        elif file.stat().st_size != size:
+            problems.append(f"{name} has {file.stat().st_size} bytes, {size} when saved")
+    return problems
 
 
 def _fsync_tree(path: Path) -> None:
@@ -62,7 +96,9 @@ class CheckpointManager:
 
     def __init__(self, root: str | Path, keep_last_k: int | None = 2):
         if keep_last_k is not None and keep_last_k < 1:
-            raise ValueError(f"trainer.keep_last_k={keep_last_k} must be >= 1 (or None: keep all)")
+            raise ConfigError(
+                [f"trainer.keep_last_k={keep_last_k} must be >= 1 (or None: keep all)"]
+            )
         self.root = Path(root)
         self.keep_last_k = keep_last_k
 
@@ -81,12 +117,25 @@ class CheckpointManager:
         if temporary.exists():  # left by a killed save of the same step
             shutil.rmtree(temporary)
         temporary.mkdir()
-        writer_fn(temporary)
-        info = {"step": step, "saved_at": time.time(), **(metadata or {})}
-        (temporary / METADATA_FILE).write_text(json.dumps(info, indent=2, default=str))
-        _fsync_tree(temporary)
-        (temporary / COMPLETE_MARKER).write_text(f"{step}\n")
-        _fsync_tree(temporary)
+        try:
+            writer_fn(temporary)
+            info = {"step": step, "saved_at": time.time(), **(metadata or {})}
+            info["files"] = file_sizes(temporary)
+            (temporary / METADATA_FILE).write_text(json.dumps(info, indent=2, default=str))
+            _fsync_tree(temporary)
+            (temporary / COMPLETE_MARKER).write_text(f"{step}\n")
+            _fsync_tree(temporary)
+        except BaseException as error:
+            full = isinstance(error, Exception) and is_disk_full(error, self.root)
+            shutil.rmtree(temporary, ignore_errors=True)  # a full disk must not stay full
+            if full:
+                raise UserError(
+                    f"no space left at {self.root} while saving the checkpoint of step {step}; "
+                    f"the partial checkpoint was removed and the older ones are kept",
+                    "free some space (or lower trainer.keep_last_k, or move trainer.run_dir) "
+                    "and run the same command again: it resumes from the last complete one",
+                ) from error
+            raise
         final = self.step_dir(step)
         if final.exists():  # re-saving a step (e.g. after resuming from an older one)
             stale = self.root / f".old-step_{step}"
@@ -122,17 +171,30 @@ class CheckpointManager:
 
     def resolve_resume(self, resume: str | None) -> Path | None:
         """`trainer.resume`: "auto" -> latest (or None), "disable" -> None, else a path."""
+        candidates = self.resume_candidates(resume)
+        return candidates[0] if candidates else None
+
+    def resume_candidates(self, resume: str | None) -> list[Path]:
+        """Checkpoints to try, best first: "auto" -> every complete one, newest first;
+        "disable" -> none; a path -> that one (it must be complete)."""
         if resume in (None, "", "disable", "none"):
-            return None
+            return []
         if resume == "auto":
-            return self.latest()
+            return [path for _, path in reversed(self.complete_checkpoints())]
         path = Path(resume)
         if not is_complete(path):
-            raise FileNotFoundError(
+            raise UserError(
                 f"trainer.resume={resume!r}: not a complete checkpoint (no {COMPLETE_MARKER} "
-                f"marker); use 'auto' to pick the latest complete one in {self.root}"
+                f"marker)",
+                f"use trainer.resume=auto to pick the latest complete one in {self.root}",
             )
-        return path
+        return [path]
+
+    def remove_stale(self) -> None:
+        """Delete what killed saves left (`.tmp-step_*`): on a full disk, the rerun needs it."""
+        if self.root.is_dir():
+            for path in [*self.root.glob(".tmp-step_*"), *self.root.glob(".old-step_*")]:
+                shutil.rmtree(path, ignore_errors=True)
 
     def _prune(self) -> None:
         """Delete all but the newest `keep_last_k` complete checkpoints and stale temps."""
@@ -153,12 +215,20 @@ class CheckpointManager:
 
 
 def capture_rng_state() -> dict[str, Any]:
-    """RNG states of python, numpy, torch (CPU) and every CUDA device if present."""
+    """RNG states of python, numpy, torch (CPU) and every CUDA device if present, as tensors
+    and plain Python data (so the file loads with ``weights_only=True``)."""
     import torch
 
+    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),  # uint32 words, widened
+            "position": int(position),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -169,11 +239,26 @@ def capture_rng_state() -> dict[str, Any]:
 def restore_rng_state(state: dict[str, Any]) -> None:
     import torch
 
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    random.setstate(_as_python_random_state(state["python"]))
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, dict):
+        numpy_state = (
+            numpy_state["kind"],
+            numpy_state["keys"].numpy().astype(np.uint32),
+            numpy_state["position"],
+            numpy_state["has_gauss"],
+            numpy_state["cached_gaussian"],
+        )
+    np.random.set_state(numpy_state)  # a tuple in checkpoints of earlier versions
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_python_random_state(state):
+    """``random.setstate`` wants tuples; a state file may hand back lists."""
+    version, internal, gauss = state
+    return version, tuple(internal), gauss
 
 
 def save_rng_state(directory: str | Path, filename: str = RNG_FILE) -> Path:
@@ -185,7 +270,6 @@ def save_rng_state(directory: str | Path, filename: str = RNG_FILE) -> Path:
 
 
 def load_rng_state(directory: str | Path, filename: str = RNG_FILE) -> None:
-    import torch
+    from hybridflow.state_files import load_state_file
 
-    # Our own file holding python tuples and numpy arrays: not a weights-only payload.
-    restore_rng_state(torch.load(Path(directory) / filename, weights_only=False))
+    restore_rng_state(load_state_file(Path(directory) / filename))

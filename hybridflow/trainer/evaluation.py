@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from hybridflow.protocol import Batch
-from hybridflow.trainer.stages import RunContext, generate, score
+from hybridflow.trainer.stages import SCORED_FOR, RunContext, generate, score
 
 VALIDATION_SEED = 12345
 
@@ -41,6 +41,7 @@ def run_validation(run: RunContext) -> dict[str, float]:
             prompts.arrays["uid"] = np.asarray([item.index for item in items])
             seed = VALIDATION_SEED + start
             batch = generate(run, prompts, n=n, temperature=temperature, seed=seed)
+            batch.meta[SCORED_FOR] = "validation"  # its reward failures do not stop the run
             batch, _ = score(run, batch)
             sources += list(batch.arrays["data_source"])
             uids += list(batch.arrays["uid"])

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from hybridflow.errors import UserError
+
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
     """Write the actor of ``checkpoint`` as an HF model directory at ``out``."""
@@ -28,9 +30,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
 
     checkpoint, out = Path(checkpoint), Path(out)
     if not (checkpoint / "actor").is_dir() or not is_complete(checkpoint):
-        raise FileNotFoundError(
+        raise UserError(
             f"{checkpoint} is not a complete hybridflow checkpoint (expected actor/ and a "
-            "COMPLETE marker, as in <run_dir>/checkpoints/step_N)"
+            "COMPLETE marker)",
+            "give a directory <run_dir>/checkpoints/step_N that holds both",
         )
     cfg = read_run_config(checkpoint)
     hf_config = json.loads((checkpoint / MODEL_CONFIG).read_text())

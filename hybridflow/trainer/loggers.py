@@ -15,7 +15,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-LOGGER_NAMES = ("console", "jsonl", "tensorboard", "wandb")
+from hybridflow.config import ConfigError
+from hybridflow.config.validation import LOGGER_NAMES
+from hybridflow.errors import UserError
 
 # What the console table shows, in order, when present (short header, key).
 CONSOLE_COLUMNS = (
@@ -32,7 +34,7 @@ CONSOLE_COLUMNS = (
 )
 
 
-class LoggerUnavailable(RuntimeError):
+class LoggerUnavailable(UserError, RuntimeError):
     """A requested logging backend is not installed."""
 
 
@@ -219,7 +221,9 @@ class Tracker:
     ):
         unknown = [name for name in loggers if name not in LOGGER_NAMES]
         if unknown:
-            raise ValueError(f"trainer.loggers has unknown {unknown}; choose from {LOGGER_NAMES}")
+            raise ConfigError(
+                [f"trainer.loggers has unknown {unknown}; choose from {LOGGER_NAMES}"]
+            )
         run_dir = Path(run_dir)
         self.backends: dict[str, Any] = {}
         try:

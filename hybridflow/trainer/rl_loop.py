@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 
+from hybridflow.errors import RunStopped
 from hybridflow.protocol import Batch
 from hybridflow.trainer.evaluation import headline, run_validation
 from hybridflow.trainer.metrics import (
@@ -33,6 +34,7 @@ from hybridflow.trainer.stages import (
     rewards_and_advantages,
     stage_scope,
 )
+from hybridflow.trainer.stop import SIGTERM_EXIT
 
 
 def train_step(run: RunContext) -> dict[str, float]:
@@ -92,7 +94,7 @@ def fit(run: RunContext) -> dict[str, float]:
         last_val = _validate(run)
         if last_val:
             run.tracker.log(last_val, step=0)
-    while run.step < t.total_steps:
+    while run.step < t.total_steps and not run.stop.requested:
         run.step += 1
         with run.profiler.step(run.step) if run.profiler is not None else nullcontext():
             metrics = train_step(run)
@@ -107,7 +109,31 @@ def fit(run: RunContext) -> dict[str, float]:
                 save_checkpoint(run)
             metrics["timing_s/save_checkpoint"] = time.perf_counter() - started
         run.tracker.log(metrics, step=run.step)
+    if run.stop.requested and run.step < t.total_steps:
+        raise stopped_by_signal(run)
     return last_val
+
+
+def stopped_by_signal(run: RunContext) -> RunStopped:
+    """Save the finished step (unless it was just saved) and say how to resume."""
+    t = run.cfg.trainer
+    resume = f"run the same command again to resume (trainer.resume=auto, run_dir {t.run_dir})"
+    latest = run.checkpoints.latest_step()
+    if latest == run.step:
+        saved = f"the checkpoint of step {run.step} is complete"
+    elif t.save_freq < 0:
+        saved = "nothing was saved (trainer.save_freq=-1)"
+        resume = "the run starts over when run again"
+    else:
+        try:
+            saved = f"saved {save_checkpoint(run)}"
+        except Exception as error:  # noqa: BLE001 - say so, and what is still there
+            kept = f"step {latest} is the last complete one" if latest else "none is complete"
+            saved = f"could not save a checkpoint ({error}); {kept}"
+    return RunStopped(
+        f"stopped by SIGTERM after step {run.step} of {t.total_steps}: {saved}; {resume}",
+        exit_code=SIGTERM_EXIT,
+    )
 
 
 def _validate(run: RunContext) -> dict[str, float]:

@@ -71,7 +71,12 @@ def build_roles(cfg: Config, derived: Derived) -> Roles:
 
     t = cfg.trainer
     device = resolve_device(t.device)
-    options = dict(backend=t.backend, call_timeout_s=t.call_timeout_s, config=cfg)
+    options = dict(
+        backend=t.backend,
+        call_timeout_s=t.call_timeout_s,
+        rendezvous_host=t.rendezvous_host,
+        config=cfg,
+    )
     with_ref, with_critic = derived.use_reference, derived.use_critic
     profiler = bool(t.profile.steps)
     if t.placement == "colocate":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from hybridflow.config import Config, validate
+from hybridflow.config import Config
 from hybridflow.progress import ProgressReporter, quiet_reporter
 from hybridflow.trainer.stages import RunContext
 
@@ -18,29 +18,26 @@ DATA_SEED = 0
 
 
 def setup(cfg: Config, log=print, progress: ProgressReporter | None = None) -> RunContext:
-    """Validate config and data, warm-start if needed, start the workers."""
+    """Check everything (trainer/preflight.py), warm-start if needed, start the workers."""
     from hybridflow.algos import build_kl_controller
-    from hybridflow.data.dataset import PromptLoader, build_prompt_datasets
-    from hybridflow.models import load_tokenizer
-    from hybridflow.rewards import build_reward_manager
+    from hybridflow.data.dataset import PromptLoader
+    from hybridflow.rewards.monitor import RewardFailureMonitor
     from hybridflow.trainer.checkpoint import CheckpointManager
+    from hybridflow.trainer.preflight import prepare_run
     from hybridflow.trainer.profiling import build_profiler
     from hybridflow.trainer.roles import build_roles, resolve_device
     from hybridflow.trainer.warm_start import resolve_model_path
-    from hybridflow.workers.model_loading import default_tokenizer_path, set_cpu_threads
+    from hybridflow.workers.model_loading import set_cpu_threads
 
-    derived = validate(cfg)
     progress = progress or quiet_reporter()
+    with progress.task("checking the config, data files, model and reward"):
+        checked = prepare_run(cfg, log)
+    # what a killed save left behind (on a full disk, the rerun needs that space)
+    CheckpointManager(f"{cfg.trainer.run_dir}/checkpoints").remove_stale()
+    derived, tokenizer, reward = checked.derived, checked.tokenizer, checked.reward
+    train_set, val_set = checked.train_set, checked.val_set
     set_cpu_threads(cfg, resolve_device(cfg.trainer.device))  # SFT and in-process workers
-    if cfg.trainer.placement == "split" and cfg.trainer.nnodes > 1:
-        raise ValueError("trainer.placement=split runs on one node: set trainer.nnodes=1")
-    tokenizer = load_tokenizer(default_tokenizer_path(cfg.model))
-    reward = build_reward_manager(cfg.reward, cfg.data.max_response_length)
     try:
-        with progress.task("data: reading and tokenizing the prompt files"):
-            train_set, val_set = build_prompt_datasets(
-                cfg.data, tokenizer, seed=DATA_SEED, known_data_sources=reward.known_data_sources()
-            )
         log(
             f"data: {len(train_set)} training prompts ({train_set.num_filtered} overlong "
             f"dropped), {len(val_set) if val_set else 0} validation prompts"
@@ -76,32 +73,63 @@ def setup(cfg: Config, log=print, progress: ProgressReporter | None = None) -> R
         flops_per_token=_flops_per_token(model_path),
         progress=progress,
         profiler=build_profiler(cfg, roles),
+        log=log,
+        reward_monitor=RewardFailureMonitor(log, patience=cfg.reward.max_failed_steps),
     )
 
 
 def train(cfg: Config, log=print, progress: ProgressReporter | None = None) -> dict[str, float]:
-    """Run RL training; returns the final validation metrics. ``progress``: where progress,
-    the step table and warnings print (default: stdout, bars on a terminal)."""
+    """Run RL training; returns the final validation metrics ({} when already finished).
+    ``progress``: where progress, the step table and warnings print (default: stdout, bars
+    on a terminal)."""
+    from hybridflow.trainer.stop import StopRequest
+
+    finished = finished_message(cfg)
+    if finished is not None:
+        log(finished)
+        return {}
     if progress is None:
         progress = ProgressReporter(interval_s=cfg.trainer.progress_interval_s)
+    stop = StopRequest()
     try:
-        with progress.collecting_warnings():
-            return _train(cfg, log, progress)
+        with stop.on_sigterm(log), progress.collecting_warnings():
+            return _train(cfg, log, progress, stop)
     finally:
         progress.close()
 
 
-def _train(cfg: Config, log, progress: ProgressReporter) -> dict[str, float]:
+def finished_message(cfg: Config) -> str | None:
+    """What to say when run_dir already holds the checkpoint of trainer.total_steps."""
+    from hybridflow.trainer.checkpoint import CheckpointManager
+
+    t = cfg.trainer
+    if t.resume != "auto":
+        return None
+    latest = CheckpointManager(f"{t.run_dir}/checkpoints").latest_step()
+    if latest is None or latest < t.total_steps:
+        return None
+    return (
+        f"nothing to do: {t.run_dir} already holds the checkpoint of step {latest} and "
+        f"trainer.total_steps = {t.total_steps}. To train further, raise it (e.g. "
+        f"trainer.total_steps={latest + t.total_steps}: it resumes from step {latest}); to "
+        f"start over, use another trainer.run_dir or trainer.resume=disable; "
+        f"`hybridflow export {t.run_dir}/checkpoints/step_{latest} OUT` writes the model"
+    )
+
+
+def _train(cfg: Config, log, progress: ProgressReporter, stop) -> dict[str, float]:
     from hybridflow.trainer.loggers import Tracker
     from hybridflow.trainer.rl_loop import fit
     from hybridflow.trainer.run_state import resume
 
     started = time.perf_counter()
     run = setup(cfg, log=log, progress=progress)
+    run.stop = stop
+    stop.reclaim()  # starting the workers may have installed another SIGTERM handler (Ray)
     try:
         write_run_config(run.cfg)
         with progress.task("resuming: loading the latest checkpoint"):
-            path = resume(run)
+            path = resume(run, log=log)
         if path is not None:
             log(f"resumed from {path} at step {run.step}")
         t = run.cfg.trainer
@@ -164,26 +192,15 @@ def summary(run: RunContext, seconds: float) -> str:
 
 def _flops_per_token(model_path: str) -> float | None:
     """2 × parameters (+ attention) per token for the MFU estimate; None if unknown."""
-    try:
-        from hybridflow.models.architecture import ModelArchitecture
-        from hybridflow.models.presets import PRESETS
+    from hybridflow.trainer.metrics import forward_flops_per_token
+    from hybridflow.trainer.preflight import model_architecture, parameter_count
 
-        if model_path in PRESETS:
-            mc = PRESETS[model_path]
-        else:
-            import json
-            from pathlib import Path
-
-            mc = ModelArchitecture.from_hf(
-                json.loads((Path(model_path) / "config.json").read_text())
-            )
-        from hybridflow.trainer.metrics import forward_flops_per_token
-
-        hidden, layers = mc.hidden_size, mc.num_hidden_layers
-        q = mc.num_attention_heads * mc.head_dim
-        kv = mc.num_key_value_heads * mc.head_dim
-        per_layer = hidden * (2 * q + 2 * kv) + 3 * hidden * mc.intermediate_size
-        params = layers * per_layer + mc.vocab_size * hidden
-        return forward_flops_per_token(params, layers, hidden, 0)
-    except (OSError, ValueError, KeyError, ImportError):
+    architecture = model_architecture(model_path)
+    if architecture is None:
         return None
+    return forward_flops_per_token(
+        parameter_count(architecture),
+        architecture.num_hidden_layers,
+        architecture.hidden_size,
+        0,
+    )

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from hybridflow.errors import UserError, as_user_error
 from hybridflow.trainer.stages import RunContext
 
 TRAINER_STATE = "trainer_state.pt"
@@ -35,6 +36,7 @@ ENGINE_CHOICES = "engine_choices.json"
 
 def save_checkpoint(run: RunContext) -> Path:
     """Write ``step_<run.step>`` (all ranks of every group take part)."""
+    from hybridflow.state_files import to_plain_data
     from hybridflow.trainer.checkpoint import capture_rng_state
 
     def write(directory: Path) -> None:
@@ -48,7 +50,7 @@ def save_checkpoint(run: RunContext) -> Path:
             "rng": capture_rng_state(),
             "history": run.history,
         }
-        torch.save(state, directory / TRAINER_STATE)
+        torch.save(to_plain_data(state), directory / TRAINER_STATE)
         # the rollout's kernel choices, so a resumed run generates with the same kernels
         choices = run.roles.rollout.engine_choices()
         (directory / ENGINE_CHOICES).write_text(json.dumps(choices, indent=1, sort_keys=True))
@@ -88,28 +90,78 @@ def model_hf_config(path: str) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
 
 
-def resume(run: RunContext) -> Path | None:
-    """Load the checkpoint ``trainer.resume`` names (auto: the latest complete one)."""
+def resume(run: RunContext, log=print) -> Path | None:
+    """Load the checkpoint ``trainer.resume`` names (auto: the newest complete one whose files
+    are intact, falling back to older ones with a message); None when there is none."""
+    from hybridflow.trainer.checkpoint import damage
+
+    resume_setting = run.cfg.trainer.resume
+    candidates = run.checkpoints.resume_candidates(resume_setting)
+    damaged = []
+    for path in candidates:
+        check_config_changes(path, run.cfg, log)  # a refusal is not damage: it stops here
+        problems = damage(path)
+        if not problems:
+            try:
+                load_checkpoint(run, path)
+                return path
+            except Exception as error:  # noqa: BLE001 - a damaged file: try the older one
+                user_error = as_user_error(error)
+                if user_error is None:
+                    raise
+                problems = [str(user_error).split("\n")[0]]
+        if resume_setting != "auto":
+            raise UserError(
+                f"trainer.resume={resume_setting}: checkpoint damaged: {'; '.join(problems)}",
+                "use trainer.resume=auto to take the newest intact one",
+            )
+        damaged.append(path)
+        log(f"checkpoint {path} is damaged ({'; '.join(problems)}); trying the previous one")
+    if damaged:
+        raise UserError(
+            f"every checkpoint in {run.checkpoints.root} is damaged "
+            f"({', '.join(p.name for p in damaged)})",
+            "start over with trainer.resume=disable (or another trainer.run_dir)",
+        )
+    return None
+
+
+def check_config_changes(path: Path, cfg, log) -> None:
+    """Report the keys changed since ``path`` was saved; refuse the ones a resume cannot honour."""
+    from hybridflow.trainer.resume_changes import config_changes, refusal_message, refused
+
+    saved_file = path / CONFIG_FILE
+    if not saved_file.is_file():
+        return
+    saved = yaml.safe_load(saved_file.read_text()) or {}
+    changes = config_changes(saved, dataclasses.asdict(cfg))
+    if refused(changes):
+        raise UserError(*refusal_message(str(path), refused(changes)))
+    for change in changes:
+        log(f"resume: config changed since {path.name}: {change.line()}")
+
+
+def load_checkpoint(run: RunContext, path: Path) -> None:
+    """Workers' state, then the controller's (step, data position, KL, RNG, history)."""
+    from hybridflow.state_files import load_state_file
     from hybridflow.trainer.checkpoint import restore_rng_state
     from hybridflow.trainer.roles import sync_weights
 
-    path = run.checkpoints.resolve_resume(run.cfg.trainer.resume)
-    if path is None:
-        return None
+    state = load_state_file(path / TRAINER_STATE)  # tensors and plain data only
     run.roles.actor.load(str(path))
     if run.roles.critic is not None:
         run.roles.critic.load(str(path))
-    state = torch.load(path / TRAINER_STATE, weights_only=False)
     run.step = int(state["step"])
     run.loader.load_state_dict(state["loader"])
     run.kl_ctrl.load_state_dict(state["kl_ctrl"])
+    if run.cfg.algorithm.kl_ctrl_type == "fixed":  # the config's coefficient, changed or not
+        run.kl_ctrl.value = float(run.cfg.algorithm.kl_coef)
     run.history = state.get("history", {})
     restore_rng_state(state["rng"])
     sync_weights(run.roles)  # a rollout engine with its own copy must see the loaded weights
     choices = path / ENGINE_CHOICES
     if choices.is_file():  # made on another GPU or with other options: timed afresh instead
         run.roles.rollout.pin_engine_choices(json.loads(choices.read_text()))
-    return path
 
 
 def read_run_config(checkpoint: str | Path):
@@ -118,12 +170,12 @@ def read_run_config(checkpoint: str | Path):
 
     path = Path(checkpoint) / CONFIG_FILE
     if not path.is_file():
-        raise FileNotFoundError(
-            f"{checkpoint}: no {CONFIG_FILE}; is this a hybridflow checkpoint directory "
-            "(<run_dir>/checkpoints/step_N)?"
+        raise UserError(
+            f"{checkpoint}: no {CONFIG_FILE}",
+            "give a hybridflow checkpoint directory (<run_dir>/checkpoints/step_N)",
         )
     cfg = Config()
     problems = apply_mapping(cfg, yaml.safe_load(path.read_text()) or {}, source=str(path))
     if problems:
-        raise ValueError(f"{path}: " + "; ".join(problems))
+        raise UserError(f"{path}: " + "; ".join(problems), "was it written by another version?")
     return cfg

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hybridflow.config import Config, SFTConfig
+from hybridflow.config import Config, ConfigError, SFTConfig
 from hybridflow.protocol import Batch
 
 
@@ -167,11 +167,15 @@ def sft_main(cfg: Config) -> Path:
     from hybridflow.progress import ProgressReporter
     from hybridflow.trainer.checkpoint import CheckpointManager
     from hybridflow.trainer.loggers import Tracker
+    from hybridflow.trainer.preflight import machine_problems
     from hybridflow.trainer.roles import resolve_device
     from hybridflow.workers.model_loading import resolve_dtype
 
     sft_cfg = cfg.sft
     out = Path(sft_cfg.out_dir or Path(cfg.trainer.run_dir) / "sft")
+    problems = machine_problems(cfg, str(out))
+    if problems:
+        raise ConfigError(problems)
     device = resolve_device(cfg.trainer.device)
     if device == "cuda":
         device = "cuda:0"
@@ -181,7 +185,9 @@ def sft_main(cfg: Config) -> Path:
         sft_cfg.train_files, tokenizer, sft_cfg, val_size=cfg.data.builtin_val_size
     )
     if not examples:
-        raise ValueError(f"sft.train_files={sft_cfg.train_files}: no example fits sft.max_length")
+        raise ConfigError(
+            [f"sft.train_files={sft_cfg.train_files}: no example fits sft.max_length"]
+        )
     dtype = torch.float32 if cfg.model.dtype == "auto" else resolve_dtype(cfg.model, device)
     model = load_model(model_path, dtype=dtype, device=device)
     checkpoints = CheckpointManager(out / "checkpoints", cfg.trainer.keep_last_k)

@@ -6,7 +6,7 @@ controller never touches a model: generation and every forward pass are worker c
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -19,16 +19,20 @@ from hybridflow.progress import ProgressReporter, quiet_reporter
 from hybridflow.protocol import Batch
 from hybridflow.trainer.metrics import Timer
 from hybridflow.trainer.roles import Roles
+from hybridflow.trainer.stop import StopRequest
 
 if TYPE_CHECKING:
     from hybridflow.algos.kl import AdaptiveKLController, FixedKLController
     from hybridflow.data.dataset import PromptDataset, PromptLoader
     from hybridflow.rewards.managers import RewardManager
+    from hybridflow.rewards.monitor import RewardFailureMonitor
     from hybridflow.trainer.checkpoint import CheckpointManager
     from hybridflow.trainer.loggers import Tracker
     from hybridflow.trainer.profiling import StepProfiler
 
 PROMPT_MASK = "prompt_mask"
+SCORED_FOR = "scored_for"
+"""``batch.meta`` key: what a scored batch is for (training, validation, baseline)."""
 
 
 @dataclass
@@ -58,6 +62,12 @@ class RunContext:
     """Where long phases report how far they are (hybridflow/progress.py)."""
     profiler: StepProfiler | None = None
     """Profiles the steps of ``trainer.profile.steps`` (trainer/profiling.py); None: off."""
+    stop: StopRequest = field(default_factory=StopRequest)
+    """Set by SIGTERM: the loop saves after the current step and stops (trainer/stop.py)."""
+    log: Callable[[str], None] = print
+    """Progress and warning lines (reward failures, the stop message)."""
+    reward_monitor: RewardFailureMonitor | None = None
+    """Prints reward errors once each, stops a run whose reward always fails."""
 
 
 @contextmanager
@@ -121,7 +131,10 @@ def generate(run: RunContext, prompts: Batch, *, n: int, temperature: float, see
 
 def score(run: RunContext, batch: Batch) -> tuple[Batch, dict[str, float]]:
     """Decode the responses, score them with the reward manager, put each score on its last
-    response token (``token_level_scores`` [B, R]); ``scores`` [B] kept as an array."""
+    response token (``token_level_scores`` [B, R]); ``scores`` [B] kept as an array.
+    Failures are reported by ``run.reward_monitor``; those of training samples (not
+    ``batch.meta[SCORED_FOR]`` = validation / baseline) count towards stopping a run whose
+    reward always fails."""
     from hybridflow.rewards.placement import decode_responses, place_scores
 
     response_mask = batch.tensors["response_mask"]
@@ -136,6 +149,9 @@ def score(run: RunContext, batch: Batch) -> tuple[Batch, dict[str, float]]:
         list(batch.arrays["extra_info"]),
         response_lengths=response_mask.sum(-1).long().tolist(),
     )
+    if run.reward_monitor is not None:
+        training = batch.meta.get(SCORED_FOR, "training") == "training"
+        run.reward_monitor.observe(result, run.step, training=training)
     batch.tensors["token_level_scores"] = place_scores(result.scores, response_mask)
     batch.arrays["scores"] = np.asarray(result.scores, dtype=np.float64)
     batch.arrays["response_text"] = np.asarray(texts, dtype=object)
@@ -209,6 +225,7 @@ def collect_rollouts(run: RunContext, timer: Timer) -> tuple[Batch, dict[str, fl
 def greedy_baseline(run: RunContext, prompts: Batch, round_index: int) -> torch.Tensor:
     """ReMax baseline: the score of one greedy response per prompt, repeated ``n`` times."""
     greedy = generate(run, prompts, n=1, temperature=0.0, seed=step_seed(run, round_index, 7))
+    greedy.meta[SCORED_FOR] = "baseline"
     greedy, _ = score(run, greedy)
     baseline = torch.as_tensor(greedy.arrays["scores"], dtype=torch.float32)  # [B]
     return baseline.repeat_interleave(run.cfg.rollout.n)  # [B*n]

@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from hybridflow.config import Config, SFTConfig
+from hybridflow.config import Config, ConfigError, SFTConfig
 
 SFT_PREFIX = "sft:"
 CACHE_VERSION = 1
@@ -52,9 +52,11 @@ def builtin_sft_rows(task: str, sft_cfg: SFTConfig, val_size: int, data_seed: in
     if task == "calc":
         return calc_sft_rows(sft_cfg, val_size, data_seed)
     if task != "arithmetic":
-        raise ValueError(
-            f"sft.train_files has builtin:{task}, but only builtin:arithmetic and builtin:calc "
-            "have SFT demonstrations; give a prompt/response file for other tasks"
+        raise ConfigError(
+            [
+                f"sft.train_files has builtin:{task}, but only builtin:arithmetic and builtin:calc "
+                "have SFT demonstrations; give a prompt/response file for other tasks"
+            ]
         )
     held_out = frozenset(q for q, _ in arithmetic_splits(0, val_size, data_seed)["test"])
     problems = arithmetic_problems(sft_cfg.builtin_size, data_seed + 2_000_003, exclude=held_out)
@@ -92,7 +94,7 @@ def accuracy_problems(task: str, size: int, val_size: int, data_seed: int = 0):
         held_out = frozenset(q for q, _ in calc_splits(0, val_size, data_seed)["test"])
         return calc_problems(size, data_seed + 3_000_017, held_out)
     if task != "arithmetic":
-        raise ValueError(f"sft.stop_at_accuracy: no built-in accuracy check for {task!r}")
+        raise ConfigError([f"sft.stop_at_accuracy: no built-in accuracy check for {task!r}"])
     held_out = frozenset(q for q, _ in arithmetic_splits(0, val_size, data_seed)["test"])
     return arithmetic_problems(size, data_seed + 3_000_017, exclude=held_out)
 
@@ -160,7 +162,7 @@ def accuracy_stopper(sft_cfg: SFTConfig, evaluate, log=print):
     """``should_stop(trainer, step)`` for :func:`run_sft`: True once ``evaluate(model)``,
     run every ``sft.eval_every`` steps, reaches ``sft.stop_at_accuracy``."""
     if sft_cfg.stop_at_accuracy is not None and sft_cfg.eval_every < 1:
-        raise ValueError(f"sft.eval_every = {sft_cfg.eval_every} must be >= 1")
+        raise ConfigError([f"sft.eval_every = {sft_cfg.eval_every} must be >= 1"])
 
     def should_stop(trainer, step: int) -> bool:
         if sft_cfg.stop_at_accuracy is None or step % sft_cfg.eval_every != 0:

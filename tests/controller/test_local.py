@@ -54,6 +54,11 @@ def group():
         yield g
 
 
+def test_rendezvous_store_listens_on_localhost_only(group):
+    # rank 0 serves the store; torch's default would listen on every interface ("*")
+    assert group.rendezvous_listeners() == [["127.0.0.1"], []]
+
+
 def test_same_results_as_inprocess(group):
     assert exercise(group) == EXPECTED_EXERCISE
     pids = group.pids()

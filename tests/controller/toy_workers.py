@@ -34,6 +34,18 @@ class Toy(Worker):
         ctx = current_context()
         return ctx.rank, ctx.world_size, ctx.device, self.scale
 
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def rendezvous_listeners(self) -> list[str]:
+        """Addresses this process listens on at the torch.distributed store's port."""
+        import psutil
+
+        port = int(os.environ["MASTER_PORT"])
+        return sorted(
+            c.laddr.ip
+            for c in psutil.Process().net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+        )
+
     @register(dispatch=Dispatch.RANK_ZERO)
     def sum_of_ranks(self) -> int:
         # A real collective: every rank must take part.

@@ -160,3 +160,13 @@ def test_rounding_fallback_returns_the_last_allowed_token_of_the_split(monkeypat
     tokens = hierarchical_draw(z.expand(200, -1), torch.full((200,), -1.0), keys, split_size=4)
     # the last allowed token of splits [0..3], [4..7], [8..10] is 3, 6 (7 is filtered), 9
     assert set(tokens.tolist()) == {3, 6, 9}
+
+
+def test_seed_values_as_ints_equal_the_tensor_derivation():
+    """A server's request derives its seeds on Python ints (no tensor ops); they must be the
+    tensor path's bit for bit, for any base seed (negative, beyond 32 bits) and sample."""
+    from hybridflow.engine.sampling import prompt_seed_values, prompt_seeds, request_seeds
+
+    bases = [0, 1, 7, 2**31, 2**32 + 5, 2**62 - 1, -3, 123456789123]
+    assert prompt_seed_values(bases, 3) == prompt_seeds(bases, 3).tolist()
+    assert prompt_seed_values([42], 4) == request_seeds(42, 1, 4).tolist()

@@ -49,7 +49,12 @@ def test_streamed_pieces_add_up_to_the_finished_output(text, stops, reason, with
     ids = _ids(text) + ([EOS] if with_eos else [])
     logprobs = [-0.1 * (k + 1) for k in range(len(ids))]
     expected = finish_output(TOKENIZER, ids, logprobs, reason, stops)
-    stream, emits, position, chunks = TextStream(TOKENIZER, stops, {EOS}), [], 0, random.Random(seed)
+    stream, emits, position, chunks = (
+        TextStream(TOKENIZER, stops, {EOS}),
+        [],
+        0,
+        random.Random(seed),
+    )
     while position < len(ids) and not stream.stopped:
         size = chunks.randint(1, 5)
         emits += stream.push(ids[position : position + size], logprobs[position : position + size])

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from hybridflow.errors import UserError
 from hybridflow.trainer.checkpoint import (
     CheckpointManager,
     is_complete,
@@ -54,7 +55,7 @@ def test_keep_last_k_and_latest_ignores_incomplete(tmp_path):
     assert manager.latest() == tmp_path / "step_6" and manager.latest_step() == 6
     assert manager.resolve_resume("auto") == tmp_path / "step_6"
     assert manager.resolve_resume("disable") is None
-    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+    with pytest.raises(UserError, match="not a complete checkpoint"):
         manager.resolve_resume(str(tmp_path / "step_8"))
 
 

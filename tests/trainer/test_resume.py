@@ -138,3 +138,14 @@ def test_checkpoints_record_the_engine_choices_and_resume_pins_them(tmp_path, qu
                         *RESUME_SETTINGS)  # fmt: skip
     train(again, log=quiet)
     assert pinned == [recorded]
+
+
+def test_resume_at_an_epoch_boundary_is_exact(tmp_path, quiet):
+    """12 prompts, 4 a step: step 3 ends epoch 0, so the resumed run starts epoch 1 (a new
+    permutation) from the sampler's saved position."""
+    epoch = ("data.builtin_train_size=12", *RESUME_SETTINGS)
+    train(tiny_config(tmp_path / "a", "trainer.total_steps=5", *epoch), log=quiet)
+    train(tiny_config(tmp_path / "b", "trainer.total_steps=3", *epoch), log=quiet)
+    train(tiny_config(tmp_path / "b", "trainer.total_steps=5", *epoch), log=quiet)
+    a, b = read_metrics(tmp_path / "a" / "run"), read_metrics(tmp_path / "b" / "run")
+    assert_same_steps(a, b, steps=(1, 2, 3, 4, 5))

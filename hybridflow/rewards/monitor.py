@@ -1,0 +1,56 @@
+"""Making reward failures loud. A scorer that raises, times out or returns something that is
+not a number scores 0 for that sample and training goes on — which must not be silent:
+
+- each distinct error message is printed once, as soon as it first happens;
+- a step where most samples failed is flagged with the failure count;
+- every sample failing on ``patience`` consecutive training steps stops the run with the
+  error (exit 2): the reward function is broken, and more steps would train on zeros.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from hybridflow.errors import UserError
+from hybridflow.rewards.managers import RewardResult
+
+MOSTLY_FAILED = 0.5
+"""Fraction of failed samples above which a step is flagged."""
+MAX_DISTINCT_MESSAGES = 10
+"""Distinct messages printed in a run; the rest are only counted in the metrics."""
+
+
+class RewardFailureMonitor:
+    """Watches each scoring call's failures; ``observe`` raises UserError to stop the run."""
+
+    def __init__(self, log: Callable[[str], None], patience: int = 3):
+        self.log, self.patience = log, patience
+        self.printed: set[str] = set()
+        self.failed_steps_in_a_row = 0
+
+    def observe(self, result: RewardResult, step: int, *, training: bool = True) -> None:
+        size = len(result.scores)
+        failed = int(result.metrics.get("reward/num_errors", 0)) + int(
+            result.metrics.get("reward/num_timeouts", 0)
+        )
+        for message in result.error_messages:
+            if message not in self.printed and len(self.printed) < MAX_DISTINCT_MESSAGES:
+                self.printed.add(message)
+                self.log(f"reward error (shown once): {message}")
+        where = f"step {step}" if training else f"validation at step {step}"
+        if size and failed > MOSTLY_FAILED * size:
+            self.log(f"warning: {where}: the reward failed on {failed} of {size} samples "
+                     f"(they score 0); see the errors above")  # fmt: skip
+        if not training:
+            return
+        self.failed_steps_in_a_row = (
+            self.failed_steps_in_a_row + 1 if size and failed == size else 0
+        )
+        if self.failed_steps_in_a_row >= self.patience:
+            first = result.error_messages[0] if result.error_messages else "no message"
+            raise UserError(
+                f"the reward failed on every sample for {self.patience} steps in a row (up to "
+                f"step {step}): {first}",
+                "fix the scoring function (reward.custom_fn, or the scorer of the data_source)"
+                "; it must return a finite number or a dict with a 'score'",
+            )

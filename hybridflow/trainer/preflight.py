@@ -1,0 +1,249 @@
+"""Everything ``hybridflow train`` can check before it loads a model; ``hybridflow config
+validate`` runs the same checks.
+
+In order: the config rules (``validate``), then the machine (devices, a writable run
+directory with room for a checkpoint, the logger packages), the model directory (config.json,
+complete safetensors files, a tokenizer), the reward function, and every data file (readable,
+and still holding a batch after overlong prompts are dropped). All problems of one kind are
+reported together, each with the key or file it is about and the fix.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hybridflow.config import Config, ConfigError, Derived, validate
+
+LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+"""trainer.loggers entry -> the package it needs (pip names: the same)."""
+
+MIN_FREE_BYTES = 64 * 2**20
+"""Free space the run directory needs at least (metrics, a tiny model's checkpoint)."""
+
+
+@dataclass
+class Preflight:
+    """What the checks built on the way, so ``setup`` does not build it twice."""
+
+    derived: Derived
+    tokenizer: Any
+    reward: Any
+    """A RewardManager (its worker pool starts on first use); the caller closes it."""
+    train_set: Any
+    val_set: Any
+
+
+def check_run(cfg: Config, log=lambda *a, **k: None) -> Preflight | None:
+    """Run every check; raises a UserError (ConfigError, DataSchemaError, …) on the first
+    kind of problem found. ``config validate`` calls this and discards the result."""
+    preflight = prepare_run(cfg, log)
+    preflight.reward.close()
+    return None
+
+
+def prepare_run(cfg: Config, log=lambda *a, **k: None) -> Preflight:
+    """The checks of :func:`check_run`; returns what they built (the caller closes reward)."""
+    from hybridflow.models import load_tokenizer
+    from hybridflow.rewards import build_reward_manager
+    from hybridflow.workers.model_loading import default_tokenizer_path
+
+    derived = validate(cfg, gpus_available=_gpu_count() if cfg.trainer.device == "cuda" else None)
+    problems = machine_problems(cfg, cfg.trainer.run_dir)
+    problems += model_problems(cfg.model.path, cfg.model.tokenizer_path)
+    if problems:
+        raise ConfigError(problems)
+    tokenizer = load_tokenizer(default_tokenizer_path(cfg.model))
+    reward = build_reward_manager(cfg.reward, cfg.data.max_response_length)
+    try:
+        train_set, val_set = _datasets(cfg, tokenizer, reward)
+    except BaseException:
+        reward.close()
+        raise
+    return Preflight(derived, tokenizer, reward, train_set, val_set)
+
+
+def machine_problems(cfg: Config, out_dir: str) -> list[str]:
+    """The device, a writable ``out_dir`` with room for a checkpoint, the logger packages."""
+    return (
+        device_problems(cfg.trainer.device, cfg.trainer.n_gpus_per_node)
+        + run_dir_problems(out_dir, _checkpoint_bytes(cfg))
+        + logger_problems(cfg.trainer.loggers)
+    )
+
+
+def _datasets(cfg: Config, tokenizer, reward):
+    from hybridflow.data.dataset import build_prompt_datasets
+    from hybridflow.trainer.run import DATA_SEED
+
+    train_set, val_set = build_prompt_datasets(
+        cfg.data, tokenizer, seed=DATA_SEED, known_data_sources=reward.known_data_sources()
+    )
+    if len(train_set) < cfg.data.train_batch_size:
+        dropped = (
+            f" after dropping {train_set.num_filtered} prompts longer than "
+            f"data.max_prompt_length = {cfg.data.max_prompt_length}"
+            if train_set.num_filtered
+            else ""
+        )
+        raise ConfigError(
+            [
+                f"data.train_files hold {len(train_set)} usable prompts{dropped}, fewer than "
+                f"one batch (data.train_batch_size = {cfg.data.train_batch_size}): lower "
+                f"data.train_batch_size, add prompts, or raise data.max_prompt_length"
+            ]
+        )
+    return train_set, val_set
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def device_problems(device: str, n_gpus_per_node: int) -> list[str]:
+    """``trainer.device=cuda`` needs a visible GPU (else the workers wait for one forever)."""
+    if device != "cuda":
+        return []
+    import torch
+
+    if torch.cuda.is_available():
+        return []
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+    return [
+        f"trainer.device = cuda but no CUDA GPU is visible here (torch {torch.__version__} is "
+        f"{build}; CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): "
+        f"set trainer.device=cpu (or auto), or run on a machine with a GPU"
+    ]
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def run_dir_problems(run_dir: str, need_bytes: int) -> list[str]:
+    """The run directory (or the nearest parent that exists) is a writable directory with
+    ``need_bytes`` free. Nothing is created: a probe file is written and removed."""
+    path = Path(run_dir).expanduser()
+    existing = _nearest_existing(path)
+    if not existing.is_dir():
+        return [f"trainer.run_dir = {run_dir}: {existing} is a file, not a directory"]
+    try:  # os.access is not enough: root passes it, and read-only mounts need a write
+        handle, probe = tempfile.mkstemp(dir=existing, prefix=".hybridflow-write-check-")
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as error:
+        return [
+            f"trainer.run_dir = {run_dir}: cannot write in {existing} ({error.strerror}): "
+            f"choose a writable directory"
+        ]
+    free = shutil.disk_usage(existing).free
+    if free < need_bytes:
+        return [
+            f"trainer.run_dir = {run_dir}: {free / 2**20:.0f} MiB free at {existing}, a "
+            f"checkpoint needs about {need_bytes / 2**20:.0f} MiB: free some space or choose "
+            f"another directory"
+        ]
+    return []
+
+
+def _checkpoint_bytes(cfg: Config) -> int:
+    """fp32 weights + AdamW's two moments (12 bytes a parameter), when the size is known."""
+    if cfg.trainer.save_freq < 0:
+        return MIN_FREE_BYTES
+    architecture = model_architecture(cfg.model.path)
+    if architecture is None:
+        return MIN_FREE_BYTES
+    return max(MIN_FREE_BYTES, 12 * parameter_count(architecture))
+
+
+def model_architecture(model_path: str):
+    """The ModelArchitecture of a preset or a local HF directory, without loading weights;
+    None if unknown (``sft:`` before its warm start, an unreadable config.json)."""
+    try:
+        from hybridflow.models.architecture import ModelArchitecture
+        from hybridflow.models.presets import PRESETS
+
+        if model_path in PRESETS:
+            return PRESETS[model_path]
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        return ModelArchitecture.from_hf(config)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ImportError):
+        return None
+
+
+def parameter_count(architecture) -> int:
+    """Weights of the decoder layers (attention, SwiGLU MLP) and the embedding."""
+    a = architecture
+    q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+    per_layer = a.hidden_size * (2 * q + 2 * kv) + 3 * a.hidden_size * a.intermediate_size
+    return a.num_hidden_layers * per_layer + a.vocab_size * a.hidden_size
+
+
+def logger_problems(loggers: list[str]) -> list[str]:
+    return [
+        f"trainer.loggers includes {name!r} but the {package!r} package is not installed: "
+        f"pip install 'hybridflow[{name}]', or drop it from trainer.loggers"
+        for name, package in LOGGER_PACKAGES.items()
+        if name in loggers and importlib.util.find_spec(package) is None
+    ]
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def model_problems(model_path: str, tokenizer_path: str | None) -> list[str]:
+    """A local model directory holds config.json, complete safetensors and a tokenizer."""
+    from hybridflow.models.hf_checkpoint import INDEX_FILE, SINGLE_FILE, safetensors_problem
+    from hybridflow.models.presets import PRESETS
+
+    if model_path.startswith("sft:") or model_path in PRESETS:
+        return _tokenizer_problems(tokenizer_path) if tokenizer_path else []
+    path = Path(model_path).expanduser()
+    if not path.is_dir():
+        return [
+            f"model.path = {model_path!r} is not a directory, a preset ({', '.join(PRESETS)}) "
+            f"or sft:<task>: point it at a Hugging Face model directory"
+        ]
+    if not (path / "config.json").is_file():
+        return [
+            f"model.path = {model_path}: no config.json there: point model.path at the Hugging "
+            f"Face model directory itself (the one holding config.json and *.safetensors)"
+        ]
+    problems = []
+    files = sorted(path.glob("*.safetensors"))
+    if not files and not (path / INDEX_FILE).is_file():
+        problems.append(
+            f"model.path = {model_path}: no {SINGLE_FILE} (or sharded *.safetensors with "
+            f"{INDEX_FILE}); convert the weights to safetensors"
+        )
+    for file in files:
+        problem = safetensors_problem(file)
+        if problem:
+            problems.append(f"model.path: {problem}: copy the model directory again")
+    return problems + _tokenizer_problems(tokenizer_path or str(path))
+
+
+def _tokenizer_problems(tokenizer_path: str) -> list[str]:
+    from hybridflow.models.tokenizer import CHAR_TOKENIZER_NAMES
+
+    if tokenizer_path in CHAR_TOKENIZER_NAMES:
+        return []
+    path = Path(tokenizer_path).expanduser()
+    if not path.is_dir():
+        return [f"model.tokenizer_path = {tokenizer_path!r} is not a directory"]
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return [
+            f"{path} holds no tokenizer ({', '.join(TOKENIZER_FILES)}): copy the tokenizer "
+            f"files there or set model.tokenizer_path"
+        ]
+    return []

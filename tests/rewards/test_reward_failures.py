@@ -1,0 +1,144 @@
+"""Reward failures are loud: a return that is not a number is an error, each distinct error
+is printed once, a mostly failed step is flagged, an always failing reward stops the run
+(exit 2), and timeouts of one step run concurrently."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridflow.errors import UserError
+from hybridflow.rewards import RewardManager
+from hybridflow.rewards.managers import RewardResult
+from hybridflow.rewards.monitor import RewardFailureMonitor
+
+SCORERS = textwrap.dedent(
+    """
+    import math, time
+
+    def returns(data_source, solution_str, ground_truth, extra_info=None):
+        return {"none": None, "text": "high", "nan": math.nan, "one": 1.0}[solution_str]
+
+    def sleeps(data_source, solution_str, ground_truth, extra_info=None):
+        with open(ground_truth, "a") as log:  # when each call started
+            log.write(f"{time.monotonic()}\\n")
+        time.sleep(30)
+
+    def busy(data_source, solution_str, ground_truth, extra_info=None):
+        end = time.thread_time() + 0.05  # 50 ms of CPU, however long the GIL makes it
+        while time.thread_time() < end:
+            pass
+        return 1.0
+
+    def spins(data_source, solution_str, ground_truth, extra_info=None):
+        while True:
+            pass
+    """
+)
+
+
+@pytest.fixture
+def scorers(tmp_path):
+    path = tmp_path / "scorers.py"
+    path.write_text(SCORERS)
+    return lambda name, **kw: RewardManager("naive", custom_fn=f"{path}:{name}", **kw)
+
+
+def test_none_text_and_nan_are_errors_not_zero_scores(scorers):
+    result = scorers("returns").score(["none", "text", "nan", "one"], ["x"] * 4, ["s"] * 4)
+    assert result.scores == [0.0, 0.0, 0.0, 1.0]
+    assert result.metrics["reward/num_errors"] == 3.0
+    joined = " | ".join(result.error_messages)
+    assert "returned None" in joined and "'high'" in joined and "nan" in joined
+
+
+def test_timeouts_of_one_step_run_concurrently(scorers, tmp_path):
+    started_log = tmp_path / "started.txt"
+    manager = scorers("sleeps", timeout_s=1.0)
+    begin = time.monotonic()
+    result = manager.score(["a"] * 8, [str(started_log)] * 8, ["s"] * 8)
+    elapsed = time.monotonic() - begin
+    assert result.metrics["reward/num_timeouts"] == 8.0
+    starts = [float(line) for line in started_log.read_text().split()]
+    assert len(starts) == 8 and max(starts) - min(starts) < 1.0  # all running at once
+    assert elapsed < 4.0  # one after another: 8 s
+
+
+def test_cpu_bound_scorers_are_timed_by_their_own_work(scorers):
+    # 16 × 50 ms of CPU = 0.8 s in all, more than the 0.3 s timeout: run concurrently under
+    # the GIL each call's wall time approaches 0.8 s, yet none used its 0.3 s.
+    result = scorers("busy", timeout_s=0.3).score(["a"] * 16, ["x"] * 16, ["s"] * 16)
+    assert result.scores == [1.0] * 16 and result.metrics["reward/num_timeouts"] == 0.0
+
+
+def test_a_spinning_scorer_is_interrupted(scorers):
+    before = set(threading.enumerate())  # (sleeping scorers of other tests may linger)
+    result = scorers("spins", timeout_s=0.2).score(["a", "b"], ["x"] * 2, ["s"] * 2)
+    assert result.metrics["reward/num_timeouts"] == 2.0
+    deadline = time.monotonic() + 5
+    while any(t.name == "hybridflow-scorer" for t in set(threading.enumerate()) - before):
+        assert time.monotonic() < deadline, "the spinning scorer threads were not stopped"
+        time.sleep(0.05)
+
+
+def failing(size: int, failed: int, message: str = "scorer f: ValueError: bad") -> RewardResult:
+    metrics = {"reward/num_errors": float(failed), "reward/num_timeouts": 0.0}
+    return RewardResult([0.0] * size, metrics, error_messages=[message] if failed else [])
+
+
+def test_monitor_prints_each_distinct_message_once_and_flags_mostly_failed_steps():
+    lines = []
+    monitor = RewardFailureMonitor(lines.append, patience=3)
+    monitor.observe(failing(8, 1), step=1)
+    monitor.observe(failing(8, 7), step=2)
+    monitor.observe(failing(8, 7, "scorer f: KeyError: 'x'"), step=3)
+    shown = [line for line in lines if line.startswith("reward error")]
+    assert shown == ["reward error (shown once): scorer f: ValueError: bad",
+                     "reward error (shown once): scorer f: KeyError: 'x'"]  # fmt: skip
+    flagged = [line for line in lines if line.startswith("warning")]
+    assert len(flagged) == 2 and "step 2: the reward failed on 7 of 8 samples" in flagged[0]
+
+
+def test_monitor_stops_after_consecutive_all_failed_steps_only():
+    monitor = RewardFailureMonitor(lambda line: None, patience=3)
+    for step in (1, 2):
+        monitor.observe(failing(4, 4), step=step)
+    monitor.observe(failing(4, 3), step=3)  # one sample scored: the count starts over
+    monitor.observe(failing(4, 4), step=4, training=False)  # validation does not count
+    for step in (4, 5):
+        monitor.observe(failing(4, 4), step=step)
+    with pytest.raises(UserError, match="every sample for 3 steps in a row.*ValueError: bad"):
+        monitor.observe(failing(4, 4), step=6)
+
+
+def test_a_reward_returning_none_stops_training_with_exit_2(tmp_path, capsys):
+    sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+    from trainer_helpers import TINY
+
+    from hybridflow.cli import main
+
+    reward = tmp_path / "none_reward.py"
+    reward.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return None\n")  # fmt: skip
+    status = main(["train", *TINY, f"trainer.run_dir={tmp_path / 'run'}",
+                   "trainer.total_steps=5", f"reward.custom_fn={reward}:score",
+                   "trainer.val_before_train=false"])  # fmt: skip
+    captured = capsys.readouterr()
+    output = captured.out + captured.err
+    assert status == 2 and "Traceback" not in output
+    assert output.count("reward error (shown once)") == 1 and "returned None" in output
+    assert "every sample for 3 steps in a row (up to step 3)" in captured.err
+
+
+def test_timeouts_in_worker_processes_run_concurrently(scorers, tmp_path):
+    started_log = tmp_path / "started.txt"
+    with scorers("sleeps", timeout_s=1.0, num_workers=2) as manager:
+        result = manager.score(["a"] * 8, [str(started_log)] * 8, ["s"] * 8)
+    assert result.metrics["reward/num_timeouts"] == 8.0
+    starts = sorted(float(line) for line in started_log.read_text().split())
+    assert len(starts) == 8 and starts[-1] - starts[0] < 1.0  # not 4 rounds of 2

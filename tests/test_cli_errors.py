@@ -1,0 +1,171 @@
+"""Bad input through the command line: exit 2, one paragraph naming the file, key or line
+and the fix, no traceback; and every case is found before a model is loaded."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridflow.cli import main
+
+sys.path.insert(0, str(Path(__file__).parent / "trainer"))
+from trainer_helpers import TINY  # noqa: E402
+
+GOOD_ROW = {
+    "data_source": "arithmetic",
+    "prompt": [{"role": "user", "content": "1+2="}],
+    "reward_model": {"ground_truth": "3"},
+}
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Fails the test if the run gets as far as loading a model or starting workers."""
+    import hybridflow.trainer.roles as roles
+    import hybridflow.trainer.warm_start as warm_start
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model was loaded before the error was found")
+
+    monkeypatch.setattr(roles, "build_roles", loaded)
+    monkeypatch.setattr(warm_start, "resolve_model_path", loaded)
+
+
+def run_cli(capsys, tmp_path, *overrides, command=("train",)) -> str:
+    """``hybridflow <command> TINY… overrides``; asserts exit 2, a short message and no
+    traceback; returns stderr."""
+    run = [f"trainer.run_dir={tmp_path / 'run'}", f"trainer.cache_dir={tmp_path / 'cache'}"]
+    status = main([*command, *TINY, *run, *overrides])
+    captured = capsys.readouterr()
+    assert status == 2, captured.err
+    assert "Traceback" not in captured.err + captured.out
+    assert captured.err.startswith("error: "), captured.err
+    assert len(captured.err.strip().splitlines()) <= 3, captured.err
+    return captured.err
+
+
+def write(path: Path, data: bytes | str) -> Path:
+    path.write_bytes(data if isinstance(data, bytes) else data.encode())
+    return path
+
+
+def tiny_model_dir(path: Path) -> Path:
+    """A HF directory of the tiny preset (random weights) with a tokenizer file."""
+    import torch
+
+    from hybridflow.models import build_model
+    from hybridflow.models.hf_checkpoint import save_model
+    from hybridflow.models.presets import preset_config
+
+    save_model(build_model(preset_config("tiny"), dtype=torch.float32), str(path))
+    (path / "tokenizer.json").write_text("{}")
+    return path
+
+
+def test_a_directory_given_as_data_is_called_a_directory(capsys, tmp_path, no_model_loading):
+    (tmp_path / "data").mkdir()
+    err = run_cli(capsys, tmp_path, f"data.train_files=[{tmp_path / 'data'}]")
+    assert "is a directory" in err and "does not exist" not in err
+
+
+def test_an_empty_data_file_is_named(capsys, tmp_path, no_model_loading):
+    empty = write(tmp_path / "train.jsonl", "")
+    err = run_cli(capsys, tmp_path, f"data.train_files=[{empty}]")
+    assert str(empty) in err and "no rows" in err
+
+
+def test_invalid_utf8_names_file_and_line(capsys, tmp_path, no_model_loading):
+    good = json.dumps(GOOD_ROW).encode()
+    data = write(tmp_path / "train.jsonl", good + b"\n" + b'{"x": "caf\xe9"}\n')
+    err = run_cli(capsys, tmp_path, f"data.train_files=[{data}]")
+    assert f"{data}: line 2" in err and "UTF-8" in err
+
+
+def test_a_truncated_safetensors_file_is_named(capsys, tmp_path, no_model_loading):
+    model = tiny_model_dir(tmp_path / "model")
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    err = run_cli(capsys, tmp_path, f"model.path={model}")
+    assert str(weights) in err and "truncated" in err
+
+
+def test_a_model_directory_without_config_json(capsys, tmp_path, no_model_loading):
+    model = tiny_model_dir(tmp_path / "model")
+    (model / "config.json").unlink()
+    err = run_cli(capsys, tmp_path, f"model.path={model}")
+    assert "no config.json" in err and str(model) in err and "tokenizer" not in err
+
+
+def test_a_missing_model_directory_is_not_called_a_missing_tokenizer(capsys, tmp_path, no_model_loading):  # fmt: skip
+    err = run_cli(capsys, tmp_path, f"model.path={tmp_path / 'nothing'}")
+    assert "model.path" in err and "not a directory" in err and "tokenizer" not in err
+
+
+def test_a_run_dir_that_cannot_be_written(capsys, tmp_path, no_model_loading):
+    # /proc refuses new files even to root (a chmod would not stop root).
+    err = run_cli(capsys, tmp_path, "trainer.run_dir=/proc/hybridflow-run")
+    assert "trainer.run_dir" in err and "cannot write in /proc" in err
+
+
+def test_a_logger_that_is_not_installed(capsys, tmp_path, no_model_loading):
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    err = run_cli(capsys, tmp_path, "trainer.loggers=[jsonl,wandb]")
+    assert "'wandb' package is not installed" in err and "pip install" in err
+
+
+def test_a_reward_file_with_a_syntax_error_names_file_and_line(capsys, tmp_path, no_model_loading):  # fmt: skip
+    reward = write(tmp_path / "my_reward.py", "def score(**kwargs):\n    return 1 +\n")
+    err = run_cli(capsys, tmp_path, f"reward.custom_fn={reward}:score")
+    assert str(reward) in err and "SyntaxError" in err and "line 2" in err
+
+
+def test_a_reward_file_without_the_function(capsys, tmp_path, no_model_loading):
+    reward = write(tmp_path / "my_reward.py", "def other(**kwargs):\n    return 1.0\n")
+    err = run_cli(capsys, tmp_path, f"reward.custom_fn={reward}:score")
+    assert "no function 'score'" in err and "other" in err
+
+
+LATE_CHECKS = [
+    (["actor.lr=-1"], "actor.lr = -1.0"),
+    (["rollout.temperature=0"], "rollout.temperature = 0.0"),
+    (["trainer.device=cuda"], "no CUDA GPU is visible"),
+    (["trainer.run_dir=/proc/hybridflow-run"], "cannot write in /proc"),
+    (["trainer.loggers=[tensorboard]"], "'tensorboard' package is not installed"),
+    # 8 built-in prompts; a batch of 16 cannot be drawn
+    (["data.builtin_train_size=8", "data.train_batch_size=16", "actor.ppo_mini_batch_size=16"],
+     "8 usable prompts, fewer than one batch"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("command", [("config", "validate"), ("train",)])
+@pytest.mark.parametrize("overrides, expected", LATE_CHECKS)
+def test_late_checks_are_found_by_validate_and_before_any_model_loads(
+    capsys, tmp_path, no_model_loading, command, overrides, expected
+):
+    import importlib.util
+
+    if "tensorboard" in expected and importlib.util.find_spec("tensorboard") is not None:
+        pytest.skip("tensorboard is installed here")
+    if "CUDA" in expected:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("a GPU is visible")
+    assert expected in run_cli(capsys, tmp_path, *overrides, command=command)
+
+
+def test_debug_shows_the_traceback(capsys, tmp_path):
+    status = main(["--debug", "config", "validate", "actor.lr=-1"])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" in err and "actor.lr" in err
+
+
+def test_sft_checks_the_machine_before_it_loads_a_model(capsys, tmp_path):
+    err = run_cli(capsys, tmp_path, "trainer.run_dir=/proc/hybridflow-run", command=("sft",))
+    assert "cannot write in /proc" in err
