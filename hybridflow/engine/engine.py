@@ -440,7 +440,7 @@ class Engine:
         """Tensors for the trainer, prompt-major rows [B * n]: responses [B*n, R] int64
         right-padded with pad_token_id, rollout_logprobs [B*n, R] fp32 (0 on padding),
         response_lengths [B*n] int64; R = longest response. On CPU."""
-        results = self._generate(prompts, params)
+        results = self.generate(prompts, params)  # through a running service, if any
         if pad_token_id is None:
             pad_token_id = self.config.pad_token_id or 0
         return padded_tensors(results, pad_token_id)

@@ -215,3 +215,16 @@ def test_generate_runs_through_a_running_service_and_bad_prompts_fail_at_submit(
         got = engine.generate(PROMPTS, SAMPLED, seeds=list(range(8)))
     assert [c.token_ids for c in got] == [c.token_ids for c in expected]
     assert engine.service is None
+
+
+def test_generate_padded_goes_through_a_running_service(model):
+    """The trainer's call (generate_padded) while a server's service drives the engine: it
+    must be submitted, not run on the scheduler from the trainer's thread."""
+    engine = _engine(model)
+    expected = _engine(model).generate_padded(PROMPTS, SamplingParams(max_new_tokens=6, seed=3))
+    with RolloutService(engine) as service:
+        other = service.submit(PROMPTS[0], SAMPLED, seed=9)
+        got = engine.generate_padded(PROMPTS, SamplingParams(max_new_tokens=6, seed=3))
+        other.result(timeout=60)
+    assert torch.equal(got["responses"], expected["responses"])
+    assert torch.equal(got["response_lengths"], expected["response_lengths"])
