@@ -290,6 +290,15 @@ class Engine:
             torch.cuda.synchronize(self.device)
         self.new_policy_version()
 
+    def weights_updated(self) -> int:
+        """The parameters were changed in place (a colocated trainer's optimizer step): a new
+        policy version begins; a running service refreshes its fused weight copies before
+        its next chunk (generate() refreshes them at every call anyway). -> the version."""
+        if self.service is not None and not self.service.on_engine_thread():
+            self.service.resume(weights_changed=True)
+            return self.policy_version
+        return self.new_policy_version()
+
     def new_policy_version(self, version: int | None = None) -> int:
         """The weights changed (loaded, or updated in place by a colocated trainer): kept KV
         is dropped and tokens sampled from now on record `version` (default: the last + 1).

@@ -56,6 +56,9 @@ class RolloutService:
         self._thread = threading.Thread(target=self._run, name="hybridflow-engine", daemon=True)
         engine.service = self
         self._thread.start()
+        # The weights may have changed in place since the engine last ran (a colocated
+        # trainer's step): the fused copies are refreshed before the first request.
+        self._post(self._start)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -202,6 +205,10 @@ class RolloutService:
             self.engine.scheduler.step()
         except BaseException as error:  # a CUDA error, say: every request hears it
             self._fail_all(error)
+
+    def _start(self) -> None:
+        if self.engine.native:
+            self.engine.start_generation()
 
     def _add(self, sub: Submission, on_error) -> None:
         engine = self.engine

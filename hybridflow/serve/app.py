@@ -41,6 +41,7 @@ Never a traceback.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -49,6 +50,7 @@ from array import array
 
 from aiohttp import web
 
+from hybridflow.serve.episodes import EPISODE_HEADER, EpisodeTracker
 from hybridflow.serve.http import generation_failed, json_errors, read_json, stream_events
 from hybridflow.serve.openai_protocol import (
     ChatRequest,
@@ -72,6 +74,8 @@ log = logging.getLogger("hybridflow.serve")
 
 RECORDS = web.AppKey("hybridflow.records", RequestRecords)
 """app[RECORDS]: the RequestRecords of the requests served."""
+EPISODES = web.AppKey("hybridflow.episodes", EpisodeTracker)
+"""app[EPISODES]: the episodes of agent programs, token in and token out (episodes.py)."""
 
 
 class OpenAIServer:
@@ -90,6 +94,7 @@ class OpenAIServer:
         self.max_n = max_n
         self.parser = parser or HermesParser()
         self.created = int(time.time())
+        self.episodes = EpisodeTracker(tokenizer)
         self.eos_id = getattr(tokenizer, "eos_token_id", None)
 
     # -- routes --------------------------------------------------------------------------------
@@ -169,11 +174,22 @@ class OpenAIServer:
         req = parse_chat_request(await read_json(request), self.max_n)
         self._check_model(req.model)
         sampling = req.sampling
-        prompt = self._chat_prompt(req)
+        episode = request.headers.get(EPISODE_HEADER)
+        if episode is None:
+            prompt, plan = self._chat_prompt(req), None
+        else:  # continued from the episode's tokens (episodes.py)
+            if sampling.n != 1:
+                raise RequestError("a request of an episode takes n = 1", "n")
+            plan = self.episodes.plan(episode, req.messages, req.tools)
+            prompt = self._check_length(self._check_ids(plan.prompt_ids, "messages"), "messages")
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        if sampling.stream and self._streams() and not req.parse_tool_calls:
+        if sampling.stream and self._streams() and not req.parse_tool_calls and plan is None:
             return await self._stream_chat(request, req, prompt, rid, created)
-        outputs = (await self._generate([prompt], sampling))[0]
+        outputs = (await self._generate([prompt], sampling, episode, plan))[0]
+        if plan is not None:
+            out = outputs[0]
+            self.episodes.record(episode, plan, out.token_ids, out.logprobs, out.finish_reason,
+                                 self._params(sampling)[1])  # fmt: skip
         choices, chosen = [], []
         for index, out in enumerate(outputs):
             message, finish = self._message(out, req.parse_tool_calls)
@@ -343,10 +359,16 @@ class OpenAIServer:
             raise RequestError(str(error)) from None
         return params, stop_ids
 
-    async def _generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Output]]:
-        """sampling.n outputs per prompt."""
+    async def _generate(self, prompts: list[list[int]], sampling: Sampling,
+                        episode: str | None = None, plan=None) -> list[list[Output]]:  # fmt: skip
+        """sampling.n outputs per prompt. episode: the one prompt is that episode's next turn
+        (its trainer's sampling and budget; its KV kept between turns)."""
         params, _ = self._params(sampling)
-        calls = [self.client.generate(prompt, p) for prompt in prompts for p in params]
+        if episode is not None:
+            params = [self._episode_params(episode, params[0], plan)]
+        extra = {} if episode is None or not hasattr(self.client, "close_session") else {
+            "session": ("episode", episode)}  # fmt: skip
+        calls = [self.client.generate(prompt, p, **extra) for prompt in prompts for p in params]
         try:
             completions = await asyncio.gather(*calls)
         except Exception as error:
@@ -359,6 +381,22 @@ class OpenAIServer:
         ]  # fmt: skip
         n = sampling.n
         return [outputs[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _episode_params(self, episode: str, params, plan):
+        """The trainer's sampling for the episode's turn, within the episode's budget."""
+        state = self.episodes.get(episode)
+        params = self.episodes.turn_sampling(episode, params)
+        if plan.restart or not state.messages:
+            remaining = state.max_tokens  # the episode starts (again) from this prompt
+        else:
+            remaining = state.remaining(len(plan.delta))
+        if remaining is not None:
+            if remaining <= 0:
+                raise RequestError(f"episode {episode!r} has used its {state.max_tokens} "
+                                   "response tokens", None, "episode_budget_spent")  # fmt: skip
+            params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens,
+                                                                    remaining))  # fmt: skip
+        return params
 
     def _streams(self) -> bool:
         """Whether the client streams tokens as they decode (EngineClient does)."""
@@ -429,6 +467,7 @@ def build_app(engine, tokenizer, model_name: str, *, client=None, max_seq_len: i
                           max_n=max_n, parser=parser)  # fmt: skip
     app = web.Application(middlewares=[json_errors], client_max_size=max_body_bytes)
     app[RECORDS] = records
+    app[EPISODES] = server.episodes
     app.add_routes([
         web.get("/health", server.health),
         web.get("/v1/models", server.models),

@@ -168,8 +168,10 @@ class RolloutWorker(Worker):
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def sync_from_actor(self) -> None:
-        """Copy the colocated actor's current weights into the engine (no-op when shared)."""
+        """Copy the colocated actor's current weights into the engine (shared: nothing to
+        copy, but a new policy version, and a running service refreshes its fused copies)."""
         if self.shares_actor_weights:
+            self.engine.weights_updated()
             return
         if self.actor is None:
             raise RuntimeError(

@@ -228,3 +228,23 @@ def test_generate_padded_goes_through_a_running_service(model):
         other.result(timeout=60)
     assert torch.equal(got["responses"], expected["responses"])
     assert torch.equal(got["response_lengths"], expected["response_lengths"])
+
+
+def test_weights_changed_in_place_reach_a_running_service(model):
+    """A colocated trainer updates the parameters the engine reads in place; after
+    weights_updated() the service's next request samples from the new weights (the fused
+    copies refreshed) under a new policy version."""
+    import copy
+
+    own = copy.deepcopy(model)
+    engine = _engine(own)
+    norm = dict(own.named_parameters())["model.norm.weight"]
+    with RolloutService(engine) as service:
+        before = service.submit(PROMPTS[0], SAMPLED, seed=1).result(timeout=60)[0]
+        with torch.no_grad():
+            norm.mul_(0.5)  # an optimizer step, in place
+        assert engine.weights_updated() == 1
+        after = service.submit(PROMPTS[0], SAMPLED, seed=1).result(timeout=60)[0]
+    scaled = _alone(own, PROMPTS[0], SAMPLED, 1)
+    assert after.token_ids == scaled.token_ids and after.version_spans == ((0, 1),)
+    assert before.token_ids == _alone(model, PROMPTS[0], SAMPLED, 1).token_ids
