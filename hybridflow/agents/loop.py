@@ -71,7 +71,10 @@ class Trajectory:
 
     @property
     def final_text(self) -> str:
-        """The model's last message (what a reward reads)."""
+        """What a reward reads: the answer an agent program returned (metadata
+        "final_text"), else the model's last message."""
+        if isinstance(self.metadata.get("final_text"), str):
+            return self.metadata["final_text"]
         for message in reversed(self.messages):
             if message["role"] == "assistant":
                 return message["content"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-LOOPS = ("tools",)
+LOOPS = ("tools", "openai")
 
 
 @dataclass(frozen=True)
@@ -13,7 +13,12 @@ class AgentOptions:
     loop: str | None = None
     """None: single-turn rollouts (one completion per prompt). "tools": multi-turn episodes
     with tool calls (hybridflow/agents/loop.py, ToolCallingLoop): the model's turns are
-    trained on, tool results and template glue are masked out of the loss."""
+    trained on, tool results and template glue are masked out of the loss. "openai": your
+    agent program (`program`) talks to the engine through the OpenAI API, in text; its
+    episodes train token in, token out (hybridflow/agents/external.py)."""
+    program: str | None = None
+    """With loop "openai": "path/to/file.py:function", an async function (client, messages,
+    *, model, extra_info) -> the final answer (str) or None (docs/agents.md)."""
     tools: list[str] = field(default_factory=list)
     """Tools the model may call: "calculator", "python" (a sandboxed interpreter), or
     "path/to/file.py:function" (a function of yours; its docstring and type hints describe
@@ -35,8 +40,13 @@ class AgentOptions:
         problems = []
         if self.loop is not None and self.loop not in LOOPS:
             problems.append(f"loop={self.loop!r}: must be null (single turn) or one of {LOOPS}")
-        if self.loop is not None and not self.tools:
+        if self.loop == "tools" and not self.tools:
             problems.append("tools=[]: a tool loop needs tools, e.g. [calculator]")
+        if self.loop == "openai" and not self.program:
+            problems.append("program=null: the openai loop runs your agent program, e.g. "
+                            "program=my_agent.py:run")  # fmt: skip
+        if self.program is not None and self.loop != "openai":
+            problems.append(f"program={self.program!r} is only used with loop=openai")
         for name, value in (("max_turns", self.max_turns), ("concurrency", self.concurrency)):
             if not isinstance(value, int) or value < 1:
                 problems.append(f"{name}={value!r}: must be an integer >= 1")

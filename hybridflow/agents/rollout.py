@@ -133,7 +133,7 @@ def agent_metrics(arrays: dict) -> dict[str, float]:
             out[f"rollout/agent_{name}"] = float(np.mean(values))
     finish = arrays.get("agent_finish")
     if finish is not None and len(finish):
-        for reason in ("answer", "max_turns", "max_tokens", "length"):
+        for reason in ("answer", "max_turns", "max_tokens", "length", "error"):
             out[f"rollout/agent_finish_{reason}"] = float(np.mean(finish == reason))
     return out
 

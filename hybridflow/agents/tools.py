@@ -277,18 +277,18 @@ class FunctionTool:
         return f"FunctionTool({self.name!r})"
 
 
-def _load_module(spec: str, location: str):
+def _load_module(spec: str, location: str, what: str = "tool"):
     if not (location.endswith(".py") or "/" in location or "\\" in location):
         try:
             return importlib.import_module(location)
         except Exception as error:
             raise ToolLoadError(
-                f"tool {spec!r}: importing module {location!r} failed: "
+                f"{what} {spec!r}: importing module {location!r} failed: "
                 f"{type(error).__name__}: {error}"
             ) from error
     path = Path(location).expanduser().resolve()
     if not path.is_file():
-        raise ToolLoadError(f"tool {spec!r}: file {location!r} does not exist")
+        raise ToolLoadError(f"{what} {spec!r}: file {location!r} does not exist")
     # One module name per absolute path, so two files named tools.py do not collide.
     module_name = f"hybridflow_user_tools_{hashlib.sha1(str(path).encode()).hexdigest()[:12]}"
     if module_name in sys.modules:
@@ -300,7 +300,7 @@ def _load_module(spec: str, location: str):
     except Exception as error:
         where = f" (line {error.lineno})" if isinstance(error, SyntaxError) else ""
         raise ToolLoadError(
-            f"tool {spec!r}: importing {path} failed{where}: {type(error).__name__}: {error}"
+            f"{what} {spec!r}: importing {path} failed{where}: {type(error).__name__}: {error}"
         ) from error
     sys.modules[module_name] = module
     return module

@@ -366,6 +366,8 @@ class OpenAIServer:
         params, _ = self._params(sampling)
         if episode is not None:
             params = [self._episode_params(episode, params[0], plan)]
+            if params[0] is None:
+                return [[finish_output(self.tokenizer, [], [], "length", [])]]
         extra = {} if episode is None or not hasattr(self.client, "close_session") else {
             "session": ("episode", episode)}  # fmt: skip
         calls = [self.client.generate(prompt, p, **extra) for prompt in prompts for p in params]
@@ -383,7 +385,8 @@ class OpenAIServer:
         return [outputs[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _episode_params(self, episode: str, params, plan):
-        """The trainer's sampling for the episode's turn, within the episode's budget."""
+        """The trainer's sampling for the episode's turn, within the episode's budget
+        (None: the budget is spent)."""
         state = self.episodes.get(episode)
         params = self.episodes.turn_sampling(episode, params)
         if plan.restart or not state.messages:
@@ -392,8 +395,7 @@ class OpenAIServer:
             remaining = state.remaining(len(plan.delta))
         if remaining is not None:
             if remaining <= 0:
-                raise RequestError(f"episode {episode!r} has used its {state.max_tokens} "
-                                   "response tokens", None, "episode_budget_spent")  # fmt: skip
+                return None  # no room left: an empty completion, finish "length"
             params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens,
                                                                     remaining))  # fmt: skip
         return params

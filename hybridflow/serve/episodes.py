@@ -135,8 +135,8 @@ class EpisodeTracker:
         if state.sampling is None:
             return params
         seed = None if state.seed is None else state.seed + len(state.turns)
-        return dataclasses.replace(state.sampling, n=1, seed=seed,
-                                   max_new_tokens=params.max_new_tokens)  # fmt: skip
+        cap = min(params.max_new_tokens, state.sampling.max_new_tokens)  # the trainer's per turn
+        return dataclasses.replace(state.sampling, n=1, seed=seed, max_new_tokens=cap)
 
     def record(self, episode: str, plan: Plan, token_ids: list[int], logprobs: list[float],
                finish_reason: str, stop_ids: set[int]) -> None:  # fmt: skip

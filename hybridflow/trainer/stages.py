@@ -106,6 +106,8 @@ def generate(run: RunContext, prompts: Batch, *, n: int, temperature: float, see
     engine_n = n if len(prompts) % run.roles.rollout_dp == 0 else 1
     agent = run.cfg.rollout.agent.loop is not None
     keys = ("prompts", "attention_mask", "raw_prompt") if agent else ("prompts", "attention_mask")
+    if run.cfg.rollout.agent.loop == "openai" and "extra_info" in prompts.arrays:
+        keys += ("extra_info",)  # an agent program reads its row's extra_info
     request = prompts.select(*keys, meta=False)
     if engine_n != n:
         request = request.repeat(n, interleave=True)

@@ -90,6 +90,11 @@ class RolloutWorker(Worker):
             raise ValueError("rollout.agent.loop needs each row's chat messages (raw_prompt)")
         width = cfg.data.max_response_length
         turn_params = dataclasses.replace(params, n=1, seed=None)
+        if cfg.rollout.agent.loop == "openai":
+            per_turn = cfg.rollout.agent.max_tokens_per_turn or width
+            turn_params = dataclasses.replace(turn_params, max_new_tokens=per_turn)
+            trajectories = self._program_episodes(batch, params, turn_params, width)
+            return self._packed(trajectories, pad_token_id, cfg.data.max_prompt_length)
         if self._agent_loop is None:
             self._agent_loop = build_loop(cfg.rollout.agent, self.tokenizer, turn_params, width)
         self._agent_loop.sampling = turn_params  # the temperature differs for validation
@@ -101,6 +106,39 @@ class RolloutWorker(Worker):
             self.engine.release()
         packed = pack_trajectories(trajectories, width, pad_token_id,
                                    prompt_width(self._agent_loop, cfg.data.max_prompt_length))  # fmt: skip
+        return Batch(packed["tensors"], packed["arrays"])
+
+    def _program_episodes(self, batch: Batch, params, turn_params, width: int) -> list:
+        """rollout.agent.loop=openai: the user's agent program, once per episode, against
+        the engine served on 127.0.0.1 (hybridflow/agents/external.py)."""
+        from hybridflow.agents.external import ProgramServer, load_program, run_program_batch
+
+        agent = self.config.rollout.agent
+        program = load_program(agent.program)
+        server = ProgramServer(self.engine, self.tokenizer)
+        try:
+            extra = batch.arrays.get("extra_info")
+            extra_infos = list(extra) if extra is not None else [None] * len(batch)
+            return run_program_batch(
+                program, server, self.tokenizer, list(batch.arrays["raw_prompt"]), extra_infos,
+                params.n, params.seed, turn_params, width, agent.concurrency,
+            )  # fmt: skip
+        finally:
+            server.close()  # the service stops: the engine is the trainer's between batches
+            if self.config.rollout.release_cache and str(self.device).startswith("cuda"):
+                self.engine.release()
+
+    def _packed(self, trajectories: list, pad_token_id: int, max_prompt_length: int) -> Batch:
+        from hybridflow.agents.rollout import pack_trajectories
+
+        width = self.config.data.max_response_length
+        longest = max(len(t.prompt_ids) for t in trajectories)
+        if longest > max_prompt_length:
+            raise ValueError(
+                f"an agent program's first prompt has {longest} tokens, more than "
+                f"data.max_prompt_length={max_prompt_length}: raise data.max_prompt_length"
+            )
+        packed = pack_trajectories(trajectories, width, pad_token_id, max_prompt_length)
         return Batch(packed["tensors"], packed["arrays"])
 
     @register(dispatch=Dispatch.RANK_ZERO)
