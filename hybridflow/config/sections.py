@@ -323,7 +323,12 @@ class TrainerConfig:
     experiment_name: str = "demo"
     """Run name for W&B / TensorBoard."""
     call_timeout_s: float = 3600.0
-    """Timeout of each remote call on a worker group."""
+    """Timeout of each remote call on a worker group (and of each wait of the async mode)."""
+    mode: str = "sync"
+    """sync: each step generates its rollouts, then trains. async: the next steps' rollouts
+    are generated while this one trains (trainer/async_rollout.py; docs/async.md)."""
+    max_staleness: int = 1
+    """async: policy versions a batch may lag the one it trains (0: exactly the sync run)."""
     rendezvous_host: str = "127.0.0.1"
     """Address the ``local`` backend's torch.distributed store listens on. All its ranks
     are on this host, so the default keeps the store off the network."""

@@ -94,6 +94,14 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
             f"trainer.loggers has unknown {unknown_loggers}"
             f"{_suggest(unknown_loggers[0], list(LOGGER_NAMES))}"
         )
+    if t.mode not in ("sync", "async"):
+        add(f"trainer.mode = {t.mode!r} is unknown: use sync or async")
+    if not isinstance(t.max_staleness, int) or t.max_staleness < 0:
+        add(f"trainer.max_staleness = {t.max_staleness!r} must be an integer >= 0")
+    elif t.mode == "async" and t.max_staleness > 0 and t.backend != "inprocess":
+        add(f"trainer.mode = async with trainer.max_staleness = {t.max_staleness} runs on the "
+            "inprocess backend for now (its rollout generates while the actor trains); use "
+            "trainer.backend=inprocess, or max_staleness=0")  # fmt: skip
     if t.placement not in ("colocate", "split"):
         add(f"trainer.placement = {t.placement!r} is unknown: use colocate or split")
     train_dp, rollout_dp = world, world

@@ -10,11 +10,14 @@ Every stage is one call on a worker group (or cheap controller math) and is time
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 
 from hybridflow.errors import RunStopped
 from hybridflow.protocol import Batch
+from hybridflow.trainer.async_rollout import RolloutProducer
 from hybridflow.trainer.evaluation import headline, run_validation
 from hybridflow.trainer.metrics import (
     Timer,
@@ -37,15 +40,21 @@ from hybridflow.trainer.stages import (
 from hybridflow.trainer.stop import SIGTERM_EXIT
 
 
-def train_step(run: RunContext) -> dict[str, float]:
+def train_step(run: RunContext, rollout: tuple | None = None,
+               before_sync: Callable[[], None] | None = None) -> dict[str, float]:  # fmt: skip
     """One RL step on ``data.train_batch_size`` prompts; returns its metrics.
 
     ``roles.<role>.<method>(…)`` runs that method on the role's worker group; its Protocol
-    (trainer/role_handles.py) names the worker and learner code behind it."""
+    (trainer/role_handles.py) names the worker and learner code behind it. rollout: the
+    step's (batch, metrics) generated ahead (async mode); before_sync: called before the
+    weights go to the rollout (async mode waits there for the batches the old ones make)."""
     roles: Roles = run.roles
     timer, metrics = Timer(on_stage=lambda stage: stage_scope(run, stage)), {}
     with timer("step"):
-        batch, rollout_metrics = collect_rollouts(run, timer)  # times gen and reward
+        if rollout is None:
+            batch, rollout_metrics = collect_rollouts(run, timer)  # times gen and reward
+        else:
+            batch, rollout_metrics = rollout
         metrics.update(rollout_metrics)
         batch = balance_ranks(batch, run.derived.train_dp_size)
 
@@ -69,6 +78,8 @@ def train_step(run: RunContext) -> dict[str, float]:
         with timer("update_actor"):
             metrics.update(roles.actor.update(batch)[0])
         with timer("sync_weights"):
+            if before_sync is not None:
+                before_sync()
             sync_weights(roles)
     metrics.update(_step_metrics(run, batch, timer))
     return metrics
@@ -78,8 +89,10 @@ def on_policy_shortcut(run: RunContext) -> bool:
     """Skip the old-log-prob pass: each RL batch is one optimizer step, so old = sg(current)
     exactly (actor.skip_old_logprob_on_policy). KL in the reward needs old_logprobs first."""
     cfg = run.cfg
+    behind = cfg.trainer.mode == "async" and cfg.trainer.max_staleness > 0  # old != behaviour
     return (
-        cfg.actor.skip_old_logprob_on_policy
+        not behind
+        and cfg.actor.skip_old_logprob_on_policy
         and cfg.actor.ppo_epochs == 1
         and run.derived.mini_batches_per_step == 1
         and not cfg.algorithm.use_kl_in_reward
@@ -94,23 +107,67 @@ def fit(run: RunContext) -> dict[str, float]:
         last_val = _validate(run)
         if last_val:
             run.tracker.log(last_val, step=0)
+    producer = start_producer(run) if t.mode == "async" else None
+    try:
+        last_val = _steps(run, producer, last_val)
+    finally:
+        if producer is not None:
+            producer.close()
+    if run.stop.requested and run.step < t.total_steps:
+        raise stopped_by_signal(run)
+    return last_val
+
+
+def start_producer(run: RunContext) -> RolloutProducer:
+    """The async mode's rollout thread, from the step after run.step (trainer/async_rollout.py)."""
+    t = run.cfg.trainer
+
+    def produce(step: int) -> tuple:
+        timer = Timer()
+        batch, metrics = collect_rollouts(run, timer, step=step)
+        metrics.update(timer.metrics())  # gen and reward, timed on the producer's thread
+        return batch, metrics
+
+    return RolloutProducer(produce, run.step + 1, t.total_steps, t.max_staleness,
+                           lambda step: saves_at(t, step), installed=run.step,
+                           timeout_s=t.call_timeout_s)  # fmt: skip
+
+
+def saves_at(t, step: int) -> bool:
+    """Whether step `step` ends with a checkpoint (trainer.save_freq; the last step too)."""
+    return (t.save_freq > 0 and step % t.save_freq == 0) or (
+        step == t.total_steps and t.save_freq >= 0
+    )
+
+
+def _steps(run: RunContext, producer: RolloutProducer | None, last_val: dict) -> dict:
+    t = run.cfg.trainer
     while run.step < t.total_steps and not run.stop.requested:
         run.step += 1
         with run.profiler.step(run.step) if run.profiler is not None else nullcontext():
-            metrics = train_step(run)
+            if producer is None:
+                metrics = train_step(run)
+            else:
+                waited = time.perf_counter()
+                batch, rollout_metrics, version = producer.take(run.step)
+                waited = time.perf_counter() - waited
+                sync_wait = functools.partial(producer.before_install, run.step)
+                metrics = train_step(run, (batch, rollout_metrics), before_sync=sync_wait)
+                metrics["async/staleness"] = float(run.step - 1 - version)
+                metrics["timing_s/wait_rollout"] = waited
         run.progress.set_done(run.step)  # the "training" task opened by trainer/run.py
         is_last = run.step == t.total_steps
         if (t.test_freq > 0 and run.step % t.test_freq == 0) or is_last:
             last_val = _validate(run)
             metrics.update(last_val)
-        if (t.save_freq > 0 and run.step % t.save_freq == 0) or (is_last and t.save_freq >= 0):
+        if saves_at(t, run.step):
             started = time.perf_counter()
             with run.progress.task(f"saving checkpoint step_{run.step}"):
                 save_checkpoint(run)
             metrics["timing_s/save_checkpoint"] = time.perf_counter() - started
+        if producer is not None:  # validated and saved: the next rollouts may use these weights
+            producer.installed_version(run.step)
         run.tracker.log(metrics, step=run.step)
-    if run.stop.requested and run.step < t.total_steps:
-        raise stopped_by_signal(run)
     return last_val
 
 

@@ -35,6 +35,7 @@ def setup(cfg: Config, log=print, progress: ProgressReporter | None = None) -> R
     # what a killed save left behind (on a full disk, the rerun needs that space)
     CheckpointManager(f"{cfg.trainer.run_dir}/checkpoints").remove_stale()
     derived, tokenizer, reward = checked.derived, checked.tokenizer, checked.reward
+    cfg = async_defaults(cfg, log)
     train_set, val_set = checked.train_set, checked.val_set
     set_cpu_threads(cfg, resolve_device(cfg.trainer.device))  # SFT and in-process workers
     try:
@@ -96,6 +97,17 @@ def train(cfg: Config, log=print, progress: ProgressReporter | None = None) -> d
             return _train(cfg, log, progress, stop)
     finally:
         progress.close()
+
+
+def async_defaults(cfg: Config, log) -> Config:
+    """Async mode trains on batches a stale policy sampled: truncated importance weights
+    against the behaviour log-probs (actor.rollout_is_cap) unless set."""
+    t = cfg.trainer
+    if t.mode != "async" or t.max_staleness == 0 or cfg.actor.rollout_is_cap is not None:
+        return cfg
+    log("async: actor.rollout_is_cap=2.0 (truncated importance weights against the rollout's "
+        "stale policy; set actor.rollout_is_cap to change it)")  # fmt: skip
+    return dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, rollout_is_cap=2.0))
 
 
 def finished_message(cfg: Config) -> str | None:

@@ -131,7 +131,7 @@ def generate(run: RunContext, prompts: Batch, *, n: int, temperature: float, see
     return rows
 
 
-def score(run: RunContext, batch: Batch) -> tuple[Batch, dict[str, float]]:
+def score(run: RunContext, batch: Batch, step: int | None = None) -> tuple[Batch, dict[str, float]]:
     """Decode the responses, score them with the reward manager, put each score on its last
     response token (``token_level_scores`` [B, R]); ``scores`` [B] kept as an array.
     Failures are reported by ``run.reward_monitor``; those of training samples (not
@@ -153,7 +153,8 @@ def score(run: RunContext, batch: Batch) -> tuple[Batch, dict[str, float]]:
     )
     if run.reward_monitor is not None:
         training = batch.meta.get(SCORED_FOR, "training") == "training"
-        run.reward_monitor.observe(result, run.step, training=training)
+        run.reward_monitor.observe(result, run.step if step is None else step,
+                                   training=training)  # fmt: skip
     batch.tensors["token_level_scores"] = place_scores(result.scores, response_mask)
     batch.arrays["scores"] = np.asarray(result.scores, dtype=np.float64)
     batch.arrays["response_text"] = np.asarray(texts, dtype=object)
@@ -165,27 +166,33 @@ def score(run: RunContext, batch: Batch) -> tuple[Batch, dict[str, float]]:
     return batch, metrics
 
 
-def step_seed(run: RunContext, round_index: int = 0, salt: int = 0) -> int:
+def step_seed(run: RunContext, round_index: int = 0, salt: int = 0,
+              step: int | None = None) -> int:  # fmt: skip
     """Sampling seed of a generation call: a function of (trainer.seed, step, round), so a
-    resumed run draws exactly the samples the uninterrupted run drew."""
-    return (run.cfg.trainer.seed * 1_000_003 + run.step * 1_009 + round_index * 31 + salt) % 2**62
+    resumed run draws exactly the samples the uninterrupted run drew. step: the RL step the
+    rollout is for (default run.step; the async producer works ahead of it)."""
+    step = run.step if step is None else step
+    return (run.cfg.trainer.seed * 1_000_003 + step * 1_009 + round_index * 31 + salt) % 2**62
 
 
-def next_prompts(run: RunContext, round_index: int) -> Batch:
+def next_prompts(run: RunContext, round_index: int, step: int | None = None) -> Batch:
+    step = run.step if step is None else step
     prompts = run.loader.next_batch()
     prompts.arrays["uid"] = np.asarray(
-        [f"{run.step}.{round_index}.{i}" for i in range(len(prompts))], dtype=object
+        [f"{step}.{round_index}.{i}" for i in range(len(prompts))], dtype=object
     )
     return prompts
 
 
-def collect_rollouts(run: RunContext, timer: Timer) -> tuple[Batch, dict[str, float]]:
+def collect_rollouts(run: RunContext, timer: Timer,
+                     step: int | None = None) -> tuple[Batch, dict[str, float]]:  # fmt: skip
     """Generate and score ``data.train_batch_size`` groups of ``rollout.n`` samples.
 
     DAPO dynamic sampling keeps only groups whose scores differ and draws more prompts
     (up to ``algorithm.max_gen_rounds`` rounds) until the batch is full; if it is still
     short, groups without signal fill it (zero advantage) and the shortfall is reported.
     ReMax adds ``reward_baselines`` [B]: the score of a greedy answer to each prompt.
+    step: the RL step the rollout is for (default run.step).
     """
     cfg = run.cfg
     alg, n = cfg.algorithm, cfg.rollout.n
@@ -195,16 +202,15 @@ def collect_rollouts(run: RunContext, timer: Timer) -> tuple[Batch, dict[str, fl
     metrics: dict[str, float] = {}
     rounds = 0
     while True:
-        prompts = next_prompts(run, rounds)
+        prompts = next_prompts(run, rounds, step)
+        seed = step_seed(run, rounds, step=step)
         with timer("gen"):
-            batch = generate(
-                run, prompts, n=n, temperature=cfg.rollout.temperature, seed=step_seed(run, rounds)
-            )
+            batch = generate(run, prompts, n=n, temperature=cfg.rollout.temperature, seed=seed)
         if alg.adv_estimator == "remax":
             with timer("gen_baseline"):
-                batch.tensors["reward_baselines"] = greedy_baseline(run, prompts, rounds)
+                batch.tensors["reward_baselines"] = greedy_baseline(run, prompts, rounds, step)
         with timer("reward"):
-            batch, reward_metrics = score(run, batch)
+            batch, reward_metrics = score(run, batch, step)
         metrics.update(reward_metrics)
         rounds += 1
         if not alg.dynamic_sampling:
@@ -224,11 +230,13 @@ def collect_rollouts(run: RunContext, timer: Timer) -> tuple[Batch, dict[str, fl
     return batch, metrics
 
 
-def greedy_baseline(run: RunContext, prompts: Batch, round_index: int) -> torch.Tensor:
+def greedy_baseline(run: RunContext, prompts: Batch, round_index: int,
+                    step: int | None = None) -> torch.Tensor:  # fmt: skip
     """ReMax baseline: the score of one greedy response per prompt, repeated ``n`` times."""
-    greedy = generate(run, prompts, n=1, temperature=0.0, seed=step_seed(run, round_index, 7))
+    seed = step_seed(run, round_index, 7, step=step)
+    greedy = generate(run, prompts, n=1, temperature=0.0, seed=seed)
     greedy.meta[SCORED_FOR] = "baseline"
-    greedy, _ = score(run, greedy)
+    greedy, _ = score(run, greedy, step)
     baseline = torch.as_tensor(greedy.arrays["scores"], dtype=torch.float32)  # [B]
     return baseline.repeat_interleave(run.cfg.rollout.n)  # [B*n]
 

@@ -46,6 +46,8 @@ class RolloutWorker(Worker):
             and not actor.learner.lora
             and not actor.learner.core.fsdp
             and next(actor.model.parameters()).dtype == dtype  # fp32 masters: bf16 copy
+            # async mode generates while the actor updates: the engine needs its own copy
+            and not (config.trainer.mode == "async" and config.trainer.max_staleness > 0)
         )
         if self.shares_actor_weights:
             model = actor.model

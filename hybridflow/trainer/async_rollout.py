@@ -1,0 +1,152 @@
+"""Asynchronous RL (`trainer.mode=async`): the next steps' rollouts are generated while the
+current step trains, with bounded staleness, and the run stays exactly reproducible.
+
+Policy version u is the actor after step u's update (0: the initial weights). The batch of
+step j is generated with version
+
+    v(j) = max(0, j - 1 - s, the last checkpoint step before j)
+
+(s = trainer.max_staleness): it lags the version step j trains at (j - 1) by at most s.
+Two waits make the schedule exact, whatever the timing:
+
+- the producer (a thread) generates batch j once version v(j) is installed in the rollout;
+- the trainer installs version u (the weight sync after step u) only once every batch that
+  needs an older one has been generated.
+
+So every batch is generated with exactly v(j): s = 0 is the synchronous algorithm, and a
+run stopped at a checkpoint and resumed generates what the uninterrupted run generated
+(after a checkpoint step the producer waits for the checkpoint's weights). The engine
+samples with its own copy of the weights (the actor's in-place updates must not reach a
+generation in flight); the gap between the behaviour policy and the trained one is corrected
+with truncated importance weights (actor.rollout_is_cap, 2 by default in async mode).
+Waits time out after trainer.call_timeout_s with the role and step that stalled; an error in
+the producer stops the run with its traceback.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from hybridflow.trainer.metrics import Timer
+
+
+def generation_version(step: int, max_staleness: int, save_steps: Callable[[int], bool]) -> int:
+    """v(step) of the module docstring. save_steps(m): whether step m writes a checkpoint."""
+    version = max(0, step - 1 - max_staleness)
+    for m in range(step - 1, version, -1):  # a checkpoint in (version, step - 1] wins
+        if save_steps(m):
+            return m
+    return version
+
+
+class RolloutStalled(RuntimeError):
+    """A wait of the async pipeline ran past trainer.call_timeout_s."""
+
+
+class RolloutProducer:
+    """Generates batches for steps first_step .. last_step on a thread (module docstring).
+
+    produce(step) -> (batch, metrics): the rollout of that step (generation and reward),
+    called on the producer's thread in step order."""
+
+    def __init__(self, produce: Callable[[int], tuple], first_step: int, last_step: int,
+                 max_staleness: int, save_steps: Callable[[int], bool], installed: int,
+                 timeout_s: float):  # fmt: skip
+        self.produce, self.first, self.last = produce, first_step, last_step
+        self.max_staleness, self.save_steps = max_staleness, save_steps
+        self.timeout_s = timeout_s
+        self.installed = installed  # the policy version the rollout samples with now
+        self.produced: dict[int, tuple] = {}  # step -> (batch, metrics, version), untaken
+        self.done_through = first_step - 1  # every batch up to this step is generated
+        self.error: BaseException | None = None
+        self.closing = False
+        self.changed = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name="hybridflow-rollout-producer",
+                                       daemon=True)  # fmt: skip
+        self.thread.start()
+
+    def version_for(self, step: int) -> int:
+        return generation_version(step, self.max_staleness, self.save_steps)
+
+    # -- the producer's thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            for step in range(self.first, self.last + 1):
+                version = self.version_for(step)
+                with self.changed:
+                    self._wait(lambda v=version: self.installed >= v or self.closing,
+                               f"the weights of version {version} for step {step}",
+                               "trainer")  # fmt: skip
+                    if self.closing:
+                        return
+                    assert self.installed == version, (self.installed, version)
+                batch, metrics = self.produce(step)
+                batch.meta["policy_version"] = version
+                with self.changed:
+                    self.produced[step] = (batch, metrics, version)
+                    self.done_through = step
+                    self.changed.notify_all()
+        except BaseException as error:  # the trainer re-raises it
+            with self.changed:
+                self.error = error
+                self.changed.notify_all()
+
+    # -- the trainer's side ---------------------------------------------------------------------
+
+    def take(self, step: int) -> tuple:
+        """(batch, metrics, version) of `step`, waiting for it."""
+        with self.changed:
+            self._wait(lambda: step in self.produced or self.error is not None,
+                       f"the rollout of step {step}", "rollout producer")  # fmt: skip
+            self._raise()
+            return self.produced.pop(step)
+
+    def before_install(self, version: int) -> None:
+        """Wait until every batch generated with an older version is done (the sync of
+        `version` is about to replace the rollout's weights)."""
+        needed = [step for step in range(self.first, self.last + 1)
+                  if self.version_for(step) < version]  # fmt: skip
+        if not needed:
+            return
+        with self.changed:
+            self._wait(lambda: self.done_through >= needed[-1] or self.error is not None,
+                       f"the rollout of step {needed[-1]}", "rollout producer")  # fmt: skip
+            self._raise()
+
+    def installed_version(self, version: int) -> None:
+        with self.changed:
+            self.installed = version
+            self.changed.notify_all()
+
+    def close(self) -> None:
+        with self.changed:
+            self.closing = True
+            self.changed.notify_all()
+        self.thread.join(timeout=self.timeout_s)
+
+    def _wait(self, ready: Callable[[], bool], what: str, who: str) -> None:
+        """Wait (holding the condition) until ready(), at most timeout_s."""
+        deadline = time.monotonic() + self.timeout_s
+        while not ready():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RolloutStalled(
+                    f"async rollout: waited {self.timeout_s:g} s for {what} from the {who} "
+                    "(trainer.call_timeout_s); the run stops, its last checkpoint is intact"
+                )
+            self.changed.wait(left)
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise RuntimeError("the rollout producer failed (its traceback above)") from self.error
+
+
+def async_step_metrics(batch_version: int, trained_version: int, timer: Timer) -> dict:
+    """How stale the trained batch was, and how long the trainer waited for it."""
+    return {
+        "async/staleness": float(trained_version - batch_version),
+        "timing_s/wait_rollout": timer.seconds.get("wait_rollout", 0.0),
+    }

@@ -1,0 +1,109 @@
+"""Async mode (trainer/async_rollout.py): at staleness 0 it is the synchronous run, metric for
+metric; with staleness 1 every batch lags exactly as scheduled, the run is reproducible,
+and stop + resume equals a straight run; a stalled or failing producer stops the run."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from trainer_helpers import read_metrics, tiny_config
+
+from hybridflow.trainer.async_rollout import RolloutProducer, RolloutStalled, generation_version
+from hybridflow.trainer.run import train
+
+NOT_COMPARED = ("timing_s/", "perf/", "async/", "memory/")
+
+
+def _comparable(rows: dict) -> dict:
+    return {step: {k: v for k, v in row.items() if not k.startswith(NOT_COMPARED)}
+            for step, row in rows.items()}  # fmt: skip
+
+
+def _run(tmp_path, name: str, *overrides: str) -> dict:
+    cfg = tiny_config(tmp_path / name, "trainer.total_steps=4", "trainer.save_freq=-1",
+                      *overrides)  # fmt: skip
+    train(cfg, log=lambda *a, **k: None)
+    return read_metrics(cfg.trainer.run_dir)
+
+
+def test_generation_versions_lag_by_the_staleness_and_wait_for_checkpoints():
+    never = lambda step: False  # noqa: E731
+    assert [generation_version(j, 0, never) for j in range(1, 6)] == [0, 1, 2, 3, 4]
+    assert [generation_version(j, 1, never) for j in range(1, 6)] == [0, 0, 1, 2, 3]
+    assert [generation_version(j, 2, never) for j in range(1, 6)] == [0, 0, 0, 1, 2]
+    every_2 = lambda step: step % 2 == 0  # noqa: E731
+    # after the checkpoint of step 2, step 3 waits for its weights (resume regenerates it)
+    assert [generation_version(j, 1, every_2) for j in range(1, 6)] == [0, 0, 2, 2, 4]
+
+
+@pytest.mark.parametrize("backend", ["inprocess", "local"])
+def test_staleness_zero_is_the_synchronous_run(tmp_path, backend):
+    extra = [f"trainer.backend={backend}"]
+    sync = _run(tmp_path, "sync", *extra)
+    asynchronous = _run(tmp_path, "async", *extra, "trainer.mode=async", "trainer.max_staleness=0")
+    assert _comparable(asynchronous) == _comparable(sync)
+    assert all(asynchronous[step]["async/staleness"] == 0 for step in range(1, 5))
+
+
+def test_staleness_one_lags_as_scheduled_and_reproduces(tmp_path):
+    args = ("trainer.mode=async", "trainer.max_staleness=1")
+    first = _run(tmp_path, "a", *args)
+    again = _run(tmp_path, "b", *args)
+    assert [first[step]["async/staleness"] for step in range(1, 5)] == [0, 1, 1, 1]
+    assert _comparable(first) == _comparable(again)  # the schedule does not depend on timing
+    sync = _run(tmp_path, "sync")
+
+    def rollout_side(row):  # what the samples alone decide
+        return {k: v for k, v in row.items() if "score" in k or "response_length" in k}
+
+    assert rollout_side(first[1]) and rollout_side(first[1]) == rollout_side(sync[1])
+    assert rollout_side(first[3]) != rollout_side(sync[3])  # later batches: one version behind
+    assert first[2]["actor/rollout_is/abs_log_ratio"] > first[1]["actor/rollout_is/abs_log_ratio"]
+
+
+def test_stop_and_resume_equal_a_straight_async_run(tmp_path):
+    args = ("trainer.mode=async", "trainer.max_staleness=1", "trainer.save_freq=2")
+    straight = tiny_config(tmp_path / "straight", "trainer.total_steps=4", *args)
+    train(straight, log=lambda *a, **k: None)
+    stopped = tiny_config(tmp_path / "resumed", "trainer.total_steps=2", *args)
+    train(stopped, log=lambda *a, **k: None)
+    resumed = tiny_config(tmp_path / "resumed", "trainer.total_steps=4", *args)
+    train(resumed, log=lambda *a, **k: None)
+    a = _comparable(read_metrics(straight.trainer.run_dir))
+    b = _comparable(read_metrics(resumed.trainer.run_dir))
+    assert a[3] == b[3] and a[4] == b[4]
+
+
+def test_a_stalled_producer_is_named_within_the_timeout():
+    def slow(step):
+        time.sleep(5)
+        return None, {}
+
+    producer = RolloutProducer(slow, 1, 3, 1, lambda s: False, installed=0, timeout_s=0.3)
+    started = time.monotonic()
+    with pytest.raises(RolloutStalled, match="rollout of step 1 from the rollout producer"):
+        producer.take(1)
+    assert time.monotonic() - started < 2
+    producer.closing = True
+
+
+def test_a_failing_producer_stops_the_trainer_with_its_error():
+    def broken(step):
+        raise ValueError("the reward server is down")
+
+    producer = RolloutProducer(broken, 1, 3, 0, lambda s: False, installed=0, timeout_s=5)
+    with pytest.raises(RuntimeError, match="rollout producer failed") as error:
+        producer.take(1)
+    assert "reward server is down" in str(error.value.__cause__)
+    producer.close()
+
+
+def test_async_settings_are_checked():
+    from hybridflow.config import ConfigError, load_config, validate
+
+    with pytest.raises(ConfigError, match="trainer.mode = 'later' is unknown"):
+        validate(load_config(None, ["trainer.mode=later"]))
+    with pytest.raises(ConfigError, match="inprocess backend"):
+        validate(load_config(None, ["trainer.mode=async", "trainer.backend=local",
+                                    "trainer.n_gpus_per_node=2", "trainer.device=cpu"]))  # fmt: skip
