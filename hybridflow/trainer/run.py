@@ -41,6 +41,7 @@ def setup(cfg: Config, log=print) -> RunContext:
             f"data: {len(train_set)} training prompts ({train_set.num_filtered} overlong "
             f"dropped), {len(val_set) if val_set else 0} validation prompts"
         )
+        cfg = _with_epochs_as_steps(cfg, len(train_set), log)
         model_path = resolve_model_path(cfg, log=log)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=model_path))
         roles = build_roles(cfg, derived)
@@ -71,6 +72,21 @@ def setup(cfg: Config, log=print) -> RunContext:
         ),
         flops_per_token=_flops_per_token(model_path),
     )
+
+
+def _with_epochs_as_steps(cfg: Config, num_prompts: int, log) -> Config:
+    """``trainer.total_epochs`` turned into ``trainer.total_steps`` now the data is known
+    (the sampler drops each epoch's tail shorter than a batch, as verl's loader does)."""
+    epochs = cfg.trainer.total_epochs
+    if epochs is None:
+        return cfg
+    steps = epochs * (num_prompts // cfg.data.train_batch_size)
+    log(
+        f"trainer.total_epochs = {epochs} over {num_prompts} prompts in batches of "
+        f"{cfg.data.train_batch_size}: {steps} steps"
+    )
+    trainer = dataclasses.replace(cfg.trainer, total_steps=steps)
+    return dataclasses.replace(cfg, trainer=trainer)
 
 
 def train(cfg: Config, log=print) -> dict[str, float]:
