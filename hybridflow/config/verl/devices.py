@@ -60,7 +60,7 @@ def backend(ctx: Context, given_ours: Mapping) -> Row | None:
     backend, several nodes ``ray``, one device ``inprocess`` (the default)."""
     if "trainer.backend" in given_ours or ctx.ours.get("trainer.backend") != "inprocess":
         return None
-    nodes, world = int(ctx.ours.get("trainer.nnodes", 1)), ctx.world_size()
+    nodes, world = ctx.count("trainer.nnodes"), ctx.world_size()
     if world == 1:
         return None
     src = tuple(k for k in ("trainer.nnodes", "trainer.n_gpus_per_node") if k in given_ours)

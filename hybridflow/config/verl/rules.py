@@ -60,6 +60,8 @@ class Row:
     yields_to: tuple[str, ...] = ()
     """Our keys that, given on the command line, replace this row (e.g. trainer.total_steps
     replaces the trainer.total_epochs that verl's trainer.total_epochs became)."""
+    default_of: str = ""
+    """Set when the row is verl's default for this verl key (not given on the command line)."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,11 @@ class GroupResult:
     rows: list[Row] = field(default_factory=list)
     notices: list[Notice] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    missing: dict[str, list[str]] = field(default_factory=dict)
+    """A feature hybridflow lacks -> the ``key=value`` items that ask for it."""
+
+    def lacks(self, feature: str, item: str) -> None:
+        self.missing.setdefault(feature, []).append(item)
 
 
 @dataclass(frozen=True)
@@ -86,10 +93,13 @@ class Context:
     verl: Mapping[str, Any]
     ours: Mapping[str, Any]
 
+    def count(self, key: str) -> int:
+        """One of our positive counts; 1 when unset or malformed (the loader reports that)."""
+        value = self.ours.get(key, 1)
+        return value if isinstance(value, int) and value >= 1 else 1
+
     def world_size(self) -> int:
-        nodes = self.ours.get("trainer.nnodes", 1)
-        gpus = self.ours.get("trainer.n_gpus_per_node", 1)
-        return max(int(nodes), 1) * max(int(gpus), 1)
+        return self.count("trainer.nnodes") * self.count("trainer.n_gpus_per_node")
 
 
 @dataclass(frozen=True)

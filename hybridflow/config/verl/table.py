@@ -419,3 +419,23 @@ TABLE: list[Entry] = [
     *TRAINER_TABLE,
     *MISC_TABLE,
 ]
+
+
+# verl's defaults where ours differ and the meaning of a run changes: on a verl command line,
+# a key it leaves out means verl's default (unless our key is given or set in the YAML file).
+VERL_DEFAULTS: tuple[tuple[str, str, object], ...] = (
+    ("algorithm.adv_estimator", "algorithm.adv_estimator", "gae"),
+    ("data.train_batch_size", "data.train_batch_size", 1024),
+    ("data.max_prompt_length", "data.max_prompt_length", 512),
+    ("data.max_response_length", "data.max_response_length", 512),
+    ("data.filter_overlong_prompts", "data.overlong_prompts", "error"),
+    (ROLLOUT + "n", "rollout.n", 1),
+    (ROLLOUT + "val_kwargs.do_sample", "rollout.val_temperature", 0.0),
+    (ROLLOUT + "val_kwargs.n", "rollout.val_n", 1),
+    (ACTOR + "optim.lr", "actor.lr", 1e-6),
+    (ACTOR + "optim.weight_decay", "actor.weight_decay", 0.01),
+    (ACTOR + "ppo_mini_batch_size", "actor.ppo_mini_batch_size", 256),
+    ("trainer.total_epochs", "trainer.total_epochs", 30),
+    ("trainer.test_freq", "trainer.test_freq", 0),
+    ("trainer.save_freq", "trainer.save_freq", -1),
+)

@@ -35,6 +35,7 @@ from hybridflow.config.verl.rules import (
 from hybridflow.config.verl.table import (
     SHARED_TABLE,
     TABLE,
+    VERL_DEFAULTS,
     VERL_ONLY_SECTIONS,
 )
 
@@ -126,14 +127,12 @@ def _apply_entry(entry: Entry, key: str, value: Any, raw: str, out: GroupResult)
         if entry.harmless is not None and entry.harmless(value):
             out.notices.append(Notice(key, f"no effect: {entry.feature} is not in hybridflow"))
         else:
-            out.problems.append(
-                f"{shown} asks for {entry.feature}, which hybridflow does not have: remove it"
-            )
+            out.lacks(entry.feature, shown)
     else:
         try:
             converted = entry.convert(value) if entry.convert else value
         except NotHere as missing:
-            out.problems.append(f"{shown} asks for {missing.feature}, which hybridflow lacks")
+            out.lacks(missing.feature, shown)
         except converters.KeepOurs as keep:
             out.notices.append(Notice(key, keep.why))
         else:
@@ -185,11 +184,39 @@ def translate(overrides: Sequence[str], base: Config | None = None) -> Translati
     for group in GROUPS:
         given = grouped.get(group.name, {})
         if given or any(k in verl_values for k in group.also_when):
-            _safely(group.name, result, _run_group, group, given, ctx, result)
+            what = ", ".join(given) or group.name
+            _safely(what, result, _run_group, group, given, ctx, result)
     backend = devices.backend(ctx, ours_given) if out.given else None
     if backend is not None:
         result.rows.append(backend)
+    if out.given:
+        result.rows[:0] = _verl_defaults(verl_values, ours_given, ctx, result.rows)
     _finish(out, result, native_items)
+    return out
+
+
+def _verl_defaults(
+    verl_values: Mapping, ours_given: Mapping, ctx: Context, rows: list[Row]
+) -> list[Row]:
+    """verl's default for each key of VERL_DEFAULTS the command line leaves out, where our
+    key is neither translated, given, nor set away from our default (by the YAML file)."""
+    ours_default = flatten(Config())
+    translated = {row.ours for row in rows}
+    out = []
+    for verl_key, ours, value in VERL_DEFAULTS:
+        if verl_key in verl_values or ours in translated or ours in ours_given:
+            continue
+        if ctx.ours.get(ours) != ours_default.get(ours):  # given, or set in the YAML file
+            continue
+        out.append(
+            Row(
+                (),
+                ours,
+                value,
+                ("trainer.total_steps",) * (ours == "trainer.total_epochs"),
+                verl_key,
+            )
+        )
     return out
 
 
@@ -208,6 +235,8 @@ def _merge(into: GroupResult, part: GroupResult) -> None:
     into.rows += part.rows
     into.notices += part.notices
     into.problems += part.problems
+    for feature, items in part.missing.items():
+        into.missing.setdefault(feature, []).extend(items)
 
 
 def _finish(out: Translation, result: GroupResult, native: list[tuple[str, str | None]]) -> None:
@@ -220,6 +249,7 @@ def _finish(out: Translation, result: GroupResult, native: list[tuple[str, str |
         else:
             out.rows.append(row)
     out.notices += result.notices
+    out.problems += [_lacking(feature, items) for feature, items in result.missing.items()]
     out.problems += result.problems
     out.overrides = [f"{row.ours}={dump_value(row.value)}" for row in out.rows]
     for key, raw in native:
@@ -228,12 +258,22 @@ def _finish(out: Translation, result: GroupResult, native: list[tuple[str, str |
             out.native[key] = raw
 
 
+def _lacking(feature: str, items: list[str]) -> str:
+    if len(items) == 1:
+        return f"{items[0]} asks for {feature}, which hybridflow does not have: remove it"
+    return (
+        f"{feature} is not in hybridflow: remove the {len(items)} keys that ask for it "
+        f"({', '.join(items)})"
+    )
+
+
 def format_translation(t: Translation) -> str:
     """What the run prints once: each verl key, our key and the value; then the notices."""
     lines = ["verl keys translated (verl key=value  ->  hybridflow key = value):"]
     for row in t.rows:
         shown = {**t.native, **t.given}
         verl = ", ".join(f"{k}={shown[k]}" for k in row.verl if k in shown)
+        verl = verl or f"(verl's default for {row.default_of})"
         lines.append(f"  {verl}  ->  {row.ours} = {dump_value(row.value)}")
     if t.notices:
         lines.append("verl keys accepted without effect:")

@@ -17,7 +17,8 @@ def _entries(t: Translation) -> dict[str, tuple[str, str]]:
     out: dict[str, tuple[str, str]] = {}
     for row in t.rows:
         sources = ", ".join(f"{k}={t.given.get(k, t.native.get(k, ''))}" for k in row.verl)
-        out[row.ours] = (dump_value(row.value), f"verl: {sources}")
+        comment = f"verl: {sources}" if sources else f"verl's default for {row.default_of}"
+        out[row.ours] = (dump_value(row.value), comment)
     for key, raw in t.native.items():
         out[key] = (dump_value(parse_value(raw)), "given as a hybridflow key")
     return out
