@@ -169,7 +169,10 @@ def translate(overrides: Sequence[str], base: Config | None = None) -> Translati
                 native_items.remove((key, raw))
                 verl_values[key], out.given[key] = parse_value(raw), raw
     ours_given = {k: parse_value(raw) for k, raw in native_items if raw is not None}
-    ctx = Context(verl=verl_values, ours={**flatten(base or Config()), **ours_given})
+    base_values = flatten(base or Config())
+    defaults = _verl_defaults(verl_values, ours_given, base_values) if out.given else []
+    ours_seen = {**base_values, **{row.ours: row.value for row in defaults}, **ours_given}
+    ctx = Context(verl=verl_values, ours=ours_seen)
     grouped: dict[str, dict[str, Any]] = {}
     for key, value in verl_values.items():
         group = _group(key)
@@ -190,33 +193,22 @@ def translate(overrides: Sequence[str], base: Config | None = None) -> Translati
     if backend is not None:
         result.rows.append(backend)
     if out.given:
-        result.rows[:0] = _verl_defaults(verl_values, ours_given, ctx, result.rows)
+        translated = {row.ours for row in result.rows}
+        result.rows[:0] = [row for row in defaults if row.ours not in translated]
     _finish(out, result, native_items)
     return out
 
 
-def _verl_defaults(
-    verl_values: Mapping, ours_given: Mapping, ctx: Context, rows: list[Row]
-) -> list[Row]:
+def _verl_defaults(verl_values: Mapping, ours_given: Mapping, base: Mapping) -> list[Row]:
     """verl's default for each key of VERL_DEFAULTS the command line leaves out, where our
-    key is neither translated, given, nor set away from our default (by the YAML file)."""
+    key is neither given nor set away from our default (by the YAML file)."""
     ours_default = flatten(Config())
-    translated = {row.ours for row in rows}
     out = []
     for verl_key, ours, value in VERL_DEFAULTS:
-        if verl_key in verl_values or ours in translated or ours in ours_given:
+        if verl_key in verl_values or ours in ours_given or base[ours] != ours_default[ours]:
             continue
-        if ctx.ours.get(ours) != ours_default.get(ours):  # given, or set in the YAML file
-            continue
-        out.append(
-            Row(
-                (),
-                ours,
-                value,
-                ("trainer.total_steps",) * (ours == "trainer.total_epochs"),
-                verl_key,
-            )
-        )
+        yields_to = ("trainer.total_steps",) if ours == "trainer.total_epochs" else ()
+        out.append(Row((), ours, value, yields_to, default_of=verl_key))
     return out
 
 

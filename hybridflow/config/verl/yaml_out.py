@@ -20,7 +20,7 @@ def _entries(t: Translation) -> dict[str, tuple[str, str]]:
         comment = f"verl: {sources}" if sources else f"verl's default for {row.default_of}"
         out[row.ours] = (dump_value(row.value), comment)
     for key, raw in t.native.items():
-        out[key] = (dump_value(parse_value(raw)), "given as a hybridflow key")
+        out[key] = (dump_value(parse_value(raw)), "same key and meaning in verl")
     return out
 
 
