@@ -77,3 +77,9 @@ def save_freq(value: Any) -> int:
     # verl saves only when save_freq > 0 (then also after the last step); ours: 0 = only at the
     # end, -1 = never.
     return int(value) if int(value) > 0 else -1
+
+
+def val_batch_size(value: Any) -> int:
+    if value is None:
+        raise KeepOurs("null validates all prompts in one batch in verl; here data.val_batch_size")
+    return int(value)

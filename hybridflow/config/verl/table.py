@@ -404,6 +404,7 @@ SHARED_TABLE: list[Entry] = [
         "verl saves only when > 0: 0 or -1 -> -1 (never)",
     ),
     Rename("trainer.device", "trainer.device", cv.device),
+    Rename("data.val_batch_size", "data.val_batch_size", cv.val_batch_size),
 ]
 
 TABLE: list[Entry] = [

@@ -105,11 +105,23 @@ def _group(key: str) -> Group | None:
     return next((g for g in GROUPS if key in g.keys), None)
 
 
+def _verl_subsections() -> set[str]:
+    """``critic.model``, ``algorithm.kl_ctrl``, ...: verl's groups inside sections we share."""
+    keys = [e.verl for e in TABLE] + [k for g in GROUPS for k in g.keys]
+    return {".".join(k.split(".")[:2]) for k in keys if k.count(".") >= 2}
+
+
 def is_verl_key(key: str, ours: set[str]) -> bool:
-    """verl's by its name: not one of ours, and in the table or under a verl-only section."""
+    """verl's by its name: not one of ours, and in the table, under a verl-only section, or
+    under one of verl's groups inside a section we share (``critic.model.*``)."""
     if key in ours:
         return False
-    return bool(_group(key) or _entry(key, TABLE) or key.split(".")[0] in VERL_ONLY_SECTIONS)
+    return bool(
+        _group(key)
+        or _entry(key, TABLE)
+        or key.split(".")[0] in VERL_ONLY_SECTIONS
+        or (key.count(".") >= 2 and ".".join(key.split(".")[:2]) in _verl_subsections())
+    )
 
 
 def _split(item: str) -> tuple[str, str] | None:

@@ -129,3 +129,19 @@ def test_overlong_and_reward_function_read_together():
     assert "data.overlong_prompts=truncate" in t.overrides
     assert "reward.custom_fn=/r/score.py:compute_score" in t.overrides
     assert translate(["data.truncation=middle"]).problems
+
+
+def test_unknown_key_under_a_verl_group_of_a_shared_section_is_named():
+    (problem,) = translate(["critic.model.pth=/m"]).problems
+    assert "critic.model.pth" in problem and "did you mean 'critic.model.path'" in problem
+
+
+def test_shared_keys_take_verls_meaning_on_a_verl_command_line():
+    verl_line = translate(
+        ["actor_rollout_ref.rollout.n=2", "trainer.save_freq=0", "data.val_batch_size=null"]
+    )
+    assert "trainer.save_freq=-1" in verl_line.overrides  # verl saves only when > 0
+    assert not any(o.startswith("data.val_batch_size") for o in verl_line.overrides)
+    assert "trainer.save_freq=0" in translate(["trainer.save_freq=0"]).overrides  # ours: at the end
+    stop = translate(["actor_rollout_ref.rollout.n=2", "trainer.device=npu"])
+    assert "NPU" in stop.problems[0]

@@ -103,6 +103,7 @@ MAPPED = [
         "trainer.max_actor_ckpt_to_keep=3",
         "trainer.save_freq=0",
         "trainer.device=cuda",
+        "data.val_batch_size=32",
         "trainer.resume_mode=disable",
         "trainer.total_epochs=2",
     ],
