@@ -75,7 +75,7 @@ GROUPS: tuple[Group, ...] = (
         {
             ACTOR + "policy_loss.loss_mode": "actor.policy_loss (+ verl's defaults of its options)",
             **{
-                groups._option_key(name): f"actor.policy_loss_kwargs.{name} (loss_mode={owner})"
+                groups.option_key(name): f"actor.policy_loss_kwargs.{name} (loss_mode={owner})"
                 for name, (owner, _) in groups.LOSS_OPTIONS.items()
             },
         },

@@ -187,7 +187,7 @@ LOSS_OPTIONS = {
 }
 
 
-def _option_key(name: str) -> str:
+def option_key(name: str) -> str:
     return ACTOR + (name if name.startswith("tau_") else f"policy_loss.{name}")
 
 
@@ -199,7 +199,7 @@ def policy_loss(given: Mapping, ctx: Context) -> GroupResult:
         res.rows.append(Row((mode_key,), "actor.policy_loss", mode))
     options, sources = {}, []
     for name, (owner, default) in LOSS_OPTIONS.items():
-        key = _option_key(name)
+        key = option_key(name)
         if owner == mode:
             options[name] = float(as_number(given.get(key, default)))
             sources += [key] if key in given else []

@@ -160,26 +160,31 @@ def _unknown(key: str, ours: set[str]) -> str:
     return f"unknown key {key}: neither a hybridflow key nor a verl key hybridflow knows{hint}"
 
 
+def _classify(overrides: Sequence[str], ours: set[str], given: dict[str, str]):
+    """(verl key -> parsed value, our overrides as (key, raw text or None)); fills ``given``
+    with the text of each verl value."""
+    verl_values: dict[str, Any] = {}
+    native: list[tuple[str, str | None]] = []
+    for item in overrides:
+        split = _split(item)
+        if split is None or not is_verl_key(split[0], ours):
+            native.append(split or (item, None))
+            continue
+        verl_values[split[0]], given[split[0]] = parse_value(split[1]), split[1]
+    if given:  # a verl command line: shared keys read with verl's meaning are translated
+        for key, raw in list(native):
+            if raw is not None and (_entry(key, SHARED_TABLE) or _group(key)):
+                native.remove((key, raw))
+                verl_values[key], given[key] = parse_value(raw), raw
+    return verl_values, native
+
+
 def translate(overrides: Sequence[str], base: Config | None = None) -> Translation:
     """Our overrides for ``overrides`` (verl's keys and ours mixed); ``base``: the config the
     overrides apply to (the YAML file's), read for context such as the device count."""
     ours = our_keys()
     out, result = Translation(), GroupResult()
-    verl_values: dict[str, Any] = {}
-    native_items: list[tuple[str, str]] = []
-    for item in overrides:
-        split = _split(item)
-        if split is None or not is_verl_key(split[0], ours):
-            native_items.append(split or (item, None))
-            continue
-        verl_values[split[0]] = parse_value(split[1])
-        out.given[split[0]] = split[1]
-    if out.given:  # a verl command line: shared keys read with verl's meaning are translated
-        for key, raw in list(native_items):
-            shared = raw is not None and (_entry(key, SHARED_TABLE) or _group(key))
-            if shared:
-                native_items.remove((key, raw))
-                verl_values[key], out.given[key] = parse_value(raw), raw
+    verl_values, native_items = _classify(overrides, ours, out.given)
     ours_given = {k: parse_value(raw) for k, raw in native_items if raw is not None}
     base_values = flatten(base or Config())
     defaults = _verl_defaults(verl_values, ours_given, base_values) if out.given else []
