@@ -76,9 +76,9 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args):
-    from hybridflow.config import load_config
+    from hybridflow.config.verl import load_with_verl_keys
 
-    return load_config(args.config, args.overrides)
+    return load_with_verl_keys(args.config, args.overrides)  # verl's keys too, translated
 
 
 def cmd_config(args) -> int:
@@ -95,6 +95,22 @@ def cmd_config(args) -> int:
     else:
         print("config OK")
     return 0
+
+
+def cmd_config_from_verl(args) -> int:
+    from hybridflow.config import ConfigError
+    from hybridflow.config.verl import from_verl_yaml
+
+    try:
+        print(from_verl_yaml(args.config, args.overrides), end="")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _config_action(args) -> int:
+    return cmd_config_from_verl(args) if args.action == "from-verl" else cmd_config(args)
 
 
 def _print_config(cfg, derived) -> None:
@@ -135,10 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("config", help="show or validate a resolved config")
-    p.add_argument("action", choices=["show", "validate"])
+    p = sub.add_parser(
+        "config", help="show or validate a resolved config; from-verl: a verl command line as YAML"
+    )
+    p.add_argument("action", choices=["show", "validate", "from-verl"])
     _add_config_args(p)
-    p.set_defaults(func=cmd_config)
+    p.set_defaults(func=_config_action)
 
     p = sub.add_parser("train", help="RL training (no arguments: the built-in GRPO demo)")
     _add_config_args(p)

@@ -281,7 +281,12 @@ class AlgorithmConfig:
 @dataclass
 class TrainerConfig:
     total_steps: int = 60
-    """RL steps to run."""
+    """RL steps to run (unless ``total_epochs`` is set)."""
+    total_epochs: int | None = None
+    """Passes over the training prompts (verl's ``trainer.total_epochs``): when set, the run
+    lasts ``total_epochs × (training prompts // data.train_batch_size)`` steps, counted after
+    overlong prompts are filtered, and ``total_steps`` is replaced by that. None: use
+    ``total_steps``."""
     run_dir: str = "runs/demo"
     """Where metrics.jsonl, checkpoints and exports go."""
     cache_dir: str = "~/.cache/hybridflow"

@@ -292,6 +292,8 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
         add(f"trainer.keep_last_k = {t.keep_last_k} must be >= 1 (or null: keep all)")
     if t.total_steps < 0:
         add(f"trainer.total_steps = {t.total_steps} must be >= 0")
+    if t.total_epochs is not None and t.total_epochs < 1:
+        add(f"trainer.total_epochs = {t.total_epochs} must be >= 1 (or null: trainer.total_steps)")
 
     # ---- lengths vs the model's context
     ctx = model_context_length(cfg.model.path)

@@ -43,6 +43,7 @@ def setup(cfg: Config, log=print, progress: ProgressReporter | None = None) -> R
             f"data: {len(train_set)} training prompts ({train_set.num_filtered} overlong "
             f"dropped), {len(val_set) if val_set else 0} validation prompts"
         )
+        cfg = _with_epochs_as_steps(cfg, len(train_set), log)
         model_path = resolve_model_path(cfg, log=log, progress=progress)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=model_path))
         roles = build_roles(cfg, derived)
@@ -127,6 +128,21 @@ def finished_message(cfg: Config) -> str | None:
         f"start over, use another trainer.run_dir or trainer.resume=disable; "
         f"`hybridflow export {t.run_dir}/checkpoints/step_{latest} OUT` writes the model"
     )
+
+
+def _with_epochs_as_steps(cfg: Config, num_prompts: int, log) -> Config:
+    """``trainer.total_epochs`` turned into ``trainer.total_steps`` now the data is known
+    (the sampler drops each epoch's tail shorter than a batch, as verl's loader does)."""
+    epochs = cfg.trainer.total_epochs
+    if epochs is None:
+        return cfg
+    steps = epochs * (num_prompts // cfg.data.train_batch_size)
+    log(
+        f"trainer.total_epochs = {epochs} over {num_prompts} prompts in batches of "
+        f"{cfg.data.train_batch_size}: {steps} steps"
+    )
+    trainer = dataclasses.replace(cfg.trainer, total_steps=steps)
+    return dataclasses.replace(cfg, trainer=trainer)
 
 
 def _train(cfg: Config, log, progress: ProgressReporter, stop) -> dict[str, float]:

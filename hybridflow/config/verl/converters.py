@@ -1,0 +1,85 @@
+"""Value converters of the verl mapping table: verl's value -> ours, or :class:`NotHere`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybridflow.config.verl.rules import NotHere
+
+OUR_LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+SCHEDULES = ("constant", "linear", "cosine")
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class KeepOurs(Exception):
+    """Raised by a converter: verl's value means "unset"; our key keeps its value."""
+
+    def __init__(self, why: str):
+        super().__init__(why)
+        self.why = why
+
+
+def as_bool(value: Any) -> bool:
+    """Hydra's booleans: True/False/true/false (YAML already made most of them bools)."""
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    return bool(value)
+
+
+def as_number(value: Any) -> float:
+    """YAML 1.1 reads ``1e-6`` (no dot) as a string; Hydra reads it as a float."""
+    return float(value) if isinstance(value, str) else value
+
+
+def loggers(value: Any) -> list[str]:
+    names = [value] if isinstance(value, str) else list(value)
+    for name in names:
+        if name not in OUR_LOGGERS:
+            raise NotHere(f"the {name!r} logger (hybridflow logs to {', '.join(OUR_LOGGERS)})")
+    return names
+
+
+def lr_schedule(value: Any) -> str:
+    if value not in SCHEDULES:
+        raise NotHere(f"the {value!r} learning-rate schedule (known: {', '.join(SCHEDULES)})")
+    return value
+
+
+def lora_targets(value: Any) -> list[str]:
+    if value == "all-linear":
+        return list(ALL_LINEAR)
+    return [value] if isinstance(value, str) else list(value)
+
+
+def device(value: Any) -> str:
+    if value not in ("cuda", "cpu", "auto"):
+        raise NotHere(f"the {value!r} device (Ascend NPUs and others; hybridflow runs on CUDA)")
+    return value
+
+
+def enforce_eager(value: Any) -> bool | None:
+    return False if as_bool(value) else None  # None: the engine's default (graphs on CUDA)
+
+
+def gen_rounds(value: Any) -> int:
+    if int(value) <= 0:
+        raise NotHere("unbounded generation rounds (filter_groups.max_num_gen_batches <= 0)")
+    return int(value)
+
+
+def keep_checkpoints(value: Any) -> int:
+    if value is None:
+        raise KeepOurs("null keeps every checkpoint in verl; hybridflow keeps trainer.keep_last_k")
+    return int(value)
+
+
+def save_freq(value: Any) -> int:
+    # verl saves only when save_freq > 0 (then also after the last step); ours: 0 = only at the
+    # end, -1 = never.
+    return int(value) if int(value) > 0 else -1
+
+
+def val_batch_size(value: Any) -> int:
+    if value is None:
+        raise KeepOurs("null validates all prompts in one batch in verl; here data.val_batch_size")
+    return int(value)

@@ -1,0 +1,147 @@
+"""verl command lines: detection by name, translation, notices and features that stop."""
+
+import pytest
+from verl_command_lines import RUNS, STOPS, command_line
+
+from hybridflow.cli import main
+from hybridflow.config import ConfigError, load_config
+from hybridflow.config.verl import load_with_verl_keys, translate, translate_command_line
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_verl_example_command_lines_validate(name, capsys):
+    assert main(["config", "validate", *command_line(name)]) == 0
+    err = capsys.readouterr().err
+    translated = [item.split("=")[0].lstrip("+") for item in command_line(name)]
+    for key in translated:  # every verl key is accounted for in the printed translation
+        if key.startswith(("actor_rollout_ref.", "critic.")):
+            assert key in err, key
+
+
+@pytest.mark.parametrize(
+    "name, feature",
+    [
+        ("stops_grpo_qwen2_7b_math_megatron", "Megatron-LM"),
+        ("stops_grpo_qwen2_5_vl_7b", "multimodal"),
+        ("stops_ppo_deepseek7b_llm_sp2", "Ulysses sequence parallelism"),
+    ],
+)
+def test_unsupported_feature_exits_2_naming_it(name, feature, capsys):
+    assert name in STOPS
+    assert main(["train", *command_line(name)]) == 2
+    err = capsys.readouterr().err
+    assert feature in err and "Traceback" not in err
+
+
+def test_hydra_forms_and_lists():
+    t = translate(
+        [
+            "+trainer.val_before_train=False",
+            "++actor_rollout_ref.rollout.n=3",
+            "trainer.logger=['console','wandb']",
+        ]
+    )
+    assert not t.problems
+    assert "trainer.val_before_train=False" in t.overrides
+    assert "rollout.n=3" in t.overrides
+    assert "trainer.loggers=[console, wandb]" in t.overrides
+
+
+def test_our_keys_win_over_translated_ones():
+    cfg = load_with_verl_keys(
+        None,
+        [
+            "actor_rollout_ref.rollout.n=5",
+            "rollout.n=2",
+            "trainer.total_epochs=15",
+            "trainer.total_steps=3",
+        ],  # fmt: skip
+        log=lambda text: None,
+    )
+    assert cfg.rollout.n == 2
+    assert cfg.trainer.total_steps == 3 and cfg.trainer.total_epochs is None
+
+
+def test_translation_is_printed_once_with_each_key(capsys):
+    assert main(["config", "show", "actor_rollout_ref.actor.optim.lr=3e-6"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.count("actor_rollout_ref.actor.optim.lr=3e-6  ->  actor.lr = 3e-6") == 1
+    assert "lr: 3.0e-06" in captured.out
+
+
+def test_ignored_key_gets_one_line_why():
+    t = translate(
+        ["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.load_format=dummy"]
+    )
+    assert not t.problems
+    reasons = {n.verl: n.why for n in t.notices}
+    assert "own engine" in reasons["actor_rollout_ref.rollout.name"]
+    assert reasons["actor_rollout_ref.rollout.load_format"]
+
+
+def test_harmless_value_of_a_missing_feature_is_accepted():
+    ok = translate(["actor_rollout_ref.actor.ulysses_sequence_parallel_size=1"])
+    assert not ok.problems and ok.notices
+    stop = translate(["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"])
+    assert "Ulysses" in stop.problems[0] and "ulysses_sequence_parallel_size=2" in stop.problems[0]
+
+
+def test_unknown_verl_key_is_named_with_a_suggestion():
+    with pytest.raises(ConfigError) as error:
+        translate_command_line(None, ["actor_rollout_ref.actor.ppo_mini_batch_sise=8"])
+    assert "actor_rollout_ref.actor.ppo_mini_batch_sise" in str(error.value)
+    assert "did you mean 'actor_rollout_ref.actor.ppo_mini_batch_size'" in str(error.value)
+
+
+def test_our_unknown_keys_still_get_our_message():
+    with pytest.raises(ConfigError, match="did you mean 'n'"):
+        load_with_verl_keys(None, ["rollout.nn=3"])
+
+
+def test_tensor_parallel_notice_names_the_weights_bytes():
+    t = translate(
+        [
+            "actor_rollout_ref.model.path=qwen2.5-0.5b",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        ]
+    )
+    (notice,) = [n for n in t.notices if n.verl.endswith("tensor_model_parallel_size")]
+    assert "one replica per device" in notice.why and "GB" in notice.why
+
+
+def test_verl_defaults_do_not_override_the_yaml_file(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("rollout:\n  n: 6\n")
+    cfg = load_with_verl_keys(path, ["actor_rollout_ref.actor.optim.lr=1e-6"], log=lambda t: None)
+    assert cfg.rollout.n == 6  # the file's, not verl's default of 1
+    assert cfg.actor.weight_decay == 0.01  # verl's default, the file sets none
+    assert load_config(path).rollout.n == 6
+
+
+def test_overlong_and_reward_function_read_together():
+    t = translate(
+        [
+            "data.filter_overlong_prompts=False",
+            "data.truncation=left",
+            "custom_reward_function.path=/r/score.py",
+        ]
+    )
+    assert "data.overlong_prompts=truncate" in t.overrides
+    assert "reward.custom_fn=/r/score.py:compute_score" in t.overrides
+    assert translate(["data.truncation=middle"]).problems
+
+
+def test_unknown_key_under_a_verl_group_of_a_shared_section_is_named():
+    (problem,) = translate(["critic.model.pth=/m"]).problems
+    assert "critic.model.pth" in problem and "did you mean 'critic.model.path'" in problem
+
+
+def test_shared_keys_take_verls_meaning_on_a_verl_command_line():
+    verl_line = translate(
+        ["actor_rollout_ref.rollout.n=2", "trainer.save_freq=0", "data.val_batch_size=null"]
+    )
+    assert "trainer.save_freq=-1" in verl_line.overrides  # verl saves only when > 0
+    assert not any(o.startswith("data.val_batch_size") for o in verl_line.overrides)
+    assert "trainer.save_freq=0" in translate(["trainer.save_freq=0"]).overrides  # ours: at the end
+    stop = translate(["actor_rollout_ref.rollout.n=2", "trainer.device=npu"])
+    assert "NPU" in stop.problems[0]
