@@ -46,9 +46,9 @@ def test_grpo_on_tool_episodes_masks_tool_output_and_logs_agent_metrics(
     batches = []
     real_score = stages.score
 
-    def spy_score(run, batch):
+    def spy_score(run, batch, *step):
         batches.append(batch)
-        return real_score(run, batch)
+        return real_score(run, batch, *step)
 
     monkeypatch.setattr(stages, "score", spy_score)
     monkeypatch.setattr(evaluation, "score", spy_score)  # validation's own binding of it

@@ -37,9 +37,9 @@ def test_grpo_on_episodes_of_an_agent_program(tmp_path, monkeypatch):
     batches = []
     real_score = stages.score
 
-    def spy(run, batch):
+    def spy(run, batch, *step):
         batches.append(batch)
-        return real_score(run, batch)
+        return real_score(run, batch, *step)
 
     monkeypatch.setattr(stages, "score", spy)
     monkeypatch.setattr(evaluation, "score", spy)
