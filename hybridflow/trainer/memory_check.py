@@ -131,10 +131,8 @@ def check_memory(cfg: Config, derived: Derived, log=lambda *a, **k: None) -> Mem
 
 def fits(plan: MemoryPlan) -> bool:
     usable = mp.usable_bytes(plan.options.gpu_bytes)
-    rollout_ok = not plan.options.split or (
-        plan.phase_bytes(mp.GENERATE, rollout_gpu=True) <= usable
-    )
-    return plan.kv_slots > 0 and plan.peak()[1] <= usable and rollout_ok
+    rollout_ok = not plan.options.split or plan.checked_peak(rollout_gpu=True)[1] <= usable
+    return plan.kv_slots > 0 and plan.checked_peak()[1] <= usable and rollout_ok
 
 
 def fit_problems(cfg: Config, plan: MemoryPlan, source: str = "") -> list[str]:
@@ -147,10 +145,10 @@ def fit_problems(cfg: Config, plan: MemoryPlan, source: str = "") -> list[str]:
     where = f"a {gib(o.gpu_bytes)} GPU" + (f" ({source})" if source else "")
     head = (f"model.path = {cfg.model.path} does not fit on {where}, {gib(usable)} usable "
             f"after headroom for the CUDA context and fragmentation: ")  # fmt: skip
-    phase, peak = plan.peak()
-    rollout_gpu = o.split and plan.phase_bytes(mp.GENERATE, rollout_gpu=True) > usable
+    phase, peak = plan.checked_peak()
+    rollout_gpu = o.split and plan.checked_peak(rollout_gpu=True)[1] > usable
     if rollout_gpu:
-        phase, peak = mp.GENERATE, plan.phase_bytes(mp.GENERATE, rollout_gpu=True)
+        phase, peak = plan.checked_peak(rollout_gpu=True)
     if peak <= usable and plan.kv_slots == 0:
         what = no_kv_slot_text(plan)
     else:
@@ -237,25 +235,49 @@ def fixes_text(cfg: Config, plan: MemoryPlan) -> str:
     tried = []
     for changes in candidate_fixes(cfg, plan):
         changed = replanned(cfg, changes, gpu_bytes)
-        if (
-            changed is not None
-            and changed.peak()[1] < plan.peak()[1]
-            or (changed is not None and changed.kv_slots > plan.kv_slots)
-        ):
+        if changed is not None:
             tried.append((changes, changed))
-    tried.sort(key=lambda pair: (not fits(pair[1]), pair[1].peak()[1]))
-    alone = [f"{overrides_text(c)} ({peak_text(p)})" for c, p in tried]
+    tried.sort(key=lambda pair: (not fits(pair[1]), pair[1].checked_peak()[1]))
+    helping = [(c, p) for c, p in tried if better(p, plan)]
+    alone = [f"{overrides_text(c)} ({peak_text(p)})" for c, p in helping]
     text = "Changes, each planned again: " + "; ".join(alone) if alone else "No single change helps"
-    if any(fits(p) for _, p in tried):
+    if any(fits(p) for _, p in helping):
         return text + "."
+    # A change that does not lower the peak alone may lower the next phase's (the fused
+    # decode copies, once the update shrinks): the combination tries them all.
     combined: dict[str, object] = {}
+    together = plan
     for changes, _ in tried:
-        combined.update(changes)
-        together = replanned(cfg, combined, gpu_bytes)
-        if together is not None and fits(together):
+        candidate = replanned(cfg, {**combined, **changes}, gpu_bytes)
+        if candidate is None or not better(candidate, together):
+            continue
+        combined, together = {**combined, **changes}, candidate
+        if fits(together):
+            combined = fewest_needed(cfg, combined, gpu_bytes)
+            together = replanned(cfg, combined, gpu_bytes)
             return f"{text}. Together: {overrides_text(combined)} ({peak_text(together)})."
+    phase, _ = together.checked_peak()
+    largest = ", ".join(f"{i.name} {gib(i.gpu_bytes)}" for i in together.largest(phase))
+    left = f" ({peak_text(together)}: {largest})"
     more = more_gpus_text(cfg, combined, gpu_bytes)
-    return f"{text}. Even all of them together do not fit{more}."
+    return f"{text}. Together they do not fit either{left}{more}."
+
+
+def better(changed: MemoryPlan, plan: MemoryPlan) -> bool:
+    """A lower peak, or a KV cache where there was none."""
+    lower = changed.checked_peak()[1] < plan.checked_peak()[1]
+    return lower or (plan.kv_slots == 0 < changed.kv_slots)
+
+
+def fewest_needed(cfg: Config, changes: dict[str, object], gpu_bytes: int) -> dict[str, object]:
+    """``changes`` (which fit) without each one that the others fit without, last first."""
+    kept = dict(changes)
+    for key in reversed(list(changes)):
+        without = {k: v for k, v in kept.items() if k != key}
+        plan = replanned(cfg, without, gpu_bytes) if without else None
+        if plan is not None and fits(plan):
+            kept = without
+    return kept
 
 
 def more_gpus_text(cfg: Config, changes: dict[str, object], gpu_bytes: int) -> str:
@@ -269,13 +291,16 @@ def more_gpus_text(cfg: Config, changes: dict[str, object], gpu_bytes: int) -> s
         sharded = {**changes, "trainer.backend": "local", "trainer.n_gpus_per_node": gpus}
         plan = replanned(cfg, sharded, gpu_bytes)
         if plan is not None and fits(plan):
+            sharded = fewest_needed(cfg, sharded, gpu_bytes)
+            plan = replanned(cfg, sharded, gpu_bytes)
             return f"; on {gpus} GPUs they do: {overrides_text(sharded)} ({peak_text(plan)})"
     return ""
 
 
 def peak_text(plan: MemoryPlan) -> str:
-    phase, peak = plan.peak()
-    verdict = "fits" if fits(plan) else "too big"
+    phase, peak = plan.checked_peak()
+    too_big = peak > mp.usable_bytes(plan.options.gpu_bytes)
+    verdict = "fits" if fits(plan) else "too big" if too_big else "no KV-cache slot"
     return f"peak {gib(peak)} in the {phase}, {verdict}"
 
 

@@ -156,6 +156,20 @@ class MemoryPlan:
         total, phase = max(totals)
         return phase, total
 
+    def checked_peak(self, rollout_gpu: bool = False) -> tuple[str, int]:
+        """(phase, bytes) the fit check compares with the GPU: generation without its KV
+        cache, which the engine sizes from the memory then free (it fits whenever a slot
+        does); a cache kept through training (release_cache=false) counts in the others."""
+        totals = []
+        for phase in PHASES:
+            total = self.phase_bytes(phase, rollout_gpu)
+            if phase == GENERATE:
+                total -= sum(i.gpu_bytes for i in self.items
+                             if i.name.startswith("KV cache") and i.rollout_gpu == rollout_gpu)  # fmt: skip
+            totals.append((total, phase))
+        total, phase = max(totals)
+        return phase, total
+
     def host_bytes(self) -> int:
         return sum(i.host_bytes for i in self.items)
 
@@ -470,7 +484,10 @@ def verdict(plan: MemoryPlan, gpu_source: str = "") -> str:
                 "(give --gpu-memory or trainer.gpu_memory_gib)")  # fmt: skip
     usable = usable_bytes(o.gpu_bytes)
     source = f" ({gpu_source})" if gpu_source else ""
+    phase, peak = plan.checked_peak()
     fits = peak <= usable and plan.kv_slots > 0
-    word = "fits" if fits else "does NOT fit"
+    if o.split:
+        fits = fits and plan.checked_peak(rollout_gpu=True)[1] <= usable
+    word = "fits" if fits else "does NOT fit" + ("" if plan.kv_slots else ", no KV-cache slot")
     return (f"GPU {gib(o.gpu_bytes)}{source}, {gib(usable)} usable: {word}, peak {gib(peak)} "
             f"({phase})")  # fmt: skip
