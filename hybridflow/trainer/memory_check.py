@@ -298,8 +298,8 @@ def more_gpus_text(cfg: Config, changes: dict[str, object], gpu_bytes: int) -> s
 
 
 def peak_text(plan: MemoryPlan) -> str:
-    phase, peak = plan.checked_peak()
-    too_big = peak > mp.usable_bytes(plan.options.gpu_bytes)
+    phase, peak = plan.peak()
+    too_big = plan.checked_peak()[1] > mp.usable_bytes(plan.options.gpu_bytes)
     verdict = "fits" if fits(plan) else "too big" if too_big else "no KV-cache slot"
     return f"peak {gib(peak)} in the {phase}, {verdict}"
 

@@ -361,7 +361,7 @@ def reference_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
 
 def critic_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
     """The value model: the actor's shapes, its own masters and AdamW state, an untied
-    lm_head frozen (learners/modules.ValueModel); no LoRA, no offload."""
+    lm_head frozen (learners/modules.ValueModel); no LoRA, no offload, no checkpointing."""
     if not o.critic:
         return []
     total, ranks = a.num_parameters(), o.train_gpus
@@ -369,8 +369,7 @@ def critic_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
     trainable = total - frozen + a.hidden_size + 1
     tokens = o.critic_micro_batch_tokens
     copy = linear_parameters(a) * o.compute_bytes if o.mixed_precision or o.sharded else 0
-    activations = tokens * activation_bytes_per_token(a, o.gradient_checkpointing,
-                                                      o.compute_bytes)  # fmt: skip
+    activations = tokens * activation_bytes_per_token(a, False, o.compute_bytes)
     return [
         MemoryItem(f"critic weights ({_dtype(o.master_bytes)})",
                    total * o.master_bytes // ranks, ALWAYS),
@@ -484,8 +483,7 @@ def verdict(plan: MemoryPlan, gpu_source: str = "") -> str:
                 "(give --gpu-memory or trainer.gpu_memory_gib)")  # fmt: skip
     usable = usable_bytes(o.gpu_bytes)
     source = f" ({gpu_source})" if gpu_source else ""
-    phase, peak = plan.checked_peak()
-    fits = peak <= usable and plan.kv_slots > 0
+    fits = plan.checked_peak()[1] <= usable and plan.kv_slots > 0
     if o.split:
         fits = fits and plan.checked_peak(rollout_gpu=True)[1] <= usable
     word = "fits" if fits else "does NOT fit" + ("" if plan.kv_slots else ", no KV-cache slot")
