@@ -305,9 +305,9 @@ def actor_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
                    note=f"sharded over {ranks} GPUs" if o.sharded else ""),
     ]  # fmt: skip
     if o.sharded:  # FSDP2 keeps every unit gathered for the mini-batch
-        gathered = total * (o.compute_bytes if o.mixed_precision else o.master_bytes)
-        items.append(MemoryItem(f"actor gathered weights ({_dtype(o.compute_bytes)})",
-                                gathered, (UPDATE,)))  # fmt: skip
+        gathered_bytes = o.compute_bytes if o.mixed_precision else o.master_bytes
+        items.append(MemoryItem(f"actor gathered weights ({_dtype(gathered_bytes)})",
+                                total * gathered_bytes, (UPDATE,)))  # fmt: skip
     elif o.mixed_precision:  # autocast's casts, kept for the backward; the lm_head cast
         copy = (linear_parameters(a) + a.vocab_size * a.hidden_size) * o.compute_bytes
         items.append(MemoryItem(f"actor compute copy ({_dtype(o.compute_bytes)})", copy,
@@ -368,7 +368,9 @@ def critic_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
     frozen = 0 if a.tie_word_embeddings else a.vocab_size * a.hidden_size
     trainable = total - frozen + a.hidden_size + 1
     tokens = o.critic_micro_batch_tokens
-    copy = linear_parameters(a) * o.compute_bytes if o.mixed_precision or o.sharded else 0
+    copy = linear_parameters(a) * o.compute_bytes if o.mixed_precision else 0
+    if o.sharded:  # gathered for the mini-batch, like the actor's
+        copy = total * (o.compute_bytes if o.mixed_precision else o.master_bytes)
     activations = tokens * activation_bytes_per_token(a, False, o.compute_bytes)
     return [
         MemoryItem(f"critic weights ({_dtype(o.master_bytes)})",
@@ -397,9 +399,10 @@ def rollout_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
         weights = MemoryItem(f"rollout weights ({_dtype(o.rollout_bytes)} copy)",
                              a.num_parameters() * o.rollout_bytes, ALWAYS, rollout_gpu=split)  # fmt: skip
     fused = fused_copy_bytes(a, o.fuse_projections, o.rollout_bytes)
+    held = (GENERATE,) if o.release_cache else ALWAYS  # Engine.release() frees them
     return [
         weights,
-        MemoryItem("rollout fused q/k/v, gate/up copies", fused, (GENERATE,), rollout_gpu=split),
+        MemoryItem("rollout fused q/k/v, gate/up copies", fused, held, rollout_gpu=split),
         MemoryItem("rollout workspace (decode logits, prefill)", rollout_reserve_bytes(a, o),
                    (GENERATE,), rollout_gpu=split),
     ]  # fmt: skip

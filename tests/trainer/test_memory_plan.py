@@ -172,3 +172,19 @@ def test_render_lists_every_item_and_the_verdict():
     assert "10.0 GiB (trainer.gpu_memory_gib)" in text and "does NOT fit" in text
     unknown = mp.render(mp.build_plan("qwen2.5-0.5b", QWEN05, PlanOptions()))
     assert "fit not checked" in unknown
+
+
+def test_a_kept_kv_cache_and_split_placement():
+    kept = mp.build_plan("q", QWEN05, PlanOptions(release_cache=False, rollout_max_seqs=64,
+                                                  rollout_max_seq_len=1024))  # fmt: skip
+    kv = next(i for i in kept.items if i.name.startswith("KV cache"))
+    assert kv.phases == mp.ALWAYS  # never released: the update holds it too
+    assert kept.phase_bytes(mp.UPDATE) - kv.gpu_bytes == mp.build_plan(
+        "q", QWEN05, PlanOptions(rollout_max_seqs=64, rollout_max_seq_len=1024)
+    ).phase_bytes(mp.UPDATE) + mp.fused_copy_bytes(QWEN05, "all")  # the fused copies stay too
+    split = mp.build_plan("q", QWEN05, PlanOptions(split=True, rollout_max_seqs=64))
+    on_rollout = {i.name for i in split.items if i.rollout_gpu}
+    assert "rollout weights (bf16 copy)" in on_rollout and any("KV" in n for n in on_rollout)
+    # the training GPUs hold the actor only: masters + AdamW while the rollout generates
+    assert split.phase_bytes(mp.GENERATE) == 4 * P + 8 * P
+    assert split.host_bytes() == 4 * P  # actor.full_weights(): fp32 masters on the controller
