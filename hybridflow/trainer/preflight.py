@@ -2,10 +2,10 @@
 validate`` runs the same checks.
 
 In order: the config rules (``validate``), the GPU memory plan (trainer/memory_check.py),
-then the machine (devices, a writable run
-directory with room for a checkpoint, the logger packages), the model directory (config.json,
-complete safetensors files, a tokenizer), the reward function, and every data file (readable,
-and still holding a batch after overlong prompts are dropped). All problems of one kind are
+then the machine (devices, a writable run directory with room for a checkpoint, the logger
+packages), the model directory (config.json, complete safetensors files, a tokenizer), the
+reward function, and every data file (readable, and still holding a batch after overlong
+prompts are dropped). All problems of one kind are
 reported together, each with the key or file it is about and the fix.
 """
 
