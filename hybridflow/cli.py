@@ -85,6 +85,9 @@ def cmd_config(args) -> int:
     from hybridflow.config import validate
 
     cfg = _load(args)
+    if args.action == "plan":  # GPU memory, item by item, before any model loads
+        memory_check = import_for("config", "hybridflow.trainer.memory_check")
+        return memory_check.plan_command(cfg, args.gpu_memory)
     if args.action == "validate":  # everything `train` checks before it loads a model
         import_for("config", "hybridflow.trainer.preflight").check_run(cfg)
         print("config OK")
@@ -152,9 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser(
-        "config", help="show or validate a resolved config; from-verl: a verl command line as YAML"
+        "config",
+        help="show, validate or plan the GPU memory of a config; from-verl: a verl command "
+        "line as YAML",
     )
-    p.add_argument("action", choices=["show", "validate", "from-verl"])
+    p.add_argument("action", choices=["show", "validate", "plan", "from-verl"])
+    p.add_argument("--gpu-memory", default=None,
+                   help="plan: memory of one GPU, e.g. 80GiB (default: trainer.gpu_memory_gib, "
+                        "else the visible GPU's, else no fit check)")  # fmt: skip
     _add_config_args(p)
     p.set_defaults(func=_config_action)
 

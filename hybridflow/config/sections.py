@@ -337,6 +337,11 @@ class TrainerConfig:
     rendezvous_host: str = "127.0.0.1"
     """Address the ``local`` backend's torch.distributed store listens on. All its ranks
     are on this host, so the default keeps the store off the network."""
+    gpu_memory_gib: float | None = None
+    """Memory of one GPU (GiB) that the memory plan checks the run against before any model
+    loads (trainer/memory_check.py); None: the first visible GPU's, and no check on a machine
+    without one. Set it to plan a GPU run from a CPU-only machine, or to leave room for
+    another process on the GPU."""
     cpu_threads: int | None = 1
     """torch intra-op threads of each process when running on the CPU. Tiny models run
     fastest on one (measured: 1.9 s vs 2.9 s per demo step with 2); None: torch's default.

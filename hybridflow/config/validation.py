@@ -270,6 +270,8 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
         add(f"rollout.agent.{problem}")
     for problem in t.profile.validate(t.total_steps):
         add(f"trainer.profile.{problem}")
+    if t.gpu_memory_gib is not None and not t.gpu_memory_gib > 0:
+        add(f"trainer.gpu_memory_gib = {t.gpu_memory_gib} must be > 0 (GiB of one GPU) or null")
     if t.progress_interval_s <= 0:
         add(f"trainer.progress_interval_s = {t.progress_interval_s} must be > 0 (seconds)")
     for key, lr, used in (("actor.lr", a.lr, True), ("critic.lr", c.lr, use_critic)):

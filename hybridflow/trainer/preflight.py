@@ -1,10 +1,11 @@
 """Everything ``hybridflow train`` can check before it loads a model; ``hybridflow config
 validate`` runs the same checks.
 
-In order: the config rules (``validate``), then the machine (devices, a writable run
-directory with room for a checkpoint, the logger packages), the model directory (config.json,
-complete safetensors files, a tokenizer), the reward function, and every data file (readable,
-and still holding a batch after overlong prompts are dropped). All problems of one kind are
+In order: the config rules (``validate``), the GPU memory plan (trainer/memory_check.py),
+then the machine (devices, a writable run directory with room for a checkpoint, the logger
+packages), the model directory (config.json, complete safetensors files, a tokenizer), the
+reward function, and every data file (readable, and still holding a batch after overlong
+prompts are dropped). All problems of one kind are
 reported together, each with the key or file it is about and the fix.
 """
 
@@ -52,9 +53,11 @@ def prepare_run(cfg: Config, log=lambda *a, **k: None) -> Preflight:
     """The checks of :func:`check_run`; returns what they built (the caller closes reward)."""
     from hybridflow.models import load_tokenizer
     from hybridflow.rewards import build_reward_manager
+    from hybridflow.trainer.memory_check import check_memory
     from hybridflow.workers.model_loading import default_tokenizer_path
 
     derived = validate(cfg, gpus_available=_gpu_count() if cfg.trainer.device == "cuda" else None)
+    check_memory(cfg, derived, log)  # the GPU memory plan, printed; exit 2 if it cannot fit
     problems = machine_problems(cfg, cfg.trainer.run_dir)
     problems += model_problems(cfg.model.path, cfg.model.tokenizer_path)
     if problems:

@@ -98,3 +98,28 @@ def test_known_parameter_counts():
     assert round(PRESETS["qwen2.5-1.5b"].num_parameters() / 1e9, 2) == 1.54
     assert round(PRESETS["qwen2.5-7b"].num_parameters() / 1e9, 2) == 7.62
     assert round(PRESETS["llama3-8b"].num_parameters() / 1e9, 2) == 8.03
+
+
+# Total parameters on each model card (Hugging Face), in billions. Qwen's cards round the
+# Qwen2.5 sizes down (the 32B has 32,763,876,352 weights, as other counters find too).
+PUBLISHED_BILLIONS = {
+    "qwen2.5-3b": 3.09,
+    "qwen2.5-14b": 14.7,
+    "qwen2.5-32b": 32.5,
+    "qwen3-8b": 8.2,
+    "qwen3-14b": 14.8,
+    "llama3.1-8b": 8.03,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_BILLIONS))
+def test_preset_sizes_match_the_model_cards(name):
+    billions = PRESETS[name].num_parameters() / 1e9
+    assert abs(billions - PUBLISHED_BILLIONS[name]) / PUBLISHED_BILLIONS[name] < 0.01
+
+
+def test_the_large_presets_need_the_decoder_features_they_name():
+    assert PRESETS["qwen2.5-32b"].num_parameters() == 32_763_876_352
+    assert PRESETS["qwen3-8b"].qk_norm and PRESETS["qwen3-14b"].qk_norm  # parity: test_parity
+    assert PRESETS["llama3.1-8b"].rope_type == "llama3"
+    assert not PRESETS["qwen3-8b"].tie_word_embeddings and PRESETS["qwen2.5-3b"].tie_word_embeddings

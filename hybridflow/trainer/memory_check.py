@@ -1,0 +1,356 @@
+"""A run's memory plan from its config, checked against the GPU before any model loads.
+
+``hybridflow train`` and ``hybridflow config validate`` run :func:`check_memory` (through
+trainer/preflight.py); ``hybridflow config plan`` prints :func:`plan_for_config`'s table.
+The arithmetic and its assumptions are in trainer/memory_plan.py. A plan that does not fit
+raises a ConfigError (exit 2) naming the largest items of the phase that overflows and the
+changes that would make it fit, each planned again with the change applied.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+from hybridflow.config import Config, ConfigError, Derived, apply_mapping, validate
+from hybridflow.trainer import memory_plan as mp
+from hybridflow.trainer.memory_plan import GIB, MemoryPlan, PlanOptions, gib
+
+# model.dtype -> bytes of (trained weights, rollout and reference weights) on a GPU
+# (workers/model_loading.training_dtype and resolve_dtype).
+DTYPE_BYTES = {"auto": (4, 2), "float32": (4, 4), "bfloat16": (2, 2), "float16": (2, 2)}
+
+LORA_RANK_FIX = 64
+"""model.lora_rank suggested for a full fine-tune that does not fit."""
+
+
+def model_architecture_for(cfg: Config):
+    """(name, ModelArchitecture) of the policy without loading it; ``sft:<task>`` plans the
+    ``sft.preset`` shape it is trained from. None when the shape is unknown."""
+    from hybridflow.models.presets import PRESETS
+    from hybridflow.trainer.preflight import model_architecture
+
+    path = cfg.model.path
+    if path.startswith("sft:"):
+        return (cfg.sft.preset, PRESETS[cfg.sft.preset]) if cfg.sft.preset in PRESETS else None
+    architecture = model_architecture(path)
+    return None if architecture is None else (path, architecture)
+
+
+def plan_options(cfg: Config, derived: Derived, gpu_bytes: int | None) -> PlanOptions:
+    """What the workers will allocate, read off the config (trainer/memory_plan.py says how
+    each option maps onto memory)."""
+    m, a, r, t = cfg.model, cfg.actor, cfg.rollout, cfg.trainer
+    master_bytes, rollout_bytes = DTYPE_BYTES.get(m.dtype, (4, 2))
+    max_len = derived.max_sequence_length
+    micro_tokens = a.max_tokens_per_gpu or a.micro_batch_size_per_gpu * max_len
+    if a.max_tokens_per_gpu is not None:  # packed: at worst every sample at full length
+        micro_batches = math.ceil(derived.mini_batch_samples_per_gpu * max_len / micro_tokens)
+    else:
+        micro_batches = derived.micro_batches_per_mini_batch or 1
+    reference = "none"
+    if derived.use_reference:
+        reference = "actor" if m.lora_rank > 0 and cfg.ref.path is None else "own"
+    critic_tokens = (cfg.critic.max_tokens_per_gpu
+                     or cfg.critic.micro_batch_size_per_gpu * max_len)  # fmt: skip
+    fuse = "none" if r.engine.decode_backend == "torch" else r.engine.fuse_projections
+    return PlanOptions(
+        master_bytes=master_bytes,
+        compute_bytes=2,
+        rollout_bytes=rollout_bytes,
+        reference_bytes=rollout_bytes,
+        lora_rank=m.lora_rank,
+        lora_targets=tuple(m.lora_target_modules),
+        train_gpus=derived.train_dp_size,
+        param_offload=a.param_offload,
+        optimizer_offload=a.optimizer_offload,
+        gradient_checkpointing=m.gradient_checkpointing,
+        micro_batch_tokens=micro_tokens,
+        micro_batches=max(micro_batches, 1),
+        rollout_max_seqs=r.max_num_seqs,
+        rollout_max_seq_len=max_len,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        release_cache=r.release_cache,
+        fuse_projections=fuse,
+        max_prefill_tokens=r.engine.max_prefill_tokens,
+        split=t.placement == "split",
+        reference=reference,
+        reference_offload=cfg.ref.param_offload,
+        critic=derived.use_critic,
+        critic_micro_batch_tokens=critic_tokens,
+        gpu_bytes=gpu_bytes,
+    )
+
+
+def plan_for_config(
+    cfg: Config, derived: Derived | None = None, gpu_bytes: int | None = None
+) -> MemoryPlan | None:
+    """The plan of this run on GPUs of ``gpu_bytes`` each; None when the model's shape is
+    unknown (an unreadable config.json)."""
+    found = model_architecture_for(cfg)
+    if found is None:
+        return None
+    derived = derived or validate(cfg)
+    name, architecture = found
+    return mp.build_plan(name, architecture, plan_options(cfg, derived, gpu_bytes))
+
+
+def gpu_memory(cfg: Config) -> tuple[int | None, str]:
+    """(bytes of one GPU, where the number comes from): ``trainer.gpu_memory_gib`` when set,
+    else the first visible GPU (unless trainer.device=cpu), else (None, "")."""
+    if cfg.trainer.gpu_memory_gib is not None:
+        return int(cfg.trainer.gpu_memory_gib * GIB), "trainer.gpu_memory_gib"
+    if cfg.trainer.device == "cpu":
+        return None, ""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None, ""
+    properties = torch.cuda.get_device_properties(0)
+    return int(properties.total_memory), f"{properties.name}, torch.cuda"
+
+
+def check_memory(cfg: Config, derived: Derived, log=lambda *a, **k: None) -> MemoryPlan | None:
+    """Plan the run's memory when it will run on a GPU (or one is declared), log the table,
+    and raise a ConfigError naming the fixes when it cannot fit."""
+    gpu_bytes, source = gpu_memory(cfg)
+    if gpu_bytes is None:
+        return None  # a CPU run: no GPU memory to plan
+    plan = plan_for_config(cfg, derived, gpu_bytes)
+    if plan is None:
+        return None
+    log(mp.render(plan, source))
+    problems = fit_problems(cfg, plan, source)
+    if problems:
+        raise ConfigError(problems)
+    return plan
+
+
+# ---------------------------------------------------------------------- not fitting
+
+
+def fits(plan: MemoryPlan) -> bool:
+    usable = mp.usable_bytes(plan.options.gpu_bytes)
+    rollout_ok = not plan.options.split or plan.checked_peak(rollout_gpu=True)[1] <= usable
+    return plan.kv_slots > 0 and plan.checked_peak()[1] <= usable and rollout_ok
+
+
+def fit_problems(cfg: Config, plan: MemoryPlan, source: str = "") -> list[str]:
+    """One problem naming what overflows and the changes that make it fit; [] when it fits
+    (or the GPU size is unknown)."""
+    o = plan.options
+    if o.gpu_bytes is None or fits(plan):
+        return []
+    usable = mp.usable_bytes(o.gpu_bytes)
+    where = f"a {gib(o.gpu_bytes)} GPU" + (f" ({source})" if source else "")
+    head = (f"model.path = {cfg.model.path} does not fit on {where}, {gib(usable)} usable "
+            f"after headroom for the CUDA context and fragmentation: ")  # fmt: skip
+    phase, peak = plan.checked_peak()
+    rollout_gpu = o.split and plan.checked_peak(rollout_gpu=True)[1] > usable
+    if rollout_gpu:
+        phase, peak = plan.checked_peak(rollout_gpu=True)
+    if peak <= usable and plan.kv_slots == 0:
+        what = no_kv_slot_text(plan)
+    else:
+        largest = ", ".join(f"{i.name} {gib(i.gpu_bytes)}"
+                            for i in plan.largest(phase, rollout_gpu=rollout_gpu))  # fmt: skip
+        what = f"the {phase} needs {gib(peak)} per GPU, most of it {largest}"
+    return [f"{head}{what}. {fixes_text(cfg, plan)} (`hybridflow config plan` with the same "
+            f"config and overrides prints every item)"]  # fmt: skip
+
+
+def no_kv_slot_text(plan: MemoryPlan) -> str:
+    o = plan.options
+    slot = mp.kv_slot_bytes(plan.architecture, o.rollout_max_seq_len, o.rollout_bytes)
+    return (f"rollout.gpu_memory_utilization = {o.gpu_memory_utilization} of the memory left "
+            f"free during generation, less the engine's reserve of "
+            f"{gib(mp.rollout_reserve_bytes(plan.architecture, o))} for logits and prefill, holds "
+            f"no KV-cache slot of {slot / 2**20:.0f} MiB ({o.rollout_max_seq_len} tokens)")  # fmt: skip
+
+
+def candidate_fixes(cfg: Config, plan: MemoryPlan) -> list[dict[str, object]]:
+    """Single changes that lower this run's memory, as {dotted key: value}."""
+    m, a, r, o = cfg.model, cfg.actor, cfg.rollout, plan.options
+    candidates: list[dict[str, object]] = []
+    if m.lora_rank == 0:
+        candidates.append({"model.lora_rank": LORA_RANK_FIX})
+    if not a.optimizer_offload:
+        candidates.append({"actor.optimizer_offload": True})
+    if o.sharded and not a.param_offload:
+        candidates.append({"actor.param_offload": True})
+    if m.dtype in ("auto", "float32"):
+        candidates.append({"model.dtype": "bfloat16"})
+    if not m.gradient_checkpointing:
+        candidates.append({"model.gradient_checkpointing": True})
+    max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if a.max_tokens_per_gpu is not None and a.max_tokens_per_gpu // 2 >= max_len:
+        candidates.append({"actor.max_tokens_per_gpu": a.max_tokens_per_gpu // 2})
+    elif a.max_tokens_per_gpu is None and a.micro_batch_size_per_gpu > 1:
+        candidates.append({"actor.micro_batch_size_per_gpu": a.micro_batch_size_per_gpu // 2})
+    if not r.release_cache:
+        candidates.append({"rollout.release_cache": True})
+    if plan.kv_slots == 0:
+        candidates.append({"rollout.gpu_memory_utilization": 0.9})
+    elif r.gpu_memory_utilization > 0.1:
+        candidates.append(
+            {"rollout.gpu_memory_utilization": round(r.gpu_memory_utilization / 2, 2)}
+        )
+    if o.fuse_projections != "none":
+        candidates.append({"rollout.engine.fuse_projections": "none"})
+    return candidates
+
+
+def with_changes(cfg: Config, changes: dict[str, object]) -> Config:
+    """A copy of cfg with the dotted keys set."""
+    changed = copy.deepcopy(cfg)
+    for key, value in changes.items():
+        nested: object = value
+        for name in reversed(key.split(".")[1:]):
+            nested = {name: nested}
+        problems = apply_mapping(changed, {key.split(".")[0]: nested}, source="memory plan")
+        assert not problems, problems  # the candidates are valid keys and values
+    return changed
+
+
+def replanned(cfg: Config, changes: dict[str, object], gpu_bytes: int) -> MemoryPlan | None:
+    """The plan with ``changes`` applied; None if the changed config is not valid."""
+    changed = with_changes(cfg, changes)
+    try:
+        return plan_for_config(changed, validate(changed), gpu_bytes)
+    except ConfigError:
+        return None
+
+
+def overrides_text(changes: dict[str, object]) -> str:
+    def shown(value):
+        return str(value).lower() if isinstance(value, bool) else str(value)
+
+    return " ".join(f"{key}={shown(value)}" for key, value in changes.items())
+
+
+def fixes_text(cfg: Config, plan: MemoryPlan) -> str:
+    """Each change with the peak it gives; if none fits alone, the smallest combination of
+    them (greedy, largest saving first) that does, or what is left with all of them."""
+    gpu_bytes = plan.options.gpu_bytes
+    tried = []
+    for changes in candidate_fixes(cfg, plan):
+        changed = replanned(cfg, changes, gpu_bytes)
+        if changed is not None:
+            tried.append((changes, changed))
+    tried.sort(key=lambda pair: (not fits(pair[1]), pair[1].checked_peak()[1]))
+    helping = [(c, p) for c, p in tried if better(p, plan)]
+    alone = [f"{overrides_text(c)} ({peak_text(p)})" for c, p in helping]
+    text = "Changes, each planned again: " + "; ".join(alone) if alone else "No single change helps"
+    if any(fits(p) for _, p in helping):
+        return text + "."
+    # A change that does not lower the peak alone may lower the next phase's (the fused
+    # decode copies, once the update shrinks): the combination tries them all.
+    combined: dict[str, object] = {}
+    together = plan
+    for changes, _ in tried:
+        candidate = replanned(cfg, {**combined, **changes}, gpu_bytes)
+        if candidate is None or not better(candidate, together):
+            continue
+        combined, together = {**combined, **changes}, candidate
+        if fits(together):
+            combined = fewest_needed(cfg, combined, gpu_bytes)
+            together = replanned(cfg, combined, gpu_bytes)
+            return f"{text}. Together: {overrides_text(combined)} ({peak_text(together)})."
+    phase, _ = together.checked_peak()
+    largest = ", ".join(f"{i.name} {gib(i.gpu_bytes)}" for i in together.largest(phase))
+    left = f" ({peak_text(together)}: {largest})"
+    more = more_gpus_text(cfg, combined, gpu_bytes)
+    return f"{text}. Together they do not fit either{left}{more}."
+
+
+def better(changed: MemoryPlan, plan: MemoryPlan) -> bool:
+    """A lower peak, or a KV cache where there was none."""
+    lower = changed.checked_peak()[1] < plan.checked_peak()[1]
+    return lower or (plan.kv_slots == 0 < changed.kv_slots)
+
+
+def fewest_needed(cfg: Config, changes: dict[str, object], gpu_bytes: int) -> dict[str, object]:
+    """``changes`` (which fit) without each one that the others fit without, last first."""
+    kept = dict(changes)
+    for key in reversed(list(changes)):
+        without = {k: v for k, v in kept.items() if k != key}
+        plan = replanned(cfg, without, gpu_bytes) if without else None
+        if plan is not None and fits(plan):
+            kept = without
+    return kept
+
+
+def more_gpus_text(cfg: Config, changes: dict[str, object], gpu_bytes: int) -> str:
+    """The fewest GPUs of this node (FSDP2 shards weights, gradients and AdamW state over
+    them) that fit with ``changes``, if 8 or fewer do."""
+    if cfg.trainer.nnodes != 1 or cfg.trainer.placement != "colocate":
+        return ""
+    for gpus in (2, 4, 8):
+        if gpus <= cfg.trainer.n_gpus_per_node:
+            continue
+        sharded = {**changes, "trainer.backend": "local", "trainer.n_gpus_per_node": gpus}
+        plan = replanned(cfg, sharded, gpu_bytes)
+        if plan is not None and fits(plan):
+            sharded = fewest_needed(cfg, sharded, gpu_bytes)
+            plan = replanned(cfg, sharded, gpu_bytes)
+            return f"; on {gpus} GPUs they do: {overrides_text(sharded)} ({peak_text(plan)})"
+    return ""
+
+
+def peak_text(plan: MemoryPlan) -> str:
+    phase, peak = plan.peak()
+    too_big = plan.checked_peak()[1] > mp.usable_bytes(plan.options.gpu_bytes)
+    verdict = "fits" if fits(plan) else "too big" if too_big else "no KV-cache slot"
+    return f"peak {gib(peak)} in the {phase}, {verdict}"
+
+
+# ---------------------------------------------------------------------- `hybridflow config plan`
+
+SIZE_UNITS = {"gib": GIB, "g": GIB, "": GIB, "gb": 10**9, "mib": 2**20, "mb": 10**6, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'141GiB', '80GB', '80' (GiB) -> bytes; ConfigError naming the flag when unreadable."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in SIZE_UNITS or float(match.group(1)) <= 0:
+        raise ConfigError(
+            [f"--gpu-memory {text!r} is not a size: write it like 141GiB, 80GB or 80 (GiB)"]
+        )
+    return int(float(match.group(1)) * SIZE_UNITS[unit])
+
+
+def plan_command(cfg: Config, gpu_memory: str | None = None, out=print) -> int:
+    """Print the plan; exit status 2 (a ConfigError) when it cannot fit the GPU, which is
+    ``--gpu-memory``, else trainer.gpu_memory_gib, else the first visible GPU; with none of
+    them the plan is printed and not checked."""
+    derived = validate(cfg)
+    if gpu_memory is not None:
+        gpu_bytes, source = parse_size(gpu_memory), "--gpu-memory"
+    else:
+        gpu_bytes, source = gpu_memory_or_none(cfg)
+    plan = plan_for_config(cfg, derived, gpu_bytes)
+    if plan is None:
+        raise ConfigError(
+            [
+                f"model.path = {cfg.model.path}: its shape is unknown (no readable config.json): "
+                "point model.path at a Hugging Face model directory or a preset"
+            ]  # fmt: skip
+        )
+    out(mp.render(plan, source))
+    problems = fit_problems(cfg, plan, source)
+    if problems:
+        raise ConfigError(problems)
+    return 0
+
+
+def gpu_memory_or_none(cfg: Config) -> tuple[int | None, str]:
+    """:func:`gpu_memory`, without importing torch when the config declares the size."""
+    if cfg.trainer.gpu_memory_gib is not None or cfg.trainer.device == "cpu":
+        return gpu_memory(cfg)
+    try:
+        return gpu_memory(cfg)
+    except ImportError:
+        return None, ""

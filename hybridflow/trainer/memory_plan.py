@@ -1,0 +1,494 @@
+"""The memory plan: bytes on each GPU and on the host, item by item, before any model loads.
+
+Pure arithmetic on a :class:`~hybridflow.models.architecture.ModelArchitecture` and the
+options that decide what the code allocates (:class:`PlanOptions`); no torch, no config
+objects. ``trainer/memory_check.py`` builds the options from a run's config, checks the
+peak against the GPU and names the changes that would make a run fit.
+
+What is modelled is what the code does today:
+
+- **Master weights** of a trained model (actor, critic) are in the training dtype: fp32 for
+  ``model.dtype=auto`` on a GPU (``workers/model_loading.training_dtype``), sharded over the
+  data-parallel ranks by FSDP2, on the host with ``param_offload`` (FSDP2 only: one GPU
+  ignores it, ``learners/core.TrainCore``).
+- **Compute copy**: with fp32 masters the forward runs in bf16, and a bf16 copy of every
+  weight lives through a micro-batch's forward and backward: autocast caches its casts and
+  autograd keeps them for the backward (one GPU); FSDP2 keeps each unit gathered for the
+  whole mini-batch (``TrainCore.accumulate_unsharded``). The log-prob head casts the
+  lm_head weight once more (``learners/modules.PolicyModel``).
+- **Gradients** in the master dtype for the trainable parameters, freed after every
+  optimizer step (``zero_grad(set_to_none=True)``). FSDP2 with several micro-batches keeps
+  unsharded fp32 gradients until the last one, then reduce-scatters them.
+- **AdamW state**: two moments in the master dtype per trainable parameter. It stays on the
+  GPU from the first step on; ``actor.optimizer_offload`` keeps it on the host between steps
+  but moves it back for each step (so the step's peak still holds it);
+  ``actor.param_offload`` (FSDP2) steps on the host.
+- **Nothing moves off the GPU between stages**: the loop never calls ``offload()``, so the
+  actor's weights and optimizer state stay resident while the rollout generates.
+- **Rollout weights**: the engine reads the actor's own parameters only on one device,
+  without LoRA or FSDP, when their dtype is the rollout's (bf16 training weights); otherwise it
+  holds a full bf16 copy (``workers/rollout.py``).
+- **KV cache** (``engine/engine._allocate``, ``engine/kv_cache.plan_slots``): ``max_num_seqs``
+  slots of ``max_seq_len`` tokens plus one scratch slot, or fewer when
+  ``gpu_memory_utilization`` × free memory − the reserve for decode logits and prefill
+  activations holds fewer. Free memory is what the other generation-time items leave; from
+  the second step on the allocator may still hold the update's blocks, so the cache can
+  come out smaller than planned, never larger. ``rollout.release_cache`` frees it (and the
+  fused q/k/v, gate/up weight copies of the triton decode path) after each generate.
+- **Activations** at the micro-batch token budget, bf16, what autograd keeps per token and
+  layer (see :func:`activation_bytes`); with gradient checkpointing each layer's input plus
+  one layer recomputed in full. The log-prob head adds one 4096-token chunk of bf16 logits
+  and an fp32 ``[V, H]`` gradient accumulator with its bf16 copy (``models/logprobs.py``).
+- Not counted: the CUDA context, cuBLAS/NCCL workspaces and allocator fragmentation (the fit
+  check keeps :data:`HEADROOM_FRACTION` and :data:`HEADROOM_BYTES` free for them), the
+  forward activations of log-prob, reference and value passes (no grad: below the update's),
+  and the batch tensors.
+
+Checked against ``max_memory_allocated`` of measured runs: docs/memory.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybridflow.models.architecture import ModelArchitecture
+
+GIB = 2**30
+
+GENERATE = "generation"
+UPDATE = "actor update"
+STEP = "optimizer step"
+CRITIC = "critic update"
+PHASES = (GENERATE, UPDATE, STEP, CRITIC)
+"""When memory is held: generation; the actor's forward/backward over a micro-batch; its
+optimizer step; the critic's forward/backward and step (GAE only)."""
+
+HEADROOM_FRACTION = 0.05
+HEADROOM_BYTES = 1 * GIB
+"""Kept free by the fit check: the CUDA context (~0.5 GiB), cuBLAS and NCCL workspaces, and
+the caching allocator's fragmentation, none of which max_memory_allocated counts."""
+
+LOGPROB_CHUNK_TOKENS = 4096
+"""Tokens per logits chunk of models/logprobs.logprobs_from_hidden."""
+
+LORA_TARGET_SHAPES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What decides the allocations; sizes are per GPU unless named otherwise."""
+
+    master_bytes: int = 4
+    """Bytes per element of the trained weights, their gradients and AdamW moments (fp32: 4)."""
+    compute_bytes: int = 2
+    """Bytes per element of the forward's weights and activations (bf16: 2)."""
+    rollout_bytes: int = 2
+    """Bytes per element of the rollout's weights and KV cache."""
+    reference_bytes: int = 2
+    """Bytes per element of the reference policy's weights."""
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = LORA_TARGET_SHAPES
+    train_gpus: int = 1
+    """Data-parallel ranks of the actor (FSDP2 shards over them when > 1)."""
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    gradient_checkpointing: bool = False
+    micro_batch_tokens: int = 4096
+    """Most tokens in one actor micro-batch (the token budget, or samples × max length)."""
+    micro_batches: int = 1
+    """Most micro-batches in one mini-batch on one GPU."""
+    rollout_max_seqs: int = 1024
+    rollout_max_seq_len: int = 2048
+    gpu_memory_utilization: float = 0.4
+    release_cache: bool = True
+    fuse_projections: str = "all"
+    """Fused decode weight copies: all | qkv | none (none off the triton decode path)."""
+    max_prefill_tokens: int = 16384
+    split: bool = False
+    """Rollout on GPUs of its own (their items are planned separately)."""
+    reference: str = "none"
+    """none | own (a frozen copy) | actor (the LoRA actor with adapters off: no copy)."""
+    reference_offload: bool = False
+    critic: bool = False
+    critic_micro_batch_tokens: int = 4096
+    gpu_bytes: int | None = None
+    """Memory of one GPU; None: unknown (the KV cache is then planned at max_num_seqs)."""
+
+    @property
+    def sharded(self) -> bool:
+        return self.train_gpus > 1
+
+    @property
+    def mixed_precision(self) -> bool:
+        return self.master_bytes > self.compute_bytes
+
+
+@dataclass(frozen=True)
+class MemoryItem:
+    name: str
+    gpu_bytes: int
+    """Per GPU, while one of ``phases`` runs."""
+    phases: tuple[str, ...]
+    host_bytes: int = 0
+    """Host memory, held for the whole run."""
+    rollout_gpu: bool = False
+    """On the rollout's own GPUs (split placement)."""
+    note: str = ""
+
+
+@dataclass
+class MemoryPlan:
+    model: str
+    architecture: ModelArchitecture
+    options: PlanOptions
+    items: list[MemoryItem] = field(default_factory=list)
+    kv_slots: int = 0
+    """Sequences the KV cache holds at once (the scratch slot excluded); 0: none fits."""
+
+    def phase_bytes(self, phase: str, rollout_gpu: bool = False) -> int:
+        return sum(
+            i.gpu_bytes for i in self.items if phase in i.phases and i.rollout_gpu == rollout_gpu
+        )
+
+    def peak(self, rollout_gpu: bool = False) -> tuple[str, int]:
+        """(phase, bytes) of the largest per-GPU total on the training (or rollout) GPUs."""
+        totals = [(self.phase_bytes(p, rollout_gpu), p) for p in PHASES]
+        total, phase = max(totals)
+        return phase, total
+
+    def checked_peak(self, rollout_gpu: bool = False) -> tuple[str, int]:
+        """(phase, bytes) the fit check compares with the GPU: generation without its KV
+        cache, which the engine sizes from the memory then free (it fits whenever a slot
+        does); a cache kept through training (release_cache=false) counts in the others."""
+        totals = []
+        for phase in PHASES:
+            total = self.phase_bytes(phase, rollout_gpu)
+            if phase == GENERATE:
+                total -= sum(i.gpu_bytes for i in self.items
+                             if i.name.startswith("KV cache") and i.rollout_gpu == rollout_gpu)  # fmt: skip
+            totals.append((total, phase))
+        total, phase = max(totals)
+        return phase, total
+
+    def host_bytes(self) -> int:
+        return sum(i.host_bytes for i in self.items)
+
+    def largest(self, phase: str, count: int = 3, rollout_gpu: bool = False) -> list[MemoryItem]:
+        held = [i for i in self.items if phase in i.phases and i.rollout_gpu == rollout_gpu]
+        return sorted(held, key=lambda i: -i.gpu_bytes)[:count]
+
+
+# ---------------------------------------------------------------------- parameter counts
+
+
+def linear_parameters(a: ModelArchitecture) -> int:
+    """Weights (and biases) of the decoder layers' linear projections: what autocast casts."""
+    q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+    per_layer = a.hidden_size * (2 * q + 2 * kv) + 3 * a.hidden_size * a.intermediate_size
+    if a.attention_bias:
+        per_layer += q + 2 * kv
+    return a.num_hidden_layers * per_layer
+
+
+def lora_parameters(a: ModelArchitecture, rank: int, targets: tuple[str, ...]) -> int:
+    """Adapter weights: rank × (in + out) for every targeted projection of every layer."""
+    q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+    h, i = a.hidden_size, a.intermediate_size
+    shapes = {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
+    per_layer = sum(rank * sum(shapes[t]) for t in targets if t in shapes)
+    return a.num_hidden_layers * per_layer
+
+
+def trainable_parameters(a: ModelArchitecture, options: PlanOptions) -> int:
+    if options.lora_rank > 0:
+        return lora_parameters(a, options.lora_rank, options.lora_targets)
+    return a.num_parameters()
+
+
+# ---------------------------------------------------------------------- activations
+
+
+def activation_bytes_per_token(a: ModelArchitecture, gradient_checkpointing: bool,
+                               element_bytes: int = 2) -> int:  # fmt: skip
+    """Bytes autograd keeps per token for the backward, over all layers.
+
+    One layer without checkpointing keeps 4h + 2q + 2kv + 4i elements: the inputs of both
+    RMSNorms and their outputs (4h; the outputs feed the projections), attention's q, k, v
+    and output (2q + 2kv), and the MLP's gate, silu(gate), up and their product (4i); Qwen3's
+    q/k-norm adds its inputs (q + kv). With checkpointing a layer keeps only its input (h)
+    and one layer at a time is recomputed in full in the backward. The head adds the final
+    norm's input and output and the gathered response states (3h)."""
+    h, i = a.hidden_size, a.intermediate_size
+    q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+    layer = 4 * h + 2 * q + 2 * kv + 4 * i + ((q + kv) if a.qk_norm else 0)
+    head = 3 * h
+    if gradient_checkpointing:
+        elements = a.num_hidden_layers * h + layer + head
+    else:
+        elements = a.num_hidden_layers * layer + head
+    return elements * element_bytes
+
+
+def logprob_head_bytes(a: ModelArchitecture, tokens: int, compute_bytes: int = 2) -> int:
+    """The chunked log-prob head's working set: one [chunk, V] block of logits, the fp32
+    [V, H] lm_head gradient accumulator and its copy in the compute dtype."""
+    chunk = min(tokens, LOGPROB_CHUNK_TOKENS)
+    vocab_matrix = a.vocab_size * a.hidden_size
+    return chunk * a.vocab_size * compute_bytes + vocab_matrix * (4 + compute_bytes)
+
+
+# ---------------------------------------------------------------------- rollout
+
+
+def kv_slot_bytes(a: ModelArchitecture, max_seq_len: int, element_bytes: int = 2) -> int:
+    """K and V of one sequence of max_seq_len tokens in every layer (engine/kv_cache.py)."""
+    return (
+        2 * a.num_hidden_layers * max_seq_len * a.num_key_value_heads * a.head_dim * (element_bytes)
+    )
+
+
+def rollout_reserve_bytes(a: ModelArchitecture, options: PlanOptions) -> int:
+    """What the engine keeps out of the KV budget for decode logits and prefill activations
+    (engine/engine._allocate's reserve)."""
+    prefill = options.max_prefill_tokens * (4 * a.intermediate_size + 8 * a.hidden_size)
+    return options.rollout_max_seqs * a.vocab_size * 6 + prefill * options.rollout_bytes
+
+
+def fused_copy_bytes(a: ModelArchitecture, fuse_projections: str, element_bytes: int = 2) -> int:
+    """The triton decode path's concatenated q/k/v (and gate/up) copies (engine/weights.py)."""
+    if fuse_projections == "none":
+        return 0
+    q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+    rows = q + 2 * kv
+    per_layer = rows * a.hidden_size + (rows if a.attention_bias else 0)
+    if fuse_projections == "all":
+        per_layer += 2 * a.intermediate_size * a.hidden_size
+    return a.num_hidden_layers * per_layer * element_bytes
+
+
+def kv_cache_slots(slot_bytes: int, reserve: int, used_bytes: int, options: PlanOptions) -> int:
+    """Slots plan_slots gives: max_num_seqs, or what gpu_memory_utilization of the free
+    memory minus the reserve holds (one scratch slot taken out); 0 when none fits."""
+    if options.gpu_bytes is None:
+        return options.rollout_max_seqs
+    free = max(options.gpu_bytes - used_bytes, 0)
+    budget = int(options.gpu_memory_utilization * free) - reserve
+    return max(min(options.rollout_max_seqs, budget // slot_bytes - 1), 0)
+
+
+# ---------------------------------------------------------------------- the plan
+
+ALWAYS = PHASES
+
+
+def _dtype(element_bytes: int) -> str:
+    return {4: "fp32", 2: "bf16"}.get(element_bytes, f"{element_bytes}-byte")
+
+
+def actor_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
+    """Master weights, compute copy, gradients, AdamW state, activations, log-prob head."""
+    total, trainable, ranks = a.num_parameters(), trainable_parameters(a, o), o.train_gpus
+    on_host = o.param_offload and o.sharded  # FSDP2 CPUOffloadPolicy; one GPU ignores it
+    master = total * o.master_bytes // ranks
+    kind = "masters" if o.mixed_precision else "weights"
+    items = [
+        MemoryItem(f"actor weights ({_dtype(o.master_bytes)} {kind})", 0 if on_host else master,
+                   ALWAYS, host_bytes=master * ranks if on_host else 0,
+                   note=f"sharded over {ranks} GPUs" if o.sharded else ""),
+    ]  # fmt: skip
+    if o.sharded:  # FSDP2 keeps every unit gathered for the mini-batch
+        gathered_bytes = o.compute_bytes if o.mixed_precision else o.master_bytes
+        items.append(MemoryItem(f"actor gathered weights ({_dtype(gathered_bytes)})",
+                                total * gathered_bytes, (UPDATE,)))  # fmt: skip
+    elif o.mixed_precision:  # autocast's casts, kept for the backward; the lm_head cast
+        copy = (linear_parameters(a) + a.vocab_size * a.hidden_size) * o.compute_bytes
+        items.append(MemoryItem(f"actor compute copy ({_dtype(o.compute_bytes)})", copy,
+                                (UPDATE,)))  # fmt: skip
+    gradients = trainable * o.master_bytes // ranks
+    accumulating = o.sharded and o.micro_batches > 1
+    # Accumulating FSDP2 gradients stay unsharded (fp32) until the last micro-batch's
+    # backward reduce-scatters them, layer by layer: the sharded ones replace them.
+    items.append(MemoryItem(f"actor gradients ({_dtype(o.master_bytes)})",
+                            0 if on_host else gradients, (STEP,) if accumulating else (UPDATE, STEP),
+                            host_bytes=gradients * ranks if on_host else 0))  # fmt: skip
+    if accumulating:
+        items.append(MemoryItem("actor unsharded gradients (accumulating)",
+                                trainable * o.master_bytes, (UPDATE,),
+                                note="until the last micro-batch"))  # fmt: skip
+    items.append(optimizer_item(trainable * 2 * o.master_bytes // ranks, o, on_host))
+    tokens = o.micro_batch_tokens
+    checkpointed = ", checkpointed" if o.gradient_checkpointing else ""
+    activations = tokens * activation_bytes_per_token(a, o.gradient_checkpointing,
+                                                      o.compute_bytes)  # fmt: skip
+    items.append(MemoryItem(f"activations ({tokens:,} tokens{checkpointed})", activations,
+                            (UPDATE,)))  # fmt: skip
+    head = logprob_head_bytes(a, tokens, o.compute_bytes)
+    if o.lora_rank > 0:  # a frozen lm_head: no [V, H] gradient
+        head = min(tokens, LOGPROB_CHUNK_TOKENS) * a.vocab_size * o.compute_bytes
+    items.append(MemoryItem("log-prob head (logits chunk, lm_head gradient)", head, (UPDATE,)))
+    return items
+
+
+def optimizer_item(state: int, o: PlanOptions, on_host: bool) -> MemoryItem:
+    name = f"optimizer state (AdamW, {_dtype(o.master_bytes)})"
+    if on_host:
+        return MemoryItem(name, 0, (), host_bytes=state * o.train_gpus, note="steps on the host")
+    if o.optimizer_offload:
+        return MemoryItem(name, state, (STEP,), host_bytes=state * o.train_gpus,
+                          note="on the GPU for each step")  # fmt: skip
+    return MemoryItem(name, state, ALWAYS)
+
+
+def reference_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
+    if o.reference == "none":
+        return []
+    if o.reference == "actor":
+        return [MemoryItem("reference weights", 0, ALWAYS, note="the actor, adapters off")]
+    on_host = o.reference_offload and o.sharded
+    weights = a.num_parameters() * o.reference_bytes // o.train_gpus
+    return [MemoryItem(f"reference weights ({_dtype(o.reference_bytes)})",
+                       0 if on_host else weights, ALWAYS,
+                       host_bytes=weights * o.train_gpus if on_host else 0)]  # fmt: skip
+
+
+def critic_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
+    """The value model: the actor's shapes, its own masters and AdamW state, an untied
+    lm_head frozen (learners/modules.ValueModel); no LoRA, no offload, no checkpointing."""
+    if not o.critic:
+        return []
+    total, ranks = a.num_parameters(), o.train_gpus
+    frozen = 0 if a.tie_word_embeddings else a.vocab_size * a.hidden_size
+    trainable = total - frozen + a.hidden_size + 1
+    tokens = o.critic_micro_batch_tokens
+    copy = linear_parameters(a) * o.compute_bytes if o.mixed_precision else 0
+    if o.sharded:  # gathered for the mini-batch, like the actor's
+        copy = total * (o.compute_bytes if o.mixed_precision else o.master_bytes)
+    activations = tokens * activation_bytes_per_token(a, False, o.compute_bytes)
+    return [
+        MemoryItem(f"critic weights ({_dtype(o.master_bytes)})",
+                   total * o.master_bytes // ranks, ALWAYS),
+        MemoryItem("critic optimizer state (AdamW)", trainable * 2 * o.master_bytes // ranks,
+                   ALWAYS),
+        MemoryItem("critic gradients", trainable * o.master_bytes // ranks, (CRITIC,)),
+        MemoryItem("critic compute copy", copy, (CRITIC,)),
+        MemoryItem(f"critic activations ({tokens:,} tokens)", activations, (CRITIC,)),
+    ]  # fmt: skip
+
+
+def rollout_shares_actor_weights(o: PlanOptions) -> bool:
+    """The engine runs on the actor's own tensors (workers/rollout.RolloutWorker)."""
+    return (not o.split and not o.sharded and o.lora_rank == 0
+            and o.master_bytes == o.rollout_bytes)  # fmt: skip
+
+
+def rollout_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
+    """Weight copy, fused decode copies and the engine's reserve (the KV cache comes last:
+    it is sized from what these leave)."""
+    split = o.split
+    if rollout_shares_actor_weights(o):
+        weights = MemoryItem("rollout weights", 0, ALWAYS, note="reads the actor's in place")
+    else:
+        weights = MemoryItem(f"rollout weights ({_dtype(o.rollout_bytes)} copy)",
+                             a.num_parameters() * o.rollout_bytes, ALWAYS, rollout_gpu=split)  # fmt: skip
+    fused = fused_copy_bytes(a, o.fuse_projections, o.rollout_bytes)
+    held = (GENERATE,) if o.release_cache else ALWAYS  # Engine.release() frees them
+    return [
+        weights,
+        MemoryItem("rollout fused q/k/v, gate/up copies", fused, held, rollout_gpu=split),
+        MemoryItem("rollout workspace (decode logits, prefill)", rollout_reserve_bytes(a, o),
+                   (GENERATE,), rollout_gpu=split),
+    ]  # fmt: skip
+
+
+def kv_cache_item(a: ModelArchitecture, o: PlanOptions, items: list[MemoryItem]):
+    """(the KV-cache item, its usable slots), sized from the memory the other items leave
+    on the rollout's GPU when generation starts."""
+    slot = kv_slot_bytes(a, o.rollout_max_seq_len, o.rollout_bytes)
+    reserve = rollout_reserve_bytes(a, o)
+    used = sum(
+        i.gpu_bytes for i in items
+        if GENERATE in i.phases and i.rollout_gpu == o.split and "workspace" not in i.name
+    )  # fmt: skip
+    slots = kv_cache_slots(slot, reserve, used, o)
+    phases = (GENERATE,) if o.release_cache else ALWAYS
+    name = f"KV cache ({slots:,} + 1 slots × {o.rollout_max_seq_len:,} tokens)"
+    if not slots:
+        name = f"KV cache (no slot of {o.rollout_max_seq_len:,} tokens fits)"
+    return MemoryItem(name, (slots + 1) * slot if slots else 0, phases, rollout_gpu=o.split), slots
+
+
+def build_plan(model: str, a: ModelArchitecture, o: PlanOptions) -> MemoryPlan:
+    """Every item of the run on one training GPU (and one rollout GPU with split placement)."""
+    items = actor_items(a, o) + reference_items(a, o) + critic_items(a, o) + rollout_items(a, o)
+    kv, slots = kv_cache_item(a, o, items)
+    items.append(kv)
+    if o.split:  # actor.full_weights(): the masters, on the controller's host, each sync
+        items.append(MemoryItem("weights sent to the rollout (controller)", 0, (),
+                                host_bytes=a.num_parameters() * o.master_bytes))  # fmt: skip
+    return MemoryPlan(model, a, o, items, kv_slots=slots)
+
+
+# ---------------------------------------------------------------------- rendering
+
+
+def count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+
+
+def gib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB" if n else "-"
+
+
+def usable_bytes(gpu_bytes: int) -> int:
+    """What the plan may fill: the GPU less the headroom for what it does not count."""
+    return int(gpu_bytes * (1 - HEADROOM_FRACTION)) - HEADROOM_BYTES
+
+
+def render(plan: MemoryPlan, gpu_source: str = "") -> str:
+    """The plan as a table: one row per item, then the peak of each phase and the verdict."""
+    a, o = plan.architecture, plan.options
+    total, trained = a.num_parameters(), trainable_parameters(a, o)
+    placement = "split, rollout on GPUs of its own" if o.split else "colocated"
+    lines = [
+        f"memory plan: {plan.model} ({count(total)} parameters, {count(trained)} trained), "
+        f"{o.train_gpus} training GPU(s), {placement}",
+        f"  {'item':<52} {'per GPU':>10} {'host':>10}  held during",
+    ]
+    for item in plan.items:
+        when = "always" if item.phases == ALWAYS else ", ".join(item.phases) or "-"
+        if item.rollout_gpu:
+            when = f"rollout GPU: {when}"
+        note = f" ({item.note})" if item.note else ""
+        lines.append(f"  {item.name:<52} {gib(item.gpu_bytes):>10} {gib(item.host_bytes):>10}"
+                     f"  {when}{note}")  # fmt: skip
+    phases = [p for p in PHASES if p != CRITIC or o.critic]
+    peaks = " | ".join(f"{p} {gib(plan.phase_bytes(p))}" for p in phases)
+    lines.append(f"  per training GPU: {peaks}; host {gib(plan.host_bytes())}")
+    if o.split:
+        lines.append(f"  per rollout GPU: {gib(plan.phase_bytes(GENERATE, rollout_gpu=True))}")
+    lines.append("  " + verdict(plan, gpu_source))
+    return "\n".join(lines)
+
+
+def verdict(plan: MemoryPlan, gpu_source: str = "") -> str:
+    o = plan.options
+    phase, peak = plan.peak()
+    if o.gpu_bytes is None:
+        return (f"peak {gib(peak)} ({phase}); GPU memory unknown, fit not checked "
+                "(give --gpu-memory or trainer.gpu_memory_gib)")  # fmt: skip
+    usable = usable_bytes(o.gpu_bytes)
+    source = f" ({gpu_source})" if gpu_source else ""
+    fits = plan.checked_peak()[1] <= usable and plan.kv_slots > 0
+    if o.split:
+        fits = fits and plan.checked_peak(rollout_gpu=True)[1] <= usable
+    word = "fits" if fits else "does NOT fit" + ("" if plan.kv_slots else ", no KV-cache slot")
+    return (f"GPU {gib(o.gpu_bytes)}{source}, {gib(usable)} usable: {word}, peak {gib(peak)} "
+            f"({phase})")  # fmt: skip

@@ -1,0 +1,130 @@
+"""The memory plan from a config: `hybridflow config plan`, and `train` / `config validate`
+stopping with exit 2 before any model loads when the run cannot fit."""
+
+import pytest
+
+from hybridflow.cli import main
+from hybridflow.config import ConfigError, load_config, validate
+from hybridflow.trainer import memory_check as mc
+from hybridflow.trainer.memory_plan import GIB
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Any model load fails the test: the memory check must come first."""
+
+    def loaded(*args, **kwargs):
+        pytest.fail("a model was loaded before the memory check")
+
+    import hybridflow.models as models
+    import hybridflow.workers.model_loading as model_loading
+
+    monkeypatch.setattr(models, "load_model", loaded)
+    monkeypatch.setattr(models, "build_model", loaded)
+    monkeypatch.setattr(model_loading, "load_causal_lm", loaded)
+
+
+FULL_32B = ["model.path=qwen2.5-32b", "trainer.gpu_memory_gib=80", "trainer.run_dir=RUN"]
+
+
+@pytest.mark.parametrize("command", [["train"], ["config", "validate"]])
+def test_a_32b_full_fine_tune_on_an_80gib_gpu_exits_2_before_loading(
+    command, no_model_loads, tmp_path, capsys
+):
+    args = [a.replace("RUN", str(tmp_path / "run")) for a in FULL_32B]
+    assert main([*command, *args]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "qwen2.5-32b does not fit on a 80.0 GiB GPU (trainer.gpu_memory_gib)" in err
+    # 32.76 B parameters: AdamW 8 bytes each (244 GiB), fp32 masters and gradients 4 each
+    assert "optimizer state (AdamW, fp32) 244.1 GiB" in err
+    assert "actor weights (fp32 masters) 122.1 GiB" in err
+    # each fix planned again: LoRA alone keeps fp32 base weights (122 GiB), too big
+    assert "model.lora_rank=64 (peak 255.3 GiB in the actor update, too big)" in err
+    assert "actor.optimizer_offload=true (peak" in err and "model.dtype=bfloat16 (peak" in err
+    # and together, bf16 weights + LoRA still hold the actor's 61 GiB and the rollout's copy
+    assert "Together they do not fit either" in err
+    assert "rollout weights (bf16 copy) 61.0 GiB" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_named_combination_does_fit():
+    cfg = load_config(None, ["model.path=qwen2.5-14b", "trainer.gpu_memory_gib=80"])
+    plan = mc.plan_for_config(cfg, validate(cfg), 80 * GIB)
+    text = mc.fixes_text(cfg, plan)
+    assert "Together: model.lora_rank=64 model.dtype=bfloat16" in text
+    together = text.split("Together: ")[1].split(" (peak")[0].split()
+    fixed = load_config(None, ["model.path=qwen2.5-14b", *together])
+    assert mc.fits(mc.plan_for_config(fixed, validate(fixed), 80 * GIB))
+
+
+def test_a_7b_that_fits_with_lora_says_so(capsys):
+    status = main(["config", "plan", "model.path=qwen2.5-7b", "--gpu-memory", "80GiB"])
+    out, err = capsys.readouterr()
+    assert status == 2
+    assert "actor weights (fp32 masters)" in out and "does NOT fit" in out
+    assert "model.lora_rank=64 (peak" in err and "fits)" in err
+
+
+def test_plan_without_a_gpu_prints_and_does_not_check(capsys):
+    assert main(["config", "plan", "model.path=qwen2.5-7b", "trainer.device=cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "KV cache (1,024 + 1 slots × 48 tokens)" in out  # max_num_seqs: free memory unknown
+    assert "fit not checked" in out
+
+
+def test_a_fitting_run_passes_and_the_plan_is_printed(capsys):
+    cfg = load_config(None, ["model.path=qwen2.5-0.5b", "trainer.gpu_memory_gib=141"])
+    lines = []
+    plan = mc.check_memory(cfg, validate(cfg), log=lines.append)
+    assert plan is not None and mc.fits(plan)
+    assert "fits, peak" in lines[0] and "141.0 GiB (trainer.gpu_memory_gib)" in lines[0]
+
+
+def test_a_cpu_run_is_not_planned():
+    cfg = load_config(None, ["trainer.device=cpu"])
+    assert mc.check_memory(cfg, validate(cfg)) is None
+
+
+def test_no_kv_slot_names_the_utilization():
+    cfg = load_config(
+        None,
+        ["model.path=qwen2.5-0.5b", "rollout.gpu_memory_utilization=0.01",
+         "data.max_response_length=4000", "trainer.gpu_memory_gib=24",
+         "actor.micro_batch_size_per_gpu=1", "model.gradient_checkpointing=true"],
+    )  # fmt: skip
+    with pytest.raises(ConfigError) as error:
+        mc.check_memory(cfg, validate(cfg))
+    text = str(error.value)
+    assert "rollout.gpu_memory_utilization = 0.01" in text and "holds no KV-cache slot" in text
+    assert "rollout.gpu_memory_utilization=0.9 (peak" in text
+
+
+@pytest.mark.parametrize(
+    "text, expected", [("141GiB", 141 * GIB), ("80GB", 80 * 10**9), ("80", 80 * GIB),
+                       ("0.5 TiB", 2**39)],
+)  # fmt: skip
+def test_gpu_memory_sizes(text, expected):
+    assert mc.parse_size(text) == expected
+
+
+def test_a_bad_gpu_memory_names_the_flag(capsys):
+    assert main(["config", "plan", "--gpu-memory", "eighty"]) == 2
+    assert "--gpu-memory 'eighty' is not a size" in capsys.readouterr().err
+
+
+def test_plan_options_follow_the_config():
+    cfg = load_config(
+        None,
+        ["model.path=qwen2.5-0.5b", "model.lora_rank=16", "actor.use_kl_loss=true",
+         "actor.max_tokens_per_gpu=4096", "data.max_prompt_length=512",
+         "data.max_response_length=512", "data.train_batch_size=16", "rollout.n=8",
+         "actor.ppo_mini_batch_size=8"],
+    )  # fmt: skip
+    options = mc.plan_options(cfg, validate(cfg), None)
+    assert (options.master_bytes, options.rollout_bytes) == (4, 2)  # auto: fp32 masters
+    assert options.reference == "actor"  # LoRA: the actor with its adapters off
+    assert options.micro_batch_tokens == 4096
+    # 8 prompts × 8 samples of up to 1024 tokens in 4096-token micro-batches: 16
+    assert options.micro_batches == 16
+    assert options.rollout_max_seq_len == 1024

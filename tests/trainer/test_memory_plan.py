@@ -1,0 +1,190 @@
+"""The memory plan's arithmetic on known shapes, by hand, and against measured peaks."""
+
+import pytest
+
+from hybridflow.models.presets import PRESETS
+from hybridflow.trainer import memory_plan as mp
+from hybridflow.trainer.memory_plan import GIB, PlanOptions
+
+QWEN05 = PRESETS["qwen2.5-0.5b"]
+# qwen2.5-0.5b: h = 896, i = 4864, 24 layers, 14 q heads and 2 kv heads of 64 (q = 896,
+# kv = 128), V = 151,936, tied embeddings, q/k/v bias.
+# per layer: q, o 896·896 = 802,816 each; k, v 896·128 = 114,688 each; biases 896 + 2·128;
+#   attention 1,836,160; MLP 3·896·4864 = 13,074,432; norms 2·896 -> 14,912,384
+# embeddings 151,936·896 = 136,134,656; total 24·14,912,384 + 896 + 136,134,656
+P = 494_032_768
+LINEAR = 24 * (1_836_160 + 13_074_432)  # 357,854,208: what autocast casts to bf16
+VOCAB_MATRIX = 136_134_656
+
+
+def items(plan):
+    return {item.name: item for item in plan.items}
+
+
+def test_full_fine_tune_of_the_0_5b_on_one_gpu_by_hand():
+    options = PlanOptions(micro_batch_tokens=16384, rollout_max_seqs=64, rollout_max_seq_len=1024)
+    plan = mp.build_plan("qwen2.5-0.5b", QWEN05, options)
+    got = items(plan)
+    assert QWEN05.num_parameters() == P
+    assert got["actor weights (fp32 masters)"].gpu_bytes == 4 * P  # 1.84 GiB
+    assert got["actor compute copy (bf16)"].gpu_bytes == 2 * (LINEAR + VOCAB_MATRIX)
+    assert got["actor gradients (fp32)"].gpu_bytes == 4 * P
+    assert got["optimizer state (AdamW, fp32)"].gpu_bytes == 8 * P  # exp_avg + exp_avg_sq
+    # activations per token and layer: 4h + 2q + 2kv + 4i = 3584 + 1792 + 256 + 19456 = 25,088
+    # elements; 24 layers + the head's 3h = 604,800 elements, 1,209,600 bytes a token
+    assert got["activations (16,384 tokens)"].gpu_bytes == 16384 * 1_209_600  # 18.5 GiB
+    # head: a 4096-token chunk of bf16 logits + fp32 and bf16 [V, H] lm_head gradients
+    head = 4096 * 151936 * 2 + VOCAB_MATRIX * (4 + 2)
+    assert got["log-prob head (logits chunk, lm_head gradient)"].gpu_bytes == head
+    # fp32 masters: the engine cannot read them, it holds a bf16 copy
+    assert got["rollout weights (bf16 copy)"].gpu_bytes == 2 * P
+    # K and V: 2 · 24 layers · 1024 tokens · 2 kv heads · 64 · 2 bytes = 12 MiB a slot,
+    # 64 slots and the scratch slot (GPU size unknown: all of max_num_seqs)
+    assert got["KV cache (64 + 1 slots × 1,024 tokens)"].gpu_bytes == 65 * 12_582_912
+    # the optimizer step holds masters, gradients and AdamW state, and the rollout's copy
+    assert plan.phase_bytes(mp.STEP) == 4 * P + 4 * P + 8 * P + 2 * P
+    phase, peak = plan.peak()
+    assert phase == mp.UPDATE and peak > plan.phase_bytes(mp.GENERATE)
+    assert plan.host_bytes() == 0
+
+
+def test_gradient_checkpointing_keeps_each_layer_input_and_one_layer():
+    # 24 layers · h = 21,504 elements + one layer's 25,088 + the head's 2,688 = 49,280
+    assert mp.activation_bytes_per_token(QWEN05, gradient_checkpointing=True) == 2 * 49_280
+    qwen3 = PRESETS["qwen3-0.6b"]  # q/k-norm keeps its inputs too: q + kv = 2048 + 1024
+    plain = mp.activation_bytes_per_token(qwen3.replace(qk_norm=False), False)
+    assert mp.activation_bytes_per_token(qwen3, False) - plain == 28 * 2 * (2048 + 1024)
+
+
+def test_fsdp_shards_weights_gradients_and_state_and_accumulates_unsharded():
+    options = PlanOptions(train_gpus=4, micro_batches=3, micro_batch_tokens=8192)
+    got = items(mp.build_plan("qwen2.5-0.5b", QWEN05, options))
+    assert got["actor weights (fp32 masters)"].gpu_bytes == 4 * P // 4
+    assert got["optimizer state (AdamW, fp32)"].gpu_bytes == 8 * P // 4
+    # every unit stays gathered in bf16 for the mini-batch (accumulate_unsharded)
+    assert got["actor gathered weights (bf16)"].gpu_bytes == 2 * P
+    # three micro-batches: fp32 gradients stay whole until the last one reduce-scatters
+    assert got["actor unsharded gradients (accumulating)"].gpu_bytes == 4 * P
+    assert got["actor gradients (fp32)"].phases == (mp.STEP,)
+    # FSDP2 or not, the engine holds a full bf16 copy on every GPU
+    assert got["rollout weights (bf16 copy)"].gpu_bytes == 2 * P
+
+
+def test_offload_moves_state_to_the_host_and_the_step_still_holds_it():
+    offloaded = items(mp.build_plan("q", QWEN05, PlanOptions(optimizer_offload=True)))
+    state = offloaded["optimizer state (AdamW, fp32)"]
+    assert (state.gpu_bytes, state.host_bytes, state.phases) == (8 * P, 8 * P, (mp.STEP,))
+    # param_offload is FSDP2's CPUOffloadPolicy: ignored on one GPU, host memory on two
+    one_gpu = items(mp.build_plan("q", QWEN05, PlanOptions(param_offload=True)))
+    assert one_gpu["actor weights (fp32 masters)"].gpu_bytes == 4 * P
+    two = mp.build_plan("q", QWEN05, PlanOptions(param_offload=True, train_gpus=2))
+    got = items(two)
+    assert got["actor weights (fp32 masters)"].gpu_bytes == 0
+    assert got["actor weights (fp32 masters)"].host_bytes == 4 * P  # both ranks' halves
+    assert got["optimizer state (AdamW, fp32)"].host_bytes == 8 * P
+    assert two.phase_bytes(mp.STEP) == 2 * P  # only the rollout's copy: the host steps
+
+
+def test_lora_trains_the_adapters_only_and_the_reference_is_the_actor():
+    # rank 8 on all seven projections of a layer: 8 · (in + out) summed =
+    # 8 · (2·896 + 2·(896 + 128) + 2·896 + 2·(896 + 4864) + (4864 + 896)) = 183,296
+    assert mp.lora_parameters(QWEN05, 8, mp.LORA_TARGET_SHAPES) == 24 * 183_296
+    options = PlanOptions(lora_rank=8, reference="actor")
+    plan = mp.build_plan("q", QWEN05, options)
+    got = items(plan)
+    trainable = 24 * 183_296
+    assert got["actor weights (fp32 masters)"].gpu_bytes == 4 * P  # base weights stay fp32
+    assert got["optimizer state (AdamW, fp32)"].gpu_bytes == 8 * trainable
+    assert got["actor gradients (fp32)"].gpu_bytes == 4 * trainable
+    assert got["reference weights"].gpu_bytes == 0
+
+
+def test_lora_count_matches_peft():
+    pytest.importorskip("peft")
+    from hybridflow.learners.lora import apply_lora
+    from hybridflow.models import build_model
+
+    model = build_model(PRESETS["tiny-4l"])
+    apply_lora(model, rank=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert mp.lora_parameters(PRESETS["tiny-4l"], 4, ("q_proj", "v_proj", "down_proj")) == trained
+
+
+def test_rollout_reads_bf16_training_weights_in_place():
+    plan = mp.build_plan("q", QWEN05, PlanOptions(master_bytes=2))  # model.dtype=bfloat16
+    assert items(plan)["rollout weights"].gpu_bytes == 0
+    assert "actor compute copy (bf16)" not in items(plan)  # no mixed precision, no casts
+
+
+def test_kv_cache_takes_its_fraction_of_what_generation_leaves_free():
+    options = PlanOptions(gpu_bytes=40 * GIB, gpu_memory_utilization=0.5,
+                          rollout_max_seqs=2000, rollout_max_seq_len=1024)  # fmt: skip
+    plan = mp.build_plan("q", QWEN05, options)
+    # resident while generating: masters 4P + AdamW 8P + rollout copy 2P + fused copies
+    fused = 24 * ((896 + 256) * 896 + 1152 + 2 * 4864 * 896) * 2
+    assert mp.fused_copy_bytes(QWEN05, "all") == fused
+    used = 14 * P + fused
+    # reserve: 2,000 decode rows · V · 6 + 16,384 prefill tokens · (4i + 8h) · 2 bytes
+    reserve = 2000 * 151936 * 6 + 16384 * (4 * 4864 + 8 * 896) * 2
+    slots = (int(0.5 * (40 * GIB - used)) - reserve) // 12_582_912 - 1
+    assert plan.kv_slots == slots and 0 < slots < 2000  # the budget, not max_num_seqs, decides
+    kv = next(i for i in plan.items if i.name.startswith("KV cache"))
+    assert kv.gpu_bytes == (slots + 1) * 12_582_912
+    small = mp.build_plan("q", QWEN05, PlanOptions(gpu_bytes=8 * GIB, rollout_max_seqs=1024))
+    assert small.kv_slots == 0  # 8 GiB: the update's resident items leave no slot
+
+
+# Peaks measured with torch.cuda.max_memory_allocated on one H200 (docs/performance.md,
+# 2026-11-30), and the options of each workload.
+MEASURED = [
+    pytest.param(  # GRPO vs TRL, hybridflow defaults: 128 x 8 samples of 128 + 256 tokens
+        "qwen2.5-0.5b", 16.1,
+        dict(gradient_checkpointing=True, micro_batch_tokens=65536, micro_batches=6,
+             rollout_max_seqs=1024, rollout_max_seq_len=384),
+        id="grpo-1gpu",
+    ),
+    pytest.param(  # the same workload per GPU on 2 GPUs (FSDP2)
+        "qwen2.5-0.5b", 13.3,
+        dict(gradient_checkpointing=True, micro_batch_tokens=65536, micro_batches=3,
+             train_gpus=2, rollout_max_seqs=512, rollout_max_seq_len=384),
+        id="grpo-2gpu-fsdp",
+    ),
+    pytest.param(  # train_scaling.py: actor update only, 16,384-token micro-batches
+        "qwen2.5-0.5b", 27.8, dict(micro_batch_tokens=16384, micro_batches=2),
+        id="update-1gpu",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("model, measured_gib, options", MEASURED)
+def test_plan_is_within_15_percent_of_measured_peaks(model, measured_gib, options):
+    plan = mp.build_plan(model, PRESETS[model], PlanOptions(**options))
+    _, peak = plan.peak()
+    if "rollout_max_seqs" not in options:  # the update alone: no rollout engine existed
+        peak = plan.phase_bytes(mp.UPDATE) - items(plan)["rollout weights (bf16 copy)"].gpu_bytes
+    assert abs(peak / GIB - measured_gib) / measured_gib < 0.15
+
+
+def test_render_lists_every_item_and_the_verdict():
+    plan = mp.build_plan("qwen2.5-0.5b", QWEN05, PlanOptions(gpu_bytes=10 * GIB))
+    text = mp.render(plan, "trainer.gpu_memory_gib")
+    assert all(item.name in text for item in plan.items)
+    assert "10.0 GiB (trainer.gpu_memory_gib)" in text and "does NOT fit" in text
+    unknown = mp.render(mp.build_plan("qwen2.5-0.5b", QWEN05, PlanOptions()))
+    assert "fit not checked" in unknown
+
+
+def test_a_kept_kv_cache_and_split_placement():
+    kept = mp.build_plan("q", QWEN05, PlanOptions(release_cache=False, rollout_max_seqs=64,
+                                                  rollout_max_seq_len=1024))  # fmt: skip
+    kv = next(i for i in kept.items if i.name.startswith("KV cache"))
+    assert kv.phases == mp.ALWAYS  # never released: the update holds it too
+    assert kept.phase_bytes(mp.UPDATE) - kv.gpu_bytes == mp.build_plan(
+        "q", QWEN05, PlanOptions(rollout_max_seqs=64, rollout_max_seq_len=1024)
+    ).phase_bytes(mp.UPDATE) + mp.fused_copy_bytes(QWEN05, "all")  # the fused copies stay too
+    split = mp.build_plan("q", QWEN05, PlanOptions(split=True, rollout_max_seqs=64))
+    on_rollout = {i.name for i in split.items if i.rollout_gpu}
+    assert "rollout weights (bf16 copy)" in on_rollout and any("KV" in n for n in on_rollout)
+    # the training GPUs hold the actor only: masters + AdamW while the rollout generates
+    assert split.phase_bytes(mp.GENERATE) == 4 * P + 8 * P
+    assert split.host_bytes() == 4 * P  # actor.full_weights(): fp32 masters on the controller
