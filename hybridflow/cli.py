@@ -204,6 +204,11 @@ def _add_unavailable(sub, name: str, help_text: str, reason: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
+    if unknown and isinstance(getattr(args, "overrides", None), list):
+        # `config validate --config x.yaml a=b`: argparse fills the positionals before the
+        # option and leaves the overrides after it over; they are overrides all the same
+        args.overrides += [item for item in unknown if "=" in item and not item.startswith("-")]
+        unknown = [item for item in unknown if "=" not in item or item.startswith("-")]
     if unknown and not getattr(args, "takes_any_arguments", False):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "func", None):

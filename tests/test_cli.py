@@ -108,3 +108,13 @@ def test_unknown_arguments_still_rejected(capsys):
         main(["config", "validate", "--no-such-flag"])
     assert exit_info.value.code == 2
     assert "--no-such-flag" in capsys.readouterr().err
+
+
+def test_overrides_after_the_config_option_are_overrides(capsys):
+    """`config show --config FILE key=value`: argparse leaves the overrides after the option
+    unassigned; they must still apply, not fail as unrecognized arguments."""
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "grpo.yaml"
+    assert main(["config", "show", "--config", str(example), "trainer.total_steps=3"]) == 0
+    assert "total_steps: 3" in capsys.readouterr().out
