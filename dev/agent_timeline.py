@@ -7,7 +7,7 @@ waiting for requests; plus the submit calls on the episodes' thread.
     python dev/agent_timeline.py --preset tiny --device cpu --episodes 64   # dry run
 
 Wrappers time each method (a few microseconds each), so the phases add up to about the wall
-time of the engine's thread. A phase far above its share of the decode work is the lead: an
+time of the engine's thread. A phase far above its share of the decode work is the clue: an
 H200 run showed 3.67 s of 4.26 s in 14 extend passes, which were timing kernel candidates at
 each new token count (docs/engine.md, Rollout service).
 """
