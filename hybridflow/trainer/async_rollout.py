@@ -20,7 +20,7 @@ samples with its own copy of the weights (the actor's in-place updates must not 
 generation in flight); the gap between the behaviour policy and the trained one is corrected
 with truncated importance weights (actor.rollout_is_cap, 2 by default in async mode).
 Waits time out after trainer.call_timeout_s with the role and step that stalled; an error in
-the producer stops the run with its traceback.
+the producer (a dead rollout worker, a reward that fails) stops the run as itself.
 """
 
 from __future__ import annotations
@@ -140,8 +140,13 @@ class RolloutProducer:
             self.changed.wait(left)
 
     def _raise(self) -> None:
+        """The producer's error, as itself: a dead rollout worker stays a WorkerDiedError
+        naming its role and rank, a user error stays one (the CLI reports them as such)."""
         if self.error is not None:
-            raise RuntimeError("the rollout producer failed (its traceback above)") from self.error
+            note = "raised by the async rollout producer (trainer.mode=async)"
+            if note not in getattr(self.error, "__notes__", ()):
+                self.error.add_note(note)
+            raise self.error
 
 
 def async_step_metrics(batch_version: int, trained_version: int, timer: Timer) -> dict:

@@ -93,10 +93,57 @@ def test_a_failing_producer_stops_the_trainer_with_its_error():
         raise ValueError("the reward server is down")
 
     producer = RolloutProducer(broken, 1, 3, 0, lambda s: False, installed=0, timeout_s=5)
-    with pytest.raises(RuntimeError, match="rollout producer failed") as error:
+    with pytest.raises(ValueError, match="the reward server is down") as error:
         producer.take(1)
-    assert "reward server is down" in str(error.value.__cause__)
+    assert any("async rollout producer" in note for note in error.value.__notes__)
     producer.close()
+
+
+def test_a_killed_rollout_process_is_named_and_leaves_no_orphans(tmp_path, monkeypatch):
+    """local backend, async mode: the rollout worker is killed while the producer generates
+    step 2; the run stops with the dead worker named (role, rank) within seconds, and no
+    worker process is left."""
+    import os
+    import signal
+
+    from hybridflow.controller.errors import WorkerDiedError
+    from hybridflow.trainer import stages
+
+    real, calls, pids = stages.generate, [], []
+
+    def generate(run, prompts, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # step 2's rollout, on the producer's thread
+            pids.extend(pid for group in run.roles.groups for pid in group.pids())
+            os.kill(pids[0], signal.SIGKILL)
+        return real(run, prompts, **kwargs)
+
+    monkeypatch.setattr(stages, "generate", generate)
+    cfg = tiny_config(tmp_path, "trainer.backend=local", "trainer.mode=async",
+                      "trainer.max_staleness=0", "trainer.total_steps=3",
+                      "trainer.val_before_train=false")  # fmt: skip
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="rank 0"):
+        train(cfg, log=lambda *a, **k: None)
+    assert time.monotonic() - started < 120
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids)
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone for our purposes
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except OSError:
+        return False
 
 
 def test_async_settings_are_checked():
