@@ -40,6 +40,12 @@ class EngineOptions:
     traffic) wait up to this many chunks of decode steps for others to share their prefill
     pass (each pass is a fixed cost: ~a millisecond of launches per layer stack); an eighth of
     the slots' worth of waiting requests is admitted at once. 0: admit at every chunk."""
+    admission_gather_ms: float = 2.0
+    """Rollout service, when nothing decodes: requests arriving a few at a time (the turns of
+    episodes whose tools just returned) wait until none has arrived for this long (at most
+    ten times as long in all) before the first prefill, so a burst decodes in step instead of
+    in staggered cohorts that each take a whole chunk of steps at a fraction of the batch.
+    An eighth of the slots' worth waiting starts at once. 0: start at the first request."""
     fuse_projections: str = "all"
     """triton backend: "all" keeps a concatenated copy of each layer's q/k/v and interleaved
     gate/up weights with the RMSNorm weights folded in (one matmul instead of three and two;
@@ -103,6 +109,9 @@ class EngineOptions:
         if not isinstance(self.admission_wait_chunks, int) or self.admission_wait_chunks < 0:
             problems.append(f"admission_wait_chunks={self.admission_wait_chunks!r}: must be an "
                             "integer >= 0")  # fmt: skip
+        gather = self.admission_gather_ms
+        if isinstance(gather, bool) or not isinstance(gather, (int, float)) or not gather >= 0:
+            problems.append(f"admission_gather_ms={gather!r}: must be a number >= 0")
         if not isinstance(self.max_prefill_tokens, int) or self.max_prefill_tokens < 1:
             problems.append(
                 f"max_prefill_tokens={self.max_prefill_tokens!r}: must be an integer >= 1"
@@ -137,5 +146,6 @@ class EngineOptions:
             "sync_lag",
             "cuda_graphs",
             "admission_wait_chunks",
+            "admission_gather_ms",
         }
         return {k: v for k, v in asdict(self).items() if k not in skip}

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 
@@ -178,6 +179,7 @@ class RolloutService:
         with context, torch.no_grad():
             busy = contextlib.ExitStack()  # holds the collector's pause while there is work
             paused_gc = False
+            gathered = False  # this burst of requests has had its wait (_gather)
             while True:
                 with self._wake:
                     while not self._inbox and not self._closed and not self._has_work():
@@ -193,12 +195,38 @@ class RolloutService:
                         future.set_result(task())
                     except BaseException as error:  # the caller of _call re-raises it
                         future.set_exception(error)
+                if not gathered and self._should_gather():
+                    gathered = True
+                    self._gather()
+                    continue  # take what arrived meanwhile before the first prefill
                 if self._has_work():
+                    gathered = False
                     if not paused_gc:
                         busy.enter_context(cyclic_gc_paused())
                         paused_gc = True
                     self._step()
             busy.close()
+
+    def _should_gather(self) -> bool:
+        """Nothing decodes and a few requests wait (EngineOptions.admission_gather_ms)."""
+        scheduler = self.engine.scheduler
+        if self._paused or scheduler is None or scheduler.rows or scheduler.pending is not None:
+            return False
+        waiting = len(scheduler.waiting) + len(scheduler.extending)
+        return 0 < waiting < max(1, scheduler.cache.num_slots // 8)
+
+    def _gather(self) -> None:
+        """Wait until no task has arrived for admission_gather_ms (at most ten windows)."""
+        quiet = self.engine.options.admission_gather_ms / 1000
+        deadline = time.monotonic() + 10 * quiet
+        with self._wake:
+            while not self._closed:
+                arrived, left = len(self._inbox), deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._wake.wait(min(quiet, left))
+                if len(self._inbox) == arrived:
+                    return
 
     def _step(self) -> None:
         try:

@@ -248,3 +248,27 @@ def test_weights_changed_in_place_reach_a_running_service(model):
     scaled = _alone(own, PROMPTS[0], SAMPLED, 1)
     assert after.token_ids == scaled.token_ids and after.version_spans == ((0, 1),)
     assert before.token_ids == _alone(model, PROMPTS[0], SAMPLED, 1).token_ids
+
+
+def test_a_burst_arriving_while_nothing_decodes_shares_one_prefill_and_decodes_in_step(model):
+    import time
+
+    options = EngineOptions(decode_backend="torch", cuda_graphs=False, steps_per_sync=2,
+                            admission_gather_ms=200.0)  # fmt: skip
+    engine = Engine(model, 64, 64, options=options)
+    with RolloutService(engine) as service:
+        handles = []
+        for i, prompt in enumerate(PROMPTS[:6]):  # a few ms apart, as tools return
+            handles.append(service.submit(prompt, SAMPLED, seed=i))
+            time.sleep(0.005)
+        for handle in handles:
+            handle.result(timeout=60)
+        scheduler = engine.scheduler
+        assert scheduler.admissions == 1
+        assert scheduler.decoded_rows == 6 * scheduler.decode_steps  # all six in every step
+
+
+def test_gather_window_is_validated():
+    assert EngineOptions(admission_gather_ms=-1).validate()
+    assert EngineOptions(admission_gather_ms=True).validate()
+    assert not EngineOptions(admission_gather_ms=0).validate()
