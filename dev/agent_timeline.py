@@ -23,7 +23,8 @@ import time
 import torch
 
 
-def instrument(counts: collections.Counter, seconds: collections.defaultdict) -> None:
+def instrument(counts: collections.Counter, seconds: collections.defaultdict,
+               events: list) -> None:  # fmt: skip
     from hybridflow.engine import scheduler, service
 
     def wrap(owner, name):
@@ -34,8 +35,11 @@ def instrument(counts: collections.Counter, seconds: collections.defaultdict) ->
             try:
                 return original(*args, **kwargs)
             finally:
-                seconds[name] += time.perf_counter() - start
+                end = time.perf_counter()
+                seconds[name] += end - start
                 counts[name] += 1
+                if name == "step":  # (start, end, live rows after it)
+                    events.append((start, end, len(args[0].rows)))
 
         setattr(owner, name, timed)
 
@@ -67,6 +71,8 @@ def main() -> None:
     parser.add_argument("--tool-tokens", type=int, default=32)
     parser.add_argument("--tool-latency-ms", type=float, default=10)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--torch-profile", action="store_true",
+                        help="also profile the timed run: top ops by device and host time")  # fmt: skip
     args = parser.parse_args()
 
     from hybridflow.agents.bench import FixedScheduleEpisodes
@@ -75,8 +81,8 @@ def main() -> None:
     from hybridflow.engine.bench_cli import make_prompts
     from hybridflow.models import load_model
 
-    counts, seconds = collections.Counter(), collections.defaultdict(float)
-    instrument(counts, seconds)
+    counts, seconds, events = collections.Counter(), collections.defaultdict(float), []
+    instrument(counts, seconds, events)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = load_model(args.preset, dtype=dtype, device=device).eval()
@@ -106,15 +112,53 @@ def main() -> None:
     agent_run()  # warm-up: compile, tune
     counts.clear()
     seconds.clear()
+    events.clear()
     scheduler = engine.scheduler
     steps, rows = scheduler.decode_steps, scheduler.decoded_rows
-    wall = agent_run()
+    if args.torch_profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
+                                               else [])  # fmt: skip
+        with profile(activities=activities) as prof:
+            wall = agent_run()
+        averages = prof.key_averages()
+        if device.type == "cuda":
+            print(
+                averages.table(
+                    sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60
+                )
+            )
+        print(averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    else:
+        wall = agent_run()
     steps, rows = scheduler.decode_steps - steps, scheduler.decoded_rows - rows
     print(f"{args.preset} on {args.device}: wall {wall:.3f} s, {steps} decode steps, "
           f"{rows / max(steps, 1):.1f} rows per step")  # fmt: skip
     print("| phase | calls | seconds |\n|---|---|---|")
     for name in sorted(seconds, key=seconds.get, reverse=True):
         print(f"| {name} | {counts[name]} | {seconds[name]:.3f} |")
+    print_steps(events)
+
+
+def print_steps(events: list) -> None:
+    """The engine thread's steps as runs of one live-row count, with the gaps between steps
+    (the engine idle, or busy outside step(): taking submissions)."""
+    if not events:
+        return
+    origin = events[0][0]
+    print("| from ms | to ms | steps | live rows after | gap before ms |\n|---|---|---|---|---|")
+    run_start, run_rows, run_steps, gap, last_end = events[0][0], events[0][2], 0, 0.0, None
+    for start, end, rows in events:
+        before = 0.0 if last_end is None else start - last_end
+        if rows != run_rows or before > 1e-3:
+            print(f"| {(run_start - origin) * 1e3:.1f} | {(last_end - origin) * 1e3:.1f} | "
+                  f"{run_steps} | {run_rows} | {gap * 1e3:.1f} |")  # fmt: skip
+            run_start, run_rows, run_steps, gap = start, rows, 0, before
+        run_steps += 1
+        last_end = end
+    print(f"| {(run_start - origin) * 1e3:.1f} | {(last_end - origin) * 1e3:.1f} | {run_steps} | "
+          f"{run_rows} | {gap * 1e3:.1f} |")  # fmt: skip
 
 
 if __name__ == "__main__":
