@@ -53,7 +53,7 @@ def run(run_dir: Path, cache: Path, *extra: str) -> dict[int, dict]:
     done = subprocess.run(
         [sys.executable, "-c", code, "train", "--config", str(REPO / "examples" / "grpo.yaml"),
          *overrides],  # fmt: skip
-        env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
