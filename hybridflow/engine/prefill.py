@@ -167,7 +167,7 @@ def extend_forward_triton(
     matmul=None,
     launch: Launch = PLAIN,
     autotune: bool = True,
-    attention: str = "auto",
+    attention_kernel: str = "auto",
 ) -> torch.Tensor:
     """extend_forward with the fused kernels: RoPE and the cache store of every new token
     first (rope_store), then the new tokens' attention over their slots, two launches, so no
@@ -179,14 +179,16 @@ def extend_forward_triton(
     for all its new tokens. Elsewhere, each token as a decode row over its slot
     (decode_attention), which re-reads the prefix for every new token: an H200 profile of
     256 agent turns of 33 new tokens spent ~60 ms a pass there, against ~5 for the prefill of
-    as many tokens. attention: "flash", "decode", or "auto" (flash where it runs). autotune:
+    as many tokens. attention_kernel: "flash", "decode", or "auto" (flash where it runs). autotune:
     time decode_attention's tile for each new token count (Engine turns it off)."""
     from hybridflow.engine.kernels import attention, rowwise
     from hybridflow.engine.layers.split import fused_layers
 
+    if attention_kernel not in ("auto", "flash", "decode"):
+        raise ValueError(f"attention_kernel={attention_kernel!r}: auto, flash or decode")
     flash = (
-        attention == "flash"
-        or attention == "auto"
+        attention_kernel == "flash"
+        or attention_kernel == "auto"
         and (
             input_ids.device.type == "cuda" and cache.keys.dtype in (torch.float16, torch.bfloat16)
         )

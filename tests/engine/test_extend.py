@@ -48,11 +48,19 @@ def test_flash_extend_matches_decode_rows_in_bf16():
     last = (torch.tensor(new).cumsum(0) - 1).to(device)
     ids = torch.randint(0, model.config.vocab_size, (sum(new),), device=device,
                         generator=generator)  # fmt: skip
-    logits = {
-        attention: extend_forward_triton(model, cache, rope, ids, positions, token_slots, last,
-                                         autotune=False, attention=attention).float()
-        for attention in ("decode", "flash")
-    }  # fmt: skip
+    from torch.profiler import ProfilerActivity, profile
+
+    logits, kernels = {}, {}
+    for kernel in ("decode", "flash"):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            logits[kernel] = extend_forward_triton(
+                model, cache, rope, ids, positions, token_slots, last, autotune=False,
+                attention_kernel=kernel,
+            ).float()  # fmt: skip
+            torch.cuda.synchronize()
+        kernels[kernel] = " ".join(event.key for event in prof.key_averages())
+    assert "flash" in kernels["flash"] and "_decode_attention" not in kernels["flash"]
+    assert "_decode_attention" in kernels["decode"]
     scale = logits["decode"].abs().max()
     assert (logits["flash"] - logits["decode"]).abs().max() <= 0.02 * scale
     assert (logits["flash"].argmax(-1) == logits["decode"].argmax(-1)).float().mean() >= 0.66
