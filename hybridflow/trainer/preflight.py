@@ -166,7 +166,7 @@ def _checkpoint_bytes(cfg: Config) -> int:
     architecture = model_architecture(cfg.model.path)
     if architecture is None:
         return MIN_FREE_BYTES
-    return max(MIN_FREE_BYTES, 12 * parameter_count(architecture))
+    return max(MIN_FREE_BYTES, 12 * architecture.num_parameters())
 
 
 def model_architecture(model_path: str):
@@ -185,7 +185,9 @@ def model_architecture(model_path: str):
 
 
 def parameter_count(architecture) -> int:
-    """Weights of the decoder layers (attention, SwiGLU MLP) and the embedding."""
+    """Weights a token's forward pass multiplies by: the decoder layers' projections (attention,
+    SwiGLU MLP) and the lm_head (vocab × hidden, tied to the embedding or not; the embedding
+    itself is a lookup). For stored bytes use ModelArchitecture.num_parameters()."""
     a = architecture
     q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
     per_layer = a.hidden_size * (2 * q + 2 * kv) + 3 * a.hidden_size * a.intermediate_size
