@@ -271,6 +271,21 @@ def _summary(name: str, times: list[float], args, peak_gib: float, gpus: int = 1
     }
 
 
+def _stage_floors(model_dir: str, args, device_name: str) -> dict[str, float]:
+    """Each stage's floor for this workload on this GPU ({} on a CPU or an unknown GPU)."""
+    from hybridflow.trainer.metrics import peak_flops_per_gpu
+    from hybridflow.trainer.preflight import model_architecture
+    from hybridflow.trainer.stage_floors import StepShape, peak_bandwidth, stage_floors
+
+    architecture = model_architecture(model_dir)
+    if architecture is None:
+        return {}
+    shape = StepShape(args.prompts, args.samples, args.prompt_len, args.new_tokens)
+    recompute = "model.gradient_checkpointing=false" not in args.override
+    return stage_floors(architecture, shape, peak_flops_per_gpu(device_name),
+                        peak_bandwidth(device_name), recompute=recompute)  # fmt: skip
+
+
 def _device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
@@ -353,11 +368,19 @@ def main() -> None:
     if len(results) == 2:
         print(f"speed-up hybridflow / TRL: {results[1]['step_s'] / results[0]['step_s']:.2f}×")
     if results and "breakdown" in results[0]:
-        print("hybridflow breakdown (mean of timed steps, s):")
         breakdown = results[0]["breakdown"]
+        floors = _stage_floors(model_dir, args, dev)
+        results[0]["floors"] = floors
+        print("hybridflow breakdown (mean of timed steps, s; floor: at the GPU's peak, "
+              "hybridflow/trainer/stage_floors.py):")  # fmt: skip
         step = breakdown["timing_s/step"]
         for k, v in breakdown.items():
-            print(f"  {k:<28}{v:>8.3f}{100 * v / step:>7.1f}%")
+            floor = (
+                f"   floor {floors[k]:.3f} ({100 * floors[k] / v:.0f}% of it)"
+                if k in floors
+                else ""
+            )
+            print(f"  {k:<28}{v:>8.3f}{100 * v / step:>7.1f}%{floor}")
         stages = sum(v for k, v in breakdown.items() if k != "timing_s/step")
         print(
             f"  {'controller (step - stages)':<28}{step - stages:>8.3f}{100 * (step - stages) / step:>7.1f}%"

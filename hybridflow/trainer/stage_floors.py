@@ -1,0 +1,104 @@
+"""Lower bounds on the time of each stage of a GRPO step on one GPU, from the model's shape,
+the batch and the device's peak: the benchmark prints each beside the measured stage, so the
+distance to the hardware is visible per stage rather than as one MFU figure.
+
+- generation: prefill of each unique prompt (compute-bound) plus one decode step per new
+  token, each bounded by the larger of its matmul FLOPs and the bytes it must read (every
+  weight once, and the K/V of every live row up to its position);
+- a scoring pass (old log-probs, reference): one forward over every token;
+- the actor update: forward + backward (3 forwards), 4 with activation recomputation.
+
+Matmul FLOPs are 2 per weight per token (the lm_head's included, tied or not; the embedding is
+a lookup), attention 4·L·(heads·head_dim) per token and position attended (causal: half the
+sequence on average for a full pass). A floor assumes the peak: real kernels reach 60-80% of
+it at best, so a stage at 2× its floor has room, one at 1.2× has little.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# HBM bandwidth per device, bytes/s, from the vendors' data sheets (SXM parts).
+PEAK_HBM_BYTES_PER_S = {
+    "H200": 4.8e12,
+    "H100": 3.35e12,
+    "H800": 3.35e12,
+    "A100": 2.04e12,
+    "A800": 2.04e12,
+    "L40S": 0.864e12,
+    "A10G": 0.6e12,
+    "RTX 4090": 1.008e12,
+}
+
+
+def peak_bandwidth(device_name: str | None) -> float | None:
+    """HBM bytes/s of the named device, None if unknown."""
+    for key, bandwidth in PEAK_HBM_BYTES_PER_S.items():
+        if device_name and key in device_name:
+            return bandwidth
+    return None
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One GRPO step's work: `prompts` unique prompts of `prompt_len` tokens, `samples` each,
+    `new_tokens` generated per sample (every sample to full length)."""
+
+    prompts: int
+    samples: int
+    prompt_len: int
+    new_tokens: int
+
+
+def _matmul_weights(a) -> int:
+    q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+    per_layer = a.hidden_size * (2 * q + 2 * kv) + 3 * a.hidden_size * a.intermediate_size
+    return a.num_hidden_layers * per_layer + a.vocab_size * a.hidden_size
+
+
+def _attention_flops(a, positions: float) -> float:
+    """Attention FLOPs of one token attending over `positions` earlier positions."""
+    return 4.0 * a.num_hidden_layers * a.num_attention_heads * a.head_dim * positions
+
+
+def generation_floor(a, shape: StepShape, peak_flops: float, bandwidth: float,
+                     dtype_bytes: int = 2) -> float:  # fmt: skip
+    """Seconds: prefill of each unique prompt + one decode step per new token."""
+    weights = _matmul_weights(a)
+    prefill_tokens = shape.prompts * shape.prompt_len
+    seconds = (
+        prefill_tokens * (2.0 * weights + _attention_flops(a, shape.prompt_len / 2)) / peak_flops
+    )
+    rows = shape.prompts * shape.samples
+    kv_bytes_per_position = (
+        2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * dtype_bytes
+    )
+    weight_bytes = weights * dtype_bytes
+    for step in range(shape.new_tokens):
+        context = shape.prompt_len + step
+        flops = rows * (2.0 * weights + _attention_flops(a, context))
+        read = weight_bytes + rows * context * kv_bytes_per_position
+        seconds += max(flops / peak_flops, read / bandwidth)
+    return seconds
+
+
+def forward_floor(a, shape: StepShape, peak_flops: float) -> float:
+    """Seconds of one forward pass over every token of every sample (a scoring pass)."""
+    length = shape.prompt_len + shape.new_tokens
+    tokens = shape.prompts * shape.samples * length
+    return tokens * (2.0 * _matmul_weights(a) + _attention_flops(a, length / 2)) / peak_flops
+
+
+def stage_floors(a, shape: StepShape, peak_flops: float | None, bandwidth: float | None,
+                 recompute: bool = True) -> dict[str, float]:  # fmt: skip
+    """{timing key: floor seconds} for the stages a floor is known for; empty without the
+    device's peaks (a CPU, an unknown GPU)."""
+    if not peak_flops or not bandwidth:
+        return {}
+    forward = forward_floor(a, shape, peak_flops)
+    return {
+        "timing_s/gen": generation_floor(a, shape, peak_flops, bandwidth),
+        "timing_s/old_logprob": forward,
+        "timing_s/ref": forward,
+        "timing_s/update_actor": (4 if recompute else 3) * forward,
+    }
