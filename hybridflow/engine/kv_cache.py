@@ -53,6 +53,16 @@ def bytes_per_slot(
     return 2 * num_layers * max_seq_len * kv_heads * head_dim * element
 
 
+def available_bytes(device: torch.device) -> int:
+    """Device memory this process can allocate: free on the device plus what PyTorch's
+    allocator holds cached but unused (a colocated trainer's freed activations and gradients
+    stay reserved; counting free memory alone shrank the rollout's cache after the first
+    training step)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return free + max(0, cached)
+
+
 def plan_slots(
     max_batch_size: int,
     slot_bytes: int,
@@ -62,17 +72,16 @@ def plan_slots(
 ) -> int:
     """Number of slots: max_batch_size, or fewer if the budget does not hold them.
 
-    memory_budget: bytes (int > 1), a fraction of the currently free device memory (float in
-    (0, 1]), or None (90% of free memory minus reserve_bytes on CUDA; unlimited on CPU)."""
+    memory_budget: bytes (int > 1), a fraction of the available device memory (float in
+    (0, 1]; available_bytes), or None (90% of it minus reserve_bytes on CUDA; unlimited on
+    CPU)."""
     if memory_budget is None:
         if device.type != "cuda":
             return max_batch_size
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(0.9 * free) - reserve_bytes
+        budget = int(0.9 * available_bytes(device)) - reserve_bytes
     elif isinstance(memory_budget, float) and 0 < memory_budget <= 1:
         if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = int(memory_budget * free) - reserve_bytes
+            budget = int(memory_budget * available_bytes(device)) - reserve_bytes
         else:
             return max_batch_size
     else:
