@@ -1,0 +1,182 @@
+"""GRPO step time, synchronous against asynchronous, on a long-tail length workload.
+
+    python benchmarks/async_rl.py --preset qwen2.5-0.5b --prompts 128 --samples 8 \\
+        --max-new-tokens 4096 --mean-new-tokens 1024 --steps 6 --modes sync async:1
+    python benchmarks/async_rl.py --preset tiny --device cpu --prompts 4 --samples 2 \\
+        --max-new-tokens 32 --mean-new-tokens 8 --steps 3          # smoke run
+
+The lengths: a random-weight model samples nearly uniformly over its vocabulary, so with K of
+its V ids as end-of-sequence ids (the model's config.json `eos_token_id` list) a response
+ends at each token with probability ~K/V: geometric lengths of mean ~V/K, the few longest
+cut at --max-new-tokens. A synchronous step waits for the longest of its samples; the
+asynchronous mode (docs/async.md) trains on the last batch while the next one decodes.
+
+Each mode runs `hybridflow train` in a fresh process on the same prompts, seed and model
+(jsonl prompts of --prompt-len ids spelled as the word-level tokenizer's words; a reward
+hashed from the response, so groups have spread). Printed: the mean step time after the
+first --warmup steps, the speed-up over the first mode, the realised response lengths, and
+the asynchronous metrics the run logged (staleness, IS weights) where present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+REWARD = '''
+import zlib
+
+
+def hashed_score(data_source, solution_str, ground_truth, extra_info=None):
+    """A reward in [0, 1) that differs between responses (GRPO needs spread in a group)."""
+    return (zlib.crc32(solution_str.encode()) % 1000) / 1000
+'''
+
+
+def build_model_dir(preset: str, out_dir: Path, mean_new_tokens: float) -> dict:
+    """A random-weight checkpoint of the preset with ~V/mean of its ids as end-of-sequence
+    ids, and beside it a word-level tokenizer (grpo_vs_trl.py) whose chat template is the
+    messages' text. -> config.json's contents."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from grpo_vs_trl import build_hf_model_dir, load_word_tokenizer
+
+    build_hf_model_dir(preset, str(out_dir))
+    tokenizer = load_word_tokenizer(str(out_dir))
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    # In a directory of its own (model.tokenizer_path): next to the model's config.json,
+    # AutoTokenizer would pick the model type's tokenizer class, which cannot read it.
+    tokenizer.save_pretrained(str(out_dir.parent / "tokenizer"))
+    config_path = out_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    vocab = config["vocab_size"]
+    stops = max(1, round(vocab / mean_new_tokens))
+    config["eos_token_id"] = list(range(vocab - 1 - stops, vocab - 1))  # not the pad id
+    config_path.write_text(json.dumps(config, indent=1))
+    return config
+
+
+def write_prompts(path: Path, prompts: int, prompt_len: int, vocab: int, seed: int) -> None:
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for _ in range(prompts):
+            words = " ".join(f"w{rng.randrange(10, vocab // 2)}" for _ in range(prompt_len))
+            row = {"data_source": "longtail", "prompt": [{"role": "user", "content": words}],
+                   "reward_model": {"ground_truth": ""}}  # fmt: skip
+            f.write(json.dumps(row) + "\n")
+
+
+def mode_overrides(mode: str) -> list[str]:
+    """'sync' or 'async:S' (staleness S)."""
+    if mode == "sync":
+        return ["trainer.mode=sync"]
+    name, _, staleness = mode.partition(":")
+    if name != "async" or not staleness.isdigit():
+        raise SystemExit(f"--modes: {mode!r} is not 'sync' or 'async:S' (S an integer)")
+    return ["trainer.mode=async", f"trainer.max_staleness={staleness}"]
+
+
+def run_mode(mode: str, work: Path, args) -> dict:
+    run_dir = work / f"run-{mode.replace(':', '-')}"
+    overrides = [
+        f"model.path={work / 'model'}",
+        f"model.tokenizer_path={work / 'tokenizer'}",
+        f"data.train_files=[{work / 'prompts.jsonl'}]",
+        "data.val_files=[]",
+        f"data.train_batch_size={args.prompts}",
+        f"data.max_prompt_length={args.prompt_len + 8}",
+        f"data.max_response_length={args.max_new_tokens}",
+        f"rollout.n={args.samples}",
+        f"actor.ppo_mini_batch_size={args.prompts}",
+        f"reward.custom_fn={work / 'reward.py'}:hashed_score",
+        f"trainer.total_steps={args.steps}",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=0",
+        "trainer.save_freq=-1",
+        "trainer.loggers=[jsonl]",
+        f"trainer.run_dir={run_dir}",
+        f"trainer.cache_dir={work / 'cache'}",
+        *([f"trainer.device={args.device}"] if args.device else []),
+        *mode_overrides(mode),
+        *args.override,
+    ]
+    code = "import sys; from hybridflow.cli import main; sys.exit(main(sys.argv[1:]))"
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    )
+    done = subprocess.run([sys.executable, "-c", code, "train", *overrides], env=env,
+                          capture_output=True, text=True, timeout=args.run_timeout)  # fmt: skip
+    if done.returncode != 0:
+        raise SystemExit(
+            f"{mode}: hybridflow train failed\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+        )
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if row.get("step", 0) > 0 and "timing_s/step" in row]
+    timed = steps[args.warmup :] or steps
+    for row in steps:  # the async mode's wait for its rollout lies outside train_step
+        row["wall_s"] = row["timing_s/step"] + row.get("timing_s/wait_rollout", 0.0)
+    mean = lambda key: sum(row.get(key, 0.0) for row in timed) / len(timed)  # noqa: E731
+    extra = sorted({k for row in timed for k in row if k.startswith(("async/", "staleness/"))})
+    return {
+        "mode": mode,
+        "step_s": mean("wall_s"),
+        "steps_s": [row["wall_s"] for row in steps],
+        "response_mean": mean("response_length/mean"),
+        "response_max": max(row.get("response_length/max", 0.0) for row in timed),
+        "clip_ratio": mean("response_length/clip_ratio"),
+        "async_metrics": {k: mean(k) for k in extra},
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="qwen2.5-0.5b")
+    p.add_argument("--prompts", type=int, default=128)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=4096)
+    p.add_argument("--mean-new-tokens", type=float, default=1024)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the mean")
+    p.add_argument("--modes", nargs="+", default=["sync", "async:1"])
+    p.add_argument("--device", default=None, help="trainer.device (cpu: a smoke run)")
+    p.add_argument("--override", action="append", default=[], help="a config override, every mode")
+    p.add_argument("--work-dir", default=None, help="model, prompts and runs (default: a temp dir)")
+    p.add_argument("--run-timeout", type=float, default=3000)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    for mode in args.modes:
+        mode_overrides(mode)  # a bad mode stops here, before anything is built
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-async-"))
+    work.mkdir(parents=True, exist_ok=True)
+    config = build_model_dir(args.preset, work / "model", args.mean_new_tokens)
+    write_prompts(work / "prompts.jsonl", args.prompts, args.prompt_len, config["vocab_size"], 0)
+    (work / "reward.py").write_text(REWARD)
+    results = [run_mode(mode, work, args) for mode in args.modes]
+    print(f"\nGRPO, {args.preset}, {args.prompts} prompts × {args.samples} samples, "
+          f"prompt {args.prompt_len}, responses geometric of mean ~{args.mean_new_tokens:.0f} "
+          f"up to {args.max_new_tokens}; mean of steps {args.warmup + 1}..{args.steps}")  # fmt: skip
+    print("| mode | s/step | speed-up | response mean | response max | cut at max | steps (s) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        steps = " ".join(f"{s:.2f}" for s in r["steps_s"])
+        print(f"| {r['mode']} | {r['step_s']:.2f} | {results[0]['step_s'] / r['step_s']:.2f}× | "
+              f"{r['response_mean']:.0f} | {r['response_max']:.0f} | {100 * r['clip_ratio']:.1f}% "
+              f"| {steps} |")  # fmt: skip
+    for r in results:
+        if r["async_metrics"]:
+            shown = ", ".join(f"{k}={v:.3g}" for k, v in r["async_metrics"].items())
+            print(f"{r['mode']}: {shown}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""benchmarks/async_rl.py on CPU: sync and async (staleness 1) runs of the long-tail workload
+through `hybridflow train`, with the table it prints; the lengths really are long-tailed (some
+responses end early, some run to the cap), and the async run logged its staleness."""
+
+from __future__ import annotations
+
+import json
+
+from benchmark_run import markdown_rows, run_benchmark
+
+
+def test_sync_and_async_runs_of_the_long_tail_workload_print_their_table(tmp_path):
+    out = tmp_path / "result.json"
+    text = run_benchmark(
+        "async_rl.py", "--preset", "tiny", "--device", "cpu", "--prompts", "4", "--samples",
+        "2", "--prompt-len", "8", "--max-new-tokens", "32", "--mean-new-tokens", "8",
+        "--steps", "3", "--warmup", "1", "--work-dir", str(tmp_path / "work"), "--json",
+        str(out),
+    )  # fmt: skip
+    rows = markdown_rows(text, "| mode |")
+    assert [row["mode"] for row in rows] == ["sync", "async:1"]
+    results = json.loads(out.read_text())
+    for result in results:
+        assert len(result["steps_s"]) == 3 and result["step_s"] > 0
+        assert 0 < result["response_mean"] < result["response_max"] <= 32  # lengths spread
+    assert results[1]["async_metrics"]["async/staleness"] == 1.0
