@@ -44,6 +44,12 @@ def tokenize_records(
     items, num_filtered = [], 0
     for index, record in enumerate(records):
         prompt_ids = encode_chat_prompt(tokenizer, record.prompt)
+        if not prompt_ids:
+            raise DataSchemaError(
+                f"{record.where}: the prompt is no tokens after the chat template "
+                f"({type(tokenizer).__name__}): check the row's messages, and that the "
+                "tokenizer is the one the data was written for (model.tokenizer_path)"
+            )
         if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
             if overlong == "error":
                 raise DataSchemaError(

@@ -169,3 +169,15 @@ def test_build_prompt_datasets_from_config():
     assert len(train) == 50 and len(val) == 10 and train.num_filtered == 0
     config.val_files = []
     assert build_prompt_datasets(config, TOKENIZER)[1] is None
+
+
+def test_a_prompt_that_tokenizes_to_nothing_is_named():
+    class Silent:  # a tokenizer that reads none of the row's text (the wrong one for the data)
+        def apply_chat_template(self, messages, **kwargs):
+            return []
+
+        def encode(self, text, **kwargs):
+            return []
+
+    with pytest.raises(DataSchemaError, match=r"f\.jsonl: line 3: the prompt is no tokens"):
+        PromptDataset(RECORDS[2:], Silent())
