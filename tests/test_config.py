@@ -212,3 +212,33 @@ def test_rollout_engine_problems_are_named():
     assert "rollout.engine.decode_layer='fast'" in text and "rollout.engine.sync_lag=3" in text
     with pytest.raises(ConfigError, match="section.group.key"):
         load_config(None, ["rollout.engine.a.b=1"])
+
+
+def test_fp8_rollout_needs_a_gpu_and_a_layer_that_reads_fp8():
+    with pytest.raises(ConfigError, match=r"rollout.dtype = 'int8' must be model or fp8"):
+        validate(load_config(None, ["rollout.dtype=int8"]))
+    with pytest.raises(ConfigError, match=r"rollout.dtype = fp8 needs a GPU"):
+        validate(load_config(None, ["rollout.dtype=fp8", "trainer.device=cpu"]))
+    with pytest.raises(ConfigError, match=r"rollout.dtype = fp8: rollout.engine.weight_format"):
+        validate(load_config(None, ["rollout.dtype=fp8", "trainer.device=cuda",
+                                    "rollout.engine.decode_layer=chain"]))  # fmt: skip
+    validate(load_config(None, ["rollout.dtype=fp8", "trainer.device=cuda"]))
+
+
+def test_fp8_rollout_turns_truncated_importance_sampling_on_unless_set():
+    from hybridflow.trainer.run import async_defaults
+
+    said = []
+    cfg = async_defaults(load_config(None, ["rollout.dtype=fp8"]), said.append)
+    assert cfg.actor.rollout_is_cap == 2.0 and "fp8" in said[0]
+    kept = async_defaults(load_config(None, ["rollout.dtype=fp8", "actor.rollout_is_cap=5"]),
+                          said.append)  # fmt: skip
+    assert kept.actor.rollout_is_cap == 5 and len(said) == 1
+    assert async_defaults(load_config(None, []), said.append).actor.rollout_is_cap is None
+
+
+def test_fp8_rollout_reaches_the_engine_options():
+    from hybridflow.workers.rollout import engine_options
+
+    assert engine_options(load_config(None, ["rollout.dtype=fp8"])).weight_format == "fp8"
+    assert engine_options(load_config(None, [])).weight_format == "model"

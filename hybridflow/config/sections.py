@@ -176,6 +176,11 @@ class RolloutConfig:
     """Fraction of free GPU memory the KV cache may take while generating."""
     release_cache: bool = True
     """Free the KV cache after each generate so training gets the memory back."""
+    dtype: str = "model"
+    """Rollout matmuls: model (the policy's dtype) | fp8 (W8A8 float8 e4m3, quantized from
+    the trainer's weights at every sync: faster decode on sm_89+ GPUs; turns on truncated
+    importance sampling against the engine's log-probs, actor.rollout_is_cap=2.0, unless
+    set). Same as rollout.engine.weight_format."""
     val_temperature: float = 1.0
     """Validation sampling temperature; 0: greedy (then val_n is 1). At the training
     temperature, mean@n is the expected score of the policy RL optimizes."""

@@ -3,6 +3,7 @@ returns the derived per-device sizes."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -266,6 +267,13 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
         add(f"rollout.gpu_memory_utilization = {r.gpu_memory_utilization} must be in (0, 0.95]")
     for problem in r.engine.validate():
         add(f"rollout.engine.{problem}")
+    if r.dtype not in ("model", "fp8"):
+        add(f"rollout.dtype = {r.dtype!r} must be model or fp8")
+    elif r.dtype == "fp8" and t.device == "cpu":
+        add("rollout.dtype = fp8 needs a GPU with fp8 tensor cores; trainer.device=cpu")
+    elif r.dtype == "fp8" and r.engine.weight_format != "fp8":
+        for problem in dataclasses.replace(r.engine, weight_format="fp8").validate():
+            add(f"rollout.dtype = fp8: rollout.engine.{problem}")
     for problem in r.agent.validate():
         add(f"rollout.agent.{problem}")
     for problem in t.profile.validate(t.total_steps):

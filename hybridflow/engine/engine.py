@@ -108,6 +108,10 @@ class Engine:
         self.fuse_projections = options.fuse_projections if triton_backend else "none"
         self.pinned = self._pinned_choices() if triton_backend else PinnedChoices()
         self.fused = None
+        self.fp8 = None  # fp8.Fp8Matmul with weight_format="fp8", made with the cache
+        if options.weight_format == "fp8" and not triton_backend:
+            raise ValueError("EngineOptions(weight_format='fp8') needs the triton decode "
+                             f"backend; this engine resolved {self.decode_backend!r}")  # fmt: skip
         self.matmul = self.chain = self.chooser = None
         self.launch = None
         if triton_backend:
@@ -122,7 +126,9 @@ class Engine:
             self.matmul = DecodeMatmul(options.decode_matmul, persistent=options.persistent_matmul,
                                        pinned=self.pinned)  # fmt: skip
             self.chain = DecodeChain(launch=self.launch, pinned=self.pinned)
-            self.chooser = DecodeLayerChooser(options.decode_layer, pinned=self.pinned)
+            # fp8 projections run in the split layer (the others read bf16 weights in Triton)
+            layer = "split" if options.weight_format == "fp8" else options.decode_layer
+            self.chooser = DecodeLayerChooser(layer, pinned=self.pinned)
             self._pin_attention_tiles()
         self.cache: kv_cache.KVCache | None = None
         self.state: DecodeState | None = None
@@ -191,6 +197,10 @@ class Engine:
             from hybridflow.engine.weights import FusedProjections
 
             self.fused = FusedProjections(self.model, gate_up=self.fuse_projections == "all")
+        if self.options.weight_format == "fp8":
+            from hybridflow.engine.fp8 import Fp8Matmul
+
+            self.fp8 = Fp8Matmul(self.model, self.fused)  # before the cache, like the fused
         slot_bytes = kv_cache.bytes_per_slot(
             cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.max_seq_len,
             self.dtype,
@@ -214,21 +224,23 @@ class Engine:
             from hybridflow.engine.layers.chooser import decode_forward_triton
             from hybridflow.engine.prefill import extend_forward_triton, prefill_forward_triton
 
+            matmul = self.fp8 if self.fp8 is not None else self.matmul
             decode_forward = functools.partial(
-                decode_forward_triton, fused=self.fused, matmul=self.matmul, chain=self.chain,
+                decode_forward_triton, fused=self.fused, matmul=matmul, chain=self.chain,
                 chooser=self.chooser, launch=self.launch,
                 autotune=self.options.attention_autotune,
             )  # fmt: skip
             self.prefill = functools.partial(prefill_forward_triton, fused=self.fused,
-                                             matmul=self.matmul, launch=self.launch)  # fmt: skip
+                                             matmul=matmul, launch=self.launch)  # fmt: skip
             # Extend passes (kept-KV turns) come in whatever token counts the requests arrive
             # with: timing candidates at each new count would stall the engine (an H200
             # agent benchmark spent 3.7 of its 4.3 s in 14 such passes), so they run cuBLAS
             # and the untuned attention tile.
             from hybridflow.engine.layers.matmul_choice import DecodeMatmul
 
+            extend_matmul = self.fp8 if self.fp8 is not None else DecodeMatmul("cublas")
             self.extend = functools.partial(extend_forward_triton, fused=self.fused,
-                                            matmul=DecodeMatmul("cublas"), launch=self.launch,
+                                            matmul=extend_matmul, launch=self.launch,
                                             autotune=False)  # fmt: skip
         else:
             from hybridflow.engine.layers.eager import decode_forward_torch as decode_forward
@@ -250,7 +262,7 @@ class Engine:
                                "and let them finish, or abort them, first)")  # fmt: skip
         self.kept.clear()
         self.scheduler = None
-        self.cache = self.state = self.runner = self.rope = self.fused = None
+        self.cache = self.state = self.runner = self.rope = self.fused = self.fp8 = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -392,6 +404,8 @@ class Engine:
         if self.fused is not None:
             # Queued first: the GPU copies while the host builds the first prefill's inputs.
             self.fused.refresh(self.model)
+        if self.fp8 is not None:
+            self.fp8.refresh()  # after the fused copies it quantizes
         if self.cache is None:
             self._allocate()  # makes (and fills) the fused copies
         self.runner.check_weights()

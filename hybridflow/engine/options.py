@@ -15,6 +15,7 @@ DECODE_BACKENDS = ("auto", "triton", "torch")
 FUSE_PROJECTIONS = ("all", "qkv", "none")
 DECODE_MATMULS = ("auto", "cublas", "triton")
 LEAN_VARIANTS = ("qkv+mlp", "qkv", "mlp")
+WEIGHT_FORMATS = ("model", "fp8")
 DECODE_LAYERS = ("auto", "split", "chain", "lean", *(f"lean:{v}" for v in LEAN_VARIANTS))
 
 
@@ -46,6 +47,12 @@ class EngineOptions:
     ten times as long in all) before the first prefill, so a burst decodes in step instead of
     in staggered cohorts that each take a whole chunk of steps at a fraction of the batch.
     An eighth of the slots' worth waiting starts at once. 0: start at the first request."""
+    weight_format: str = "model"
+    """"model": matmuls in the model's dtype. "fp8": W8A8 float8 e4m3 matmuls (fp8.py;
+    per-channel weight scales quantized from the live weights at every sync, per-token
+    activation scales), the rest in the model's dtype; the triton backend on a GPU with fp8
+    tensor cores (sm_89+), the split decode layer. The trainer corrects for the gap
+    (rollout.dtype=fp8 turns truncated importance sampling on)."""
     fuse_projections: str = "all"
     """triton backend: "all" keeps a concatenated copy of each layer's q/k/v and interleaved
     gate/up weights with the RMSNorm weights folded in (one matmul instead of three and two;
@@ -102,6 +109,12 @@ class EngineOptions:
         one_of("fuse_projections", FUSE_PROJECTIONS)
         one_of("decode_matmul", DECODE_MATMULS)
         one_of("decode_layer", DECODE_LAYERS)
+        one_of("weight_format", WEIGHT_FORMATS)
+        if self.weight_format == "fp8" and self.decode_layer not in ("auto", "split"):
+            problems.append(f"weight_format='fp8' runs the split decode layer; decode_layer="
+                            f"{self.decode_layer!r} reads bf16 weights: use auto or split")  # fmt: skip
+        if self.weight_format == "fp8" and self.decode_backend == "torch":
+            problems.append("weight_format='fp8' needs the triton decode backend (auto on a GPU)")
         if not isinstance(self.steps_per_sync, int) or self.steps_per_sync < 1:
             problems.append(f"steps_per_sync={self.steps_per_sync!r}: must be an integer >= 1")
         if self.sync_lag not in (None, 0, 1):

@@ -101,13 +101,18 @@ def train(cfg: Config, log=print, progress: ProgressReporter | None = None) -> d
 
 
 def async_defaults(cfg: Config, log) -> Config:
-    """Async mode trains on batches a stale policy sampled: truncated importance weights
-    against the behaviour log-probs (actor.rollout_is_cap) unless set."""
+    """Async mode trains on batches a stale policy sampled, and an fp8 rollout samples from a
+    quantized one: truncated importance weights against the behaviour log-probs
+    (actor.rollout_is_cap) unless set."""
     t = cfg.trainer
-    if t.mode != "async" or t.max_staleness == 0 or cfg.actor.rollout_is_cap is not None:
+    stale = t.mode == "async" and t.max_staleness > 0
+    fp8 = cfg.rollout.dtype == "fp8"
+    if not (stale or fp8) or cfg.actor.rollout_is_cap is not None:
         return cfg
-    log("async: actor.rollout_is_cap=2.0 (truncated importance weights against the rollout's "
-        "stale policy; set actor.rollout_is_cap to change it)")  # fmt: skip
+    why = "stale" if stale else "fp8"
+    log(f"{'async' if stale else 'rollout.dtype=fp8'}: actor.rollout_is_cap=2.0 (truncated "
+        f"importance weights against the rollout's {why} policy; set actor.rollout_is_cap to "
+        "change it)")  # fmt: skip
     return dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, rollout_is_cap=2.0))
 
 

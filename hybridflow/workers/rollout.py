@@ -232,11 +232,14 @@ class RolloutWorker(Worker):
 
 
 def engine_options(config: Config):
-    """rollout.engine, its pinned choices under trainer.cache_dir unless it names a directory."""
+    """rollout.engine (with rollout.dtype's weight format), its pinned choices under
+    trainer.cache_dir unless it names a directory."""
     import dataclasses
     import os
 
     options = config.rollout.engine
+    if config.rollout.dtype == "fp8":
+        options = dataclasses.replace(options, weight_format="fp8")
     if options.cache_dir is None:
         options = dataclasses.replace(
             options, cache_dir=os.path.expanduser(config.trainer.cache_dir)

@@ -1,0 +1,74 @@
+"""FP8 matmuls (fp8.py) on the CPU: per-row e4m3 quantization within its rounding step, the
+scaled matmul against the model-dtype one, copies refreshed in place from the live weights,
+and the options that cannot run fp8 refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridflow.engine import Engine, EngineOptions
+from hybridflow.engine.fp8 import E4M3_MAX, Fp8Matmul, quantize_rows_reference, scaled_linear
+from hybridflow.models import build_model
+from hybridflow.models.presets import preset_config
+
+
+def test_rows_quantize_within_e4m3_rounding_and_zero_rows_stay_zero():
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(0)) * torch.tensor(
+        [[0.01], [1.0], [30.0], [1e3], [1.0], [0.0]]
+    )
+    x8, scale = quantize_rows_reference(x)
+    assert x8.dtype == torch.float8_e4m3fn and scale.shape == (6, 1)
+    back = x8.float() * scale
+    assert torch.equal(back[5], torch.zeros(256))
+    amax = x.abs().amax(-1, keepdim=True)
+    assert torch.allclose(x.abs().amax(-1, keepdim=True)[:5], back.abs().amax(-1, keepdim=True)[:5])
+    normal = x.abs() >= amax / 64  # e4m3's normal range below the row's maximum
+    relative = ((back - x).abs() / x.abs().clamp(min=1e-30))[normal]
+    assert relative.max() <= 2**-4 + 1e-6  # 3 mantissa bits: half a step is 1/16
+    assert (x8.float().abs() <= E4M3_MAX).all()
+
+
+def test_scaled_linear_is_close_to_the_model_dtype_matmul():
+    generator = torch.Generator().manual_seed(1)
+    x, w = torch.randn(8, 128, generator=generator), torch.randn(64, 128, generator=generator)
+    bias = torch.randn(64, generator=generator)
+    w8, w_scale = quantize_rows_reference(w)
+    out = scaled_linear(x, w8, w_scale.view(1, -1), bias)
+    exact = F.linear(x, w, bias)
+    assert out.shape == exact.shape and out.dtype == x.dtype
+    assert (out - exact).norm() / exact.norm() < 0.05
+
+
+def _model():
+    model = build_model(preset_config("tiny"), seed=1).eval().requires_grad_(False)
+    for p in model.parameters():
+        p.data.normal_(0, 0.3, generator=torch.Generator().manual_seed(p.numel()))
+    return model
+
+
+def test_copies_cover_every_projection_and_refresh_in_place_from_the_live_weights():
+    model = _model()
+    matmul = Fp8Matmul(model, fused=None)
+    layers = model.model.layers
+    assert len(matmul.copies) == 7 * len(layers)  # q, k, v, o, gate, up, down
+    weight = layers[0].mlp.down_proj.weight
+    _, weight8, scale = matmul.copies[weight.data_ptr()]
+    x = torch.randn(3, weight.shape[1])
+    before = matmul.linear(x, weight)
+    weight.mul_(2.0)  # a training step, in place
+    matmul.refresh()
+    assert matmul.copies[weight.data_ptr()][1] is weight8  # the same buffers: graphs stay valid
+    torch.testing.assert_close(matmul.linear(x, weight), 2 * before, rtol=0.02, atol=1e-3)
+    other = torch.randn(5, x.shape[1])  # not a projection: the model dtype's matmul
+    torch.testing.assert_close(matmul.linear(x, other), F.linear(x, other))
+
+
+def test_options_that_cannot_run_fp8_are_refused():
+    assert EngineOptions(weight_format="fp8", decode_layer="chain").validate()
+    assert EngineOptions(weight_format="fp8", decode_backend="torch").validate()
+    assert EngineOptions(weight_format="int4").validate()
+    assert not EngineOptions(weight_format="fp8").validate()
+    with pytest.raises(ValueError, match="triton decode backend"):
+        Engine(_model(), 4, 32, options=EngineOptions(weight_format="fp8", cuda_graphs=False))

@@ -1,0 +1,65 @@
+"""The engine with fp8 matmuls (EngineOptions.weight_format="fp8") on the fused path: it
+generates through the fp8 copies, its log-probs stay near the model-dtype engine's, and a
+weight update reaches the copies. Runs on CUDA (marked gpu; bf16, with the Triton activation
+quantizer checked against the reference), or on CPU under TRITON_INTERPRET=1 (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_device import triton_test_device
+
+DEVICE = triton_test_device()
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
+
+from hybridflow.engine import Engine, EngineOptions, SamplingParams  # noqa: E402
+from hybridflow.engine.fp8 import quantize_rows, quantize_rows_reference  # noqa: E402
+from hybridflow.models import build_model  # noqa: E402
+from hybridflow.models.presets import preset_config  # noqa: E402
+
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+PROMPTS = [[5, 17, 9, 33, 2, 71], [40, 41], [100, 3, 8, 19, 23, 60, 61, 62, 63, 7], [12]]
+
+
+def _model():
+    model = build_model(preset_config("tiny"), seed=1, device=DEVICE).eval()
+    for p in model.parameters():
+        p.data.normal_(0, 0.3, generator=torch.Generator(DEVICE).manual_seed(p.numel()))
+    return model.to(DTYPE).requires_grad_(False)
+
+
+def test_fp8_engine_samples_near_the_model_dtype_engine_and_follows_weight_updates():
+    model = _model()
+    greedy = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    results = {}
+    for fmt in ("model", "fp8"):
+        engine = Engine(model, 4, 64, options=EngineOptions(decode_backend="triton",
+                                                            weight_format=fmt))  # fmt: skip
+        results[fmt] = engine.generate(PROMPTS, greedy)
+        if fmt == "fp8":
+            assert engine.fp8 is not None and engine.fp8.copies
+            fp8_engine = engine
+    # the first token's log-prob comes from the prefill alone: same prompt, nearby value
+    for a, b in zip(results["fp8"], results["model"]):
+        assert abs(a.logprobs[0] - b.logprobs[0]) < 0.25
+    assert any(a.logprobs != b.logprobs for a, b in zip(results["fp8"], results["model"]))
+
+    with torch.no_grad():  # a training step in place: the next call quantizes it afresh
+        for layer in model.model.layers:
+            layer.mlp.down_proj.weight.mul_(-1.0)
+    fp8_engine.weights_updated()
+    flipped = fp8_engine.generate(PROMPTS, greedy)
+    reference = Engine(model, 4, 64, options=EngineOptions(decode_backend="triton"))
+    expected = reference.generate(PROMPTS, greedy)
+    for a, b in zip(flipped, expected):
+        assert abs(a.logprobs[0] - b.logprobs[0]) < 0.25
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter does not round to fp8 as GPUs do")
+def test_the_triton_activation_quantizer_matches_the_reference():
+    x = torch.randn(37, 4864, device=DEVICE, dtype=torch.bfloat16) * 3
+    x[5] = 0
+    got, scale = quantize_rows(x)
+    want, want_scale = quantize_rows_reference(x)
+    torch.testing.assert_close(scale, want_scale)
+    assert torch.equal(got.float(), want.float())
