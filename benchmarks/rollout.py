@@ -58,12 +58,14 @@ def _record(out: dict, key: str, value) -> None:
     print(f"check {key}: {json.dumps(value)}", flush=True)
 
 
-# Decode layers forced one at a time for the bf16 gap: (name, EngineOptions fields).
+# Decode layers forced one at a time for the bf16 gap, and the fp8 matmuls: (name,
+# EngineOptions fields).
 GAP_PATHS = [("default", {}), ("default:no-shared-prefix", {"shared_prefix": False}),
              ("split", {"decode_layer": "split"}), ("chain", {"decode_layer": "chain"}),
              ("lean:qkv+mlp", {"decode_layer": "lean:qkv+mlp"}),
              ("lean:qkv", {"decode_layer": "lean:qkv"}),
-             ("lean:mlp", {"decode_layer": "lean:mlp"})]  # fmt: skip
+             ("lean:mlp", {"decode_layer": "lean:mlp"}),
+             ("fp8", {"weight_format": "fp8"})]  # fmt: skip
 
 
 @torch.no_grad()
