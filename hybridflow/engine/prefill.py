@@ -168,6 +168,7 @@ def extend_forward_triton(
     launch: Launch = PLAIN,
     autotune: bool = True,
     attention_kernel: str = "auto",
+    spans: tuple | None = None,
 ) -> torch.Tensor:
     """extend_forward with the fused kernels: RoPE and the cache store of every new token
     first (rope_store), then the new tokens' attention over their slots, two launches, so no
@@ -180,7 +181,11 @@ def extend_forward_triton(
     (decode_attention), which re-reads the prefix for every new token: an H200 profile of
     256 agent turns of 33 new tokens spent ~60 ms a pass there, against ~5 for the prefill of
     as many tokens. attention_kernel: "flash", "decode", or "auto" (flash where it runs). autotune:
-    time decode_attention's tile for each new token count (Engine turns it off)."""
+    time decode_attention's tile for each new token count (Engine turns it off). spans: the
+    flash path's (gather slots, gather positions, cu new, cu all, max new, max all) as
+    _sequence_spans returns them, built on the host by the caller (the scheduler knows the
+    lengths: deriving them here syncs with the GPU, stalling the host behind a decoding
+    chunk)."""
     from hybridflow.engine.kernels import attention, rowwise
     from hybridflow.engine.layers.split import fused_layers
 
@@ -194,9 +199,9 @@ def extend_forward_triton(
         )
     )
     if flash:
-        gather_slots, gather_positions, cu_new, cu_all, max_new, max_all = _sequence_spans(
-            position_ids, token_slots, last_index
-        )
+        if spans is None:
+            spans = _sequence_spans(position_ids, token_slots, last_index)
+        gather_slots, gather_positions, cu_new, cu_all, max_new, max_all = spans
     else:
         lengths = position_ids + 1
         max_len = int(position_ids.max()) + 1
@@ -215,6 +220,19 @@ def extend_forward_triton(
 
     normed = fused_layers(model, input_ids, attend, fused, matmul, keep=last_index, launch=launch)
     return model.lm_head(normed)
+
+
+def host_spans(slots: torch.Tensor, cached: torch.Tensor, new: torch.Tensor) -> tuple:
+    """What _sequence_spans derives, from the host's per-sequence slots, cached and new token
+    counts (CPU int64 tensors): (gather slots, gather positions, cu new, cu all) as CPU
+    tensors to upload, and (max new, max all) as ints."""
+    from hybridflow.engine.host import ranges
+
+    totals = cached + new
+    zero = torch.zeros(1, dtype=torch.int64)
+    tensors = (torch.repeat_interleave(slots, totals), ranges(totals),
+               torch.cat([zero, new.cumsum(0)]), torch.cat([zero, totals.cumsum(0)]))  # fmt: skip
+    return tensors, (int(new.max()), int(totals.max()))
 
 
 def _sequence_spans(position_ids, token_slots, last_index):

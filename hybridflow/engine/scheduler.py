@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from hybridflow.engine.host import collect_young, ranges, upload
+from hybridflow.engine.prefill import host_spans
 from hybridflow.engine.requests import Completion, LiveRequest, Submission
 from hybridflow.engine.row_sampling import mixed_mode
 
@@ -337,15 +338,22 @@ class Scheduler:
         ids = torch.tensor([t for (s, r, _, c) in taken for t in s.prompts[r][c:]])
         positions = ranges(counts) + torch.repeat_interleave(starts, counts)
         max_new = [sub.max_new[r] for sub, r in requests]
+        triton = engine.decode_backend == "triton"  # its varlen spans, built here: no sync
+        span_tensors, span_maxima = host_spans(torch.tensor(slots), starts, counts) if triton else ((), ())  # fmt: skip
         (ids, positions, token_slots, last, seed_lo, seed_hi, row_positions, row_slots,
-         max_new_dev) = upload(
+         max_new_dev, *span_dev) = upload(
             engine.device, ids, positions, torch.repeat_interleave(torch.tensor(slots), counts),
             counts.cumsum(0) - 1, torch.tensor([sub.seed_lo[r] for sub, r in requests]),
             torch.tensor([sub.seed_hi[r] for sub, r in requests]), torch.tensor(lengths),
-            torch.tensor(slots), torch.tensor(max_new),
+            torch.tensor(slots), torch.tensor(max_new), *span_tensors,
         )  # fmt: skip
+        spans = {}
+        if triton:
+            gather_slots, gather_positions, cu_new, cu_all = span_dev
+            spans = {"spans": (gather_slots, gather_positions, cu_new.to(torch.int32),
+                               cu_all.to(torch.int32), *span_maxima)}  # fmt: skip
         logits = engine.extend(engine.model, self.cache, engine.rope, ids, positions,
-                               token_slots, last)  # fmt: skip  # [R, V]
+                               token_slots, last, **spans)  # fmt: skip  # [R, V]
         self._append(requests, slots, logits, seed_lo, seed_hi, row_positions, row_slots,
                      max_new_dev, max_new, lengths)  # fmt: skip
 

@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridflow.engine.prefill import RopeTable, _sequence_spans, extend_forward_triton
+from hybridflow.engine.prefill import (
+    RopeTable,
+    _sequence_spans,
+    extend_forward_triton,
+    host_spans,
+)
 
 
 def test_sequence_spans_list_every_cached_and_new_position_of_each_sequence():
@@ -21,6 +26,47 @@ def test_sequence_spans_list_every_cached_and_new_position_of_each_sequence():
     assert gather_positions.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4]
     assert cu_new.tolist() == [0, 3, 4] and cu_all.tolist() == [0, 5, 10]
     assert (max_new, max_all) == (3, 5)
+
+
+def test_host_spans_equal_the_derived_ones():
+    slots, cached, new = torch.tensor([3, 1, 0]), torch.tensor([2, 4, 0]), torch.tensor([3, 1, 2])
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(cached.tolist(), new.tolist())])
+    token_slots = torch.repeat_interleave(slots, new)
+    last = new.cumsum(0) - 1
+    derived = _sequence_spans(positions, token_slots, last)
+    tensors, maxima = host_spans(slots, cached, new)
+    for a, b in zip(tensors, derived[:4]):
+        assert a.tolist() == b.tolist()
+    assert maxima == derived[4:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kept_kv_turns_in_bf16_continue_as_a_full_prefill_would():
+    """The scheduler's extend pass (host-built spans, FlashAttention) against a full prefill
+    of the same conversation: the next token's log-prob agrees to bf16 rounding."""
+    from hybridflow.engine import Engine, EngineOptions, SamplingParams
+    from hybridflow.models import build_model
+    from hybridflow.models.presets import preset_config
+
+    model = build_model(preset_config("tiny"), seed=1, device="cuda").to(torch.bfloat16).eval()
+    for p in model.parameters():
+        p.data.normal_(0, 0.3, generator=torch.Generator("cuda").manual_seed(p.numel()))
+    prompts = [[5, 17, 9, 33, 2, 71], [40, 41], [100, 3, 8, 19, 23, 60, 61, 62, 63, 7]]
+    deltas = [[7, 8, 9], [11], [3, 4, 5, 6, 7, 8, 9, 10]]
+    greedy = SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True)
+    first_tokens = {}
+    for keep in (False, True):
+        engine = Engine(model, 4, 64, options=EngineOptions(decode_backend="triton"))
+        first = engine.generate(prompts, greedy, keep=keep)
+        turn2 = [p + c.token_ids + d for p, c, d in zip(prompts, first, deltas)]
+        handles = [c.kv_handle for c in first] if keep else None
+        second = engine.generate(turn2, greedy, reuse=handles)
+        first_tokens[keep] = [(c.token_ids[0], c.logprobs[0]) for c in second]
+        if keep:
+            assert engine.prefill_tokens < sum(map(len, prompts)) + sum(map(len, turn2))
+    for (token_a, logprob_a), (token_b, logprob_b) in zip(first_tokens[True], first_tokens[False]):
+        assert token_a == token_b and abs(logprob_a - logprob_b) < 0.05
 
 
 @pytest.mark.gpu
