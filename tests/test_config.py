@@ -212,3 +212,15 @@ def test_rollout_engine_problems_are_named():
     assert "rollout.engine.decode_layer='fast'" in text and "rollout.engine.sync_lag=3" in text
     with pytest.raises(ConfigError, match="section.group.key"):
         load_config(None, ["rollout.engine.a.b=1"])
+
+
+def test_optimizer_offload_on_several_training_ranks_names_param_offload():
+    msg = _problems(
+        ["trainer.backend=local", "trainer.n_gpus_per_node=2", "actor.optimizer_offload=true"]
+    )
+    assert "actor.optimizer_offload = true" in msg and "on 2 ranks (FSDP2)" in msg
+    assert "actor.param_offload=true" in msg
+    # one training GPU beside the rollout's (split placement): no FSDP, no problem
+    validate(load_config(None, ["trainer.backend=local", "trainer.n_gpus_per_node=2",
+                                "trainer.placement=split", "trainer.rollout_gpus=1",
+                                "actor.optimizer_offload=true"]))  # fmt: skip
