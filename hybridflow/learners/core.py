@@ -26,6 +26,8 @@ from torch import nn
 from hybridflow.learners.host_optimizer import (
     BUCKET_ELEMENTS,
     HostAdamW,
+    host_step,
+    masters_by_name,
     offloaded_state_dicts,
     restore_loaded,
 )
@@ -35,9 +37,7 @@ from hybridflow.learners.optim import (
     apply_hyperparameters,
     build_optimizer,
     build_scheduler,
-    clip_factor,
     clip_grad_norm,
-    global_grad_norm,
     hyperparameters,
     move_optimizer_state,
 )
@@ -242,7 +242,8 @@ class TrainCore:
         """Clip, then step unless the gradient norm is not finite. Returns (norm, skipped)."""
         assert self.optimizer is not None and self.scheduler is not None
         if self.host_optimizer is not None:
-            return self._host_step(grad_clip)
+            return host_step(self.host_optimizer, self.trainable_parameters, grad_clip,
+                             comm_device=self.comm_device())  # fmt: skip
         grad_norm = clip_grad_norm(
             self.trainable_parameters,
             grad_clip,
@@ -253,18 +254,6 @@ class TrainCore:
         if not skipped:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm, skipped
-
-    def _host_step(self, grad_clip: float) -> tuple[float, bool]:
-        """optimizer_offload: the device gradients' norm; the host clips its fp32 copies
-        (clipping bf16 gradients in place would round them once more)."""
-        params = self.trainable_parameters
-        grad_norm = global_grad_norm(params, comm_device=self.comm_device())
-        skipped = not math.isfinite(grad_norm)
-        if not skipped:
-            self.host_optimizer.step(clip_factor(grad_norm, grad_clip))
-        for param in params:
-            param.grad = None
         return grad_norm, skipped
 
     def scheduler_step(self) -> None:
@@ -411,7 +400,7 @@ class TrainCore:
         """``(name, full tensor on the device)`` for each entry of ``module.state_dict()``, on
         every rank, in the same order (each DTensor is all-gathered in turn, so at most one
         full tensor is alive at a time). Unsharded tensors are yielded as they are (no copy)."""
-        masters = self._masters_by_name(module)
+        masters = masters_by_name(self.host_optimizer, module)
         with self.on_device():
             for name, tensor in module.state_dict().items():
                 if name in masters:
@@ -421,13 +410,6 @@ class TrainCore:
                     yield name, tensor.to(self.device).full_tensor()
                 else:
                     yield name, tensor
-
-    def _masters_by_name(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        if self.host_optimizer is None:
-            return {}
-        masters = self.host_optimizer.master_of()
-        named = module.named_parameters(remove_duplicate=False)
-        return {name: masters[id(param)] for name, param in named if id(param) in masters}
 
     def master_dtype(self) -> torch.dtype:
         """dtype of the (sharded) parameters the optimizer updates (the host masters' with

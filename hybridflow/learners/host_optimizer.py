@@ -25,10 +25,13 @@ with plain copies.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from hybridflow.learners.optim import clip_factor, global_grad_norm
 
 BUCKET_ELEMENTS = 64 * 2**20
 """Parameters per bucket (a parameter larger than this is a bucket of its own): 64 M is
@@ -223,6 +226,31 @@ class HostAdamW:
         with torch.no_grad():
             for param, master in zip(self.params, self.masters):
                 param.data.copy_(master)
+
+
+def host_step(
+    host: HostAdamW, params: list[nn.Parameter], grad_clip: float, *, comm_device: torch.device
+) -> tuple[float, bool]:
+    """One optimizer step (TrainCore.optimizer_step with optimizer_offload): the global norm of
+    the device gradients, then the host step unless it is not finite; the host clips its
+    fp32 copies (clipping bf16 gradients in place would round them once more). The device
+    gradients are None afterwards. Returns (norm, skipped)."""
+    grad_norm = global_grad_norm(params, comm_device=comm_device)
+    skipped = not math.isfinite(grad_norm)
+    if not skipped:
+        host.step(clip_factor(grad_norm, grad_clip))
+    for param in params:
+        param.grad = None
+    return grad_norm, skipped
+
+
+def masters_by_name(host: HostAdamW | None, module: nn.Module) -> dict[str, torch.Tensor]:
+    """``{name in module: host master}`` of module's trained parameters ({} without host)."""
+    if host is None:
+        return {}
+    masters = host.master_of()
+    named = module.named_parameters(remove_duplicate=False)
+    return {name: masters[id(param)] for name, param in named if id(param) in masters}
 
 
 def _take_master(param: nn.Parameter, compute_dtype: torch.dtype) -> torch.Tensor:
