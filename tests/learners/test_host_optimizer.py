@@ -6,12 +6,14 @@ The device is the CPU here: the same bucketed copy path runs, with synchronous c
 from __future__ import annotations
 
 import copy
+import functools
 import math
 
 import pytest
 import torch
-from learner_helpers import tiny_model
+from learner_helpers import actor_config, make_batch, tiny_model
 
+import hybridflow.learners.actor_learner as actor_learner
 from hybridflow.learners.core import TrainCore
 from hybridflow.learners.host_optimizer import plan_buckets
 from hybridflow.learners.modules import PolicyModel
@@ -142,3 +144,20 @@ def test_fsdp_with_optimizer_offload_names_param_offload():
     with pytest.raises(ValueError, match="param_offload"):
         TrainCore(copy.deepcopy(PolicyModel(tiny_model())), device="cpu", fsdp=True,
                   optimizer_offload=True)  # fmt: skip
+
+
+def test_actor_update_trains_the_same_as_autocast_over_device_masters(monkeypatch):
+    """bf16 compute as on CUDA (autocast on the CPU): the first forward is bit-identical
+    (bf16 copies rounded from the masters = autocast's casts), later steps differ only by
+    the bf16 rounding of the gradients."""
+    monkeypatch.setattr(actor_learner, "TrainCore",
+                        functools.partial(TrainCore, mixed_precision=True))  # fmt: skip
+    runs = []
+    for offload in (False, True):
+        actor = actor_learner.ActorLearner(tiny_model(), actor_config(optimizer_offload=offload),
+                                           total_steps=4, device="cpu")  # fmt: skip
+        runs.append([actor.update(make_batch(seed=i)) for i in range(2)])
+    (first_a, second_a), (first_b, second_b) = runs
+    assert first_b["pg_loss"] == first_a["pg_loss"]
+    assert first_b["grad_norm"] == pytest.approx(first_a["grad_norm"], rel=1e-3)
+    assert second_b["pg_loss"] == pytest.approx(second_a["pg_loss"], rel=1e-3)
