@@ -152,10 +152,6 @@ class HostAdamW:
         """``id(device parameter) -> master``."""
         return {id(p): m for p, m in zip(self.params, self.masters)}
 
-    def staging_bytes(self) -> int:
-        """Host bytes of the two pinned buffers and the fp32 gradient buffer."""
-        return sum(t.numel() * t.element_size() for t in (*self.slots, self.host_grads))
-
     # ------------------------------------------------------------------ the step
 
     def step(self, clip_factor: float | None) -> None:
