@@ -169,3 +169,9 @@ def test_debug_shows_the_traceback(capsys, tmp_path):
 def test_sft_checks_the_machine_before_it_loads_a_model(capsys, tmp_path):
     err = run_cli(capsys, tmp_path, "trainer.run_dir=/proc/hybridflow-run", command=("sft",))
     assert "cannot write in /proc" in err
+
+
+def test_optimizer_offload_with_fsdp2_stops_before_any_model_loads(capsys, tmp_path, no_model_loading):  # fmt: skip
+    err = run_cli(capsys, tmp_path, "trainer.backend=local", "trainer.n_gpus_per_node=2",
+                  "actor.optimizer_offload=true", command=("config", "validate"))  # fmt: skip
+    assert "actor.optimizer_offload" in err and "actor.param_offload=true" in err

@@ -242,3 +242,15 @@ def test_fp8_rollout_reaches_the_engine_options():
 
     assert engine_options(load_config(None, ["rollout.dtype=fp8"])).weight_format == "fp8"
     assert engine_options(load_config(None, [])).weight_format == "model"
+
+
+def test_optimizer_offload_on_several_training_ranks_names_param_offload():
+    msg = _problems(
+        ["trainer.backend=local", "trainer.n_gpus_per_node=2", "actor.optimizer_offload=true"]
+    )
+    assert "actor.optimizer_offload = true" in msg and "on 2 ranks (FSDP2)" in msg
+    assert "actor.param_offload=true" in msg
+    # one training GPU beside the rollout's (split placement): no FSDP, no problem
+    validate(load_config(None, ["trainer.backend=local", "trainer.n_gpus_per_node=2",
+                                "trainer.placement=split", "trainer.rollout_gpus=1",
+                                "actor.optimizer_offload=true"]))  # fmt: skip

@@ -151,9 +151,11 @@ class ActorConfig:
     rollout_is_cap: float | None = None
     """Truncated importance weight cap C for rollout/trainer log-prob mismatch; None: off."""
     param_offload: bool = False
-    """Keep parameters on CPU between uses (FSDP CPU offload)."""
+    """FSDP2 CPU offload (several training GPUs): sharded masters, gradients and AdamW state on
+    the host, the step there. Does nothing on one GPU (use optimizer_offload)."""
     optimizer_offload: bool = False
-    """Keep optimizer state on CPU between updates."""
+    """One training GPU: fp32 masters and AdamW state on the host for the whole run, the step
+    on the CPU bucket by bucket, bf16 weights on the GPU (docs/memory.md, Optimizer offload)."""
 
 
 @dataclass

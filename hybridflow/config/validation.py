@@ -294,6 +294,11 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
         )
     if alg.dynamic_sampling and alg.max_gen_rounds < 1:
         add(f"algorithm.max_gen_rounds = {alg.max_gen_rounds} must be >= 1")
+    if a.optimizer_offload and train_dp > 1:
+        add(f"actor.optimizer_offload = true steps AdamW on the host of one training GPU, but the "
+            f"actor trains on {train_dp} ranks (FSDP2): set actor.optimizer_offload=false and "
+            "actor.param_offload=true (FSDP2 keeps each rank's masters and AdamW state on the "
+            "host and steps there), or train on one GPU")  # fmt: skip
     if cfg.model.lora_rank < 0:
         add(f"model.lora_rank = {cfg.model.lora_rank} must be >= 0")
     if cfg.model.dtype not in ("auto", "bfloat16", "float32", "float16"):

@@ -6,7 +6,8 @@ or :class:`~hybridflow.learners.modules.ValueModel`). When ``torch.distributed``
 and the data-parallel group has more than one rank, the module is sharded with FSDP2
 (``fully_shard``): one unit per decoder layer plus the root (embeddings, final norm, heads).
 On CUDA, fp32 master weights compute in bf16 (FSDP2 ``MixedPrecisionPolicy`` with fp32
-gradient reduction, or ``torch.autocast`` without FSDP).
+gradient reduction, or ``torch.autocast`` without FSDP). ``optimizer_offload`` (one device):
+masters and AdamW on the host, the module holds bf16 copies (``learners/host_optimizer``).
 """
 
 from __future__ import annotations
@@ -22,9 +23,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridflow.learners.host_optimizer import (
+    BUCKET_ELEMENTS,
+    HostAdamW,
+    host_step,
+    masters_by_name,
+    offloaded_state_dicts,
+    restore_loaded,
+)
 from hybridflow.learners.micro_batch import pack_by_token_budget, split_fixed
 from hybridflow.learners.modules import decoder_layers
-from hybridflow.learners.optim import build_optimizer, build_scheduler, clip_grad_norm
+from hybridflow.learners.optim import (
+    apply_hyperparameters,
+    build_optimizer,
+    build_scheduler,
+    clip_grad_norm,
+    hyperparameters,
+    move_optimizer_state,
+)
 
 
 def distributed_world(group: dist.ProcessGroup | None) -> int:
@@ -44,8 +60,10 @@ class TrainCore:
         fsdp: shard with FSDP2; None: when the group has more than one rank.
         mixed_precision: bf16 compute for fp32 weights on CUDA; None: on when the device is CUDA.
         param_offload: keep sharded parameters (and run the optimizer) on the CPU (FSDP2
-            ``CPUOffloadPolicy``; only with FSDP).
-        optimizer_offload: keep optimizer state on the CPU except during ``optimizer_step``.
+            ``CPUOffloadPolicy``; only with FSDP: ignored on one device).
+        optimizer_offload: master weights and AdamW state on the host, the step on the CPU,
+            the device holding compute-dtype weights (one device only: with FSDP2 use
+            ``param_offload``).
     """
 
     def __init__(
@@ -66,6 +84,11 @@ class TrainCore:
         self.dp_size = distributed_world(dp_group)
         self.dp_rank = dist.get_rank(dp_group) if _dist_on() else 0
         self.fsdp = self.dp_size > 1 if fsdp is None else fsdp
+        if self.fsdp and optimizer_offload:
+            raise ValueError(
+                "optimizer_offload steps on the host on one device only; with FSDP2 use "
+                "param_offload (FSDP2's CPUOffloadPolicy: sharded masters and AdamW on the host)"
+            )
         if self.fsdp and not _dist_on():
             raise ValueError("fsdp=True needs torch.distributed to be initialised")
         params_fp32 = next(module.parameters()).dtype == torch.float32
@@ -87,6 +110,7 @@ class TrainCore:
             )
         self.module = module
         self.optimizer: torch.optim.Optimizer | None = None
+        self.host_optimizer: HostAdamW | None = None  # optimizer_offload: the masters' owner
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.offloaded = False
         # Within a mini-batch, keep parameters gathered and gradients unsharded (fp32) until
@@ -125,15 +149,29 @@ class TrainCore:
         warmup_steps: int,
         total_steps: int,
         min_lr_ratio: float,
+        bucket_elements: int = BUCKET_ELEMENTS,
     ) -> None:
-        optimizer_device = "cpu" if self.param_offload else self.device
-        self.optimizer = build_optimizer(
-            self.module.parameters(),
-            lr=lr,
-            weight_decay=weight_decay,
-            betas=betas,
-            device=optimizer_device,
-        )
+        """AdamW and its LR schedule; ``bucket_elements``: parameters per bucket of the host
+        step (optimizer_offload)."""
+        if self.optimizer_offload:
+            self.host_optimizer = HostAdamW(
+                self.trainable_parameters,
+                device=self.device,
+                compute_dtype=self.compute_dtype or self.master_dtype(),
+                lr=lr,
+                weight_decay=weight_decay,
+                betas=betas,
+                bucket_elements=bucket_elements,
+            )
+            self.optimizer = self.host_optimizer.optimizer
+        else:
+            self.optimizer = build_optimizer(
+                self.module.parameters(),
+                lr=lr,
+                weight_decay=weight_decay,
+                betas=betas,
+                device=self._optimizer_device,
+            )
         self.rl_steps = total_steps
         self.schedule_steps = total_steps  # optimizer steps; sized by set_steps_per_update
         self.scheduler = build_scheduler(
@@ -203,6 +241,9 @@ class TrainCore:
     def optimizer_step(self, grad_clip: float) -> tuple[float, bool]:
         """Clip, then step unless the gradient norm is not finite. Returns (norm, skipped)."""
         assert self.optimizer is not None and self.scheduler is not None
+        if self.host_optimizer is not None:
+            return host_step(self.host_optimizer, self.trainable_parameters, grad_clip,
+                             comm_device=self.comm_device())  # fmt: skip
         grad_norm = clip_grad_norm(
             self.trainable_parameters,
             grad_clip,
@@ -211,11 +252,7 @@ class TrainCore:
         )
         skipped = not math.isfinite(grad_norm)
         if not skipped:
-            if self.optimizer_offload:
-                _move_optimizer_state(self.optimizer, self._optimizer_device)
             self.optimizer.step()
-            if self.optimizer_offload:
-                _move_optimizer_state(self.optimizer, torch.device("cpu"))
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, skipped
 
@@ -242,7 +279,7 @@ class TrainCore:
         if not self.param_offload:
             self.module.to("cpu")
         if self.optimizer is not None:
-            _move_optimizer_state(self.optimizer, torch.device("cpu"))
+            move_optimizer_state(self.optimizer, torch.device("cpu"))
         self.offloaded = True
         torch.cuda.empty_cache()
 
@@ -253,7 +290,7 @@ class TrainCore:
         if not self.param_offload:
             self.module.to(self.device)
         if self.optimizer is not None and not self.optimizer_offload:
-            _move_optimizer_state(self.optimizer, self._optimizer_device)
+            move_optimizer_state(self.optimizer, self._optimizer_device)
         self.offloaded = False
 
     @contextlib.contextmanager
@@ -279,7 +316,13 @@ class TrainCore:
         directory.mkdir(parents=True, exist_ok=True)
         options = StateDictOptions(ignore_frozen_params=trainable_only)
         with self.on_device():
-            if self.optimizer is not None:
+            if self.host_optimizer is not None:
+                model_state = get_state_dict(self.module, [], options=options)[0]
+                model_state, optim_state = offloaded_state_dicts(
+                    self.host_optimizer, self.module, model_state
+                )
+                state = {"model": self._keep(model_state, trainable_only), "optimizer": optim_state}
+            elif self.optimizer is not None:
                 model_state, optim_state = get_state_dict(
                     self.module, self.optimizer, options=options
                 )
@@ -316,10 +359,14 @@ class TrainCore:
         directory = Path(directory)
         check_dcp_metadata(directory)  # torch unpickles it unrestricted: refuse planted code
         options = StateDictOptions(ignore_frozen_params=trainable_only)
-        configured = _hyperparameters(self.optimizer)  # this run's config, before loading
+        configured = hyperparameters(self.optimizer)  # this run's config, before loading
+        host = self.host_optimizer
         with self.on_device():
-            optimizers = [self.optimizer] if self.optimizer is not None else []
+            # A host optimizer's moments and masters are not the module's: load them in place.
+            optimizers = [self.optimizer] if self.optimizer is not None and not host else []
             model_state, optim_state = get_state_dict(self.module, optimizers, options=options)
+            if host is not None:
+                model_state, optim_state = offloaded_state_dicts(host, self.module, model_state)
             state = {"model": self._keep(model_state, trainable_only)}
             if self.optimizer is not None:
                 state["optimizer"] = optim_state
@@ -333,17 +380,17 @@ class TrainCore:
                 self.module,
                 optimizers,
                 model_state_dict=state["model"],
-                optim_state_dict=state.get("optimizer", {}),
+                optim_state_dict=state.get("optimizer", {}) if optimizers else {},
                 options=StateDictOptions(ignore_frozen_params=trainable_only, strict=False),
             )
-            if self.optimizer_offload and self.optimizer is not None:
-                _move_optimizer_state(self.optimizer, torch.device("cpu"))
+            if host is not None:
+                restore_loaded(host, state["optimizer"])
         extra_path = directory / f"extra_rank{self.dp_rank}.pt"
         extra = load_state_file(extra_path)  # tensors and plain data only
         if self.scheduler is not None and "scheduler" in extra:
             self.scheduler.load_state_dict(extra["scheduler"])
         if self.optimizer is not None:
-            _apply_hyperparameters(self.optimizer, self.scheduler, configured)
+            apply_hyperparameters(self.optimizer, self.scheduler, configured)
         torch.set_rng_state(extra["rng_cpu"])
         if self.device.type == "cuda" and "rng_cuda" in extra:
             torch.cuda.set_rng_state(extra["rng_cuda"], self.device)
@@ -353,16 +400,22 @@ class TrainCore:
         """``(name, full tensor on the device)`` for each entry of ``module.state_dict()``, on
         every rank, in the same order (each DTensor is all-gathered in turn, so at most one
         full tensor is alive at a time). Unsharded tensors are yielded as they are (no copy)."""
+        masters = masters_by_name(self.host_optimizer, module)
         with self.on_device():
             for name, tensor in module.state_dict().items():
-                if hasattr(tensor, "full_tensor"):
+                if name in masters:
+                    yield name, masters[name]  # optimizer_offload: the host fp32 master
+                elif hasattr(tensor, "full_tensor"):
                     # CPU-offloaded shards are gathered on the device (NCCL needs CUDA tensors).
                     yield name, tensor.to(self.device).full_tensor()
                 else:
                     yield name, tensor
 
     def master_dtype(self) -> torch.dtype:
-        """dtype of the (sharded) parameters the optimizer updates."""
+        """dtype of the (sharded) parameters the optimizer updates (the host masters' with
+        optimizer_offload)."""
+        if self.host_optimizer is not None:
+            return self.host_optimizer.masters[0].dtype
         return next(self.module.parameters()).dtype
 
     def gather_dtype(self) -> torch.dtype:
@@ -437,38 +490,3 @@ class TrainCore:
 
 def _dist_on() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            # AdamW's "step" counter stays where it is (CPU scalar unless fused/capturable).
-            if torch.is_tensor(value) and key != "step":
-                state[key] = value.to(device, non_blocking=True)
-    if device.type == "cpu" and torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-HYPERPARAMETERS = ("initial_lr", "weight_decay", "betas", "eps")
-"""Optimizer settings the run's config decides; a resumed run applies its own values."""
-
-
-def _hyperparameters(optimizer) -> list[dict]:
-    if optimizer is None:
-        return []
-    return [{k: g[k] for k in HYPERPARAMETERS if k in g} for g in optimizer.param_groups]
-
-
-def _apply_hyperparameters(optimizer, scheduler, configured: list[dict]) -> None:
-    """After loading a checkpoint: keep its moments and schedule position, but this run's
-    peak LR, weight decay, betas and eps (a changed ``actor.lr`` takes effect on resume).
-    The current LR is rescaled by new peak / saved peak, which is exactly 1.0 when the LR
-    did not change, so an unchanged resume stays bit-exact."""
-    for group, config in zip(optimizer.param_groups, configured):
-        saved_peak = group.get("initial_lr", config.get("initial_lr"))
-        group.update(config)
-        if saved_peak and "initial_lr" in config:
-            group["lr"] = group["lr"] * (config["initial_lr"] / saved_peak)
-    if scheduler is not None and configured and "initial_lr" in configured[0]:
-        scheduler.base_lrs = [config["initial_lr"] for config in configured]
-        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

@@ -86,16 +86,13 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def clip_grad_norm(
+def global_grad_norm(
     params: list[nn.Parameter],
-    max_norm: float,
     *,
     group: dist.ProcessGroup | None = None,
     comm_device: torch.device | str | None = None,
 ) -> float:
-    """Global L2 norm of the gradients, clipped in place to ``max_norm`` when it is finite
-    and ``max_norm > 0``. Returns the norm before clipping, possibly ``inf``/``nan``: the
-    caller then skips the optimizer step.
+    """Global L2 norm of the gradients (fp32 accumulation), possibly ``inf``/``nan``.
 
     FSDP2 gradients are DTensors sharded over ``group``: the squared norms of the local
     shards are summed and all-reduced on ``comm_device`` (explicitly, so that CPU-offloaded
@@ -113,10 +110,67 @@ def clip_grad_norm(
             squares += torch.linalg.vector_norm(tensor, dtype=torch.float32).square().to(device)
     if sharded and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(squares, group=group)
-    norm = float(squares.sqrt())
+    return float(squares.sqrt())
+
+
+def clip_factor(norm: float, max_norm: float) -> float | None:
+    """What the gradients are multiplied by to clip a norm of ``norm`` to ``max_norm``;
+    None when no clipping applies (``max_norm <= 0``, norm below it, or not finite)."""
     if math.isfinite(norm) and max_norm > 0 and norm > max_norm:
+        return max_norm / (norm + 1e-6)
+    return None
+
+
+def clip_grad_norm(
+    params: list[nn.Parameter],
+    max_norm: float,
+    *,
+    group: dist.ProcessGroup | None = None,
+    comm_device: torch.device | str | None = None,
+) -> float:
+    """Global L2 norm of the gradients (:func:`global_grad_norm`), clipped in place to
+    ``max_norm`` when it is finite and ``max_norm > 0``. Returns the norm before clipping,
+    possibly ``inf``/``nan``: the caller then skips the optimizer step."""
+    norm = global_grad_norm(params, group=group, comm_device=comm_device)
+    factor = clip_factor(norm, max_norm)
+    if factor is not None:
         # A Python scalar multiplies plain tensors and FSDP DTensor shards alike.
-        scale = max_norm / (norm + 1e-6)
-        for grad in grads:
-            grad.mul_(scale)
+        for param in params:
+            if param.grad is not None:
+                param.grad.mul_(factor)
     return norm
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            # AdamW's "step" counter stays where it is (CPU scalar unless fused/capturable).
+            if torch.is_tensor(value) and key != "step":
+                state[key] = value.to(device, non_blocking=True)
+    if device.type == "cpu" and torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+HYPERPARAMETERS = ("initial_lr", "weight_decay", "betas", "eps")
+"""Optimizer settings the run's config decides; a resumed run applies its own values."""
+
+
+def hyperparameters(optimizer) -> list[dict]:
+    if optimizer is None:
+        return []
+    return [{k: g[k] for k in HYPERPARAMETERS if k in g} for g in optimizer.param_groups]
+
+
+def apply_hyperparameters(optimizer, scheduler, configured: list[dict]) -> None:
+    """After loading a checkpoint: keep its moments and schedule position, but this run's
+    peak LR, weight decay, betas and eps (a changed ``actor.lr`` takes effect on resume).
+    The current LR is rescaled by new peak / saved peak, which is exactly 1.0 when the LR
+    did not change, so an unchanged resume stays bit-exact."""
+    for group, config in zip(optimizer.param_groups, configured):
+        saved_peak = group.get("initial_lr", config.get("initial_lr"))
+        group.update(config)
+        if saved_peak and "initial_lr" in config:
+            group["lr"] = group["lr"] * (config["initial_lr"] / saved_peak)
+    if scheduler is not None and configured and "initial_lr" in configured[0]:
+        scheduler.base_lrs = [config["initial_lr"] for config in configured]
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

@@ -14,7 +14,8 @@ import math
 
 from hybridflow.config import Config, ConfigError, Derived, apply_mapping, validate
 from hybridflow.trainer import memory_plan as mp
-from hybridflow.trainer.memory_plan import GIB, MemoryPlan, PlanOptions, gib
+from hybridflow.trainer.memory_plan import GIB, MemoryPlan, PlanOptions
+from hybridflow.trainer.memory_render import gib, render, usable_bytes
 
 # model.dtype -> bytes of (trained weights, rollout and reference weights) on a GPU
 # (workers/model_loading.training_dtype and resolve_dtype).
@@ -119,7 +120,7 @@ def check_memory(cfg: Config, derived: Derived, log=lambda *a, **k: None) -> Mem
     plan = plan_for_config(cfg, derived, gpu_bytes)
     if plan is None:
         return None
-    log(mp.render(plan, source))
+    log(render(plan, source))
     problems = fit_problems(cfg, plan, source)
     if problems:
         raise ConfigError(problems)
@@ -130,7 +131,7 @@ def check_memory(cfg: Config, derived: Derived, log=lambda *a, **k: None) -> Mem
 
 
 def fits(plan: MemoryPlan) -> bool:
-    usable = mp.usable_bytes(plan.options.gpu_bytes)
+    usable = usable_bytes(plan.options.gpu_bytes)
     rollout_ok = not plan.options.split or plan.checked_peak(rollout_gpu=True)[1] <= usable
     return plan.kv_slots > 0 and plan.checked_peak()[1] <= usable and rollout_ok
 
@@ -141,7 +142,7 @@ def fit_problems(cfg: Config, plan: MemoryPlan, source: str = "") -> list[str]:
     o = plan.options
     if o.gpu_bytes is None or fits(plan):
         return []
-    usable = mp.usable_bytes(o.gpu_bytes)
+    usable = usable_bytes(o.gpu_bytes)
     where = f"a {gib(o.gpu_bytes)} GPU" + (f" ({source})" if source else "")
     head = (f"model.path = {cfg.model.path} does not fit on {where}, {gib(usable)} usable "
             f"after headroom for the CUDA context and fragmentation: ")  # fmt: skip
@@ -174,7 +175,7 @@ def candidate_fixes(cfg: Config, plan: MemoryPlan) -> list[dict[str, object]]:
     candidates: list[dict[str, object]] = []
     if m.lora_rank == 0:
         candidates.append({"model.lora_rank": LORA_RANK_FIX})
-    if not a.optimizer_offload:
+    if not a.optimizer_offload and not o.sharded:  # FSDP2 offloads with param_offload
         candidates.append({"actor.optimizer_offload": True})
     if o.sharded and not a.param_offload:
         candidates.append({"actor.param_offload": True})
@@ -299,7 +300,7 @@ def more_gpus_text(cfg: Config, changes: dict[str, object], gpu_bytes: int) -> s
 
 def peak_text(plan: MemoryPlan) -> str:
     phase, peak = plan.peak()
-    too_big = plan.checked_peak()[1] > mp.usable_bytes(plan.options.gpu_bytes)
+    too_big = plan.checked_peak()[1] > usable_bytes(plan.options.gpu_bytes)
     verdict = "fits" if fits(plan) else "too big" if too_big else "no KV-cache slot"
     return f"peak {gib(peak)} in the {phase}, {verdict}"
 
@@ -339,7 +340,7 @@ def plan_command(cfg: Config, gpu_memory: str | None = None, out=print) -> int:
                 "point model.path at a Hugging Face model directory or a preset"
             ]  # fmt: skip
         )
-    out(mp.render(plan, source))
+    out(render(plan, source))
     problems = fit_problems(cfg, plan, source)
     if problems:
         raise ConfigError(problems)

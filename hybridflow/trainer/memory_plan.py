@@ -9,20 +9,23 @@ What is modelled is what the code does today:
 
 - **Master weights** of a trained model (actor, critic) are in the training dtype: fp32 for
   ``model.dtype=auto`` on a GPU (``workers/model_loading.training_dtype``), sharded over the
-  data-parallel ranks by FSDP2, on the host with ``param_offload`` (FSDP2 only: one GPU
-  ignores it, ``learners/core.TrainCore``).
+  data-parallel ranks by FSDP2, on the host with ``param_offload`` (FSDP2 only: on one GPU
+  ``param_offload`` does nothing, ``learners/core.TrainCore``) or with ``optimizer_offload``
+  (one GPU only; the GPU then holds the trained weights in bf16).
 - **Compute copy**: with fp32 masters the forward runs in bf16, and a bf16 copy of every
   weight lives through a micro-batch's forward and backward: autocast caches its casts and
   autograd keeps them for the backward (one GPU); FSDP2 keeps each unit gathered for the
   whole mini-batch (``TrainCore.accumulate_unsharded``). The log-prob head casts the
   lm_head weight once more (``learners/modules.PolicyModel``).
-- **Gradients** in the master dtype for the trainable parameters, freed after every
-  optimizer step (``zero_grad(set_to_none=True)``). FSDP2 with several micro-batches keeps
+- **Gradients** in the dtype of the trained weights on the GPU (fp32 masters; bf16 with
+  ``optimizer_offload``), freed after every optimizer step (``zero_grad(set_to_none=True)``;
+  bucket by bucket with ``optimizer_offload``). FSDP2 with several micro-batches keeps
   unsharded fp32 gradients until the last one, then reduce-scatters them.
 - **AdamW state**: two moments in the master dtype per trainable parameter. It stays on the
-  GPU from the first step on; ``actor.optimizer_offload`` keeps it on the host between steps
-  but moves it back for each step (so the step's peak still holds it);
-  ``actor.param_offload`` (FSDP2) steps on the host.
+  GPU from the first step on; ``actor.optimizer_offload`` (one GPU) keeps it and the masters
+  on the host for the whole run and steps there (``learners/host_optimizer``), through two
+  pinned bf16 staging buffers and an fp32 gradient buffer of one bucket each;
+  ``actor.param_offload`` (FSDP2) steps on the host too.
 - **Nothing moves off the GPU between stages**: the loop never calls ``offload()``, so the
   actor's weights and optimizer state stay resident while the rollout generates.
 - **Rollout weights**: the engine reads the actor's own parameters only on one device,
@@ -44,7 +47,8 @@ What is modelled is what the code does today:
   forward activations of log-prob, reference and value passes (no grad: below the update's),
   and the batch tensors.
 
-Checked against ``max_memory_allocated`` of measured runs: docs/memory.md.
+Checked against ``max_memory_allocated`` of measured runs: docs/memory.md. The table and
+the fit verdict: ``trainer/memory_render.py``.
 """
 
 from __future__ import annotations
@@ -70,6 +74,10 @@ the caching allocator's fragmentation, none of which max_memory_allocated counts
 
 LOGPROB_CHUNK_TOKENS = 4096
 """Tokens per logits chunk of models/logprobs.logprobs_from_hidden."""
+
+OFFLOAD_BUCKET_ELEMENTS = 64 * 2**20
+"""Parameters per bucket of the host step (``learners/host_optimizer.BUCKET_ELEMENTS``; a
+test keeps the two equal); a larger tensor is a bucket of its own."""
 
 LORA_TARGET_SHAPES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -121,6 +129,16 @@ class PlanOptions:
     @property
     def mixed_precision(self) -> bool:
         return self.master_bytes > self.compute_bytes
+
+    @property
+    def host_step(self) -> bool:
+        """``optimizer_offload`` on one GPU: masters and AdamW on the host (FSDP2 refuses it)."""
+        return self.optimizer_offload and not self.sharded
+
+    @property
+    def trained_weight_bytes(self) -> int:
+        """Bytes per element of the trained weights on the GPU (and of their gradients)."""
+        return self.compute_bytes if self.host_step else self.master_bytes
 
 
 @dataclass(frozen=True)
@@ -213,6 +231,16 @@ def trainable_parameters(a: ModelArchitecture, options: PlanOptions) -> int:
     return a.num_parameters()
 
 
+def host_step_bucket(a: ModelArchitecture, options: PlanOptions) -> int:
+    """Parameters in the largest bucket of the host step: the bucket size, or the largest
+    trained tensor when it is larger (the [V, H] embedding, an MLP matrix), at most all."""
+    if options.lora_rank > 0:
+        largest = max(options.lora_rank * max(a.hidden_size, a.intermediate_size), 1)
+    else:
+        largest = max(a.vocab_size, a.intermediate_size) * a.hidden_size
+    return min(trainable_parameters(a, options), max(OFFLOAD_BUCKET_ELEMENTS, largest))
+
+
 # ---------------------------------------------------------------------- activations
 
 
@@ -295,6 +323,54 @@ def _dtype(element_bytes: int) -> str:
 
 def actor_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
     """Master weights, compute copy, gradients, AdamW state, activations, log-prob head."""
+    items = host_step_items(a, o) if o.host_step else device_step_items(a, o)
+    tokens = o.micro_batch_tokens
+    checkpointed = ", checkpointed" if o.gradient_checkpointing else ""
+    activations = tokens * activation_bytes_per_token(a, o.gradient_checkpointing,
+                                                      o.compute_bytes)  # fmt: skip
+    items.append(MemoryItem(f"activations ({tokens:,} tokens{checkpointed})", activations,
+                            (UPDATE,)))  # fmt: skip
+    head = logprob_head_bytes(a, tokens, o.compute_bytes)
+    if o.lora_rank > 0:  # a frozen lm_head: no [V, H] gradient
+        head = min(tokens, LOGPROB_CHUNK_TOKENS) * a.vocab_size * o.compute_bytes
+    items.append(MemoryItem("log-prob head (logits chunk, lm_head gradient)", head, (UPDATE,)))
+    return items
+
+
+def compute_copy_item(a: ModelArchitecture, o: PlanOptions) -> MemoryItem:
+    """Autocast's bf16 casts of the fp32 layer weights and the lm_head, kept for the backward."""
+    copy = (linear_parameters(a) + a.vocab_size * a.hidden_size) * o.compute_bytes
+    return MemoryItem(f"actor compute copy ({_dtype(o.compute_bytes)})", copy, (UPDATE,))
+
+
+def host_step_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
+    """``optimizer_offload`` on one GPU (learners/host_optimizer): trained weights in bf16 on
+    the GPU, their masters and AdamW state on the host, gradients freed bucket by bucket as
+    the host takes them; frozen weights (LoRA's base) stay in the training dtype."""
+    total, trainable = a.num_parameters(), trainable_parameters(a, o)
+    on_gpu = trainable * o.compute_bytes + (total - trainable) * o.master_bytes
+    master = _dtype(o.master_bytes)
+    items = [
+        MemoryItem(f"actor weights ({_dtype(o.compute_bytes)}, masters on the host)", on_gpu,
+                   ALWAYS),
+        MemoryItem(f"actor master weights ({master})", 0, (),
+                   host_bytes=trainable * o.master_bytes),
+    ]  # fmt: skip
+    if o.lora_rank > 0 and o.mixed_precision:  # autocast still casts the fp32 base
+        items.append(compute_copy_item(a, o))
+    items += [
+        MemoryItem(f"actor gradients ({_dtype(o.compute_bytes)})", trainable * o.compute_bytes,
+                   (UPDATE, STEP), note="freed bucket by bucket in the step"),
+        MemoryItem(f"optimizer state (AdamW, {master})", 0, (),
+                   host_bytes=trainable * 2 * o.master_bytes, note="steps on the host"),
+        MemoryItem(f"host step buffers (2 pinned {_dtype(o.compute_bytes)} + {master} gradients)",
+                   0, (), host_bytes=host_step_bucket(a, o) * (2 * o.compute_bytes + o.master_bytes)),
+    ]  # fmt: skip
+    return items
+
+
+def device_step_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
+    """Masters, compute copy, gradients and AdamW state on the GPU (sharded by FSDP2)."""
     total, trainable, ranks = a.num_parameters(), trainable_parameters(a, o), o.train_gpus
     on_host = o.param_offload and o.sharded  # FSDP2 CPUOffloadPolicy; one GPU ignores it
     master = total * o.master_bytes // ranks
@@ -309,9 +385,7 @@ def actor_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
         items.append(MemoryItem(f"actor gathered weights ({_dtype(gathered_bytes)})",
                                 total * gathered_bytes, (UPDATE,)))  # fmt: skip
     elif o.mixed_precision:  # autocast's casts, kept for the backward; the lm_head cast
-        copy = (linear_parameters(a) + a.vocab_size * a.hidden_size) * o.compute_bytes
-        items.append(MemoryItem(f"actor compute copy ({_dtype(o.compute_bytes)})", copy,
-                                (UPDATE,)))  # fmt: skip
+        items.append(compute_copy_item(a, o))
     gradients = trainable * o.master_bytes // ranks
     accumulating = o.sharded and o.micro_batches > 1
     # Accumulating FSDP2 gradients stay unsharded (fp32) until the last micro-batch's
@@ -323,28 +397,13 @@ def actor_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
         items.append(MemoryItem("actor unsharded gradients (accumulating)",
                                 trainable * o.master_bytes, (UPDATE,),
                                 note="until the last micro-batch"))  # fmt: skip
-    items.append(optimizer_item(trainable * 2 * o.master_bytes // ranks, o, on_host))
-    tokens = o.micro_batch_tokens
-    checkpointed = ", checkpointed" if o.gradient_checkpointing else ""
-    activations = tokens * activation_bytes_per_token(a, o.gradient_checkpointing,
-                                                      o.compute_bytes)  # fmt: skip
-    items.append(MemoryItem(f"activations ({tokens:,} tokens{checkpointed})", activations,
-                            (UPDATE,)))  # fmt: skip
-    head = logprob_head_bytes(a, tokens, o.compute_bytes)
-    if o.lora_rank > 0:  # a frozen lm_head: no [V, H] gradient
-        head = min(tokens, LOGPROB_CHUNK_TOKENS) * a.vocab_size * o.compute_bytes
-    items.append(MemoryItem("log-prob head (logits chunk, lm_head gradient)", head, (UPDATE,)))
-    return items
-
-
-def optimizer_item(state: int, o: PlanOptions, on_host: bool) -> MemoryItem:
+    state = trainable * 2 * o.master_bytes // ranks
     name = f"optimizer state (AdamW, {_dtype(o.master_bytes)})"
     if on_host:
-        return MemoryItem(name, 0, (), host_bytes=state * o.train_gpus, note="steps on the host")
-    if o.optimizer_offload:
-        return MemoryItem(name, state, (STEP,), host_bytes=state * o.train_gpus,
-                          note="on the GPU for each step")  # fmt: skip
-    return MemoryItem(name, state, ALWAYS)
+        items.append(MemoryItem(name, 0, (), host_bytes=state * ranks, note="steps on the host"))
+    else:
+        items.append(MemoryItem(name, state, ALWAYS))
+    return items
 
 
 def reference_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
@@ -386,7 +445,7 @@ def critic_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
 def rollout_shares_actor_weights(o: PlanOptions) -> bool:
     """The engine runs on the actor's own tensors (workers/rollout.RolloutWorker)."""
     return (not o.split and not o.sharded and o.lora_rank == 0
-            and o.master_bytes == o.rollout_bytes)  # fmt: skip
+            and o.trained_weight_bytes == o.rollout_bytes)  # fmt: skip
 
 
 def rollout_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
@@ -434,61 +493,3 @@ def build_plan(model: str, a: ModelArchitecture, o: PlanOptions) -> MemoryPlan:
         items.append(MemoryItem("weights sent to the rollout (controller)", 0, (),
                                 host_bytes=a.num_parameters() * o.master_bytes))  # fmt: skip
     return MemoryPlan(model, a, o, items, kv_slots=slots)
-
-
-# ---------------------------------------------------------------------- rendering
-
-
-def count(n: int) -> str:
-    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
-
-
-def gib(n: int) -> str:
-    return f"{n / GIB:.1f} GiB" if n else "-"
-
-
-def usable_bytes(gpu_bytes: int) -> int:
-    """What the plan may fill: the GPU less the headroom for what it does not count."""
-    return int(gpu_bytes * (1 - HEADROOM_FRACTION)) - HEADROOM_BYTES
-
-
-def render(plan: MemoryPlan, gpu_source: str = "") -> str:
-    """The plan as a table: one row per item, then the peak of each phase and the verdict."""
-    a, o = plan.architecture, plan.options
-    total, trained = a.num_parameters(), trainable_parameters(a, o)
-    placement = "split, rollout on GPUs of its own" if o.split else "colocated"
-    lines = [
-        f"memory plan: {plan.model} ({count(total)} parameters, {count(trained)} trained), "
-        f"{o.train_gpus} training GPU(s), {placement}",
-        f"  {'item':<52} {'per GPU':>10} {'host':>10}  held during",
-    ]
-    for item in plan.items:
-        when = "always" if item.phases == ALWAYS else ", ".join(item.phases) or "-"
-        if item.rollout_gpu:
-            when = f"rollout GPU: {when}"
-        note = f" ({item.note})" if item.note else ""
-        lines.append(f"  {item.name:<52} {gib(item.gpu_bytes):>10} {gib(item.host_bytes):>10}"
-                     f"  {when}{note}")  # fmt: skip
-    phases = [p for p in PHASES if p != CRITIC or o.critic]
-    peaks = " | ".join(f"{p} {gib(plan.phase_bytes(p))}" for p in phases)
-    lines.append(f"  per training GPU: {peaks}; host {gib(plan.host_bytes())}")
-    if o.split:
-        lines.append(f"  per rollout GPU: {gib(plan.phase_bytes(GENERATE, rollout_gpu=True))}")
-    lines.append("  " + verdict(plan, gpu_source))
-    return "\n".join(lines)
-
-
-def verdict(plan: MemoryPlan, gpu_source: str = "") -> str:
-    o = plan.options
-    phase, peak = plan.peak()
-    if o.gpu_bytes is None:
-        return (f"peak {gib(peak)} ({phase}); GPU memory unknown, fit not checked "
-                "(give --gpu-memory or trainer.gpu_memory_gib)")  # fmt: skip
-    usable = usable_bytes(o.gpu_bytes)
-    source = f" ({gpu_source})" if gpu_source else ""
-    fits = plan.checked_peak()[1] <= usable and plan.kv_slots > 0
-    if o.split:
-        fits = fits and plan.checked_peak(rollout_gpu=True)[1] <= usable
-    word = "fits" if fits else "does NOT fit" + ("" if plan.kv_slots else ", no KV-cache slot")
-    return (f"GPU {gib(o.gpu_bytes)}{source}, {gib(usable)} usable: {word}, peak {gib(peak)} "
-            f"({phase})")  # fmt: skip

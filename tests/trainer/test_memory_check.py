@@ -42,20 +42,22 @@ def test_a_32b_full_fine_tune_on_an_80gib_gpu_exits_2_before_loading(
     # each fix planned again: LoRA alone keeps fp32 base weights (122 GiB), too big
     assert "model.lora_rank=64 (peak 255.3 GiB in the actor update, too big)" in err
     assert "actor.optimizer_offload=true (peak" in err and "model.dtype=bfloat16 (peak" in err
-    # and together, bf16 weights + LoRA still hold the actor's 61 GiB and the rollout's copy
+    # and together: with the masters and AdamW on the host, the GPU still holds the bf16
+    # weights (61 GiB) and their bf16 gradients
     assert "Together they do not fit either" in err
-    assert "rollout weights (bf16 copy) 61.0 GiB" in err
+    assert "actor weights (bf16, masters on the host) 61.0 GiB" in err
+    assert "actor gradients (bf16) 61.0 GiB" in err
     assert not (tmp_path / "run").exists()
 
 
 def test_the_named_combination_does_fit():
-    cfg = load_config(None, ["model.path=qwen2.5-14b", "trainer.gpu_memory_gib=80"])
-    plan = mc.plan_for_config(cfg, validate(cfg), 80 * GIB)
+    cfg = load_config(None, ["model.path=qwen2.5-7b", "trainer.gpu_memory_gib=36"])
+    plan = mc.plan_for_config(cfg, validate(cfg), 36 * GIB)
     text = mc.fixes_text(cfg, plan)
-    assert "Together: model.lora_rank=64 model.dtype=bfloat16" in text
+    assert "Together: actor.optimizer_offload=true model.gradient_checkpointing=true" in text
     together = text.split("Together: ")[1].split(" (peak")[0].split()
-    fixed = load_config(None, ["model.path=qwen2.5-14b", *together])
-    assert mc.fits(mc.plan_for_config(fixed, validate(fixed), 80 * GIB))
+    fixed = load_config(None, ["model.path=qwen2.5-7b", *together])
+    assert mc.fits(mc.plan_for_config(fixed, validate(fixed), 36 * GIB))
 
 
 def test_a_7b_that_fits_with_lora_says_so(capsys):

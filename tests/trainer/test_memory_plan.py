@@ -5,6 +5,7 @@ import pytest
 from hybridflow.models.presets import PRESETS
 from hybridflow.trainer import memory_plan as mp
 from hybridflow.trainer.memory_plan import GIB, PlanOptions
+from hybridflow.trainer.memory_render import render
 
 QWEN05 = PRESETS["qwen2.5-0.5b"]
 # qwen2.5-0.5b: h = 896, i = 4864, 24 layers, 14 q heads and 2 kv heads of 64 (q = 896,
@@ -70,11 +71,38 @@ def test_fsdp_shards_weights_gradients_and_state_and_accumulates_unsharded():
     assert got["rollout weights (bf16 copy)"].gpu_bytes == 2 * P
 
 
-def test_offload_moves_state_to_the_host_and_the_step_still_holds_it():
-    offloaded = items(mp.build_plan("q", QWEN05, PlanOptions(optimizer_offload=True)))
-    state = offloaded["optimizer state (AdamW, fp32)"]
-    assert (state.gpu_bytes, state.host_bytes, state.phases) == (8 * P, 8 * P, (mp.STEP,))
-    # param_offload is FSDP2's CPUOffloadPolicy: ignored on one GPU, host memory on two
+def test_optimizer_offload_moves_masters_and_state_to_the_host_for_the_whole_run():
+    on_gpu = mp.build_plan("q", QWEN05, PlanOptions())
+    offloaded = mp.build_plan("q", QWEN05, PlanOptions(optimizer_offload=True))
+    got = items(offloaded)
+    master, state = got["actor master weights (fp32)"], got["optimizer state (AdamW, fp32)"]
+    assert (master.gpu_bytes, master.host_bytes, master.phases) == (0, 4 * P, ())
+    assert (state.gpu_bytes, state.host_bytes, state.phases) == (0, 8 * P, ())
+    # the GPU keeps bf16 weights and bf16 gradients; autocast has nothing left to cast
+    assert got["actor weights (bf16, masters on the host)"].gpu_bytes == 2 * P
+    assert got["actor gradients (bf16)"].gpu_bytes == 2 * P
+    assert "actor compute copy (bf16)" not in got
+    # the embedding (151,936 × 896 = 136 M) is the largest bucket: two pinned bf16 buffers
+    # and one fp32 gradient buffer of it, 8 bytes a parameter
+    buffers = got["host step buffers (2 pinned bf16 + fp32 gradients)"]
+    assert buffers.host_bytes == VOCAB_MATRIX * (2 + 2 + 4)
+    assert offloaded.host_bytes() - on_gpu.host_bytes() == 12 * P + 8 * VOCAB_MATRIX
+    # bf16 training weights on one GPU: the rollout reads them in place, no copy of its own
+    assert got["rollout weights"].gpu_bytes == 0
+    # every phase drops by at least the masters and the moments (12 bytes a parameter): the
+    # step holds 2P of weights and 2P of gradients where it held 4P + 4P + 8P and a 2P copy
+    for phase in (mp.GENERATE, mp.UPDATE, mp.STEP):
+        assert on_gpu.phase_bytes(phase) - offloaded.phase_bytes(phase) >= 12 * P, phase
+    assert offloaded.phase_bytes(mp.STEP) == 2 * P + 2 * P
+
+
+def test_optimizer_offload_bucket_size_is_the_host_optimizers():
+    from hybridflow.learners.host_optimizer import BUCKET_ELEMENTS
+
+    assert mp.OFFLOAD_BUCKET_ELEMENTS == BUCKET_ELEMENTS
+
+
+def test_param_offload_does_nothing_on_one_gpu_and_is_host_memory_on_two():
     one_gpu = items(mp.build_plan("q", QWEN05, PlanOptions(param_offload=True)))
     assert one_gpu["actor weights (fp32 masters)"].gpu_bytes == 4 * P
     two = mp.build_plan("q", QWEN05, PlanOptions(param_offload=True, train_gpus=2))
@@ -167,10 +195,10 @@ def test_plan_is_within_15_percent_of_measured_peaks(model, measured_gib, option
 
 def test_render_lists_every_item_and_the_verdict():
     plan = mp.build_plan("qwen2.5-0.5b", QWEN05, PlanOptions(gpu_bytes=10 * GIB))
-    text = mp.render(plan, "trainer.gpu_memory_gib")
+    text = render(plan, "trainer.gpu_memory_gib")
     assert all(item.name in text for item in plan.items)
     assert "10.0 GiB (trainer.gpu_memory_gib)" in text and "does NOT fit" in text
-    unknown = mp.render(mp.build_plan("qwen2.5-0.5b", QWEN05, PlanOptions()))
+    unknown = render(mp.build_plan("qwen2.5-0.5b", QWEN05, PlanOptions()))
     assert "fit not checked" in unknown
 
 

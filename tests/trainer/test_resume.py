@@ -149,3 +149,17 @@ def test_resume_at_an_epoch_boundary_is_exact(tmp_path, quiet):
     train(tiny_config(tmp_path / "b", "trainer.total_steps=5", *epoch), log=quiet)
     a, b = read_metrics(tmp_path / "a" / "run"), read_metrics(tmp_path / "b" / "run")
     assert_same_steps(a, b, steps=(1, 2, 3, 4, 5))
+
+
+def test_resume_with_optimizer_offload_is_exact(tmp_path, quiet):
+    """The host masters and AdamW state go into the checkpoint and come back: 4 steps
+    straight == 2 + resume 2 with actor.optimizer_offload (the host step on the CPU)."""
+    settings = (*RESUME_SETTINGS, "actor.optimizer_offload=true")
+    straight = tiny_config(tmp_path / "a", "trainer.total_steps=4", *settings)
+    train(straight, log=quiet)
+    train(tiny_config(tmp_path / "b", "trainer.total_steps=2", *settings), log=quiet)
+    second = tiny_config(tmp_path / "b", "trainer.total_steps=4", "trainer.resume=auto", *settings)
+    train(second, log=quiet)
+    a, b = read_metrics(straight.trainer.run_dir), read_metrics(second.trainer.run_dir)
+    assert_same_steps(a, b, steps=(1, 2, 3, 4))
+    assert a[4]["actor/pg_loss"] != a[1]["actor/pg_loss"]  # it trained
