@@ -73,6 +73,7 @@ def plan_options(cfg: Config, derived: Derived, gpu_bytes: int | None) -> PlanOp
         gpu_memory_utilization=r.gpu_memory_utilization,
         release_cache=r.release_cache,
         fuse_projections=fuse,
+        rollout_fp8=r.dtype == "fp8",
         max_prefill_tokens=r.engine.max_prefill_tokens,
         split=t.placement == "split",
         reference=reference,

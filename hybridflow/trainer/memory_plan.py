@@ -111,6 +111,7 @@ class PlanOptions:
     release_cache: bool = True
     fuse_projections: str = "all"
     """Fused decode weight copies: all | qkv | none (none off the triton decode path)."""
+    rollout_fp8: bool = False  # rollout.dtype=fp8: e4m3 copies of the projections
     max_prefill_tokens: int = 16384
     split: bool = False
     """Rollout on GPUs of its own (their items are planned separately)."""
@@ -459,9 +460,12 @@ def rollout_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
                              a.num_parameters() * o.rollout_bytes, ALWAYS, rollout_gpu=split)  # fmt: skip
     fused = fused_copy_bytes(a, o.fuse_projections, o.rollout_bytes)
     held = (GENERATE,) if o.release_cache else ALWAYS  # Engine.release() frees them
+    fp8 = a.num_parameters(include_embeddings=False)  # 1 byte each (engine/fp8.py)
+    fp8_copies = [MemoryItem("rollout fp8 projection copies", fp8, held, rollout_gpu=split)]
     return [
         weights,
         MemoryItem("rollout fused q/k/v, gate/up copies", fused, held, rollout_gpu=split),
+        *(fp8_copies if o.rollout_fp8 else []),
         MemoryItem("rollout workspace (decode logits, prefill)", rollout_reserve_bytes(a, o),
                    (GENERATE,), rollout_gpu=split),
     ]  # fmt: skip

@@ -216,3 +216,15 @@ def test_a_kept_kv_cache_and_split_placement():
     # the training GPUs hold the actor only: masters + AdamW while the rollout generates
     assert split.phase_bytes(mp.GENERATE) == 4 * P + 8 * P
     assert split.host_bytes() == 4 * P  # actor.full_weights(): fp32 masters on the controller
+
+
+def test_an_fp8_rollout_adds_a_byte_per_projection_weight_while_it_generates():
+    from hybridflow.models.presets import PRESETS
+
+    a = PRESETS["qwen2.5-0.5b"]
+    bf16 = mp.build_plan("qwen2.5-0.5b", a, mp.PlanOptions())
+    fp8 = mp.build_plan("qwen2.5-0.5b", a, mp.PlanOptions(rollout_fp8=True))
+    copies = [i for i in fp8.items if i.name == "rollout fp8 projection copies"]
+    assert len(copies) == 1 and copies[0].gpu_bytes == a.num_parameters(include_embeddings=False)
+    assert mp.GENERATE in copies[0].phases and mp.UPDATE not in copies[0].phases
+    assert not any("fp8" in i.name for i in bf16.items)
