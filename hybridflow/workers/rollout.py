@@ -19,7 +19,8 @@ the requests in flight: their later tokens record the new version (``token_versi
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from concurrent.futures import Future
 
 import torch
 
@@ -78,7 +79,6 @@ class RolloutWorker(Worker):
             from hybridflow.engine.service import RolloutService
 
             self.service = RolloutService(self.engine)
-            self.requests = ThreadPoolExecutor(4, thread_name_prefix="hybridflow-rollout-call")
         self._agent_loop = None  # built at the first agent rollout (rollout.agent.loop)
         self.tokenizer = None
         if config.rollout.agent.loop is not None:
@@ -190,7 +190,17 @@ class RolloutWorker(Worker):
         ``generated(batch.meta["ticket"], …)``."""
         if self.service is None:
             raise RuntimeError("start_generate needs trainer.partial_rollout=true")
-        self.in_flight[int(batch.meta["ticket"])] = self.requests.submit(self._generate, batch)
+        result: Future = Future()
+        self.in_flight[int(batch.meta["ticket"])] = result
+
+        def run() -> None:  # waits on the service's thread, which decodes
+            try:
+                result.set_result(self._generate(batch))
+            except BaseException as error:  # the controller's `generated` call re-raises it
+                result.set_exception(error)
+
+        # a daemon: a run that stops with a generation in flight does not wait for it to end
+        threading.Thread(target=run, name="hybridflow-rollout-request", daemon=True).start()
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def generated(self, ticket: int, wait_s: float) -> Batch | None:

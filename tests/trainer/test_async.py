@@ -76,7 +76,7 @@ def test_stop_and_resume_equal_a_straight_async_run(tmp_path):
 
 
 def test_a_stalled_producer_is_named_within_the_timeout():
-    def slow(step):
+    def slow(step, attempt):
         time.sleep(5)
         return None, {}
 
@@ -89,7 +89,7 @@ def test_a_stalled_producer_is_named_within_the_timeout():
 
 
 def test_a_failing_producer_stops_the_trainer_with_its_error():
-    def broken(step):
+    def broken(step, attempt):
         raise ValueError("the reward server is down")
 
     producer = RolloutProducer(broken, 1, 3, 0, lambda s: False, installed=0, timeout_s=5)
