@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 from hybridflow.protocol import Batch
 from hybridflow.trainer.metrics import Timer
 from hybridflow.trainer.staleness import (
+    NO_TOKEN,
     concat_rollouts,
     drop_stale_groups,
     first_groups,
@@ -117,7 +118,8 @@ class RolloutProducer:
                         return
                     oldest = oldest_versions(batch.tensors["token_versions"],
                                              batch.tensors["response_mask"])  # fmt: skip
-                    version = min(int(oldest.min()), version) if len(batch) else version
+                    if len(batch) and int(oldest.min()) != NO_TOKEN:
+                        version = int(oldest.min())
                 batch.meta["policy_version"] = version  # its oldest token's
                 with self.changed:
                     self.produced[step] = (batch, metrics, version)

@@ -132,3 +132,20 @@ def test_partial_rollout_without_async_exits_2_through_the_cli(tmp_path, capsys)
     status = main(["train", "trainer.partial_rollout=true", f"trainer.run_dir={tmp_path}"])
     err = capsys.readouterr().err
     assert status == 2 and "trainer.partial_rollout" in err and "Traceback" not in err
+
+
+def test_partial_rollouts_on_the_local_backend_stay_within_the_bound(tmp_path, monkeypatch):
+    """Worker processes: the generation runs on a thread of the rollout worker while the
+    trainer's calls (its weight syncs) reach it between short waits; every trained sample,
+    by its recorded token versions, lags at most s = 1 versions."""
+    taken = _trained_batches(monkeypatch)
+    cfg = tiny_config(tmp_path, "trainer.total_steps=3", "trainer.max_staleness=1",
+                      "trainer.backend=local", *PARTIAL)  # fmt: skip
+    train(cfg, log=lambda *a, **k: None)
+    assert sorted(taken) == [1, 2, 3]
+    for step, batch in taken.items():
+        mask = batch.tensors["response_mask"].bool()
+        versions = batch.tensors["token_versions"][mask]
+        assert int(versions.min()) >= step - 2 and int(versions.max()) <= step - 1
+    metrics = read_metrics(cfg.trainer.run_dir)
+    assert all(metrics[step]["async/staleness_max"] <= 1 for step in (1, 2, 3))
