@@ -26,7 +26,8 @@ Partial rollouts (trainer.partial_rollout) drop the second wait: the trainer ins
 weights at once and the requests in flight continue with them (each token records its
 version, trainer/staleness.py). The bound holds by the first wait alone: batch j starts
 with a version >= v(j), so no token of it lags the version it trains at by more than s.
-stale_policy=drop starts batch j one version earlier, discards the prompt groups whose
+stale_policy=drop starts batch j one version earlier (v(j) with s + 1: the checkpoint rule
+still holds, so no prompt is drawn ahead of a saved loader state), discards the groups whose
 oldest token lags by more than s, and replaces them with groups generated once v(j) is
 installed (those cannot exceed the bound). Timing decides where a request crosses an
 update: partial-rollout runs are not bit-reproducible.
@@ -99,9 +100,12 @@ class RolloutProducer:
         return generation_version(step, self.max_staleness, self.save_steps)
 
     def start_version(self, step: int) -> int:
-        """The version the producer waits for before it starts step's rollout."""
-        version = self.version_for(step)
-        return max(0, version - 1) if self.stale_policy == "drop" else version
+        """The version the producer waits for before it starts step's rollout: v(step); with
+        stale_policy=drop the v of one more staleness (one version earlier), except after a
+        checkpoint step (its prompts are drawn after the loader's state is saved)."""
+        if self.stale_policy == "drop":
+            return generation_version(step, self.max_staleness + 1, self.save_steps)
+        return self.version_for(step)
 
     # -- the producer's thread ------------------------------------------------------------------
 

@@ -149,3 +149,17 @@ def test_partial_rollouts_on_the_local_backend_stay_within_the_bound(tmp_path, m
         assert int(versions.min()) >= step - 2 and int(versions.max()) <= step - 1
     metrics = read_metrics(cfg.trainer.run_dir)
     assert all(metrics[step]["async/staleness_max"] <= 1 for step in (1, 2, 3))
+
+
+def test_drop_starts_one_version_early_except_after_a_checkpoint():
+    from hybridflow.trainer.async_rollout import RolloutProducer
+
+    def producer(stale_policy, save_steps):  # steps 1..0: its thread has nothing to do
+        return RolloutProducer(lambda step, attempt: None, 1, 0, 1, save_steps, installed=0,
+                               timeout_s=1, partial=True, stale_policy=stale_policy)  # fmt: skip
+
+    never, every_3 = (lambda step: False), (lambda step: step % 3 == 0)
+    assert [producer("wait", never).start_version(j) for j in range(1, 7)] == [0, 0, 1, 2, 3, 4]
+    assert [producer("drop", never).start_version(j) for j in range(1, 7)] == [0, 0, 0, 1, 2, 3]
+    # step 4 follows the checkpoint of step 3: it waits for version 3 under either policy
+    assert [producer("drop", every_3).start_version(j) for j in range(1, 7)] == [0, 0, 0, 3, 3, 3]
