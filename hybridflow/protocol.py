@@ -12,6 +12,13 @@ Every row operation (``index``, ``chunk``, ``repeat``, ...) applies to ``tensors
 storage with the input where torch/numpy do (slices are views), except ``reorder`` which
 works in place.
 
+A rollout batch (``RolloutWorker.generate``) carries, per response token [B, R]:
+``responses``, ``response_mask`` (1 on generated tokens), ``rollout_logprobs`` (the
+engine's log-prob of the token under the weights that sampled it: the behaviour policy of
+the importance weights) and ``token_versions`` (int64, the policy version that sampled the
+token, -1 after the end; with partial rollouts one sample may span two versions:
+hybridflow/trainer/staleness.py).
+
 Pickling writes each tensor's own bytes once (a slice of a large tensor does not drag the
 whole storage along, as ``pickle`` of a plain tensor view does), so a pickled Batch is about
 as large as the raw tensor data. Tensors always come back on the CPU.

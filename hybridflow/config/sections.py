@@ -340,7 +340,16 @@ class TrainerConfig:
     """sync: each step generates its rollouts, then trains. async: the next steps' rollouts
     are generated while this one trains (trainer/async_rollout.py; docs/async.md)."""
     max_staleness: int = 1
-    """async: policy versions a batch may lag the one it trains (0: exactly the sync run)."""
+    """async: policy versions a batch may lag the one it trains (0: exactly the sync run).
+    With partial_rollout, a sample's lag is that of its oldest token."""
+    partial_rollout: bool = False
+    """async: requests in flight continue across a weight update (each token records the
+    version that sampled it) instead of the rollout finishing a batch with the old weights
+    before the update; faster, no longer bit-reproducible (docs/async.md)."""
+    stale_policy: str = "wait"
+    """async with partial_rollout: what keeps samples within max_staleness. wait: the
+    rollout starts no work that could exceed it. drop: it starts one version earlier, and
+    prompt groups that exceed it are discarded (async/dropped_groups) and replaced."""
     rendezvous_host: str = "127.0.0.1"
     """Address the ``local`` backend's torch.distributed store listens on. All its ranks
     are on this host, so the default keeps the store off the network."""

@@ -71,7 +71,8 @@ def plan_options(cfg: Config, derived: Derived, gpu_bytes: int | None) -> PlanOp
         rollout_max_seqs=r.max_num_seqs,
         rollout_max_seq_len=max_len,
         gpu_memory_utilization=r.gpu_memory_utilization,
-        release_cache=r.release_cache,
+        # partial rollouts: requests stay in flight while the actor trains, the cache with them
+        release_cache=r.release_cache and not (t.mode == "async" and t.partial_rollout),
         fuse_projections=fuse,
         rollout_fp8=r.dtype == "fp8",
         max_prefill_tokens=r.engine.max_prefill_tokens,

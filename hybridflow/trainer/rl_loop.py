@@ -80,7 +80,7 @@ def train_step(run: RunContext, rollout: tuple | None = None,
         with timer("sync_weights"):
             if before_sync is not None:
                 before_sync()
-            sync_weights(roles)
+            sync_weights(roles, version=run.step)  # the policy after this step's update
     metrics.update(_step_metrics(run, batch, timer))
     return metrics
 
@@ -121,16 +121,20 @@ def fit(run: RunContext) -> dict[str, float]:
 def start_producer(run: RunContext) -> RolloutProducer:
     """The async mode's rollout thread, from the step after run.step (trainer/async_rollout.py)."""
     t = run.cfg.trainer
+    # replacement groups (stale_policy=drop): rounds past those the first attempt may use
+    rounds = max(1, run.cfg.algorithm.max_gen_rounds) if run.cfg.algorithm.dynamic_sampling else 1
 
-    def produce(step: int) -> tuple:
+    def produce(step: int, attempt: int) -> tuple:
         timer = Timer()
-        batch, metrics = collect_rollouts(run, timer, step=step)
+        batch, metrics = collect_rollouts(run, timer, step=step, first_round=attempt * rounds)
         metrics.update(timer.metrics())  # gen and reward, timed on the producer's thread
         return batch, metrics
 
+    pad = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
     return RolloutProducer(produce, run.step + 1, t.total_steps, t.max_staleness,
                            lambda step: saves_at(t, step), installed=run.step,
-                           timeout_s=t.call_timeout_s)  # fmt: skip
+                           timeout_s=t.call_timeout_s, partial=t.partial_rollout,
+                           stale_policy=t.stale_policy, pad_token_id=pad)  # fmt: skip
 
 
 def saves_at(t, step: int) -> bool:
@@ -209,8 +213,26 @@ def _step_metrics(run: RunContext, batch: Batch, timer: Timer) -> dict[str, floa
     if "entropy" in batch.tensors:
         metrics["actor/entropy"] = float((batch.tensors["entropy"] * mask).sum() / mask.sum())
     metrics.update(data_metrics(batch.tensors, run.cfg.data.max_response_length))
+    if run.cfg.trainer.mode == "async":
+        metrics.update(async_batch_metrics(batch, trained_version=run.step - 1))
     metrics.update(timer.metrics())
     metrics.update(_perf_metrics(run, batch, timer.seconds["step"]))
+    return metrics
+
+
+def async_batch_metrics(batch: Batch, trained_version: int) -> dict[str, float]:
+    """How far behind trained_version the batch's tokens were sampled, and the largest
+    importance ratio against the behaviour policy (trainer/staleness.py)."""
+    from hybridflow.trainer.staleness import importance_ratio_max, staleness_metrics
+
+    t = batch.tensors
+    metrics: dict[str, float] = {}
+    if "token_versions" in t:
+        metrics.update(staleness_metrics(t["token_versions"], t["response_mask"], trained_version))
+    if "old_logprobs" in t and "rollout_logprobs" in t:
+        metrics["async/rollout_is_ratio_max"] = importance_ratio_max(
+            t["old_logprobs"], t["rollout_logprobs"], t["response_mask"]
+        )
     return metrics
 
 

@@ -53,16 +53,27 @@ class RolloutHandle(Protocol):
     """The rollout's group; runs :class:`hybridflow.workers.rollout.RolloutWorker`."""
 
     def generate(self, batch: Batch) -> Batch:
-        """``meta["n"]`` samples of each ``prompts`` row: ``responses``, ``response_mask`` and
-        ``rollout_logprobs`` [B*n, R]: ``RolloutWorker.generate``."""
+        """``meta["n"]`` samples of each ``prompts`` row: ``responses``, ``response_mask``,
+        ``rollout_logprobs`` and ``token_versions`` [B*n, R]: ``RolloutWorker.generate``."""
         ...
 
-    def sync_from_actor(self) -> list[None]:
+    def start_generate(self, batch: Batch) -> None:
+        """Partial rollouts: begin ``generate(batch)`` without waiting for it:
+        ``RolloutWorker.start_generate``."""
+        ...
+
+    def generated(self, ticket: int, wait_s: float) -> list[Batch | None]:
+        """Each rank's rows of a started generation, None where not done within wait_s:
+        ``RolloutWorker.generated``."""
+        ...
+
+    def sync_from_actor(self, version: int | None = None) -> list[None]:
         """Colocated: the engine takes the actor's current weights (nothing to do when it
-        shares them): ``RolloutWorker.sync_from_actor``."""
+        shares them) and starts policy `version`: ``RolloutWorker.sync_from_actor``."""
         ...
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> list[None]:
+    def load_weights(self, weights: dict[str, torch.Tensor],
+                     version: int | None = None) -> list[None]:  # fmt: skip
         """Split placement: load the weights sent by the controller:
         ``RolloutWorker.load_weights``."""
         ...

@@ -122,9 +122,11 @@ def build_roles(cfg: Config, derived: Derived) -> Roles:
     )
 
 
-def sync_weights(roles: Roles) -> None:
-    """Make the rollout engine sample with the actor's current weights."""
+def sync_weights(roles: Roles, version: int | None = None) -> None:
+    """Make the rollout engine sample with the actor's current weights. version: the policy
+    version its tokens record from now on (the step that made the weights; default: the
+    engine's last + 1)."""
     if roles.split:
-        roles.rollout.load_weights(roles.actor.full_weights())
+        roles.rollout.load_weights(roles.actor.full_weights(), version)
     else:
-        roles.rollout.sync_from_actor()
+        roles.rollout.sync_from_actor(version)

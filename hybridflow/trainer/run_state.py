@@ -158,7 +158,8 @@ def load_checkpoint(run: RunContext, path: Path) -> None:
         run.kl_ctrl.value = float(run.cfg.algorithm.kl_coef)
     run.history = state.get("history", {})
     restore_rng_state(state["rng"])
-    sync_weights(run.roles)  # a rollout engine with its own copy must see the loaded weights
+    # a rollout engine with its own copy must see the loaded weights, as version run.step
+    sync_weights(run.roles, version=run.step)
     choices = path / ENGINE_CHOICES
     if choices.is_file():  # made on another GPU or with other options: timed afresh instead
         run.roles.rollout.pin_engine_choices(json.loads(choices.read_text()))

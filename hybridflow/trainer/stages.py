@@ -112,7 +112,13 @@ def generate(run: RunContext, prompts: Batch, *, n: int, temperature: float, see
     if engine_n != n:
         request = request.repeat(n, interleave=True)
     request.meta.update(sampling_meta(run, n=engine_n, temperature=temperature, seed=seed))
-    out = run.roles.rollout.generate(request)
+    if run.cfg.trainer.partial_rollout:  # the weight syncs reach the worker meanwhile
+        from hybridflow.trainer.async_rollout import generate_across_updates
+
+        out = generate_across_updates(run.roles.rollout, request, run.roles.rollout_dp,
+                                      run.cfg.trainer.call_timeout_s)  # fmt: skip
+    else:
+        out = run.roles.rollout.generate(request)
     rows = prompts.repeat(n, interleave=True)
     prompt_mask = rows.tensors.pop("attention_mask")
     if "agent_prompts" in out.tensors:  # episodes render their own prompt (with the tools)
@@ -184,15 +190,16 @@ def next_prompts(run: RunContext, round_index: int, step: int | None = None) -> 
     return prompts
 
 
-def collect_rollouts(run: RunContext, timer: Timer,
-                     step: int | None = None) -> tuple[Batch, dict[str, float]]:  # fmt: skip
+def collect_rollouts(run: RunContext, timer: Timer, step: int | None = None,
+                     first_round: int = 0) -> tuple[Batch, dict[str, float]]:  # fmt: skip
     """Generate and score ``data.train_batch_size`` groups of ``rollout.n`` samples.
 
     DAPO dynamic sampling keeps only groups whose scores differ and draws more prompts
     (up to ``algorithm.max_gen_rounds`` rounds) until the batch is full; if it is still
     short, groups without signal fill it (zero advantage) and the shortfall is reported.
     ReMax adds ``reward_baselines`` [B]: the score of a greedy answer to each prompt.
-    step: the RL step the rollout is for (default run.step).
+    step: the RL step the rollout is for (default run.step). first_round: the index of the
+    first round (uids and seeds; the async mode's replacement groups start further on).
     """
     cfg = run.cfg
     alg, n = cfg.algorithm, cfg.rollout.n
@@ -202,13 +209,15 @@ def collect_rollouts(run: RunContext, timer: Timer,
     metrics: dict[str, float] = {}
     rounds = 0
     while True:
-        prompts = next_prompts(run, rounds, step)
-        seed = step_seed(run, rounds, step=step)
+        round_index = first_round + rounds
+        prompts = next_prompts(run, round_index, step)
+        seed = step_seed(run, round_index, step=step)
         with timer("gen"):
             batch = generate(run, prompts, n=n, temperature=cfg.rollout.temperature, seed=seed)
         if alg.adv_estimator == "remax":
             with timer("gen_baseline"):
-                batch.tensors["reward_baselines"] = greedy_baseline(run, prompts, rounds, step)
+                batch.tensors["reward_baselines"] = greedy_baseline(run, prompts, round_index,
+                                                                    step)  # fmt: skip
         with timer("reward"):
             batch, reward_metrics = score(run, batch, step)
         metrics.update(reward_metrics)

@@ -9,9 +9,18 @@ Three ways to get the weights, picked at construction:
   all-gathers the actor's tensors one at a time (LoRA folded in) and loads them in buckets.
 - split placement (no actor in this process): the controller moves the actor's full weights
   and calls :meth:`RolloutWorker.load_weights`.
+
+Partial rollouts (trainer.partial_rollout, async mode): the engine runs as a RolloutService
+(hybridflow/engine/service.py) on its own thread. ``start_generate`` hands a batch to it and
+returns; ``generated`` waits a short while for the result, so the weight sync of a training
+step (a call on this same worker) gets in between and lands between two decode chunks of
+the requests in flight: their later tokens record the new version (``token_versions``).
 """
 
 from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
 
 import torch
 
@@ -40,6 +49,8 @@ class RolloutWorker(Worker):
         actor = self.context.colocated.get("actor")
         self.actor = actor
         dtype = resolve_dtype(config.model, self.device)
+        t = config.trainer
+        partial = t.mode == "async" and t.partial_rollout
         self.shares_actor_weights = (
             actor is not None
             and self.world_size == 1
@@ -47,7 +58,7 @@ class RolloutWorker(Worker):
             and not actor.learner.core.fsdp
             and next(actor.model.parameters()).dtype == dtype  # fp32 masters: bf16 copy
             # async mode generates while the actor updates: the engine needs its own copy
-            and not (config.trainer.mode == "async" and config.trainer.max_staleness > 0)
+            and not (t.mode == "async" and (t.max_staleness > 0 or partial))
         )
         if self.shares_actor_weights:
             model = actor.model
@@ -62,6 +73,12 @@ class RolloutWorker(Worker):
             memory_budget=config.rollout.gpu_memory_utilization if on_gpu else None,
             options=engine_options(config),
         )
+        self.service = None  # partial rollouts: the engine serves from its own thread
+        self.in_flight: dict[int, Future] = {}  # start_generate's ticket -> its result
+        if partial:
+            from hybridflow.engine.service import RolloutService
+
+            self.service = RolloutService(self.engine)
         self._agent_loop = None  # built at the first agent rollout (rollout.agent.loop)
         self.tokenizer = None
         if config.rollout.agent.loop is not None:
@@ -161,10 +178,47 @@ class RolloutWorker(Worker):
 
         Returns ``b * n`` rows, prompt-major (the samples of a prompt are adjacent):
         ``responses [b*n, R]`` (pad after the end), ``response_mask [b*n, R]`` (1 on generated
-        tokens, the stop token included), ``rollout_logprobs [b*n, R]``; ``R`` is
+        tokens, the stop token included), ``rollout_logprobs [b*n, R]``, ``token_versions
+        [b*n, R]`` (the policy version that sampled each token, -1 after the end); ``R`` is
         ``data.max_response_length`` on every rank so the pieces concatenate.
         """
+        return self._generate(batch)
+
+    @register(dispatch=Dispatch.DP_SPLIT)
+    def start_generate(self, batch: Batch) -> None:
+        """Partial rollouts: begin ``generate(batch)`` and return at once; collect it with
+        ``generated(batch.meta["ticket"], …)``."""
+        if self.service is None:
+            raise RuntimeError("start_generate needs trainer.partial_rollout=true")
+        result: Future = Future()
+        self.in_flight[int(batch.meta["ticket"])] = result
+
+        def run() -> None:  # waits on the service's thread, which decodes
+            try:
+                result.set_result(self._generate(batch))
+            except BaseException as error:  # the controller's `generated` call re-raises it
+                result.set_exception(error)
+
+        # a daemon: a run that stops with a generation in flight does not wait for it to end
+        threading.Thread(target=run, name="hybridflow-rollout-request", daemon=True).start()
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def generated(self, ticket: int, wait_s: float) -> Batch | None:
+        """The result of ``start_generate`` (this rank's rows) once, then None; None too
+        while it is not done within ``wait_s`` seconds: short waits leave room for the
+        trainer's calls (the controller keeps each rank's rows as they come)."""
+        if ticket not in self.in_flight:
+            return None
+        try:
+            out = self.in_flight[ticket].result(timeout=wait_s)
+        except TimeoutError:
+            return None
+        del self.in_flight[ticket]
+        return out
+
+    def _generate(self, batch: Batch) -> Batch:
         from hybridflow.engine import SamplingParams
+        from hybridflow.engine.engine import padded_tensors
 
         cfg, meta = self.config.rollout, batch.meta
         width = self.config.data.max_response_length
@@ -187,9 +241,11 @@ class RolloutWorker(Worker):
             row[mask.bool()].tolist()
             for row, mask in zip(batch.tensors["prompts"], batch.tensors["attention_mask"])
         ]
-        out = self.engine.generate_padded(prompt_ids, params, pad_token_id=pad_token_id)
-        if cfg.release_cache and str(self.device).startswith("cuda"):
+        results = self.engine.generate(prompt_ids, params)  # through the service, if one runs
+        # the service keeps its cache for the requests in flight
+        if cfg.release_cache and str(self.device).startswith("cuda") and self.service is None:
             self.engine.release()
+        out = padded_tensors(results, pad_token_id)
         rows = out["responses"].shape[0]
         responses = torch.full((rows, width), pad_token_id, dtype=torch.long)  # [b*n, R]
         rollout_logprobs = torch.zeros(rows, width)  # [b*n, R]
@@ -203,27 +259,53 @@ class RolloutWorker(Worker):
                 "responses": responses,
                 "response_mask": response_mask,
                 "rollout_logprobs": rollout_logprobs,
+                "token_versions": self._token_versions(results, width),
             }
         )
 
+    def _token_versions(self, results: list, width: int) -> torch.Tensor:
+        """[rows, width] int64: the version that sampled each token, -1 after the end. The
+        engine's slow path (a model it cannot run natively) samples a request whole, with
+        the weights of its current version, and records no spans."""
+        versions = torch.full((len(results), width), -1, dtype=torch.long)  # [b*n, R]
+        for row, completion in enumerate(results):
+            if self.engine.native:
+                row_versions = completion.token_versions()[:width]
+            else:
+                row_versions = [self.engine.policy_version] * min(len(completion.token_ids), width)
+            versions[row, : len(row_versions)] = torch.tensor(row_versions, dtype=torch.long)
+        return versions
+
     @register(dispatch=Dispatch.ONE_TO_ALL)
-    def sync_from_actor(self) -> None:
+    def sync_from_actor(self, version: int | None = None) -> None:
         """Copy the colocated actor's current weights into the engine (shared: nothing to
-        copy, but a new policy version, and a running service refreshes its fused copies)."""
+        copy, but a new policy version, and a running service refreshes its fused copies).
+        version: the policy version tokens sampled from now on record (default: the last + 1)."""
         if self.shares_actor_weights:
-            self.engine.weights_updated()
+            if version is None:
+                self.engine.weights_updated()
+            else:
+                self.engine.new_policy_version(version)
             return
         if self.actor is None:
             raise RuntimeError(
                 "sync_from_actor needs an actor in the same worker (hybrid engine); with split "
                 "placement the controller calls load_weights(actor.full_weights())"
             )
-        self.engine.load_weights(self.actor.learner.hf_weights(dtype=self.engine.dtype))
+        self._load(self.actor.learner.hf_weights(dtype=self.engine.dtype), version)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: dict[str, torch.Tensor], version: int | None = None) -> None:
         """Load full HF-named weights sent by the controller (split placement)."""
-        self.engine.load_weights(weights.items())
+        self._load(weights.items(), version)
+
+    def _load(self, named_tensors, version: int | None) -> None:
+        if self.service is not None:  # between two decode chunks of the requests in flight
+            self.service.update_weights(named_tensors, version=version)
+            return
+        self.engine.load_weights(named_tensors)
+        if version is not None:
+            self.engine.new_policy_version(version)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def release(self) -> None:

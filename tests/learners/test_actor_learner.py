@@ -193,3 +193,21 @@ def test_padding_micro_batches_for_other_ranks_change_nothing():
     assert max_abs_diff(grads[0], ref_grads[0]) < 1e-6
     for key in ("pg_loss", "pg_clipfrac", "grad_norm"):
         assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-5), key
+
+
+def test_importance_weights_use_each_tokens_behaviour_logprob():
+    """A partial rollout's sample: its first two tokens were sampled by an older policy
+    (ratio old/behaviour = 4, capped at 2), the rest by the newer one (ratio 1.5). The update
+    weights each token by its own ratio: mean = (2 * n_old + 1.5 * n_new) / n, capped
+    fraction = n_old / n (one mini-batch, one micro-batch: the exact token means)."""
+    batch = make_batch(num_rows=4)
+    mask = batch.tensors["response_mask"]
+    older = torch.zeros_like(mask)
+    older[:, :2] = 1.0  # token_versions [v, v, v+1, v+1, ...]
+    older = older * mask
+    log_ratio = older * math.log(4.0) + (mask - older) * math.log(1.5)
+    batch.tensors["rollout_logprobs"] = batch.tensors["old_logprobs"] - log_ratio
+    metrics = _actor(rollout_is_cap=2.0).update(batch)
+    n_old, n = float(older.sum()), float(mask.sum())
+    assert metrics["rollout_is/mean"] == pytest.approx((2 * n_old + 1.5 * (n - n_old)) / n)
+    assert metrics["rollout_is/capped_frac"] == pytest.approx(n_old / n)

@@ -62,6 +62,16 @@ def test_staleness_one_lags_as_scheduled_and_reproduces(tmp_path):
     assert first[2]["actor/rollout_is/abs_log_ratio"] > first[1]["actor/rollout_is/abs_log_ratio"]
 
 
+def test_staleness_one_on_the_local_backend_equals_the_inprocess_run(tmp_path):
+    """The schedule is exact: worker processes (calls of the trainer and the producer
+    interleaved on one pipe per worker) give the in-process run, metric for metric."""
+    args = ("trainer.mode=async", "trainer.max_staleness=1")
+    inprocess = _run(tmp_path, "inprocess", *args)
+    local = _run(tmp_path, "local", *args, "trainer.backend=local")
+    assert [local[step]["async/staleness"] for step in range(1, 5)] == [0, 1, 1, 1]
+    assert _comparable(local) == _comparable(inprocess)
+
+
 def test_stop_and_resume_equal_a_straight_async_run(tmp_path):
     args = ("trainer.mode=async", "trainer.max_staleness=1", "trainer.save_freq=2")
     straight = tiny_config(tmp_path / "straight", "trainer.total_steps=4", *args)
@@ -76,7 +86,7 @@ def test_stop_and_resume_equal_a_straight_async_run(tmp_path):
 
 
 def test_a_stalled_producer_is_named_within_the_timeout():
-    def slow(step):
+    def slow(step, attempt):
         time.sleep(5)
         return None, {}
 
@@ -89,7 +99,7 @@ def test_a_stalled_producer_is_named_within_the_timeout():
 
 
 def test_a_failing_producer_stops_the_trainer_with_its_error():
-    def broken(step):
+    def broken(step, attempt):
         raise ValueError("the reward server is down")
 
     producer = RolloutProducer(broken, 1, 3, 0, lambda s: False, installed=0, timeout_s=5)
@@ -151,6 +161,6 @@ def test_async_settings_are_checked():
 
     with pytest.raises(ConfigError, match="trainer.mode = 'later' is unknown"):
         validate(load_config(None, ["trainer.mode=later"]))
-    with pytest.raises(ConfigError, match="inprocess backend"):
-        validate(load_config(None, ["trainer.mode=async", "trainer.backend=local",
+    with pytest.raises(ConfigError, match="inprocess and local backends"):
+        validate(load_config(None, ["trainer.mode=async", "trainer.backend=ray",
                                     "trainer.n_gpus_per_node=2", "trainer.device=cpu"]))  # fmt: skip
