@@ -1,7 +1,7 @@
 """GRPO step time, synchronous against asynchronous, on a long-tail length workload.
 
     python benchmarks/async_rl.py --preset qwen2.5-0.5b --prompts 128 --samples 8 \\
-        --max-new-tokens 4096 --mean-new-tokens 1024 --steps 6 --modes sync async:1
+        --max-new-tokens 4096 --mean-new-tokens 1024 --steps 6 --modes sync async:1 async:1:partial
     python benchmarks/async_rl.py --preset tiny --device cpu --prompts 4 --samples 2 \\
         --max-new-tokens 32 --mean-new-tokens 8 --steps 3          # smoke run
 
@@ -9,7 +9,8 @@ The lengths: a random-weight model samples nearly uniformly over its vocabulary,
 its V ids as end-of-sequence ids (the model's config.json `eos_token_id` list) a response
 ends at each token with probability ~K/V: geometric lengths of mean ~V/K, the few longest
 cut at --max-new-tokens. A synchronous step waits for the longest of its samples; the
-asynchronous mode (docs/async.md) trains on the last batch while the next one decodes.
+asynchronous mode (docs/async.md) trains on the last batch while the next one decodes; with
+partial rollouts (async:S:partial) requests in flight continue across a weight sync.
 
 Each mode runs `hybridflow train` in a fresh process on the same prompts, seed and model
 (jsonl prompts of --prompt-len ids spelled as the word-level tokenizer's words; a reward
@@ -74,13 +75,14 @@ def write_prompts(path: Path, prompts: int, prompt_len: int, vocab: int, seed: i
 
 
 def mode_overrides(mode: str) -> list[str]:
-    """'sync' or 'async:S' (staleness S)."""
+    """'sync', 'async:S' (staleness S) or 'async:S:partial' (with partial rollouts)."""
     if mode == "sync":
         return ["trainer.mode=sync"]
-    name, _, staleness = mode.partition(":")
-    if name != "async" or not staleness.isdigit():
-        raise SystemExit(f"--modes: {mode!r} is not 'sync' or 'async:S' (S an integer)")
-    return ["trainer.mode=async", f"trainer.max_staleness={staleness}"]
+    name, staleness, *partial = mode.split(":")
+    if name != "async" or not staleness.isdigit() or partial not in ([], ["partial"]):
+        raise SystemExit(f"--modes: {mode!r} is not sync, async:S or async:S:partial")
+    return ["trainer.mode=async", f"trainer.max_staleness={staleness}",
+            f"trainer.partial_rollout={'true' if partial else 'false'}"]  # fmt: skip
 
 
 def run_mode(mode: str, work: Path, args) -> dict:
@@ -145,7 +147,7 @@ def main() -> None:
     p.add_argument("--mean-new-tokens", type=float, default=1024)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the mean")
-    p.add_argument("--modes", nargs="+", default=["sync", "async:1"])
+    p.add_argument("--modes", nargs="+", default=["sync", "async:1", "async:1:partial"])
     p.add_argument("--device", default=None, help="trainer.device (cpu: a smoke run)")
     p.add_argument("--override", action="append", default=[], help="a config override, every mode")
     p.add_argument("--work-dir", default=None, help="model, prompts and runs (default: a temp dir)")

@@ -14,13 +14,14 @@ def test_sync_and_async_runs_of_the_long_tail_workload_print_their_table(tmp_pat
     text = run_benchmark(
         "async_rl.py", "--preset", "tiny", "--device", "cpu", "--prompts", "4", "--samples",
         "2", "--prompt-len", "8", "--max-new-tokens", "32", "--mean-new-tokens", "8",
-        "--steps", "3", "--warmup", "1", "--work-dir", str(tmp_path / "work"), "--json",
-        str(out),
+        "--steps", "3", "--warmup", "1", "--modes", "sync", "async:1", "async:1:partial",
+        "--work-dir", str(tmp_path / "work"), "--json", str(out),
     )  # fmt: skip
     rows = markdown_rows(text, "| mode |")
-    assert [row["mode"] for row in rows] == ["sync", "async:1"]
+    assert [row["mode"] for row in rows] == ["sync", "async:1", "async:1:partial"]
     results = json.loads(out.read_text())
     for result in results:
         assert len(result["steps_s"]) == 3 and result["step_s"] > 0
         assert 0 < result["response_mean"] < result["response_max"] <= 32  # lengths spread
     assert results[1]["async_metrics"]["async/staleness"] == 1.0
+    assert results[2]["async_metrics"]["async/staleness_max"] <= 1.0
