@@ -3,7 +3,8 @@
 A background save first *stages* the state: every tensor is copied to host memory (pinned on
 CUDA, so the device-to-host copy runs at full bandwidth) while training waits; then a thread
 writes the copy and training goes on (its optimizer steps change the live tensors, not the
-copy). The cost is one host copy of this rank's model and optimizer state while it is written.
+copy). The cost is one host copy of this rank's model and optimizer state, made at the first
+background save and reused by the later ones (so it is held until the run ends).
 
 Either way each rank writes its tensors with ``WRITE_THREADS`` threads, each to its own file
 (``__<rank>_<i>.distcp``, split by size); the ``.metadata`` file lists where every tensor
@@ -28,17 +29,30 @@ WRITE_THREADS = 4
 """Files (and writer threads) per rank and checkpoint."""
 
 
-def stage_to_host(state: dict[str, Any]) -> dict[str, Any]:
+def stage_to_host(state: dict[str, Any], reuse: dict[str, Any] | None = None) -> dict[str, Any]:
     """A copy of ``state`` (nested dicts/lists of tensors, DTensors and plain values) whose
-    tensors are new host tensors, pinned when CUDA is in use."""
+    tensors are host tensors, pinned when CUDA is in use: those of ``reuse`` (an earlier
+    copy of the same layout, see :func:`layout`) when given, else new ones."""
     from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
     pin = torch.cuda.is_available() and torch.cuda.is_initialized()
-    staged = _create_cpu_state_dict(state, pin_memory=pin)
+    staged = reuse if reuse is not None else _create_cpu_state_dict(state, pin_memory=pin)
     staged = _copy_state_dict(state, staged, non_blocking=pin)
     if pin:
         torch.cuda.synchronize()  # the copies are queued on the stream: the host copy is ready
     return staged
+
+
+def layout(value: Any) -> Any:
+    """Keys, tensor shapes and dtypes of a state dict (plain values by type only): two
+    states of the same layout can share one host copy."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape), value.dtype
+    if isinstance(value, dict):
+        return tuple((key, layout(item)) for key, item in value.items())
+    if isinstance(value, (list, tuple)):
+        return tuple(layout(item) for item in value)
+    return type(value).__name__
 
 
 class StateWriter:
@@ -51,6 +65,10 @@ class StateWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._directory: Path | None = None
+        # The last host copy, reused by the next save of the same layout: filling freshly
+        # allocated host memory costs page faults (3 GiB: 8.5 s on a 2-core CPU VM, 0.3 s into
+        # memory already touched), and on CUDA the pinned blocks stay allocated anyway.
+        self._staging: tuple[Any, dict[str, Any]] | None = None
 
     def write(
         self,
@@ -67,7 +85,7 @@ class StateWriter:
         if not background:
             _write_files(state, directory, extra, extra_path, self.process_group, self.distributed)
             return
-        staged = stage_to_host(state)
+        staged = self._stage(state)
         extra = copy.deepcopy(extra)  # e.g. the scheduler's lists, which training updates
         group = self._group_for_background()
         self._error, self._directory = None, directory
@@ -96,6 +114,16 @@ class StateWriter:
         if self._thread is not None:
             self._thread.join()
         self.finished()
+
+    def _stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        state_layout = layout(state)
+        reuse = None
+        if self._staging is not None and self._staging[0] == state_layout:
+            reuse = self._staging[1]
+        self._staging = None  # a new layout: the old copy is freed before the new one is made
+        staged = stage_to_host(state, reuse)
+        self._staging = (state_layout, staged)
+        return staged
 
     def _group_for_background(self) -> dist.ProcessGroup | None:
         if not self.distributed:
