@@ -12,6 +12,10 @@ renames the directory to `step_N` (a rename within one file system is atomic). A
 killed at any point leaves the previous complete checkpoint as `latest()`. A save that fails
 (a full disk) removes its temporary directory, so the space is free for the rerun.
 
+`prepare` and `complete` are the two halves of `save`, for a checkpoint whose files are
+written while training goes on (trainer/pending_save.py): the marker and the rename still
+come only after every file is on disk, and pruning only after the rename.
+
 `metadata.json` lists every file with its size: `damage(path)` finds a checkpoint whose
 files were truncated or deleted afterwards, and resuming falls back to an older one.
 """

@@ -184,3 +184,38 @@ def test_killed_during_a_background_write_resumes_from_the_last_complete(tmp_pat
     train(straight, log=quiet)
     assert_same_steps(read_metrics(tmp_path / "s" / "run"), read_metrics(tmp_path / "k" / "run"),
                       (2, 3))  # fmt: skip
+
+
+def test_sigterm_during_a_background_write_waits_for_it_before_stopping(
+    tmp_path, quiet, monkeypatch
+):
+    """SIGTERM in step 2, whose checkpoint is still being written when the loop stops: the
+    stop waits for it (without the wait it would find step 1 the latest and save step 2
+    again over the directory being written)."""
+    import signal
+
+    import hybridflow.trainer.rl_loop as rl_loop
+    from hybridflow.errors import RunStopped
+
+    real_write, real_step = state_writer._write_files, rl_loop.train_step
+
+    def slow_write(state, directory, *args):
+        if directory.parent.name == ".tmp-step_2":
+            threading.Event().wait(1.0)  # still writing when the loop reaches the stop
+        real_write(state, directory, *args)
+
+    def step_then_sigterm(run, *args, **kwargs):
+        metrics = real_step(run, *args, **kwargs)
+        if run.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return metrics
+
+    monkeypatch.setattr(state_writer, "_write_files", slow_write)
+    monkeypatch.setattr(rl_loop, "train_step", step_then_sigterm)
+    cfg = tiny_config(tmp_path, "trainer.total_steps=4", "trainer.save_freq=1")
+    with pytest.raises(RunStopped) as info:
+        train(cfg, log=quiet)
+    assert "stopped by SIGTERM after step 2 of 4" in str(info.value)
+    assert "the checkpoint of step 2 is complete" in str(info.value)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_1", "step_2"]
