@@ -263,10 +263,14 @@ class ActorLearner:
 
     # ------------------------------------------------------------------ state
 
-    def save(self, directory: str | os.PathLike) -> None:
+    def save(self, directory: str | os.PathLike, background: bool = False) -> None:
         """Sharded training state (model or LoRA adapters only, optimizer, scheduler, RNG)."""
         extra = {"update_count": self.update_count, "total_skipped_steps": self.total_skipped_steps}
-        self.core.save(directory, extra, trainable_only=self.lora)
+        self.core.save(directory, extra, trainable_only=self.lora, background=background)
+
+    def save_finished(self) -> bool:
+        """Whether a background save is on disk; raises its error (learners/state_writer.py)."""
+        return self.core.save_finished()
 
     def load(self, directory: str | os.PathLike) -> None:
         extra = self.core.load(directory, trainable_only=self.lora)

@@ -41,6 +41,7 @@ from hybridflow.learners.optim import (
     hyperparameters,
     move_optimizer_state,
 )
+from hybridflow.learners.state_writer import StateWriter
 
 
 def distributed_world(group: dist.ProcessGroup | None) -> int:
@@ -119,6 +120,7 @@ class TrainCore:
         # of the bf16 weights and fp32 gradients during the update (and of the weights during
         # later log-prob passes, released at their end); False: pure ZeRO-3.
         self.accumulate_unsharded = True
+        self.state_writer = StateWriter(self._dcp_group(), distributed=_dist_on())
 
     # ------------------------------------------------------------------ setup
 
@@ -306,44 +308,48 @@ class TrainCore:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save(self, directory: str | os.PathLike, extra: dict, *, trainable_only: bool) -> None:
+    def save(
+        self,
+        directory: str | os.PathLike,
+        extra: dict,
+        *,
+        trainable_only: bool,
+        background: bool = False,
+    ) -> None:
         """Sharded model + optimizer via torch.distributed.checkpoint; scheduler, counters and
-        this rank's RNG state in ``extra_rank{r}.pt`` (what a bit-exact resume needs)."""
-        import torch.distributed.checkpoint as dcp
+        this rank's RNG state in ``extra_rank{r}.pt`` (what a bit-exact resume needs).
+        background: copy the state to host memory and write it on a thread
+        (learners/state_writer.py); :meth:`save_finished` says when it is on disk."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         options = StateDictOptions(ignore_frozen_params=trainable_only)
-        with self.on_device():
-            if self.host_optimizer is not None:
-                model_state = get_state_dict(self.module, [], options=options)[0]
-                model_state, optim_state = offloaded_state_dicts(
-                    self.host_optimizer, self.module, model_state
-                )
-                state = {"model": self._keep(model_state, trainable_only), "optimizer": optim_state}
-            elif self.optimizer is not None:
-                model_state, optim_state = get_state_dict(
-                    self.module, self.optimizer, options=options
-                )
-                state = {"model": self._keep(model_state, trainable_only), "optimizer": optim_state}
-            else:
-                model_state = get_state_dict(self.module, [], options=options)[0]
-                state = {"model": self._keep(model_state, trainable_only)}
-            dcp.save(
-                state,
-                checkpoint_id=str(directory),
-                process_group=self._dcp_group(),
-                no_dist=not _dist_on(),
-            )
         extra = dict(extra)
         if self.scheduler is not None:
             extra["scheduler"] = self.scheduler.state_dict()
         extra["rng_cpu"] = torch.get_rng_state()
         if self.device.type == "cuda":
             extra["rng_cuda"] = torch.cuda.get_rng_state(self.device)
-        torch.save(extra, directory / f"extra_rank{self.dp_rank}.pt")
-        self._barrier()
+        host, optimizer = self.host_optimizer, self.optimizer
+        with self.on_device():
+            model_state, optim_state = get_state_dict(
+                self.module, optimizer if optimizer is not None and host is None else [],
+                options=options,
+            )  # fmt: skip
+            if host is not None:  # the masters and moments are the host optimizer's
+                model_state, optim_state = offloaded_state_dicts(host, self.module, model_state)
+            state = {"model": self._keep(model_state, trainable_only)}
+            if optimizer is not None:
+                state["optimizer"] = optim_state
+            extra_path = directory / f"extra_rank{self.dp_rank}.pt"
+            self.state_writer.write(state, directory, extra, extra_path, background=background)
+        if not background:
+            self._barrier()
+
+    def save_finished(self) -> bool:
+        """Whether a background save is on disk (True when none is pending); raises its error."""
+        return self.state_writer.finished()
 
     def load(self, directory: str | os.PathLike, *, trainable_only: bool) -> dict:
         """Inverse of :meth:`save` (same world size); returns the ``extra`` dict."""
@@ -356,6 +362,7 @@ class TrainCore:
 
         from hybridflow.state_files import check_dcp_metadata, load_state_file
 
+        self.state_writer.wait()  # a save still writing must not race the loaded state
         directory = Path(directory)
         check_dcp_metadata(directory)  # torch unpickles it unrestricted: refuse planted code
         options = StateDictOptions(ignore_frozen_params=trainable_only)

@@ -138,9 +138,13 @@ class CriticLearner:
         metrics["skipped_steps"] = float(self.total_skipped_steps - skipped_before)
         return metrics
 
-    def save(self, directory: str | os.PathLike) -> None:
+    def save(self, directory: str | os.PathLike, background: bool = False) -> None:
         extra = {"update_count": self.update_count, "total_skipped_steps": self.total_skipped_steps}
-        self.core.save(directory, extra, trainable_only=False)
+        self.core.save(directory, extra, trainable_only=False, background=background)
+
+    def save_finished(self) -> bool:
+        """Whether a background save is on disk; raises its error (learners/state_writer.py)."""
+        return self.core.save_finished()
 
     def load(self, directory: str | os.PathLike) -> None:
         extra = self.core.load(directory, trainable_only=False)

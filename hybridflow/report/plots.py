@@ -21,7 +21,8 @@ PANEL_SIZE = (4.2, 2.9)  # inches per panel; 100 dpi keeps a PNG around 30 kB
 DPI = 100
 # Stages in the order the RL loop runs them (trainer/rl_loop.py); others follow.
 STAGE_ORDER = ("gen", "gen_baseline", "reward", "old_logprob", "ref", "values", "adv",
-               "update_critic", "update_actor", "sync_weights", "validation", "save_checkpoint")  # fmt: skip
+               "update_critic", "update_actor", "sync_weights", "validation", "save_checkpoint",
+               "wait_checkpoint")  # fmt: skip
 VALIDATION_KEY = re.compile(r"^val/(?P<source>.+)/(?P<kind>mean|maj|best)@(?P<n>\d+)$")
 
 

@@ -12,6 +12,10 @@ renames the directory to `step_N` (a rename within one file system is atomic). A
 killed at any point leaves the previous complete checkpoint as `latest()`. A save that fails
 (a full disk) removes its temporary directory, so the space is free for the rerun.
 
+`prepare` and `complete` are the two halves of `save`, for a checkpoint whose files are
+written while training goes on (trainer/pending_save.py): the marker and the rename still
+come only after every file is on disk, and pruning only after the rename.
+
 `metadata.json` lists every file with its size: `damage(path)` finds a checkpoint whose
 files were truncated or deleted afterwards, and resuming falls back to an older one.
 """
@@ -112,11 +116,26 @@ class CheckpointManager:
         metadata: dict[str, Any] | None = None,
     ) -> Path:
         """Run `writer_fn(tmp_dir)`, then publish the directory as `step_N` atomically."""
+        return self.complete(step, self.prepare(step), writer_fn, metadata)
+
+    def prepare(self, step: int) -> Path:
+        """A fresh, empty `.tmp-step_N` for the writers (the first half of :meth:`save`)."""
         self.root.mkdir(parents=True, exist_ok=True)
         temporary = self.root / f".tmp-step_{step}"
         if temporary.exists():  # left by a killed save of the same step
             shutil.rmtree(temporary)
         temporary.mkdir()
+        return temporary
+
+    def complete(
+        self,
+        step: int,
+        temporary: Path,
+        writer_fn: Callable[[Path], None],
+        metadata: dict[str, Any] | None = None,
+    ) -> Path:
+        """Run `writer_fn(temporary)`, write the metadata and the marker, fsync, rename to
+        `step_N`, prune. Any failure removes `temporary` (see :meth:`abandon`)."""
         try:
             writer_fn(temporary)
             info = {"step": step, "saved_at": time.time(), **(metadata or {})}
@@ -126,15 +145,7 @@ class CheckpointManager:
             (temporary / COMPLETE_MARKER).write_text(f"{step}\n")
             _fsync_tree(temporary)
         except BaseException as error:
-            full = isinstance(error, Exception) and is_disk_full(error, self.root)
-            shutil.rmtree(temporary, ignore_errors=True)  # a full disk must not stay full
-            if full:
-                raise UserError(
-                    f"no space left at {self.root} while saving the checkpoint of step {step}; "
-                    f"the partial checkpoint was removed and the older ones are kept",
-                    "free some space (or lower trainer.keep_last_k, or move trainer.run_dir) "
-                    "and run the same command again: it resumes from the last complete one",
-                ) from error
+            self.abandon(step, temporary, error)
             raise
         final = self.step_dir(step)
         if final.exists():  # re-saving a step (e.g. after resuming from an older one)
@@ -148,6 +159,19 @@ class CheckpointManager:
         _fsync_dir(self.root)
         self._prune()
         return final
+
+    def abandon(self, step: int, temporary: Path, error: BaseException) -> None:
+        """Remove a failed save's `temporary` (a full disk must not stay full); raises a
+        UserError saying so when the disk is full, else returns for the caller to re-raise."""
+        full = isinstance(error, Exception) and is_disk_full(error, self.root)
+        shutil.rmtree(temporary, ignore_errors=True)
+        if full:
+            raise UserError(
+                f"no space left at {self.root} while saving the checkpoint of step {step}; "
+                f"the partial checkpoint was removed and the older ones are kept",
+                "free some space (or lower trainer.keep_last_k, or move trainer.run_dir) "
+                "and run the same command again: it resumes from the last complete one",
+            ) from error
 
     def complete_checkpoints(self) -> list[tuple[int, Path]]:
         """`(step, path)` of every complete checkpoint, oldest first."""

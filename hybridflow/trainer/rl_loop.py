@@ -29,7 +29,7 @@ from hybridflow.trainer.metrics import (
     throughput_metrics,
 )
 from hybridflow.trainer.roles import Roles, sync_weights
-from hybridflow.trainer.run_state import save_checkpoint
+from hybridflow.trainer.run_state import save_checkpoint, start_checkpoint
 from hybridflow.trainer.stages import (
     RunContext,
     balance_ranks,
@@ -110,9 +110,13 @@ def fit(run: RunContext) -> dict[str, float]:
     producer = start_producer(run) if t.mode == "async" else None
     try:
         last_val = _steps(run, producer, last_val)
+    except BaseException:
+        finish_save(run, on_error=run.log)  # the run fails anyway: say what became of the save
+        raise
     finally:
         if producer is not None:
             producer.close()
+    finish_save(run)  # the run's last checkpoint is complete before it returns
     if run.stop.requested and run.step < t.total_steps:
         raise stopped_by_signal(run)
     return last_val
@@ -164,15 +168,46 @@ def _steps(run: RunContext, producer: RolloutProducer | None, last_val: dict) ->
         if (t.test_freq > 0 and run.step % t.test_freq == 0) or is_last:
             last_val = _validate(run)
             metrics.update(last_val)
+        if run.pending_save is not None and run.pending_save.done():
+            finish_save(run)  # a failed background write stops the run now, not at the next save
         if saves_at(t, run.step):
-            started = time.perf_counter()
-            with run.progress.task(f"saving checkpoint step_{run.step}"):
-                save_checkpoint(run)
-            metrics["timing_s/save_checkpoint"] = time.perf_counter() - started
+            metrics.update(_save(run))
         if producer is not None:  # validated and saved: the next rollouts may use these weights
             producer.installed_version(run.step)
         run.tracker.log(metrics, step=run.step)
     return last_val
+
+
+def _save(run: RunContext) -> dict[str, float]:
+    """Checkpoint this step: written now, or (trainer.async_save) copied to host memory and
+    written in the background after the previous background write is complete."""
+    with run.progress.task(f"saving checkpoint step_{run.step}"):
+        started = time.perf_counter()
+        finish_save(run)  # at most one write in flight: the next copy reuses its host memory
+        waited = time.perf_counter() - started
+        if run.cfg.trainer.async_save:
+            run.pending_save = start_checkpoint(run)
+        else:
+            save_checkpoint(run)
+    return {  # two stages, not nested: report plots stack them
+        "timing_s/wait_checkpoint": waited,
+        "timing_s/save_checkpoint": time.perf_counter() - started - waited,
+    }
+
+
+def finish_save(run: RunContext, on_error: Callable[[str], None] | None = None) -> None:
+    """Wait for the background checkpoint, if any. Its failure is raised (CheckpointWriteError,
+    naming the directory; the previous complete checkpoint stays the latest), or handed to
+    ``on_error`` when another error is already stopping the run."""
+    pending, run.pending_save = run.pending_save, None
+    if pending is None:
+        return
+    try:
+        pending.wait()
+    except Exception as error:
+        if on_error is None:
+            raise
+        on_error(f"the checkpoint of step {pending.step} was not saved: {error}")
 
 
 def stopped_by_signal(run: RunContext) -> RunStopped:

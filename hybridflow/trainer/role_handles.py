@@ -36,8 +36,15 @@ class ActorHandle(Protocol):
         ``ActorWorker.full_weights``."""
         ...
 
-    def save(self, directory: str) -> list[None]:
-        """Model, optimizer, scheduler and RNG under ``directory/actor``: ``ActorWorker.save``."""
+    def save(self, directory: str, background: bool = False) -> list[None]:
+        """Model, optimizer, scheduler and RNG under ``directory/actor``: ``ActorWorker.save``
+        (background: copied to host memory, written on a thread)."""
+        ...
+
+    def save_finished(self) -> list[bool]:
+        """Whether each rank's background save is on disk (raises its write error):
+        ``ActorWorker.save_finished`` -> ``StateWriter.finished``
+        (hybridflow/learners/state_writer.py)."""
         ...
 
     def load(self, directory: str) -> list[None]:
@@ -109,8 +116,12 @@ class CriticHandle(Protocol):
         """Clipped value-loss update; ``critic/*`` metrics per rank: ``CriticWorker.update``."""
         ...
 
-    def save(self, directory: str) -> list[None]:
+    def save(self, directory: str, background: bool = False) -> list[None]:
         """Critic state under ``directory/critic``: ``CriticWorker.save``."""
+        ...
+
+    def save_finished(self) -> list[bool]:
+        """Whether each rank's background save is on disk: ``CriticWorker.save_finished``."""
         ...
 
     def load(self, directory: str) -> list[None]:

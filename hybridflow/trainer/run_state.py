@@ -12,20 +12,29 @@ A checkpoint directory ``<run_dir>/checkpoints/step_N`` holds
                       again on resume so the resumed run generates with the same kernels
 
 and is published atomically by the CheckpointManager (temporary directory, COMPLETE marker,
-rename), so a run killed while saving resumes from the previous complete one.
+rename), so a run killed while saving resumes from the previous complete one. With
+``trainer.async_save`` the same files are written in the background: the save step only
+copies the state to host memory (``start_checkpoint``, trainer/pending_save.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import yaml
 
 from hybridflow.errors import UserError, as_user_error
 from hybridflow.trainer.stages import RunContext
+
+if TYPE_CHECKING:
+    from hybridflow.trainer.pending_save import PendingSave
 
 TRAINER_STATE = "trainer_state.pt"
 CONFIG_FILE = "config.yaml"
@@ -35,14 +44,36 @@ ENGINE_CHOICES = "engine_choices.json"
 
 
 def save_checkpoint(run: RunContext) -> Path:
-    """Write ``step_<run.step>`` (all ranks of every group take part)."""
+    """Write ``step_<run.step>`` and return it once it is complete (all ranks take part)."""
+    _, finish = _begin_save(run, background=False)
+    return finish()
+
+
+def start_checkpoint(run: RunContext) -> PendingSave:
+    """Save ``step_<run.step>`` in the background (``trainer.async_save``): returns once the
+    workers have copied their state to host memory and the controller has captured its own;
+    the files are written and the checkpoint published on threads (trainer/pending_save.py)."""
+    from hybridflow.trainer.pending_save import PendingSave
+
+    directory, finish = _begin_save(run, background=True)
+    return PendingSave(run.step, directory, finish, run.checkpoints.latest)
+
+
+def _begin_save(run: RunContext, *, background: bool) -> tuple[Path, Callable[[], Path]]:
+    """Start the workers' writes into a fresh ``.tmp-step_N`` and capture the controller's
+    state now (the loop changes it); returns that directory and what writes the rest and
+    publishes ``step_N``."""
+    import copy
+
     from hybridflow.state_files import to_plain_data
     from hybridflow.trainer.checkpoint import capture_rng_state
 
-    def write(directory: Path) -> None:
-        run.roles.actor.save(str(directory))
-        if run.roles.critic is not None:
-            run.roles.critic.save(str(directory))
+    manager, step, roles = run.checkpoints, run.step, run.roles
+    directory = manager.prepare(step)
+    try:
+        roles.actor.save(str(directory), background=background)
+        if roles.critic is not None:
+            roles.critic.save(str(directory), background=background)
         state = {
             "step": run.step,
             "loader": run.loader.state_dict(),
@@ -50,13 +81,33 @@ def save_checkpoint(run: RunContext) -> Path:
             "rng": capture_rng_state(),
             "history": run.history,
         }
-        torch.save(to_plain_data(state), directory / TRAINER_STATE)
+        state = copy.deepcopy(to_plain_data(state))
         # the rollout's kernel choices, so a resumed run generates with the same kernels
-        choices = run.roles.rollout.engine_choices()
+        choices = roles.rollout.engine_choices()
+    except BaseException as error:
+        manager.abandon(step, directory, error)
+        raise
+
+    def write_rest(directory: Path) -> None:
+        wait_for_workers(roles)
+        torch.save(state, directory / TRAINER_STATE)
         (directory / ENGINE_CHOICES).write_text(json.dumps(choices, indent=1, sort_keys=True))
         write_model_files(directory, run.cfg, run.tokenizer, training_dtype(run.cfg))
 
-    return run.checkpoints.save(run.step, write, metadata={"model_path": run.cfg.model.path})
+    metadata = {"model_path": run.cfg.model.path}
+    return directory, functools.partial(manager.complete, step, directory, write_rest, metadata)
+
+
+SAVE_POLL_S = 0.1
+
+
+def wait_for_workers(roles) -> None:
+    """Until every rank of the actor (and critic) has its background save on disk; raises a
+    rank's write error. Polls, since a worker serves one call at a time: a blocking wait
+    would hold up the training calls queued behind it."""
+    groups = [roles.actor] + ([roles.critic] if roles.critic is not None else [])
+    while not all(all(group.save_finished()) for group in groups):
+        time.sleep(SAVE_POLL_S)
 
 
 def training_dtype(cfg) -> torch.dtype:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from hybridflow.rewards.monitor import RewardFailureMonitor
     from hybridflow.trainer.checkpoint import CheckpointManager
     from hybridflow.trainer.loggers import Tracker
+    from hybridflow.trainer.pending_save import PendingSave
     from hybridflow.trainer.profiling import StepProfiler
 
 PROMPT_MASK = "prompt_mask"
@@ -68,6 +69,8 @@ class RunContext:
     """Progress and warning lines (reward failures, the stop message)."""
     reward_monitor: RewardFailureMonitor | None = None
     """Prints reward errors once each, stops a run whose reward always fails."""
+    pending_save: PendingSave | None = None
+    """The checkpoint being written in the background (trainer.async_save), if any."""
 
 
 @contextmanager

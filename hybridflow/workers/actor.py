@@ -72,8 +72,15 @@ class ActorWorker(Worker):
         }
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
-    def save(self, directory: str) -> None:
-        self.learner.save(os.path.join(directory, "actor"))
+    def save(self, directory: str, background: bool = False) -> None:
+        """background: stage the state to host memory, write it on a thread (poll
+        :meth:`save_finished`)."""
+        self.learner.save(os.path.join(directory, "actor"), background=background)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def save_finished(self) -> bool:
+        """Whether this rank's background save is on disk; raises the error it failed with."""
+        return self.learner.save_finished()
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def load(self, directory: str) -> None:

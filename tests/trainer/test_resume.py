@@ -3,13 +3,12 @@ while writing a checkpoint resumes from the last complete one."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
 import textwrap
 
-from trainer_helpers import REPO, read_metrics, tiny_config
+from trainer_helpers import REPO, command_line, read_metrics, tiny_config
 
 from hybridflow.trainer.run import train
 
@@ -78,23 +77,9 @@ KILLER = textwrap.dedent(
 
 
 def test_killed_while_saving_resumes_from_last_complete(tmp_path, quiet):
-    cfg = tiny_config(tmp_path / "k", "trainer.total_steps=3", "trainer.save_freq=1")
-    overrides = [
-        f"{section}.{key}={value}"
-        for section, values in (
-            ("trainer", cfg.trainer),
-            ("data", cfg.data),
-            ("rollout", cfg.rollout),
-            ("actor", cfg.actor),
-            ("critic", cfg.critic),
-            ("reward", cfg.reward),
-            ("model", cfg.model),
-        )
-        for key, value in vars(values).items()
-        if value is not None
-        and not isinstance(value, (list, dict))
-        and not dataclasses.is_dataclass(value)  # rollout.engine: its defaults
-    ] + ["trainer.loggers=[jsonl]"]
+    cfg = tiny_config(tmp_path / "k", "trainer.total_steps=3", "trainer.save_freq=1",
+                      "trainer.async_save=false")  # fmt: skip
+    overrides = command_line(cfg)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     killed = subprocess.run(
         [sys.executable, "-c", KILLER, *overrides], env=env, capture_output=True, timeout=300

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -44,3 +45,23 @@ def read_metrics(run_dir: Path) -> dict[int, dict]:
     """metrics.jsonl as {step: metrics}."""
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     return {row["step"]: row for row in map(json.loads, lines)}
+
+
+def command_line(cfg) -> list[str]:
+    """``section.key=value`` overrides that rebuild ``cfg``'s scalar settings in a subprocess."""
+    return [
+        f"{section}.{key}={value}"
+        for section, values in (
+            ("trainer", cfg.trainer),
+            ("data", cfg.data),
+            ("rollout", cfg.rollout),
+            ("actor", cfg.actor),
+            ("critic", cfg.critic),
+            ("reward", cfg.reward),
+            ("model", cfg.model),
+        )
+        for key, value in vars(values).items()
+        if value is not None
+        and not isinstance(value, (list, dict))
+        and not dataclasses.is_dataclass(value)  # rollout.engine: its defaults
+    ] + ["trainer.loggers=[jsonl]"]
