@@ -316,12 +316,14 @@ class TrainerConfig:
     """Checkpoint every k steps (0: only at the end; -1: never, e.g. for benchmarks)."""
     keep_last_k: int = 2
     """Checkpoints kept; older ones are deleted after a new one is complete."""
-    async_save: bool = True
+    async_save: bool | None = None
     """Write checkpoints in the background: the save step only copies the model and optimizer
     state to host memory (pinned on CUDA) and training goes on while threads write the files
     and then mark the checkpoint complete. Costs one host copy of each rank's training state,
     made at the first save and reused until the run ends. false: training waits for the
-    files (docs/troubleshooting.md)."""
+    files (docs/troubleshooting.md). null: on, unless that copy would take over a quarter of
+    the host's memory or actor.optimizer_offload holds the state there already
+    (trainer/save_policy.py)."""
     test_freq: int = 10
     """Validate every k steps (0: only before and after training)."""
     val_before_train: bool = True

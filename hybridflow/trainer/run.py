@@ -26,6 +26,7 @@ def setup(cfg: Config, log=print, progress: ProgressReporter | None = None) -> R
     from hybridflow.trainer.preflight import prepare_run
     from hybridflow.trainer.profiling import build_profiler
     from hybridflow.trainer.roles import build_roles, resolve_device
+    from hybridflow.trainer.save_policy import save_defaults
     from hybridflow.trainer.warm_start import resolve_model_path
     from hybridflow.workers.model_loading import set_cpu_threads
 
@@ -35,7 +36,7 @@ def setup(cfg: Config, log=print, progress: ProgressReporter | None = None) -> R
     # what a killed save left behind (on a full disk, the rerun needs that space)
     CheckpointManager(f"{cfg.trainer.run_dir}/checkpoints").remove_stale()
     derived, tokenizer, reward = checked.derived, checked.tokenizer, checked.reward
-    cfg = async_defaults(cfg, log)
+    cfg = save_defaults(async_defaults(cfg, log), log, critic=derived.use_critic)
     train_set, val_set = checked.train_set, checked.val_set
     set_cpu_threads(cfg, resolve_device(cfg.trainer.device))  # SFT and in-process workers
     try:
