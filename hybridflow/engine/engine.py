@@ -172,7 +172,10 @@ class Engine:
         self.pinned.save()
 
     def pinned_choices(self) -> dict:
-        """The timing choices this engine runs with (a checkpoint records them)."""
+        """The timing choices this engine runs with (a checkpoint records them); asked of a
+        running service's thread, which may be timing a new shape meanwhile."""
+        if self.service is not None and not self.service.on_engine_thread():
+            return self.service._call(self.pinned_choices)
         self._record_choices()
         return {"identity": self.pinned.identity, "choices": dict(self.pinned.entries)}
 

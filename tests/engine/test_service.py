@@ -272,3 +272,18 @@ def test_gather_window_is_validated():
     assert EngineOptions(admission_gather_ms=-1).validate()
     assert EngineOptions(admission_gather_ms=True).validate()
     assert not EngineOptions(admission_gather_ms=0).validate()
+
+
+def test_pinned_choices_are_read_on_the_engine_thread_while_a_service_runs(model):
+    engine = _engine(model)
+    threads = []
+    original = engine._record_choices
+
+    def record():
+        threads.append(threading.current_thread().name)
+        original()
+
+    engine._record_choices = record
+    with RolloutService(engine):
+        recorded = engine.pinned_choices()
+    assert threads == ["hybridflow-engine"] and set(recorded) == {"identity", "choices"}
