@@ -102,8 +102,9 @@ def format_oom(message: str, *, stage: str | None = None, rank: int | None = Non
     memory = f": {', '.join(figures)}" if figures else ""
     return (
         f"CUDA out of memory{' ' + location if location else ''}{memory}. To fit, lower "
-        "actor.micro_batch_size_per_gpu or actor.max_tokens_per_gpu (training and log-prob "
-        "stages), rollout.gpu_memory_utilization or data.max_response_length (generation), "
+        "actor.micro_batch_size_per_gpu or actor.max_tokens_per_gpu (training), "
+        "actor.log_prob_max_tokens_per_gpu or ref.max_tokens_per_gpu (log-prob stages), "
+        "rollout.gpu_memory_utilization or data.max_response_length (generation), "
         "set model.gradient_checkpointing=true, or spread the model over more GPUs "
         "(trainer.n_gpus_per_node)"
     )

@@ -72,8 +72,12 @@ class ModelConfig:
     """Tokenizer directory; default: the model's own, or the built-in char tokenizer."""
     dtype: str = "auto"
     """Parameter/compute dtype: auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float32."""
-    gradient_checkpointing: bool = False
-    """Recompute each decoder layer in the backward pass (less memory, ~30% more compute)."""
+    gradient_checkpointing: bool | str = "auto"
+    """Recompute each decoder layer in the backward pass (less memory, ~30% more update
+    compute): true | false | auto. auto: off unless the memory plan finds that the actor
+    update without it would take more than 90% of the GPU's usable memory
+    (trainer.gpu_memory_gib or the visible GPU); off on the CPU or when the plan cannot
+    tell. The run's log says the decision and both planned peaks."""
     compile: bool = False
     """torch.compile the decoder layers for training."""
     lora_rank: int = 0
@@ -119,6 +123,12 @@ class ActorConfig:
     """Samples per forward/backward on one GPU (ignored when max_tokens_per_gpu is set)."""
     max_tokens_per_gpu: int | None = None
     """Token budget per micro-batch (dynamic batching of packed sequences). None: off."""
+    log_prob_max_tokens_per_gpu: int | None = None
+    """Token budget per micro-batch of the old-log-prob pass (a forward without autograd,
+    packed by tokens). None: derived from the memory plan on a GPU of known size (the most
+    tokens whose forward fits beside what stays resident, at most 4× the update's budget and
+    the whole batch on one GPU, never below the update's budget); elsewhere the update's
+    batching (max_tokens_per_gpu or micro_batch_size_per_gpu)."""
     ppo_epochs: int = 1
     """Passes over each RL batch."""
     shuffle: bool = False
@@ -207,7 +217,9 @@ class RefConfig:
     micro_batch_size_per_gpu: int = 16
     """Samples per reference forward on one GPU."""
     max_tokens_per_gpu: int | None = None
-    """Token budget per reference micro-batch; None: use micro_batch_size_per_gpu."""
+    """Token budget per reference micro-batch (a forward without autograd). None: derived
+    from the memory plan on a GPU of known size, as actor.log_prob_max_tokens_per_gpu;
+    elsewhere micro_batch_size_per_gpu samples."""
     param_offload: bool = False
     """Keep the reference weights on CPU between uses."""
 

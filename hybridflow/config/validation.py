@@ -180,6 +180,7 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
     max_len = d.max_prompt_length + d.max_response_length
     for key, budget in (
         ("actor.max_tokens_per_gpu", a.max_tokens_per_gpu),
+        ("actor.log_prob_max_tokens_per_gpu", a.log_prob_max_tokens_per_gpu),
         ("ref.max_tokens_per_gpu", cfg.ref.max_tokens_per_gpu),
         ("critic.max_tokens_per_gpu", c.max_tokens_per_gpu),
     ):
@@ -302,6 +303,11 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
             "host and steps there), or train on one GPU")  # fmt: skip
     if cfg.model.lora_rank < 0:
         add(f"model.lora_rank = {cfg.model.lora_rank} must be >= 0")
+    if cfg.model.gradient_checkpointing not in (True, False, "auto"):
+        add(
+            f"model.gradient_checkpointing = {cfg.model.gradient_checkpointing!r} is unknown: "
+            "use true, false or auto (on only when the memory plan needs it)"
+        )
     if cfg.model.dtype not in ("auto", "bfloat16", "float32", "float16"):
         add(f"model.dtype = {cfg.model.dtype!r} is unknown: use auto, bfloat16 or float32")
     if t.keep_last_k is not None and t.keep_last_k < 1:

@@ -89,7 +89,9 @@ class ActorLearner:
                 dropout=model_cfg.lora_dropout,
                 seed=seed,
             )
-        if model_cfg is not None and model_cfg.gradient_checkpointing:
+        # "auto" is resolved at run start (trainer/memory_check.memory_defaults); unresolved,
+        # it means off, as on the CPU.
+        if model_cfg is not None and model_cfg.gradient_checkpointing is True:
             model.enable_gradient_checkpointing(True)
         if model_cfg is not None and model_cfg.compile:
             compile_layers(model)
@@ -132,7 +134,8 @@ class ActorLearner:
         """Batch with ``old_logprobs [B, R]`` (+ ``entropy [B, R]``), 0 off the response.
 
         ``temperature`` None: ``batch.meta["temperature"]`` if set, else 1.0 (must equal the
-        rollout's so the ratio is 1 on-policy)."""
+        rollout's so the ratio is 1 on-policy). Micro-batches hold up to
+        ``log_prob_max_tokens_per_gpu`` tokens (no autograd: larger than the update's)."""
         temperature = _temperature(batch, temperature)
 
         def run(packed):
@@ -143,7 +146,7 @@ class ActorLearner:
             self.core,
             batch,
             micro_batch_size=self.cfg.micro_batch_size_per_gpu,
-            max_tokens=self.cfg.max_tokens_per_gpu,
+            max_tokens=self.cfg.log_prob_max_tokens_per_gpu or self.cfg.max_tokens_per_gpu,
             run=run,
         )
         tensors = {"old_logprobs": outputs[0]}

@@ -45,7 +45,12 @@ def forward_response_tokens(
     run: Callable[[PackedRows], tuple[torch.Tensor, ...]],
 ) -> list[torch.Tensor]:
     """Call ``run(packed)`` on each micro-batch (eval mode, no grad); each returned [M] tensor
-    is scattered back to ``[B, R]`` fp32 on the CPU, in the batch's row order."""
+    is scattered back to ``[B, R]`` fp32 on the CPU, in the batch's row order.
+
+    ``no_grad``, not ``inference_mode``: nothing is recorded for a backward either way, but a
+    tensor made under inference_mode can never enter autograd later (the old and reference
+    log-probs are inputs of the update's loss), nor be updated in place outside it (FSDP2
+    allocates its unsharded parameter buffers in the first forward that needs them)."""
     check_keys(batch, REQUIRED_INPUTS, "forward")
     num_rows, response_length = batch.tensors["responses"].shape
     plan = core.plan_micro_batches(batch.tensors["attention_mask"], micro_batch_size, max_tokens)

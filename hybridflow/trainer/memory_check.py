@@ -10,10 +10,17 @@ changes that would make it fit, each planned again with the change applied.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 from hybridflow.config import Config, ConfigError, Derived, apply_mapping, validate
+from hybridflow.trainer import memory_choices as choices
 from hybridflow.trainer import memory_plan as mp
+from hybridflow.trainer.memory_choices import (
+    CheckpointingChoice,
+    choose_checkpointing,
+    forward_token_budget,
+)
 from hybridflow.trainer.memory_plan import GIB, MemoryPlan, PlanOptions
 from hybridflow.trainer.memory_render import gib, render, usable_bytes
 
@@ -65,7 +72,7 @@ def plan_options(cfg: Config, derived: Derived, gpu_bytes: int | None) -> PlanOp
         train_gpus=derived.train_dp_size,
         param_offload=a.param_offload,
         optimizer_offload=a.optimizer_offload,
-        gradient_checkpointing=m.gradient_checkpointing,
+        gradient_checkpointing=m.gradient_checkpointing is True,  # auto: plan_for_config
         micro_batch_tokens=micro_tokens,
         micro_batches=max(micro_batches, 1),
         rollout_max_seqs=r.max_num_seqs,
@@ -95,7 +102,79 @@ def plan_for_config(
         return None
     derived = derived or validate(cfg)
     name, architecture = found
-    return mp.build_plan(name, architecture, plan_options(cfg, derived, gpu_bytes))
+    options = plan_options(cfg, derived, gpu_bytes)
+    if cfg.model.gradient_checkpointing == "auto" and gpu_bytes is not None:
+        choice = choose_checkpointing(name, architecture, options)
+        options = dataclasses.replace(options, gradient_checkpointing=choice.on)
+    return mp.build_plan(name, architecture, options)
+
+
+# ---------------------------------------------------------------------- choices at run start
+
+
+def memory_choices(
+    cfg: Config, derived: Derived, gpu_bytes: int | None
+) -> tuple[dict[str, object], list[str]]:
+    """({dotted key: value}, a line for each) resolving model.gradient_checkpointing=auto and
+    the log-prob passes' null token budgets (trainer/memory_choices.py says how). Without a
+    GPU size or a model shape: checkpointing off and the budgets left null, which makes those
+    passes batch like the update: nothing says that more fits, and on the CPU a larger
+    micro-batch does not run faster."""
+    m, a = cfg.model, cfg.actor
+    found = model_architecture_for(cfg)
+    changes: dict[str, object] = {}
+    lines: list[str] = []
+    if gpu_bytes is None or found is None:
+        if m.gradient_checkpointing == "auto":
+            changes["model.gradient_checkpointing"] = False
+            unknown = "the GPU's memory" if gpu_bytes is None else "the model's shape"
+            lines.append(f"model.gradient_checkpointing=auto: off ({unknown} is unknown)")
+        return changes, lines
+    name, architecture = found
+    options = plan_options(cfg, derived, gpu_bytes)
+    if m.gradient_checkpointing == "auto":
+        choice = choose_checkpointing(name, architecture, options)
+        options = dataclasses.replace(options, gradient_checkpointing=choice.on)
+        changes["model.gradient_checkpointing"] = choice.on
+        lines.append(checkpointing_text(choice))
+    keys = ["actor.log_prob_max_tokens_per_gpu"] if a.log_prob_max_tokens_per_gpu is None else []
+    if derived.use_reference and cfg.ref.max_tokens_per_gpu is None:
+        keys.append("ref.max_tokens_per_gpu")
+    if keys:
+        plan = mp.build_plan(name, architecture, options)
+        batch_tokens = -(-derived.samples_per_step // derived.train_dp_size)
+        batch_tokens *= derived.max_sequence_length
+        budget = forward_token_budget(plan, options.micro_batch_tokens, batch_tokens)
+        changes.update({key: budget for key in keys})
+        lines.append(forward_budget_text(plan, keys, budget, options.micro_batch_tokens))
+    return changes, lines
+
+
+def checkpointing_text(choice: CheckpointingChoice) -> str:
+    word, share = "on" if choice.on else "off", 1 - choices.CHECKPOINTING_MARGIN
+    return (f"model.gradient_checkpointing=auto: {word} (actor update planned at "
+            f"{gib(choice.update_without)} without, {gib(choice.update_with)} with; off while "
+            f"it stays under {gib(choice.limit)}, {share:.0%} of the usable memory)")  # fmt: skip
+
+
+def forward_budget_text(plan: MemoryPlan, keys: list[str], budget: int, update: int) -> str:
+    a, o = plan.architecture, plan.options
+    working = choices.forward_bytes(a, budget, o.compute_bytes)
+    resident = choices.forward_resident_bytes(plan)
+    return (f"{' and '.join(keys)} = {budget:,} tokens (the update's micro-batch: {update:,}; "
+            f"a forward without autograd of that size needs {gib(working)} beside the "
+            f"{gib(resident)} resident, {gib(usable_bytes(o.gpu_bytes))} usable)")  # fmt: skip
+
+
+def memory_defaults(cfg: Config, log, gpu_bytes: int | None = None) -> Config:
+    """cfg with :func:`memory_choices` applied, a line each (``gpu_bytes`` None: trainer.
+    gpu_memory_gib, else the visible GPU, else unknown)."""
+    if gpu_bytes is None:
+        gpu_bytes, _ = gpu_memory_or_none(cfg)
+    changes, lines = memory_choices(cfg, validate(cfg), gpu_bytes)
+    for line in lines:
+        log(line)
+    return with_changes(cfg, changes) if changes else cfg
 
 
 def gpu_memory(cfg: Config) -> tuple[int | None, str]:
@@ -183,7 +262,7 @@ def candidate_fixes(cfg: Config, plan: MemoryPlan) -> list[dict[str, object]]:
         candidates.append({"actor.param_offload": True})
     if m.dtype in ("auto", "float32"):
         candidates.append({"model.dtype": "bfloat16"})
-    if not m.gradient_checkpointing:
+    if not o.gradient_checkpointing:
         candidates.append({"model.gradient_checkpointing": True})
     max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
     if a.max_tokens_per_gpu is not None and a.max_tokens_per_gpu // 2 >= max_len:
@@ -343,6 +422,8 @@ def plan_command(cfg: Config, gpu_memory: str | None = None, out=print) -> int:
             ]  # fmt: skip
         )
     out(render(plan, source))
+    for line in memory_choices(cfg, derived, gpu_bytes)[1]:
+        out("  " + line)
     problems = fit_problems(cfg, plan, source)
     if problems:
         raise ConfigError(problems)

@@ -44,8 +44,8 @@ What is modelled is what the code does today:
   and an fp32 ``[V, H]`` gradient accumulator with its bf16 copy (``models/logprobs.py``).
 - Not counted: the CUDA context, cuBLAS/NCCL workspaces and allocator fragmentation (the fit
   check keeps :data:`HEADROOM_FRACTION` and :data:`HEADROOM_BYTES` free for them), the
-  forward activations of log-prob, reference and value passes (no grad: below the update's),
-  and the batch tensors.
+  no-grad forwards of the log-prob, reference and value passes (their token budgets are
+  chosen to fit: ``trainer/memory_choices.py``), and the batch tensors.
 
 Checked against ``max_memory_allocated`` of measured runs: docs/memory.md. The table and
 the fit verdict: ``trainer/memory_render.py``.
@@ -245,6 +245,13 @@ def host_step_bucket(a: ModelArchitecture, options: PlanOptions) -> int:
 # ---------------------------------------------------------------------- activations
 
 
+def layer_activation_elements(a: ModelArchitecture) -> int:
+    """Elements per token one decoder layer keeps for the backward (below)."""
+    h, i = a.hidden_size, a.intermediate_size
+    q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+    return 4 * h + 2 * q + 2 * kv + 4 * i + ((q + kv) if a.qk_norm else 0)
+
+
 def activation_bytes_per_token(a: ModelArchitecture, gradient_checkpointing: bool,
                                element_bytes: int = 2) -> int:  # fmt: skip
     """Bytes autograd keeps per token for the backward, over all layers.
@@ -255,10 +262,7 @@ def activation_bytes_per_token(a: ModelArchitecture, gradient_checkpointing: boo
     q/k-norm adds its inputs (q + kv). With checkpointing a layer keeps only its input (h)
     and one layer at a time is recomputed in full in the backward. The head adds the final
     norm's input and output and the gathered response states (3h)."""
-    h, i = a.hidden_size, a.intermediate_size
-    q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
-    layer = 4 * h + 2 * q + 2 * kv + 4 * i + ((q + kv) if a.qk_norm else 0)
-    head = 3 * h
+    h, layer, head = a.hidden_size, layer_activation_elements(a), 3 * a.hidden_size
     if gradient_checkpointing:
         elements = a.num_hidden_layers * h + layer + head
     else:
@@ -314,7 +318,6 @@ def kv_cache_slots(slot_bytes: int, reserve: int, used_bytes: int, options: Plan
 
 
 # ---------------------------------------------------------------------- the plan
-
 ALWAYS = PHASES
 
 

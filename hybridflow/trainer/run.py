@@ -23,6 +23,7 @@ def setup(cfg: Config, log=print, progress: ProgressReporter | None = None) -> R
     from hybridflow.data.dataset import PromptLoader
     from hybridflow.rewards.monitor import RewardFailureMonitor
     from hybridflow.trainer.checkpoint import CheckpointManager
+    from hybridflow.trainer.memory_check import memory_defaults
     from hybridflow.trainer.preflight import prepare_run
     from hybridflow.trainer.profiling import build_profiler
     from hybridflow.trainer.roles import build_roles, resolve_device
@@ -37,6 +38,7 @@ def setup(cfg: Config, log=print, progress: ProgressReporter | None = None) -> R
     CheckpointManager(f"{cfg.trainer.run_dir}/checkpoints").remove_stale()
     derived, tokenizer, reward = checked.derived, checked.tokenizer, checked.reward
     cfg = save_defaults(async_defaults(cfg, log), log, critic=derived.use_critic)
+    cfg = memory_defaults(cfg, log)  # checkpointing=auto, the log-prob passes' token budgets
     train_set, val_set = checked.train_set, checked.val_set
     set_cpu_threads(cfg, resolve_device(cfg.trainer.device))  # SFT and in-process workers
     try:
