@@ -41,8 +41,8 @@ CHUNKED = "log-probs and entropy are always computed from hidden states in chunk
 PROFILER = "profiling is not part of the run config (benchmarks/ hold the profiling tools)"
 ENGINE = "hybridflow generates with its own engine (rollout.engine.* holds its options)"
 OLD_LOGPROB = (
-    "the actor computes the old log-probs with actor.micro_batch_size_per_gpu / "
-    "actor.max_tokens_per_gpu"
+    "the old-log-prob pass always packs by tokens: actor.log_prob_max_tokens_per_gpu "
+    "(null: derived from the memory plan, else the actor's update batching)"
 )
 REWARD_MODEL = "applies only with reward_model.enable=True (a model-based reward)"
 MEGATRON = "Megatron-LM parallelism (tensor/pipeline/expert/context parallel training)"
@@ -222,7 +222,11 @@ ROLLOUT_TABLE: list[Entry] = [
     Ignored(ROLLOUT + "log_prob_micro_batch_size", OLD_LOGPROB),
     Ignored(ROLLOUT + "log_prob_micro_batch_size_per_gpu", OLD_LOGPROB),
     Ignored(ROLLOUT + "log_prob_use_dynamic_bsz", OLD_LOGPROB),
-    Ignored(ROLLOUT + "log_prob_max_token_len_per_gpu", OLD_LOGPROB),
+    Rename(
+        ROLLOUT + "log_prob_max_token_len_per_gpu",
+        "actor.log_prob_max_tokens_per_gpu",
+        how="used with or without log_prob_use_dynamic_bsz: the pass always packs by tokens",
+    ),
     Ignored(ROLLOUT + "multi_turn.format", "tool calls use the Hermes format"),
     Unsupported(
         ROLLOUT + "multi_turn.enable",

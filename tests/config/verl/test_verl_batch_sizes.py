@@ -39,6 +39,26 @@ def test_dynamic_batch_sizes_become_token_budgets_and_are_inherited():
     assert cfg.ref.max_tokens_per_gpu == 24000  # inherited from the actor, as in verl
     assert cfg.critic.max_tokens_per_gpu == 98304
     assert validate(cfg).micro_batches_per_mini_batch is None
+    # rollout.log_prob_max_token_len_per_gpu: the old-log-prob pass's own budget
+    assert cfg.actor.log_prob_max_tokens_per_gpu == 24000
+
+
+def test_old_log_prob_budget_is_taken_with_or_without_dynamic_batch_sizes():
+    # verl reads log_prob_max_token_len_per_gpu only with log_prob_use_dynamic_bsz=True; the
+    # pass here always packs by tokens, so the budget is kept and the flag is a notice.
+    rollout = "actor_rollout_ref.rollout."
+    t = translate([rollout + "log_prob_use_dynamic_bsz=False",
+                   rollout + "log_prob_max_token_len_per_gpu=12288",
+                   rollout + "log_prob_micro_batch_size_per_gpu=2"])  # fmt: skip
+    assert "actor.log_prob_max_tokens_per_gpu=12288" in t.overrides
+    noticed = {n.verl: n.why for n in t.notices}
+    assert "actor.log_prob_max_tokens_per_gpu" in noticed[rollout + "log_prob_use_dynamic_bsz"]
+    assert rollout + "log_prob_micro_batch_size_per_gpu" in noticed
+    assert not any("micro_batch_size_per_gpu=2" in o for o in t.overrides)
+    # the reference's budget goes to ref.max_tokens_per_gpu, its only pass
+    ref = _load(["actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True",
+                 "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=20480"])  # fmt: skip
+    assert ref.ref.max_tokens_per_gpu == 20480
 
 
 def test_dynamic_off_keeps_micro_batches_and_ignores_the_budget():

@@ -121,6 +121,7 @@ MAPPED = [
         A + "policy_loss.ppo_kl_coef=0.2",
         REF + "log_prob_use_dynamic_bsz=True",
         REF + "log_prob_max_token_len_per_gpu=2048",
+        R + "log_prob_max_token_len_per_gpu=6144",
         "critic.use_dynamic_bsz=True",
         "critic.ppo_max_token_len_per_gpu=8192",
         "critic.forward_max_token_len_per_gpu=8192",
