@@ -1,0 +1,147 @@
+"""model.gradient_checkpointing=auto and the log-prob passes' token budgets, by hand on the
+0.5b and 7b shapes, and as the run resolves them from its config."""
+
+import dataclasses
+
+import pytest
+
+from hybridflow.config import ConfigError, load_config, validate
+from hybridflow.models.presets import PRESETS
+from hybridflow.trainer import memory_check as mc
+from hybridflow.trainer import memory_choices as choices
+from hybridflow.trainer import memory_plan as mp
+from hybridflow.trainer.memory_plan import GIB, PlanOptions
+from hybridflow.trainer.memory_render import usable_bytes
+
+QWEN05, QWEN7 = PRESETS["qwen2.5-0.5b"], PRESETS["qwen2.5-7b"]
+P05, P7 = 494_032_768, 7_615_616_512  # parameters (test_memory_plan.py counts the 0.5b's)
+# the 0.5b's bf16 compute copy: its layers' linear weights and the lm_head (tied embeddings)
+COPY05 = 2 * (357_854_208 + 136_134_656)
+# a 4096-token logits chunk: bf16 logits + fp32 copy + fp32 probabilities, 10 bytes a logit
+LOGITS05, LOGITS7 = 4096 * 151_936 * 10, 4096 * 152_064 * 10
+
+
+def test_forward_per_token_bytes_by_hand():
+    # 0.5b: one layer's 4h + 2q + 2kv + 4i = 3584 + 1792 + 256 + 19456 = 25,088 elements,
+    # + the residual stream and the head's 3h (4 · 896) = 28,672, bf16: 57,344 bytes
+    assert choices.forward_bytes_per_token(QWEN05) == 57_344
+    # 7b: 4·3584 + 2·3584 + 2·512 + 4·18944 = 98,304, + 4·3584 = 112,640 elements
+    assert choices.forward_bytes_per_token(QWEN7) == 225_280
+    # 40x below what the update keeps a token (1,209,600 bytes for the 0.5b): no autograd
+    assert mp.activation_bytes_per_token(QWEN05, False) == 1_209_600
+    assert choices.forward_bytes(QWEN05, 100) == 100 * 57_344 + 100 * 151_936 * 10
+
+
+def test_the_0_5b_budget_is_what_fits_beside_its_resident_weights_on_a_16_gib_gpu():
+    options = PlanOptions(micro_batch_tokens=8192, gpu_bytes=16 * GIB)
+    plan = mp.build_plan("qwen2.5-0.5b", QWEN05, options)
+    # resident: fp32 masters (4P) + AdamW (8P) + the rollout's bf16 copy (2P) + the compute
+    # copy autocast keeps for the forward; not the gradients nor the update's activations
+    resident = 14 * P05 + COPY05
+    assert choices.forward_resident_bytes(plan) == resident == 7_904_436_480
+    usable = int(16 * GIB * 0.95) - GIB
+    assert usable == usable_bytes(16 * GIB) == 15_247_133_900
+    # (15,247,133,900 - 7,904,436,480 - 6,223,298,560) // 57,344 = 19,520 -> 19 × 1024
+    assert (usable - resident - LOGITS05) // 57_344 == 19_520
+    assert choices.forward_token_budget(plan, 8192, batch_tokens=10**6) == 19_456
+    # the cap: 4 × the update's budget, and at most the batch on one GPU
+    assert choices.forward_token_budget(plan, 4096, batch_tokens=10**6) == 16_384
+    assert choices.forward_token_budget(plan, 4096, batch_tokens=10_000) == 10_000
+    # never below the update's own budget (its activations are the larger ones)
+    assert choices.forward_token_budget(plan, 32_768, batch_tokens=10**6) == 32_768
+
+
+def test_the_7b_budget_on_an_h200():
+    options = PlanOptions(micro_batch_tokens=16384, optimizer_offload=True, reference="own",
+                          gpu_bytes=141 * GIB)  # fmt: skip
+    plan = mp.build_plan("qwen2.5-7b", QWEN7, options)
+    # bf16 weights on the GPU (masters and AdamW on the host) and the bf16 reference; the
+    # rollout reads the actor's weights in place and autocast has nothing to cast
+    assert choices.forward_resident_bytes(plan) == 2 * P7 + 2 * P7 == 30_462_466_048
+    # (142,753,975,500 - 30,462,466,048 - 6,228,541,440) // 225,280 = 470,805 tokens fit:
+    # the cap decides, 4 × 16,384
+    fitting = (usable_bytes(141 * GIB) - 4 * P7 - LOGITS7) // 225_280
+    assert fitting == 470_805
+    assert choices.forward_token_budget(plan, 16384, batch_tokens=10**6) == 65_536
+    # a full fine-tune on an 80 GiB GPU: fp32 masters, AdamW, compute and rollout copies
+    # (112 GiB) exceed it already; the budget stays the update's (the fit check says why)
+    full = mp.build_plan("qwen2.5-7b", QWEN7, PlanOptions(micro_batch_tokens=4096,
+                                                          gpu_bytes=80 * GIB))  # fmt: skip
+    assert choices.forward_resident_bytes(full) > usable_bytes(80 * GIB)
+    assert choices.forward_token_budget(full, 4096, batch_tokens=10**6) == 4096
+
+
+def test_checkpointing_stays_off_when_the_update_fits_and_turns_on_when_it_does_not():
+    options = PlanOptions(micro_batch_tokens=16384, gpu_bytes=80 * GIB)
+    fitting = choices.choose_checkpointing("qwen2.5-0.5b", QWEN05, options)
+    # 0.5b at 16k tokens: ~27 GiB of update, far under 90% of 75 GiB
+    assert not fitting.on and fitting.update_without < fitting.limit
+    assert fitting.limit == int(0.9 * usable_bytes(80 * GIB))
+    # 18.5 GiB of activations shrink to 24 layer inputs and one recomputed layer
+    saved = 16384 * (mp.activation_bytes_per_token(QWEN05, False)
+                     - mp.activation_bytes_per_token(QWEN05, True))  # fmt: skip
+    assert fitting.update_without - fitting.update_with == saved
+    small_gpu = dataclasses.replace(options, gpu_bytes=24 * GIB)
+    assert choices.choose_checkpointing("qwen2.5-0.5b", QWEN05, small_gpu).on
+
+
+def test_the_margin_turns_checkpointing_on_for_an_update_that_would_just_fit():
+    update = choices.choose_checkpointing(
+        "qwen2.5-0.5b", QWEN05, PlanOptions(micro_batch_tokens=16384, gpu_bytes=80 * GIB)
+    ).update_without
+    # a GPU whose usable memory is 5% above the update: it fits, but not with 10% to spare
+    gpu_bytes = int((update * 1.05 + GIB) / 0.95)
+    options = PlanOptions(micro_batch_tokens=16384, gpu_bytes=gpu_bytes)
+    assert update <= usable_bytes(gpu_bytes)
+    assert choices.choose_checkpointing("qwen2.5-0.5b", QWEN05, options).on
+
+
+def _cfg(*overrides):
+    return load_config(None, ["model.path=qwen2.5-0.5b", "actor.max_tokens_per_gpu=8192",
+                              *overrides])  # fmt: skip
+
+
+def test_run_start_resolves_auto_and_the_budgets_with_a_line_each():
+    lines = []
+    cfg = mc.memory_defaults(_cfg("algorithm.use_kl_in_reward=true"), lines.append, 80 * GIB)
+    assert cfg.model.gradient_checkpointing is False
+    assert "model.gradient_checkpointing=auto: off (actor update planned at" in lines[0]
+    budget = cfg.actor.log_prob_max_tokens_per_gpu
+    assert budget == cfg.ref.max_tokens_per_gpu > 8192
+    assert f"actor.log_prob_max_tokens_per_gpu and ref.max_tokens_per_gpu = {budget:,}" in lines[1]
+    validate(cfg)  # the resolved config is a valid one
+    # a value the user set is kept, and needs no line
+    lines.clear()
+    kept = mc.memory_defaults(_cfg("model.gradient_checkpointing=false",
+                                   "actor.log_prob_max_tokens_per_gpu=9000"),
+                              lines.append, 80 * GIB)  # fmt: skip
+    assert kept.actor.log_prob_max_tokens_per_gpu == 9000 and lines == []
+
+
+def test_auto_is_on_for_a_run_that_needs_it_and_the_fit_check_plans_with_it():
+    cfg = load_config(None, ["model.path=qwen2.5-7b", "actor.optimizer_offload=true",
+                             "actor.max_tokens_per_gpu=65536"])  # fmt: skip
+    lines = []
+    assert mc.memory_defaults(cfg, lines.append, 80 * GIB).model.gradient_checkpointing is True
+    assert "auto: on" in lines[0]
+    assert mc.plan_for_config(cfg, validate(cfg), 80 * GIB).options.gradient_checkpointing
+
+
+def test_without_a_gpu_auto_is_off_and_the_budgets_follow_the_update():
+    lines = []
+    cfg = mc.memory_defaults(_cfg("trainer.device=cpu"), lines.append)
+    assert cfg.model.gradient_checkpointing is False
+    assert cfg.actor.log_prob_max_tokens_per_gpu is None  # the learner uses the update's
+    assert lines == ["model.gradient_checkpointing=auto: off (the GPU's memory is unknown)"]
+
+
+def test_config_plan_prints_the_choices():
+    out = []
+    mc.plan_command(_cfg(), "80GiB", out=out.append)
+    assert any("model.gradient_checkpointing=auto: off" in line for line in out)
+    assert any("actor.log_prob_max_tokens_per_gpu = " in line for line in out)
+
+
+def test_an_unknown_checkpointing_value_is_a_config_error():
+    with pytest.raises(ConfigError, match="model.gradient_checkpointing = 'sometimes'"):
+        validate(_cfg("model.gradient_checkpointing=sometimes"))
