@@ -127,8 +127,9 @@ def memory_choices(
     if gpu_bytes is None or found is None:
         if m.gradient_checkpointing == "auto":
             changes["model.gradient_checkpointing"] = False
-            unknown = "the GPU's memory" if gpu_bytes is None else "the model's shape"
-            lines.append(f"model.gradient_checkpointing=auto: off ({unknown} is unknown)")
+            if found is None:  # on a GPU (a CPU run has nothing to decide)
+                lines.append("model.gradient_checkpointing=auto: off (the model's shape is "
+                             "unknown, so is its update's memory)")  # fmt: skip
         return changes, lines
     name, architecture = found
     options = plan_options(cfg, derived, gpu_bytes)
