@@ -26,18 +26,16 @@ What is modelled is what the code does today:
   on the host for the whole run and steps there (``learners/host_optimizer``), through two
   pinned bf16 staging buffers and an fp32 gradient buffer of one bucket each;
   ``actor.param_offload`` (FSDP2) steps on the host too.
-- **Nothing moves off the GPU between stages**: the loop never calls ``offload()``, so the
-  actor's weights and optimizer state stay resident while the rollout generates.
+- **Nothing moves off the GPU between stages** (the loop never calls ``offload()``).
 - **Rollout weights**: the engine reads the actor's own parameters only on one device,
   without LoRA or FSDP, when their dtype is the rollout's (bf16 training weights); otherwise it
   holds a full bf16 copy (``workers/rollout.py``).
 - **KV cache** (``engine/engine._allocate``, ``engine/kv_cache.plan_slots``): ``max_num_seqs``
   slots of ``max_seq_len`` tokens plus one scratch slot, or fewer when
   ``gpu_memory_utilization`` × free memory − the reserve for decode logits and prefill
-  activations holds fewer. Free memory is what the other generation-time items leave; from
-  the second step on the allocator may still hold the update's blocks, so the cache can
-  come out smaller than planned, never larger. ``rollout.release_cache`` frees it (and the
-  fused q/k/v, gate/up weight copies of the triton decode path) after each generate.
+  activations holds fewer; free counts what the allocator caches unused (``available_bytes``).
+  ``rollout.release_cache`` frees it (and the fused q/k/v, gate/up copies of the triton
+  decode path, and with ``rollout.dtype=fp8`` their e4m3 copies) after each generate.
 - **Activations** at the micro-batch token budget, bf16, what autograd keeps per token and
   layer (see :func:`activation_bytes`); with gradient checkpointing each layer's input plus
   one layer recomputed in full. The log-prob head adds one 4096-token chunk of bf16 logits
