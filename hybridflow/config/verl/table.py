@@ -153,6 +153,7 @@ ACTOR_TABLE: list[Entry] = [
     Ignored(ACTOR + "use_prefix_grouper", "each sample is packed whole"),
     Ignored(ACTOR + "use_remove_padding", PACKED),
     Ignored(ACTOR + "use_fused_kernels", "hybridflow's own kernels are always used"),
+    Rename(ACTOR + "checkpoint.async_save", "trainer.async_save"),
     Ignored(ACTOR + "checkpoint.*", "a checkpoint always holds the model, optimizer and state"),
     Ignored(ACTOR + "profiler.*", PROFILER),
     Ignored(ACTOR + "data_loader_seed", "data order follows trainer.seed"),

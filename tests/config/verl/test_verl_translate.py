@@ -151,3 +151,11 @@ def test_shared_keys_take_verls_meaning_on_a_verl_command_line():
     assert "trainer.save_freq=0" in translate(["trainer.save_freq=0"]).overrides  # ours: at the end
     stop = translate(["actor_rollout_ref.rollout.n=2", "trainer.device=npu"])
     assert "NPU" in stop.problems[0]
+
+
+def test_background_checkpoints_keep_their_verl_switch():
+    t = translate(["actor_rollout_ref.actor.checkpoint.async_save=False",
+                   "actor_rollout_ref.actor.checkpoint.save_contents=[model]"])  # fmt: skip
+    assert not t.problems
+    assert "trainer.async_save=false" in t.overrides
+    assert not any("save_contents" in o for o in t.overrides)

@@ -34,6 +34,7 @@ MAPPED = [
         A + "optim.min_lr_ratio=0.1",
         A + "optim.lr_scheduler_type=cosine",
         A + "optim.lr_warmup_steps=3",
+        A + "checkpoint.async_save=True",
         A + "ppo_mini_batch_size=16",
         A + "ppo_epochs=2",
         A + "shuffle=True",
