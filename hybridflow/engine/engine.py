@@ -110,8 +110,11 @@ class Engine:
         self.fused = None
         self.fp8 = None  # fp8.Fp8Matmul with weight_format="fp8", made with the cache
         if options.weight_format == "fp8" and not triton_backend:
-            raise ValueError("EngineOptions(weight_format='fp8') needs the triton decode "
-                             f"backend; this engine resolved {self.decode_backend!r}")  # fmt: skip
+            from hybridflow.errors import UserError
+
+            raise UserError(f"weight_format='fp8' needs the triton decode backend, and this "
+                            f"engine on {self.device} resolved {self.decode_backend!r}",
+                            fix="run on a GPU with fp8 tensor cores (sm_89+), or drop fp8")  # fmt: skip
         self.matmul = self.chain = self.chooser = None
         self.launch = None
         if triton_backend:

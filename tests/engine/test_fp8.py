@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from hybridflow.engine import Engine, EngineOptions
 from hybridflow.engine.fp8 import E4M3_MAX, Fp8Matmul, quantize_rows_reference, scaled_linear
+from hybridflow.errors import UserError
 from hybridflow.models import build_model
 from hybridflow.models.presets import preset_config
 
@@ -70,5 +71,5 @@ def test_options_that_cannot_run_fp8_are_refused():
     assert EngineOptions(weight_format="fp8", decode_backend="torch").validate()
     assert EngineOptions(weight_format="int4").validate()
     assert not EngineOptions(weight_format="fp8").validate()
-    with pytest.raises(ValueError, match="triton decode backend"):
+    with pytest.raises(UserError, match="triton decode backend"):
         Engine(_model(), 4, 32, options=EngineOptions(weight_format="fp8", cuda_graphs=False))
