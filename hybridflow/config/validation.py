@@ -99,10 +99,6 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
         add(f"trainer.mode = {t.mode!r} is unknown: use sync or async")
     if not isinstance(t.max_staleness, int) or t.max_staleness < 0:
         add(f"trainer.max_staleness = {t.max_staleness!r} must be an integer >= 0")
-    elif t.mode == "async" and t.max_staleness > 0 and t.backend not in ("inprocess", "local"):
-        add(f"trainer.mode = async with trainer.max_staleness = {t.max_staleness} runs on the "
-            "inprocess and local backends for now (the ray backend is untested with it); use "
-            "trainer.backend=inprocess or local, or max_staleness=0")  # fmt: skip
     _check_partial_rollout(cfg, add)
     if t.placement not in ("colocate", "split"):
         add(f"trainer.placement = {t.placement!r} is unknown: use colocate or split")
@@ -353,9 +349,6 @@ def _check_partial_rollout(cfg: Config, add) -> None:
     elif t.partial_rollout and t.mode != "async":
         add(f"trainer.partial_rollout = true needs trainer.mode = async (it is {t.mode!r}): "
             "set trainer.mode=async, or trainer.partial_rollout=false")  # fmt: skip
-    elif t.partial_rollout and t.backend == "ray":
-        add("trainer.partial_rollout = true runs on the inprocess and local backends for now "
-            "(the ray backend is untested with it): use trainer.backend=inprocess or local")  # fmt: skip
     elif t.partial_rollout and cfg.rollout.agent.loop is not None:
         add(f"trainer.partial_rollout = true does not run with rollout.agent.loop = "
             f"{cfg.rollout.agent.loop!r} (episodes drive the engine themselves): set "

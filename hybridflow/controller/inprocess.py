@@ -80,7 +80,8 @@ class InProcessBackend:
         return [os.getpid()] * self.world_size
 
     def shutdown(self) -> None:
-        for worker in self.ranks:
+        for worker in self.ranks:  # the close hook runs on the rank's thread, after its calls
+            worker.submit(worker.host.close)
             worker.jobs.put(None)
         # Let each rank thread finish before the interpreter exits: a thread that has run
         # torch code and is still unwinding while the process tears down aborts it

@@ -329,6 +329,7 @@ def _serve(conn, host: WorkerHost, owner: str) -> None:
             conn.send_bytes(transport.encode((None, RankResult(error=error)), owner))
             continue
         if message[0] == "stop":
+            host.close()  # the worker's shutdown hook; its failure must not keep us alive
             return
         call_id, path, args, kwargs = message
         outcome = host.call(path, args, kwargs)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -40,6 +41,10 @@ def ensure_ray_initialized() -> None:
         ray.init(address="auto")  # an existing cluster (RAY_ADDRESS or a local head node)
     except ConnectionError:
         ray.init()
+
+
+_CLOSE_S = 5.0  # how long shutdown waits for the workers' close hooks
+_CLOSE_BUSY_S = 0.5  # ... when a call still runs (it would not reach its close soon)
 
 
 class _RayHost:
@@ -88,6 +93,9 @@ class _RayHost:
         kwargs = dict(zip(kwarg_names, values[n_args:]))
         return self.host.call(path, values[:n_args], kwargs)
 
+    def close(self) -> RankResult:
+        return self.host.close()
+
     def kill_children(self) -> None:
         import psutil
 
@@ -118,6 +126,11 @@ class RayBackend:
         self.ray, self.group, self.world_size = ray, group, pool.world_size
         self.actors: list[Any] = []
         self.placement_groups = []
+        # Calls submitted from several controller threads (the async mode's rollout producer
+        # and the trainer) reach every rank in one order: Ray orders an actor's tasks by
+        # submission from this process, so collectives of different calls cannot cross.
+        self.lock = threading.Lock()
+        self.unsettled: set[Future] = set()  # calls still running: shutdown waits less
         bundle = {"CPU": pool.cpus_per_worker, **({"GPU": 1} if pool.use_gpu else {})}
         remote_host = ray.remote(_RayHost)
         try:
@@ -174,16 +187,19 @@ class RayBackend:
             return stored[id(value)]
 
         futures = []
-        for rank, (args, kwargs) in enumerate(per_rank):
-            values = [put(v) for v in [*args, *kwargs.values()]]
-            ref = self.actors[rank].call.remote(path, list(kwargs), *values)
-            futures.append(self._wrap(ref, rank, path))
+        with self.lock:
+            for rank, (args, kwargs) in enumerate(per_rank):
+                values = [put(v) for v in [*args, *kwargs.values()]]
+                ref = self.actors[rank].call.remote(path, list(kwargs), *values)
+                futures.append(self._wrap(ref, rank, path))
         return futures
 
     def _wrap(self, ref: Any, rank: int, path: str) -> Future:
         out: Future = Future()
+        self.unsettled.add(out)
 
         def settle(ray_future: Future) -> None:
+            self.unsettled.discard(out)
             exc = ray_future.exception()
             if exc is None:
                 out.set_result(ray_future.result())
@@ -208,6 +224,12 @@ class RayBackend:
 
         if not self.ray.is_initialized():
             return  # Ray shut down first (its atexit runs before ours): actors are gone
+        # The workers' close hook, queued after their calls; busy ones get less time.
+        grace_s = _CLOSE_BUSY_S if self.unsettled else _CLOSE_S
+        try:
+            self.ray.get([a.close.remote() for a in self.actors], timeout=grace_s)
+        except Exception:  # noqa: BLE001 - a dead or hung actor is killed below anyway
+            pass
         try:
             self.ray.get([a.kill_children.remote() for a in self.actors], timeout=5)
         except Exception:  # noqa: BLE001 - dead actors cannot clean up; kill them anyway

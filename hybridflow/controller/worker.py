@@ -49,7 +49,9 @@ class Worker:
     """Convenience mix-in giving ``self.rank``, ``self.world_size``, ``self.device``...
 
     Any class can be a worker: the backend sets ``self.context`` before calling ``__init__``;
-    this class only adds read-only shortcuts to it (no hooks to override).
+    this class only adds read-only shortcuts to it. The one hook is optional and not part of
+    this class: a worker's ``close()`` method, if it has one, runs when its group shuts down
+    (on every backend, on the worker's own thread), e.g. to stop a thread it started.
     """
 
     context: WorkerContext
@@ -94,6 +96,7 @@ def fuse(**roles: type | tuple[type, dict[str, Any]]) -> type:
     name = "Fused_" + "_".join(specs)
     attrs = {
         "__init__": _fused_init,
+        "close": _fused_close,
         "_role_specs": specs,
         FUSED_ATTR: {n: c for n, (c, _) in specs.items()},
     }
@@ -106,6 +109,26 @@ def _fused_init(self, **kwargs: Any) -> None:
         obj = construct(cls, self.context, {**kwargs, **extra})
         self.roles[name] = obj
         self.context.colocated[name] = obj
+
+
+def _fused_close(self) -> None:
+    """Each role's close(), later roles first (they may use the earlier ones); a role that
+    fails to close does not keep the others open."""
+    errors = []
+    for obj in reversed(list(getattr(self, "roles", {}).values())):
+        try:
+            close_worker(obj)
+        except Exception as exc:  # noqa: BLE001 - raised after the other roles closed
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
+def close_worker(worker: Any) -> None:
+    """Call ``worker.close()`` if the worker defines one (its shutdown hook)."""
+    close = getattr(worker, "close", None)
+    if callable(close):
+        close()
 
 
 def _rebuild_fused(specs: dict) -> type:
@@ -174,6 +197,13 @@ class WorkerHost:
     def call(self, path: str, args: tuple, kwargs: dict) -> RankResult:
         _local.context = self.context
         return _capture(lambda: self._bound(path)(*args, **kwargs), range_name=path)
+
+    def close(self) -> RankResult:
+        """The worker's shutdown hook (``close_worker``); nothing if it never started."""
+        if self.worker is None:
+            return RankResult()
+        _local.context = self.context
+        return _capture(lambda: close_worker(self.worker))
 
     def _bound(self, path: str):
         target, name = self.worker, path

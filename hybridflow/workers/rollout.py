@@ -312,6 +312,14 @@ class RolloutWorker(Worker):
         """Free the KV cache (training gets the memory back)."""
         self.engine.release()
 
+    def close(self) -> None:
+        """The group's shutdown hook: a partial-rollout service stops its engine thread
+        (aborting what is still in flight), so neither it nor the model outlives the run
+        in a controller that goes on (the inprocess backend)."""
+        if self.service is not None:
+            self.service.close()
+            self.service = None
+
 
 def engine_options(config: Config):
     """rollout.engine (with rollout.dtype's weight format), its pinned choices under

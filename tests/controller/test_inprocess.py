@@ -1,8 +1,17 @@
+import os
 import threading
 import time
 
 import pytest
-from toy_workers import EXPECTED_EXERCISE, Counter, ReadsPeer, Toy, exercise
+from toy_workers import (
+    EXPECTED_EXERCISE,
+    Counter,
+    ReadsPeer,
+    RecordsClose,
+    Toy,
+    closed_lines,
+    exercise,
+)
 
 from hybridflow.controller import CallTimeoutError, ResourcePool, WorkerError, WorkerGroup, fuse
 
@@ -73,3 +82,17 @@ def test_each_rank_runs_on_its_own_thread(group):
         t.name for t in threading.enumerate() if "Toy" in t.name
     }
     assert group.whoami.remote().get(timeout=5) == EXPECTED_EXERCISE["whoami"]
+
+
+def test_shutdown_runs_each_workers_close_hook_later_roles_first(tmp_path):
+    path = str(tmp_path / "closed")
+    group = WorkerGroup(RecordsClose, ResourcePool(cpus=2), "inprocess", path=path)
+    assert closed_lines(path) == []
+    group.shutdown()
+    group.shutdown()  # a second shutdown closes nothing twice
+    pid = os.getpid()
+    assert closed_lines(path) == [f"closed 0 {pid}", f"closed 1 {pid}"]
+    fused = fuse(first=RecordsClose, second=(RecordsClose, {"tag": "second"}))  # built second
+    with WorkerGroup(fused, ResourcePool(cpus=1), "inprocess", path=str(tmp_path / "fused")):
+        pass
+    assert open(tmp_path / "fused").read().splitlines() == [f"second 0 {pid}", f"closed 0 {pid}"]

@@ -14,7 +14,16 @@ import types
 import psutil
 import pytest
 import torch
-from toy_workers import EXPECTED_EXERCISE, Counter, ReadsPeer, Toy, exercise, toy_input
+from toy_workers import (
+    EXPECTED_EXERCISE,
+    Counter,
+    ReadsPeer,
+    RecordsClose,
+    Toy,
+    closed_lines,
+    exercise,
+    toy_input,
+)
 
 from hybridflow.controller import (
     ResourcePool,
@@ -108,6 +117,14 @@ def test_futures_of_two_groups_overlap(group):
     assert first.get(timeout=30) == [0, 1] and second.get(timeout=30) == [0]
     assert time.monotonic() - start < 1.8  # sequential: >= 2 s
     other.shutdown()
+
+
+def test_shutdown_runs_the_close_hook_in_each_worker_process(tmp_path):
+    path = str(tmp_path / "closed")
+    group = WorkerGroup(RecordsClose, ResourcePool(cpus=2), "local", path=path)
+    pids = group.pids()
+    group.shutdown()
+    assert closed_lines(path) == [f"closed 0 {pids[0]}", f"closed 1 {pids[1]}"]
 
 
 def test_fused_roles_pickle_into_worker_processes():

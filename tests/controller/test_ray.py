@@ -7,7 +7,16 @@ import sys
 import time
 
 import pytest
-from toy_workers import EXPECTED_EXERCISE, Counter, ReadsPeer, Toy, exercise, toy_input
+from toy_workers import (
+    EXPECTED_EXERCISE,
+    Counter,
+    ReadsPeer,
+    RecordsClose,
+    Toy,
+    closed_lines,
+    exercise,
+    toy_input,
+)
 
 from hybridflow.controller import ResourcePool, WorkerDiedError, WorkerError, WorkerGroup, fuse
 
@@ -96,6 +105,15 @@ def test_fused_roles_on_ray(group):
     pool = ResourcePool(cpus=1, cpus_per_worker=0.5)
     with WorkerGroup(fuse(counter=Counter, reader=ReadsPeer), pool, "ray", start=4) as fused:
         assert fused.counter.add(1) == 5 and fused.reader.peer_value() == 5
+
+
+def test_shutdown_runs_the_close_hook_in_each_actor(group, tmp_path):
+    path = str(tmp_path / "closed")
+    pool = ResourcePool(cpus=2, cpus_per_worker=0.5)
+    closing = WorkerGroup(RecordsClose, pool, "ray", path=path)
+    pids = closing.pids()
+    closing.shutdown()
+    assert closed_lines(path) == [f"closed 0 {pids[0]}", f"closed 1 {pids[1]}"]
 
 
 def test_killed_actor_is_detected_quickly(group):

@@ -113,6 +113,25 @@ class ReadsPeer(Worker):
         return self.peer.value
 
 
+class RecordsClose(Worker):
+    """Appends "<tag> <rank> <pid>" to ``path`` when its group shuts down (the close hook)."""
+
+    def __init__(self, path: str, tag: str = "closed") -> None:
+        self.path, self.tag = path, tag
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def pid(self) -> int:
+        return os.getpid()
+
+    def close(self) -> None:
+        with open(self.path, "a") as out:
+            out.write(f"{self.tag} {self.rank} {os.getpid()}\n")
+
+
+def closed_lines(path) -> list[str]:
+    return sorted(open(path).read().splitlines()) if os.path.exists(path) else []
+
+
 def toy_input(rows: int = 7, cols: int = 4) -> Batch:
     x = torch.arange(rows * cols).reshape(rows, cols)
     return Batch({"x": x}, {"uid": [f"p{i}" for i in range(rows)]}, {"temperature": 1.0})

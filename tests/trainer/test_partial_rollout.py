@@ -105,6 +105,32 @@ def test_drop_discards_and_replaces_the_groups_beyond_the_bound(tmp_path, monkey
     assert torch.all(replaced.tensors["token_versions"][mask] == 1)
 
 
+def _engine_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "hybridflow-engine"}
+
+
+def test_an_inprocess_run_stops_its_engine_thread_at_the_end(tmp_path):
+    """The group's shutdown closes the rollout's RolloutService (RolloutWorker.close): no
+    engine thread, holding the model, outlives the run in the controller's process."""
+    before = _engine_threads()
+    cfg = tiny_config(tmp_path, "trainer.total_steps=2", "trainer.max_staleness=1", *PARTIAL)
+    started = []
+    from hybridflow.engine.service import RolloutService
+
+    real_init = RolloutService.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        started.append(self._thread)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(RolloutService, "__init__", init)
+        train(cfg, log=lambda *a, **k: None)
+    assert started and started[0].name == "hybridflow-engine"  # the run had a service
+    assert not any(thread.is_alive() for thread in started)
+    assert _engine_threads() <= before
+
+
 def test_partial_rollout_settings_are_checked():
     from hybridflow.config import ConfigError, load_config, validate
 
