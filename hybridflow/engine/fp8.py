@@ -48,7 +48,6 @@ def scaled_linear(x: torch.Tensor, weight8: torch.Tensor, weight_scale: torch.Te
                   bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """x [M, K] (model dtype) times an fp8 weight [N, K] with per-channel scales [1, N] ->
     [M, N] in x's dtype."""
-    x = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     x8, x_scale = quantize_rows(x.contiguous())
     out = torch._scaled_mm(x8, weight8.t(), scale_a=x_scale, scale_b=weight_scale,
                            out_dtype=x.dtype)  # fmt: skip
@@ -90,9 +89,9 @@ class Fp8Matmul:
         same tensor, so graphs that read them stay valid)."""
         copies = {}
         for weight in self.sources():
-            key = weight.data_ptr()
-            old = self.copies.get(key)
-            if old is not None and old[0] is weight:
+            key = weight.data_ptr()  # the fused copies' per-layer views are new objects each
+            old = self.copies.get(key)  # time: the storage, not the view, is the identity
+            if old is not None and old[0].shape == weight.shape:
                 _, weight8, scale = old
             else:
                 weight8 = torch.empty(weight.shape, dtype=E4M3, device=weight.device)

@@ -56,13 +56,29 @@ def test_copies_cover_every_projection_and_refresh_in_place_from_the_live_weight
     assert len(matmul.copies) == 7 * len(layers)  # q, k, v, o, gate, up, down
     weight = layers[0].mlp.down_proj.weight
     _, weight8, scale = matmul.copies[weight.data_ptr()]
-    x = torch.randn(3, weight.shape[1])
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(3, weight.shape[1], generator=generator)
     before = matmul.linear(x, weight)
     weight.mul_(2.0)  # a training step, in place
     matmul.refresh()
     assert matmul.copies[weight.data_ptr()][1] is weight8  # the same buffers: graphs stay valid
     torch.testing.assert_close(matmul.linear(x, weight), 2 * before, rtol=0.02, atol=1e-3)
-    other = torch.randn(5, x.shape[1])  # not a projection: the model dtype's matmul
+    fused_like = torch.randn(
+        2, 8, weight.shape[1], generator=generator
+    )  # views made afresh at every refresh,
+    views = Fp8Matmul(model, fused=None)  # as the fused copies' per-layer slices are
+    views.sources = lambda: [fused_like[0], fused_like[1]]
+    views.refresh()
+    buffers = [copy[1] for copy in views.copies.values()]
+    fused_like.mul_(3.0)
+    views.refresh()
+    after = [copy[1] for copy in views.copies.values()]
+    assert len(after) == 2 and all(a is b for a, b in zip(after, buffers))  # filled in place
+    out, exact = views.linear(x, fused_like[1]), F.linear(x, fused_like[1])
+    assert (out - exact).norm() / exact.norm() < 0.1  # the new weights (the old ones: 0.67)
+    other = torch.randn(
+        5, x.shape[1], generator=generator
+    )  # not a projection: the model dtype's matmul
     torch.testing.assert_close(matmul.linear(x, other), F.linear(x, other))
 
 
