@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from trainer_helpers import one_step_0_5b
 
 from hybridflow.config import load_config, validate
 from hybridflow.trainer import memory_plan as mp
@@ -15,29 +16,7 @@ pytestmark = [
 
 
 def step_overrides(run_dir) -> list[str]:
-    """One GRPO step of the 0.5b preset: 32 prompts × 4 samples of up to 64 + 448 tokens
-    (forced to full length), two optimizer steps (the second holds AdamW's state during its
-    forward/backward, as every later step does), 16,384-token micro-batches."""
-    return [
-        "model.path=qwen2.5-0.5b",
-        "trainer.device=cuda",
-        "data.train_batch_size=32",
-        "data.builtin_train_size=64",
-        "data.val_files=[]",
-        "data.max_prompt_length=64",
-        "data.max_response_length=448",
-        "rollout.n=4",
-        "rollout.ignore_eos=true",
-        "rollout.max_num_seqs=128",
-        "actor.ppo_mini_batch_size=16",
-        "actor.max_tokens_per_gpu=16384",
-        "actor.lr=1e-6",
-        "trainer.total_steps=1",
-        "trainer.val_before_train=false",
-        "trainer.save_freq=-1",
-        "trainer.loggers=[]",
-        f"trainer.run_dir={run_dir}",
-    ]
+    return [*one_step_0_5b(run_dir), "trainer.loggers=[]"]
 
 
 def test_one_step_of_the_0_5b_peaks_within_15_percent_of_the_plan(tmp_path):

@@ -8,7 +8,7 @@ import gc
 
 import pytest
 import torch
-from trainer_helpers import read_metrics
+from trainer_helpers import one_step_0_5b, read_metrics
 
 from hybridflow.config import load_config, validate
 from hybridflow.trainer import memory_plan as mp
@@ -27,29 +27,9 @@ COMPARED = ("actor/grad_norm", "actor/pg_loss", "actor/ppo_kl", "score/mean",
 
 
 def overrides(run_dir, offload: bool) -> list[str]:
-    """One GRPO step: 32 prompts × 4 samples of up to 64 + 448 tokens (full length), two
-    optimizer steps, 16,384-token micro-batches, fp32 masters (model.dtype=auto)."""
-    return [
-        "model.path=qwen2.5-0.5b",
-        "trainer.device=cuda",
-        "data.train_batch_size=32",
-        "data.builtin_train_size=64",
-        "data.val_files=[]",
-        "data.max_prompt_length=64",
-        "data.max_response_length=448",
-        "rollout.n=4",
-        "rollout.ignore_eos=true",
-        "rollout.max_num_seqs=128",
-        "actor.ppo_mini_batch_size=16",
-        "actor.max_tokens_per_gpu=16384",
-        "actor.lr=1e-6",
-        f"actor.optimizer_offload={str(offload).lower()}",
-        "trainer.total_steps=1",
-        "trainer.val_before_train=false",
-        "trainer.save_freq=-1",
-        "trainer.loggers=[jsonl]",
-        f"trainer.run_dir={run_dir}",
-    ]
+    """One GRPO step (trainer_helpers.one_step_0_5b), fp32 masters (model.dtype=auto)."""
+    return [*one_step_0_5b(run_dir), f"actor.optimizer_offload={str(offload).lower()}",
+            "trainer.loggers=[jsonl]"]  # fmt: skip
 
 
 def peak_of_one_step(cfg) -> int:

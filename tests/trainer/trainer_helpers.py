@@ -65,3 +65,28 @@ def command_line(cfg) -> list[str]:
         and not isinstance(value, (list, dict))
         and not dataclasses.is_dataclass(value)  # rollout.engine: its defaults
     ] + ["trainer.loggers=[jsonl]"]
+
+
+def one_step_0_5b(run_dir) -> list[str]:
+    """One GRPO step of the 0.5b preset on a GPU: 32 prompts × 4 samples of up to 64 + 448
+    tokens (forced to full length), two optimizer steps (the second holds AdamW's state
+    during its forward/backward, as every later step does), 16,384-token micro-batches."""
+    return [
+        "model.path=qwen2.5-0.5b",
+        "trainer.device=cuda",
+        "data.train_batch_size=32",
+        "data.builtin_train_size=64",
+        "data.val_files=[]",
+        "data.max_prompt_length=64",
+        "data.max_response_length=448",
+        "rollout.n=4",
+        "rollout.ignore_eos=true",
+        "rollout.max_num_seqs=128",
+        "actor.ppo_mini_batch_size=16",
+        "actor.max_tokens_per_gpu=16384",
+        "actor.lr=1e-6",
+        "trainer.total_steps=1",
+        "trainer.val_before_train=false",
+        "trainer.save_freq=-1",
+        f"trainer.run_dir={run_dir}",
+    ]
