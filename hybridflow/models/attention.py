@@ -12,6 +12,7 @@ cu_seqlens int32 [S+1] (sequence i owns tokens cu_seqlens[i]:cu_seqlens[i+1]):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 
@@ -63,13 +64,23 @@ def padded_causal_attention(
 
 
 def make_packed_attention(
-    backend: str, cu_seqlens: torch.Tensor, max_seqlen: int, num_tokens: int
+    backend: str,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    num_tokens: int,
+    deterministic: bool = True,
 ) -> Attend:
     """Build the attention function shared by all layers of one packed forward (the flex block
-    mask and the per-sequence lengths are computed once here, not once per layer)."""
+    mask and the per-sequence lengths are computed once here, not once per layer).
+
+    deterministic: the flash backward accumulates dQ in a fixed order (deterministic_kernels;
+    its cost: docs/performance.md, "Reproducible runs")."""
     if backend == "flash_varlen":
         return functools.partial(
-            flash_varlen_attention, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
+            flash_varlen_attention,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
+            deterministic=deterministic,
         )
     if backend == "flex":
         block_mask = document_causal_block_mask(cu_seqlens, num_tokens)
@@ -100,30 +111,85 @@ class _FlashVarlen(torch.autograd.Function):
     """FlashAttention-2 varlen forward/backward as shipped inside PyTorch (no flash-attn wheel)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_seqlen):
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, deterministic):
         out, lse, rng_a, rng_b, _ = torch.ops.aten._flash_attention_forward(
             q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False
         )
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng_a, rng_b)
         ctx.max_seqlen = max_seqlen
+        ctx.deterministic = deterministic
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, cu_seqlens, rng_a, rng_b = ctx.saved_tensors
         m = ctx.max_seqlen
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, cu_seqlens, m, m, 0.0, True,
-            rng_a, rng_b,
-        )  # fmt: skip
-        return dq, dk, dv, None, None
+        backward = _deterministic_flash_backward if ctx.deterministic else _flash_backward
+        dq, dk, dv = backward(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, m, rng_a, rng_b)
+        return dq, dk, dv, None, None, None
+
+
+def _flash_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, rng_a, rng_b):
+    m = max_seqlen
+    return torch.ops.aten._flash_attention_backward(
+        grad_out, q, k, v, out, lse, cu_seqlens, cu_seqlens, m, m, 0.0, True, rng_a, rng_b
+    )
+
+
+# An opaque op for torch.compile: the global flag it sets cannot be traced into a graph.
+@torch.library.custom_op("hybridflow::deterministic_flash_backward", mutates_args=())
+def _deterministic_flash_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    rng_a: torch.Tensor,
+    rng_b: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with deterministic_kernels():
+        return _flash_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, rng_a, rng_b)
+
+
+@_deterministic_flash_backward.register_fake
+def _(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, rng_a, rng_b):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@contextlib.contextmanager
+def deterministic_kernels():
+    """PyTorch's FlashAttention-2 backward takes its `deterministic` switch from the global
+    flag only: by default a sequence longer than one key block accumulates dQ with atomics,
+    in an order that differs between runs (two fresh 0.5b GRPO runs with 448-token responses
+    differed at step 1). Set for this one call, then restored; empty tensors are not filled
+    (the flag's other effect, which would cost a memset here and NaNs elsewhere)."""
+    was_on, was_warn = (
+        torch.are_deterministic_algorithms_enabled(),
+        (torch.is_deterministic_algorithms_warn_only_enabled()),
+    )
+    was_fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was_on, warn_only=was_warn)
+        torch.utils.deterministic.fill_uninitialized_memory = was_fill
 
 
 def flash_varlen_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    deterministic: bool = True,
 ) -> torch.Tensor:
     return _FlashVarlen.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, max_seqlen
+        q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, max_seqlen, deterministic
     )
 
 

@@ -121,6 +121,8 @@ class CausalLM(nn.Module):
         gradient_checkpointing: recompute each layer in backward (saves activations) when True.
         attention_backend: packed attention kernel, one of attention.PACKED_BACKENDS; "auto"
             picks the measured fastest for the device and dtype.
+        deterministic_attention: the packed flash backward in a fixed reduction order
+            (attention.deterministic_kernels), so runs with one seed repeat bit for bit.
     """
 
     def __init__(self, config: ModelArchitecture):
@@ -130,6 +132,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.gradient_checkpointing = False
         self.attention_backend = "auto"
+        self.deterministic_attention = True
         self.tie_weights()
 
     # -- weights ------------------------------------------------------------------------------
@@ -224,7 +227,11 @@ class CausalLM(nn.Module):
         cos, sin = rope_cos_sin(self.config, position_ids, hidden.dtype)
         backend = resolve_backend(self.attention_backend, hidden.device, hidden.dtype)
         attend = make_packed_attention(
-            backend, cu_seqlens.to(torch.int32), int(max_seqlen), input_ids.shape[0]
+            backend,
+            cu_seqlens.to(torch.int32),
+            int(max_seqlen),
+            input_ids.shape[0],
+            deterministic=self.deterministic_attention,
         )
         return self._run_layers(hidden, cos, sin, attend)
 
