@@ -161,7 +161,14 @@ def main() -> None:
     config = build_model_dir(args.preset, work / "model", args.mean_new_tokens)
     write_prompts(work / "prompts.jsonl", args.prompts, args.prompt_len, config["vocab_size"], 0)
     (work / "reward.py").write_text(REWARD)
-    results = [run_mode(mode, work, args) for mode in args.modes]
+    results = []
+    for mode in args.modes:  # each printed as it ends: a run cut short keeps what it measured
+        results.append(run_mode(mode, work, args))
+        print(
+            f"{mode}: {results[-1]['step_s']:.2f} s/step, steps (s) "
+            + " ".join(f"{s:.2f}" for s in results[-1]["steps_s"]),
+            flush=True,
+        )
     print(f"\nGRPO, {args.preset}, {args.prompts} prompts × {args.samples} samples, "
           f"prompt {args.prompt_len}, responses geometric of mean ~{args.mean_new_tokens:.0f} "
           f"up to {args.max_new_tokens}; mean of steps {args.warmup + 1}..{args.steps}")  # fmt: skip
