@@ -21,7 +21,8 @@ needs_mega_cache = pytest.mark.skipif(
 @pytest.fixture
 def inductor_settings(monkeypatch):
     """Whatever a test sets stays in the test: the variable and both config switches."""
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")  # recorded: what a test sets is undone
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     with (
         torch._inductor.config.patch(fx_graph_cache=False),
         torch._functorch.config.patch(enable_autograd_cache=False),
