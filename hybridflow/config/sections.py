@@ -78,8 +78,12 @@ class ModelConfig:
     update without it would take more than 90% of the GPU's usable memory
     (trainer.gpu_memory_gib or the visible GPU); off on the CPU or when the plan cannot
     tell. The run's log says the decision and both planned peaks."""
-    compile: bool = False
-    """torch.compile the decoder layers for training."""
+    compile: bool | str = "auto"
+    """torch.compile the decoder layers for training: true | false | auto. auto: on when the
+    trainer runs on CUDA, off on the CPU (a CPU compile takes minutes for little gain). The
+    first step compiles; the artifacts are cached under trainer.cache_dir/torch-compile, so
+    a later run of the same model reuses them. The run's log and config.yaml say the
+    decision."""
     lora_rank: int = 0
     """LoRA rank; 0 trains all weights."""
     lora_alpha: int = 16
@@ -309,7 +313,8 @@ class TrainerConfig:
     run_dir: str = "runs/demo"
     """Where metrics.jsonl, checkpoints and exports go."""
     cache_dir: str = "~/.cache/hybridflow"
-    """Cache for built-in SFT warm-start models."""
+    """Cache for built-in SFT warm-start models, the rollout engine's pinned choices and the
+    compiled artifacts of model.compile (torch-compile/)."""
     seed: int = 1
     """Seed for data order, sampling and initialisation."""
     device: str = "auto"

@@ -304,6 +304,11 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
             f"model.gradient_checkpointing = {cfg.model.gradient_checkpointing!r} is unknown: "
             "use true, false or auto (on only when the memory plan needs it)"
         )
+    if cfg.model.compile not in (True, False, "auto"):
+        add(
+            f"model.compile = {cfg.model.compile!r} is unknown: use true, false or auto (on "
+            "when training on CUDA)"
+        )
     if cfg.model.dtype not in ("auto", "bfloat16", "float32", "float16"):
         add(f"model.dtype = {cfg.model.dtype!r} is unknown: use auto, bfloat16 or float32")
     if t.keep_last_k is not None and t.keep_last_k < 1:

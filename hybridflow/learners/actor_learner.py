@@ -89,11 +89,11 @@ class ActorLearner:
                 dropout=model_cfg.lora_dropout,
                 seed=seed,
             )
-        # "auto" is resolved at run start (trainer/memory_check.memory_defaults); unresolved,
-        # it means off, as on the CPU.
+        # "auto" is resolved at run start (trainer/memory_check.memory_defaults and
+        # trainer/compile_policy.compile_defaults); unresolved, it means off, as on the CPU.
         if model_cfg is not None and model_cfg.gradient_checkpointing is True:
             model.enable_gradient_checkpointing(True)
-        if model_cfg is not None and model_cfg.compile:
+        if model_cfg is not None and model_cfg.compile is True:
             compile_layers(model)
         self.policy = PolicyModel(model)
         self.core = TrainCore(

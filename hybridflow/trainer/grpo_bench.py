@@ -19,6 +19,7 @@ import torch
 
 from hybridflow.config import Config, load_config, validate
 from hybridflow.protocol import Batch
+from hybridflow.trainer.compile_policy import compile_defaults
 from hybridflow.trainer.stages import RunContext
 
 
@@ -106,7 +107,7 @@ def bench_config(
             *overrides,
         ],
     )
-    return cfg
+    return compile_defaults(cfg, log=lambda line: None)  # as `hybridflow train` resolves it
 
 
 def time_grpo_steps(

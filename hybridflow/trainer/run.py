@@ -23,6 +23,7 @@ def setup(cfg: Config, log=print, progress: ProgressReporter | None = None) -> R
     from hybridflow.data.dataset import PromptLoader
     from hybridflow.rewards.monitor import RewardFailureMonitor
     from hybridflow.trainer.checkpoint import CheckpointManager
+    from hybridflow.trainer.compile_policy import compile_defaults
     from hybridflow.trainer.memory_check import memory_defaults
     from hybridflow.trainer.preflight import prepare_run
     from hybridflow.trainer.profiling import build_profiler
@@ -39,6 +40,7 @@ def setup(cfg: Config, log=print, progress: ProgressReporter | None = None) -> R
     derived, tokenizer, reward = checked.derived, checked.tokenizer, checked.reward
     cfg = save_defaults(async_defaults(cfg, log), log, critic=derived.use_critic)
     cfg = memory_defaults(cfg, log)  # checkpointing=auto, the log-prob passes' token budgets
+    cfg = compile_defaults(cfg, log)  # compile=auto: on when training on CUDA
     train_set, val_set = checked.train_set, checked.val_set
     set_cpu_threads(cfg, resolve_device(cfg.trainer.device))  # SFT and in-process workers
     try:

@@ -33,6 +33,14 @@ class ActorWorker(Worker):
 
         set_cpu_threads(config, self.device)
         self.config = config
+        self.compile_artifacts = None
+        """Where to save the compiled artifacts after the first update (model.compile)."""
+        if config.model.compile is True:  # auto is resolved at run start (compile_policy.py)
+            from hybridflow.workers.compile_cache import prepare_compile_cache
+
+            self.compile_artifacts = prepare_compile_cache(
+                config.trainer.cache_dir, config.model.path, self.device
+            )
         torch.manual_seed(config.trainer.seed)
         dtype = training_dtype(config.model)
         model = load_causal_lm(config.model.path, dtype, self.device)
@@ -60,7 +68,14 @@ class ActorWorker(Worker):
     @register(dispatch=Dispatch.DP_SPLIT)
     def update(self, batch: Batch) -> dict[str, float]:
         """One PPO-family update; metrics are already reduced over ranks (same on each)."""
-        return {f"actor/{k}": v for k, v in self.learner.update(batch).items()}
+        metrics = {f"actor/{k}": v for k, v in self.learner.update(batch).items()}
+        if self.compile_artifacts is not None:  # the first update: both passes now compiled
+            from hybridflow.workers.compile_cache import save_artifacts
+
+            if self.local_rank == 0:  # one writer per host; the ranks compile the same graphs
+                save_artifacts(self.compile_artifacts)
+            self.compile_artifacts = None
+        return metrics
 
     @register(dispatch=Dispatch.RANK_ZERO)
     def full_weights(self) -> dict[str, torch.Tensor]:

@@ -32,6 +32,9 @@ def test_bench_config_splits_the_batch_over_gpus():
         "tiny", prompts=4, samples=4, prompt_len=8, new_tokens=8, micro_batch_tokens=256
     )
     assert one.trainer.backend == "inprocess" and one.rollout.max_num_seqs == 16
+    cpu = bench_config("tiny", prompts=4, samples=4, prompt_len=8, new_tokens=8,
+                       micro_batch_tokens=256, overrides=("trainer.device=cpu",))  # fmt: skip
+    assert cpu.model.compile is False  # model.compile=auto resolved as a run resolves it
     with pytest.raises(ValueError, match="split evenly"):
         bench_config(
             "tiny", prompts=3, samples=2, prompt_len=8, new_tokens=8, micro_batch_tokens=64, gpus=2

@@ -26,6 +26,12 @@ def as_bool(value: Any) -> bool:
     return bool(value)
 
 
+def torch_compile(value: Any) -> bool | str:
+    """verl's use_torch_compile: True compiles where verl trains, on GPUs: our auto (on CUDA,
+    off on the CPU)."""
+    return "auto" if as_bool(value) else False
+
+
 def as_number(value: Any) -> float:
     """YAML 1.1 reads ``1e-6`` (no dot) as a string; Hydra reads it as a float."""
     return float(value) if isinstance(value, str) else value

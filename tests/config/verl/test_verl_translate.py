@@ -159,3 +159,12 @@ def test_background_checkpoints_keep_their_verl_switch():
     assert not t.problems
     assert "trainer.async_save=false" in t.overrides
     assert not any("save_contents" in o for o in t.overrides)
+
+
+def test_torch_compile_becomes_auto_or_off():
+    # verl compiles by default and trains on GPUs only: True is our auto (off on the CPU)
+    on = load_with_verl_keys(None, ["actor_rollout_ref.actor.use_torch_compile=True"])
+    off = load_with_verl_keys(None, ["actor_rollout_ref.actor.use_torch_compile=false"])
+    assert (on.model.compile, off.model.compile) == ("auto", False)
+    ref = translate(["actor_rollout_ref.ref.use_torch_compile=False"])
+    assert not ref.problems and not any("compile" in o for o in ref.overrides)

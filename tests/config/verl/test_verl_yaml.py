@@ -35,6 +35,7 @@ MAPPED = [
         A + "optim.lr_scheduler_type=cosine",
         A + "optim.lr_warmup_steps=3",
         A + "checkpoint.async_save=True",
+        A + "use_torch_compile=False",
         A + "ppo_mini_batch_size=16",
         A + "ppo_epochs=2",
         A + "shuffle=True",
