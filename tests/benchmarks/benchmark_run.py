@@ -41,3 +41,13 @@ def markdown_rows(text: str, header_start: str) -> list[dict[str, str]]:
 def number(cell: str) -> float:
     """``"1,234"``, ``"57.2%"`` or ``"0.03"`` as a float."""
     return float(cell.replace(",", "").rstrip("%"))
+
+
+def load_script(script: str):
+    """``benchmarks/<script>`` as a module, for its pure functions."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(Path(script).stem, REPO / "benchmarks" / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
