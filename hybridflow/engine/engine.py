@@ -134,6 +134,7 @@ class Engine:
             self.chooser = DecodeLayerChooser(layer, pinned=self.pinned)
             self._pin_attention_tiles()
         self.cache: kv_cache.KVCache | None = None
+        self.blocks = None  # blocks.BlockPool of a paged cache (options.kv_block_size)
         self.state: DecodeState | None = None
         self.runner: DecodeRunner | None = None
         self.rope = None
@@ -207,22 +208,16 @@ class Engine:
             from hybridflow.engine.fp8 import Fp8Matmul
 
             self.fp8 = Fp8Matmul(self.model, self.fused)  # before the cache, like the fused
-        slot_bytes = kv_cache.bytes_per_slot(
-            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.max_seq_len,
-            self.dtype,
-        )  # fmt: skip
         # Reserve for decode logits and prefill activations, which live outside the cache.
         element = torch.empty((), dtype=self.dtype).element_size()
         reserve = (self.max_batch_size * cfg.vocab_size * 6) + self.max_prefill_tokens * (
             4 * cfg.intermediate_size + 8 * cfg.hidden_size
         ) * element
-        slots = kv_cache.plan_slots(
-            self.max_batch_size, slot_bytes, self.memory_budget, self.device, reserve
-        )
-        self.cache = kv_cache.allocate_cache(
-            cfg.num_hidden_layers, slots, self.max_seq_len, cfg.num_key_value_heads,
-            cfg.head_dim, self.dtype, self.device,
+        self.cache, self.blocks = kv_cache.make_cache(
+            cfg, self.max_batch_size, self.max_seq_len, self.options.kv_block_size,
+            self.memory_budget, reserve, self.dtype, self.device,
         )  # fmt: skip
+        slots = self.cache.num_slots
         self.state = DecodeState(slots, slots, self.max_seq_len, cfg.vocab_size, self.device)
         self.rope = RopeTable(cfg, self.max_seq_len, self.dtype, self.device)
         self.prefill = prefill_forward

@@ -1,11 +1,18 @@
-"""Slot-based preallocated KV cache and its sizing from a memory budget.
+"""The preallocated KV cache, slot-based or paged, and its sizing from a memory budget.
 
-One slot holds one sequence (prompt + generated tokens) up to max_seq_len: `keys`/`values`
-are [layers, slots + 1, max_seq_len, kv_heads, head_dim], token-major inside a slot (a
-prefill writes each prompt as one block; a decode attention program, one row and one kv head,
-reads its head's D elements at a stride of kv_heads * D). Kernels index through the strides.
+A slot is one sequence (prompt + generated tokens, up to max_seq_len): what the scheduler
+admits into and decode rows point at. Where its K/V live:
 
-The extra last slot is a scratch slot: padded rows of a bucketed decode batch write there.
+- slot cache (block_table None): `keys`/`values` are [layers, slots + 1, max_seq_len,
+  kv_heads, head_dim], each slot reserving max_seq_len positions;
+- paged (block_table [slots + 1, max_seq_len / block_size] int32): [layers, blocks + 1,
+  block_size, kv_heads, head_dim], position p of a slot in block block_table[slot, p //
+  block_size] at p % block_size. Blocks are handed out as sequences grow (blocks.py), and
+  the full blocks of a prompt are shared by its n samples.
+
+Token-major inside a slot or block (a decode attention program, one row and one kv head, reads
+its head's D elements at a stride of kv_heads * D); kernels index through the strides. The
+extra last slot (and block) is scratch: padded rows of a bucketed decode batch write there.
 """
 
 from __future__ import annotations
@@ -17,33 +24,65 @@ import torch
 
 @dataclass
 class KVCache:
-    keys: torch.Tensor  # [L, slots + 1, S, kv_heads, head_dim]
-    values: torch.Tensor  # [L, slots + 1, S, kv_heads, head_dim]
+    keys: torch.Tensor  # [L, slots + 1, S, kv_heads, head_dim] or [L, blocks + 1, B, ...]
+    values: torch.Tensor  # the same shape
+    block_table: torch.Tensor | None = None  # paged: int32 [slots + 1, S / B]
+    seq_len: int | None = None  # paged: max_seq_len
+
+    @property
+    def paged(self) -> bool:
+        return self.block_table is not None
 
     @property
     def num_slots(self) -> int:
         """Usable slots (the scratch slot excluded)."""
-        return self.keys.shape[1] - 1
+        rows = self.block_table.shape[0] if self.paged else self.keys.shape[1]
+        return rows - 1
 
     @property
     def scratch_slot(self) -> int:
+        return self.num_slots
+
+    @property
+    def num_blocks(self) -> int:
+        """Usable blocks of a paged cache (the scratch block, the last, excluded)."""
         return self.keys.shape[1] - 1
 
     @property
-    def max_seq_len(self) -> int:
+    def block_size(self) -> int:
+        """Positions per block (a slot cache's one block per slot: max_seq_len)."""
         return self.keys.shape[2]
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.seq_len if self.paged else self.keys.shape[2]
 
     def nbytes(self) -> int:
         return self.keys.numel() * self.keys.element_size() * 2
 
-    def copy_positions(
-        self, src_slots: torch.Tensor, dst_slots: torch.Tensor, positions: torch.Tensor
-    ) -> None:
-        """cache[:, dst_slots[i], positions[i]] = cache[:, src_slots[i], positions[i]] for
-        every layer, K and V, in one gather/scatter each (fans a prefilled prompt out to its n
-        sample slots; flat index lists built on the host, so no device sync)."""
+    def locate(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple:
+        """(entries, offsets) of positions of slots, as the cache's dim 1 and 2 index them
+        (on the device, no sync: decode rows whose positions only the device knows)."""
+        if not self.paged:
+            return slots, positions
+        blocks = self.block_table[slots, positions // self.block_size].long()
+        return blocks, positions % self.block_size
+
+    def gather(self, layer_cache: torch.Tensor, slots: torch.Tensor, length: int) -> torch.Tensor:
+        """Positions [0, length) of each slot from one layer's cache -> [B, length, kv, D]."""
+        if not self.paged:
+            return layer_cache[slots, :length]
+        blocks = -(-length // self.block_size)
+        entries = layer_cache[self.block_table[slots, :blocks].long()]  # [B, blocks, B, kv, D]
+        return entries.flatten(1, 2)[:, :length]
+
+    def copy_entries(self, src: tuple, dst: tuple) -> None:
+        """cache[:, dst rows[i], dst cols[i]] = cache[:, src rows[i], src cols[i]] for every
+        layer, K and V, one gather/scatter each (fans a prefilled prompt out to its samples:
+        every position in a slot cache, a paged cache's last partial block; flat index lists
+        built on the host, so no device sync)."""
         for cache in (self.keys, self.values):
-            cache[:, dst_slots, positions] = cache[:, src_slots, positions]
+            cache[:, dst[0], dst[1]] = cache[:, src[0], src[1]]
 
 
 def bytes_per_slot(
@@ -51,6 +90,12 @@ def bytes_per_slot(
 ) -> int:
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * max_seq_len * kv_heads * head_dim * element
+
+
+def bytes_per_block(
+    num_layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+) -> int:
+    return bytes_per_slot(num_layers, kv_heads, head_dim, block_size, dtype)
 
 
 def available_bytes(device: torch.device) -> int:
@@ -63,6 +108,20 @@ def available_bytes(device: torch.device) -> int:
     return free + max(0, cached)
 
 
+def cache_budget(
+    memory_budget: int | float | None, device: torch.device, reserve_bytes: int = 0
+) -> int | None:
+    """Bytes the cache may take: memory_budget as bytes (int > 1), a fraction of the
+    available device memory (float in (0, 1]; available_bytes), or None (90% of it); minus
+    reserve_bytes when taken from the device. None: unlimited (a fraction or None on CPU)."""
+    if memory_budget is not None and not 0 < memory_budget <= 1:
+        return int(memory_budget)
+    if device.type != "cuda":
+        return None
+    fraction = 0.9 if memory_budget is None else float(memory_budget)
+    return int(fraction * available_bytes(device)) - reserve_bytes
+
+
 def plan_slots(
     max_batch_size: int,
     slot_bytes: int,
@@ -70,22 +129,11 @@ def plan_slots(
     device: torch.device,
     reserve_bytes: int = 0,
 ) -> int:
-    """Number of slots: max_batch_size, or fewer if the budget does not hold them.
-
-    memory_budget: bytes (int > 1), a fraction of the available device memory (float in
-    (0, 1]; available_bytes), or None (90% of it minus reserve_bytes on CUDA; unlimited on
-    CPU)."""
-    if memory_budget is None:
-        if device.type != "cuda":
-            return max_batch_size
-        budget = int(0.9 * available_bytes(device)) - reserve_bytes
-    elif isinstance(memory_budget, float) and 0 < memory_budget <= 1:
-        if device.type == "cuda":
-            budget = int(memory_budget * available_bytes(device)) - reserve_bytes
-        else:
-            return max_batch_size
-    else:
-        budget = int(memory_budget)
+    """Number of slots of a slot cache: max_batch_size, or fewer if the budget
+    (cache_budget) does not hold them."""
+    budget = cache_budget(memory_budget, device, reserve_bytes)
+    if budget is None:
+        return max_batch_size
     slots = min(max_batch_size, budget // slot_bytes - 1)  # -1: the scratch slot
     if slots < 1:
         raise ValueError(
@@ -93,6 +141,30 @@ def plan_slots(
             "(max_seq_len tokens): raise memory_budget or lower max_seq_len"
         )
     return slots
+
+
+def plan_blocks(
+    max_batch_size: int,
+    max_seq_len: int,
+    block_size: int,
+    block_bytes: int,
+    memory_budget: int | float | None,
+    device: torch.device,
+    reserve_bytes: int = 0,
+) -> int:
+    """Blocks of a paged cache: what the budget holds, at most enough for max_batch_size
+    sequences of max_seq_len (no sequence can use more), at least one sequence's worth."""
+    per_sequence = -(-max_seq_len // block_size)
+    most = max_batch_size * per_sequence
+    budget = cache_budget(memory_budget, device, reserve_bytes)
+    blocks = most if budget is None else min(most, budget // block_bytes - 1)
+    if blocks < per_sequence:
+        raise ValueError(
+            f"memory_budget={memory_budget} holds {max(blocks, 0)} KV blocks of {block_size} "
+            f"positions; one sequence of max_seq_len={max_seq_len} needs {per_sequence}: raise "
+            "memory_budget or lower max_seq_len"
+        )
+    return blocks
 
 
 def allocate_cache(
@@ -109,3 +181,51 @@ def allocate_cache(
     shape = (num_layers, slots + 1, max_seq_len, kv_heads, head_dim)
     return KVCache(torch.zeros(shape, dtype=dtype, device=device),
                    torch.zeros(shape, dtype=dtype, device=device))  # fmt: skip
+
+
+def allocate_paged_cache(
+    num_layers: int,
+    slots: int,
+    blocks: int,
+    block_size: int,
+    max_seq_len: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> KVCache:
+    """Zeroed paged K and V [L, blocks + 1, block_size, kv_heads, D] (zeros: as above) and a
+    block table whose every entry is the scratch block (blocks.py hands out the others)."""
+    shape = (num_layers, blocks + 1, block_size, kv_heads, head_dim)
+    per_sequence = -(-max_seq_len // block_size)
+    table = torch.full((slots + 1, per_sequence), blocks, dtype=torch.int32, device=device)
+    return KVCache(torch.zeros(shape, dtype=dtype, device=device),
+                   torch.zeros(shape, dtype=dtype, device=device), table, max_seq_len)  # fmt: skip
+
+
+def make_cache(
+    config,
+    max_batch_size: int,
+    max_seq_len: int,
+    block_size: int | None,
+    memory_budget: int | float | None,
+    reserve_bytes: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[KVCache, object]:
+    """The KV cache a model config's engine gets from its budget: a slot cache (block_size
+    None) or a paged one, with the paged one's host-side blocks.BlockPool (else None)."""
+    layers = config.num_hidden_layers
+    shape = (config.num_key_value_heads, config.head_dim)
+    if block_size is None:
+        slot_bytes = bytes_per_slot(layers, *shape, max_seq_len, dtype)
+        slots = plan_slots(max_batch_size, slot_bytes, memory_budget, device, reserve_bytes)
+        return allocate_cache(layers, slots, max_seq_len, *shape, dtype, device), None
+    from hybridflow.engine.blocks import BlockPool
+
+    block_bytes = bytes_per_block(layers, *shape, block_size, dtype)
+    blocks = plan_blocks(max_batch_size, max_seq_len, block_size, block_bytes, memory_budget,
+                         device, reserve_bytes)  # fmt: skip
+    cache = allocate_paged_cache(layers, max_batch_size, blocks, block_size, max_seq_len, *shape,
+                                 dtype, device)  # fmt: skip
+    return cache, BlockPool(blocks, block_size, max_batch_size, cache.block_table.shape[1])

@@ -36,6 +36,12 @@ class EngineOptions:
     up to two chunks after it finished); 0 waits for every chunk. None: 1 on CUDA, else 0."""
     max_prefill_tokens: int = 16384
     """Prompt tokens per packed prefill pass (bounds prefill activation memory)."""
+    kv_block_size: int | None = None
+    """None: the slot cache (each of max_batch_size slots reserves max_seq_len positions).
+    A power of two >= 16: the paged cache (kv_cache.py, blocks.py): blocks of that many
+    positions handed out as sequences grow, a prompt's full blocks shared by its samples,
+    admission by free blocks, and a sequence preempted (recomputed later, its tokens kept)
+    when they run out; max_batch_size then only bounds the sequences decoded together."""
     admission_wait_chunks: int = 2
     """While rows decode, requests that arrive a few at a time (agent turns, a server's
     traffic) wait up to this many chunks of decode steps for others to share their prefill
@@ -125,6 +131,11 @@ class EngineOptions:
         gather = self.admission_gather_ms
         if isinstance(gather, bool) or not isinstance(gather, (int, float)) or not gather >= 0:
             problems.append(f"admission_gather_ms={gather!r}: must be a number >= 0")
+        block = self.kv_block_size
+        if block is not None and (isinstance(block, bool) or not isinstance(block, int)
+                                  or block < 16 or block & (block - 1)):  # fmt: skip
+            problems.append(f"kv_block_size={block!r}: must be null (slot cache) or a power "
+                            "of two >= 16")  # fmt: skip
         if not isinstance(self.max_prefill_tokens, int) or self.max_prefill_tokens < 1:
             problems.append(
                 f"max_prefill_tokens={self.max_prefill_tokens!r}: must be an integer >= 1"

@@ -40,11 +40,14 @@ def prefill_forward(
     cu_seqlens: torch.Tensor,
     max_seqlen: int,
     last_index: torch.Tensor,
+    cache_at: tuple | None = None,
 ) -> torch.Tensor:
     """input_ids/position_ids/token_slots [N] (prompts packed), cu_seqlens int32 [P+1],
     last_index [P] (index in N of each prompt's last token) -> logits [P, V] (model dtype).
 
-    Every token's K/V goes to cache[layer, token_slots, position_ids]."""
+    Every token's K/V goes to cache[layer, token_slots, position_ids], or to cache[layer,
+    *cache_at] when given (a paged cache: each token's block and offset, kv_cache.py)."""
+    entries, offsets = cache_at or (token_slots, position_ids)
     hidden = model.model.embed_tokens(input_ids)  # [N, H]
     cos, sin = rope.cos[position_ids], rope.sin[position_ids]  # [N, D]
     backend = resolve_backend(model.attention_backend, hidden.device, hidden.dtype)
@@ -53,8 +56,8 @@ def prefill_forward(
     for index, layer in enumerate(layers):
         attn = layer.self_attn
         q, k, v = attn.project_qkv(layer.input_layernorm(hidden), cos, sin)
-        cache.keys[index, token_slots, position_ids] = k
-        cache.values[index, token_slots, position_ids] = v
+        cache.keys[index, entries, offsets] = k
+        cache.values[index, entries, offsets] = v
         out = attend(q, k, v).flatten(-2)
         if index + 1 == len(layers):  # the last tokens only: see above
             hidden, out = hidden[last_index], out[last_index]
@@ -77,9 +80,11 @@ def prefill_forward_triton(
     fused: FusedProjections | None = None,
     matmul=None,
     launch: Launch = PLAIN,
+    cache_at: tuple | None = None,
 ) -> torch.Tensor:
     """Same contract as prefill_forward, with the decode step's fused kernels around the
     model's packed attention (the split layer's stack, layers/split.py)."""
+    entries, offsets = cache_at or (token_slots, None)
     from hybridflow.engine.kernels import rowwise
     from hybridflow.engine.layers.split import fused_layers
 
@@ -98,8 +103,8 @@ def prefill_forward_triton(
         # k rotated in place (a strided view of the qkv product, like q and v): gathering the
         # rotated keys back from the cache cost ~15 us a layer per 16k tokens on the H200.
         rowwise.rope_store(
-            q, k, v, rope.cos, rope.sin, position_ids, token_slots, cache.keys[index],
-            cache.values[index], rotate_k=True, launch=launch,
+            q, k, v, rope.cos, rope.sin, position_ids, entries, cache.keys[index],
+            cache.values[index], rotate_k=True, launch=launch, cache_positions=offsets,
         )  # fmt: skip
         return packed(q, k, v)
 
@@ -121,15 +126,18 @@ def extend_forward(
     token_slots: torch.Tensor,
     last_index: torch.Tensor,
     chunk_tokens: int = 2048,
+    cache_at: tuple | None = None,
 ) -> torch.Tensor:
     """input_ids/position_ids/token_slots [N]: each sequence's new tokens, contiguous and in
     position order; every token attends to its slot's cache up to its own position (the
     model's own modules, eager). -> logits [len(last_index), V] of the rows at last_index.
 
     In chunks of tokens, each through every layer before the next: a later token reads the
-    K/V an earlier chunk wrote (causal order), and the gathered cache stays bounded."""
+    K/V an earlier chunk wrote (causal order), and the gathered cache stays bounded. cache_at:
+    as prefill_forward's."""
     from hybridflow.engine.layers.eager import cached_attention_torch
 
+    entries, offsets = cache_at or (token_slots, position_ids)
     rows = input_ids.shape[0]
     wanted = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
     wanted[last_index] = True
@@ -138,16 +146,17 @@ def extend_forward(
         ids = input_ids[start : start + chunk_tokens]
         positions = position_ids[start : start + chunk_tokens]
         slots = token_slots[start : start + chunk_tokens]
+        chunk_at = entries[start : start + chunk_tokens], offsets[start : start + chunk_tokens]
         max_len = int(positions.max()) + 1
         hidden = model.model.embed_tokens(ids)
         cos, sin = rope.cos[positions], rope.sin[positions]
         for index, layer in enumerate(model.model.layers):
             attn = layer.self_attn
             q, k, v = attn.project_qkv(layer.input_layernorm(hidden), cos, sin)
-            cache.keys[index, slots, positions] = k
-            cache.values[index, slots, positions] = v
+            cache.keys[index, chunk_at[0], chunk_at[1]] = k
+            cache.values[index, chunk_at[0], chunk_at[1]] = v
             out = cached_attention_torch(q, cache.keys[index], cache.values[index], slots,
-                                         positions + 1, max_len)  # fmt: skip
+                                         positions + 1, max_len, cache)  # fmt: skip
             hidden = hidden + attn.o_proj(out.flatten(-2))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         kept.append(hidden[wanted[start : start + chunk_tokens]])
@@ -169,6 +178,7 @@ def extend_forward_triton(
     autotune: bool = True,
     attention_kernel: str = "auto",
     spans: tuple | None = None,
+    cache_at: tuple | None = None,
 ) -> torch.Tensor:
     """extend_forward with the fused kernels: RoPE and the cache store of every new token
     first (rope_store), then the new tokens' attention over their slots, two launches, so no
@@ -185,7 +195,8 @@ def extend_forward_triton(
     flash path's (gather slots, gather positions, cu new, cu all, max new, max all) as
     _sequence_spans returns them, built on the host by the caller (the scheduler knows the
     lengths: deriving them here syncs with the GPU, stalling the host behind a decoding
-    chunk)."""
+    chunk); in a paged cache, the gathered entries are blocks and offsets. cache_at: as
+    prefill_forward's."""
     from hybridflow.engine.kernels import attention, rowwise
     from hybridflow.engine.layers.split import fused_layers
 
@@ -198,9 +209,11 @@ def extend_forward_triton(
             input_ids.device.type == "cuda" and cache.keys.dtype in (torch.float16, torch.bfloat16)
         )
     )
+    entries, offsets = cache_at or (token_slots, None)
     if flash:
         if spans is None:
             spans = _sequence_spans(position_ids, token_slots, last_index)
+            spans = (*cache.locate(*spans[:2]), *spans[2:])
         gather_slots, gather_positions, cu_new, cu_all, max_new, max_all = spans
     else:
         lengths = position_ids + 1
@@ -208,15 +221,16 @@ def extend_forward_triton(
 
     def attend(index, q, k, v):
         keys, values = cache.keys[index], cache.values[index]
-        rowwise.rope_store(q, k, v, rope.cos, rope.sin, position_ids, token_slots, keys, values,
-                           launch=launch)  # fmt: skip
+        rowwise.rope_store(q, k, v, rope.cos, rope.sin, position_ids, entries, keys, values,
+                           launch=launch, cache_positions=offsets)  # fmt: skip
         if flash:
             return torch.ops.aten._flash_attention_forward(
                 q, keys[gather_slots, gather_positions], values[gather_slots, gather_positions],
                 cu_new, cu_all, max_new, max_all, 0.0, True, False,
             )[0]  # fmt: skip
         return attention.decode_attention(q, keys, values, token_slots, lengths, max_len,
-                                          launch=launch, autotune=autotune)  # fmt: skip
+                                          launch=launch, autotune=autotune,
+                                          table=cache.block_table)  # fmt: skip
 
     normed = fused_layers(model, input_ids, attend, fused, matmul, keep=last_index, launch=launch)
     return model.lm_head(normed)

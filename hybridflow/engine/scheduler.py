@@ -62,6 +62,15 @@ class Scheduler:
         self.extending: deque[tuple[Submission, int, int, int]] = deque()
         kept = engine.kept.slots()
         self.free_slots = [s for s in range(self.cache.num_slots - 1, -1, -1) if s not in kept]
+        # a paged cache's blocks (paging.py); a new scheduler frees all but the kept ones
+        self.paging = None
+        if engine.blocks is not None:
+            from hybridflow.engine.paging import Paging
+
+            self.paging = Paging(engine.blocks, self.cache, engine.device)
+            for slot in self.free_slots:
+                self.paging.release(slot)
+        self.resuming: deque[LiveRequest] = deque()  # preempted, to prefill again (paging.py)
         self.rows: list[LiveRequest] = []  # the request of each live row
         self.row_budget: list[int] = []  # upper bound on steps each row may still take
         self.row_end: list[int] = []  # prompt length + max_new: bound on the row's cache length
@@ -104,7 +113,18 @@ class Scheduler:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.extending or self.rows or self.pending is not None)
+        return bool(self.waiting or self.extending or self.rows or self.resuming
+                    or self.pending is not None)  # fmt: skip
+
+    def submissions(self) -> set[Submission]:
+        """Every submission with a request here (live, waiting, extending or preempted)."""
+        subs = {live.sub for live in self.rows} | {live.sub for live in self.resuming}
+        return subs | {entry[0] for entry in self.waiting} | {e[0] for e in self.extending}
+
+    def _free_slot(self, slot: int) -> None:
+        self.free_slots.append(slot)
+        if self.paging is not None:
+            self.paging.release(slot)
 
     def run(self, sub: Submission) -> list[Completion]:
         """Serve one submission to the end (generate(): nothing else is queued)."""
@@ -127,21 +147,28 @@ class Scheduler:
         for entry in list(self.extending):
             if entry[0] is sub and entry[1] == request:
                 self.extending.remove(entry)
-                self.free_slots.append(entry[2])
+                self._free_slot(entry[2])
+        for live in list(self.resuming):
+            if live.sub is sub and live.request == request:
+                self.resuming.remove(live)
+                sub.finish(request, Completion(live.tokens, live.logprobs, "abort",
+                                               version_spans=tuple(live.spans)))  # fmt: skip
+                return
         if (sub, request) in self.waiting:
             self.waiting.remove((sub, request))
         sub.finish(request, Completion([], [], "abort", version_spans=((0, self.version),)))
 
     def release_kept(self, handles) -> None:
-        self.free_slots += self.engine.kept.release(handles)
+        for slot in self.engine.kept.release(handles):
+            self._free_slot(slot)
 
     def drop_kept(self) -> None:
         """Every kept slot back (new weights made their K/V stale); continuations waiting
         for their kept slot are prefilled in full instead."""
-        self.free_slots += self.engine.kept.release(list(self.engine.kept.handles()))
+        self.release_kept(list(self.engine.kept.handles()))
         while self.extending:
             sub, request, slot, _ = self.extending.popleft()
-            self.free_slots.append(slot)
+            self._free_slot(slot)
             self.waiting.appendleft((sub, request))
 
     def flush(self) -> None:
@@ -156,7 +183,7 @@ class Scheduler:
     def new_version(self, version: int) -> None:
         """Tokens sampled from now on come from policy `version` (call after flush())."""
         self.version = version
-        for live in self.rows:
+        for live in [*self.rows, *self.resuming]:
             if live.spans[-1][0] == len(live.tokens):
                 live.spans[-1] = (len(live.tokens), version)
             else:
@@ -170,10 +197,12 @@ class Scheduler:
         # rows admitted later would otherwise trail the first ones by a whole chunk of steps
         # at a smaller batch (an H200 profile of 256 prompts showed 15 steps at 128 rows).
         self.steps += 1
-        while self.extending and self._ready(self.extending):
+        while self.resuming and self._can_resume():
+            self._resume()
+        while self.extending and self._ready(self.extending) and self._extension_fits():
             self._admit_extension()
-        while self.waiting and self._should_admit():
-            self._admit()
+        while self.waiting and not self.resuming and self._should_admit() and self._admit():
+            pass
         steps = min(self.engine.steps_per_sync, max(self.row_budget, default=0))
         if steps > 0:
             self._decode(steps)
@@ -190,6 +219,10 @@ class Scheduler:
     def _decode(self, steps: int) -> None:
         if self._subs_changed:
             self._sync_submissions()
+        if self.paging is not None:
+            steps = self._make_room(steps)
+            if not steps:
+                return
         if self._groups_changed and self.runner.shared:
             self._upload_groups()
         self.runner.decode_steps(len(self.rows), steps, self._max_live_len(steps))
@@ -224,8 +257,10 @@ class Scheduler:
         free = len(self.free_slots)
         want = min(len(self.waiting), max(1, self.cache.num_slots // 8))
         while free < want and len(self.engine.kept):  # kept KV gives way, oldest first
-            self.free_slots.append(self.engine.kept.evict_oldest())
+            self._free_slot(self.engine.kept.evict_oldest())
             free += 1
+        if self.paging is not None and not self._blocks_for_next():
+            return False
         return free > 0 and (not self.rows or (free >= want and self._ready(self.waiting)))
 
     def _ready(self, queue) -> bool:
@@ -249,6 +284,7 @@ class Scheduler:
         prefill token budget (a prompt's samples count its tokens once)."""
         taken: list[tuple[Submission, int]] = []
         tokens, budget = 0, self.engine.max_prefill_tokens
+        blocks = self.paging.free_blocks - len(self.rows) if self.paging is not None else 0
         while self.waiting and len(taken) < len(self.free_slots):
             sub, request = self.waiting[0]
             prompt = request // sub.n
@@ -256,13 +292,24 @@ class Scheduler:
             length = int(sub.table.lengths[prompt])
             if new_prompt and taken and tokens + length > budget:
                 break
+            if self.paging is not None:  # its prompt, and a block to grow into (a watermark)
+                need = self.paging.prompt_blocks(length, new_prompt) + 1
+                if not taken and not self.rows:
+                    blocks = self._evict_kept_for(need) - 0
+                blocks -= need
+                if blocks < 0:
+                    break
             tokens += length if new_prompt else 0
             taken.append(self.waiting.popleft())
         self.engine.prefill_tokens += tokens
         return taken
 
-    def _admit(self) -> None:
+    def _admit(self) -> bool:
+        """One prefill pass of waiting requests; False when none could be taken (a paged
+        cache without the blocks for the first)."""
         taken = self._take_waiting()
+        if not taken:
+            return False
         slots = [self.free_slots.pop() for _ in taken]
         # One prefill per unique prompt (its first request's slot), then KV fan-out.
         firsts: list[int] = []  # index into `taken` of each unique prompt's first request
@@ -292,6 +339,12 @@ class Scheduler:
         copy_src = torch.repeat_interleave(first_slots[group_t[copies]], copy_lengths)
         copy_dst = torch.repeat_interleave(torch.tensor(slots)[copies], copy_lengths)
         copy_pos = ranges(copy_lengths)
+        paged_copies = cache_at = None
+        if self.paging is not None:
+            paged_copies = self.paging.place(slots, firsts, group, lengths.tolist())
+            cache_at = self.paging.locate(torch.repeat_interleave(first_slots, lengths),
+                                          ranges(lengths))  # fmt: skip
+            copy_src = copy_dst = copy_pos = torch.zeros(0, dtype=torch.int64)
         max_new = [sub.max_new[r] for sub, r in taken]
         engine = self.engine
         (
@@ -304,17 +357,24 @@ class Scheduler:
             torch.tensor([sub.seed_hi[r] for sub, r in taken]), lengths[group_t],
             torch.tensor(slots), torch.tensor(max_new), copy_src, copy_dst, copy_pos,
         )  # fmt: skip
+        extra = {}
+        if cache_at is not None:
+            extra["cache_at"] = tuple(upload(engine.device, *cache_at))
         logits = engine.prefill(
             engine.model, self.cache, engine.rope, ids, positions, token_slots,
-            cu_dev.to(torch.int32), int(lengths.max()), cu_dev[1:] - 1,
+            cu_dev.to(torch.int32), int(lengths.max()), cu_dev[1:] - 1, **extra,
         )  # fmt: skip  # [U, V]
         if copy_pos.numel():
-            self.cache.copy_positions(copy_src, copy_dst, copy_pos)
+            self.cache.copy_entries((copy_src, copy_pos), (copy_dst, copy_pos))
+        if paged_copies is not None:
+            src, src_at, dst, dst_at = upload(engine.device, *paged_copies)
+            self.cache.copy_entries((src, src_at), (dst, dst_at))
         prompt_lengths = lengths.tolist()
         self._append(taken, slots, logits[group_dev], seed_lo, seed_hi, row_positions,
                      row_slots, max_new_dev, max_new, [prompt_lengths[g] for g in group])  # fmt: skip
         for sub in {sub for sub, _ in taken}:
             sub.table.check()  # the rest of its ids, while the GPU runs this prefill (once)
+        return True
 
     def _admit_extension(self) -> None:
         """Admit requests that continue a kept slot: only the tokens past the cached prefix
@@ -325,10 +385,12 @@ class Scheduler:
             sub, request, slot, cached = self.extending[0]
             sub.table.check()  # every id in range before it indexes the embedding
             new = len(sub.prompts[request]) - cached
-            if taken and tokens + new > engine.max_prefill_tokens:
+            if taken and (tokens + new > engine.max_prefill_tokens or not self._extension_fits()):
                 break
             taken.append(self.extending.popleft())
             tokens += new
+            if self.paging is not None:
+                self.paging.grow([slot], [len(sub.prompts[request])])
         engine.prefill_tokens += tokens
         requests = [(sub, request) for sub, request, _, _ in taken]
         slots = [slot for _, _, slot, _ in taken]
@@ -340,10 +402,18 @@ class Scheduler:
         max_new = [sub.max_new[r] for sub, r in requests]
         triton = engine.decode_backend == "triton"  # its varlen spans, built here: no sync
         span_tensors, span_maxima = host_spans(torch.tensor(slots), starts, counts) if triton else ((), ())  # fmt: skip
+        token_slots = torch.repeat_interleave(torch.tensor(slots), counts)
+        extra = {}
+        if self.paging is not None:
+            if triton:  # the flash path gathers K/V by (block, offset)
+                span_tensors = (*self.paging.locate(*span_tensors[:2]), *span_tensors[2:])
+            extra["cache_at"] = tuple(
+                upload(engine.device, *self.paging.locate(token_slots, positions))
+            )
+            self.paging.sync_table()  # the decode-kernel path reads it
         (ids, positions, token_slots, last, seed_lo, seed_hi, row_positions, row_slots,
          max_new_dev, *span_dev) = upload(
-            engine.device, ids, positions, torch.repeat_interleave(torch.tensor(slots), counts),
-            counts.cumsum(0) - 1, torch.tensor([sub.seed_lo[r] for sub, r in requests]),
+            engine.device, ids, positions, token_slots, counts.cumsum(0) - 1, torch.tensor([sub.seed_lo[r] for sub, r in requests]),
             torch.tensor([sub.seed_hi[r] for sub, r in requests]), torch.tensor(lengths),
             torch.tensor(slots), torch.tensor(max_new), *span_tensors,
         )  # fmt: skip
@@ -353,7 +423,7 @@ class Scheduler:
             spans = {"spans": (gather_slots, gather_positions, cu_new.to(torch.int32),
                                cu_all.to(torch.int32), *span_maxima)}  # fmt: skip
         logits = engine.extend(engine.model, self.cache, engine.rope, ids, positions,
-                               token_slots, last, **spans)  # fmt: skip  # [R, V]
+                               token_slots, last, **spans, **extra)  # fmt: skip  # [R, V]
         self._append(requests, slots, logits, seed_lo, seed_hi, row_positions, row_slots,
                      max_new_dev, max_new, lengths)  # fmt: skip
 
@@ -385,6 +455,109 @@ class Scheduler:
         self.row_end += [length + m for length, m in zip(prompt_lengths, max_new)]
         self.row_admission += [self.admissions] * len(taken)
         self.admissions += 1
+        self._groups_changed = True
+
+    # -- a paged cache's blocks (paging.py) ------------------------------------------------------
+
+    def _evict_kept_for(self, blocks: int) -> int:
+        """Evict kept KV, oldest first, until `blocks` are free or none is kept; -> free."""
+        while self.paging.free_blocks < blocks and len(self.engine.kept):
+            self._free_slot(self.engine.kept.evict_oldest())
+        return self.paging.free_blocks
+
+    def _blocks_for_next(self) -> bool:
+        """Whether blocks are free past a block of growth for each live row."""
+        return self._evict_kept_for(len(self.rows) + 2) > len(self.rows) + 1 or not self.rows
+
+    def _extension_fits(self) -> bool:
+        """Whether the first continuation's new tokens have blocks (kept KV evicted for them;
+        with nothing decoding, one that still does not fit is prefilled in full instead)."""
+        if self.paging is None:
+            return True
+        sub, request, slot, _ = self.extending[0]
+        need = self.paging.pool.missing(slot, len(sub.prompts[request])) + len(self.rows)
+        if self._evict_kept_for(need) >= need:
+            return True
+        if not self.rows:
+            self.extending.popleft()
+            self._free_slot(slot)
+            self.waiting.appendleft((sub, request))
+        return False
+
+    def _make_room(self, steps: int) -> int:
+        """Blocks for every position the next `steps` decode steps write, in the device
+        table. Short of them: kept KV goes first, then (after reading every row's tokens
+        back) the newest requests are preempted until the rest fit. -> the steps to run (0:
+        no row is left)."""
+        paging, limit = self.paging, self.cache.max_seq_len
+
+        def needs():
+            slots = [live.slot for live in self.rows]
+            ends = [min(end - budget + steps, limit)
+                    for end, budget in zip(self.row_end, self.row_budget)]  # fmt: skip
+            return slots, ends, paging.missing(slots, ends)
+
+        slots, ends, missing = needs()
+        if missing > self._evict_kept_for(missing):
+            self.flush()  # exact tokens for the preempted; rows that finished retire
+            slots, ends, missing = needs()
+            while self.rows and missing > paging.free_blocks:
+                newest = max(self.rows, key=lambda live: live.key)
+                self._retire({newest}, preempt=True)
+                paging.preemptions += 1
+                slots, ends, missing = needs()
+            self.resuming = deque(sorted(self.resuming, key=lambda live: live.key))
+            steps = min(steps, max(self.row_budget, default=0))
+        paging.grow(slots, ends)
+        paging.sync_table()
+        return steps if self.rows else 0
+
+    def _can_resume(self) -> bool:
+        """Whether the oldest preempted request can be prefilled again now."""
+        live = self.resuming[0]
+        length = len(live.sub.prompt_of(live.request)) + len(live.tokens)
+        need = self.paging.pool.blocks_for(length) + len(self.rows)
+        return bool(self.free_slots) and (self._evict_kept_for(need) >= need or not self.rows)
+
+    def _resume(self) -> None:
+        """Prefill the oldest preempted request's prompt and tokens but the last (which has
+        not been through the model) into a free slot; it decodes on from its last token, its
+        sampling step where it stopped, so it draws what it would have drawn unpreempted."""
+        live = self.resuming.popleft()
+        sub, engine = live.sub, self.engine
+        slot = live.slot = self.free_slots.pop()
+        sequence = [*sub.prompt_of(live.request), *live.tokens[:-1]]
+        length = len(sequence)
+        self.paging.grow([slot], [length])
+        positions = torch.arange(length)
+        slots = torch.full((length,), slot)
+        ids, positions_dev, slots_dev, entries, offsets, cu = upload(
+            engine.device, torch.tensor(sequence), positions, slots,
+            *self.paging.locate(slots, positions), torch.tensor([0, length]),
+        )  # fmt: skip
+        engine.prefill(engine.model, self.cache, engine.rope, ids, positions_dev, slots_dev,
+                       cu.to(torch.int32), length, cu[1:] - 1, cache_at=(entries, offsets))  # fmt: skip
+        if sub not in self.live_subs:
+            self.live_subs[sub] = 0
+            self._subs_changed = True
+        self.live_subs[sub] += 1
+        if self._subs_changed:
+            self._sync_submissions()
+        first = self.state.num_rows
+        self.state.set_row_sampling(first, [sub.mode])
+        max_new, generated = sub.max_new[live.request], len(live.tokens)
+        token, position, slot_dev, max_new_dev, seed_lo, seed_hi, generated_dev = upload(
+            engine.device, *(torch.tensor([value]) for value in (
+                live.tokens[-1], length, slot, max_new, sub.seed_lo[live.request],
+                sub.seed_hi[live.request], generated)),
+        )  # fmt: skip
+        logprob = torch.tensor([live.logprobs[-1]], device=engine.device)
+        self.state.append_rows(token, logprob, position, slot_dev, max_new_dev, seed_lo, seed_hi,
+                               generated=generated_dev)  # fmt: skip
+        self.rows.append(live)
+        self.row_budget.append(max_new - generated)
+        self.row_end.append(length + 1 + max_new - generated)
+        self.row_admission.append(-1 - live.key)  # a group of its own (shared_prefix.py)
         self._groups_changed = True
 
     # -- reading back ---------------------------------------------------------------------------
@@ -440,19 +613,24 @@ class Scheduler:
         if done:
             self._retire(done)
 
-    def _retire(self, done: set[LiveRequest], record: bool = True) -> None:
-        """Record finished requests' results, free their slots and compact the live rows."""
+    def _retire(self, done: set[LiveRequest], preempt: bool = False) -> None:
+        """Record finished requests' results, free their slots and compact the live rows.
+        preempt: the rows are not done; they free their slots and wait in `resuming`."""
         keep = []
         for row, live in enumerate(self.rows):
             if live not in done:
                 keep.append(row)
                 continue
-            live.done = True
             sub = live.sub
             self.live_subs[sub] -= 1
             if not self.live_subs[sub]:
                 del self.live_subs[sub]
                 self._subs_changed = True
+            if preempt:
+                self._free_slot(live.slot)
+                self.resuming.append(live)
+                continue
+            live.done = True
             tokens = live.tokens
             aborted = live.request in sub.aborted
             handle = None
@@ -461,17 +639,13 @@ class Scheduler:
                     live.slot, [*sub.prompt_of(live.request), *tokens[:-1]]
                 )
             else:
-                self.free_slots.append(live.slot)
-            if record:
-                reason = (
-                    "abort"
-                    if aborted
-                    else "stop"
-                    if tokens and tokens[-1] in sub.stop_ids
-                    else "length"
-                )
-                sub.finish(live.request, Completion(tokens, live.logprobs, reason, handle,
-                                                    tuple(live.spans)))  # fmt: skip
+                self._free_slot(live.slot)
+            reason = (
+                "abort" if aborted else "stop" if tokens and tokens[-1] in sub.stop_ids
+                else "length"
+            )  # fmt: skip
+            sub.finish(live.request, Completion(tokens, live.logprobs, reason, handle,
+                                                tuple(live.spans)))  # fmt: skip
         self.state.keep_rows(keep, upload(self.engine.device, torch.tensor(keep))[0])
         self.rows = [self.rows[r] for r in keep]
         self.row_budget = [self.row_budget[r] for r in keep]

@@ -212,7 +212,7 @@ class RolloutService:
         scheduler = self.engine.scheduler
         if self._paused or scheduler is None or scheduler.rows or scheduler.pending is not None:
             return False
-        waiting = len(scheduler.waiting) + len(scheduler.extending)
+        waiting = len(scheduler.waiting) + len(scheduler.extending) + len(scheduler.resuming)
         return 0 < waiting < max(1, scheduler.cache.num_slots // 8)
 
     def _gather(self) -> None:
@@ -269,16 +269,14 @@ class RolloutService:
         scheduler = self.engine.scheduler
         if scheduler is None:
             return
-        subs = {live.sub for live in scheduler.rows}
-        subs |= {entry[0] for entry in scheduler.waiting} | {e[0] for e in scheduler.extending}
+        subs = scheduler.submissions()
         for sub in subs:
             self._abort(sub)
         scheduler.pending = None
 
     def _fail_all(self, error: BaseException) -> None:
         scheduler = self.engine.scheduler
-        subs = {live.sub for live in scheduler.rows}
-        subs |= {entry[0] for entry in scheduler.waiting} | {e[0] for e in scheduler.extending}
+        subs = scheduler.submissions()
         self.engine._reset_scheduler()
         for sub in subs:
             sub.error = error

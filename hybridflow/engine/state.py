@@ -103,20 +103,25 @@ class DecodeState:
         max_new: torch.Tensor,
         seed_lo: torch.Tensor,
         seed_hi: torch.Tensor,
+        generated: torch.Tensor | None = None,
     ) -> None:
-        """New sequences whose prompt is prefilled and first token sampled (step 0), all [R]."""
+        """New sequences whose prompt is prefilled and first token sampled (step 0), all [R].
+        generated: rows that resume with this many tokens already generated, `tokens` the
+        last of them (a preempted request: scheduler._resume)."""
         start, count = self.num_rows, tokens.shape[0]
         rows = slice(start, start + count)
-        self.out_tokens[slots, 0] = tokens
-        self.out_logprobs[slots, 0] = logprobs
+        done = 1 if generated is None else generated
+        column = 0 if generated is None else generated - 1
+        self.out_tokens[slots, column] = tokens
+        self.out_logprobs[slots, column] = logprobs
         self.tokens[rows] = tokens
         self.positions[rows] = positions
         self.row_slots[rows] = slots
-        self.generated[rows] = 1
+        self.generated[rows] = done
         self.max_new[rows] = max_new
         self.seed_lo[rows] = seed_lo
         self.seed_hi[rows] = seed_hi
-        self.finished[rows] = self.stop_mask[tokens] | (max_new <= 1)
+        self.finished[rows] = self.stop_mask[tokens] | (max_new <= done)
         self.num_rows = start + count
 
     def set_row_sampling(self, first: int, modes: list[tuple]) -> None:

@@ -35,7 +35,7 @@ def _decode_attention_kernel(
     h_ptr=None, bias_ptr=None, stride_h=0, H=1, eps=0.0, NORM: tl.constexpr = False,
     H_PAD: tl.constexpr = 16, HAS_BIAS: tl.constexpr = False,
     first_ptr=None, qs_ptr=None, pm_ptr=None, pl_ptr=None, pacc_ptr=None,
-    SHARED: tl.constexpr = False,
+    SHARED: tl.constexpr = False, table_ptr=None, stride_table=0, PAGE: tl.constexpr = 0,
 ):  # fmt: skip
     """One (row, kv head, split): attention of the head group's queries over cached positions
     [split * CHUNK, (split + 1) * CHUNK) up to the row's last position pos.
@@ -58,7 +58,11 @@ def _decode_attention_kernel(
     SHARED (one split; shared_prefix.py): the row's cached positions start at first[row],
     the end of a prompt prefix its group attends to once (shared_prefix.prefix_attention,
     launched next); instead of the output, this program leaves the rotated q (qs) and its
-    unnormalised softmax state (max m, sum l, acc) for that kernel to merge into."""
+    unnormalised softmax state (max m, sum l, acc) for that kernel to merge into.
+
+    PAGE (paged cache, kv_cache.py): the cache is [blocks, PAGE, kv heads, D] and the row's
+    position p lives in block table[slot, p // PAGE] at p % PAGE (cache_offsets); 0: the
+    slot cache, position p of slot `slot`."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -72,7 +76,9 @@ def _decode_attention_kernel(
         end = tl.minimum(chunk_end, pos)  # cached positions; pos itself comes from registers
     else:
         end = tl.minimum(chunk_end, pos + 1)
-    base = slot.to(tl.int64) * stride_cslot + kv_head * stride_chead
+    base = kv_head * stride_chead
+    if not PAGE:
+        base += slot.to(tl.int64) * stride_cslot
     wait_then_release(PDL)
     dtype = q_ptr.dtype.element_ty
     g = tl.arange(0, G_PAD)
@@ -107,9 +113,10 @@ def _decode_attention_kernel(
             v_bias = (NH + NH // G) * (2 * HALF) + kv_head * (2 * HALF) + d
             v_new = _norm_bias(v_new, rstd, bias_ptr, v_bias, True, HAS_BIAS)
         k1n, k2n = _rotate(k1n.to(tl.float32), k2n.to(tl.float32), cos, sin, dtype)
+        new_offs = base + cache_offsets(table_ptr, slot, pos, stride_table, stride_cslot,
+                                        stride_cpos, PAGE, pos >= 0)  # fmt: skip
         if not STORE_LAST:
-            _store_new_kv(kc_ptr, vc_ptr, base, pos, stride_cpos, split, k1n, k2n, v_new, h, d,
-                          HALF)  # fmt: skip
+            _store_new_kv(kc_ptr, vc_ptr, new_offs, split, k1n, k2n, v_new, h, d, HALF)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, 2 * HALF], tl.float32)
@@ -121,14 +128,14 @@ def _decode_attention_kernel(
     for n0 in range(loop_start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
-        offs = base + n[:, None].to(tl.int64) * stride_cpos + d[None, :]
+        offs = base + cache_offsets(table_ptr, slot, n, stride_table, stride_cslot,
+                                    stride_cpos, PAGE, n_mask)[:, None] + d[None, :]  # fmt: skip
         k = tl.load(kc_ptr + offs, mask=n_mask[:, None], other=0.0)
         v = tl.load(vc_ptr + offs, mask=n_mask[:, None], other=0.0)
         m_i, l_i, acc = _softmax_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2, FP32_DOT)
     if ROPE:
         if STORE_LAST:  # no program reads position pos from the cache: it may come last
-            _store_new_kv(kc_ptr, vc_ptr, base, pos, stride_cpos, split, k1n, k2n, v_new, h, d,
-                          HALF)  # fmt: skip
+            _store_new_kv(kc_ptr, vc_ptr, new_offs, split, k1n, k2n, v_new, h, d, HALF)
         if (start <= pos) & (pos < chunk_end):  # the new token belongs to this split
             s_new = tl.sum(q1.to(tl.float32) * k1n.to(tl.float32)[None, :], axis=1)
             s_new += tl.sum(q2.to(tl.float32) * k2n.to(tl.float32)[None, :], axis=1)
@@ -205,11 +212,24 @@ def _norm_bias(x, rstd, bias_ptr, offs, mask, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
-def _store_new_kv(kc_ptr, vc_ptr, base, pos, stride_cpos, split, k1n, k2n, v_new, h, d,
-                  HALF: tl.constexpr):  # fmt: skip
-    """The new token's rotated k (two halves) and v at cache position pos (split 0 only)."""
+def cache_offsets(table_ptr, slot, n, stride_table, stride_cslot, stride_cpos,
+                  PAGE: tl.constexpr, mask):  # fmt: skip
+    """Element offsets of positions n (a scalar or a vector; `mask`: the valid ones) of
+    sequence `slot`, without the kv head's: in a paged cache (PAGE = the block size) through
+    the block table, else within the slot (whose offset the caller adds)."""
+    n = n.to(tl.int64)
+    if PAGE:
+        block = tl.load(table_ptr + slot.to(tl.int64) * stride_table + n // PAGE, mask=mask,
+                        other=0)  # fmt: skip
+        return block.to(tl.int64) * stride_cslot + (n % PAGE) * stride_cpos
+    return n * stride_cpos
+
+
+@triton.jit
+def _store_new_kv(kc_ptr, vc_ptr, new_offs, split, k1n, k2n, v_new, h, d, HALF: tl.constexpr):
+    """The new token's rotated k (two halves) and v at element offset new_offs (its cache
+    position and kv head; split 0 only)."""
     if split == 0:
-        new_offs = base + pos.to(tl.int64) * stride_cpos
         tl.store(kc_ptr + new_offs + h, k1n)
         tl.store(kc_ptr + new_offs + HALF + h, k2n)
         tl.store(vc_ptr + new_offs + d, v_new)
@@ -261,6 +281,7 @@ _decode_attention_tuned = triton.autotune(
         "stride_cpos",
         "NORM",
         "SHARED",
+        "PAGE",
     ],  # fmt: skip
     prune_configs_by={"early_config_prune": _prune_store_orders},
 )(_decode_attention_kernel)
@@ -286,15 +307,17 @@ def decode_attention(
     shared: tuple | None = None,
     launch: Launch = PLAIN,
     autotune: bool = True,
+    table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, nh, D] (rows may be strided), caches [slots, S, nkv, D], lengths [B] -> out
     [B, nh, D]: row b attends over positions [0, lengths[b]) of slot row_slots[b]. max_len is
     a static bound on lengths (it only sizes the splits). shared: (first [B], groups) from
     shared_prefix.group_table: each group's prefix read once (one split). autotune: time the
-    tile per shape (CUDA), else a fixed tile."""
+    tile per shape (CUDA), else a fixed tile. table: a paged cache's block table [slots,
+    blocks per sequence] (int32; the caches then [blocks, block size, nkv, D])."""
     return _attention(q, None, None, None, None, lengths - 1, key_cache, value_cache,
                       row_slots, max_len, splits, shared=shared, launch=launch,
-                      autotune=autotune)  # fmt: skip
+                      autotune=autotune, table=table)  # fmt: skip
 
 
 def decode_attention_rope(
@@ -314,6 +337,7 @@ def decode_attention_rope(
     shared: tuple | None = None,
     launch: Launch = PLAIN,
     autotune: bool = True,
+    table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """rope_store + decode_attention in one launch: q [B, nh, D], k/v [B, nkv, D] of the new
     token (unrotated; rows may be strided), cos/sin [S, D] tables, positions [B] (the new
@@ -325,16 +349,16 @@ def decode_attention_rope(
     scales them by each row's 1/rms(residual) and adds the bias (lean.py).
 
     shared: (first [B], groups) from shared_prefix.group_table: each group's prompt prefix
-    is read once for all its rows (one split)."""
+    is read once for all its rows (one split). table: as decode_attention's."""
     return _attention(q, k, v, cos, sin, positions, key_cache, value_cache, row_slots,
                       max_len, splits, norm=norm, shared=shared, launch=launch,
-                      autotune=autotune)  # fmt: skip
+                      autotune=autotune, table=table)  # fmt: skip
 
 
 def _attention(
     q, k, v, cos, sin, positions, key_cache, value_cache, row_slots, max_len, splits, *,
     norm: tuple | None = None, shared: tuple | None = None, launch: Launch = PLAIN,
-    autotune: bool = True, store_last: bool = False,
+    autotune: bool = True, store_last: bool = False, table: torch.Tensor | None = None,
 ):  # fmt: skip
     """store_last: the untuned launch's store order (the tuner times both; tests force one)."""
     rows, num_heads, head_dim = q.shape
@@ -376,6 +400,9 @@ def _attention(
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), HALF=head_dim // 2,
         NH=num_heads, SPLITS=splits, FP32_DOT=q.dtype == torch.float32, ROPE=rope,
     )  # fmt: skip
+    if table is not None:
+        assert table.dtype == torch.int32 and table.stride(1) == 1
+        meta.update(table_ptr=table, stride_table=table.stride(0), PAGE=key_cache.shape[1])
     if norm is not None:
         assert rope, "norm needs the new token's k/v (decode_attention_rope)"
         residual, eps, bias = norm
@@ -403,7 +430,8 @@ def _attention(
         _decode_attention_kernel[grid](*args, **meta, BLOCK_N=64 if head_dim <= 64 else 32,
                                        STORE_LAST=store_last and rope)  # fmt: skip
     if states is not None:
-        shared_prefix.prefix_attention(states, groups, key_cache, value_cache, out, launch)
+        shared_prefix.prefix_attention(states, groups, key_cache, value_cache, out, launch,
+                                       table=table)  # fmt: skip
     elif splits > 1:
         _combine_splits_kernel[(rows, num_heads)](
             part_o, part_lse, out, out.stride(0), NH=num_heads, D=head_dim, SPLITS=splits,

@@ -205,7 +205,7 @@ def _rotate(x1, x2, c, s, dtype: tl.constexpr):
 
 @triton.jit
 def _rope_store_kernel(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, cpos_ptr, kc_ptr, vc_ptr,
     stride_q, stride_k, stride_v, stride_cs, stride_cslot, stride_cpos, stride_chead,
     NH: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr,
     NH_PAD: tl.constexpr, NKV_PAD: tl.constexpr, K_IN_PLACE: tl.constexpr = False,
@@ -215,6 +215,7 @@ def _rope_store_kernel(
     row = tl.program_id(0)
     pos = tl.load(pos_ptr + row)
     slot = tl.load(slot_ptr + row)
+    cache_pos = tl.load(cpos_ptr + row)
     dtype = q_ptr.dtype.element_ty
     half = tl.arange(0, HALF)
     c = tl.load(cos_ptr + pos * stride_cs + half).to(tl.float32)[None, :]
@@ -228,14 +229,15 @@ def _rope_store_kernel(
     r1, r2 = _rotate(q1, q2, c, s, dtype)
     tl.store(q_base, r1, mask=mask)
     tl.store(q_base + HALF, r2, mask=mask)
-    # k rotated, k and v into cache[slot, pos]
+    # k rotated, k and v into cache[slot, cache_pos]
     kv_heads = tl.arange(0, NKV_PAD)[:, None]
     kv_mask = kv_heads < NKV
     kv_offs = kv_heads * (2 * HALF) + half[None, :]
     k1 = tl.load(k_ptr + row * stride_k + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
     k2 = tl.load(k_ptr + row * stride_k + kv_offs + HALF, mask=kv_mask, other=0.0).to(tl.float32)
     r1, r2 = _rotate(k1, k2, c, s, dtype)
-    cache_offs = slot * stride_cslot + pos * stride_cpos + kv_heads * stride_chead + half[None, :]
+    cache_offs = (slot * stride_cslot + cache_pos * stride_cpos + kv_heads * stride_chead
+                  + half[None, :])  # fmt: skip
     tl.store(kc_ptr + cache_offs, r1, mask=kv_mask)
     tl.store(kc_ptr + cache_offs + HALF, r2, mask=kv_mask)
     if K_IN_PLACE:
@@ -259,17 +261,21 @@ def rope_store(
     value_cache,
     rotate_k: bool = False,
     launch: Launch = PLAIN,
+    cache_positions=None,
 ) -> None:
     """q [B, nh, D] rotated in place; rotated k [B, nkv, D] and v stored at
     cache[row_slots, positions] (key_cache/value_cache: one layer, [slots, S, nkv, D], any
     slot/position/head strides, D contiguous). rotate_k: k is rotated in place too (prefill
     hands it to the packed attention as is, instead of gathering it back from the cache).
-    q/k/v rows may be strided (views of matmul outputs); heads and dims contiguous."""
+    q/k/v rows may be strided (views of matmul outputs); heads and dims contiguous.
+    cache_positions: where in row_slots' entries the K/V go when that is not the RoPE position
+    (a paged cache: row_slots are blocks, cache_positions the offsets in them)."""
     rows, num_heads, head_dim = q.shape
     num_kv = k.shape[1]
     assert q.stride(2) == 1 and q.stride(1) == head_dim and k.stride(1) == head_dim
     _rope_store_kernel[(rows,)](
-        q, k, v, cos, sin, positions, row_slots, key_cache, value_cache,
+        q, k, v, cos, sin, positions, row_slots,
+        positions if cache_positions is None else cache_positions, key_cache, value_cache,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), key_cache.stride(0),
         key_cache.stride(1), key_cache.stride(2), NH=num_heads, NKV=num_kv, HALF=head_dim // 2,
         NH_PAD=triton.next_power_of_2(num_heads), NKV_PAD=triton.next_power_of_2(num_kv),

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from hybridflow.engine.kernels import sm_count
-from hybridflow.engine.kernels.attention import _softmax_tile, prefetch_kv
+from hybridflow.engine.kernels.attention import _softmax_tile, cache_offsets, prefetch_kv
 from hybridflow.engine.kernels.launch import PLAIN, Launch
 from hybridflow.engine.kernels.pdl import wait_then_release
 
@@ -81,16 +81,20 @@ def _prefix_attention_kernel(
     stride_cpos, stride_chead, stride_o, scale_log2, num_rows, G: tl.constexpr,
     NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, M_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr = False,
+    table_ptr=None, stride_table=0, PAGE: tl.constexpr = 0,
 ):  # fmt: skip
     """A fixed grid of programs walks the work items (entry, kv head): the entry's prefix (a
     launch of one program per possible entry spent more time starting the empty ones than the
     rest took). With PDL the programs start while the row kernel's last wave runs and ask L2
     for their prefixes (written at prefill, never by the row kernel) before they wait for its
-    state: 1.4-2.8 us a layer off the shared attention on the H200."""
+    state: 1.4-2.8 us a layer off the shared attention on the H200. PAGE, table: a paged
+    cache (attention.cache_offsets), where the prefetch is skipped."""
     items = tl.load(groups_ptr) * NKV  # row 0: the number of entries
     i = tl.arange(0, M_PAD)  # (row in group, head in kv group) flattened
     d = tl.arange(0, D)
-    if PDL:  # before the wait: the group table (uploaded between replays) and the prefixes
+    if (
+        PDL and not PAGE
+    ):  # before the wait: the group table (uploaded between replays) and the prefixes
         for item in range(tl.program_id(0), items, tl.num_programs(0)):
             entry = groups_ptr + (1 + item // NKV) * 4
             base = (tl.load(entry + 2).to(tl.int64) * stride_cslot
@@ -110,7 +114,7 @@ def _prefix_attention_kernel(
             _prefix_item(qs_ptr, kc_ptr, vc_ptr, pm_ptr, pl_ptr, pacc_ptr, out_ptr,
                          stride_cslot, stride_cpos, stride_chead, stride_o, scale_log2,
                          num_rows, i, d, kv_head, row0, count, slot, length, G, NH, D, M_PAD,
-                         BLOCK_N, FP32_DOT)  # fmt: skip
+                         BLOCK_N, FP32_DOT, table_ptr, stride_table, PAGE)  # fmt: skip
 
 
 @triton.jit
@@ -118,7 +122,8 @@ def _prefix_item(
     qs_ptr, kc_ptr, vc_ptr, pm_ptr, pl_ptr, pacc_ptr, out_ptr, stride_cslot, stride_cpos,
     stride_chead, stride_o, scale_log2, num_rows, i, d, kv_head, row0, count, slot, length,
     G: tl.constexpr, NH: tl.constexpr, D: tl.constexpr, M_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr, table_ptr, stride_table,
+    PAGE: tl.constexpr,
 ):  # fmt: skip
     rows = row0 + i // G
     valid = (i < count * G) & (rows < num_rows)
@@ -128,11 +133,14 @@ def _prefix_item(
     m_i = tl.full([M_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([M_PAD], tl.float32)
     acc = tl.zeros([M_PAD, D], tl.float32)
-    base = slot.to(tl.int64) * stride_cslot + kv_head * stride_chead
+    base = kv_head * stride_chead
+    if not PAGE:
+        base += slot.to(tl.int64) * stride_cslot
     for n0 in range(0, length, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < length
-        offs = base + n[:, None].to(tl.int64) * stride_cpos + d[None, :]
+        offs = base + cache_offsets(table_ptr, slot, n, stride_table, stride_cslot, stride_cpos,
+                                    PAGE, n_mask)[:, None] + d[None, :]  # fmt: skip
         k = tl.load(kc_ptr + offs, mask=n_mask[:, None], other=0.0)
         v = tl.load(vc_ptr + offs, mask=n_mask[:, None], other=0.0)
         m_i, l_i, acc = _softmax_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2, FP32_DOT)
@@ -161,10 +169,11 @@ def state_buffers(q: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def prefix_attention(states: tuple, groups: torch.Tensor, key_cache: torch.Tensor,
                      value_cache: torch.Tensor, out: torch.Tensor, launch: Launch = PLAIN,
-                     group_rows: int = GROUP_ROWS) -> None:  # fmt: skip
+                     group_rows: int = GROUP_ROWS, table: torch.Tensor | None = None) -> None:  # fmt: skip
     """Attend every group's query heads to its prefix and merge each row's own state into
     out [B, nh, D]. groups: int32 [>= groups, 4] (group_table with the same group_rows);
-    entries with 0 rows skip. launch: the pair's PDL link (Launch.pair_pdl)."""
+    entries with 0 rows skip. launch: the pair's PDL link (Launch.pair_pdl). table: a paged
+    cache's block table (attention.decode_attention)."""
     qs, row_max, row_sum, acc = states
     rows, num_heads, dim = qs.shape
     assert groups.shape[0] > rows, "group_table covers every row of the batch"
@@ -176,10 +185,13 @@ def prefix_attention(states: tuple, groups: torch.Tensor, key_cache: torch.Tenso
     # programs: enough for the groups a full batch makes (rows / group_rows of them), at most
     # PROGRAMS_PER_SM per SM; the entries past them (groups of one, a batch's tail) are walked
     programs = min(PROGRAMS_PER_SM * sm_count(qs.device), triton.cdiv(rows, group_rows) * num_kv)
+    paging = {}
+    if table is not None:
+        paging = dict(table_ptr=table, stride_table=table.stride(0), PAGE=key_cache.shape[1])
     _prefix_attention_kernel[(max(1, programs),)](
         qs, key_cache, value_cache, groups, row_max, row_sum, acc, out, key_cache.stride(0),
         key_cache.stride(1), key_cache.stride(2), out.stride(0), scale_log2, rows, G=group,
         NH=num_heads, NKV=num_kv, D=dim, M_PAD=m_pad, BLOCK_N=block_n,
         FP32_DOT=qs.dtype == torch.float32, num_warps=warps, num_stages=stages,
-        **launch.pair_keywords(),
+        **launch.pair_keywords(), **paging,
     )  # fmt: skip

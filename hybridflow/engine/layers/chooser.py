@@ -121,7 +121,7 @@ def decode_forward_triton(
             return attention.decode_attention_rope(
                 q, k, v, rope.cos, rope.sin, positions, cache.keys[index], cache.values[index],
                 row_slots, max_len, norm=norm, shared=shared, launch=layer_launch,
-                autotune=autotune,
+                autotune=autotune, table=cache.block_table,
             )  # fmt: skip
 
         return attend

@@ -22,11 +22,17 @@ def cached_attention_torch(
     row_slots: torch.Tensor,
     lengths: torch.Tensor,
     max_len: int,
+    cache: KVCache | None = None,
 ) -> torch.Tensor:
     """q [B, nh, D]; keys/values one layer's cache [slots, S, nkv, D]; each row attends to
-    positions [0, lengths[b]) of its slot -> [B, nh, D]. Reads max_len positions per row."""
-    k = keys[row_slots, :max_len].transpose(1, 2)  # [B, nkv, max_len, D]
-    v = values[row_slots, :max_len].transpose(1, 2)
+    positions [0, lengths[b]) of its slot -> [B, nh, D]. Reads max_len positions per row.
+    cache: the KVCache the layer's tensors belong to, for a paged one's block table."""
+    if cache is not None and cache.paged:
+        k = cache.gather(keys, row_slots, max_len).transpose(1, 2)
+        v = cache.gather(values, row_slots, max_len).transpose(1, 2)
+    else:
+        k = keys[row_slots, :max_len].transpose(1, 2)  # [B, nkv, max_len, D]
+        v = values[row_slots, :max_len].transpose(1, 2)
     visible = torch.arange(max_len, device=q.device)[None, :] < lengths[:, None]  # [B, max_len]
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),
@@ -57,13 +63,14 @@ def decode_forward_torch(
     hidden = model.model.embed_tokens(tokens)  # [B, H]
     cos, sin = rope.cos[positions], rope.sin[positions]  # [B, D]
     lengths = positions + 1
+    entries, offsets = cache.locate(row_slots, positions)
     for index, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         q, k, v = attn.project_qkv(layer.input_layernorm(hidden), cos, sin)
-        cache.keys[index, row_slots, positions] = k
-        cache.values[index, row_slots, positions] = v
+        cache.keys[index, entries, offsets] = k
+        cache.values[index, entries, offsets] = v
         out = cached_attention_torch(
-            q, cache.keys[index], cache.values[index], row_slots, lengths, max_len
+            q, cache.keys[index], cache.values[index], row_slots, lengths, max_len, cache
         )
         hidden = hidden + attn.o_proj(out.flatten(-2))
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))

@@ -9,6 +9,7 @@ Skipped without triton (the main CI run) and under the interpreter."""
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
 
 import pytest
@@ -36,7 +37,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 INT64_POINTERS = {
     "slot_ptr", "pos_ptr", "targets_ptr", "seed_lo_ptr", "seed_hi_ptr", "step_ptr", "tok_ptr",
     "generated_ptr", "max_new_ptr", "state_tok_ptr", "positions_ptr", "out_tok_ptr",
-    "first_ptr",
+    "first_ptr", "cpos_ptr",
 }  # fmt: skip
 FP32_POINTERS = {
     "part_o_ptr", "part_lse_ptr", "part_m_ptr", "part_s_ptr", "part_f_ptr", "threshold_ptr",
@@ -60,6 +61,8 @@ def _signature(fn, constexprs: dict, activation: str, overrides: dict) -> dict:
                 types[name] = "*fp32"
             elif name in ("finished_ptr", "stop_mask_ptr"):
                 types[name] = "*i1"
+            elif name == "table_ptr":  # a paged cache's block table
+                types[name] = "*i32"
             else:
                 types[name] = "*" + activation
         else:
@@ -133,12 +136,19 @@ def test_decode_layer_kernels_compile(activation):
                  ROPE=True, BLOCK_N=64, NORM=norm, H_PAD=2048, HAS_BIAS=norm, SHARED=True),
             activation, stages=2,
         )  # fmt: skip
-    # and the prefix kernel, at 0.5b's and 1.5b's heads
-    for group, dim in ((7, 64), (6, 128)):
+    for rope, shared in ((True, False), (False, False), (True, True)):  # a paged cache
+        _compile(
+            attention._decode_attention_kernel,
+            dict(G=7, G_PAD=16, HALF=32, NH=14, SPLITS=1 if shared else 3,
+                 FP32_DOT=activation == "fp32", ROPE=rope, BLOCK_N=64, SHARED=shared, PAGE=64),
+            activation, stages=2,
+        )  # fmt: skip
+    # and the prefix kernel, at 0.5b's and 1.5b's heads, slot and paged caches
+    for (group, dim), page in itertools.product(((7, 64), (6, 128)), (0, 64)):
         _compile(
             shared_prefix._prefix_attention_kernel,
             dict(G=group, NH=2 * group, NKV=2, D=dim, M_PAD=64, BLOCK_N=64,
-                 FP32_DOT=activation == "fp32"),
+                 FP32_DOT=activation == "fp32", PAGE=page, PDL=True),
             activation, overrides={"groups_ptr": "*i32"}, stages=3,
         )  # fmt: skip
     _compile(
