@@ -15,11 +15,9 @@ Every choice is an EngineOptions field (options.py).
 from __future__ import annotations
 
 import functools
-import itertools
 import os
 from contextlib import nullcontext
 
-import numpy as np
 import torch
 
 from hybridflow.engine import kv_cache
@@ -30,7 +28,12 @@ from hybridflow.engine.kept import KeptKV
 from hybridflow.engine.kernels.launch import PLAIN
 from hybridflow.engine.options import EngineOptions
 from hybridflow.engine.prefill import RopeTable, extend_forward, prefill_forward
-from hybridflow.engine.requests import Completion, PromptTable, Submission
+from hybridflow.engine.requests import (
+    Completion,
+    PromptTable,
+    Submission,
+    padded_tensors,
+)
 from hybridflow.engine.sampling import (
     SamplingParams,
     prompt_seed_values,
@@ -348,7 +351,8 @@ class Engine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  seeds: list[int] | None = None, *, keep: bool = False,
-                 reuse: list[int | None] | None = None) -> list[Completion]:  # fmt: skip
+                 reuse: list[int | None] | None = None,
+                 max_new_tokens: list[int] | None = None) -> list[Completion]:  # fmt: skip
         """n completions per prompt, prompt-major: result[i * n + j] is sample j of prompt i.
 
         seeds: a base seed per prompt (instead of params.seed): prompt i samples exactly as a
@@ -356,12 +360,16 @@ class Engine:
         keep: each finished sample keeps its KV (Completion.kv_handle; kept.py). reuse (n=1):
         per prompt a handle from an earlier call (or None): a prompt that extends that
         handle's tokens prefills only the rest; the samples are the same either way.
-        While a RolloutService runs this engine, the prompts are submitted to it (and decode
-        beside its other requests)."""
+        max_new_tokens: a budget per request (prompt-major, len(prompts) * n), instead of
+        params.max_new_tokens for all. While a RolloutService runs this engine, the prompts
+        are submitted to it (and decode beside its other requests)."""
         if self.service is not None:
+            if max_new_tokens is not None:
+                raise ValueError("max_new_tokens per request: not through a running service")
             return self.service.generate(prompts, params, seeds, keep=keep, reuse=reuse)
         with cyclic_gc_paused():  # also while the results are made (thousands of objects)
-            return self._generate(prompts, params, seeds, keep=keep, reuse=reuse)
+            return self._generate(prompts, params, seeds, keep=keep, reuse=reuse,
+                                  max_new_tokens=max_new_tokens)  # fmt: skip
 
     def release_kept(self, handles) -> None:
         """Give kept slots back (their handles become invalid; unknown ones are ignored)."""
@@ -387,13 +395,17 @@ class Engine:
         return request_seeds(base_seed, count, params.n)
 
     def submission(self, prompts, params: SamplingParams, seeds=None, keep=False, reuse=None,
-                   listener=None, on_finish=None) -> Submission:  # fmt: skip
+                   listener=None, on_finish=None, max_new_tokens=None) -> Submission:  # fmt: skip
         """The scheduler's unit of work for these prompts; lengths checked (ValueError naming
         the first bad prompt), token ids checked when admitted (or by table.check())."""
         table = self._prompt_table(prompts)
         n = params.n
         limit = self.max_seq_len
-        max_new = [min(params.max_new_tokens, limit - len(p)) for p in prompts for _ in range(n)]
+        budgets = max_new_tokens or [params.max_new_tokens] * (len(prompts) * n)
+        if len(budgets) != len(prompts) * n or min(budgets, default=1) < 1:
+            raise ValueError(f"max_new_tokens: {len(budgets)} budgets >= 1 for "
+                             f"{len(prompts)} prompts x n={n} requests")  # fmt: skip
+        max_new = [min(budget, limit - len(prompts[i // n])) for i, budget in enumerate(budgets)]
         return Submission(table, params, self._seeds(len(prompts), params, seeds), max_new,
                           self._stop_ids(params), keep=keep, reuse=reuse, listener=listener,
                           on_finish=on_finish)  # fmt: skip
@@ -431,12 +443,15 @@ class Engine:
 
     @torch.no_grad()
     def _generate(self, prompts, params: SamplingParams, seeds=None, keep=False,
-                  reuse=None) -> list[Completion]:  # fmt: skip
+                  reuse=None, max_new_tokens=None) -> list[Completion]:  # fmt: skip
         if not self.native:
             from hybridflow.engine.slow import generate_slow
 
+            if max_new_tokens is not None:
+                raise ValueError("max_new_tokens per request needs the engine's own decoder")
             return generate_slow(self, prompts, params, self._seeds(len(prompts), params, seeds))
-        sub = self.submission(prompts, params, seeds, keep=keep, reuse=reuse)
+        sub = self.submission(prompts, params, seeds, keep=keep, reuse=reuse,
+                              max_new_tokens=max_new_tokens)  # fmt: skip
         self.start_generation()
         try:
             with cyclic_gc_paused():
@@ -468,27 +483,3 @@ class Engine:
         if pad_token_id is None:
             pad_token_id = self.config.pad_token_id or 0
         return padded_tensors(results, pad_token_id)
-
-
-def padded_tensors(results: list[Completion], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Completions -> right-padded CPU tensors, through numpy: one
-    flat conversion of all the numbers and a masked scatter (1024 x ~256 tokens: ~15 ms on
-    a 2-core CPU host, against ~50 ms for torch.tensor on padded nested lists)."""
-    count = len(results)
-    lengths = np.fromiter((len(r.token_ids) for r in results), dtype=np.int64, count=count)
-    width = int(lengths.max()) if count else 0
-    total = int(lengths.sum())
-    tokens = np.fromiter(
-        itertools.chain.from_iterable(r.token_ids for r in results), np.int64, total
-    )
-    logprobs = np.fromiter(
-        itertools.chain.from_iterable(r.logprobs for r in results), np.float32, total
-    )
-    filled = np.arange(width)[None, :] < lengths[:, None]  # row-major: the flat order
-    responses = np.full((count, width), pad_token_id, dtype=np.int64)
-    responses[filled] = tokens
-    padded_logprobs = np.zeros((count, width), dtype=np.float32)
-    padded_logprobs[filled] = logprobs
-    return {"responses": torch.from_numpy(responses),
-            "rollout_logprobs": torch.from_numpy(padded_logprobs),
-            "response_lengths": torch.from_numpy(lengths)}  # fmt: skip

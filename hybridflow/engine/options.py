@@ -171,5 +171,6 @@ class EngineOptions:
             "cuda_graphs",
             "admission_wait_chunks",
             "admission_gather_ms",
+            "kv_block_size",  # the attention tile keys on it itself (kernels/attention.py)
         }
         return {k: v for k, v in asdict(self).items() if k not in skip}
