@@ -62,7 +62,10 @@ def _decode_attention_kernel(
 
     PAGE (paged cache, kv_cache.py): the cache is [blocks, PAGE, kv heads, D] and the row's
     position p lives in block table[slot, p // PAGE] at p % PAGE (cache_offsets); 0: the
-    slot cache, position p of slot `slot`."""
+    slot cache, position p of slot `slot`. With PAGE >= BLOCK_N the tiles start at multiples
+    of BLOCK_N (the positions before the first to read masked), so each lies in one block
+    and takes one table load, as a slot's tile takes its base (with a lookup per position,
+    the paged cache measured ~9% below the slot cache at 0.5b, 256 rows, on the H200)."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -125,11 +128,21 @@ def _decode_attention_kernel(
     loop_start = start
     if SHARED:  # positions before first[row] are the group's shared prefix
         loop_start = tl.maximum(start, tl.load(first_ptr + row).to(tl.int32))
+    first_read = loop_start
+    if PAGE >= BLOCK_N:  # tiles aligned to BLOCK_N lie in one block: one table load a tile
+        # (none when nothing is to be read: a fully masked tile would make the softmax NaN)
+        loop_start = tl.where(first_read < end, first_read - first_read % BLOCK_N, end)
     for n0 in range(loop_start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n < end
-        offs = base + cache_offsets(table_ptr, slot, n, stride_table, stride_cslot,
-                                    stride_cpos, PAGE, n_mask)[:, None] + d[None, :]  # fmt: skip
+        if PAGE >= BLOCK_N:
+            n_mask = (n >= first_read) & (n < end)
+            block = tl.load(table_ptr + slot.to(tl.int64) * stride_table + n0 // PAGE)
+            at = block.to(tl.int64) * stride_cslot + (n % PAGE).to(tl.int64) * stride_cpos
+        else:
+            n_mask = n < end
+            at = cache_offsets(table_ptr, slot, n, stride_table, stride_cslot, stride_cpos,
+                                 PAGE, n_mask)  # fmt: skip
+        offs = base + at[:, None] + d[None, :]
         k = tl.load(kc_ptr + offs, mask=n_mask[:, None], other=0.0)
         v = tl.load(vc_ptr + offs, mask=n_mask[:, None], other=0.0)
         m_i, l_i, acc = _softmax_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2, FP32_DOT)

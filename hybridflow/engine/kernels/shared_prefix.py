@@ -139,8 +139,13 @@ def _prefix_item(
     for n0 in range(0, length, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < length
-        offs = base + cache_offsets(table_ptr, slot, n, stride_table, stride_cslot, stride_cpos,
-                                    PAGE, n_mask)[:, None] + d[None, :]  # fmt: skip
+        if PAGE >= BLOCK_N:  # an aligned tile lies in one block (attention.py's row kernel)
+            block = tl.load(table_ptr + slot.to(tl.int64) * stride_table + n0 // PAGE)
+            at = block.to(tl.int64) * stride_cslot + (n % PAGE).to(tl.int64) * stride_cpos
+        else:
+            at = cache_offsets(table_ptr, slot, n, stride_table, stride_cslot, stride_cpos,
+                                 PAGE, n_mask)  # fmt: skip
+        offs = base + at[:, None] + d[None, :]
         k = tl.load(kc_ptr + offs, mask=n_mask[:, None], other=0.0)
         v = tl.load(vc_ptr + offs, mask=n_mask[:, None], other=0.0)
         m_i, l_i, acc = _softmax_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2, FP32_DOT)

@@ -136,15 +136,18 @@ def test_decode_layer_kernels_compile(activation):
                  ROPE=True, BLOCK_N=64, NORM=norm, H_PAD=2048, HAS_BIAS=norm, SHARED=True),
             activation, stages=2,
         )  # fmt: skip
-    for rope, shared in ((True, False), (False, False), (True, True)):  # a paged cache
+    # a paged cache: blocks the tiles fit in (aligned tiles), and smaller ones
+    for (rope, shared), page in itertools.product(((True, False), (False, False), (True, True)),
+                                                  (64, 16)):  # fmt: skip
         _compile(
             attention._decode_attention_kernel,
             dict(G=7, G_PAD=16, HALF=32, NH=14, SPLITS=1 if shared else 3,
-                 FP32_DOT=activation == "fp32", ROPE=rope, BLOCK_N=64, SHARED=shared, PAGE=64),
+                 FP32_DOT=activation == "fp32", ROPE=rope, BLOCK_N=64, SHARED=shared,
+                 PAGE=page),
             activation, stages=2,
         )  # fmt: skip
     # and the prefix kernel, at 0.5b's and 1.5b's heads, slot and paged caches
-    for (group, dim), page in itertools.product(((7, 64), (6, 128)), (0, 64)):
+    for (group, dim), page in itertools.product(((7, 64), (6, 128)), (0, 16, 64)):
         _compile(
             shared_prefix._prefix_attention_kernel,
             dict(G=group, NH=2 * group, NKV=2, D=dim, M_PAD=64, BLOCK_N=64,
