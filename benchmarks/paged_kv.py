@@ -12,9 +12,11 @@ requests run 5-10x the mean), cut at --max-new-tokens, and responses run to thei
 prompt + max-new-tokens positions for every sequence, so the budget holds few of them; the
 paged cache hands out --block-size blocks as sequences grow and shares each prompt's blocks
 among its samples. One engine each, same weights, same budget, one after the other in this
-process; the first generate() of each is a warm-up on a few short requests (graph captures
-and kernel choices). Printed: tokens/s, wall time, the mean rows decoded per step, the
-sequences the cache could hold at full length, and the preemptions.
+process; each engine first captures every batch bucket's graph with its kernel choices
+(Engine.warm_up, untimed; --cache-dir keeps the choices for the next run). Printed while it
+runs: a progress line every --progress-s seconds; then tokens/s, wall time, the mean rows
+decoded per step, the sequences the cache could hold at full length, the preemptions and
+the tokens prefilled (prompts once per prompt, and again for each preempted request).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import argparse
 import json
 import math
 import random
+import threading
 import time
 
 import torch
@@ -44,13 +47,22 @@ def run_cache(model, args, block_size, prompts, budgets) -> dict:
                     memory_budget=int(args.kv_gib * 2**30), options=options)  # fmt: skip
     params = SamplingParams(n=args.samples, temperature=1.0, ignore_eos=True, seed=0,
                             max_new_tokens=args.max_new_tokens)  # fmt: skip
-    warm = SamplingParams(n=args.samples, temperature=1.0, ignore_eos=True, max_new_tokens=16)
-    engine.generate(prompts[:2], warm)
+    name = "slot" if block_size is None else f"paged ({block_size})"
+    start = time.perf_counter()
+    graphs = engine.warm_up(params)  # every batch bucket's graph and kernel choices, untimed
+    print(f"{name}: warm-up {time.perf_counter() - start:.1f} s ({graphs} graphs)", flush=True)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
+    done = threading.Event()
+    reporter = threading.Thread(target=_report, args=(engine, name, done, args.progress_s),
+                                daemon=True)  # fmt: skip
     start = time.perf_counter()
-    out = engine.generate(prompts, params, max_new_tokens=budgets)
-    sync()
+    reporter.start()
+    try:
+        out = engine.generate(prompts, params, max_new_tokens=budgets)
+        sync()
+    finally:
+        done.set()
     seconds = time.perf_counter() - start
     scheduler = engine.scheduler
     tokens = sum(len(c.token_ids) for c in out)
@@ -58,15 +70,32 @@ def run_cache(model, args, block_size, prompts, budgets) -> dict:
     full_length = (engine.cache.num_slots if paging is None
                    else engine.cache.num_blocks * engine.cache.block_size // max_seq_len)  # fmt: skip
     result = dict(
-        cache="slot" if block_size is None else f"paged ({block_size})",
-        tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds,
+        cache=name, tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds,
         mean_rows=scheduler.decoded_rows / max(1, scheduler.decode_steps),
         full_length_sequences=full_length,
         preemptions=paging.preemptions if paging is not None else 0,
+        prefill_tokens=engine.prefill_tokens,
         token_ids=[c.token_ids for c in out],
     )  # fmt: skip
     engine.release()
     return result
+
+
+def _report(engine, name: str, done: threading.Event, every_s: float) -> None:
+    """Every `every_s` seconds while a generate() runs: the rows decoding, the tokens decoded
+    so far and their rate (a run cut short by a time limit still says where it was)."""
+    start = time.perf_counter()
+    while not done.wait(every_s):
+        scheduler = engine.scheduler
+        if scheduler is None:
+            continue
+        paging = scheduler.paging
+        elapsed = time.perf_counter() - start
+        print(f"  {name} at {elapsed:.0f} s: {len(scheduler.rows)} rows, "
+              f"{scheduler.decoded_rows:,} tokens decoded ({scheduler.decoded_rows / elapsed:,.0f}"
+              f"/s), {scheduler.decode_steps} steps, preemptions "
+              f"{paging.preemptions if paging is not None else 0}, prefilled "
+              f"{engine.prefill_tokens:,}", flush=True)  # fmt: skip
 
 
 def main() -> None:
@@ -82,6 +111,7 @@ def main() -> None:
     p.add_argument("--caches", nargs="+", default=["paged", "slot"])
     p.add_argument("--device", default=None, help="default: cuda if available")
     p.add_argument("--cache-dir", default=None, help="the engine's pinned choices")
+    p.add_argument("--progress-s", type=float, default=20.0, help="seconds between progress lines")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     from hybridflow.models import load_model
@@ -104,7 +134,8 @@ def main() -> None:
         results.append(run_cache(model, args, block, prompts, budgets))
         r = results[-1]
         print(f"{r['cache']}: {r['tokens_per_s']:,.0f} tok/s, {r['seconds']:.1f} s, mean rows "
-              f"{r['mean_rows']:.1f}, preemptions {r['preemptions']}", flush=True)  # fmt: skip
+              f"{r['mean_rows']:.1f}, preemptions {r['preemptions']}, prefilled "
+              f"{r['prefill_tokens']:,} tokens", flush=True)  # fmt: skip
     same = all(r["token_ids"] == results[0]["token_ids"] for r in results)
     print("\n| cache | tok/s | s | mean rows / step | sequences at full length | preemptions |")
     print("|---|---|---|---|---|---|")
