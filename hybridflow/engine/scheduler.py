@@ -14,41 +14,28 @@ Rows of different submissions share the batch. Their sampling settings may diffe
 setting: the specialised sampler; several: row_sampling.py), and so may their stop tokens:
 the device stops a row on the tokens every live submission stops on, the host on the rest
 (at read-back; the row decodes at most a chunk past its stop, and the surplus is cut).
+
+In a paged cache (paging.py) admission also needs free blocks, each chunk first grows the
+rows' blocks, and a shortage preempts the newest requests (preemption.py), which wait in
+`resuming` and come back before any new request is admitted.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from hybridflow.engine import continuation, preemption
 from hybridflow.engine.host import collect_young, ranges, upload
-from hybridflow.engine.prefill import host_spans
+from hybridflow.engine.readback import Snapshot, take_snapshot
 from hybridflow.engine.requests import Completion, LiveRequest, Submission
 from hybridflow.engine.row_sampling import mixed_mode
 
 if TYPE_CHECKING:
     from hybridflow.engine.engine import Engine
-
-
-@dataclass
-class _Snapshot:
-    """Copies of the decode state queued right after a chunk of steps (pinned host memory on
-    CUDA), read by the host one chunk later. Rows are in the order of `requests`."""
-
-    requests: list[LiveRequest]
-    finished: torch.Tensor  # [rows] bool
-    generated: torch.Tensor  # [rows] tokens generated so far
-    tokens: torch.Tensor  # [rows, W]: the last W output columns up to `generated`
-    logprobs: torch.Tensor  # [rows, W]
-    ready: object  # torch.cuda.Event, or None on CPU
-
-    def wait(self) -> None:
-        if self.ready is not None:
-            self.ready.synchronize()
 
 
 class Scheduler:
@@ -79,13 +66,13 @@ class Scheduler:
         self.steps = 0  # step() calls so far (a clock for how long requests have waited)
         self.decode_steps = 0  # steps run, and rows decoded summed over them (their ratio: the
         self.decoded_rows = 0  # mean batch, a counter of how well requests share steps)
-        self.pending: _Snapshot | None = None
+        self.pending: Snapshot | None = None
         self.version = 0  # the policy version sampling now (new_version)
         self.live_subs: dict[Submission, int] = {}  # live rows per submission
         self.device_stop: frozenset | None = None  # the stop ids on the device now
         self.extra_stops: dict[Submission, frozenset] = {}  # stop ids the host checks
-        self._subs_changed = True  # live_subs gained or lost a member: stops, mode
-        self._groups_changed = False  # rows changed: shared-prefix groups
+        self.subs_changed = True  # live_subs gained or lost a member: stops, mode
+        self.groups_changed = False  # rows changed: shared-prefix groups
         # output columns a snapshot reads per row: a chunk's steps + the admission's token
         self.window = engine.steps_per_sync + 1
         self.columns = torch.arange(self.window, device=engine.device)
@@ -121,7 +108,7 @@ class Scheduler:
         subs = {live.sub for live in self.rows} | {live.sub for live in self.resuming}
         return subs | {entry[0] for entry in self.waiting} | {e[0] for e in self.extending}
 
-    def _free_slot(self, slot: int) -> None:
+    def free_slot(self, slot: int) -> None:
         self.free_slots.append(slot)
         if self.paging is not None:
             self.paging.release(slot)
@@ -142,12 +129,12 @@ class Scheduler:
         sub.aborted.add(request)
         for live in self.rows:
             if live.sub is sub and live.request == request:
-                self._retire({live})
+                self.retire({live})
                 return
         for entry in list(self.extending):
             if entry[0] is sub and entry[1] == request:
                 self.extending.remove(entry)
-                self._free_slot(entry[2])
+                self.free_slot(entry[2])
         for live in list(self.resuming):
             if live.sub is sub and live.request == request:
                 self.resuming.remove(live)
@@ -160,7 +147,7 @@ class Scheduler:
 
     def release_kept(self, handles) -> None:
         for slot in self.engine.kept.release(handles):
-            self._free_slot(slot)
+            self.free_slot(slot)
 
     def drop_kept(self) -> None:
         """Every kept slot back (new weights made their K/V stale); continuations waiting
@@ -168,7 +155,7 @@ class Scheduler:
         self.release_kept(list(self.engine.kept.handles()))
         while self.extending:
             sub, request, slot, _ = self.extending.popleft()
-            self._free_slot(slot)
+            self.free_slot(slot)
             self.waiting.appendleft((sub, request))
 
     def flush(self) -> None:
@@ -197,10 +184,10 @@ class Scheduler:
         # rows admitted later would otherwise trail the first ones by a whole chunk of steps
         # at a smaller batch (an H200 profile of 256 prompts showed 15 steps at 128 rows).
         self.steps += 1
-        while self.resuming and self._can_resume():
-            self._resume()
-        while self.extending and self._ready(self.extending) and self._extension_fits():
-            self._admit_extension()
+        while self.resuming and preemption.can_resume(self):
+            preemption.resume(self)
+        while self.extending and self._ready(self.extending) and preemption.extension_fits(self):
+            continuation.admit(self)
         while self.waiting and not self.resuming and self._should_admit() and self._admit():
             pass
         steps = min(self.engine.steps_per_sync, max(self.row_budget, default=0))
@@ -217,24 +204,24 @@ class Scheduler:
         self.pending = snapshot
 
     def _decode(self, steps: int) -> None:
-        if self._subs_changed:
-            self._sync_submissions()
+        if self.subs_changed:
+            self.sync_submissions()
         if self.paging is not None:
-            steps = self._make_room(steps)
+            steps = preemption.make_room(self, steps)
             if not steps:
                 return
-        if self._groups_changed and self.runner.shared:
+        if self.groups_changed and self.runner.shared:
             self._upload_groups()
         self.runner.decode_steps(len(self.rows), steps, self._max_live_len(steps))
         self.decode_steps += steps
         self.decoded_rows += steps * len(self.rows)
         self.row_budget = [b - steps for b in self.row_budget]
 
-    def _sync_submissions(self) -> None:
+    def sync_submissions(self) -> None:
         """The live submissions changed: the device's stop ids (those every one of them
         stops on), the host's extra checks, and the sampling mode of the decode steps."""
         subs = list(self.live_subs)
-        self._subs_changed = False
+        self.subs_changed = False
         if not subs:
             return
         common = frozenset.intersection(*(sub.stop_ids for sub in subs))
@@ -248,7 +235,7 @@ class Scheduler:
         shared = (engine.decode_backend == "triton" and engine.options.shared_prefix
                   and any(sub.n > 1 for sub in subs))  # fmt: skip
         if shared and not self.runner.shared:
-            self._groups_changed = True
+            self.groups_changed = True
         self.runner.set_mode(mode, shared=shared)
 
     def _should_admit(self) -> bool:
@@ -257,9 +244,9 @@ class Scheduler:
         free = len(self.free_slots)
         want = min(len(self.waiting), max(1, self.cache.num_slots // 8))
         while free < want and len(self.engine.kept):  # kept KV gives way, oldest first
-            self._free_slot(self.engine.kept.evict_oldest())
+            self.free_slot(self.engine.kept.evict_oldest())
             free += 1
-        if self.paging is not None and not self._blocks_for_next():
+        if self.paging is not None and not preemption.blocks_for_next(self):
             return False
         return free > 0 and (not self.rows or (free >= want and self._ready(self.waiting)))
 
@@ -295,7 +282,7 @@ class Scheduler:
             if self.paging is not None:  # its prompt, and a block to grow into (a watermark)
                 need = self.paging.prompt_blocks(length, new_prompt) + 1
                 if not taken and not self.rows:
-                    blocks = self._evict_kept_for(need) - 0
+                    blocks = preemption.evict_kept_for(self, need)
                 blocks -= need
                 if blocks < 0:
                     break
@@ -370,73 +357,22 @@ class Scheduler:
             src, src_at, dst, dst_at = upload(engine.device, *paged_copies)
             self.cache.copy_entries((src, src_at), (dst, dst_at))
         prompt_lengths = lengths.tolist()
-        self._append(taken, slots, logits[group_dev], seed_lo, seed_hi, row_positions,
+        self.append_admitted(taken, slots, logits[group_dev], seed_lo, seed_hi, row_positions,
                      row_slots, max_new_dev, max_new, [prompt_lengths[g] for g in group])  # fmt: skip
         for sub in {sub for sub, _ in taken}:
             sub.table.check()  # the rest of its ids, while the GPU runs this prefill (once)
         return True
 
-    def _admit_extension(self) -> None:
-        """Admit requests that continue a kept slot: only the tokens past the cached prefix
-        are prefilled (Engine.extend), into the same slot."""
-        engine = self.engine
-        taken, tokens = [], 0
-        while self.extending:
-            sub, request, slot, cached = self.extending[0]
-            sub.table.check()  # every id in range before it indexes the embedding
-            new = len(sub.prompts[request]) - cached
-            if taken and (tokens + new > engine.max_prefill_tokens or not self._extension_fits()):
-                break
-            taken.append(self.extending.popleft())
-            tokens += new
-            if self.paging is not None:
-                self.paging.grow([slot], [len(sub.prompts[request])])
-        engine.prefill_tokens += tokens
-        requests = [(sub, request) for sub, request, _, _ in taken]
-        slots = [slot for _, _, slot, _ in taken]
-        lengths = [len(sub.prompts[r]) for sub, r in requests]
-        starts = torch.tensor([cached for _, _, _, cached in taken])
-        counts = torch.tensor(lengths) - starts
-        ids = torch.tensor([t for (s, r, _, c) in taken for t in s.prompts[r][c:]])
-        positions = ranges(counts) + torch.repeat_interleave(starts, counts)
-        max_new = [sub.max_new[r] for sub, r in requests]
-        triton = engine.decode_backend == "triton"  # its varlen spans, built here: no sync
-        span_tensors, span_maxima = host_spans(torch.tensor(slots), starts, counts) if triton else ((), ())  # fmt: skip
-        token_slots = torch.repeat_interleave(torch.tensor(slots), counts)
-        extra = {}
-        if self.paging is not None:
-            if triton:  # the flash path gathers K/V by (block, offset)
-                span_tensors = (*self.paging.locate(*span_tensors[:2]), *span_tensors[2:])
-            extra["cache_at"] = tuple(
-                upload(engine.device, *self.paging.locate(token_slots, positions))
-            )
-            self.paging.sync_table()  # the decode-kernel path reads it
-        (ids, positions, token_slots, last, seed_lo, seed_hi, row_positions, row_slots,
-         max_new_dev, *span_dev) = upload(
-            engine.device, ids, positions, token_slots, counts.cumsum(0) - 1, torch.tensor([sub.seed_lo[r] for sub, r in requests]),
-            torch.tensor([sub.seed_hi[r] for sub, r in requests]), torch.tensor(lengths),
-            torch.tensor(slots), torch.tensor(max_new), *span_tensors,
-        )  # fmt: skip
-        spans = {}
-        if triton:
-            gather_slots, gather_positions, cu_new, cu_all = span_dev
-            spans = {"spans": (gather_slots, gather_positions, cu_new.to(torch.int32),
-                               cu_all.to(torch.int32), *span_maxima)}  # fmt: skip
-        logits = engine.extend(engine.model, self.cache, engine.rope, ids, positions,
-                               token_slots, last, **spans, **extra)  # fmt: skip  # [R, V]
-        self._append(requests, slots, logits, seed_lo, seed_hi, row_positions, row_slots,
-                     max_new_dev, max_new, lengths)  # fmt: skip
-
-    def _append(self, taken, slots, logits, seed_lo, seed_hi, row_positions, row_slots,
+    def append_admitted(self, taken, slots, logits, seed_lo, seed_hi, row_positions, row_slots,
                 max_new_dev, max_new, prompt_lengths) -> None:  # fmt: skip
         """Sample the admitted requests' first tokens and append them as live rows."""
         for sub, _ in taken:
             if sub not in self.live_subs:
                 self.live_subs[sub] = 0
-                self._subs_changed = True
+                self.subs_changed = True
             self.live_subs[sub] += 1
-        if self._subs_changed:
-            self._sync_submissions()  # the stop ids the first tokens are checked against
+        if self.subs_changed:
+            self.sync_submissions()  # the stop ids the first tokens are checked against
         first = self.state.num_rows
         modes = [sub.mode for sub, _ in taken]
         self.state.set_row_sampling(first, modes)
@@ -455,134 +391,14 @@ class Scheduler:
         self.row_end += [length + m for length, m in zip(prompt_lengths, max_new)]
         self.row_admission += [self.admissions] * len(taken)
         self.admissions += 1
-        self._groups_changed = True
-
-    # -- a paged cache's blocks (paging.py) ------------------------------------------------------
-
-    def _evict_kept_for(self, blocks: int) -> int:
-        """Evict kept KV, oldest first, until `blocks` are free or none is kept; -> free."""
-        while self.paging.free_blocks < blocks and len(self.engine.kept):
-            self._free_slot(self.engine.kept.evict_oldest())
-        return self.paging.free_blocks
-
-    def _blocks_for_next(self) -> bool:
-        """Whether blocks are free past a block of growth for each live row."""
-        return self._evict_kept_for(len(self.rows) + 2) > len(self.rows) + 1 or not self.rows
-
-    def _extension_fits(self) -> bool:
-        """Whether the first continuation's new tokens have blocks (kept KV evicted for them;
-        with nothing decoding, one that still does not fit is prefilled in full instead)."""
-        if self.paging is None:
-            return True
-        sub, request, slot, _ = self.extending[0]
-        need = self.paging.pool.missing(slot, len(sub.prompts[request])) + len(self.rows)
-        if self._evict_kept_for(need) >= need:
-            return True
-        if not self.rows:
-            self.extending.popleft()
-            self._free_slot(slot)
-            self.waiting.appendleft((sub, request))
-        return False
-
-    def _make_room(self, steps: int) -> int:
-        """Blocks for every position the next `steps` decode steps write, in the device
-        table. Short of them: kept KV goes first, then (after reading every row's tokens
-        back) the newest requests are preempted until the rest fit. -> the steps to run (0:
-        no row is left)."""
-        paging, limit = self.paging, self.cache.max_seq_len
-
-        def needs():
-            slots = [live.slot for live in self.rows]
-            ends = [min(end - budget + steps, limit)
-                    for end, budget in zip(self.row_end, self.row_budget)]  # fmt: skip
-            return slots, ends, paging.missing(slots, ends)
-
-        slots, ends, missing = needs()
-        if missing > self._evict_kept_for(missing):
-            self.flush()  # exact tokens for the preempted; rows that finished retire
-            slots, ends, missing = needs()
-            while self.rows and missing > paging.free_blocks:
-                newest = max(self.rows, key=lambda live: live.key)
-                self._retire({newest}, preempt=True)
-                paging.preemptions += 1
-                slots, ends, missing = needs()
-            self.resuming = deque(sorted(self.resuming, key=lambda live: live.key))
-            steps = min(steps, max(self.row_budget, default=0))
-        paging.grow(slots, ends)
-        paging.sync_table()
-        return steps if self.rows else 0
-
-    def _can_resume(self) -> bool:
-        """Whether the oldest preempted request can be prefilled again now."""
-        live = self.resuming[0]
-        length = len(live.sub.prompt_of(live.request)) + len(live.tokens)
-        need = self.paging.pool.blocks_for(length) + len(self.rows)
-        return bool(self.free_slots) and (self._evict_kept_for(need) >= need or not self.rows)
-
-    def _resume(self) -> None:
-        """Prefill the oldest preempted request's prompt and tokens but the last (which has
-        not been through the model) into a free slot; it decodes on from its last token, its
-        sampling step where it stopped, so it draws what it would have drawn unpreempted."""
-        live = self.resuming.popleft()
-        sub, engine = live.sub, self.engine
-        slot = live.slot = self.free_slots.pop()
-        sequence = [*sub.prompt_of(live.request), *live.tokens[:-1]]
-        length = len(sequence)
-        self.paging.grow([slot], [length])
-        positions = torch.arange(length)
-        slots = torch.full((length,), slot)
-        ids, positions_dev, slots_dev, entries, offsets, cu = upload(
-            engine.device, torch.tensor(sequence), positions, slots,
-            *self.paging.locate(slots, positions), torch.tensor([0, length]),
-        )  # fmt: skip
-        engine.prefill(engine.model, self.cache, engine.rope, ids, positions_dev, slots_dev,
-                       cu.to(torch.int32), length, cu[1:] - 1, cache_at=(entries, offsets))  # fmt: skip
-        if sub not in self.live_subs:
-            self.live_subs[sub] = 0
-            self._subs_changed = True
-        self.live_subs[sub] += 1
-        if self._subs_changed:
-            self._sync_submissions()
-        first = self.state.num_rows
-        self.state.set_row_sampling(first, [sub.mode])
-        max_new, generated = sub.max_new[live.request], len(live.tokens)
-        token, position, slot_dev, max_new_dev, seed_lo, seed_hi, generated_dev = upload(
-            engine.device, *(torch.tensor([value]) for value in (
-                live.tokens[-1], length, slot, max_new, sub.seed_lo[live.request],
-                sub.seed_hi[live.request], generated)),
-        )  # fmt: skip
-        logprob = torch.tensor([live.logprobs[-1]], device=engine.device)
-        self.state.append_rows(token, logprob, position, slot_dev, max_new_dev, seed_lo, seed_hi,
-                               generated=generated_dev)  # fmt: skip
-        self.rows.append(live)
-        self.row_budget.append(max_new - generated)
-        self.row_end.append(length + 1 + max_new - generated)
-        self.row_admission.append(-1 - live.key)  # a group of its own (shared_prefix.py)
-        self._groups_changed = True
+        self.groups_changed = True
 
     # -- reading back ---------------------------------------------------------------------------
 
-    def _snapshot(self) -> _Snapshot:
-        """Queue copies of the live rows' flags, counts and newest output columns."""
-        state, rows = self.state, len(self.rows)
-        generated = state.generated[:rows]
-        columns = (generated[:, None] - self.window + self.columns[None, :]).clamp_(min=0)
-        slots = state.row_slots[:rows, None]
-        parts = [state.finished[:rows], generated, state.out_tokens[slots, columns],
-                 state.out_logprobs[slots, columns]]  # fmt: skip
-        ready = None
-        if self.engine.device.type == "cuda":
-            host = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in parts]
-            for h, p in zip(host, parts):
-                h.copy_(p, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-            parts = host
-        else:
-            parts = [p.clone() for p in parts]
-        return _Snapshot(list(self.rows), *parts, ready)
+    def _snapshot(self) -> Snapshot:
+        return take_snapshot(self.state, self.rows, self.window, self.columns)
 
-    def _absorb(self, snapshot: _Snapshot) -> None:
+    def _absorb(self, snapshot: Snapshot) -> None:
         """Append a snapshot's new tokens to each request's lists; retire finished rows."""
         collect_young(snapshot.ready)  # while the GPU is still busy, if there is work for it
         snapshot.wait()
@@ -611,9 +427,9 @@ class Scheduler:
             if finished[row]:
                 done.add(live)
         if done:
-            self._retire(done)
+            self.retire(done)
 
-    def _retire(self, done: set[LiveRequest], preempt: bool = False) -> None:
+    def retire(self, done: set[LiveRequest], preempt: bool = False) -> None:
         """Record finished requests' results, free their slots and compact the live rows.
         preempt: the rows are not done; they free their slots and wait in `resuming`."""
         keep = []
@@ -625,9 +441,9 @@ class Scheduler:
             self.live_subs[sub] -= 1
             if not self.live_subs[sub]:
                 del self.live_subs[sub]
-                self._subs_changed = True
+                self.subs_changed = True
             if preempt:
-                self._free_slot(live.slot)
+                self.free_slot(live.slot)
                 self.resuming.append(live)
                 continue
             live.done = True
@@ -639,7 +455,7 @@ class Scheduler:
                     live.slot, [*sub.prompt_of(live.request), *tokens[:-1]]
                 )
             else:
-                self._free_slot(live.slot)
+                self.free_slot(live.slot)
             reason = (
                 "abort" if aborted else "stop" if tokens and tokens[-1] in sub.stop_ids
                 else "length"
@@ -651,14 +467,14 @@ class Scheduler:
         self.row_budget = [self.row_budget[r] for r in keep]
         self.row_end = [self.row_end[r] for r in keep]
         self.row_admission = [self.row_admission[r] for r in keep]
-        self._groups_changed = True
+        self.groups_changed = True
 
     def _upload_groups(self) -> None:
         """The live rows' shared-prefix groups into the state (rows changed): queued before
         the next decode chunk, which reads them (shared_prefix.py)."""
         from hybridflow.engine.kernels.shared_prefix import group_table
 
-        self._groups_changed = False
+        self.groups_changed = False
         keys, lengths = [], []
         for live, admission in zip(self.rows, self.row_admission):
             prompt = live.request // live.sub.n

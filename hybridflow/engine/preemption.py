@@ -1,0 +1,135 @@
+"""When a paged KV cache runs short (paging.py): the scheduler's rows make room and the
+requests preempted for it come back.
+
+Functions over a Scheduler's rows and queues, called by it (scheduler.py) at admission and
+before each chunk of decode steps: evicting kept KV first, then preempting the newest
+requests (every row's tokens read back first, so a preempted request keeps all it sampled),
+and prefilling a preempted request again once its blocks are free. vLLM calls this recompute
+preemption; the alternative, swapping blocks out to host memory, needs no recompute but a
+host copy of the K/V, and a recompute of a prompt's worth of tokens is cheap next to the
+decode steps it took to generate them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+import torch
+
+from hybridflow.engine.host import upload
+
+if TYPE_CHECKING:
+    from hybridflow.engine.scheduler import Scheduler
+
+
+def evict_kept_for(scheduler: Scheduler, blocks: int) -> int:
+    """Evict kept KV, oldest first, until `blocks` are free or none is kept; -> free."""
+    while scheduler.paging.free_blocks < blocks and len(scheduler.engine.kept):
+        scheduler.free_slot(scheduler.engine.kept.evict_oldest())
+    return scheduler.paging.free_blocks
+
+
+def blocks_for_next(scheduler: Scheduler) -> bool:
+    """Whether blocks are free past a block of growth for each live row."""
+    return (
+        evict_kept_for(scheduler, len(scheduler.rows) + 2) > len(scheduler.rows) + 1
+        or not scheduler.rows
+    )
+
+
+def extension_fits(scheduler: Scheduler) -> bool:
+    """Whether the first continuation's new tokens have blocks (kept KV evicted for them;
+    with nothing decoding, one that still does not fit is prefilled in full instead)."""
+    if scheduler.paging is None:
+        return True
+    sub, request, slot, _ = scheduler.extending[0]
+    need = scheduler.paging.pool.missing(slot, len(sub.prompts[request])) + len(scheduler.rows)
+    if evict_kept_for(scheduler, need) >= need:
+        return True
+    if not scheduler.rows:
+        scheduler.extending.popleft()
+        scheduler.free_slot(slot)
+        scheduler.waiting.appendleft((sub, request))
+    return False
+
+
+def make_room(scheduler: Scheduler, steps: int) -> int:
+    """Blocks for every position the next `steps` decode steps write, in the device
+    table. Short of them: kept KV goes first, then (after reading every row's tokens
+    back) the newest requests are preempted until the rest fit. -> the steps to run (0:
+    no row is left)."""
+    paging, limit = scheduler.paging, scheduler.cache.max_seq_len
+
+    def needs():
+        slots = [live.slot for live in scheduler.rows]
+        ends = [min(end - budget + steps, limit)
+                for end, budget in zip(scheduler.row_end, scheduler.row_budget)]  # fmt: skip
+        return slots, ends, paging.missing(slots, ends)
+
+    slots, ends, missing = needs()
+    if missing > evict_kept_for(scheduler, missing):
+        scheduler.flush()  # exact tokens for the preempted; rows that finished retire
+        slots, ends, missing = needs()
+        while scheduler.rows and missing > paging.free_blocks:
+            newest = max(scheduler.rows, key=lambda live: live.key)
+            scheduler.retire({newest}, preempt=True)
+            paging.preemptions += 1
+            slots, ends, missing = needs()
+        scheduler.resuming = deque(sorted(scheduler.resuming, key=lambda live: live.key))
+        steps = min(steps, max(scheduler.row_budget, default=0))
+    paging.grow(slots, ends)
+    paging.sync_table()
+    return steps if scheduler.rows else 0
+
+
+def can_resume(scheduler: Scheduler) -> bool:
+    """Whether the oldest preempted request can be prefilled again now."""
+    live = scheduler.resuming[0]
+    length = len(live.sub.prompt_of(live.request)) + len(live.tokens)
+    need = scheduler.paging.pool.blocks_for(length) + len(scheduler.rows)
+    return bool(scheduler.free_slots) and (
+        evict_kept_for(scheduler, need) >= need or not scheduler.rows
+    )
+
+
+def resume(scheduler: Scheduler) -> None:
+    """Prefill the oldest preempted request's prompt and tokens but the last (which has
+    not been through the model) into a free slot; it decodes on from its last token, its
+    sampling step where it stopped, so it draws what it would have drawn unpreempted."""
+    live = scheduler.resuming.popleft()
+    sub, engine = live.sub, scheduler.engine
+    slot = live.slot = scheduler.free_slots.pop()
+    sequence = [*sub.prompt_of(live.request), *live.tokens[:-1]]
+    length = len(sequence)
+    scheduler.paging.grow([slot], [length])
+    positions = torch.arange(length)
+    slots = torch.full((length,), slot)
+    ids, positions_dev, slots_dev, entries, offsets, cu = upload(
+        engine.device, torch.tensor(sequence), positions, slots,
+        *scheduler.paging.locate(slots, positions), torch.tensor([0, length]),
+    )  # fmt: skip
+    engine.prefill(engine.model, scheduler.cache, engine.rope, ids, positions_dev, slots_dev,
+                   cu.to(torch.int32), length, cu[1:] - 1, cache_at=(entries, offsets))  # fmt: skip
+    if sub not in scheduler.live_subs:
+        scheduler.live_subs[sub] = 0
+        scheduler.subs_changed = True
+    scheduler.live_subs[sub] += 1
+    if scheduler.subs_changed:
+        scheduler.sync_submissions()
+    first = scheduler.state.num_rows
+    scheduler.state.set_row_sampling(first, [sub.mode])
+    max_new, generated = sub.max_new[live.request], len(live.tokens)
+    token, position, slot_dev, max_new_dev, seed_lo, seed_hi, generated_dev = upload(
+        engine.device, *(torch.tensor([value]) for value in (
+            live.tokens[-1], length, slot, max_new, sub.seed_lo[live.request],
+            sub.seed_hi[live.request], generated)),
+    )  # fmt: skip
+    logprob = torch.tensor([live.logprobs[-1]], device=engine.device)
+    scheduler.state.append_rows(token, logprob, position, slot_dev, max_new_dev, seed_lo, seed_hi,
+                           generated=generated_dev)  # fmt: skip
+    scheduler.rows.append(live)
+    scheduler.row_budget.append(max_new - generated)
+    scheduler.row_end.append(length + 1 + max_new - generated)
+    scheduler.row_admission.append(-1 - live.key)  # a group of its own (shared_prefix.py)
+    scheduler.groups_changed = True
