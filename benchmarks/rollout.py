@@ -296,12 +296,15 @@ def table(rows: list[dict]) -> str:
             continue
         hf = f"{r['hf_tokens_per_s']:,.0f}" if "hf_tokens_per_s" in r else ""
         x = f"{r['speedup_vs_hf']:.1f}" if "speedup_vs_hf" in r else ""
-        # decode time per step: the timed call minus a prefill (TTFT), over the decode steps
+        # decode time per step: the timed call minus a prefill (TTFT, a separate call), over
+        # the decode steps; "-" when that call took longer than the whole timed one (a host
+        # busy with other work), which would make it negative
         steps = r["tokens"] / (r["prompts"] * r["n"]) - 1
-        step_ms = (r["seconds"] - r["ttft_s"]) / max(steps, 1) * 1000
+        decode_s = r["seconds"] - r["ttft_s"]
+        step_ms = f"{decode_s / max(steps, 1) * 1000:.2f}" if decode_s > 0 else "-"
         lines.append(
             f"| {r['preset']} | {r['prompts']} x {r['n']} | {options} | {r['tokens_per_s']:,.0f} "
-            f"| {step_ms:.2f} | {r['ttft_s'] * 1000:.0f} | {r['peak_mem_gib']:.2f} | {hf} | {x} |"
+            f"| {step_ms} | {r['ttft_s'] * 1000:.0f} | {r['peak_mem_gib']:.2f} | {hf} | {x} |"
         )
     return "\n".join(lines)
 

@@ -19,7 +19,8 @@ def test_quick_variants_print_a_table_with_the_hf_baseline(tmp_path):
     for row, variant in zip(rows, results["variants"]):
         assert "error" not in variant, variant["error"]
         assert variant["tokens"] == 4 * 8  # 4 samples, 8 new tokens each (--quick)
-        assert number(row["tok/s"]) > 0 and number(row["ms/step"]) > 0
+        assert number(row["tok/s"]) > 0
+        assert row["ms/step"] == "-" or number(row["ms/step"]) > 0  # "-": TTFT ran longer
     assert rows[0]["options"] == "decode_backend=torch cuda_graphs=False steps_per_sync=4"
     # The first variant also times HF generate on the same prompts.
     assert number(rows[0]["HF tok/s"]) > 0
