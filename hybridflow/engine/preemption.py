@@ -88,9 +88,9 @@ def can_resume(scheduler: Scheduler) -> bool:
     live = scheduler.resuming[0]
     length = len(live.sub.prompt_of(live.request)) + len(live.tokens)
     need = scheduler.paging.pool.blocks_for(length) + len(scheduler.rows)
-    return bool(scheduler.free_slots) and (
-        evict_kept_for(scheduler, need) >= need or not scheduler.rows
-    )
+    # (with nothing decoding, only continuations waiting for their kept slots can hold
+    # blocks: they go first, or give theirs back: extension_fits)
+    return bool(scheduler.free_slots) and evict_kept_for(scheduler, need) >= need
 
 
 def resume(scheduler: Scheduler) -> None:

@@ -280,9 +280,11 @@ class Scheduler:
             if new_prompt and taken and tokens + length > budget:
                 break
             if self.paging is not None:  # its prompt, and a block to grow into (a watermark)
-                need = self.paging.prompt_blocks(length, new_prompt) + 1
-                if not taken and not self.rows:
-                    blocks = preemption.evict_kept_for(self, need)
+                need = self.paging.prompt_blocks(length, new_prompt)
+                if not taken and not self.rows:  # the first, with nothing decoding: it fits
+                    blocks = preemption.evict_kept_for(self, need + 1)
+                else:
+                    need += 1
                 blocks -= need
                 if blocks < 0:
                     break

@@ -131,3 +131,22 @@ def test_block_size_must_be_a_power_of_two():
         EngineOptions(kv_block_size=24).checked()
     with pytest.raises(ValueError, match="kv_block_size"):
         EngineOptions(kv_block_size=8).checked()
+
+
+def test_block_pressure_evicts_kept_kv_before_it_preempts(model):
+    """Turn 1 keeps the blocks of 4 conversations; a second call that needs the blocks evicts
+    them (oldest first) rather than preempting its own requests, and samples as usual."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True)
+    probe = Engine(model, 8, 96, options=EngineOptions(**EAGER, kv_block_size=16))
+    probe.generate(PROMPTS[:1], params, seeds=[0])
+    budget = _block_bytes(probe) * 9  # 8 blocks and the scratch one
+    engine = Engine(model, 8, 96, memory_budget=budget,
+                    options=EngineOptions(**EAGER, kv_block_size=16))  # fmt: skip
+    engine.generate(PROMPTS, params, seeds=[1, 2, 3, 4], keep=True)
+    assert len(engine.kept) == 4 and engine.blocks.free_blocks == 8 - 7
+    others = [[1, 2, 3] * 6, [4, 5] * 9]
+    got = engine.generate(others, params, seeds=[5, 6])
+    assert engine.kept.evictions > 0 and engine.scheduler.paging.preemptions == 0
+    expected = Engine(model, 8, 96, options=EngineOptions(**EAGER)).generate(others, params,
+                                                                            seeds=[5, 6])  # fmt: skip
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
