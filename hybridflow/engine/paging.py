@@ -45,7 +45,8 @@ class Paging:
         for i, slot in enumerate(slots):
             g = group[i]
             if first_slot[g] == slot:
-                assert self.pool.grow(slot, lengths[g])
+                grown = self.pool.grow(slot, lengths[g])
+                assert grown, "place: the caller counted the prompt's blocks as free"
                 continue
             copy = self.pool.share(first_slot[g], slot, lengths[g])
             assert copy is not None
@@ -80,7 +81,8 @@ class Paging:
 
     def grow(self, slots: list[int], lengths: list[int]) -> None:
         for slot, length in zip(slots, lengths):
-            assert self.pool.grow(slot, length), "grow: blocks were counted as free"
+            grown = self.pool.grow(slot, length)
+            assert grown, "grow: the caller counted the blocks as free"
 
     def release(self, slot: int) -> None:
         self.pool.release(slot)
