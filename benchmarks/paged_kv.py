@@ -48,6 +48,7 @@ def run_cache(model, args, block_size, prompts, budgets) -> dict:
     params = SamplingParams(n=args.samples, temperature=1.0, ignore_eos=True, seed=0,
                             max_new_tokens=args.max_new_tokens)  # fmt: skip
     name = "slot" if block_size is None else f"paged ({block_size})"
+    print(f"{name}: {engine.num_slots} slots; warming up every batch bucket", flush=True)
     start = time.perf_counter()
     graphs = engine.warm_up(params)  # every batch bucket's graph and kernel choices, untimed
     print(f"{name}: warm-up {time.perf_counter() - start:.1f} s ({graphs} graphs)", flush=True)
