@@ -9,22 +9,10 @@ import torch
 
 from hybridflow.engine import Engine, EngineOptions, SamplingParams
 from hybridflow.engine.kept import KeptKV
-from hybridflow.models import build_model
-from hybridflow.models.presets import preset_config
 
 EAGER = EngineOptions(decode_backend="torch", cuda_graphs=False)
 PROMPTS = [[5, 17, 9, 33, 2, 71], [40, 41], [100, 3, 8, 19, 23, 60, 61, 62, 63, 7], [12]]
 DELTAS = [[7, 8, 9], [11], [3, 4, 5, 6, 7, 8, 9, 10], [44, 45]]
-
-
-@pytest.fixture(scope="module")
-def model():
-    generator = torch.Generator().manual_seed(1)
-    model = build_model(preset_config("tiny"), seed=1).eval().requires_grad_(False)
-    for name, p in model.named_parameters():
-        if not name.endswith("bias"):
-            p.normal_(0, 0.3, generator=generator)
-    return model
 
 
 def _two_turns(engine, reuse: bool):

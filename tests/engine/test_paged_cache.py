@@ -9,22 +9,10 @@ import torch
 
 from hybridflow.engine import Engine, EngineOptions, SamplingParams
 from hybridflow.engine.blocks import BlockPool
-from hybridflow.models import build_model
-from hybridflow.models.presets import preset_config
 
 EAGER = dict(decode_backend="torch", cuda_graphs=False)
 # lengths: 18 (one full block of 16 and a partial one), 2, 32 (two full blocks), 1
 PROMPTS = [[5, 17, 9, 33, 2, 71] * 3, [40, 41], list(range(60, 92)), [12]]
-
-
-@pytest.fixture(scope="module")
-def model():
-    generator = torch.Generator().manual_seed(1)
-    model = build_model(preset_config("tiny"), seed=1).eval().requires_grad_(False)
-    for name, p in model.named_parameters():
-        if not name.endswith("bias"):
-            p.normal_(0, 0.3, generator=generator)
-    return model
 
 
 def _generate(model, params, block_size=None, budget=None, batch=12, **options):

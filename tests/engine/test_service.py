@@ -21,16 +21,6 @@ PROMPTS = [[5, 17, 9, 33, 2, 71], [40, 41], [100, 3, 8, 19, 23, 60, 61, 62, 63, 
 SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def model():
-    generator = torch.Generator().manual_seed(1)
-    model = build_model(preset_config("tiny"), seed=1).eval().requires_grad_(False)
-    for name, p in model.named_parameters():
-        if not name.endswith("bias"):
-            p.normal_(0, 0.3, generator=generator)
-    return model
-
-
 def _engine(model, slots=16, seq=64) -> Engine:
     return Engine(model, slots, seq, options=EAGER)
 
