@@ -1,8 +1,9 @@
-"""KV-cache slot planning: a budget given as a fraction counts the memory PyTorch's allocator
+"""KV-cache slot and block planning: a budget given as a fraction counts the memory PyTorch's allocator
 holds cached but unused as available (a colocated trainer leaves its freed blocks reserved)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hybridflow.engine import kv_cache
@@ -26,3 +27,14 @@ def test_on_cpu_and_with_bytes_the_budget_is_as_given():
     assert kv_cache.plan_slots(64, 1000, None, cpu) == 64
     assert kv_cache.plan_slots(64, 1000, 0.5, cpu) == 64
     assert kv_cache.plan_slots(64, 1000, 10_000, cpu) == 9
+
+
+def test_paged_blocks_are_what_the_budget_holds_capped_at_every_sequence_at_full_length():
+    plan_blocks = kv_cache.plan_blocks
+    cpu = torch.device("cpu")
+    # 4 sequences of 100 positions in blocks of 16: at most 4 * 7 blocks are ever useful
+    assert plan_blocks(4, 100, 16, 1000, None, cpu) == 28
+    assert plan_blocks(4, 100, 16, 1000, 0.5, cpu) == 28  # a fraction: unlimited on CPU
+    assert plan_blocks(4, 100, 16, 1000, 1000 * 11, cpu) == 10  # 10 and the scratch block
+    with pytest.raises(ValueError, match="one sequence of max_seq_len=100 needs 7"):
+        plan_blocks(4, 100, 16, 1000, 1000 * 7, cpu)
