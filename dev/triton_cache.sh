@@ -5,8 +5,8 @@
 #   start of a job:   source dev/triton_cache.sh restore
 #                     (unpacks .cache/triton_parts if present; sets TRITON_CACHE_DIR)
 #   end of a job:     bash dev/triton_cache.sh save "$OUT"
-#                     ($OUT/triton_cache.tgz.part-aa, -ab, ...: 15 MiB pieces, for a job
-#                     runner that returns small files only; the cache is ~19 MB gzipped)
+#                     ($OUT/triton_cache.txz.part-aa, -ab, ...: 15 MiB pieces of an xz tar,
+#                     .tgz without xz, for a job runner that returns small files only)
 #   after it, here:   bash dev/triton_cache.sh collect DIR_THE_FILES_CAME_BACK_IN
 #                     (-> .cache/triton_parts, ignored by git: ship it with the next job)
 # Entries are keyed by each kernel's source and the Triton version, so an edited kernel just
@@ -22,18 +22,26 @@ save)
     sort -u .cache/triton_used.log | while read -r key; do
       [ -d ".cache/triton/$key" ] && echo "triton/$key"
     done > .cache/triton_keep.txt
-    tar czf - -C .cache -T .cache/triton_keep.txt | split -b 15M - "$out/triton_cache.tgz.part-"
   else
-    tar czf - -C .cache triton | split -b 15M - "$out/triton_cache.tgz.part-"
+    echo triton > .cache/triton_keep.txt
+  fi
+  # xz where the machine has it: the whole engine's kernels took 60 MB gzipped (more than a
+  # job returns) and 26 MB as xz; gzip otherwise
+  if command -v xz > /dev/null; then
+    tar cf - -C .cache -T .cache/triton_keep.txt | xz -T0 -6 | split -b 15M - "$out/triton_cache.txz.part-"
+  else
+    tar czf - -C .cache -T .cache/triton_keep.txt | split -b 15M - "$out/triton_cache.tgz.part-"
   fi
   ;;
 collect)
   rm -rf .cache/triton_parts && mkdir -p .cache/triton_parts
-  cp "${2:?collect needs the folder the call files came back in}"/triton_cache.tgz.part-* .cache/triton_parts/
+  cp "${2:?collect needs the folder the call files came back in}"/triton_cache.t?z.part-* .cache/triton_parts/
   ;;
 restore)
   mkdir -p .cache
-  if compgen -G ".cache/triton_parts/triton_cache.tgz.part-*" > /dev/null; then
+  if compgen -G ".cache/triton_parts/triton_cache.txz.part-*" > /dev/null; then
+    cat .cache/triton_parts/triton_cache.txz.part-* | xz -dc | tar xf - -C .cache
+  elif compgen -G ".cache/triton_parts/triton_cache.tgz.part-*" > /dev/null; then
     cat .cache/triton_parts/triton_cache.tgz.part-* | tar xzf - -C .cache
   fi
   export TRITON_CACHE_DIR=$PWD/.cache/triton
