@@ -102,6 +102,7 @@ def resume(scheduler: Scheduler) -> None:
     slot = live.slot = scheduler.free_slots.pop()
     sequence = [*sub.prompt_of(live.request), *live.tokens[:-1]]
     length = len(sequence)
+    engine.prefill_tokens += length  # recomputed: the price of the preemption
     scheduler.paging.grow([slot], [length])
     positions = torch.arange(length)
     slots = torch.full((length,), slot)

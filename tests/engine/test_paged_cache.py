@@ -71,6 +71,8 @@ def test_preempted_requests_resume_with_identical_tokens(model):
     engine, got = _generate(model, params, block_size=16, budget=_block_bytes(probe) * 15)
     assert engine.cache.num_blocks == 14
     assert engine.scheduler.paging.preemptions > 0
+    # each resumed request prefilled its prompt and tokens again (counted, like prompts)
+    assert engine.prefill_tokens > probe.prefill_tokens
     assert [c.token_ids for c in got] == [c.token_ids for c in expected]
     for a, b in zip(got, expected):
         torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
