@@ -423,6 +423,11 @@ class Engine:
             self._allocate()  # makes (and fills) the fused copies
         self.runner.check_weights()
 
+    def shares_prefixes(self, n: int) -> bool:
+        """Whether decode steps with n samples per prompt read each prompt's prefix once per
+        group of its samples (EngineOptions.shared_prefix; the triton backend)."""
+        return self.decode_backend == "triton" and self.options.shared_prefix and n > 1
+
     @torch.no_grad()
     def warm_up(self, params: SamplingParams) -> int:
         """Capture the decode graph of every batch-size bucket for `params`' sampling mode
@@ -434,7 +439,7 @@ class Engine:
         if not self.native or self.scheduler is not None and self.scheduler.busy:
             return 0
         self.start_generation()
-        self.runner.set_mode(params)
+        self.runner.set_mode(params, shared=self.shares_prefixes(params.n))
         context = torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
         with context:
             captured = self.runner.capture_all()

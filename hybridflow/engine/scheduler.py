@@ -232,8 +232,7 @@ class Scheduler:
         modes = {sub.mode: sub.params for sub in subs}
         mode = next(iter(modes.values())) if len(modes) == 1 else mixed_mode(modes)
         engine = self.engine
-        shared = (engine.decode_backend == "triton" and engine.options.shared_prefix
-                  and any(sub.n > 1 for sub in subs))  # fmt: skip
+        shared = engine.shares_prefixes(max(sub.n for sub in subs))
         if shared and not self.runner.shared:
             self.groups_changed = True
         self.runner.set_mode(mode, shared=shared)

@@ -43,3 +43,15 @@ def test_paged_fused_engine_samples_as_the_eager_slot_cache():
     assert [c.token_ids for c in got] == [c.token_ids for c in expected]
     for a, b in zip(got, expected):
         torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-4)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="graphs are captured on CUDA only")
+def test_warm_up_captures_the_graphs_a_call_with_samples_uses():
+    """n > 1 decodes with shared-prefix attention: Engine.warm_up captures those graphs, so
+    the call itself captures none."""
+    engine = Engine(_model(), 16, 96, options=EngineOptions(kv_block_size=16))
+    params = SamplingParams(n=3, temperature=0.9, max_new_tokens=12, seed=3, ignore_eos=True)
+    assert engine.warm_up(params) > 0
+    before = engine.runner.captures
+    engine.generate(PROMPTS, params)
+    assert engine.runner.captures == before
