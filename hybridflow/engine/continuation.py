@@ -54,7 +54,8 @@ def admit(scheduler: Scheduler) -> None:
         scheduler.paging.sync_table()  # the decode-kernel path reads it
     (ids, positions, token_slots, last, seed_lo, seed_hi, row_positions, row_slots,
      max_new_dev, *span_dev) = upload(
-        engine.device, ids, positions, token_slots, counts.cumsum(0) - 1, torch.tensor([sub.seed_lo[r] for sub, r in requests]),
+        engine.device, ids, positions, token_slots, counts.cumsum(0) - 1,
+        torch.tensor([sub.seed_lo[r] for sub, r in requests]),
         torch.tensor([sub.seed_hi[r] for sub, r in requests]), torch.tensor(lengths),
         torch.tensor(slots), torch.tensor(max_new), *span_tensors,
     )  # fmt: skip
@@ -65,5 +66,5 @@ def admit(scheduler: Scheduler) -> None:
                            cu_all.to(torch.int32), *span_maxima)}  # fmt: skip
     logits = engine.extend(engine.model, scheduler.cache, engine.rope, ids, positions,
                            token_slots, last, **spans, **extra)  # fmt: skip  # [R, V]
-    scheduler.append_admitted(requests, slots, logits, seed_lo, seed_hi, row_positions, row_slots,
-                 max_new_dev, max_new, lengths)  # fmt: skip
+    scheduler.append_admitted(requests, slots, logits, seed_lo, seed_hi, row_positions,
+                              row_slots, max_new_dev, max_new, lengths)  # fmt: skip

@@ -280,7 +280,7 @@ class Scheduler:
                 break
             if self.paging is not None:  # its prompt, and a block to grow into (a watermark)
                 need = self.paging.prompt_blocks(length, new_prompt)
-                if not taken and not self.rows:  # the first, with nothing decoding: it fits
+                if not taken and not self.rows:  # nothing decodes: no growth block needed
                     blocks = preemption.evict_kept_for(self, need + 1)
                 else:
                     need += 1
@@ -359,13 +359,14 @@ class Scheduler:
             self.cache.copy_entries((src, src_at), (dst, dst_at))
         prompt_lengths = lengths.tolist()
         self.append_admitted(taken, slots, logits[group_dev], seed_lo, seed_hi, row_positions,
-                     row_slots, max_new_dev, max_new, [prompt_lengths[g] for g in group])  # fmt: skip
+                             row_slots, max_new_dev, max_new,
+                             [prompt_lengths[g] for g in group])  # fmt: skip
         for sub in {sub for sub, _ in taken}:
             sub.table.check()  # the rest of its ids, while the GPU runs this prefill (once)
         return True
 
-    def append_admitted(self, taken, slots, logits, seed_lo, seed_hi, row_positions, row_slots,
-                max_new_dev, max_new, prompt_lengths) -> None:  # fmt: skip
+    def append_admitted(self, taken, slots, logits, seed_lo, seed_hi, row_positions,
+                        row_slots, max_new_dev, max_new, prompt_lengths) -> None:  # fmt: skip
         """Sample the admitted requests' first tokens and append them as live rows."""
         for sub, _ in taken:
             if sub not in self.live_subs:
