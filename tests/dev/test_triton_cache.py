@@ -36,8 +36,9 @@ triton.compile(source, target=GPUTarget("cuda", 90, 32))
 
 
 def _members(out: Path) -> set[str]:
-    parts = sorted(out.glob("triton_cache.tgz.part-*"))
-    archive = out / "all.tgz"
+    parts = sorted(out.glob("triton_cache.t?z.part-*"))  # xz, or gzip where xz is missing
+    assert parts, "save wrote no pieces"
+    archive = out / "all.tar"
     archive.write_bytes(b"".join(p.read_bytes() for p in parts))
     with tarfile.open(archive) as tar:
         return {m.name.split("/")[1] for m in tar.getmembers() if m.name.count("/") >= 1}
