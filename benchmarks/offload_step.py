@@ -4,6 +4,7 @@ estimate beside them.
 
     python benchmarks/offload_step.py --model qwen2.5-7b --prompts 32 --samples 8 --new-tokens 512
     python benchmarks/offload_step.py --model qwen2.5-0.5b --compare   # and with AdamW on the GPU
+    python benchmarks/offload_step.py --lora 64     # and LoRA adapters of rank 64 beside it
 
 The step is the real loop's (trainer/grpo_bench.py: fixed random prompts, random rewards,
 gradient checkpointing, one optimizer step per batch, fp32 masters, bf16 compute). A preset has
@@ -21,7 +22,7 @@ import random
 import torch
 
 
-def run_setting(args, offload: bool) -> dict:
+def run_setting(args, offload: bool, lora_rank: int = 0) -> dict:
     from hybridflow.config import validate
     from hybridflow.models import load_tokenizer
     from hybridflow.trainer.grpo_bench import bench_config, time_grpo_steps
@@ -32,6 +33,7 @@ def run_setting(args, offload: bool) -> dict:
     overrides = (
         "model.tokenizer_path=char",
         f"actor.optimizer_offload={str(offload).lower()}",
+        f"model.lora_rank={lora_rank}",
         *args.override,
     )
     shape = dict(prompts=args.prompts, samples=args.samples, prompt_len=args.prompt_len,
@@ -56,7 +58,8 @@ def run_setting(args, offload: bool) -> dict:
     timed = times[1:] or times  # the first step compiles kernels and warms the allocator
     phase, planned = plan.peak()
     return {
-        "optimizer": "host (offload)" if offload else "GPU",
+        "setting": (f"LoRA r{lora_rank}, " if lora_rank else "full, ")
+        + ("AdamW on the host" if offload else "AdamW on the GPU"),
         "steps": len(times),
         "step_s": sum(timed) / len(timed),
         "all_steps_s": times,
@@ -67,17 +70,18 @@ def run_setting(args, offload: bool) -> dict:
     }
 
 
-def table(rows: list[dict], args) -> str:
-    lines = [
+def table_header(args) -> str:
+    return "\n".join([
         f"{args.model}, {args.prompts} prompts x {args.samples} samples of {args.prompt_len} + "
-        f"{args.new_tokens} tokens, full-parameter, {args.micro_tokens:,}-token micro-batches",
-        "| optimizer | steps | s/step | peak GPU GiB | plan peak GiB | plan host GiB |",
+        f"{args.new_tokens} tokens, {args.micro_tokens:,}-token micro-batches",
+        "| setting | steps | s/step | peak GPU GiB | plan peak GiB | plan host GiB |",
         "|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(f"| {r['optimizer']} | {r['steps']} | {r['step_s']:.2f} | {r['peak_gib']:.1f} "
-                     f"| {r['plan_peak_gib']:.1f} ({r['plan_phase']}) | {r['plan_host_gib']:.1f} |")  # fmt: skip
-    return "\n".join(lines)
+    ])  # fmt: skip
+
+
+def table_row(r: dict) -> str:
+    return (f"| {r['setting']} | {r['steps']} | {r['step_s']:.2f} | {r['peak_gib']:.1f} "
+            f"| {r['plan_peak_gib']:.1f} ({r['plan_phase']}) | {r['plan_host_gib']:.1f} |")  # fmt: skip
 
 
 def main() -> None:
@@ -91,12 +95,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="GRPO steps (the first is warm-up)")
     parser.add_argument("--compare", action="store_true", help="also run with AdamW on the GPU")
     parser.add_argument("--override", action="append", default=[], help="a config key=value")
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK",
+                        help="also run LoRA adapters of this rank (AdamW on the GPU)")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    rows = [run_setting(args, offload=True)]
+    settings = [dict(offload=True)]
     if args.compare:
-        rows.append(run_setting(args, offload=False))
-    print(table(rows, args))
+        settings.append(dict(offload=False))
+    if args.lora:
+        settings.append(dict(offload=False, lora_rank=args.lora))
+    print(table_header(args), flush=True)
+    rows = []
+    for setting in settings:  # each row as it ends: a later setting that dies leaves the rest
+        rows.append(run_setting(args, **setting))
+        print(table_row(rows[-1]), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
