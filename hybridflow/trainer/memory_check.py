@@ -84,6 +84,7 @@ def plan_options(cfg: Config, derived: Derived, gpu_bytes: int | None) -> PlanOp
         rollout_fp8=r.dtype == "fp8",
         max_prefill_tokens=r.engine.max_prefill_tokens,
         split=t.placement == "split",
+        rollout_beside_update=t.mode == "async" and (t.max_staleness > 0 or t.partial_rollout),
         reference=reference,
         reference_offload=cfg.ref.param_offload,
         critic=derived.use_critic,

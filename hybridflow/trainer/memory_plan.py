@@ -28,8 +28,8 @@ What is modelled is what the code does today:
   ``actor.param_offload`` (FSDP2) steps on the host too.
 - **Nothing moves off the GPU between stages** (the loop never calls ``offload()``).
 - **Rollout weights**: the engine reads the actor's own parameters only on one device,
-  without LoRA or FSDP, when their dtype is the rollout's (bf16 training weights); otherwise it
-  holds a full bf16 copy (``workers/rollout.py``).
+  without LoRA or FSDP, in the rollout's dtype (bf16 training weights), never generating over
+  an update (async); otherwise it holds a full bf16 copy (``workers/rollout.py``).
 - **KV cache** (``engine/engine._allocate``, ``engine/kv_cache.plan_slots``): ``max_num_seqs``
   slots of ``max_seq_len`` tokens plus one scratch slot, or fewer when
   ``gpu_memory_utilization`` × free memory − the reserve for decode logits and prefill
@@ -113,6 +113,7 @@ class PlanOptions:
     max_prefill_tokens: int = 16384
     split: bool = False
     """Rollout on GPUs of its own (their items are planned separately)."""
+    rollout_beside_update: bool = False  # async, staleness > 0 or partial: the engine's own weights
     reference: str = "none"
     """none | own (a frozen copy) | actor (the LoRA actor with adapters off: no copy)."""
     reference_offload: bool = False
@@ -281,9 +282,8 @@ def logprob_head_bytes(a: ModelArchitecture, tokens: int, compute_bytes: int = 2
 
 def kv_slot_bytes(a: ModelArchitecture, max_seq_len: int, element_bytes: int = 2) -> int:
     """K and V of one sequence of max_seq_len tokens in every layer (engine/kv_cache.py)."""
-    return (
-        2 * a.num_hidden_layers * max_seq_len * a.num_key_value_heads * a.head_dim * (element_bytes)
-    )
+    per_token = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * element_bytes
+    return per_token * max_seq_len
 
 
 def rollout_reserve_bytes(a: ModelArchitecture, options: PlanOptions) -> int:
@@ -446,7 +446,7 @@ def critic_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
 
 def rollout_shares_actor_weights(o: PlanOptions) -> bool:
     """The engine runs on the actor's own tensors (workers/rollout.RolloutWorker)."""
-    return (not o.split and not o.sharded and o.lora_rank == 0
+    return (not o.split and not o.sharded and o.lora_rank == 0 and not o.rollout_beside_update
             and o.trained_weight_bytes == o.rollout_bytes)  # fmt: skip
 
 

@@ -133,3 +133,22 @@ def test_plan_options_follow_the_config():
     # 8 prompts × 8 samples of up to 1024 tokens in 4096-token micro-batches: 16
     assert options.micro_batches == 16
     assert options.rollout_max_seq_len == 1024
+
+
+@pytest.mark.parametrize(
+    "mode, expected",
+    [(["trainer.mode=sync"], False),
+     (["trainer.mode=async", "trainer.max_staleness=0"], False),  # on-policy: generate, then train
+     (["trainer.mode=async", "trainer.max_staleness=1"], True),
+     (["trainer.mode=async", "trainer.max_staleness=0", "trainer.partial_rollout=true"], True)],
+)  # fmt: skip
+def test_async_generation_beside_the_update_plans_the_engines_own_weights(mode, expected):
+    cfg = load_config(None, ["model.path=qwen2.5-0.5b", "model.dtype=bfloat16", *mode])
+    options = mc.plan_options(cfg, validate(cfg), None)
+    assert options.rollout_beside_update is expected
+    weights = {
+        i.name: i.gpu_bytes for i in mc.plan_for_config(cfg).items if "rollout weights" in i.name
+    }
+    # bf16 training weights: the engine reads them in place unless it generates over the update
+    copy = mc.plan_for_config(cfg).architecture.num_parameters() * 2
+    assert sum(weights.values()) == (copy if expected else 0)
