@@ -1,6 +1,6 @@
 """Per-row float8 e4m3 quantization of activations (fp8.py): a program per row finds the row's
 max |x|, then writes x / scale as e4m3 and the scale. Matches fp8.quantize_rows_reference
-(fp32 arithmetic, the same clamp, round to nearest even).
+(fp32 arithmetic, IEEE division, the same clamp, round to nearest even) bit for bit.
 
 The standalone kernel here quantizes the attention output in front of o_proj; the norms and
 SiLU*up in rowwise.py write their outputs through the same helpers (row_scale, e4m3_values)
@@ -18,15 +18,17 @@ from hybridflow.engine.fp8 import E4M3, TINY, Fp8Rows
 
 @triton.jit
 def row_scale(amax, tiny):
-    """A row's scale from its max |x| (fp32): max(amax, tiny) / 448."""
-    return tl.maximum(amax, tiny) / 448.0
+    """A row's scale from its max |x| (fp32): max(amax, tiny) / 448. Divisions here are
+    IEEE-rounded (div_rn) as torch's are: Triton's `/` compiles to div.full.f32 (2 ulp),
+    which moves values near an e4m3 tie to the other side now and then."""
+    return tl.math.div_rn(tl.maximum(amax, tiny), 448.0)
 
 
 @triton.jit
 def _round_to_e4m3(y):
     """fp32 y within ±448 -> the nearest e4m3fn value, ties to even, still as fp32: what
     torch's cast and the GPU's cvt.rn.satfinite give. The cast that follows is then exact,
-    so the Triton interpreter (whose own fp8 cast rounds 31.5 to 16, not 32) agrees with the
+    so the Triton interpreter (whose own fp8 cast took 31.53 to 16, not 32) agrees with the
     GPU and the CPU tests can check bits."""
     bits = y.to(tl.int32, bitcast=True)
     lowest_kept = (bits >> 20) & 1  # 3 of the 23 mantissa bits stay
@@ -42,7 +44,8 @@ def _round_to_e4m3(y):
 def e4m3_values(x, scale):
     """fp32 x / scale, clamped to ±448 and rounded to e4m3 (fp32 holding e4m3 values; the
     store casts them exactly)."""
-    return _round_to_e4m3(tl.minimum(tl.maximum(x / scale, -448.0), 448.0))
+    y = tl.math.div_rn(x, scale)
+    return _round_to_e4m3(tl.minimum(tl.maximum(y, -448.0), 448.0))
 
 
 @triton.jit
