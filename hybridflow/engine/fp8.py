@@ -82,12 +82,12 @@ class Fp8Matmul:
     gate_up_silu returns Fp8Rows, the down projection's input.
 
     fast_accumulation: torch._scaled_mm's use_fast_accum. Hopper's fp8 tensor cores then keep
-    their partial sums in the MMA's own accumulator (~14 mantissa bits, DeepSeek-V3 report
-    sec. 3.3.2) instead of promoting them to fp32 along K, which cuBLAS does otherwise at a
-    large cost in throughput. The error it adds to a product is well below what the e4m3
-    rounding of both operands (up to 2^-4 per element) already puts there, and the trainer
-    corrects the rollout's log-probs by importance sampling either way; so it is on by
-    default. The engine holds one Fp8Matmul for prefill, extend and decode: all three
+    each tile's partial sums in the MMA's own accumulator (about 14 bits retained, DeepSeek-V3
+    report sec. 3.3.2) instead of the kernel promoting them into fp32 every few K steps,
+    which costs throughput (not yet measured here). That error stays below what the e4m3
+    rounding of both operands (up to 2^-4 of each element) already puts in a product, and
+    the trainer corrects the rollout's log-probs by importance sampling either way; so it is
+    on by default. The engine holds one Fp8Matmul for prefill, extend and decode: all three
     accumulate the same way."""
 
     def __init__(self, model, fused, fast_accumulation: bool = True):
