@@ -4,7 +4,9 @@ Weights: each projection (the fused q/k/v and gate/up copies, o_proj, down_proj)
 per output channel (scale = the row's max |w| / 448) into an fp8 copy that lives as long as
 the KV cache and is refreshed in place from the live bf16 parameters at every weight sync, so
 captured CUDA graphs stay valid. Activations: quantized per token (row) in front of each
-matmul. The product: torch._scaled_mm with both scale vectors, bf16 out. The embedding, the
+matmul: the split layer's norms and SiLU*up write their outputs as e4m3 rows with scales
+(Fp8Rows, rowwise.py), so only the attention output takes a quantize launch of its own. The
+product: torch._scaled_mm with both scale vectors, bf16 out. The embedding, the
 norms, attention, the KV cache and the lm_head stay in the model dtype, so the sampled
 tokens' log-probs come from bf16 logits of fp8-projected hidden states.
 
@@ -18,6 +20,8 @@ behaviour log-probs (actor.rollout_is_cap, on by default with rollout.dtype=fp8)
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -25,17 +29,25 @@ from hybridflow.engine.kernels.launch import PLAIN, Launch
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
-_TINY = 1e-12  # an all-zero row gets a finite scale (and quantizes to zeros)
+TINY = 1e-12  # an all-zero row gets a finite scale (and quantizes to zeros)
 
 
-def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+class Fp8Rows(NamedTuple):
+    """Activations quantized per row (quantize_rows, or a kernel that wrote them so):
+    x ≈ values * scale."""
+
+    values: torch.Tensor  # [M, K] float8_e4m3fn
+    scale: torch.Tensor  # [M, 1] fp32
+
+
+def quantize_rows_reference(x: torch.Tensor) -> Fp8Rows:
     """x [M, K] -> (x8 [M, K] e4m3, scale [M, 1] fp32) with x ≈ x8 * scale per row."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY) / E4M3_MAX
-    return (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=TINY) / E4M3_MAX
+    return Fp8Rows((xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor) -> Fp8Rows:
     """quantize_rows_reference on CUDA in one Triton launch (kernels/fp8_quant.py)."""
     if not x.is_cuda:
         return quantize_rows_reference(x)
@@ -44,13 +56,19 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows_triton(x)
 
 
-def scaled_linear(x: torch.Tensor, weight8: torch.Tensor, weight_scale: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """x [M, K] (model dtype) times an fp8 weight [N, K] with per-channel scales [1, N] ->
-    [M, N] in x's dtype."""
-    x8, x_scale = quantize_rows(x.contiguous())
-    out = torch._scaled_mm(x8, weight8.t(), scale_a=x_scale, scale_b=weight_scale,
-                           out_dtype=x.dtype)  # fmt: skip
+def scaled_linear(
+    x: torch.Tensor | Fp8Rows, weight8: torch.Tensor, weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+    fast_accumulation: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """x [M, K] (model dtype, quantized here; or Fp8Rows already quantized) times an fp8
+    weight [N, K] with per-channel scales [1, N] -> [M, N] in out_dtype (default: x's dtype;
+    required for Fp8Rows). fast_accumulation: see Fp8Matmul."""
+    if not isinstance(x, Fp8Rows):
+        out_dtype = out_dtype or x.dtype
+        x = quantize_rows(x.contiguous())
+    out = torch._scaled_mm(x.values, weight8.t(), scale_a=x.scale, scale_b=weight_scale,
+                           out_dtype=out_dtype, use_fast_accum=fast_accumulation)  # fmt: skip
     return out if bias is None else out + bias
 
 
@@ -58,10 +76,23 @@ class Fp8Matmul:
     """The decode layer's matmuls (the interface of matmul_choice.DecodeMatmul) over fp8
     copies of the model's projections. model: the CausalLM; fused: weights.FusedProjections
     (its q/k/v and gate/up copies are the ones quantized) or None. A weight it holds no copy
-    of (none: every projection is covered) goes through F.linear in the model dtype."""
+    of (none: every projection is covered) goes through F.linear in the model dtype.
 
-    def __init__(self, model, fused):
+    linear takes model-dtype rows or Fp8Rows (what the split layer's e4m3 norms write), and
+    gate_up_silu returns Fp8Rows, the down projection's input.
+
+    fast_accumulation: torch._scaled_mm's use_fast_accum. Hopper's fp8 tensor cores then keep
+    each tile's partial sums in the MMA's own accumulator (about 14 bits retained, DeepSeek-V3
+    report sec. 3.3.2) instead of the kernel promoting them into fp32 every few K steps,
+    which costs throughput (not yet measured here). That error stays below what the e4m3
+    rounding of both operands (up to 2^-4 of each element) already puts in a product, and
+    the trainer corrects the rollout's log-probs by importance sampling either way; so it is
+    on by default. The engine holds one Fp8Matmul for prefill, extend and decode: all three
+    accumulate the same way."""
+
+    def __init__(self, model, fused, fast_accumulation: bool = True):
         self.model, self.fused = model, fused
+        self.fast_accumulation = fast_accumulation
         self.copies: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.refresh()
 
@@ -105,15 +136,20 @@ class Fp8Matmul:
     def nbytes(self) -> int:
         return sum(w8.numel() + s.numel() * 4 for _, w8, s in self.copies.values())
 
-    def linear(self, x, weight, bias=None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor | Fp8Rows, weight, bias=None) -> torch.Tensor:
+        """x [M, K] (model dtype or Fp8Rows) @ weight.T (+ bias) -> [M, N] in weight's dtype."""
         copy = self.copies.get(weight.data_ptr())
         if copy is None or copy[0].shape != weight.shape:
+            if isinstance(x, Fp8Rows):
+                x = (x.values.float() * x.scale).to(weight.dtype)
             return F.linear(x, weight, bias)
-        return scaled_linear(x, copy[1], copy[2], bias)
+        return scaled_linear(x, copy[1], copy[2], bias, out_dtype=weight.dtype,
+                             fast_accumulation=self.fast_accumulation)  # fmt: skip
 
-    def gate_up_silu(self, x: torch.Tensor, weight_pairs: torch.Tensor,
-                     launch: Launch = PLAIN) -> torch.Tensor:  # fmt: skip
-        """silu(gate) * up of the interleaved gate/up product (gemm.gate_up_silu_cublas)."""
+    def gate_up_silu(self, x: torch.Tensor | Fp8Rows, weight_pairs: torch.Tensor,
+                     launch: Launch = PLAIN) -> Fp8Rows:  # fmt: skip
+        """silu(gate) * up of the interleaved gate/up product (gemm.gate_up_silu_cublas),
+        written as e4m3 rows for the down projection."""
         from hybridflow.engine.kernels import rowwise
 
-        return rowwise.silu_mul_pairs(self.linear(x, weight_pairs), launch=launch)
+        return rowwise.silu_mul_pairs_e4m3(self.linear(x, weight_pairs), launch=launch)

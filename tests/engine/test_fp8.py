@@ -1,6 +1,7 @@
 """FP8 matmuls (fp8.py) on the CPU: per-row e4m3 quantization within its rounding step, the
 scaled matmul against the model-dtype one, copies refreshed in place from the live weights,
-and the options that cannot run fp8 refused."""
+rows quantized ahead (what the e4m3 norms hand over) taken as model-dtype ones, and the
+options that cannot run fp8 refused."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow.engine import Engine, EngineOptions
-from hybridflow.engine.fp8 import E4M3_MAX, Fp8Matmul, quantize_rows_reference, scaled_linear
+from hybridflow.engine.fp8 import (
+    E4M3_MAX,
+    Fp8Matmul,
+    Fp8Rows,
+    quantize_rows_reference,
+    scaled_linear,
+)
 from hybridflow.errors import UserError
 from hybridflow.models import build_model
 from hybridflow.models.presets import preset_config
@@ -80,6 +87,20 @@ def test_copies_cover_every_projection_and_refresh_in_place_from_the_live_weight
         5, x.shape[1], generator=generator
     )  # not a projection: the model dtype's matmul
     torch.testing.assert_close(matmul.linear(x, other), F.linear(x, other))
+
+
+def test_linear_takes_rows_quantized_ahead_as_it_takes_model_dtype_rows():
+    model = _model()
+    weight = model.model.layers[1].self_attn.o_proj.weight
+    x = torch.randn(4, weight.shape[1], generator=torch.Generator().manual_seed(3))
+    for fast in (True, False):
+        matmul = Fp8Matmul(model, fused=None, fast_accumulation=fast)
+        rows = quantize_rows_reference(x)
+        assert isinstance(rows, Fp8Rows)
+        assert torch.equal(matmul.linear(rows, weight), matmul.linear(x, weight))
+    other = torch.randn(5, x.shape[1])  # not a projection: dequantized, model-dtype matmul
+    dequantized = (rows.values.float() * rows.scale).to(x.dtype)
+    assert torch.equal(matmul.linear(rows, other), F.linear(dequantized, other))
 
 
 def test_options_that_cannot_run_fp8_are_refused():

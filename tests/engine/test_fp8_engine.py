@@ -55,11 +55,11 @@ def test_fp8_engine_samples_near_the_model_dtype_engine_and_follows_weight_updat
         assert abs(a.logprobs[0] - b.logprobs[0]) < 0.25
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter does not round to fp8 as GPUs do")
+@pytest.mark.skipif(DEVICE != "cuda", reason="on the CPU quantize_rows is the reference")
 def test_the_triton_activation_quantizer_matches_the_reference():
     x = torch.randn(37, 4864, device=DEVICE, dtype=torch.bfloat16) * 3
     x[5] = 0
     got, scale = quantize_rows(x)
     want, want_scale = quantize_rows_reference(x)
-    torch.testing.assert_close(scale, want_scale)
-    assert torch.equal(got.float(), want.float())
+    assert torch.equal(scale, want_scale)  # IEEE divisions in the kernel, as in torch
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))

@@ -1,6 +1,11 @@
-"""Per-row float8 e4m3 quantization of activations in one launch (fp8.py): a program per row
-finds the row's max |x| over chunks of columns, then writes x / scale as e4m3 and the scale.
-Matches fp8.quantize_rows_reference (fp32 arithmetic, the same clamp and cast)."""
+"""Per-row float8 e4m3 quantization of activations (fp8.py): a program per row finds the row's
+max |x|, then writes x / scale as e4m3 and the scale. Matches fp8.quantize_rows_reference
+(fp32 arithmetic, IEEE division, the same clamp, round to nearest even) bit for bit.
+
+The standalone kernel here quantizes the attention output in front of o_proj; the norms and
+SiLU*up in rowwise.py write their outputs through the same helpers (row_scale, e4m3_values)
+so that each of them hands its matmul e4m3 rows without a launch of its own.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,39 @@ import torch
 import triton
 import triton.language as tl
 
-E4M3_MAX = 448.0
+from hybridflow.engine.fp8 import E4M3, TINY, Fp8Rows
+
+
+@triton.jit
+def row_scale(amax, tiny):
+    """A row's scale from its max |x| (fp32): max(amax, tiny) / 448. Divisions here are
+    IEEE-rounded (div_rn) as torch's are: Triton's `/` compiles to div.full.f32 (2 ulp),
+    which moves values near an e4m3 tie to the other side now and then."""
+    return tl.math.div_rn(tl.maximum(amax, tiny), 448.0)
+
+
+@triton.jit
+def _round_to_e4m3(y):
+    """fp32 y within ±448 -> the nearest e4m3fn value, ties to even, still as fp32: what
+    torch's cast and the GPU's cvt.rn.satfinite give. The cast that follows is then exact,
+    so the Triton interpreter (whose own fp8 cast took 31.53 to 16, not 32) agrees with the
+    GPU and the CPU tests can check bits."""
+    bits = y.to(tl.int32, bitcast=True)
+    lowest_kept = (bits >> 20) & 1  # 3 of the 23 mantissa bits stay
+    normal = ((bits + 0x7FFFF + lowest_kept) & -0x100000).to(tl.float32, bitcast=True)
+    # below 2^-6 e4m3 is subnormal, multiples of 2^-9: adding 1.5 * 2^14 leaves fp32 that
+    # resolution and rounds to nearest even there
+    subnormal = (tl.abs(y) + 24576.0) - 24576.0
+    subnormal = tl.where(bits < 0, -subnormal, subnormal)  # keeps the sign of -0 too
+    return tl.where(tl.abs(y) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def e4m3_values(x, scale):
+    """fp32 x / scale, clamped to ±448 and rounded to e4m3 (fp32 holding e4m3 values; the
+    store casts them exactly)."""
+    y = tl.math.div_rn(x, scale)
+    return _round_to_e4m3(tl.minimum(tl.maximum(y, -448.0), 448.0))
 
 
 @triton.jit
@@ -21,21 +58,26 @@ def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, stride_x, stride_o, K, tiny
         mask = start + cols < K
         x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0)
         amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, axis=0), tiny) / 448.0
+    scale = row_scale(tl.max(amax, axis=0), tiny)
     tl.store(scale_ptr + row, scale)
     for start in range(0, K, BLOCK_K):
         mask = start + cols < K
         x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0)
-        y = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -448.0), 448.0)
+        y = e4m3_values(x.to(tl.float32), scale)
         tl.store(out_ptr + row * stride_o + start + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def empty_rows(rows: int, width: int, device: torch.device) -> Fp8Rows:
+    """Uninitialised e4m3 rows [rows, width] and their scales, for a kernel to fill."""
+    return Fp8Rows(torch.empty((rows, width), dtype=E4M3, device=device),
+                   torch.empty((rows, 1), dtype=torch.float32, device=device))  # fmt: skip
+
+
+def quantize_rows_triton(x: torch.Tensor) -> Fp8Rows:
     """x [M, K] (last dim contiguous) -> (x8 [M, K] e4m3, scale [M, 1] fp32)."""
     rows, depth = x.shape
-    out = torch.empty((rows, depth), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    out, scale = empty_rows(rows, depth, x.device)
     block = min(4096, triton.next_power_of_2(depth))
-    _quantize_rows_kernel[(rows,)](x, out, scale, x.stride(0), out.stride(0), depth, 1e-12,
+    _quantize_rows_kernel[(rows,)](x, out, scale, x.stride(0), out.stride(0), depth, TINY,
                                    BLOCK_K=block, num_warps=8 if block >= 2048 else 4)  # fmt: skip
-    return out, scale
+    return Fp8Rows(out, scale)

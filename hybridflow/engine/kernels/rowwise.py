@@ -3,7 +3,9 @@
 Why: at decode batch sizes every op is memory- or launch-bound, and an eager step of a 24-layer
 model is ~40 tiny kernels per layer. Fusing RMSNorm with the residual add, RoPE with the cache
 store and SiLU with the up projection cuts that to ~9 per layer (the rest are cuBLAS matmuls;
-the sampler is in sampler_kernels.py, decode attention in attention_kernels.py).
+the sampler is in sampler_kernels.py, decode attention in attention_kernels.py). For an fp8
+matmul (fp8.py) the norms and SiLU*up also write their output as e4m3 rows with per-row
+scales (the *_e4m3 functions), so no quantize launch sits between them and the matmul.
 
 Rounding follows the torch ops they replace (results cast to the activation dtype where torch
 would), so bf16 outputs stay within a rounding step of the eager path.
@@ -15,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridflow.engine.fp8 import TINY, Fp8Rows
+from hybridflow.engine.kernels.fp8_quant import e4m3_values, empty_rows, row_scale
 from hybridflow.engine.kernels.launch import PLAIN, Launch
 from hybridflow.engine.kernels.pdl import wait_then_release
 
@@ -26,9 +30,12 @@ from hybridflow.engine.kernels.pdl import wait_then_release
 def _rms_norm_kernel(
     x_ptr, delta_ptr, w_ptr, out_ptr, stride_x, stride_d, stride_o, H, eps,
     ADD: tl.constexpr, WEIGHT: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False,
+    scale_ptr=None, tiny=0.0, E4M3: tl.constexpr = False,
 ):  # fmt: skip
     """One row per program (on 4 warps: the fastest on the H200 at 256, 1024 and 16384 rows;
-    4 rows a program took 2.18 vs 1.94 us at 256 rows)."""
+    4 rows a program took 2.18 vs 1.94 us at 256 rows). E4M3: out is e4m3 and scale_ptr [B]
+    fp32 gets each row's scale (fp8_quant.py), from the output rounded to x's dtype as the
+    plain kernel stores it, so the two match quantize_rows of that output bit for bit."""
     wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
@@ -43,16 +50,23 @@ def _rms_norm_kernel(
     y = xf * tl.rsqrt(variance + eps)
     if WEIGHT:  # else the weight is folded into the next matmul (FusedProjections)
         y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if E4M3:  # after the weight: the scale is the max of what the matmul reads
+        y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+        scale = row_scale(tl.max(tl.abs(y), axis=0), tiny)
+        tl.store(scale_ptr + row, scale)
+        y = e4m3_values(y, scale)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch_rms_norm(x, delta, weight, out, eps, add: bool, weighted: bool,
-                     launch: Launch) -> None:  # fmt: skip
+                     launch: Launch, scale: torch.Tensor | None = None) -> None:  # fmt: skip
+    """scale: out is e4m3 and scale [B, 1] fp32 receives the rows' scales."""
     rows, hidden = x.shape
+    e4m3 = {} if scale is None else dict(scale_ptr=scale, tiny=TINY, E4M3=True)
     _rms_norm_kernel[(rows,)](
         x, delta, weight, out, x.stride(0), delta.stride(0), out.stride(0), hidden, eps,
         ADD=add, WEIGHT=weighted, BLOCK_H=triton.next_power_of_2(hidden), num_warps=4,
-        **launch.keywords(),
+        **launch.keywords(), **e4m3,
     )  # fmt: skip
 
 
@@ -75,24 +89,35 @@ def add_rms_norm(
     return out
 
 
+def rms_norm_e4m3(x: torch.Tensor, norm, weighted: bool = True,
+                  launch: Launch = PLAIN) -> Fp8Rows:  # fmt: skip
+    """rms_norm(x, norm, weighted) as e4m3 rows with per-row scales (fp8.quantize_rows of
+    it, in the norm's own launch)."""
+    out = empty_rows(*x.shape, x.device)
+    _launch_rms_norm(x, x, norm.weight, out.values, norm.eps, False, weighted, launch, out.scale)
+    return out
+
+
+def add_rms_norm_e4m3(
+    residual: torch.Tensor, delta: torch.Tensor, norm, weighted: bool = True,
+    launch: Launch = PLAIN,
+) -> Fp8Rows:  # fmt: skip
+    """add_rms_norm (residual += delta in place) with its output as e4m3 rows and scales."""
+    out = empty_rows(*residual.shape, residual.device)
+    _launch_rms_norm(residual, delta, norm.weight, out.values, norm.eps, True, weighted, launch,
+                     out.scale)  # fmt: skip
+    return out
+
+
 # -------------------------------------------------------------------------------------------
 # SiLU(gate) * up
 
 
 @triton.jit
-def _silu_mul_kernel(
-    g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_o, n, PAIRS: tl.constexpr,
-    BLOCK: tl.constexpr, PDL: tl.constexpr = False, h_ptr=None, stride_h=0, H=1, eps=0.0,
-    NORM: tl.constexpr = False, H_PAD: tl.constexpr = 16,
-):  # fmt: skip
-    """PAIRS: g_ptr rows hold (gate_0, up_0, gate_1, up_1, ...), read as [BLOCK, 2] tiles
-    (contiguous, vectorised) and split; else gate and up are separate rows. NORM: gate and
-    up are residual @ W^T with the RMSNorm weight folded into W; each is scaled by the row's
-    1/rms(residual) (h [B, H]) and rounded to the activation dtype first (lean.py)."""
-    wait_then_release(PDL)
-    row = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n
+def _load_gate_up(g_ptr, u_ptr, row, cols, mask, stride_g, stride_u, PAIRS: tl.constexpr):
+    """gate and up at `cols` of `row`, fp32. PAIRS: g_ptr rows hold (gate_0, up_0, gate_1,
+    up_1, ...), read as [BLOCK, 2] tiles (contiguous, vectorised) and split; else gate and up
+    are separate rows."""
     if PAIRS:
         two = tl.arange(0, 2)
         offs = row * stride_g + cols[:, None] * 2 + two[None, :]
@@ -101,6 +126,30 @@ def _silu_mul_kernel(
     else:
         g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    return g, u
+
+
+@triton.jit
+def _silu_times_up(g, u, dtype: tl.constexpr):
+    """silu(g) * u in fp32, silu(g) rounded to `dtype` first as torch does."""
+    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    return silu * u
+
+
+@triton.jit
+def _silu_mul_kernel(
+    g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_o, n, PAIRS: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr = False, h_ptr=None, stride_h=0, H=1, eps=0.0,
+    NORM: tl.constexpr = False, H_PAD: tl.constexpr = 16,
+):  # fmt: skip
+    """PAIRS: see _load_gate_up. NORM: gate and up are residual @ W^T with the RMSNorm weight
+    folded into W; each is scaled by the row's 1/rms(residual) (h [B, H]) and rounded to the
+    activation dtype first (lean.py)."""
+    wait_then_release(PDL)
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    g, u = _load_gate_up(g_ptr, u_ptr, row, cols, mask, stride_g, stride_u, PAIRS)
     dtype = out_ptr.dtype.element_ty
     if NORM:
         hcols = tl.arange(0, H_PAD)
@@ -108,8 +157,37 @@ def _silu_mul_kernel(
         rstd = tl.rsqrt(tl.sum(hrow * hrow, axis=0) / H + eps)
         g = (g * rstd).to(dtype).to(tl.float32)
         u = (u * rstd).to(dtype).to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)  # torch rounds silu(g) first
-    tl.store(out_ptr + row * stride_o + cols, (silu * u).to(dtype), mask=mask)
+    tl.store(out_ptr + row * stride_o + cols, _silu_times_up(g, u, dtype).to(dtype), mask=mask)
+
+
+@triton.jit
+def _silu_mul_e4m3_kernel(
+    g_ptr, u_ptr, out_ptr, scale_ptr, stride_g, stride_u, stride_o, n, tiny,
+    PAIRS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    """silu(gate) * up as e4m3 rows (out) and per-row scales (scale_ptr [B] fp32), one row
+    per program since the row's max sets its scale. Two passes over the row: the second
+    recomputes the products from gate/up (read again, from L2) rather than hold a row of
+    products in registers. Each product is rounded to the activation dtype before its max
+    and its quantization, as _silu_mul_kernel then quantize_rows would."""
+    wait_then_release(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    dtype = g_ptr.dtype.element_ty
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        g, u = _load_gate_up(g_ptr, u_ptr, row, cols, cols < n, stride_g, stride_u, PAIRS)
+        act = _silu_times_up(g, u, dtype).to(dtype).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(act))
+    scale = row_scale(tl.max(amax, axis=0), tiny)
+    tl.store(scale_ptr + row, scale)
+    for start in range(0, n, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n
+        g, u = _load_gate_up(g_ptr, u_ptr, row, cols, mask, stride_g, stride_u, PAIRS)
+        act = _silu_times_up(g, u, dtype).to(dtype).to(tl.float32)
+        x8 = e4m3_values(act, scale).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * stride_o + cols, x8, mask=mask)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, launch: Launch = PLAIN) -> torch.Tensor:
@@ -155,6 +233,36 @@ def silu_mul_pairs(
         PAIRS=True, BLOCK=block, **launch.keywords(), **extra,
     )  # fmt: skip
     return out
+
+
+# Columns per loop step of the e4m3 SiLU*up (a program per row, 8 warps): the standalone
+# quantizer's shape (fp8_quant.py), not yet timed against others.
+SILU_E4M3_BLOCK = 2048
+
+
+def _launch_silu_mul_e4m3(gate, up, stride_g, stride_u, inner, pairs: bool,
+                          launch: Launch) -> Fp8Rows:  # fmt: skip
+    out = empty_rows(gate.shape[0], inner, gate.device)
+    _silu_mul_e4m3_kernel[(gate.shape[0],)](
+        gate, up, out.values, out.scale, stride_g, stride_u, out.values.stride(0), inner, TINY,
+        PAIRS=pairs, BLOCK=SILU_E4M3_BLOCK, num_warps=8, **launch.keywords(),
+    )  # fmt: skip
+    return out
+
+
+def silu_mul_e4m3(gate: torch.Tensor, up: torch.Tensor, launch: Launch = PLAIN) -> Fp8Rows:
+    """silu_mul(gate, up) as e4m3 rows with per-row scales (fp8.quantize_rows of it, in one
+    launch)."""
+    assert gate.stride(1) == 1 and up.stride(1) == 1 and gate.shape == up.shape
+    return _launch_silu_mul_e4m3(gate, up, gate.stride(0), up.stride(0), gate.shape[1], False,
+                                 launch)  # fmt: skip
+
+
+def silu_mul_pairs_e4m3(product: torch.Tensor, launch: Launch = PLAIN) -> Fp8Rows:
+    """silu_mul_pairs(product) (no norm) as e4m3 rows with per-row scales."""
+    assert product.stride(1) == 1 and product.shape[1] % 2 == 0
+    return _launch_silu_mul_e4m3(product, product, product.stride(0), product.stride(0),
+                                 product.shape[1] // 2, True, launch)  # fmt: skip
 
 
 # -------------------------------------------------------------------------------------------

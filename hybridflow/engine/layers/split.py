@@ -2,7 +2,8 @@
 attention, o_proj, add+RMSNorm, gate/up (+SiLU), down), cuBLAS for the matmuls (or the
 DecodeMatmul's choice for gate/up), the fused row-wise kernels around them. Also the layer
 stack of the triton prefill (with its packed attention). The reference the other decode
-layers (chain.py, lean.py) are timed against, and the one that always applies.
+layers (chain.py, lean.py) are timed against, and the one that always applies, fp8 included:
+with an fp8.Fp8Matmul the norms and SiLU*up write e4m3 rows for the projections after them.
 """
 
 from __future__ import annotations
@@ -30,15 +31,21 @@ def fused_layers(
     whose output is wanted (the last layer past attention runs on those only: prefill).
     launch: the kernels' launch options. Returns the final-normed hidden states [N or
     len(keep), H]."""
+    from hybridflow.engine.fp8 import Fp8Matmul
     from hybridflow.engine.kernels import gemm, rowwise
 
     linear = matmul.linear if matmul is not None else F.linear
     gate_up_silu = matmul.gate_up_silu if matmul is not None else gemm.gate_up_silu_cublas
+    if isinstance(matmul, Fp8Matmul):  # outputs as e4m3 rows + scales, what its matmuls read
+        rms_norm, add_rms_norm = rowwise.rms_norm_e4m3, rowwise.add_rms_norm_e4m3
+        silu_mul = rowwise.silu_mul_e4m3
+    else:
+        rms_norm, add_rms_norm, silu_mul = rowwise.rms_norm, rowwise.add_rms_norm, rowwise.silu_mul
 
     layers = model.model.layers
     hidden = model.model.embed_tokens(input_ids)  # [N, H] residual stream, updated in place
     weighted = fused is None or not fused.folded  # else the norm weights are in the matmuls
-    normed = rowwise.rms_norm(hidden, layers[0].input_layernorm, weighted, launch)
+    normed = rms_norm(hidden, layers[0].input_layernorm, weighted, launch)
     for index, layer in enumerate(layers):
         attn = layer.self_attn
         if fused is not None:
@@ -58,19 +65,18 @@ def fused_layers(
         if keep is not None and index + 1 == len(layers):  # prefill: the last tokens only
             out, hidden = out[keep], hidden[keep]
         delta = linear(out.flatten(-2), attn.o_proj.weight, attn.o_proj.bias)
-        normed = rowwise.add_rms_norm(hidden, delta, layer.post_attention_layernorm, weighted,
-                                      launch)  # fmt: skip
+        normed = add_rms_norm(hidden, delta, layer.post_attention_layernorm, weighted, launch)
         mlp = layer.mlp
         if fused is not None and fused.gate_up_weight is not None:
             act = gate_up_silu(normed, fused.gate_up_weight[index], launch)  # silu(gate) * up
         else:
-            act = rowwise.silu_mul(
+            act = silu_mul(
                 linear(normed, mlp.gate_proj.weight), linear(normed, mlp.up_proj.weight), launch
             )
         delta = linear(act, mlp.down_proj.weight)
         if index + 1 < len(layers):
-            normed = rowwise.add_rms_norm(hidden, delta, layers[index + 1].input_layernorm,
-                                          weighted, launch)  # fmt: skip
+            normed = add_rms_norm(hidden, delta, layers[index + 1].input_layernorm, weighted,
+                                  launch)  # fmt: skip
         else:  # the final norm feeds lm_head, never folded
             normed = rowwise.add_rms_norm(hidden, delta, model.model.norm, launch=launch)
     return normed

@@ -23,6 +23,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from hybridflow.engine.kernels import (
     attention,
+    fp8_quant,
     gemm,
     gemm_persistent,
     rowwise,
@@ -258,6 +259,28 @@ def test_sampler_kernels_compile(greedy, filtered):
             overrides=part_idx,
             warps=8,
         )
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_e4m3_writers_compile_with_the_hardware_cast(pdl):
+    """The kernels that quantize activations for fp8 matmuls (fp8.py): the standalone one, the
+    norms' E4M3 variant, SiLU*up's. Their e4m3 values are rounded in fp32 first, so the store's
+    cast (cvt...e4m3x2) only has exact values to convert."""
+    e4m3 = {"out_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "tiny": "fp32"}
+    on = dict(PDL=True) if pdl else {}
+    compiled = [
+        _compile(fp8_quant._quantize_rows_kernel, dict(BLOCK_K=2048), overrides=e4m3, warps=8)
+    ]
+    for add, weighted in [(True, True), (False, True), (True, False)]:
+        norm = dict(ADD=add, WEIGHT=weighted, BLOCK_H=2048, E4M3=True, **on)
+        compiled.append(_compile(rowwise._rms_norm_kernel, norm, overrides=e4m3))
+    for pairs in (True, False):
+        silu = dict(PAIRS=pairs, BLOCK=rowwise.SILU_E4M3_BLOCK, **on)
+        compiled.append(_compile(rowwise._silu_mul_e4m3_kernel, silu, overrides=e4m3, warps=8))
+    for kernel in compiled:
+        assert "e4m3x2" in kernel.asm["ptx"]
+    if pdl:  # the standalone quantizer takes no PDL launch
+        assert all("griddepcontrol.wait" in kernel.asm["ptx"] for kernel in compiled[1:])
 
 
 @pytest.mark.parametrize("with_entropy", [True, False])
