@@ -77,6 +77,7 @@ def plan_options(cfg: Config, derived: Derived, gpu_bytes: int | None) -> PlanOp
         micro_batches=max(micro_batches, 1),
         rollout_max_seqs=r.max_num_seqs,
         rollout_max_seq_len=max_len,
+        kv_block_size=r.engine.kv_block_size,
         gpu_memory_utilization=r.gpu_memory_utilization,
         # partial rollouts: requests stay in flight while the actor trains, the cache with them
         release_cache=r.release_cache and not (t.mode == "async" and t.partial_rollout),
@@ -244,12 +245,20 @@ def fit_problems(cfg: Config, plan: MemoryPlan, source: str = "") -> list[str]:
 
 
 def no_kv_slot_text(plan: MemoryPlan) -> str:
-    o = plan.options
-    slot = mp.kv_slot_bytes(plan.architecture, o.rollout_max_seq_len, o.rollout_bytes)
+    """Why the engine would refuse its KV cache: the budget holds no slot (slot cache), or
+    fewer blocks than one sequence of max_seq_len needs (paged: kv_cache.plan_blocks)."""
+    o, length = plan.options, plan.options.rollout_max_seq_len
+    one = mp.kv_slot_bytes(plan.architecture, length, o.rollout_bytes)
+    what = f"no KV-cache slot of {one / 2**20:.0f} MiB ({length} tokens)"
+    if o.kv_block_size is not None:  # a sequence's blocks: its length rounded up to a block
+        blocks = -(-length // o.kv_block_size)
+        one = blocks * mp.kv_slot_bytes(plan.architecture, o.kv_block_size, o.rollout_bytes)
+        what = (f"fewer than the {blocks} KV-cache blocks of {o.kv_block_size} tokens "
+                f"({one / 2**20:.0f} MiB) that one sequence of {length} tokens needs")  # fmt: skip
     return (f"rollout.gpu_memory_utilization = {o.gpu_memory_utilization} of the memory left "
             f"free during generation, less the engine's reserve of "
             f"{gib(mp.rollout_reserve_bytes(plan.architecture, o))} for logits and prefill, holds "
-            f"no KV-cache slot of {slot / 2**20:.0f} MiB ({o.rollout_max_seq_len} tokens)")  # fmt: skip
+            f"{what}")  # fmt: skip
 
 
 def candidate_fixes(cfg: Config, plan: MemoryPlan) -> list[dict[str, object]]:
@@ -384,7 +393,8 @@ def more_gpus_text(cfg: Config, changes: dict[str, object], gpu_bytes: int) -> s
 def peak_text(plan: MemoryPlan) -> str:
     phase, peak = plan.peak()
     too_big = plan.checked_peak()[1] > usable_bytes(plan.options.gpu_bytes)
-    verdict = "fits" if fits(plan) else "too big" if too_big else "no KV-cache slot"
+    no_kv = "no KV-cache slot" if plan.options.kv_block_size is None else "no sequence's KV blocks"
+    verdict = "fits" if fits(plan) else "too big" if too_big else no_kv
     return f"peak {gib(peak)} in the {phase}, {verdict}"
 
 

@@ -30,12 +30,12 @@ What is modelled is what the code does today:
 - **Rollout weights**: the engine reads the actor's own parameters only on one device,
   without LoRA or FSDP, in the rollout's dtype (bf16 training weights), never generating over
   an update (async); otherwise it holds a full bf16 copy (``workers/rollout.py``).
-- **KV cache** (``engine/engine._allocate``, ``engine/kv_cache.plan_slots``): ``max_num_seqs``
-  slots of ``max_seq_len`` tokens plus one scratch slot, or fewer when
-  ``gpu_memory_utilization`` × free memory − the reserve for decode logits and prefill
-  activations holds fewer; free counts what the allocator caches unused (``available_bytes``).
-  ``rollout.release_cache`` frees it (and the fused q/k/v, gate/up copies of the triton
-  decode path, and with ``rollout.dtype=fp8`` their e4m3 copies) after each generate.
+- **KV cache** (``engine/kv_cache.make_cache``): paged (``kv_block_size``, the default) as
+  many blocks as ``gpu_memory_utilization`` × free memory (the allocator's unused cache
+  counted free) − the reserve for decode logits and prefill holds, at most ``max_num_seqs``
+  sequences' worth, at least one sequence's (else the engine refuses); slots: up to
+  ``max_num_seqs`` of ``max_seq_len``. Plus a scratch block or slot. ``rollout.release_cache``
+  frees it (and the fused and fp8 weight copies of the triton path) after each generate.
 - **Activations** at the micro-batch token budget, bf16, what autograd keeps per token and
   layer (see :func:`activation_bytes`); with gradient checkpointing each layer's input plus
   one layer recomputed in full. The log-prob head adds one 4096-token chunk of bf16 logits
@@ -105,6 +105,7 @@ class PlanOptions:
     """Most micro-batches in one mini-batch on one GPU."""
     rollout_max_seqs: int = 1024
     rollout_max_seq_len: int = 2048
+    kv_block_size: int | None = 64  # rollout.engine.kv_block_size: None is the slot cache
     gpu_memory_utilization: float = 0.4
     release_cache: bool = True
     fuse_projections: str = "all"
@@ -161,7 +162,8 @@ class MemoryPlan:
     options: PlanOptions
     items: list[MemoryItem] = field(default_factory=list)
     kv_slots: int = 0
-    """Sequences the KV cache holds at once (the scratch slot excluded); 0: none fits."""
+    """Sequences of max_seq_len the KV cache holds at once (its slots, or its blocks over the
+    blocks of one sequence; the scratch slot or block excluded); 0: the engine refuses."""
 
     def phase_bytes(self, phase: str, rollout_gpu: bool = False) -> int:
         return sum(
@@ -212,15 +214,8 @@ def lora_parameters(a: ModelArchitecture, rank: int, targets: tuple[str, ...]) -
     """Adapter weights: rank × (in + out) for every targeted projection of every layer."""
     q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
     h, i = a.hidden_size, a.intermediate_size
-    shapes = {
-        "q_proj": (h, q),
-        "k_proj": (h, kv),
-        "v_proj": (h, kv),
-        "o_proj": (q, h),
-        "gate_proj": (h, i),
-        "up_proj": (h, i),
-        "down_proj": (i, h),
-    }
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+              "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
     per_layer = sum(rank * sum(shapes[t]) for t in targets if t in shapes)
     return a.num_hidden_layers * per_layer
 
@@ -305,14 +300,14 @@ def fused_copy_bytes(a: ModelArchitecture, fuse_projections: str, element_bytes:
     return a.num_hidden_layers * per_layer * element_bytes
 
 
-def kv_cache_slots(slot_bytes: int, reserve: int, used_bytes: int, options: PlanOptions) -> int:
-    """Slots plan_slots gives: max_num_seqs, or what gpu_memory_utilization of the free
-    memory minus the reserve holds (one scratch slot taken out); 0 when none fits."""
-    if options.gpu_bytes is None:
-        return options.rollout_max_seqs
-    free = max(options.gpu_bytes - used_bytes, 0)
-    budget = int(options.gpu_memory_utilization * free) - reserve
-    return max(min(options.rollout_max_seqs, budget // slot_bytes - 1), 0)
+def kv_cache_entries(entry_bytes: int, most: int, reserve: int, used: int, o: PlanOptions) -> int:
+    """Slots (kv_cache.plan_slots) or blocks (plan_blocks) the engine allocates: ``most``
+    (max_num_seqs sequences' worth), or what gpu_memory_utilization of the free memory minus
+    the reserve holds, one scratch entry taken out; >= 0. GPU size unknown: ``most``."""
+    if o.gpu_bytes is None:
+        return most
+    budget = int(o.gpu_memory_utilization * max(o.gpu_bytes - used, 0)) - reserve
+    return max(min(most, budget // entry_bytes - 1), 0)
 
 
 # ---------------------------------------------------------------------- the plan
@@ -473,20 +468,24 @@ def rollout_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
 
 
 def kv_cache_item(a: ModelArchitecture, o: PlanOptions, items: list[MemoryItem]):
-    """(the KV-cache item, its usable slots), sized from the memory the other items leave
-    on the rollout's GPU when generation starts."""
-    slot = kv_slot_bytes(a, o.rollout_max_seq_len, o.rollout_bytes)
-    reserve = rollout_reserve_bytes(a, o)
-    used = sum(
-        i.gpu_bytes for i in items
-        if GENERATE in i.phases and i.rollout_gpu == o.split and "workspace" not in i.name
-    )  # fmt: skip
-    slots = kv_cache_slots(slot, reserve, used, o)
+    """(the KV-cache item, the sequences of max_seq_len it holds), sized from the memory the
+    other items leave on the rollout's GPU when generation starts."""
+    reserve, length, block = rollout_reserve_bytes(a, o), o.rollout_max_seq_len, o.kv_block_size
+    used = sum(i.gpu_bytes for i in items if GENERATE in i.phases and i.rollout_gpu == o.split
+               and "workspace" not in i.name)  # fmt: skip
+    per_sequence = 1 if block is None else -(-length // block)  # slots or blocks a sequence
+    entry = kv_slot_bytes(a, length if block is None else block, o.rollout_bytes)
+    entries = kv_cache_entries(entry, o.rollout_max_seqs * per_sequence, reserve, used, o)
+    sequences = entries // per_sequence  # the engine refuses 0 (no slot; not one sequence)
+    name = f"KV cache ({entries:,} + 1 slots × {length:,} tokens)"
+    none = f"KV cache (no slot of {length:,} tokens fits)"
+    if block is not None:
+        name = (f"KV cache ({entries:,} + 1 blocks × {block} tokens: {sequences:,} sequences "
+                f"of {length:,})")  # fmt: skip
+        none = f"KV cache (fewer than the {per_sequence:,} blocks of one {length:,}-token sequence)"
     phases = (GENERATE,) if o.release_cache else ALWAYS
-    name = f"KV cache ({slots:,} + 1 slots × {o.rollout_max_seq_len:,} tokens)"
-    if not slots:
-        name = f"KV cache (no slot of {o.rollout_max_seq_len:,} tokens fits)"
-    return MemoryItem(name, (slots + 1) * slot if slots else 0, phases, rollout_gpu=o.split), slots
+    return MemoryItem(name if sequences else none, (entries + 1) * entry if sequences else 0,
+                      phases, rollout_gpu=o.split), sequences  # fmt: skip
 
 
 def build_plan(model: str, a: ModelArchitecture, o: PlanOptions) -> MemoryPlan:

@@ -74,7 +74,8 @@ def test_a_7b_that_fits_with_lora_says_so(capsys):
 def test_plan_without_a_gpu_prints_and_does_not_check(capsys):
     assert main(["config", "plan", "model.path=qwen2.5-7b", "trainer.device=cpu"]) == 0
     out = capsys.readouterr().out
-    assert "KV cache (1,024 + 1 slots × 48 tokens)" in out  # max_num_seqs: free memory unknown
+    # max_num_seqs: free memory unknown; 48 tokens a sequence, one 64-token block each
+    assert "KV cache (1,024 + 1 blocks × 64 tokens: 1,024 sequences of 48)" in out
     assert "fit not checked" in out
 
 
@@ -91,18 +92,29 @@ def test_a_cpu_run_is_not_planned():
     assert mc.check_memory(cfg, validate(cfg)) is None
 
 
-def test_no_kv_slot_names_the_utilization():
-    cfg = load_config(
-        None,
-        ["model.path=qwen2.5-0.5b", "rollout.gpu_memory_utilization=0.01",
-         "data.max_response_length=4000", "trainer.gpu_memory_gib=24",
-         "actor.micro_batch_size_per_gpu=1", "model.gradient_checkpointing=true"],
-    )  # fmt: skip
+NO_KV_ROOM = ["model.path=qwen2.5-0.5b", "rollout.gpu_memory_utilization=0.01",
+              "data.max_response_length=4000", "trainer.gpu_memory_gib=24",
+              "actor.micro_batch_size_per_gpu=1", "model.gradient_checkpointing=true"]  # fmt: skip
+
+
+def test_no_room_for_one_sequences_kv_blocks_names_the_utilization():
     with pytest.raises(ConfigError) as error:
+        cfg = load_config(None, NO_KV_ROOM)
+        mc.check_memory(cfg, validate(cfg))
+    text = str(error.value)
+    # 48 + 4000 tokens: 63 blocks of 64 (24 layers · 2 kv heads · 64 · 2 · 2 bytes a token)
+    assert "rollout.gpu_memory_utilization = 0.01" in text
+    assert "fewer than the 63 KV-cache blocks of 64 tokens (47 MiB) that one sequence" in text
+    assert "rollout.gpu_memory_utilization=0.9 (peak" in text and "no sequence's KV blocks" in text
+
+
+def test_no_kv_slot_names_the_utilization():
+    with pytest.raises(ConfigError) as error:  # the slot cache's own wording
+        cfg = load_config(None, [*NO_KV_ROOM, "rollout.engine.kv_block_size=null"])
         mc.check_memory(cfg, validate(cfg))
     text = str(error.value)
     assert "rollout.gpu_memory_utilization = 0.01" in text and "holds no KV-cache slot" in text
-    assert "rollout.gpu_memory_utilization=0.9 (peak" in text
+    assert "rollout.gpu_memory_utilization=0.9 (peak" in text and "no KV-cache slot)" in text
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,8 @@
 """The memory plan's arithmetic on known shapes, by hand, and against measured peaks."""
 
+import dataclasses
+from types import SimpleNamespace
+
 import pytest
 
 from hybridflow.models.presets import PRESETS
@@ -39,9 +42,11 @@ def test_full_fine_tune_of_the_0_5b_on_one_gpu_by_hand():
     assert got["log-prob head (logits chunk, lm_head gradient)"].gpu_bytes == head
     # fp32 masters: the engine cannot read them, it holds a bf16 copy
     assert got["rollout weights (bf16 copy)"].gpu_bytes == 2 * P
-    # K and V: 2 · 24 layers · 1024 tokens · 2 kv heads · 64 · 2 bytes = 12 MiB a slot,
-    # 64 slots and the scratch slot (GPU size unknown: all of max_num_seqs)
-    assert got["KV cache (64 + 1 slots × 1,024 tokens)"].gpu_bytes == 65 * 12_582_912
+    # K and V: 2 · 24 layers · 64 tokens · 2 kv heads · 64 · 2 bytes = 768 KiB a block of the
+    # paged cache; 1024 / 64 = 16 blocks a sequence, all 64 sequences' 1,024 blocks and the
+    # scratch block (GPU size unknown: all of max_num_seqs)
+    kv = got["KV cache (1,024 + 1 blocks × 64 tokens: 64 sequences of 1,024)"]
+    assert kv.gpu_bytes == 1025 * 786_432 and plan.kv_slots == 64
     # the optimizer step holds masters, gradients and AdamW state, and the rollout's copy
     assert plan.phase_bytes(mp.STEP) == 4 * P + 4 * P + 8 * P + 2 * P
     phase, peak = plan.peak()
@@ -144,8 +149,8 @@ def test_rollout_reads_bf16_training_weights_in_place():
     assert "actor compute copy (bf16)" not in items(plan)  # no mixed precision, no casts
 
 
-def test_kv_cache_takes_its_fraction_of_what_generation_leaves_free():
-    options = PlanOptions(gpu_bytes=40 * GIB, gpu_memory_utilization=0.5,
+def test_slot_kv_cache_takes_its_fraction_of_what_generation_leaves_free():
+    options = PlanOptions(gpu_bytes=40 * GIB, gpu_memory_utilization=0.5, kv_block_size=None,
                           rollout_max_seqs=2000, rollout_max_seq_len=1024)  # fmt: skip
     plan = mp.build_plan("q", QWEN05, options)
     # resident while generating: masters 4P + AdamW 8P + rollout copy 2P + fused copies
@@ -158,8 +163,61 @@ def test_kv_cache_takes_its_fraction_of_what_generation_leaves_free():
     assert plan.kv_slots == slots and 0 < slots < 2000  # the budget, not max_num_seqs, decides
     kv = next(i for i in plan.items if i.name.startswith("KV cache"))
     assert kv.gpu_bytes == (slots + 1) * 12_582_912
-    small = mp.build_plan("q", QWEN05, PlanOptions(gpu_bytes=8 * GIB, rollout_max_seqs=1024))
+    assert kv.name == f"KV cache ({slots:,} + 1 slots × 1,024 tokens)"
+    small = mp.build_plan("q", QWEN05, PlanOptions(gpu_bytes=8 * GIB, rollout_max_seqs=1024,
+                                                   kv_block_size=None))  # fmt: skip
     assert small.kv_slots == 0  # 8 GiB: the update's resident items leave no slot
+    assert items(small)["KV cache (no slot of 2,048 tokens fits)"].gpu_bytes == 0
+
+
+def test_paged_kv_cache_takes_its_fraction_in_blocks():
+    options = PlanOptions(gpu_bytes=40 * GIB, gpu_memory_utilization=0.5,
+                          rollout_max_seqs=2000, rollout_max_seq_len=1000)  # fmt: skip
+    plan = mp.build_plan("q", QWEN05, options)
+    fused = 24 * ((896 + 256) * 896 + 1152 + 2 * 4864 * 896) * 2
+    used, reserve = 14 * P + fused, 2000 * 151936 * 6 + 16384 * (4 * 4864 + 8 * 896) * 2
+    # 768 KiB blocks of 64 tokens, less the scratch block; 1,000 tokens round up to 16 blocks
+    blocks = (int(0.5 * (40 * GIB - used)) - reserve) // 786_432 - 1
+    assert plan.kv_slots == blocks // 16 and 0 < blocks < 2000 * 16
+    kv = next(i for i in plan.items if i.name.startswith("KV cache"))
+    assert kv.gpu_bytes == (blocks + 1) * 786_432
+    assert (
+        kv.name
+        == f"KV cache ({blocks:,} + 1 blocks × 64 tokens: {blocks // 16:,} sequences of 1,000)"
+    )
+    # 32-token blocks: 32 a sequence (1,000 -> 1,024 positions), twice as many of half the size
+    halves = mp.build_plan("q", QWEN05, dataclasses.replace(options, kv_block_size=32))
+    assert halves.kv_slots == ((int(0.5 * (40 * GIB - used)) - reserve) // 393_216 - 1) // 32
+    small = mp.build_plan("q", QWEN05, PlanOptions(gpu_bytes=8 * GIB, rollout_max_seqs=1024))
+    assert small.kv_slots == 0  # 8 GiB: the update's resident items leave no block at all
+    kv = items(small)["KV cache (fewer than the 32 blocks of one 2,048-token sequence)"]
+    assert kv.gpu_bytes == 0
+
+
+@pytest.mark.parametrize("block_size", [None, 16, 64])
+def test_the_plan_sizes_the_kv_cache_as_the_engine_allocates_it(block_size):
+    import torch
+
+    from hybridflow.engine import kv_cache
+
+    tiny = PRESETS["tiny"]  # 2 layers, 2 kv heads of 16: 256 bytes a token in bf16
+    config = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2, head_dim=16)
+    reserve = mp.rollout_reserve_bytes(tiny, PlanOptions(rollout_max_seqs=8))
+    # budgets (bytes) from under one sequence to over all 8 of 100 tokens (7 blocks of 16)
+    for budget in (20_000, 100 * 256 * 2 - 1, 100 * 256 * 3, 8 * 112 * 256 + 7_000, 10**6):
+        options = PlanOptions(gpu_bytes=budget + reserve, gpu_memory_utilization=1.0,
+                              rollout_max_seqs=8, rollout_max_seq_len=100,
+                              kv_block_size=block_size)  # fmt: skip
+        kv, sequences = mp.kv_cache_item(tiny, options, [])
+        try:
+            cache, _ = kv_cache.make_cache(config, 8, 100, block_size, budget, 0, torch.bfloat16,
+                                           torch.device("cpu"))  # fmt: skip
+        except ValueError:  # the engine refuses: the plan says none fits
+            assert sequences == 0 and kv.gpu_bytes == 0, budget
+            continue
+        assert kv.gpu_bytes == cache.nbytes(), budget
+        held = cache.num_slots if block_size is None else cache.num_blocks // -(-100 // block_size)
+        assert sequences == min(held, 8) > 0, budget
 
 
 # Peaks measured with torch.cuda.max_memory_allocated on one H200 (docs/performance.md,
