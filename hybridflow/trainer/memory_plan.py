@@ -477,15 +477,15 @@ def kv_cache_item(a: ModelArchitecture, o: PlanOptions, items: list[MemoryItem])
     entry = kv_slot_bytes(a, length if block is None else block, o.rollout_bytes)
     entries = kv_cache_entries(entry, o.rollout_max_seqs * per_sequence, reserve, used, o)
     sequences = entries // per_sequence  # the engine refuses 0 (no slot; not one sequence)
-    name = f"KV cache ({entries:,} + 1 slots × {length:,} tokens)"
+    name, note = f"KV cache ({entries:,} + 1 slots × {length:,} tokens)", ""
     none = f"KV cache (no slot of {length:,} tokens fits)"
-    if block is not None:
-        name = (f"KV cache ({entries:,} + 1 blocks × {block} tokens: {sequences:,} sequences "
-                f"of {length:,})")  # fmt: skip
-        none = f"KV cache (fewer than the {per_sequence:,} blocks of one {length:,}-token sequence)"
+    if block is not None:  # paged: how many sequences of max_seq_len its blocks hold
+        name = f"KV cache ({entries:,} + 1 blocks: {sequences:,} × {length:,} tokens)"
+        none = f"KV cache (no {length:,}-token sequence fits)"
+        note = f"{block} tokens a block, {per_sequence:,} blocks a {length:,}-token sequence"
     phases = (GENERATE,) if o.release_cache else ALWAYS
     return MemoryItem(name if sequences else none, (entries + 1) * entry if sequences else 0,
-                      phases, rollout_gpu=o.split), sequences  # fmt: skip
+                      phases, rollout_gpu=o.split, note=note), sequences  # fmt: skip
 
 
 def build_plan(model: str, a: ModelArchitecture, o: PlanOptions) -> MemoryPlan:

@@ -75,7 +75,7 @@ def test_plan_without_a_gpu_prints_and_does_not_check(capsys):
     assert main(["config", "plan", "model.path=qwen2.5-7b", "trainer.device=cpu"]) == 0
     out = capsys.readouterr().out
     # max_num_seqs: free memory unknown; 48 tokens a sequence, one 64-token block each
-    assert "KV cache (1,024 + 1 blocks × 64 tokens: 1,024 sequences of 48)" in out
+    assert "KV cache (1,024 + 1 blocks: 1,024 × 48 tokens)" in out
     assert "fit not checked" in out
 
 

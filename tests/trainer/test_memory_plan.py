@@ -45,8 +45,9 @@ def test_full_fine_tune_of_the_0_5b_on_one_gpu_by_hand():
     # K and V: 2 · 24 layers · 64 tokens · 2 kv heads · 64 · 2 bytes = 768 KiB a block of the
     # paged cache; 1024 / 64 = 16 blocks a sequence, all 64 sequences' 1,024 blocks and the
     # scratch block (GPU size unknown: all of max_num_seqs)
-    kv = got["KV cache (1,024 + 1 blocks × 64 tokens: 64 sequences of 1,024)"]
+    kv = got["KV cache (1,024 + 1 blocks: 64 × 1,024 tokens)"]
     assert kv.gpu_bytes == 1025 * 786_432 and plan.kv_slots == 64
+    assert kv.note == "64 tokens a block, 16 blocks a 1,024-token sequence"
     # the optimizer step holds masters, gradients and AdamW state, and the rollout's copy
     assert plan.phase_bytes(mp.STEP) == 4 * P + 4 * P + 8 * P + 2 * P
     phase, peak = plan.peak()
@@ -181,17 +182,14 @@ def test_paged_kv_cache_takes_its_fraction_in_blocks():
     assert plan.kv_slots == blocks // 16 and 0 < blocks < 2000 * 16
     kv = next(i for i in plan.items if i.name.startswith("KV cache"))
     assert kv.gpu_bytes == (blocks + 1) * 786_432
-    assert (
-        kv.name
-        == f"KV cache ({blocks:,} + 1 blocks × 64 tokens: {blocks // 16:,} sequences of 1,000)"
-    )
+    assert kv.name == f"KV cache ({blocks:,} + 1 blocks: {blocks // 16:,} × 1,000 tokens)"
     # 32-token blocks: 32 a sequence (1,000 -> 1,024 positions), twice as many of half the size
     halves = mp.build_plan("q", QWEN05, dataclasses.replace(options, kv_block_size=32))
     assert halves.kv_slots == ((int(0.5 * (40 * GIB - used)) - reserve) // 393_216 - 1) // 32
     small = mp.build_plan("q", QWEN05, PlanOptions(gpu_bytes=8 * GIB, rollout_max_seqs=1024))
     assert small.kv_slots == 0  # 8 GiB: the update's resident items leave no block at all
-    kv = items(small)["KV cache (fewer than the 32 blocks of one 2,048-token sequence)"]
-    assert kv.gpu_bytes == 0
+    kv = items(small)["KV cache (no 2,048-token sequence fits)"]
+    assert kv.gpu_bytes == 0 and kv.note == "64 tokens a block, 32 blocks a 2,048-token sequence"
 
 
 @pytest.mark.parametrize("block_size", [None, 16, 64])
