@@ -30,12 +30,21 @@ def evict_kept_for(scheduler: Scheduler, blocks: int) -> int:
     return scheduler.paging.free_blocks
 
 
+def growth_reserve(scheduler: Scheduler) -> int:
+    """Blocks held back for the live rows to grow into (the admission watermark): one for each
+    row whose blocks do not yet reach its last position. A row that cannot outgrow its blocks
+    reserves none: with a max_seq_len of one block, a reserve per row would admit only half
+    of max_batch_size at the cap of every sequence at full length (kv_cache.plan_blocks), and
+    evict kept KV the slot cache keeps."""
+    pool, limit = scheduler.paging.pool, scheduler.cache.max_seq_len
+    return sum(pool.missing(live.slot, min(end, limit)) > 0
+               for live, end in zip(scheduler.rows, scheduler.row_end))  # fmt: skip
+
+
 def blocks_for_next(scheduler: Scheduler) -> bool:
-    """Whether blocks are free past a block of growth for each live row."""
-    return (
-        evict_kept_for(scheduler, len(scheduler.rows) + 2) > len(scheduler.rows) + 1
-        or not scheduler.rows
-    )
+    """Whether blocks are free past the live rows' growth reserve."""
+    reserve = growth_reserve(scheduler)
+    return evict_kept_for(scheduler, reserve + 2) > reserve + 1 or not scheduler.rows
 
 
 def extension_fits(scheduler: Scheduler) -> bool:
@@ -44,7 +53,8 @@ def extension_fits(scheduler: Scheduler) -> bool:
     if scheduler.paging is None:
         return True
     sub, request, slot, _ = scheduler.extending[0]
-    need = scheduler.paging.pool.missing(slot, len(sub.prompts[request])) + len(scheduler.rows)
+    need = scheduler.paging.pool.missing(slot, len(sub.prompts[request]))
+    need += growth_reserve(scheduler)
     if evict_kept_for(scheduler, need) >= need:
         return True
     if not scheduler.rows:
@@ -87,7 +97,7 @@ def can_resume(scheduler: Scheduler) -> bool:
     """Whether the oldest preempted request can be prefilled again now."""
     live = scheduler.resuming[0]
     length = len(live.sub.prompt_of(live.request)) + len(live.tokens)
-    need = scheduler.paging.pool.blocks_for(length) + len(scheduler.rows)
+    need = scheduler.paging.pool.blocks_for(length) + growth_reserve(scheduler)
     # (with nothing decoding, only continuations waiting for their kept slots can hold
     # blocks: they go first, or give theirs back: extension_fits)
     return bool(scheduler.free_slots) and evict_kept_for(scheduler, need) >= need

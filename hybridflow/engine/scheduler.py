@@ -270,7 +270,8 @@ class Scheduler:
         prefill token budget (a prompt's samples count its tokens once)."""
         taken: list[tuple[Submission, int]] = []
         tokens, budget = 0, self.engine.max_prefill_tokens
-        blocks = self.paging.free_blocks - len(self.rows) if self.paging is not None else 0
+        paging = self.paging
+        blocks = paging.free_blocks - preemption.growth_reserve(self) if paging is not None else 0
         while self.waiting and len(taken) < len(self.free_slots):
             sub, request = self.waiting[0]
             prompt = request // sub.n
@@ -278,12 +279,14 @@ class Scheduler:
             length = int(sub.table.lengths[prompt])
             if new_prompt and taken and tokens + length > budget:
                 break
-            if self.paging is not None:  # its prompt, and a block to grow into (a watermark)
-                need = self.paging.prompt_blocks(length, new_prompt)
+            if paging is not None:  # its prompt, and a block to grow into if it can grow
+                need = paging.prompt_blocks(length, new_prompt)
+                end = min(length + sub.max_new[request], self.cache.max_seq_len)
+                grows = int(paging.pool.blocks_for(end) > paging.pool.blocks_for(length))
                 if not taken and not self.rows:  # nothing decodes: no growth block needed
-                    blocks = preemption.evict_kept_for(self, need + 1)
+                    blocks = preemption.evict_kept_for(self, need + grows)
                 else:
-                    need += 1
+                    need += grows
                 blocks -= need
                 if blocks < 0:
                     break

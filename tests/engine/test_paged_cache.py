@@ -82,7 +82,7 @@ def test_at_one_budget_paged_admission_decodes_more_rows_together(model):
     """Short responses in a cache sized for 4 slots of max_seq_len: the slot cache decodes 4
     rows at a time, the paged one admits by free blocks and runs more."""
     params = SamplingParams(n=3, temperature=0.9, max_new_tokens=8, seed=3, ignore_eos=True)
-    slot_engine = Engine(model, 12, 96, options=EngineOptions(**EAGER))
+    slot_engine = Engine(model, 12, 96, options=EngineOptions(**EAGER, kv_block_size=None))
     slot_engine.generate(PROMPTS[:1], params)
     budget = slot_engine.cache.keys[:, 0].numel() * 4 * 2 * 5  # 4 slots + scratch
     slot, slot_out = _generate(model, params, budget=budget)
@@ -140,3 +140,15 @@ def test_block_pressure_evicts_kept_kv_before_it_preempts(model):
     expected = Engine(model, 8, 96, options=EngineOptions(**EAGER)).generate(others, params,
                                                                             seeds=[5, 6])  # fmt: skip
     assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+
+
+def test_rows_that_cannot_outgrow_their_blocks_reserve_none(model):
+    """max_seq_len of one block: the cache holds every sequence at full length (one block
+    each), so all max_batch_size rows decode together and all stay kept, as in the slot
+    cache (a growth block reserved per row admitted half and evicted the rest)."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=3, ignore_eos=True, seed=0)
+    prompts = [[5, 17, 9, 33, 2, 71], [40, 41], [100, 3, 8, 19, 23, 60, 61, 62, 63, 7], [12]]
+    engine = Engine(model, 4, 16, options=EngineOptions(**EAGER, kv_block_size=16))
+    engine.generate(prompts, params, keep=True)
+    assert engine.cache.num_blocks == 4 and len(engine.kept) == 4
+    assert engine.scheduler.decoded_rows == 4 * engine.scheduler.decode_steps
