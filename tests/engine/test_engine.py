@@ -152,12 +152,25 @@ def test_release_and_load_weights(model):
 def test_memory_budget_limits_slots(model):
     cfg = model.config
     per_slot = 2 * cfg.num_hidden_layers * 64 * cfg.num_key_value_heads * cfg.head_dim * 4
-    engine = _engine(model, memory_budget=per_slot * 4)  # 3 slots + scratch
+    slots = EngineOptions(kv_block_size=None)  # the slot cache: the budget sets the slots
+    engine = _engine(model, memory_budget=per_slot * 4, options=slots)  # 3 slots + scratch
     assert engine.num_slots == 3
     out = engine.generate(PROMPTS, SamplingParams(n=2, temperature=0, max_new_tokens=5))
     assert len(out) == 8
     with pytest.raises(ValueError, match="memory_budget"):
-        assert _engine(model, memory_budget=per_slot).num_slots
+        assert _engine(model, memory_budget=per_slot, options=slots).num_slots
+
+
+def test_memory_budget_limits_blocks(model):
+    """The paged default: the budget sets the blocks, max_batch_size still the slots."""
+    cfg = model.config
+    per_block = 2 * cfg.num_hidden_layers * 64 * cfg.num_key_value_heads * cfg.head_dim * 4
+    engine = _engine(model, memory_budget=per_block * 4)  # 3 blocks + scratch, 64 positions
+    assert engine.num_slots == 8 and engine.cache.num_blocks == 3  # num_slots allocates
+    out = engine.generate(PROMPTS, SamplingParams(n=2, temperature=0, max_new_tokens=5))
+    assert len(out) == 8
+    with pytest.raises(ValueError, match="memory_budget"):
+        assert _engine(model, memory_budget=per_block).num_slots
 
 
 def test_transformers_fallback_runs_slow_path():
