@@ -178,8 +178,8 @@ class MemoryPlan:
 
     def checked_peak(self, rollout_gpu: bool = False) -> tuple[str, int]:
         """(phase, bytes) the fit check compares with the GPU: generation without its KV
-        cache, which the engine sizes from the memory then free (it fits whenever a slot
-        does); a cache kept through training (release_cache=false) counts in the others."""
+        cache, which the engine sizes from the memory then free (it fits whenever one
+        sequence does); a cache kept through training (release_cache=false) counts in the others."""
         totals = []
         for phase in PHASES:
             total = self.phase_bytes(phase, rollout_gpu)
