@@ -5,9 +5,9 @@ estimate beside them.
     python benchmarks/offload_step.py --model qwen2.5-7b --prompts 32 --samples 8 --new-tokens 512
     python benchmarks/offload_step.py --model qwen2.5-0.5b --compare   # and with AdamW on the GPU
     python benchmarks/offload_step.py --lora 64     # and LoRA adapters of rank 64 beside it
-    python benchmarks/offload_step.py --model qwen2.5-32b --lora 64 --lora-only --prompts 8 \
-        --micro-tokens 4096 --override model.dtype=bfloat16 \
-        --override rollout.engine.fuse_projections=none          # 32B LoRA on one H200
+    python benchmarks/offload_step.py --model qwen2.5-32b --lora 64 --lora-only --prompts 16 \
+        --micro-tokens 8192 --override model.dtype=bfloat16 \
+        --override rollout.lora_in_place=true      # 32B LoRA on one H200, no rollout copy
 
 The step is the real loop's (trainer/grpo_bench.py: fixed random prompts, random rewards,
 gradient checkpointing, one optimizer step per batch, fp32 masters, bf16 compute). A preset has

@@ -61,7 +61,8 @@ def plan_options(cfg: Config, derived: Derived, gpu_bytes: int | None) -> PlanOp
         reference = "actor" if m.lora_rank > 0 and cfg.ref.path is None else "own"
     critic_tokens = (cfg.critic.max_tokens_per_gpu
                      or cfg.critic.micro_batch_size_per_gpu * max_len)  # fmt: skip
-    fuse = "none" if r.engine.decode_backend == "torch" else r.engine.fuse_projections
+    unfused = r.engine.decode_backend == "torch" or r.lora_in_place and m.lora_rank > 0
+    fuse = "none" if unfused else r.engine.fuse_projections
     return PlanOptions(
         master_bytes=master_bytes,
         compute_bytes=2,
@@ -85,6 +86,7 @@ def plan_options(cfg: Config, derived: Derived, gpu_bytes: int | None) -> PlanOp
         max_prefill_tokens=r.engine.max_prefill_tokens,
         split=t.placement == "split",
         rollout_beside_update=t.mode == "async" and (t.max_staleness > 0 or t.partial_rollout),
+        lora_in_place=r.lora_in_place,
         reference=reference,
         reference_offload=cfg.ref.param_offload,
         critic=derived.use_critic,

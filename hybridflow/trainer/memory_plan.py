@@ -27,9 +27,9 @@ What is modelled is what the code does today:
   pinned bf16 staging buffers and an fp32 gradient buffer of one bucket each;
   ``actor.param_offload`` (FSDP2) steps on the host too.
 - **Nothing moves off the GPU between stages** (the loop never calls ``offload()``).
-- **Rollout weights**: the engine reads the actor's own parameters only on one device,
-  without LoRA or FSDP, in the rollout's dtype (bf16 training weights), never generating over
-  an update (async); otherwise it holds a full bf16 copy (``workers/rollout.py``).
+- **Rollout weights**: the engine reads the actor's own parameters only on one device, without
+  FSDP, in the rollout's dtype, never generating over an update (async), and for LoRA with
+  ``rollout.lora_in_place``; otherwise it holds a full bf16 copy (``workers/rollout.py``).
 - **KV cache** (``engine/engine._allocate``, ``engine/kv_cache.plan_slots``): ``max_num_seqs``
   slots of ``max_seq_len`` tokens plus one scratch slot, or fewer when
   ``gpu_memory_utilization`` × free memory − the reserve for decode logits and prefill
@@ -74,8 +74,7 @@ LOGPROB_CHUNK_TOKENS = 4096
 """Tokens per logits chunk of models/logprobs.logprobs_from_hidden."""
 
 OFFLOAD_BUCKET_ELEMENTS = 64 * 2**20
-"""Parameters per bucket of the host step (``learners/host_optimizer.BUCKET_ELEMENTS``; a
-test keeps the two equal); a larger tensor is a bucket of its own."""
+"""Parameters per bucket of the host step (``learners/host_optimizer.BUCKET_ELEMENTS``)."""
 
 LORA_TARGET_SHAPES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -114,6 +113,7 @@ class PlanOptions:
     split: bool = False
     """Rollout on GPUs of its own (their items are planned separately)."""
     rollout_beside_update: bool = False  # async, staleness > 0 or partial: the engine's own weights
+    lora_in_place: bool = False
     reference: str = "none"
     """none | own (a frozen copy) | actor (the LoRA actor with adapters off: no copy)."""
     reference_offload: bool = False
@@ -446,8 +446,8 @@ def critic_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
 
 def rollout_shares_actor_weights(o: PlanOptions) -> bool:
     """The engine runs on the actor's own tensors (workers/rollout.RolloutWorker)."""
-    return (not o.split and not o.sharded and o.lora_rank == 0 and not o.rollout_beside_update
-            and o.trained_weight_bytes == o.rollout_bytes)  # fmt: skip
+    return (not o.split and not o.sharded and (o.lora_rank == 0 or o.lora_in_place)
+            and not o.rollout_beside_update and o.trained_weight_bytes == o.rollout_bytes)  # fmt: skip
 
 
 def rollout_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:

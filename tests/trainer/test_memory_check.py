@@ -168,3 +168,15 @@ def test_an_explicit_log_prob_budget_that_cannot_fit_exits_2_naming_the_key(caps
     assert main(ok) == 0
     args[-1] = f"actor.log_prob_max_tokens_per_gpu={int(most.replace(',', '')) + 1}"
     assert main(args) == 2
+
+
+def test_lora_in_place_plans_no_rollout_copy_and_no_fused_copies():
+    base = ["model.path=qwen2.5-32b", "model.lora_rank=64", "model.dtype=bfloat16"]
+    copy, in_place = (mc.plan_for_config(load_config(None, base + extra), None, 141 * GIB)
+                      for extra in ([], ["rollout.lora_in_place=true"]))  # fmt: skip
+    sizes = [{i.name: i.gpu_bytes for i in plan.items} for plan in (copy, in_place)]
+    assert sizes[0]["rollout weights (bf16 copy)"] == copy.architecture.num_parameters() * 2
+    assert sizes[1]["rollout weights"] == 0  # the actor's base, read in place
+    assert sizes[0]["rollout fused q/k/v, gate/up copies"] > 0
+    assert sizes[1]["rollout fused q/k/v, gate/up copies"] == 0  # the split layer reads in place
+    assert not mc.fits(copy) and mc.fits(in_place)
