@@ -62,9 +62,13 @@ class AdapterMatmul:
         if layer is None or layer.disable_adapters or layer.merged:
             return out
         name = layer.active_adapters[0]
-        a, b = layer.lora_A[name].weight, layer.lora_B[name].weight
-        # peft's own order: the product in the adapters' dtype, added, then cast back
-        delta = F.linear(F.linear(x.to(a.dtype), a), b) * layer.scaling[name]
+        a, b, scale = layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name]
+        if a.dtype == x.dtype == out.dtype and out.dim() == 2:
+            # two launches: x·Aᵀ, then out + scale·(x·Aᵀ)·Bᵀ accumulated in one GEMM epilogue
+            # (one rounding where peft's separate product, scale and add round three times)
+            return torch.addmm(out, F.linear(x, a), b.t(), alpha=scale)
+        # adapters in another dtype (fp32 beside a bf16 base): peft's order, cast back at the end
+        delta = F.linear(F.linear(x.to(a.dtype), a), b) * scale
         return (out + delta).to(out.dtype)
 
     def gate_up_silu(self, x: torch.Tensor, weight_pairs: torch.Tensor,

@@ -41,7 +41,7 @@ def test_adapter_matmul_equals_each_peft_layer():
     for layer in layers:
         x = torch.randn(5, layer.base_layer.in_features)
         got = matmul.linear(x, layer.weight, layer.bias)
-        torch.testing.assert_close(got, layer(x), rtol=0, atol=0)
+        torch.testing.assert_close(got, layer(x))  # one rounding of the sum, not three
         # a plain weight (no adapter) is the base product alone
         torch.testing.assert_close(matmul.linear(x, layer.weight.clone()), layer.base_layer(x))
 
@@ -69,3 +69,16 @@ def test_engine_over_adapters_samples_as_over_merged_weights(n):
     for a, b in zip(got, want):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs),
                                    atol=1e-4, rtol=0)  # fmt: skip
+
+
+def test_adapters_in_another_dtype_follow_peft():
+    model = lora_model()
+    model.to(torch.bfloat16)
+    for name, p in model.named_parameters():
+        if "lora_" in name:  # fp32 adapters beside a bf16 base
+            p.data = p.data.float()
+    layer = adapter_layers(model)[0]
+    x = torch.randn(4, layer.base_layer.in_features, dtype=torch.bfloat16)
+    got = AdapterMatmul(model).linear(x, layer.weight, layer.bias)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, layer(x), rtol=0, atol=0)
