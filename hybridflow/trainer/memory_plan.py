@@ -54,6 +54,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybridflow.models.architecture import ModelArchitecture
+from hybridflow.trainer.memory_activations import (  # noqa: F401 (this module's names too)
+    LOGPROB_CHUNK_TOKENS,
+    activation_bytes_per_token,
+    layer_activation_elements,
+    logprob_head_bytes,
+)
 
 GIB = 2**30
 
@@ -69,9 +75,6 @@ HEADROOM_FRACTION = 0.05
 HEADROOM_BYTES = 1 * GIB
 """Kept free by the fit check: the CUDA context (~0.5 GiB), cuBLAS and NCCL workspaces, and
 the caching allocator's fragmentation, none of which max_memory_allocated counts."""
-
-LOGPROB_CHUNK_TOKENS = 4096
-"""Tokens per logits chunk of models/logprobs.logprobs_from_hidden."""
 
 OFFLOAD_BUCKET_ELEMENTS = 64 * 2**20
 """Parameters per bucket of the host step (``learners/host_optimizer.BUCKET_ELEMENTS``)."""
@@ -134,6 +137,11 @@ class PlanOptions:
     def host_step(self) -> bool:
         """``optimizer_offload`` on one GPU: masters and AdamW on the host (FSDP2 refuses it)."""
         return self.optimizer_offload and not self.sharded
+
+    @property
+    def trained_state_bytes(self) -> int:
+        """Gradients and AdamW moments per trained element on the GPU: LoRA adapters are fp32."""
+        return 4 if self.lora_rank > 0 else self.master_bytes
 
     @property
     def trained_weight_bytes(self) -> int:
@@ -239,42 +247,6 @@ def host_step_bucket(a: ModelArchitecture, options: PlanOptions) -> int:
     else:
         largest = max(a.vocab_size, a.intermediate_size) * a.hidden_size
     return min(trainable_parameters(a, options), max(OFFLOAD_BUCKET_ELEMENTS, largest))
-
-
-# ---------------------------------------------------------------------- activations
-
-
-def layer_activation_elements(a: ModelArchitecture) -> int:
-    """Elements per token one decoder layer keeps for the backward (below)."""
-    h, i = a.hidden_size, a.intermediate_size
-    q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
-    return 4 * h + 2 * q + 2 * kv + 4 * i + ((q + kv) if a.qk_norm else 0)
-
-
-def activation_bytes_per_token(a: ModelArchitecture, gradient_checkpointing: bool,
-                               element_bytes: int = 2) -> int:  # fmt: skip
-    """Bytes autograd keeps per token for the backward, over all layers.
-
-    One layer without checkpointing keeps 4h + 2q + 2kv + 4i elements: the inputs of both
-    RMSNorms and their outputs (4h; the outputs feed the projections), attention's q, k, v
-    and output (2q + 2kv), and the MLP's gate, silu(gate), up and their product (4i); Qwen3's
-    q/k-norm adds its inputs (q + kv). With checkpointing a layer keeps only its input (h)
-    and one layer at a time is recomputed in full in the backward. The head adds the final
-    norm's input and output and the gathered response states (3h)."""
-    h, layer, head = a.hidden_size, layer_activation_elements(a), 3 * a.hidden_size
-    if gradient_checkpointing:
-        elements = a.num_hidden_layers * h + layer + head
-    else:
-        elements = a.num_hidden_layers * layer + head
-    return elements * element_bytes
-
-
-def logprob_head_bytes(a: ModelArchitecture, tokens: int, compute_bytes: int = 2) -> int:
-    """The chunked log-prob head's working set: one [chunk, V] block of logits, the fp32
-    [V, H] lm_head gradient accumulator and its copy in the compute dtype."""
-    chunk = min(tokens, LOGPROB_CHUNK_TOKENS)
-    vocab_matrix = a.vocab_size * a.hidden_size
-    return chunk * a.vocab_size * compute_bytes + vocab_matrix * (4 + compute_bytes)
 
 
 # ---------------------------------------------------------------------- rollout
@@ -388,19 +360,20 @@ def device_step_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
                                 total * gathered_bytes, (UPDATE,)))  # fmt: skip
     elif o.mixed_precision:  # autocast's casts, kept for the backward; the lm_head cast
         items.append(compute_copy_item(a, o))
-    gradients = trainable * o.master_bytes // ranks
+    state_bytes = o.trained_state_bytes  # LoRA's fp32 adapters, else the masters' dtype
+    gradients, state_dtype = trainable * state_bytes // ranks, _dtype(state_bytes)
     accumulating = o.sharded and o.micro_batches > 1
     # Accumulating FSDP2 gradients stay unsharded (fp32) until the last micro-batch's
     # backward reduce-scatters them, layer by layer: the sharded ones replace them.
-    items.append(MemoryItem(f"actor gradients ({_dtype(o.master_bytes)})",
+    items.append(MemoryItem(f"actor gradients ({state_dtype})",
                             0 if on_host else gradients, (STEP,) if accumulating else (UPDATE, STEP),
                             host_bytes=gradients * ranks if on_host else 0))  # fmt: skip
     if accumulating:
         items.append(MemoryItem("actor unsharded gradients (accumulating)",
-                                trainable * o.master_bytes, (UPDATE,),
+                                trainable * state_bytes, (UPDATE,),
                                 note="until the last micro-batch"))  # fmt: skip
-    state = trainable * 2 * o.master_bytes // ranks
-    name = f"optimizer state (AdamW, {_dtype(o.master_bytes)})"
+    state = trainable * 2 * state_bytes // ranks
+    name = f"optimizer state (AdamW, {state_dtype})"
     if on_host:
         items.append(MemoryItem(name, 0, (), host_bytes=state * ranks, note="steps on the host"))
     else:
