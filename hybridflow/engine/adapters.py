@@ -63,12 +63,13 @@ class AdapterMatmul:
             return out
         name = layer.active_adapters[0]
         a, b, scale = layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name]
-        if a.dtype == x.dtype == out.dtype and out.dim() == 2:
-            # two launches: x·Aᵀ, then out + scale·(x·Aᵀ)·Bᵀ accumulated in one GEMM epilogue
-            # (one rounding where peft's separate product, scale and add round three times)
-            return torch.addmm(out, F.linear(x, a), b.t(), alpha=scale)
-        # adapters in another dtype (fp32 beside a bf16 base): peft's order, cast back at the end
-        delta = F.linear(F.linear(x.to(a.dtype), a), b) * scale
+        if x.dtype == out.dtype and out.dim() == 2:
+            # x·Aᵀ, then out + scale·(x·Aᵀ)·Bᵀ accumulated in one GEMM epilogue (one rounding
+            # where peft's product, scale and add round three times); fp32 adapters (the
+            # trainer's, learners/lora.py) are read in the activations' dtype, as autocast would
+            xa = F.linear(x, a.to(x.dtype))
+            return torch.addmm(out, xa, b.to(x.dtype).t(), alpha=scale)
+        delta = F.linear(F.linear(x.to(a.dtype), a), b) * scale  # peft's order
         return (out + delta).to(out.dtype)
 
     def gate_up_silu(self, x: torch.Tensor, weight_pairs: torch.Tensor,
