@@ -5,6 +5,9 @@ estimate beside them.
     python benchmarks/offload_step.py --model qwen2.5-7b --prompts 32 --samples 8 --new-tokens 512
     python benchmarks/offload_step.py --model qwen2.5-0.5b --compare   # and with AdamW on the GPU
     python benchmarks/offload_step.py --lora 64     # and LoRA adapters of rank 64 beside it
+    python benchmarks/offload_step.py --model qwen2.5-32b --lora 64 --lora-only --prompts 16 \
+        --micro-tokens 8192 --override model.dtype=bfloat16 \
+        --override rollout.lora_in_place=true      # 32B LoRA on one H200, no rollout copy
 
 The step is the real loop's (trainer/grpo_bench.py: fixed random prompts, random rewards,
 gradient checkpointing, one optimizer step per batch, fp32 masters, bf16 compute). A preset has
@@ -97,10 +100,14 @@ def main() -> None:
     parser.add_argument("--override", action="append", default=[], help="a config key=value")
     parser.add_argument("--lora", type=int, default=0, metavar="RANK",
                         help="also run LoRA adapters of this rank (AdamW on the GPU)")  # fmt: skip
+    parser.add_argument("--lora-only", action="store_true",
+                        help="only the LoRA run (a model whose full training cannot fit)")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    settings = [dict(offload=True)]
-    if args.compare:
+    if args.lora_only and not args.lora:
+        parser.error("--lora-only needs --lora RANK")
+    settings = [] if args.lora_only else [dict(offload=True)]
+    if args.compare and not args.lora_only:
         settings.append(dict(offload=False))
     if args.lora:
         settings.append(dict(offload=False, lora_rank=args.lora))

@@ -254,3 +254,22 @@ def test_optimizer_offload_on_several_training_ranks_names_param_offload():
     validate(load_config(None, ["trainer.backend=local", "trainer.n_gpus_per_node=2",
                                 "trainer.placement=split", "trainer.rollout_gpus=1",
                                 "actor.optimizer_offload=true"]))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [([], "model.lora_rank > 0"),
+     (["model.lora_rank=8", "trainer.device=cuda"], "the base weights in the rollout's dtype: model.dtype = bfloat16"),
+     (["model.lora_rank=8", "trainer.mode=async", "trainer.max_staleness=1"],
+      "no generation over an update"),
+     (["model.lora_rank=8", "trainer.backend=local", "trainer.n_gpus_per_node=2"], "one device")],
+)  # fmt: skip
+def test_lora_in_place_names_what_it_needs(overrides, named):
+    cfg = load_config(None, ["rollout.lora_in_place=true", *overrides])
+    with pytest.raises(ConfigError) as error:
+        validate(cfg)
+    assert f"rollout.lora_in_place = true needs {named}" in str(error.value)
+    ok = load_config(
+        None, ["rollout.lora_in_place=true", "model.lora_rank=8", "trainer.device=cpu"]
+    )
+    validate(ok)

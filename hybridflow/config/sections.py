@@ -192,6 +192,12 @@ class RolloutConfig:
     """Fraction of free GPU memory the KV cache may take while generating."""
     release_cache: bool = True
     """Free the KV cache after each generate so training gets the memory back."""
+    lora_in_place: bool = False
+    """LoRA: decode the actor's own base weights with the adapters added unmerged
+    (engine/adapters.py) instead of a merged copy refreshed at each sync: no second copy of
+    the model (61 GiB for a 32B model in bf16), for the split decode layer and two small
+    matmuls a projection. Needs model.dtype=bfloat16 on a GPU (the base in the rollout's
+    dtype), one training GPU, colocated placement, and no generation over an update."""
     dtype: str = "model"
     """Rollout matmuls: model (the policy's dtype) | fp8 (W8A8 float8 e4m3, quantized from
     the trainer's weights at every sync: faster decode on sm_89+ GPUs; turns on truncated

@@ -108,16 +108,19 @@ class Engine:
         cuda = self.device.type == "cuda"
         self.cuda_graphs = cuda if options.cuda_graphs is None else options.cuda_graphs
         self.sync_lag = int(cuda) if options.sync_lag is None else options.sync_lag
-        self.fuse_projections = options.fuse_projections if triton_backend else "none"
+        from hybridflow.engine.adapters import adapter_layers
+
+        self.adapted = bool(adapter_layers(model))  # LoRA decoded unmerged (adapters.py)
+        # fused copies would hold the base weights only
+        fuse = triton_backend and not self.adapted
+        self.fuse_projections = options.fuse_projections if fuse else "none"
         self.pinned = self._pinned_choices() if triton_backend else PinnedChoices()
         self.fused = None
         self.fp8 = None  # fp8.Fp8Matmul with weight_format="fp8", made with the cache
-        if options.weight_format == "fp8" and not triton_backend:
-            from hybridflow.errors import UserError
+        if options.weight_format == "fp8":
+            from hybridflow.engine.fp8 import check_fp8_engine
 
-            raise UserError(f"weight_format='fp8' needs the triton decode backend, and this "
-                            f"engine on {self.device} resolved {self.decode_backend!r}",
-                            fix="run on a GPU with fp8 tensor cores (sm_89+), or drop fp8")  # fmt: skip
+            check_fp8_engine(self.device, self.decode_backend, self.adapted)
         self.matmul = self.chain = self.chooser = None
         self.launch = None
         if triton_backend:
@@ -133,7 +136,8 @@ class Engine:
                                        pinned=self.pinned)  # fmt: skip
             self.chain = DecodeChain(launch=self.launch, pinned=self.pinned)
             # fp8 projections run in the split layer (the others read bf16 weights in Triton)
-            layer = "split" if options.weight_format == "fp8" else options.decode_layer
+            split = options.weight_format == "fp8" or self.adapted
+            layer = "split" if split else options.decode_layer
             self.chooser = DecodeLayerChooser(layer, pinned=self.pinned)
             self._pin_attention_tiles()
         self.cache: kv_cache.KVCache | None = None
@@ -225,10 +229,16 @@ class Engine:
         self.rope = RopeTable(cfg, self.max_seq_len, self.dtype, self.device)
         self.prefill = prefill_forward
         if self.decode_backend == "triton":
+            from hybridflow.engine.adapters import AdapterMatmul
             from hybridflow.engine.layers.chooser import decode_forward_triton
+            from hybridflow.engine.layers.matmul_choice import DecodeMatmul
             from hybridflow.engine.prefill import extend_forward_triton, prefill_forward_triton
 
             matmul = self.fp8 if self.fp8 is not None else self.matmul
+            extend_matmul = self.fp8 if self.fp8 is not None else DecodeMatmul("cublas")
+            if self.adapted:
+                matmul, extend_matmul = AdapterMatmul(self.model, matmul), AdapterMatmul(
+                    self.model, extend_matmul)  # fmt: skip
             decode_forward = functools.partial(
                 decode_forward_triton, fused=self.fused, matmul=matmul, chain=self.chain,
                 chooser=self.chooser, launch=self.launch,
@@ -240,9 +250,6 @@ class Engine:
             # with: timing candidates at each new count would stall the engine (an H200
             # agent benchmark spent 3.7 of its 4.3 s in 14 such passes), so they run cuBLAS
             # and the untuned attention tile.
-            from hybridflow.engine.layers.matmul_choice import DecodeMatmul
-
-            extend_matmul = self.fp8 if self.fp8 is not None else DecodeMatmul("cublas")
             self.extend = functools.partial(extend_forward_triton, fused=self.fused,
                                             matmul=extend_matmul, launch=self.launch,
                                             autotune=False)  # fmt: skip

@@ -40,6 +40,21 @@ class Fp8Rows(NamedTuple):
     scale: torch.Tensor  # [M, 1] fp32
 
 
+def check_fp8_engine(device: torch.device, decode_backend: str, adapted: bool) -> None:
+    """UserError unless an engine on `device` can run fp8 matmuls: the triton backend, over
+    weights it may quantize (not LoRA adapters decoded unmerged)."""
+    from hybridflow.errors import UserError
+
+    if adapted:
+        raise UserError("weight_format='fp8' quantizes merged weights, and this model's LoRA "
+                        "adapters are decoded unmerged",
+                        fix="set rollout.lora_in_place=false, or drop fp8")  # fmt: skip
+    if decode_backend != "triton":
+        raise UserError(f"weight_format='fp8' needs the triton decode backend, and this "
+                        f"engine on {device} resolved {decode_backend!r}",
+                        fix="run on a GPU with fp8 tensor cores (sm_89+), or drop fp8")  # fmt: skip
+
+
 def quantize_rows_reference(x: torch.Tensor) -> Fp8Rows:
     """x [M, K] -> (x8 [M, K] e4m3, scale [M, 1] fp32) with x ≈ x8 * scale per row."""
     xf = x.float()

@@ -26,7 +26,8 @@ def apply_lora(
     dropout: float = 0.0,
     seed: int = 0,
 ) -> nn.Module:
-    """Inject LoRA adapters in place; only adapter weights stay trainable. Returns ``model``.
+    """Inject LoRA adapters in place; only adapter weights stay trainable, in fp32 whatever
+    the base's dtype. Returns ``model``.
 
     ``lora_A`` is drawn from a generator seeded with ``seed`` (``lora_B`` starts at 0), so every
     data-parallel rank creates the same adapters before FSDP shards them, and runs repeat."""
@@ -38,7 +39,13 @@ def apply_lora(
     devices = [model.lm_head.weight.device] if model.lm_head.weight.is_cuda else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
-        return peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+        peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    # fp32 adapters beside a 16-bit base (peft's get_peft_model does the same): AdamW steps of
+    # lr ~1e-5 on weights ~1e-2 are below bf16's resolution and would round away
+    for name, param in model.named_parameters():
+        if ".lora_" in name and param.dtype in (torch.bfloat16, torch.float16):
+            param.data = param.data.float()
+    return model
 
 
 def lora_layers(model: nn.Module) -> list[nn.Module]:

@@ -87,6 +87,13 @@ def _fsync_tree(path: Path) -> None:
         _fsync_dir(Path(directory))
 
 
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
 def _fsync_dir(path: Path) -> None:
     descriptor = os.open(path, os.O_RDONLY)
     try:
@@ -141,9 +148,9 @@ class CheckpointManager:
             info = {"step": step, "saved_at": time.time(), **(metadata or {})}
             info["files"] = file_sizes(temporary)
             (temporary / METADATA_FILE).write_text(json.dumps(info, indent=2, default=str))
-            _fsync_tree(temporary)
-            (temporary / COMPLETE_MARKER).write_text(f"{step}\n")
-            _fsync_tree(temporary)
+            _fsync_tree(temporary)  # every file on disk before the marker says so
+            _write_synced(temporary / COMPLETE_MARKER, f"{step}\n")
+            _fsync_dir(temporary)
         except BaseException as error:
             self.abandon(step, temporary, error)
             raise

@@ -61,7 +61,8 @@ def plan_options(cfg: Config, derived: Derived, gpu_bytes: int | None) -> PlanOp
         reference = "actor" if m.lora_rank > 0 and cfg.ref.path is None else "own"
     critic_tokens = (cfg.critic.max_tokens_per_gpu
                      or cfg.critic.micro_batch_size_per_gpu * max_len)  # fmt: skip
-    fuse = "none" if r.engine.decode_backend == "torch" else r.engine.fuse_projections
+    unfused = r.engine.decode_backend == "torch" or r.lora_in_place and m.lora_rank > 0
+    fuse = "none" if unfused else r.engine.fuse_projections
     return PlanOptions(
         master_bytes=master_bytes,
         compute_bytes=2,
@@ -86,6 +87,7 @@ def plan_options(cfg: Config, derived: Derived, gpu_bytes: int | None) -> PlanOp
         max_prefill_tokens=r.engine.max_prefill_tokens,
         split=t.placement == "split",
         rollout_beside_update=t.mode == "async" and (t.max_staleness > 0 or t.partial_rollout),
+        lora_in_place=r.lora_in_place,
         reference=reference,
         reference_offload=cfg.ref.param_offload,
         critic=derived.use_critic,
@@ -205,10 +207,32 @@ def check_memory(cfg: Config, derived: Derived, log=lambda *a, **k: None) -> Mem
     if plan is None:
         return None
     log(render(plan, source))
-    problems = fit_problems(cfg, plan, source)
+    problems = fit_problems(cfg, plan, source) or forward_budget_problems(cfg, derived, plan)
     if problems:
         raise ConfigError(problems)
     return plan
+
+
+def forward_budget_problems(cfg: Config, derived: Derived, plan: MemoryPlan) -> list[str]:
+    """A problem for each log-prob token budget set in the config whose no-grad forward does
+    not fit beside what stays resident (a null budget is chosen by the plan, and fits)."""
+    if plan.options.gpu_bytes is None:
+        return []
+    budgets = {"actor.log_prob_max_tokens_per_gpu": cfg.actor.log_prob_max_tokens_per_gpu}
+    if derived.use_reference:
+        budgets["ref.max_tokens_per_gpu"] = cfg.ref.max_tokens_per_gpu
+    fitting = choices.fitting_forward_tokens(plan)
+    a, o = plan.architecture, plan.options
+    usable = usable_bytes(o.gpu_bytes)
+    resident = choices.forward_resident_bytes(plan)
+    return [
+        f"{key} = {tokens:,}: a forward without autograd of that many tokens needs "
+        f"{gib(choices.forward_bytes(a, tokens, o.compute_bytes))} beside the {gib(resident)} "
+        f"resident, {gib(usable)} usable; set it to at most {fitting:,}, or leave it null "
+        f"and the plan picks one"
+        for key, tokens in budgets.items()
+        if tokens is not None and tokens > fitting
+    ]  # fmt: skip
 
 
 # ---------------------------------------------------------------------- not fitting
@@ -436,7 +460,7 @@ def plan_command(cfg: Config, gpu_memory: str | None = None, out=print) -> int:
     out(render(plan, source))
     for line in memory_choices(cfg, derived, gpu_bytes)[1]:
         out("  " + line)
-    problems = fit_problems(cfg, plan, source)
+    problems = fit_problems(cfg, plan, source) or forward_budget_problems(cfg, derived, plan)
     if problems:
         raise ConfigError(problems)
     return 0

@@ -102,12 +102,17 @@ def forward_token_budget(plan: MemoryPlan, update_tokens: int, batch_tokens: int
 
     ``update_tokens``: the update's micro-batch budget; ``batch_tokens``: the most tokens one
     GPU holds of a step's batch (samples × the longest sequence)."""
-    o, a = plan.options, plan.architecture
-    if o.gpu_bytes is None:
-        raise ValueError("forward_token_budget needs the GPU's memory (PlanOptions.gpu_bytes)")
-    free = usable_bytes(o.gpu_bytes) - forward_resident_bytes(plan)
-    logits = forward_logits_bytes(a, mp.LOGPROB_CHUNK_TOKENS, o.compute_bytes)
-    fitting = max(free - logits, 0) // forward_bytes_per_token(a, o.compute_bytes)
-    fitting = fitting // BUDGET_STEP * BUDGET_STEP
+    fitting = fitting_forward_tokens(plan) // BUDGET_STEP * BUDGET_STEP
     cap = min(FORWARD_BUDGET_CAP * update_tokens, max(batch_tokens, update_tokens))
     return max(min(fitting, cap), update_tokens)
+
+
+def fitting_forward_tokens(plan: MemoryPlan) -> int:
+    """The most tokens of a log-prob forward that fit beside what stays resident (0: none);
+    needs the GPU's size."""
+    o, a = plan.options, plan.architecture
+    if o.gpu_bytes is None:
+        raise ValueError("the forward's budget needs the GPU's memory (PlanOptions.gpu_bytes)")
+    free = usable_bytes(o.gpu_bytes) - forward_resident_bytes(plan)
+    logits = forward_logits_bytes(a, mp.LOGPROB_CHUNK_TOKENS, o.compute_bytes)
+    return max(free - logits, 0) // forward_bytes_per_token(a, o.compute_bytes)

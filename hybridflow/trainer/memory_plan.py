@@ -27,9 +27,9 @@ What is modelled is what the code does today:
   pinned bf16 staging buffers and an fp32 gradient buffer of one bucket each;
   ``actor.param_offload`` (FSDP2) steps on the host too.
 - **Nothing moves off the GPU between stages** (the loop never calls ``offload()``).
-- **Rollout weights**: the engine reads the actor's own parameters only on one device,
-  without LoRA or FSDP, in the rollout's dtype (bf16 training weights), never generating over
-  an update (async); otherwise it holds a full bf16 copy (``workers/rollout.py``).
+- **Rollout weights**: the engine reads the actor's own parameters only on one device, without
+  FSDP, in the rollout's dtype, never generating over an update (async), and for LoRA with
+  ``rollout.lora_in_place``; otherwise it holds a full bf16 copy (``workers/rollout.py``).
 - **KV cache** (``engine/kv_cache.make_cache``): paged (``kv_block_size``, the default) as
   many blocks as ``gpu_memory_utilization`` × free memory (the allocator's unused cache
   counted free) − the reserve for decode logits and prefill holds, at most ``max_num_seqs``
@@ -54,6 +54,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybridflow.models.architecture import ModelArchitecture
+from hybridflow.trainer.memory_activations import (  # noqa: F401 (this module's names too)
+    LOGPROB_CHUNK_TOKENS,
+    activation_bytes_per_token,
+    layer_activation_elements,
+    logprob_head_bytes,
+)
 
 GIB = 2**30
 
@@ -70,12 +76,8 @@ HEADROOM_BYTES = 1 * GIB
 """Kept free by the fit check: the CUDA context (~0.5 GiB), cuBLAS and NCCL workspaces, and
 the caching allocator's fragmentation, none of which max_memory_allocated counts."""
 
-LOGPROB_CHUNK_TOKENS = 4096
-"""Tokens per logits chunk of models/logprobs.logprobs_from_hidden."""
-
 OFFLOAD_BUCKET_ELEMENTS = 64 * 2**20
-"""Parameters per bucket of the host step (``learners/host_optimizer.BUCKET_ELEMENTS``; a
-test keeps the two equal); a larger tensor is a bucket of its own."""
+"""Parameters per bucket of the host step (``learners/host_optimizer.BUCKET_ELEMENTS``)."""
 
 LORA_TARGET_SHAPES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -115,6 +117,7 @@ class PlanOptions:
     split: bool = False
     """Rollout on GPUs of its own (their items are planned separately)."""
     rollout_beside_update: bool = False  # async, staleness > 0 or partial: the engine's own weights
+    lora_in_place: bool = False
     reference: str = "none"
     """none | own (a frozen copy) | actor (the LoRA actor with adapters off: no copy)."""
     reference_offload: bool = False
@@ -135,6 +138,11 @@ class PlanOptions:
     def host_step(self) -> bool:
         """``optimizer_offload`` on one GPU: masters and AdamW on the host (FSDP2 refuses it)."""
         return self.optimizer_offload and not self.sharded
+
+    @property
+    def trained_state_bytes(self) -> int:
+        """Gradients and AdamW moments per trained element on the GPU: LoRA adapters are fp32."""
+        return 4 if self.lora_rank > 0 else self.master_bytes
 
     @property
     def trained_weight_bytes(self) -> int:
@@ -234,42 +242,6 @@ def host_step_bucket(a: ModelArchitecture, options: PlanOptions) -> int:
     else:
         largest = max(a.vocab_size, a.intermediate_size) * a.hidden_size
     return min(trainable_parameters(a, options), max(OFFLOAD_BUCKET_ELEMENTS, largest))
-
-
-# ---------------------------------------------------------------------- activations
-
-
-def layer_activation_elements(a: ModelArchitecture) -> int:
-    """Elements per token one decoder layer keeps for the backward (below)."""
-    h, i = a.hidden_size, a.intermediate_size
-    q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
-    return 4 * h + 2 * q + 2 * kv + 4 * i + ((q + kv) if a.qk_norm else 0)
-
-
-def activation_bytes_per_token(a: ModelArchitecture, gradient_checkpointing: bool,
-                               element_bytes: int = 2) -> int:  # fmt: skip
-    """Bytes autograd keeps per token for the backward, over all layers.
-
-    One layer without checkpointing keeps 4h + 2q + 2kv + 4i elements: the inputs of both
-    RMSNorms and their outputs (4h; the outputs feed the projections), attention's q, k, v
-    and output (2q + 2kv), and the MLP's gate, silu(gate), up and their product (4i); Qwen3's
-    q/k-norm adds its inputs (q + kv). With checkpointing a layer keeps only its input (h)
-    and one layer at a time is recomputed in full in the backward. The head adds the final
-    norm's input and output and the gathered response states (3h)."""
-    h, layer, head = a.hidden_size, layer_activation_elements(a), 3 * a.hidden_size
-    if gradient_checkpointing:
-        elements = a.num_hidden_layers * h + layer + head
-    else:
-        elements = a.num_hidden_layers * layer + head
-    return elements * element_bytes
-
-
-def logprob_head_bytes(a: ModelArchitecture, tokens: int, compute_bytes: int = 2) -> int:
-    """The chunked log-prob head's working set: one [chunk, V] block of logits, the fp32
-    [V, H] lm_head gradient accumulator and its copy in the compute dtype."""
-    chunk = min(tokens, LOGPROB_CHUNK_TOKENS)
-    vocab_matrix = a.vocab_size * a.hidden_size
-    return chunk * a.vocab_size * compute_bytes + vocab_matrix * (4 + compute_bytes)
 
 
 # ---------------------------------------------------------------------- rollout
@@ -383,19 +355,20 @@ def device_step_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
                                 total * gathered_bytes, (UPDATE,)))  # fmt: skip
     elif o.mixed_precision:  # autocast's casts, kept for the backward; the lm_head cast
         items.append(compute_copy_item(a, o))
-    gradients = trainable * o.master_bytes // ranks
+    state_bytes = o.trained_state_bytes  # LoRA's fp32 adapters, else the masters' dtype
+    gradients, state_dtype = trainable * state_bytes // ranks, _dtype(state_bytes)
     accumulating = o.sharded and o.micro_batches > 1
     # Accumulating FSDP2 gradients stay unsharded (fp32) until the last micro-batch's
     # backward reduce-scatters them, layer by layer: the sharded ones replace them.
-    items.append(MemoryItem(f"actor gradients ({_dtype(o.master_bytes)})",
+    items.append(MemoryItem(f"actor gradients ({state_dtype})",
                             0 if on_host else gradients, (STEP,) if accumulating else (UPDATE, STEP),
                             host_bytes=gradients * ranks if on_host else 0))  # fmt: skip
     if accumulating:
         items.append(MemoryItem("actor unsharded gradients (accumulating)",
-                                trainable * o.master_bytes, (UPDATE,),
+                                trainable * state_bytes, (UPDATE,),
                                 note="until the last micro-batch"))  # fmt: skip
-    state = trainable * 2 * o.master_bytes // ranks
-    name = f"optimizer state (AdamW, {_dtype(o.master_bytes)})"
+    state = trainable * 2 * state_bytes // ranks
+    name = f"optimizer state (AdamW, {state_dtype})"
     if on_host:
         items.append(MemoryItem(name, 0, (), host_bytes=state * ranks, note="steps on the host"))
     else:
@@ -441,8 +414,8 @@ def critic_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
 
 def rollout_shares_actor_weights(o: PlanOptions) -> bool:
     """The engine runs on the actor's own tensors (workers/rollout.RolloutWorker)."""
-    return (not o.split and not o.sharded and o.lora_rank == 0 and not o.rollout_beside_update
-            and o.trained_weight_bytes == o.rollout_bytes)  # fmt: skip
+    return (not o.split and not o.sharded and (o.lora_rank == 0 or o.lora_in_place)
+            and not o.rollout_beside_update and o.trained_weight_bytes == o.rollout_bytes)  # fmt: skip
 
 
 def rollout_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:

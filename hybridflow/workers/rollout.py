@@ -54,7 +54,7 @@ class RolloutWorker(Worker):
         self.shares_actor_weights = (
             actor is not None
             and self.world_size == 1
-            and not actor.learner.lora
+            and (not actor.learner.lora or config.rollout.lora_in_place)  # adapters.py
             and not actor.learner.core.fsdp
             and next(actor.model.parameters()).dtype == dtype  # fp32 masters: bf16 copy
             # async mode generates while the actor updates: the engine needs its own copy

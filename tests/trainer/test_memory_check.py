@@ -164,3 +164,31 @@ def test_async_generation_beside_the_update_plans_the_engines_own_weights(mode, 
     # bf16 training weights: the engine reads them in place unless it generates over the update
     copy = mc.plan_for_config(cfg).architecture.num_parameters() * 2
     assert sum(weights.values()) == (copy if expected else 0)
+
+
+def test_an_explicit_log_prob_budget_that_cannot_fit_exits_2_naming_the_key(capsys):
+    args = ["config", "plan", "model.path=qwen2.5-7b", "model.lora_rank=64", "--gpu-memory",
+            "80GiB", "actor.log_prob_max_tokens_per_gpu=1000000"]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "actor.log_prob_max_tokens_per_gpu = 1,000,000: a forward without autograd" in err
+    # the largest the message names does fit: the same run with it passes
+    most = err.split("set it to at most ")[1].split(", or leave")[0]
+    ok = ["config", "plan", "model.path=qwen2.5-7b", "model.lora_rank=64", "--gpu-memory",
+          "80GiB", f"actor.log_prob_max_tokens_per_gpu={most.replace(',', '')}"]  # fmt: skip
+    assert main(ok) == 0
+    args[-1] = f"actor.log_prob_max_tokens_per_gpu={int(most.replace(',', '')) + 1}"
+    assert main(args) == 2
+
+
+def test_lora_in_place_plans_no_rollout_copy_and_no_fused_copies():
+    base = ["model.path=qwen2.5-32b", "model.lora_rank=64", "model.dtype=bfloat16"]
+    copy, in_place = (mc.plan_for_config(load_config(None, base + extra), None, 141 * GIB)
+                      for extra in ([], ["rollout.lora_in_place=true"]))  # fmt: skip
+    sizes = [{i.name: i.gpu_bytes for i in plan.items} for plan in (copy, in_place)]
+    assert sizes[0]["rollout weights (bf16 copy)"] == copy.architecture.num_parameters() * 2
+    assert sizes[1]["rollout weights"] == 0  # the actor's base, read in place
+    assert sizes[0]["rollout fused q/k/v, gate/up copies"] > 0
+    assert sizes[1]["rollout fused q/k/v, gate/up copies"] == 0  # the split layer reads in place
+    assert not mc.fits(copy) and mc.fits(in_place)

@@ -123,3 +123,21 @@ def test_sharded_actor_syncs_to_colocated_rollout_two_processes():
         assert rollout_matches_actor(group.rollout, group.actor) < 1e-4
     finally:
         group.shutdown()
+
+
+def test_lora_in_place_rollout_decodes_the_actors_adapters_without_a_copy():
+    cfg = tiny_config("model.lora_rank=4", "model.lora_alpha=8", "rollout.lora_in_place=true")
+    group = WorkerGroup(fused_worker(actor=True, rollout=True), config=cfg)
+    try:
+        worker = group._backend.ranks[0].host.worker
+        actor, rollout = worker.roles["actor"], worker.roles["rollout"]
+        assert rollout.shares_actor_weights and rollout.engine.model is actor.model
+        assert rollout.engine.adapted
+        assert rollout_matches_actor(group.rollout, group.actor) < 1e-4
+        actor_update(group.actor, group.rollout)  # lora_B leaves 0: the adapters now count
+        b = next(p for n, p in actor.model.named_parameters() if "lora_B" in n)
+        assert b.abs().max() > 0
+        # the engine's next tokens come from the updated adapters, with no sync call
+        assert rollout_matches_actor(group.rollout, group.actor) < 1e-4
+    finally:
+        group.shutdown()
