@@ -187,7 +187,8 @@ class RolloutConfig:
     ignore_eos: bool = False
     """Keep generating past EOS up to max_response_length (benchmarks)."""
     max_num_seqs: int = 1024
-    """Most sequences decoded at once per engine (KV slots)."""
+    """Most sequences decoded at once per engine (the slot cache's slots; with the paged
+    cache, the rows one decode step may hold)."""
     gpu_memory_utilization: float = 0.4
     """Fraction of free GPU memory the KV cache may take while generating."""
     release_cache: bool = True

@@ -65,6 +65,7 @@ def verdict(plan: MemoryPlan, gpu_source: str = "") -> str:
     fits = plan.checked_peak()[1] <= usable and plan.kv_slots > 0
     if o.split:
         fits = fits and plan.checked_peak(rollout_gpu=True)[1] <= usable
-    word = "fits" if fits else "does NOT fit" + ("" if plan.kv_slots else ", no KV-cache slot")
+    room = "no KV-cache slot" if o.kv_block_size is None else "no sequence's KV blocks"
+    word = "fits" if fits else "does NOT fit" + ("" if plan.kv_slots else f", {room}")
     return (f"GPU {gib(o.gpu_bytes)}{source}, {gib(usable)} usable: {word}, peak {gib(peak)} "
             f"({phase})")  # fmt: skip
