@@ -28,6 +28,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,7 +86,41 @@ def mode_overrides(mode: str) -> list[str]:
             f"trainer.partial_rollout={'true' if partial else 'false'}"]  # fmt: skip
 
 
-def run_mode(mode: str, work: Path, args) -> dict:
+def _step_rows(metrics: Path) -> list[dict]:
+    """The metrics rows of the steps the run has finished so far."""
+    if not metrics.exists():
+        return []
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return [row for row in rows if row.get("step", 0) > 0 and "timing_s/step" in row]
+
+
+def _follow(child: subprocess.Popen, mode: str, metrics: Path, timeout: float) -> bool:
+    """Wait for the run, printing each step's time as it lands (a long step is not silence);
+    stop it (SIGTERM, then SIGKILL) after `timeout` seconds. -> whether it was stopped."""
+    start, shown = time.monotonic(), 0
+    while True:
+        finished = child.poll() is not None
+        steps = _step_rows(metrics)
+        for row in steps[shown:]:
+            print(f"  {mode} step {row['step']}: {row['timing_s/step']:.2f} s "
+                  f"({time.monotonic() - start:.0f} s into the run)", flush=True)  # fmt: skip
+        shown = len(steps)
+        if finished:
+            return False
+        if time.monotonic() - start > timeout:
+            child.terminate()
+            try:
+                child.wait(30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+            return True
+        time.sleep(1.0)
+
+
+def run_mode(mode: str, work: Path, args) -> dict | None:
+    """One `hybridflow train` of `mode`: its step times and metrics; None when it failed or was
+    stopped before its first step (its last log lines printed)."""
     run_dir = work / f"run-{mode.replace(':', '-')}"
     overrides = [
         f"model.path={work / 'model'}",
@@ -102,7 +137,7 @@ def run_mode(mode: str, work: Path, args) -> dict:
         "trainer.val_before_train=false",
         "trainer.test_freq=0",
         "trainer.save_freq=-1",
-        "trainer.loggers=[jsonl]",
+        "trainer.loggers=[console,jsonl]",  # the log keeps the step table
         f"trainer.run_dir={run_dir}",
         f"trainer.cache_dir={work / 'cache'}",
         *([f"trainer.device={args.device}"] if args.device else []),
@@ -113,14 +148,20 @@ def run_mode(mode: str, work: Path, args) -> dict:
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     )
-    done = subprocess.run([sys.executable, "-c", code, "train", *overrides], env=env,
-                          capture_output=True, text=True, timeout=args.run_timeout)  # fmt: skip
-    if done.returncode != 0:
-        raise SystemExit(
-            f"{mode}: hybridflow train failed\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
-        )
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [row for row in rows if row.get("step", 0) > 0 and "timing_s/step" in row]
+    log_path = work / f"{run_dir.name}.log"
+    metrics = run_dir / "metrics.jsonl"
+    with log_path.open("w") as log:
+        child = subprocess.Popen([sys.executable, "-c", code, "train", *overrides], env=env,
+                                 stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        timed_out = _follow(child, mode, metrics, args.run_timeout)
+    if timed_out or child.returncode != 0:
+        tail = "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-15:])
+        what = f"stopped after --run-timeout {args.run_timeout:.0f} s" if timed_out else (
+            f"hybridflow train failed (exit {child.returncode})")  # fmt: skip
+        print(f"{mode}: {what}; the run's last lines ({log_path}):\n{tail}", flush=True)
+        if not timed_out or not _step_rows(metrics):
+            return None
+    steps = _step_rows(metrics)
     timed = steps[args.warmup :] or steps
     for row in steps:  # the async mode's wait for its rollout lies outside train_step
         row["wall_s"] = row["timing_s/step"] + row.get("timing_s/wait_rollout", 0.0)
@@ -128,6 +169,7 @@ def run_mode(mode: str, work: Path, args) -> dict:
     extra = sorted({k for row in timed for k in row if k.startswith(("async/", "staleness/"))})
     return {
         "mode": mode,
+        "complete": not timed_out,
         "step_s": mean("wall_s"),
         "steps_s": [row["wall_s"] for row in steps],
         "response_mean": mean("response_length/mean"),
@@ -163,12 +205,17 @@ def main() -> None:
     (work / "reward.py").write_text(REWARD)
     results = []
     for mode in args.modes:  # each printed as it ends: a run cut short keeps what it measured
-        results.append(run_mode(mode, work, args))
+        result = run_mode(mode, work, args)
+        if result is None:
+            continue
+        results.append(result)
         print(
             f"{mode}: {results[-1]['step_s']:.2f} s/step, steps (s) "
             + " ".join(f"{s:.2f}" for s in results[-1]["steps_s"]),
             flush=True,
         )
+    if not results:
+        raise SystemExit("no mode finished a step: nothing to compare")
     print(f"\nGRPO, {args.preset}, {args.prompts} prompts × {args.samples} samples, "
           f"prompt {args.prompt_len}, responses geometric of mean ~{args.mean_new_tokens:.0f} "
           f"up to {args.max_new_tokens}; mean of steps {args.warmup + 1}..{args.steps}")  # fmt: skip
@@ -176,7 +223,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for r in results:
         steps = " ".join(f"{s:.2f}" for s in r["steps_s"])
-        print(f"| {r['mode']} | {r['step_s']:.2f} | {results[0]['step_s'] / r['step_s']:.2f}× | "
+        name = r["mode"] if r["complete"] else f"{r['mode']} (stopped at --run-timeout)"
+        print(f"| {name} | {r['step_s']:.2f} | {results[0]['step_s'] / r['step_s']:.2f}× | "
               f"{r['response_mean']:.0f} | {r['response_max']:.0f} | {100 * r['clip_ratio']:.1f}% "
               f"| {steps} |")  # fmt: skip
     for r in results:

@@ -91,21 +91,27 @@ def micro_tokens(args) -> int:
 
 def run_setting(args) -> dict:
     from hybridflow.models import load_tokenizer
+    from hybridflow.progress import ProgressReporter
     from hybridflow.trainer.grpo_bench import time_grpo_steps
 
     planned = planned_run(args)
     rng = random.Random(0)
     prompts = [[rng.randrange(10, 60) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
-    times, allocated, breakdown = time_grpo_steps(
-        model_path=args.preset,
-        prompts=prompts,
-        samples_per_prompt=args.samples,
-        new_tokens=args.new_tokens,
-        steps=args.steps,
-        micro_batch_tokens=micro_tokens(args),
-        tokenizer=load_tokenizer("char"),
-        overrides=(*setting_overrides(args), *planned["choices"]),
-    )
+    reporter = ProgressReporter(interval_s=20)  # a line per step, a status line in silences
+    try:
+        times, allocated, breakdown = time_grpo_steps(
+            model_path=args.preset,
+            prompts=prompts,
+            samples_per_prompt=args.samples,
+            new_tokens=args.new_tokens,
+            steps=args.steps,
+            micro_batch_tokens=micro_tokens(args),
+            tokenizer=load_tokenizer("char"),
+            progress=reporter,
+            overrides=(*setting_overrides(args), *planned["choices"]),
+        )
+    finally:
+        reporter.close()
     on_gpu = bool(allocated)  # the in-process worker ran on this process's GPU
     timed = times[1:] or times  # the first step compiles kernels and warms the allocator
     step_s = sum(timed) / len(timed)

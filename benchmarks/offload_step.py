@@ -26,8 +26,11 @@ import torch
 
 
 def run_setting(args, offload: bool, lora_rank: int = 0) -> dict:
+    from rich.console import Console
+
     from hybridflow.config import validate
     from hybridflow.models import load_tokenizer
+    from hybridflow.progress import ProgressReporter
     from hybridflow.trainer.grpo_bench import bench_config, time_grpo_steps
     from hybridflow.trainer.memory_check import plan_for_config
 
@@ -45,16 +48,23 @@ def run_setting(args, offload: bool, lora_rank: int = 0) -> dict:
     cuda = torch.cuda.is_available()
     gpu_bytes = torch.cuda.get_device_properties(0).total_memory if cuda else None
     plan = plan_for_config(cfg, validate(cfg), gpu_bytes)
-    times, peaks, _ = time_grpo_steps(
-        model_path=args.model,
-        prompts=prompts,
-        samples_per_prompt=args.samples,
-        new_tokens=args.new_tokens,
-        steps=args.steps,
-        micro_batch_tokens=args.micro_tokens,
-        tokenizer=load_tokenizer("char"),
-        overrides=overrides,
-    )
+    # a line per step and a status line in silences, on stderr: the table's rows print to
+    # stdout as each setting ends, and stay one table
+    reporter = ProgressReporter(Console(stderr=True), interval_s=20)
+    try:
+        times, peaks, _ = time_grpo_steps(
+            model_path=args.model,
+            prompts=prompts,
+            samples_per_prompt=args.samples,
+            new_tokens=args.new_tokens,
+            steps=args.steps,
+            micro_batch_tokens=args.micro_tokens,
+            tokenizer=load_tokenizer("char"),
+            progress=reporter,
+            overrides=overrides,
+        )
+    finally:
+        reporter.close()
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()

@@ -29,6 +29,10 @@ from hybridflow.engine.kernels.launch import PLAIN, Launch
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
+# Scales are max|x| times this, not max|x| / 448: torch on CUDA divides by a Python scalar as
+# a multiply by its reciprocal (CPU divides), so only the multiply is one rounding everywhere,
+# the kernels' included.
+INV_E4M3_MAX = 1.0 / E4M3_MAX
 TINY = 1e-12  # an all-zero row gets a finite scale (and quantizes to zeros)
 
 
@@ -58,7 +62,7 @@ def check_fp8_engine(device: torch.device, decode_backend: str, adapted: bool) -
 def quantize_rows_reference(x: torch.Tensor) -> Fp8Rows:
     """x [M, K] -> (x8 [M, K] e4m3, scale [M, 1] fp32) with x ≈ x8 * scale per row."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=TINY) / E4M3_MAX
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=TINY) * INV_E4M3_MAX
     return Fp8Rows((xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale)
 
 

@@ -25,3 +25,22 @@ def test_sync_and_async_runs_of_the_long_tail_workload_print_their_table(tmp_pat
         assert 0 < result["response_mean"] < result["response_max"] <= 32  # lengths spread
     assert results[1]["async_metrics"]["async/staleness"] == 1.0
     assert results[2]["async_metrics"]["async/staleness_max"] <= 1.0
+
+
+def test_a_run_stopped_at_its_timeout_reports_the_steps_it_finished_and_its_last_lines(tmp_path):
+    """A mode that outlives --run-timeout is stopped (no traceback): its finished steps are
+    its result, marked as stopped, and the run's last log lines say where it was."""
+    out = tmp_path / "result.json"
+    text = run_benchmark(
+        "async_rl.py", "--preset", "tiny", "--device", "cpu", "--prompts", "4", "--samples",
+        "2", "--prompt-len", "8", "--max-new-tokens", "32", "--mean-new-tokens", "8",
+        "--steps", "100000", "--warmup", "1", "--modes", "sync", "--run-timeout", "15",
+        "--work-dir", str(tmp_path / "work"), "--json", str(out),
+    )  # fmt: skip
+    assert "sync: stopped after --run-timeout 15 s" in text
+    assert "Traceback" not in text
+    assert "  sync step 1: " in text  # steps printed as they landed
+    rows = markdown_rows(text, "| mode |")
+    assert [row["mode"] for row in rows] == ["sync (stopped at --run-timeout)"]
+    (result,) = json.loads(out.read_text())
+    assert not result["complete"] and 0 < len(result["steps_s"]) < 100000

@@ -62,3 +62,7 @@ def test_cpu_smoke_run_prints_the_plan_choices_and_step_times(tmp_path):
     assert result["tokens_per_s"] * result["step_s"] == pytest.approx(result["tokens_per_step"])
     assert number(row["s/step"]) == round(result["all_steps_s"][1], 2)  # the first left out
     assert row["old log-prob s"] != "-" and number(row["update s"]) > 0
+    # each step said it ended, with its stages, as it ended (a cut-short run shows how far)
+    for step in (1, 2):
+        (line,) = [x for x in text.splitlines() if x.startswith(f"step {step}: ")]
+        assert "gen " in line and "update_actor " in line

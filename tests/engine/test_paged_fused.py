@@ -52,6 +52,8 @@ def test_warm_up_captures_the_graphs_a_call_with_samples_uses():
     engine = Engine(_model(), 16, 96, options=EngineOptions(kv_block_size=16))
     params = SamplingParams(n=3, temperature=0.9, max_new_tokens=12, seed=3, ignore_eos=True)
     assert engine.warm_up(params) > 0
-    before = engine.runner.captures
+    warmed, before = set(engine.runner.graphs), engine.runner.captures
     engine.generate(PROMPTS, params)
+    # the keys (bucket, (sampling mode, shared)) name what the call captured, if it did
+    assert set(engine.runner.graphs) - warmed == set()
     assert engine.runner.captures == before

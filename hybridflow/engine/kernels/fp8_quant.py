@@ -1,6 +1,7 @@
 """Per-row float8 e4m3 quantization of activations (fp8.py): a program per row finds the row's
 max |x|, then writes x / scale as e4m3 and the scale. Matches fp8.quantize_rows_reference
-(fp32 arithmetic, IEEE division, the same clamp, round to nearest even) bit for bit.
+(fp32 arithmetic, the scale times 1/448, IEEE division by it, the same clamp, round to nearest
+even, the sign of zero) bit for bit.
 
 The standalone kernel here quantizes the attention output in front of o_proj; the norms and
 SiLU*up in rowwise.py write their outputs through the same helpers (row_scale, e4m3_values)
@@ -13,15 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridflow.engine.fp8 import E4M3, TINY, Fp8Rows
+from hybridflow.engine.fp8 import E4M3, INV_E4M3_MAX, TINY, Fp8Rows
+
+_INV_E4M3_MAX = tl.constexpr(INV_E4M3_MAX)
 
 
 @triton.jit
 def row_scale(amax, tiny):
-    """A row's scale from its max |x| (fp32): max(amax, tiny) / 448. Divisions here are
-    IEEE-rounded (div_rn) as torch's are: Triton's `/` compiles to div.full.f32 (2 ulp),
-    which moves values near an e4m3 tie to the other side now and then."""
-    return tl.math.div_rn(tl.maximum(amax, tiny), 448.0)
+    """A row's scale from its max |x| (fp32): max(amax, tiny) * (1/448), as the reference
+    computes it (fp8.INV_E4M3_MAX says why not a division)."""
+    return tl.maximum(amax, tiny) * _INV_E4M3_MAX
 
 
 @triton.jit
@@ -35,15 +37,18 @@ def _round_to_e4m3(y):
     normal = ((bits + 0x7FFFF + lowest_kept) & -0x100000).to(tl.float32, bitcast=True)
     # below 2^-6 e4m3 is subnormal, multiples of 2^-9: adding 1.5 * 2^14 leaves fp32 that
     # resolution and rounds to nearest even there
-    subnormal = (tl.abs(y) + 24576.0) - 24576.0
-    subnormal = tl.where(bits < 0, -subnormal, subnormal)  # keeps the sign of -0 too
+    magnitude = ((tl.abs(y) + 24576.0) - 24576.0).to(tl.int32, bitcast=True)
+    # y's sign bit put back with an or: `-x` compiles to 0 - x on the GPU, which makes -0 +0
+    subnormal = (magnitude | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(y) < 0.015625, subnormal, normal)
 
 
 @triton.jit
 def e4m3_values(x, scale):
     """fp32 x / scale, clamped to ±448 and rounded to e4m3 (fp32 holding e4m3 values; the
-    store casts them exactly)."""
+    store casts them exactly). The division is IEEE-rounded (div_rn) as torch's tensor
+    division is: Triton's `/` compiles to div.full.f32 (2 ulp), which moves values near an
+    e4m3 tie to the other side now and then."""
     y = tl.math.div_rn(x, scale)
     return _round_to_e4m3(tl.minimum(tl.maximum(y, -448.0), 448.0))
 
