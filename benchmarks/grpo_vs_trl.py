@@ -12,8 +12,9 @@ GRPO vs TRL and 2-GPU scaling.
 
 Default workload: a `qwen2.5-0.5b`-shaped model with random weights, 128 prompts × 8
 samples, 128-token prompts, 256 new tokens forced (no early stop), bf16, gradient
-checkpointing, lr 1e-6, no reference model (beta 0), one optimizer step per generation
-batch, 3 steps with the first excluded. Both sides get the same random-token prompts and
+checkpointing in TRL (hybridflow's as its memory plan decides for the GPU:
+`model.gradient_checkpointing=auto`; --override to force it), lr 1e-6, no reference model
+(beta 0), one optimizer step per generation batch, 3 steps with the first excluded. Both sides get the same random-token prompts and
 a reward that scores random numbers (so advantages and gradients are non-zero).
 
 TRL generates with its own `model.generate` (its vLLM mode is not used).
@@ -155,6 +156,24 @@ def run_trl(model_dir: str, prompts: list[list[int]], args) -> dict:
     return _summary("TRL " + _version("trl"), times, args, peak)
 
 
+def hybridflow_overrides(args) -> tuple[str, ...]:
+    """hybridflow's settings: gradient checkpointing as the memory plan decides for this GPU
+    (as `hybridflow train` does; TRL's side checkpoints), then --override."""
+    return ("model.gradient_checkpointing=auto", *args.override)
+
+
+def resolved_checkpointing(model_dir: str, args) -> bool:
+    """Whether the hybridflow side recomputes activations (the plan's choice, or --override)."""
+    from hybridflow.trainer.grpo_bench import bench_config
+    from hybridflow.trainer.memory_check import memory_defaults
+
+    cfg = bench_config(model_dir, prompts=args.prompts * args.gpus, samples=args.samples,
+                       prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                       micro_batch_tokens=args.hf_micro_tokens, gpus=args.gpus,
+                       overrides=hybridflow_overrides(args))  # fmt: skip
+    return bool(memory_defaults(cfg, log=lambda line: None).model.gradient_checkpointing)
+
+
 def run_hybridflow(model_dir: str, prompts: list[list[int]], args) -> dict:
     """The hybridflow side on ``args.gpus`` GPUs; ``prompts`` holds ``args.prompts`` per GPU
     (equal per-GPU work: the global batch grows with the GPU count)."""
@@ -169,7 +188,7 @@ def run_hybridflow(model_dir: str, prompts: list[list[int]], args) -> dict:
         micro_batch_tokens=args.hf_micro_tokens,
         gpus=args.gpus,
         tokenizer=load_word_tokenizer(model_dir),
-        overrides=tuple(args.override),
+        overrides=hybridflow_overrides(args),
     )
     name = f"hybridflow {args.gpus}GPU" + "".join(f" {o}" for o in args.override)
     out = _summary(name, times, args, max(peaks, default=float("nan")), gpus=args.gpus)
@@ -281,7 +300,7 @@ def _stage_floors(model_dir: str, args, device_name: str) -> dict[str, float]:
     if architecture is None:
         return {}
     shape = StepShape(args.prompts, args.samples, args.prompt_len, args.new_tokens)
-    recompute = "model.gradient_checkpointing=false" not in args.override
+    recompute = resolved_checkpointing(model_dir, args)
     return stage_floors(architecture, shape, peak_flops_per_gpu(device_name),
                         peak_bandwidth(device_name), recompute=recompute)  # fmt: skip
 
@@ -371,8 +390,9 @@ def main() -> None:
         breakdown = results[0]["breakdown"]
         floors = _stage_floors(model_dir, args, dev)
         results[0]["floors"] = floors
-        print("hybridflow breakdown (mean of timed steps, s; floor: at the GPU's peak, "
-              "hybridflow/trainer/stage_floors.py):")  # fmt: skip
+        checkpointing = "on" if resolved_checkpointing(model_dir, args) else "off"
+        print(f"hybridflow breakdown (mean of timed steps, s; gradient checkpointing "
+              f"{checkpointing}; floor: at the GPU's peak, hybridflow/trainer/stage_floors.py):")  # fmt: skip
         step = breakdown["timing_s/step"]
         for k, v in breakdown.items():
             floor = (

@@ -21,6 +21,7 @@ from hybridflow.config import Config, load_config, validate
 from hybridflow.progress import ProgressReporter, quiet_reporter
 from hybridflow.protocol import Batch
 from hybridflow.trainer.compile_policy import compile_defaults
+from hybridflow.trainer.memory_check import memory_defaults
 from hybridflow.trainer.stages import RunContext
 
 
@@ -78,7 +79,8 @@ def bench_config(
     overrides: tuple[str, ...] = (),
 ) -> Config:
     """The GRPO-vs-TRL workload (benchmarks/grpo_vs_trl.py) as a hybridflow config: one optimizer step per generation batch,
-    lr 1e-6, no reference model, bf16, gradient checkpointing, no early stop.
+    lr 1e-6, no reference model, bf16, gradient checkpointing (``overrides`` may set it to
+    auto: time_grpo_steps lets the memory plan decide), no early stop.
 
     ``prompts`` is the global batch; each of the ``gpus`` rollout engines gets
     ``prompts / gpus`` of them (``rollout.max_num_seqs`` is per engine)."""
@@ -154,6 +156,9 @@ def time_grpo_steps(
         gpus=gpus,
         overrides=overrides,
     )
+    # the memory plan's choices (model.gradient_checkpointing=auto, null log-prob budgets)
+    # for the visible GPU, as `hybridflow train` makes them at run start
+    cfg = memory_defaults(cfg, log=lambda line: None)
     derived = validate(cfg)
     progress = progress or quiet_reporter()
     with progress.task("building the actor and the rollout engine"):

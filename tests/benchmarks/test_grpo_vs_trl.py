@@ -5,6 +5,7 @@ numbers computed from what was measured."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -42,6 +43,23 @@ def test_bench_config_splits_the_batch_over_gpus():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("preset, tokens, recompute", [
+    ("qwen2.5-0.5b", 65536, False),  # the default workload fits an H200 without recomputing
+    ("qwen2.5-1.5b", 65536, True),  # its update would need ~188 GiB without
+    ("qwen2.5-1.5b", 32768, False),  # half the micro-batch: ~109 of the 118 GiB allowed
+])  # fmt: skip
+def test_hybridflow_checkpoints_as_its_memory_plan_decides_for_the_gpu(preset, tokens, recompute):
+    from benchmark_run import load_script
+
+    bench = load_script("grpo_vs_trl.py")
+    args = argparse.Namespace(prompts=128, samples=8, prompt_len=128, new_tokens=256, gpus=1,
+                              hf_micro_tokens=tokens, override=["trainer.gpu_memory_gib=139"])  # fmt: skip
+    assert bench.hybridflow_overrides(args)[0] == "model.gradient_checkpointing=auto"
+    assert bench.resolved_checkpointing(preset, args) is recompute
+    args.override.append("model.gradient_checkpointing=true")  # a user's override wins
+    assert bench.resolved_checkpointing(preset, args) is True
+
+
 def test_scaling_one_and_two_cpu_ranks(tmp_path):
     out = tmp_path / "scaling.json"
     command = [
