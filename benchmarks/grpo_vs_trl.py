@@ -12,8 +12,9 @@ GRPO vs TRL and 2-GPU scaling.
 
 Default workload: a `qwen2.5-0.5b`-shaped model with random weights, 128 prompts × 8
 samples, 128-token prompts, 256 new tokens forced (no early stop), bf16, gradient
-checkpointing in TRL (hybridflow's as its memory plan decides for the GPU:
-`model.gradient_checkpointing=auto`; --override to force it), lr 1e-6, no reference model
+checkpointing in TRL (hybridflow's, and its update's token budget, as its memory plan decides
+for the GPU: `model.gradient_checkpointing=auto`, `--hf-micro-tokens auto`; --override and a
+number force them), lr 1e-6, no reference model
 (beta 0), one optimizer step per generation batch, 3 steps with the first excluded. Both sides get the same random-token prompts and
 a reward that scores random numbers (so advantages and gradients are non-zero).
 
@@ -162,8 +163,9 @@ def hybridflow_overrides(args) -> tuple[str, ...]:
     return ("model.gradient_checkpointing=auto", *args.override)
 
 
-def resolved_checkpointing(model_dir: str, args) -> bool:
-    """Whether the hybridflow side recomputes activations (the plan's choice, or --override)."""
+def resolved_config(model_dir: str, args):
+    """The hybridflow side's config as its run resolves it (the plan's checkpointing and
+    token budgets for the visible GPU, or --override's)."""
     from hybridflow.trainer.grpo_bench import bench_config
     from hybridflow.trainer.memory_check import memory_defaults
 
@@ -171,7 +173,22 @@ def resolved_checkpointing(model_dir: str, args) -> bool:
                        prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                        micro_batch_tokens=args.hf_micro_tokens, gpus=args.gpus,
                        overrides=hybridflow_overrides(args))  # fmt: skip
-    return bool(memory_defaults(cfg, log=lambda line: None).model.gradient_checkpointing)
+    return memory_defaults(cfg, log=lambda line: None)
+
+
+def resolved_checkpointing(model_dir: str, args) -> bool:
+    """Whether the hybridflow side recomputes activations (the plan's choice, or --override)."""
+    return bool(resolved_config(model_dir, args).model.gradient_checkpointing)
+
+
+def micro_tokens(text: str) -> int | str:
+    """--hf-micro-tokens: a number of tokens, or auto (the memory plan picks it)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of tokens or auto") from None
 
 
 def run_hybridflow(model_dir: str, prompts: list[list[int]], args) -> dict:
@@ -319,7 +336,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--trl-micro-batch", type=int, default=32, help="TRL per-device micro-batch")
-    p.add_argument("--hf-micro-tokens", type=int, default=65536, help="hybridflow token budget")
+    p.add_argument("--hf-micro-tokens", type=micro_tokens, default="auto",
+                   help="hybridflow's update token budget (auto: its memory plan picks it)")  # fmt: skip
     p.add_argument("--json", default=None, help="also write results here")
     p.add_argument("--model-dir", default=None, help="reuse (or create) the random model here")
     p.add_argument("--override", action="append", default=[], help="hybridflow config override")
@@ -390,9 +408,11 @@ def main() -> None:
         breakdown = results[0]["breakdown"]
         floors = _stage_floors(model_dir, args, dev)
         results[0]["floors"] = floors
-        checkpointing = "on" if resolved_checkpointing(model_dir, args) else "off"
+        resolved = resolved_config(model_dir, args)
+        checkpointing = "on" if resolved.model.gradient_checkpointing else "off"
         print(f"hybridflow breakdown (mean of timed steps, s; gradient checkpointing "
-              f"{checkpointing}; floor: at the GPU's peak, hybridflow/trainer/stage_floors.py):")  # fmt: skip
+              f"{checkpointing}, {resolved.actor.max_tokens_per_gpu:,}-token update micro-"
+              f"batches; floor: at the GPU's peak, hybridflow/trainer/stage_floors.py):")  # fmt: skip
         step = breakdown["timing_s/step"]
         for k, v in breakdown.items():
             floor = (

@@ -35,6 +35,10 @@ class ConfigError(UserError, ValueError):
         super().__init__(f"{len(self.problems)} configuration problem(s):\n{lines}")
 
 
+UNPLANNED_UPDATE_BUDGET = 16384
+"""actor.max_tokens_per_gpu=auto where no GPU size is known to plan for (a CPU run)."""
+
+
 @dataclass
 class DataConfig:
     train_files: list[str] = field(default_factory=lambda: ["builtin:arithmetic"])
@@ -125,8 +129,12 @@ class ActorConfig:
     """Prompts per optimizer step (× rollout.n samples, split over data-parallel ranks)."""
     micro_batch_size_per_gpu: int = 8
     """Samples per forward/backward on one GPU (ignored when max_tokens_per_gpu is set)."""
-    max_tokens_per_gpu: int | None = None
-    """Token budget per micro-batch (dynamic batching of packed sequences). None: off."""
+    max_tokens_per_gpu: int | str | None = None
+    """Token budget per micro-batch (dynamic batching of packed sequences). None: off. auto:
+    the memory plan picks it on a GPU of known size: the most tokens (up to 65,536) whose
+    update fits, without gradient checkpointing when model.gradient_checkpointing=auto and
+    16,384 or more fit so (trainer/memory_choices.py says why); elsewhere 16,384 (at least
+    one whole sequence)."""
     log_prob_max_tokens_per_gpu: int | None = None
     """Token budget per micro-batch of the old-log-prob pass (a forward without autograd,
     packed by tokens). None: derived from the memory plan on a GPU of known size (the most

@@ -175,8 +175,13 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
         elif mini_per_gpu:
             micro_per_mini = mini_per_gpu // mb
     max_len = d.max_prompt_length + d.max_response_length
+    if isinstance(a.max_tokens_per_gpu, str) and a.max_tokens_per_gpu != "auto":
+        add(f"actor.max_tokens_per_gpu = {a.max_tokens_per_gpu!r} is unknown: use a number of "
+            f"tokens (at least {max_len}), auto (the memory plan picks it) or null (batches of "
+            f"actor.micro_batch_size_per_gpu samples)")  # fmt: skip
+    actor_budget = a.max_tokens_per_gpu if isinstance(a.max_tokens_per_gpu, int) else None
     for key, budget in (
-        ("actor.max_tokens_per_gpu", a.max_tokens_per_gpu),
+        ("actor.max_tokens_per_gpu", actor_budget),
         ("actor.log_prob_max_tokens_per_gpu", a.log_prob_max_tokens_per_gpu),
         ("ref.max_tokens_per_gpu", cfg.ref.max_tokens_per_gpu),
         ("critic.max_tokens_per_gpu", c.max_tokens_per_gpu),

@@ -13,6 +13,7 @@ one optimizer step equals the whole mini-batch computed at once.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ from torch import nn
 
 from hybridflow.algos import agg_loss, kl_penalty, policy_loss, rollout_is_weights
 from hybridflow.config import ActorConfig, ModelConfig
+from hybridflow.config.sections import UNPLANNED_UPDATE_BUDGET
 from hybridflow.learners import lora
 from hybridflow.learners.core import TrainCore
 from hybridflow.learners.metric_sums import MetricSums
@@ -75,6 +77,10 @@ class ActorLearner:
         fsdp: bool | None = None,
         seed: int = 0,
     ):
+        if actor_cfg.max_tokens_per_gpu == "auto":
+            # resolved at run start (trainer/memory_check.memory_defaults); unresolved (a
+            # learner built outside `hybridflow train`), what a run without a GPU size gets
+            actor_cfg = dataclasses.replace(actor_cfg, max_tokens_per_gpu=UNPLANNED_UPDATE_BUDGET)
         self.cfg = actor_cfg
         self.rollout_n = rollout_n
         self.max_response_length = max_response_length

@@ -127,7 +127,7 @@ def time_grpo_steps(
     samples_per_prompt: int,
     new_tokens: int,
     steps: int,
-    micro_batch_tokens: int = 65536,
+    micro_batch_tokens: int | str = 65536,
     gpus: int = 1,
     overrides: tuple[str, ...] = (),
     tokenizer: Any = None,

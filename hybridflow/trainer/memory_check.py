@@ -14,6 +14,7 @@ import dataclasses
 import math
 
 from hybridflow.config import Config, ConfigError, Derived, apply_mapping, validate
+from hybridflow.config.sections import UNPLANNED_UPDATE_BUDGET
 from hybridflow.trainer import memory_choices as choices
 from hybridflow.trainer import memory_plan as mp
 from hybridflow.trainer.memory_choices import (
@@ -105,6 +106,9 @@ def plan_for_config(
     if found is None:
         return None
     derived = derived or validate(cfg)
+    if cfg.actor.max_tokens_per_gpu == "auto":
+        cfg = with_changes(cfg, update_budget_changes(cfg, derived, gpu_bytes)[0])
+        derived = validate(cfg)
     name, architecture = found
     options = plan_options(cfg, derived, gpu_bytes)
     if cfg.model.gradient_checkpointing == "auto" and gpu_bytes is not None:
@@ -124,10 +128,12 @@ def memory_choices(
     GPU size or a model shape: checkpointing off and the budgets left null, which makes those
     passes batch like the update: nothing says that more fits, and on the CPU a larger
     micro-batch does not run faster."""
+    changes, lines = update_budget_changes(cfg, derived, gpu_bytes)
+    if changes:  # the rest is chosen for the budget the update will run with
+        cfg = with_changes(cfg, changes)
+        derived = validate(cfg)
     m, a = cfg.model, cfg.actor
     found = model_architecture_for(cfg)
-    changes: dict[str, object] = {}
-    lines: list[str] = []
     if gpu_bytes is None or found is None:
         if m.gradient_checkpointing == "auto":
             changes["model.gradient_checkpointing"] = False
@@ -153,6 +159,46 @@ def memory_choices(
         changes.update({key: budget for key in keys})
         lines.append(forward_budget_text(plan, keys, budget, options.micro_batch_tokens))
     return changes, lines
+
+
+def update_budget_changes(
+    cfg: Config, derived: Derived, gpu_bytes: int | None
+) -> tuple[dict[str, object], list[str]]:
+    """actor.max_tokens_per_gpu=auto resolved, with model.gradient_checkpointing when that is
+    auto too (memory_choices.choose_update_budget), and a line saying so on a GPU; ({}, [])
+    when the budget is set."""
+    m, a = cfg.model, cfg.actor
+    if a.max_tokens_per_gpu != "auto":
+        return {}, []
+    max_len = derived.max_sequence_length
+    found = model_architecture_for(cfg)
+    if gpu_bytes is None or found is None:
+        tokens = max(UNPLANNED_UPDATE_BUDGET, choices.round_up(max_len))
+        lines = [] if gpu_bytes is None else [
+            f"actor.max_tokens_per_gpu=auto: {tokens:,} tokens (the model's shape is unknown, "
+            f"so is its update's memory)"]  # fmt: skip
+        return {"actor.max_tokens_per_gpu": tokens}, lines
+    name, architecture = found
+
+    def update_bytes(tokens: int, checkpointing: bool) -> int:
+        options = plan_options(with_changes(cfg, {"actor.max_tokens_per_gpu": tokens}), derived,
+                               gpu_bytes)  # fmt: skip
+        options = dataclasses.replace(options, gradient_checkpointing=checkpointing)
+        return mp.build_plan(name, architecture, options).phase_bytes(mp.UPDATE)
+
+    batch_tokens = derived.mini_batch_samples_per_gpu * max_len
+    choice = choices.choose_update_budget(update_bytes, gpu_bytes, m.gradient_checkpointing,
+                                          max_len, batch_tokens)  # fmt: skip
+    changes: dict[str, object] = {"actor.max_tokens_per_gpu": choice.tokens}
+    if m.gradient_checkpointing == "auto":
+        changes["model.gradient_checkpointing"] = choice.checkpointing
+    recompute = "with" if choice.checkpointing else "without"
+    why = (f"the most, up to {choices.UPDATE_BUDGET_CAP:,}, whose update fits under "
+           f"{gib(choice.limit)} {recompute} gradient checkpointing") if choice.fits else (
+           f"one sequence; not even its update fits under {gib(choice.limit)}")  # fmt: skip
+    auto = "; model.gradient_checkpointing=auto: " + ("on" if choice.checkpointing else "off")
+    return changes, [f"actor.max_tokens_per_gpu=auto: {choice.tokens:,} tokens ({why})"
+                     f"{auto if m.gradient_checkpointing == 'auto' else ''}"]  # fmt: skip
 
 
 def checkpointing_text(choice: CheckpointingChoice) -> str:
@@ -300,8 +346,9 @@ def candidate_fixes(cfg: Config, plan: MemoryPlan) -> list[dict[str, object]]:
     if not o.gradient_checkpointing:
         candidates.append({"model.gradient_checkpointing": True})
     max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
-    if a.max_tokens_per_gpu is not None and a.max_tokens_per_gpu // 2 >= max_len:
-        candidates.append({"actor.max_tokens_per_gpu": a.max_tokens_per_gpu // 2})
+    budget = a.max_tokens_per_gpu  # "auto" already takes the most that fits
+    if isinstance(budget, int) and budget // 2 >= max_len:
+        candidates.append({"actor.max_tokens_per_gpu": budget // 2})
     elif a.max_tokens_per_gpu is None and a.micro_batch_size_per_gpu > 1:
         candidates.append({"actor.micro_batch_size_per_gpu": a.micro_batch_size_per_gpu // 2})
     if not r.release_cache:

@@ -116,3 +116,65 @@ def fitting_forward_tokens(plan: MemoryPlan) -> int:
     free = usable_bytes(o.gpu_bytes) - forward_resident_bytes(plan)
     logits = forward_logits_bytes(a, mp.LOGPROB_CHUNK_TOKENS, o.compute_bytes)
     return max(free - logits, 0) // forward_bytes_per_token(a, o.compute_bytes)
+
+
+# ---------------------------------------------------------------------- update token budget
+
+UPDATE_BUDGET_CAP = 65536
+"""Most tokens of an ``actor.max_tokens_per_gpu=auto`` micro-batch: well before this the
+matmuls run at full speed, and a larger micro-batch only holds more activations."""
+
+NO_RECOMPUTE_MIN_BUDGET = 16384
+"""With ``model.gradient_checkpointing=auto`` too, the budget shrinks down to this many tokens
+to keep checkpointing off before turning it on: recomputing every layer costs ~30% more update
+compute, while packed micro-batches of 16,384 tokens already run at ~50% MFU at 1.5b (the
+training-throughput benchmark's budget, docs/performance.md)."""
+
+
+@dataclass(frozen=True)
+class UpdateBudgetChoice:
+    tokens: int
+    checkpointing: bool
+    fits: bool
+    """False: not even one whole sequence's update fits (the plan's fit check says what to do)."""
+    limit: int
+    """The most the update phase may take (as for checkpointing: the margin under usable)."""
+
+
+def round_up(tokens: int, step: int = BUDGET_STEP) -> int:
+    return -(-tokens // step) * step
+
+
+def largest_fitting_tokens(update_bytes, low: int, high: int, limit: int) -> int | None:
+    """The largest multiple of BUDGET_STEP in [low, high] with update_bytes(tokens) <= limit
+    (update_bytes grows with tokens); None when even ``low`` does not fit."""
+    if update_bytes(low) > limit:
+        return None
+    lo, hi = low // BUDGET_STEP, high // BUDGET_STEP  # lo fits; find the last that does
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if update_bytes(mid * BUDGET_STEP) <= limit else (lo, mid - 1)
+    return lo * BUDGET_STEP
+
+
+def choose_update_budget(
+    update_bytes, gpu_bytes: int, checkpointing: bool | str, max_len: int, batch_tokens: int
+) -> UpdateBudgetChoice:
+    """actor.max_tokens_per_gpu=auto: the most tokens (a multiple of BUDGET_STEP, at least one
+    whole sequence of ``max_len``, at most UPDATE_BUDGET_CAP and the mini-batch's
+    ``batch_tokens`` on one GPU) whose update phase, ``update_bytes(tokens, checkpointing)``,
+    stays under the checkpointing limit. ``checkpointing`` "auto": off when at least
+    NO_RECOMPUTE_MIN_BUDGET tokens (or the whole range) fit so, else on."""
+    low = round_up(max_len)
+    high = max(low, min(UPDATE_BUDGET_CAP, round_up(batch_tokens)))
+    limit = int((1 - CHECKPOINTING_MARGIN) * usable_bytes(gpu_bytes))
+
+    def largest(on: bool) -> int | None:
+        return largest_fitting_tokens(lambda t: update_bytes(t, on), low, high, limit)
+
+    if checkpointing is not True:
+        off = largest(False)
+        if checkpointing is False or off is not None and off >= min(NO_RECOMPUTE_MIN_BUDGET, high):
+            return UpdateBudgetChoice(off or low, False, off is not None, limit)
+    on = largest(True)
+    return UpdateBudgetChoice(on or low, True, on is not None, limit)

@@ -47,6 +47,7 @@ def test_bench_config_splits_the_batch_over_gpus():
     ("qwen2.5-0.5b", 65536, False),  # the default workload fits an H200 without recomputing
     ("qwen2.5-1.5b", 65536, True),  # its update would need ~188 GiB without
     ("qwen2.5-1.5b", 32768, False),  # half the micro-batch: ~109 of the 118 GiB allowed
+    ("qwen2.5-1.5b", "auto", False),  # the default: the plan picks ~36k tokens to stay off
 ])  # fmt: skip
 def test_hybridflow_checkpoints_as_its_memory_plan_decides_for_the_gpu(preset, tokens, recompute):
     from benchmark_run import load_script
@@ -56,6 +57,8 @@ def test_hybridflow_checkpoints_as_its_memory_plan_decides_for_the_gpu(preset, t
                               hf_micro_tokens=tokens, override=["trainer.gpu_memory_gib=139"])  # fmt: skip
     assert bench.hybridflow_overrides(args)[0] == "model.gradient_checkpointing=auto"
     assert bench.resolved_checkpointing(preset, args) is recompute
+    if tokens == "auto":
+        assert bench.resolved_config(preset, args).actor.max_tokens_per_gpu == 35840
     args.override.append("model.gradient_checkpointing=true")  # a user's override wins
     assert bench.resolved_checkpointing(preset, args) is True
 

@@ -211,3 +211,16 @@ def test_importance_weights_use_each_tokens_behaviour_logprob():
     n_old, n = float(older.sum()), float(mask.sum())
     assert metrics["rollout_is/mean"] == pytest.approx((2 * n_old + 1.5 * (n - n_old)) / n)
     assert metrics["rollout_is/capped_frac"] == pytest.approx(n_old / n)
+
+
+def test_an_unresolved_auto_budget_trains_with_the_unplanned_one():
+    """actor.max_tokens_per_gpu=auto is resolved at run start; a learner built without that
+    (library use) packs by the budget a run with no GPU size gets, and trains."""
+    from hybridflow.config.sections import UNPLANNED_UPDATE_BUDGET
+
+    actor = _actor(max_tokens_per_gpu="auto")
+    assert actor.cfg.max_tokens_per_gpu == UNPLANNED_UPDATE_BUDGET
+    before = flat_params(actor.model)
+    metrics = actor.update(make_batch(seed=2))
+    assert all(math.isfinite(v) for v in metrics.values())
+    assert max_abs_diff(flat_params(actor.model), before) > 0

@@ -145,3 +145,83 @@ def test_config_plan_prints_the_choices():
 def test_an_unknown_checkpointing_value_is_a_config_error():
     with pytest.raises(ConfigError, match="model.gradient_checkpointing = 'sometimes'"):
         validate(_cfg("model.gradient_checkpointing=sometimes"))
+
+
+# ---- actor.max_tokens_per_gpu=auto
+
+
+def _linear_update(base_gib: float, per_token_mib: dict[bool, float]):
+    """An update that holds base_gib and per_token_mib[checkpointing] for each token."""
+    return lambda tokens, on: int(base_gib * GIB + tokens * per_token_mib[on] * 2**20)
+
+
+GPU = 80 * GIB  # the limit: 90% of what is usable on it
+LIMIT = int(0.9 * usable_bytes(GPU))
+
+
+def test_the_auto_budget_is_the_largest_step_whose_update_fits():
+    update = _linear_update(10, {False: 2.0, True: 0.5})
+    choice = choices.choose_update_budget(update, GPU, False, max_len=1000, batch_tokens=10**6)
+    largest = (LIMIT - 10 * GIB) // (2 * 2**20) // 1024 * 1024
+    assert choice == choices.UpdateBudgetChoice(largest, False, True, LIMIT)
+    assert update(choice.tokens, False) <= LIMIT < update(choice.tokens + 1024, False)
+    # capped at 65,536 tokens and at the GPU's mini-batch, never below one sequence
+    roomy = _linear_update(1, {False: 0.01, True: 0.01})
+    assert choices.choose_update_budget(roomy, GPU, False, 1000, 10**6).tokens == 65536
+    assert choices.choose_update_budget(roomy, GPU, False, 1000, 20_000).tokens == 20480
+    assert choices.choose_update_budget(roomy, GPU, False, 30_000, 20_000).tokens == 30720
+
+
+def test_auto_checkpointing_shrinks_the_budget_to_stay_off_then_turns_on():
+    # without recomputing, ~25k tokens fit: off, at a smaller budget than with it
+    mid = _linear_update(10, {False: 2.5, True: 0.5})
+    choice = choices.choose_update_budget(mid, GPU, "auto", 1000, 10**6)
+    assert choice.checkpointing is False and 16384 <= choice.tokens < 65536
+    # ~6k tokens would fit without: below 16,384, so checkpointing goes on, with more tokens
+    tight = _linear_update(10, {False: 10.0, True: 0.9})
+    choice = choices.choose_update_budget(tight, GPU, "auto", 1000, 10**6)
+    assert choice.checkpointing is True and choice.tokens > 16384
+    assert choices.choose_update_budget(tight, GPU, True, 1000, 10**6) == choice
+    # a whole mini-batch under 16,384 tokens that fits without: off
+    small = choices.choose_update_budget(tight, GPU, "auto", 1000, 4000)
+    assert (small.tokens, small.checkpointing) == (4096, False)
+    # not even one sequence: the smallest budget, marked as not fitting
+    huge = _linear_update(100, {False: 10.0, True: 10.0})
+    assert choices.choose_update_budget(huge, GPU, "auto", 1000, 10**6).fits is False
+
+
+def _auto_budget_cfg(preset: str, *overrides: str):
+    return load_config(None, [f"model.path={preset}", "actor.max_tokens_per_gpu=auto",
+                              "data.train_batch_size=128", "actor.ppo_mini_batch_size=128",
+                              "rollout.n=8", "data.max_prompt_length=128",
+                              "data.max_response_length=256", *overrides])  # fmt: skip
+
+
+@pytest.mark.parametrize("preset, tokens", [("qwen2.5-0.5b", 65536), ("qwen2.5-1.5b", 35840)])
+def test_on_an_h200_auto_keeps_checkpointing_off_at_the_budget_that_allows_it(preset, tokens):
+    lines = []
+    cfg = mc.memory_defaults(_auto_budget_cfg(preset, "model.gradient_checkpointing=auto"),
+                             lines.append, 139 * GIB)  # fmt: skip
+    assert cfg.actor.max_tokens_per_gpu == tokens and cfg.model.gradient_checkpointing is False
+    assert lines[0].startswith(f"actor.max_tokens_per_gpu=auto: {tokens:,} tokens (the most")
+    assert lines[0].endswith("model.gradient_checkpointing=auto: off")
+    # the log-prob budget is chosen for the update's new budget; the plan is the explicit one's
+    assert cfg.actor.log_prob_max_tokens_per_gpu >= tokens
+    auto = mc.plan_for_config(_auto_budget_cfg(preset, "model.gradient_checkpointing=auto"),
+                              gpu_bytes=139 * GIB)  # fmt: skip
+    assert auto.options.micro_batch_tokens == tokens
+    assert auto.peak() == mc.plan_for_config(cfg, gpu_bytes=139 * GIB).peak()
+    validate(cfg)
+
+
+def test_auto_budget_without_a_gpu_and_in_a_learner_built_directly():
+    lines = []
+    cfg = mc.memory_defaults(_auto_budget_cfg("qwen2.5-0.5b", "trainer.device=cpu"), lines.append)
+    assert cfg.actor.max_tokens_per_gpu == 16384 and lines == []
+    long = _auto_budget_cfg("qwen2.5-0.5b", "trainer.device=cpu", "data.max_response_length=20000")
+    assert mc.memory_defaults(long, lines.append).actor.max_tokens_per_gpu == 20480  # a sequence
+
+
+def test_an_unknown_budget_word_is_a_config_error():
+    with pytest.raises(ConfigError, match="actor.max_tokens_per_gpu = 'max' is unknown"):
+        validate(_cfg("actor.max_tokens_per_gpu=max"))
