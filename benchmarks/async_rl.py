@@ -23,15 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+from train_run import run_train  # noqa: E402
 
 REWARD = '''
 import zlib
@@ -47,7 +45,6 @@ def build_model_dir(preset: str, out_dir: Path, mean_new_tokens: float) -> dict:
     """A random-weight checkpoint of the preset with ~V/mean of its ids as end-of-sequence
     ids, and beside it a word-level tokenizer (grpo_vs_trl.py) whose chat template is the
     messages' text. -> config.json's contents."""
-    sys.path.insert(0, str(Path(__file__).parent))
     from grpo_vs_trl import build_hf_model_dir, load_word_tokenizer
 
     build_hf_model_dir(preset, str(out_dir))
@@ -86,38 +83,6 @@ def mode_overrides(mode: str) -> list[str]:
             f"trainer.partial_rollout={'true' if partial else 'false'}"]  # fmt: skip
 
 
-def _step_rows(metrics: Path) -> list[dict]:
-    """The metrics rows of the steps the run has finished so far."""
-    if not metrics.exists():
-        return []
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return [row for row in rows if row.get("step", 0) > 0 and "timing_s/step" in row]
-
-
-def _follow(child: subprocess.Popen, mode: str, metrics: Path, timeout: float) -> bool:
-    """Wait for the run, printing each step's time as it lands (a long step is not silence);
-    stop it (SIGTERM, then SIGKILL) after `timeout` seconds. -> whether it was stopped."""
-    start, shown = time.monotonic(), 0
-    while True:
-        finished = child.poll() is not None
-        steps = _step_rows(metrics)
-        for row in steps[shown:]:
-            print(f"  {mode} step {row['step']}: {row['timing_s/step']:.2f} s "
-                  f"({time.monotonic() - start:.0f} s into the run)", flush=True)  # fmt: skip
-        shown = len(steps)
-        if finished:
-            return False
-        if time.monotonic() - start > timeout:
-            child.terminate()
-            try:
-                child.wait(30)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
-            return True
-        time.sleep(1.0)
-
-
 def run_mode(mode: str, work: Path, args) -> dict | None:
     """One `hybridflow train` of `mode`: its step times and metrics; None when it failed or was
     stopped before its first step (its last log lines printed)."""
@@ -144,24 +109,9 @@ def run_mode(mode: str, work: Path, args) -> dict | None:
         *mode_overrides(mode),
         *args.override,
     ]
-    code = "import sys; from hybridflow.cli import main; sys.exit(main(sys.argv[1:]))"
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    )
-    log_path = work / f"{run_dir.name}.log"
-    metrics = run_dir / "metrics.jsonl"
-    with log_path.open("w") as log:
-        child = subprocess.Popen([sys.executable, "-c", code, "train", *overrides], env=env,
-                                 stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-        timed_out = _follow(child, mode, metrics, args.run_timeout)
-    if timed_out or child.returncode != 0:
-        tail = "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-15:])
-        what = f"stopped after --run-timeout {args.run_timeout:.0f} s" if timed_out else (
-            f"hybridflow train failed (exit {child.returncode})")  # fmt: skip
-        print(f"{mode}: {what}; the run's last lines ({log_path}):\n{tail}", flush=True)
-        if not timed_out or not _step_rows(metrics):
-            return None
-    steps = _step_rows(metrics)
+    steps, complete = run_train(overrides, mode, run_dir, args.run_timeout)
+    if not steps:
+        return None
     timed = steps[args.warmup :] or steps
     for row in steps:  # the async mode's wait for its rollout lies outside train_step
         row["wall_s"] = row["timing_s/step"] + row.get("timing_s/wait_rollout", 0.0)
@@ -169,7 +119,7 @@ def run_mode(mode: str, work: Path, args) -> dict | None:
     extra = sorted({k for row in timed for k in row if k.startswith(("async/", "staleness/"))})
     return {
         "mode": mode,
-        "complete": not timed_out,
+        "complete": complete,
         "step_s": mean("wall_s"),
         "steps_s": [row["wall_s"] for row in steps],
         "response_mean": mean("response_length/mean"),

@@ -37,7 +37,7 @@ def test_a_run_stopped_at_its_timeout_reports_the_steps_it_finished_and_its_last
         "--steps", "100000", "--warmup", "1", "--modes", "sync", "--run-timeout", "15",
         "--work-dir", str(tmp_path / "work"), "--json", str(out),
     )  # fmt: skip
-    assert "sync: stopped after --run-timeout 15 s" in text
+    assert "sync: stopped after its time limit of 15 s" in text
     assert "Traceback" not in text
     assert "  sync step 1: " in text  # steps printed as they landed
     rows = markdown_rows(text, "| mode |")
