@@ -86,8 +86,8 @@ def cmd_config(args) -> int:
 
     cfg = _load(args)
     if args.action == "plan":  # GPU memory, item by item, before any model loads
-        memory_check = import_for("config", "hybridflow.trainer.memory_check")
-        return memory_check.plan_command(cfg, args.gpu_memory)
+        plan_command = import_for("config", "hybridflow.trainer.plan_command")
+        return plan_command.plan_command(cfg, args.gpu_memory)
     if args.action == "validate":  # everything `train` checks before it loads a model
         import_for("config", "hybridflow.trainer.preflight").check_run(cfg)
         print("config OK")

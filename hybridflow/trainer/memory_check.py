@@ -469,50 +469,6 @@ def peak_text(plan: MemoryPlan) -> str:
     return f"peak {gib(peak)} in the {phase}, {verdict}"
 
 
-# ---------------------------------------------------------------------- `hybridflow config plan`
-
-SIZE_UNITS = {"gib": GIB, "g": GIB, "": GIB, "gb": 10**9, "mib": 2**20, "mb": 10**6, "tib": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """'141GiB', '80GB', '80' (GiB) -> bytes; ConfigError naming the flag when unreadable."""
-    import re
-
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in SIZE_UNITS or float(match.group(1)) <= 0:
-        raise ConfigError(
-            [f"--gpu-memory {text!r} is not a size: write it like 141GiB, 80GB or 80 (GiB)"]
-        )
-    return int(float(match.group(1)) * SIZE_UNITS[unit])
-
-
-def plan_command(cfg: Config, gpu_memory: str | None = None, out=print) -> int:
-    """Print the plan; exit status 2 (a ConfigError) when it cannot fit the GPU, which is
-    ``--gpu-memory``, else trainer.gpu_memory_gib, else the first visible GPU; with none of
-    them the plan is printed and not checked."""
-    derived = validate(cfg)
-    if gpu_memory is not None:
-        gpu_bytes, source = parse_size(gpu_memory), "--gpu-memory"
-    else:
-        gpu_bytes, source = gpu_memory_or_none(cfg)
-    plan = plan_for_config(cfg, derived, gpu_bytes)
-    if plan is None:
-        raise ConfigError(
-            [
-                f"model.path = {cfg.model.path}: its shape is unknown (no readable config.json): "
-                "point model.path at a Hugging Face model directory or a preset"
-            ]  # fmt: skip
-        )
-    out(render(plan, source))
-    for line in memory_choices(cfg, derived, gpu_bytes)[1]:
-        out("  " + line)
-    problems = fit_problems(cfg, plan, source) or forward_budget_problems(cfg, derived, plan)
-    if problems:
-        raise ConfigError(problems)
-    return 0
-
-
 def gpu_memory_or_none(cfg: Config) -> tuple[int | None, str]:
     """:func:`gpu_memory`, without importing torch when the config declares the size."""
     if cfg.trainer.gpu_memory_gib is not None or cfg.trainer.device == "cpu":

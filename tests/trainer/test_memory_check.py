@@ -117,14 +117,6 @@ def test_no_kv_slot_names_the_utilization():
     assert "rollout.gpu_memory_utilization=0.9 (peak" in text and "no KV-cache slot)" in text
 
 
-@pytest.mark.parametrize(
-    "text, expected", [("141GiB", 141 * GIB), ("80GB", 80 * 10**9), ("80", 80 * GIB),
-                       ("0.5 TiB", 2**39)],
-)  # fmt: skip
-def test_gpu_memory_sizes(text, expected):
-    assert mc.parse_size(text) == expected
-
-
 def test_a_bad_gpu_memory_names_the_flag(capsys):
     assert main(["config", "plan", "--gpu-memory", "eighty"]) == 2
     assert "--gpu-memory 'eighty' is not a size" in capsys.readouterr().err

@@ -135,13 +135,6 @@ def test_without_a_gpu_auto_is_off_and_the_budgets_follow_the_update():
     assert lines == []  # a CPU run has nothing to decide
 
 
-def test_config_plan_prints_the_choices():
-    out = []
-    mc.plan_command(_cfg(), "80GiB", out=out.append)
-    assert any("model.gradient_checkpointing=auto: off" in line for line in out)
-    assert any("actor.log_prob_max_tokens_per_gpu = " in line for line in out)
-
-
 def test_an_unknown_checkpointing_value_is_a_config_error():
     with pytest.raises(ConfigError, match="model.gradient_checkpointing = 'sometimes'"):
         validate(_cfg("model.gradient_checkpointing=sometimes"))

@@ -1,0 +1,56 @@
+"""`hybridflow config plan`: the memory plan of a config, item by item, before any model loads;
+exit status 2 (a ConfigError) when it cannot fit (trainer/memory_check.py plans and checks)."""
+
+from __future__ import annotations
+
+import re
+
+from hybridflow.config import Config, ConfigError, validate
+from hybridflow.trainer.memory_check import (
+    fit_problems,
+    forward_budget_problems,
+    gpu_memory_or_none,
+    memory_choices,
+    plan_for_config,
+)
+from hybridflow.trainer.memory_plan import GIB
+from hybridflow.trainer.memory_render import render
+
+SIZE_UNITS = {"gib": GIB, "g": GIB, "": GIB, "gb": 10**9, "mib": 2**20, "mb": 10**6, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'141GiB', '80GB', '80' (GiB) -> bytes; ConfigError naming the flag when unreadable."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in SIZE_UNITS or float(match.group(1)) <= 0:
+        raise ConfigError(
+            [f"--gpu-memory {text!r} is not a size: write it like 141GiB, 80GB or 80 (GiB)"]
+        )
+    return int(float(match.group(1)) * SIZE_UNITS[unit])
+
+
+def plan_command(cfg: Config, gpu_memory: str | None = None, out=print) -> int:
+    """Print the plan; exit status 2 (a ConfigError) when it cannot fit the GPU, which is
+    ``--gpu-memory``, else trainer.gpu_memory_gib, else the first visible GPU; with none of
+    them the plan is printed and not checked."""
+    derived = validate(cfg)
+    if gpu_memory is not None:
+        gpu_bytes, source = parse_size(gpu_memory), "--gpu-memory"
+    else:
+        gpu_bytes, source = gpu_memory_or_none(cfg)
+    plan = plan_for_config(cfg, derived, gpu_bytes)
+    if plan is None:
+        raise ConfigError(
+            [
+                f"model.path = {cfg.model.path}: its shape is unknown (no readable config.json): "
+                "point model.path at a Hugging Face model directory or a preset"
+            ]  # fmt: skip
+        )
+    out(render(plan, source))
+    for line in memory_choices(cfg, derived, gpu_bytes)[1]:
+        out("  " + line)
+    problems = fit_problems(cfg, plan, source) or forward_budget_problems(cfg, derived, plan)
+    if problems:
+        raise ConfigError(problems)
+    return 0
