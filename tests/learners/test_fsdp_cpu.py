@@ -29,6 +29,8 @@ CFG = dict(
 # same global mini-batches when the batch is reordered like this:
 SINGLE_PROCESS_ORDER = [0, 1, 4, 5, 2, 3, 6, 7]
 LORA = ModelConfig(path="tiny", lora_rank=4, lora_alpha=8, gradient_checkpointing=True)
+# a bf16 base beside fp32 adapters (apply_lora): FSDP2 shards units of both dtypes
+LORA_BF16 = ModelConfig(path="tiny", lora_rank=4, lora_alpha=8, dtype="bfloat16")
 LORA_CFG = dict(ppo_mini_batch_size=8, micro_batch_size_per_gpu=2, lr=1e-2)
 
 
@@ -88,6 +90,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         )
         lora_metrics = lora_actor.update(first.index(shard))
         lora_weights = {n: t.clone() for n, t in lora_actor.hf_weights()}
+        bf16_actor = ActorLearner(tiny_model().to(torch.bfloat16), actor_config(**LORA_CFG),
+                                  total_steps=2, device="cpu", model_cfg=LORA_BF16)  # fmt: skip
+        bf16_dtypes = {p.dtype for p in bf16_actor.model.parameters()}
+        bf16_metrics = bf16_actor.update(first.index(shard))
+        bf16_weights = {n: t.clone() for n, t in bf16_actor.hf_weights()}
         result = dict(
             logprobs=logprobs,
             metrics1=metrics1,
@@ -99,6 +106,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             resumed_weights2=resumed_weights2,
             lora_metrics=lora_metrics,
             lora_weights=lora_weights,
+            bf16_dtypes=bf16_dtypes,
+            bf16_metrics=bf16_metrics,
+            bf16_weights=bf16_weights,
             per_unit=per_unit,
             per_tensor=per_tensor,
             hf_names=[name for name, _ in actor.hf_weights()],
@@ -172,6 +182,16 @@ def test_two_rank_fsdp_update_equals_single_process(tmp_path):
         )
         > 1e-3
     )
+    # The same with a bf16 base and fp32 adapters: the step of one process, to bf16 rounding.
+    assert rank0["bf16_dtypes"] == {torch.bfloat16, torch.float32}
+    bf16_single = ActorLearner(tiny_model().to(torch.bfloat16), actor_config(**LORA_CFG),
+                               total_steps=2, device="cpu", model_cfg=LORA_BF16)  # fmt: skip
+    bf16_metrics = bf16_single.update(first)
+    assert rank0["bf16_metrics"]["grad_norm"] == pytest.approx(bf16_metrics["grad_norm"], rel=1e-5)
+    bf16_weights = dict(bf16_single.hf_weights())
+    assert max_abs_diff(rank0["bf16_weights"], bf16_weights) < 2e-2 * LORA_CFG["lr"]
+    assert max_abs_diff(bf16_weights, {n: t.to(torch.bfloat16) for n, t in ActorLearner(
+        tiny_model(), actor_config(), total_steps=1, device="cpu").hf_weights()}) > 1e-3  # fmt: skip
     # Weight sync gathers one FSDP unit at a time: same names and values as per tensor.
     assert rank0["per_unit"].keys() == rank0["per_tensor"].keys()
     assert max_abs_diff(rank0["per_unit"], rank0["per_tensor"]) == 0.0
