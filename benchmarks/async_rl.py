@@ -12,7 +12,10 @@ cut at --max-new-tokens. A synchronous step waits for the longest of its samples
 asynchronous mode (docs/async.md) trains on the last batch while the next one decodes; with
 partial rollouts (async:S:partial) requests in flight continue across a weight sync.
 
-Each mode runs `hybridflow train` in a fresh process on the same prompts, seed and model
+Each mode runs `hybridflow train` (one optimizer step per batch of packed --micro-tokens
+micro-batches, the same in every mode: `auto` would give the async modes, which keep the KV
+cache and a weight copy through the update, a smaller one) in a fresh process on the same
+prompts, seed and model
 (jsonl prompts of --prompt-len ids spelled as the word-level tokenizer's words; a reward
 hashed from the response, so groups have spread). Printed: the mean step time after the
 first --warmup steps, the speed-up over the first mode, the realised response lengths, and
@@ -97,6 +100,7 @@ def run_mode(mode: str, work: Path, args) -> dict | None:
         f"data.max_response_length={args.max_new_tokens}",
         f"rollout.n={args.samples}",
         f"actor.ppo_mini_batch_size={args.prompts}",
+        f"actor.max_tokens_per_gpu={args.micro_tokens}",
         f"reward.custom_fn={work / 'reward.py'}:hashed_score",
         f"trainer.total_steps={args.steps}",
         "trainer.val_before_train=false",
@@ -138,6 +142,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=4096)
     p.add_argument("--mean-new-tokens", type=float, default=1024)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--micro-tokens", default="32768", help="actor.max_tokens_per_gpu, every mode")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the mean")
     p.add_argument("--modes", nargs="+", default=["sync", "async:1", "async:1:partial"])
     p.add_argument("--device", default=None, help="trainer.device (cpu: a smoke run)")

@@ -148,8 +148,8 @@ def _linear_update(base_gib: float, per_token_mib: dict[bool, float]):
     return lambda tokens, on: int(base_gib * GIB + tokens * per_token_mib[on] * 2**20)
 
 
-GPU = 80 * GIB  # the limit: 90% of what is usable on it
-LIMIT = int(0.9 * usable_bytes(GPU))
+GPU = 80 * GIB  # the limit: 80% of what is usable on it
+LIMIT = int(0.8 * usable_bytes(GPU))
 
 
 def test_the_auto_budget_is_the_largest_step_whose_update_fits():
@@ -190,7 +190,7 @@ def _auto_budget_cfg(preset: str, *overrides: str):
                               "data.max_response_length=256", *overrides])  # fmt: skip
 
 
-@pytest.mark.parametrize("preset, tokens", [("qwen2.5-0.5b", 65536), ("qwen2.5-1.5b", 35840)])
+@pytest.mark.parametrize("preset, tokens", [("qwen2.5-0.5b", 65536), ("qwen2.5-1.5b", 30720)])
 def test_on_an_h200_auto_keeps_checkpointing_off_at_the_budget_that_allows_it(preset, tokens):
     lines = []
     cfg = mc.memory_defaults(_auto_budget_cfg(preset, "model.gradient_checkpointing=auto"),
