@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_run import run_train  # noqa: E402
+from train_run import run_train, timed_run_overrides  # noqa: E402
 
 REWARD = '''
 import zlib
@@ -94,7 +94,6 @@ def run_mode(mode: str, work: Path, args) -> dict | None:
         f"model.path={work / 'model'}",
         f"model.tokenizer_path={work / 'tokenizer'}",
         f"data.train_files=[{work / 'prompts.jsonl'}]",
-        "data.val_files=[]",
         f"data.train_batch_size={args.prompts}",
         f"data.max_prompt_length={args.prompt_len + 8}",
         f"data.max_response_length={args.max_new_tokens}",
@@ -102,14 +101,7 @@ def run_mode(mode: str, work: Path, args) -> dict | None:
         f"actor.ppo_mini_batch_size={args.prompts}",
         f"actor.max_tokens_per_gpu={args.micro_tokens}",
         f"reward.custom_fn={work / 'reward.py'}:hashed_score",
-        f"trainer.total_steps={args.steps}",
-        "trainer.val_before_train=false",
-        "trainer.test_freq=0",
-        "trainer.save_freq=-1",
-        "trainer.loggers=[console,jsonl]",  # the log keeps the step table
-        f"trainer.run_dir={run_dir}",
-        f"trainer.cache_dir={work / 'cache'}",
-        *([f"trainer.device={args.device}"] if args.device else []),
+        *timed_run_overrides(args.steps, run_dir, work / "cache", args.device),
         *mode_overrides(mode),
         *args.override,
     ]

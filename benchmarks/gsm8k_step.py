@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_run import CLI, REPO, run_train  # noqa: E402
+from train_run import CLI, REPO, run_train, timed_run_overrides  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -134,15 +134,7 @@ def main() -> None:
         f"model.path={work / 'model'}",
         f"model.tokenizer_path={work / 'tokenizer'}",
         f"data.train_files=[{train_file}]",
-        "data.val_files=[]",
-        f"trainer.total_steps={args.steps}",
-        "trainer.val_before_train=false",
-        "trainer.test_freq=0",
-        "trainer.save_freq=-1",
-        "trainer.loggers=[console,jsonl]",  # the log keeps the step table
-        f"trainer.run_dir={run_dir}",
-        f"trainer.cache_dir={work / 'cache'}",
-        *([f"trainer.device={args.device}"] if args.device else []),
+        *timed_run_overrides(args.steps, run_dir, work / "cache", args.device),
         *args.override,
     ]  # fmt: skip
     steps, complete = run_train(overrides, "gsm8k", run_dir, args.run_timeout)

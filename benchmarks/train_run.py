@@ -15,6 +15,24 @@ REPO = Path(__file__).resolve().parents[1]
 CLI = "import sys; from hybridflow.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
+def timed_run_overrides(
+    steps: int, run_dir: Path, cache_dir: Path, device: str | None
+) -> list[str]:
+    """A run of `steps` steps that only trains: no validation, no checkpoints, the step table
+    in its log and the metrics in run_dir; device: trainer.device (None: the default)."""
+    return [
+        "data.val_files=[]",
+        f"trainer.total_steps={steps}",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=0",
+        "trainer.save_freq=-1",
+        "trainer.loggers=[console,jsonl]",
+        f"trainer.run_dir={run_dir}",
+        f"trainer.cache_dir={cache_dir}",
+        *([f"trainer.device={device}"] if device else []),
+    ]
+
+
 def step_rows(metrics: Path) -> list[dict]:
     """The metrics rows of the steps the run has finished so far."""
     if not metrics.exists():
