@@ -14,7 +14,8 @@ trained on the questions (Qwen's chat-template form, `<|im_end|>` its end of seq
 validation and no checkpoints. Random weights rarely sample the end of sequence, so responses
 run to the example's 512 tokens: the long end of a real run's. Printed: each step as it ends,
 then the mean of the steps after --warmup (the first compiles): s/step, each stage's seconds
-(timing_s/*), perf/mfu where the GPU's peak is known, tokens/s; --json writes it.
+(timing_s/*), perf/mfu where the GPU's peak is known, tokens/s, and on a known GPU a row of
+each stage's floor (hybridflow/trainer/stage_floors.py); --json writes it.
 """
 
 from __future__ import annotations
@@ -101,7 +102,33 @@ def summary(steps: list[dict], warmup: int) -> dict:
         "mfu": mean("perf/mfu") if all("perf/mfu" in row for row in timed) else None,
         "tokens_per_s": mean("perf/tokens_per_s"),
         "response_mean": mean("response_length/mean"),
+        "prompt_mean": mean("prompt_length/mean"),
     }
+
+
+def stage_floors_for(overrides: list[str], result: dict, model_dir: Path) -> dict[str, float]:
+    """Each stage's floor (hybridflow/trainer/stage_floors.py) at the run's realised mean prompt
+    and response lengths, for the visible GPU; {} on a CPU or an unknown GPU. Called after
+    the run (the CUDA context it opens would otherwise sit beside the training)."""
+    import torch
+
+    from hybridflow.config import load_config
+    from hybridflow.trainer.memory_check import memory_defaults
+    from hybridflow.trainer.metrics import peak_flops_per_gpu
+    from hybridflow.trainer.preflight import model_architecture
+    from hybridflow.trainer.stage_floors import StepShape, peak_bandwidth, stage_floors
+
+    config_file, keys = overrides[1], overrides[2:]  # "--config", the file, key=value...
+    cfg = load_config(config_file, keys)
+    if cfg.trainer.device == "cpu" or not torch.cuda.is_available():
+        return {}
+    cfg = memory_defaults(cfg, log=lambda line: None)  # the checkpointing the run chose
+    name = torch.cuda.get_device_name()
+    shape = StepShape(cfg.data.train_batch_size, cfg.rollout.n, round(result["prompt_mean"]),
+                      round(result["response_mean"]))  # fmt: skip
+    floors = stage_floors(model_architecture(str(model_dir)), shape, peak_flops_per_gpu(name),
+                          peak_bandwidth(name), recompute=bool(cfg.model.gradient_checkpointing))  # fmt: skip
+    return {k.removeprefix("timing_s/"): v for k, v in floors.items()}
 
 
 def main() -> None:
@@ -141,6 +168,7 @@ def main() -> None:
     if not steps:
         raise SystemExit(1)
     result = {"preset": args.preset, "complete": complete, **summary(steps, args.warmup)}
+    result["floors_s"] = floors = stage_floors_for(overrides, result, work / "model")
     stages = result["stages_s"]
     order = ["step"] + [k for k in stages if k != "step"]
     print(f"\nexamples/gsm8k.yaml, {args.preset}, random weights; mean of steps "
@@ -151,6 +179,9 @@ def main() -> None:
     mfu = "-" if result["mfu"] is None else f"{100 * result['mfu']:.1f}%"
     print("| " + " | ".join(f"{stages[k]:.2f}" for k in order)
           + f" | {mfu} | {result['tokens_per_s']:,.0f} |")  # fmt: skip
+    if floors:  # at the GPU's peak: how far each stage is from its hardware bound
+        print("| " + " | ".join(f"floor {floors[k]:.2f}" if k in floors else "" for k in order)
+              + " | | |")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 

@@ -38,3 +38,25 @@ def test_the_example_runs_and_its_stages_are_printed(tmp_path):
     assert result["response_mean"] == 8  # random weights: every response runs to the cap
     template = (tmp_path / "work" / "tokenizer" / "chat_template.jinja").read_text()
     assert "<|im_start|>" in template
+
+
+def test_the_floors_follow_the_run_shape_and_its_checkpointing(monkeypatch):
+    """On an H200 (faked: the floors are arithmetic), each stage's floor at the run's mean
+    lengths; the example's update fits without recomputing, so it is 3 forwards, not 4."""
+    import torch
+    from benchmark_run import load_script
+
+    bench = load_script("gsm8k_step.py")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    overrides = ["--config", str(bench.REPO / "examples" / "gsm8k.yaml"),
+                 "model.path=qwen2.5-0.5b", "trainer.gpu_memory_gib=141"]  # fmt: skip
+    floors = bench.stage_floors_for(overrides, {"prompt_mean": 120.0, "response_mean": 512.0},
+                                    "qwen2.5-0.5b")  # fmt: skip
+    assert set(floors) == {"gen", "old_logprob", "ref", "update_actor"}
+    assert floors["update_actor"] == 3 * floors["ref"] and floors["ref"] == floors["old_logprob"]
+    assert floors["gen"] > 0
+    # the lengths are the run's: longer responses, a longer floor for every stage
+    longer = bench.stage_floors_for(overrides, {"prompt_mean": 120.0, "response_mean": 1024.0},
+                                    "qwen2.5-0.5b")  # fmt: skip
+    assert all(longer[k] > floors[k] for k in floors)
