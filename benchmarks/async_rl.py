@@ -15,11 +15,12 @@ partial rollouts (async:S:partial) requests in flight continue across a weight s
 Each mode runs `hybridflow train` (one optimizer step per batch of packed --micro-tokens
 micro-batches, the same in every mode: `auto` would give the async modes, which keep the KV
 cache and a weight copy through the update, a smaller one) in a fresh process on the same
-prompts, seed and model
-(jsonl prompts of --prompt-len ids spelled as the word-level tokenizer's words; a reward
-hashed from the response, so groups have spread). Printed: the mean step time after the
-first --warmup steps, the speed-up over the first mode, the realised response lengths, and
-the asynchronous metrics the run logged (staleness, IS weights) where present.
+prompts, seed and model (jsonl prompts of --prompt-len ids spelled as the word-level
+tokenizer's words; a reward hashed from the response, so groups have spread). Printed: the
+mean step time of the steps after the first --warmup and before the last (an asynchronous
+run's last step has nothing to overlap), the speed-up over the first mode, the realised
+response lengths, and the asynchronous metrics the run logged (staleness, IS weights) where
+present.
 """
 
 from __future__ import annotations
@@ -108,7 +109,9 @@ def run_mode(mode: str, work: Path, args) -> dict | None:
     steps, complete = run_train(overrides, mode, run_dir, args.run_timeout)
     if not steps:
         return None
-    timed = steps[args.warmup :] or steps
+    # The last step of an asynchronous run has no next batch decoding beside it: the steady
+    # state is the steps between the warm-up and it (every mode alike).
+    timed = steps[args.warmup : -1] or steps[args.warmup :] or steps
     for row in steps:  # the async mode's wait for its rollout lies outside train_step
         row["wall_s"] = row["timing_s/step"] + row.get("timing_s/wait_rollout", 0.0)
     mean = lambda key: sum(row.get(key, 0.0) for row in timed) / len(timed)  # noqa: E731
@@ -165,7 +168,7 @@ def main() -> None:
         raise SystemExit("no mode finished a step: nothing to compare")
     print(f"\nGRPO, {args.preset}, {args.prompts} prompts × {args.samples} samples, "
           f"prompt {args.prompt_len}, responses geometric of mean ~{args.mean_new_tokens:.0f} "
-          f"up to {args.max_new_tokens}; mean of steps {args.warmup + 1}..{args.steps}")  # fmt: skip
+          f"up to {args.max_new_tokens}; mean of steps {args.warmup + 1}..{args.steps - 1}")  # fmt: skip
     print("| mode | s/step | speed-up | response mean | response max | cut at max | steps (s) |")
     print("|---|---|---|---|---|---|---|")
     for r in results:

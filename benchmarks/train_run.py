@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -68,14 +69,18 @@ def follow(child: subprocess.Popen, label: str, metrics: Path, timeout: float) -
 def run_train(
     args: list[str], label: str, run_dir: Path, timeout: float
 ) -> tuple[list[dict], bool]:
-    """`hybridflow train *args` (trainer.run_dir=run_dir among them), its output in
-    <run_dir>.log. -> (the finished steps' metrics rows, whether it ran to its end). A run
-    that failed, or was stopped before a step finished, prints its last log lines and exits."""
+    """`hybridflow train *args` (trainer.run_dir=run_dir among them) in a fresh run_dir, its
+    output in <run_dir>.log. -> (the finished steps' metrics rows, whether it ran to its end).
+    A run that failed, or was stopped before a step finished, prints its last log lines and
+    exits."""
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     )
     log_path = run_dir.parent / f"{run_dir.name}.log"
     metrics = run_dir / "metrics.jsonl"
+    # an earlier run's files (a reused --work-dir) would be followed and read as this run's
+    # steps, and its checkpoints resumed
+    shutil.rmtree(run_dir, ignore_errors=True)
     with log_path.open("w") as log:
         child = subprocess.Popen([sys.executable, "-c", CLI, "train", *args], env=env,
                                  stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
