@@ -1,7 +1,8 @@
 """GRPO step time, synchronous against asynchronous, on a long-tail length workload.
 
     python benchmarks/async_rl.py --preset qwen2.5-0.5b --prompts 128 --samples 8 \\
-        --max-new-tokens 4096 --mean-new-tokens 1024 --steps 6 --modes sync async:1 async:1:partial
+        --max-new-tokens 4096 --mean-new-tokens 1024 --steps 6 \\
+        --modes sync async:1 async:1:partial async:1:partial:priority
     python benchmarks/async_rl.py --preset tiny --device cpu --prompts 4 --samples 2 \\
         --max-new-tokens 32 --mean-new-tokens 8 --steps 3          # smoke run
 
@@ -10,7 +11,8 @@ its V ids as end-of-sequence ids (the model's config.json `eos_token_id` list) a
 ends at each token with probability ~K/V: geometric lengths of mean ~V/K, the few longest
 cut at --max-new-tokens. A synchronous step waits for the longest of its samples; the
 asynchronous mode (docs/async.md) trains on the last batch while the next one decodes; with
-partial rollouts (async:S:partial) requests in flight continue across a weight sync.
+partial rollouts (async:S:partial) requests in flight continue across a weight sync, and
+with :priority the rollout service decodes on a CUDA stream of its own, beside the update.
 
 Each mode runs `hybridflow train` (one optimizer step per batch of packed --micro-tokens
 micro-batches, the same in every mode: `auto` would give the async modes, which keep the KV
@@ -77,14 +79,17 @@ def write_prompts(path: Path, prompts: int, prompt_len: int, vocab: int, seed: i
 
 
 def mode_overrides(mode: str) -> list[str]:
-    """'sync', 'async:S' (staleness S) or 'async:S:partial' (with partial rollouts)."""
+    """'sync', or 'async:S' (staleness S) with ':partial' (partial rollouts) and/or
+    ':priority' (the rollout service on a high-priority CUDA stream of its own) after it."""
     if mode == "sync":
         return ["trainer.mode=sync"]
-    name, staleness, *partial = mode.split(":")
-    if name != "async" or not staleness.isdigit() or partial not in ([], ["partial"]):
-        raise SystemExit(f"--modes: {mode!r} is not sync, async:S or async:S:partial")
+    name, staleness, *flags = mode.split(":")
+    if (name != "async" or not staleness.isdigit() or len(set(flags)) != len(flags)
+            or not set(flags) <= {"partial", "priority"}):  # fmt: skip
+        raise SystemExit(f"--modes: {mode!r} is not sync or async:S[:partial][:priority]")
     return ["trainer.mode=async", f"trainer.max_staleness={staleness}",
-            f"trainer.partial_rollout={'true' if partial else 'false'}"]  # fmt: skip
+            f"trainer.partial_rollout={'true' if 'partial' in flags else 'false'}",
+            *(["rollout.engine.service_stream=priority"] if "priority" in flags else [])]  # fmt: skip
 
 
 def run_mode(mode: str, work: Path, args) -> dict | None:

@@ -208,8 +208,10 @@ def test_rollout_engine_problems_are_named():
     text = str(e.value)
     assert "rollout.engine.decode_layr" in text and "did you mean 'decode_layer'" in text
     assert "rollout.engine.steps_per_sync" in text and "expects int" in text
-    text = _problems(["rollout.engine.decode_layer=fast", "rollout.engine.sync_lag=3"])
+    text = _problems(["rollout.engine.decode_layer=fast", "rollout.engine.sync_lag=3",
+                      "rollout.engine.service_stream=own"])  # fmt: skip
     assert "rollout.engine.decode_layer='fast'" in text and "rollout.engine.sync_lag=3" in text
+    assert "rollout.engine.service_stream='own'" in text
     with pytest.raises(ConfigError, match="section.group.key"):
         load_config(None, ["rollout.engine.a.b=1"])
 

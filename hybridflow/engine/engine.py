@@ -276,6 +276,8 @@ class Engine:
         self.cache = self.state = self.runner = self.rope = self.fused = self.fp8 = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        if self.service is not None:  # its thread: the caller reuses the memory after this
+            self.service.streams.hand_back()
 
     @property
     def num_slots(self) -> int:

@@ -191,7 +191,9 @@ class DecodeRunner:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: another thread of the process (a trainer beside the rollout service)
+        # may allocate or synchronize while this one captures; "global" would fail its calls
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             self._step(bucket, max_len)
         self.graphs[key] = graph
         self.captures += 1

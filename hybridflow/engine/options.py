@@ -16,6 +16,7 @@ FUSE_PROJECTIONS = ("all", "qkv", "none")
 DECODE_MATMULS = ("auto", "cublas", "triton")
 LEAN_VARIANTS = ("qkv+mlp", "qkv", "mlp")
 WEIGHT_FORMATS = ("model", "fp8")
+SERVICE_STREAMS = ("default", "priority")
 DECODE_LAYERS = ("auto", "split", "chain", "lean", *(f"lean:{v}" for v in LEAN_VARIANTS))
 
 
@@ -57,6 +58,15 @@ class EngineOptions:
     ten times as long in all) before the first prefill, so a burst decodes in step instead of
     in staggered cohorts that each take a whole chunk of steps at a fraction of the batch.
     An eighth of the slots' worth waiting starts at once. 0: start at the first request."""
+    service_stream: str = "default"
+    """Rollout service on CUDA, the stream its thread launches on. "default": the device's
+    default stream, which another thread of the process (the trainer, in asynchronous RL on
+    one GPU) shares: their kernels run one after the other, in launch order. "priority": a
+    high-priority stream of its own, so decode kernels run beside the other thread's and are
+    scheduled first (the next batch decodes while this one trains); where the service hands
+    the weights over (pause, resume, update_weights, close) each stream waits for the other's
+    work so far. "default" until the colocated asynchronous benchmark shows "priority" faster
+    (docs/performance.md, Asynchronous RL)."""
     weight_format: str = "model"
     """"model": matmuls in the model's dtype. "fp8": W8A8 float8 e4m3 matmuls (fp8.py;
     per-channel weight scales quantized from the live weights at every sync, per-token
@@ -120,6 +130,7 @@ class EngineOptions:
         one_of("decode_matmul", DECODE_MATMULS)
         one_of("decode_layer", DECODE_LAYERS)
         one_of("weight_format", WEIGHT_FORMATS)
+        one_of("service_stream", SERVICE_STREAMS)
         if self.weight_format == "fp8" and self.decode_layer not in ("auto", "split"):
             problems.append(f"weight_format='fp8' runs the split decode layer; decode_layer="
                             f"{self.decode_layer!r} reads bf16 weights: use auto or split")  # fmt: skip
@@ -175,6 +186,7 @@ class EngineOptions:
             "cuda_graphs",
             "admission_wait_chunks",
             "admission_gather_ms",
+            "service_stream",
             "kv_block_size",  # the attention tile keys on it itself (kernels/attention.py)
         }
         return {k: v for k, v in asdict(self).items() if k not in skip}

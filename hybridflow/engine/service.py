@@ -40,13 +40,16 @@ from hybridflow.engine.handles import RequestHandle
 from hybridflow.engine.host import cyclic_gc_paused
 from hybridflow.engine.requests import Completion, Submission
 from hybridflow.engine.sampling import SamplingParams
+from hybridflow.engine.service_stream import ServiceStream
 
 
 class RolloutService:
     """engine: hybridflow.engine.Engine (this service becomes its only driver until
-    close()). Starts the engine's thread at once."""
+    close()). streams: where its thread launches and how it hands the engine over
+    (service_stream.py; default: the engine's options.service_stream). Starts the engine's
+    thread at once."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, streams: ServiceStream | None = None):
         if engine.service is not None:
             raise RuntimeError("this engine already has a RolloutService; close it first")
         self.engine = engine
@@ -54,6 +57,7 @@ class RolloutService:
         self._wake = threading.Condition()
         self._paused = False
         self._closed = False
+        self.streams = streams or ServiceStream(engine.device, engine.options.service_stream)
         self._thread = threading.Thread(target=self._run, name="hybridflow-engine", daemon=True)
         engine.service = self
         self._thread.start()
@@ -176,7 +180,8 @@ class RolloutService:
     def _run(self) -> None:
         device = self.engine.device
         context = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-        with context, torch.no_grad():
+        with context, self.streams.launching(), torch.no_grad():
+            self.streams.take_over()  # the engine's state so far was made on the default stream
             busy = contextlib.ExitStack()  # holds the collector's pause while there is work
             paused_gc = False
             gathered = False  # this burst of requests has had its wait (_gather)
@@ -206,6 +211,7 @@ class RolloutService:
                         paused_gc = True
                     self._step()
             busy.close()
+            self.streams.hand_back()  # close(): the engine is the caller's again
 
     def _should_gather(self) -> bool:
         """Nothing decodes and a few requests wait (EngineOptions.admission_gather_ms)."""
@@ -287,8 +293,10 @@ class RolloutService:
         if self.engine.scheduler is not None:
             self.engine.scheduler.flush()
         self._paused = True
+        self.streams.hand_back()  # the caller may now write the weights the decode reads
 
     def _resume(self, weights_changed: bool, version: int | None) -> None:
+        self.streams.take_over()  # after the caller's in-place writes
         if weights_changed:
             self.engine.new_policy_version(version)
             if self.engine.scheduler is not None:
@@ -297,6 +305,7 @@ class RolloutService:
 
     def _update(self, named_tensors, version: int | None) -> int:
         self._pause()
+        self.streams.take_over()  # the tensors handed over were written on the default stream
         try:
             self.engine.load_weights(named_tensors)  # a new version, kept KV dropped
             if version is not None:
@@ -305,4 +314,5 @@ class RolloutService:
                 self.engine.start_generation()
         finally:
             self._paused = False
+            self.streams.hand_back()  # the caller may free or overwrite what it handed over
         return self.engine.policy_version

@@ -5,9 +5,13 @@ responses end early, some run to the cap), and the async run logged its stalenes
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
-from benchmark_run import markdown_rows, run_benchmark
+from benchmark_run import REPO, markdown_rows, run_benchmark
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from async_rl import mode_overrides  # noqa: E402
 
 
 def test_sync_and_async_runs_of_the_long_tail_workload_print_their_table(tmp_path):
@@ -47,3 +51,18 @@ def test_a_run_stopped_at_its_timeout_reports_the_steps_it_finished_and_its_last
     assert [row["mode"] for row in rows] == ["sync (stopped at --run-timeout)"]
     (result,) = json.loads(out.read_text())
     assert not result["complete"] and 0 < len(result["steps_s"]) < 100000
+
+
+def test_a_mode_names_its_staleness_partial_rollouts_and_the_services_stream():
+    assert mode_overrides("sync") == ["trainer.mode=sync"]
+    assert mode_overrides("async:2") == [
+        "trainer.mode=async",
+        "trainer.max_staleness=2",
+        "trainer.partial_rollout=false",
+    ]
+    assert mode_overrides("async:1:partial:priority") == [
+        "trainer.mode=async", "trainer.max_staleness=1", "trainer.partial_rollout=true",
+        "rollout.engine.service_stream=priority"]  # fmt: skip
+    for bad in ("async:1:fast", "async:1:partial:partial", "async:x", "sync:1"):
+        with pytest.raises(SystemExit, match="async:S"):
+            mode_overrides(bad)

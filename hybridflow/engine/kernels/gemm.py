@@ -321,7 +321,7 @@ def graph_time_us(fn, calls: int = 10, replays: int = 3) -> float:
     with torch.cuda.stream(stream):
         fn()  # compile / workspace outside capture
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
             for _ in range(calls):
                 fn()
     torch.cuda.current_stream().wait_stream(stream)
