@@ -218,15 +218,19 @@ class Timer:
             torch.cuda.synchronize()
 
     @contextmanager
-    def __call__(self, stage: str) -> Iterator[None]:
+    def __call__(self, stage: str, sync: str = "both") -> Iterator[None]:
+        """sync: where the device is synchronised, "both" ends, "start", "end" or "none" (host
+        work, or a stage timed in pieces: kernels launched before it run on beside it)."""
         # the hook's scope holds the syncs: a profile charges the stage's kernels to its range
         with self.on_stage(stage) if self.on_stage is not None else nullcontext():
-            self._sync()
+            if sync in ("both", "start"):
+                self._sync()
             start = time.perf_counter()
             try:
                 yield
             finally:
-                self._sync()
+                if sync in ("both", "end"):
+                    self._sync()
                 self.seconds[stage] += time.perf_counter() - start
 
     def metrics(self) -> dict[str, float]:

@@ -3,6 +3,9 @@
     generate -> reward -> old log-probs -> ref log-probs -> values -> advantages
              -> critic update -> actor update -> weight sync
 
+(the reward is computed on the controller while the first forward pass runs on its group;
+the stage times still add up to the step).
+
 Every stage is one call on a worker group (or cheap controller math) and is timed as
 ``timing_s/<stage>``. Validation every ``trainer.test_freq`` steps, checkpoints every
 ``trainer.save_freq`` steps and at the end.
@@ -10,6 +13,7 @@ Every stage is one call on a worker group (or cheap controller math) and is time
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable
@@ -35,6 +39,7 @@ from hybridflow.trainer.stages import (
     balance_ranks,
     collect_rollouts,
     rewards_and_advantages,
+    score,
     stage_scope,
 )
 from hybridflow.trainer.stop import SIGTERM_EXIT
@@ -51,22 +56,21 @@ def train_step(run: RunContext, rollout: tuple | None = None,
     roles: Roles = run.roles
     timer, metrics = Timer(on_stage=lambda stage: stage_scope(run, stage)), {}
     with timer("step"):
-        if rollout is None:
-            batch, rollout_metrics = collect_rollouts(run, timer)  # times gen and reward
+        passes = forward_passes(run)
+        if rollout is None:  # unscored when a pass can run beside the reward
+            batch, rollout_metrics = collect_rollouts(run, timer, scored=not passes)
         else:
             batch, rollout_metrics = rollout
         metrics.update(rollout_metrics)
         batch = balance_ranks(batch, run.derived.train_dp_size)
 
-        if not on_policy_shortcut(run):
-            with timer("old_logprob"):
-                batch = batch.union(roles.actor.compute_logprobs(batch))
-        if roles.ref is not None:
-            with timer("ref"):
-                batch = batch.union(roles.ref.compute_ref_logprobs(batch))
-        if roles.critic is not None:
-            with timer("values"):
-                batch = batch.union(roles.critic.compute_values(batch))
+        for stage, method in passes:
+            if "scores" not in batch.arrays:  # the first pass, in a synchronous step
+                batch, reward_metrics = score_beside(run, timer, stage, method, batch)
+                metrics.update(reward_metrics)
+                continue
+            with timer(stage):
+                batch = batch.union(method(batch))
 
         with timer("adv"):
             batch, adv_metrics = rewards_and_advantages(run, batch)
@@ -83,6 +87,40 @@ def train_step(run: RunContext, rollout: tuple | None = None,
             sync_weights(roles, version=run.step)  # the policy after this step's update
     metrics.update(_step_metrics(run, batch, timer))
     return metrics
+
+
+def forward_passes(run: RunContext) -> list[tuple[str, Callable[[Batch], Batch]]]:
+    """The step's forward passes before the advantages, as (stage, group method): old
+    log-probs (unless on-policy), reference log-probs, values."""
+    roles: Roles = run.roles
+    passes = []
+    if not on_policy_shortcut(run):
+        passes.append(("old_logprob", roles.actor.compute_logprobs))
+    if roles.ref is not None:
+        passes.append(("ref", roles.ref.compute_ref_logprobs))
+    if roles.critic is not None:
+        passes.append(("values", roles.critic.compute_values))
+    return passes
+
+
+def score_beside(run: RunContext, timer: Timer, stage: str, method, batch: Batch):
+    """``method(batch)`` on its group while this thread scores the responses: the reward
+    (host work: decoding, the reward function) runs beside the pass's device work instead of
+    before it. Timed in pieces, so the stages still add up to the step: the reward's time,
+    and the pass's beyond it. -> (the scored batch with the pass's columns, the reward's
+    metrics)."""
+    timeout = method.group.call_timeout_s
+    with timer(stage, sync="start"):
+        pending = method.remote(batch)
+    try:
+        with timer("reward", sync="none"):  # a copy: the pass may still read the batch's dicts
+            scored, reward_metrics = score(run, batch.select(*batch.keys()))
+    except BaseException:
+        with contextlib.suppress(Exception):  # the pass ends before the error goes up
+            pending.get(timeout=timeout)
+        raise
+    with timer(stage, sync="end"):
+        return scored.union(pending.get(timeout=timeout)), reward_metrics
 
 
 def on_policy_shortcut(run: RunContext) -> bool:

@@ -194,7 +194,7 @@ def next_prompts(run: RunContext, round_index: int, step: int | None = None) -> 
 
 
 def collect_rollouts(run: RunContext, timer: Timer, step: int | None = None,
-                     first_round: int = 0) -> tuple[Batch, dict[str, float]]:  # fmt: skip
+                     first_round: int = 0, scored: bool = True) -> tuple[Batch, dict[str, float]]:  # fmt: skip
     """Generate and score ``data.train_batch_size`` groups of ``rollout.n`` samples.
 
     DAPO dynamic sampling keeps only groups whose scores differ and draws more prompts
@@ -203,6 +203,8 @@ def collect_rollouts(run: RunContext, timer: Timer, step: int | None = None,
     ReMax adds ``reward_baselines`` [B]: the score of a greedy answer to each prompt.
     step: the RL step the rollout is for (default run.step). first_round: the index of the
     first round (uids and seeds; the async mode's replacement groups start further on).
+    scored=False: the responses are left unscored for the caller to score (``score``) beside
+    the next device work; dynamic sampling scores anyway, to choose its groups.
     """
     cfg = run.cfg
     alg, n = cfg.algorithm, cfg.rollout.n
@@ -221,7 +223,9 @@ def collect_rollouts(run: RunContext, timer: Timer, step: int | None = None,
             with timer("gen_baseline"):
                 batch.tensors["reward_baselines"] = greedy_baseline(run, prompts, round_index,
                                                                     step)  # fmt: skip
-        with timer("reward"):
+        if not (scored or alg.dynamic_sampling):
+            return batch, metrics
+        with timer("reward", sync="none"):  # host work
             batch, reward_metrics = score(run, batch, step)
         metrics.update(reward_metrics)
         rounds += 1

@@ -13,6 +13,8 @@ from hybridflow.trainer.metrics import Timer
 from hybridflow.trainer.run import setup, train
 from hybridflow.trainer.stages import collect_rollouts, rewards_and_advantages
 
+STEP_STAGES = ("gen", "gen_baseline", "reward", "old_logprob", "ref", "values", "adv",
+               "update_critic", "update_actor", "sync_weights")  # fmt: skip
 EXAMPLES = ["grpo", "ppo", "dapo", "rloo", "reinforce_plus_plus", "remax", "gspo"]
 
 
@@ -46,6 +48,10 @@ def test_example_runs_two_steps(example, tmp_path, quiet):
         for key in ("actor/pg_loss", "actor/grad_norm", "score/mean", "timing_s/gen"):
             assert math.isfinite(row[key]), (example, step, key)
         assert row["timing_s/step"] >= row["timing_s/update_actor"] > 0
+        # the reward runs beside the first forward pass, timed in pieces: the stages of the
+        # step still add up to no more than it
+        stages = [row[f"timing_s/{stage}"] for stage in STEP_STAGES if f"timing_s/{stage}" in row]
+        assert "timing_s/reward" in row and sum(stages) <= row["timing_s/step"] + 1e-6
     assert "val/arithmetic/mean@1" in final
     if example == "ppo":
         assert "critic/vf_loss" in metrics[2] and "timing_s/values" in metrics[2]
