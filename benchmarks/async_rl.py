@@ -1,7 +1,7 @@
 """GRPO step time, synchronous against asynchronous, on a long-tail length workload.
 
     python benchmarks/async_rl.py --preset qwen2.5-0.5b --prompts 128 --samples 8 \\
-        --max-new-tokens 4096 --mean-new-tokens 1024 --steps 6 \\
+        --max-new-tokens 4096 --mean-new-tokens 1024 --steps 6 --prime 2 \\
         --modes sync async:1 async:1:partial async:1:partial:priority
     python benchmarks/async_rl.py --preset tiny --device cpu --prompts 4 --samples 2 \\
         --max-new-tokens 32 --mean-new-tokens 8 --steps 3          # smoke run
@@ -92,11 +92,9 @@ def mode_overrides(mode: str) -> list[str]:
             *(["rollout.engine.service_stream=priority"] if "priority" in flags else [])]  # fmt: skip
 
 
-def run_mode(mode: str, work: Path, args) -> dict | None:
-    """One `hybridflow train` of `mode`: its step times and metrics; None when it failed or was
-    stopped before its first step (its last log lines printed)."""
-    run_dir = work / f"run-{mode.replace(':', '-')}"
-    overrides = [
+def mode_run_overrides(mode: str, work: Path, args, steps: int, run_dir: Path) -> list[str]:
+    """The `hybridflow train` overrides of a `steps`-step run of `mode` in run_dir."""
+    return [
         f"model.path={work / 'model'}",
         f"model.tokenizer_path={work / 'tokenizer'}",
         f"data.train_files=[{work / 'prompts.jsonl'}]",
@@ -107,10 +105,27 @@ def run_mode(mode: str, work: Path, args) -> dict | None:
         f"actor.ppo_mini_batch_size={args.prompts}",
         f"actor.max_tokens_per_gpu={args.micro_tokens}",
         f"reward.custom_fn={work / 'reward.py'}:hashed_score",
-        *timed_run_overrides(args.steps, run_dir, work / "cache", args.device),
+        *timed_run_overrides(steps, run_dir, work / "cache", args.device),
         *mode_overrides(mode),
         *args.override,
     ]
+
+
+def prime_caches(work: Path, args) -> None:
+    """A throwaway run of --prime steps of the first mode: the compile caches it fills under
+    work/cache (inductor's graphs, the engine's pinned choices) and Triton's are then warm for
+    every measured mode, not for all but the first."""
+    print(f"priming the compile caches: {args.prime} step(s) of {args.modes[0]}", flush=True)
+    run_dir = work / "run-prime"
+    overrides = mode_run_overrides(args.modes[0], work, args, args.prime, run_dir)
+    run_train(overrides, "prime", run_dir, args.run_timeout)
+
+
+def run_mode(mode: str, work: Path, args) -> dict | None:
+    """One `hybridflow train` of `mode`: its step times and metrics; None when it failed or was
+    stopped before its first step (its last log lines printed)."""
+    run_dir = work / f"run-{mode.replace(':', '-')}"
+    overrides = mode_run_overrides(mode, work, args, args.steps, run_dir)
     steps, complete = run_train(overrides, mode, run_dir, args.run_timeout)
     if not steps:
         return None
@@ -144,6 +159,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--micro-tokens", default="32768", help="actor.max_tokens_per_gpu, every mode")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the mean")
+    p.add_argument("--prime", type=int, default=0, metavar="STEPS",
+                   help="steps of a throwaway run of the first mode before the measured ones, "
+                        "so every mode finds the compile caches warm (cold, the first step of "
+                        "the default workload took ~190 s on an H200, the second ~50)")  # fmt: skip
     p.add_argument("--modes", nargs="+", default=["sync", "async:1", "async:1:partial"])
     p.add_argument("--device", default=None, help="trainer.device (cpu: a smoke run)")
     p.add_argument("--override", action="append", default=[], help="a config override, every mode")
@@ -158,6 +177,8 @@ def main() -> None:
     config = build_model_dir(args.preset, work / "model", args.mean_new_tokens)
     write_prompts(work / "prompts.jsonl", args.prompts, args.prompt_len, config["vocab_size"], 0)
     (work / "reward.py").write_text(REWARD)
+    if args.prime:
+        prime_caches(work, args)
     results = []
     for mode in args.modes:  # each printed as it ends: a run cut short keeps what it measured
         result = run_mode(mode, work, args)

@@ -15,7 +15,9 @@ validation and no checkpoints. Random weights rarely sample the end of sequence,
 run to the example's 512 tokens: the long end of a real run's. Printed: each step as it ends,
 then the mean of the steps after --warmup (the first compiles): s/step, each stage's seconds
 (timing_s/*), perf/mfu where the GPU's peak is known, tokens/s, and on a known GPU a row of
-each stage's floor (hybridflow/trainer/stage_floors.py); --json writes it.
+each stage's floor (hybridflow/trainer/stage_floors.py); --json writes it. The reward runs
+beside the first forward pass (old log-probs), whose time is then what it took beyond the
+reward: with a slow reward it can fall under its floor.
 """
 
 from __future__ import annotations

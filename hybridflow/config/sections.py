@@ -83,8 +83,8 @@ class ModelConfig:
     (trainer.gpu_memory_gib or the visible GPU); off on the CPU or when the plan cannot
     tell. The run's log says the decision and both planned peaks."""
     compile: bool | str = "auto"
-    """torch.compile the decoder layers for training: true | false | auto. auto: on when the
-    trainer runs on CUDA, off on the CPU (a CPU compile takes minutes for little gain). The
+    """torch.compile the decoder layers of the actor (and of the reference model's own copy)
+    for the training-side passes: true | false | auto. auto: on when the trainer runs on CUDA, off on the CPU (a CPU compile takes minutes for little gain). The
     first step compiles; the artifacts are cached under trainer.cache_dir/torch-compile, so
     a later run of the same model reuses them. The run's log and config.yaml say the
     decision."""

@@ -15,7 +15,7 @@ from torch import nn
 
 from hybridflow.config import RefConfig
 from hybridflow.learners import lora
-from hybridflow.learners.actor_learner import ActorLearner
+from hybridflow.learners.actor_learner import ActorLearner, compile_layers
 from hybridflow.learners.core import TrainCore
 from hybridflow.learners.modules import PolicyModel
 from hybridflow.learners.response_forward import forward_response_tokens
@@ -29,6 +29,7 @@ class RefPolicy:
         model: the reference CausalLM (its weights are frozen here).
         ref_cfg: the ``ref`` config section (micro-batching, parameter offload).
         device, dp_group, fsdp: as for :class:`~hybridflow.learners.actor_learner.ActorLearner`.
+        compile: ``torch.compile`` each decoder layer (``model.compile`` resolved to true).
     Use :meth:`from_actor` for the LoRA form.
     """
 
@@ -40,8 +41,11 @@ class RefPolicy:
         device: torch.device | str,
         dp_group: dist.ProcessGroup | None = None,
         fsdp: bool | None = None,
+        compile: bool = False,
     ):
         model.requires_grad_(False)
+        if compile:  # model.compile: the same fused layers as the actor's forward passes
+            compile_layers(model)
         self.cfg = ref_cfg
         self.policy = PolicyModel(model)
         self.core = TrainCore(

@@ -203,8 +203,8 @@ class Timer:
             ...
         metrics.update(timer.metrics())
 
-    CUDA work is asynchronous, so by default the device is synchronised at both ends
-    of a stage (cheap at stage granularity) to charge the kernels to the right stage.
+    CUDA work is asynchronous, so by default the current CUDA stream is synchronised at both
+    ends of a stage (cheap at stage granularity) to charge the kernels to the right stage.
     ``on_stage(stage)``, if given, returns a context manager entered around each stage (the
     run's progress status and profiler range: trainer/stages.py, stage_scope).
     """
@@ -214,8 +214,10 @@ class Timer:
         self.seconds: dict[str, float] = defaultdict(float)
 
     def _sync(self) -> None:
+        # this thread's stream, not the whole device: a rollout service decoding on a stream
+        # of its own (EngineOptions.service_stream) runs on through the trainer's stages
         if self.sync_cuda and torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()
 
     @contextmanager
     def __call__(self, stage: str, sync: str = "both") -> Iterator[None]:

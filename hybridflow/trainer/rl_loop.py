@@ -167,7 +167,9 @@ def start_producer(run: RunContext) -> RolloutProducer:
     rounds = max(1, run.cfg.algorithm.max_gen_rounds) if run.cfg.algorithm.dynamic_sampling else 1
 
     def produce(step: int, attempt: int) -> tuple:
-        timer = Timer()
+        # no device syncs: this thread waits on the rollout's calls, and a sync here would
+        # wait for the trainer's kernels too
+        timer = Timer(sync_cuda=False)
         batch, metrics = collect_rollouts(run, timer, step=step, first_round=attempt * rounds)
         metrics.update(timer.metrics())  # gen and reward, timed on the producer's thread
         return batch, metrics

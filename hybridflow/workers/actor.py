@@ -142,7 +142,9 @@ class RefWorker(Worker):
             return
         dtype = resolve_dtype(config.model, self.device)
         model = load_causal_lm(config.ref.path or config.model.path, dtype, self.device)
-        self.policy = RefPolicy(model, config.ref, device=self.device)
+        # model.compile's "auto" is resolved at run start (trainer/compile_policy.py)
+        self.policy = RefPolicy(model, config.ref, device=self.device,
+                                compile=config.model.compile is True)  # fmt: skip
 
     @register(dispatch=Dispatch.DP_SPLIT)
     def compute_ref_logprobs(self, batch: Batch) -> Batch:

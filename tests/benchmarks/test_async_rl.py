@@ -20,8 +20,10 @@ def test_sync_and_async_runs_of_the_long_tail_workload_print_their_table(tmp_pat
         "async_rl.py", "--preset", "tiny", "--device", "cpu", "--prompts", "4", "--samples",
         "2", "--prompt-len", "8", "--max-new-tokens", "32", "--mean-new-tokens", "8",
         "--steps", "3", "--warmup", "1", "--modes", "sync", "async:1", "async:1:partial",
-        "--work-dir", str(tmp_path / "work"), "--json", str(out),
+        "--prime", "1", "--work-dir", str(tmp_path / "work"), "--json", str(out),
     )  # fmt: skip
+    assert "priming the compile caches: 1 step(s) of sync" in text
+    assert "  prime step 1: " in text  # a run of its own, not one of the table's
     rows = markdown_rows(text, "| mode |")
     assert [row["mode"] for row in rows] == ["sync", "async:1", "async:1:partial"]
     results = json.loads(out.read_text())

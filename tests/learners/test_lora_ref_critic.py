@@ -104,3 +104,13 @@ def test_lora_adapters_of_a_bf16_base_train_in_fp32():
         actor.update(batch)
     moved = [float((adapters[n] != before[n]).float().mean()) for n in before]
     assert min(moved) > 0.5  # most of every A moved
+
+
+def test_the_reference_model_compiles_its_layers_as_the_actor_does_when_asked():
+    """model.compile=true: each decoder layer of the reference copy is torch.compiled (the
+    compile itself happens at the first forward, not run here: minutes on a CPU)."""
+    compiled = RefPolicy(tiny_model(), RefConfig(), device="cpu", compile=True)
+    layers = compiled.policy.lm.model.layers
+    assert len(layers) > 0 and all(layer._compiled_call_impl is not None for layer in layers)
+    eager = RefPolicy(tiny_model(), RefConfig(), device="cpu")
+    assert all(layer._compiled_call_impl is None for layer in eager.policy.lm.model.layers)
