@@ -84,10 +84,10 @@ class ModelConfig:
     tell. The run's log says the decision and both planned peaks."""
     compile: bool | str = "auto"
     """torch.compile the decoder layers of the actor (and of the reference model's own copy)
-    for the training-side passes: true | false | auto. auto: on when the trainer runs on CUDA, off on the CPU (a CPU compile takes minutes for little gain). The
-    first step compiles; the artifacts are cached under trainer.cache_dir/torch-compile, so
-    a later run of the same model reuses them. The run's log and config.yaml say the
-    decision."""
+    for the training-side passes: true | false | auto. auto: on when the trainer runs on
+    CUDA, off on the CPU (a CPU compile takes minutes for little gain). The first step
+    compiles; the artifacts are cached under trainer.cache_dir/torch-compile, so a later run
+    of the same model reuses them. The run's log and config.yaml say the decision."""
     lora_rank: int = 0
     """LoRA rank; 0 trains all weights."""
     lora_alpha: int = 16

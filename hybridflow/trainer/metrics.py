@@ -221,8 +221,8 @@ class Timer:
 
     @contextmanager
     def __call__(self, stage: str, sync: str = "both") -> Iterator[None]:
-        """sync: where the device is synchronised, "both" ends, "start", "end" or "none" (host
-        work, or a stage timed in pieces: kernels launched before it run on beside it)."""
+        """sync: at which ends the stream is synchronised, "both", "start", "end" or "none"
+        (host work, or a stage timed in pieces: kernels launched before it run on beside it)."""
         # the hook's scope holds the syncs: a profile charges the stage's kernels to its range
         with self.on_stage(stage) if self.on_stage is not None else nullcontext():
             if sync in ("both", "start"):
