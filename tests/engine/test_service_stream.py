@@ -101,10 +101,13 @@ def test_on_its_own_stream_beside_a_busy_default_stream_the_service_samples_the_
         p.data.normal_(0, 0.3, generator=generator)
     model.requires_grad_(False)
     seeds = list(range(len(PROMPTS)))
-    options = EngineOptions(steps_per_sync=2)
+    # fixed kernels (no timing choices): both engines run the same arithmetic
+    fixed = dict(steps_per_sync=2, decode_layer="split", decode_matmul="cublas",
+                 attention_autotune=False)  # fmt: skip
+    options = EngineOptions(**fixed)
     with RolloutService(Engine(model, 8, 64, options=options)) as service:
         expected = service.generate(PROMPTS, SAMPLED, seeds=seeds)
-    prioritized = EngineOptions(steps_per_sync=2, service_stream="priority")
+    prioritized = EngineOptions(**fixed, service_stream="priority")
     engine = Engine(model, 8, 64, options=prioritized)
     engine.warm_up(SAMPLED)  # the graphs now, not beside the other thread's work
     stop = threading.Event()
