@@ -3,6 +3,8 @@
     python benchmarks/async_rl.py --preset qwen2.5-0.5b --prompts 128 --samples 8 \\
         --max-new-tokens 4096 --mean-new-tokens 1024 --steps 6 --prime 2 \\
         --modes sync async:1 async:1:partial async:1:partial:priority
+    python benchmarks/async_rl.py --modes sync async:1:partial:split --prime 2 \\
+        --override trainer.backend=local --override trainer.n_gpus_per_node=2  # 2 GPUs
     python benchmarks/async_rl.py --preset tiny --device cpu --prompts 4 --samples 2 \\
         --max-new-tokens 32 --mean-new-tokens 8 --steps 3          # smoke run
 
@@ -21,8 +23,9 @@ prompts, seed and model (jsonl prompts of --prompt-len ids spelled as the word-l
 tokenizer's words; a reward hashed from the response, so groups have spread). Printed: the
 mean step time of the steps after the first --warmup and before the last (an asynchronous
 run's last step has nothing to overlap), the speed-up over the first mode, the realised
-response lengths, and the asynchronous metrics the run logged (staleness, IS weights) where
-present.
+response lengths, each GPU's busy share over those steps (NVML's kernel-active time,
+benchmarks/gpu_busy.py; "-" without a GPU), and the asynchronous metrics the run logged
+(staleness, IS weights) where present.
 """
 
 from __future__ import annotations
@@ -32,9 +35,11 @@ import json
 import random
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from gpu_busy import BusySampler  # noqa: E402
 from train_run import run_train, timed_run_overrides  # noqa: E402
 
 REWARD = '''
@@ -78,18 +83,27 @@ def write_prompts(path: Path, prompts: int, prompt_len: int, vocab: int, seed: i
             f.write(json.dumps(row) + "\n")
 
 
+MODE_FLAGS = {
+    "partial": [],  # trainer.partial_rollout, below
+    "priority": ["rollout.engine.service_stream=priority"],
+    "split": ["trainer.placement=split", "trainer.rollout_gpus=1"],
+}
+
+
 def mode_overrides(mode: str) -> list[str]:
-    """'sync', or 'async:S' (staleness S) with ':partial' (partial rollouts) and/or
-    ':priority' (the rollout service on a high-priority CUDA stream of its own) after it."""
+    """'sync', or 'async:S' (staleness S) followed by any of ':partial' (partial rollouts),
+    ':priority' (the rollout service on a high-priority CUDA stream of its own) and ':split'
+    (the rollout on a device of its own, the rest training: with --override
+    trainer.backend=local --override trainer.n_gpus_per_node=N, sync is colocated on all N)."""
     if mode == "sync":
         return ["trainer.mode=sync"]
     name, staleness, *flags = mode.split(":")
     if (name != "async" or not staleness.isdigit() or len(set(flags)) != len(flags)
-            or not set(flags) <= {"partial", "priority"}):  # fmt: skip
-        raise SystemExit(f"--modes: {mode!r} is not sync or async:S[:partial][:priority]")
+            or not set(flags) <= set(MODE_FLAGS)):  # fmt: skip
+        raise SystemExit(f"--modes: {mode!r} is not sync or async:S[:partial][:priority][:split]")
     return ["trainer.mode=async", f"trainer.max_staleness={staleness}",
             f"trainer.partial_rollout={'true' if 'partial' in flags else 'false'}",
-            *(["rollout.engine.service_stream=priority"] if "priority" in flags else [])]  # fmt: skip
+            *(o for flag in flags for o in MODE_FLAGS[flag])]  # fmt: skip
 
 
 def mode_run_overrides(mode: str, work: Path, args, steps: int, run_dir: Path) -> list[str]:
@@ -126,12 +140,16 @@ def run_mode(mode: str, work: Path, args) -> dict | None:
     stopped before its first step (its last log lines printed)."""
     run_dir = work / f"run-{mode.replace(':', '-')}"
     overrides = mode_run_overrides(mode, work, args, args.steps, run_dir)
-    steps, complete = run_train(overrides, mode, run_dir, args.run_timeout)
+    with BusySampler() as sampler:
+        started = time.monotonic()
+        steps, complete = run_train(overrides, mode, run_dir, args.run_timeout)
     if not steps:
         return None
     # The last step of an asynchronous run has no next batch decoding beside it: the steady
     # state is the steps between the warm-up and it (every mode alike).
     timed = steps[args.warmup : -1] or steps[args.warmup :] or steps
+    before = steps.index(timed[0]) - 1  # the step that ended as the timed ones began
+    window = (steps[before]["seen_at"] if before >= 0 else started, timed[-1]["seen_at"])
     for row in steps:  # the async mode's wait for its rollout lies outside train_step
         row["wall_s"] = row["timing_s/step"] + row.get("timing_s/wait_rollout", 0.0)
     mean = lambda key: sum(row.get(key, 0.0) for row in timed) / len(timed)  # noqa: E731
@@ -145,6 +163,7 @@ def run_mode(mode: str, work: Path, args) -> dict | None:
         "response_max": max(row.get("response_length/max", 0.0) for row in timed),
         "clip_ratio": mean("response_length/clip_ratio"),
         "async_metrics": {k: mean(k) for k in extra},
+        "gpu_busy": sampler.busy(*window),  # % per GPU over the timed steps; None: no NVML
     }
 
 
@@ -195,14 +214,16 @@ def main() -> None:
     print(f"\nGRPO, {args.preset}, {args.prompts} prompts × {args.samples} samples, "
           f"prompt {args.prompt_len}, responses geometric of mean ~{args.mean_new_tokens:.0f} "
           f"up to {args.max_new_tokens}; mean of steps {args.warmup + 1}..{args.steps - 1}")  # fmt: skip
-    print("| mode | s/step | speed-up | response mean | response max | cut at max | steps (s) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| mode | s/step | speed-up | response mean | response max | cut at max "
+          "| GPU busy % | steps (s) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
         steps = " ".join(f"{s:.2f}" for s in r["steps_s"])
         name = r["mode"] if r["complete"] else f"{r['mode']} (stopped at --run-timeout)"
+        busy = " / ".join(f"{b:.0f}" for b in r["gpu_busy"]) if r["gpu_busy"] else "-"
         print(f"| {name} | {r['step_s']:.2f} | {results[0]['step_s'] / r['step_s']:.2f}× | "
               f"{r['response_mean']:.0f} | {r['response_max']:.0f} | {100 * r['clip_ratio']:.1f}% "
-              f"| {steps} |")  # fmt: skip
+              f"| {busy} | {steps} |")  # fmt: skip
     for r in results:
         if r["async_metrics"]:
             shown = ", ".join(f"{k}={v:.3g}" for k, v in r["async_metrics"].items())

@@ -42,14 +42,19 @@ def step_rows(metrics: Path) -> list[dict]:
     return [row for row in rows if row.get("step", 0) > 0 and "timing_s/step" in row]
 
 
-def follow(child: subprocess.Popen, label: str, metrics: Path, timeout: float) -> bool:
+def follow(
+    child: subprocess.Popen, label: str, metrics: Path, timeout: float, seen: dict[int, float]
+) -> bool:
     """Wait for the run, printing each step's time as it lands (a long step is not silence);
-    stop it (SIGTERM, then SIGKILL) after `timeout` seconds. -> whether it was stopped."""
+    stop it (SIGTERM, then SIGKILL) after `timeout` seconds. seen: filled with each step's
+    time.monotonic() when its row was first read (within a second of its end). -> whether it
+    was stopped."""
     start, shown = time.monotonic(), 0
     while True:
         finished = child.poll() is not None
         steps = step_rows(metrics)
         for row in steps[shown:]:
+            seen[row["step"]] = time.monotonic()
             print(f"  {label} step {row['step']}: {row['timing_s/step']:.2f} s "
                   f"({time.monotonic() - start:.0f} s into the run)", flush=True)  # fmt: skip
         shown = len(steps)
@@ -84,8 +89,11 @@ def run_train(
     with log_path.open("w") as log:
         child = subprocess.Popen([sys.executable, "-c", CLI, "train", *args], env=env,
                                  stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-        timed_out = follow(child, label, metrics, timeout)
+        seen: dict[int, float] = {}
+        timed_out = follow(child, label, metrics, timeout, seen)
     steps = step_rows(metrics)
+    for row in steps:  # when it was seen ended (benchmarks/gpu_busy.py windows)
+        row["seen_at"] = seen.get(row["step"], time.monotonic())
     if timed_out or child.returncode != 0:
         tail = "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-15:])
         what = f"stopped after its time limit of {timeout:.0f} s" if timed_out else (

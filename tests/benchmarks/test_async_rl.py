@@ -26,6 +26,7 @@ def test_sync_and_async_runs_of_the_long_tail_workload_print_their_table(tmp_pat
     assert "  prime step 1: " in text  # a run of its own, not one of the table's
     rows = markdown_rows(text, "| mode |")
     assert [row["mode"] for row in rows] == ["sync", "async:1", "async:1:partial"]
+    assert {row["GPU busy %"] for row in rows} == {"-"}  # no GPU here: not sampled
     results = json.loads(out.read_text())
     for result in results:
         assert len(result["steps_s"]) == 3 and result["step_s"] > 0
@@ -65,6 +66,8 @@ def test_a_mode_names_its_staleness_partial_rollouts_and_the_services_stream():
     assert mode_overrides("async:1:partial:priority") == [
         "trainer.mode=async", "trainer.max_staleness=1", "trainer.partial_rollout=true",
         "rollout.engine.service_stream=priority"]  # fmt: skip
+    assert mode_overrides("async:1:partial:split")[-2:] == [
+        "trainer.placement=split", "trainer.rollout_gpus=1"]  # fmt: skip
     for bad in ("async:1:fast", "async:1:partial:partial", "async:x", "sync:1"):
         with pytest.raises(SystemExit, match="async:S"):
             mode_overrides(bad)
