@@ -1,10 +1,11 @@
 #!/bin/bash
 # End-to-end GRPO vs TRL (docs/performance.md): one NVIDIA H200, TRL installed, from the
-# repository root. Each side runs in its own process on the same checkpoint (/tmp/m05).
+# repository root. hybridflow and TRL each run in their own process on the same random-weight
+# checkpoint, written at the first use of --model-dir.
 set -e
 export PYTHONPATH=$PWD
 OUT=${OUT:-.}
-python benchmarks/grpo_vs_trl.py --which hybridflow --model-dir /tmp/m05 --json $OUT/hybridflow.json 2>&1 | tee $OUT/hybridflow.log
-python benchmarks/grpo_vs_trl.py --which trl --model-dir /tmp/m05 --json $OUT/trl.json 2>&1 | tee $OUT/trl.log
-python benchmarks/grpo_vs_trl.py --which hybridflow --model-dir /tmp/m05 --override model.compile=true \
-    --json $OUT/hybridflow-compile.json 2>&1 | tee $OUT/hybridflow-compile.log
+python benchmarks/grpo_vs_trl.py --which both --model-dir /tmp/m05 \
+    --json $OUT/qwen2.5-0.5b.json 2>&1 | tee $OUT/qwen2.5-0.5b.log
+python benchmarks/grpo_vs_trl.py --which both --preset qwen2.5-1.5b --model-dir /tmp/m15 \
+    --json $OUT/qwen2.5-1.5b.json 2>&1 | tee $OUT/qwen2.5-1.5b.log

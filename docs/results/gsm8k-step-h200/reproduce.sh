@@ -4,5 +4,5 @@
 set -e
 export PYTHONPATH=$PWD
 OUT=${OUT:-.}
-python benchmarks/gsm8k_step.py --input ${GSM8K:?the GSM8K train.jsonl} --steps 3 \
+python benchmarks/gsm8k_step.py --input ${GSM8K:?the GSM8K train.jsonl} --steps 3 --work-dir /tmp/work/gsm8k \
     --json $OUT/gsm8k.json 2>&1 | tee $OUT/gsm8k.log
