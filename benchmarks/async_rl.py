@@ -159,12 +159,28 @@ def run_mode(mode: str, work: Path, args) -> dict | None:
         "complete": complete,
         "step_s": mean("wall_s"),
         "steps_s": [row["wall_s"] for row in steps],
+        "timed_s": [row["wall_s"] for row in timed],
         "response_mean": mean("response_length/mean"),
         "response_max": max(row.get("response_length/max", 0.0) for row in timed),
         "clip_ratio": mean("response_length/clip_ratio"),
         "async_metrics": {k: mean(k) for k in extra},
         "gpu_busy": sampler.busy(*window),  # % per GPU over the timed steps; None: no NVML
     }
+
+
+UNEVEN = 1.5
+"""Timed steps further apart than this ratio (slowest / fastest) are no steady state."""
+
+
+def uneven_warning(mode: str, timed: list[float]) -> str | None:
+    """A warning when ``mode``'s timed steps differ by more than UNEVEN: one of them compiled
+    or stalled, and a mean over it says nothing of the steady state (a one-step prime warms
+    only the first step's graphs; the second may compile again)."""
+    if len(timed) < 2 or min(timed) <= 0 or max(timed) / min(timed) <= UNEVEN:
+        return None
+    return (f"warning: {mode}'s timed steps differ {max(timed) / min(timed):.1f}× "
+            f"({min(timed):.2f} .. {max(timed):.2f} s): one compiled or stalled, so its mean "
+            f"is no steady state; warm more (--prime 2, --warmup) or read the steps")  # fmt: skip
 
 
 def main() -> None:
@@ -224,6 +240,10 @@ def main() -> None:
         print(f"| {name} | {r['step_s']:.2f} | {results[0]['step_s'] / r['step_s']:.2f}× | "
               f"{r['response_mean']:.0f} | {r['response_max']:.0f} | {100 * r['clip_ratio']:.1f}% "
               f"| {busy} | {steps} |")  # fmt: skip
+    for r in results:
+        warning = uneven_warning(r["mode"], r["timed_s"])
+        if warning:
+            print(warning)
     for r in results:
         if r["async_metrics"]:
             shown = ", ".join(f"{k}={v:.3g}" for k, v in r["async_metrics"].items())

@@ -13,6 +13,8 @@ from the same model and the SFT runs once per seed. Modes: bf16 (rollout.dtype=m
 trainer's bf16 compute weights) and fp8 (rollout.dtype=fp8: W8A8 e4m3 on sm_89+ GPUs with the
 triton backend; with it actor.rollout_is_cap defaults to 2.0, trainer/run.async_defaults).
 Each run validates before the first step and after the last (val/arithmetic/mean@4 by default).
+Its output goes to WORK/run-MODE-seedSEED.log; a run that fails or passes --run-timeout is said
+with its last lines and left out of the table (the others still run; the exit status is 1).
 
 Printed: initial and final accuracy of each run, the correction it trained with (read from the
 run's config.yaml), the mean of the importance-weight metrics it logged (actor/rollout_is/*:
@@ -28,10 +30,12 @@ import argparse
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,20 +94,40 @@ def mean_of(values) -> float:
     return sum(present) / len(present) if present else math.nan
 
 
-def run_one(mode: str, seed: int, work: Path, args) -> dict:
+def run_one(mode: str, seed: int, work: Path, args) -> dict | None:
+    """One (mode, seed) `hybridflow train`, its output in work/run-MODE-seedSEED.log; its
+    result, or None (said, with the log's last lines) when it failed or ran past
+    --run-timeout, so the other runs still go on."""
     overrides = run_overrides(mode, seed, work, args)
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     )
-    print(f"=== {mode}, seed {seed} ===", flush=True)
-    done = subprocess.run(train_command(overrides), env=env, capture_output=True, text=True,
-                          timeout=args.run_timeout)  # fmt: skip
-    if done.returncode != 0:
-        raise SystemExit(
-            f"{mode} seed {seed}: hybridflow train failed (exit {done.returncode})\n"
-            f"{done.stdout[-3000:]}{done.stderr[-3000:]}"
-        )
-    return {"mode": mode, "seed": seed, **read_run(work / f"run-{mode}-seed{seed}", args.metric)}
+    log_path = work / f"run-{mode}-seed{seed}.log"
+    print(f"=== {mode}, seed {seed} (output: {log_path}) ===", flush=True)
+    started = time.monotonic()
+    with open(log_path, "w") as log:
+        # a session of its own: a run stopped at the timeout takes any children with it
+        process = subprocess.Popen(train_command(overrides), env=env, stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        try:
+            returncode = process.wait(timeout=args.run_timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            returncode = None
+    seconds = time.monotonic() - started
+    if returncode != 0:
+        why = (f"stopped at --run-timeout ({args.run_timeout:g} s)" if returncode is None
+               else f"hybridflow train failed (exit {returncode}) after {seconds:.0f} s")  # fmt: skip
+        print(f"{mode} seed {seed}: {why}; its last lines:\n{last_lines(log_path)}", flush=True)
+        return None
+    print(f"{mode} seed {seed}: done in {seconds:.0f} s", flush=True)
+    result = read_run(work / f"run-{mode}-seed{seed}", args.metric)
+    return {"mode": mode, "seed": seed, "seconds": seconds, **result}
+
+
+def last_lines(path: Path, count: int = 30) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-count:])
 
 
 def mode_summary(results: list[dict]) -> dict[str, dict]:
@@ -182,7 +206,12 @@ def main() -> None:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-fp8-"))
     work.mkdir(parents=True, exist_ok=True)
     # seed-major: a seed's warm start is trained by its first run, reused by the other mode
-    results = [run_one(mode, seed, work, args) for seed in args.seeds for mode in args.modes]
+    runs = [(mode, seed) for seed in args.seeds for mode in args.modes]
+    finished = {run: run_one(*run, work, args) for run in runs}
+    results = [r for r in finished.values() if r is not None]
+    missing = [f"{mode} seed {seed}" for (mode, seed), r in finished.items() if r is None]
+    if not results:
+        raise SystemExit("no run finished: nothing to compare (the runs' last lines are above)")
     results.sort(key=lambda r: (args.modes.index(r["mode"]), r["seed"]))
     print(report(results, args.metric))
     if args.json:
@@ -190,7 +219,10 @@ def main() -> None:
         out = {"runs": results, "modes": summary}
         if "bf16" in summary and "fp8" in summary:
             out["fp8_vs_bf16"] = within_noise(summary["bf16"]["finals"], summary["fp8"]["finals"])
+        out["missing"] = missing
         Path(args.json).write_text(json.dumps(out, indent=1))
+    if missing:
+        raise SystemExit(f"not finished, left out of the table: {', '.join(missing)}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import pytest
 from benchmark_run import REPO, markdown_rows, run_benchmark
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-from async_rl import mode_overrides  # noqa: E402
+from async_rl import mode_overrides, uneven_warning  # noqa: E402
 
 
 def test_sync_and_async_runs_of_the_long_tail_workload_print_their_table(tmp_path):
@@ -71,3 +71,11 @@ def test_a_mode_names_its_staleness_partial_rollouts_and_the_services_stream():
     for bad in ("async:1:fast", "async:1:partial:partial", "async:x", "sync:1"):
         with pytest.raises(SystemExit, match="async:S"):
             mode_overrides(bad)
+
+
+def test_timed_steps_far_apart_are_flagged_as_no_steady_state():
+    # a one-step prime left sync's second step to compile again (44.3 s beside 23.3 s)
+    warning = uneven_warning("sync", [44.30, 23.30])
+    assert warning.startswith("warning: sync's timed steps differ 1.9×") and "--prime 2" in warning
+    assert uneven_warning("async:1:partial", [23.14, 22.12]) is None  # run-to-run noise
+    assert uneven_warning("sync", [22.4]) is None  # one timed step: nothing to compare

@@ -101,3 +101,17 @@ def test_cpu_smoke_run_reads_the_accuracies_and_importance_weights_of_a_train_ru
     # the engine and the trainer agree on the CPU: weights ~1, none capped
     assert run["correction_metrics"]["actor/rollout_is/mean"] == pytest.approx(1.0, abs=1e-3)
     assert run["correction_metrics"]["actor/rollout_is/capped_frac"] == 0.0
+
+
+def test_a_run_past_its_timeout_is_reported_with_its_last_lines_not_a_traceback(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "fp8_rollout_accuracy.py"), "--device", "cpu",
+         "--modes", "bf16", "--seeds", "1", "2", "--steps", "2", "--run-timeout", "2",
+         "--work-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert "Traceback" not in done.stdout + done.stderr
+    assert "bf16 seed 1: stopped at --run-timeout (2 s); its last lines:" in done.stdout
+    assert "bf16 seed 2: stopped at --run-timeout" in done.stdout  # the next run still went on
+    assert done.returncode == 1 and "no run finished" in done.stderr
+    assert (tmp_path / "run-bf16-seed1.log").is_file()  # the run's own output, kept
