@@ -104,16 +104,11 @@ class TrainCore:
             self._shard(module)
         elif self.compute_dtype is not None:
             # Autocast leaves embedding outputs in fp32; cast them so the residual stream, RoPE
-            # and the packed attention kernel run in bf16 as under FSDP's mixed precision. Only
-            # under autocast: the same module called outside it (an SFT accuracy check, a
-            # greedy evaluation) holds fp32 weights and must see fp32 activations.
-            compute_dtype = self.compute_dtype
+            # and the packed attention kernel run in bf16 as under FSDP's mixed precision; not
+            # outside autocast (an SFT accuracy check): there the fp32 weights need fp32 input.
+            dtype, autocast_on = self.compute_dtype, torch.is_autocast_enabled
             module.lm.model.embed_tokens.register_forward_hook(
-                lambda _module, _inputs, output: (
-                    output.to(compute_dtype)
-                    if torch.is_autocast_enabled(output.device.type)
-                    else output
-                )
+                lambda _m, _i, out: out.to(dtype) if autocast_on(out.device.type) else out
             )
         self.module = module
         self.optimizer: torch.optim.Optimizer | None = None
