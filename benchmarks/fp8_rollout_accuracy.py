@@ -13,8 +13,9 @@ from the same model and the SFT runs once per seed. Modes: bf16 (rollout.dtype=m
 trainer's bf16 compute weights) and fp8 (rollout.dtype=fp8: W8A8 e4m3 on sm_89+ GPUs with the
 triton backend; with it actor.rollout_is_cap defaults to 2.0, trainer/run.async_defaults).
 Each run validates before the first step and after the last (val/arithmetic/mean@4 by default).
-Its output goes to WORK/run-MODE-seedSEED.log; a run that fails or passes --run-timeout is said
-with its last lines and left out of the table (the others still run; the exit status is 1).
+Its output goes to WORK/run-MODE-seedSEED.log (benchmarks/train_run.py); a run that fails or
+passes --run-timeout is said with its last lines and left out of the table (the others still
+run; the exit status is 1).
 
 Printed: initial and final accuracy of each run, the correction it trained with (read from the
 run's config.yaml), the mean of the importance-weight metrics it logged (actor/rollout_is/*:
@@ -29,17 +30,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from train_run import run_train  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
-CLI = "import sys; from hybridflow.cli import main; sys.exit(main(sys.argv[1:]))"
 MODES = {"bf16": "rollout.dtype=model", "fp8": "rollout.dtype=fp8"}
 CORRECTION_METRICS = ("rollout_is", "is_weight", "tis", "rollout_logprob")
 """Substrings of the logged metric names about the rollout/trainer log-prob mismatch."""
@@ -62,9 +62,9 @@ def run_overrides(mode: str, seed: int, work: Path, args) -> list[str]:
     ]
 
 
-def train_command(overrides: list[str]) -> list[str]:
-    config = REPO / "examples" / "grpo.yaml"
-    return [sys.executable, "-c", CLI, "train", "--config", str(config), *overrides]
+def train_args(overrides: list[str]) -> list[str]:
+    """The `hybridflow train` arguments of a run: examples/grpo.yaml, then the overrides."""
+    return ["--config", str(REPO / "examples" / "grpo.yaml"), *overrides]
 
 
 def read_run(run_dir: Path, metric: str) -> dict:
@@ -95,39 +95,19 @@ def mean_of(values) -> float:
 
 
 def run_one(mode: str, seed: int, work: Path, args) -> dict | None:
-    """One (mode, seed) `hybridflow train`, its output in work/run-MODE-seedSEED.log; its
-    result, or None (said, with the log's last lines) when it failed or ran past
-    --run-timeout, so the other runs still go on."""
-    overrides = run_overrides(mode, seed, work, args)
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    )
-    log_path = work / f"run-{mode}-seed{seed}.log"
-    print(f"=== {mode}, seed {seed} (output: {log_path}) ===", flush=True)
+    """One (mode, seed) `hybridflow train` (its output in work/run-MODE-seedSEED.log, its steps
+    printed as they end); its result, or None when it failed or ran past --run-timeout
+    (run_train says so, with the run's last lines), so the other runs still go on."""
+    run_dir = work / f"run-{mode}-seed{seed}"
+    print(f"=== {mode}, seed {seed} ===", flush=True)
     started = time.monotonic()
-    with open(log_path, "w") as log:
-        # a session of its own: a run stopped at the timeout takes any children with it
-        process = subprocess.Popen(train_command(overrides), env=env, stdout=log,
-                                   stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-        try:
-            returncode = process.wait(timeout=args.run_timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            returncode = None
-    seconds = time.monotonic() - started
-    if returncode != 0:
-        why = (f"stopped at --run-timeout ({args.run_timeout:g} s)" if returncode is None
-               else f"hybridflow train failed (exit {returncode}) after {seconds:.0f} s")  # fmt: skip
-        print(f"{mode} seed {seed}: {why}; its last lines:\n{last_lines(log_path)}", flush=True)
+    _, complete = run_train(train_args(run_overrides(mode, seed, work, args)),
+                            f"{mode} seed {seed}", run_dir, args.run_timeout)  # fmt: skip
+    if not complete:
         return None
+    seconds = time.monotonic() - started
     print(f"{mode} seed {seed}: done in {seconds:.0f} s", flush=True)
-    result = read_run(work / f"run-{mode}-seed{seed}", args.metric)
-    return {"mode": mode, "seed": seed, "seconds": seconds, **result}
-
-
-def last_lines(path: Path, count: int = 30) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-count:])
+    return {"mode": mode, "seed": seed, "seconds": seconds, **read_run(run_dir, args.metric)}
 
 
 def mode_summary(results: list[dict]) -> dict[str, dict]:
