@@ -92,6 +92,15 @@ def progress_line(task: TaskProgress, now: float) -> str:
     return f"{name}: {', '.join(parts)}"
 
 
+HIDDEN_WARNINGS = (
+    # torch.distributed.checkpoint says this on every save and load of a one-process run, even
+    # when told no_dist=True: it is how such a run is meant to save, not a problem
+    r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to",
+)
+"""Regular expressions (matched at the start of a warning's message) of library warnings a
+reported run does not print: ones that are true of every such run and ask nothing of the user."""
+
+
 class WarningCollector:
     """Stands in for ``warnings.showwarning``: one line per distinct warning, kept until the
     step table (or the end of the run) prints it."""
@@ -167,14 +176,16 @@ class ProgressReporter:
     @contextmanager
     def collecting_warnings(self) -> Iterator[None]:
         """Route Python warnings to :attr:`warnings` while the block runs (process-wide: the
-        in-process workers' threads too); the ones not yet printed are printed at the end."""
-        previous = warnings.showwarning
-        warnings.showwarning = self.warnings.showwarning
-        try:
-            yield
-        finally:
-            warnings.showwarning = previous
-            self.flush_warnings()
+        in-process workers' threads too), less :data:`HIDDEN_WARNINGS`; the ones not yet printed
+        are printed at the end, and the filters and handler are what they were before."""
+        with warnings.catch_warnings():
+            for pattern in HIDDEN_WARNINGS:
+                warnings.filterwarnings("ignore", message=pattern)
+            warnings.showwarning = self.warnings.showwarning
+            try:
+                yield
+            finally:
+                self.flush_warnings()
 
     # ---- tasks
     @contextmanager

@@ -129,3 +129,19 @@ def test_warnings_print_once_above_a_fresh_header_never_between_rows():
     assert lines[2].startswith("warning: UserWarning: a library says so (trainer/test_loggers.py:")
     assert lines[3].split() == ["step", "score"]
     assert [line.split()[0] for line in lines[4:]] == ["2", "3"]
+
+
+def test_a_one_process_checkpoint_prints_no_warning_and_the_filters_come_back(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    reporter, buffer = log_reporter(FakeClock())
+    filters_before, handler_before = list(warnings.filters), warnings.showwarning
+    with reporter.collecting_warnings():
+        state = {"w": torch.ones(2)}
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(tmp_path)), no_dist=True)
+        warnings.warn("a library says so", UserWarning, stacklevel=1)
+    lines = buffer.getvalue().splitlines()
+    assert len(lines) == 1 and "a library says so" in lines[0], lines
+    assert warnings.filters == filters_before and warnings.showwarning is handler_before
