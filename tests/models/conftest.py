@@ -1,47 +1,6 @@
 import pytest
 import torch
 
-from hybridflow.models import ModelArchitecture, build_model
-
-
-def small_config(model_type: str, **changes) -> ModelArchitecture:
-    """A few-thousand-parameter config of each family, GQA by default."""
-    fields = dict(
-        model_type=model_type,
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        attention_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3",
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    fields.update(changes)
-    return ModelArchitecture(**fields)
-
-
-def randomized_model(config: ModelArchitecture, seed: int = 0):
-    """Our model with random weights, norms and biases too (so a wrongly placed norm shows)."""
-    model = build_model(config, seed=seed)
-    model.init_weights(seed=seed, std=0.15)  # logits of order 1, so errors are not hidden
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=generator))
-            elif name.endswith(".bias"):
-                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
-    return model.eval()
-
 
 @pytest.fixture(autouse=True)
 def _deterministic():

@@ -1,7 +1,7 @@
 """A decoder layer traces into one graph (no graph breaks) on the CUDA packed attention path."""
 
 import torch
-from conftest import small_config
+from model_helpers import small_config
 
 from hybridflow.models.attention import make_packed_attention
 from hybridflow.models.llama import CausalLM

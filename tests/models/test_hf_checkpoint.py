@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 import transformers
-from conftest import randomized_model, small_config
+from model_helpers import randomized_model, small_config
 from test_parity import to_transformers
 
 from hybridflow.models import CausalLM, load_model, load_tokenizer

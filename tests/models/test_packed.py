@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import randomized_model, small_config
+from model_helpers import randomized_model, small_config
 
 from hybridflow.models.attention import make_packed_attention, sdpa_loop_attention
 from hybridflow.models.logprobs import logprobs_from_hidden

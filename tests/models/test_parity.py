@@ -3,7 +3,7 @@
 import pytest
 import torch
 import transformers
-from conftest import randomized_model, small_config
+from model_helpers import randomized_model, small_config
 
 TOLERANCE = 1e-4
 

@@ -8,11 +8,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("aiohttp")
 
-from hybridflow.agents.templates import with_tool_template
-from hybridflow.models.tokenizer import build_char_tokenizer
-
-TOKENIZER = with_tool_template(build_char_tokenizer())
-MAX_SEQ_LEN = 512
+from serve_helpers import MAX_SEQ_LEN, TOKENIZER  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import threading
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from conftest import MAX_SEQ_LEN, TOKENIZER
+from serve_helpers import MAX_SEQ_LEN, TOKENIZER
 
 USER = [{"role": "user", "content": "Say something."}]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from conftest import TOKENIZER
+from serve_helpers import TOKENIZER
 
 from hybridflow.engine import SamplingParams
 from hybridflow.serve.app import EPISODES

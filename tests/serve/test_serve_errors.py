@@ -9,7 +9,7 @@ import urllib.request
 
 import openai
 import pytest
-from conftest import MAX_SEQ_LEN
+from serve_helpers import MAX_SEQ_LEN
 
 USER = [{"role": "user", "content": "hi"}]
 

@@ -10,7 +10,7 @@ import time
 import urllib.request
 
 import pytest
-from conftest import TOKENIZER
+from serve_helpers import TOKENIZER
 
 from hybridflow.serve.streaming import TextStream
 from hybridflow.serve.text import finish_output

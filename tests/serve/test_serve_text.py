@@ -4,7 +4,7 @@ message conversion, without a server."""
 from __future__ import annotations
 
 import pytest
-from conftest import TOKENIZER
+from serve_helpers import TOKENIZER
 
 from hybridflow.serve.openai_protocol import RequestError, convert_messages, parse_chat_request
 from hybridflow.serve.text import finish_output, token_pieces

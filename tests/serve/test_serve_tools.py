@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import openai
 import pytest
-from conftest import TOKENIZER
+from serve_helpers import TOKENIZER
 
 from hybridflow.serve.app import RECORDS, build_app
 from hybridflow.serve.running import BackgroundServer
