@@ -45,6 +45,14 @@ def test_bad_type_names_key_and_type():
     assert "actor.use_kl_loss" in msg and "expects bool" in msg
 
 
+def test_a_group_estimator_with_one_sample_says_so_and_zero_samples_only_once():
+    assert "rollout.n = 1: set rollout.n >= 2" in _problems(
+        ["algorithm.adv_estimator=grpo", "rollout.n=1"]
+    )
+    problems = _problems(["algorithm.adv_estimator=grpo", "rollout.n=0"])
+    assert "rollout.n = 0 must be >= 1" in problems and "rollout.n = 1" not in problems, problems
+
+
 def test_types_coerced():
     cfg = load_config(
         None, ["actor.lr=1", "data.train_files=a.parquet", "actor.max_tokens_per_gpu=null"]

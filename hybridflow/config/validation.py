@@ -121,10 +121,10 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
     if n < 1:
         add(f"rollout.n = {n} must be >= 1")
         n = 1
-    if alg.adv_estimator in GROUP_ESTIMATORS and n < 2:
+    if alg.adv_estimator in GROUP_ESTIMATORS and r.n == 1:  # below 1 is said just above
         add(
             f"algorithm.adv_estimator = {alg.adv_estimator} normalises within groups of rollout.n samples "
-            f"but rollout.n = {n}: set rollout.n >= 2 (e.g. 8)"
+            f"but rollout.n = {r.n}: set rollout.n >= 2 (e.g. 8)"
         )
     if d.train_batch_size < 1:
         add(f"data.train_batch_size = {d.train_batch_size} must be >= 1")
