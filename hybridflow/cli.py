@@ -201,6 +201,19 @@ def _add_unavailable(sub, name: str, help_text: str, reason: str) -> None:
     p.set_defaults(func=say_unavailable, takes_any_arguments=True)
 
 
+def command_parser(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:
+    """The innermost (sub)command parser ``args`` were parsed by: ``bench rollout``'s for
+    ``hybridflow bench rollout ...``, the top-level one when no command was given."""
+    while True:
+        chosen = None
+        for action in parser._actions:  # argparse keeps no public list of its subparsers
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = action.choices.get(getattr(args, action.dest, None) or "")
+        if chosen is None:
+            return parser
+        parser = chosen
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -210,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += [item for item in unknown if "=" in item and not item.startswith("-")]
         unknown = [item for item in unknown if "=" not in item or item.startswith("-")]
     if unknown and not getattr(args, "takes_any_arguments", False):
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        # said by the subcommand's own parser: its usage line shows the options it does take
+        command_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

@@ -110,6 +110,24 @@ def test_unknown_arguments_still_rejected(capsys):
     assert "--no-such-flag" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv, usage, unknown",
+    [
+        (["bench", "rollout", "--model", "x"], "usage: hybridflow bench rollout ", "--model x"),
+        (["export", "a", "b", "c"], "usage: hybridflow export ", "c"),
+        (["--no-such-flag"], "usage: hybridflow [-h]", "--no-such-flag"),
+    ],
+)
+def test_unknown_arguments_are_said_with_the_usage_of_the_command_given(
+    capsys, argv, usage, unknown
+):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.startswith(usage) and f"error: unrecognized arguments: {unknown}\n" in err, err
+
+
 def test_overrides_after_the_config_option_are_overrides(capsys):
     """`config show --config FILE key=value`: argparse leaves the overrides after the option
     unassigned; they must still apply, not fail as unrecognized arguments."""
