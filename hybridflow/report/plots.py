@@ -9,6 +9,7 @@ old-log-prob pass). Key names: hybridflow/trainer/metrics.py.
 from __future__ import annotations
 
 import io
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,9 @@ DPI = 100
 STAGE_ORDER = ("gen", "gen_baseline", "reward", "old_logprob", "ref", "values", "adv",
                "update_critic", "update_actor", "sync_weights", "validation", "save_checkpoint",
                "wait_checkpoint")  # fmt: skip
+# Stages the RL loop times outside timing_s/step (trainer/rl_loop.py: after the step, or
+# before it for a rollout from the asynchronous producer)
+OUTSIDE_STEP = ("validation", "save_checkpoint", "wait_checkpoint", "wait_rollout")
 VALIDATION_KEY = re.compile(r"^val/(?P<source>.+)/(?P<kind>mean|maj|best)@(?P<n>\d+)$")
 
 
@@ -158,9 +162,19 @@ def stage_keys(runs: Sequence[Run]) -> list[str]:
     return [f"{prefix}{stage}" for stage in ordered]
 
 
+def wall_seconds(metrics: dict) -> float | None:
+    """A step's wall time with what the loop did around it (validation, a save, waits): what
+    the stacked stages of the step add up to. None when the step has no timing_s/step."""
+    step = metrics.get("timing_s/step")
+    if not isinstance(step, (int, float)) or not math.isfinite(step):
+        return None
+    around = (metrics.get(f"timing_s/{stage}") for stage in OUTSIDE_STEP)
+    return float(step) + sum(float(v) for v in around if isinstance(v, (int, float)))
+
+
 def draw_timing(runs: Sequence[Run]) -> bytes:
     """Per run, stacked bars: seconds of each stage per step (validation and checkpoint
-    saves on the steps that had them); the step's wall time as a line."""
+    saves on the steps that had them); the wall time the bars add up to as a line."""
     from matplotlib import colormaps
 
     keys = stage_keys(runs)
@@ -175,9 +189,10 @@ def draw_timing(runs: Sequence[Run]) -> bytes:
                 ax.bar(steps, values, bottom=bottom, width=1.0, color=colors[index % 20],
                        label=key.removeprefix("timing_s/"), linewidth=0)  # fmt: skip
                 bottom = [b + v for b, v in zip(bottom, values)]
-        xs, ys = run.series("timing_s/step")
+        walls = [(s, wall_seconds(run.steps[s])) for s in steps]
+        xs, ys = [s for s, w in walls if w is not None], [w for _, w in walls if w is not None]
         if xs:
-            ax.plot(xs, ys, color="black", linewidth=0.8, label="step (wall)")
+            ax.plot(xs, ys, color="black", linewidth=0.8, label="wall")
         ax.set_title(f"seconds per step by stage: {run.name}", fontsize=10)
         _step_axis(ax)
         ax.set_ylabel("s", fontsize=8)
@@ -220,7 +235,8 @@ PLOTS: tuple[Plot, ...] = (
                                      ("critic/vf_clipfrac", "value")), ylabel="fraction"),
          ))),
     Plot("timing", "Time per stage", "Wall-clock seconds of each stage of a step, stacked "
-         "(timing_s/<stage>).", draw_timing),
+         "(timing_s/<stage>); the line is the step's wall time with the validation, save and "
+         "waits around it.", draw_timing),
     Plot("throughput", "Throughput and memory", "Tokens (prompt + response) per second per "
          "device, MFU (known GPUs only), peak device memory and the controller's resident "
          "memory.", panels_plot((

@@ -141,3 +141,15 @@ def test_band_is_mean_plus_minus_std_else_min_to_max():
     xs, low, high = band_of(with_std, panel)
     assert xs == [1] and low == pytest.approx([0.4]) and high == pytest.approx([0.6])
     assert band_of(without, panel) == ([1], [0.0], [1.0])
+
+
+def test_wall_line_adds_what_the_loop_timed_around_the_step():
+    from hybridflow.report.plots import wall_seconds
+
+    plain = {"timing_s/step": 2.0, "timing_s/gen": 0.5, "timing_s/update_actor": 1.5}
+    validated_and_saved = {**plain, "timing_s/validation": 1.0, "timing_s/save_checkpoint": 0.25,
+                           "timing_s/wait_checkpoint": 0.05}  # fmt: skip
+    assert wall_seconds(plain) == 2.0  # the stages inside the step are in timing_s/step already
+    assert wall_seconds(validated_and_saved) == pytest.approx(3.3)
+    assert wall_seconds({"timing_s/step": 1.0, "timing_s/wait_rollout": 0.5}) == 1.5
+    assert wall_seconds({"timing_s/validation": 3.0}) is None  # step 0: validation only
