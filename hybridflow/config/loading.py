@@ -23,7 +23,7 @@ def load_config(
     cfg = Config()
     problems: list[str] = []
     if path is not None:
-        problems += apply_mapping(cfg, _read_yaml(path), source=str(path))
+        problems += apply_mapping(cfg, read_yaml(path), source=str(path))
     for item in overrides:
         if "=" not in item:
             problems.append(
@@ -47,7 +47,21 @@ def load_config(
     return cfg
 
 
-def _read_yaml(path: str | Path) -> dict:
+def keys_set_in(data: dict) -> set[str]:
+    """The dotted keys a config mapping sets: ``section.key`` and ``section.group.key`` (a
+    group given as a mapping sets the group's key and each of its own)."""
+    out: set[str] = set()
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            continue
+        for key, value in values.items():
+            out.add(f"{section}.{key}")
+            if isinstance(value, dict):
+                out.update(f"{section}.{key}.{inner}" for inner in value)
+    return out
+
+
+def read_yaml(path: str | Path) -> dict:
     import yaml
 
     p = Path(path)

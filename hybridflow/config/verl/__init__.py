@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from hybridflow.config.loading import load_config
+from hybridflow.config.loading import keys_set_in, load_config, read_yaml
 from hybridflow.config.sections import Config, ConfigError
 from hybridflow.config.verl.translate import Translation, format_translation, translate
 from hybridflow.config.verl.yaml_out import to_yaml
@@ -27,7 +27,8 @@ def translate_command_line(path: str | Path | None, overrides: Sequence[str]) ->
     """The translation of ``overrides`` over the YAML file ``path``; ConfigError naming each
     verl key that cannot be translated (a feature hybridflow does not have, a bad value)."""
     base = load_config(path) if path is not None else Config()
-    translation = translate(overrides, base)
+    set_by_file = keys_set_in(read_yaml(path)) if path is not None else set()
+    translation = translate(overrides, base, set_by_file)
     if translation.problems:
         raise ConfigError(translation.problems)
     return translation

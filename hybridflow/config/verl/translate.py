@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -179,15 +179,21 @@ def _classify(overrides: Sequence[str], ours: set[str], given: dict[str, str]):
     return verl_values, native
 
 
-def translate(overrides: Sequence[str], base: Config | None = None) -> Translation:
+def translate(
+    overrides: Sequence[str], base: Config | None = None, set_by_file: Set[str] = frozenset()
+) -> Translation:
     """Our overrides for ``overrides`` (verl's keys and ours mixed); ``base``: the config the
-    overrides apply to (the YAML file's), read for context such as the device count."""
+    overrides apply to (the YAML file's), read for context such as the device count;
+    ``set_by_file``: the dotted keys the YAML file sets, which verl's defaults leave alone
+    even where the file's value is our default."""
     ours = our_keys()
     out, result = Translation(), GroupResult()
     verl_values, native_items = _classify(overrides, ours, out.given)
     ours_given = {k: parse_value(raw) for k, raw in native_items if raw is not None}
     base_values = flatten(base or Config())
-    defaults = _verl_defaults(verl_values, ours_given, base_values) if out.given else []
+    defaults = (
+        _verl_defaults(verl_values, ours_given, base_values, set_by_file) if out.given else []
+    )
     ours_seen = {**base_values, **{row.ours: row.value for row in defaults}, **ours_given}
     ctx = Context(verl=verl_values, ours=ours_seen)
     grouped: dict[str, dict[str, Any]] = {}
@@ -216,13 +222,18 @@ def translate(overrides: Sequence[str], base: Config | None = None) -> Translati
     return out
 
 
-def _verl_defaults(verl_values: Mapping, ours_given: Mapping, base: Mapping) -> list[Row]:
+def _verl_defaults(
+    verl_values: Mapping, ours_given: Mapping, base: Mapping, set_by_file: Set[str]
+) -> list[Row]:
     """verl's default for each key of VERL_DEFAULTS the command line leaves out, where our
-    key is neither given nor set away from our default (by the YAML file)."""
+    key is neither given on the command line nor set by the YAML file (to any value, our
+    default included: ``algorithm.adv_estimator: grpo`` in the file stays GRPO)."""
     ours_default = flatten(Config())
     out = []
     for verl_key, ours, value in VERL_DEFAULTS:
-        if verl_key in verl_values or ours in ours_given or base[ours] != ours_default[ours]:
+        if verl_key in verl_values or ours in ours_given or ours in set_by_file:
+            continue
+        if base[ours] != ours_default[ours]:  # a base config built in code, not from a file
             continue
         yields_to = ("trainer.total_steps",) if ours == "trainer.total_epochs" else ()
         out.append(Row((), ours, value, yields_to, default_of=verl_key))
