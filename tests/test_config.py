@@ -27,7 +27,7 @@ def test_precedence_defaults_yaml_overrides(tmp_path):
 def test_unknown_key_suggests():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["rollout.temprature=0.5"])
-    assert "rollout.temprature" in str(e.value) and "did you mean 'temperature'" in str(e.value)
+    assert "rollout.temprature" in str(e.value) and "did you mean 'rollout.temperature'" in str(e.value)
 
 
 def test_unknown_section_in_yaml(tmp_path):
@@ -214,7 +214,7 @@ def test_rollout_engine_problems_are_named():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["rollout.engine.decode_layr=split", "rollout.engine.steps_per_sync=x"])
     text = str(e.value)
-    assert "rollout.engine.decode_layr" in text and "did you mean 'decode_layer'" in text
+    assert "rollout.engine.decode_layr" in text and "did you mean 'rollout.engine.decode_layer'" in text
     assert "rollout.engine.steps_per_sync" in text and "expects int" in text
     text = _problems(["rollout.engine.decode_layer=fast", "rollout.engine.sync_lag=3",
                       "rollout.engine.service_stream=own"])  # fmt: skip

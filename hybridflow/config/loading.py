@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import types
 import typing
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,27 @@ def _suggest(name: str, known: list[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(sorted(known))}"
 
 
+def closest_key(key: str, known: Iterable[str]) -> str | None:
+    """The dotted key of ``known`` that ``key`` most likely misspells, or None when none is
+    close. Close means the whole key reads alike (ratio >= 0.8) *and* its last part does
+    (>= 0.6): comparing whole keys alone would pair ``actor_rollout_ref.actor.xyz`` with
+    ``actor_rollout_ref.actor.strategy`` on the strength of their shared prefix."""
+    leaf = key.rsplit(".", 1)[-1]
+    best, best_ratio = None, 0.0
+    for candidate in known:
+        whole = difflib.SequenceMatcher(None, key, candidate).ratio()
+        last = difflib.SequenceMatcher(None, leaf, candidate.rsplit(".", 1)[-1]).ratio()
+        if whole >= 0.8 and last >= 0.6 and whole > best_ratio:
+            best, best_ratio = candidate, whole
+    return best
+
+
+def _suggest_key(prefix: str, name: str, known: Iterable[str]) -> str:
+    """``; did you mean 'rollout.n'?`` (the full dotted key), else the known names."""
+    close = closest_key(f"{prefix}.{name}", [f"{prefix}.{k}" for k in known])
+    return f"; did you mean {close!r}?" if close else f"; known: {', '.join(sorted(known))}"
+
+
 def apply_mapping(cfg: Config, data: dict, source: str) -> list[str]:
     problems = []
     for section, values in data.items():
@@ -115,7 +137,7 @@ def _apply_section(sec: Any, prefix: str, values: dict, source: str) -> list[str
     for key, value in values.items():
         name = f"{prefix}.{key}"
         if key not in hints:
-            problems.append(f"unknown key {name} ({source}){_suggest(str(key), list(hints))}")
+            problems.append(f"unknown key {name} ({source}){_suggest_key(prefix, str(key), hints)}")
             continue
         tp = hints[key]
         if dataclasses.is_dataclass(tp):

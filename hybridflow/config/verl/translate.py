@@ -11,11 +11,11 @@ the command line wins over what a verl key became.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridflow.config.loading import closest_key
 from hybridflow.config.sections import Config
 from hybridflow.config.verl import converters, devices
 from hybridflow.config.verl.group_table import GROUPS
@@ -155,8 +155,8 @@ def _unknown(key: str, ours: set[str]) -> str:
     known = sorted(
         {e.verl.removesuffix(".*") for e in TABLE} | {k for g in GROUPS for k in g.keys} | ours
     )
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
+    close = closest_key(key, known)
+    hint = f"; did you mean {close!r}?" if close else ""
     return f"unknown key {key}: neither a hybridflow key nor a verl key hybridflow knows{hint}"
 
 

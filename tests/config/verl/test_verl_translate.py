@@ -100,8 +100,23 @@ def test_unknown_verl_key_is_named_with_a_suggestion():
 
 
 def test_our_unknown_keys_still_get_our_message():
-    with pytest.raises(ConfigError, match="did you mean 'n'"):
+    with pytest.raises(ConfigError, match="did you mean 'rollout.n'"):
         load_with_verl_keys(None, ["rollout.nn=3"])
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["actor_rollout_ref.actor.xyz", "actor_rollout_ref.rollout.foo", "algorithm.kl_ctrl.bogus"],
+)
+def test_an_unrelated_unknown_verl_key_gets_no_suggestion(key):
+    # the shared prefix alone once made `actor.xyz` suggest `actor.strategy`
+    (problem,) = translate([f"{key}=1"]).problems
+    assert key in problem and "did you mean" not in problem
+
+
+def test_a_misspelt_section_of_a_verl_key_is_suggested_in_full():
+    (problem,) = translate(["actor_rollout_ref.rolout.n=3"]).problems
+    assert "did you mean 'actor_rollout_ref.rollout.n'" in problem
 
 
 def test_tensor_parallel_notice_names_the_weights_bytes():
