@@ -89,20 +89,22 @@ def train(cfg: Config, log=print, progress: ProgressReporter | None = None) -> d
     """Run RL training; returns the final validation metrics ({} when already finished).
     ``progress``: where progress, the step table and warnings print (default: stdout, bars
     on a terminal)."""
+    from hybridflow.trainer.run_lock import hold_run_dir
     from hybridflow.trainer.stop import StopRequest
 
-    finished = finished_message(cfg)
-    if finished is not None:
-        log(finished)
-        return {}
-    if progress is None:
-        progress = ProgressReporter(interval_s=cfg.trainer.progress_interval_s)
-    stop = StopRequest()
-    try:
-        with stop.on_sigterm(log), progress.collecting_warnings():
-            return _train(cfg, log, progress, stop)
-    finally:
-        progress.close()
+    with hold_run_dir(cfg.trainer.run_dir, log=log):  # one process per run directory
+        finished = finished_message(cfg)
+        if finished is not None:
+            log(finished)
+            return {}
+        if progress is None:
+            progress = ProgressReporter(interval_s=cfg.trainer.progress_interval_s)
+        stop = StopRequest()
+        try:
+            with stop.on_sigterm(log), progress.collecting_warnings():
+                return _train(cfg, log, progress, stop)
+        finally:
+            progress.close()
 
 
 def async_defaults(cfg: Config, log) -> Config:

@@ -163,19 +163,27 @@ def load_sft_examples(
 def sft_main(cfg: Config) -> Path:
     """``hybridflow sft``: fine-tune ``model.path`` (or a fresh ``sft.preset`` model when the
     path is ``sft:<task>``) on ``sft.train_files``; writes checkpoints and ``<out>/hf``."""
-    from hybridflow.models import load_model, load_tokenizer
-    from hybridflow.progress import ProgressReporter
-    from hybridflow.trainer.checkpoint import CheckpointManager
-    from hybridflow.trainer.loggers import Tracker
     from hybridflow.trainer.preflight import machine_problems
-    from hybridflow.trainer.roles import resolve_device
-    from hybridflow.workers.model_loading import resolve_dtype
+    from hybridflow.trainer.run_lock import hold_run_dir
 
     sft_cfg = cfg.sft
     out = Path(sft_cfg.out_dir or Path(cfg.trainer.run_dir) / "sft")
     problems = machine_problems(cfg, str(out))
     if problems:
         raise ConfigError(problems)
+    with hold_run_dir(out, key="sft.out_dir"):  # default <trainer.run_dir>/sft
+        return _sft(cfg, out)
+
+
+def _sft(cfg: Config, out: Path) -> Path:
+    from hybridflow.models import load_model, load_tokenizer
+    from hybridflow.progress import ProgressReporter
+    from hybridflow.trainer.checkpoint import CheckpointManager
+    from hybridflow.trainer.loggers import Tracker
+    from hybridflow.trainer.roles import resolve_device
+    from hybridflow.workers.model_loading import resolve_dtype
+
+    sft_cfg = cfg.sft
     device = resolve_device(cfg.trainer.device)
     if device == "cuda":
         device = "cuda:0"

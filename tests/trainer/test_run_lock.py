@@ -1,0 +1,77 @@
+"""trainer/run_lock.py: a second ``hybridflow train`` on a run directory in use is refused
+(exit 2, naming the holder) and writes nothing; a lock left by a killed process is taken over,
+with a message that says so."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridflow.trainer.run_lock import LOCK_FILE, RunDirBusy, hold_run_dir
+
+REPO = Path(__file__).resolve().parents[2]
+HOLD = """
+import sys, time
+from hybridflow.trainer.run_lock import hold_run_dir
+with hold_run_dir(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+def start_holder(run_dir: Path) -> subprocess.Popen:
+    """Another process that holds ``run_dir`` until killed; returns once it holds it."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], env=env,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_second_train_on_a_held_run_dir_exits_2_naming_the_holder(tmp_path):
+    run_dir = tmp_path / "run"
+    holder = start_holder(run_dir)
+    try:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        command = [sys.executable, "-c", "import sys; from hybridflow.cli import main; "
+                   "sys.exit(main())", "train", f"trainer.run_dir={run_dir}",
+                   f"trainer.cache_dir={tmp_path / 'cache'}", "trainer.device=cpu"]  # fmt: skip
+        second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2, second.stderr
+        assert f"trainer.run_dir = {run_dir} is in use by another process" in second.stderr
+        assert f"pid {holder.pid} on host" in second.stderr and "Traceback" not in second.stderr
+        assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_FILE]  # nothing written
+        assert json.loads((run_dir / LOCK_FILE).read_text())["pid"] == holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_the_lock_of_a_killed_process_is_taken_over_and_said(tmp_path):
+    run_dir = tmp_path / "run"
+    holder = start_holder(run_dir)
+    os.kill(holder.pid, signal.SIGKILL)  # no cleanup runs: its text stays in the file
+    holder.wait()
+    messages = []
+    with hold_run_dir(run_dir, log=messages.append):
+        assert json.loads((run_dir / LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert len(messages) == 1 and f"taking over the lock left by pid {holder.pid}" in messages[0]
+    assert "no longer running" in messages[0]
+    assert (run_dir / LOCK_FILE).read_text() == ""  # a normal end leaves no holder behind
+    with hold_run_dir(run_dir, log=messages.append):
+        pass
+    assert len(messages) == 1  # nothing to take over after a normal end
+
+
+def test_a_held_directory_is_refused_in_this_process_too(tmp_path):
+    with hold_run_dir(tmp_path, log=print), pytest.raises(RunDirBusy) as refused:
+        with hold_run_dir(tmp_path, key="sft.out_dir"):
+            pass
+    assert f"pid {os.getpid()}" in str(refused.value) and "sft.out_dir" in str(refused.value)
+    started = time.strftime("%Y-%m-%d")
+    assert started in str(refused.value)
