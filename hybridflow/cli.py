@@ -67,12 +67,48 @@ def _add_debug_flag(p: argparse.ArgumentParser) -> None:
                    help="show the traceback of every error")  # fmt: skip
 
 
+KEYS_DOCUMENTED = (
+    "Config keys: every section and key, with what it does and its default, is documented "
+    "in hybridflow/config/sections.py (the docstring under each field); `hybridflow config "
+    "show [--config FILE] [KEY=VALUE ...]` prints the values a command line resolves to. "
+    "verl's keys are accepted too and translated (docs/migrating-from-verl.md)."
+)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default appended to its help, unless the
+    help says it already (``(default: the model's)``) or there is none to say (a flag that
+    is off, an option that is unset)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == []
+        if "default" in text.lower() or unset or action.default == argparse.SUPPRESS:
+            return text
+        if action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return f"{text} (default: %(default)s)"
+        return text
+
+
+def walk_parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ("hybridflow",)):
+    """(command words, parser) for ``parser`` and every subcommand's parser below it."""
+    yield path, parser
+    for action in parser._actions:  # argparse keeps no public list of its subparsers
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from walk_parsers(child, (*path, name))
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     _add_debug_flag(p)
-    p.add_argument("--config", "-c", default=None, help="YAML file with config sections")
+    p.add_argument("--config", "-c", default=None,
+                   help="YAML file with config sections, e.g. examples/grpo.yaml (default: "
+                   "none, every key at its default)")  # fmt: skip
     p.add_argument(
-        "overrides", nargs="*", help="dotted overrides such as rollout.n=8 actor.lr=1e-6"
-    )
+        "overrides", nargs="*", metavar="KEY=VALUE",
+        help="dotted overrides over the --config file, such as rollout.n=8 actor.lr=1e-6 "
+        "(verl's keys too); default: none",
+    )  # fmt: skip
 
 
 def _load(args):
@@ -92,11 +128,7 @@ def cmd_config(args) -> int:
         import_for("config", "hybridflow.trainer.preflight").check_run(cfg)
         print("config OK")
         return 0
-    derived = validate(cfg)
-    if args.action == "show":
-        _print_config(cfg, derived)
-    else:
-        print("config OK")
+    _print_config(cfg, validate(cfg))  # show
     return 0
 
 
@@ -154,29 +186,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
+    _add_config_subcommand(sub)
+    for kind, help_text, what in (
+        ("train", "RL training (no arguments: the built-in GRPO demo)",
+         "RL training (PPO, GRPO, ...) of the config the --config file and the KEY=VALUE "
+         "overrides make; with neither, the built-in GRPO demo on the arithmetic task."),
+        ("sft", "supervised fine-tuning on prompt/response or chat data",
+         "Supervised fine-tuning of model.path on the prompt/response or chat rows of "
+         "data.train_files (the `sft` section's keys set the run)."),
+    ):  # fmt: skip
+        p = sub.add_parser(kind, help=help_text, description=what, epilog=KEYS_DOCUMENTED)
+        _add_config_args(p)
+        p.set_defaults(func=lambda a, kind=kind: _run_trainer(kind, a))
+
     p = sub.add_parser(
-        "config",
-        help="show, validate or plan the GPU memory of a config; from-verl: a verl command "
-        "line as YAML",
+        "export",
+        help="write a checkpoint as a Hugging Face model directory",
+        description="Write the model of a training checkpoint as a Hugging Face model "
+        "directory (config.json, safetensors weights, tokenizer files) that transformers, "
+        "vLLM and `hybridflow serve` load.",
     )
-    p.add_argument("action", choices=["show", "validate", "plan", "from-verl"])
-    p.add_argument("--gpu-memory", default=None,
-                   help="plan: memory of one GPU, e.g. 80GiB (default: trainer.gpu_memory_gib, "
-                        "else the visible GPU's, else no fit check)")  # fmt: skip
-    _add_config_args(p)
-    p.set_defaults(func=_config_action)
-
-    p = sub.add_parser("train", help="RL training (no arguments: the built-in GRPO demo)")
-    _add_config_args(p)
-    p.set_defaults(func=lambda a: _run_trainer("train", a))
-
-    p = sub.add_parser("sft", help="supervised fine-tuning on prompt/response or chat data")
-    _add_config_args(p)
-    p.set_defaults(func=lambda a: _run_trainer("sft", a))
-
-    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
-    p.add_argument("checkpoint")
-    p.add_argument("out")
+    p.add_argument("checkpoint",
+                   help="a checkpoint directory, e.g. RUN_DIR/checkpoints/step_100")  # fmt: skip
+    p.add_argument("out", help="the model directory to write (created)")
     _add_debug_flag(p)
     p.set_defaults(func=cmd_export)
 
@@ -187,7 +219,64 @@ def build_parser() -> argparse.ArgumentParser:
             getattr(import_for(name, module), adder)(sub)
         except SubcommandUnavailable as unavailable:
             _add_unavailable(sub, name, help_text, str(unavailable))
+    for _, each in walk_parsers(parser):
+        each.formatter_class = HelpFormatter  # one look for every --help, defaults shown
+        _describe_subcommands(each)
     return parser
+
+
+def _describe_subcommands(parser: argparse.ArgumentParser) -> None:
+    """A subcommand's ``--help`` says what it does: its one-line help where it has no
+    description of its own."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for choice in action._choices_actions:  # one per subcommand: its name and help
+                child = action.choices[choice.dest]
+                if not child.description and choice.help:
+                    child.description = choice.help[0].upper() + choice.help[1:] + "."
+
+
+CONFIG_ACTIONS = (
+    ("show", "print the resolved config as YAML",
+     "Print the config a command line resolves to (defaults < the --config file < the "
+     "KEY=VALUE overrides, verl's keys translated) as YAML, then the sizes validate() derives "
+     "from it, marked `# derived`."),
+    ("validate", "check a config as `train` does, before any model loads",
+     "Check everything `hybridflow train` checks before it loads a model: every key and "
+     "value, the GPU memory plan, the devices and the run directory, the model directory "
+     "(config.json, weight and tokenizer files, without loading the weights), the reward "
+     "function and the data files. Prints `config OK`; else each problem with its fix, exit "
+     "status 2."),
+    ("plan", "the memory plan of a config, item by item",
+     "The memory plan of a config, before any model loads: the GPU bytes of weights, "
+     "gradients, optimizer state, activations and KV cache of each role, checked against one "
+     "GPU's memory."),
+    ("from-verl", "a verl command line as one hybridflow YAML config",
+     "Write a verl command line (verl's keys, with our keys and an optional --config file "
+     "of ours) as one hybridflow YAML config, each translated key commented with the verl "
+     "key it came from. Nothing runs."),
+)  # fmt: skip
+
+
+def _add_config_subcommand(sub) -> None:
+    config = sub.add_parser(
+        "config",
+        help="show, validate or plan the memory of a config; from-verl: a verl command "
+        "line as YAML",
+        description="Look at a config without running it.",
+        epilog=KEYS_DOCUMENTED,
+    )
+    actions = config.add_subparsers(dest="action", metavar="ACTION", required=True)
+    for action, help_text, description in CONFIG_ACTIONS:
+        p = actions.add_parser(action, help=help_text, description=description,
+                               epilog=KEYS_DOCUMENTED)  # fmt: skip
+        if action == "plan":
+            p.add_argument("--gpu-memory", default=None,
+                           help="memory of one GPU, e.g. 80GiB (default: "
+                           "trainer.gpu_memory_gib, else the visible GPU's, else no fit "
+                           "check)")  # fmt: skip
+        _add_config_args(p)
+        p.set_defaults(func=_config_action)
 
 
 def _add_unavailable(sub, name: str, help_text: str, reason: str) -> None:

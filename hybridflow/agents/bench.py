@@ -24,20 +24,24 @@ import time
 
 def add_agent_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="qwen2.5-0.5b", help="model preset or local HF directory")
-    p.add_argument("--episodes", type=int, default=256)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--episodes", type=int, default=256, help="episodes run at once")
+    p.add_argument("--turns", type=int, default=4, help="model turns per episode")
+    p.add_argument("--prompt-len", type=int, default=128, help="tokens of each prompt")
     p.add_argument("--turn-tokens", type=int, default=64, help="tokens the model writes a turn")
     p.add_argument("--tool-tokens", type=int, default=32, help="tokens a tool result adds")
-    p.add_argument("--tool-latency-ms", type=float, default=10.0)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--device", default=None, help="default: cuda if available")
+    p.add_argument("--tool-latency-ms", type=float, default=10.0,
+                   help="how long each tool call waits")  # fmt: skip
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="weights' and activations' dtype")  # fmt: skip
+    p.add_argument("--device", default=None, help="device to run on (default: cuda if available)")
     p.add_argument("--engine", action="append", default=[], metavar="NAME=VALUE",
-                   help="an EngineOptions field (repeatable)")  # fmt: skip
+                   help="an EngineOptions field (repeatable; default: none, EngineOptions' "
+                   "defaults)")  # fmt: skip
     p.add_argument("--no-kept-kv", dest="kept_kv", action="store_false",
                    help="every turn prefills its whole conversation")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="also write the results to this file")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and the sampling")
+    p.add_argument("--json", default=None,
+                   help="also write the results to this file (default: print only)")  # fmt: skip
 
 
 class FixedScheduleEpisodes:

@@ -101,40 +101,71 @@ def _run(handler):
 
 def add_data_subcommand(subparsers) -> argparse.ArgumentParser:
     """Register `data` and its actions on the top-level `hybridflow` subparsers."""
-    parser = subparsers.add_parser("data", help="prepare and check prompt data files")
+    parser = subparsers.add_parser(
+        "data",
+        help="prepare and check prompt data files",
+        description="Write the built-in tasks and GSM8K as prompt files in verl's schema "
+        "(parquet or jsonl), and check prompt files before a run reads them.",
+    )
     actions = parser.add_subparsers(dest="data_command", metavar="ACTION", required=True)
 
-    p = actions.add_parser("gsm8k", help="convert original GSM8K (jsonl/parquet) to verl schema")
-    p.add_argument("--input", help="original gsm8k file with 'question' and 'answer'")
+    p = actions.add_parser(
+        "gsm8k",
+        help="convert original GSM8K (jsonl/parquet) to verl schema",
+        description="Convert GSM8K's original rows (question, answer) into verl's prompt "
+        "schema, with the final answer as the ground truth.",
+    )
+    p.add_argument("--input", help="original gsm8k file with 'question' and 'answer' "
+                   "(default: none; give it or --from-hub)")  # fmt: skip
     p.add_argument("--from-hub", action="store_true", help="download with `datasets` instead")
     p.add_argument("--out", required=True, help="output directory (<split>.parquet)")
     p.add_argument("--split", default=None, help="split name (default: input file stem)")
     p.set_defaults(func=_run(_cmd_gsm8k))
 
-    p = actions.add_parser("arithmetic", help="write the built-in arithmetic task")
-    p.add_argument("--out", required=True)
-    p.add_argument("--train-size", type=int, default=4000)
-    p.add_argument("--test-size", type=int, default=200)
-    p.add_argument("--sft-size", type=int, default=4000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--operations", nargs="+", default=["+"], choices=["+", "-", "*"])
-    p.add_argument("--max-operand", type=int, default=99)
-    p.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
+    p = actions.add_parser(
+        "arithmetic",
+        help="write the built-in arithmetic task",
+        description="Write the built-in arithmetic task (`builtin:arithmetic`): train.* and "
+        "test.* prompt files and sft.* prompt/response pairs for a warm start.",
+    )
+    p.add_argument("--out", required=True, help="output directory (created)")
+    p.add_argument("--train-size", type=int, default=4000, help="problems in train.*")
+    p.add_argument("--test-size", type=int, default=200, help="problems in test.*")
+    p.add_argument("--sft-size", type=int, default=4000,
+                   help="solved problems in sft.*, none of them in test.*")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="seed of the random problems")
+    p.add_argument("--operations", nargs="+", default=["+"], choices=["+", "-", "*"],
+                   help="the operations problems use")  # fmt: skip
+    p.add_argument("--max-operand", type=int, default=99, help="largest operand")
+    p.add_argument("--format", choices=["parquet", "jsonl"], default="parquet",
+                   help="file format")  # fmt: skip
     p.set_defaults(func=_run(_cmd_arithmetic))
 
-    p = actions.add_parser("countdown", help="write the built-in countdown task")
-    p.add_argument("--out", required=True)
-    p.add_argument("--train-size", type=int, default=4000)
-    p.add_argument("--test-size", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-numbers", type=int, default=3)
-    p.add_argument("--max-number", type=int, default=20)
-    p.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
+    p = actions.add_parser(
+        "countdown",
+        help="write the built-in countdown task",
+        description="Write the built-in countdown task (`builtin:countdown`: reach a target "
+        "from given numbers with + - * /): train.*, test.* and sft.* files.",
+    )
+    p.add_argument("--out", required=True, help="output directory (created)")
+    p.add_argument("--train-size", type=int, default=4000, help="problems in train.*")
+    p.add_argument("--test-size", type=int, default=200, help="problems in test.*")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random problems")
+    p.add_argument("--num-numbers", type=int, default=3, help="numbers given per problem")
+    p.add_argument("--max-number", type=int, default=20, help="largest number given")
+    p.add_argument("--format", choices=["parquet", "jsonl"], default="parquet",
+                   help="file format")  # fmt: skip
     p.set_defaults(func=_run(_cmd_countdown))
 
-    p = actions.add_parser("check", help="validate prompt files and count rows per data source")
-    p.add_argument("files", nargs="+")
-    p.add_argument("--prompt-key", default="prompt")
+    p = actions.add_parser(
+        "check",
+        help="validate prompt files and count rows per data source",
+        description="Read prompt files as a run would (schema, prompt column, data sources) "
+        "and print the rows per data source; each problem names the file and row.",
+    )
+    p.add_argument("files", nargs="+", help="prompt files (.parquet, .jsonl, .json)")
+    p.add_argument("--prompt-key", default="prompt",
+                   help="the column holding the prompt (data.prompt_key)")  # fmt: skip
     p.add_argument(
         "--known-sources",
         action="store_true",

@@ -20,35 +20,50 @@ import time
 
 def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="qwen2.5-0.5b", help="model preset or local HF directory")
-    p.add_argument("--prompts", type=int, default=256)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--prompts", type=int, default=256, help="prompts generated for")
+    p.add_argument("--prompt-len", type=int, default=128, help="tokens of each prompt")
+    p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per sample")
     p.add_argument("--n", type=int, default=1, help="samples per prompt")
-    p.add_argument("--max-batch-size", type=int, default=None, help="default: prompts * n")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--device", default=None, help="default: cuda if available")
+    p.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=None,
+        help="sequences decoded at once (default: prompts * n)",
+    )
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="weights' and activations' dtype")  # fmt: skip
+    p.add_argument("--device", default=None, help="device to run on (default: cuda if available)")
     p.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"],
                    help="EngineOptions.decode_backend")  # fmt: skip
     p.add_argument("--no-graphs", action="store_true", help="eager decode steps")
     p.add_argument("--engine", action="append", default=[], metavar="NAME=VALUE",
                    help="an EngineOptions field, e.g. decode_layer=split or steps_per_sync=16 "
-                   "(repeatable)")  # fmt: skip
+                   "(repeatable; default: none, EngineOptions' defaults)")  # fmt: skip
     p.add_argument("--cache-dir", default=None,
-                   help="pin the engine's timing choices here (EngineOptions.cache_dir)")  # fmt: skip
+                   help="pin the engine's timing choices here (EngineOptions.cache_dir; default: "
+                   "not pinned)")  # fmt: skip
     p.add_argument("--retune", action="store_true",
                    help="time the engine's kernel choices again (EngineOptions.retune)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=1, help="timed runs (the median is kept)")
-    p.add_argument("--hf", dest="hf", action="store_true", default=True)
+    p.add_argument("--hf", dest="hf", action="store_true", default=True,
+                   help="time HF transformers generate on the same prompts (the default)")  # fmt: skip
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HF baseline")
-    p.add_argument("--hf-batch-size", type=int, default=None, help="default: all prompts")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--hf-batch-size",
+        type=int,
+        default=None,
+        help="prompts per HF generate call (default: all)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and the sampling")
     p.add_argument(
         "--mean-length", type=int, default=None,
         help="make ~vocab/L random token ids stop tokens: with a random-weight model, sample "
-        "lengths become ~geometric with mean L (exercises continuous batching)",
+        "lengths become ~geometric with mean L (exercises continuous batching; default: no "
+        "stop tokens, every sample runs to --new-tokens)",
     )  # fmt: skip
-    p.add_argument("--json", default=None, help="also write the results to this file")
+    p.add_argument("--json", default=None,
+                   help="also write the results to this file (default: print only)")  # fmt: skip
 
 
 def parse_engine_settings(pairs: list[str]) -> dict:
@@ -83,7 +98,12 @@ def engine_options(args):
 
 def add_bench_subcommand(subparsers) -> None:
     """Register `bench rollout` on the CLI's subparsers."""
-    bench = subparsers.add_parser("bench", help="benchmarks")
+    bench = subparsers.add_parser(
+        "bench",
+        help="benchmarks",
+        description="Benchmarks that print a table: the generation engine against HF "
+        "transformers, multi-turn agent episodes against single-turn generation.",
+    )
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     rollout = bench_sub.add_parser("rollout", help="generation engine vs HF generate")
     add_rollout_arguments(rollout)

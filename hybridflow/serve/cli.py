@@ -28,7 +28,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (0: a free one)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
     p.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template file to use instead of the tokenizer's")  # fmt: skip
+                   help="a Jinja chat template file to use instead of the tokenizer's "
+                   "(default: the tokenizer's)")  # fmt: skip
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients use (default: the --model's last part)")  # fmt: skip
     p.add_argument("--max-batch-size", type=int, default=256,
@@ -36,12 +37,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="prompt + completion tokens (default: the model's context, at most 4096)")  # fmt: skip
     p.add_argument("--memory-budget", type=float, default=None,
-                   help="KV-cache bytes, or a fraction in (0, 1] of free device memory")  # fmt: skip
+                   help="KV-cache bytes, or a fraction in (0, 1] of free device memory "
+                   "(default: 0.9 of it on a GPU, no limit on a CPU)")  # fmt: skip
     p.add_argument("--dtype", default=None, choices=DTYPES,
-                   help="default: bfloat16 on cuda, float32 on cpu")  # fmt: skip
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+                   help="weights' dtype (default: bfloat16 on cuda, float32 on cpu)")  # fmt: skip
+    p.add_argument(
+        "--device", default=None, help="device to run on (default: cuda if available, else cpu)"
+    )
     p.add_argument("--engine", action="append", default=[], metavar="NAME=VALUE",
-                   help="an EngineOptions field, e.g. steps_per_sync=16 (repeatable)")  # fmt: skip
+                   help="an EngineOptions field, e.g. steps_per_sync=16 (repeatable; default: "
+                   "none, EngineOptions' defaults)")  # fmt: skip
     p.add_argument("--max-records", type=int, default=10_000,
                    help="request records kept (token ids and log-probs of each request)")  # fmt: skip
     p.add_argument("--log-requests", action="store_true", help="log every request")
