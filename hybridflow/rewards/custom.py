@@ -40,9 +40,13 @@ def _load_file_module(path: Path):
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-    except Exception as error:
+    except KeyboardInterrupt:  # Ctrl-C while it imports
+        raise
+    except BaseException as error:  # sys.exit at import is the file's error too
+        what = (f"it called sys.exit({error.code!r})" if isinstance(error, SystemExit)
+                else f"{type(error).__name__}: {error}")  # fmt: skip
         raise CustomRewardError(
-            f"reward.custom_fn: importing {path} failed: {type(error).__name__}: {error}",
+            f"reward.custom_fn: importing {path} failed: {what}",
             f"fix that file (python {path} shows the full error)",
         ) from error
     sys.modules[module_name] = module

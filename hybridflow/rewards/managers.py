@@ -8,8 +8,8 @@ Modes (`reward.manager`):
   batch  custom_fn called with lists, split into chunks over the workers
   dapo   naive + DAPO overlong shaping on the response lengths
 
-A scorer that raises, runs past the timeout or returns something else than a finite number
-(None, a string, NaN) scores 0 and is counted in `reward/num_errors` / `reward/num_timeouts`;
+A scorer that raises (sys.exit included), runs past the timeout or returns something else
+than a finite number (None, a string, NaN) scores 0 and is counted in `reward/num_errors` / `reward/num_timeouts`;
 the first distinct messages are kept in `RewardResult.error_messages` (rewards/monitor.py
 prints them and stops a run whose reward always fails). A scorer may return a
 float or a dict with a "score" key; the dict's other numeric keys are averaged into

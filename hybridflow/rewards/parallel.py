@@ -24,6 +24,7 @@ Two layers of timeout:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing
 import signal
@@ -73,34 +74,80 @@ def _alarm_available() -> bool:
     return hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
 
 
+def failure_message(target: str, error: BaseException) -> str:
+    """What a scorer's exception is reported as; ``sys.exit`` and other BaseExceptions are
+    the scorer's errors like any other (they must not end the trainer)."""
+    if isinstance(error, SystemExit):
+        return (f"scorer {target} called sys.exit({error.code!r}); a reward function must "
+                "return a score (or raise an exception), not exit")  # fmt: skip
+    return f"scorer {target}: {type(error).__name__}: {error}"
+
+
 def guarded_call(
     spec: ScorerSpec, arguments: dict[str, Any], timeout_s: float | None
 ) -> ScoreOutcome:
-    """Run one scorer call; never raises (except KeyboardInterrupt)."""
+    """Run one scorer call; never raises, except for a signal (Ctrl-C, a stop) that arrived
+    during the call: a KeyboardInterrupt or SystemExit the scorer raised itself is its error."""
     timeout = ScoreOutcome("timeout", message=f"scorer {spec.target} took more than {timeout_s}s")
-    use_alarm = bool(timeout_s) and _alarm_available()
+    in_main_thread = _alarm_available()  # only the main thread receives signals
+    use_alarm = bool(timeout_s) and in_main_thread
     previous = signal.signal(signal.SIGALRM, _on_alarm) if use_alarm else None
+    signals: list[int] = []
+    watch = _watching_signals(signals) if in_main_thread else contextlib.nullcontext()
     try:
-        try:
-            if use_alarm:
-                signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        with watch:
             try:
-                value = call_scorer(spec, arguments)
-            finally:
                 if use_alarm:
-                    signal.setitimer(signal.ITIMER_REAL, 0)
-            return ScoreOutcome("ok", value)
-        except ScoringTimeout:
-            return timeout
-        except Exception as error:
-            return ScoreOutcome(
-                "error", message=f"scorer {spec.target}: {type(error).__name__}: {error}"
-            )
+                    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+                try:
+                    value = call_scorer(spec, arguments)
+                finally:
+                    if use_alarm:
+                        signal.setitimer(signal.ITIMER_REAL, 0)
+                return ScoreOutcome("ok", value)
+            except ScoringTimeout:
+                return timeout
+            except BaseException as error:
+                if signals:  # raised by a signal handler (Ctrl-C), not by the scorer
+                    raise
+                return ScoreOutcome("error", message=failure_message(spec.target, error))
     except ScoringTimeout:  # the alarm landed while an exception was being handled
         return timeout
     finally:
         if use_alarm:
             signal.signal(signal.SIGALRM, previous)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _watching_signals(received: list[int]):
+    """Within the block, SIGINT and SIGTERM are appended to ``received`` before their
+    handlers run as before: an exception they raise is then known to be theirs."""
+
+    def recording(handler):
+        def handle(signum, frame):
+            received.append(signum)
+            if callable(handler):
+                return handler(signum, frame)
+            if handler == signal.SIG_DFL:  # the default action: terminate the process
+                signal.signal(signum, signal.SIG_DFL)
+                signal.raise_signal(signum)
+            return None
+
+        return handle
+
+    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    for signum, handler in previous.items():
+        if handler is not None:  # None: installed outside Python; leave it alone
+            signal.signal(signum, recording(handler))
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            if handler is not None:
+                signal.signal(signum, handler)
 
 
 MAX_CONCURRENT_CALLS = 64

@@ -38,6 +38,23 @@ SCORERS = textwrap.dedent(
     def spins(data_source, solution_str, ground_truth, extra_info=None):
         while True:
             pass
+
+    class Abort(BaseException):
+        pass
+
+    def exits(data_source, solution_str, ground_truth, extra_info=None):
+        import os, sys
+        if solution_str == "exit":
+            sys.exit(3)
+        if solution_str == "interrupt":
+            raise KeyboardInterrupt("from the scorer")
+        if solution_str == "abort":
+            raise Abort("from the scorer")
+        if solution_str == "signal":  # Ctrl-C arriving while the scorer runs
+            import signal
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        return 1.0
     """
 )
 
@@ -86,6 +103,36 @@ def test_a_spinning_scorer_is_interrupted(scorers):
         time.sleep(0.05)
 
 
+@pytest.mark.parametrize("where", [{}, {"timeout_s": 5.0}, {"num_workers": 1}],
+                         ids=["main-thread", "threads", "worker-process"])  # fmt: skip
+def test_sys_exit_and_base_exceptions_of_a_scorer_are_its_errors(scorers, where, tmp_path):
+    answers = ["exit", "interrupt", "abort", "fine"]
+    with scorers("exits", **where) as manager:
+        result = manager.score(answers, ["x"] * 4, ["s"] * 4)
+    assert result.scores == [0.0, 0.0, 0.0, 1.0]
+    assert result.metrics["reward/num_errors"] == 3.0
+    target = f"{tmp_path / 'scorers.py'}:exits"
+    assert result.error_messages[0] == (
+        f"scorer {target} called sys.exit(3); a reward function must return a score (or "
+        "raise an exception), not exit"
+    )
+    assert result.error_messages[1:] == [f"scorer {target}: KeyboardInterrupt: from the scorer",
+                                         f"scorer {target}: Abort: from the scorer"]  # fmt: skip
+
+
+def test_ctrl_c_during_a_scorer_still_interrupts(scorers):
+    with pytest.raises(KeyboardInterrupt):
+        scorers("exits", timeout_s=None).score(["signal"], ["x"], ["s"])
+
+
+def test_a_reward_file_that_exits_on_import_is_named(tmp_path):
+    reward = tmp_path / "exits_on_import.py"
+    reward.write_text("import sys\nsys.exit(0)\n")
+    with pytest.raises(UserError, match=r"importing .*exits_on_import.py failed: it called "
+                                        r"sys.exit\(0\)"):  # fmt: skip
+        RewardManager("naive", custom_fn=f"{reward}:score")
+
+
 def failing(size: int, failed: int, message: str = "scorer f: ValueError: bad") -> RewardResult:
     metrics = {"reward/num_errors": float(failed), "reward/num_timeouts": 0.0}
     return RewardResult([0.0] * size, metrics, error_messages=[message] if failed else [])
@@ -132,6 +179,25 @@ def test_a_reward_returning_none_stops_training_with_exit_2(tmp_path, capsys):
     output = captured.out + captured.err
     assert status == 2 and "Traceback" not in output
     assert output.count("reward error (shown once)") == 1 and "returned None" in output
+    assert "every sample for 3 steps in a row (up to step 3)" in captured.err
+
+
+def test_a_reward_calling_sys_exit_stops_training_with_exit_2_naming_it(tmp_path, capsys):
+    sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+    from trainer_helpers import TINY
+
+    from hybridflow.cli import main
+
+    reward = tmp_path / "exit_reward.py"
+    reward.write_text("import sys\n\n"
+                      "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    sys.exit(0)\n")  # fmt: skip
+    status = main(["train", *TINY, f"trainer.run_dir={tmp_path / 'run'}",
+                   "trainer.total_steps=5", f"reward.custom_fn={reward}:score",
+                   "trainer.val_before_train=false"])  # fmt: skip
+    captured = capsys.readouterr()
+    assert status == 2 and "Traceback" not in captured.out + captured.err
+    assert f"{reward}:score called sys.exit(0)" in captured.out
     assert "every sample for 3 steps in a row (up to step 3)" in captured.err
 
 
