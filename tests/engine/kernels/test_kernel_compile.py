@@ -26,6 +26,7 @@ from hybridflow.engine.kernels import (
     fp8_quant,
     gemm,
     gemm_persistent,
+    moe,
     rowwise,
     sampler,
     shared_prefix,
@@ -71,7 +72,10 @@ def _signature(fn, constexprs: dict, activation: str, overrides: dict) -> dict:
     return types
 
 
-def _compile(fn, constexprs: dict, activation="bf16", overrides=None, warps=4, stages=3):
+def _compile(fn, constexprs: dict, activation="bf16", overrides=None, warps=4, stages=3,
+             divisible: tuple[str, ...] = ()):  # fmt: skip
+    """divisible: integer arguments marked divisible by 16, as the launcher marks strides and
+    sizes that are (without it the pipeliner may drop to plain loads)."""
     names = fn.arg_names
     # constexpr parameters left out take their defaults (as at a launch), not a runtime i32
     defaults = {
@@ -85,7 +89,7 @@ def _compile(fn, constexprs: dict, activation="bf16", overrides=None, warps=4, s
     attrs = {
         (names.index(n),): [["tt.divisibility", 16]]
         for n, t in signature.items()
-        if t.startswith("*")
+        if t.startswith("*") or n in divisible
     }
     source = ASTSource(
         fn=fn,
@@ -161,6 +165,31 @@ def test_decode_layer_kernels_compile(activation):
         activation,
         overrides={"out_ptr": "*" + activation},
     )
+
+
+@pytest.mark.parametrize("block_m", [16, 128])  # decode's smallest block, prefill's
+def test_moe_kernels_compile(block_m):
+    """Routing (with its record), the sort by expert, both grouped matmuls at each block's
+    tile (tensor-core dots, no atomics: the order is fixed) and the combine."""
+    ints = {"ids_ptr": "*i32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
+            "total_ptr": "*i32"}  # fmt: skip
+    routing = {**ints, "weights_ptr": "*fp32", "logits_ptr": "*bf16", "routes_ptr": "*u8",
+               "entry_ptr": "*i64", "offset_ptr": "*i64"}  # fmt: skip
+    _compile(moe._topk_kernel, dict(TOP_K=8, K_PAD=8, E_PAD=128, BLOCK_T=16, RENORM=True,
+                                    RECORD=True), overrides=routing)  # fmt: skip
+    _compile(moe._align_kernel, dict(BINS=256, BLOCK_M=block_m, CHUNK=256), overrides=ints)
+    block_n, block_k, warps, stages = moe.TILES[block_m]
+    for silu in (True, False):
+        compiled = _compile(
+            moe._grouped_kernel,
+            dict(TOP_K=8, GATHER=silu, SILU_UP=silu, FP32=False, BLOCK_M=block_m,
+                 BLOCK_N=block_n, BLOCK_K=block_k),
+            overrides=ints, warps=warps, stages=stages,
+            divisible=("P", "N", "K", "stride_am", "stride_we", "stride_wn", "stride_cm", "up_rows"),
+        )  # fmt: skip
+        ptx = compiled.asm["ptx"]  # pipelined (async copies), tensor cores, no atomics
+        assert "cp.async" in ptx and "mma" in ptx and "atom" not in ptx
+    _compile(moe._combine_kernel, dict(TOP_K=8, BLOCK_H=2048), overrides={"w_ptr": "*fp32"})
 
 
 @pytest.mark.parametrize("config", [gemm.INTERPRETER_CONFIG, *matmul_choice.PAIR_CONFIGS])

@@ -1,0 +1,347 @@
+"""Triton kernels of a mixture-of-experts layer: routing, the token -> expert sort, grouped
+expert matmuls that read only the experts a batch touches, and the weighted combine.
+
+One sparse layer, T tokens, E experts, top-k each (P = T * k (token, expert) pairs):
+
+1. `route_topk`: softmax over the router logits in fp32, top-k (descending, as torch.topk),
+   renormalised when the model says so; optionally each token's expert ids are written to the
+   engine's routing record (routing replay: kv_cache.KVCache.routes).
+2. `align_pairs`: the pairs sorted by expert (stable: in pair order inside an expert), each
+   expert's run padded to a multiple of BLOCK_M, with the expert of every BLOCK_M block. One
+   program per expert; deterministic, no atomics, no host sync (CUDA graphs).
+3. `grouped_gate_up`: per block, its expert's gate and up rows times the block's tokens,
+   silu(gate) * up in the epilogue (the [P, 2I] product is never written); `grouped_down`:
+   the down projection, each pair's row written back at its pair index. Each expert's weights
+   are read by its own blocks only: at decode sizes the layer costs the bytes of the experts
+   the batch touches (H200, 256 rows of Qwen3-30B-A3B: all 128 of them).
+4. `combine`: each token's k rows weighted by its routing weights, summed in fp32 in top-k
+   order (deterministic), rounded once.
+
+The weights are the model's packed expert tensors, read in place (Hugging Face layout):
+gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I].
+
+Rounding follows the eager reference (models/moe.py): each projection rounded to the
+activation dtype, silu rounded, then the product; the combine is fp32 (the reference adds the
+k contributions in the activation dtype, one rounding each: within a rounding step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# -------------------------------------------------------------------------------------------
+# 1. Routing
+
+
+@triton.jit
+def _topk_kernel(
+    logits_ptr, ids_ptr, weights_ptr, routes_ptr, entry_ptr, offset_ptr, T, E, stride_l,
+    stride_re, stride_ro, route_col,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    RENORM: tl.constexpr, RECORD: tl.constexpr,
+):  # fmt: skip
+    """BLOCK_T rows a program: softmax (fp32) of logits [T, E], the TOP_K largest (ties: the
+    lower expert id) -> ids [T, TOP_K] int32, weights [T, TOP_K] fp32 (divided by their sum
+    when RENORM). RECORD: ids also to routes[entry[t], offset[t], route_col + j] (the
+    routing record of the token's cache position)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, E_PAD)
+    row_mask = rows < T
+    col_mask = cols < E
+    rows64 = tl.where(row_mask, rows, 0).to(tl.int64)
+    x = tl.load(logits_ptr + rows64[:, None] * stride_l + cols[None, :],
+                mask=col_mask[None, :], other=float("-inf")).to(tl.float32)  # fmt: skip
+    shifted = tl.exp(x - tl.max(x, axis=1)[:, None])
+    probs = shifted / tl.sum(shifted, axis=1)[:, None]  # padded columns: exp(-inf) = 0
+    work = tl.where(col_mask[None, :], probs, -1.0)
+    slots = tl.arange(0, K_PAD)
+    ids = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int32)
+    values = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(work, axis=1)
+        index = tl.min(tl.where(work == best[:, None], cols[None, :], E_PAD), axis=1)
+        ids = tl.where(slots[None, :] == j, index[:, None], ids)
+        values = tl.where(slots[None, :] == j, best[:, None], values)
+        work = tl.where(cols[None, :] == index[:, None], -2.0, work)
+    if RENORM:
+        values = values / tl.sum(values, axis=1)[:, None]
+    out = rows64[:, None] * TOP_K + slots[None, :]
+    mask = row_mask[:, None] & (slots < TOP_K)[None, :]
+    tl.store(ids_ptr + out, ids, mask=mask)
+    tl.store(weights_ptr + out, values, mask=mask)
+    if RECORD:
+        entry = tl.load(entry_ptr + rows64, mask=row_mask, other=0)
+        offset = tl.load(offset_ptr + rows64, mask=row_mask, other=0)
+        where = entry * stride_re + offset * stride_ro + route_col
+        record = routes_ptr + where[:, None] + slots[None, :]
+        tl.store(record, ids.to(routes_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass
+class RouteRecord:
+    """Where route_topk writes a layer's expert ids: routes[entries[t], offsets[t], column:
+    column + k] (kv_cache.KVCache.routes; entries/offsets [T] int64, the tokens' cache
+    locations)."""
+
+    routes: torch.Tensor
+    entries: torch.Tensor
+    offsets: torch.Tensor
+    column: int
+
+
+def route_topk(
+    logits: torch.Tensor, top_k: int, renormalize: bool, record: RouteRecord | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] (the router's output, any float dtype) -> (ids [T, k] int32, weights
+    [T, k] fp32): softmax in fp32, top-k descending, renormalised when asked."""
+    tokens, experts = logits.shape
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    if tokens == 0:
+        return ids, weights
+    block = 16 if experts <= 256 else 4  # [BLOCK_T, E_PAD] fp32 in registers
+    if record is None:
+        routes, entries, offsets, strides, column = ids, ids, ids, (0, 0), 0
+    else:
+        routes, entries, offsets = record.routes, record.entries, record.offsets
+        strides, column = (routes.stride(0), routes.stride(1)), record.column
+    _topk_kernel[(triton.cdiv(tokens, block),)](
+        logits, ids, weights, routes, entries, offsets, tokens, experts, logits.stride(0),
+        *strides, column, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
+        E_PAD=triton.next_power_of_2(experts), BLOCK_T=block, RENORM=renormalize,
+        RECORD=record is not None, num_warps=4,
+    )  # fmt: skip
+    return ids, weights
+
+
+# -------------------------------------------------------------------------------------------
+# 2. Pairs sorted by expert, runs padded to BLOCK_M
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, E,
+    BINS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Program e: counts every expert's pairs (a histogram of ids [P]; pairs past P count in
+    bin E), places expert e's run at the sum of the padded runs before it, writes its pairs'
+    indices there in pair order (then P, the padding marker, up to the padded length) and e as
+    the expert of each of its blocks. Program 0 writes the padded total."""
+    e = tl.program_id(0)
+    bins = tl.arange(0, BINS)
+    counts = tl.zeros([BINS], dtype=tl.int32)
+    for start in range(0, P, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < P, other=E)
+        counts += tl.histogram(ids, BINS)
+    counts = tl.where(bins < E, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    start_e = tl.sum(tl.where(bins < e, padded, 0), axis=0)
+    count_e = tl.sum(tl.where(bins == e, counts, 0), axis=0)
+    padded_e = tl.sum(tl.where(bins == e, padded, 0), axis=0)
+    if e == 0:
+        tl.store(total_ptr, tl.sum(padded, axis=0))
+    placed = tl.full([], 0, dtype=tl.int32)
+    for start in range(0, P, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < P, other=E)
+        hit = (ids == e).to(tl.int32)
+        rank = placed + tl.cumsum(hit, axis=0) - 1
+        tl.store(sorted_ptr + start_e + rank, offs, mask=hit > 0)
+        placed += tl.sum(hit, axis=0)
+    pad = count_e + tl.arange(0, BLOCK_M)
+    tl.store(sorted_ptr + start_e + pad, P, mask=pad < padded_e)
+    first_block = start_e // BLOCK_M
+    for block in range(0, padded_e // BLOCK_M, CHUNK):
+        index = block + tl.arange(0, CHUNK)
+        tl.store(block_expert_ptr + first_block + index, e, mask=index < padded_e // BLOCK_M)
+
+
+@dataclass
+class ExpertBlocks:
+    """The pairs of a layer sorted by expert (align_pairs). sorted_pairs [capacity] int32:
+    pair indices (token * k + slot), P marking padding; block_expert [capacity / block_m]
+    int32: each block's expert; total [1] int32: the padded length in use (blocks past it
+    hold nothing). capacity is the static bound P + E * (block_m - 1), rounded up."""
+
+    sorted_pairs: torch.Tensor
+    block_expert: torch.Tensor
+    total: torch.Tensor
+    block_m: int
+    pairs: int
+    top_k: int
+
+    @property
+    def max_blocks(self) -> int:
+        return self.block_expert.shape[0]
+
+
+def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """ids [T, k] int32 -> ExpertBlocks (static shapes: under CUDA graphs the grid is the
+    bound, and blocks past `total` return at once)."""
+    tokens, top_k = ids.shape
+    pairs = tokens * top_k
+    max_blocks = triton.cdiv(pairs, block_m) + num_experts
+    device = ids.device
+    sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    total = torch.empty(1, dtype=torch.int32, device=device)
+    _align_kernel[(num_experts,)](
+        ids, sorted_pairs, block_expert, total, pairs, num_experts,
+        BINS=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m, CHUNK=256, num_warps=4,
+    )  # fmt: skip
+    return ExpertBlocks(sorted_pairs, block_expert, total, block_m, pairs, top_k)
+
+
+# -------------------------------------------------------------------------------------------
+# 3. Grouped expert matmuls
+
+
+@triton.jit
+def _grouped_kernel(
+    a_ptr, w_ptr, c_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, N, K, stride_am,
+    stride_we, stride_wn, stride_cm, up_rows,
+    TOP_K: tl.constexpr, GATHER: tl.constexpr, SILU_UP: tl.constexpr, FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One BLOCK_M block of sorted pairs (one expert) x BLOCK_N output columns.
+
+    GATHER (gate/up): a row of pair p is token p // TOP_K of a [T, K]; the output rows follow
+    the sorted order (c [capacity, N]). Else (down) a's rows are in sorted order already and
+    each valid row goes to c[pair] ([P, N]).
+    SILU_UP: w's rows [n, n + BLOCK_N) are gate columns, [up_rows + n, ...) the matching up
+    columns; c gets silu(gate) * up, rounded as torch rounds F.silu(gate) * up."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    positions = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ptr + positions)
+    valid = pairs < P
+    if GATHER:
+        a_rows = tl.where(valid, pairs // TOP_K, 0).to(tl.int64)  # padding reads row 0
+    else:
+        a_rows = positions.to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    rn_safe = tl.where(n_mask, rn, 0).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + rk[None, :]
+    w_ptrs = w_ptr + expert * stride_we + rn_safe[:, None] * stride_wn + rk[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + rk) < K
+        a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+        if FP32:
+            acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+        if SILU_UP:
+            u = tl.load(w_ptrs + up_rows * stride_wn, mask=k_mask[None, :], other=0.0)
+            if FP32:
+                acc_up = tl.dot(a, tl.trans(u), acc_up, input_precision="ieee")
+            else:
+                acc_up = tl.dot(a, tl.trans(u), acc_up)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    dtype = c_ptr.dtype.element_ty
+    if SILU_UP:
+        gate = acc.to(dtype).to(tl.float32)
+        up = acc_up.to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        c = c_ptr + positions.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+        tl.store(c, (silu * up).to(dtype), mask=n_mask[None, :])
+    else:
+        out_rows = tl.where(valid, pairs, 0).to(tl.int64)
+        c = c_ptr + out_rows[:, None] * stride_cm + rn[None, :]
+        tl.store(c, acc.to(dtype), mask=valid[:, None] & n_mask[None, :])
+
+
+# (block_n, block_k, warps, stages) by the rows a block holds: decode blocks are weight-bound
+# (each expert's tile streamed once), prefill blocks compute-bound.
+TILES = {16: (64, 128, 4, 4), 32: (64, 128, 4, 4), 64: (64, 64, 4, 4), 128: (128, 64, 8, 3)}
+
+
+def _tile(block_m: int, device: torch.device) -> tuple[int, int, int, int]:
+    if device.type != "cuda":  # the interpreter: small tiles run fastest
+        return 16, 16, 1, 1
+    return TILES[block_m]
+
+
+def grouped_gate_up(x: torch.Tensor, gate_up: torch.Tensor, blocks: ExpertBlocks) -> torch.Tensor:
+    """x [T, H], gate_up [E, 2I, H] -> silu(gate) * up [capacity, I], rows in sorted order."""
+    inner = gate_up.shape[1] // 2
+    out = torch.empty(blocks.sorted_pairs.shape[0], inner, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps, stages = _tile(blocks.block_m, x.device)
+    grid = (blocks.max_blocks, triton.cdiv(inner, block_n))
+    _grouped_kernel[grid](
+        x, gate_up, out, blocks.sorted_pairs, blocks.block_expert, blocks.total, blocks.pairs,
+        inner, x.shape[1], x.stride(0), gate_up.stride(0), gate_up.stride(1), out.stride(0),
+        inner, TOP_K=blocks.top_k, GATHER=True, SILU_UP=True, FP32=x.dtype == torch.float32,
+        BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+def grouped_down(act: torch.Tensor, down: torch.Tensor, blocks: ExpertBlocks) -> torch.Tensor:
+    """act [capacity, I] (sorted order), down [E, H, I] -> [P, H], row p = pair p's output."""
+    hidden = down.shape[1]
+    out = torch.empty(blocks.pairs, hidden, dtype=act.dtype, device=act.device)
+    block_n, block_k, warps, stages = _tile(blocks.block_m, act.device)
+    grid = (blocks.max_blocks, triton.cdiv(hidden, block_n))
+    _grouped_kernel[grid](
+        act, down, out, blocks.sorted_pairs, blocks.block_expert, blocks.total, blocks.pairs,
+        hidden, act.shape[1], act.stride(0), down.stride(0), down.stride(1), out.stride(0), 0,
+        TOP_K=blocks.top_k, GATHER=False, SILU_UP=False, FP32=act.dtype == torch.float32,
+        BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+# -------------------------------------------------------------------------------------------
+# 4. Weighted combine
+
+
+@triton.jit
+def _combine_kernel(y_ptr, w_ptr, out_ptr, H, stride_y, stride_o, TOP_K: tl.constexpr,
+                    BLOCK_H: tl.constexpr):  # fmt: skip
+    """out[t] = sum_j weights[t, j] * y[t * TOP_K + j] in fp32, j in order, rounded once."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        weight = tl.load(w_ptr + token * TOP_K + j)
+        y = tl.load(y_ptr + (token * TOP_K + j) * stride_y + cols, mask=mask, other=0.0)
+        acc += y.to(tl.float32) * weight
+    tl.store(out_ptr + token * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y [T * k, H] (pair rows), weights [T, k] fp32 -> [T, H] in y's dtype."""
+    tokens, top_k = weights.shape
+    out = torch.empty(tokens, y.shape[1], dtype=y.dtype, device=y.device)
+    if tokens:
+        _combine_kernel[(tokens,)](y, weights, out, y.shape[1], y.stride(0), out.stride(0),
+                                   TOP_K=top_k, BLOCK_H=triton.next_power_of_2(y.shape[1]),
+                                   num_warps=4)  # fmt: skip
+    return out
+
+
+def block_rows(tokens: int, top_k: int, num_experts: int) -> int:
+    """BLOCK_M for T tokens: about twice the mean pairs per expert (so most experts fit one
+    block and read their weights once), from 16 (tl.dot's least) to 128."""
+    mean = tokens * top_k / num_experts
+    for size in (16, 32, 64):
+        if 2 * mean <= size:
+            return size
+    return 128
