@@ -1,5 +1,5 @@
 """examples/*.yaml: each loads and validates as shipped (a user's first command must not stop
-at a config error), and the GSM8K example's settings left to the memory plan resolve on an
+at a config error) and writes its own run directory, and the GSM8K example's settings left to the memory plan resolve on an
 H200 to a run that fits, with no gradient checkpointing at the 0.5b shape."""
 
 from __future__ import annotations
@@ -21,6 +21,13 @@ def test_there_are_examples():
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_each_example_is_a_valid_config(path):
     validate(load_config(str(path), []))
+
+
+def test_each_example_has_its_own_run_dir():
+    """runs/<example name>: one example's checkpoints never make another say "nothing to do"
+    or refuse a changed config; the demo (no --config) keeps runs/demo."""
+    for path in EXAMPLES:
+        assert load_config(str(path), []).trainer.run_dir == f"runs/{path.stem}", path.name
 
 
 def test_the_gsm8k_example_on_an_h200_fits_and_trains_without_recomputing():

@@ -28,8 +28,9 @@ def setup(cfg: Config, log=print, progress: ProgressReporter | None = None) -> R
     from hybridflow.trainer.preflight import prepare_run
     from hybridflow.trainer.profiling import build_profiler
     from hybridflow.trainer.roles import build_roles, resolve_device
+    from hybridflow.trainer.run_state import refuse_changed_config
     from hybridflow.trainer.save_policy import save_defaults
-    from hybridflow.trainer.warm_start import resolve_model_path
+    from hybridflow.trainer.warm_start import planned_model_path, resolve_model_path
     from hybridflow.workers.model_loading import set_cpu_threads
 
     progress = progress or quiet_reporter()
@@ -49,6 +50,9 @@ def setup(cfg: Config, log=print, progress: ProgressReporter | None = None) -> R
             f"dropped), {len(val_set) if val_set else 0} validation prompts"
         )
         cfg = _with_epochs_as_steps(cfg, len(train_set), log)
+        # a resume the changed config forbids stops now, not after a warm start's SFT
+        planned = dataclasses.replace(cfg.model, path=planned_model_path(cfg))
+        refuse_changed_config(dataclasses.replace(cfg, model=planned))
         model_path = resolve_model_path(cfg, log=log, progress=progress)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=model_path))
         roles = build_roles(cfg, derived)

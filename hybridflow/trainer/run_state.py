@@ -177,6 +177,18 @@ def resume(run: RunContext, log=print) -> Path | None:
     return None
 
 
+def refuse_changed_config(cfg) -> None:
+    """Before anything long (a warm start, loading the model): refuse to resume the
+    checkpoint that :func:`resume` would try first when ``cfg`` changed a key it cannot
+    honour. ``cfg`` must hold the model path the run will use (warm_start.planned_model_path)."""
+    from hybridflow.trainer.checkpoint import CheckpointManager
+
+    t = cfg.trainer
+    candidates = CheckpointManager(f"{t.run_dir}/checkpoints").resume_candidates(t.resume)
+    if candidates:
+        check_config_changes(candidates[0], cfg, log=lambda line: None)  # listed when resuming
+
+
 def check_config_changes(path: Path, cfg, log) -> None:
     """Report the keys changed since ``path`` was saved; refuse the ones a resume cannot honour."""
     from hybridflow.trainer.resume_changes import config_changes, refusal_message, refused

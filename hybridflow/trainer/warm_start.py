@@ -205,13 +205,28 @@ def tokenizer_fingerprint(name_or_path: str) -> list:
     return [name_or_path, encode_chat_prompt(tokenizer, sample), tokenizer.encode("0123456789")]
 
 
+def planned_model_path(cfg: Config) -> str:
+    """The model directory or preset the run starts from, known without training anything:
+    for ``sft:<task>`` its cache entry (which :func:`resolve_model_path` trains if missing)."""
+    if not cfg.model.path.startswith(SFT_PREFIX):
+        return cfg.model.path
+    task = cfg.model.path.removeprefix(SFT_PREFIX)
+    root = Path(os.path.expanduser(cfg.trainer.cache_dir))
+    return str(root / f"sft-{task}-{cache_key(cfg, task)}")
+
+
+def needs_warm_start(cfg: Config) -> bool:
+    """``model.path = sft:<task>`` whose model is not cached yet."""
+    planned = planned_model_path(cfg)
+    return planned != cfg.model.path and not (Path(planned) / COMPLETE).is_file()
+
+
 def resolve_model_path(cfg: Config, log=print, progress=None) -> str:
     """The model directory or preset to start RL from; trains and caches ``sft:<task>``."""
     if not cfg.model.path.startswith(SFT_PREFIX):
         return cfg.model.path
     task = cfg.model.path.removeprefix(SFT_PREFIX)
-    root = Path(os.path.expanduser(cfg.trainer.cache_dir))
-    target = root / f"sft-{task}-{cache_key(cfg, task)}"
+    target = Path(planned_model_path(cfg))
     if (target / COMPLETE).is_file():
         log(f"warm start: cached SFT model {target}")
         return str(target)

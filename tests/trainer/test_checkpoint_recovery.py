@@ -180,6 +180,47 @@ def test_a_changed_batch_size_is_refused_with_the_reason(two_steps, tmp_path, ca
     assert "put the old values back" in err and "Traceback" not in err
 
 
+def checkpoint_of(cfg, step: int = 1) -> None:
+    """A complete checkpoint of ``cfg``'s run, holding only its config (what the changed-config
+    check reads), from the model path the run will use."""
+    import dataclasses
+
+    import yaml
+
+    from hybridflow.trainer.warm_start import planned_model_path
+
+    cfg = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, path=planned_model_path(cfg))
+    )
+    text = yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
+    CheckpointManager(f"{cfg.trainer.run_dir}/checkpoints").save(
+        step, lambda directory: (directory / "config.yaml").write_text(text)
+    )
+
+
+class WarmStartRan(Exception):
+    pass
+
+
+def test_a_changed_config_is_refused_before_the_warm_start(tmp_path, monkeypatch):
+    import hybridflow.trainer.warm_start as warm_start
+
+    def warm_start_spy(*args, **kwargs):
+        raise WarmStartRan
+
+    monkeypatch.setattr(warm_start, "train_warm_start", warm_start_spy)
+    warm = ("model.path=sft:arithmetic", "trainer.total_steps=3")
+    checkpoint_of(tiny_config(tmp_path, *warm, "data.train_batch_size=8"))
+    with pytest.raises(UserError, match=r"cannot resume .*step_1.*data.train_batch_size: 8 -> 4"):
+        train(tiny_config(tmp_path, *warm), log=lambda *a: None)
+    # the same config: no refusal (the planned model path is the one the checkpoint names),
+    # so the run goes on to its warm start
+    shutil.rmtree(tmp_path / "run")
+    checkpoint_of(tiny_config(tmp_path, *warm))
+    with pytest.raises(WarmStartRan):
+        train(tiny_config(tmp_path, *warm), log=lambda *a: None)
+
+
 def test_a_finished_run_says_so_and_how_to_train_further(two_steps, tmp_path, monkeypatch):
     import hybridflow.trainer.roles as roles
 
