@@ -65,10 +65,13 @@ def hold_run_dir(directory: str | os.PathLike, key: str = "trainer.run_dir",
     try:
         path.mkdir(parents=True, exist_ok=True)
         handle = open(path / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115 - held below
-    except OSError as error:
+    except OSError as error:  # worded as the preflight check says it (trainer/preflight.py)
+        existing = path
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
         raise UserError(
-            f"{key} = {directory}: cannot create {path / LOCK_FILE} ({error.strerror or error})",
-            f"make {path} writable or choose another {key}",
+            f"{key} = {directory}: cannot write in {existing} ({error.strerror or error})",
+            "choose a writable directory",
         ) from None
     try:
         _take(handle, directory, key, log)
