@@ -136,6 +136,9 @@ LATE_CHECKS = [
     (["rollout.temperature=0"], "rollout.temperature = 0.0"),
     (["trainer.device=cuda"], "no CUDA GPU is visible"),
     (["trainer.run_dir=/proc/hybridflow-run"], "cannot write in /proc"),
+    # the uncached warm start would write its model there after minutes of SFT
+    (["model.path=sft:arithmetic", "trainer.cache_dir=/proc/hybridflow-cache"],
+     "trainer.cache_dir = /proc/hybridflow-cache: cannot write in /proc"),
     (["trainer.loggers=[tensorboard]"], "'tensorboard' package is not installed"),
     # 8 built-in prompts; a batch of 16 cannot be drawn
     (["data.builtin_train_size=8", "data.train_batch_size=16", "actor.ppo_mini_batch_size=16"],
@@ -158,6 +161,12 @@ def test_late_checks_are_found_by_validate_and_before_any_model_loads(
         if torch.cuda.is_available():
             pytest.skip("a GPU is visible")
     assert expected in run_cli(capsys, tmp_path, *overrides, command=command)
+
+
+def test_a_read_only_cache_dir_is_fine_when_the_run_writes_nothing_there(capsys, tmp_path):
+    # a preset model on the CPU: no warm start, no engine choices, no compiled artifacts
+    run = [f"trainer.run_dir={tmp_path / 'run'}", "trainer.cache_dir=/proc/hybridflow-cache"]
+    assert main(["config", "validate", *TINY, *run]) == 0, capsys.readouterr().err
 
 
 def test_debug_shows_the_traceback(capsys, tmp_path):

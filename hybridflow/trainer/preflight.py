@@ -3,7 +3,8 @@ validate`` runs the same checks.
 
 In order: the config rules (``validate``), the GPU memory plan (trainer/memory_check.py),
 then the machine (devices, a writable run directory with room for a checkpoint, the logger
-packages), the model directory (config.json, complete safetensors files, a tokenizer), the
+packages), the model directory (config.json, complete safetensors files, a tokenizer), a
+writable ``trainer.cache_dir`` when the run will write there (an uncached warm start), the
 reward function, and every data file (readable, and still holding a batch after overlong
 prompts are dropped). All problems of one kind are
 reported together, each with the key or file it is about and the fix.
@@ -60,6 +61,9 @@ def prepare_run(cfg: Config, log=lambda *a, **k: None) -> Preflight:
     check_memory(cfg, derived, log)  # the GPU memory plan, printed; exit 2 if it cannot fit
     problems = machine_problems(cfg, cfg.trainer.run_dir)
     problems += model_problems(cfg.model.path, cfg.model.tokenizer_path)
+    if problems:
+        raise ConfigError(problems)
+    problems = cache_dir_problems(cfg)  # needs the tokenizer that model_problems checked
     if problems:
         raise ConfigError(problems)
     tokenizer = load_tokenizer(default_tokenizer_path(cfg.model))
@@ -135,35 +139,63 @@ def _nearest_existing(path: Path) -> Path:
 
 def run_dir_problems(run_dir: str, need_bytes: int) -> list[str]:
     """The run directory (or the nearest parent that exists) is a writable directory with
-    ``need_bytes`` free. Nothing is created: a probe file is written and removed."""
-    path = Path(run_dir).expanduser()
+    ``need_bytes`` free (what a checkpoint needs)."""
+    return writable_dir_problems("trainer.run_dir", run_dir, need_bytes, "a checkpoint")
+
+
+def writable_dir_problems(key: str, directory: str, need_bytes: int, what: str) -> list[str]:
+    """``directory`` (or the nearest parent that exists) is a writable directory with
+    ``need_bytes`` free for ``what``. Nothing is created: a probe file is written and removed."""
+    path = Path(directory).expanduser()
     existing = _nearest_existing(path)
     if not existing.is_dir():
-        return [f"trainer.run_dir = {run_dir}: {existing} is a file, not a directory"]
+        return [f"{key} = {directory}: {existing} is a file, not a directory"]
     try:  # os.access is not enough: root passes it, and read-only mounts need a write
         handle, probe = tempfile.mkstemp(dir=existing, prefix=".hybridflow-write-check-")
         os.close(handle)
         os.unlink(probe)
     except OSError as error:
         return [
-            f"trainer.run_dir = {run_dir}: cannot write in {existing} ({error.strerror}): "
-            f"choose a writable directory"
+            f"{key} = {directory}: cannot write in {existing} ({error.strerror}), where "
+            f"{what} goes: choose a writable directory"
         ]
     free = shutil.disk_usage(existing).free
     if free < need_bytes:
         return [
-            f"trainer.run_dir = {run_dir}: {free / 2**20:.0f} MiB free at {existing}, a "
-            f"checkpoint needs about {need_bytes / 2**20:.0f} MiB: free some space or choose "
-            f"another directory"
+            f"{key} = {directory}: {free / 2**20:.0f} MiB free at {existing}, {what} needs "
+            f"about {need_bytes / 2**20:.0f} MiB: free some space or choose another directory"
         ]
     return []
 
 
+def cache_dir_problems(cfg: Config) -> list[str]:
+    """``trainer.cache_dir`` is writable, with room, when the run will write there: an
+    ``sft:<task>`` warm start not cached yet (checked now, not after its SFT), or a GPU run
+    (the rollout engine pins its timing choices there, model.compile its artifacts). A
+    read-only cache that already holds the warm-start model is fine."""
+    from hybridflow.trainer.roles import resolve_device
+    from hybridflow.trainer.warm_start import needs_warm_start
+
+    t = cfg.trainer
+    if needs_warm_start(cfg):
+        preset = model_architecture(cfg.sft.preset)
+        # the fp32 model and the saved progress of a stopped SFT (weights + AdamW moments)
+        need = max(MIN_FREE_BYTES, 16 * preset.num_parameters()) if preset else MIN_FREE_BYTES
+        what = f"the {cfg.model.path} warm-start model"
+        return writable_dir_problems("trainer.cache_dir", t.cache_dir, need, what)
+    if resolve_device(t.device) == "cuda":
+        what = "the rollout engine's timing choices"
+        return writable_dir_problems("trainer.cache_dir", t.cache_dir, MIN_FREE_BYTES, what)
+    return []
+
+
 def _checkpoint_bytes(cfg: Config) -> int:
-    """fp32 weights + AdamW's two moments (12 bytes a parameter), when the size is known."""
+    """fp32 weights + AdamW's two moments (12 bytes a parameter), when the size is known
+    (for ``sft:<task>``, that of the ``sft.preset`` it trains)."""
     if cfg.trainer.save_freq < 0:
         return MIN_FREE_BYTES
-    architecture = model_architecture(cfg.model.path)
+    path = cfg.sft.preset if cfg.model.path.startswith("sft:") else cfg.model.path
+    architecture = model_architecture(path)
     if architecture is None:
         return MIN_FREE_BYTES
     return max(MIN_FREE_BYTES, 12 * architecture.num_parameters())
