@@ -6,8 +6,9 @@ hold only tensors and plain Python data (numbers, strings, lists, dicts, tuples)
 :func:`load_state_file` reads them with ``weights_only=True``. Files written by earlier
 versions held numpy arrays (the RNG state); those three numpy globals — array data, no code —
 are allowed too. The model and optimizer shards of ``torch.distributed.checkpoint`` come with
-a ``.metadata`` file that torch unpickles without restriction: :func:`check_dcp_metadata`
-reads it first with an unpickler that accepts only the checkpoint metadata classes.
+a ``.metadata`` file that torch unpickles without restriction: :func:`read_dcp_metadata`
+reads it with an unpickler that accepts only the checkpoint metadata classes, and the shards
+themselves load through hybridflow/dcp_reader.py, which reads tensors and plain values only.
 """
 
 from __future__ import annotations
@@ -22,18 +23,22 @@ REFUSED_FIX = (
     "use a checkpoint written by hybridflow itself, or start fresh with trainer.resume=disable"
 )
 
-# Globals a ``.metadata`` file of torch.distributed.checkpoint refers to (module, prefix of
-# the name; "" = any name in that module).
-DCP_METADATA_GLOBALS = (
-    ("torch.distributed.checkpoint.metadata", ""),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.distributed.checkpoint.planner", ""),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"),
-)
-TORCH_VALUE_TYPES = ("Size", "dtype", "layout", "memory_format", "device")
+# The globals a ``.metadata`` file of torch.distributed.checkpoint refers to: its own
+# dataclasses and the torch values inside them, by exact name. A name with a dot is refused:
+# pickle resolves "module" + "os.system" through the module's attributes, so a prefix or
+# module-wide allowance would hand out whatever the module imported.
+DCP_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},  # a layout by name, from a fixed table
+    "torch": {"Size"},  # and every dtype (below)
+    "pathlib": {"PosixPath", "PurePosixPath"},
+    "pathlib._local": {"PosixPath", "PurePosixPath"},  # Python >= 3.13
+    "collections": {"OrderedDict"},
+}  # fmt: skip
 
 
 def _numpy_data_globals() -> list:
@@ -94,35 +99,46 @@ def load_state_file(path: str | Path) -> Any:
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        allowed = any(
-            module == allowed_module and name.startswith(prefix)
-            for allowed_module, prefix in DCP_METADATA_GLOBALS
-        )
-        if module == "torch":
-            import torch
+        import torch
 
-            value = getattr(torch, name, None)
-            allowed = name in TORCH_VALUE_TYPES or isinstance(value, (torch.dtype, torch.layout,
-                                                                      torch.memory_format))  # fmt: skip
+        allowed = name in DCP_METADATA_GLOBALS.get(module, ())
+        if module == "torch" and "." not in name:  # torch.float32, torch.bfloat16, ...
+            allowed = allowed or isinstance(getattr(torch, name, None), torch.dtype)
         if not allowed:
             raise pickle.UnpicklingError(f"global {module}.{name} is not checkpoint metadata")
         return super().find_class(module, name)
 
 
-def check_dcp_metadata(directory: str | Path) -> None:
-    """Refuse a torch.distributed.checkpoint directory whose ``.metadata`` would run code."""
-    path = Path(directory) / ".metadata"
-    if not path.is_file():
-        raise UserError(f"{path} is missing: the checkpoint is incomplete", REFUSED_FIX)
+def read_dcp_metadata(path: str | Path):
+    """The ``Metadata`` of a torch.distributed.checkpoint ``.metadata`` file, unpickled with
+    nothing but the metadata classes allowed (torch's own reader unpickles it unrestricted).
+    Raises UserError naming the file when it is missing, refused or damaged."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    path = Path(path)
+    if path.is_symlink() or not path.is_file():
+        what = "a link" if path.is_symlink() else "missing"
+        raise UserError(f"{path} is {what}: the checkpoint is incomplete", REFUSED_FIX)
     try:
         with path.open("rb") as handle:
-            _MetadataUnpickler(handle).load()
+            metadata = _MetadataUnpickler(handle).load()
     except pickle.UnpicklingError as error:
         raise UserError(
             f"{path} was not loaded: {error}; loading it could run code that came with the file",
             REFUSED_FIX,
         ) from None
-    except (EOFError, ValueError, AttributeError, TypeError, ImportError) as error:
+    except (EOFError, ValueError, AttributeError, TypeError, ImportError, KeyError) as error:
         raise UserError(
             f"{path} is damaged ({type(error).__name__}: {error})", REFUSED_FIX
         ) from None
+    if not isinstance(metadata, Metadata):
+        raise UserError(
+            f"{path} is damaged (it holds a {type(metadata).__name__}, not checkpoint metadata)",
+            REFUSED_FIX,
+        )
+    return metadata
+
+
+def check_dcp_metadata(directory: str | Path) -> None:
+    """Refuse a torch.distributed.checkpoint directory whose ``.metadata`` would run code."""
+    read_dcp_metadata(Path(directory) / ".metadata")

@@ -1,10 +1,10 @@
 """A checkpoint someone sends you cannot run code: planted pickles in trainer_state.pt,
-extra_rank0.pt, rng_state.pt and the DCP .metadata are refused, on resume and on export,
-and nothing they ask for runs."""
+extra_rank0.pt, rng_state.pt and the DCP .metadata (also through a module's attributes), a
+BYTES item declared for a weight and a shard entry naming a file outside the checkpoint are
+refused, on resume and on export, and nothing they ask for runs."""
 
 from __future__ import annotations
 
-import os
 import pickle
 import random
 import sys
@@ -20,17 +20,13 @@ from hybridflow.state_files import check_dcp_metadata, load_state_file
 from hybridflow.trainer.checkpoint import load_rng_state, restore_rng_state, save_rng_state
 
 sys.path.insert(0, str(Path(__file__).parent / "trainer"))
+from crafted_checkpoints import (  # noqa: E402
+    Planted,
+    declare_bytes_item,
+    planted_torch_file,
+    point_entry_at,
+)
 from trainer_helpers import tiny_config  # noqa: E402
-
-
-class Planted:
-    """Unpickling this creates ``marker``: the stand-in for any code an attacker wants run."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
 
 
 def plant(path: Path, marker: Path, *, raw_pickle: bool = False) -> None:
@@ -65,6 +61,34 @@ def test_a_planted_dcp_metadata_is_refused(tmp_path):
     assert not (tmp_path / "ran").exists()
 
 
+def through_a_module_attribute(module: str, name: str, command: str) -> bytes:
+    """A protocol-4 pickle calling ``module``'s attribute ``name`` (dotted: pickle resolves
+    "os.system" through the module's own imports) with ``command``."""
+
+    def text(value: str) -> bytes:
+        return pickle.SHORT_BINUNICODE + bytes([len(value)]) + value.encode()
+
+    return (b"\x80\x04" + text(module) + text(name) + pickle.STACK_GLOBAL + text(command)
+            + pickle.TUPLE1 + pickle.REDUCE + pickle.STOP)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "module, name",
+    [
+        ("torch.distributed.checkpoint.metadata", "os.system"),  # the module imports os
+        ("pathlib", "PosixPath.touch"),  # a method of an allowed class
+        ("torch.distributed.checkpoint.planner", "io.open"),  # a module allowed before
+    ],
+)
+def test_metadata_globals_are_allowed_by_exact_name_only(tmp_path, module, name):
+    marker = tmp_path / "ran"
+    payload = through_a_module_attribute(module, name, f"touch {marker}")
+    (tmp_path / ".metadata").write_bytes(payload)
+    with pytest.raises(UserError, match="is not checkpoint metadata"):
+        check_dcp_metadata(tmp_path)
+    assert not marker.exists()
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     from hybridflow.trainer.run import train
@@ -80,19 +104,44 @@ def test_our_own_checkpoint_passes_the_checks(checkpoint):
     assert "rng_cpu" in load_state_file(checkpoint / "actor" / "extra_rank0.pt")
 
 
-@pytest.mark.parametrize("planted", ["actor/extra_rank0.pt", "actor/.metadata"])
+WEIGHT = "model.lm.model.norm.weight"
+
+
+def plant_bytes_item(step: Path, marker: Path) -> None:
+    declare_bytes_item(step / "actor", WEIGHT, planted_torch_file(marker), "__0_9.distcp")
+
+
+def plant_outside_entry(step: Path, marker: Path) -> None:
+    (step / "outside.distcp").write_bytes(planted_torch_file(marker))
+    point_entry_at(step / "actor", WEIGHT, "../outside.distcp")
+
+
+@pytest.mark.parametrize(
+    "planted, attack, said",
+    [
+        ("extra_rank0.pt", lambda step, marker: plant(step / "actor/extra_rank0.pt", marker),
+         "could run code"),
+        (".metadata", lambda step, marker: plant(step / "actor/.metadata", marker, raw_pickle=True),
+         "could run code"),
+        (".metadata", plant_bytes_item, f"declares the tensor {WEIGHT} as a pickled bytes item"),
+        (".metadata", plant_outside_entry,
+         "names '../outside.distcp', not a file directly inside the checkpoint directory"),
+    ],
+    ids=["extra_rank0", "metadata_pickle", "bytes_item", "path_outside"],
+)  # fmt: skip
 def test_export_of_a_planted_checkpoint_exits_2_without_running_it(
-    checkpoint, tmp_path, capsys, planted
+    checkpoint, tmp_path, capsys, planted, attack, said
 ):
     import shutil
 
     copy = tmp_path / "step_1"
     shutil.copytree(checkpoint, copy)
-    plant(copy / planted, tmp_path / "ran", raw_pickle=planted.endswith(".metadata"))
+    attack(copy, tmp_path / "ran")
     assert main(["export", str(copy), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert planted.split("/")[-1] in err and "could run code" in err and "Traceback" not in err
+    assert f"{copy / 'actor' / planted}" in err and said in err and "Traceback" not in err
     assert not (tmp_path / "ran").exists()
+    assert not (tmp_path / "out").exists()
 
 
 def test_resume_from_a_planted_trainer_state_does_not_run_it(checkpoint, tmp_path):

@@ -354,18 +354,17 @@ class TrainCore:
 
     def load(self, directory: str | os.PathLike, *, trainable_only: bool) -> dict:
         """Inverse of :meth:`save` (same world size); returns the ``extra`` dict."""
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_state_dict,
             set_state_dict,
         )
 
-        from hybridflow.state_files import check_dcp_metadata, load_state_file
+        from hybridflow.dcp_reader import load_state
+        from hybridflow.state_files import load_state_file
 
         self.state_writer.wait()  # a save still writing must not race the loaded state
         directory = Path(directory)
-        check_dcp_metadata(directory)  # torch unpickles it unrestricted: refuse planted code
         options = StateDictOptions(ignore_frozen_params=trainable_only)
         configured = hyperparameters(self.optimizer)  # this run's config, before loading
         host = self.host_optimizer
@@ -378,12 +377,8 @@ class TrainCore:
             state = {"model": self._keep(model_state, trainable_only)}
             if self.optimizer is not None:
                 state["optimizer"] = optim_state
-            dcp.load(
-                state,
-                checkpoint_id=str(directory),
-                process_group=self._dcp_group(),
-                no_dist=not _dist_on(),
-            )
+            # tensors and plain values only: DCP's own loader would unpickle what the files say
+            load_state(state, directory, self._dcp_group(), distributed=_dist_on())
             set_state_dict(
                 self.module,
                 optimizers,

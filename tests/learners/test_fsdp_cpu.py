@@ -130,8 +130,8 @@ def test_two_rank_fsdp_update_equals_single_process(tmp_path):
     mp.start_processes(
         _worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
     )
-    rank0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
-    rank1 = torch.load(tmp_path / "rank1.pt", weights_only=False)
+    rank0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    rank1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
 
     first, second = make_batch(seed=21), make_batch(seed=22)
     single = ActorLearner(tiny_model(), actor_config(**CFG), total_steps=4, device="cpu")

@@ -148,8 +148,8 @@ def test_two_rank_fsdp_matches_one_rank_on_qwen05b(tmp_path):
     mp.start_processes(
         _worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
     )
-    r0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
-    r1 = torch.load(tmp_path / "rank1.pt", weights_only=False)
+    r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    r1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
     both = torch.cat([r0["logprobs"], r1["logprobs"]])
     mask = both != 0
     # bf16 compute: log-probs agree to bf16 rounding of the logits.

@@ -10,6 +10,12 @@ import shutil
 import signal
 
 import pytest
+from crafted_checkpoints import (
+    declare_bytes_item,
+    planted_torch_file,
+    point_entry_at,
+    reseal,
+)
 from trainer_helpers import read_metrics, tiny_config
 
 from hybridflow.cli import main
@@ -50,6 +56,48 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(two_steps, tmp_p
     assert any("resumed from" in m and "step_1" in m for m in messages), messages
     assert sorted(read_metrics(tmp_path / "run")) == [0, 1, 2, 3]
     assert not damage(checkpoints / "step_3")
+
+
+WEIGHT = "model.lm.model.norm.weight"
+
+
+def plant_bytes_item(step, marker):
+    declare_bytes_item(step / "actor", WEIGHT, planted_torch_file(marker), "__0_9.distcp")
+
+
+def plant_outside_entry(step, marker):
+    (step / "outside.distcp").write_bytes(planted_torch_file(marker))
+    point_entry_at(step / "actor", WEIGHT, "../outside.distcp")
+
+
+def plant_trainer_state(step, marker):
+    (step / "trainer_state.pt").write_bytes(planted_torch_file(marker))
+
+
+@pytest.mark.parametrize(
+    "attack, said",
+    [
+        (plant_bytes_item, "declares the tensor model.lm.model.norm.weight as a pickled bytes"),
+        (plant_outside_entry, "names '../outside.distcp', not a file directly inside"),
+        (plant_trainer_state, "trainer_state.pt was not loaded"),
+    ],
+    ids=["bytes_item", "path_outside", "trainer_state"],
+)
+def test_a_crafted_latest_checkpoint_runs_nothing_and_resume_falls_back(
+    two_steps, tmp_path, attack, said
+):
+    """Crafted by someone who knows the format: metadata.json lists the files as they are."""
+    checkpoints = copy_of(two_steps, tmp_path)
+    attack(checkpoints / "step_2", tmp_path / "ran")
+    reseal(checkpoints / "step_2")
+    assert not damage(checkpoints / "step_2")  # only the loader can tell
+    messages = []
+    train(tiny_config(tmp_path, "trainer.total_steps=3", *SAVE_EVERY_STEP), log=messages.append)
+    assert not (tmp_path / "ran").exists()
+    refusal = next(m for m in messages if "step_2" in m and "trying the previous one" in m)
+    assert said in refusal, refusal
+    assert any("resumed from" in m and "step_1" in m for m in messages), messages
+    assert sorted(read_metrics(tmp_path / "run")) == [0, 1, 2, 3]
 
 
 def test_an_explicitly_named_damaged_checkpoint_is_refused(two_steps, tmp_path, capsys):
