@@ -99,6 +99,62 @@ def test_a_model_directory_without_config_json(capsys, tmp_path, no_model_loadin
     assert "no config.json" in err and str(model) in err and "tokenizer" not in err
 
 
+def _char_tokenizer_model(path: Path) -> Path:
+    """The tiny model directory with a tokenizer that loads (the built-in char one)."""
+    from hybridflow.models.tokenizer import build_char_tokenizer
+
+    model = tiny_model_dir(path)
+    (model / "tokenizer.json").unlink()
+    build_char_tokenizer().save_pretrained(str(model))
+    return model
+
+
+def _edit_config(model: Path, **changes) -> None:
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+MODELS_THAT_CANNOT_LOAD = {
+    "config.json is not JSON": (
+        lambda m: (m / "config.json").write_text('{"model_type": "qwen2",'),
+        "config.json is not valid JSON (line 1",
+    ),
+    "config.json is a list": (lambda m: (m / "config.json").write_text("[1, 2]"), "JSON object"),
+    "an architecture nothing builds": (
+        lambda m: _edit_config(m, model_type="florbnet", architectures=["FlorbForCausalLM"]),
+        "names model_type 'florbnet'",
+    ),
+    "weights of another shape": (lambda m: _edit_config(m, hidden_size=128), "another shape"),
+    "weights of fewer layers": (
+        lambda m: _edit_config(m, num_hidden_layers=3),
+        "tensors the model of",
+    ),
+    "a tokenizer file that does not load": (
+        lambda m: (m / "tokenizer.json").write_text("{}"),
+        "the tokenizer in",
+    ),
+}
+
+
+@pytest.mark.parametrize("command", [("config", "validate"), ("train",)])
+@pytest.mark.parametrize("case", list(MODELS_THAT_CANNOT_LOAD))
+def test_a_model_that_cannot_load_is_found_before_it_loads(
+    capsys, tmp_path, no_model_loading, command, case
+):
+    model = _char_tokenizer_model(tmp_path / "model")
+    spoil, expected = MODELS_THAT_CANNOT_LOAD[case]
+    spoil(model)
+    err = run_cli(capsys, tmp_path, f"model.path={model}", command=command)
+    assert expected in err and str(model) in err
+
+
+def test_a_model_that_can_load_passes_validate(capsys, tmp_path):
+    model = _char_tokenizer_model(tmp_path / "model")
+    run = [f"trainer.run_dir={tmp_path / 'run'}", f"trainer.cache_dir={tmp_path / 'cache'}"]
+    assert main(["config", "validate", *TINY, *run, f"model.path={model}"]) == 0
+    assert capsys.readouterr().out.strip().endswith("config OK")
+
+
 def test_a_missing_model_directory_is_not_called_a_missing_tokenizer(capsys, tmp_path, no_model_loading):  # fmt: skip
     err = run_cli(capsys, tmp_path, f"model.path={tmp_path / 'nothing'}")
     assert "model.path" in err and "not a directory" in err and "tokenizer" not in err

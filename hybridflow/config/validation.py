@@ -44,8 +44,8 @@ def model_context_length(path: str) -> int | None:
     if (p / "config.json").is_file():
         try:
             return int(json.loads((p / "config.json").read_text()).get("max_position_embeddings"))
-        except (ValueError, TypeError):
-            return None
+        except (ValueError, TypeError, AttributeError, RecursionError, OSError):
+            return None  # an unreadable config.json is reported by the model checks
     try:
         from hybridflow.models.presets import PRESETS
 

@@ -19,8 +19,11 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def read_hf_config(path: str) -> dict:
-    with open(os.path.join(path, "config.json")) as f:
-        return json.load(f)
+    """config.json of the model directory ``path`` (ModelConfigError naming the file and
+    line when it is not a JSON object)."""
+    from hybridflow.models.loadability import read_config_json
+
+    return read_config_json(path)
 
 
 def checkpoint_files(path: str) -> list[str]:

@@ -81,7 +81,16 @@ def load_tokenizer(name_or_path: str):
         )
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    except Exception as error:  # transformers raises anything from KeyError to OSError here
+        raise ConfigError(
+            [
+                f"the tokenizer in {name_or_path} cannot be loaded ({type(error).__name__}: "
+                f"{error}): copy the tokenizer files (tokenizer.json, tokenizer_config.json, "
+                f"...) of the model again, or set model.tokenizer_path to a directory that has them"
+            ]
+        ) from error
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token  # batching needs some pad id
     return tokenizer

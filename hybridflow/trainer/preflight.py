@@ -241,6 +241,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 def model_problems(model_path: str, tokenizer_path: str | None) -> list[str]:
     """A local model directory holds config.json, complete safetensors and a tokenizer."""
     from hybridflow.models.hf_checkpoint import INDEX_FILE, SINGLE_FILE, safetensors_problem
+    from hybridflow.models.loadability import config_problems
     from hybridflow.models.presets import PRESETS
 
     if model_path.startswith("sft:") or model_path in PRESETS:
@@ -256,7 +257,7 @@ def model_problems(model_path: str, tokenizer_path: str | None) -> list[str]:
             f"model.path = {model_path}: no config.json there: point model.path at the Hugging "
             f"Face model directory itself (the one holding config.json and *.safetensors)"
         ]
-    problems = []
+    problems = [f"model.path: {problem}" for problem in config_problems(path)]
     files = sorted(path.glob("*.safetensors"))
     if not files and not (path / INDEX_FILE).is_file():
         problems.append(
