@@ -1,9 +1,8 @@
 """Running model-written Python in a separate process with limits, and the "python" tool.
 
 Each program runs in a fresh interpreter (`sys.executable -I`, so the same packages are
-importable and no PYTHON* variable applies) in its own session and process group, in an
-empty temporary directory that is removed afterwards, with a minimal environment and
-stdin at EOF unless input is given. What stops a program:
+importable and no PYTHON* variable applies) in its own session and process group, with a
+minimal environment and stdin at EOF unless input is given. What stops a program:
 
   wall clock    the parent kills the whole process group (SIGKILL) -> "timeout"
   CPU time      RLIMIT_CPU, SIGXCPU at `cpu_s` and SIGKILL a second later -> "cpu_limit"
@@ -14,10 +13,21 @@ stdin at EOF unless input is given. What stops a program:
                 killed -> "output_limit"
   network       an empty network namespace (no interfaces, not even loopback up)
 
-When the program ends, whatever it left running dies with it: its process group, and
-every process in the run's own network namespace (which finds those that left the group
-with setsid). With `network=True`, or where no namespace could be made, a process that
-left the group outlives the run, though not its CPU limit.
+Isolation (`SandboxLimits.isolation`):
+
+  strict   a jail per program (sandbox_jail.py): its own mount, pid, ipc, uts and network
+           namespaces; a root of its own where only an empty working directory, /tmp and
+           /dev/shm (one tmpfs of `scratch_bytes`) are writable, the system and the
+           interpreter are read-only, and /proc shows its own processes. It cannot read
+           the machine's files, see or signal other programs, or leave files behind; when
+           it ends, the kernel kills everything left in its pid namespace.
+  basic    an empty temporary working directory, removed afterwards; the program sees the
+           machine's files and processes with the rights of its user. Whatever it left
+           running dies with its process group and its network namespace (which finds those
+           that left the group with setsid); with `network=True`, or where no namespace
+           could be made, a process that left the group outlives the run.
+  auto     strict where the machine allows it (found once per process, `jail_unavailable`),
+           else basic with a warning saying why.
 
 The limits are set by a small bootstrap that runs in the child interpreter and then execs
 the program, rather than by a `preexec_fn`: a preexec_fn runs Python between fork and
@@ -26,13 +36,14 @@ exec, which can deadlock in a parent that has threads (a trainer has many), and 
 parent.
 
 Root ignores RLIMIT_NPROC and should not run model code anyway, so as root the bootstrap
-drops to `nobody` (uid/gid 65534) after creating the namespaces. Where nobody cannot reach
-the interpreter (a Python under /root, mode 0700), the bootstrap, in a private mount
-namespace, covers each such directory with an empty tmpfs and binds back only the entries
-the interpreter needs, so the rest stays hidden. Where privileges cannot be dropped, the
-program runs anyway and its stderr starts with a "[sandbox] ..." line saying which limit
-is not enforced. Without root, network isolation needs an unprivileged user namespace.
-`sandbox_capabilities()` reports what this machine provides.
+drops to `nobody` (uid/gid 65534) after creating the namespaces; without root (or without
+CAP_SYS_ADMIN) the jail needs an unprivileged user namespace, where the program is nobody
+too. Under basic isolation, where nobody cannot reach the interpreter (a Python under
+/root, mode 0700), the bootstrap, in a private mount namespace, covers each such directory
+with an empty tmpfs and binds back only the entries the interpreter needs. Where
+privileges cannot be dropped, the program runs anyway and its stderr starts with a
+"[sandbox] ..." line saying which limit is not enforced. `sandbox_capabilities()` reports
+what this machine provides.
 
 RLIMIT_NPROC counts every process and thread of a user, not of one program, so the
 bootstrap sets it to the user's current count plus `max_processes` (in a fresh user
@@ -49,6 +60,7 @@ import concurrent.futures
 import contextlib
 import functools
 import json
+import logging
 import os
 import shutil
 import signal
@@ -60,6 +72,7 @@ import weakref
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
+from hybridflow.agents.sandbox_jail import JAIL_WORKDIR, jail_config
 from hybridflow.agents.sandbox_limits import (
     _HARD_CAP_FACTOR,
     SandboxError,
@@ -81,8 +94,7 @@ from hybridflow.agents.sandbox_setup import (
 )
 from hybridflow.agents.tools import check_arguments
 
-"""uid and gid the sandbox drops to when it runs as root."""
-
+log = logging.getLogger("hybridflow.sandbox")
 _DRAIN_S = 0.5  # after the program exits, how long a stray descendant may hold its pipes
 _T = TypeVar("_T")
 
@@ -193,18 +205,23 @@ def _split_header(stderr: bytes) -> tuple[dict, int]:
 
 
 async def _execute(code: str, limits: SandboxLimits, stdin_text: str | None) -> SandboxResult:
+    level = await _isolation_level(limits.isolation)
+    return await _execute_at(level, code, limits, stdin_text)
+
+
+async def _execute_at(
+    level: str, code: str, limits: SandboxLimits, stdin_text: str | None
+) -> SandboxResult:
+    """Run `code` under isolation `level` ("strict" or "basic")."""
     root = tempfile.mkdtemp(prefix="hybridflow-sandbox-")
     try:
         os.chmod(root, 0o711)  # nobody may reach the program and its directory, not list them
-        program, workdir = os.path.join(root, "main.py"), os.path.join(root, "work")
+        program = os.path.join(root, "main.py")
         with open(program, "w", encoding="utf-8") as file:
             file.write(code)
         os.chmod(program, 0o644)
-        os.mkdir(workdir, 0o700)
-        as_root = os.geteuid() == 0
-        if as_root:
-            os.chown(workdir, NOBODY, NOBODY)
         config = {
+            "isolation": level,
             "python": sys.executable,
             "program": program,
             "cpu_s": int(limits.cpu_s),
@@ -212,18 +229,71 @@ async def _execute(code: str, limits: SandboxLimits, stdin_text: str | None) -> 
             "file_bytes": int(limits.file_bytes),
             "max_processes": int(limits.max_processes),
             "network": limits.network,
-            "drop_to": NOBODY,
-            "hidden": _hidden_directories(NOBODY) if as_root else (),
-            "needed": [*_interpreter_paths(), workdir] if as_root else [],
+            "nobody": NOBODY,
             "header": _HEADER.decode(),
+            "setup_failed": _SETUP_FAILED,
+            "setup_exit": _SETUP_EXIT,
         }
-        return await _supervise(config, workdir, limits, stdin_text)
+        if level == "strict":
+            config["jail"] = jail_config(root, program, limits.network, limits.scratch_bytes)
+            return await _supervise(config, root, _environment(JAIL_WORKDIR, "/tmp"), limits,
+                                    stdin_text)  # fmt: skip
+        workdir = os.path.join(root, "work")
+        os.mkdir(workdir, 0o700)
+        as_root = os.geteuid() == 0
+        if as_root:
+            with contextlib.suppress(OSError):  # no nobody here: the program stays root
+                os.chown(workdir, NOBODY, NOBODY)
+        config["hidden"] = _hidden_directories(NOBODY) if as_root else ()
+        config["needed"] = [sys.executable, *_interpreter_paths(), workdir] if as_root else []
+        return await _supervise(config, workdir, _environment(workdir, workdir), limits,
+                                stdin_text)  # fmt: skip
     finally:
         _remove_tree(root)
 
 
+async def _isolation_level(requested: str) -> str:
+    """What isolation `requested` ("auto", "strict", "basic") comes to here: strict or basic."""
+    if requested == "basic":
+        return "basic"
+    if jail_unavailable.cache_info().currsize:
+        why = jail_unavailable()
+    else:  # the first run of this process: find out once, without blocking the loop
+        why = await asyncio.to_thread(jail_unavailable)
+    if not why:
+        return "strict"
+    if requested == "strict":
+        raise SandboxError(
+            f"strict isolation was asked for (isolation=strict), but this machine cannot "
+            f"build the sandbox's jail: {why}. Run where namespaces are allowed (as root with "
+            f"CAP_SYS_ADMIN, or with unprivileged user namespaces; a container needs "
+            f"--cap-add SYS_ADMIN or --privileged), or accept isolation=basic "
+            f"(docs/troubleshooting.md, section 'The code sandbox')"
+        )
+    return "basic"
+
+
+@functools.cache
+def jail_unavailable() -> str:
+    """Why programs cannot run in the jail on this machine ("" when they can): found once per
+    process by running an empty program in it, and said once (logged: info, or a warning
+    when programs will run with basic isolation only)."""
+    try:
+        result = run_blocking(_execute_at("strict", "", SandboxLimits(timeout_s=60), None))
+        why = "" if result.ok else f"an empty program ended with {result.status}: {result.stderr}"
+    except SandboxError as error:
+        why = str(error).removeprefix(_SETUP_FAILED).removeprefix("OSError: ").strip()
+    if why:
+        log.warning(
+            "code sandbox: basic isolation only (programs can read what user nobody can and "
+            "see other processes); the jail is not possible here: %s", why)  # fmt: skip
+    else:
+        log.info("code sandbox: strict isolation (each program in its own jail)")
+    return why
+
+
 async def _supervise(
-    config: dict, workdir: str, limits: SandboxLimits, stdin_text: str | None
+    config: dict, cwd: str, env: dict, limits: SandboxLimits, stdin_text: str | None
 ) -> SandboxResult:
     loop = asyncio.get_running_loop()
     keep = limits.max_output_bytes
@@ -234,8 +304,8 @@ async def _supervise(
         stdin=subprocess.DEVNULL if stdin_text is None else subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        cwd=workdir,
-        env=_environment(workdir),
+        cwd=cwd,
+        env=env,
         start_new_session=True,
     )  # fmt: skip
     timed_out = False
@@ -350,12 +420,13 @@ def run_blocking(awaitable: Awaitable[_T]) -> _T:
 @functools.cache
 def sandbox_capabilities() -> dict[str, Any]:
     """What the sandbox enforces on this machine, found by running an empty program once:
-    user (the uid programs run as), network_isolated, process_limit, unenforced, notes
-    (why a namespace could not be made)."""
+    isolation ("strict" or "basic"), user (the uid programs run as), network_isolated,
+    process_limit, unenforced, notes (what the host did not allow), jail_unavailable (why
+    there is no strict isolation here; "" where there is)."""
     result = run_code_sync("", SandboxLimits(timeout_s=60))
     if result.status != "ok":
         raise RuntimeError(f"the sandbox cannot run an empty program: {result.stderr[-2000:]}")
-    return dict(result.isolation)
+    return {**result.isolation, "jail_unavailable": jail_unavailable()}
 
 
 def network_isolation_available() -> bool:

@@ -11,6 +11,8 @@ from typing import Any
 # past this many times max_output_bytes in all, the program's group is killed
 _HARD_CAP_FACTOR = 4
 
+ISOLATION_LEVELS = ("auto", "strict", "basic")
+
 STATUSES = ("ok", "error", "timeout", "cpu_limit", "memory_limit", "output_limit", "killed")
 
 _MEMORY_HINTS = re.compile(
@@ -52,8 +54,25 @@ class SandboxLimits:
     concurrency: int = 8
     """Programs one `Sandbox` runs at once (per event loop); further runs wait their turn."""
 
+    isolation: str = "auto"
+    """"strict": each program in a jail of its own (sandbox_jail.py): it sees only its own
+    empty directory, /tmp and /dev/shm, a read-only system and interpreter, and its own
+    processes; a machine that cannot build the jail refuses to run programs (SandboxError).
+    "basic": no jail; the program sees the machine's files (as nobody, when run as root)
+    and processes. "auto": strict where this machine allows it, else basic, said once in a
+    warning (`sandbox_capabilities()`)."""
+
+    scratch_bytes: int = 64 << 20
+    """Under strict isolation, bytes the program may keep in files at once: its directory,
+    /tmp and /dev/shm together (memory-backed); a write past it fails with ENOSPC."""
+
     def __post_init__(self):
-        for name in ("timeout_s", "cpu_s", "memory_bytes", "file_bytes", "max_output_bytes"):
+        if self.isolation not in ISOLATION_LEVELS:
+            raise ValueError(
+                f"SandboxLimits.isolation must be one of {ISOLATION_LEVELS}, got {self.isolation!r}"
+            )
+        for name in ("timeout_s", "cpu_s", "memory_bytes", "file_bytes", "max_output_bytes",
+                     "scratch_bytes"):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)}")
         if self.max_processes < 1 or self.concurrency < 1:
@@ -75,8 +94,9 @@ class SandboxResult:
     reason: str = ""
     """Why the sandbox says the program stopped, when a limit stopped it."""
     isolation: dict[str, Any] = field(default_factory=dict)
-    """What the run was isolated with: user (uid), network_isolated, network_namespace,
-    process_limit, unenforced (limits that did not hold), notes (why a namespace failed)."""
+    """What the run was isolated with: isolation ("strict" or "basic"), user (uid),
+    network_isolated, network_namespace (basic), process_limit, unenforced (limits that did
+    not hold), notes (what the host did not allow)."""
 
     @property
     def ok(self) -> bool:
