@@ -16,8 +16,9 @@ killed at any point leaves the previous complete checkpoint as `latest()`. A sav
 written while training goes on (trainer/pending_save.py): the marker and the rename still
 come only after every file is on disk, and pruning only after the rename.
 
-`metadata.json` lists every file with its size: `damage(path)` finds a checkpoint whose
-files were truncated or deleted afterwards, and resuming falls back to an older one.
+`metadata.json` lists every file with its size: `damage(path)` (checkpoint_files.py) finds a
+checkpoint whose files were truncated or deleted afterwards, or that holds a link, and
+resuming falls back to an older one.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ import numpy as np
 
 from hybridflow.config import ConfigError
 from hybridflow.errors import UserError, is_disk_full
+from hybridflow.trainer.checkpoint_files import METADATA_FILE, file_sizes
 
 COMPLETE_MARKER = "COMPLETE"
-METADATA_FILE = "metadata.json"
 RNG_FILE = "rng_state.pt"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -49,33 +50,6 @@ def is_complete(path: str | Path) -> bool:
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
     return json.loads((Path(path) / METADATA_FILE).read_text())
-
-
-def file_sizes(directory: Path) -> dict[str, int]:
-    """``{relative path: bytes}`` of every file under ``directory``."""
-    return {
-        str(path.relative_to(directory)): path.stat().st_size
-        for path in sorted(directory.rglob("*"))
-        if path.is_file()
-    }
-
-
-def damage(path: str | Path) -> list[str]:
-    """What is wrong with a complete checkpoint's files: missing or of another size than
-    when saved (checkpoints of earlier versions list no files: only metadata is checked)."""
-    path = Path(path)
-    try:
-        listed = read_metadata(path).get("files", {})
-    except (OSError, ValueError) as error:
-        return [f"{METADATA_FILE} unreadable ({error})"]
-    problems = []
-    for name, size in listed.items():
-        file = path / name
-        if not file.is_file():
-            problems.append(f"{name} is missing")
-        elif file.stat().st_size != size:
-            problems.append(f"{name} has {file.stat().st_size} bytes, {size} when saved")
-    return problems
 
 
 def _fsync_tree(path: Path) -> None:

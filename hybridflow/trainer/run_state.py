@@ -144,7 +144,7 @@ def model_hf_config(path: str) -> dict:
 def resume(run: RunContext, log=print) -> Path | None:
     """Load the checkpoint ``trainer.resume`` names (auto: the newest complete one whose files
     are intact, falling back to older ones with a message); None when there is none."""
-    from hybridflow.trainer.checkpoint import damage
+    from hybridflow.trainer.checkpoint_files import damage
 
     resume_setting = run.cfg.trainer.resume
     candidates = run.checkpoints.resume_candidates(resume_setting)

@@ -20,7 +20,8 @@ from trainer_helpers import read_metrics, tiny_config
 
 from hybridflow.cli import main
 from hybridflow.errors import RunStopped, UserError
-from hybridflow.trainer.checkpoint import CheckpointManager, damage
+from hybridflow.trainer.checkpoint import CheckpointManager
+from hybridflow.trainer.checkpoint_files import damage
 from hybridflow.trainer.run import train
 
 SAVE_EVERY_STEP = ("trainer.save_freq=1", "trainer.keep_last_k=3", "actor.lr=1e-3")
@@ -39,11 +40,20 @@ def copy_of(two_steps, tmp_path):
     return tmp_path / "run" / "checkpoints"
 
 
+def link_a_shard(step):
+    """The shard moved out of the checkpoint and linked back: same bytes, refused."""
+    shard = step / "actor" / "__0_0.distcp"
+    outside = step.parent / "outside.distcp"
+    shard.rename(outside)
+    shard.symlink_to(outside)
+
+
 @pytest.mark.parametrize(
     "harm",
     [
         pytest.param(lambda step: (step / "actor" / "__0_0.distcp").write_bytes(b"x"), id="truncated"),
         pytest.param(lambda step: (step / "actor" / "extra_rank0.pt").unlink(), id="missing"),
+        pytest.param(link_a_shard, id="link"),
     ],
 )  # fmt: skip
 def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(two_steps, tmp_path, harm):
