@@ -1,4 +1,5 @@
-"""Model runtime: one Llama-family decoder that reads and writes Hugging Face checkpoints.
+"""Model runtime: one Llama-family decoder (dense or mixture-of-experts) that reads and writes
+Hugging Face checkpoints.
 
 model = load_model("qwen2.5-0.5b", dtype=torch.bfloat16, device="cuda")  # preset, random
 model = load_model("/path/to/hf_dir")                                    # HF checkpoint
@@ -8,6 +9,7 @@ tokenizer = load_tokenizer("/path/to/hf_dir")  # or "char" for the built-in one
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -51,9 +53,10 @@ def load_model(
 ):
     """A preset name (random init with a fixed seed) or a local HF model directory.
 
-    backend: "auto" uses our decoder for llama/mistral/qwen2/qwen3 checkpoints and falls back to
-    transformers' AutoModelForCausalLM (slower; same forward/forward_packed/save_pretrained
-    interface, see hf_fallback.py) for anything else; "native" or "hf" force one.
+    backend: "auto" uses our decoder for llama/mistral/qwen2/qwen3/qwen3_moe/mixtral checkpoints
+    and falls back, with a one-line notice on stderr, to transformers' AutoModelForCausalLM
+    (slower; same forward/forward_packed/save_pretrained interface, see hf_fallback.py) for
+    anything else; "native" or "hf" force one.
     """
     if backend not in ("auto", "native", "hf"):
         raise ValueError(f"backend={backend!r} must be 'auto', 'native' or 'hf'")
@@ -71,7 +74,14 @@ def load_model(
     from hybridflow.models.hf_checkpoint import load_model_from_dir, read_hf_config
 
     if backend == "auto":
-        backend = "native" if _native_supports(read_hf_config(name_or_path)) else "hf"
+        problem = native_support_problem(read_hf_config(name_or_path))
+        backend = "native" if problem is None else "hf"
+        if problem is not None:
+            print(
+                f"hybridflow: {name_or_path}: {problem}; loading it through transformers "
+                "(slower: padded training, rollout with HF generate)",
+                file=sys.stderr,
+            )
     if backend == "native":
         return load_model_from_dir(name_or_path, dtype=dtype, device=device)
     from hybridflow.models.hf_fallback import load_hf_model
@@ -79,14 +89,33 @@ def load_model(
     return load_hf_model(name_or_path, dtype=dtype, device=device)
 
 
-def _native_supports(hf_config: dict) -> bool:
-    if hf_config.get("model_type") not in SUPPORTED_MODEL_TYPES:
-        return False
+def native_support_problem(hf_config: dict) -> str | None:
+    """Why our decoder cannot run this config.json (one short clause), or None if it can."""
+    model_type = hf_config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        kind = _unsupported_router(hf_config)
+        detail = f" ({kind})" if kind else ""
+        return f"model_type {model_type!r}{detail} is not in our decoder"
+    if hf_config.get("hidden_act", "silu") != "silu" or hf_config.get("mlp_bias", False):
+        return f"hidden_act={hf_config.get('hidden_act')!r} or mlp_bias is not in our decoder"
+    if float(hf_config.get("router_jitter_noise") or 0.0) > 0:
+        return "router_jitter_noise (random router input scaling in training) is not in our decoder"
     try:
         ModelArchitecture.from_hf(hf_config)
-    except (ValueError, KeyError):
-        return False
-    return hf_config.get("hidden_act", "silu") == "silu" and not hf_config.get("mlp_bias", False)
+    except (ValueError, KeyError) as error:
+        return f"config.json: {error}"
+    return None
+
+
+def _unsupported_router(hf_config: dict) -> str | None:
+    """The mixture-of-experts feature a config names that our router lacks, if any."""
+    if hf_config.get("n_group") or hf_config.get("topk_group"):
+        return "grouped top-k routing (DeepSeek)"
+    if hf_config.get("shared_expert_intermediate_size") or hf_config.get("n_shared_experts"):
+        return "shared experts"
+    if hf_config.get("num_experts") or hf_config.get("num_local_experts"):
+        return "a mixture of experts our router does not implement"
+    return None
 
 
 def load_tokenizer(name_or_path: str):

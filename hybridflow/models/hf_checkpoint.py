@@ -11,6 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hybridflow.errors import UserError
+from hybridflow.models import expert_checkpoint
 from hybridflow.models.architecture import ModelArchitecture
 from hybridflow.models.llama import CausalLM
 
@@ -75,22 +76,34 @@ def load_model_from_dir(
     path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> CausalLM:
     """Build the model on the meta device (no memory), then put each checkpoint tensor in place
-    as it is read (cast + moved once), so peak memory is one copy of the weights."""
+    as it is read (cast + moved once), so peak memory is one copy of the weights. Experts are
+    read per expert or packed (expert_checkpoint.py)."""
     config = ModelArchitecture.from_hf(read_hf_config(path))
     with torch.device("meta"):
         model = CausalLM(config)
-    expected = set(model.state_dict())
+    shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
+    expected = set(shapes)
     if config.tie_word_embeddings:
         expected.discard("lm_head.weight")
     state: dict[str, torch.Tensor] = {}
+    slices_read: set[tuple[str, int, str]] = set()
     for name, tensor in iter_checkpoint_tensors(path):
-        if name in expected:
-            state[name] = tensor.to(device=device, dtype=dtype)
+        target, expert, part = expert_checkpoint.memory_name(name)
+        if expert is not None and target in expected:
+            if target not in state:
+                state[target] = torch.empty(shapes[target], dtype=dtype, device=device)
+            expert_checkpoint.place_expert_slice(state[target], expert, part, tensor)
+            slices_read.add((target, expert, part))
+        elif target in expected:
+            state[target] = tensor.to(device=device, dtype=dtype)
         elif not (config.tie_word_embeddings and name == "lm_head.weight"):
             # Unused extras (e.g. rotary inv_freq buffers of old checkpoints) are skipped.
             if not name.endswith("rotary_emb.inv_freq"):
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {config.model_type}")
     missing = sorted(expected - set(state))
+    assembled = sorted({target for target, _, _ in slices_read})
+    missing_slices = expert_checkpoint.expert_slices_expected(assembled, config.num_experts)
+    missing += sorted(f"{n} expert {e} {p}" for n, e, p in missing_slices - slices_read)
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks {len(missing)} tensors, e.g. {missing[:5]}")
     if config.tie_word_embeddings:
@@ -114,6 +127,7 @@ def save_model(model: CausalLM, directory: str, max_shard_size: int = 5 * 1024**
         for name, tensor in model.state_dict().items()
         if not (model.config.tie_word_embeddings and name == "lm_head.weight")
     }
+    state = dict(expert_checkpoint.checkpoint_tensors(model.config.model_type, state))
     shards = _split_into_shards(state, max_shard_size)
     for stale in (SINGLE_FILE, INDEX_FILE):
         if os.path.exists(os.path.join(directory, stale)):

@@ -1,8 +1,9 @@
-"""One decoder for the Llama family: Llama 2/3/3.1, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (qk-norm).
+"""One decoder for the Llama family: Llama 2/3/3.1, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (qk-norm),
+and their mixture-of-experts relatives Qwen3-MoE and Mixtral (sparse MLPs: models/moe.py).
 
-Parameter names equal Hugging Face's, so checkpoints load and save without renaming. A layer
-works on any leading shape ([B, T, H] padded or [N, H] packed); only the attention function
-passed in differs, so the padded and packed forwards share every other line.
+Parameter names equal Hugging Face's (transformers 5's in memory), so state dicts move without
+renaming. A layer works on any leading shape ([B, T, H] padded or [N, H] packed); only the
+attention function passed in differs, so the padded and packed forwards share every other line.
 """
 
 from __future__ import annotations
@@ -19,7 +20,11 @@ from hybridflow.models.attention import (
     padded_causal_attention,
     resolve_backend,
 )
+from hybridflow.models.moe import SparseMoeBlock
 from hybridflow.models.rope import apply_rope, rope_cos_sin
+
+# One sparse layer's routing from a forward: (router_logits [N, E], topk_ids [N, k]).
+RouterTrace = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class RMSNorm(nn.Module):
@@ -90,18 +95,30 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelArchitecture):
+    def __init__(self, config: ModelArchitecture, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.sparse = config.is_sparse_layer(index)
+        self.mlp = SparseMoeBlock(config) if self.sparse else MLP(config)
 
     def forward(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
-    ) -> torch.Tensor:
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: Attend,
+        recorded_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """-> (hidden, router_logits [N, E], topk_ids [N, k]); the routing is None on a dense
+        layer. recorded_ids [N, k]: routes to replay (sparse layers; moe.NO_ROUTE = free)."""
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attend)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        normed = self.post_attention_layernorm(hidden)
+        if not self.sparse:
+            return hidden + self.mlp(normed), None, None
+        out, router_logits, topk_ids = self.mlp.forward_routed(normed, recorded_ids)
+        return hidden + out, router_logits, topk_ids
 
 
 class DecoderStack(nn.Module):
@@ -110,7 +127,9 @@ class DecoderStack(nn.Module):
     def __init__(self, config: ModelArchitecture):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, index) for index in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -153,6 +172,9 @@ class CausalLM(nn.Module):
                     module.bias.zero_()
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+            elif isinstance(module, SparseMoeBlock):  # router and experts: HF's normal(0, std)
+                for param in module.parameters():
+                    param.normal_(0.0, std, generator=generator)
 
     def enable_gradient_checkpointing(self, enabled: bool = True) -> None:
         self.gradient_checkpointing = enabled
@@ -177,20 +199,42 @@ class CausalLM(nn.Module):
             )
 
     def _run_layers(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: Attend,
+        routed_experts: torch.Tensor | None = None,
+        router_trace: RouterTrace | None = None,
     ) -> torch.Tensor:
+        """routed_experts [N, L_sparse, k]: routes to replay, one slice per sparse layer in
+        order; router_trace: gets each sparse layer's (router_logits, topk_ids) appended."""
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        sparse_index = 0
         for layer in self.model.layers:
+            recorded = None
+            if routed_experts is not None and layer.sparse:
+                recorded = routed_experts[:, sparse_index]
             if recompute:
-                hidden = checkpoint(layer, hidden, cos, sin, attend, use_reentrant=False)
+                hidden, logits, ids = checkpoint(
+                    layer, hidden, cos, sin, attend, recorded, use_reentrant=False
+                )
             else:
-                hidden = layer(hidden, cos, sin, attend)
+                hidden, logits, ids = layer(hidden, cos, sin, attend, recorded)
+            if layer.sparse:
+                sparse_index += 1
+                if router_trace is not None:
+                    router_trace.append((logits, ids))
         return self.model.norm(hidden)
 
     def forward_hidden(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        router_trace: RouterTrace | None = None,
     ) -> torch.Tensor:
-        """input_ids [B, T], attention_mask [B, T] (left or right padding) -> hidden [B, T, H]."""
+        """input_ids [B, T], attention_mask [B, T] (left or right padding) -> hidden [B, T, H].
+        router_trace: as in forward_packed, with the B*T tokens flattened row by row."""
         if attention_mask is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
             positions = positions.expand(input_ids.shape)
@@ -203,13 +247,16 @@ class CausalLM(nn.Module):
         def attend(q, k, v):
             return padded_causal_attention(q, k, v, attention_mask)
 
-        return self._run_layers(hidden, cos, sin, attend)
+        return self._run_layers(hidden, cos, sin, attend, router_trace=router_trace)
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        router_trace: RouterTrace | None = None,
     ) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V] in the model dtype."""
-        return self.lm_head(self.forward_hidden(input_ids, attention_mask))
+        return self.lm_head(self.forward_hidden(input_ids, attention_mask, router_trace))
 
     def forward_packed(
         self,
@@ -217,11 +264,16 @@ class CausalLM(nn.Module):
         position_ids: torch.Tensor,
         cu_seqlens: torch.Tensor,
         max_seqlen: int,
+        routed_experts: torch.Tensor | None = None,
+        router_trace: RouterTrace | None = None,
     ) -> torch.Tensor:
         """Many sequences concatenated: input_ids/position_ids [N], cu_seqlens int32 [S+1].
 
         Returns the final-norm hidden states [N, H] (no lm_head: log-probs are computed from
-        them in chunks, see logprobs.py). Attention never crosses a sequence boundary."""
+        them in chunks, see logprobs.py). Attention never crosses a sequence boundary.
+        Mixture-of-experts models: routed_experts int [N, L_sparse, k] replays recorded routes
+        (moe.NO_ROUTE rows route freely); router_trace, a list, receives each sparse layer's
+        (router_logits [N, E], topk_ids [N, k]) for the router losses and metrics."""
         self._check_window(int(max_seqlen))
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.config, position_ids, hidden.dtype)
@@ -233,7 +285,7 @@ class CausalLM(nn.Module):
             input_ids.shape[0],
             deterministic=self.deterministic_attention,
         )
-        return self._run_layers(hidden, cos, sin, attend)
+        return self._run_layers(hidden, cos, sin, attend, routed_experts, router_trace)
 
     # -- io -----------------------------------------------------------------------------------
 

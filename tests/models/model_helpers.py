@@ -23,7 +23,7 @@ def small_config(model_type: str, **changes) -> ModelArchitecture:
         max_position_embeddings=256,
         tie_word_embeddings=False,
         attention_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
@@ -44,3 +44,19 @@ def randomized_model(config: ModelArchitecture, seed: int = 0):
             elif name.endswith(".bias"):
                 param.copy_(0.1 * torch.randn(param.shape, generator=generator))
     return model.eval()
+
+
+def small_moe_config(model_type: str = "qwen3_moe", **changes) -> ModelArchitecture:
+    """A few-thousand-parameter mixture of experts: 3 layers, 6 experts, top-2."""
+    fields = dict(
+        num_hidden_layers=3,
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.01,
+    )
+    if model_type == "qwen3_moe":
+        fields.update(mlp_only_layers=(1,), norm_topk_prob=False)
+    fields.update(changes)
+    return small_config(model_type, **fields)

@@ -23,7 +23,7 @@ def _run_compiled_layer(device: str, backend: str, dtype: torch.dtype) -> None:
         positions = torch.cat([torch.arange(k) for k in lengths]).to(device)
         cos, sin = rope_cos_sin(config, positions, dtype)
         attend = make_packed_attention(backend, cu_seqlens, 64, n)
-        compiled(x, cos, sin, attend).sum().backward()
+        compiled(x, cos, sin, attend)[0].sum().backward()  # (hidden, routing)
         assert x.grad.shape == x.shape
 
 

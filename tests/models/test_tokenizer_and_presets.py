@@ -77,8 +77,8 @@ def test_unknown_names_fail_with_the_options():
 def test_preset_shapes_and_hf_round_trip(name):
     config = PRESETS[name]
     assert ModelArchitecture.from_hf(config.to_hf()) == config.replace(torch_dtype="float32")
-    if name.startswith("tiny"):
-        assert config.num_parameters() < 1_000_000
+    if name.startswith("tiny"):  # CPU-fast: what a token runs through
+        assert config.num_parameters(active=True) < 1_000_000
     hf_config = transformers.AutoConfig.for_model(**config.to_hf())
     with torch.device("meta"):
         hf_model = transformers.AutoModelForCausalLM.from_config(hf_config)
@@ -109,6 +109,7 @@ PUBLISHED_BILLIONS = {
     "qwen3-8b": 8.2,
     "qwen3-14b": 14.8,
     "llama3.1-8b": 8.03,
+    "qwen3-30b-a3b": 30.5,
 }
 
 
@@ -123,3 +124,7 @@ def test_the_large_presets_need_the_decoder_features_they_name():
     assert PRESETS["qwen3-8b"].qk_norm and PRESETS["qwen3-14b"].qk_norm  # parity: test_parity
     assert PRESETS["llama3.1-8b"].rope_type == "llama3"
     assert not PRESETS["qwen3-8b"].tie_word_embeddings and PRESETS["qwen2.5-3b"].tie_word_embeddings
+    # Qwen3-30B-A3B's card: 3.3 B activated (8 of 128 experts on each of its 48 layers)
+    moe = PRESETS["qwen3-30b-a3b"]
+    assert 3.3 <= moe.num_parameters(active=True) / 1e9 < 3.4
+    assert moe.sparse_layer_indices() == list(range(48)) and moe.norm_topk_prob

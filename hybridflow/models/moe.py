@@ -1,0 +1,199 @@
+"""Sparse mixture-of-experts MLP: a softmax top-k router and SwiGLU experts in packed tensors.
+
+Parameter names and layout are transformers 5's in-memory ones (Qwen3-MoE, Mixtral), so a
+state dict moves between the two without renaming:
+
+    mlp.gate.weight                [E, H]      router
+    mlp.experts.gate_up_proj       [E, 2I, H]  gate rows 0..I-1, then up rows I..2I-1
+    mlp.experts.down_proj          [E, H, I]
+
+The math is pure functions (``select_experts``, ``replayed_weights``, ``moe_experts``) that the
+module only wires together, so the engine and the tests call the same code. Routing replay
+(rollout -> trainer): the expert ids come from the rollout, the gate weights are recomputed from
+the current router's probabilities at those ids, so the router still gets gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+EXPERT_BACKENDS = ("auto", "grouped_mm", "loop")
+
+# Marks a token with no recorded route in routed_experts: the router picks its experts.
+NO_ROUTE = -1
+
+
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (topk_ids [T, k] int64, topk_weights [T, k] fp32).
+
+    Softmax over all experts in fp32, then the k largest probabilities, renormalised to sum
+    to 1 iff norm_topk_prob (Qwen3-MoE reads it from config.json; Mixtral always does)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    topk_weights, topk_ids = probs.topk(top_k, dim=-1)
+    if norm_topk_prob:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_ids, topk_weights
+
+
+def router(
+    hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hidden [T, H], gate_weight [E, H] -> (topk_ids [T, k], topk_weights [T, k] fp32,
+    router_logits [T, E] in hidden's dtype)."""
+    router_logits = F.linear(hidden, gate_weight)
+    topk_ids, topk_weights = select_experts(router_logits, top_k, norm_topk_prob)
+    return topk_ids, topk_weights, router_logits
+
+
+def replayed_weights(
+    router_logits: torch.Tensor, topk_ids: torch.Tensor, norm_topk_prob: bool
+) -> torch.Tensor:
+    """Gate weights [T, k] fp32 of given expert ids under the current router: the softmax
+    probabilities at ``topk_ids``, renormalised iff norm_topk_prob. Differentiable in the
+    logits, so the router learns under a replayed routing."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights = probs.gather(-1, topk_ids)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights
+
+
+def replay_routes(
+    router_logits: torch.Tensor, recorded_ids: torch.Tensor, top_k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_ids, topk_weights) with the recorded ids [T, k] where a token has them and the
+    router's own choice where its row holds NO_ROUTE (padding, a token never fed back)."""
+    free_ids, _ = select_experts(router_logits, top_k, norm_topk_prob)
+    recorded = (recorded_ids >= 0).all(dim=-1, keepdim=True)  # [T, 1]
+    topk_ids = torch.where(recorded, recorded_ids.to(free_ids.dtype), free_ids)
+    return topk_ids, replayed_weights(router_logits, topk_ids, norm_topk_prob)
+
+
+def resolve_expert_backend(
+    backend: str, device: torch.device, widths: tuple[int, ...] = (), element_size: int = 2
+) -> str:
+    """The backend for "auto": one grouped GEMM per projection on the GPU (Hopper: 0.69 ms
+    against 24.5 ms for a per-expert loop at the Qwen3-30B-A3B shape), the loop on the CPU
+    (the reference). torch._grouped_mm needs each operand row (``widths`` elements) to be a
+    multiple of 16 bytes."""
+    if backend not in EXPERT_BACKENDS:
+        raise ValueError(f"expert backend {backend!r} is not one of {EXPERT_BACKENDS}")
+    aligned = all(width * element_size % 16 == 0 for width in widths)
+    if backend == "grouped_mm" and not aligned:
+        raise ValueError(f"grouped_mm needs rows of 16 bytes' multiples; widths {widths}")
+    if backend != "auto":
+        return backend
+    return "grouped_mm" if device.type == "cuda" and aligned else "loop"
+
+
+def grouped_linear(
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    counts: torch.Tensor,
+    offsets: torch.Tensor,
+    backend: str,
+) -> torch.Tensor:
+    """rows [M, in] sorted by expert (``counts [E]`` rows each; ``offsets`` int32 [E] their
+    cumulative ends) times each expert's ``weight [E, out, in]`` transposed -> [M, out]."""
+    if backend == "grouped_mm":
+        # torch._grouped_mm(a [M, K], b [E, K, N], offs=int32 ends): one launch for all experts;
+        # b as a transposed view (column-major per expert) is the layout Hopper's kernel wants.
+        return torch._grouped_mm(rows, weight.transpose(-2, -1), offs=offsets)
+    pieces = rows.split(counts.tolist())
+    outputs = [F.linear(piece, weight[e]) for e, piece in enumerate(pieces)]
+    return torch.cat(outputs) if outputs else rows.new_zeros(0, weight.shape[1])
+
+
+def moe_experts(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Sum over each token's k experts of weight * down(SiLU(gate(x)) * up(x)).
+
+    hidden [T, H], topk_ids [T, k], topk_weights [T, k], gate_up [E, 2I, H], down [E, H, I]
+    -> [T, H] in hidden's dtype. Tokens are sorted by expert, each projection runs as one
+    grouped GEMM (or the reference loop), and the k results of a token are summed in fp32
+    in a fixed order (no atomics: runs repeat bit for bit)."""
+    num_tokens, top_k = topk_ids.shape
+    num_experts, inner = gate_up.shape[0], gate_up.shape[1] // 2
+    widths = (hidden.shape[-1], inner)
+    backend = resolve_expert_backend(backend, hidden.device, widths, hidden.element_size())
+    flat_ids = topk_ids.reshape(-1)  # [T*k]
+    order = flat_ids.argsort(stable=True)  # assignments grouped by expert
+    # Group ends by binary search in the sorted ids: no host sync (bincount on CUDA has one).
+    experts = torch.arange(num_experts, device=flat_ids.device, dtype=flat_ids.dtype)
+    offsets = torch.searchsorted(flat_ids[order], experts, right=True).to(torch.int32)  # [E]
+    counts = offsets.diff(prepend=offsets.new_zeros(1))
+    rows = hidden[order // top_k]  # [T*k, H]
+    gate_up_rows = grouped_linear(rows, gate_up, counts, offsets, backend)  # [T*k, 2I]
+    gate, up = gate_up_rows[:, :inner], gate_up_rows[:, inner:]
+    expert_out = grouped_linear(F.silu(gate) * up, down, counts, offsets, backend)  # [T*k, H]
+    unsorted = torch.empty_like(expert_out).index_copy_(0, order, expert_out)
+    weighted = unsorted.view(num_tokens, top_k, -1).float() * topk_weights[..., None].float()
+    return weighted.sum(dim=1).to(hidden.dtype)
+
+
+class TopKRouter(nn.Module):
+    """HF's ``mlp.gate``: one linear map to the expert logits (its ``weight [E, H]``)."""
+
+    def __init__(self, num_experts: int, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+
+class Experts(nn.Module):
+    """HF's ``mlp.experts``: every expert's projections stacked on a leading expert axis."""
+
+    def __init__(self, num_experts: int, hidden_size: int, inner: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, inner))
+
+
+class SparseMoeBlock(nn.Module):
+    """The MLP of a sparse layer. ``forward(x)`` returns the output only (what the engine
+    calls); ``forward_routed`` also returns the routing, for the trainer's losses, metrics
+    and routing replay.
+
+    Attributes:
+        expert_backend: one of EXPERT_BACKENDS ("auto": grouped GEMMs on CUDA, loop on CPU).
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate = TopKRouter(config.num_experts, config.hidden_size)
+        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.expert_backend = "auto"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_routed(x)[0]
+
+    def forward_routed(
+        self, x: torch.Tensor, recorded_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., H]; recorded_ids [T, k] (T = tokens of x; NO_ROUTE rows route freely) or
+        None -> (out [..., H], router_logits [T, E], topk_ids [T, k])."""
+        flat = x.reshape(-1, x.shape[-1])  # [T, H]
+        router_logits = F.linear(flat, self.gate.weight.to(x.dtype))  # [T, E]
+        if recorded_ids is None:
+            topk_ids, topk_weights = select_experts(router_logits, self.top_k, self.norm_topk_prob)
+        else:
+            topk_ids, topk_weights = replay_routes(
+                router_logits, recorded_ids, self.top_k, self.norm_topk_prob
+            )
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        if gate_up.dtype != x.dtype:  # fp32 masters under autocast: compute in x's dtype
+            gate_up, down = gate_up.to(x.dtype), down.to(x.dtype)
+        out = moe_experts(flat, topk_ids, topk_weights, gate_up, down, self.expert_backend)
+        return out.view(x.shape), router_logits, topk_ids
