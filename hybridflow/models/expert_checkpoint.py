@@ -98,3 +98,22 @@ def checkpoint_tensors(
                 yield f"{base}.{projections['down']}.weight", tensor[e].clone()
         else:  # a dense layer's MLP among the sparse ones
             yield name, tensor
+
+
+def shapes_in_memory(stored: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor name -> shape, as the in-memory names and packed shapes they load
+    into (for checks that read safetensors headers only). A per-expert slice [out, in] makes
+    gate_up_proj [E, 2*out, in] or down_proj [E, out, in], E = the highest expert index + 1."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    slices: dict[str, tuple[int, tuple[int, ...]]] = {}  # packed name -> (experts, slice shape)
+    for name, shape in stored.items():
+        target, expert, _ = memory_name(name)
+        if expert is None:
+            shapes[target] = tuple(shape)
+        else:
+            experts, _ = slices.get(target, (0, shape))
+            slices[target] = (max(experts, expert + 1), tuple(shape))
+    for target, (experts, (out, inner)) in slices.items():
+        rows = out if target.endswith("down_proj") else 2 * out
+        shapes[target] = (experts, rows, inner)
+    return shapes

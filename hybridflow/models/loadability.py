@@ -143,4 +143,6 @@ def _stored_shapes(model_dir: Path) -> dict[str, tuple[int, ...]] | None:
         for name, info in header.items():
             if name != "__metadata__" and isinstance(info, dict):
                 shapes[name] = tuple(info.get("shape", ()))
-    return shapes
+    from hybridflow.models.expert_checkpoint import shapes_in_memory
+
+    return shapes_in_memory(shapes)  # one tensor per expert -> the packed names we load into

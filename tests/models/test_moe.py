@@ -12,6 +12,7 @@ from test_parity import TOLERANCE, to_transformers
 
 from hybridflow.models import CausalLM, load_model
 from hybridflow.models.hf_fallback import HFCausalLM
+from hybridflow.models.loadability import config_problems
 
 CASES = {
     # norm_topk_prob off, a dense layer among sparse ones (mlp_only_layers=[1])
@@ -53,6 +54,7 @@ def test_transformers_checkpoint_loads_here_and_ours_loads_there(tmp_path, case)
     reference = randomized_model(CASES[case])
     hf_model = to_transformers(reference)
     hf_model.save_pretrained(str(tmp_path / "hf"))
+    assert config_problems(tmp_path / "hf") == []  # the check before a run reads the headers
     model = load_model(str(tmp_path / "hf"))
     assert isinstance(model, CausalLM) and model.config.is_moe
     input_ids = _ids()
@@ -81,6 +83,7 @@ def test_packed_expert_checkpoint_loads_here_and_in_transformers(tmp_path, case)
     assert any(name.endswith("experts.gate_up_proj") for name in state)
     save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     (tmp_path / "config.json").write_text(json.dumps(model.config.to_hf()))
+    assert config_problems(tmp_path) == []
     loaded = load_model(str(tmp_path))
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     input_ids = _ids()
@@ -100,6 +103,10 @@ def test_missing_expert_is_reported(tmp_path):
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="expert 4 up"):
         load_model(str(tmp_path))
+    del state["model.layers.2.block_sparse_moe.gate.weight"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    assert "block_sparse_moe.gate.weight" not in str(config_problems(tmp_path))
+    assert "model.layers.2.mlp.gate.weight" in str(config_problems(tmp_path))
 
 
 def _tiny_hf_checkpoint(tmp_path, config):
