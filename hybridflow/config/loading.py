@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.config.sections import SECTIONS, Config, ConfigError
+from hybridflow.config.yaml_limits import load_yaml
 
 
 def load_config(
@@ -28,18 +29,22 @@ def load_config(
     for item in overrides:
         if "=" not in item:
             problems.append(
-                f"override {item!r} is not of the form section.key=value (e.g. rollout.n=8)"
+                f"override {shown(item)} is not of the form section.key=value (e.g. rollout.n=8)"
             )
             continue
         key, raw = item.split("=", 1)
         parts = key.strip().split(".")
         if len(parts) not in (2, 3):
             problems.append(
-                f"override key {key!r} must be section.key (e.g. actor.lr=1e-6) or "
+                f"override key {shown(key)} must be section.key (e.g. actor.lr=1e-6) or "
                 "section.group.key (e.g. rollout.engine.decode_layer=split)"
             )
             continue
-        value: Any = _parse_scalar(raw)
+        try:
+            value: Any = _parse_scalar(raw, source=f"the value of override {key.strip()}")
+        except ConfigError as error:
+            problems += error.problems
+            continue
         for name in reversed(parts[1:]):
             value = {name: value}
         problems += apply_mapping(cfg, {parts[0]: value}, source="command line")
@@ -69,7 +74,7 @@ def read_yaml(path: str | Path) -> dict:
     if not p.is_file():
         raise ConfigError([f"config file {str(p)!r} does not exist"])
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = load_yaml(p.read_text(), source=f"config file {str(p)!r}") or {}
     except yaml.YAMLError as e:
         raise ConfigError([f"config file {str(p)!r} is not valid YAML: {e}"]) from None
     if not isinstance(data, dict):
@@ -79,11 +84,14 @@ def read_yaml(path: str | Path) -> dict:
     return data
 
 
-def _parse_scalar(raw: str) -> Any:
+def _parse_scalar(raw: str, source: str) -> Any:
+    """An override's value read as YAML (``[a, b]``, ``1e-6``, ``true``); the text itself
+    when it is not YAML. ConfigError naming ``source`` for a value nested or aliased beyond
+    the limits of yaml_limits.py."""
     import yaml
 
     try:
-        return yaml.safe_load(raw) if raw.strip() else ""
+        return load_yaml(raw, source) if raw.strip() else ""
     except yaml.YAMLError:
         return raw
 
@@ -93,11 +101,26 @@ def _suggest(name: str, known: list[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(sorted(known))}"
 
 
+MAX_KEY_CHARS = 200
+"""Longer than any config key (verl's longest is under 80): no suggestion is looked for."""
+
+
+def shown(value: Any, limit: int = 80, quote: bool = True) -> str:
+    """``value`` as a message shows it: its repr (or text), cut to ``limit`` characters with
+    the full length said, so a 10 MB value makes a one-line message."""
+    text = repr(value) if quote else str(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text):,} characters)"
+
+
 def closest_key(key: str, known: Iterable[str]) -> str | None:
     """The dotted key of ``known`` that ``key`` most likely misspells, or None when none is
     close. Close means the whole key reads alike (ratio >= 0.8) *and* its last part does
     (>= 0.6): comparing whole keys alone would pair ``actor_rollout_ref.actor.xyz`` with
     ``actor_rollout_ref.actor.strategy`` on the strength of their shared prefix."""
+    if len(key) > MAX_KEY_CHARS:
+        return None
     leaf = key.rsplit(".", 1)[-1]
     best, best_ratio = None, 0.0
     for candidate in known:
@@ -119,11 +142,13 @@ def apply_mapping(cfg: Config, data: dict, source: str) -> list[str]:
     for section, values in data.items():
         if section not in SECTIONS:
             problems.append(
-                f"unknown section {section!r} ({source}){_suggest(str(section), list(SECTIONS))}"
+                f"unknown section {shown(section)} ({source}){_suggest(str(section)[:100], list(SECTIONS))}"
             )
             continue
         if not isinstance(values, dict):
-            problems.append(f"section {section!r} ({source}) must be a mapping, got {values!r}")
+            problems.append(
+                f"section {section!r} ({source}) must be a mapping, got {shown(values)}"
+            )
             continue
         problems += _apply_section(getattr(cfg, section), section, values, source)
     return problems
@@ -137,12 +162,16 @@ def _apply_section(sec: Any, prefix: str, values: dict, source: str) -> list[str
     for key, value in values.items():
         name = f"{prefix}.{key}"
         if key not in hints:
-            problems.append(f"unknown key {name} ({source}){_suggest_key(prefix, str(key), hints)}")
+            problems.append(
+                f"unknown key {shown(name, quote=False)} ({source}){_suggest_key(prefix, str(key), hints)}"
+            )
             continue
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             if not isinstance(value, dict):
-                problems.append(f"{name} ({source}) must be a mapping of its keys, got {value!r}")
+                problems.append(
+                    f"{name} ({source}) must be a mapping of its keys, got {shown(value)}"
+                )
                 continue
             group = dataclasses.replace(getattr(sec, key))  # a copy: the default is shared
             problems += _apply_section(group, name, value, source)
@@ -151,7 +180,7 @@ def _apply_section(sec: Any, prefix: str, values: dict, source: str) -> list[str
         ok, coerced = _coerce(value, tp)
         if not ok:
             problems.append(
-                f"{name} ({source}) expects {_type_name(tp)}, got {value!r} "
+                f"{name} ({source}) expects {_type_name(tp)}, got {shown(value)} "
                 f"({type(value).__name__})"
             )
             continue

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridflow.config.loading import closest_key
+from hybridflow.config.loading import MAX_KEY_CHARS, closest_key, shown
 from hybridflow.config.sections import Config
 from hybridflow.config.verl import converters, devices
 from hybridflow.config.verl.group_table import GROUPS
@@ -38,6 +38,7 @@ from hybridflow.config.verl.table import (
     VERL_DEFAULTS,
     VERL_ONLY_SECTIONS,
 )
+from hybridflow.config.yaml_limits import load_yaml
 
 
 @dataclass
@@ -67,11 +68,12 @@ def dump_value(value: Any) -> str:
     return text[: -len("...")].strip() if text.endswith("\n...") else text
 
 
-def parse_value(raw: str) -> Any:
+def parse_value(raw: str, source: str = "a value on the command line") -> Any:
+    """``raw`` read as YAML, else the text itself (ConfigError beyond yaml_limits' bounds)."""
     import yaml
 
     try:
-        return yaml.safe_load(raw) if raw.strip() else ""
+        return load_yaml(raw, source) if raw.strip() else ""
     except yaml.YAMLError:
         return raw
 
@@ -157,7 +159,14 @@ def _unknown(key: str, ours: set[str]) -> str:
     )
     close = closest_key(key, known)
     hint = f"; did you mean {close!r}?" if close else ""
-    return f"unknown key {key}: neither a hybridflow key nor a verl key hybridflow knows{hint}"
+    return (
+        f"unknown key {shown(key, quote=False)}: neither a hybridflow key nor a verl key "
+        f"hybridflow knows{hint}"
+    )
+
+
+def _source(key: str) -> str:
+    return f"the value of override {key}"
 
 
 def _classify(overrides: Sequence[str], ours: set[str], given: dict[str, str]):
@@ -170,12 +179,13 @@ def _classify(overrides: Sequence[str], ours: set[str], given: dict[str, str]):
         if split is None or not is_verl_key(split[0], ours):
             native.append(split or (item, None))
             continue
-        verl_values[split[0]], given[split[0]] = parse_value(split[1]), split[1]
+        verl_values[split[0]] = parse_value(split[1], _source(split[0]))
+        given[split[0]] = split[1]
     if given:  # a verl command line: shared keys read with verl's meaning are translated
         for key, raw in list(native):
             if raw is not None and (_entry(key, SHARED_TABLE) or _group(key)):
                 native.remove((key, raw))
-                verl_values[key], given[key] = parse_value(raw), raw
+                verl_values[key], given[key] = parse_value(raw, _source(key)), raw
     return verl_values, native
 
 
@@ -188,8 +198,16 @@ def translate(
     even where the file's value is our default."""
     ours = our_keys()
     out, result = Translation(), GroupResult()
+    too_long = [item for item in overrides if len(item.split("=", 1)[0]) > MAX_KEY_CHARS]
+    if too_long:  # read no further: matching a 10 MB key against the tables takes minutes
+        out.problems = [
+            f"override key {shown(item.split('=', 1)[0])} is longer than any config key: "
+            f"give section.key=value (e.g. rollout.n=8)"
+            for item in too_long
+        ]
+        return out
     verl_values, native_items = _classify(overrides, ours, out.given)
-    ours_given = {k: parse_value(raw) for k, raw in native_items if raw is not None}
+    ours_given = {k: parse_value(raw, _source(k)) for k, raw in native_items if raw is not None}
     base_values = flatten(base or Config())
     defaults = (
         _verl_defaults(verl_values, ours_given, base_values, set_by_file) if out.given else []
