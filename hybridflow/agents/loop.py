@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from hybridflow.agents.parsers import HermesParser, ParsedTurn, ToolCall, ToolCallParser
+from hybridflow.agents.sandbox_limits import SandboxError
 
 
 class TemplateError(ValueError):
@@ -273,6 +274,8 @@ class ToolCallingLoop:
             result = await asyncio.wait_for(tool(call.arguments), timeout)
         except asyncio.TimeoutError:
             return f"Error: {call.name} took longer than {timeout:g} s", "timeout"
+        except SandboxError:  # the sandbox cannot run programs here: ours to fix, stop the run
+            raise
         except Exception as error:  # a tool's failure is the model's information, not ours
             return f"Error: {call.name} failed: {type(error).__name__}: {error}", "error"
         text = result if isinstance(result, str) else json.dumps(result)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hybridflow.agents.sandbox_limits import ISOLATION_LEVELS
+
 LOOPS = ("tools", "openai")
 
 
@@ -35,6 +37,11 @@ class AgentOptions:
     """Episodes in flight at once per rollout worker."""
     python_timeout_s: float = 10.0
     """Wall-clock limit of one run of the "python" tool's sandbox."""
+    sandbox_isolation: str = "auto"
+    """How the "python" tool isolates the programs it runs: "strict" (a jail per program:
+    no access to the machine's files or processes; refuse to start where the machine cannot
+    build one), "basic" (own directory and limits only), "auto" (strict where possible, else
+    basic with a warning). docs/agents.md, "The code sandbox"."""
 
     def validate(self) -> list[str]:
         problems = []
@@ -54,6 +61,9 @@ class AgentOptions:
             problems.append(f"max_tokens_per_turn={self.max_tokens_per_turn}: must be >= 1")
         if self.tool_timeout_s <= 0 or self.python_timeout_s <= 0:
             problems.append("tool_timeout_s and python_timeout_s must be > 0")
+        if self.sandbox_isolation not in ISOLATION_LEVELS:
+            problems.append(f"sandbox_isolation={self.sandbox_isolation!r}: must be one of "
+                            f"{ISOLATION_LEVELS}")  # fmt: skip
         if self.parser != "hermes":
             problems.append(f"parser={self.parser!r}: the known parser is 'hermes'")
         return problems

@@ -36,9 +36,8 @@ def build_loop(options: AgentOptions, tokenizer, sampling, max_response_length: 
     from hybridflow.agents.sandbox import SandboxLimits
     from hybridflow.agents.tools import load_tools
 
-    tools = load_tools(
-        list(options.tools), sandbox=SandboxLimits(timeout_s=options.python_timeout_s)
-    )
+    sandbox = SandboxLimits(timeout_s=options.python_timeout_s, isolation=options.sandbox_isolation)
+    tools = load_tools(list(options.tools), sandbox=sandbox)
     limits = LoopLimits(
         max_turns=options.max_turns,
         max_tokens=max_response_length,

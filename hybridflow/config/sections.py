@@ -285,6 +285,10 @@ class RewardConfig:
     """DAPO overlong shaping buffer B in tokens; 0: off."""
     overlong_penalty_factor: float = 1.0
     """DAPO overlong penalty factor."""
+    sandbox_isolation: str = "auto"
+    """How the `code` reward isolates the programs it runs (the response against each
+    test): "strict" (a jail per program; refuse to start where the machine cannot build
+    one), "basic", "auto" (strict where possible); as rollout.agent.sandbox_isolation."""
 
 
 @dataclass

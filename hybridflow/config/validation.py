@@ -244,6 +244,9 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
         add(f"algorithm.kl_ctrl_type = {alg.kl_ctrl_type!r} is unknown: use fixed or adaptive")
     if cfg.reward.manager not in ("naive", "batch", "dapo"):
         add(f"reward.manager = {cfg.reward.manager!r} is unknown: use naive, batch or dapo")
+    if cfg.reward.sandbox_isolation not in ("auto", "strict", "basic"):
+        add(f"reward.sandbox_isolation = {cfg.reward.sandbox_isolation!r} is unknown: use auto, "
+            f"strict or basic")  # fmt: skip
     if cfg.reward.max_failed_steps < 1:
         add(f"reward.max_failed_steps = {cfg.reward.max_failed_steps} must be >= 1")
     if cfg.reward.custom_fn is not None and ":" not in cfg.reward.custom_fn:

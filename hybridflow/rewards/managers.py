@@ -105,6 +105,7 @@ class RewardManager:
         overlong_penalty_factor: float = 1.0,
         max_response_length: int | None = None,
         start_method: str = "spawn",
+        sandbox_isolation: str = "auto",
     ):
         if mode not in MANAGER_MODES:
             raise ValueError(f"reward.manager={mode!r}; expected one of {MANAGER_MODES}")
@@ -113,7 +114,7 @@ class RewardManager:
         if mode == "dapo" and overlong_buffer_len > 0 and max_response_length is None:
             raise ValueError("dapo overlong shaping needs max_response_length")
         self.mode = mode
-        self.registry = registry if registry is not None else default_registry()
+        self.registry = registry if registry is not None else default_registry(sandbox_isolation)
         self.custom_spec = None
         if custom_fn is not None:
             target = _absolute_target(custom_fn)
@@ -290,4 +291,5 @@ def build_reward_manager(reward_config: Any, max_response_length: int | None) ->
         overlong_buffer_len=reward_config.overlong_buffer_len,
         overlong_penalty_factor=reward_config.overlong_penalty_factor,
         max_response_length=max_response_length,
+        sandbox_isolation=reward_config.sandbox_isolation,
     )

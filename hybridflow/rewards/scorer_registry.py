@@ -65,11 +65,13 @@ class ScorerRegistry:
             self.get(data_source)
 
 
-def default_registry() -> ScorerRegistry:
-    """Built-in scorers under the data source names verl's datasets use."""
+def default_registry(sandbox_isolation: str = "auto") -> ScorerRegistry:
+    """Built-in scorers under the data source names verl's datasets use; the code scorer
+    runs programs under `sandbox_isolation` (SandboxLimits.isolation)."""
     gsm8k = ScorerSpec(f"{SCORERS}.gsm8k:compute_score")
     math = ScorerSpec(f"{SCORERS}.math_answer:compute_score")
-    code = ScorerSpec(f"{SCORERS}.code:compute_score")  # stdin/stdout tests in a sandbox
+    # stdin/stdout tests in the sandbox
+    code = ScorerSpec(f"{SCORERS}.code:compute_score", {"isolation": sandbox_isolation})
     return ScorerRegistry(
         {
             "openai/gsm8k": gsm8k,

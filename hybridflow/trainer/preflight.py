@@ -60,6 +60,7 @@ def prepare_run(cfg: Config, log=lambda *a, **k: None) -> Preflight:
     derived = validate(cfg, gpus_available=_gpu_count() if cfg.trainer.device == "cuda" else None)
     check_memory(cfg, derived, log)  # the GPU memory plan, printed; exit 2 if it cannot fit
     problems = machine_problems(cfg, cfg.trainer.run_dir)
+    problems += sandbox_problems(cfg, log)
     problems += model_problems(cfg.model.path, cfg.model.tokenizer_path)
     if problems:
         raise ConfigError(problems)
@@ -83,6 +84,31 @@ def machine_problems(cfg: Config, out_dir: str) -> list[str]:
         + run_dir_problems(out_dir, _checkpoint_bytes(cfg))
         + logger_problems(cfg.trainer.loggers)
     )
+
+
+def sandbox_problems(cfg: Config, log=lambda *a, **k: None) -> list[str]:
+    """Where the run will execute programs the model writes (the python tool), say which
+    isolation the code sandbox gives on this machine; where strict isolation is asked for
+    (the tool's or the code reward's) and the machine cannot build the jail, a problem."""
+    agent = cfg.rollout.agent
+    uses_tool = agent.loop == "tools" and "python" in agent.tools
+    asked = [("reward.sandbox_isolation", cfg.reward.sandbox_isolation)]
+    asked += [("rollout.agent.sandbox_isolation", agent.sandbox_isolation)] if uses_tool else []
+    if not uses_tool and cfg.reward.sandbox_isolation != "strict":
+        return []  # no program runs, or the code reward says so itself if it runs one
+    from hybridflow.agents.sandbox import jail_unavailable
+
+    why = jail_unavailable()
+    if uses_tool:
+        level = f"basic isolation only ({why})" if why else "strict isolation (a jail per program)"
+        log(f"code sandbox: {level}")
+    return [
+        f"{key} = strict, but this machine cannot build the code sandbox's jail ({why}): run "
+        f"as root with CAP_SYS_ADMIN or where unprivileged user namespaces are allowed, or "
+        f"set {key}=auto to accept basic isolation (docs/troubleshooting.md)"
+        for key, level in asked
+        if level == "strict" and why
+    ]
 
 
 def _datasets(cfg: Config, tokenizer, reward):

@@ -20,6 +20,7 @@ from hybridflow.agents.loop import (
     ToolCallingLoop,
     run_episodes,
 )
+from hybridflow.agents.sandbox_limits import SandboxError
 from hybridflow.agents.templates import with_tool_template
 from hybridflow.engine import Engine, EngineOptions, SamplingParams
 from hybridflow.models import build_model
@@ -122,6 +123,17 @@ def test_bad_calls_unknown_tools_failures_and_timeouts_are_answered_not_raised()
     turn_stats = trajectory.turns[0]
     assert (turn_stats.tool_calls, turn_stats.tool_errors, turn_stats.tool_timeouts) == (4, 3, 1)
     assert trajectory.finish_reason == "answer"
+
+
+def test_a_sandbox_that_cannot_run_programs_stops_the_episode_not_answers_the_model():
+    class RefusingTool(EchoTool):
+        async def __call__(self, arguments: dict) -> str:
+            raise SandboxError("strict isolation was asked for, but this machine cannot ...")
+
+    client = ScriptedClient([f"Let me ask.{CALL}", "never asked"])
+    with pytest.raises(SandboxError, match="strict isolation was asked for"):
+        asyncio.run(_loop({"echo": RefusingTool()}).run(Episode(USER), client))
+    assert len(client.prompts) == 1
 
 
 def test_tool_calls_of_one_turn_run_concurrently():

@@ -83,6 +83,12 @@ def test_the_program_cannot_read_host_files(planted_file):
     assert listing.startswith("[") and set(eval(listing)) <= on_the_way, listing
 
 
+def test_control_under_basic_isolation_the_same_program_reads_them(planted_file):
+    paths = ["/etc/passwd", planted_file]
+    result = run_code_sync(TRY_READ.format(paths=paths), SandboxLimits(isolation="basic"))
+    assert [line.split()[1] for line in result.stdout.splitlines()] == ["READ", "READ"]
+
+
 def test_the_program_sees_only_its_own_processes():
     marker = "hybridflow-visible-to-no-program"
     host = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", marker])

@@ -119,3 +119,25 @@ def test_a_scorer_timeout_mid_run_leaves_nothing_behind():
     assert time.monotonic() - started < 2
     left = set(os.listdir(tempfile.gettempdir())) - before
     assert not [name for name in left if name.startswith("hybridflow-sandbox-")]
+
+
+def test_programs_run_under_the_configured_isolation():
+    """reward.sandbox_isolation reaches the sandbox through the registry; a row's extra_info
+    cannot lower it. Strict: a program that prints a file of the repository fails."""
+    from pathlib import Path
+
+    from hybridflow.agents.sandbox import jail_unavailable
+    from hybridflow.config import load_config
+    from hybridflow.rewards import build_reward_manager
+
+    cfg = load_config(None, ["reward.sandbox_isolation=strict"])
+    manager = build_reward_manager(cfg.reward, cfg.data.max_response_length)
+    assert manager.registry.get("code").options == {"isolation": "strict"}
+    if jail_unavailable():
+        pytest.skip(f"this machine cannot build the sandbox's jail: {jail_unavailable()}")
+    readme = Path(__file__).resolve().parents[2] / "README.md"
+    cat = f"print(open({str(readme)!r}).readline(), end='')"
+    tests = {"inputs": [""], "outputs": [readme.read_text().splitlines()[0]]}
+    assert code.compute_score(cat, tests, isolation="basic") == 1.0  # the hole strict closes
+    scores, _ = manager.score([cat], [tests], ["code"], [{"isolation": "basic"}])
+    assert scores == [0.0]

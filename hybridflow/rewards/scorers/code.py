@@ -12,7 +12,8 @@ counted as failed without running them: a program too slow for one input is usua
 slow for the rest, and running them all could take `len(tests) * timeout_s`.
 
 Options (scorer options or per-row `extra_info`, the row's winning): timeout_s (per test,
-default 5), memory_bytes, concurrency (tests run at once), stop_on_timeout.
+default 5), memory_bytes, concurrency (tests run at once), stop_on_timeout. A scorer
+option only: isolation (SandboxLimits.isolation; `reward.sandbox_isolation`).
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ def compute_score(
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
     concurrency: int | None = None,
     stop_on_timeout: bool = True,
+    isolation: str = "auto",
     **_: object,
 ) -> float:
     """Fraction of the row's tests the response's program passes (0.0 to 1.0)."""
@@ -154,6 +156,7 @@ def compute_score(
         memory_bytes=memory_bytes,
         max_output_bytes=max(64 << 10, 2 * longest + 1024),
         concurrency=int(concurrency),
+        isolation=isolation,  # the scorer's option only: a data row cannot weaken it
     )
     results = run_blocking(_run_tests(Sandbox(limits), program, inputs, stop_on_timeout))
     passed = sum(
