@@ -173,8 +173,25 @@ def _run_trainer(kind: str, args) -> int:
 
 
 def cmd_export(args) -> int:
+    import shutil
+    from pathlib import Path
+
+    from hybridflow.trainer.stop import StopRequest
+
     export = import_for("export", "hybridflow.trainer.export")
-    export.export_checkpoint(args.checkpoint, args.out)
+    out = Path(args.out)
+    existed = out.exists()
+    try:  # nothing to save on the way: SIGTERM or Ctrl-C stops the export at once
+        with StopRequest().on_signals(lambda line: print(line, file=sys.stderr)):
+            export.export_checkpoint(args.checkpoint, args.out)
+    except (KeyboardInterrupt, SystemExit):
+        if not existed and out.exists():  # a half-written model must not pass for one
+            shutil.rmtree(out, ignore_errors=True)
+            print(f"removed the partial export {out}", file=sys.stderr)
+        elif out.is_dir():
+            print(f"{out} may hold a partial export: export again before using it",
+                  file=sys.stderr)  # fmt: skip
+        raise
     print(f"wrote Hugging Face model directory {args.out}")
     return 0
 

@@ -36,6 +36,9 @@ def run_validation(run: RunContext) -> dict[str, float]:
     )
     with run.progress.task("validation", total=len(dataset), unit="prompts") as task:
         for start in range(0, len(dataset), size):
+            if run.stop.requested:  # a part of the set would read as a different score
+                run.log(f"validation at step {run.step} ended early: not reported")
+                return {}
             items = [dataset[i] for i in range(start, min(start + size, len(dataset)))]
             prompts: Batch = make_prompt_batch(items, pad)
             prompts.arrays["uid"] = np.asarray([item.index for item in items])

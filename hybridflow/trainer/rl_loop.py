@@ -42,7 +42,6 @@ from hybridflow.trainer.stages import (
     score,
     stage_scope,
 )
-from hybridflow.trainer.stop import SIGTERM_EXIT
 
 
 def train_step(run: RunContext, rollout: tuple | None = None,
@@ -141,23 +140,27 @@ def fit(run: RunContext) -> dict[str, float]:
     """Run from ``run.step`` to ``trainer.total_steps``; returns the last validation."""
     t = run.cfg.trainer
     last_val: dict[str, float] = {}
-    if run.step == 0 and t.val_before_train:
+    if run.step == 0 and t.val_before_train:  # nothing trained yet: a signal stops it at once
         last_val = _validate(run)
         if last_val:
             run.tracker.log(last_val, step=0)
-    producer = start_producer(run) if t.mode == "async" else None
-    try:
-        last_val = _steps(run, producer, last_val)
-    except BaseException:
-        finish_save(run, on_error=run.log)  # the run fails anyway: say what became of the save
-        raise
-    finally:
-        if producer is not None:
-            producer.close()
-    finish_save(run)  # the run's last checkpoint is complete before it returns
-    if run.stop.requested and run.step < t.total_steps:
-        raise stopped_by_signal(run)
+    with run.stop.graceful(FINISH_THE_STEP):
+        producer = start_producer(run) if t.mode == "async" else None
+        try:
+            last_val = _steps(run, producer, last_val)
+        except BaseException:
+            finish_save(run, on_error=run.log)  # the run fails anyway: say what became of it
+            raise
+        finally:
+            if producer is not None:
+                producer.close()
+        finish_save(run)  # the run's last checkpoint is complete before it returns
+        if run.stop.requested and run.step < t.total_steps:
+            raise stopped_by_signal(run)
     return last_val
+
+
+FINISH_THE_STEP = "finishing this step, then saving a checkpoint and stopping"
 
 
 def start_producer(run: RunContext) -> RolloutProducer:
@@ -205,8 +208,11 @@ def _steps(run: RunContext, producer: RolloutProducer | None, last_val: dict) ->
                 metrics["timing_s/wait_rollout"] = waited
         run.progress.set_done(run.step)  # the "training" task opened by trainer/run.py
         is_last = run.step == t.total_steps
-        if (t.test_freq > 0 and run.step % t.test_freq == 0) or is_last:
-            last_val = _validate(run)
+        validates = (t.test_freq > 0 and run.step % t.test_freq == 0) or is_last
+        if validates and not run.stop.requested:  # asked to stop: save the step instead
+            plan = f"ending the validation, then saving the checkpoint of step {run.step}"
+            with run.stop.graceful(f"{plan} and stopping"):
+                last_val = _validate(run)
             metrics.update(last_val)
         if run.pending_save is not None and run.pending_save.done():
             finish_save(run)  # a failed background write stops the run now, not at the next save
@@ -255,7 +261,9 @@ def stopped_by_signal(run: RunContext) -> RunStopped:
     t = run.cfg.trainer
     resume = f"run the same command again to resume (trainer.resume=auto, run_dir {t.run_dir})"
     latest = run.checkpoints.latest_step()
-    if latest == run.step:
+    if run.step == 0:
+        saved, resume = "nothing was trained yet", "the run starts over when run again"
+    elif latest == run.step:
         saved = f"the checkpoint of step {run.step} is complete"
     elif t.save_freq < 0:
         saved = "nothing was saved (trainer.save_freq=-1)"
@@ -266,10 +274,7 @@ def stopped_by_signal(run: RunContext) -> RunStopped:
         except Exception as error:  # noqa: BLE001 - say so, and what is still there
             kept = f"step {latest} is the last complete one" if latest else "none is complete"
             saved = f"could not save a checkpoint ({error}); {kept}"
-    return RunStopped(
-        f"stopped by SIGTERM after step {run.step} of {t.total_steps}: {saved}; {resume}",
-        exit_code=SIGTERM_EXIT,
-    )
+    return run.stop.stopped(f"after step {run.step} of {t.total_steps}: {saved}; {resume}")
 
 
 def _validate(run: RunContext) -> dict[str, float]:

@@ -12,13 +12,16 @@ import time
 from hybridflow.config import Config
 from hybridflow.progress import ProgressReporter, quiet_reporter
 from hybridflow.trainer.stages import RunContext
+from hybridflow.trainer.stop import StopRequest
 
 DATA_SEED = 0
 """Seed of the built-in tasks' problems: the validation set is the same whatever trainer.seed."""
 
 
-def setup(cfg: Config, log=print, progress: ProgressReporter | None = None) -> RunContext:
-    """Check everything (trainer/preflight.py), warm-start if needed, start the workers."""
+def setup(cfg: Config, log=print, progress: ProgressReporter | None = None,
+          stop: StopRequest | None = None) -> RunContext:  # fmt: skip
+    """Check everything (trainer/preflight.py), warm-start if needed, start the workers.
+    ``stop``: what a SIGTERM/SIGINT during the warm start asks (trainer/stop.py)."""
     from hybridflow.algos import build_kl_controller
     from hybridflow.data.dataset import PromptLoader
     from hybridflow.rewards.monitor import RewardFailureMonitor
@@ -53,7 +56,7 @@ def setup(cfg: Config, log=print, progress: ProgressReporter | None = None) -> R
         # a resume the changed config forbids stops now, not after a warm start's SFT
         planned = dataclasses.replace(cfg.model, path=planned_model_path(cfg))
         refuse_changed_config(dataclasses.replace(cfg, model=planned))
-        model_path = resolve_model_path(cfg, log=log, progress=progress)
+        model_path = resolve_model_path(cfg, log=log, progress=progress, stop=stop)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=model_path))
         roles = build_roles(cfg, derived)
     except BaseException:
@@ -94,7 +97,6 @@ def train(cfg: Config, log=print, progress: ProgressReporter | None = None) -> d
     ``progress``: where progress, the step table and warnings print (default: stdout, bars
     on a terminal)."""
     from hybridflow.trainer.run_lock import hold_run_dir
-    from hybridflow.trainer.stop import StopRequest
 
     with hold_run_dir(cfg.trainer.run_dir, log=log):  # one process per run directory
         finished = finished_message(cfg)
@@ -105,7 +107,7 @@ def train(cfg: Config, log=print, progress: ProgressReporter | None = None) -> d
             progress = ProgressReporter(interval_s=cfg.trainer.progress_interval_s)
         stop = StopRequest()
         try:
-            with stop.on_sigterm(log), progress.collecting_warnings():
+            with stop.on_signals(log), progress.collecting_warnings():
                 return _train(cfg, log, progress, stop)
         finally:
             progress.close()
@@ -167,7 +169,7 @@ def _train(cfg: Config, log, progress: ProgressReporter, stop) -> dict[str, floa
     from hybridflow.trainer.run_state import resume
 
     started = time.perf_counter()
-    run = setup(cfg, log=log, progress=progress)
+    run = setup(cfg, log=log, progress=progress, stop=stop)
     run.stop = stop
     stop.reclaim()  # starting the workers may have installed another SIGTERM handler (Ray)
     try:

@@ -165,17 +165,19 @@ def sft_main(cfg: Config) -> Path:
     path is ``sft:<task>``) on ``sft.train_files``; writes checkpoints and ``<out>/hf``."""
     from hybridflow.trainer.preflight import machine_problems
     from hybridflow.trainer.run_lock import hold_run_dir
+    from hybridflow.trainer.stop import StopRequest
 
     sft_cfg = cfg.sft
     out = Path(sft_cfg.out_dir or Path(cfg.trainer.run_dir) / "sft")
     problems = machine_problems(cfg, str(out))
     if problems:
         raise ConfigError(problems)
-    with hold_run_dir(out, key="sft.out_dir"):  # default <trainer.run_dir>/sft
-        return _sft(cfg, out)
+    stop = StopRequest()
+    with hold_run_dir(out, key="sft.out_dir"), stop.on_signals(print):  # out: <run_dir>/sft
+        return _sft(cfg, out, stop)
 
 
-def _sft(cfg: Config, out: Path) -> Path:
+def _sft(cfg: Config, out: Path, stop) -> Path:
     from hybridflow.models import load_model, load_tokenizer
     from hybridflow.progress import ProgressReporter
     from hybridflow.trainer.checkpoint import CheckpointManager
@@ -216,6 +218,7 @@ def _sft(cfg: Config, out: Path) -> Path:
     print(f"SFT: {len(examples)} examples ({dropped} longer than sft.max_length dropped)")
     progress = ProgressReporter(interval_s=cfg.trainer.progress_interval_s)
     with (
+        stop.graceful("saving a checkpoint after this SFT step, then stopping"),
         progress.collecting_warnings(),
         progress.task("SFT", total=sft_cfg.total_steps, unit="steps") as bar,
         Tracker(cfg.trainer.loggers, out, progress=progress) as tracker,
@@ -236,10 +239,18 @@ def _sft(cfg: Config, out: Path) -> Path:
             checkpoint=save,
             save_freq=cfg.trainer.save_freq,
             resume=resume,
+            should_stop=lambda trainer, step: stop.requested,
         )
     progress.close()
+    if trainer.steps_done < sft_cfg.total_steps:  # stopped by the request
+        saved = checkpoints.latest()
+        what = (f"saved {saved}; run the same command again to resume"
+                if checkpoints.latest_step() == trainer.steps_done
+                else "nothing was saved (trainer.save_freq=-1)")  # fmt: skip
+        raise stop.stopped(f"after SFT step {trainer.steps_done} of {sft_cfg.total_steps}: {what}")
     final = out / "hf"
-    save_hf_model(trainer.model, tokenizer, final)
+    with stop.graceful(f"finishing writing {final}, then stopping"):  # the run is done
+        save_hf_model(trainer.model, tokenizer, final)
     print(f"wrote the fine-tuned model to {final}")
     return final
 

@@ -64,7 +64,7 @@ class RunContext:
     profiler: StepProfiler | None = None
     """Profiles the steps of ``trainer.profile.steps`` (trainer/profiling.py); None: off."""
     stop: StopRequest = field(default_factory=StopRequest)
-    """Set by SIGTERM: the loop saves after the current step and stops (trainer/stop.py)."""
+    """Set by SIGTERM/SIGINT: the loop saves after the current step and stops (trainer/stop.py)."""
     log: Callable[[str], None] = print
     """Progress and warning lines (reward failures, the stop message)."""
     reward_monitor: RewardFailureMonitor | None = None

@@ -221,8 +221,10 @@ def needs_warm_start(cfg: Config) -> bool:
     return planned != cfg.model.path and not (Path(planned) / COMPLETE).is_file()
 
 
-def resolve_model_path(cfg: Config, log=print, progress=None) -> str:
-    """The model directory or preset to start RL from; trains and caches ``sft:<task>``."""
+def resolve_model_path(cfg: Config, log=print, progress=None, stop=None) -> str:
+    """The model directory or preset to start RL from; trains and caches ``sft:<task>``.
+    ``stop``: the run's StopRequest (trainer/stop.py); a signal during the SFT saves its
+    progress, which the next run with the same settings continues."""
     if not cfg.model.path.startswith(SFT_PREFIX):
         return cfg.model.path
     task = cfg.model.path.removeprefix(SFT_PREFIX)
@@ -231,12 +233,19 @@ def resolve_model_path(cfg: Config, log=print, progress=None) -> str:
         log(f"warm start: cached SFT model {target}")
         return str(target)
     log(f"warm start: SFT of a {cfg.sft.preset} model on builtin:{task} (cached in {target})")
-    train_warm_start(cfg, task, target, log, progress)
+    train_warm_start(cfg, task, target, log, progress, stop)
     return str(target)
 
 
-def train_warm_start(cfg: Config, task: str, target: Path, log=print, progress=None) -> None:
-    """SFT from scratch on the built-in task; published atomically at ``target``."""
+def progress_dir(target: Path) -> Path:
+    """Where a stopped warm start keeps its progress (an SFT checkpoint) until it finishes."""
+    return target.with_name(target.name + ".progress")
+
+
+def train_warm_start(cfg: Config, task: str, target: Path, log=print, progress=None,
+                     stop=None) -> None:  # fmt: skip
+    """SFT from scratch on the built-in task; published atomically at ``target``. On a
+    stop request, saves its progress after the current SFT step and raises RunStopped."""
     import time
 
     import torch
@@ -244,9 +253,11 @@ def train_warm_start(cfg: Config, task: str, target: Path, log=print, progress=N
     from hybridflow.models import load_model, load_tokenizer
     from hybridflow.progress import quiet_reporter
     from hybridflow.trainer.roles import resolve_device
-    from hybridflow.trainer.sft_loop import load_sft_examples, run_sft, save_hf_model
+    from hybridflow.trainer.sft_loop import load_sft_examples, run_sft
+    from hybridflow.trainer.stop import StopRequest
 
     started = time.perf_counter()
+    stop = stop if stop is not None else StopRequest()
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or "char")
     sft_cfg = dataclasses.replace(cfg.sft, train_files=[f"builtin:{task}"])
     examples, _ = load_sft_examples(
@@ -263,8 +274,26 @@ def train_warm_start(cfg: Config, task: str, target: Path, log=print, progress=N
 
     problems = accuracy_problems(task, sft_cfg.eval_size, cfg.data.builtin_val_size)
     check = tool_accuracy if task == "calc" else greedy_accuracy
+    reaches_target = accuracy_stopper(sft_cfg, lambda lm: check(lm, tokenizer, problems), log)
+    reached: list[int] = []
+
+    def should_stop(trainer, step: int) -> bool:
+        # checked even when asked to stop: the continued run must stop where this one would
+        if reaches_target(trainer, step):
+            reached.append(step)
+        return bool(reached) or stop.requested
+
+    def save_progress(trainer, sampler, step: int) -> None:
+        if stop.requested and not reached:
+            saved.save(trainer, sampler, step)
+
+    saved = WarmStartProgress(progress_dir(target), cfg, sft_cfg, tokenizer, log)
     progress = progress or quiet_reporter()
-    with progress.task("warm start SFT", total=sft_cfg.total_steps, unit="steps") as bar:
+    plan = "saving the warm start's progress after this SFT step, then stopping"
+    with (
+        stop.graceful(plan),
+        progress.task("warm start SFT", total=sft_cfg.total_steps, unit="steps") as bar,
+    ):
         trainer = run_sft(
             model,
             examples,
@@ -273,16 +302,68 @@ def train_warm_start(cfg: Config, task: str, target: Path, log=print, progress=N
             seed=cfg.trainer.seed,
             pad_token_id=tokenizer.pad_token_id or 0,
             log=log_progress,
-            should_stop=accuracy_stopper(sft_cfg, lambda lm: check(lm, tokenizer, problems), log),
+            checkpoint=save_progress,
+            resume=saved.resume,
+            should_stop=should_stop,
         )
-    temporary = target.with_name(target.name + f".tmp{os.getpid()}")
-    shutil.rmtree(temporary, ignore_errors=True)
-    save_hf_model(trainer.model.to("cpu"), tokenizer, temporary)
-    (temporary / COMPLETE).write_text(json.dumps(dataclasses.asdict(sft_cfg)))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(target, ignore_errors=True)
-    os.rename(temporary, target)
+    if not reached and trainer.steps_done < sft_cfg.total_steps:  # stopped by the request
+        raise stop.stopped(
+            f"during the warm start SFT at step {trainer.steps_done} of at most "
+            f"{sft_cfg.total_steps}: its progress is saved in {saved.root} (nothing else was "
+            "written); the same command continues it from there"
+        )
+    publish(trainer.model, tokenizer, sft_cfg, target)
+    shutil.rmtree(saved.root, ignore_errors=True)
     log(
         f"warm start: SFT done in {time.perf_counter() - started:.0f} s "
         f"({trainer.steps_done} steps)"
     )
+    if stop.requested:
+        raise stop.stopped(
+            f"right after the warm start SFT: its model is cached in {target}; the same "
+            "command starts the RL from it"
+        )
+
+
+def publish(model, tokenizer, sft_cfg: SFTConfig, target: Path) -> None:
+    """The model and tokenizer at ``target``, atomically (a COMPLETE marker, then a rename)."""
+    from hybridflow.trainer.sft_loop import save_hf_model
+
+    temporary = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(temporary, ignore_errors=True)
+    save_hf_model(model.to("cpu"), tokenizer, temporary)
+    (temporary / COMPLETE).write_text(json.dumps(dataclasses.asdict(sft_cfg)))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(target, ignore_errors=True)
+    os.rename(temporary, target)
+
+
+class WarmStartProgress:
+    """The SFT checkpoint a stopped warm start leaves (``<target>.progress/step_N``), and
+    the resume from it: optimizer, schedule, data order and RNG come back, so the finished
+    model is the one an uninterrupted SFT makes."""
+
+    def __init__(self, root: Path, cfg: Config, sft_cfg: SFTConfig, tokenizer, log):
+        from hybridflow.trainer.checkpoint import CheckpointManager
+
+        self.root, self.tokenizer, self.log = root, tokenizer, log
+        self.checkpoints = CheckpointManager(root, keep_last_k=1)
+        model = dataclasses.replace(cfg.model, path=sft_cfg.preset)
+        self.run_cfg = dataclasses.replace(cfg, model=model, sft=sft_cfg)
+
+    def save(self, trainer, sampler, step: int) -> None:
+        from hybridflow.trainer.sft_loop import write_sft_checkpoint
+
+        write_sft_checkpoint(self.checkpoints, trainer, sampler, step, self.run_cfg,
+                             self.tokenizer)  # fmt: skip
+
+    def resume(self, trainer, sampler) -> int:
+        """The step to continue after (0: none saved)."""
+        path = self.checkpoints.latest()
+        if path is None:
+            return 0
+        state = trainer.core.load(path / "actor", trainable_only=False)
+        sampler.load_state_dict(state["sampler"])
+        self.log(f"warm start: continuing the SFT from step {state['step']}, saved in {path} "
+                 "when it was stopped")  # fmt: skip
+        return int(state["step"])
