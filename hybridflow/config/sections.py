@@ -178,6 +178,17 @@ class ActorConfig:
     optimizer_offload: bool = False
     """One training GPU: fp32 masters and AdamW state on the host for the whole run, the step
     on the CPU bucket by bucket, bf16 weights on the GPU (docs/memory.md, Optimizer offload)."""
+    router_replay: str = "off"
+    """Mixture-of-experts models: off | rollout. rollout: the old-log-prob and update passes
+    send each token to the experts the rollout engine chose for it (gate weights recomputed
+    from the current router, so it keeps learning), so a routing flip between the engine's
+    and the trainer's numerics does not move the log-probs (verl's router_replay R3)."""
+    router_aux_loss_coef: float | None = None
+    """Mixture-of-experts models: weight of the load-balancing loss (Switch Transformer, as
+    transformers computes it). None: the model's config.json router_aux_loss_coef."""
+    router_z_loss_coef: float = 0.0
+    """Mixture-of-experts models: weight of the router z-loss (ST-MoE: the mean squared
+    logsumexp of the router logits), which keeps the logits small; 0: off."""
 
 
 @dataclass

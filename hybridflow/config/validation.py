@@ -294,6 +294,7 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
             add(f"{key} = {lr} must be a positive number (the tiny demo uses 2e-4, LLMs ~1e-6)")
     if a.clip_ratio_c <= 1:
         add(f"actor.clip_ratio_c = {a.clip_ratio_c} must be > 1 (dual clip; 3.0 is standard)")
+    _check_router(cfg, add)
     if alg.dynamic_sampling and alg.adv_estimator not in GROUP_ESTIMATORS:
         add(
             f"algorithm.dynamic_sampling filters groups but algorithm.adv_estimator = {alg.adv_estimator} "
@@ -351,6 +352,42 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
         use_critic=use_critic,
         max_sequence_length=max_len,
     )
+
+
+def model_has_experts(path: str) -> bool | None:
+    """Whether the model at ``path`` (a preset or a directory) is a mixture of experts, read
+    without loading weights; None if unknown."""
+    import json
+
+    p = Path(path).expanduser()
+    if (p / "config.json").is_file():
+        try:
+            hf = json.loads((p / "config.json").read_text())
+            keys = ("num_experts", "num_local_experts", "n_routed_experts")
+            return any(int(hf.get(key) or 0) > 0 for key in keys)
+        except (ValueError, TypeError, AttributeError, RecursionError, OSError):
+            return None  # an unreadable config.json is reported by the model checks
+    from hybridflow.models.presets import PRESETS
+
+    return PRESETS[path].is_moe if path in PRESETS else None
+
+
+def _check_router(cfg: Config, add) -> None:
+    """actor.router_replay and the router losses (mixture-of-experts models)."""
+    a = cfg.actor
+    if a.router_replay not in ("off", "rollout"):
+        add(f"actor.router_replay = {a.router_replay!r} is unknown: use off or rollout (replay "
+            "the experts the rollout chose)")  # fmt: skip
+    elif a.router_replay == "rollout" and model_has_experts(cfg.model.path) is False:
+        add(f"actor.router_replay = rollout replays the experts of a mixture-of-experts model; "
+            f"model.path = {cfg.model.path!r} has none: set actor.router_replay=off")  # fmt: skip
+    elif a.router_replay == "rollout" and cfg.rollout.agent.loop is not None:
+        add(f"actor.router_replay = rollout is not recorded for rollout.agent.loop = "
+            f"{cfg.rollout.agent.loop!r} episodes: set actor.router_replay=off")  # fmt: skip
+    for key in ("router_aux_loss_coef", "router_z_loss_coef"):
+        value = getattr(a, key)
+        if value is not None and not (value >= 0 and math.isfinite(value)):
+            add(f"actor.{key} = {value} must be a number >= 0 (0: off)")
 
 
 def _check_partial_rollout(cfg: Config, add) -> None:

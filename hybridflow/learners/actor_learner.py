@@ -23,8 +23,10 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridflow.algos import agg_loss, kl_penalty, policy_loss, rollout_is_weights
+from hybridflow.algos.router_losses import load_balancing_loss, router_metrics, router_z_loss
 from hybridflow.config import ActorConfig, ModelConfig
 from hybridflow.config.sections import UNPLANNED_UPDATE_BUDGET
+from hybridflow.errors import UserError
 from hybridflow.learners import lora
 from hybridflow.learners.core import TrainCore
 from hybridflow.learners.metric_sums import MetricSums
@@ -101,7 +103,19 @@ class ActorLearner:
             model.enable_gradient_checkpointing(True)
         if model_cfg is not None and model_cfg.compile is True:
             compile_layers(model)
-        self.policy = PolicyModel(model)
+        self.moe = _has_our_router(model)
+        if actor_cfg.router_replay == "rollout" and not self.moe:
+            raise UserError(
+                "actor.router_replay = rollout replays the experts of a mixture-of-experts model "
+                "in hybridflow's decoder; this model has none (or loads through transformers)",
+                "set actor.router_replay=off",
+            )
+        self.router_aux_loss_coef = (
+            actor_cfg.router_aux_loss_coef
+            if actor_cfg.router_aux_loss_coef is not None
+            else getattr(model.config, "router_aux_loss_coef", 0.0)
+        )
+        self.policy = PolicyModel(model, replay_routes=actor_cfg.router_replay == "rollout")
         self.core = TrainCore(
             self.policy,
             device=device,
@@ -205,8 +219,19 @@ class ActorLearner:
         cfg = self.cfg
 
         def micro_loss(micro: Batch, packed: PackedRows, counts: dict):
-            logprobs_m, entropy_m = self.policy(packed, temperature, cfg.entropy_coeff != 0)
-            return self._micro_loss(micro, packed, logprobs_m, entropy_m, counts)
+            trace = [] if self.moe else None  # each sparse layer's routing
+            logprobs_m, entropy_m = self.policy(
+                packed, temperature, cfg.entropy_coeff != 0, router_trace=trace
+            )
+            loss, terms, token_means = self._micro_loss(
+                micro, packed, logprobs_m, entropy_m, counts
+            )
+            if trace:
+                share = float(micro.tensors["response_mask"].sum()) / max(
+                    counts["global_token_count"], 1.0
+                )
+                loss = loss + self._router_terms(trace, share, terms, token_means)
+            return loss, terms, token_means
 
         skipped = accumulate_and_step(
             self.core,
@@ -269,6 +294,23 @@ class ActorLearner:
             loss = loss + cfg.kl_loss_coef * kl_loss
             terms["kl_loss"] = kl_loss.detach()
         return loss, terms, token_means
+
+    def _router_terms(self, trace, share: float, terms: dict, token_means: dict) -> torch.Tensor:
+        """A mixture of experts' router losses for one micro-batch (its ``share`` of the
+        mini-batch's response tokens), logged as mini-batch terms, and its routing metrics."""
+        logits, ids = [x for x, _ in trace], [i for _, i in trace]
+        num_experts = self.model.config.num_experts
+        token_means.update(router_metrics(logits, ids, num_experts))
+        loss = logits[0].new_zeros((), dtype=torch.float32)
+        if self.router_aux_loss_coef:
+            aux = load_balancing_loss(logits, ids, num_experts) * share
+            loss = loss + self.router_aux_loss_coef * aux
+            terms["moe/aux_loss"] = aux.detach()
+        if self.cfg.router_z_loss_coef:
+            z_loss = router_z_loss(logits) * share
+            loss = loss + self.cfg.router_z_loss_coef * z_loss
+            terms["moe/z_loss"] = z_loss.detach()
+        return loss
 
     # ------------------------------------------------------------------ state
 
@@ -341,6 +383,13 @@ def export_causal_lm(config, state_dict: dict[str, torch.Tensor], directory) -> 
         )
     Path(directory).mkdir(parents=True, exist_ok=True)
     plain.save_pretrained(str(directory))
+
+
+def _has_our_router(model: nn.Module) -> bool:
+    """A mixture of experts in our decoder (the transformers fallback keeps its routing)."""
+    from hybridflow.models.llama import CausalLM
+
+    return isinstance(model, CausalLM) and model.config.is_moe
 
 
 def _temperature(batch: Batch, temperature: float | None) -> float:

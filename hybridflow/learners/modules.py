@@ -14,6 +14,9 @@ from torch import nn
 from hybridflow.learners.packing import PackedRows
 from hybridflow.models.logprobs import logprobs_from_hidden
 
+# (router_logits [N, E], topk_ids [N, k]) of each sparse layer of one forward (models/llama.py)
+RouterTrace = list[tuple[torch.Tensor, torch.Tensor]]
+
 
 def decoder_layers(causal_lm: nn.Module) -> list[nn.Module]:
     """The decoder layers of a CausalLM (each one becomes an FSDP unit)."""
@@ -21,17 +24,32 @@ def decoder_layers(causal_lm: nn.Module) -> list[nn.Module]:
 
 
 class PolicyModel(nn.Module):
-    """``forward(packed) -> (logprobs [M], entropy [M] | None)`` of the packed targets."""
+    """``forward(packed) -> (logprobs [M], entropy [M] | None)`` of the packed targets.
 
-    def __init__(self, causal_lm: nn.Module):
+    replay_routes: a mixture of experts routes each token to the experts in
+    ``packed.routed_experts`` when it has them (actor.router_replay=rollout)."""
+
+    def __init__(self, causal_lm: nn.Module, replay_routes: bool = False):
         super().__init__()
         self.lm = causal_lm
+        self.replay_routes = replay_routes
 
     def forward(
-        self, packed: PackedRows, temperature: float = 1.0, with_entropy: bool = False
+        self,
+        packed: PackedRows,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        router_trace: RouterTrace | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """router_trace: a list that receives each sparse layer's routing (router losses and
+        metrics of a mixture of experts; our decoder only)."""
+        routing = {}
+        if self.replay_routes and packed.routed_experts is not None:
+            routing["routed_experts"] = packed.routed_experts
+        if router_trace is not None:
+            routing["router_trace"] = router_trace
         hidden = self.lm.forward_packed(
-            packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen
+            packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen, **routing
         )  # [N, H]
         weight = self.lm.lm_head.weight
         if weight.dtype != hidden.dtype:

@@ -26,6 +26,8 @@ class PackedRows:
     out_cols: torch.Tensor  # [M] response column of each output token
     num_rows: int
     response_length: int
+    routed_experts: torch.Tensor | None = None
+    """[N, L_sparse, k] experts the rollout chose for each packed token (routing replay)."""
 
     def to(self, device: torch.device | str) -> PackedRows:
         moved = {
@@ -56,9 +58,13 @@ def sequence_lengths(attention_mask: torch.Tensor) -> list[int]:
 
 
 def pack_rows(
-    prompts: torch.Tensor, responses: torch.Tensor, attention_mask: torch.Tensor
+    prompts: torch.Tensor,
+    responses: torch.Tensor,
+    attention_mask: torch.Tensor,
+    routed_experts: torch.Tensor | None = None,
 ) -> PackedRows:
-    """prompts [S, P] (left-padded), responses [S, R] (right-padded), attention_mask [S, P+R].
+    """prompts [S, P] (left-padded), responses [S, R] (right-padded), attention_mask [S, P+R];
+    routed_experts [S, P+R, L_sparse, k] (optional, aligned with the mask) is packed alike.
 
     Tokens with ``attention_mask == 1`` are kept in row order; positions count the kept tokens
     of each row from 0, as the rollout assigned them. Output tokens are the response positions
@@ -99,6 +105,7 @@ def pack_rows(
         out_cols=out_cols,
         num_rows=num_rows,
         response_length=response_length,
+        routed_experts=None if routed_experts is None else routed_experts[keep],
     )
 
 

@@ -23,16 +23,19 @@ def check_keys(batch: Batch, keys: tuple[str, ...], caller: str) -> None:
 
 
 def pack_batch_rows(batch: Batch, rows: list[int], device: torch.device) -> PackedRows:
-    """Pack ``rows`` of the batch's prompts/responses (unpadded) and move them to ``device``.
+    """Pack ``rows`` of the batch's prompts/responses (unpadded) and move them to ``device``,
+    with the rollout's ``routed_experts`` when the batch has them (routing replay).
 
     Packing runs where the batch lives (the CPU, as the controller sends it): on a GPU its
     boolean indexing and ``max`` would each stall the host until the GPU is idle."""
     index = torch.as_tensor(rows, dtype=torch.long)
-    prompts, responses, attention_mask = (
+    prompts, responses, attention_mask, routed_experts = (
         batch.tensors[key].index_select(0, index.to(batch.tensors[key].device))
-        for key in REQUIRED_INPUTS
+        if key in batch.tensors
+        else None
+        for key in (*REQUIRED_INPUTS, "routed_experts")
     )
-    return pack_rows(prompts, responses, attention_mask).to(device)
+    return pack_rows(prompts, responses, attention_mask, routed_experts).to(device)
 
 
 @torch.no_grad()

@@ -169,4 +169,12 @@ GROUPS: tuple[Group, ...] = (
         },
         devices.tensor_parallel,
     ),
+    Group(
+        "routing replay (MoE)",
+        {
+            ACTOR + "router_replay.mode": "R3: actor.router_replay = rollout (R2 is not here)",
+            ROLLOUT + "enable_rollout_routing_replay": "True: actor.router_replay = rollout",
+        },
+        groups.routing_replay,
+    ),
 )

@@ -351,3 +351,23 @@ def overlong_reward(given: Mapping, ctx: Context) -> GroupResult:
     if cfg + "log" in given:
         res.notices.append(Notice(cfg + "log", "the overlong penalty is always logged"))
     return res
+
+
+def routing_replay(given: Mapping, ctx: Context) -> GroupResult:
+    """verl's rollout routing replay (R3): the engine records each token's experts, the actor
+    replays them -> actor.router_replay=rollout. R2 (replaying the trainer's own old-log-prob
+    routing) is not here."""
+    res = GroupResult()
+    mode_key, enable_key = ACTOR + "router_replay.mode", ROLLOUT + "enable_rollout_routing_replay"
+    mode = str(given.get(mode_key, "disabled"))
+    enable = as_bool(given.get(enable_key, False))
+    if mode not in ("disabled", "R2", "R3"):
+        res.problems.append(f"{mode_key} = {mode!r} is unknown: verl's modes are disabled, R2, R3")
+    elif mode == "R2":
+        res.lacks("MoE router replay of the trainer's own routing (R2)", f"{mode_key}=R2")
+    else:
+        replay = "rollout" if mode == "R3" or enable else "off"
+        res.rows.append(Row(tuple(given), "actor.router_replay", replay))
+        if mode == "R3" and enable_key in given and not enable:
+            res.notices.append(Notice(enable_key, f"implied by {mode_key}=R3 (the engine records)"))
+    return res

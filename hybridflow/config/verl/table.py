@@ -142,8 +142,7 @@ ACTOR_TABLE: list[Entry] = [
     Unsupported(ACTOR + "ulysses_sequence_parallel_size", ULYSSES, _one, "1"),
     Unsupported(ACTOR + "freeze_vision_tower", MULTIMODAL, _off, "False"),
     Unsupported(ACTOR + "loss_scale_factor", "a fixed loss scale factor", _off, "null"),
-    Unsupported(ACTOR + "router_replay.mode", "MoE router replay", lambda v: v == "disabled"),
-    Ignored(ACTOR + "router_replay.*", "applies only with router_replay.mode set"),
+    Ignored(ACTOR + "router_replay.*", "the engine hands the routes over in memory (no files)"),
     Rename(
         ACTOR + "use_torch_compile",
         "model.compile",
@@ -259,7 +258,6 @@ ROLLOUT_TABLE: list[Entry] = [
     Unsupported(ROLLOUT + "quantization_config_file", "quantized rollout", _off, "null"),
     Unsupported(ROLLOUT + "skip_rollout", "replaying dumped rollouts", _off, "False"),
     Ignored(ROLLOUT + "skip_dump_dir", "applies only with skip_rollout=True"),
-    Unsupported(ROLLOUT + "enable_rollout_routing_replay", "MoE routing replay", _off, "False"),
 ]
 
 CRITIC_TABLE: list[Entry] = [

@@ -148,6 +148,8 @@ MAPPED = [
         R + "do_sample=False",
         R + "val_kwargs.do_sample=False",
         "trainer.n_gpus_per_node=2",
+        A + "router_replay.mode=R3",
+        R + "enable_rollout_routing_replay=True",
     ],
 ]
 
