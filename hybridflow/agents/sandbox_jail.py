@@ -172,10 +172,9 @@ def _jail_build(config: dict, libc_call) -> list[str]:
     with open(jail["program_source"], "rb") as source, open(inside(jail["program"]), "wb") as out:
         out.write(source.read())
     os.chmod(inside(jail["program"]), 0o644)
-    try:
-        _jail_mount(
-            libc_call, "proc", inside("/proc"), "proc", ms_nosuid | ms_nodev | ms_noexec, None
-        )
+    try:  # hidepid=2: as root, pid 1 (this process, its command line the config) is hidden
+        _jail_mount(libc_call, "proc", inside("/proc"), "proc", ms_nosuid | ms_nodev | ms_noexec,
+                    "hidepid=2")  # fmt: skip
     except OSError as error:  # e.g. a container hides parts of its /proc: none is better
         notes.append(f"no /proc in the jail ({error})")
     return notes
@@ -240,6 +239,9 @@ def _jail_init(config: dict, report_fd: int, libc_call, launch) -> None:
 
     try:
         libc_call("prctl", 1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG: die with the bootstrap
+        # PR_SET_DUMPABLE 0: with /proc's hidepid=2 the program cannot see this process even
+        # where it runs as the same user (a user namespace); execve makes it dumpable again
+        libc_call("prctl", 4, 0)
         notes = _jail_build(config, libc_call)
         _jail_pivot(config["jail"]["root"], libc_call)
         program = os.fork()

@@ -70,7 +70,7 @@ def planted_file():
 
 def test_the_program_cannot_read_host_files(planted_file):
     paths = ["/etc/passwd", "/etc/shadow", str(REPO / "pyproject.toml"), __file__, planted_file,
-             "/root/.bash_history", "/proc/1/environ"]  # fmt: skip
+             "/root/.bash_history", "/proc/1/environ", "/proc/1/cmdline"]  # fmt: skip
     lines = run(TRY_READ.format(paths=paths)).stdout.splitlines()
     assert len(lines) == len(paths)
     for line in lines:
@@ -258,7 +258,7 @@ def test_as_an_unprivileged_user_the_jail_uses_a_user_namespace():
     python = shutil.which("python3", path="/usr/bin:/bin")
     if os.geteuid() != 0 or not python or not shutil.which("setpriv"):
         pytest.skip("runs as root, with a system /usr/bin/python3 and setpriv, to become nobody")
-    code = "import os\nprint(os.getuid(), os.path.exists('/etc/passwd'))"
+    code = "import os\nprint(os.getuid(), os.path.exists('/etc/passwd'), os.path.exists('/proc/1'))"
     script = ("from hybridflow.agents.sandbox import SandboxLimits, run_code_sync\n"
               f"result = run_code_sync({code!r}, SandboxLimits(isolation='strict'))\n"
               "print(result.stdout.strip(), result.isolation['isolation'])")  # fmt: skip
@@ -271,4 +271,4 @@ def test_as_an_unprivileged_user_the_jail_uses_a_user_namespace():
         pytest.skip(f"user nobody cannot import hybridflow from {REPO}")
     if "cannot make the jail's namespaces" in done.stderr:
         pytest.skip(f"no unprivileged user namespaces here: {done.stderr.strip()[-300:]}")
-    assert done.stdout == "65534 False strict\n", done.stderr
+    assert done.stdout == "65534 False False strict\n", done.stderr
