@@ -10,6 +10,9 @@ left by a dead process is simply taken over, and the message says whose it was. 
 empties the file whenever it exits through Python (an error, a stop), so leftover text
 means a process that died.
 (Over NFS, flock is only as good as the server's lock support.)
+
+:func:`wait_for_turn` is the waiting kind, for work two runs may start at once (the same
+warm start in a shared cache): the second waits for the first, then finds the work done.
 """
 
 from __future__ import annotations
@@ -105,3 +108,27 @@ def _take(handle, directory, key: str, log: Callable[[str], None]) -> None:
     handle.truncate()
     handle.write(holder_text() + "\n")
     handle.flush()
+
+
+@contextlib.contextmanager
+def wait_for_turn(lock_file: Path, what: str, log: Callable[[str], None] = print) -> Iterator[None]:
+    """Hold ``lock_file`` for the block, waiting for another process that holds it (saying
+    so: "waiting for pid 123 …, which {what}"). For work two runs may start at once, such
+    as the same warm start in a shared cache: the second waits, then finds it done."""
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "a+", encoding="utf-8") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            log(f"waiting for {describe_holder(handle.read())}, which {what}")
+            fcntl.flock(handle, fcntl.LOCK_EX)  # a signal interrupts the wait as usual
+        handle.seek(0)
+        handle.truncate()
+        handle.write(holder_text() + "\n")
+        handle.flush()
+        try:
+            yield
+        finally:
+            handle.seek(0)
+            handle.truncate()

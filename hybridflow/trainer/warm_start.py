@@ -227,13 +227,20 @@ def resolve_model_path(cfg: Config, log=print, progress=None, stop=None) -> str:
     progress, which the next run with the same settings continues."""
     if not cfg.model.path.startswith(SFT_PREFIX):
         return cfg.model.path
+    from hybridflow.trainer.run_lock import wait_for_turn
+
     task = cfg.model.path.removeprefix(SFT_PREFIX)
     target = Path(planned_model_path(cfg))
     if (target / COMPLETE).is_file():
         log(f"warm start: cached SFT model {target}")
         return str(target)
-    log(f"warm start: SFT of a {cfg.sft.preset} model on builtin:{task} (cached in {target})")
-    train_warm_start(cfg, task, target, log, progress, stop)
+    # two runs starting the same warm start (one cache, two examples): one trains it
+    with wait_for_turn(target.with_name(target.name + ".lock"), "trains this warm start", log):
+        if (target / COMPLETE).is_file():
+            log(f"warm start: cached SFT model {target} (trained by the process waited for)")
+            return str(target)
+        log(f"warm start: SFT of a {cfg.sft.preset} model on builtin:{task} (cached in {target})")
+        train_warm_start(cfg, task, target, log, progress, stop)
     return str(target)
 
 

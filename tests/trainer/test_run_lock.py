@@ -75,3 +75,37 @@ def test_a_held_directory_is_refused_in_this_process_too(tmp_path):
     assert f"pid {os.getpid()}" in str(refused.value) and "sft.out_dir" in str(refused.value)
     started = time.strftime("%Y-%m-%d")
     assert started in str(refused.value)
+
+
+PUBLISH_LATER = """
+import sys, time
+from pathlib import Path
+from hybridflow.trainer.run_lock import wait_for_turn
+target = Path(sys.argv[1])
+with wait_for_turn(target.with_name(target.name + ".lock"), "trains this warm start"):
+    print("training", flush=True)
+    time.sleep(2)
+    target.mkdir(parents=True)
+    (target / "COMPLETE").write_text("{}")
+"""
+
+
+def test_a_second_run_of_the_same_warm_start_waits_and_uses_the_first_ones_model(
+    tmp_path, monkeypatch
+):
+    import hybridflow.trainer.warm_start as warm_start
+    from hybridflow.config import load_config
+
+    cfg = load_config(None, ["model.path=sft:arithmetic", f"trainer.cache_dir={tmp_path}"])
+    target = warm_start.planned_model_path(cfg)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    first = subprocess.Popen([sys.executable, "-c", PUBLISH_LATER, target], env=env,
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert first.stdout.readline().strip() == "training"
+    monkeypatch.setattr(warm_start, "train_warm_start", lambda *a: pytest.fail("trained twice"))
+    messages = []
+    assert warm_start.resolve_model_path(cfg, log=messages.append) == target
+    assert first.wait(timeout=60) == 0
+    assert f"waiting for pid {first.pid} on host" in messages[0]
+    assert "which trains this warm start" in messages[0]
+    assert "trained by the process waited for" in messages[1]
