@@ -196,6 +196,8 @@ LATE_CHECKS = [
     (["model.path=sft:arithmetic", "trainer.cache_dir=/proc/hybridflow-cache"],
      "trainer.cache_dir = /proc/hybridflow-cache: cannot write in /proc"),
     (["trainer.loggers=[tensorboard]"], "'tensorboard' package is not installed"),
+    # terabytes of samples on the controller: once the kernel killed the run minutes in
+    (["rollout.n=100000000"], "rollout.n = 100000000"),
     # 8 built-in prompts; a batch of 16 cannot be drawn
     (["data.builtin_train_size=8", "data.train_batch_size=16", "actor.ppo_mini_batch_size=16"],
      "8 usable prompts, fewer than one batch"),

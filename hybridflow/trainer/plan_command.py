@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 
 from hybridflow.config import Config, ConfigError, validate
+from hybridflow.trainer import host_memory
+from hybridflow.trainer.host_memory import host_need_for, host_problems, host_text
 from hybridflow.trainer.memory_check import (
     fit_problems,
     forward_budget_problems,
@@ -40,17 +42,23 @@ def plan_command(cfg: Config, gpu_memory: str | None = None, out=print) -> int:
     else:
         gpu_bytes, source = gpu_memory_or_none(cfg)
     plan = plan_for_config(cfg, derived, gpu_bytes)
+    need = host_need_for(cfg, derived, plan if gpu_bytes is not None else None)
+    available, host_source = host_memory.available_host_bytes()
+    host = host_problems(need, cfg, available, host_source)
     if plan is None:
         raise ConfigError(
             [
                 f"model.path = {cfg.model.path}: its shape is unknown (no readable config.json): "
-                "point model.path at a Hugging Face model directory or a preset"
+                "point model.path at a Hugging Face model directory or a preset",
+                *host,
             ]  # fmt: skip
         )
     out(render(plan, source))
     for line in memory_choices(cfg, derived, gpu_bytes)[1]:
         out("  " + line)
+    out("  " + host_text(need, cfg, available, host_source))
     problems = fit_problems(cfg, plan, source) or forward_budget_problems(cfg, derived, plan)
+    problems += host
     if problems:
         raise ConfigError(problems)
     return 0

@@ -2,7 +2,7 @@
 validate`` runs the same checks.
 
 In order: the config rules (``validate``), the GPU memory plan (trainer/memory_check.py),
-then the machine (devices, a writable run directory with room for a checkpoint, the logger
+the host memory a step's data needs (trainer/host_memory.py), then the machine (devices, a writable run directory with room for a checkpoint, the logger
 packages), the model directory (config.json, complete safetensors files, a tokenizer), a
 writable ``trainer.cache_dir`` when the run will write there (an uncached warm start), the
 reward function, and every data file (readable, and still holding a batch after overlong
@@ -54,11 +54,13 @@ def prepare_run(cfg: Config, log=lambda *a, **k: None) -> Preflight:
     """The checks of :func:`check_run`; returns what they built (the caller closes reward)."""
     from hybridflow.models import load_tokenizer
     from hybridflow.rewards import build_reward_manager
+    from hybridflow.trainer.host_memory import check_host_memory
     from hybridflow.trainer.memory_check import check_memory
     from hybridflow.workers.model_loading import default_tokenizer_path
 
     derived = validate(cfg, gpus_available=_gpu_count() if cfg.trainer.device == "cuda" else None)
-    check_memory(cfg, derived, log)  # the GPU memory plan, printed; exit 2 if it cannot fit
+    plan = check_memory(cfg, derived, log)  # the GPU memory plan, printed; exit 2 if too big
+    check_host_memory(cfg, derived, plan)  # a step's data (and a CPU run's model) on the host
     problems = machine_problems(cfg, cfg.trainer.run_dir)
     problems += sandbox_problems(cfg, log)
     problems += model_problems(cfg.model.path, cfg.model.tokenizer_path)

@@ -71,12 +71,26 @@ def test_a_7b_that_fits_with_lora_says_so(capsys):
     assert "model.lora_rank=64 (peak" in err and "fits)" in err
 
 
-def test_plan_without_a_gpu_prints_and_does_not_check(capsys):
+def test_plan_without_a_gpu_prints_and_does_not_check(capsys, monkeypatch):
+    from hybridflow.trainer import host_memory
+
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: (2**50, "test"))
     assert main(["config", "plan", "model.path=qwen2.5-7b", "trainer.device=cpu"]) == 0
     out = capsys.readouterr().out
     # max_num_seqs: free memory unknown; 48 tokens a sequence, one 64-token block each
     assert "KV cache (1,024 + 1 blocks: 1,024 × 48 tokens)" in out
     assert "fit not checked" in out
+    assert "host: a step's data" in out and "fits" in out.splitlines()[-1]
+
+
+def test_a_cpu_run_of_a_7b_model_does_not_fit_16_gib_of_host(capsys, monkeypatch):
+    from hybridflow.trainer import host_memory
+
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: (16 * 2**30, "test"))
+    assert main(["config", "plan", "model.path=qwen2.5-7b", "trainer.device=cpu"]) == 2
+    captured = capsys.readouterr()
+    assert "host memory, 16.0 GiB is free (test)" in captured.err
+    assert "does NOT fit" in captured.out
 
 
 def test_a_fitting_run_passes_and_the_plan_is_printed(capsys):
