@@ -37,7 +37,7 @@ import numpy as np
 
 from hybridflow.config import ConfigError
 from hybridflow.errors import UserError, is_disk_full
-from hybridflow.trainer.checkpoint_files import METADATA_FILE, file_sizes
+from hybridflow.trainer.checkpoint_files import METADATA_FILE, checksums, damage, file_sizes
 
 COMPLETE_MARKER = "COMPLETE"
 RNG_FILE = "rng_state.pt"
@@ -86,6 +86,10 @@ class CheckpointManager:
             )
         self.root = Path(root)
         self.keep_last_k = keep_last_k
+        # The newest checkpoint known good: the one resumed from (its files verified) or
+        # the last one saved. Pruning never deletes it, even when newer ones (damaged ones,
+        # or ones of a run resumed from further back) fill keep_last_k.
+        self.verified: Path | None = None
 
     def step_dir(self, step: int) -> Path:
         return self.root / f"step_{step}"
@@ -121,6 +125,9 @@ class CheckpointManager:
             writer_fn(temporary)
             info = {"step": step, "saved_at": time.time(), **(metadata or {})}
             info["files"] = file_sizes(temporary)
+            # read back from the page cache; on the save's thread (a background one with
+            # trainer.async_save)
+            info["checksums"] = checksums(temporary, info["files"])
             (temporary / METADATA_FILE).write_text(json.dumps(info, indent=2, default=str))
             _fsync_tree(temporary)  # every file on disk before the marker says so
             _write_synced(temporary / COMPLETE_MARKER, f"{step}\n")
@@ -138,6 +145,7 @@ class CheckpointManager:
         else:
             os.rename(temporary, final)
         _fsync_dir(self.root)
+        self.verified = final  # its checksums were just read from the files on disk
         self._prune()
         return final
 
@@ -202,7 +210,8 @@ class CheckpointManager:
                 shutil.rmtree(path, ignore_errors=True)
 
     def _prune(self) -> None:
-        """Delete all but the newest `keep_last_k` complete checkpoints and stale temps."""
+        """Delete all but the newest `keep_last_k` complete checkpoints (never the newest one
+        known good, :attr:`verified`) and stale temps."""
         for path in self.root.glob(".tmp-step_*"):
             shutil.rmtree(path, ignore_errors=True)
         for path in self.root.glob(".old-step_*"):
@@ -211,9 +220,60 @@ class CheckpointManager:
         if self.keep_last_k is None:
             return
         for _, path in complete[: -self.keep_last_k]:
+            if path == self.verified:
+                continue
             # Drop the marker first: a crash mid-delete leaves an ignored directory.
             (path / COMPLETE_MARKER).unlink()
             shutil.rmtree(path)
+
+
+def load_newest_intact(
+    manager: CheckpointManager,
+    resume: str | None,
+    load: Callable[[Path], None],
+    log: Callable[[str], None],
+    check: Callable[[Path], None] | None = None,
+) -> Path | None:
+    """Load the checkpoint ``resume`` names (see :meth:`CheckpointManager.resume_candidates`)
+    with ``load(path)``. With "auto", one whose files are damaged (:func:`damage`: links,
+    sizes, checksums) or that the loader refuses (a UserError) is skipped with a message and
+    the previous one is tried. ``check(path)`` runs first and its refusal stops the search.
+    The loaded checkpoint becomes ``manager.verified``; None when there is none."""
+    from hybridflow.errors import as_user_error
+    from hybridflow.trainer.checkpoint_files import has_checksums
+
+    damaged, said_unchecked = [], False
+    for path in manager.resume_candidates(resume):
+        if check is not None:
+            check(path)
+        if not has_checksums(path) and not said_unchecked:
+            said_unchecked = True
+            log(f"{path} was saved by an earlier version, without content checksums: only its "
+                "file sizes are checked")  # fmt: skip
+        problems = damage(path)
+        if not problems:
+            try:
+                load(path)
+                manager.verified = path
+                return path
+            except Exception as error:  # noqa: BLE001 - a refused or damaged file: try older
+                user_error = as_user_error(error)
+                if user_error is None:
+                    raise
+                problems = [str(user_error).split("\n")[0]]
+        if resume != "auto":
+            raise UserError(
+                f"trainer.resume={resume}: checkpoint damaged: {'; '.join(problems)}",
+                "use trainer.resume=auto to take the newest intact one",
+            )
+        damaged.append(path)
+        log(f"checkpoint {path} is damaged ({'; '.join(problems)}); trying the previous one")
+    if damaged:
+        raise UserError(
+            f"every checkpoint in {manager.root} is damaged ({', '.join(p.name for p in damaged)})",
+            "start over with trainer.resume=disable (or another trainer.run_dir)",
+        )
+    return None
 
 
 # torch is imported inside the RNG helpers only, so the manager itself stays light.

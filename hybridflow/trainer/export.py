@@ -34,7 +34,6 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, log=print) -> Pat
     from hybridflow.trainer.run_state import MODEL_CONFIG, TOKENIZER_DIR, read_run_config
 
     checkpoint, out = checkpoint_to_export(Path(checkpoint), log), Path(out)
-    check_files(checkpoint)
     cfg = read_run_config(checkpoint)
     hf_config = json.loads((checkpoint / MODEL_CONFIG).read_text())
     dtype = getattr(torch, hf_config.get("torch_dtype") or "float32")
@@ -73,8 +72,9 @@ GIVE_A_CHECKPOINT = (
 
 
 def checkpoint_to_export(path: Path, log) -> Path:
-    """``path`` itself when it is a checkpoint; the latest complete checkpoint of a run
-    directory (or of its ``checkpoints/``), said through ``log``."""
+    """``path`` itself when it is a checkpoint whose files are intact; for a run directory
+    (or its ``checkpoints/``), the newest complete checkpoint whose files are intact, said
+    through ``log`` with any newer damaged one it skipped."""
     from hybridflow.trainer.checkpoint import COMPLETE_MARKER, CheckpointManager, is_complete
 
     if not path.exists():
@@ -84,31 +84,45 @@ def checkpoint_to_export(path: Path, log) -> Path:
     if is_complete(path):
         if not (path / "actor").is_dir():
             raise UserError(f"{path} holds no actor/ (the model's weights)", GIVE_A_CHECKPOINT)
+        problems = file_problems(path, log)
+        if problems:
+            raise UserError(
+                f"{path} is damaged: {'; '.join(problems)}",
+                "export an older checkpoint of the run (its checkpoints/step_N)",
+            )
         return path
     root = path if path.name == "checkpoints" else path / "checkpoints"
-    if root.is_dir():
-        latest = CheckpointManager(root).latest()
-        if latest is None:
-            raise UserError(f"{root} holds no complete checkpoint yet", GIVE_A_CHECKPOINT)
-        log(f"exporting {latest}, the latest complete checkpoint in {root}")
-        return latest
+    if not root.is_dir():
+        raise UserError(
+            f"{path} is not a complete hybridflow checkpoint (no {COMPLETE_MARKER} marker: "
+            "unfinished, or not a checkpoint) and holds no checkpoints/",
+            GIVE_A_CHECKPOINT,
+        )
+    complete = [p for _, p in reversed(CheckpointManager(root).complete_checkpoints())]
+    if not complete:
+        raise UserError(f"{root} holds no complete checkpoint yet", GIVE_A_CHECKPOINT)
+    for candidate in complete:
+        problems = file_problems(candidate, log)
+        if not problems:
+            which = "complete" if candidate == complete[0] else "intact"
+            log(f"exporting {candidate}, the latest {which} checkpoint in {root}")
+            return candidate
+        log(f"skipping {candidate}: damaged ({'; '.join(problems)})")
     raise UserError(
-        f"{path} is not a complete hybridflow checkpoint (no {COMPLETE_MARKER} marker: "
-        "unfinished, or not a checkpoint) and holds no checkpoints/",
-        GIVE_A_CHECKPOINT,
+        f"every complete checkpoint in {root} is damaged ({', '.join(p.name for p in complete)})",
+        "export a checkpoint from elsewhere, or train again",
     )
 
 
-def check_files(checkpoint: Path) -> None:
-    """Refuse a checkpoint holding links or files that differ from what was saved."""
-    from hybridflow.trainer.checkpoint_files import LINKS_FIX, damage, links_problem
+def file_problems(checkpoint: Path, log) -> list[str]:
+    """What :func:`damage` finds (links, sizes, checksums); a link raises at once, naming
+    every link. Says once when the checkpoint has no checksums (an earlier version's)."""
+    from hybridflow.trainer.checkpoint_files import LINKS_FIX, damage, has_checksums, links_problem
 
     links = links_problem(checkpoint)
     if links is not None:
         raise UserError(links, LINKS_FIX)
-    problems = damage(checkpoint)
-    if problems:
-        raise UserError(
-            f"{checkpoint} is damaged: {'; '.join(problems)}",
-            "export an older checkpoint of the run (its checkpoints/step_N)",
-        )
+    if not has_checksums(checkpoint):
+        log(f"{checkpoint} was saved by an earlier version, without content checksums: only "
+            "its file sizes are checked")  # fmt: skip
+    return damage(checkpoint)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 import yaml
 
-from hybridflow.errors import UserError, as_user_error
+from hybridflow.errors import UserError
 from hybridflow.trainer.stages import RunContext
 
 if TYPE_CHECKING:
@@ -144,37 +144,15 @@ def model_hf_config(path: str) -> dict:
 def resume(run: RunContext, log=print) -> Path | None:
     """Load the checkpoint ``trainer.resume`` names (auto: the newest complete one whose files
     are intact, falling back to older ones with a message); None when there is none."""
-    from hybridflow.trainer.checkpoint_files import damage
+    from hybridflow.trainer.checkpoint import load_newest_intact
 
-    resume_setting = run.cfg.trainer.resume
-    candidates = run.checkpoints.resume_candidates(resume_setting)
-    damaged = []
-    for path in candidates:
-        check_config_changes(path, run.cfg, log)  # a refusal is not damage: it stops here
-        problems = damage(path)
-        if not problems:
-            try:
-                load_checkpoint(run, path)
-                return path
-            except Exception as error:  # noqa: BLE001 - a damaged file: try the older one
-                user_error = as_user_error(error)
-                if user_error is None:
-                    raise
-                problems = [str(user_error).split("\n")[0]]
-        if resume_setting != "auto":
-            raise UserError(
-                f"trainer.resume={resume_setting}: checkpoint damaged: {'; '.join(problems)}",
-                "use trainer.resume=auto to take the newest intact one",
-            )
-        damaged.append(path)
-        log(f"checkpoint {path} is damaged ({'; '.join(problems)}); trying the previous one")
-    if damaged:
-        raise UserError(
-            f"every checkpoint in {run.checkpoints.root} is damaged "
-            f"({', '.join(p.name for p in damaged)})",
-            "start over with trainer.resume=disable (or another trainer.run_dir)",
-        )
-    return None
+    return load_newest_intact(
+        run.checkpoints,
+        run.cfg.trainer.resume,
+        load=functools.partial(load_checkpoint, run),
+        log=log,
+        check=lambda path: check_config_changes(path, run.cfg, log),  # a refusal stops here
+    )
 
 
 def refuse_changed_config(cfg) -> None:

@@ -180,7 +180,7 @@ def sft_main(cfg: Config) -> Path:
 def _sft(cfg: Config, out: Path, stop) -> Path:
     from hybridflow.models import load_model, load_tokenizer
     from hybridflow.progress import ProgressReporter
-    from hybridflow.trainer.checkpoint import CheckpointManager
+    from hybridflow.trainer.checkpoint import CheckpointManager, load_newest_intact
     from hybridflow.trainer.loggers import Tracker
     from hybridflow.trainer.roles import resolve_device
     from hybridflow.workers.model_loading import resolve_dtype
@@ -207,13 +207,18 @@ def _sft(cfg: Config, out: Path, stop) -> Path:
         write_sft_checkpoint(checkpoints, trainer, sampler, step, run_cfg, tokenizer)
 
     def resume(trainer: SFTTrainer, sampler) -> int:
-        path = checkpoints.resolve_resume(cfg.trainer.resume)
+        loaded = {}
+
+        def load(path: Path) -> None:
+            loaded.update(trainer.core.load(path / "actor", trainable_only=False))
+            sampler.load_state_dict(loaded["sampler"])
+
+        # a damaged or refused checkpoint falls back to the previous one, as for RL runs
+        path = load_newest_intact(checkpoints, cfg.trainer.resume, load, log=print)
         if path is None:
             return 0
-        state = trainer.core.load(path / "actor", trainable_only=False)
-        sampler.load_state_dict(state["sampler"])
-        print(f"resumed SFT from {path} (step {state['step']})")
-        return int(state["step"])
+        print(f"resumed SFT from {path} (step {loaded['step']})")
+        return int(loaded["step"])
 
     print(f"SFT: {len(examples)} examples ({dropped} longer than sft.max_length dropped)")
     progress = ProgressReporter(interval_s=cfg.trainer.progress_interval_s)

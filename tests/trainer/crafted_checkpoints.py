@@ -72,9 +72,10 @@ def point_entry_at(actor: Path, fqn_prefix: str, relative_path: str) -> None:
 def reseal(step_dir: Path) -> None:
     """Make metadata.json list the files as they are now (sizes and checksums), as an
     attacker who knows the format would."""
-    from hybridflow.trainer.checkpoint_files import file_sizes
+    from hybridflow.trainer.checkpoint_files import checksums, file_sizes
 
     info = json.loads((step_dir / "metadata.json").read_text())
     files = file_sizes(step_dir)
     info["files"] = {k: v for k, v in files.items() if k not in ("metadata.json", "COMPLETE")}
+    info["checksums"] = checksums(step_dir, info["files"])
     (step_dir / "metadata.json").write_text(json.dumps(info))

@@ -40,6 +40,13 @@ def copy_of(two_steps, tmp_path):
     return tmp_path / "run" / "checkpoints"
 
 
+def overwrite_shard(step, data: bytes):
+    """Same size, other content: only the checksums can tell."""
+    with open(step / "actor" / "__0_0.distcp", "r+b") as handle:
+        handle.seek(2000)
+        handle.write(data)
+
+
 def link_a_shard(step):
     """The shard moved out of the checkpoint and linked back: same bytes, refused."""
     shard = step / "actor" / "__0_0.distcp"
@@ -54,6 +61,8 @@ def link_a_shard(step):
         pytest.param(lambda step: (step / "actor" / "__0_0.distcp").write_bytes(b"x"), id="truncated"),
         pytest.param(lambda step: (step / "actor" / "extra_rank0.pt").unlink(), id="missing"),
         pytest.param(link_a_shard, id="link"),
+        pytest.param(lambda step: overwrite_shard(step, os.urandom(4096)), id="random_bytes"),
+        pytest.param(lambda step: overwrite_shard(step, bytes(4096)), id="zeroed_bytes"),
     ],
 )  # fmt: skip
 def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(two_steps, tmp_path, harm):

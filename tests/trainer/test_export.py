@@ -96,3 +96,22 @@ def test_export_refuses_links_inside_a_checkpoint_and_names_them(run_dir, tmp_pa
     assert f"tokenizer/special_tokens_map.json (a link to {secret})" in err
     assert f"tokenizer/extra (a link to {tmp_path / 'big'})" in err
     assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_export_verifies_checksums_and_a_run_directory_skips_a_damaged_checkpoint(
+    run_dir, tmp_path, capsys
+):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    shard = run / "checkpoints" / "step_2" / "actor" / "__0_0.distcp"
+    with open(shard, "r+b") as handle:  # same size, zeroed bytes
+        handle.seek(1000)
+        handle.write(bytes(512))
+    assert main(["export", str(shard.parent.parent), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "step_2 is damaged: actor/__0_0.distcp has other content than when saved" in err
+    assert not (tmp_path / "out").exists()
+    assert main(["export", str(run), str(tmp_path / "out")]) == 0
+    said = capsys.readouterr().out
+    assert f"skipping {run / 'checkpoints' / 'step_2'}: damaged (actor/__0_0.distcp" in said
+    assert f"exporting {run / 'checkpoints' / 'step_1'}, the latest intact checkpoint" in said

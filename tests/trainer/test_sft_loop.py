@@ -67,6 +67,25 @@ def test_hybridflow_sft_writes_a_model_and_resumes(tmp_path):
     assert model(torch.tensor([[3, 4, 5]])).logits.shape[-1] == model.config.vocab_size
 
 
+def test_sft_resume_falls_back_past_a_damaged_checkpoint(tmp_path, capsys):
+    data = tmp_path / "sft.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"{i}+1=", "response": str(i + 1)})
+                              for i in range(16)))  # fmt: skip
+    common = ["model.path=tiny", f"sft.train_files=[{data}]", "sft.batch_size=8",
+              "trainer.save_freq=1", "trainer.keep_last_k=3", "trainer.loggers=[jsonl]",
+              "trainer.device=cpu", f"trainer.run_dir={tmp_path / 'run'}"]  # fmt: skip
+    sft_main(load_config(None, [*common, "sft.total_steps=2"]))
+    checkpoints = tmp_path / "run" / "sft" / "checkpoints"
+    with open(checkpoints / "step_2" / "actor" / "__0_0.distcp", "r+b") as shard:
+        shard.seek(100)
+        shard.write(bytes(256))  # same size, zeroed
+    capsys.readouterr()
+    sft_main(load_config(None, [*common, "sft.total_steps=3"]))
+    said = capsys.readouterr().out
+    assert f"checkpoint {checkpoints / 'step_2'} is damaged (actor/__0_0.distcp has other" in said
+    assert f"resumed SFT from {checkpoints / 'step_1'} (step 1)" in said
+
+
 def test_without_carry():
     assert without_carry("58+27=") == "75"  # 8+7=15 -> 5, 5+2=7
     assert without_carry("99+99=") == "88"
