@@ -17,15 +17,17 @@ import importlib
 import sys
 
 from hybridflow.errors import UserError, report
+from hybridflow.install_hint import extra_install
 
 # Import name -> what `pip install` takes, where the two differ.
-PIP_NAMES = {
-    "yaml": "pyyaml",
-    "ray": "'hybridflow[ray]'",
-    "tensorboard": "'hybridflow[tensorboard]'",
-    "wandb": "'hybridflow[wandb]'",
-    "aiohttp": "'hybridflow[serve]'",
-    "matplotlib": "'hybridflow[report]'",
+PIP_NAMES = {"yaml": "pyyaml"}
+# Import name -> the extra of hybridflow that brings it (pyproject.toml).
+EXTRAS = {
+    "ray": "ray",
+    "tensorboard": "tensorboard",
+    "wandb": "wandb",
+    "aiohttp": "serve",
+    "matplotlib": "report",
 }
 
 # Subcommands whose parsers their own modules add: (name, module, adder, help).
@@ -49,6 +51,8 @@ def unavailable_reason(command: str, module: str, error: ImportError) -> str:
         return f"{what}; the hybridflow install is incomplete: reinstall it (pip install -e .)"
     package = PIP_NAMES.get(missing, missing)
     if isinstance(error, ModuleNotFoundError):
+        if missing in EXTRAS:
+            return f"{what}; install the missing package: {extra_install(EXTRAS[missing])}"
         return f"{what}; install the missing package: pip install {package}"
     return f"{what}; reinstall the package it names: pip install --force-reinstall {package}"
 
@@ -260,14 +264,15 @@ CONFIG_ACTIONS = (
      "from it, marked `# derived`."),
     ("validate", "check a config as `train` does, before any model loads",
      "Check everything `hybridflow train` checks before it loads a model: every key and "
-     "value, the GPU memory plan, the devices and the run directory, the model directory "
-     "(config.json, weight and tokenizer files, without loading the weights), the reward "
-     "function and the data files. Prints `config OK`; else each problem with its fix, exit "
-     "status 2."),
+     "value, the GPU memory plan, the host memory a step's data needs, the devices and the "
+     "run directory, the model directory (config.json and its architecture, the weights' "
+     "names and shapes, the tokenizer, without loading the weights), the reward function and "
+     "the data files. Prints `config OK`; else each problem with its fix, exit status 2."),
     ("plan", "the memory plan of a config, item by item",
      "The memory plan of a config, before any model loads: the GPU bytes of weights, "
      "gradients, optimizer state, activations and KV cache of each role, checked against one "
-     "GPU's memory."),
+     "GPU's memory; then the host memory a step's data (and a CPU run's model) needs, "
+     "checked against the memory free on this machine."),
     ("from-verl", "a verl command line as one hybridflow YAML config",
      "Write a verl command line (verl's keys, with our keys and an optional --config file "
      "of ours) as one hybridflow YAML config, each translated key commented with the verl "

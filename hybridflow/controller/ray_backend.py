@@ -27,8 +27,10 @@ def import_ray():
     try:
         import ray
     except ImportError as exc:
+        from hybridflow.install_hint import extra_install
+
         raise ImportError(
-            "backend='ray' needs Ray: pip install 'hybridflow[ray]' (or pip install ray)"
+            f"backend='ray' needs Ray: {extra_install('ray')} (or pip install ray)"
         ) from exc
     return ray
 

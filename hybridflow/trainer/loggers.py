@@ -18,6 +18,7 @@ from typing import Any
 from hybridflow.config import ConfigError
 from hybridflow.config.validation import LOGGER_NAMES
 from hybridflow.errors import UserError
+from hybridflow.install_hint import extra_install
 
 # What the console table shows, in order, when present (short header, key).
 CONSOLE_COLUMNS = (
@@ -168,7 +169,7 @@ class TensorBoardLogger:
         except ImportError as error:
             raise LoggerUnavailable(
                 "trainer.loggers has 'tensorboard' but the tensorboard package is not "
-                "installed: pip install tensorboard (or hybridflow[tensorboard]), or remove it"
+                f"installed: {extra_install('tensorboard')}, or remove it"
             ) from error
         self.writer = SummaryWriter(log_dir=str(log_dir))
 
@@ -188,8 +189,8 @@ class WandbLogger:
             import wandb
         except ImportError as error:
             raise LoggerUnavailable(
-                "trainer.loggers has 'wandb' but wandb is not installed: pip install wandb "
-                "(or hybridflow[wandb]), or remove it"
+                f"trainer.loggers has 'wandb' but wandb is not installed: "
+                f"{extra_install('wandb')}, or remove it"
             ) from error
         self.run = wandb.init(project=project, name=name, dir=str(run_dir), config=config)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.config import Config, ConfigError, Derived, validate
+from hybridflow.install_hint import extra_install
 
 LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 """trainer.loggers entry -> the package it needs (pip names: the same)."""
@@ -257,7 +258,7 @@ def parameter_count(architecture) -> int:
 def logger_problems(loggers: list[str]) -> list[str]:
     return [
         f"trainer.loggers includes {name!r} but the {package!r} package is not installed: "
-        f"pip install 'hybridflow[{name}]', or drop it from trainer.loggers"
+        f"{extra_install(name)}, or drop it from trainer.loggers"
         for name, package in LOGGER_PACKAGES.items()
         if name in loggers and importlib.util.find_spec(package) is None
     ]

@@ -2,6 +2,7 @@
 cores), so the tests share one Ray and one group; the last test kills a worker."""
 
 import os
+import re
 import signal
 import sys
 import time
@@ -19,13 +20,14 @@ from toy_workers import (
 )
 
 from hybridflow.controller import ResourcePool, WorkerDiedError, WorkerError, WorkerGroup, fuse
+from hybridflow.install_hint import extra_install
 
 
 def test_missing_ray_gives_an_actionable_error(monkeypatch):
     from hybridflow.controller.ray_backend import import_ray
 
     monkeypatch.setitem(sys.modules, "ray", None)
-    with pytest.raises(ImportError, match=r"pip install 'hybridflow\[ray\]'"):
+    with pytest.raises(ImportError, match=re.escape(extra_install("ray"))):
         import_ray()
 
 

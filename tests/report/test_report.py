@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from hybridflow.install_hint import extra_install
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
 from trainer_helpers import tiny_config  # noqa: E402
 
@@ -128,7 +130,7 @@ def test_report_without_matplotlib_says_what_to_install(tmp_path, monkeypatch, c
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed
     assert main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "pip install 'hybridflow[report]'" in err and "Traceback" not in err
+    assert extra_install("report") in err and "Traceback" not in err
 
 
 def test_band_is_mean_plus_minus_std_else_min_to_max():

@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 
 from hybridflow.cli import build_parser, main
+from hybridflow.install_hint import extra_install
 
 
 def _listed(parser) -> set[str]:
@@ -38,7 +39,7 @@ def test_serve_without_aiohttp_stays_listed_and_says_what_to_install(monkeypatch
     assert main(["serve", "--model", "tiny"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
-    assert "hybridflow serve" in err and "pip install 'hybridflow[serve]'" in err
+    assert "hybridflow serve" in err and extra_install("serve") in err
 
 
 def test_bad_model_exits_2_in_one_line(capsys):

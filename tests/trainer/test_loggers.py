@@ -3,6 +3,7 @@
 import io
 import json
 import math
+import re
 import warnings
 
 import numpy as np
@@ -11,6 +12,7 @@ import torch
 from progress_helpers import FakeClock, log_reporter
 from rich.console import Console
 
+from hybridflow.install_hint import extra_install
 from hybridflow.trainer.loggers import (
     CELL_WIDTH,
     STEP_WIDTH,
@@ -91,12 +93,12 @@ def test_unknown_and_missing_backends(tmp_path):
     try:
         import tensorboard  # noqa: F401
     except ImportError:
-        with pytest.raises(LoggerUnavailable, match="pip install tensorboard"):
+        with pytest.raises(LoggerUnavailable, match=re.escape(extra_install("tensorboard"))):
             Tracker(["jsonl", "tensorboard"], tmp_path)
     try:
         import wandb  # noqa: F401
     except ImportError:
-        with pytest.raises(LoggerUnavailable, match="pip install wandb"):
+        with pytest.raises(LoggerUnavailable, match=re.escape(extra_install("wandb"))):
             Tracker(["wandb"], tmp_path)
 
 
