@@ -424,6 +424,8 @@ def _check_lora_in_place(cfg: Config, world: int, add) -> None:
         ("no generation over an update: trainer.mode = sync, or async with "
          "trainer.max_staleness = 0 and no partial rollouts",
          t.mode != "async" or (t.max_staleness == 0 and not t.partial_rollout)),
+        ("a dense model (a mixture of experts' expert adapters are merged for the rollout)",
+         model_has_experts(m.path) is not True),
     ]  # fmt: skip
     for what, ok in needs:
         if not ok:

@@ -4,6 +4,13 @@
 holds the original as ``base_layer`` and freezes every base weight. Parameter names become
 ``...q_proj.base_layer.weight`` and ``...q_proj.lora_A.default.weight``; :func:`merge_lora_stream`
 folds the adapters back into plain HF names for export.
+
+A mixture of experts keeps its experts in packed 3-D tensors, which peft does not adapt
+without materialising W + BA for every expert at every forward. Targeting gate_proj, up_proj
+or down_proj (or ``experts``) gives each expert its own rank-r factors instead
+(models/moe.ExpertLoRA: ``...mlp.experts.lora.gate_up_A [E, r, H]`` and friends), applied as
+two more grouped GEMMs per projection; the router is not adapted, and LoRA dropout does not
+apply to the experts.
 """
 
 from __future__ import annotations
@@ -14,7 +21,11 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from hybridflow.models.moe import ExpertLoRA, Experts
+
 ADAPTER = "default"
+# Target names that adapt a mixture of experts' experts (both packed projections).
+EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj", "experts")
 
 
 def apply_lora(
@@ -33,18 +44,38 @@ def apply_lora(
     data-parallel rank creates the same adapters before FSDP shards them, and runs repeat."""
     import peft
 
-    config = peft.LoraConfig(
-        r=rank, lora_alpha=alpha, target_modules=list(target_modules), lora_dropout=dropout
-    )
-    devices = [model.lm_head.weight.device] if model.lm_head.weight.is_cuda else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    linear_names = {
+        n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)
+    }
+    # peft gets the linear layers; an MLP name only the experts have is theirs alone
+    linear_targets = [
+        t for t in target_modules if t in linear_names or not (experts and t in EXPERT_TARGETS)
+    ]
+    if linear_targets:
+        config = peft.LoraConfig(
+            r=rank, lora_alpha=alpha, target_modules=linear_targets, lora_dropout=dropout
+        )
+        devices = [model.lm_head.weight.device] if model.lm_head.weight.is_cuda else []
+        # peft rewrites the targets of a model whose config names a transformers MoE type
+        # (gate_proj -> a ParamWrapper around the packed experts); the decoder stack has no
+        # config, so peft adapts its linear layers only and the experts get ours below
+        target = model.model if experts else model
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            peft.inject_adapter_in_model(config, target, adapter_name=ADAPTER)
+    for name, param in model.named_parameters():  # the base is frozen (peft's bias="none")
+        if ".lora_" not in name:
+            param.requires_grad_(False)
     # fp32 adapters beside a 16-bit base (peft's get_peft_model does the same): AdamW steps of
     # lr ~1e-5 on weights ~1e-2 are below bf16's resolution and would round away
     for name, param in model.named_parameters():
         if ".lora_" in name and param.dtype in (torch.bfloat16, torch.float16):
             param.data = param.data.float()
+    if experts and any(t in EXPERT_TARGETS for t in target_modules):
+        generator = torch.Generator(device=experts[0].gate_up_proj.device).manual_seed(seed + 1)
+        for module in experts:  # fp32, trainable; created after peft froze the rest
+            module.lora = ExpertLoRA(module, rank, alpha, generator)
     return model
 
 
@@ -54,8 +85,12 @@ def lora_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
 
 
+def expert_adapters(model: nn.Module) -> list[ExpertLoRA]:
+    return [m for m in model.modules() if isinstance(m, ExpertLoRA)]
+
+
 def has_lora(model: nn.Module) -> bool:
-    return bool(lora_layers(model))
+    return bool(lora_layers(model) or expert_adapters(model))
 
 
 @contextlib.contextmanager
@@ -65,15 +100,20 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
     Sets peft's ``_disable_adapters`` flag directly: peft's public ``enable_adapters(False)``
     also flips ``requires_grad`` of the adapter weights, which must not change under FSDP.
     """
-    layers = lora_layers(model)
+    layers, experts = lora_layers(model), expert_adapters(model)
     previous = [layer._disable_adapters for layer in layers]
+    previous_experts = [adapters.disabled for adapters in experts]
     for layer in layers:
         layer._disable_adapters = True
+    for adapters in experts:
+        adapters.disabled = True
     try:
         yield
     finally:
         for layer, flag in zip(layers, previous):
             layer._disable_adapters = flag
+        for adapters, flag in zip(experts, previous_experts):
+            adapters.disabled = flag
 
 
 def lora_scalings(model: nn.Module, prefix_to_strip: str = "") -> dict[str, float]:
@@ -83,6 +123,8 @@ def lora_scalings(model: nn.Module, prefix_to_strip: str = "") -> dict[str, floa
         scaling = getattr(module, "scaling", None)
         if isinstance(scaling, dict) and ADAPTER in scaling:
             scalings[name.removeprefix(prefix_to_strip)] = float(scaling[ADAPTER])
+        elif isinstance(module, ExpertLoRA):  # "...mlp.experts.lora"
+            scalings[name.removeprefix(prefix_to_strip)] = module.scale
     return scalings
 
 
@@ -98,7 +140,10 @@ def merge_lora_stream(
     """
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in named_tensors:
-        if ".base_layer." in name:
+        module, _, leaf = name.rpartition(".")
+        if f"{module}.lora" in scalings or ".experts.lora." in name:  # per-expert adapters
+            yield from _merge_expert_tensor(pending, name, tensor, scalings)
+        elif ".base_layer." in name:
             module, leaf = name.split(".base_layer.")
             pending.setdefault(module, {})[leaf] = tensor
         elif ".lora_A." in name:
@@ -115,3 +160,28 @@ def merge_lora_stream(
             yield name, tensor
     if pending:
         raise ValueError(f"LoRA layers without a lora_B weight: {sorted(pending)}")
+
+
+def _merge_expert_tensor(
+    pending: dict[str, dict[str, torch.Tensor]],
+    name: str,
+    tensor: torch.Tensor,
+    scalings: dict[str, float],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """One tensor of an adapted ``...mlp.experts`` module (state-dict order: gate_up_proj,
+    down_proj, then lora.gate_up_A/B, lora.down_A/B): each packed tensor leaves merged,
+    W_e + scale * B_e @ A_e, once its B arrives."""
+    if ".experts.lora." in name:
+        adapters, leaf = name.rsplit(".", 1)  # "...experts.lora", "gate_up_A"
+        experts = adapters.removesuffix(".lora")
+        projection, factor = leaf.rsplit("_", 1)
+        if factor == "A":
+            pending.setdefault(f"{adapters}.{projection}", {})["A"] = tensor
+            return
+        base_name = f"{experts}.{projection}_proj"
+        base = pending.pop(base_name)["weight"]
+        down_a = pending.pop(f"{adapters}.{projection}")["A"]
+        delta = scalings[adapters] * torch.bmm(tensor.float(), down_a.float())  # [E, out, in]
+        yield base_name, (base.float() + delta).to(base.dtype)
+        return
+    pending.setdefault(name, {})["weight"] = tensor

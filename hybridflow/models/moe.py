@@ -15,6 +15,8 @@ the current router's probabilities at those ids, so the router still gets gradie
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -115,13 +117,15 @@ def moe_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     backend: str = "auto",
+    adapters: ExpertLoRA | None = None,
 ) -> torch.Tensor:
     """Sum over each token's k experts of weight * down(SiLU(gate(x)) * up(x)).
 
     hidden [T, H], topk_ids [T, k], topk_weights [T, k], gate_up [E, 2I, H], down [E, H, I]
     -> [T, H] in hidden's dtype. Tokens are sorted by expert, each projection runs as one
     grouped GEMM (or the reference loop), and the k results of a token are summed in fp32
-    in a fixed order (no atomics: runs repeat bit for bit)."""
+    in a fixed order (no atomics: runs repeat bit for bit). adapters: per-expert LoRA,
+    added as two more grouped GEMMs per projection (the weights are never merged)."""
     num_tokens, top_k = topk_ids.shape
     num_experts, inner = gate_up.shape[0], gate_up.shape[1] // 2
     widths = (hidden.shape[-1], inner)
@@ -133,12 +137,57 @@ def moe_experts(
     offsets = torch.searchsorted(flat_ids[order], experts, right=True).to(torch.int32)  # [E]
     counts = offsets.diff(prepend=offsets.new_zeros(1))
     rows = hidden[order // top_k]  # [T*k, H]
-    gate_up_rows = grouped_linear(rows, gate_up, counts, offsets, backend)  # [T*k, 2I]
+
+    def project(x: torch.Tensor, weight: torch.Tensor, name: str) -> torch.Tensor:
+        out = grouped_linear(x, weight, counts, offsets, backend)
+        if adapters is None:
+            return out
+        down_a, up_b = (p.to(x.dtype) for p in adapters.factors(name))  # [E, r, in], [E, out, r]
+        adapter_backend = backend if x.element_size() * down_a.shape[1] % 16 == 0 else "loop"
+        low = grouped_linear(x, down_a, counts, offsets, adapter_backend)  # [T*k, r]
+        return out + adapters.scale * grouped_linear(low, up_b, counts, offsets, adapter_backend)
+
+    gate_up_rows = project(rows, gate_up, "gate_up")  # [T*k, 2I]
     gate, up = gate_up_rows[:, :inner], gate_up_rows[:, inner:]
-    expert_out = grouped_linear(F.silu(gate) * up, down, counts, offsets, backend)  # [T*k, H]
+    expert_out = project(F.silu(gate) * up, down, "down")  # [T*k, H]
     unsorted = torch.empty_like(expert_out).index_copy_(0, order, expert_out)
     weighted = unsorted.view(num_tokens, top_k, -1).float() * topk_weights[..., None].float()
     return weighted.sum(dim=1).to(hidden.dtype)
+
+
+class ExpertLoRA(nn.Module):
+    """Per-expert low-rank adapters of the packed expert tensors (peft adapts nn.Linear
+    layers only): W_e + scale * B_e @ A_e for each expert e of gate_up_proj and down_proj.
+
+    A is drawn like peft's (kaiming-uniform, a = sqrt(5)), B starts at 0, so an adapted model
+    starts equal to its base. ``disabled`` runs the base (the reference policy)."""
+
+    def __init__(self, experts: Experts, rank: int, alpha: float, generator: torch.Generator):
+        super().__init__()
+        num_experts, two_inner, hidden = experts.gate_up_proj.shape
+        inner = experts.down_proj.shape[2]
+        device = experts.gate_up_proj.device
+
+        def down_factor(width: int) -> nn.Parameter:  # U(-1/sqrt(in), 1/sqrt(in))
+            bound = 1.0 / math.sqrt(width)
+            values = torch.rand(num_experts, rank, width, generator=generator, device=device)
+            return nn.Parameter((2 * values - 1) * bound)
+
+        self.gate_up_A = down_factor(hidden)
+        self.gate_up_B = nn.Parameter(torch.zeros(num_experts, two_inner, rank, device=device))
+        self.down_A = down_factor(inner)
+        self.down_B = nn.Parameter(torch.zeros(num_experts, hidden, rank, device=device))
+        self.scale = alpha / rank
+        self.disabled = False
+
+    def factors(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A [E, r, in], B [E, out, r]) of "gate_up" or "down"."""
+        return getattr(self, f"{name}_A"), getattr(self, f"{name}_B")
+
+    def delta(self, name: str) -> torch.Tensor:
+        """scale * B @ A [E, out, in] in fp32: what merging adds to the expert tensor."""
+        a, b = self.factors(name)
+        return self.scale * torch.bmm(b.float(), a.float())
 
 
 class TopKRouter(nn.Module):
@@ -156,6 +205,7 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, inner))
+        self.lora: ExpertLoRA | None = None  # set by learners/lora.py
 
 
 class SparseMoeBlock(nn.Module):
@@ -195,5 +245,10 @@ class SparseMoeBlock(nn.Module):
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         if gate_up.dtype != x.dtype:  # fp32 masters under autocast: compute in x's dtype
             gate_up, down = gate_up.to(x.dtype), down.to(x.dtype)
-        out = moe_experts(flat, topk_ids, topk_weights, gate_up, down, self.expert_backend)
+        adapters = self.experts.lora
+        if adapters is not None and adapters.disabled:
+            adapters = None
+        out = moe_experts(
+            flat, topk_ids, topk_weights, gate_up, down, self.expert_backend, adapters
+        )
         return out.view(x.shape), router_logits, topk_ids

@@ -1,0 +1,76 @@
+"""LoRA on a mixture of experts: per-expert adapters beside peft's, the reference = adapters
+off, and merged weights that equal the adapted model."""
+
+import torch
+from learner_helpers import actor_config, make_batch
+
+from hybridflow.config import ModelConfig, RefConfig
+from hybridflow.learners import ActorLearner
+from hybridflow.learners.lora import adapters_disabled, apply_lora, expert_adapters
+from hybridflow.learners.ref_policy import RefPolicy
+from hybridflow.models import CausalLM, load_model
+from hybridflow.models.moe import moe_experts, select_experts
+
+LORA = ModelConfig(path="tiny-moe", lora_rank=4, lora_alpha=8)
+
+
+def test_adapters_cover_attention_dense_mlp_and_every_expert():
+    model = apply_lora(load_model("tiny-moe"), rank=4, alpha=8,
+                       target_modules=LORA.lora_target_modules)  # fmt: skip
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert "model.layers.1.mlp.experts.lora.gate_up_A" in trainable
+    assert "model.layers.1.mlp.experts.lora.down_B" in trainable
+    assert "model.layers.0.mlp.gate_proj.lora_A.default.weight" in trainable  # the dense layer
+    assert "model.layers.1.self_attn.q_proj.lora_B.default.weight" in trainable
+    assert all(".lora" in name for name in trainable)  # router and base experts frozen
+    assert len(expert_adapters(model)) == 3
+    untied = load_model("tiny-moe")
+    untied.config.tie_word_embeddings = False
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
+    apply_lora(untied, rank=4, alpha=8, target_modules=["q_proj", "experts"])
+    assert not untied.lm_head.weight.requires_grad
+    ids = torch.randint(5, 128, (2, 9))
+    with torch.no_grad():  # B = 0: the adapted model starts as its base
+        torch.testing.assert_close(model(ids), load_model("tiny-moe")(ids))
+
+
+def test_grouped_gemm_adapters_equal_the_loop_and_merged_weights():
+    model = apply_lora(load_model("tiny-moe"), rank=4, alpha=8, target_modules=["experts"])
+    adapters = expert_adapters(model)[0]
+    with torch.no_grad():
+        for p in (adapters.gate_up_B, adapters.down_B):
+            p.normal_(0, 0.1)
+    experts = model.model.layers[1].mlp.experts
+    x = torch.randn(13, 128)
+    ids, weights = select_experts(torch.randn(13, 8), 2, norm_topk_prob=True)
+    args = (x, ids, weights, experts.gate_up_proj, experts.down_proj)
+    loop = moe_experts(*args, backend="loop", adapters=adapters)
+    grouped = moe_experts(*args, backend="grouped_mm", adapters=adapters)
+    torch.testing.assert_close(grouped, loop)
+    merged = moe_experts(x, ids, weights, experts.gate_up_proj + adapters.delta("gate_up"),
+                         experts.down_proj + adapters.delta("down"), backend="loop")  # fmt: skip
+    torch.testing.assert_close(loop, merged, atol=1e-5, rtol=1e-5)
+
+
+def test_lora_update_merges_into_plain_weights_and_the_reference_is_the_base():
+    batch = make_batch(seed=6)
+    actor = ActorLearner(load_model("tiny-moe"), actor_config(lr=5e-2), total_steps=1,
+                         device="cpu", model_cfg=LORA)  # fmt: skip
+    base = actor.compute_logprobs(batch)["old_logprobs"]
+    actor.update(batch)
+    trained = actor.compute_logprobs(batch)["old_logprobs"]
+    assert (trained - base).abs().max() > 1e-4
+
+    ref = RefPolicy.from_actor(actor, RefConfig())
+    torch.testing.assert_close(ref.compute_ref_logprobs(batch)["ref_logprobs"], base)
+
+    with torch.device("meta"):
+        plain = CausalLM(actor.model.config)
+    plain.load_state_dict(dict(actor.hf_weights()), strict=False, assign=True)
+    plain.tie_weights()
+    merged = ActorLearner(plain, actor_config(), total_steps=1, device="cpu")
+    torch.testing.assert_close(merged.compute_logprobs(batch)["old_logprobs"], trained,
+                               atol=1e-5, rtol=1e-5)  # fmt: skip
+    with adapters_disabled(actor.model):
+        assert all(a.disabled for a in expert_adapters(actor.model))
+    assert not any(a.disabled for a in expert_adapters(actor.model))
