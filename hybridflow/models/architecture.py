@@ -132,6 +132,14 @@ class ModelArchitecture:
         """Layers with experts, in order: the L axis of routed_experts [.., L, k]."""
         return [i for i in range(self.num_hidden_layers) if self.is_sparse_layer(i)]
 
+    def mlp_parameters(self, active: bool = False) -> int:
+        """Weights of every layer's MLP: SwiGLU matrices of the dense layers, router and
+        experts of the sparse ones (active: the top-k experts one token runs through)."""
+        h, sparse = self.hidden_size, len(self.sparse_layer_indices())
+        experts = self.num_experts_per_tok if active else self.num_experts
+        moe = self.num_experts * h + experts * 3 * h * self.moe_intermediate_size
+        return sparse * moe + (self.num_hidden_layers - sparse) * 3 * h * self.intermediate_size
+
     @property
     def rope_type(self) -> str:
         if not self.rope_scaling:
@@ -151,12 +159,9 @@ class ModelArchitecture:
             attn += h
         if self.qk_norm:
             attn += 2 * hd
-        sparse = len(self.sparse_layer_indices())
-        experts = self.num_experts_per_tok if active else self.num_experts
-        moe_mlp = self.num_experts * h + experts * 3 * h * self.moe_intermediate_size
         per_layer = attn + 2 * h
         total = self.num_hidden_layers * per_layer + h  # + final norm
-        total += sparse * moe_mlp + (self.num_hidden_layers - sparse) * 3 * h * i
+        total += self.mlp_parameters(active)
         if include_embeddings:
             total += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return total

@@ -212,20 +212,30 @@ class MemoryPlan:
 def linear_parameters(a: ModelArchitecture) -> int:
     """Weights (and biases) of the decoder layers' linear projections: what autocast casts."""
     q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
-    per_layer = a.hidden_size * (2 * q + 2 * kv) + 3 * a.hidden_size * a.intermediate_size
+    per_layer = a.hidden_size * (2 * q + 2 * kv)
     if a.attention_bias:
         per_layer += q + 2 * kv
-    return a.num_hidden_layers * per_layer
+    return a.num_hidden_layers * per_layer + a.mlp_parameters()  # every expert is cast
 
 
 def lora_parameters(a: ModelArchitecture, rank: int, targets: tuple[str, ...]) -> int:
-    """Adapter weights: rank × (in + out) for every targeted projection of every layer."""
+    """Adapter weights: rank × (in + out) for every targeted projection of every layer; a
+    sparse layer's experts each get rank × (in + out) for gate_up and down when an MLP
+    projection (or ``experts``) is targeted."""
     q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
     h, i = a.hidden_size, a.intermediate_size
     shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
               "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
-    per_layer = sum(rank * sum(shapes[t]) for t in targets if t in shapes)
-    return a.num_hidden_layers * per_layer
+    mlp_names = ("gate_proj", "up_proj", "down_proj")
+    attention = sum(rank * sum(shapes[t]) for t in targets if t in shapes and t not in mlp_names)
+    mlp = sum(rank * sum(shapes[t]) for t in targets if t in mlp_names)
+    sparse = len(a.sparse_layer_indices())
+    total = a.num_hidden_layers * attention + (a.num_hidden_layers - sparse) * mlp
+    if sparse and any(t in ("gate_proj", "up_proj", "down_proj", "experts") for t in targets):
+        # per-expert factors of gate_up [E, 2I, H] and down [E, H, I] (learners/lora.py)
+        inner = a.moe_intermediate_size
+        total += sparse * a.num_experts * rank * ((h + 2 * inner) + (inner + h))
+    return total
 
 
 def trainable_parameters(a: ModelArchitecture, options: PlanOptions) -> int:
@@ -237,10 +247,11 @@ def trainable_parameters(a: ModelArchitecture, options: PlanOptions) -> int:
 def host_step_bucket(a: ModelArchitecture, options: PlanOptions) -> int:
     """Parameters in the largest bucket of the host step: the bucket size, or the largest
     trained tensor when it is larger (the [V, H] embedding, an MLP matrix), at most all."""
+    widest = max(a.intermediate_size, 2 * a.moe_intermediate_size * max(a.num_experts, 1))
     if options.lora_rank > 0:
-        largest = max(options.lora_rank * max(a.hidden_size, a.intermediate_size), 1)
-    else:
-        largest = max(a.vocab_size, a.intermediate_size) * a.hidden_size
+        largest = max(options.lora_rank * max(a.hidden_size, widest), 1)
+    else:  # the embedding, a dense MLP matrix or a layer's packed gate_up experts [E, 2I, H]
+        largest = max(a.vocab_size, widest) * a.hidden_size
     return min(trainable_parameters(a, options), max(OFFLOAD_BUCKET_ELEMENTS, largest))
 
 
@@ -267,9 +278,11 @@ def fused_copy_bytes(a: ModelArchitecture, fuse_projections: str, element_bytes:
     q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
     rows = q + 2 * kv
     per_layer = rows * a.hidden_size + (rows if a.attention_bias else 0)
-    if fuse_projections == "all":
-        per_layer += 2 * a.intermediate_size * a.hidden_size
-    return a.num_hidden_layers * per_layer * element_bytes
+    total = a.num_hidden_layers * per_layer
+    if fuse_projections == "all":  # gate/up of the dense layers; experts are read in place
+        dense = a.num_hidden_layers - len(a.sparse_layer_indices())
+        total += dense * 2 * a.intermediate_size * a.hidden_size
+    return total * element_bytes
 
 
 def kv_cache_entries(entry_bytes: int, most: int, reserve: int, used: int, o: PlanOptions) -> int:

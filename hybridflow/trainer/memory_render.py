@@ -33,9 +33,13 @@ def render(plan: MemoryPlan, gpu_source: str = "") -> str:
     a, o = plan.architecture, plan.options
     total, trained = a.num_parameters(), trainable_parameters(a, o)
     placement = "split, rollout on GPUs of its own" if o.split else "colocated"
+    active = (  # a mixture of experts: what one token runs through
+        f", {count(a.num_parameters(active=True))} active ({a.num_experts_per_tok} of "
+        f"{a.num_experts} experts)" if a.is_moe else ""
+    )
     lines = [
-        f"memory plan: {plan.model} ({count(total)} parameters, {count(trained)} trained), "
-        f"{o.train_gpus} training GPU(s), {placement}",
+        f"memory plan: {plan.model} ({count(total)} parameters{active}, {count(trained)} "
+        f"trained), {o.train_gpus} training GPU(s), {placement}",
         f"  {'item':<52} {'per GPU':>10} {'host':>10}  held during",
     ]
     for item in plan.items:

@@ -247,12 +247,13 @@ def model_architecture(model_path: str):
 
 def parameter_count(architecture) -> int:
     """Weights a token's forward pass multiplies by: the decoder layers' projections (attention,
-    SwiGLU MLP) and the lm_head (vocab × hidden, tied to the embedding or not; the embedding
-    itself is a lookup). For stored bytes use ModelArchitecture.num_parameters()."""
+    SwiGLU MLP; a mixture of experts' router and top-k experts) and the lm_head (vocab ×
+    hidden, tied to the embedding or not; the embedding itself is a lookup). For stored bytes
+    use ModelArchitecture.num_parameters()."""
     a = architecture
     q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
-    per_layer = a.hidden_size * (2 * q + 2 * kv) + 3 * a.hidden_size * a.intermediate_size
-    return a.num_hidden_layers * per_layer + a.vocab_size * a.hidden_size
+    attention = a.num_hidden_layers * a.hidden_size * (2 * q + 2 * kv)
+    return attention + a.mlp_parameters(active=True) + a.vocab_size * a.hidden_size
 
 
 def logger_problems(loggers: list[str]) -> list[str]:

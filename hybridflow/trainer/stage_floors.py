@@ -52,8 +52,9 @@ class StepShape:
 
 def _matmul_weights(a) -> int:
     q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
-    per_layer = a.hidden_size * (2 * q + 2 * kv) + 3 * a.hidden_size * a.intermediate_size
-    return a.num_hidden_layers * per_layer + a.vocab_size * a.hidden_size
+    attention = a.num_hidden_layers * a.hidden_size * (2 * q + 2 * kv)
+    # a mixture of experts' decode step at batch sizes where every expert is touched
+    return attention + a.mlp_parameters() + a.vocab_size * a.hidden_size
 
 
 def _attention_flops(a, positions: float) -> float:

@@ -284,3 +284,34 @@ def test_an_fp8_rollout_adds_a_byte_per_projection_weight_while_it_generates():
     assert len(copies) == 1 and copies[0].gpu_bytes == a.num_parameters(include_embeddings=False)
     assert mp.GENERATE in copies[0].phases and mp.UPDATE not in copies[0].phases
     assert not any("fp8" in i.name for i in bf16.items)
+
+
+def test_mixture_of_experts_counts_every_expert_stored_and_the_top_k_active():
+    moe = PRESETS["qwen3-30b-a3b"]
+    # per layer: router 128·2048; experts 128·3·2048·768 = 603,979,776 (8 of them active)
+    # attention: q, o 2048·4096 each, k, v 2048·512 each = 18,874,368; norms and q/k-norm 4,352
+    per_layer_experts = 128 * 2048 + 128 * 3 * 2048 * 768
+    assert moe.mlp_parameters() == 48 * per_layer_experts
+    assert moe.mlp_parameters(active=True) == 48 * (128 * 2048 + 8 * 3 * 2048 * 768)
+    assert mp.linear_parameters(moe) == 48 * 18_874_368 + 48 * per_layer_experts
+    text = render(mp.build_plan("qwen3-30b-a3b", moe, PlanOptions(master_bytes=2)))
+    assert "30.53 B parameters, 3.35 B active (8 of 128 experts)" in text
+    # a sparse layer keeps, per token, k·(4I + 4h) + 3E of its MLP instead of 4i:
+    # 8·(3072 + 8192) + 384 = 90,496 against 4·6144 = 24,576
+    dense = moe.replace(num_experts=0, model_type="qwen3")
+    extra = mp.activation_bytes_per_token(moe, False) - mp.activation_bytes_per_token(dense, False)
+    assert extra == 48 * 2 * (90_496 - 24_576)
+    # the host step's largest tensor is a layer's gate_up experts [128, 1536, 2048]
+    bucket = mp.host_step_bucket(moe, PlanOptions(optimizer_offload=True))
+    assert bucket == 128 * 1536 * 2048
+
+
+def test_lora_count_of_a_mixture_of_experts_matches_the_adapters():
+    pytest.importorskip("peft")
+    from hybridflow.learners.lora import apply_lora
+    from hybridflow.models import build_model
+
+    config, targets = PRESETS["tiny-moe"], ("q_proj", "gate_proj", "down_proj")
+    model = apply_lora(build_model(config), rank=4, alpha=8, target_modules=list(targets))
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert mp.lora_parameters(config, 4, targets) == trained
