@@ -9,6 +9,7 @@ attention function passed in differs, so the padded and packed forwards share ev
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -22,6 +23,7 @@ from hybridflow.models.attention import (
 )
 from hybridflow.models.moe import SparseMoeBlock
 from hybridflow.models.rope import apply_rope, rope_cos_sin
+from hybridflow.models.sequence_parallel import ulysses_attention
 
 # One sparse layer's routing from a forward: (router_logits [N, E], topk_ids [N, k]).
 RouterTrace = list[tuple[torch.Tensor, torch.Tensor]]
@@ -266,6 +268,7 @@ class CausalLM(nn.Module):
         max_seqlen: int,
         routed_experts: torch.Tensor | None = None,
         router_trace: RouterTrace | None = None,
+        sequence_group: dist.ProcessGroup | None = None,
     ) -> torch.Tensor:
         """Many sequences concatenated: input_ids/position_ids [N], cu_seqlens int32 [S+1].
 
@@ -273,18 +276,26 @@ class CausalLM(nn.Module):
         them in chunks, see logprobs.py). Attention never crosses a sequence boundary.
         Mixture-of-experts models: routed_experts int [N, L_sparse, k] replays recorded routes
         (moe.NO_ROUTE rows route freely); router_trace, a list, receives each sparse layer's
-        (router_logits [N, E], topk_ids [N, k]) for the router losses and metrics."""
+        (router_logits [N, E], topk_ids [N, k]) for the router losses and metrics.
+
+        sequence_group: Ulysses sequence parallelism (models/sequence_parallel.py). Then
+        input_ids, position_ids and routed_experts are this rank's contiguous slice of a
+        stream of SP × N tokens, cu_seqlens and max_seqlen describe that whole stream, and the
+        result is the slice's hidden states [N, H]."""
         self._check_window(int(max_seqlen))
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.config, position_ids, hidden.dtype)
         backend = resolve_backend(self.attention_backend, hidden.device, hidden.dtype)
+        sp_size = 1 if sequence_group is None else dist.get_world_size(sequence_group)
         attend = make_packed_attention(
             backend,
             cu_seqlens.to(torch.int32),
             int(max_seqlen),
-            input_ids.shape[0],
+            input_ids.shape[0] * sp_size,
             deterministic=self.deterministic_attention,
         )
+        if sequence_group is not None:
+            attend = ulysses_attention(attend, sequence_group)
         return self._run_layers(hidden, cos, sin, attend, routed_experts, router_trace)
 
     # -- io -----------------------------------------------------------------------------------

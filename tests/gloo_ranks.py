@@ -1,0 +1,38 @@
+"""Run a test function on several CPU processes joined by a gloo process group.
+
+``run_ranks(fn, world, *args)`` spawns ``world`` processes; each calls ``fn(rank, world,
+*args)`` inside an initialised default group. ``fn`` must be a module-level function (spawn
+pickles it by name); an assertion that fails on any rank fails the test with that rank's
+traceback."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+        dist.barrier()  # no rank tears the group down while another still talks
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args) -> None:
+    mp.start_processes(
+        _entry, args=(fn, world, free_port(), args), nprocs=world, start_method="spawn"
+    )
