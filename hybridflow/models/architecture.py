@@ -150,7 +150,7 @@ class ModelArchitecture:
         """Parameter count from the shapes (matches sum(p.numel()) of CausalLM).
 
         active: count only the experts one token runs through (top-k of each sparse layer)."""
-        h, i, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        h, hd = self.hidden_size, self.head_dim
         q, kv = self.num_attention_heads * hd, self.num_key_value_heads * hd
         attn = h * q + 2 * h * kv + q * h
         if self.attention_bias:

@@ -35,7 +35,9 @@ def render(plan: MemoryPlan, gpu_source: str = "") -> str:
     placement = "split, rollout on GPUs of its own" if o.split else "colocated"
     active = (  # a mixture of experts: what one token runs through
         f", {count(a.num_parameters(active=True))} active ({a.num_experts_per_tok} of "
-        f"{a.num_experts} experts)" if a.is_moe else ""
+        f"{a.num_experts} experts)"
+        if a.is_moe
+        else ""
     )
     lines = [
         f"memory plan: {plan.model} ({count(total)} parameters{active}, {count(trained)} "
