@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybridflow.agents.options import AgentOptions
 from hybridflow.engine.options import EngineOptions
 from hybridflow.errors import UserError
 from hybridflow.trainer.profile_options import ProfileOptions
+
+if TYPE_CHECKING:
+    from hybridflow.parallel.roles import RoleLayouts
 
 GROUP_ESTIMATORS = (
     "grpo",
@@ -189,6 +192,15 @@ class ActorConfig:
     router_z_loss_coef: float = 0.0
     """Mixture-of-experts models: weight of the router z-loss (ST-MoE: the mean squared
     logsumexp of the router logits), which keeps the logits small; 0: off."""
+    tensor_parallel_size: int = 1
+    """Ranks that split each layer's heads, MLP columns and vocabulary (docs/parallelism.md).
+    The actor's ranks are data × sequence × tensor parallel; FSDP2 shards over the rest."""
+    sequence_parallel_size: int = 1
+    """Ranks that split each packed sequence (Ulysses: an all-to-all around attention), for
+    sequences too long for one GPU's activations. verl's ulysses_sequence_parallel_size."""
+    expert_parallel_size: int = 1
+    """Mixture-of-experts models: ranks that split the experts of each sparse layer (tokens
+    dispatched and combined by all-to-all); a multiple of sequence_parallel_size."""
 
 
 @dataclass
@@ -228,6 +240,13 @@ class RolloutConfig:
     temperature, mean@n is the expected score of the policy RL optimizes."""
     val_n: int = 4
     """Samples per validation prompt (mean@n / best@n / maj@n)."""
+    tensor_parallel_size: int = 1
+    """Ranks of one engine replica: its heads, MLP columns and KV cache are split over them
+    (one all-reduce per attention and per MLP). The rollout runs world / this replicas.
+    verl's rollout.tensor_model_parallel_size."""
+    expert_parallel_size: int = 1
+    """Mixture-of-experts models: ranks that split the experts in the rollout, spanning
+    whole tensor-parallel replicas (a multiple of rollout.tensor_parallel_size)."""
     agent: AgentOptions = field(default_factory=AgentOptions)
     """Multi-turn episodes with tools (hybridflow/agents/options.py): rollout.agent.loop=tools
     rollout.agent.tools=[calculator,python] trains on the model's turns, tool results masked
@@ -252,6 +271,12 @@ class RefConfig:
     elsewhere micro_batch_size_per_gpu samples."""
     param_offload: bool = False
     """Keep the reference weights on CPU between uses."""
+    tensor_parallel_size: int | None = None
+    """As actor.tensor_parallel_size, for the reference model; None: the actor's."""
+    sequence_parallel_size: int | None = None
+    """As actor.sequence_parallel_size, for the reference model; None: the actor's."""
+    expert_parallel_size: int | None = None
+    """As actor.expert_parallel_size, for the reference model; None: the actor's."""
 
 
 @dataclass
@@ -276,6 +301,12 @@ class CriticConfig:
     """Aggregation of the value loss."""
     lr_warmup_steps: int = 0
     """Critic warm-up steps."""
+    tensor_parallel_size: int | None = None
+    """As actor.tensor_parallel_size, for the critic; None: the actor's."""
+    sequence_parallel_size: int | None = None
+    """As actor.sequence_parallel_size, for the critic; None: the actor's."""
+    expert_parallel_size: int | None = None
+    """As actor.expert_parallel_size, for the critic; None: the actor's."""
 
 
 @dataclass
@@ -507,6 +538,8 @@ class Derived:
     """A critic is needed (GAE)."""
     max_sequence_length: int
     """max_prompt_length + max_response_length."""
+    layouts: RoleLayouts | None = None
+    """Each role's parallel layout (hybridflow/parallel/roles.py)."""
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}

@@ -8,7 +8,9 @@ import math
 from pathlib import Path
 
 from hybridflow.config.loading import _suggest
+from hybridflow.config.parallel_checks import check_layouts, roles_in_use
 from hybridflow.config.sections import GROUP_ESTIMATORS, Config, ConfigError, Derived
+from hybridflow.parallel.roles import RoleLayouts, sizes_of
 
 LOGGER_NAMES = ("console", "jsonl", "tensorboard", "wandb")
 """trainer.loggers choices (trainer/loggers.py implements them)."""
@@ -115,6 +117,12 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
             )
         else:
             train_dp, rollout_dp = world - t.rollout_gpus, t.rollout_gpus
+    use_reference, use_critic = a.use_kl_loss or alg.use_kl_in_reward, alg.adv_estimator == "gae"
+    layouts = check_layouts(cfg, _worlds(cfg, train_dp, rollout_dp),
+                            roles_in_use(use_reference, use_critic), add)  # fmt: skip
+    train_world = train_dp
+    ranks = _data_ranks(layouts, train_dp, rollout_dp)
+    train_dp, rollout_dp = ranks["actor"], ranks["rollout"]
 
     # ---- batch sizes
     n = r.n
@@ -132,6 +140,9 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
     splits = [(train_dp, "data-parallel ranks")]
     if rollout_dp != train_dp:
         splits.append((rollout_dp, "rollout engines"))
+    for role, used in (("ref", use_reference), ("critic", use_critic)):
+        if used and ranks[role] not in (train_dp, rollout_dp):
+            splits.append((ranks[role], f"{role} data-parallel ranks"))
     for dp, what in splits:
         if dp > 0 and samples % dp:
             need = dp // math.gcd(n, dp)
@@ -156,7 +167,8 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
             need = train_dp // math.gcd(n, train_dp)
             add(
                 f"actor.ppo_mini_batch_size × rollout.n = {mini} × {n} = {mini * n} samples cannot be split "
-                f"over {train_dp} data-parallel ranks: make actor.ppo_mini_batch_size a multiple of {need}"
+                f"over {train_dp} data-parallel ranks{_dp_arithmetic(cfg, 'actor', train_world)}: "
+                f"make actor.ppo_mini_batch_size a multiple of {need}"
             )
         mini_per_gpu = mini * n // max(train_dp, 1)
     micro_per_mini = None
@@ -168,7 +180,7 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
             )
         elif mini_per_gpu and mini_per_gpu % mb:
             add(
-                f"actor mini-batch per GPU = actor.ppo_mini_batch_size × rollout.n / ranks = {mini} × {n} / "
+                f"actor mini-batch per GPU = actor.ppo_mini_batch_size × rollout.n / data-parallel ranks = {mini} × {n} / "
                 f"{train_dp} = {mini_per_gpu} samples is not a multiple of actor.micro_batch_size_per_gpu = "
                 f"{mb}: pick a divisor of {mini_per_gpu}"
             )
@@ -205,17 +217,17 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
         )
 
     # ---- critic (GAE)
-    use_critic = alg.adv_estimator == "gae"
     critic_mini_per_gpu = 0
     if use_critic:
-        cmini = c.ppo_mini_batch_size or mini
-        if cmini < 1 or d.train_batch_size % cmini or (cmini * n) % train_dp:
+        cmini, critic_dp = c.ppo_mini_batch_size or mini, ranks["critic"]
+        if cmini < 1 or d.train_batch_size % cmini or (cmini * n) % critic_dp:
             add(
                 f"critic.ppo_mini_batch_size = {cmini} must divide data.train_batch_size = {d.train_batch_size} "
-                f"and × rollout.n = {n} split evenly over {train_dp} ranks"
+                f"and × rollout.n = {n} split evenly over {critic_dp} data-parallel ranks"
+                f"{_dp_arithmetic(cfg, 'critic', train_world)}"
             )
         else:
-            critic_mini_per_gpu = cmini * n // train_dp
+            critic_mini_per_gpu = cmini * n // critic_dp
             if c.max_tokens_per_gpu is None and critic_mini_per_gpu % max(
                 c.micro_batch_size_per_gpu, 1
             ):
@@ -348,10 +360,41 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
         mini_batch_samples_per_gpu=mini_per_gpu,
         micro_batches_per_mini_batch=micro_per_mini,
         critic_mini_batch_samples_per_gpu=critic_mini_per_gpu,
-        use_reference=a.use_kl_loss or alg.use_kl_in_reward,
+        use_reference=use_reference,
         use_critic=use_critic,
         max_sequence_length=max_len,
+        layouts=layouts,
     )
+
+
+def _worlds(cfg: Config, train_world: int, rollout_world: int) -> dict[str, tuple[int, str]]:
+    """The devices of the training roles and of the rollout, and the keys that set them."""
+    t = cfg.trainer
+    devices = (
+        "trainer.n_gpus_per_node" if t.nnodes == 1 else "trainer.nnodes × trainer.n_gpus_per_node"
+    )
+    if t.placement == "split":
+        return {"train": (train_world, f"{devices} − trainer.rollout_gpus"),
+                "rollout": (rollout_world, "trainer.rollout_gpus")}  # fmt: skip
+    return {"train": (train_world, devices), "rollout": (rollout_world, devices)}
+
+
+def _data_ranks(layouts: RoleLayouts | None, train_world: int, rollout_world: int) -> dict:
+    """Ranks that see different data, per role: devices / (tp × sp) (verl's normalisation);
+    the devices themselves while a layout does not tile (that problem is reported)."""
+    if layouts is None:
+        return {"actor": train_world, "ref": train_world, "critic": train_world,
+                "rollout": rollout_world}  # fmt: skip
+    return {role: getattr(layouts, role).dp for role in ("actor", "ref", "critic", "rollout")}
+
+
+def _dp_arithmetic(cfg: Config, role: str, world: int) -> str:
+    """`` (devices / (tp × sp) = …)`` when the role's layout is more than data parallel."""
+    sizes = sizes_of(cfg, role)
+    if sizes["tp"] * sizes["sp"] == 1:
+        return ""
+    return (f" (its {world} devices / ({role}.tensor_parallel_size × {role}.sequence_parallel_size "
+            f"= {sizes['tp']} × {sizes['sp']}))")  # fmt: skip
 
 
 def model_has_experts(path: str) -> bool | None:

@@ -1,0 +1,166 @@
+"""validate()'s parallel-layout rules: each role's sizes tile its devices, the model's heads,
+KV heads, MLP width, vocabulary and experts divide by them, and the layouts that have no code
+path yet are refused (one function, :func:`not_yet_supported`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from hybridflow.parallel.layout import layout_problems
+from hybridflow.parallel.roles import (
+    DIM_KEYS,
+    RoleLayouts,
+    RoleSize,
+    kind_of,
+    role_layouts,
+    role_sizes,
+    sizes_of,
+)
+
+if TYPE_CHECKING:
+    from hybridflow.config.sections import Config
+    from hybridflow.models.architecture import ModelArchitecture
+
+Add = Callable[[str], None]
+
+SUPPORTED_LAYOUTS: frozenset[tuple[str, str]] = frozenset()
+"""(role, dimension) pairs whose code path exists, so a size > 1 runs. A pair joins this set
+in the change that makes the role train or generate in that layout."""
+
+WHAT = {"tp": "tensor parallelism", "sp": "sequence parallelism (Ulysses)",
+        "ep": "expert parallelism"}  # fmt: skip
+ROLE_NAMES = {"actor": "actor", "ref": "reference", "critic": "critic", "rollout": "rollout"}
+
+
+def not_yet_supported(sizes: list[RoleSize], roles_in_use: set[str]) -> list[str]:
+    """A size > 1 of a role whose code path for it does not exist yet: refused, never
+    ignored (the run would otherwise train in a layout the config did not ask for)."""
+    problems = []
+    for size in sizes:
+        if size.value <= 1 or size.role not in roles_in_use:
+            continue
+        if (size.role, size.dim) in SUPPORTED_LAYOUTS:
+            continue
+        own_key = f"{size.role}.{DIM_KEYS[size.dim]}"
+        via = "" if size.key == own_key else f" ({own_key} is unset and follows {size.key})"
+        problems.append(
+            f"{size.key} = {size.value}{via}: {WHAT[size.dim]} is not yet supported for the "
+            f"{ROLE_NAMES[size.role]}: set {own_key}=1 (docs/parallelism.md says what each "
+            f"role runs in today)"
+        )
+    return problems
+
+
+def roles_in_use(use_reference: bool, use_critic: bool) -> set[str]:
+    return (
+        {"actor", "rollout"}
+        | ({"ref"} if use_reference else set())
+        | ({"critic"} if use_critic else set())
+    )
+
+
+def check_layouts(
+    cfg: Config,
+    worlds: dict[str, tuple[int, str]],
+    in_use: set[str],
+    add: Add,
+) -> RoleLayouts | None:
+    """Each role's sizes against its devices, the model's shape and the code paths that exist.
+    ``worlds``: "train"/"rollout" -> (devices, the keys that set them). Returns the layouts,
+    or None when some role's sizes do not tile its devices."""
+    sizes = role_sizes(cfg)
+    tiled = True
+    for role in ("actor", "ref", "critic", "rollout"):
+        kind = kind_of(role)
+        world, world_label = worlds[kind]
+        labels = {"world": world_label, **{s.dim: s.key for s in sizes if s.role == role}}
+        dims = sizes_of(cfg, role)
+        problems = layout_problems(kind, world, dims["tp"], dims["sp"], dims["ep"], labels)
+        if problems:
+            tiled = False
+            if role in in_use:
+                for problem in problems:
+                    add(f"{ROLE_NAMES[role]} layout: {problem}")
+    architecture = _architecture(cfg)
+    if architecture is not None:
+        for role in sorted(in_use):
+            _check_shape(role, architecture, sizes, add)
+    for problem in not_yet_supported(sizes, in_use):
+        add(problem)
+    if not tiled:
+        return None
+    return role_layouts(cfg, worlds["train"][0], worlds["rollout"][0])
+
+
+def _architecture(cfg: Config) -> ModelArchitecture | None:
+    from hybridflow.trainer.preflight import model_architecture
+
+    path = cfg.sft.preset if cfg.model.path.startswith("sft:") else cfg.model.path
+    return model_architecture(path)
+
+
+def _check_shape(role: str, arch: ModelArchitecture, sizes: list[RoleSize], add: Add) -> None:
+    """The model's dimensions split by ``role``'s tp, sp and ep."""
+    mine = {s.dim: s for s in sizes if s.role == role}
+    tp, sp, ep = (mine[d].value if d in mine else 1 for d in ("tp", "sp", "ep"))
+    if min(tp, sp, ep) < 1:
+        return  # said by layout_problems
+    who = ROLE_NAMES[role]
+    heads, kv = arch.num_attention_heads, arch.num_key_value_heads
+    if tp > 1:
+        tp_key = mine["tp"].key
+        for what, count in (
+            ("attention heads", heads),
+            ("KV heads", kv),
+            ("MLP width (intermediate_size)", arch.intermediate_size if _has_dense(arch) else 0),
+            ("expert width (moe_intermediate_size)", arch.moe_intermediate_size
+             if arch.is_moe and ep == 1 else 0),
+            ("vocabulary (vocab_size)", arch.vocab_size),
+        ):  # fmt: skip
+            if count and count % tp:
+                add(f"{who}: {tp_key} = {tp} must divide the model's {what} = {count}: pick a "
+                    f"divisor of {count}")  # fmt: skip
+    if sp > 1 and heads % tp == 0 and kv % tp == 0:
+        sp_key = mine["sp"].key
+        local_heads, local_kv = heads // tp, kv // tp
+        if local_heads % sp:
+            add(f"{who}: {sp_key} = {sp} must divide the attention heads per tensor-parallel "
+                f"rank = {heads} / {tp} = {local_heads} (Ulysses gives each rank whole heads)")  # fmt: skip
+        elif local_kv % sp and sp % local_kv:
+            add(f"{who}: {sp_key} = {sp} and the KV heads per tensor-parallel rank = {kv} / {tp} "
+                f"= {local_kv}: one must divide the other (Ulysses splits the KV heads, or "
+                f"replicates each on {sp} / KV heads ranks when {sp_key} exceeds them)")  # fmt: skip
+    if ep > 1:
+        ep_key = mine["ep"].key
+        if not arch.is_moe:
+            add(f"{who}: {ep_key} = {ep} splits the experts of a mixture-of-experts model; this "
+                f"model has none: set {ep_key}=1")  # fmt: skip
+        elif arch.num_experts % ep:
+            add(f"{who}: {ep_key} = {ep} must divide the model's experts (num_experts = "
+                f"{arch.num_experts}): pick a divisor of {arch.num_experts}")  # fmt: skip
+
+
+def _has_dense(arch: ModelArchitecture) -> bool:
+    return len(arch.sparse_layer_indices()) < arch.num_hidden_layers
+
+
+def layout_notes(cfg: Config, in_use: set[str]) -> list[str]:
+    """What a valid layout does that a reader may not expect (KV heads replicated by SP)."""
+    arch = _architecture(cfg)
+    if arch is None:
+        return []
+    notes = []
+    for role in sorted(in_use - {"rollout"}):
+        dims = sizes_of(cfg, role)
+        tp, sp = dims["tp"], dims["sp"]
+        if tp < 1 or arch.num_key_value_heads % tp:
+            continue
+        local_kv = arch.num_key_value_heads // tp
+        if sp > local_kv and sp % local_kv == 0:
+            notes.append(
+                f"{ROLE_NAMES[role]}: sequence_parallel_size {sp} exceeds the {local_kv} KV "
+                f"head(s) per tensor-parallel rank: each KV head is replicated on "
+                f"{sp // local_kv} ranks around attention"
+            )
+    return notes

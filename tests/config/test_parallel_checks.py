@@ -1,0 +1,128 @@
+"""validate()'s parallel-layout rules: sizes tile the devices, the model's dimensions divide,
+verl's batch normalisation, and the refusal of layouts whose code path does not exist yet."""
+
+import pytest
+
+from hybridflow.config import ConfigError, load_config, parallel_checks, validate
+
+FOUR_CPUS = ["trainer.backend=local", "trainer.n_gpus_per_node=4", "trainer.device=cpu"]
+
+
+def _problems(overrides: list[str]) -> list[str]:
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(None, overrides))
+    return e.value.problems
+
+
+def _supporting(monkeypatch, *pairs):
+    """Validate as after the change that lands these (role, dimension) code paths."""
+    monkeypatch.setattr(parallel_checks, "SUPPORTED_LAYOUTS", frozenset(pairs))
+
+
+@pytest.mark.parametrize(
+    ("key", "role"),
+    [
+        ("actor.tensor_parallel_size", "actor"),
+        ("actor.sequence_parallel_size", "actor"),
+        ("rollout.tensor_parallel_size", "rollout"),
+    ],
+)
+def test_a_layout_without_its_code_path_is_refused_naming_the_key(key, role):
+    problems = _problems([*FOUR_CPUS, f"{key}=2"])
+    assert problems == [
+        f"{key} = 2: {parallel_checks.WHAT[key.split('.')[1][0] + 'p']} is not yet supported "
+        f"for the {role}: set {key}=1 (docs/parallelism.md says what each role runs in today)"
+    ]
+
+
+def test_the_reference_following_the_actor_is_refused_with_its_own_key(monkeypatch):
+    _supporting(monkeypatch, ("actor", "sp"))
+    problems = _problems([*FOUR_CPUS, "actor.sequence_parallel_size=2", "actor.use_kl_loss=true"])
+    assert len(problems) == 1
+    assert problems[0].startswith(
+        "actor.sequence_parallel_size = 2 (ref.sequence_parallel_size is unset and follows "
+        "actor.sequence_parallel_size): sequence parallelism (Ulysses) is not yet supported "
+        "for the reference: set ref.sequence_parallel_size=1"
+    )
+    # the reference's own key lifts it
+    validate(load_config(None, [*FOUR_CPUS, "actor.sequence_parallel_size=2",
+                                "actor.use_kl_loss=true", "ref.sequence_parallel_size=1"]))  # fmt: skip
+
+
+def test_sizes_that_do_not_tile_the_devices_name_the_keys():
+    problems = _problems([*FOUR_CPUS, "actor.tensor_parallel_size=3"])
+    assert ("actor layout: trainer.n_gpus_per_node = 4 is not a multiple of "
+            "actor.tensor_parallel_size × actor.sequence_parallel_size = 3 × 1") in problems  # fmt: skip
+    problems = _problems(["trainer.backend=local", "trainer.n_gpus_per_node=4",
+                          "trainer.placement=split", "trainer.rollout_gpus=1",
+                          "rollout.tensor_parallel_size=2"])  # fmt: skip
+    assert ("rollout layout: trainer.rollout_gpus = 1 is not a multiple of "
+            "rollout.tensor_parallel_size = 2") in problems  # fmt: skip
+
+
+def test_heads_kv_heads_and_experts_divide():
+    # tiny: 4 heads, 2 KV heads, vocabulary 128, MLP width 192
+    problems = _problems([*FOUR_CPUS, "model.path=tiny", "actor.tensor_parallel_size=4"])
+    assert ("actor: actor.tensor_parallel_size = 4 must divide the model's KV heads = 2: pick "
+            "a divisor of 2") in problems  # fmt: skip
+    # tiny-moe: 8 experts
+    problems = _problems(["trainer.backend=local", "trainer.n_gpus_per_node=3",
+                          "trainer.device=cpu", "data.train_batch_size=3",
+                          "actor.ppo_mini_batch_size=3", "actor.micro_batch_size_per_gpu=1",
+                          "model.path=tiny-moe", "actor.expert_parallel_size=3"])  # fmt: skip
+    assert ("actor: actor.expert_parallel_size = 3 must divide the model's experts "
+            "(num_experts = 8): pick a divisor of 8") in problems  # fmt: skip
+    problems = _problems([*FOUR_CPUS, "model.path=tiny", "rollout.expert_parallel_size=2"])
+    assert any("this model has none: set rollout.expert_parallel_size=1" in p for p in problems)
+
+
+def test_sequence_parallel_beyond_the_kv_heads_replicates_them(monkeypatch):
+    _supporting(monkeypatch, ("actor", "sp"))
+    # tiny: 2 KV heads, sp = 4: each KV head on 4 / 2 = 2 ranks; 4 heads / 4 = 1 each: valid
+    cfg = load_config(None, [*FOUR_CPUS, "model.path=tiny", "actor.sequence_parallel_size=4"])
+    validate(cfg)
+    notes = parallel_checks.layout_notes(cfg, {"actor"})
+    assert notes == ["actor: sequence_parallel_size 4 exceeds the 2 KV head(s) per "
+                     "tensor-parallel rank: each KV head is replicated on 2 ranks around "
+                     "attention"]  # fmt: skip
+    # sp = 8 over 4 attention heads: a rank would hold half a head
+    problems = _problems(["trainer.backend=local", "trainer.n_gpus_per_node=8",
+                          "trainer.device=cpu", "model.path=tiny",
+                          "actor.sequence_parallel_size=8"])  # fmt: skip
+    assert ("actor: actor.sequence_parallel_size = 8 must divide the attention heads per "
+            "tensor-parallel rank = 4 / 1 = 4 (Ulysses gives each rank whole heads)") in problems  # fmt: skip
+
+
+def test_batch_sizes_after_verls_normalisation(monkeypatch):
+    _supporting(monkeypatch, ("actor", "sp"), ("actor", "tp"))
+    # 8 devices, tp = 2, sp = 2: data-parallel ranks = 8 / (2 × 2) = 2.
+    # mini-batch per GPU = ppo_mini_batch_size × n / dp = 4 × 4 / 2 = 8 samples,
+    # micro-batches = 8 / micro_batch_size_per_gpu 2 = 4.
+    base = ["trainer.backend=local", "trainer.n_gpus_per_node=8", "trainer.device=cpu",
+            "model.path=tiny", "actor.tensor_parallel_size=2", "actor.sequence_parallel_size=2",
+            "data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=4",
+            "actor.micro_batch_size_per_gpu=2"]  # fmt: skip
+    derived = validate(load_config(None, base))
+    assert derived.train_dp_size == 2
+    assert derived.mini_batch_samples_per_gpu == 8
+    assert derived.micro_batches_per_mini_batch == 4
+    assert derived.layouts.actor.size("fsdp") == 4  # FSDP2 shards over dp × sp
+    # ppo_mini_batch_size = 1: 1 × 4 / 2 = 2 samples per GPU, not a multiple of 4
+    problems = _problems([*base, "actor.ppo_mini_batch_size=1", "actor.micro_batch_size_per_gpu=4"])
+    assert ("actor mini-batch per GPU = actor.ppo_mini_batch_size × rollout.n / data-parallel "
+            "ranks = 1 × 4 / 2 = 2 samples is not a multiple of "
+            "actor.micro_batch_size_per_gpu = 4: pick a divisor of 2") in problems  # fmt: skip
+
+
+def test_a_mini_batch_smaller_than_the_data_parallel_ranks_shows_the_normalisation():
+    # 4 devices, sp = 2 -> 2 data-parallel ranks; 1 prompt × 3 samples cannot split over 2
+    problems = _problems([*FOUR_CPUS, "actor.sequence_parallel_size=2", "rollout.n=3",
+                          "data.train_batch_size=2", "actor.ppo_mini_batch_size=1"])  # fmt: skip
+    assert any(
+        p.startswith(
+            "actor.ppo_mini_batch_size × rollout.n = 1 × 3 = 3 samples cannot be split "
+            "over 2 data-parallel ranks (its 4 devices / (actor.tensor_parallel_size × "
+            "actor.sequence_parallel_size = 1 × 2))"
+        )  # fmt: skip
+        for p in problems
+    )
