@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import pickle
 import warnings
 from pathlib import Path
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
@@ -79,13 +80,14 @@ def load_state(
 
 
 def _as_user_error(error: CheckpointException, directory: Path) -> BaseException:
-    """The first rank's error: a UserError as it is; a plan that does not fit this model
-    (shapes, missing entries) as a UserError naming the metadata; anything else unchanged."""
+    """The first rank's error: a UserError as it is; any other error of planning the load
+    (metadata that does not fit this model: shapes, missing entries, malformed tables) as a
+    UserError naming the metadata; a KeyboardInterrupt or the like unchanged."""
     for failure, _ in error.failures.values():
         if isinstance(failure, UserError):
             return failure
     failure = next(iter(error.failures.values()))[0]
-    if isinstance(failure, (ValueError, RuntimeError, KeyError)):
+    if isinstance(failure, Exception):
         first_line = str(failure).strip().splitlines()[0] if str(failure).strip() else ""
         return UserError(
             f"{directory / METADATA_FILE} does not describe this model's state "
@@ -174,6 +176,7 @@ class TensorPlanner(DefaultLoadPlanner):
         self.directory = Path(directory)
 
     def create_local_plan(self) -> LoadPlan:
+        self._check_tensor_entries()
         plan = super().create_local_plan()
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO and isinstance(
@@ -186,6 +189,22 @@ class TensorPlanner(DefaultLoadPlanner):
                     REFUSED_FIX,
                 )
         return plan
+
+    def _check_tensor_entries(self) -> None:
+        """Each tensor this process holds must be stored whole: as a tensor entry whose
+        chunks add up to its size (no chunks would leave it silently as initialised)."""
+        stored = self.metadata.state_dict_metadata
+        for fqn, value in self.state_dict.items():
+            entry = stored.get(fqn) if isinstance(stored, dict) else None
+            if not isinstance(value, torch.Tensor) or not isinstance(entry, TensorStorageMetadata):
+                continue  # bytes entries are refused below; missing ones by DCP
+            covered = sum(math.prod(chunk.sizes) for chunk in entry.chunks)
+            if covered != value.numel():
+                raise UserError(
+                    f"{self.directory / METADATA_FILE} was not loaded: its chunks of {fqn} "
+                    f"hold {covered} of its {value.numel()} elements",
+                    REFUSED_FIX,
+                )
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         from torch.distributed.checkpoint._traverse import set_element

@@ -129,3 +129,25 @@ def test_a_damaged_shard_is_named(saved):
         shard.write_bytes(b"\0" * shard.stat().st_size)  # same size, zeroed
     with pytest.raises(UserError, match=r"__0_0\.distcp is damaged"):
         load_into_fresh(directory)
+
+
+def rewrite_metadata(directory: Path, change) -> None:
+    from crafted_checkpoints import read_metadata, write_metadata
+
+    metadata = read_metadata(directory)
+    change(metadata)
+    write_metadata(directory, metadata)
+
+
+def test_a_weight_stored_without_chunks_is_refused_not_left_as_initialised(saved):
+    directory, _ = saved
+    rewrite_metadata(directory, lambda m: setattr(m.state_dict_metadata[WEIGHT], "chunks", []))
+    with pytest.raises(UserError, match=f"its chunks of {WEIGHT} hold 0 of its 12 elements"):
+        load_into_fresh(directory)
+
+
+def test_malformed_metadata_is_a_user_error_naming_it(saved):
+    directory, _ = saved
+    rewrite_metadata(directory, lambda m: setattr(m, "state_dict_metadata", None))
+    with pytest.raises(UserError, match=r"\.metadata does not describe this model's state"):
+        load_into_fresh(directory)
