@@ -6,9 +6,10 @@ ids and log-probs are kept: records.py).
 
 app.py: build_app (the aiohttp Application: routes, streaming, errors); running.py:
 BackgroundServer (it in a thread, for tests and a trainer in-process) and serve_forever;
-openai_protocol.py: the request fields
-taken and the response shapes; text.py: token ids -> text, stop strings; records.py: the
-request records; cli.py: the `serve` subcommand.
+openai_protocol.py: the request fields taken and the response shapes; prompts.py: requests
+-> checked prompt ids; limits.py: ServerLimits (body size, prompt size, timeouts);
+connections.py: the header deadline of every connection; text.py: token ids -> text, stop
+strings; records.py: the request records; cli.py: the `serve` subcommand.
 
 Built on aiohttp: one well-kept dependency, already present on the GPU machines, and a plain
 async server with no framework on top (routing, JSON bodies and Server-Sent Events are all
@@ -25,6 +26,7 @@ _EXPORTS = {
     "build_app": "hybridflow.serve.app",
     "RequestRecord": "hybridflow.serve.records",
     "RequestRecords": "hybridflow.serve.records",
+    "ServerLimits": "hybridflow.serve.limits",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -22,20 +22,23 @@ Streaming (`stream: true`): Server-Sent Events in OpenAI's chunk format, ending 
 EngineClient.stream; streaming.py holds back what could still start a stop string), then
 each choice's finish chunk, then the usage chunk with `stream_options: {"include_usage":
 true}`. The chunks reassemble to exactly the text of the same request unstreamed. A client
-that disconnects mid-stream has its requests aborted (their rows go back to the engine).
-Chat with `tools` streams once the whole text is there (the calls are parsed from it); so
-does a generation client without `stream` (the scripted one in tests).
+that disconnects has its requests aborted, streamed or not (their rows go back to the
+engine: running.start_site cancels the handler of a lost connection). Chat with `tools`
+streams once the whole text is there (the calls are parsed from it); so does a generation
+client without `stream` (the scripted one in tests).
 
 Chat: the messages are rendered by the tokenizer's chat template with the request's `tools`
 (agents' ChatRenderer); an assistant message's `tool_calls` are written into its content as
 Hermes `<tool_call>` blocks, so templates without native tool support show them too. With
 `tools`, the generated text is parsed by a ToolCallParser (Hermes by default): calls come back
 as `message.tool_calls` with finish_reason "tool_calls", the text outside them as `content`.
+`tools` with a chat template that does not render them is a 400 (prompts.py).
 
 Errors are OpenAI's JSON error body: 400 for a request that cannot be served as written
 (invalid JSON, a missing or out-of-range field, an unknown role, a prompt with no room left
-under max_seq_len), 404 for an unknown route or model, 500 when generation itself fails.
-Never a traceback.
+under max_seq_len), 404 for an unknown route or model, 408 for a body that arrives too
+slowly, 413 for a body larger than the context could use (limits.py), 500 when generation
+itself fails. Never a traceback.
 """
 
 from __future__ import annotations
@@ -50,10 +53,11 @@ from array import array
 
 from aiohttp import web
 
+from hybridflow.serve.connections import request_deadlines
 from hybridflow.serve.episodes import EPISODE_HEADER, EpisodeTracker
 from hybridflow.serve.http import generation_failed, json_errors, read_json, stream_events
+from hybridflow.serve.limits import ServerLimits
 from hybridflow.serve.openai_protocol import (
-    ChatRequest,
     RequestError,
     Sampling,
     chat_chunk,
@@ -66,6 +70,7 @@ from hybridflow.serve.openai_protocol import (
     parse_completion_request,
     usage,
 )
+from hybridflow.serve.prompts import PromptBuilder
 from hybridflow.serve.records import RequestRecord, RequestRecords, choice_record
 from hybridflow.serve.streaming import stream_choices
 from hybridflow.serve.text import Output, finish_output
@@ -76,13 +81,15 @@ RECORDS = web.AppKey("hybridflow.records", RequestRecords)
 """app[RECORDS]: the RequestRecords of the requests served."""
 EPISODES = web.AppKey("hybridflow.episodes", EpisodeTracker)
 """app[EPISODES]: the episodes of agent programs, token in and token out (episodes.py)."""
+LIMITS = web.AppKey("hybridflow.limits", ServerLimits)
+"""app[LIMITS]: the ServerLimits it serves with (running.start_site reads the timeouts)."""
 
 
 class OpenAIServer:
     """The request handlers (build_app wires them into an Application)."""
 
     def __init__(self, tokenizer, model_name: str, client, max_seq_len: int, vocab_size: int,
-                 records: RequestRecords, max_n: int = 128, parser=None):  # fmt: skip
+                 records: RequestRecords, limits: ServerLimits, parser=None):  # fmt: skip
         from hybridflow.agents.parsers import HermesParser
 
         self.tokenizer = tokenizer
@@ -91,7 +98,9 @@ class OpenAIServer:
         self.max_seq_len = max_seq_len
         self.vocab_size = vocab_size
         self.records = records
-        self.max_n = max_n
+        self.limits = limits
+        self.max_request_bytes = limits.request_bytes(max_seq_len)
+        self.prompts = PromptBuilder(tokenizer, max_seq_len, vocab_size, limits)
         self.parser = parser or HermesParser()
         self.created = int(time.time())
         self.episodes = EpisodeTracker(tokenizer)
@@ -127,11 +136,10 @@ class OpenAIServer:
         return web.json_response(record.to_dict())
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = parse_completion_request(await read_json(request), self.max_n)
+        req = parse_completion_request(await self._body(request), self.limits)
         self._check_model(req.model)
         sampling = req.sampling
-        prompts = [self._completion_prompt(p, i, len(req.prompts))
-                   for i, p in enumerate(req.prompts)]  # fmt: skip
+        prompts = self.prompts.completion_prompts(req.prompts)
         rid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), sampling.n
         want_logprobs = req.logprobs is not None
         if sampling.stream and self._streams():
@@ -171,17 +179,19 @@ class OpenAIServer:
         return await stream_events(request, events())
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        req = parse_chat_request(await read_json(request), self.max_n)
+        req = parse_chat_request(await self._body(request), self.limits)
         self._check_model(req.model)
         sampling = req.sampling
         episode = request.headers.get(EPISODE_HEADER)
         if episode is None:
-            prompt, plan = self._chat_prompt(req), None
+            prompt, plan = self.prompts.chat_prompt(req), None
         else:  # continued from the episode's tokens (episodes.py)
             if sampling.n != 1:
                 raise RequestError("a request of an episode takes n = 1", "n")
+            self.prompts.check_chat(req)
             plan = self.episodes.plan(episode, req.messages, req.tools)
-            prompt = self._check_length(self._check_ids(plan.prompt_ids, "messages"), "messages")
+            prompt = self.prompts.check_length(self.prompts.check_ids(plan.prompt_ids, "messages"),
+                                               "messages")  # fmt: skip
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if sampling.stream and self._streams() and not req.parse_tool_calls and plan is None:
             return await self._stream_chat(request, req, prompt, rid, created)
@@ -282,49 +292,14 @@ class OpenAIServer:
 
     # -- pieces --------------------------------------------------------------------------------
 
+    async def _body(self, request: web.Request) -> dict:
+        return await read_json(request, self.max_request_bytes, self.limits.body_timeout_s)
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise RequestError(f"the model {model!r} does not exist; this server serves "
                                f"{self.model_name!r}", "model", "model_not_found",
                                status=404)  # fmt: skip
-
-    def _check_length(self, ids: list[int], param: str) -> list[int]:
-        if not ids:
-            raise RequestError("the prompt is empty (no tokens)", param)
-        if len(ids) >= self.max_seq_len:
-            raise RequestError(
-                f"the prompt has {len(ids)} tokens; this server's max_seq_len is "
-                f"{self.max_seq_len}, so a prompt may have at most {self.max_seq_len - 1}",
-                param, "context_length_exceeded",
-            )  # fmt: skip
-        return ids
-
-    def _check_ids(self, ids: list[int], param: str) -> list[int]:
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is out of the vocabulary [0, "
-                               f"{self.vocab_size})", param)  # fmt: skip
-        return ids
-
-    def _completion_prompt(self, prompt, index: int, count: int) -> list[int]:
-        param = "prompt" if count == 1 else f"prompt[{index}]"
-        if isinstance(prompt, str):
-            ids = list(self.tokenizer.encode(prompt))  # the tokenizer's special tokens (BOS)
-        else:
-            ids = self._check_ids(prompt, param)
-        return self._check_length(ids, param)
-
-    def _chat_prompt(self, req: ChatRequest) -> list[int]:
-        from jinja2 import TemplateError
-
-        from hybridflow.agents.loop import ChatRenderer
-
-        try:
-            ids = ChatRenderer(self.tokenizer, req.tools).prompt_ids(req.messages)
-        except (TemplateError, ValueError, TypeError, KeyError) as error:
-            raise RequestError(f"the chat template could not render the messages: {error}",
-                               "messages", "template_error") from None  # fmt: skip
-        return self._check_length(self._check_ids(ids, "messages"), "messages")
 
     def _single_token_stops(self, stops: list[str]) -> set[int]:
         """Stop strings that are one token: the engine can stop on them itself."""
@@ -339,7 +314,7 @@ class OpenAIServer:
         """One SamplingParams per choice (each its own seed), and the stop token ids."""
         from hybridflow.engine.sampling import SamplingParams
 
-        stop_ids = set(self._check_ids(sampling.stop_token_ids, "stop_token_ids"))
+        stop_ids = set(self.prompts.check_ids(sampling.stop_token_ids, "stop_token_ids"))
         stop_ids |= self._single_token_stops(sampling.stop)
         if not sampling.ignore_eos and self.eos_id is not None:
             stop_ids.add(int(self.eos_id))
@@ -441,16 +416,18 @@ class OpenAIServer:
 
 
 def build_app(engine, tokenizer, model_name: str, *, client=None, max_seq_len: int | None = None,
-              vocab_size: int | None = None, max_records: int = 10_000, max_n: int = 128,
-              parser=None, max_body_bytes: int = 64 * 2**20) -> web.Application:  # fmt: skip
+              vocab_size: int | None = None, max_records: int = 10_000,
+              limits: ServerLimits | None = None, parser=None) -> web.Application:  # fmt: skip
     """The server's Application.
 
     engine: a hybridflow Engine (None when `client` is given). tokenizer: encodes prompts,
     decodes completions, renders chats (its chat template). client: any object with
-    `async generate(prompt_ids, params) -> Completion` (default: EngineClient(engine)).
-    max_seq_len / vocab_size: default to the engine's. max_records: request records kept
-    (app[RECORDS]). max_n: the largest `n` served. parser: the ToolCallParser of chat
-    completions with tools (default HermesParser)."""
+    `async generate(prompt_ids, params) -> Completion` (default: EngineClient(engine), closed
+    with the app). max_seq_len / vocab_size: default to the engine's. max_records: request
+    records kept (app[RECORDS]). limits: request sizes, counts and timeouts (limits.py;
+    app[LIMITS]). parser: the ToolCallParser of chat completions with tools (default
+    HermesParser)."""
+    owned = client is None
     if client is None:
         if engine is None:
             raise ValueError("build_app needs an engine or a client")
@@ -464,12 +441,21 @@ def build_app(engine, tokenizer, model_name: str, *, client=None, max_seq_len: i
     if vocab_size is None:
         config = getattr(engine, "config", None)
         vocab_size = getattr(config, "vocab_size", None) or len(tokenizer)
+    limits = limits or ServerLimits()
     records = RequestRecords(max_records)
     server = OpenAIServer(tokenizer, model_name, client, max_seq_len, vocab_size, records,
-                          max_n=max_n, parser=parser)  # fmt: skip
-    app = web.Application(middlewares=[json_errors], client_max_size=max_body_bytes)
+                          limits, parser=parser)  # fmt: skip
+    app = web.Application(middlewares=[request_deadlines, json_errors],
+                          client_max_size=server.max_request_bytes)  # fmt: skip
     app[RECORDS] = records
     app[EPISODES] = server.episodes
+    app[LIMITS] = limits
+    if owned:  # the engine's thread stops with the server (not at interpreter exit)
+
+        async def close_client(app: web.Application) -> None:
+            client.close()
+
+        app.on_cleanup.append(close_client)
     app.add_routes([
         web.get("/health", server.health),
         web.get("/v1/models", server.models),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 
 if importlib.util.find_spec("aiohttp") is None:  # checked without paying for the import
@@ -49,6 +50,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    "none, EngineOptions' defaults)")  # fmt: skip
     p.add_argument("--max-records", type=int, default=10_000,
                    help="request records kept (token ids and log-probs of each request)")  # fmt: skip
+    p.add_argument("--max-request-bytes", type=int, default=None,
+                   help="the largest request body (default: room for the longest prompt the "
+                        "context can hold, max_seq_len x 32 characters as JSON, plus 1 MiB)")  # fmt: skip
+    p.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="seconds a client has to send a request's headers; an idle "
+                        "connection closes after it too (default 10)")  # fmt: skip
+    p.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="seconds a client has to send a request's body (default 30)")  # fmt: skip
     p.add_argument("--log-requests", action="store_true", help="log every request")
 
 
@@ -80,10 +89,80 @@ def load_tokenizer_for(name_or_path: str, chat_template: str | None = None):
     return tokenizer
 
 
-def build_from_args(args):
-    """(app, model name) of a `serve` command line; ValueError / OSError for a bad one."""
-    import os
+def check_paths(args) -> None:
+    """The model, tokenizer and template paths exist and hold what serving needs: said
+    before anything loads (UserError, exit 2)."""
+    from hybridflow.errors import UserError
+    from hybridflow.models.presets import PRESETS
+    from hybridflow.models.tokenizer import CHAR_TOKENIZER_NAMES
 
+    if args.model not in PRESETS:
+        _check_directory(args.model, "--model", f"a local Hugging Face model directory or a "
+                         f"preset ({', '.join(sorted(PRESETS))})")  # fmt: skip
+    tokenizer = args.tokenizer or args.model
+    if tokenizer not in CHAR_TOKENIZER_NAMES:
+        flag = "--tokenizer" if args.tokenizer else "--model"
+        if args.tokenizer:
+            _check_directory(tokenizer, flag, "a directory holding the tokenizer files")
+        elif args.model in PRESETS:
+            raise UserError(f"--model {args.model}: this preset comes without a tokenizer",
+                            "pass --tokenizer DIR (a Hugging Face tokenizer directory)")  # fmt: skip
+        missing = tokenizer_files_missing(tokenizer)
+        if missing:
+            raise UserError(f"{flag} {tokenizer}: {missing}",
+                            "copy the model's tokenizer files there, or pass --tokenizer DIR")  # fmt: skip
+    if args.chat_template is not None and not os.path.isfile(args.chat_template):
+        raise UserError(f"--chat-template {args.chat_template}: no such file")
+
+
+def _check_directory(path: str, flag: str, what: str) -> None:
+    from hybridflow.errors import UserError
+
+    if not os.path.exists(path):
+        raise UserError(f"{flag} {path}: the path does not exist", f"pass {what}")
+    if not os.path.isdir(path):
+        raise UserError(f"{flag} {path}: is a file, not a directory", f"pass {what}")
+
+
+def tokenizer_files_missing(directory: str) -> str | None:
+    """What the directory lacks to be a tokenizer (None: nothing)."""
+    from hybridflow.trainer.preflight import TOKENIZER_FILES
+
+    if any(os.path.isfile(os.path.join(directory, name)) for name in TOKENIZER_FILES):
+        return None
+    return f"the directory holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})"
+
+
+def _check_tokenizer(tokenizer, where: str) -> None:
+    """A tokenizer that loads but encodes nothing (incomplete files) is refused too."""
+    from hybridflow.errors import UserError
+
+    if not tokenizer.encode("hello world", add_special_tokens=False):
+        raise UserError(f"the tokenizer of {where} encodes text to no tokens: its files are "
+                        "incomplete", "copy the model's tokenizer files there, or pass "
+                        "--tokenizer DIR")  # fmt: skip
+
+
+def limits_from_args(args):
+    from hybridflow.errors import UserError
+    from hybridflow.serve.limits import ServerLimits
+
+    try:
+        return ServerLimits(max_request_bytes=args.max_request_bytes,
+                            header_timeout_s=args.header_timeout,
+                            body_timeout_s=args.body_timeout)  # fmt: skip
+    except ValueError as error:
+        names = {"max_request_bytes": "--max-request-bytes", "header_timeout_s":
+                 "--header-timeout", "body_timeout_s": "--body-timeout"}  # fmt: skip
+        text = str(error)
+        for name, flag in names.items():
+            text = text.replace(name, flag)
+        raise UserError(text) from None
+
+
+def build_from_args(args):
+    """(app, model name, max_seq_len, tokenizer) of a `serve` command line whose paths
+    check_paths accepted; UserError, ValueError or OSError for a bad one."""
     import torch
 
     from hybridflow.engine import Engine
@@ -92,42 +171,68 @@ def build_from_args(args):
     from hybridflow.models import load_model
     from hybridflow.serve.app import build_app
 
+    limits = limits_from_args(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if str(device).startswith("cuda") else "float32")
     options = EngineOptions.from_dict(parse_engine_settings(args.engine)).checked()
     tokenizer = load_tokenizer_for(args.tokenizer or args.model, args.chat_template)
+    _check_tokenizer(tokenizer, args.tokenizer or args.model)
     model = load_model(args.model, dtype=getattr(torch, dtype), device=device)
     model.eval()
     max_seq_len = args.max_seq_len or _default_max_seq_len(model)
     engine = Engine(model, max_batch_size=args.max_batch_size, max_seq_len=max_seq_len,
                     memory_budget=args.memory_budget, options=options)  # fmt: skip
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
-    app = build_app(engine, tokenizer, name, max_records=args.max_records)
-    return app, name, max_seq_len
+    app = build_app(engine, tokenizer, name, max_records=args.max_records, limits=limits)
+    return app, name, max_seq_len, tokenizer
 
 
 def run_serve_command(args) -> int:
     import asyncio
     import logging
 
+    from hybridflow.errors import UserError
+    from hybridflow.serve.prompts import template_renders_tools
     from hybridflow.serve.running import serve_forever
 
     logging.basicConfig(level=logging.INFO if args.log_requests else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
-    try:
-        app, name, max_seq_len = build_from_args(args)
-    except (ValueError, OSError) as error:  # a bad path, preset, option or template file
+    try:  # first, before any import of torch: a taken port is said at once
+        sock = _bind(args.host, args.port)
+    except UserError as error:
         print(f"hybridflow serve: {error}", file=sys.stderr)
         return 2
+    with sock:
+        try:
+            check_paths(args)
+            app, name, max_seq_len, tokenizer = build_from_args(args)
+        except (UserError, ValueError, OSError) as error:  # a bad path, option or file
+            print(f"hybridflow serve: {error}", file=sys.stderr)
+            return 2
+        if not template_renders_tools(tokenizer):
+            print("note: the chat template does not render tools: chat requests with `tools` "
+                  "are refused (400); --chat-template FILE gives one that does", file=sys.stderr)  # fmt: skip
 
-    def started(url: str) -> None:
-        print(f"serving {name} (max_seq_len {max_seq_len}) at {url}/v1 "
-              "(OpenAI API; Ctrl-C stops)", flush=True)  # fmt: skip
+        def started(url: str) -> None:
+            print(f"serving {name} (max_seq_len {max_seq_len}) at {url}/v1 "
+                  "(OpenAI API; Ctrl-C stops)", flush=True)  # fmt: skip
+
+        asyncio.run(serve_forever(app, sock, started))
+    return 0
+
+
+def _bind(host: str, port: int):
+    import errno
+
+    from hybridflow.errors import UserError
+    from hybridflow.serve.running import bind_socket
 
     try:
-        asyncio.run(serve_forever(app, args.host, args.port, started))
-    except OSError as error:  # the port is taken, the host cannot be bound
-        print(f"hybridflow serve: cannot listen on {args.host}:{args.port}: {error}",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    return 0
+        return bind_socket(host, port)
+    except OSError as error:  # the port is taken, the address is not this machine's
+        reason = os.strerror(error.errno) if error.errno and error.errno > 0 else str(error)
+        if error.errno == errno.EADDRINUSE:
+            fix = "pick another --port (0: a free one), or stop the program that holds it"
+        else:
+            fix = "check --host (127.0.0.1: this machine only; 0.0.0.0: every interface)"
+        raise UserError(f"cannot listen on {host}:{port}: {reason}", fix) from None

@@ -14,8 +14,20 @@ from hybridflow.serve.openai_protocol import RequestError, error_body
 log = logging.getLogger("hybridflow.serve")
 
 
-async def read_json(request: web.Request) -> dict:
-    raw = await request.read()
+async def read_json(request: web.Request, max_bytes: int, timeout_s: float) -> dict:
+    """The request's JSON object body: 413 when it is larger than max_bytes (by its
+    Content-Length, before reading; else as soon as the bytes read pass it), 408 when it has
+    not all arrived timeout_s after the headers (limits.py)."""
+    declared = request.content_length
+    if declared is not None and declared > max_bytes:
+        raise too_large(f"{declared} bytes", max_bytes)
+    try:
+        raw = await asyncio.wait_for(request.read(), timeout_s)
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large(f"over {max_bytes} bytes", max_bytes) from None
+    except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11)
+        raise RequestError(f"the request body did not arrive within {timeout_s:g} s of its "
+                           "headers", None, "request_timeout", status=408) from None  # fmt: skip
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as error:  # JSONDecodeError, UnicodeDecodeError
@@ -24,6 +36,15 @@ async def read_json(request: web.Request) -> dict:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", None, "invalid_json")
     return body
+
+
+def too_large(size: str, max_bytes: int) -> RequestError:
+    return RequestError(
+        f"the request body has {size}; this server takes at most {max_bytes} bytes, room for "
+        "the longest prompt its context can hold. Send less (split a batch of prompts into "
+        "several requests), or start the server with a larger --max-request-bytes",
+        None, "request_too_large", status=413,
+    )  # fmt: skip
 
 
 def generation_failed(error: Exception) -> RequestError:
@@ -63,7 +84,10 @@ async def json_errors(request: web.Request, handler):
     try:
         return await handler(request)
     except RequestError as error:
-        return web.json_response(error.body(), status=error.status)
+        response = web.json_response(error.body(), status=error.status)
+        if error.status in (408, 413):  # the rest of the body is not read: the connection ends
+            response.force_close()
+        return response
     except web.HTTPException as error:
         if error.status < 400:
             raise

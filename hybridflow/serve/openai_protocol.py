@@ -11,19 +11,32 @@ Supported besides the standard fields (vLLM's names): `top_k`, `min_p`, `stop_to
 `logit_bias`, non-zero `presence_penalty` / `frequency_penalty`, `response_format` other than
 text, `tool_choice` "required" or a named function, the legacy `functions` / `function_call`,
 top-k log-prob alternatives (`top_logprobs` > 0). Other unknown fields are ignored.
+
+Numbers must be finite (Python's JSON reads NaN and Infinity) and in range: temperature 0 or
+in [1e-6, 1000]; `n`, the choices of a request (prompts x n) and the `stop` strings are
+capped by the server's ServerLimits (limits.py).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from hybridflow.serve.limits import ServerLimits
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 """Chat roles accepted; "developer" (OpenAI's newer name) is rendered as "system"."""
 
 SEED_RANGE = 2**62
 """Seeds are taken modulo this (the engine's seeds are non-negative int64)."""
+
+MIN_TEMPERATURE = 1e-6
+MAX_TEMPERATURE = 1000.0
+"""A temperature other than 0 (greedy) is taken in [MIN_TEMPERATURE, MAX_TEMPERATURE]: the
+engine divides float32 logits by it, which past these ends overflows (to NaN, an empty
+completion) or cannot be stored; at 1000 sampling is uniform already."""
 
 
 class RequestError(Exception):
@@ -74,7 +87,13 @@ def _float(body: dict, name: str, default: float) -> float:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise RequestError(f"{name} must be a number, got {value!r}", name)
-    return float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer beyond any float
+        value = math.inf
+    if not math.isfinite(value):  # Python's JSON reads NaN, Infinity and 1e999
+        raise RequestError(f"{name} must be a finite number, got {value}", name)
+    return value
 
 
 def _bool(body: dict, name: str, default: bool) -> bool:
@@ -86,13 +105,16 @@ def _bool(body: dict, name: str, default: bool) -> bool:
     return value
 
 
-def _stops(body: dict) -> list[str]:
+def _stops(body: dict, max_stops: int) -> list[str]:
     value = body.get("stop")
     if value is None:
         return []
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise RequestError("stop must be a non-empty string or a list of them", "stop")
+    if len(stops) > max_stops:
+        raise RequestError(f"stop has {len(stops)} strings; this server takes at most "
+                           f"{max_stops}", "stop")  # fmt: skip
     return list(stops)
 
 
@@ -156,17 +178,17 @@ class Sampling:
         return (self.seed + index * 0x9E3779B97F4A7C15) % SEED_RANGE
 
 
-def parse_sampling(body: dict, max_tokens_default: int | None, max_n: int) -> Sampling:
-    n = _int(body, "n", 1, minimum=1, maximum=max_n)
+def parse_sampling(body: dict, max_tokens_default: int | None, limits: ServerLimits) -> Sampling:
+    n = _int(body, "n", 1, minimum=1, maximum=limits.max_n)
     best_of = _int(body, "best_of", None)
     if best_of is not None and best_of != n:
         raise RequestError("best_of other than n is not supported", "best_of")
     name = "max_completion_tokens" if _present(body, "max_completion_tokens") else "max_tokens"
     max_tokens = _int(body, name, max_tokens_default, minimum=1)
     temperature = _float(body, "temperature", 1.0)
-    if temperature < 0:
-        raise RequestError(f"temperature={temperature:g} must be >= 0 (0 is greedy)",
-                           "temperature")  # fmt: skip
+    if temperature != 0 and not MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE:
+        raise RequestError(f"temperature={temperature:g} must be 0 (greedy) or between "
+                           f"{MIN_TEMPERATURE:g} and {MAX_TEMPERATURE:g}", "temperature")  # fmt: skip
     top_p = _float(body, "top_p", 1.0)
     if not 0 < top_p <= 1:
         raise RequestError(f"top_p={top_p:g} must be in (0, 1]", "top_p")
@@ -191,7 +213,7 @@ def parse_sampling(body: dict, max_tokens_default: int | None, max_n: int) -> Sa
         top_p=top_p,
         top_k=top_k,
         min_p=min_p,
-        stop=_stops(body),
+        stop=_stops(body, limits.max_stops),
         stop_token_ids=stop_token_ids,
         seed=None if seed is None else seed % SEED_RANGE,
         ignore_eos=_bool(body, "ignore_eos", False),
@@ -232,7 +254,8 @@ class CompletionRequest:
     metadata: dict | None = None
 
 
-def parse_completion_request(body: dict, max_n: int = 128) -> CompletionRequest:
+def parse_completion_request(body: dict, limits: ServerLimits | None = None) -> CompletionRequest:
+    limits = limits or ServerLimits()
     _unsupported(body)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -254,10 +277,15 @@ def parse_completion_request(body: dict, max_n: int = 128) -> CompletionRequest:
         raise RequestError("prompt must be a string, a list of token ids, or a non-empty list "
                            "of those", "prompt")  # fmt: skip
     user, metadata = _user_and_metadata(body)
+    sampling = parse_sampling(body, max_tokens_default=16, limits=limits)  # OpenAI's default
+    if len(prompts) * sampling.n > limits.max_choices:
+        raise RequestError(f"{len(prompts)} prompts x n={sampling.n} is {len(prompts) * sampling.n} "
+                           f"choices; this server makes at most {limits.max_choices} a request: "
+                           "send the prompts in several requests", "prompt")  # fmt: skip
     return CompletionRequest(
         model=_model(body),
         prompts=prompts,
-        sampling=parse_sampling(body, max_tokens_default=16, max_n=max_n),  # OpenAI's default
+        sampling=sampling,
         logprobs=_int(body, "logprobs", None, minimum=0),
         user=user,
         metadata=metadata,
@@ -375,7 +403,8 @@ def _tools(body: dict) -> list[dict] | None:
     return tools or None
 
 
-def parse_chat_request(body: dict, max_n: int = 128) -> ChatRequest:
+def parse_chat_request(body: dict, limits: ServerLimits | None = None) -> ChatRequest:
+    limits = limits or ServerLimits()
     _unsupported(body)
     messages = convert_messages(body.get("messages"))
     tools = _tools(body)
@@ -395,7 +424,7 @@ def parse_chat_request(body: dict, max_n: int = 128) -> ChatRequest:
         messages=messages,
         tools=tools,
         parse_tool_calls=bool(tools) and tool_choice != "none",
-        sampling=parse_sampling(body, max_tokens_default=None, max_n=max_n),
+        sampling=parse_sampling(body, max_tokens_default=None, limits=limits),
         logprobs=logprobs,
         user=user,
         metadata=metadata,

@@ -4,22 +4,68 @@ a training run) or in the foreground until interrupted (`hybridflow serve`)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 
 from aiohttp import web
 
+from hybridflow.serve.connections import HeaderDeadline
+from hybridflow.serve.limits import ServerLimits
 
-async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serve `app` on host:port (0: a free port); -> (runner, the port bound)."""
-    runner = web.AppRunner(app)
+LINGERING_S = 2.0
+"""Seconds a connection is still read (and the bytes dropped) after a response that left the
+request body unread (a 413, a 408), so the client reads the answer before the close; aiohttp's
+default of 10 s would hold a slow client that much longer."""
+
+
+class Listening:
+    """A served app: the port bound, and close() to stop (connections, then the app's
+    cleanup: build_app's own generation client is closed there)."""
+
+    def __init__(self, runner: web.AppRunner, server: asyncio.AbstractServer):
+        self.runner, self.server = runner, server
+        self.port: int = server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        self.server.close()
+        await self.runner.cleanup()
+
+
+async def start_site(app: web.Application, host: str | None = None, port: int | None = None,
+                     sock: socket.socket | None = None) -> Listening:  # fmt: skip
+    """Serve `app` on host:port (port 0: a free one) or on a socket already bound (`sock`).
+
+    A client that disconnects has its request's handler cancelled (so its generation is
+    aborted), and every connection has the header deadline of the app's ServerLimits
+    (connections.py)."""
+    from hybridflow.serve.app import LIMITS
+
+    limits = app.get(LIMITS) or ServerLimits()
+    runner = web.AppRunner(app, handler_cancellation=True, lingering_time=LINGERING_S)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    protocol = runner.server
+
+    def connection() -> HeaderDeadline:
+        return HeaderDeadline(protocol(), limits.header_timeout_s)
+
+    loop = asyncio.get_running_loop()
     try:
-        await site.start()
+        if sock is not None:
+            server = await loop.create_server(connection, sock=sock)
+        else:
+            server = await loop.create_server(connection, host, port)
     except BaseException:
         await runner.cleanup()
         raise
-    return runner, runner.addresses[0][1]
+    return Listening(runner, server)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (port 0: a free one); OSError when it cannot be bound
+    (the port is taken, the address is not this machine's). `hybridflow serve` binds before it
+    loads the model, so a taken port is said at once."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    return socket.create_server((host, port), family=family, backlog=1024)
 
 
 class BackgroundServer:
@@ -51,7 +97,8 @@ class BackgroundServer:
         loop = self._loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         try:
-            runner, self.port = loop.run_until_complete(start_site(self.app, self.host, self.port))
+            listening = loop.run_until_complete(start_site(self.app, self.host, self.port))
+            self.port = listening.port
         except BaseException as error:  # e.g. the port is taken: start() raises it
             self._error = error
             self._ready.set()
@@ -61,7 +108,7 @@ class BackgroundServer:
         try:
             loop.run_forever()
         finally:
-            loop.run_until_complete(runner.cleanup())
+            loop.run_until_complete(listening.close())
             loop.close()
 
     def stop(self) -> None:
@@ -77,13 +124,14 @@ class BackgroundServer:
         self.stop()
 
 
-async def serve_forever(app: web.Application, host: str, port: int, on_started=None) -> None:
-    """Serve until cancelled (Ctrl-C); on_started(url) once the port is bound."""
-    runner, port = await start_site(app, host, port)
+async def serve_forever(app: web.Application, sock: socket.socket, on_started=None) -> None:
+    """Serve on the bound socket until cancelled (Ctrl-C); on_started(url) once serving."""
+    listening = await start_site(app, sock=sock)
     try:
         if on_started is not None:
+            host = sock.getsockname()[0]
             shown = f"[{host}]" if ":" in host else host
-            on_started(f"http://{shown}:{port}")
+            on_started(f"http://{shown}:{listening.port}")
         await asyncio.Event().wait()
     finally:
-        await runner.cleanup()
+        await listening.close()

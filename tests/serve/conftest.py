@@ -8,7 +8,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("aiohttp")
 
-from serve_helpers import MAX_SEQ_LEN, TOKENIZER  # noqa: E402
+from serve_helpers import MAX_SEQ_LEN, TOKENIZER, ScriptedClient  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -44,3 +44,27 @@ def records(tiny_server):
     from hybridflow.serve.app import RECORDS
 
     return tiny_server.app[RECORDS]
+
+
+@pytest.fixture
+def scripted():
+    """start(script, tokenizer=TOKENIZER, **build_app options) -> (OpenAI client, the
+    ScriptedClient, app): a server without an engine (max_seq_len 4096 unless given),
+    stopped after the test; the client's base_url is the server's URL + /v1."""
+    from hybridflow.serve.app import build_app
+    from hybridflow.serve.running import BackgroundServer
+
+    servers = []
+
+    def start(script, tokenizer=TOKENIZER, **kwargs):
+        fake = ScriptedClient(script)
+        kwargs.setdefault("max_seq_len", 4096)
+        app = build_app(None, tokenizer, "scripted", client=fake, **kwargs)
+        server = BackgroundServer(app).start()
+        servers.append(server)
+        api = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        return api, fake, app
+
+    yield start
+    for server in servers:
+        server.stop()

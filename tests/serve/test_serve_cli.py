@@ -1,10 +1,14 @@
 """`hybridflow serve`: registered and documented; without aiohttp still listed and saying
-what to install; a real run on the tiny preset prints its URL and answers."""
+what to install; a real run on the tiny preset prints its URL and answers, and stops on
+Ctrl-C cleanly; bad paths and a taken port exit 2 with one paragraph, before the model
+loads."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -46,6 +50,31 @@ def test_bad_model_exits_2_in_one_line(capsys):
     assert main(["serve", "--model", "/no/such/model", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "hybridflow serve:" in err and "Traceback" not in err
+    assert "/no/such/model: the path does not exist" in err and "tokenizer" not in err
+
+
+def test_a_model_directory_without_tokenizer_is_refused_at_startup(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")  # said before the weights are looked at
+    assert main(["serve", "--model", str(tmp_path), "--device", "cpu", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert str(tmp_path) in err and "holds no tokenizer" in err and "tokenizer.json" in err
+    assert "--tokenizer" in err  # what to do
+
+
+def test_a_port_in_use_exits_2_with_the_message_and_no_abort():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "hybridflow.cli", "serve", "--model", "tiny", "--device",
+             "cpu", "--port", str(port)], capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
+    assert "--port" in result.stderr  # what to do
+    assert "terminate" not in result.stderr and "Traceback" not in result.stderr
 
 
 def test_serve_runs_the_tiny_preset_and_prints_its_url():
@@ -66,6 +95,10 @@ def test_serve_runs_the_tiny_preset_and_prints_its_url():
         with urllib.request.urlopen(request, timeout=60) as response:
             answer = json.loads(response.read())
         assert answer["usage"]["completion_tokens"] <= 3
+        process.send_signal(signal.SIGINT)  # Ctrl-C: the engine's thread stops, no C++ abort
+        assert process.wait(timeout=60) == 130
+        assert "terminate called" not in process.stderr.read()
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        if process.poll() is None:
+            process.terminate()
+            process.wait(timeout=30)

@@ -4,6 +4,7 @@ and the server keeps serving afterwards."""
 from __future__ import annotations
 
 import json
+import math
 import urllib.error
 import urllib.request
 
@@ -93,6 +94,60 @@ def test_bad_completion_fields_are_400(tiny_server, fields, param):
     status, answer = _post(tiny_server.url + "/v1/completions", json.dumps(body).encode())
     assert status == 400, answer
     assert _check_error_body(answer)["param"] == param
+
+
+NAN, INF = float("nan"), float("inf")  # json.dumps writes NaN and Infinity, as Python reads them
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"temperature": NAN}, "temperature"),
+    ({"temperature": INF}, "temperature"),
+    ({"temperature": -INF}, "temperature"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"temperature": 1e-320}, "temperature"),  # divides the logits to inf: an empty 200 before
+    ({"temperature": 1e308}, "temperature"),  # beyond float32: the engine could not store it
+    ({"top_p": NAN}, "top_p"),
+    ({"top_p": INF}, "top_p"),
+    ({"min_p": NAN}, "min_p"),
+    ({"presence_penalty": NAN}, "presence_penalty"),
+    ({"frequency_penalty": INF}, "frequency_penalty"),
+    ({"max_tokens": NAN}, "max_tokens"),
+    ({"max_tokens": INF}, "max_tokens"),
+    ({"max_completion_tokens": -INF}, "max_completion_tokens"),
+    ({"n": NAN}, "n"),
+    ({"top_k": INF}, "top_k"),
+    ({"seed": NAN}, "seed"),
+    ({"top_logprobs": NAN}, "top_logprobs"),
+    ({"stop": [str(k) for k in range(17)]}, "stop"),
+])  # fmt: skip
+def test_non_finite_and_out_of_range_numbers_are_400_naming_the_field(tiny_server, fields, param):
+    body = {"model": "tiny", "messages": USER, "max_tokens": 4, **fields}
+    status, answer = _post(tiny_server.url + "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400, answer
+    error = _check_error_body(answer)
+    assert error["param"] == param and param in error["message"]
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"logprobs": NAN}, "logprobs"),
+    ({"temperature": NAN}, "temperature"),
+    ({"prompt": ["ab"] * 65, "n": 16}, "prompt"),  # 1040 choices, over max_choices (1024)
+])  # fmt: skip
+def test_completion_numbers_and_choices_are_checked(tiny_server, fields, param):
+    body = {"model": "tiny", "prompt": "ab", "max_tokens": 4, **fields}
+    status, answer = _post(tiny_server.url + "/v1/completions", json.dumps(body).encode())
+    assert status == 400, answer
+    assert _check_error_body(answer)["param"] == param
+
+
+def test_smallest_and_largest_temperatures_taken_sample(client):
+    for temperature in (1e-6, 1000):
+        answer = client.chat.completions.create(
+            model="tiny", messages=USER, max_tokens=3, temperature=temperature, logprobs=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        logprobs = [t.logprob for t in answer.choices[0].logprobs.content]
+        assert len(logprobs) == 3 and all(math.isfinite(lp) and lp <= 0 for lp in logprobs)
 
 
 def test_too_long_prompt_says_so(client):

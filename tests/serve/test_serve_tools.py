@@ -1,21 +1,19 @@
 """Tool calls through the API, with a scripted generation client in place of the engine (a
 random model never calls a tool): the client gets parsed `tool_calls`, and the tool result
 sent back renders into the next prompt. Also: generation failures are a JSON 500, and the
-records are bounded."""
+records are bounded, and tools a chat template cannot render are refused."""
 
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import openai
 import pytest
-from serve_helpers import TOKENIZER
+from serve_helpers import EOS, TOKENIZER
 
-from hybridflow.serve.app import RECORDS, build_app
-from hybridflow.serve.running import BackgroundServer
+from hybridflow.models.tokenizer import build_char_tokenizer
+from hybridflow.serve.app import RECORDS
 
-EOS = TOKENIZER.eos_token_id
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -23,39 +21,6 @@ TOOLS = [{"type": "function", "function": {
                    "required": ["city"]},
 }}]  # fmt: skip
 USER = {"role": "user", "content": "Weather in Paris?"}
-
-
-class ScriptedClient:
-    """Answers request k with script[k] as tokens ending in EOS (log-prob -0.25 each); keeps
-    each prompt it was given. A script entry that is an exception is raised instead."""
-
-    def __init__(self, script):
-        self.script, self.prompts = list(script), []
-
-    async def generate(self, prompt_ids, params):
-        self.prompts.append(list(prompt_ids))
-        answer = self.script[(len(self.prompts) - 1) % len(self.script)]
-        if isinstance(answer, Exception):
-            raise answer
-        ids = TOKENIZER.encode(answer, add_special_tokens=False) + [EOS]
-        return SimpleNamespace(token_ids=ids, logprobs=[-0.25] * len(ids), finish_reason="stop")
-
-
-@pytest.fixture
-def scripted():
-    servers = []
-
-    def start(script, **kwargs):
-        fake = ScriptedClient(script)
-        app = build_app(None, TOKENIZER, "scripted", client=fake, max_seq_len=4096, **kwargs)
-        server = BackgroundServer(app).start()
-        servers.append(server)
-        api = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-        return api, fake, app
-
-    yield start
-    for server in servers:
-        server.stop()
 
 
 def test_tool_call_round_trip(scripted):
@@ -98,6 +63,19 @@ def test_tool_calls_stream_and_tool_choice_none(scripted):
     assert plain.choices[0].message.content == CALL and plain.choices[0].finish_reason == "stop"
     untooled = api.chat.completions.create(model="scripted", messages=[USER])
     assert untooled.choices[0].message.tool_calls is None
+
+
+def test_tools_the_template_cannot_render_are_refused_not_dropped(scripted):
+    plain = build_char_tokenizer()  # its template has no place for tools
+    api, fake, _ = scripted(["fine"], tokenizer=plain)
+    with pytest.raises(openai.BadRequestError) as error:
+        api.chat.completions.create(model="scripted", messages=[USER], tools=TOOLS)
+    body = error.value.body
+    assert body["code"] == "tools_not_supported" and body["param"] == "tools"
+    assert "--chat-template" in body["message"]
+    assert fake.prompts == []  # nothing generated
+    answer = api.chat.completions.create(model="scripted", messages=[USER])  # no tools: served
+    assert answer.choices[0].message.content == "fine"
 
 
 def test_generation_failure_is_a_json_500_and_the_server_keeps_serving(scripted):
