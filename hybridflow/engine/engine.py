@@ -103,6 +103,12 @@ class Engine:
         from hybridflow.models.llama import CausalLM
 
         self.native = isinstance(model, CausalLM)  # else: slow path (slow.py)
+        from hybridflow.engine.layers.moe import ExpertMatmuls, has_experts
+
+        # mixture-of-experts layers run through layers/moe.py: routing recorded for replay,
+        # the experts' packed weights read in place
+        self.moe = self.native and has_experts(model)
+        self.experts = ExpertMatmuls(None if options.expert_matmul == "triton" else 1024)
         self.decode_backend = _resolve_backend(options.decode_backend, self.device)
         triton_backend = self.decode_backend == "triton"
         cuda = self.device.type == "cuda"
@@ -114,9 +120,14 @@ class Engine:
         # fused copies would hold the base weights only
         fuse = triton_backend and not self.adapted
         self.fuse_projections = options.fuse_projections if fuse else "none"
+        if self.moe and self.fuse_projections == "all":  # experts are never copied
+            self.fuse_projections = "qkv"
         self.pinned = self._pinned_choices() if triton_backend else PinnedChoices()
         self.fused = None
         self.fp8 = None  # fp8.Fp8Matmul with weight_format="fp8", made with the cache
+        if options.weight_format == "fp8" and self.moe:
+            raise ValueError("weight_format='fp8' (rollout.dtype=fp8) does not cover "
+                             "mixture-of-experts models yet: use the model's dtype")  # fmt: skip
         if options.weight_format == "fp8":
             from hybridflow.engine.fp8 import check_fp8_engine
 
@@ -136,7 +147,7 @@ class Engine:
                                        pinned=self.pinned)  # fmt: skip
             self.chain = DecodeChain(launch=self.launch, pinned=self.pinned)
             # fp8 projections run in the split layer (the others read bf16 weights in Triton)
-            split = options.weight_format == "fp8" or self.adapted
+            split = options.weight_format == "fp8" or self.adapted or self.moe
             layer = "split" if split else options.decode_layer
             self.chooser = DecodeLayerChooser(layer, pinned=self.pinned)
             self._pin_attention_tiles()
@@ -220,9 +231,16 @@ class Engine:
         reserve = (self.max_batch_size * cfg.vocab_size * 6) + self.max_prefill_tokens * (
             4 * cfg.intermediate_size + 8 * cfg.hidden_size
         ) * element
+        routes = None
+        if self.moe:
+            # each token's k pairs: gathered rows, gate/up, SiLU*up, expert outputs; router
+            pairs = self.max_prefill_tokens * cfg.num_experts_per_tok
+            reserve += pairs * (3 * cfg.moe_intermediate_size + 2 * cfg.hidden_size) * element
+            reserve += self.max_prefill_tokens * cfg.num_experts * 4
+            routes = kv_cache.route_spec(cfg) if self.options.record_routes else None
         self.cache, self.blocks = kv_cache.make_cache(
             cfg, self.max_batch_size, self.max_seq_len, self.options.kv_block_size,
-            self.memory_budget, reserve, self.dtype, self.device,
+            self.memory_budget, reserve, self.dtype, self.device, routes,
         )  # fmt: skip
         slots = self.cache.num_slots
         self.state = DecodeState(slots, slots, self.max_seq_len, cfg.vocab_size, self.device)
@@ -242,17 +260,18 @@ class Engine:
             decode_forward = functools.partial(
                 decode_forward_triton, fused=self.fused, matmul=matmul, chain=self.chain,
                 chooser=self.chooser, launch=self.launch,
-                autotune=self.options.attention_autotune,
+                autotune=self.options.attention_autotune, experts=self.experts,
             )  # fmt: skip
             self.prefill = functools.partial(prefill_forward_triton, fused=self.fused,
-                                             matmul=matmul, launch=self.launch)  # fmt: skip
+                                             matmul=matmul, launch=self.launch,
+                                             experts=self.experts)  # fmt: skip
             # Extend passes (kept-KV turns) come in whatever token counts the requests arrive
             # with: timing candidates at each new count would stall the engine (an H200
             # agent benchmark spent 3.7 of its 4.3 s in 14 such passes), so they run cuBLAS
             # and the untuned attention tile.
             self.extend = functools.partial(extend_forward_triton, fused=self.fused,
                                             matmul=extend_matmul, launch=self.launch,
-                                            autotune=False)  # fmt: skip
+                                            autotune=False, experts=self.experts)  # fmt: skip
         else:
             from hybridflow.engine.layers.eager import decode_forward_torch as decode_forward
         self.runner = DecodeRunner(

@@ -13,6 +13,11 @@ admits into and decode rows point at. Where its K/V live:
 Token-major inside a slot or block (a decode attention program, one row and one kv head, reads
 its head's D elements at a stride of kv_heads * D); kernels index through the strides. The
 extra last slot (and block) is scratch: padded rows of a bucketed decode batch write there.
+
+A mixture-of-experts model's cache also holds the routing record (`routes`, routing replay):
+each position's expert ids per sparse layer, [slots + 1, S, L_sparse, k] or [blocks + 1, B,
+L_sparse, k] (uint8 up to 256 experts, else int16), laid out like K and V so that it is
+shared, fanned out and grown with them; the scheduler reads a request's rows when it ends.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ class KVCache:
     values: torch.Tensor  # the same shape
     block_table: torch.Tensor | None = None  # paged: int32 [slots + 1, S / B]
     seq_len: int | None = None  # paged: max_seq_len
+    routes: torch.Tensor | None = None  # [slots + 1, S, L_sparse, k] or [blocks + 1, B, ...]
 
     @property
     def paged(self) -> bool:
@@ -58,7 +64,8 @@ class KVCache:
         return self.seq_len if self.paged else self.keys.shape[2]
 
     def nbytes(self) -> int:
-        return self.keys.numel() * self.keys.element_size() * 2
+        routes = 0 if self.routes is None else self.routes.numel() * self.routes.element_size()
+        return self.keys.numel() * self.keys.element_size() * 2 + routes
 
     def locate(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple:
         """(entries, offsets) of positions of slots, as the cache's dim 1 and 2 index them
@@ -83,19 +90,62 @@ class KVCache:
         built on the host, so no device sync)."""
         for cache in (self.keys, self.values):
             cache[:, dst[0], dst[1]] = cache[:, src[0], src[1]]
+        if self.routes is not None:
+            self.routes[dst[0], dst[1]] = self.routes[src[0], src[1]]
+
+    def read_routes(self, slots: torch.Tensor, length: int) -> torch.Tensor:
+        """Positions [0, length) of each slot's routing record -> [B, length, L_sparse, k]."""
+        if not self.paged:
+            return self.routes[slots, :length]
+        blocks = -(-length // self.block_size)
+        entries = self.routes[self.block_table[slots, :blocks].long()]  # [B, blocks, B, L, k]
+        return entries.flatten(1, 2)[:, :length]
 
 
 def bytes_per_slot(
-    num_layers: int, kv_heads: int, head_dim: int, max_seq_len: int, dtype: torch.dtype
-) -> int:
+    num_layers: int, kv_heads: int, head_dim: int, max_seq_len: int, dtype: torch.dtype,
+    route_bytes: int = 0,
+) -> int:  # fmt: skip
+    """route_bytes: the routing record's bytes per position (RouteSpec.bytes_per_position)."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * max_seq_len * kv_heads * head_dim * element
+    return (2 * num_layers * kv_heads * head_dim * element + route_bytes) * max_seq_len
 
 
 def bytes_per_block(
-    num_layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
-) -> int:
-    return bytes_per_slot(num_layers, kv_heads, head_dim, block_size, dtype)
+    num_layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+    route_bytes: int = 0,
+) -> int:  # fmt: skip
+    return bytes_per_slot(num_layers, kv_heads, head_dim, block_size, dtype, route_bytes)
+
+
+@dataclass(frozen=True)
+class RouteSpec:
+    """The routing record of a mixture-of-experts model: k expert ids per sparse layer and
+    position, uint8 up to 256 experts (int16 above)."""
+
+    sparse_layers: int
+    top_k: int
+    num_experts: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.uint8 if self.num_experts <= 256 else torch.int16
+
+    @property
+    def bytes_per_position(self) -> int:
+        return self.sparse_layers * self.top_k * torch.empty((), dtype=self.dtype).element_size()
+
+    def allocate(self, entries: int, positions: int, device: torch.device) -> torch.Tensor:
+        shape = (entries, positions, self.sparse_layers, self.top_k)
+        return torch.zeros(shape, dtype=self.dtype, device=device)
+
+
+def route_spec(config) -> RouteSpec | None:
+    """The routing record a model config needs (None: a dense model)."""
+    sparse = config.sparse_layer_indices() if getattr(config, "num_experts", 0) else []
+    if not sparse:
+        return None
+    return RouteSpec(len(sparse), config.num_experts_per_tok, config.num_experts)
 
 
 def available_bytes(device: torch.device) -> int:
@@ -212,20 +262,28 @@ def make_cache(
     reserve_bytes: int,
     dtype: torch.dtype,
     device: torch.device,
+    routes: RouteSpec | None = None,
 ) -> tuple[KVCache, object]:
     """The KV cache a model config's engine gets from its budget: a slot cache (block_size
-    None) or a paged one, with the paged one's host-side blocks.BlockPool (else None)."""
+    None) or a paged one, with the paged one's host-side blocks.BlockPool (else None).
+    routes: the routing record to keep beside K and V (route_spec), counted in the budget."""
     layers = config.num_hidden_layers
     shape = (config.num_key_value_heads, config.head_dim)
+    route_bytes = routes.bytes_per_position if routes is not None else 0
     if block_size is None:
-        slot_bytes = bytes_per_slot(layers, *shape, max_seq_len, dtype)
+        slot_bytes = bytes_per_slot(layers, *shape, max_seq_len, dtype, route_bytes)
         slots = plan_slots(max_batch_size, slot_bytes, memory_budget, device, reserve_bytes)
-        return allocate_cache(layers, slots, max_seq_len, *shape, dtype, device), None
+        cache = allocate_cache(layers, slots, max_seq_len, *shape, dtype, device)
+        if routes is not None:
+            cache.routes = routes.allocate(slots + 1, max_seq_len, device)
+        return cache, None
     from hybridflow.engine.blocks import BlockPool
 
-    block_bytes = bytes_per_block(layers, *shape, block_size, dtype)
+    block_bytes = bytes_per_block(layers, *shape, block_size, dtype, route_bytes)
     blocks = plan_blocks(max_batch_size, max_seq_len, block_size, block_bytes, memory_budget,
                          device, reserve_bytes)  # fmt: skip
     cache = allocate_paged_cache(layers, max_batch_size, blocks, block_size, max_seq_len, *shape,
                                  dtype, device)  # fmt: skip
+    if routes is not None:
+        cache.routes = routes.allocate(blocks + 1, block_size, device)
     return cache, BlockPool(blocks, block_size, max_batch_size, cache.block_table.shape[1])

@@ -16,6 +16,7 @@ FUSE_PROJECTIONS = ("all", "qkv", "none")
 DECODE_MATMULS = ("auto", "cublas", "triton")
 LEAN_VARIANTS = ("qkv+mlp", "qkv", "mlp")
 WEIGHT_FORMATS = ("model", "fp8")
+EXPERT_MATMULS = ("auto", "triton")
 SERVICE_STREAMS = ("default", "priority")
 DECODE_LAYERS = ("auto", "split", "chain", "lean", *(f"lean:{v}" for v in LEAN_VARIANTS))
 
@@ -94,6 +95,15 @@ class EngineOptions:
     "lean:qkv" / "lean:mlp" (one variant), or "auto": every applicable layer timed once per
     batch-size bucket, the fastest kept (the chain must win by 2%). A forced layer that does
     not apply to the model or options falls back to split."""
+    record_routes: bool = True
+    """Mixture-of-experts models: record each token's experts per sparse layer beside its K/V
+    (one byte per expert id up to 256 experts) and return them with each completion
+    (`Completion.routed_experts`), for the trainer's routing replay."""
+    expert_matmul: str = "auto"
+    """Mixture-of-experts models on the triton backend: "auto" runs decode steps on the Triton
+    grouped kernels (kernels/moe.py: only the touched experts' weights are read) and passes of
+    1024+ tokens (prefill) on torch._grouped_mm where it runs (Hopper, 16-bit); "triton" runs
+    the Triton kernels for every pass."""
     shared_prefix: bool = True
     """With n > 1 on the triton backend, decode attention reads each prompt's cached prefix
     once per group of its samples (64 prompts x 8: 9.3% faster at 0.5b, 11.2% at 1.5b)."""
@@ -131,6 +141,7 @@ class EngineOptions:
         one_of("decode_layer", DECODE_LAYERS)
         one_of("weight_format", WEIGHT_FORMATS)
         one_of("service_stream", SERVICE_STREAMS)
+        one_of("expert_matmul", EXPERT_MATMULS)
         if self.weight_format == "fp8" and self.decode_layer not in ("auto", "split"):
             problems.append(f"weight_format='fp8' runs the split decode layer; decode_layer="
                             f"{self.decode_layer!r} reads bf16 weights: use auto or split")  # fmt: skip
@@ -187,6 +198,7 @@ class EngineOptions:
             "admission_wait_chunks",
             "admission_gather_ms",
             "service_stream",
+            "record_routes",
             "kv_block_size",  # the attention tile keys on it itself (kernels/attention.py)
         }
         return {k: v for k, v in asdict(self).items() if k not in skip}

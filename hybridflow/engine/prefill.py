@@ -47,7 +47,11 @@ def prefill_forward(
 
     Every token's K/V goes to cache[layer, token_slots, position_ids], or to cache[layer,
     *cache_at] when given (a paged cache: each token's block and offset, kv_cache.py)."""
+    from hybridflow.engine.layers.moe import mlp_torch, route_target, sparse_indices
+
     entries, offsets = cache_at or (token_slots, position_ids)
+    target = route_target(cache, entries, offsets)
+    sparse = sparse_indices(model)
     hidden = model.model.embed_tokens(input_ids)  # [N, H]
     cos, sin = rope.cos[position_ids], rope.sin[position_ids]  # [N, D]
     backend = resolve_backend(model.attention_backend, hidden.device, hidden.dtype)
@@ -59,10 +63,15 @@ def prefill_forward(
         cache.keys[index, entries, offsets] = k
         cache.values[index, entries, offsets] = v
         out = attend(q, k, v).flatten(-2)
-        if index + 1 == len(layers):  # the last tokens only: see above
+        # the last tokens only (see above); a sparse layer routes (records) every token first
+        trim = index + 1 == len(layers)
+        if trim and sparse[index] is None:
             hidden, out = hidden[last_index], out[last_index]
         hidden = hidden + attn.o_proj(out)
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        keep = last_index if trim and sparse[index] is not None else None
+        delta = mlp_torch(layer, layer.post_attention_layernorm(hidden), target, sparse[index],
+                          keep)  # fmt: skip
+        hidden = (hidden if keep is None else hidden[keep]) + delta
     return model.lm_head(model.model.norm(hidden))
 
 
@@ -81,12 +90,17 @@ def prefill_forward_triton(
     matmul=None,
     launch: Launch = PLAIN,
     cache_at: tuple | None = None,
+    experts=None,
 ) -> torch.Tensor:
     """Same contract as prefill_forward, with the decode step's fused kernels around the
-    model's packed attention (the split layer's stack, layers/split.py)."""
+    model's packed attention (the split layer's stack, layers/split.py). experts: a
+    layers.moe.ExpertMatmuls (mixture-of-experts models)."""
     entries, offsets = cache_at or (token_slots, None)
     from hybridflow.engine.kernels import rowwise
+    from hybridflow.engine.layers.moe import route_target
     from hybridflow.engine.layers.split import fused_layers
+
+    routes = route_target(cache, *(cache_at or (token_slots, position_ids)))
 
     backend = resolve_backend(model.attention_backend, input_ids.device, model.dtype)
     packed = make_packed_attention(backend, cu_seqlens, max_seqlen, input_ids.shape[0])
@@ -108,7 +122,8 @@ def prefill_forward_triton(
         )  # fmt: skip
         return packed(q, k, v)
 
-    normed = fused_layers(model, input_ids, attend, fused, matmul, keep=last_index, launch=launch)
+    normed = fused_layers(model, input_ids, attend, fused, matmul, keep=last_index, launch=launch,
+                          routes=routes, experts=experts)  # fmt: skip
     return model.lm_head(normed)
 
 
@@ -136,8 +151,10 @@ def extend_forward(
     K/V an earlier chunk wrote (causal order), and the gathered cache stays bounded. cache_at:
     as prefill_forward's."""
     from hybridflow.engine.layers.eager import cached_attention_torch
+    from hybridflow.engine.layers.moe import mlp_torch, route_target, sparse_indices
 
     entries, offsets = cache_at or (token_slots, position_ids)
+    sparse = sparse_indices(model)
     rows = input_ids.shape[0]
     wanted = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
     wanted[last_index] = True
@@ -150,6 +167,7 @@ def extend_forward(
         max_len = int(positions.max()) + 1
         hidden = model.model.embed_tokens(ids)
         cos, sin = rope.cos[positions], rope.sin[positions]
+        target = route_target(cache, *chunk_at)
         for index, layer in enumerate(model.model.layers):
             attn = layer.self_attn
             q, k, v = attn.project_qkv(layer.input_layernorm(hidden), cos, sin)
@@ -158,7 +176,8 @@ def extend_forward(
             out = cached_attention_torch(q, cache.keys[index], cache.values[index], slots,
                                          positions + 1, max_len, cache)  # fmt: skip
             hidden = hidden + attn.o_proj(out.flatten(-2))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            normed = layer.post_attention_layernorm(hidden)
+            hidden = hidden + mlp_torch(layer, normed, target, sparse[index])
         kept.append(hidden[wanted[start : start + chunk_tokens]])
     return model.lm_head(model.model.norm(torch.cat(kept)))
 
@@ -179,6 +198,7 @@ def extend_forward_triton(
     attention_kernel: str = "auto",
     spans: tuple | None = None,
     cache_at: tuple | None = None,
+    experts=None,
 ) -> torch.Tensor:
     """extend_forward with the fused kernels: RoPE and the cache store of every new token
     first (rope_store), then the new tokens' attention over their slots, two launches, so no
@@ -198,8 +218,10 @@ def extend_forward_triton(
     chunk); in a paged cache, the gathered entries are blocks and offsets. cache_at: as
     prefill_forward's."""
     from hybridflow.engine.kernels import attention, rowwise
+    from hybridflow.engine.layers.moe import route_target
     from hybridflow.engine.layers.split import fused_layers
 
+    routes = route_target(cache, *(cache_at or (token_slots, position_ids)))
     if attention_kernel not in ("auto", "flash", "decode"):
         raise ValueError(f"attention_kernel={attention_kernel!r}: auto, flash or decode")
     flash = (
@@ -232,7 +254,8 @@ def extend_forward_triton(
                                           launch=launch, autotune=autotune,
                                           table=cache.block_table)  # fmt: skip
 
-    normed = fused_layers(model, input_ids, attend, fused, matmul, keep=last_index, launch=launch)
+    normed = fused_layers(model, input_ids, attend, fused, matmul, keep=last_index, launch=launch,
+                          routes=routes, experts=experts)  # fmt: skip
     return model.lm_head(normed)
 
 

@@ -84,6 +84,11 @@ class Completion:
     version_spans: tuple[tuple[int, int], ...] = ((0, 0),)
     """(first token index, policy version) for each run of tokens one version of the weights
     sampled: a request that decoded across a weight update has two spans."""
+    routed_experts: np.ndarray | None = None
+    """Mixture-of-experts models (routing replay): [prompt + tokens - 1, L_sparse, k], the
+    experts each sparse layer chose for each token that went through the model (the prompt,
+    then every generated token but the last); uint8 up to 256 experts, else int16
+    (routes.py). None for a dense model or with EngineOptions.record_routes off."""
 
     def token_versions(self) -> list[int]:
         """The policy version that sampled each token."""

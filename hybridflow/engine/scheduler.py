@@ -81,6 +81,14 @@ class Scheduler:
         # while the host compacts rows, admits prompts and turns tokens into lists (H200,
         # 0.5b: 171k vs 162k tok/s at 256 rows, 242k vs 227k at 1024).
         self.lagged = engine.sync_lag > 0
+        # routing replay: finished requests' expert ids from the cache's record (routes.py),
+        # read after the last snapshot's event (every position they need is written by then)
+        self.route_reader = None
+        if self.cache.routes is not None:
+            from hybridflow.engine.routes import RouteReader
+
+            self.route_reader = RouteReader(self.cache, engine.device)
+        self.read_after = None  # the last absorbed snapshot's event
 
     # -- requests in and out --------------------------------------------------------------------
 
@@ -407,6 +415,7 @@ class Scheduler:
         """Append a snapshot's new tokens to each request's lists; retire finished rows."""
         collect_young(snapshot.ready)  # while the GPU is still busy, if there is work for it
         snapshot.wait()
+        self.read_after = snapshot.ready
         finished = snapshot.finished.tolist()
         generated = snapshot.generated.tolist()
         tokens, logprobs = snapshot.tokens.tolist(), snapshot.logprobs.tolist()
@@ -437,6 +446,7 @@ class Scheduler:
     def retire(self, done: set[LiveRequest], preempt: bool = False) -> None:
         """Record finished requests' results, free their slots and compact the live rows.
         preempt: the rows are not done; they free their slots and wait in `resuming`."""
+        records = {} if preempt else self._read_routes(done)
         keep = []
         for row, live in enumerate(self.rows):
             if live not in done:
@@ -466,13 +476,26 @@ class Scheduler:
                 else "length"
             )  # fmt: skip
             sub.finish(live.request, Completion(tokens, live.logprobs, reason, handle,
-                                                tuple(live.spans)))  # fmt: skip
+                                                tuple(live.spans), records.get(live)))  # fmt: skip
         self.state.keep_rows(keep, upload(self.engine.device, torch.tensor(keep))[0])
         self.rows = [self.rows[r] for r in keep]
         self.row_budget = [self.row_budget[r] for r in keep]
         self.row_end = [self.row_end[r] for r in keep]
         self.row_admission = [self.row_admission[r] for r in keep]
         self.groups_changed = True
+
+    def _read_routes(self, done: set[LiveRequest]) -> dict:
+        """Each finished request's routing record (routes.py), {} without one."""
+        if self.route_reader is None or not done:
+            return {}
+        lives = [live for live in self.rows if live in done]
+        lengths = [len(live.sub.prompt_of(live.request)) + max(len(live.tokens) - 1, 0)
+                   for live in lives]  # fmt: skip
+        # a request retired before any of its tokens was read back (an abort) may have been
+        # prefilled after the last snapshot: wait for all work queued so far
+        after = self.read_after if all(live.tokens for live in lives) else None
+        records = self.route_reader.read([live.slot for live in lives], lengths, after)
+        return dict(zip(lives, records))
 
     def _upload_groups(self) -> None:
         """The live rows' shared-prefix groups into the state (rows changed): queued before

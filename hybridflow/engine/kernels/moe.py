@@ -124,13 +124,14 @@ def route_topk(
 
 @triton.jit
 def _align_kernel(
-    ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, E,
+    ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, ends_ptr, P, E,
     BINS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     """Program e: counts every expert's pairs (a histogram of ids [P]; pairs past P count in
     bin E), places expert e's run at the sum of the padded runs before it, writes its pairs'
     indices there in pair order (then P, the padding marker, up to the padded length) and e as
-    the expert of each of its blocks. Program 0 writes the padded total."""
+    the expert of each of its blocks, and the end of its run to ends[e]. Program 0 writes the
+    padded total."""
     e = tl.program_id(0)
     bins = tl.arange(0, BINS)
     counts = tl.zeros([BINS], dtype=tl.int32)
@@ -143,6 +144,7 @@ def _align_kernel(
     start_e = tl.sum(tl.where(bins < e, padded, 0), axis=0)
     count_e = tl.sum(tl.where(bins == e, counts, 0), axis=0)
     padded_e = tl.sum(tl.where(bins == e, padded, 0), axis=0)
+    tl.store(ends_ptr + e, start_e + padded_e)
     if e == 0:
         tl.store(total_ptr, tl.sum(padded, axis=0))
     placed = tl.full([], 0, dtype=tl.int32)
@@ -166,11 +168,13 @@ class ExpertBlocks:
     """The pairs of a layer sorted by expert (align_pairs). sorted_pairs [capacity] int32:
     pair indices (token * k + slot), P marking padding; block_expert [capacity / block_m]
     int32: each block's expert; total [1] int32: the padded length in use (blocks past it
-    hold nothing). capacity is the static bound P + E * (block_m - 1), rounded up."""
+    hold nothing); group_ends [E] int32: where each expert's run ends (torch._grouped_mm's
+    offsets). capacity is the static bound P + E * (block_m - 1), rounded up."""
 
     sorted_pairs: torch.Tensor
     block_expert: torch.Tensor
     total: torch.Tensor
+    group_ends: torch.Tensor
     block_m: int
     pairs: int
     top_k: int
@@ -190,11 +194,12 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBloc
     sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
     total = torch.empty(1, dtype=torch.int32, device=device)
+    ends = torch.empty(num_experts, dtype=torch.int32, device=device)
     _align_kernel[(num_experts,)](
-        ids, sorted_pairs, block_expert, total, pairs, num_experts,
+        ids, sorted_pairs, block_expert, total, ends, pairs, num_experts,
         BINS=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m, CHUNK=256, num_warps=4,
     )  # fmt: skip
-    return ExpertBlocks(sorted_pairs, block_expert, total, block_m, pairs, top_k)
+    return ExpertBlocks(sorted_pairs, block_expert, total, ends, block_m, pairs, top_k)
 
 
 # -------------------------------------------------------------------------------------------
@@ -270,8 +275,8 @@ TILES = {16: (64, 128, 4, 4), 32: (64, 128, 4, 4), 64: (64, 64, 4, 4), 128: (128
 
 
 def _tile(block_m: int, device: torch.device) -> tuple[int, int, int, int]:
-    if device.type != "cuda":  # the interpreter: small tiles run fastest
-        return 16, 16, 1, 1
+    if device.type != "cuda":  # the interpreter: its cost is per program and per op
+        return 128, 128, 1, 1
     return TILES[block_m]
 
 

@@ -101,6 +101,7 @@ def decode_forward_triton(
     launch: Launch = PLAIN,
     autotune: bool = True,
     shared=None,
+    experts=None,
 ) -> torch.Tensor:
     """Same contract as eager.decode_forward_torch; fused kernels, attention over live
     lengths only (max_len only sizes the split of the sequence among thread blocks).
@@ -110,10 +111,13 @@ def decode_forward_triton(
     (None: split); launch: PDL/TMA options (the split and lean layers run without PDL: their
     cuBLAS matmuls break every other link, and PDL measured 0-2.5% slower there); autotune:
     the attention tile. shared: (first [B], groups) of shared_prefix.group_table: each
-    prompt's prefix is read once per group of its samples."""
+    prompt's prefix is read once per group of its samples. experts: layers.moe.ExpertMatmuls
+    (a mixture-of-experts model runs the split layer, its sparse MLPs through layers/moe.py,
+    each row's expert ids recorded at its position when the cache keeps a routing record)."""
     from hybridflow.engine.kernels import attention
     from hybridflow.engine.layers import lean
     from hybridflow.engine.layers.chain import chain_layers
+    from hybridflow.engine.layers.moe import route_target
     from hybridflow.engine.layers.split import fused_layers
 
     def attend_with(layer_launch):
@@ -129,7 +133,11 @@ def decode_forward_triton(
     plain = launch.without_pdl()
 
     def run_split():
-        return fused_layers(model, tokens, attend_with(plain), fused, matmul, launch=plain)
+        routes = None
+        if cache.routes is not None:
+            routes = route_target(cache, *cache.locate(row_slots, positions))
+        return fused_layers(model, tokens, attend_with(plain), fused, matmul, launch=plain,
+                            routes=routes, experts=experts)  # fmt: skip
 
     def run_chain():
         return chain_layers(model, tokens, attend_with(launch), fused, chain)

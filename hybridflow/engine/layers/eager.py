@@ -60,10 +60,14 @@ def decode_forward_torch(
     max_len: positions read by attention (a static bound under CUDA graphs, the live maximum
     in eager mode). shared (the triton path's shared-prefix groups) is ignored: each row
     reads its whole cache, the same values."""
+    from hybridflow.engine.layers.moe import mlp_torch, route_target, sparse_indices
+
     hidden = model.model.embed_tokens(tokens)  # [B, H]
     cos, sin = rope.cos[positions], rope.sin[positions]  # [B, D]
     lengths = positions + 1
     entries, offsets = cache.locate(row_slots, positions)
+    target = route_target(cache, entries, offsets)
+    sparse = sparse_indices(model)
     for index, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         q, k, v = attn.project_qkv(layer.input_layernorm(hidden), cos, sin)
@@ -73,5 +77,6 @@ def decode_forward_torch(
             q, cache.keys[index], cache.values[index], row_slots, lengths, max_len, cache
         )
         hidden = hidden + attn.o_proj(out.flatten(-2))
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        normed = layer.post_attention_layernorm(hidden)
+        hidden = hidden + mlp_torch(layer, normed, target, sparse[index])
     return model.lm_head(model.model.norm(hidden))

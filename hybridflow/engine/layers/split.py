@@ -22,6 +22,8 @@ def fused_layers(
     matmul=None,
     keep: torch.Tensor | None = None,
     launch: Launch = PLAIN,
+    routes=None,
+    experts=None,
 ) -> torch.Tensor:
     """Embedding + every layer with the fused kernels; attend(layer_index, q, k, v) -> [N, nh,
     D] (q/k unrotated: it applies RoPE and stores k/v in the cache) is the only part that
@@ -29,10 +31,12 @@ def fused_layers(
     FusedProjections or None (every weight read in place). matmul: a matmul_choice.
     DecodeMatmul (None: cuBLAS, with the SiLU*up product in its own kernel). keep: the rows
     whose output is wanted (the last layer past attention runs on those only: prefill).
-    launch: the kernels' launch options. Returns the final-normed hidden states [N or
-    len(keep), H]."""
+    launch: the kernels' launch options. Mixture-of-experts layers (layers/moe.py): routes,
+    a moe.RouteTarget the tokens record their expert ids in (None: not recorded); experts, a
+    moe.ExpertMatmuls. Returns the final-normed hidden states [N or len(keep), H]."""
     from hybridflow.engine.fp8 import Fp8Matmul
     from hybridflow.engine.kernels import gemm, rowwise
+    from hybridflow.engine.layers.moe import ExpertMatmuls, experts_triton, is_sparse
 
     linear = matmul.linear if matmul is not None else F.linear
     gate_up_silu = matmul.gate_up_silu if matmul is not None else gemm.gate_up_silu_cublas
@@ -46,7 +50,9 @@ def fused_layers(
     hidden = model.model.embed_tokens(input_ids)  # [N, H] residual stream, updated in place
     weighted = fused is None or not fused.folded  # else the norm weights are in the matmuls
     normed = rms_norm(hidden, layers[0].input_layernorm, weighted, launch)
+    sparse_index = 0  # the routing record's layer axis counts sparse layers only
     for index, layer in enumerate(layers):
+        last = index + 1 == len(layers)
         attn = layer.self_attn
         if fused is not None:
             bias = fused.qkv_bias[index] if fused.qkv_bias is not None else None
@@ -62,19 +68,28 @@ def fused_layers(
         if attn.q_norm is not None:
             q, k = attn.q_norm(q), attn.k_norm(k)
         out = attend(index, q, k, v)  # RoPE, the cache store and attention
-        if keep is not None and index + 1 == len(layers):  # prefill: the last tokens only
+        # prefill: the last layer past attention runs on the last tokens only (a sparse one
+        # routes every token first: the routing record holds each position's experts)
+        trim = keep is not None and last
+        if trim and not is_sparse(layer):
             out, hidden = out[keep], hidden[keep]
         delta = linear(out.flatten(-2), attn.o_proj.weight, attn.o_proj.bias)
         normed = add_rms_norm(hidden, delta, layer.post_attention_layernorm, weighted, launch)
         mlp = layer.mlp
-        if fused is not None and fused.gate_up_weight is not None:
-            act = gate_up_silu(normed, fused.gate_up_weight[index], launch)  # silu(gate) * up
+        if is_sparse(layer):
+            delta = experts_triton(mlp, normed, routes, sparse_index, experts or ExpertMatmuls(),
+                                   keep=keep if trim else None)  # fmt: skip
+            sparse_index += 1
+            if trim:
+                hidden = hidden[keep]
         else:
-            act = silu_mul(
-                linear(normed, mlp.gate_proj.weight), linear(normed, mlp.up_proj.weight), launch
-            )
-        delta = linear(act, mlp.down_proj.weight)
-        if index + 1 < len(layers):
+            if fused is not None and fused.gate_up_weight is not None:
+                act = gate_up_silu(normed, fused.gate_up_weight[index], launch)  # silu(g) * up
+            else:
+                act = silu_mul(linear(normed, mlp.gate_proj.weight),
+                               linear(normed, mlp.up_proj.weight), launch)  # fmt: skip
+            delta = linear(act, mlp.down_proj.weight)
+        if not last:
             normed = add_rms_norm(hidden, delta, layers[index + 1].input_layernorm, weighted,
                                   launch)  # fmt: skip
         else:  # the final norm feeds lm_head, never folded

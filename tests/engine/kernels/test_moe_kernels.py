@@ -49,14 +49,16 @@ def test_align_pairs_sorts_by_expert_in_pair_order_and_pads_runs():
     total = int(blocks.total)
     sorted_pairs = blocks.sorted_pairs[:total].tolist()
     block_expert = blocks.block_expert[: total // block_m].tolist()
-    expected, expected_blocks = [], []
+    expected, expected_blocks, expected_ends = [], [], []
     for expert in range(experts):
         run = [p for p, e in enumerate(flat) if e == expert]  # pair order inside a run
         padded = -(-len(run) // block_m) * block_m
         expected += run + [tokens * top_k] * (padded - len(run))
         expected_blocks += [expert] * (padded // block_m)
+        expected_ends.append(len(expected))
     assert sorted_pairs == expected
     assert block_expert == expected_blocks
+    assert blocks.group_ends.tolist() == expected_ends
     assert blocks.max_blocks * block_m >= total
 
 

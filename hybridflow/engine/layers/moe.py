@@ -1,0 +1,157 @@
+"""The mixture-of-experts MLP of a sparse decoder layer in the engine: routing (recorded for
+routing replay), then the experts, for decode, prefill and extend passes alike.
+
+`experts_triton` is the triton backend's: the router's logits by cuBLAS (as the model
+computes them), then kernels/moe.py's fused routing and grouped expert matmuls; prefill-sized
+batches on Hopper run the grouped matmuls through torch._grouped_mm instead (`ExpertMatmuls`).
+`experts_torch` is the torch backend's: the model's own functions (models/moe.py), bitwise.
+Both read the experts' packed weights in place (no copy) and write each token's expert ids to
+the routing record (kv_cache.KVCache.routes) at the token's cache position when given one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def is_sparse(layer) -> bool:
+    """The layer's MLP is a mixture of experts (models/moe.py's SparseMoeBlock)."""
+    return bool(getattr(layer, "sparse", False))
+
+
+def has_experts(model) -> bool:
+    return any(is_sparse(layer) for layer in model.model.layers)
+
+
+def sparse_indices(model) -> list[int | None]:
+    """Per layer, its index on the routing record's layer axis (None: a dense layer)."""
+    indices, count = [], 0
+    for layer in model.model.layers:
+        indices.append(count if is_sparse(layer) else None)
+        count += is_sparse(layer)
+    return indices
+
+
+@dataclass
+class RouteTarget:
+    """Where a pass's tokens record their expert ids: routes [entries, positions, L_sparse, k]
+    (the cache's routing record), each token at (entries[t], offsets[t]), its cache location."""
+
+    routes: torch.Tensor
+    entries: torch.Tensor
+    offsets: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ExpertMatmuls:
+    """How the expert matmuls run on the triton backend. grouped_mm_from: tokens from which a
+    pass uses torch._grouped_mm (Hopper, 16-bit) instead of the Triton grouped kernels; None:
+    never (the Triton kernels everywhere)."""
+
+    grouped_mm_from: int | None = 1024
+
+    def use_grouped_mm(self, tokens: int, x: torch.Tensor) -> bool:
+        return (
+            self.grouped_mm_from is not None
+            and tokens >= self.grouped_mm_from
+            and x.is_cuda
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and torch.cuda.get_device_capability(x.device)[0] == 9
+        )
+
+
+def _router_weight(mlp, x: torch.Tensor) -> torch.Tensor:
+    weight = mlp.gate.weight
+    return weight if weight.dtype == x.dtype else weight.to(x.dtype)
+
+
+def route_target(cache, entries: torch.Tensor, offsets: torch.Tensor) -> RouteTarget | None:
+    """The pass's RouteTarget in the cache's routing record (None: the cache keeps none)."""
+    routes = getattr(cache, "routes", None)
+    return None if routes is None else RouteTarget(routes, entries, offsets)
+
+
+def mlp_torch(layer, x: torch.Tensor, target: RouteTarget | None, sparse_index: int | None,
+              keep: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """The layer's MLP on x [N, H] with the model's own modules (rows `keep` only, when given;
+    a sparse layer routes every row first, recording them)."""
+    if sparse_index is None:
+        return layer.mlp(x if keep is None else x[keep])
+    return experts_torch(layer.mlp, x, target, sparse_index, keep)
+
+
+def experts_torch(
+    mlp, x: torch.Tensor, target: RouteTarget | None, sparse_index: int,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """x [N, H] (post-attention normed) -> the MLP's output [N, H]: the model's own routing and
+    experts (models/moe.py), the expert ids recorded at the tokens' cache positions. keep: every
+    token is routed (and recorded), the experts run for these rows only -> [len(keep), H]."""
+    from hybridflow.models.moe import moe_experts, router
+
+    ids, weights, _ = router(x, _router_weight(mlp, x), mlp.top_k, mlp.norm_topk_prob)
+    if target is not None:
+        target.routes[target.entries, target.offsets, sparse_index] = ids.to(target.routes.dtype)
+    if keep is not None:
+        x, ids, weights = x[keep], ids[keep], weights[keep]
+    experts = mlp.experts
+    return moe_experts(x, ids, weights, experts.gate_up_proj, experts.down_proj,
+                       mlp.expert_backend)  # fmt: skip
+
+
+def experts_triton(
+    mlp,
+    x: torch.Tensor,
+    target: RouteTarget | None,
+    sparse_index: int,
+    matmuls: ExpertMatmuls = ExpertMatmuls(),
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """experts_torch's contract on the fused kernels: no host sync, static shapes (the grid is
+    the bound for any routing), so decode steps replay as CUDA graphs."""
+    from hybridflow.engine.kernels import moe
+
+    logits = F.linear(x, _router_weight(mlp, x))  # [N, E], rounded as the model's router
+    record = None
+    if target is not None:
+        record = moe.RouteRecord(target.routes, target.entries, target.offsets,
+                                 column=sparse_index * mlp.top_k)  # fmt: skip
+    ids, weights = moe.route_topk(logits, mlp.top_k, mlp.norm_topk_prob, record)
+    if keep is not None:
+        x, ids, weights = x[keep], ids[keep], weights[keep]
+    tokens = x.shape[0]
+    gate_up, down = mlp.experts.gate_up_proj, mlp.experts.down_proj
+    if matmuls.use_grouped_mm(tokens, x):
+        pair_out = _pairs_grouped_mm(x, ids, gate_up, down)
+    else:
+        blocks = moe.align_pairs(ids, gate_up.shape[0], moe.block_rows(tokens, mlp.top_k,
+                                                                       gate_up.shape[0]))  # fmt: skip
+        pair_out = moe.grouped_down(moe.grouped_gate_up(x, gate_up, blocks), down, blocks)
+    return moe.combine(pair_out, weights)
+
+
+def _pairs_grouped_mm(x, ids, gate_up, down) -> torch.Tensor:
+    """Each (token, expert) pair's expert output [T * k, H] through torch._grouped_mm (one
+    launch per projection, CUTLASS on Hopper): pairs sorted by expert (align_pairs, blocks of
+    16 rows), SiLU*up by the row-wise kernel, rows scattered back to pair order."""
+    from hybridflow.engine.kernels import moe, rowwise
+
+    pairs, top_k = ids.numel(), ids.shape[1]
+    blocks = moe.align_pairs(ids, gate_up.shape[0], 16)
+    sorted_pairs = blocks.sorted_pairs
+    valid = (sorted_pairs < pairs) & (
+        torch.arange(sorted_pairs.shape[0], device=x.device) < blocks.total
+    )  # past `total` the array was never written
+    pair_index = torch.where(valid, sorted_pairs, pairs).long()  # padding -> a spare row
+    rows = x[(pair_index % pairs) // top_k]  # [capacity, H]
+    ends = blocks.group_ends
+    inner = gate_up.shape[1] // 2
+    gate_up_rows = torch._grouped_mm(rows, gate_up.transpose(-2, -1), offs=ends)
+    act = rowwise.silu_mul(gate_up_rows[:, :inner], gate_up_rows[:, inner:])
+    expert_rows = torch._grouped_mm(act, down.transpose(-2, -1), offs=ends)
+    out = torch.empty(pairs + 1, x.shape[1], dtype=x.dtype, device=x.device)
+    out[pair_index] = expert_rows  # valid indices are distinct; padding lands on row P
+    return out[:pairs]
