@@ -10,7 +10,8 @@ start, checkpoint save and load) opens a task on the run's :class:`ProgressRepor
 
 On a terminal the open tasks are rich progress bars and everything printed (the step table)
 goes above them. Elsewhere (log files, CI) nothing animates: once nothing has been printed
-for ``interval_s``, one line says where the innermost task is, e.g.
+for ``interval_s`` (or for twice the time the task's last step took, if longer), one line
+says where the innermost task is, e.g.
 ``validation: 512/1319 prompts (39%), 1m10s elapsed, ~1m50s left``. A log then shows that
 work goes on without the table drowning in status lines.
 
@@ -59,6 +60,12 @@ class TaskProgress:
     """What the phase is doing right now (a step's stage); shown after the description."""
     lines: int = 0
     """Status lines printed for it (non-terminal output)."""
+    advanced_at: float | None = None
+    """When ``done`` last changed (the reporter's clock)."""
+    advance_gap: float = 0.0
+    """Seconds between the last two changes of ``done``: how long one unit (a step) takes."""
+    rows: bool = False
+    """Each unit done is reported by a line of its own (a step's table row)."""
     reporter: ProgressReporter | None = field(default=None, repr=False)
     rich_id: Any = field(default=None, repr=False)
 
@@ -66,6 +73,12 @@ class TaskProgress:
         self.update(self.done + amount)
 
     def update(self, done: float, status: str | None = None) -> None:
+        if done != self.done and self.reporter is not None:
+            now = self.reporter.clock()
+            self.advance_gap = now - (
+                self.started if self.advanced_at is None else self.advanced_at
+            )
+            self.advanced_at = now
         self.done = done
         if status is not None:
             self.status = status
@@ -153,6 +166,7 @@ class ProgressReporter:
         self.tasks: list[TaskProgress] = []
         self.warnings = WarningCollector()
         self.last_output = clock()
+        self._last_was_status = False
         self._lock = threading.RLock()
         self._bar = None
         self._ticker: threading.Thread | None = None
@@ -165,6 +179,7 @@ class ProgressReporter:
             console = self._bar.console if self._bar is not None else self.console
             console.print(text, style=style, soft_wrap=True, highlight=False, markup=False)
             self.last_output = self.clock()
+            self._last_was_status = False
 
     def flush_warnings(self) -> bool:
         """Print the warnings collected since the last call; True if there were any."""
@@ -190,9 +205,17 @@ class ProgressReporter:
     # ---- tasks
     @contextmanager
     def task(
-        self, description: str, total: float | None = None, unit: str = "", done: float = 0.0
+        self,
+        description: str,
+        total: float | None = None,
+        unit: str = "",
+        done: float = 0.0,
+        rows: bool = False,
     ) -> Iterator[TaskProgress]:
+        """A phase reported while the block runs; ``rows``: each unit done prints a line of
+        its own (the step table), so status lines wait longer (:meth:`tick`)."""
         task = self.open_task(description, total, unit, done)
+        task.rows = rows
         try:
             yield task
         finally:
@@ -255,13 +278,24 @@ class ProgressReporter:
         self.tick()
 
     def tick(self) -> None:
-        """Non-terminal output: after ``interval_s`` of silence, a line for the innermost task."""
+        """Non-terminal output: after a silence, a line for the innermost task. The silence is
+        ``interval_s``; for a task whose every unit prints a row (``rows``: the training steps
+        and their table), twice the time the last unit took if longer: steps of 30 s need no
+        line between their rows, and a step that takes twice as long as the one before gets
+        one (then one every ``interval_s``, as long as it lasts)."""
         with self._lock:
             now = self.clock()
-            if self.live or not self.tasks or now - self.last_output < self.interval_s:
+            if self.live or not self.tasks:
                 return
             task = self.tasks[-1]
+            silence, since = self.interval_s, max(self.last_output, task.started)
+            if task.rows and not self._last_was_status and task.advanced_at is not None:
+                silence = max(silence, 2 * task.advance_gap)  # a row per unit says enough
+                since = max(since, task.advanced_at)  # its row comes just after the advance
+            if now - since < silence:
+                return
             self.print(progress_line(task, now))
+            self._last_was_status = True
             task.lines += 1
 
     def close(self) -> None:

@@ -56,3 +56,32 @@ def test_a_terminal_gets_bars_and_the_printed_lines_no_status_lines():
     reporter.close()
     out = buffer.getvalue()
     assert "a table row" in out and "elapsed" not in out
+
+
+def test_steps_longer_than_the_interval_get_no_line_between_their_rows():
+    clock = FakeClock()
+    reporter, buffer = log_reporter(clock)
+    with reporter.task("training", total=10, unit="steps", rows=True) as task:
+        for step in range(1, 4):  # steps of 15 s, each ending with its table row
+            for second in range(1, 16):
+                clock.now = 15.0 * (step - 1) + second
+                reporter.tick()
+            task.update(step)
+            reporter.print(f"row {step}")
+        clock.now = 45.0 + 31.0  # a step twice as long as the last one: now a line
+        reporter.tick()
+    lines = buffer.getvalue().splitlines()
+    # the first step's length is not known yet: one line at 10 s, then only the rows
+    assert lines[:4] == ["training: 0/10 steps (0%), 10s elapsed", "row 1", "row 2", "row 3"]
+    assert lines[4].startswith("training: 3/10 steps (30%), 1m16s elapsed")
+
+
+def test_a_task_opened_after_a_long_silence_waits_its_own_interval():
+    clock = FakeClock()
+    reporter, buffer = log_reporter(clock)
+    clock.now = 60.0  # a minute of setup printed nothing
+    with reporter.task("training", total=2, unit="steps"):
+        reporter.tick()  # the task is 0 s old: no "0s elapsed" line
+        clock.now = 69.0
+        reporter.tick()
+    assert buffer.getvalue() == ""  # and no "done" line for a task that said nothing

@@ -30,10 +30,7 @@ def run_validation(run: RunContext) -> dict[str, float]:
     pad = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
     sources, uids, scores, predictions, lengths = [], [], [], [], []
     size = cfg.data.val_batch_size
-    run.progress.print(
-        f"validation at step {run.step}: {len(dataset)} prompts × {n} sample{'s' * (n != 1)} "
-        f"({-(-len(dataset) // size)} batches of data.val_batch_size={size})"
-    )
+    run.progress.print(validation_header(run.step, len(dataset), n, size))
     with run.progress.task("validation", total=len(dataset), unit="prompts") as task:
         for start in range(0, len(dataset), size):
             if run.stop.requested:  # a part of the set would read as a different score
@@ -64,3 +61,14 @@ def headline(metrics: dict[str, float]) -> dict[str, float]:
     """The ``mean@n``, ``maj@n`` and ``best@n`` entries of each data source, for the summary."""
     kinds = ("/mean@", "/maj@", "/best@")
     return {k: v for k, v in metrics.items() if k.startswith("val/") and any(x in k for x in kinds)}
+
+
+def validation_header(step: int, prompts: int, n: int, batch_size: int) -> str:
+    """The line a validation pass starts with, e.g. ``validation at step 0: 8 prompts × 4
+    samples (1 batch of data.val_batch_size=8)``."""
+    batches = -(-prompts // batch_size)
+    return (
+        f"validation at step {step}: {prompts} prompt{'s' * (prompts != 1)} × {n} "
+        f"sample{'s' * (n != 1)} ({batches} batch{'es' * (batches != 1)} of "
+        f"data.val_batch_size={batch_size})"
+    )

@@ -20,7 +20,10 @@ from hybridflow.config.validation import LOGGER_NAMES
 from hybridflow.errors import UserError
 from hybridflow.install_hint import extra_install
 
-# What the console table shows, in order, when present (short header, key).
+# What the console table shows, in order, when present (short header, key). Two KLs: the
+# update's drift from the policy that sampled (PPO's approx KL, `ppo_kl`), and the KL to the
+# reference policy that verl users read as "kl" (`ref_kl`: the KL loss with
+# actor.use_kl_loss, `ref_kl_pen`: the penalty in the reward with algorithm.use_kl_in_reward).
 CONSOLE_COLUMNS = (
     ("score", "score/mean"),
     ("reward", "reward/mean"),
@@ -28,11 +31,17 @@ CONSOLE_COLUMNS = (
     ("clip", "response_length/clip_ratio"),
     ("pg_loss", "actor/pg_loss"),
     ("entropy", "actor/entropy"),
-    ("kl", "actor/ppo_kl"),
+    ("ppo_kl", "actor/ppo_kl"),
+    ("ref_kl", "actor/kl_loss"),
+    ("ref_kl_pen", "actor/reward_kl_penalty"),
     ("grad", "actor/grad_norm"),
     ("tok/s/gpu", "perf/tokens_per_s_per_gpu"),
     ("step_s", "timing_s/step"),
 )
+THROUGHPUT = "tok/s/gpu"
+THROUGHPUT_HEADERS = {"cuda": THROUGHPUT, "cpu": "tok/s/proc"}
+"""The throughput column's header by device: tokens/s of one GPU, or of one CPU process
+(each holds ``trainer.cpu_threads`` cores)."""
 
 
 class LoggerUnavailable(UserError, RuntimeError):
@@ -134,17 +143,22 @@ class ConsoleLogger:
     its progress bars.
     """
 
-    def __init__(self, header_every: int = 20, console=None, progress=None):
+    def __init__(self, header_every: int = 20, console=None, progress=None, device: str = "cuda"):
         from hybridflow.progress import ProgressReporter
 
         self.progress = progress or ProgressReporter(console, live=False, tick_s=None)
         self.header_every, self.rows = header_every, 0
         self.columns: list[tuple[str, str]] | None = None
+        self.throughput = THROUGHPUT_HEADERS.get(device, THROUGHPUT_HEADERS["cpu"])
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         metrics = clean_metrics(metrics)
         if self.columns is None:
-            self.columns = [(name, key) for name, key in CONSOLE_COLUMNS if key in metrics] or None
+            self.columns = [
+                (self.throughput if name == THROUGHPUT else name, key)
+                for name, key in CONSOLE_COLUMNS
+                if key in metrics
+            ] or None
         if self.columns and any(key in metrics for _, key in self.columns):
             warned = self.progress.flush_warnings()
             if warned or self.rows % self.header_every == 0:
@@ -204,7 +218,8 @@ class WandbLogger:
 
 class Tracker:
     """Sends each step's metrics to every configured backend (``progress``: where the
-    console table prints, default stdout).
+    console table prints, default stdout; ``device``: cuda or cpu, what the throughput
+    column is per).
 
     with Tracker(["console", "jsonl"], run_dir) as tracker:
         tracker.log(metrics, step)
@@ -219,6 +234,7 @@ class Tracker:
         config: Any = None,
         resume_step: int | None = None,
         progress=None,
+        device: str = "cuda",
     ):
         unknown = [name for name in loggers if name not in LOGGER_NAMES]
         if unknown:
@@ -230,7 +246,7 @@ class Tracker:
         try:
             for name in loggers:
                 if name == "console":
-                    self.backends[name] = ConsoleLogger(progress=progress)
+                    self.backends[name] = ConsoleLogger(progress=progress, device=device)
                 elif name == "jsonl":
                     self.backends[name] = JsonlLogger(run_dir / "metrics.jsonl", resume_step)
                 elif name == "tensorboard":

@@ -34,7 +34,7 @@ def setup(cfg: Config, log=print, progress: ProgressReporter | None = None,
     from hybridflow.trainer.run_state import refuse_changed_config
     from hybridflow.trainer.save_policy import save_defaults
     from hybridflow.trainer.warm_start import planned_model_path, resolve_model_path
-    from hybridflow.workers.model_loading import set_cpu_threads
+    from hybridflow.workers.model_loading import idle_cores_line, set_cpu_threads
 
     progress = progress or quiet_reporter()
     with progress.task("checking the config, data files, model and reward"):
@@ -47,6 +47,8 @@ def setup(cfg: Config, log=print, progress: ProgressReporter | None = None,
     cfg = compile_defaults(cfg, log)  # compile=auto: on when training on CUDA
     train_set, val_set = checked.train_set, checked.val_set
     set_cpu_threads(cfg, resolve_device(cfg.trainer.device))  # SFT and in-process workers
+    if (idle := idle_cores_line(cfg, resolve_device(cfg.trainer.device))) is not None:
+        log(idle)
     try:
         log(
             f"data: {len(train_set)} training prompts ({train_set.num_filtered} overlong "
@@ -166,6 +168,7 @@ def _with_epochs_as_steps(cfg: Config, num_prompts: int, log) -> Config:
 def _train(cfg: Config, log, progress: ProgressReporter, stop) -> dict[str, float]:
     from hybridflow.trainer.loggers import Tracker
     from hybridflow.trainer.rl_loop import fit
+    from hybridflow.trainer.roles import resolve_device
     from hybridflow.trainer.run_state import resume
 
     started = time.perf_counter()
@@ -188,8 +191,9 @@ def _train(cfg: Config, log, progress: ProgressReporter, stop) -> dict[str, floa
             # A fresh run starts a fresh metrics.jsonl (-1 drops every old line).
             resume_step=run.step if path is not None else -1,
             progress=progress,
+            device=resolve_device(t.device),
         )
-        with progress.task("training", total=t.total_steps, unit="steps", done=run.step):
+        with progress.task("training", total=t.total_steps, unit="steps", done=run.step, rows=True):
             final = fit(run)
     finally:
         if run.tracker is not None:
@@ -221,10 +225,15 @@ def write_run_config(cfg: Config) -> None:
 
 
 def summary(run: RunContext, seconds: float) -> str:
-    """Validation accuracy before and after training, per data source."""
+    """Validation accuracy before and after training, per data source (only the values, when
+    validation ran once: there is no gain to show)."""
     history = run.history.get("val", [])
     lines = [f"done: {run.step} steps in {seconds:.0f} s; metrics in {run.cfg.trainer.run_dir}"]
-    if history:
+    if len(history) == 1:
+        step, values = history[0]
+        lines.append(f"  validation ran once, at step {step}, so there is no gain to show:")
+        lines += [f"  {key}: {values[key]:.3f}" for key in sorted(values)]
+    elif history:
         (first_step, first), (last_step, last) = history[0], history[-1]
         for key in sorted(last):
             before = first.get(key)

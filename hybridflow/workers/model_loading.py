@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -48,6 +50,38 @@ def set_cpu_threads(config, device: str) -> None:
     threads = config.trainer.cpu_threads
     if threads is not None and not str(device).startswith("cuda"):
         torch.set_num_threads(threads)
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its affinity mask, e.g. a container's share)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def cpu_threads_note(threads: int | None, processes: int, cores: int) -> str | None:
+    """The line a CPU run prints once when ``trainer.cpu_threads`` leaves cores idle:
+    ``processes`` processes of ``threads`` threads each on a host of ``cores`` cores. None
+    when every core is used (or torch picks: ``threads`` None)."""
+    if threads is None or threads * processes >= cores:
+        return None
+    used = threads * processes
+    return (
+        f"trainer.cpu_threads = {threads}: {processes} process{'es' * (processes != 1)} × "
+        f"{threads} thread{'s' * (threads != 1)} use {used} of this host's {cores} cores (one "
+        f"thread is fastest for the tiny presets); for a larger model set "
+        f"trainer.cpu_threads={max(cores // processes, 1)}, or null for torch's default"
+    )
+
+
+def idle_cores_line(config, device: str) -> str | None:
+    """:func:`cpu_threads_note` for a run on ``device``: its CPU processes are the
+    controller (``inprocess``) or one per device of this node (``local``, ``ray``)."""
+    if str(device).startswith("cuda"):
+        return None
+    t = config.trainer
+    processes = 1 if t.backend == "inprocess" else t.n_gpus_per_node
+    return cpu_threads_note(t.cpu_threads, processes, available_cores())
 
 
 def default_tokenizer_path(model: ModelConfig) -> str:

@@ -9,9 +9,14 @@ Every worker call runs inside a ``record_function`` range named by its path
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from hybridflow.controller import Dispatch, Worker, register
+
+QUIET_KINETO_LOG_LEVEL = "6"
+"""Above every level of kineto's logger (VERBOSE 0 … USDT 5): it prints nothing. A user's
+own KINETO_LOG_LEVEL is kept."""
 
 
 class ProcessProfile:
@@ -29,6 +34,10 @@ class ProcessProfile:
         self.tool = tool
         if tool == "torch":
             from torch.profiler import ProfilerActivity, profile
+
+            # kineto writes "USDT: ... profiler_start/stop" lines to stderr, between the step
+            # table's rows, at every level up to its highest (5); read at its first start
+            os.environ.setdefault("KINETO_LOG_LEVEL", QUIET_KINETO_LOG_LEVEL)
 
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_cuda else [])
             self._session = profile(

@@ -27,3 +27,14 @@ def test_long_validation_reports_progress_in_a_log(tmp_path, quiet):
     assert done[:3] == [8, 16, 24]
     assert "validation: done, 32 prompts in" in out
     assert re.search(r"^training \(\w+\): 0/1 steps", out, re.M)  # names the stage it is in
+
+
+def test_the_validation_line_counts_in_the_singular_and_the_plural():
+    from hybridflow.trainer.evaluation import validation_header
+
+    assert validation_header(0, 8, 4, 8) == (
+        "validation at step 0: 8 prompts × 4 samples (1 batch of data.val_batch_size=8)"
+    )
+    assert validation_header(2, 9, 1, 8).endswith(
+        "9 prompts × 1 sample (2 batches of data.val_batch_size=8)"
+    )

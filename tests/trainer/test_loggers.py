@@ -147,3 +147,23 @@ def test_a_one_process_checkpoint_prints_no_warning_and_the_filters_come_back(tm
     lines = buffer.getvalue().splitlines()
     assert len(lines) == 1 and "a library says so" in lines[0], lines
     assert warnings.filters == filters_before and warnings.showwarning is handler_before
+
+
+def _header(device: str, metrics: dict) -> list[str]:
+    buffer = io.StringIO()
+    logger = ConsoleLogger(console=Console(file=buffer, width=200), device=device)
+    logger.log(metrics, 1)
+    return buffer.getvalue().splitlines()[0].split()
+
+
+def test_the_two_kls_are_named_apart():
+    # the update's drift from the sampling policy is not the KL to the reference a verl
+    # user reads as "kl": each gets its own name
+    metrics = {"actor/ppo_kl": 0.01, "actor/kl_loss": 0.2, "actor/reward_kl_penalty": 0.3}
+    assert _header("cuda", metrics) == ["step", "ppo_kl", "ref_kl", "ref_kl_pen"]
+
+
+def test_throughput_is_per_gpu_on_a_gpu_and_per_process_on_a_cpu():
+    metrics = {"perf/tokens_per_s_per_gpu": 900.0}
+    assert _header("cuda", metrics) == ["step", "tok/s/gpu"]
+    assert _header("cpu", metrics) == ["step", "tok/s/proc"]

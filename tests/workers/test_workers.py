@@ -141,3 +141,13 @@ def test_lora_in_place_rollout_decodes_the_actors_adapters_without_a_copy():
         assert rollout_matches_actor(group.rollout, group.actor) < 1e-4
     finally:
         group.shutdown()
+
+
+def test_idle_cores_are_said_once_with_the_setting_that_uses_them():
+    from hybridflow.workers.model_loading import cpu_threads_note
+
+    note = cpu_threads_note(threads=1, processes=1, cores=2)
+    assert "1 process × 1 thread use 1 of this host's 2 cores" in note
+    assert "trainer.cpu_threads=2" in note
+    assert cpu_threads_note(threads=1, processes=2, cores=2) is None  # every core busy
+    assert cpu_threads_note(threads=None, processes=1, cores=64) is None  # torch's default
