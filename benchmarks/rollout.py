@@ -27,11 +27,17 @@ from hybridflow.models.logprobs import logprobs_from_hidden
 EAGER = EngineOptions(decode_backend="torch", cuda_graphs=False)  # the reference path
 
 
-def trainer_logprobs(model, prompt, tokens, temperature):
+def trainer_logprobs(model, prompt, tokens, temperature, routes=None):
+    """routes: a completion's routing record, replayed (mixture-of-experts models)."""
     ids = torch.tensor(prompt + tokens, device=model.device)
+    extra = {}
+    if routes is not None:  # the last token was never fed back: the router picks its experts
+        replay = torch.full((len(ids), *routes.shape[1:]), -1, dtype=torch.long)
+        replay[: len(routes)] = torch.from_numpy(routes.astype("int64"))
+        extra["routed_experts"] = replay.to(ids.device)
     hidden = model.forward_packed(
         ids, torch.arange(len(ids), device=ids.device),
-        torch.tensor([0, len(ids)], dtype=torch.int32, device=ids.device), len(ids),
+        torch.tensor([0, len(ids)], dtype=torch.int32, device=ids.device), len(ids), **extra,
     )  # fmt: skip
     start = len(prompt) - 1
     lp, _ = logprobs_from_hidden(
@@ -50,6 +56,36 @@ def logprob_gap(model, engine, prompts, params) -> dict:
         diffs.append((torch.tensor(c.logprobs) - expected).abs())
     d = torch.cat(diffs)
     return {"max_abs": d.max().item(), "mean_abs": d.mean().item(), "tokens": d.numel()}
+
+
+@torch.no_grad()
+def moe_gaps(device, preset: str = "qwen3-30b-a3b") -> dict:
+    """A mixture of experts in bf16: the engine's log-probs against the trainer's, with the
+    trainer routing each token itself and replaying the engine's routing record; and the
+    importance ratio exp(trainer - engine) tails PPO clips."""
+    model = load_model(preset, dtype=torch.bfloat16, device=device).eval()
+    prompts = make_prompts(16, 64, model.config.vocab_size, 1)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=64, seed=0, ignore_eos=True)
+    engine = Engine(model, max_batch_size=32, max_seq_len=128)
+    completions = engine.generate(prompts, params)
+    engine.release()
+    out = {}
+    for replay in (False, True):
+        diffs = []
+        for i, c in enumerate(completions):
+            routes = c.routed_experts if replay else None
+            expected = trainer_logprobs(model, prompts[i // params.n], c.token_ids,
+                                        params.temperature, routes)  # fmt: skip
+            diffs.append(expected - torch.tensor(c.logprobs))
+        d = torch.cat(diffs)
+        ratio = d.exp()
+        _record(out, f"{preset}_bf16_{'replay' if replay else 'no_replay'}", {
+            "max_abs": d.abs().max().item(), "mean_abs": d.abs().mean().item(),
+            "ratio_max": ratio.max().item(), "ratio_min": ratio.min().item(),
+            "ratio_outside_0.8_1.25": (((ratio < 0.8) | (ratio > 1.25)).float().mean().item()),
+            "tokens": d.numel(),
+        })  # fmt: skip
+    return out
 
 
 def _record(out: dict, key: str, value) -> None:
@@ -243,6 +279,11 @@ VARIANTS = [
     dict(preset="qwen2.5-1.5b", prompts=256, hf=True),
     dict(preset="qwen2.5-0.5b", prompts=64, n=8, hf=True),
     dict(preset="qwen2.5-1.5b", prompts=64, n=8, hf=True),
+    # a mixture of experts (random bf16 weights, 61 GB); HF generate (a per-expert loop)
+    # runs ~300 tok/s here, so it generates 32 tokens per sample instead of 256
+    dict(preset="qwen3-30b-a3b", prompts=256, hf=True, hf_new_tokens=32),
+    dict(preset="qwen3-30b-a3b", prompts=64, n=8),
+    dict(preset="qwen3-30b-a3b", prompts=1024),
 ]
 QUICK_VARIANTS = [
     dict(preset="tiny", prompts=4, hf=True,
@@ -262,6 +303,7 @@ def run_variants(device, variants, quick: bool) -> list[dict]:
             dtype="bfloat16", device=str(device), backend=fields.get("decode_backend", "auto"),
             engine=[f"{k}={v!r}" for k, v in fields.items() if k != "decode_backend"],
             hf=variant.get("hf", False), hf_batch_size=None, seed=0,
+            hf_new_tokens=variant.get("hf_new_tokens"),
             repeats=3 if not quick else 1,
         )  # fmt: skip
         if preset not in models:
@@ -315,6 +357,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="small shapes (CPU dry run)")
     parser.add_argument("--only", default="check,profile,variants")
+    parser.add_argument("--presets", default=None,
+                        help="comma-separated presets: run only their variants (e.g. "
+                        "qwen3-30b-a3b)")  # fmt: skip
     parser.add_argument("--profile-cases", default="qwen2.5-0.5b:256",
                         help="preset:prompts,... for --only profile")  # fmt: skip
     parser.add_argument("--prefill-cases", default="qwen2.5-0.5b:256",
@@ -329,6 +374,8 @@ def main() -> None:
         print("check", json.dumps(results["check"], indent=1), flush=True)
     if "gap" in parts:
         results["gap"] = bf16_gaps(device)
+    if "moegap" in parts:
+        results["moegap"] = moe_gaps(device)
     if "breakdown" in parts and device.type == "cuda":
         results["breakdown"] = {
             "0.5b_b256_L256": step_breakdown(device, "qwen2.5-0.5b", 256, 256),
@@ -348,6 +395,8 @@ def main() -> None:
                 traceback.print_exc()
     if "variants" in parts:
         variants = QUICK_VARIANTS if args.quick else VARIANTS
+        if args.presets:
+            variants = [v for v in variants if v["preset"] in args.presets.split(",")]
         results["variants"] = run_variants(device, variants, args.quick)
         results["table"] = table(results["variants"])
     results["wall_s"] = time.time() - start

@@ -55,6 +55,9 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="prompts per HF generate call (default: all)",
     )
+    p.add_argument("--hf-new-tokens", type=int, default=None,
+                   help="tokens HF generates per sample (default: --new-tokens); fewer keeps "
+                   "a slow baseline short")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and the sampling")
     p.add_argument(
         "--mean-length", type=int, default=None,
@@ -243,24 +246,17 @@ def bench_engine(model, prompts, args, device) -> dict:
 def bench_hf(model, prompts, args, device) -> dict:
     """transformers generate on the same weights (sdpa, dynamic cache), sampling, no early stop."""
     import torch
-    import transformers
 
-    config = transformers.AutoConfig.for_model(**model.config.to_hf())
-    config._attn_implementation = "sdpa"
-    with torch.device(device):
-        hf = transformers.AutoModelForCausalLM.from_config(config, dtype=model.dtype)
-    missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
-    if unexpected or [k for k in missing if k != "lm_head.weight"]:
-        raise RuntimeError(f"HF model names differ: missing {missing}, unexpected {unexpected}")
-    hf.eval()
+    hf = _hf_twin(model, device)
     batch = args.hf_batch_size or len(prompts)
+    new_tokens = getattr(args, "hf_new_tokens", None) or args.new_tokens
     total, seconds = 0, 0.0
     pad = model.config.pad_token_id or 0
     stop_ids = stop_ids_for_mean_length(
         model.config.vocab_size, getattr(args, "mean_length", None), args.seed
     )
     kwargs = dict(
-        max_new_tokens=args.new_tokens, min_new_tokens=0 if stop_ids else args.new_tokens,
+        max_new_tokens=new_tokens, min_new_tokens=0 if stop_ids else new_tokens,
         do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0, pad_token_id=pad,
         num_return_sequences=args.n, eos_token_id=list(stop_ids) or None,
     )  # fmt: skip
@@ -276,7 +272,37 @@ def bench_hf(model, prompts, args, device) -> dict:
         seconds += time.perf_counter() - t0
         total += _count_generated(out[:, ids.shape[1] :], stop_ids)
     del hf
-    return {"tokens": total, "seconds": seconds, "tokens_per_s": total / seconds}
+    return {"tokens": total, "seconds": seconds, "tokens_per_s": total / seconds,
+            "new_tokens": new_tokens}  # fmt: skip
+
+
+def _hf_twin(model, device):
+    """The transformers model of the same architecture, its parameters the same tensors as
+    `model`'s (no second copy: a 30B model fits once, not twice). Without accelerate (its
+    empty-weights context keeps the rotary buffers real), a copy on the device."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**model.config.to_hf())
+    config._attn_implementation = "sdpa"
+    state = model.state_dict()
+    try:
+        from accelerate import init_empty_weights
+    except ImportError:
+        init_empty_weights = None
+    if init_empty_weights is not None:
+        with init_empty_weights(include_buffers=False), torch.device(device):
+            hf = transformers.AutoModelForCausalLM.from_config(config, dtype=model.dtype)
+        missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
+        if "lm_head.weight" in missing:  # tied: the embedding
+            hf.lm_head.weight = hf.get_input_embeddings().weight
+    else:
+        with torch.device(device):
+            hf = transformers.AutoModelForCausalLM.from_config(config, dtype=model.dtype)
+        missing, unexpected = hf.load_state_dict(state, strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        raise RuntimeError(f"HF model names differ: missing {missing}, unexpected {unexpected}")
+    return hf.eval()
 
 
 def _count_generated(responses, stop_ids) -> int:

@@ -48,14 +48,15 @@ class RouteTarget:
 @dataclass(frozen=True)
 class ExpertMatmuls:
     """How the expert matmuls run on the triton backend. grouped_mm_from: tokens from which a
-    pass uses torch._grouped_mm (Hopper, 16-bit) instead of the Triton grouped kernels; None:
-    never (the Triton kernels everywhere)."""
+    prefill or extend pass uses torch._grouped_mm (Hopper, 16-bit) instead of the Triton
+    grouped kernels; None: never. Decode steps always run the Triton kernels (CUDA graphs)."""
 
     grouped_mm_from: int | None = 1024
 
-    def use_grouped_mm(self, tokens: int, x: torch.Tensor) -> bool:
+    def use_grouped_mm(self, tokens: int, x: torch.Tensor, prefill: bool) -> bool:
         return (
-            self.grouped_mm_from is not None
+            prefill
+            and self.grouped_mm_from is not None
             and tokens >= self.grouped_mm_from
             and x.is_cuda
             and x.dtype in (torch.bfloat16, torch.float16)
@@ -109,9 +110,11 @@ def experts_triton(
     sparse_index: int,
     matmuls: ExpertMatmuls = ExpertMatmuls(),
     keep: torch.Tensor | None = None,
+    prefill: bool = False,
 ) -> torch.Tensor:
     """experts_torch's contract on the fused kernels: no host sync, static shapes (the grid is
-    the bound for any routing), so decode steps replay as CUDA graphs."""
+    the bound for any routing), so decode steps replay as CUDA graphs. prefill: a prefill or
+    extend pass (ExpertMatmuls may run torch._grouped_mm)."""
     from hybridflow.engine.kernels import moe
 
     logits = F.linear(x, _router_weight(mlp, x))  # [N, E], rounded as the model's router
@@ -124,7 +127,7 @@ def experts_triton(
         x, ids, weights = x[keep], ids[keep], weights[keep]
     tokens = x.shape[0]
     gate_up, down = mlp.experts.gate_up_proj, mlp.experts.down_proj
-    if matmuls.use_grouped_mm(tokens, x):
+    if matmuls.use_grouped_mm(tokens, x, prefill):
         pair_out = _pairs_grouped_mm(x, ids, gate_up, down)
     else:
         blocks = moe.align_pairs(ids, gate_up.shape[0], moe.block_rows(tokens, mlp.top_k,

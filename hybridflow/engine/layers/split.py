@@ -78,7 +78,7 @@ def fused_layers(
         mlp = layer.mlp
         if is_sparse(layer):
             delta = experts_triton(mlp, normed, routes, sparse_index, experts or ExpertMatmuls(),
-                                   keep=keep if trim else None)  # fmt: skip
+                                   keep=keep if trim else None, prefill=keep is not None)  # fmt: skip
             sparse_index += 1
             if trim:
                 hidden = hidden[keep]

@@ -1,0 +1,177 @@
+"""`python benchmarks/moe_layer.py --out DIR`: one sparse layer's experts at the Qwen3-30B-A3B
+shape (128 experts, top-8, 2048 -> 768): grouped GEMMs against a per-expert loop and the floor.
+
+For each token count it times, on the same routing: the engine's Triton kernels (sort by
+expert, grouped gate/up with SiLU*up, grouped down, combine: engine/kernels/moe.py), the
+engine's torch._grouped_mm path, the trainer's `moe_experts` with grouped GEMMs (forward, and
+forward + backward) and with a per-expert loop (models/moe.py). The floor is the larger of the
+touched experts' weight bytes over the measured copy bandwidth and the FLOPs over the measured
+bf16 matmul rate. Each path's error against an fp32 loop is printed beside its time, and the
+grouped backward's gradients against the loop's.
+
+    python benchmarks/moe_layer.py --out $OUT                 # H200: ~1 min
+    python benchmarks/moe_layer.py --device cpu --quick       # CPU dry run (tiny shape)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from hybridflow.models.moe import moe_experts, select_experts
+
+SHAPE = dict(experts=128, top_k=8, hidden=2048, inner=768)  # Qwen3-30B-A3B
+QUICK_SHAPE = dict(experts=8, top_k=2, hidden=64, inner=32)
+
+
+def timed_ms(fn, device, rep_ms: int = 200) -> float:
+    """Median milliseconds of fn(): CUDA events (triton's do_bench), or the host clock."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=50, rep=rep_ms, return_mode="median")
+    runs = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        runs.append((time.perf_counter() - start) * 1000)
+    return statistics.median(runs)
+
+
+def ceilings(device) -> dict:
+    """Measured copy bandwidth (bytes read + written per s) and bf16 matmul rate."""
+    if device.type != "cuda":
+        return {"bytes_per_s": 1e10, "flops_per_s": 1e11}
+    src = torch.empty(2**31, dtype=torch.uint8, device=device)  # 2 GiB, far past L2
+    dst = torch.empty_like(src)
+    copy_ms = timed_ms(lambda: dst.copy_(src), device)
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    mm_ms = timed_ms(lambda: a @ a, device)
+    return {"bytes_per_s": 2 * src.numel() / (copy_ms / 1000),
+            "flops_per_s": 2 * 8192**3 / (mm_ms / 1000)}  # fmt: skip
+
+
+def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((out.float() - reference).norm() / reference.norm()).item()
+
+
+def engine_paths(x, ids, weights, gate_up, down) -> dict:
+    """The engine's two expert paths as zero-argument calls (Triton kernels; torch's
+    grouped matmul where it runs)."""
+    from hybridflow.engine.kernels import moe
+    from hybridflow.engine.layers.moe import _pairs_grouped_mm
+
+    ids32 = ids.to(torch.int32)
+    experts, tokens = gate_up.shape[0], x.shape[0]
+    block_m = moe.block_rows(tokens, ids.shape[1], experts)
+
+    def triton_kernels():
+        blocks = moe.align_pairs(ids32, experts, block_m)
+        return moe.combine(moe.grouped_down(moe.grouped_gate_up(x, gate_up, blocks), down,
+                                            blocks), weights)  # fmt: skip
+
+    paths = {"engine triton": triton_kernels}
+    if x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9:
+        paths["engine _grouped_mm"] = lambda: moe.combine(
+            _pairs_grouped_mm(x, ids32, gate_up, down), weights
+        )
+    return paths
+
+
+def layer_case(tokens: int, shape: dict, device, limits: dict, triton_ok: bool) -> list[dict]:
+    experts, top_k, hidden, inner = (shape[k] for k in ("experts", "top_k", "hidden", "inner"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    generator = torch.Generator(device).manual_seed(tokens)
+
+    def rand(*size):
+        return torch.randn(*size, device=device, generator=generator).to(dtype)
+
+    x = rand(tokens, hidden)
+    gate_up, down = rand(experts, 2 * inner, hidden) * 0.02, rand(experts, hidden, inner) * 0.02
+    ids, weights = select_experts(rand(tokens, experts), top_k, True)
+    touched = ids.unique().numel()
+    weight_bytes = touched * 3 * hidden * inner * x.element_size()
+    flops = 2 * tokens * top_k * 3 * hidden * inner
+    floor_ms = 1000 * max(weight_bytes / limits["bytes_per_s"], flops / limits["flops_per_s"])
+    reference = moe_experts(x.float(), ids, weights, gate_up.float(), down.float(), "loop")
+    grouped = "grouped_mm" if device.type == "cuda" else "loop"
+    paths = {
+        "trainer grouped fwd": lambda: moe_experts(x, ids, weights, gate_up, down, grouped),
+        "per-expert loop fwd": lambda: moe_experts(x, ids, weights, gate_up, down, "loop"),
+    }
+    if triton_ok:
+        paths = {**engine_paths(x, ids, weights, gate_up, down), **paths}
+    rows = []
+    for name, fn in paths.items():
+        ms = timed_ms(fn, device)
+        rows.append({"tokens": tokens, "path": name, "ms": ms, "floor_ms": floor_ms,
+                     "touched": touched, "rel_err": relative_error(fn(), reference)})  # fmt: skip
+    rows += backward_rows(x, ids, weights, gate_up, down, grouped, tokens, floor_ms, device)
+    return rows
+
+
+def backward_rows(x, ids, weights, gate_up, down, grouped, tokens, floor_ms, device) -> list:
+    """Forward + backward of the trainer's grouped path (timed), its gradients against the
+    per-expert loop's (the floor: three times the forward's)."""
+    leaves = [t.detach().requires_grad_() for t in (x, gate_up, down)]
+    upstream = torch.randn_like(x)
+
+    def step(backend):
+        for leaf in leaves:
+            leaf.grad = None
+        out = moe_experts(leaves[0], ids, weights, leaves[1], leaves[2], backend)
+        out.backward(upstream)
+        return [leaf.grad.clone() for leaf in leaves]
+
+    loop_grads = step("loop")
+    errors = [relative_error(g, r.float()) for g, r in zip(step(grouped), loop_grads)]
+    ms = timed_ms(lambda: step(grouped), device)
+    return [{"tokens": tokens, "path": "trainer grouped fwd+bwd", "ms": ms,
+             "floor_ms": 3 * floor_ms, "rel_err": max(errors)}]  # fmt: skip
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| tokens | path | ms | floor ms | x floor | rel. error |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['tokens']} | {r['path']} | {r['ms']:.3f} | {r['floor_ms']:.3f} | "
+                     f"{r['ms'] / r['floor_ms']:.1f} | {r['rel_err']:.1e} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/moe_layer"))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true", help="a tiny shape (CPU dry run)")
+    parser.add_argument("--tokens", default="256,1024,4096", help="token counts, comma-separated")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    device = torch.device(args.device)
+    shape = QUICK_SHAPE if args.quick else SHAPE
+    tokens = [8] if args.quick else [int(t) for t in args.tokens.split(",")]
+    # the Triton kernels run on CUDA, or on the CPU under the interpreter
+    triton_ok = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    limits = ceilings(device)
+    print("ceilings", json.dumps(limits), flush=True)
+    rows = []
+    for count in tokens:
+        rows += layer_case(count, shape, device, limits, triton_ok)
+        print(json.dumps(rows[-1]), flush=True)
+    result = {"shape": shape, "ceilings": limits, "rows": rows, "table": table(rows),
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__}  # fmt: skip
+    with open(os.path.join(args.out, "moe_layer.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(result["table"])
+
+
+if __name__ == "__main__":
+    main()
