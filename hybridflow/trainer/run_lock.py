@@ -65,6 +65,7 @@ def hold_run_dir(directory: str | os.PathLike, key: str = "trainer.run_dir",
     """Hold ``directory`` (created if missing) for the block; :class:`RunDirBusy` when
     another live process holds it. ``key`` names the setting in the messages."""
     path = Path(directory).expanduser()
+    created = _missing_dirs(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
         handle = open(path / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115 - held below
@@ -83,8 +84,28 @@ def hold_run_dir(directory: str | os.PathLike, key: str = "trainer.run_dir",
         finally:  # any end Python sees: leftover text then always means a process that died
             handle.seek(0)
             handle.truncate()
+            # a run refused before it wrote anything leaves no directory behind
+            if created and [entry.name for entry in path.iterdir()] == [LOCK_FILE]:
+                _remove_created(path, created)
     finally:
         handle.close()  # drops the flock
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """The directories of ``path`` (deepest first) that do not exist yet."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def _remove_created(path: Path, created: list[Path]) -> None:
+    """Remove the lock file and the (still empty) directories this process made for it."""
+    with contextlib.suppress(OSError):
+        (path / LOCK_FILE).unlink()
+        for directory in created:
+            directory.rmdir()
 
 
 def _take(handle, directory, key: str, log: Callable[[str], None]) -> None:

@@ -77,6 +77,25 @@ def test_a_held_directory_is_refused_in_this_process_too(tmp_path):
     assert started in str(refused.value)
 
 
+def test_a_run_refused_before_it_writes_leaves_no_directory_it_made(tmp_path):
+    run_dir = tmp_path / "runs" / "grpo"
+    with pytest.raises(ValueError), hold_run_dir(run_dir):
+        raise ValueError("refused by a later check")
+    assert not (tmp_path / "runs").exists()  # both levels it created are gone
+
+
+def test_a_directory_that_existed_or_holds_files_is_kept(tmp_path):
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    with hold_run_dir(existing):
+        pass
+    assert existing.is_dir()
+    written = tmp_path / "written"
+    with hold_run_dir(written):
+        (written / "metrics.jsonl").write_text("{}")
+    assert (written / "metrics.jsonl").exists()
+
+
 PUBLISH_LATER = """
 import sys, time
 from pathlib import Path
