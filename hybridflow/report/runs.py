@@ -91,6 +91,9 @@ def read_config(path: Path) -> dict[str, Any] | None:
     """``config.yaml`` of the run, else that of its newest checkpoint, else None."""
     import yaml
 
+    from hybridflow.config.sections import ConfigError
+    from hybridflow.config.yaml_limits import load_yaml
+
     candidates = [path / CONFIG_FILE]
     checkpoints = [p for p in (path / "checkpoints").glob("step_*/config.yaml")
                    if p.parent.name.removeprefix("step_").isdigit()]  # fmt: skip
@@ -98,9 +101,9 @@ def read_config(path: Path) -> dict[str, Any] | None:
     candidates += checkpoints[::-1]
     for candidate in candidates:
         if candidate.is_file():
-            try:
-                data = yaml.safe_load(candidate.read_text(encoding="utf-8"))
-            except yaml.YAMLError:
+            try:  # bounded: a run directory's file may come from anyone
+                data = load_yaml(candidate.read_text(encoding="utf-8"), source=str(candidate))
+            except (yaml.YAMLError, ConfigError):
                 continue
             if isinstance(data, dict):
                 return data

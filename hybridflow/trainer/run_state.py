@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 import yaml
 
+from hybridflow.config.yaml_limits import load_yaml
 from hybridflow.errors import UserError
 from hybridflow.trainer.stages import RunContext
 
@@ -174,7 +175,9 @@ def check_config_changes(path: Path, cfg, log) -> None:
     saved_file = path / CONFIG_FILE
     if not saved_file.is_file():
         return
-    saved = yaml.safe_load(saved_file.read_text()) or {}
+    saved = (
+        load_yaml(saved_file.read_text(), source=str(saved_file)) or {}
+    )  # bounded: a checkpoint's file
     changes = config_changes(saved, dataclasses.asdict(cfg))
     if refused(changes):
         raise UserError(*refusal_message(str(path), refused(changes)))
@@ -217,7 +220,9 @@ def read_run_config(checkpoint: str | Path):
             "give a hybridflow checkpoint directory (<run_dir>/checkpoints/step_N)",
         )
     cfg = Config()
-    problems = apply_mapping(cfg, yaml.safe_load(path.read_text()) or {}, source=str(path))
+    problems = apply_mapping(
+        cfg, load_yaml(path.read_text(), source=str(path)) or {}, source=str(path)
+    )
     if problems:
         raise UserError(f"{path}: " + "; ".join(problems), "was it written by another version?")
     return cfg

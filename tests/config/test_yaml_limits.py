@@ -76,3 +76,20 @@ def test_the_command_line_exits_2_without_a_traceback(tmp_path, capsys):
     assert main(["config", "validate", "--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and str(path) in err and len(err.splitlines()) == 2
+
+
+def test_a_checkpoints_config_file_is_read_with_the_same_bounds(tmp_path):
+    """config.yaml inside a checkpoint (resume, export) and a run directory's (report) may be
+    crafted too: the same bounds hold there, and report skips such a file."""
+    from hybridflow.report.runs import read_config as report_config
+    from hybridflow.trainer.run_state import check_config_changes, read_run_config
+
+    checkpoint = tmp_path / "checkpoints" / "step_1"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "config.yaml").write_text(billion_laughs())
+    with pytest.raises(ConfigError, match="more than 100,000 values"):
+        read_run_config(checkpoint)
+    with pytest.raises(ConfigError, match="more than 100,000 values"):
+        check_config_changes(checkpoint, load_config(None, []), log=print)
+    (tmp_path / "config.yaml").write_text(billion_laughs())
+    assert report_config(tmp_path) is None
