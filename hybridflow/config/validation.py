@@ -424,6 +424,9 @@ def _check_router(cfg: Config, add) -> None:
     elif a.router_replay == "rollout" and model_has_experts(cfg.model.path) is False:
         add(f"actor.router_replay = rollout replays the experts of a mixture-of-experts model; "
             f"model.path = {cfg.model.path!r} has none: set actor.router_replay=off")  # fmt: skip
+    elif a.router_replay == "rollout" and not cfg.rollout.engine.record_routes:
+        add("actor.router_replay = rollout replays the routes the engine records, but "
+            "rollout.engine.record_routes = false: set it to true")  # fmt: skip
     elif a.router_replay == "rollout" and cfg.rollout.agent.loop is not None:
         add(f"actor.router_replay = rollout is not recorded for rollout.agent.loop = "
             f"{cfg.rollout.agent.loop!r} episodes: set actor.router_replay=off")  # fmt: skip

@@ -157,6 +157,7 @@ class ActorLearner:
         rollout's so the ratio is 1 on-policy). Micro-batches hold up to
         ``log_prob_max_tokens_per_gpu`` tokens (no autograd: larger than the update's)."""
         temperature = _temperature(batch, temperature)
+        self._check_routes(batch)
 
         def run(packed):
             logprobs, entropy = self.policy(packed, temperature, with_entropy)
@@ -182,6 +183,7 @@ class ActorLearner:
         keys = UPDATE_INPUTS + (("ref_logprobs",) if self.cfg.use_kl_loss else ())
         on_policy = "old_logprobs" not in batch.tensors
         check_keys(batch, tuple(k for k in keys if k != "old_logprobs"), "ActorLearner.update")
+        self._check_routes(batch)
         temperature = _temperature(batch, temperature)
         num_rows = len(batch)
         mini_size = min(self.mini_batch_size, num_rows)
@@ -231,6 +233,9 @@ class ActorLearner:
                     counts["global_token_count"], 1.0
                 )
                 loss = loss + self._router_terms(trace, share, terms, token_means)
+            if self.policy.replay_routes:  # tokens routed as the rollout did (the rest: free)
+                recorded = packed.routed_experts[:, 0, 0] >= 0
+                token_means["moe/replayed_token_fraction"] = recorded.float().mean()
             return loss, terms, token_means
 
         skipped = accumulate_and_step(
@@ -294,6 +299,13 @@ class ActorLearner:
             loss = loss + cfg.kl_loss_coef * kl_loss
             terms["kl_loss"] = kl_loss.detach()
         return loss, terms, token_means
+
+    def _check_routes(self, batch: Batch) -> None:
+        if self.policy.replay_routes and "routed_experts" not in batch.tensors:
+            raise KeyError(
+                "actor.router_replay=rollout needs the batch's routed_experts [B, P+R, L, k] "
+                "(the rollout engine records them: rollout.engine.record_routes)"
+            )
 
     def _router_terms(self, trace, share: float, terms: dict, token_means: dict) -> torch.Tensor:
         """A mixture of experts' router losses for one micro-batch (its ``share`` of the

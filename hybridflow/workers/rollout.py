@@ -254,14 +254,23 @@ class RolloutWorker(Worker):
         rollout_logprobs[:, :got] = out["rollout_logprobs"]
         positions = torch.arange(width)
         response_mask = (positions[None, :] < out["response_lengths"][:, None]).float()
-        return Batch(
-            {
-                "responses": responses,
-                "response_mask": response_mask,
-                "rollout_logprobs": rollout_logprobs,
-                "token_versions": self._token_versions(results, width),
-            }
-        )
+        tensors = {
+            "responses": responses,
+            "response_mask": response_mask,
+            "rollout_logprobs": rollout_logprobs,
+            "token_versions": self._token_versions(results, width),
+        }
+        if self.config.actor.router_replay == "rollout":  # the experts each token went through
+            from hybridflow.engine.routes import padded_routes
+
+            prompt_lengths = [len(ids) for ids in prompt_ids for _ in range(params.n)]
+            tensors["routed_experts"] = padded_routes(
+                [c.routed_experts for c in results],
+                prompt_lengths,
+                batch.tensors["prompts"].shape[1],
+                width,
+            )  # [b*n, P+R, L_sparse, k]
+        return Batch(tensors)
 
     def _token_versions(self, results: list, width: int) -> torch.Tensor:
         """[rows, width] int64: the version that sampled each token, -1 after the end. The

@@ -35,7 +35,9 @@ def _own_routes(model, batch) -> torch.Tensor:
 def test_replaying_own_routes_keeps_logprobs_and_other_routes_move_them():
     batch = make_batch(seed=3)
     actor = _actor(router_replay="rollout")
-    free = actor.compute_logprobs(batch)["old_logprobs"]
+    with pytest.raises(KeyError, match="routed_experts"):  # replay on, nothing recorded
+        actor.compute_logprobs(batch)
+    free = _actor().compute_logprobs(batch)["old_logprobs"]
     batch.tensors["routed_experts"] = _own_routes(actor.model, batch)
     replayed = actor.compute_logprobs(batch)["old_logprobs"]
     torch.testing.assert_close(replayed, free, rtol=0, atol=0)
@@ -64,6 +66,7 @@ def test_update_with_replay_trains_the_router_and_logs_router_metrics():
     assert metrics["moe/z_loss"] > 0
     assert 1.0 <= metrics["moe/expert_load_max_over_mean"] <= 4.0  # E / k = 4 at worst
     assert 0 < metrics["moe/router_entropy"] <= torch.log(torch.tensor(8.0)).item()
+    assert metrics["moe/replayed_token_fraction"] == 1.0  # every real token has its route
 
 
 def test_aux_loss_coefficient_is_overridable_and_zero_turns_it_off():
