@@ -1,8 +1,10 @@
 """Device keys of a verl command line: the rollout's tensor parallelism and the backend.
 
-hybridflow's engine has no tensor parallelism: it runs one full replica per device. A verl
-``rollout.tensor_model_parallel_size`` is therefore accepted with a notice that names the
-bytes each replica's weights take, estimated from the model's config.json or preset.
+verl's ``rollout.tensor_model_parallel_size`` becomes ``rollout.tensor_parallel_size`` once
+the engine runs tensor-parallel (config/parallel_checks.py lists the layouts that run). Until
+then it is accepted with a notice that names the bytes each replica's weights take, estimated
+from the model's config.json or preset: the engine runs one full replica per device, which
+changes memory and speed but not what is sampled.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
+from hybridflow.config import parallel_checks
 from hybridflow.config.verl.rules import Context, GroupResult, Notice, Row
 from hybridflow.config.verl.table import MODEL, ROLLOUT
 
@@ -39,6 +42,8 @@ def weights_bytes(model_path: str) -> int | None:
 def tensor_parallel(given: Mapping, ctx: Context) -> GroupResult:
     key = ROLLOUT + "tensor_model_parallel_size"
     size = int(given[key])
+    if ("rollout", "tp") in parallel_checks.SUPPORTED_LAYOUTS:
+        return GroupResult(rows=[Row((key,), "rollout.tensor_parallel_size", size)])
     if size == 1:
         return GroupResult(notices=[Notice(key, "the engine runs one replica per device")])
     path = str(ctx.verl.get(MODEL + "path", ctx.ours.get("model.path", "")))

@@ -12,7 +12,8 @@ GROUPS: tuple[Group, ...] = (
         "actor batch sizes",
         {
             ACTOR + "ppo_micro_batch_size_per_gpu": "actor.micro_batch_size_per_gpu",
-            ACTOR + "ppo_micro_batch_size": "actor.micro_batch_size_per_gpu = value ÷ devices",
+            ACTOR
+            + "ppo_micro_batch_size": "actor.micro_batch_size_per_gpu = value ÷ (devices / (Ulysses × tensor parallel))",
             ACTOR + "use_dynamic_bsz": "True: actor.max_tokens_per_gpu = ppo_max_token_len_per_gpu",
             ACTOR + "ppo_max_token_len_per_gpu": "actor.max_tokens_per_gpu (with use_dynamic_bsz)",
         },
@@ -22,7 +23,8 @@ GROUPS: tuple[Group, ...] = (
         "reference batch sizes",
         {
             REF + "log_prob_micro_batch_size_per_gpu": "ref.micro_batch_size_per_gpu",
-            REF + "log_prob_micro_batch_size": "ref.micro_batch_size_per_gpu = value ÷ devices",
+            REF
+            + "log_prob_micro_batch_size": "ref.micro_batch_size_per_gpu = value ÷ (devices / (Ulysses × tensor parallel))",
             REF + "log_prob_use_dynamic_bsz": "True: ref.max_tokens_per_gpu (default: the actor's)",
             REF + "log_prob_max_token_len_per_gpu": "ref.max_tokens_per_gpu (default: the actor's)",
         },
@@ -33,7 +35,7 @@ GROUPS: tuple[Group, ...] = (
         "critic batch sizes",
         {
             "critic.ppo_micro_batch_size_per_gpu": "critic.micro_batch_size_per_gpu",
-            "critic.ppo_micro_batch_size": "critic.micro_batch_size_per_gpu = value ÷ devices",
+            "critic.ppo_micro_batch_size": "critic.micro_batch_size_per_gpu = value ÷ (devices / (Ulysses × tensor parallel))",
             "critic.use_dynamic_bsz": "True: critic.max_tokens_per_gpu (default: the actor's flag)",
             "critic.ppo_max_token_len_per_gpu": "critic.max_tokens_per_gpu (verl default 32768)",
             "critic.forward_micro_batch_size": "unused: the forward uses the training sizes",
@@ -164,8 +166,8 @@ GROUPS: tuple[Group, ...] = (
     Group(
         "rollout tensor parallelism",
         {
-            ROLLOUT
-            + "tensor_model_parallel_size": "one engine replica per device (no tensor parallelism)",
+            ROLLOUT + "tensor_model_parallel_size": "rollout.tensor_parallel_size where the "
+            "engine runs tensor-parallel; until then one engine replica per device",
         },
         devices.tensor_parallel,
     ),

@@ -60,15 +60,42 @@ def _batching(
     elif micro_keys == [per_gpu]:
         res.rows.append(Row((per_gpu,), f"{ours}.micro_batch_size_per_gpu", int(given[per_gpu])))
     elif micro_keys == [global_]:
-        world, total = ctx.world_size(), int(given[global_])
-        if total < world or total % world:
+        ranks, how = data_parallel_ranks(ctx, ours)
+        total = int(given[global_])
+        if total < ranks or total % ranks:
             res.problems.append(
-                f"{global_} = {total} counts samples over all {world} devices and must be a "
-                f"multiple of {world}: set {per_gpu} instead"
+                f"{global_} = {total} counts samples over all {ranks} data-parallel ranks{how} "
+                f"and must be a multiple of {ranks}: set {per_gpu} instead"
             )
         else:
-            res.rows.append(Row((global_,), f"{ours}.micro_batch_size_per_gpu", total // world))
+            res.rows.append(Row((global_,), f"{ours}.micro_batch_size_per_gpu", total // ranks))
     return res
+
+
+# our role -> the verl prefixes whose layout keys set its sizes, its own first: as our
+# ref.* and critic.* sizes do, both follow the actor's unless given (verl's critic would
+# default to 1: a layout changes memory and speed, not the updates).
+LAYOUT_KEYS = {"actor": (ACTOR,), "ref": (REF, ACTOR), "critic": ("critic.", ACTOR)}
+
+
+def data_parallel_ranks(ctx: Context, role: str) -> tuple[int, str]:
+    """verl's normalisation of a global size: devices / (Ulysses size × Megatron tensor-
+    parallel size) of ``role``, and the arithmetic for a message (empty when it is plain
+    data parallel)."""
+    sizes = {}
+    for ours_key, verl_name in (("sequence_parallel_size", "ulysses_sequence_parallel_size"),
+                                ("tensor_parallel_size", "megatron.tensor_model_parallel_size")):  # fmt: skip
+        given = [ctx.verl[p + verl_name] for p in LAYOUT_KEYS[role] if p + verl_name in ctx.verl]
+        value = given[0] if given else ctx.ours.get(f"{role}.{ours_key}")
+        try:
+            sizes[ours_key] = int(as_number(value)) if value is not None else 1
+        except (TypeError, ValueError):
+            sizes[ours_key] = 1  # a malformed size is reported where it is loaded
+    world = ctx.world_size()
+    split = sizes["sequence_parallel_size"] * sizes["tensor_parallel_size"]
+    if split <= 1 or world % split:
+        return world, ""  # a size that does not tile the devices is reported by validate()
+    return world // split, f" ({world} devices / (sequence × tensor parallel = {split}))"
 
 
 def actor_batch(given: Mapping, ctx: Context) -> GroupResult:

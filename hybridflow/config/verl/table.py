@@ -35,7 +35,6 @@ def _one(value) -> bool:
     return value in (None, 1)
 
 
-FSDP = ("fsdp", "fsdp2")
 PACKED = "sequences are always packed (no compute on padding)"
 CHUNKED = "log-probs and entropy are always computed from hidden states in chunks"
 PROFILER = "profiling is not part of the run config (benchmarks/ hold the profiling tools)"
@@ -45,9 +44,53 @@ OLD_LOGPROB = (
     "(null: derived from the memory plan, else the actor's update batching)"
 )
 REWARD_MODEL = "applies only with reward_model.enable=True (a model-based reward)"
-MEGATRON = "Megatron-LM parallelism (tensor/pipeline/expert/context parallel training)"
-ULYSSES = "Ulysses sequence parallelism"
+MEGATRON = "Megatron-LM option"
+PIPELINE = "Megatron-LM pipeline parallelism (hybridflow splits layers by tensor parallelism)"
 MULTIMODAL = "multimodal models and data (images, videos)"
+
+
+def _no_pipeline(value) -> bool:
+    return value in (None, 1, "null", "None")
+
+
+def _parallel_entries(verl: str, ours: str) -> list[Entry]:
+    """A training role's layout keys: Ulysses and the Megatron-style sizes that map onto
+    ours (``verl`` is the role's prefix, ``ours`` its section); what does not map stops."""
+    mega = verl + "megatron."
+    return [
+        Rename(verl + "ulysses_sequence_parallel_size", f"{ours}.sequence_parallel_size"),
+        Ignored(
+            verl + "strategy",
+            "trains with FSDP2, tensor, sequence and expert parallel "
+            f"as {ours}.*_parallel_size say (the megatron.* sizes map onto them)",
+        ),  # fmt: skip
+        Rename(mega + "tensor_model_parallel_size", f"{ours}.tensor_parallel_size"),
+        Rename(mega + "expert_model_parallel_size", f"{ours}.expert_parallel_size"),
+        Unsupported(mega + "pipeline_model_parallel_size", PIPELINE, _one, "1"),
+        Unsupported(
+            mega + "virtual_pipeline_model_parallel_size", PIPELINE, _no_pipeline, "null"
+        ),  # fmt: skip
+        Unsupported(
+            mega + "context_parallel_size",
+            "ring context parallelism (ulysses_sequence_parallel_size splits long sequences)",
+            _one,
+            "1",
+        ),
+        Unsupported(
+            mega + "expert_tensor_parallel_size",
+            "a tensor-parallel size of its own for the experts (they are split like the "
+            "layers with expert parallelism off, whole on each rank with it on)",
+            _no_pipeline,
+            "null, 1",
+        ),
+        Ignored(
+            mega + "sequence_parallel",
+            "the tensor-parallel layers choose how activations are split between them",
+        ),  # fmt: skip
+        Ignored(mega + "use_distributed_optimizer", "FSDP2 shards the optimizer state"),
+        Ignored(mega + "seed", "initialisation and sampling follow trainer.seed"),
+        Unsupported(mega + "*", MEGATRON),
+    ]
 
 
 def _model_entries(prefix: str, ours: str) -> list[Entry]:
@@ -137,9 +180,7 @@ ACTOR_TABLE: list[Entry] = [
     Ignored(
         ACTOR + "fsdp_config.*", "FSDP2 sharding, wrapping and precision are set by hybridflow"
     ),
-    Unsupported(ACTOR + "strategy", MEGATRON, lambda v: v in FSDP, "fsdp, fsdp2"),
-    Unsupported(ACTOR + "megatron.*", MEGATRON),
-    Unsupported(ACTOR + "ulysses_sequence_parallel_size", ULYSSES, _one, "1"),
+    *_parallel_entries(ACTOR, "actor"),
     Unsupported(ACTOR + "freeze_vision_tower", MULTIMODAL, _off, "False"),
     Unsupported(ACTOR + "loss_scale_factor", "a fixed loss scale factor", _off, "null"),
     Ignored(ACTOR + "router_replay.*", "the engine hands the routes over in memory (no files)"),
@@ -167,9 +208,7 @@ ACTOR_TABLE: list[Entry] = [
 REF_TABLE: list[Entry] = [
     Rename(REF + "fsdp_config.param_offload", "ref.param_offload"),
     Ignored(REF + "fsdp_config.*", "FSDP2 sharding, wrapping and precision are set by hybridflow"),
-    Unsupported(REF + "strategy", MEGATRON, lambda v: v in FSDP, "fsdp, fsdp2"),
-    Unsupported(REF + "megatron.*", MEGATRON),
-    Unsupported(REF + "ulysses_sequence_parallel_size", ULYSSES, _one, "1"),
+    *_parallel_entries(REF, "ref"),
     Ignored(
         REF + "use_torch_compile",
         "the reference runs uncompiled (model.compile applies to the actor)",
@@ -252,7 +291,7 @@ ROLLOUT_TABLE: list[Entry] = [
         ROLLOUT + "over_sample_rate", "over-sampling and aborting slow rollouts", _off, "0"
     ),
     Unsupported(ROLLOUT + "data_parallel_size", "data parallelism inside one engine", _one, "1"),
-    Unsupported(ROLLOUT + "expert_parallel_size", "expert parallelism (MoE)", _one, "1"),
+    Rename(ROLLOUT + "expert_parallel_size", "rollout.expert_parallel_size"),
     Unsupported(ROLLOUT + "pipeline_model_parallel_size", "pipeline-parallel rollout", _one, "1"),
     Unsupported(ROLLOUT + "quantization", "quantized rollout", _off, "null"),
     Unsupported(ROLLOUT + "quantization_config_file", "quantized rollout", _off, "null"),
@@ -275,9 +314,7 @@ CRITIC_TABLE: list[Entry] = [
     Ignored("critic.model.lora_alpha", "applies only with critic LoRA"),
     Ignored("critic.model.target_modules", "applies only with critic LoRA"),
     *_model_entries("critic.model.", "critic.path"),
-    Unsupported("critic.strategy", MEGATRON, lambda v: v in FSDP, "fsdp, fsdp2"),
-    Unsupported("critic.megatron.*", MEGATRON),
-    Unsupported("critic.ulysses_sequence_parallel_size", ULYSSES, _one, "1"),
+    *_parallel_entries("critic.", "critic"),
     Ignored("critic.enable", "a critic runs exactly when algorithm.adv_estimator=gae"),
     Ignored("critic.shuffle", "the critic's mini-batches are taken in order"),
     Ignored("critic.data_loader_seed", "data order follows trainer.seed"),

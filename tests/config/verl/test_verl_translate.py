@@ -29,7 +29,7 @@ def test_verl_example_command_lines_validate(name, capsys):
     [
         ("stops_grpo_qwen2_7b_math_megatron", "Megatron-LM"),
         ("stops_grpo_qwen2_5_vl_7b", "multimodal"),
-        ("stops_ppo_deepseek7b_llm_sp2", "Ulysses sequence parallelism"),
+        ("stops_ppo_deepseek7b_llm_sp2", "sequence parallelism (Ulysses) is not yet supported"),
     ],
 )
 def test_unsupported_feature_exits_2_naming_it(name, feature, capsys):
@@ -86,10 +86,11 @@ def test_ignored_key_gets_one_line_why():
 
 
 def test_harmless_value_of_a_missing_feature_is_accepted():
-    ok = translate(["actor_rollout_ref.actor.ulysses_sequence_parallel_size=1"])
+    ok = translate(["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1"])
     assert not ok.problems and ok.notices
-    stop = translate(["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"])
-    assert "Ulysses" in stop.problems[0] and "ulysses_sequence_parallel_size=2" in stop.problems[0]
+    stop = translate(["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"])
+    assert "pipeline parallelism" in stop.problems[0]
+    assert "pipeline_model_parallel_size=2" in stop.problems[0]
 
 
 def test_unknown_verl_key_is_named_with_a_suggestion():

@@ -151,6 +151,18 @@ MAPPED = [
         A + "router_replay.mode=R3",
         R + "enable_rollout_routing_replay=True",
     ],
+    [
+        A + "ulysses_sequence_parallel_size=2",
+        A + "megatron.tensor_model_parallel_size=2",
+        A + "megatron.expert_model_parallel_size=2",
+        REF + "ulysses_sequence_parallel_size=1",
+        REF + "megatron.tensor_model_parallel_size=1",
+        REF + "megatron.expert_model_parallel_size=1",
+        "critic.ulysses_sequence_parallel_size=1",
+        "critic.megatron.tensor_model_parallel_size=1",
+        "critic.megatron.expert_model_parallel_size=1",
+        R + "expert_parallel_size=2",
+    ],
 ]
 
 
@@ -187,9 +199,10 @@ def test_each_yaml_line_names_the_verl_key_it_came_from():
 def test_from_verl_command(capsys):
     assert main(["config", "from-verl", "actor_rollout_ref.rollout.n=3"]) == 0
     assert "n: 3  # verl: actor_rollout_ref.rollout.n=3" in capsys.readouterr().out
-    assert main(["config", "from-verl", "actor_rollout_ref.actor.strategy=megatron"]) == 2
+    pipeline = "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"
+    assert main(["config", "from-verl", pipeline]) == 2
     err = capsys.readouterr().err
-    assert "Megatron-LM" in err and "Traceback" not in err
+    assert "Megatron-LM pipeline parallelism" in err and "Traceback" not in err
 
 
 def test_docs_example_is_what_from_verl_writes():
