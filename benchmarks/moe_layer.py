@@ -16,6 +16,7 @@ grouped backward's gradients against the loop's.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -135,6 +136,52 @@ def backward_rows(x, ids, weights, gate_up, down, grouped, tokens, floor_ms, dev
              "floor_ms": 3 * floor_ms, "rel_err": max(errors)}]  # fmt: skip
 
 
+# --sweep: (block_n, block_k, warps, stages) tried for each grouped kernel and BLOCK_M
+SWEEP_TILES = [(64, 128, 4, 4), (128, 128, 4, 3), (64, 64, 4, 5), (128, 64, 4, 4),
+               (64, 128, 8, 4), (32, 128, 4, 4), (128, 128, 8, 3), (64, 256, 4, 3)]  # fmt: skip
+SWEEP_BLOCKS = {256: (16, 32, 64), 1024: (32, 64, 128), 4096: (64, 128), 16384: (64, 128)}
+
+
+def sweep(tokens: int, shape: dict, device) -> list[dict]:
+    """Each grouped kernel's time per BLOCK_M and tile (engine/kernels/moe.py's TILES)."""
+    from hybridflow.engine.kernels import moe
+
+    experts, top_k, hidden, inner = (shape[k] for k in ("experts", "top_k", "hidden", "inner"))
+    generator = torch.Generator(device).manual_seed(tokens)
+    x = torch.randn(tokens, hidden, device=device, generator=generator).bfloat16()
+    gate_up = torch.randn(experts, 2 * inner, hidden, device=device, generator=generator)
+    gate_up = (gate_up * 0.02).bfloat16()
+    down = torch.randn(experts, hidden, inner, device=device, generator=generator) * 0.02
+    down = down.bfloat16()
+    logits = torch.randn(tokens, experts, device=device, generator=generator)
+    ids, _ = moe.route_topk(logits, top_k, True)
+    rows = []
+    for block_m in SWEEP_BLOCKS.get(tokens, (moe.block_rows(tokens, top_k, experts),)):
+        blocks = moe.align_pairs(ids, experts, block_m)
+        act = moe.grouped_gate_up(x, gate_up, blocks)
+        align = functools.partial(moe.align_pairs, ids, experts, block_m)
+        rows.append({"tokens": tokens, "block_m": block_m, "kernel": "align",
+                     "ms": timed_ms(align, device, 100)})  # fmt: skip
+        for tile in SWEEP_TILES:
+            for name, fn in (
+                ("gate_up", functools.partial(moe.grouped_gate_up, x, gate_up, blocks, tile)),
+                ("down", functools.partial(moe.grouped_down, act, down, blocks, tile)),
+            ):
+                try:
+                    ms = timed_ms(fn, device, 100)
+                except Exception as error:  # a tile past the shared memory: skip it
+                    ms = float("nan")
+                    print(name, block_m, tile, repr(error)[:120])
+                rows.append({"tokens": tokens, "block_m": block_m, "kernel": name,
+                             "tile": list(tile), "ms": ms})  # fmt: skip
+    for kernel in ("gate_up", "down"):
+        best = min((r for r in rows if r["kernel"] == kernel and r["ms"] == r["ms"]),
+                   key=lambda r: r["ms"])  # fmt: skip
+        print(f"sweep {tokens} best {kernel}: block_m {best['block_m']} tile {best['tile']} "
+              f"{best['ms']:.3f} ms", flush=True)  # fmt: skip
+    return rows
+
+
 def table(rows: list[dict]) -> str:
     lines = [
         "| tokens | path | ms | floor ms | x floor | rel. error |",
@@ -152,6 +199,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="a tiny shape (CPU dry run)")
     parser.add_argument("--tokens", default="256,1024,4096", help="token counts, comma-separated")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time each grouped kernel per block size and tile (CUDA)")  # fmt: skip
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     device = torch.device(args.device)
@@ -165,7 +214,12 @@ def main() -> None:
     for count in tokens:
         rows += layer_case(count, shape, device, limits, triton_ok)
         print(json.dumps(rows[-1]), flush=True)
+    swept = []
+    if args.sweep and device.type == "cuda":
+        for count in tokens:
+            swept += sweep(count, shape, device)
     result = {"shape": shape, "ceilings": limits, "rows": rows, "table": table(rows),
+              "sweep": swept,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__}  # fmt: skip
     with open(os.path.join(args.out, "moe_layer.json"), "w") as f:

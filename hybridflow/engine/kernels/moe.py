@@ -280,11 +280,13 @@ def _tile(block_m: int, device: torch.device) -> tuple[int, int, int, int]:
     return TILES[block_m]
 
 
-def grouped_gate_up(x: torch.Tensor, gate_up: torch.Tensor, blocks: ExpertBlocks) -> torch.Tensor:
-    """x [T, H], gate_up [E, 2I, H] -> silu(gate) * up [capacity, I], rows in sorted order."""
+def grouped_gate_up(x: torch.Tensor, gate_up: torch.Tensor, blocks: ExpertBlocks,
+                    tile: tuple | None = None) -> torch.Tensor:  # fmt: skip
+    """x [T, H], gate_up [E, 2I, H] -> silu(gate) * up [capacity, I], rows in sorted order.
+    tile: (block_n, block_k, warps, stages) instead of TILES' (benchmarks/moe_layer.py)."""
     inner = gate_up.shape[1] // 2
     out = torch.empty(blocks.sorted_pairs.shape[0], inner, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = _tile(blocks.block_m, x.device)
+    block_n, block_k, warps, stages = tile or _tile(blocks.block_m, x.device)
     grid = (blocks.max_blocks, triton.cdiv(inner, block_n))
     _grouped_kernel[grid](
         x, gate_up, out, blocks.sorted_pairs, blocks.block_expert, blocks.total, blocks.pairs,
@@ -296,11 +298,12 @@ def grouped_gate_up(x: torch.Tensor, gate_up: torch.Tensor, blocks: ExpertBlocks
     return out
 
 
-def grouped_down(act: torch.Tensor, down: torch.Tensor, blocks: ExpertBlocks) -> torch.Tensor:
+def grouped_down(act: torch.Tensor, down: torch.Tensor, blocks: ExpertBlocks,
+                 tile: tuple | None = None) -> torch.Tensor:  # fmt: skip
     """act [capacity, I] (sorted order), down [E, H, I] -> [P, H], row p = pair p's output."""
     hidden = down.shape[1]
     out = torch.empty(blocks.pairs, hidden, dtype=act.dtype, device=act.device)
-    block_n, block_k, warps, stages = _tile(blocks.block_m, act.device)
+    block_n, block_k, warps, stages = tile or _tile(blocks.block_m, act.device)
     grid = (blocks.max_blocks, triton.cdiv(hidden, block_n))
     _grouped_kernel[grid](
         act, down, out, blocks.sorted_pairs, blocks.block_expert, blocks.total, blocks.pairs,
