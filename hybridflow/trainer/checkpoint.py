@@ -182,11 +182,6 @@ class CheckpointManager:
         complete = self.complete_checkpoints()
         return complete[-1][0] if complete else None
 
-    def resolve_resume(self, resume: str | None) -> Path | None:
-        """`trainer.resume`: "auto" -> latest (or None), "disable" -> None, else a path."""
-        candidates = self.resume_candidates(resume)
-        return candidates[0] if candidates else None
-
     def resume_candidates(self, resume: str | None) -> list[Path]:
         """Checkpoints to try, best first: "auto" -> every complete one, newest first;
         "disable" -> none; a path -> that one (it must be complete)."""

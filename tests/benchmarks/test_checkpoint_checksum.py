@@ -15,7 +15,8 @@ def test_prints_a_row_per_hash_and_the_files_row(tmp_path):
     rows = markdown_rows(out, "| what |")
     assert [r["what"].split(",")[0] for r in rows[:5]] == [
         "zlib.crc32", "sha256", "blake2b", "sha1", "md5"]  # fmt: skip
-    assert rows[5]["what"] == "checksums() of 4 files (page cache)"
+    assert rows[5]["what"] == "checksums() of 4 files (page cache, threads)"
     for row, result in zip(rows, json.loads(out_json.read_text())):
-        assert number(row["GB/s"]) == pytest.approx(result["gb_per_s"], abs=0.01)
-        assert result["checkpoint_s"] == pytest.approx(12 / result["gb_per_s"])  # 12 GB
+        assert number(row["GB/s (wall)"]) == pytest.approx(result["wall"], abs=0.01)
+        assert number(row["GB/s of CPU time"]) == pytest.approx(result["cpu"], abs=0.01)
+        assert result["checkpoint_cpu_s"] == pytest.approx(12 / result["cpu"])  # 12 GB

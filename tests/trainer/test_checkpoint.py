@@ -53,10 +53,10 @@ def test_keep_last_k_and_latest_ignores_incomplete(tmp_path):
     (tmp_path / "step_8").mkdir()
     (tmp_path / ".tmp-step_10").mkdir()
     assert manager.latest() == tmp_path / "step_6" and manager.latest_step() == 6
-    assert manager.resolve_resume("auto") == tmp_path / "step_6"
-    assert manager.resolve_resume("disable") is None
+    assert manager.resume_candidates("auto") == [tmp_path / "step_6", tmp_path / "step_4"]
+    assert manager.resume_candidates("disable") == []
     with pytest.raises(UserError, match="not a complete checkpoint"):
-        manager.resolve_resume(str(tmp_path / "step_8"))
+        manager.resume_candidates(str(tmp_path / "step_8"))
 
 
 def test_resave_same_step_replaces_it(tmp_path):
