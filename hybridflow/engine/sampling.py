@@ -48,6 +48,10 @@ SPLIT_SIZE = 4096
 is 38 splits per row; short enough that the in-split walk is cheap)."""
 
 
+MIN_TEMPERATURE = 1e-6
+MAX_TEMPERATURE = 1e4
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample; one instance applies to every prompt of a generate() call."""
@@ -75,8 +79,12 @@ class SamplingParams:
         problems = []
         if self.n < 1:
             problems.append(f"n={self.n} must be >= 1")
-        if self.temperature < 0:
-            problems.append(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+        # logits are divided by it in float32: outside these bounds they overflow or turn NaN
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
+            problems.append(
+                f"temperature={self.temperature} must be 0 (greedy) or within "
+                f"[{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]"
+            )
         if not 0 < self.top_p <= 1:
             problems.append(f"top_p={self.top_p} must be in (0, 1]")
         if not 0 <= self.min_p < 1:

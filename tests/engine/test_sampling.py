@@ -170,3 +170,10 @@ def test_seed_values_as_ints_equal_the_tensor_derivation():
     bases = [0, 1, 7, 2**31, 2**32 + 5, 2**62 - 1, -3, 123456789123]
     assert prompt_seed_values(bases, 3) == prompt_seeds(bases, 3).tolist()
     assert prompt_seed_values([42], 4) == request_seeds(42, 1, 4).tolist()
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -0.5, 1e-320, 1e308])
+def test_a_temperature_float32_cannot_divide_by_is_refused(temperature):
+    # 1e308 overflows float32 (the request never finished); 1e-320 and NaN turn logits NaN
+    with pytest.raises(ValueError, match="temperature="):
+        SamplingParams(temperature=temperature)
