@@ -31,9 +31,10 @@ def planted_torch_file(marker: Path) -> bytes:
 
 
 def read_metadata(actor: Path):
-    """The DCP metadata, read the trusting way (these tests write it back crafted)."""
-    with open(actor / ".metadata", "rb") as handle:
-        return pickle.load(handle)
+    """The DCP metadata of a checkpoint these tests wrote (to be written back crafted)."""
+    from hybridflow.state_files import read_dcp_metadata
+
+    return read_dcp_metadata(actor / ".metadata")
 
 
 def write_metadata(actor: Path, metadata) -> None:
