@@ -27,7 +27,9 @@ def test_precedence_defaults_yaml_overrides(tmp_path):
 def test_unknown_key_suggests():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["rollout.temprature=0.5"])
-    assert "rollout.temprature" in str(e.value) and "did you mean 'rollout.temperature'" in str(e.value)
+    assert "rollout.temprature" in str(e.value) and "did you mean 'rollout.temperature'" in str(
+        e.value
+    )
 
 
 def test_unknown_section_in_yaml(tmp_path):
@@ -214,7 +216,10 @@ def test_rollout_engine_problems_are_named():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["rollout.engine.decode_layr=split", "rollout.engine.steps_per_sync=x"])
     text = str(e.value)
-    assert "rollout.engine.decode_layr" in text and "did you mean 'rollout.engine.decode_layer'" in text
+    assert (
+        "rollout.engine.decode_layr" in text
+        and "did you mean 'rollout.engine.decode_layer'" in text
+    )
     assert "rollout.engine.steps_per_sync" in text and "expects int" in text
     text = _problems(["rollout.engine.decode_layer=fast", "rollout.engine.sync_lag=3",
                       "rollout.engine.service_stream=own"])  # fmt: skip
@@ -283,3 +288,12 @@ def test_lora_in_place_names_what_it_needs(overrides, named):
         None, ["rollout.lora_in_place=true", "model.lora_rank=8", "trainer.device=cpu"]
     )
     validate(ok)
+
+
+@pytest.mark.parametrize("given", ["off", "no", "false"])
+def test_off_given_to_a_text_setting_is_the_text_off_not_a_boolean(given, tmp_path):
+    # YAML 1.1 reads `off` as False: `actor.router_replay=off` was refused ("expects str")
+    assert load_config(None, [f"actor.router_replay={given}"]).actor.router_replay == "off"
+    path = tmp_path / "run.yaml"
+    path.write_text(f"actor:\n  router_replay: {given}\n")
+    assert load_config(path, []).actor.router_replay == "off"

@@ -247,6 +247,8 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
     if tp is str:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return True, str(value)  # e.g. model.path=7b parsed as a number-like string
+        if isinstance(value, bool):  # YAML 1.1 reads off/no/false (on/yes/true) as booleans:
+            return True, "on" if value else "off"  # actor.router_replay=off means "off"
         return isinstance(value, str), value
     return isinstance(value, tp), value
 
