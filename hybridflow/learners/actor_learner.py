@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridflow.algos import agg_loss, kl_penalty, policy_loss, rollout_is_weights
-from hybridflow.algos.router_losses import load_balancing_loss, router_metrics, router_z_loss
 from hybridflow.config import ActorConfig, ModelConfig
 from hybridflow.config.sections import UNPLANNED_UPDATE_BUDGET
 from hybridflow.errors import UserError
@@ -33,6 +32,7 @@ from hybridflow.learners.metric_sums import MetricSums
 from hybridflow.learners.modules import PolicyModel
 from hybridflow.learners.packing import PackedRows, to_device
 from hybridflow.learners.response_forward import check_keys, forward_response_tokens
+from hybridflow.learners.router_terms import router_terms
 from hybridflow.learners.step import accumulate_and_step, mini_batch_count
 from hybridflow.protocol import Batch
 
@@ -232,7 +232,16 @@ class ActorLearner:
                 share = float(micro.tensors["response_mask"].sum()) / max(
                     counts["global_token_count"], 1.0
                 )
-                loss = loss + self._router_terms(trace, share, terms, token_means)
+                router_loss, router_log, router_means = router_terms(
+                    trace,
+                    self.model.config.num_experts,
+                    aux_loss_coef=self.router_aux_loss_coef,
+                    z_loss_coef=cfg.router_z_loss_coef,
+                    share=share,
+                )
+                loss = loss + router_loss
+                terms.update(router_log)
+                token_means.update(router_means)
             if self.policy.replay_routes:  # tokens routed as the rollout did (the rest: free)
                 recorded = packed.routed_experts[:, 0, 0] >= 0
                 token_means["moe/replayed_token_fraction"] = recorded.float().mean()
@@ -306,23 +315,6 @@ class ActorLearner:
                 "actor.router_replay=rollout needs the batch's routed_experts [B, P+R, L, k] "
                 "(the rollout engine records them: rollout.engine.record_routes)"
             )
-
-    def _router_terms(self, trace, share: float, terms: dict, token_means: dict) -> torch.Tensor:
-        """A mixture of experts' router losses for one micro-batch (its ``share`` of the
-        mini-batch's response tokens), logged as mini-batch terms, and its routing metrics."""
-        logits, ids = [x for x, _ in trace], [i for _, i in trace]
-        num_experts = self.model.config.num_experts
-        token_means.update(router_metrics(logits, ids, num_experts))
-        loss = logits[0].new_zeros((), dtype=torch.float32)
-        if self.router_aux_loss_coef:
-            aux = load_balancing_loss(logits, ids, num_experts) * share
-            loss = loss + self.router_aux_loss_coef * aux
-            terms["moe/aux_loss"] = aux.detach()
-        if self.cfg.router_z_loss_coef:
-            z_loss = router_z_loss(logits) * share
-            loss = loss + self.cfg.router_z_loss_coef * z_loss
-            terms["moe/z_loss"] = z_loss.detach()
-        return loss
 
     # ------------------------------------------------------------------ state
 

@@ -72,14 +72,27 @@ class SFTTrainer:
         """One optimizer step on ``batch``; returns loss, grad norm, lr."""
         from hybridflow.algos import agg_loss
         from hybridflow.learners.metric_sums import MetricSums
+        from hybridflow.learners.router_terms import router_terms
         from hybridflow.learners.step import accumulate_and_step
 
+        config = self.model.config
+        moe = getattr(config, "is_moe", False)  # our decoder's mixture of experts
+
         def micro_loss(micro, packed, counts):
-            logprobs, _ = self.policy(packed, 1.0, False)
+            trace = [] if moe else None
+            logprobs, _ = self.policy(packed, 1.0, False, router_trace=trace)
             logprobs = packed.scatter(logprobs)  # [b, R]
             mask = micro.tensors["response_mask"].to(logprobs.device)
             nll = agg_loss(-logprobs, mask, "token-mean", **counts)
-            return nll, {"loss": nll.detach()}, {}
+            if not trace:
+                return nll, {"loss": nll.detach()}, {}
+            # the load-balancing loss of config.json (transformers trains with it too)
+            share = float(mask.sum()) / max(counts["global_token_count"], 1.0)
+            router_loss, terms, means = router_terms(
+                trace, config.num_experts, aux_loss_coef=config.router_aux_loss_coef,
+                z_loss_coef=0.0, share=share,
+            )  # fmt: skip
+            return nll + router_loss, {"loss": nll.detach(), **terms}, means
 
         sums = MetricSums(self.core)
         self.core.module.train()

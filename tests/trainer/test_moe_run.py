@@ -59,3 +59,19 @@ def test_recorded_routes_are_the_trainers_own_at_the_same_columns():
     assert (routes[~mask.bool()] == NO_ROUTE).all()  # padding
     assert int((~has_route).sum()) == rows  # each response's last token only
     assert torch.equal(recorded[has_route], own[has_route])
+
+
+def test_sft_of_a_mixture_of_experts_trains_with_the_load_balancing_loss():
+    from hybridflow.config import load_config
+    from hybridflow.data.sft_examples import SFTExample
+    from hybridflow.models import load_model
+    from hybridflow.trainer.sft_loop import SFTTrainer, examples_to_batch
+
+    model = load_model("tiny-moe")
+    trainer = SFTTrainer(model, load_config(None, []).sft, device="cpu", grad_clip=1.0)
+    examples = [SFTExample([3, p, 20, 21, 4], [0, 0, 1, 1, 1]) for p in range(10, 26)]
+    metrics = trainer.step(examples_to_batch(examples, pad_token_id=0))
+    # the preset's config.json coefficient; about k = 2 for a router near uniform
+    assert model.config.router_aux_loss_coef > 0
+    assert 1.0 < metrics["sft/moe/aux_loss"] < 4.0
+    assert "sft/moe/router_entropy" in metrics
