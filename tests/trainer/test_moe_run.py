@@ -6,12 +6,25 @@ from trainer_helpers import read_metrics, tiny_config
 from hybridflow.trainer.run import train
 
 
-def test_moe_example_replays_the_rollouts_routes(tmp_path, quiet):
-    cfg = tiny_config(tmp_path, "model.path=tiny-moe", "actor.ppo_mini_batch_size=2",
-                      "actor.skip_old_logprob_on_policy=false", example="moe")  # fmt: skip
+def test_moe_example_replays_the_rollouts_routes_and_learns(tmp_path, quiet):
+    # the example shrunk as the dense learning test is (tests/trainer/test_learning.py): a
+    # random tiny-moe, reward = the fraction of digits in the response, two mini-batches
+    cfg = tiny_config(
+        tmp_path,
+        "model.path=tiny-moe",
+        "trainer.total_steps=14",
+        "data.train_batch_size=8",
+        "actor.ppo_mini_batch_size=4",
+        "actor.lr=3e-3",
+        "trainer.val_before_train=false",
+        example="moe",
+    )
     assert cfg.actor.router_replay == "rollout"
     train(cfg, log=quiet)
     rows = read_metrics(cfg.trainer.run_dir)
+    scores = [row["score/mean"] for _, row in sorted(rows.items())]
+    first, last_scores = sum(scores[:2]) / 2, sum(scores[-2:]) / 2
+    assert last_scores > 2 * first and last_scores > first + 0.1, scores
     last = rows[max(rows)]
     replayed = next(v for k, v in last.items() if k.endswith("moe/replayed_token_fraction"))
     # every token the engine fed through the model has its route; the last sampled token of
