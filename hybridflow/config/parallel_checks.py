@@ -65,9 +65,10 @@ def check_layouts(
     worlds: dict[str, tuple[int, str]],
     in_use: set[str],
     add: Add,
+    planning: bool = False,
 ) -> RoleLayouts | None:
-    """Each role's sizes against its devices, the model's shape and the code paths that exist.
-    ``worlds``: "train"/"rollout" -> (devices, the keys that set them). Returns the layouts,
+    """Each role's sizes against its devices, the model's shape and the code paths that exist
+    (``planning``: not the code paths, for ``config plan``). ``worlds``: "train"/"rollout" -> (devices, the keys that set them). Returns the layouts,
     or None when some role's sizes do not tile its devices."""
     sizes = role_sizes(cfg)
     tiled = True
@@ -86,11 +87,23 @@ def check_layouts(
     if architecture is not None:
         for role in sorted(in_use):
             _check_shape(role, architecture, sizes, add)
-    for problem in not_yet_supported(sizes, in_use):
-        add(problem)
+    if not planning:
+        for problem in not_yet_supported(sizes, in_use):
+            add(problem)
+        _check_runnable(cfg, add)
     if not tiled:
         return None
     return role_layouts(cfg, worlds["train"][0], worlds["rollout"][0])
+
+
+def _check_runnable(cfg: Config, add: Add) -> None:
+    """A model shape the runtime cannot build is for the memory plan only."""
+    from hybridflow.trainer.plan_shapes import PLAN_ONLY_SHAPES
+
+    shape = PLAN_ONLY_SHAPES.get(cfg.model.path)
+    if shape is not None:
+        add(f"model.path = {cfg.model.path}: {shape.plan_only} (hybridflow config plan "
+            f"model.path={cfg.model.path} ...)")  # fmt: skip
 
 
 def _architecture(cfg: Config) -> ModelArchitecture | None:
@@ -115,7 +128,7 @@ def _check_shape(role: str, arch: ModelArchitecture, sizes: list[RoleSize], add:
             ("KV heads", kv),
             ("MLP width (intermediate_size)", arch.intermediate_size if _has_dense(arch) else 0),
             ("expert width (moe_intermediate_size)", arch.moe_intermediate_size
-             if arch.is_moe and ep == 1 else 0),
+             if arch.is_moe else 0),
             ("vocabulary (vocab_size)", arch.vocab_size),
         ):  # fmt: skip
             if count and count % tp:

@@ -60,8 +60,10 @@ def model_context_length(path: str) -> int | None:
     return None
 
 
-def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
-    """Check every rule at once; return the derived per-device sizes or raise ConfigError."""
+def validate(cfg: Config, *, gpus_available: int | None = None, planning: bool = False) -> Derived:
+    """Check every rule at once; return the derived per-device sizes or raise ConfigError.
+    ``planning``: for ``hybridflow config plan``, which prices layouts and model shapes that
+    cannot run yet, so it does not refuse those."""
     d, a, r, c, t, alg = cfg.data, cfg.actor, cfg.rollout, cfg.critic, cfg.trainer, cfg.algorithm
     problems: list[str] = []
     add = problems.append
@@ -119,7 +121,7 @@ def validate(cfg: Config, *, gpus_available: int | None = None) -> Derived:
             train_dp, rollout_dp = world - t.rollout_gpus, t.rollout_gpus
     use_reference, use_critic = a.use_kl_loss or alg.use_kl_in_reward, alg.adv_estimator == "gae"
     layouts = check_layouts(cfg, _worlds(cfg, train_dp, rollout_dp),
-                            roles_in_use(use_reference, use_critic), add)  # fmt: skip
+                            roles_in_use(use_reference, use_critic), add, planning)  # fmt: skip
     train_world = train_dp
     ranks = _data_ranks(layouts, train_dp, rollout_dp)
     train_dp, rollout_dp = ranks["actor"], ranks["rollout"]

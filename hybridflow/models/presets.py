@@ -309,6 +309,58 @@ PRESETS: dict[str, ModelArchitecture] = {
         bos_token_id=128000,
         eos_token_id=128001,
     ),
+    # meta-llama/Llama-3.1-70B config.json: 70.6 B parameters; its shape for the memory plan
+    # of multi-GPU layouts (docs/parallelism.md).
+    "llama3.1-70b": ModelArchitecture(
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        bos_token_id=128000,
+        eos_token_id=128001,
+    ),
+    # Qwen/Qwen3-235B-A22B config.json: 235 B parameters, 22 B active (8 of 128 experts per
+    # token on each of the 94 layers); 4 KV heads.
+    "qwen3-235b-a22b": ModelArchitecture(
+        model_type="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=94,
+        num_attention_heads=64,
+        num_key_value_heads=4,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        qk_norm=True,
+        bos_token_id=151643,
+        eos_token_id=151645,
+        pad_token_id=151643,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=1536,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=(),
+        router_aux_loss_coef=0.001,
+    ),
 }
 
 

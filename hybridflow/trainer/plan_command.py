@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 
 from hybridflow.config import Config, ConfigError, validate
+from hybridflow.config.parallel_checks import layout_notes, not_yet_supported, roles_in_use
+from hybridflow.parallel.roles import role_sizes
 from hybridflow.trainer import host_memory
 from hybridflow.trainer.host_memory import host_need_for, host_problems, host_text
 from hybridflow.trainer.memory_check import (
@@ -17,6 +19,7 @@ from hybridflow.trainer.memory_check import (
 )
 from hybridflow.trainer.memory_plan import GIB
 from hybridflow.trainer.memory_render import render
+from hybridflow.trainer.parallel_section import parallel_section, uses_parallel_layouts
 
 SIZE_UNITS = {"gib": GIB, "g": GIB, "": GIB, "gb": 10**9, "mib": 2**20, "mb": 10**6, "tib": 2**40}
 
@@ -36,11 +39,13 @@ def plan_command(cfg: Config, gpu_memory: str | None = None, out=print) -> int:
     """Print the plan; exit status 2 (a ConfigError) when it cannot fit the GPU, which is
     ``--gpu-memory``, else trainer.gpu_memory_gib, else the first visible GPU; with none of
     them the plan is printed and not checked."""
-    derived = validate(cfg)
+    derived = validate(cfg, planning=True)
     if gpu_memory is not None:
         gpu_bytes, source = parse_size(gpu_memory), "--gpu-memory"
     else:
         gpu_bytes, source = gpu_memory_or_none(cfg)
+    if uses_parallel_layouts(cfg):  # tensor, sequence or expert parallel: their own plan
+        return parallel_plan_command(cfg, derived, gpu_bytes, out)
     plan = plan_for_config(cfg, derived, gpu_bytes)
     need = host_need_for(cfg, derived, plan if gpu_bytes is not None else None)
     available, host_source = host_memory.available_host_bytes()
@@ -58,7 +63,36 @@ def plan_command(cfg: Config, gpu_memory: str | None = None, out=print) -> int:
         out("  " + line)
     out("  " + host_text(need, cfg, available, host_source))
     problems = fit_problems(cfg, plan, source) or forward_budget_problems(cfg, derived, plan)
+    if gpu_bytes is not None and derived.world_size > 1:  # what the layouts would give
+        out("")
+        out("\n".join(parallel_section(cfg, derived, gpu_bytes)[0]))
     problems += host
+    if problems:
+        raise ConfigError(problems)
+    return 0
+
+
+def parallel_plan_command(cfg: Config, derived, gpu_bytes: int | None, out=print) -> int:
+    """The plan of a tensor/sequence/expert-parallel layout (or a plan-only shape): the
+    configured layout per GPU, the recommended one; exit 2 when the configured one cannot fit."""
+    if gpu_bytes is None:
+        raise ConfigError(["a parallel layout is planned for a GPU size: pass --gpu-memory "
+                           "(e.g. 80GB) or set trainer.gpu_memory_gib"])  # fmt: skip
+    lines, problems = parallel_section(cfg, derived, gpu_bytes)
+    if not lines:
+        raise ConfigError([f"model.path = {cfg.model.path}: its shape is unknown (no readable "
+                           "config.json): point model.path at a Hugging Face model directory "
+                           "or a preset"])  # fmt: skip
+    out("\n".join(lines))
+    for note in layout_notes(cfg, {"actor", "ref", "critic"}):
+        out("  " + note)
+    not_yet = not_yet_supported(role_sizes(cfg), roles_in_use(derived.use_reference,
+                                                              derived.use_critic))  # fmt: skip
+    if not_yet:  # "<key> = N...: <what> is not yet supported for the <role>: set ..."
+        missing = sorted({p.split(": ")[1].replace(" is not yet supported for the", " of the")
+                          for p in not_yet})  # fmt: skip
+        out(f"  not yet supported, so hybridflow train refuses this layout for now: "
+            f"{'; '.join(missing)}")  # fmt: skip
     if problems:
         raise ConfigError(problems)
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridflow.config import load_config
+from hybridflow.config import ConfigError, load_config, validate
 from hybridflow.trainer.memory_plan import GIB
 from hybridflow.trainer.plan_command import parse_size, plan_command
 
@@ -25,3 +25,61 @@ def test_config_plan_prints_the_choices():
     assert any("actor.max_tokens_per_gpu=auto: " in line for line in out)
     assert any("model.gradient_checkpointing=auto: off" in line for line in out)
     assert any("actor.log_prob_max_tokens_per_gpu = " in line for line in out)
+
+
+LLAMA70_GRPO = ["model.path=llama3.1-70b", "trainer.backend=local", "trainer.n_gpus_per_node=8",
+                "data.max_prompt_length=1024", "data.max_response_length=4096",
+                "data.train_batch_size=128", "rollout.n=8", "actor.ppo_mini_batch_size=32",
+                "actor.max_tokens_per_gpu=16384", "rollout.max_num_seqs=256",
+                "rollout.gpu_memory_utilization=0.9"]  # fmt: skip
+
+
+def test_a_parallel_layout_is_planned_though_it_cannot_train_yet():
+    out = []
+    cfg = load_config(None, [*LLAMA70_GRPO, "actor.tensor_parallel_size=8",
+                             "rollout.tensor_parallel_size=8", "actor.param_offload=true",
+                             "model.gradient_checkpointing=true"])  # fmt: skip
+    assert plan_command(cfg, "140GiB", out=out.append) == 0
+    text = "\n".join(out)
+    assert (
+        "configured: actor tp 8 · sp 1 · ep 1 (data parallel 1), rollout tp 8 (1 replica)" in text
+    )
+    assert "rollout weights (bf16, tp 8)" in text and "reshard:" in text
+    assert "tensor parallelism of the actor" in text  # hybridflow train refuses it for now
+
+
+def test_a_parallel_layout_that_does_not_fit_names_the_recommended_one():
+    cfg = load_config(None, [*LLAMA70_GRPO, "actor.tensor_parallel_size=8"])
+    with pytest.raises(ConfigError) as error:
+        plan_command(cfg, "80GiB", out=lambda line: None)
+    (problem,) = error.value.problems
+    assert problem.startswith("the configured layout (actor tp 8")
+    assert "the plan recommends: " in problem and "actor.param_offload=true" in problem
+
+
+def test_a_plan_only_shape_is_planned_and_refused_for_training():
+    out = []
+    cfg = load_config(None, ["model.path=deepseek-v3", "trainer.backend=ray", "trainer.nnodes=12",
+                             "trainer.n_gpus_per_node=8", "data.train_batch_size=96",
+                             "actor.ppo_mini_batch_size=24", "data.max_prompt_length=1024",
+                             "data.max_response_length=4096", "rollout.n=8",
+                             "actor.max_tokens_per_gpu=16384", "rollout.max_num_seqs=256",
+                             "rollout.gpu_memory_utilization=0.9", "actor.tensor_parallel_size=8",
+                             "actor.expert_parallel_size=4", "rollout.tensor_parallel_size=8",
+                             "rollout.expert_parallel_size=32", "actor.param_offload=true",
+                             "model.gradient_checkpointing=true"])  # fmt: skip
+    assert plan_command(cfg, "96GB", out=out.append) == 0
+    assert any("multi-head latent attention (MLA)" in line for line in out)
+    with pytest.raises(ConfigError) as error:
+        validate(cfg)
+    assert any(p.startswith("model.path = deepseek-v3: multi-head latent attention")
+               for p in error.value.problems)  # fmt: skip
+
+
+def test_a_data_parallel_run_on_several_gpus_gets_the_layout_advice_too():
+    out = []
+    cfg = load_config(None, [*LLAMA70_GRPO])
+    with pytest.raises(ConfigError):  # today's data-parallel plan: does not fit
+        plan_command(cfg, "80GiB", out=out.append)
+    text = "\n".join(out)
+    assert "Parallel layout plan: llama3.1-70b" in text and "recommended: actor tp" in text

@@ -78,10 +78,10 @@ def _parallel_entries(verl: str, ours: str) -> list[Entry]:
         ),
         Unsupported(
             mega + "expert_tensor_parallel_size",
-            "a tensor-parallel size of its own for the experts (they are split like the "
-            "layers with expert parallelism off, whole on each rank with it on)",
-            _no_pipeline,
-            "null, 1",
+            "a tensor-parallel size of its own for the experts (they are split by "
+            "tensor_model_parallel_size like the other layers: Megatron's null)",
+            lambda v: v in (None, "null", "None"),
+            "null",
         ),
         Ignored(
             mega + "sequence_parallel",

@@ -41,7 +41,7 @@ def test_what_does_not_map_stops_naming_it():
     assert "ring context parallelism" in problem
     (problem,) = translate([A + "megatron.expert_tensor_parallel_size=2"]).problems
     assert "a tensor-parallel size of its own for the experts" in problem
-    assert not translate([A + "megatron.expert_tensor_parallel_size=1"]).problems
+    assert not translate([A + "megatron.expert_tensor_parallel_size=null"]).problems
 
 
 def test_a_translated_layout_without_its_code_path_is_refused_by_validate():
