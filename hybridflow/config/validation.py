@@ -9,6 +9,7 @@ from pathlib import Path
 
 from hybridflow.config.loading import _suggest
 from hybridflow.config.parallel_checks import check_layouts, roles_in_use
+from hybridflow.config.reward_checks import reward_part_problems
 from hybridflow.config.sections import GROUP_ESTIMATORS, Config, ConfigError, Derived
 from hybridflow.parallel.roles import RoleLayouts, sizes_of
 
@@ -267,6 +268,7 @@ def validate(cfg: Config, *, gpus_available: int | None = None, planning: bool =
         add(
             f"reward.custom_fn = {cfg.reward.custom_fn!r} must look like path/to/file.py:function_name"
         )
+    problems += reward_part_problems(cfg)
 
     # ---- sampling and algorithm knobs
     if r.temperature <= 0:

@@ -73,17 +73,22 @@ def iter_checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model_from_dir(
-    path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    num_labels: int | None = None,
 ) -> CausalLM:
     """Build the model on the meta device (no memory), then put each checkpoint tensor in place
     as it is read (cast + moved once), so peak memory is one copy of the weights. Experts are
-    read per expert or packed (expert_checkpoint.py)."""
+    read per expert or packed (expert_checkpoint.py). num_labels: the sequence-classification
+    variant (``score.weight`` instead of ``lm_head.weight``)."""
     config = ModelArchitecture.from_hf(read_hf_config(path))
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = CausalLM(config, num_labels=num_labels)
     shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
     expected = set(shapes)
-    if config.tie_word_embeddings:
+    scorer = num_labels is not None
+    if config.tie_word_embeddings and not scorer:
         expected.discard("lm_head.weight")
     state: dict[str, torch.Tensor] = {}
     slices_read: set[tuple[str, int, str]] = set()
@@ -96,7 +101,7 @@ def load_model_from_dir(
             slices_read.add((target, expert, part))
         elif target in expected:
             state[target] = tensor.to(device=device, dtype=dtype)
-        elif not (config.tie_word_embeddings and name == "lm_head.weight"):
+        elif not ((config.tie_word_embeddings or scorer) and name == "lm_head.weight"):
             # Unused extras (e.g. rotary inv_freq buffers of old checkpoints) are skipped.
             if not name.endswith("rotary_emb.inv_freq"):
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {config.model_type}")
@@ -106,7 +111,7 @@ def load_model_from_dir(
     missing += sorted(f"{n} expert {e} {p}" for n, e, p in missing_slices - slices_read)
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks {len(missing)} tensors, e.g. {missing[:5]}")
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and not scorer:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, assign=True, strict=True)
     model.tie_weights()

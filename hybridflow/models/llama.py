@@ -138,6 +138,10 @@ class DecoderStack(nn.Module):
 class CausalLM(nn.Module):
     """Llama-family causal LM with HF parameter names.
 
+    ``num_labels``: the sequence-classification variant (HF's ``*ForSequenceClassification``,
+    a reward model): a ``score`` head [num_labels, H] instead of ``lm_head``, read at the last
+    token of each sequence (:meth:`forward_scores`).
+
     Attributes:
         gradient_checkpointing: recompute each layer in backward (saves activations) when True.
         attention_backend: packed attention kernel, one of attention.PACKED_BACKENDS; "auto"
@@ -146,11 +150,16 @@ class CausalLM(nn.Module):
             (attention.deterministic_kernels), so runs with one seed repeat bit for bit.
     """
 
-    def __init__(self, config: ModelArchitecture):
+    def __init__(self, config: ModelArchitecture, num_labels: int | None = None):
         super().__init__()
         self.config = config
+        self.num_labels = num_labels
         self.model = DecoderStack(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if num_labels is None:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        else:
+            self.lm_head = None
+            self.score = nn.Linear(config.hidden_size, num_labels, bias=False)
         self.gradient_checkpointing = False
         self.attention_backend = "auto"
         self.deterministic_attention = True
@@ -160,13 +169,13 @@ class CausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         """Make lm_head share the embedding Parameter when the config says so."""
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
         """HF-style init (normal(0, std) matrices, zero biases, unit norms), reproducible."""
-        generator = torch.Generator(device=self.lm_head.weight.device).manual_seed(seed)
+        generator = torch.Generator(device=self.device).manual_seed(seed)
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 module.weight.normal_(0.0, std, generator=generator)
@@ -183,11 +192,11 @@ class CausalLM(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.embed_tokens.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        return self.model.embed_tokens.weight.dtype
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -257,8 +266,10 @@ class CausalLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         router_trace: RouterTrace | None = None,
     ) -> torch.Tensor:
-        """input_ids [B, T] -> logits [B, T, V] in the model dtype."""
-        return self.lm_head(self.forward_hidden(input_ids, attention_mask, router_trace))
+        """input_ids [B, T] -> logits [B, T, V] in the model dtype ([B, T, num_labels] for
+        the sequence-classification variant)."""
+        head = self.lm_head if self.lm_head is not None else self.score
+        return head(self.forward_hidden(input_ids, attention_mask, router_trace))
 
     def forward_packed(
         self,
@@ -297,6 +308,23 @@ class CausalLM(nn.Module):
         if sequence_group is not None:
             attend = ulysses_attention(attend, sequence_group)
         return self._run_layers(hidden, cos, sin, attend, routed_experts, router_trace)
+
+    def forward_scores(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        pad_token_id: int | None = None,
+    ) -> torch.Tensor:
+        """Sequence-classification variant: packed sequences (as forward_packed) -> the
+        score head at each sequence's last token that is not ``pad_token_id``, as
+        transformers' ``*ForSequenceClassification`` pools: [S, num_labels] fp32."""
+        from hybridflow.models.sequence_scores import last_token_index
+
+        hidden = self.forward_packed(input_ids, position_ids, cu_seqlens, max_seqlen)  # [N, H]
+        last = last_token_index(input_ids, cu_seqlens, pad_token_id)  # [S]
+        return self.score(hidden[last]).float()
 
     # -- io -----------------------------------------------------------------------------------
 

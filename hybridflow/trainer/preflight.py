@@ -116,10 +116,17 @@ def sandbox_problems(cfg: Config, log=lambda *a, **k: None) -> list[str]:
 
 def _datasets(cfg: Config, tokenizer, reward):
     from hybridflow.data.dataset import build_prompt_datasets
+    from hybridflow.rewards.combine import used_parts
+    from hybridflow.rewards.parts import weights_table
     from hybridflow.trainer.run import DATA_SEED
 
+    # without the rule part (a reward model or judge alone), any data source is scored
+    rule = "rule" in used_parts(weights_table(cfg.reward))
     train_set, val_set = build_prompt_datasets(
-        cfg.data, tokenizer, seed=DATA_SEED, known_data_sources=reward.known_data_sources()
+        cfg.data,
+        tokenizer,
+        seed=DATA_SEED,
+        known_data_sources=reward.known_data_sources() if rule else None,
     )
     if len(train_set) < cfg.data.train_batch_size:
         dropped = (

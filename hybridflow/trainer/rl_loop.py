@@ -38,6 +38,7 @@ from hybridflow.trainer.stages import (
     RunContext,
     balance_ranks,
     collect_rollouts,
+    host_only_reward,
     rewards_and_advantages,
     score,
     stage_scope,
@@ -56,8 +57,9 @@ def train_step(run: RunContext, rollout: tuple | None = None,
     timer, metrics = Timer(on_stage=lambda stage: stage_scope(run, stage)), {}
     with timer("step"):
         passes = forward_passes(run)
+        beside = bool(passes) and host_only_reward(run)  # a reward model needs its group
         if rollout is None:  # unscored when a pass can run beside the reward
-            batch, rollout_metrics = collect_rollouts(run, timer, scored=not passes)
+            batch, rollout_metrics = collect_rollouts(run, timer, scored=not beside)
         else:
             batch, rollout_metrics = rollout
         metrics.update(rollout_metrics)

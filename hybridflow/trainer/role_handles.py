@@ -104,6 +104,15 @@ class RefHandle(Protocol):
         ...
 
 
+class RewardModelHandle(Protocol):
+    """The reward model's group; runs :class:`hybridflow.workers.reward_model.RewardModelWorker`."""
+
+    def compute_rm_scores(self, batch: Batch) -> Batch:
+        """``rm_scores`` [B], one per conversation: ``RewardModelWorker.compute_rm_scores`` ->
+        ``RewardModelScorer.compute_rm_scores`` (hybridflow/learners/reward_model.py)."""
+        ...
+
+
 class CriticHandle(Protocol):
     """The critic's group (GAE); runs :class:`hybridflow.workers.critic.CriticWorker`."""
 

@@ -18,6 +18,7 @@ from hybridflow.trainer.role_handles import (
     CriticHandle,
     GroupHandle,
     RefHandle,
+    RewardModelHandle,
     RolloutHandle,
 )
 
@@ -39,6 +40,8 @@ class Roles:
     rollout_dp: int
     """Ranks of the rollout group (a generate batch is split over them)."""
     groups: list[GroupHandle] = field(default_factory=list)
+    reward_model: RewardModelHandle | None = None
+    """The reward model (reward.model.path), on the training devices."""
     profilers: list[ProfilerHandle] = field(default_factory=list)
     """Each group's ``profiler`` role, when the run profiles steps (trainer/profiling.py)."""
 
@@ -78,11 +81,11 @@ def build_roles(cfg: Config, derived: Derived) -> Roles:
         config=cfg,
     )
     with_ref, with_critic = derived.use_reference, derived.use_critic
+    with_rm = cfg.reward.model.path is not None
     profiler = bool(t.profile.steps)
     if t.placement == "colocate":
-        cls = fused_worker(
-            actor=True, rollout=True, ref=with_ref, critic=with_critic, profiler=profiler
-        )
+        cls = fused_worker(actor=True, rollout=True, ref=with_ref, critic=with_critic,
+                           reward_model=with_rm, profiler=profiler)  # fmt: skip
         group = WorkerGroup(cls, _pool(device, [t.n_gpus_per_node] * t.nnodes), **options)
         return Roles(
             actor=group.actor,
@@ -92,13 +95,13 @@ def build_roles(cfg: Config, derived: Derived) -> Roles:
             split=False,
             rollout_dp=group.world_size,
             groups=[group],
+            reward_model=group.reward_model if with_rm else None,
             profilers=[group.profiler] if profiler else [],
         )
     # split placement, one node (validate() checked 0 < rollout_gpus < world)
     train_devices = t.n_gpus_per_node - t.rollout_gpus
-    cls = fused_worker(
-        actor=True, rollout=False, ref=with_ref, critic=with_critic, profiler=profiler
-    )
+    cls = fused_worker(actor=True, rollout=False, ref=with_ref, critic=with_critic,
+                       reward_model=with_rm, profiler=profiler)  # fmt: skip
     train = WorkerGroup(cls, _pool(device, [train_devices]), name="train", **options)
     try:
         rollout = WorkerGroup(
@@ -118,6 +121,7 @@ def build_roles(cfg: Config, derived: Derived) -> Roles:
         split=True,
         rollout_dp=rollout.world_size,
         groups=[train, rollout],
+        reward_model=train.reward_model if with_rm else None,
         profilers=[train.profiler, rollout.profiler] if profiler else [],
     )
 

@@ -25,6 +25,7 @@ def setup(cfg: Config, log=print, progress: ProgressReporter | None = None,
     from hybridflow.algos import build_kl_controller
     from hybridflow.data.dataset import PromptLoader
     from hybridflow.rewards.monitor import RewardFailureMonitor
+    from hybridflow.rewards.parts import weights_table
     from hybridflow.trainer.checkpoint import CheckpointManager
     from hybridflow.trainer.compile_policy import compile_defaults
     from hybridflow.trainer.memory_check import memory_defaults
@@ -91,6 +92,7 @@ def setup(cfg: Config, log=print, progress: ProgressReporter | None = None,
         profiler=build_profiler(cfg, roles),
         log=log,
         reward_monitor=RewardFailureMonitor(log, patience=cfg.reward.max_failed_steps),
+        reward_weights=weights_table(cfg.reward),
     )
 
 

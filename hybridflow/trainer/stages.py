@@ -69,6 +69,11 @@ class RunContext:
     """Progress and warning lines (reward failures, the stop message)."""
     reward_monitor: RewardFailureMonitor | None = None
     """Prints reward errors once each, stops a run whose reward always fails."""
+    reward_weights: dict[str, dict[str, float]] = field(
+        default_factory=lambda: {"*": {"rule": 1.0}}
+    )
+    """{data source or "*": {part: weight}}: how the reward parts combine
+    (rewards/combine.py)."""
     pending_save: PendingSave | None = None
     """The checkpoint being written in the background (trainer.async_save), if any."""
 
@@ -141,11 +146,13 @@ def generate(run: RunContext, prompts: Batch, *, n: int, temperature: float, see
 
 
 def score(run: RunContext, batch: Batch, step: int | None = None) -> tuple[Batch, dict[str, float]]:
-    """Decode the responses, score them with the reward manager, put each score on its last
-    response token (``token_level_scores`` [B, R]); ``scores`` [B] kept as an array.
+    """Decode the responses, score them with each reward part (rule, model), combine the
+    parts with the data sources' weights, put each score on its last response token
+    (``token_level_scores`` [B, R]); ``scores`` [B] kept as an array.
     Failures are reported by ``run.reward_monitor``; those of training samples (not
     ``batch.meta[SCORED_FOR]`` = validation / baseline) count towards stopping a run whose
     reward always fails."""
+    from hybridflow.rewards.combine import combine_parts, used_parts
     from hybridflow.rewards.placement import decode_responses, place_scores
 
     response_mask = batch.tensors["response_mask"]
@@ -153,26 +160,47 @@ def score(run: RunContext, batch: Batch, step: int | None = None) -> tuple[Batch
         texts = [str(text) for text in batch.arrays["final_text"]]
     else:
         texts = decode_responses(run.tokenizer, batch.tensors["responses"], response_mask)
-    result = run.reward.score(
-        texts,
-        list(batch.arrays["ground_truth"]),
-        list(batch.arrays["data_source"]),
-        list(batch.arrays["extra_info"]),
-        response_lengths=response_mask.sum(-1).long().tolist(),
-    )
-    if run.reward_monitor is not None:
-        training = batch.meta.get(SCORED_FOR, "training") == "training"
-        run.reward_monitor.observe(result, run.step if step is None else step,
-                                   training=training)  # fmt: skip
-    batch.tensors["token_level_scores"] = place_scores(result.scores, response_mask)
-    batch.arrays["scores"] = np.asarray(result.scores, dtype=np.float64)
     batch.arrays["response_text"] = np.asarray(texts, dtype=object)
-    metrics = dict(result.metrics)
+    data_sources = [str(source) for source in batch.arrays["data_source"]]
+    used, parts, metrics = used_parts(run.reward_weights), {}, {}
+    if "rule" in used:
+        result = run.reward.score(
+            texts,
+            list(batch.arrays["ground_truth"]),
+            data_sources,
+            list(batch.arrays["extra_info"]),
+            response_lengths=response_mask.sum(-1).long().tolist(),
+        )
+        if run.reward_monitor is not None:
+            training = batch.meta.get(SCORED_FOR, "training") == "training"
+            run.reward_monitor.observe(result, run.step if step is None else step,
+                                       training=training)  # fmt: skip
+        parts["rule"], metrics = result.scores, dict(result.metrics)
+    if "model" in used:
+        scored = run.roles.reward_model.compute_rm_scores(
+            batch.select(
+                "prompts", "responses", "attention_mask", "raw_prompt", "response_text", meta=False
+            )  # fmt: skip
+        )
+        parts["model"] = scored.tensors["rm_scores"].tolist()
+    scores, part_metrics = combine_parts(parts, data_sources, run.reward_weights)
+    if set(parts) != {"rule"}:  # the rule reward alone: its metrics say it all
+        metrics.update(part_metrics)
+    batch.tensors["token_level_scores"] = place_scores(scores, response_mask)
+    batch.arrays["scores"] = np.asarray(scores, dtype=np.float64)
     if "agent_turns" in batch.arrays:
         from hybridflow.agents.rollout import agent_metrics
 
         metrics.update(agent_metrics(batch.arrays))
     return batch, metrics
+
+
+def host_only_reward(run: RunContext) -> bool:
+    """Whether scoring is host work only (no reward model on a worker group), so that it may
+    run beside a forward pass on the training group."""
+    from hybridflow.rewards.combine import used_parts
+
+    return used_parts(run.reward_weights) <= {"rule"}
 
 
 def step_seed(run: RunContext, round_index: int = 0, salt: int = 0,

@@ -14,6 +14,7 @@ from hybridflow.controller import fuse
 from hybridflow.workers.actor import ActorWorker, RefWorker
 from hybridflow.workers.critic import CriticWorker
 from hybridflow.workers.profiler import ProfilerWorker
+from hybridflow.workers.reward_model import RewardModelWorker
 from hybridflow.workers.rollout import RolloutWorker
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "CriticWorker",
     "ProfilerWorker",
     "RefWorker",
+    "RewardModelWorker",
     "RolloutWorker",
     "fused_worker",
 ]
@@ -33,6 +35,7 @@ def fused_worker(
     rollout: bool = True,
     ref: bool = False,
     critic: bool = False,
+    reward_model: bool = False,
     profiler: bool = False,
 ) -> type:
     """One worker class holding the chosen roles (actor first: the others read its weights;
@@ -42,6 +45,7 @@ def fused_worker(
         "rollout": RolloutWorker if rollout else None,
         "ref": RefWorker if ref else None,
         "critic": CriticWorker if critic else None,
+        "reward_model": RewardModelWorker if reward_model else None,
         "profiler": ProfilerWorker if profiler else None,
     }
     return fuse(**{name: cls for name, cls in chosen.items() if cls is not None})

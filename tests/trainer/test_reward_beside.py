@@ -70,7 +70,7 @@ def _batch() -> Batch:
 
 def _run(reward: Reward):
     return SimpleNamespace(tokenizer=CharTokenizer(), reward=reward, reward_monitor=None,
-                           step=1, progress=SimpleNamespace(set_status=lambda stage: None))  # fmt: skip
+                           step=1, reward_weights={"*": {"rule": 1.0}}, progress=SimpleNamespace(set_status=lambda stage: None))  # fmt: skip
 
 
 def test_the_reward_runs_while_the_first_pass_is_in_flight():

@@ -100,6 +100,21 @@ GROUPS: tuple[Group, ...] = (
         groups.reward_function,
     ),
     Group(
+        "reward model",
+        {
+            "reward_model.enable": "True: a reward model (reward.model.*)",
+            "reward_model.model.path": "reward.model.path",
+            "reward_model.micro_batch_size_per_gpu": "reward.model.micro_batch_size_per_gpu",
+            "reward_model.micro_batch_size": "reward.model.micro_batch_size_per_gpu = value ÷ devices",
+            "reward_model.use_dynamic_bsz": "True: reward.model.max_tokens_per_gpu = forward_max_token_len_per_gpu",
+            "reward_model.forward_max_token_len_per_gpu": "reward.model.max_tokens_per_gpu (with use_dynamic_bsz)",
+            "reward_model.model.fsdp_config.param_offload": "reward.model.param_offload",
+            "reward_model.strategy": "fsdp, fsdp2: accepted; megatron: not supported",
+            "reward_model.model.input_tokenizer": "unused: re-rendered whenever the tokenizers differ",
+        },
+        groups.reward_model,
+    ),
+    Group(
         "resume",
         {
             "trainer.resume_mode": "trainer.resume (auto | disable | the resume_from_path)",

@@ -398,3 +398,54 @@ def routing_replay(given: Mapping, ctx: Context) -> GroupResult:
         if mode == "R3" and enable_key in given and not enable:
             res.notices.append(Notice(enable_key, f"implied by {mode_key}=R3 (the engine records)"))
     return res
+
+
+RM = "reward_model."
+
+
+def reward_model(given: Mapping, ctx: Context) -> GroupResult:
+    """verl's reward model (``reward_model.enable``): its path, batching and offload become
+    reward.model.*; it replaces the rule reward, as reward.weights' default does."""
+    res = GroupResult()
+    if not as_bool(given.get(RM + "enable", False)):
+        for key in given:
+            if key != RM + "enable":
+                res.notices.append(Notice(key, f"applies only with {RM}enable=True"))
+        return res
+    path = given.get(RM + "model.path")
+    if path is None:
+        res.problems.append(f"{RM}enable=True needs {RM}model.path (a local "
+                            f"*ForSequenceClassification checkpoint)")  # fmt: skip
+        return res
+    res.rows.append(Row((RM + "enable", RM + "model.path"), "reward.model.path", str(path)))
+    if RM + "micro_batch_size_per_gpu" in given:
+        res.rows.append(Row((RM + "micro_batch_size_per_gpu",),
+                            "reward.model.micro_batch_size_per_gpu",
+                            int(as_number(given[RM + "micro_batch_size_per_gpu"]))))  # fmt: skip
+    elif RM + "micro_batch_size" in given:  # verl's global size, over the devices
+        value = int(as_number(given[RM + "micro_batch_size"]))
+        res.rows.append(Row((RM + "micro_batch_size",), "reward.model.micro_batch_size_per_gpu",
+                            max(1, value // ctx.world_size())))  # fmt: skip
+    if as_bool(given.get(RM + "use_dynamic_bsz", False)):
+        budget = int(as_number(given.get(RM + "forward_max_token_len_per_gpu", 32768)))
+        keys = tuple(k for k in (RM + "use_dynamic_bsz", RM + "forward_max_token_len_per_gpu")
+                     if k in given)  # fmt: skip
+        res.rows.append(Row(keys, "reward.model.max_tokens_per_gpu", budget))
+    elif RM + "forward_max_token_len_per_gpu" in given:
+        res.notices.append(Notice(RM + "forward_max_token_len_per_gpu",
+                                  f"used only with {RM}use_dynamic_bsz=True"))  # fmt: skip
+    offload = RM + "model.fsdp_config.param_offload"
+    if offload in given:
+        res.rows.append(Row((offload,), "reward.model.param_offload", as_bool(given[offload])))
+    strategy = given.get(RM + "strategy")
+    if strategy is not None and strategy not in ("fsdp", "fsdp2"):
+        res.lacks(f"a {strategy} reward model (hybridflow runs it in its own runtime)",
+                  f"{RM}strategy={strategy}")  # fmt: skip
+    elif strategy is not None:
+        res.notices.append(Notice(RM + "strategy", "the reward model runs in hybridflow's "
+                                  "runtime on the training devices"))  # fmt: skip
+    if given.get(RM + "model.input_tokenizer") is not None:
+        res.notices.append(Notice(RM + "model.input_tokenizer", "the conversation is rendered "
+                                  "again with the reward model's tokenizer whenever it differs "
+                                  "from the policy's"))  # fmt: skip
+    return res

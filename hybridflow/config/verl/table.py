@@ -43,7 +43,7 @@ OLD_LOGPROB = (
     "the old-log-prob pass always packs by tokens: actor.log_prob_max_tokens_per_gpu "
     "(null: derived from the memory plan, else the actor's update batching)"
 )
-REWARD_MODEL = "applies only with reward_model.enable=True (a model-based reward)"
+REWARD_MODEL = "not used: hybridflow's reward model is set by reward.model.* (docs/rewards.md)"
 MEGATRON = "Megatron-LM option"
 PIPELINE = "Megatron-LM pipeline parallelism (hybridflow splits layers by tensor parallelism)"
 MULTIMODAL = "multimodal models and data (images, videos)"
@@ -382,7 +382,6 @@ DATA_TABLE: list[Entry] = [
 ]
 
 REWARD_TABLE: list[Entry] = [
-    Unsupported("reward_model.enable", "a model-based reward (reward_model.enable)", _off, "False"),
     Rename("reward_model.reward_manager", "reward.manager"),
     Rename("reward_manager.name", "reward.manager"),
     Ignored("reward_manager.source", "reward managers are named by reward.manager"),

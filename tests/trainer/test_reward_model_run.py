@@ -1,0 +1,40 @@
+"""`hybridflow train` with a reward model: two steps of the tiny preset scored by a tiny
+LlamaForSequenceClassification beside a rule reward, combined with configured weights."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from reward_model_helpers import write_reward_model
+from trainer_helpers import read_metrics, tiny_config
+
+from hybridflow.config import ConfigError, validate
+from hybridflow.models import load_tokenizer
+from hybridflow.trainer.run import train
+
+
+def test_two_steps_with_a_reward_model_and_a_rule_reward(tmp_path, quiet):
+    directory = write_reward_model(tmp_path / "rm", "llama", tokenizer=load_tokenizer("char"))
+    cfg = tiny_config(tmp_path, f"reward.model.path={directory}",
+                      "reward.weights={rule: 1.0, model: 0.5}",
+                      "reward.model.max_tokens_per_gpu=64", "trainer.val_before_train=false")  # fmt: skip
+    train(cfg, log=quiet)
+    metrics = read_metrics(tmp_path / "run")
+    for step in (1, 2):
+        model_mean = metrics[step]["reward/model/mean"]
+        assert math.isfinite(model_mean) and model_mean != round(model_mean)  # continuous
+        assert metrics[step]["reward/model/min"] < metrics[step]["reward/model/max"]
+        # score = rule + 0.5 · model, averaged over the batch
+        expected = metrics[step]["reward/rule/mean"] + 0.5 * model_mean
+        assert metrics[step]["score/mean"] == pytest.approx(expected, abs=1e-5)
+
+
+def test_a_checkpoint_without_a_score_head_is_refused_before_loading(tmp_path):
+    from hybridflow.models import build_model
+    from hybridflow.models.presets import preset_config
+
+    build_model(preset_config("tiny")).save_pretrained(str(tmp_path / "lm"))
+    cfg = tiny_config(tmp_path, f"reward.model.path={tmp_path / 'lm'}")
+    with pytest.raises(ConfigError, match="holds no score.weight head"):
+        validate(cfg)
