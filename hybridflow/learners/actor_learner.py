@@ -17,6 +17,7 @@ import dataclasses
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -27,14 +28,18 @@ from hybridflow.config import ActorConfig, ModelConfig
 from hybridflow.config.sections import UNPLANNED_UPDATE_BUDGET
 from hybridflow.errors import UserError
 from hybridflow.learners import lora
-from hybridflow.learners.core import TrainCore
+from hybridflow.learners.core import TrainCore, sequence_group_of
 from hybridflow.learners.metric_sums import MetricSums
 from hybridflow.learners.modules import PolicyModel
 from hybridflow.learners.packing import PackedRows, to_device
 from hybridflow.learners.response_forward import check_keys, forward_response_tokens
 from hybridflow.learners.router_terms import router_terms
-from hybridflow.learners.step import accumulate_and_step, mini_batch_count
+from hybridflow.learners.shared_rows import gather_rows, own_rows
+from hybridflow.learners.step import accumulate_and_step, mini_batch_count, mini_batch_plan
 from hybridflow.protocol import Batch
+
+if TYPE_CHECKING:
+    from hybridflow.parallel import RoleMesh
 
 UPDATE_INPUTS = (
     "prompts",
@@ -58,6 +63,9 @@ class ActorLearner:
             (ppo_epochs × mini-batches), so ``lr_warmup_steps`` counts optimizer steps.
         device: compute device of this rank.
         dp_group: data-parallel group (default: the whole world when distributed is on).
+        mesh: the actor's parallel layout instead of ``dp_group`` (learners/core.TrainCore);
+            with a Ulysses ``sp`` group each rank receives its own rows from the controller,
+            the group works on the union and each rank returns its rows' results.
         model_cfg: the ``model`` config section (LoRA, gradient checkpointing); None: no LoRA.
         rollout_n: samples per prompt; ``ppo_mini_batch_size`` counts prompts.
         max_response_length: ``T`` of ``seq-mean-token-sum-norm``; None: the batch's width.
@@ -73,6 +81,7 @@ class ActorLearner:
         total_steps: int,
         device: torch.device | str,
         dp_group: dist.ProcessGroup | None = None,
+        mesh: RoleMesh | None = None,
         model_cfg: ModelConfig | None = None,
         rollout_n: int = 1,
         max_response_length: int | None = None,
@@ -115,11 +124,16 @@ class ActorLearner:
             if actor_cfg.router_aux_loss_coef is not None
             else getattr(model.config, "router_aux_loss_coef", 0.0)
         )
-        self.policy = PolicyModel(model, replay_routes=actor_cfg.router_replay == "rollout")
+        self.policy = PolicyModel(
+            model,
+            replay_routes=actor_cfg.router_replay == "rollout",
+            sequence_group=sequence_group_of(mesh),
+        )
         self.core = TrainCore(
             self.policy,
             device=device,
             dp_group=dp_group,
+            mesh=mesh,
             fsdp=fsdp,
             param_offload=actor_cfg.param_offload,
             optimizer_offload=actor_cfg.optimizer_offload,
@@ -143,7 +157,7 @@ class ActorLearner:
 
     @property
     def mini_batch_size(self) -> int:
-        """Samples per optimizer step on this rank."""
+        """Samples per optimizer step on this rank (on its sequence-parallel group)."""
         return max(self.cfg.ppo_mini_batch_size * self.rollout_n // self.core.dp_size, 1)
 
     # ------------------------------------------------------------------ log-probs
@@ -158,6 +172,7 @@ class ActorLearner:
         ``log_prob_max_tokens_per_gpu`` tokens (no autograd: larger than the update's)."""
         temperature = _temperature(batch, temperature)
         self._check_routes(batch)
+        group = self.core.sequence_group
 
         def run(packed):
             logprobs, entropy = self.policy(packed, temperature, with_entropy)
@@ -165,7 +180,7 @@ class ActorLearner:
 
         outputs = forward_response_tokens(
             self.core,
-            batch,
+            gather_rows(batch, group),
             micro_batch_size=self.cfg.micro_batch_size_per_gpu,
             max_tokens=self.cfg.log_prob_max_tokens_per_gpu or self.cfg.max_tokens_per_gpu,
             run=run,
@@ -173,7 +188,7 @@ class ActorLearner:
         tensors = {"old_logprobs": outputs[0]}
         if with_entropy:
             tensors["entropy"] = outputs[1]
-        return Batch(tensors)
+        return own_rows(Batch(tensors), group)
 
     # ------------------------------------------------------------------ update
 
@@ -185,6 +200,7 @@ class ActorLearner:
         check_keys(batch, tuple(k for k in keys if k != "old_logprobs"), "ActorLearner.update")
         self._check_routes(batch)
         temperature = _temperature(batch, temperature)
+        batch = gather_rows(batch, self.core.sequence_group)
         num_rows = len(batch)
         mini_size = min(self.mini_batch_size, num_rows)
         num_minis = mini_batch_count(num_rows, mini_size)
@@ -200,9 +216,9 @@ class ActorLearner:
         self.core.module.train()
         with self.core.on_device():
             for epoch in range(self.cfg.ppo_epochs):
-                order = self._row_order(num_rows, epoch)
-                for mini in range(num_minis):
-                    rows = order[mini * mini_size : (mini + 1) * mini_size]
+                plan = mini_batch_plan(num_rows, mini_size, self.core.sequence_size,
+                                       lambda n, epoch=epoch: self._row_order(n, epoch))  # fmt: skip
+                for rows in plan:
                     self._mini_batch_step(batch.index(rows), temperature, sums)
         self.update_count += 1
         metrics = sums.result()
@@ -365,9 +381,9 @@ class ActorLearner:
         """Full Hugging Face checkpoint (LoRA merged) written by rank 0; all ranks must call."""
         full = {}
         for name, tensor in self.hf_weights(dtype):
-            if self.core.dp_rank == 0:
+            if self.core.role_rank == 0:
                 full[name] = tensor.to("cpu", copy=True)
-        if self.core.dp_rank == 0:
+        if self.core.role_rank == 0:
             export_causal_lm(self.model.config, full, directory)
         self.core._barrier()
 

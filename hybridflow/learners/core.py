@@ -18,6 +18,7 @@ import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,9 @@ from hybridflow.learners.optim import (
 )
 from hybridflow.learners.state_writer import StateWriter
 
+if TYPE_CHECKING:
+    from hybridflow.parallel import RoleMesh
+
 
 def distributed_world(group: dist.ProcessGroup | None) -> int:
     """Ranks in ``group`` (the default group if None); 1 when torch.distributed is off."""
@@ -58,6 +62,9 @@ class TrainCore:
         module: the model; its ``lm`` attribute is the CausalLM whose layers are sharded.
         device: where compute happens (``cuda:i`` or ``cpu``).
         dp_group: data-parallel process group; None: the default group (if initialised).
+        mesh: the role's parallel layout (hybridflow.parallel); replaces ``dp_group``: data
+            reductions run over its ``dp`` group, FSDP2 shards over ``fsdp`` (dp × sp), and
+            a Ulysses ``sp`` group splits each packed stream (see ``sequence_group``).
         fsdp: shard with FSDP2; None: when the group has more than one rank.
         mixed_precision: bf16 compute for fp32 weights on CUDA; None: on when the device is CUDA.
         param_offload: keep sharded parameters (and run the optimizer) on the CPU (FSDP2
@@ -73,6 +80,7 @@ class TrainCore:
         *,
         device: torch.device | str,
         dp_group: dist.ProcessGroup | None = None,
+        mesh: RoleMesh | None = None,
         fsdp: bool | None = None,
         mixed_precision: bool | None = None,
         param_offload: bool = False,
@@ -81,10 +89,23 @@ class TrainCore:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)
-        self.dp_group = dp_group
-        self.dp_size = distributed_world(dp_group)
-        self.dp_rank = dist.get_rank(dp_group) if _dist_on() else 0
-        self.fsdp = self.dp_size > 1 if fsdp is None else fsdp
+        if mesh is not None and dp_group is not None:
+            raise ValueError("give TrainCore a mesh or a dp_group, not both")
+        self.mesh = mesh
+        self.dp_group = mesh.group("dp") if mesh is not None else dp_group
+        """Ranks that see different data: token counts and metrics are summed over it."""
+        self.dp_size = distributed_world(self.dp_group)
+        self.dp_rank = dist.get_rank(self.dp_group) if _dist_on() else 0
+        self.shard_group = mesh.group("fsdp") if mesh is not None else dp_group
+        """Ranks that shard the parameters (FSDP2) and average their gradients."""
+        self.shard_size = distributed_world(self.shard_group)
+        self.sequence_size = mesh.size("sp") if mesh is not None else 1
+        self.sequence_group = sequence_group_of(mesh)
+        """Ulysses: the ranks that split one packed stream (None: no sequence parallelism)."""
+        self.role_group = None if mesh is not None else dp_group
+        """Every rank of the role (checkpoints, barriers); None: the default group."""
+        self.role_rank = dist.get_rank(self.role_group) if _dist_on() else 0
+        self.fsdp = self.shard_size > 1 if fsdp is None else fsdp
         if self.fsdp and optimizer_offload:
             raise ValueError(
                 "optimizer_offload steps on the host on one device only; with FSDP2 use "
@@ -129,8 +150,10 @@ class TrainCore:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-        group = self.dp_group or dist.group.WORLD
-        mesh = DeviceMesh.from_group(group, self.device.type)
+        if self.mesh is not None:
+            mesh = self.mesh.submesh("fsdp")
+        else:
+            mesh = DeviceMesh.from_group(self.shard_group or dist.group.WORLD, self.device.type)
         options = {"mesh": mesh}
         if self.compute_dtype is not None:
             options["mp_policy"] = MixedPrecisionPolicy(
@@ -229,7 +252,14 @@ class TrainCore:
         self, attention_mask: torch.Tensor, micro_batch_size: int, max_tokens: int | None
     ) -> list[list[int]]:
         """Row indices of each micro-batch of these rows. Every rank gets the same number of
-        micro-batches (FSDP runs collectives in each forward), some possibly empty."""
+        micro-batches (FSDP runs collectives in each forward), some possibly empty.
+
+        Under Ulysses the SP ranks split each micro-batch's packed stream. The token budget
+        is per GPU, so the group's micro-batch holds SP times the tokens and each rank's slice
+        at most ``max_tokens`` (plus < SP padding): a sequence longer than one GPU's budget
+        trains. A fixed ``micro_batch_size`` counts the group's rows, as verl's does."""
+        if max_tokens is not None:
+            max_tokens *= self.sequence_size
         num_rows = attention_mask.shape[0]
         if max_tokens is None:
             return split_fixed(num_rows, micro_batch_size)
@@ -250,7 +280,7 @@ class TrainCore:
         grad_norm = clip_grad_norm(
             self.trainable_parameters,
             grad_clip,
-            group=self.dp_group,
+            group=self.shard_group,
             comm_device=self.comm_device(),
         )
         skipped = not math.isfinite(grad_norm)
@@ -343,7 +373,7 @@ class TrainCore:
             state = {"model": self._keep(model_state, trainable_only)}
             if optimizer is not None:
                 state["optimizer"] = optim_state
-            extra_path = directory / f"extra_rank{self.dp_rank}.pt"
+            extra_path = directory / f"extra_rank{self.role_rank}.pt"
             self.state_writer.write(state, directory, extra, extra_path, background=background)
         if not background:
             self._barrier()
@@ -388,7 +418,7 @@ class TrainCore:
             )
             if host is not None:
                 restore_loaded(host, state["optimizer"])
-        extra_path = directory / f"extra_rank{self.dp_rank}.pt"
+        extra_path = directory / f"extra_rank{self.role_rank}.pt"
         extra = load_state_file(extra_path)  # tensors and plain data only
         if self.scheduler is not None and "scheduler" in extra:
             self.scheduler.load_state_dict(extra["scheduler"])
@@ -466,7 +496,7 @@ class TrainCore:
         rank must call it."""
         out: dict[str, torch.Tensor] = {}
         for name, full in self.iter_full_tensors(module):
-            if self.dp_rank == 0:
+            if self.role_rank == 0:
                 out[name] = full.detach().to("cpu", copy=True)
         return out
 
@@ -484,11 +514,16 @@ class TrainCore:
         return {name: value for name, value in model_state.items() if name in trainable}
 
     def _dcp_group(self) -> dist.ProcessGroup | None:
-        return self.dp_group if _dist_on() else None
+        return self.role_group if _dist_on() else None
 
     def _barrier(self) -> None:
-        if self.dp_size > 1:
-            dist.barrier(group=self.dp_group)
+        if distributed_world(self.role_group) > 1:
+            dist.barrier(group=self.role_group)
+
+
+def sequence_group_of(mesh: RoleMesh | None) -> dist.ProcessGroup | None:
+    """The Ulysses group of a layout; None without one (or of one rank)."""
+    return mesh.group("sp") if mesh is not None and mesh.size("sp") > 1 else None
 
 
 def _dist_on() -> bool:

@@ -8,6 +8,7 @@ Batch keys: ``prompts``, ``responses``, ``attention_mask`` (as for the actor),
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -15,13 +16,17 @@ from torch import nn
 
 from hybridflow.algos import value_loss
 from hybridflow.config import ActorConfig, CriticConfig
-from hybridflow.learners.core import TrainCore
+from hybridflow.learners.core import TrainCore, sequence_group_of
 from hybridflow.learners.metric_sums import MetricSums
 from hybridflow.learners.modules import ValueModel
 from hybridflow.learners.packing import PackedRows, to_device
 from hybridflow.learners.response_forward import check_keys, forward_response_tokens
-from hybridflow.learners.step import accumulate_and_step, mini_batch_count
+from hybridflow.learners.shared_rows import gather_rows, own_rows
+from hybridflow.learners.step import accumulate_and_step, mini_batch_count, mini_batch_plan
 from hybridflow.protocol import Batch
+
+if TYPE_CHECKING:
+    from hybridflow.parallel import RoleMesh
 
 UPDATE_INPUTS = ("prompts", "responses", "attention_mask", "response_mask", "values", "returns")
 
@@ -36,7 +41,7 @@ class CriticLearner:
         total_steps: RL steps (``lr_warmup_steps`` counts optimizer steps, as for the actor).
         actor_cfg: fallbacks for ``ppo_mini_batch_size`` / ``ppo_epochs`` left as None, and the
             AdamW betas / weight decay.
-        rollout_n, max_response_length, device, dp_group, fsdp: as for the actor.
+        rollout_n, max_response_length, device, dp_group, mesh, fsdp: as for the actor.
     """
 
     def __init__(
@@ -47,6 +52,7 @@ class CriticLearner:
         total_steps: int,
         device: torch.device | str,
         dp_group: dist.ProcessGroup | None = None,
+        mesh: RoleMesh | None = None,
         actor_cfg: ActorConfig | None = None,
         rollout_n: int = 1,
         max_response_length: int | None = None,
@@ -59,8 +65,10 @@ class CriticLearner:
         self.ppo_epochs = critic_cfg.ppo_epochs or actor_cfg.ppo_epochs
         self.rollout_n = rollout_n
         self.max_response_length = max_response_length
-        self.value_model = ValueModel(model, value_head)
-        self.core = TrainCore(self.value_model, device=device, dp_group=dp_group, fsdp=fsdp)
+        self.value_model = ValueModel(model, value_head, sequence_group=sequence_group_of(mesh))
+        self.core = TrainCore(
+            self.value_model, device=device, dp_group=dp_group, mesh=mesh, fsdp=fsdp
+        )
         self.core.build_optimizer(
             lr=critic_cfg.lr,
             weight_decay=actor_cfg.weight_decay,
@@ -79,20 +87,22 @@ class CriticLearner:
 
     def compute_values(self, batch: Batch) -> Batch:
         """Batch with ``values [B, R]`` (0 off the response)."""
+        group = self.core.sequence_group
         (values,) = forward_response_tokens(
             self.core,
-            batch,
+            gather_rows(batch, group),
             micro_batch_size=self.cfg.micro_batch_size_per_gpu,
             max_tokens=self.cfg.max_tokens_per_gpu,
             run=lambda packed: (self.value_model(packed),),
         )
-        return Batch({"values": values})
+        return own_rows(Batch({"values": values}), group)
 
     def update(self, batch: Batch) -> dict[str, float]:
         """ppo_epochs × mini-batches × micro-batches of value-loss steps. Metrics: vf_loss,
         vf_clipfrac, vpred_mean, grad_norm, lr, skipped_steps."""
         check_keys(batch, UPDATE_INPUTS, "CriticLearner.update")
         cfg = self.cfg
+        batch = gather_rows(batch, self.core.sequence_group)
         num_rows = len(batch)
         mini_size = min(self.mini_batch_size, num_rows)
         num_minis = mini_batch_count(num_rows, mini_size)
@@ -117,8 +127,8 @@ class CriticLearner:
         self.core.module.train()
         with self.core.on_device():
             for _ in range(self.ppo_epochs):
-                for mini in range(num_minis):
-                    rows = list(range(mini * mini_size, (mini + 1) * mini_size))
+                plan = mini_batch_plan(num_rows, mini_size, self.core.sequence_size, torch.arange)
+                for rows in plan:
                     self.total_skipped_steps += int(
                         accumulate_and_step(
                             self.core,

@@ -9,9 +9,11 @@ separate call afterwards.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hybridflow.learners.packing import PackedRows
+from hybridflow.learners.sequence_shard import OutputShard, sharded_hidden
 from hybridflow.models.logprobs import logprobs_from_hidden
 
 # (router_logits [N, E], topk_ids [N, k]) of each sparse layer of one forward (models/llama.py)
@@ -27,12 +29,20 @@ class PolicyModel(nn.Module):
     """``forward(packed) -> (logprobs [M], entropy [M] | None)`` of the packed targets.
 
     replay_routes: a mixture of experts routes each token to the experts in
-    ``packed.routed_experts`` when it has them (actor.router_replay=rollout)."""
+    ``packed.routed_experts`` when it has them (actor.router_replay=rollout).
+    sequence_group: Ulysses sequence parallelism over this group (learners/sequence_shard.py);
+    every rank of it gets the same packed rows and returns the same outputs."""
 
-    def __init__(self, causal_lm: nn.Module, replay_routes: bool = False):
+    def __init__(
+        self,
+        causal_lm: nn.Module,
+        replay_routes: bool = False,
+        sequence_group: dist.ProcessGroup | None = None,
+    ):
         super().__init__()
         self.lm = causal_lm
         self.replay_routes = replay_routes
+        self.sequence_group = sequence_group
 
     def forward(
         self,
@@ -48,21 +58,34 @@ class PolicyModel(nn.Module):
             routing["routed_experts"] = packed.routed_experts
         if router_trace is not None:
             routing["router_trace"] = router_trace
-        hidden = self.lm.forward_packed(
-            packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen, **routing
-        )  # [N, H]
+        hidden, outputs = packed_hidden(self.lm, packed, self.sequence_group, routing)  # [m, H]
+        targets = (
+            packed.targets if outputs is None else packed.targets[outputs.start : outputs.stop]
+        )
         weight = self.lm.lm_head.weight
         if weight.dtype != hidden.dtype:
             # Under autocast (unsharded bf16 path) the chunked log-prob kernel's backward runs
             # outside autocast, so hand it one dtype; the cast is differentiable.
             weight = weight.to(hidden.dtype)
-        return logprobs_from_hidden(
-            hidden[packed.hidden_index],
-            weight,
-            packed.targets,
-            temperature=temperature,
-            with_entropy=with_entropy,
+        logprobs, entropy = logprobs_from_hidden(
+            hidden, weight, targets, temperature=temperature, with_entropy=with_entropy
         )
+        if outputs is None:
+            return logprobs, entropy
+        return outputs.gather(logprobs), (None if entropy is None else outputs.gather(entropy))
+
+
+def packed_hidden(
+    lm: nn.Module, packed: PackedRows, sequence_group: dist.ProcessGroup | None, routing: dict
+) -> tuple[torch.Tensor, OutputShard | None]:
+    """Final hidden states [m, H] at the tokens that predict the packed targets: all M of them,
+    or under sequence parallelism this rank's share (and which share it is)."""
+    if sequence_group is not None:
+        return sharded_hidden(lm, packed, sequence_group, **routing)
+    hidden = lm.forward_packed(
+        packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen, **routing
+    )  # [N, H]
+    return hidden[packed.hidden_index], None
 
 
 class ValueModel(nn.Module):
@@ -73,9 +96,15 @@ class ValueModel(nn.Module):
     frozen so the optimizer keeps no state for it.
     """
 
-    def __init__(self, causal_lm: nn.Module, value_head: nn.Linear | None = None):
+    def __init__(
+        self,
+        causal_lm: nn.Module,
+        value_head: nn.Linear | None = None,
+        sequence_group: dist.ProcessGroup | None = None,
+    ):
         super().__init__()
         self.lm = causal_lm
+        self.sequence_group = sequence_group
         hidden_size = causal_lm.config.hidden_size
         if value_head is None:
             weight = causal_lm.lm_head.weight
@@ -89,7 +118,6 @@ class ValueModel(nn.Module):
             causal_lm.lm_head.weight.requires_grad_(False)
 
     def forward(self, packed: PackedRows) -> torch.Tensor:
-        hidden = self.lm.forward_packed(
-            packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen
-        )  # [N, H]
-        return self.value_head(hidden[packed.hidden_index]).squeeze(-1).float()  # [M]
+        hidden, outputs = packed_hidden(self.lm, packed, self.sequence_group, {})  # [m, H]
+        values = self.value_head(hidden).squeeze(-1).float()
+        return values if outputs is None else outputs.gather(values)  # [M]

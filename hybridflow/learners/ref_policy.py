@@ -8,6 +8,7 @@ initial policy exactly and costs no second copy of the weights.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -16,10 +17,14 @@ from torch import nn
 from hybridflow.config import RefConfig
 from hybridflow.learners import lora
 from hybridflow.learners.actor_learner import ActorLearner, compile_layers
-from hybridflow.learners.core import TrainCore
+from hybridflow.learners.core import TrainCore, sequence_group_of
 from hybridflow.learners.modules import PolicyModel
 from hybridflow.learners.response_forward import forward_response_tokens
+from hybridflow.learners.shared_rows import gather_rows, own_rows
 from hybridflow.protocol import Batch
+
+if TYPE_CHECKING:
+    from hybridflow.parallel import RoleMesh
 
 
 class RefPolicy:
@@ -28,7 +33,7 @@ class RefPolicy:
     Args:
         model: the reference CausalLM (its weights are frozen here).
         ref_cfg: the ``ref`` config section (micro-batching, parameter offload).
-        device, dp_group, fsdp: as for :class:`~hybridflow.learners.actor_learner.ActorLearner`.
+        device, dp_group, mesh, fsdp: as for :class:`~hybridflow.learners.actor_learner.ActorLearner`.
         compile: ``torch.compile`` each decoder layer (``model.compile`` resolved to true).
     Use :meth:`from_actor` for the LoRA form.
     """
@@ -40,6 +45,7 @@ class RefPolicy:
         *,
         device: torch.device | str,
         dp_group: dist.ProcessGroup | None = None,
+        mesh: RoleMesh | None = None,
         fsdp: bool | None = None,
         compile: bool = False,
     ):
@@ -47,11 +53,12 @@ class RefPolicy:
         if compile:  # model.compile: the same fused layers as the actor's forward passes
             compile_layers(model)
         self.cfg = ref_cfg
-        self.policy = PolicyModel(model)
+        self.policy = PolicyModel(model, sequence_group=sequence_group_of(mesh))
         self.core = TrainCore(
             self.policy,
             device=device,
             dp_group=dp_group,
+            mesh=mesh,
             fsdp=fsdp,
             param_offload=ref_cfg.param_offload,
         )
@@ -82,15 +89,16 @@ class RefPolicy:
             return (self.policy(packed, temperature, False)[0],)
 
         adapters_off = lora.adapters_disabled(self.policy.lm) if self._actor else nullcontext()
+        group = self.core.sequence_group
         with adapters_off:
             (logprobs,) = forward_response_tokens(
                 self.core,
-                batch,
+                gather_rows(batch, group),
                 micro_batch_size=self.cfg.micro_batch_size_per_gpu,
                 max_tokens=self.cfg.max_tokens_per_gpu,
                 run=run,
             )
-        return Batch({"ref_logprobs": logprobs})
+        return own_rows(Batch({"ref_logprobs": logprobs}), group)
 
     def offload(self) -> None:
         if self._actor is None:

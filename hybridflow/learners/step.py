@@ -2,8 +2,11 @@
 
 Shared by the actor and the critic; only the per-micro-batch loss differs. Following
 ``hybridflow.algos.aggregation``, each micro-batch loss is normalised by the counts of the
-whole mini-batch over every rank and back-propagated as is (times the DP size, because FSDP
-averages gradients over ranks), so the accumulated gradient equals the one-batch gradient.
+whole mini-batch over every rank and back-propagated as is (times the FSDP size, because FSDP
+averages gradients over the ranks that shard the parameters), so the accumulated gradient
+equals the one-batch gradient. Under Ulysses the ranks of a sequence-parallel group compute
+the same loss from gathered log-probs, each back-propagating its own tokens' part
+(learners/modules.py); FSDP shards over them too, so the same factor sums those parts.
 """
 
 from __future__ import annotations
@@ -23,6 +26,30 @@ MicroLoss = Callable[
     [Batch, PackedRows, dict],
     tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]],
 ]
+
+
+def mini_batch_plan(
+    num_rows: int, mini_batch_size: int, shards: int, order_of: Callable[[int], torch.Tensor]
+) -> list[torch.Tensor]:
+    """Rows of each mini-batch of a batch of ``num_rows`` rows made of ``shards`` equal
+    consecutive shards; ``order_of(n)`` is the row order (a permutation of ``n`` rows) the
+    learner walks, applied within each shard.
+
+    The ranks of one sequence-parallel group gather the shards the controller sent each of
+    them; taking every mini-batch evenly from the shards, in the order one data-parallel rank
+    would, gives the mini-batches that data parallelism over the same ranks takes. When the
+    mini-batch does not split evenly over the shards, it is cut from the whole batch."""
+    count = num_rows // mini_batch_size
+    if shards > 1 and mini_batch_size % shards == 0 and num_rows % shards == 0:
+        shard_rows, per_shard = num_rows // shards, mini_batch_size // shards
+        order = order_of(shard_rows)
+        return [
+            torch.cat([order[m * per_shard : (m + 1) * per_shard] + s * shard_rows
+                       for s in range(shards)])
+            for m in range(count)
+        ]  # fmt: skip
+    order = order_of(num_rows)
+    return [order[m * mini_batch_size : (m + 1) * mini_batch_size] for m in range(count)]
 
 
 def mini_batch_count(num_rows: int, mini_batch_size: int) -> int:
@@ -76,7 +103,7 @@ def accumulate_and_step(
         packed = pack_batch_rows(micro, list(range(len(micro))), core.device)
         with core.autocast():
             loss, terms, token_means = micro_loss(micro, packed, counts)
-        (loss * (core.dp_size * weight)).backward()
+        (loss * (core.shard_size * weight)).backward()
         if rows:
             sums.add_token_means(token_means, float(micro.tensors["response_mask"].sum()))
             sums.add_mini_batch_terms(terms)

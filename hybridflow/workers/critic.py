@@ -7,7 +7,12 @@ import os
 from hybridflow.config import Config
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.protocol import Batch
-from hybridflow.workers.model_loading import load_causal_lm, set_cpu_threads, training_dtype
+from hybridflow.workers.model_loading import (
+    load_causal_lm,
+    set_cpu_threads,
+    training_dtype,
+    training_mesh,
+)
 
 
 class CriticWorker(Worker):
@@ -19,11 +24,19 @@ class CriticWorker(Worker):
         set_cpu_threads(config, self.device)
         dtype = training_dtype(config.model)
         model = load_causal_lm(config.critic.path or config.model.path, dtype, self.device)
+        actor = self.context.colocated.get("actor")
         self.learner = CriticLearner(
             model,
             config.critic,
             total_steps=max(config.trainer.total_steps, 1),
             device=self.device,
+            mesh=training_mesh(
+                config,
+                "critic",
+                self.world_size,
+                self.device,
+                reuse=actor.learner.core.mesh if actor is not None else None,
+            ),
             actor_cfg=config.actor,
             rollout_n=config.rollout.n,
             max_response_length=config.data.max_response_length,

@@ -94,3 +94,20 @@ def default_tokenizer_path(model: ModelConfig) -> str:
     if model.path.startswith("sft:") or model.path in PRESETS:
         return "char"
     return model.path
+
+
+def training_mesh(config, role: str, world_size: int, device: str, reuse=None):
+    """The ``role``'s parallel layout (actor, ref, critic) over this worker group's ranks as a
+    RoleMesh, or None when every size is 1 (data parallelism over the default group, the
+    learners' path without a mesh). ``reuse``: a colocated role's mesh, taken when the layout
+    is the same (one set of process groups per layout)."""
+    from hybridflow.parallel import build_mesh, train_layout
+    from hybridflow.parallel.roles import sizes_of
+
+    sizes = sizes_of(config, role)
+    if all(size == 1 for size in sizes.values()):
+        return None
+    layout = train_layout(world_size, **sizes)
+    if reuse is not None and reuse.layout == layout:
+        return reuse
+    return build_mesh(layout, torch.device(device).type)

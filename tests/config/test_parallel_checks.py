@@ -23,7 +23,6 @@ def _supporting(monkeypatch, *pairs):
     ("key", "role"),
     [
         ("actor.tensor_parallel_size", "actor"),
-        ("actor.sequence_parallel_size", "actor"),
         ("rollout.tensor_parallel_size", "rollout"),
     ],
 )
@@ -36,17 +35,25 @@ def test_a_layout_without_its_code_path_is_refused_naming_the_key(key, role):
 
 
 def test_the_reference_following_the_actor_is_refused_with_its_own_key(monkeypatch):
-    _supporting(monkeypatch, ("actor", "sp"))
-    problems = _problems([*FOUR_CPUS, "actor.sequence_parallel_size=2", "actor.use_kl_loss=true"])
+    _supporting(monkeypatch, ("actor", "tp"))
+    problems = _problems([*FOUR_CPUS, "actor.tensor_parallel_size=2", "actor.use_kl_loss=true"])
     assert len(problems) == 1
     assert problems[0].startswith(
-        "actor.sequence_parallel_size = 2 (ref.sequence_parallel_size is unset and follows "
-        "actor.sequence_parallel_size): sequence parallelism (Ulysses) is not yet supported "
-        "for the reference: set ref.sequence_parallel_size=1"
+        "actor.tensor_parallel_size = 2 (ref.tensor_parallel_size is unset and follows "
+        "actor.tensor_parallel_size): tensor parallelism is not yet supported "
+        "for the reference: set ref.tensor_parallel_size=1"
     )
     # the reference's own key lifts it
-    validate(load_config(None, [*FOUR_CPUS, "actor.sequence_parallel_size=2",
-                                "actor.use_kl_loss=true", "ref.sequence_parallel_size=1"]))  # fmt: skip
+    validate(load_config(None, [*FOUR_CPUS, "actor.tensor_parallel_size=2",
+                                "actor.use_kl_loss=true", "ref.tensor_parallel_size=1"]))  # fmt: skip
+
+
+def test_sequence_parallel_training_roles_are_accepted():
+    """Ulysses runs for the actor, the reference and the critic (learners/sequence_shard.py)."""
+    derived = validate(load_config(None, [*FOUR_CPUS, "actor.sequence_parallel_size=2",
+                                          "actor.use_kl_loss=true", "algorithm.adv_estimator=gae"]))  # fmt: skip
+    assert derived.use_reference and derived.use_critic
+    assert derived.layouts.ref.sp == derived.layouts.critic.sp == 2
 
 
 def test_sizes_that_do_not_tile_the_devices_name_the_keys():
