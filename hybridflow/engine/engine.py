@@ -108,7 +108,7 @@ class Engine:
         # mixture-of-experts layers run through layers/moe.py: routing recorded for replay,
         # the experts' packed weights read in place
         self.moe = self.native and has_experts(model)
-        self.experts = ExpertMatmuls(None if options.expert_matmul == "triton" else 1024)
+        self.experts = ExpertMatmuls(1024 if options.expert_matmul == "grouped_mm" else None)
         self.decode_backend = _resolve_backend(options.decode_backend, self.device)
         triton_backend = self.decode_backend == "triton"
         cuda = self.device.type == "cuda"

@@ -195,9 +195,13 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBloc
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
     total = torch.empty(1, dtype=torch.int32, device=device)
     ends = torch.empty(num_experts, dtype=torch.int32, device=device)
+    # every program walks all the pairs twice: few wide chunks, not many dependent ones (H200,
+    # 256 rows: 12-25 us a layer in chunks of 256)
+    chunk = min(max(triton.next_power_of_2(pairs), 256), 4096)
     _align_kernel[(num_experts,)](
         ids, sorted_pairs, block_expert, total, ends, pairs, num_experts,
-        BINS=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m, CHUNK=256, num_warps=4,
+        BINS=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m, CHUNK=chunk,
+        num_warps=8 if chunk >= 2048 else 4,
     )  # fmt: skip
     return ExpertBlocks(sorted_pairs, block_expert, total, ends, block_m, pairs, top_k)
 
@@ -269,15 +273,22 @@ def _grouped_kernel(
         tl.store(c, acc.to(dtype), mask=valid[:, None] & n_mask[None, :])
 
 
-# (block_n, block_k, warps, stages) by the rows a block holds: decode blocks are weight-bound
-# (each expert's tile streamed once), prefill blocks compute-bound.
-TILES = {16: (64, 128, 4, 4), 32: (64, 128, 4, 4), 64: (64, 64, 4, 4), 128: (128, 64, 8, 3)}
+# (block_n, block_k, warps, stages) of each kernel by the rows a block holds, the fastest of
+# benchmarks/moe_layer.py --sweep on an H200 at the Qwen3-30B-A3B shape: decode blocks are
+# weight-bound (each touched expert's tiles streamed once), prefill blocks compute-bound.
+TILES = {
+    16: {"gate_up": (64, 128, 4, 4), "down": (64, 128, 4, 4)},
+    32: {"gate_up": (128, 128, 8, 3), "down": (128, 128, 4, 3)},  # 256 rows: 0.204 + 0.118 ms
+    64: {"gate_up": (128, 64, 4, 4), "down": (128, 128, 4, 3)},  # 1024 rows: 0.278 + 0.185 ms
+    128: {"gate_up": (128, 64, 8, 3), "down": (128, 64, 8, 3)},
+}
+FP32_TILE = (32, 64, 4, 2)  # twice the bytes a tile: the bf16 tiles overflow shared memory
 
 
-def _tile(block_m: int, device: torch.device) -> tuple[int, int, int, int]:
-    if device.type != "cuda":  # the interpreter: its cost is per program and per op
+def _tile(block_m: int, kernel: str, x: torch.Tensor) -> tuple[int, int, int, int]:
+    if x.device.type != "cuda":  # the interpreter: its cost is per program and per op
         return 128, 128, 1, 1
-    return TILES[block_m]
+    return FP32_TILE if x.dtype == torch.float32 else TILES[block_m][kernel]
 
 
 def grouped_gate_up(x: torch.Tensor, gate_up: torch.Tensor, blocks: ExpertBlocks,
@@ -286,7 +297,7 @@ def grouped_gate_up(x: torch.Tensor, gate_up: torch.Tensor, blocks: ExpertBlocks
     tile: (block_n, block_k, warps, stages) instead of TILES' (benchmarks/moe_layer.py)."""
     inner = gate_up.shape[1] // 2
     out = torch.empty(blocks.sorted_pairs.shape[0], inner, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = tile or _tile(blocks.block_m, x.device)
+    block_n, block_k, warps, stages = tile or _tile(blocks.block_m, "gate_up", x)
     grid = (blocks.max_blocks, triton.cdiv(inner, block_n))
     _grouped_kernel[grid](
         x, gate_up, out, blocks.sorted_pairs, blocks.block_expert, blocks.total, blocks.pairs,
@@ -303,7 +314,7 @@ def grouped_down(act: torch.Tensor, down: torch.Tensor, blocks: ExpertBlocks,
     """act [capacity, I] (sorted order), down [E, H, I] -> [P, H], row p = pair p's output."""
     hidden = down.shape[1]
     out = torch.empty(blocks.pairs, hidden, dtype=act.dtype, device=act.device)
-    block_n, block_k, warps, stages = tile or _tile(blocks.block_m, act.device)
+    block_n, block_k, warps, stages = tile or _tile(blocks.block_m, "down", act)
     grid = (blocks.max_blocks, triton.cdiv(hidden, block_n))
     _grouped_kernel[grid](
         act, down, out, blocks.sorted_pairs, blocks.block_expert, blocks.total, blocks.pairs,
@@ -346,10 +357,11 @@ def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 def block_rows(tokens: int, top_k: int, num_experts: int) -> int:
-    """BLOCK_M for T tokens: about twice the mean pairs per expert (so most experts fit one
-    block and read their weights once), from 16 (tl.dot's least) to 128."""
+    """BLOCK_M for T tokens by the mean pairs per expert: most experts fit one or two blocks
+    (read their weights once or twice), from 16 (tl.dot's least) to 128. The bounds are the
+    sweep's (H200, 30B-A3B): 256 rows (16 a expert) fastest at 32, 1024 (64) at 64."""
     mean = tokens * top_k / num_experts
-    for size in (16, 32, 64):
-        if 2 * mean <= size:
+    for size, most in ((16, 8), (32, 24), (64, 96)):
+        if mean <= most:
             return size
     return 128

@@ -253,7 +253,7 @@ def chain_layers(model, tokens, attend, fused, chain: DecodeChain) -> torch.Tens
         k = k.unflatten(-1, (attn.num_kv_heads, attn.head_dim))
         v = v.unflatten(-1, (attn.num_kv_heads, attn.head_dim))
         if attn.q_norm is not None:
-            q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = rowwise.qk_norm_(q, k, attn.q_norm, attn.k_norm)
         out = attend(index, q, k, v)
         sums = chain.residual_linear(out.flatten(-2), attn.o_proj.weight, attn.o_proj.bias,
                                      hidden, sums)  # fmt: skip

@@ -2,8 +2,8 @@
 routing replay), then the experts, for decode, prefill and extend passes alike.
 
 `experts_triton` is the triton backend's: the router's logits by cuBLAS (as the model
-computes them), then kernels/moe.py's fused routing and grouped expert matmuls; prefill-sized
-batches on Hopper run the grouped matmuls through torch._grouped_mm instead (`ExpertMatmuls`).
+computes them), then kernels/moe.py's fused routing and grouped expert matmuls (or, for
+prefill-sized passes on Hopper when asked, torch._grouped_mm: `ExpertMatmuls`).
 `experts_torch` is the torch backend's: the model's own functions (models/moe.py), bitwise.
 Both read the experts' packed weights in place (no copy) and write each token's expert ids to
 the routing record (kv_cache.KVCache.routes) at the token's cache position when given one.
@@ -51,7 +51,7 @@ class ExpertMatmuls:
     prefill or extend pass uses torch._grouped_mm (Hopper, 16-bit) instead of the Triton
     grouped kernels; None: never. Decode steps always run the Triton kernels (CUDA graphs)."""
 
-    grouped_mm_from: int | None = 1024
+    grouped_mm_from: int | None = None
 
     def use_grouped_mm(self, tokens: int, x: torch.Tensor, prefill: bool) -> bool:
         return (

@@ -66,7 +66,7 @@ def fused_layers(
         k = k.unflatten(-1, (attn.num_kv_heads, attn.head_dim))
         v = v.unflatten(-1, (attn.num_kv_heads, attn.head_dim))
         if attn.q_norm is not None:
-            q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = rowwise.qk_norm_(q, k, attn.q_norm, attn.k_norm)
         out = attend(index, q, k, v)  # RoPE, the cache store and attention
         # prefill: the last layer past attention runs on the last tokens only (a sparse one
         # routes every token first: the routing record holds each position's experts)

@@ -109,6 +109,8 @@ def test_decode_layer_kernels_compile(activation):
     for add, weighted in [(True, True), (False, True), (True, False)]:
         norm = dict(ADD=add, WEIGHT=weighted, BLOCK_H=1024)
         _compile(rowwise._rms_norm_kernel, norm, activation, warps=4)
+    _compile(rowwise._qk_norm_kernel, dict(NH=32, NKV=4, NH_PAD=32, NKV_PAD=4, D=128),
+             activation)  # fmt: skip
     for pairs in (True, False):
         _compile(rowwise._silu_mul_kernel, dict(PAIRS=pairs, BLOCK=512), activation)
     _compile(rowwise._silu_mul_kernel, dict(PAIRS=True, BLOCK=512, NORM=True, H_PAD=2048),
@@ -178,8 +180,8 @@ def test_moe_kernels_compile(block_m):
     _compile(moe._topk_kernel, dict(TOP_K=8, K_PAD=8, E_PAD=128, BLOCK_T=16, RENORM=True,
                                     RECORD=True), overrides=routing)  # fmt: skip
     _compile(moe._align_kernel, dict(BINS=256, BLOCK_M=block_m, CHUNK=256), overrides=ints)
-    block_n, block_k, warps, stages = moe.TILES[block_m]
     for silu in (True, False):
+        block_n, block_k, warps, stages = moe.TILES[block_m]["gate_up" if silu else "down"]
         compiled = _compile(
             moe._grouped_kernel,
             dict(TOP_K=8, GATHER=silu, SILU_UP=silu, FP32=False, BLOCK_M=block_m,

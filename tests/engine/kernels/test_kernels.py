@@ -49,6 +49,22 @@ def test_rms_norms_and_silu_match_torch():
     torch.testing.assert_close(rowwise.silu_mul_pairs(interleaved), F.silu(gate) * up)
 
 
+def test_qk_norm_in_place_matches_the_models_norms():
+    """Strided q and k views of one projection (the fused q/k/v rows), normed in place."""
+    rows, heads, kv_heads, dim = 5, 6, 2, 16
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, device=DEVICE)
+    q = qkv[:, : heads * dim].unflatten(-1, (heads, dim))
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].unflatten(-1, (kv_heads, dim))
+    v_before = qkv[:, (heads + kv_heads) * dim :].clone()
+    q_norm, k_norm = _Norm(dim), _Norm(dim)
+    expected_q = F.rms_norm(q, (dim,), q_norm.weight, q_norm.eps)
+    expected_k = F.rms_norm(k, (dim,), k_norm.weight, k_norm.eps)
+    rowwise.qk_norm_(q, k, q_norm, k_norm)
+    torch.testing.assert_close(q, expected_q)
+    torch.testing.assert_close(k, expected_k)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before)
+
+
 def test_rope_store_matches_apply_rope():
     config = preset_config("tiny")
     rows, heads, kv_heads, dim, seq = 4, 4, 2, 16, 40

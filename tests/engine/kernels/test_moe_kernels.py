@@ -97,5 +97,5 @@ def test_block_rows_grows_with_the_pairs_per_expert():
     # Qwen3-30B-A3B (128 experts, top-8): 256 decode rows average 16 pairs an expert
     assert moe.block_rows(256, 8, 128) == 32
     assert moe.block_rows(16, 8, 128) == 16
-    assert moe.block_rows(1024, 8, 128) == 128
+    assert moe.block_rows(1024, 8, 128) == 64
     assert moe.block_rows(16384, 8, 128) == 128
