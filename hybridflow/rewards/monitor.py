@@ -14,6 +14,14 @@ from collections.abc import Callable
 from hybridflow.errors import UserError
 from hybridflow.rewards.managers import RewardResult
 
+FIX_RULE = (
+    "fix the scoring function (reward.custom_fn, or the scorer of the data_source); "
+    "it must return a finite number or a dict with a 'score'"
+)
+FIX_JUDGE = (
+    "check the judge: its server (reward.judge.url) answers, its replies hold a score "
+    "that reward.judge.score_pattern matches, reward.judge.timeout_s is long enough"
+)
 MOSTLY_FAILED = 0.5
 """Fraction of failed samples above which a step is flagged."""
 MAX_DISTINCT_MESSAGES = 10
@@ -23,23 +31,28 @@ MAX_DISTINCT_MESSAGES = 10
 class RewardFailureMonitor:
     """Watches each scoring call's failures; ``observe`` raises UserError to stop the run."""
 
-    def __init__(self, log: Callable[[str], None], patience: int = 3):
+    def __init__(self, log: Callable[[str], None], patience: int = 3, *,
+                 metric_prefix: str = "reward", what: str = "reward",
+                 fix: str = FIX_RULE):  # fmt: skip
+        """metric_prefix: where the result's counts are (``<prefix>/num_errors``); what: the
+        part's name in the messages; fix: what the stop message tells the user to do."""
         self.log, self.patience = log, patience
+        self.metric_prefix, self.what, self.fix = metric_prefix, what, fix
         self.printed: set[str] = set()
         self.failed_steps_in_a_row = 0
 
     def observe(self, result: RewardResult, step: int, *, training: bool = True) -> None:
         size = len(result.scores)
-        failed = int(result.metrics.get("reward/num_errors", 0)) + int(
-            result.metrics.get("reward/num_timeouts", 0)
+        failed = int(result.metrics.get(f"{self.metric_prefix}/num_errors", 0)) + int(
+            result.metrics.get(f"{self.metric_prefix}/num_timeouts", 0)
         )
         for message in result.error_messages:
             if message not in self.printed and len(self.printed) < MAX_DISTINCT_MESSAGES:
                 self.printed.add(message)
-                self.log(f"reward error (shown once): {message}")
+                self.log(f"{self.what} error (shown once): {message}")
         where = f"step {step}" if training else f"validation at step {step}"
         if size and failed > MOSTLY_FAILED * size:
-            self.log(f"warning: {where}: the reward failed on {failed} of {size} samples "
+            self.log(f"warning: {where}: the {self.what} failed on {failed} of {size} samples "
                      f"(they score 0); see the errors above")  # fmt: skip
         if not training:
             return
@@ -49,8 +62,7 @@ class RewardFailureMonitor:
         if self.failed_steps_in_a_row >= self.patience:
             first = result.error_messages[0] if result.error_messages else "no message"
             raise UserError(
-                f"the reward failed on every sample for {self.patience} steps in a row (up to "
-                f"step {step}): {first}",
-                "fix the scoring function (reward.custom_fn, or the scorer of the data_source)"
-                "; it must return a finite number or a dict with a 'score'",
+                f"the {self.what} failed on every sample for {self.patience} steps in a row (up "
+                f"to step {step}): {first}",
+                self.fix,
             )

@@ -24,7 +24,7 @@ def setup(cfg: Config, log=print, progress: ProgressReporter | None = None,
     ``stop``: what a SIGTERM/SIGINT during the warm start asks (trainer/stop.py)."""
     from hybridflow.algos import build_kl_controller
     from hybridflow.data.dataset import PromptLoader
-    from hybridflow.rewards.monitor import RewardFailureMonitor
+    from hybridflow.rewards.monitor import FIX_JUDGE, RewardFailureMonitor
     from hybridflow.rewards.parts import weights_table
     from hybridflow.trainer.checkpoint import CheckpointManager
     from hybridflow.trainer.compile_policy import compile_defaults
@@ -93,7 +93,29 @@ def setup(cfg: Config, log=print, progress: ProgressReporter | None = None,
         log=log,
         reward_monitor=RewardFailureMonitor(log, patience=cfg.reward.max_failed_steps),
         reward_weights=weights_table(cfg.reward),
+        judge=_judge(cfg, roles, tokenizer),
+        judge_monitor=RewardFailureMonitor(
+            log,
+            patience=cfg.reward.max_failed_steps,
+            metric_prefix="reward/judge",
+            what="judge",
+            fix=FIX_JUDGE,
+        ),  # fmt: skip
     )
+
+
+def _judge(cfg: Config, roles, tokenizer):
+    """The generative judge of reward.judge (None when off): the policy's rollout group
+    answers unless reward.judge.engine=url names a second model's server."""
+    if cfg.reward.judge.template is None:
+        return None
+    from hybridflow.rewards.judge_engines import build_judge
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    sampling = {"seed": cfg.trainer.seed, "pad_token_id": pad, "stop_token_ids": stop}
+    return build_judge(cfg.reward.judge, roles.rollout, tokenizer, cfg.data.max_prompt_length,
+                       sampling)  # fmt: skip
 
 
 def train(cfg: Config, log=print, progress: ProgressReporter | None = None) -> dict[str, float]:

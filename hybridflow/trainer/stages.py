@@ -24,6 +24,7 @@ from hybridflow.trainer.stop import StopRequest
 if TYPE_CHECKING:
     from hybridflow.algos.kl import AdaptiveKLController, FixedKLController
     from hybridflow.data.dataset import PromptDataset, PromptLoader
+    from hybridflow.rewards.judge import JudgeReward
     from hybridflow.rewards.managers import RewardManager
     from hybridflow.rewards.monitor import RewardFailureMonitor
     from hybridflow.trainer.checkpoint import CheckpointManager
@@ -74,6 +75,10 @@ class RunContext:
     )
     """{data source or "*": {part: weight}}: how the reward parts combine
     (rewards/combine.py)."""
+    judge: JudgeReward | None = None
+    """The generative judge (reward.judge), if on."""
+    judge_monitor: RewardFailureMonitor | None = None
+    """As reward_monitor, for the judge's failures."""
     pending_save: PendingSave | None = None
     """The checkpoint being written in the background (trainer.async_save), if any."""
 
@@ -146,7 +151,7 @@ def generate(run: RunContext, prompts: Batch, *, n: int, temperature: float, see
 
 
 def score(run: RunContext, batch: Batch, step: int | None = None) -> tuple[Batch, dict[str, float]]:
-    """Decode the responses, score them with each reward part (rule, model), combine the
+    """Decode the responses, score them with each reward part (rule, model, judge), combine the
     parts with the data sources' weights, put each score on its last response token
     (``token_level_scores`` [B, R]); ``scores`` [B] kept as an array.
     Failures are reported by ``run.reward_monitor``; those of training samples (not
@@ -183,6 +188,15 @@ def score(run: RunContext, batch: Batch, step: int | None = None) -> tuple[Batch
             )  # fmt: skip
         )
         parts["model"] = scored.tensors["rm_scores"].tolist()
+    if "judge" in used:
+        judged = run.judge.score(list(batch.arrays["raw_prompt"]), texts,
+                                 list(batch.arrays["ground_truth"]))  # fmt: skip
+        if run.judge_monitor is not None:
+            training = batch.meta.get(SCORED_FOR, "training") == "training"
+            run.judge_monitor.observe(judged, run.step if step is None else step,
+                                      training=training)  # fmt: skip
+        parts["judge"] = judged.scores
+        metrics.update(judged.metrics)
     scores, part_metrics = combine_parts(parts, data_sources, run.reward_weights)
     if set(parts) != {"rule"}:  # the rule reward alone: its metrics say it all
         metrics.update(part_metrics)

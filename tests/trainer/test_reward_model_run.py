@@ -10,6 +10,7 @@ from reward_model_helpers import write_reward_model
 from trainer_helpers import read_metrics, tiny_config
 
 from hybridflow.config import ConfigError, validate
+from hybridflow.errors import UserError
 from hybridflow.models import load_tokenizer
 from hybridflow.trainer.run import train
 
@@ -37,4 +38,32 @@ def test_a_checkpoint_without_a_score_head_is_refused_before_loading(tmp_path):
     build_model(preset_config("tiny")).save_pretrained(str(tmp_path / "lm"))
     cfg = tiny_config(tmp_path, f"reward.model.path={tmp_path / 'lm'}")
     with pytest.raises(ConfigError, match="holds no score.weight head"):
+        validate(cfg)
+
+
+def test_a_judge_on_the_policys_own_rollout_service_counts_failures_and_stops(tmp_path):
+    # The tiny random policy judges its own answers greedily; its replies ("aaaaaa") hold no
+    # digit: every sample fails, each step's failures are counted, the message is printed
+    # once, and the second such step stops the run (reward.max_failed_steps=2).
+    template = tmp_path / "judge.txt"
+    template.write_text("{prompt}{response}?")
+    cfg = tiny_config(tmp_path, f"reward.judge.template={template}",
+                      r"reward.judge.score_pattern=\d", "reward.weights={rule: 1.0, judge: 0.1}",
+                      "reward.max_failed_steps=2", "trainer.val_before_train=false",
+                      "data.max_prompt_length=48")  # fmt: skip
+    lines = []
+    with pytest.raises(UserError, match="the judge failed on every sample for 2 steps"):
+        train(cfg, log=lines.append)
+    row = read_metrics(tmp_path / "run")[1]
+    assert row["reward/judge/num_errors"] == 16 and row["reward/judge/failure_rate"] == 1.0
+    assert row["score/mean"] == pytest.approx(row["reward/rule/mean"], abs=1e-6)  # judge 0
+    shown = [line for line in lines if line.startswith("judge error (shown once)")]
+    assert len(shown) == 1 and "judge reply has no score" in shown[0]
+
+
+def test_a_template_without_the_response_slot_is_refused(tmp_path):
+    template = tmp_path / "judge.txt"
+    template.write_text("Rate this: {prompt}")
+    cfg = tiny_config(tmp_path, f"reward.judge.template={template}")
+    with pytest.raises(ConfigError, match=r"has no \{response\} slot"):
         validate(cfg)

@@ -1,0 +1,108 @@
+"""Who answers a judge: the policy's own rollout service, or a second model behind an
+OpenAI-compatible server. Each is an ``Ask``: judge prompts -> one ScoreOutcome each (the
+reply text, or why there is none)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from hybridflow.rewards.judge import Ask
+from hybridflow.rewards.parallel import ScoreOutcome
+
+
+def rollout_asker(rollout: Any, tokenizer: Any, max_prompt_length: int,
+                  sampling: dict[str, Any]) -> Ask:  # fmt: skip
+    """Greedy replies of the policy's rollout group (``rollout.generate``): each judge prompt
+    is one user turn of the policy's chat template, at most ``max_prompt_length`` tokens (a
+    longer one is a failed sample); replies are at most data.max_response_length tokens.
+    sampling: the rollout's batch meta (pad and stop ids; n and temperature are set here)."""
+    import torch
+
+    from hybridflow.protocol import Batch
+    from hybridflow.rewards.placement import decode_responses
+
+    def ask(prompts: list[str]) -> list[ScoreOutcome]:
+        outcomes: list[ScoreOutcome | None] = [None] * len(prompts)
+        rows, kept = [], []
+        for i, prompt in enumerate(prompts):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)  # fmt: skip
+            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            if len(ids) > max_prompt_length:
+                outcomes[i] = ScoreOutcome("error", message=(
+                    f"judge prompt of {len(ids)} tokens exceeds data.max_prompt_length = "
+                    f"{max_prompt_length} (the rollout's limit): shorten the template"))  # fmt: skip
+            else:
+                rows.append(ids)
+                kept.append(i)
+        if rows:
+            pad = sampling.get("pad_token_id", 0)
+            width = max(map(len, rows))
+            prompts_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])  # [B, P]
+            mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+            request = Batch({"prompts": prompts_ids, "attention_mask": mask})
+            request.meta.update({**sampling, "n": 1, "temperature": 0.0})
+            out = rollout.generate(request)
+            replies = decode_responses(tokenizer, out.tensors["responses"],
+                                       out.tensors["response_mask"])  # fmt: skip
+            for i, reply in zip(kept, replies):
+                outcomes[i] = ScoreOutcome("ok", reply)
+        return outcomes
+
+    return ask
+
+
+def url_asker(url: str, model: str, max_tokens: int, timeout_s: float,
+              concurrency: int) -> Ask:  # fmt: skip
+    """Greedy chat completions from an OpenAI-compatible server (``hybridflow serve``,
+    vLLM): ``concurrency`` requests in flight, each limited to ``timeout_s``."""
+    endpoint = url.rstrip("/") + "/chat/completions"
+
+    def one(prompt: str) -> ScoreOutcome:
+        body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}],
+                           "max_tokens": max_tokens, "temperature": 0.0}).encode()  # fmt: skip
+        request = urllib.request.Request(endpoint, body, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                reply = json.loads(response.read())
+            return ScoreOutcome("ok", reply["choices"][0]["message"]["content"] or "")
+        except TimeoutError:
+            return ScoreOutcome("timeout", message=f"judge {endpoint} took more than {timeout_s}s")
+        except urllib.error.URLError as error:
+            if isinstance(error.reason, (TimeoutError, socket.timeout)):
+                return ScoreOutcome("timeout",
+                                    message=f"judge {endpoint} took more than {timeout_s}s")  # fmt: skip
+            return ScoreOutcome("error", message=f"judge {endpoint}: {error}")
+        except (OSError, ValueError, KeyError, IndexError, TypeError) as error:
+            return ScoreOutcome("error", message=f"judge {endpoint}: {type(error).__name__}: "
+                                f"{error}")  # fmt: skip
+
+    def ask(prompts: list[str]) -> list[ScoreOutcome]:
+        if not prompts:
+            return []
+        with ThreadPoolExecutor(max_workers=min(concurrency, len(prompts))) as pool:
+            return list(pool.map(one, prompts))
+
+    return ask
+
+
+def build_judge(judge_options: Any, rollout: Any, tokenizer: Any, max_prompt_length: int,
+                sampling: dict[str, Any]):  # fmt: skip
+    """The JudgeReward of the ``reward.judge`` config section (validate() checked it)."""
+    from pathlib import Path
+
+    from hybridflow.rewards.judge import JudgeReward
+
+    template = Path(judge_options.template).expanduser().read_text(encoding="utf-8")
+    if judge_options.engine == "url":
+        ask = url_asker(judge_options.url, judge_options.model, judge_options.max_tokens,
+                        judge_options.timeout_s, judge_options.concurrency)  # fmt: skip
+    else:
+        ask = rollout_asker(rollout, tokenizer, max_prompt_length, sampling)
+    return JudgeReward(template, judge_options.score_pattern, ask)

@@ -1,0 +1,98 @@
+"""The generative judge: the template's slots, the score parser, failures counted as for
+rule rewards, the OpenAI-compatible engine's timeouts, and a judge that always fails stops
+the run."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from hybridflow.errors import UserError
+from hybridflow.rewards.judge import JudgeReward, fill_template, parse_score
+from hybridflow.rewards.judge_engines import url_asker
+from hybridflow.rewards.monitor import FIX_JUDGE, RewardFailureMonitor
+from hybridflow.rewards.parallel import ScoreOutcome
+
+TEMPLATE = 'Rate {"json": "kept"}\nQ: {prompt}\nA: {response}\nKey: {ground_truth}\nScore:'
+PATTERN = r"Score:\s*(-?\d+(?:\.\d+)?)"
+
+
+def test_slots_are_filled_and_other_braces_kept():
+    text = fill_template(TEMPLATE, [{"role": "user", "content": "2+2?"}], "4", 4)
+    assert text == 'Rate {"json": "kept"}\nQ: user: 2+2?\nA: 4\nKey: 4\nScore:'
+
+
+def test_the_last_match_is_the_score():
+    import re
+
+    assert parse_score("Score: 3 ... final Score: 7.5", re.compile(PATTERN)) == 7.5
+    assert parse_score("I give it 8/10", re.compile(r"-?\d+")) == 10.0  # no group: the match
+    with pytest.raises(ValueError, match="no score"):
+        parse_score("great answer", re.compile(PATTERN))
+
+
+def test_failures_score_zero_and_are_counted():
+    replies = [ScoreOutcome("ok", "Score: 9"), ScoreOutcome("ok", "no idea"),
+               ScoreOutcome("timeout", message="judge took more than 1s"),
+               ScoreOutcome("error", message="judge: connection refused")]  # fmt: skip
+    asked = []
+
+    def ask(prompts):
+        asked.extend(prompts)
+        return replies
+
+    judge = JudgeReward(TEMPLATE, PATTERN, ask)
+    result = judge.score(["p"] * 4, ["a", "b", "c", "d"], [None] * 4)
+    assert result.scores == [9.0, 0.0, 0.0, 0.0]
+    assert result.metrics["reward/judge/num_errors"] == 2.0
+    assert result.metrics["reward/judge/num_timeouts"] == 1.0
+    assert result.metrics["reward/judge/failure_rate"] == 0.75
+    assert "A: b" in asked[1] and len(result.error_messages) == 3
+
+
+def test_a_judge_that_always_fails_stops_the_run_after_patience_steps():
+    judge = JudgeReward(TEMPLATE, PATTERN, lambda prompts: 1 / 0)  # the engine raises
+    lines = []
+    monitor = RewardFailureMonitor(lines.append, patience=2, metric_prefix="reward/judge",
+                                   what="judge", fix=FIX_JUDGE)  # fmt: skip
+    monitor.observe(judge.score(["p"], ["a"], [None]), step=1)
+    assert lines[0] == "judge error (shown once): judge engine: ZeroDivisionError: division by zero"
+    with pytest.raises(UserError, match="the judge failed on every sample for 2 steps"):
+        monitor.observe(judge.score(["p"], ["a"], [None]), step=2)
+    assert sum("shown once" in line for line in lines) == 1  # reported once
+
+
+class _Judge(BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        prompt = body["messages"][0]["content"]
+        if "slow" in prompt:
+            time.sleep(2)
+        reply = {"choices": [{"message": {"content": f"Score: {len(prompt) % 7}"}}]}
+        data = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_second_model_behind_an_openai_server_and_its_timeouts():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Judge)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        ask = url_asker(url, "judge", max_tokens=8, timeout_s=0.5, concurrency=4)
+        outcomes = ask(["ok", "slow please"])
+        assert outcomes[0] == ScoreOutcome("ok", "Score: 2")
+        assert outcomes[1].status == "timeout" and "0.5s" in outcomes[1].message
+        refused = url_asker("http://127.0.0.1:9/v1", "judge", 8, 0.5, 1)(["x"])[0]
+        assert refused.status == "error"
+    finally:
+        server.shutdown()
