@@ -425,9 +425,6 @@ def _check_router(cfg: Config, add) -> None:
     if a.router_replay not in ("off", "rollout"):
         add(f"actor.router_replay = {a.router_replay!r} is unknown: use off or rollout (replay "
             "the experts the rollout chose)")  # fmt: skip
-    elif a.router_replay == "rollout" and model_has_experts(cfg.model.path) is False:
-        add(f"actor.router_replay = rollout replays the experts of a mixture-of-experts model; "
-            f"model.path = {cfg.model.path!r} has none: set actor.router_replay=off")  # fmt: skip
     elif a.router_replay == "rollout" and not cfg.rollout.engine.record_routes:
         add("actor.router_replay = rollout replays the routes the engine records, but "
             "rollout.engine.record_routes = false: set it to true")  # fmt: skip

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,7 +27,6 @@ from torch import nn
 from hybridflow.algos import agg_loss, kl_penalty, policy_loss, rollout_is_weights
 from hybridflow.config import ActorConfig, ModelConfig
 from hybridflow.config.sections import UNPLANNED_UPDATE_BUDGET
-from hybridflow.errors import UserError
 from hybridflow.learners import lora
 from hybridflow.learners.core import TrainCore, sequence_group_of
 from hybridflow.learners.metric_sums import MetricSums
@@ -113,11 +113,12 @@ class ActorLearner:
         if model_cfg is not None and model_cfg.compile is True:
             compile_layers(model)
         self.moe = _has_our_router(model)
-        if actor_cfg.router_replay == "rollout" and not self.moe:
-            raise UserError(
-                "actor.router_replay = rollout replays the experts of a mixture-of-experts model "
-                "in hybridflow's decoder; this model has none (or loads through transformers)",
-                "set actor.router_replay=off",
+        replay = actor_cfg.router_replay == "rollout" and self.moe
+        if actor_cfg.router_replay == "rollout" and not self.moe:  # as verl: nothing to patch
+            print(
+                "hybridflow: actor.router_replay=rollout has no effect: the model has no experts "
+                "in hybridflow's decoder (a dense model, or one loaded through transformers)",
+                file=sys.stderr,
             )
         self.router_aux_loss_coef = (
             actor_cfg.router_aux_loss_coef
@@ -126,7 +127,7 @@ class ActorLearner:
         )
         self.policy = PolicyModel(
             model,
-            replay_routes=actor_cfg.router_replay == "rollout",
+            replay_routes=replay,
             sequence_group=sequence_group_of(mesh),
         )
         self.core = TrainCore(

@@ -260,12 +260,14 @@ class RolloutWorker(Worker):
             "rollout_logprobs": rollout_logprobs,
             "token_versions": self._token_versions(results, width),
         }
-        if self.config.actor.router_replay == "rollout":  # the experts each token went through
+        records = [c.routed_experts for c in results]
+        # the experts each token went through (a dense model has none: nothing to replay)
+        if self.config.actor.router_replay == "rollout" and any(r is not None for r in records):
             from hybridflow.engine.routes import padded_routes
 
             prompt_lengths = [len(ids) for ids in prompt_ids for _ in range(params.n)]
             tensors["routed_experts"] = padded_routes(
-                [c.routed_experts for c in results],
+                records,
                 prompt_lengths,
                 batch.tensors["prompts"].shape[1],
                 width,
