@@ -100,7 +100,7 @@ def check_layouts(
 
 def _check_runnable(cfg: Config, add: Add) -> None:
     """A model shape the runtime cannot build is for the memory plan only."""
-    from hybridflow.trainer.plan_shapes import PLAN_ONLY_SHAPES
+    from hybridflow.models.plan_shapes import PLAN_ONLY_SHAPES
 
     shape = PLAN_ONLY_SHAPES.get(cfg.model.path)
     if shape is not None:
@@ -109,10 +109,21 @@ def _check_runnable(cfg: Config, add: Add) -> None:
 
 
 def _architecture(cfg: Config) -> ModelArchitecture | None:
-    from hybridflow.trainer.preflight import model_architecture
+    """The policy's shape without loading weights (an ``sft:`` run: its ``sft.preset``);
+    None when unknown (an unreadable config.json is reported by the model checks)."""
+    import json
+    from pathlib import Path
+
+    from hybridflow.models.architecture import ModelArchitecture
+    from hybridflow.models.presets import PRESETS
 
     path = cfg.sft.preset if cfg.model.path.startswith("sft:") else cfg.model.path
-    return model_architecture(path)
+    if path in PRESETS:
+        return PRESETS[path]
+    try:
+        return ModelArchitecture.from_hf(json.loads((Path(path) / "config.json").read_text()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return None
 
 
 def _check_shape(role: str, arch: ModelArchitecture, sizes: list[RoleSize], add: Add) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from hybridflow.models.plan_shapes import PlanShape
 from hybridflow.parallel.layout import layout_problems
 from hybridflow.trainer.memory_plan import GENERATE
 from hybridflow.trainer.memory_render import gib, usable_bytes
@@ -24,7 +25,6 @@ from hybridflow.trainer.parallel_plan import (
     ParallelSetup,
     build_parallel_plan,
 )
-from hybridflow.trainer.plan_shapes import PlanShape
 
 SIZES = (1, 2, 4, 8)
 

@@ -1,7 +1,7 @@
 """The memory plan of a multi-GPU layout: bytes per GPU of each role, phase by phase, for
 tensor, sequence and expert parallel training and a tensor-parallel rollout.
 
-Pure arithmetic on a :class:`~hybridflow.trainer.plan_shapes.PlanShape` and a
+Pure arithmetic on a :class:`~hybridflow.models.plan_shapes.PlanShape` and a
 :class:`ParallelSetup`. What it assumes (the layouts of docs/parallelism.md):
 
 - **Training state** is sharded over every training GPU: tensor parallelism splits each
@@ -31,9 +31,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridflow.models.plan_shapes import PlanShape
 from hybridflow.trainer.memory_activations import LOGPROB_CHUNK_TOKENS
 from hybridflow.trainer.memory_plan import CRITIC, GENERATE, STEP, UPDATE, MemoryItem
-from hybridflow.trainer.plan_shapes import PlanShape
 
 SYNC = "weight sync"
 PHASES = (SYNC, GENERATE, UPDATE, STEP, CRITIC)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from hybridflow.config import Config, Derived
 from hybridflow.config.sections import UNPLANNED_UPDATE_BUDGET
+from hybridflow.models.plan_shapes import PLAN_ONLY_SHAPES, PlanShape, shape_of
 from hybridflow.parallel.roles import sizes_of
 from hybridflow.trainer.memory_render import count, gib, usable_bytes
 from hybridflow.trainer.parallel_choice import (
@@ -20,7 +21,6 @@ from hybridflow.trainer.parallel_plan import (
     ParallelSetup,
     build_parallel_plan,
 )
-from hybridflow.trainer.plan_shapes import PLAN_ONLY_SHAPES, PlanShape, shape_of
 
 MASTER_BYTES = {"auto": 4, "float32": 4, "bfloat16": 2, "float16": 2}
 """model.dtype -> bytes of the trained weights on a GPU (fp32 masters for auto)."""

@@ -3,10 +3,10 @@ and the layout it recommends for the large cases of docs/parallelism.md."""
 
 import pytest
 
+from hybridflow.models.plan_shapes import PLAN_ONLY_SHAPES, shape_of
 from hybridflow.models.presets import PRESETS
 from hybridflow.trainer import parallel_plan as pp
 from hybridflow.trainer.parallel_choice import recommend, training_layouts, why_nothing_fits
-from hybridflow.trainer.plan_shapes import PLAN_ONLY_SHAPES, shape_of
 
 GIB = 2**30
 LLAMA70 = shape_of(PRESETS["llama3.1-70b"])
