@@ -74,10 +74,13 @@ class _Judge(BaseHTTPRequestHandler):
             time.sleep(2)
         reply = {"choices": [{"message": {"content": f"Score: {len(prompt) % 7}"}}]}
         data = json.dumps(reply).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except BrokenPipeError:  # the client timed out and closed the connection
+            pass
 
     def log_message(self, *args):
         pass
