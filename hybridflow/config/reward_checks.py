@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +14,10 @@ RESPONSE_SLOT = "{response}"
 JUDGE_ENGINES = ("rollout", "url")
 
 
-def stored_score_rows(model_dir: str | Path) -> int | None:
-    """Rows of ``score.weight`` (num_labels) in the safetensors headers of ``model_dir``;
-    None when no header holds it or a header cannot be read."""
+def stored_shapes(model_dir: str | Path) -> dict[str, list[int]] | None:
+    """Tensor name -> shape from the safetensors headers of ``model_dir`` (no weights read);
+    None when a header cannot be read."""
+    shapes: dict[str, list[int]] = {}
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         try:
             with open(file, "rb") as handle:
@@ -23,10 +25,27 @@ def stored_score_rows(model_dir: str | Path) -> int | None:
                 header = json.loads(handle.read(length))
         except (OSError, ValueError, UnicodeDecodeError, MemoryError):
             return None
-        info = header.get(SCORE_WEIGHT) if isinstance(header, dict) else None
-        if isinstance(info, dict) and len(info.get("shape", ())) == 2:
-            return int(info["shape"][0])
-    return None
+        if not isinstance(header, dict):
+            return None
+        for name, info in header.items():
+            if name != "__metadata__" and isinstance(info, dict):
+                shapes[name] = list(info.get("shape", ()))
+    return shapes
+
+
+def stored_score_rows(model_dir: str | Path) -> int | None:
+    """Rows of ``score.weight`` (num_labels) in the safetensors headers of ``model_dir``;
+    None when no header holds it or a header cannot be read."""
+    shape = (stored_shapes(model_dir) or {}).get(SCORE_WEIGHT)
+    return int(shape[0]) if shape is not None and len(shape) == 2 else None
+
+
+def stored_parameter_count(model_dir: str | Path) -> int | None:
+    """Elements of every tensor in the checkpoint (for the memory plan); None if unreadable."""
+    shapes = stored_shapes(model_dir)
+    if shapes is None:
+        return None
+    return sum(math.prod(shape) for shape in shapes.values())
 
 
 def reward_model_problems(path: str) -> list[str]:

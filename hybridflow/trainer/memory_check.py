@@ -93,8 +93,24 @@ def plan_options(cfg: Config, derived: Derived, gpu_bytes: int | None) -> PlanOp
         reference_offload=cfg.ref.param_offload,
         critic=derived.use_critic,
         critic_micro_batch_tokens=critic_tokens,
+        **reward_model_options(cfg),
         gpu_bytes=gpu_bytes,
     )
+
+
+def reward_model_options(cfg: Config) -> dict[str, object]:
+    """The reward model's PlanOptions fields: its size from the safetensors headers."""
+    rm = cfg.reward.model
+    if rm.path is None:
+        return {}
+    from hybridflow.config.reward_checks import stored_parameter_count
+
+    rollout_bytes = DTYPE_BYTES.get(rm.dtype, (4, 2))[1]
+    return {
+        "reward_model_parameters": stored_parameter_count(rm.path) or 0,
+        "reward_model_bytes": rollout_bytes,  # auto: bf16 on a GPU, as the reference
+        "reward_model_offload": rm.param_offload,
+    }
 
 
 def plan_for_config(

@@ -123,6 +123,12 @@ class PlanOptions:
     reference_offload: bool = False
     critic: bool = False
     critic_micro_batch_tokens: int = 4096
+    reward_model_parameters: int = 0
+    """Elements of the reward model (reward.model.path); 0: none."""
+    reward_model_bytes: int = 2
+    """Bytes per element of the reward model's weights."""
+    reward_model_offload: bool = False
+    """reward.model.param_offload: its weights in host memory except while it scores."""
     gpu_bytes: int | None = None
     """Memory of one GPU; None: unknown (the KV cache is then planned at max_num_seqs)."""
 
@@ -401,6 +407,20 @@ def reference_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
                        host_bytes=weights * o.train_gpus if on_host else 0)]  # fmt: skip
 
 
+def reward_model_items(o: PlanOptions) -> list[MemoryItem]:
+    """A full copy of the reward model on each training GPU (workers/reward_model.py; not
+    sharded); offloaded, it is on the GPU only while it scores, after generation and
+    before the passes, a phase whose peak is below the update's."""
+    if not o.reward_model_parameters:
+        return []
+    weights = o.reward_model_parameters * o.reward_model_bytes
+    name = f"reward model weights ({_dtype(o.reward_model_bytes)})"
+    if o.reward_model_offload:
+        return [MemoryItem(name, 0, ALWAYS, host_bytes=weights * o.train_gpus,
+                           note="on the GPU only while it scores")]  # fmt: skip
+    return [MemoryItem(name, weights, ALWAYS)]
+
+
 def critic_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
     """The value model: the actor's shapes, its own masters and AdamW state, an untied
     lm_head frozen (learners/modules.ValueModel); no LoRA, no offload, no checkpointing."""
@@ -476,7 +496,8 @@ def kv_cache_item(a: ModelArchitecture, o: PlanOptions, items: list[MemoryItem])
 
 def build_plan(model: str, a: ModelArchitecture, o: PlanOptions) -> MemoryPlan:
     """Every item of the run on one training GPU (and one rollout GPU with split placement)."""
-    items = actor_items(a, o) + reference_items(a, o) + critic_items(a, o) + rollout_items(a, o)
+    items = actor_items(a, o) + reference_items(a, o) + reward_model_items(o)
+    items += critic_items(a, o) + rollout_items(a, o)
     kv, slots = kv_cache_item(a, o, items)
     items.append(kv)
     if o.split:  # actor.full_weights(): the masters, on the controller's host, each sync
