@@ -13,6 +13,7 @@ Key names (what `metrics.jsonl` and the console show):
 from __future__ import annotations
 
 import functools
+import math
 import subprocess
 import time
 from collections import defaultdict
@@ -96,7 +97,30 @@ def data_metrics(
             metrics.update(masked_token_stats(tensors[key], mask, prefix))
     if "prompt_mask" in tensors:
         metrics.update(prompt_length_metrics(tensors["prompt_mask"]))
+    if "old_logprobs" in tensors and "rollout_logprobs" in tensors:
+        metrics.update(
+            rollout_gap_metrics(tensors["old_logprobs"], tensors["rollout_logprobs"], mask)
+        )
     return metrics
+
+
+def rollout_gap_metrics(
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """How far the trainer's log-probs of the sampled tokens are from the engine's (same
+    weights, other kernels; a mixture of experts' routing flips add to it, which
+    actor.router_replay=rollout removes): the mean and tails of |log π_trainer − log π_rollout|
+    over response tokens, and the share of importance ratios outside [0.8, 1.25]."""
+    gap = (old_logprobs - rollout_logprobs)[mask.bool()].double().abs()  # [tokens]
+    if gap.numel() == 0:
+        return {}
+    return {
+        "rollout_gap/abs_logprob_diff_mean": gap.mean().item(),
+        "rollout_gap/abs_logprob_diff_p99": torch.quantile(gap, 0.99).item(),
+        "rollout_gap/abs_logprob_diff_p999": torch.quantile(gap, 0.999).item(),
+        "rollout_gap/abs_logprob_diff_max": gap.max().item(),
+        "rollout_gap/ratio_outside_0.8_1.25": (gap > math.log(1.25)).double().mean().item(),
+    }
 
 
 def throughput_metrics(num_tokens: int, step_time_s: float, n_gpus: int) -> dict[str, float]:

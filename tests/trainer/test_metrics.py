@@ -153,3 +153,18 @@ def test_device_name_comes_from_nvidia_smi_without_a_cuda_context(monkeypatch):
         assert metrics.peak_flops_per_gpu() is None  # no GPU tool: MFU unknown, no crash
     finally:
         metrics.cuda_device_name.cache_clear()
+
+
+def test_rollout_gap_metrics_by_hand():
+    from hybridflow.trainer.metrics import rollout_gap_metrics
+
+    old = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -9.0, -1.0]])
+    rollout = torch.tensor([[-1.0, -2.1, -2.5], [-0.5, 0.0, -1.3]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 1]])  # the -9 vs 0 token is padding
+    got = rollout_gap_metrics(old, rollout, mask)
+    # |diffs| on the 5 tokens: 0, 0.1, 0.5, 0, 0.3 -> mean 0.18, max 0.5; log 1.25 = 0.223:
+    # 0.5 and 0.3 are outside [0.8, 1.25] -> 2 of 5
+    assert abs(got["rollout_gap/abs_logprob_diff_mean"] - 0.18) < 1e-6
+    assert abs(got["rollout_gap/abs_logprob_diff_max"] - 0.5) < 1e-6
+    assert abs(got["rollout_gap/ratio_outside_0.8_1.25"] - 0.4) < 1e-9
+    assert got["rollout_gap/abs_logprob_diff_p99"] <= 0.5

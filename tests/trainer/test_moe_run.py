@@ -31,6 +31,9 @@ def test_moe_example_replays_the_rollouts_routes_and_learns(tmp_path, quiet):
     # each response (never fed back) and nothing else is routed by the trainer
     assert 0.7 < replayed < 1.0, replayed
     assert any(k.endswith("moe/aux_loss") for k in last)
+    # two mini-batches: the old-log-prob pass ran; fp32 on the CPU, the engine's torch path
+    # computes what the trainer does, and both route alike
+    assert last["rollout_gap/abs_logprob_diff_max"] < 1e-4
     assert any(k.endswith("moe/router_entropy") for k in last)
 
 
