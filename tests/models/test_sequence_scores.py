@@ -58,3 +58,20 @@ def test_a_causal_lm_has_no_score_head(tmp_path):
     assert score_head_labels(tmp_path) is None
     with pytest.raises(ValueError, match="score.weight"):
         load_sequence_classifier(str(tmp_path))
+
+
+def test_an_architecture_outside_our_decoder_scores_through_transformers(tmp_path, capsys):
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    config = GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                        num_labels=1, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    reference = GPT2ForSequenceClassification(config).eval()
+    reference.save_pretrained(str(tmp_path))
+    model = load_sequence_classifier(str(tmp_path))
+    assert isinstance(model, HFSequenceClassifier)
+    assert "through transformers" in capsys.readouterr().err
+    with torch.no_grad():
+        ours = model.forward_scores(*packed(SEQUENCES), pad_token_id=0)[:, 0]
+        theirs = [float(reference(input_ids=torch.tensor([s])).logits[0, 0]) for s in SEQUENCES]
+    torch.testing.assert_close(ours, torch.tensor(theirs), atol=1e-4, rtol=1e-4)

@@ -67,3 +67,16 @@ def test_a_template_without_the_response_slot_is_refused(tmp_path):
     cfg = tiny_config(tmp_path, f"reward.judge.template={template}")
     with pytest.raises(ConfigError, match=r"has no \{response\} slot"):
         validate(cfg)
+
+
+def test_hybridflow_train_exits_2_on_a_reward_model_without_a_score_head(tmp_path, capsys):
+    from hybridflow.cli import main
+    from hybridflow.models import build_model
+    from hybridflow.models.presets import preset_config
+
+    build_model(preset_config("tiny")).save_pretrained(str(tmp_path / "lm"))
+    code = main(["train", f"reward.model.path={tmp_path / 'lm'}",
+                 f"trainer.run_dir={tmp_path / 'run'}", "model.path=tiny"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "holds no score.weight head" in err and not (tmp_path / "run").exists()
