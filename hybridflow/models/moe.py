@@ -235,7 +235,16 @@ class SparseMoeBlock(nn.Module):
         """x [..., H]; recorded_ids [T, k] (T = tokens of x; NO_ROUTE rows route freely) or
         None -> (out [..., H], router_logits [T, E], topk_ids [T, k])."""
         flat = x.reshape(-1, x.shape[-1])  # [T, H]
-        router_logits = F.linear(flat, self.gate.weight.to(x.dtype))  # [T, E]
+        # Autocast casts what F.linear touches, not torch._grouped_mm's operands: the experts
+        # take its dtype themselves (a dense MLP's output dtype under autocast, too).
+        device_type = x.device.type
+        dtype = (
+            torch.get_autocast_dtype(device_type)
+            if torch.is_autocast_enabled(device_type)
+            else x.dtype
+        )
+        flat = flat.to(dtype)
+        router_logits = F.linear(flat, self.gate.weight.to(dtype))  # [T, E]
         if recorded_ids is None:
             topk_ids, topk_weights = select_experts(router_logits, self.top_k, self.norm_topk_prob)
         else:
@@ -243,12 +252,12 @@ class SparseMoeBlock(nn.Module):
                 router_logits, recorded_ids, self.top_k, self.norm_topk_prob
             )
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        if gate_up.dtype != x.dtype:  # fp32 masters under autocast: compute in x's dtype
-            gate_up, down = gate_up.to(x.dtype), down.to(x.dtype)
+        if gate_up.dtype != dtype:  # fp32 masters under autocast: a compute copy
+            gate_up, down = gate_up.to(dtype), down.to(dtype)
         adapters = self.experts.lora
         if adapters is not None and adapters.disabled:
             adapters = None
         out = moe_experts(
             flat, topk_ids, topk_weights, gate_up, down, self.expert_backend, adapters
         )
-        return out.view(x.shape), router_logits, topk_ids
+        return out.view(*x.shape[:-1], -1), router_logits, topk_ids

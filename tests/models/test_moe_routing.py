@@ -156,3 +156,18 @@ def test_gradient_checkpointing_keeps_gradients_and_one_trace_entry_per_layer():
     assert any(".mlp.gate." in name for name in grads[0])
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, msg=name)
+
+
+def test_experts_compute_in_the_autocast_dtype():
+    """fp32 masters under autocast: the grouped GEMMs get bf16 operands (autocast does not
+    cast torch._grouped_mm's), as a dense MLP's nn.Linear would."""
+    model = randomized_model(small_moe_config("qwen3_moe"))
+    block = model.model.layers[0].mlp
+    x = torch.randn(7, model.config.hidden_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, logits, _ = block.forward_routed(x)
+        hidden = model.forward_packed(*_packed_inputs())
+    assert out.dtype == logits.dtype == torch.bfloat16
+    assert hidden.dtype in (torch.bfloat16, torch.float32)
+    exact, _, _ = block.forward_routed(x)
+    assert (out.float() - exact).abs().max() < 0.05 * exact.abs().max()
