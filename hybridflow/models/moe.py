@@ -76,20 +76,24 @@ def replay_routes(
 
 
 def resolve_expert_backend(
-    backend: str, device: torch.device, widths: tuple[int, ...] = (), element_size: int = 2
+    backend: str,
+    device: torch.device,
+    widths: tuple[int, ...] = (),
+    dtype: torch.dtype = torch.bfloat16,
 ) -> str:
     """The backend for "auto": one grouped GEMM per projection on the GPU (Hopper: 0.69 ms
     against 24.5 ms for a per-expert loop at the Qwen3-30B-A3B shape), the loop on the CPU
     (the reference). torch._grouped_mm needs each operand row (``widths`` elements) to be a
-    multiple of 16 bytes."""
+    multiple of 16 bytes, and on CUDA bf16 operands."""
     if backend not in EXPERT_BACKENDS:
         raise ValueError(f"expert backend {backend!r} is not one of {EXPERT_BACKENDS}")
-    aligned = all(width * element_size % 16 == 0 for width in widths)
+    aligned = all(width * dtype.itemsize % 16 == 0 for width in widths)
     if backend == "grouped_mm" and not aligned:
         raise ValueError(f"grouped_mm needs rows of 16 bytes' multiples; widths {widths}")
     if backend != "auto":
         return backend
-    return "grouped_mm" if device.type == "cuda" and aligned else "loop"
+    # the CUDA kernel takes bf16 only (fp32 weights without autocast: the loop)
+    return "grouped_mm" if device.type == "cuda" and dtype == torch.bfloat16 and aligned else "loop"
 
 
 def grouped_linear(
@@ -129,7 +133,7 @@ def moe_experts(
     num_tokens, top_k = topk_ids.shape
     num_experts, inner = gate_up.shape[0], gate_up.shape[1] // 2
     widths = (hidden.shape[-1], inner)
-    backend = resolve_expert_backend(backend, hidden.device, widths, hidden.element_size())
+    backend = resolve_expert_backend(backend, hidden.device, widths, hidden.dtype)
     flat_ids = topk_ids.reshape(-1)  # [T*k]
     order = flat_ids.argsort(stable=True)  # assignments grouped by expert
     # Group ends by binary search in the sorted ids: no host sync (bincount on CUDA has one).
