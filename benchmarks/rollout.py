@@ -5,6 +5,8 @@ log-probs) and can profile a decode step. Prints a table last; writes JSON + mar
 
     python benchmarks/rollout.py --out $OUT                 # full suite (H200: ~4 min)
     python benchmarks/rollout.py --out /tmp/r --only check  # just the device checks
+    python benchmarks/rollout.py --out $OUT --only variants --presets qwen3-30b-a3b  # one model
+    python benchmarks/rollout.py --out $OUT --only moegap   # MoE gap, with and without replay
     python benchmarks/rollout.py --device cpu --quick       # CPU dry run of every code path
 """
 

@@ -74,3 +74,25 @@ def test_padded_routes_align_with_left_padded_prompts_and_right_padded_responses
     assert routed.shape == (2, 7, 2, 1) and routed.dtype == torch.int16
     assert routed[0, :, 0, 0].tolist() == [-1, 0, 2, 4, 6, -1, -1]  # pad, prompt, 2 responses
     assert routed[1, :, 1, 0].tolist() == [7, 7, 7, -1, -1, -1, -1]  # the last token: -1
+
+
+def test_unmerged_expert_adapters_decode_as_the_model_runs_them():
+    """An ExpertLoRA attached and on: the engine runs the model's own grouped path with it."""
+    from hybridflow.models.moe import ExpertLoRA
+
+    model = build_model(preset_config("tiny-moe"), seed=4).eval().requires_grad_(False)
+    generator = torch.Generator().manual_seed(4)
+    for p in model.parameters():
+        p.normal_(0, 0.3, generator=generator)
+    for layer in model.model.layers:
+        if layer.sparse:
+            lora = ExpertLoRA(layer.mlp.experts, rank=4, alpha=8.0, generator=generator)
+            for factor in (lora.gate_up_B, lora.down_B):  # B = 0 would change nothing
+                factor.data.normal_(0, 0.3, generator=generator)
+            layer.mlp.experts.lora = lora.requires_grad_(False)
+    params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    engine = Engine(model, 2, 32, options=EngineOptions(decode_backend="torch"))
+    prompt = PROMPTS[0]
+    tokens = engine.generate([prompt], params)[0].token_ids
+    logits = model(torch.tensor([prompt + tokens[:-1]]))[0]
+    assert tokens == logits[len(prompt) - 1 :].argmax(-1).tolist()

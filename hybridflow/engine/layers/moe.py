@@ -84,6 +84,12 @@ def mlp_torch(layer, x: torch.Tensor, target: RouteTarget | None, sparse_index: 
     return experts_torch(layer.mlp, x, target, sparse_index, keep)
 
 
+def _active_adapters(mlp):
+    """The experts' LoRA (models/moe.py's ExpertLoRA) when attached and on, else None."""
+    adapters = getattr(mlp.experts, "lora", None)
+    return None if adapters is None or adapters.disabled else adapters
+
+
 def experts_torch(
     mlp, x: torch.Tensor, target: RouteTarget | None, sparse_index: int,
     keep: torch.Tensor | None = None,
@@ -100,7 +106,7 @@ def experts_torch(
         x, ids, weights = x[keep], ids[keep], weights[keep]
     experts = mlp.experts
     return moe_experts(x, ids, weights, experts.gate_up_proj, experts.down_proj,
-                       mlp.expert_backend)  # fmt: skip
+                       mlp.expert_backend, _active_adapters(mlp))  # fmt: skip
 
 
 def experts_triton(
@@ -117,6 +123,8 @@ def experts_triton(
     extend pass (ExpertMatmuls may run torch._grouped_mm)."""
     from hybridflow.engine.kernels import moe
 
+    if _active_adapters(mlp) is not None:  # unmerged expert LoRA: the model's own grouped path
+        return experts_torch(mlp, x, target, sparse_index, keep)
     logits = F.linear(x, _router_weight(mlp, x))  # [N, E], rounded as the model's router
     record = None
     if target is not None:
