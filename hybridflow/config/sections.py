@@ -1,5 +1,10 @@
 """The config sections: one dataclass per section, a docstring under every field.
 
+This module holds ``data``, ``model``, ``algorithm``, ``trainer`` and ``sft``, the
+:class:`Config` that gathers every section and the :class:`Derived` sizes; the larger sections
+live beside it and are imported from here: ``actor``, ``ref`` and ``critic`` in
+actor_sections.py, ``rollout`` in rollout_section.py, ``reward`` in reward_section.py.
+
 Batch sizes follow the semantics verl users know: ``data.train_batch_size`` counts prompts,
 each prompt yields ``rollout.n`` samples; ``actor.ppo_mini_batch_size`` counts prompts per
 optimizer step; per-GPU sizes are *derived* by ``validate`` and never set by hand.
@@ -9,15 +14,37 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from hybridflow.agents.options import AgentOptions
-from hybridflow.engine.options import EngineOptions
+from hybridflow.config.actor_sections import ActorConfig, CriticConfig, RefConfig
+from hybridflow.config.reward_section import JudgeOptions, RewardConfig, RewardModelOptions
+from hybridflow.config.rollout_section import RolloutConfig
 from hybridflow.errors import UserError
 from hybridflow.trainer.profile_options import ProfileOptions
 
 if TYPE_CHECKING:
     from hybridflow.parallel.roles import RoleLayouts
+
+__all__ = [
+    "GROUP_ESTIMATORS",
+    "SECTIONS",
+    "UNPLANNED_UPDATE_BUDGET",
+    "ActorConfig",
+    "AlgorithmConfig",
+    "Config",
+    "ConfigError",
+    "CriticConfig",
+    "DataConfig",
+    "Derived",
+    "JudgeOptions",
+    "ModelConfig",
+    "RefConfig",
+    "RewardConfig",
+    "RewardModelOptions",
+    "RolloutConfig",
+    "SFTConfig",
+    "TrainerConfig",
+]
 
 GROUP_ESTIMATORS = (
     "grpo",
@@ -109,290 +136,6 @@ class ModelConfig:
         ]
     )
     """Linear layers that get LoRA adapters."""
-
-
-@dataclass
-class ActorConfig:
-    lr: float = 2e-4
-    """Peak learning rate of AdamW. The default suits the built-in tiny demo model; LLMs of
-    0.5B+ parameters use about 1e-6."""
-    weight_decay: float = 0.0
-    """AdamW decoupled weight decay."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    """AdamW betas."""
-    lr_scheduler: str = "constant"
-    """constant | linear | cosine (after the warm-up)."""
-    lr_warmup_steps: int = 0
-    """Optimizer steps of linear warm-up from 0 to ``lr``."""
-    min_lr_ratio: float = 0.0
-    """Floor of the cosine/linear decay as a fraction of ``lr``."""
-    grad_clip: float = 1.0
-    """Max global grad norm; a step with a non-finite norm is skipped and counted."""
-    ppo_mini_batch_size: int = 32
-    """Prompts per optimizer step (× rollout.n samples, split over data-parallel ranks)."""
-    micro_batch_size_per_gpu: int = 8
-    """Samples per forward/backward on one GPU (ignored when max_tokens_per_gpu is set)."""
-    max_tokens_per_gpu: int | str | None = None
-    """Token budget per micro-batch (dynamic batching of packed sequences). None: off. auto:
-    the memory plan picks it on a GPU of known size: the most tokens (up to 65,536) whose
-    update fits, without gradient checkpointing when model.gradient_checkpointing=auto and
-    16,384 or more fit so (trainer/memory_choices.py says why); elsewhere 16,384 (at least
-    one whole sequence)."""
-    log_prob_max_tokens_per_gpu: int | None = None
-    """Token budget per micro-batch of the old-log-prob pass (a forward without autograd,
-    packed by tokens). None: derived from the memory plan on a GPU of known size (the most
-    tokens whose forward fits beside what stays resident, at most 4× the update's budget and
-    the whole batch on one GPU, never below the update's budget); elsewhere the update's
-    batching (max_tokens_per_gpu or micro_batch_size_per_gpu)."""
-    ppo_epochs: int = 1
-    """Passes over each RL batch."""
-    shuffle: bool = False
-    """Shuffle samples between mini-batches within an RL step."""
-    policy_loss: str = "vanilla"
-    """Policy loss: vanilla | gspo | cispo | sapo | gpg | clip_cov | kl_cov | geo_mean | …"""
-    policy_loss_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments of the chosen policy loss (e.g. clip_cov_ratio)."""
-    loss_agg_mode: str = "token-mean"
-    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."""
-    clip_ratio_low: float = 0.2
-    """PPO lower clip ε_low: ratio ≥ 1 − ε_low."""
-    clip_ratio_high: float = 0.2
-    """PPO upper clip ε_high (DAPO's clip-higher uses 0.28)."""
-    clip_ratio_c: float = 3.0
-    """Dual-clip constant c > 1 for negative advantages."""
-    entropy_coeff: float = 0.0
-    """Entropy bonus coefficient (loss −= coeff · entropy)."""
-    use_kl_loss: bool = False
-    """Add ``kl_loss_coef · KL(π‖π_ref)`` to the loss (GRPO style); needs the reference."""
-    kl_loss_coef: float = 0.001
-    """Weight of the KL loss."""
-    kl_loss_type: str = "low_var_kl"
-    """KL estimator for the loss: kl | abs | mse | low_var_kl | k1+ | k3+ …"""
-    skip_old_logprob_on_policy: bool = True
-    """When each RL batch is exactly one optimizer step (ppo_epochs = 1, one mini-batch) and
-    the KL is not in the reward, skip the old-log-prob forward pass and use the detached
-    current log-probs (ratio exactly 1, same gradient). Turn off to log entropy/ratios of a
-    separate pass."""
-    rollout_is_cap: float | None = None
-    """Truncated importance weight cap C for rollout/trainer log-prob mismatch; None: off."""
-    param_offload: bool = False
-    """FSDP2 CPU offload (several training GPUs): sharded masters, gradients and AdamW state on
-    the host, the step there. Does nothing on one GPU (use optimizer_offload)."""
-    optimizer_offload: bool = False
-    """One training GPU: fp32 masters and AdamW state on the host for the whole run, the step
-    on the CPU bucket by bucket, bf16 weights on the GPU (docs/memory.md, Optimizer offload)."""
-    router_replay: str = "off"
-    """Mixture-of-experts models: off | rollout. rollout: the old-log-prob and update passes
-    send each token to the experts the rollout engine chose for it (gate weights recomputed
-    from the current router, so it keeps learning), so a routing flip between the engine's
-    and the trainer's numerics does not move the log-probs (verl's router_replay R3)."""
-    router_aux_loss_coef: float | None = None
-    """Mixture-of-experts models: weight of the load-balancing loss (Switch Transformer, as
-    transformers computes it). None: the model's config.json router_aux_loss_coef."""
-    router_z_loss_coef: float = 0.0
-    """Mixture-of-experts models: weight of the router z-loss (ST-MoE: the mean squared
-    logsumexp of the router logits), which keeps the logits small; 0: off."""
-    tensor_parallel_size: int = 1
-    """Ranks that split each layer's heads, MLP columns and vocabulary (docs/parallelism.md).
-    The actor's ranks are data × sequence × tensor parallel; FSDP2 shards over the rest."""
-    sequence_parallel_size: int = 1
-    """Ranks that split each packed sequence (Ulysses: an all-to-all around attention), for
-    sequences too long for one GPU's activations. verl's ulysses_sequence_parallel_size."""
-    expert_parallel_size: int = 1
-    """Mixture-of-experts models: ranks that split the experts of each sparse layer (tokens
-    dispatched and combined by all-to-all); a multiple of sequence_parallel_size."""
-
-
-@dataclass
-class RolloutConfig:
-    n: int = 8
-    """Samples per prompt (group size for GRPO/RLOO)."""
-    temperature: float = 1.0
-    """Sampling temperature; the trainer's log-probs use the same temperature."""
-    top_k: int = -1
-    """Keep the k most likely tokens; -1: off."""
-    top_p: float = 1.0
-    """Nucleus sampling mass; 1.0: off."""
-    min_p: float = 0.0
-    """Drop tokens with p < min_p · p_max; 0: off."""
-    ignore_eos: bool = False
-    """Keep generating past EOS up to max_response_length (benchmarks)."""
-    max_num_seqs: int = 1024
-    """Most sequences decoded at once per engine (the slot cache's slots; with the paged
-    cache, the rows one decode step may hold)."""
-    gpu_memory_utilization: float = 0.4
-    """Fraction of free GPU memory the KV cache may take while generating."""
-    release_cache: bool = True
-    """Free the KV cache after each generate so training gets the memory back."""
-    lora_in_place: bool = False
-    """LoRA: decode the actor's own base weights with the adapters added unmerged
-    (engine/adapters.py) instead of a merged copy refreshed at each sync: no second copy of
-    the model (61 GiB for a 32B model in bf16), for the split decode layer and two small
-    matmuls a projection. Needs model.dtype=bfloat16 on a GPU (the base in the rollout's
-    dtype), one training GPU, colocated placement, and no generation over an update."""
-    dtype: str = "model"
-    """Rollout matmuls: model (the policy's dtype) | fp8 (W8A8 float8 e4m3, quantized from
-    the trainer's weights at every sync: faster decode on sm_89+ GPUs; turns on truncated
-    importance sampling against the engine's log-probs, actor.rollout_is_cap=2.0, unless
-    set). Same as rollout.engine.weight_format."""
-    val_temperature: float = 1.0
-    """Validation sampling temperature; 0: greedy (then val_n is 1). At the training
-    temperature, mean@n is the expected score of the policy RL optimizes."""
-    val_n: int = 4
-    """Samples per validation prompt (mean@n / best@n / maj@n)."""
-    tensor_parallel_size: int = 1
-    """Ranks of one engine replica: its heads, MLP columns and KV cache are split over them
-    (one all-reduce per attention and per MLP). The rollout runs world / this replicas.
-    verl's rollout.tensor_model_parallel_size."""
-    expert_parallel_size: int = 1
-    """Mixture-of-experts models: ranks that split the experts in the rollout, spanning
-    whole tensor-parallel replicas (a multiple of rollout.tensor_parallel_size)."""
-    agent: AgentOptions = field(default_factory=AgentOptions)
-    """Multi-turn episodes with tools (hybridflow/agents/options.py): rollout.agent.loop=tools
-    rollout.agent.tools=[calculator,python] trains on the model's turns, tool results masked
-    out of the loss. Rows need chat messages as prompts."""
-    engine: EngineOptions = field(default_factory=EngineOptions)
-    """How the generation engine runs: decode path, fused projections, matmul choice, PDL,
-    CUDA graphs, steps per sync, ... (every field documented in hybridflow/engine/options.py;
-    e.g. rollout.engine.decode_layer=split). Its timing choices are pinned under
-    rollout.engine.cache_dir (default: trainer.cache_dir); rollout.engine.retune=true times
-    them again."""
-
-
-@dataclass
-class RefConfig:
-    path: str | None = None
-    """Reference policy weights; default: the initial policy (with LoRA: adapters disabled)."""
-    micro_batch_size_per_gpu: int = 16
-    """Samples per reference forward on one GPU."""
-    max_tokens_per_gpu: int | None = None
-    """Token budget per reference micro-batch (a forward without autograd). None: derived
-    from the memory plan on a GPU of known size, as actor.log_prob_max_tokens_per_gpu;
-    elsewhere micro_batch_size_per_gpu samples."""
-    param_offload: bool = False
-    """Keep the reference weights on CPU between uses."""
-    tensor_parallel_size: int | None = None
-    """As actor.tensor_parallel_size, for the reference model; None: the actor's."""
-    sequence_parallel_size: int | None = None
-    """As actor.sequence_parallel_size, for the reference model; None: the actor's."""
-    expert_parallel_size: int | None = None
-    """As actor.expert_parallel_size, for the reference model; None: the actor's."""
-
-
-@dataclass
-class CriticConfig:
-    path: str | None = None
-    """Critic backbone; default: the actor's initial weights with a fresh value head."""
-    lr: float = 1e-5
-    """Critic learning rate."""
-    ppo_mini_batch_size: int | None = None
-    """Prompts per critic optimizer step; default: actor.ppo_mini_batch_size."""
-    micro_batch_size_per_gpu: int = 8
-    """Samples per critic forward/backward on one GPU."""
-    max_tokens_per_gpu: int | None = None
-    """Token budget per critic micro-batch; None: off."""
-    ppo_epochs: int | None = None
-    """Critic passes per RL batch; default: actor.ppo_epochs."""
-    cliprange_value: float = 0.5
-    """Value clip c: v̂ = clip(v, v_old − c, v_old + c)."""
-    grad_clip: float = 1.0
-    """Max global grad norm of the critic."""
-    loss_agg_mode: str = "token-mean"
-    """Aggregation of the value loss."""
-    lr_warmup_steps: int = 0
-    """Critic warm-up steps."""
-    tensor_parallel_size: int | None = None
-    """As actor.tensor_parallel_size, for the critic; None: the actor's."""
-    sequence_parallel_size: int | None = None
-    """As actor.sequence_parallel_size, for the critic; None: the actor's."""
-    expert_parallel_size: int | None = None
-    """As actor.expert_parallel_size, for the critic; None: the actor's."""
-
-
-@dataclass
-class RewardModelOptions:
-    path: str | None = None
-    """A ``*ForSequenceClassification`` checkpoint (a local HF directory with a
-    ``score.weight`` head) that scores each conversation; None: no reward model. Llama,
-    Mistral and Qwen2/3 run in hybridflow's decoder, other architectures in transformers'."""
-    tokenizer_path: str | None = None
-    """Its tokenizer and chat template; None: the checkpoint directory's. When they differ
-    from the policy's, the conversation is rendered again from text (prompt messages + the
-    response as the assistant turn); else the policy's token ids are scored as they are."""
-    micro_batch_size_per_gpu: int = 16
-    """Conversations per reward-model forward on one device (without a token budget)."""
-    max_tokens_per_gpu: int | None = None
-    """Token budget of one packed reward-model forward; None: micro_batch_size_per_gpu
-    conversations at a time."""
-    param_offload: bool = False
-    """Keep the reward model's weights in host memory between uses (colocated: the GPU
-    memory goes to the other roles meanwhile; the memory plan counts it either way)."""
-    dtype: str = "auto"
-    """bfloat16 | float32 | float16 | auto (bf16 on a GPU, fp32 on the CPU)."""
-
-
-@dataclass
-class JudgeOptions:
-    template: str | None = None
-    """A text file holding the judge's prompt; None: no judge. ``{response}`` (required),
-    ``{prompt}`` and ``{ground_truth}`` are replaced by the sample's; other braces stay as
-    written."""
-    engine: str = "rollout"
-    """Who answers: "rollout" (the policy's own rollout service, greedy, at most
-    data.max_response_length tokens; the judge prompt at most data.max_prompt_length) or
-    "url" (a second model behind an OpenAI-compatible server: ``hybridflow serve``, vLLM)."""
-    url: str | None = None
-    """engine=url: the server's base URL, e.g. http://127.0.0.1:8000/v1."""
-    model: str = "judge"
-    """engine=url: the model name sent with each request."""
-    max_tokens: int = 256
-    """engine=url: tokens of one judge reply."""
-    score_pattern: str = r"(-?\d+(?:\.\d+)?)"
-    """Regular expression read from the reply; its last match is the score (group 1 if it
-    has a group, else the whole match), which must parse as a number. A reply without a
-    match is a failed sample (scores 0, counted)."""
-    timeout_s: float = 60.0
-    """engine=url: one judge request's limit; a request past it is a timeout (counted)."""
-    concurrency: int = 16
-    """engine=url: judge requests in flight at once."""
-
-
-@dataclass
-class RewardConfig:
-    manager: str = "naive"
-    """naive (one call per sample) | batch (custom_fn gets lists) | dapo (adds overlong shaping)."""
-    custom_fn: str | None = None
-    """``path/to/file.py:function`` scoring (data_source, solution_str, ground_truth, extra_info)."""
-    num_workers: int = 0
-    """Parallel scoring processes; 0: score in the controller process."""
-    timeout_s: float = 10.0
-    """Per-sample scoring timeout; a timeout or exception scores 0 and is counted (the
-    samples of a step are scored concurrently, so timeouts do not add up)."""
-    max_failed_steps: int = 3
-    """Consecutive training steps on which the reward fails on every sample before the run
-    stops with the error (the messages are printed as they first happen)."""
-    overlong_buffer_len: int = 0
-    """DAPO overlong shaping buffer B in tokens; 0: off."""
-    overlong_penalty_factor: float = 1.0
-    """DAPO overlong penalty factor."""
-    sandbox_isolation: str = "auto"
-    """How the `code` reward isolates the programs it runs (the response against each
-    test): "strict" (a jail per program; refuse to start where the machine cannot build
-    one), "basic", "auto" (strict where possible); as rollout.agent.sandbox_isolation."""
-    model: RewardModelOptions = field(default_factory=RewardModelOptions)
-    """A reward model (sequence classifier) scoring each conversation: reward.model.path."""
-    judge: JudgeOptions = field(default_factory=JudgeOptions)
-    """A generative judge (an LLM reading a prompt template) scoring each response:
-    reward.judge.template."""
-    weights: dict[str, float] = field(default_factory=dict)
-    """Weight of each reward part in the score: ``rule`` (the data source's scorer, or
-    reward.custom_fn), ``model`` (reward.model), ``judge`` (reward.judge); e.g.
-    ``{rule: 1.0, model: 0.5}``. Empty: the rule reward alone, or, when a model or a judge
-    is on, those (weight 1) without the rule reward, as verl's reward model replaces it. A
-    part of weight 0 everywhere is not computed."""
-    source_weights: dict[str, dict[str, float]] = field(default_factory=dict)
-    """Per data source, weights that replace reward.weights for its samples, e.g.
-    ``{gsm8k: {rule: 1.0}, chat: {model: 1.0}}``."""
 
 
 @dataclass
