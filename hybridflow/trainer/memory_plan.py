@@ -46,12 +46,11 @@ What is modelled is what the code does today:
   chosen to fit: ``trainer/memory_choices.py``), and the batch tensors.
 
 Checked against ``max_memory_allocated`` of measured runs: docs/memory.md. The table and
-the fit verdict: ``trainer/memory_render.py``.
+the fit verdict: ``trainer/memory_render.py``. The phases, options and item types:
+``trainer/memory_items.py``; the rollout's items and the KV cache: ``trainer/memory_rollout.py``.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 from hybridflow.models.architecture import ModelArchitecture
 from hybridflow.trainer.memory_activations import (  # noqa: F401 (this module's names too)
@@ -60,156 +59,34 @@ from hybridflow.trainer.memory_activations import (  # noqa: F401 (this module's
     layer_activation_elements,
     logprob_head_bytes,
 )
-
-GIB = 2**30
-
-GENERATE = "generation"
-UPDATE = "actor update"
-STEP = "optimizer step"
-CRITIC = "critic update"
-PHASES = (GENERATE, UPDATE, STEP, CRITIC)
-"""When memory is held: generation; the actor's forward/backward over a micro-batch; its
-optimizer step; the critic's forward/backward and step (GAE only)."""
-
-HEADROOM_FRACTION = 0.05
-HEADROOM_BYTES = 1 * GIB
-"""Kept free by the fit check: the CUDA context (~0.5 GiB), cuBLAS and NCCL workspaces, and
-the caching allocator's fragmentation, none of which max_memory_allocated counts."""
+from hybridflow.trainer.memory_items import (  # noqa: F401 (this module's names too)
+    ALWAYS,
+    CRITIC,
+    GENERATE,
+    GIB,
+    HEADROOM_BYTES,
+    HEADROOM_FRACTION,
+    LORA_TARGET_SHAPES,
+    PHASES,
+    STEP,
+    UPDATE,
+    MemoryItem,
+    MemoryPlan,
+    PlanOptions,
+    dtype_name,
+)
+from hybridflow.trainer.memory_rollout import (  # noqa: F401 (this module's names too)
+    fused_copy_bytes,
+    kv_cache_entries,
+    kv_cache_item,
+    kv_slot_bytes,
+    rollout_items,
+    rollout_reserve_bytes,
+    rollout_shares_actor_weights,
+)
 
 OFFLOAD_BUCKET_ELEMENTS = 64 * 2**20
 """Parameters per bucket of the host step (``learners/host_optimizer.BUCKET_ELEMENTS``)."""
-
-LORA_TARGET_SHAPES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-@dataclass(frozen=True)
-class PlanOptions:
-    """What decides the allocations; sizes are per GPU unless named otherwise."""
-
-    master_bytes: int = 4
-    """Bytes per element of the trained weights, their gradients and AdamW moments (fp32: 4)."""
-    compute_bytes: int = 2
-    """Bytes per element of the forward's weights and activations (bf16: 2)."""
-    rollout_bytes: int = 2
-    """Bytes per element of the rollout's weights and KV cache."""
-    reference_bytes: int = 2
-    """Bytes per element of the reference policy's weights."""
-    lora_rank: int = 0
-    lora_targets: tuple[str, ...] = LORA_TARGET_SHAPES
-    train_gpus: int = 1
-    """Data-parallel ranks of the actor (FSDP2 shards over them when > 1)."""
-    param_offload: bool = False
-    optimizer_offload: bool = False
-    gradient_checkpointing: bool = False
-    micro_batch_tokens: int = 4096
-    """Most tokens in one actor micro-batch (the token budget, or samples × max length)."""
-    micro_batches: int = 1
-    """Most micro-batches in one mini-batch on one GPU."""
-    rollout_max_seqs: int = 1024
-    rollout_max_seq_len: int = 2048
-    kv_block_size: int | None = 64  # rollout.engine.kv_block_size: None is the slot cache
-    gpu_memory_utilization: float = 0.4
-    release_cache: bool = True
-    fuse_projections: str = "all"
-    """Fused decode weight copies: all | qkv | none (none off the triton decode path)."""
-    rollout_fp8: bool = False  # rollout.dtype=fp8: e4m3 copies of the projections
-    max_prefill_tokens: int = 16384
-    split: bool = False
-    """Rollout on GPUs of its own (their items are planned separately)."""
-    rollout_beside_update: bool = False  # async, staleness > 0 or partial: the engine's own weights
-    lora_in_place: bool = False
-    reference: str = "none"
-    """none | own (a frozen copy) | actor (the LoRA actor with adapters off: no copy)."""
-    reference_offload: bool = False
-    critic: bool = False
-    critic_micro_batch_tokens: int = 4096
-    reward_model_parameters: int = 0
-    """Elements of the reward model (reward.model.path); 0: none."""
-    reward_model_bytes: int = 2
-    """Bytes per element of the reward model's weights."""
-    reward_model_offload: bool = False
-    """reward.model.param_offload: its weights in host memory except while it scores."""
-    gpu_bytes: int | None = None
-    """Memory of one GPU; None: unknown (the KV cache is then planned at max_num_seqs)."""
-
-    @property
-    def sharded(self) -> bool:
-        return self.train_gpus > 1
-
-    @property
-    def mixed_precision(self) -> bool:
-        return self.master_bytes > self.compute_bytes
-
-    @property
-    def host_step(self) -> bool:
-        """``optimizer_offload`` on one GPU: masters and AdamW on the host (FSDP2 refuses it)."""
-        return self.optimizer_offload and not self.sharded
-
-    @property
-    def trained_state_bytes(self) -> int:
-        """Gradients and AdamW moments per trained element on the GPU: LoRA adapters are fp32."""
-        return 4 if self.lora_rank > 0 else self.master_bytes
-
-    @property
-    def trained_weight_bytes(self) -> int:
-        """Bytes per element of the trained weights on the GPU (and of their gradients)."""
-        return self.compute_bytes if self.host_step else self.master_bytes
-
-
-@dataclass(frozen=True)
-class MemoryItem:
-    name: str
-    gpu_bytes: int
-    """Per GPU, while one of ``phases`` runs."""
-    phases: tuple[str, ...]
-    host_bytes: int = 0
-    """Host memory, held for the whole run."""
-    rollout_gpu: bool = False
-    """On the rollout's own GPUs (split placement)."""
-    note: str = ""
-
-
-@dataclass
-class MemoryPlan:
-    model: str
-    architecture: ModelArchitecture
-    options: PlanOptions
-    items: list[MemoryItem] = field(default_factory=list)
-    kv_slots: int = 0
-    """Sequences of max_seq_len the KV cache holds at once (its slots, or its blocks over the
-    blocks of one sequence; the scratch slot or block excluded); 0: the engine refuses."""
-
-    def phase_bytes(self, phase: str, rollout_gpu: bool = False) -> int:
-        return sum(
-            i.gpu_bytes for i in self.items if phase in i.phases and i.rollout_gpu == rollout_gpu
-        )
-
-    def peak(self, rollout_gpu: bool = False) -> tuple[str, int]:
-        """(phase, bytes) of the largest per-GPU total on the training (or rollout) GPUs."""
-        totals = [(self.phase_bytes(p, rollout_gpu), p) for p in PHASES]
-        total, phase = max(totals)
-        return phase, total
-
-    def checked_peak(self, rollout_gpu: bool = False) -> tuple[str, int]:
-        """(phase, bytes) the fit check compares with the GPU: generation without its KV
-        cache, which the engine sizes from the memory then free (it fits whenever one
-        sequence does); a cache kept through training (release_cache=false) counts in the others."""
-        totals = []
-        for phase in PHASES:
-            total = self.phase_bytes(phase, rollout_gpu)
-            if phase == GENERATE:
-                total -= sum(i.gpu_bytes for i in self.items
-                             if i.name.startswith("KV cache") and i.rollout_gpu == rollout_gpu)  # fmt: skip
-            totals.append((total, phase))
-        total, phase = max(totals)
-        return phase, total
-
-    def host_bytes(self) -> int:
-        return sum(i.host_bytes for i in self.items)
-
-    def largest(self, phase: str, count: int = 3, rollout_gpu: bool = False) -> list[MemoryItem]:
-        held = [i for i in self.items if phase in i.phases and i.rollout_gpu == rollout_gpu]
-        return sorted(held, key=lambda i: -i.gpu_bytes)[:count]
 
 
 # ---------------------------------------------------------------------- parameter counts
@@ -261,52 +138,7 @@ def host_step_bucket(a: ModelArchitecture, options: PlanOptions) -> int:
     return min(trainable_parameters(a, options), max(OFFLOAD_BUCKET_ELEMENTS, largest))
 
 
-# ---------------------------------------------------------------------- rollout
-
-
-def kv_slot_bytes(a: ModelArchitecture, max_seq_len: int, element_bytes: int = 2) -> int:
-    """K and V of one sequence of max_seq_len tokens in every layer (engine/kv_cache.py)."""
-    per_token = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * element_bytes
-    return per_token * max_seq_len
-
-
-def rollout_reserve_bytes(a: ModelArchitecture, options: PlanOptions) -> int:
-    """What the engine keeps out of the KV budget for decode logits and prefill activations
-    (engine/engine._allocate's reserve)."""
-    prefill = options.max_prefill_tokens * (4 * a.intermediate_size + 8 * a.hidden_size)
-    return options.rollout_max_seqs * a.vocab_size * 6 + prefill * options.rollout_bytes
-
-
-def fused_copy_bytes(a: ModelArchitecture, fuse_projections: str, element_bytes: int = 2) -> int:
-    """The triton decode path's concatenated q/k/v (and gate/up) copies (engine/weights.py)."""
-    if fuse_projections == "none":
-        return 0
-    q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
-    rows = q + 2 * kv
-    per_layer = rows * a.hidden_size + (rows if a.attention_bias else 0)
-    total = a.num_hidden_layers * per_layer
-    if fuse_projections == "all":  # gate/up of the dense layers; experts are read in place
-        dense = a.num_hidden_layers - len(a.sparse_layer_indices())
-        total += dense * 2 * a.intermediate_size * a.hidden_size
-    return total * element_bytes
-
-
-def kv_cache_entries(entry_bytes: int, most: int, reserve: int, used: int, o: PlanOptions) -> int:
-    """Slots (kv_cache.plan_slots) or blocks (plan_blocks) the engine allocates: ``most``
-    (max_num_seqs sequences' worth), or what gpu_memory_utilization of the free memory minus
-    the reserve holds, one scratch entry taken out; >= 0. GPU size unknown: ``most``."""
-    if o.gpu_bytes is None:
-        return most
-    budget = int(o.gpu_memory_utilization * max(o.gpu_bytes - used, 0)) - reserve
-    return max(min(most, budget // entry_bytes - 1), 0)
-
-
 # ---------------------------------------------------------------------- the plan
-ALWAYS = PHASES
-
-
-def _dtype(element_bytes: int) -> str:
-    return {4: "fp32", 2: "bf16"}.get(element_bytes, f"{element_bytes}-byte")
 
 
 def actor_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
@@ -328,7 +160,7 @@ def actor_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
 def compute_copy_item(a: ModelArchitecture, o: PlanOptions) -> MemoryItem:
     """Autocast's bf16 casts of the fp32 layer weights and the lm_head, kept for the backward."""
     copy = (linear_parameters(a) + a.vocab_size * a.hidden_size) * o.compute_bytes
-    return MemoryItem(f"actor compute copy ({_dtype(o.compute_bytes)})", copy, (UPDATE,))
+    return MemoryItem(f"actor compute copy ({dtype_name(o.compute_bytes)})", copy, (UPDATE,))
 
 
 def host_step_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
@@ -337,9 +169,9 @@ def host_step_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
     the host takes them; frozen weights (LoRA's base) stay in the training dtype."""
     total, trainable = a.num_parameters(), trainable_parameters(a, o)
     on_gpu = trainable * o.compute_bytes + (total - trainable) * o.master_bytes
-    master = _dtype(o.master_bytes)
+    master = dtype_name(o.master_bytes)
     items = [
-        MemoryItem(f"actor weights ({_dtype(o.compute_bytes)}, masters on the host)", on_gpu,
+        MemoryItem(f"actor weights ({dtype_name(o.compute_bytes)}, masters on the host)", on_gpu,
                    ALWAYS),
         MemoryItem(f"actor master weights ({master})", 0, (),
                    host_bytes=trainable * o.master_bytes),
@@ -347,11 +179,11 @@ def host_step_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
     if o.lora_rank > 0 and o.mixed_precision:  # autocast still casts the fp32 base
         items.append(compute_copy_item(a, o))
     items += [
-        MemoryItem(f"actor gradients ({_dtype(o.compute_bytes)})", trainable * o.compute_bytes,
+        MemoryItem(f"actor gradients ({dtype_name(o.compute_bytes)})", trainable * o.compute_bytes,
                    (UPDATE, STEP), note="freed bucket by bucket in the step"),
         MemoryItem(f"optimizer state (AdamW, {master})", 0, (),
                    host_bytes=trainable * 2 * o.master_bytes, note="steps on the host"),
-        MemoryItem(f"host step buffers (2 pinned {_dtype(o.compute_bytes)} + {master} gradients)",
+        MemoryItem(f"host step buffers (2 pinned {dtype_name(o.compute_bytes)} + {master} gradients)",
                    0, (), host_bytes=host_step_bucket(a, o) * (2 * o.compute_bytes + o.master_bytes)),
     ]  # fmt: skip
     return items
@@ -364,18 +196,18 @@ def device_step_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
     master = total * o.master_bytes // ranks
     kind = "masters" if o.mixed_precision else "weights"
     items = [
-        MemoryItem(f"actor weights ({_dtype(o.master_bytes)} {kind})", 0 if on_host else master,
+        MemoryItem(f"actor weights ({dtype_name(o.master_bytes)} {kind})", 0 if on_host else master,
                    ALWAYS, host_bytes=master * ranks if on_host else 0,
                    note=f"sharded over {ranks} GPUs" if o.sharded else ""),
     ]  # fmt: skip
     if o.sharded:  # FSDP2 keeps every unit gathered for the mini-batch
         gathered_bytes = o.compute_bytes if o.mixed_precision else o.master_bytes
-        items.append(MemoryItem(f"actor gathered weights ({_dtype(gathered_bytes)})",
+        items.append(MemoryItem(f"actor gathered weights ({dtype_name(gathered_bytes)})",
                                 total * gathered_bytes, (UPDATE,)))  # fmt: skip
     elif o.mixed_precision:  # autocast's casts, kept for the backward; the lm_head cast
         items.append(compute_copy_item(a, o))
     state_bytes = o.trained_state_bytes  # LoRA's fp32 adapters, else the masters' dtype
-    gradients, state_dtype = trainable * state_bytes // ranks, _dtype(state_bytes)
+    gradients, state_dtype = trainable * state_bytes // ranks, dtype_name(state_bytes)
     accumulating = o.sharded and o.micro_batches > 1
     # Accumulating FSDP2 gradients stay unsharded (fp32) until the last micro-batch's
     # backward reduce-scatters them, layer by layer: the sharded ones replace them.
@@ -402,7 +234,7 @@ def reference_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
         return [MemoryItem("reference weights", 0, ALWAYS, note="the actor, adapters off")]
     on_host = o.reference_offload and o.sharded
     weights = a.num_parameters() * o.reference_bytes // o.train_gpus
-    return [MemoryItem(f"reference weights ({_dtype(o.reference_bytes)})",
+    return [MemoryItem(f"reference weights ({dtype_name(o.reference_bytes)})",
                        0 if on_host else weights, ALWAYS,
                        host_bytes=weights * o.train_gpus if on_host else 0)]  # fmt: skip
 
@@ -414,7 +246,7 @@ def reward_model_items(o: PlanOptions) -> list[MemoryItem]:
     if not o.reward_model_parameters:
         return []
     weights = o.reward_model_parameters * o.reward_model_bytes
-    name = f"reward model weights ({_dtype(o.reward_model_bytes)})"
+    name = f"reward model weights ({dtype_name(o.reward_model_bytes)})"
     if o.reward_model_offload:
         return [MemoryItem(name, 0, ALWAYS, host_bytes=weights * o.train_gpus,
                            note="on the GPU only while it scores")]  # fmt: skip
@@ -435,7 +267,7 @@ def critic_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
         copy = total * (o.compute_bytes if o.mixed_precision else o.master_bytes)
     activations = tokens * activation_bytes_per_token(a, False, o.compute_bytes)
     return [
-        MemoryItem(f"critic weights ({_dtype(o.master_bytes)})",
+        MemoryItem(f"critic weights ({dtype_name(o.master_bytes)})",
                    total * o.master_bytes // ranks, ALWAYS),
         MemoryItem("critic optimizer state (AdamW)", trainable * 2 * o.master_bytes // ranks,
                    ALWAYS),
@@ -443,55 +275,6 @@ def critic_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
         MemoryItem("critic compute copy", copy, (CRITIC,)),
         MemoryItem(f"critic activations ({tokens:,} tokens)", activations, (CRITIC,)),
     ]  # fmt: skip
-
-
-def rollout_shares_actor_weights(o: PlanOptions) -> bool:
-    """The engine runs on the actor's own tensors (workers/rollout.RolloutWorker)."""
-    return (not o.split and not o.sharded and (o.lora_rank == 0 or o.lora_in_place)
-            and not o.rollout_beside_update and o.trained_weight_bytes == o.rollout_bytes)  # fmt: skip
-
-
-def rollout_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
-    """Weight copy, fused decode copies and the engine's reserve (the KV cache comes last:
-    it is sized from what these leave)."""
-    split = o.split
-    if rollout_shares_actor_weights(o):
-        weights = MemoryItem("rollout weights", 0, ALWAYS, note="reads the actor's in place")
-    else:
-        weights = MemoryItem(f"rollout weights ({_dtype(o.rollout_bytes)} copy)",
-                             a.num_parameters() * o.rollout_bytes, ALWAYS, rollout_gpu=split)  # fmt: skip
-    fused = fused_copy_bytes(a, o.fuse_projections, o.rollout_bytes)
-    held = (GENERATE,) if o.release_cache else ALWAYS  # Engine.release() frees them
-    fp8 = a.num_parameters(include_embeddings=False)  # 1 byte each (engine/fp8.py)
-    fp8_copies = [MemoryItem("rollout fp8 projection copies", fp8, held, rollout_gpu=split)]
-    return [
-        weights,
-        MemoryItem("rollout fused q/k/v, gate/up copies", fused, held, rollout_gpu=split),
-        *(fp8_copies if o.rollout_fp8 else []),
-        MemoryItem("rollout workspace (decode logits, prefill)", rollout_reserve_bytes(a, o),
-                   (GENERATE,), rollout_gpu=split),
-    ]  # fmt: skip
-
-
-def kv_cache_item(a: ModelArchitecture, o: PlanOptions, items: list[MemoryItem]):
-    """(the KV-cache item, the sequences of max_seq_len it holds), sized from the memory the
-    other items leave on the rollout's GPU when generation starts."""
-    reserve, length, block = rollout_reserve_bytes(a, o), o.rollout_max_seq_len, o.kv_block_size
-    used = sum(i.gpu_bytes for i in items if GENERATE in i.phases and i.rollout_gpu == o.split
-               and "workspace" not in i.name)  # fmt: skip
-    per_sequence = 1 if block is None else -(-length // block)  # slots or blocks a sequence
-    entry = kv_slot_bytes(a, length if block is None else block, o.rollout_bytes)
-    entries = kv_cache_entries(entry, o.rollout_max_seqs * per_sequence, reserve, used, o)
-    sequences = entries // per_sequence  # the engine refuses 0 (no slot; not one sequence)
-    name, note = f"KV cache ({entries:,} + 1 slots × {length:,} tokens)", ""
-    none = f"KV cache (no slot of {length:,} tokens fits)"
-    if block is not None:  # paged: how many sequences of max_seq_len its blocks hold
-        name = f"KV cache ({entries:,} + 1 blocks: {sequences:,} × {length:,} tokens)"
-        none = f"KV cache (no {length:,}-token sequence fits)"
-        note = f"{block} tokens a block, {per_sequence:,} blocks a {length:,}-token sequence"
-    phases = (GENERATE,) if o.release_cache else ALWAYS
-    return MemoryItem(name if sequences else none, (entries + 1) * entry if sequences else 0,
-                      phases, rollout_gpu=o.split, note=note), sequences  # fmt: skip
 
 
 def build_plan(model: str, a: ModelArchitecture, o: PlanOptions) -> MemoryPlan:
