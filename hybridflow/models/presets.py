@@ -9,6 +9,25 @@ from hybridflow.models.architecture import ModelArchitecture
 # Built-in character tokenizer (tokenizer.py) ids; the tiny presets share its vocabulary.
 _CHAR_PAD, _CHAR_EOS = 0, 4
 
+# The Qwen2.5/Qwen3 tokenizer: <|endoftext|> as bos and pad, the Instruct models' <|im_end|>
+# as eos (every Qwen preset).
+_QWEN_TOKEN_IDS = {"bos_token_id": 151643, "eos_token_id": 151645, "pad_token_id": 151643}
+# The Llama 3 tokenizer: <|begin_of_text|>, <|end_of_text|>; no pad token.
+_LLAMA3_TOKEN_IDS = {"bos_token_id": 128000, "eos_token_id": 128001}
+
+
+def _llama3_rope_scaling() -> dict:
+    """Llama 3.1's RoPE scaling (config.json rope_scaling; models/rope.py), a fresh dict for
+    each preset so that changing one preset's copy changes no other."""
+    return {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+
+
 PRESETS: dict[str, ModelArchitecture] = {
     # ~0.1M parameters: fast CPU tests. vocab_size 128 covers the built-in char tokenizer.
     "tiny": ModelArchitecture(
@@ -86,9 +105,7 @@ PRESETS: dict[str, ModelArchitecture] = {
         max_position_embeddings=32768,
         tie_word_embeddings=True,
         attention_bias=True,
-        bos_token_id=151643,
-        eos_token_id=151645,
-        pad_token_id=151643,
+        **_QWEN_TOKEN_IDS,
     ),
     "qwen2.5-1.5b": ModelArchitecture(
         model_type="qwen2",
@@ -104,9 +121,7 @@ PRESETS: dict[str, ModelArchitecture] = {
         max_position_embeddings=32768,
         tie_word_embeddings=True,
         attention_bias=True,
-        bos_token_id=151643,
-        eos_token_id=151645,
-        pad_token_id=151643,
+        **_QWEN_TOKEN_IDS,
     ),
     "qwen2.5-7b": ModelArchitecture(
         model_type="qwen2",
@@ -122,9 +137,7 @@ PRESETS: dict[str, ModelArchitecture] = {
         max_position_embeddings=32768,
         tie_word_embeddings=False,
         attention_bias=True,
-        bos_token_id=151643,
-        eos_token_id=151645,
-        pad_token_id=151643,
+        **_QWEN_TOKEN_IDS,
     ),
     # Shapes below (and rope_theta, rms_norm_eps, max_position_embeddings, tying) are the
     # published config.json of each base model (huggingface.co/<org>/<model>/blob/main/
@@ -145,9 +158,7 @@ PRESETS: dict[str, ModelArchitecture] = {
         max_position_embeddings=32768,
         tie_word_embeddings=True,
         attention_bias=True,
-        bos_token_id=151643,
-        eos_token_id=151645,
-        pad_token_id=151643,
+        **_QWEN_TOKEN_IDS,
     ),
     "qwen2.5-14b": ModelArchitecture(  # Qwen/Qwen2.5-14B: 14.7 B parameters
         model_type="qwen2",
@@ -163,9 +174,7 @@ PRESETS: dict[str, ModelArchitecture] = {
         max_position_embeddings=131072,
         tie_word_embeddings=False,
         attention_bias=True,
-        bos_token_id=151643,
-        eos_token_id=151645,
-        pad_token_id=151643,
+        **_QWEN_TOKEN_IDS,
     ),
     "qwen2.5-32b": ModelArchitecture(  # Qwen/Qwen2.5-32B: 32.5 B parameters
         model_type="qwen2",
@@ -181,9 +190,7 @@ PRESETS: dict[str, ModelArchitecture] = {
         max_position_embeddings=131072,
         tie_word_embeddings=False,
         attention_bias=True,
-        bos_token_id=151643,
-        eos_token_id=151645,
-        pad_token_id=151643,
+        **_QWEN_TOKEN_IDS,
     ),
     "qwen3-0.6b": ModelArchitecture(
         model_type="qwen3",
@@ -199,9 +206,7 @@ PRESETS: dict[str, ModelArchitecture] = {
         max_position_embeddings=40960,
         tie_word_embeddings=True,
         qk_norm=True,
-        bos_token_id=151643,
-        eos_token_id=151645,
-        pad_token_id=151643,
+        **_QWEN_TOKEN_IDS,
     ),
     # Qwen3 (same source as the Qwen2.5 sizes above): q/k-norm, no attention bias, head_dim
     # given explicitly, untied from 8B on.
@@ -219,9 +224,7 @@ PRESETS: dict[str, ModelArchitecture] = {
         max_position_embeddings=40960,
         tie_word_embeddings=False,
         qk_norm=True,
-        bos_token_id=151643,
-        eos_token_id=151645,
-        pad_token_id=151643,
+        **_QWEN_TOKEN_IDS,
     ),
     "qwen3-14b": ModelArchitecture(  # Qwen/Qwen3-14B: 14.8 B parameters
         model_type="qwen3",
@@ -237,9 +240,7 @@ PRESETS: dict[str, ModelArchitecture] = {
         max_position_embeddings=40960,
         tie_word_embeddings=False,
         qk_norm=True,
-        bos_token_id=151643,
-        eos_token_id=151645,
-        pad_token_id=151643,
+        **_QWEN_TOKEN_IDS,
     ),
     # Qwen/Qwen3-30B-A3B config.json: 30.5 B parameters, 3.3 B active (8 of 128 experts per
     # token on each of the 48 layers, all sparse); the routing weights are renormalised.
@@ -257,9 +258,7 @@ PRESETS: dict[str, ModelArchitecture] = {
         max_position_embeddings=40960,
         tie_word_embeddings=False,
         qk_norm=True,
-        bos_token_id=151643,
-        eos_token_id=151645,
-        pad_token_id=151643,
+        **_QWEN_TOKEN_IDS,
         num_experts=128,
         num_experts_per_tok=8,
         moe_intermediate_size=768,
@@ -281,8 +280,7 @@ PRESETS: dict[str, ModelArchitecture] = {
         rope_theta=500000.0,
         max_position_embeddings=8192,
         tie_word_embeddings=False,
-        bos_token_id=128000,
-        eos_token_id=128001,
+        **_LLAMA3_TOKEN_IDS,
     ),
     # meta-llama/Llama-3.1-8B config.json (same mirror as the Qwen sizes): llama3 RoPE
     # scaling (models/rope.py; parity with transformers in tests/models/test_parity.py).
@@ -297,17 +295,10 @@ PRESETS: dict[str, ModelArchitecture] = {
         head_dim=128,
         rms_norm_eps=1e-5,
         rope_theta=500000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
+        rope_scaling=_llama3_rope_scaling(),
         max_position_embeddings=131072,
         tie_word_embeddings=False,
-        bos_token_id=128000,
-        eos_token_id=128001,
+        **_LLAMA3_TOKEN_IDS,
     ),
     # meta-llama/Llama-3.1-70B config.json: 70.6 B parameters; its shape for the memory plan
     # of multi-GPU layouts (docs/parallelism.md).
@@ -322,17 +313,10 @@ PRESETS: dict[str, ModelArchitecture] = {
         head_dim=128,
         rms_norm_eps=1e-5,
         rope_theta=500000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
+        rope_scaling=_llama3_rope_scaling(),
         max_position_embeddings=131072,
         tie_word_embeddings=False,
-        bos_token_id=128000,
-        eos_token_id=128001,
+        **_LLAMA3_TOKEN_IDS,
     ),
     # Qwen/Qwen3-235B-A22B config.json: 235 B parameters, 22 B active (8 of 128 experts per
     # token on each of the 94 layers); 4 KV heads.
@@ -350,9 +334,7 @@ PRESETS: dict[str, ModelArchitecture] = {
         max_position_embeddings=40960,
         tie_word_embeddings=False,
         qk_norm=True,
-        bos_token_id=151643,
-        eos_token_id=151645,
-        pad_token_id=151643,
+        **_QWEN_TOKEN_IDS,
         num_experts=128,
         num_experts_per_tok=8,
         moe_intermediate_size=1536,
