@@ -15,8 +15,22 @@ def load_balancing_loss(
     """Switch Transformer's auxiliary loss (arXiv:2101.03961, eqs. 4-6) as transformers
     computes it (``load_balancing_loss_func``): the tokens of all layers pooled, f_e = top-k
     assignments to expert e per token, P_e = mean router probability of e, loss = E * sum_e
-    f_e * P_e. Uniform routing gives k; only P_e carries a gradient."""
-    counts = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
+    f_e * P_e. Uniform routing gives k; only P_e carries a gradient.
+
+    transformers pools the tokens of one forward call: the batch a process feeds its model
+    (one micro-batch of one rank under data parallelism)."""
+    counts, prob_sum, rows = load_balancing_sums(router_logits, topk_ids, num_experts)
+    return load_balancing_from_sums(counts, prob_sum, rows)
+
+
+def load_balancing_sums(
+    router_logits: list[torch.Tensor], topk_ids: list[torch.Tensor], num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What :func:`load_balancing_loss` pools, as sums that add over ranks: (assignments per
+    expert [E], router probability per expert [E] (differentiable), token rows (scalar)),
+    over all layers."""
+    device = router_logits[0].device
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
     prob_sum = torch.zeros_like(counts)
     rows = 0
     for logits, ids in zip(router_logits, topk_ids):
@@ -25,14 +39,33 @@ def load_balancing_loss(
         )
         prob_sum = prob_sum + torch.softmax(logits.float(), dim=-1).sum(dim=0)
         rows += logits.shape[0]
-    return num_experts * torch.sum((counts / rows) * (prob_sum / rows))
+    return counts, prob_sum, torch.tensor(float(rows), device=device)
+
+
+def load_balancing_from_sums(
+    counts: torch.Tensor, prob_sum: torch.Tensor, rows: torch.Tensor
+) -> torch.Tensor:
+    """E * sum_e (counts_e / rows) * (prob_sum_e / rows) (see :func:`load_balancing_sums`)."""
+    rows = rows.clamp(min=1.0)
+    return counts.numel() * torch.sum((counts / rows) * (prob_sum / rows))
 
 
 def router_z_loss(router_logits: list[torch.Tensor]) -> torch.Tensor:
     """ST-MoE's z-loss (arXiv:2202.08906, eq. 5): mean over tokens of logsumexp(logits)^2,
     averaged over layers; it keeps the router logits small (bf16-safe)."""
-    per_layer = [torch.logsumexp(x.float(), dim=-1).pow(2).mean() for x in router_logits]
-    return torch.stack(per_layer).mean()
+    squares, rows = router_z_sums(router_logits)
+    return router_z_from_sums(squares, rows)
+
+
+def router_z_sums(router_logits: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum over tokens of logsumexp(logits)^2 per layer [L] (differentiable), tokens per
+    layer (scalar)): sums that add over ranks."""
+    squares = torch.stack([torch.logsumexp(x.float(), dim=-1).pow(2).sum() for x in router_logits])
+    return squares, torch.tensor(float(router_logits[0].shape[0]), device=squares.device)
+
+
+def router_z_from_sums(squares: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return (squares / rows.clamp(min=1.0)).mean()
 
 
 def router_metrics(

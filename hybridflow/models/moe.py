@@ -219,6 +219,8 @@ class SparseMoeBlock(nn.Module):
 
     Attributes:
         expert_backend: one of EXPERT_BACKENDS ("auto": grouped GEMMs on CUDA, loop on CPU).
+        expert_group: expert parallelism (models/expert_parallel.py): the experts hold this
+            rank's E/EP experts and tokens are dispatched over the group; None: all experts.
     """
 
     def __init__(self, config):
@@ -229,6 +231,7 @@ class SparseMoeBlock(nn.Module):
         self.gate = TopKRouter(config.num_experts, config.hidden_size)
         self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
         self.expert_backend = "auto"
+        self.expert_group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_routed(x)[0]
@@ -255,13 +258,25 @@ class SparseMoeBlock(nn.Module):
             topk_ids, topk_weights = replay_routes(
                 router_logits, recorded_ids, self.top_k, self.norm_topk_prob
             )
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        gate_up, down = _local(self.experts.gate_up_proj), _local(self.experts.down_proj)
         if gate_up.dtype != dtype:  # fp32 masters under autocast: a compute copy
             gate_up, down = gate_up.to(dtype), down.to(dtype)
         adapters = self.experts.lora
         if adapters is not None and adapters.disabled:
             adapters = None
-        out = moe_experts(
-            flat, topk_ids, topk_weights, gate_up, down, self.expert_backend, adapters
-        )
+        if self.expert_group is not None:
+            from hybridflow.models.expert_parallel import expert_parallel_moe
+
+            out = expert_parallel_moe(flat, topk_ids, topk_weights, gate_up, down,
+                                      self.expert_group, self.expert_backend, adapters)  # fmt: skip
+        else:
+            out = moe_experts(
+                flat, topk_ids, topk_weights, gate_up, down, self.expert_backend, adapters
+            )
         return out.view(*x.shape[:-1], -1), router_logits, topk_ids
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of an expert tensor (a DTensor over the expert-parallel group holds
+    the rank's experts locally); a plain tensor as it is."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

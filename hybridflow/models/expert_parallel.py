@@ -1,0 +1,137 @@
+"""Expert parallelism: each rank of an expert-parallel (EP) group holds E / EP of a sparse
+layer's experts, and the tokens travel to the experts that route them.
+
+One sparse layer's forward on a rank (GShard, arXiv:2006.16668, section 3.2):
+
+    route -> sort the (token, expert) assignments by expert, so by destination rank
+          -> exchange the counts (rows per local expert from every source rank)
+          -> all-to-all the assignment rows             [T*k, H] out, [R, H] in
+          -> the local experts' grouped GEMMs over the R received rows
+          -> the reverse all-to-all, back to the sending order
+          -> weight by the gate and sum each token's k results, as on one process.
+
+Both all-to-alls are differentiable (:class:`AllToAllRows`: the backward is the opposite
+all-to-all), so the gradient of a local expert's weights sums over every token routed to it
+from the whole EP group, and each token's hidden state gets the gradient of its k experts.
+Routing replay needs nothing here: the ids to dispatch are whichever the router or the
+replayed routes chose. gloo's ``all_to_all_single`` takes uneven splits on the CPU, so the
+same collective runs in the CPU tests and over NCCL.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.models.moe import ExpertLoRA, moe_experts
+
+
+class AllToAllRows(torch.autograd.Function):
+    """``all_to_all_single`` of rows with uneven splits; the backward sends the gradient rows
+    back the way they came (the splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, rows, send_counts: list[int], recv_counts: list[int], group):
+        ctx.send_counts, ctx.recv_counts, ctx.group = send_counts, recv_counts, group
+        received = rows.new_empty(sum(recv_counts), *rows.shape[1:])
+        dist.all_to_all_single(received, rows.contiguous(), recv_counts, send_counts, group=group)
+        return received
+
+    @staticmethod
+    def backward(ctx, grad_received):
+        grad_rows = grad_received.new_empty(sum(ctx.send_counts), *grad_received.shape[1:])
+        dist.all_to_all_single(
+            grad_rows, grad_received.contiguous(), ctx.send_counts, ctx.recv_counts,
+            group=ctx.group,
+        )  # fmt: skip
+        return grad_rows, None, None, None
+
+
+def exchange_counts(counts_per_expert: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """counts_per_expert [E] (rows this rank sends to each global expert) -> [EP, E/EP]: row s
+    holds the rows rank s sends to each of this rank's local experts."""
+    size = dist.get_world_size(group)
+    received = torch.empty_like(counts_per_expert)
+    dist.all_to_all_single(received, counts_per_expert.contiguous(), group=group)
+    return received.view(size, -1)
+
+
+def local_expert_of_received(received_counts: torch.Tensor) -> torch.Tensor:
+    """received_counts [EP, E_local] -> the local expert [R] of each received row, the rows
+    being ordered by source rank, then by expert within a source (as the senders sorted
+    them)."""
+    local_experts = received_counts.shape[1]
+    ids = torch.arange(local_experts, device=received_counts.device).repeat(
+        received_counts.shape[0]
+    )
+    return ids.repeat_interleave(received_counts.reshape(-1))
+
+
+def expert_parallel_moe(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    group: dist.ProcessGroup,
+    backend: str = "auto",
+    adapters: ExpertLoRA | None = None,
+) -> torch.Tensor:
+    """:func:`~hybridflow.models.moe.moe_experts` with the experts spread over ``group``.
+
+    hidden [T, H], topk_ids [T, k] global expert ids, topk_weights [T, k]; gate_up
+    [E/EP, 2I, H] and down [E/EP, H, I]: this rank's experts, rank r holding experts
+    r*E/EP .. (r+1)*E/EP - 1 (adapters: their LoRA factors) -> [T, H] in hidden's dtype.
+    Every rank of ``group`` must call it (with T = 0 if it has no tokens)."""
+    num_tokens, top_k = topk_ids.shape
+    ep_size, local_experts = dist.get_world_size(group), gate_up.shape[0]
+    num_experts = ep_size * local_experts
+    flat_ids = topk_ids.reshape(-1)  # [T*k]
+    order = flat_ids.argsort(stable=True)  # by expert, so by destination rank
+    counts = torch.bincount(flat_ids, minlength=num_experts)  # [E]
+    received_counts = exchange_counts(counts, group)  # [EP, E/EP]
+    send_splits = counts.view(ep_size, local_experts).sum(dim=1).tolist()
+    recv_splits = received_counts.sum(dim=1).tolist()
+    rows = hidden[order // top_k]  # [T*k, H]
+    received = AllToAllRows.apply(rows, send_splits, recv_splits, group)  # [R, H]
+    local_ids = local_expert_of_received(received_counts)[:, None]  # [R, 1]
+    unit = torch.ones(local_ids.shape, dtype=torch.float32, device=hidden.device)
+    # One assignment per received row with gate weight 1: the local grouped GEMMs, exact
+    # in any dtype (x * 1.0); the gate weights apply below, on the sending rank.
+    expert_out = moe_experts(received, local_ids, unit, gate_up, down, backend, adapters)
+    returned = AllToAllRows.apply(expert_out, recv_splits, send_splits, group)  # [T*k, H]
+    unsorted = torch.empty_like(returned).index_copy_(0, order, returned)
+    weighted = unsorted.view(num_tokens, top_k, -1).float() * topk_weights[..., None].float()
+    return weighted.sum(dim=1).to(hidden.dtype)
+
+
+def local_expert_range(num_experts: int, ep_rank: int, ep_size: int) -> tuple[int, int]:
+    """[first, last + 1) of the experts EP rank ``ep_rank`` holds (contiguous blocks)."""
+    if num_experts % ep_size:
+        raise ValueError(f"{num_experts} experts do not split over {ep_size} EP ranks")
+    per_rank = num_experts // ep_size
+    return ep_rank * per_rank, (ep_rank + 1) * per_rank
+
+
+def keep_local_experts(causal_lm: torch.nn.Module, group: dist.ProcessGroup) -> None:
+    """Cut every sparse layer of ``causal_lm`` (a full model, the same on every rank) down to
+    this rank's experts of the EP ``group`` and make the layer dispatch over it. The router
+    stays whole: every rank routes its tokens over all E experts."""
+    from hybridflow.models.moe import SparseMoeBlock
+
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    for block in causal_lm.modules():
+        if not isinstance(block, SparseMoeBlock):
+            continue
+        if block.experts.lora is not None:
+            raise ValueError(
+                "LoRA on the experts is not supported with expert parallelism: set "
+                "actor.expert_parallel_size=1 or leave the experts out of "
+                "model.lora_target_modules"
+            )
+        first, stop = local_expert_range(block.num_experts, rank, size)
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(block.experts, name)
+            part = torch.nn.Parameter(full.detach()[first:stop].clone(), full.requires_grad)
+            setattr(block.experts, name, part)
+        block.expert_group = group
