@@ -4,33 +4,15 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
+from hybridflow.safetensors_headers import stored_shapes
+
 SCORE_WEIGHT = "score.weight"
 RESPONSE_SLOT = "{response}"
 JUDGE_ENGINES = ("rollout", "url")
-
-
-def stored_shapes(model_dir: str | Path) -> dict[str, list[int]] | None:
-    """Tensor name -> shape from the safetensors headers of ``model_dir`` (no weights read);
-    None when a header cannot be read."""
-    shapes: dict[str, list[int]] = {}
-    for file in sorted(Path(model_dir).glob("*.safetensors")):
-        try:
-            with open(file, "rb") as handle:
-                length = int.from_bytes(handle.read(8), "little")
-                header = json.loads(handle.read(length))
-        except (OSError, ValueError, UnicodeDecodeError, MemoryError):
-            return None
-        if not isinstance(header, dict):
-            return None
-        for name, info in header.items():
-            if name != "__metadata__" and isinstance(info, dict):
-                shapes[name] = list(info.get("shape", ()))
-    return shapes
 
 
 def stored_score_rows(model_dir: str | Path) -> int | None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from hybridflow.errors import UserError
 from hybridflow.models.architecture import SUPPORTED_MODEL_TYPES
+from hybridflow.safetensors_headers import stored_shapes
 
 CONFIG_FILE = "config.json"
 
@@ -129,20 +130,11 @@ def native_weight_problems(model_dir: str | Path, config: dict) -> list[str]:
 
 
 def _stored_shapes(model_dir: Path) -> dict[str, tuple[int, ...]] | None:
-    """Tensor name -> shape from every safetensors header; None if any is unreadable."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in sorted(model_dir.glob("*.safetensors")):
-        try:
-            with open(file, "rb") as handle:
-                length = int.from_bytes(handle.read(8), "little")
-                header = json.loads(handle.read(length))
-        except (OSError, ValueError, UnicodeDecodeError, MemoryError):
-            return None
-        if not isinstance(header, dict):
-            return None
-        for name, info in header.items():
-            if name != "__metadata__" and isinstance(info, dict):
-                shapes[name] = tuple(info.get("shape", ()))
+    """Tensor name -> shape from every safetensors header, under the names the model loads
+    into; None if any header is unreadable."""
+    shapes = stored_shapes(model_dir)
+    if shapes is None:
+        return None
     from hybridflow.models.expert_checkpoint import shapes_in_memory
 
     return shapes_in_memory(shapes)  # one tensor per expert -> the packed names we load into

@@ -1,0 +1,26 @@
+"""Tensor names and shapes from the safetensors headers of a model directory, without reading
+a weight (no torch): what the config checks and the loadability checks compare."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def stored_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]] | None:
+    """Tensor name -> shape from the safetensors headers of ``model_dir`` (no weights read);
+    None when a header cannot be read."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        try:
+            with open(file, "rb") as handle:
+                length = int.from_bytes(handle.read(8), "little")
+                header = json.loads(handle.read(length))
+        except (OSError, ValueError, UnicodeDecodeError, MemoryError):
+            return None
+        if not isinstance(header, dict):
+            return None
+        for name, info in header.items():
+            if name != "__metadata__" and isinstance(info, dict):
+                shapes[name] = tuple(info.get("shape", ()))
+    return shapes
