@@ -34,12 +34,19 @@ class HFCausalLM(nn.Module):
     @gradient_checkpointing.setter
     def gradient_checkpointing(self, enabled: bool) -> None:
         self._gradient_checkpointing = enabled
-        if enabled:
-            self.hf_model.gradient_checkpointing_enable(
+        # transformers 5 renamed gradient_checkpointing_* to activation_checkpointing_* (the
+        # old names warn, and go in v6); older releases have only the old names
+        model = self.hf_model
+        if enabled and hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        elif enabled:
+            model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
+        elif hasattr(model, "activation_checkpointing_disable"):
+            model.activation_checkpointing_disable()
         else:
-            self.hf_model.gradient_checkpointing_disable()
+            model.gradient_checkpointing_disable()
 
     def enable_gradient_checkpointing(self, enabled: bool = True) -> None:
         self.gradient_checkpointing = enabled

@@ -38,6 +38,7 @@ def test_scheduler_drives_optimizer_lr():
     lrs = []
     for _ in range(4):
         lrs.append(opt.param_groups[0]["lr"])
+        opt.step()  # before the scheduler's step, as in training (torch warns otherwise)
         sched.step()
     assert lrs == pytest.approx([0.5, 1.0, 0.5, 0.0])
 

@@ -97,15 +97,15 @@ def _compile(fn, constexprs: dict, activation="bf16", overrides=None, warps=4, s
         constexprs={(names.index(k),): v for k, v in constexprs.items()},
         attrs=attrs,
     )
-    compiled = triton.compile(
-        source, target=TARGET, options={"num_warps": warps, "num_stages": stages}
-    )
+    # FP fusion said explicitly: on, as launches get it by Triton's default (unset, Triton
+    # 3.9 warns that the default will change)
+    options = {"num_warps": warps, "num_stages": stages, "enable_fp_fusion": True}
+    compiled = triton.compile(source, target=TARGET, options=options)
     assert compiled.asm["ptx"]
     return compiled
 
 
-@pytest.mark.parametrize("activation", ["bf16", "fp32"])
-def test_decode_layer_kernels_compile(activation):
+def _row_kernels(activation: str) -> None:
     for add, weighted in [(True, True), (False, True), (True, False)]:
         norm = dict(ADD=add, WEIGHT=weighted, BLOCK_H=1024)
         _compile(rowwise._rms_norm_kernel, norm, activation, warps=4)
@@ -120,53 +120,63 @@ def test_decode_layer_kernels_compile(activation):
         dict(NH=14, NKV=2, HALF=32, NH_PAD=16, NKV_PAD=2, K_IN_PLACE=True),
         activation,
     )
-    for rope in (True, False):
-        for splits in (1, 3):
-            for head_dim in (64, 128):
-                _compile(
-                    attention._decode_attention_kernel,
-                    dict(G=7, G_PAD=16, HALF=head_dim // 2, NH=14, SPLITS=splits,
-                         FP32_DOT=activation == "fp32", ROPE=rope, BLOCK_N=64),
-                    activation, stages=2,
-                )  # fmt: skip
-    for bias in (True, False):
-        _compile(  # lean.py: 1/rms and the qkv bias inside the kernel
-            attention._decode_attention_kernel,
-            dict(G=6, G_PAD=16, HALF=64, NH=12, SPLITS=1, FP32_DOT=activation == "fp32",
-                 ROPE=True, BLOCK_N=32, NORM=True, H_PAD=2048, HAS_BIAS=bias),
-            activation, stages=2,
-        )  # fmt: skip
-    for norm in (False, True):  # shared_prefix.py: the row kernel's half, with and without lean
-        _compile(
-            attention._decode_attention_kernel,
-            dict(G=6, G_PAD=16, HALF=64, NH=12, SPLITS=1, FP32_DOT=activation == "fp32",
-                 ROPE=True, BLOCK_N=64, NORM=norm, H_PAD=2048, HAS_BIAS=norm, SHARED=True),
-            activation, stages=2,
-        )  # fmt: skip
-    # a paged cache: blocks the tiles fit in (aligned tiles), and smaller ones
-    for (rope, shared), page in itertools.product(((True, False), (False, False), (True, True)),
-                                                  (64, 16)):  # fmt: skip
-        _compile(
-            attention._decode_attention_kernel,
-            dict(G=7, G_PAD=16, HALF=32, NH=14, SPLITS=1 if shared else 3,
-                 FP32_DOT=activation == "fp32", ROPE=rope, BLOCK_N=64, SHARED=shared,
-                 PAGE=page),
-            activation, stages=2,
-        )  # fmt: skip
-    # and the prefix kernel, at 0.5b's and 1.5b's heads, slot and paged caches
-    for (group, dim), page in itertools.product(((7, 64), (6, 128)), (0, 16, 64)):
-        _compile(
-            shared_prefix._prefix_attention_kernel,
-            dict(G=group, NH=2 * group, NKV=2, D=dim, M_PAD=64, BLOCK_N=64,
-                 FP32_DOT=activation == "fp32", PAGE=page, PDL=True),
-            activation, overrides={"groups_ptr": "*i32"}, stages=3,
-        )  # fmt: skip
     _compile(
         attention._combine_splits_kernel,
         dict(NH=14, D=64, SPLITS=3, SPLITS_PAD=4),
         activation,
         overrides={"out_ptr": "*" + activation},
     )
+
+
+def _attention(activation: str, stages: int = 2, **constexprs) -> None:
+    base = dict(G=7, G_PAD=16, HALF=32, NH=14, SPLITS=1, ROPE=True, BLOCK_N=64)
+    fp32_dot = dict(FP32_DOT=activation == "fp32")
+    _compile(attention._decode_attention_kernel, {**base, **fp32_dot, **constexprs}, activation,
+             stages=stages)  # fmt: skip
+
+
+def _prefix(activation: str, group: int, dim: int, page: int) -> None:
+    _compile(
+        shared_prefix._prefix_attention_kernel,
+        dict(G=group, NH=2 * group, NKV=2, D=dim, M_PAD=64, BLOCK_N=64,
+             FP32_DOT=activation == "fp32", PAGE=page, PDL=True),
+        activation, overrides={"groups_ptr": "*i32"}, stages=3,
+    )  # fmt: skip
+
+
+def test_decode_layer_kernels_compile():
+    """bf16, the engine's dtype: every variant the engine launches."""
+    _row_kernels("bf16")
+    for rope in (True, False):
+        for splits in (1, 3):
+            for head_dim in (64, 128):
+                _attention("bf16", ROPE=rope, SPLITS=splits, HALF=head_dim // 2)
+    for bias in (True, False):  # lean.py: 1/rms and the qkv bias inside the kernel
+        _attention("bf16", G=6, NH=12, HALF=64, BLOCK_N=32, NORM=True, H_PAD=2048,
+                   HAS_BIAS=bias)  # fmt: skip
+    for norm in (False, True):  # shared_prefix.py: the row kernel's half, with and without lean
+        _attention("bf16", G=6, NH=12, HALF=64, NORM=norm, H_PAD=2048, HAS_BIAS=norm,
+                   SHARED=True)  # fmt: skip
+    # a paged cache: blocks the tiles fit in (aligned tiles), and smaller ones
+    for (rope, shared), page in itertools.product(((True, False), (False, False), (True, True)),
+                                                  (64, 16)):  # fmt: skip
+        _attention("bf16", ROPE=rope, SPLITS=1 if shared else 3, SHARED=shared, PAGE=page)
+    # and the prefix kernel, at 0.5b's and 1.5b's heads, slot and paged caches
+    for (group, dim), page in itertools.product(((7, 64), (6, 128)), (0, 16, 64)):
+        _prefix("bf16", group, dim, page)
+
+
+def test_decode_layer_kernels_compile_in_fp32():
+    """fp32 (FP32_DOT: IEEE dots, fp32 loads and stores): the dtype changes only the dots and
+    the pointers, so each flag once, at 0.5b's head dim. Each variant at 1.5b's would take
+    ptxas about a minute of unrolled fp32 FMAs, for nothing the bf16 variants do not check."""
+    _row_kernels("fp32")
+    _attention("fp32", SPLITS=3)  # the new token from registers, partial outputs
+    _attention("fp32", ROPE=False)
+    _attention("fp32", G=6, NH=12, BLOCK_N=32, NORM=True, H_PAD=2048, HAS_BIAS=True)
+    _attention("fp32", SHARED=True, PAGE=16)
+    _attention("fp32", ROPE=False, SPLITS=3, PAGE=64)
+    _prefix("fp32", 7, 64, 16)
 
 
 @pytest.mark.parametrize("block_m", [16, 128])  # decode's smallest block, prefill's
