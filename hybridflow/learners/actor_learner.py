@@ -173,7 +173,7 @@ class ActorLearner:
         ``log_prob_max_tokens_per_gpu`` tokens (no autograd: larger than the update's)."""
         temperature = _temperature(batch, temperature)
         self._check_routes(batch)
-        group = self.core.sequence_group
+        groups = self.core.replica_groups
 
         def run(packed):
             logprobs, entropy = self.policy(packed, temperature, with_entropy)
@@ -181,7 +181,7 @@ class ActorLearner:
 
         outputs = forward_response_tokens(
             self.core,
-            gather_rows(batch, group),
+            gather_rows(batch, groups),
             micro_batch_size=self.cfg.micro_batch_size_per_gpu,
             max_tokens=self.cfg.log_prob_max_tokens_per_gpu or self.cfg.max_tokens_per_gpu,
             run=run,
@@ -189,7 +189,7 @@ class ActorLearner:
         tensors = {"old_logprobs": outputs[0]}
         if with_entropy:
             tensors["entropy"] = outputs[1]
-        return own_rows(Batch(tensors), group)
+        return own_rows(Batch(tensors), groups)
 
     # ------------------------------------------------------------------ update
 
@@ -201,7 +201,7 @@ class ActorLearner:
         check_keys(batch, tuple(k for k in keys if k != "old_logprobs"), "ActorLearner.update")
         self._check_routes(batch)
         temperature = _temperature(batch, temperature)
-        batch = gather_rows(batch, self.core.sequence_group)
+        batch = gather_rows(batch, self.core.replica_groups)
         num_rows = len(batch)
         mini_size = min(self.mini_batch_size, num_rows)
         num_minis = mini_batch_count(num_rows, mini_size)
@@ -217,7 +217,7 @@ class ActorLearner:
         self.core.module.train()
         with self.core.on_device():
             for epoch in range(self.cfg.ppo_epochs):
-                plan = mini_batch_plan(num_rows, mini_size, self.core.sequence_size,
+                plan = mini_batch_plan(num_rows, mini_size, self.core.replica_size,
                                        lambda n, epoch=epoch: self._row_order(n, epoch))  # fmt: skip
                 for rows in plan:
                     self._mini_batch_step(batch.index(rows), temperature, sums)

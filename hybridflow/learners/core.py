@@ -63,8 +63,10 @@ class TrainCore:
         device: where compute happens (``cuda:i`` or ``cpu``).
         dp_group: data-parallel process group; None: the default group (if initialised).
         mesh: the role's parallel layout (hybridflow.parallel); replaces ``dp_group``: data
-            reductions run over its ``dp`` group, FSDP2 shards over ``fsdp`` (dp × sp), and
-            a Ulysses ``sp`` group splits each packed stream (see ``sequence_group``).
+            reductions run over its ``dp`` group, FSDP2 shards over ``fsdp`` (dp × sp), a
+            Ulysses ``sp`` group splits each packed stream (see ``sequence_group``) and a
+            ``tp`` group splits the layers (models/tensor_parallel.py; FSDP2 then shards the
+            tensor-parallel parameters over ``fsdp``, a 2-D layout).
         fsdp: shard with FSDP2; None: when the group has more than one rank.
         mixed_precision: bf16 compute for fp32 weights on CUDA; None: on when the device is CUDA.
         param_offload: keep sharded parameters (and run the optimizer) on the CPU (FSDP2
@@ -102,6 +104,12 @@ class TrainCore:
         self.sequence_size = mesh.size("sp") if mesh is not None else 1
         self.sequence_group = sequence_group_of(mesh)
         """Ulysses: the ranks that split one packed stream (None: no sequence parallelism)."""
+        self.tensor_size = mesh.size("tp") if mesh is not None else 1
+        tensor_group = mesh.group("tp") if self.tensor_size > 1 else None
+        self.replica_groups = [g for g in (tensor_group, self.sequence_group) if g is not None]
+        """Ranks that share their rows (one model replica split by tensor and sequence),
+        innermost first: each gathers the rows the controller sent the others (shared_rows)."""
+        self.replica_size = self.tensor_size * self.sequence_size
         self.role_group = None if mesh is not None else dp_group
         """Every rank of the role (checkpoints, barriers); None: the default group."""
         self.role_rank = dist.get_rank(self.role_group) if _dist_on() else 0
@@ -121,6 +129,10 @@ class TrainCore:
         self.optimizer_offload = optimizer_offload
         if not self.param_offload:
             module.to(self.device)
+        if self.tensor_size > 1:
+            from hybridflow.models.tensor_parallel import parallelize_decoder
+
+            parallelize_decoder(module.lm, mesh.submesh("tp"))
         if self.fsdp:
             self._shard(module)
         elif self.compute_dtype is not None:
@@ -280,7 +292,7 @@ class TrainCore:
         grad_norm = clip_grad_norm(
             self.trainable_parameters,
             grad_clip,
-            group=self.shard_group,
+            group=self.role_group if self.mesh is not None else self.shard_group,
             comm_device=self.comm_device(),
         )
         skipped = not math.isfinite(grad_norm)
@@ -475,13 +487,13 @@ class TrainCore:
             for unit, prefix in zip(units, prefixes):
                 unit.unshard()
                 for name, param in unit.named_parameters(remove_duplicate=False):
-                    yield prefix + name, param.detach()
+                    yield prefix + name, _whole(param.detach())
                 self._release_gathered(unit)
             root = self.module  # its own parameters: embeddings, final norm, untied head
             root.unshard()
             for name, param in module.named_parameters(remove_duplicate=False):
                 if not name.startswith(prefixes):  # a tied head under both names, like state_dict
-                    yield name, param.detach()
+                    yield name, _whole(param.detach())
             self._release_gathered(root)
 
     def _release_gathered(self, unit) -> None:
@@ -519,6 +531,12 @@ class TrainCore:
     def _barrier(self) -> None:
         if distributed_world(self.role_group) > 1:
             dist.barrier(group=self.role_group)
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A gathered FSDP2 unit holds tensor-parallel parameters as DTensors split over the TP
+    group: all-gather those too (a plain tensor is returned as it is)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def sequence_group_of(mesh: RoleMesh | None) -> dist.ProcessGroup | None:

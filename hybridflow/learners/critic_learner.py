@@ -87,22 +87,22 @@ class CriticLearner:
 
     def compute_values(self, batch: Batch) -> Batch:
         """Batch with ``values [B, R]`` (0 off the response)."""
-        group = self.core.sequence_group
+        groups = self.core.replica_groups
         (values,) = forward_response_tokens(
             self.core,
-            gather_rows(batch, group),
+            gather_rows(batch, groups),
             micro_batch_size=self.cfg.micro_batch_size_per_gpu,
             max_tokens=self.cfg.max_tokens_per_gpu,
             run=lambda packed: (self.value_model(packed),),
         )
-        return own_rows(Batch({"values": values}), group)
+        return own_rows(Batch({"values": values}), groups)
 
     def update(self, batch: Batch) -> dict[str, float]:
         """ppo_epochs × mini-batches × micro-batches of value-loss steps. Metrics: vf_loss,
         vf_clipfrac, vpred_mean, grad_norm, lr, skipped_steps."""
         check_keys(batch, UPDATE_INPUTS, "CriticLearner.update")
         cfg = self.cfg
-        batch = gather_rows(batch, self.core.sequence_group)
+        batch = gather_rows(batch, self.core.replica_groups)
         num_rows = len(batch)
         mini_size = min(self.mini_batch_size, num_rows)
         num_minis = mini_batch_count(num_rows, mini_size)
@@ -127,7 +127,7 @@ class CriticLearner:
         self.core.module.train()
         with self.core.on_device():
             for _ in range(self.ppo_epochs):
-                plan = mini_batch_plan(num_rows, mini_size, self.core.sequence_size, torch.arange)
+                plan = mini_batch_plan(num_rows, mini_size, self.core.replica_size, torch.arange)
                 for rows in plan:
                     self.total_skipped_steps += int(
                         accumulate_and_step(

@@ -15,6 +15,8 @@ from torch import nn
 from hybridflow.learners.packing import PackedRows
 from hybridflow.learners.sequence_shard import OutputShard, sharded_hidden
 from hybridflow.models.logprobs import logprobs_from_hidden
+from hybridflow.models.tensor_parallel import vocab_shard
+from hybridflow.models.vocab_parallel import vocab_parallel_logprobs
 
 # (router_logits [N, E], topk_ids [N, k]) of each sparse layer of one forward (models/llama.py)
 RouterTrace = list[tuple[torch.Tensor, torch.Tensor]]
@@ -62,17 +64,37 @@ class PolicyModel(nn.Module):
         targets = (
             packed.targets if outputs is None else packed.targets[outputs.start : outputs.stop]
         )
-        weight = self.lm.lm_head.weight
-        if weight.dtype != hidden.dtype:
-            # Under autocast (unsharded bf16 path) the chunked log-prob kernel's backward runs
-            # outside autocast, so hand it one dtype; the cast is differentiable.
-            weight = weight.to(hidden.dtype)
-        logprobs, entropy = logprobs_from_hidden(
-            hidden, weight, targets, temperature=temperature, with_entropy=with_entropy
+        logprobs, entropy = head_logprobs(
+            hidden, self.lm.lm_head.weight, targets, temperature, with_entropy
         )
         if outputs is None:
             return logprobs, entropy
         return outputs.gather(logprobs), (None if entropy is None else outputs.gather(entropy))
+
+
+def head_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropy) of ``targets`` from hidden states [m, H] and the lm_head
+    weight: whole, or split by vocabulary over a tensor-parallel group."""
+    shard = vocab_shard(weight)
+    if shard is not None:
+        rows, group, vocab_start = shard
+        return vocab_parallel_logprobs(
+            hidden, rows, targets, group, vocab_start=vocab_start, temperature=temperature,
+            with_entropy=with_entropy,
+        )  # fmt: skip
+    if weight.dtype != hidden.dtype:
+        # Under autocast (unsharded bf16 path) the chunked log-prob kernel's backward runs
+        # outside autocast, so hand it one dtype; the cast is differentiable.
+        weight = weight.to(hidden.dtype)
+    return logprobs_from_hidden(
+        hidden, weight, targets, temperature=temperature, with_entropy=with_entropy
+    )
 
 
 def packed_hidden(

@@ -94,23 +94,37 @@ def global_grad_norm(
 ) -> float:
     """Global L2 norm of the gradients (fp32 accumulation), possibly ``inf``/``nan``.
 
-    FSDP2 gradients are DTensors sharded over ``group``: the squared norms of the local
-    shards are summed and all-reduced on ``comm_device`` (explicitly, so that CPU-offloaded
-    shards work with NCCL, where DTensor's own reduction would not).
+    Sharded gradients (FSDP2, tensor parallelism) are DTensors over ranks of ``group``: the
+    squared norms of the local shards are summed and all-reduced on ``comm_device``
+    (explicitly, so that CPU-offloaded shards work with NCCL, where DTensor's own reduction
+    would not). A tensor held whole or split over fewer ranks than the group has (a norm
+    weight beside tensor-parallel layers) is counted once: each rank's part is weighted by
+    its distinct shards / the group's ranks.
     """
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return 0.0
     sharded = any(hasattr(g, "to_local") for g in grads)
-    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-    device = torch.device(comm_device) if comm_device is not None else local[0].device
+    world = dist.get_world_size(group) if sharded and dist.is_initialized() else 1
+    device = torch.device(comm_device) if comm_device is not None else grads[0].device
     squares = torch.zeros((), dtype=torch.float32, device=device)
-    for tensor in local:
-        if tensor.numel():
-            squares += torch.linalg.vector_norm(tensor, dtype=torch.float32).square().to(device)
-    if sharded and dist.is_initialized() and dist.get_world_size(group) > 1:
+    for grad in grads:
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        if local.numel():
+            square = torch.linalg.vector_norm(local, dtype=torch.float32).square().to(device)
+            copies = world // distinct_shards(grad)
+            squares += square / copies if copies > 1 else square
+    if world > 1:
         dist.all_reduce(squares, group=group)
     return float(squares.sqrt())
+
+
+def distinct_shards(tensor: torch.Tensor) -> int:
+    """Into how many different pieces a (D)Tensor is split over its mesh (1: whole)."""
+    placements = getattr(tensor, "placements", ())
+    mesh = getattr(tensor, "device_mesh", None)
+    # not is_shard(): FSDP2 over tensor-parallel weights places a _StridedShard, no Shard
+    return math.prod(mesh.size(i) for i, p in enumerate(placements) if not p.is_replicate())
 
 
 def clip_factor(norm: float, max_norm: float) -> float | None:

@@ -89,16 +89,16 @@ class RefPolicy:
             return (self.policy(packed, temperature, False)[0],)
 
         adapters_off = lora.adapters_disabled(self.policy.lm) if self._actor else nullcontext()
-        group = self.core.sequence_group
+        groups = self.core.replica_groups
         with adapters_off:
             (logprobs,) = forward_response_tokens(
                 self.core,
-                gather_rows(batch, group),
+                gather_rows(batch, groups),
                 micro_batch_size=self.cfg.micro_batch_size_per_gpu,
                 max_tokens=self.cfg.max_tokens_per_gpu,
                 run=run,
             )
-        return own_rows(Batch({"ref_logprobs": logprobs}), group)
+        return own_rows(Batch({"ref_logprobs": logprobs}), groups)
 
     def offload(self) -> None:
         if self._actor is None:

@@ -69,9 +69,10 @@ class Attention(nn.Module):
         """x [..., H] -> q [..., nh, hd], k/v [..., nkv, hd], with qk-norm and RoPE applied.
 
         Exposed separately so the generation engine can write k/v into its cache."""
-        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
-        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        # -1 heads: under tensor parallelism the projections hold this rank's heads only
+        q = self.q_proj(x).unflatten(-1, (-1, self.head_dim))
+        k = self.k_proj(x).unflatten(-1, (-1, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)

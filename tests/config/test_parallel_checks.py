@@ -22,7 +22,6 @@ def _supporting(monkeypatch, *pairs):
 @pytest.mark.parametrize(
     ("key", "role"),
     [
-        ("actor.tensor_parallel_size", "actor"),
         ("rollout.tensor_parallel_size", "rollout"),
     ],
 )
@@ -48,12 +47,15 @@ def test_the_reference_following_the_actor_is_refused_with_its_own_key(monkeypat
                                 "actor.use_kl_loss=true", "ref.tensor_parallel_size=1"]))  # fmt: skip
 
 
-def test_sequence_parallel_training_roles_are_accepted():
-    """Ulysses runs for the actor, the reference and the critic (learners/sequence_shard.py)."""
-    derived = validate(load_config(None, [*FOUR_CPUS, "actor.sequence_parallel_size=2",
+@pytest.mark.parametrize("dim", ["sequence", "tensor"])
+def test_sequence_and_tensor_parallel_training_roles_are_accepted(dim):
+    """Ulysses (learners/sequence_shard.py) and tensor parallelism (models/tensor_parallel.py)
+    run for the actor, the reference and the critic."""
+    derived = validate(load_config(None, [*FOUR_CPUS, f"actor.{dim}_parallel_size=2",
                                           "actor.use_kl_loss=true", "algorithm.adv_estimator=gae"]))  # fmt: skip
     assert derived.use_reference and derived.use_critic
-    assert derived.layouts.ref.sp == derived.layouts.critic.sp == 2
+    for layout in (derived.layouts.actor, derived.layouts.ref, derived.layouts.critic):
+        assert (layout.sp, layout.tp) == ((2, 1) if dim == "sequence" else (1, 2))
 
 
 def test_sizes_that_do_not_tile_the_devices_name_the_keys():

@@ -1,0 +1,41 @@
+"""`hybridflow train` on two CPU processes with Ulysses sequence parallelism (SP = 2) or tensor
+parallelism (TP = 2) for the actor, the reference and the critic logs the metrics of plain
+data parallelism on the same two processes: the same samples, rewards, losses and gradient
+norms, step after step (the updated weights sample the next step's responses)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from trainer_helpers import read_metrics, tiny_config
+
+from hybridflow.trainer.run import train
+
+RUN = ["trainer.backend=local", "trainer.n_gpus_per_node=2", "actor.use_kl_loss=true",
+       "algorithm.adv_estimator=gae", "trainer.save_freq=0", "data.val_files=[]"]  # fmt: skip
+NOT_COMPARED = ("timing_s/", "perf/", "memory/")  # wall-clock and host measurements
+
+
+def _run(tmp_path, *overrides):
+    cfg = tiny_config(tmp_path, *RUN, *overrides)
+    train(cfg, log=lambda *args, **kwargs: None)
+    return read_metrics(cfg.trainer.run_dir)
+
+
+@pytest.mark.slow
+def test_sequence_and_tensor_parallel_runs_log_the_metrics_of_data_parallel(tmp_path):
+    data_parallel = _run(tmp_path / "dp")
+    for dim in ("sequence", "tensor"):
+        layout = _run(tmp_path / dim, f"actor.{dim}_parallel_size=2")
+        assert data_parallel.keys() == layout.keys() == {1, 2}
+        for step, want in data_parallel.items():
+            compared = [k for k, v in want.items()
+                        if isinstance(v, float) and not k.startswith(NOT_COMPARED)]  # fmt: skip
+            assert {"actor/pg_loss", "actor/grad_norm", "critic/vf_loss"} <= set(compared)
+            for key in compared:
+                got = layout[step][key]
+                if math.isnan(want[key]):
+                    assert math.isnan(got), (dim, step, key)
+                else:
+                    assert got == pytest.approx(want[key], rel=1e-3, abs=1e-6), (dim, step, key)
