@@ -149,6 +149,10 @@ def _check_shape(role: str, arch: ModelArchitecture, sizes: list[RoleSize], add:
             if count and count % tp:
                 add(f"{who}: {tp_key} = {tp} must divide the model's {what} = {count}: pick a "
                     f"divisor of {count}")  # fmt: skip
+        if arch.is_moe and role != "rollout":  # models/tensor_parallel.py: dense layers only
+            add(f"{who}: {tp_key} = {tp}: tensor parallelism of a mixture of experts' sparse "
+                f"layers is not built yet: set {tp_key}=1 (data and sequence parallelism "
+                "train it)")  # fmt: skip
     if sp > 1 and heads % tp == 0 and kv % tp == 0:
         sp_key = mine["sp"].key
         local_heads, local_kv = heads // tp, kv // tp

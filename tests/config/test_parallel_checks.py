@@ -135,3 +135,10 @@ def test_a_mini_batch_smaller_than_the_data_parallel_ranks_shows_the_normalisati
         )  # fmt: skip
         for p in problems
     )
+
+
+def test_tensor_parallel_training_of_a_mixture_of_experts_is_refused():
+    problems = _problems([*FOUR_CPUS, "model.path=tiny-moe", "actor.tensor_parallel_size=2"])
+    assert ("actor: actor.tensor_parallel_size = 2: tensor parallelism of a mixture of experts' "
+            "sparse layers is not built yet: set actor.tensor_parallel_size=1 (data and "
+            "sequence parallelism train it)") in problems  # fmt: skip

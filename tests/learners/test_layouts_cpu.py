@@ -2,7 +2,8 @@
 parallelism TP = 2 (each rank handed its own rows, as the controller splits a batch), compute
 the log-probs, losses, gradient norm and updated weights of one process, for the actor, the
 reference and the critic (fp32); one process resumes their checkpoints. Four ranks with
-DP = 2 × SP = 2 and DP = 2 × TP = 2 (FSDP2 over the data ranks) do the same for the actor."""
+DP = 2 × SP = 2, DP = 2 × TP = 2 (FSDP2 over the data ranks) and SP = 2 × TP = 2 do the same
+for the actor."""
 
 import os
 
@@ -157,9 +158,10 @@ def _compare(rank0: dict, rank1: dict, want: dict, checkpoint) -> None:
             assert rank0["moe_metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
 
 
-FOUR_RANK_LAYOUTS = {"dp2_sp2": dict(sp=2), "dp2_tp2": dict(tp=2)}  # FSDP2 over dp in both
-# Rank r receives rows 2r, 2r+1; each replica of 2 ranks takes mini-batches of 2 rows, one
-# from each rank's shard: globally rows 0, 2, 4, 6 then 1, 3, 5, 7.
+# FSDP2 over dp × sp in each; sp2_tp2: one replica of 4 ranks (Ulysses over tensor-parallel heads)
+FOUR_RANK_LAYOUTS = {"dp2_sp2": dict(sp=2), "dp2_tp2": dict(tp=2), "sp2_tp2": dict(sp=2, tp=2)}
+# Rank r receives rows 2r, 2r+1; each replica takes its mini-batches evenly from its ranks'
+# shards (one row of each per step): globally rows 0, 2, 4, 6 then 1, 3, 5, 7.
 FOUR_RANK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 
@@ -172,7 +174,7 @@ def _four_ranks(rank: int, world: int, out_dir: str) -> None:
         mesh = build_mesh(train_layout(world, **sizes), "cpu")
         actor = ActorLearner(tiny_model(), actor_config(**CFG), total_steps=4, device="cpu",
                              mesh=mesh)  # fmt: skip
-        assert actor.core.fsdp and actor.mini_batch_size == 2
+        assert actor.core.fsdp and actor.mini_batch_size == 4 // mesh.size("dp")
         out = {"logprobs": actor.compute_logprobs(first.index(shard))["old_logprobs"]}
         out["metrics"] = actor.update(first.index(shard))
         out["weights"] = _full_weights(actor)
