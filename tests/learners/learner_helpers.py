@@ -68,3 +68,22 @@ def flat_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def record_full_gradients(actor) -> list[dict[str, torch.Tensor]]:
+    """Wrap ``actor``'s optimizer step so that each call first records every parameter's
+    full gradient (gathered from its shards under FSDP2): one dict per optimizer step."""
+    recorded = []
+    step = actor.core.optimizer_step
+
+    def recording_step(grad_clip):
+        grads = {}
+        for name, param in actor.model.named_parameters():
+            grad = param.grad
+            if grad is not None:
+                grads[name] = grad.full_tensor() if hasattr(grad, "full_tensor") else grad.clone()
+        recorded.append(grads)
+        return step(grad_clip)
+
+    actor.core.optimizer_step = recording_step
+    return recorded

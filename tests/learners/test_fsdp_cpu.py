@@ -1,15 +1,18 @@
 """Two ranks (gloo, CPU, FSDP2) must give the update of one process on the same data."""
 
 import os
-import socket
-import sys
 import time
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from learner_helpers import actor_config, make_batch, max_abs_diff, tiny_model
+from gloo_ranks import run_ranks
+from learner_helpers import (
+    actor_config,
+    make_batch,
+    max_abs_diff,
+    record_full_gradients,
+    tiny_model,
+)
 
 from hybridflow.config import ModelConfig
 from hybridflow.learners import ActorLearner
@@ -34,110 +37,75 @@ LORA_BF16 = ModelConfig(path="tiny", lora_rank=4, lora_alpha=8, dtype="bfloat16"
 LORA_CFG = dict(ppo_mini_batch_size=8, micro_batch_size_per_gpu=2, lr=1e-2)
 
 
-def _record_full_gradients(actor):
-    recorded = []
-    step = actor.core.optimizer_step
-
-    def recording_step(grad_clip):
-        grads = {}
-        for name, param in actor.model.named_parameters():
-            grad = param.grad
-            if grad is not None:
-                grads[name] = grad.full_tensor() if hasattr(grad, "full_tensor") else grad.clone()
-        recorded.append(grads)
-        return step(grad_clip)
-
-    actor.core.optimizer_step = recording_step
-    return recorded
-
-
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    sys.path.insert(0, os.path.dirname(__file__))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        first, second = make_batch(seed=21), make_batch(seed=22)
-        shard = list(range(4 * rank, 4 * rank + 4))
-        actor = ActorLearner(tiny_model(), actor_config(**CFG), total_steps=4, device="cpu")
-        assert actor.core.fsdp and actor.mini_batch_size == 2
-        grads = _record_full_gradients(actor)
-        logprobs = actor.compute_logprobs(first.index(shard))["old_logprobs"]
-        metrics1 = actor.update(first.index(shard))
-        weights1 = actor.core.full_state_dict(actor.model)
-        actor.save(os.path.join(out_dir, "ckpt"))
-        # The same state written in the background while the next update's collectives run
-        # (the write coordinates the ranks over a gloo group of its own).
-        actor.save(os.path.join(out_dir, "ckpt_background"), background=True)
-        metrics2 = actor.update(second.index(shard))
-        while not actor.save_finished():
-            time.sleep(0.01)
-        weights2 = actor.core.full_state_dict(actor.model)
-        resumed_weights2, resumed_metrics2 = [], []
-        for name in ("ckpt", "ckpt_background"):
-            resumed = ActorLearner(tiny_model(seed=9), actor_config(**CFG), total_steps=4,
-                                   device="cpu")  # fmt: skip
-            resumed.load(os.path.join(out_dir, name))
-            resumed_metrics2.append(resumed.update(second.index(shard)))
-            resumed_weights2.append(resumed.core.full_state_dict(resumed.model))
-        actor.export_hf(os.path.join(out_dir, "hf"))
-        # Per-unit gathers (weight sync) equal the per-tensor full state dict.
-        per_unit = {name: t.clone() for name, t in actor.core.iter_unit_gathered(actor.model)}
-        per_tensor = actor.core.full_state_dict(actor.model)  # collective: every rank
-        # LoRA + activation checkpointing under FSDP2: merged weights after one step.
-        lora_actor = ActorLearner(
-            tiny_model(), actor_config(**LORA_CFG), total_steps=2, device="cpu", model_cfg=LORA
-        )
-        lora_metrics = lora_actor.update(first.index(shard))
-        lora_weights = {n: t.clone() for n, t in lora_actor.hf_weights()}
-        bf16_actor = ActorLearner(tiny_model().to(torch.bfloat16), actor_config(**LORA_CFG),
-                                  total_steps=2, device="cpu", model_cfg=LORA_BF16)  # fmt: skip
-        bf16_dtypes = {p.dtype for p in bf16_actor.model.parameters()}
-        bf16_metrics = bf16_actor.update(first.index(shard))
-        bf16_weights = {n: t.clone() for n, t in bf16_actor.hf_weights()}
-        result = dict(
-            logprobs=logprobs,
-            metrics1=metrics1,
-            metrics2=metrics2,
-            resumed_metrics2=resumed_metrics2,
-            grads=grads,
-            weights1=weights1,
-            weights2=weights2,
-            resumed_weights2=resumed_weights2,
-            lora_metrics=lora_metrics,
-            lora_weights=lora_weights,
-            bf16_dtypes=bf16_dtypes,
-            bf16_metrics=bf16_metrics,
-            bf16_weights=bf16_weights,
-            per_unit=per_unit,
-            per_tensor=per_tensor,
-            hf_names=[name for name, _ in actor.hf_weights()],
-        )
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()  # no rank tears gloo/NCCL down while another still talks
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _worker(rank: int, world: int, out_dir: str) -> None:
+    first, second = make_batch(seed=21), make_batch(seed=22)
+    shard = list(range(4 * rank, 4 * rank + 4))
+    actor = ActorLearner(tiny_model(), actor_config(**CFG), total_steps=4, device="cpu")
+    assert actor.core.fsdp and actor.mini_batch_size == 2
+    grads = record_full_gradients(actor)
+    logprobs = actor.compute_logprobs(first.index(shard))["old_logprobs"]
+    metrics1 = actor.update(first.index(shard))
+    weights1 = actor.core.full_state_dict(actor.model)
+    actor.save(os.path.join(out_dir, "ckpt"))
+    # The same state written in the background while the next update's collectives run
+    # (the write coordinates the ranks over a gloo group of its own).
+    actor.save(os.path.join(out_dir, "ckpt_background"), background=True)
+    metrics2 = actor.update(second.index(shard))
+    while not actor.save_finished():
+        time.sleep(0.01)
+    weights2 = actor.core.full_state_dict(actor.model)
+    resumed_weights2, resumed_metrics2 = [], []
+    for name in ("ckpt", "ckpt_background"):
+        resumed = ActorLearner(tiny_model(seed=9), actor_config(**CFG), total_steps=4,
+                               device="cpu")  # fmt: skip
+        resumed.load(os.path.join(out_dir, name))
+        resumed_metrics2.append(resumed.update(second.index(shard)))
+        resumed_weights2.append(resumed.core.full_state_dict(resumed.model))
+    actor.export_hf(os.path.join(out_dir, "hf"))
+    # Per-unit gathers (weight sync) equal the per-tensor full state dict.
+    per_unit = {name: t.clone() for name, t in actor.core.iter_unit_gathered(actor.model)}
+    per_tensor = actor.core.full_state_dict(actor.model)  # collective: every rank
+    # LoRA + activation checkpointing under FSDP2: merged weights after one step.
+    lora_actor = ActorLearner(
+        tiny_model(), actor_config(**LORA_CFG), total_steps=2, device="cpu", model_cfg=LORA
+    )
+    lora_metrics = lora_actor.update(first.index(shard))
+    lora_weights = {n: t.clone() for n, t in lora_actor.hf_weights()}
+    bf16_actor = ActorLearner(tiny_model().to(torch.bfloat16), actor_config(**LORA_CFG),
+                              total_steps=2, device="cpu", model_cfg=LORA_BF16)  # fmt: skip
+    bf16_dtypes = {p.dtype for p in bf16_actor.model.parameters()}
+    bf16_metrics = bf16_actor.update(first.index(shard))
+    bf16_weights = {n: t.clone() for n, t in bf16_actor.hf_weights()}
+    result = dict(
+        logprobs=logprobs,
+        metrics1=metrics1,
+        metrics2=metrics2,
+        resumed_metrics2=resumed_metrics2,
+        grads=grads,
+        weights1=weights1,
+        weights2=weights2,
+        resumed_weights2=resumed_weights2,
+        lora_metrics=lora_metrics,
+        lora_weights=lora_weights,
+        bf16_dtypes=bf16_dtypes,
+        bf16_metrics=bf16_metrics,
+        bf16_weights=bf16_weights,
+        per_unit=per_unit,
+        per_tensor=per_tensor,
+        hf_names=[name for name, _ in actor.hf_weights()],
+    )
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.mark.slow
 def test_two_rank_fsdp_update_equals_single_process(tmp_path):
-    mp.start_processes(
-        _worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
-    )
+    run_ranks(_worker, 2, str(tmp_path))
     rank0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
     rank1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
 
     first, second = make_batch(seed=21), make_batch(seed=22)
     single = ActorLearner(tiny_model(), actor_config(**CFG), total_steps=4, device="cpu")
-    from test_fsdp_cpu import _record_full_gradients as record  # same helper, plain tensors
-
-    grads = record(single)
+    grads = record_full_gradients(single)
     logprobs = single.compute_logprobs(first)["old_logprobs"]
     metrics1 = single.update(first.index(SINGLE_PROCESS_ORDER))
     weights1 = {k: v.clone() for k, v in single.model.state_dict().items()}

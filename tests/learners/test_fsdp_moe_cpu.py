@@ -2,14 +2,11 @@
 update of one process, routing replay and router losses included."""
 
 import os
-import sys
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from learner_helpers import actor_config, make_batch, max_abs_diff
-from test_fsdp_cpu import _free_port, _record_full_gradients
+from gloo_ranks import run_ranks
+from learner_helpers import actor_config, make_batch, max_abs_diff, record_full_gradients
 from test_moe_actor import _own_routes
 
 from hybridflow.learners import ActorLearner
@@ -28,38 +25,28 @@ def _batch():
     return batch
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    sys.path.insert(0, os.path.dirname(__file__))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        actor = ActorLearner(load_model("tiny-moe"), actor_config(**CFG), total_steps=2,
-                             device="cpu")  # fmt: skip
-        experts = actor.model.model.layers[1].mlp.experts.gate_up_proj
-        grads = _record_full_gradients(actor)
-        metrics = actor.update(_batch().index(list(range(4 * rank, 4 * rank + 4))))
-        result = dict(
-            local_experts=experts.to_local().shape[0],
-            grads=grads,
-            metrics=metrics,
-            weights=actor.core.full_state_dict(actor.model),
-        )
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int, out_dir: str) -> None:
+    actor = ActorLearner(load_model("tiny-moe"), actor_config(**CFG), total_steps=2,
+                         device="cpu")  # fmt: skip
+    experts = actor.model.model.layers[1].mlp.experts.gate_up_proj
+    grads = record_full_gradients(actor)
+    metrics = actor.update(_batch().index(list(range(4 * rank, 4 * rank + 4))))
+    result = dict(
+        local_experts=experts.to_local().shape[0],
+        grads=grads,
+        metrics=metrics,
+        weights=actor.core.full_state_dict(actor.model),
+    )
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.mark.slow
 def test_two_rank_fsdp_shards_the_experts_and_equals_one_process(tmp_path):
-    mp.start_processes(
-        _worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
-    )
+    run_ranks(_worker, 2, str(tmp_path))
     rank0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
     single = ActorLearner(load_model("tiny-moe"), actor_config(**CFG), total_steps=2,
                           device="cpu")  # fmt: skip
-    grads = _record_full_gradients(single)
+    grads = record_full_gradients(single)
     metrics = single.update(_batch().index(SINGLE_PROCESS_ORDER))
     assert rank0["local_experts"] == 4  # 8 experts, half on each rank
     assert max_abs_diff(rank0["grads"][0], grads[0]) < 3e-6
