@@ -25,9 +25,9 @@ if TYPE_CHECKING:
 Add = Callable[[str], None]
 
 SUPPORTED_LAYOUTS: frozenset[tuple[str, str]] = frozenset(
-    (role, dim)
-    for role in ("actor", "ref", "critic")
-    for dim in ("sp", "tp")  # learners/sequence_shard.py, models/tensor_parallel.py
+    {(role, dim) for role in ("actor", "ref", "critic") for dim in ("sp", "tp")}
+    # learners/sequence_shard.py, models/tensor_parallel.py
+    | {("actor", "ep"), ("ref", "ep")}  # learners/expert_shard.py
 )
 """(role, dimension) pairs whose code path exists, so a size > 1 runs. A pair joins this set
 in the change that makes the role train or generate in that layout."""

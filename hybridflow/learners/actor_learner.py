@@ -255,6 +255,7 @@ class ActorLearner:
                     aux_loss_coef=self.router_aux_loss_coef,
                     z_loss_coef=cfg.router_z_loss_coef,
                     share=share,
+                    expert_group=self.core.expert_group,
                 )
                 loss = loss + router_loss
                 terms.update(router_log)

@@ -24,6 +24,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridflow.learners.expert_shard import (
+    check_expert_options,
+    distribute_experts,
+    reduce_expert_grads,
+)
 from hybridflow.learners.host_optimizer import (
     BUCKET_ELEMENTS,
     HostAdamW,
@@ -110,6 +115,12 @@ class TrainCore:
         """Ranks that share their rows (one model replica split by tensor and sequence),
         innermost first: each gathers the rows the controller sent the others (shared_rows)."""
         self.replica_size = self.tensor_size * self.sequence_size
+        self.expert_group = mesh.group("ep") if mesh is not None and mesh.size("ep") > 1 else None
+        """Expert parallelism: each rank holds E/EP experts (learners/expert_shard.py)."""
+        self.expert_params: list[nn.Parameter] = []
+        if self.expert_group is not None:
+            check_expert_options(optimizer_offload=optimizer_offload, param_offload=param_offload)
+            self.expert_params = distribute_experts(module.lm, mesh)
         self.role_group = None if mesh is not None else dp_group
         """Every rank of the role (checkpoints, barriers); None: the default group."""
         self.role_rank = dist.get_rank(self.role_group) if _dist_on() else 0
@@ -167,6 +178,8 @@ class TrainCore:
         else:
             mesh = DeviceMesh.from_group(self.shard_group or dist.group.WORLD, self.device.type)
         options = {"mesh": mesh}
+        if self.expert_params:  # sharded over the EP group instead (learners/expert_shard.py)
+            options["ignored_params"] = set(self.expert_params)
         if self.compute_dtype is not None:
             options["mp_policy"] = MixedPrecisionPolicy(
                 param_dtype=self.compute_dtype, reduce_dtype=torch.float32
@@ -209,6 +222,7 @@ class TrainCore:
                 weight_decay=weight_decay,
                 betas=betas,
                 device=self._optimizer_device,
+                per_tensor=bool(self.expert_params),
             )
         self.rl_steps = total_steps
         self.schedule_steps = total_steps  # optimizer steps; sized by set_steps_per_update
@@ -282,6 +296,13 @@ class TrainCore:
         return pack_by_token_budget(lengths, max_tokens, num_micro_batches=max(count, 1))
 
     # ------------------------------------------------------------------ optimizer step
+
+    def finish_gradients(self) -> None:
+        """After the last backward of a mini-batch: the experts' gradients reduced as FSDP
+        reduces the others' (learners/expert_shard.py). No-op without expert parallelism."""
+        if self.expert_params:
+            replica_group = self.mesh.group("expert_fsdp")
+            reduce_expert_grads(self.expert_params, replica_group, self.shard_size)
 
     def optimizer_step(self, grad_clip: float) -> tuple[float, bool]:
         """Clip, then step unless the gradient norm is not finite. Returns (norm, skipped)."""
@@ -487,7 +508,7 @@ class TrainCore:
             for unit, prefix in zip(units, prefixes):
                 unit.unshard()
                 for name, param in unit.named_parameters(remove_duplicate=False):
-                    yield prefix + name, _whole(param.detach())
+                    yield prefix + name, _whole(param.detach()).to(self.gather_dtype())
                 self._release_gathered(unit)
             root = self.module  # its own parameters: embeddings, final norm, untied head
             root.unshard()

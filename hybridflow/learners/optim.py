@@ -49,12 +49,18 @@ def build_optimizer(
     weight_decay: float = 0.0,
     betas: tuple[float, float] = (0.9, 0.999),
     device: torch.device | str = "cpu",
+    per_tensor: bool = False,
 ) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters; fused kernel on CUDA (one launch per step)."""
+    """AdamW over the trainable parameters; fused kernel on CUDA (one launch per step).
+    per_tensor: one update per tensor (DTensors over different meshes, as expert parallelism
+    has, cannot share a foreach or fused launch)."""
     trainable = [p for p in params if p.requires_grad]
     if not trainable:
         raise ValueError("no trainable parameters: is every weight frozen?")
     fused = torch.device(device).type == "cuda" and all(p.is_cuda for p in trainable)
+    if per_tensor:
+        return torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay,
+                                 betas=tuple(betas), foreach=False)  # fmt: skip
     return torch.optim.AdamW(
         trainable, lr=lr, weight_decay=weight_decay, betas=tuple(betas), fused=fused or None
     )

@@ -107,6 +107,7 @@ def accumulate_and_step(
         if rows:
             sums.add_token_means(token_means, float(micro.tensors["response_mask"].sum()))
             sums.add_mini_batch_terms(terms)
+    core.finish_gradients()
     grad_norm, skipped = core.optimizer_step(grad_clip)
     sums.add_step(grad_norm, skipped)
     sums.last_lr = core.optimizer.param_groups[0]["lr"]

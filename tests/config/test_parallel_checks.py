@@ -58,6 +58,16 @@ def test_sequence_and_tensor_parallel_training_roles_are_accepted(dim):
         assert (layout.sp, layout.tp) == ((2, 1) if dim == "sequence" else (1, 2))
 
 
+def test_expert_parallel_actor_and_reference_are_accepted_rollout_refused():
+    """Expert parallelism trains the actor and runs the reference (learners/expert_shard.py);
+    the rollout engine's has no code path yet."""
+    moe = [*FOUR_CPUS, "model.path=tiny-moe", "actor.use_kl_loss=true"]
+    derived = validate(load_config(None, [*moe, "actor.expert_parallel_size=2"]))
+    assert derived.layouts.actor.ep == derived.layouts.ref.ep == 2
+    problems = _problems([*moe, "rollout.expert_parallel_size=2"])
+    assert problems[0].startswith("rollout.expert_parallel_size = 2: expert parallelism is not")
+
+
 def test_sizes_that_do_not_tile_the_devices_name_the_keys():
     problems = _problems([*FOUR_CPUS, "actor.tensor_parallel_size=3"])
     assert ("actor layout: trainer.n_gpus_per_node = 4 is not a multiple of "

@@ -1,0 +1,90 @@
+"""The actor with expert parallelism on 2 gloo processes (EP = 2: 4 of the tiny MoE's 8
+experts per rank, the rest FSDP2-sharded) gives one process's update on the same data:
+gradients, metrics (router losses pooled over the EP group) and weights, with routing
+replay; the full weights (weight sync, export) and a checkpoint round trip hold all experts."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from learner_helpers import actor_config, make_batch, max_abs_diff
+from test_fsdp_cpu import _free_port, _record_full_gradients
+from test_moe_actor import _own_routes
+
+from hybridflow.learners import ActorLearner
+from hybridflow.models import load_model
+from hybridflow.parallel import build_mesh, train_layout
+
+# Each rank: one micro-batch of 2 rows per mini-batch of 4. The EP group's router losses are
+# over the union of the two ranks' micro-batches: one process with micro-batches of 4 on the
+# reordered batch sees the same groups of rows.
+CFG = dict(ppo_mini_batch_size=4, micro_batch_size_per_gpu=2, router_replay="rollout",
+           router_z_loss_coef=1e-2, router_aux_loss_coef=0.1, lr=1e-2)  # fmt: skip
+SINGLE = dict(CFG, micro_batch_size_per_gpu=4)
+SINGLE_PROCESS_ORDER = [0, 1, 4, 5, 2, 3, 6, 7]
+
+
+def _batch():
+    batch = make_batch(seed=31)
+    batch.tensors["routed_experts"] = _own_routes(load_model("tiny-moe"), batch)
+    return batch
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    sys.path.insert(0, os.path.dirname(__file__))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = build_mesh(train_layout(world, ep=2), "cpu")
+        actor = ActorLearner(load_model("tiny-moe"), actor_config(**CFG), total_steps=2,
+                             device="cpu", mesh=mesh)  # fmt: skip
+        experts = actor.model.model.layers[1].mlp.experts.gate_up_proj
+        grads = _record_full_gradients(actor)
+        metrics = actor.update(_batch().index(list(range(4 * rank, 4 * rank + 4))))
+        weights = {name: tensor.clone() for name, tensor in actor.hf_weights()}
+        actor.save(os.path.join(out_dir, "ckpt"))
+        resumed = ActorLearner(load_model("tiny-moe"), actor_config(**CFG), total_steps=2,
+                               device="cpu", mesh=mesh)  # fmt: skip
+        resumed.load(os.path.join(out_dir, "ckpt"))
+        resumed_weights = {name: tensor.clone() for name, tensor in resumed.hf_weights()}
+        result = dict(local_experts=experts.to_local().shape[0], grads=grads, metrics=metrics,
+                      weights=weights, resumed_weights=resumed_weights)  # fmt: skip
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ep_ranks_update_equals_one_process(tmp_path):
+    mp.start_processes(
+        _worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    rank0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    rank1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
+    single = ActorLearner(load_model("tiny-moe"), actor_config(**SINGLE), total_steps=2,
+                          device="cpu")  # fmt: skip
+    grads = _record_full_gradients(single)
+    metrics = single.update(_batch().index(SINGLE_PROCESS_ORDER))
+    assert rank0["local_experts"] == 4  # 8 experts, half on each rank
+    assert len(grads) == len(rank0["grads"]) == 2  # two mini-batches: two optimizer steps
+    for step, step_grads in enumerate(grads):
+        for name, grad in step_grads.items():
+            scale = grad.abs().max().clamp(min=1e-12)
+            relative = float((rank0["grads"][step][name] - grad).abs().max() / scale)
+            # the second step starts from weights that Adam moved apart slightly (below)
+            assert relative < (1e-4 if step == 0 else 1e-2), (step, name)
+    # (router entropy and expert load are per-micro-batch means, weighted by response tokens:
+    # two micro-batches of 2 rows and one of 4 weigh the same tokens differently)
+    for key in ("pg_loss", "grad_norm", "moe/aux_loss", "moe/z_loss"):
+        assert abs(rank0["metrics"][key] - metrics[key]) <= 1e-4 * abs(metrics[key]), key
+    expected = {name: tensor for name, tensor in single.hf_weights()}
+    assert rank0["weights"]["model.layers.1.mlp.experts.gate_up_proj"].shape[0] == 8
+    # Adam divides by |g| + 1e-8: entries whose gradient is float noise (~1e-7, equal to
+    # 1e-6 of the largest) move by a part of lr that differs between the runs; the
+    # gradients above are the tight check.
+    assert max_abs_diff(rank0["weights"], expected) < 0.2 * CFG["lr"]
+    assert max_abs_diff(rank1["weights"], rank0["weights"]) == 0
+    assert max_abs_diff(rank0["resumed_weights"], rank0["weights"]) == 0
