@@ -31,36 +31,42 @@ def strict_server(scripted):
 
 
 def trickle(address, data: bytes) -> tuple[bytes, float]:
-    """Send `data` a byte every 50 ms until the server closes the connection; -> (what the
-    server sent, seconds until it closed). Fails if it has not closed after PATIENCE_S."""
+    """trickle_on() a new connection to ``address``."""
+    with socket.create_connection(address, timeout=PATIENCE_S) as sock:
+        return trickle_on(sock, data)
+
+
+def trickle_on(sock: socket.socket, data: bytes) -> tuple[bytes, float]:
+    """Send `data` a byte every 50 ms on an open connection until the server closes it; ->
+    (what the server sent, seconds until it closed). Fails if the whole of `data` went
+    through or the connection is still open after PATIENCE_S."""
     start = time.monotonic()
     received = b""
-    with socket.create_connection(address, timeout=PATIENCE_S) as sock:
-        sock.settimeout(0.05)
-        for byte in data:
-            if time.monotonic() - start > PATIENCE_S:
-                break
-            try:
-                sock.sendall(bytes([byte]))
-            except (BrokenPipeError, ConnectionResetError):
-                break
-            try:
-                chunk = sock.recv(65536)
-            except TimeoutError:
-                continue
-            except ConnectionResetError:
-                break
-            received += chunk
-            if not chunk:
-                break
-        else:
-            pytest.fail("the whole request went through: no timeout cut it")
-        sock.settimeout(PATIENCE_S)
+    sock.settimeout(0.05)
+    for byte in data:
+        if time.monotonic() - start > PATIENCE_S:
+            break
         try:
-            while chunk := sock.recv(65536):
-                received += chunk
-        except (TimeoutError, ConnectionResetError):
-            pass
+            sock.sendall(bytes([byte]))
+        except (BrokenPipeError, ConnectionResetError):
+            break
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            break
+        received += chunk
+        if not chunk:
+            break
+    else:
+        pytest.fail("the whole request went through: no timeout cut it")
+    sock.settimeout(PATIENCE_S)
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+    except (TimeoutError, ConnectionResetError):
+        pass
     elapsed = time.monotonic() - start
     assert elapsed < PATIENCE_S, "the connection stayed open"
     return received, elapsed
@@ -87,32 +93,6 @@ def test_a_body_sent_byte_by_byte_is_cut_with_a_408(strict_server):
         received, _ = trickle_on(sock, body)
     status, error = status_and_error(received)
     assert status == 408 and error["code"] == "request_timeout" and "body" in error["message"]
-
-
-def trickle_on(sock: socket.socket, data: bytes) -> tuple[bytes, float]:
-    """trickle() on a connection already open."""
-    start, received = time.monotonic(), b""
-    sock.settimeout(0.05)
-    for byte in data:
-        try:
-            sock.sendall(bytes([byte]))
-            chunk = sock.recv(65536)
-        except TimeoutError:
-            continue
-        except (BrokenPipeError, ConnectionResetError):
-            break
-        received += chunk
-        if not chunk:
-            break
-        if time.monotonic() - start > PATIENCE_S:
-            break
-    sock.settimeout(PATIENCE_S)
-    try:
-        while chunk := sock.recv(65536):
-            received += chunk
-    except (TimeoutError, ConnectionResetError):
-        pass
-    return received, time.monotonic() - start
 
 
 def test_a_connection_that_sends_nothing_is_closed(strict_server):
