@@ -4,13 +4,10 @@ gradients, metrics (router losses pooled over the EP group) and weights, with ro
 replay; the full weights (weight sync, export) and a checkpoint round trip hold all experts."""
 
 import os
-import sys
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from learner_helpers import actor_config, make_batch, max_abs_diff
-from test_fsdp_cpu import _free_port, _record_full_gradients
+from gloo_ranks import run_ranks
+from learner_helpers import actor_config, make_batch, max_abs_diff, record_full_gradients
 from test_moe_actor import _own_routes
 
 from hybridflow.learners import ActorLearner
@@ -32,41 +29,31 @@ def _batch():
     return batch
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    sys.path.insert(0, os.path.dirname(__file__))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        mesh = build_mesh(train_layout(world, ep=2), "cpu")
-        actor = ActorLearner(load_model("tiny-moe"), actor_config(**CFG), total_steps=2,
-                             device="cpu", mesh=mesh)  # fmt: skip
-        experts = actor.model.model.layers[1].mlp.experts.gate_up_proj
-        grads = _record_full_gradients(actor)
-        metrics = actor.update(_batch().index(list(range(4 * rank, 4 * rank + 4))))
-        weights = {name: tensor.clone() for name, tensor in actor.hf_weights()}
-        actor.save(os.path.join(out_dir, "ckpt"))
-        resumed = ActorLearner(load_model("tiny-moe"), actor_config(**CFG), total_steps=2,
-                               device="cpu", mesh=mesh)  # fmt: skip
-        resumed.load(os.path.join(out_dir, "ckpt"))
-        resumed_weights = {name: tensor.clone() for name, tensor in resumed.hf_weights()}
-        result = dict(local_experts=experts.to_local().shape[0], grads=grads, metrics=metrics,
-                      weights=weights, resumed_weights=resumed_weights)  # fmt: skip
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int, out_dir: str) -> None:
+    mesh = build_mesh(train_layout(world, ep=2), "cpu")
+    actor = ActorLearner(load_model("tiny-moe"), actor_config(**CFG), total_steps=2,
+                         device="cpu", mesh=mesh)  # fmt: skip
+    experts = actor.model.model.layers[1].mlp.experts.gate_up_proj
+    grads = record_full_gradients(actor)
+    metrics = actor.update(_batch().index(list(range(4 * rank, 4 * rank + 4))))
+    weights = {name: tensor.clone() for name, tensor in actor.hf_weights()}
+    actor.save(os.path.join(out_dir, "ckpt"))
+    resumed = ActorLearner(load_model("tiny-moe"), actor_config(**CFG), total_steps=2,
+                           device="cpu", mesh=mesh)  # fmt: skip
+    resumed.load(os.path.join(out_dir, "ckpt"))
+    resumed_weights = {name: tensor.clone() for name, tensor in resumed.hf_weights()}
+    result = dict(local_experts=experts.to_local().shape[0], grads=grads, metrics=metrics,
+                  weights=weights, resumed_weights=resumed_weights)  # fmt: skip
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def test_two_ep_ranks_update_equals_one_process(tmp_path):
-    mp.start_processes(
-        _worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
-    )
+    run_ranks(_worker, 2, str(tmp_path))
     rank0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
     rank1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
     single = ActorLearner(load_model("tiny-moe"), actor_config(**SINGLE), total_steps=2,
                           device="cpu")  # fmt: skip
-    grads = _record_full_gradients(single)
+    grads = record_full_gradients(single)
     metrics = single.update(_batch().index(SINGLE_PROCESS_ORDER))
     assert rank0["local_experts"] == 4  # 8 experts, half on each rank
     assert len(grads) == len(rank0["grads"]) == 2  # two mini-batches: two optimizer steps
