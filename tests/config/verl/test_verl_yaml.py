@@ -163,6 +163,22 @@ MAPPED = [
         "critic.megatron.expert_model_parallel_size=1",
         R + "expert_parallel_size=2",
     ],
+    [
+        "reward_model.enable=True",
+        "reward_model.model.path=/models/rm",
+        "reward_model.micro_batch_size_per_gpu=4",
+        "reward_model.use_dynamic_bsz=True",
+        "reward_model.forward_max_token_len_per_gpu=4096",
+        "reward_model.model.fsdp_config.param_offload=True",
+        "reward_model.strategy=fsdp2",
+        "reward_model.model.input_tokenizer=/models/policy",
+    ],
+    [
+        "reward_model.enable=True",
+        "reward_model.model.path=/models/rm",
+        "reward_model.micro_batch_size=8",
+        "trainer.n_gpus_per_node=2",
+    ],
 ]
 
 
