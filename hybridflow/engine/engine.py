@@ -36,6 +36,7 @@ from hybridflow.engine.requests import (
 )
 from hybridflow.engine.sampling import (
     SamplingParams,
+    indexed_request_seeds,
     prompt_seed_values,
     prompt_seeds,
     request_seeds,
@@ -52,7 +53,12 @@ def _triton_available() -> bool:
     return True
 
 
-def _resolve_backend(requested: str, device: torch.device) -> str:
+def _resolve_backend(requested: str, device: torch.device, tensor_parallel: int = 1) -> str:
+    if tensor_parallel > 1:  # the fused layers have no all-reduce yet (docs/parallelism.md)
+        if requested == "triton":
+            raise ValueError("decode_backend='triton' does not run a tensor-parallel model "
+                             "yet: use decode_backend='torch' (or 'auto')")  # fmt: skip
+        return "torch"
     if requested == "auto":
         return "triton" if device.type == "cuda" and _triton_available() else "torch"
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # kernel tests on CPU
@@ -68,6 +74,9 @@ class Engine:
         model: hybridflow.models.CausalLM. Anything else with forward(input_ids,
             attention_mask) -> logits and a .config with vocab_size/eos_token_id (the
             transformers fallback, models/hf_fallback.py) runs the slow path (slow.py).
+            A tensor-parallel shard (tensor_parallel.tensor_parallel_model) runs the eager
+            path on every rank of its group, each rank calling generate with the same
+            prompts and sampling the same tokens.
         max_batch_size: sequences decoded together (KV-cache slots).
         max_seq_len: prompt + generated tokens per sequence.
         memory_budget: KV-cache bytes (int), fraction of free device memory (float in (0, 1]),
@@ -109,10 +118,17 @@ class Engine:
         # the experts' packed weights read in place
         self.moe = self.native and has_experts(model)
         self.experts = ExpertMatmuls(1024 if options.expert_matmul == "grouped_mm" else None)
-        self.decode_backend = _resolve_backend(options.decode_backend, self.device)
+        from hybridflow.engine.tensor_parallel import tensor_parallel_size
+
+        # a tensor-parallel shard (tensor_parallel.py): the eager path, its all-reduces
+        self.tensor_parallel = tensor_parallel_size(model)
+        self.decode_backend = _resolve_backend(options.decode_backend, self.device,
+                                               self.tensor_parallel)  # fmt: skip
         triton_backend = self.decode_backend == "triton"
         cuda = self.device.type == "cuda"
-        self.cuda_graphs = cuda if options.cuda_graphs is None else options.cuda_graphs
+        # a tensor-parallel step's collectives in a graph: not measured yet, so asked for
+        graphs_default = cuda and self.tensor_parallel == 1
+        self.cuda_graphs = graphs_default if options.cuda_graphs is None else options.cuda_graphs
         self.sync_lag = int(cuda) if options.sync_lag is None else options.sync_lag
         from hybridflow.engine.adapters import adapter_layers
 
@@ -380,7 +396,8 @@ class Engine:
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  seeds: list[int] | None = None, *, keep: bool = False,
                  reuse: list[int | None] | None = None,
-                 max_new_tokens: list[int] | None = None) -> list[Completion]:  # fmt: skip
+                 max_new_tokens: list[int] | None = None,
+                 sample_index: list[int] | None = None) -> list[Completion]:  # fmt: skip
         """n completions per prompt, prompt-major: result[i * n + j] is sample j of prompt i.
 
         seeds: a base seed per prompt (instead of params.seed): prompt i samples exactly as a
@@ -389,15 +406,20 @@ class Engine:
         per prompt a handle from an earlier call (or None): a prompt that extends that
         handle's tokens prefills only the rest; the samples are the same either way.
         max_new_tokens: a budget per request (prompt-major, len(prompts) * n), instead of
-        params.max_new_tokens for all. While a RolloutService runs this engine, the prompts
-        are submitted to it (and decode beside its other requests)."""
+        params.max_new_tokens for all. sample_index: these prompts are part of a larger call
+        with params.seed (a batch split over processes): prompt i's sample j draws as that
+        call's sample sample_index[i] + j (sampling.indexed_request_seeds), so the tokens do
+        not depend on how the call was split. While a RolloutService runs this engine, the
+        prompts are submitted to it (and decode beside its other requests)."""
         if self.service is not None:
             if max_new_tokens is not None:
                 raise ValueError("max_new_tokens per request: not through a running service")
-            return self.service.generate(prompts, params, seeds, keep=keep, reuse=reuse)
+            return self.service.generate(prompts, params, seeds, keep=keep, reuse=reuse,
+                                         sample_index=sample_index)  # fmt: skip
         with cyclic_gc_paused():  # also while the results are made (thousands of objects)
             return self._generate(prompts, params, seeds, keep=keep, reuse=reuse,
-                                  max_new_tokens=max_new_tokens)  # fmt: skip
+                                  max_new_tokens=max_new_tokens,
+                                  sample_index=sample_index)  # fmt: skip
 
     def release_kept(self, handles) -> None:
         """Give kept slots back (their handles become invalid; unknown ones are ignored)."""
@@ -408,7 +430,13 @@ class Engine:
         else:
             self.kept.release(handles)
 
-    def _seeds(self, count: int, params: SamplingParams, seeds) -> torch.Tensor | list[int]:
+    def _seeds(self, count: int, params: SamplingParams, seeds,
+               sample_index: list[int] | None = None) -> torch.Tensor | list[int]:  # fmt: skip
+        if sample_index is not None:
+            if seeds is not None or params.seed is None or len(sample_index) != count:
+                raise ValueError(f"sample_index: {len(sample_index)} given for {count} "
+                                 "prompts, with params.seed set and no seeds per prompt")  # fmt: skip
+            return indexed_request_seeds(params.seed, list(sample_index), params.n)
         if seeds is not None:
             if len(seeds) != count:
                 raise ValueError(f"seeds: {len(seeds)} given for {count} prompts")
@@ -423,7 +451,8 @@ class Engine:
         return request_seeds(base_seed, count, params.n)
 
     def submission(self, prompts, params: SamplingParams, seeds=None, keep=False, reuse=None,
-                   listener=None, on_finish=None, max_new_tokens=None) -> Submission:  # fmt: skip
+                   listener=None, on_finish=None, max_new_tokens=None,
+                   sample_index=None) -> Submission:  # fmt: skip
         """The scheduler's unit of work for these prompts; lengths checked (ValueError naming
         the first bad prompt), token ids checked when admitted (or by table.check())."""
         table = self._prompt_table(prompts)
@@ -434,7 +463,8 @@ class Engine:
             raise ValueError(f"max_new_tokens: {len(budgets)} budgets >= 1 for "
                              f"{len(prompts)} prompts x n={n} requests")  # fmt: skip
         max_new = [min(budget, limit - len(prompts[i // n])) for i, budget in enumerate(budgets)]
-        return Submission(table, params, self._seeds(len(prompts), params, seeds), max_new,
+        seed_values = self._seeds(len(prompts), params, seeds, sample_index)
+        return Submission(table, params, seed_values, max_new,
                           self._stop_ids(params), keep=keep, reuse=reuse, listener=listener,
                           on_finish=on_finish)  # fmt: skip
 
@@ -476,15 +506,16 @@ class Engine:
 
     @torch.no_grad()
     def _generate(self, prompts, params: SamplingParams, seeds=None, keep=False,
-                  reuse=None, max_new_tokens=None) -> list[Completion]:  # fmt: skip
+                  reuse=None, max_new_tokens=None, sample_index=None) -> list[Completion]:  # fmt: skip
         if not self.native:
             from hybridflow.engine.slow import generate_slow
 
             if max_new_tokens is not None:
                 raise ValueError("max_new_tokens per request needs the engine's own decoder")
-            return generate_slow(self, prompts, params, self._seeds(len(prompts), params, seeds))
+            seed_values = self._seeds(len(prompts), params, seeds, sample_index)
+            return generate_slow(self, prompts, params, seed_values)
         sub = self.submission(prompts, params, seeds, keep=keep, reuse=reuse,
-                              max_new_tokens=max_new_tokens)  # fmt: skip
+                              max_new_tokens=max_new_tokens, sample_index=sample_index)  # fmt: skip
         self.start_generation()
         try:
             with cyclic_gc_paused():

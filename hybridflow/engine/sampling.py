@@ -157,6 +157,16 @@ def request_seeds(base_seed: int, num_prompts: int, n: int) -> torch.Tensor:
     return _derive(torch.full_like(idx, base_seed), idx)
 
 
+def indexed_request_seeds(base_seed: int, sample_index: list[int], n: int) -> torch.Tensor:
+    """Seeds [len(sample_index) * n] int64 for some prompts of a larger call: prompt i's
+    sample j is that call's request sample_index[i] + j, so it draws what request_seeds(
+    base_seed, ...) gives it in the whole call (sample_index[i] = i * n: request_seeds
+    itself). How a batch split over processes samples what one process would."""
+    first = torch.tensor(sample_index, dtype=torch.int64)
+    idx = (first[:, None] + torch.arange(n, dtype=torch.int64)[None, :]).flatten()
+    return _derive(torch.full_like(idx, base_seed), idx)
+
+
 def prompt_seeds(seeds: list[int], n: int) -> torch.Tensor:
     """Seeds [len(seeds) * n] when each prompt brings its own base seed: prompt i's samples
     draw what a call of that prompt alone with `seed=seeds[i]` draws, so requests batched

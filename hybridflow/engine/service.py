@@ -88,13 +88,14 @@ class RolloutService:
         return handle
 
     def generate(self, prompts, params: SamplingParams, seeds=None, *, keep=False,
-                 reuse=None) -> list[Completion]:  # fmt: skip
+                 reuse=None, sample_index=None) -> list[Completion]:  # fmt: skip
         """Engine.generate through the service: the prompts decode beside other requests."""
         if threading.current_thread() is self._thread:
             raise RuntimeError("Engine.generate called on the engine's own thread")
         finished = threading.Event()
         sub = self.engine.submission(prompts, params, seeds, keep=keep, reuse=reuse,
-                                     on_finish=lambda *_: sub.done and finished.set())  # fmt: skip
+                                     on_finish=lambda *_: sub.done and finished.set(),
+                                     sample_index=sample_index)  # fmt: skip
         sub.table.check()
         errors: list[BaseException] = []
 

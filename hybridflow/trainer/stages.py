@@ -109,6 +109,16 @@ def sampling_meta(run: RunContext, *, n: int, temperature: float, seed: int) -> 
     }
 
 
+def rollout_request(prompts: Batch, n: int, engine_n: int) -> Batch:
+    """The rows a generate call sends: each prompt once (the engine makes its ``engine_n``
+    = n samples) or n times (``engine_n`` = 1), with ``sample_index`` [rows], each row's
+    first sample in the whole call (prompt i's sample j is i * n + j). The seeds follow it,
+    not the rank a row lands on, so any split over processes draws the same tokens."""
+    request = prompts if engine_n == n else prompts.repeat(n, interleave=True)
+    request.tensors["sample_index"] = torch.arange(len(request)) * engine_n  # [rows]
+    return request
+
+
 def generate(run: RunContext, prompts: Batch, *, n: int, temperature: float, seed: int) -> Batch:
     """``n`` samples of each prompt row; returns the prompt rows repeated (interleaved) with
     ``responses``, ``response_mask``, ``rollout_logprobs`` and the full ``attention_mask``
@@ -121,9 +131,7 @@ def generate(run: RunContext, prompts: Batch, *, n: int, temperature: float, see
     keys = ("prompts", "attention_mask", "raw_prompt") if agent else ("prompts", "attention_mask")
     if run.cfg.rollout.agent.loop == "openai" and "extra_info" in prompts.arrays:
         keys += ("extra_info",)  # an agent program reads its row's extra_info
-    request = prompts.select(*keys, meta=False)
-    if engine_n != n:
-        request = request.repeat(n, interleave=True)
+    request = rollout_request(prompts.select(*keys, meta=False), n, engine_n)
     request.meta.update(sampling_meta(run, n=engine_n, temperature=temperature, seed=seed))
     if run.cfg.trainer.partial_rollout:  # the weight syncs reach the worker meanwhile
         from hybridflow.trainer.async_rollout import generate_across_updates

@@ -19,6 +19,7 @@ the requests in flight: their later tokens record the new version (``token_versi
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from concurrent.futures import Future
 
@@ -34,7 +35,8 @@ from hybridflow.workers.model_loading import (
     set_cpu_threads,
 )
 
-# Different ranks draw different samples for their (different) prompts; keep their seeds apart.
+# A batch without sample_index (a direct call, not the trainer's): different ranks draw
+# different samples for their (different) prompts; keep their seeds apart.
 RANK_SEED_STRIDE = 1_000_003
 
 
@@ -94,8 +96,6 @@ class RolloutWorker(Worker):
         """rollout.agent.loop: n multi-turn episodes per prompt row (its `raw_prompt`
         messages) through the agent loop; the rows' prompts become the agent's own
         (hybridflow/agents/rollout.py)."""
-        import dataclasses
-
         from hybridflow.agents.client import EngineClient
         from hybridflow.agents.rollout import (
             build_loop,
@@ -223,6 +223,11 @@ class RolloutWorker(Worker):
         cfg, meta = self.config.rollout, batch.meta
         width = self.config.data.max_response_length
         seed = meta.get("seed")
+        sample_index = batch.tensors.get("sample_index")  # [b] each row's first sample
+        if sample_index is not None:
+            sample_index = sample_index.tolist()
+        elif seed is not None:
+            seed = int(seed) + RANK_SEED_STRIDE * self.rank
         params = SamplingParams(
             n=int(meta.get("n", 1)),
             temperature=float(meta.get("temperature", cfg.temperature)),
@@ -231,17 +236,25 @@ class RolloutWorker(Worker):
             min_p=cfg.min_p,
             max_new_tokens=width,
             stop_token_ids=tuple(meta.get("stop_token_ids", ())),
-            seed=None if seed is None else int(seed) + RANK_SEED_STRIDE * self.rank,
+            seed=None if seed is None else int(seed),
             ignore_eos=cfg.ignore_eos,
         )
         pad_token_id = int(meta.get("pad_token_id", 0))
         if self.config.rollout.agent.loop is not None:
+            if sample_index and params.seed is not None:  # episode k: seed + stride * k
+                from hybridflow.agents.rollout import EPISODE_SEED_STRIDE
+
+                first_seed = params.seed + EPISODE_SEED_STRIDE * sample_index[0]
+                params = dataclasses.replace(params, seed=first_seed)
             return self._generate_episodes(batch, params, pad_token_id)
         prompt_ids = [
             row[mask.bool()].tolist()
             for row, mask in zip(batch.tensors["prompts"], batch.tensors["attention_mask"])
         ]
-        results = self.engine.generate(prompt_ids, params)  # through the service, if one runs
+        if params.seed is None:
+            sample_index = None  # a fresh draw: nothing to reproduce
+        # through the service, if one runs
+        results = self.engine.generate(prompt_ids, params, sample_index=sample_index)
         # the service keeps its cache for the requests in flight
         if cfg.release_cache and str(self.device).startswith("cuda") and self.service is None:
             self.engine.release()
@@ -335,7 +348,6 @@ class RolloutWorker(Worker):
 def engine_options(config: Config):
     """rollout.engine (with rollout.dtype's weight format), its pinned choices under
     trainer.cache_dir unless it names a directory."""
-    import dataclasses
     import os
 
     options = config.rollout.engine

@@ -374,3 +374,24 @@ def test_per_prompt_seeds_sample_as_calls_of_each_prompt_alone(model):
     assert _tokens(batched[0:2]) != _tokens(batched[2:4]) or PROMPTS[0] != PROMPTS[2]
     with pytest.raises(ValueError, match="seeds: 2 given for 4 prompts"):
         _engine(model).generate(PROMPTS, params, seeds=[1, 2])
+
+
+def test_a_call_split_in_pieces_samples_as_the_whole_call(model):
+    """sample_index: the prompts of one call given to several engines (a batch split over
+    processes, unevenly) draw what the whole call draws, prompt i's sample j as request
+    i * n + j; without it each piece would draw as a call of its own."""
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=9)
+    whole = _tokens(_engine(model).generate(PROMPTS, params))
+    first = _engine(model).generate(PROMPTS[:1], params, sample_index=[0])
+    rest = _engine(model).generate(PROMPTS[1:], params, sample_index=[2, 4, 6])
+    assert _tokens(first + rest) == whole
+    # rows of one prompt each (n=1, the prompt repeated): request i * n + j again
+    repeated = [p for p in PROMPTS for _ in range(2)]
+    one_each = SamplingParams(**{**vars(params), "n": 1})
+    assert (
+        _tokens(_engine(model).generate(repeated, one_each, sample_index=list(range(8)))) == whole
+    )
+    alone = _tokens(_engine(model).generate(PROMPTS[1:], params))
+    assert alone != whole[2:]
+    with pytest.raises(ValueError, match="sample_index: 1 given for 3 prompts"):
+        _engine(model).generate(PROMPTS[1:], params, sample_index=[2])

@@ -1,0 +1,156 @@
+"""The tensor-parallel engine model: each rank of a tensor-parallel group holds a slice of
+every layer, Megatron's split (Shoeybi et al. 2019, §3):
+
+- q/k/v and gate/up are column-parallel: each rank owns whole attention heads (and their KV
+  heads, so the KV cache is sharded by heads) and a slice of the MLP width; no communication;
+- o_proj and down_proj are row-parallel: each rank multiplies its slice and one all-reduce
+  sums the partial outputs, so one all-reduce per attention and one per MLP;
+- the embedding and lm_head are vocab-parallel: each rank owns V / tp rows; a token's
+  embedding comes from the rank that owns it (the others add zeros, so the all-reduce is
+  exact) and the logits are all-gathered, so every rank samples from the same [B, V] bytes
+  with the same seeds and draws the same tokens.
+
+The model is a CausalLM built from the per-rank shape (heads, KV heads and MLP width divided
+by tp, the vocabulary whole) with those four modules swapped in, so the engine's eager
+prefill, extend and decode (prefill.py, layers/eager.py) run it unchanged, and the KV cache,
+sized from its config, holds this rank's KV heads only. The modules talk through the process
+group they are given; nothing here is global, so the same model runs over gloo on CPU
+processes and over NCCL on GPUs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from hybridflow.models.architecture import ModelArchitecture
+from hybridflow.parallel.blocks import even_range, shard_dim
+
+
+def local_shard(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """``rank``'s slice of the full tensor of parameter ``name`` (a view)."""
+    dim = shard_dim(name)
+    if dim is None or size == 1:
+        return full
+    start, stop = even_range(full.shape[dim], rank, size)
+    return full.narrow(dim, start, stop - start)
+
+
+def local_architecture(config: ModelArchitecture, size: int) -> ModelArchitecture:
+    """The shape one of ``size`` ranks builds: heads, KV heads and MLP width divided, the
+    vocabulary and hidden size whole (the logits are gathered)."""
+    problems = [
+        f"{what} = {count}"
+        for what, count in (
+            ("num_attention_heads", config.num_attention_heads),
+            ("num_key_value_heads", config.num_key_value_heads),
+            ("intermediate_size", config.intermediate_size),
+            ("vocab_size", config.vocab_size),
+        )
+        if count % size
+    ]
+    if problems:
+        raise ValueError(f"tensor parallel size {size} must divide the model's "
+                         f"{', '.join(problems)}")  # fmt: skip
+    if config.is_moe:
+        raise ValueError("a tensor-parallel rollout of a mixture-of-experts model is not "
+                         "built yet: set rollout.tensor_parallel_size=1")  # fmt: skip
+    return dataclasses.replace(
+        config,
+        num_attention_heads=config.num_attention_heads // size,
+        num_key_value_heads=config.num_key_value_heads // size,
+        intermediate_size=config.intermediate_size // size,
+    )
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_shard @ W_shard^T) + b: W's input columns split over the group."""
+
+    def __init__(self, in_local: int, out_features: int, bias: bool, group):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_local))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight)
+        dist.all_reduce(out, group=self.group)
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + V / tp) of the embedding; other ids give zeros, summed over the
+    group (exact: one nonzero term per element)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, group):
+        super().__init__()
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        self.start, stop = even_range(vocab_size, rank, size)
+        self.weight = nn.Parameter(torch.empty(stop - self.start, hidden_size))
+        self.group = group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        out = out.masked_fill(~inside.unsqueeze(-1), 0)
+        dist.all_reduce(out, group=self.group)
+        return out
+
+
+class VocabParallelHead(nn.Module):
+    """Logits of this rank's vocabulary rows, all-gathered: [..., V] on every rank, the same
+    bytes (sampling needs them identical)."""
+
+    def __init__(self, vocab_local: int, hidden_size: int, group):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_local, hidden_size))
+        self.group = group
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = F.linear(hidden, self.weight).contiguous()  # [..., V / tp]
+        shards = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(shards, local, group=self.group)
+        return torch.cat(shards, dim=-1)
+
+
+def tensor_parallel_model(config: ModelArchitecture, group, dtype: torch.dtype,
+                          device: str | torch.device):  # fmt: skip
+    """This rank's shard of a CausalLM of ``config``, uninitialised (load_weights fills it
+    with local_shard slices, or reshard.py from a sharded trainer). Its config is the local
+    shape (local_architecture)."""
+    from hybridflow.models.llama import CausalLM
+
+    size = dist.get_world_size(group)
+    local = local_architecture(config, size)
+    with torch.device("meta"):
+        model = CausalLM(local)
+        stack = model.model
+        stack.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group)
+        vocab_local = stack.embed_tokens.weight.shape[0]
+        model.lm_head = VocabParallelHead(vocab_local, config.hidden_size, group)
+        for layer in stack.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.o_proj = RowParallelLinear(attn.o_proj.in_features, config.hidden_size,
+                                            config.o_proj_bias, group)  # fmt: skip
+            mlp.down_proj = RowParallelLinear(mlp.down_proj.in_features, config.hidden_size,
+                                              False, group)  # fmt: skip
+    model.tie_weights()  # the head shares the embedding's shard
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()
+    return model.eval().requires_grad_(False)
+
+
+def tensor_parallel_group(model) -> object | None:
+    """The process group of a tensor_parallel_model (None: a whole model)."""
+    head = getattr(model, "lm_head", None)
+    return head.group if isinstance(head, VocabParallelHead) else None
+
+
+def tensor_parallel_size(model) -> int:
+    group = tensor_parallel_group(model)
+    return 1 if group is None else dist.get_world_size(group)

@@ -1,0 +1,133 @@
+"""Which rank holds which block of a parameter, and what a reshard moves: pure arithmetic.
+
+A block is a rectangle of a parameter's full tensor, one [start, stop) per dimension. A
+layout puts one block of each parameter on each rank: the training layout's FSDP2 shard
+(dim-0 chunks, torch.chunk's sizes, of the tensor-parallel shard), the rollout's
+tensor-parallel shard (Megatron's split: engine/tensor_parallel.shard_dim). The 3D-HybridEngine
+reshard (HybridFlow, Sheng et al. 2024, §5) gives every rank its rollout block from the
+training blocks that intersect it: :func:`transfer_plan` lists each (source rank, destination
+rank, block); the part of a rank's rollout block its own training block holds never moves.
+engine/reshard.py runs the plan; :func:`reshard_traffic` prices it for the memory plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+Block = tuple[tuple[int, int], ...]
+"""[start, stop) per dimension of the full tensor."""
+
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW = ("o_proj", "down_proj")
+VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def shard_dim(name: str) -> int | None:
+    """The dimension along which tensor parallelism splits parameter ``name`` (an HF name),
+    Megatron's split (Shoeybi et al. 2019, §3): q/k/v and gate/up by output rows (whole
+    heads), o_proj and down_proj by input columns, the embedding and lm_head by vocabulary
+    rows; None: every rank holds all of it (norms, o_proj's bias, added after the sum)."""
+    if name in VOCAB:
+        return 0
+    parts = name.split(".")
+    module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
+    if module in COLUMN:
+        return 0
+    if module in ROW and kind == "weight":
+        return 1
+    return None
+
+
+def whole(shape: tuple[int, ...]) -> Block:
+    return tuple((0, size) for size in shape)
+
+
+def numel(block: Block | None) -> int:
+    if block is None:
+        return 0
+    count = 1
+    for start, stop in block:
+        count *= max(stop - start, 0)
+    return count
+
+
+def intersect(a: Block | None, b: Block | None) -> Block | None:
+    """The common rectangle of a and b (None: they do not overlap)."""
+    if a is None or b is None:
+        return None
+    common = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
+    return common if all(start < stop for start, stop in common) else None
+
+
+def even_range(length: int, index: int, parts: int) -> tuple[int, int]:
+    """Part ``index`` of ``length`` cut in ``parts`` equal pieces (parts divides length)."""
+    if length % parts:
+        raise ValueError(f"{length} does not split into {parts} equal parts")
+    step = length // parts
+    return index * step, (index + 1) * step
+
+
+def chunk_range(length: int, index: int, parts: int) -> tuple[int, int]:
+    """Chunk ``index`` of torch.chunk(length, parts) as FSDP2 shards dim 0: chunks of
+    ceil(length / parts), the last ones shorter or empty (start == stop)."""
+    size = -(-length // parts)
+    start = min(index * size, length)
+    return start, min(start + size, length)
+
+
+def with_range(block: Block, dim: int, span: tuple[int, int]) -> Block:
+    """``block`` with dimension ``dim`` narrowed to ``span``, relative to its start."""
+    start = block[dim][0]
+    ranges = list(block)
+    ranges[dim] = (start + span[0], start + span[1])
+    return tuple(ranges)
+
+
+def tensor_parallel_block(shape: tuple[int, ...], dim: int | None, index: int,
+                          size: int) -> Block:  # fmt: skip
+    """Shard ``index`` of ``size`` along ``dim`` (None: the whole tensor)."""
+    block = whole(shape)
+    if dim is None or size == 1:
+        return block
+    return with_range(block, dim, even_range(shape[dim], index, size))
+
+
+def fsdp_block(block: Block, index: int, parts: int) -> Block | None:
+    """FSDP2's shard ``index`` of ``parts`` of a (tensor-parallel) block: a dim-0 chunk;
+    None when the chunk is empty."""
+    rows = block[0][1] - block[0][0]
+    span = chunk_range(rows, index, parts)
+    return with_range(block, 0, span) if span[0] < span[1] else None
+
+
+@dataclass(frozen=True)
+class Transfer:
+    source: int
+    dest: int
+    block: Block
+
+
+def transfer_plan(sources: list[Block | None], dests: list[Block | None]) -> list[Transfer]:
+    """Every (source rank, destination rank, block) that assembles each destination's block,
+    destinations in rank order. ``sources[r]``: the block rank r holds (None: nothing);
+    ranks holding the same block are replicas: a destination that is one of them copies its
+    own, else it reads holder number dest % holders (replicas share the sending). Raises if
+    the sources do not cover a destination's block."""
+    holders: dict[Block, list[int]] = {}
+    for rank, block in enumerate(sources):
+        if block is not None:
+            holders.setdefault(block, []).append(rank)
+    plan = []
+    for dest, wanted in enumerate(dests):
+        covered = 0
+        for block, ranks in holders.items():
+            common = intersect(block, wanted)
+            if common is None:
+                continue
+            source = dest if dest in ranks else ranks[dest % len(ranks)]
+            plan.append(Transfer(source, dest, common))
+            covered += numel(common)
+        if covered != numel(wanted):
+            raise ValueError(f"rank {dest}'s block {wanted} is covered by {covered} of its "
+                             f"{numel(wanted)} elements: the source blocks overlap or leave gaps")  # fmt: skip
+    return plan

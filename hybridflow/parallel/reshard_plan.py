@@ -1,0 +1,122 @@
+"""What the training-to-rollout reshard moves, from the layouts alone (no processes): each
+rank's training block and rollout block of every parameter (blocks.py) and the bytes each
+rank sends, receives and keeps. The memory plan prices a sync with it; engine/reshard.py
+moves exactly these blocks (its run reports the same numbers, checked by a test)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridflow.models.architecture import ModelArchitecture
+from hybridflow.parallel.blocks import (
+    Block,
+    fsdp_block,
+    numel,
+    shard_dim,
+    tensor_parallel_block,
+    transfer_plan,
+)
+from hybridflow.parallel.layout import Layout, coordinates
+
+
+def parameter_shapes(arch: ModelArchitecture) -> list[tuple[str, tuple[int, ...]]]:
+    """(HF name, shape) of every parameter of a dense decoder, in the model's order; a tied
+    lm_head is the embedding (not repeated)."""
+    if arch.is_moe:
+        raise ValueError("parameter_shapes covers dense decoders (the experts: not yet)")
+    h, hd, inner = arch.hidden_size, arch.head_dim, arch.intermediate_size
+    q, kv = arch.num_attention_heads * hd, arch.num_key_value_heads * hd
+    shapes = [("model.embed_tokens.weight", (arch.vocab_size, h))]
+    for index in range(arch.num_hidden_layers):
+        prefix = f"model.layers.{index}."
+        layer = [("input_layernorm.weight", (h,)), ("self_attn.q_proj.weight", (q, h))]
+        if arch.attention_bias:
+            layer.append(("self_attn.q_proj.bias", (q,)))
+        layer.append(("self_attn.k_proj.weight", (kv, h)))
+        if arch.attention_bias:
+            layer.append(("self_attn.k_proj.bias", (kv,)))
+        layer.append(("self_attn.v_proj.weight", (kv, h)))
+        if arch.attention_bias:
+            layer.append(("self_attn.v_proj.bias", (kv,)))
+        layer.append(("self_attn.o_proj.weight", (h, q)))
+        if arch.o_proj_bias:
+            layer.append(("self_attn.o_proj.bias", (h,)))
+        if arch.qk_norm:
+            layer += [("self_attn.q_norm.weight", (hd,)), ("self_attn.k_norm.weight", (hd,))]
+        layer += [
+            ("post_attention_layernorm.weight", (h,)),
+            ("mlp.gate_proj.weight", (inner, h)),
+            ("mlp.up_proj.weight", (inner, h)),
+            ("mlp.down_proj.weight", (h, inner)),
+        ]
+        shapes += [(prefix + name, shape) for name, shape in layer]
+    shapes.append(("model.norm.weight", (h,)))
+    if not arch.tie_word_embeddings:
+        shapes.append(("lm_head.weight", (arch.vocab_size, h)))
+    return shapes
+
+
+def training_blocks(name: str, shape: tuple[int, ...], layout: Layout) -> list[Block | None]:
+    """Per rank, its block of parameter ``name`` in a training layout: the tensor-parallel
+    shard (Megatron's split) cut in dim-0 chunks by FSDP2 over dp × sp (fully_shard on the
+    layout's fsdp group)."""
+    dim = shard_dim(name) if layout.tp > 1 else None
+    fsdp = layout.size("fsdp")
+    blocks = []
+    for rank in range(layout.world):
+        where = coordinates(layout, rank)
+        block = tensor_parallel_block(shape, dim, where.get("tp", 0), layout.tp)
+        blocks.append(fsdp_block(block, where.get("fsdp", 0), fsdp) if fsdp > 1 else block)
+    return blocks
+
+
+def rollout_blocks(name: str, shape: tuple[int, ...], layout: Layout) -> list[Block]:
+    """Per rank, its block of parameter ``name`` in a rollout layout (each replica whole)."""
+    dim = shard_dim(name)
+    return [tensor_parallel_block(shape, dim, coordinates(layout, rank).get("tp", 0), layout.tp)
+            for rank in range(layout.world)]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ReshardTraffic:
+    """Bytes of one weight sync, per rank (the largest over ranks) and in all."""
+
+    received: int
+    """The most one rank receives."""
+    sent: int
+    """The most one rank sends."""
+    kept: int
+    """The least of its rollout shard a rank copies from its own training shard."""
+    rollout_shard: int
+    """The most one rank's rollout shard holds (its engine's weights)."""
+    total_moved: int
+    """Sent over all ranks."""
+    gathered: int
+    """What one rank receives when it all-gathers every full tensor instead (a whole copy)."""
+
+
+def reshard_traffic(arch: ModelArchitecture, train: Layout, rollout: Layout,
+                    element_bytes: int = 2) -> ReshardTraffic:  # fmt: skip
+    """The bytes one training-to-rollout sync moves (both layouts over the same ranks: the
+    colocated hybrid engine), in the rollout's dtype (``element_bytes``)."""
+    if train.world != rollout.world:
+        raise ValueError(f"the reshard runs over one set of ranks: training {train.world}, "
+                         f"rollout {rollout.world}")  # fmt: skip
+    world = train.world
+    received, sent, kept, shard = ([0] * world for _ in range(4))
+    gathered = 0
+    for name, shape in parameter_shapes(arch):
+        sources = training_blocks(name, shape, train)
+        dests = rollout_blocks(name, shape, rollout)
+        for move in transfer_plan(sources, dests):
+            count = numel(move.block) * element_bytes
+            if move.source == move.dest:
+                kept[move.dest] += count
+            else:
+                received[move.dest] += count
+                sent[move.source] += count
+        for rank, block in enumerate(dests):
+            shard[rank] += numel(block) * element_bytes
+        full = numel(tuple((0, s) for s in shape)) * element_bytes
+        gathered += full - max(numel(b) for b in sources if b is not None) * element_bytes
+    return ReshardTraffic(max(received), max(sent), min(kept), max(shard), sum(sent), gathered)
