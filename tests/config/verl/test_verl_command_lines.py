@@ -32,6 +32,9 @@ TOY = [
     f"reward.custom_fn={DIGIT_REWARD}:digit_fraction",
 ]
 
+# Layouts that need several devices run on as many CPU processes (trainer.backend=local).
+DEVICES = {"ppo_deepseek7b_llm_sp2": ["trainer.backend=local", "trainer.n_gpus_per_node=2"]}
+
 
 @pytest.mark.parametrize("name", RUNS)
 def test_verl_example_command_line_starts_training(name, tmp_path, capsys):
@@ -41,6 +44,7 @@ def test_verl_example_command_line_starts_training(name, tmp_path, capsys):
             "train",
             *command_line(name),
             *TOY,
+            *DEVICES.get(name, []),
             f"trainer.run_dir={run_dir}",
             f"trainer.cache_dir={tmp_path / 'cache'}",
         ]  # fmt: skip

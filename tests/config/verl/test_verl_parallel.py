@@ -44,7 +44,14 @@ def test_what_does_not_map_stops_naming_it():
     assert not translate([A + "megatron.expert_tensor_parallel_size=null"]).problems
 
 
-def test_a_translated_layout_without_its_code_path_is_refused_by_validate():
+def test_a_translated_ulysses_size_trains_in_that_layout():
+    derived = load_and_validate([A + "ulysses_sequence_parallel_size=2",
+                                 "trainer.n_gpus_per_node=2", "trainer.device=cpu"])  # fmt: skip
+    assert (derived.layouts.actor.sp, derived.layouts.actor.dp) == (2, 1)
+
+
+def test_a_translated_layout_without_its_code_path_is_refused_by_validate(monkeypatch):
+    monkeypatch.setattr(parallel_checks, "SUPPORTED_LAYOUTS", frozenset())
     with pytest.raises(ConfigError) as error:
         load_and_validate([A + "ulysses_sequence_parallel_size=2", "trainer.n_gpus_per_node=2",
                            "trainer.device=cpu"])  # fmt: skip

@@ -29,7 +29,6 @@ def test_verl_example_command_lines_validate(name, capsys):
     [
         ("stops_grpo_qwen2_7b_math_megatron", "Megatron-LM"),
         ("stops_grpo_qwen2_5_vl_7b", "multimodal"),
-        ("stops_ppo_deepseek7b_llm_sp2", "sequence parallelism (Ulysses) is not yet supported"),
     ],
 )
 def test_unsupported_feature_exits_2_naming_it(name, feature, capsys):
