@@ -45,7 +45,9 @@ def test_a_parallel_layout_is_planned_though_it_cannot_train_yet():
         "configured: actor tp 8 · sp 1 · ep 1 (data parallel 1), rollout tp 8 (1 replica)" in text
     )
     assert "rollout weights (bf16, tp 8)" in text and "reshard:" in text
-    assert "tensor parallelism of the actor" in text  # hybridflow train refuses it for now
+    # hybridflow train refuses what has no code path yet: the rollout's, not the actor's
+    assert "tensor parallelism of the rollout" in text
+    assert "tensor parallelism of the actor" not in text
 
 
 def test_a_parallel_layout_that_does_not_fit_names_the_recommended_one():
