@@ -86,13 +86,13 @@ class SFTTrainer:
             nll = agg_loss(-logprobs, mask, "token-mean", **counts)
             if not trace:
                 return nll, {"loss": nll.detach()}, {}
-            # the load-balancing loss of config.json (transformers trains with it too)
-            share = float(mask.sum()) / max(counts["global_token_count"], 1.0)
-            router_loss, terms, means = router_terms(
-                trace, config.num_experts, aux_loss_coef=config.router_aux_loss_coef,
-                z_loss_coef=0.0, share=share,
-            )  # fmt: skip
-            return nll + router_loss, {"loss": nll.detach(), **terms}, means
+            # the routing metrics only: a load-balancing loss in the demo's warm start took it
+            # 875 steps to 50% greedy accuracy against 650 without, and left GRPO +10.0 points
+            # against +22.3 (transformers adds it only with output_router_logits, off by default)
+            _, _, means = router_terms(
+                trace, config.num_experts, aux_loss_coef=0.0, z_loss_coef=0.0, share=1.0
+            )
+            return nll, {"loss": nll.detach()}, means
 
         sums = MetricSums(self.core)
         self.core.module.train()

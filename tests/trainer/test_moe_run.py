@@ -1,6 +1,8 @@
 """examples/moe.yaml end to end, shortened: the rollout engine records each token's experts,
 the trainer replays them, and the router losses and metrics are logged."""
 
+import math
+
 from trainer_helpers import read_metrics, tiny_config
 
 from hybridflow.trainer.run import train
@@ -77,7 +79,9 @@ def test_recorded_routes_are_the_trainers_own_at_the_same_columns():
     assert torch.equal(recorded[has_route], own[has_route])
 
 
-def test_sft_of_a_mixture_of_experts_trains_with_the_load_balancing_loss():
+def test_sft_of_a_mixture_of_experts_logs_its_routing_without_a_balancing_loss():
+    """No load-balancing loss in SFT (measured: it slowed the demo's warm start and halved
+    GRPO's gain; transformers adds it only with output_router_logits), its metrics logged."""
     from hybridflow.config import load_config
     from hybridflow.data.sft_examples import SFTExample
     from hybridflow.models import load_model
@@ -87,7 +91,6 @@ def test_sft_of_a_mixture_of_experts_trains_with_the_load_balancing_loss():
     trainer = SFTTrainer(model, load_config(None, []).sft, device="cpu", grad_clip=1.0)
     examples = [SFTExample([3, p, 20, 21, 4], [0, 0, 1, 1, 1]) for p in range(10, 26)]
     metrics = trainer.step(examples_to_batch(examples, pad_token_id=0))
-    # the preset's config.json coefficient; about k = 2 for a router near uniform
-    assert model.config.router_aux_loss_coef > 0
-    assert 1.0 < metrics["sft/moe/aux_loss"] < 4.0
-    assert "sft/moe/router_entropy" in metrics
+    assert "sft/moe/aux_loss" not in metrics
+    assert 0 < metrics["sft/moe/router_entropy"] <= math.log(8)
+    assert metrics["sft/moe/expert_load_max_over_mean"] >= 1.0
