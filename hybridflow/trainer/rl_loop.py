@@ -42,6 +42,7 @@ from hybridflow.trainer.stages import (
     rewards_and_advantages,
     score,
     stage_scope,
+    training_ranks,
 )
 
 
@@ -63,7 +64,7 @@ def train_step(run: RunContext, rollout: tuple | None = None,
         else:
             batch, rollout_metrics = rollout
         metrics.update(rollout_metrics)
-        batch = balance_ranks(batch, run.derived.train_dp_size)
+        batch = balance_ranks(batch, training_ranks(run.derived, len(batch)))
 
         for stage, method in passes:
             if "scores" not in batch.arrays:  # the first pass, in a synchronous step

@@ -340,6 +340,17 @@ def rewards_and_advantages(run: RunContext, batch: Batch) -> tuple[Batch, dict[s
     return batch, metrics
 
 
+def training_ranks(derived: Derived, samples: int) -> int:
+    """Over how many chunks to balance a step's samples: every training rank, since the
+    controller splits the batch over all of them whatever the layout, and a tensor- or
+    sequence-parallel replica then works on its ranks' chunks taken together; balanced the
+    same way as data parallelism over those ranks, it gets the same mini-batches. The
+    data-parallel ranks when the samples do not divide over every rank."""
+    layouts = derived.layouts
+    world = layouts.actor.world if layouts is not None else derived.train_dp_size
+    return world if samples % world == 0 else derived.train_dp_size
+
+
 def balance_ranks(batch: Batch, dp_size: int) -> Batch:
     """Reorder rows so each data-parallel rank's contiguous chunk carries about the same number
     of tokens (Karmarkar–Karp on sequence lengths); one rank never waits for a longer one."""

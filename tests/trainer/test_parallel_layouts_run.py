@@ -12,8 +12,12 @@ from trainer_helpers import read_metrics, tiny_config
 
 from hybridflow.trainer.run import train
 
+# Two mini-batches a step (16 samples, 8 a mini-batch): which samples share one is part of
+# what must match data parallelism.
 RUN = ["trainer.backend=local", "trainer.n_gpus_per_node=2", "actor.use_kl_loss=true",
-       "algorithm.adv_estimator=gae", "trainer.save_freq=0", "data.val_files=[]"]  # fmt: skip
+       "algorithm.adv_estimator=gae", "trainer.save_freq=0", "data.val_files=[]",
+       "actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2",
+       "actor.micro_batch_size_per_gpu=4", "critic.micro_batch_size_per_gpu=4"]  # fmt: skip
 NOT_COMPARED = ("timing_s/", "perf/", "memory/")  # wall-clock and host measurements
 
 
