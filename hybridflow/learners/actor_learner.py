@@ -28,7 +28,7 @@ from hybridflow.algos import agg_loss, kl_penalty, policy_loss, rollout_is_weigh
 from hybridflow.config import ActorConfig, ModelConfig
 from hybridflow.config.sections import UNPLANNED_UPDATE_BUDGET
 from hybridflow.learners import lora
-from hybridflow.learners.core import TrainCore, sequence_group_of
+from hybridflow.learners.core import TrainCore
 from hybridflow.learners.metric_sums import MetricSums
 from hybridflow.learners.modules import PolicyModel
 from hybridflow.learners.packing import PackedRows, to_device
@@ -36,6 +36,7 @@ from hybridflow.learners.response_forward import check_keys, forward_response_to
 from hybridflow.learners.router_terms import router_terms
 from hybridflow.learners.shared_rows import gather_rows, own_rows
 from hybridflow.learners.step import accumulate_and_step, mini_batch_count, mini_batch_plan
+from hybridflow.learners.train_groups import sequence_group_of
 from hybridflow.protocol import Batch
 
 if TYPE_CHECKING:
@@ -159,7 +160,7 @@ class ActorLearner:
     @property
     def mini_batch_size(self) -> int:
         """Samples per optimizer step on this rank (on its sequence-parallel group)."""
-        return max(self.cfg.ppo_mini_batch_size * self.rollout_n // self.core.dp_size, 1)
+        return max(self.cfg.ppo_mini_batch_size * self.rollout_n // self.core.groups.data_size, 1)
 
     # ------------------------------------------------------------------ log-probs
 
@@ -173,7 +174,7 @@ class ActorLearner:
         ``log_prob_max_tokens_per_gpu`` tokens (no autograd: larger than the update's)."""
         temperature = _temperature(batch, temperature)
         self._check_routes(batch)
-        groups = self.core.replica_groups
+        groups = self.core.groups.replica
 
         def run(packed):
             logprobs, entropy = self.policy(packed, temperature, with_entropy)
@@ -201,7 +202,7 @@ class ActorLearner:
         check_keys(batch, tuple(k for k in keys if k != "old_logprobs"), "ActorLearner.update")
         self._check_routes(batch)
         temperature = _temperature(batch, temperature)
-        batch = gather_rows(batch, self.core.replica_groups)
+        batch = gather_rows(batch, self.core.groups.replica)
         num_rows = len(batch)
         mini_size = min(self.mini_batch_size, num_rows)
         num_minis = mini_batch_count(num_rows, mini_size)
@@ -217,7 +218,7 @@ class ActorLearner:
         self.core.module.train()
         with self.core.on_device():
             for epoch in range(self.cfg.ppo_epochs):
-                plan = mini_batch_plan(num_rows, mini_size, self.core.replica_size,
+                plan = mini_batch_plan(num_rows, mini_size, self.core.groups.replica_size,
                                        lambda n, epoch=epoch: self._row_order(n, epoch))  # fmt: skip
                 for rows in plan:
                     self._mini_batch_step(batch.index(rows), temperature, sums)
@@ -255,7 +256,7 @@ class ActorLearner:
                     aux_loss_coef=self.router_aux_loss_coef,
                     z_loss_coef=cfg.router_z_loss_coef,
                     share=share,
-                    expert_group=self.core.expert_group,
+                    expert_group=self.core.groups.expert,
                 )
                 loss = loss + router_loss
                 terms.update(router_log)
@@ -383,9 +384,9 @@ class ActorLearner:
         """Full Hugging Face checkpoint (LoRA merged) written by rank 0; all ranks must call."""
         full = {}
         for name, tensor in self.hf_weights(dtype):
-            if self.core.role_rank == 0:
+            if self.core.groups.role_rank == 0:
                 full[name] = tensor.to("cpu", copy=True)
-        if self.core.role_rank == 0:
+        if self.core.groups.role_rank == 0:
             export_causal_lm(self.model.config, full, directory)
         self.core._barrier()
 

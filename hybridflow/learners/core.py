@@ -48,16 +48,10 @@ from hybridflow.learners.optim import (
     move_optimizer_state,
 )
 from hybridflow.learners.state_writer import StateWriter
+from hybridflow.learners.train_groups import TrainGroups, distributed_on, distributed_world
 
 if TYPE_CHECKING:
     from hybridflow.parallel import RoleMesh
-
-
-def distributed_world(group: dist.ProcessGroup | None) -> int:
-    """Ranks in ``group`` (the default group if None); 1 when torch.distributed is off."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
 
 
 class TrainCore:
@@ -96,35 +90,12 @@ class TrainCore:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)
-        if mesh is not None and dp_group is not None:
-            raise ValueError("give TrainCore a mesh or a dp_group, not both")
-        self.mesh = mesh
-        self.dp_group = mesh.group("dp") if mesh is not None else dp_group
-        """Ranks that see different data: token counts and metrics are summed over it."""
-        self.dp_size = distributed_world(self.dp_group)
-        self.dp_rank = dist.get_rank(self.dp_group) if _dist_on() else 0
-        self.shard_group = mesh.group("fsdp") if mesh is not None else dp_group
-        """Ranks that shard the parameters (FSDP2) and average their gradients."""
-        self.shard_size = distributed_world(self.shard_group)
-        self.sequence_size = mesh.size("sp") if mesh is not None else 1
-        self.sequence_group = sequence_group_of(mesh)
-        """Ulysses: the ranks that split one packed stream (None: no sequence parallelism)."""
-        self.tensor_size = mesh.size("tp") if mesh is not None else 1
-        tensor_group = mesh.group("tp") if self.tensor_size > 1 else None
-        self.replica_groups = [g for g in (tensor_group, self.sequence_group) if g is not None]
-        """Ranks that share their rows (one model replica split by tensor and sequence),
-        innermost first: each gathers the rows the controller sent the others (shared_rows)."""
-        self.replica_size = self.tensor_size * self.sequence_size
-        self.expert_group = mesh.group("ep") if mesh is not None and mesh.size("ep") > 1 else None
-        """Expert parallelism: each rank holds E/EP experts (learners/expert_shard.py)."""
+        self.groups = TrainGroups.of(mesh, dp_group)
         self.expert_params: list[nn.Parameter] = []
-        if self.expert_group is not None:
+        if self.groups.expert is not None:
             check_expert_options(optimizer_offload=optimizer_offload, param_offload=param_offload)
             self.expert_params = distribute_experts(module.lm, mesh)
-        self.role_group = None if mesh is not None else dp_group
-        """Every rank of the role (checkpoints, barriers); None: the default group."""
-        self.role_rank = dist.get_rank(self.role_group) if _dist_on() else 0
-        self.fsdp = self.shard_size > 1 if fsdp is None else fsdp
+        self.fsdp = self.groups.shard_size > 1 if fsdp is None else fsdp
         if self.fsdp and optimizer_offload:
             raise ValueError(
                 "optimizer_offload steps on the host on one device only; with FSDP2 use "
@@ -140,7 +111,7 @@ class TrainCore:
         self.optimizer_offload = optimizer_offload
         if not self.param_offload:
             module.to(self.device)
-        if self.tensor_size > 1:
+        if self.groups.tensor is not None:
             from hybridflow.models.tensor_parallel import parallelize_decoder
 
             parallelize_decoder(module.lm, mesh.submesh("tp"))
@@ -173,10 +144,10 @@ class TrainCore:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-        if self.mesh is not None:
-            mesh = self.mesh.submesh("fsdp")
+        if self.groups.mesh is not None:
+            mesh = self.groups.mesh.submesh("fsdp")
         else:
-            mesh = DeviceMesh.from_group(self.shard_group or dist.group.WORLD, self.device.type)
+            mesh = DeviceMesh.from_group(self.groups.shard or dist.group.WORLD, self.device.type)
         options = {"mesh": mesh}
         if self.expert_params:  # sharded over the EP group instead (learners/expert_shard.py)
             options["ignored_params"] = set(self.expert_params)
@@ -256,9 +227,9 @@ class TrainCore:
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In-place sum/max over the data-parallel group (no-op on one rank)."""
-        if self.dp_size > 1:
+        if self.groups.data_size > 1:
             reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
-            dist.all_reduce(tensor, op=reduce_op, group=self.dp_group)
+            dist.all_reduce(tensor, op=reduce_op, group=self.groups.data)
         return tensor
 
     def accumulation_phase(self, *, last: bool) -> None:
@@ -285,7 +256,7 @@ class TrainCore:
         at most ``max_tokens`` (plus < SP padding): a sequence longer than one GPU's budget
         trains. A fixed ``micro_batch_size`` counts the group's rows, as verl's does."""
         if max_tokens is not None:
-            max_tokens *= self.sequence_size
+            max_tokens *= self.groups.sequence_size
         num_rows = attention_mask.shape[0]
         if max_tokens is None:
             return split_fixed(num_rows, micro_batch_size)
@@ -301,8 +272,8 @@ class TrainCore:
         """After the last backward of a mini-batch: the experts' gradients reduced as FSDP
         reduces the others' (learners/expert_shard.py). No-op without expert parallelism."""
         if self.expert_params:
-            replica_group = self.mesh.group("expert_fsdp")
-            reduce_expert_grads(self.expert_params, replica_group, self.shard_size)
+            replica_group = self.groups.mesh.group("expert_fsdp")
+            reduce_expert_grads(self.expert_params, replica_group, self.groups.shard_size)
 
     def optimizer_step(self, grad_clip: float) -> tuple[float, bool]:
         """Clip, then step unless the gradient norm is not finite. Returns (norm, skipped)."""
@@ -313,7 +284,7 @@ class TrainCore:
         grad_norm = clip_grad_norm(
             self.trainable_parameters,
             grad_clip,
-            group=self.role_group if self.mesh is not None else self.shard_group,
+            group=self.groups.role if self.groups.mesh is not None else self.groups.shard,
             comm_device=self.comm_device(),
         )
         skipped = not math.isfinite(grad_norm)
@@ -406,7 +377,7 @@ class TrainCore:
             state = {"model": self._keep(model_state, trainable_only)}
             if optimizer is not None:
                 state["optimizer"] = optim_state
-            extra_path = directory / f"extra_rank{self.role_rank}.pt"
+            extra_path = directory / f"extra_rank{self.groups.role_rank}.pt"
             self.state_writer.write(state, directory, extra, extra_path, background=background)
         if not background:
             self._barrier()
@@ -451,7 +422,7 @@ class TrainCore:
             )
             if host is not None:
                 restore_loaded(host, state["optimizer"])
-        extra_path = directory / f"extra_rank{self.role_rank}.pt"
+        extra_path = directory / f"extra_rank{self.groups.role_rank}.pt"
         extra = load_state_file(extra_path)  # tensors and plain data only
         if self.scheduler is not None and "scheduler" in extra:
             self.scheduler.load_state_dict(extra["scheduler"])
@@ -529,7 +500,7 @@ class TrainCore:
         rank must call it."""
         out: dict[str, torch.Tensor] = {}
         for name, full in self.iter_full_tensors(module):
-            if self.role_rank == 0:
+            if self.groups.role_rank == 0:
                 out[name] = full.detach().to("cpu", copy=True)
         return out
 
@@ -547,11 +518,11 @@ class TrainCore:
         return {name: value for name, value in model_state.items() if name in trainable}
 
     def _dcp_group(self) -> dist.ProcessGroup | None:
-        return self.role_group if _dist_on() else None
+        return self.groups.role if _dist_on() else None
 
     def _barrier(self) -> None:
-        if distributed_world(self.role_group) > 1:
-            dist.barrier(group=self.role_group)
+        if distributed_world(self.groups.role) > 1:
+            dist.barrier(group=self.groups.role)
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -560,10 +531,5 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def sequence_group_of(mesh: RoleMesh | None) -> dist.ProcessGroup | None:
-    """The Ulysses group of a layout; None without one (or of one rank)."""
-    return mesh.group("sp") if mesh is not None and mesh.size("sp") > 1 else None
-
-
 def _dist_on() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    return distributed_on()

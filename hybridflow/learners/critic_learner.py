@@ -16,13 +16,14 @@ from torch import nn
 
 from hybridflow.algos import value_loss
 from hybridflow.config import ActorConfig, CriticConfig
-from hybridflow.learners.core import TrainCore, sequence_group_of
+from hybridflow.learners.core import TrainCore
 from hybridflow.learners.metric_sums import MetricSums
 from hybridflow.learners.modules import ValueModel
 from hybridflow.learners.packing import PackedRows, to_device
 from hybridflow.learners.response_forward import check_keys, forward_response_tokens
 from hybridflow.learners.shared_rows import gather_rows, own_rows
 from hybridflow.learners.step import accumulate_and_step, mini_batch_count, mini_batch_plan
+from hybridflow.learners.train_groups import sequence_group_of
 from hybridflow.protocol import Batch
 
 if TYPE_CHECKING:
@@ -83,11 +84,11 @@ class CriticLearner:
 
     @property
     def mini_batch_size(self) -> int:
-        return max(self.mini_batch_prompts * self.rollout_n // self.core.dp_size, 1)
+        return max(self.mini_batch_prompts * self.rollout_n // self.core.groups.data_size, 1)
 
     def compute_values(self, batch: Batch) -> Batch:
         """Batch with ``values [B, R]`` (0 off the response)."""
-        groups = self.core.replica_groups
+        groups = self.core.groups.replica
         (values,) = forward_response_tokens(
             self.core,
             gather_rows(batch, groups),
@@ -102,7 +103,7 @@ class CriticLearner:
         vf_clipfrac, vpred_mean, grad_norm, lr, skipped_steps."""
         check_keys(batch, UPDATE_INPUTS, "CriticLearner.update")
         cfg = self.cfg
-        batch = gather_rows(batch, self.core.replica_groups)
+        batch = gather_rows(batch, self.core.groups.replica)
         num_rows = len(batch)
         mini_size = min(self.mini_batch_size, num_rows)
         num_minis = mini_batch_count(num_rows, mini_size)
@@ -127,7 +128,9 @@ class CriticLearner:
         self.core.module.train()
         with self.core.on_device():
             for _ in range(self.ppo_epochs):
-                plan = mini_batch_plan(num_rows, mini_size, self.core.replica_size, torch.arange)
+                plan = mini_batch_plan(
+                    num_rows, mini_size, self.core.groups.replica_size, torch.arange
+                )
                 for rows in plan:
                     self.total_skipped_steps += int(
                         accumulate_and_step(

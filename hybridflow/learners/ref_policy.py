@@ -17,10 +17,11 @@ from torch import nn
 from hybridflow.config import RefConfig
 from hybridflow.learners import lora
 from hybridflow.learners.actor_learner import ActorLearner, compile_layers
-from hybridflow.learners.core import TrainCore, sequence_group_of
+from hybridflow.learners.core import TrainCore
 from hybridflow.learners.modules import PolicyModel
 from hybridflow.learners.response_forward import forward_response_tokens
 from hybridflow.learners.shared_rows import gather_rows, own_rows
+from hybridflow.learners.train_groups import sequence_group_of
 from hybridflow.protocol import Batch
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ class RefPolicy:
             return (self.policy(packed, temperature, False)[0],)
 
         adapters_off = lora.adapters_disabled(self.policy.lm) if self._actor else nullcontext()
-        groups = self.core.replica_groups
+        groups = self.core.groups.replica
         with adapters_off:
             (logprobs,) = forward_response_tokens(
                 self.core,

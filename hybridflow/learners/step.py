@@ -103,7 +103,7 @@ def accumulate_and_step(
         packed = pack_batch_rows(micro, list(range(len(micro))), core.device)
         with core.autocast():
             loss, terms, token_means = micro_loss(micro, packed, counts)
-        (loss * (core.shard_size * weight)).backward()
+        (loss * (core.groups.shard_size * weight)).backward()
         if rows:
             sums.add_token_means(token_means, float(micro.tensors["response_mask"].sum()))
             sums.add_mini_batch_terms(terms)

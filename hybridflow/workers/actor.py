@@ -83,7 +83,7 @@ class ActorWorker(Worker):
     def full_weights(self) -> dict[str, torch.Tensor]:
         """Unsharded HF-named CPU weights (LoRA merged), for a rollout engine elsewhere.
         Every rank takes part in the gathers; rank 0's copy is returned."""
-        keep = self.learner.core.role_rank == 0
+        keep = self.learner.core.groups.role_rank == 0
         return {
             name: tensor.to("cpu", copy=True) for name, tensor in self.learner.hf_weights() if keep
         }
@@ -145,7 +145,7 @@ class RefWorker(Worker):
         dtype = resolve_dtype(config.model, self.device)
         model = load_causal_lm(config.ref.path or config.model.path, dtype, self.device)
         mesh = training_mesh(config, "ref", self.world_size, self.device,
-                             reuse=actor.learner.core.mesh if actor is not None else None)  # fmt: skip
+                             reuse=actor.learner.core.groups.mesh if actor is not None else None)  # fmt: skip
         # model.compile's "auto" is resolved at run start (trainer/compile_policy.py)
         self.policy = RefPolicy(model, config.ref, device=self.device, mesh=mesh,
                                 compile=config.model.compile is True)  # fmt: skip

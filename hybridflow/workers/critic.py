@@ -35,7 +35,7 @@ class CriticWorker(Worker):
                 "critic",
                 self.world_size,
                 self.device,
-                reuse=actor.learner.core.mesh if actor is not None else None,
+                reuse=actor.learner.core.groups.mesh if actor is not None else None,
             ),
             actor_cfg=config.actor,
             rollout_n=config.rollout.n,
