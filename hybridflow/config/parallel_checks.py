@@ -56,6 +56,31 @@ def not_yet_supported(sizes: list[RoleSize], roles_in_use: set[str]) -> list[str
     return problems
 
 
+def not_built_with_tensor_parallel(
+    cfg: Config, arch: ModelArchitecture | None, sizes: list[RoleSize], in_use: set[str]
+) -> list[str]:
+    """Training tensor parallelism (models/tensor_parallel.py) splits dense linear layers: a
+    mixture of experts' sparse layers and LoRA adapters have no tensor-parallel path yet."""
+    problems = []
+    for size in sizes:
+        if size.dim != "tp" or size.value <= 1 or size.role not in in_use - {"rollout"}:
+            continue
+        who = ROLE_NAMES[size.role]
+        if arch is not None and arch.is_moe:
+            problems.append(
+                f"{who}: {size.key} = {size.value}: tensor parallelism of a mixture of experts' "
+                f"sparse layers is not built yet: set {size.key}=1 (data, sequence and expert "
+                "parallelism train it)"
+            )
+        if cfg.model.lora_rank > 0 and size.role != "critic":
+            problems.append(
+                f"{who}: {size.key} = {size.value} with model.lora_rank = {cfg.model.lora_rank}: "
+                f"tensor parallelism of LoRA adapters is not built yet: set {size.key}=1 "
+                "(sequence parallelism trains them) or model.lora_rank=0"
+            )
+    return problems
+
+
 def roles_in_use(use_reference: bool, use_critic: bool) -> set[str]:
     return (
         {"actor", "rollout"}
@@ -93,6 +118,8 @@ def check_layouts(
             _check_shape(role, architecture, sizes, add)
     if not planning:
         for problem in not_yet_supported(sizes, in_use):
+            add(problem)
+        for problem in not_built_with_tensor_parallel(cfg, architecture, sizes, in_use):
             add(problem)
         _check_runnable(cfg, add)
     if not tiled:
@@ -149,10 +176,6 @@ def _check_shape(role: str, arch: ModelArchitecture, sizes: list[RoleSize], add:
             if count and count % tp:
                 add(f"{who}: {tp_key} = {tp} must divide the model's {what} = {count}: pick a "
                     f"divisor of {count}")  # fmt: skip
-        if arch.is_moe and role != "rollout":  # models/tensor_parallel.py: dense layers only
-            add(f"{who}: {tp_key} = {tp}: tensor parallelism of a mixture of experts' sparse "
-                f"layers is not built yet: set {tp_key}=1 (data and sequence parallelism "
-                "train it)")  # fmt: skip
     if sp > 1 and heads % tp == 0 and kv % tp == 0:
         sp_key = mine["sp"].key
         local_heads, local_kv = heads // tp, kv // tp

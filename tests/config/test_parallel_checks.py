@@ -147,8 +147,16 @@ def test_a_mini_batch_smaller_than_the_data_parallel_ranks_shows_the_normalisati
     )
 
 
-def test_tensor_parallel_training_of_a_mixture_of_experts_is_refused():
+def test_tensor_parallel_training_of_experts_or_lora_is_refused():
     problems = _problems([*FOUR_CPUS, "model.path=tiny-moe", "actor.tensor_parallel_size=2"])
     assert ("actor: actor.tensor_parallel_size = 2: tensor parallelism of a mixture of experts' "
-            "sparse layers is not built yet: set actor.tensor_parallel_size=1 (data and "
-            "sequence parallelism train it)") in problems  # fmt: skip
+            "sparse layers is not built yet: set actor.tensor_parallel_size=1 (data, sequence "
+            "and expert parallelism train it)") in problems  # fmt: skip
+    problems = _problems([*FOUR_CPUS, "model.path=tiny", "model.lora_rank=4",
+                          "actor.tensor_parallel_size=2"])  # fmt: skip
+    assert problems == ["actor: actor.tensor_parallel_size = 2 with model.lora_rank = 4: tensor "
+                        "parallelism of LoRA adapters is not built yet: set "
+                        "actor.tensor_parallel_size=1 (sequence parallelism trains them) or "
+                        "model.lora_rank=0"]  # fmt: skip
+    validate(load_config(None, [*FOUR_CPUS, "model.path=tiny", "model.lora_rank=4",
+                                "actor.sequence_parallel_size=2"]))  # fmt: skip

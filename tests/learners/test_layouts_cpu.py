@@ -12,7 +12,7 @@ import torch
 from gloo_ranks import run_ranks
 from learner_helpers import actor_config, make_batch, max_abs_diff, tiny_model
 
-from hybridflow.config import CriticConfig, RefConfig
+from hybridflow.config import CriticConfig, ModelConfig, RefConfig
 from hybridflow.learners import ActorLearner, CriticLearner, RefPolicy
 from hybridflow.models import load_model
 
@@ -25,6 +25,7 @@ CFG = dict(
     lr_scheduler="cosine",
     lr_warmup_steps=1,
 )
+LORA = ModelConfig(path="tiny", lora_rank=4, lora_alpha=8)
 MOE_CFG = dict(ppo_mini_batch_size=8, micro_batch_size_per_gpu=2, router_z_loss_coef=1e-3)
 CRITIC = CriticConfig(ppo_mini_batch_size=4, micro_batch_size_per_gpu=2, lr=1e-2)
 # Rank r receives rows 4r..4r+3. The replica takes each mini-batch evenly from the two
@@ -71,10 +72,14 @@ def _run_layout(rank, mesh, moe: bool, checkpoint: str) -> dict:
     out["values"] = critic.compute_values(first.index(shard))["values"]
     critic_batch = first.union(_critic_inputs(first)).index(shard)
     out["critic_metrics"] = critic.update(critic_batch)
-    if moe:  # tensor parallelism of expert layers is not built
+    if moe:  # tensor parallelism of expert layers and of LoRA is not built
         moe = ActorLearner(load_model("tiny-moe"), actor_config(**MOE_CFG), total_steps=2,
                            device="cpu", mesh=mesh)  # fmt: skip
         out["moe_metrics"] = moe.update(first.index(shard))
+        lora = ActorLearner(tiny_model(), actor_config(**MOE_CFG), total_steps=2, device="cpu",
+                            mesh=mesh, model_cfg=LORA)  # fmt: skip
+        out["lora_metrics"] = lora.update(first.index(shard))
+        out["lora_weights"] = {name: t.clone() for name, t in lora.hf_weights()}
     return out
 
 
@@ -118,6 +123,10 @@ def _one_process() -> dict:
     moe = ActorLearner(load_model("tiny-moe"), actor_config(**MOE_CFG), total_steps=2,
                        device="cpu")  # fmt: skip
     want["moe_metrics"] = moe.update(first)
+    lora = ActorLearner(tiny_model(), actor_config(**MOE_CFG), total_steps=2, device="cpu",
+                        model_cfg=LORA)  # fmt: skip
+    want["lora_metrics"] = lora.update(first)
+    want["lora_weights"] = dict(lora.hf_weights())
     return want
 
 
@@ -156,6 +165,10 @@ def _compare(rank0: dict, rank1: dict, want: dict, checkpoint) -> None:
         assert {k for k in want["moe_metrics"] if k.startswith("moe/")}
         for key, value in want["moe_metrics"].items():
             assert rank0["moe_metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+        # LoRA adapters: the same step, the same merged weights
+        got, expected = rank0["lora_metrics"]["grad_norm"], want["lora_metrics"]["grad_norm"]
+        assert got == pytest.approx(expected, rel=1e-5)
+        assert max_abs_diff(rank0["lora_weights"], want["lora_weights"]) < 2e-2 * lr
 
 
 # FSDP2 over dp × sp in each; sp2_tp2: one replica of 4 ranks (Ulysses over tensor-parallel heads)
