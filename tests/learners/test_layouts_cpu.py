@@ -1,7 +1,8 @@
 """Layout invariance of the learners: two gloo ranks with Ulysses SP = 2, and two with tensor
 parallelism TP = 2 (each rank handed its own rows, as the controller splits a batch), compute
 the log-probs, losses, gradient norm and updated weights of one process, for the actor, the
-reference and the critic (fp32); one process resumes their checkpoints. Four ranks with
+reference and the critic (fp32); one process resumes their checkpoints; a mixture of experts
+under SP, also with its experts split over the SP ranks (EP = 2). Four ranks with
 DP = 2 × SP = 2, DP = 2 × TP = 2 (FSDP2 over the data ranks) and SP = 2 × TP = 2 do the same
 for the actor."""
 
@@ -45,6 +46,12 @@ def _ranks(rank: int, world: int, out_dir: str) -> None:
         mesh = build_mesh(train_layout(world, **sizes), "cpu")
         out = _run_layout(rank, mesh, moe=name == "sp", checkpoint=os.path.join(out_dir, name))
         torch.save(out, os.path.join(out_dir, f"{name}_rank{rank}.pt"))
+    # Ulysses with expert parallelism: the SP ranks also split the experts (EP spans them)
+    mesh = build_mesh(train_layout(world, sp=2, ep=2), "cpu")
+    moe = ActorLearner(load_model("tiny-moe"), actor_config(**MOE_CFG), total_steps=2,
+                       device="cpu", mesh=mesh)  # fmt: skip
+    metrics = moe.update(make_batch(seed=21).index(list(range(4 * rank, 4 * rank + 4))))
+    torch.save(metrics, os.path.join(out_dir, f"sp_ep_rank{rank}.pt"))
 
 
 def _run_layout(rank, mesh, moe: bool, checkpoint: str) -> dict:
@@ -104,6 +111,9 @@ def test_two_rank_sequence_and_tensor_parallel_learners_equal_one_process(tmp_pa
         rank0 = torch.load(tmp_path / f"{name}_rank0.pt", weights_only=True)
         rank1 = torch.load(tmp_path / f"{name}_rank1.pt", weights_only=True)
         _compare(rank0, rank1, want, checkpoint=tmp_path / name)
+    sp_ep = torch.load(tmp_path / "sp_ep_rank0.pt", weights_only=True)
+    for key, value in want["moe_metrics"].items():
+        assert sp_ep[key] == pytest.approx(value, rel=1e-5, abs=1e-7), ("sp × ep", key)
 
 
 def _one_process() -> dict:
