@@ -221,9 +221,8 @@ class LocalBackend:
                 conn.send_bytes(transport.encode(("stop",), self.owner))
             except (OSError, EOFError):
                 pass
-        if any(self.pending) or not all(
-            o.error is None for o in getattr(self, "start_outcomes", [None])
-        ):
+        outcomes = getattr(self, "start_outcomes", None)  # unset: start-up never finished
+        if any(self.pending) or outcomes is None or any(o is None or o.error for o in outcomes):
             grace_s = min(grace_s, 0.5)  # busy or half-built workers will not read "stop" soon
         deadline = time.monotonic() + grace_s
         for proc in self.procs:

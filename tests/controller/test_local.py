@@ -8,6 +8,7 @@ import glob
 import os
 import signal
 import sys
+import threading
 import time
 import types
 
@@ -173,3 +174,11 @@ def test_arguments_the_worker_cannot_unpickle_fail_that_call_only(group, monkeyp
     with pytest.raises(WorkerError, match="could not unpickle the arguments"):
         group.echo(ghost.Ghost())
     assert group.add_rank([5, 5]) == [5, 6]  # the next call is matched to its own reply
+
+
+def test_a_start_that_fails_before_the_workers_answer_reports_its_own_error():
+    # an init argument pickle cannot send fails while the group starts, before any worker
+    # answered: shutdown used to raise AttributeError over it (no start outcomes yet)
+    with pytest.raises(Exception) as failed:
+        WorkerGroup(Toy, ResourcePool(cpus=1), "local", scale=threading.Lock())
+    assert "pickle" in str(failed.value), repr(failed.value)  # not "'NoneType' ... 'error'"
