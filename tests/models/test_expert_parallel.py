@@ -149,7 +149,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_two_ep_ranks_equal_one_process(tmp_path):
     mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2,
                        start_method="spawn")  # fmt: skip
-    results = torch.load(tmp_path / "ep.pt", weights_only=False)
+    results = torch.load(tmp_path / "ep.pt", weights_only=True)
     for replay in (False, True):
         ep = results[replay]
         hidden, task_loss, terms, model = _run([0, 1, 2, 3], None, replay, share=1.0)
