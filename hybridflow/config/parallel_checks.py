@@ -28,6 +28,7 @@ SUPPORTED_LAYOUTS: frozenset[tuple[str, str]] = frozenset(
     {(role, dim) for role in ("actor", "ref", "critic") for dim in ("sp", "tp")}
     # learners/sequence_shard.py, models/tensor_parallel.py
     | {("actor", "ep"), ("ref", "ep")}  # learners/expert_shard.py
+    | {("rollout", "tp")}  # engine/tensor_parallel.py, engine/reshard.py
 )
 """(role, dimension) pairs whose code path exists, so a size > 1 runs. A pair joins this set
 in the change that makes the role train or generate in that layout."""
@@ -121,10 +122,34 @@ def check_layouts(
             add(problem)
         for problem in not_built_with_tensor_parallel(cfg, architecture, sizes, in_use):
             add(problem)
+        for problem in rollout_tensor_parallel_limits(cfg, architecture):
+            add(problem)
         _check_runnable(cfg, add)
     if not tiled:
         return None
     return role_layouts(cfg, worlds["train"][0], worlds["rollout"][0])
+
+
+def rollout_tensor_parallel_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]:
+    """What a tensor-parallel rollout does not run yet (its ranks must run the same decode
+    steps in lockstep, on the eager decode path)."""
+    size = cfg.rollout.tensor_parallel_size
+    if size <= 1:
+        return []
+    key = f"rollout.tensor_parallel_size = {size}"
+    limits = [
+        (cfg.rollout.agent.loop is not None, f"rollout.agent.loop = {cfg.rollout.agent.loop}",
+         "agent episodes take turns at their own pace on each rank"),
+        (cfg.trainer.mode == "async" and cfg.trainer.partial_rollout, "trainer.partial_rollout",
+         "the rollout service admits requests as they come, at times that differ by rank"),
+        (arch is not None and arch.is_moe, "a mixture-of-experts model",
+         "its experts are not split over the rollout's ranks"),
+        (cfg.rollout.engine.decode_backend == "triton" or cfg.rollout.dtype == "fp8",
+         "rollout.engine.decode_backend = triton" if cfg.rollout.dtype != "fp8" else
+         "rollout.dtype = fp8", "the fused decode layers have no all-reduce yet"),
+    ]  # fmt: skip
+    return [f"{key} with {what}: not yet supported ({why}); set rollout.tensor_parallel_size=1"
+            for applies, what, why in limits if applies]  # fmt: skip
 
 
 def _check_runnable(cfg: Config, add: Add) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,27 @@ def local_block(tensor: torch.Tensor) -> Block | None:
     if 0 in shape:
         return None
     return tuple((start, start + size) for start, size in zip(offset, shape))
+
+
+class Adapter(NamedTuple):
+    """A LoRA adapter on a weight: the weight moves as W + scale · B @ A (its rows of B are
+    held where its rows of W are: FSDP2 chunks both by output rows)."""
+
+    lora_a: torch.Tensor  # [r, in] (a DTensor: gathered, r × in is small)
+    lora_b: torch.Tensor  # [out, r]
+    scale: float
+
+
+def merged_block(base: torch.Tensor, adapter: Adapter) -> torch.Tensor:
+    """This rank's block of W + scale · B @ A in fp32 (the rows of its base shard), as
+    learners/lora.merge_lora_stream merges whole tensors. Collective for a sharded A: every
+    rank calls it for the same weights in the same order."""
+    lora_a = adapter.lora_a
+    lora_a = lora_a.full_tensor() if hasattr(lora_a, "full_tensor") else lora_a
+    lora_b = adapter.lora_b
+    lora_b = lora_b.to_local() if hasattr(lora_b, "to_local") else lora_b
+    delta = adapter.scale * (lora_b.float() @ lora_a.float().to(lora_b.device))
+    return base.float() + delta.to(base.device)
 
 
 def _slices(block: Block, within: Block) -> tuple[slice, ...]:
@@ -127,8 +149,11 @@ class Resharder:
         return buckets
 
     @torch.no_grad()
-    def run(self, sources: dict[str, torch.Tensor]) -> ReshardStats:
-        """Move the current values of ``sources`` (the parameters given at construction)."""
+    def run(self, sources: dict[str, torch.Tensor],
+            adapters: dict[str, Adapter] | None = None) -> ReshardStats:  # fmt: skip
+        """Move the current values of ``sources`` (the parameters given at construction);
+        ``adapters``: the LoRA adapter of a weight, merged into it on the rank that sends it
+        (per bucket: the merged blocks of one bucket at a time)."""
         stats = ReshardStats(buckets=len(self.buckets))
         start = time.perf_counter()
         local = {}
@@ -136,7 +161,9 @@ class Resharder:
             tensor = sources[entry.name].detach()
             local[entry.name] = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         for bucket in self.buckets:
-            self._move(bucket, local, stats)
+            merged = {entry.name: merged_block(local[entry.name], adapters[entry.name])
+                      for entry in bucket if adapters and entry.name in adapters}  # fmt: skip
+            self._move(bucket, {**local, **merged}, stats)
         stats.seconds = time.perf_counter() - start
         return stats
 

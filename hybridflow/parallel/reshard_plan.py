@@ -98,25 +98,30 @@ class ReshardTraffic:
 def reshard_traffic(arch: ModelArchitecture, train: Layout, rollout: Layout,
                     element_bytes: int = 2) -> ReshardTraffic:  # fmt: skip
     """The bytes one training-to-rollout sync moves (both layouts over the same ranks: the
-    colocated hybrid engine), in the rollout's dtype (``element_bytes``)."""
+    colocated hybrid engine), in the rollout's dtype (``element_bytes``). Parameters of one
+    shape and split move alike, so each kind is planned once and counted as often as it
+    occurs (80 layers of a 70B model: 9 kinds)."""
     if train.world != rollout.world:
         raise ValueError(f"the reshard runs over one set of ranks: training {train.world}, "
                          f"rollout {rollout.world}")  # fmt: skip
     world = train.world
     received, sent, kept, shard = ([0] * world for _ in range(4))
     gathered = 0
+    kinds: dict[tuple, list] = {}
     for name, shape in parameter_shapes(arch):
+        kinds.setdefault((shape, shard_dim(name)), [name, 0])[1] += 1
+    for (shape, _), (name, count) in kinds.items():
         sources = training_blocks(name, shape, train)
         dests = rollout_blocks(name, shape, rollout)
         for move in transfer_plan(sources, dests):
-            count = numel(move.block) * element_bytes
+            size = numel(move.block) * element_bytes * count
             if move.source == move.dest:
-                kept[move.dest] += count
+                kept[move.dest] += size
             else:
-                received[move.dest] += count
-                sent[move.source] += count
+                received[move.dest] += size
+                sent[move.source] += size
         for rank, block in enumerate(dests):
-            shard[rank] += numel(block) * element_bytes
-        full = numel(tuple((0, s) for s in shape)) * element_bytes
-        gathered += full - max(numel(b) for b in sources if b is not None) * element_bytes
+            shard[rank] += numel(block) * element_bytes * count
+        own = max(numel(b) for b in sources if b is not None)
+        gathered += (numel(tuple((0, s) for s in shape)) - own) * element_bytes * count
     return ReshardTraffic(max(received), max(sent), min(kept), max(shard), sum(sent), gathered)

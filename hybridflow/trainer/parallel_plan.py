@@ -242,12 +242,15 @@ class Reshard:
     link: str
 
 
-def reshard(s: PlanShape, o: ParallelSetup) -> Reshard:
-    """What a sync moves into one rollout GPU: its rollout shard, less the 1/world of it its
-    own training shard holds when colocated (FSDP2 spreads every weight over all the
-    training GPUs, so the rest comes from the others)."""
+def reshard(s: PlanShape, o: ParallelSetup, moved: int | None = None) -> Reshard:
+    """What a sync moves into one rollout GPU. ``moved``: the bytes, block by block, where
+    known (parallel/reshard_plan.reshard_traffic: a dense model colocated); else estimated:
+    its rollout shard, less the 1/world of it its own training shard holds when colocated
+    (FSDP2 spreads every weight over all the training GPUs, so the rest comes from the
+    others)."""
     shard = rollout_share(s, o.rollout_tp, o.rollout_ep) * o.rollout_bytes
-    moved = shard - shard // o.world if o.colocated else shard
+    if moved is None:
+        moved = shard - shard // o.world if o.colocated else shard
     span = o.world if o.colocated else o.world + o.rollout_gpus
     inside = span <= GPUS_PER_NODE
     speed, link = (NVLINK_BYTES_PER_S, "NVLink") if inside else (NETWORK_BYTES_PER_S, "network")
@@ -280,8 +283,10 @@ class ParallelPlan:
         return sorted(held, key=lambda i: -i.gpu_bytes)[:count]
 
 
-def build_parallel_plan(s: PlanShape, o: ParallelSetup) -> ParallelPlan:
-    """Every item of the run on one training GPU (and one rollout GPU when not colocated)."""
+def build_parallel_plan(s: PlanShape, o: ParallelSetup,
+                        reshard_bytes: int | None = None) -> ParallelPlan:  # fmt: skip
+    """Every item of the run on one training GPU (and one rollout GPU when not colocated).
+    reshard_bytes: what a sync moves into a rollout GPU, where known (see reshard)."""
     items = training_items(s, o, "actor")
     if o.reference:
         items.append(reference_item(s, o))
@@ -294,4 +299,4 @@ def build_parallel_plan(s: PlanShape, o: ParallelSetup) -> ParallelPlan:
     cache = kv_cache(s, o, used, workspace)
     items.append(MemoryItem(f"KV cache ({cache.sequences:,} × {o.max_seq_len:,} tokens a replica)",
                             cache.bytes, (GENERATE,), rollout_gpu=not o.colocated))  # fmt: skip
-    return ParallelPlan(s, o, items, cache, reshard(s, o))
+    return ParallelPlan(s, o, items, cache, reshard(s, o, reshard_bytes))

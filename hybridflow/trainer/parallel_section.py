@@ -121,7 +121,7 @@ def parallel_section(cfg: Config, derived: Derived, gpu_bytes: int) -> tuple[lis
         return [], []
     name, shape = found
     setup = setup_from_config(cfg, derived, gpu_bytes)
-    plan = build_parallel_plan(shape, setup)
+    plan = build_parallel_plan(shape, setup, sync_bytes(cfg, setup))
     moe = f", {shape.experts} experts ({shape.experts_per_token} a token)" if shape.is_moe else ""
     lines = [f"Parallel layout plan: {name} ({count(shape.total_params)} parameters{moe}) on "
              f"{setup.world} GPUs of {gib(gpu_bytes)} ({gib(usable_bytes(gpu_bytes))} usable)"
@@ -139,10 +139,30 @@ def parallel_section(cfg: Config, derived: Derived, gpu_bytes: int) -> tuple[lis
     if advice.plan is not None and advice.changes and not fits(plan):
         lines.append(f"  recommended: {layout_line(advice.plan.setup)}")
         lines.append(f"    set: {' '.join(advice.changes)}")
-        lines += render_plan(advice.plan)
+        recommended = advice.plan.setup
+        lines += render_plan(build_parallel_plan(shape, recommended,
+                                                 sync_bytes(cfg, recommended)))  # fmt: skip
     elif advice.plan is None and advice.closest is not None:
         lines.append(f"  {why_nothing_fits(advice.closest)}")
     return lines, problems
+
+
+def sync_bytes(cfg: Config, setup: ParallelSetup) -> int | None:
+    """The most one GPU receives in a sync, block by block as engine/reshard.py moves them
+    (parallel/reshard_plan.py), for a dense model colocated with the actor; None otherwise
+    (the plan's estimate stands)."""
+    if not setup.colocated or setup.ep > 1 or setup.rollout_ep > 1:
+        return None
+    from hybridflow.parallel.layout import rollout_layout, train_layout
+    from hybridflow.parallel.reshard_plan import reshard_traffic
+    from hybridflow.trainer.memory_check import model_architecture_for
+
+    found = model_architecture_for(cfg)
+    if found is None or found[1].is_moe:
+        return None
+    train = train_layout(setup.world, tp=setup.tp, sp=setup.sp)
+    rollout = rollout_layout(setup.world, tp=setup.rollout_tp)
+    return reshard_traffic(found[1], train, rollout, setup.rollout_bytes).received
 
 
 def _problem(setup: ParallelSetup, advice: Recommendation) -> str:

@@ -22,6 +22,8 @@ APPLIED = {
     "trainer.total_steps": "the run now ends at the new step",
     "algorithm.kl_coef": "a fixed KL controller continues at the new coefficient; an "
     "adaptive one keeps the value it adapted to",
+    "rollout.tensor_parallel_size": "the rollout keeps no state: its engine is built in the "
+    "new layout and takes the loaded actor's weights; the samples are the same",
 }
 
 _NEW_RUN = "start a new run (another trainer.run_dir, or trainer.resume=disable)"

@@ -62,7 +62,12 @@ class RolloutWorker(Worker):
             # async mode generates while the actor updates: the engine needs its own copy
             and not (t.mode == "async" and (t.max_staleness > 0 or partial))
         )
-        if self.shares_actor_weights:
+        # rollout.tensor_parallel_size > 1: one engine over each tensor-parallel group
+        self.tensor = None
+        if config.rollout.tensor_parallel_size > 1:
+            self.tensor = self._tensor_parallel(config, dtype)
+            model = self.tensor.model
+        elif self.shares_actor_weights:
             model = actor.model
         else:
             model = load_causal_lm(config.model.path, dtype, self.device)
@@ -91,6 +96,33 @@ class RolloutWorker(Worker):
             # a tokenizer whose template cannot render tool results gets the built-in ChatML one
             self.tokenizer = tokenizer if renders_tool_messages(tokenizer) else (
                 with_tool_template(tokenizer))  # fmt: skip
+
+    def _tensor_parallel(self, config: Config, dtype: torch.dtype):
+        """This rank's part of a tensor-parallel engine, with the first weights: resharded
+        from the colocated actor, or sliced from the checkpoint (split placement: read whole
+        on the host once). workers/rollout_tp.py."""
+        from hybridflow.models.llama import CausalLM
+        from hybridflow.workers.rollout_tp import TensorParallelRollout
+
+        size = config.rollout.tensor_parallel_size
+        actor, whole = self.actor, None
+        model = actor.model if actor is not None else None
+        if model is None:
+            model = whole = load_causal_lm(config.model.path, dtype, "cpu")
+        if not isinstance(model, CausalLM):
+            raise ValueError(
+                f"rollout.tensor_parallel_size={size}: the model at {config.model.path} runs "
+                "on the transformers fallback, which the tensor-parallel engine does not "
+                "split: set rollout.tensor_parallel_size=1"
+            )
+        tensor = TensorParallelRollout(model.config, size, dtype, self.device, actor)
+        if actor is not None:
+            tensor.sync(actor)
+        else:
+            params = dict(tensor.model.named_parameters())
+            for name, piece in tensor.local_slices(whole.named_parameters()):
+                params[name].data.copy_(piece)
+        return tensor
 
     def _generate_episodes(self, batch: Batch, params, pad_token_id: int) -> Batch:
         """rollout.agent.loop: n multi-turn episodes per prompt row (its `raw_prompt`
@@ -217,6 +249,17 @@ class RolloutWorker(Worker):
         return out
 
     def _generate(self, batch: Batch) -> Batch:
+        if self.tensor is None:
+            return self._generate_rows(batch, self.rank)
+        # the group's chunks together on its engine; this rank keeps its own chunk's rows
+        rows, chunk, chunk_rows = self.tensor.gather_rows(batch)
+        out = self._generate_rows(rows, self.rank // self.tensor.size)
+        per_chunk = len(out) // (len(rows) // chunk_rows)
+        return out.index(slice(chunk * per_chunk, (chunk + 1) * per_chunk))
+
+    def _generate_rows(self, batch: Batch, seed_rank: int) -> Batch:
+        """batch's rows on this rank's engine. seed_rank: what keeps the seeds of a batch
+        without sample_index apart from other engines' (their prompts differ)."""
         from hybridflow.engine import SamplingParams
         from hybridflow.engine.engine import padded_tensors
 
@@ -227,7 +270,7 @@ class RolloutWorker(Worker):
         if sample_index is not None:
             sample_index = sample_index.tolist()
         elif seed is not None:
-            seed = int(seed) + RANK_SEED_STRIDE * self.rank
+            seed = int(seed) + RANK_SEED_STRIDE * seed_rank
         params = SamplingParams(
             n=int(meta.get("n", 1)),
             temperature=float(meta.get("temperature", cfg.temperature)),
@@ -316,11 +359,18 @@ class RolloutWorker(Worker):
                 "sync_from_actor needs an actor in the same worker (hybrid engine); with split "
                 "placement the controller calls load_weights(actor.full_weights())"
             )
+        if self.tensor is not None:  # the reshard: training shards into the engine's
+            self.tensor.sync(self.actor)
+            self.engine.new_policy_version(version)
+            return
         self._load(self.actor.learner.hf_weights(dtype=self.engine.dtype), version)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def load_weights(self, weights: dict[str, torch.Tensor], version: int | None = None) -> None:
         """Load full HF-named weights sent by the controller (split placement)."""
+        if self.tensor is not None:
+            self._load(self.tensor.local_slices(weights.items()), version)
+            return
         self._load(weights.items(), version)
 
     def _load(self, named_tensors, version: int | None) -> None:

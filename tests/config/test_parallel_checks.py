@@ -25,7 +25,8 @@ def _supporting(monkeypatch, *pairs):
         ("rollout.tensor_parallel_size", "rollout"),
     ],
 )
-def test_a_layout_without_its_code_path_is_refused_naming_the_key(key, role):
+def test_a_layout_without_its_code_path_is_refused_naming_the_key(key, role, monkeypatch):
+    _supporting(monkeypatch)  # as before the rollout's tensor parallelism landed
     problems = _problems([*FOUR_CPUS, f"{key}=2"])
     assert problems == [
         f"{key} = 2: {parallel_checks.WHAT[key.split('.')[1][0] + 'p']} is not yet supported "
@@ -45,6 +46,24 @@ def test_the_reference_following_the_actor_is_refused_with_its_own_key(monkeypat
     # the reference's own key lifts it
     validate(load_config(None, [*FOUR_CPUS, "actor.tensor_parallel_size=2",
                                 "actor.use_kl_loss=true", "ref.tensor_parallel_size=1"]))  # fmt: skip
+
+
+def test_a_tensor_parallel_rollout_is_accepted_and_what_it_does_not_run_yet_refused():
+    """engine/tensor_parallel.py and engine/reshard.py; verl's key translates to it."""
+    derived = validate(load_config(None, [*FOUR_CPUS, "rollout.tensor_parallel_size=2"]))
+    assert (derived.layouts.rollout.tp, derived.rollout_dp_size) == (2, 2)
+    problems = _problems([*FOUR_CPUS, "rollout.tensor_parallel_size=2", "trainer.mode=async",
+                          "trainer.partial_rollout=true", "rollout.engine.decode_backend=triton"])  # fmt: skip
+    assert problems == [
+        "rollout.tensor_parallel_size = 2 with trainer.partial_rollout: not yet supported (the "
+        "rollout service admits requests as they come, at times that differ by rank); set "
+        "rollout.tensor_parallel_size=1",
+        "rollout.tensor_parallel_size = 2 with rollout.engine.decode_backend = triton: not yet "
+        "supported (the fused decode layers have no all-reduce yet); set "
+        "rollout.tensor_parallel_size=1",
+    ]
+    problems = _problems([*FOUR_CPUS, "rollout.tensor_parallel_size=2", "model.path=tiny-moe"])
+    assert any("with a mixture-of-experts model: not yet supported" in p for p in problems)
 
 
 @pytest.mark.parametrize("dim", ["sequence", "tensor"])

@@ -1,8 +1,9 @@
-"""The training-to-rollout reshard on gloo processes: an FSDP2-sharded model (2 and 4 ranks)
-into a tensor-parallel engine of rollout TP = 2, bucket by bucket. Every engine parameter
-equals its slice of the full model, the bytes moved are what the pure plan
-(parallel/reshard_plan.py) says, no bucket's buffers pass the bucket size, and the engine
-then draws the tokens of one process with the whole model."""
+"""The training-to-rollout reshard on gloo processes, into a tensor-parallel engine of
+rollout TP = 2, bucket by bucket: from FSDP2 shards (2 and 4 ranks), from a tensor-parallel
+actor with FSDP2 on top (4 ranks: DP 2 × TP 2), and from a LoRA actor (adapters merged as
+they move). Every engine parameter equals its slice of the full (merged) model, the bytes
+moved are what the pure plan (parallel/reshard_plan.py) says, no bucket's buffers pass the
+bucket size, and the engine then draws the tokens of one process with the whole model."""
 
 from __future__ import annotations
 
@@ -18,65 +19,55 @@ from hybridflow.models import build_model
 from hybridflow.models.presets import preset_config
 from hybridflow.parallel.layout import build_mesh, rollout_layout, train_layout
 from hybridflow.parallel.reshard_plan import reshard_traffic, rollout_blocks
+from hybridflow.workers.rollout_tp import training_sources
 
 BUCKET_BYTES = 48 * 2**10  # several buckets; on 4 ranks one gate_proj alone moves 48 KiB
 
 
-def _sharded_model():
-    from torch.distributed.device_mesh import DeviceMesh
+def _shard(model, train):
+    """FSDP2 over the layout's fsdp ranks, on top of its tensor parallelism (as the learner
+    does, learners/core.py)."""
     from torch.distributed.fsdp import fully_shard
 
-    model = build_model(preset_config("tiny"), seed=3)
-    full = {name: p.detach().clone() for name, p in model.named_parameters()}
-    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    from hybridflow.models.tensor_parallel import parallelize_decoder
+
+    mesh = build_mesh(train, "cpu")
+    if train.tp > 1:
+        parallelize_decoder(model, mesh.submesh("tp"))
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, full
+        fully_shard(layer, mesh=mesh.submesh("fsdp"))
+    fully_shard(model, mesh=mesh.submesh("fsdp"))
 
 
-def _reshard_on_ranks(rank: int, world: int) -> None:
-    model, full = _sharded_model()
-    train, rollout = train_layout(world), rollout_layout(world, tp=2)
-    tp_group = build_mesh(rollout, "cpu").group("tp")
-    engine_model = tensor_parallel_model(model.config, tp_group, torch.float32, "cpu")
+def _engine_model(rollout):
+    group = build_mesh(rollout, "cpu").group("tp")
+    return tensor_parallel_model(preset_config("tiny"), group, torch.float32, "cpu")
+
+
+def _resharder(model, engine_model, rollout):
     targets = dict(engine_model.named_parameters())
-    blocks = {name: rollout_blocks(name, tuple(full[name].shape), rollout)[rank]
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    blocks = {name: rollout_blocks(name, shapes[name], rollout)[dist.get_rank()]
               for name in targets}  # fmt: skip
-    sources = dict(model.named_parameters())
-    resharder = Resharder(sources, targets, blocks, bucket_bytes=BUCKET_BYTES)
-    stats = resharder.run(sources)
-    tp_rank = rank % 2
-    for name, param in targets.items():
-        assert torch.equal(param, local_shard(name, full[name], tp_rank, 2)), name
+    return Resharder(dict(model.named_parameters()), targets, blocks, bucket_bytes=BUCKET_BYTES)
+
+
+def _check_traffic(stats, train, rollout, targets) -> None:
+    planned = reshard_traffic(preset_config("tiny"), train, rollout, element_bytes=4)
     assert stats.buckets >= 2 and 0 < stats.peak_buffer_bytes <= BUCKET_BYTES, stats
-    # the numbers of the pure plan: the largest over ranks, per rank in total
-    planned = reshard_traffic(model.config, train, rollout, element_bytes=4)
     mine = torch.tensor([stats.bytes_received, stats.bytes_sent, stats.bytes_kept])
-    most, least = mine.clone(), mine.clone()
+    most, least, moved = mine.clone(), mine.clone(), mine[1:2].clone()
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
     dist.all_reduce(least, op=dist.ReduceOp.MIN)
-    assert most[:2].tolist() == [planned.received, planned.sent]
-    assert least[2].item() == planned.kept
-    moved = torch.tensor([stats.bytes_sent])
     dist.all_reduce(moved)
-    assert moved.item() == planned.total_moved
-    # no rank holds the whole model: half of every layer, and less than one full gather
-    engine_bytes = sum(p.numel() * 4 for p in targets.values())
-    assert engine_bytes == planned.rollout_shard
+    assert most[:2].tolist() == [planned.received, planned.sent]
+    assert (least[2].item(), moved.item()) == (planned.kept, planned.total_moved)
+    # no rank holds the whole model: half of every layer, less than a full gather moved
+    assert sum(p.numel() * 4 for p in targets.values()) == planned.rollout_shard
     assert stats.bytes_received < planned.gathered
-    # values changed in place (an optimizer step) move on the next run
-    with torch.no_grad():
-        for param in model.parameters():
-            param.to_local().add_(1.0)
-    resharder.run(dict(model.named_parameters()))
-    name = "model.layers.1.mlp.down_proj.weight"
-    assert torch.equal(targets[name], local_shard(name, full[name] + 1.0, tp_rank, 2))
-    # and the engine samples as one process with the whole model does
-    whole = build_model(preset_config("tiny"), seed=3)
-    with torch.no_grad():
-        for param in whole.parameters():
-            param.add_(1.0)
+
+
+def _same_tokens(engine_model, whole) -> None:
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=4, ignore_eos=True)
     options = EngineOptions(kv_block_size=16)
     prompts = [[5, 17, 9], [40, 41, 42, 43]]
@@ -85,6 +76,69 @@ def _reshard_on_ranks(rank: int, world: int) -> None:
     assert [c.token_ids for c in got] == [c.token_ids for c in expected]
 
 
+def _from_fsdp(world: int, train_tp: int) -> None:
+    train, rollout = train_layout(world, tp=train_tp), rollout_layout(world, tp=2)
+    model = build_model(preset_config("tiny"), seed=3)
+    full = {name: p.detach().clone() for name, p in model.named_parameters()}
+    _shard(model, train)
+    engine_model = _engine_model(rollout)
+    resharder = _resharder(model, engine_model, rollout)
+    stats = resharder.run(dict(model.named_parameters()))
+    targets = dict(engine_model.named_parameters())
+    tp_rank = dist.get_rank() % 2
+    for name, param in targets.items():
+        assert torch.equal(param, local_shard(name, full[name], tp_rank, 2)), name
+    _check_traffic(stats, train, rollout, targets)
+    # values changed in place (an optimizer step) move on the next run
+    with torch.no_grad():
+        for param in model.parameters():
+            param.to_local().add_(1.0)
+    resharder.run(dict(model.named_parameters()))
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert torch.equal(targets[name], local_shard(name, full[name] + 1.0, tp_rank, 2))
+    whole = build_model(preset_config("tiny"), seed=3)
+    with torch.no_grad():
+        for param in whole.parameters():
+            param.add_(1.0)
+    _same_tokens(engine_model, whole)
+
+
+def _from_lora() -> None:
+    """An FSDP2-sharded LoRA model: W + scale · B @ A arrives, as learners/lora merges it."""
+    from hybridflow.learners.lora import apply_lora, lora_scalings, merge_lora_stream
+
+    rollout = rollout_layout(2, tp=2)
+    model = build_model(preset_config("tiny"), seed=3)
+    apply_lora(model, rank=4, alpha=8, target_modules=["q_proj", "o_proj", "down_proj"])
+    with torch.no_grad():  # lora_B starts at 0: give the adapters something to merge
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    merged = dict(merge_lora_stream(model.state_dict().items(), lora_scalings(model)))
+    _shard(model, train_layout(2))
+    engine_model = _engine_model(rollout)
+    targets = dict(engine_model.named_parameters())
+    shapes = {name: tuple(t.shape) for name, t in merged.items()}
+    blocks = {name: rollout_blocks(name, shapes[name], rollout)[dist.get_rank()]
+              for name in targets}  # fmt: skip
+    sources, adapters = training_sources(model, targets)
+    assert set(adapters) == {f"model.layers.{i}.{m}.weight" for i in range(2)
+                             for m in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj")}  # fmt: skip
+    Resharder(sources, targets, blocks).run(*training_sources(model, targets))
+    for name, param in targets.items():
+        expected = local_shard(name, merged[name], dist.get_rank(), 2)
+        torch.testing.assert_close(param, expected, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def _reshard_on_ranks(rank: int, world: int) -> None:
+    _from_fsdp(world, train_tp=1)
+    if world == 4:
+        _from_fsdp(world, train_tp=2)
+    else:
+        _from_lora()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_fsdp_shards_reshard_into_a_tensor_parallel_engine(world):
+def test_training_shards_reshard_into_a_tensor_parallel_engine(world):
     run_ranks(_reshard_on_ranks, world)

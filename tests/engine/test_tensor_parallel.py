@@ -111,6 +111,7 @@ def _generate_on_ranks(rank: int, world: int) -> None:
         Engine(tp.model, options=EngineOptions(decode_backend="triton"))
 
 
+@pytest.mark.slow
 def test_two_ranks_draw_the_tokens_of_one_process():
     """Also: the fused triton path refuses a tensor-parallel model (no all-reduce there)."""
     run_ranks(_generate_on_ranks, 2)

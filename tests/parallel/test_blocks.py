@@ -88,3 +88,19 @@ def test_one_sync_of_the_tiny_preset_by_hand():
     assert (traffic.rollout_shard, traffic.kept) == (214784, 181376)
     # gathering whole tensors instead: the other half of all 107,072 parameters = 214,144
     assert traffic.gathered == 214144
+
+
+def test_llama_70b_fsdp_on_8_gpus_into_rollout_tp_8_moves_the_row_parallel_weights():
+    """FSDP2 over 8 GPUs -> rollout TP 8, bf16. q/k/v, gate/up and the vocabulary: FSDP2's
+    row chunk r is TP shard r, kept. o_proj [8192, 8192] and down_proj [8192, 28672]: a GPU
+    holds 1/8 of the rows and needs 1/8 of the columns: it receives 7/64 of each; the norms
+    (whole in the rollout) 7/8. Per layer 7/64 x 8192 x (8192 + 28672) + 2 x 7/8 x 8192 =
+    33,044,480 elements; x 80 layers + 7/8 of the final norm (7,168) = 2,643,565,568
+    elements = 5,287,131,136 bytes (4.92 GiB), against 115 GiB gathering whole tensors."""
+    traffic = reshard_traffic(preset_config("llama3.1-70b"), train_layout(8),
+                              rollout_layout(8, tp=8))  # fmt: skip
+    assert traffic.received == traffic.sent == 5_287_131_136
+    # the same layout in training and rollout (actor TP 8): every block stays where it is
+    same = reshard_traffic(preset_config("llama3.1-70b"), train_layout(8, tp=8),
+                           rollout_layout(8, tp=8))  # fmt: skip
+    assert same.received == 0 and same.kept == same.rollout_shard

@@ -34,7 +34,7 @@ LLAMA70_GRPO = ["model.path=llama3.1-70b", "trainer.backend=local", "trainer.n_g
                 "rollout.gpu_memory_utilization=0.9"]  # fmt: skip
 
 
-def test_a_parallel_layout_is_planned_though_it_cannot_train_yet():
+def test_a_tensor_parallel_layout_is_planned():
     out = []
     cfg = load_config(None, [*LLAMA70_GRPO, "actor.tensor_parallel_size=8",
                              "rollout.tensor_parallel_size=8", "actor.param_offload=true",
@@ -45,9 +45,19 @@ def test_a_parallel_layout_is_planned_though_it_cannot_train_yet():
         "configured: actor tp 8 · sp 1 · ep 1 (data parallel 1), rollout tp 8 (1 replica)" in text
     )
     assert "rollout weights (bf16, tp 8)" in text and "reshard:" in text
-    # hybridflow train refuses what has no code path yet: the rollout's, not the actor's
-    assert "tensor parallelism of the rollout" in text
-    assert "tensor parallelism of the actor" not in text
+    # both layouts have their code path (models/tensor_parallel.py, engine/tensor_parallel.py)
+    assert "not yet supported" not in text
+
+
+def test_the_reshard_line_is_the_block_plans_bytes_for_a_dense_model():
+    """FSDP2 over 8 GPUs into a rollout of TP 8: 4.9 GiB into each GPU a sync (the row-parallel
+    weights and the norms; tests/parallel/test_blocks.py has the arithmetic), not the 14.4 of
+    the shard less its 1/8."""
+    out = []
+    cfg = load_config(None, [*LLAMA70_GRPO, "rollout.tensor_parallel_size=8",
+                             "actor.param_offload=true", "model.gradient_checkpointing=true"])  # fmt: skip
+    assert plan_command(cfg, "140GiB", out=out.append) == 0
+    assert "reshard: 4.9 GiB into each rollout GPU a sync" in "\n".join(out)
 
 
 def test_a_parallel_layout_that_does_not_fit_names_the_recommended_one():

@@ -181,8 +181,8 @@ GROUPS: tuple[Group, ...] = (
     Group(
         "rollout tensor parallelism",
         {
-            ROLLOUT + "tensor_model_parallel_size": "rollout.tensor_parallel_size where the "
-            "engine runs tensor-parallel; until then one engine replica per device",
+            ROLLOUT + "tensor_model_parallel_size": "rollout.tensor_parallel_size (the ranks "
+            "of one engine replica)",
         },
         devices.tensor_parallel,
     ),

@@ -26,6 +26,7 @@ TOY = [
     "critic.micro_batch_size_per_gpu=4",
     "trainer.total_steps=1",
     "trainer.n_gpus_per_node=1",
+    "rollout.tensor_parallel_size=1",  # one device here: one engine on it
     "trainer.device=cpu",
     "trainer.loggers=[jsonl]",
     "trainer.save_freq=-1",

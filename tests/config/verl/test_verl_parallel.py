@@ -53,10 +53,10 @@ def test_a_translated_ulysses_size_trains_in_that_layout():
 def test_a_translated_layout_without_its_code_path_is_refused_by_validate(monkeypatch):
     monkeypatch.setattr(parallel_checks, "SUPPORTED_LAYOUTS", frozenset())
     with pytest.raises(ConfigError) as error:
-        load_and_validate([A + "ulysses_sequence_parallel_size=2", "trainer.n_gpus_per_node=2",
-                           "trainer.device=cpu"])  # fmt: skip
-    assert any(p.startswith("actor.sequence_parallel_size = 2: sequence parallelism (Ulysses) "
-                            "is not yet supported for the actor") for p in error.value.problems)  # fmt: skip
+        load_and_validate([R + "expert_parallel_size=2", "actor_rollout_ref.model.path=tiny-moe",
+                           "trainer.n_gpus_per_node=2", "trainer.device=cpu"])  # fmt: skip
+    assert any(p.startswith("rollout.expert_parallel_size = 2: expert parallelism is not yet "
+                            "supported for the rollout") for p in error.value.problems)  # fmt: skip
 
 
 def load_and_validate(items):
@@ -65,15 +65,14 @@ def load_and_validate(items):
     return validate(load_with_verl_keys(None, items, log=lambda text: None))
 
 
-def test_rollout_tensor_parallel_is_a_notice_until_the_engine_runs_it(monkeypatch):
-    t = translate([R + "tensor_model_parallel_size=2"])
-    assert "rollout.tensor_parallel_size=2" not in t.overrides
-    assert any("one replica per device" in n.why for n in t.notices)
-    monkeypatch.setattr(parallel_checks, "SUPPORTED_LAYOUTS", frozenset({("rollout", "tp")}))
+def test_rollout_tensor_parallel_is_the_engine_replicas_ranks():
     assert (
         "rollout.tensor_parallel_size=2"
         in translate([R + "tensor_model_parallel_size=2"]).overrides
     )
+    derived = load_and_validate([R + "tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2",
+                                 "trainer.device=cpu"])  # fmt: skip
+    assert (derived.layouts.rollout.tp, derived.rollout_dp_size) == (2, 1)
 
 
 def test_global_micro_sizes_divide_by_devices_over_sequence_and_tensor_parallel():

@@ -1,0 +1,116 @@
+"""The rollout worker's side of a tensor-parallel engine (rollout.tensor_parallel_size > 1).
+
+The ranks of a tensor-parallel group run one engine together (engine/tensor_parallel.py):
+
+- **Prompts**: the controller splits a generate batch over every rank as usual; the members
+  of a group exchange their chunks (token ids, a few KB), generate all of them together on
+  the shared engine and each returns the rows of its own chunk. The controller and its
+  dispatch stay unaware of the layout, and a sample's tokens follow its sample_index, so they
+  are the tokens any other layout draws.
+- **Weights**: with a colocated actor, each sync is the 3D-HybridEngine reshard
+  (engine/reshard.py) from the actor's training shards (FSDP2, and tensor parallel when the
+  actor is) straight into this rank's engine shard, over a process group of its own; the
+  plan is made once. With split placement the controller's whole tensors are sliced.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.protocol import Batch
+
+
+def training_sources(model, names) -> tuple[dict, dict]:
+    """(HF name -> the trainer's parameter, HF name -> its LoRA adapter) for the engine's
+    parameter ``names``: a LoRA layer's base weight sits under ``base_layer`` (peft,
+    learners/lora.py) and is merged with its adapter as it moves."""
+    from hybridflow.engine.reshard import Adapter
+    from hybridflow.learners.lora import ADAPTER, lora_scalings
+
+    params = dict(model.named_parameters())
+    scalings = lora_scalings(model)
+    sources, adapters = {}, {}
+    for name in names:
+        module, _, leaf = name.rpartition(".")
+        if module not in scalings:
+            sources[name] = params[name]
+            continue
+        sources[name] = params[f"{module}.base_layer.{leaf}"]
+        if leaf == "weight":
+            adapters[name] = Adapter(params[f"{module}.lora_A.{ADAPTER}.weight"],
+                                     params[f"{module}.lora_B.{ADAPTER}.weight"],
+                                     scalings[module])  # fmt: skip
+    return sources, adapters
+
+
+class TensorParallelRollout:
+    """The group, the engine's model shard and the reshard of one rank.
+
+    Args:
+        architecture: the policy's ModelArchitecture (our decoder's).
+        tensor_parallel_size: rollout.tensor_parallel_size (divides the world).
+        actor: the colocated actor role (None: split placement, weights from the
+            controller), whose ``model`` holds the training parameters.
+    """
+
+    def __init__(self, architecture, tensor_parallel_size: int, dtype: torch.dtype,
+                 device: str, actor=None):  # fmt: skip
+        from hybridflow.engine.tensor_parallel import tensor_parallel_model
+        from hybridflow.parallel.layout import build_mesh, rollout_layout
+
+        world = dist.get_world_size()
+        self.layout = rollout_layout(world, tp=tensor_parallel_size)
+        mesh = build_mesh(self.layout, "cuda" if str(device).startswith("cuda") else "cpu")
+        self.group = mesh.group("tp")
+        self.size, self.rank_in_group = tensor_parallel_size, mesh.rank_in("tp")
+        self.architecture = architecture
+        self.model = tensor_parallel_model(architecture, self.group, dtype, device)
+        self.resharder = None
+        if actor is not None:
+            self.resharder = self._resharder(actor)
+
+    def _resharder(self, actor):
+        from hybridflow.engine.reshard import Resharder
+        from hybridflow.parallel.reshard_plan import parameter_shapes, rollout_blocks
+
+        rank = dist.get_rank()
+        shapes = dict(parameter_shapes(self.architecture))
+        targets = dict(self.model.named_parameters())
+        blocks = {name: rollout_blocks(name, shapes[name], self.layout)[rank] for name in targets}
+        # a group of its own: a sync never queues behind (or between) the actor's collectives
+        reshard_group = dist.new_group(list(range(dist.get_world_size())))
+        sources, _ = training_sources(actor.model, targets)
+        return Resharder(sources, targets, blocks, reshard_group)
+
+    def sync(self, actor):
+        """The actor's current weights (LoRA merged) into the engine shard ->
+        engine/reshard.ReshardStats."""
+        names = dict(self.model.named_parameters())
+        return self.resharder.run(*training_sources(actor.model, names))
+
+    def local_slices(self, named_tensors):
+        """(name, this rank's slice) of whole tensors (split placement's weights)."""
+        from hybridflow.engine.tensor_parallel import local_shard
+
+        for name, tensor in named_tensors:
+            yield name, local_shard(name, tensor, self.rank_in_group, self.size)
+
+    def gather_rows(self, batch: Batch) -> tuple[Batch, int, int]:
+        """The group's chunks of a generate batch, in rank order (every member gets the
+        same rows and meta) -> (rows, this rank's chunk index, chunk rows). A missing seed
+        is drawn once, by the first member, so the members sample alike."""
+        tensors = {key: batch.tensors[key] for key in ("prompts", "attention_mask",
+                                                       "sample_index") if key in batch.tensors}  # fmt: skip
+        meta = dict(batch.meta)
+        if meta.get("seed") is None:
+            meta["seed"] = int(torch.randint(0, 2**62, (1,)).item())
+        chunks: list = [None] * self.size
+        dist.all_gather_object(chunks, (tensors, meta, len(batch)), group=self.group)
+        sizes = {rows for _, _, rows in chunks}
+        if len(sizes) != 1:
+            raise RuntimeError(f"tensor-parallel members got chunks of {sorted(sizes)} rows: "
+                               "the controller must split a generate batch evenly")  # fmt: skip
+        merged = Batch.concat([Batch(dict(t)) for t, _, _ in chunks])
+        merged.meta = dict(chunks[0][1])
+        return merged, self.rank_in_group, len(batch)

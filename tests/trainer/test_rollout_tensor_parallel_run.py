@@ -1,0 +1,69 @@
+"""`hybridflow train` on two CPU processes with verl's layout keys: the actor in Ulysses
+SP = 2 and the rollout tensor-parallel over both processes (one engine, its weights resharded
+from the actor's FSDP2 shards after every update) logs the metrics of plain data parallelism
+on the same two processes, which logs those of one process, step after step (the second
+step samples with the resharded weights of the first update); a data-parallel checkpoint
+resumes in that layout."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from trainer_helpers import TINY
+
+from hybridflow.cli import main
+
+RUN = ["trainer.backend=local", "trainer.n_gpus_per_node=2", "actor.use_kl_loss=true",
+       "trainer.save_freq=0", "data.val_files=[]"]  # fmt: skip
+VERL = "actor_rollout_ref."
+NOT_COMPARED = ("timing_s/", "perf/", "memory/")  # wall-clock and host measurements
+
+
+PLAIN = (VERL + "rollout.tensor_model_parallel_size=1",)
+LAYOUT = (VERL + "actor.ulysses_sequence_parallel_size=2",
+          VERL + "rollout.tensor_model_parallel_size=2")  # fmt: skip
+
+
+def _train(tmp_path, *layout: str) -> dict[int, dict]:
+    run_dir = tmp_path / "run"
+    argv = ["train", *TINY, *RUN, *layout, f"trainer.run_dir={run_dir}",
+            f"trainer.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
+    assert main(argv) == 0
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {row["step"]: row for row in map(json.loads, lines)}
+
+
+def _assert_same(want: dict, got: dict, step: int) -> None:
+    compared = [k for k, v in want.items()
+                if isinstance(v, float) and not k.startswith(NOT_COMPARED)]  # fmt: skip
+    assert {"actor/pg_loss", "actor/grad_norm", "score/mean", "critic/vf_loss",
+            "response_length/mean"} <= set(compared)  # fmt: skip
+    for key in compared:
+        if math.isnan(want[key]):
+            assert math.isnan(got[key]), (step, key)
+        else:
+            assert got[key] == pytest.approx(want[key], rel=1e-3, abs=1e-6), (step, key)
+
+
+@pytest.mark.slow
+def test_ulysses_actor_and_tensor_parallel_rollout_log_the_metrics_of_data_parallel(
+    tmp_path, capsys
+):
+    # all through verl's keys, so verl's defaults apply to every run alike
+    one = _train(tmp_path / "one", *PLAIN, "trainer.backend=inprocess", "trainer.n_gpus_per_node=1")
+    plain = _train(tmp_path / "dp", *PLAIN)
+    layout = _train(tmp_path / "layout", *LAYOUT)
+    assert one.keys() == plain.keys() == layout.keys() == {1, 2}
+    for step, want in plain.items():
+        _assert_same(one[step], want, step)  # the samples follow sample_index, not the rank
+        _assert_same(want, layout[step], step)
+    # resume across the change of layout: step 1 in data parallelism, step 2 in the layout
+    _train(tmp_path / "resumed", *PLAIN, "trainer.total_steps=1", "trainer.save_freq=1")
+    capsys.readouterr()
+    resumed = _train(tmp_path / "resumed", *LAYOUT, "trainer.resume=auto")
+    assert sorted(resumed) == [1, 2]
+    _assert_same(plain[2], resumed[2], 2)
+    out = capsys.readouterr()
+    assert "rollout.tensor_parallel_size: 1 -> 2 (the rollout keeps no state" in out.out + out.err
