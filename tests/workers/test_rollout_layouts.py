@@ -3,7 +3,8 @@ data-parallel engines and one engine tensor-parallel over both processes draw th
 tokens for the trainer's generate request, whether each prompt row carries its n samples or
 the rows repeat the prompts (n=1 per row); and after the same actor update, the reshard
 into the tensor-parallel engine samples what the gathered weights of data parallelism do.
-A tensor-parallel rollout group of its own (split placement) slices the weights it is sent."""
+A rollout group of its own (split placement), 2 tensor-parallel replicas over 4 processes,
+slices the weights it is sent and samples the same tokens again."""
 
 from __future__ import annotations
 
@@ -74,13 +75,13 @@ CASES = [(4, N), (3, 1)]  # 4 prompts with their n samples; 3 prompts as 9 rows 
 
 @pytest.mark.slow
 def test_split_placement_slices_the_weights_the_controller_sends():
-    """A rollout group of its own, tensor-parallel over 2 processes: the checkpoint's and then
-    the updated actor's whole weights are sliced; it samples as the one-process hybrid
+    """A rollout group of its own on 4 processes, 2 replicas of TP = 2: the checkpoint's and
+    then the updated actor's whole weights are sliced; it samples as the one-process hybrid
     engine does with the same weights."""
     one = WorkerGroup(fused_worker(actor=True, rollout=True), config=_config())
-    rollout = WorkerGroup(fused_worker(actor=False, rollout=True), pool=ResourcePool(cpus=2),
-                          backend="local", config=_config(*TWO, "rollout.tensor_parallel_size=2"),
-                          name="rollout")  # fmt: skip
+    four = ["trainer.backend=local", "trainer.n_gpus_per_node=4", "rollout.tensor_parallel_size=2"]
+    rollout = WorkerGroup(fused_worker(actor=False, rollout=True), pool=ResourcePool(cpus=4),
+                          backend="local", config=_config(*four), name="rollout")  # fmt: skip
     try:
         for rows, engine_n in CASES:
             _assert_same(_generate(rollout.rollout, rows, engine_n),
