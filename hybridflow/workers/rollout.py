@@ -98,31 +98,15 @@ class RolloutWorker(Worker):
                 with_tool_template(tokenizer))  # fmt: skip
 
     def _tensor_parallel(self, config: Config, dtype: torch.dtype):
-        """This rank's part of a tensor-parallel engine, with the first weights: resharded
-        from the colocated actor, or sliced from the checkpoint (split placement: read whole
-        on the host once). workers/rollout_tp.py."""
-        from hybridflow.models.llama import CausalLM
+        """This rank's part of a tensor-parallel engine with its first weights: resharded
+        from the colocated actor, or sliced from the checkpoint (workers/rollout_tp.py)."""
         from hybridflow.workers.rollout_tp import TensorParallelRollout
 
         size = config.rollout.tensor_parallel_size
-        actor, whole = self.actor, None
-        model = actor.model if actor is not None else None
-        if model is None:
-            model = whole = load_causal_lm(config.model.path, dtype, "cpu")
-        if not isinstance(model, CausalLM):
-            raise ValueError(
-                f"rollout.tensor_parallel_size={size}: the model at {config.model.path} runs "
-                "on the transformers fallback, which the tensor-parallel engine does not "
-                "split: set rollout.tensor_parallel_size=1"
-            )
-        tensor = TensorParallelRollout(model.config, size, dtype, self.device, actor)
-        if actor is not None:
-            tensor.sync(actor)
-        else:
-            params = dict(tensor.model.named_parameters())
-            for name, piece in tensor.local_slices(whole.named_parameters()):
-                params[name].data.copy_(piece)
-        return tensor
+        if self.actor is not None:
+            return TensorParallelRollout.from_actor(self.actor, size, dtype, self.device,
+                                                    config.model.path)  # fmt: skip
+        return TensorParallelRollout.from_checkpoint(config.model.path, size, dtype, self.device)
 
     def _generate_episodes(self, batch: Batch, params, pad_token_id: int) -> Batch:
         """rollout.agent.loop: n multi-turn episodes per prompt row (its `raw_prompt`

@@ -44,6 +44,19 @@ def training_sources(model, names) -> tuple[dict, dict]:
     return sources, adapters
 
 
+def _fallback_refusal(size: int, path: str, why: str) -> str:
+    return (f"rollout.tensor_parallel_size={size}: the model at {path} runs on the "
+            f"transformers fallback ({why}), which the tensor-parallel engine does not split: "
+            "set rollout.tensor_parallel_size=1")  # fmt: skip
+
+
+def _check_native(model, size: int, path: str) -> None:
+    from hybridflow.models.llama import CausalLM
+
+    if not isinstance(model, CausalLM):
+        raise ValueError(_fallback_refusal(size, path, "not our decoder"))
+
+
 class TensorParallelRollout:
     """The group, the engine's model shard and the reshard of one rank.
 
@@ -69,6 +82,55 @@ class TensorParallelRollout:
         self.resharder = None
         if actor is not None:
             self.resharder = self._resharder(actor)
+
+    @classmethod
+    def from_actor(cls, actor, size: int, dtype: torch.dtype, device: str, path: str):
+        """Its shard of the colocated actor's model, resharded from the actor's shards."""
+        _check_native(actor.model, size, path)
+        tensor = cls(actor.model.config, size, dtype, device, actor)
+        tensor.sync(actor)
+        return tensor
+
+    @classmethod
+    def from_checkpoint(cls, path: str, size: int, dtype: torch.dtype, device: str):
+        """Its shard of the model at ``path`` (split placement): a checkpoint directory is
+        read one tensor at a time, each sliced, so no whole model is ever on the host; a
+        preset is built whole once (its random weights are made whole)."""
+        from hybridflow.models import PRESETS
+        from hybridflow.workers.model_loading import load_causal_lm
+
+        if path in PRESETS:
+            whole = load_causal_lm(path, dtype, "cpu")
+            _check_native(whole, size, path)
+            tensor = cls(whole.config, size, dtype, device)
+            tensor.copy_in(whole.named_parameters())
+            return tensor
+        from hybridflow.models import native_support_problem
+        from hybridflow.models.architecture import ModelArchitecture
+        from hybridflow.models.hf_checkpoint import iter_checkpoint_tensors, read_hf_config
+
+        config = read_hf_config(path)
+        problem = native_support_problem(config)
+        if problem is not None:
+            raise ValueError(_fallback_refusal(size, path, problem))
+        tensor = cls(ModelArchitecture.from_hf(config), size, dtype, device)
+        tensor.copy_in(iter_checkpoint_tensors(path), path)
+        return tensor
+
+    @torch.no_grad()
+    def copy_in(self, named_tensors, path: str | None = None) -> None:
+        """Each whole tensor's slice into the engine shard (a tied lm_head is the embedding;
+        unused extras, like old checkpoints' rotary buffers, are skipped)."""
+        params = dict(self.model.named_parameters())
+        filled = set()
+        for name, piece in self.local_slices(named_tensors):
+            if name in params:
+                params[name].copy_(piece)
+                filled.add(name)
+        missing = sorted(set(params) - filled)
+        if missing:
+            raise ValueError(f"checkpoint {path!r} lacks {len(missing)} tensors, e.g. "
+                             f"{missing[:5]}")  # fmt: skip
 
     def _resharder(self, actor):
         from hybridflow.engine.reshard import Resharder

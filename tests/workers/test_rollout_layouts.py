@@ -74,12 +74,17 @@ CASES = [(4, N), (3, 1)]  # 4 prompts with their n samples; 3 prompts as 9 rows 
 
 
 @pytest.mark.slow
-def test_split_placement_slices_the_weights_the_controller_sends():
-    """A rollout group of its own on 4 processes, 2 replicas of TP = 2: the checkpoint's and
-    then the updated actor's whole weights are sliced; it samples as the one-process hybrid
-    engine does with the same weights."""
-    one = WorkerGroup(fused_worker(actor=True, rollout=True), config=_config())
-    four = ["trainer.backend=local", "trainer.n_gpus_per_node=4", "rollout.tensor_parallel_size=2"]
+def test_split_placement_slices_the_weights_the_controller_sends(tmp_path):
+    """A rollout group of its own on 4 processes, 2 replicas of TP = 2: the checkpoint
+    directory's tensors (read one at a time) and then the updated actor's whole weights are
+    sliced; it samples as the one-process hybrid engine does with the same weights."""
+    from hybridflow.models import load_model
+
+    load_model("tiny").save_pretrained(str(tmp_path / "model"))
+    path = f"model.path={tmp_path / 'model'}"
+    one = WorkerGroup(fused_worker(actor=True, rollout=True), config=_config(path))
+    four = ["trainer.backend=local", "trainer.n_gpus_per_node=4", "rollout.tensor_parallel_size=2",
+            path]  # fmt: skip
     rollout = WorkerGroup(fused_worker(actor=False, rollout=True), pool=ResourcePool(cpus=4),
                           backend="local", config=_config(*four), name="rollout")  # fmt: skip
     try:
