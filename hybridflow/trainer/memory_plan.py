@@ -12,6 +12,10 @@ What is modelled is what the code does today:
   data-parallel ranks by FSDP2, on the host with ``param_offload`` (FSDP2 only: on one GPU
   ``param_offload`` does nothing, ``learners/core.TrainCore``) or with ``optimizer_offload``
   (one GPU only; the GPU then holds the trained weights in bf16).
+- **LoRA adapters** come on top of the frozen base, in fp32 whatever the base's dtype
+  (``learners/lora.apply_lora``): small for a dense model, 2.6 B parameters (9.6 GiB) at rank
+  64 on every expert of Qwen3-30B-A3B. With ``optimizer_offload`` their fp32 masters and
+  AdamW state are on the host and the GPU holds bf16 copies.
 - **Compute copy**: with fp32 masters the forward runs in bf16, and a bf16 copy of every
   weight lives through a micro-batch's forward and backward: autocast caches its casts and
   autograd keeps them for the backward (one GPU); FSDP2 keeps each unit gathered for the
@@ -168,23 +172,30 @@ def host_step_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
     the GPU, their masters and AdamW state on the host, gradients freed bucket by bucket as
     the host takes them; frozen weights (LoRA's base) stay in the training dtype."""
     total, trainable = a.num_parameters(), trainable_parameters(a, o)
-    on_gpu = trainable * o.compute_bytes + (total - trainable) * o.master_bytes
-    master = dtype_name(o.master_bytes)
-    items = [
-        MemoryItem(f"actor weights ({dtype_name(o.compute_bytes)}, masters on the host)", on_gpu,
-                   ALWAYS),
-        MemoryItem(f"actor master weights ({master})", 0, (),
-                   host_bytes=trainable * o.master_bytes),
-    ]  # fmt: skip
+    # the host's masters are the trained tensors in their own dtype: LoRA adapters are fp32
+    master_bytes = o.trained_state_bytes
+    master = dtype_name(master_bytes)
+    if o.lora_rank > 0:  # the frozen base stays in the training dtype; adapters come on top
+        items = [
+            MemoryItem(f"actor base weights ({dtype_name(o.master_bytes)}, frozen)",
+                       total * o.master_bytes, ALWAYS),
+            MemoryItem(f"actor LoRA adapters ({dtype_name(o.compute_bytes)}, masters on the "
+                       "host)", trainable * o.compute_bytes, ALWAYS),
+        ]  # fmt: skip
+    else:
+        items = [MemoryItem(f"actor weights ({dtype_name(o.compute_bytes)}, masters on the host)",
+                            total * o.compute_bytes, ALWAYS)]  # fmt: skip
+    items.append(MemoryItem(f"actor master weights ({master})", 0, (),
+                            host_bytes=trainable * master_bytes))  # fmt: skip
     if o.lora_rank > 0 and o.mixed_precision:  # autocast still casts the fp32 base
         items.append(compute_copy_item(a, o))
     items += [
         MemoryItem(f"actor gradients ({dtype_name(o.compute_bytes)})", trainable * o.compute_bytes,
                    (UPDATE, STEP), note="freed bucket by bucket in the step"),
         MemoryItem(f"optimizer state (AdamW, {master})", 0, (),
-                   host_bytes=trainable * 2 * o.master_bytes, note="steps on the host"),
+                   host_bytes=trainable * 2 * master_bytes, note="steps on the host"),
         MemoryItem(f"host step buffers (2 pinned {dtype_name(o.compute_bytes)} + {master} gradients)",
-                   0, (), host_bytes=host_step_bucket(a, o) * (2 * o.compute_bytes + o.master_bytes)),
+                   0, (), host_bytes=host_step_bucket(a, o) * (2 * o.compute_bytes + master_bytes)),
     ]  # fmt: skip
     return items
 
@@ -200,13 +211,18 @@ def device_step_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
                    ALWAYS, host_bytes=master * ranks if on_host else 0,
                    note=f"sharded over {ranks} GPUs" if o.sharded else ""),
     ]  # fmt: skip
+    state_bytes = o.trained_state_bytes  # LoRA's fp32 adapters, else the masters' dtype
+    lora = trainable if o.lora_rank > 0 else 0  # adapters beside the base, not part of it
+    if lora:  # 2.6 B parameters at rank 64 on every expert of Qwen3-30B-A3B: 9.6 GiB in fp32
+        items.append(MemoryItem(f"actor LoRA adapters ({dtype_name(state_bytes)})",
+                                lora * state_bytes // ranks, ALWAYS,
+                                note=f"sharded over {ranks} GPUs" if o.sharded else ""))  # fmt: skip
     if o.sharded:  # FSDP2 keeps every unit gathered for the mini-batch
         gathered_bytes = o.compute_bytes if o.mixed_precision else o.master_bytes
         items.append(MemoryItem(f"actor gathered weights ({dtype_name(gathered_bytes)})",
-                                total * gathered_bytes, (UPDATE,)))  # fmt: skip
+                                (total + lora) * gathered_bytes, (UPDATE,)))  # fmt: skip
     elif o.mixed_precision:  # autocast's casts, kept for the backward; the lm_head cast
         items.append(compute_copy_item(a, o))
-    state_bytes = o.trained_state_bytes  # LoRA's fp32 adapters, else the masters' dtype
     gradients, state_dtype = trainable * state_bytes // ranks, dtype_name(state_bytes)
     accumulating = o.sharded and o.micro_batches > 1
     # Accumulating FSDP2 gradients stay unsharded (fp32) until the last micro-batch's

@@ -306,6 +306,35 @@ def test_mixture_of_experts_counts_every_expert_stored_and_the_top_k_active():
     assert bucket == 128 * 1536 * 2048
 
 
+def test_lora_adapters_are_counted_beside_the_frozen_base():
+    # Qwen3-30B-A3B, rank 64 on attention and every expert: per layer q, o 64·(2048 + 4096)
+    # and k, v 64·(2048 + 512) = 1,114,112; per expert 64·((2048 + 2·768) + (768 + 2048)) =
+    # 409,600, 128 of them; 48 layers -> 2,569,928,704 adapter parameters, fp32 (apply_lora)
+    moe = PRESETS["qwen3-30b-a3b"]
+    trainable = 48 * (1_114_112 + 128 * 409_600)
+    assert mp.lora_parameters(moe, 64, mp.LORA_TARGET_SHAPES) == trainable
+    base = moe.num_parameters()
+    on_gpu = items(mp.build_plan("m", moe, PlanOptions(lora_rank=64, master_bytes=2)))
+    assert on_gpu["actor weights (bf16 weights)"].gpu_bytes == 2 * base
+    assert on_gpu["actor LoRA adapters (fp32)"].gpu_bytes == 4 * trainable  # 9.6 GiB
+    assert on_gpu["actor gradients (fp32)"].gpu_bytes == 4 * trainable
+    assert on_gpu["optimizer state (AdamW, fp32)"].gpu_bytes == 8 * trainable
+    # AdamW on the host: the GPU keeps the bf16 base and bf16 copies of the adapters; the
+    # host holds the adapters' fp32 masters and moments (learners/host_optimizer takes each
+    # trained tensor's master in its own dtype: fp32 adapters beside a bf16 base)
+    options = PlanOptions(lora_rank=64, master_bytes=2, optimizer_offload=True)
+    host = items(mp.build_plan("m", moe, options))
+    assert host["actor base weights (bf16, frozen)"].gpu_bytes == 2 * base
+    assert host["actor LoRA adapters (bf16, masters on the host)"].gpu_bytes == 2 * trainable
+    assert host["actor gradients (bf16)"].gpu_bytes == 2 * trainable
+    assert host["actor master weights (fp32)"].host_bytes == 4 * trainable
+    assert host["optimizer state (AdamW, fp32)"].host_bytes == 8 * trainable
+    # two pinned bf16 buffers and an fp32 gradient buffer of one 64 M-parameter bucket (the
+    # largest adapter tensor, a layer's gate_up_B [128, 1536, 64], is smaller)
+    buffers = host["host step buffers (2 pinned bf16 + fp32 gradients)"]
+    assert buffers.host_bytes == mp.OFFLOAD_BUCKET_ELEMENTS * (2 + 2 + 4)
+
+
 def test_lora_count_of_a_mixture_of_experts_matches_the_adapters():
     pytest.importorskip("peft")
     from hybridflow.learners.lora import apply_lora
