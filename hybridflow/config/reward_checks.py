@@ -93,10 +93,26 @@ def reward_part_problems(cfg: Any) -> list[str]:
                             f"bfloat16, float32 or float16")  # fmt: skip
         if reward.model.micro_batch_size_per_gpu < 1:
             problems.append("reward.model.micro_batch_size_per_gpu must be >= 1")
-        if cfg.trainer.mode == "async":
-            problems.append("reward.model with trainer.mode = async: the reward model shares the "
-                            "training devices, which the update holds while the next batch is "
-                            "scored: use trainer.mode=sync")  # fmt: skip
+    problems += reward_pool_problems(cfg)
     if judge:
         problems += judge_problems(reward.judge)
     return problems
+
+
+def reward_pool_problems(cfg: Any) -> list[str]:
+    """reward.model.n_gpus_per_node: a pool of devices of its own needs a reward model and a
+    backend that starts one process per device."""
+    devices, t = cfg.reward.model.n_gpus_per_node, cfg.trainer
+    if not isinstance(devices, int) or devices < 0:
+        return [f"reward.model.n_gpus_per_node = {devices!r} must be an integer >= 0 (0: the "
+                f"reward model shares the training devices)"]  # fmt: skip
+    if devices == 0:
+        return []
+    if cfg.reward.model.path is None:
+        return [f"reward.model.n_gpus_per_node = {devices} gives devices to a reward model, but "
+                f"reward.model.path is not set: set it, or reward.model.n_gpus_per_node=0"]  # fmt: skip
+    if t.backend == "inprocess":
+        return [f"reward.model.n_gpus_per_node = {devices} puts the reward model on devices of "
+                f"its own, but trainer.backend = inprocess runs on one device: set "
+                f"trainer.backend=local (one node) or ray"]  # fmt: skip
+    return []

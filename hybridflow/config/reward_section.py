@@ -26,6 +26,12 @@ class RewardModelOptions:
     memory goes to the other roles meanwhile; the memory plan counts it either way)."""
     dtype: str = "auto"
     """bfloat16 | float32 | float16 | auto (bf16 on a GPU, fp32 on the CPU)."""
+    n_gpus_per_node: int = 0
+    """Devices of the reward model's own pool, beside the trainer's, as verl's
+    ``reward_model.n_gpus_per_node`` with ``enable_resource_pool``: the run then uses
+    trainer.n_gpus_per_node + this devices of the node (the local backend puts the reward
+    model on the last ones), and scoring runs beside the training passes. 0: the reward
+    model shares the training devices (colocated)."""
 
 
 @dataclass

@@ -92,6 +92,15 @@ def validate(cfg: Config, *, gpus_available: int | None = None, planning: bool =
             f"trainer.n_gpus_per_node = {t.n_gpus_per_node} but this node has {gpus_available} GPU(s): "
             f"set trainer.n_gpus_per_node <= {gpus_available}"
         )
+    reward_pool = cfg.reward.model.n_gpus_per_node
+    if (gpus_available is not None and t.device != "cpu" and isinstance(reward_pool, int)
+            and reward_pool > 0 and t.n_gpus_per_node <= gpus_available
+            and t.n_gpus_per_node + reward_pool > gpus_available > 0):  # fmt: skip
+        add(
+            f"trainer.n_gpus_per_node + reward.model.n_gpus_per_node = {t.n_gpus_per_node} + "
+            f"{reward_pool} GPUs, but this node has {gpus_available}: give the reward model "
+            f"fewer devices of its own, or share the training ones (reward.model.n_gpus_per_node=0)"
+        )
     if t.device not in ("auto", "cpu", "cuda"):
         add(f"trainer.device = {t.device!r} is unknown: use auto, cpu or cuda")
     unknown_loggers = [name for name in t.loggers if name not in LOGGER_NAMES]

@@ -99,17 +99,21 @@ def plan_options(cfg: Config, derived: Derived, gpu_bytes: int | None) -> PlanOp
 
 
 def reward_model_options(cfg: Config) -> dict[str, object]:
-    """The reward model's PlanOptions fields: its size from the safetensors headers."""
-    rm = cfg.reward.model
-    if rm.path is None:
+    """The reward model's PlanOptions fields: its size from the safetensors headers; nothing
+    when it is on devices of its own (reward.model.n_gpus_per_node)."""
+    rm, t = cfg.reward.model, cfg.trainer
+    if rm.path is None or rm.n_gpus_per_node:
         return {}
     from hybridflow.config.reward_checks import stored_parameter_count
 
     rollout_bytes = DTYPE_BYTES.get(rm.dtype, (4, 2))[1]
+    # partial rollouts decode on the service's thread while the reward model scores: its
+    # weights share the GPU with the held KV cache, so offloading frees nothing the plan uses
+    decoding_meanwhile = t.mode == "async" and t.partial_rollout
     return {
         "reward_model_parameters": stored_parameter_count(rm.path) or 0,
         "reward_model_bytes": rollout_bytes,  # auto: bf16 on a GPU, as the reference
-        "reward_model_offload": rm.param_offload,
+        "reward_model_offload": rm.param_offload and not decoding_meanwhile,
     }
 
 

@@ -38,7 +38,7 @@ from hybridflow.trainer.stages import (
     RunContext,
     balance_ranks,
     collect_rollouts,
-    host_only_reward,
+    reward_beside_training,
     rewards_and_advantages,
     score,
     stage_scope,
@@ -58,7 +58,7 @@ def train_step(run: RunContext, rollout: tuple | None = None,
     timer, metrics = Timer(on_stage=lambda stage: stage_scope(run, stage)), {}
     with timer("step"):
         passes = forward_passes(run)
-        beside = bool(passes) and host_only_reward(run)  # a reward model needs its group
+        beside = bool(passes) and reward_beside_training(run)
         if rollout is None:  # unscored when a pass can run beside the reward
             batch, rollout_metrics = collect_rollouts(run, timer, scored=not beside)
         else:

@@ -5,6 +5,9 @@
   after each update when the actor is sharded.
 - ``split``: the rollout gets ``trainer.rollout_gpus`` devices of its own; the actor (+ ref,
   + critic) the rest. After each update the actor's full weights go to the rollout group.
+
+The reward model (reward.model.path) joins the training group, or, with
+``reward.model.n_gpus_per_node`` > 0, gets a group on devices of its own after the trainer's.
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ class Roles:
     """Ranks of the rollout group (a generate batch is split over them)."""
     groups: list[GroupHandle] = field(default_factory=list)
     reward_model: RewardModelHandle | None = None
-    """The reward model (reward.model.path), on the training devices."""
+    """The reward model (reward.model.path): on the training devices, or a group of its own."""
+    reward_model_apart: bool = False
+    """The reward model is on devices of its own: scoring may run beside training passes."""
     profilers: list[ProfilerHandle] = field(default_factory=list)
     """Each group's ``profiler`` role, when the run profiles steps (trainer/profiling.py)."""
 
@@ -69,19 +74,52 @@ def _pool(device: str, per_node: list[int], first_device: int = 0):
 
 def build_roles(cfg: Config, derived: Derived) -> Roles:
     """Start the worker groups of this run (models are loaded inside the workers)."""
+    roles = _training_roles(cfg, derived)
+    if cfg.reward.model.path is None or cfg.reward.model.n_gpus_per_node == 0:
+        return roles
+    try:
+        group = _reward_model_group(cfg)
+    except BaseException:
+        roles.shutdown()
+        raise
+    roles.groups.append(group)
+    roles.reward_model, roles.reward_model_apart = group.reward_model, True
+    if cfg.trainer.profile.steps:
+        roles.profilers.append(group.profiler)
+    return roles
+
+
+def _group_options(cfg: Config) -> dict:
+    t = cfg.trainer
+    return dict(backend=t.backend, call_timeout_s=t.call_timeout_s,
+                rendezvous_host=t.rendezvous_host, config=cfg)  # fmt: skip
+
+
+def _reward_model_group(cfg: Config):
+    """The reward model alone on reward.model.n_gpus_per_node devices after the trainer's
+    (validate() checked the backend and the device count)."""
+    from hybridflow.controller import WorkerGroup
+    from hybridflow.workers import fused_worker
+
+    t = cfg.trainer
+    cls = fused_worker(actor=False, rollout=False, reward_model=True,
+                       profiler=bool(t.profile.steps))  # fmt: skip
+    pool = _pool(resolve_device(t.device), [cfg.reward.model.n_gpus_per_node],
+                 first_device=t.n_gpus_per_node)  # fmt: skip
+    return WorkerGroup(cls, pool, name="reward_model", **_group_options(cfg))
+
+
+def _training_roles(cfg: Config, derived: Derived) -> Roles:
+    """The actor, rollout, ref and critic groups (and the reward model when it shares the
+    training devices)."""
     from hybridflow.controller import WorkerGroup
     from hybridflow.workers import fused_worker
 
     t = cfg.trainer
     device = resolve_device(t.device)
-    options = dict(
-        backend=t.backend,
-        call_timeout_s=t.call_timeout_s,
-        rendezvous_host=t.rendezvous_host,
-        config=cfg,
-    )
+    options = _group_options(cfg)
     with_ref, with_critic = derived.use_reference, derived.use_critic
-    with_rm = cfg.reward.model.path is not None
+    with_rm = cfg.reward.model.path is not None and cfg.reward.model.n_gpus_per_node == 0
     profiler = bool(t.profile.steps)
     if t.placement == "colocate":
         cls = fused_worker(actor=True, rollout=True, ref=with_ref, critic=with_critic,

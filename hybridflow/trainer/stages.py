@@ -217,12 +217,14 @@ def score(run: RunContext, batch: Batch, step: int | None = None) -> tuple[Batch
     return batch, metrics
 
 
-def host_only_reward(run: RunContext) -> bool:
-    """Whether scoring is host work only (no reward model on a worker group), so that it may
-    run beside a forward pass on the training group."""
+def reward_beside_training(run: RunContext) -> bool:
+    """Whether scoring leaves the training group free, so that it may run beside a forward
+    pass there: the rule reward is host work, and a reward model on devices of its own
+    (reward.model.n_gpus_per_node) is another group."""
     from hybridflow.rewards.combine import used_parts
 
-    return used_parts(run.reward_weights) <= {"rule"}
+    apart = {"model"} if run.roles.reward_model_apart else set()
+    return used_parts(run.reward_weights) <= {"rule", *apart}
 
 
 def step_seed(run: RunContext, round_index: int = 0, salt: int = 0,

@@ -28,3 +28,21 @@ def test_the_reward_model_weights_are_on_each_training_gpu_or_on_the_host(tmp_pa
     (offloaded,) = [i for i in _plan(directory, "reward.model.param_offload=true").items
                     if i.name.startswith("reward model")]  # fmt: skip
     assert offloaded.gpu_bytes == 0 and offloaded.host_bytes == parameters * 2
+
+
+def _reward_items(directory, *overrides):
+    return [i for i in _plan(directory, *overrides).items if i.name.startswith("reward model")]
+
+
+def test_a_reward_model_on_devices_of_its_own_is_not_on_the_training_gpus(tmp_path):
+    directory = write_reward_model(tmp_path / "rm")
+    assert _reward_items(directory, "trainer.backend=local", "reward.model.n_gpus_per_node=1") == []
+
+
+def test_offloading_frees_nothing_while_partial_rollouts_decode(tmp_path):
+    # the service's thread decodes with the KV cache held while the reward model scores
+    directory = write_reward_model(tmp_path / "rm")
+    partial = ("reward.model.param_offload=true", "trainer.mode=async",
+               "trainer.partial_rollout=true")  # fmt: skip
+    (item,) = _reward_items(directory, *partial)
+    assert item.gpu_bytes > 0 and item.host_bytes == 0

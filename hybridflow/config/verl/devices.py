@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from hybridflow.config.verl.converters import as_bool
 from hybridflow.config.verl.rules import Context, GroupResult, Row
 from hybridflow.config.verl.table import ROLLOUT
 
@@ -23,7 +24,10 @@ def backend(ctx: Context, given_ours: Mapping) -> Row | None:
     if "trainer.backend" in given_ours or ctx.ours.get("trainer.backend") != "inprocess":
         return None
     nodes, world = ctx.count("trainer.nnodes"), ctx.world_size()
-    if world == 1:
+    reward_pool = "reward_model.enable_resource_pool"  # the reward model's own devices
+    if world == 1 and not (as_bool(ctx.verl.get(reward_pool, False))
+                           and as_bool(ctx.verl.get("reward_model.enable", False))):  # fmt: skip
         return None
     src = tuple(k for k in ("trainer.nnodes", "trainer.n_gpus_per_node") if k in given_ours)
+    src = src if world > 1 else (reward_pool,)
     return Row(src, "trainer.backend", "ray" if nodes > 1 else "local")

@@ -443,9 +443,30 @@ def reward_model(given: Mapping, ctx: Context) -> GroupResult:
                   f"{RM}strategy={strategy}")  # fmt: skip
     elif strategy is not None:
         res.notices.append(Notice(RM + "strategy", "the reward model runs in hybridflow's "
-                                  "runtime on the training devices"))  # fmt: skip
+                                  "runtime, a full copy on each of its devices"))  # fmt: skip
+    reward_model_pool(given, res)
     if given.get(RM + "model.input_tokenizer") is not None:
         res.notices.append(Notice(RM + "model.input_tokenizer", "the conversation is rendered "
                                   "again with the reward model's tokenizer whenever it differs "
                                   "from the policy's"))  # fmt: skip
     return res
+
+
+def reward_model_pool(given: Mapping, res: GroupResult) -> None:
+    """``reward_model.enable_resource_pool``: the reward model on ``n_gpus_per_node`` devices
+    of its own beside the trainer's (one node) -> reward.model.n_gpus_per_node."""
+    keys = [RM + k for k in ("enable_resource_pool", "n_gpus_per_node", "nnodes")]
+    if not as_bool(given.get(keys[0], False)):
+        res.notices += [Notice(k, f"applies only with {keys[0]}=True") for k in keys[1:]
+                        if k in given]  # fmt: skip
+        return
+    devices, nodes = int(as_number(given.get(keys[1], 0))), int(as_number(given.get(keys[2], 1)))
+    if devices < 1 or nodes < 1:
+        res.problems.append(f"{keys[0]}=True needs {keys[1]} >= 1 and {keys[2]} >= 1 (the "
+                            f"reward model's own devices), got {devices} and {nodes}")  # fmt: skip
+    elif nodes > 1:
+        res.lacks("a reward model on devices of its own over several nodes",
+                  f"{keys[2]}={nodes}")  # fmt: skip
+    else:
+        res.rows.append(Row(tuple(k for k in keys if k in given),
+                            "reward.model.n_gpus_per_node", devices))  # fmt: skip

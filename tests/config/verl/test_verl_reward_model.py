@@ -31,3 +31,26 @@ def test_a_megatron_reward_model_is_named_as_missing():
     with pytest.raises(ConfigError, match="megatron"):
         _load(["reward_model.enable=True", "reward_model.model.path=/m",
                "reward_model.strategy=megatron"])  # fmt: skip
+
+
+def test_a_resource_pool_gives_the_reward_model_devices_of_its_own():
+    cfg = _load(["reward_model.enable=True", "reward_model.model.path=/m",
+                 "reward_model.enable_resource_pool=True", "reward_model.n_gpus_per_node=2",
+                 "reward_model.nnodes=1", "trainer.n_gpus_per_node=1"])  # fmt: skip
+    assert cfg.reward.model.n_gpus_per_node == 2
+    assert cfg.trainer.backend == "local"  # one training device, but two processes or more
+
+
+def test_a_pool_without_devices_or_over_nodes_stops():
+    base = ["reward_model.enable=True", "reward_model.model.path=/m",
+            "reward_model.enable_resource_pool=True"]  # fmt: skip
+    with pytest.raises(ConfigError, match="needs reward_model.n_gpus_per_node >= 1"):
+        _load([*base, "reward_model.n_gpus_per_node=0"])
+    with pytest.raises(ConfigError, match="several nodes"):
+        _load([*base, "reward_model.n_gpus_per_node=1", "reward_model.nnodes=2"])
+
+
+def test_pool_sizes_without_the_pool_leave_the_reward_model_colocated():
+    cfg = _load(["reward_model.enable=True", "reward_model.model.path=/m",
+                 "reward_model.n_gpus_per_node=2"])  # fmt: skip
+    assert cfg.reward.model.n_gpus_per_node == 0 and cfg.trainer.backend == "inprocess"
