@@ -101,6 +101,11 @@ class ModelConfig:
     CUDA, off on the CPU (a CPU compile takes minutes for little gain). The first step
     compiles; the artifacts are cached under trainer.cache_dir/torch-compile, so a later run
     of the same model reuses them. The run's log and config.yaml say the decision."""
+    fused_logprob_head: bool = True
+    """Log-probs and entropy of the actor's and reference's passes through the fused head
+    (models/fused_head.py: lm_head matmul, log-softmax, target and entropy in tiles of tokens
+    x vocabulary, no logits block wider than 8,192 entries); false: the token-chunked head
+    (one [4096, vocabulary] logits block at a time). Both give the same values."""
     lora_rank: int = 0
     """LoRA rank; 0 trains all weights."""
     lora_alpha: int = 16

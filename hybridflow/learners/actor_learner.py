@@ -130,6 +130,7 @@ class ActorLearner:
             model,
             replay_routes=replay,
             sequence_group=sequence_group_of(mesh),
+            fused_head=model_cfg is None or model_cfg.fused_logprob_head,
         )
         self.core = TrainCore(
             self.policy,

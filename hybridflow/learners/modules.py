@@ -33,18 +33,21 @@ class PolicyModel(nn.Module):
     replay_routes: a mixture of experts routes each token to the experts in
     ``packed.routed_experts`` when it has them (actor.router_replay=rollout).
     sequence_group: Ulysses sequence parallelism over this group (learners/sequence_shard.py);
-    every rank of it gets the same packed rows and returns the same outputs."""
+    every rank of it gets the same packed rows and returns the same outputs.
+    fused_head: the fused log-prob head (model.fused_logprob_head, models/fused_head.py)."""
 
     def __init__(
         self,
         causal_lm: nn.Module,
         replay_routes: bool = False,
         sequence_group: dist.ProcessGroup | None = None,
+        fused_head: bool = True,
     ):
         super().__init__()
         self.lm = causal_lm
         self.replay_routes = replay_routes
         self.sequence_group = sequence_group
+        self.fused_head = fused_head
 
     def forward(
         self,
@@ -64,8 +67,9 @@ class PolicyModel(nn.Module):
         targets = (
             packed.targets if outputs is None else packed.targets[outputs.start : outputs.stop]
         )
+        hidden, weight = lm_head_operands(self.lm.lm_head, hidden)
         logprobs, entropy = head_logprobs(
-            hidden, self.lm.lm_head.weight, targets, temperature, with_entropy
+            hidden, weight, targets, temperature, with_entropy, fused=self.fused_head
         )
         if outputs is None:
             return logprobs, entropy
@@ -78,9 +82,11 @@ def head_logprobs(
     targets: torch.Tensor,
     temperature: float,
     with_entropy: bool,
+    fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of ``targets`` from hidden states [m, H] and the lm_head
-    weight: whole, or split by vocabulary over a tensor-parallel group."""
+    weight: whole (fused: models/fused_head.py), or split by vocabulary over a
+    tensor-parallel group."""
     shard = vocab_shard(weight)
     if shard is not None:
         rows, group, vocab_start = shard
@@ -93,8 +99,30 @@ def head_logprobs(
         # outside autocast, so hand it one dtype; the cast is differentiable.
         weight = weight.to(hidden.dtype)
     return logprobs_from_hidden(
-        hidden, weight, targets, temperature=temperature, with_entropy=with_entropy
+        hidden, weight, targets, temperature=temperature, with_entropy=with_entropy, fused=fused
     )
+
+
+def lm_head_operands(lm_head: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden [m, H'], weight [V, H']) whose product is the lm_head's logits.
+
+    A plain head: (hidden, weight). A head with an active LoRA adapter (peft's, "lm_head" in
+    model.lora_target_modules): logits = h W^T + s (dropout(h) A^T) B^T = [h, s dropout(h)
+    A^T] @ [W, B]^T, so the head stays one matmul (the log-prob head never forms logits) and
+    the gradients reach A and B through the concatenation."""
+    adapters = getattr(lm_head, "lora_A", None)
+    active = [
+        name for name in getattr(lm_head, "active_adapters", []) if adapters and name in adapters
+    ]
+    if not active or lm_head.disable_adapters or lm_head.merged:
+        return hidden, lm_head.weight
+    hiddens, weights = [hidden], [lm_head.weight]
+    for name in active:
+        a, b = lm_head.lora_A[name].weight, lm_head.lora_B[name].weight  # [r, H], [V, r]
+        x = lm_head.lora_dropout[name](hidden.to(a.dtype))
+        hiddens.append((x @ a.T * lm_head.scaling[name]).to(hidden.dtype))  # [m, r]
+        weights.append(b.to(lm_head.weight.dtype))
+    return torch.cat(hiddens, -1), torch.cat(weights, -1)
 
 
 def packed_hidden(

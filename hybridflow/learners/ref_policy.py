@@ -36,6 +36,7 @@ class RefPolicy:
         ref_cfg: the ``ref`` config section (micro-batching, parameter offload).
         device, dp_group, mesh, fsdp: as for :class:`~hybridflow.learners.actor_learner.ActorLearner`.
         compile: ``torch.compile`` each decoder layer (``model.compile`` resolved to true).
+        fused_head: the fused log-prob head (``model.fused_logprob_head``).
     Use :meth:`from_actor` for the LoRA form.
     """
 
@@ -49,12 +50,15 @@ class RefPolicy:
         mesh: RoleMesh | None = None,
         fsdp: bool | None = None,
         compile: bool = False,
+        fused_head: bool = True,
     ):
         model.requires_grad_(False)
         if compile:  # model.compile: the same fused layers as the actor's forward passes
             compile_layers(model)
         self.cfg = ref_cfg
-        self.policy = PolicyModel(model, sequence_group=sequence_group_of(mesh))
+        self.policy = PolicyModel(
+            model, sequence_group=sequence_group_of(mesh), fused_head=fused_head
+        )
         self.core = TrainCore(
             self.policy,
             device=device,

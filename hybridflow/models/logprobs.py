@@ -16,6 +16,8 @@ import os
 
 import torch
 
+from hybridflow.models.fused_head import fused_logprobs
+
 
 def logprobs_from_hidden(
     hidden: torch.Tensor,
@@ -25,10 +27,14 @@ def logprobs_from_hidden(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_size: int = 4096,
+    fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hidden [N, H], lm_head_weight [V, H], targets [N] -> (logprobs [N] fp32, entropy [N] fp32
     or None). Differentiable w.r.t. hidden and lm_head_weight (gradients equal the naive
-    log_softmax computation up to float rounding)."""
+    log_softmax computation up to float rounding).
+
+    fused: tiles over tokens and vocabulary, no [chunk_size, V] logits block
+    (models/fused_head.py); off: the token-chunked path below (one [chunk_size, V] block)."""
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(
             f"expected hidden [N, H] and targets [N], got {tuple(hidden.shape)} and "
@@ -36,6 +42,12 @@ def logprobs_from_hidden(
         )
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if fused:
+        logprobs, entropy = fused_logprobs(
+            hidden, lm_head_weight, targets, temperature=temperature, with_entropy=with_entropy,
+            kernels=_use_kernels(hidden), token_chunk=chunk_size,
+        )  # fmt: skip
+        return logprobs, (entropy if with_entropy else None)
     logprobs, entropy = _ChunkedLogprobs.apply(
         hidden, lm_head_weight, targets, float(temperature), bool(with_entropy), int(chunk_size),
         _use_kernels(hidden),

@@ -148,7 +148,8 @@ class RefWorker(Worker):
                              reuse=actor.learner.core.groups.mesh if actor is not None else None)  # fmt: skip
         # model.compile's "auto" is resolved at run start (trainer/compile_policy.py)
         self.policy = RefPolicy(model, config.ref, device=self.device, mesh=mesh,
-                                compile=config.model.compile is True)  # fmt: skip
+                                compile=config.model.compile is True,
+                                fused_head=config.model.fused_logprob_head)  # fmt: skip
 
     @register(dispatch=Dispatch.DP_SPLIT)
     def compute_ref_logprobs(self, batch: Batch) -> Batch:

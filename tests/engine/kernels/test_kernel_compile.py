@@ -33,7 +33,7 @@ from hybridflow.engine.kernels import (
 )
 from hybridflow.engine.layers import chain as chain_mod  # noqa: E402
 from hybridflow.engine.layers import matmul_choice
-from hybridflow.models import logprob_kernels  # noqa: E402
+from hybridflow.models import fused_head_kernels, logprob_kernels  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 INT64_POINTERS = {
@@ -329,6 +329,22 @@ def test_logprob_kernels_compile(with_entropy):
     constexprs = dict(WITH_ENTROPY=with_entropy, BLOCK=logprob_kernels.BLOCK_V)
     _compile(logprob_kernels._stats_kernel, constexprs, warps=8)
     _compile(logprob_kernels._grad_kernel, constexprs, warps=8)
+
+
+@pytest.mark.parametrize("with_entropy", [True, False])
+@pytest.mark.parametrize("activation", ["bf16", "fp16"])
+def test_fused_head_kernels_compile_to_wgmma(with_entropy, activation):
+    """The fused log-prob head's tiles compile with wgmma (its matmul runs on the tensor
+    cores) and no atomics (the results do not depend on program order)."""
+    k = fused_head_kernels
+    constexprs = dict(WITH_ENTROPY=with_entropy, BLOCK_T=k.BLOCK_T, BLOCK_V=k.BLOCK_V,
+                      BLOCK_K=k.BLOCK_K)  # fmt: skip
+    partials = {"part_t_ptr": "*fp32", "part_target_ptr": "*fp32"}
+    for kernel, overrides in [(k._forward_kernel, partials), (k._grad_tile_kernel, {})]:
+        compiled = _compile(kernel, constexprs, activation, overrides, warps=k.NUM_WARPS,
+                            stages=k.NUM_STAGES, divisible=("stride_h", "stride_w", "H"))  # fmt: skip
+        ptx = compiled.asm["ptx"]
+        assert "wgmma.mma_async" in ptx and "atom" not in ptx
 
 
 def test_pdl_variants_compile_with_grid_dependency_control():
