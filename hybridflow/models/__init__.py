@@ -35,10 +35,12 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     seed: int = PRESET_SEED,
+    num_labels: int | None = None,
 ) -> CausalLM:
-    """Randomly initialised model (built on meta, materialised once on `device`)."""
+    """Randomly initialised model (built on meta, materialised once on `device`);
+    ``num_labels``: a sequence classifier (a reward model's score head) instead of a LM."""
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = CausalLM(config, num_labels=num_labels)
     # the dtype first, on meta: materialising in fp32 would need twice the memory (a 30B
     # model's 122 GB before the cast to bf16)
     model = model.to(dtype).to_empty(device=device)

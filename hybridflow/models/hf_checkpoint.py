@@ -125,6 +125,10 @@ def save_model(model: CausalLM, directory: str, max_shard_size: int = 5 * 1024**
     os.makedirs(directory, exist_ok=True)
     hf_config = model.config.to_hf()
     hf_config["torch_dtype"] = str(model.dtype).removeprefix("torch.")
+    if getattr(model, "num_labels", None) is not None:  # a reward model: transformers' names
+        family = hf_config["architectures"][0].removesuffix("ForCausalLM")
+        hf_config["architectures"] = [f"{family}ForSequenceClassification"]
+        hf_config["id2label"] = {str(i): f"LABEL_{i}" for i in range(model.num_labels)}
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
     state = {

@@ -36,6 +36,8 @@ class FixedPrompts:
                 "data_source": np.asarray(["bench"] * len(prompts), dtype=object),
                 "ground_truth": np.asarray([""] * len(prompts), dtype=object),
                 "extra_info": np.asarray([{}] * len(prompts), dtype=object),
+                # token ids without a text: a reward model reads the policy's tokens
+                "raw_prompt": np.asarray([""] * len(prompts), dtype=object),
             },
         )
 
@@ -132,13 +134,16 @@ def time_grpo_steps(
     overrides: tuple[str, ...] = (),
     tokenizer: Any = None,
     progress: ProgressReporter | None = None,
+    reward_weights: dict[str, dict[str, float]] | None = None,
 ) -> tuple[list[float], list[float], dict[str, float]]:
     """Run ``steps`` GRPO steps on ``gpus`` devices (``prompts`` is the global batch).
 
     ``progress``: where building the roles and each step report (a line per finished step
     with its stages; a status line in silences; default: nothing printed). A 7B step of
     16k-token responses takes minutes, and a benchmark cut short by its time limit should
-    have said how far it got.
+    have said how far it got. ``reward_weights``: how the reward parts combine (e.g.
+    ``{"*": {"model": 1.0}}`` with ``reward.model.path`` in ``overrides``); default: the
+    random scores alone.
 
     Returns (seconds per step, peak allocated GiB of each rank's GPU over all steps, empty
     on CPU; mean stage timings of the steps after the first)."""
@@ -175,6 +180,7 @@ def time_grpo_steps(
         tracker=None,
         checkpoints=None,
         progress=progress,
+        reward_weights=reward_weights or {"*": {"rule": 1.0}},
     )
     times, per_step = [], []
     try:

@@ -75,3 +75,22 @@ def test_an_architecture_outside_our_decoder_scores_through_transformers(tmp_pat
         ours = model.forward_scores(*packed(SEQUENCES), pad_token_id=0)[:, 0]
         theirs = [float(reference(input_ids=torch.tensor([s])).logits[0, 0]) for s in SEQUENCES]
     torch.testing.assert_close(ours, torch.tensor(theirs), atol=1e-4, rtol=1e-4)
+
+
+def test_a_built_reward_model_saves_as_transformers_names_it(tmp_path):
+    """build_model(num_labels=1): a random reward model of a preset's shape (benchmarks),
+    saved as a *ForSequenceClassification checkpoint that transformers scores as we do."""
+    from model_helpers import small_config
+    from transformers import AutoModelForSequenceClassification
+
+    from hybridflow.models import build_model
+
+    build_model(small_config("qwen2"), num_labels=1).save_pretrained(str(tmp_path))
+    reference = AutoModelForSequenceClassification.from_pretrained(str(tmp_path)).eval()
+    assert type(reference).__name__ == "Qwen2ForSequenceClassification"
+    ours = load_sequence_classifier(str(tmp_path))
+    sequence = SEQUENCES[0]
+    with torch.no_grad():
+        theirs = float(reference(input_ids=torch.tensor([sequence])).logits[0, 0])
+        mine = ours.forward_scores(*packed([sequence]), pad_token_id=None)[0, 0]
+    assert abs(float(mine) - theirs) < 1e-4
