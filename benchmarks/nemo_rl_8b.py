@@ -1,0 +1,239 @@
+"""`python benchmarks/nemo_rl_8b.py`: NeMo-RL's Llama-3.1-8B-Instruct GRPO recipe
+(grpo-llama3.1-8b-instruct-2n8g) on one GPU: tokens/s/GPU by NeMo-RL's definition, s/step
+and each stage's share, beside NeMo-RL's published figures.
+
+    python benchmarks/nemo_rl_8b.py                        # one H200: 8 prompts x 32, one step
+    python benchmarks/nemo_rl_8b.py --prompts 8 12         # tokens/s/GPU against prompt count
+    python benchmarks/nemo_rl_8b.py --model tiny --prompts 1 2 --samples 4 --prompt-len 8 \
+        --sequence-len 24 --device cpu                     # the logic, on the CPU
+
+The recipe: Llama-3.1-8B-Instruct, GRPO, 64 prompts x 32 generations a step, sequences
+(prompt + response) up to 4,096 tokens, 512 sequences per optimizer step (AdamW, lr 3e-7,
+weight decay 0.01), a k3 KL penalty of 0.01 to the reference policy, bf16; published on 16
+H100s: 1,581 tokens/s/GPU on-policy (92.8 s/step), 2,478 one step off policy
+(docs.nvidia.com/nemo/rl/latest/about/performance-summary.html).
+
+Here: the llama3.1-8b preset with random weights, so every response runs to its maximum
+(the sequence length); 256-token random prompts; the prompt count scaled down to what one run
+can time (8 x 32 = 256 sequences a step by default); full-parameter, AdamW on the GPU when
+the memory plan says it fits, else on the host (actor.optimizer_offload, the plan's
+requirement on one H200); gradient checkpointing and token budgets as the plan decides; the
+real loop's step (trainer/grpo_bench.py: random rewards, no EOS). The old-log-prob pass is
+skipped when a step is one optimizer step (actor.skip_old_logprob_on_policy), as hybridflow
+runs it; NeMo-RL computes it.
+
+tokens/s/GPU = (prompt + response tokens of every sequence of a step) / (step seconds x GPUs),
+NeMo-RL's definition. s/step: the median of the steps after the first (the first compiles);
+with --steps 1, that one step, compilation included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from offload_step import gpu_bytes_for, host_bytes_for, plan_verdict, step_numbers  # noqa: E402
+
+PUBLISHED = {"on-policy": (1581, 92.8), "one step off": (2478, None)}
+"""NeMo-RL's tokens/s/GPU (and s/step) of the recipe on 16 H100s (Megatron backend)."""
+RECIPE_SEQUENCES_PER_OPTIMIZER_STEP = 512
+
+
+def recipe_overrides(args, prompts: int, offload: bool) -> tuple[str, ...]:
+    """The recipe's settings as hybridflow config keys, then --override."""
+    per_optimizer_step = max(1, RECIPE_SEQUENCES_PER_OPTIMIZER_STEP // args.samples)
+    return (
+        "model.tokenizer_path=char",
+        f"actor.optimizer_offload={str(offload).lower()}",
+        f"actor.ppo_mini_batch_size={min(prompts, per_optimizer_step)}",
+        "actor.lr=3e-7",
+        "actor.weight_decay=0.01",
+        "actor.use_kl_loss=true",
+        "actor.kl_loss_coef=0.01",
+        "actor.kl_loss_type=low_var_kl",  # k3
+        "model.gradient_checkpointing=auto",
+        *([f"trainer.device={args.device}"] if args.device else []),
+        *args.override,
+    )
+
+
+def choose_optimizer(args, prompts: int) -> tuple[bool | None, list[str]]:
+    """(AdamW on the host?, the plan's problems): on the GPU if the plan fits it, else on the
+    host if that fits; (None, problems) if neither does."""
+    from hybridflow.trainer.grpo_bench import bench_config
+
+    problems: list[str] = []
+    for offload in (False, True):
+        cfg = bench_config(args.model, prompts=prompts, samples=args.samples,
+                           prompt_len=args.prompt_len, new_tokens=new_tokens(args),
+                           micro_batch_tokens=args.micro_tokens,
+                           overrides=recipe_overrides(args, prompts, offload))  # fmt: skip
+        verdict = plan_verdict(cfg, gpu_bytes_for(args), host_bytes_for(args))
+        if not verdict["problems"]:
+            return offload, []
+        problems = verdict["problems"]
+    return None, problems
+
+
+def new_tokens(args) -> int:
+    return args.sequence_len - args.prompt_len
+
+
+def run_prompts(args, prompts: int) -> dict:
+    """One prompt count: the plan's optimizer placement, then the timed steps."""
+    from rich.console import Console
+
+    from hybridflow.models import load_tokenizer
+    from hybridflow.progress import ProgressReporter
+    from hybridflow.trainer.grpo_bench import time_grpo_steps
+
+    offload, problems = choose_optimizer(args, prompts)
+    row = {"prompts": prompts, "sequences": prompts * args.samples}
+    if offload is None:
+        return {**row, "problems": problems}
+    rng = random.Random(prompts)
+    ids = [[rng.randrange(10, 60) for _ in range(args.prompt_len)] for _ in range(prompts)]
+    # a line per step and a status line in silences, on stderr (a step takes minutes)
+    reporter = ProgressReporter(Console(stderr=True), interval_s=30)
+    try:
+        times, peaks, stages = time_grpo_steps(
+            model_path=args.model,
+            prompts=ids,
+            samples_per_prompt=args.samples,
+            new_tokens=new_tokens(args),
+            steps=args.steps,
+            micro_batch_tokens=args.micro_tokens,
+            tokenizer=load_tokenizer("char"),
+            progress=reporter,
+            overrides=recipe_overrides(args, prompts, offload),
+        )
+    finally:
+        reporter.close()
+    tokens = prompts * args.samples * args.sequence_len
+    if torch.cuda.is_available() and args.device != "cpu":
+        torch.cuda.empty_cache()
+    return {**row, "optimizer": "host" if offload else "device",
+            "peak_gib": max(peaks, default=float("nan")),
+            **step_numbers(times, stages, tokens)}  # fmt: skip
+
+
+def versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for package in ("torch", "triton", "transformers"):
+        try:
+            found.append(f"{package} {version(package)}")
+        except PackageNotFoundError:
+            found.append(f"{package} -")
+    return ", ".join(found)
+
+
+def device_name(args) -> str:
+    if args.device != "cpu" and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return "cpu"
+
+
+def report(args, rows: list[dict]) -> list[str]:
+    """The table (a row per prompt count), its flatness, and the published comparison."""
+    today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    timing = (
+        "the one step, compilation included"
+        if args.steps == 1
+        else f"median of steps 2..{args.steps}"
+    )
+    lines = [
+        f"NeMo-RL grpo-llama3.1-8b-instruct-2n8g shape on 1 x {device_name(args)}, "
+        f"{versions()}, {today}",
+        f"{args.model} (random weights), {args.samples} generations per prompt, "
+        f"{args.prompt_len} + {new_tokens(args)} tokens per sequence (every response to its "
+        f"maximum), KL 0.01 to the reference, s/step: {timing}",
+        "tokens/s/GPU = prompt + response tokens of a step / (s/step x GPUs), NeMo-RL's definition",
+        "| prompts | sequences | AdamW on | s/step | tokens/s/GPU | peak GiB | stages: s (share) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "problems" in r:
+            lines.append(f"| {r['prompts']} | {r['sequences']} | does not fit | - | - | - "
+                         f"| {' '.join(r['problems'])[:300]} |")  # fmt: skip
+            continue
+        stages = ", ".join(f"{k} {v:.1f} ({100 * v / r['step_s']:.0f}%)"
+                           for k, v in r["stage_s"].items())  # fmt: skip
+        lines.append(f"| {r['prompts']} | {r['sequences']} | {r['optimizer']} "
+                     f"| {r['step_s']:.1f} | {r['tokens_per_s_per_gpu']:,.0f} "
+                     f"| {r['peak_gib']:.1f} | {stages} |")  # fmt: skip
+    ran = [r for r in rows if "step_s" in r]
+    if len(ran) > 1:
+        rates = [r["tokens_per_s_per_gpu"] for r in ran]
+        lines.append(f"flatness: tokens/s/GPU from {min(rates):,.0f} to {max(rates):,.0f} "
+                     f"({100 * (max(rates) / min(rates) - 1):.1f}% apart) over "
+                     f"{ran[0]['prompts']}..{ran[-1]['prompts']} prompts")  # fmt: skip
+    if ran:
+        ours = ran[-1]["tokens_per_s_per_gpu"]
+        for name, (rate, step_s) in PUBLISHED.items():
+            at = f" at {step_s} s/step" if step_s else ""
+            lines.append(f"NeMo-RL {name}: {rate:,} tokens/s/GPU{at} on 16 H100s; "
+                         f"here {ours:,.0f} ({ours / rate:.2f}x)")  # fmt: skip
+    lines += [
+        "differences: an H200 (4.8 TB/s of HBM, 141 GB) against H100s (3.35 TB/s, 80 GB), the "
+        "same dense bf16 peak; 1 GPU against 16 (no tensor- or data-parallel communication "
+        "here); random weights: every response runs to the sequence limit, where the recipe's "
+        "end at EOS (fewer, shorter decode steps per sequence there); "
+        f"{ran[-1]['prompts'] if ran else '-'} prompts a step against 64; {args.prompt_len}-token "
+        "random prompts against OpenMathInstruct-2's; the old-log-prob pass skipped on-policy "
+        "here.",
+    ]
+    return lines
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="llama3.1-8b", help="a preset or a model directory")
+    parser.add_argument("--prompts", type=int, nargs="+", default=[8],
+                        help="prompts per step; several: one run each (flatness)")  # fmt: skip
+    parser.add_argument("--samples", type=int, default=32, help="generations per prompt")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--sequence-len", type=int, default=4096,
+                        help="prompt + response tokens of every sequence")  # fmt: skip
+    parser.add_argument("--micro-tokens", default="auto",
+                        help="actor.max_tokens_per_gpu (auto: the memory plan's)")  # fmt: skip
+    parser.add_argument(
+        "--steps", type=int, default=1, help="GRPO steps (2+: the first is warm-up)"
+    )
+    parser.add_argument("--override", action="append", default=[], help="a config key=value")
+    parser.add_argument("--device", default=None, help="trainer.device (cpu: a logic test)")
+    parser.add_argument("--gpu-memory-gib", type=float, default=None,
+                        help="check the plan against a GPU of this size (default: the visible one)")  # fmt: skip
+    parser.add_argument("--host-memory-gib", type=float, default=None,
+                        help="check the plan against this much free host memory")  # fmt: skip
+    parser.add_argument("--json", default=None)
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
+    args = parser.parse_args()
+    if args.micro_tokens != "auto":
+        args.micro_tokens = int(args.micro_tokens)
+    if args.sequence_len <= args.prompt_len:
+        parser.error("--sequence-len must exceed --prompt-len (it counts the prompt)")
+    rows = []
+    for prompts in args.prompts:  # each printed as it ends: a later one that dies leaves these
+        rows.append(run_prompts(args, prompts))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "all_steps_s"}), flush=True)
+    print("\n".join(report(args, rows)), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
