@@ -34,7 +34,8 @@ def logprobs_from_hidden(
     log_softmax computation up to float rounding).
 
     fused: tiles over tokens and vocabulary, no [chunk_size, V] logits block
-    (models/fused_head.py); off: the token-chunked path below (one [chunk_size, V] block)."""
+    (models/fused_head.py, with its own tile sizes); off: the token-chunked path below (one
+    [chunk_size, V] block at a time)."""
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(
             f"expected hidden [N, H] and targets [N], got {tuple(hidden.shape)} and "
@@ -45,7 +46,7 @@ def logprobs_from_hidden(
     if fused:
         logprobs, entropy = fused_logprobs(
             hidden, lm_head_weight, targets, temperature=temperature, with_entropy=with_entropy,
-            kernels=_use_kernels(hidden), token_chunk=chunk_size,
+            kernels=_use_kernels(hidden),
         )  # fmt: skip
         return logprobs, (entropy if with_entropy else None)
     logprobs, entropy = _ChunkedLogprobs.apply(
