@@ -80,3 +80,90 @@ def test_hybridflow_train_exits_2_on_a_reward_model_without_a_score_head(tmp_pat
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert "holds no score.weight head" in err and not (tmp_path / "run").exists()
+
+
+def test_the_runs_model_scores_are_a_direct_transformers_forward_of_the_same_tokens(
+    tmp_path, quiet, monkeypatch
+):
+    import torch
+    from reward_model_helpers import transformers_score
+
+    from hybridflow.learners.reward_model import RewardModelScorer, policy_token_rows
+
+    scored = []  # (token rows, scores) of every call the run's reward-model role made
+    original = RewardModelScorer.compute_rm_scores
+
+    def recording(self, batch):
+        out = original(self, batch)
+        scored.append((policy_token_rows(batch), out.tensors["rm_scores"].tolist()))
+        return out
+
+    monkeypatch.setattr(RewardModelScorer, "compute_rm_scores", recording)
+    directory = write_reward_model(tmp_path / "rm", "llama", tokenizer=load_tokenizer("char"))
+    cfg = tiny_config(tmp_path, f"reward.model.path={directory}", "trainer.total_steps=1",
+                      "reward.model.max_tokens_per_gpu=48", "trainer.val_before_train=false")  # fmt: skip
+    train(cfg, log=quiet)
+    # the step's 16 samples (the reward model alone: verl's default), then the validation's
+    (rows, scores), (val_rows, val_scores) = scored
+    assert len(rows) == 16 and len({round(s, 4) for s in scores}) > 8  # continuous
+    expected = [transformers_score(directory, row) for row in rows + val_rows]
+    torch.testing.assert_close(torch.tensor(scores + val_scores), torch.tensor(expected),
+                               atol=1e-4, rtol=1e-4)  # fmt: skip
+    row = read_metrics(tmp_path / "run")[1]
+    assert row["score/mean"] == pytest.approx(sum(scores) / 16, abs=1e-5)
+
+
+def test_a_judge_behind_an_openai_server_scores_a_run(tmp_path, quiet):
+    """A second model's server (a stand-in that replies "Score: <prompt length mod 7>"): no
+    failures, and the score is rule + 0.1 x judge, sample by sample."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    asked = []
+
+    class Judge(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            prompt = body["messages"][0]["content"]
+            asked.append(prompt)
+            data = json.dumps({"choices": [{"message": {"content":
+                                                        f"Score: {len(prompt) % 7}"}}]}).encode()  # fmt: skip
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Judge)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    template = tmp_path / "judge.txt"
+    template.write_text("Q: {prompt}\nA: {response}\nScore:")
+    try:
+        cfg = tiny_config(tmp_path, f"reward.judge.template={template}", "reward.judge.engine=url",
+                          f"reward.judge.url=http://127.0.0.1:{server.server_address[1]}/v1",
+                          "reward.weights={rule: 1.0, judge: 0.1}", "trainer.total_steps=1",
+                          "trainer.val_before_train=false")  # fmt: skip
+        train(cfg, log=quiet)
+    finally:
+        server.shutdown()
+    row = read_metrics(tmp_path / "run")[1]
+    judged = [len(prompt) % 7 for prompt in asked[:16]]  # the step's; the validation's after
+    assert len(asked) > 16 and row["reward/judge/failure_rate"] == 0.0
+    assert row["reward/judge/mean"] == pytest.approx(sum(judged) / 16, abs=1e-6)
+    assert row["score/mean"] == pytest.approx(row["reward/rule/mean"] + 0.1 * sum(judged) / 16,
+                                              abs=1e-5)  # fmt: skip
+
+
+def test_hybridflow_train_exits_2_on_a_judge_template_without_the_response_slot(tmp_path, capsys):
+    from hybridflow.cli import main
+
+    template = tmp_path / "judge.txt"
+    template.write_text("Rate this: {prompt}")
+    code = main(["train", f"reward.judge.template={template}", "model.path=tiny",
+                 f"trainer.run_dir={tmp_path / 'run'}"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "has no {response} slot" in err and not (tmp_path / "run").exists()
