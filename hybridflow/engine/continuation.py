@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hybridflow.engine import preemption
+from hybridflow.engine import admission, preemption
 from hybridflow.engine.host import ranges, upload
 from hybridflow.engine.prefill import host_spans
 
@@ -66,5 +66,5 @@ def admit(scheduler: Scheduler) -> None:
                            cu_all.to(torch.int32), *span_maxima)}  # fmt: skip
     logits = engine.extend(engine.model, scheduler.cache, engine.rope, ids, positions,
                            token_slots, last, **spans, **extra)  # fmt: skip  # [R, V]
-    scheduler.append_admitted(requests, slots, logits, seed_lo, seed_hi, row_positions,
+    admission.append_admitted(scheduler, requests, slots, logits, seed_lo, seed_hi, row_positions,
                               row_slots, max_new_dev, max_new, lengths)  # fmt: skip

@@ -113,24 +113,30 @@ class DecodeRunner:
             self.model, self.cache, self.rope, state.tokens[:rows], state.positions[:rows],
             state.row_slots[:rows], max_len, **extra,
         )  # fmt: skip
-        if self.mixed:
-            tokens, logprobs = sample_rows(
-                logits, state.temperature[:rows], state.top_k[:rows], state.top_p[:rows],
-                state.min_p[:rows], state.seed_lo[:rows], state.seed_hi[:rows],
-                state.generated[:rows], self.params,
-            )  # fmt: skip
-            advance(state, rows, tokens, logprobs)
-            return
-        if self.use_triton_sampler:
+        if self.use_triton_sampler and not self.mixed:
             from hybridflow.engine.kernels.sampler import sample_fused
 
             # sampling and the state update in the same kernels (one launch less per op)
             sample_fused(logits, self.params, state.seed_lo, state.seed_hi, state.generated,
                          state=state, launch=self.launch)  # fmt: skip
             return
-        tokens, logprobs = self.sample(
-            logits, state.seed_lo[:rows], state.seed_hi[:rows], state.generated[:rows]
-        )
+        self.advance_rows(logits, rows)
+
+    def advance_rows(self, logits: torch.Tensor, rows: int) -> None:
+        """Sample rows [0, rows)' next tokens from their logits [rows, V] and advance the state
+        (what a decode step does after its forward; a mixed step's forward is the
+        scheduler's), no host sync."""
+        state = self.state
+        if self.mixed:
+            tokens, logprobs = sample_rows(
+                logits, state.temperature[:rows], state.top_k[:rows], state.top_p[:rows],
+                state.min_p[:rows], state.seed_lo[:rows], state.seed_hi[:rows],
+                state.generated[:rows], self.params,
+            )  # fmt: skip
+        else:
+            tokens, logprobs = self.sample(
+                logits, state.seed_lo[:rows], state.seed_hi[:rows], state.generated[:rows]
+            )
         advance(state, rows, tokens, logprobs)
 
     def decode_steps(self, num_rows: int, steps: int, max_live_len: int) -> None:

@@ -38,6 +38,13 @@ class EngineOptions:
     up to two chunks after it finished); 0 waits for every chunk. None: 1 on CUDA, else 0."""
     max_prefill_tokens: int = 16384
     """Prompt tokens per packed prefill pass (bounds prefill activation memory)."""
+    max_prefill_tokens_per_step: int = 0
+    """Mixed steps (scheduler.py, mixed.py): each scheduler step runs one forward that
+    carries every live row's next token and up to this many tokens of the prompts and
+    continuations being prefilled, a long prompt in chunks over several steps, so a decode
+    row waits at most one step for a new request (steps with nothing to prefill replay the
+    decode graphs). 0: prompts and continuations in passes of their own before a chunk of
+    decode steps (the path measured in docs/performance.md)."""
     kv_block_size: int | None = 64
     """A power of two >= 16: the paged cache (kv_cache.py, blocks.py): blocks of that many
     positions handed out as sequences grow, a prompt's full blocks shared by its samples,
@@ -167,6 +174,10 @@ class EngineOptions:
             problems.append(
                 f"max_prefill_tokens={self.max_prefill_tokens!r}: must be an integer >= 1"
             )
+        per_step = self.max_prefill_tokens_per_step
+        if isinstance(per_step, bool) or not isinstance(per_step, int) or per_step < 0:
+            problems.append(f"max_prefill_tokens_per_step={per_step!r}: must be an integer >= 0 "
+                            "(0: prefill passes of their own)")  # fmt: skip
         return problems
 
     def checked(self) -> EngineOptions:
@@ -198,6 +209,7 @@ class EngineOptions:
             "cuda_graphs",
             "admission_wait_chunks",
             "admission_gather_ms",
+            "max_prefill_tokens_per_step",
             "service_stream",
             "record_routes",
             "kv_block_size",  # the attention tile keys on it itself (kernels/attention.py)

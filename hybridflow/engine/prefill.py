@@ -142,6 +142,8 @@ def extend_forward(
     last_index: torch.Tensor,
     chunk_tokens: int = 2048,
     cache_at: tuple | None = None,
+    decode_rows: int = 0,
+    max_len: int | None = None,
 ) -> torch.Tensor:
     """input_ids/position_ids/token_slots [N]: each sequence's new tokens, contiguous and in
     position order; every token attends to its slot's cache up to its own position (the
@@ -149,7 +151,8 @@ def extend_forward(
 
     In chunks of tokens, each through every layer before the next: a later token reads the
     K/V an earlier chunk wrote (causal order), and the gathered cache stays bounded. cache_at:
-    as prefill_forward's."""
+    as prefill_forward's. decode_rows, max_len: extend_forward_triton's (here every token
+    attends the same way, over its slot up to its position, so they change nothing)."""
     from hybridflow.engine.layers.eager import cached_attention_torch
     from hybridflow.engine.layers.moe import mlp_torch, route_target, sparse_indices
 
@@ -199,6 +202,8 @@ def extend_forward_triton(
     spans: tuple | None = None,
     cache_at: tuple | None = None,
     experts=None,
+    decode_rows: int = 0,
+    max_len: int | None = None,
 ) -> torch.Tensor:
     """extend_forward with the fused kernels: RoPE and the cache store of every new token
     first (rope_store), then the new tokens' attention over their slots, two launches, so no
@@ -216,7 +221,13 @@ def extend_forward_triton(
     _sequence_spans returns them, built on the host by the caller (the scheduler knows the
     lengths: deriving them here syncs with the GPU, stalling the host behind a decoding
     chunk); in a paged cache, the gathered entries are blocks and offsets. cache_at: as
-    prefill_forward's."""
+    prefill_forward's.
+
+    decode_rows: the first tokens are decode rows (a mixed step, scheduler.py): one new
+    token each, attending through decode_attention over their slot (a paged cache's block
+    table), whatever the kernel of the rest; the flash path's spans then cover the other
+    tokens only. max_len: a host bound on position_ids + 1 over every token (None: read from
+    the device, a sync)."""
     from hybridflow.engine.kernels import attention, rowwise
     from hybridflow.engine.layers.moe import route_target
     from hybridflow.engine.layers.split import fused_layers
@@ -232,27 +243,33 @@ def extend_forward_triton(
         )
     )
     entries, offsets = cache_at or (token_slots, None)
+    lengths = position_ids + 1
+    if max_len is None:
+        max_len = int(position_ids.max()) + 1
+    decoded = decode_rows if flash else input_ids.shape[0]  # tokens through decode_attention
     if flash:
         if spans is None:
             spans = _sequence_spans(position_ids, token_slots, last_index)
             spans = (*cache.locate(*spans[:2]), *spans[2:])
         gather_slots, gather_positions, cu_new, cu_all, max_new, max_all = spans
-    else:
-        lengths = position_ids + 1
-        max_len = int(position_ids.max()) + 1
 
     def attend(index, q, k, v):
         keys, values = cache.keys[index], cache.values[index]
         rowwise.rope_store(q, k, v, rope.cos, rope.sin, position_ids, entries, keys, values,
                            launch=launch, cache_positions=offsets)  # fmt: skip
+        parts = []
+        if decoded:
+            parts.append(attention.decode_attention(
+                q[:decoded], keys, values, token_slots[:decoded], lengths[:decoded], max_len,
+                launch=launch, autotune=autotune, table=cache.block_table,
+            ))  # fmt: skip
         if flash:
-            return torch.ops.aten._flash_attention_forward(
-                q, keys[gather_slots, gather_positions], values[gather_slots, gather_positions],
-                cu_new, cu_all, max_new, max_all, 0.0, True, False,
-            )[0]  # fmt: skip
-        return attention.decode_attention(q, keys, values, token_slots, lengths, max_len,
-                                          launch=launch, autotune=autotune,
-                                          table=cache.block_table)  # fmt: skip
+            parts.append(torch.ops.aten._flash_attention_forward(
+                q[decoded:], keys[gather_slots, gather_positions],
+                values[gather_slots, gather_positions], cu_new, cu_all, max_new, max_all, 0.0,
+                True, False,
+            )[0])  # fmt: skip
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     normed = fused_layers(model, input_ids, attend, fused, matmul, keep=last_index, launch=launch,
                           routes=routes, experts=experts)  # fmt: skip

@@ -15,6 +15,10 @@ setting: the specialised sampler; several: row_sampling.py), and so may their st
 the device stops a row on the tokens every live submission stops on, the host on the rest
 (at read-back; the row decodes at most a chunk past its stop, and the surplus is cut).
 
+With EngineOptions.max_prefill_tokens_per_step > 0 (mixed.py), admitted prompts and
+continuations are prefill jobs instead, run a chunk per step in the same forward as the live
+rows' next tokens; a step with no job queues a chunk of decode steps as above.
+
 In a paged cache (paging.py) admission also needs free blocks, each chunk first grows the
 rows' blocks, and a shortage preempts the newest requests (preemption.py), which wait in
 `resuming` and come back before any new request is admitted.
@@ -25,11 +29,10 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from hybridflow.engine import continuation, preemption
-from hybridflow.engine.host import collect_young, ranges, upload
+from hybridflow.engine import admission, continuation, mixed, preemption
+from hybridflow.engine.host import collect_young, upload
 from hybridflow.engine.readback import Snapshot, take_snapshot
 from hybridflow.engine.requests import Completion, LiveRequest, Submission
 from hybridflow.engine.row_sampling import mixed_mode
@@ -58,6 +61,9 @@ class Scheduler:
             for slot in self.free_slots:
                 self.paging.release(slot)
         self.resuming: deque[LiveRequest] = deque()  # preempted, to prefill again (paging.py)
+        # mixed steps (mixed.py): prompts and continuations prefilled a chunk per step
+        self.mixed = engine.options.max_prefill_tokens_per_step > 0
+        self.prefilling: list[mixed.PrefillJob] = []
         self.rows: list[LiveRequest] = []  # the request of each live row
         self.row_budget: list[int] = []  # upper bound on steps each row may still take
         self.row_end: list[int] = []  # prompt length + max_new: bound on the row's cache length
@@ -66,6 +72,7 @@ class Scheduler:
         self.steps = 0  # step() calls so far (a clock for how long requests have waited)
         self.decode_steps = 0  # steps run, and rows decoded summed over them (their ratio: the
         self.decoded_rows = 0  # mean batch, a counter of how well requests share steps)
+        self.mixed_steps = 0  # steps whose forward carried decode rows and prompt chunks
         self.pending: Snapshot | None = None
         self.version = 0  # the policy version sampling now (new_version)
         self.live_subs: dict[Submission, int] = {}  # live rows per submission
@@ -109,11 +116,12 @@ class Scheduler:
     @property
     def busy(self) -> bool:
         return bool(self.waiting or self.extending or self.rows or self.resuming
-                    or self.pending is not None)  # fmt: skip
+                    or self.prefilling or self.pending is not None)  # fmt: skip
 
     def submissions(self) -> set[Submission]:
         """Every submission with a request here (live, waiting, extending or preempted)."""
         subs = {live.sub for live in self.rows} | {live.sub for live in self.resuming}
+        subs |= {sub for job in self.prefilling for sub, _ in job.requests}
         return subs | {entry[0] for entry in self.waiting} | {e[0] for e in self.extending}
 
     def free_slot(self, slot: int) -> None:
@@ -139,6 +147,8 @@ class Scheduler:
             if live.sub is sub and live.request == request:
                 self.retire({live})
                 return
+        if mixed.abort(self, sub, request):
+            return
         for entry in list(self.extending):
             if entry[0] is sub and entry[1] == request:
                 self.extending.remove(entry)
@@ -194,13 +204,16 @@ class Scheduler:
         self.steps += 1
         while self.resuming and preemption.can_resume(self):
             preemption.resume(self)
-        while self.extending and self._ready(self.extending) and preemption.extension_fits(self):
-            continuation.admit(self)
-        while self.waiting and not self.resuming and self._should_admit() and self._admit():
-            pass
-        steps = min(self.engine.steps_per_sync, max(self.row_budget, default=0))
-        if steps > 0:
-            self._decode(steps)
+        if self.mixed:
+            mixed.open_jobs(self)
+        else:
+            self._admit()
+        if self.prefilling:  # one forward: a step of the rows and chunks of the prompts
+            steps = mixed.run_step(self)
+        else:
+            steps = min(self.engine.steps_per_sync, max(self.row_budget, default=0))
+            if steps > 0:
+                self._decode(steps)
         snapshot = None
         if self.rows and (steps > 0 or self.pending is None):
             snapshot = self._snapshot()
@@ -210,6 +223,13 @@ class Scheduler:
             self._absorb(snapshot)  # nothing queued to overlap with: read it now
             snapshot = None
         self.pending = snapshot
+
+    def _admit(self) -> None:
+        """Prefill and extend passes of their own, before the chunk of decode steps."""
+        while self.extending and self._ready(self.extending) and preemption.extension_fits(self):
+            continuation.admit(self)
+        while self.waiting and not self.resuming and self._should_admit() and admission.admit(self):
+            pass
 
     def _decode(self, steps: int) -> None:
         if self.subs_changed:
@@ -270,141 +290,6 @@ class Scheduler:
         decode reads only these); no device sync needed."""
         bound = max(end - budget + steps for end, budget in zip(self.row_end, self.row_budget))
         return min(self.cache.max_seq_len, bound)
-
-    # -- admission ------------------------------------------------------------------------------
-
-    def _take_waiting(self) -> list[tuple[Submission, int]]:
-        """Requests for one prefill pass, in queue order: up to the free slots and the
-        prefill token budget (a prompt's samples count its tokens once)."""
-        taken: list[tuple[Submission, int]] = []
-        tokens, budget = 0, self.engine.max_prefill_tokens
-        paging = self.paging
-        blocks = paging.free_blocks - preemption.growth_reserve(self) if paging is not None else 0
-        while self.waiting and len(taken) < len(self.free_slots):
-            sub, request = self.waiting[0]
-            prompt = request // sub.n
-            new_prompt = not taken or taken[-1][0] is not sub or taken[-1][1] // sub.n != prompt
-            length = int(sub.table.lengths[prompt])
-            if new_prompt and taken and tokens + length > budget:
-                break
-            if paging is not None:  # its prompt, and a block to grow into if it can grow
-                need = paging.prompt_blocks(length, new_prompt)
-                end = min(length + sub.max_new[request], self.cache.max_seq_len)
-                grows = int(paging.pool.blocks_for(end) > paging.pool.blocks_for(length))
-                if not taken and not self.rows:  # nothing decodes: no growth block needed
-                    blocks = preemption.evict_kept_for(self, need + grows)
-                else:
-                    need += grows
-                blocks -= need
-                if blocks < 0:
-                    break
-            tokens += length if new_prompt else 0
-            taken.append(self.waiting.popleft())
-        self.engine.prefill_tokens += tokens
-        return taken
-
-    def _admit(self) -> bool:
-        """One prefill pass of waiting requests; False when none could be taken (a paged
-        cache without the blocks for the first)."""
-        taken = self._take_waiting()
-        if not taken:
-            return False
-        slots = [self.free_slots.pop() for _ in taken]
-        # One prefill per unique prompt (its first request's slot), then KV fan-out.
-        firsts: list[int] = []  # index into `taken` of each unique prompt's first request
-        group: list[int] = []  # unique-prompt index of each taken request
-        runs: list[list] = []  # [submission, first prompt, last prompt + 1]: contiguous ids
-        for i, (sub, request) in enumerate(taken):
-            prompt = request // sub.n
-            if not firsts or taken[firsts[-1]][0] is not sub or taken[firsts[-1]][1] // sub.n != prompt:  # fmt: skip
-                firsts.append(i)
-                if runs and runs[-1][0] is sub and runs[-1][2] == prompt:
-                    runs[-1][2] += 1
-                else:
-                    runs.append([sub, prompt, prompt + 1])
-            group.append(len(firsts) - 1)
-        lengths = torch.from_numpy(np.concatenate([s.table.lengths[a:b] for s, a, b in runs]))
-        prompt_ids = torch.cat([s.table.tokens(a, b) for s, a, b in runs])
-        cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-        group_t = torch.tensor(group)
-        first_slots = torch.tensor([slots[i] for i in firsts])
-        # Prefix fan-out (n > 1): positions [0, len) of each prompt's first slot to the
-        # slots of its other samples, as flat (src slot, dst slot, position) index lists.
-        first_set = set(firsts)
-        copies = torch.tensor(
-            [i for i in range(len(taken)) if i not in first_set], dtype=torch.long
-        )
-        copy_lengths = lengths[group_t[copies]]
-        copy_src = torch.repeat_interleave(first_slots[group_t[copies]], copy_lengths)
-        copy_dst = torch.repeat_interleave(torch.tensor(slots)[copies], copy_lengths)
-        copy_pos = ranges(copy_lengths)
-        paged_copies = cache_at = None
-        if self.paging is not None:
-            paged_copies = self.paging.place(slots, firsts, group, lengths.tolist())
-            cache_at = self.paging.locate(torch.repeat_interleave(first_slots, lengths),
-                                          ranges(lengths))  # fmt: skip
-            copy_src = copy_dst = copy_pos = torch.zeros(0, dtype=torch.int64)
-        max_new = [sub.max_new[r] for sub, r in taken]
-        engine = self.engine
-        (
-            ids, positions, token_slots, cu_dev, group_dev, seed_lo, seed_hi, row_positions,
-            row_slots, max_new_dev, copy_src, copy_dst, copy_pos,
-        ) = upload(
-            engine.device, prompt_ids, ranges(lengths),
-            torch.repeat_interleave(first_slots, lengths), cu, group_t,
-            torch.tensor([sub.seed_lo[r] for sub, r in taken]),
-            torch.tensor([sub.seed_hi[r] for sub, r in taken]), lengths[group_t],
-            torch.tensor(slots), torch.tensor(max_new), copy_src, copy_dst, copy_pos,
-        )  # fmt: skip
-        extra = {}
-        if cache_at is not None:
-            extra["cache_at"] = tuple(upload(engine.device, *cache_at))
-        logits = engine.prefill(
-            engine.model, self.cache, engine.rope, ids, positions, token_slots,
-            cu_dev.to(torch.int32), int(lengths.max()), cu_dev[1:] - 1, **extra,
-        )  # fmt: skip  # [U, V]
-        if copy_pos.numel():
-            self.cache.copy_entries((copy_src, copy_pos), (copy_dst, copy_pos))
-        if paged_copies is not None:
-            src, src_at, dst, dst_at = upload(engine.device, *paged_copies)
-            self.cache.copy_entries((src, src_at), (dst, dst_at))
-        prompt_lengths = lengths.tolist()
-        self.append_admitted(taken, slots, logits[group_dev], seed_lo, seed_hi, row_positions,
-                             row_slots, max_new_dev, max_new,
-                             [prompt_lengths[g] for g in group])  # fmt: skip
-        for sub in {sub for sub, _ in taken}:
-            sub.table.check()  # the rest of its ids, while the GPU runs this prefill (once)
-        return True
-
-    def append_admitted(self, taken, slots, logits, seed_lo, seed_hi, row_positions,
-                        row_slots, max_new_dev, max_new, prompt_lengths) -> None:  # fmt: skip
-        """Sample the admitted requests' first tokens and append them as live rows."""
-        for sub, _ in taken:
-            if sub not in self.live_subs:
-                self.live_subs[sub] = 0
-                self.subs_changed = True
-            self.live_subs[sub] += 1
-        if self.subs_changed:
-            self.sync_submissions()  # the stop ids the first tokens are checked against
-        first = self.state.num_rows
-        modes = [sub.mode for sub, _ in taken]
-        self.state.set_row_sampling(first, modes)
-        params = taken[0][0].params
-        if any(mode != modes[0] for mode in modes):
-            params = mixed_mode(set(modes))
-        rows = slice(first, first + len(taken))
-        first_tokens, first_logprobs = self.runner.sample(
-            logits, seed_lo, seed_hi, torch.zeros_like(seed_lo), params=params, rows=rows
-        )
-        self.state.append_rows(first_tokens, first_logprobs, row_positions, row_slots,
-                               max_new_dev, seed_lo, seed_hi)  # fmt: skip
-        self.rows += [LiveRequest(sub, r, slot, self.version)
-                      for (sub, r), slot in zip(taken, slots)]  # fmt: skip
-        self.row_budget += [m - 1 for m in max_new]
-        self.row_end += [length + m for length, m in zip(prompt_lengths, max_new)]
-        self.row_admission += [self.admissions] * len(taken)
-        self.admissions += 1
-        self.groups_changed = True
 
     # -- reading back ---------------------------------------------------------------------------
 
@@ -504,9 +389,9 @@ class Scheduler:
 
         self.groups_changed = False
         keys, lengths = [], []
-        for live, admission in zip(self.rows, self.row_admission):
+        for live, admitted in zip(self.rows, self.row_admission):
             prompt = live.request // live.sub.n
-            keys.append((id(live.sub), prompt, admission))
+            keys.append((id(live.sub), prompt, admitted))
             lengths.append(int(live.sub.table.lengths[prompt]))
         groups, first = group_table(keys, lengths, [live.slot for live in self.rows],
                                     self.state.capacity)  # fmt: skip

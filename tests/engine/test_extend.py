@@ -110,3 +110,53 @@ def test_flash_extend_matches_decode_rows_in_bf16():
     scale = logits["decode"].abs().max()
     assert (logits["flash"] - logits["decode"]).abs().max() <= 0.02 * scale
     assert (logits["flash"].argmax(-1) == logits["decode"].argmax(-1)).float().mean() >= 0.66
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mixed_forward_runs_decode_rows_and_flash_chunks_as_all_decode_rows_in_bf16():
+    """A mixed step's forward (scheduler's mixed.py): 3 decode rows through decode_attention,
+    then 2 chunks through FlashAttention over their gathered spans, against every token as a
+    decode row; both kernels ran."""
+    import dataclasses
+
+    from hybridflow.engine.kv_cache import allocate_cache
+    from hybridflow.models import build_model
+    from hybridflow.models.presets import preset_config
+
+    device = torch.device("cuda")
+    config = dataclasses.replace(preset_config("qwen2.5-0.5b"), num_hidden_layers=2)
+    model = build_model(config, seed=1, device=device).to(torch.bfloat16).eval()
+    generator = torch.Generator(device).manual_seed(0)
+    shape = model.config
+    cache = allocate_cache(2, 6, 256, shape.num_key_value_heads, shape.head_dim, torch.bfloat16,
+                           device)  # fmt: skip
+    cache.keys.normal_(generator=generator)
+    cache.values.normal_(generator=generator)
+    rope = RopeTable(model.config, 256, torch.bfloat16, device)
+    row_positions, row_slots = [40, 7, 200], [1, 4, 5]  # decode rows: one token each
+    cached, new, slots = [0, 90], [48, 17], [2, 0]  # chunks: a prompt's first, a later one
+    chunk_positions = torch.cat([torch.arange(c, c + n) for c, n in zip(cached, new)])
+    positions = torch.cat([torch.tensor(row_positions), chunk_positions]).to(device)
+    token_slots = torch.cat([torch.tensor(row_slots),
+                             torch.repeat_interleave(torch.tensor(slots), torch.tensor(new))])  # fmt: skip
+    token_slots = token_slots.to(device)
+    keep = torch.tensor([0, 1, 2, 3 + 48 - 1, 3 + 48 + 17 - 1], device=device)
+    ids = torch.randint(0, shape.vocab_size, (3 + sum(new),), device=device, generator=generator)
+    tensors, maxima = host_spans(torch.tensor(slots), torch.tensor(cached), torch.tensor(new))
+    spans = (*(t.to(device) for t in tensors[:2]), *(t.to(device, torch.int32) for t in tensors[2:]),
+             *maxima)  # fmt: skip
+    from torch.profiler import ProfilerActivity, profile
+
+    logits, kernels = {}, {}
+    for kernel, extra in (("decode", {}), ("flash", {"decode_rows": 3, "spans": spans})):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            logits[kernel] = extend_forward_triton(
+                model, cache, rope, ids, positions, token_slots, keep, autotune=False,
+                attention_kernel=kernel, max_len=201, **extra,
+            ).float()  # fmt: skip
+            torch.cuda.synchronize()
+        kernels[kernel] = " ".join(event.key for event in prof.key_averages())
+    assert "flash" in kernels["flash"] and "_decode_attention" in kernels["flash"]
+    scale = logits["decode"].abs().max()
+    assert (logits["flash"] - logits["decode"]).abs().max() <= 0.02 * scale
