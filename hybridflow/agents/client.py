@@ -1,9 +1,11 @@
 """EngineClient: the GenerationClient that agent loops (and the server) talk to, over one
 Engine's RolloutService.
 
-Hundreds of episodes run as asyncio tasks; each turn awaits one request. Every request is
-submitted to the engine's service as it comes (engine/service.py): it joins the running
-batch at the next chunk boundary, decodes beside the other episodes' turns with its own
+Hundreds of episodes run as asyncio tasks; each turn awaits one request. The requests made
+in one tick of the event loop (the turns of every episode whose tool just returned) go to the
+engine's service in one post (RolloutService.submit_many): one wake-up and one lock of the
+engine's thread for all of them, not one each. A request joins the running batch at the next
+step, decodes beside the other episodes' turns with its own
 sampling settings and seed (so it samples what it would alone), and its task resumes when it
 finishes, while tools keep running on the event loop.
 
@@ -13,6 +15,8 @@ tool's result), and `close_session` gives the slot back.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 
 class EngineClient:
@@ -27,6 +31,8 @@ class EngineClient:
         self.service = engine.service or RolloutService(engine)
         self._handles: dict = {}  # session -> kv handle of its last turn
         self.requests = 0  # requests submitted (for metrics and tests)
+        self.posts = 0  # posts to the service that carried them (one per event-loop tick)
+        self._pending: list[tuple[dict, asyncio.Future]] = []  # this tick's requests
 
     async def generate(self, prompt_ids: list[int], params, session=None):
         """One completion of prompt_ids (params.n must be 1). session: any hashable naming
@@ -34,8 +40,8 @@ class EngineClient:
         if params.n != 1:
             raise ValueError(f"EngineClient.generate takes n=1 requests, got n={params.n}")
         reuse = self._handles.pop(session, None) if session is not None else None
-        handle = self.service.submit(prompt_ids, params, keep=session is not None, reuse=reuse)
-        self.requests += 1
+        handle = await self._submit(dict(prompt_ids=prompt_ids, params=params,
+                                         keep=session is not None, reuse=reuse))  # fmt: skip
         try:
             completion = (await handle)[0]
         except BaseException:
@@ -44,6 +50,33 @@ class EngineClient:
         if session is not None and completion.kv_handle is not None:
             self._handles[session] = completion.kv_handle
         return completion
+
+    def _submit(self, request: dict) -> asyncio.Future:
+        """A future of the request's handle, posted with the rest of this tick's requests
+        (call_soon runs after every callback already due in this tick)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if not self._pending:
+            loop.call_soon(self._post_pending)
+        self._pending.append((request, future))
+        self.requests += 1
+        return future
+
+    def _post_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        try:
+            outcomes = self.service.submit_many([request for request, _ in pending])
+        except BaseException as error:  # the service is closed: every request hears it
+            outcomes = [error] * len(pending)
+        self.posts += 1
+        for (_, future), outcome in zip(pending, outcomes):
+            if future.cancelled():  # its episode went away meanwhile
+                if not isinstance(outcome, BaseException):
+                    outcome.abort()
+            elif isinstance(outcome, BaseException):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
 
     def stream(self, prompt_ids: list[int], params):
         """A RequestHandle whose astream() yields the new tokens as they are decoded (all
