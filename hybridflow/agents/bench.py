@@ -109,8 +109,9 @@ def bench_agent(args) -> dict:
         _sync(device)
         seconds = time.perf_counter() - start
         episodes.prefilled = engine.prefill_tokens - before
-        steps, rows, passes = (b - a for a, b in zip(counters, _decode_counters(engine)))
+        steps, rows, passes, mixed = (b - a for a, b in zip(counters, _decode_counters(engine)))
         episodes.mean_rows, episodes.prefill_passes = rows / max(steps, 1), passes
+        episodes.mixed_steps = mixed
         client.close()  # the kept slots back before anything else runs on the engine
         return seconds, episodes, client
 
@@ -123,7 +124,7 @@ def bench_agent(args) -> dict:
         engine.generate(prompts, single_params)
         _sync(device)
         seconds = time.perf_counter() - start
-        steps, rows, _ = (b - a for a, b in zip(counters, _decode_counters(engine)))
+        steps, rows, _, _ = (b - a for a, b in zip(counters, _decode_counters(engine)))
         return seconds, rows / max(steps, 1)
 
     engine.warm_up(sampling)  # every batch size's graph: the episodes' batch size wanders
@@ -146,6 +147,7 @@ def bench_agent(args) -> dict:
                   "tokens_per_s": generated / agent_s, "requests": client.requests,
                   "mean_rows_per_step": episodes.mean_rows,
                   "prefill_passes": episodes.prefill_passes, "graph_captures": captures,
+                  "mixed_steps": episodes.mixed_steps,
                   "prefilled_tokens": episodes.prefilled},
         "single_turn": {"seconds": single_s, "generated_tokens": args.episodes * args.turns
                         * args.turn_tokens, "tokens_per_s": args.episodes * args.turns
@@ -158,13 +160,14 @@ def bench_agent(args) -> dict:
     return result
 
 
-def _decode_counters(engine) -> tuple[int, int, int]:
-    """(decode steps, rows decoded summed over them, prefill passes) so far (steps and rows:
-    their ratio is the mean batch)."""
+def _decode_counters(engine) -> tuple[int, int, int, int]:
+    """(decode steps, rows decoded summed over them, prefill passes or finished prefill jobs,
+    mixed steps) so far (steps and rows: their ratio is the mean batch)."""
     scheduler = engine.scheduler
     if scheduler is None:
-        return (0, 0, 0)
-    return (scheduler.decode_steps, scheduler.decoded_rows, scheduler.admissions)
+        return (0, 0, 0, 0)
+    return (scheduler.decode_steps, scheduler.decoded_rows, scheduler.admissions,
+            scheduler.mixed_steps)  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -185,7 +188,8 @@ def print_result(result: dict) -> None:
           f"{s['mean_rows_per_step']:.1f} |")  # fmt: skip
     print(f"agent / single-turn: {result['agent_over_single_turn']:.2f}; prefill recomputed / "
           f"context tokens: {result['prefill_recomputed_over_context']:.2f}; prefill passes: "
-          f"{a['prefill_passes']}; graphs captured while timed: {a['graph_captures']}")  # fmt: skip
+          f"{a['prefill_passes']}; mixed steps: {a['mixed_steps']}; graphs captured while "
+          f"timed: {a['graph_captures']}")  # fmt: skip
 
 
 def run_agent_command(args) -> int:

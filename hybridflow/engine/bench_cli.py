@@ -117,6 +117,11 @@ def add_bench_subcommand(subparsers) -> None:
     agent = bench_sub.add_parser("agent", help="multi-turn episodes vs single-turn generate")
     add_agent_arguments(agent)
     agent.set_defaults(func=run_agent_command)
+    from hybridflow.engine.bench_ttft import add_ttft_arguments, run_ttft_command
+
+    ttft = bench_sub.add_parser("ttft", help="time to first token into a full batch")
+    add_ttft_arguments(ttft)
+    ttft.set_defaults(func=run_ttft_command)
 
 
 def run_rollout_command(args) -> int:
@@ -342,6 +347,11 @@ def main(argv: list[str] | None = None) -> int:
     rollout = sub.add_parser("rollout", help="generation engine vs HF generate")
     add_rollout_arguments(rollout)
     rollout.set_defaults(func=run_rollout_command)
+    from hybridflow.engine.bench_ttft import add_ttft_arguments, run_ttft_command
+
+    ttft = sub.add_parser("ttft", help="time to first token into a full batch")
+    add_ttft_arguments(ttft)
+    ttft.set_defaults(func=run_ttft_command)
     args = parser.parse_args(argv)
     return args.func(args)
 

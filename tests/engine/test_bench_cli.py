@@ -52,3 +52,15 @@ def test_bench_rollout_names_a_bad_engine_option_and_exits_2(capsys):
     assert main(["rollout", "--preset", "tiny", "--device", "cpu", "--no-hf",
                  "--engine", "decode_layer=fast"]) == 2  # fmt: skip
     assert "decode_layer='fast'" in capsys.readouterr().err
+
+
+def test_bench_ttft_times_arrivals_into_a_decoding_batch(tmp_path, capsys):
+    out = tmp_path / "t.json"
+    args = ["ttft", "--preset", "tiny", "--rows", "3", "--batch-prompt-len", "6",
+            "--prompt-len", "20", "--arrivals", "2", "--device", "cpu", "--json", str(out),
+            "--engine", "max_prefill_tokens_per_step=8", "--engine", "decode_backend='torch'"]  # fmt: skip
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    assert len(result["ttfts_s"]) == 2 and result["decode_step_s"] > 0
+    assert result["engine_options"]["max_prefill_tokens_per_step"] == 8
+    assert "TTFT / (prefill + 2 steps)" in capsys.readouterr().out
