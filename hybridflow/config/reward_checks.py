@@ -93,10 +93,19 @@ def reward_part_problems(cfg: Any) -> list[str]:
                             f"bfloat16, float32 or float16")  # fmt: skip
         if reward.model.micro_batch_size_per_gpu < 1:
             problems.append("reward.model.micro_batch_size_per_gpu must be >= 1")
+        budget, longest = reward.model.max_tokens_per_gpu, max_sequence_tokens(cfg)
+        if budget is not None and budget < longest:
+            problems.append(f"reward.model.max_tokens_per_gpu = {budget} is below the longest "
+                            f"conversation, data.max_prompt_length + data.max_response_length = "
+                            f"{longest} tokens: set it to at least {longest}")  # fmt: skip
     problems += reward_pool_problems(cfg)
     if judge:
         problems += judge_problems(reward.judge)
     return problems
+
+
+def max_sequence_tokens(cfg: Any) -> int:
+    return cfg.data.max_prompt_length + cfg.data.max_response_length
 
 
 def reward_pool_problems(cfg: Any) -> list[str]:

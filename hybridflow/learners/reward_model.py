@@ -52,6 +52,15 @@ def same_tokenization(policy_tokenizer, reward_tokenizer) -> bool:
     return same_template and policy_tokenizer.get_vocab() == reward_tokenizer.get_vocab()
 
 
+def budget_plan(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Packed forwards of at most ``max_tokens`` tokens; a conversation longer than that (one
+    rendered again with a longer template than the policy's) is scored alone."""
+    long = [i for i, n in enumerate(lengths) if n > max_tokens]
+    short = [i for i, n in enumerate(lengths) if n <= max_tokens]
+    packed = pack_by_token_budget([lengths[i] for i in short], max_tokens) if short else []
+    return [[short[j] for j in group] for group in packed] + [[i] for i in long]
+
+
 class RewardModelScorer:
     """``compute_rm_scores(batch) -> Batch(rm_scores [B])``.
 
@@ -90,7 +99,7 @@ class RewardModelScorer:
         if self.max_tokens is None:
             plan = split_fixed(len(rows), self.micro_batch_size)
         else:
-            plan = pack_by_token_budget(lengths, self.max_tokens)
+            plan = budget_plan(lengths, self.max_tokens)
         scores = torch.zeros(len(rows), dtype=torch.float32)  # [B]
         if self.offload:
             self.model.to(self.device)

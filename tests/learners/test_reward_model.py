@@ -37,7 +37,7 @@ def policy_batch(tokenizer) -> Batch:
     return Batch({"prompts": prompts, "responses": responses, "attention_mask": mask}, arrays)
 
 
-@pytest.mark.parametrize("max_tokens", [None, 40])
+@pytest.mark.parametrize("max_tokens", [None, 40, 8])  # 8: shorter than any: one at a time
 def test_scores_of_the_policy_tokens_equal_transformers(tmp_path, max_tokens):
     tokenizer = load_tokenizer("char")
     directory = write_reward_model(tmp_path / "rm", "llama", tokenizer=tokenizer)
@@ -69,3 +69,12 @@ def test_another_tokenizer_scores_the_conversation_rendered_again(tmp_path):
     first = transformers_score(directory, reward(text, add_special_tokens=False)["input_ids"])
     assert abs(float(scores[0]) - first) < 1e-4
     assert len({round(float(s), 3) for s in scores}) == 3
+
+
+def test_the_token_budget_packs_and_scores_longer_conversations_alone():
+    from hybridflow.learners.reward_model import budget_plan
+
+    plan = budget_plan([5, 30, 6, 12, 4], max_tokens=12)
+    assert sorted(i for group in plan for i in group) == [0, 1, 2, 3, 4]
+    assert [1] in plan  # 30 tokens > 12: alone
+    assert all(sum([5, 30, 6, 12, 4][i] for i in group) <= 12 for group in plan if group != [1])

@@ -96,9 +96,11 @@ def test_a_sync_step_scores_beside_the_reference_pass_when_the_reward_model_is_a
         (["reward.model.n_gpus_per_node=-1"], "must be an integer >= 0"),
         (["reward.model.path={rm}", "reward.model.n_gpus_per_node=1"],
          "trainer.backend = inprocess runs on one device"),
+        (["reward.model.path={rm}", "reward.model.max_tokens_per_gpu=30"],
+         r"below the longest conversation, .* = 38 tokens"),
     ],
 )  # fmt: skip
-def test_devices_of_its_own_are_checked(tmp_path, reward_model, overrides, message):
+def test_reward_model_settings_are_checked(tmp_path, reward_model, overrides, message):
     cfg = tiny_config(tmp_path, *(item.format(rm=reward_model) for item in overrides))
     with pytest.raises(ConfigError, match=message):
         validate(cfg)
