@@ -24,6 +24,11 @@ from hybridflow.trainer.memory_choices import (
 )
 from hybridflow.trainer.memory_plan import GIB, MemoryPlan, PlanOptions
 from hybridflow.trainer.memory_render import gib, render, usable_bytes
+from hybridflow.trainer.memory_reward_model import (
+    reward_model_gpu,
+    reward_model_gpu_problems,
+    reward_model_options,
+)
 
 # model.dtype -> bytes of (trained weights, rollout and reference weights) on a GPU
 # (workers/model_loading.training_dtype and resolve_dtype).
@@ -96,25 +101,6 @@ def plan_options(cfg: Config, derived: Derived, gpu_bytes: int | None) -> PlanOp
         **reward_model_options(cfg),
         gpu_bytes=gpu_bytes,
     )
-
-
-def reward_model_options(cfg: Config) -> dict[str, object]:
-    """The reward model's PlanOptions fields: its size from the safetensors headers; nothing
-    when it is on devices of its own (reward.model.n_gpus_per_node)."""
-    rm, t = cfg.reward.model, cfg.trainer
-    if rm.path is None or rm.n_gpus_per_node:
-        return {}
-    from hybridflow.config.reward_checks import stored_parameter_count
-
-    rollout_bytes = DTYPE_BYTES.get(rm.dtype, (4, 2))[1]
-    # partial rollouts decode on the service's thread while the reward model scores: its
-    # weights share the GPU with the held KV cache, so offloading frees nothing the plan uses
-    decoding_meanwhile = t.mode == "async" and t.partial_rollout
-    return {
-        "reward_model_parameters": stored_parameter_count(rm.path) or 0,
-        "reward_model_bytes": rollout_bytes,  # auto: bf16 on a GPU, as the reference
-        "reward_model_offload": rm.param_offload and not decoding_meanwhile,
-    }
 
 
 def plan_for_config(
@@ -273,7 +259,11 @@ def check_memory(cfg: Config, derived: Derived, log=lambda *a, **k: None) -> Mem
     if plan is None:
         return None
     log(render(plan, source))
+    reward_gpu = reward_model_gpu(cfg, derived)
+    if reward_gpu is not None:
+        log(f"  per reward-model GPU: {gib(reward_gpu[0])} (its weights and one forward)")
     problems = fit_problems(cfg, plan, source) or forward_budget_problems(cfg, derived, plan)
+    problems = problems or reward_model_gpu_problems(cfg, reward_gpu, gpu_bytes, source)
     if problems:
         raise ConfigError(problems)
     return plan

@@ -18,7 +18,8 @@ from hybridflow.trainer.memory_check import (
     plan_for_config,
 )
 from hybridflow.trainer.memory_plan import GIB
-from hybridflow.trainer.memory_render import render
+from hybridflow.trainer.memory_render import gib, render
+from hybridflow.trainer.memory_reward_model import reward_model_gpu, reward_model_gpu_problems
 from hybridflow.trainer.parallel_section import parallel_section, uses_parallel_layouts
 
 SIZE_UNITS = {"gib": GIB, "g": GIB, "": GIB, "gb": 10**9, "mib": 2**20, "mb": 10**6, "tib": 2**40}
@@ -63,6 +64,11 @@ def plan_command(cfg: Config, gpu_memory: str | None = None, out=print) -> int:
         out("  " + line)
     out("  " + host_text(need, cfg, available, host_source))
     problems = fit_problems(cfg, plan, source) or forward_budget_problems(cfg, derived, plan)
+    reward_gpu = reward_model_gpu(cfg, derived)
+    if reward_gpu is not None:
+        out(f"  per reward-model GPU: {gib(reward_gpu[0])} (its weights and one forward)")
+        if gpu_bytes is not None:
+            problems = problems or reward_model_gpu_problems(cfg, reward_gpu, gpu_bytes, source)
     if gpu_bytes is not None and derived.world_size > 1:  # what the layouts would give
         out("")
         out("\n".join(parallel_section(cfg, derived, gpu_bytes)[0]))

@@ -46,3 +46,33 @@ def test_offloading_frees_nothing_while_partial_rollouts_decode(tmp_path):
                "trainer.partial_rollout=true")  # fmt: skip
     (item,) = _reward_items(directory, *partial)
     assert item.gpu_bytes > 0 and item.host_bytes == 0
+
+
+def test_a_reward_model_must_fit_one_of_its_own_gpus(tmp_path):
+    from hybridflow.trainer.memory_reward_model import reward_model_gpu, reward_model_gpu_problems
+    from hybridflow.trainer.preflight import model_architecture
+
+    directory = write_reward_model(tmp_path / "rm")
+    cfg = load_config(None, ["model.path=qwen2.5-0.5b", f"reward.model.path={directory}",
+                             "trainer.backend=local", "reward.model.n_gpus_per_node=1",
+                             "reward.model.max_tokens_per_gpu=4096", "trainer.gpu_memory_gib=80"])  # fmt: skip
+    need, weights = reward_model_gpu(cfg, validate(cfg))
+    assert weights == model_architecture(str(directory)).num_parameters() * 2  # bf16
+    assert need > weights  # and a forward of 4096 tokens
+    assert reward_model_gpu_problems(cfg, (need, weights), 80 * GIB) == []
+    (problem,) = reward_model_gpu_problems(cfg, (need, weights), need)  # no headroom left
+    assert "does not fit on a" in problem and "reward.model.max_tokens_per_gpu" in problem
+    lines = []
+    mc.check_memory(cfg, validate(cfg), log=lines.append)
+    assert any("per reward-model GPU" in line for line in lines)
+
+
+def test_config_plan_prints_the_reward_models_own_gpu(tmp_path):
+    from hybridflow.trainer.plan_command import plan_command
+
+    directory = write_reward_model(tmp_path / "rm")
+    cfg = load_config(None, ["model.path=qwen2.5-0.5b", f"reward.model.path={directory}",
+                             "trainer.backend=local", "reward.model.n_gpus_per_node=1"])  # fmt: skip
+    lines = []
+    assert plan_command(cfg, "80GB", out=lines.append) == 0
+    assert any(line.startswith("  per reward-model GPU: ") for line in lines)
