@@ -98,27 +98,35 @@ def _torch_grad_block(h, w_tile, local_targets, lse, entropy, g_logprob, g_entro
     return (grad / temperature).to(h.dtype)
 
 
+def _statistics(hidden, weight, targets, temperature, with_entropy, kernels, token_chunk,
+                vocab_chunk):  # fmt: skip
+    """(lse, logprobs, entropy) [N] of the whole head, fp32 (or wider on the torch path)."""
+    if hidden.shape[0] == 0:
+        empty = torch.zeros(0, dtype=_accumulate_dtype(hidden.dtype), device=hidden.device)
+        return empty, empty, empty
+    if kernels:
+        from hybridflow.models import fused_head_kernels
+
+        partials = fused_head_kernels.forward_partials(
+            hidden, weight, targets, temperature, with_entropy
+        )
+        return merge_partials(*partials)
+    pieces = []
+    for s in range(0, hidden.shape[0], token_chunk):
+        rows = slice(s, s + token_chunk)
+        partials = _torch_partials(hidden[rows], weight, targets[rows], temperature, vocab_chunk)
+        pieces.append(merge_partials(*partials))
+    return tuple(torch.cat(x) for x in zip(*pieces))
+
+
 class _FusedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, with_entropy, kernels,
                 token_chunk, vocab_chunk):  # fmt: skip
-        if kernels:
-            from hybridflow.models import fused_head_kernels
-
+        if kernels:  # the kernels read rows with unit stride
             hidden, weight = hidden.contiguous(), weight.contiguous()
-            partials = fused_head_kernels.forward_partials(
-                hidden, weight, targets, temperature, with_entropy
-            )
-            lse, logprobs, entropy = merge_partials(*partials)
-        else:
-            pieces = []
-            for s in range(0, hidden.shape[0], token_chunk):
-                rows = slice(s, s + token_chunk)
-                partials = _torch_partials(
-                    hidden[rows], weight, targets[rows], temperature, vocab_chunk
-                )
-                pieces.append(merge_partials(*partials))
-            lse, logprobs, entropy = (torch.cat(x) for x in zip(*pieces))
+        lse, logprobs, entropy = _statistics(hidden, weight, targets, temperature, with_entropy,
+                                             kernels, token_chunk, vocab_chunk)  # fmt: skip
         if not with_entropy:
             entropy = torch.zeros_like(entropy)
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)

@@ -139,3 +139,15 @@ def test_an_lm_head_adapter_enters_the_fused_head():
     assert ours[0].abs().sum() > 0
     with lora.adapters_disabled(model):  # the reference pass of a LoRA actor: the base head
         assert lm_head_operands(head, hidden)[1] is head.weight
+
+
+def test_no_tokens_give_empty_outputs_and_a_zero_weight_gradient():
+    """A micro-batch without output tokens (an empty response) still runs the head."""
+    weight = torch.randn(53, 16, requires_grad=True)
+    hidden = torch.zeros(0, 16, requires_grad=True)
+    logprobs, entropy = logprobs_from_hidden(
+        hidden, weight, torch.zeros(0, dtype=torch.long), with_entropy=True, fused=True
+    )
+    assert logprobs.shape == entropy.shape == (0,)
+    (logprobs.sum() + entropy.sum()).backward()
+    assert hidden.grad.shape == (0, 16) and torch.equal(weight.grad, torch.zeros_like(weight))
