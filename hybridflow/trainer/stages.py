@@ -219,12 +219,17 @@ def score(run: RunContext, batch: Batch, step: int | None = None) -> tuple[Batch
 
 def reward_beside_training(run: RunContext) -> bool:
     """Whether scoring leaves the training group free, so that it may run beside a forward
-    pass there: the rule reward is host work, and a reward model on devices of its own
-    (reward.model.n_gpus_per_node) is another group."""
+    pass there: the rule reward is host work, a reward model on devices of its own
+    (reward.model.n_gpus_per_node) is another group, and so is a judge behind a server or
+    the rollout group of a split placement."""
     from hybridflow.rewards.combine import used_parts
 
-    apart = {"model"} if run.roles.reward_model_apart else set()
-    return used_parts(run.reward_weights) <= {"rule", *apart}
+    apart = {"rule"}
+    if run.roles.reward_model_apart:
+        apart.add("model")
+    if run.cfg.reward.judge.engine == "url" or run.roles.split:
+        apart.add("judge")
+    return used_parts(run.reward_weights) <= apart
 
 
 def step_seed(run: RunContext, round_index: int = 0, salt: int = 0,

@@ -113,14 +113,23 @@ def test_the_runs_model_scores_are_a_direct_transformers_forward_of_the_same_tok
     assert row["score/mean"] == pytest.approx(sum(scores) / 16, abs=1e-5)
 
 
-def test_a_judge_behind_an_openai_server_scores_a_run(tmp_path, quiet):
+def test_a_judge_behind_an_openai_server_scores_a_run(tmp_path, quiet, monkeypatch):
     """A second model's server (a stand-in that replies "Score: <prompt length mod 7>"): no
-    failures, and the score is rule + 0.1 x judge, sample by sample."""
+    failures, the score is rule + 0.1 x judge, and the step asks it beside its reference
+    pass (the server is not the training group)."""
     import json
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    asked = []
+    from hybridflow.trainer import rl_loop
+
+    asked, beside = [], []
+
+    def counted(*args, _score_beside=rl_loop.score_beside):
+        beside.append(args[2])
+        return _score_beside(*args)
+
+    monkeypatch.setattr(rl_loop, "score_beside", counted)
 
     class Judge(BaseHTTPRequestHandler):
         def do_POST(self):
@@ -145,10 +154,11 @@ def test_a_judge_behind_an_openai_server_scores_a_run(tmp_path, quiet):
         cfg = tiny_config(tmp_path, f"reward.judge.template={template}", "reward.judge.engine=url",
                           f"reward.judge.url=http://127.0.0.1:{server.server_address[1]}/v1",
                           "reward.weights={rule: 1.0, judge: 0.1}", "trainer.total_steps=1",
-                          "trainer.val_before_train=false")  # fmt: skip
+                          "trainer.val_before_train=false", "actor.use_kl_loss=true")  # fmt: skip
         train(cfg, log=quiet)
     finally:
         server.shutdown()
+    assert beside == ["ref"]
     row = read_metrics(tmp_path / "run")[1]
     judged = [len(prompt) % 7 for prompt in asked[:16]]  # the step's; the validation's after
     assert len(asked) > 16 and row["reward/judge/failure_rate"] == 0.0
