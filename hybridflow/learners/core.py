@@ -28,6 +28,7 @@ from hybridflow.learners.expert_shard import (
     check_expert_options,
     distribute_experts,
     reduce_expert_grads,
+    shard_experts,
 )
 from hybridflow.learners.host_optimizer import (
     BUCKET_ELEMENTS,
@@ -92,6 +93,7 @@ class TrainCore:
             torch.cuda.set_device(self.device)
         self.groups = TrainGroups.of(mesh, dp_group)
         self.expert_params: list[nn.Parameter] = []
+        self.experts_sharded = False  # FSDP2 over expert_fsdp (learners/expert_shard.py)
         if self.groups.expert is not None:
             check_expert_options(optimizer_offload=optimizer_offload, param_offload=param_offload)
             self.expert_params = distribute_experts(module.lm, mesh)
@@ -149,14 +151,16 @@ class TrainCore:
         else:
             mesh = DeviceMesh.from_group(self.groups.shard or dist.group.WORLD, self.device.type)
         options = {"mesh": mesh}
-        if self.expert_params:  # sharded over the EP group instead (learners/expert_shard.py)
-            options["ignored_params"] = set(self.expert_params)
         if self.compute_dtype is not None:
             options["mp_policy"] = MixedPrecisionPolicy(
                 param_dtype=self.compute_dtype, reduce_dtype=torch.float32
             )
         if self.param_offload:
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+        if self.expert_params:  # split over the EP group (learners/expert_shard.py)
+            self.experts_sharded = shard_experts(module.lm, self.groups.mesh, options)
+            if not self.experts_sharded:
+                options["ignored_params"] = set(self.expert_params)
         for layer in decoder_layers(module.lm):
             fully_shard(layer, **options)
         fully_shard(module, **options)
@@ -271,9 +275,8 @@ class TrainCore:
     def finish_gradients(self) -> None:
         """After the last backward of a mini-batch: the experts' gradients reduced as FSDP
         reduces the others' (learners/expert_shard.py). No-op without expert parallelism."""
-        if self.expert_params:
-            replica_group = self.groups.mesh.group("expert_fsdp")
-            reduce_expert_grads(self.expert_params, replica_group, self.groups.shard_size)
+        if self.expert_params and not self.experts_sharded:
+            reduce_expert_grads(self.expert_params, self.groups.shard_size)
 
     def optimizer_step(self, grad_clip: float) -> tuple[float, bool]:
         """Clip, then step unless the gradient norm is not finite. Returns (norm, skipped)."""

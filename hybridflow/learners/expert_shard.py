@@ -4,18 +4,23 @@ are reduced, and how much of the gradient norm each rank's copy counts for.
 Under a layout with ``ep`` > 1 (hybridflow/parallel/layout.py) every sparse layer keeps its
 EP rank's E/EP experts (models/expert_parallel.py) as a DTensor sharded on the expert axis
 over the ``ep`` group, so checkpoints, the full state dict and the weight sync see the whole
-[E, ...] tensors. FSDP2 leaves these parameters out (``ignored_params``): it shards the rest
-over ``fsdp``. The ranks of one ``expert_fsdp`` group (the ranks with the same EP index)
-hold the same experts as replicas, and their gradients are summed over that group here;
-the gradient norm counts each expert once (optim.global_grad_norm weighs a DTensor's part by
-its distinct shards).
+[E, ...] tensors.
+
+The ranks of one ``expert_fsdp`` group (fsdp / ep ranks: those with the same EP index) hold
+the same experts. When there are several, FSDP2 shards each ``experts`` module over that
+group (:func:`shard_experts`, torchtitan's layout: the parameters become 2-D DTensors,
+sharded over ``expert_fsdp`` and ``ep``), nested in the layers' FSDP2 over ``fsdp``: an
+expert's weights, gradients and AdamW state are 1 / (dp × sp) a rank, like every other
+parameter's. With ep = dp × sp there is one such rank and FSDP2 leaves the experts out
+(``ignored_params``); :func:`reduce_expert_grads` then scales their gradients. The gradient
+norm counts each expert once (optim.global_grad_norm weighs a DTensor's part by its
+distinct shards).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch.distributed as dist
 from torch import nn
 
 from hybridflow.models.expert_parallel import keep_local_experts
@@ -45,20 +50,44 @@ def distribute_experts(causal_lm: nn.Module, mesh: RoleMesh) -> list[nn.Paramete
     return params
 
 
-def reduce_expert_grads(
-    params: list[nn.Parameter], replica_group: dist.ProcessGroup | None, shard_size: int
-) -> None:
-    """Make the experts' gradients what FSDP makes the others': each rank back-propagated its
-    loss times ``shard_size`` (learners/step.py), and an expert's gradient already sums the
-    tokens of its whole EP group (the all-to-all's backward). Summed over the replicas and
-    divided by ``shard_size``, it is the sum over all ranks' losses, as for FSDP's average."""
+def shard_experts(causal_lm: nn.Module, mesh: RoleMesh, options: dict) -> bool:
+    """FSDP2 over ``expert_fsdp`` for every sparse layer's ``experts`` module, before the
+    layers are sharded over ``fsdp`` (a module already sharded is left to its own FSDP2).
+    ``options``: the layers' fully_shard options (mixed precision, offload). Returns False
+    (nothing done) when the group has one rank.
+
+    The reduce-scatter sums the gradients over ``expert_fsdp`` and divides them by the
+    ``fsdp`` size, as the other parameters' reduction over ``fsdp`` divides theirs: each rank
+    back-propagated its loss times that size (learners/step.py), and an expert's gradient
+    already sums its EP group's tokens (the all-to-all's backward)."""
+    if mesh.size("expert_fsdp") == 1:
+        return False
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    own = dict(options, mesh=mesh.submesh("expert_fsdp"))
+    if "mp_policy" in own:  # the routing weights [T, k] enter in their own dtype
+        policy = own["mp_policy"]
+        own["mp_policy"] = MixedPrecisionPolicy(param_dtype=policy.param_dtype,
+                                                reduce_dtype=policy.reduce_dtype,
+                                                cast_forward_inputs=False)  # fmt: skip
+    for block in causal_lm.modules():
+        if isinstance(block, SparseMoeBlock):
+            fully_shard(block.experts, **own)
+            block.experts.set_gradient_divide_factor(float(mesh.size("fsdp")))
+            # a sum, then the division: gloo has no pre-multiplied sum (NCCL's PREMUL_SUM)
+            block.experts.set_force_sum_reduction_for_comms(True)
+    return True
+
+
+def reduce_expert_grads(params: list[nn.Parameter], shard_size: int) -> None:
+    """With ep = dp × sp (one rank holds each expert, FSDP2 leaves them out): make the
+    experts' gradients what FSDP makes the others'. Each rank back-propagated its loss times
+    ``shard_size`` (learners/step.py) and an expert's gradient already sums the tokens of its
+    whole EP group (the all-to-all's backward): divided by ``shard_size``, it is the sum over
+    all ranks' losses, as for FSDP's average."""
     for param in params:
-        if param.grad is None:
-            continue
-        local = param.grad.to_local()
-        if replica_group is not None and dist.get_world_size(replica_group) > 1:
-            dist.all_reduce(local, group=replica_group)
-        local.div_(shard_size)
+        if param.grad is not None:
+            param.grad.to_local().div_(shard_size)
 
 
 def check_expert_options(*, optimizer_offload: bool, param_offload: bool) -> None:

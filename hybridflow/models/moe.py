@@ -203,13 +203,41 @@ class TopKRouter(nn.Module):
 
 
 class Experts(nn.Module):
-    """HF's ``mlp.experts``: every expert's projections stacked on a leading expert axis."""
+    """HF's ``mlp.experts``: every expert's projections stacked on a leading expert axis.
+
+    ``forward`` runs the routed tokens through them, so that a wrapper of this module (FSDP2
+    sharding the experts over the ranks that hold the same ones, learners/expert_shard.py)
+    sees its parameters used inside its own call."""
 
     def __init__(self, num_experts: int, hidden_size: int, inner: int):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, inner))
         self.lora: ExpertLoRA | None = None  # set by learners/lora.py
+
+    def forward(
+        self,
+        flat: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        backend: str = "auto",
+        group=None,
+    ) -> torch.Tensor:
+        """flat [T, H] in the compute dtype, topk_ids / topk_weights [T, k] -> [T, H].
+        group: the expert-parallel group (these tensors hold its rank's E/EP experts)."""
+        dtype = flat.dtype
+        gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
+        if gate_up.dtype != dtype:  # fp32 masters under autocast: a compute copy
+            gate_up, down = gate_up.to(dtype), down.to(dtype)
+        adapters = self.lora
+        if adapters is not None and adapters.disabled:
+            adapters = None
+        if group is not None:
+            from hybridflow.models.expert_parallel import expert_parallel_moe
+
+            return expert_parallel_moe(flat, topk_ids, topk_weights, gate_up, down, group,
+                                       backend, adapters)  # fmt: skip
+        return moe_experts(flat, topk_ids, topk_weights, gate_up, down, backend, adapters)
 
 
 class SparseMoeBlock(nn.Module):
@@ -258,21 +286,7 @@ class SparseMoeBlock(nn.Module):
             topk_ids, topk_weights = replay_routes(
                 router_logits, recorded_ids, self.top_k, self.norm_topk_prob
             )
-        gate_up, down = _local(self.experts.gate_up_proj), _local(self.experts.down_proj)
-        if gate_up.dtype != dtype:  # fp32 masters under autocast: a compute copy
-            gate_up, down = gate_up.to(dtype), down.to(dtype)
-        adapters = self.experts.lora
-        if adapters is not None and adapters.disabled:
-            adapters = None
-        if self.expert_group is not None:
-            from hybridflow.models.expert_parallel import expert_parallel_moe
-
-            out = expert_parallel_moe(flat, topk_ids, topk_weights, gate_up, down,
-                                      self.expert_group, self.expert_backend, adapters)  # fmt: skip
-        else:
-            out = moe_experts(
-                flat, topk_ids, topk_weights, gate_up, down, self.expert_backend, adapters
-            )
+        out = self.experts(flat, topk_ids, topk_weights, self.expert_backend, self.expert_group)
         return out.view(*x.shape[:-1], -1), router_logits, topk_ids
 
 

@@ -1,10 +1,14 @@
-"""The actor with expert parallelism on 2 gloo processes (EP = 2: 4 of the tiny MoE's 8
-experts per rank, the rest FSDP2-sharded) gives one process's update on the same data:
-gradients, metrics (router losses pooled over the EP group) and weights, with routing
-replay; the full weights (weight sync, export) and a checkpoint round trip hold all experts."""
+"""The actor with expert parallelism on gloo processes gives one process's update on the same
+data: gradients, metrics (router losses pooled over the EP group) and weights, with routing
+replay; the full weights (weight sync, export) and a checkpoint round trip hold all experts.
+
+- 2 processes, EP = 2: 4 of the tiny MoE's 8 experts per rank, FSDP2 shards the rest;
+- 4 processes, EP = 2: the two ranks that hold the same 4 experts shard them with FSDP2
+  (2 experts' weights a rank), nested in FSDP2 over all 4 for the rest."""
 
 import os
 
+import pytest
 import torch
 from gloo_ranks import run_ranks
 from learner_helpers import actor_config, make_batch, max_abs_diff, record_full_gradients
@@ -14,13 +18,16 @@ from hybridflow.learners import ActorLearner
 from hybridflow.models import load_model
 from hybridflow.parallel import build_mesh, train_layout
 
-# Each rank: one micro-batch of 2 rows per mini-batch of 4. The EP group's router losses are
-# over the union of the two ranks' micro-batches: one process with micro-batches of 4 on the
-# reordered batch sees the same groups of rows.
+# Rank r takes rows [8r/world, 8(r+1)/world) and a mini-batch of 4 rows takes 4/world of
+# them from every rank. The EP group's router losses are over the union of its ranks'
+# micro-batches, so one process, walking the rows in this order with micro-batches of the
+# EP group's rows, sees the same groups of rows:
+# - 2 ranks (one EP group): mini-batches {0, 1, 4, 5} and {2, 3, 6, 7}, one micro-batch each;
+# - 4 ranks (EP groups {0, 1} and {2, 3}): mini-batches {0, 2, 4, 6} and {1, 3, 5, 7}, with
+#   micro-batches {0, 2}, {4, 6}, {1, 3}, {5, 7}.
 CFG = dict(ppo_mini_batch_size=4, micro_batch_size_per_gpu=2, router_replay="rollout",
            router_z_loss_coef=1e-2, router_aux_loss_coef=0.1, lr=1e-2)  # fmt: skip
-SINGLE = dict(CFG, micro_batch_size_per_gpu=4)
-SINGLE_PROCESS_ORDER = [0, 1, 4, 5, 2, 3, 6, 7]
+SINGLE_PROCESS = {2: ([0, 1, 4, 5, 2, 3, 6, 7], 4), 4: ([0, 2, 4, 6, 1, 3, 5, 7], 2)}
 
 
 def _batch():
@@ -35,7 +42,8 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
                          device="cpu", mesh=mesh)  # fmt: skip
     experts = actor.model.model.layers[1].mlp.experts.gate_up_proj
     grads = record_full_gradients(actor)
-    metrics = actor.update(_batch().index(list(range(4 * rank, 4 * rank + 4))))
+    rows = 8 // world
+    metrics = actor.update(_batch().index(list(range(rows * rank, rows * rank + rows))))
     weights = {name: tensor.clone() for name, tensor in actor.hf_weights()}
     actor.save(os.path.join(out_dir, "ckpt"))
     resumed = ActorLearner(load_model("tiny-moe"), actor_config(**CFG), total_steps=2,
@@ -47,15 +55,19 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def test_two_ep_ranks_update_equals_one_process(tmp_path):
-    run_ranks(_worker, 2, str(tmp_path))
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_ep2_update_equals_one_process(tmp_path, world):
+    run_ranks(_worker, world, str(tmp_path))
     rank0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
-    rank1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
-    single = ActorLearner(load_model("tiny-moe"), actor_config(**SINGLE), total_steps=2,
-                          device="cpu")  # fmt: skip
+    rank1 = torch.load(tmp_path / f"rank{world - 1}.pt", weights_only=True)
+    order, micro_batch = SINGLE_PROCESS[world]
+    single = ActorLearner(load_model("tiny-moe"),
+                          actor_config(**dict(CFG, micro_batch_size_per_gpu=micro_batch)),
+                          total_steps=2, device="cpu")  # fmt: skip
     grads = record_full_gradients(single)
-    metrics = single.update(_batch().index(SINGLE_PROCESS_ORDER))
-    assert rank0["local_experts"] == 4  # 8 experts, half on each rank
+    metrics = single.update(_batch().index(order))
+    # 8 experts, half on each EP rank; on 4 ranks FSDP2 halves those again
+    assert rank0["local_experts"] == 8 // world
     assert len(grads) == len(rank0["grads"]) == 2  # two mini-batches: two optimizer steps
     for step, step_grads in enumerate(grads):
         for name, grad in step_grads.items():
