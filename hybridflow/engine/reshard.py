@@ -184,6 +184,8 @@ class Resharder:
                     outgoing[move.dest].append(piece.reshape(-1))
                 elif move.dest == self.rank:
                     incoming[move.source].append((entry, move.block))
+        if not any(move.source != move.dest for entry in bucket for move in entry.transfers):
+            return  # every rank's blocks were its own (the layouts coincide): no collective
         send_sizes = [sum(p.numel() for p in pieces) for pieces in outgoing]
         receive_sizes = [sum(numel(block) for _, block in pieces) for pieces in incoming]
         like = dict(dtype=target.dtype, device=target.device)

@@ -1,7 +1,8 @@
 """The training-to-rollout reshard on gloo processes, into a tensor-parallel engine of
 rollout TP = 2, bucket by bucket: from FSDP2 shards (2 and 4 ranks), from a tensor-parallel
-actor with FSDP2 on top (4 ranks: DP 2 × TP 2), and from a LoRA actor (adapters merged as
-they move). Every engine parameter equals its slice of the full (merged) model, the bytes
+actor with FSDP2 on top (4 ranks: DP 2 × TP 2), from a LoRA actor (adapters merged as they
+move), and from an actor in the rollout's own layout (TP 2 over the same 2 ranks), where
+nothing moves. Every engine parameter equals its slice of the full (merged) model, the bytes
 moved are what the pure plan (parallel/reshard_plan.py) says, no bucket's buffers pass the
 bucket size, and the engine then draws the tokens of one process with the whole model."""
 
@@ -130,12 +131,38 @@ def _from_lora() -> None:
         torch.testing.assert_close(param, expected, rtol=1e-6, atol=1e-6, msg=name)
 
 
+def _same_layout() -> None:
+    """Actor TP 2 over both ranks (FSDP2 over one) into rollout TP 2: the layouts coincide,
+    every rank copies its own blocks and nothing crosses ranks (no collective runs)."""
+    train, rollout = train_layout(2, tp=2), rollout_layout(2, tp=2)
+    model = build_model(preset_config("tiny"), seed=3)
+    full = {name: p.detach().clone() for name, p in model.named_parameters()}
+    _shard(model, train)
+    engine_model = _engine_model(rollout)
+    resharder = _resharder(model, engine_model, rollout)
+    calls = []
+    all_to_all = dist.all_to_all_single
+    dist.all_to_all_single = lambda *args, **kwargs: calls.append(args)  # must not be called
+    try:
+        stats = resharder.run(dict(model.named_parameters()))
+    finally:
+        dist.all_to_all_single = all_to_all
+    targets = dict(engine_model.named_parameters())
+    for name, param in targets.items():
+        assert torch.equal(param, local_shard(name, full[name], dist.get_rank(), 2)), name
+    assert calls == [] and stats.bytes_received == stats.bytes_sent == stats.peak_buffer_bytes == 0
+    assert stats.bytes_kept == sum(p.numel() * 4 for p in targets.values())
+    planned = reshard_traffic(preset_config("tiny"), train, rollout, element_bytes=4)
+    assert planned.total_moved == 0 and planned.kept == stats.bytes_kept
+
+
 def _reshard_on_ranks(rank: int, world: int) -> None:
     _from_fsdp(world, train_tp=1)
     if world == 4:
         _from_fsdp(world, train_tp=2)
     else:
         _from_lora()
+        _same_layout()
 
 
 @pytest.mark.slow
