@@ -133,7 +133,7 @@ def run_step(scheduler: Scheduler) -> int:
             scheduler.sync_submissions()
         room = scheduler.paging is None or preemption.make_room(scheduler, 1)
         rows = len(scheduler.rows) if room else 0
-    chunks = _chunks(scheduler)
+    chunks = _chunks(scheduler, rows)
     starts = torch.tensor([start for _, start, _ in chunks])
     counts = torch.tensor([count for _, _, count in chunks])
     chunk_slots = torch.tensor([job.slots[0] for job, _, _ in chunks])
@@ -184,10 +184,15 @@ def run_step(scheduler: Scheduler) -> int:
     return int(rows > 0)
 
 
-def _chunks(scheduler: Scheduler) -> list[tuple[PrefillJob, int, int]]:
+def _chunks(scheduler: Scheduler, rows: int) -> list[tuple[PrefillJob, int, int]]:
     """(job, first position, token count) of this step's chunks, oldest jobs first, up to the
-    step's budget."""
-    budget = scheduler.engine.options.max_prefill_tokens_per_step
+    step's budget: max_prefill_tokens_per_step beside decode rows; with none, no row waits
+    for the step, and it takes a whole prefill pass's tokens (max_prefill_tokens), as many
+    as the separate passes would (a burst of prompts costs as few forwards)."""
+    options = scheduler.engine.options
+    budget = options.max_prefill_tokens_per_step
+    if not rows:
+        budget = max(budget, options.max_prefill_tokens)
     chunks = []
     for job in scheduler.prefilling:
         if budget <= 0:

@@ -43,8 +43,10 @@ class EngineOptions:
     carries every live row's next token and up to this many tokens of the prompts and
     continuations being prefilled, a long prompt in chunks over several steps, so a decode
     row waits at most one step for a new request (steps with nothing to prefill replay the
-    decode graphs). 0: prompts and continuations in passes of their own before a chunk of
-    decode steps (the path measured in docs/performance.md)."""
+    decode graphs; a step with no row decoding takes up to max_prefill_tokens). At most
+    max_prefill_tokens. 0: prompts and continuations in passes of their own before a chunk
+    of decode steps (the path measured in docs/performance.md; the default until the mixed
+    steps are measured on the GPU)."""
     kv_block_size: int | None = 64
     """A power of two >= 16: the paged cache (kv_cache.py, blocks.py): blocks of that many
     positions handed out as sequences grow, a prompt's full blocks shared by its samples,
@@ -178,6 +180,9 @@ class EngineOptions:
         if isinstance(per_step, bool) or not isinstance(per_step, int) or per_step < 0:
             problems.append(f"max_prefill_tokens_per_step={per_step!r}: must be an integer >= 0 "
                             "(0: prefill passes of their own)")  # fmt: skip
+        elif isinstance(self.max_prefill_tokens, int) and per_step > self.max_prefill_tokens:
+            problems.append(f"max_prefill_tokens_per_step={per_step}: at most max_prefill_tokens="
+                            f"{self.max_prefill_tokens} (the prefill activations' reserve)")  # fmt: skip
         return problems
 
     def checked(self) -> EngineOptions:

@@ -32,9 +32,10 @@ def _assert_same(got, expected):
 
 @pytest.mark.parametrize("block", [None, 16])
 def test_mixed_steps_sample_as_separate_prefill_passes(model, block):
-    expected = _engine(model, block=block).generate(PROMPTS, SAMPLED)
+    budgets = [20, 3, 9, 14, 5, 20, 7, 11, 16, 2, 20, 6]  # rows leave at different steps
+    expected = _engine(model, block=block).generate(PROMPTS, SAMPLED, max_new_tokens=budgets)
     engine = _engine(model, per_step=7, block=block)
-    _assert_same(engine.generate(PROMPTS, SAMPLED), expected)
+    _assert_same(engine.generate(PROMPTS, SAMPLED, max_new_tokens=budgets), expected)
     assert engine.scheduler.mixed_steps > 0  # prompts were prefilled beside decoding rows
     assert not engine.scheduler.prefilling
     if block is not None:
@@ -113,3 +114,7 @@ def test_max_prefill_tokens_per_step_is_validated():
         "max_prefill_tokens_per_step=-1: must be an integer >= 0 (0: prefill passes of their own)"
     ]
     assert EngineOptions(max_prefill_tokens_per_step=2048).validate() == []
+    assert EngineOptions(max_prefill_tokens=1024, max_prefill_tokens_per_step=2048).validate() == [
+        "max_prefill_tokens_per_step=2048: at most max_prefill_tokens=1024 (the prefill "
+        "activations' reserve)"
+    ]
