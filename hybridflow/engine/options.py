@@ -180,7 +180,7 @@ class EngineOptions:
         if isinstance(per_step, bool) or not isinstance(per_step, int) or per_step < 0:
             problems.append(f"max_prefill_tokens_per_step={per_step!r}: must be an integer >= 0 "
                             "(0: prefill passes of their own)")  # fmt: skip
-        elif isinstance(self.max_prefill_tokens, int) and per_step > self.max_prefill_tokens:
+        elif isinstance(self.max_prefill_tokens, int) and 1 <= self.max_prefill_tokens < per_step:
             problems.append(f"max_prefill_tokens_per_step={per_step}: at most max_prefill_tokens="
                             f"{self.max_prefill_tokens} (the prefill activations' reserve)")  # fmt: skip
         return problems
