@@ -213,7 +213,9 @@ def ours_variant(args, config, batches, backend, checkpointing, compiled, matmul
             packed["max_seqlen"] = args.max_len  # an upper bound is valid; avoids recompiles
         targets = torch.roll(packed["input_ids"], -1)
         hidden = model.forward_packed(**packed)
-        logprobs, _ = logprobs_from_hidden(hidden, head, targets, chunk_size=args.chunk_size)
+        logprobs, _ = logprobs_from_hidden(
+            hidden, head, targets, chunk_size=args.chunk_size, fused=args.head == "fused"
+        )
         (-logprobs.mean()).backward()
 
     torch.cuda.reset_peak_memory_stats() if DEVICE.type == "cuda" else None
@@ -221,6 +223,7 @@ def ours_variant(args, config, batches, backend, checkpointing, compiled, matmul
     peak = torch.cuda.max_memory_allocated() if DEVICE.type == "cuda" else 0
     name = (
         f"ours packed {backend}"
+        + (" chunked head" if args.head == "chunked" else "")
         + (" +ckpt" if checkpointing else "")
         + (" +compile" if compiled else "")
     )
@@ -282,7 +285,11 @@ def main() -> int:
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--chunk-size", type=int, default=4096)
+    parser.add_argument("--head", choices=["fused", "chunked"], default="fused",
+                        help="the log-prob head (models/fused_head.py or the token-chunked one)")  # fmt: skip
+    parser.add_argument(
+        "--chunk-size", type=int, default=4096, help="tokens per chunked-head block"
+    )
     parser.add_argument("--attention-backends", default="flash_varlen,nested")
     parser.add_argument("--attention-repeats", type=int, default=10)
     parser.add_argument(

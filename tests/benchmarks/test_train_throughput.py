@@ -28,3 +28,13 @@ def test_prints_ours_and_hf_rows_consistent_with_the_json(tmp_path):
         assert section["tokens_per_s"] > 0 and number(row["step s"]) > 0
         assert 0 < section["mfu_no_lm_head"] < section["mfu"] < 1
     assert 0 < results["sections"]["hf"]["padding_fraction"] < 1
+
+
+def test_the_chunked_head_is_named_in_its_row():
+    out = run_benchmark(
+        "train_throughput.py", "--preset", "tiny", "--device", "cpu", "--tokens-per-batch",
+        "128", "--min-len", "8", "--max-len", "16", "--warmup", "1", "--steps", "1",
+        "--variants", "ours", "--attention-backends", "sdpa_loop", "--head", "chunked",
+    )  # fmt: skip
+    rows = markdown_rows(out, "| variant |")
+    assert [r["variant"] for r in rows] == ["ours packed sdpa_loop chunked head"]
