@@ -56,12 +56,12 @@ class SFTTrainer:
         self.core = TrainCore(self.policy, device=device)
         self.core.build_optimizer(
             lr=sft_cfg.lr,
-            weight_decay=0.0,
+            weight_decay=sft_cfg.weight_decay,
             betas=(0.9, 0.95),
             schedule="cosine",
             warmup_steps=sft_cfg.warmup_steps,
-            total_steps=max(sft_cfg.total_steps, 1),
-            min_lr_ratio=0.1,
+            total_steps=max(sft_cfg.lr_decay_steps or sft_cfg.total_steps, 1),
+            min_lr_ratio=sft_cfg.min_lr_ratio,
         )
 
     @property

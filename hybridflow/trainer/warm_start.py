@@ -101,7 +101,8 @@ def accuracy_problems(task: str, size: int, val_size: int, data_seed: int = 0):
 
 def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int = 8) -> float:
     """Fraction of ``problems`` (question, answer) whose greedy completion, up to EOS, is
-    exactly the answer. Prompts are batched by token length, so no padding is needed."""
+    exactly the answer. Prompts are batched by token length, so no padding is needed; a batch
+    stops decoding once every row has ended (the demo's answers end after 2-4 tokens)."""
     import torch
 
     from hybridflow.data.chat import encode_chat_prompt
@@ -117,11 +118,15 @@ def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int = 8) -> floa
     for group in by_length.values():
         ids = torch.tensor([prompt for prompt, _ in group], device=device)  # [b, P]
         prompt_len = ids.shape[1]
+        ended = torch.zeros(len(group), dtype=torch.bool, device=device)  # [b]
         for _ in range(max_new_tokens):
             with torch.no_grad():
                 output = model(ids)  # our decoder: logits [b, T, V]; HF: an output object
-            logits = getattr(output, "logits", output)[:, -1]  # [b, V]
-            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
+            next_ids = getattr(output, "logits", output)[:, -1].argmax(-1)  # [b]
+            ids = torch.cat([ids, next_ids[:, None]], dim=1)
+            ended |= next_ids == tokenizer.eos_token_id
+            if bool(ended.all()):
+                break
         for row, (_, answer) in zip(ids[:, prompt_len:].tolist(), group):
             if tokenizer.eos_token_id in row:
                 row = row[: row.index(tokenizer.eos_token_id)]
@@ -158,23 +163,44 @@ def tool_accuracy(model, tokenizer, problems, max_turns: int = 2, max_tokens: in
     return correct / max(len(problems), 1)
 
 
-def accuracy_stopper(sft_cfg: SFTConfig, evaluate, log=print):
-    """``should_stop(trainer, step)`` for :func:`run_sft`: True once ``evaluate(model)``,
-    run every ``sft.eval_every`` steps, reaches ``sft.stop_at_accuracy``."""
-    if sft_cfg.stop_at_accuracy is not None and sft_cfg.eval_every < 1:
-        raise ConfigError([f"sft.eval_every = {sft_cfg.eval_every} must be >= 1"])
+class AccuracyStopper:
+    """``should_stop(trainer, step)`` for :func:`run_sft`: True once ``evaluate(model)``, run
+    every ``sft.eval_every`` steps, reaches ``sft.stop_at_accuracy``; each check is logged,
+    and the last and best accuracies kept for the progress line and the final report."""
 
-    def should_stop(trainer, step: int) -> bool:
-        if sft_cfg.stop_at_accuracy is None or step % sft_cfg.eval_every != 0:
+    def __init__(self, sft_cfg: SFTConfig, evaluate, log=print):
+        if sft_cfg.stop_at_accuracy is not None and sft_cfg.eval_every < 1:
+            raise ConfigError([f"sft.eval_every = {sft_cfg.eval_every} must be >= 1"])
+        self.target, self.every = sft_cfg.stop_at_accuracy, sft_cfg.eval_every
+        self.evaluate, self.log = evaluate, log
+        self.last: float | None = None
+        self.best: float | None = None
+
+    def __call__(self, trainer, step: int) -> bool:
+        if self.target is None or step % self.every != 0:
             return False
-        accuracy = evaluate(trainer.model)
-        log(f"  sft step {step}: greedy accuracy {accuracy:.3f}")
-        if accuracy >= sft_cfg.stop_at_accuracy:
-            log(f"  sft stops at step {step}: accuracy >= {sft_cfg.stop_at_accuracy}")
+        self.last = accuracy = self.evaluate(trainer.model)
+        self.best = max(accuracy, self.best or 0.0)
+        self.log(f"  sft step {step}: greedy accuracy {accuracy:.3f} (target {self.target})")
+        if accuracy >= self.target:
+            self.log(f"  sft stops at step {step}: accuracy >= {self.target}")
             return True
         return False
 
-    return should_stop
+
+def accuracy_stopper(sft_cfg: SFTConfig, evaluate, log=print) -> AccuracyStopper:
+    """See :class:`AccuracyStopper`."""
+    return AccuracyStopper(sft_cfg, evaluate, log)
+
+
+def short_of_target(stopper: AccuracyStopper, steps: int) -> str:
+    """What to say when the warm start ran to its cap without reaching its accuracy target."""
+    return (
+        f"warm start: greedy accuracy {stopper.best or 0.0:.3f} at best after {steps} steps "
+        f"(sft.total_steps, the cap), short of sft.stop_at_accuracy = {stopper.target}: RL "
+        "starts from this model and has less to build on; a larger sft.total_steps trains "
+        "longer (a new cache entry, trained from the start)"
+    )
 
 
 def _user(content: str) -> list[dict[str, str]]:
@@ -275,7 +301,8 @@ def train_warm_start(cfg: Config, task: str, target: Path, log=print, progress=N
     model = load_model(sft_cfg.preset, dtype=torch.float32, device=device)
 
     def log_progress(metrics: dict[str, Any], step: int) -> None:
-        bar.update(step, status=f"loss {metrics['sft/loss']:.3f}")
+        accuracy = "" if reaches_target.last is None else f", accuracy {reaches_target.last:.2f}"
+        bar.update(step, status=f"loss {metrics['sft/loss']:.3f}{accuracy}")
         if step % 50 == 0 or step == sft_cfg.total_steps:
             log(f"  sft step {step}/{sft_cfg.total_steps}  loss {metrics['sft/loss']:.3f}")
 
@@ -299,7 +326,7 @@ def train_warm_start(cfg: Config, task: str, target: Path, log=print, progress=N
     plan = "saving the warm start's progress after this SFT step, then stopping"
     with (
         stop.graceful(plan),
-        progress.task("warm start SFT", total=sft_cfg.total_steps, unit="steps") as bar,
+        progress.task(*sft_task(sft_cfg), unit="steps") as bar,
     ):
         trainer = run_sft(
             model,
@@ -319,6 +346,8 @@ def train_warm_start(cfg: Config, task: str, target: Path, log=print, progress=N
             f"{sft_cfg.total_steps}: its progress is saved in {saved.root} (nothing else was "
             "written); the same command continues it from there"
         )
+    if not reached and sft_cfg.stop_at_accuracy is not None:
+        log(short_of_target(reaches_target, trainer.steps_done))
     publish(trainer.model, tokenizer, sft_cfg, target)
     shutil.rmtree(saved.root, ignore_errors=True)
     log(
@@ -330,6 +359,18 @@ def train_warm_start(cfg: Config, task: str, target: Path, log=print, progress=N
             f"right after the warm start SFT: its model is cached in {target}; the same "
             "command starts the RL from it"
         )
+
+
+def sft_task(sft_cfg: SFTConfig) -> tuple[str, int | None]:
+    """The warm start's progress description and total: with an accuracy target the step it
+    ends at is not known, so the line counts steps against no total (a share of the cap, and
+    the time left to reach it, would mislead)."""
+    if sft_cfg.stop_at_accuracy is None:
+        return "warm start SFT", sft_cfg.total_steps
+    return (
+        f"warm start SFT to greedy accuracy {sft_cfg.stop_at_accuracy} "
+        f"(at most {sft_cfg.total_steps} steps)"
+    ), None
 
 
 def publish(model, tokenizer, sft_cfg: SFTConfig, target: Path) -> None:
