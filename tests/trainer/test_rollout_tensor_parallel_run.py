@@ -15,9 +15,12 @@ from trainer_helpers import TINY
 
 from hybridflow.cli import main
 
-RUN = ["trainer.backend=local", "trainer.n_gpus_per_node=2", "actor.use_kl_loss=true",
-       "trainer.save_freq=0", "data.val_files=[]"]  # fmt: skip
 VERL = "actor_rollout_ref."
+# verl's own keys (the local backend follows from 2 devices on one node; "file" is our
+# metrics.jsonl); the tiny model and data are ours (trainer_helpers.TINY)
+RUN = ["trainer.nnodes=1", "trainer.n_gpus_per_node=2", VERL + "actor.use_kl_loss=True",
+       "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=False",
+       "trainer.logger=['console','file']"]  # fmt: skip
 NOT_COMPARED = ("timing_s/", "perf/", "memory/")  # wall-clock and host measurements
 
 

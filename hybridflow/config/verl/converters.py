@@ -37,12 +37,18 @@ def as_number(value: Any) -> float:
     return float(value) if isinstance(value, str) else value
 
 
+# verl's "file" logger writes one JSON line of metrics a step (VERL_FILE_LOGGER_PATH): ours
+# writes them to <run_dir>/metrics.jsonl.
+VERL_LOGGERS = {"file": "jsonl"}
+
+
 def loggers(value: Any) -> list[str]:
     names = [value] if isinstance(value, str) else list(value)
+    names = [VERL_LOGGERS.get(name, name) for name in names]
     for name in names:
         if name not in OUR_LOGGERS:
             raise NotHere(f"the {name!r} logger (hybridflow logs to {', '.join(OUR_LOGGERS)})")
-    return names
+    return list(dict.fromkeys(names))
 
 
 def lr_schedule(value: Any) -> str:

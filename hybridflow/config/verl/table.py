@@ -404,7 +404,12 @@ REWARD_TABLE: list[Entry] = [
 ]
 
 TRAINER_TABLE: list[Entry] = [
-    Rename("trainer.logger", "trainer.loggers", cv.loggers),
+    Rename(
+        "trainer.logger",
+        "trainer.loggers",
+        cv.loggers,
+        how="verl's file logger is jsonl: <run_dir>/metrics.jsonl",
+    ),
     Rename(
         "trainer.default_local_dir",
         "trainer.run_dir",

@@ -53,6 +53,12 @@ def test_hydra_forms_and_lists():
     assert "trainer.loggers=[console, wandb]" in t.overrides
 
 
+def test_verls_file_logger_is_the_metrics_jsonl():
+    t = translate(["trainer.logger=['console','file']"])
+    assert not t.problems
+    assert "trainer.loggers=[console, jsonl]" in t.overrides
+
+
 def test_our_keys_win_over_translated_ones():
     cfg = load_with_verl_keys(
         None,
