@@ -29,8 +29,10 @@ NUM_WARPS, NUM_STAGES = 8, 3
 
 @triton.jit
 def _logits_tile(h_ptr, w_ptr, rows, cols, N, V, H, stride_h, stride_w, inv_temperature,
-                 BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """fp32 [BLOCK_T, BLOCK_V] = h[rows] @ W[cols]^T * inv_temperature (zeros outside)."""
+                 BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr):  # fmt: skip
+    """fp32 [BLOCK_T, BLOCK_V] = h[rows] @ W[cols]^T * inv_temperature (rows and columns past
+    N and V read row 0). EVEN_K: H is a multiple of BLOCK_K, the loads need no mask."""
     rows_safe = tl.where(rows < N, rows, 0).to(tl.int64)
     cols_safe = tl.where(cols < V, cols, 0).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
@@ -38,9 +40,13 @@ def _logits_tile(h_ptr, w_ptr, rows, cols, N, V, H, stride_h, stride_w, inv_temp
     w_ptrs = w_ptr + cols_safe[:, None] * stride_w + ks[None, :]
     acc = tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        k_mask = (k0 + ks) < H
-        a = tl.load(h_ptrs, mask=k_mask[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+        if EVEN_K:
+            a = tl.load(h_ptrs)
+            b = tl.load(w_ptrs)
+        else:
+            k_mask = (k0 + ks) < H
+            a = tl.load(h_ptrs, mask=k_mask[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(b), acc)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -52,7 +58,7 @@ def _forward_kernel(
     h_ptr, w_ptr, targets_ptr, part_m_ptr, part_s_ptr, part_t_ptr, part_target_ptr,
     N, V, H, stride_h, stride_w, tiles_per_split, num_tiles, inv_temperature,
     WITH_ENTROPY: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
     """Program (token block, vocabulary split): the split's partial statistics of its rows,
     stored at part_*[split, row]."""
@@ -67,7 +73,7 @@ def _forward_kernel(
     for tile in range(first, tl.minimum(first + tiles_per_split, num_tiles)):
         cols = tile * BLOCK_V + tl.arange(0, BLOCK_V)
         z = _logits_tile(h_ptr, w_ptr, rows, cols, N, V, H, stride_h, stride_w,
-                         inv_temperature, BLOCK_T, BLOCK_V, BLOCK_K)  # fmt: skip
+                         inv_temperature, BLOCK_T, BLOCK_V, BLOCK_K, EVEN_K)  # fmt: skip
         valid = (cols < V)[None, :]
         z = tl.where(valid, z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=1))  # finite: every tile has a valid column
@@ -91,14 +97,14 @@ def _grad_tile_kernel(
     h_ptr, w_ptr, targets_ptr, lse_ptr, entropy_ptr, g_logprob_ptr, g_entropy_ptr, grad_ptr,
     N, V, H, stride_h, stride_w, stride_g, inv_temperature,
     WITH_ENTROPY: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
     """grad [N, V] (h's dtype) = d loss / d logits of h [N, H] @ W [V, H]^T, with targets
     relative to W's first row (outside [0, V): the target is in another tile)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     z = _logits_tile(h_ptr, w_ptr, rows, cols, N, V, H, stride_h, stride_w, inv_temperature,
-                     BLOCK_T, BLOCK_V, BLOCK_K)  # fmt: skip
+                     BLOCK_T, BLOCK_V, BLOCK_K, EVEN_K)  # fmt: skip
     keep = rows < N
     log_p = z - tl.load(lse_ptr + rows, mask=keep, other=0.0)[:, None]
     p = tl.exp(log_p)
@@ -145,7 +151,8 @@ def forward_partials(
         hidden, weight, targets, partials[0], partials[1], partials[2], partials[3],
         n, vocab, hidden_size, hidden.stride(0), weight.stride(0), tiles_per_split, num_tiles,
         1.0 / temperature, WITH_ENTROPY=with_entropy, BLOCK_T=BLOCK_T, BLOCK_V=BLOCK_V,
-        BLOCK_K=BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        BLOCK_K=BLOCK_K, EVEN_K=hidden_size % BLOCK_K == 0, num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )  # fmt: skip
     return partials[0], partials[1], partials[2], partials[3]
 
@@ -168,6 +175,7 @@ def grad_tile(
         hidden, weight, targets, lse, entropy if with_entropy else lse, g_logprob, g_entropy,
         out, n, vocab, hidden_size, hidden.stride(0), weight.stride(0), out.stride(0),
         1.0 / temperature, WITH_ENTROPY=with_entropy, BLOCK_T=BLOCK_T, BLOCK_V=BLOCK_V,
-        BLOCK_K=BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        BLOCK_K=BLOCK_K, EVEN_K=hidden_size % BLOCK_K == 0, num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )  # fmt: skip
     return out

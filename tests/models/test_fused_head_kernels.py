@@ -18,9 +18,10 @@ from hybridflow.models.logprobs import _use_kernels, naive_logprobs  # noqa: E40
 DTYPES = [torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.float16]
 
 
-def _run(kernels, dtype, temperature, entropy_grad):
+def _run(kernels, dtype, temperature, entropy_grad, h):
+    """h: 24 (below one K block: masked loads) or 64 (one whole block: unmasked)."""
     g = torch.Generator().manual_seed(0)
-    n, h, v = 40, 24, 300  # hidden below one K block; vocabulary over 3 tiles, ragged
+    n, v = 40, 300  # vocabulary over 3 tiles, ragged
     hidden = (torch.randn(n, h, generator=g) * 2).to(DEVICE, dtype).requires_grad_()
     weight = torch.randn(v, h, generator=g).to(DEVICE, dtype).requires_grad_()
     targets = torch.randint(0, v, (n,), generator=g).to(DEVICE)
@@ -47,13 +48,13 @@ def test_kernels_are_used_for_half_precision_only():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("temperature,entropy_grad", [(1.0, True), (0.7, False)])
-def test_kernel_path_equals_torch_path(dtype, temperature, entropy_grad):
+@pytest.mark.parametrize("temperature,entropy_grad,hidden", [(1.0, True, 24), (0.7, False, 64)])
+def test_kernel_path_equals_torch_path(dtype, temperature, entropy_grad, hidden):
     """The kernels' logits are fp32 sums of the half-precision products, the torch path's are
     rounded to half precision first, so the statistics agree to that rounding; both round
     d/dlogits to half precision once."""
-    ours = _run(True, dtype, temperature, entropy_grad)
-    ref = _run(False, dtype, temperature, entropy_grad)
+    ours = _run(True, dtype, temperature, entropy_grad, hidden)
+    ref = _run(False, dtype, temperature, entropy_grad, hidden)
     hidden, weight, targets = ours[4]
     exact = naive_logprobs(hidden.detach().double(), weight.detach().double(), targets,
                            temperature)  # fmt: skip

@@ -331,14 +331,15 @@ def test_logprob_kernels_compile(with_entropy):
     _compile(logprob_kernels._grad_kernel, constexprs, warps=8)
 
 
-@pytest.mark.parametrize("with_entropy", [True, False])
-@pytest.mark.parametrize("activation", ["bf16", "fp16"])
-def test_fused_head_kernels_compile_to_wgmma(with_entropy, activation):
+@pytest.mark.parametrize("with_entropy,even_k,activation",
+                         [(True, True, "bf16"), (False, True, "bf16"), (True, False, "bf16"),
+                          (True, True, "fp16")])  # fmt: skip
+def test_fused_head_kernels_compile_to_wgmma(with_entropy, even_k, activation):
     """The fused log-prob head's tiles compile with wgmma (its matmul runs on the tensor
     cores) and no atomics (the results do not depend on program order)."""
     k = fused_head_kernels
     constexprs = dict(WITH_ENTROPY=with_entropy, BLOCK_T=k.BLOCK_T, BLOCK_V=k.BLOCK_V,
-                      BLOCK_K=k.BLOCK_K)  # fmt: skip
+                      BLOCK_K=k.BLOCK_K, EVEN_K=even_k)  # fmt: skip
     partials = {"part_t_ptr": "*fp32", "part_target_ptr": "*fp32"}
     for kernel, overrides in [(k._forward_kernel, partials), (k._grad_tile_kernel, {})]:
         compiled = _compile(kernel, constexprs, activation, overrides, warps=k.NUM_WARPS,
