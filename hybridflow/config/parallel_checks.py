@@ -82,6 +82,29 @@ def not_built_with_tensor_parallel(
     return problems
 
 
+def not_built_with_expert_parallel(
+    cfg: Config, sizes: list[RoleSize], in_use: set[str]
+) -> list[str]:
+    """Offloading to the host has no expert-parallel path yet (learners/expert_shard.py: the
+    experts' shards stay on the GPU)."""
+    offloads = {"actor": [("actor.param_offload", cfg.actor.param_offload),
+                          ("actor.optimizer_offload", cfg.actor.optimizer_offload)],
+                "ref": [("ref.param_offload", cfg.ref.param_offload)]}  # fmt: skip
+    problems = []
+    for size in sizes:
+        if size.dim != "ep" or size.value <= 1 or size.role not in in_use & offloads.keys():
+            continue
+        for key, on in offloads[size.role]:
+            if on:
+                problems.append(
+                    f"{ROLE_NAMES[size.role]}: {key} = true with {size.key} = {size.value}: "
+                    "offloading expert-parallel shards to the host is not built yet: set "
+                    f"{key}=false (FSDP2 already splits each expert over the ranks that hold "
+                    f"it) or {size.key}=1"
+                )
+    return problems
+
+
 def roles_in_use(use_reference: bool, use_critic: bool) -> set[str]:
     return (
         {"actor", "rollout"}
@@ -121,6 +144,8 @@ def check_layouts(
         for problem in not_yet_supported(sizes, in_use):
             add(problem)
         for problem in not_built_with_tensor_parallel(cfg, architecture, sizes, in_use):
+            add(problem)
+        for problem in not_built_with_expert_parallel(cfg, sizes, in_use):
             add(problem)
         for problem in rollout_tensor_parallel_limits(cfg, architecture):
             add(problem)

@@ -179,3 +179,18 @@ def test_tensor_parallel_training_of_experts_or_lora_is_refused():
                         "model.lora_rank=0"]  # fmt: skip
     validate(load_config(None, [*FOUR_CPUS, "model.path=tiny", "model.lora_rank=4",
                                 "actor.sequence_parallel_size=2"]))  # fmt: skip
+
+
+def test_offloading_expert_parallel_shards_is_refused_by_key():
+    problems = _problems([*FOUR_CPUS, "model.path=tiny-moe", "actor.expert_parallel_size=2",
+                          "actor.param_offload=true", "ref.param_offload=true",
+                          "actor.use_kl_loss=true"])  # fmt: skip
+    assert problems == [
+        "actor: actor.param_offload = true with actor.expert_parallel_size = 2: offloading "
+        "expert-parallel shards to the host is not built yet: set actor.param_offload=false "
+        "(FSDP2 already splits each expert over the ranks that hold it) or "
+        "actor.expert_parallel_size=1",
+        "reference: ref.param_offload = true with actor.expert_parallel_size = 2: offloading "
+        "expert-parallel shards to the host is not built yet: set ref.param_offload=false "
+        "(FSDP2 already splits each expert over the ranks that hold it) or "
+        "actor.expert_parallel_size=1"]  # fmt: skip

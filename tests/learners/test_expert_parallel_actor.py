@@ -1,6 +1,7 @@
 """The actor with expert parallelism on gloo processes gives one process's update on the same
 data: gradients, metrics (router losses pooled over the EP group) and weights, with routing
-replay; the full weights (weight sync, export) and a checkpoint round trip hold all experts.
+replay; the full weights (weight sync, export) and a checkpoint round trip hold all experts,
+and one process loads the checkpoint.
 
 - 2 processes, EP = 2: 4 of the tiny MoE's 8 experts per rank, FSDP2 shards the rest;
 - 4 processes, EP = 2: the two ranks that hold the same 4 experts shard them with FSDP2
@@ -87,3 +88,7 @@ def test_ep2_update_equals_one_process(tmp_path, world):
     assert max_abs_diff(rank0["weights"], expected) < 0.2 * CFG["lr"]
     assert max_abs_diff(rank1["weights"], rank0["weights"]) == 0
     assert max_abs_diff(rank0["resumed_weights"], rank0["weights"]) == 0
+    # the layout's checkpoint loads into one process (another layout): the same weights
+    one = ActorLearner(load_model("tiny-moe"), actor_config(**CFG), total_steps=2, device="cpu")
+    one.load(str(tmp_path / "ckpt"))
+    assert max_abs_diff(dict(one.hf_weights()), rank0["weights"]) == 0

@@ -95,3 +95,40 @@ def test_a_data_parallel_run_on_several_gpus_gets_the_layout_advice_too():
         plan_command(cfg, "80GiB", out=out.append)
     text = "\n".join(out)
     assert "Parallel layout plan: llama3.1-70b" in text and "recommended: actor tp" in text
+
+
+# The large cases of docs/parallelism.md ("The plan at scale"): the GRPO shape shared there,
+# the devices, and what the plan recommends (its "set:" line) with the KV cache a replica
+# holds, as the table shows them.
+AT_SCALE = ["data.max_prompt_length=1024", "data.max_response_length=4096", "rollout.n=8",
+            "actor.max_tokens_per_gpu=16384", "rollout.max_num_seqs=256",
+            "rollout.gpu_memory_utilization=0.9", "actor.use_kl_loss=true", "trainer.backend=ray",
+            "trainer.n_gpus_per_node=8"]  # fmt: skip
+TP, EP = "tensor_parallel_size", "expert_parallel_size"
+OFFLOAD = "model.gradient_checkpointing=true actor.param_offload=true"
+
+
+@pytest.mark.parametrize(
+    "model, nodes, memory, batch, recommended, sequences",
+    [("llama3.1-70b", 1, "80GiB", 128, f"actor.{TP}=2 rollout.{TP}=8 {OFFLOAD}", 204),
+     ("llama3.1-70b", 2, "140GiB", 128, f"actor.{TP}=2 rollout.{TP}=8 "
+      "model.gradient_checkpointing=true", 256),
+     ("qwen3-235b-a22b", 4, "80GiB", 128, f"actor.{EP}=32 rollout.{EP}=32 {OFFLOAD}", 34),
+     ("qwen3-235b-a22b", 8, "140GiB", 128, f"actor.{EP}=64 rollout.{EP}=64 "
+      "model.gradient_checkpointing=true", 66),
+     ("deepseek-v3", 12, "96GB", 96, f"actor.{TP}=4 actor.{EP}=8 rollout.{TP}=8 rollout.{EP}=32 "
+      f"{OFFLOAD}", 86)],
+)  # fmt: skip
+def test_the_large_cases_of_the_parallelism_page(model, nodes, memory, batch, recommended,
+                                                 sequences):  # fmt: skip
+    out = []
+    cfg = load_config(None, [f"model.path={model}", f"trainer.nnodes={nodes}",
+                             f"data.train_batch_size={batch}",
+                             f"actor.ppo_mini_batch_size={batch // 4}", *AT_SCALE])  # fmt: skip
+    with pytest.raises(ConfigError):  # the data-parallel layout of the config does not fit
+        plan_command(cfg, memory, out=out.append)
+    lines = "\n".join(out).splitlines()
+    start = next(i for i, line in enumerate(lines) if "  recommended: " in line)
+    assert lines[start + 1].strip() == f"set: {recommended}"
+    kv = next(line for line in lines[start:] if line.strip().startswith("KV cache: "))
+    assert kv.strip().startswith(f"KV cache: {sequences} sequences of 5,120 tokens")
