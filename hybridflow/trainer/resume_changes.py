@@ -24,6 +24,11 @@ APPLIED = {
     "adaptive one keeps the value it adapted to",
     "rollout.tensor_parallel_size": "the rollout keeps no state: its engine is built in the "
     "new layout and takes the loaded actor's weights; the samples are the same",
+    **{
+        f"{role}.{size}": "each rank reads its part of the checkpoint's shards in the new layout"
+        for role in ("actor", "ref", "critic")
+        for size in ("tensor_parallel_size", "sequence_parallel_size", "expert_parallel_size")
+    },
 }
 
 _NEW_RUN = "start a new run (another trainer.run_dir, or trainer.resume=disable)"
