@@ -86,6 +86,31 @@ def new_tokens(args) -> int:
     return args.sequence_len - args.prompt_len
 
 
+def stage_floors_s(args, prompts: int, offload: bool) -> dict[str, float]:
+    """{stage: floor seconds} at the GPU's peaks (hybridflow/trainer/stage_floors.py), with
+    the recomputation the memory plan chooses; {} on a CPU or an unknown GPU."""
+    from hybridflow.trainer.grpo_bench import bench_config
+    from hybridflow.trainer.memory_check import memory_defaults
+    from hybridflow.trainer.metrics import peak_flops_per_gpu
+    from hybridflow.trainer.preflight import model_architecture
+    from hybridflow.trainer.stage_floors import StepShape, peak_bandwidth, stage_floors
+
+    name = device_name(args)
+    architecture = model_architecture(args.model)
+    if name == "cpu" or architecture is None:
+        return {}
+    cfg = bench_config(args.model, prompts=prompts, samples=args.samples,
+                       prompt_len=args.prompt_len, new_tokens=new_tokens(args),
+                       micro_batch_tokens=args.micro_tokens,
+                       overrides=recipe_overrides(args, prompts, offload))  # fmt: skip
+    # "auto" left unresolved (no GPU to plan for) means off, as a run resolves it there
+    recompute = memory_defaults(cfg, log=lambda line: None).model.gradient_checkpointing is True
+    shape = StepShape(prompts, args.samples, args.prompt_len, new_tokens(args))
+    floors = stage_floors(architecture, shape, peak_flops_per_gpu(name), peak_bandwidth(name),
+                          recompute=recompute)  # fmt: skip
+    return {k.removeprefix("timing_s/"): v for k, v in floors.items()}
+
+
 def run_prompts(args, prompts: int) -> dict:
     """One prompt count: the plan's optimizer placement, then the timed steps."""
     from rich.console import Console
@@ -121,6 +146,7 @@ def run_prompts(args, prompts: int) -> dict:
         torch.cuda.empty_cache()
     return {**row, "optimizer": "host" if offload else "device",
             "peak_gib": max(peaks, default=float("nan")),
+            "floor_s": stage_floors_s(args, prompts, offload),
             **step_numbers(times, stages, tokens)}  # fmt: skip
 
 
@@ -142,6 +168,13 @@ def device_name(args) -> str:
     return "cpu"
 
 
+def stage_cell(stage: str, seconds: float, row: dict) -> str:
+    """``update_actor 120.3 (55%, floor 60.1)``: seconds, share of the step, the floor."""
+    floor = row.get("floor_s", {}).get(stage)
+    at_floor = f", floor {floor:.1f}" if floor else ""
+    return f"{stage} {seconds:.1f} ({100 * seconds / row['step_s']:.0f}%{at_floor})"
+
+
 def report(args, rows: list[dict]) -> list[str]:
     """The table (a row per prompt count), its flatness, and the published comparison."""
     today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
@@ -157,7 +190,8 @@ def report(args, rows: list[dict]) -> list[str]:
         f"{args.prompt_len} + {new_tokens(args)} tokens per sequence (every response to its "
         f"maximum), KL 0.01 to the reference, s/step: {timing}",
         "tokens/s/GPU = prompt + response tokens of a step / (s/step x GPUs), NeMo-RL's definition",
-        "| prompts | sequences | AdamW on | s/step | tokens/s/GPU | peak GiB | stages: s (share) |",
+        "| prompts | sequences | AdamW on | s/step | tokens/s/GPU | peak GiB "
+        "| stages: s (share, floor s) |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -165,8 +199,7 @@ def report(args, rows: list[dict]) -> list[str]:
             lines.append(f"| {r['prompts']} | {r['sequences']} | does not fit | - | - | - "
                          f"| {' '.join(r['problems'])[:300]} |")  # fmt: skip
             continue
-        stages = ", ".join(f"{k} {v:.1f} ({100 * v / r['step_s']:.0f}%)"
-                           for k, v in r["stage_s"].items())  # fmt: skip
+        stages = ", ".join(stage_cell(k, v, r) for k, v in r["stage_s"].items())
         lines.append(f"| {r['prompts']} | {r['sequences']} | {r['optimizer']} "
                      f"| {r['step_s']:.1f} | {r['tokens_per_s_per_gpu']:,.0f} "
                      f"| {r['peak_gib']:.1f} | {stages} |")  # fmt: skip
