@@ -8,7 +8,8 @@ to the step's token budget, beside the decode rows (the first tokens of the forw
 attending over its slot like a decode step, sampled and advanced as one). A job whose last
 chunk ran fans its K/V out to its samples' slots and samples their first tokens from that
 chunk's last logits: they are live rows from the next step on. A continuation of a kept slot
-(kept.py) is a job that starts at the slot's cached length.
+(kept.py) is a job that starts at the slot's cached length; a preempted request's recompute
+(preemption.py) is a job whose row goes on from the last token it sampled.
 
 So a decode row waits at most one step for a new request, however long its prompt, and a
 turn of an agent's episode costs its own tokens in a step, not a pass of its own. Steps with
@@ -26,7 +27,7 @@ import torch
 from hybridflow.engine import admission, preemption
 from hybridflow.engine.host import ranges, upload
 from hybridflow.engine.prefill import host_spans
-from hybridflow.engine.requests import Completion, Submission
+from hybridflow.engine.requests import Completion, LiveRequest, Submission
 
 if TYPE_CHECKING:
     from hybridflow.engine.scheduler import Scheduler
@@ -41,6 +42,7 @@ class PrefillJob:
     sequence: list[int]  # the token ids whose K/V the first slot must hold
     done: int  # positions [0, done) are in the cache (a kept prefix, earlier chunks)
     copies: tuple | None = None  # a paged cache's partial blocks to copy at the end
+    resumed: LiveRequest | None = None  # a preempted request's recompute (preemption.py)
 
     @property
     def left(self) -> int:
@@ -51,8 +53,13 @@ class PrefillJob:
 
 
 def open_jobs(scheduler: Scheduler) -> None:
-    """Continuations of kept slots, then waiting requests, into jobs while slots (and a paged
-    cache's blocks) last: no waiting for company, a job costs only its tokens in a step."""
+    """Preempted requests, continuations of kept slots, then waiting requests, into jobs
+    while slots (and a paged cache's blocks) last: no waiting for company, a job costs only
+    its tokens in a step."""
+    while scheduler.resuming and preemption.can_resume(scheduler):
+        live, sequence = preemption.take_resumed(scheduler)
+        job = PrefillJob([(live.sub, live.request)], [live.slot], sequence, 0, resumed=live)
+        scheduler.prefilling.append(job)
     while scheduler.extending and preemption.extension_fits(scheduler):
         sub, request, slot, cached = scheduler.extending.popleft()
         sub.table.check()  # every id in range before it indexes the embedding
@@ -111,10 +118,12 @@ def abort(scheduler: Scheduler, sub: Submission, request: int) -> bool:
             scheduler.prefilling.remove(job)
             for slot in job.slots:
                 scheduler.free_slot(slot)
+            live = job.resumed  # a preempted request keeps what it had sampled
+            tokens, logprobs = (live.tokens, live.logprobs) if live else ([], [])
+            spans = tuple(live.spans) if live else ((0, scheduler.version),)
             for s, r in job.requests:
                 if s.results[r] is None:
-                    s.finish(r, Completion([], [], "abort",
-                                           version_spans=((0, scheduler.version),)))  # fmt: skip
+                    s.finish(r, Completion(tokens, logprobs, "abort", version_spans=spans))
         return True
     return False
 
@@ -209,6 +218,15 @@ def finish_jobs(scheduler: Scheduler, jobs: list[PrefillJob], logits: torch.Tens
     engine = scheduler.engine
     for job in jobs:
         scheduler.prefilling.remove(job)
+    for job in jobs:
+        if job.resumed is not None:  # its next token is the last it sampled: no sampling
+            preemption.append_resumed(scheduler, job.resumed, len(job.sequence))
+    sampled = [j for j, job in enumerate(jobs) if job.resumed is None]
+    if not sampled:
+        return
+    if len(sampled) < len(jobs):  # (an index list uploaded: a pageable one would sync)
+        logits = logits[upload(engine.device, torch.tensor(sampled))[0]]
+        jobs = [jobs[j] for j in sampled]
     _fan_out(scheduler, jobs)
     taken = [entry for job in jobs for entry in job.requests]
     slots = [slot for job in jobs for slot in job.slots]

@@ -20,6 +20,7 @@ import torch
 from hybridflow.engine.host import upload
 
 if TYPE_CHECKING:
+    from hybridflow.engine.requests import LiveRequest
     from hybridflow.engine.scheduler import Scheduler
 
 
@@ -107,13 +108,8 @@ def resume(scheduler: Scheduler) -> None:
     """Prefill the oldest preempted request's prompt and tokens but the last (which has
     not been through the model) into a free slot; it decodes on from its last token, its
     sampling step where it stopped, so it draws what it would have drawn unpreempted."""
-    live = scheduler.resuming.popleft()
-    sub, engine = live.sub, scheduler.engine
-    slot = live.slot = scheduler.free_slots.pop()
-    sequence = [*sub.prompt_of(live.request), *live.tokens[:-1]]
-    length = len(sequence)
-    engine.prefill_tokens += length  # recomputed: the price of the preemption
-    scheduler.paging.grow([slot], [length])
+    live, sequence = take_resumed(scheduler)
+    engine, slot, length = scheduler.engine, live.slot, len(sequence)
     positions = torch.arange(length)
     slots = torch.full((length,), slot)
     ids, positions_dev, slots_dev, entries, offsets, cu = upload(
@@ -122,6 +118,25 @@ def resume(scheduler: Scheduler) -> None:
     )  # fmt: skip
     engine.prefill(engine.model, scheduler.cache, engine.rope, ids, positions_dev, slots_dev,
                    cu.to(torch.int32), length, cu[1:] - 1, cache_at=(entries, offsets))  # fmt: skip
+    append_resumed(scheduler, live, length)
+
+
+def take_resumed(scheduler: Scheduler) -> tuple[LiveRequest, list[int]]:
+    """The oldest preempted request into a free slot with blocks for what it recomputes:
+    -> (it, the token ids whose K/V the slot must hold again)."""
+    live = scheduler.resuming.popleft()
+    sub = live.sub
+    slot = live.slot = scheduler.free_slots.pop()
+    sequence = [*sub.prompt_of(live.request), *live.tokens[:-1]]
+    scheduler.engine.prefill_tokens += len(sequence)  # recomputed: the price of preemption
+    scheduler.paging.grow([slot], [len(sequence)])
+    return live, sequence
+
+
+def append_resumed(scheduler: Scheduler, live: LiveRequest, length: int) -> None:
+    """A resumed request whose slot holds `length` positions again back as a live row, at
+    its last token and sampling step."""
+    sub, engine, slot = live.sub, scheduler.engine, live.slot
     if sub not in scheduler.live_subs:
         scheduler.live_subs[sub] = 0
         scheduler.subs_changed = True

@@ -188,7 +188,8 @@ class Scheduler:
     def new_version(self, version: int) -> None:
         """Tokens sampled from now on come from policy `version` (call after flush())."""
         self.version = version
-        for live in [*self.rows, *self.resuming]:
+        resumed = [job.resumed for job in self.prefilling if job.resumed is not None]
+        for live in [*self.rows, *self.resuming, *resumed]:
             if live.spans[-1][0] == len(live.tokens):
                 live.spans[-1] = (len(live.tokens), version)
             else:
@@ -202,8 +203,6 @@ class Scheduler:
         # rows admitted later would otherwise trail the first ones by a whole chunk of steps
         # at a smaller batch (an H200 profile of 256 prompts showed 15 steps at 128 rows).
         self.steps += 1
-        while self.resuming and preemption.can_resume(self):
-            preemption.resume(self)
         if self.mixed:
             mixed.open_jobs(self)
         else:
@@ -226,6 +225,8 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Prefill and extend passes of their own, before the chunk of decode steps."""
+        while self.resuming and preemption.can_resume(self):
+            preemption.resume(self)
         while self.extending and self._ready(self.extending) and preemption.extension_fits(self):
             continuation.admit(self)
         while self.waiting and not self.resuming and self._should_admit() and admission.admit(self):
