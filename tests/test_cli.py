@@ -46,6 +46,15 @@ def test_import_is_light():
     assert out[1] == "False", "import hybridflow must not import torch"
 
 
+def test_python_dash_m_runs_the_command():
+    # `python -m hybridflow` where the venv's scripts directory is not on PATH
+    done = subprocess.run(
+        [sys.executable, "-m", "hybridflow", "config", "validate"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert "config OK" in done.stdout, done.stdout
+
+
 class FailingImport(importlib.abc.MetaPathFinder):
     """Makes importing ``module`` fail as if the package ``missing`` were not installed."""
 
