@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,8 @@ class StateWriter:
         """Write ``state`` (DCP) and ``extra`` (torch.save) under ``directory``. background:
         stage to host now, write on a thread (see :meth:`finished`); all ranks must call."""
         self.wait()  # the previous write owns its files until it ends
+        if not self.distributed:
+            hide_single_process_warning()
         if not background:
             _write_files(state, directory, extra, extra_path, self.process_group, self.distributed)
             return
@@ -132,6 +135,19 @@ class StateWriter:
             ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
             self._background_group = dist.new_group(ranks=ranks, backend="gloo")
         return self._background_group
+
+
+def hide_single_process_warning() -> None:
+    """From now on, in this process, hide torch's warning that a one-process save is
+    one-process. ``dcp.save`` warns on every call of a run without torch.distributed, even
+    when told ``no_dist=True``, so no argument avoids it, and it asks nothing of the user
+    (a reported run hides it too: ``progress.HIDDEN_WARNINGS``). Process-wide rather than ``warnings.catch_warnings``
+    around the save: a background save runs on a thread, and catch_warnings there would
+    restore the filters over any the main thread set meanwhile. Called on the saving thread
+    before the writer thread starts."""
+    from hybridflow.dcp_reader import SINGLE_PROCESS_WARNING
+
+    warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING, category=UserWarning)
 
 
 def _write_files(state, directory: Path, extra, extra_path: Path, group, distributed) -> None:
