@@ -7,7 +7,11 @@
 
 The engine's thread writes into a handle (new tokens, a finished sample); any number of
 other threads and event loops read it. Each change wakes blocked readers (a Condition) and
-awaiting tasks (a future on their own loop, resolved with call_soon_threadsafe).
+awaiting tasks (a future on their own loop, resolved with call_soon_threadsafe). A Wakeups
+collects the latter over a step of the engine's thread and posts them once per event loop:
+each call_soon_threadsafe writes to the loop's self-pipe, a system call that lets the event
+loop's thread take the GIL, so one per finished request made the engine's thread wait for
+it hundreds of times at an agent turn boundary.
 """
 
 from __future__ import annotations
@@ -29,12 +33,38 @@ class TokenDelta:
     completion: Completion | None = None
 
 
-class RequestHandle:
-    """n samples of one prompt in flight (module docstring)."""
+class Wakeups:
+    """Awaiting tasks' futures to resolve, gathered on one thread and posted together: one
+    call_soon_threadsafe per event loop per post()."""
 
-    def __init__(self, n: int, abort=None):
+    def __init__(self):
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self.posts = 0  # call_soon_threadsafe calls made (a counter)
+
+    def add(self, waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]) -> None:
+        self._waiters += waiters
+
+    def post(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = {}
+        for loop, future in waiters:
+            by_loop.setdefault(loop, []).append(future)
+        for loop, futures in by_loop.items():
+            self.posts += 1
+            try:
+                loop.call_soon_threadsafe(_resolve_all, futures)
+            except RuntimeError:  # that loop is closed: nobody waits there any more
+                pass
+
+
+class RequestHandle:
+    """n samples of one prompt in flight (module docstring). wakeups: where the futures of
+    awaiting tasks go when it changes (a Wakeups its writer posts); None: posted at once."""
+
+    def __init__(self, n: int, abort=None, wakeups: Wakeups | None = None):
         self.n = n
         self._abort = abort  # callable(sample) on the service, or None
+        self._wakeups = wakeups
         self._changed = threading.Condition()
         self._deltas: list[TokenDelta] = []
         self._completions: list[Completion | None] = [None] * n
@@ -64,8 +94,11 @@ class RequestHandle:
     def _notify(self) -> None:
         self._changed.notify_all()
         waiters, self._waiters = self._waiters, []
+        if self._wakeups is not None:
+            self._wakeups.add(waiters)
+            return
         for loop, future in waiters:
-            loop.call_soon_threadsafe(_resolve, future)
+            loop.call_soon_threadsafe(_resolve_all, [future])
 
     # -- read anywhere --------------------------------------------------------------------------
 
@@ -149,6 +182,7 @@ class RequestHandle:
         return future
 
 
-def _resolve(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)
+def _resolve_all(futures: list[asyncio.Future]) -> None:
+    for future in futures:
+        if not future.done():
+            future.set_result(None)

@@ -36,7 +36,7 @@ from concurrent.futures import Future
 
 import torch
 
-from hybridflow.engine.handles import RequestHandle
+from hybridflow.engine.handles import RequestHandle, Wakeups
 from hybridflow.engine.host import cyclic_gc_paused
 from hybridflow.engine.requests import Completion, Submission
 from hybridflow.engine.sampling import SamplingParams
@@ -57,6 +57,8 @@ class RolloutService:
         self._wake = threading.Condition()
         self._paused = False
         self._closed = False
+        # awaiting tasks woken once per event loop per pass of the thread (handles.py)
+        self.wakeups = Wakeups()
         self.streams = streams or ServiceStream(engine.device, engine.options.service_stream)
         self._thread = threading.Thread(target=self._run, name="hybridflow-engine", daemon=True)
         engine.service = self
@@ -99,7 +101,7 @@ class RolloutService:
                  stream=False) -> tuple[Submission, RequestHandle]:  # fmt: skip
         """A request's submission and handle, checked here, on the caller's thread (the
         engine's never raises for a bad prompt)."""
-        handle = RequestHandle(params.n)
+        handle = RequestHandle(params.n, wakeups=self.wakeups)
         seeds = None if seed is None else [seed]
         sub = self.engine.submission(
             [list(prompt_ids)], params, seeds, keep=keep,
@@ -224,6 +226,7 @@ class RolloutService:
                         future.set_result(task())
                     except BaseException as error:  # the caller of _call re-raises it
                         future.set_exception(error)
+                self.wakeups.post()
                 if not gathered and self._should_gather():
                     gathered = True
                     self._gather()
@@ -234,6 +237,7 @@ class RolloutService:
                         busy.enter_context(cyclic_gc_paused())
                         paused_gc = True
                     self._step()
+                    self.wakeups.post()  # once a step: the tasks it finished or fed
             busy.close()
             self.streams.hand_back()  # close(): the engine is the caller's again
 

@@ -54,3 +54,23 @@ def test_one_tick_of_requests_is_one_post_and_each_samples_as_alone(model, per_s
     assert [c.token_ids for c in got] == [c.token_ids for c in expected]
     for a, b in zip(got, expected):
         torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+
+
+def test_requests_finishing_in_one_step_wake_their_event_loop_once(model):
+    """Six turns admitted together, with one budget, finish at one read-back: one
+    call_soon_threadsafe wakes their six tasks (not one each: handles.Wakeups)."""
+    client = EngineClient(Engine(model, 8, 64, options=EAGER))
+
+    async def one_burst():
+        loop = asyncio.get_running_loop()
+        wakes = []
+        post = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *args, **kw: wakes.append(args) or post(*args, **kw)
+        done = await asyncio.gather(*(client.generate(p, dataclasses.replace(PARAMS, seed=i))
+                                      for i, p in enumerate(PROMPTS)))  # fmt: skip
+        return done, wakes
+
+    done, wakes = asyncio.run(one_burst())
+    client.close()
+    assert [len(c.token_ids) for c in done] == [PARAMS.max_new_tokens] * len(PROMPTS)
+    assert len(wakes) == 1 and client.service.wakeups.posts >= 1
