@@ -119,13 +119,18 @@ def test_prompt_clients_keep_their_connection_between_requests(strict_server):
 def test_an_abandoned_request_is_aborted_in_the_engine(tiny_server, engine_client, monkeypatch):
     service = engine_client.service
     handles = []
-    submit = service.submit
+    submit, submit_many = service.submit, service.submit_many
 
     def submitted(*args, **kwargs):
         handles.append(submit(*args, **kwargs))
         return handles[-1]
 
+    def submitted_many(requests):  # the client's path: a tick's requests in one post
+        handles.extend(submit_many(requests))
+        return handles[-len(requests) :]
+
     monkeypatch.setattr(service, "submit", submitted)
+    monkeypatch.setattr(service, "submit_many", submitted_many)
     body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                        "max_tokens": 400, "ignore_eos": True})  # fmt: skip
     address = urllib.parse.urlsplit(tiny_server.url)
