@@ -28,9 +28,11 @@ def add_ttft_arguments(p: argparse.ArgumentParser) -> None:
                    help="model dtype on CUDA (fp32 on CPU)")  # fmt: skip
     p.add_argument("--device", default=None, help="device to run on (default: cuda if available)")
     p.add_argument("--engine", action="append", default=[], metavar="NAME=VALUE",
-                   help="an EngineOptions field (repeatable)")  # fmt: skip
+                   help="an EngineOptions field (repeatable; default: none, EngineOptions' "
+                   "defaults)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and the sampling")
-    p.add_argument("--json", default=None, help="also write the results to this file")
+    p.add_argument("--json", default=None,
+                   help="also write the results to this file (default: print only)")  # fmt: skip
 
 
 def bench_ttft(args) -> dict:
