@@ -41,3 +41,29 @@ def test_fused_mixed_steps_sample_as_the_eager_separate_passes():
     assert [c.token_ids for c in got] == [c.token_ids for c in expected]
     for a, b in zip(got, expected):
         torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-4)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="FlashAttention runs on CUDA in 16-bit")
+def test_bf16_mixed_steps_run_flash_chunks_beside_decode_rows_and_agree_with_passes():
+    """In bf16 the chunks attend through FlashAttention and the decode rows through the
+    decode kernel, in one forward; the first tokens agree with separate passes to bf16
+    rounding (other matmul shapes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = _model().to(torch.bfloat16)
+    greedy = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+    budgets = [3, 10, 8]  # the first row leaves early: the last prompt joins decoding rows
+    firsts = {}
+    for per_step in (0, 8):
+        engine = Engine(model, 2, 64, options=EngineOptions(
+            decode_backend="triton", steps_per_sync=2, max_prefill_tokens_per_step=per_step))  # fmt: skip
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out = engine.generate(PROMPTS, greedy, max_new_tokens=budgets)
+            torch.cuda.synchronize()
+        kernels = " ".join(event.key for event in prof.key_averages())
+        firsts[per_step] = [(c.token_ids[0], c.logprobs[0]) for c in out]
+        if per_step:
+            assert engine.scheduler.mixed_steps > 0
+            assert "flash" in kernels and "_decode_attention" in kernels
+    for (token, logprob), (ref_token, ref_logprob) in zip(firsts[8], firsts[0]):
+        assert token == ref_token and abs(logprob - ref_logprob) < 0.05
