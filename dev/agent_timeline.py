@@ -3,7 +3,7 @@
 continued requests, decode chunks, read-backs) and the time the engine's thread sat idle
 waiting for requests; plus the submit calls on the episodes' thread.
 
-    python dev/agent_timeline.py --preset qwen2.5-0.5b
+    python dev/agent_timeline.py --preset qwen2.5-0.5b [--engine max_prefill_tokens_per_step=2048]
     python dev/agent_timeline.py --preset tiny --device cpu --episodes 64   # dry run
 
 Wrappers time each method (a few microseconds each), so the phases add up to about the wall
@@ -25,10 +25,11 @@ import torch
 
 def instrument(counts: collections.Counter, seconds: collections.defaultdict,
                events: list) -> None:  # fmt: skip
-    from hybridflow.engine import scheduler, service
+    from hybridflow.engine import admission, continuation, mixed, readback, scheduler, service
 
-    def wrap(owner, name):
+    def wrap(owner, name, label=None):
         original = getattr(owner, name)
+        label = label or name
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
@@ -36,18 +37,22 @@ def instrument(counts: collections.Counter, seconds: collections.defaultdict,
                 return original(*args, **kwargs)
             finally:
                 end = time.perf_counter()
-                seconds[name] += end - start
-                counts[name] += 1
+                seconds[label] += end - start
+                counts[label] += 1
                 if name == "step":  # (start, end, live rows after it)
                     events.append((start, end, len(args[0].rows)))
 
         setattr(owner, name, timed)
 
-    for name in ("step", "_admit", "_admit_extension", "_absorb", "_decode", "_retire",
-                 "_snapshot"):  # fmt: skip
+    for name in ("step", "_absorb", "_decode", "retire", "_snapshot"):
         wrap(scheduler.Scheduler, name)
-    wrap(scheduler._Snapshot, "wait")
-    wrap(service.RolloutService, "submit")
+    # module functions the scheduler calls through their module: prefill, extend, mixed steps
+    for module, name, label in ((admission, "admit", "prefill pass"),
+                                (continuation, "admit", "extend pass"),
+                                (mixed, "run_step", "mixed step")):  # fmt: skip
+        wrap(module, name, label)
+    wrap(readback.Snapshot, "wait")
+    wrap(service.RolloutService, "submit_many")
     condition_wait = threading.Condition.wait
 
     def wait(self, timeout=None):
@@ -71,6 +76,8 @@ def main() -> None:
     parser.add_argument("--tool-tokens", type=int, default=32)
     parser.add_argument("--tool-latency-ms", type=float, default=10)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--engine", action="append", default=[], metavar="NAME=VALUE",
+                        help="an EngineOptions field (repeatable)")  # fmt: skip
     parser.add_argument("--torch-profile", action="store_true",
                         help="also profile the timed run: top ops by device and host time")  # fmt: skip
     args = parser.parse_args()
@@ -89,7 +96,11 @@ def main() -> None:
     vocab = model.config.vocab_size
     prompts = make_prompts(args.episodes, 128, vocab, 0)
     length = 128 + args.turns * args.turn_tokens + (args.turns - 1) * args.tool_tokens
-    engine = Engine(model, max_batch_size=args.episodes, max_seq_len=length)
+    from hybridflow.agents.bench import SimpleArgs
+    from hybridflow.engine.bench_cli import engine_options
+
+    engine = Engine(model, max_batch_size=args.episodes, max_seq_len=length,
+                    options=engine_options(SimpleArgs(args.engine)))  # fmt: skip
     sampling = SamplingParams(temperature=1.0, ignore_eos=True)
     engine.warm_up(sampling)
 
