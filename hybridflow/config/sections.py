@@ -203,6 +203,10 @@ class TrainerConfig:
     """auto (continue the latest checkpoint in run_dir) | disable | path to a checkpoint."""
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     """console | jsonl | tensorboard | wandb."""
+    rollout_data_dir: str | None = None
+    """Write each step's samples to ``<dir>/<step>.jsonl`` (verl's format: one line a sample
+    with its input, output, gts and score text and the step; trainer/rollout_dump.py).
+    None: nothing is written."""
     progress_interval_s: float = 10.0
     """Output that is not a terminal (log files, CI): after this many seconds without output,
     a line says what the run is doing (a terminal shows progress bars instead)."""

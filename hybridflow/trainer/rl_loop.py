@@ -33,6 +33,7 @@ from hybridflow.trainer.metrics import (
     throughput_metrics,
 )
 from hybridflow.trainer.roles import Roles, sync_weights
+from hybridflow.trainer.rollout_dump import dump_rollouts
 from hybridflow.trainer.run_state import save_checkpoint, start_checkpoint
 from hybridflow.trainer.stages import (
     RunContext,
@@ -77,6 +78,8 @@ def train_step(run: RunContext, rollout: tuple | None = None,
         with timer("adv"):
             batch, adv_metrics = rewards_and_advantages(run, batch)
         metrics.update(adv_metrics)
+        if run.cfg.trainer.rollout_data_dir is not None:  # verl's dumps of the samples
+            dump_rollouts(run.cfg.trainer.rollout_data_dir, run.step, run.tokenizer, batch)
 
         if roles.critic is not None:
             with timer("update_critic"):

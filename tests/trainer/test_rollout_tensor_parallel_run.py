@@ -2,8 +2,9 @@
 SP = 2 and the rollout tensor-parallel over both processes (one engine, its weights resharded
 from the actor's FSDP2 shards after every update) logs the metrics of plain data parallelism
 on the same two processes, which logs those of one process, step after step (the second
-step samples with the resharded weights of the first update); a data-parallel checkpoint
-resumes in that layout."""
+step samples with the resharded weights of the first update) and samples the same tokens
+(the samples verl's trainer.rollout_data_dir writes); a data-parallel checkpoint resumes in
+that layout."""
 
 from __future__ import annotations
 
@@ -32,10 +33,19 @@ LAYOUT = (VERL + "actor.ulysses_sequence_parallel_size=2",
 def _train(tmp_path, *layout: str) -> dict[int, dict]:
     run_dir = tmp_path / "run"
     argv = ["train", *TINY, *RUN, *layout, f"trainer.run_dir={run_dir}",
-            f"trainer.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
+            f"trainer.cache_dir={tmp_path / 'cache'}",
+            f"trainer.rollout_data_dir={tmp_path / 'rollouts'}"]  # fmt: skip
     assert main(argv) == 0
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return {row["step"]: row for row in map(json.loads, lines)}
+
+
+def _samples(tmp_path, step: int) -> list[dict]:
+    """The step's samples as verl's trainer.rollout_data_dir writes them (text and score),
+    sorted: the file follows the order the ranks train the rows in, balanced by length over
+    the data-parallel ranks, which differs between 1 and 2 of them."""
+    lines = (tmp_path / "rollouts" / f"{step}.jsonl").read_text().splitlines()
+    return sorted((json.loads(line) for line in lines), key=lambda row: json.dumps(row))
 
 
 def _assert_same(want: dict, got: dict, step: int) -> None:
@@ -62,11 +72,16 @@ def test_ulysses_actor_and_tensor_parallel_rollout_log_the_metrics_of_data_paral
     for step, want in plain.items():
         _assert_same(one[step], want, step)  # the samples follow sample_index, not the rank
         _assert_same(want, layout[step], step)
+        # the same tokens: every sample's text, in the same order, in the three runs
+        samples = _samples(tmp_path / "dp", step)
+        assert len(samples) == 16 and samples[0]["step"] == step
+        assert _samples(tmp_path / "one", step) == samples == _samples(tmp_path / "layout", step)
     # resume across the change of layout: step 1 in data parallelism, step 2 in the layout
     _train(tmp_path / "resumed", *PLAIN, "trainer.total_steps=1", "trainer.save_freq=1")
     capsys.readouterr()
     resumed = _train(tmp_path / "resumed", *LAYOUT, "trainer.resume=auto")
     assert sorted(resumed) == [1, 2]
     _assert_same(plain[2], resumed[2], 2)
+    assert _samples(tmp_path / "resumed", 2) == _samples(tmp_path / "dp", 2)
     out = capsys.readouterr()
     assert "rollout.tensor_parallel_size: 1 -> 2 (the rollout keeps no state" in out.out + out.err

@@ -422,7 +422,7 @@ TRAINER_TABLE: list[Entry] = [
     ),
     Ignored("trainer.balance_batch", "micro-batches are always balanced by tokens across ranks"),
     Ignored("trainer.log_val_generations", "validation generations are not logged"),
-    Unsupported("trainer.rollout_data_dir", "dumping rollouts to files", _off, "null"),
+    Rename("trainer.rollout_data_dir", "trainer.rollout_data_dir"),
     Unsupported("trainer.validation_data_dir", "dumping validation generations", _off, "null"),
     Unsupported("trainer.default_hdfs_dir", "copying checkpoints to HDFS", _off, "null"),
     Ignored("trainer.del_local_ckpt_after_load", "checkpoints are kept per trainer.keep_last_k"),

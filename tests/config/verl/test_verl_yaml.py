@@ -101,6 +101,7 @@ MAPPED = [
         "custom_reward_function.path=/r.py",
         "custom_reward_function.name=score",
         "trainer.logger=['console','tensorboard']",
+        "trainer.rollout_data_dir=/rollouts",
         "trainer.default_local_dir=/ckpt",
         "trainer.max_actor_ckpt_to_keep=3",
         "trainer.save_freq=0",
