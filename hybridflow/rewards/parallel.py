@@ -8,8 +8,10 @@ Two layers of timeout:
   1. Inside the process that runs the scorers. The calls of a chunk run concurrently, one
      thread each (up to `MAX_CONCURRENT_CALLS`), so calls that hang or sleep time out
      together: 8 samples at a 1 s timeout take about 1 s, not 8. A call's time is its wall
-     time minus the CPU time the other scorer threads used meanwhile (under the GIL a busy
-     scorer delays the others: CPU-bound scorers are timed as if run one after another).
+     time minus the time the other scorer threads (and the thread timing them) ran or waited
+     for a CPU meanwhile: under the GIL a busy scorer delays the others, so CPU-bound scorers
+     are timed as if run one after another, and on a loaded machine (Linux: each thread's
+     wait for a CPU is in /proc) a call is charged only its own wait, not the others'.
      A call past its timeout gets `ScoringTimeout` raised inside its thread (this stops
      Python loops; a call blocked in C is abandoned, its thread is a daemon) and scores as
      a timeout. A single call runs in the main thread, where `SIGALRM` interrupts it (also
@@ -166,13 +168,28 @@ def run_chunk(calls: Sequence[Call], timeout_s: float | None) -> list[ScoreOutco
     return outcomes
 
 
-def _thread_cpu_s(thread: threading.Thread, finished_cpu: dict[int, float], index: int) -> float:
-    if index in finished_cpu:
-        return finished_cpu[index]
+def _busy_s(thread_id: int | None) -> float | None:
+    """Seconds the thread ``thread_id`` of this process ran or waited runnable for a CPU
+    (Linux's /proc/self/task/<id>/schedstat); None elsewhere or once the thread ended."""
+    try:
+        with open(f"/proc/self/task/{thread_id}/schedstat", "rb") as stats:
+            running_ns, runnable_ns = stats.read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return (int(running_ns) + int(runnable_ns)) / 1e9
+
+
+def _thread_cpu_s(thread: threading.Thread) -> float:
+    """A live thread's CPU seconds (0.0 where there are no per-thread clocks)."""
     try:
         return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
     except (AttributeError, OSError, TypeError):  # no per-thread clocks, or it just ended
-        return finished_cpu.get(index, 0.0)
+        return 0.0
+
+
+def _own_busy_s() -> float:
+    busy = _busy_s(threading.get_native_id())
+    return time.thread_time() if busy is None else busy
 
 
 def _raise_in_thread(thread: threading.Thread, exception: type[BaseException]) -> None:
@@ -185,29 +202,38 @@ def _raise_in_thread(thread: threading.Thread, exception: type[BaseException]) -
 
 def _run_concurrently(calls: Sequence[Call], timeout_s: float) -> list[ScoreOutcome]:
     results: dict[int, ScoreOutcome] = {}
-    finished_cpu: dict[int, float] = {}
+    finished: dict[int, tuple[float, float]] = {}  # index -> (CPU s, busy s) at its end
 
     def run(index: int, spec: ScorerSpec, arguments: dict[str, Any]) -> None:
         outcome = guarded_call(spec, arguments, timeout_s)  # no alarm off the main thread
-        finished_cpu[index] = time.thread_time()
+        finished[index] = (time.thread_time(), _own_busy_s())
         results.setdefault(index, outcome)
+
+    def cpu_and_busy(index: int) -> tuple[float, float]:
+        if index in finished:
+            return finished[index]
+        cpu = _thread_cpu_s(threads[index])
+        busy = _busy_s(threads[index].native_id)
+        return finished.get(index, (cpu, cpu if busy is None else busy))
 
     threads = [
         threading.Thread(target=run, args=(i, *call), name="hybridflow-scorer", daemon=True)
         for i, call in enumerate(calls)
     ]
-    started = time.monotonic()
+    started, timer_busy_at_start = time.monotonic(), _own_busy_s()
     for thread in threads:
         thread.start()
     pending = set(range(len(threads)))
     while pending:
         time.sleep(_POLL_S)
-        cpu = [_thread_cpu_s(t, finished_cpu, i) for i, t in enumerate(threads)]
-        wall, total_cpu = time.monotonic() - started, sum(cpu)
+        cpu, busy = zip(*(cpu_and_busy(i) for i in range(len(threads))))
+        wall = time.monotonic() - started
+        # the time a call could not have run: the others (and this timer) ran or were ready to
+        all_busy = sum(busy) + _own_busy_s() - timer_busy_at_start
         for index in list(pending):
             if not threads[index].is_alive():
                 pending.discard(index)
-            elif cpu[index] > timeout_s or wall - (total_cpu - cpu[index]) > timeout_s:
+            elif cpu[index] > timeout_s or wall - (all_busy - busy[index]) > timeout_s:
                 pending.discard(index)
                 message = f"scorer {calls[index][0].target} took more than {timeout_s}s"
                 results.setdefault(index, ScoreOutcome("timeout", message=message))

@@ -4,6 +4,8 @@ is printed once, a mostly failed step is flagged, an always failing reward stops
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import textwrap
 import threading
@@ -30,7 +32,7 @@ SCORERS = textwrap.dedent(
         time.sleep(30)
 
     def busy(data_source, solution_str, ground_truth, extra_info=None):
-        end = time.thread_time() + 0.05  # 50 ms of CPU, however long the GIL makes it
+        end = time.thread_time() + 0.04  # 40 ms of CPU, however long the GIL makes it
         while time.thread_time() < end:
             pass
         return 1.0
@@ -86,11 +88,33 @@ def test_timeouts_of_one_step_run_concurrently(scorers, tmp_path):
     assert elapsed < 4.0  # one after another: 8 s
 
 
-def test_cpu_bound_scorers_are_timed_by_their_own_work(scorers):
-    # 16 × 50 ms of CPU = 0.8 s in all, more than the 0.3 s timeout: run concurrently under
-    # the GIL each call's wall time approaches 0.8 s, yet none used its 0.3 s.
-    result = scorers("busy", timeout_s=0.3).score(["a"] * 16, ["x"] * 16, ["s"] * 16)
-    assert result.scores == [1.0] * 16 and result.metrics["reward/num_timeouts"] == 0.0
+@pytest.fixture
+def one_busy_cpu():
+    """This thread (so the scorer threads it starts) on one CPU, shared with a process that
+    spins there: the scorers run about half the time, and wait for the CPU the other half."""
+    if not hasattr(os, "sched_setaffinity"):
+        yield  # no affinity (macOS): the scorers run on an idle machine
+        return
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})  # this thread's; children inherit it
+    spinner = subprocess.Popen([sys.executable, "-c", "print(flush=True)\nwhile True: pass"],
+                               stdout=subprocess.PIPE)  # fmt: skip
+    try:
+        spinner.stdout.readline()  # spinning
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
+        os.sched_setaffinity(0, allowed)
+
+
+def test_cpu_bound_scorers_are_timed_by_their_own_work(scorers, one_busy_cpu):
+    # 32 × 40 ms of CPU = 1.28 s in all, more than the 0.5 s timeout: run concurrently under
+    # the GIL each call's wall time approaches 1.28 s (twice that beside the spinner), yet
+    # none used its 0.5 s, nor waited for the CPU that long itself (the others' waits are
+    # theirs: about 1.28 s in all).
+    result = scorers("busy", timeout_s=0.5).score(["a"] * 32, ["x"] * 32, ["s"] * 32)
+    assert result.scores == [1.0] * 32 and result.metrics["reward/num_timeouts"] == 0.0
 
 
 def test_a_spinning_scorer_is_interrupted(scorers):
