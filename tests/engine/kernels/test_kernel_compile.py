@@ -4,7 +4,9 @@ Why: the interpreter (TRITON_INTERPRET=1, the CPU kernel tests) runs kernels as 
 does not type-check them; a loop-carried variable that changes shape or a tl.dot with K < 16
 only fails in the real compiler (one device call died that way). `triton.compile` with a
 GPUTarget runs the whole pipeline down to the cubin with the bundled ptxas, no GPU needed.
-Skipped without triton (the main CI run) and under the interpreter."""
+Skipped without triton (the main CI run) and under the interpreter. The compiles run in a
+pool of worker processes (tests/sm90_compile.py): each test submits its kernels, then reads
+their PTX; one a test does not read still fails it, at its teardown."""
 
 from __future__ import annotations
 
@@ -18,8 +20,7 @@ triton = pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("the interpreter replaces compiled kernels", allow_module_level=True)
 
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from sm90_compile import Compiled, compile_pool, compile_to_ptx  # noqa: E402
 
 from hybridflow.engine.kernels import (
     attention,
@@ -35,7 +36,6 @@ from hybridflow.engine.layers import chain as chain_mod  # noqa: E402
 from hybridflow.engine.layers import matmul_choice
 from hybridflow.models import fused_head_kernels, logprob_kernels  # noqa: E402
 
-TARGET = GPUTarget("cuda", 90, 32)
 INT64_POINTERS = {
     "slot_ptr", "pos_ptr", "targets_ptr", "seed_lo_ptr", "seed_hi_ptr", "step_ptr", "tok_ptr",
     "generated_ptr", "max_new_ptr", "state_tok_ptr", "positions_ptr", "out_tok_ptr",
@@ -91,18 +91,40 @@ def _compile(fn, constexprs: dict, activation="bf16", overrides=None, warps=4, s
         for n, t in signature.items()
         if t.startswith("*") or n in divisible
     }
-    source = ASTSource(
-        fn=fn,
-        signature=signature,
-        constexprs={(names.index(k),): v for k, v in constexprs.items()},
-        attrs=attrs,
-    )
     # FP fusion said explicitly: on, as launches get it by Triton's default (unset, Triton
     # 3.9 warns that the default will change)
     options = {"num_warps": warps, "num_stages": stages, "enable_fp_fusion": True}
-    compiled = triton.compile(source, target=TARGET, options=options)
-    assert compiled.asm["ptx"]
+    by_index = {(names.index(k),): v for k, v in constexprs.items()}
+    if not POOL:
+        POOL.append(compile_pool())
+    future = POOL[0].submit(compile_to_ptx, fn.__module__, fn.__name__, signature, by_index,
+                            attrs, options)  # fmt: skip
+    compiled = Compiled(future, f"{fn.__name__} {constexprs} {options}")
+    PENDING.append(compiled)
     return compiled
+
+
+POOL: list = []
+"""The module's compile workers, started at its first compile."""
+PENDING: list[Compiled] = []
+"""The compiles the running test asked for."""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _compile_workers():
+    yield
+    if POOL:
+        POOL.pop().shutdown(cancel_futures=True)
+
+
+@pytest.fixture(autouse=True)
+def _every_compile_checked():
+    """A compile no assertion read (e.g. the row kernels') must still have succeeded."""
+    yield
+    pending = PENDING[:]
+    PENDING.clear()
+    for compiled in pending:
+        assert compiled.asm["ptx"]
 
 
 def _row_kernels(activation: str) -> None:
@@ -190,18 +212,20 @@ def test_moe_kernels_compile(block_m):
     _compile(moe._topk_kernel, dict(TOP_K=8, K_PAD=8, E_PAD=128, BLOCK_T=16, RENORM=True,
                                     RECORD=True), overrides=routing)  # fmt: skip
     _compile(moe._align_kernel, dict(BINS=256, BLOCK_M=block_m, CHUNK=256), overrides=ints)
+    grouped = []
     for silu in (True, False):
         block_n, block_k, warps, stages = moe.TILES[block_m]["gate_up" if silu else "down"]
-        compiled = _compile(
+        grouped.append(_compile(
             moe._grouped_kernel,
             dict(TOP_K=8, GATHER=silu, SILU_UP=silu, FP32=False, BLOCK_M=block_m,
                  BLOCK_N=block_n, BLOCK_K=block_k),
             overrides=ints, warps=warps, stages=stages,
             divisible=("P", "N", "K", "stride_am", "stride_we", "stride_wn", "stride_cm", "up_rows"),
-        )  # fmt: skip
+        ))  # fmt: skip
+    _compile(moe._combine_kernel, dict(TOP_K=8, BLOCK_H=2048), overrides={"w_ptr": "*fp32"})
+    for compiled in grouped:
         ptx = compiled.asm["ptx"]  # pipelined (async copies), tensor cores, no atomics
         assert "cp.async" in ptx and "mma" in ptx and "atom" not in ptx
-    _compile(moe._combine_kernel, dict(TOP_K=8, BLOCK_H=2048), overrides={"w_ptr": "*fp32"})
 
 
 GEMM_CONFIGS = [gemm.INTERPRETER_CONFIG, *matmul_choice.PAIR_CONFIGS]
@@ -219,8 +243,8 @@ def test_gemm_nt_compiles(config):
     variants = [(False, True, False), (False, False, True)]  # (bias, pairs, partial)
     if config in GEMM_CONFIGS[:2]:
         variants.append((True, False, False))
-    for bias, pairs, partial in variants:
-        compiled = _compile(
+    compiled = [
+        _compile(
             gemm._gemm_nt_kernel,
             dict(
                 HAS_BIAS=bias,
@@ -234,7 +258,10 @@ def test_gemm_nt_compiles(config):
             warps=warps,
             stages=stages,
         )
-        assert "atom" not in compiled.asm["ptx"]  # only SERIAL split-K counts programs
+        for bias, pairs, partial in variants
+    ]
+    for kernel in compiled:
+        assert "atom" not in kernel.asm["ptx"]  # only SERIAL split-K counts programs
 
 
 @pytest.mark.parametrize("config", matmul_choice.PERSISTENT_CONFIGS)
@@ -279,13 +306,14 @@ def test_chain_matmuls_compile(config):
     ]  # fmt: skip
     if config != chain_mod.CHAIN_TILES[0]:
         variants = [variants[1], variants[3]]
-    for flags in variants:
-        compiled = _compile(
-            gemm._gemm_nt_kernel, dict(**flags, **plain, **tiles), overrides=fp32, warps=warps,
-            stages=stages,
-        )  # fmt: skip
+    compiled = [
+        _compile(gemm._gemm_nt_kernel, dict(**flags, **plain, **tiles), overrides=fp32,
+                 warps=warps, stages=stages)
+        for flags in variants
+    ]  # fmt: skip
+    for flags, kernel in zip(variants, compiled):
         if flags["SERIAL"]:
-            assert "atom" in compiled.asm["ptx"]
+            assert "atom" in kernel.asm["ptx"]
 
 
 @pytest.mark.parametrize(
@@ -354,10 +382,13 @@ def test_fused_head_kernels_compile_to_wgmma(with_entropy, even_k, activation):
     constexprs = dict(WITH_ENTROPY=with_entropy, BLOCK_T=k.BLOCK_T, BLOCK_V=k.BLOCK_V,
                       BLOCK_K=k.BLOCK_K, EVEN_K=even_k)  # fmt: skip
     partials = {"part_t_ptr": "*fp32", "part_target_ptr": "*fp32"}
-    for kernel, overrides in [(k._forward_kernel, partials), (k._grad_tile_kernel, {})]:
-        compiled = _compile(kernel, constexprs, activation, overrides, warps=k.NUM_WARPS,
-                            stages=k.NUM_STAGES, divisible=("stride_h", "stride_w", "H"))  # fmt: skip
-        ptx = compiled.asm["ptx"]
+    compiled = [
+        _compile(kernel, constexprs, activation, overrides, warps=k.NUM_WARPS,
+                 stages=k.NUM_STAGES, divisible=("stride_h", "stride_w", "H"))
+        for kernel, overrides in [(k._forward_kernel, partials), (k._grad_tile_kernel, {})]
+    ]  # fmt: skip
+    for kernel in compiled:
+        ptx = kernel.asm["ptx"]
         assert "wgmma.mma_async" in ptx and "atom" not in ptx
 
 
@@ -457,13 +488,16 @@ def test_gemm_nt_tma_variant_loads_tiles_with_bulk_tensor_copies(config):
         "ss_in_ptr": "*fp32", "ss_out_ptr": "*fp32", "ws_ptr": "*fp32", "count_ptr": "*i32",
         "eps": "fp32",
     }  # fmt: skip
-    for flags in [
-        dict(SILU_PAIRS=True, ROW_RSTD=True, N_SS_PAD=32, RESIDUAL=False, SERIAL=False),
-        dict(SILU_PAIRS=False, ROW_RSTD=False, N_SS_PAD=1, RESIDUAL=True, SERIAL=True),
-    ]:
-        compiled = _compile(
+    compiled = [
+        _compile(
             gemm._gemm_nt_kernel,
             dict(HAS_BIAS=False, PARTIAL=False, FP32=False, TMA=True, **flags, **tiles),
             overrides=descriptors, warps=warps, stages=stages,
-        )  # fmt: skip
-        assert "cp.async.bulk.tensor" in compiled.asm["ptx"]
+        )
+        for flags in [
+            dict(SILU_PAIRS=True, ROW_RSTD=True, N_SS_PAD=32, RESIDUAL=False, SERIAL=False),
+            dict(SILU_PAIRS=False, ROW_RSTD=False, N_SS_PAD=1, RESIDUAL=True, SERIAL=True),
+        ]
+    ]  # fmt: skip
+    for kernel in compiled:
+        assert "cp.async.bulk.tensor" in kernel.asm["ptx"]
