@@ -27,6 +27,24 @@ def _run(tmp_path, name: str, *overrides: str) -> dict:
     return read_metrics(cfg.trainer.run_dir)
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Metrics of the 4-step run with these overrides, run once for the module: runs are
+    deterministic (the tests below check it), so tests comparing the same settings share
+    them. ``again``: a second run of the same settings, for the reproducibility check."""
+    done: dict = {}
+
+    def run(*overrides: str, again: bool = False) -> dict:
+        if (overrides, again) not in done:
+            done[overrides, again] = _run(tmp_path_factory.mktemp("run"), "run", *overrides)
+        return done[overrides, again]
+
+    return run
+
+
+ASYNC_1 = ("trainer.mode=async", "trainer.max_staleness=1")
+
+
 def test_generation_versions_lag_by_the_staleness_and_wait_for_checkpoints():
     never = lambda step: False  # noqa: E731
     assert [generation_version(j, 0, never) for j in range(1, 6)] == [0, 1, 2, 3, 4]
@@ -38,21 +56,22 @@ def test_generation_versions_lag_by_the_staleness_and_wait_for_checkpoints():
 
 
 @pytest.mark.parametrize("backend", ["inprocess", "local"])
-def test_staleness_zero_is_the_synchronous_run(tmp_path, backend):
-    extra = [f"trainer.backend={backend}"]
-    sync = _run(tmp_path, "sync", *extra)
-    asynchronous = _run(tmp_path, "async", *extra, "trainer.mode=async", "trainer.max_staleness=0")
+def test_staleness_zero_is_the_synchronous_run(runs, backend):
+    """Against the in-process synchronous run on both backends: the worker processes'
+    runs equal the in-process ones (test_staleness_one_on_the_local_backend_...)."""
+    sync = runs()
+    asynchronous = runs(f"trainer.backend={backend}", "trainer.mode=async",
+                        "trainer.max_staleness=0")  # fmt: skip
     assert _comparable(asynchronous) == _comparable(sync)
     assert all(asynchronous[step]["async/staleness"] == 0 for step in range(1, 5))
 
 
-def test_staleness_one_lags_as_scheduled_and_reproduces(tmp_path):
-    args = ("trainer.mode=async", "trainer.max_staleness=1")
-    first = _run(tmp_path, "a", *args)
-    again = _run(tmp_path, "b", *args)
+def test_staleness_one_lags_as_scheduled_and_reproduces(runs):
+    first = runs(*ASYNC_1)
+    again = runs(*ASYNC_1, again=True)
     assert [first[step]["async/staleness"] for step in range(1, 5)] == [0, 1, 1, 1]
     assert _comparable(first) == _comparable(again)  # the schedule does not depend on timing
-    sync = _run(tmp_path, "sync")
+    sync = runs()
 
     def rollout_side(row):  # what the samples alone decide
         return {k: v for k, v in row.items() if "score" in k or "response_length" in k}
@@ -62,12 +81,11 @@ def test_staleness_one_lags_as_scheduled_and_reproduces(tmp_path):
     assert first[2]["actor/rollout_is/abs_log_ratio"] > first[1]["actor/rollout_is/abs_log_ratio"]
 
 
-def test_staleness_one_on_the_local_backend_equals_the_inprocess_run(tmp_path):
+def test_staleness_one_on_the_local_backend_equals_the_inprocess_run(runs):
     """The schedule is exact: worker processes (calls of the trainer and the producer
     interleaved on one pipe per worker) give the in-process run, metric for metric."""
-    args = ("trainer.mode=async", "trainer.max_staleness=1")
-    inprocess = _run(tmp_path, "inprocess", *args)
-    local = _run(tmp_path, "local", *args, "trainer.backend=local")
+    inprocess = runs(*ASYNC_1)
+    local = runs(*ASYNC_1, "trainer.backend=local")
     assert [local[step]["async/staleness"] for step in range(1, 5)] == [0, 1, 1, 1]
     assert _comparable(local) == _comparable(inprocess)
 
