@@ -3,8 +3,8 @@
 Times, as CUDA-graph replays of the engine's own code at `rows` live rows of length + new/2
 cached tokens (the mean over a generate() call: attention time grows with it): the whole step (forward, lm_head, sampler, state update: what generate() replays),
 the forward with lm_head, lm_head alone and the sampler alone; next to the step time a
-generate() call implies ((wall - TTFT) / decode steps), whose excess over the replayed step
-is host time (syncs, bookkeeping) and gaps between graph launches.
+generate() call implies ((wall - TTFT) / decode steps, each the best of 3 calls), whose
+excess over the replayed step is host time (syncs, bookkeeping) and gaps between graph launches.
 
     python dev/engine_step.py --preset qwen2.5-0.5b --rows 256 --length 256
     python dev/engine_step.py --preset qwen2.5-1.5b --rows 256 --engine decode_layer=split
@@ -42,6 +42,19 @@ def time_us(fn, device: torch.device, calls: int = 10) -> float:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def best_seconds(fn, device: torch.device, repeats: int = 3) -> float:
+    """The fastest of ``repeats`` calls of fn: a call slowed by something else on the host
+    does not count (one slow TTFT made wall - TTFT negative on a loaded CPU)."""
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def kernel_table(fn, device: torch.device, steps: int = 10, top: int = 25) -> list[dict]:
@@ -109,15 +122,9 @@ def anatomy(
     params = SamplingParams(max_new_tokens=new_tokens, seed=0, ignore_eos=True)
     # generate() as the rollout benchmark times it: warm-up, TTFT, then the timed call
     engine.generate(prompts, params)
-    sync(device)
-    start = time.perf_counter()
-    engine.generate(prompts, SamplingParams(max_new_tokens=1, seed=1, ignore_eos=True))
-    sync(device)
-    ttft = time.perf_counter() - start
-    start = time.perf_counter()
-    engine.generate(prompts, params)
-    sync(device)
-    wall = time.perf_counter() - start
+    first_token = SamplingParams(max_new_tokens=1, seed=1, ignore_eos=True)
+    ttft = best_seconds(lambda: engine.generate(prompts, first_token), device)
+    wall = best_seconds(lambda: engine.generate(prompts, params), device)
     implied_step_us = (wall - ttft) / max(new_tokens - 1, 1) * 1e6
 
     mean_length = length + new_tokens // 2
