@@ -31,7 +31,7 @@ def test_fused_engine_over_adapters_samples_as_the_eager_engine_over_merged_weig
     merged.load_state_dict(dict(merge_lora_stream(model.state_dict().items(),
                                                   lora_scalings(model))))  # fmt: skip
     merged.requires_grad_(False)
-    params = SamplingParams(n=2, temperature=0.9, max_new_tokens=10, seed=3, ignore_eos=True)
+    params = SamplingParams(n=2, temperature=0.9, max_new_tokens=6, seed=3, ignore_eos=True)
     prompts = [[5, 17, 9, 33, 2, 71, 8], [40, 41]]
     eager = Engine(merged, 8, 32, options=EngineOptions(decode_backend="torch",
                                                          cuda_graphs=False))  # fmt: skip

@@ -182,11 +182,12 @@ def test_decode_attention_rope_equals_rope_store_then_attention(splits, store_la
     ids=["greedy", "T1", "topk", "minp", "topp", "all-filters"],
 )
 def test_fused_sampler_matches_reference(params):
-    """Same noise, same filters: identical tokens except where the fast log2 on CUDA flips a
-    near-tie (allowed: 1 of 64 rows); log-probs equal."""
-    logits = torch.randn(64, 3000, device=DEVICE) * 3
-    lo, hi = (t.to(DEVICE) for t in split_seed(request_seeds(5, 64, 1)))
-    steps = torch.arange(64, device=DEVICE)
+    """Same noise, same filters, one split of four tiles (test_sampler_fused.py takes several
+    splits): identical tokens except where the fast log2 on CUDA flips a near-tie (allowed: 1
+    of 16 rows); log-probs equal."""
+    logits = torch.randn(16, 1000, device=DEVICE) * 3
+    lo, hi = (t.to(DEVICE) for t in split_seed(request_seeds(5, 16, 1)))
+    steps = torch.arange(16, device=DEVICE)
     ref_tokens, ref_logprobs = sample_reference(logits, params, lo, hi, steps)
     tokens, logprobs = sampler.sample_fused(logits, params, lo, hi, steps, block_v=256)
     assert (tokens != ref_tokens).sum().item() <= 1
