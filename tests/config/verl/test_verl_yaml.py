@@ -180,6 +180,14 @@ MAPPED = [
         "reward_model.micro_batch_size=8",
         "trainer.n_gpus_per_node=2",
     ],
+    [
+        "reward_model.enable=True",
+        "reward_model.model.path=/models/rm",
+        "reward_model.enable_resource_pool=True",
+        "reward_model.n_gpus_per_node=1",
+        "reward_model.nnodes=1",
+        "trainer.n_gpus_per_node=1",
+    ],
 ]
 
 
