@@ -137,6 +137,10 @@ def merge_lora_stream(
     lists ``base_layer.*`` then ``lora_A`` then ``lora_B``) and yields each merged weight as
     soon as its ``lora_B`` arrives, so a stream of gathered tensors never has to be held in
     full. Modules without adapters pass through unchanged.
+
+    Each weight is merged on its base's device: the adapters may live elsewhere (their fp32
+    host masters under actor.optimizer_offload, beside a base on the GPU), and the rank-r
+    factors are what moves, not the full-size product.
     """
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in named_tensors:
@@ -152,8 +156,7 @@ def merge_lora_stream(
             module = name.split(".lora_B.")[0]
             parts = pending.pop(module)
             base = parts["weight"]
-            delta = scalings[module] * (tensor.float() @ parts["lora_A"].float())  # [out, in]
-            yield f"{module}.weight", (base.float() + delta).to(base.dtype)
+            yield f"{module}.weight", merged(base, tensor, parts["lora_A"], scalings[module])
             if "bias" in parts:
                 yield f"{module}.bias", parts["bias"]
         else:
@@ -180,8 +183,18 @@ def _merge_expert_tensor(
             return
         base_name = f"{experts}.{projection}_proj"
         base = pending.pop(base_name)["weight"]
-        down_a = pending.pop(f"{adapters}.{projection}")["A"]
-        delta = scalings[adapters] * torch.bmm(tensor.float(), down_a.float())  # [E, out, in]
-        yield base_name, (base.float() + delta).to(base.dtype)
+        lora_a = pending.pop(f"{adapters}.{projection}")["A"]
+        yield base_name, merged(base, tensor, lora_a, scalings[adapters])
         return
     pending.setdefault(name, {})["weight"] = tensor
+
+
+def merged(
+    base: torch.Tensor, lora_b: torch.Tensor, lora_a: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``base + scale · B @ A`` in the base's dtype, computed in fp32 on the base's device
+    (B [out, r] and A [r, in], or [E, out, r] and [E, r, in] for packed experts). One fp32
+    product is the only full-size temporary: the base is added into it in place."""
+    device = base.device
+    delta = torch.matmul(lora_b.to(device, torch.float32), lora_a.to(device, torch.float32))
+    return delta.mul_(scale).add_(base).to(base.dtype)

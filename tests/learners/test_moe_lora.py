@@ -6,7 +6,13 @@ from learner_helpers import actor_config, make_batch
 
 from hybridflow.config import ModelConfig, RefConfig
 from hybridflow.learners import ActorLearner
-from hybridflow.learners.lora import adapters_disabled, apply_lora, expert_adapters
+from hybridflow.learners.lora import (
+    adapters_disabled,
+    apply_lora,
+    expert_adapters,
+    lora_scalings,
+    merge_lora_stream,
+)
 from hybridflow.learners.ref_policy import RefPolicy
 from hybridflow.models import CausalLM, load_model
 from hybridflow.models.moe import moe_experts, select_experts
@@ -74,3 +80,33 @@ def test_lora_update_merges_into_plain_weights_and_the_reference_is_the_base():
     with adapters_disabled(actor.model):
         assert all(a.disabled for a in expert_adapters(actor.model))
     assert not any(a.disabled for a in expert_adapters(actor.model))
+
+
+def test_merge_runs_on_the_base_device_when_the_adapters_live_elsewhere():
+    # actor.optimizer_offload with LoRA: the frozen base is on the GPU, the adapters' fp32
+    # masters on the host. The base stands on "meta" here (a second device the CPU has);
+    # mixing it with a CPU tensor fails as cuda + cpu does.
+    model = apply_lora(load_model("tiny-moe", dtype=torch.bfloat16), rank=4, alpha=8,
+                       target_modules=LORA.lora_target_modules)  # fmt: skip
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name or name.endswith(("gate_up_B", "down_B")):
+                p.normal_(0, 0.1)
+    state, scalings = model.state_dict(), lora_scalings(model)
+    on_cpu = dict(merge_lora_stream(state.items(), scalings))
+    split = [(n, t if ".lora" in n else t.to("meta")) for n, t in state.items()]
+    on_base_device = dict(merge_lora_stream(split, scalings))
+    assert on_base_device.keys() == on_cpu.keys()
+    for name, tensor in on_base_device.items():
+        assert (tensor.device.type, tensor.dtype, tensor.shape) == (
+            "meta", on_cpu[name].dtype, on_cpu[name].shape), name  # fmt: skip
+    # the values (computed on the CPU): W + scale · B @ A for peft's layers and the experts'
+    q = "model.layers.1.self_attn.q_proj"
+    a, b = state[f"{q}.lora_A.default.weight"], state[f"{q}.lora_B.default.weight"]
+    want = (state[f"{q}.base_layer.weight"].float() + scalings[q] * (b @ a)).bfloat16()
+    torch.testing.assert_close(on_cpu[f"{q}.weight"], want)
+    experts = "model.layers.1.mlp.experts"
+    a, b = state[f"{experts}.lora.down_A"], state[f"{experts}.lora.down_B"]
+    delta = scalings[f"{experts}.lora"] * torch.bmm(b, a)
+    want = (state[f"{experts}.down_proj"].float() + delta).bfloat16()
+    torch.testing.assert_close(on_cpu[f"{experts}.down_proj"], want)
