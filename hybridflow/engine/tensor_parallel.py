@@ -10,6 +10,14 @@ every layer, Megatron's split (Shoeybi et al. 2019, §3):
   exact) and the logits are all-gathered, so every rank samples from the same [B, V] bytes
   with the same seeds and draws the same tokens.
 
+A mixture-of-experts model's sparse layers follow vLLM's expert parallelism inside the
+tensor-parallel group: the router is whole on every rank (it is small), every rank routes
+every token of the same all-reduced hidden states, runs only the experts it holds (rank r:
+experts [r·E/tp, (r+1)·E/tp), each whole) and one all-reduce sums the partial outputs, the
+same single all-reduce per MLP as a dense layer (models/moe.sliced_moe_experts). With
+``split_experts=False`` every rank holds every expert and a sparse layer runs whole, without
+the all-reduce. Dense layers among the sparse ones (mlp_only_layers) are split as above.
+
 The model is a CausalLM built from the per-rank shape (heads, KV heads and MLP width divided
 by tp, the vocabulary whole) with those four modules swapped in, so the engine's eager
 prefill, extend and decode (prefill.py, layers/eager.py) run it unchanged, and the KV cache,
@@ -28,42 +36,51 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridflow.models.architecture import ModelArchitecture
-from hybridflow.parallel.blocks import even_range, shard_dim
+from hybridflow.parallel.blocks import even_range, rollout_shard_dim
 
 
-def local_shard(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """``rank``'s slice of the full tensor of parameter ``name`` (a view)."""
-    dim = shard_dim(name)
+def local_shard(name: str, full: torch.Tensor, rank: int, size: int,
+                split_experts: bool = True) -> torch.Tensor:  # fmt: skip
+    """``rank``'s slice of the full tensor of parameter ``name`` (a view); a packed expert
+    tensor [E, ...] gives its E / size experts when ``split_experts``, else all of them."""
+    dim = rollout_shard_dim(name, split_experts)
     if dim is None or size == 1:
         return full
     start, stop = even_range(full.shape[dim], rank, size)
     return full.narrow(dim, start, stop - start)
 
 
-def local_architecture(config: ModelArchitecture, size: int) -> ModelArchitecture:
+def _has_dense_layers(config: ModelArchitecture) -> bool:
+    return len(config.sparse_layer_indices()) < config.num_hidden_layers
+
+
+def local_architecture(config: ModelArchitecture, size: int,
+                       split_experts: bool = True) -> ModelArchitecture:  # fmt: skip
     """The shape one of ``size`` ranks builds: heads, KV heads and MLP width divided, the
-    vocabulary and hidden size whole (the logits are gathered)."""
+    vocabulary and hidden size whole (the logits are gathered). A mixture of experts keeps
+    its router and expert width whole; ``split_experts``: the experts must divide by size
+    (the experts a rank holds are built by tensor_parallel_model)."""
+    dense = _has_dense_layers(config)
     problems = [
         f"{what} = {count}"
-        for what, count in (
-            ("num_attention_heads", config.num_attention_heads),
-            ("num_key_value_heads", config.num_key_value_heads),
-            ("intermediate_size", config.intermediate_size),
-            ("vocab_size", config.vocab_size),
+        for what, count, applies in (
+            ("num_attention_heads", config.num_attention_heads, True),
+            ("num_key_value_heads", config.num_key_value_heads, True),
+            ("intermediate_size", config.intermediate_size, dense),
+            ("vocab_size", config.vocab_size, True),
+            ("num_experts", config.num_experts, config.is_moe and split_experts),
         )
-        if count % size
+        if applies and count % size
     ]
     if problems:
         raise ValueError(f"tensor parallel size {size} must divide the model's "
                          f"{', '.join(problems)}")  # fmt: skip
-    if config.is_moe:
-        raise ValueError("a tensor-parallel rollout of a mixture-of-experts model is not "
-                         "built yet: set rollout.tensor_parallel_size=1")  # fmt: skip
     return dataclasses.replace(
         config,
         num_attention_heads=config.num_attention_heads // size,
         num_key_value_heads=config.num_key_value_heads // size,
-        intermediate_size=config.intermediate_size // size,
+        # a model whose every layer is sparse never builds a dense MLP of this width
+        intermediate_size=config.intermediate_size // size if dense else config.intermediate_size,
     )
 
 
@@ -119,14 +136,18 @@ class VocabParallelHead(nn.Module):
 
 
 def tensor_parallel_model(config: ModelArchitecture, group, dtype: torch.dtype,
-                          device: str | torch.device):  # fmt: skip
+                          device: str | torch.device, split_experts: bool = True):  # fmt: skip
     """This rank's shard of a CausalLM of ``config``, uninitialised (load_weights fills it
     with local_shard slices, or reshard.py from a sharded trainer). Its config is the local
-    shape (local_architecture)."""
+    shape (local_architecture). split_experts: a sparse layer holds this rank's experts
+    (models/moe.ExpertSlice), else all of them."""
     from hybridflow.models.llama import CausalLM
+    from hybridflow.models.moe import Experts, ExpertSlice
 
     size = dist.get_world_size(group)
-    local = local_architecture(config, size)
+    local = local_architecture(config, size, split_experts)
+    share = config.num_experts // size
+    first = dist.get_rank(group) * share
     with torch.device("meta"):
         model = CausalLM(local)
         stack = model.model
@@ -137,8 +158,12 @@ def tensor_parallel_model(config: ModelArchitecture, group, dtype: torch.dtype,
             attn, mlp = layer.self_attn, layer.mlp
             attn.o_proj = RowParallelLinear(attn.o_proj.in_features, config.hidden_size,
                                             config.o_proj_bias, group)  # fmt: skip
-            mlp.down_proj = RowParallelLinear(mlp.down_proj.in_features, config.hidden_size,
-                                              False, group)  # fmt: skip
+            if not layer.sparse:
+                mlp.down_proj = RowParallelLinear(mlp.down_proj.in_features, config.hidden_size,
+                                                  False, group)  # fmt: skip
+            elif split_experts and size > 1:
+                mlp.experts = Experts(share, config.hidden_size, config.moe_intermediate_size)
+                mlp.expert_slice = ExpertSlice(first, group)
     model.tie_weights()  # the head shares the embedding's shard
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
@@ -149,6 +174,12 @@ def tensor_parallel_group(model) -> object | None:
     """The process group of a tensor_parallel_model (None: a whole model)."""
     head = getattr(model, "lm_head", None)
     return head.group if isinstance(head, VocabParallelHead) else None
+
+
+def splits_experts(model) -> bool:
+    """A tensor-parallel shard whose sparse layers hold a share of the experts."""
+    return any(getattr(layer.mlp, "expert_slice", None) is not None
+               for layer in model.model.layers)  # fmt: skip
 
 
 def tensor_parallel_size(model) -> int:

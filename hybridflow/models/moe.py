@@ -16,6 +16,7 @@ the current router's probabilities at those ids, so the router still gets gradie
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -109,8 +110,12 @@ def grouped_linear(
         # torch._grouped_mm(a [M, K], b [E, K, N], offs=int32 ends): one launch for all experts;
         # b as a transposed view (column-major per expert) is the layout Hopper's kernel wants.
         return torch._grouped_mm(rows, weight.transpose(-2, -1), offs=offsets)
-    pieces = rows.split(counts.tolist())
-    outputs = [F.linear(piece, weight[e]) for e, piece in enumerate(pieces)]
+    sizes = counts.tolist()
+    rest = rows.shape[0] - sum(sizes)  # rows past the last expert's run (routed elsewhere)
+    pieces = rows.split([*sizes, rest])
+    outputs = [F.linear(piece, weight[e]) for e, piece in enumerate(pieces[: len(sizes)])]
+    if rest:
+        outputs.append(rows.new_zeros(rest, weight.shape[1]))
     return torch.cat(outputs) if outputs else rows.new_zeros(0, weight.shape[1])
 
 
@@ -122,6 +127,7 @@ def moe_experts(
     down: torch.Tensor,
     backend: str = "auto",
     adapters: ExpertLoRA | None = None,
+    first_expert: int | None = None,
 ) -> torch.Tensor:
     """Sum over each token's k experts of weight * down(SiLU(gate(x)) * up(x)).
 
@@ -129,12 +135,20 @@ def moe_experts(
     -> [T, H] in hidden's dtype. Tokens are sorted by expert, each projection runs as one
     grouped GEMM (or the reference loop), and the k results of a token are summed in fp32
     in a fixed order (no atomics: runs repeat bit for bit). adapters: per-expert LoRA,
-    added as two more grouped GEMMs per projection (the weights are never merged)."""
+    added as two more grouped GEMMs per projection (the weights are never merged).
+    first_expert: gate_up and down hold the model's experts [first_expert, first_expert + E)
+    only (a rank's share in the tensor-parallel rollout, engine/tensor_parallel.py); a pair
+    routed to another expert adds zero. None: they hold every expert (ids are theirs)."""
     num_tokens, top_k = topk_ids.shape
     num_experts, inner = gate_up.shape[0], gate_up.shape[1] // 2
     widths = (hidden.shape[-1], inner)
     backend = resolve_expert_backend(backend, hidden.device, widths, hidden.dtype)
     flat_ids = topk_ids.reshape(-1)  # [T*k]
+    mine = None
+    if first_expert is not None:
+        local = flat_ids - first_expert
+        mine = (local >= 0) & (local < num_experts)  # [T*k]
+        flat_ids = torch.where(mine, local, num_experts)  # the others sort past the last run
     order = flat_ids.argsort(stable=True)  # assignments grouped by expert
     # Group ends by binary search in the sorted ids: no host sync (bincount on CUDA has one).
     experts = torch.arange(num_experts, device=flat_ids.device, dtype=flat_ids.dtype)
@@ -155,8 +169,40 @@ def moe_experts(
     gate, up = gate_up_rows[:, :inner], gate_up_rows[:, inner:]
     expert_out = project(F.silu(gate) * up, down, "down")  # [T*k, H]
     unsorted = torch.empty_like(expert_out).index_copy_(0, order, expert_out)
+    if mine is not None:  # rows past the last run: zeros (loop) or unwritten (grouped_mm)
+        unsorted = torch.where(mine[:, None], unsorted, 0)
     weighted = unsorted.view(num_tokens, top_k, -1).float() * topk_weights[..., None].float()
     return weighted.sum(dim=1).to(hidden.dtype)
+
+
+@dataclass(frozen=True)
+class ExpertSlice:
+    """One rank's share of a sparse layer in the tensor-parallel rollout (vLLM's expert
+    parallelism inside a tensor-parallel group): its expert tensors hold the model's experts
+    [first, first + E / ranks), whole; every rank routes every token with the whole router,
+    runs its own experts and one all-reduce over ``group`` sums the partial outputs."""
+
+    first: int
+    group: object
+
+
+def sliced_moe_experts(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    expert_slice: ExpertSlice,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """moe_experts over this rank's experts, summed over the slice's group -> [T, H], the
+    same on every rank (collective: every rank of the group calls it with the same tokens)."""
+    import torch.distributed as dist
+
+    out = moe_experts(hidden, topk_ids, topk_weights, gate_up, down, backend,
+                      first_expert=expert_slice.first)  # fmt: skip
+    dist.all_reduce(out, group=expert_slice.group)
+    return out
 
 
 class ExpertLoRA(nn.Module):
@@ -249,6 +295,9 @@ class SparseMoeBlock(nn.Module):
         expert_backend: one of EXPERT_BACKENDS ("auto": grouped GEMMs on CUDA, loop on CPU).
         expert_group: expert parallelism (models/expert_parallel.py): the experts hold this
             rank's E/EP experts and tokens are dispatched over the group; None: all experts.
+        expert_slice: the tensor-parallel rollout's split (engine/tensor_parallel.py): the
+            experts hold this rank's share, every token is routed here and the partial
+            outputs are summed over the group; None: all experts.
     """
 
     def __init__(self, config):
@@ -260,6 +309,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
         self.expert_backend = "auto"
         self.expert_group = None
+        self.expert_slice: ExpertSlice | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_routed(x)[0]
@@ -286,7 +336,13 @@ class SparseMoeBlock(nn.Module):
             topk_ids, topk_weights = replay_routes(
                 router_logits, recorded_ids, self.top_k, self.norm_topk_prob
             )
-        out = self.experts(flat, topk_ids, topk_weights, self.expert_backend, self.expert_group)
+        if self.expert_slice is not None:
+            experts = self.experts
+            out = sliced_moe_experts(flat, topk_ids, topk_weights, experts.gate_up_proj,
+                                     experts.down_proj, self.expert_slice, self.expert_backend)  # fmt: skip
+        else:
+            out = self.experts(flat, topk_ids, topk_weights, self.expert_backend,
+                               self.expert_group)  # fmt: skip
         return out.view(*x.shape[:-1], -1), router_logits, topk_ids
 
 

@@ -38,6 +38,18 @@ def shard_dim(name: str) -> int | None:
     return None
 
 
+PACKED_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+
+
+def rollout_shard_dim(name: str, split_experts: bool = True) -> int | None:
+    """shard_dim in the tensor-parallel rollout: a packed expert tensor [E, ...] is split by
+    whole experts (dim 0) when the rollout splits its experts (engine/tensor_parallel.py),
+    else held whole; the router (mlp.gate.weight) is whole on every rank."""
+    if name.endswith(PACKED_EXPERTS):
+        return 0 if split_experts else None
+    return shard_dim(name)
+
+
 def whole(shape: tuple[int, ...]) -> Block:
     return tuple((0, size) for size in shape)
 

@@ -105,6 +105,12 @@ def experts_torch(
     if keep is not None:
         x, ids, weights = x[keep], ids[keep], weights[keep]
     experts = mlp.experts
+    expert_slice = getattr(mlp, "expert_slice", None)
+    if expert_slice is not None:  # this rank's experts, summed over the group (tensor_parallel.py)
+        from hybridflow.models.moe import sliced_moe_experts
+
+        return sliced_moe_experts(x, ids, weights, experts.gate_up_proj, experts.down_proj,
+                                  expert_slice, mlp.expert_backend)  # fmt: skip
     return moe_experts(x, ids, weights, experts.gate_up_proj, experts.down_proj,
                        mlp.expert_backend, _active_adapters(mlp))  # fmt: skip
 
