@@ -34,16 +34,19 @@ class RouteReader:
         if not slots:
             return []
         width = max(max(lengths), 1)
-        index = upload(self.device, torch.tensor(slots))[0]
         if self.stream is None:
-            rows = self.cache.read_routes(index, width).clone()
+            rows = self.cache.read_routes(torch.tensor(slots), width).clone()
         else:
             if after is None:
                 self.stream.wait_stream(torch.cuda.current_stream(self.device))
             else:
                 self.stream.wait_event(after)
             with torch.cuda.stream(self.stream):
-                index.record_stream(self.stream)
+                # the slots go up on this stream, ahead of the gather that reads them: on the
+                # default stream their copy would queue behind the chunk being decoded, which
+                # this stream does not wait for, and the gather would read the index's memory
+                # before the copy lands (stale slot numbers, out of the cache's bounds)
+                index = upload(self.device, torch.tensor(slots))[0]
                 rows = self.cache.read_routes(index, width).cpu()  # waits for this stream only
         return [rows[i, :n].numpy() for i, n in enumerate(lengths)]
 
