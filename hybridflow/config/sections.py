@@ -158,10 +158,9 @@ class AlgorithmConfig:
 @dataclass
 class TrainerConfig:
     total_steps: int = 80
-    """RL steps to run (unless ``total_epochs`` is set). The demo's 80: measured on one host
-    with its own float math and two emulated others (AVX2, AVX-512), 60 GRPO steps gained
-    +17.5 to +20.8 points of val mean@4 and were still climbing; 80 give +24 (docs/performance.md,
-    Demo)."""
+    """RL steps to run (unless ``total_epochs`` is set). The demo's 80: with a CPU's AVX-512
+    and AVX2 kernels, 60 GRPO steps gained +20.8 and +17.5 points of val mean@4 and were still
+    climbing, 80 gained +24.0 and +23.1 (docs/performance.md, Demo)."""
     total_epochs: int | None = None
     """Passes over the training prompts (verl's ``trainer.total_epochs``): when set, the run
     lasts ``total_epochs × (training prompts // data.train_batch_size)`` steps, counted after
@@ -261,7 +260,7 @@ class SFTConfig:
     total_steps: int = 2000
     """Optimizer steps of supervised fine-tuning; for the ``sft:<task>`` warm start, the cap on
     steps when ``sft.stop_at_accuracy`` is set (reached only where the target is not: the
-    demo's SFT usually stops after 300-550 steps)."""
+    demo's SFT stopped after 350-400 steps on every float path measured)."""
     stop_at_accuracy: float | None = 0.5
     """``sft:<task>`` warm start only: stop SFT as soon as the greedy accuracy on
     ``sft.eval_size`` problems of the built-in task (outside its validation split), checked
