@@ -28,7 +28,7 @@ SUPPORTED_LAYOUTS: frozenset[tuple[str, str]] = frozenset(
     {(role, dim) for role in ("actor", "ref", "critic") for dim in ("sp", "tp")}
     # learners/sequence_shard.py, models/tensor_parallel.py
     | {("actor", "ep"), ("ref", "ep")}  # learners/expert_shard.py
-    | {("rollout", "tp")}  # engine/tensor_parallel.py, engine/reshard.py
+    | {("rollout", "tp"), ("rollout", "ep")}  # engine/tensor_parallel.py, engine/reshard.py
 )
 """(role, dimension) pairs whose code path exists, so a size > 1 runs. A pair joins this set
 in the change that makes the role train or generate in that layout."""
@@ -149,6 +149,8 @@ def check_layouts(
             add(problem)
         for problem in rollout_tensor_parallel_limits(cfg, architecture):
             add(problem)
+        for problem in rollout_expert_limits(cfg, architecture):
+            add(problem)
         _check_runnable(cfg, add)
     if not tiled:
         return None
@@ -167,14 +169,55 @@ def rollout_tensor_parallel_limits(cfg: Config, arch: ModelArchitecture | None) 
          "agent episodes take turns at their own pace on each rank"),
         (cfg.trainer.mode == "async" and cfg.trainer.partial_rollout, "trainer.partial_rollout",
          "the rollout service admits requests as they come, at times that differ by rank"),
-        (arch is not None and arch.is_moe, "a mixture-of-experts model",
-         "its experts are not split over the rollout's ranks"),
         (cfg.rollout.engine.decode_backend == "triton" or cfg.rollout.dtype == "fp8",
          "rollout.engine.decode_backend = triton" if cfg.rollout.dtype != "fp8" else
          "rollout.dtype = fp8", "the fused decode layers have no all-reduce yet"),
     ]  # fmt: skip
-    return [f"{key} with {what}: not yet supported ({why}); set rollout.tensor_parallel_size=1"
-            for applies, what, why in limits if applies]  # fmt: skip
+    problems = [f"{key} with {what}: not yet supported ({why}); set "
+                "rollout.tensor_parallel_size=1" for applies, what, why in limits if applies]  # fmt: skip
+    if arch is not None and arch.is_moe:
+        problems += _moe_rollout_limits(cfg, arch, key)
+    return problems
+
+
+def rollout_expert_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]:
+    """rollout.expert_parallel_size: the experts split over one replica's tensor-parallel
+    ranks (unset, or equal to rollout.tensor_parallel_size) or held whole (1) are built;
+    experts spread over several replicas are not."""
+    ep, tp = cfg.rollout.expert_parallel_size, cfg.rollout.tensor_parallel_size
+    if ep is None or ep == 1 or ep == tp or (arch is not None and not arch.is_moe):
+        return []  # a dense model's ep > 1: _check_shape says it has no experts
+    fix = (f"set rollout.expert_parallel_size={tp} (each replica's {tp} ranks split the "
+           "experts) or 1 (every rank holds every expert)" if tp > 1 else
+           f"set rollout.expert_parallel_size=1, or rollout.tensor_parallel_size={ep} to split "
+           f"the experts over {ep} ranks")  # fmt: skip
+    return [f"rollout.expert_parallel_size = {ep} with rollout.tensor_parallel_size = {tp}: "
+            f"experts spread over several engine replicas are not yet supported: {fix}"]  # fmt: skip
+
+
+def _moe_rollout_limits(cfg: Config, arch: ModelArchitecture, key: str) -> list[str]:
+    """A tensor-parallel rollout of a mixture of experts: what it does not run yet."""
+    problems = []
+    split = cfg.rollout.expert_parallel_size != 1
+    if split and arch.num_experts % cfg.rollout.tensor_parallel_size:
+        problems.append(
+            f"{key} must divide the model's experts (num_experts = {arch.num_experts}) to "
+            "split them over the replica's ranks: pick a divisor, or set "
+            "rollout.expert_parallel_size=1 (every rank holds every expert)"
+        )
+    if cfg.model.lora_rank > 0:
+        problems.append(
+            f"{key} with model.lora_rank = {cfg.model.lora_rank} on a mixture-of-experts model: "
+            "not yet supported (the reshard does not merge expert adapters); set "
+            "rollout.tensor_parallel_size=1 or model.lora_rank=0"
+        )
+    if cfg.actor.expert_parallel_size > 1:
+        problems.append(
+            f"{key} with actor.expert_parallel_size = {cfg.actor.expert_parallel_size}: not "
+            "yet supported (the reshard from expert-parallel training shards is not built); "
+            "set actor.expert_parallel_size=1 or rollout.tensor_parallel_size=1"
+        )
+    return problems
 
 
 def _check_runnable(cfg: Config, add: Add) -> None:
@@ -220,7 +263,7 @@ def _check_shape(role: str, arch: ModelArchitecture, sizes: list[RoleSize], add:
             ("KV heads", kv),
             ("MLP width (intermediate_size)", arch.intermediate_size if _has_dense(arch) else 0),
             ("expert width (moe_intermediate_size)", arch.moe_intermediate_size
-             if arch.is_moe else 0),
+             if arch.is_moe and role != "rollout" else 0),  # the rollout keeps experts whole
             ("vocabulary (vocab_size)", arch.vocab_size),
         ):  # fmt: skip
             if count and count % tp:

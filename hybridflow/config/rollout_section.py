@@ -50,9 +50,12 @@ class RolloutConfig:
     """Ranks of one engine replica: its heads, MLP columns and KV cache are split over them
     (one all-reduce per attention and per MLP). The rollout runs world / this replicas.
     verl's rollout.tensor_model_parallel_size."""
-    expert_parallel_size: int = 1
-    """Mixture-of-experts models: ranks that split the experts in the rollout, spanning
-    whole tensor-parallel replicas (a multiple of rollout.tensor_parallel_size)."""
+    expert_parallel_size: int | None = None
+    """Mixture-of-experts models with rollout.tensor_parallel_size > 1: unset or equal to
+    it, each replica's ranks split the experts (rank r holds experts [r·E/tp, (r+1)·E/tp),
+    whole; one all-reduce per sparse layer); 1, every rank holds every expert (tp times the
+    experts' memory, no all-reduce after the sparse layers). Experts spread over several
+    replicas (other values) are not built yet. verl's rollout.expert_parallel_size."""
     agent: AgentOptions = field(default_factory=AgentOptions)
     """Multi-turn episodes with tools (hybridflow/agents/options.py): rollout.agent.loop=tools
     rollout.agent.tools=[calculator,python] trains on the model's turns, tool results masked

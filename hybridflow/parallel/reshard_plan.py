@@ -12,6 +12,7 @@ from hybridflow.parallel.blocks import (
     Block,
     fsdp_block,
     numel,
+    rollout_shard_dim,
     shard_dim,
     tensor_parallel_block,
     transfer_plan,
@@ -20,11 +21,11 @@ from hybridflow.parallel.layout import Layout, coordinates
 
 
 def parameter_shapes(arch: ModelArchitecture) -> list[tuple[str, tuple[int, ...]]]:
-    """(HF name, shape) of every parameter of a dense decoder, in the model's order; a tied
-    lm_head is the embedding (not repeated)."""
-    if arch.is_moe:
-        raise ValueError("parameter_shapes covers dense decoders (the experts: not yet)")
+    """(HF name, shape) of every parameter of the decoder, in the model's order; a tied
+    lm_head is the embedding (not repeated). A sparse layer's MLP is its router [E, H] and
+    its packed experts (models/moe.py, the in-memory names the trainer holds)."""
     h, hd, inner = arch.hidden_size, arch.head_dim, arch.intermediate_size
+    experts, width = arch.num_experts, arch.moe_intermediate_size
     q, kv = arch.num_attention_heads * hd, arch.num_key_value_heads * hd
     shapes = [("model.embed_tokens.weight", (arch.vocab_size, h))]
     for index in range(arch.num_hidden_layers):
@@ -43,12 +44,19 @@ def parameter_shapes(arch: ModelArchitecture) -> list[tuple[str, tuple[int, ...]
             layer.append(("self_attn.o_proj.bias", (h,)))
         if arch.qk_norm:
             layer += [("self_attn.q_norm.weight", (hd,)), ("self_attn.k_norm.weight", (hd,))]
-        layer += [
-            ("post_attention_layernorm.weight", (h,)),
-            ("mlp.gate_proj.weight", (inner, h)),
-            ("mlp.up_proj.weight", (inner, h)),
-            ("mlp.down_proj.weight", (h, inner)),
-        ]
+        layer.append(("post_attention_layernorm.weight", (h,)))
+        if arch.is_sparse_layer(index):
+            layer += [
+                ("mlp.gate.weight", (experts, h)),
+                ("mlp.experts.gate_up_proj", (experts, 2 * width, h)),
+                ("mlp.experts.down_proj", (experts, h, width)),
+            ]
+        else:
+            layer += [
+                ("mlp.gate_proj.weight", (inner, h)),
+                ("mlp.up_proj.weight", (inner, h)),
+                ("mlp.down_proj.weight", (h, inner)),
+            ]
         shapes += [(prefix + name, shape) for name, shape in layer]
     shapes.append(("model.norm.weight", (h,)))
     if not arch.tie_word_embeddings:
@@ -70,9 +78,12 @@ def training_blocks(name: str, shape: tuple[int, ...], layout: Layout) -> list[B
     return blocks
 
 
-def rollout_blocks(name: str, shape: tuple[int, ...], layout: Layout) -> list[Block]:
-    """Per rank, its block of parameter ``name`` in a rollout layout (each replica whole)."""
-    dim = shard_dim(name)
+def rollout_blocks(name: str, shape: tuple[int, ...], layout: Layout,
+                   split_experts: bool = True) -> list[Block]:  # fmt: skip
+    """Per rank, its block of parameter ``name`` in a rollout layout (each replica whole); a
+    packed expert tensor: the rank's whole experts when ``split_experts`` (the experts
+    split over the tensor-parallel ranks, engine/tensor_parallel.py), else all of them."""
+    dim = rollout_shard_dim(name, split_experts)
     return [tensor_parallel_block(shape, dim, coordinates(layout, rank).get("tp", 0), layout.tp)
             for rank in range(layout.world)]  # fmt: skip
 
@@ -96,7 +107,7 @@ class ReshardTraffic:
 
 
 def reshard_traffic(arch: ModelArchitecture, train: Layout, rollout: Layout,
-                    element_bytes: int = 2) -> ReshardTraffic:  # fmt: skip
+                    element_bytes: int = 2, split_experts: bool = True) -> ReshardTraffic:  # fmt: skip
     """The bytes one training-to-rollout sync moves (both layouts over the same ranks: the
     colocated hybrid engine), in the rollout's dtype (``element_bytes``). Parameters of one
     shape and split move alike, so each kind is planned once and counted as often as it
@@ -108,11 +119,14 @@ def reshard_traffic(arch: ModelArchitecture, train: Layout, rollout: Layout,
     received, sent, kept, shard = ([0] * world for _ in range(4))
     gathered = 0
     kinds: dict[tuple, list] = {}
+    if train.ep > 1:
+        raise ValueError("reshard_traffic plans training layouts without expert parallelism")
     for name, shape in parameter_shapes(arch):
-        kinds.setdefault((shape, shard_dim(name)), [name, 0])[1] += 1
-    for (shape, _), (name, count) in kinds.items():
+        kind = (shape, shard_dim(name), rollout_shard_dim(name, split_experts))
+        kinds.setdefault(kind, [name, 0])[1] += 1
+    for (shape, _, _), (name, count) in kinds.items():
         sources = training_blocks(name, shape, train)
-        dests = rollout_blocks(name, shape, rollout)
+        dests = rollout_blocks(name, shape, rollout, split_experts)
         for move in transfer_plan(sources, dests):
             size = numel(move.block) * element_bytes * count
             if move.source == move.dest:

@@ -50,7 +50,9 @@ def role_sizes(cfg: Config) -> list[RoleSize]:
         for dim in dims:
             key = DIM_KEYS[dim]
             own = getattr(section, key)
-            if own is None:  # the reference and the critic follow the actor
+            if own is None and role == "rollout":  # its experts split over the tp ranks:
+                sizes.append(RoleSize(role, dim, 1, f"{role}.{key}"))  # no ep group of its own
+            elif own is None:  # the reference and the critic follow the actor
                 sizes.append(RoleSize(role, dim, getattr(cfg.actor, key), f"actor.{key}"))
             else:
                 sizes.append(RoleSize(role, dim, own, f"{role}.{key}"))

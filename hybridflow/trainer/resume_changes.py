@@ -22,8 +22,11 @@ APPLIED = {
     "trainer.total_steps": "the run now ends at the new step",
     "algorithm.kl_coef": "a fixed KL controller continues at the new coefficient; an "
     "adaptive one keeps the value it adapted to",
-    "rollout.tensor_parallel_size": "the rollout keeps no state: its engine is built in the "
-    "new layout and takes the loaded actor's weights; the samples are the same",
+    **{
+        f"rollout.{size}": "the rollout keeps no state: its engine is built in the new layout "
+        "and takes the loaded actor's weights; the samples are the same"
+        for size in ("tensor_parallel_size", "expert_parallel_size")
+    },
     **{
         f"{role}.{size}": "each rank reads its part of the checkpoint's shards in the new layout"
         for role in ("actor", "ref", "critic")

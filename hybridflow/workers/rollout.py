@@ -103,10 +103,14 @@ class RolloutWorker(Worker):
         from hybridflow.workers.rollout_tp import TensorParallelRollout
 
         size = config.rollout.tensor_parallel_size
+        # rollout.expert_parallel_size: unset or the tensor-parallel size splits the experts
+        # over the group, 1 holds every expert on every rank (validate() refuses the rest)
+        split = config.rollout.expert_parallel_size != 1
         if self.actor is not None:
             return TensorParallelRollout.from_actor(self.actor, size, dtype, self.device,
-                                                    config.model.path)  # fmt: skip
-        return TensorParallelRollout.from_checkpoint(config.model.path, size, dtype, self.device)
+                                                    config.model.path, split)  # fmt: skip
+        return TensorParallelRollout.from_checkpoint(config.model.path, size, dtype, self.device,
+                                                     split)  # fmt: skip
 
     def _generate_episodes(self, batch: Batch, params, pad_token_id: int) -> Batch:
         """rollout.agent.loop: n multi-turn episodes per prompt row (its `raw_prompt`

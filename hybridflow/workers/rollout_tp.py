@@ -65,10 +65,13 @@ class TensorParallelRollout:
         tensor_parallel_size: rollout.tensor_parallel_size (divides the world).
         actor: the colocated actor role (None: split placement, weights from the
             controller), whose ``model`` holds the training parameters.
+        split_experts: a mixture of experts' experts are split over the group (each rank
+            receives only its own), else every rank holds all of them
+            (rollout.expert_parallel_size=1).
     """
 
     def __init__(self, architecture, tensor_parallel_size: int, dtype: torch.dtype,
-                 device: str, actor=None):  # fmt: skip
+                 device: str, actor=None, split_experts: bool = True):  # fmt: skip
         from hybridflow.engine.tensor_parallel import tensor_parallel_model
         from hybridflow.parallel.layout import build_mesh, rollout_layout
 
@@ -78,21 +81,25 @@ class TensorParallelRollout:
         self.group = mesh.group("tp")
         self.size, self.rank_in_group = tensor_parallel_size, mesh.rank_in("tp")
         self.architecture = architecture
-        self.model = tensor_parallel_model(architecture, self.group, dtype, device)
+        self.split_experts = split_experts and architecture.is_moe
+        self.model = tensor_parallel_model(architecture, self.group, dtype, device,
+                                           self.split_experts)  # fmt: skip
         self.resharder = None
         if actor is not None:
             self.resharder = self._resharder(actor)
 
     @classmethod
-    def from_actor(cls, actor, size: int, dtype: torch.dtype, device: str, path: str):
+    def from_actor(cls, actor, size: int, dtype: torch.dtype, device: str, path: str,
+                   split_experts: bool = True):  # fmt: skip
         """Its shard of the colocated actor's model, resharded from the actor's shards."""
         _check_native(actor.model, size, path)
-        tensor = cls(actor.model.config, size, dtype, device, actor)
+        tensor = cls(actor.model.config, size, dtype, device, actor, split_experts)
         tensor.sync(actor)
         return tensor
 
     @classmethod
-    def from_checkpoint(cls, path: str, size: int, dtype: torch.dtype, device: str):
+    def from_checkpoint(cls, path: str, size: int, dtype: torch.dtype, device: str,
+                        split_experts: bool = True):  # fmt: skip
         """Its shard of the model at ``path`` (split placement): a checkpoint directory is
         read one tensor at a time, each sliced, so no whole model is ever on the host; a
         preset is built whole once (its random weights are made whole)."""
@@ -102,7 +109,7 @@ class TensorParallelRollout:
         if path in PRESETS:
             whole = load_causal_lm(path, dtype, "cpu")
             _check_native(whole, size, path)
-            tensor = cls(whole.config, size, dtype, device)
+            tensor = cls(whole.config, size, dtype, device, split_experts=split_experts)
             tensor.copy_in(whole.named_parameters())
             return tensor
         from hybridflow.models import native_support_problem
@@ -113,24 +120,48 @@ class TensorParallelRollout:
         problem = native_support_problem(config)
         if problem is not None:
             raise ValueError(_fallback_refusal(size, path, problem))
-        tensor = cls(ModelArchitecture.from_hf(config), size, dtype, device)
+        tensor = cls(ModelArchitecture.from_hf(config), size, dtype, device,
+                     split_experts=split_experts)  # fmt: skip
         tensor.copy_in(iter_checkpoint_tensors(path), path)
         return tensor
 
     @torch.no_grad()
     def copy_in(self, named_tensors, path: str | None = None) -> None:
         """Each whole tensor's slice into the engine shard (a tied lm_head is the embedding;
-        unused extras, like old checkpoints' rotary buffers, are skipped)."""
+        unused extras, like old checkpoints' rotary buffers, are skipped). A checkpoint's
+        per-expert tensors (models/expert_checkpoint.py) are read for this rank's experts
+        only; the others are dropped as they are read."""
+        from hybridflow.models.expert_checkpoint import memory_name, place_expert_slice
+
         params = dict(self.model.named_parameters())
-        filled = set()
-        for name, piece in self.local_slices(named_tensors):
-            if name in params:
-                params[name].copy_(piece)
-                filled.add(name)
+        filled, slices = set(), set()
+        first, count = self._expert_range()
+        for name, tensor in named_tensors:
+            packed, expert, part = memory_name(name)
+            if expert is None:
+                packed, piece = self.local_slice(packed, tensor)
+                if packed in params:
+                    params[packed].copy_(piece)
+                    filled.add(packed)
+            elif packed in params and first <= expert < first + count:
+                place_expert_slice(params[packed], expert - first, part, tensor)
+                slices.add((packed, expert, part))
+        for packed in {name for name, _, _ in slices}:  # every part of every expert held
+            parts = ("down",) if packed.endswith("down_proj") else ("gate", "up")
+            if all((packed, e, p) in slices for e in range(first, first + count) for p in parts):
+                filled.add(packed)
         missing = sorted(set(params) - filled)
         if missing:
             raise ValueError(f"checkpoint {path!r} lacks {len(missing)} tensors, e.g. "
                              f"{missing[:5]}")  # fmt: skip
+
+    def _expert_range(self) -> tuple[int, int]:
+        """(first expert, experts) this rank holds of each sparse layer."""
+        experts = self.architecture.num_experts
+        if not self.split_experts:
+            return 0, experts
+        share = experts // self.size
+        return self.rank_in_group * share, share
 
     def _resharder(self, actor):
         from hybridflow.engine.reshard import Resharder
@@ -139,7 +170,8 @@ class TensorParallelRollout:
         rank = dist.get_rank()
         shapes = dict(parameter_shapes(self.architecture))
         targets = dict(self.model.named_parameters())
-        blocks = {name: rollout_blocks(name, shapes[name], self.layout)[rank] for name in targets}
+        blocks = {name: rollout_blocks(name, shapes[name], self.layout, self.split_experts)[rank]
+                  for name in targets}  # fmt: skip
         # a group of its own: a sync never queues behind (or between) the actor's collectives
         reshard_group = dist.new_group(list(range(dist.get_world_size())))
         sources, _ = training_sources(actor.model, targets)
@@ -151,12 +183,18 @@ class TensorParallelRollout:
         names = dict(self.model.named_parameters())
         return self.resharder.run(*training_sources(actor.model, names))
 
-    def local_slices(self, named_tensors):
-        """(name, this rank's slice) of whole tensors (split placement's weights)."""
+    def local_slice(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+        """(name, this rank's slice) of a whole in-memory tensor (split placement's weights;
+        packed experts: this rank's experts)."""
         from hybridflow.engine.tensor_parallel import local_shard
 
+        return name, local_shard(name, tensor, self.rank_in_group, self.size,
+                                 self.split_experts)  # fmt: skip
+
+    def local_slices(self, named_tensors):
+        """(name, this rank's slice) of whole in-memory tensors."""
         for name, tensor in named_tensors:
-            yield name, local_shard(name, tensor, self.rank_in_group, self.size)
+            yield self.local_slice(name, tensor)
 
     def gather_rows(self, batch: Batch) -> tuple[Batch, int, int]:
         """The group's chunks of a generate batch, in rank order (every member gets the

@@ -62,8 +62,27 @@ def test_a_tensor_parallel_rollout_is_accepted_and_what_it_does_not_run_yet_refu
         "supported (the fused decode layers have no all-reduce yet); set "
         "rollout.tensor_parallel_size=1",
     ]
-    problems = _problems([*FOUR_CPUS, "rollout.tensor_parallel_size=2", "model.path=tiny-moe"])
-    assert any("with a mixture-of-experts model: not yet supported" in p for p in problems)
+
+
+def test_a_tensor_parallel_rollout_of_experts_splits_them_or_holds_them_whole():
+    """engine/tensor_parallel.py: unset or equal to the rollout's tp, rollout.expert_parallel_size
+    splits the experts over a replica's ranks; 1 holds them whole; experts over several
+    replicas, expert adapters and an expert-parallel actor's reshard are refused by key."""
+    moe = [*FOUR_CPUS, "model.path=tiny-moe", "rollout.tensor_parallel_size=2"]
+    for extra in ([], ["rollout.expert_parallel_size=2"], ["rollout.expert_parallel_size=1"]):
+        derived = validate(load_config(None, [*moe, *extra]))
+        assert (derived.layouts.rollout.tp, derived.rollout_dp_size) == (2, 2)
+    assert _problems([*moe, "rollout.expert_parallel_size=4"]) == [
+        "rollout.expert_parallel_size = 4 with rollout.tensor_parallel_size = 2: experts spread "
+        "over several engine replicas are not yet supported: set rollout.expert_parallel_size=2 "
+        "(each replica's 2 ranks split the experts) or 1 (every rank holds every expert)"]  # fmt: skip
+    problems = _problems([*moe, "model.lora_rank=4", "actor.expert_parallel_size=2"])
+    assert [p.split(":")[0] for p in problems] == [
+        "rollout.tensor_parallel_size = 2 with model.lora_rank = 4 on a mixture-of-experts model",
+        "rollout.tensor_parallel_size = 2 with actor.expert_parallel_size = 2"]  # fmt: skip
+    problems = _problems([*FOUR_CPUS, "model.path=tiny-moe", "rollout.tensor_parallel_size=4"])
+    assert any("rollout.tensor_parallel_size = 4 must divide the model's KV heads" in p
+               for p in problems)  # fmt: skip
 
 
 @pytest.mark.parametrize("dim", ["sequence", "tensor"])
@@ -77,14 +96,17 @@ def test_sequence_and_tensor_parallel_training_roles_are_accepted(dim):
         assert (layout.sp, layout.tp) == ((2, 1) if dim == "sequence" else (1, 2))
 
 
-def test_expert_parallel_actor_and_reference_are_accepted_rollout_refused():
+def test_expert_parallel_actor_and_reference_are_accepted_rollout_beyond_its_tp_refused():
     """Expert parallelism trains the actor and runs the reference (learners/expert_shard.py);
-    the rollout engine's has no code path yet."""
+    the rollout splits experts over its tensor-parallel ranks only."""
     moe = [*FOUR_CPUS, "model.path=tiny-moe", "actor.use_kl_loss=true"]
     derived = validate(load_config(None, [*moe, "actor.expert_parallel_size=2"]))
     assert derived.layouts.actor.ep == derived.layouts.ref.ep == 2
     problems = _problems([*moe, "rollout.expert_parallel_size=2"])
-    assert problems[0].startswith("rollout.expert_parallel_size = 2: expert parallelism is not")
+    assert problems == [
+        "rollout.expert_parallel_size = 2 with rollout.tensor_parallel_size = 1: experts spread "
+        "over several engine replicas are not yet supported: set rollout.expert_parallel_size=1, "
+        "or rollout.tensor_parallel_size=2 to split the experts over 2 ranks"]  # fmt: skip
 
 
 def test_sizes_that_do_not_tile_the_devices_name_the_keys():

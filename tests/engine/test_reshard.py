@@ -1,8 +1,8 @@
 """The training-to-rollout reshard on gloo processes, into a tensor-parallel engine of
 rollout TP = 2, bucket by bucket: from FSDP2 shards (2 and 4 ranks), from a tensor-parallel
 actor with FSDP2 on top (4 ranks: DP 2 × TP 2), from a LoRA actor (adapters merged as they
-move), and from an actor in the rollout's own layout (TP 2 over the same 2 ranks), where
-nothing moves. Every engine parameter equals its slice of the full (merged) model, the bytes
+move), from a mixture of experts (each rank receives only its own experts), and from an
+actor in the rollout's own layout (TP 2 over the same 2 ranks), where nothing moves. Every engine parameter equals its slice of the full (merged) model, the bytes
 moved are what the pure plan (parallel/reshard_plan.py) says, no bucket's buffers pass the
 bucket size, and the engine then draws the tokens of one process with the whole model."""
 
@@ -40,9 +40,9 @@ def _shard(model, train):
     fully_shard(model, mesh=mesh.submesh("fsdp"))
 
 
-def _engine_model(rollout):
+def _engine_model(rollout, preset: str = "tiny"):
     group = build_mesh(rollout, "cpu").group("tp")
-    return tensor_parallel_model(preset_config("tiny"), group, torch.float32, "cpu")
+    return tensor_parallel_model(preset_config(preset), group, torch.float32, "cpu")
 
 
 def _resharder(model, engine_model, rollout):
@@ -53,9 +53,10 @@ def _resharder(model, engine_model, rollout):
     return Resharder(dict(model.named_parameters()), targets, blocks, bucket_bytes=BUCKET_BYTES)
 
 
-def _check_traffic(stats, train, rollout, targets) -> None:
-    planned = reshard_traffic(preset_config("tiny"), train, rollout, element_bytes=4)
-    assert stats.buckets >= 2 and 0 < stats.peak_buffer_bytes <= BUCKET_BYTES, stats
+def _check_traffic(stats, train, rollout, targets, preset: str = "tiny",
+                   bucket_bytes: int = BUCKET_BYTES) -> None:  # fmt: skip
+    planned = reshard_traffic(preset_config(preset), train, rollout, element_bytes=4)
+    assert stats.buckets >= 2 and 0 < stats.peak_buffer_bytes <= bucket_bytes, stats
     mine = torch.tensor([stats.bytes_received, stats.bytes_sent, stats.bytes_kept])
     most, least, moved = mine.clone(), mine.clone(), mine[1:2].clone()
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
@@ -102,6 +103,27 @@ def _from_fsdp(world: int, train_tp: int) -> None:
         for param in whole.parameters():
             param.add_(1.0)
     _same_tokens(engine_model, whole)
+
+
+def _from_fsdp_experts() -> None:
+    """tiny-moe, FSDP2 over 2 ranks into rollout TP 2 with the experts split: each rank
+    receives its 4 experts of 8 (packed [E, ...] tensors cut by whole experts; FSDP2's dim-0
+    chunks already hold them, so they never move), the router and norms whole, the bytes the
+    plan says, and samples the tokens of the whole model."""
+    train, rollout = train_layout(2), rollout_layout(2, tp=2)
+    model = build_model(preset_config("tiny-moe"), seed=3)
+    full = {name: p.detach().clone() for name, p in model.named_parameters()}
+    _shard(model, train)
+    engine_model = _engine_model(rollout, "tiny-moe")
+    stats = _resharder(model, engine_model, rollout).run(dict(model.named_parameters()))
+    targets = dict(engine_model.named_parameters())
+    for name, param in targets.items():
+        assert torch.equal(param, local_shard(name, full[name], dist.get_rank(), 2)), name
+    experts = targets["model.layers.1.mlp.experts.down_proj"]
+    assert experts.shape[0] == 4  # no rank holds every expert
+    # the dense layer's down_proj alone moves 2 × 48 KiB: a bucket of its own
+    _check_traffic(stats, train, rollout, targets, "tiny-moe", 2 * BUCKET_BYTES)
+    _same_tokens(engine_model, build_model(preset_config("tiny-moe"), seed=3))
 
 
 def _from_lora() -> None:
@@ -163,6 +185,7 @@ def _reshard_on_ranks(rank: int, world: int) -> None:
     else:
         _from_lora()
         _same_layout()
+        _from_fsdp_experts()
 
 
 @pytest.mark.slow

@@ -15,7 +15,12 @@ from hybridflow.parallel.blocks import (
     transfer_plan,
 )
 from hybridflow.parallel.layout import rollout_layout, train_layout
-from hybridflow.parallel.reshard_plan import parameter_shapes, reshard_traffic, training_blocks
+from hybridflow.parallel.reshard_plan import (
+    parameter_shapes,
+    reshard_traffic,
+    rollout_blocks,
+    training_blocks,
+)
 
 
 def test_fsdp_chunks_are_torch_chunk_sizes_with_empty_tails():
@@ -54,12 +59,30 @@ def test_replicas_send_their_share_and_a_holder_keeps_its_own():
 
 
 def test_parameter_shapes_are_the_models():
-    for preset in ("tiny", "tiny-4l", "qwen2.5-0.5b", "llama3-8b"):
+    for preset in ("tiny", "tiny-4l", "qwen2.5-0.5b", "llama3-8b", "tiny-moe"):
         arch = preset_config(preset)
         with torch.device("meta"):
             model = CausalLM(arch)
         assert parameter_shapes(arch) == [(name, tuple(p.shape))
                                           for name, p in model.named_parameters()]  # fmt: skip
+
+
+def test_the_rollout_splits_the_experts_by_whole_experts():
+    """tiny-moe (3 sparse layers of 8 experts, width 128, hidden 128): split over rollout TP 2,
+    a rank holds 4 experts of each packed tensor, so its shard is smaller by half the experts:
+    3 layers × 4 experts × (256 × 128 + 128 × 128) elements × 4 bytes = 1.5 MiB."""
+    arch = preset_config("tiny-moe")
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    assert rollout_blocks(name, (8, 256, 128), rollout_layout(2, tp=2)) == [
+        ((0, 4), (0, 256), (0, 128)), ((4, 8), (0, 256), (0, 128))]  # fmt: skip
+    assert rollout_blocks(name, (8, 256, 128), rollout_layout(2, tp=2), split_experts=False) == [
+        ((0, 8), (0, 256), (0, 128))] * 2  # fmt: skip
+    train, rollout = train_layout(2), rollout_layout(2, tp=2)
+    split = reshard_traffic(arch, train, rollout, element_bytes=4)
+    whole = reshard_traffic(arch, train, rollout, element_bytes=4, split_experts=False)
+    assert whole.rollout_shard - split.rollout_shard == 3 * 4 * (256 + 128) * 128 * 4
+    # FSDP2's dim-0 chunks over 2 ranks hold experts [0, 4) and [4, 8): nothing of them moves
+    assert whole.received - split.received == 3 * 4 * (256 + 128) * 128 * 4
 
 
 def test_training_tensor_parallel_then_fsdp_on_the_shard():
