@@ -123,21 +123,29 @@ def route_topk(
 
 
 @triton.jit
+def _local_ids(ids_ptr, offs, P, E, first):
+    """Pair ids as local experts [0, E) (global id - first); pairs past P and pairs routed to
+    experts this rank does not hold -> E (counted apart, never placed)."""
+    local = tl.load(ids_ptr + offs, mask=offs < P, other=-1) - first
+    return tl.where((offs < P) & (local >= 0) & (local < E), local, E)
+
+
+@triton.jit
 def _align_kernel(
-    ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, ends_ptr, P, E,
+    ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, ends_ptr, P, E, first,
     BINS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """Program e: counts every expert's pairs (a histogram of ids [P]; pairs past P count in
-    bin E), places expert e's run at the sum of the padded runs before it, writes its pairs'
-    indices there in pair order (then P, the padding marker, up to the padded length) and e as
-    the expert of each of its blocks, and the end of its run to ends[e]. Program 0 writes the
-    padded total."""
+    """Program e: counts every expert's pairs (a histogram of local ids, _local_ids; pairs
+    past P or of experts held elsewhere count in bin E), places expert e's run at the sum of
+    the padded runs before it, writes its pairs' indices there in pair order (then P, the
+    padding marker, up to the padded length) and e as the expert of each of its blocks, and
+    the end of its run to ends[e]. Program 0 writes the padded total."""
     e = tl.program_id(0)
     bins = tl.arange(0, BINS)
     counts = tl.zeros([BINS], dtype=tl.int32)
     for start in range(0, P, CHUNK):
         offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < P, other=E)
+        ids = _local_ids(ids_ptr, offs, P, E, first)
         counts += tl.histogram(ids, BINS)
     counts = tl.where(bins < E, counts, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -150,7 +158,7 @@ def _align_kernel(
     placed = tl.full([], 0, dtype=tl.int32)
     for start in range(0, P, CHUNK):
         offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < P, other=E)
+        ids = _local_ids(ids_ptr, offs, P, E, first)
         hit = (ids == e).to(tl.int32)
         rank = placed + tl.cumsum(hit, axis=0) - 1
         tl.store(sorted_ptr + start_e + rank, offs, mask=hit > 0)
@@ -169,7 +177,9 @@ class ExpertBlocks:
     pair indices (token * k + slot), P marking padding; block_expert [capacity / block_m]
     int32: each block's expert; total [1] int32: the padded length in use (blocks past it
     hold nothing); group_ends [E] int32: where each expert's run ends (torch._grouped_mm's
-    offsets). capacity is the static bound P + E * (block_m - 1), rounded up."""
+    offsets). capacity is the static bound P + E * (block_m - 1), rounded up. subset: the
+    experts are a share of the model's (align_pairs' first_expert): pairs routed elsewhere
+    are in no block, and their output rows are zeros."""
 
     sorted_pairs: torch.Tensor
     block_expert: torch.Tensor
@@ -178,15 +188,20 @@ class ExpertBlocks:
     block_m: int
     pairs: int
     top_k: int
+    subset: bool = False
 
     @property
     def max_blocks(self) -> int:
         return self.block_expert.shape[0]
 
 
-def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int,
+                first_expert: int | None = None) -> ExpertBlocks:  # fmt: skip
     """ids [T, k] int32 -> ExpertBlocks (static shapes: under CUDA graphs the grid is the
-    bound, and blocks past `total` return at once)."""
+    bound, and blocks past `total` return at once). first_expert: the weights hold the
+    model's experts [first_expert, first_expert + num_experts) only (a rank's share in the
+    tensor-parallel rollout, engine/tensor_parallel.py): blocks name local experts and the
+    pairs routed to other experts are skipped; None: ids are the weights' own."""
     tokens, top_k = ids.shape
     pairs = tokens * top_k
     max_blocks = triton.cdiv(pairs, block_m) + num_experts
@@ -199,11 +214,12 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBloc
     # 256 rows: 12-25 us a layer in chunks of 256)
     chunk = min(max(triton.next_power_of_2(pairs), 256), 4096)
     _align_kernel[(num_experts,)](
-        ids, sorted_pairs, block_expert, total, ends, pairs, num_experts,
+        ids, sorted_pairs, block_expert, total, ends, pairs, num_experts, first_expert or 0,
         BINS=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m, CHUNK=chunk,
         num_warps=8 if chunk >= 2048 else 4,
     )  # fmt: skip
-    return ExpertBlocks(sorted_pairs, block_expert, total, ends, block_m, pairs, top_k)
+    return ExpertBlocks(sorted_pairs, block_expert, total, ends, block_m, pairs, top_k,
+                        subset=first_expert is not None)  # fmt: skip
 
 
 # -------------------------------------------------------------------------------------------
@@ -311,9 +327,11 @@ def grouped_gate_up(x: torch.Tensor, gate_up: torch.Tensor, blocks: ExpertBlocks
 
 def grouped_down(act: torch.Tensor, down: torch.Tensor, blocks: ExpertBlocks,
                  tile: tuple | None = None) -> torch.Tensor:  # fmt: skip
-    """act [capacity, I] (sorted order), down [E, H, I] -> [P, H], row p = pair p's output."""
+    """act [capacity, I] (sorted order), down [E, H, I] -> [P, H], row p = pair p's output
+    (zeros for a pair no block holds: routed to an expert of another rank)."""
     hidden = down.shape[1]
-    out = torch.empty(blocks.pairs, hidden, dtype=act.dtype, device=act.device)
+    allocate = torch.zeros if blocks.subset else torch.empty  # empty: every row is written
+    out = allocate(blocks.pairs, hidden, dtype=act.dtype, device=act.device)
     block_n, block_k, warps, stages = tile or _tile(blocks.block_m, "down", act)
     grid = (blocks.max_blocks, triton.cdiv(hidden, block_n))
     _grouped_kernel[grid](

@@ -141,23 +141,31 @@ def experts_triton(
         x, ids, weights = x[keep], ids[keep], weights[keep]
     tokens = x.shape[0]
     gate_up, down = mlp.experts.gate_up_proj, mlp.experts.down_proj
+    expert_slice = getattr(mlp, "expert_slice", None)  # this rank's experts (tensor_parallel.py)
+    first = None if expert_slice is None else expert_slice.first
     if matmuls.use_grouped_mm(tokens, x, prefill):
-        pair_out = _pairs_grouped_mm(x, ids, gate_up, down)
+        pair_out = _pairs_grouped_mm(x, ids, gate_up, down, first)
     else:
-        blocks = moe.align_pairs(ids, gate_up.shape[0], moe.block_rows(tokens, mlp.top_k,
-                                                                       gate_up.shape[0]))  # fmt: skip
+        block_m = moe.block_rows(tokens, mlp.top_k, gate_up.shape[0])
+        blocks = moe.align_pairs(ids, gate_up.shape[0], block_m, first)
         pair_out = moe.grouped_down(moe.grouped_gate_up(x, gate_up, blocks), down, blocks)
-    return moe.combine(pair_out, weights)
+    out = moe.combine(pair_out, weights)
+    if expert_slice is not None:  # the partial outputs of the group's ranks, summed
+        import torch.distributed as dist
+
+        dist.all_reduce(out, group=expert_slice.group)
+    return out
 
 
-def _pairs_grouped_mm(x, ids, gate_up, down) -> torch.Tensor:
+def _pairs_grouped_mm(x, ids, gate_up, down, first_expert: int | None = None) -> torch.Tensor:
     """Each (token, expert) pair's expert output [T * k, H] through torch._grouped_mm (one
     launch per projection, CUTLASS on Hopper): pairs sorted by expert (align_pairs, blocks of
-    16 rows), SiLU*up by the row-wise kernel, rows scattered back to pair order."""
+    16 rows), SiLU*up by the row-wise kernel, rows scattered back to pair order (zeros for
+    pairs routed to experts held elsewhere: first_expert, align_pairs)."""
     from hybridflow.engine.kernels import moe, rowwise
 
     pairs, top_k = ids.numel(), ids.shape[1]
-    blocks = moe.align_pairs(ids, gate_up.shape[0], 16)
+    blocks = moe.align_pairs(ids, gate_up.shape[0], 16, first_expert)
     sorted_pairs = blocks.sorted_pairs
     valid = (sorted_pairs < pairs) & (
         torch.arange(sorted_pairs.shape[0], device=x.device) < blocks.total
@@ -169,6 +177,7 @@ def _pairs_grouped_mm(x, ids, gate_up, down) -> torch.Tensor:
     gate_up_rows = torch._grouped_mm(rows, gate_up.transpose(-2, -1), offs=ends)
     act = rowwise.silu_mul(gate_up_rows[:, :inner], gate_up_rows[:, inner:])
     expert_rows = torch._grouped_mm(act, down.transpose(-2, -1), offs=ends)
-    out = torch.empty(pairs + 1, x.shape[1], dtype=x.dtype, device=x.device)
+    allocate = torch.zeros if blocks.subset else torch.empty  # empty: every pair is written
+    out = allocate(pairs + 1, x.shape[1], dtype=x.dtype, device=x.device)
     out[pair_index] = expert_rows  # valid indices are distinct; padding lands on row P
     return out[:pairs]

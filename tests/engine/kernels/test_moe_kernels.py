@@ -99,3 +99,67 @@ def test_block_rows_grows_with_the_pairs_per_expert():
     assert moe.block_rows(16, 8, 128) == 16
     assert moe.block_rows(1024, 8, 128) == 64
     assert moe.block_rows(16384, 8, 128) == 128
+
+
+@pytest.mark.parametrize("first", [0, 3])
+def test_a_share_of_the_experts_skips_the_pairs_routed_elsewhere(first):
+    """The weights hold experts [first, first + 3) of 6 (a rank's share in the tensor-parallel
+    rollout): blocks name local experts, pairs of the other experts are in no block and add
+    zero; the two shares sum to the whole layer. The torch path (models/moe.moe_experts with
+    first_expert) is the reference."""
+    from hybridflow.models.moe import moe_experts
+
+    tokens, experts, top_k, hidden, inner, share = 9, 6, 2, 32, 24, 3
+    generator = torch.Generator().manual_seed(first)
+    x = torch.randn(tokens, hidden, generator=generator).to(DEVICE)
+    gate_up = (torch.randn(experts, 2 * inner, hidden, generator=generator) * 0.2).to(DEVICE)
+    down = (torch.randn(experts, hidden, inner, generator=generator) * 0.2).to(DEVICE)
+    ids, weights = moe.route_topk(torch.randn(tokens, experts, generator=generator).to(DEVICE),
+                                  top_k, renormalize=True)  # fmt: skip
+    mine = slice(first, first + share)
+    blocks = moe.align_pairs(ids, share, 16, first_expert=first)
+    local = ids.flatten() - first
+    held = ((local >= 0) & (local < share)).sum().item()
+    placed = blocks.sorted_pairs[: int(blocks.total)]
+    assert (placed < tokens * top_k).sum().item() == held  # only the pairs of its experts
+    assert blocks.block_expert[: int(blocks.total) // 16].max().item() < share
+    pair_out = moe.grouped_down(moe.grouped_gate_up(x, gate_up[mine], blocks), down[mine], blocks)
+    out = moe.combine(pair_out, weights)
+    expected = moe_experts(x, ids.long(), weights, gate_up[mine], down[mine], "loop",
+                           first_expert=first)  # fmt: skip
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    other = 3 - first
+    rest = moe_experts(x, ids.long(), weights, gate_up[other : other + share],
+                       down[other : other + share], "loop", first_expert=other)  # fmt: skip
+    whole = _reference_experts(x, ids, weights, gate_up, down)
+    torch.testing.assert_close(out + rest, whole, rtol=1e-5, atol=1e-5)
+
+
+def _fused_layer_on_ranks(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    from hybridflow.engine.layers.moe import experts_torch, experts_triton
+    from hybridflow.engine.tensor_parallel import local_shard, tensor_parallel_model
+    from hybridflow.models import build_model
+    from hybridflow.models.presets import preset_config
+
+    whole = build_model(preset_config("tiny-moe"), seed=4).eval().requires_grad_(False)
+    shard = tensor_parallel_model(whole.config, dist.group.WORLD, torch.float32, "cpu")
+    with torch.no_grad():
+        params = dict(shard.named_parameters())
+        for name, tensor in whole.named_parameters():
+            params[name].copy_(local_shard(name, tensor, rank, world))
+    x = torch.randn(5, whole.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    got = experts_triton(shard.model.layers[1].mlp, x, None, 0)  # 4 of 8 experts, all-reduced
+    expected = experts_torch(whole.model.layers[1].mlp, x, None, 0)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(DEVICE != "cpu", reason="gloo ranks on the CPU (the interpreter)")
+def test_the_fused_sparse_layer_of_a_share_of_the_experts_sums_over_the_ranks():
+    """engine/layers/moe.experts_triton on 2 gloo ranks, each holding 4 of tiny-moe's 8
+    experts (engine/tensor_parallel.py): the all-reduced output is the whole layer's."""
+    from gloo_ranks import run_ranks
+
+    run_ranks(_fused_layer_on_ranks, 2)
