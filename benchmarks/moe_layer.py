@@ -9,7 +9,12 @@ touched experts' weight bytes over the measured copy bandwidth and the FLOPs ove
 bf16 matmul rate. Each path's error against an fp32 loop is printed beside its time, and the
 grouped backward's gradients against the loop's.
 
+With --expert-share N it also times one rank's share of a tensor-parallel rollout's split
+layer (experts [0, E/N): engine/tensor_parallel.py), the kernels skipping the pairs routed
+to the other ranks' experts (before the all-reduce, which is not timed here).
+
     python benchmarks/moe_layer.py --out $OUT                 # H200: ~1 min
+    python benchmarks/moe_layer.py --out $OUT --expert-share 2
     python benchmarks/moe_layer.py --device cpu --quick       # CPU dry run (tiny shape)
 """
 
@@ -84,7 +89,44 @@ def engine_paths(x, ids, weights, gate_up, down) -> dict:
     return paths
 
 
-def layer_case(tokens: int, shape: dict, device, limits: dict, triton_ok: bool) -> list[dict]:
+def share_rows(x, ids, weights, gate_up, down, share: int, limits: dict,
+               triton_ok: bool) -> list[dict]:  # fmt: skip
+    """One rank's 1/share of the experts (experts [0, E/share)): the engine's Triton kernels
+    and the trainer's grouped path on the pairs routed to them, against an fp32 loop over the
+    same share; the floor counts the share's touched experts and pairs only."""
+    from hybridflow.engine.kernels import moe
+
+    tokens, top_k = ids.shape
+    local = gate_up.shape[0] // share
+    part_gate_up, part_down = gate_up[:local], down[:local]
+    held = int((ids < local).sum())
+    touched = int((ids.unique() < local).sum())
+    hidden, inner = x.shape[1], down.shape[2]
+    weight_bytes = touched * 3 * hidden * inner * x.element_size()
+    flops = 2 * held * 3 * hidden * inner
+    floor_ms = 1000 * max(weight_bytes / limits["bytes_per_s"], flops / limits["flops_per_s"])
+    reference = moe_experts(x.float(), ids, weights, part_gate_up.float(), part_down.float(),
+                            "loop", first_expert=0)  # fmt: skip
+    grouped = "grouped_mm" if x.is_cuda else "loop"
+    paths = {f"trainer grouped fwd, 1/{share} experts": lambda: moe_experts(
+        x, ids, weights, part_gate_up, part_down, grouped, first_expert=0)}  # fmt: skip
+    if triton_ok:
+        ids32 = ids.to(torch.int32)
+        block_m = moe.block_rows(tokens, top_k, gate_up.shape[0])  # pairs per expert: global
+
+        def triton_share():
+            blocks = moe.align_pairs(ids32, local, block_m, first_expert=0)
+            act = moe.grouped_gate_up(x, part_gate_up, blocks)
+            return moe.combine(moe.grouped_down(act, part_down, blocks), weights)
+
+        paths = {f"engine triton, 1/{share} experts": triton_share, **paths}
+    return [{"tokens": tokens, "path": name, "ms": timed_ms(fn, x.device), "floor_ms": floor_ms,
+             "touched": touched, "rel_err": relative_error(fn(), reference)}
+            for name, fn in paths.items()]  # fmt: skip
+
+
+def layer_case(tokens: int, shape: dict, device, limits: dict, triton_ok: bool,
+               share: int = 1) -> list[dict]:  # fmt: skip
     experts, top_k, hidden, inner = (shape[k] for k in ("experts", "top_k", "hidden", "inner"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     generator = torch.Generator(device).manual_seed(tokens)
@@ -113,6 +155,8 @@ def layer_case(tokens: int, shape: dict, device, limits: dict, triton_ok: bool) 
         rows.append({"tokens": tokens, "path": name, "ms": ms, "floor_ms": floor_ms,
                      "touched": touched, "rel_err": relative_error(fn(), reference)})  # fmt: skip
     rows += backward_rows(x, ids, weights, gate_up, down, grouped, tokens, floor_ms, device)
+    if share > 1:
+        rows += share_rows(x, ids, weights, gate_up, down, share, limits, triton_ok)
     return rows
 
 
@@ -201,6 +245,8 @@ def main() -> None:
     parser.add_argument("--tokens", default="256,1024,4096", help="token counts, comma-separated")
     parser.add_argument("--sweep", action="store_true",
                         help="also time each grouped kernel per block size and tile (CUDA)")  # fmt: skip
+    parser.add_argument("--expert-share", type=int, default=1,
+                        help="also time one rank's 1/N of the experts (rollout TP = N)")  # fmt: skip
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     device = torch.device(args.device)
@@ -212,7 +258,7 @@ def main() -> None:
     print("ceilings", json.dumps(limits), flush=True)
     rows = []
     for count in tokens:
-        rows += layer_case(count, shape, device, limits, triton_ok)
+        rows += layer_case(count, shape, device, limits, triton_ok, args.expert_share)
         print(json.dumps(rows[-1]), flush=True)
     swept = []
     if args.sweep and device.type == "cuda":

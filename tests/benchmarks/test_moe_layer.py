@@ -8,11 +8,13 @@ from benchmark_run import markdown_rows, number, run_benchmark
 
 
 def test_quick_run_prints_each_path_with_its_error(tmp_path):
-    out = run_benchmark("moe_layer.py", "--device", "cpu", "--quick", "--out", str(tmp_path))
+    out = run_benchmark("moe_layer.py", "--device", "cpu", "--quick", "--out", str(tmp_path),
+                        "--expert-share", "2")  # fmt: skip
     rows = markdown_rows(out, "| tokens |")
     paths = [row["path"] for row in rows]
     assert "trainer grouped fwd" in paths and "per-expert loop fwd" in paths
     assert "trainer grouped fwd+bwd" in paths
+    assert "trainer grouped fwd, 1/2 experts" in paths  # one rank's share of rollout TP 2
     for row in rows:
         assert number(row["ms"]) > 0 and number(row["floor ms"]) > 0
         assert float(row["rel. error"]) < 1e-5  # fp32 on the CPU

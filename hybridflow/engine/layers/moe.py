@@ -146,7 +146,7 @@ def experts_triton(
     if matmuls.use_grouped_mm(tokens, x, prefill):
         pair_out = _pairs_grouped_mm(x, ids, gate_up, down, first)
     else:
-        block_m = moe.block_rows(tokens, mlp.top_k, gate_up.shape[0])
+        block_m = moe.block_rows(tokens, mlp.top_k, mlp.num_experts)  # pairs per expert
         blocks = moe.align_pairs(ids, gate_up.shape[0], block_m, first)
         pair_out = moe.grouped_down(moe.grouped_gate_up(x, gate_up, blocks), down, blocks)
     out = moe.combine(pair_out, weights)
