@@ -149,20 +149,23 @@ def parallel_section(cfg: Config, derived: Derived, gpu_bytes: int) -> tuple[lis
 
 def sync_bytes(cfg: Config, setup: ParallelSetup) -> int | None:
     """The most one GPU receives in a sync, block by block as engine/reshard.py moves them
-    (parallel/reshard_plan.py), for a dense model colocated with the actor; None otherwise
+    (parallel/reshard_plan.py), for a model colocated with the actor whose layouts the
+    reshard runs (no expert-parallel actor; a mixture of experts' rollout experts split
+    over its tp ranks, or held whole with rollout.expert_parallel_size=1); None otherwise
     (the plan's estimate stands)."""
-    if not setup.colocated or setup.ep > 1 or setup.rollout_ep > 1:
+    if not setup.colocated or setup.ep > 1 or setup.rollout_ep not in (1, setup.rollout_tp):
         return None
     from hybridflow.parallel.layout import rollout_layout, train_layout
     from hybridflow.parallel.reshard_plan import reshard_traffic
     from hybridflow.trainer.memory_check import model_architecture_for
 
     found = model_architecture_for(cfg)
-    if found is None or found[1].is_moe:
+    if found is None:
         return None
     train = train_layout(setup.world, tp=setup.tp, sp=setup.sp)
     rollout = rollout_layout(setup.world, tp=setup.rollout_tp)
-    return reshard_traffic(found[1], train, rollout, setup.rollout_bytes).received
+    split = setup.rollout_ep > 1 or cfg.rollout.expert_parallel_size != 1
+    return reshard_traffic(found[1], train, rollout, setup.rollout_bytes, split).received
 
 
 def _problem(setup: ParallelSetup, advice: Recommendation) -> str:

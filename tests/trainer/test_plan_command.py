@@ -132,3 +132,22 @@ def test_the_large_cases_of_the_parallelism_page(model, nodes, memory, batch, re
     assert lines[start + 1].strip() == f"set: {recommended}"
     kv = next(line for line in lines[start:] if line.strip().startswith("KV cache: "))
     assert kv.strip().startswith(f"KV cache: {sequences} sequences of 5,120 tokens")
+
+
+def test_the_reshard_line_of_a_mixture_of_experts_counts_each_ranks_experts():
+    """tiny-moe colocated on 2 devices into rollout TP 2: with the experts split, FSDP2's
+    row chunks are each rank's experts and never move; held whole (expert_parallel_size=1)
+    each rank also receives the other half: 3 sparse layers × 4 experts × (256 + 128) × 128
+    elements × 2 bytes (the plan's bf16 rollout copy) = 1,179,648 bytes more."""
+    from hybridflow.config import validate
+    from hybridflow.trainer.parallel_section import setup_from_config, sync_bytes
+
+    def received(*extra: str) -> int:
+        cfg = load_config(None, ["model.path=tiny-moe", "trainer.backend=local", "trainer.device=cpu",
+                                 "trainer.n_gpus_per_node=2", "rollout.tensor_parallel_size=2",
+                                 *extra])  # fmt: skip
+        return sync_bytes(cfg, setup_from_config(cfg, validate(cfg), 2**30))
+
+    split, whole = received(), received("rollout.expert_parallel_size=1")
+    assert whole - split == 3 * 4 * (256 + 128) * 128 * 2
+    assert split == received("rollout.expert_parallel_size=2")
