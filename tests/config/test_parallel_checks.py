@@ -79,7 +79,10 @@ def test_a_tensor_parallel_rollout_of_experts_splits_them_or_holds_them_whole():
     problems = _problems([*moe, "model.lora_rank=4", "actor.expert_parallel_size=2"])
     assert [p.split(":")[0] for p in problems] == [
         "rollout.tensor_parallel_size = 2 with model.lora_rank = 4 on a mixture-of-experts model",
-        "rollout.tensor_parallel_size = 2 with actor.expert_parallel_size = 2"]  # fmt: skip
+        "rollout.tensor_parallel_size = 2 with actor.expert_parallel_size = 2 < the actor's 4 "
+        "data × sequence-parallel ranks"]  # fmt: skip
+    # each expert on one rank of the actor: its expert shards reshard like any block
+    validate(load_config(None, [*moe, "actor.expert_parallel_size=4"]))
     problems = _problems([*FOUR_CPUS, "model.path=tiny-moe", "rollout.tensor_parallel_size=4"])
     assert any("rollout.tensor_parallel_size = 4 must divide the model's KV heads" in p
                for p in problems)  # fmt: skip

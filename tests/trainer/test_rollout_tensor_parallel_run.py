@@ -94,12 +94,21 @@ def test_a_mixture_of_experts_rollout_with_split_experts_logs_the_metrics_of_dat
     """tiny-moe with verl's rollout TP = 2 and EP = 2 (each process holds 4 of the 8 experts
     of every sparse layer, resharded from the actor's FSDP2 shards) and the trainer replaying
     the rollout's routing (actor.router_replay=rollout: the engine's record, the same on both
-    ranks, returned once per sample) logs the metrics of data parallelism."""
+    ranks, returned once per sample) logs the metrics of data parallelism; so does the same
+    rollout resharded from an expert-parallel actor (EP = 2: each process trains 4 experts)."""
     moe = ("model.path=tiny-moe", "actor.router_replay=rollout")  # after TINY's model.path
+    rollout = (
+        VERL + "rollout.tensor_model_parallel_size=2",
+        VERL + "rollout.expert_parallel_size=2",
+    )
     plain = _train(tmp_path / "dp", *PLAIN, *moe)
-    layout = _train(tmp_path / "layout", *moe, VERL + "rollout.tensor_model_parallel_size=2",
-                    VERL + "rollout.expert_parallel_size=2")  # fmt: skip
-    assert plain.keys() == layout.keys() == {1, 2}
-    for step, want in plain.items():
-        _assert_same(want, layout[step], step)
-        assert _samples(tmp_path / "dp", step) == _samples(tmp_path / "layout", step)
+    layouts = {
+        "layout": _train(tmp_path / "layout", *moe, *rollout),
+        "ep": _train(tmp_path / "ep", *moe, *rollout, "actor.expert_parallel_size=2",
+                     "critic.expert_parallel_size=1"),
+    }  # fmt: skip
+    for name, layout in layouts.items():
+        assert plain.keys() == layout.keys() == {1, 2}
+        for step, want in plain.items():
+            _assert_same(want, layout[step], step)
+            assert _samples(tmp_path / "dp", step) == _samples(tmp_path / name, step)
