@@ -4,7 +4,9 @@ cached under ``trainer.cache_dir`` keyed by a hash of everything that shapes it.
 The demo's warm start: a short SFT leaves the model partly right, so RL has room to improve
 it. It stops once greedy accuracy reaches ``sft.stop_at_accuracy`` (checked every
 ``sft.eval_every`` steps, ``sft.total_steps`` the cap) rather than after a fixed step count,
-because the step at which the tiny model "gets" addition depends on the seed.
+because the step at which the tiny model "gets" addition depends on the seed and on the host's
+floating-point paths (AVX-512, AVX2 and scalar kernels round differently: docs/performance.md,
+Demo).
 
 ``sft.carry_error_rate`` can make the arithmetic demonstrations imperfect on purpose (answers
 that need a carry written with the carry forgotten, as a careless student would); measured
