@@ -160,7 +160,7 @@ class TrainerConfig:
     total_steps: int = 80
     """RL steps to run (unless ``total_epochs`` is set). The demo's 80: with a CPU's AVX-512
     and AVX2 kernels, 60 GRPO steps gained +20.8 and +17.5 points of val mean@4 and were still
-    climbing, 80 gained +24.0 and +23.1 (docs/performance.md, Demo)."""
+    climbing, 80 gained +24.0 and +23.1 (docs/performance-host.md, Demo)."""
     total_epochs: int | None = None
     """Passes over the training prompts (verl's ``trainer.total_epochs``): when set, the run
     lasts ``total_epochs × (training prompts // data.train_batch_size)`` steps, counted after
