@@ -1,4 +1,6 @@
-"""Two ranks (gloo, CPU, FSDP2) must give the update of one process on the same data."""
+"""Two ranks (gloo, CPU, FSDP2) must give the update of one process on the same data: a dense
+model, and a mixture of experts whose expert tensors they shard (routing replay and router
+losses included). One start-up of the two processes serves both tests."""
 
 import os
 import time
@@ -13,6 +15,7 @@ from learner_helpers import (
     record_full_gradients,
     tiny_model,
 )
+from test_moe_actor import _own_routes
 
 from hybridflow.config import ModelConfig
 from hybridflow.learners import ActorLearner
@@ -35,9 +38,26 @@ LORA = ModelConfig(path="tiny", lora_rank=4, lora_alpha=8, gradient_checkpointin
 # a bf16 base beside fp32 adapters (apply_lora): FSDP2 shards units of both dtypes
 LORA_BF16 = ModelConfig(path="tiny", lora_rank=4, lora_alpha=8, dtype="bfloat16")
 LORA_CFG = dict(ppo_mini_batch_size=8, micro_batch_size_per_gpu=2, lr=1e-2)
+# MoE: one micro-batch of 2 rows per rank and mini-batch: one process with micro-batches of 2
+# on the reordered batch sees the same groups of rows (the aux loss is per micro-batch)
+MOE_CFG = dict(ppo_mini_batch_size=4, micro_batch_size_per_gpu=2, router_replay="rollout",
+               router_z_loss_coef=1e-3, lr=1e-2)  # fmt: skip
 
 
 def _worker(rank: int, world: int, out_dir: str) -> None:
+    _dense_worker(rank, out_dir)
+    _moe_worker(rank, out_dir)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """The directory the two ranks wrote their results to (one spawn for the module)."""
+    out_dir = tmp_path_factory.mktemp("fsdp_two_ranks")
+    run_ranks(_worker, 2, str(out_dir))
+    return out_dir
+
+
+def _dense_worker(rank: int, out_dir: str) -> None:
     first, second = make_batch(seed=21), make_batch(seed=22)
     shard = list(range(4 * rank, 4 * rank + 4))
     actor = ActorLearner(tiny_model(), actor_config(**CFG), total_steps=4, device="cpu")
@@ -98,10 +118,9 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
 
 
 @pytest.mark.slow
-def test_two_rank_fsdp_update_equals_single_process(tmp_path):
-    run_ranks(_worker, 2, str(tmp_path))
-    rank0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
-    rank1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
+def test_two_rank_fsdp_update_equals_single_process(two_ranks):
+    rank0 = torch.load(two_ranks / "rank0.pt", weights_only=True)
+    rank1 = torch.load(two_ranks / "rank1.pt", weights_only=True)
 
     first, second = make_batch(seed=21), make_batch(seed=22)
     single = ActorLearner(tiny_model(), actor_config(**CFG), total_steps=4, device="cpu")
@@ -169,5 +188,40 @@ def test_two_rank_fsdp_update_equals_single_process(tmp_path):
         {"lm_head.weight"} if tied else set()
     )
     # Export on rank 0 holds the trained full weights in HF layout.
-    exported = load_model(str(tmp_path / "hf")).state_dict()
+    exported = load_model(str(two_ranks / "hf")).state_dict()
     assert max_abs_diff(exported, rank0["weights2"]) == 0.0
+
+
+def _moe_batch():
+    batch = make_batch(seed=31)
+    batch.tensors["routed_experts"] = _own_routes(load_model("tiny-moe"), batch)
+    return batch
+
+
+def _moe_worker(rank: int, out_dir: str) -> None:
+    actor = ActorLearner(load_model("tiny-moe"), actor_config(**MOE_CFG), total_steps=2,
+                         device="cpu")  # fmt: skip
+    experts = actor.model.model.layers[1].mlp.experts.gate_up_proj
+    grads = record_full_gradients(actor)
+    metrics = actor.update(_moe_batch().index(list(range(4 * rank, 4 * rank + 4))))
+    result = dict(
+        local_experts=experts.to_local().shape[0],
+        grads=grads,
+        metrics=metrics,
+        weights=actor.core.full_state_dict(actor.model),
+    )
+    torch.save(result, os.path.join(out_dir, f"moe_rank{rank}.pt"))
+
+
+@pytest.mark.slow
+def test_two_rank_fsdp_shards_the_experts_and_equals_one_process(two_ranks):
+    rank0 = torch.load(two_ranks / "moe_rank0.pt", weights_only=True)
+    single = ActorLearner(load_model("tiny-moe"), actor_config(**MOE_CFG), total_steps=2,
+                          device="cpu")  # fmt: skip
+    grads = record_full_gradients(single)
+    metrics = single.update(_moe_batch().index(SINGLE_PROCESS_ORDER))
+    assert rank0["local_experts"] == 4  # 8 experts, half on each rank
+    assert max_abs_diff(rank0["grads"][0], grads[0]) < 3e-6
+    for key in ("pg_loss", "grad_norm", "moe/aux_loss", "moe/z_loss", "moe/router_entropy"):
+        assert rank0["metrics"][key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-7), key
+    assert max_abs_diff(rank0["weights"], single.model.state_dict()) < 4e-2 * MOE_CFG["lr"]
