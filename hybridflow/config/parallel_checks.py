@@ -147,7 +147,7 @@ def check_layouts(
             add(problem)
         for problem in not_built_with_expert_parallel(cfg, sizes, in_use):
             add(problem)
-        for problem in rollout_tensor_parallel_limits(cfg, architecture, worlds["train"][0]):
+        for problem in rollout_tensor_parallel_limits(cfg, architecture):
             add(problem)
         for problem in rollout_expert_limits(cfg, architecture):
             add(problem)
@@ -157,8 +157,7 @@ def check_layouts(
     return role_layouts(cfg, worlds["train"][0], worlds["rollout"][0])
 
 
-def rollout_tensor_parallel_limits(cfg: Config, arch: ModelArchitecture | None,
-                                   train_world: int = 1) -> list[str]:  # fmt: skip
+def rollout_tensor_parallel_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]:
     """What a tensor-parallel rollout does not run yet (its ranks must run the same decode
     steps in lockstep, on the eager decode path)."""
     size = cfg.rollout.tensor_parallel_size
@@ -177,7 +176,7 @@ def rollout_tensor_parallel_limits(cfg: Config, arch: ModelArchitecture | None,
     problems = [f"{key} with {what}: not yet supported ({why}); set "
                 "rollout.tensor_parallel_size=1" for applies, what, why in limits if applies]  # fmt: skip
     if arch is not None and arch.is_moe:
-        problems += _moe_rollout_limits(cfg, arch, key, train_world)
+        problems += _moe_rollout_limits(cfg, arch, key)
     return problems
 
 
@@ -196,8 +195,7 @@ def rollout_expert_limits(cfg: Config, arch: ModelArchitecture | None) -> list[s
             f"experts spread over several engine replicas are not yet supported: {fix}"]  # fmt: skip
 
 
-def _moe_rollout_limits(cfg: Config, arch: ModelArchitecture, key: str,
-                        train_world: int) -> list[str]:  # fmt: skip
+def _moe_rollout_limits(cfg: Config, arch: ModelArchitecture, key: str) -> list[str]:
     """A tensor-parallel rollout of a mixture of experts: what it does not run yet."""
     problems = []
     split = cfg.rollout.expert_parallel_size != 1
@@ -212,15 +210,6 @@ def _moe_rollout_limits(cfg: Config, arch: ModelArchitecture, key: str,
             f"{key} with model.lora_rank = {cfg.model.lora_rank} on a mixture-of-experts model: "
             "not yet supported (the reshard does not merge expert adapters); set "
             "rollout.tensor_parallel_size=1 or model.lora_rank=0"
-        )
-    actor = sizes_of(cfg, "actor")
-    sharding_ranks = train_world // max(actor["tp"], 1)  # dp × sp: FSDP2's ranks
-    if 1 < actor["ep"] < sharding_ranks:
-        problems.append(
-            f"{key} with actor.expert_parallel_size = {actor['ep']} < the actor's {sharding_ranks} "
-            "data × sequence-parallel ranks: not yet supported (the reshard from experts that "
-            "FSDP2 also shards over the ranks holding the same ones is not built); set "
-            f"actor.expert_parallel_size={sharding_ranks} (each expert on one rank) or 1"
         )
     return problems
 

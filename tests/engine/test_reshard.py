@@ -1,7 +1,8 @@
 """The training-to-rollout reshard on gloo processes, into a tensor-parallel engine of
 rollout TP = 2, bucket by bucket: from FSDP2 shards (2 and 4 ranks), from a tensor-parallel
 actor with FSDP2 on top (4 ranks: DP 2 × TP 2), from a LoRA actor (adapters merged as they
-move), from a mixture of experts (each rank receives only its own experts), and from an
+move), from a mixture of experts (each rank receives only its own experts; also from an
+expert-parallel actor whose experts FSDP2 shards over 2 ranks each), and from an
 actor in the rollout's own layout (TP 2 over the same 2 ranks), where nothing moves. Every engine parameter equals its slice of the full (merged) model, the bytes
 moved are what the pure plan (parallel/reshard_plan.py) says, no bucket's buffers pass the
 bucket size, and the engine then draws the tokens of one process with the whole model."""
@@ -126,6 +127,32 @@ def _from_fsdp_experts() -> None:
     _same_tokens(engine_model, build_model(preset_config("tiny-moe"), seed=3))
 
 
+def _from_expert_shards(world: int) -> None:
+    """tiny-moe trained expert-parallel (EP = 2 over 4 ranks: each expert on the 2 ranks of
+    its expert_fsdp group, FSDP2-sharded over them, learners/expert_shard.py) into rollout
+    TP 2 with the experts split: the 2-D expert shards reshard like any block."""
+    from torch.distributed.fsdp import fully_shard
+
+    from hybridflow.learners.expert_shard import distribute_experts, shard_experts
+
+    train, rollout = train_layout(world, ep=2), rollout_layout(world, tp=2)
+    model = build_model(preset_config("tiny-moe"), seed=3)
+    full = {name: p.detach().clone() for name, p in model.named_parameters()}
+    mesh = build_mesh(train, "cpu")
+    experts = distribute_experts(model, mesh)
+    options = {"mesh": mesh.submesh("fsdp")}
+    if not shard_experts(model, mesh, options):
+        options["ignored_params"] = set(experts)
+    for layer in model.model.layers:
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
+    engine_model = _engine_model(rollout, "tiny-moe")
+    _resharder(model, engine_model, rollout).run(dict(model.named_parameters()))
+    tp_rank = dist.get_rank() % 2
+    for name, param in engine_model.named_parameters():
+        assert torch.equal(param, local_shard(name, full[name], tp_rank, 2)), name
+
+
 def _from_lora() -> None:
     """An FSDP2-sharded LoRA model: W + scale · B @ A arrives, as learners/lora merges it."""
     from hybridflow.learners.lora import apply_lora, lora_scalings, merge_lora_stream
@@ -182,6 +209,7 @@ def _reshard_on_ranks(rank: int, world: int) -> None:
     _from_fsdp(world, train_tp=1)
     if world == 4:
         _from_fsdp(world, train_tp=2)
+        _from_expert_shards(world)
     else:
         _from_lora()
         _same_layout()
