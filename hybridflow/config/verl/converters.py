@@ -73,6 +73,15 @@ def enforce_eager(value: Any) -> bool | None:
     return False if as_bool(value) else None  # None: the engine's default (graphs on CUDA)
 
 
+def rollout_expert_parallel(value: Any) -> int:
+    """verl's 1 (its default) leaves vLLM splitting each expert's width over the
+    tensor-parallel ranks; ours then splits whole experts over them (the same bytes a rank):
+    rollout.expert_parallel_size stays unset. Larger values as given."""
+    if int(value) == 1:
+        raise KeepOurs("1: the experts split over the rollout's tensor-parallel ranks")
+    return int(value)
+
+
 def gen_rounds(value: Any) -> int:
     if int(value) <= 0:
         raise NotHere("unbounded generation rounds (filter_groups.max_num_gen_batches <= 0)")

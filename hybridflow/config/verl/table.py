@@ -291,7 +291,13 @@ ROLLOUT_TABLE: list[Entry] = [
         ROLLOUT + "over_sample_rate", "over-sampling and aborting slow rollouts", _off, "0"
     ),
     Unsupported(ROLLOUT + "data_parallel_size", "data parallelism inside one engine", _one, "1"),
-    Rename(ROLLOUT + "expert_parallel_size", "rollout.expert_parallel_size"),
+    Rename(
+        ROLLOUT + "expert_parallel_size",
+        "rollout.expert_parallel_size",
+        cv.rollout_expert_parallel,
+        "1 -> unset (the experts split whole over the rollout's tensor-parallel ranks, the "
+        "bytes a rank of vLLM's width split holds); larger: as given",
+    ),
     Unsupported(ROLLOUT + "pipeline_model_parallel_size", "pipeline-parallel rollout", _one, "1"),
     Unsupported(ROLLOUT + "quantization", "quantized rollout", _off, "null"),
     Unsupported(ROLLOUT + "quantization_config_file", "quantized rollout", _off, "null"),

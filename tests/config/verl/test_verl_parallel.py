@@ -66,6 +66,9 @@ def test_verls_rollout_tensor_and_expert_keys_split_a_mixture_of_experts():
             "trainer.n_gpus_per_node=4", "trainer.device=cpu"]  # fmt: skip
     derived = load_and_validate([*keys, R + "expert_parallel_size=2"])
     assert (derived.layouts.rollout.tp, derived.layouts.rollout.ep) == (2, 2)
+    # verl's default 1 (vLLM splits each expert's width): ours stays unset, the experts split
+    cfg = load_with_verl_keys(None, [*keys, R + "expert_parallel_size=1"], log=lambda text: None)
+    assert cfg.rollout.expert_parallel_size is None
     with pytest.raises(ConfigError) as error:
         load_and_validate([*keys, R + "expert_parallel_size=4"])
     assert [p.split(":")[0] for p in error.value.problems] == [
