@@ -60,6 +60,9 @@ class ParallelSetup:
     ep: int = 1
     rollout_tp: int = 1
     rollout_ep: int = 1
+    rollout_experts_whole: bool = False
+    """rollout.expert_parallel_size=1 with rollout tp > 1: every rank holds every expert
+    (else the experts split over the tp ranks, or over ep ranks when larger)."""
     rollout_gpus: int = 0
     """0: the rollout is colocated on the training GPUs; else GPUs of its own."""
     master_bytes: int = 4
@@ -111,12 +114,15 @@ def layer_share(s: PlanShape, tp: int, ep: int, sparse: bool) -> int:
     return (s.attention_params + s.shared_params) // tp + s.experts * s.expert_params // (tp * ep)
 
 
-def rollout_share(s: PlanShape, tp: int, ep: int) -> int:
+def rollout_share(s: PlanShape, tp: int, ep: int, experts_whole: bool = False) -> int:
     """Parameters of the rollout's copy on one GPU: 1/tp of every layer and of the vocabulary;
-    with expert parallelism, 1/ep of the experts, whole."""
+    the experts 1/ep (whole experts; ep unset: over the tp ranks), or all of them on every
+    rank (``experts_whole``: rollout.expert_parallel_size=1)."""
     dense = (s.layers * s.attention_params + s.dense_layers * s.dense_mlp_params
              + s.sparse_layers * s.shared_params + s.embedding_params) // tp  # fmt: skip
     experts = s.routed_params // ep if ep > 1 else s.routed_params // tp
+    if experts_whole:
+        experts = s.routed_params
     return dense + experts
 
 
@@ -198,9 +204,11 @@ def rollout_items(s: PlanShape, o: ParallelSetup) -> list[MemoryItem]:
     """The rollout's copy, the reshard bucket and the engine's workspace (the KV cache is
     sized from what is left: :func:`kv_cache`)."""
     on_own = not o.colocated
-    weights = rollout_share(s, o.rollout_tp, o.rollout_ep) * o.rollout_bytes
+    weights = rollout_share(s, o.rollout_tp, o.rollout_ep, o.rollout_experts_whole)
+    weights *= o.rollout_bytes
     held = run_phases(o) if o.colocated else (SYNC, GENERATE)
     layout = f"tp {o.rollout_tp}" + (f", ep {o.rollout_ep}" if o.rollout_ep > 1 else "")
+    layout += ", experts whole" if o.rollout_experts_whole else ""
     vocab = s.vocab // o.rollout_tp
     workspace = o.rollout_max_seqs * vocab * 6  # decode logits (engine/engine._allocate)
     inner = max(s.intermediate, s.moe_intermediate * s.experts_per_token) // o.rollout_tp
@@ -248,7 +256,8 @@ def reshard(s: PlanShape, o: ParallelSetup, moved: int | None = None) -> Reshard
     its rollout shard, less the 1/world of it its own training shard holds when colocated
     (FSDP2 spreads every weight over all the training GPUs, so the rest comes from the
     others)."""
-    shard = rollout_share(s, o.rollout_tp, o.rollout_ep) * o.rollout_bytes
+    shard = rollout_share(s, o.rollout_tp, o.rollout_ep, o.rollout_experts_whole)
+    shard *= o.rollout_bytes
     if moved is None:
         moved = shard - shard // o.world if o.colocated else shard
     span = o.world if o.colocated else o.world + o.rollout_gpus

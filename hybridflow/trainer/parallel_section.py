@@ -60,6 +60,7 @@ def setup_from_config(cfg: Config, derived: Derived, gpu_bytes: int) -> Parallel
         world=derived.world_size - (t.rollout_gpus if split else 0),
         tp=actor["tp"], sp=actor["sp"], ep=actor["ep"],
         rollout_tp=rollout["tp"], rollout_ep=rollout["ep"],
+        rollout_experts_whole=r.expert_parallel_size == 1 and rollout["tp"] > 1,
         rollout_gpus=t.rollout_gpus if split else 0,
         master_bytes=MASTER_BYTES.get(cfg.model.dtype, 4),
         param_offload=a.param_offload,

@@ -151,3 +151,18 @@ def test_the_reshard_line_of_a_mixture_of_experts_counts_each_ranks_experts():
     split, whole = received(), received("rollout.expert_parallel_size=1")
     assert whole - split == 3 * 4 * (256 + 128) * 128 * 2
     assert split == received("rollout.expert_parallel_size=2")
+
+
+def test_the_rollout_copy_holds_every_expert_when_asked():
+    """tiny-moe's routed experts: 3 sparse layers × 8 experts × 3 × 128 × 128 = 1,179,648
+    parameters; over rollout TP 2 a rank holds half of them, with
+    rollout.expert_parallel_size=1 all of them: 589,824 more."""
+    from hybridflow.models.plan_shapes import shape_of
+    from hybridflow.models.presets import preset_config
+    from hybridflow.trainer.parallel_plan import rollout_share
+
+    shape = shape_of(preset_config("tiny-moe"))
+    assert shape.routed_params == 3 * 8 * 3 * 128 * 128
+    split, whole = rollout_share(shape, 2, 1), rollout_share(shape, 2, 1, experts_whole=True)
+    assert whole - split == 589_824
+    assert rollout_share(shape, 2, 2) == split  # ep = tp: the same split
