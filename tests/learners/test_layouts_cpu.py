@@ -104,9 +104,9 @@ def _critic_inputs(batch):
 
 
 @pytest.mark.slow
-def test_two_rank_sequence_and_tensor_parallel_learners_equal_one_process(tmp_path):
+def test_two_rank_sequence_and_tensor_parallel_learners_equal_one_process(tmp_path, one_process):
     run_ranks(_ranks, 2, str(tmp_path))
-    want = _one_process()
+    want = one_process
     for name in LAYOUTS:
         rank0 = torch.load(tmp_path / f"{name}_rank0.pt", weights_only=True)
         rank1 = torch.load(tmp_path / f"{name}_rank1.pt", weights_only=True)
@@ -116,7 +116,9 @@ def test_two_rank_sequence_and_tensor_parallel_learners_equal_one_process(tmp_pa
         assert sp_ep[key] == pytest.approx(value, rel=1e-5, abs=1e-7), ("sp × ep", key)
 
 
-def _one_process() -> dict:
+@pytest.fixture(scope="module")
+def one_process() -> dict:
+    """What one process computes: the reference of both world sizes (computed once)."""
     first, second = make_batch(seed=21), make_batch(seed=22)
     single = ActorLearner(tiny_model(), actor_config(**CFG), total_steps=4, device="cpu")
     want = {"logprobs": single.compute_logprobs(first, with_entropy=True).tensors}
@@ -183,16 +185,17 @@ def _compare(rank0: dict, rank1: dict, want: dict, checkpoint) -> None:
 
 # FSDP2 over dp × sp in each; sp2_tp2: one replica of 4 ranks (Ulysses over tensor-parallel heads)
 FOUR_RANK_LAYOUTS = {"dp2_sp2": dict(sp=2), "dp2_tp2": dict(tp=2), "sp2_tp2": dict(sp=2, tp=2)}
-# Rank r receives rows 2r, 2r+1; each replica takes its mini-batches evenly from its ranks'
-# shards (one row of each per step): globally rows 0, 2, 4, 6 then 1, 3, 5, 7.
-FOUR_RANK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+# Each replica takes its mini-batches evenly from its ranks' shards (one row of each per
+# step), so with these shards the mini-batches are rows 0, 1, 4, 5 then 2, 3, 6, 7: those of
+# SINGLE_PROCESS_ORDER, and one process's reference serves both world sizes.
+FOUR_RANK_SHARDS = [[0, 2], [1, 3], [4, 6], [5, 7]]
 
 
 def _four_ranks(rank: int, world: int, out_dir: str) -> None:
     from hybridflow.parallel import build_mesh, train_layout
 
     first = make_batch(seed=21)
-    shard = [2 * rank, 2 * rank + 1]
+    shard = FOUR_RANK_SHARDS[rank]
     for name, sizes in FOUR_RANK_LAYOUTS.items():
         mesh = build_mesh(train_layout(world, **sizes), "cpu")
         actor = ActorLearner(tiny_model(), actor_config(**CFG), total_steps=4, device="cpu",
@@ -205,18 +208,18 @@ def _four_ranks(rank: int, world: int, out_dir: str) -> None:
 
 
 @pytest.mark.slow
-def test_four_rank_data_and_sequence_or_tensor_parallel_equal_one_process(tmp_path):
+def test_four_rank_data_and_sequence_or_tensor_parallel_equal_one_process(tmp_path, one_process):
     run_ranks(_four_ranks, 4, str(tmp_path))
-    first = make_batch(seed=21)
-    single = ActorLearner(tiny_model(), actor_config(**CFG), total_steps=4, device="cpu")
-    logprobs = single.compute_logprobs(first)["old_logprobs"]
-    metrics = single.update(first.index(FOUR_RANK_ORDER))
-    weights = single.model.state_dict()
+    rows = [row for shard in FOUR_RANK_SHARDS for row in shard]
+    logprobs = one_process["logprobs"]["old_logprobs"][rows]
+    metrics, weights = one_process["metrics1"], one_process["weights1"]
     for name in FOUR_RANK_LAYOUTS:
         ranks = [torch.load(tmp_path / f"{name}_rank{r}.pt", weights_only=True) for r in range(4)]
         got = torch.cat([r["logprobs"] for r in ranks])
-        torch.testing.assert_close(got, logprobs, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            got, logprobs, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
+        )
         for key in METRICS:
             assert ranks[3]["metrics"][key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-7), (
                 name, key)  # fmt: skip
-        assert max_abs_diff(ranks[0]["weights"], weights) < 2e-2 * actor_config(**CFG).lr
+        assert max_abs_diff(ranks[0]["weights"], weights) < 2e-2 * actor_config(**CFG).lr, name
