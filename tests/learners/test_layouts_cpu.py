@@ -6,6 +6,7 @@ under SP, also with its experts split over the SP ranks (EP = 2). Four ranks wit
 DP = 2 × SP = 2, DP = 2 × TP = 2 (FSDP2 over the data ranks) and SP = 2 × TP = 2 do the same
 for the actor."""
 
+import functools
 import os
 
 import pytest
@@ -106,7 +107,7 @@ def _critic_inputs(batch):
 @pytest.mark.slow
 def test_two_rank_sequence_and_tensor_parallel_learners_equal_one_process(tmp_path, one_process):
     run_ranks(_ranks, 2, str(tmp_path))
-    want = one_process
+    want = one_process()
     for name in LAYOUTS:
         rank0 = torch.load(tmp_path / f"{name}_rank0.pt", weights_only=True)
         rank1 = torch.load(tmp_path / f"{name}_rank1.pt", weights_only=True)
@@ -117,8 +118,13 @@ def test_two_rank_sequence_and_tensor_parallel_learners_equal_one_process(tmp_pa
 
 
 @pytest.fixture(scope="module")
-def one_process() -> dict:
-    """What one process computes: the reference of both world sizes (computed once)."""
+def one_process():
+    """What one process computes, the reference of both world sizes: computed once, on the
+    first call."""
+    return functools.cache(_one_process)
+
+
+def _one_process() -> dict:
     first, second = make_batch(seed=21), make_batch(seed=22)
     single = ActorLearner(tiny_model(), actor_config(**CFG), total_steps=4, device="cpu")
     want = {"logprobs": single.compute_logprobs(first, with_entropy=True).tensors}
@@ -211,8 +217,9 @@ def _four_ranks(rank: int, world: int, out_dir: str) -> None:
 def test_four_rank_data_and_sequence_or_tensor_parallel_equal_one_process(tmp_path, one_process):
     run_ranks(_four_ranks, 4, str(tmp_path))
     rows = [row for shard in FOUR_RANK_SHARDS for row in shard]
-    logprobs = one_process["logprobs"]["old_logprobs"][rows]
-    metrics, weights = one_process["metrics1"], one_process["weights1"]
+    want = one_process()
+    logprobs = want["logprobs"]["old_logprobs"][rows]
+    metrics, weights = want["metrics1"], want["weights1"]
     for name in FOUR_RANK_LAYOUTS:
         ranks = [torch.load(tmp_path / f"{name}_rank{r}.pt", weights_only=True) for r in range(4)]
         got = torch.cat([r["logprobs"] for r in ranks])
