@@ -32,6 +32,20 @@ def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
         dist.destroy_process_group()
 
 
+def join_group(rank: int, world: int, port: int, device_type: str) -> torch.device:
+    """Initialise a spawned rank's default group and return its device: NCCL on GPU ``rank``
+    (NVLink multicast off, as the multi-GPU machines need), gloo on the CPU, so a GPU test's
+    worker also runs on CPU processes."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
+    if device_type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+        return device
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    return torch.device("cpu")
+
+
 def run_ranks(fn, world: int, *args) -> None:
     mp.start_processes(
         _entry, args=(fn, world, free_port(), args), nprocs=world, start_method="spawn"

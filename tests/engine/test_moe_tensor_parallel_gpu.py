@@ -15,12 +15,11 @@ code runs on CPU processes over gloo, from tests/engine:
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gloo_ranks import join_group
 
 pytestmark = pytest.mark.gpu
 
@@ -80,14 +79,7 @@ def _split_layers_match(device) -> None:
 
 
 def _worker(rank: int, world: int, port: int, device_type: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
-    if device_type == "cuda":
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = join_group(rank, world, port, device_type)
     try:
         whole = _model(torch.float32, device)
         expected = _generate(whole, cuda_graphs=False)  # one GPU, the whole model

@@ -16,12 +16,11 @@ The same code runs on CPU processes over gloo, from tests/engine:
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gloo_ranks import join_group
 
 pytestmark = pytest.mark.gpu
 
@@ -89,14 +88,7 @@ def _worker(rank: int, world: int, port: int, device_type: str, preset: str) -> 
     from hybridflow.parallel.layout import rollout_layout, train_layout
     from hybridflow.parallel.reshard_plan import reshard_traffic
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
-    if device_type == "cuda":
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = join_group(rank, world, port, device_type)
     try:
         train, rollout = train_layout(world), rollout_layout(world, tp=world)
         whole = _load(preset, device).eval()

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gloo_ranks import join_group
 
 pytestmark = pytest.mark.gpu
 
@@ -38,14 +39,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, device_type: str) ->
     from hybridflow.models import load_model
     from hybridflow.parallel import build_mesh, train_layout
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
-    if device_type == "cuda":
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = join_group(rank, world, port, device_type)
     try:
         batch = make_batch(ROWS, PROMPT, RESPONSE, vocab=128, seed=31)
         shard = list(range(rank * ROWS // world, (rank + 1) * ROWS // world))
