@@ -2,12 +2,11 @@
 ranks the pure arithmetic says, and a collective over it reaches only them."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import start_ranks
 
 from hybridflow.parallel.layout import (
     build_mesh,
@@ -16,12 +15,6 @@ from hybridflow.parallel.layout import (
     rollout_layout,
     train_layout,
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _check_layouts(rank: int, world: int, port: int, layouts: list, out_dir: str) -> None:
@@ -45,17 +38,13 @@ def _check_layouts(rank: int, world: int, port: int, layouts: list, out_dir: str
                     )
                 )
         torch.save(seen, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # no rank tears the group down while another still talks
     finally:
         dist.destroy_process_group()
 
 
 def _run(world: int, layouts: list, tmp_path) -> None:
-    mp.start_processes(
-        _check_layouts,
-        args=(world, _free_port(), layouts, str(tmp_path)),
-        nprocs=world,
-        start_method="spawn",
-    )
+    start_ranks(_check_layouts, world, layouts, str(tmp_path))
     for rank in range(world):
         for name, gathered, local_rank, expected, expected_local in torch.load(
             tmp_path / f"rank{rank}.pt"
