@@ -3,12 +3,11 @@ one process's forward, losses, router losses, gradients and AdamW step on the sa
 with the router's own routes and with replayed ones."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import start_ranks
 
 from hybridflow.learners.router_terms import router_terms
 from hybridflow.models import load_model
@@ -136,19 +135,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
 
 
 def test_two_ep_ranks_equal_one_process(tmp_path):
-    mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2,
-                       start_method="spawn")  # fmt: skip
+    start_ranks(_worker, 2, str(tmp_path))
     results = torch.load(tmp_path / "ep.pt", weights_only=True)
     for replay in (False, True):
         ep = results[replay]
