@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import time
 
 
@@ -193,18 +192,8 @@ def print_result(result: dict) -> None:
 
 
 def run_agent_command(args) -> int:
-    import sys
+    from hybridflow.engine.bench_cli import run_bench_command
 
-    from hybridflow.engine.bench_cli import engine_options
-
-    try:
-        engine_options(SimpleArgs(args.engine))
-    except ValueError as error:
-        print(f"hybridflow bench agent: {error}", file=sys.stderr)
-        return 2
-    result = bench_agent(args)
-    print_result(result)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return 0
+    return run_bench_command(
+        "agent", args, bench_agent, print_result, engine_args=SimpleArgs(args.engine)
+    )

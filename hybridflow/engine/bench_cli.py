@@ -124,18 +124,24 @@ def add_bench_subcommand(subparsers) -> None:
     ttft.set_defaults(func=run_ttft_command)
 
 
-def run_rollout_command(args) -> int:
+def run_bench_command(name: str, args, bench, show, engine_args=None) -> int:
+    """Check the --engine fields, run ``bench(args)``, print its table with ``show`` and
+    write its result to --json: the shape of every engine ``hybridflow bench`` command."""
     try:
-        engine_options(args)
+        engine_options(args if engine_args is None else engine_args)
     except ValueError as error:  # a bad --engine field: say which, no traceback
-        print(f"hybridflow bench rollout: {error}", file=sys.stderr)
+        print(f"hybridflow bench {name}: {error}", file=sys.stderr)
         return 2
-    result = bench_rollout(args)
-    print_result(result)
+    result = bench(args)
+    show(result)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return 0
+
+
+def run_rollout_command(args) -> int:
+    return run_bench_command("rollout", args, bench_rollout, print_result)
 
 
 def _median_seconds(call, device, repeats: int) -> tuple[float, list[float], object]:

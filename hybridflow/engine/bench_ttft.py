@@ -100,19 +100,6 @@ def print_ttft(result: dict) -> None:
 
 
 def run_ttft_command(args) -> int:
-    import json
-    import sys
+    from hybridflow.engine.bench_cli import run_bench_command
 
-    from hybridflow.engine.bench_cli import engine_options
-
-    try:
-        engine_options(args)
-    except ValueError as error:  # a bad --engine field: say which, no traceback
-        print(f"hybridflow bench ttft: {error}", file=sys.stderr)
-        return 2
-    result = bench_ttft(args)
-    print_ttft(result)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return 0
+    return run_bench_command("ttft", args, bench_ttft, print_ttft)
