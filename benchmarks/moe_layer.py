@@ -16,6 +16,11 @@ to the other ranks' experts (before the all-reduce, which is not timed here).
     python benchmarks/moe_layer.py --out $OUT                 # H200: ~1 min
     python benchmarks/moe_layer.py --out $OUT --expert-share 2
     python benchmarks/moe_layer.py --device cpu --quick       # CPU dry run (tiny shape)
+
+With --align it times the sort by expert alone (align_pairs: the decode step's per-layer
+launches), replayed as a CUDA graph as the decode step runs it, and exits:
+
+    python benchmarks/moe_layer.py --out $OUT --align --tokens 256,1024
 """
 
 from __future__ import annotations
@@ -226,6 +231,42 @@ def sweep(tokens: int, shape: dict, device) -> list[dict]:
     return rows
 
 
+def graph_us(fn, device) -> float:
+    """Median microseconds of fn() replayed in a CUDA graph (no launch overhead: as the
+    decode step runs), or the host clock's."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return 1000 * triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    return 1000 * timed_ms(fn, device)
+
+
+def align_rows(tokens: int, shape: dict, device) -> list[dict]:
+    """align_pairs on the routing of random logits: all experts, and one rank's half
+    (first_expert, the pairs of the other half skipped)."""
+    from hybridflow.engine.kernels import moe
+
+    experts, top_k = shape["experts"], shape["top_k"]
+    generator = torch.Generator(device).manual_seed(tokens)
+    logits = torch.randn(tokens, experts, device=device, generator=generator)
+    ids, _ = moe.route_topk(logits, top_k, True)
+    block_m = moe.block_rows(tokens, top_k, experts)
+    cases = {"all experts": (experts, None), "1/2 experts": (experts // 2, 0)}
+    rows = []
+    for name, (count, first) in cases.items():
+        fn = functools.partial(moe.align_pairs, ids, count, block_m, first)
+        rows.append({"tokens": tokens, "pairs": tokens * top_k, "block_m": block_m,
+                     "experts": name, "us": graph_us(fn, device)})  # fmt: skip
+    return rows
+
+
+def align_table(rows: list[dict]) -> str:
+    lines = ["| tokens | pairs | block_m | experts | align_pairs us |", "|---|---|---|---|---|"]
+    lines += [f"| {r['tokens']} | {r['pairs']} | {r['block_m']} | {r['experts']} | "
+              f"{r['us']:.1f} |" for r in rows]  # fmt: skip
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     lines = [
         "| tokens | path | ms | floor ms | x floor | rel. error |",
@@ -247,11 +288,19 @@ def main() -> None:
                         help="also time each grouped kernel per block size and tile (CUDA)")  # fmt: skip
     parser.add_argument("--expert-share", type=int, default=1,
                         help="also time one rank's 1/N of the experts (rollout TP = N)")  # fmt: skip
+    parser.add_argument("--align", action="store_true",
+                        help="time the sort by expert (align_pairs) alone, then exit")  # fmt: skip
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     device = torch.device(args.device)
     shape = QUICK_SHAPE if args.quick else SHAPE
     tokens = [8] if args.quick else [int(t) for t in args.tokens.split(",")]
+    if args.align:
+        rows = [row for count in tokens for row in align_rows(count, shape, device)]
+        with open(os.path.join(args.out, "moe_align.json"), "w") as f:
+            json.dump({"shape": shape, "rows": rows, "torch": torch.__version__}, f, indent=1)
+        print(align_table(rows))
+        return
     # the Triton kernels run on CUDA, or on the CPU under the interpreter
     triton_ok = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     limits = ceilings(device)
