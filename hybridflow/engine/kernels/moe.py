@@ -7,8 +7,9 @@ One sparse layer, T tokens, E experts, top-k each (P = T * k (token, expert) pai
    renormalised when the model says so; optionally each token's expert ids are written to the
    engine's routing record (routing replay: kv_cache.KVCache.routes).
 2. `align_pairs`: the pairs sorted by expert (stable: in pair order inside an expert), each
-   expert's run padded to a multiple of BLOCK_M, with the expert of every BLOCK_M block. One
-   program per expert; deterministic, no atomics, no host sync (CUDA graphs).
+   expert's run padded to a multiple of BLOCK_M, with the expert of every BLOCK_M block. Two
+   launches of one program per expert (its count, then its placement); deterministic, no
+   atomics, no host sync (CUDA graphs).
 3. `grouped_gate_up`: per block, its expert's gate and up rows times the block's tokens,
    silu(gate) * up in the epilogue (the [P, 2I] product is never written); `grouped_down`:
    the down projection, each pair's row written back at its pair index. Each expert's weights
@@ -125,50 +126,60 @@ def route_topk(
 @triton.jit
 def _local_ids(ids_ptr, offs, P, E, first):
     """Pair ids as local experts [0, E) (global id - first); pairs past P and pairs routed to
-    experts this rank does not hold -> E (counted apart, never placed)."""
+    experts this rank does not hold -> E (no expert's: never counted nor placed)."""
     local = tl.load(ids_ptr + offs, mask=offs < P, other=-1) - first
     return tl.where((offs < P) & (local >= 0) & (local < E), local, E)
 
 
 @triton.jit
+def _count_kernel(ids_ptr, counts_ptr, P, E, first, CHUNK: tl.constexpr):
+    """Program e: counts[e] = the pairs routed to local expert e (_local_ids). One compare and
+    one sum a chunk: each program counts its own expert, so no program builds the whole
+    histogram (the placement reads the counts back)."""
+    e = tl.program_id(0)
+    count = tl.full([], 0, dtype=tl.int32)
+    for start in range(0, P, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = _local_ids(ids_ptr, offs, P, E, first)
+        count += tl.sum((ids == e).to(tl.int32), axis=0)
+    tl.store(counts_ptr + e, count)
+
+
+@triton.jit
 def _align_kernel(
-    ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, ends_ptr, P, E, first,
+    ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, total_ptr, ends_ptr, P, E, first,
     BINS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """Program e: counts every expert's pairs (a histogram of local ids, _local_ids; pairs
-    past P or of experts held elsewhere count in bin E), places expert e's run at the sum of
-    the padded runs before it, writes its pairs' indices there in pair order (then P, the
+    """Program e: reads every expert's count (_count_kernel), places expert e's run at the sum
+    of the padded runs before it, writes its pairs' indices there in pair order (then P, the
     padding marker, up to the padded length) and e as the expert of each of its blocks, and
     the end of its run to ends[e]. Program 0 writes the padded total."""
     e = tl.program_id(0)
     bins = tl.arange(0, BINS)
-    counts = tl.zeros([BINS], dtype=tl.int32)
-    for start in range(0, P, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ids = _local_ids(ids_ptr, offs, P, E, first)
-        counts += tl.histogram(ids, BINS)
-    counts = tl.where(bins < E, counts, 0)
+    counts = tl.load(counts_ptr + bins, mask=bins < E, other=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     start_e = tl.sum(tl.where(bins < e, padded, 0), axis=0)
-    count_e = tl.sum(tl.where(bins == e, counts, 0), axis=0)
-    padded_e = tl.sum(tl.where(bins == e, padded, 0), axis=0)
+    count_e = tl.load(counts_ptr + e)
+    padded_e = (count_e + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     tl.store(ends_ptr + e, start_e + padded_e)
     if e == 0:
         tl.store(total_ptr, tl.sum(padded, axis=0))
-    placed = tl.full([], 0, dtype=tl.int32)
-    for start in range(0, P, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ids = _local_ids(ids_ptr, offs, P, E, first)
-        hit = (ids == e).to(tl.int32)
-        rank = placed + tl.cumsum(hit, axis=0) - 1
-        tl.store(sorted_ptr + start_e + rank, offs, mask=hit > 0)
-        placed += tl.sum(hit, axis=0)
-    pad = count_e + tl.arange(0, BLOCK_M)
-    tl.store(sorted_ptr + start_e + pad, P, mask=pad < padded_e)
-    first_block = start_e // BLOCK_M
-    for block in range(0, padded_e // BLOCK_M, CHUNK):
-        index = block + tl.arange(0, CHUNK)
-        tl.store(block_expert_ptr + first_block + index, e, mask=index < padded_e // BLOCK_M)
+    if count_e > 0:  # an expert without pairs has nothing to place
+        placed = tl.full([], 0, dtype=tl.int32)
+        for start in range(0, P, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            ids = _local_ids(ids_ptr, offs, P, E, first)
+            hit = (ids == e).to(tl.int32)
+            rank = placed + tl.cumsum(hit, axis=0) - 1
+            tl.store(sorted_ptr + start_e + rank, offs, mask=hit > 0)
+            placed += tl.sum(hit, axis=0)
+        pad = count_e + tl.arange(0, BLOCK_M)
+        tl.store(sorted_ptr + start_e + pad, P, mask=pad < padded_e)
+        first_block = start_e // BLOCK_M
+        for block in range(0, padded_e // BLOCK_M, CHUNK):
+            index = block + tl.arange(0, CHUNK)
+            tl.store(block_expert_ptr + first_block + index, e,
+                     mask=index < padded_e // BLOCK_M)  # fmt: skip
 
 
 @dataclass
@@ -210,13 +221,20 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int,
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
     total = torch.empty(1, dtype=torch.int32, device=device)
     ends = torch.empty(num_experts, dtype=torch.int32, device=device)
-    # every program walks all the pairs twice: few wide chunks, not many dependent ones (H200,
-    # 256 rows: 12-25 us a layer in chunks of 256)
+    counts = torch.empty(num_experts, dtype=torch.int32, device=device)
+    # Two launches: each expert's count, then its placement. One kernel where every program
+    # built the full histogram of expert ids (tl.histogram) cost 24 us a layer at 256 rows
+    # (H200); a count is one compare and one sum a chunk. Each program walks all the pairs
+    # (the counts once, the placement once more): few wide chunks, not many dependent ones.
     chunk = min(max(triton.next_power_of_2(pairs), 256), 4096)
+    warps = 8 if chunk >= 2048 else 4
+    first = first_expert or 0
+    _count_kernel[(num_experts,)](ids, counts, pairs, num_experts, first, CHUNK=chunk,
+                                  num_warps=warps)  # fmt: skip
     _align_kernel[(num_experts,)](
-        ids, sorted_pairs, block_expert, total, ends, pairs, num_experts, first_expert or 0,
-        BINS=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m, CHUNK=chunk,
-        num_warps=8 if chunk >= 2048 else 4,
+        ids, counts, sorted_pairs, block_expert, total, ends, pairs, num_experts, first,
+        BINS=max(triton.next_power_of_2(num_experts), 2), BLOCK_M=block_m, CHUNK=chunk,
+        num_warps=warps,
     )  # fmt: skip
     return ExpertBlocks(sorted_pairs, block_expert, total, ends, block_m, pairs, top_k,
                         subset=first_expert is not None)  # fmt: skip

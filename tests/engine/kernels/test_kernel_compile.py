@@ -206,12 +206,15 @@ def test_moe_kernels_compile(block_m):
     """Routing (with its record), the sort by expert, both grouped matmuls at each block's
     tile (tensor-core dots, no atomics: the order is fixed) and the combine."""
     ints = {"ids_ptr": "*i32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
-            "total_ptr": "*i32", "ends_ptr": "*i32"}  # fmt: skip
+            "total_ptr": "*i32", "ends_ptr": "*i32", "counts_ptr": "*i32"}  # fmt: skip
     routing = {**ints, "weights_ptr": "*fp32", "logits_ptr": "*bf16", "routes_ptr": "*u8",
                "entry_ptr": "*i64", "offset_ptr": "*i64"}  # fmt: skip
     _compile(moe._topk_kernel, dict(TOP_K=8, K_PAD=8, E_PAD=128, BLOCK_T=16, RENORM=True,
                                     RECORD=True), overrides=routing)  # fmt: skip
-    _compile(moe._align_kernel, dict(BINS=256, BLOCK_M=block_m, CHUNK=256), overrides=ints)
+    # the sort by expert: the counts, then the placement (decode: 2048 pairs, 128 experts)
+    _compile(moe._count_kernel, dict(CHUNK=2048), overrides=ints, warps=8)
+    _compile(moe._align_kernel, dict(BINS=128, BLOCK_M=block_m, CHUNK=2048), overrides=ints,
+             warps=8)  # fmt: skip
     grouped = []
     for silu in (True, False):
         block_n, block_k, warps, stages = moe.TILES[block_m]["gate_up" if silu else "down"]

@@ -40,26 +40,86 @@ def test_route_topk_matches_softmax_topk_and_records(renormalize):
     assert (routes[entries, offsets, 0] == 255).all()  # the other layer's column untouched
 
 
-def test_align_pairs_sorts_by_expert_in_pair_order_and_pads_runs():
-    tokens, top_k, experts, block_m = 9, 2, 5, 16
-    ids = torch.tensor([[0, 3], [3, 1], [4, 0], [0, 3], [1, 4], [3, 0], [0, 1], [3, 4], [0, 3]],
-                       dtype=torch.int32, device=DEVICE)  # expert 2 untouched  # fmt: skip
-    blocks = moe.align_pairs(ids, experts, block_m)
+def _expected_blocks(ids, experts, block_m, first=None):
+    """The ExpertBlocks contract as a literal loop: each local expert's pairs in pair order,
+    padded with P to a multiple of block_m; the expert of each block; each run's end."""
     flat = ids.flatten().tolist()
-    total = int(blocks.total)
-    sorted_pairs = blocks.sorted_pairs[:total].tolist()
-    block_expert = blocks.block_expert[: total // block_m].tolist()
+    pairs = len(flat)
+    offset = first or 0
     expected, expected_blocks, expected_ends = [], [], []
     for expert in range(experts):
-        run = [p for p, e in enumerate(flat) if e == expert]  # pair order inside a run
+        run = [p for p, e in enumerate(flat) if e - offset == expert]  # pair order in a run
         padded = -(-len(run) // block_m) * block_m
-        expected += run + [tokens * top_k] * (padded - len(run))
+        expected += run + [pairs] * (padded - len(run))
         expected_blocks += [expert] * (padded // block_m)
         expected_ends.append(len(expected))
-    assert sorted_pairs == expected
-    assert block_expert == expected_blocks
+    return expected, expected_blocks, expected_ends
+
+
+def _assert_blocks(blocks, ids, experts, block_m, first=None):
+    expected, expected_blocks, expected_ends = _expected_blocks(ids, experts, block_m, first)
+    total = int(blocks.total)
+    assert total == len(expected)
+    assert blocks.sorted_pairs[:total].tolist() == expected
+    assert blocks.block_expert[: total // block_m].tolist() == expected_blocks
     assert blocks.group_ends.tolist() == expected_ends
     assert blocks.max_blocks * block_m >= total
+    assert blocks.sorted_pairs.shape[0] == blocks.max_blocks * block_m
+
+
+def test_align_pairs_sorts_by_expert_in_pair_order_and_pads_runs():
+    experts, block_m = 5, 16
+    ids = torch.tensor([[0, 3], [3, 1], [4, 0], [0, 3], [1, 4], [3, 0], [0, 1], [3, 4], [0, 3]],
+                       dtype=torch.int32, device=DEVICE)  # expert 2 untouched  # fmt: skip
+    _assert_blocks(moe.align_pairs(ids, experts, block_m), ids, experts, block_m)
+
+
+def _skewed_ids(tokens, top_k, experts, seed, unused=()):
+    """top_k distinct experts a token, drawn with weights 1, 2, 4, ... (uneven runs: the last
+    experts fill several blocks, the first ones one or none); `unused` experts never."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = 2.0 ** torch.arange(experts, dtype=torch.float64).clamp(max=12)
+    weights[list(unused)] = 0.0
+    ids = torch.multinomial(weights.expand(tokens, experts), top_k, generator=generator)
+    return ids.to(torch.int32).to(DEVICE)
+
+
+@pytest.mark.parametrize(
+    "tokens,top_k,experts,block_m,unused",
+    [
+        (13, 3, 7, 16, (0, 4, 6)),  # P = 39, empty first/middle/last experts, E not 2^n
+        (40, 4, 6, 32, (2,)),  # one expert several blocks long
+        (1031, 4, 6, 16, (0,)),  # P = 4124: more than one chunk of pairs (the carried rank)
+        (5, 1, 1, 16, ()),  # one expert
+    ],
+)
+def test_align_pairs_places_uneven_runs_as_the_loop(tokens, top_k, experts, block_m, unused):
+    ids = _skewed_ids(tokens, top_k, experts, seed=tokens, unused=unused)
+    _assert_blocks(moe.align_pairs(ids, experts, block_m), ids, experts, block_m)
+
+
+@pytest.mark.parametrize("counts,top_k", [((0, 1, 17, 0, 33, 2, 16, 0), 3), ((64, 1, 0), 5)])
+def test_align_pairs_runs_of_given_lengths(counts, top_k):
+    """Runs of 0, 1, a block, a block and one, several blocks (block_m 16), the pairs
+    shuffled: each run holds exactly its pairs, in pair order."""
+    generator = torch.Generator().manual_seed(len(counts))
+    flat = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    flat = flat[torch.randperm(flat.numel(), generator=generator)]
+    ids = flat.view(-1, top_k).to(torch.int32).to(DEVICE)
+    blocks = moe.align_pairs(ids, len(counts), 16)
+    _assert_blocks(blocks, ids, len(counts), 16)
+    runs = torch.diff(blocks.group_ends.long(), prepend=blocks.group_ends.new_zeros(1).long())
+    assert runs.tolist() == [-(-c // 16) * 16 for c in counts]
+
+
+@pytest.mark.parametrize("first,share", [(0, 3), (3, 3), (2, 4)])
+def test_align_pairs_of_a_share_places_only_its_experts(first, share):
+    """first_expert: the local experts [first, first + share) of 8; the pairs of the other
+    experts are in no run and counted in none (expert 3 of 8 gets no pair)."""
+    ids = _skewed_ids(29, 3, 8, seed=first, unused=(3,))
+    blocks = moe.align_pairs(ids, share, 16, first_expert=first)
+    assert blocks.subset
+    _assert_blocks(blocks, ids, share, 16, first)
 
 
 def _reference_experts(x, ids, weights, gate_up, down):
