@@ -2,10 +2,29 @@
 (grpo-llama3.1-8b-instruct-2n8g) on one GPU: tokens/s/GPU by NeMo-RL's definition, s/step
 and each stage's share, beside NeMo-RL's published figures.
 
-    python benchmarks/nemo_rl_8b.py                        # one H200: 8 prompts x 32, one step
-    python benchmarks/nemo_rl_8b.py --prompts 8 12         # tokens/s/GPU against prompt count
+    python benchmarks/nemo_rl_8b.py --warmup-steps 1       # one H200: 8 prompts x 32, a warm step
+    python benchmarks/nemo_rl_8b.py                        # the same step, compilation included
+    python benchmarks/nemo_rl_8b.py --warmup-steps 1 --sequence-len 1024 --prompts 8 12
+                                                           # tokens/s/GPU against prompt count
     python benchmarks/nemo_rl_8b.py --model tiny --prompts 1 2 --samples 4 --prompt-len 8 \
         --sequence-len 24 --device cpu                     # the logic, on the CPU
+
+What each mode shows. --warmup-steps 1 (~7-8 min on one H200 at 4,096 tokens): the recipe's
+step warm, the number to compare with NeMo-RL's: a warm-up run of --warmup-sequence-len
+(512) tokens per sequence first compiles the training layers (torch.compile, dynamic shapes:
+packed micro-batches of any length reuse the graphs), JITs the Triton kernels and pins the
+engine's timing choices (trainer.cache_dir/engine-choices: read by the next engine), with the
+timed run's memory choices (checkpointing, token budgets) so the graphs are the same; then a
+fresh actor and engine time the full-length step (their build is not in s/step). Two full
+steps (--steps 2) do not fit a 10-minute limit. What the timed run still compiled is printed
+(torch.compile graphs, new engine timing choices): the decode layer is timed once per
+batch-size bucket, and buckets the warm-up never decoded (the smaller batches a KV cache that
+cannot hold every row decodes after preempting) are timed in the timed step. CUDA graphs are
+captured at every generation either way (the cache is freed after each, and the graphs
+with it). Without --warmup-steps: one step, compilation included (a first step's cost).
+Several --prompts at a shorter --sequence-len (1024, ~3 min a prompt count with its warm-up):
+tokens/s/GPU against the prompt count, each warm, each a fresh actor and engine; flat: the
+step's time grows in proportion to its tokens.
 
 The recipe: Llama-3.1-8B-Instruct, GRPO, 64 prompts x 32 generations a step, sequences
 (prompt + response) up to 4,096 tokens, 512 sequences per optimizer step (AdamW, lr 3e-7,
@@ -18,13 +37,15 @@ Here: the llama3.1-8b preset with random weights, so every response runs to its 
 can time (8 x 32 = 256 sequences a step by default); full-parameter, AdamW on the GPU when
 the memory plan says it fits, else on the host (actor.optimizer_offload, the plan's
 requirement on one H200); gradient checkpointing and token budgets as the plan decides; the
+KV cache takes 90% of the memory free during generation (rollout.gpu_memory_utilization=0.9;
+the table's KV rows: how many full-length sequences that holds at once); the
 real loop's step (trainer/grpo_bench.py: random rewards, no EOS). The old-log-prob pass is
 skipped when a step is one optimizer step (actor.skip_old_logprob_on_policy), as hybridflow
 runs it; NeMo-RL computes it.
 
 tokens/s/GPU = (prompt + response tokens of every sequence of a step) / (step seconds x GPUs),
 NeMo-RL's definition. s/step: the median of the steps after the first (the first compiles);
-with --steps 1, that one step, compilation included.
+with --steps 1, that one step: warm after --warmup-steps, else compilation included.
 """
 
 from __future__ import annotations
@@ -44,6 +65,9 @@ from offload_step import gpu_bytes_for, host_bytes_for, plan_verdict, step_numbe
 PUBLISHED = {"on-policy": (1581, 92.8), "one step off": (2478, None)}
 """NeMo-RL's tokens/s/GPU (and s/step) of the recipe on 16 H100s (Megatron backend)."""
 RECIPE_SEQUENCES_PER_OPTIMIZER_STEP = 512
+KV_MEMORY_SHARE = 0.9
+"""rollout.gpu_memory_utilization of the recipe here: the share of the memory free during
+generation the KV cache takes."""
 
 
 def recipe_overrides(args, prompts: int, offload: bool) -> tuple[str, ...]:
@@ -59,6 +83,11 @@ def recipe_overrides(args, prompts: int, offload: bool) -> tuple[str, ...]:
         "actor.kl_loss_coef=0.01",
         "actor.kl_loss_type=low_var_kl",  # k3
         "model.gradient_checkpointing=auto",
+        # The cache is freed after each generation (rollout.release_cache) and nothing else
+        # runs on the GPU while it decodes: it may take 90% of what is free then, the engine's
+        # own default (0.4, the config's default, holds 76 of the 256 full-length sequences on
+        # one H200, 0.9 holds 178: fewer decode steps, fewer preemptions)
+        f"rollout.gpu_memory_utilization={KV_MEMORY_SHARE}",
         *([f"trainer.device={args.device}"] if args.device else []),
         *args.override,
     )
@@ -67,14 +96,9 @@ def recipe_overrides(args, prompts: int, offload: bool) -> tuple[str, ...]:
 def choose_optimizer(args, prompts: int) -> tuple[bool | None, list[str]]:
     """(AdamW on the host?, the plan's problems): on the GPU if the plan fits it, else on the
     host if that fits; (None, problems) if neither does."""
-    from hybridflow.trainer.grpo_bench import bench_config
-
     problems: list[str] = []
     for offload in (False, True):
-        cfg = bench_config(args.model, prompts=prompts, samples=args.samples,
-                           prompt_len=args.prompt_len, new_tokens=new_tokens(args),
-                           micro_batch_tokens=args.micro_tokens,
-                           overrides=recipe_overrides(args, prompts, offload))  # fmt: skip
+        cfg = recipe_config(args, prompts, offload)
         verdict = plan_verdict(cfg, gpu_bytes_for(args), host_bytes_for(args))
         if not verdict["problems"]:
             return offload, []
@@ -86,10 +110,39 @@ def new_tokens(args) -> int:
     return args.sequence_len - args.prompt_len
 
 
+def at_sequence_len(args, sequence_len: int) -> argparse.Namespace:
+    """args with another --sequence-len (the warm-up's)."""
+    return argparse.Namespace(**{**vars(args), "sequence_len": sequence_len})
+
+
+def recipe_config(args, prompts: int, offload: bool):
+    """The recipe's config before the memory plan's choices."""
+    from hybridflow.trainer.grpo_bench import bench_config
+
+    return bench_config(args.model, prompts=prompts, samples=args.samples,
+                        prompt_len=args.prompt_len, new_tokens=new_tokens(args),
+                        micro_batch_tokens=args.micro_tokens,
+                        overrides=recipe_overrides(args, prompts, offload))  # fmt: skip
+
+
+def kv_sequences(args, prompts: int, offload: bool) -> int | None:
+    """Full-length sequences the memory plan's KV cache holds at once (the engine sizes it
+    from the memory free when generation starts, as the plan does); None: GPU size unknown."""
+    from hybridflow.config import validate
+    from hybridflow.trainer.memory_check import plan_for_config
+
+    gpu_bytes, _ = gpu_bytes_for(args)
+    if gpu_bytes is None:
+        return None
+    cfg = recipe_config(args, prompts, offload)
+    plan = plan_for_config(cfg, validate(cfg), gpu_bytes)
+    return plan.kv_slots if plan is not None else None
+
+
 def stage_floors_s(args, prompts: int, offload: bool) -> dict[str, float]:
     """{stage: floor seconds} at the GPU's peaks (hybridflow/trainer/stage_floors.py), with
-    the recomputation the memory plan chooses; {} on a CPU or an unknown GPU."""
-    from hybridflow.trainer.grpo_bench import bench_config
+    the recomputation the memory plan chooses and the decode steps its KV cache allows;
+    {} on a CPU or an unknown GPU."""
     from hybridflow.trainer.memory_check import memory_defaults
     from hybridflow.trainer.metrics import peak_flops_per_gpu
     from hybridflow.trainer.preflight import model_architecture
@@ -99,54 +152,101 @@ def stage_floors_s(args, prompts: int, offload: bool) -> dict[str, float]:
     architecture = model_architecture(args.model)
     if name == "cpu" or architecture is None:
         return {}
-    cfg = bench_config(args.model, prompts=prompts, samples=args.samples,
-                       prompt_len=args.prompt_len, new_tokens=new_tokens(args),
-                       micro_batch_tokens=args.micro_tokens,
-                       overrides=recipe_overrides(args, prompts, offload))  # fmt: skip
+    cfg = recipe_config(args, prompts, offload)
     # "auto" left unresolved (no GPU to plan for) means off, as a run resolves it there
     recompute = memory_defaults(cfg, log=lambda line: None).model.gradient_checkpointing is True
     shape = StepShape(prompts, args.samples, args.prompt_len, new_tokens(args))
+    sequences = kv_sequences(args, prompts, offload)
     floors = stage_floors(architecture, shape, peak_flops_per_gpu(name), peak_bandwidth(name),
-                          recompute=recompute)  # fmt: skip
+                          recompute=recompute,
+                          kv_tokens=sequences * args.sequence_len if sequences else None)  # fmt: skip
     return {k.removeprefix("timing_s/"): v for k, v in floors.items()}
 
 
-def run_prompts(args, prompts: int) -> dict:
-    """One prompt count: the plan's optimizer placement, then the timed steps."""
+def memory_choice_overrides(args, prompts: int, offload: bool) -> tuple[str, ...]:
+    """The memory plan's choices for the timed run (checkpointing, token budgets) as
+    key=value: a warm-up at another length runs with them, so it compiles the same graphs."""
+    from hybridflow.config import validate
+    from hybridflow.trainer.memory_check import memory_choices, overrides_text
+
+    cfg = recipe_config(args, prompts, offload)
+    changes, _ = memory_choices(cfg, validate(cfg), gpu_bytes_for(args)[0])
+    return tuple(overrides_text(changes).split())
+
+
+def compile_activity(args) -> dict[str, int]:
+    """What this process has compiled so far: torch.compile's graphs and the rollout engine's
+    pinned timing choices (kernels and decode layers per batch-size bucket, under
+    trainer.cache_dir); the difference over the timed steps shows what they compiled."""
+    graphs = 0
+    if "torch._dynamo" in sys.modules:  # never imported: nothing compiled
+        from torch._dynamo.utils import counters
+
+        graphs = int(counters["stats"]["unique_graphs"])
+    cfg = recipe_config(args, args.prompts[0], True)
+    folder = os.path.join(os.path.expanduser(cfg.trainer.cache_dir), "engine-choices")
+    files = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    choices = 0
+    for name in files:  # engine/choices.py's files: {"identity": ..., "choices": {...}}
+        try:
+            with open(os.path.join(folder, name)) as f:
+                choices += len(json.load(f).get("choices", {}))
+        except (OSError, ValueError):
+            continue  # half-written by another process: its choices are made again
+    return {"compiled_graphs": graphs, "engine_choices": choices}
+
+
+def grpo_steps(args, prompts: int, offload: bool, steps: int, overrides: tuple[str, ...] = ()):
+    """(seconds per step, peak GiB, mean stage seconds) of `steps` GRPO steps of a fresh
+    actor and engine at args' shape."""
     from rich.console import Console
 
     from hybridflow.models import load_tokenizer
     from hybridflow.progress import ProgressReporter
     from hybridflow.trainer.grpo_bench import time_grpo_steps
 
-    offload, problems = choose_optimizer(args, prompts)
-    row = {"prompts": prompts, "sequences": prompts * args.samples}
-    if offload is None:
-        return {**row, "problems": problems}
     rng = random.Random(prompts)
     ids = [[rng.randrange(10, 60) for _ in range(args.prompt_len)] for _ in range(prompts)]
     # a line per step and a status line in silences, on stderr (a step takes minutes)
     reporter = ProgressReporter(Console(stderr=True), interval_s=30)
     try:
-        times, peaks, stages = time_grpo_steps(
+        return time_grpo_steps(
             model_path=args.model,
             prompts=ids,
             samples_per_prompt=args.samples,
             new_tokens=new_tokens(args),
-            steps=args.steps,
+            steps=steps,
             micro_batch_tokens=args.micro_tokens,
             tokenizer=load_tokenizer("char"),
             progress=reporter,
-            overrides=recipe_overrides(args, prompts, offload),
+            overrides=recipe_overrides(args, prompts, offload) + overrides,
         )
     finally:
         reporter.close()
+        if torch.cuda.is_available() and args.device != "cpu":
+            torch.cuda.empty_cache()
+
+
+def run_prompts(args, prompts: int) -> dict:
+    """One prompt count: the plan's optimizer placement, the warm-up run if asked (same
+    process, the timed run's memory choices), then the timed steps."""
+    offload, problems = choose_optimizer(args, prompts)
+    row = {"prompts": prompts, "sequences": prompts * args.samples}
+    if offload is None:
+        return {**row, "problems": problems}
+    if args.warmup_steps:
+        warm = at_sequence_len(args, args.warmup_sequence_len)
+        grpo_steps(warm, prompts, offload, args.warmup_steps,
+                   memory_choice_overrides(args, prompts, offload))  # fmt: skip
+    before = compile_activity(args)
+    times, peaks, stages = grpo_steps(args, prompts, offload, args.steps)
+    after = compile_activity(args)
     tokens = prompts * args.samples * args.sequence_len
-    if torch.cuda.is_available() and args.device != "cpu":
-        torch.cuda.empty_cache()
     return {**row, "optimizer": "host" if offload else "device",
             "peak_gib": max(peaks, default=float("nan")),
+            "kv_sequences": kv_sequences(args, prompts, offload),
             "floor_s": stage_floors_s(args, prompts, offload),
+            "compiled_in_timed_run": {k: after[k] - before[k] for k in after},
             **step_numbers(times, stages, tokens)}  # fmt: skip
 
 
@@ -178,11 +278,7 @@ def stage_cell(stage: str, seconds: float, row: dict) -> str:
 def report(args, rows: list[dict]) -> list[str]:
     """The table (a row per prompt count), its flatness, and the published comparison."""
     today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    timing = (
-        "the one step, compilation included"
-        if args.steps == 1
-        else f"median of steps 2..{args.steps}"
-    )
+    timing = timing_text(args)
     lines = [
         f"NeMo-RL grpo-llama3.1-8b-instruct-2n8g shape on 1 x {device_name(args)}, "
         f"{versions()}, {today}",
@@ -190,20 +286,25 @@ def report(args, rows: list[dict]) -> list[str]:
         f"{args.prompt_len} + {new_tokens(args)} tokens per sequence (every response to its "
         f"maximum), KL 0.01 to the reference, s/step: {timing}",
         "tokens/s/GPU = prompt + response tokens of a step / (s/step x GPUs), NeMo-RL's definition",
-        "| prompts | sequences | AdamW on | s/step | tokens/s/GPU | peak GiB "
+        "KV rows: the full-length sequences the memory plan's KV cache holds at once "
+        f"(rollout.gpu_memory_utilization={KV_MEMORY_SHARE} of the memory free in generation)",
+        "| prompts | sequences | AdamW on | s/step | tokens/s/GPU | peak GiB | KV rows "
         "| stages: s (share, floor s) |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "problems" in r:
-            lines.append(f"| {r['prompts']} | {r['sequences']} | does not fit | - | - | - "
+            lines.append(f"| {r['prompts']} | {r['sequences']} | does not fit | - | - | - | - "
                          f"| {' '.join(r['problems'])[:300]} |")  # fmt: skip
             continue
         stages = ", ".join(stage_cell(k, v, r) for k, v in r["stage_s"].items())
         lines.append(f"| {r['prompts']} | {r['sequences']} | {r['optimizer']} "
                      f"| {r['step_s']:.1f} | {r['tokens_per_s_per_gpu']:,.0f} "
-                     f"| {r['peak_gib']:.1f} | {stages} |")  # fmt: skip
+                     f"| {r['peak_gib']:.1f} | {r['kv_sequences'] or '-'} | {stages} |")  # fmt: skip
     ran = [r for r in rows if "step_s" in r]
+    if ran:
+        compiled = "; ".join(f"{r['prompts']} prompts: {compiled_text(r)}" for r in ran)
+        lines.append(f"compiled during the timed run (its build and steps): {compiled}")
     if len(ran) > 1:
         rates = [r["tokens_per_s_per_gpu"] for r in ran]
         lines.append(f"flatness: tokens/s/GPU from {min(rates):,.0f} to {max(rates):,.0f} "
@@ -227,6 +328,24 @@ def report(args, rows: list[dict]) -> list[str]:
     return lines
 
 
+def timing_text(args) -> str:
+    """What s/step is: a warm step, or one that includes compilation."""
+    warm = (f"after a warm-up run of {args.warmup_steps} step(s) at {args.warmup_sequence_len} "
+            "tokens per sequence in the same process, ") if args.warmup_steps else ""  # fmt: skip
+    if args.steps > 1:
+        return f"{warm}median of steps 2..{args.steps}"
+    if args.warmup_steps:
+        return f"{warm}the one timed step"
+    return "the one step, compilation included"
+
+
+def compiled_text(row: dict) -> str:
+    """``0 torch.compile graphs, 3 new engine timing choices``."""
+    done = row["compiled_in_timed_run"]
+    return (f"{done['compiled_graphs']} torch.compile graphs, {done['engine_choices']} new "
+            "engine timing choices")  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="llama3.1-8b", help="a preset or a model directory")
@@ -241,6 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--steps", type=int, default=1, help="GRPO steps (2+: the first is warm-up)"
     )
+    parser.add_argument("--warmup-steps", type=int, default=0,
+                        help="steps of a warm-up run before each timed run (same process)")  # fmt: skip
+    parser.add_argument("--warmup-sequence-len", type=int, default=512,
+                        help="prompt + response tokens of the warm-up run's sequences")  # fmt: skip
     parser.add_argument("--override", action="append", default=[], help="a config key=value")
     parser.add_argument("--device", default=None, help="trainer.device (cpu: a logic test)")
     parser.add_argument("--gpu-memory-gib", type=float, default=None,
@@ -258,6 +381,8 @@ def main() -> None:
         args.micro_tokens = int(args.micro_tokens)
     if args.sequence_len <= args.prompt_len:
         parser.error("--sequence-len must exceed --prompt-len (it counts the prompt)")
+    if args.warmup_steps and args.warmup_sequence_len <= args.prompt_len:
+        parser.error("--warmup-sequence-len must exceed --prompt-len (it counts the prompt)")
     rows = []
     for prompts in args.prompts:  # each printed as it ends: a later one that dies leaves these
         rows.append(run_prompts(args, prompts))

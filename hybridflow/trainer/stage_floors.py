@@ -4,7 +4,12 @@ distance to the hardware is visible per stage rather than as one MFU figure.
 
 - generation: prefill of each unique prompt (compute-bound) plus one decode step per new
   token, each bounded by the larger of its matmul FLOPs and the bytes it must read (every
-  weight once, and the K/V of every live row up to its position);
+  weight once, and the K/V of every live row up to its position). Every row decodes in
+  every step when the KV cache holds them all; a cache of ``kv_tokens`` positions that does
+  not forces more steps (at step k each row holds its k generated tokens, a prompt's blocks
+  shared by its samples: the steps are at least the row-positions to hold over what the
+  cache holds at once), and each extra step reads every weight once more (the recomputation
+  of preempted rows is not counted);
 - a scoring pass (old log-probs, reference): one forward over every token;
 - the actor update: forward + backward (3 forwards), 4 with activation recomputation.
 
@@ -62,9 +67,24 @@ def _attention_flops(a, positions: float) -> float:
     return 4.0 * a.num_hidden_layers * a.num_attention_heads * a.head_dim * positions
 
 
+def decode_steps(shape: StepShape, kv_tokens: int | None) -> int:
+    """The fewest decode steps that generate every row in full through a KV cache of
+    ``kv_tokens`` positions (None: unbounded): one per new token, more when the cache cannot
+    hold every row's generated tokens (beside each prompt's, shared by its samples) at once."""
+    if kv_tokens is None:
+        return shape.new_tokens
+    room = kv_tokens - shape.prompts * shape.prompt_len
+    if room <= 0:
+        raise ValueError(f"a KV cache of {kv_tokens} positions does not hold the prompts")
+    rows = shape.prompts * shape.samples
+    row_positions = rows * shape.new_tokens * (shape.new_tokens + 1) // 2
+    return max(shape.new_tokens, -(-row_positions // room))
+
+
 def generation_floor(a, shape: StepShape, peak_flops: float, bandwidth: float,
-                     dtype_bytes: int = 2) -> float:  # fmt: skip
-    """Seconds: prefill of each unique prompt + one decode step per new token."""
+                     dtype_bytes: int = 2, kv_tokens: int | None = None) -> float:  # fmt: skip
+    """Seconds: prefill of each unique prompt + one decode step per new token, plus the
+    weight reads of the extra steps a KV cache of ``kv_tokens`` positions forces."""
     weights = _matmul_weights(a)
     prefill_tokens = shape.prompts * shape.prompt_len
     seconds = (
@@ -80,7 +100,8 @@ def generation_floor(a, shape: StepShape, peak_flops: float, bandwidth: float,
         flops = rows * (2.0 * weights + _attention_flops(a, context))
         read = weight_bytes + rows * context * kv_bytes_per_position
         seconds += max(flops / peak_flops, read / bandwidth)
-    return seconds
+    extra_steps = decode_steps(shape, kv_tokens) - shape.new_tokens
+    return seconds + extra_steps * weight_bytes / bandwidth
 
 
 def forward_floor(a, shape: StepShape, peak_flops: float) -> float:
@@ -91,14 +112,15 @@ def forward_floor(a, shape: StepShape, peak_flops: float) -> float:
 
 
 def stage_floors(a, shape: StepShape, peak_flops: float | None, bandwidth: float | None,
-                 recompute: bool = True) -> dict[str, float]:  # fmt: skip
+                 recompute: bool = True, kv_tokens: int | None = None) -> dict[str, float]:  # fmt: skip
     """{timing key: floor seconds} for the stages a floor is known for; empty without the
-    device's peaks (a CPU, an unknown GPU)."""
+    device's peaks (a CPU, an unknown GPU). ``kv_tokens``: the positions the rollout's KV
+    cache holds (None: every row at once)."""
     if not peak_flops or not bandwidth:
         return {}
     forward = forward_floor(a, shape, peak_flops)
     return {
-        "timing_s/gen": generation_floor(a, shape, peak_flops, bandwidth),
+        "timing_s/gen": generation_floor(a, shape, peak_flops, bandwidth, kv_tokens=kv_tokens),
         "timing_s/old_logprob": forward,
         "timing_s/ref": forward,
         "timing_s/update_actor": (4 if recompute else 3) * forward,

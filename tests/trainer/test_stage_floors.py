@@ -9,6 +9,7 @@ from hybridflow.models.presets import PRESETS
 from hybridflow.trainer.stage_floors import (
     StepShape,
     _matmul_weights,
+    decode_steps,
     forward_floor,
     generation_floor,
     peak_bandwidth,
@@ -60,3 +61,36 @@ def test_no_floors_without_the_device_peaks():
     shape = StepShape(1, 1, 1, 1)
     assert stage_floors(a, shape, None, None) == {}
     assert peak_bandwidth("cpu") is None and peak_bandwidth("NVIDIA H200") == 4.8e12
+
+
+def test_a_kv_cache_that_holds_every_row_adds_no_decode_step():
+    shape = StepShape(prompts=8, samples=32, prompt_len=256, new_tokens=3840)
+    assert decode_steps(shape, None) == 3840
+    every_row = 8 * 256 + 256 * 3840  # each prompt once, each row's generated tokens
+    assert decode_steps(shape, every_row) == 3840
+    a = PRESETS["llama3.1-8b"]
+    unbounded = generation_floor(a, shape, PEAK, BANDWIDTH)
+    assert generation_floor(a, shape, PEAK, BANDWIDTH, kv_tokens=every_row) == unbounded
+
+
+def test_a_smaller_kv_cache_forces_extra_decode_steps_each_reading_the_weights():
+    shape = StepShape(prompts=8, samples=32, prompt_len=256, new_tokens=3840)
+    # 76 sequences of 4,096 tokens: 256 rows hold 256 * 3840 * 3841 / 2 row-positions over
+    # the steps, at most 76 * 4096 - 8 * 256 of them in one step
+    kv_tokens = 76 * 4096
+    room = kv_tokens - 8 * 256
+    steps = decode_steps(shape, kv_tokens)
+    assert steps == -(-(256 * 3840 * 3841 // 2) // room) == 6105
+    a = PRESETS["llama3.1-8b"]
+    unbounded = generation_floor(a, shape, PEAK, BANDWIDTH)
+    bounded = generation_floor(a, shape, PEAK, BANDWIDTH, kv_tokens=kv_tokens)
+    weight_read = 2 * _matmul_weights(a) / BANDWIDTH
+    assert bounded == pytest.approx(unbounded + (steps - 3840) * weight_read)
+    floors = stage_floors(a, shape, PEAK, BANDWIDTH, kv_tokens=kv_tokens)
+    assert floors["timing_s/gen"] == pytest.approx(bounded)
+
+
+def test_a_kv_cache_without_room_beyond_the_prompts_is_refused():
+    shape = StepShape(prompts=8, samples=32, prompt_len=256, new_tokens=16)
+    with pytest.raises(ValueError, match="does not hold the prompts"):
+        decode_steps(shape, 8 * 256)
