@@ -1,0 +1,50 @@
+"""The torch._grouped_mm path of a sparse layer (engine/layers/moe._pairs_grouped_mm, the
+prefill passes on Hopper) against the per-expert loop: all experts and a rank's share. The
+sort by expert and SiLU*up are Triton kernels: CUDA (marked gpu) or the CPU under
+TRITON_INTERPRET=1; torch._grouped_mm runs on both."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridflow.engine.layers.moe import _pairs_grouped_mm, _rows_in_pair_order
+from hybridflow.models.moe import moe_experts
+
+
+def test_rows_come_back_in_pair_order_and_pairs_held_elsewhere_are_zero():
+    """Sorted rows (a row's value: 10 * its pair + 1; padding rows hold -1) and each row's
+    pair, P = 5 marking padding; pair 2 is in no row (its expert is held elsewhere)."""
+    pair_index = torch.tensor([3, 0, 5, 4, 1, 5, 5, 5])
+    rows = torch.where(pair_index < 5, 10.0 * pair_index + 1, -1.0)[:, None].repeat(1, 4)
+    out = _rows_in_pair_order(rows, pair_index, 5, subset=True)
+    assert out[:, 0].tolist() == [1.0, 11.0, 0.0, 31.0, 41.0]
+    assert (out == out[:, :1]).all()  # whole rows moved
+    every = torch.tensor([3, 0, 2, 4, 1, 5, 5, 5])
+    rows = torch.where(every < 5, 10.0 * every + 1, -1.0)[:, None].repeat(1, 4)
+    out = _rows_in_pair_order(rows, every, 5, subset=False)
+    assert out[:, 0].tolist() == [1.0, 11.0, 21.0, 31.0, 41.0]
+
+
+@pytest.mark.parametrize("first", [None, 0, 2])
+def test_grouped_mm_path_matches_the_loop(first):
+    """fp32, 13 tokens x top-3 of 6 experts (P = 39: not a multiple of the block), expert 5
+    never chosen; first: the weights hold experts [first, first + 3) only."""
+    from triton_device import triton_test_device
+
+    device = triton_test_device()  # skips without CUDA or TRITON_INTERPRET=1
+    tokens, experts, top_k, hidden, inner = 13, 6, 3, 32, 24  # 16-byte rows (grouped mm)
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(tokens, hidden, generator=generator).to(device)
+    gate_up = (torch.randn(experts, 2 * inner, hidden, generator=generator) * 0.2).to(device)
+    down = (torch.randn(experts, hidden, inner, generator=generator) * 0.2).to(device)
+    logits = torch.randn(tokens, experts, generator=generator)
+    logits[:, 5] = -30.0
+    weights, ids = torch.softmax(logits, -1).topk(top_k, dim=-1)
+    ids, weights = ids.to(device), weights.to(device)
+    held = slice(None) if first is None else slice(first, first + 3)
+    pair_out = _pairs_grouped_mm(x, ids.to(torch.int32), gate_up[held], down[held], first)
+    out = (pair_out.view(tokens, top_k, hidden) * weights[..., None]).sum(1)
+    expected = moe_experts(x, ids, weights, gate_up[held], down[held], "loop",
+                           first_expert=first)  # fmt: skip
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
