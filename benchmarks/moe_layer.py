@@ -18,7 +18,8 @@ to the other ranks' experts (before the all-reduce, which is not timed here).
     python benchmarks/moe_layer.py --device cpu --quick       # CPU dry run (tiny shape)
 
 With --align it times the sort by expert alone (align_pairs: the decode step's per-layer
-launches), replayed as a CUDA graph as the decode step runs it, and exits:
+launches; beside it the former one-launch sort, moe_align_baseline.py), replayed as a CUDA
+graph as the decode step runs it, and exits:
 
     python benchmarks/moe_layer.py --out $OUT --align --tokens 256,1024
 """
@@ -242,28 +243,47 @@ def graph_us(fn, device) -> float:
 
 
 def align_rows(tokens: int, shape: dict, device) -> list[dict]:
-    """align_pairs on the routing of random logits: all experts, and one rank's half
-    (first_expert, the pairs of the other half skipped)."""
+    """The sort by expert on the routing of random logits, all experts and one rank's half
+    (first_expert, the pairs of the other half skipped): align_pairs (a count launch, then a
+    placement launch), its count launch alone, and the former one-launch sort (every program
+    histograms all pairs: moe_align_baseline.py), checked to give the same blocks."""
+    from moe_align_baseline import histogram_align
+
     from hybridflow.engine.kernels import moe
 
     experts, top_k = shape["experts"], shape["top_k"]
     generator = torch.Generator(device).manual_seed(tokens)
     logits = torch.randn(tokens, experts, device=device, generator=generator)
     ids, _ = moe.route_topk(logits, top_k, True)
-    block_m = moe.block_rows(tokens, top_k, experts)
-    cases = {"all experts": (experts, None), "1/2 experts": (experts // 2, 0)}
+    pairs, block_m = tokens * top_k, moe.block_rows(tokens, top_k, experts)
+    chunk = min(max(1 << (pairs - 1).bit_length(), 256), 4096)  # align_pairs' chunk
     rows = []
-    for name, (count, first) in cases.items():
-        fn = functools.partial(moe.align_pairs, ids, count, block_m, first)
-        rows.append({"tokens": tokens, "pairs": tokens * top_k, "block_m": block_m,
-                     "experts": name, "us": graph_us(fn, device)})  # fmt: skip
+    for name, (count, first) in {"all": (experts, None), "1/2": (experts // 2, 0)}.items():
+        counts = torch.empty(count, dtype=torch.int32, device=device)
+        sorts = {
+            "align_pairs": functools.partial(moe.align_pairs, ids, count, block_m, first),
+            "its count launch": functools.partial(
+                moe._count_kernel[(count,)], ids, counts, pairs, count, first or 0, CHUNK=chunk,
+                num_warps=8 if chunk >= 2048 else 4),
+            "one launch, histogram (before)": functools.partial(
+                histogram_align, ids, count, block_m, first),
+        }  # fmt: skip
+        got, before = sorts["align_pairs"](), sorts["one launch, histogram (before)"]()
+        total = int(got.total)
+        assert total == int(before.total) and torch.equal(got.group_ends, before.group_ends)
+        assert torch.equal(got.sorted_pairs[:total], before.sorted_pairs[:total])
+        assert torch.equal(got.block_expert[: total // block_m],
+                           before.block_expert[: total // block_m])  # fmt: skip
+        for sort, fn in sorts.items():
+            rows.append({"tokens": tokens, "pairs": pairs, "block_m": block_m,
+                         "experts": name, "sort": sort, "us": graph_us(fn, device)})  # fmt: skip
     return rows
 
 
 def align_table(rows: list[dict]) -> str:
-    lines = ["| tokens | pairs | block_m | experts | align_pairs us |", "|---|---|---|---|---|"]
+    lines = ["| tokens | pairs | block_m | experts | sort | us |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['tokens']} | {r['pairs']} | {r['block_m']} | {r['experts']} | "
-              f"{r['us']:.1f} |" for r in rows]  # fmt: skip
+              f"{r['sort']} | {r['us']:.1f} |" for r in rows]  # fmt: skip
     return "\n".join(lines)
 
 

@@ -23,10 +23,15 @@ def test_quick_run_prints_each_path_with_its_error(tmp_path):
 
 
 def test_align_mode_times_the_sort_by_expert_alone(tmp_path, monkeypatch):
+    """align_pairs, its count launch and the former one-launch sort (which the script checks
+    gives the same blocks), for all experts and a half share."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton kernels on the CPU
     out = run_benchmark("moe_layer.py", "--device", "cpu", "--quick", "--align",
                         "--out", str(tmp_path))  # fmt: skip
     rows = markdown_rows(out, "| tokens | pairs |")
-    assert [row["experts"] for row in rows] == ["all experts", "1/2 experts"]
-    assert all(number(row["align_pairs us"]) > 0 for row in rows)
-    assert len(json.loads((tmp_path / "moe_align.json").read_text())["rows"]) == 2
+    sorts = ["align_pairs", "its count launch", "one launch, histogram (before)"]
+    assert [(row["experts"], row["sort"]) for row in rows] == [
+        (share, sort) for share in ("all", "1/2") for sort in sorts
+    ]
+    assert all(number(row["us"]) > 0 for row in rows)
+    assert len(json.loads((tmp_path / "moe_align.json").read_text())["rows"]) == 6
