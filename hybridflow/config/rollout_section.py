@@ -8,6 +8,26 @@ from dataclasses import dataclass, field
 from hybridflow.agents.options import AgentOptions
 from hybridflow.engine.options import EngineOptions
 
+KV_SHARE_ALONE = 0.9
+"""rollout.gpu_memory_utilization=auto when generation has the GPU to itself: the engine's
+own default; the other 10% of the free memory is for what the KV budget does not count
+(CUDA graph pools, cuBLAS workspaces, fragmentation)."""
+KV_SHARE_BESIDE_UPDATE = 0.4
+"""rollout.gpu_memory_utilization=auto when the cache outlives a generation or an update
+runs beside it on the same GPU: most of the free memory stays the update's."""
+
+
+def kv_memory_share(rollout, trainer) -> float:
+    """rollout.gpu_memory_utilization resolved: a number as given; auto by whether the
+    generation has the GPU to itself (rollout.release_cache frees the cache after each one,
+    and trainer.mode=async with max_staleness > 0 or partial rollouts runs the update beside
+    it, partial rollouts with their cache kept)."""
+    if rollout.gpu_memory_utilization != "auto":
+        return float(rollout.gpu_memory_utilization)
+    overlapped = trainer.mode == "async" and (trainer.max_staleness > 0 or trainer.partial_rollout)
+    alone = rollout.release_cache and not overlapped
+    return KV_SHARE_ALONE if alone else KV_SHARE_BESIDE_UPDATE
+
 
 @dataclass
 class RolloutConfig:
@@ -26,8 +46,13 @@ class RolloutConfig:
     max_num_seqs: int = 1024
     """Most sequences decoded at once per engine (the slot cache's slots; with the paged
     cache, the rows one decode step may hold)."""
-    gpu_memory_utilization: float = 0.4
-    """Fraction of free GPU memory the KV cache may take while generating."""
+    gpu_memory_utilization: float | str = "auto"
+    """Share of the GPU memory free when generation starts that the KV cache may take (less
+    the engine's reserve for decode logits and prefill; vLLM's is a share of all the
+    memory). auto: 0.9 when generation has the GPU to itself (the cache is freed after each
+    generation, rollout.release_cache, and no update runs beside it: not trainer.mode=async
+    with max_staleness > 0 or partial rollouts), else 0.4, the rest left to the update that
+    shares the GPU (kv_memory_share)."""
     release_cache: bool = True
     """Free the KV cache after each generate so training gets the memory back."""
     lora_in_place: bool = False

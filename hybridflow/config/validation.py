@@ -295,8 +295,9 @@ def validate(cfg: Config, *, gpus_available: int | None = None, planning: bool =
         add(f"rollout.min_p = {r.min_p} must be in [0, 1)")
     if r.top_k == 0 or r.top_k < -1:
         add(f"rollout.top_k = {r.top_k} must be -1 (off) or >= 1")
-    if not 0 < r.gpu_memory_utilization <= 0.95:
-        add(f"rollout.gpu_memory_utilization = {r.gpu_memory_utilization} must be in (0, 0.95]")
+    share = r.gpu_memory_utilization
+    if share != "auto" and (isinstance(share, str) or not 0 < share <= 0.95):
+        add(f"rollout.gpu_memory_utilization = {share} must be auto or a number in (0, 0.95]")
     for problem in r.engine.validate():
         add(f"rollout.engine.{problem}")
     if r.dtype not in ("model", "fp8"):

@@ -14,6 +14,7 @@ import dataclasses
 import math
 
 from hybridflow.config import Config, ConfigError, Derived, apply_mapping, validate
+from hybridflow.config.rollout_section import kv_memory_share
 from hybridflow.config.sections import UNPLANNED_UPDATE_BUDGET
 from hybridflow.trainer import memory_choices as choices
 from hybridflow.trainer import memory_plan as mp
@@ -85,7 +86,7 @@ def plan_options(cfg: Config, derived: Derived, gpu_bytes: int | None) -> PlanOp
         rollout_max_seqs=r.max_num_seqs,
         rollout_max_seq_len=max_len,
         kv_block_size=r.engine.kv_block_size,
-        gpu_memory_utilization=r.gpu_memory_utilization,
+        gpu_memory_utilization=kv_memory_share(r, t),
         # partial rollouts: requests stay in flight while the actor trains, the cache with them
         release_cache=r.release_cache and not (t.mode == "async" and t.partial_rollout),
         fuse_projections=fuse,
@@ -364,10 +365,11 @@ def candidate_fixes(cfg: Config, plan: MemoryPlan) -> list[dict[str, object]]:
     if not r.release_cache:
         candidates.append({"rollout.release_cache": True})
     if plan.kv_slots == 0:
-        candidates.append({"rollout.gpu_memory_utilization": 0.9})
-    elif r.gpu_memory_utilization > 0.1:
+        if o.gpu_memory_utilization < 0.9:  # auto is 0.9 already where nothing else needs it
+            candidates.append({"rollout.gpu_memory_utilization": 0.9})
+    elif o.gpu_memory_utilization > 0.1:
         candidates.append(
-            {"rollout.gpu_memory_utilization": round(r.gpu_memory_utilization / 2, 2)}
+            {"rollout.gpu_memory_utilization": round(o.gpu_memory_utilization / 2, 2)}
         )
     if o.fuse_projections != "none":
         candidates.append({"rollout.engine.fuse_projections": "none"})

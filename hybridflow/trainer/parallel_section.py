@@ -5,6 +5,7 @@ does (the arithmetic: parallel_plan.py; the choice: parallel_choice.py)."""
 from __future__ import annotations
 
 from hybridflow.config import Config, Derived
+from hybridflow.config.rollout_section import kv_memory_share
 from hybridflow.config.sections import UNPLANNED_UPDATE_BUDGET
 from hybridflow.models.plan_shapes import PLAN_ONLY_SHAPES, PlanShape, shape_of
 from hybridflow.parallel.roles import sizes_of
@@ -69,7 +70,7 @@ def setup_from_config(cfg: Config, derived: Derived, gpu_bytes: int) -> Parallel
         max_seq_len=max_len,
         samples_per_step=derived.samples_per_step,
         rollout_max_seqs=r.max_num_seqs,
-        gpu_memory_utilization=r.gpu_memory_utilization,
+        gpu_memory_utilization=kv_memory_share(r, t),
         max_prefill_tokens=r.engine.max_prefill_tokens,
         reference=derived.use_reference,
         critic=derived.use_critic,

@@ -26,6 +26,7 @@ from concurrent.futures import Future
 import torch
 
 from hybridflow.config import Config
+from hybridflow.config.rollout_section import kv_memory_share
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.protocol import Batch
 from hybridflow.workers.model_loading import (
@@ -77,7 +78,7 @@ class RolloutWorker(Worker):
             model,
             max_batch_size=config.rollout.max_num_seqs,
             max_seq_len=config.data.max_prompt_length + config.data.max_response_length,
-            memory_budget=config.rollout.gpu_memory_utilization if on_gpu else None,
+            memory_budget=kv_memory_share(config.rollout, t) if on_gpu else None,
             options=engine_options(config),
         )
         self.service = None  # partial rollouts: the engine serves from its own thread
