@@ -29,7 +29,7 @@ def test_a_row_per_prompt_count_and_the_comparison_with_nemo_rl(tmp_path):
         assert "update_actor" in row["stages: s (share, floor s)"]
     assert "NeMo-RL's definition" in out and "flatness: tokens/s/GPU from" in out
     assert "after a warm-up run of 1 step(s) at 16 tokens per sequence" in out
-    assert "compiled during the timed run (its build and steps): 1 prompts: 0 torch" in out
+    assert "timed run (its build and steps): 1 prompts: 0 torch.compile graphs traced" in out
     assert all(r["compiled_in_timed_run"] == {"compiled_graphs": 0, "engine_choices": 0}
                for r in results)  # fmt: skip
     assert "NeMo-RL on-policy: 1,581 tokens/s/GPU" in out
