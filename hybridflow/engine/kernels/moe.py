@@ -155,11 +155,15 @@ def _align_kernel(
     padding marker, up to the padded length) and e as the expert of each of its blocks, and
     the end of its run to ends[e]. Program 0 writes the padded total."""
     e = tl.program_id(0)
+    lanes = tl.arange(0, CHUNK)
+    # the first chunk of pair ids is read before the counts, so that the two reads' latencies
+    # overlap (at decode sizes the pairs are one chunk); each pass of the loop reads the next
+    ids = _local_ids(ids_ptr, lanes, P, E, first)
     bins = tl.arange(0, BINS)
     counts = tl.load(counts_ptr + bins, mask=bins < E, other=0)
+    count_e = tl.load(counts_ptr + e)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     start_e = tl.sum(tl.where(bins < e, padded, 0), axis=0)
-    count_e = tl.load(counts_ptr + e)
     padded_e = (count_e + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     tl.store(ends_ptr + e, start_e + padded_e)
     if e == 0:
@@ -167,12 +171,11 @@ def _align_kernel(
     if count_e > 0:  # an expert without pairs has nothing to place
         placed = tl.full([], 0, dtype=tl.int32)
         for start in range(0, P, CHUNK):
-            offs = start + tl.arange(0, CHUNK)
-            ids = _local_ids(ids_ptr, offs, P, E, first)
             hit = (ids == e).to(tl.int32)
             rank = placed + tl.cumsum(hit, axis=0) - 1
-            tl.store(sorted_ptr + start_e + rank, offs, mask=hit > 0)
+            tl.store(sorted_ptr + start_e + rank, start + lanes, mask=hit > 0)
             placed += tl.sum(hit, axis=0)
+            ids = _local_ids(ids_ptr, start + CHUNK + lanes, P, E, first)  # none past P
         pad = count_e + tl.arange(0, BLOCK_M)
         tl.store(sorted_ptr + start_e + pad, P, mask=pad < padded_e)
         first_block = start_e // BLOCK_M
