@@ -53,10 +53,13 @@ def test_bf16_mixed_steps_run_flash_chunks_beside_decode_rows_and_agree_with_pas
     model = _model().to(torch.bfloat16)
     greedy = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
     budgets = [3, 10, 8]  # the first row leaves early: the last prompt joins decoding rows
+    # 16-token blocks: with the default 64 a 2-slot cache of 64 tokens is 2 blocks, and the
+    # last prompt would wait for a block until both rows had finished (no mixed step)
     firsts = {}
     for per_step in (0, 8):
         engine = Engine(model, 2, 64, options=EngineOptions(
-            decode_backend="triton", steps_per_sync=2, max_prefill_tokens_per_step=per_step))  # fmt: skip
+            decode_backend="triton", steps_per_sync=2, kv_block_size=16,
+            max_prefill_tokens_per_step=per_step))  # fmt: skip
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             out = engine.generate(PROMPTS, greedy, max_new_tokens=budgets)
             torch.cuda.synchronize()
