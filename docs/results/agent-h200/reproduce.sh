@@ -1,10 +1,16 @@
 #!/bin/bash
-# Multi-turn episodes through the rollout service against single-turn generate, one H200;
-# then where the 0.5b run's time goes on the engine's side.
+# Multi-turn episodes through the rollout service against single-turn generate, one H200:
+# the 0.5b with separate prefill/extend passes (budget 0) and with mixed steps of 2,048 prefill
+# tokens, 3 fresh processes a side (the 1.5b file is the earlier separate-pass run); then where
+# the 0.5b run's time goes on the engine's side.
 set -euo pipefail
 export PYTHONPATH=$PWD
-for preset in qwen2.5-0.5b qwen2.5-1.5b; do
-  hybridflow bench agent --preset "$preset" --episodes 256 --turns 4 --turn-tokens 64 \
-    --tool-tokens 32 --tool-latency-ms 10 --json "$OUT/agent-kept-$preset.json"
+for i in 1 2 3; do
+  for budget in 0 2048; do
+    hybridflow bench agent --preset qwen2.5-0.5b --episodes 256 --turns 4 --tool-latency-ms 10 \
+      --engine max_prefill_tokens_per_step=$budget --json "$OUT/agent-qwen2.5-0.5b-budget-$budget-$i.json"
+  done
 done
+python3 dev/engine_ab.py --preset qwen2.5-0.5b --prompts 256 --rounds 6 \
+  --a max_prefill_tokens_per_step=0 --b max_prefill_tokens_per_step=2048
 python3 dev/agent_timeline.py --preset qwen2.5-0.5b
