@@ -64,7 +64,9 @@ def admit(scheduler: Scheduler) -> None:
         gather_slots, gather_positions, cu_new, cu_all = span_dev
         spans = {"spans": (gather_slots, gather_positions, cu_new.to(torch.int32),
                            cu_all.to(torch.int32), *span_maxima)}  # fmt: skip
+    # max_len from the host: without it the pass reads position_ids.max() back, a sync
+    # behind the decode steps queued on the GPU at every agent turn
     logits = engine.extend(engine.model, scheduler.cache, engine.rope, ids, positions,
-                           token_slots, last, **spans, **extra)  # fmt: skip  # [R, V]
+                           token_slots, last, max_len=max(lengths), **spans, **extra)  # fmt: skip  # [R, V]
     admission.append_admitted(scheduler, requests, slots, logits, seed_lo, seed_hi, row_positions,
                               row_slots, max_new_dev, max_new, lengths)  # fmt: skip

@@ -89,3 +89,23 @@ def test_kept_store_takes_only_proper_prefixes():
     assert store.take(handle, [1, 2, 3, 4]) is None  # taken once
     first, second = store.keep(0, [1]), store.keep(1, [2])
     assert store.evict_oldest() == 0 and store.release([first, second]) == [1]
+
+
+def test_a_continuation_pass_gets_its_bound_from_the_host(model):
+    """The extend pass of kept turns is given max_len (the longest continued sequence):
+    without it the pass reads position_ids.max() back from the device, a sync behind the
+    decode steps queued on the GPU at every agent turn."""
+    engine = Engine(model, 8, 64, options=EAGER)
+    bounds = []
+    extend = engine.extend
+
+    def recording_extend(*args, **kwargs):
+        bounds.append(kwargs.get("max_len"))
+        return extend(*args, **kwargs)
+
+    engine.extend = recording_extend
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True)
+    first = engine.generate(PROMPTS, params, seeds=[1, 2, 3, 4], keep=True)
+    second = [p + c.token_ids + d for p, c, d in zip(PROMPTS, first, DELTAS)]
+    engine.generate(second, params, seeds=[5, 6, 7, 8], reuse=[c.kv_handle for c in first])
+    assert bounds == [max(len(p) for p in second)]
