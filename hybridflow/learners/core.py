@@ -1,5 +1,6 @@
 """What actor, critic and reference share: sharding, precision, micro-batch plans, the
-optimizer step, offload, and sharded checkpoints.
+optimizer step, offload, full weights for export; sharded checkpoints through
+``learners/sharded_checkpoint``.
 
 A :class:`TrainCore` owns one ``nn.Module`` (a :class:`~hybridflow.learners.modules.PolicyModel`
 or :class:`~hybridflow.learners.modules.ValueModel`). When ``torch.distributed`` is initialised
@@ -17,7 +18,6 @@ import math
 import os
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,21 +35,23 @@ from hybridflow.learners.host_optimizer import (
     HostAdamW,
     host_step,
     masters_by_name,
-    offloaded_state_dicts,
-    restore_loaded,
 )
 from hybridflow.learners.micro_batch import pack_by_token_budget, split_fixed
 from hybridflow.learners.modules import decoder_layers
 from hybridflow.learners.optim import (
-    apply_hyperparameters,
     build_optimizer,
     build_scheduler,
     clip_grad_norm,
-    hyperparameters,
     move_optimizer_state,
 )
+from hybridflow.learners.sharded_checkpoint import (
+    checkpoint_group,
+    load_checkpoint,
+    role_barrier,
+    save_checkpoint,
+)
 from hybridflow.learners.state_writer import StateWriter
-from hybridflow.learners.train_groups import TrainGroups, distributed_on, distributed_world
+from hybridflow.learners.train_groups import TrainGroups, distributed_on
 
 if TYPE_CHECKING:
     from hybridflow.parallel import RoleMesh
@@ -138,7 +140,7 @@ class TrainCore:
         # of the bf16 weights and fp32 gradients during the update (and of the weights during
         # later log-prob passes, released at their end); False: pure ZeRO-3.
         self.accumulate_unsharded = True
-        self.state_writer = StateWriter(self._dcp_group(), distributed=_dist_on())
+        self.state_writer = StateWriter(checkpoint_group(self.groups), distributed=_dist_on())
 
     # ------------------------------------------------------------------ setup
 
@@ -354,36 +356,12 @@ class TrainCore:
         trainable_only: bool,
         background: bool = False,
     ) -> None:
-        """Sharded model + optimizer via torch.distributed.checkpoint; scheduler, counters and
-        this rank's RNG state in ``extra_rank{r}.pt`` (what a bit-exact resume needs).
-        background: copy the state to host memory and write it on a thread
-        (learners/state_writer.py); :meth:`save_finished` says when it is on disk."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        options = StateDictOptions(ignore_frozen_params=trainable_only)
-        extra = dict(extra)
-        if self.scheduler is not None:
-            extra["scheduler"] = self.scheduler.state_dict()
-        extra["rng_cpu"] = torch.get_rng_state()
-        if self.device.type == "cuda":
-            extra["rng_cuda"] = torch.cuda.get_rng_state(self.device)
-        host, optimizer = self.host_optimizer, self.optimizer
-        with self.on_device():
-            model_state, optim_state = get_state_dict(
-                self.module, optimizer if optimizer is not None and host is None else [],
-                options=options,
-            )  # fmt: skip
-            if host is not None:  # the masters and moments are the host optimizer's
-                model_state, optim_state = offloaded_state_dicts(host, self.module, model_state)
-            state = {"model": self._keep(model_state, trainable_only)}
-            if optimizer is not None:
-                state["optimizer"] = optim_state
-            extra_path = directory / f"extra_rank{self.groups.role_rank}.pt"
-            self.state_writer.write(state, directory, extra, extra_path, background=background)
-        if not background:
-            self._barrier()
+        """Sharded model + optimizer and this rank's ``extra_rank{r}.pt``
+        (learners/sharded_checkpoint.py); background: written on a thread,
+        :meth:`save_finished` says when it is on disk."""
+        save_checkpoint(
+            self, directory, extra, trainable_only=trainable_only, background=background
+        )
 
     def save_finished(self) -> bool:
         """Whether a background save is on disk (True when none is pending); raises its error."""
@@ -391,50 +369,9 @@ class TrainCore:
 
     def load(self, directory: str | os.PathLike, *, trainable_only: bool) -> dict:
         """Inverse of :meth:`save` (same world size); returns the ``extra`` dict."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_state_dict,
-            set_state_dict,
-        )
+        return load_checkpoint(self, directory, trainable_only=trainable_only)
 
-        from hybridflow.dcp_reader import load_state
-        from hybridflow.state_files import load_state_file
-
-        self.state_writer.wait()  # a save still writing must not race the loaded state
-        directory = Path(directory)
-        options = StateDictOptions(ignore_frozen_params=trainable_only)
-        configured = hyperparameters(self.optimizer)  # this run's config, before loading
-        host = self.host_optimizer
-        with self.on_device():
-            # A host optimizer's moments and masters are not the module's: load them in place.
-            optimizers = [self.optimizer] if self.optimizer is not None and not host else []
-            model_state, optim_state = get_state_dict(self.module, optimizers, options=options)
-            if host is not None:
-                model_state, optim_state = offloaded_state_dicts(host, self.module, model_state)
-            state = {"model": self._keep(model_state, trainable_only)}
-            if self.optimizer is not None:
-                state["optimizer"] = optim_state
-            # tensors and plain values only: DCP's own loader would unpickle what the files say
-            load_state(state, directory, self._dcp_group(), distributed=_dist_on())
-            set_state_dict(
-                self.module,
-                optimizers,
-                model_state_dict=state["model"],
-                optim_state_dict=state.get("optimizer", {}) if optimizers else {},
-                options=StateDictOptions(ignore_frozen_params=trainable_only, strict=False),
-            )
-            if host is not None:
-                restore_loaded(host, state["optimizer"])
-        extra_path = directory / f"extra_rank{self.groups.role_rank}.pt"
-        extra = load_state_file(extra_path)  # tensors and plain data only
-        if self.scheduler is not None and "scheduler" in extra:
-            self.scheduler.load_state_dict(extra["scheduler"])
-        if self.optimizer is not None:
-            apply_hyperparameters(self.optimizer, self.scheduler, configured)
-        torch.set_rng_state(extra["rng_cpu"])
-        if self.device.type == "cuda" and "rng_cuda" in extra:
-            torch.cuda.set_rng_state(extra["rng_cuda"], self.device)
-        return extra
+    # ------------------------------------------------------------------ full weights
 
     def iter_full_tensors(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, full tensor on the device)`` for each entry of ``module.state_dict()``, on
@@ -507,25 +444,8 @@ class TrainCore:
                 out[name] = full.detach().to("cpu", copy=True)
         return out
 
-    def _keep(self, model_state: dict, trainable_only: bool) -> dict:
-        """Drop frozen tensors. ``ignore_frozen_params`` alone keeps a tied lm_head (a
-        duplicate name of the frozen embedding), which would put the whole vocabulary matrix
-        into a LoRA adapter checkpoint."""
-        if not trainable_only:
-            return model_state
-        trainable = {
-            name
-            for name, param in self.module.named_parameters(remove_duplicate=False)
-            if param.requires_grad
-        }
-        return {name: value for name, value in model_state.items() if name in trainable}
-
-    def _dcp_group(self) -> dist.ProcessGroup | None:
-        return self.groups.role if _dist_on() else None
-
     def _barrier(self) -> None:
-        if distributed_world(self.groups.role) > 1:
-            dist.barrier(group=self.groups.role)
+        role_barrier(self.groups)
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@ can honour it.
 
 Most keys are read afresh at every step (temperatures, clip ratios, frequencies, loggers):
 they simply take effect. Optimizer settings are re-applied over the loaded optimizer
-(learners/core.py: the moments are kept, the peak LR and weight decay are this run's).
+(learners/sharded_checkpoint.py: the moments are kept, the peak LR and weight decay are this run's).
 Keys that fix what the checkpoint holds (the model, the data order, the device layout, the
 batch geometry the LR schedule was sized for) cannot change in the middle of a run: resuming
 with them changed stops with the reason and the way out.
