@@ -112,3 +112,56 @@ class PinnedChoices:
 
 def choices_path(cache_dir: str | os.PathLike, identity_: dict) -> Path:
     return Path(cache_dir) / "engine-choices" / f"{digest(identity_)}.json"
+
+
+# -- the engine's pinned set: loaded at construction, recorded after each call, checkpointed ----
+
+
+def load_engine_choices(config, dtype, device, options) -> PinnedChoices:
+    """The choices made by timing for this model, dtype and device, read from
+    options.cache_dir (in memory only without one). Needs Triton (its version is keyed)."""
+    import torch
+    import triton
+
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    versions = {"torch": torch.__version__, "triton": triton.__version__}
+    ident = identity(config, dtype, gpu, options.timing_identity(), versions)
+    path = choices_path(options.cache_dir, ident) if options.cache_dir else None
+    return PinnedChoices(path, ident, retune=options.retune)
+
+
+def pin_attention_tiles(pinned: PinnedChoices) -> None:
+    """Hand the pinned attention tiles to the attention kernels (which keep them per shape)."""
+    from hybridflow.engine.kernels import attention
+
+    entries = {name[len("attention:"):]: value for name, value in pinned.entries.items()
+               if name.startswith("attention:")}  # fmt: skip
+    attention.pin_tiles(entries)
+
+
+def record_engine_choices(pinned: PinnedChoices) -> None:
+    """The attention tiles timed so far into the pinned set (the other choosers put theirs as
+    they choose), saved if any is new."""
+    from hybridflow.engine.kernels import attention
+
+    pinned.update({f"attention:{name}": entry
+                   for name, entry in attention.tuned_tiles().items()})  # fmt: skip
+    pinned.save()
+
+
+def recorded_choices(pinned: PinnedChoices) -> dict:
+    """What a checkpoint records: the identity the choices were made for, and the choices."""
+    return {"identity": pinned.identity, "choices": dict(pinned.entries)}
+
+
+def pin_recorded_choices(pinned: PinnedChoices, recorded: dict, attention: bool) -> bool:
+    """Run with choices recorded earlier (recorded_choices() of a run with the same model, GPU,
+    dtype, options and versions); False, and nothing changed, when they were made for
+    something else. attention: the engine runs the Triton attention kernels (their tiles are
+    pinned too)."""
+    if recorded.get("identity") != pinned.identity:
+        return False
+    pinned.update(recorded.get("choices", {}))
+    if attention:
+        pin_attention_tiles(pinned)
+    return True

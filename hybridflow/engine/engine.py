@@ -21,7 +21,14 @@ from contextlib import nullcontext
 import torch
 
 from hybridflow.engine import kv_cache
-from hybridflow.engine.choices import PinnedChoices, choices_path, identity
+from hybridflow.engine.choices import (
+    PinnedChoices,
+    load_engine_choices,
+    pin_attention_tiles,
+    pin_recorded_choices,
+    record_engine_choices,
+    recorded_choices,
+)
 from hybridflow.engine.graphs import DecodeRunner
 from hybridflow.engine.host import cyclic_gc_paused
 from hybridflow.engine.kept import KeptKV
@@ -138,7 +145,9 @@ class Engine:
         self.fuse_projections = options.fuse_projections if fuse else "none"
         if self.moe and self.fuse_projections == "all":  # experts are never copied
             self.fuse_projections = "qkv"
-        self.pinned = self._pinned_choices() if triton_backend else PinnedChoices()
+        self.pinned = PinnedChoices()
+        if triton_backend:
+            self.pinned = load_engine_choices(self.config, self.dtype, self.device, options)
         self.fused = None
         self.fp8 = None  # fp8.Fp8Matmul with weight_format="fp8", made with the cache
         if options.weight_format == "fp8" and self.moe:
@@ -166,7 +175,7 @@ class Engine:
             split = options.weight_format == "fp8" or self.adapted or self.moe
             layer = "split" if split else options.decode_layer
             self.chooser = DecodeLayerChooser(layer, pinned=self.pinned)
-            self._pin_attention_tiles()
+            pin_attention_tiles(self.pinned)
         self.cache: kv_cache.KVCache | None = None
         self.blocks = None  # blocks.BlockPool of a paged cache (options.kv_block_size)
         self.state: DecodeState | None = None
@@ -180,34 +189,12 @@ class Engine:
         self.policy_version = 0  # bumped by load_weights / new_policy_version
         self.prefill_tokens = 0  # prompt tokens run through prefill or extend (a counter)
 
-    # -- pinned choices -------------------------------------------------------------------------
-
-    def _pinned_choices(self) -> PinnedChoices:
-        """The choices made by timing, read from options.cache_dir (choices.py)."""
-        import triton
-
-        gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        versions = {"torch": torch.__version__, "triton": triton.__version__}
-        ident = identity(self.config, self.dtype, gpu, self.options.timing_identity(), versions)
-        path = choices_path(self.options.cache_dir, ident) if self.options.cache_dir else None
-        return PinnedChoices(path, ident, retune=self.options.retune)
-
-    def _pin_attention_tiles(self) -> None:
-        from hybridflow.engine.kernels import attention
-
-        entries = {name[len("attention:"):]: value for name, value in self.pinned.entries.items()
-                   if name.startswith("attention:")}  # fmt: skip
-        attention.pin_tiles(entries)
+    # -- pinned choices (choices.py) -----------------------------------------------------------
 
     def _record_choices(self) -> None:
         """Every choice made so far into the pinned set, saved if any is new."""
-        if self.decode_backend != "triton":
-            return
-        from hybridflow.engine.kernels import attention
-
-        self.pinned.update({f"attention:{name}": entry
-                            for name, entry in attention.tuned_tiles().items()})  # fmt: skip
-        self.pinned.save()
+        if self.decode_backend == "triton":
+            record_engine_choices(self.pinned)
 
     def pinned_choices(self) -> dict:
         """The timing choices this engine runs with (a checkpoint records them); asked of a
@@ -215,18 +202,13 @@ class Engine:
         if self.service is not None and not self.service.on_engine_thread():
             return self.service._call(self.pinned_choices)
         self._record_choices()
-        return {"identity": self.pinned.identity, "choices": dict(self.pinned.entries)}
+        return recorded_choices(self.pinned)
 
     def pin_choices(self, recorded: dict) -> bool:
         """Run with choices recorded earlier (pinned_choices() of a run with the same model,
         GPU, dtype, options and versions); False, and nothing changed, when they were made
         for something else."""
-        if recorded.get("identity") != self.pinned.identity:
-            return False
-        self.pinned.update(recorded.get("choices", {}))
-        if self.decode_backend == "triton":
-            self._pin_attention_tiles()
-        return True
+        return pin_recorded_choices(self.pinned, recorded, self.decode_backend == "triton")
 
     # -- memory ---------------------------------------------------------------------------------
 

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import json
 
-from hybridflow.engine.choices import PinnedChoices, choices_path, digest, identity
+from hybridflow.engine.choices import (
+    PinnedChoices,
+    choices_path,
+    digest,
+    identity,
+    pin_recorded_choices,
+    recorded_choices,
+)
 from hybridflow.models.presets import preset_config
 
 
@@ -97,3 +104,15 @@ def test_no_path_keeps_choices_in_memory_only(tmp_path):
     pinned.put("decode_layer", (16, 64), "split")
     pinned.save()  # nothing to write, no error
     assert pinned.get("decode_layer", (16, 64)) == "split"
+
+
+def test_recorded_choices_pin_only_into_an_engine_with_the_same_identity():
+    source = PinnedChoices(None, {"a": 1})
+    source.put("decode_layer", (16, 64), "lean:qkv")
+    recorded = recorded_choices(source)
+    foreign = PinnedChoices(None, {"a": 2})
+    assert not pin_recorded_choices(foreign, recorded, attention=False)
+    assert foreign.entries == {}  # nothing changed
+    same = PinnedChoices(None, {"a": 1})
+    assert pin_recorded_choices(same, recorded, attention=False)
+    assert same.get("decode_layer", (16, 64)) == "lean:qkv"
