@@ -41,13 +41,7 @@ from hybridflow.engine.requests import (
     Submission,
     padded_tensors,
 )
-from hybridflow.engine.sampling import (
-    SamplingParams,
-    indexed_request_seeds,
-    prompt_seed_values,
-    prompt_seeds,
-    request_seeds,
-)
+from hybridflow.engine.sampling import SamplingParams, call_seeds
 from hybridflow.engine.scheduler import Scheduler
 from hybridflow.engine.state import DecodeState
 
@@ -412,26 +406,6 @@ class Engine:
         else:
             self.kept.release(handles)
 
-    def _seeds(self, count: int, params: SamplingParams, seeds,
-               sample_index: list[int] | None = None) -> torch.Tensor | list[int]:  # fmt: skip
-        if sample_index is not None:
-            if seeds is not None or params.seed is None or len(sample_index) != count:
-                raise ValueError(f"sample_index: {len(sample_index)} given for {count} "
-                                 "prompts, with params.seed set and no seeds per prompt")  # fmt: skip
-            return indexed_request_seeds(params.seed, list(sample_index), params.n)
-        if seeds is not None:
-            if len(seeds) != count:
-                raise ValueError(f"seeds: {len(seeds)} given for {count} prompts")
-            if count * params.n <= 64:  # a server's request: ints, no tensor ops
-                return prompt_seed_values(list(seeds), params.n)
-            return prompt_seeds(list(seeds), params.n)
-        base_seed = params.seed
-        if base_seed is None:
-            base_seed = int(torch.randint(0, 2**62, (1,)).item())
-        if count == 1:  # request_seeds of one prompt: prompt_seeds with its base seed
-            return prompt_seed_values([base_seed], params.n)
-        return request_seeds(base_seed, count, params.n)
-
     def submission(self, prompts, params: SamplingParams, seeds=None, keep=False, reuse=None,
                    listener=None, on_finish=None, max_new_tokens=None,
                    sample_index=None) -> Submission:  # fmt: skip
@@ -445,7 +419,7 @@ class Engine:
             raise ValueError(f"max_new_tokens: {len(budgets)} budgets >= 1 for "
                              f"{len(prompts)} prompts x n={n} requests")  # fmt: skip
         max_new = [min(budget, limit - len(prompts[i // n])) for i, budget in enumerate(budgets)]
-        seed_values = self._seeds(len(prompts), params, seeds, sample_index)
+        seed_values = call_seeds(len(prompts), params, seeds, sample_index)
         return Submission(table, params, seed_values, max_new,
                           self._stop_ids(params), keep=keep, reuse=reuse, listener=listener,
                           on_finish=on_finish)  # fmt: skip
@@ -494,7 +468,7 @@ class Engine:
 
             if max_new_tokens is not None:
                 raise ValueError("max_new_tokens per request needs the engine's own decoder")
-            seed_values = self._seeds(len(prompts), params, seeds, sample_index)
+            seed_values = call_seeds(len(prompts), params, seeds, sample_index)
             return generate_slow(self, prompts, params, seed_values)
         sub = self.submission(prompts, params, seeds, keep=keep, reuse=reuse,
                               max_new_tokens=max_new_tokens, sample_index=sample_index)  # fmt: skip

@@ -201,6 +201,31 @@ def _mix32_int(x: int) -> int:
     return x ^ (x >> 16)
 
 
+def call_seeds(count: int, params: SamplingParams, seeds: list[int] | None = None,
+               sample_index: list[int] | None = None) -> torch.Tensor | list[int]:  # fmt: skip
+    """The per-request seeds [count * n] of a generate() call of `count` prompts: from a base
+    seed per prompt (seeds), from params.seed as part of a larger call (sample_index), from
+    params.seed, or from a random base seed when none is given. ValueError when the lengths
+    do not match the prompts."""
+    if sample_index is not None:
+        if seeds is not None or params.seed is None or len(sample_index) != count:
+            raise ValueError(f"sample_index: {len(sample_index)} given for {count} "
+                             "prompts, with params.seed set and no seeds per prompt")  # fmt: skip
+        return indexed_request_seeds(params.seed, list(sample_index), params.n)
+    if seeds is not None:
+        if len(seeds) != count:
+            raise ValueError(f"seeds: {len(seeds)} given for {count} prompts")
+        if count * params.n <= 64:  # a server's request: ints, no tensor ops
+            return prompt_seed_values(list(seeds), params.n)
+        return prompt_seeds(list(seeds), params.n)
+    base_seed = params.seed
+    if base_seed is None:
+        base_seed = int(torch.randint(0, 2**62, (1,)).item())
+    if count == 1:  # request_seeds of one prompt: prompt_seeds with its base seed
+        return prompt_seed_values([base_seed], params.n)
+    return request_seeds(base_seed, count, params.n)
+
+
 # -------------------------------------------------------------------------------------------
 # Reference sampler (CPU and the eager decode path)
 

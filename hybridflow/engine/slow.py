@@ -13,7 +13,7 @@ from hybridflow.engine.sampling import sample_reference, split_seed
 
 @torch.no_grad()
 def generate_slow(engine, prompts: list[list[int]], params, seeds: torch.Tensor):
-    """seeds: [len(prompts) * n] per-request seeds (Engine._seeds)."""
+    """seeds: [len(prompts) * n] per-request seeds (sampling.call_seeds)."""
     from hybridflow.engine.engine import Completion
 
     engine._check_prompts(prompts)
