@@ -44,6 +44,7 @@ from hybridflow.engine.requests import (
 from hybridflow.engine.sampling import SamplingParams, call_seeds
 from hybridflow.engine.scheduler import Scheduler
 from hybridflow.engine.state import DecodeState
+from hybridflow.engine.weights import FusedProjections, copy_named_tensors
 
 
 def _triton_available() -> bool:
@@ -211,8 +212,6 @@ class Engine:
         self.kept.clear()  # a new cache holds nothing
         if self.decode_backend == "triton" and self.fuse_projections != "none":
             # Before the cache: a budget given as a fraction of free memory must see it used.
-            from hybridflow.engine.weights import FusedProjections
-
             self.fused = FusedProjections(self.model, gate_up=self.fuse_projections == "all")
         if self.options.weight_format == "fp8":
             from hybridflow.engine.fp8 import Fp8Matmul
@@ -306,24 +305,7 @@ class Engine:
         if self.service is not None and not self.service.on_engine_thread():
             self.service.update_weights(named_tensors)
             return
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        pending = 0
-        for name, tensor in named_tensors:
-            if name not in params:
-                raise KeyError(f"load_weights: {name!r} is not a parameter of the model")
-            target = params[name]
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ValueError(
-                    f"load_weights: {name} has shape {tuple(tensor.shape)}, "
-                    f"model expects {tuple(target.shape)}"
-                )
-            target.data.copy_(tensor, non_blocking=True)
-            pending += tensor.numel() * tensor.element_size()
-            if pending >= bucket_bytes and self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-                pending = 0
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        copy_named_tensors(self.model, named_tensors, self.device, bucket_bytes)
         self.new_policy_version()
 
     def weights_updated(self) -> int:

@@ -1,10 +1,37 @@
-"""Transient weight copies for the triton decode path: FusedProjections concatenates each
-layer's q/k/v (and interleaves gate/up) so a decode layer runs one matmul where the model has
-three (two), with the RMSNorm weights folded in."""
+"""The engine's weights: new weights copied into the model's parameters in place
+(copy_named_tensors, behind Engine.load_weights), and the transient copies of the triton
+decode path: FusedProjections concatenates each layer's q/k/v (and interleaves gate/up) so a
+decode layer runs one matmul where the model has three (two), with the RMSNorm weights
+folded in."""
 
 from __future__ import annotations
 
 import torch
+
+
+@torch.no_grad()
+def copy_named_tensors(model, named_tensors, device: torch.device, bucket_bytes: int) -> None:
+    """Copy (name, tensor) pairs (HF names) into the model's parameters, in buckets of about
+    bucket_bytes (one device sync per bucket bounds the staging memory). KeyError naming an
+    unknown parameter, ValueError naming a shape that does not match."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    pending = 0
+    for name, tensor in named_tensors:
+        if name not in params:
+            raise KeyError(f"load_weights: {name!r} is not a parameter of the model")
+        target = params[name]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(
+                f"load_weights: {name} has shape {tuple(tensor.shape)}, "
+                f"model expects {tuple(target.shape)}"
+            )
+        target.data.copy_(tensor, non_blocking=True)
+        pending += tensor.numel() * tensor.element_size()
+        if pending >= bucket_bytes and device.type == "cuda":
+            torch.cuda.synchronize(device)
+            pending = 0
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class FusedProjections:
