@@ -9,7 +9,8 @@ and each stage's share, beside NeMo-RL's published figures.
     python benchmarks/nemo_rl_8b.py --model tiny --prompts 1 2 --samples 4 --prompt-len 8 \
         --sequence-len 24 --device cpu                     # the logic, on the CPU
 
-What each mode shows. --warmup-steps 1 (~7-8 min on one H200 at 4,096 tokens): the recipe's
+What each mode shows. --warmup-steps 1 (8.3 min on one H200 at 4,096 tokens with Triton's,
+Inductor's and the engine's caches filled by a shorter run first; over 10 with none): the recipe's
 step warm, the number to compare with NeMo-RL's: a warm-up run of --warmup-sequence-len
 (512) tokens per sequence first compiles the training layers (torch.compile, dynamic shapes:
 packed micro-batches of any length reuse the graphs), JITs the Triton kernels and pins the
