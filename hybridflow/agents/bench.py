@@ -11,6 +11,12 @@ of --turn-tokens tokens (ignore_eos), then a "tool" that waits --tool-latency-ms
 turn continues the KV the last one kept (--no-kept-kv: every turn prefills its whole
 conversation). Prefill recomputed: prefilled tokens beyond the prompts and the tools' tokens
 (with kept KV that is the last sampled token of each turn), over all context tokens.
+
+After a warm-up pair, --repeats timed pairs (an agent run, then the single-turn call)
+alternate in the process, so both paths meet the same host state; each path reports its
+median, and agent / single-turn is the median of the pairs' ratios. One pair is under a
+second at 0.5b on an H200, where a fresh process moves the ratio by tenths; pairs in one
+process move it by far less.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import statistics
 import time
 
 
@@ -36,11 +43,20 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", action="append", default=[], metavar="NAME=VALUE",
                    help="an EngineOptions field (repeatable; default: none, EngineOptions' "
                    "defaults)")  # fmt: skip
+    p.add_argument("--repeats", type=_positive_int, default=5,
+                   help="timed pairs of an agent run and a single-turn call, alternating")  # fmt: skip
     p.add_argument("--no-kept-kv", dest="kept_kv", action="store_false",
                    help="every turn prefills its whole conversation")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and the sampling")
     p.add_argument("--json", default=None,
                    help="also write the results to this file (default: print only)")  # fmt: skip
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 class FixedScheduleEpisodes:
@@ -129,10 +145,15 @@ def bench_agent(args) -> dict:
     engine.warm_up(sampling)  # every batch size's graph: the episodes' batch size wanders
     agent_run(), single_run()  # warm-up: compile, tune, capture every bucket both use
     captures = engine.runner.captures if engine.runner is not None else 0
-    agent_s, episodes, client = agent_run()
+    pairs = [(agent_run(), single_run()) for _ in range(args.repeats)]
     captures = (engine.runner.captures if engine.runner is not None else 0) - captures
-    single_s, single_rows = single_run()
+    agent_s = statistics.median(agent[0] for agent, _ in pairs)
+    single_s = statistics.median(single[0] for _, single in pairs)
+    _, episodes, client = pairs[-1][0]
+    single_rows = pairs[-1][1][1]
     generated = episodes.generated
+    single_tokens = args.episodes * args.turns * args.turn_tokens
+    ratios = [(generated / agent[0]) / (single_tokens / single[0]) for agent, single in pairs]
     # with KV kept between turns only the first prompt and the tools' tokens need a prefill
     needed = args.episodes * (args.prompt_len + (args.turns - 1) * args.tool_tokens)
     context = args.episodes * (args.prompt_len + per_episode)
@@ -148,13 +169,15 @@ def bench_agent(args) -> dict:
                   "prefill_passes": episodes.prefill_passes, "graph_captures": captures,
                   "mixed_steps": episodes.mixed_steps,
                   "prefilled_tokens": episodes.prefilled},
-        "single_turn": {"seconds": single_s, "generated_tokens": args.episodes * args.turns
-                        * args.turn_tokens, "tokens_per_s": args.episodes * args.turns
-                        * args.turn_tokens / single_s, "mean_rows_per_step": single_rows},
+        "single_turn": {"seconds": single_s, "generated_tokens": single_tokens,
+                        "tokens_per_s": single_tokens / single_s,
+                        "mean_rows_per_step": single_rows},
         "prefill_recomputed_over_context": (episodes.prefilled - needed) / context,
+        "repeats": args.repeats,
+        "pairs": [{"agent_s": agent[0], "single_turn_s": single[0], "ratio": ratio}
+                  for (agent, single), ratio in zip(pairs, ratios)],
+        "agent_over_single_turn": statistics.median(ratios),
     }  # fmt: skip
-    result["agent_over_single_turn"] = (result["agent"]["tokens_per_s"]
-                                        / result["single_turn"]["tokens_per_s"])  # fmt: skip
     engine.release()
     return result
 
@@ -185,6 +208,9 @@ def print_result(result: dict) -> None:
           f"{a['mean_rows_per_step']:.1f} |")  # fmt: skip
     print(f"| single-turn generate | {s['tokens_per_s']:,.0f} | {s['seconds']:.3f} | "
           f"{s['mean_rows_per_step']:.1f} |")  # fmt: skip
+    ratios = sorted(pair["ratio"] for pair in result["pairs"])
+    print(f"seconds: medians of {result['repeats']} alternating pairs; agent / single-turn of "
+          f"each pair from {ratios[0]:.2f} to {ratios[-1]:.2f}")  # fmt: skip
     print(f"agent / single-turn: {result['agent_over_single_turn']:.2f}; prefill recomputed / "
           f"context tokens: {result['prefill_recomputed_over_context']:.2f}; prefill passes: "
           f"{a['prefill_passes']}; mixed steps: {a['mixed_steps']}; graphs captured while "

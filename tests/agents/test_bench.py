@@ -4,6 +4,9 @@ several rows per decode step, and the prefill accounting matches the schedule.""
 from __future__ import annotations
 
 import json
+import statistics
+
+import pytest
 
 from hybridflow.cli import main
 
@@ -13,7 +16,7 @@ def test_bench_agent_counts_tokens_and_recomputed_prefill(tmp_path, capsys):
     args = ["bench", "agent", "--preset", "tiny", "--episodes", "6", "--turns", "3",
             "--prompt-len", "5", "--turn-tokens", "4", "--tool-tokens", "2",
             "--tool-latency-ms", "1", "--device", "cpu", "--dtype", "float32",
-            "--engine", "decode_backend=torch", "--json", str(out)]  # fmt: skip
+            "--engine", "decode_backend=torch", "--repeats", "1", "--json", str(out)]  # fmt: skip
     assert main(args) == 0
     result = json.loads(out.read_text())
     agent = result["agent"]
@@ -34,3 +37,31 @@ def test_bench_agent_counts_tokens_and_recomputed_prefill(tmp_path, capsys):
 def test_bench_agent_names_a_bad_engine_option(capsys):
     assert main(["bench", "agent", "--preset", "tiny", "--engine", "decode_layer=fast"]) == 2
     assert "decode_layer='fast'" in capsys.readouterr().err
+
+
+def test_bench_agent_alternates_timed_pairs_and_keeps_their_medians(tmp_path, capsys):
+    out = tmp_path / "agent.json"
+    assert main(["bench", "agent", "--preset", "tiny", "--episodes", "3", "--turns", "2",
+                 "--prompt-len", "4", "--turn-tokens", "3", "--tool-tokens", "1",
+                 "--tool-latency-ms", "0", "--device", "cpu", "--dtype", "float32",
+                 "--engine", "decode_backend=torch", "--repeats", "3",
+                 "--json", str(out)]) == 0  # fmt: skip
+    result = json.loads(out.read_text())
+    pairs = result["pairs"]
+    assert result["repeats"] == len(pairs) == 3
+    tokens = 3 * 2 * 3
+    for pair in pairs:  # each ratio is its own pair's, the same tokens on both sides
+        assert pair["ratio"] == pytest.approx(pair["single_turn_s"] / pair["agent_s"])
+    assert result["agent_over_single_turn"] == statistics.median(p["ratio"] for p in pairs)
+    assert result["agent"]["seconds"] == statistics.median(p["agent_s"] for p in pairs)
+    assert result["single_turn"]["tokens_per_s"] == pytest.approx(
+        tokens / statistics.median(p["single_turn_s"] for p in pairs)
+    )
+    assert "medians of 3 alternating pairs" in capsys.readouterr().out
+
+
+def test_bench_agent_refuses_no_timed_pair(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", "agent", "--preset", "tiny", "--repeats", "0"])
+    assert stop.value.code == 2
+    assert "--repeats: must be at least 1, got 0" in capsys.readouterr().err

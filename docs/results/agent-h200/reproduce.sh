@@ -7,7 +7,7 @@ set -euo pipefail
 export PYTHONPATH=$PWD
 for i in 1 2 3; do
   for budget in 0 2048; do
-    hybridflow bench agent --preset qwen2.5-0.5b --episodes 256 --turns 4 --tool-latency-ms 10 \
+    hybridflow bench agent --preset qwen2.5-0.5b --episodes 256 --turns 4 --tool-latency-ms 10 --repeats 1 \
       --engine max_prefill_tokens_per_step=$budget --json "$OUT/agent-qwen2.5-0.5b-budget-$budget-$i.json"
   done
 done
@@ -16,7 +16,7 @@ python3 dev/engine_ab.py --preset qwen2.5-0.5b --prompts 256 --rounds 6 \
 python3 dev/agent_timeline.py --preset qwen2.5-0.5b
 # A larger prefill budget (one process), and the time to first token of a 2,048-token request
 # arriving into 255 decoding rows, mixed steps against separate passes.
-hybridflow bench agent --preset qwen2.5-0.5b --episodes 256 --turns 4 --tool-latency-ms 10 \
+hybridflow bench agent --preset qwen2.5-0.5b --episodes 256 --turns 4 --tool-latency-ms 10 --repeats 1 \
   --engine max_prefill_tokens_per_step=8192 --json "$OUT/agent-qwen2.5-0.5b-budget-8192-1.json"
 for budget in 2048 0; do
   hybridflow bench ttft --engine max_prefill_tokens_per_step=$budget \
