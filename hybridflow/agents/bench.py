@@ -88,17 +88,20 @@ class FixedScheduleEpisodes:
         return context
 
 
-def bench_agent(args) -> dict:
+def bench_agent(args, progress=None) -> dict:
     import torch
 
     from hybridflow.agents.client import EngineClient
     from hybridflow.engine import Engine, SamplingParams
-    from hybridflow.engine.bench_cli import _sync, engine_options, make_prompts
+    from hybridflow.engine.bench_cli import WARM_UP, _sync, counted, engine_options, make_prompts
     from hybridflow.models import load_model
+    from hybridflow.progress import quiet_reporter
 
+    progress = progress or quiet_reporter()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
-    model = load_model(args.preset, dtype=dtype, device=device).eval()
+    with progress.task(f"loading {args.preset}"):
+        model = load_model(args.preset, dtype=dtype, device=device).eval()
     vocab = model.config.vocab_size
     prompts = make_prompts(args.episodes, args.prompt_len, vocab, args.seed)
     per_episode = args.turns * args.turn_tokens + (args.turns - 1) * args.tool_tokens
@@ -142,10 +145,13 @@ def bench_agent(args) -> dict:
         steps, rows, _, _ = (b - a for a, b in zip(counters, _decode_counters(engine)))
         return seconds, rows / max(steps, 1)
 
-    engine.warm_up(sampling)  # every batch size's graph: the episodes' batch size wanders
-    agent_run(), single_run()  # warm-up: compile, tune, capture every bucket both use
+    with progress.task(WARM_UP):
+        engine.warm_up(sampling)  # every batch size's graph: the episodes' batch size wanders
+        agent_run(), single_run()  # warm-up: compile, tune, capture every bucket both use
     captures = engine.runner.captures if engine.runner is not None else 0
-    pairs = [(agent_run(), single_run()) for _ in range(args.repeats)]
+    with progress.task("timed pairs", total=args.repeats, unit="pairs") as task:
+        timed_pair = counted(task, lambda: (agent_run(), single_run()))
+        pairs = [timed_pair() for _ in range(args.repeats)]
     captures = (engine.runner.captures if engine.runner is not None else 0) - captures
     agent_s = statistics.median(agent[0] for agent, _ in pairs)
     single_s = statistics.median(single[0] for _, single in pairs)

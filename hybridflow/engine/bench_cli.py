@@ -132,12 +132,42 @@ def run_bench_command(name: str, args, bench, show, engine_args=None) -> int:
     except ValueError as error:  # a bad --engine field: say which, no traceback
         print(f"hybridflow bench {name}: {error}", file=sys.stderr)
         return 2
-    result = bench(args)
+    progress = bench_reporter()
+    try:
+        result = bench(args, progress=progress)
+    finally:
+        progress.close()
     show(result)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return 0
+
+
+def bench_reporter():
+    """The phases of a bench command (loading, warm-up, timed runs) on stderr, beside the
+    table on stdout: a status line after 30 s of silence (a cold warm-up compiles and tunes
+    kernels for minutes). No live bar, on a terminal either: it would redraw from a thread
+    while host-bound engine loops are being timed."""
+    from rich.console import Console
+
+    from hybridflow.progress import ProgressReporter
+
+    return ProgressReporter(Console(stderr=True), live=False, interval_s=30)
+
+
+def counted(task, call):
+    """``call`` that advances ``task`` by one each time it returns."""
+
+    def run():
+        result = call()
+        task.advance()
+        return result
+
+    return run
+
+
+WARM_UP = "engine warm-up (compile, tune, capture graphs)"
 
 
 def run_rollout_command(args) -> int:
@@ -180,60 +210,70 @@ def stop_ids_for_mean_length(vocab: int, mean_length: int | None, seed: int) -> 
     return tuple(torch.randperm(vocab, generator=g)[:count].tolist())
 
 
-def bench_rollout(args, model=None) -> dict:
+def bench_rollout(args, model=None, progress=None) -> dict:
     import torch
 
     from hybridflow.models import load_model
+    from hybridflow.progress import quiet_reporter
 
+    progress = progress or quiet_reporter()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if model is None:
-        model = load_model(args.preset, dtype=getattr(torch, args.dtype), device=device).eval()
+        with progress.task(f"loading {args.preset}"):
+            dtype = getattr(torch, args.dtype)
+            model = load_model(args.preset, dtype=dtype, device=device).eval()
     prompts = make_prompts(args.prompts, args.prompt_len, model.config.vocab_size, args.seed)
     result = {
         "preset": args.preset, "device": torch.cuda.get_device_name(device)
         if device.type == "cuda" else "cpu", "dtype": args.dtype, "prompts": args.prompts,
         "n": args.n, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-        "engine": bench_engine(model, prompts, args, device),
+        "engine": bench_engine(model, prompts, args, device, progress),
     }  # fmt: skip
     if args.hf:
-        result["hf"] = bench_hf(model, prompts, args, device)
+        result["hf"] = bench_hf(model, prompts, args, device, progress)
         result["speedup_vs_hf"] = result["engine"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
     return result
 
 
-def bench_engine(model, prompts, args, device) -> dict:
+def bench_engine(model, prompts, args, device, progress=None) -> dict:
     import torch
 
     from hybridflow.engine import Engine, SamplingParams
+    from hybridflow.progress import quiet_reporter
 
-    options = engine_options(args)
-    engine = Engine(
-        model,
-        max_batch_size=args.max_batch_size or len(prompts) * args.n,
-        max_seq_len=args.prompt_len + args.new_tokens,
-        options=options,
-    )
-    stop_ids = stop_ids_for_mean_length(
-        model.config.vocab_size, getattr(args, "mean_length", None), args.seed
-    )
-    params = SamplingParams(
-        n=args.n, temperature=args.temperature, max_new_tokens=args.new_tokens,
-        seed=args.seed, ignore_eos=True, stop_token_ids=stop_ids,
-    )  # fmt: skip
-    # Warm-up: kernel compilation and graph capture for the buckets this run uses.
-    start = time.perf_counter()
-    engine.generate(prompts, params)
-    _sync(device)
-    warmup = time.perf_counter() - start
+    progress = progress or quiet_reporter()
+    with progress.task(WARM_UP):
+        options = engine_options(args)
+        engine = Engine(
+            model,
+            max_batch_size=args.max_batch_size or len(prompts) * args.n,
+            max_seq_len=args.prompt_len + args.new_tokens,
+            options=options,
+        )
+        stop_ids = stop_ids_for_mean_length(
+            model.config.vocab_size, getattr(args, "mean_length", None), args.seed
+        )
+        params = SamplingParams(
+            n=args.n, temperature=args.temperature, max_new_tokens=args.new_tokens,
+            seed=args.seed, ignore_eos=True, stop_token_ids=stop_ids,
+        )  # fmt: skip
+        # Warm-up: kernel compilation and graph capture for the buckets this run uses.
+        start = time.perf_counter()
+        engine.generate(prompts, params)
+        _sync(device)
+        warmup = time.perf_counter() - start
     # Time to first token: prefill of every prompt + first sampled token.
     repeats = max(1, getattr(args, "repeats", 1))
     first_token = SamplingParams(n=args.n, max_new_tokens=1, seed=1, ignore_eos=True)
-    ttft = _median_seconds(lambda: engine.generate(prompts, first_token), device, repeats)[0]
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    seconds, runs, completions = _median_seconds(
-        lambda: engine.generate(prompts, params), device, repeats
-    )
+    with progress.task("timed calls", total=2 * repeats, unit="calls") as task:
+        ttft = _median_seconds(
+            counted(task, lambda: engine.generate(prompts, first_token)), device, repeats
+        )[0]
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        seconds, runs, completions = _median_seconds(
+            counted(task, lambda: engine.generate(prompts, params)), device, repeats
+        )
     stopped = sum(c.finish_reason == "stop" for c in completions)
     tokens = sum(len(c.token_ids) for c in completions)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
@@ -254,10 +294,13 @@ def bench_engine(model, prompts, args, device) -> dict:
     }  # fmt: skip
 
 
-def bench_hf(model, prompts, args, device) -> dict:
+def bench_hf(model, prompts, args, device, progress=None) -> dict:
     """transformers generate on the same weights (sdpa, dynamic cache), sampling, no early stop."""
     import torch
 
+    from hybridflow.progress import quiet_reporter
+
+    progress = progress or quiet_reporter()
     hf = _hf_twin(model, device)
     batch = args.hf_batch_size or len(prompts)
     new_tokens = getattr(args, "hf_new_tokens", None) or args.new_tokens
@@ -271,17 +314,20 @@ def bench_hf(model, prompts, args, device) -> dict:
         do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0, pad_token_id=pad,
         num_return_sequences=args.n, eos_token_id=list(stop_ids) or None,
     )  # fmt: skip
-    for start in range(0, len(prompts), batch):
-        ids = torch.tensor(prompts[start : start + batch], device=device)
-        mask = torch.ones_like(ids)
-        if start == 0:  # warm-up on a slice
-            hf.generate(input_ids=ids[:2], attention_mask=mask[:2], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # fmt: skip
-        _sync(device)
-        t0 = time.perf_counter()
-        out = hf.generate(input_ids=ids, attention_mask=mask, **kwargs)
-        _sync(device)
-        seconds += time.perf_counter() - t0
-        total += _count_generated(out[:, ids.shape[1] :], stop_ids)
+    batches = -(-len(prompts) // batch)
+    with progress.task("HF generate", total=batches, unit="batches") as task:
+        for start in range(0, len(prompts), batch):
+            ids = torch.tensor(prompts[start : start + batch], device=device)
+            mask = torch.ones_like(ids)
+            if start == 0:  # warm-up on a slice
+                hf.generate(input_ids=ids[:2], attention_mask=mask[:2], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # fmt: skip
+            _sync(device)
+            t0 = time.perf_counter()
+            out = hf.generate(input_ids=ids, attention_mask=mask, **kwargs)
+            _sync(device)
+            seconds += time.perf_counter() - t0
+            total += _count_generated(out[:, ids.shape[1] :], stop_ids)
+            task.advance()
     del hf
     return {"tokens": total, "seconds": seconds, "tokens_per_s": total / seconds,
             "new_tokens": new_tokens}  # fmt: skip

@@ -35,16 +35,19 @@ def add_ttft_arguments(p: argparse.ArgumentParser) -> None:
                    help="also write the results to this file (default: print only)")  # fmt: skip
 
 
-def bench_ttft(args) -> dict:
+def bench_ttft(args, progress=None) -> dict:
     import torch
 
     from hybridflow.engine import Engine, RolloutService, SamplingParams
-    from hybridflow.engine.bench_cli import _sync, engine_options, make_prompts
+    from hybridflow.engine.bench_cli import WARM_UP, _sync, engine_options, make_prompts
     from hybridflow.models import load_model
+    from hybridflow.progress import quiet_reporter
 
+    progress = progress or quiet_reporter()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
-    model = load_model(args.preset, dtype=dtype, device=device).eval()
+    with progress.task(f"loading {args.preset}"):
+        model = load_model(args.preset, dtype=dtype, device=device).eval()
     vocab = model.config.vocab_size
     batch = make_prompts(args.rows, args.batch_prompt_len, vocab, args.seed)
     arriving = make_prompts(args.arrivals + 1, args.prompt_len, vocab, args.seed + 1)
@@ -59,13 +62,15 @@ def bench_ttft(args) -> dict:
         _sync(device)
         return time.perf_counter() - start
 
-    prefill_alone(arriving[0])  # warm-up: compile, tune
-    prefill_s = statistics.median(prefill_alone(p) for p in arriving[1:])
     long = SamplingParams(temperature=1.0, ignore_eos=True, seed=args.seed,
                           max_new_tokens=max_seq_len - args.batch_prompt_len)  # fmt: skip
-    engine.warm_up(long)
+    with progress.task(WARM_UP):
+        prefill_alone(arriving[0])  # compile, tune
+        prefill_s = statistics.median(prefill_alone(p) for p in arriving[1:])
+        engine.warm_up(long)
     ttfts, step_s = [], []
-    with RolloutService(engine) as service:
+    arrivals = progress.task("arrivals into the full batch", total=args.arrivals, unit="requests")
+    with arrivals as task, RolloutService(engine) as service:
         handles = [service.submit(p, long, stream=i == 0) for i, p in enumerate(batch)]
         next(iter(handles[0].stream(timeout=600)))  # the batch decodes
         service.submit(arriving[0], first).result(timeout=600)  # warm-up arrival
@@ -77,6 +82,7 @@ def bench_ttft(args) -> dict:
             time.sleep(0.05)  # decode a while: the next arrival meets a steady batch
             took = scheduler.decode_steps - steps
             step_s.append((time.perf_counter() - start) / max(took, 1))
+            task.advance()
         for handle in handles:
             handle.abort()
     ttft, step = statistics.median(ttfts), statistics.median(step_s)

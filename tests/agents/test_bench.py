@@ -3,12 +3,16 @@ several rows per decode step, and the prefill accounting matches the schedule.""
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 
 import pytest
+from progress_helpers import recording_reporter
 
+from hybridflow.agents.bench import add_agent_arguments, bench_agent
 from hybridflow.cli import main
+from hybridflow.engine.bench_cli import WARM_UP
 
 
 def test_bench_agent_counts_tokens_and_recomputed_prefill(tmp_path, capsys):
@@ -65,3 +69,17 @@ def test_bench_agent_refuses_no_timed_pair(capsys):
         main(["bench", "agent", "--preset", "tiny", "--repeats", "0"])
     assert stop.value.code == 2
     assert "--repeats: must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_bench_agent_reports_each_phase_while_it_runs():
+    parser = argparse.ArgumentParser()
+    add_agent_arguments(parser)
+    args = parser.parse_args(["--preset", "tiny", "--episodes", "2", "--turns", "2",
+                              "--prompt-len", "3", "--turn-tokens", "2", "--tool-tokens", "1",
+                              "--tool-latency-ms", "0", "--device", "cpu", "--repeats", "2",
+                              "--engine", "decode_backend=torch"])  # fmt: skip
+    reporter, log, opened = recording_reporter()
+    bench_agent(args, progress=reporter)
+    assert opened == ["loading tiny", WARM_UP, "timed pairs"]
+    assert "timed pairs: 1/2 pairs (50%)" in log.getvalue()
+    assert "timed pairs: done, 2 pairs" in log.getvalue()

@@ -1,10 +1,15 @@
-"""`bench rollout` end to end on CPU (tiny preset): both sides generate the same token count."""
+"""`bench rollout` and `bench ttft` end to end on CPU (tiny preset): both sides generate the
+same token count, and each phase of the work is reported while it runs."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
-from hybridflow.engine.bench_cli import main
+from progress_helpers import recording_reporter
+
+from hybridflow.engine.bench_cli import WARM_UP, add_rollout_arguments, bench_rollout, main
+from hybridflow.engine.bench_ttft import add_ttft_arguments, bench_ttft
 
 
 def test_bench_rollout_counts_equal_tokens(tmp_path, capsys):
@@ -64,3 +69,31 @@ def test_bench_ttft_times_arrivals_into_a_decoding_batch(tmp_path, capsys):
     assert len(result["ttfts_s"]) == 2 and result["decode_step_s"] > 0
     assert result["engine_options"]["max_prefill_tokens_per_step"] == 8
     assert "TTFT / (prefill + 2 steps)" in capsys.readouterr().out
+
+
+def parsed(add_arguments, argv):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_bench_rollout_reports_each_phase_while_it_runs():
+    args = parsed(add_rollout_arguments, ["--preset", "tiny", "--prompts", "2",
+                  "--prompt-len", "4", "--new-tokens", "3", "--repeats", "2",
+                  "--hf-batch-size", "1", "--device", "cpu", "--dtype", "float32"])  # fmt: skip
+    reporter, log, opened = recording_reporter()
+    bench_rollout(args, progress=reporter)
+    assert opened == ["loading tiny", WARM_UP, "timed calls", "HF generate"]
+    lines = log.getvalue()
+    assert "timed calls: 1/4 calls (25%)" in lines and "timed calls: done, 4 calls" in lines
+    assert "HF generate: done, 2 batches" in lines
+
+
+def test_bench_ttft_reports_each_phase_while_it_runs():
+    args = parsed(add_ttft_arguments, ["--preset", "tiny", "--rows", "2",
+                  "--batch-prompt-len", "4", "--prompt-len", "8", "--arrivals", "2",
+                  "--device", "cpu", "--engine", "decode_backend='torch'"])  # fmt: skip
+    reporter, log, opened = recording_reporter()
+    bench_ttft(args, progress=reporter)
+    assert opened == ["loading tiny", WARM_UP, "arrivals into the full batch"]
+    assert "arrivals into the full batch: done, 2 requests" in log.getvalue()
