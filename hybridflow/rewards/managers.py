@@ -8,10 +8,14 @@ Modes (`reward.manager`):
   batch  custom_fn called with lists, split into chunks over the workers
   dapo   naive + DAPO overlong shaping on the response lengths
 
-A scorer that raises (sys.exit included), runs past the timeout or returns something else
-than a finite number (None, a string, NaN) scores 0 and is counted in `reward/num_errors` / `reward/num_timeouts`;
-the first distinct messages are kept in `RewardResult.error_messages` (rewards/monitor.py
-prints them and stops a run whose reward always fails). A scorer may return a
+A custom_fn (user code) runs in reward worker processes, never in the trainer
+(rewards/scoring_pool.py). A scorer that raises (sys.exit included), ends its worker
+(os._exit, a crash), runs past the timeout or returns something else than a finite number
+of at most MAX_ABS_SCORE (None, a string, NaN, 10**400) scores 0 and is counted in
+`reward/num_errors` / `reward/num_timeouts` (dead workers also in
+`reward/num_worker_deaths`); the first distinct messages are kept in
+`RewardResult.error_messages` and what the scoring code printed in `RewardResult.output`
+(rewards/monitor.py prints both, capped, and stops a run whose reward always fails). A scorer may return a
 float or a dict with a "score" key; the dict's other numeric keys are averaged into
 `reward/extra/<key>` and kept per sample in `RewardResult.per_sample`.
 """
@@ -25,17 +29,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridflow.rewards.custom import load_function, split_target
-from hybridflow.rewards.parallel import ScoreOutcome, ScoringPool
+from hybridflow.rewards.custom import CustomRewardError, split_target
+from hybridflow.rewards.parallel import ScoreOutcome
 from hybridflow.rewards.scorer_registry import (
     ScorerRegistry,
     ScorerSpec,
     UnknownDataSource,
     default_registry,
 )
+from hybridflow.rewards.scoring_pool import ScoringPool, ScoringRun
 
 MANAGER_MODES = ("naive", "batch", "dapo")
 MAX_ERROR_MESSAGES = 5
+MAX_ABS_SCORE = 1e12
+"""Larger scores are failures: scores become float32 tensors, where the squares that
+advantage normalisation takes overflow to inf (a NaN loss) from about 1.8e19."""
 
 
 @dataclass
@@ -48,6 +56,8 @@ class RewardResult:
     """Per-response values, e.g. `raw_score` (before shaping), `overlong_penalty`, `acc`."""
     error_messages: list[str] = field(default_factory=list)
     """The first few distinct failure messages, for the log."""
+    output: list[tuple[str, str]] = field(default_factory=list)
+    """(scorer names, what they printed: at most a capped amount per worker chunk)."""
 
     def __iter__(self) -> Iterator[Any]:
         yield self.scores
@@ -55,15 +65,20 @@ class RewardResult:
 
 
 def _as_float(value: Any) -> float | None:
-    """A finite float from a Python, numpy or torch number (bools count as 0/1), else None."""
+    """A finite float of at most MAX_ABS_SCORE from a Python, numpy or torch number (bools
+    count as 0/1), else None."""
     if hasattr(value, "item") and not isinstance(value, (int, float)):
         try:
             value = value.item()
-        except (ValueError, RuntimeError):  # arrays with more than one element
+        except Exception:  # arrays with more than one element, a user object's item()
             return None
-    if not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not isinstance(value, (int, float)):
         return None
-    return float(value)
+    try:
+        number = float(value)
+    except (OverflowError, TypeError, ValueError):  # 10**400: no float holds it
+        return None
+    return number if math.isfinite(number) and abs(number) <= MAX_ABS_SCORE else None
 
 
 def normalise_value(value: Any) -> tuple[float, dict[str, float]]:
@@ -71,7 +86,7 @@ def normalise_value(value: Any) -> tuple[float, dict[str, float]]:
     extras: dict[str, float] = {}
     if isinstance(value, dict):
         if "score" not in value:
-            raise ValueError(f"scorer returned a dict without 'score': keys {sorted(value)}")
+            raise ValueError(f"returned a dict without 'score': keys {sorted(map(str, value))}")
         for key, item in value.items():
             number = _as_float(item)
             if key != "score" and number is not None:
@@ -79,8 +94,19 @@ def normalise_value(value: Any) -> tuple[float, dict[str, float]]:
         value = value["score"]
     score = _as_float(value)
     if score is None:
-        raise ValueError(f"scorer returned {value!r}; expected a finite number or a dict")
+        raise ValueError(
+            f"returned {_shown(value)}; expected a finite number of at "
+            f"most {MAX_ABS_SCORE:g} in size, or a dict with a 'score'"
+        )
     return score, extras
+
+
+def _shown(value: Any, limit: int = 120) -> str:
+    """repr() cut to ``limit`` characters; a huge int by its number of digits."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an int of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _absolute_target(custom_fn: str) -> str:
@@ -104,7 +130,6 @@ class RewardManager:
         overlong_buffer_len: int = 0,
         overlong_penalty_factor: float = 1.0,
         max_response_length: int | None = None,
-        start_method: str = "spawn",
         sandbox_isolation: str = "auto",
     ):
         if mode not in MANAGER_MODES:
@@ -116,15 +141,20 @@ class RewardManager:
         self.mode = mode
         self.registry = registry if registry is not None else default_registry(sandbox_isolation)
         self.custom_spec = None
-        if custom_fn is not None:
-            target = _absolute_target(custom_fn)
-            load_function(target)  # fail now, before training, if the file or name is wrong
-            style = "batch" if mode == "batch" else "custom"
-            self.custom_spec = ScorerSpec(target, style=style)
         self.overlong_buffer_len = overlong_buffer_len
         self.overlong_penalty_factor = overlong_penalty_factor
         self.max_response_length = max_response_length
-        self.pool = ScoringPool(num_workers, timeout_s, start_method)
+        self.pool = ScoringPool(num_workers, timeout_s)
+        if custom_fn is not None:
+            target = _absolute_target(custom_fn)
+            # fail now, before training, if the file or name is wrong: in a worker, as the
+            # file's import-time code is the user's too
+            problem = self.pool.check_loads(target)
+            if problem is not None:
+                self.pool.close()
+                raise CustomRewardError(*problem)
+            style = "batch" if mode == "batch" else "custom"
+            self.custom_spec = ScorerSpec(target, style=style)
 
     def known_data_sources(self) -> list[str] | None:
         """Data sources this manager can score; None means any (custom_fn handles all)."""
@@ -148,14 +178,18 @@ class RewardManager:
         if not (len(ground_truths) == len(data_sources) == len(extra_infos) == size):
             raise ValueError("responses, ground_truths, data_sources, extra_infos differ in length")
         if self.mode == "batch":
-            outcomes = self._score_batched(responses, ground_truths, data_sources, extra_infos)
+            run = self._score_batched(responses, ground_truths, data_sources, extra_infos)
         else:
             calls = [
                 self._call(responses[i], ground_truths[i], data_sources[i], extra_infos[i])
                 for i in range(size)
             ]
-            outcomes = self._run_known(calls)
-        result = self._collect(outcomes, data_sources)
+            run = self._run_known(calls)
+        result = self._collect(run.outcomes, data_sources, self._scorer_names(data_sources))
+        result.output = run.output
+        result.metrics["reward/num_worker_deaths"] = float(run.worker_deaths)
+        result.metrics["reward/output_bytes"] = float(run.output_bytes)
+        result.metrics["reward/output_bytes_dropped"] = float(run.output_bytes_dropped)
         if self.mode == "dapo" and self.overlong_buffer_len > 0:
             self._apply_overlong_shaping(result, response_lengths)
         return result
@@ -174,11 +208,12 @@ class RewardManager:
             return None, arguments
         return self.registry.get(data_source), arguments
 
-    def _run_known(self, calls) -> list[ScoreOutcome]:
+    def _run_known(self, calls) -> ScoringRun:
         """Score calls that have a scorer; the others fail with an 'unknown source' error."""
         known = [i for i, (spec, _) in enumerate(calls) if spec is not None]
         outcomes: list[ScoreOutcome | None] = [None] * len(calls)
-        for i, outcome in zip(known, self.pool.run([calls[i] for i in known])):
+        run = self.pool.run([calls[i] for i in known])
+        for i, outcome in zip(known, run.outcomes):
             outcomes[i] = outcome
         for i, (spec, arguments) in enumerate(calls):
             if spec is None:
@@ -186,7 +221,8 @@ class RewardManager:
                     self.registry.get(arguments["data_source"])
                 except UnknownDataSource as error:
                     outcomes[i] = ScoreOutcome("error", message=str(error))
-        return outcomes
+        run.outcomes = outcomes
+        return run
 
     def _score_batched(self, responses, ground_truths, data_sources, extra_infos):
         """One list call per chunk; a failed chunk fails all of its samples."""
@@ -206,7 +242,8 @@ class RewardManager:
             for s in starts
         ]
         outcomes: list[ScoreOutcome] = []
-        for start, chunk_outcome in zip(starts, self.pool.run(calls)):
+        run = self.pool.run(calls)
+        for start, chunk_outcome in zip(starts, run.outcomes):
             size = min(chunk_size, len(responses) - start)
             values = chunk_outcome.value
             if chunk_outcome.status == "ok" and (
@@ -218,19 +255,29 @@ class RewardManager:
                 outcomes += [ScoreOutcome("ok", value) for value in values]
             else:
                 outcomes += [chunk_outcome] * size
-        return outcomes
+        run.outcomes = outcomes
+        return run
 
-    def _collect(self, outcomes: list[ScoreOutcome], data_sources: Sequence[str]) -> RewardResult:
+    def _scorer_names(self, data_sources: Sequence[str]) -> list[str]:
+        """Who scored each sample, for messages: the scorer's target, else the data source."""
+        if self.custom_spec is not None:
+            return [self.custom_spec.target] * len(data_sources)
+        return [self.registry.get(source).target if source in self.registry else source
+                for source in data_sources]  # fmt: skip
+
+    def _collect(self, outcomes: list[ScoreOutcome], data_sources: Sequence[str],
+                 names: Sequence[str]) -> RewardResult:  # fmt: skip
         scores, messages = [], []
         counts = {"error": 0, "timeout": 0}
         extras: dict[str, list[float]] = defaultdict(list)
-        for outcome in outcomes:
+        for outcome, name in zip(outcomes, names):
             status, score, sample_extras = outcome.status, 0.0, {}
             if status == "ok":
                 try:
                     score, sample_extras = normalise_value(outcome.value)
                 except ValueError as error:
-                    status, outcome = "error", ScoreOutcome("error", message=str(error))
+                    message = f"scorer {name}: {error}"
+                    status, outcome = "error", ScoreOutcome("error", message=message)
             if status != "ok":
                 counts[status] += 1
                 if len(messages) < MAX_ERROR_MESSAGES and outcome.message not in messages:

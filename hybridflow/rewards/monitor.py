@@ -2,6 +2,8 @@
 not a number scores 0 for that sample and training goes on — which must not be silent:
 
 - each distinct error message is printed once, as soon as it first happens;
+- what the scoring code printed (captured in its worker) is shown under the scorer's
+  name, at most MAX_OUTPUT_CHARS in a run, with how much was dropped;
 - a step where most samples failed is flagged with the failure count;
 - every sample failing on ``patience`` consecutive training steps stops the run with the
   error (exit 2): the reward function is broken, and more steps would train on zeros.
@@ -26,6 +28,8 @@ MOSTLY_FAILED = 0.5
 """Fraction of failed samples above which a step is flagged."""
 MAX_DISTINCT_MESSAGES = 10
 """Distinct messages printed in a run; the rest are only counted in the metrics."""
+MAX_OUTPUT_CHARS = 64 * 1024
+"""The scoring code's printed output shown in a run; the rest is only counted."""
 
 
 class RewardFailureMonitor:
@@ -40,6 +44,7 @@ class RewardFailureMonitor:
         self.metric_prefix, self.what, self.fix = metric_prefix, what, fix
         self.printed: set[str] = set()
         self.failed_steps_in_a_row = 0
+        self.output_chars_shown = 0
 
     def observe(self, result: RewardResult, step: int, *, training: bool = True) -> None:
         size = len(result.scores)
@@ -50,6 +55,7 @@ class RewardFailureMonitor:
             if message not in self.printed and len(self.printed) < MAX_DISTINCT_MESSAGES:
                 self.printed.add(message)
                 self.log(f"{self.what} error (shown once): {message}")
+        self._show_output(result)
         where = f"step {step}" if training else f"validation at step {step}"
         if size and failed > MOSTLY_FAILED * size:
             self.log(f"warning: {where}: the {self.what} failed on {failed} of {size} samples "
@@ -66,3 +72,24 @@ class RewardFailureMonitor:
                 f"to step {step}): {first}",
                 self.fix,
             )
+
+    def _show_output(self, result: RewardResult) -> None:
+        dropped = int(result.metrics.get(f"{self.metric_prefix}/output_bytes_dropped", 0))
+        notes = [
+            (f"{self.what} output ({name}):", text.rstrip("\n")) for name, text in result.output
+        ]
+        if dropped:
+            notes.append((f"{self.what} output: {dropped} more bytes dropped this step "
+                          f"(counted in {self.metric_prefix}/output_bytes_dropped)", ""))  # fmt: skip
+        for header, text in notes:
+            room = MAX_OUTPUT_CHARS - self.output_chars_shown
+            if room <= 0:
+                return
+            shown = text[:room]
+            self.output_chars_shown += len(header) + len(shown)
+            self.log(f"{header}\n{shown}" if shown else header)
+            if self.output_chars_shown >= MAX_OUTPUT_CHARS:
+                self.log(
+                    f"{self.what} output: {MAX_OUTPUT_CHARS} characters shown in this run; "
+                    f"the rest is not printed (counted in {self.metric_prefix}/output_bytes)"
+                )

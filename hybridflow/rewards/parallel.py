@@ -1,4 +1,5 @@
-"""Running scorers with a per-call timeout, in this process or in a pool of workers.
+"""Running scorers with a per-call timeout (in this process; rewards/scoring_pool.py runs
+these chunks in reward worker processes, where user code always runs).
 
 A scorer is user code: it may raise, loop forever or crash its process. None of that may
 stop training, so every call ends as a `ScoreOutcome` with status "ok", "error" or "timeout",
@@ -18,22 +19,19 @@ Two layers of timeout:
      `time.sleep`, regexes). `ScoringTimeout` derives from BaseException so a scorer's own
      `except Exception` cannot swallow it. Scorers therefore must be thread-safe and must
      not install signal handlers.
-  2. The parent waits at most a bound derived from the per-call timeout; a worker
-     still busy after that (stuck in C code that ignores signals) is killed and the pool
-     is rebuilt. A worker that dies (segfault, `os._exit`) breaks the pool: its calls
-     become errors and the pool is rebuilt too.
+  2. The trainer waits for a worker's chunk at most a bound derived from the per-call
+     timeout; a worker still busy after that (stuck in C code that ignores signals), or
+     one that dies (segfault, `os._exit`), fails its calls and is replaced
+     (rewards/scoring_pool.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-import multiprocessing
 import signal
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -239,104 +237,3 @@ def _run_concurrently(calls: Sequence[Call], timeout_s: float) -> list[ScoreOutc
                 results.setdefault(index, ScoreOutcome("timeout", message=message))
                 _raise_in_thread(threads[index], ScoringTimeout)
     return [results[i] for i in range(len(calls))]
-
-
-class ScoringPool:
-    """Runs scorer calls in `num_workers` processes (0: in this process).
-
-    The pool starts on first use and is reused across training steps; `close()` (or
-    `with`) stops it. `spawn` is the default start method: forking a process that holds
-    CUDA contexts or Ray threads is unsafe.
-    """
-
-    def __init__(
-        self,
-        num_workers: int = 0,
-        timeout_s: float | None = 10.0,
-        start_method: str = "spawn",
-        startup_grace_s: float = 60.0,
-    ):
-        self.num_workers, self.timeout_s = num_workers, timeout_s
-        self.start_method, self.startup_grace_s = start_method, startup_grace_s
-        self._executor: ProcessPoolExecutor | None = None
-
-    def run(self, calls: Sequence[Call]) -> list[ScoreOutcome]:
-        if not calls:
-            return []
-        if self.num_workers <= 0:
-            return run_chunk(calls, self.timeout_s)
-        return self._run_in_workers(list(calls))
-
-    def _executor_or_start(self) -> ProcessPoolExecutor:
-        if self._executor is None:
-            context = multiprocessing.get_context(self.start_method)
-            self._executor = ProcessPoolExecutor(self.num_workers, mp_context=context)
-        return self._executor
-
-    def _run_in_workers(self, calls: list[Call]) -> list[ScoreOutcome]:
-        executor = self._executor_or_start()
-        # With a timeout, one chunk per worker: its calls run concurrently there (run_chunk),
-        # so hanging calls time out together. Without one, a few chunks per worker: fewer
-        # round trips than one task per call, and a slow chunk does not leave the other
-        # workers idle for long.
-        chunks_per_worker = 1 if self.timeout_s else 4
-        chunk_size = max(1, math.ceil(len(calls) / (chunks_per_worker * self.num_workers)))
-        starts = range(0, len(calls), chunk_size)
-        futures = {
-            executor.submit(run_chunk, calls[s : s + chunk_size], self.timeout_s): s for s in starts
-        }
-        # Bound on the whole run: each worker runs ceil(n / workers) calls at most one
-        # chunk unevenly, each no longer than the per-call timeout, plus process start-up.
-        # Without a per-call timeout there is no bound: wait as long as scoring takes.
-        calls_per_worker = math.ceil(len(calls) / self.num_workers) + chunk_size
-        deadline = math.inf
-        if self.timeout_s:
-            deadline = time.monotonic() + self.startup_grace_s + self.timeout_s * calls_per_worker
-        done, not_done = set(), set(futures)
-        while not_done and time.monotonic() < deadline:
-            remaining = None if deadline == math.inf else deadline - time.monotonic()
-            finished, not_done = wait(not_done, timeout=remaining, return_when=FIRST_EXCEPTION)
-            done |= finished
-            if any(f.exception() is not None for f in finished):
-                # The pool is broken: the other futures fail within moments; collect them.
-                finished, not_done = wait(not_done, timeout=5.0)
-                done |= finished
-                break
-        outcomes: list[ScoreOutcome | None] = [None] * len(calls)
-        pool_broken = bool(not_done)
-        for future, start in futures.items():
-            size = min(chunk_size, len(calls) - start)
-            if future in done and future.exception() is None:
-                outcomes[start : start + size] = future.result()
-            elif future in done:
-                pool_broken = True
-                error = future.exception()
-                message = f"scoring worker died: {type(error).__name__}: {error}"
-                outcomes[start : start + size] = [ScoreOutcome("error", message=message)] * size
-            else:
-                message = "scoring worker did not finish in time and was stopped"
-                outcomes[start : start + size] = [ScoreOutcome("timeout", message=message)] * size
-        if pool_broken:
-            self._kill()
-        return outcomes
-
-    def _kill(self) -> None:
-        """Stop all workers now (a hung worker ignores a polite shutdown)."""
-        executor, self._executor = self._executor, None
-        if executor is None:
-            return
-        for process in list(getattr(executor, "_processes", {}).values()):
-            if process.is_alive():
-                process.kill()
-        executor.shutdown(wait=True, cancel_futures=True)
-
-    def close(self) -> None:
-        executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=True, cancel_futures=True)
-
-    def __enter__(self) -> ScoringPool:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -52,10 +52,10 @@ SCORERS = textwrap.dedent(
             raise KeyboardInterrupt("from the scorer")
         if solution_str == "abort":
             raise Abort("from the scorer")
-        if solution_str == "signal":  # Ctrl-C arriving while the scorer runs
+        if solution_str == "signal":  # Ctrl-C reaching the trainer while the scorer runs
             import signal
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(5)
+            os.kill(os.getppid(), signal.SIGINT)
+            time.sleep(30)
         return 1.0
     """
 )
@@ -145,8 +145,12 @@ def test_sys_exit_and_base_exceptions_of_a_scorer_are_its_errors(scorers, where,
 
 
 def test_ctrl_c_during_a_scorer_still_interrupts(scorers):
+    manager = scorers("exits", timeout_s=None)
+    start = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        scorers("exits", timeout_s=None).score(["signal"], ["x"], ["s"])
+        manager.score(["signal"], ["x"], ["s"])
+    assert time.monotonic() - start < 10  # not after the scorer's 30 s sleep
+    assert manager.score(["fine"], ["x"], ["s"]).scores == [1.0]  # the busy worker was replaced
 
 
 def test_a_reward_file_that_exits_on_import_is_named(tmp_path):
