@@ -4,6 +4,7 @@ is printed once, a mostly failed step is flagged, an always failing reward stops
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -236,3 +237,69 @@ def test_timeouts_in_worker_processes_run_concurrently(scorers, tmp_path):
     assert result.metrics["reward/num_timeouts"] == 8.0
     starts = sorted(float(line) for line in started_log.read_text().split())
     assert len(starts) == 8 and starts[-1] - starts[0] < 1.0  # not 4 rounds of 2
+
+
+def train_with_reward(tmp_path, capsys, reward_body: str, *overrides: str):
+    """``hybridflow train`` of the tiny preset scored by a reward file whose function body is
+    ``reward_body``: (exit status, stdout, stderr). A reward that ends or breaks the process
+    it runs in would end the test session if it ran in the trainer: there it raises instead,
+    so the test fails."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+    from trainer_helpers import TINY
+
+    from hybridflow.cli import main
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(f"import os, sys\n\n"
+                      "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      f"    if os.getpid() == {os.getpid()}:\n"
+                      "        raise RuntimeError('scored in the trainer process')\n"
+                      + textwrap.indent(textwrap.dedent(reward_body), "    "))  # fmt: skip
+    status = main(["train", *TINY, f"trainer.run_dir={tmp_path / 'run'}",
+                   f"reward.custom_fn={reward}:score", "trainer.val_before_train=false",
+                   "trainer.total_steps=1", *overrides])  # fmt: skip
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_a_reward_ending_its_process_stops_training_with_exit_2_naming_it(tmp_path, capsys):
+    status, out, err = train_with_reward(tmp_path, capsys, "os._exit(0)\n",
+                                         "reward.max_failed_steps=1")  # fmt: skip
+    assert status == 2 and "Traceback" not in out + err
+    assert f"{tmp_path / 'reward.py'}:score: the reward worker process exited with code 0" in out
+    assert "every sample for 1 steps in a row (up to step 1)" in err
+
+
+def test_a_reward_closing_stdout_and_stderr_loses_only_its_own_output(tmp_path, capsys):
+    status, out, err = train_with_reward(tmp_path, capsys, """
+        print("before closing")
+        sys.stdout.close()
+        os.close(1)
+        os.close(2)
+        return 1.0
+        """)  # fmt: skip
+    assert status == 0, out + err
+    assert f"reward output ({tmp_path / 'reward.py'}:score):\nbefore closing" in out
+    assert "done: 1 steps" in out
+
+
+def test_a_reward_printing_megabytes_is_capped_in_the_log(tmp_path, capsys):
+    sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+    from trainer_helpers import TINY
+
+    from hybridflow.cli import main
+
+    reward = tmp_path / "chatty.py"
+    reward.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    print('x' * 1_000_000)\n"
+                      "    return 1.0\n")  # fmt: skip
+    status = main(["train", *TINY, f"trainer.run_dir={tmp_path / 'run'}",
+                   "trainer.total_steps=2", f"reward.custom_fn={reward}:score",
+                   "trainer.val_before_train=false"])  # fmt: skip
+    captured = capsys.readouterr()
+    output = captured.out + captured.err
+    assert status == 0, output
+    assert len(output) < 200_000  # 16 samples x 1 MB a step printed whole: 32 MB
+    assert "more bytes dropped this step (counted in reward/output_bytes_dropped)" in output
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert metrics[0]["reward/output_bytes_dropped"] > 15_000_000

@@ -1,0 +1,133 @@
+"""User scoring code runs in reward worker processes: whatever it does there (exit, print
+megabytes, return what is not a number) is a counted failure of its samples, never the end
+of the trainer; hybridflow's own scorers stay in the trainer."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from hybridflow.errors import UserError
+from hybridflow.rewards import RewardManager
+from hybridflow.rewards.managers import normalise_value
+from hybridflow.rewards.scoring_pool import OUTPUT_CAP_BYTES
+from hybridflow.rewards.worker_process import plain_loads
+
+REWARD = textwrap.dedent(
+    """
+    import math, os
+
+    class Thing:
+        pass
+
+    def score(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str == "exit":
+            os._exit(0)
+        if solution_str == "print":
+            print("x" * 1_000_000)
+            return 0.5
+        return {"huge": 10**400, "digits": 10**5000, "big": 1e300, "past": -1e13,
+                "inf": math.inf, "thing": Thing(), "text": "y" * 2_000_000,
+                "one": 1.0}[solution_str]
+    """
+)
+
+
+@pytest.fixture
+def reward_file(tmp_path):
+    path = tmp_path / "reward.py"
+    path.write_text(REWARD)
+    return path
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter: a scorer that ends the process it runs in must not
+    end the test session (before the workers existed, it ended the trainer with status 0)."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH":
+                                                      os.pathsep.join(sys.path)})  # fmt: skip
+
+
+def test_a_scorer_that_ends_its_process_fails_its_samples_and_a_new_worker_scores(reward_file):
+    done = run_python(f"""
+        from hybridflow.rewards import RewardManager
+        manager = RewardManager("naive", custom_fn="{reward_file}:score")
+        result = manager.score(["exit", "one"], ["x"] * 2, ["s"] * 2)
+        print(result.scores, result.metrics["reward/num_errors"],
+              result.metrics["reward/num_worker_deaths"])
+        print(result.error_messages[0])
+        print(manager.score(["one"], ["x"], ["s"]).scores)
+        """)  # fmt: skip
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0 and len(lines) == 3, done.stdout + done.stderr
+    assert lines[0] == "[0.0, 0.0] 2.0 1.0"  # both samples were in the dead worker's chunk
+    assert lines[1].startswith(f"scorer {reward_file}:score: the reward worker process exited "
+                               "with code 0 while scoring")  # fmt: skip
+    assert lines[2] == "[1.0]"
+
+
+def test_a_reward_file_that_ends_the_process_at_import_is_a_clear_error(tmp_path):
+    reward = tmp_path / "exits.py"
+    reward.write_text("import os\nos._exit(0)\n")
+    done = run_python(f"""
+        from hybridflow.errors import UserError
+        from hybridflow.rewards import RewardManager
+        try:
+            RewardManager("naive", custom_fn="{reward}:score")
+        except UserError as error:
+            print(error)
+        """)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "importing it ended the reward worker process (exited with code 0)" in done.stdout
+
+
+def test_a_missing_function_is_named_from_the_worker(reward_file):
+    with pytest.raises(UserError, match=r"has no function 'scroe'.*\['score'\]"):
+        RewardManager("naive", custom_fn=f"{reward_file}:scroe")
+
+
+def test_returns_that_are_no_usable_number_are_counted_errors(reward_file):
+    answers = ["huge", "digits", "big", "past", "inf", "thing", "text", "one"]
+    with RewardManager("naive", custom_fn=f"{reward_file}:score") as manager:
+        result = manager.score(answers, ["x"] * 8, ["s"] * 8)
+    assert result.scores == [0.0] * 7 + [1.0]
+    assert result.metrics["reward/num_errors"] == 7.0
+    named = f"scorer {reward_file}:score: returned"
+    assert all(m.startswith(f"scorer {reward_file}:score") for m in result.error_messages)
+    assert result.error_messages[0] == (f"{named} an int of about 401 digits; expected a finite "
+                                        "number of at most 1e+12 in size, or a dict with a "
+                                        "'score'")  # fmt: skip
+
+
+@pytest.mark.parametrize("value", [10**400, 1e300, -1e13, float("nan")])
+def test_normalise_refuses_what_a_float32_score_cannot_hold(value):
+    with pytest.raises(ValueError, match="expected a finite number of at most 1e\\+12"):
+        normalise_value(value)
+
+
+def test_printed_output_is_captured_capped_and_counted(reward_file, capfd):
+    with RewardManager("naive", custom_fn=f"{reward_file}:score") as manager:
+        result = manager.score(["print"] * 4, ["x"] * 4, ["s"] * 4)
+    assert result.scores == [0.5] * 4
+    assert capfd.readouterr().out == ""  # nothing reached the trainer's stdout
+    ((name, text),) = result.output
+    assert name == f"{reward_file}:score" and text == "x" * OUTPUT_CAP_BYTES
+    assert result.metrics["reward/output_bytes"] == 4 * 1_000_001
+    assert result.metrics["reward/output_bytes_dropped"] == 4 * 1_000_001 - OUTPUT_CAP_BYTES
+
+
+def test_answers_are_read_as_plain_data_only():
+    assert plain_loads(pickle.dumps({"score": [1.0, "a", None]})) == {"score": [1.0, "a", None]}
+    with pytest.raises(pickle.UnpicklingError, match="collections.OrderedDict"):
+        plain_loads(pickle.dumps(__import__("collections").OrderedDict()))
+
+
+def test_the_projects_own_scorers_stay_in_the_trainer():
+    manager = RewardManager("naive")
+    assert manager.score(["68"], ["68"], ["arithmetic"]).scores == [1.0]
+    assert manager.pool._workers == {}  # no process started for them
