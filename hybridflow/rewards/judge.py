@@ -5,19 +5,21 @@ its reply holds the score.
     result = judge.score(prompts, responses, ground_truths)    # a RewardResult
 
 ``ask`` is the engine (rewards/judge_engines.py: the policy's rollout service, or a second
-model behind an OpenAI-compatible server). A reply without a score, a request that fails or
-times out scores 0 and is counted as for rule rewards (``reward/judge/num_errors``,
+model behind an OpenAI-compatible server). A reply without a score, a score that is not a
+finite number of at most MAX_ABS_SCORE (``Score: 999…9``, 5,000 digits, parses to inf), a
+request that fails or times out scores 0 and is counted as for rule rewards (``reward/judge/num_errors``,
 ``reward/judge/num_timeouts``); rewards/monitor.py prints each message once and stops a run
 whose judge fails on every sample.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hybridflow.rewards.managers import MAX_ERROR_MESSAGES, RewardResult
+from hybridflow.rewards.managers import MAX_ABS_SCORE, MAX_ERROR_MESSAGES, RewardResult
 from hybridflow.rewards.parallel import ScoreOutcome
 
 METRIC_PREFIX = "reward/judge"
@@ -48,17 +50,23 @@ def fill_template(template: str, prompt: Any, response: str, ground_truth: Any) 
 
 def parse_score(reply: str, pattern: re.Pattern) -> float:
     """The last match of ``pattern`` in the reply (group 1 if it has one) as a number;
-    ValueError naming the reply when there is none."""
+    ValueError naming the reply when there is none, or it is not finite or past
+    MAX_ABS_SCORE (a NaN or inf score would turn the loss into NaN)."""
     matches = list(pattern.finditer(reply))
     if not matches:
         raise ValueError(f"judge reply has no score matching {pattern.pattern!r}: "
                          f"{reply[:120]!r}")  # fmt: skip
     last = matches[-1]
     text = last.group(1) if pattern.groups else last.group(0)
+    shown = text if text is None or len(text) <= 40 else f"{text[:40]}... ({len(text)} characters)"
     try:
-        return float(text)
+        score = float(text)
     except (TypeError, ValueError):
-        raise ValueError(f"judge score {text!r} is not a number (reply {reply[:120]!r})") from None
+        raise ValueError(f"judge score {shown!r} is not a number (reply {reply[:120]!r})") from None
+    if not math.isfinite(score) or abs(score) > MAX_ABS_SCORE:
+        raise ValueError(f"judge score {shown!r} is not a finite number of at most "
+                         f"{MAX_ABS_SCORE:g} in size (reply {reply[:120]!r})")  # fmt: skip
+    return score
 
 
 class JudgeReward:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -58,19 +59,46 @@ def rollout_asker(rollout: Any, tokenizer: Any, max_prompt_length: int,
     return ask
 
 
+MIN_REPLY_BYTES = 1 << 20
+REPLY_BYTES_PER_TOKEN = 64
+"""A reply's body may hold this many bytes per requested token (at least MIN_REPLY_BYTES):
+far more than a token's text escaped in JSON, far less than an endless reply."""
+
+
+class ReplyTooLarge(ValueError):
+    """The server sent more than the reply's byte limit (an endless or runaway reply)."""
+
+
+def read_bounded(response, max_bytes: int, deadline: float) -> bytes:
+    """The body of ``response`` (an http.client.HTTPResponse), failing past ``max_bytes``
+    or after the monotonic ``deadline``: memory and time bounded whatever the server sends
+    (each read waits at most the socket timeout)."""
+    body = bytearray()
+    while chunk := response.read1(1 << 16):
+        body += chunk
+        if len(body) > max_bytes:
+            raise ReplyTooLarge(f"reply larger than {max_bytes} bytes")
+        if time.monotonic() > deadline:
+            raise TimeoutError
+    return bytes(body)
+
+
 def url_asker(url: str, model: str, max_tokens: int, timeout_s: float,
               concurrency: int) -> Ask:  # fmt: skip
     """Greedy chat completions from an OpenAI-compatible server (``hybridflow serve``,
-    vLLM): ``concurrency`` requests in flight, each limited to ``timeout_s``."""
+    vLLM): ``concurrency`` requests in flight, each limited to ``timeout_s`` and to a reply
+    of MIN_REPLY_BYTES or REPLY_BYTES_PER_TOKEN × ``max_tokens`` bytes."""
     endpoint = url.rstrip("/") + "/chat/completions"
+    max_reply_bytes = max(MIN_REPLY_BYTES, REPLY_BYTES_PER_TOKEN * max_tokens)
 
     def one(prompt: str) -> ScoreOutcome:
         body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}],
                            "max_tokens": max_tokens, "temperature": 0.0}).encode()  # fmt: skip
         request = urllib.request.Request(endpoint, body, {"Content-Type": "application/json"})
         try:
+            deadline = time.monotonic() + timeout_s
             with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                reply = json.loads(response.read())
+                reply = json.loads(read_bounded(response, max_reply_bytes, deadline))
             return ScoreOutcome("ok", reply["choices"][0]["message"]["content"] or "")
         except TimeoutError:
             return ScoreOutcome("timeout", message=f"judge {endpoint} took more than {timeout_s}s")
@@ -79,7 +107,7 @@ def url_asker(url: str, model: str, max_tokens: int, timeout_s: float,
                 return ScoreOutcome("timeout",
                                     message=f"judge {endpoint} took more than {timeout_s}s")  # fmt: skip
             return ScoreOutcome("error", message=f"judge {endpoint}: {error}")
-        except (OSError, ValueError, KeyError, IndexError, TypeError) as error:
+        except (OSError, ValueError, KeyError, IndexError, TypeError, RecursionError) as error:
             return ScoreOutcome("error", message=f"judge {endpoint}: {type(error).__name__}: "
                                 f"{error}")  # fmt: skip
 

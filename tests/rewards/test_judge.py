@@ -66,6 +66,19 @@ def test_a_judge_that_always_fails_stops_the_run_after_patience_steps():
     assert sum("shown once" in line for line in lines) == 1  # reported once
 
 
+def test_a_score_that_parses_to_inf_or_nan_is_a_counted_failure():
+    replies = [ScoreOutcome("ok", "Score: " + "9" * 5000), ScoreOutcome("ok", "Score: nan"),
+               ScoreOutcome("ok", "Score: 2")]  # fmt: skip
+    judge = JudgeReward(TEMPLATE, r"Score:\s*(\S+)", lambda prompts: replies)
+    result = judge.score(["p"] * 3, ["a", "b", "c"], [None] * 3)
+    assert result.scores == [0.0, 0.0, 2.0]
+    assert result.metrics["reward/judge/num_errors"] == 2.0
+    assert result.error_messages[0].startswith(
+        "judge score '9999999999999999999999999999999999999999... (5000 characters)' is not "
+        "a finite number of at most 1e+12 in size"
+    )
+
+
 class _Judge(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -73,6 +86,9 @@ class _Judge(BaseHTTPRequestHandler):
         if "slow" in prompt:
             time.sleep(2)
         reply = {"choices": [{"message": {"content": f"Score: {len(prompt) % 7}"}}]}
+        if "huge" in prompt:  # 8 MB, in chunks as an endless reply comes
+            self._send_chunked(json.dumps({**reply, "padding": "x" * 8_000_000}).encode())
+            return
         data = json.dumps(reply).encode()
         try:
             self.send_response(200)
@@ -80,6 +96,19 @@ class _Judge(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(data)
         except BrokenPipeError:  # the client timed out and closed the connection
+            pass
+
+    def _send_chunked(self, data: bytes) -> None:
+        self.protocol_version = "HTTP/1.1"
+        try:
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for start in range(0, len(data), 1 << 16):
+                chunk = data[start : start + (1 << 16)]
+                self.wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+            self.wfile.write(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):  # the client stopped reading
             pass
 
     def log_message(self, *args):
@@ -97,5 +126,8 @@ def test_a_second_model_behind_an_openai_server_and_its_timeouts():
         assert outcomes[1].status == "timeout" and "0.5s" in outcomes[1].message
         refused = url_asker("http://127.0.0.1:9/v1", "judge", 8, 0.5, 1)(["x"])[0]
         assert refused.status == "error"
+        huge = url_asker(url, "judge", max_tokens=8, timeout_s=10, concurrency=1)(["huge"])[0]
+        assert huge == ScoreOutcome("error", message=f"judge {url}/chat/completions: "
+                                    "ReplyTooLarge: reply larger than 1048576 bytes")  # fmt: skip
     finally:
         server.shutdown()
