@@ -67,7 +67,8 @@ class RewardConfig:
     custom_fn: str | None = None
     """``path/to/file.py:function`` scoring (data_source, solution_str, ground_truth, extra_info)."""
     num_workers: int = 0
-    """Parallel scoring processes; 0: score in the controller process."""
+    """Parallel scoring processes. reward.custom_fn always runs in worker processes (at
+    least one), never in the trainer; 0: the built-in scorers run in the trainer."""
     timeout_s: float = 10.0
     """Per-sample scoring timeout; a timeout or exception scores 0 and is counted (the
     samples of a step are scored concurrently, so timeouts do not add up)."""
