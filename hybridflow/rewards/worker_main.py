@@ -26,6 +26,7 @@ import pickle
 import signal
 import sys
 import threading
+import time
 from multiprocessing.connection import Connection
 
 from hybridflow.rewards.worker_process import MAX_VALUE_BYTES
@@ -157,20 +158,19 @@ def answer(request, capture: OutputCapture):
     return ("scored", outcomes, *capture.collect())
 
 
-def _die_with_parent() -> None:
-    """Linux: this process is killed when the trainer ends, even while a scorer spins."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+def _exit_with_trainer(trainer_pid: int, poll_s: float = 1.0) -> None:
+    """End this process once the trainer has ended, even while a scorer spins. (Not the
+    kernel's parent-death signal: that fires when the trainer's thread that started this
+    process ends, and scoring may run on a thread of its own.)"""
+    while os.getppid() == trainer_pid:
+        time.sleep(poll_s)
+    os._exit(0)
 
 
 def main(argv: list[str]) -> None:
     connection = Connection(int(argv[1]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer handles Ctrl-C and stops us
-    _die_with_parent()
+    threading.Thread(target=_exit_with_trainer, args=(os.getppid(),), daemon=True).start()
     capture = OutputCapture(int(argv[2]))
     while True:
         try:

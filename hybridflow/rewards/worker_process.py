@@ -2,7 +2,7 @@
 start it, send it a request, read its answer, and say how it ended when it dies.
 
 The worker is a child of the trainer in a session of its own (a Ctrl-C at the terminal
-reaches the trainer only, which stops its workers), killed with the trainer on Linux. Its
+reaches the trainer only, which stops its workers); it ends within a second of the trainer. Its
 answers are read with a size limit and unpickled as plain data only: whatever the scoring
 code does to its process, the trainer gets an answer, or a `WorkerDied` naming what
 happened.

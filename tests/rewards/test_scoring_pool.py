@@ -9,6 +9,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -131,3 +132,31 @@ def test_the_projects_own_scorers_stay_in_the_trainer():
     manager = RewardManager("naive")
     assert manager.score(["68"], ["68"], ["arithmetic"]).scores == [1.0]
     assert manager.pool._workers == {}  # no process started for them
+
+
+def test_a_worker_ends_with_the_trainer_even_while_its_scorer_runs(tmp_path):
+    reward = tmp_path / "sleeps.py"
+    reward.write_text("import time\n\n"
+                      "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    time.sleep(60)\n")  # fmt: skip
+    done = run_python(f"""
+        import os, threading, time
+        from hybridflow.rewards import RewardManager
+        manager = RewardManager("naive", custom_fn="{reward}:score", timeout_s=None)
+        print(manager.pool._workers[0].process.pid, flush=True)
+        # scored from a thread that ends first, as a step scored beside training may be
+        threading.Thread(target=manager.score, args=(["a"], ["x"], ["s"]), daemon=True).start()
+        time.sleep(0.5)
+        os._exit(0)  # the trainer is gone; its worker is in the scorer's 60 s sleep
+        """)  # fmt: skip
+    worker = int(done.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:  # gone, or a zombie where nothing reaps orphans
+            if open(f"/proc/{worker}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+                return
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        time.sleep(0.1)
+    os.kill(worker, 9)
+    pytest.fail("the reward worker outlived the trainer")
