@@ -96,14 +96,19 @@ class ScoringPool:
                 worker.send(("load", target))
                 if not wait([worker.connection], self.startup_grace_s):
                     self._discard(0, kill=True)
-                    return (f"importing it took more than {self.startup_grace_s:g}s",
+                    return (f"reward.custom_fn: importing {target} took more than {self.startup_grace_s:g}s",
                             "make the file fast to import (no work at import time)")  # fmt: skip
                 reply = worker.receive(4 * MAX_VALUE_BYTES)
             except WorkerDied as death:
                 self._discard(0)
-                return (f"importing it ended the reward worker process ({death})",
+                return (f"reward.custom_fn: importing {target} ended the reward worker process "
+                        f"({death})",
                         "a reward file must not exit or crash when imported")  # fmt: skip
-        return None if reply[0] == "loaded" else (reply[1], reply[2])
+        if reply == ("loaded",):
+            return None
+        if isinstance(reply, tuple) and len(reply) == 3 and reply[0] == "load_error":
+            return str(reply[1]), None if reply[2] is None else str(reply[2])
+        return f"reward.custom_fn: importing {target} gave no answer the trainer can read", None
 
     def _worker(self, slot: int) -> RewardWorker:
         if slot not in self._workers:

@@ -1,10 +1,9 @@
 """The reward worker process: runs user scoring code away from the trainer.
 
-    python -m hybridflow.rewards.worker_main <socket fd> <output cap in bytes>
+    main([_, <socket fd>, <output cap in bytes>, <the trainer's sys.path as JSON>])
 
-Started by rewards/worker_process.py. It answers requests on the socket (a
+Started by rewards/worker_process.py (``python -c``, after setting sys.path). It answers requests on the socket (a
 multiprocessing Connection):
-    ("setup", sys_path)       -> no answer: the trainer's import path
     ("load", target)          -> ("loaded",) | ("load_error", message, fix)
     ("score", calls, timeout) -> ("scored", [(status, value, message)], output,
                                   output_bytes, dropped_bytes)
@@ -141,9 +140,6 @@ def answer(request, capture: OutputCapture):
     from hybridflow.rewards.parallel import run_chunk
 
     capture.restore()
-    if request[0] == "setup":
-        sys.path[:] = request[1]
-        return None
     if request[0] == "load":
         try:
             load_function(request[1])
@@ -177,10 +173,4 @@ def main(argv: list[str]) -> None:
             request = connection.recv()
         except (EOFError, OSError):
             return  # the trainer closed the connection
-        reply = answer(request, capture)
-        if reply is not None:
-            connection.send(reply)
-
-
-if __name__ == "__main__":
-    main(sys.argv)
+        connection.send(answer(request, capture))

@@ -11,20 +11,18 @@ happened.
 from __future__ import annotations
 
 import io
-import os
+import json
 import pickle
 import signal
 import socket
 import subprocess
 import sys
 from multiprocessing.connection import Connection
-from pathlib import Path
-
-import hybridflow
 
 MAX_VALUE_BYTES = 1 << 20
 """A scorer's return, pickled, at most this size (a score is a number or a small dict)."""
-_PACKAGE_ROOT = str(Path(hybridflow.__file__).resolve().parents[1])
+_START = ("import json, sys; sys.path[:] = json.loads(sys.argv[3]); "
+          "from hybridflow.rewards.worker_main import main; main(sys.argv)")  # fmt: skip
 
 
 class WorkerDied(Exception):
@@ -46,22 +44,16 @@ class RewardWorker:
 
     def __init__(self, output_cap_bytes: int):
         parent_end, child_end = socket.socketpair()
-        path = os.environ.get("PYTHONPATH")
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([_PACKAGE_ROOT, *([path] if path else [])]),
-        }
-        try:
+        fd = child_end.fileno()
+        try:  # the trainer's import path: the worker runs this hybridflow and the reward
+            # file imports what the trainer can
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "hybridflow.rewards.worker_main",
-                 str(child_end.fileno()), str(output_cap_bytes)],
-                pass_fds=(child_end.fileno(),), stdin=subprocess.DEVNULL, env=env,
-                start_new_session=True,
+                [sys.executable, "-c", _START, str(fd), str(output_cap_bytes), json.dumps(sys.path)],
+                pass_fds=(fd,), stdin=subprocess.DEVNULL, start_new_session=True,
             )  # fmt: skip
         finally:
             child_end.close()
         self.connection = Connection(parent_end.detach())
-        self.send(("setup", list(sys.path)))  # the reward file imports what the trainer can
 
     def send(self, request) -> None:
         try:

@@ -84,7 +84,9 @@ def test_a_reward_file_that_ends_the_process_at_import_is_a_clear_error(tmp_path
             print(error)
         """)  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert "importing it ended the reward worker process (exited with code 0)" in done.stdout
+    assert (f"reward.custom_fn: importing {reward}:score ended the reward worker process "
+            "(exited with code 0): a reward file must not exit or crash when imported"
+            ) in done.stdout  # fmt: skip
 
 
 def test_a_missing_function_is_named_from_the_worker(reward_file):
@@ -160,3 +162,15 @@ def test_a_worker_ends_with_the_trainer_even_while_its_scorer_runs(tmp_path):
         time.sleep(0.1)
     os.kill(worker, 9)
     pytest.fail("the reward worker outlived the trainer")
+
+
+def test_a_reward_file_that_hangs_at_import_is_named_after_the_grace(tmp_path):
+    from hybridflow.rewards.scoring_pool import ScoringPool
+
+    reward = tmp_path / "hangs.py"
+    reward.write_text("while True:\n    pass\n")
+    with ScoringPool(startup_grace_s=1.0) as pool:
+        message, fix = pool.check_loads(f"{reward}:score")
+        assert pool._workers == {}  # the hung worker was killed
+    assert message == f"reward.custom_fn: importing {reward}:score took more than 1s"
+    assert fix == "make the file fast to import (no work at import time)"
