@@ -163,9 +163,17 @@ def _exit_with_trainer(trainer_pid: int, poll_s: float = 1.0) -> None:
     os._exit(0)
 
 
+def _ignore(signum, frame) -> None:
+    pass
+
+
 def main(argv: list[str]) -> None:
     connection = Connection(int(argv[1]))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer handles Ctrl-C and stops us
+    # The trainer decides when a worker ends (a job scheduler's SIGTERM to every process must
+    # not fail the scores of the step the trainer finishes); a handler, unlike SIG_IGN, is
+    # reset for the programs a scorer runs.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _ignore)
     threading.Thread(target=_exit_with_trainer, args=(os.getppid(),), daemon=True).start()
     capture = OutputCapture(int(argv[2]))
     while True:

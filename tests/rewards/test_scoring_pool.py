@@ -174,3 +174,20 @@ def test_a_reward_file_that_hangs_at_import_is_named_after_the_grace(tmp_path):
         assert pool._workers == {}  # the hung worker was killed
     assert message == f"reward.custom_fn: importing {reward}:score took more than 1s"
     assert fix == "make the file fast to import (no work at import time)"
+
+
+def test_a_stop_signal_to_every_process_does_not_fail_the_scores_of_the_step(tmp_path):
+    import signal
+    import threading
+
+    reward = tmp_path / "slow.py"
+    reward.write_text("import time\n\n"
+                      "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    time.sleep(1.0)\n"
+                      "    return 1.0\n")  # fmt: skip
+    with RewardManager("naive", custom_fn=f"{reward}:score") as manager:
+        worker = manager.pool._workers[0].process.pid
+        # as a job scheduler's SIGTERM reaches the worker while the trainer finishes its step
+        threading.Timer(0.3, os.kill, (worker, signal.SIGTERM)).start()
+        result = manager.score(["a", "b"], ["x"] * 2, ["s"] * 2)
+    assert result.scores == [1.0, 1.0] and result.metrics["reward/num_worker_deaths"] == 0.0
