@@ -90,34 +90,37 @@ class ScoringPool:
     def check_loads(self, target: str) -> tuple[str, str | None] | None:
         """Import ``target``'s file in a worker: None, or (message, fix) of what went wrong
         (an import error, an exit, a crash, or an import past startup_grace_s)."""
+        importing = f"reward.custom_fn: importing {target}"
         with self._lock:
             try:
                 worker = self._worker(0)
                 worker.send(("load", target))
                 if not wait([worker.connection], self.startup_grace_s):
-                    self._discard(0, kill=True)
-                    return (f"reward.custom_fn: importing {target} took more than {self.startup_grace_s:g}s",
+                    self._discard(0)
+                    return (f"{importing} took more than {self.startup_grace_s:g}s",
                             "make the file fast to import (no work at import time)")  # fmt: skip
                 reply = worker.receive(4 * MAX_VALUE_BYTES)
             except WorkerDied as death:
                 self._discard(0)
-                return (f"reward.custom_fn: importing {target} ended the reward worker process "
-                        f"({death})",
+                return (f"{importing} ended the reward worker process ({death})",
                         "a reward file must not exit or crash when imported")  # fmt: skip
         if reply == ("loaded",):
             return None
         if isinstance(reply, tuple) and len(reply) == 3 and reply[0] == "load_error":
             return str(reply[1]), None if reply[2] is None else str(reply[2])
-        return f"reward.custom_fn: importing {target} gave no answer the trainer can read", None
+        return f"{importing} gave no answer the trainer can read", None
 
     def _worker(self, slot: int) -> RewardWorker:
+        if slot in self._workers and self._workers[slot].process.poll() is not None:
+            self._discard(slot)  # ended while idle (killed from outside): none of its calls failed
         if slot not in self._workers:
             self._workers[slot] = RewardWorker(self.output_cap_bytes)
         return self._workers[slot]
 
-    def _discard(self, slot: int, kill: bool = True) -> None:
+    def _discard(self, slot: int) -> None:
+        """Kill the worker of ``slot`` (dead, hung or stale); the next use starts another."""
         worker = self._workers.pop(slot, None)
-        if worker is not None and kill:
+        if worker is not None:
             worker.kill()
 
     def _chunks(self, size: int) -> list[tuple[int, int]]:
