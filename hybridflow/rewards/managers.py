@@ -15,9 +15,9 @@ of at most MAX_ABS_SCORE (None, a string, NaN, 10**400) scores 0 and is counted 
 `reward/num_errors` / `reward/num_timeouts` (dead workers also in
 `reward/num_worker_deaths`); the first distinct messages are kept in
 `RewardResult.error_messages` and what the scoring code printed in `RewardResult.output`
-(rewards/monitor.py prints both, capped, and stops a run whose reward always fails). A scorer may return a
-float or a dict with a "score" key; the dict's other numeric keys are averaged into
-`reward/extra/<key>` and kept per sample in `RewardResult.per_sample`.
+(rewards/monitor.py prints both, capped, and stops a run whose reward always fails). A
+scorer may return a float or a dict with a "score" key; the dict's other numeric keys are
+averaged into `reward/extra/<key>` and kept per sample in `RewardResult.per_sample`.
 """
 
 from __future__ import annotations
