@@ -180,6 +180,24 @@ def test_monitor_prints_each_distinct_message_once_and_flags_mostly_failed_steps
     assert len(flagged) == 2 and "step 2: the reward failed on 7 of 8 samples" in flagged[0]
 
 
+def test_monitor_shows_the_scoring_codes_output_up_to_a_cap_per_run():
+    from hybridflow.rewards.monitor import MAX_OUTPUT_CHARS
+
+    lines = []
+    monitor = RewardFailureMonitor(lines.append)
+    for step in (1, 2, 3):
+        printed = RewardResult([1.0], {"reward/output_bytes_dropped": 5.0},
+                               output=[("f.py:score", "y" * 30_000)])  # fmt: skip
+        monitor.observe(printed, step=step)
+    shown = "".join(lines)
+    assert lines[0] == "reward output (f.py:score):\n" + "y" * 30_000
+    assert "reward output: 5 more bytes dropped this step" in lines[1]
+    assert MAX_OUTPUT_CHARS <= len(shown) < MAX_OUTPUT_CHARS + 1000
+    assert sum("characters shown in this run" in line for line in lines) == 1
+    monitor.observe(printed, step=4)
+    assert "".join(lines) == shown  # nothing more once the cap is reached
+
+
 def test_monitor_stops_after_consecutive_all_failed_steps_only():
     monitor = RewardFailureMonitor(lambda line: None, patience=3)
     for step in (1, 2):
