@@ -193,6 +193,7 @@ def cmd_export(args) -> int:
 
     export = import_for("export", "hybridflow.trainer.export")
     out = Path(args.out)
+    export.check_export_target(out, overwrite=args.overwrite)
     existed = out.exists()
     try:  # nothing to save on the way: SIGTERM or Ctrl-C stops the export at once
         with StopRequest().on_signals(lambda line: print(line, file=sys.stderr)):
@@ -240,7 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("checkpoint",
                    help="a checkpoint directory, e.g. RUN_DIR/checkpoints/step_100")  # fmt: skip
-    p.add_argument("out", help="the model directory to write (created)")
+    p.add_argument("out", help="the model directory to write (created; an existing one must "
+                   "be empty unless --overwrite)")  # fmt: skip
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into OUT even when it holds files (its model files are "
+                   "replaced, other files are left)")  # fmt: skip
     _add_debug_flag(p)
     p.set_defaults(func=cmd_export)
 
