@@ -203,6 +203,7 @@ def _train(cfg: Config, log, progress: ProgressReporter, stop) -> dict[str, floa
         write_run_config(run.cfg)
         with progress.task("resuming: loading the latest checkpoint"):
             path = resume(run, log=log)
+        resumed_at = run.step
         if path is not None:
             log(f"resumed from {path} at step {run.step}")
         t = run.cfg.trainer
@@ -224,7 +225,7 @@ def _train(cfg: Config, log, progress: ProgressReporter, stop) -> dict[str, floa
             run.tracker.close()
         run.roles.shutdown()
         run.reward.close()
-    log(summary(run, time.perf_counter() - started))
+    log(summary(run, time.perf_counter() - started, resumed_at))
     if run.profiler is not None and run.profiler.summary():
         log(run.profiler.summary())
     return final
@@ -248,11 +249,16 @@ def write_run_config(cfg: Config) -> None:
     os.replace(temporary, run_dir / RUN_CONFIG)
 
 
-def summary(run: RunContext, seconds: float) -> str:
-    """Validation accuracy before and after training, per data source (only the values, when
-    validation ran once: there is no gain to show)."""
+def summary(run: RunContext, seconds: float, resumed_at: int = 0) -> str:
+    """The steps this run trained (after ``resumed_at``, the checkpoint it resumed from), then
+    validation before and after training, per data source (only the values, when validation
+    ran once: there is no gain to show)."""
     history = run.history.get("val", [])
-    lines = [f"done: {run.step} steps in {seconds:.0f} s; metrics in {run.cfg.trainer.run_dir}"]
+    steps = f"{run.step - resumed_at} steps in {seconds:.0f} s"
+    if resumed_at:
+        steps += (f" (steps {resumed_at + 1} to {run.step} of {run.cfg.trainer.total_steps}, "
+                  f"resumed from the checkpoint of step {resumed_at})")  # fmt: skip
+    lines = [f"done: {steps}; metrics in {run.cfg.trainer.run_dir}"]
     if len(history) == 1:
         step, values = history[0]
         lines.append(f"  validation ran once, at step {step}, so there is no gain to show:")

@@ -27,3 +27,14 @@ def test_no_validation_no_lines():
     assert summary(_run([]), 10.0).splitlines() == [
         f"done: 4 steps in 10 s; metrics in {load_config().trainer.run_dir}"
     ]
+
+
+def test_a_resumed_run_counts_the_steps_it_trained_and_says_where_it_resumed():
+    # resumed at step 6 of 20, it trained 14 steps (it said "done: 20 steps")
+    run = SimpleNamespace(
+        step=20, history={"val": []}, cfg=load_config(None, ["trainer.total_steps=20"])
+    )
+    assert summary(run, 30.0, resumed_at=6).splitlines()[0] == (
+        "done: 14 steps in 30 s (steps 7 to 20 of 20, resumed from the checkpoint of step 6); "
+        f"metrics in {run.cfg.trainer.run_dir}"
+    )
