@@ -43,6 +43,7 @@ def setup(cfg: Config, log=print, progress: ProgressReporter | None = None,
     # what a killed save left behind (on a full disk, the rerun needs that space)
     CheckpointManager(f"{cfg.trainer.run_dir}/checkpoints").remove_stale()
     derived, tokenizer, reward = checked.derived, checked.tokenizer, checked.reward
+    log(run_layout_line(cfg, derived))
     cfg = save_defaults(async_defaults(cfg, log), log, critic=derived.use_critic)
     cfg = memory_defaults(cfg, log)  # checkpointing=auto, the log-prob passes' token budgets
     cfg = compile_defaults(cfg, log)  # compile=auto: on when training on CUDA
@@ -102,6 +103,17 @@ def setup(cfg: Config, log=print, progress: ProgressReporter | None = None,
             fix=FIX_JUDGE,
         ),  # fmt: skip
     )
+
+
+def run_layout_line(cfg: Config, derived) -> str:
+    """Which roles run, and each one's TP/SP/EP/DP sizes over the run's devices."""
+    from hybridflow.config.parallel_checks import roles_in_use
+    from hybridflow.parallel.roles import layout_line, role_layouts
+    from hybridflow.trainer.roles import resolve_device
+
+    layouts = derived.layouts or role_layouts(cfg, derived.world_size, derived.world_size)
+    in_use = roles_in_use(derived.use_reference, derived.use_critic)
+    return layout_line(layouts, in_use, resolve_device(cfg.trainer.device), derived.world_size)
 
 
 def _judge(cfg: Config, roles, tokenizer):
