@@ -220,8 +220,10 @@ def test_a_stopped_sft_says_where_it_stopped_and_a_resumed_one_counts_its_own_st
     out, err = capsys.readouterr()
     assert "SFT: stopped at 3 of 1000 steps after" in out and "done" not in out
     saved = tmp_path / "run" / "sft" / "checkpoints" / "step_3"
-    assert err.strip() == (f"stopped by SIGINT after SFT step 3 of 1000: saved {saved}; run the "
-                           "same command again to resume")  # a stop asked for, not an error
+    assert err.strip() == (
+        f"stopped by SIGINT after SFT step 3 of 1000: saved {saved}; run the "
+        "same command again to resume"
+    )  # a stop asked for, not an error
     monkeypatch.setattr(SFTTrainer, "step", step)
     assert main([*args, "sft.total_steps=5"]) == 0
     out = capsys.readouterr().out
