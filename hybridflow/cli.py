@@ -103,14 +103,23 @@ def walk_parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ("hybr
                 yield from walk_parsers(child, (*path, name))
 
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
+RL_EXAMPLES = ("examples/grpo.yaml", "rollout.n=8 actor.lr=1e-6")
+SFT_EXAMPLES = ("sft.yaml (its `model`, `sft` and `trainer` sections)",
+                "model.path=/models/Qwen2.5-0.5B-Instruct sft.train_files=[data/sft.jsonl] "
+                "sft.lr=1e-5 sft.total_steps=500")  # fmt: skip
+"""What ``--help`` shows as a --config file and as overrides: RL's for train and config, SFT's
+for sft (an RL example there sets keys SFT never reads)."""
+
+
+def _add_config_args(p: argparse.ArgumentParser, examples: tuple[str, str] = RL_EXAMPLES) -> None:
+    config_file, overrides = examples
     _add_debug_flag(p)
     p.add_argument("--config", "-c", default=None,
-                   help="YAML file with config sections, e.g. examples/grpo.yaml (default: "
+                   help=f"YAML file with config sections, e.g. {config_file} (default: "
                    "none, every key at its default)")  # fmt: skip
     p.add_argument(
         "overrides", nargs="*", metavar="KEY=VALUE",
-        help="dotted overrides over the --config file, such as rollout.n=8 actor.lr=1e-6 "
+        help=f"dotted overrides over the --config file, such as {overrides} "
         "(verl's keys too); default: none",
     )  # fmt: skip
 
@@ -184,6 +193,7 @@ def cmd_export(args) -> int:
 
     export = import_for("export", "hybridflow.trainer.export")
     out = Path(args.out)
+    export.check_export_target(out, overwrite=args.overwrite)
     existed = out.exists()
     try:  # nothing to save on the way: SIGTERM or Ctrl-C stops the export at once
         with StopRequest().on_signals(lambda line: print(line, file=sys.stderr)):
@@ -214,10 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
          "overrides make; with neither, the built-in GRPO demo on the arithmetic task."),
         ("sft", "supervised fine-tuning on prompt/response or chat data",
          "Supervised fine-tuning of model.path on the prompt/response or chat rows of "
-         "data.train_files (the `sft` section's keys set the run)."),
+         "sft.train_files (the `sft` section's keys set the run), e.g. `hybridflow sft "
+         "model.path=/models/Qwen2.5-0.5B-Instruct sft.train_files=[data/sft.jsonl] "
+         "sft.total_steps=500`."),
     ):  # fmt: skip
         p = sub.add_parser(kind, help=help_text, description=what, epilog=KEYS_DOCUMENTED)
-        _add_config_args(p)
+        _add_config_args(p, SFT_EXAMPLES if kind == "sft" else RL_EXAMPLES)
         p.set_defaults(func=lambda a, kind=kind: _run_trainer(kind, a))
 
     p = sub.add_parser(
@@ -229,7 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("checkpoint",
                    help="a checkpoint directory, e.g. RUN_DIR/checkpoints/step_100")  # fmt: skip
-    p.add_argument("out", help="the model directory to write (created)")
+    p.add_argument("out", help="the model directory to write (created; an existing one must "
+                   "be empty unless --overwrite)")  # fmt: skip
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into OUT even when it holds files (its model files are "
+                   "replaced, other files are left)")  # fmt: skip
     _add_debug_flag(p)
     p.set_defaults(func=cmd_export)
 

@@ -36,8 +36,9 @@ class UserError(Exception):
 
 
 class RunStopped(UserError):
-    """The run was asked to stop (SIGTERM); the message says what was saved and how to
-    resume. Exit status 128 + the signal number, as a shell reports a killed process."""
+    """The run was asked to stop (SIGTERM, SIGINT); the message says what was saved and how
+    to resume. Printed as it is (a stop asked for is no error), with the exit status 128 + the
+    signal number, as a shell reports a killed process."""
 
     def __init__(self, message: str, exit_code: int):
         super().__init__(message)
@@ -154,6 +155,8 @@ def report(error: BaseException, *, debug: bool, program: str = "hybridflow") ->
     shown = ""
     if debug or user_error is None:
         shown = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    if isinstance(user_error, RunStopped):  # asked for, not a failure: "stopped by SIGINT ..."
+        return f"{shown}{user_error}", user_error.exit_code
     if user_error is not None:
         return f"{shown}error: {user_error}", user_error.exit_code
     return (

@@ -66,6 +66,11 @@ class TaskProgress:
     """Seconds between the last two changes of ``done``: how long one unit (a step) takes."""
     rows: bool = False
     """Each unit done is reported by a line of its own (a step's table row)."""
+    start_done: float = 0.0
+    """``done`` when this run took the task up (a resumed run's first step is after it)."""
+    stopped: bool = False
+    """The phase ended before its work was done (a stop request, an error): set by its owner
+    where the total cannot tell (no total), and on an exception out of :meth:`task`."""
     reporter: ProgressReporter | None = field(default=None, repr=False)
     rich_id: Any = field(default=None, repr=False)
 
@@ -87,6 +92,23 @@ class TaskProgress:
 
     def set_status(self, status: str) -> None:
         self.update(self.done, status)
+
+
+def closing_line(task: TaskProgress, took: str) -> str:
+    """What a reported task says when it closes: done, or stopped where it was (short of its
+    total, or :attr:`~TaskProgress.stopped`); the units of a resumed task are this run's,
+    with where it started and ended."""
+    unit = f" {task.unit}" if task.unit else ""
+    of_total = f" of {task.total:g}" if task.total else ""
+    if task.stopped or (task.total and task.done < task.total):
+        return f"{task.description}: stopped at {task.done:g}{of_total}{unit} after {took}"
+    if not task.unit:
+        return f"{task.description}: done in {took}"
+    if task.start_done:
+        this_run = task.done - task.start_done
+        return (f"{task.description}: done, {this_run:g}{unit} in {took} (this run: "
+                f"{task.start_done + 1:g} to {task.done:g}{of_total})")  # fmt: skip
+    return f"{task.description}: done, {task.done:g}{unit} in {took}"
 
 
 def progress_line(task: TaskProgress, now: float) -> str:
@@ -218,13 +240,17 @@ class ProgressReporter:
         task.rows = rows
         try:
             yield task
+        except BaseException:
+            task.stopped = True
+            raise
         finally:
             self.close_task(task)
 
     def open_task(
         self, description: str, total: float | None = None, unit: str = "", done: float = 0.0
     ) -> TaskProgress:
-        task = TaskProgress(description, total, unit, started=self.clock(), done=done)
+        task = TaskProgress(description, total, unit, started=self.clock(), done=done,
+                            start_done=done)  # fmt: skip
         with self._lock:
             self.tasks.append(task)
             if self.live:
@@ -245,9 +271,7 @@ class ProgressReporter:
                     self._bar.stop()
                     self._bar = None
             if task.lines and not self.live:  # it reported progress: say that it ended
-                took = format_duration(self.clock() - task.started)
-                amount = f"{task.done:g} {task.unit} " if task.unit else ""
-                self.print(f"{task.description}: done, {amount}in {took}")
+                self.print(closing_line(task, format_duration(self.clock() - task.started)))
         task.reporter = None
 
     def set_status(self, status: str) -> None:

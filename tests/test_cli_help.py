@@ -79,3 +79,12 @@ def test_defaults_are_shown(capsys):
         main(["data", "arithmetic", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "(default: 4000)" in out
+
+
+def test_sft_help_shows_sft_examples_not_rl_ones(capsys):
+    with pytest.raises(SystemExit):
+        main(["sft", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "sft.train_files=" in out and "sft.lr=" in out
+    assert "rollout." not in out and "actor." not in out and "grpo" not in out
+    assert "data.train_files" not in out  # SFT reads sft.train_files

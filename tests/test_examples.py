@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from example_helpers import command_overrides
 
 from hybridflow.config import load_config, validate
 from hybridflow.trainer import memory_check as mc
@@ -19,8 +20,29 @@ def test_there_are_examples():
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
-def test_each_example_is_a_valid_config(path):
-    validate(load_config(str(path), []))
+def test_each_example_starts_with_the_command_that_runs_it(path):
+    assert path.read_text().startswith("# hybridflow "), path.name
+    command_overrides(path)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_each_example_is_a_valid_config(path, tmp_path):
+    """As its first line runs it (a reward model's path there is a tiny one written here)."""
+    from reward_model_helpers import write_reward_model
+
+    from hybridflow.models import load_tokenizer
+
+    local = {}
+    if "reward.model.path=" in path.read_text().splitlines()[0]:
+        rm = write_reward_model(tmp_path / "rm", tokenizer=load_tokenizer("char"))
+        local["reward.model.path"] = str(rm)
+    validate(load_config(str(path), command_overrides(path, local)))
+
+
+def test_there_is_a_reward_model_example():
+    names = [p.name for p in EXAMPLES]
+    first = EXAMPLES[names.index("reward_model.yaml")].read_text().splitlines()[0]
+    assert "reward.model.path=" in first
 
 
 def test_each_example_has_its_own_run_dir():

@@ -34,7 +34,7 @@ def test_a_status_line_only_after_the_interval_of_silence():
         "training: 0/10 steps (0%), 10s elapsed",
         "a table row",
         "training: 0/10 steps (0%), 21s elapsed",
-        "training: done, 0 steps in 21s",
+        "training: stopped at 0 of 10 steps after 21s",
     ]
 
 
@@ -85,3 +85,57 @@ def test_a_task_opened_after_a_long_silence_waits_its_own_interval():
         clock.now = 69.0
         reporter.tick()
     assert buffer.getvalue() == ""  # and no "done" line for a task that said nothing
+
+
+def _closing(clock, reporter, buffer):
+    clock.now += 60.0
+    reporter.tick()  # a status line: the task will say how it ended
+    return buffer
+
+
+def test_a_task_that_reaches_its_total_says_done():
+    clock = FakeClock()
+    reporter, buffer = log_reporter(clock)
+    with reporter.task("SFT", total=2000, unit="steps") as task:
+        task.update(2000)
+        _closing(clock, reporter, buffer)
+    assert buffer.getvalue().splitlines()[-1] == "SFT: done, 2000 steps in 1m00s"
+
+
+def test_a_task_left_short_of_its_total_says_where_it_stopped_not_done():
+    # an SFT stopped by SIGINT after step 221 of 2000 said "SFT: done, 221 steps"
+    clock = FakeClock()
+    reporter, buffer = log_reporter(clock)
+    with reporter.task("SFT", total=2000, unit="steps") as task:
+        task.update(221)
+        _closing(clock, reporter, buffer)
+    assert buffer.getvalue().splitlines()[-1] == "SFT: stopped at 221 of 2000 steps after 1m00s"
+
+
+def test_a_task_without_a_total_stopped_by_its_owner_or_an_error_says_stopped():
+    import pytest
+
+    clock = FakeClock()
+    reporter, buffer = log_reporter(clock)
+    with reporter.task("warm start SFT", unit="steps") as task:
+        task.update(221)
+        task.stopped = True  # the owner knows: a stop request, not the accuracy target
+        _closing(clock, reporter, buffer)
+    assert buffer.getvalue().splitlines()[-1] == "warm start SFT: stopped at 221 steps after 1m00s"
+    with pytest.raises(KeyboardInterrupt), reporter.task("validation", unit="prompts") as task:
+        task.update(5)
+        _closing(clock, reporter, buffer)
+        raise KeyboardInterrupt
+    assert buffer.getvalue().splitlines()[-1] == "validation: stopped at 5 prompts after 1m00s"
+
+
+def test_a_resumed_task_counts_this_runs_units_and_says_where_it_started():
+    # a run resumed at step 6 of 20 said "done, 20 steps" after doing 14
+    clock = FakeClock()
+    reporter, buffer = log_reporter(clock)
+    with reporter.task("training", total=20, unit="steps", done=6) as task:
+        task.update(20)
+        _closing(clock, reporter, buffer)
+    assert buffer.getvalue().splitlines()[-1] == (
+        "training: done, 14 steps in 1m00s (this run: 7 to 20 of 20)"
+    )

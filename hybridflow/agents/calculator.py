@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import math
+import re
 
 from hybridflow.agents.tools import ToolError, check_arguments
 
@@ -102,6 +103,36 @@ def _evaluate(node: ast.AST) -> int | float:
     raise ToolError(f"{type(node).__name__} is not allowed in an expression; only {_ALLOWED}")
 
 
+# Read left to right as Python's tokenizer does: a name whole, else a number's run (a digit,
+# or a dot and a digit, then digits, letters, dots, "_" and an exponent's sign), else one
+# character. Group 1 is a number's run.
+_RUNS = re.compile(r"[^\W\d]\w*|(\.?\d(?:[eE][+-]\d|[\w.])*)|.", re.DOTALL)
+
+
+def _not_parsed(expression: str) -> str | None:
+    """Why ``expression`` is refused before Python's parser sees it, or None. The parser warns
+    (a SyntaxWarning on stderr, from whichever thread runs the tool) about a number run into
+    a word (``3if``, ``0x1for``) and about escapes in strings (a backslash); neither is
+    arithmetic, so both are refused here, where the model is told why."""
+    if "\\" in expression:
+        return f"a backslash is not arithmetic; only {_ALLOWED}"
+    for run in _RUNS.findall(expression):
+        if run and not _is_number(run):
+            return f"{run!r} is not a number; only {_ALLOWED}"
+    return None
+
+
+def _is_number(text: str) -> bool:
+    """``text`` reads as an int (decimal, 0x, 0o, 0b) or a float literal."""
+    for read in (lambda t: int(t, 0), float):
+        try:
+            read(text)
+            return True
+        except ValueError:
+            continue
+    return False
+
+
 def evaluate(expression: str) -> int | float:
     """The value of an arithmetic expression; ToolError says what is wrong with a bad one."""
     if not isinstance(expression, str):
@@ -113,6 +144,9 @@ def evaluate(expression: str) -> int | float:
         raise ToolError(
             f"the expression has {len(expression)} characters; at most {MAX_EXPRESSION_CHARS}"
         )
+    refused = _not_parsed(expression)
+    if refused is not None:
+        raise ToolError(refused)
     try:
         tree = ast.parse(expression, mode="eval")
     except SyntaxError as error:

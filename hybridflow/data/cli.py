@@ -5,6 +5,7 @@ hybridflow data gsm8k --from-hub --out data/gsm8k
 hybridflow data arithmetic --out data/arithmetic
 hybridflow data countdown --out data/countdown
 hybridflow data check data/gsm8k/train.parquet
+hybridflow data check builtin:arithmetic
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def _cmd_countdown(args) -> int:
 
 
 def _cmd_check(args) -> int:
+    from hybridflow.data.builtin import BUILTIN_PREFIX, load_records
     from hybridflow.data.schema import load_prompt_records
 
     known = None
@@ -78,6 +80,13 @@ def _cmd_check(args) -> int:
 
         known = default_registry().names()
     for path in args.files:
+        if path.startswith(BUILTIN_PREFIX):  # as data.train_files takes it: both splits
+            for split, name in (("train", "training"), ("test", "validation")):
+                records = load_records(path, split, known_data_sources=known)
+                counts = Counter(record.data_source for record in records)
+                print(f"{path} ({name} split, the default sizes): {len(records)} rows OK; "
+                      f"data sources {dict(counts)}")  # fmt: skip
+            continue
         records = load_prompt_records(path, known_data_sources=known, prompt_key=args.prompt_key)
         counts = Counter(record.data_source for record in records)
         print(f"{path}: {len(records)} rows OK; data sources {dict(counts)}")
@@ -163,7 +172,9 @@ def add_data_subcommand(subparsers) -> argparse.ArgumentParser:
         description="Read prompt files as a run would (schema, prompt column, data sources) "
         "and print the rows per data source; each problem names the file and row.",
     )
-    p.add_argument("files", nargs="+", help="prompt files (.parquet, .jsonl, .json)")
+    p.add_argument("files", nargs="+",
+                   help="prompt files (.parquet, .jsonl, .json) or built-in tasks "
+                   "(builtin:arithmetic, builtin:countdown, builtin:calc)")  # fmt: skip
     p.add_argument("--prompt-key", default="prompt",
                    help="the column holding the prompt (data.prompt_key)")  # fmt: skip
     p.add_argument(

@@ -142,16 +142,37 @@ def save_model(model: CausalLM, directory: str, max_shard_size: int = 5 * 1024**
         if os.path.exists(os.path.join(directory, stale)):
             os.remove(os.path.join(directory, stale))
     if len(shards) == 1:
-        save_file(shards[0], os.path.join(directory, SINGLE_FILE), metadata={"format": "pt"})
+        _save_shard(shards[0], os.path.join(directory, SINGLE_FILE))
         return
     weight_map = {}
     for i, shard in enumerate(shards):
         file_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(directory, file_name), metadata={"format": "pt"})
+        _save_shard(shard, os.path.join(directory, file_name))
         weight_map.update(dict.fromkeys(shard, file_name))
     total = sum(t.numel() * t.element_size() for t in state.values())
     with open(os.path.join(directory, INDEX_FILE), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def _save_shard(tensors: dict[str, torch.Tensor], path: str) -> None:
+    """One safetensors file, readable as the config.json beside it is: safetensors writes it
+    atomically through a private temporary file (mode 0600), kept after the rename."""
+    save_file(tensors, path, metadata={"format": "pt"})
+    os.chmod(path, 0o666 & ~current_umask())
+
+
+def current_umask() -> int:
+    """The process's umask (read without changing it where /proc says it)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # elsewhere: read by setting, then set back at once
+    os.umask(mask)
+    return mask
 
 
 def _split_into_shards(

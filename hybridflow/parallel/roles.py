@@ -93,3 +93,24 @@ def role_layouts(cfg: Config, train_world: int, rollout_world: int) -> RoleLayou
         critic=training("critic"),
         rollout=rollout_layout(rollout_world, tp=rollout["tp"], ep=rollout["ep"]),
     )
+
+
+BACKENDS = {"cuda": ("GPU", "NCCL"), "cpu": ("CPU process", "gloo")}
+"""A device kind -> what one rank is, and the collectives' library between ranks."""
+
+
+def layout_line(layouts: RoleLayouts, in_use: set[str], device: str, world: int) -> str:
+    """The run's layout in one line, every role in use with its TP/SP/EP/DP sizes, e.g.
+    ``layout on 2 CPU processes (gloo): actor TP=2 SP=1 EP=1 DP=1 | rollout TP=2 EP=1 DP=1``."""
+    rank, library = BACKENDS.get(device, (f"{device} device", "its collectives"))
+    ranks = rank if world == 1 else rank + ("es" if rank.endswith("s") else "s")
+    where = f"{world} {ranks}"
+    parts = []
+    for role in ("actor", "ref", "critic", "rollout"):
+        if role not in in_use:
+            continue
+        layout = getattr(layouts, role)
+        sp = f" SP={layout.sp}" if role != "rollout" else ""
+        parts.append(f"{role} TP={layout.tp}{sp} EP={layout.ep} DP={layout.dp}")
+    between = f" ({library})" if world > 1 else ""
+    return f"layout on {where}{between}: {' | '.join(parts)}"

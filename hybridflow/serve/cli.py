@@ -217,8 +217,18 @@ def run_serve_command(args) -> int:
             print(f"serving {name} (max_seq_len {max_seq_len}) at {url}/v1 "
                   "(OpenAI API; Ctrl-C stops)", flush=True)  # fmt: skip
 
+        take_ctrl_c()
         asyncio.run(serve_forever(app, sock, started))
     return 0
+
+
+def take_ctrl_c() -> None:
+    """SIGINT stops the server, also when started where it is ignored (``nohup``, ``cmd &``
+    in a script: the shell starts background jobs with SIGINT ignored, and Python keeps an
+    inherited SIG_IGN). `hybridflow train` takes SIGINT the same way (trainer/stop.py)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _bind(host: str, port: int):

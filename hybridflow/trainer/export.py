@@ -65,6 +65,21 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, log=print) -> Pat
     return out
 
 
+def check_export_target(out: Path, overwrite: bool) -> None:
+    """``out`` is a directory to create, an empty one, or (``overwrite``) any directory: an
+    export never replaces a model someone may still need without being told to."""
+    if out.exists() and not out.is_dir():
+        raise UserError(
+            f"{out} is a file, not a directory", "give a directory to write the model to"
+        )
+    if overwrite or not out.is_dir() or not any(out.iterdir()):
+        return
+    raise UserError(
+        f"{out} already exists and is not empty; export does not write over it",
+        "give a new or empty directory, or add --overwrite to replace the model files in it",
+    )
+
+
 GIVE_A_CHECKPOINT = (
     "give a checkpoint directory <run_dir>/checkpoints/step_N, or a run directory "
     "(<trainer.run_dir>) to export its latest complete checkpoint"

@@ -259,7 +259,9 @@ def check_memory(cfg: Config, derived: Derived, log=lambda *a, **k: None) -> Mem
     plan = plan_for_config(cfg, derived, gpu_bytes)
     if plan is None:
         return None
-    log(render(plan, source))
+    from hybridflow.trainer.roles import resolve_device
+
+    log(render(plan, source, on_cpu=resolve_device(cfg.trainer.device) == "cpu"))
     reward_gpu = reward_model_gpu(cfg, derived)
     if reward_gpu is not None:
         log(f"  per reward-model GPU: {gib(reward_gpu[0])} (its weights and one forward)")

@@ -28,8 +28,10 @@ def usable_bytes(gpu_bytes: int) -> int:
     return int(gpu_bytes * (1 - HEADROOM_FRACTION)) - HEADROOM_BYTES
 
 
-def render(plan: MemoryPlan, gpu_source: str = "") -> str:
-    """The plan as a table: one row per item, then the peak of each phase and the verdict."""
+def render(plan: MemoryPlan, gpu_source: str = "", on_cpu: bool = False) -> str:
+    """The plan as a table: one row per item, then the peak of each phase and the verdict.
+    ``on_cpu``: the run trains in CPU processes, so the table is what each GPU would hold if
+    it ran on GPUs, and the run's own memory is the host line (host_memory.py)."""
     a, o = plan.architecture, plan.options
     total, trained = a.num_parameters(), trainable_parameters(a, o)
     placement = "split, rollout on GPUs of its own" if o.split else "colocated"
@@ -39,11 +41,15 @@ def render(plan: MemoryPlan, gpu_source: str = "") -> str:
         if a.is_moe
         else ""
     )
+    devices = "CPU process(es)" if on_cpu else "GPU(s)"
     lines = [
         f"memory plan: {plan.model} ({count(total)} parameters{active}, {count(trained)} "
-        f"trained), {o.train_gpus} training GPU(s), {placement}",
-        f"  {'item':<52} {'per GPU':>10} {'host':>10}  held during",
+        f"trained), {o.train_gpus} training {devices}, {placement}",
     ]
+    if on_cpu:
+        lines.append("  trainer.device=cpu: the 'per GPU' column is what each GPU would hold "
+                     "with trainer.device=cuda; this run's memory is the host line below")  # fmt: skip
+    lines.append(f"  {'item':<52} {'per GPU':>10} {'host':>10}  held during")
     for item in plan.items:
         when = "always" if item.phases == ALWAYS else ", ".join(item.phases) or "-"
         if item.rollout_gpu:
@@ -53,7 +59,8 @@ def render(plan: MemoryPlan, gpu_source: str = "") -> str:
                      f"  {when}{note}")  # fmt: skip
     phases = [p for p in PHASES if p != CRITIC or o.critic]
     peaks = " | ".join(f"{p} {gib(plan.phase_bytes(p))}" for p in phases)
-    lines.append(f"  per training GPU: {peaks}; host {gib(plan.host_bytes())}")
+    per = "per GPU, were it trained on GPUs" if on_cpu else "per training GPU"
+    lines.append(f"  {per}: {peaks}; host {gib(plan.host_bytes())}")
     if o.split:
         lines.append(f"  per rollout GPU: {gib(plan.phase_bytes(GENERATE, rollout_gpu=True))}")
     lines.append("  " + verdict(plan, gpu_source))

@@ -21,6 +21,7 @@ from hybridflow.trainer.memory_plan import GIB
 from hybridflow.trainer.memory_render import gib, render
 from hybridflow.trainer.memory_reward_model import reward_model_gpu, reward_model_gpu_problems
 from hybridflow.trainer.parallel_section import parallel_section, uses_parallel_layouts
+from hybridflow.trainer.roles import resolve_device
 
 SIZE_UNITS = {"gib": GIB, "g": GIB, "": GIB, "gb": 10**9, "mib": 2**20, "mb": 10**6, "tib": 2**40}
 
@@ -59,7 +60,7 @@ def plan_command(cfg: Config, gpu_memory: str | None = None, out=print) -> int:
                 *host,
             ]  # fmt: skip
         )
-    out(render(plan, source))
+    out(render(plan, source, on_cpu=resolve_device(cfg.trainer.device) == "cpu"))
     for line in memory_choices(cfg, derived, gpu_bytes)[1]:
         out("  " + line)
     out("  " + host_text(need, cfg, available, host_source))

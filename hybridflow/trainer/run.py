@@ -25,7 +25,7 @@ def setup(cfg: Config, log=print, progress: ProgressReporter | None = None,
     from hybridflow.algos import build_kl_controller
     from hybridflow.data.dataset import PromptLoader
     from hybridflow.rewards.monitor import FIX_JUDGE, RewardFailureMonitor
-    from hybridflow.rewards.parts import weights_table
+    from hybridflow.rewards.parts import score_line, weights_table
     from hybridflow.trainer.checkpoint import CheckpointManager
     from hybridflow.trainer.compile_policy import compile_defaults
     from hybridflow.trainer.memory_check import memory_defaults
@@ -43,6 +43,9 @@ def setup(cfg: Config, log=print, progress: ProgressReporter | None = None,
     # what a killed save left behind (on a full disk, the rerun needs that space)
     CheckpointManager(f"{cfg.trainer.run_dir}/checkpoints").remove_stale()
     derived, tokenizer, reward = checked.derived, checked.tokenizer, checked.reward
+    log(run_layout_line(cfg, derived))
+    if (scored_by := score_line(weights_table(cfg.reward))) is not None:
+        log(scored_by)  # a reward model or a judge: the score is no longer the rule reward
     cfg = save_defaults(async_defaults(cfg, log), log, critic=derived.use_critic)
     cfg = memory_defaults(cfg, log)  # checkpointing=auto, the log-prob passes' token budgets
     cfg = compile_defaults(cfg, log)  # compile=auto: on when training on CUDA
@@ -102,6 +105,17 @@ def setup(cfg: Config, log=print, progress: ProgressReporter | None = None,
             fix=FIX_JUDGE,
         ),  # fmt: skip
     )
+
+
+def run_layout_line(cfg: Config, derived) -> str:
+    """Which roles run, and each one's TP/SP/EP/DP sizes over the run's devices."""
+    from hybridflow.config.parallel_checks import roles_in_use
+    from hybridflow.parallel.roles import layout_line, role_layouts
+    from hybridflow.trainer.roles import resolve_device
+
+    layouts = derived.layouts or role_layouts(cfg, derived.world_size, derived.world_size)
+    in_use = roles_in_use(derived.use_reference, derived.use_critic)
+    return layout_line(layouts, in_use, resolve_device(cfg.trainer.device), derived.world_size)
 
 
 def _judge(cfg: Config, roles, tokenizer):
@@ -203,6 +217,7 @@ def _train(cfg: Config, log, progress: ProgressReporter, stop) -> dict[str, floa
         write_run_config(run.cfg)
         with progress.task("resuming: loading the latest checkpoint"):
             path = resume(run, log=log)
+        resumed_at = run.step
         if path is not None:
             log(f"resumed from {path} at step {run.step}")
         t = run.cfg.trainer
@@ -224,7 +239,7 @@ def _train(cfg: Config, log, progress: ProgressReporter, stop) -> dict[str, floa
             run.tracker.close()
         run.roles.shutdown()
         run.reward.close()
-    log(summary(run, time.perf_counter() - started))
+    log(summary(run, time.perf_counter() - started, resumed_at))
     if run.profiler is not None and run.profiler.summary():
         log(run.profiler.summary())
     return final
@@ -248,11 +263,24 @@ def write_run_config(cfg: Config) -> None:
     os.replace(temporary, run_dir / RUN_CONFIG)
 
 
-def summary(run: RunContext, seconds: float) -> str:
-    """Validation accuracy before and after training, per data source (only the values, when
-    validation ran once: there is no gain to show)."""
+def summary(run: RunContext, seconds: float, resumed_at: int = 0) -> str:
+    """The steps this run trained (after ``resumed_at``, the checkpoint it resumed from), then
+    validation before and after training, per data source (only the values, when validation
+    ran once: there is no gain to show). The rule reward's change is in points (it scores right
+    or wrong); a score made by a reward model or a judge is named, and its change is a number."""
+    from hybridflow.rewards.combine import ANY_SOURCE
+    from hybridflow.rewards.parts import describe_weights, rule_reward_alone
+
     history = run.history.get("val", [])
-    lines = [f"done: {run.step} steps in {seconds:.0f} s; metrics in {run.cfg.trainer.run_dir}"]
+    steps = f"{run.step - resumed_at} steps in {seconds:.0f} s"
+    if resumed_at:
+        steps += (f" (steps {resumed_at + 1} to {run.step} of {run.cfg.trainer.total_steps}, "
+                  f"resumed from the checkpoint of step {resumed_at})")  # fmt: skip
+    lines = [f"done: {steps}; metrics in {run.cfg.trainer.run_dir}"]
+    accuracy = rule_reward_alone(run.reward_weights)
+    if history and not accuracy:
+        lines.append(f"  validation score: {describe_weights(run.reward_weights[ANY_SOURCE])}, "
+                     "not an accuracy (val/reward/<part>/mean: each part's own mean)")  # fmt: skip
     if len(history) == 1:
         step, values = history[0]
         lines.append(f"  validation ran once, at step {step}, so there is no gain to show:")
@@ -261,7 +289,11 @@ def summary(run: RunContext, seconds: float) -> str:
         (first_step, first), (last_step, last) = history[0], history[-1]
         for key in sorted(last):
             before = first.get(key)
-            change = "" if before is None else f" ({100 * (last[key] - before):+.1f} points)"
+            change = (
+                "" if before is None
+                else f" ({100 * (last[key] - before):+.1f} points)" if accuracy
+                else f" ({last[key] - before:+.3f})"
+            )  # fmt: skip
             shown = "n/a" if before is None else f"{before:.3f}"
             lines.append(
                 f"  {key}: step {first_step} {shown} -> step {last_step} {last[key]:.3f}{change}"

@@ -231,6 +231,7 @@ def _sft(cfg: Config, out: Path, stop) -> Path:
         if path is None:
             return 0
         print(f"resumed SFT from {path} (step {loaded['step']})")
+        bar.start_done = bar.done = int(loaded["step"])  # this run's steps come after it
         return int(loaded["step"])
 
     print(f"SFT: {len(examples)} examples ({dropped} longer than sft.max_length dropped)")
@@ -259,6 +260,7 @@ def _sft(cfg: Config, out: Path, stop) -> Path:
             resume=resume,
             should_stop=lambda trainer, step: stop.requested,
         )
+        bar.stopped = trainer.steps_done < sft_cfg.total_steps
     progress.close()
     if trainer.steps_done < sft_cfg.total_steps:  # stopped by the request
         saved = checkpoints.latest()

@@ -323,6 +323,11 @@ def train_warm_start(cfg: Config, task: str, target: Path, log=print, progress=N
         if stop.requested and not reached:
             saved.save(trainer, sampler, step)
 
+    def resume(trainer, sampler) -> int:
+        step = saved.resume(trainer, sampler)
+        bar.start_done = bar.done = step  # this run's steps come after it
+        return step
+
     saved = WarmStartProgress(progress_dir(target), cfg, sft_cfg, tokenizer, log)
     progress = progress or quiet_reporter()
     plan = "saving the warm start's progress after this SFT step, then stopping"
@@ -339,9 +344,10 @@ def train_warm_start(cfg: Config, task: str, target: Path, log=print, progress=N
             pad_token_id=tokenizer.pad_token_id or 0,
             log=log_progress,
             checkpoint=save_progress,
-            resume=saved.resume,
+            resume=resume,
             should_stop=should_stop,
         )
+        bar.stopped = not reached and trainer.steps_done < sft_cfg.total_steps  # asked to
     if not reached and trainer.steps_done < sft_cfg.total_steps:  # stopped by the request
         raise stop.stopped(
             f"during the warm start SFT at step {trainer.steps_done} of at most "

@@ -99,3 +99,29 @@ def test_tool_schema_and_arguments():
         asyncio.run(tool({}))
     with pytest.raises(ToolError, match="must be string"):
         asyncio.run(tool({"expression": 12}))
+
+
+@pytest.mark.parametrize(
+    "expression, message",
+    [
+        ("3if 1 else 2", "'3if' is not a number"),  # Python's parser warns: invalid decimal literal
+        ("0x1for", "'0x1for' is not a number"),  # invalid hexadecimal literal
+        ("b.5is4", "'.5is4' is not a number"),
+        ("'\\d' * 2", "a backslash is not arithmetic"),  # invalid escape sequence
+    ],
+)
+def test_what_pythons_parser_would_warn_about_is_refused_without_a_warning(expression, message):
+    # a model writes such things; the parser's SyntaxWarning would land on the run's stderr
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ToolError, match=message):
+            calc(expression)
+    assert not caught, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("expression, expected", [("1e+2", "100.0"), ("0x1f + 0b11", "34"),
+                                                  ("1_000 * .5", "500.0"), ("3. * 2", "6.0")])  # fmt: skip
+def test_number_literals_still_read(expression, expected):
+    assert calc(expression) == expected

@@ -55,3 +55,20 @@ def test_registered_on_the_top_level_parser():
 
     args = build_parser().parse_args(["data", "countdown", "--out", "x"])
     assert args.data_command == "countdown" and callable(args.func)
+
+
+def test_check_takes_builtin_tasks_as_train_does(capsys):
+    from hybridflow.cli import main as hybridflow
+
+    assert hybridflow(["data", "check", "builtin:arithmetic", "--known-sources"]) == 0
+    out = capsys.readouterr().out
+    assert "builtin:arithmetic (training split, the default sizes): 4000 rows OK" in out
+    assert "builtin:arithmetic (validation split, the default sizes): 200 rows OK" in out
+
+
+def test_check_names_an_unknown_builtin_task(capsys):
+    from hybridflow.cli import main as hybridflow
+
+    assert hybridflow(["data", "check", "builtin:algebra"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown built-in task 'algebra'" in err and "Traceback" not in err

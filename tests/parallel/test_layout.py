@@ -80,3 +80,19 @@ def test_the_builders_refuse_what_does_not_tile():
         train_layout(6, tp=4)
     with pytest.raises(ValueError, match="ep = 2 must be a multiple of tp = 4"):
         rollout_layout(8, tp=4, ep=2)
+
+
+def test_a_runs_layout_line_names_each_role_in_use_with_its_sizes():
+    from hybridflow.parallel.layout import rollout_layout, train_layout
+    from hybridflow.parallel.roles import RoleLayouts, layout_line
+
+    layouts = RoleLayouts(actor=train_layout(4, tp=2), ref=train_layout(4, sp=2),
+                          critic=train_layout(4), rollout=rollout_layout(4, tp=4))  # fmt: skip
+    assert layout_line(layouts, {"actor", "ref", "rollout"}, "cuda", 4) == (
+        "layout on 4 GPUs (NCCL): actor TP=2 SP=1 EP=1 DP=2 | ref TP=1 SP=2 EP=1 DP=2 | "
+        "rollout TP=4 EP=1 DP=1"
+    )
+    one = RoleLayouts(*(train_layout(1),) * 3, rollout=rollout_layout(1))
+    assert layout_line(one, {"actor", "rollout"}, "cpu", 1) == (
+        "layout on 1 CPU process: actor TP=1 SP=1 EP=1 DP=1 | rollout TP=1 EP=1 DP=1"
+    )

@@ -102,3 +102,21 @@ def test_serve_runs_the_tiny_preset_and_prints_its_url():
         if process.poll() is None:
             process.terminate()
             process.wait(timeout=30)
+
+
+def test_serve_started_with_sigint_ignored_still_stops_on_sigint():
+    # a script's `hybridflow serve &` (or nohup) starts it with SIGINT ignored, as train is
+    command = [sys.executable, "-m", "hybridflow.cli", "serve", "--model", "tiny", "--port",
+               "0", "--device", "cpu", "--max-seq-len", "64"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # fmt: skip
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("serving tiny"), (line, process.stderr.read())
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 130
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)

@@ -115,3 +115,29 @@ def test_export_verifies_checksums_and_a_run_directory_skips_a_damaged_checkpoin
     said = capsys.readouterr().out
     assert f"skipping {run / 'checkpoints' / 'step_2'}: damaged (actor/__0_0.distcp" in said
     assert f"exporting {run / 'checkpoints' / 'step_1'}, the latest intact checkpoint" in said
+
+
+def test_export_refuses_a_non_empty_directory_unless_told_to_overwrite(run_dir, tmp_path, capsys):
+    checkpoint = str(run_dir / "checkpoints" / "step_2")
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert main(["export", checkpoint, str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{out} already exists and is not empty" in err and "--overwrite" in err
+    assert "Traceback" not in err and sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    assert main(["export", checkpoint, str(out), "--overwrite"]) == 0
+    assert (out / "model.safetensors").is_file() and (out / "notes.txt").read_text() == "mine"
+
+
+def test_exported_weights_get_the_mode_the_umask_gives_as_the_config_does(run_dir, tmp_path):
+    import os
+    import stat
+
+    previous = os.umask(0o022)
+    try:
+        assert main(["export", str(run_dir / "checkpoints" / "step_2"), str(tmp_path / "hf")]) == 0
+    finally:
+        os.umask(previous)
+    for name in ("model.safetensors", "config.json"):
+        assert stat.S_IMODE((tmp_path / "hf" / name).stat().st_mode) == 0o644, name

@@ -27,6 +27,19 @@ def test_config_plan_prints_the_choices():
     assert any("actor.log_prob_max_tokens_per_gpu = " in line for line in out)
 
 
+def test_a_cpu_run_is_planned_in_cpu_processes_not_training_gpus(capsys):
+    from hybridflow.cli import main
+
+    assert main(["config", "plan", "trainer.device=cpu", "model.path=tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "1 training CPU process(es)" in out and "training GPU" not in out
+    assert "this run's memory is the host line below" in out
+    assert main(["config", "plan", "trainer.device=cuda", "model.path=tiny",
+                 "trainer.gpu_memory_gib=80"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "1 training GPU(s)" in out and "per training GPU:" in out and "CPU process" not in out
+
+
 LLAMA70_GRPO = ["model.path=llama3.1-70b", "trainer.backend=local", "trainer.n_gpus_per_node=8",
                 "data.max_prompt_length=1024", "data.max_response_length=4096",
                 "data.train_batch_size=128", "rollout.n=8", "actor.ppo_mini_batch_size=32",

@@ -177,3 +177,38 @@ def test_hybridflow_train_exits_2_on_a_judge_template_without_the_response_slot(
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert "has no {response} slot" in err and not (tmp_path / "run").exists()
+
+
+def test_the_reward_model_example_runs_on_the_cpu_and_names_its_score(tmp_path, capsys):
+    """examples/reward_model.yaml as its first line runs it, shrunk (tiny policy, a tiny
+    reward model in place of the real one): the run says the rule reward is combined with
+    the reward model, and validation names its score, which is no accuracy."""
+    from example_helpers import command_overrides
+    from trainer_helpers import REPO, TINY
+
+    from hybridflow.cli import main
+
+    example = REPO / "examples" / "reward_model.yaml"
+    directory = write_reward_model(tmp_path / "rm", "llama", tokenizer=load_tokenizer("char"))
+    overrides = command_overrides(example, {"reward.model.path": str(directory)})
+    shrink = [o for o in TINY if not o.startswith("reward.custom_fn")]  # the example's checker
+    code = main(["train", "--config", str(example), *overrides, *shrink, "trainer.total_steps=1",
+                 f"trainer.run_dir={tmp_path / 'run'}", f"trainer.cache_dir={tmp_path / 'cache'}"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert ("reward: the score is 1 × rule reward + 0.1 × reward-model score, the rule reward "
+            "combined with the reward-model score (reward.weights)") in out  # fmt: skip
+    assert "its score is 1 × rule reward + 0.1 × reward-model score, not an accuracy" in out
+    assert "points" not in out and "val/reward/model/mean: step 0 " in out
+    row = read_metrics(tmp_path / "run")[1]
+    assert "val/reward/model/mean" in row and "val/reward/rule/mean" in row
+
+
+def test_a_reward_model_alone_is_said_to_replace_the_rule_reward(tmp_path):
+    directory = write_reward_model(tmp_path / "rm", "llama", tokenizer=load_tokenizer("char"))
+    cfg = tiny_config(tmp_path, f"reward.model.path={directory}", "trainer.total_steps=1",
+                      "trainer.val_before_train=false")  # fmt: skip
+    lines = []
+    train(cfg, log=lines.append)
+    assert lines[1].startswith("reward: the score is the reward-model score, replacing the rule "
+                               "reward (as verl's reward model does")  # fmt: skip

@@ -183,3 +183,48 @@ def load_sft_examples_for(problems, tokenizer):
 
     rows = [([{"role": "user", "content": q}], a) for q, a in problems]
     return tokenize_sft_rows(rows, tokenizer, tokenizer.eos_token_id, 64)
+
+
+def test_a_stopped_sft_says_where_it_stopped_and_a_resumed_one_counts_its_own_steps(
+    tmp_path, capsys, monkeypatch
+):
+    import os
+    import signal
+
+    from hybridflow.cli import main
+    from hybridflow.progress import ProgressReporter
+    from hybridflow.trainer.sft_loop import SFTTrainer
+
+    close_task = ProgressReporter.close_task
+
+    def closing_said(self, task):  # as after a status line: the task says how it ended
+        task.lines = max(task.lines, 1)
+        close_task(self, task)
+
+    monkeypatch.setattr(ProgressReporter, "close_task", closing_said)
+    step = SFTTrainer.step
+
+    def ctrl_c_in_step_3(self, batch):
+        if self.steps_done == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return step(self, batch)
+
+    monkeypatch.setattr(SFTTrainer, "step", ctrl_c_in_step_3)
+    data = tmp_path / "sft.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"{i}+1=", "response": str(i + 1)})
+                              for i in range(16)))  # fmt: skip
+    args = ["sft", "model.path=tiny", f"sft.train_files=[{data}]", "sft.batch_size=8",
+            "trainer.save_freq=0", "trainer.loggers=[jsonl]", "trainer.device=cpu",
+            f"trainer.run_dir={tmp_path / 'run'}"]  # fmt: skip
+    assert main([*args, "sft.total_steps=1000"]) == 130
+    out, err = capsys.readouterr()
+    assert "SFT: stopped at 3 of 1000 steps after" in out and "done" not in out
+    saved = tmp_path / "run" / "sft" / "checkpoints" / "step_3"
+    assert err.strip() == (
+        f"stopped by SIGINT after SFT step 3 of 1000: saved {saved}; run the "
+        "same command again to resume"
+    )  # a stop asked for, not an error
+    monkeypatch.setattr(SFTTrainer, "step", step)
+    assert main([*args, "sft.total_steps=5"]) == 0
+    out = capsys.readouterr().out
+    assert "SFT: done, 2 steps in " in out and "(this run: 4 to 5 of 5)" in out

@@ -30,8 +30,8 @@ def keys_set_in(path: Path) -> set[str]:
 
 def _value(cfg, dotted: str):
     value = cfg
-    for part in dotted.split("."):
-        value = getattr(value, part)
+    for part in dotted.split("."):  # a section's field, or a key of a mapping (reward.weights)
+        value = value[part] if isinstance(value, dict) else getattr(value, part)
     return value
 
 

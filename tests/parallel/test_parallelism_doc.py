@@ -1,0 +1,36 @@
+"""docs/parallelism.md's command that runs a layout on CPU processes works as written, and
+the run's first line is the layout the page shows."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+
+from hybridflow.cli import main
+
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "parallelism.md"
+
+
+def blocks_after(heading: str) -> list[str]:
+    """The fenced blocks of the page's section ``heading``, in order."""
+    section = PAGE.read_text().split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    return section.split("```")[1::2]
+
+
+def test_the_page_has_the_cpu_command_and_the_line_it_prints():
+    command, printed = blocks_after("Trying a layout on CPU processes")
+    assert command.startswith("sh\nhybridflow train ") and "trainer.device=cpu" in command
+    assert printed.strip().startswith("layout on 2 CPU processes (gloo): actor TP=2")
+
+
+@pytest.mark.slow
+def test_the_cpu_layout_command_of_the_page_runs(tmp_path, capsys):
+    command, printed = blocks_after("Trying a layout on CPU processes")
+    words = shlex.split(command.removeprefix("sh\n").replace("\\\n", " "))
+    assert words[0] == "hybridflow"
+    assert main([*words[1:], f"trainer.run_dir={tmp_path / 'run'}"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == printed.strip()
+    assert "done: 2 steps" in out and (tmp_path / "run" / "metrics.jsonl").is_file()
