@@ -1,4 +1,7 @@
-"""Shape and numerics of one Llama-family decoder, with Hugging Face config.json conversion."""
+"""Shape and numerics of one decoder, with Hugging Face config.json conversion.
+
+The fields every family shares are read and written here; each family's own fields, checks
+and layer specs are in its file (models/families/)."""
 
 from __future__ import annotations
 
@@ -7,23 +10,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-# model_type values our own decoder implements; everything else goes to the HF fallback.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+from hybridflow.models.families import SUPPORTED_MODEL_TYPES, family_of
+from hybridflow.models.layer_spec import LayerSpec
 
-# Families whose MLP is a sparse mixture of experts (models/moe.py) on some or all layers.
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+__all__ = ["SUPPORTED_MODEL_TYPES", "ModelArchitecture"]
 
 # rope_scaling types rope.py implements (HF names; "type" is the legacy key for "rope_type").
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-}
 
 
 @dataclass
@@ -79,18 +72,14 @@ class ModelArchitecture:
     """Load-balancing loss coefficient from config.json (the trainer may override it)."""
 
     def __post_init__(self) -> None:
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model_type={self.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}; "
-                "load it with load_model(..., backend='hf') instead"
-            )
+        family = family_of(self.model_type)
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
         self.mlp_only_layers = tuple(int(i) for i in self.mlp_only_layers)
-        self._check_experts()
+        family.check(self)
         if self.rope_scaling is not None:
             rope_type = self.rope_type
             if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -99,38 +88,21 @@ class ModelArchitecture:
                     "load this model with load_model(..., backend='hf')"
                 )
 
-    def _check_experts(self) -> None:
-        if self.model_type not in MOE_MODEL_TYPES and self.num_experts:
-            raise ValueError(f"model_type={self.model_type!r} has no experts")
-        if not self.num_experts:
-            return
-        if not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(
-                f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="
-                f"{self.num_experts}"
-            )
-        if self.moe_intermediate_size <= 0 or self.decoder_sparse_step < 1:
-            raise ValueError("moe_intermediate_size and decoder_sparse_step must be positive")
-        if self.model_type == "mixtral" and not (
-            self.norm_topk_prob and self.decoder_sparse_step == 1 and not self.mlp_only_layers
-        ):
-            raise ValueError("mixtral routes every layer and always renormalises its top-k")
-
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    def layer_specs(self) -> list[LayerSpec]:
+        """What each layer is made of (its family's rule): ask these, not model_type."""
+        return family_of(self.model_type).layer_specs(self)
+
     def is_sparse_layer(self, index: int) -> bool:
-        """Layer ``index`` holds a mixture of experts (HF's Qwen3MoeDecoderLayer rule)."""
-        return (
-            self.is_moe
-            and index not in self.mlp_only_layers
-            and (index + 1) % self.decoder_sparse_step == 0
-        )
+        """Layer ``index`` holds a mixture of experts."""
+        return self.layer_specs()[index].sparse
 
     def sparse_layer_indices(self) -> list[int]:
         """Layers with experts, in order: the L axis of routed_experts [.., L, k]."""
-        return [i for i in range(self.num_hidden_layers) if self.is_sparse_layer(i)]
+        return [i for i, spec in enumerate(self.layer_specs()) if spec.sparse]
 
     def mlp_parameters(self, active: bool = False) -> int:
         """Weights of every layer's MLP: SwiGLU matrices of the dense layers, router and
@@ -185,13 +157,6 @@ class ModelArchitecture:
             rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
             if rope_type == "default":
                 rope_scaling = None
-        attention_bias = bool(hf.get("attention_bias", False))
-        o_proj_bias = attention_bias
-        if model_type == "qwen2":  # Qwen2 hardcodes bias on q/k/v and none on o_proj
-            attention_bias, o_proj_bias = True, False
-        elif model_type in ("mistral", "mixtral"):
-            attention_bias, o_proj_bias = False, False
-        sliding = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
         return cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
@@ -206,35 +171,22 @@ class ModelArchitecture:
             rope_scaling=rope_scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=attention_bias,
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
-            o_proj_bias=o_proj_bias,
-            sliding_window=sliding,
             torch_dtype=hf.get("torch_dtype", hf.get("dtype")),
-            **_experts_from_hf(hf),
+            **family_of(model_type).fields_from_hf(hf),
         )
 
     def to_hf(self) -> dict[str, Any]:
         """Content of a HF config.json that transformers (4.x and 5.x) loads as the same model."""
-        if self.model_type == "qwen2" and (not self.attention_bias or self.o_proj_bias):
-            raise ValueError("qwen2 checkpoints always have q/k/v bias and no o_proj bias")
-        if self.model_type == "llama" and self.attention_bias != self.o_proj_bias:
-            raise ValueError("llama's attention_bias covers q/k/v and o_proj together")
-        if self.model_type == "mistral" and (self.attention_bias or self.o_proj_bias):
-            raise ValueError("mistral has no attention bias")
-        if self.model_type == "mixtral" and (self.attention_bias or self.o_proj_bias):
-            raise ValueError("mixtral has no attention bias")
-        if self.model_type not in ("qwen3", "qwen3_moe") and self.qk_norm:
-            raise ValueError("qk_norm is only expressible as model_type='qwen3' or 'qwen3_moe'")
+        family = family_of(self.model_type)
         rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling:
             rope_parameters = {**self.rope_scaling, "rope_theta": self.rope_theta}
             rope_parameters.setdefault("rope_type", self.rope_type)
         hf: dict[str, Any] = {
-            "architectures": [_ARCHITECTURES[self.model_type]],
+            "architectures": [family.ARCHITECTURES[self.model_type]],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -257,66 +209,8 @@ class ModelArchitecture:
             "use_cache": True,
             "torch_dtype": self.torch_dtype or "float32",
         }
-        if self.model_type in ("llama", "qwen3", "qwen3_moe"):
-            hf["attention_bias"] = self.attention_bias
-        if self.model_type == "llama":
-            hf["mlp_bias"] = False
-        if self.model_type in ("mistral", "qwen2", "qwen3", "qwen3_moe"):
-            hf["sliding_window"] = self.sliding_window
-            hf["use_sliding_window"] = False
-        if self.model_type == "mixtral":
-            hf["sliding_window"] = self.sliding_window
-        if self.model_type in ("qwen2", "qwen3"):
-            hf["max_window_layers"] = self.num_hidden_layers
-        hf.update(self._experts_to_hf())
+        hf.update(family.fields_to_hf(self))
         return hf
-
-    def _experts_to_hf(self) -> dict[str, Any]:
-        if self.model_type == "qwen3_moe":
-            return {
-                "num_experts": self.num_experts,
-                "num_experts_per_tok": self.num_experts_per_tok,
-                "moe_intermediate_size": self.moe_intermediate_size,
-                "norm_topk_prob": self.norm_topk_prob,
-                "decoder_sparse_step": self.decoder_sparse_step,
-                "mlp_only_layers": list(self.mlp_only_layers),
-                "router_aux_loss_coef": self.router_aux_loss_coef,
-                "output_router_logits": False,
-            }
-        if self.model_type == "mixtral":
-            return {
-                "num_local_experts": self.num_experts,
-                "num_experts_per_tok": self.num_experts_per_tok,
-                "intermediate_size": self.moe_intermediate_size,
-                "router_aux_loss_coef": self.router_aux_loss_coef,
-                "router_jitter_noise": 0.0,
-                "output_router_logits": False,
-            }
-        return {}
 
     def replace(self, **changes: Any) -> ModelArchitecture:
         return dataclasses.replace(self, **changes)
-
-
-def _experts_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    """The mixture-of-experts fields of a qwen3_moe or mixtral config.json ({} otherwise).
-
-    transformers 5 writes Qwen3-MoE's expert count as num_local_experts (its attribute map),
-    the published checkpoints as num_experts: both are read."""
-    model_type = hf.get("model_type")
-    if model_type not in MOE_MODEL_TYPES:
-        return {}
-    fields = {
-        "num_experts": int(hf.get("num_experts") or hf.get("num_local_experts") or 0),
-        "num_experts_per_tok": int(hf.get("num_experts_per_tok", 0)),
-        "router_aux_loss_coef": float(hf.get("router_aux_loss_coef") or 0.0),
-    }
-    if model_type == "mixtral":
-        return {**fields, "moe_intermediate_size": hf["intermediate_size"], "norm_topk_prob": True}
-    return {
-        **fields,
-        "moe_intermediate_size": hf["moe_intermediate_size"],
-        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
-        "decoder_sparse_step": int(hf.get("decoder_sparse_step") or 1),
-        "mlp_only_layers": tuple(hf.get("mlp_only_layers") or ()),
-    }
