@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from hybridflow.models.families import SUPPORTED_MODEL_TYPES, family_of
+from hybridflow.models.families import SUPPORTED_MODEL_TYPES, family_of, text_config
 from hybridflow.models.layer_spec import LayerSpec
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "ModelArchitecture"]
@@ -70,6 +70,20 @@ class ModelArchitecture:
     """Layers that keep a dense MLP of intermediate_size among the sparse ones."""
     router_aux_loss_coef: float = 0.0
     """Load-balancing loss coefficient from config.json (the trainer may override it)."""
+    shared_expert_intermediate_size: int = 0
+    """Width of the shared expert beside the routed ones (Qwen3.5-MoE); 0 = none."""
+    partial_rotary_factor: float = 1.0
+    """Fraction of each head's dimensions RoPE turns (Qwen3.5: 0.25); the rest pass as is."""
+    layer_types: tuple[str, ...] = ()
+    """Hybrid families: HF's per-layer "linear_attention" / "full_attention" (Qwen3.5)."""
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    """Gated DeltaNet layers' conv kernel and key/value heads (value heads group over keys)."""
+    zero_centered_norms: bool = False
+    """RMSNorm weights stored as offsets from 1 (``x * (1 + w)``): Qwen3.5's layer norms."""
 
     def __post_init__(self) -> None:
         family = family_of(self.model_type)
@@ -79,6 +93,7 @@ class ModelArchitecture:
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
         self.mlp_only_layers = tuple(int(i) for i in self.mlp_only_layers)
+        self.layer_types = tuple(self.layer_types)
         family.check(self)
         if self.rope_scaling is not None:
             rope_type = self.rope_type
@@ -104,13 +119,44 @@ class ModelArchitecture:
         """Layers with experts, in order: the L axis of routed_experts [.., L, k]."""
         return [i for i, spec in enumerate(self.layer_specs()) if spec.sparse]
 
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that RoPE turns."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
     def mlp_parameters(self, active: bool = False) -> int:
         """Weights of every layer's MLP: SwiGLU matrices of the dense layers, router and
-        experts of the sparse ones (active: the top-k experts one token runs through)."""
-        h, sparse = self.hidden_size, len(self.sparse_layer_indices())
+        experts (and shared expert) of the sparse ones (active: the top-k experts one token
+        runs through)."""
+        h = self.hidden_size
         experts = self.num_experts_per_tok if active else self.num_experts
         moe = self.num_experts * h + experts * 3 * h * self.moe_intermediate_size
-        return sparse * moe + (self.num_hidden_layers - sparse) * 3 * h * self.intermediate_size
+        shared = 3 * h * self.shared_expert_intermediate_size + h  # + its sigmoid gate
+        sizes = {"dense": 3 * h * self.intermediate_size, "experts": moe,
+                 "experts_shared": moe + shared}  # fmt: skip
+        return sum(sizes[spec.mlp] for spec in self.layer_specs())
+
+    def mixer_parameters(self, mixer: str) -> int:
+        """Weights of one token mixer of kind ``mixer`` (layer_spec.MIXER_KINDS)."""
+        h, hd = self.hidden_size, self.head_dim
+        if mixer == "gated_deltanet":
+            keys = self.linear_num_key_heads * self.linear_key_head_dim
+            values = self.linear_num_value_heads * self.linear_value_head_dim
+            conv = 2 * keys + values
+            heads = self.linear_num_value_heads
+            # in_proj_qkv, in_proj_z, in_proj_b/a, conv1d, dt_bias/A_log, norm, out_proj
+            return (h * conv + h * values + 2 * h * heads + conv * self.linear_conv_kernel_dim
+                    + 2 * heads + self.linear_value_head_dim + values * h)  # fmt: skip
+        gate = 2 if mixer == "gated_attention" else 1  # q_proj also yields the output gate
+        q, kv = self.num_attention_heads * hd, self.num_key_value_heads * hd
+        attn = gate * h * q + 2 * h * kv + q * h
+        if self.attention_bias:
+            attn += gate * q + 2 * kv
+        if self.o_proj_bias:
+            attn += h
+        if self.qk_norm:
+            attn += 2 * hd
+        return attn
 
     @property
     def rope_type(self) -> str:
@@ -122,17 +168,9 @@ class ModelArchitecture:
         """Parameter count from the shapes (matches sum(p.numel()) of CausalLM).
 
         active: count only the experts one token runs through (top-k of each sparse layer)."""
-        h, hd = self.hidden_size, self.head_dim
-        q, kv = self.num_attention_heads * hd, self.num_key_value_heads * hd
-        attn = h * q + 2 * h * kv + q * h
-        if self.attention_bias:
-            attn += q + 2 * kv
-        if self.o_proj_bias:
-            attn += h
-        if self.qk_norm:
-            attn += 2 * hd
-        per_layer = attn + 2 * h
-        total = self.num_hidden_layers * per_layer + h  # + final norm
+        h = self.hidden_size
+        mixers = sum(self.mixer_parameters(spec.mixer) for spec in self.layer_specs())
+        total = mixers + self.num_hidden_layers * 2 * h + h  # + 2 norms a layer, final norm
         total += self.mlp_parameters(active)
         if include_embeddings:
             total += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
@@ -140,7 +178,9 @@ class ModelArchitecture:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelArchitecture:
-        """Build from the content of a HF config.json (transformers 4.x and 5.x layouts)."""
+        """Build from the content of a HF config.json (transformers 4.x and 5.x layouts); a
+        multimodal checkpoint's config gives its language model's (families.text_config)."""
+        hf = text_config(hf)
         model_type = hf.get("model_type")
         heads = hf["num_attention_heads"]
         rope_theta = hf.get("rope_theta")

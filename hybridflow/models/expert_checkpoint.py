@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
-from hybridflow.models.families.qwen3_moe import PER_EXPERT_NAMES
+from hybridflow.models.families import PER_EXPERT_NAMES
 
 _PROJECTION_PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down",
                     "w1": "gate", "w3": "up", "w2": "down"}  # fmt: skip

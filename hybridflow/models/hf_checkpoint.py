@@ -13,10 +13,22 @@ from safetensors.torch import save_file
 from hybridflow.errors import UserError
 from hybridflow.models import expert_checkpoint
 from hybridflow.models.architecture import ModelArchitecture
+from hybridflow.models.families import checkpoint_renamer
 from hybridflow.models.llama import CausalLM
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+
+
+def announce_text_only(path: str) -> None:
+    """One line on stderr: a multimodal checkpoint runs as its language model alone."""
+    import sys
+
+    print(
+        f"hybridflow: {path}: a multimodal checkpoint; its language model is loaded, the "
+        "vision tower is not used yet",
+        file=sys.stderr,
+    )
 
 
 def read_hf_config(path: str) -> dict:
@@ -82,7 +94,11 @@ def load_model_from_dir(
     as it is read (cast + moved once), so peak memory is one copy of the weights. Experts are
     read per expert or packed (expert_checkpoint.py). num_labels: the sequence-classification
     variant (``score.weight`` instead of ``lm_head.weight``)."""
-    config = ModelArchitecture.from_hf(read_hf_config(path))
+    hf_config = read_hf_config(path)
+    config = ModelArchitecture.from_hf(hf_config)
+    if isinstance(hf_config.get("text_config"), dict):  # read as its language model
+        announce_text_only(path)
+    rename = checkpoint_renamer(hf_config.get("model_type"))
     with torch.device("meta"):
         model = CausalLM(config, num_labels=num_labels)
     shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
@@ -92,7 +108,10 @@ def load_model_from_dir(
         expected.discard("lm_head.weight")
     state: dict[str, torch.Tensor] = {}
     slices_read: set[tuple[str, int, str]] = set()
-    for name, tensor in iter_checkpoint_tensors(path):
+    for stored_name, tensor in iter_checkpoint_tensors(path):
+        name = rename(stored_name)
+        if name is None:  # a part of the checkpoint this decoder does not run
+            continue
         target, expert, part = expert_checkpoint.memory_name(name)
         if expert is not None and target in expected:
             if target not in state:

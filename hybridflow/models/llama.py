@@ -22,9 +22,12 @@ from hybridflow.models.attention import (
 )
 from hybridflow.models.layer_spec import LayerSpec
 from hybridflow.models.mixers.attention import Attention
+from hybridflow.models.mixers.gated_attention import GatedAttention
+from hybridflow.models.mixers.gated_deltanet import GatedDeltaNet, TokenLayout
 from hybridflow.models.mlps.dense import MLP
+from hybridflow.models.mlps.shared_experts import SharedExpertMoeBlock
 from hybridflow.models.moe import SparseMoeBlock
-from hybridflow.models.norm import RMSNorm
+from hybridflow.models.norm import GatedRMSNorm, RMSNorm, ZeroCenteredRMSNorm, make_rms_norm
 from hybridflow.models.rope import rope_cos_sin
 from hybridflow.models.sequence_parallel import ulysses_attention
 
@@ -38,6 +41,10 @@ def build_mixer(spec: LayerSpec, config: ModelArchitecture) -> nn.Module:
     """The token mixer module of ``spec.mixer`` (models/mixers/)."""
     if spec.mixer == "attention":
         return Attention(config)
+    if spec.mixer == "gated_attention":
+        return GatedAttention(config)
+    if spec.mixer == "gated_deltanet":
+        return GatedDeltaNet(config)
     raise ValueError(f"mixer {spec.mixer!r} has no module in this decoder")
 
 
@@ -47,6 +54,8 @@ def build_mlp(spec: LayerSpec, config: ModelArchitecture) -> nn.Module:
         return MLP(config)
     if spec.mlp == "experts":
         return SparseMoeBlock(config)
+    if spec.mlp == "experts_shared":
+        return SharedExpertMoeBlock(config)
     raise ValueError(f"mlp {spec.mlp!r} has no module in this decoder")
 
 
@@ -57,10 +66,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelArchitecture, index: int = 0, spec: LayerSpec | None = None):
         super().__init__()
         self.spec = config.layer_specs()[index] if spec is None else spec
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        hidden, eps, centered = config.hidden_size, config.rms_norm_eps, config.zero_centered_norms
+        self.input_layernorm = make_rms_norm(hidden, eps, centered)
         self.mixer_name = self.spec.mixer_module
         self.add_module(self.mixer_name, build_mixer(self.spec, config))
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = make_rms_norm(hidden, eps, centered)
         self.sparse = self.spec.sparse
         self.mlp = build_mlp(self.spec, config)
 
@@ -71,11 +81,17 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         attend: Attend,
         recorded_ids: torch.Tensor | None = None,
+        layout: TokenLayout | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """-> (hidden, router_logits [N, E], topk_ids [N, k]); the routing is None on a dense
-        layer. recorded_ids [N, k]: routes to replay (sparse layers; moe.NO_ROUTE = free)."""
+        layer. recorded_ids [N, k]: routes to replay (sparse layers; moe.NO_ROUTE = free).
+        layout: where the sequences are, for mixers that run along them (recurrent ones)."""
         mixer = getattr(self, self.mixer_name)
-        hidden = hidden + mixer(self.input_layernorm(hidden), cos, sin, attend)
+        normed = self.input_layernorm(hidden)
+        if self.spec.keeps_kv:
+            hidden = hidden + mixer(normed, cos, sin, attend)
+        else:
+            hidden = hidden + mixer(normed, layout)
         normed = self.post_attention_layernorm(hidden)
         if not self.sparse:
             return hidden + self.mlp(normed), None, None
@@ -92,7 +108,8 @@ class DecoderStack(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, index, spec) for index, spec in enumerate(config.layer_specs())
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = make_rms_norm(config.hidden_size, config.rms_norm_eps,
+                                  config.zero_centered_norms)  # fmt: skip
 
 
 class CausalLM(nn.Module):
@@ -141,8 +158,14 @@ class CausalLM(nn.Module):
                 module.weight.normal_(0.0, std, generator=generator)
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
-            elif isinstance(module, RMSNorm):
+            elif isinstance(module, nn.Conv1d):  # Gated DeltaNet's conv: HF's normal(0, std)
+                module.weight.normal_(0.0, std, generator=generator)
+            elif isinstance(module, ZeroCenteredRMSNorm):
+                module.weight.zero_()
+            elif isinstance(module, (RMSNorm, GatedRMSNorm)):
                 module.weight.fill_(1.0)
+            elif isinstance(module, GatedDeltaNet):
+                module.init_state_parameters(generator)
             elif isinstance(module, SparseMoeBlock):  # router and experts: HF's normal(0, std)
                 for param in module.parameters():
                     param.normal_(0.0, std, generator=generator)
@@ -177,9 +200,11 @@ class CausalLM(nn.Module):
         attend: Attend,
         routed_experts: torch.Tensor | None = None,
         router_trace: RouterTrace | None = None,
+        layout: TokenLayout | None = None,
     ) -> torch.Tensor:
         """routed_experts [N, L_sparse, k]: routes to replay, one slice per sparse layer in
-        order; router_trace: gets each sparse layer's (router_logits, topk_ids) appended."""
+        order; router_trace: gets each sparse layer's (router_logits, topk_ids) appended;
+        layout: the sequences, for the layers whose mixer runs along them."""
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         sparse_index = 0
         for layer in self.model.layers:
@@ -188,10 +213,10 @@ class CausalLM(nn.Module):
                 recorded = routed_experts[:, sparse_index]
             if recompute:
                 hidden, logits, ids = checkpoint(
-                    layer, hidden, cos, sin, attend, recorded, use_reentrant=False
+                    layer, hidden, cos, sin, attend, recorded, layout, use_reentrant=False
                 )
             else:
-                hidden, logits, ids = layer(hidden, cos, sin, attend, recorded)
+                hidden, logits, ids = layer(hidden, cos, sin, attend, recorded, layout)
             if layer.sparse:
                 sparse_index += 1
                 if router_trace is not None:
@@ -218,7 +243,8 @@ class CausalLM(nn.Module):
         def attend(q, k, v):
             return padded_causal_attention(q, k, v, attention_mask)
 
-        return self._run_layers(hidden, cos, sin, attend, router_trace=router_trace)
+        layout = TokenLayout(attention_mask=attention_mask)
+        return self._run_layers(hidden, cos, sin, attend, router_trace=router_trace, layout=layout)
 
     def forward(
         self,
@@ -266,8 +292,23 @@ class CausalLM(nn.Module):
             deterministic=self.deterministic_attention,
         )
         if sequence_group is not None:
+            self._check_sequence_parallel()
             attend = ulysses_attention(attend, sequence_group)
-        return self._run_layers(hidden, cos, sin, attend, routed_experts, router_trace)
+        layout = None  # built only where a mixer needs it (its token columns cost a host sync)
+        if any(not layer.spec.keeps_kv for layer in self.model.layers):
+            layout = TokenLayout.packed(cu_seqlens.to(torch.int32), int(max_seqlen))
+        return self._run_layers(hidden, cos, sin, attend, routed_experts, router_trace, layout)
+
+    def _check_sequence_parallel(self) -> None:
+        """Ulysses splits tokens over ranks and regathers them by heads around attention
+        only; a recurrent mixer would see a slice of each sequence."""
+        recurrent = [i for i, layer in enumerate(self.model.layers) if not layer.spec.keeps_kv]
+        if recurrent:
+            raise ValueError(
+                f"actor.sequence_parallel_size > 1 cannot run layers {recurrent[:4]}... whose "
+                "token mixer keeps a recurrent state (Gated DeltaNet): set "
+                "actor.sequence_parallel_size=1 for this model"
+            )
 
     def forward_scores(
         self,

@@ -6,6 +6,10 @@ A family module provides:
     fields_to_hf(arch)   its config.json entries beyond the common ones
     check(arch)          raises ValueError for shapes its layers cannot run
     layer_specs(arch)    [LayerSpec(mixer, mlp)], one per layer
+and optionally:
+    PER_EXPERT_NAMES     model_type -> how its experts are named on disk (expert_checkpoint)
+    text_config(hf)      a multimodal config.json -> its language model's
+    memory_name(name)    a checkpoint tensor name -> ours, None for parts not run
 
 Nothing outside these files branches on model_type: the decoder, the engine, LoRA and the
 memory plan ask the layer specs (models/layer_spec.py).
@@ -15,9 +19,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from hybridflow.models.families import llama, qwen3_moe
+from hybridflow.models.families import llama, qwen3_5, qwen3_moe
 
-FAMILIES: tuple[ModuleType, ...] = (llama, qwen3_moe)
+FAMILIES: tuple[ModuleType, ...] = (llama, qwen3_moe, qwen3_5)
 
 # model_type -> its family module
 FAMILY_OF: dict[str, ModuleType] = {
@@ -34,3 +38,24 @@ def family_of(model_type: str) -> ModuleType:
             "load it with load_model(..., backend='hf') instead"
         )
     return FAMILY_OF[model_type]
+
+
+# model_type -> (module name on disk, {part: per-expert projection name})
+PER_EXPERT_NAMES: dict[str, tuple[str, dict[str, str]]] = {
+    model_type: names
+    for family in FAMILIES
+    for model_type, names in getattr(family, "PER_EXPERT_NAMES", {}).items()
+}
+
+
+def text_config(hf: dict) -> dict:
+    """The config of the language model ``hf`` describes (itself for a text-only model)."""
+    family = FAMILY_OF.get(hf.get("model_type"))
+    convert = getattr(family, "text_config", None)
+    return hf if convert is None else convert(hf)
+
+
+def checkpoint_renamer(model_type: str):
+    """name -> in-memory name (None: skip the tensor) for checkpoints of ``model_type``."""
+    family = FAMILY_OF.get(model_type)
+    return getattr(family, "memory_name", None) or (lambda name: name)

@@ -1,0 +1,124 @@
+"""Qwen3.5 (dense and MoE) in our decoder: checkpoints written by transformers load with
+equal logits (packed and padded), ours load back into transformers, multimodal checkpoints
+load their language model."""
+
+import json
+
+import pytest
+import torch
+from qwen3_5_helpers import transformers_model, two_sequences
+from safetensors.torch import load_file, save_file
+
+from hybridflow.models import load_model
+from hybridflow.models.architecture import ModelArchitecture
+from hybridflow.models.hf_checkpoint import load_model_from_dir
+
+pytest.importorskip("transformers")
+TOLERANCE = 1e-4
+
+
+def _logits_both_ways(ours, ids, mask, packed, positions, cu_seqlens):
+    """Our padded logits [2, T, V] and packed logits split per row."""
+    with torch.no_grad():
+        padded = ours(ids, attention_mask=mask)
+        hidden = ours.forward_packed(packed, positions, cu_seqlens, int(mask.sum(1).max()))
+        flat = ours.lm_head(hidden)
+    lengths = mask.sum(1).tolist()
+    return padded, flat.split(lengths)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_transformers_checkpoint_gives_equal_logits_in_our_decoder(tmp_path, moe):
+    reference = transformers_model(moe)
+    reference.save_pretrained(tmp_path)
+    ours = load_model_from_dir(str(tmp_path)).eval()
+    kinds = [(layer.spec.mixer, layer.spec.mlp) for layer in ours.model.layers]
+    mlp = "experts_shared" if moe else "dense"
+    assert kinds == [("gated_deltanet", mlp)] * 3 + [("gated_attention", mlp)]
+    ids, mask, packed, positions, cu_seqlens = two_sequences()
+    with torch.no_grad():
+        expected = reference(input_ids=ids, attention_mask=mask).logits
+    padded, rows = _logits_both_ways(ours, ids, mask, packed, positions, cu_seqlens)
+    real = mask.bool()
+    assert (padded[real] - expected[real]).abs().max() <= TOLERANCE
+    for row, logits in enumerate(rows):
+        assert (logits - expected[row, : len(logits)]).abs().max() <= TOLERANCE
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_our_checkpoint_gives_equal_logits_in_transformers(tmp_path, moe):
+    import transformers
+
+    transformers_model(moe).save_pretrained(tmp_path / "source")
+    ours = load_model_from_dir(str(tmp_path / "source")).eval()
+    ours.save_pretrained(str(tmp_path / "saved"))
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"]
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    ids, mask, packed, positions, cu_seqlens = two_sequences()
+    with torch.no_grad():
+        expected = reloaded(input_ids=ids, attention_mask=mask).logits
+    padded, rows = _logits_both_ways(ours, ids, mask, packed, positions, cu_seqlens)
+    real = mask.bool()
+    assert (padded[real] - expected[real]).abs().max() <= TOLERANCE
+    for row, logits in enumerate(rows):
+        assert (logits - expected[row, : len(logits)]).abs().max() <= TOLERANCE
+
+
+def test_multimodal_checkpoint_loads_its_language_model(tmp_path, capsys):
+    """A Qwen3_5ForConditionalGeneration layout: config under text_config, weights under
+    model.language_model., a vision tower and an MTP head that are skipped with one line."""
+    text_dir, multimodal_dir = tmp_path / "text", tmp_path / "multimodal"
+    transformers_model(moe=False).save_pretrained(text_dir)
+    text = load_model_from_dir(str(text_dir)).eval()
+    text_config = json.loads((text_dir / "config.json").read_text())
+    multimodal_dir.mkdir()
+    config = {
+        "model_type": "qwen3_5",
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "text_config": text_config,
+        "vision_config": {"model_type": "qwen3_5_vision", "depth": 1},
+        "tie_word_embeddings": False,
+    }
+    (multimodal_dir / "config.json").write_text(json.dumps(config))
+    tensors = {
+        name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name: t
+        for name, t in load_file(text_dir / "model.safetensors").items()
+    }
+    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
+    tensors["mtp.fc.weight"] = torch.zeros(2, 2)
+    save_file(tensors, multimodal_dir / "model.safetensors")
+    capsys.readouterr()
+    loaded = load_model(str(multimodal_dir)).eval()
+    assert "vision tower is not used yet" in capsys.readouterr().err
+    assert loaded.config.model_type == "qwen3_5_text"
+    ids, mask, *_ = two_sequences()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids, attention_mask=mask), text(ids, attention_mask=mask))
+
+
+def test_layer_types_default_to_every_fourth_layer_attention_and_counts_add_up():
+    hf = {"model_type": "qwen3_5_moe_text", "vocab_size": 96, "hidden_size": 32,
+          "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+          "linear_key_head_dim": 8, "linear_value_head_dim": 8, "num_experts": 4,
+          "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+          "shared_expert_intermediate_size": 24}  # fmt: skip
+    arch = ModelArchitecture.from_hf(hf)
+    assert [spec.cache for spec in arch.layer_specs()] == ["recurrent"] * 3 + ["kv"] + [
+        "recurrent"
+    ] * 3 + ["kv"]
+    assert arch.partial_rotary_factor == 0.25 and arch.rotary_dim == 4
+    from hybridflow.models import build_model
+
+    model = build_model(arch)
+    assert arch.num_parameters() == sum(p.numel() for p in model.parameters())
+    assert ModelArchitecture.from_hf(arch.to_hf()) == arch.replace(torch_dtype="float32")
+
+
+def test_value_heads_must_group_over_key_heads():
+    hf = {"model_type": "qwen3_5_text", "vocab_size": 96, "hidden_size": 32,
+          "intermediate_size": 48, "num_hidden_layers": 4, "num_attention_heads": 4,
+          "head_dim": 16, "linear_num_key_heads": 3, "linear_num_value_heads": 4}  # fmt: skip
+    with pytest.raises(ValueError, match="linear_num_value_heads=4 must be a multiple"):
+        ModelArchitecture.from_hf(hf)
