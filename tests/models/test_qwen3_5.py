@@ -122,3 +122,17 @@ def test_value_heads_must_group_over_key_heads():
           "head_dim": 16, "linear_num_key_heads": 3, "linear_num_value_heads": 4}  # fmt: skip
     with pytest.raises(ValueError, match="linear_num_value_heads=4 must be a multiple"):
         ModelArchitecture.from_hf(hf)
+
+
+def test_left_padding_leaves_the_recurrent_state_untouched(tmp_path):
+    """The engine's slow path left-pads prompts: padding enters the DeltaNet as zeros, so a
+    row's logits equal those of the same tokens unpadded."""
+    transformers_model(moe=False).save_pretrained(tmp_path)
+    ours = load_model_from_dir(str(tmp_path)).eval()
+    tokens = torch.randint(1, 96, (1, 7), generator=torch.Generator().manual_seed(5))
+    padded = torch.cat([torch.zeros(1, 5, dtype=torch.long), tokens], dim=1)
+    mask = torch.cat([torch.zeros(1, 5), torch.ones(1, 7)], dim=1).long()
+    with torch.no_grad():
+        alone = ours(tokens)
+        left = ours(padded, attention_mask=mask)[:, 5:]
+    assert (alone - left).abs().max() <= TOLERANCE
