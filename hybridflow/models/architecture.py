@@ -115,6 +115,27 @@ class ModelArchitecture:
         """Layer ``index`` holds a mixture of experts."""
         return self.layer_specs()[index].sparse
 
+    @property
+    def kv_layers(self) -> int:
+        """Layers whose token mixer keeps K/V per token (the others keep a recurrent state)."""
+        return sum(spec.keeps_kv for spec in self.layer_specs())
+
+    def kv_bytes_per_token(self, element_bytes: int = 2) -> int:
+        """K and V of one token in every layer that keeps them."""
+        return 2 * self.kv_layers * self.num_key_value_heads * self.head_dim * element_bytes
+
+    def recurrent_state_bytes(self, element_bytes: int = 2) -> int:
+        """What one sequence keeps in the layers with a recurrent state, whatever its length:
+        per Gated DeltaNet layer the conv's last kernel-1 inputs (``element_bytes`` each)
+        and the [Hv, Dk, Dv] delta-rule state in fp32."""
+        recurrent = self.num_hidden_layers - self.kv_layers
+        if not recurrent:
+            return 0
+        from hybridflow.models.mixers.gated_deltanet import recurrent_state_elements
+
+        conv, ssm = recurrent_state_elements(self)
+        return recurrent * (conv * element_bytes + ssm * 4)
+
     def sparse_layer_indices(self) -> list[int]:
         """Layers with experts, in order: the L axis of routed_experts [.., L, k]."""
         return [i for i, spec in enumerate(self.layer_specs()) if spec.sparse]

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from hybridflow.models import load_model
 from hybridflow.models.architecture import ModelArchitecture
 from hybridflow.models.hf_checkpoint import load_model_from_dir
+from hybridflow.models.loadability import config_problems
 
 pytest.importorskip("transformers")
 TOLERANCE = 1e-4
@@ -88,6 +89,7 @@ def test_multimodal_checkpoint_loads_its_language_model(tmp_path, capsys):
     tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
     tensors["mtp.fc.weight"] = torch.zeros(2, 2)
     save_file(tensors, multimodal_dir / "model.safetensors")
+    assert config_problems(multimodal_dir) == []  # what `config validate` checks
     capsys.readouterr()
     loaded = load_model(str(multimodal_dir)).eval()
     assert "vision tower is not used yet" in capsys.readouterr().err
