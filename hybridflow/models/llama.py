@@ -170,6 +170,12 @@ class CausalLM(nn.Module):
                 for param in module.parameters():
                     param.normal_(0.0, std, generator=generator)
 
+    @property
+    def recurrent_layers(self) -> list[int]:
+        """Layers whose token mixer keeps a recurrent state instead of K/V (their spec's
+        cache kind): the engine's paged-K/V path does not run them yet."""
+        return [i for i, layer in enumerate(self.model.layers) if not layer.spec.keeps_kv]
+
     def enable_gradient_checkpointing(self, enabled: bool = True) -> None:
         self.gradient_checkpointing = enabled
 
@@ -295,14 +301,14 @@ class CausalLM(nn.Module):
             self._check_sequence_parallel()
             attend = ulysses_attention(attend, sequence_group)
         layout = None  # built only where a mixer needs it (its token columns cost a host sync)
-        if any(not layer.spec.keeps_kv for layer in self.model.layers):
+        if self.recurrent_layers:
             layout = TokenLayout.packed(cu_seqlens.to(torch.int32), int(max_seqlen))
         return self._run_layers(hidden, cos, sin, attend, routed_experts, router_trace, layout)
 
     def _check_sequence_parallel(self) -> None:
         """Ulysses splits tokens over ranks and regathers them by heads around attention
         only; a recurrent mixer would see a slice of each sequence."""
-        recurrent = [i for i, layer in enumerate(self.model.layers) if not layer.spec.keeps_kv]
+        recurrent = self.recurrent_layers
         if recurrent:
             raise ValueError(
                 f"actor.sequence_parallel_size > 1 cannot run layers {recurrent[:4]}... whose "
