@@ -63,3 +63,26 @@ class LayerSpec:
     def mixer_module(self) -> str:
         """Attribute name of the mixer in the layer (HF's): ``self_attn`` or ``linear_attn``."""
         return MIXER_MODULE_NAMES[self.mixer]
+
+
+# LoRA targets are named as attention's projections (model.lora_target_modules: q_proj,
+# k_proj, v_proj, o_proj, ...); a mixer of another kind adapts its own projections in their
+# place: Gated DeltaNet's fused q/k/v input for q/k/v, its output gate and out_proj for o_proj.
+LORA_EQUIVALENTS: dict[str, dict[str, tuple[str, ...]]] = {
+    "gated_deltanet": {
+        "q_proj": ("in_proj_qkv",),
+        "k_proj": ("in_proj_qkv",),
+        "v_proj": ("in_proj_qkv",),
+        "o_proj": ("in_proj_z", "out_proj"),
+    },
+}
+
+
+def lora_target_modules(specs: list[LayerSpec], requested: list[str]) -> list[str]:
+    """The module names LoRA adapts in a model of these layers: ``requested`` plus each
+    mixer kind's equivalents of the attention projections it names (in order, once)."""
+    names = list(requested)
+    for mixer in dict.fromkeys(spec.mixer for spec in specs):
+        for name in requested:
+            names += LORA_EQUIVALENTS.get(mixer, {}).get(name, ())
+    return list(dict.fromkeys(names))
