@@ -20,13 +20,20 @@ TINY_TEXT = dict(
 )
 
 
-def transformers_model(moe: bool, seed: int = 0):
-    """A transformers Qwen3_5(Moe)ForCausalLM with every weight random (norms and the
-    DeltaNet decay too, so a misplaced one shows), fp32, eval mode."""
+def transformers_model(moe: bool, seed: int = 0, next_: bool = False):
+    """A transformers Qwen3_5(Moe)ForCausalLM (``next_``: Qwen3NextForCausalLM, experts on
+    every other layer) with every weight random (norms and the DeltaNet decay too, so a
+    misplaced one shows), fp32, eval mode."""
     import transformers
 
     torch.manual_seed(seed)
-    if moe:
+    if next_:
+        config = transformers.Qwen3NextConfig(
+            **TINY_TEXT, intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=16, shared_expert_intermediate_size=24, decoder_sparse_step=2,
+        )  # fmt: skip
+        model = transformers.Qwen3NextForCausalLM(config)
+    elif moe:
         config = transformers.Qwen3_5MoeTextConfig(
             **TINY_TEXT, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
             shared_expert_intermediate_size=24,

@@ -28,14 +28,19 @@ def _logits_both_ways(ours, ids, mask, packed, positions, cu_seqlens):
     return padded, flat.split(lengths)
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_transformers_checkpoint_gives_equal_logits_in_our_decoder(tmp_path, moe):
-    reference = transformers_model(moe)
+VARIANTS = {"dense": (False, False), "moe": (True, False), "next": (True, True)}
+MLPS = {"dense": ["dense"] * 4, "moe": ["experts_shared"] * 4,
+        "next": ["dense", "experts_shared"] * 2}  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_transformers_checkpoint_gives_equal_logits_in_our_decoder(tmp_path, variant):
+    reference = transformers_model(*VARIANTS[variant][:1], next_=VARIANTS[variant][1])
     reference.save_pretrained(tmp_path)
     ours = load_model_from_dir(str(tmp_path)).eval()
-    kinds = [(layer.spec.mixer, layer.spec.mlp) for layer in ours.model.layers]
-    mlp = "experts_shared" if moe else "dense"
-    assert kinds == [("gated_deltanet", mlp)] * 3 + [("gated_attention", mlp)]
+    mixers = ["gated_deltanet"] * 3 + ["gated_attention"]
+    assert [layer.spec.mixer for layer in ours.model.layers] == mixers
+    assert [layer.spec.mlp for layer in ours.model.layers] == MLPS[variant]
     ids, mask, packed, positions, cu_seqlens = two_sequences()
     with torch.no_grad():
         expected = reference(input_ids=ids, attention_mask=mask).logits
@@ -46,15 +51,21 @@ def test_transformers_checkpoint_gives_equal_logits_in_our_decoder(tmp_path, moe
         assert (logits - expected[row, : len(logits)]).abs().max() <= TOLERANCE
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_our_checkpoint_gives_equal_logits_in_transformers(tmp_path, moe):
+ARCHITECTURES = {"dense": "Qwen3_5ForCausalLM", "moe": "Qwen3_5MoeForCausalLM",
+                 "next": "Qwen3NextForCausalLM"}  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_our_checkpoint_gives_equal_logits_in_transformers(tmp_path, variant):
     import transformers
 
-    transformers_model(moe).save_pretrained(tmp_path / "source")
+    moe, next_ = VARIANTS[variant]
+    transformers_model(moe, next_=next_).save_pretrained(tmp_path / "source")
     ours = load_model_from_dir(str(tmp_path / "source")).eval()
     ours.save_pretrained(str(tmp_path / "saved"))
     config = json.loads((tmp_path / "saved" / "config.json").read_text())
-    assert config["architectures"] == ["Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"]
+    assert config["architectures"] == [ARCHITECTURES[variant]]
+    assert config_problems(tmp_path / "saved") == []  # the headers fit the config
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
     ids, mask, packed, positions, cu_seqlens = two_sequences()
     with torch.no_grad():

@@ -9,7 +9,10 @@ A family module provides:
 and optionally:
     PER_EXPERT_NAMES     model_type -> how its experts are named on disk (expert_checkpoint)
     text_config(hf)      a multimodal config.json -> its language model's
-    memory_name(name)    a checkpoint tensor name -> ours, None for parts not run
+    read_tensor(arch, name, tensor)   a checkpoint tensor -> [(our name, tensor)] ([]: a
+                         part not run; several: a fused tensor we hold split)
+    write_tensors(arch, state)        our state dict -> (name, tensor) as its checkpoints
+                         hold them (before experts are split per expert)
 
 Nothing outside these files branches on model_type: the decoder, the engine, LoRA and the
 memory plan ask the layer specs (models/layer_spec.py).
@@ -55,7 +58,13 @@ def text_config(hf: dict) -> dict:
     return hf if convert is None else convert(hf)
 
 
-def checkpoint_renamer(model_type: str):
-    """name -> in-memory name (None: skip the tensor) for checkpoints of ``model_type``."""
-    family = FAMILY_OF.get(model_type)
-    return getattr(family, "memory_name", None) or (lambda name: name)
+def read_tensor(arch, name: str, tensor):
+    """A checkpoint tensor of ``arch``'s family -> [(in-memory name, tensor)]."""
+    read = getattr(FAMILY_OF[arch.model_type], "read_tensor", None)
+    return [(name, tensor)] if read is None else read(arch, name, tensor)
+
+
+def write_tensors(arch, state: dict):
+    """Our state dict -> (name, tensor) pairs in the family's checkpoint layout."""
+    write = getattr(FAMILY_OF[arch.model_type], "write_tensors", None)
+    return iter(state.items()) if write is None else write(arch, state)

@@ -1,6 +1,7 @@
-"""Qwen3.5 (dense and MoE): the hybrid family. Three of every four layers are Gated DeltaNet
-(linear attention with a recurrent state), every fourth is gated attention; the MLP is dense
-(Qwen3.5) or 256 routed experts + a shared expert (Qwen3.5-MoE).
+"""Qwen3.5 (dense and MoE) and Qwen3-Next: the hybrid family. Three of every four layers are
+Gated DeltaNet (linear attention with a recurrent state), every fourth is gated attention; the
+MLP is dense (Qwen3.5) or routed experts + a shared expert (Qwen3.5-MoE on every layer,
+Qwen3-Next on the layers its decoder_sparse_step and mlp_only_layers make sparse).
 
 config.json: ``layer_types`` names each layer ("linear_attention" / "full_attention"; absent,
 every full_attention_interval-th layer is attention), ``linear_*`` the DeltaNet heads, and
@@ -12,6 +13,11 @@ nests the text model under ``text_config`` and their weights under ``model.langu
 the vision tower (``model.visual.``) and the multi-token-prediction head (``mtp.``) are not
 used yet. What we write is the text model (``Qwen3_5ForCausalLM`` /
 ``Qwen3_5MoeForCausalLM``), which transformers loads as is.
+
+Qwen3-Next holds the same DeltaNet weights fused per key head: ``in_proj_qkvz`` rows are, for
+each key head, its q, its k, then the v and z of the value heads it serves; ``in_proj_ba``
+likewise b then a. They are split into Qwen3.5's ``in_proj_qkv``/``in_proj_z``/
+``in_proj_b``/``in_proj_a`` on reading and fused back on writing (a row permutation: exact).
 """
 
 from __future__ import annotations
@@ -25,11 +31,13 @@ ARCHITECTURES = {
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "qwen3_5": "Qwen3_5ForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
 }
 MODEL_TYPES = tuple(ARCHITECTURES)
 # a multimodal model_type -> its language model's
 TEXT_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
-MOE_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
+MOE_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")
+NEXT = "qwen3_next"  # experts on the sparse-step layers only; fused DeltaNet projections
 # On disk each expert is its own tensors under mlp.experts.{e} (expert_checkpoint.py).
 PER_EXPERT_NAMES = {
     model_type: ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})
@@ -60,14 +68,69 @@ def is_multimodal(hf: dict[str, Any]) -> bool:
     return hf.get("model_type") in TEXT_MODEL_TYPES and isinstance(hf.get("text_config"), dict)
 
 
-def memory_name(name: str) -> str | None:
-    """A checkpoint tensor name -> ours (the multimodal prefix dropped); None for tensors of
-    parts we do not run (vision tower, multi-token prediction)."""
+def read_tensor(arch, name: str, tensor) -> list[tuple[str, Any]]:
+    """A checkpoint tensor -> [(our name, tensor)]: the multimodal prefix dropped, the vision
+    tower and multi-token prediction skipped ([]), Qwen3-Next's fused projections split."""
     if name.startswith(_NOT_USED_PREFIXES):
-        return None
+        return []
     if name.startswith(_MULTIMODAL_PREFIX):
-        return "model." + name.removeprefix(_MULTIMODAL_PREFIX)
-    return name
+        name = "model." + name.removeprefix(_MULTIMODAL_PREFIX)
+    if arch.model_type == NEXT and name.endswith(("in_proj_qkvz.weight", "in_proj_ba.weight")):
+        return _split_fused(arch, name, tensor)
+    return [(name, tensor)]
+
+
+def _widths(arch) -> tuple[int, int, int]:
+    """(key heads, each key head's fused qkvz rows, each key head's value heads)."""
+    group = arch.linear_num_value_heads // arch.linear_num_key_heads
+    rows = 2 * arch.linear_key_head_dim + 2 * group * arch.linear_value_head_dim
+    return arch.linear_num_key_heads, rows, group
+
+
+def _split_fused(arch, name: str, tensor) -> list[tuple[str, Any]]:
+    """in_proj_qkvz [Hk * (2Dk + 2G*Dv), H] -> in_proj_qkv, in_proj_z; in_proj_ba [Hk * 2G, H]
+    -> in_proj_b, in_proj_a. A tensor of another shape stays as it is (reported missing)."""
+    import torch
+
+    heads, rows, group = _widths(arch)
+    prefix = name.rsplit(".", 2)[0]
+    if name.endswith("in_proj_ba.weight"):
+        if tensor.shape[0] != heads * 2 * group:
+            return [(name, tensor)]
+        b, a = tensor.unflatten(0, (heads, 2 * group)).split([group, group], dim=1)
+        return [(f"{prefix}.in_proj_b.weight", b.flatten(0, 1)),
+                (f"{prefix}.in_proj_a.weight", a.flatten(0, 1))]  # fmt: skip
+    if tensor.shape[0] != heads * rows:
+        return [(name, tensor)]
+    dk, values = arch.linear_key_head_dim, group * arch.linear_value_head_dim
+    q, k, v, z = tensor.unflatten(0, (heads, rows)).split([dk, dk, values, values], dim=1)
+    qkv = torch.cat([part.flatten(0, 1) for part in (q, k, v)])
+    return [(f"{prefix}.in_proj_qkv.weight", qkv), (f"{prefix}.in_proj_z.weight", z.flatten(0, 1))]
+
+
+def write_tensors(arch, state: dict):
+    """Our state -> the checkpoint's tensors: Qwen3-Next's DeltaNet projections fused back
+    per key head; everything else as it is."""
+    import torch
+
+    if arch.model_type != NEXT:
+        yield from state.items()
+        return
+    heads, _, group = _widths(arch)
+    dk, values = arch.linear_key_head_dim, group * arch.linear_value_head_dim
+    for name, tensor in state.items():
+        prefix = name.rsplit(".", 2)[0]
+        if name.endswith("in_proj_qkv.weight"):
+            q, k, v = tensor.split([heads * dk, heads * dk, heads * values])
+            z = state[f"{prefix}.in_proj_z.weight"]
+            parts = [x.unflatten(0, (heads, -1)) for x in (q, k, v, z)]
+            yield f"{prefix}.in_proj_qkvz.weight", torch.cat(parts, dim=1).flatten(0, 1)
+        elif name.endswith("in_proj_b.weight"):
+            a = state[f"{prefix}.in_proj_a.weight"]
+            parts = [x.unflatten(0, (heads, group)) for x in (tensor, a)]
+            yield f"{prefix}.in_proj_ba.weight", torch.cat(parts, dim=1).flatten(0, 1)
+        elif not name.endswith(("in_proj_z.weight", "in_proj_a.weight")):
+            yield name, tensor
 
 
 def layer_types_of(hf: dict[str, Any]) -> tuple[str, ...]:
@@ -105,6 +168,12 @@ def fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
             norm_topk_prob=True,  # Qwen3.5-MoE's router always renormalises its top-k
             router_aux_loss_coef=float(hf.get("router_aux_loss_coef") or 0.0),
         )
+    if hf.get("model_type") == NEXT:  # its router reads the flag; sparse-step layers only
+        fields.update(
+            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            decoder_sparse_step=int(hf.get("decoder_sparse_step") or 1),
+            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+        )
     return fields
 
 
@@ -133,13 +202,24 @@ def fields_to_hf(arch) -> dict[str, Any]:
             router_aux_loss_coef=arch.router_aux_loss_coef,
             output_router_logits=False,
         )
-        hf.pop("intermediate_size", None)
+        if model_type != NEXT:
+            hf.pop("intermediate_size", None)
+    if model_type == NEXT:
+        hf.update(norm_topk_prob=arch.norm_topk_prob, decoder_sparse_step=arch.decoder_sparse_step,
+                  mlp_only_layers=list(arch.mlp_only_layers))  # fmt: skip
     return hf
 
 
 def layer_specs(arch) -> list[LayerSpec]:
-    mlp = "experts_shared" if arch.model_type in MOE_TYPES else "dense"
-    return [LayerSpec(MIXER_OF_LAYER_TYPE[kind], mlp) for kind in arch.layer_types]
+    from hybridflow.models.families.qwen3_moe import is_sparse_layer
+
+    def mlp(index: int) -> str:
+        if arch.model_type not in MOE_TYPES:
+            return "dense"
+        sparse = arch.model_type != NEXT or is_sparse_layer(arch, index)
+        return "experts_shared" if sparse else "dense"
+
+    return [LayerSpec(MIXER_OF_LAYER_TYPE[kind], mlp(i)) for i, kind in enumerate(arch.layer_types)]
 
 
 def check(arch) -> None:
