@@ -149,3 +149,13 @@ def test_left_padding_leaves_the_recurrent_state_untouched(tmp_path):
         alone = ours(tokens)
         left = ours(padded, attention_mask=mask)[:, 5:]
     assert (alone - left).abs().max() <= TOLERANCE
+
+
+def test_an_ungated_attention_config_goes_to_the_fallback_with_its_reason():
+    from hybridflow.models import native_support_problem
+
+    hf = {"model_type": "qwen3_5_text", "vocab_size": 96, "hidden_size": 32,
+          "intermediate_size": 48, "num_hidden_layers": 4, "num_attention_heads": 4,
+          "head_dim": 16, "attn_output_gate": False}  # fmt: skip
+    assert "attn_output_gate=false" in native_support_problem(hf)
+    assert native_support_problem({**hf, "attn_output_gate": True}) is None

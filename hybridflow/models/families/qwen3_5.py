@@ -144,6 +144,8 @@ def layer_types_of(hf: dict[str, Any]) -> tuple[str, ...]:
 
 
 def fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    if hf.get("attn_output_gate", True) is False:  # every published config gates; ours always
+        raise ValueError("attn_output_gate=false (attention without its output gate)")
     rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
     factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
     fields = {
