@@ -5,7 +5,7 @@ chosen only where it can run."""
 import pytest
 import torch
 
-from hybridflow.models import gated_delta_rule as gdr
+from hybridflow.models.mixers import gated_delta_rule as gdr
 from hybridflow.models.mixers.gated_deltanet import (
     TokenLayout,
     causal_conv_packed,

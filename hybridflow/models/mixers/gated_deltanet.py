@@ -2,7 +2,7 @@
 
     qkv = silu(causal depthwise conv(in_proj_qkv(x)))     split into q, k (key heads), v
     beta = sigmoid(in_proj_b(x));  g = -exp(A_log) * softplus(in_proj_a(x) + dt_bias)
-    o = gated delta rule(q, k, v, g, beta)                 models/gated_delta_rule.py
+    o = gated delta rule(q, k, v, g, beta)                 models/mixers/gated_delta_rule.py
     out = out_proj(RMSNorm(o) * silu(in_proj_z(x)))        per value head
 
 What a sequence carries from token to token is the conv's last kernel-1 inputs and the
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridflow.models.gated_delta_rule import (
+from hybridflow.models.mixers.gated_delta_rule import (
     chunked_gated_delta_rule,
     packed_gated_delta_rule,
     rows_of_packed,
@@ -73,7 +73,7 @@ def causal_conv_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 class GatedDeltaNet(nn.Module):
     """Attributes:
-    delta_backend: models/gated_delta_rule.DELTA_BACKENDS for the packed forward ("auto":
+    delta_backend: mixers/gated_delta_rule.DELTA_BACKENDS for the packed forward ("auto":
         fla-core's kernel on CUDA when installed, else the chunked torch reference)."""
 
     def __init__(self, config):
