@@ -133,3 +133,4 @@ def test_fla_call_site_hands_one_varlen_row(monkeypatch):
     assert seen["q"] == seen["k"] == (1, 7, 4, 8) and seen["v"] == (1, 7, 4, 6)
     assert seen["cu_seqlens"].dtype == torch.int64 and seen["use_qk_l2norm_in_kernel"]
     assert torch.equal(out, inputs[2] * 2)
+    assert seen["output_final_state"] is False

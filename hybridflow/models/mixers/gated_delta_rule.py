@@ -152,12 +152,16 @@ def packed_gated_delta_rule(
     cu_seqlens: torch.Tensor,
     max_seqlen: int,
     backend: str = "auto",
-) -> torch.Tensor:
+    final_state: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """q/k [N, Hk, Dk], v [N, Hv, Dv], g/beta [N, Hv] of packed sequences -> out [N, Hv, Dv]
-    in v's dtype. backend: "fla" (fla-core's chunk kernel, CUDA), "torch" (chunked
-    reference on the sequences as rows) or "auto" (fla where it is importable on CUDA)."""
+    in v's dtype (and, with ``final_state``, each sequence's last state [S, Hv, Dk, Dv] fp32:
+    what a prefill hands the decode steps). backend: "fla" (fla-core's chunk kernel, CUDA),
+    "torch" (chunked reference on the sequences as rows) or "auto" (fla where it is
+    importable on CUDA)."""
     if resolve_delta_backend(backend, q.device) == "fla":
-        return fla_packed_gated_delta_rule(q, k, v, g, beta, cu_seqlens)
+        out, state = fla_packed_gated_delta_rule(q, k, v, g, beta, cu_seqlens, final_state)
+        return (out, state) if final_state else out
     rows, columns = rows_of_packed(cu_seqlens, max_seqlen)
     num_rows = len(cu_seqlens) - 1
 
@@ -165,9 +169,11 @@ def packed_gated_delta_rule(
         grid = x.new_zeros(num_rows, max_seqlen, *x.shape[1:])
         return grid.index_put((rows, columns), x)
 
-    # right padding: a row's padded tail comes after its tokens, so it reaches none of them
-    out, _ = chunked_gated_delta_rule(*(as_rows(x) for x in (q, k, v, g, beta)))
-    return out[rows, columns].to(v.dtype)
+    # right padding: a row's padded tail comes after its tokens, so it reaches none of them;
+    # and with k = v = beta = g = 0 there it leaves the row's last state as it was
+    out, state = chunked_gated_delta_rule(*(as_rows(x) for x in (q, k, v, g, beta)))
+    out = out[rows, columns].to(v.dtype)
+    return (out, state) if final_state else out
 
 
 DELTA_BACKENDS = ("auto", "fla", "torch")
@@ -196,22 +202,23 @@ def _fla_chunk():
     return chunk_gated_delta_rule
 
 
-def fla_packed_gated_delta_rule(q, k, v, g, beta, cu_seqlens) -> torch.Tensor:
+def fla_packed_gated_delta_rule(q, k, v, g, beta, cu_seqlens, final_state: bool = False):
     """fla-core's varlen chunk kernel: one batch row [1, N, H, D] with ``cu_seqlens`` (int64),
     the state reset at each boundary; it normalises q/k itself (use_qk_l2norm_in_kernel) and
     scales q by Dk^-0.5 by default. Key heads are expanded to the value heads first (older
-    fla releases need H equal for q, k and v)."""
+    fla releases need H equal for q, k and v). -> (out [N, Hv, Dv], the sequences' last
+    states [S, Hv, Dk, Dv] or None)."""
     heads = v.shape[-2]
     q, k = expand_key_heads(q, heads), expand_key_heads(k, heads)
-    out, _ = _fla_chunk()(
+    out, state = _fla_chunk()(
         q[None].contiguous(),
         k[None].contiguous(),
         v[None].contiguous(),
         g[None].float(),
         beta[None].to(v.dtype),
         initial_state=None,
-        output_final_state=False,
+        output_final_state=final_state,
         cu_seqlens=cu_seqlens.long(),
         use_qk_l2norm_in_kernel=True,
     )
-    return out[0]
+    return out[0], state

@@ -20,6 +20,7 @@ from torch import nn
 from hybridflow.models.mixers.gated_delta_rule import (
     chunked_gated_delta_rule,
     packed_gated_delta_rule,
+    recurrent_gated_delta_rule,
     rows_of_packed,
 )
 from hybridflow.models.norm import GatedRMSNorm
@@ -71,6 +72,16 @@ def causal_conv_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out[..., : x.shape[1]].transpose(1, 2)
 
 
+@dataclass
+class RecurrentState:
+    """What S sequences carry through one Gated DeltaNet layer: ``conv`` [S, C, K-1], the
+    conv's last K-1 inputs (oldest first, the layer's dtype), and ``ssm`` [S, Hv, Dk, Dv],
+    the delta-rule state in fp32."""
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+
 class GatedDeltaNet(nn.Module):
     """Attributes:
     delta_backend: mixers/gated_delta_rule.DELTA_BACKENDS for the packed forward ("auto":
@@ -112,25 +123,68 @@ class GatedDeltaNet(nn.Module):
         return g, beta
 
     def forward(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        """The training op: x [N, H] packed or [B, T, H] padded (``layout``) -> [..., H]."""
+        return self._run(x, layout)[0]
+
+    def prefill(self, x: torch.Tensor, layout: TokenLayout) -> tuple[torch.Tensor, RecurrentState]:
+        """The engine's prefill: packed prompts x [N, H] -> (out [N, H], each sequence's state
+        after its last token, for :meth:`decode` to continue from)."""
+        if not layout.is_packed:
+            raise ValueError("prefill takes packed sequences (TokenLayout.packed)")
+        out, mixed, ssm = self._run(x, layout, final_state=True)
+        kept = self.conv1d.weight.shape[-1] - 1
+        ends = layout.cu_seqlens[1:].long()
+        lengths = ends - layout.cu_seqlens[:-1].long()
+        offsets = torch.arange(kept, device=x.device)
+        index = (ends[:, None] - kept + offsets).clamp(min=0)  # [S, K-1]: the last inputs
+        inside = (offsets >= kept - lengths[:, None]).to(mixed.dtype)  # shorter: zeros first
+        conv = (mixed[index] * inside[..., None]).transpose(1, 2).contiguous()  # [S, C, K-1]
+        return out, RecurrentState(conv=conv, ssm=ssm)
+
+    def decode(self, x: torch.Tensor, state: RecurrentState) -> torch.Tensor:
+        """The engine's decode step: one token of each of B sequences, x [B, H] -> [B, H];
+        ``state`` (theirs, in order) moves one token on, in place."""
+        mixed = self.in_proj_qkv(x)  # [B, C]
+        window = torch.cat([state.conv.to(mixed.dtype), mixed[..., None]], dim=-1)  # [B, C, K]
+        state.conv.copy_(window[..., 1:])
+        convolved = (window * self.conv1d.weight[:, 0, :].to(window.dtype)).sum(-1)
+        q, k, v = self._heads(F.silu(convolved))
+        g, beta = self.gates(x)
+        core, ssm = recurrent_gated_delta_rule(
+            q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], state.ssm
+        )
+        state.ssm.copy_(ssm)
+        return self._output(core[:, 0].to(v.dtype), x)
+
+    def _heads(self, mixed: torch.Tensor):
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (q.unflatten(-1, (-1, self.head_k_dim)), k.unflatten(-1, (-1, self.head_k_dim)),
+                v.unflatten(-1, (-1, self.head_v_dim)))  # fmt: skip
+
+    def _output(self, core: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        z = self.in_proj_z(x).unflatten(-1, (-1, self.head_v_dim))
+        return self.out_proj(self.norm(core, z).flatten(-2))
+
+    def _run(self, x: torch.Tensor, layout: TokenLayout, final_state: bool = False):
+        """-> (out, the conv's inputs, the last states [S, Hv, Dk, Dv] or None)."""
         if layout.attention_mask is not None:  # padding tokens enter as zeros: no state change
             x = x * layout.attention_mask[..., None].to(x.dtype)
         mixed = self.in_proj_qkv(x)
         if layout.is_packed:
-            mixed = causal_conv_packed(mixed, self.conv1d.weight, layout.columns)
+            convolved = causal_conv_packed(mixed, self.conv1d.weight, layout.columns)
         else:
-            mixed = causal_conv_rows(mixed, self.conv1d.weight)
-        q, k, v = F.silu(mixed).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.unflatten(-1, (-1, self.head_k_dim))
-        k = k.unflatten(-1, (-1, self.head_k_dim))
-        v = v.unflatten(-1, (-1, self.head_v_dim))
+            convolved = causal_conv_rows(mixed, self.conv1d.weight)
+        q, k, v = self._heads(F.silu(convolved))
         g, beta = self.gates(x)
+        ssm = None
         if layout.is_packed:
             core = packed_gated_delta_rule(q, k, v, g, beta, layout.cu_seqlens, layout.max_seqlen,
-                                           self.delta_backend)  # fmt: skip
+                                           self.delta_backend, final_state)  # fmt: skip
+            if final_state:
+                core, ssm = core
         else:
             core = chunked_gated_delta_rule(q, k, v, g, beta)[0].to(v.dtype)
-        z = self.in_proj_z(x).unflatten(-1, (-1, self.head_v_dim))
-        return self.out_proj(self.norm(core, z).flatten(-2))
+        return self._output(core, x), mixed, ssm
 
 
 def recurrent_state_elements(config) -> tuple[int, int]:
