@@ -159,3 +159,21 @@ def test_an_ungated_attention_config_goes_to_the_fallback_with_its_reason():
           "head_dim": 16, "attn_output_gate": False}  # fmt: skip
     assert "attn_output_gate=false" in native_support_problem(hf)
     assert native_support_problem({**hf, "attn_output_gate": True}) is None
+
+
+def test_moe_routes_are_traced_and_replayed_with_the_shared_expert(tmp_path):
+    """Routing replay reaches Qwen3.5-MoE's layers: the traced routes replayed give the same
+    hidden states; other routes give others (the shared expert runs either way)."""
+    transformers_model(moe=True).save_pretrained(tmp_path)
+    ours = load_model_from_dir(str(tmp_path)).eval()
+    _, mask, packed, positions, cu_seqlens = two_sequences()
+    trace = []
+    with torch.no_grad():
+        free = ours.forward_packed(packed, positions, cu_seqlens, 13, router_trace=trace)
+        routes = torch.stack([ids for _, ids in trace], dim=1)  # [N, L_sparse, k]
+        assert routes.shape == (len(packed), 4, 2)
+        replayed = ours.forward_packed(packed, positions, cu_seqlens, 13, routed_experts=routes)
+        other = ours.forward_packed(packed, positions, cu_seqlens, 13,
+                                    routed_experts=(routes + 1) % 4)  # fmt: skip
+    assert torch.equal(replayed, free)
+    assert not torch.allclose(other, free)
