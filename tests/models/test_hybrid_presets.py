@@ -54,3 +54,18 @@ def test_config_plan_knows_a_qwen3_5_directory(tmp_path):
     assert plan_command(cfg, "80GiB", out=out.append) == 0
     assert out[0].startswith(f"memory plan: {tmp_path}")
     assert any("KV cache" in line for line in out)
+
+
+def test_gradient_checkpointing_recomputes_the_recurrent_layers_exactly():
+    def grads(checkpointing: bool) -> dict:
+        model = build_model(PRESETS["tiny-hybrid"]).train()
+        model.enable_gradient_checkpointing(checkpointing)
+        ids, cu = torch.arange(3, 15), torch.tensor([0, 5, 12])
+        positions = torch.cat([torch.arange(5), torch.arange(7)])
+        model.forward_packed(ids, positions, cu, 7).square().mean().backward()
+        return {n: p.grad for n, p in model.named_parameters() if "linear_attn" in n}
+
+    plain, recomputed = grads(False), grads(True)
+    assert plain.keys() == recomputed.keys() and len(plain) == 3 * 9
+    for name, grad in plain.items():
+        assert torch.allclose(recomputed[name], grad, atol=1e-6), name
