@@ -129,6 +129,10 @@ def test_fla_call_site_hands_one_varlen_row(monkeypatch):
 
     monkeypatch.setattr(gdr, "_fla_chunk", lambda: fake_chunk)
     inputs, cu_seqlens = _packed([4, 3])
+    with pytest.raises(ValueError, match="bf16/fp16 inputs"):  # fla refuses fp32 q/k/v
+        gdr.packed_gated_delta_rule(*inputs, cu_seqlens, 4, backend="fla")
+    assert gdr.resolve_delta_backend("auto", torch.device("cuda"), torch.float32) == "torch"
+    inputs = [x.bfloat16() for x in inputs]
     out = gdr.packed_gated_delta_rule(*inputs, cu_seqlens, 4, backend="fla")
     assert seen["q"] == seen["k"] == (1, 7, 4, 8) and seen["v"] == (1, 7, 4, 6)
     assert seen["cu_seqlens"].dtype == torch.int64 and seen["use_qk_l2norm_in_kernel"]

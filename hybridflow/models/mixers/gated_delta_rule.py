@@ -159,7 +159,7 @@ def packed_gated_delta_rule(
     what a prefill hands the decode steps). backend: "fla" (fla-core's chunk kernel, CUDA),
     "torch" (chunked reference on the sequences as rows) or "auto" (fla where it is
     importable on CUDA)."""
-    if resolve_delta_backend(backend, q.device) == "fla":
+    if resolve_delta_backend(backend, q.device, v.dtype) == "fla":
         out, state = fla_packed_gated_delta_rule(q, k, v, g, beta, cu_seqlens, final_state)
         return (out, state) if final_state else out
     rows, columns = rows_of_packed(cu_seqlens, max_seqlen)
@@ -179,16 +179,25 @@ def packed_gated_delta_rule(
 DELTA_BACKENDS = ("auto", "fla", "torch")
 
 
-def resolve_delta_backend(backend: str, device: torch.device) -> str:
+def resolve_delta_backend(
+    backend: str, device: torch.device, dtype: torch.dtype = torch.bfloat16
+) -> str:
+    """The backend "auto" means here: fla-core's kernel on CUDA for 16-bit inputs (it refuses
+    fp32 q/k/v) when fla is importable, else the chunked torch reference."""
     if backend not in DELTA_BACKENDS:
         raise ValueError(f"gated delta rule backend {backend!r} is not one of {DELTA_BACKENDS}")
+    half = dtype in (torch.bfloat16, torch.float16)
     if backend == "auto":
-        return "fla" if device.type == "cuda" and _fla_chunk() is not None else "torch"
+        usable = device.type == "cuda" and half and _fla_chunk() is not None
+        return "fla" if usable else "torch"
     if backend == "fla" and _fla_chunk() is None:
         raise ImportError(
             "the 'fla' gated delta rule backend needs fla-core (pip install fla-core); "
             "backend='torch' runs the chunked reference instead"
         )
+    if backend == "fla" and not half:
+        raise ValueError(f"fla-core's gated delta rule takes bf16/fp16 inputs, not {dtype}: "
+                         "run under bf16 autocast, or use backend='torch'")  # fmt: skip
     return backend
 
 
