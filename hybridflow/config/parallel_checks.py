@@ -250,6 +250,14 @@ def _check_shape(role: str, arch: ModelArchitecture, sizes: list[RoleSize], add:
         return  # said by layout_problems
     who = ROLE_NAMES[role]
     heads, kv = arch.num_attention_heads, arch.num_key_value_heads
+    recurrent = arch.num_hidden_layers - arch.kv_layers  # layers whose state spans the sequence
+    for dim, size in (("tp", tp), ("sp", sp)):
+        if size > 1 and recurrent:
+            key = mine[dim].key
+            add(f"{who}: {key} = {size}: this model's {recurrent} Gated DeltaNet layers (a "
+                f"recurrent state per sequence) are not split by tensor or sequence parallelism "
+                f"yet: set {key}=1")  # fmt: skip
+            return
     if tp > 1:
         tp_key = mine["tp"].key
         for what, count in (

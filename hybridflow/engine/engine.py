@@ -113,7 +113,9 @@ class Engine:
         self.max_prefill_tokens = options.max_prefill_tokens
         from hybridflow.models.llama import CausalLM
 
-        self.native = isinstance(model, CausalLM)  # else: slow path (slow.py)
+        # else: slow path (slow.py); so are layers with a recurrent state (Gated DeltaNet),
+        # until the cache keeps their states beside the paged K/V
+        self.native = isinstance(model, CausalLM) and not model.recurrent_layers
         from hybridflow.engine.layers.moe import ExpertMatmuls, has_experts
 
         # mixture-of-experts layers run through layers/moe.py: routing recorded for replay,

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from hybridflow.models.layer_spec import lora_target_modules
 from hybridflow.models.moe import ExpertLoRA, Experts
 
 ADAPTER = "default"
@@ -45,6 +46,9 @@ def apply_lora(
     import peft
 
     experts = [m for m in model.modules() if isinstance(m, Experts)]
+    layer_specs = getattr(getattr(model, "config", None), "layer_specs", None)
+    if layer_specs is not None:  # attention's names -> each mixer kind's own projections
+        target_modules = lora_target_modules(layer_specs(), target_modules)
     linear_names = {
         n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)
     }

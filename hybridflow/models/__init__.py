@@ -1,5 +1,6 @@
-"""Model runtime: one Llama-family decoder (dense or mixture-of-experts) that reads and writes
-Hugging Face checkpoints.
+"""Model runtime: one decoder, built layer by layer from layer specs (models/layer_spec.py:
+attention or Gated DeltaNet token mixers, dense or expert MLPs), that reads and writes Hugging
+Face checkpoints of the families in models/families/.
 
 model = load_model("qwen2.5-0.5b", dtype=torch.bfloat16, device="cuda")  # preset, random
 model = load_model("/path/to/hf_dir")                                    # HF checkpoint
@@ -57,8 +58,8 @@ def load_model(
 ):
     """A preset name (random init with a fixed seed) or a local HF model directory.
 
-    backend: "auto" uses our decoder for llama/mistral/qwen2/qwen3/qwen3_moe/mixtral checkpoints
-    and falls back, with a one-line notice on stderr, to transformers' AutoModelForCausalLM
+    backend: "auto" uses our decoder for the model types of models/families/ (Llama, Mistral,
+    Qwen2/3, Qwen3-MoE, Mixtral, Qwen3.5 dense and MoE, Qwen3-Next) and falls back, with a one-line notice on stderr, to transformers' AutoModelForCausalLM
     (slower; same forward/forward_packed/save_pretrained interface, see hf_fallback.py) for
     anything else; "native" or "hf" force one.
     """

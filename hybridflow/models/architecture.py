@@ -1,4 +1,7 @@
-"""Shape and numerics of one Llama-family decoder, with Hugging Face config.json conversion."""
+"""Shape and numerics of one decoder, with Hugging Face config.json conversion.
+
+The fields every family shares are read and written here; each family's own fields, checks
+and layer specs are in its file (models/families/)."""
 
 from __future__ import annotations
 
@@ -7,23 +10,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-# model_type values our own decoder implements; everything else goes to the HF fallback.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+from hybridflow.models.families import SUPPORTED_MODEL_TYPES, family_of, text_config
+from hybridflow.models.layer_spec import LayerSpec
 
-# Families whose MLP is a sparse mixture of experts (models/moe.py) on some or all layers.
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+__all__ = ["SUPPORTED_MODEL_TYPES", "ModelArchitecture"]
 
 # rope_scaling types rope.py implements (HF names; "type" is the legacy key for "rope_type").
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-}
 
 
 @dataclass
@@ -77,20 +70,31 @@ class ModelArchitecture:
     """Layers that keep a dense MLP of intermediate_size among the sparse ones."""
     router_aux_loss_coef: float = 0.0
     """Load-balancing loss coefficient from config.json (the trainer may override it)."""
+    shared_expert_intermediate_size: int = 0
+    """Width of the shared expert beside the routed ones (Qwen3.5-MoE); 0 = none."""
+    partial_rotary_factor: float = 1.0
+    """Fraction of each head's dimensions RoPE turns (Qwen3.5: 0.25); the rest pass as is."""
+    layer_types: tuple[str, ...] = ()
+    """Hybrid families: HF's per-layer "linear_attention" / "full_attention" (Qwen3.5)."""
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    """Gated DeltaNet layers' conv kernel and key/value heads (value heads group over keys)."""
+    zero_centered_norms: bool = False
+    """RMSNorm weights stored as offsets from 1 (``x * (1 + w)``): Qwen3.5's layer norms."""
 
     def __post_init__(self) -> None:
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model_type={self.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}; "
-                "load it with load_model(..., backend='hf') instead"
-            )
+        family = family_of(self.model_type)
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
         self.mlp_only_layers = tuple(int(i) for i in self.mlp_only_layers)
-        self._check_experts()
+        self.layer_types = tuple(self.layer_types)
+        family.check(self)
         if self.rope_scaling is not None:
             rope_type = self.rope_type
             if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -99,46 +103,81 @@ class ModelArchitecture:
                     "load this model with load_model(..., backend='hf')"
                 )
 
-    def _check_experts(self) -> None:
-        if self.model_type not in MOE_MODEL_TYPES and self.num_experts:
-            raise ValueError(f"model_type={self.model_type!r} has no experts")
-        if not self.num_experts:
-            return
-        if not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(
-                f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="
-                f"{self.num_experts}"
-            )
-        if self.moe_intermediate_size <= 0 or self.decoder_sparse_step < 1:
-            raise ValueError("moe_intermediate_size and decoder_sparse_step must be positive")
-        if self.model_type == "mixtral" and not (
-            self.norm_topk_prob and self.decoder_sparse_step == 1 and not self.mlp_only_layers
-        ):
-            raise ValueError("mixtral routes every layer and always renormalises its top-k")
-
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    def layer_specs(self) -> list[LayerSpec]:
+        """What each layer is made of (its family's rule): ask these, not model_type."""
+        return family_of(self.model_type).layer_specs(self)
+
     def is_sparse_layer(self, index: int) -> bool:
-        """Layer ``index`` holds a mixture of experts (HF's Qwen3MoeDecoderLayer rule)."""
-        return (
-            self.is_moe
-            and index not in self.mlp_only_layers
-            and (index + 1) % self.decoder_sparse_step == 0
-        )
+        """Layer ``index`` holds a mixture of experts."""
+        return self.layer_specs()[index].sparse
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers whose token mixer keeps K/V per token (the others keep a recurrent state)."""
+        return sum(spec.keeps_kv for spec in self.layer_specs())
+
+    def kv_bytes_per_token(self, element_bytes: int = 2) -> int:
+        """K and V of one token in every layer that keeps them."""
+        return 2 * self.kv_layers * self.num_key_value_heads * self.head_dim * element_bytes
+
+    def recurrent_state_bytes(self, element_bytes: int = 2) -> int:
+        """What one sequence keeps in the layers with a recurrent state, whatever its length:
+        per Gated DeltaNet layer the conv's last kernel-1 inputs (``element_bytes`` each)
+        and the [Hv, Dk, Dv] delta-rule state in fp32."""
+        recurrent = self.num_hidden_layers - self.kv_layers
+        if not recurrent:
+            return 0
+        from hybridflow.models.mixers.gated_deltanet import recurrent_state_elements
+
+        conv, ssm = recurrent_state_elements(self)
+        return recurrent * (conv * element_bytes + ssm * 4)
 
     def sparse_layer_indices(self) -> list[int]:
         """Layers with experts, in order: the L axis of routed_experts [.., L, k]."""
-        return [i for i in range(self.num_hidden_layers) if self.is_sparse_layer(i)]
+        return [i for i, spec in enumerate(self.layer_specs()) if spec.sparse]
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that RoPE turns."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def mlp_parameters(self, active: bool = False) -> int:
         """Weights of every layer's MLP: SwiGLU matrices of the dense layers, router and
-        experts of the sparse ones (active: the top-k experts one token runs through)."""
-        h, sparse = self.hidden_size, len(self.sparse_layer_indices())
+        experts (and shared expert) of the sparse ones (active: the top-k experts one token
+        runs through)."""
+        h = self.hidden_size
         experts = self.num_experts_per_tok if active else self.num_experts
         moe = self.num_experts * h + experts * 3 * h * self.moe_intermediate_size
-        return sparse * moe + (self.num_hidden_layers - sparse) * 3 * h * self.intermediate_size
+        shared = 3 * h * self.shared_expert_intermediate_size + h  # + its sigmoid gate
+        sizes = {"dense": 3 * h * self.intermediate_size, "experts": moe,
+                 "experts_shared": moe + shared}  # fmt: skip
+        return sum(sizes[spec.mlp] for spec in self.layer_specs())
+
+    def mixer_parameters(self, mixer: str) -> int:
+        """Weights of one token mixer of kind ``mixer`` (layer_spec.MIXER_KINDS)."""
+        h, hd = self.hidden_size, self.head_dim
+        if mixer == "gated_deltanet":
+            keys = self.linear_num_key_heads * self.linear_key_head_dim
+            values = self.linear_num_value_heads * self.linear_value_head_dim
+            conv = 2 * keys + values
+            heads = self.linear_num_value_heads
+            # in_proj_qkv, in_proj_z, in_proj_b/a, conv1d, dt_bias/A_log, norm, out_proj
+            return (h * conv + h * values + 2 * h * heads + conv * self.linear_conv_kernel_dim
+                    + 2 * heads + self.linear_value_head_dim + values * h)  # fmt: skip
+        gate = 2 if mixer == "gated_attention" else 1  # q_proj also yields the output gate
+        q, kv = self.num_attention_heads * hd, self.num_key_value_heads * hd
+        attn = gate * h * q + 2 * h * kv + q * h
+        if self.attention_bias:
+            attn += gate * q + 2 * kv
+        if self.o_proj_bias:
+            attn += h
+        if self.qk_norm:
+            attn += 2 * hd
+        return attn
 
     @property
     def rope_type(self) -> str:
@@ -150,17 +189,9 @@ class ModelArchitecture:
         """Parameter count from the shapes (matches sum(p.numel()) of CausalLM).
 
         active: count only the experts one token runs through (top-k of each sparse layer)."""
-        h, hd = self.hidden_size, self.head_dim
-        q, kv = self.num_attention_heads * hd, self.num_key_value_heads * hd
-        attn = h * q + 2 * h * kv + q * h
-        if self.attention_bias:
-            attn += q + 2 * kv
-        if self.o_proj_bias:
-            attn += h
-        if self.qk_norm:
-            attn += 2 * hd
-        per_layer = attn + 2 * h
-        total = self.num_hidden_layers * per_layer + h  # + final norm
+        h = self.hidden_size
+        mixers = sum(self.mixer_parameters(spec.mixer) for spec in self.layer_specs())
+        total = mixers + self.num_hidden_layers * 2 * h + h  # + 2 norms a layer, final norm
         total += self.mlp_parameters(active)
         if include_embeddings:
             total += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
@@ -168,7 +199,9 @@ class ModelArchitecture:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelArchitecture:
-        """Build from the content of a HF config.json (transformers 4.x and 5.x layouts)."""
+        """Build from the content of a HF config.json (transformers 4.x and 5.x layouts); a
+        multimodal checkpoint's config gives its language model's (families.text_config)."""
+        hf = text_config(hf)
         model_type = hf.get("model_type")
         heads = hf["num_attention_heads"]
         rope_theta = hf.get("rope_theta")
@@ -185,13 +218,6 @@ class ModelArchitecture:
             rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
             if rope_type == "default":
                 rope_scaling = None
-        attention_bias = bool(hf.get("attention_bias", False))
-        o_proj_bias = attention_bias
-        if model_type == "qwen2":  # Qwen2 hardcodes bias on q/k/v and none on o_proj
-            attention_bias, o_proj_bias = True, False
-        elif model_type in ("mistral", "mixtral"):
-            attention_bias, o_proj_bias = False, False
-        sliding = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
         return cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
@@ -206,35 +232,22 @@ class ModelArchitecture:
             rope_scaling=rope_scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=attention_bias,
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
-            o_proj_bias=o_proj_bias,
-            sliding_window=sliding,
             torch_dtype=hf.get("torch_dtype", hf.get("dtype")),
-            **_experts_from_hf(hf),
+            **family_of(model_type).fields_from_hf(hf),
         )
 
     def to_hf(self) -> dict[str, Any]:
         """Content of a HF config.json that transformers (4.x and 5.x) loads as the same model."""
-        if self.model_type == "qwen2" and (not self.attention_bias or self.o_proj_bias):
-            raise ValueError("qwen2 checkpoints always have q/k/v bias and no o_proj bias")
-        if self.model_type == "llama" and self.attention_bias != self.o_proj_bias:
-            raise ValueError("llama's attention_bias covers q/k/v and o_proj together")
-        if self.model_type == "mistral" and (self.attention_bias or self.o_proj_bias):
-            raise ValueError("mistral has no attention bias")
-        if self.model_type == "mixtral" and (self.attention_bias or self.o_proj_bias):
-            raise ValueError("mixtral has no attention bias")
-        if self.model_type not in ("qwen3", "qwen3_moe") and self.qk_norm:
-            raise ValueError("qk_norm is only expressible as model_type='qwen3' or 'qwen3_moe'")
+        family = family_of(self.model_type)
         rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling:
             rope_parameters = {**self.rope_scaling, "rope_theta": self.rope_theta}
             rope_parameters.setdefault("rope_type", self.rope_type)
         hf: dict[str, Any] = {
-            "architectures": [_ARCHITECTURES[self.model_type]],
+            "architectures": [family.ARCHITECTURES[self.model_type]],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -257,66 +270,8 @@ class ModelArchitecture:
             "use_cache": True,
             "torch_dtype": self.torch_dtype or "float32",
         }
-        if self.model_type in ("llama", "qwen3", "qwen3_moe"):
-            hf["attention_bias"] = self.attention_bias
-        if self.model_type == "llama":
-            hf["mlp_bias"] = False
-        if self.model_type in ("mistral", "qwen2", "qwen3", "qwen3_moe"):
-            hf["sliding_window"] = self.sliding_window
-            hf["use_sliding_window"] = False
-        if self.model_type == "mixtral":
-            hf["sliding_window"] = self.sliding_window
-        if self.model_type in ("qwen2", "qwen3"):
-            hf["max_window_layers"] = self.num_hidden_layers
-        hf.update(self._experts_to_hf())
+        hf.update(family.fields_to_hf(self))
         return hf
-
-    def _experts_to_hf(self) -> dict[str, Any]:
-        if self.model_type == "qwen3_moe":
-            return {
-                "num_experts": self.num_experts,
-                "num_experts_per_tok": self.num_experts_per_tok,
-                "moe_intermediate_size": self.moe_intermediate_size,
-                "norm_topk_prob": self.norm_topk_prob,
-                "decoder_sparse_step": self.decoder_sparse_step,
-                "mlp_only_layers": list(self.mlp_only_layers),
-                "router_aux_loss_coef": self.router_aux_loss_coef,
-                "output_router_logits": False,
-            }
-        if self.model_type == "mixtral":
-            return {
-                "num_local_experts": self.num_experts,
-                "num_experts_per_tok": self.num_experts_per_tok,
-                "intermediate_size": self.moe_intermediate_size,
-                "router_aux_loss_coef": self.router_aux_loss_coef,
-                "router_jitter_noise": 0.0,
-                "output_router_logits": False,
-            }
-        return {}
 
     def replace(self, **changes: Any) -> ModelArchitecture:
         return dataclasses.replace(self, **changes)
-
-
-def _experts_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    """The mixture-of-experts fields of a qwen3_moe or mixtral config.json ({} otherwise).
-
-    transformers 5 writes Qwen3-MoE's expert count as num_local_experts (its attribute map),
-    the published checkpoints as num_experts: both are read."""
-    model_type = hf.get("model_type")
-    if model_type not in MOE_MODEL_TYPES:
-        return {}
-    fields = {
-        "num_experts": int(hf.get("num_experts") or hf.get("num_local_experts") or 0),
-        "num_experts_per_tok": int(hf.get("num_experts_per_tok", 0)),
-        "router_aux_loss_coef": float(hf.get("router_aux_loss_coef") or 0.0),
-    }
-    if model_type == "mixtral":
-        return {**fields, "moe_intermediate_size": hf["intermediate_size"], "norm_topk_prob": True}
-    return {
-        **fields,
-        "moe_intermediate_size": hf["moe_intermediate_size"],
-        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
-        "decoder_sparse_step": int(hf.get("decoder_sparse_step") or 1),
-        "mlp_only_layers": tuple(hf.get("mlp_only_layers") or ()),
-    }

@@ -19,11 +19,8 @@ from collections.abc import Iterator
 
 import torch
 
-# family -> (module name on disk, {part: per-expert projection name})
-PER_EXPERT_NAMES = {
-    "qwen3_moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
-    "mixtral": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),
-}
+from hybridflow.models.families import PER_EXPERT_NAMES
+
 _PROJECTION_PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down",
                     "w1": "gate", "w3": "up", "w2": "down"}  # fmt: skip
 _PER_EXPERT = re.compile(

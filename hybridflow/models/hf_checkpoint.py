@@ -13,10 +13,22 @@ from safetensors.torch import save_file
 from hybridflow.errors import UserError
 from hybridflow.models import expert_checkpoint
 from hybridflow.models.architecture import ModelArchitecture
+from hybridflow.models.families import read_tensor, write_tensors
 from hybridflow.models.llama import CausalLM
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+
+
+def announce_text_only(path: str) -> None:
+    """One line on stderr: a multimodal checkpoint runs as its language model alone."""
+    import sys
+
+    print(
+        f"hybridflow: {path}: a multimodal checkpoint; its language model is loaded, the "
+        "vision tower is not used yet",
+        file=sys.stderr,
+    )
 
 
 def read_hf_config(path: str) -> dict:
@@ -82,7 +94,10 @@ def load_model_from_dir(
     as it is read (cast + moved once), so peak memory is one copy of the weights. Experts are
     read per expert or packed (expert_checkpoint.py). num_labels: the sequence-classification
     variant (``score.weight`` instead of ``lm_head.weight``)."""
-    config = ModelArchitecture.from_hf(read_hf_config(path))
+    hf_config = read_hf_config(path)
+    config = ModelArchitecture.from_hf(hf_config)
+    if isinstance(hf_config.get("text_config"), dict):  # read as its language model
+        announce_text_only(path)
     with torch.device("meta"):
         model = CausalLM(config, num_labels=num_labels)
     shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
@@ -92,7 +107,8 @@ def load_model_from_dir(
         expected.discard("lm_head.weight")
     state: dict[str, torch.Tensor] = {}
     slices_read: set[tuple[str, int, str]] = set()
-    for name, tensor in iter_checkpoint_tensors(path):
+
+    def place(name: str, tensor: torch.Tensor) -> None:
         target, expert, part = expert_checkpoint.memory_name(name)
         if expert is not None and target in expected:
             if target not in state:
@@ -105,6 +121,10 @@ def load_model_from_dir(
             # Unused extras (e.g. rotary inv_freq buffers of old checkpoints) are skipped.
             if not name.endswith("rotary_emb.inv_freq"):
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {config.model_type}")
+
+    for stored_name, stored in iter_checkpoint_tensors(path):
+        for name, tensor in read_tensor(config, stored_name, stored):  # renamed, split
+            place(name, tensor)
     missing = sorted(expected - set(state))
     assembled = sorted({target for target, _, _ in slices_read})
     missing_slices = expert_checkpoint.expert_slices_expected(assembled, config.num_experts)
@@ -136,6 +156,7 @@ def save_model(model: CausalLM, directory: str, max_shard_size: int = 5 * 1024**
         for name, tensor in model.state_dict().items()
         if not (model.config.tie_word_embeddings and name == "lm_head.weight")
     }
+    state = dict(write_tensors(model.config, state))
     state = dict(expert_checkpoint.checkpoint_tensors(model.config.model_type, state))
     shards = _split_into_shards(state, max_shard_size)
     for stale in (SINGLE_FILE, INDEX_FILE):

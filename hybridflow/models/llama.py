@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -21,90 +20,59 @@ from hybridflow.models.attention import (
     padded_causal_attention,
     resolve_backend,
 )
+from hybridflow.models.layer_spec import LayerSpec
+from hybridflow.models.mixers.attention import Attention
+from hybridflow.models.mixers.gated_attention import GatedAttention
+from hybridflow.models.mixers.gated_deltanet import GatedDeltaNet, TokenLayout
+from hybridflow.models.mlps.dense import MLP
+from hybridflow.models.mlps.shared_experts import SharedExpertMoeBlock
 from hybridflow.models.moe import SparseMoeBlock
-from hybridflow.models.rope import apply_rope, rope_cos_sin
+from hybridflow.models.norm import GatedRMSNorm, RMSNorm, ZeroCenteredRMSNorm, make_rms_norm
+from hybridflow.models.rope import rope_cos_sin
 from hybridflow.models.sequence_parallel import ulysses_attention
+
+__all__ = ["MLP", "Attention", "CausalLM", "DecoderLayer", "RMSNorm", "RouterTrace"]
 
 # One sparse layer's routing from a forward: (router_logits [N, E], topk_ids [N, k]).
 RouterTrace = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # F.rms_norm accumulates in fp32 and is one fused kernel on CUDA, but only when input
-        # and weight share a dtype: under bf16 autocast with fp32 master weights (the unsharded
-        # training path) it fell back to an unfused composite (torch warned on the H200). The
-        # cast matches FSDP2's mixed precision, which hands the layer bf16 weights.
-        weight = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
-        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+def build_mixer(spec: LayerSpec, config: ModelArchitecture) -> nn.Module:
+    """The token mixer module of ``spec.mixer`` (models/mixers/)."""
+    if spec.mixer == "attention":
+        return Attention(config)
+    if spec.mixer == "gated_attention":
+        return GatedAttention(config)
+    if spec.mixer == "gated_deltanet":
+        return GatedDeltaNet(config)
+    raise ValueError(f"mixer {spec.mixer!r} has no module in this decoder")
 
 
-class Attention(nn.Module):
-    def __init__(self, config: ModelArchitecture):
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        hidden, q_dim = config.hidden_size, self.num_heads * self.head_dim
-        kv_dim = self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, q_dim, bias=config.attention_bias)
-        self.k_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
-        self.v_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_dim, hidden, bias=config.o_proj_bias)
-        if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        else:
-            self.q_norm = None
-            self.k_norm = None
-
-    def project_qkv(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [..., H] -> q [..., nh, hd], k/v [..., nkv, hd], with qk-norm and RoPE applied.
-
-        Exposed separately so the generation engine can write k/v into its cache."""
-        # -1 heads: under tensor parallelism the projections hold this rank's heads only
-        q = self.q_proj(x).unflatten(-1, (-1, self.head_dim))
-        k = self.k_proj(x).unflatten(-1, (-1, self.head_dim))
-        v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
-    ) -> torch.Tensor:
-        q, k, v = self.project_qkv(x, cos, sin)
-        return self.o_proj(attend(q, k, v).flatten(-2))
-
-
-class MLP(nn.Module):
-    def __init__(self, config: ModelArchitecture):
-        super().__init__()
-        hidden, inner = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(hidden, inner, bias=False)
-        self.up_proj = nn.Linear(hidden, inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+def build_mlp(spec: LayerSpec, config: ModelArchitecture) -> nn.Module:
+    """The channel mixer module of ``spec.mlp`` (models/mlps/, models/moe.py)."""
+    if spec.mlp == "dense":
+        return MLP(config)
+    if spec.mlp == "experts":
+        return SparseMoeBlock(config)
+    if spec.mlp == "experts_shared":
+        return SharedExpertMoeBlock(config)
+    raise ValueError(f"mlp {spec.mlp!r} has no module in this decoder")
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelArchitecture, index: int = 0):
+    """Pre-norm residual block: ``x + mixer(norm(x))``, then ``x + mlp(norm(x))``; the mixer
+    and the MLP are the kinds its LayerSpec names, under HF's module names."""
+
+    def __init__(self, config: ModelArchitecture, index: int = 0, spec: LayerSpec | None = None):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.sparse = config.is_sparse_layer(index)
-        self.mlp = SparseMoeBlock(config) if self.sparse else MLP(config)
+        self.spec = config.layer_specs()[index] if spec is None else spec
+        hidden, eps, centered = config.hidden_size, config.rms_norm_eps, config.zero_centered_norms
+        self.input_layernorm = make_rms_norm(hidden, eps, centered)
+        self.mixer_name = self.spec.mixer_module
+        self.add_module(self.mixer_name, build_mixer(self.spec, config))
+        self.post_attention_layernorm = make_rms_norm(hidden, eps, centered)
+        self.sparse = self.spec.sparse
+        self.mlp = build_mlp(self.spec, config)
 
     def forward(
         self,
@@ -113,10 +81,17 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         attend: Attend,
         recorded_ids: torch.Tensor | None = None,
+        layout: TokenLayout | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """-> (hidden, router_logits [N, E], topk_ids [N, k]); the routing is None on a dense
-        layer. recorded_ids [N, k]: routes to replay (sparse layers; moe.NO_ROUTE = free)."""
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attend)
+        layer. recorded_ids [N, k]: routes to replay (sparse layers; moe.NO_ROUTE = free).
+        layout: where the sequences are, for mixers that run along them (recurrent ones)."""
+        mixer = getattr(self, self.mixer_name)
+        normed = self.input_layernorm(hidden)
+        if self.spec.keeps_kv:
+            hidden = hidden + mixer(normed, cos, sin, attend)
+        else:
+            hidden = hidden + mixer(normed, layout)
         normed = self.post_attention_layernorm(hidden)
         if not self.sparse:
             return hidden + self.mlp(normed), None, None
@@ -131,9 +106,10 @@ class DecoderStack(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, index) for index in range(config.num_hidden_layers)
+            DecoderLayer(config, index, spec) for index, spec in enumerate(config.layer_specs())
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = make_rms_norm(config.hidden_size, config.rms_norm_eps,
+                                  config.zero_centered_norms)  # fmt: skip
 
 
 class CausalLM(nn.Module):
@@ -182,11 +158,23 @@ class CausalLM(nn.Module):
                 module.weight.normal_(0.0, std, generator=generator)
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
-            elif isinstance(module, RMSNorm):
+            elif isinstance(module, nn.Conv1d):  # Gated DeltaNet's conv: HF's normal(0, std)
+                module.weight.normal_(0.0, std, generator=generator)
+            elif isinstance(module, ZeroCenteredRMSNorm):
+                module.weight.zero_()
+            elif isinstance(module, (RMSNorm, GatedRMSNorm)):
                 module.weight.fill_(1.0)
+            elif isinstance(module, GatedDeltaNet):
+                module.init_state_parameters(generator)
             elif isinstance(module, SparseMoeBlock):  # router and experts: HF's normal(0, std)
                 for param in module.parameters():
                     param.normal_(0.0, std, generator=generator)
+
+    @property
+    def recurrent_layers(self) -> list[int]:
+        """Layers whose token mixer keeps a recurrent state instead of K/V (their spec's
+        cache kind): the engine's paged-K/V path does not run them yet."""
+        return [i for i, layer in enumerate(self.model.layers) if not layer.spec.keeps_kv]
 
     def enable_gradient_checkpointing(self, enabled: bool = True) -> None:
         self.gradient_checkpointing = enabled
@@ -218,9 +206,11 @@ class CausalLM(nn.Module):
         attend: Attend,
         routed_experts: torch.Tensor | None = None,
         router_trace: RouterTrace | None = None,
+        layout: TokenLayout | None = None,
     ) -> torch.Tensor:
         """routed_experts [N, L_sparse, k]: routes to replay, one slice per sparse layer in
-        order; router_trace: gets each sparse layer's (router_logits, topk_ids) appended."""
+        order; router_trace: gets each sparse layer's (router_logits, topk_ids) appended;
+        layout: the sequences, for the layers whose mixer runs along them."""
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         sparse_index = 0
         for layer in self.model.layers:
@@ -229,10 +219,10 @@ class CausalLM(nn.Module):
                 recorded = routed_experts[:, sparse_index]
             if recompute:
                 hidden, logits, ids = checkpoint(
-                    layer, hidden, cos, sin, attend, recorded, use_reentrant=False
+                    layer, hidden, cos, sin, attend, recorded, layout, use_reentrant=False
                 )
             else:
-                hidden, logits, ids = layer(hidden, cos, sin, attend, recorded)
+                hidden, logits, ids = layer(hidden, cos, sin, attend, recorded, layout)
             if layer.sparse:
                 sparse_index += 1
                 if router_trace is not None:
@@ -259,7 +249,8 @@ class CausalLM(nn.Module):
         def attend(q, k, v):
             return padded_causal_attention(q, k, v, attention_mask)
 
-        return self._run_layers(hidden, cos, sin, attend, router_trace=router_trace)
+        layout = TokenLayout(attention_mask=attention_mask)
+        return self._run_layers(hidden, cos, sin, attend, router_trace=router_trace, layout=layout)
 
     def forward(
         self,
@@ -307,8 +298,23 @@ class CausalLM(nn.Module):
             deterministic=self.deterministic_attention,
         )
         if sequence_group is not None:
+            self._check_sequence_parallel()
             attend = ulysses_attention(attend, sequence_group)
-        return self._run_layers(hidden, cos, sin, attend, routed_experts, router_trace)
+        layout = None  # built only where a mixer needs it (its token columns cost a host sync)
+        if self.recurrent_layers:
+            layout = TokenLayout.packed(cu_seqlens.to(torch.int32), int(max_seqlen))
+        return self._run_layers(hidden, cos, sin, attend, routed_experts, router_trace, layout)
+
+    def _check_sequence_parallel(self) -> None:
+        """Ulysses splits tokens over ranks and regathers them by heads around attention
+        only; a recurrent mixer would see a slice of each sequence."""
+        recurrent = self.recurrent_layers
+        if recurrent:
+            raise ValueError(
+                f"actor.sequence_parallel_size > 1 cannot run layers {recurrent[:4]}... whose "
+                "token mixer keeps a recurrent state (Gated DeltaNet): set "
+                "actor.sequence_parallel_size=1 for this model"
+            )
 
     def forward_scores(
         self,

@@ -107,7 +107,7 @@ def native_weight_problems(model_dir: str | Path, config: dict) -> list[str]:
         expected = {k: tuple(v.shape) for k, v in CausalLM(architecture).state_dict().items()}
     if architecture.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    stored = _stored_shapes(Path(model_dir))
+    stored = _stored_shapes(Path(model_dir), architecture)
     if stored is None:
         return []
     config_file = Path(model_dir) / CONFIG_FILE
@@ -129,12 +129,21 @@ def native_weight_problems(model_dir: str | Path, config: dict) -> list[str]:
     return []
 
 
-def _stored_shapes(model_dir: Path) -> dict[str, tuple[int, ...]] | None:
+def _stored_shapes(model_dir: Path, architecture) -> dict[str, tuple[int, ...]] | None:
     """Tensor name -> shape from every safetensors header, under the names the model loads
     into; None if any header is unreadable."""
     shapes = stored_shapes(model_dir)
     if shapes is None:
         return None
-    from hybridflow.models.expert_checkpoint import shapes_in_memory
+    import torch
 
+    from hybridflow.models.expert_checkpoint import shapes_in_memory
+    from hybridflow.models.families import read_tensor
+
+    # each stored tensor as the names and shapes it loads into (meta tensors: no memory)
+    shapes = {
+        name: tuple(tensor.shape)
+        for stored, shape in shapes.items()
+        for name, tensor in read_tensor(architecture, stored, torch.empty(shape, device="meta"))
+    }
     return shapes_in_memory(shapes)  # one tensor per expert -> the packed names we load into

@@ -49,6 +49,11 @@ class PlanShape:
     every rank holds the whole latent (MLA)."""
     plan_only: str = ""
     """Why the runtime cannot build this model (empty: it can)."""
+    kv_layers: int | None = None
+    """Layers that keep K/V (None: every layer); the others keep a recurrent state."""
+    state_bytes: int = 0
+    """A sequence's recurrent state over all recurrent layers (conv + fp32 SSM), at the
+    rollout's 2-byte elements; 0 for models without one."""
 
     @property
     def total_params(self) -> int:
@@ -98,6 +103,8 @@ def shape_of(a: ModelArchitecture) -> PlanShape:
         intermediate=a.intermediate_size,
         moe_intermediate=a.moe_intermediate_size,
         kv_cache_elements=2 * kv,
+        kv_layers=a.kv_layers,
+        state_bytes=a.recurrent_state_bytes(2),
     )
 
 

@@ -16,6 +16,40 @@ _QWEN_TOKEN_IDS = {"bos_token_id": 151643, "eos_token_id": 151645, "pad_token_id
 _LLAMA3_TOKEN_IDS = {"bos_token_id": 128000, "eos_token_id": 128001}
 
 
+# Qwen3.5's config.json (text_config of Qwen/Qwen3.5-*/config.json): <|endoftext|> as bos
+# and eos, as the published configs name them.
+_QWEN3_5_TOKEN_IDS = {"bos_token_id": 248044, "eos_token_id": 248044}
+
+
+def _qwen3_5(layers: int, **fields) -> ModelArchitecture:
+    """A Qwen3.5 text model: what every published size shares (text_config of
+    Qwen/Qwen3.5-{0.8B,4B,9B,35B-A3B}/config.json, as transformers' Qwen3_5TextConfig and
+    Qwen3_5MoeTextConfig defaults also give them): every 4th layer gated attention (256-wide
+    heads, RoPE on a quarter of each, theta 1e7), the others Gated DeltaNet with 16 key heads
+    of 128 and a 4-tap conv, vocab 248,320, 262,144 positions."""
+    shared = dict(
+        model_type="qwen3_5_text",
+        vocab_size=248320,
+        num_hidden_layers=layers,
+        head_dim=256,
+        rms_norm_eps=1e-6,
+        rope_theta=10_000_000.0,
+        partial_rotary_factor=0.25,
+        max_position_embeddings=262144,
+        qk_norm=True,
+        zero_centered_norms=True,
+        layer_types=tuple(
+            "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)
+        ),
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        **_QWEN3_5_TOKEN_IDS,
+    )
+    return ModelArchitecture(**{**shared, **fields})
+
+
 def _llama3_rope_scaling() -> dict:
     """Llama 3.1's RoPE scaling (config.json rope_scaling; models/rope.py), a fresh dict for
     each preset so that changing one preset's copy changes no other."""
@@ -90,6 +124,33 @@ PRESETS: dict[str, ModelArchitecture] = {
         norm_topk_prob=True,
         mlp_only_layers=(0,),
         router_aux_loss_coef=0.001,
+    ),
+    # ~0.2M parameters: the hybrid family at CPU-test size: 3 Gated DeltaNet layers (2 key
+    # heads, 4 value heads) and 1 gated-attention layer, like Qwen3.5's 3-to-1 pattern.
+    "tiny-hybrid": ModelArchitecture(
+        model_type="qwen3_5_text",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        partial_rotary_factor=0.25,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        qk_norm=True,
+        zero_centered_norms=True,
+        layer_types=("linear_attention",) * 3 + ("full_attention",),
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        eos_token_id=_CHAR_EOS,
+        pad_token_id=_CHAR_PAD,
     ),
     "qwen2.5-0.5b": ModelArchitecture(
         model_type="qwen2",
@@ -343,7 +404,32 @@ PRESETS: dict[str, ModelArchitecture] = {
         mlp_only_layers=(),
         router_aux_loss_coef=0.001,
     ),
-}
+    # Qwen/Qwen3.5-0.8B text_config: 24 layers of 1,024, MLP 3,584, 8 heads (2 KV), 16
+    # DeltaNet value heads, tied embeddings.
+    "qwen3.5-0.8b": _qwen3_5(24, hidden_size=1024, intermediate_size=3584,
+                             num_attention_heads=8, num_key_value_heads=2,
+                             linear_num_value_heads=16, tie_word_embeddings=True),
+    # Qwen/Qwen3.5-4B text_config: 32 layers of 2,560, MLP 9,216, 16 heads (4 KV), 32
+    # DeltaNet value heads, tied embeddings.
+    "qwen3.5-4b": _qwen3_5(32, hidden_size=2560, intermediate_size=9216,
+                           num_attention_heads=16, num_key_value_heads=4,
+                           linear_num_value_heads=32, tie_word_embeddings=True),
+    # Qwen/Qwen3.5-9B text_config (transformers' Qwen3_5TextConfig defaults): 32 layers of
+    # 4,096, MLP 12,288, 16 heads (4 KV), 32 DeltaNet value heads, untied lm_head.
+    "qwen3.5-9b": _qwen3_5(32, hidden_size=4096, intermediate_size=12288,
+                           num_attention_heads=16, num_key_value_heads=4,
+                           linear_num_value_heads=32, tie_word_embeddings=False),
+    # Qwen/Qwen3.5-35B-A3B text_config (transformers' Qwen3_5MoeTextConfig defaults): 40
+    # layers of 2,048, 16 heads (2 KV), 32 DeltaNet value heads; every layer 256 experts of
+    # 512 (8 a token, renormalised) plus a shared expert of 512 behind its sigmoid gate.
+    "qwen3.5-35b-a3b": _qwen3_5(40, model_type="qwen3_5_moe_text", hidden_size=2048,
+                                intermediate_size=0, num_attention_heads=16,
+                                num_key_value_heads=2, linear_num_value_heads=32,
+                                tie_word_embeddings=False, num_experts=256,
+                                num_experts_per_tok=8, moe_intermediate_size=512,
+                                shared_expert_intermediate_size=512, norm_topk_prob=True,
+                                router_aux_loss_coef=0.001),
+}  # fmt: skip
 
 
 def preset_config(name: str) -> ModelArchitecture:

@@ -19,8 +19,8 @@ def rope_inv_freq(
 def rope_parameters(
     config: ModelArchitecture, device: torch.device | str | None = None
 ) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [head_dim // 2] fp32, scale applied to cos and sin)."""
-    dim = config.head_dim
+    """(inverse frequencies [rotary_dim // 2] fp32, scale applied to cos and sin)."""
+    dim = config.rotary_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
     inv_freq = 1.0 / (config.rope_theta**exponents)
     rope_type = config.rope_type
@@ -63,7 +63,7 @@ def _yarn_parameters(
     times over the original context are interpolated (divided by factor), those that turn more
     than beta_fast times are kept, a linear ramp over dimensions in between; cos/sin are scaled
     by the attention factor 0.1 * ln(factor) + 1 (or the mscale ratio when given)."""
-    dim = config.head_dim
+    dim = config.rotary_dim
     base = config.rope_theta
     original = float(
         scaling.get("original_max_position_embeddings") or config.max_position_embeddings
@@ -98,7 +98,8 @@ def _yarn_parameters(
 def rope_cos_sin(
     config: ModelArchitecture, position_ids: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [..., head_dim] for integer positions [...], computed in fp32, cast to dtype."""
+    """cos and sin [..., rotary_dim] for integer positions [...], computed in fp32, cast to
+    dtype (rotary_dim = head_dim unless the model turns only part of each head)."""
     inv_freq, scale = rope_parameters(config, position_ids.device)  # [head_dim // 2]
     freqs = position_ids.float().unsqueeze(-1) * inv_freq  # [..., head_dim // 2]
     angles = torch.cat((freqs, freqs), dim=-1)  # [..., head_dim]
@@ -114,7 +115,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [..., n_heads, head_dim] by cos/sin [..., head_dim] (broadcast over heads)."""
+    """Rotate x [..., n_heads, head_dim] by cos/sin [..., rotary_dim] (broadcast over heads);
+    with partial RoPE (rotary_dim < head_dim) the remaining dimensions pass unchanged."""
     cos = cos.unsqueeze(-2)
     sin = sin.unsqueeze(-2)
-    return x * cos + rotate_half(x) * sin
+    rotary = cos.shape[-1]
+    if rotary == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    turned, kept = x[..., :rotary], x[..., rotary:]
+    return torch.cat((turned * cos + rotate_half(turned) * sin, kept), dim=-1)

@@ -15,9 +15,9 @@ from hybridflow.trainer.memory_items import (
 
 
 def kv_slot_bytes(a: ModelArchitecture, max_seq_len: int, element_bytes: int = 2) -> int:
-    """K and V of one sequence of max_seq_len tokens in every layer (engine/kv_cache.py)."""
-    per_token = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * element_bytes
-    return per_token * max_seq_len
+    """K and V of one sequence of max_seq_len tokens in every layer that keeps them
+    (engine/kv_cache.py); a hybrid model's recurrent layers keep none (state_bytes)."""
+    return a.kv_bytes_per_token(element_bytes) * max_seq_len
 
 
 def rollout_reserve_bytes(a: ModelArchitecture, options: PlanOptions) -> int:
@@ -87,6 +87,8 @@ def kv_cache_item(a: ModelArchitecture, o: PlanOptions, items: list[MemoryItem])
                and "workspace" not in i.name)  # fmt: skip
     per_sequence = 1 if block is None else -(-length // block)  # slots or blocks a sequence
     entry = kv_slot_bytes(a, length if block is None else block, o.rollout_bytes)
+    # a recurrent layer's state (conv + fp32 SSM) is one per sequence: spread over its entries
+    entry += -(-a.recurrent_state_bytes(o.rollout_bytes) // per_sequence)
     entries = kv_cache_entries(entry, o.rollout_max_seqs * per_sequence, reserve, used, o)
     sequences = entries // per_sequence  # the engine refuses 0 (no slot; not one sequence)
     name, note = f"KV cache ({entries:,} + 1 slots × {length:,} tokens)", ""

@@ -129,7 +129,8 @@ def rollout_share(s: PlanShape, tp: int, ep: int, experts_whole: bool = False) -
 def kv_bytes_per_token(s: PlanShape, tp: int, element_bytes: int) -> int:
     """KV cache bytes of one token on one rollout GPU, every layer."""
     divisor = min(tp, s.kv_heads) if s.kv_cache_splits else 1
-    return s.layers * s.kv_cache_elements * element_bytes // divisor
+    layers = s.layers if s.kv_layers is None else s.kv_layers
+    return layers * s.kv_cache_elements * element_bytes // divisor
 
 
 def activation_elements(s: PlanShape, tp: int, checkpointing: bool) -> int:
@@ -236,6 +237,7 @@ def kv_cache(s: PlanShape, o: ParallelSetup, used: int, workspace: int) -> KVCac
     """The engine's KV cache: gpu_memory_utilization of what is free at generation, less the
     workspace, at most rollout_max_seqs sequences of max_seq_len."""
     per_sequence = kv_bytes_per_token(s, o.rollout_tp, o.rollout_bytes) * o.max_seq_len
+    per_sequence += s.state_bytes  # recurrent layers: one state a sequence, whatever its length
     budget = int(o.gpu_memory_utilization * max(o.gpu_bytes - used, 0)) - workspace
     sequences = max(min(budget // per_sequence, o.rollout_max_seqs), 0)
     wave = -(-o.samples_per_step // o.replicas)

@@ -1,0 +1,1 @@
+"""Token mixers, one file per kind (models/layer_spec.MIXER_KINDS)."""

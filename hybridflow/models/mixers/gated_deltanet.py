@@ -1,0 +1,197 @@
+"""Gated DeltaNet (Qwen3.5's linear-attention layers): a token mixer with a recurrent state.
+
+    qkv = silu(causal depthwise conv(in_proj_qkv(x)))     split into q, k (key heads), v
+    beta = sigmoid(in_proj_b(x));  g = -exp(A_log) * softplus(in_proj_a(x) + dt_bias)
+    o = gated delta rule(q, k, v, g, beta)                 models/mixers/gated_delta_rule.py
+    out = out_proj(RMSNorm(o) * silu(in_proj_z(x)))        per value head
+
+What a sequence carries from token to token is the conv's last kernel-1 inputs and the
+[Hv, Dk, Dv] state; nothing grows with its length. Parameter names are HF's (Qwen3.5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridflow.models.mixers.gated_delta_rule import (
+    chunked_gated_delta_rule,
+    packed_gated_delta_rule,
+    recurrent_gated_delta_rule,
+    rows_of_packed,
+)
+from hybridflow.models.norm import GatedRMSNorm
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """How the tokens of a forward are laid out, for mixers that run along each sequence.
+
+    Packed: x is [N, H], sequence i owns rows cu_seqlens[i]:cu_seqlens[i+1]; ``columns`` [N]
+    is each token's index inside its sequence. Padded: x is [B, T, H] and attention_mask
+    [B, T] (1 = token; None = no padding)."""
+
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0
+    columns: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
+
+    @classmethod
+    def packed(cls, cu_seqlens: torch.Tensor, max_seqlen: int) -> TokenLayout:
+        columns = rows_of_packed(cu_seqlens, int(max_seqlen))[1]
+        return cls(cu_seqlens=cu_seqlens, max_seqlen=int(max_seqlen), columns=columns)
+
+    @property
+    def is_packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+
+def causal_conv_packed(
+    x: torch.Tensor, weight: torch.Tensor, columns: torch.Tensor
+) -> torch.Tensor:
+    """Depthwise causal conv along each packed sequence: x [N, C], weight [C, 1, K],
+    columns [N] -> [N, C]; token t sums weight[:, 0, K-1-j] * x[t-j] over j <= its column,
+    so no sequence reads its neighbour's tokens."""
+    kernel = weight.shape[-1]
+    taps = weight[:, 0, :].to(x.dtype)  # [C, K]
+    out = x * taps[:, kernel - 1]
+    for shift in range(1, kernel):
+        previous = F.pad(x, (0, 0, shift, 0))[: x.shape[0]]
+        inside = (columns >= shift).to(x.dtype)[:, None]
+        out = out + previous * inside * taps[:, kernel - 1 - shift]
+    return out
+
+
+def causal_conv_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv along rows: x [B, T, C], weight [C, 1, K] -> [B, T, C]."""
+    kernel = weight.shape[-1]
+    out = F.conv1d(x.transpose(1, 2), weight.to(x.dtype), padding=kernel - 1, groups=x.shape[-1])
+    return out[..., : x.shape[1]].transpose(1, 2)
+
+
+@dataclass
+class RecurrentState:
+    """What S sequences carry through one Gated DeltaNet layer: ``conv`` [S, C, K-1], the
+    conv's last K-1 inputs (oldest first, the layer's dtype), and ``ssm`` [S, Hv, Dk, Dv],
+    the delta-rule state in fp32."""
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+
+class GatedDeltaNet(nn.Module):
+    """Attributes:
+    delta_backend: mixers/gated_delta_rule.DELTA_BACKENDS for the packed forward ("auto":
+        fla-core's kernel on CUDA when installed, else the chunked torch reference)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_k_heads = config.linear_num_key_heads
+        self.num_v_heads = config.linear_num_value_heads
+        self.head_k_dim = config.linear_key_head_dim
+        self.head_v_dim = config.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        hidden, conv_dim = config.hidden_size, 2 * self.key_dim + self.value_dim
+        kernel = config.linear_conv_kernel_dim
+        self.in_proj_qkv = nn.Linear(hidden, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, kernel, groups=conv_dim, bias=False,
+                                padding=kernel - 1)  # fmt: skip
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.delta_backend = "auto"
+
+    @torch.no_grad()
+    def init_state_parameters(self, generator: torch.Generator) -> None:
+        """HF's init of the decay: dt_bias = 1, A = U(0.01, 16) stored as its log."""
+        self.dt_bias.fill_(1.0)
+        a = torch.rand(self.num_v_heads, generator=generator, device=self.A_log.device)
+        self.A_log.copy_(torch.log(0.01 + a * (16 - 0.01)))
+
+    def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(g [..., Hv] fp32 log decay, beta [..., Hv]) of the layer input x [..., H]."""
+        beta = torch.sigmoid(self.in_proj_b(x))
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        return g, beta
+
+    def forward(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        """The training op: x [N, H] packed or [B, T, H] padded (``layout``) -> [..., H]."""
+        return self._run(x, layout)[0]
+
+    def prefill(self, x: torch.Tensor, layout: TokenLayout) -> tuple[torch.Tensor, RecurrentState]:
+        """The engine's prefill: packed prompts x [N, H] -> (out [N, H], each sequence's state
+        after its last token, for :meth:`decode` to continue from)."""
+        if not layout.is_packed:
+            raise ValueError("prefill takes packed sequences (TokenLayout.packed)")
+        out, mixed, ssm = self._run(x, layout, final_state=True)
+        kept = self.conv1d.weight.shape[-1] - 1
+        ends = layout.cu_seqlens[1:].long()
+        lengths = ends - layout.cu_seqlens[:-1].long()
+        offsets = torch.arange(kept, device=x.device)
+        index = (ends[:, None] - kept + offsets).clamp(min=0)  # [S, K-1]: the last inputs
+        inside = (offsets >= kept - lengths[:, None]).to(mixed.dtype)  # shorter: zeros first
+        conv = (mixed[index] * inside[..., None]).transpose(1, 2).contiguous()  # [S, C, K-1]
+        return out, RecurrentState(conv=conv, ssm=ssm)
+
+    def decode(self, x: torch.Tensor, state: RecurrentState) -> torch.Tensor:
+        """The engine's decode step: one token of each of B sequences, x [B, H] -> [B, H];
+        ``state`` (theirs, in order) moves one token on, in place."""
+        mixed = self.in_proj_qkv(x)  # [B, C]
+        window = torch.cat([state.conv.to(mixed.dtype), mixed[..., None]], dim=-1)  # [B, C, K]
+        state.conv.copy_(window[..., 1:])
+        convolved = (window * self.conv1d.weight[:, 0, :].to(window.dtype)).sum(-1)
+        q, k, v = self._heads(F.silu(convolved))
+        g, beta = self.gates(x)
+        core, ssm = recurrent_gated_delta_rule(
+            q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], state.ssm
+        )
+        state.ssm.copy_(ssm)
+        return self._output(core[:, 0].to(v.dtype), x)
+
+    def _heads(self, mixed: torch.Tensor):
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (q.unflatten(-1, (-1, self.head_k_dim)), k.unflatten(-1, (-1, self.head_k_dim)),
+                v.unflatten(-1, (-1, self.head_v_dim)))  # fmt: skip
+
+    def _output(self, core: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        z = self.in_proj_z(x).unflatten(-1, (-1, self.head_v_dim))
+        return self.out_proj(self.norm(core, z).flatten(-2))
+
+    def _run(self, x: torch.Tensor, layout: TokenLayout, final_state: bool = False):
+        """-> (out, the conv's inputs, the last states [S, Hv, Dk, Dv] or None)."""
+        if layout.attention_mask is not None:  # padding tokens enter as zeros: no state change
+            x = x * layout.attention_mask[..., None].to(x.dtype)
+        mixed = self.in_proj_qkv(x)
+        if layout.is_packed:
+            convolved = causal_conv_packed(mixed, self.conv1d.weight, layout.columns)
+        else:
+            convolved = causal_conv_rows(mixed, self.conv1d.weight)
+        q, k, v = self._heads(F.silu(convolved))
+        g, beta = self.gates(x)
+        ssm = None
+        if layout.is_packed:
+            core = packed_gated_delta_rule(q, k, v, g, beta, layout.cu_seqlens, layout.max_seqlen,
+                                           self.delta_backend, final_state)  # fmt: skip
+            if final_state:
+                core, ssm = core
+        else:
+            core = chunked_gated_delta_rule(q, k, v, g, beta)[0].to(v.dtype)
+        return self._output(core, x), mixed, ssm
+
+
+def recurrent_state_elements(config) -> tuple[int, int]:
+    """(conv state, SSM state) elements one sequence keeps per Gated DeltaNet layer: the last
+    kernel-1 inputs of the conv and the [Hv, Dk, Dv] delta-rule state (held in fp32)."""
+    conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim
+    conv_dim += config.linear_num_value_heads * config.linear_value_head_dim
+    conv = conv_dim * (config.linear_conv_kernel_dim - 1)
+    ssm = config.linear_num_value_heads * config.linear_key_head_dim
+    return conv, ssm * config.linear_value_head_dim

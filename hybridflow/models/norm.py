@@ -1,0 +1,54 @@
+"""RMSNorm with HF's parameter name (``weight``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # F.rms_norm accumulates in fp32 and is one fused kernel on CUDA, but only when input
+        # and weight share a dtype: under bf16 autocast with fp32 master weights (the unsharded
+        # training path) it fell back to an unfused composite (torch warned on the H200). The
+        # cast matches FSDP2's mixed precision, which hands the layer bf16 weights.
+        weight = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm whose weight is stored as an offset from 1 (``x * (1 + weight)``, computed in
+    fp32): Qwen3.5's and Qwen3-Next's layer, final and q/k norms. The weight starts at 0."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = 1.0 + self.weight.float()
+        return F.rms_norm(x.float(), (x.shape[-1],), scale, self.eps).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each value head, then times silu(gate): Gated DeltaNet's output norm
+    (HF's ``linear_attn.norm``). The weight multiplies in the input dtype, the gate in fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+        return (self.weight.to(x.dtype) * normed * F.silu(gate.float())).to(x.dtype)
+
+
+def make_rms_norm(dim: int, eps: float, zero_centered: bool) -> nn.Module:
+    return ZeroCenteredRMSNorm(dim, eps) if zero_centered else RMSNorm(dim, eps)
