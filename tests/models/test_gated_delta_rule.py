@@ -138,3 +138,43 @@ def test_fla_call_site_hands_one_varlen_row(monkeypatch):
     assert seen["cu_seqlens"].dtype == torch.int64 and seen["use_qk_l2norm_in_kernel"]
     assert torch.equal(out, inputs[2] * 2)
     assert seen["output_final_state"] is False
+
+
+@pytest.mark.parametrize(
+    "capability, triton_version, has_tilelang, sound",
+    [
+        ((9, 0), "3.6.0", False, False),  # Hopper, a Triton whose compiler breaks fla's backward
+        ((9, 0), "3.7.1", False, True),
+        ((9, 0), "3.3.1", False, True),
+        ((9, 0), "3.6.0", True, True),  # tilelang's kernel replaces the broken one
+        ((8, 0), "3.6.0", False, True),
+    ],
+)
+def test_fla_backward_is_used_only_where_it_is_sound(
+    monkeypatch, capability, triton_version, has_tilelang, sound
+):
+    import importlib.util
+
+    import triton
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(triton, "__version__", triton_version)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: (
+            (object() if has_tilelang else None) if name == "tilelang" else find_spec(name, *a)
+        ),
+    )
+    monkeypatch.setattr(gdr, "_fla_chunk", lambda: object())
+    cuda = torch.device("cuda")
+    assert (gdr.fla_backward_problem(cuda) is None) == sound
+    assert gdr.resolve_delta_backend("auto", cuda, torch.bfloat16, needs_grad=False) == "fla"
+    if sound:
+        assert gdr.resolve_delta_backend("auto", cuda, torch.bfloat16, needs_grad=True) == "fla"
+        return
+    with pytest.warns(UserWarning, match="Triton >= 3.7.1"):
+        assert gdr.resolve_delta_backend("auto", cuda, torch.bfloat16, needs_grad=True) == "torch"
+    with pytest.raises(RuntimeError, match="backend='torch'"):
+        gdr.resolve_delta_backend("fla", cuda, torch.bfloat16, needs_grad=True)

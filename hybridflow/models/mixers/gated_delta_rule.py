@@ -21,6 +21,9 @@ q and k are L2-normalised first; key heads serve consecutive groups of value hea
 from __future__ import annotations
 
 import functools
+import importlib.util
+import re
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -159,7 +162,8 @@ def packed_gated_delta_rule(
     what a prefill hands the decode steps). backend: "fla" (fla-core's chunk kernel, CUDA),
     "torch" (chunked reference on the sequences as rows) or "auto" (fla where it is
     importable on CUDA)."""
-    if resolve_delta_backend(backend, q.device, v.dtype) == "fla":
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta))
+    if resolve_delta_backend(backend, q.device, v.dtype, needs_grad) == "fla":
         out, state = fla_packed_gated_delta_rule(q, k, v, g, beta, cu_seqlens, final_state)
         return (out, state) if final_state else out
     rows, columns = rows_of_packed(cu_seqlens, max_seqlen)
@@ -180,15 +184,25 @@ DELTA_BACKENDS = ("auto", "fla", "torch")
 
 
 def resolve_delta_backend(
-    backend: str, device: torch.device, dtype: torch.dtype = torch.bfloat16
+    backend: str,
+    device: torch.device,
+    dtype: torch.dtype = torch.bfloat16,
+    needs_grad: bool = False,
 ) -> str:
     """The backend "auto" means here: fla-core's kernel on CUDA for 16-bit inputs (it refuses
-    fp32 q/k/v) when fla is importable, else the chunked torch reference."""
+    fp32 q/k/v) when fla is importable and, where gradients flow, its backward is sound on
+    this GPU (fla_backward_problem); else the chunked torch reference."""
     if backend not in DELTA_BACKENDS:
         raise ValueError(f"gated delta rule backend {backend!r} is not one of {DELTA_BACKENDS}")
     half = dtype in (torch.bfloat16, torch.float16)
     if backend == "auto":
         usable = device.type == "cuda" and half and _fla_chunk() is not None
+        if usable and needs_grad and (problem := fla_backward_problem(device)):
+            warnings.warn(
+                f"gated delta rule: the chunked torch reference trains here: {problem}",
+                stacklevel=3,
+            )
+            usable = False
         return "fla" if usable else "torch"
     if backend == "fla" and _fla_chunk() is None:
         raise ImportError(
@@ -198,7 +212,27 @@ def resolve_delta_backend(
     if backend == "fla" and not half:
         raise ValueError(f"fla-core's gated delta rule takes bf16/fp16 inputs, not {dtype}: "
                          "run under bf16 autocast, or use backend='torch'")  # fmt: skip
+    if backend == "fla" and needs_grad and (problem := fla_backward_problem(device)):
+        raise RuntimeError(f"{problem}; or train with backend='torch'")
     return backend
+
+
+def fla_backward_problem(device: torch.device) -> str | None:
+    """Why fla-core's gated backward cannot run on this GPU, or None. fla refuses it on Hopper
+    with Triton >= 3.4.0 and < 3.7.1, whose compiler gives wrong gradients in chunk_bwd_dqkwg
+    (fla's issue 640; seen on an H100 with Triton 3.6), unless tilelang's kernel replaces it.
+    Asked before the forward, so a run falls back at once instead of failing in backward."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        return None
+    import triton
+
+    version = tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:3])
+    if not (3, 4, 0) <= version < (3, 7, 1) or importlib.util.find_spec("tilelang"):
+        return None
+    return (
+        f"fla-core's gated backward is wrong on Hopper GPUs with Triton {triton.__version__} "
+        "(fixed in Triton >= 3.7.1, or pip install tilelang)"
+    )
 
 
 @functools.cache
