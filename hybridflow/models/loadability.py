@@ -12,15 +12,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hybridflow.errors import UserError
+from hybridflow.model_config_values import ModelConfigError
 from hybridflow.models.architecture import SUPPORTED_MODEL_TYPES
 from hybridflow.safetensors_headers import stored_shapes
 
 CONFIG_FILE = "config.json"
 
-
-class ModelConfigError(UserError, ValueError):
-    """config.json cannot be read; ``str()`` says which file and why."""
+__all__ = ["ModelConfigError", "read_config_json", "config_problems"]
 
 
 def read_config_json(model_dir: str | Path) -> dict:
