@@ -18,8 +18,6 @@ from hybridflow.safetensors_headers import stored_shapes
 
 CONFIG_FILE = "config.json"
 
-__all__ = ["ModelConfigError", "read_config_json", "config_problems"]
-
 
 def read_config_json(model_dir: str | Path) -> dict:
     """The parsed config.json of ``model_dir``; ModelConfigError naming the file, the line
