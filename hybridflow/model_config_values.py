@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from hybridflow.errors import UserError
 
+# model_type values our own decoder implements; everything else goes to the HF fallback.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+
 
 class ModelConfigError(UserError, ValueError):
     """config.json cannot be read, or holds a value no model can be built from; ``str()``

@@ -7,8 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-# model_type values our own decoder implements; everything else goes to the HF fallback.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+from hybridflow.model_config_values import SUPPORTED_MODEL_TYPES
 
 # Families whose MLP is a sparse mixture of experts (models/moe.py) on some or all layers.
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
