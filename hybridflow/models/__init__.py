@@ -14,6 +14,7 @@ import sys
 import torch
 
 from hybridflow.config import ConfigError
+from hybridflow.model_config_values import ModelConfigError
 from hybridflow.models.architecture import SUPPORTED_MODEL_TYPES, ModelArchitecture
 from hybridflow.models.llama import CausalLM
 from hybridflow.models.presets import PRESETS, preset_config
@@ -106,6 +107,8 @@ def native_support_problem(hf_config: dict) -> str | None:
         return "router_jitter_noise (random router input scaling in training) is not in our decoder"
     try:
         ModelArchitecture.from_hf(hf_config)
+    except ModelConfigError:
+        raise  # a value no model can have: transformers cannot build it either
     except (ValueError, KeyError) as error:
         return f"config.json: {error}"
     return None

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from hybridflow.model_config_values import SUPPORTED_MODEL_TYPES
+from hybridflow.model_config_values import SUPPORTED_MODEL_TYPES, check_config_values
 
 # Families whose MLP is a sparse mixture of experts (models/moe.py) on some or all layers.
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
@@ -166,8 +166,10 @@ class ModelArchitecture:
         return total
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> ModelArchitecture:
-        """Build from the content of a HF config.json (transformers 4.x and 5.x layouts)."""
+    def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> ModelArchitecture:
+        """Build from the content of a HF config.json (transformers 4.x and 5.x layouts);
+        ModelConfigError naming ``source`` (the file) for a value no model can have."""
+        check_config_values(hf, source)
         model_type = hf.get("model_type")
         heads = hf["num_attention_heads"]
         rope_theta = hf.get("rope_theta")

@@ -21,10 +21,13 @@ INDEX_FILE = "model.safetensors.index.json"
 
 def read_hf_config(path: str) -> dict:
     """config.json of the model directory ``path`` (ModelConfigError naming the file and
-    line when it is not a JSON object)."""
-    from hybridflow.models.loadability import read_config_json
+    line when it is not a JSON object, or the key of a value no model can have)."""
+    from hybridflow.model_config_values import check_config_values
+    from hybridflow.models.loadability import CONFIG_FILE, read_config_json
 
-    return read_config_json(path)
+    config = read_config_json(path)
+    check_config_values(config, os.path.join(path, CONFIG_FILE))
+    return config
 
 
 def checkpoint_files(path: str) -> list[str]:

@@ -12,7 +12,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hybridflow.model_config_values import ModelConfigError
+from hybridflow.model_config_values import (
+    ModelConfigError,
+    config_value_problems,
+    config_values_message,
+)
 from hybridflow.models.architecture import SUPPORTED_MODEL_TYPES
 from hybridflow.safetensors_headers import stored_shapes
 
@@ -74,7 +78,8 @@ def _transformers_causal_lm() -> dict[str, str] | None:
 
 
 def config_problems(model_dir: str | Path) -> list[str]:
-    """config.json of ``model_dir`` parses and names a buildable architecture ([] if so)."""
+    """config.json of ``model_dir`` parses, names a buildable architecture and holds values
+    a model can have; the weights fit it ([] if so)."""
     try:
         config = read_config_json(model_dir)
     except ModelConfigError as error:
@@ -82,6 +87,9 @@ def config_problems(model_dir: str | Path) -> list[str]:
     problem = architecture_problem(config, model_dir)
     if problem:
         return [problem]
+    problems = config_value_problems(config)
+    if problems:  # the words a model load says (models/hf_checkpoint.py read_hf_config)
+        return [config_values_message(problems, Path(model_dir) / CONFIG_FILE)]
     if config.get("model_type") in SUPPORTED_MODEL_TYPES:
         return native_weight_problems(model_dir, config)
     return []
