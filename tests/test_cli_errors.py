@@ -52,15 +52,15 @@ def write(path: Path, data: bytes | str) -> Path:
     return path
 
 
-def tiny_model_dir(path: Path) -> Path:
-    """A HF directory of the tiny preset (random weights) with a tokenizer file."""
+def tiny_model_dir(path: Path, preset: str = "tiny") -> Path:
+    """A HF directory of a tiny preset (random weights) with a tokenizer file."""
     import torch
 
     from hybridflow.models import build_model
     from hybridflow.models.hf_checkpoint import save_model
     from hybridflow.models.presets import preset_config
 
-    save_model(build_model(preset_config("tiny"), dtype=torch.float32), str(path))
+    save_model(build_model(preset_config(preset), dtype=torch.float32), str(path))
     (path / "tokenizer.json").write_text("{}")
     return path
 
@@ -99,11 +99,11 @@ def test_a_model_directory_without_config_json(capsys, tmp_path, no_model_loadin
     assert "no config.json" in err and str(model) in err and "tokenizer" not in err
 
 
-def _char_tokenizer_model(path: Path) -> Path:
-    """The tiny model directory with a tokenizer that loads (the built-in char one)."""
+def _char_tokenizer_model(path: Path, preset: str = "tiny") -> Path:
+    """A tiny model directory with a tokenizer that loads (the built-in char one)."""
     from hybridflow.models.tokenizer import build_char_tokenizer
 
-    model = tiny_model_dir(path)
+    model = tiny_model_dir(path, preset)
     (model / "tokenizer.json").unlink()
     build_char_tokenizer().save_pretrained(str(model))
     return model
@@ -146,6 +146,37 @@ def test_a_model_that_cannot_load_is_found_before_it_loads(
     spoil(model)
     err = run_cli(capsys, tmp_path, f"model.path={model}", command=command)
     assert expected in err and str(model) in err
+
+
+BAD_CONFIG_VALUES = {
+    # every request was a 500 (transformers' router asked for 9 of 8 experts)
+    "top-k above the experts": ({"num_experts_per_tok": 9}, "num_experts_per_tok = 9"),
+    "top-k 0": ({"num_experts_per_tok": 0}, "num_experts_per_tok = 0"),  # served "====="
+    "a negative size": ({"hidden_size": -128}, "hidden_size = -128"),  # a traceback
+    "KV heads that do not divide the heads": ({"num_key_value_heads": 3}, "num_key_value_heads = 3"),
+    "a NaN epsilon": ({"rms_norm_eps": float("nan")}, "rms_norm_eps = nan"),
+    "a size as a string": ({"vocab_size": "128"}, 'vocab_size = "128"'),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_CONFIG_VALUES))
+def test_a_bad_config_value_is_refused_alike_by_validate_train_sft_and_serve(
+    capsys, tmp_path, case
+):
+    model = _char_tokenizer_model(tmp_path / "model", "tiny-moe")
+    changes, key = BAD_CONFIG_VALUES[case]
+    _edit_config(model, **changes)
+    said = []
+    for command in (("config", "validate"), ("train",), ("sft", "sft.total_steps=1")):
+        err = run_cli(capsys, tmp_path, f"model.path={model}", command=command)
+        said.append(err[err.index(str(model / "config.json")) :].strip())
+    serve = ["serve", "--model", str(model), "--device", "cpu", "--port", "0"]
+    assert main(serve) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    said.append(err[err.index(str(model / "config.json")) :].strip())
+    assert len(set(said)) == 1, said  # the same words everywhere
+    assert key in said[0] and "correct the value in config.json" in said[0]
 
 
 def test_a_model_that_can_load_passes_validate(capsys, tmp_path):
