@@ -114,6 +114,14 @@ def _edit_config(model: Path, **changes) -> None:
     (model / "config.json").write_text(json.dumps({**config, **changes}))
 
 
+def _add_tensor(model: Path, name: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(model / "model.safetensors")
+    weights[name] = weights["model.norm.weight"].clone()
+    save_file(weights, model / "model.safetensors")
+
+
 MODELS_THAT_CANNOT_LOAD = {
     "config.json is not JSON": (
         lambda m: (m / "config.json").write_text('{"model_type": "qwen2",'),
@@ -127,7 +135,11 @@ MODELS_THAT_CANNOT_LOAD = {
     "weights of another shape": (lambda m: _edit_config(m, hidden_size=128), "another shape"),
     "weights of fewer layers": (
         lambda m: _edit_config(m, num_hidden_layers=3),
-        "tensors the model of",
+        "hold 2 decoder layers",
+    ),
+    "a tensor the model has no place for": (
+        lambda m: _add_tensor(m, "model.layers.0.mlp.extra.weight"),
+        "has no place for (e.g. model.layers.0.mlp.extra.weight)",
     ),
     "a tokenizer file that does not load": (
         lambda m: (m / "tokenizer.json").write_text("{}"),
@@ -177,6 +189,38 @@ def test_a_bad_config_value_is_refused_alike_by_validate_train_sft_and_serve(
     said.append(err[err.index(str(model / "config.json")) :].strip())
     assert len(set(said)) == 1, said  # the same words everywhere
     assert key in said[0] and "correct the value in config.json" in said[0]
+
+
+def _drop_tensor(model: Path, name: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(model / "model.safetensors")
+    del weights[name]
+    save_file(weights, model / "model.safetensors")
+
+
+@pytest.mark.parametrize("key", ["ref.path", "critic.path", "reward.model.path"])
+def test_the_other_model_directories_are_checked_as_the_policy_is(
+    capsys, tmp_path, no_model_loading, key
+):
+    if key == "reward.model.path":
+        sys.path.insert(0, str(Path(__file__).parent))
+        from reward_model_helpers import write_reward_model
+
+        model = write_reward_model(tmp_path / "model")
+        capsys.readouterr()  # transformers' progress bar
+    else:
+        model = tiny_model_dir(tmp_path / "model")
+    _drop_tensor(model, "model.layers.1.mlp.up_proj.weight")
+    uses = {"ref.path": ["actor.use_kl_loss=true"], "critic.path": ["algorithm.adv_estimator=gae"]}
+    err = run_cli(capsys, tmp_path, f"{key}={model}", *uses.get(key, []),
+                  command=("config", "validate"))  # fmt: skip
+    assert err.startswith(f"error: 1 configuration problem(s):\n  - {key}: the weights in {model}")
+    assert "lack 1 tensors" in err and "model.layers.1.mlp.up_proj.weight" in err
+    _edit_config(model, rms_norm_eps=0)
+    err = run_cli(capsys, tmp_path, f"{key}={model}", *uses.get(key, []),
+                  command=("config", "validate"))  # fmt: skip
+    assert f"{key}: {model / 'config.json'}: rms_norm_eps = 0 must be" in err
 
 
 def test_a_model_that_can_load_passes_validate(capsys, tmp_path):

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hybridflow.errors import UserError
+from hybridflow.model_config_values import ModelConfigError
 from hybridflow.models import expert_checkpoint
 from hybridflow.models.architecture import ModelArchitecture
 from hybridflow.models.llama import CausalLM
@@ -85,7 +86,13 @@ def load_model_from_dir(
     as it is read (cast + moved once), so peak memory is one copy of the weights. Experts are
     read per expert or packed (expert_checkpoint.py). num_labels: the sequence-classification
     variant (``score.weight`` instead of ``lm_head.weight``)."""
-    config = ModelArchitecture.from_hf(read_hf_config(path))
+    from hybridflow.models.loadability import native_weight_problems
+
+    hf_config = read_hf_config(path)
+    problems = native_weight_problems(path, hf_config, num_labels)  # the headers, as validate
+    if problems:
+        raise ModelConfigError(problems[0])
+    config = ModelArchitecture.from_hf(hf_config)
     with torch.device("meta"):
         model = CausalLM(config, num_labels=num_labels)
     shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
@@ -107,13 +114,15 @@ def load_model_from_dir(
         elif not ((config.tie_word_embeddings or scorer) and name == "lm_head.weight"):
             # Unused extras (e.g. rotary inv_freq buffers of old checkpoints) are skipped.
             if not name.endswith("rotary_emb.inv_freq"):
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {config.model_type}")
+                raise ModelConfigError(f"checkpoint tensor {name!r} of {path} has no place "
+                                       f"in {config.model_type}")  # fmt: skip
     missing = sorted(expected - set(state))
     assembled = sorted({target for target, _, _ in slices_read})
     missing_slices = expert_checkpoint.expert_slices_expected(assembled, config.num_experts)
     missing += sorted(f"{n} expert {e} {p}" for n, e, p in missing_slices - slices_read)
     if missing:
-        raise ValueError(f"checkpoint {path!r} lacks {len(missing)} tensors, e.g. {missing[:5]}")
+        raise ModelConfigError(f"checkpoint {path!r} lacks {len(missing)} tensors, e.g. "
+                               f"{missing[:5]}")  # fmt: skip
     if config.tie_word_embeddings and not scorer:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, assign=True, strict=True)
