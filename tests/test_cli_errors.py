@@ -317,3 +317,16 @@ def test_optimizer_offload_with_fsdp2_stops_before_any_model_loads(capsys, tmp_p
     err = run_cli(capsys, tmp_path, "trainer.backend=local", "trainer.n_gpus_per_node=2",
                   "actor.optimizer_offload=true", command=("config", "validate"))  # fmt: skip
     assert "actor.optimizer_offload" in err and "actor.param_offload=true" in err
+
+
+def test_a_nan_weight_stops_train_at_load_naming_the_tensor(capsys, tmp_path):
+    # it trained to exit 0 with null losses: every step skipped on a NaN gradient norm
+    from safetensors.torch import load_file, save_file
+
+    model = _char_tokenizer_model(tmp_path / "model")
+    weights = load_file(model / "model.safetensors")
+    weights["model.layers.0.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    err = run_cli(capsys, tmp_path, f"model.path={model}")
+    assert f"{model / 'model.safetensors'}: tensor model.layers.0.mlp.up_proj.weight holds 1" in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

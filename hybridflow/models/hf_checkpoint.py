@@ -14,6 +14,7 @@ from hybridflow.errors import UserError
 from hybridflow.model_config_values import ModelConfigError
 from hybridflow.models import expert_checkpoint
 from hybridflow.models.architecture import ModelArchitecture
+from hybridflow.models.finite_weights import check_finite
 from hybridflow.models.llama import CausalLM
 
 SINGLE_FILE = "model.safetensors"
@@ -66,14 +67,17 @@ def safetensors_problem(file: str | os.PathLike) -> str | None:
 
 
 def iter_checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of every tensor in the checkpoint, one file open at a time."""
+    """(name, tensor) pairs of every tensor in the checkpoint, one file open at a time; a
+    tensor holding a NaN or an inf is refused (UserError naming it)."""
     for file in checkpoint_files(path):
         problem = safetensors_problem(file)
         if problem is not None:
             raise UserError(problem, "copy the model directory again (a download cut short?)")
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                tensor = f.get_tensor(name)
+                check_finite(name, tensor, file)
+                yield name, tensor
 
 
 def load_model_from_dir(
