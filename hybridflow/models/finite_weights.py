@@ -20,9 +20,15 @@ def non_finite_count(tensor: torch.Tensor) -> int:
         return 0
     flat = tensor.detach().reshape(-1)
     chunks = [flat[i : i + CHUNK_ELEMENTS] for i in range(0, flat.numel(), CHUNK_ELEMENTS)]
-    if all(bool(torch.isfinite(chunk).all()) for chunk in chunks):
+    if all(bool(_finite(chunk).all()) for chunk in chunks):
         return 0
-    return sum(int((~torch.isfinite(chunk)).sum()) for chunk in chunks)
+    return sum(int((~_finite(chunk)).sum()) for chunk in chunks)
+
+
+def _finite(chunk: torch.Tensor) -> torch.Tensor:
+    if chunk.element_size() == 1:  # fp8: torch has no isfinite for float8_e4m3fn
+        chunk = chunk.to(torch.float16)
+    return torch.isfinite(chunk)
 
 
 def check_finite(name: str, tensor: torch.Tensor, source: str) -> None:

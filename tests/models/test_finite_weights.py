@@ -49,6 +49,8 @@ def test_non_finite_count():
     assert non_finite_count(torch.tensor([1.0, math.nan, -math.inf, math.inf])) == 3
     assert non_finite_count(torch.tensor([1.0, math.nan], dtype=torch.bfloat16)) == 1
     assert non_finite_count(torch.arange(4)) == 0  # integer tensors hold no NaN
+    fp8 = torch.tensor([1.0, math.nan, 2.0]).to(torch.float8_e4m3fn)  # fp8 checkpoints
+    assert non_finite_count(fp8) == 1
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
