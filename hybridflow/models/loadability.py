@@ -186,9 +186,17 @@ def _missing_message(model_dir, config_file, count: int, names: list[str]) -> st
 
 
 def _stored_shapes(model_dir: Path) -> dict[str, tuple[int, ...]] | None:
-    """Tensor name -> shape from every safetensors header, under the names the model loads
-    into; None if any header is unreadable."""
-    shapes = stored_shapes(model_dir)
+    """Tensor name -> shape from the headers of the safetensors files the loader reads (the
+    index's shards, else model.safetensors: a repository's other files, such as Mistral's
+    consolidated.safetensors, are not read), under the names the model loads into; None if
+    a header or the index is unreadable."""
+    from hybridflow.models.hf_checkpoint import checkpoint_files
+
+    try:
+        files = checkpoint_files(str(model_dir))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # no weights, or an index that does not parse: said by the file checks
+    shapes = stored_shapes(model_dir, files)
     if shapes is None:
         return None
     from hybridflow.models.expert_checkpoint import shapes_in_memory
