@@ -78,8 +78,9 @@ def load_model(
         )
     from hybridflow.models.hf_checkpoint import load_model_from_dir, read_hf_config
 
+    hf_config = read_hf_config(name_or_path)  # its values checked, whichever backend builds it
     if backend == "auto":
-        problem = native_support_problem(read_hf_config(name_or_path))
+        problem = native_support_problem(hf_config)
         backend = "native" if problem is None else "hf"
         if problem is not None:
             print(
