@@ -7,11 +7,13 @@ import json
 from pathlib import Path
 
 
-def stored_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]] | None:
-    """Tensor name -> shape from the safetensors headers of ``model_dir`` (no weights read);
-    None when a header cannot be read."""
+def stored_shapes(
+    model_dir: str | Path, files: list[str | Path] | None = None
+) -> dict[str, tuple[int, ...]] | None:
+    """Tensor name -> shape from the safetensors headers of ``model_dir`` (no weights read),
+    or of ``files`` (those a loader reads); None when a header cannot be read."""
     shapes: dict[str, tuple[int, ...]] = {}
-    for file in sorted(Path(model_dir).glob("*.safetensors")):
+    for file in sorted(Path(model_dir).glob("*.safetensors")) if files is None else files:
         try:
             with open(file, "rb") as handle:
                 length = int.from_bytes(handle.read(8), "little")

@@ -52,15 +52,15 @@ def write(path: Path, data: bytes | str) -> Path:
     return path
 
 
-def tiny_model_dir(path: Path) -> Path:
-    """A HF directory of the tiny preset (random weights) with a tokenizer file."""
+def tiny_model_dir(path: Path, preset: str = "tiny") -> Path:
+    """A HF directory of a tiny preset (random weights) with a tokenizer file."""
     import torch
 
     from hybridflow.models import build_model
     from hybridflow.models.hf_checkpoint import save_model
     from hybridflow.models.presets import preset_config
 
-    save_model(build_model(preset_config("tiny"), dtype=torch.float32), str(path))
+    save_model(build_model(preset_config(preset), dtype=torch.float32), str(path))
     (path / "tokenizer.json").write_text("{}")
     return path
 
@@ -99,11 +99,11 @@ def test_a_model_directory_without_config_json(capsys, tmp_path, no_model_loadin
     assert "no config.json" in err and str(model) in err and "tokenizer" not in err
 
 
-def _char_tokenizer_model(path: Path) -> Path:
-    """The tiny model directory with a tokenizer that loads (the built-in char one)."""
+def _char_tokenizer_model(path: Path, preset: str = "tiny") -> Path:
+    """A tiny model directory with a tokenizer that loads (the built-in char one)."""
     from hybridflow.models.tokenizer import build_char_tokenizer
 
-    model = tiny_model_dir(path)
+    model = tiny_model_dir(path, preset)
     (model / "tokenizer.json").unlink()
     build_char_tokenizer().save_pretrained(str(model))
     return model
@@ -112,6 +112,14 @@ def _char_tokenizer_model(path: Path) -> Path:
 def _edit_config(model: Path, **changes) -> None:
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+def _add_tensor(model: Path, name: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(model / "model.safetensors")
+    weights[name] = weights["model.norm.weight"].clone()
+    save_file(weights, model / "model.safetensors")
 
 
 MODELS_THAT_CANNOT_LOAD = {
@@ -127,7 +135,11 @@ MODELS_THAT_CANNOT_LOAD = {
     "weights of another shape": (lambda m: _edit_config(m, hidden_size=128), "another shape"),
     "weights of fewer layers": (
         lambda m: _edit_config(m, num_hidden_layers=3),
-        "tensors the model of",
+        "hold 2 decoder layers",
+    ),
+    "a tensor the model has no place for": (
+        lambda m: _add_tensor(m, "model.layers.0.mlp.extra.weight"),
+        "has no place for (e.g. model.layers.0.mlp.extra.weight)",
     ),
     "a tokenizer file that does not load": (
         lambda m: (m / "tokenizer.json").write_text("{}"),
@@ -146,6 +158,69 @@ def test_a_model_that_cannot_load_is_found_before_it_loads(
     spoil(model)
     err = run_cli(capsys, tmp_path, f"model.path={model}", command=command)
     assert expected in err and str(model) in err
+
+
+BAD_CONFIG_VALUES = {
+    # every request was a 500 (transformers' router asked for 9 of 8 experts)
+    "top-k above the experts": ({"num_experts_per_tok": 9}, "num_experts_per_tok = 9"),
+    "top-k 0": ({"num_experts_per_tok": 0}, "num_experts_per_tok = 0"),  # served "====="
+    "a negative size": ({"hidden_size": -128}, "hidden_size = -128"),  # a traceback
+    "KV heads that do not divide the heads": ({"num_key_value_heads": 3}, "num_key_value_heads = 3"),
+    "a NaN epsilon": ({"rms_norm_eps": float("nan")}, "rms_norm_eps = nan"),
+    "a size as a string": ({"vocab_size": "128"}, 'vocab_size = "128"'),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_CONFIG_VALUES))
+def test_a_bad_config_value_is_refused_alike_by_validate_train_sft_and_serve(
+    capsys, tmp_path, case
+):
+    model = _char_tokenizer_model(tmp_path / "model", "tiny-moe")
+    changes, key = BAD_CONFIG_VALUES[case]
+    _edit_config(model, **changes)
+    said = []
+    for command in (("config", "validate"), ("train",), ("sft", "sft.total_steps=1")):
+        err = run_cli(capsys, tmp_path, f"model.path={model}", command=command)
+        said.append(err[err.index(str(model / "config.json")) :].strip())
+    serve = ["serve", "--model", str(model), "--device", "cpu", "--port", "0"]
+    assert main(serve) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    said.append(err[err.index(str(model / "config.json")) :].strip())
+    assert len(set(said)) == 1, said  # the same words everywhere
+    assert key in said[0] and "correct the value in config.json" in said[0]
+
+
+def _drop_tensor(model: Path, name: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(model / "model.safetensors")
+    del weights[name]
+    save_file(weights, model / "model.safetensors")
+
+
+@pytest.mark.parametrize("key", ["ref.path", "critic.path", "reward.model.path"])
+def test_the_other_model_directories_are_checked_as_the_policy_is(
+    capsys, tmp_path, no_model_loading, key
+):
+    if key == "reward.model.path":
+        sys.path.insert(0, str(Path(__file__).parent))
+        from reward_model_helpers import write_reward_model
+
+        model = write_reward_model(tmp_path / "model")
+        capsys.readouterr()  # transformers' progress bar
+    else:
+        model = tiny_model_dir(tmp_path / "model")
+    _drop_tensor(model, "model.layers.1.mlp.up_proj.weight")
+    uses = {"ref.path": ["actor.use_kl_loss=true"], "critic.path": ["algorithm.adv_estimator=gae"]}
+    err = run_cli(capsys, tmp_path, f"{key}={model}", *uses.get(key, []),
+                  command=("config", "validate"))  # fmt: skip
+    assert err.startswith(f"error: 1 configuration problem(s):\n  - {key}: the weights in {model}")
+    assert "lack 1 tensors" in err and "model.layers.1.mlp.up_proj.weight" in err
+    _edit_config(model, rms_norm_eps=0)
+    err = run_cli(capsys, tmp_path, f"{key}={model}", *uses.get(key, []),
+                  command=("config", "validate"))  # fmt: skip
+    assert f"{key}: {model / 'config.json'}: rms_norm_eps = 0 must be" in err
 
 
 def test_a_model_that_can_load_passes_validate(capsys, tmp_path):
@@ -242,3 +317,16 @@ def test_optimizer_offload_with_fsdp2_stops_before_any_model_loads(capsys, tmp_p
     err = run_cli(capsys, tmp_path, "trainer.backend=local", "trainer.n_gpus_per_node=2",
                   "actor.optimizer_offload=true", command=("config", "validate"))  # fmt: skip
     assert "actor.optimizer_offload" in err and "actor.param_offload=true" in err
+
+
+def test_a_nan_weight_stops_train_at_load_naming_the_tensor(capsys, tmp_path):
+    # it trained to exit 0 with null losses: every step skipped on a NaN gradient norm
+    from safetensors.torch import load_file, save_file
+
+    model = _char_tokenizer_model(tmp_path / "model")
+    weights = load_file(model / "model.safetensors")
+    weights["model.layers.0.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    err = run_cli(capsys, tmp_path, f"model.path={model}")
+    assert f"{model / 'model.safetensors'}: tensor model.layers.0.mlp.up_proj.weight holds 1" in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -11,6 +11,7 @@ from hybridflow.config.loading import _suggest
 from hybridflow.config.parallel_checks import check_layouts, roles_in_use
 from hybridflow.config.reward_checks import reward_part_problems
 from hybridflow.config.sections import GROUP_ESTIMATORS, Config, ConfigError, Derived
+from hybridflow.model_config_values import directory_config_problems
 from hybridflow.parallel.roles import RoleLayouts, sizes_of
 
 LOGGER_NAMES = ("console", "jsonl", "tensorboard", "wandb")
@@ -354,6 +355,10 @@ def validate(cfg: Config, *, gpus_available: int | None = None, planning: bool =
     if t.total_epochs is not None and t.total_epochs < 1:
         add(f"trainer.total_epochs = {t.total_epochs} must be >= 1 (or null: trainer.total_steps)")
 
+    # ---- the models' config.json values, before anything is built from them
+    for key, path in model_paths(cfg, use_reference, use_critic):
+        problems += [f"{key}: {problem}" for problem in directory_config_problems(path)]
+
     # ---- lengths vs the model's context
     ctx = model_context_length(cfg.model.path)
     if ctx is not None and max_len > ctx:
@@ -379,6 +384,15 @@ def validate(cfg: Config, *, gpus_available: int | None = None, planning: bool =
         max_sequence_length=max_len,
         layouts=layouts,
     )
+
+
+def model_paths(cfg: Config, use_reference: bool, use_critic: bool) -> list[tuple[str, str]]:
+    """(key, path) of every model directory the run loads besides presets: the policy, a
+    reference or critic of its own, the reward model."""
+    paths = [("model.path", cfg.model.path), ("ref.path", cfg.ref.path if use_reference else None),
+             ("critic.path", cfg.critic.path if use_critic else None),
+             ("reward.model.path", cfg.reward.model.path)]  # fmt: skip
+    return [(key, path) for key, path in paths if path]
 
 
 def _worlds(cfg: Config, train_world: int, rollout_world: int) -> dict[str, tuple[int, str]]:

@@ -15,6 +15,7 @@ import sys
 import torch
 
 from hybridflow.config import ConfigError
+from hybridflow.model_config_values import ModelConfigError
 from hybridflow.models.architecture import SUPPORTED_MODEL_TYPES, ModelArchitecture
 from hybridflow.models.llama import CausalLM
 from hybridflow.models.presets import PRESETS, preset_config
@@ -78,8 +79,9 @@ def load_model(
         )
     from hybridflow.models.hf_checkpoint import load_model_from_dir, read_hf_config
 
+    hf_config = read_hf_config(name_or_path)  # its values checked, whichever backend builds it
     if backend == "auto":
-        problem = native_support_problem(read_hf_config(name_or_path))
+        problem = native_support_problem(hf_config)
         backend = "native" if problem is None else "hf"
         if problem is not None:
             print(
@@ -107,6 +109,8 @@ def native_support_problem(hf_config: dict) -> str | None:
         return "router_jitter_noise (random router input scaling in training) is not in our decoder"
     try:
         ModelArchitecture.from_hf(hf_config)
+    except ModelConfigError:
+        raise  # a value no model can have: transformers cannot build it either
     except (ValueError, KeyError) as error:
         return f"config.json: {error}"
     return None

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from hybridflow.model_config_values import check_config_values
 from hybridflow.models.families import SUPPORTED_MODEL_TYPES, family_of, text_config
 from hybridflow.models.layer_spec import LayerSpec
 
@@ -198,9 +199,11 @@ class ModelArchitecture:
         return total
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> ModelArchitecture:
+    def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> ModelArchitecture:
         """Build from the content of a HF config.json (transformers 4.x and 5.x layouts); a
-        multimodal checkpoint's config gives its language model's (families.text_config)."""
+        multimodal checkpoint's config gives its language model's (families.text_config).
+        ModelConfigError naming ``source`` (the file) for a value no model can have."""
+        check_config_values(hf, source)
         hf = text_config(hf)
         model_type = hf.get("model_type")
         heads = hf["num_attention_heads"]

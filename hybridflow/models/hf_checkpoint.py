@@ -11,9 +11,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hybridflow.errors import UserError
+from hybridflow.model_config_values import ModelConfigError
 from hybridflow.models import expert_checkpoint
 from hybridflow.models.architecture import ModelArchitecture
 from hybridflow.models.families import read_tensor, write_tensors
+from hybridflow.models.finite_weights import check_finite
 from hybridflow.models.llama import CausalLM
 
 SINGLE_FILE = "model.safetensors"
@@ -33,10 +35,13 @@ def announce_text_only(path: str) -> None:
 
 def read_hf_config(path: str) -> dict:
     """config.json of the model directory ``path`` (ModelConfigError naming the file and
-    line when it is not a JSON object)."""
-    from hybridflow.models.loadability import read_config_json
+    line when it is not a JSON object, or the key of a value no model can have)."""
+    from hybridflow.model_config_values import check_config_values
+    from hybridflow.models.loadability import CONFIG_FILE, read_config_json
 
-    return read_config_json(path)
+    config = read_config_json(path)
+    check_config_values(config, os.path.join(path, CONFIG_FILE))
+    return config
 
 
 def checkpoint_files(path: str) -> list[str]:
@@ -74,14 +79,17 @@ def safetensors_problem(file: str | os.PathLike) -> str | None:
 
 
 def iter_checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of every tensor in the checkpoint, one file open at a time."""
+    """(name, tensor) pairs of every tensor in the checkpoint, one file open at a time; a
+    tensor holding a NaN or an inf is refused (UserError naming it)."""
     for file in checkpoint_files(path):
         problem = safetensors_problem(file)
         if problem is not None:
             raise UserError(problem, "copy the model directory again (a download cut short?)")
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                tensor = f.get_tensor(name)
+                check_finite(name, tensor, file)
+                yield name, tensor
 
 
 def load_model_from_dir(
@@ -94,7 +102,12 @@ def load_model_from_dir(
     as it is read (cast + moved once), so peak memory is one copy of the weights. Experts are
     read per expert or packed (expert_checkpoint.py). num_labels: the sequence-classification
     variant (``score.weight`` instead of ``lm_head.weight``)."""
+    from hybridflow.models.loadability import native_weight_problems
+
     hf_config = read_hf_config(path)
+    problems = native_weight_problems(path, hf_config, num_labels)  # the headers, as validate
+    if problems:
+        raise ModelConfigError(problems[0])
     config = ModelArchitecture.from_hf(hf_config)
     if isinstance(hf_config.get("text_config"), dict):  # read as its language model
         announce_text_only(path)
@@ -120,7 +133,8 @@ def load_model_from_dir(
         elif not ((config.tie_word_embeddings or scorer) and name == "lm_head.weight"):
             # Unused extras (e.g. rotary inv_freq buffers of old checkpoints) are skipped.
             if not name.endswith("rotary_emb.inv_freq"):
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {config.model_type}")
+                raise ModelConfigError(f"checkpoint tensor {name!r} of {path} has no place "
+                                       f"in {config.model_type}")  # fmt: skip
 
     for stored_name, stored in iter_checkpoint_tensors(path):
         for name, tensor in read_tensor(config, stored_name, stored):  # renamed, split
@@ -130,7 +144,8 @@ def load_model_from_dir(
     missing_slices = expert_checkpoint.expert_slices_expected(assembled, config.num_experts)
     missing += sorted(f"{n} expert {e} {p}" for n, e, p in missing_slices - slices_read)
     if missing:
-        raise ValueError(f"checkpoint {path!r} lacks {len(missing)} tensors, e.g. {missing[:5]}")
+        raise ModelConfigError(f"checkpoint {path!r} lacks {len(missing)} tensors, e.g. "
+                               f"{missing[:5]}")  # fmt: skip
     if config.tie_word_embeddings and not scorer:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, assign=True, strict=True)

@@ -123,7 +123,10 @@ def load_hf_model(
 ) -> HFCausalLM:
     from transformers import AutoModelForCausalLM
 
+    from hybridflow.models.finite_weights import check_all_finite
+
     hf_model = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, attn_implementation="sdpa"
     ).to(device)
+    check_all_finite(hf_model.named_parameters(), path)  # buffers may hold -inf masks
     return HFCausalLM(hf_model)

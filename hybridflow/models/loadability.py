@@ -10,17 +10,18 @@ the tokenizer files present is checked beside this, in trainer/preflight.py.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
-from hybridflow.errors import UserError
+from hybridflow.model_config_values import (
+    ModelConfigError,
+    config_value_problems,
+    config_values_message,
+)
 from hybridflow.models.architecture import SUPPORTED_MODEL_TYPES
 from hybridflow.safetensors_headers import stored_shapes
 
 CONFIG_FILE = "config.json"
-
-
-class ModelConfigError(UserError, ValueError):
-    """config.json cannot be read; ``str()`` says which file and why."""
 
 
 def read_config_json(model_dir: str | Path) -> dict:
@@ -77,8 +78,10 @@ def _transformers_causal_lm() -> dict[str, str] | None:
     return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def config_problems(model_dir: str | Path) -> list[str]:
-    """config.json of ``model_dir`` parses and names a buildable architecture ([] if so)."""
+def config_problems(model_dir: str | Path, num_labels: int | None = None) -> list[str]:
+    """config.json of ``model_dir`` parses, names a buildable architecture and holds values
+    a model can have; the weights fit it ([] if so). num_labels: a sequence classifier's
+    score head (a reward model) instead of the lm_head."""
     try:
         config = read_config_json(model_dir)
     except ModelConfigError as error:
@@ -86,38 +89,42 @@ def config_problems(model_dir: str | Path) -> list[str]:
     problem = architecture_problem(config, model_dir)
     if problem:
         return [problem]
+    problems = config_value_problems(config)
+    if problems:  # the words a model load says (models/hf_checkpoint.py read_hf_config)
+        return [config_values_message(problems, Path(model_dir) / CONFIG_FILE)]
     if config.get("model_type") in SUPPORTED_MODEL_TYPES:
-        return native_weight_problems(model_dir, config)
+        return native_weight_problems(model_dir, config, num_labels)
     return []
 
 
-def native_weight_problems(model_dir: str | Path, config: dict) -> list[str]:
+def native_weight_problems(
+    model_dir: str | Path, config: dict, num_labels: int | None = None
+) -> list[str]:
     """The safetensors headers of ``model_dir`` hold each tensor our decoder needs for
-    ``config``, in its shape ([] if so, or if a file is unreadable: reported elsewhere)."""
-    import torch
-
+    ``config``, in its shape, and none it has no place for ([] if so, or if a file is
+    unreadable: reported elsewhere). The loader says the same before it reads a weight."""
     from hybridflow.models.architecture import ModelArchitecture
-    from hybridflow.models.llama import CausalLM
 
     try:
         architecture = ModelArchitecture.from_hf(config)
     except (ValueError, KeyError, TypeError):
         return []  # not for our decoder: transformers' fallback reads it
-    with torch.device("meta"):  # shapes only, no memory
-        expected = {k: tuple(v.shape) for k, v in CausalLM(architecture).state_dict().items()}
-    if architecture.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
     stored = _stored_shapes(Path(model_dir), architecture)
     if stored is None:
         return []
     config_file = Path(model_dir) / CONFIG_FILE
+    layers = stored_layer_count(stored)
+    if architecture.num_hidden_layers > layers:  # said before a model of that depth is built
+        return [
+            f"the weights in {model_dir} hold {layers} decoder layers, the model of "
+            f"{config_file} has num_hidden_layers = {architecture.num_hidden_layers} (no "
+            f"model.layers.{layers}.*): the weights belong to another model, or a shard is "
+            f"missing; copy the model directory again"
+        ]
+    expected = expected_shapes(architecture, num_labels)
     missing = sorted(set(expected) - set(stored))
     if missing:
-        return [
-            f"the weights in {model_dir} lack {len(missing)} tensors the model of {config_file} "
-            f"needs (e.g. {', '.join(missing[:3])}): the weights belong to another model, or "
-            f"a shard is missing; copy the model directory again"
-        ]
+        return [_missing_message(model_dir, config_file, len(missing), missing)]
     wrong = [(k, stored[k], shape) for k, shape in expected.items() if stored[k] != shape]
     if wrong:
         name, found, shape = wrong[0]
@@ -126,13 +133,70 @@ def native_weight_problems(model_dir: str | Path, config: dict) -> list[str]:
             f"another shape (e.g. {name} is {list(found)}, the config makes it {list(shape)}); "
             f"the config.json belongs to another model: copy the model directory again"
         ]
+    unused = sorted(
+        k for k in set(stored) - set(expected) if not _ignored(k, architecture, num_labels)
+    )
+    if unused:
+        return [
+            f"the weights in {model_dir} hold {len(unused)} tensors the model of {config_file} "
+            f"has no place for (e.g. {', '.join(unused[:3])}): the weights belong to another "
+            f"model or architecture; copy the model directory again"
+        ]
     return []
 
 
+def expected_shapes(architecture, num_labels: int | None = None) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor our decoder loads for ``architecture`` (a tied lm_head
+    is not stored), computed on the meta device: no memory."""
+    import torch
+
+    from hybridflow.models.llama import CausalLM
+
+    with torch.device("meta"):
+        model = CausalLM(architecture, num_labels=num_labels)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if architecture.tie_word_embeddings and num_labels is None:
+        expected.pop("lm_head.weight", None)
+    return expected
+
+
+def stored_layer_count(stored: dict[str, tuple[int, ...]]) -> int:
+    """Decoder layers the checkpoint holds tensors of (``model.layers.<i>.``, highest i + 1)."""
+    indices = [int(m.group(1)) for name in stored if (m := _LAYER.match(name))]
+    return max(indices, default=-1) + 1
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _ignored(name: str, architecture, num_labels: int | None) -> bool:
+    """Tensors a checkpoint may hold that the loader skips: old rotary inv_freq buffers,
+    and the lm_head of a tied model or of a sequence classifier."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    return name == "lm_head.weight" and (architecture.tie_word_embeddings or num_labels is not None)
+
+
+def _missing_message(model_dir, config_file, count: int, names: list[str]) -> str:
+    return (
+        f"the weights in {model_dir} lack {count} tensors the model of {config_file} "
+        f"needs (e.g. {', '.join(names[:3])}): the weights belong to another model, or "
+        f"a shard is missing; copy the model directory again"
+    )
+
+
 def _stored_shapes(model_dir: Path, architecture) -> dict[str, tuple[int, ...]] | None:
-    """Tensor name -> shape from every safetensors header, under the names the model loads
-    into; None if any header is unreadable."""
-    shapes = stored_shapes(model_dir)
+    """Tensor name -> shape from the headers of the safetensors files the loader reads (the
+    index's shards, else model.safetensors: a repository's other files, such as Mistral's
+    consolidated.safetensors, are not read), under the names the model loads into; None if
+    a header or the index is unreadable."""
+    from hybridflow.models.hf_checkpoint import checkpoint_files
+
+    try:
+        files = checkpoint_files(str(model_dir))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # no weights, or an index that does not parse: said by the file checks
+    shapes = stored_shapes(model_dir, files)
     if shapes is None:
         return None
     import torch

@@ -93,9 +93,12 @@ def load_sequence_classifier(
           file=sys.stderr)  # fmt: skip
     from transformers import AutoModelForSequenceClassification
 
+    from hybridflow.models.finite_weights import check_all_finite
+
     hf_model = AutoModelForSequenceClassification.from_pretrained(
         path, dtype=dtype, attn_implementation="sdpa"
     )
+    check_all_finite(hf_model.named_parameters(), path)  # buffers may hold -inf masks
     return HFSequenceClassifier(hf_model.to(device))
 
 

@@ -55,7 +55,13 @@ from aiohttp import web
 
 from hybridflow.serve.connections import request_deadlines
 from hybridflow.serve.episodes import EPISODE_HEADER, EpisodeTracker
-from hybridflow.serve.http import generation_failed, json_errors, read_json, stream_events
+from hybridflow.serve.http import (
+    generation_failed,
+    json_errors,
+    json_response,
+    read_json,
+    stream_events,
+)
 from hybridflow.serve.limits import ServerLimits
 from hybridflow.serve.openai_protocol import (
     RequestError,
@@ -109,23 +115,23 @@ class OpenAIServer:
     # -- routes --------------------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+        return json_response({"status": "ok"})
 
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created,
                 "owned_by": "hybridflow", "max_model_len": self.max_seq_len}  # fmt: skip
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._model_card()]})
+        return json_response({"object": "list", "data": [self._model_card()]})
 
     async def model(self, request: web.Request) -> web.Response:
         self._check_model(request.match_info["model"])
-        return web.json_response(self._model_card())
+        return json_response(self._model_card())
 
     async def list_records(self, request: web.Request) -> web.Response:
         data = [{"id": r.id, "object": "hybridflow.request", "endpoint": r.endpoint,
                  "created": r.created} for r in self.records.records()]  # fmt: skip
-        return web.json_response({"object": "list", "data": data})
+        return json_response({"object": "list", "data": data})
 
     async def get_record(self, request: web.Request) -> web.Response:
         record = self.records.get(request.match_info["id"])
@@ -133,7 +139,7 @@ class OpenAIServer:
             raise RequestError(f"no record of request {request.match_info['id']!r} (kept: the "
                                f"last {self.records.max_records})", "id", "record_not_found",
                                status=404)  # fmt: skip
-        return web.json_response(record.to_dict())
+        return json_response(record.to_dict())
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = parse_completion_request(await self._body(request), self.limits)
@@ -158,7 +164,7 @@ class OpenAIServer:
         )
         self._record(rid, "completions", created, chosen, sampling, req.user, req.metadata)
         if not sampling.stream:
-            return web.json_response(completion_response(rid, created, self.model_name, choices,
+            return json_response(completion_response(rid, created, self.model_name, choices,
                                                          counts))  # fmt: skip
 
         def events():
@@ -211,7 +217,7 @@ class OpenAIServer:
         self._record(rid, "chat.completions", created, [c[:4] for c in chosen], sampling,
                      req.user, req.metadata)  # fmt: skip
         if not sampling.stream:
-            return web.json_response(chat_response(rid, created, self.model_name, choices, counts))
+            return json_response(chat_response(rid, created, self.model_name, choices, counts))
 
         def chunk(index, delta, logprobs=None, finish=None):
             return chat_chunk(rid, created, self.model_name, [

@@ -93,12 +93,16 @@ def check_paths(args) -> None:
     """The model, tokenizer and template paths exist and hold what serving needs: said
     before anything loads (UserError, exit 2)."""
     from hybridflow.errors import UserError
+    from hybridflow.model_config_values import directory_config_problems
     from hybridflow.models.presets import PRESETS
     from hybridflow.models.tokenizer import CHAR_TOKENIZER_NAMES
 
     if args.model not in PRESETS:
         _check_directory(args.model, "--model", f"a local Hugging Face model directory or a "
                          f"preset ({', '.join(sorted(PRESETS))})")  # fmt: skip
+        problems = directory_config_problems(args.model)  # before the tokenizer reads it
+        if problems:
+            raise UserError(problems[0])
     tokenizer = args.tokenizer or args.model
     if tokenizer not in CHAR_TOKENIZER_NAMES:
         flag = "--tokenizer" if args.tokenizer else "--model"

@@ -1,11 +1,13 @@
 """The HTTP plumbing of the server: JSON bodies in, OpenAI's JSON errors out (never a
-traceback), Server-Sent Events."""
+traceback), Server-Sent Events; every body it writes is strict JSON (no NaN or Infinity,
+which JSON parsers refuse)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import math
 
 from aiohttp import web
 
@@ -38,6 +40,30 @@ async def read_json(request: web.Request, max_bytes: int, timeout_s: float) -> d
     return body
 
 
+def finite_dumps(value) -> str:
+    """``value`` as strict JSON: a non-finite float (NaN, ±inf, which json.dumps would write
+    as the invalid tokens NaN / Infinity) becomes null."""
+    try:
+        return json.dumps(value, allow_nan=False)
+    except ValueError:  # rare: a NaN somewhere; walk the value once
+        return json.dumps(_finite(value), allow_nan=False)
+
+
+def _finite(value):
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
+
+
+def json_response(value, **kwargs) -> web.Response:
+    """aiohttp's json_response, written by :func:`finite_dumps`."""
+    return web.json_response(value, dumps=finite_dumps, **kwargs)
+
+
 def too_large(size: str, max_bytes: int) -> RequestError:
     return RequestError(
         f"the request body has {size}; this server takes at most {max_bytes} bytes, room for "
@@ -62,7 +88,7 @@ async def stream_events(request: web.Request, events) -> web.StreamResponse:
         if not hasattr(events, "__aiter__"):
             events = _async_iter(events)
         async for event in events:
-            await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            await response.write(b"data: " + finite_dumps(event).encode() + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
     except (ConnectionError, asyncio.CancelledError):  # the client went away mid-stream

@@ -442,17 +442,35 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
+LOGPROB_FLOOR = -9999.0
+"""What a log-prob of -inf (a token of probability 0) is sent as: JSON has no infinity, and
+OpenAI's API and vLLM send this number."""
+
+
+def json_logprob(logprob: float) -> float | None:
+    """``logprob`` as the JSON number sent: -inf as LOGPROB_FLOOR, NaN (and +inf, which no
+    probability has) as null."""
+    if math.isfinite(logprob):
+        return logprob
+    return LOGPROB_FLOOR if logprob == -math.inf else None
+
+
 def completion_logprobs(tokens: list[str], logprobs: list[float], offsets: list[int]) -> dict:
     """The completions `logprobs` object; top_logprobs is null (no alternatives)."""
-    return {"tokens": tokens, "token_logprobs": logprobs, "text_offset": offsets,
-            "top_logprobs": None}  # fmt: skip
+    return {"tokens": tokens, "token_logprobs": [json_logprob(lp) for lp in logprobs],
+            "text_offset": offsets, "top_logprobs": None}  # fmt: skip
 
 
 def chat_logprobs(tokens: list[str], logprobs: list[float]) -> dict:
     """The chat `logprobs` object: one entry per token, no alternatives."""
     return {
         "content": [
-            {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
+            {
+                "token": t,
+                "logprob": json_logprob(lp),
+                "bytes": list(t.encode("utf-8")),
+                "top_logprobs": [],
+            }  # fmt: skip
             for t, lp in zip(tokens, logprobs)
         ],
         "refusal": None,

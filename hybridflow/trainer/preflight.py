@@ -65,6 +65,7 @@ def prepare_run(cfg: Config, log=lambda *a, **k: None) -> Preflight:
     problems = machine_problems(cfg, cfg.trainer.run_dir)
     problems += sandbox_problems(cfg, log)
     problems += model_problems(cfg.model.path, cfg.model.tokenizer_path)
+    problems += other_checkpoint_problems(cfg, derived)
     if problems:
         raise ConfigError(problems)
     problems = cache_dir_problems(cfg)  # needs the tokenizer that model_problems checked
@@ -277,35 +278,63 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 def model_problems(model_path: str, tokenizer_path: str | None) -> list[str]:
     """A local model directory holds config.json, complete safetensors and a tokenizer."""
-    from hybridflow.models.hf_checkpoint import INDEX_FILE, SINGLE_FILE, safetensors_problem
-    from hybridflow.models.loadability import config_problems
     from hybridflow.models.presets import PRESETS
 
     if model_path.startswith("sft:") or model_path in PRESETS:
         return _tokenizer_problems(tokenizer_path) if tokenizer_path else []
+    problems = checkpoint_problems("model.path", model_path)
+    if problems and not Path(model_path).expanduser().is_dir():
+        return problems  # no directory: not a missing tokenizer too
+    return problems + _tokenizer_problems(tokenizer_path or str(Path(model_path).expanduser()))
+
+
+def checkpoint_problems(key: str, model_path: str, num_labels: int | None = None) -> list[str]:
+    """The model directory ``key`` names holds config.json with values a model can have,
+    complete safetensors files whose headers fit it (every tensor, in its shape, none
+    extra). num_labels: a reward model's score head."""
+    from hybridflow.models.hf_checkpoint import INDEX_FILE, SINGLE_FILE, safetensors_problem
+    from hybridflow.models.loadability import config_problems
+    from hybridflow.models.presets import PRESETS
+
     path = Path(model_path).expanduser()
     if not path.is_dir():
         return [
-            f"model.path = {model_path!r} is not a directory, a preset ({', '.join(PRESETS)}) "
+            f"{key} = {model_path!r} is not a directory, a preset ({', '.join(PRESETS)}) "
             f"or sft:<task>: point it at a Hugging Face model directory"
         ]
     if not (path / "config.json").is_file():
         return [
-            f"model.path = {model_path}: no config.json there: point model.path at the Hugging "
+            f"{key} = {model_path}: no config.json there: point {key} at the Hugging "
             f"Face model directory itself (the one holding config.json and *.safetensors)"
         ]
-    problems = [f"model.path: {problem}" for problem in config_problems(path)]
+    problems = [f"{key}: {problem}" for problem in config_problems(path, num_labels)]
     files = sorted(path.glob("*.safetensors"))
     if not files and not (path / INDEX_FILE).is_file():
         problems.append(
-            f"model.path = {model_path}: no {SINGLE_FILE} (or sharded *.safetensors with "
+            f"{key} = {model_path}: no {SINGLE_FILE} (or sharded *.safetensors with "
             f"{INDEX_FILE}); convert the weights to safetensors"
         )
     for file in files:
         problem = safetensors_problem(file)
         if problem:
-            problems.append(f"model.path: {problem}: copy the model directory again")
-    return problems + _tokenizer_problems(tokenizer_path or str(path))
+            problems.append(f"{key}: {problem}: copy the model directory again")
+    return problems
+
+
+def other_checkpoint_problems(cfg: Config, derived: Derived) -> list[str]:
+    """:func:`checkpoint_problems` of the reference, critic and reward model directories
+    the run loads besides the policy's."""
+    from hybridflow.config.reward_checks import stored_score_rows
+    from hybridflow.config.validation import model_paths
+    from hybridflow.models.presets import PRESETS
+
+    problems = []
+    for key, path in model_paths(cfg, derived.use_reference, derived.use_critic):
+        if key == "model.path" or path in PRESETS or path.startswith("sft:"):
+            continue
+        rows = stored_score_rows(path) if key == "reward.model.path" else None
+        problems += checkpoint_problems(key, path, rows)
+    return problems
 
 
 def _tokenizer_problems(tokenizer_path: str) -> list[str]:

@@ -22,6 +22,7 @@ from contextlib import nullcontext
 from hybridflow.errors import RunStopped
 from hybridflow.protocol import Batch
 from hybridflow.trainer.async_rollout import RolloutProducer
+from hybridflow.trainer.divergence import check_update, kept_checkpoint
 from hybridflow.trainer.evaluation import headline, run_validation
 from hybridflow.trainer.metrics import (
     Timer,
@@ -83,14 +84,29 @@ def train_step(run: RunContext, rollout: tuple | None = None,
 
         if roles.critic is not None:
             with timer("update_critic"):
-                metrics.update(roles.critic.update(batch)[0])
+                metrics.update(stop_if_diverged(run, roles.critic.update(batch)[0], "critic"))
         with timer("update_actor"):
-            metrics.update(roles.actor.update(batch)[0])
+            metrics.update(stop_if_diverged(run, roles.actor.update(batch)[0], "actor"))
         with timer("sync_weights"):
             if before_sync is not None:
                 before_sync()
             sync_weights(roles, version=run.step)  # the policy after this step's update
     metrics.update(_step_metrics(run, batch, timer))
+    return metrics
+
+
+def stop_if_diverged(run: RunContext, metrics: dict[str, float], role: str) -> dict[str, float]:
+    """``metrics`` of the ``role``'s update, or TrainingDiverged when its loss or gradient
+    norm was not finite (trainer/divergence.py): raised before this step saves or syncs."""
+    pending = run.pending_save.step if run.pending_save is not None else None
+    saved = [step for step in (run.checkpoints.latest_step(), pending) if step is not None]
+    check_update(
+        metrics, role, step=f"step {run.step}",
+        kept=kept_checkpoint(max(saved, default=None), run.checkpoints.root),
+        fix=f"resume from it (trainer.resume=auto) with a lower {role}.lr or "
+            f"{role}.grad_clip, and look at the step's samples and rewards "
+            f"(trainer.rollout_data_dir=DIR writes them)",
+    )  # fmt: skip
     return metrics
 
 

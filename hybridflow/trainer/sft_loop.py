@@ -96,7 +96,7 @@ class SFTTrainer:
 
         sums = MetricSums(self.core)
         self.core.module.train()
-        accumulate_and_step(
+        skipped = accumulate_and_step(
             self.core,
             batch,
             micro_batch_size=len(batch),
@@ -108,6 +108,7 @@ class SFTTrainer:
         )
         metrics = {f"sft/{k}": v for k, v in sums.result().items()}
         metrics["sft/lr"] = self.core.optimizer.param_groups[0]["lr"]
+        metrics["sft/skipped_steps"] = float(skipped)  # a NaN or inf gradient norm
         return metrics
 
 
@@ -124,12 +125,16 @@ def run_sft(
     save_freq: int = 0,
     resume: Callable[[SFTTrainer, Any], int] | None = None,
     should_stop: Callable[[SFTTrainer, int], bool] | None = None,
+    kept: Callable[[], str] = lambda: "no checkpoint is written by this call",
 ) -> SFTTrainer:
     """``sft.total_steps`` optimizer steps over shuffled ``examples`` (deterministic in
     ``seed``); ``checkpoint(trainer, sampler, step)`` every ``save_freq`` steps and at the end.
     ``should_stop(trainer, step)``, asked after each step, ends training early when True
-    (``trainer.steps_done`` says where it stopped)."""
+    (``trainer.steps_done`` says where it stopped). A step whose loss or gradient norm is not
+    finite raises TrainingDiverged before it is logged or saved; ``kept()`` says which
+    checkpoint the run keeps."""
     from hybridflow.data.sampler import ResumableSampler
+    from hybridflow.trainer.divergence import check_update
 
     torch.manual_seed(seed)
     trainer = SFTTrainer(model, sft_cfg, device, grad_clip=1.0)
@@ -140,6 +145,8 @@ def run_sft(
     for step in range(start + 1, sft_cfg.total_steps + 1):
         batch = examples_to_batch([examples[i] for i in sampler.next_batch()], pad_token_id)
         metrics = trainer.step(batch)
+        check_update(metrics, "sft", step=f"SFT step {step}", kept=kept(),
+                     fix="resume from it with a lower sft.lr, and look at the examples")  # fmt: skip
         trainer.steps_done = step
         if log is not None:
             log(metrics, step)
@@ -176,6 +183,7 @@ def load_sft_examples(
 def sft_main(cfg: Config) -> Path:
     """``hybridflow sft``: fine-tune ``model.path`` (or a fresh ``sft.preset`` model when the
     path is ``sft:<task>``) on ``sft.train_files``; writes checkpoints and ``<out>/hf``."""
+    from hybridflow.model_config_values import directory_config_problems
     from hybridflow.trainer.preflight import machine_problems
     from hybridflow.trainer.run_lock import hold_run_dir
     from hybridflow.trainer.stop import StopRequest
@@ -183,6 +191,8 @@ def sft_main(cfg: Config) -> Path:
     sft_cfg = cfg.sft
     out = Path(sft_cfg.out_dir or Path(cfg.trainer.run_dir) / "sft")
     problems = machine_problems(cfg, str(out))
+    if not cfg.model.path.startswith("sft:"):  # before the tokenizer reads config.json
+        problems += [f"model.path: {p}" for p in directory_config_problems(cfg.model.path)]
     if problems:
         raise ConfigError(problems)
     stop = StopRequest()
@@ -194,6 +204,7 @@ def _sft(cfg: Config, out: Path, stop) -> Path:
     from hybridflow.models import load_model, load_tokenizer
     from hybridflow.progress import ProgressReporter
     from hybridflow.trainer.checkpoint import CheckpointManager, load_newest_intact
+    from hybridflow.trainer.divergence import kept_checkpoint
     from hybridflow.trainer.loggers import Tracker
     from hybridflow.trainer.roles import resolve_device
     from hybridflow.workers.model_loading import resolve_dtype
@@ -259,6 +270,7 @@ def _sft(cfg: Config, out: Path, stop) -> Path:
             save_freq=cfg.trainer.save_freq,
             resume=resume,
             should_stop=lambda trainer, step: stop.requested,
+            kept=lambda: kept_checkpoint(checkpoints.latest_step(), checkpoints.root),
         )
         bar.stopped = trainer.steps_done < sft_cfg.total_steps
     progress.close()

@@ -9,6 +9,7 @@ import transformers
 from model_helpers import randomized_model, small_config
 from test_parity import to_transformers
 
+from hybridflow.model_config_values import ModelConfigError
 from hybridflow.models import CausalLM, load_model, load_tokenizer
 from hybridflow.models.hf_fallback import HFCausalLM
 
@@ -71,8 +72,8 @@ def test_missing_tensor_is_reported(tmp_path):
     state = load_file(str(tmp_path / "model.safetensors"))
     del state["model.layers.1.mlp.up_proj.weight"]
     save_file(state, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ValueError, match="lacks 1 tensors"):
-        load_model(str(tmp_path))
+    with pytest.raises(ModelConfigError, match="lack 1 tensors .* model.layers.1.mlp.up_proj"):
+        load_model(str(tmp_path))  # the words of config validate, before a weight is read
 
 
 def test_unsupported_architecture_uses_hf_fallback(tmp_path):

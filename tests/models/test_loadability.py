@@ -36,3 +36,46 @@ def test_architectures_transformers_builds_are_accepted():
 def test_an_architecture_nothing_builds_is_named():
     problem = architecture_problem({"model_type": "florbnet", "architectures": ["Florb"]}, "m")
     assert "model_type 'florbnet'" in problem and "Florb" in problem
+
+
+def _tiny_dir(path):
+    import torch
+
+    from hybridflow.models import build_model
+    from hybridflow.models.hf_checkpoint import save_model
+    from hybridflow.models.presets import preset_config
+
+    save_model(build_model(preset_config("tiny"), dtype=torch.float32), str(path))
+    return path
+
+
+def test_a_tensor_the_model_has_no_place_for_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = _tiny_dir(tmp_path)
+    weights = load_file(model / "model.safetensors")
+    weights["model.layers.0.mlp.extra.weight"] = weights["model.norm.weight"].clone()
+    save_file(weights, model / "model.safetensors")
+    (problem,) = config_problems(model)
+    assert "hold 1 tensors" in problem and "model.layers.0.mlp.extra.weight" in problem
+
+
+def test_files_the_loader_does_not_read_are_not_checked(tmp_path):
+    # Mistral's repositories keep consolidated.safetensors (its own names) beside the shards
+    from safetensors.torch import save_file
+
+    model = _tiny_dir(tmp_path)
+    save_file({"layers.0.attention.wq.weight": __import__("torch").zeros(2)},
+              model / "consolidated.safetensors")  # fmt: skip
+    assert config_problems(model) == []
+
+
+def test_a_config_of_more_layers_is_said_before_a_model_is_built(tmp_path):
+    import json
+
+    model = _tiny_dir(tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    config["num_hidden_layers"] = 10**9  # a model of that depth would not fit in memory
+    (model / "config.json").write_text(json.dumps(config))
+    (problem,) = config_problems(model)
+    assert "hold 2 decoder layers" in problem and "num_hidden_layers = 1000000000" in problem

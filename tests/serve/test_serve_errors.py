@@ -176,3 +176,53 @@ def test_server_keeps_serving_after_bad_requests(tiny_server, client):
         assert _post(tiny_server.url + "/v1/chat/completions", data)[0] == 400
     response = client.chat.completions.create(model="tiny", messages=USER, max_tokens=3)
     assert response.usage.completion_tokens <= 3
+
+
+def _strict_json(text: str):
+    """json.loads that refuses NaN and Infinity, as JSON parsers outside Python do."""
+
+    def refuse(token):
+        raise ValueError(f"{token} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_non_finite_logprobs_are_sent_as_strict_json(scripted):
+    api, fake, _ = scripted(["abc"])  # 3 tokens and the eos
+    generate = fake.generate
+
+    async def non_finite(prompt_ids, params):  # what a model that overflowed would give
+        out = await generate(prompt_ids, params)
+        out.logprobs = [math.nan, -math.inf, math.inf, -0.25]
+        return out
+
+    fake.generate = non_finite
+    url = str(api.base_url).rstrip("/")
+    requests = {
+        "/completions": {"model": "scripted", "prompt": "hi", "logprobs": 1},
+        "/chat/completions": {"model": "scripted", "messages": USER, "logprobs": True},
+    }
+    for path, body in requests.items():
+        for stream in (False, True):
+            data = json.dumps({**body, "stream": stream}).encode()
+            request = urllib.request.Request(url + path, data, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request) as response:
+                assert response.status == 200
+                text = response.read().decode()
+            if not stream:
+                choice = _strict_json(text)["choices"][0]["logprobs"]
+                sent = choice.get("token_logprobs") or [e["logprob"] for e in choice["content"]]
+                assert sent == [
+                    None,
+                    -9999.0,
+                    None,
+                    -0.25,
+                ]  # NaN and +inf: null; -inf: OpenAI's floor
+                record = _strict_json(urllib.request.urlopen(
+                    f"{url}/hybridflow/requests/{_strict_json(text)['id']}").read().decode())  # fmt: skip
+                assert record["choices"][0]["logprobs"][:3] == [None, None, None]
+                continue
+            events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            for event in events[:-1]:
+                _strict_json(event)

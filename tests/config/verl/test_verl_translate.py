@@ -7,10 +7,11 @@ from hybridflow.cli import main
 from hybridflow.config import ConfigError, load_config
 from hybridflow.config.verl import load_with_verl_keys, translate, translate_command_line
 
-# What a user changes for this machine (`config validate` checks the model directory, the
+# What a user changes for this machine (`config validate` checks the model directories, the
 # data files and the logger packages too): a model and data that exist here, loggers that
 # are installed. Ours win.
-HERE = ["model.path=qwen2.5-0.5b", "trainer.loggers=[console]", "data.train_files=[builtin:arithmetic]",
+HERE = ["model.path=qwen2.5-0.5b", "critic.path=qwen2.5-0.5b", "trainer.loggers=[console]",
+        "data.train_files=[builtin:arithmetic]",
         "data.val_files=[builtin:arithmetic]", "data.builtin_train_size=8192",
         "rollout.tensor_parallel_size=1"]  # the stand-in has 2 KV heads; the examples split 2 or 4  # fmt: skip
 

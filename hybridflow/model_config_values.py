@@ -1,0 +1,211 @@
+"""The values of a Hugging Face config.json, checked before a model is built from them
+(no torch): ``hybridflow config validate`` and every model load refuse the same bad value
+with the same message."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from hybridflow.errors import UserError
+
+# model_type values our own decoder implements (models/families: the same list, checked by a
+# test; this module stays torch-free); everything else goes to the HF fallback.
+SUPPORTED_MODEL_TYPES = (
+    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
+    "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "qwen3_next",
+)  # fmt: skip
+
+
+class ModelConfigError(UserError, ValueError):
+    """config.json cannot be read, or holds a value no model can be built from; ``str()``
+    says which file, which key and why."""
+
+
+SIZE_KEYS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+    "moe_intermediate_size", "decoder_sparse_step",
+    # the same sizes under other families' names (GPT-2, GPT-NeoX, Falcon, OPT, T5, …)
+    "n_embd", "n_layer", "n_head", "n_positions", "n_inner", "n_ctx", "num_layers",
+    "num_heads", "num_kv_heads", "ffn_dim", "d_model", "d_ff", "rotary_dim",
+    # Gated DeltaNet layers (Qwen3.5, Qwen3-Next)
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+    "linear_value_head_dim", "linear_conv_kernel_dim", "shared_expert_intermediate_size",
+)  # fmt: skip
+"""Sizes: a whole number >= 1 where present (null: the family's default)."""
+
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+"""Experts of a sparse layer, by family (0: a dense model)."""
+
+TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_topk")
+"""Experts each token is routed to (top-k), by family."""
+
+EPSILON_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "norm_epsilon")
+"""Added to a variance before its square root: a finite number > 0."""
+
+REQUIRED_KEYS = {
+    "dense": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads"),
+    "qwen3_moe": ("moe_intermediate_size", "num_experts_per_tok"),
+    "mixtral": ("num_local_experts", "num_experts_per_tok"),
+    "qwen3_5_moe_text": ("moe_intermediate_size", "num_experts", "num_experts_per_tok"),
+    "qwen3_next": ("moe_intermediate_size", "num_experts", "num_experts_per_tok"),
+}  # fmt: skip
+EXPERTS_ONLY_TYPES = ("qwen3_5_moe_text",)
+"""Families whose every layer routes to experts: no dense MLP width to require."""
+"""Keys hybridflow's decoder reads without a default (its families: models/architecture.py)."""
+
+MAX_SIZE = 2**31 - 1
+"""Past int32: no model has a dimension that large, and index arithmetic overflows."""
+
+FIX = "correct the value in config.json, or copy the model directory again"
+
+
+def config_value_problems(config: dict[str, Any]) -> list[str]:
+    """Every value of ``config`` (a parsed config.json) no model can be built from, one
+    line each naming the key: sizes that are not whole numbers >= 1, a top-k outside
+    1..experts, attention heads not a multiple of the KV heads, an epsilon or RoPE base that
+    is not a finite number > 0. The families hybridflow's decoder builds
+    (SUPPORTED_MODEL_TYPES) also need their sizes present and an even head dimension."""
+    text = config.get("text_config")
+    if isinstance(text, dict):  # a multimodal model: its language model is what we build
+        return [f"text_config.{problem}" for problem in config_value_problems(text)]
+    problems: list[str] = []
+    native = config.get("model_type") in SUPPORTED_MODEL_TYPES
+    if native:
+        required = REQUIRED_KEYS["dense"] + REQUIRED_KEYS.get(config["model_type"], ())
+        if config["model_type"] in EXPERTS_ONLY_TYPES:
+            required = tuple(key for key in required if key != "intermediate_size")
+        problems += [f"{key} is missing (model_type {config['model_type']!r} needs it)"
+                     for key in required if config.get(key) is None]  # fmt: skip
+    sizes = {}
+    # 0 experts is a dense model, whose top-k (if it names one) routes nothing
+    minimums = {**dict.fromkeys(SIZE_KEYS, 1), **dict.fromkeys(EXPERT_COUNT_KEYS + TOP_K_KEYS, 0)}
+    if config.get("model_type") in EXPERTS_ONLY_TYPES:
+        minimums["intermediate_size"] = 0  # no dense MLP: written as 0 when written at all
+    for key, minimum in minimums.items():
+        problem = _whole_number_problem(key, config.get(key), minimum)
+        if problem:
+            problems.append(problem)
+        elif config.get(key) is not None:
+            sizes[key] = config[key]
+    problems += _top_k_problems(sizes)
+    problems += _head_problems(sizes, native)
+    for key in EPSILON_KEYS:
+        problems += _positive_number_problems(key, config.get(key))
+    problems += _rope_problems(config)
+    coefficient = config.get("router_aux_loss_coef")
+    if coefficient is not None and not (_is_number(coefficient) and math.isfinite(coefficient)
+                                        and coefficient >= 0):  # fmt: skip
+        problems.append(
+            f"router_aux_loss_coef = {_shown(coefficient)} must be a finite number >= 0"
+        )
+    return problems
+
+
+def check_config_values(config: dict[str, Any], source: str | Path) -> None:
+    """ModelConfigError naming ``source`` (the config.json) and each bad value; see
+    :func:`config_value_problems`."""
+    problems = config_value_problems(config)
+    if problems:
+        raise ModelConfigError(config_values_message(problems, source))
+
+
+def config_values_message(problems: list[str], source: str | Path) -> str:
+    """The one paragraph both ``validate`` and a model load print for bad values."""
+    return f"{source}: {'; '.join(problems)}: {FIX}"
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _whole_number_problem(key: str, value: Any, minimum: int) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        return f"{key} = {_shown(value)} must be a whole number >= {minimum} (a JSON integer)"
+    if value < minimum:
+        return f"{key} = {value} must be a whole number >= {minimum}"
+    if value > MAX_SIZE:
+        return f"{key} = {value} is larger than any model's ({MAX_SIZE})"
+    return None
+
+
+def _shown(value: Any) -> str:
+    """``value`` as config.json spells it (``"64"``, ``true``, ``64.0``), cut short."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _top_k_problems(sizes: dict[str, int]) -> list[str]:
+    experts_key = next((key for key in EXPERT_COUNT_KEYS if sizes.get(key)), None)
+    if experts_key is None:
+        return []  # a dense model: no routing
+    experts = sizes[experts_key]
+    return [
+        f"{key} = {sizes[key]} must be between 1 and {experts_key} = {experts} (each token "
+        f"is routed to that many of the experts)"
+        for key in TOP_K_KEYS
+        if key in sizes and not 1 <= sizes[key] <= experts
+    ]
+
+
+def _head_problems(sizes: dict[str, int], native: bool) -> list[str]:
+    heads, kv_heads = sizes.get("num_attention_heads"), sizes.get("num_key_value_heads")
+    if heads and kv_heads and heads % kv_heads:
+        return [f"num_attention_heads = {heads} must be a multiple of num_key_value_heads = "
+                f"{kv_heads} (each KV head serves a group of query heads)"]  # fmt: skip
+    head_dim = sizes.get("head_dim")
+    if native and head_dim is None and heads and sizes.get("hidden_size"):
+        head_dim = sizes["hidden_size"] // heads
+        if head_dim < 1:
+            return [f"hidden_size = {sizes['hidden_size']} is smaller than num_attention_heads "
+                    f"= {heads} (no head_dim set): each head needs at least one dimension"]  # fmt: skip
+    if native and head_dim is not None and head_dim % 2:
+        return [f"head_dim = {head_dim} must be even (rotary embeddings turn pairs of "
+                f"dimensions){'' if 'head_dim' in sizes else ' (hidden_size / num_attention_heads)'}"]  # fmt: skip
+    return []
+
+
+def _positive_number_problems(key: str, value: Any) -> list[str]:
+    if value is None:
+        return []
+    if not _is_number(value):
+        return [f"{key} = {_shown(value)} must be a finite number > 0 (a JSON number)"]
+    if not (math.isfinite(value) and value > 0):
+        return [f"{key} = {value} must be a finite number > 0"]
+    return []
+
+
+def _rope_problems(config: dict[str, Any]) -> list[str]:
+    """rope_theta (top level, or in transformers 5's rope_parameters, per attention kind
+    for some families) and a scaling factor: finite numbers > 0."""
+    problems = _positive_number_problems("rope_theta", config.get("rope_theta"))
+    for section in ("rope_scaling", "rope_parameters"):
+        value = config.get(section)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            problems.append(f"{section} = {_shown(value)} must be an object or null")
+            continue
+        nested = {f"{section}.{k}": v for k, v in value.items() if isinstance(v, dict)}
+        for prefix, part in {section: value, **nested}.items():
+            for key in ("rope_theta", "factor"):
+                problems += _positive_number_problems(f"{prefix}.{key}", part.get(key))
+    return problems
+
+
+def directory_config_problems(model_dir: str | Path) -> list[str]:
+    """The bad values of ``model_dir``'s config.json as one message ([] when they are fine,
+    or when the file is missing or not JSON: the model checks say that)."""
+    path = Path(model_dir).expanduser() / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return []
+    problems = config_value_problems(config) if isinstance(config, dict) else []
+    return [config_values_message(problems, path)] if problems else []

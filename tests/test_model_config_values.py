@@ -1,0 +1,101 @@
+"""config.json values no model can have are named by key, whatever the family; the configs
+hybridflow writes and those of the common families pass."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from hybridflow.model_config_values import (
+    SUPPORTED_MODEL_TYPES,
+    ModelConfigError,
+    check_config_values,
+    config_value_problems,
+    directory_config_problems,
+)
+from hybridflow.models.presets import PRESETS
+
+MOE = PRESETS["tiny-moe"].to_hf()  # qwen3_moe: 8 experts, top-2, 4 heads over 2 KV heads
+MIXTRAL = {"model_type": "mixtral", "vocab_size": 128, "hidden_size": 64,
+           "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+           "rms_norm_eps": 1e-5, "rope_theta": 1e6}  # fmt: skip
+GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_inner": None,
+        "n_positions": 128, "vocab_size": 128, "layer_norm_epsilon": 1e-5}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_config_passes(name):
+    assert config_value_problems(PRESETS[name].to_hf()) == []
+
+
+@pytest.mark.parametrize("config", [MIXTRAL, GPT2], ids=["mixtral", "gpt2"])
+def test_other_families_pass(config):
+    assert config_value_problems(config) == []
+
+
+BAD_VALUES = [
+    # (config, changes, the key named, words of the rule)
+    (MOE, {"num_experts_per_tok": 9}, "num_experts_per_tok = 9", "between 1 and num_experts = 8"),
+    (MOE, {"num_experts_per_tok": 0}, "num_experts_per_tok = 0", "between 1 and"),
+    (MOE, {"num_experts_per_tok": -2}, "num_experts_per_tok = -2", ">= 0"),
+    (MIXTRAL, {"num_experts_per_tok": 5}, "num_experts_per_tok = 5", "num_local_experts = 4"),
+    (MOE, {"num_experts": -1}, "num_experts = -1", ">= 0"),
+    (MOE, {"moe_intermediate_size": 0}, "moe_intermediate_size = 0", ">= 1"),
+    (MOE, {"hidden_size": -64}, "hidden_size = -64", ">= 1"),
+    (MOE, {"vocab_size": 0}, "vocab_size = 0", ">= 1"),
+    (MOE, {"num_hidden_layers": 0}, "num_hidden_layers = 0", ">= 1"),
+    (MOE, {"intermediate_size": -1}, "intermediate_size = -1", ">= 1"),
+    (MOE, {"head_dim": 0}, "head_dim = 0", ">= 1"),
+    (MOE, {"max_position_embeddings": 0}, "max_position_embeddings = 0", ">= 1"),
+    (MOE, {"num_attention_heads": 0}, "num_attention_heads = 0", ">= 1"),
+    (MOE, {"num_key_value_heads": 0}, "num_key_value_heads = 0", ">= 1"),
+    (MOE, {"vocab_size": 2**40}, "vocab_size = 1099511627776", "larger than any model"),
+    (GPT2, {"n_embd": -8}, "n_embd = -8", ">= 1"),
+    (MOE, {"num_key_value_heads": 3}, "num_attention_heads = 4", "multiple of num_key_value_heads = 3"),
+    (MIXTRAL, {"num_key_value_heads": 8}, "num_attention_heads = 4", "num_key_value_heads = 8"),
+    (MOE, {"head_dim": 31}, "head_dim = 31", "even"),
+    (MOE, {"rms_norm_eps": 0.0}, "rms_norm_eps = 0.0", "finite number > 0"),
+    (MOE, {"rms_norm_eps": -1e-6}, "rms_norm_eps = -1e-06", "finite number > 0"),
+    (MOE, {"rms_norm_eps": math.nan}, "rms_norm_eps = nan", "finite number > 0"),
+    (GPT2, {"layer_norm_epsilon": math.inf}, "layer_norm_epsilon = inf", "finite number > 0"),
+    (MOE, {"rope_theta": 0}, "rope_theta = 0", "finite number > 0"),
+    (MOE, {"rope_parameters": {"rope_type": "default", "rope_theta": -math.inf}},
+     "rope_parameters.rope_theta = -inf", "finite number > 0"),
+    (MOE, {"rope_scaling": {"rope_type": "linear", "factor": math.nan}},
+     "rope_scaling.factor = nan", "finite number > 0"),
+    (MOE, {"rope_scaling": "linear"}, 'rope_scaling = "linear"', "an object or null"),
+    (MOE, {"hidden_size": "128"}, 'hidden_size = "128"', "whole number"),
+    (MOE, {"num_hidden_layers": True}, "num_hidden_layers = true", "whole number"),
+    (MOE, {"intermediate_size": 384.0}, "intermediate_size = 384.0", "whole number"),
+    (MOE, {"num_experts": [8]}, "num_experts = [8]", "whole number"),
+    (MOE, {"rms_norm_eps": "1e-6"}, 'rms_norm_eps = "1e-6"', "number"),
+    (MOE, {"router_aux_loss_coef": math.nan}, "router_aux_loss_coef = NaN", ">= 0"),
+    (MOE, {"hidden_size": None}, "hidden_size is missing", "qwen3_moe"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("config, changes, key, rule", BAD_VALUES,
+                         ids=[f"{c['model_type']}-{json.dumps(ch)}" for c, ch, _, _ in BAD_VALUES])  # fmt: skip
+def test_a_bad_value_is_named_with_its_key(config, changes, key, rule):
+    (problem,) = config_value_problems({**config, **changes})
+    assert problem.startswith(key) and rule in problem
+
+
+def test_the_error_names_the_file_and_every_problem(tmp_path):
+    bad = {**MOE, "hidden_size": -1, "rms_norm_eps": math.nan}
+    with pytest.raises(ModelConfigError) as error:
+        check_config_values(bad, tmp_path / "config.json")
+    text = str(error.value)
+    assert text.startswith(f"{tmp_path / 'config.json'}: hidden_size = -1")
+    assert "rms_norm_eps = nan" in text and "correct the value in config.json" in text
+    (tmp_path / "config.json").write_text(json.dumps(bad))  # NaN: Python's json reads it
+    assert directory_config_problems(tmp_path) == [text]
+
+
+def test_the_torch_free_list_of_our_families_is_the_families_own():
+    from hybridflow.models.families import SUPPORTED_MODEL_TYPES as families_types
+
+    assert sorted(SUPPORTED_MODEL_TYPES) == sorted(families_types)
