@@ -12,6 +12,9 @@ minimal environment and stdin at EOF unless input is given. What stops a program
   output        each stream keeps `max_output_bytes`; past 4x that in total the group is
                 killed -> "output_limit"
   network       an empty network namespace (no interfaces, not even loopback up)
+  namespaces    a seccomp filter refuses new ones (in its own user namespace a program is
+                root and could mount a tmpfs past every limit), memfd_create and shmget
+                (memory outside RLIMIT_AS and the scratch cap): sandbox_seccomp.py
 
 Isolation (`SandboxLimits.isolation`):
 
