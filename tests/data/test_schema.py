@@ -87,6 +87,21 @@ def test_malformed_parquet_row_is_0_based(tmp_path):
         load_prompt_records(path)
 
 
+def test_a_parquet_file_is_read_batch_by_batch_with_its_row_numbers(tmp_path):
+    from hybridflow.data.schema import PARQUET_BATCH_ROWS, iter_prompt_records
+
+    rows = [dict(GOOD, extra_info={"index": i}) for i in range(PARQUET_BATCH_ROWS + 3)]
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=500)
+    records = list(iter_prompt_records(path))
+    assert [r.extra_info["index"] for r in records] == list(range(len(rows)))
+    assert records[-1].where == f"{path}: row {len(rows) - 1}"
+    rows[-1] = dict(rows[-1], data_source="")
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=500)
+    with pytest.raises(DataSchemaError, match=rf"d\.parquet: row {len(rows) - 1}: key 'data"):
+        load_prompt_records(path)
+
+
 def test_invalid_json_line(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps(GOOD) + "\n{oops\n")
