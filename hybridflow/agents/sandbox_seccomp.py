@@ -20,8 +20,9 @@ those of the native ABI.
 
 What a program can then fill: its address space (RLIMIT_AS, per process, times
 max_processes), files (RLIMIT_FSIZE each; under strict isolation only the scratch tmpfs is
-writable, `scratch_bytes` in all) and kernel buffers with limits of their own (pipes,
-message queues). Fork, threads and subprocess still work: their clone calls carry no
+writable, `scratch_bytes` in all) and kernel buffers: socket buffers through its
+descriptors (RLIMIT_NOFILE, `max_open_files`), pipes and message queues under per-user
+limits of their own. Fork, threads and subprocess still work: their clone calls carry no
 CLONE_NEW* flag.
 
 `_seccomp_install` is sent to the child as source with the bootstrap (sandbox_setup.py),

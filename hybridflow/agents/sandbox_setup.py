@@ -131,6 +131,7 @@ def _child_main(config: dict) -> None:
         """The last limits, the drop to `drop_to`, the report, the exec."""
         set_limit("RLIMIT_NPROC", process_limit)
         set_limit("RLIMIT_AS", config["memory_bytes"])
+        set_limit("RLIMIT_NOFILE", config["max_open_files"])
         if drop_to is not None:
             os.setgroups([])
             os.setresgid(drop_to, drop_to, drop_to)
