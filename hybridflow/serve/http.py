@@ -6,11 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
-from typing import Any
 
 from aiohttp import web
 
+from hybridflow.serve.json_text import lone_surrogate, surrogate_message
 from hybridflow.serve.openai_protocol import RequestError, error_body
 
 log = logging.getLogger("hybridflow.serve")
@@ -39,39 +38,8 @@ async def read_json(request: web.Request, max_bytes: int, timeout_s: float) -> d
         raise RequestError("the request body must be a JSON object", None, "invalid_json")
     surrogate = lone_surrogate(body)
     if surrogate is not None:
-        param, position, character = surrogate
-        raise RequestError(
-            f"{param or 'the request body'} holds a lone UTF-16 surrogate "
-            f"({character.encode('unicode_escape').decode()} at character {position}), which "
-            "is no Unicode text: escape characters outside the BMP as a surrogate pair "
-            "(\\ud83d\\ude00) or send them as UTF-8",
-            param, "invalid_unicode",
-        )  # fmt: skip
+        raise RequestError(surrogate_message(*surrogate), surrogate[0] or None, "invalid_unicode")
     return body
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def lone_surrogate(body: Any) -> tuple[str, int, str] | None:
-    """(where, character index, the character) of the first lone surrogate in any string or
-    key of a decoded JSON body, else None. json.loads makes a valid pair ("\\ud83d\\ude00")
-    one character, so a surrogate left in a string is unpaired: no tokenizer or UTF-8 encoder
-    takes it (it was a 500 from the tokenizer). Where: "messages[0].content" style."""
-    stack: list[tuple[str, Any]] = [("", body)]
-    while stack:
-        where, value = stack.pop()
-        if isinstance(value, str):
-            found = None if value.isascii() else _SURROGATE.search(value)
-            if found:
-                return where, found.start(), found.group()
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                stack.append((f"{where}.{key}" if where else str(key), item))
-                stack.append((f"{where} (a key)" if where else "a key", key))
-        elif isinstance(value, list):
-            stack.extend((f"{where}[{index}]", item) for index, item in enumerate(value))
-    return None
 
 
 def too_large(size: str, max_bytes: int) -> RequestError:

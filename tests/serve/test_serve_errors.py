@@ -152,6 +152,9 @@ LONE = "a\ud800b"  # json.dumps writes it as the escape \ud800, which json.loads
      "messages[2].content[0].text"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {
         "name": "f", "description": LONE, "parameters": {}}}]}, "tools[0].function.description"),
+    ("/v1/chat/completions", {"messages": [*USER, {"role": "assistant", "tool_calls": [{
+        "type": "function", "function": {"name": "f", "arguments": '{"x": "\\ud800"}'}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),  # escaped inside the arguments' JSON
     ("/v1/completions", {"prompt": LONE}, "prompt"),
     ("/v1/completions", {"prompt": ["ab", "\udfff"]}, "prompt[1]"),
 ])  # fmt: skip
