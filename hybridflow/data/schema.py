@@ -18,6 +18,7 @@ before any model is loaded.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,6 +138,23 @@ def _parquet_rows(path: Path, required_keys: Sequence[str]) -> Iterator[tuple[st
             index += 1
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(text: str, where: str, key: str) -> str:
+    """`text`, refused when it holds a lone UTF-16 surrogate: an unpaired "\\ud800" escape in
+    a jsonl line decodes to one, which no tokenizer takes (a traceback in the run)."""
+    found = None if text.isascii() else _LONE_SURROGATE.search(text)
+    if found:
+        raise DataSchemaError(
+            f"{where}: key '{key}' holds a lone UTF-16 surrogate "
+            f"({found.group().encode('unicode_escape').decode()} at character {found.start()}), "
+            "which is no Unicode text",
+            "write characters outside the BMP as a surrogate pair (\\ud83d\\ude00) or as UTF-8",
+        )
+    return text
+
+
 def validate_messages(messages: Any, where: str, key: str) -> list[dict[str, str]]:
     if isinstance(messages, str) or not isinstance(messages, Sequence) or len(messages) == 0:
         raise DataSchemaError(
@@ -161,7 +179,9 @@ def validate_messages(messages: Any, where: str, key: str) -> list[dict[str, str
                 f"{where}: key '{message_key}.content' must be a string, "
                 f"got {type(content).__name__}"
             )
-        validated.append({"role": role, "content": content})
+        validated.append(
+            {"role": role, "content": check_text(content, where, f"{message_key}.content")}
+        )
     return validated
 
 

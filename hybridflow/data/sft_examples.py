@@ -17,7 +17,7 @@ from typing import Any
 
 from hybridflow.data.char_limits import char_limit, text_chars
 from hybridflow.data.chat import ChatTokenizer, as_token_list, encode_chat_prompt, encode_text
-from hybridflow.data.schema import DataSchemaError, iter_rows, validate_messages
+from hybridflow.data.schema import DataSchemaError, check_text, iter_rows, validate_messages
 from hybridflow.errors import UserError
 
 
@@ -49,7 +49,7 @@ def validate_sft_row(row: Any, where: str) -> list[dict[str, str]] | tuple[list,
     prompt = validate_messages(prompt, where, "prompt")
     if not isinstance(row["response"], str):
         raise DataSchemaError(f"{where}: key 'response' must be a string")
-    return prompt, row["response"]
+    return prompt, check_text(row["response"], where, "response")
 
 
 def iter_sft_rows(paths: str | Path | Sequence[str | Path]) -> Iterator[Any]:

@@ -72,6 +72,16 @@ def test_missing_parquet_column_names_file_and_column(tmp_path):
         (dict(GOOD, prompt=[]), "key 'prompt' must be a non-empty list"),
         (dict(GOOD, reward_model={"style": "rule"}), "missing key 'reward_model.ground_truth'"),
         (dict(GOOD, extra_info=[1]), "key 'extra_info' must be a dict"),
+        (
+            dict(
+                GOOD,
+                prompt=[
+                    {"role": "system", "content": "s"},
+                    {"role": "user", "content": "1+\ud800"},
+                ],
+            ),  # json writes \ud800
+            r"key 'prompt\[1\]\.content' holds a lone UTF-16 surrogate \(\\ud800 at character 2",
+        ),  # fmt: skip
     ],
 )
 def test_malformed_row_names_file_line_and_key(tmp_path, bad_row, message):

@@ -95,6 +95,9 @@ def test_bad_sft_row_is_named(tmp_path):
     path.write_text(json.dumps({"prompt": "1+2="}) + "\n")
     with pytest.raises(DataSchemaError, match=r"sft\.jsonl: line 1: missing key 'response'"):
         load_sft_rows(path)
+    path.write_text(json.dumps({"prompt": "1+2=", "response": "3\udfff"}) + "\n")
+    with pytest.raises(DataSchemaError, match=r"line 1: key 'response' holds a lone UTF-16"):
+        load_sft_rows(path)
 
 
 def test_packing_is_greedy_in_order_and_respects_budget():
