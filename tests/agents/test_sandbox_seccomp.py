@@ -49,13 +49,17 @@ if child == 0:
 outcome("clone-newuser", child)
 if child > 0:
     os.waitpid(child, 0)
-outcome("setns", libc.setns(os.open("/proc/self/ns/mnt", os.O_RDONLY), 0))
+namespace = "/proc/self/ns/mnt"  # -1 where there is no /proc: EBADF unless refused first
+outcome("setns", libc.setns(os.open(namespace, os.O_RDONLY) if os.path.exists(namespace) else -1, 0))
 try:
     os.memfd_create("fill")
     print("memfd_create ALLOWED")
 except PermissionError:
     print("memfd_create refused")
-outcome("shmget", libc.shmget(0, SHMGET_SIZE, 0o1600))  # IPC_PRIVATE, IPC_CREAT | 0600
+segment = libc.shmget(0, SHMGET_SIZE, 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600
+outcome("shmget", segment)
+if segment >= 0:
+    libc.shmctl(segment, 0, None)  # IPC_RMID: where it was allowed, leave no segment behind
 
 # what programs do: still allowed
 import multiprocessing, threading
