@@ -9,9 +9,13 @@ minimal environment and stdin at EOF unless input is given. What stops a program
   memory        RLIMIT_AS; allocations fail, Python raises MemoryError -> "memory_limit"
   file size     RLIMIT_FSIZE; a larger write fails with EFBIG -> "error"
   processes     RLIMIT_NPROC; fork and thread creation fail with EAGAIN
+  open files    RLIMIT_NOFILE; bounds what kernel buffers (sockets, pipes) can hold
   output        each stream keeps `max_output_bytes`; past 4x that in total the group is
                 killed -> "output_limit"
   network       an empty network namespace (no interfaces, not even loopback up)
+  namespaces    a seccomp filter refuses new ones (in its own user namespace a program is
+                root and could mount a tmpfs past every limit), memfd_create and shmget
+                (memory outside RLIMIT_AS and the scratch cap): sandbox_seccomp.py
 
 Isolation (`SandboxLimits.isolation`):
 
@@ -228,6 +232,7 @@ async def _execute_at(
             "memory_bytes": int(limits.memory_bytes),
             "file_bytes": int(limits.file_bytes),
             "max_processes": int(limits.max_processes),
+            "max_open_files": int(limits.max_open_files),
             "network": limits.network,
             "nobody": NOBODY,
             "header": _HEADER.decode(),

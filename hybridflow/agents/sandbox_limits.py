@@ -44,6 +44,11 @@ class SandboxLimits:
     max_processes: int = 16
     """Processes and threads the program may have at once, itself included (RLIMIT_NPROC)."""
 
+    max_open_files: int = 256
+    """File descriptors per process (RLIMIT_NOFILE). It bounds the memory a program can hold
+    in kernel buffers, which no other limit counts: a socket pair filled to its send buffer
+    (~200 KiB) per two descriptors, about 25 MiB a process at 256."""
+
     max_output_bytes: int = 64 << 10
     """Bytes kept of stdout and of stderr each; past 4x this in all the program is stopped."""
 
@@ -72,7 +77,7 @@ class SandboxLimits:
                 f"SandboxLimits.isolation must be one of {ISOLATION_LEVELS}, got {self.isolation!r}"
             )
         for name in ("timeout_s", "cpu_s", "memory_bytes", "file_bytes", "max_output_bytes",
-                     "scratch_bytes"):  # fmt: skip
+                     "scratch_bytes", "max_open_files"):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)}")
         if self.max_processes < 1 or self.concurrency < 1:

@@ -27,6 +27,7 @@ from hybridflow.agents.sandbox_jail import (
     _jail_pivot,
     _jail_wait,
 )
+from hybridflow.agents.sandbox_seccomp import _seccomp_install
 
 NOBODY = 65534
 _HEADER = b"\x1ehybridflow-sandbox "  # the bootstrap's report, first line of stderr
@@ -130,11 +131,17 @@ def _child_main(config: dict) -> None:
         """The last limits, the drop to `drop_to`, the report, the exec."""
         set_limit("RLIMIT_NPROC", process_limit)
         set_limit("RLIMIT_AS", config["memory_bytes"])
+        set_limit("RLIMIT_NOFILE", config["max_open_files"])
         if drop_to is not None:
             os.setgroups([])
             os.setresgid(drop_to, drop_to, drop_to)
             os.setresuid(drop_to, drop_to, drop_to)
         libc_call("prctl", 38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: setuid files do nothing
+        why = _seccomp_install(libc_call)  # no new namespaces (sandbox_seccomp.py)
+        if why and config["isolation"] == "strict":
+            raise OSError(f"cannot deny the program new namespaces ({why})")
+        if why:
+            unenforced.append(f"no new namespaces, memfd_create or shmget ({why})")
         report.update(user=os.getuid(), process_limit=process_limit, unenforced=unenforced)
         os.write(2, config["header"].encode() + json.dumps(report).encode() + b"\n")
         os.execv(config["python"], [config["python"], "-I", program])
@@ -241,7 +248,7 @@ def _child_basic(config: dict, libc_call, launch, unenforced: list) -> None:
 
 _CHILD_FUNCTIONS = (
     _child_tasks_of, _child_cannot_run, _child_expose, _child_main, _child_strict, _child_basic,
-    _jail_mount, _jail_build, _jail_pivot, _jail_enter, _jail_init, _jail_wait,
+    _jail_mount, _jail_build, _jail_pivot, _jail_enter, _jail_init, _jail_wait, _seccomp_install,
 )  # fmt: skip
 
 

@@ -68,7 +68,9 @@ class DataConfig:
     max_response_length: int = 16
     """Most tokens generated per response (rollout max_new_tokens)."""
     overlong_prompts: str = "filter"
-    """What to do with prompts longer than ``max_prompt_length``: filter | error | truncate."""
+    """What to do with prompts longer than ``max_prompt_length``: filter | error | truncate.
+    A prompt with more characters than that many tokens can stand for (data/char_limits.py)
+    is handled so as its row is read, before it is tokenized: memory stays bounded."""
     shuffle: bool = True
     """Shuffle the training prompts each epoch (deterministic given ``trainer.seed``)."""
     builtin_train_size: int = 4000

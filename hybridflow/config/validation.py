@@ -17,6 +17,10 @@ from hybridflow.parallel.roles import RoleLayouts, sizes_of
 LOGGER_NAMES = ("console", "jsonl", "tensorboard", "wandb")
 """trainer.loggers choices (trainer/loggers.py implements them)."""
 
+MAX_GPU_MEMORY_GIB = 2**20
+"""The largest trainer.gpu_memory_gib taken (1 PiB, far past any GPU): the plan works in
+whole bytes, and inf or 1e300 GiB is no number of bytes (NaN fails every comparison too)."""
+
 
 def _known_names() -> tuple[set[str], set[str], set[str], set[str]]:
     """Registered estimator, policy-loss, aggregation and KL names (user registrations too)."""
@@ -312,8 +316,9 @@ def validate(cfg: Config, *, gpus_available: int | None = None, planning: bool =
         add(f"rollout.agent.{problem}")
     for problem in t.profile.validate(t.total_steps):
         add(f"trainer.profile.{problem}")
-    if t.gpu_memory_gib is not None and not t.gpu_memory_gib > 0:
-        add(f"trainer.gpu_memory_gib = {t.gpu_memory_gib} must be > 0 (GiB of one GPU) or null")
+    if t.gpu_memory_gib is not None and not 0 < t.gpu_memory_gib <= MAX_GPU_MEMORY_GIB:
+        add(f"trainer.gpu_memory_gib = {t.gpu_memory_gib} must be a number of GiB of one GPU, "
+            f"> 0 and at most {MAX_GPU_MEMORY_GIB} (e.g. 80), or null for the visible GPU's")  # fmt: skip
     if t.progress_interval_s <= 0:
         add(f"trainer.progress_interval_s = {t.progress_interval_s} must be > 0 (seconds)")
     for key, lr, used in (("actor.lr", a.lr, True), ("critic.lr", c.lr, use_critic)):

@@ -7,7 +7,7 @@ disjoint train and validation prompts, the same on every run with the same seed.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ from hybridflow.config import ConfigError
 from hybridflow.data.arithmetic import arithmetic_row, arithmetic_splits
 from hybridflow.data.calc import calc_row, calc_splits
 from hybridflow.data.countdown import countdown_problem, countdown_row
-from hybridflow.data.schema import PromptRecord, load_prompt_records, validate_row
+from hybridflow.data.schema import PromptRecord, iter_prompt_records, validate_row
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_TASKS = ("arithmetic", "countdown", "calc")
@@ -44,7 +44,7 @@ def builtin_rows(
     return rows
 
 
-def load_records(
+def iter_records(
     files: str | Path | Sequence[str | Path],
     split: str = "train",
     known_data_sources: Iterable[str] | None = None,
@@ -52,20 +52,22 @@ def load_records(
     builtin_train_size: int = 4000,
     builtin_val_size: int = 200,
     seed: int = 0,
-) -> list[PromptRecord]:
-    """Records of data files and/or `builtin:<task>` entries, validated."""
+) -> Iterator[PromptRecord]:
+    """Records of data files and/or `builtin:<task>` entries, validated, as they are read."""
     if isinstance(files, (str, Path)):
         files = [files]
     known = None if known_data_sources is None else frozenset(known_data_sources)
-    records: list[PromptRecord] = []
     for entry in files:
         entry = str(entry)
         if entry.startswith(BUILTIN_PREFIX):
             task = entry[len(BUILTIN_PREFIX) :]
             rows = builtin_rows(task, split, builtin_train_size, builtin_val_size, seed)
-            records += [
-                validate_row(row, f"{entry}[{split}] row {i}", known) for i, row in enumerate(rows)
-            ]
+            for i, row in enumerate(rows):
+                yield validate_row(row, f"{entry}[{split}] row {i}", known)
         else:
-            records += load_prompt_records(entry, known, prompt_key)
-    return records
+            yield from iter_prompt_records(entry, known, prompt_key)
+
+
+def load_records(*args: Any, **kwargs: Any) -> list[PromptRecord]:
+    """Every record of :func:`iter_records` (same arguments), in a list."""
+    return list(iter_records(*args, **kwargs))

@@ -71,8 +71,8 @@ def _cmd_countdown(args) -> int:
 
 
 def _cmd_check(args) -> int:
-    from hybridflow.data.builtin import BUILTIN_PREFIX, load_records
-    from hybridflow.data.schema import load_prompt_records
+    from hybridflow.data.builtin import BUILTIN_PREFIX, iter_records
+    from hybridflow.data.schema import iter_prompt_records
 
     known = None
     if args.known_sources:
@@ -80,16 +80,16 @@ def _cmd_check(args) -> int:
 
         known = default_registry().names()
     for path in args.files:
+        # counted as they are read: memory holds one row (or parquet batch), not the file
         if path.startswith(BUILTIN_PREFIX):  # as data.train_files takes it: both splits
             for split, name in (("train", "training"), ("test", "validation")):
-                records = load_records(path, split, known_data_sources=known)
-                counts = Counter(record.data_source for record in records)
-                print(f"{path} ({name} split, the default sizes): {len(records)} rows OK; "
-                      f"data sources {dict(counts)}")  # fmt: skip
+                counts = Counter(r.data_source for r in iter_records(path, split, known))
+                print(f"{path} ({name} split, the default sizes): {sum(counts.values())} rows "
+                      f"OK; data sources {dict(counts)}")  # fmt: skip
             continue
-        records = load_prompt_records(path, known_data_sources=known, prompt_key=args.prompt_key)
+        records = iter_prompt_records(path, known_data_sources=known, prompt_key=args.prompt_key)
         counts = Counter(record.data_source for record in records)
-        print(f"{path}: {len(records)} rows OK; data sources {dict(counts)}")
+        print(f"{path}: {sum(counts.values())} rows OK; data sources {dict(counts)}")
     return 0
 
 

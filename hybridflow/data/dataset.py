@@ -3,22 +3,25 @@
 The chat template is applied once, when the dataset is built, so the training loop only
 gathers and pads ids. Prompts longer than `max_prompt_length` are filtered (the count is
 kept in `num_filtered` for the log), raise an error, or are truncated from the left (the
-end of the prompt, with the generation prompt, is what the model must see).
+end of the prompt, with the generation prompt, is what the model must see). A prompt with
+more characters than that many tokens can stand for is handled so before it is tokenized,
+as its row is read (char_limits.py): tokenizing a huge prompt costs many times its size.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from hybridflow.data.char_limits import char_limit, keep_last_chars, text_chars
 from hybridflow.data.chat import ChatTokenizer, encode_chat_prompt
 from hybridflow.data.sampler import ResumableSampler
-from hybridflow.data.schema import DataSchemaError, PromptRecord, load_prompt_records
+from hybridflow.data.schema import DataSchemaError, PromptRecord, iter_prompt_records
 
 OVERLONG_MODES = ("filter", "error", "truncate")
 
@@ -33,16 +36,33 @@ class PromptItem:
 
 
 def tokenize_records(
-    records: Sequence[PromptRecord],
+    records: Iterable[PromptRecord],
     tokenizer: ChatTokenizer,
     max_prompt_length: int | None,
     overlong: str = "filter",
 ) -> tuple[list[PromptItem], int]:
-    """Apply the chat template to each record; returns (items kept, number filtered)."""
+    """Apply the chat template to each record as it comes; returns (items kept, number
+    filtered). A prompt longer than any tokenization of max_prompt_length tokens could be
+    (char_limits.py) is filtered, refused or cut before it is tokenized, so `records` may
+    be a stream whose rows are dropped as they are read."""
     if overlong not in OVERLONG_MODES:
         raise ValueError(f"overlong={overlong!r}; expected one of {OVERLONG_MODES}")
+    chars_at_most = char_limit(tokenizer, max_prompt_length)
     items, num_filtered = [], 0
     for index, record in enumerate(records):
+        chars = text_chars(record.prompt)
+        if chars_at_most is not None and chars > chars_at_most:
+            if overlong == "filter":
+                num_filtered += 1
+                continue
+            if overlong == "error":
+                raise DataSchemaError(
+                    f"{record.where}: prompt has {chars} characters, more than "
+                    f"data.max_prompt_length={max_prompt_length} tokens can hold with this "
+                    f"tokenizer ({chars_at_most}); raise the limit or set the overlong "
+                    "prompt mode to 'filter' or 'truncate'"
+                )
+            record = replace(record, prompt=keep_last_chars(record.prompt, 2 * chars_at_most))
         prompt_ids = encode_chat_prompt(tokenizer, record.prompt)
         if not prompt_ids:
             raise DataSchemaError(
@@ -70,7 +90,7 @@ class PromptDataset:
 
     def __init__(
         self,
-        records: Sequence[PromptRecord],
+        records: Iterable[PromptRecord],
         tokenizer: ChatTokenizer,
         max_prompt_length: int | None = None,
         overlong: str = "filter",
@@ -81,7 +101,7 @@ class PromptDataset:
         )
         if not self.items:
             raise DataSchemaError(
-                f"all {len(records)} prompts are longer than "
+                f"all {self.num_filtered} prompts are longer than "
                 f"data.max_prompt_length={max_prompt_length}; raise the limit"
             )
 
@@ -95,7 +115,7 @@ class PromptDataset:
         known_data_sources: Iterable[str] | None = None,
         prompt_key: str = "prompt",
     ) -> PromptDataset:
-        records = load_prompt_records(paths, known_data_sources, prompt_key)
+        records = iter_prompt_records(paths, known_data_sources, prompt_key)
         return cls(records, tokenizer, max_prompt_length, overlong)
 
     def __len__(self) -> int:
@@ -197,11 +217,12 @@ def build_prompt_datasets(
 ) -> tuple[PromptDataset, PromptDataset | None]:
     """Train and validation datasets from the `data` config section (validation: None when
     `val_files` is empty). Every file is validated before any model is loaded; each
-    dataset's `num_filtered` is the count of overlong prompts dropped, for the log."""
-    from hybridflow.data.builtin import load_records
+    dataset's `num_filtered` is the count of overlong prompts dropped (as the rows are read,
+    so memory holds the prompts kept), for the log."""
+    from hybridflow.data.builtin import iter_records
 
     def build(files, split, overlong):
-        records = load_records(
+        records = iter_records(
             files,
             split=split,
             known_data_sources=known_data_sources,

@@ -18,6 +18,7 @@ before any model is loaded.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,19 +88,7 @@ def iter_rows(path: str | Path, required_keys: Sequence[str] = ()) -> Iterator[t
         raise DataSchemaError(f"{path}: data file does not exist", "check the path")
     suffix = _check_suffix(path)
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            table = pq.read_table(path)
-        except Exception as error:  # pyarrow raises several types for corrupt files
-            raise DataSchemaError(f"{path}: cannot read parquet file ({error})") from error
-        missing = [key for key in required_keys if key not in table.column_names]
-        if missing:
-            raise DataSchemaError(
-                f"{path}: missing column(s) {missing}; columns present: {table.column_names}"
-            )
-        for index, row in enumerate(table.to_pylist()):
-            yield f"{path}: row {index}", row
+        yield from _parquet_rows(path, required_keys)
         return
     with path.open("rb") as handle:
         for line_number, raw in enumerate(handle, start=1):
@@ -118,6 +107,52 @@ def iter_rows(path: str | Path, required_keys: Sequence[str] = ()) -> Iterator[t
             except json.JSONDecodeError as error:
                 raise DataSchemaError(f"{where}: not valid JSON ({error.msg})") from error
             yield where, row
+
+
+PARQUET_BATCH_ROWS = 1024
+"""Rows of a parquet file made Python objects at once: memory holds a batch, not the file."""
+
+
+def _parquet_rows(path: Path, required_keys: Sequence[str]) -> Iterator[tuple[str, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+        columns = parquet.schema_arrow.names
+    except Exception as error:  # pyarrow raises several types for corrupt files
+        raise DataSchemaError(f"{path}: cannot read parquet file ({error})") from error
+    missing = [key for key in required_keys if key not in columns]
+    if missing:
+        raise DataSchemaError(f"{path}: missing column(s) {missing}; columns present: {columns}")
+    batches = parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS)
+    index = 0
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception as error:  # a corrupt row group, found when it is read
+            raise DataSchemaError(f"{path}: cannot read parquet file ({error})") from error
+        if batch is None:
+            return
+        for row in batch.to_pylist():
+            yield f"{path}: row {index}", row
+            index += 1
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(text: str, where: str, key: str) -> str:
+    """`text`, refused when it holds a lone UTF-16 surrogate: an unpaired "\\ud800" escape in
+    a jsonl line decodes to one, which no tokenizer takes (a traceback in the run)."""
+    found = None if text.isascii() else _LONE_SURROGATE.search(text)
+    if found:
+        raise DataSchemaError(
+            f"{where}: key '{key}' holds a lone UTF-16 surrogate "
+            f"({found.group().encode('unicode_escape').decode()} at character {found.start()}), "
+            "which is no Unicode text",
+            "write characters outside the BMP as a surrogate pair (\\ud83d\\ude00) or as UTF-8",
+        )
+    return text
 
 
 def validate_messages(messages: Any, where: str, key: str) -> list[dict[str, str]]:
@@ -144,7 +179,9 @@ def validate_messages(messages: Any, where: str, key: str) -> list[dict[str, str
                 f"{where}: key '{message_key}.content' must be a string, "
                 f"got {type(content).__name__}"
             )
-        validated.append({"role": role, "content": content})
+        validated.append(
+            {"role": role, "content": check_text(content, where, f"{message_key}.content")}
+        )
     return validated
 
 
@@ -200,28 +237,36 @@ def validate_row(
     )
 
 
+def iter_prompt_records(
+    paths: str | Path | Sequence[str | Path],
+    known_data_sources: Iterable[str] | None = None,
+    prompt_key: str = "prompt",
+) -> Iterator[PromptRecord]:
+    """Each validated row of one or more prompt files (parquet or jsonl), as it is read."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    known = None if known_data_sources is None else frozenset(known_data_sources)
+    for path in paths:
+        required = ("data_source", prompt_key, "reward_model")
+        rows = 0
+        for where, row in iter_rows(path, required_keys=required):
+            rows += 1
+            yield validate_row(row, where, known, prompt_key)
+        if not rows:
+            raise DataSchemaError(
+                f"{path}: file holds no rows",
+                "add rows in the prompt schema (data_source, prompt, reward_model) or leave "
+                "the file out of the list",
+            )
+
+
 def load_prompt_records(
     paths: str | Path | Sequence[str | Path],
     known_data_sources: Iterable[str] | None = None,
     prompt_key: str = "prompt",
 ) -> list[PromptRecord]:
     """Read and validate every row of one or more prompt files (parquet or jsonl)."""
-    if isinstance(paths, (str, Path)):
-        paths = [paths]
-    known = None if known_data_sources is None else frozenset(known_data_sources)
-    records = []
-    for path in paths:
-        required = ("data_source", prompt_key, "reward_model")
-        rows_before = len(records)
-        for where, row in iter_rows(path, required_keys=required):
-            records.append(validate_row(row, where, known, prompt_key))
-        if len(records) == rows_before:
-            raise DataSchemaError(
-                f"{path}: file holds no rows",
-                "add rows in the prompt schema (data_source, prompt, reward_model) or leave "
-                "the file out of the list",
-            )
-    return records
+    return list(iter_prompt_records(paths, known_data_sources, prompt_key))
 
 
 def write_rows(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:

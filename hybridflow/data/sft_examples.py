@@ -10,13 +10,14 @@ the loss at position t-1 predicts `input_ids[t]` and counts when `loss_mask[t]` 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hybridflow.data.char_limits import char_limit, text_chars
 from hybridflow.data.chat import ChatTokenizer, as_token_list, encode_chat_prompt, encode_text
-from hybridflow.data.schema import DataSchemaError, iter_rows, validate_messages
+from hybridflow.data.schema import DataSchemaError, check_text, iter_rows, validate_messages
 from hybridflow.errors import UserError
 
 
@@ -48,14 +49,26 @@ def validate_sft_row(row: Any, where: str) -> list[dict[str, str]] | tuple[list,
     prompt = validate_messages(prompt, where, "prompt")
     if not isinstance(row["response"], str):
         raise DataSchemaError(f"{where}: key 'response' must be a string")
-    return prompt, row["response"]
+    return prompt, check_text(row["response"], where, "response")
+
+
+def iter_sft_rows(paths: str | Path | Sequence[str | Path]) -> Iterator[Any]:
+    """Each validated SFT row of one or more files, as it is read."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    for path in paths:
+        for where, row in iter_rows(path):
+            yield validate_sft_row(row, where)
 
 
 def load_sft_rows(paths: str | Path | Sequence[str | Path]) -> list[Any]:
     """Read and validate SFT rows from one or more files."""
-    if isinstance(paths, (str, Path)):
-        paths = [paths]
-    return [validate_sft_row(row, where) for path in paths for where, row in iter_rows(path)]
+    return list(iter_sft_rows(paths))
+
+
+def sft_row_chars(row: Any) -> int:
+    """Characters of a validated row's text: the messages' contents (and the response)."""
+    return text_chars(row[0], row[1]) if isinstance(row, tuple) else text_chars(row)
 
 
 def tokenize_prompt_response(
@@ -96,11 +109,17 @@ def tokenize_messages(tokenizer: ChatTokenizer, messages: Sequence[dict[str, str
 
 
 def tokenize_sft_rows(
-    rows: Sequence[Any], tokenizer: ChatTokenizer, eos_token_id: int, max_length: int | None = None
+    rows: Iterable[Any], tokenizer: ChatTokenizer, eos_token_id: int, max_length: int | None = None
 ) -> tuple[list[SFTExample], int]:
-    """Tokenise validated rows; returns (examples, number dropped for exceeding `max_length`)."""
+    """Tokenise validated rows as they come; returns (examples, number dropped for exceeding
+    `max_length`). A row with more characters than `max_length` tokens can stand for is
+    dropped untokenized (char_limits.py), so `rows` may be a stream read from disk."""
+    chars_at_most = char_limit(tokenizer, max_length)
     examples, dropped = [], 0
     for row in rows:
+        if chars_at_most is not None and sft_row_chars(row) > chars_at_most:
+            dropped += 1
+            continue
         if isinstance(row, tuple):
             example = tokenize_prompt_response(tokenizer, row[0], row[1], eos_token_id)
         else:

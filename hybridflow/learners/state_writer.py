@@ -18,6 +18,8 @@ and two threads must never share one group's collective order.
 from __future__ import annotations
 
 import copy
+import functools
+import queue
 import threading
 import warnings
 from pathlib import Path
@@ -153,6 +155,59 @@ def hide_single_process_warning() -> None:
 def _write_files(state, directory: Path, extra, extra_path: Path, group, distributed) -> None:
     import torch.distributed.checkpoint as dcp
 
-    writer = dcp.FileSystemWriter(str(directory), thread_count=WRITE_THREADS)
+    writer = _writer_class()(str(directory), thread_count=WRITE_THREADS)
     dcp.save(state, storage_writer=writer, process_group=group, no_dist=not distributed)
     torch.save(extra, extra_path)
+
+
+@functools.cache
+def _writer_class() -> type:
+    """dcp's FileSystemWriter, but its writer threads hand their errors to the save.
+
+    torch's (2.13) writes with ``thread_count - 1`` helper threads besides the caller and
+    lets a helper's error escape its thread: Python prints its traceback (a full disk
+    printed one per thread and rank before the one message that says what to do) and the
+    save goes on without that thread's files. Here every thread's error is kept, all are
+    joined, and the first error is raised from the save, which the checkpoint manager reports
+    once (a full disk: errors.is_disk_full) and cleans up after."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import _write_files_from_queue
+
+    class ReportingFileSystemWriter(dcp.FileSystemWriter):
+        def _write_data(self, planner, file_queue: queue.Queue) -> torch.futures.Future:
+            result_queue: queue.Queue = queue.Queue()
+            errors: list[BaseException] = []
+
+            def write() -> None:
+                try:
+                    _write_files_from_queue(
+                        create_stream=self.fs.create_stream,
+                        file_queue=file_queue,
+                        result_queue=result_queue,
+                        planner=planner,
+                        transforms=self.transforms,
+                        inflight_threshhold=self.per_thread_copy_ahead,
+                        use_fsync=self.sync_files,
+                        thread_count=self.thread_count,
+                        serialization_format=self.serialization_format,
+                    )
+                except BaseException as error:  # noqa: BLE001 - raised below, on the caller
+                    errors.append(error)
+
+            helpers = [threading.Thread(target=write, name=f"dcp-write-{i}", daemon=True)
+                       for i in range(1, self.thread_count)]  # fmt: skip
+            for helper in helpers:
+                helper.start()
+            write()
+            for helper in helpers:
+                helper.join()
+            if errors:
+                raise errors[0]
+            results = []
+            while not result_queue.empty():
+                results += result_queue.get_nowait()
+            written: torch.futures.Future = torch.futures.Future()
+            written.set_result(results)
+            return written
+
+    return ReportingFileSystemWriter

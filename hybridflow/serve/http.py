@@ -11,6 +11,7 @@ import math
 
 from aiohttp import web
 
+from hybridflow.serve.json_text import lone_surrogate, surrogate_message
 from hybridflow.serve.openai_protocol import RequestError, error_body
 
 log = logging.getLogger("hybridflow.serve")
@@ -37,6 +38,9 @@ async def read_json(request: web.Request, max_bytes: int, timeout_s: float) -> d
                            "invalid_json") from None  # fmt: skip
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", None, "invalid_json")
+    surrogate = lone_surrogate(body)
+    if surrogate is not None:
+        raise RequestError(surrogate_message(*surrogate), surrogate[0] or None, "invalid_unicode")
     return body
 
 

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridflow.serve.json_text import lone_surrogate, surrogate_message
 from hybridflow.serve.limits import ServerLimits
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -327,6 +328,11 @@ def hermes_tool_calls_text(calls: list[dict], where: str) -> str:
             except json.JSONDecodeError as error:
                 raise RequestError(f"{at}.function.arguments is not JSON ({error.msg})",
                                    f"{at}.function.arguments") from None  # fmt: skip
+            surrogate = lone_surrogate(arguments)  # escaped inside the string: decoded only now
+            if surrogate is not None:
+                where = f"{at}.function.arguments"
+                raise RequestError(surrogate_message(where, *surrogate[1:]), where,
+                                   "invalid_unicode")  # fmt: skip
         payload = json.dumps({"name": function["name"], "arguments": arguments},
                              ensure_ascii=False)  # fmt: skip
         blocks.append(f"<tool_call>\n{payload}\n</tool_call>")

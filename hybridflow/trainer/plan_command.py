@@ -7,6 +7,7 @@ import re
 
 from hybridflow.config import Config, ConfigError, validate
 from hybridflow.config.parallel_checks import layout_notes, not_yet_supported, roles_in_use
+from hybridflow.config.validation import MAX_GPU_MEMORY_GIB
 from hybridflow.parallel.roles import role_sizes
 from hybridflow.trainer import host_memory
 from hybridflow.trainer.host_memory import host_need_for, host_problems, host_text
@@ -30,11 +31,15 @@ def parse_size(text: str) -> int:
     """'141GiB', '80GB', '80' (GiB) -> bytes; ConfigError naming the flag when unreadable."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).lower() if match else None
-    if match is None or unit not in SIZE_UNITS or float(match.group(1)) <= 0:
+    size = float(match.group(1)) * SIZE_UNITS[unit] if match and unit in SIZE_UNITS else 0.0
+    if not 0 < size <= MAX_GPU_MEMORY_GIB * GIB:  # 400 digits of 9 read as inf
         raise ConfigError(
-            [f"--gpu-memory {text!r} is not a size: write it like 141GiB, 80GB or 80 (GiB)"]
+            [
+                f"--gpu-memory {text!r} is not a size: write it like 141GiB, 80GB or 80 (GiB), "
+                f"at most {MAX_GPU_MEMORY_GIB} GiB"
+            ]  # fmt: skip
         )
-    return int(float(match.group(1)) * SIZE_UNITS[unit])
+    return int(size)
 
 
 def plan_command(cfg: Config, gpu_memory: str | None = None, out=print) -> int:

@@ -11,7 +11,7 @@ over the whole batch (packed micro-batches under ``sft.max_tokens_per_gpu``, acc
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -167,17 +167,18 @@ def load_sft_examples(
     """Tokenised examples of ``sft.train_files`` (``builtin:<task>`` or prompt/response /
     chat-message files), those longer than ``sft.max_length`` dropped (count returned).
     ``val_size``: size of the built-in task's validation split, which SFT never sees."""
-    from hybridflow.data.sft_examples import load_sft_rows, tokenize_sft_rows
+    from hybridflow.data.sft_examples import iter_sft_rows, tokenize_sft_rows
     from hybridflow.trainer.warm_start import builtin_sft_rows
 
-    rows: list[Any] = []
-    for entry in files:
-        if entry.startswith("builtin:"):
-            task = entry.removeprefix("builtin:")
-            rows += builtin_sft_rows(task, sft_cfg, val_size, data_seed)
-        else:
-            rows += load_sft_rows(entry)
-    return tokenize_sft_rows(rows, tokenizer, tokenizer.eos_token_id, sft_cfg.max_length)
+    def rows() -> Iterator[Any]:  # tokenized as read: a row too long is dropped untokenized
+        for entry in files:
+            if entry.startswith("builtin:"):
+                task = entry.removeprefix("builtin:")
+                yield from builtin_sft_rows(task, sft_cfg, val_size, data_seed)
+            else:
+                yield from iter_sft_rows(entry)
+
+    return tokenize_sft_rows(rows(), tokenizer, tokenizer.eos_token_id, sft_cfg.max_length)
 
 
 def sft_main(cfg: Config) -> Path:

@@ -98,6 +98,30 @@ def test_writing_past_the_file_size_limit_fails_the_write():
     assert "File too large" in result.stderr
 
 
+FILL_SOCKET_BUFFERS = """
+import socket
+pairs = []
+try:
+    while True:
+        sender, receiver = socket.socketpair()
+        sender.setblocking(False)
+        try:
+            while True:
+                sender.send(b"x" * 65536)
+        except BlockingIOError:  # its buffer is full: kernel memory no other limit counts
+            pairs.append((sender, receiver))
+except OSError as error:
+    print(len(pairs), error.strerror)
+"""
+
+
+def test_open_files_bound_what_kernel_buffers_hold():
+    result = run(FILL_SOCKET_BUFFERS, max_open_files=64)
+    assert result.ok, result
+    filled, reason = result.stdout.split(maxsplit=1)
+    assert int(filled) < 32 and "Too many open files" in reason, result.stdout
+
+
 FORK_BOMB = """
 import os, time
 children = []

@@ -254,11 +254,15 @@ def test_without_namespaces_strict_isolation_refuses_to_run():
 
 
 def test_as_an_unprivileged_user_the_jail_uses_a_user_namespace():
-    """The path of a developer's machine: not root, a user namespace of one id."""
+    """The path of a developer's machine: not root, a user namespace of one id, in which the
+    program may not make one of its own (where it would be root: -1, refused)."""
     python = shutil.which("python3", path="/usr/bin:/bin")
     if os.geteuid() != 0 or not python or not shutil.which("setpriv"):
         pytest.skip("runs as root, with a system /usr/bin/python3 and setpriv, to become nobody")
-    code = "import os\nprint(os.getuid(), os.path.exists('/etc/passwd'), os.path.exists('/proc/1'))"
+    code = (
+        "import ctypes, os\nprint(os.getuid(), os.path.exists('/etc/passwd'), "
+        "os.path.exists('/proc/1'), ctypes.CDLL(None).unshare(0x10000000))"
+    )  # CLONE_NEWUSER
     script = ("from hybridflow.agents.sandbox import SandboxLimits, run_code_sync\n"
               f"result = run_code_sync({code!r}, SandboxLimits(isolation='strict'))\n"
               "print(result.stdout.strip(), result.isolation['isolation'])")  # fmt: skip
@@ -271,4 +275,4 @@ def test_as_an_unprivileged_user_the_jail_uses_a_user_namespace():
         pytest.skip(f"user nobody cannot import hybridflow from {REPO}")
     if "cannot make the jail's namespaces" in done.stderr:
         pytest.skip(f"no unprivileged user namespaces here: {done.stderr.strip()[-300:]}")
-    assert done.stdout == "65534 False False strict\n", done.stderr
+    assert done.stdout == "65534 False False -1 strict\n", done.stderr

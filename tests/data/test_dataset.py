@@ -181,3 +181,84 @@ def test_a_prompt_that_tokenizes_to_nothing_is_named():
 
     with pytest.raises(DataSchemaError, match=r"f\.jsonl: line 3: the prompt is no tokens"):
         PromptDataset(RECORDS[2:], Silent())
+
+
+READ_HUGE_ROWS = """
+import json, sys
+from hybridflow.data.dataset import PromptDataset
+from hybridflow.data.sft_examples import load_sft_rows, tokenize_sft_rows
+from hybridflow.models.tokenizer import build_char_tokenizer
+
+
+def peak_kib():  # VmHWM, the peak resident size since the last reset
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+
+
+tokenizer = build_char_tokenizer()
+tokenizer.encode("warm up")
+for kind, path in zip(sys.argv[1::2], sys.argv[2::2]):
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")  # resets VmHWM to the current resident size
+    before = peak_kib()
+    if kind == "sft":
+        examples, dropped = tokenize_sft_rows(load_sft_rows(path), tokenizer, 4, max_length=64)
+        kept = len(examples)
+    else:
+        dataset = PromptDataset.from_files(path, tokenizer, max_prompt_length=64)
+        kept, dropped = len(dataset), dataset.num_filtered
+    grown_mib = (peak_kib() - before) / 1024
+    print(json.dumps({"kind": kind, "kept": kept, "dropped": dropped, "grown_mib": grown_mib}))
+"""
+HUGE_CHARS = 2_000_000  # the char tokenizer took ~200 MiB a million characters to tokenize
+
+
+def test_a_huge_row_is_dropped_as_it_is_read_in_bounded_memory(tmp_path):
+    """One row of 2 M characters among short ones, with a 64-token limit, in a prompt file
+    (jsonl, parquet) and an SFT file: it is counted as dropped and costs a few times its
+    size at most (tokenized whole, it cost ~400 MiB)."""
+    import json
+    import subprocess
+    import sys
+
+    from hybridflow.data.schema import write_rows
+
+    huge = "1+2=" * (HUGE_CHARS // 4)
+    prompts = [record(question).to_row() for question in ("1+2=", huge, "2+2=")]
+    files = {
+        "jsonl": write_rows(prompts, tmp_path / "rows.jsonl"),
+        "parquet": write_rows(prompts, tmp_path / "rows.parquet"),
+        "sft": write_rows([{"prompt": "1+2=", "response": answer} for answer in ("3", huge, "3")],
+                          tmp_path / "sft.jsonl"),
+    }  # fmt: skip
+    arguments = [str(item) for kind, path in files.items() for item in (kind, path)]
+    done = subprocess.run([sys.executable, "-c", READ_HUGE_ROWS, *arguments],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    measured = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [m["kind"] for m in measured] == list(files)
+    for m in measured:
+        assert m["kept"] == 2 and m["dropped"] == 1 and m["grown_mib"] < 64, m
+
+
+def test_a_prompt_within_the_limit_is_tokenized_and_kept():
+    """The character limit drops only what no tokenization could fit: a prompt of exactly
+    max_prompt_length tokens (one character each) is kept."""
+    question = "7" * (64 - 5)  # the template adds 5 tokens
+    dataset = PromptDataset([record(question)], TOKENIZER, max_prompt_length=64)
+    assert len(dataset[0].prompt_ids) == 64 and dataset.num_filtered == 0
+
+
+def test_a_huge_prompt_is_refused_by_its_characters_in_error_mode():
+    with pytest.raises(DataSchemaError, match=r"line 1: prompt has 100000 characters, more than "
+                       r"data.max_prompt_length=8 tokens can hold with this tokenizer \(416\)"):  # fmt: skip
+        PromptDataset([record("9" * 100_000)], TOKENIZER, max_prompt_length=8, overlong="error")
+
+
+def test_a_huge_prompt_cut_by_characters_truncates_as_tokenizing_it_whole_would():
+    from hybridflow.data.chat import encode_chat_prompt
+
+    long = record("".join(f"{i}+{i}=" for i in range(5000)))  # ~39k characters, cut to 832
+    dataset = PromptDataset([long], TOKENIZER, max_prompt_length=8, overlong="truncate")
+    assert dataset[0].prompt_ids == encode_chat_prompt(TOKENIZER, long.prompt)[-8:]
+    assert len(dataset[0].record.prompt[0]["content"]) == 2 * 8 * 52  # 52: 4 x "<|endoftext|>"

@@ -72,6 +72,16 @@ def test_missing_parquet_column_names_file_and_column(tmp_path):
         (dict(GOOD, prompt=[]), "key 'prompt' must be a non-empty list"),
         (dict(GOOD, reward_model={"style": "rule"}), "missing key 'reward_model.ground_truth'"),
         (dict(GOOD, extra_info=[1]), "key 'extra_info' must be a dict"),
+        (
+            dict(
+                GOOD,
+                prompt=[
+                    {"role": "system", "content": "s"},
+                    {"role": "user", "content": "1+\ud800"},
+                ],
+            ),  # json writes \ud800
+            r"key 'prompt\[1\]\.content' holds a lone UTF-16 surrogate \(\\ud800 at character 2",
+        ),  # fmt: skip
     ],
 )
 def test_malformed_row_names_file_line_and_key(tmp_path, bad_row, message):
@@ -84,6 +94,21 @@ def test_malformed_parquet_row_is_0_based(tmp_path):
     path = tmp_path / "d.parquet"
     pq.write_table(pa.Table.from_pylist([GOOD, dict(GOOD, data_source="")]), path)
     with pytest.raises(DataSchemaError, match=r"d\.parquet: row 1: key 'data_source'"):
+        load_prompt_records(path)
+
+
+def test_a_parquet_file_is_read_batch_by_batch_with_its_row_numbers(tmp_path):
+    from hybridflow.data.schema import PARQUET_BATCH_ROWS, iter_prompt_records
+
+    rows = [dict(GOOD, extra_info={"index": i}) for i in range(PARQUET_BATCH_ROWS + 3)]
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=500)
+    records = list(iter_prompt_records(path))
+    assert [r.extra_info["index"] for r in records] == list(range(len(rows)))
+    assert records[-1].where == f"{path}: row {len(rows) - 1}"
+    rows[-1] = dict(rows[-1], data_source="")
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=500)
+    with pytest.raises(DataSchemaError, match=rf"d\.parquet: row {len(rows) - 1}: key 'data"):
         load_prompt_records(path)
 
 

@@ -58,10 +58,45 @@ def test_rows_over_max_length_are_dropped():
     assert len(examples) == 1 and dropped == 1
 
 
+class Measuring:
+    """The char tokenizer, noting the longest text it was given."""
+
+    def __init__(self):
+        self.longest = 0
+
+    def __getattr__(self, name):
+        return getattr(TOKENIZER, name)
+
+    def encode(self, text, **kwargs):
+        self.longest = max(self.longest, len(text))
+        return TOKENIZER.encode(text, **kwargs)
+
+    def apply_chat_template(self, messages, **kwargs):
+        self.longest = max(self.longest, sum(len(m["content"]) for m in messages))
+        return TOKENIZER.apply_chat_template(messages, **kwargs)
+
+
+def test_rows_longer_than_any_tokenization_of_max_length_are_dropped_untokenized():
+    huge = "9" * 100_000
+    rows = [
+        ([{"role": "user", "content": "1+2="}], "3"),
+        ([{"role": "user", "content": huge}], "3"),
+        ([{"role": "user", "content": "1+2="}], huge),
+        [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": huge}],
+    ]
+    tokenizer = Measuring()
+    examples, dropped = tokenize_sft_rows(rows, tokenizer, EOS, max_length=64)
+    assert len(examples) == 1 and dropped == 3
+    assert tokenizer.longest < 100
+
+
 def test_bad_sft_row_is_named(tmp_path):
     path = tmp_path / "sft.jsonl"
     path.write_text(json.dumps({"prompt": "1+2="}) + "\n")
     with pytest.raises(DataSchemaError, match=r"sft\.jsonl: line 1: missing key 'response'"):
+        load_sft_rows(path)
+    path.write_text(json.dumps({"prompt": "1+2=", "response": "3\udfff"}) + "\n")
+    with pytest.raises(DataSchemaError, match=r"line 1: key 'response' holds a lone UTF-16"):
         load_sft_rows(path)
 
 

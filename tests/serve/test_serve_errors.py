@@ -140,6 +140,34 @@ def test_completion_numbers_and_choices_are_checked(tiny_server, fields, param):
     assert _check_error_body(answer)["param"] == param
 
 
+LONE = "a\ud800b"  # json.dumps writes it as the escape \ud800, which json.loads takes back
+
+
+@pytest.mark.parametrize("path, fields, param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONE}]},
+     "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [*USER, {"role": "assistant", "content": "x"},
+                                           {"role": "tool", "content": [{"type": "text",
+                                                                         "text": LONE}]}]},
+     "messages[2].content[0].text"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {
+        "name": "f", "description": LONE, "parameters": {}}}]}, "tools[0].function.description"),
+    ("/v1/chat/completions", {"messages": [*USER, {"role": "assistant", "tool_calls": [{
+        "type": "function", "function": {"name": "f", "arguments": '{"x": "\\ud800"}'}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),  # escaped inside the arguments' JSON
+    ("/v1/completions", {"prompt": LONE}, "prompt"),
+    ("/v1/completions", {"prompt": ["ab", "\udfff"]}, "prompt[1]"),
+])  # fmt: skip
+def test_a_lone_surrogate_is_400_naming_where(tiny_server, client, path, fields, param):
+    body = {"model": "tiny", "messages": USER, "prompt": "ab", "max_tokens": 2, **fields}
+    status, answer = _post(tiny_server.url + path, json.dumps(body).encode())
+    assert status == 400, answer
+    error = _check_error_body(answer)
+    assert error["param"] == param and error["code"] == "invalid_unicode", error
+    assert "lone UTF-16 surrogate" in error["message"] and param in error["message"]
+    assert client.completions.create(model="tiny", prompt="ab", max_tokens=2).choices
+
+
 def test_smallest_and_largest_temperatures_taken_sample(client):
     for temperature in (1e-6, 1000):
         answer = client.chat.completions.create(

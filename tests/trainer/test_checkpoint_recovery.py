@@ -187,6 +187,50 @@ def test_full_disk_while_training_exits_2_and_the_rerun_resumes(tmp_path, monkey
     assert (checkpoints / "step_2" / "COMPLETE").is_file()
 
 
+FULL_DISK_AT_STEP_2 = """
+import errno, sys
+import torch.distributed.checkpoint.filesystem as filesystem
+
+real_write_item = filesystem._write_item
+
+
+def full_disk(transforms, stream, *args, **kwargs):  # every file of step 2, on every thread
+    if ".tmp-step_2" in str(getattr(stream, "name", "")):
+        raise OSError(errno.ENOSPC, "No space left on device", stream.name)
+    return real_write_item(transforms, stream, *args, **kwargs)
+
+
+filesystem._write_item = full_disk
+from hybridflow.cli import main
+
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_full_disk_in_the_checkpoint_writer_threads_prints_one_message(tmp_path):
+    """The disk fills while dcp's writer threads write the shards: one message naming the
+    directory, exit 2, no traceback of any thread, the last complete checkpoint kept."""
+    import subprocess
+    import sys
+
+    from trainer_helpers import command_line
+
+    driver = tmp_path / "full_disk.py"
+    driver.write_text(FULL_DISK_AT_STEP_2)
+    cfg = tiny_config(tmp_path, "trainer.total_steps=2", *SAVE_EVERY_STEP)
+    done = subprocess.run([sys.executable, str(driver), "train", *command_line(cfg)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output
+    assert "Traceback" not in output and "Exception in thread" not in output, output
+    checkpoints = tmp_path / "run" / "checkpoints"
+    errors = [line for line in output.splitlines() if "rror" in line or "No space" in line]
+    assert len(errors) == 1 and errors[0].startswith(f"error: no space left at {checkpoints}")
+    assert "free some space" in errors[0]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_1"]
+    assert (checkpoints / "step_1" / "COMPLETE").is_file()
+
+
 def overrides_of(cfg):
     """(section, key, value) of the scalar and list settings, for a command line."""
     for section in ("trainer", "data", "rollout", "actor", "reward", "model"):

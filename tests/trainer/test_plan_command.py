@@ -18,6 +18,23 @@ def test_gpu_memory_sizes(text, expected):
     assert parse_size(text) == expected
 
 
+@pytest.mark.parametrize("text", ["0", "-1", "9" * 400, "1e300", "80 parsecs"])
+def test_a_gpu_memory_that_is_no_size_is_refused(text):
+    with pytest.raises(ConfigError, match="--gpu-memory .* is not a size"):
+        parse_size(text)
+
+
+@pytest.mark.parametrize("value", ["inf", "1e300", "nan", "-1", "0"])
+@pytest.mark.parametrize("action", ["plan", "validate"])
+def test_a_gpu_memory_gib_that_is_no_size_exits_2_naming_the_key(value, action, capsys):
+    from hybridflow.cli import main
+
+    status = main(["config", action, "model.path=tiny", f"trainer.gpu_memory_gib={value}"])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err, err
+    assert "trainer.gpu_memory_gib" in err and "at most 1048576" in err, err
+
+
 def test_config_plan_prints_the_choices():
     out = []
     cfg = load_config(None, ["model.path=qwen2.5-0.5b", "actor.max_tokens_per_gpu=auto"])
