@@ -87,7 +87,11 @@ def config_problems(model_dir: str | Path) -> list[str]:
     if problem:
         return [problem]
     if config.get("model_type") in SUPPORTED_MODEL_TYPES:
-        return native_weight_problems(model_dir, config)
+        from hybridflow.models.families import family_hook
+
+        problem = family_hook(config, "checkpoint_problem")
+        message = problem(config, str(Path(model_dir) / CONFIG_FILE)) if problem else None
+        return [message] if message else native_weight_problems(model_dir, config)
     return []
 
 
