@@ -141,8 +141,9 @@ class ModelArchitecture:
 
     @property
     def kv_layers(self) -> int:
-        """Layers whose token mixer keeps K/V per token (the others keep a recurrent state)."""
-        return sum(spec.keeps_kv for spec in self.layer_specs())
+        """Layers whose token mixer keeps something per token, K/V or MLA's latent (the
+        others keep a recurrent state)."""
+        return sum(not spec.recurrent for spec in self.layer_specs())
 
     def kv_bytes_per_token(self, element_bytes: int = 2) -> int:
         """K and V (or MLA's latent) of one token in every layer that keeps them per token
