@@ -175,9 +175,24 @@ def rollout_tensor_parallel_limits(cfg: Config, arch: ModelArchitecture | None) 
     ]  # fmt: skip
     problems = [f"{key} with {what}: not yet supported ({why}); set "
                 "rollout.tensor_parallel_size=1" for applies, what, why in limits if applies]  # fmt: skip
-    if arch is not None and arch.is_moe:
+    unpaged = unpaged_mixers(arch)
+    if unpaged:
+        problems.append(f"{key}: the tensor-parallel rollout runs GQA attention layers only, "
+                        f"not this model's {', '.join(unpaged)} layers; set "
+                        "rollout.tensor_parallel_size=1")  # fmt: skip
+    elif arch is not None and arch.is_moe:
         problems += _moe_rollout_limits(cfg, arch, key)
     return problems
+
+
+def unpaged_mixers(arch: ModelArchitecture | None) -> list[str]:
+    """The token mixers of ``arch`` beyond the engine's paged GQA path (layer_spec.paged_kv:
+    a recurrent state, MLA's latent, sinks, a sliding window), by kind."""
+    if arch is None:
+        return []
+    kinds = {spec.mixer + (" (sliding window)" if spec.window else "")
+             for spec in arch.layer_specs() if not spec.paged_kv}  # fmt: skip
+    return sorted(kinds)
 
 
 def rollout_expert_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]:

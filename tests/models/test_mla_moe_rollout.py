@@ -57,3 +57,16 @@ def test_grpo_with_routing_replay_completes_two_steps(tmp_path, preset):
     train(cfg, log=lambda *args, **kwargs: None)
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) >= 2
+
+
+@pytest.mark.parametrize("preset, kind", [("tiny-deepseek-v3", "mla"),
+                                          ("tiny-gpt-oss", "sink_attention")])  # fmt: skip
+def test_a_tensor_parallel_rollout_of_these_layers_is_refused_by_name(preset, kind):
+    from hybridflow.config import ConfigError, validate
+
+    cfg = load_config(None, [f"model.path={preset}", "rollout.tensor_parallel_size=2",
+                             "trainer.backend=local", "trainer.n_gpus_per_node=2"])  # fmt: skip
+    with pytest.raises(ConfigError) as error:
+        validate(cfg)
+    (problem,) = [p for p in error.value.problems if p.startswith("rollout.tensor_parallel")]
+    assert f"not this model's {kind}" in problem and "rollout.tensor_parallel_size=1" in problem
