@@ -187,9 +187,10 @@ def rollout_tensor_parallel_limits(cfg: Config, arch: ModelArchitecture | None) 
 
 def unpaged_mixers(arch: ModelArchitecture | None) -> list[str]:
     """The token mixers of ``arch`` beyond the engine's paged GQA path (layer_spec.paged_kv:
-    a recurrent state, MLA's latent, sinks, a sliding window), by kind."""
-    if arch is None:
-        return []
+    MLA's latent, sinks, a sliding window), by kind; none for a model with recurrent layers
+    (refused for every split by _check_shape)."""
+    if arch is None or arch.num_hidden_layers > arch.kv_layers:
+        return []  # recurrent layers: _check_shape names them
     kinds = {spec.mixer + (" (sliding window)" if spec.window else "")
              for spec in arch.layer_specs() if not spec.paged_kv}  # fmt: skip
     return sorted(kinds)
@@ -273,6 +274,11 @@ def _check_shape(role: str, arch: ModelArchitecture, sizes: list[RoleSize], add:
                 f"recurrent state per sequence) are not split by tensor or sequence parallelism "
                 f"yet: set {key}=1")  # fmt: skip
             return
+    sinks = sum(spec.mixer == "sink_attention" for spec in arch.layer_specs())
+    if sp > 1 and sinks:  # its attention runs outside the Ulysses-wrapped kernels
+        add(f"{who}: {mine['sp'].key} = {sp}: this model's {sinks} attention-sink layers are not "
+            f"split by sequence parallelism yet: set {mine['sp'].key}=1")  # fmt: skip
+        return
     if tp > 1:
         tp_key = mine["tp"].key
         for what, count in (

@@ -75,3 +75,15 @@ def test_a_tensor_parallel_rollout_of_these_layers_is_refused_by_name(preset, ki
         validate(cfg)
     (problem,) = [p for p in error.value.problems if p.startswith("rollout.tensor_parallel")]
     assert f"not this model's {kind}" in problem and "rollout.tensor_parallel_size=1" in problem
+
+
+def test_sequence_parallelism_of_sink_layers_is_refused_by_name():
+    from hybridflow.config import ConfigError, validate
+
+    cfg = load_config(None, ["model.path=tiny-gpt-oss", "actor.sequence_parallel_size=2",
+                             "trainer.backend=local", "trainer.n_gpus_per_node=2",
+                             "trainer.device=cpu"])  # fmt: skip
+    with pytest.raises(ConfigError) as error:
+        validate(cfg)
+    assert any("actor.sequence_parallel_size = 2: this model's 2 attention-sink layers" in p
+               for p in error.value.problems), error.value.problems  # fmt: skip
