@@ -98,13 +98,21 @@ class LayerSpec:
 
 # LoRA targets are named as attention's projections (model.lora_target_modules: q_proj,
 # k_proj, v_proj, o_proj, ...); a mixer of another kind adapts its own projections in their
-# place: Gated DeltaNet's fused q/k/v input for q/k/v, its output gate and out_proj for o_proj.
+# place: Gated DeltaNet's fused q/k/v input for q/k/v, its output gate and out_proj for o_proj;
+# MLA's low-rank q and latent k/v projections.
 LORA_EQUIVALENTS: dict[str, dict[str, tuple[str, ...]]] = {
     "gated_deltanet": {
         "q_proj": ("in_proj_qkv",),
         "k_proj": ("in_proj_qkv",),
         "v_proj": ("in_proj_qkv",),
         "o_proj": ("in_proj_z", "out_proj"),
+    },
+    # MLA: q through its rank (or q_proj itself), k and v through the latent's compression
+    # and expansion
+    "mla": {
+        "q_proj": ("q_a_proj", "q_b_proj"),
+        "k_proj": ("kv_a_proj_with_mqa", "kv_b_proj"),
+        "v_proj": ("kv_a_proj_with_mqa", "kv_b_proj"),
     },
 }
 
