@@ -307,6 +307,9 @@ def _check_shape(role: str, arch: ModelArchitecture, sizes: list[RoleSize], add:
         if not arch.is_moe:
             add(f"{who}: {ep_key} = {ep} splits the experts of a mixture-of-experts model; this "
                 f"model has none: set {ep_key}=1")  # fmt: skip
+        elif any(spec.mlp == "biased_experts" for spec in arch.layer_specs()):
+            add(f"{who}: {ep_key} = {ep}: this model's biased experts (GPT-OSS) are not split "
+                f"by expert parallelism yet: set {ep_key}=1")  # fmt: skip
         elif arch.num_experts % ep:
             add(f"{who}: {ep_key} = {ep} must divide the model's experts (num_experts = "
                 f"{arch.num_experts}): pick a divisor of {arch.num_experts}")  # fmt: skip

@@ -87,3 +87,15 @@ def test_sequence_parallelism_of_sink_layers_is_refused_by_name():
         validate(cfg)
     assert any("actor.sequence_parallel_size = 2: this model's 2 attention-sink layers" in p
                for p in error.value.problems), error.value.problems  # fmt: skip
+
+
+def test_expert_parallelism_of_biased_experts_is_refused_by_name():
+    from hybridflow.config import ConfigError, validate
+
+    cfg = load_config(None, ["model.path=tiny-gpt-oss", "actor.expert_parallel_size=2",
+                             "trainer.backend=local", "trainer.n_gpus_per_node=2",
+                             "trainer.device=cpu"])  # fmt: skip
+    with pytest.raises(ConfigError) as error:
+        validate(cfg)
+    assert any("actor.expert_parallel_size = 2: this model's biased experts" in p
+               for p in error.value.problems), error.value.problems  # fmt: skip
