@@ -94,6 +94,9 @@ class ModelArchitecture:
     qk_nope_head_dim plain + qk_rope_head_dim rotated dimensions (head_dim is the latter)."""
     rope_interleave: bool = False
     """RoPE turns interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's checkpoints)."""
+    topk_method: str = "noaux_tc"
+    """DeepSeek's routing: "noaux_tc" (V3: sigmoid scores, a correction bias), "greedy" or
+    "group_limited_greedy" (V2: softmax scores, the best expert of a group scores it)."""
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0

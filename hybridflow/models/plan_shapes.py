@@ -102,8 +102,8 @@ def shape_of(a: ModelArchitecture) -> PlanShape:
     if sparse:  # the rest of a sparse layer's MLP: router, its biases, shared experts
         sparse_mlp = a.mlp_parameters() - (len(specs) - len(sparse)) * dense
         shared = sparse_mlp // len(sparse) - a.num_experts * expert
-    if any(spec.mlp == "grouped_experts_shared" for spec in sparse):
-        shared += a.num_experts  # the score-correction buffer
+    if a.topk_method == "noaux_tc" and any(s.mlp == "grouped_experts_shared" for s in sparse):
+        shared += a.num_experts  # DeepSeek-V3's score-correction buffer
     windowed = [spec.window for spec in specs if spec.window]
     return PlanShape(
         layers=a.num_hidden_layers,

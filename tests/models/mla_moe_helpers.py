@@ -65,3 +65,13 @@ def edit_config(directory: Path, **changes) -> None:
 def packed_logits(model, packed, positions, cu_seqlens):
     hidden = model.forward_packed(packed, positions, cu_seqlens, int(cu_seqlens.diff().max()))
     return model.lm_head(hidden)
+
+
+def deepseek_v2_transformers(seed: int = 0, **changes):
+    """DeepSeek-V2's layers (softmax routing, no correction) at the same tiny size."""
+    import transformers
+
+    torch.manual_seed(seed)
+    fields = {key: value for key, value in DEEPSEEK.items() if key != "num_nextn_predict_layers"}
+    config = transformers.DeepseekV2Config(**{**fields, **changes})
+    return _randomise(transformers.DeepseekV2ForCausalLM(config), seed)

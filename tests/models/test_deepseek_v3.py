@@ -92,3 +92,20 @@ def test_replayed_routes_give_the_recorded_experts_and_train_the_router(tmp_path
     assert not torch.allclose(moved, free, atol=1e-3)
     moved.sum().backward()
     assert model.model.layers[1].mlp.gate.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("topk_method", ["greedy", "group_limited_greedy"])
+def test_deepseek_v2_checkpoints_give_transformers_logits_both_ways(tmp_path, topk_method):
+    import transformers
+
+    from tests.models.mla_moe_helpers import deepseek_v2_transformers
+
+    reference = deepseek_v2_transformers(topk_method=topk_method, q_lora_rank=None)
+    reference.save_pretrained(tmp_path / "first")
+    ours = load_model_from_dir(str(tmp_path / "first")).eval()
+    assert ours.config.model_type == "deepseek_v2" and ours.config.topk_method == topk_method
+    _compare(reference, ours)
+    ours.save_pretrained(str(tmp_path / "ours"))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    assert reloaded.config.topk_method == topk_method
+    _compare(reloaded, ours)

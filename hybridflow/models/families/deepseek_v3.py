@@ -1,4 +1,5 @@
-"""DeepSeek-V3 (and R1, V3.1, Moonlight, Kimi-K2: one architecture): multi-head latent
+"""DeepSeek-V3 (and R1, V3.1, Moonlight, Kimi-K2: one architecture; DeepSeek-V2 with its
+softmax router, topk_method "greedy" or "group_limited_greedy"): multi-head latent
 attention in every layer (models/mixers/mla.py), a dense SwiGLU MLP in the first
 first_k_dense_replace layers, grouped-routed experts plus shared experts in the others
 (models/mlps/grouped_experts.py).
@@ -23,7 +24,10 @@ from typing import Any
 
 from hybridflow.models.layer_spec import LayerSpec
 
-ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM"}
+ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM",
+                 "deepseek_v2": "DeepseekV2ForCausalLM"}  # fmt: skip
+V2 = "deepseek_v2"
+TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
 MODEL_TYPES = tuple(ARCHITECTURES)
 PER_EXPERT_NAMES = {
     model_type: ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})
@@ -37,7 +41,8 @@ def text_config(hf: dict[str, Any]) -> dict[str, Any]:
     ``kimi_k2`` is DeepSeek-V3's architecture under another name (what we write says
     deepseek_v3, which transformers builds without remote code)."""
     head_dim = int(hf.get("qk_rope_head_dim") or hf.get("head_dim") or 64)
-    return {**hf, "model_type": "deepseek_v3", "head_dim": head_dim}
+    model_type = V2 if hf.get("model_type") == V2 else "deepseek_v3"
+    return {**hf, "model_type": model_type, "head_dim": head_dim}
 
 
 def read_tensor(arch, name: str, tensor) -> list[tuple[str, Any]]:
@@ -64,7 +69,13 @@ def not_loaded_note(hf: dict[str, Any], skipped: list[str]) -> str | None:
 
 def fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     q_lora_rank = hf.get("q_lora_rank")
+    v2 = hf.get("model_type") == V2
     return {
+        # V2 turns its rope pairs as complex numbers: interleaved, like V3's checkpoints
+        "rope_interleave": True if v2 else bool(hf.get("rope_interleave", True)),
+        "topk_method": str(hf.get("topk_method") or "greedy") if v2 else "noaux_tc",
+        # V2's router never renormalises (transformers' neither), whatever norm_topk_prob says
+        "norm_topk_prob": False if v2 else bool(hf.get("norm_topk_prob", True)),
         "attention_bias": bool(hf.get("attention_bias", False)),
         "o_proj_bias": bool(hf.get("attention_bias", False)),
         "q_lora_rank": None if q_lora_rank is None else int(q_lora_rank),
@@ -72,7 +83,6 @@ def fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "qk_nope_head_dim": int(hf["qk_nope_head_dim"]),
         "qk_rope_head_dim": int(hf["qk_rope_head_dim"]),
         "v_head_dim": int(hf["v_head_dim"]),
-        "rope_interleave": bool(hf.get("rope_interleave", True)),
         "num_experts": int(hf.get("n_routed_experts") or hf.get("num_local_experts") or 0),
         "num_experts_per_tok": int(hf.get("num_experts_per_tok") or 0),
         "moe_intermediate_size": int(hf.get("moe_intermediate_size") or 0),
@@ -80,13 +90,19 @@ def fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "n_group": int(hf.get("n_group") or 1),
         "topk_group": int(hf.get("topk_group") or 1),
         "routed_scaling_factor": float(hf.get("routed_scaling_factor") or 1.0),
-        "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
         "first_k_dense_replace": int(hf.get("first_k_dense_replace") or 0),
         "router_aux_loss_coef": 0.0,  # balanced by the correction bias, not a loss
     }
 
 
 def fields_to_hf(arch) -> dict[str, Any]:
+    if arch.model_type == V2:
+        return {**_shared_fields_to_hf(arch), "topk_method": arch.topk_method}
+    return {**_shared_fields_to_hf(arch), "rope_interleave": arch.rope_interleave,
+            "num_nextn_predict_layers": 0}  # fmt: skip
+
+
+def _shared_fields_to_hf(arch) -> dict[str, Any]:
     return {
         "attention_bias": arch.attention_bias,
         "q_lora_rank": arch.q_lora_rank,
@@ -94,7 +110,6 @@ def fields_to_hf(arch) -> dict[str, Any]:
         "qk_nope_head_dim": arch.qk_nope_head_dim,
         "qk_rope_head_dim": arch.qk_rope_head_dim,
         "v_head_dim": arch.v_head_dim,
-        "rope_interleave": arch.rope_interleave,
         "n_routed_experts": arch.num_experts,
         "num_experts_per_tok": arch.num_experts_per_tok,
         "moe_intermediate_size": arch.moe_intermediate_size,
@@ -104,7 +119,6 @@ def fields_to_hf(arch) -> dict[str, Any]:
         "routed_scaling_factor": arch.routed_scaling_factor,
         "norm_topk_prob": arch.norm_topk_prob,
         "first_k_dense_replace": arch.first_k_dense_replace,
-        "num_nextn_predict_layers": 0,
         "output_router_logits": False,
     }
 
@@ -127,6 +141,11 @@ def check(arch) -> None:
         bad.append(f"qk_nope_head_dim={arch.qk_nope_head_dim}, qk_rope_head_dim even")
     if bad:
         raise ValueError(f"multi-head latent attention needs positive sizes: {', '.join(bad)}")
+    if arch.topk_method not in TOPK_METHODS or (
+        (arch.topk_method == "noaux_tc") != (arch.model_type != V2)
+    ):
+        raise ValueError(f"topk_method {arch.topk_method!r} is not one this router runs for "
+                         f"{arch.model_type} (V3: noaux_tc; V2: greedy, group_limited_greedy)")  # fmt: skip
     if not arch.num_experts:
         return
     from hybridflow.models.families.qwen3_moe import check_experts
