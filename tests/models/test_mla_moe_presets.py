@@ -69,3 +69,14 @@ def test_config_plan_knows_a_directory_of_each_family(tmp_path, write):
     assert plan_command(cfg, "80GiB", out=out.append) == 0
     assert out[0].startswith(f"memory plan: {tmp_path}")
     assert any("KV cache" in line for line in out)
+
+
+def test_mla_activations_count_the_expanded_heads_and_the_shared_experts():
+    from hybridflow.trainer.memory_activations import layer_activation_elements
+
+    v3 = PRESETS["deepseek-v3"]
+    q = 128 * 192
+    kv = (q + 128 * 128) // 2 + 512 + 1536  # k/v widths' mean, the latent, q's rank
+    assert layer_activation_elements(v3) == 4 * 7168 + 2 * q + 2 * kv + 4 * 18432
+    sparse = layer_activation_elements(v3, True) - (4 * 7168 + 2 * q + 2 * kv)
+    assert sparse == 8 * (4 * 2048 + 4 * 7168) + 3 * 256 + 4 * 2048  # + the shared expert
