@@ -109,3 +109,13 @@ def test_deepseek_v2_checkpoints_give_transformers_logits_both_ways(tmp_path, to
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
     assert reloaded.config.topk_method == topk_method
     _compare(reloaded, ours)
+
+
+def test_fp8_checkpoints_are_refused_naming_the_file(tmp_path):
+    from hybridflow.errors import UserError
+
+    deepseek_transformers().save_pretrained(tmp_path)
+    edit_config(tmp_path, quantization_config={"quant_method": "fp8",
+                                               "weight_block_size": [128, 128]})  # fmt: skip
+    with pytest.raises(UserError, match=f"{tmp_path}/config.json describes fp8 weights"):
+        load_model_from_dir(str(tmp_path))

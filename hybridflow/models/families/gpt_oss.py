@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hybridflow.models.families.quantized import quantized_checkpoint_problem
 from hybridflow.models.layer_spec import LayerSpec
 
 ARCHITECTURES = {"gpt_oss": "GptOssForCausalLM"}
@@ -27,16 +28,7 @@ LAYER_TYPES = (WINDOWED, "full_attention")
 
 def checkpoint_problem(hf: dict[str, Any], config_file: str) -> str | None:
     """Why this decoder cannot read the weights config.json describes (MXFP4), or None."""
-    quantization = hf.get("quantization_config")
-    if isinstance(quantization, dict) and quantization.get("quant_method"):
-        method = quantization["quant_method"]
-        return (
-            f"{config_file} describes {method} weights (quantization_config), which "
-            "hybridflow's decoder does not read: dequantise them to bf16 first (load with "
-            "transformers' Mxfp4Config(dequantize=True) and save_pretrained), or use a bf16 "
-            "copy of the checkpoint"
-        )
-    return None
+    return quantized_checkpoint_problem(hf, config_file)
 
 
 def layer_types_of(hf: dict[str, Any]) -> tuple[str, ...]:
