@@ -119,3 +119,27 @@ def test_fp8_checkpoints_are_refused_naming_the_file(tmp_path):
                                                "weight_block_size": [128, 128]})  # fmt: skip
     with pytest.raises(UserError, match=f"{tmp_path}/config.json describes fp8 weights"):
         load_model_from_dir(str(tmp_path))
+
+
+def test_expanded_heads_through_a_one_width_kernel_give_mlas_attention():
+    """The flash varlen kernel takes one head width and scales by its inverse square root:
+    q/k (24 wide here) and v (12) padded to one width with q pre-scaled give the scores
+    of MLA's own scale."""
+    from hybridflow.models.attention import sdpa_loop_attention
+    from hybridflow.models.mixers.mla import attend_expanded
+
+    def one_width_kernel(q, k, v):
+        assert q.shape[-1] == k.shape[-1] == v.shape[-1]
+        return sdpa_loop_attention(q, k, v, lengths=[5, 3])
+
+    generator = torch.Generator().manual_seed(0)
+    q, k = torch.randn(8, 2, 24, generator=generator), torch.randn(8, 2, 24, generator=generator)
+    v, scale = torch.randn(8, 2, 12, generator=generator), 0.37
+    out = attend_expanded(q, k, v, scale, one_width_kernel)
+    assert out.shape == (8, 2, 12)
+    for rows in (slice(0, 5), slice(5, 8)):
+        scores = torch.einsum("qhd,khd->hqk", q[rows], k[rows]) * scale
+        causal = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        expected = torch.einsum("hqk,khd->qhd", probs, v[rows])
+        assert torch.allclose(out[rows], expected, atol=1e-5)
