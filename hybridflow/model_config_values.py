@@ -16,6 +16,7 @@ from hybridflow.errors import UserError
 SUPPORTED_MODEL_TYPES = (
     "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
     "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "qwen3_next",
+    "deepseek_v3", "kimi_k2", "deepseek_v2", "gpt_oss",
 )  # fmt: skip
 
 
@@ -34,6 +35,9 @@ SIZE_KEYS = (
     # Gated DeltaNet layers (Qwen3.5, Qwen3-Next)
     "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
     "linear_value_head_dim", "linear_conv_kernel_dim", "shared_expert_intermediate_size",
+    # multi-head latent attention and its routing (DeepSeek-V2/V3, Kimi-K2)
+    "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+    "n_group", "topk_group",
 )  # fmt: skip
 """Sizes: a whole number >= 1 where present (null: the family's default)."""
 
@@ -93,6 +97,9 @@ def config_value_problems(config: dict[str, Any]) -> list[str]:
         elif config.get(key) is not None:
             sizes[key] = config[key]
     problems += _top_k_problems(sizes)
+    if sizes.get("topk_group", 0) > sizes.get("n_group", sizes.get("topk_group", 0)):
+        problems.append(f"topk_group = {sizes['topk_group']} must be at most n_group = "
+                        f"{sizes['n_group']} (the expert groups a token may be routed to)")  # fmt: skip
     problems += _head_problems(sizes, native)
     for key in EPSILON_KEYS:
         problems += _positive_number_problems(key, config.get(key))

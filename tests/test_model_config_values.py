@@ -99,3 +99,10 @@ def test_the_torch_free_list_of_our_families_is_the_families_own():
     from hybridflow.models.families import SUPPORTED_MODEL_TYPES as families_types
 
     assert sorted(SUPPORTED_MODEL_TYPES) == sorted(families_types)
+
+
+def test_more_expert_groups_chosen_than_there_are_is_named():
+    config = {**PRESETS["tiny-deepseek-v3"].to_hf(), "n_group": 2, "topk_group": 3}
+    assert config_value_problems(config) == [
+        "topk_group = 3 must be at most n_group = 2 (the expert groups a token may be routed to)"
+    ]

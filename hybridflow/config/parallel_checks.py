@@ -175,9 +175,25 @@ def rollout_tensor_parallel_limits(cfg: Config, arch: ModelArchitecture | None) 
     ]  # fmt: skip
     problems = [f"{key} with {what}: not yet supported ({why}); set "
                 "rollout.tensor_parallel_size=1" for applies, what, why in limits if applies]  # fmt: skip
-    if arch is not None and arch.is_moe:
+    unpaged = unpaged_mixers(arch)
+    if unpaged:
+        problems.append(f"{key}: the tensor-parallel rollout runs GQA attention layers only, "
+                        f"not this model's {', '.join(unpaged)} layers; set "
+                        "rollout.tensor_parallel_size=1")  # fmt: skip
+    elif arch is not None and arch.is_moe:
         problems += _moe_rollout_limits(cfg, arch, key)
     return problems
+
+
+def unpaged_mixers(arch: ModelArchitecture | None) -> list[str]:
+    """The token mixers of ``arch`` beyond the engine's paged GQA path (layer_spec.paged_kv:
+    MLA's latent, sinks, a sliding window), by kind; none for a model with recurrent layers
+    (refused for every split by _check_shape)."""
+    if arch is None or arch.num_hidden_layers > arch.kv_layers:
+        return []  # recurrent layers: _check_shape names them
+    kinds = {spec.mixer + (" (sliding window)" if spec.window else "")
+             for spec in arch.layer_specs() if not spec.paged_kv}  # fmt: skip
+    return sorted(kinds)
 
 
 def rollout_expert_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]:
@@ -258,6 +274,11 @@ def _check_shape(role: str, arch: ModelArchitecture, sizes: list[RoleSize], add:
                 f"recurrent state per sequence) are not split by tensor or sequence parallelism "
                 f"yet: set {key}=1")  # fmt: skip
             return
+    sinks = sum(spec.mixer == "sink_attention" for spec in arch.layer_specs())
+    if sp > 1 and sinks:  # its attention runs outside the Ulysses-wrapped kernels
+        add(f"{who}: {mine['sp'].key} = {sp}: this model's {sinks} attention-sink layers are not "
+            f"split by sequence parallelism yet: set {mine['sp'].key}=1")  # fmt: skip
+        return
     if tp > 1:
         tp_key = mine["tp"].key
         for what, count in (
@@ -286,6 +307,9 @@ def _check_shape(role: str, arch: ModelArchitecture, sizes: list[RoleSize], add:
         if not arch.is_moe:
             add(f"{who}: {ep_key} = {ep} splits the experts of a mixture-of-experts model; this "
                 f"model has none: set {ep_key}=1")  # fmt: skip
+        elif any(spec.mlp == "biased_experts" for spec in arch.layer_specs()):
+            add(f"{who}: {ep_key} = {ep}: this model's biased experts (GPT-OSS) are not split "
+                f"by expert parallelism yet: set {ep_key}=1")  # fmt: skip
         elif arch.num_experts % ep:
             add(f"{who}: {ep_key} = {ep} must divide the model's experts (num_experts = "
                 f"{arch.num_experts}): pick a divisor of {arch.num_experts}")  # fmt: skip

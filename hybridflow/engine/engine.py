@@ -114,8 +114,8 @@ class Engine:
         from hybridflow.models.llama import CausalLM
 
         # else: slow path (slow.py); so are layers with a recurrent state (Gated DeltaNet),
-        # until the cache keeps their states beside the paged K/V
-        self.native = isinstance(model, CausalLM) and not model.recurrent_layers
+        # MLA's latent, sinks or a window, until the cache keeps them beside the paged K/V
+        self.native = isinstance(model, CausalLM) and not model.unpaged_layers
         from hybridflow.engine.layers.moe import ExpertMatmuls, has_experts
 
         # mixture-of-experts layers run through layers/moe.py: routing recorded for replay,

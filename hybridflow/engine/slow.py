@@ -6,6 +6,7 @@ Same sampler, seeds and Completion contract as the fast path.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from hybridflow.engine.sampling import sample_reference, split_seed
@@ -47,4 +48,34 @@ def generate_slow(engine, prompts: list[list[int]], params, seeds: torch.Tensor)
                 still.append(r)
         live = still
         step += 1
+    if engine.options.record_routes and getattr(engine.config, "is_moe", False):
+        record_routes(engine.model, sequences, outputs)
     return outputs
+
+
+@torch.no_grad()
+def record_routes(model, sequences: list[list[int]], outputs: list) -> None:
+    """Each completion's routing record (routes.py's layout: [prompt + tokens - 1, L_sparse,
+    k]), read off one forward over every sequence but its last token: a token's experts
+    depend on its prefix only, so they are the ones its step chose. Models outside our
+    decoder (no router trace) get none."""
+    from hybridflow.models.llama import CausalLM
+
+    if not isinstance(model, CausalLM) or not sequences:
+        return
+    rows = [sequence[:-1] or sequence[:1] for sequence in sequences]
+    width = max(len(row) for row in rows)
+    device = model.device
+    ids = torch.zeros(len(rows), width, dtype=torch.int64, device=device)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):  # left padding, as the steps above ran
+        ids[i, width - len(row) :] = torch.tensor(row)
+        mask[i, width - len(row) :] = 1
+    trace = []
+    model(ids, attention_mask=mask, router_trace=trace)
+    routes = torch.stack([chosen for _, chosen in trace], dim=1)  # [R * width, L, k]
+    routes = routes.view(len(rows), width, *routes.shape[1:]).cpu()
+    dtype = np.uint8 if model.config.num_experts <= 256 else np.int16
+    for i, (row, output) in enumerate(zip(rows, outputs)):
+        count = len(sequences[i]) - 1
+        output.routed_experts = routes[i, width - len(row) :][:count].numpy().astype(dtype)

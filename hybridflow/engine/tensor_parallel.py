@@ -60,6 +60,10 @@ def local_architecture(config: ModelArchitecture, size: int,
     vocabulary and hidden size whole (the logits are gathered). A mixture of experts keeps
     its router and expert width whole; ``split_experts``: the experts must divide by size
     (the experts a rank holds are built by tensor_parallel_model)."""
+    unpaged = sorted({spec.mixer for spec in config.layer_specs() if not spec.paged_kv})
+    if unpaged:
+        raise ValueError(f"the tensor-parallel rollout runs GQA attention layers only, not "
+                         f"{', '.join(unpaged)}: set rollout.tensor_parallel_size=1")  # fmt: skip
     dense = _has_dense_layers(config)
     problems = [
         f"{what} = {count}"

@@ -11,10 +11,11 @@ import torch
 
 @torch.no_grad()
 def copy_named_tensors(model, named_tensors, device: torch.device, bucket_bytes: int) -> None:
-    """Copy (name, tensor) pairs (HF names) into the model's parameters, in buckets of about
-    bucket_bytes (one device sync per bucket bounds the staging memory). KeyError naming an
-    unknown parameter, ValueError naming a shape that does not match."""
-    params = dict(model.named_parameters(remove_duplicate=False))
+    """Copy (name, tensor) pairs (HF names) into the model's parameters (and buffers that a
+    state dict holds, as DeepSeek's score correction), in buckets of about bucket_bytes (one
+    device sync per bucket bounds the staging memory). KeyError naming an unknown
+    parameter, ValueError naming a shape that does not match."""
+    params = {**dict(model.named_buffers()), **dict(model.named_parameters(remove_duplicate=False))}
     pending = 0
     for name, tensor in named_tensors:
         if name not in params:

@@ -85,6 +85,33 @@ class ModelArchitecture:
     """Gated DeltaNet layers' conv kernel and key/value heads (value heads group over keys)."""
     zero_centered_norms: bool = False
     """RMSNorm weights stored as offsets from 1 (``x * (1 + w)``): Qwen3.5's layer norms."""
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    """Multi-head latent attention (DeepSeek): q through a q_lora_rank bottleneck (None: one
+    projection), k/v expanded from a kv_lora_rank latent; each head's q and k are
+    qk_nope_head_dim plain + qk_rope_head_dim rotated dimensions (head_dim is the latter)."""
+    rope_interleave: bool = False
+    """RoPE turns interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's checkpoints)."""
+    topk_method: str = "noaux_tc"
+    """DeepSeek's routing: "noaux_tc" (V3: sigmoid scores, a correction bias), "greedy" or
+    "group_limited_greedy" (V2: softmax scores, the best expert of a group scores it)."""
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0
+    """DeepSeek's router: sigmoid scores, top-k within the topk_group best of n_group expert
+    groups, weights times routed_scaling_factor; n_shared_experts always-on experts of
+    moe_intermediate_size each; the first first_k_dense_replace layers are dense."""
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    """GPT-OSS's experts: (up + 1) * gate * sigmoid(alpha * gate), both clamped at limit."""
+    attention_window: int = 0
+    """Tokens a sliding-window layer attends to (GPT-OSS's sliding_window, whose layers
+    layer_types names); implemented, unlike Mistral's sliding_window above."""
 
     def __post_init__(self) -> None:
         family = family_of(self.model_type)
@@ -118,12 +145,33 @@ class ModelArchitecture:
 
     @property
     def kv_layers(self) -> int:
-        """Layers whose token mixer keeps K/V per token (the others keep a recurrent state)."""
-        return sum(spec.keeps_kv for spec in self.layer_specs())
+        """Layers whose token mixer keeps something per token, K/V or MLA's latent (the
+        others keep a recurrent state)."""
+        return sum(not spec.recurrent for spec in self.layer_specs())
 
     def kv_bytes_per_token(self, element_bytes: int = 2) -> int:
-        """K and V of one token in every layer that keeps them."""
-        return 2 * self.kv_layers * self.num_key_value_heads * self.head_dim * element_bytes
+        """K and V (or MLA's latent) of one token in every layer that keeps them per token
+        (a sliding-window layer counted whole: cache_bytes_per_sequence bounds it)."""
+        per_layer = self.cache_elements_per_token()
+        return sum(per_layer[spec.cache] for spec in self.layer_specs()
+                   if spec.cache != "recurrent") * element_bytes  # fmt: skip
+
+    def cache_elements_per_token(self) -> dict[str, int]:
+        """Elements one token keeps in one layer of each per-token cache kind: K and V of
+        the kv heads; MLA's latent (kv_lora_rank + qk_rope_head_dim, shared by all heads)."""
+        return {"kv": 2 * self.num_key_value_heads * self.head_dim,
+                "latent": self.kv_lora_rank + self.qk_rope_head_dim}  # fmt: skip
+
+    def cache_bytes_per_sequence(self, seq_len: int, element_bytes: int = 2) -> int:
+        """What one sequence of seq_len tokens keeps in the per-token caches of every layer:
+        a sliding-window layer a window's worth, the others every token."""
+        per_layer = self.cache_elements_per_token()
+        total = 0
+        for spec in self.layer_specs():
+            if spec.cache != "recurrent":
+                tokens = min(seq_len, spec.window) if spec.window else seq_len
+                total += per_layer[spec.cache] * tokens
+        return total * element_bytes
 
     def recurrent_state_bytes(self, element_bytes: int = 2) -> int:
         """What one sequence keeps in the layers with a recurrent state, whatever its length:
@@ -154,13 +202,23 @@ class ModelArchitecture:
         experts = self.num_experts_per_tok if active else self.num_experts
         moe = self.num_experts * h + experts * 3 * h * self.moe_intermediate_size
         shared = 3 * h * self.shared_expert_intermediate_size + h  # + its sigmoid gate
+        routed = experts * 3 * h * self.moe_intermediate_size
+        grouped = self.num_experts * h + routed  # the router (its correction bias: a buffer)
+        grouped += 3 * h * self.moe_intermediate_size * self.n_shared_experts
+        biased = self.num_experts * (h + 1) + routed  # the router and its bias
+        biased += experts * (2 * self.moe_intermediate_size + h)  # the experts' biases
         sizes = {"dense": 3 * h * self.intermediate_size, "experts": moe,
-                 "experts_shared": moe + shared}  # fmt: skip
+                 "experts_shared": moe + shared, "grouped_experts_shared": grouped,
+                 "biased_experts": biased}  # fmt: skip
         return sum(sizes[spec.mlp] for spec in self.layer_specs())
 
     def mixer_parameters(self, mixer: str) -> int:
         """Weights of one token mixer of kind ``mixer`` (layer_spec.MIXER_KINDS)."""
         h, hd = self.hidden_size, self.head_dim
+        if mixer == "mla":
+            from hybridflow.models.mixers.mla import mla_parameters
+
+            return mla_parameters(self)
         if mixer == "gated_deltanet":
             keys = self.linear_num_key_heads * self.linear_key_head_dim
             values = self.linear_num_value_heads * self.linear_value_head_dim
@@ -178,6 +236,8 @@ class ModelArchitecture:
             attn += h
         if self.qk_norm:
             attn += 2 * hd
+        if mixer == "sink_attention":
+            attn += self.num_attention_heads  # one sink logit a head
         return attn
 
     @property

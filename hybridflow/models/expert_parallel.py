@@ -117,8 +117,12 @@ def keep_local_experts(causal_lm: torch.nn.Module, group: dist.ProcessGroup) -> 
     """Cut every sparse layer of ``causal_lm`` (a full model, the same on every rank) down to
     this rank's experts of the EP ``group`` and make the layer dispatch over it. The router
     stays whole: every rank routes its tokens over all E experts."""
+    from hybridflow.models.mlps.biased_experts import BiasedExpertsMoeBlock
     from hybridflow.models.moe import SparseMoeBlock
 
+    if any(isinstance(block, BiasedExpertsMoeBlock) for block in causal_lm.modules()):
+        raise ValueError("expert parallelism does not split biased experts (GPT-OSS) yet: set "
+                         "actor.expert_parallel_size=1")  # fmt: skip
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     for block in causal_lm.modules():
         if not isinstance(block, SparseMoeBlock):

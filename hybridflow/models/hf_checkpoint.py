@@ -14,7 +14,7 @@ from hybridflow.errors import UserError
 from hybridflow.model_config_values import ModelConfigError
 from hybridflow.models import expert_checkpoint
 from hybridflow.models.architecture import ModelArchitecture
-from hybridflow.models.families import read_tensor, write_tensors
+from hybridflow.models.families import family_hook, read_tensor, write_tensors
 from hybridflow.models.finite_weights import check_finite
 from hybridflow.models.llama import CausalLM
 
@@ -31,6 +31,25 @@ def announce_text_only(path: str) -> None:
         "vision tower is not used yet",
         file=sys.stderr,
     )
+
+
+def announce_not_loaded(hf_config: dict, path: str, skipped: list[str]) -> None:
+    """One line on stderr naming the parts of the checkpoint its family left out
+    (``skipped``: the tensor names not loaded)."""
+    import sys
+
+    note = family_hook(hf_config, "not_loaded_note")
+    line = note(hf_config, skipped) if note is not None and skipped else None
+    if line:
+        print(f"hybridflow: {path}: {line}", file=sys.stderr)
+
+
+def check_weight_format(hf_config: dict, path: str) -> None:
+    """UserError when config.json describes weights the decoder cannot read (MXFP4)."""
+    problem = family_hook(hf_config, "checkpoint_problem")
+    message = problem(hf_config, os.path.join(path, "config.json")) if problem else None
+    if message:
+        raise UserError(message)
 
 
 def read_hf_config(path: str) -> dict:
@@ -111,6 +130,7 @@ def load_model_from_dir(
     config = ModelArchitecture.from_hf(hf_config)
     if isinstance(hf_config.get("text_config"), dict):  # read as its language model
         announce_text_only(path)
+    check_weight_format(hf_config, path)
     with torch.device("meta"):
         model = CausalLM(config, num_labels=num_labels)
     shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
@@ -120,6 +140,7 @@ def load_model_from_dir(
         expected.discard("lm_head.weight")
     state: dict[str, torch.Tensor] = {}
     slices_read: set[tuple[str, int, str]] = set()
+    skipped: list[str] = []
 
     def place(name: str, tensor: torch.Tensor) -> None:
         target, expert, part = expert_checkpoint.memory_name(name)
@@ -137,8 +158,12 @@ def load_model_from_dir(
                                        f"in {config.model_type}")  # fmt: skip
 
     for stored_name, stored in iter_checkpoint_tensors(path):
-        for name, tensor in read_tensor(config, stored_name, stored):  # renamed, split
+        pairs = read_tensor(config, stored_name, stored)  # renamed, split; none: not run
+        if not pairs:
+            skipped.append(stored_name)
+        for name, tensor in pairs:
             place(name, tensor)
+    announce_not_loaded(hf_config, path, skipped)
     missing = sorted(expected - set(state))
     assembled = sorted({target for target, _, _ in slices_read})
     missing_slices = expert_checkpoint.expert_slices_expected(assembled, config.num_experts)

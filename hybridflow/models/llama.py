@@ -24,7 +24,11 @@ from hybridflow.models.layer_spec import LayerSpec
 from hybridflow.models.mixers.attention import Attention
 from hybridflow.models.mixers.gated_attention import GatedAttention
 from hybridflow.models.mixers.gated_deltanet import GatedDeltaNet, TokenLayout
+from hybridflow.models.mixers.mla import MultiHeadLatentAttention
+from hybridflow.models.mixers.sink_attention import SinkAttention
+from hybridflow.models.mlps.biased_experts import BiasedExpertsMoeBlock
 from hybridflow.models.mlps.dense import MLP
+from hybridflow.models.mlps.grouped_experts import GroupedExpertsMoeBlock
 from hybridflow.models.mlps.shared_experts import SharedExpertMoeBlock
 from hybridflow.models.moe import SparseMoeBlock
 from hybridflow.models.norm import GatedRMSNorm, RMSNorm, ZeroCenteredRMSNorm, make_rms_norm
@@ -45,6 +49,10 @@ def build_mixer(spec: LayerSpec, config: ModelArchitecture) -> nn.Module:
         return GatedAttention(config)
     if spec.mixer == "gated_deltanet":
         return GatedDeltaNet(config)
+    if spec.mixer == "mla":
+        return MultiHeadLatentAttention(config)
+    if spec.mixer == "sink_attention":
+        return SinkAttention(config, spec.window)
     raise ValueError(f"mixer {spec.mixer!r} has no module in this decoder")
 
 
@@ -56,6 +64,10 @@ def build_mlp(spec: LayerSpec, config: ModelArchitecture) -> nn.Module:
         return SparseMoeBlock(config)
     if spec.mlp == "experts_shared":
         return SharedExpertMoeBlock(config)
+    if spec.mlp == "grouped_experts_shared":
+        return GroupedExpertsMoeBlock(config)
+    if spec.mlp == "biased_experts":
+        return BiasedExpertsMoeBlock(config)
     raise ValueError(f"mlp {spec.mlp!r} has no module in this decoder")
 
 
@@ -88,10 +100,12 @@ class DecoderLayer(nn.Module):
         layout: where the sequences are, for mixers that run along them (recurrent ones)."""
         mixer = getattr(self, self.mixer_name)
         normed = self.input_layernorm(hidden)
-        if self.spec.keeps_kv:
-            hidden = hidden + mixer(normed, cos, sin, attend)
-        else:
+        if self.spec.recurrent:
             hidden = hidden + mixer(normed, layout)
+        elif self.spec.needs_layout:
+            hidden = hidden + mixer(normed, cos, sin, attend, layout)
+        else:
+            hidden = hidden + mixer(normed, cos, sin, attend)
         normed = self.post_attention_layernorm(hidden)
         if not self.sparse:
             return hidden + self.mlp(normed), None, None
@@ -166,15 +180,28 @@ class CausalLM(nn.Module):
                 module.weight.fill_(1.0)
             elif isinstance(module, GatedDeltaNet):
                 module.init_state_parameters(generator)
-            elif isinstance(module, SparseMoeBlock):  # router and experts: HF's normal(0, std)
-                for param in module.parameters():
+            elif isinstance(module, (SparseMoeBlock, BiasedExpertsMoeBlock)):
+                for param in module.parameters():  # router and experts: HF's normal(0, std)
                     param.normal_(0.0, std, generator=generator)
+            elif isinstance(module, SinkAttention):  # HF's normal(0, std) sinks
+                module.sinks.normal_(0.0, std, generator=generator)
 
     @property
     def recurrent_layers(self) -> list[int]:
         """Layers whose token mixer keeps a recurrent state instead of K/V (their spec's
         cache kind): the engine's paged-K/V path does not run them yet."""
-        return [i for i, layer in enumerate(self.model.layers) if not layer.spec.keeps_kv]
+        return [i for i, layer in enumerate(self.model.layers) if layer.spec.recurrent]
+
+    @property
+    def unpaged_layers(self) -> list[int]:
+        """Layers the engine's paged-K/V path does not run (a recurrent state, MLA's latent,
+        sinks or a sliding window): with any, the engine takes its slow path."""
+        return [i for i, layer in enumerate(self.model.layers) if not layer.spec.paged_kv]
+
+    @property
+    def layout_layers(self) -> list[int]:
+        """Layers whose mixer reads the TokenLayout (where the sequences are)."""
+        return [i for i, layer in enumerate(self.model.layers) if layer.spec.needs_layout]
 
     def enable_gradient_checkpointing(self, enabled: bool = True) -> None:
         self.gradient_checkpointing = enabled
@@ -301,18 +328,19 @@ class CausalLM(nn.Module):
             self._check_sequence_parallel()
             attend = ulysses_attention(attend, sequence_group)
         layout = None  # built only where a mixer needs it (its token columns cost a host sync)
-        if self.recurrent_layers:
+        if self.layout_layers:
             layout = TokenLayout.packed(cu_seqlens.to(torch.int32), int(max_seqlen))
         return self._run_layers(hidden, cos, sin, attend, routed_experts, router_trace, layout)
 
     def _check_sequence_parallel(self) -> None:
         """Ulysses splits tokens over ranks and regathers them by heads around attention
         only; a recurrent mixer would see a slice of each sequence."""
-        recurrent = self.recurrent_layers
+        recurrent = self.layout_layers
         if recurrent:
             raise ValueError(
                 f"actor.sequence_parallel_size > 1 cannot run layers {recurrent[:4]}... whose "
-                "token mixer keeps a recurrent state (Gated DeltaNet): set "
+                "token mixer runs along each sequence (Gated DeltaNet's recurrent state, "
+                "attention sinks over a window): set "
                 "actor.sequence_parallel_size=1 for this model"
             )
 

@@ -93,7 +93,11 @@ def config_problems(model_dir: str | Path, num_labels: int | None = None) -> lis
     if problems:  # the words a model load says (models/hf_checkpoint.py read_hf_config)
         return [config_values_message(problems, Path(model_dir) / CONFIG_FILE)]
     if config.get("model_type") in SUPPORTED_MODEL_TYPES:
-        return native_weight_problems(model_dir, config, num_labels)
+        from hybridflow.models.families import family_hook
+
+        problem = family_hook(config, "checkpoint_problem")
+        message = problem(config, str(Path(model_dir) / CONFIG_FILE)) if problem else None
+        return [message] if message else native_weight_problems(model_dir, config, num_labels)
     return []
 
 

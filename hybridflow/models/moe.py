@@ -16,6 +16,7 @@ the current router's probabilities at those ids, so the router still gets gradie
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -128,6 +129,8 @@ def moe_experts(
     backend: str = "auto",
     adapters: ExpertLoRA | None = None,
     first_expert: int | None = None,
+    activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Sum over each token's k experts of weight * down(SiLU(gate(x)) * up(x)).
 
@@ -138,7 +141,9 @@ def moe_experts(
     added as two more grouped GEMMs per projection (the weights are never merged).
     first_expert: gate_up and down hold the model's experts [first_expert, first_expert + E)
     only (a rank's share in the tensor-parallel rollout, engine/tensor_parallel.py); a pair
-    routed to another expert adds zero. None: they hold every expert (ids are theirs)."""
+    routed to another expert adds zero. None: they hold every expert (ids are theirs).
+    activation: gate_up rows [M, 2I] -> [M, I] (default: SiLU(first half) * second half);
+    biases: (gate_up bias [E, 2I], down bias [E, H]) added to each expert's projections."""
     num_tokens, top_k = topk_ids.shape
     num_experts, inner = gate_up.shape[0], gate_up.shape[1] // 2
     widths = (hidden.shape[-1], inner)
@@ -165,14 +170,25 @@ def moe_experts(
         low = grouped_linear(x, down_a, counts, offsets, adapter_backend)  # [T*k, r]
         return out + adapters.scale * grouped_linear(low, up_b, counts, offsets, adapter_backend)
 
+    row_experts = flat_ids[order].clamp(max=num_experts - 1)  # each sorted row's expert
     gate_up_rows = project(rows, gate_up, "gate_up")  # [T*k, 2I]
-    gate, up = gate_up_rows[:, :inner], gate_up_rows[:, inner:]
-    expert_out = project(F.silu(gate) * up, down, "down")  # [T*k, H]
+    if biases is not None:
+        gate_up_rows = gate_up_rows + biases[0].to(gate_up_rows.dtype)[row_experts]
+    activated = swiglu(gate_up_rows) if activation is None else activation(gate_up_rows)
+    expert_out = project(activated, down, "down")  # [T*k, H]
+    if biases is not None:
+        expert_out = expert_out + biases[1].to(expert_out.dtype)[row_experts]
     unsorted = torch.empty_like(expert_out).index_copy_(0, order, expert_out)
     if mine is not None:  # rows past the last run: zeros (loop) or unwritten (grouped_mm)
         unsorted = torch.where(mine[:, None], unsorted, 0)
     weighted = unsorted.view(num_tokens, top_k, -1).float() * topk_weights[..., None].float()
     return weighted.sum(dim=1).to(hidden.dtype)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """[M, 2I] (gate columns, then up columns) -> SiLU(gate) * up [M, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 @dataclass(frozen=True)
@@ -329,21 +345,33 @@ class SparseMoeBlock(nn.Module):
             else x.dtype
         )
         flat = flat.to(dtype)
-        router_logits = F.linear(flat, self.gate.weight.to(dtype))  # [T, E]
+        router_logits, topk_ids, topk_weights = self.route(flat, recorded_ids)
+        out = self.run_experts(flat, topk_ids, topk_weights)
+        return out.view(*x.shape[:-1], -1), router_logits, topk_ids
+
+    def route(
+        self, flat: torch.Tensor, recorded_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """flat [T, H] -> (router_logits [T, E], topk_ids [T, k], topk_weights [T, k] fp32),
+        the recorded routes replayed where given."""
+        router_logits = F.linear(flat, self.gate.weight.to(flat.dtype))  # [T, E]
         if recorded_ids is None:
             topk_ids, topk_weights = select_experts(router_logits, self.top_k, self.norm_topk_prob)
         else:
             topk_ids, topk_weights = replay_routes(
                 router_logits, recorded_ids, self.top_k, self.norm_topk_prob
             )
+        return router_logits, topk_ids, topk_weights
+
+    def run_experts(
+        self, flat: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The routed experts' weighted sum [T, H] (sliced or expert-parallel as set)."""
         if self.expert_slice is not None:
             experts = self.experts
-            out = sliced_moe_experts(flat, topk_ids, topk_weights, experts.gate_up_proj,
-                                     experts.down_proj, self.expert_slice, self.expert_backend)  # fmt: skip
-        else:
-            out = self.experts(flat, topk_ids, topk_weights, self.expert_backend,
-                               self.expert_group)  # fmt: skip
-        return out.view(*x.shape[:-1], -1), router_logits, topk_ids
+            return sliced_moe_experts(flat, topk_ids, topk_weights, experts.gate_up_proj,
+                                      experts.down_proj, self.expert_slice, self.expert_backend)  # fmt: skip
+        return self.experts(flat, topk_ids, topk_weights, self.expert_backend, self.expert_group)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@ each layout divides differently, the widths it splits, and the KV cache's bytes 
 
 A runtime model's shape comes from its ModelArchitecture (:func:`shape_of`). A model the
 runtime cannot build yet can still be planned from its published shape: those are in
-:data:`PLAN_ONLY_SHAPES` (``deepseek-v3``), usable by ``hybridflow config plan`` only.
+:data:`PLAN_ONLY_SHAPES`, usable by ``hybridflow config plan`` only.
 """
 
 from __future__ import annotations
@@ -54,6 +54,10 @@ class PlanShape:
     state_bytes: int = 0
     """A sequence's recurrent state over all recurrent layers (conv + fp32 SSM), at the
     rollout's 2-byte elements; 0 for models without one."""
+    window_layers: int = 0
+    window: int = 0
+    """Layers that attend over a sliding window of ``window`` tokens (GPT-OSS): their cache
+    holds a window's worth of each sequence."""
 
     @property
     def total_params(self) -> int:
@@ -77,12 +81,30 @@ class PlanShape:
 
 
 def shape_of(a: ModelArchitecture) -> PlanShape:
-    """The plan's view of a runtime model (its counts add up to ``a.num_parameters()``)."""
+    """The plan's view of a runtime model (its counts add up to ``a.num_parameters()``, plus
+    DeepSeek's score-correction buffers, which the plan prices as the router's)."""
     h = a.hidden_size
     q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+    kv_cache, splits = 2 * kv, True
+    if any(spec.mixer == "mla" for spec in a.layer_specs()):  # every head expands the latent
+        q = a.num_attention_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim)
+        kv = (q + a.num_attention_heads * a.v_head_dim) // 2  # k and v widths' mean
+        kv_cache, splits = a.kv_lora_rank + a.qk_rope_head_dim, False
     attention = a.num_parameters(include_embeddings=False) - a.mlp_parameters() - h
     attention //= a.num_hidden_layers
-    sparse = len(a.sparse_layer_indices())
+    specs = a.layer_specs()
+    sparse = [spec for spec in specs if spec.sparse]
+    expert = 3 * h * a.moe_intermediate_size if a.is_moe else 0
+    if any(spec.mlp == "biased_experts" for spec in sparse):
+        expert += 2 * a.moe_intermediate_size + h  # each expert's biases
+    dense = 3 * h * a.intermediate_size
+    shared = a.num_experts * h  # the router
+    if sparse:  # the rest of a sparse layer's MLP: router, its biases, shared experts
+        sparse_mlp = a.mlp_parameters() - (len(specs) - len(sparse)) * dense
+        shared = sparse_mlp // len(sparse) - a.num_experts * expert
+    if a.topk_method == "noaux_tc" and any(s.mlp == "grouped_experts_shared" for s in sparse):
+        shared += a.num_experts  # DeepSeek-V3's score-correction buffer
+    windowed = [spec.window for spec in specs if spec.window]
     return PlanShape(
         layers=a.num_hidden_layers,
         hidden=h,
@@ -90,58 +112,27 @@ def shape_of(a: ModelArchitecture) -> PlanShape:
         heads=a.num_attention_heads,
         kv_heads=a.num_key_value_heads,
         attention_params=attention,
-        dense_mlp_params=3 * h * a.intermediate_size,
-        dense_layers=a.num_hidden_layers - sparse,
-        sparse_layers=sparse,
-        expert_params=3 * h * a.moe_intermediate_size if a.is_moe else 0,
+        dense_mlp_params=dense,
+        dense_layers=a.num_hidden_layers - len(sparse),
+        sparse_layers=len(sparse),
+        expert_params=expert,
         experts=a.num_experts,
         experts_per_token=a.num_experts_per_tok,
-        shared_params=a.num_experts * h,  # the router
+        shared_params=shared,
         embedding_params=a.vocab_size * h * (1 if a.tie_word_embeddings else 2),
         q_width=q,
         kv_width=kv,
         intermediate=a.intermediate_size,
         moe_intermediate=a.moe_intermediate_size,
-        kv_cache_elements=2 * kv,
+        kv_cache_elements=kv_cache,
+        kv_cache_splits=splits,
         kv_layers=a.kv_layers,
         state_bytes=a.recurrent_state_bytes(2),
+        window_layers=len(windowed),
+        window=max(windowed, default=0),
     )
 
 
-def _deepseek_v3() -> PlanShape:
-    """deepseek-ai/DeepSeek-V3 config.json (671 B parameters without the MTP layer): 61
-    layers, the first 3 dense (MLP 18,432), 58 with 256 routed experts of 2,048 (8 a token)
-    and one shared expert; multi-head latent attention (MLA): q through a 1,536 rank, k/v
-    through a 512 latent plus a 64-wide RoPE key, 128 heads of 128 + 64 (q, k) and 128 (v)."""
-    h, heads = 7168, 128
-    q_a, q_b = h * 1536 + 1536, 1536 * heads * (128 + 64)
-    kv_a, kv_b = h * (512 + 64) + 512, 512 * heads * (128 + 128)
-    attention = q_a + q_b + kv_a + kv_b + heads * 128 * h + 2 * h  # + o_proj and 2 norms
-    return PlanShape(
-        layers=61,
-        hidden=h,
-        vocab=129280,
-        heads=heads,
-        kv_heads=heads,
-        attention_params=attention,
-        dense_mlp_params=3 * h * 18432,
-        dense_layers=3,
-        sparse_layers=58,
-        expert_params=3 * h * 2048,
-        experts=256,
-        experts_per_token=8,
-        shared_params=3 * h * 2048 + 256 * h + 256,  # shared expert, router, its bias
-        embedding_params=2 * 129280 * h,
-        q_width=heads * (128 + 64),
-        kv_width=heads * (128 + 64 + 128) // 2,  # k is 192 wide a head, v 128: their mean
-        intermediate=18432,
-        moe_intermediate=2048,
-        kv_cache_elements=512 + 64,  # the latent and the RoPE key, shared by all heads
-        kv_cache_splits=False,
-        plan_only="multi-head latent attention (MLA) and shared experts are not in the "
-        "runtime: this shape is for hybridflow config plan only",
-    )
-
-
-PLAN_ONLY_SHAPES: dict[str, PlanShape] = {"deepseek-v3": _deepseek_v3()}
-"""Published shapes the runtime cannot build: ``config plan model.path=<name>`` plans them."""
+PLAN_ONLY_SHAPES: dict[str, PlanShape] = {}
+"""Published shapes the runtime cannot build: ``config plan model.path=<name>`` plans them
+(none today: DeepSeek-V3, once one, is a preset of the runtime)."""

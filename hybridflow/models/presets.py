@@ -50,6 +50,50 @@ def _qwen3_5(layers: int, **fields) -> ModelArchitecture:
     return ModelArchitecture(**{**shared, **fields})
 
 
+def _deepseek_v3(**fields) -> ModelArchitecture:
+    """The DeepSeek-V3 architecture (deepseek-ai/DeepSeek-V3/config.json): MLA with a 512
+    latent and 64 RoPE dimensions, heads of 128 + 64 (q, k) and 128 (v), q through a 1,536
+    rank; 7,168 wide, 61 layers, the first 3 dense (MLP 18,432), then 256 routed experts of
+    2,048 (8 a token, in the 4 best of 8 groups, weights renormalised and scaled by 2.5) and
+    one shared expert; YaRN x40 over 4,096 positions; vocab 129,280."""
+    shared = dict(
+        model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+        num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, head_dim=64,
+        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=163840,
+        rope_scaling={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings":
+                      4096, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                      "mscale_all_dim": 1.0},
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, rope_interleave=True, num_experts=256, num_experts_per_tok=8,
+        moe_intermediate_size=2048, n_shared_experts=1, n_group=8, topk_group=4,
+        routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=3,
+        bos_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    return ModelArchitecture(**{**shared, **fields})
+
+
+def _gpt_oss(layers: int, experts: int) -> ModelArchitecture:
+    """openai/gpt-oss-{20b,120b}/config.json: 2,880 wide, 64 heads of 64 (8 KV) with sinks,
+    sliding (128 tokens) and full layers alternating, sliding first; every layer's experts
+    of 2,880 (4 a token) behind a biased router, SwiGLU clamped at 7; YaRN x32 over 4,096
+    positions (not truncated); vocab 201,088 (o200k_harmony: <|return|> 200002 ends a
+    turn, <|endoftext|> 199999 pads)."""
+    return ModelArchitecture(
+        model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+        num_hidden_layers=layers, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+        rms_norm_eps=1e-5, rope_theta=150000.0, max_position_embeddings=131072,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                      "beta_slow": 1.0, "original_max_position_embeddings": 4096,
+                      "truncate": False},
+        attention_bias=True, o_proj_bias=True, attention_window=128,
+        layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention"
+                          for i in range(layers)),
+        num_experts=experts, num_experts_per_tok=4, moe_intermediate_size=2880,
+        norm_topk_prob=True, router_aux_loss_coef=0.9, swiglu_alpha=1.702, swiglu_limit=7.0,
+        eos_token_id=200002, pad_token_id=199999,
+    )  # fmt: skip
+
+
 def _llama3_rope_scaling() -> dict:
     """Llama 3.1's RoPE scaling (config.json rope_scaling; models/rope.py), a fresh dict for
     each preset so that changing one preset's copy changes no other."""
@@ -150,6 +194,27 @@ PRESETS: dict[str, ModelArchitecture] = {
         linear_num_key_heads=2,
         linear_num_value_heads=4,
         eos_token_id=_CHAR_EOS,
+        pad_token_id=_CHAR_PAD,
+    ),
+    # ~0.4M parameters: DeepSeek-V3's layers at CPU-test size: MLA with q through a rank
+    # and fewer KV heads than heads in config (MLA ignores them), a dense first layer, then
+    # 8 experts in 4 groups (2 groups a token) and a shared expert.
+    "tiny-deepseek-v3": _deepseek_v3(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        max_position_embeddings=2048, rope_scaling=None, q_lora_rank=32, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, n_group=4, topk_group=2,
+        first_k_dense_replace=1, tie_word_embeddings=True, eos_token_id=_CHAR_EOS,
+        bos_token_id=None, pad_token_id=_CHAR_PAD,
+    ),
+    # ~0.2M parameters: GPT-OSS's layers at CPU-test size: sinks, a sliding layer of 8
+    # tokens then a full one, 4 biased experts (2 a token).
+    "tiny-gpt-oss": _gpt_oss(2, 4).replace(
+        vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=64,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_window=8,
+        max_position_embeddings=2048, rope_scaling=None, num_experts_per_tok=2,
+        router_aux_loss_coef=0.001, tie_word_embeddings=True, eos_token_id=_CHAR_EOS,
         pad_token_id=_CHAR_PAD,
     ),
     "qwen2.5-0.5b": ModelArchitecture(
@@ -429,6 +494,36 @@ PRESETS: dict[str, ModelArchitecture] = {
                                 num_experts_per_tok=8, moe_intermediate_size=512,
                                 shared_expert_intermediate_size=512, norm_topk_prob=True,
                                 router_aux_loss_coef=0.001),
+    # DeepSeek-V3 (and R1, V3.1: the same shape): 671 B parameters, 37 B active a token.
+    "deepseek-v3": _deepseek_v3(),
+    # moonshotai/Moonlight-16B-A3B/config.json: DeepSeek-V3's layers at 16 B (2.2 B active
+    # + embeddings): 2,048 wide, 27 layers (the first dense, MLP 11,264), 16 heads, q in one
+    # projection, 64 experts of 1,408 (6 a token, one group, scaled by 2.446) and 2 shared;
+    # RoPE theta 50,000 unscaled over 8,192 positions; vocab 163,840.
+    "moonlight-16b-a3b": _deepseek_v3(
+        vocab_size=163840, hidden_size=2048, intermediate_size=11264, num_hidden_layers=27,
+        num_attention_heads=16, num_key_value_heads=16, rms_norm_eps=1e-5,
+        rope_theta=50000.0, rope_scaling=None, max_position_embeddings=8192, q_lora_rank=None,
+        num_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408, n_shared_experts=2,
+        n_group=1, topk_group=1, routed_scaling_factor=2.446, first_k_dense_replace=1,
+        bos_token_id=163584, eos_token_id=163585,
+    ),
+    # moonshotai/Kimi-K2-Instruct/config.json: DeepSeek-V3's layers at 1.04 T (32 B active):
+    # 64 heads, 384 experts (8 a token, one group, scaled by 2.827), the first layer dense;
+    # YaRN x32 (beta_fast 1) over 4,096 positions, theta 50,000; vocab 163,840.
+    "kimi-k2": _deepseek_v3(
+        vocab_size=163840, num_attention_heads=64, num_key_value_heads=64,
+        rope_theta=50000.0, max_position_embeddings=131072,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings":
+                      4096, "beta_fast": 1, "beta_slow": 1, "mscale": 1.0,
+                      "mscale_all_dim": 1.0},
+        num_experts=384, n_group=1, topk_group=1, routed_scaling_factor=2.827,
+        first_k_dense_replace=1, bos_token_id=163584, eos_token_id=163585,
+    ),
+    # openai/gpt-oss-20b: 24 layers, 32 experts (20.9 B parameters, 3.6 B active)
+    "gpt-oss-20b": _gpt_oss(24, 32),
+    # openai/gpt-oss-120b: 36 layers, 128 experts (116.8 B parameters, 5.1 B active)
+    "gpt-oss-120b": _gpt_oss(36, 128),
 }  # fmt: skip
 
 

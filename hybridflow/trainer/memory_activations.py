@@ -13,8 +13,13 @@ def layer_activation_elements(a: ModelArchitecture, sparse: bool = False) -> int
     """Elements per token one decoder layer keeps for the backward (below)."""
     h, i = a.hidden_size, a.intermediate_size
     q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+    if a.kv_lora_rank:  # MLA: each head expands its own k and v; the latent and q's rank too
+        q = a.num_attention_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim)
+        kv = (q + a.num_attention_heads * a.v_head_dim) // 2 + a.kv_lora_rank
+        kv += a.q_lora_rank or 0
     attention = 4 * h + 2 * q + 2 * kv + ((q + kv) if a.qk_norm else 0)
-    return attention + (expert_activation_elements(a) if sparse else 4 * i)
+    shared = 4 * a.moe_intermediate_size * a.n_shared_experts  # DeepSeek's shared experts
+    return attention + (expert_activation_elements(a) + shared if sparse else 4 * i)
 
 
 def expert_activation_elements(a: ModelArchitecture) -> int:

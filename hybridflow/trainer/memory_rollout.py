@@ -15,9 +15,10 @@ from hybridflow.trainer.memory_items import (
 
 
 def kv_slot_bytes(a: ModelArchitecture, max_seq_len: int, element_bytes: int = 2) -> int:
-    """K and V of one sequence of max_seq_len tokens in every layer that keeps them
-    (engine/kv_cache.py); a hybrid model's recurrent layers keep none (state_bytes)."""
-    return a.kv_bytes_per_token(element_bytes) * max_seq_len
+    """K and V (MLA: the latent) of one sequence of max_seq_len tokens in every layer that
+    keeps them (engine/kv_cache.py), a window's worth in sliding-window layers; a hybrid
+    model's recurrent layers keep none (state_bytes)."""
+    return a.cache_bytes_per_sequence(max_seq_len, element_bytes)
 
 
 def rollout_reserve_bytes(a: ModelArchitecture, options: PlanOptions) -> int:

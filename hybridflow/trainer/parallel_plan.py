@@ -133,6 +133,18 @@ def kv_bytes_per_token(s: PlanShape, tp: int, element_bytes: int) -> int:
     return layers * s.kv_cache_elements * element_bytes // divisor
 
 
+def kv_bytes_per_sequence(s: PlanShape, tp: int, element_bytes: int, seq_len: int) -> int:
+    """KV cache bytes of one sequence of seq_len tokens on one rollout GPU: the sliding-window
+    layers hold a window's worth, the others every token."""
+    per_token = kv_bytes_per_token(s, tp, element_bytes)
+    if not s.window_layers:
+        return per_token * seq_len
+    layers = s.layers if s.kv_layers is None else s.kv_layers
+    per_layer = per_token // layers
+    windowed = s.window_layers * per_layer * min(seq_len, s.window)
+    return (layers - s.window_layers) * per_layer * seq_len + windowed
+
+
 def activation_elements(s: PlanShape, tp: int, checkpointing: bool) -> int:
     """Elements per token the backward keeps over all layers (memory_activations.py's count
     with the tensor-parallel widths divided by tp)."""
@@ -236,7 +248,7 @@ class KVCache:
 def kv_cache(s: PlanShape, o: ParallelSetup, used: int, workspace: int) -> KVCache:
     """The engine's KV cache: gpu_memory_utilization of what is free at generation, less the
     workspace, at most rollout_max_seqs sequences of max_seq_len."""
-    per_sequence = kv_bytes_per_token(s, o.rollout_tp, o.rollout_bytes) * o.max_seq_len
+    per_sequence = kv_bytes_per_sequence(s, o.rollout_tp, o.rollout_bytes, o.max_seq_len)
     per_sequence += s.state_bytes  # recurrent layers: one state a sequence, whatever its length
     budget = int(o.gpu_memory_utilization * max(o.gpu_bytes - used, 0)) - workspace
     sequences = max(min(budget // per_sequence, o.rollout_max_seqs), 0)

@@ -16,8 +16,14 @@ def test_specs_of_each_family():
     hybrid = PRESETS["qwen3.5-35b-a3b"].layer_specs()
     assert [s.cache for s in hybrid[:4]] == ["recurrent", "recurrent", "recurrent", "kv"]
     assert all(s.mlp == "experts_shared" and s.sparse for s in hybrid)
-    with pytest.raises(ValueError, match="mixer 'mla' is not one of"):
-        LayerSpec("mla", "dense")
+    deepseek = PRESETS["deepseek-v3"].layer_specs()  # the first 3 layers dense
+    assert [(s.mixer, s.mlp, s.cache) for s in deepseek[2:4]] == [
+        ("mla", "dense", "latent"), ("mla", "grouped_experts_shared", "latent")]  # fmt: skip
+    gpt_oss = PRESETS["gpt-oss-20b"].layer_specs()
+    assert [(s.mixer, s.window) for s in gpt_oss[:2]] == [("sink_attention", 128),
+                                                         ("sink_attention", 0)]  # fmt: skip
+    with pytest.raises(ValueError, match="mixer 'mamba' is not one of"):
+        LayerSpec("mamba", "dense")
 
 
 def test_lora_targets_follow_the_mixer_kind():
@@ -42,3 +48,11 @@ def test_lora_adapts_the_linear_attention_projections():
     hidden.square().mean().backward()
     lora_b = model.model.layers[0].linear_attn.in_proj_qkv.lora_B["default"].weight
     assert lora_b.grad is not None and lora_b.grad.abs().sum() > 0
+
+
+def test_lora_adapts_mlas_projections():
+    model = load_model("tiny-deepseek-v3")
+    apply_lora(model, rank=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    adapted = {n.split(".lora_A")[0] for n, _ in model.named_parameters() if ".lora_A." in n}
+    for projection in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+        assert f"model.layers.0.self_attn.{projection}" in adapted

@@ -3,14 +3,14 @@ and the layout it recommends for the large cases of docs/parallelism.md."""
 
 import pytest
 
-from hybridflow.models.plan_shapes import PLAN_ONLY_SHAPES, shape_of
+from hybridflow.models.plan_shapes import shape_of
 from hybridflow.models.presets import PRESETS
 from hybridflow.trainer import parallel_plan as pp
 from hybridflow.trainer.parallel_choice import recommend, training_layouts, why_nothing_fits
 
 GIB = 2**30
 LLAMA70 = shape_of(PRESETS["llama3.1-70b"])
-DEEPSEEK = PLAN_ONLY_SHAPES["deepseek-v3"]
+DEEPSEEK = shape_of(PRESETS["deepseek-v3"])
 
 
 def _item(plan, prefix):
@@ -54,13 +54,13 @@ def test_llama_70b_on_16_gpus_at_tensor_parallel_8():
 
 
 def test_deepseek_v3_on_96_gpus_tp8_ep4_rollout_tp8_ep32():
-    # DeepSeek-V3 (plan-only): attention per layer (MLA) = q_a 7168 × 1536 + 1536, q_b 1536 ×
+    # DeepSeek-V3 (the runtime preset): attention per layer (MLA) = q_a 7168 × 1536 + 1536, q_b 1536 ×
     # 128 × 192, kv_a 7168 × 576 + 512, kv_b 512 × 128 × 256, o 16384 × 7168, 2 norms =
     # 11,011,584 + 37,748,736 + 4,129,280 + 16,777,216 + 117,440,512 + 14,336 = 187,121,664.
     # Dense: 61 × that + 3 × 396,361,728 (MLP 18432) + 58 × 45,875,456 (shared expert, router
-    # and its bias) + 1,853,358,080 (embeddings) = 17,117,641,216; routed experts: 58 × 256 ×
+    # and its score-correction buffer) + 1,853,358,080 (embeddings) = 17,117,641,216; routed experts: 58 × 256 ×
     # 44,040,192 = 653,908,770,816; + final norm 7,168: 671,026,419,200.
-    assert DEEPSEEK.plan_only and DEEPSEEK.total_params == 671_026_419_200
+    assert not DEEPSEEK.plan_only and DEEPSEEK.total_params == 671_026_419_200
     assert DEEPSEEK.routed_params == 653_908_770_816
     o = pp.ParallelSetup(gpu_bytes=96 * 10**9, world=96, tp=8, ep=4, rollout_tp=8,
                          rollout_ep=32, param_offload=True, gradient_checkpointing=True,

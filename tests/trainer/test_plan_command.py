@@ -99,7 +99,7 @@ def test_a_parallel_layout_that_does_not_fit_names_the_recommended_one():
     assert "the plan recommends: " in problem and "actor.param_offload=true" in problem
 
 
-def test_a_plan_only_shape_is_planned_and_refused_for_training():
+def test_deepseek_v3_is_planned_and_validated_as_a_preset_of_the_runtime():
     out = []
     cfg = load_config(None, ["model.path=deepseek-v3", "trainer.backend=ray", "trainer.nnodes=12",
                              "trainer.n_gpus_per_node=8", "data.train_batch_size=96",
@@ -111,11 +111,11 @@ def test_a_plan_only_shape_is_planned_and_refused_for_training():
                              "rollout.expert_parallel_size=32", "actor.param_offload=true",
                              "model.gradient_checkpointing=true"])  # fmt: skip
     assert plan_command(cfg, "96GB", out=out.append) == 0
-    assert any("multi-head latent attention (MLA)" in line for line in out)
-    with pytest.raises(ConfigError) as error:
+    assert out[0].startswith("Parallel layout plan: deepseek-v3 (671.03 B parameters")
+    with pytest.raises(ConfigError) as error:  # the layouts, not the model
         validate(cfg)
-    assert any(p.startswith("model.path = deepseek-v3: multi-head latent attention")
-               for p in error.value.problems)  # fmt: skip
+    assert not any("deepseek-v3" in p for p in error.value.problems)
+    assert any(p.startswith("actor: actor.tensor_parallel_size = 8") for p in error.value.problems)
 
 
 def test_a_data_parallel_run_on_several_gpus_gets_the_layout_advice_too():

@@ -13,6 +13,8 @@ and optionally:
                          part not run; several: a fused tensor we hold split)
     write_tensors(arch, state)        our state dict -> (name, tensor) as its checkpoints
                          hold them (before experts are split per expert)
+    not_loaded_note(hf, skipped)  one line naming the tensors a load left out, or None
+    checkpoint_problem(hf, config_file)  why the weights cannot be read (a format), or None
 
 Nothing outside these files branches on model_type: the decoder, the engine, LoRA and the
 memory plan ask the layer specs (models/layer_spec.py).
@@ -22,9 +24,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from hybridflow.models.families import llama, qwen3_5, qwen3_moe
+from hybridflow.models.families import deepseek_v3, gpt_oss, llama, qwen3_5, qwen3_moe
 
-FAMILIES: tuple[ModuleType, ...] = (llama, qwen3_moe, qwen3_5)
+FAMILIES: tuple[ModuleType, ...] = (llama, qwen3_moe, qwen3_5, deepseek_v3, gpt_oss)
 
 # model_type -> its family module
 FAMILY_OF: dict[str, ModuleType] = {
@@ -68,3 +70,8 @@ def write_tensors(arch, state: dict):
     """Our state dict -> (name, tensor) pairs in the family's checkpoint layout."""
     write = getattr(FAMILY_OF[arch.model_type], "write_tensors", None)
     return iter(state.items()) if write is None else write(arch, state)
+
+
+def family_hook(hf: dict, name: str):
+    """The optional hook ``name`` of the family of config.json ``hf`` (None without one)."""
+    return getattr(FAMILY_OF.get(hf.get("model_type")), name, None)

@@ -1,0 +1,99 @@
+"""GPT-OSS's MoE layer: a router with a bias, experts with biases, a clamped SwiGLU.
+
+    logits = router(x) (+ bias);  the top-k logits win, weighted by their softmax
+    gate_up = x @ W_gu[e] + b_gu[e]   gate = columns 0, 2, 4, ...; up = columns 1, 3, 5, ...
+    act = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g),  g = clamp(gate, max=limit)
+    out = act @ W_d[e] + b_d[e]
+
+HF's names and layout, kept in memory as on disk: mlp.router.{weight [E, H], bias [E]},
+mlp.experts.gate_up_proj [E, H, 2I] (gate and up interleaved), gate_up_proj_bias [E, 2I],
+down_proj [E, I, H], down_proj_bias [E, H]. The experts run through models/moe.moe_experts
+(grouped GEMMs on CUDA) on transposed views. Routing replay keeps recorded ids and
+recomputes their weights from the current logits.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridflow.models.moe import NO_ROUTE, moe_experts
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """[M, 2I] interleaved (gate, up) columns -> [M, I]."""
+    gate = gate_up[..., 0::2].clamp(max=limit)
+    up = gate_up[..., 1::2].clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def topk_softmax_route(
+    router_logits: torch.Tensor, top_k: int, recorded_ids: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_ids [T, k], weights [T, k] fp32: softmax over the chosen logits); recorded ids
+    replace the choice where a token has them (NO_ROUTE rows route freely)."""
+    topk_ids = router_logits.topk(top_k, dim=-1).indices
+    if recorded_ids is not None:
+        recorded = (recorded_ids > NO_ROUTE).all(dim=-1, keepdim=True)
+        topk_ids = torch.where(recorded, recorded_ids.to(topk_ids.dtype), topk_ids)
+    return topk_ids, torch.softmax(router_logits.float().gather(-1, topk_ids), dim=-1)
+
+
+class BiasedRouter(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(num_experts))
+
+
+class BiasedExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, inner: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * inner))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * inner))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, inner, hidden_size))
+        self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, hidden_size))
+
+
+class BiasedExpertsMoeBlock(nn.Module):
+    """forward(x) -> out; forward_routed(x, recorded_ids) -> (out, router_logits, topk_ids),
+    as models/moe.SparseMoeBlock.
+
+    Attributes:
+        expert_backend: models/moe.EXPERT_BACKENDS ("auto": grouped GEMMs on CUDA)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.router = BiasedRouter(config.num_experts, config.hidden_size)
+        self.experts = BiasedExperts(config.num_experts, config.hidden_size,
+                                     config.moe_intermediate_size)  # fmt: skip
+        self.activation = partial(clamped_swiglu, alpha=config.swiglu_alpha,
+                                  limit=config.swiglu_limit)  # fmt: skip
+        self.expert_backend = "auto"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_routed(x)[0]
+
+    def forward_routed(
+        self, x: torch.Tensor, recorded_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        flat = x.reshape(-1, x.shape[-1])
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            flat = flat.to(torch.get_autocast_dtype(device_type))
+        dtype = flat.dtype
+        router_logits = F.linear(flat, self.router.weight.to(dtype), self.router.bias.to(dtype))
+        topk_ids, weights = topk_softmax_route(router_logits, self.top_k, recorded_ids)
+        experts = self.experts
+        # [E, H, 2I] / [E, I, H] as stored -> the [E, out, in] views moe_experts multiplies by
+        gate_up = experts.gate_up_proj.to(dtype).transpose(1, 2)
+        down = experts.down_proj.to(dtype).transpose(1, 2)
+        biases = (experts.gate_up_proj_bias, experts.down_proj_bias)
+        out = moe_experts(flat, topk_ids, weights, gate_up, down, self.expert_backend,
+                          activation=self.activation, biases=biases)  # fmt: skip
+        return out.view(*x.shape[:-1], -1), router_logits, topk_ids
