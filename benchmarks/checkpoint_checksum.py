@@ -25,7 +25,7 @@ import time
 import zlib
 from pathlib import Path
 
-from hybridflow.trainer.checkpoint_files import checksums
+from hybridflow.trainer.lifecycle.checkpoint_files import checksums
 
 HASHES = {
     "zlib.crc32": lambda data: zlib.crc32(data),

@@ -23,7 +23,7 @@ from pathlib import Path
 from statistics import mean
 
 from hybridflow.config import load_config
-from hybridflow.trainer.run import train
+from hybridflow.trainer.lifecycle.run import train
 
 SMALL_RUN = [
     "data.train_batch_size=2",

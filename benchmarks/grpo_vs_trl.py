@@ -166,8 +166,8 @@ def hybridflow_overrides(args) -> tuple[str, ...]:
 def resolved_config(model_dir: str, args):
     """The hybridflow side's config as its run resolves it (the plan's checkpointing and
     token budgets for the visible GPU, or --override's)."""
-    from hybridflow.trainer.grpo_bench import bench_config
-    from hybridflow.trainer.memory_check import memory_defaults
+    from hybridflow.bench.grpo_steps import bench_config
+    from hybridflow.trainer.plan.memory_check import memory_defaults
 
     cfg = bench_config(model_dir, prompts=args.prompts * args.gpus, samples=args.samples,
                        prompt_len=args.prompt_len, new_tokens=args.new_tokens,
@@ -194,7 +194,7 @@ def micro_tokens(text: str) -> int | str:
 def run_hybridflow(model_dir: str, prompts: list[list[int]], args) -> dict:
     """The hybridflow side on ``args.gpus`` GPUs; ``prompts`` holds ``args.prompts`` per GPU
     (equal per-GPU work: the global batch grows with the GPU count)."""
-    from hybridflow.trainer.grpo_bench import time_grpo_steps
+    from hybridflow.bench.grpo_steps import time_grpo_steps
 
     times, peaks, breakdown = time_grpo_steps(
         model_path=model_dir,
@@ -309,9 +309,9 @@ def _summary(name: str, times: list[float], args, peak_gib: float, gpus: int = 1
 
 def _stage_floors(model_dir: str, args, device_name: str) -> dict[str, float]:
     """Each stage's floor for this workload on this GPU ({} on a CPU or an unknown GPU)."""
-    from hybridflow.trainer.metrics import peak_flops_per_gpu
-    from hybridflow.trainer.preflight import model_architecture
-    from hybridflow.trainer.stage_floors import StepShape, peak_bandwidth, stage_floors
+    from hybridflow.trainer.lifecycle.preflight import model_architecture
+    from hybridflow.trainer.observe.metrics import peak_flops_per_gpu
+    from hybridflow.trainer.plan.stage_floors import StepShape, peak_bandwidth, stage_floors
 
     architecture = model_architecture(model_dir)
     if architecture is None:
@@ -412,7 +412,7 @@ def main() -> None:
         checkpointing = "on" if resolved.model.gradient_checkpointing else "off"
         print(f"hybridflow breakdown (mean of timed steps, s; gradient checkpointing "
               f"{checkpointing}, {resolved.actor.max_tokens_per_gpu:,}-token update micro-"
-              f"batches; floor: at the GPU's peak, hybridflow/trainer/stage_floors.py):")  # fmt: skip
+              f"batches; floor: at the GPU's peak, hybridflow/trainer/plan/stage_floors.py):")  # fmt: skip
         step = breakdown["timing_s/step"]
         for k, v in breakdown.items():
             floor = (

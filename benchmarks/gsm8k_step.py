@@ -15,7 +15,7 @@ validation and no checkpoints. Random weights rarely sample the end of sequence,
 run to the example's 512 tokens: the long end of a real run's. Printed: each step as it ends,
 then the mean of the steps after --warmup (the first compiles): s/step, each stage's seconds
 (timing_s/*), perf/mfu where the GPU's peak is known, tokens/s, and on a known GPU a row of
-each stage's floor (hybridflow/trainer/stage_floors.py); --json writes it. The reward runs
+each stage's floor (hybridflow/trainer/plan/stage_floors.py); --json writes it. The reward runs
 beside the first forward pass (old log-probs), whose time is then what it took beyond the
 reward: with a slow reward it can fall under its floor.
 """
@@ -109,16 +109,16 @@ def summary(steps: list[dict], warmup: int) -> dict:
 
 
 def stage_floors_for(overrides: list[str], result: dict, model_dir: Path) -> dict[str, float]:
-    """Each stage's floor (hybridflow/trainer/stage_floors.py) at the run's realised mean prompt
+    """Each stage's floor (hybridflow/trainer/plan/stage_floors.py) at the run's realised mean prompt
     and response lengths, for the visible GPU; {} on a CPU or an unknown GPU. Called after
     the run (the CUDA context it opens would otherwise sit beside the training)."""
     import torch
 
     from hybridflow.config import load_config
-    from hybridflow.trainer.memory_check import memory_defaults
-    from hybridflow.trainer.metrics import peak_flops_per_gpu
-    from hybridflow.trainer.preflight import model_architecture
-    from hybridflow.trainer.stage_floors import StepShape, peak_bandwidth, stage_floors
+    from hybridflow.trainer.lifecycle.preflight import model_architecture
+    from hybridflow.trainer.observe.metrics import peak_flops_per_gpu
+    from hybridflow.trainer.plan.memory_check import memory_defaults
+    from hybridflow.trainer.plan.stage_floors import StepShape, peak_bandwidth, stage_floors
 
     config_file, keys = overrides[1], overrides[2:]  # "--config", the file, key=value...
     cfg = load_config(config_file, keys)

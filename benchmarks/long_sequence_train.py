@@ -10,7 +10,7 @@ the plan's peak beside the measured one, seconds per step and tokens/s.
 Default workload: --prompts 2 × --samples 4 sequences of a 1024-token prompt and 15,360 response
 tokens (no EOS: rollout.ignore_eos), one optimizer step per batch, AdamW on the host
 (actor.optimizer_offload=true) for the full-parameter run, off with --lora. The step is the real
-loop's (trainer/grpo_bench.py: fixed random prompts of the built-in character tokenizer's ids,
+loop's (bench/grpo_steps.py: fixed random prompts of the built-in character tokenizer's ids,
 random rewards, random preset weights). ``model.gradient_checkpointing=auto`` and
 ``actor.log_prob_max_tokens_per_gpu`` are resolved as ``hybridflow train`` resolves them at run
 start (trainer/memory_check.memory_choices) for the visible GPU, or for --gpu-memory-gib; the
@@ -57,9 +57,9 @@ def gpu_bytes_for(args) -> int | None:
 
 def planned_run(args) -> dict:
     """The plan's choices (as overrides), its peak and the lines it logs, before anything loads."""
+    from hybridflow.bench.grpo_steps import bench_config
     from hybridflow.config import validate
-    from hybridflow.trainer.grpo_bench import bench_config
-    from hybridflow.trainer.memory_check import (
+    from hybridflow.trainer.plan.memory_check import (
         memory_choices,
         overrides_text,
         plan_for_config,
@@ -90,9 +90,9 @@ def micro_tokens(args) -> int:
 
 
 def run_setting(args) -> dict:
+    from hybridflow.bench.grpo_steps import time_grpo_steps
     from hybridflow.models import load_tokenizer
     from hybridflow.progress import ProgressReporter
-    from hybridflow.trainer.grpo_bench import time_grpo_steps
 
     planned = planned_run(args)
     rng = random.Random(0)

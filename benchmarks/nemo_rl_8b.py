@@ -41,7 +41,7 @@ requirement on one H200); gradient checkpointing and token budgets as the plan d
 KV cache takes 90% of the memory free during generation (rollout.gpu_memory_utilization=auto:
 the cache is freed after it, nothing else runs then; the table's KV rows: how many
 full-length sequences that holds at once, 178 of 256 on one H200, 76 at 0.4); the
-real loop's step (trainer/grpo_bench.py: random rewards, no EOS). The old-log-prob pass is
+real loop's step (bench/grpo_steps.py: random rewards, no EOS). The old-log-prob pass is
 skipped when a step is one optimizer step (actor.skip_old_logprob_on_policy), as hybridflow
 runs it; NeMo-RL computes it.
 
@@ -112,7 +112,7 @@ def at_sequence_len(args, sequence_len: int) -> argparse.Namespace:
 
 def recipe_config(args, prompts: int, offload: bool):
     """The recipe's config before the memory plan's choices."""
-    from hybridflow.trainer.grpo_bench import bench_config
+    from hybridflow.bench.grpo_steps import bench_config
 
     return bench_config(args.model, prompts=prompts, samples=args.samples,
                         prompt_len=args.prompt_len, new_tokens=new_tokens(args),
@@ -124,7 +124,7 @@ def kv_sequences(args, prompts: int, offload: bool) -> int | None:
     """Full-length sequences the memory plan's KV cache holds at once (the engine sizes it
     from the memory free when generation starts, as the plan does); None: GPU size unknown."""
     from hybridflow.config import validate
-    from hybridflow.trainer.memory_check import plan_for_config
+    from hybridflow.trainer.plan.memory_check import plan_for_config
 
     gpu_bytes, _ = gpu_bytes_for(args)
     if gpu_bytes is None:
@@ -135,13 +135,13 @@ def kv_sequences(args, prompts: int, offload: bool) -> int | None:
 
 
 def stage_floors_s(args, prompts: int, offload: bool) -> dict[str, float]:
-    """{stage: floor seconds} at the GPU's peaks (hybridflow/trainer/stage_floors.py), with
+    """{stage: floor seconds} at the GPU's peaks (hybridflow/trainer/plan/stage_floors.py), with
     the recomputation the memory plan chooses and the decode steps its KV cache allows;
     {} on a CPU or an unknown GPU."""
-    from hybridflow.trainer.memory_check import memory_defaults
-    from hybridflow.trainer.metrics import peak_flops_per_gpu
-    from hybridflow.trainer.preflight import model_architecture
-    from hybridflow.trainer.stage_floors import StepShape, peak_bandwidth, stage_floors
+    from hybridflow.trainer.lifecycle.preflight import model_architecture
+    from hybridflow.trainer.observe.metrics import peak_flops_per_gpu
+    from hybridflow.trainer.plan.memory_check import memory_defaults
+    from hybridflow.trainer.plan.stage_floors import StepShape, peak_bandwidth, stage_floors
 
     name = device_name(args)
     architecture = model_architecture(args.model)
@@ -162,7 +162,7 @@ def memory_choice_overrides(args, prompts: int, offload: bool) -> tuple[str, ...
     """The memory plan's choices for the timed run (checkpointing, token budgets) as
     key=value: a warm-up at another length runs with them, so it compiles the same graphs."""
     from hybridflow.config import validate
-    from hybridflow.trainer.memory_check import memory_choices, overrides_text
+    from hybridflow.trainer.plan.memory_check import memory_choices, overrides_text
 
     cfg = recipe_config(args, prompts, offload)
     changes, _ = memory_choices(cfg, validate(cfg), gpu_bytes_for(args)[0])
@@ -196,9 +196,9 @@ def grpo_steps(args, prompts: int, offload: bool, steps: int, overrides: tuple[s
     actor and engine at args' shape."""
     from rich.console import Console
 
+    from hybridflow.bench.grpo_steps import time_grpo_steps
     from hybridflow.models import load_tokenizer
     from hybridflow.progress import ProgressReporter
-    from hybridflow.trainer.grpo_bench import time_grpo_steps
 
     rng = random.Random(prompts)
     ids = [[rng.randrange(10, 60) for _ in range(args.prompt_len)] for _ in range(prompts)]

@@ -15,7 +15,7 @@ memory beside the plan's estimate.
         # Qwen3-30B-A3B: full-parameter (the plan's verdict on the host's memory), then LoRA
         # rank 64 on attention and every expert, AdamW on the host, routing replay
 
-The step is the real loop's (trainer/grpo_bench.py: fixed random prompts, random rewards,
+The step is the real loop's (bench/grpo_steps.py: fixed random prompts, random rewards,
 gradient checkpointing, one optimizer step per batch, bf16 compute). A preset has random
 weights and no tokenizer: prompts are ids of the built-in character tokenizer. The settings
 run one after the other in this process. Before each, the memory plan (`hybridflow config
@@ -71,7 +71,7 @@ def gpu_bytes_for(args) -> tuple[int | None, str]:
 
 def host_bytes_for(args) -> tuple[int | None, str]:
     """(the host memory the plan is checked against, where the number comes from)."""
-    from hybridflow.trainer.host_memory import available_host_bytes
+    from hybridflow.trainer.plan.host_memory import available_host_bytes
 
     if args.host_memory_gib is not None:
         return int(args.host_memory_gib * 2**30), "--host-memory-gib"
@@ -83,8 +83,8 @@ def plan_verdict(cfg, gpu: tuple[int | None, str], host: tuple[int | None, str])
     train` checks them before anything loads: {plan, plan_peak_gib, plan_phase,
     plan_host_gib, problems} (problems: [] when it fits)."""
     from hybridflow.config import validate
-    from hybridflow.trainer.host_memory import host_need_for, host_problems
-    from hybridflow.trainer.memory_check import fit_problems, plan_for_config
+    from hybridflow.trainer.plan.host_memory import host_need_for, host_problems
+    from hybridflow.trainer.plan.memory_check import fit_problems, plan_for_config
 
     derived = validate(cfg)
     plan = plan_for_config(cfg, derived, gpu[0])
@@ -104,9 +104,9 @@ def plan_verdict(cfg, gpu: tuple[int | None, str], host: tuple[int | None, str])
 def run_setting(args, offload: bool, lora_rank: int = 0) -> dict:
     from rich.console import Console
 
+    from hybridflow.bench.grpo_steps import bench_config, time_grpo_steps
     from hybridflow.models import load_tokenizer
     from hybridflow.progress import ProgressReporter
-    from hybridflow.trainer.grpo_bench import bench_config, time_grpo_steps
 
     rng = random.Random(0)
     prompts = [[rng.randrange(10, 60) for _ in range(args.prompt_len)] for _ in range(args.prompts)]

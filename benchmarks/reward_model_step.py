@@ -10,7 +10,7 @@ stage's time, and the peak GPU memory beside the memory plan's estimate.
 
 Settings, one table row each, run one after the other in this process:
 
-- rule: random scores on the controller (trainer/grpo_bench.py's reward; a rule reward is host
+- rule: random scores on the controller (bench/grpo_steps.py's reward; a rule reward is host
   work of the same cost to the GPU: none);
 - reward model: a ``*ForSequenceClassification`` checkpoint of the ``--reward-model`` preset's
   shape with random weights (written to a temporary directory first, bf16), beside the actor
@@ -19,7 +19,7 @@ Settings, one table row each, run one after the other in this process:
 - reward model, offloaded: the same with ``reward.model.param_offload=true`` (its weights in
   host memory except while it scores).
 
-The step is the real loop's (trainer/grpo_bench.py: fixed random prompts, forced full-length
+The step is the real loop's (bench/grpo_steps.py: fixed random prompts, forced full-length
 responses, gradient checkpointing, one optimizer step per batch, bf16 compute, no reference).
 s/step: the median of the steps after the first (the first compiles kernels and warms the
 allocator); stages: their mean over those steps (``reward`` is the scoring). Peak:
@@ -72,7 +72,7 @@ def planned_peak(cfg, args) -> tuple[float, str]:
     """(GiB, phase) of the memory plan's peak for ``cfg`` on a GPU of --gpu-memory-gib, else
     on the visible GPU; nan without either."""
     from hybridflow.config import validate
-    from hybridflow.trainer.memory_check import plan_for_config
+    from hybridflow.trainer.plan.memory_check import plan_for_config
 
     if args.gpu_memory_gib is not None:
         gpu_bytes = int(args.gpu_memory_gib * 2**30)
@@ -85,9 +85,9 @@ def planned_peak(cfg, args) -> tuple[float, str]:
 
 
 def run_setting(args, setting: str, reward_model: Path) -> dict:
+    from hybridflow.bench.grpo_steps import bench_config, time_grpo_steps
     from hybridflow.models import load_tokenizer
-    from hybridflow.trainer.grpo_bench import bench_config, time_grpo_steps
-    from hybridflow.trainer.memory_check import memory_defaults
+    from hybridflow.trainer.plan.memory_check import memory_defaults
 
     rng = random.Random(0)
     prompts = [[rng.randrange(10, 60) for _ in range(args.prompt_len)] for _ in range(args.prompts)]

@@ -25,7 +25,8 @@ import torch
 
 def instrument(counts: collections.Counter, seconds: collections.defaultdict,
                events: list) -> None:  # fmt: skip
-    from hybridflow.engine import admission, continuation, mixed, readback, scheduler, service
+    from hybridflow.engine.scheduling import admission, continuation, mixed, readback, scheduler
+    from hybridflow.engine.serving import service
 
     def wrap(owner, name, label=None):
         original = getattr(owner, name)
@@ -82,10 +83,10 @@ def main() -> None:
                         help="also profile the timed run: top ops by device and host time")  # fmt: skip
     args = parser.parse_args()
 
-    from hybridflow.agents.bench import FixedScheduleEpisodes
     from hybridflow.agents.client import EngineClient
+    from hybridflow.bench.agent import FixedScheduleEpisodes
+    from hybridflow.bench.cli import make_prompts
     from hybridflow.engine import Engine, SamplingParams
-    from hybridflow.engine.bench_cli import make_prompts
     from hybridflow.models import load_model
 
     counts, seconds, events = collections.Counter(), collections.defaultdict(float), []
@@ -96,8 +97,8 @@ def main() -> None:
     vocab = model.config.vocab_size
     prompts = make_prompts(args.episodes, 128, vocab, 0)
     length = 128 + args.turns * args.turn_tokens + (args.turns - 1) * args.tool_tokens
-    from hybridflow.agents.bench import SimpleArgs
-    from hybridflow.engine.bench_cli import engine_options
+    from hybridflow.bench.agent import SimpleArgs
+    from hybridflow.bench.cli import engine_options
 
     engine = Engine(model, max_batch_size=args.episodes, max_seq_len=length,
                     options=engine_options(SimpleArgs(args.engine)))  # fmt: skip

@@ -22,8 +22,8 @@ import time
 
 import torch
 
+from hybridflow.bench.cli import make_prompts, parse_engine_settings
 from hybridflow.engine import Engine, EngineOptions, SamplingParams
-from hybridflow.engine.bench_cli import make_prompts, parse_engine_settings
 from hybridflow.models import load_model
 
 

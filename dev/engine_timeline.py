@@ -20,8 +20,9 @@ import time
 
 import torch
 
-from hybridflow.engine import Engine, EngineOptions, SamplingParams, scheduler
-from hybridflow.engine.bench_cli import make_prompts, parse_engine_settings
+from hybridflow.bench.cli import make_prompts, parse_engine_settings
+from hybridflow.engine import Engine, EngineOptions, SamplingParams
+from hybridflow.engine.scheduling import scheduler
 from hybridflow.models import load_model
 
 # Host phases marked in the trace (record_function around these scheduler.Scheduler methods).

@@ -78,9 +78,9 @@ def workload(args, vocab: int):
 
 
 def update_floor(args, device: torch.device) -> float | None:
-    from hybridflow.trainer.metrics import peak_flops_per_gpu
-    from hybridflow.trainer.preflight import model_architecture
-    from hybridflow.trainer.stage_floors import StepShape, forward_floor
+    from hybridflow.trainer.lifecycle.preflight import model_architecture
+    from hybridflow.trainer.observe.metrics import peak_flops_per_gpu
+    from hybridflow.trainer.plan.stage_floors import StepShape, forward_floor
 
     peak = peak_flops_per_gpu(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     if peak is None:

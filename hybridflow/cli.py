@@ -33,7 +33,7 @@ EXTRAS = {
 # Subcommands whose parsers their own modules add: (name, module, adder, help).
 PACKAGE_SUBCOMMANDS = (
     ("data", "hybridflow.data.cli", "add_data_subcommand", "prepare and check prompt data files"),
-    ("bench", "hybridflow.engine.bench_cli", "add_bench_subcommand", "benchmarks"),
+    ("bench", "hybridflow.bench.cli", "add_bench_subcommand", "benchmarks"),
     ("serve", "hybridflow.serve.cli", "add_serve_subcommand", "serve a model with the OpenAI API"),
     ("report", "hybridflow.report.cli", "add_report_subcommand", "plots of runs as one HTML page"),
 )
@@ -135,10 +135,10 @@ def cmd_config(args) -> int:
 
     cfg = _load(args)
     if args.action == "plan":  # GPU memory, item by item, before any model loads
-        plan_command = import_for("config", "hybridflow.trainer.plan_command")
+        plan_command = import_for("config", "hybridflow.trainer.plan.plan_command")
         return plan_command.plan_command(cfg, args.gpu_memory)
     if args.action == "validate":  # everything `train` checks before it loads a model
-        import_for("config", "hybridflow.trainer.preflight").check_run(cfg)
+        import_for("config", "hybridflow.trainer.lifecycle.preflight").check_run(cfg)
         print("config OK")
         return 0
     _print_config(cfg, validate(cfg))  # show
@@ -179,9 +179,9 @@ def _print_config(cfg, derived) -> None:
 def _run_trainer(kind: str, args) -> int:
     cfg = _load(args)
     if kind == "train":
-        import_for("train", "hybridflow.trainer.run").train(cfg)
+        import_for("train", "hybridflow.trainer.lifecycle.run").train(cfg)
     else:
-        import_for("sft", "hybridflow.trainer.sft_loop").sft_main(cfg)
+        import_for("sft", "hybridflow.trainer.loop.sft_loop").sft_main(cfg)
     return 0
 
 
@@ -189,9 +189,9 @@ def cmd_export(args) -> int:
     import shutil
     from pathlib import Path
 
-    from hybridflow.trainer.stop import StopRequest
+    from hybridflow.trainer.lifecycle.stop import StopRequest
 
-    export = import_for("export", "hybridflow.trainer.export")
+    export = import_for("export", "hybridflow.trainer.lifecycle.export")
     out = Path(args.out)
     export.check_export_target(out, overwrite=args.overwrite)
     existed = out.exists()

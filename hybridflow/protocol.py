@@ -17,7 +17,7 @@ A rollout batch (``RolloutWorker.generate``) carries, per response token [B, R]:
 engine's log-prob of the token under the weights that sampled it: the behaviour policy of
 the importance weights) and ``token_versions`` (int64, the policy version that sampled the
 token, -1 after the end; with partial rollouts one sample may span two versions:
-hybridflow/trainer/staleness.py).
+hybridflow/trainer/loop/staleness.py).
 
 Pickling writes each tensor's own bytes once (a slice of a large tensor does not drag the
 whole storage along, as ``pickle`` of a plain tensor view does), so a pickled Batch is about

@@ -88,7 +88,7 @@ def test_every_subcommand_listed():
     "command, module, missing, argv",
     [
         ("data", "hybridflow.data.cli", "pyarrow", ["data", "check", "x.parquet"]),
-        ("bench", "hybridflow.engine.bench_cli", "triton", ["bench", "rollout", "--help"]),
+        ("bench", "hybridflow.bench.cli", "triton", ["bench", "rollout", "--help"]),
     ],
 )
 def test_subcommand_whose_module_fails_to_import_stays_listed_and_says_why(
@@ -106,10 +106,12 @@ def test_subcommand_whose_module_fails_to_import_stays_listed_and_says_why(
 
 
 def test_train_whose_module_is_broken_exits_2_naming_it(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "hybridflow.trainer.run", None)  # a broken install
+    monkeypatch.setitem(sys.modules, "hybridflow.trainer.lifecycle.run", None)  # a broken install
     assert main(["train"]) == 2
     err = capsys.readouterr().err
-    assert "hybridflow.trainer.run" in err and "reinstall" in err and "Traceback" not in err
+    assert (
+        "hybridflow.trainer.lifecycle.run" in err and "reinstall" in err and "Traceback" not in err
+    )
 
 
 def test_unknown_arguments_still_rejected(capsys):

@@ -24,8 +24,8 @@ GOOD_ROW = {
 @pytest.fixture
 def no_model_loading(monkeypatch):
     """Fails the test if the run gets as far as loading a model or starting workers."""
-    import hybridflow.trainer.roles as roles
-    import hybridflow.trainer.warm_start as warm_start
+    import hybridflow.trainer.loop.roles as roles
+    import hybridflow.trainer.loop.warm_start as warm_start
 
     def loaded(*args, **kwargs):
         raise AssertionError("a model was loaded before the error was found")

@@ -241,7 +241,7 @@ def test_fp8_rollout_needs_a_gpu_and_a_layer_that_reads_fp8():
 
 
 def test_fp8_rollout_turns_truncated_importance_sampling_on_unless_set():
-    from hybridflow.trainer.run import async_defaults
+    from hybridflow.trainer.lifecycle.run import async_defaults
 
     said = []
     cfg = async_defaults(load_config(None, ["rollout.dtype=fp8"]), said.append)

@@ -10,7 +10,7 @@ import pytest
 from example_helpers import command_overrides
 
 from hybridflow.config import load_config, validate
-from hybridflow.trainer import memory_check as mc
+from hybridflow.trainer.plan import memory_check as mc
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
 

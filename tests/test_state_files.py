@@ -17,7 +17,11 @@ import torch
 from hybridflow.cli import main
 from hybridflow.errors import UserError
 from hybridflow.state_files import check_dcp_metadata, load_state_file
-from hybridflow.trainer.checkpoint import load_rng_state, restore_rng_state, save_rng_state
+from hybridflow.trainer.lifecycle.checkpoint import (
+    load_rng_state,
+    restore_rng_state,
+    save_rng_state,
+)
 
 sys.path.insert(0, str(Path(__file__).parent / "trainer"))
 from crafted_checkpoints import (  # noqa: E402
@@ -92,7 +96,7 @@ def test_metadata_globals_are_allowed_by_exact_name_only(tmp_path, module, name)
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from hybridflow.trainer.run import train
+    from hybridflow.trainer.lifecycle.run import train
 
     root = tmp_path_factory.mktemp("ckpt")
     train(tiny_config(root, "trainer.total_steps=1"), log=lambda *a: None)
@@ -149,7 +153,7 @@ def test_export_of_a_planted_checkpoint_exits_2_without_running_it(
 def test_resume_from_a_planted_trainer_state_does_not_run_it(checkpoint, tmp_path):
     import shutil
 
-    from hybridflow.trainer.run import train
+    from hybridflow.trainer.lifecycle.run import train
 
     run_dir = tmp_path / "run" / "checkpoints"
     shutil.copytree(checkpoint, run_dir / "step_1")

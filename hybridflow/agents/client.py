@@ -10,7 +10,7 @@ sampling settings and seed (so it samples what it would alone), and its task res
 finishes, while tools keep running on the event loop.
 
 Sessions: the turns of one conversation name the same `session`; each turn's KV stays in its
-slot (kept KV, engine/kept.py), so the next turn prefills only the tokens added since (the
+slot (kept KV, engine/scheduling/kept.py), so the next turn prefills only the tokens added since (the
 tool's result), and `close_session` gives the slot back.
 """
 
@@ -24,7 +24,7 @@ class EngineClient:
     one (and then stops it at close())."""
 
     def __init__(self, engine):
-        from hybridflow.engine.service import RolloutService
+        from hybridflow.engine.serving.service import RolloutService
 
         self.engine = engine
         self._owns_service = engine.service is None

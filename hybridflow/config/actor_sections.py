@@ -32,7 +32,7 @@ class ActorConfig:
     """Token budget per micro-batch (dynamic batching of packed sequences). None: off. auto:
     the memory plan picks it on a GPU of known size: the most tokens (up to 65,536) whose
     update fits, without gradient checkpointing when model.gradient_checkpointing=auto and
-    16,384 or more fit so (trainer/memory_choices.py says why); elsewhere 16,384 (at least
+    16,384 or more fit so (trainer/plan/memory_choices.py says why); elsewhere 16,384 (at least
     one whole sequence)."""
     log_prob_max_tokens_per_gpu: int | None = None
     """Token budget per micro-batch of the old-log-prob pass (a forward without autograd,

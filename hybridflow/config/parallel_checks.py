@@ -26,8 +26,8 @@ Add = Callable[[str], None]
 
 SUPPORTED_LAYOUTS: frozenset[tuple[str, str]] = frozenset(
     {(role, dim) for role in ("actor", "ref", "critic") for dim in ("sp", "tp")}
-    # learners/sequence_shard.py, models/tensor_parallel.py
-    | {("actor", "ep"), ("ref", "ep")}  # learners/expert_shard.py
+    # learners/sharding/sequence_shard.py, models/tensor_parallel.py
+    | {("actor", "ep"), ("ref", "ep")}  # learners/sharding/expert_shard.py
     | {("rollout", "tp"), ("rollout", "ep")}  # engine/tensor_parallel.py, engine/reshard.py
 )
 """(role, dimension) pairs whose code path exists, so a size > 1 runs. A pair joins this set
@@ -85,7 +85,7 @@ def not_built_with_tensor_parallel(
 def not_built_with_expert_parallel(
     cfg: Config, sizes: list[RoleSize], in_use: set[str]
 ) -> list[str]:
-    """Offloading to the host has no expert-parallel path yet (learners/expert_shard.py: the
+    """Offloading to the host has no expert-parallel path yet (learners/sharding/expert_shard.py: the
     experts' shards stay on the GPU)."""
     offloads = {"actor": [("actor.param_offload", cfg.actor.param_offload),
                           ("actor.optimizer_offload", cfg.actor.optimizer_offload)],

@@ -24,7 +24,7 @@ from hybridflow.config.reward_section import (  # noqa: F401 (this module's name
 )
 from hybridflow.config.rollout_section import RolloutConfig
 from hybridflow.errors import UserError
-from hybridflow.trainer.profile_options import ProfileOptions
+from hybridflow.trainer.observe.profile_options import ProfileOptions
 
 if TYPE_CHECKING:
     from hybridflow.parallel.roles import RoleLayouts
@@ -198,7 +198,7 @@ class TrainerConfig:
     made at the first save and reused until the run ends. false: training waits for the
     files (docs/troubleshooting.md). null: on, unless that copy would take over a quarter of
     the host's memory or actor.optimizer_offload holds the state there already
-    (trainer/save_policy.py)."""
+    (trainer/lifecycle/save_policy.py)."""
     test_freq: int = 10
     """Validate every k steps (0: only before and after training)."""
     val_before_train: bool = True
@@ -209,14 +209,14 @@ class TrainerConfig:
     """console | jsonl | tensorboard | wandb."""
     rollout_data_dir: str | None = None
     """Write each step's samples to ``<dir>/<step>.jsonl`` (verl's format: one line a sample
-    with its input, output, gts and score text and the step; trainer/rollout_dump.py).
+    with its input, output, gts and score text and the step; trainer/observe/rollout_dump.py).
     None: nothing is written."""
     progress_interval_s: float = 10.0
     """Output that is not a terminal (log files, CI): after this many seconds without output,
     a line says what the run is doing (a terminal shows progress bars instead)."""
     profile: ProfileOptions = field(default_factory=ProfileOptions)
     """Profile chosen steps: trainer.profile.steps=[2] trainer.profile.tool=torch|nvtx (every
-    field documented in hybridflow/trainer/profile_options.py; docs/observability.md)."""
+    field documented in hybridflow/trainer/observe/profile_options.py; docs/observability.md)."""
     project_name: str = "hybridflow"
     """Project name for W&B / TensorBoard."""
     experiment_name: str = "demo"
@@ -225,7 +225,7 @@ class TrainerConfig:
     """Timeout of each remote call on a worker group (and of each wait of the async mode)."""
     mode: str = "sync"
     """sync: each step generates its rollouts, then trains. async: the next steps' rollouts
-    are generated while this one trains (trainer/async_rollout.py; docs/async.md)."""
+    are generated while this one trains (trainer/loop/async_rollout.py; docs/async.md)."""
     max_staleness: int = 1
     """async: policy versions a batch may lag the one it trains (0: exactly the sync run).
     With partial_rollout, a sample's lag is that of its oldest token."""
@@ -242,7 +242,7 @@ class TrainerConfig:
     are on this host, so the default keeps the store off the network."""
     gpu_memory_gib: float | None = None
     """Memory of one GPU (GiB) that the memory plan checks the run against before any model
-    loads (trainer/memory_check.py); None: the first visible GPU's, and no check on a machine
+    loads (trainer/plan/memory_check.py); None: the first visible GPU's, and no check on a machine
     without one. Set it to plan a GPU run from a CPU-only machine, or to leave room for
     another process on the GPU."""
     cpu_threads: int | None = 1

@@ -15,7 +15,7 @@ from hybridflow.model_config_values import directory_config_problems
 from hybridflow.parallel.roles import RoleLayouts, sizes_of
 
 LOGGER_NAMES = ("console", "jsonl", "tensorboard", "wandb")
-"""trainer.loggers choices (trainer/loggers.py implements them)."""
+"""trainer.loggers choices (trainer/observe/loggers.py implements them)."""
 
 MAX_GPU_MEMORY_GIB = 2**20
 """The largest trainer.gpu_memory_gib taken (1 PiB, far past any GPU): the plan works in

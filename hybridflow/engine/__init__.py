@@ -12,10 +12,10 @@ _EXPORTS = {
     "Completion": "hybridflow.engine.engine",
     "Engine": "hybridflow.engine.engine",
     "EngineOptions": "hybridflow.engine.options",
-    "RequestHandle": "hybridflow.engine.handles",
-    "RolloutService": "hybridflow.engine.service",
+    "RequestHandle": "hybridflow.engine.serving.handles",
+    "RolloutService": "hybridflow.engine.serving.service",
     "SamplingParams": "hybridflow.engine.sampling",
-    "TokenDelta": "hybridflow.engine.handles",
+    "TokenDelta": "hybridflow.engine.serving.handles",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -20,7 +20,7 @@ from contextlib import nullcontext
 
 import torch
 
-from hybridflow.engine import kv_cache
+from hybridflow.engine.cache import kv_cache
 from hybridflow.engine.choices import (
     PinnedChoices,
     load_engine_choices,
@@ -31,7 +31,6 @@ from hybridflow.engine.choices import (
 )
 from hybridflow.engine.graphs import DecodeRunner
 from hybridflow.engine.host import cyclic_gc_paused
-from hybridflow.engine.kept import KeptKV
 from hybridflow.engine.kernels.launch import PLAIN
 from hybridflow.engine.options import EngineOptions
 from hybridflow.engine.prefill import RopeTable, extend_forward, prefill_forward
@@ -42,7 +41,8 @@ from hybridflow.engine.requests import (
     padded_tensors,
 )
 from hybridflow.engine.sampling import SamplingParams, call_seeds
-from hybridflow.engine.scheduler import Scheduler
+from hybridflow.engine.scheduling.kept import KeptKV
+from hybridflow.engine.scheduling.scheduler import Scheduler
 from hybridflow.engine.state import DecodeState
 from hybridflow.engine.weights import FusedProjections, copy_named_tensors
 

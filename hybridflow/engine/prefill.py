@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from hybridflow.engine.cache.kv_cache import KVCache
 from hybridflow.engine.kernels.launch import PLAIN, Launch
-from hybridflow.engine.kv_cache import KVCache
 from hybridflow.engine.weights import FusedProjections
 from hybridflow.models.attention import make_packed_attention, resolve_backend
 from hybridflow.models.rope import rope_cos_sin

@@ -24,12 +24,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridflow.learners.expert_shard import (
-    check_expert_options,
-    distribute_experts,
-    reduce_expert_grads,
-    shard_experts,
-)
 from hybridflow.learners.host_optimizer import (
     BUCKET_ELEMENTS,
     HostAdamW,
@@ -50,8 +44,14 @@ from hybridflow.learners.sharded_checkpoint import (
     role_barrier,
     save_checkpoint,
 )
+from hybridflow.learners.sharding.expert_shard import (
+    check_expert_options,
+    distribute_experts,
+    reduce_expert_grads,
+    shard_experts,
+)
+from hybridflow.learners.sharding.train_groups import TrainGroups, distributed_on
 from hybridflow.learners.state_writer import StateWriter
-from hybridflow.learners.train_groups import TrainGroups, distributed_on
 
 if TYPE_CHECKING:
     from hybridflow.parallel import RoleMesh
@@ -95,7 +95,7 @@ class TrainCore:
             torch.cuda.set_device(self.device)
         self.groups = TrainGroups.of(mesh, dp_group)
         self.expert_params: list[nn.Parameter] = []
-        self.experts_sharded = False  # FSDP2 over expert_fsdp (learners/expert_shard.py)
+        self.experts_sharded = False  # FSDP2 over expert_fsdp (learners/sharding/expert_shard.py)
         if self.groups.expert is not None:
             check_expert_options(optimizer_offload=optimizer_offload, param_offload=param_offload)
             self.expert_params = distribute_experts(module.lm, mesh)
@@ -159,7 +159,7 @@ class TrainCore:
             )
         if self.param_offload:
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
-        if self.expert_params:  # split over the EP group (learners/expert_shard.py)
+        if self.expert_params:  # split over the EP group (learners/sharding/expert_shard.py)
             self.experts_sharded = shard_experts(module.lm, self.groups.mesh, options)
             if not self.experts_sharded:
                 options["ignored_params"] = set(self.expert_params)
@@ -276,7 +276,7 @@ class TrainCore:
 
     def finish_gradients(self) -> None:
         """After the last backward of a mini-batch: the experts' gradients reduced as FSDP
-        reduces the others' (learners/expert_shard.py). No-op without expert parallelism."""
+        reduces the others' (learners/sharding/expert_shard.py). No-op without expert parallelism."""
         if self.expert_params and not self.experts_sharded:
             reduce_expert_grads(self.expert_params, self.groups.shard_size)
 

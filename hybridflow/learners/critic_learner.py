@@ -21,9 +21,9 @@ from hybridflow.learners.metric_sums import MetricSums
 from hybridflow.learners.modules import ValueModel
 from hybridflow.learners.packing import PackedRows, to_device
 from hybridflow.learners.response_forward import check_keys, forward_response_tokens
-from hybridflow.learners.shared_rows import gather_rows, own_rows
+from hybridflow.learners.sharding.shared_rows import gather_rows, own_rows
+from hybridflow.learners.sharding.train_groups import sequence_group_of
 from hybridflow.learners.step import accumulate_and_step, mini_batch_count, mini_batch_plan
-from hybridflow.learners.train_groups import sequence_group_of
 from hybridflow.protocol import Batch
 
 if TYPE_CHECKING:

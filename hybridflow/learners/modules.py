@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridflow.learners.packing import PackedRows
-from hybridflow.learners.sequence_shard import OutputShard, sharded_hidden
+from hybridflow.learners.sharding.sequence_shard import OutputShard, sharded_hidden
 from hybridflow.models.logprobs import logprobs_from_hidden
 from hybridflow.models.tensor_parallel import vocab_shard
 from hybridflow.models.vocab_parallel import vocab_parallel_logprobs
@@ -32,7 +32,7 @@ class PolicyModel(nn.Module):
 
     replay_routes: a mixture of experts routes each token to the experts in
     ``packed.routed_experts`` when it has them (actor.router_replay=rollout).
-    sequence_group: Ulysses sequence parallelism over this group (learners/sequence_shard.py);
+    sequence_group: Ulysses sequence parallelism over this group (learners/sharding/sequence_shard.py);
     every rank of it gets the same packed rows and returns the same outputs.
     fused_head: the fused log-prob head (model.fused_logprob_head, models/fused_head.py)."""
 

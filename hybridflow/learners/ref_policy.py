@@ -20,8 +20,8 @@ from hybridflow.learners.actor_learner import ActorLearner, compile_layers
 from hybridflow.learners.core import TrainCore
 from hybridflow.learners.modules import PolicyModel
 from hybridflow.learners.response_forward import forward_response_tokens
-from hybridflow.learners.shared_rows import gather_rows, own_rows
-from hybridflow.learners.train_groups import sequence_group_of
+from hybridflow.learners.sharding.shared_rows import gather_rows, own_rows
+from hybridflow.learners.sharding.train_groups import sequence_group_of
 from hybridflow.protocol import Batch
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from torch import nn
 
 from hybridflow.learners.host_optimizer import offloaded_state_dicts, restore_loaded
 from hybridflow.learners.optim import apply_hyperparameters, hyperparameters
-from hybridflow.learners.train_groups import TrainGroups, distributed_on, distributed_world
+from hybridflow.learners.sharding.train_groups import TrainGroups, distributed_on, distributed_world
 
 if TYPE_CHECKING:
     from hybridflow.learners.core import TrainCore

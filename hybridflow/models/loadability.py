@@ -4,7 +4,7 @@
 config.json (it must parse as a JSON object) and its architecture (one our decoder
 implements, else one transformers builds as a causal LM); for our decoder, the safetensors
 headers must hold every tensor it needs, in its shape. That the weight files are complete and
-the tokenizer files present is checked beside this, in trainer/preflight.py.
+the tokenizer files present is checked beside this, in trainer/lifecycle/preflight.py.
 """
 
 from __future__ import annotations

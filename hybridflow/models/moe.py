@@ -268,7 +268,7 @@ class Experts(nn.Module):
     """HF's ``mlp.experts``: every expert's projections stacked on a leading expert axis.
 
     ``forward`` runs the routed tokens through them, so that a wrapper of this module (FSDP2
-    sharding the experts over the ranks that hold the same ones, learners/expert_shard.py)
+    sharding the experts over the ranks that hold the same ones, learners/sharding/expert_shard.py)
     sees its parameters used inside its own call."""
 
     def __init__(self, num_experts: int, hidden_size: int, inner: int):

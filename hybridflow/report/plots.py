@@ -3,7 +3,7 @@
 Each plot is a function of the runs that returns PNG bytes; every run has one colour in
 every plot, and a metric no run logged leaves its panel with a note saying which keys it
 looks for (e.g. ``actor/entropy`` is not computed when the on-policy shortcut skips the
-old-log-prob pass). Key names: hybridflow/trainer/metrics.py.
+old-log-prob pass). Key names: hybridflow/trainer/observe/metrics.py.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ RUN_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", 
 LINE_STYLES = ("-", "--", ":", "-.")
 PANEL_SIZE = (4.2, 2.9)  # inches per panel; 100 dpi keeps a PNG around 30 kB
 DPI = 100
-# Stages in the order the RL loop runs them (trainer/rl_loop.py); others follow.
+# Stages in the order the RL loop runs them (trainer/loop/rl_loop.py); others follow.
 STAGE_ORDER = ("gen", "gen_baseline", "reward", "old_logprob", "ref", "values", "adv",
                "update_critic", "update_actor", "sync_weights", "validation", "save_checkpoint",
                "wait_checkpoint")  # fmt: skip
-# Stages the RL loop times outside timing_s/step (trainer/rl_loop.py: after the step, or
+# Stages the RL loop times outside timing_s/step (trainer/loop/rl_loop.py: after the step, or
 # before it for a rollout from the asynchronous producer)
 OUTSIDE_STEP = ("validation", "save_checkpoint", "wait_checkpoint", "wait_rollout")
 VALIDATION_KEY = re.compile(r"^val/(?P<source>.+)/(?P<kind>mean|maj|best)@(?P<n>\d+)$")

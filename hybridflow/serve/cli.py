@@ -130,7 +130,7 @@ def _check_directory(path: str, flag: str, what: str) -> None:
 
 def tokenizer_files_missing(directory: str) -> str | None:
     """What the directory lacks to be a tokenizer (None: nothing)."""
-    from hybridflow.trainer.preflight import TOKENIZER_FILES
+    from hybridflow.trainer.lifecycle.preflight import TOKENIZER_FILES
 
     if any(os.path.isfile(os.path.join(directory, name)) for name in TOKENIZER_FILES):
         return None
@@ -169,8 +169,8 @@ def build_from_args(args):
     check_paths accepted; UserError, ValueError or OSError for a bad one."""
     import torch
 
+    from hybridflow.bench.cli import parse_engine_settings
     from hybridflow.engine import Engine
-    from hybridflow.engine.bench_cli import parse_engine_settings
     from hybridflow.engine.options import EngineOptions
     from hybridflow.models import load_model
     from hybridflow.serve.app import build_app
@@ -229,7 +229,7 @@ def run_serve_command(args) -> int:
 def take_ctrl_c() -> None:
     """SIGINT stops the server, also when started where it is ignored (``nohup``, ``cmd &``
     in a script: the shell starts background jobs with SIGINT ignored, and Python keeps an
-    inherited SIG_IGN). `hybridflow train` takes SIGINT the same way (trainer/stop.py)."""
+    inherited SIG_IGN). `hybridflow train` takes SIGINT the same way (trainer/lifecycle/stop.py)."""
     import signal
 
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -146,7 +146,7 @@ class RefWorker(Worker):
         model = load_causal_lm(config.ref.path or config.model.path, dtype, self.device)
         mesh = training_mesh(config, "ref", self.world_size, self.device,
                              reuse=actor.learner.core.groups.mesh if actor is not None else None)  # fmt: skip
-        # model.compile's "auto" is resolved at run start (trainer/compile_policy.py)
+        # model.compile's "auto" is resolved at run start (trainer/loop/compile_policy.py)
         self.policy = RefPolicy(model, config.ref, device=self.device, mesh=mesh,
                                 compile=config.model.compile is True,
                                 fused_head=config.model.fused_logprob_head)  # fmt: skip

@@ -38,7 +38,7 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: str) -> nn.Module:
     if path.startswith("sft:"):
         raise ValueError(
             f"model path {path!r} must be resolved to the cached SFT model directory first "
-            "(hybridflow.trainer.warm_start.resolve_model_path)"
+            "(hybridflow.trainer.loop.warm_start.resolve_model_path)"
         )
     from hybridflow.models import load_model
 

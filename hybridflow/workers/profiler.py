@@ -1,7 +1,7 @@
 """Profiling one process: the torch profiler or NVTX ranges, and the role that does it in
 every worker process (``fuse(..., profiler=ProfilerWorker)``).
 
-The trainer (hybridflow/trainer/profiling.py) starts a session in the controller and, through
+The trainer (hybridflow/trainer/observe/profiling.py) starts a session in the controller and, through
 this role, in every worker rank at the start of a profiled step, and stops them at its end.
 Every worker call runs inside a ``record_function`` range named by its path
 (controller/worker.py), so the trace shows which call each kernel belongs to.

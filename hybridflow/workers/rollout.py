@@ -11,7 +11,7 @@ Three ways to get the weights, picked at construction:
   and calls :meth:`RolloutWorker.load_weights`.
 
 Partial rollouts (trainer.partial_rollout, async mode): the engine runs as a RolloutService
-(hybridflow/engine/service.py) on its own thread. ``start_generate`` hands a batch to it and
+(hybridflow/engine/serving/service.py) on its own thread. ``start_generate`` hands a batch to it and
 returns; ``generated`` waits a short while for the result, so the weight sync of a training
 step (a call on this same worker) gets in between and lands between two decode chunks of
 the requests in flight: their later tokens record the new version (``token_versions``).
@@ -84,7 +84,7 @@ class RolloutWorker(Worker):
         self.service = None  # partial rollouts: the engine serves from its own thread
         self.in_flight: dict[int, Future] = {}  # start_generate's ticket -> its result
         if partial:
-            from hybridflow.engine.service import RolloutService
+            from hybridflow.engine.serving.service import RolloutService
 
             self.service = RolloutService(self.engine)
         self._agent_loop = None  # built at the first agent rollout (rollout.agent.loop)
@@ -308,7 +308,7 @@ class RolloutWorker(Worker):
         records = [c.routed_experts for c in results]
         # the experts each token went through (a dense model has none: nothing to replay)
         if self.config.actor.router_replay == "rollout" and any(r is not None for r in records):
-            from hybridflow.engine.routes import padded_routes
+            from hybridflow.engine.scheduling.routes import padded_routes
 
             prompt_lengths = [len(ids) for ids in prompt_ids for _ in range(params.n)]
             tensors["routed_experts"] = padded_routes(

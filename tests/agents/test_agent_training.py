@@ -14,8 +14,8 @@ import pytest
 from trainer.trainer_helpers import read_metrics, tiny_config
 
 from hybridflow.agents import client as client_module
-from hybridflow.trainer import evaluation, stages
-from hybridflow.trainer.run import train
+from hybridflow.trainer.lifecycle.run import train
+from hybridflow.trainer.loop import evaluation, stages
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
 

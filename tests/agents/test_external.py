@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from trainer.trainer_helpers import read_metrics, tiny_config
 
-from hybridflow.trainer import evaluation, stages
-from hybridflow.trainer.run import train
+from hybridflow.trainer.lifecycle.run import train
+from hybridflow.trainer.loop import evaluation, stages
 
 pytest.importorskip("openai")
 pytest.importorskip("aiohttp")

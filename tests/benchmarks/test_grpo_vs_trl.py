@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from benchmark_run import run_benchmark
 
+from hybridflow.bench.grpo_steps import bench_config
 from hybridflow.config import validate
-from hybridflow.trainer.grpo_bench import bench_config
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -90,7 +90,7 @@ def test_a_tensor_parallel_rollout_of_experts_splits_them_or_holds_them_whole():
 
 @pytest.mark.parametrize("dim", ["sequence", "tensor"])
 def test_sequence_and_tensor_parallel_training_roles_are_accepted(dim):
-    """Ulysses (learners/sequence_shard.py) and tensor parallelism (models/tensor_parallel.py)
+    """Ulysses (learners/sharding/sequence_shard.py) and tensor parallelism (models/tensor_parallel.py)
     run for the actor, the reference and the critic."""
     derived = validate(load_config(None, [*FOUR_CPUS, f"actor.{dim}_parallel_size=2",
                                           "actor.use_kl_loss=true", "algorithm.adv_estimator=gae"]))  # fmt: skip
@@ -100,7 +100,7 @@ def test_sequence_and_tensor_parallel_training_roles_are_accepted(dim):
 
 
 def test_expert_parallel_actor_and_reference_are_accepted_rollout_beyond_its_tp_refused():
-    """Expert parallelism trains the actor and runs the reference (learners/expert_shard.py);
+    """Expert parallelism trains the actor and runs the reference (learners/sharding/expert_shard.py);
     the rollout splits experts over its tensor-parallel ranks only."""
     moe = [*FOUR_CPUS, "model.path=tiny-moe", "actor.use_kl_loss=true"]
     derived = validate(load_config(None, [*moe, "actor.expert_parallel_size=2"]))

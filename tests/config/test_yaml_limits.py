@@ -82,7 +82,7 @@ def test_a_checkpoints_config_file_is_read_with_the_same_bounds(tmp_path):
     """config.yaml inside a checkpoint (resume, export) and a run directory's (report) may be
     crafted too: the same bounds hold there, and report skips such a file."""
     from hybridflow.report.runs import read_config as report_config
-    from hybridflow.trainer.run_state import check_config_changes, read_run_config
+    from hybridflow.trainer.lifecycle.run_state import check_config_changes, read_run_config
 
     checkpoint = tmp_path / "checkpoints" / "step_1"
     checkpoint.mkdir(parents=True)

@@ -247,7 +247,7 @@ def test_one_new_token_per_request(model):
 def test_cyclic_gc_is_paused_inside_generate_and_restored(model, monkeypatch):
     import gc
 
-    from hybridflow.engine import scheduler as loop_module
+    from hybridflow.engine.scheduling import scheduler as loop_module
 
     seen = []
     run = loop_module.Scheduler.run

@@ -74,7 +74,7 @@ def test_kept_kv_turns_in_bf16_continue_as_a_full_prefill_would():
 def test_flash_extend_matches_decode_rows_in_bf16():
     import dataclasses
 
-    from hybridflow.engine.kv_cache import allocate_cache
+    from hybridflow.engine.cache.kv_cache import allocate_cache
     from hybridflow.models import build_model
     from hybridflow.models.presets import preset_config
 
@@ -120,7 +120,7 @@ def test_mixed_forward_runs_decode_rows_and_flash_chunks_as_all_decode_rows_in_b
     decode row; both kernels ran."""
     import dataclasses
 
-    from hybridflow.engine.kv_cache import allocate_cache
+    from hybridflow.engine.cache.kv_cache import allocate_cache
     from hybridflow.models import build_model
     from hybridflow.models.presets import preset_config
 

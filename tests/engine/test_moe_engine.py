@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hybridflow.engine import Engine, EngineOptions, SamplingParams
-from hybridflow.engine.routes import padded_routes
+from hybridflow.engine.scheduling.routes import padded_routes
 from hybridflow.models import build_model
 from hybridflow.models.presets import preset_config
 

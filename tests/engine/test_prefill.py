@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.engine.kv_cache import allocate_cache
+from hybridflow.engine.cache.kv_cache import allocate_cache
 from hybridflow.engine.prefill import RopeTable, prefill_forward
 from hybridflow.models import build_model
 from hybridflow.models.presets import preset_config

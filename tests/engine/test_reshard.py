@@ -129,11 +129,11 @@ def _from_fsdp_experts() -> None:
 
 def _from_expert_shards(world: int) -> None:
     """tiny-moe trained expert-parallel (EP = 2 over 4 ranks: each expert on the 2 ranks of
-    its expert_fsdp group, FSDP2-sharded over them, learners/expert_shard.py) into rollout
+    its expert_fsdp group, FSDP2-sharded over them, learners/sharding/expert_shard.py) into rollout
     TP 2 with the experts split: the 2-D expert shards reshard like any block."""
     from torch.distributed.fsdp import fully_shard
 
-    from hybridflow.learners.expert_shard import distribute_experts, shard_experts
+    from hybridflow.learners.sharding.expert_shard import distribute_experts, shard_experts
 
     train, rollout = train_layout(world, ep=2), rollout_layout(world, tp=2)
     model = build_model(preset_config("tiny-moe"), seed=3)

@@ -9,9 +9,9 @@ from hybridflow.config import load_config
 from hybridflow.models import build_model
 from hybridflow.models.plan_shapes import shape_of
 from hybridflow.models.presets import PRESETS
-from hybridflow.trainer import parallel_plan as pp
-from hybridflow.trainer.memory_rollout import kv_slot_bytes
-from hybridflow.trainer.plan_command import plan_command
+from hybridflow.trainer.plan import parallel_plan as pp
+from hybridflow.trainer.plan.memory_rollout import kv_slot_bytes
+from hybridflow.trainer.plan.plan_command import plan_command
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,7 @@ def test_engine_runs_a_hybrid_model_on_its_slow_path_with_the_models_tokens():
 
 
 def test_grpo_on_tiny_hybrid_completes_two_steps(tmp_path):
-    from hybridflow.trainer.run import train
+    from hybridflow.trainer.lifecycle.run import train
 
     cfg = load_config(None, [
         "model.path=tiny-hybrid", "data.train_batch_size=4", "data.builtin_train_size=16",

@@ -9,9 +9,9 @@ from hybridflow.config import load_config
 from hybridflow.models import build_model
 from hybridflow.models.plan_shapes import shape_of
 from hybridflow.models.presets import PRESETS
-from hybridflow.trainer import parallel_plan as pp
-from hybridflow.trainer.memory_rollout import kv_slot_bytes
-from hybridflow.trainer.plan_command import plan_command
+from hybridflow.trainer.plan import parallel_plan as pp
+from hybridflow.trainer.plan.memory_rollout import kv_slot_bytes
+from hybridflow.trainer.plan.plan_command import plan_command
 from tests.models.mla_moe_helpers import deepseek_transformers, gpt_oss_transformers
 
 
@@ -72,7 +72,7 @@ def test_config_plan_knows_a_directory_of_each_family(tmp_path, write):
 
 
 def test_mla_activations_count_the_expanded_heads_and_the_shared_experts():
-    from hybridflow.trainer.memory_activations import layer_activation_elements
+    from hybridflow.trainer.plan.memory_activations import layer_activation_elements
 
     v3 = PRESETS["deepseek-v3"]
     q = 128 * 192

@@ -49,7 +49,7 @@ def test_engine_tokens_and_routes_are_the_models(preset):
     ("tiny-gpt-oss", []),
 ])  # fmt: skip
 def test_grpo_with_routing_replay_completes_two_steps(tmp_path, preset, extra):
-    from hybridflow.trainer.run import train
+    from hybridflow.trainer.lifecycle.run import train
 
     cfg = load_config(None, [
         f"model.path={preset}", "data.train_batch_size=4", "data.builtin_train_size=16",

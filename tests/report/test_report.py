@@ -48,7 +48,7 @@ def test_config_differences_name_the_dotted_keys_that_differ():
 def two_runs(tmp_path_factory):
     """Two 2-step CPU runs that differ in actor.lr (a few seconds each)."""
     from hybridflow.progress import quiet_reporter
-    from hybridflow.trainer.run import train
+    from hybridflow.trainer.lifecycle.run import train
 
     root = tmp_path_factory.mktemp("runs")
     dirs = []

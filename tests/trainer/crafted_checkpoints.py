@@ -73,7 +73,7 @@ def point_entry_at(actor: Path, fqn_prefix: str, relative_path: str) -> None:
 def reseal(step_dir: Path) -> None:
     """Make metadata.json list the files as they are now (sizes and checksums), as an
     attacker who knows the format would."""
-    from hybridflow.trainer.checkpoint_files import checksums, file_sizes
+    from hybridflow.trainer.lifecycle.checkpoint_files import checksums, file_sizes
 
     info = json.loads((step_dir / "metadata.json").read_text())
     files = file_sizes(step_dir)

@@ -9,9 +9,9 @@ import pytest
 import torch
 from trainer_helpers import read_metrics, tiny_config
 
-from hybridflow.trainer.metrics import Timer
-from hybridflow.trainer.run import setup, train
-from hybridflow.trainer.stages import collect_rollouts, rewards_and_advantages
+from hybridflow.trainer.lifecycle.run import setup, train
+from hybridflow.trainer.loop.stages import collect_rollouts, rewards_and_advantages
+from hybridflow.trainer.observe.metrics import Timer
 
 STEP_STAGES = ("gen", "gen_baseline", "reward", "old_logprob", "ref", "values", "adv",
                "update_critic", "update_actor", "sync_weights")  # fmt: skip

@@ -11,7 +11,7 @@ from test_async import _comparable, _run
 from test_partial_rollout import PARTIAL, _trained_batches
 from trainer_helpers import read_metrics, tiny_config
 
-from hybridflow.trainer.run import train
+from hybridflow.trainer.lifecycle.run import train
 
 
 @pytest.fixture(scope="module", autouse=True)

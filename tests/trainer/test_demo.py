@@ -7,7 +7,7 @@ import pytest
 from trainer_helpers import read_metrics
 
 from hybridflow.config import load_config
-from hybridflow.trainer.run import train
+from hybridflow.trainer.lifecycle.run import train
 
 SHORT_DEMO = [
     # the warm start: a ~0.1M-parameter model to 30% greedy accuracy (about 325 SFT steps)

@@ -9,7 +9,7 @@ import json
 import pytest
 from trainer_helpers import tiny_config
 
-from hybridflow.trainer.run import train
+from hybridflow.trainer.lifecycle.run import train
 
 GOOD_ROW = {
     "data_source": "arithmetic",

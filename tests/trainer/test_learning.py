@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from trainer_helpers import read_metrics, tiny_config
 
-from hybridflow.trainer.run import train
+from hybridflow.trainer.lifecycle.run import train
 
 
 def test_grpo_raises_the_reward_of_a_trivial_task(tmp_path, quiet):

@@ -5,7 +5,7 @@ import math
 
 from trainer_helpers import read_metrics, tiny_config
 
-from hybridflow.trainer.run import train
+from hybridflow.trainer.lifecycle.run import train
 
 
 def test_moe_example_replays_the_rollouts_routes_and_learns(tmp_path, quiet):
@@ -45,7 +45,7 @@ def test_recorded_routes_are_the_trainers_own_at_the_same_columns():
     import torch
 
     from hybridflow.engine import Engine, SamplingParams
-    from hybridflow.engine.routes import padded_routes
+    from hybridflow.engine.scheduling.routes import padded_routes
     from hybridflow.learners.packing import pack_rows
     from hybridflow.models import load_model
     from hybridflow.models.moe import NO_ROUTE
@@ -85,7 +85,7 @@ def test_sft_of_a_mixture_of_experts_logs_its_routing_without_a_balancing_loss()
     from hybridflow.config import load_config
     from hybridflow.data.sft_examples import SFTExample
     from hybridflow.models import load_model
-    from hybridflow.trainer.sft_loop import SFTTrainer, examples_to_batch
+    from hybridflow.trainer.loop.sft_loop import SFTTrainer, examples_to_batch
 
     model = load_model("tiny-moe")
     trainer = SFTTrainer(model, load_config(None, []).sft, device="cpu", grad_clip=1.0)

@@ -11,9 +11,9 @@ import torch
 from trainer_helpers import one_step_0_5b, read_metrics
 
 from hybridflow.config import load_config, validate
-from hybridflow.trainer import memory_plan as mp
-from hybridflow.trainer.memory_check import plan_for_config
-from hybridflow.trainer.memory_render import render
+from hybridflow.trainer.plan import memory_plan as mp
+from hybridflow.trainer.plan.memory_check import plan_for_config
+from hybridflow.trainer.plan.memory_render import render
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,7 +33,7 @@ def overrides(run_dir, offload: bool) -> list[str]:
 
 
 def peak_of_one_step(cfg) -> int:
-    from hybridflow.trainer.run import train
+    from hybridflow.trainer.lifecycle.run import train
 
     gc.collect()
     torch.cuda.empty_cache()

@@ -13,7 +13,7 @@ import math
 import pytest
 from trainer_helpers import read_metrics, tiny_config
 
-from hybridflow.trainer.run import train
+from hybridflow.trainer.lifecycle.run import train
 
 # Two mini-batches a step (16 samples, 8 a mini-batch): which samples share one is part of
 # what must match data parallelism.

@@ -10,8 +10,8 @@ from trainer_helpers import read_metrics, tiny_config
 
 from hybridflow.config import ConfigError, validate
 from hybridflow.models import load_tokenizer
-from hybridflow.trainer import roles as roles_module
-from hybridflow.trainer.run import train
+from hybridflow.trainer.lifecycle.run import train
+from hybridflow.trainer.loop import roles as roles_module
 
 NOT_COMPARED = ("timing_s/", "perf/", "async/", "memory/")
 
@@ -72,7 +72,7 @@ def test_a_reward_model_on_devices_of_its_own_scores_as_a_colocated_one(tmp_path
 def test_a_sync_step_scores_beside_the_reference_pass_when_the_reward_model_is_apart(
     tmp_path, reward_model, monkeypatch
 ):
-    from hybridflow.trainer import rl_loop
+    from hybridflow.trainer.loop import rl_loop
 
     beside = []
 

@@ -12,7 +12,7 @@ from trainer_helpers import read_metrics, tiny_config
 from hybridflow.config import ConfigError, validate
 from hybridflow.errors import UserError
 from hybridflow.models import load_tokenizer
-from hybridflow.trainer.run import train
+from hybridflow.trainer.lifecycle.run import train
 
 
 def test_two_steps_with_a_reward_model_and_a_rule_reward(tmp_path, quiet):
@@ -121,7 +121,7 @@ def test_a_judge_behind_an_openai_server_scores_a_run(tmp_path, quiet, monkeypat
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from hybridflow.trainer import rl_loop
+    from hybridflow.trainer.loop import rl_loop
 
     asked, beside = [], []
 

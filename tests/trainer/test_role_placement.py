@@ -8,7 +8,7 @@ import math
 import pytest
 from trainer_helpers import read_metrics, tiny_config
 
-from hybridflow.trainer.run import train
+from hybridflow.trainer.lifecycle.run import train
 
 
 @pytest.mark.parametrize("placement", ["colocate", "split"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from hybridflow.config import load_config
-from hybridflow.trainer.run import summary
+from hybridflow.trainer.lifecycle.run import summary
 
 
 def _run(history):

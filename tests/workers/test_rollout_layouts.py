@@ -15,7 +15,7 @@ import torch
 from hybridflow.config import load_config
 from hybridflow.controller import ResourcePool, WorkerGroup
 from hybridflow.protocol import Batch
-from hybridflow.trainer.stages import rollout_request
+from hybridflow.trainer.loop.stages import rollout_request
 from hybridflow.workers import fused_worker
 
 N = 3

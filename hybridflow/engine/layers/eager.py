@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from hybridflow.engine.kv_cache import KVCache
+from hybridflow.engine.cache.kv_cache import KVCache
 
 if TYPE_CHECKING:
     from hybridflow.engine.prefill import RopeTable

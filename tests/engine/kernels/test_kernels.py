@@ -241,7 +241,7 @@ def test_bf16_prefill_with_strided_flash_inputs_matches_model_prefill():
     """The fast prefill hands flash its q and v as strided column slices of the fused qkv
     product (no copies) and reads folded norm weights: its last-token logits stay within bf16
     noise of the model's own modules (a wrong row stride would give unrelated logits)."""
-    from hybridflow.engine.kv_cache import allocate_cache
+    from hybridflow.engine.cache.kv_cache import allocate_cache
     from hybridflow.engine.prefill import RopeTable, prefill_forward, prefill_forward_triton
     from hybridflow.engine.weights import FusedProjections
 

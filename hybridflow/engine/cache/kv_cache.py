@@ -1,0 +1,289 @@
+"""The preallocated KV cache, slot-based or paged, and its sizing from a memory budget.
+
+A slot is one sequence (prompt + generated tokens, up to max_seq_len): what the scheduler
+admits into and decode rows point at. Where its K/V live:
+
+- slot cache (block_table None): `keys`/`values` are [layers, slots + 1, max_seq_len,
+  kv_heads, head_dim], each slot reserving max_seq_len positions;
+- paged (block_table [slots + 1, max_seq_len / block_size] int32): [layers, blocks + 1,
+  block_size, kv_heads, head_dim], position p of a slot in block block_table[slot, p //
+  block_size] at p % block_size. Blocks are handed out as sequences grow (blocks.py), and
+  the full blocks of a prompt are shared by its n samples.
+
+Token-major inside a slot or block (a decode attention program, one row and one kv head, reads
+its head's D elements at a stride of kv_heads * D); kernels index through the strides. The
+extra last slot (and block) is scratch: padded rows of a bucketed decode batch write there.
+
+A mixture-of-experts model's cache also holds the routing record (`routes`, routing replay):
+each position's expert ids per sparse layer, [slots + 1, S, L_sparse, k] or [blocks + 1, B,
+L_sparse, k] (uint8 up to 256 experts, else int16), laid out like K and V so that it is
+shared, fanned out and grown with them; the scheduler reads a request's rows when it ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class KVCache:
+    keys: torch.Tensor  # [L, slots + 1, S, kv_heads, head_dim] or [L, blocks + 1, B, ...]
+    values: torch.Tensor  # the same shape
+    block_table: torch.Tensor | None = None  # paged: int32 [slots + 1, S / B]
+    seq_len: int | None = None  # paged: max_seq_len
+    routes: torch.Tensor | None = None  # [slots + 1, S, L_sparse, k] or [blocks + 1, B, ...]
+
+    @property
+    def paged(self) -> bool:
+        return self.block_table is not None
+
+    @property
+    def num_slots(self) -> int:
+        """Usable slots (the scratch slot excluded)."""
+        rows = self.block_table.shape[0] if self.paged else self.keys.shape[1]
+        return rows - 1
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.num_slots
+
+    @property
+    def num_blocks(self) -> int:
+        """Usable blocks of a paged cache (the scratch block, the last, excluded)."""
+        return self.keys.shape[1] - 1
+
+    @property
+    def block_size(self) -> int:
+        """Positions per block (a slot cache's one block per slot: max_seq_len)."""
+        return self.keys.shape[2]
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.seq_len if self.paged else self.keys.shape[2]
+
+    def nbytes(self) -> int:
+        routes = 0 if self.routes is None else self.routes.numel() * self.routes.element_size()
+        return self.keys.numel() * self.keys.element_size() * 2 + routes
+
+    def locate(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple:
+        """(entries, offsets) of positions of slots, as the cache's dim 1 and 2 index them
+        (on the device, no sync: decode rows whose positions only the device knows)."""
+        if not self.paged:
+            return slots, positions
+        blocks = self.block_table[slots, positions // self.block_size].long()
+        return blocks, positions % self.block_size
+
+    def gather(self, layer_cache: torch.Tensor, slots: torch.Tensor, length: int) -> torch.Tensor:
+        """Positions [0, length) of each slot from one layer's cache -> [B, length, kv, D]."""
+        if not self.paged:
+            return layer_cache[slots, :length]
+        blocks = -(-length // self.block_size)
+        entries = layer_cache[self.block_table[slots, :blocks].long()]  # [B, blocks, B, kv, D]
+        return entries.flatten(1, 2)[:, :length]
+
+    def copy_entries(self, src: tuple, dst: tuple) -> None:
+        """cache[:, dst rows[i], dst cols[i]] = cache[:, src rows[i], src cols[i]] for every
+        layer, K and V, one gather/scatter each (fans a prefilled prompt out to its samples:
+        every position in a slot cache, a paged cache's last partial block; flat index lists
+        built on the host, so no device sync)."""
+        for cache in (self.keys, self.values):
+            cache[:, dst[0], dst[1]] = cache[:, src[0], src[1]]
+        if self.routes is not None:
+            self.routes[dst[0], dst[1]] = self.routes[src[0], src[1]]
+
+    def read_routes(self, slots: torch.Tensor, length: int) -> torch.Tensor:
+        """Positions [0, length) of each slot's routing record -> [B, length, L_sparse, k]."""
+        if not self.paged:
+            return self.routes[slots, :length]
+        blocks = -(-length // self.block_size)
+        entries = self.routes[self.block_table[slots, :blocks].long()]  # [B, blocks, B, L, k]
+        return entries.flatten(1, 2)[:, :length]
+
+
+def bytes_per_slot(
+    num_layers: int, kv_heads: int, head_dim: int, max_seq_len: int, dtype: torch.dtype,
+    route_bytes: int = 0,
+) -> int:  # fmt: skip
+    """route_bytes: the routing record's bytes per position (RouteSpec.bytes_per_position)."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return (2 * num_layers * kv_heads * head_dim * element + route_bytes) * max_seq_len
+
+
+def bytes_per_block(
+    num_layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+    route_bytes: int = 0,
+) -> int:  # fmt: skip
+    return bytes_per_slot(num_layers, kv_heads, head_dim, block_size, dtype, route_bytes)
+
+
+@dataclass(frozen=True)
+class RouteSpec:
+    """The routing record of a mixture-of-experts model: k expert ids per sparse layer and
+    position, uint8 up to 256 experts (int16 above)."""
+
+    sparse_layers: int
+    top_k: int
+    num_experts: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.uint8 if self.num_experts <= 256 else torch.int16
+
+    @property
+    def bytes_per_position(self) -> int:
+        return self.sparse_layers * self.top_k * torch.empty((), dtype=self.dtype).element_size()
+
+    def allocate(self, entries: int, positions: int, device: torch.device) -> torch.Tensor:
+        shape = (entries, positions, self.sparse_layers, self.top_k)
+        return torch.zeros(shape, dtype=self.dtype, device=device)
+
+
+def route_spec(config) -> RouteSpec | None:
+    """The routing record a model config needs (None: a dense model)."""
+    sparse = config.sparse_layer_indices() if getattr(config, "num_experts", 0) else []
+    if not sparse:
+        return None
+    return RouteSpec(len(sparse), config.num_experts_per_tok, config.num_experts)
+
+
+def available_bytes(device: torch.device) -> int:
+    """Device memory this process can allocate: free on the device plus what PyTorch's
+    allocator holds cached but unused (a colocated trainer's freed activations and gradients
+    stay reserved; counting free memory alone shrank the rollout's cache after the first
+    training step)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return free + max(0, cached)
+
+
+def cache_budget(
+    memory_budget: int | float | None, device: torch.device, reserve_bytes: int = 0
+) -> int | None:
+    """Bytes the cache may take: memory_budget as bytes (int > 1), a fraction of the
+    available device memory (float in (0, 1]; available_bytes), or None (90% of it); minus
+    reserve_bytes when taken from the device. None: unlimited (a fraction or None on CPU)."""
+    if memory_budget is not None and not 0 < memory_budget <= 1:
+        return int(memory_budget)
+    if device.type != "cuda":
+        return None
+    fraction = 0.9 if memory_budget is None else float(memory_budget)
+    return int(fraction * available_bytes(device)) - reserve_bytes
+
+
+def plan_slots(
+    max_batch_size: int,
+    slot_bytes: int,
+    memory_budget: int | float | None,
+    device: torch.device,
+    reserve_bytes: int = 0,
+) -> int:
+    """Number of slots of a slot cache: max_batch_size, or fewer if the budget
+    (cache_budget) does not hold them."""
+    budget = cache_budget(memory_budget, device, reserve_bytes)
+    if budget is None:
+        return max_batch_size
+    slots = min(max_batch_size, budget // slot_bytes - 1)  # -1: the scratch slot
+    if slots < 1:
+        raise ValueError(
+            f"memory_budget={memory_budget} holds no KV-cache slot of {slot_bytes / 2**20:.1f} MiB "
+            "(max_seq_len tokens): raise memory_budget or lower max_seq_len"
+        )
+    return slots
+
+
+def plan_blocks(
+    max_batch_size: int,
+    max_seq_len: int,
+    block_size: int,
+    block_bytes: int,
+    memory_budget: int | float | None,
+    device: torch.device,
+    reserve_bytes: int = 0,
+) -> int:
+    """Blocks of a paged cache: what the budget holds, at most enough for max_batch_size
+    sequences of max_seq_len (no sequence can use more), at least one sequence's worth."""
+    per_sequence = -(-max_seq_len // block_size)
+    most = max_batch_size * per_sequence
+    budget = cache_budget(memory_budget, device, reserve_bytes)
+    blocks = most if budget is None else min(most, budget // block_bytes - 1)
+    if blocks < per_sequence:
+        raise ValueError(
+            f"memory_budget={memory_budget} holds {max(blocks, 0)} KV blocks of {block_size} "
+            f"positions; one sequence of max_seq_len={max_seq_len} needs {per_sequence}: raise "
+            "memory_budget or lower max_seq_len"
+        )
+    return blocks
+
+
+def allocate_cache(
+    num_layers: int,
+    slots: int,
+    max_seq_len: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> KVCache:
+    """Zeroed K and V caches [L, slots + 1, S, kv_heads, D]. Zeros, not empty: stale NaNs in
+    never-written positions must not reach a masked softmax through 0 * NaN in a matmul."""
+    shape = (num_layers, slots + 1, max_seq_len, kv_heads, head_dim)
+    return KVCache(torch.zeros(shape, dtype=dtype, device=device),
+                   torch.zeros(shape, dtype=dtype, device=device))  # fmt: skip
+
+
+def allocate_paged_cache(
+    num_layers: int,
+    slots: int,
+    blocks: int,
+    block_size: int,
+    max_seq_len: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> KVCache:
+    """Zeroed paged K and V [L, blocks + 1, block_size, kv_heads, D] (zeros: as above) and a
+    block table whose every entry is the scratch block (blocks.py hands out the others)."""
+    shape = (num_layers, blocks + 1, block_size, kv_heads, head_dim)
+    per_sequence = -(-max_seq_len // block_size)
+    table = torch.full((slots + 1, per_sequence), blocks, dtype=torch.int32, device=device)
+    return KVCache(torch.zeros(shape, dtype=dtype, device=device),
+                   torch.zeros(shape, dtype=dtype, device=device), table, max_seq_len)  # fmt: skip
+
+
+def make_cache(
+    config,
+    max_batch_size: int,
+    max_seq_len: int,
+    block_size: int | None,
+    memory_budget: int | float | None,
+    reserve_bytes: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    routes: RouteSpec | None = None,
+) -> tuple[KVCache, object]:
+    """The KV cache a model config's engine gets from its budget: a slot cache (block_size
+    None) or a paged one, with the paged one's host-side blocks.BlockPool (else None).
+    routes: the routing record to keep beside K and V (route_spec), counted in the budget."""
+    layers = config.num_hidden_layers
+    shape = (config.num_key_value_heads, config.head_dim)
+    route_bytes = routes.bytes_per_position if routes is not None else 0
+    if block_size is None:
+        slot_bytes = bytes_per_slot(layers, *shape, max_seq_len, dtype, route_bytes)
+        slots = plan_slots(max_batch_size, slot_bytes, memory_budget, device, reserve_bytes)
+        cache = allocate_cache(layers, slots, max_seq_len, *shape, dtype, device)
+        if routes is not None:
+            cache.routes = routes.allocate(slots + 1, max_seq_len, device)
+        return cache, None
+    from hybridflow.engine.cache.blocks import BlockPool
+
+    block_bytes = bytes_per_block(layers, *shape, block_size, dtype, route_bytes)
+    blocks = plan_blocks(max_batch_size, max_seq_len, block_size, block_bytes, memory_budget,
+                         device, reserve_bytes)  # fmt: skip
+    cache = allocate_paged_cache(layers, max_batch_size, blocks, block_size, max_seq_len, *shape,
+                                 dtype, device)  # fmt: skip
+    if routes is not None:
+        cache.routes = routes.allocate(blocks + 1, block_size, device)
+    return cache, BlockPool(blocks, block_size, max_batch_size, cache.block_table.shape[1])

@@ -1,0 +1,72 @@
+"""Admitting requests that continue a kept slot (kept.py): only the tokens past the slot's
+cached prefix go through the model, in one extend pass (prefill.py) into the same slot; the
+scheduler (scheduler.py) then samples their first tokens like any admission's."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from hybridflow.engine.host import ranges, upload
+from hybridflow.engine.prefill import host_spans
+from hybridflow.engine.scheduling import admission, preemption
+
+if TYPE_CHECKING:
+    from hybridflow.engine.scheduling.scheduler import Scheduler
+
+
+def admit(scheduler: Scheduler) -> None:
+    """Admit requests that continue a kept slot: only the tokens past the cached prefix
+    are prefilled (Engine.extend), into the same slot."""
+    engine = scheduler.engine
+    taken, tokens = [], 0
+    while scheduler.extending:
+        sub, request, slot, cached = scheduler.extending[0]
+        sub.table.check()  # every id in range before it indexes the embedding
+        new = len(sub.prompts[request]) - cached
+        if taken and (tokens + new > engine.max_prefill_tokens
+                      or not preemption.extension_fits(scheduler)):  # fmt: skip
+            break
+        taken.append(scheduler.extending.popleft())
+        tokens += new
+        if scheduler.paging is not None:
+            scheduler.paging.grow([slot], [len(sub.prompts[request])])
+    engine.prefill_tokens += tokens
+    requests = [(sub, request) for sub, request, _, _ in taken]
+    slots = [slot for _, _, slot, _ in taken]
+    lengths = [len(sub.prompts[r]) for sub, r in requests]
+    starts = torch.tensor([cached for _, _, _, cached in taken])
+    counts = torch.tensor(lengths) - starts
+    ids = torch.tensor([t for (s, r, _, c) in taken for t in s.prompts[r][c:]])
+    positions = ranges(counts) + torch.repeat_interleave(starts, counts)
+    max_new = [sub.max_new[r] for sub, r in requests]
+    triton = engine.decode_backend == "triton"  # its varlen spans, built here: no sync
+    span_tensors, span_maxima = host_spans(torch.tensor(slots), starts, counts) if triton else ((), ())  # fmt: skip
+    token_slots = torch.repeat_interleave(torch.tensor(slots), counts)
+    extra = {}
+    if scheduler.paging is not None:
+        if triton:  # the flash path gathers K/V by (block, offset)
+            span_tensors = (*scheduler.paging.locate(*span_tensors[:2]), *span_tensors[2:])
+        extra["cache_at"] = tuple(
+            upload(engine.device, *scheduler.paging.locate(token_slots, positions))
+        )
+        scheduler.paging.sync_table()  # the decode-kernel path reads it
+    (ids, positions, token_slots, last, seed_lo, seed_hi, row_positions, row_slots,
+     max_new_dev, *span_dev) = upload(
+        engine.device, ids, positions, token_slots, counts.cumsum(0) - 1,
+        torch.tensor([sub.seed_lo[r] for sub, r in requests]),
+        torch.tensor([sub.seed_hi[r] for sub, r in requests]), torch.tensor(lengths),
+        torch.tensor(slots), torch.tensor(max_new), *span_tensors,
+    )  # fmt: skip
+    spans = {}
+    if triton:
+        gather_slots, gather_positions, cu_new, cu_all = span_dev
+        spans = {"spans": (gather_slots, gather_positions, cu_new.to(torch.int32),
+                           cu_all.to(torch.int32), *span_maxima)}  # fmt: skip
+    # max_len from the host: without it the pass reads position_ids.max() back, a sync
+    # behind the decode steps queued on the GPU at every agent turn
+    logits = engine.extend(engine.model, scheduler.cache, engine.rope, ids, positions,
+                           token_slots, last, max_len=max(lengths), **spans, **extra)  # fmt: skip  # [R, V]
+    admission.append_admitted(scheduler, requests, slots, logits, seed_lo, seed_hi, row_positions,
+                              row_slots, max_new_dev, max_new, lengths)  # fmt: skip

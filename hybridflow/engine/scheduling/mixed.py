@@ -1,0 +1,266 @@
+"""Mixed steps (EngineOptions.max_prefill_tokens_per_step > 0): one forward per scheduler step
+carries every live row's next token and chunks of the prompts being prefilled, the design of
+vLLM's and SGLang's chunked prefill.
+
+A request admitted here takes its slot (and a paged cache's blocks for its whole prompt) at
+once and becomes a PrefillJob: its prompt's tokens go through the model a chunk per step, up
+to the step's token budget, beside the decode rows (the first tokens of the forward, each
+attending over its slot like a decode step, sampled and advanced as one). A job whose last
+chunk ran fans its K/V out to its samples' slots and samples their first tokens from that
+chunk's last logits: they are live rows from the next step on. A continuation of a kept slot
+(kept.py) is a job that starts at the slot's cached length; a preempted request's recompute
+(preemption.py) is a job whose row goes on from the last token it sampled.
+
+So a decode row waits at most one step for a new request, however long its prompt, and a
+turn of an agent's episode costs its own tokens in a step, not a pass of its own. Steps with
+no job replay the decode graphs as before (scheduler.py). Functions over a Scheduler's
+queues, like admission.py and continuation.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from hybridflow.engine.host import ranges, upload
+from hybridflow.engine.prefill import host_spans
+from hybridflow.engine.requests import Completion, LiveRequest, Submission
+from hybridflow.engine.scheduling import admission, preemption
+
+if TYPE_CHECKING:
+    from hybridflow.engine.scheduling.scheduler import Scheduler
+
+
+@dataclass
+class PrefillJob:
+    """One prompt (its n samples) or one continuation, being prefilled a chunk per step."""
+
+    requests: list[tuple[Submission, int]]  # the samples of one prompt, in order
+    slots: list[int]  # theirs: the first holds the K/V as it is computed, the rest a copy
+    sequence: list[int]  # the token ids whose K/V the first slot must hold
+    done: int  # positions [0, done) are in the cache (a kept prefix, earlier chunks)
+    copies: tuple | None = None  # a paged cache's partial blocks to copy at the end
+    resumed: LiveRequest | None = None  # a preempted request's recompute (preemption.py)
+
+    @property
+    def left(self) -> int:
+        return len(self.sequence) - self.done
+
+
+# -- admission ----------------------------------------------------------------------------------
+
+
+def open_jobs(scheduler: Scheduler) -> None:
+    """Preempted requests, continuations of kept slots, then waiting requests, into jobs
+    while slots (and a paged cache's blocks) last: no waiting for company, a job costs only
+    its tokens in a step."""
+    while scheduler.resuming and preemption.can_resume(scheduler):
+        live, sequence = preemption.take_resumed(scheduler)
+        job = PrefillJob([(live.sub, live.request)], [live.slot], sequence, 0, resumed=live)
+        scheduler.prefilling.append(job)
+    while scheduler.extending and preemption.extension_fits(scheduler):
+        sub, request, slot, cached = scheduler.extending.popleft()
+        sub.table.check()  # every id in range before it indexes the embedding
+        prompt = sub.prompts[request]
+        if scheduler.paging is not None:
+            scheduler.paging.grow([slot], [len(prompt)])
+        scheduler.engine.prefill_tokens += len(prompt) - cached
+        scheduler.prefilling.append(PrefillJob([(sub, request)], [slot], prompt, cached))
+    while scheduler.waiting and not scheduler.resuming and _has_room(scheduler):
+        taken = admission.take_waiting(scheduler)
+        if not taken:
+            return
+        for group in _prompt_groups(taken):
+            _open_job(scheduler, group)
+
+
+def _has_room(scheduler: Scheduler) -> bool:
+    if not scheduler.free_slots and len(scheduler.engine.kept):  # kept KV gives way
+        scheduler.free_slot(scheduler.engine.kept.evict_oldest())
+    if scheduler.paging is not None and not preemption.blocks_for_next(scheduler):
+        return False
+    return bool(scheduler.free_slots)
+
+
+def _prompt_groups(taken: list[tuple[Submission, int]]) -> list[list[tuple[Submission, int]]]:
+    """Consecutive requests of one prompt (its samples) together."""
+    groups: list[list[tuple[Submission, int]]] = []
+    for sub, request in taken:
+        head = groups[-1][0] if groups else None
+        if head is not None and head[0] is sub and head[1] // sub.n == request // sub.n:
+            groups[-1].append((sub, request))
+        else:
+            groups.append([(sub, request)])
+    return groups
+
+
+def _open_job(scheduler: Scheduler, group: list[tuple[Submission, int]]) -> None:
+    sub, first = group[0]
+    sub.table.check()  # every id in range before it indexes the embedding
+    slots = [scheduler.free_slots.pop() for _ in group]
+    prompt = sub.prompt_of(first)
+    copies = None
+    if scheduler.paging is not None:  # the first slot's blocks, shared by the other samples
+        copies = scheduler.paging.place(slots, [0], [0] * len(group), [len(prompt)])
+    scheduler.prefilling.append(PrefillJob(group, slots, prompt, 0, copies))
+
+
+def abort(scheduler: Scheduler, sub: Submission, request: int) -> bool:
+    """A request of a job (already in sub.aborted): False when no job holds it. A job ends
+    when all its requests are aborted (slots back, each finished with 'abort'); until then
+    the others go on and the aborted one is retired as it goes live (finish_jobs)."""
+    for job in scheduler.prefilling:
+        if (sub, request) not in job.requests:
+            continue
+        if all(r in s.aborted for s, r in job.requests):
+            scheduler.prefilling.remove(job)
+            for slot in job.slots:
+                scheduler.free_slot(slot)
+            live = job.resumed  # a preempted request keeps what it had sampled
+            tokens, logprobs = (live.tokens, live.logprobs) if live else ([], [])
+            spans = tuple(live.spans) if live else ((0, scheduler.version),)
+            for s, r in job.requests:
+                if s.results[r] is None:
+                    s.finish(r, Completion(tokens, logprobs, "abort", version_spans=spans))
+        return True
+    return False
+
+
+# -- one step -----------------------------------------------------------------------------------
+
+
+def run_step(scheduler: Scheduler) -> int:
+    """One forward: the live rows' next tokens (when any may still decode) and the jobs'
+    next chunks; rows advanced and finished jobs' requests appended as live rows. -> decode
+    steps run (0 or 1)."""
+    engine, state = scheduler.engine, scheduler.state
+    rows = 0
+    if scheduler.rows and max(scheduler.row_budget) > 0:
+        if scheduler.subs_changed:
+            scheduler.sync_submissions()
+        room = scheduler.paging is None or preemption.make_room(scheduler, 1)
+        rows = len(scheduler.rows) if room else 0
+    chunks = _chunks(scheduler, rows)
+    starts = torch.tensor([start for _, start, _ in chunks])
+    counts = torch.tensor([count for _, _, count in chunks])
+    chunk_slots = torch.tensor([job.slots[0] for job, _, _ in chunks])
+    ids = torch.tensor([t for job, start, n in chunks for t in job.sequence[start : start + n]])
+    positions = ranges(counts) + torch.repeat_interleave(starts, counts)
+    token_slots = torch.repeat_interleave(chunk_slots, counts)
+    for job, _, count in chunks:
+        job.done += count
+    ends = counts.cumsum(0) - 1 + rows  # each chunk's last token in the forward
+    finished = [i for i, (job, _, _) in enumerate(chunks) if not job.left]
+    keep = torch.cat([torch.arange(rows), ends[finished]])
+    triton = engine.decode_backend == "triton"
+    spans = host_spans(chunk_slots, starts, counts) if triton else ((), ())
+    span_tensors = spans[0]
+    cache_at = ()
+    if scheduler.paging is not None:
+        if triton:  # the flash path gathers K/V by (block, offset)
+            span_tensors = (*scheduler.paging.locate(*span_tensors[:2]), *span_tensors[2:])
+        cache_at = scheduler.paging.locate(token_slots, positions)
+        scheduler.paging.sync_table()  # decode rows' and decode_attention's block table
+    ids, positions, token_slots, keep, *rest = upload(
+        engine.device, ids, positions, token_slots, keep, *cache_at, *span_tensors
+    )
+    extra = {}
+    if cache_at:
+        chunk_at, rest = rest[:2], rest[2:]
+        row_at = scheduler.cache.locate(state.row_slots[:rows], state.positions[:rows])
+        extra["cache_at"] = tuple(torch.cat([a, b]) for a, b in zip(row_at, chunk_at))
+    if triton:
+        gather_slots, gather_positions, cu_new, cu_all = rest
+        extra["spans"] = (gather_slots, gather_positions, cu_new.to(torch.int32),
+                          cu_all.to(torch.int32), *spans[1])  # fmt: skip
+    max_len = max(int((starts + counts).max()), scheduler._max_live_len(1) if rows else 1)
+    logits = engine.extend(
+        engine.model, scheduler.cache, engine.rope, torch.cat([state.tokens[:rows], ids]),
+        torch.cat([state.positions[:rows], positions]),
+        torch.cat([state.row_slots[:rows], token_slots]), keep, decode_rows=rows,
+        max_len=min(max_len, scheduler.cache.max_seq_len), **extra,
+    )  # fmt: skip  # [rows + finished jobs, V]
+    if rows:
+        scheduler.runner.advance_rows(logits[:rows], rows)
+        scheduler.decode_steps += 1
+        scheduler.mixed_steps += 1
+        scheduler.decoded_rows += rows
+        scheduler.row_budget[:rows] = [b - 1 for b in scheduler.row_budget[:rows]]
+    if finished:
+        finish_jobs(scheduler, [chunks[i][0] for i in finished], logits[rows:])
+    return int(rows > 0)
+
+
+def _chunks(scheduler: Scheduler, rows: int) -> list[tuple[PrefillJob, int, int]]:
+    """(job, first position, token count) of this step's chunks, oldest jobs first, up to the
+    step's budget: max_prefill_tokens_per_step beside decode rows; with none, no row waits
+    for the step, and it takes a whole prefill pass's tokens (max_prefill_tokens), as many
+    as the separate passes would (a burst of prompts costs as few forwards)."""
+    options = scheduler.engine.options
+    budget = options.max_prefill_tokens_per_step
+    if not rows:
+        budget = max(budget, options.max_prefill_tokens)
+    chunks = []
+    for job in scheduler.prefilling:
+        if budget <= 0:
+            break
+        count = min(job.left, budget)
+        chunks.append((job, job.done, count))
+        budget -= count
+    return chunks
+
+
+def finish_jobs(scheduler: Scheduler, jobs: list[PrefillJob], logits: torch.Tensor) -> None:
+    """Jobs whose last chunk ran (logits [len(jobs), V]: their last tokens'): K/V fanned out
+    to the other samples' slots, first tokens sampled, requests appended as live rows."""
+    engine = scheduler.engine
+    for job in jobs:
+        scheduler.prefilling.remove(job)
+    for job in jobs:
+        if job.resumed is not None:  # its next token is the last it sampled: no sampling
+            preemption.append_resumed(scheduler, job.resumed, len(job.sequence))
+    sampled = [j for j, job in enumerate(jobs) if job.resumed is None]
+    if not sampled:
+        return
+    if len(sampled) < len(jobs):  # (an index list uploaded: a pageable one would sync)
+        logits = logits[upload(engine.device, torch.tensor(sampled))[0]]
+        jobs = [jobs[j] for j in sampled]
+    _fan_out(scheduler, jobs)
+    taken = [entry for job in jobs for entry in job.requests]
+    slots = [slot for job in jobs for slot in job.slots]
+    group = [j for j, job in enumerate(jobs) for _ in job.requests]
+    lengths = [len(jobs[g].sequence) for g in group]
+    max_new = [sub.max_new[r] for sub, r in taken]
+    group_dev, seed_lo, seed_hi, row_positions, row_slots, max_new_dev = upload(
+        engine.device, torch.tensor(group), torch.tensor([sub.seed_lo[r] for sub, r in taken]),
+        torch.tensor([sub.seed_hi[r] for sub, r in taken]), torch.tensor(lengths),
+        torch.tensor(slots), torch.tensor(max_new),
+    )  # fmt: skip
+    first = len(scheduler.rows)
+    admission.append_admitted(scheduler, taken, slots, logits[group_dev], seed_lo, seed_hi,
+                              row_positions, row_slots, max_new_dev, max_new, lengths)  # fmt: skip
+    aborted = {live for live in scheduler.rows[first:] if live.request in live.sub.aborted}
+    if aborted:  # aborted while its prompt's other samples were still being prefilled
+        scheduler.retire(aborted)
+
+
+def _fan_out(scheduler: Scheduler, jobs: list[PrefillJob]) -> None:
+    """Each job's prompt K/V from its first slot to its other samples' (n > 1): every
+    position in a slot cache, the partial last block in a paged one (its full blocks are
+    shared: Paging.place)."""
+    if scheduler.paging is not None:
+        for job in jobs:
+            if job.copies is not None:
+                src, src_at, dst, dst_at = upload(scheduler.engine.device, *job.copies)
+                scheduler.cache.copy_entries((src, src_at), (dst, dst_at))
+        return
+    fanned = [(job.slots[0], slot, len(job.sequence)) for job in jobs for slot in job.slots[1:]]
+    if not fanned:
+        return
+    lengths = torch.tensor([length for _, _, length in fanned])
+    src = torch.repeat_interleave(torch.tensor([s for s, _, _ in fanned]), lengths)
+    dst = torch.repeat_interleave(torch.tensor([d for _, d, _ in fanned]), lengths)
+    src, dst, at = upload(scheduler.engine.device, src, dst, ranges(lengths))
+    scheduler.cache.copy_entries((src, at), (dst, at))

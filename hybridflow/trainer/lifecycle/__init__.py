@@ -1,0 +1,1 @@
+"""A run's life: setup and preflight checks, the run lock, stop requests, resume, checkpoints, saving and export."""

@@ -1,0 +1,353 @@
+"""Everything ``hybridflow train`` can check before it loads a model; ``hybridflow config
+validate`` runs the same checks.
+
+In order: the config rules (``validate``), the GPU memory plan (trainer/plan/memory_check.py),
+the host memory a step's data needs (trainer/plan/host_memory.py), then the machine (devices, a writable run directory with room for a checkpoint, the logger
+packages), the model directory (config.json, complete safetensors files, a tokenizer), a
+writable ``trainer.cache_dir`` when the run will write there (an uncached warm start), the
+reward function, and every data file (readable, and still holding a batch after overlong
+prompts are dropped). All problems of one kind are
+reported together, each with the key or file it is about and the fix.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hybridflow.config import Config, ConfigError, Derived, validate
+from hybridflow.install_hint import extra_install
+
+LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+"""trainer.loggers entry -> the package it needs (pip names: the same)."""
+
+MIN_FREE_BYTES = 64 * 2**20
+"""Free space the run directory needs at least (metrics, a tiny model's checkpoint)."""
+
+
+@dataclass
+class Preflight:
+    """What the checks built on the way, so ``setup`` does not build it twice."""
+
+    derived: Derived
+    tokenizer: Any
+    reward: Any
+    """A RewardManager (its worker pool starts on first use); the caller closes it."""
+    train_set: Any
+    val_set: Any
+
+
+def check_run(cfg: Config, log=lambda *a, **k: None) -> Preflight | None:
+    """Run every check; raises a UserError (ConfigError, DataSchemaError, …) on the first
+    kind of problem found. ``config validate`` calls this and discards the result."""
+    preflight = prepare_run(cfg, log)
+    preflight.reward.close()
+    return None
+
+
+def prepare_run(cfg: Config, log=lambda *a, **k: None) -> Preflight:
+    """The checks of :func:`check_run`; returns what they built (the caller closes reward)."""
+    from hybridflow.models import load_tokenizer
+    from hybridflow.rewards import build_reward_manager
+    from hybridflow.trainer.plan.host_memory import check_host_memory
+    from hybridflow.trainer.plan.memory_check import check_memory
+    from hybridflow.workers.model_loading import default_tokenizer_path
+
+    derived = validate(cfg, gpus_available=_gpu_count() if cfg.trainer.device == "cuda" else None)
+    plan = check_memory(cfg, derived, log)  # the GPU memory plan, printed; exit 2 if too big
+    check_host_memory(cfg, derived, plan)  # a step's data (and a CPU run's model) on the host
+    problems = machine_problems(cfg, cfg.trainer.run_dir)
+    problems += sandbox_problems(cfg, log)
+    problems += model_problems(cfg.model.path, cfg.model.tokenizer_path)
+    problems += other_checkpoint_problems(cfg, derived)
+    if problems:
+        raise ConfigError(problems)
+    problems = cache_dir_problems(cfg)  # needs the tokenizer that model_problems checked
+    if problems:
+        raise ConfigError(problems)
+    tokenizer = load_tokenizer(default_tokenizer_path(cfg.model))
+    reward = build_reward_manager(cfg.reward, cfg.data.max_response_length)
+    try:
+        train_set, val_set = _datasets(cfg, tokenizer, reward)
+    except BaseException:
+        reward.close()
+        raise
+    return Preflight(derived, tokenizer, reward, train_set, val_set)
+
+
+def machine_problems(cfg: Config, out_dir: str) -> list[str]:
+    """The device, a writable ``out_dir`` with room for a checkpoint, the logger packages."""
+    return (
+        device_problems(cfg.trainer.device, cfg.trainer.n_gpus_per_node)
+        + run_dir_problems(out_dir, _checkpoint_bytes(cfg))
+        + logger_problems(cfg.trainer.loggers)
+    )
+
+
+def sandbox_problems(cfg: Config, log=lambda *a, **k: None) -> list[str]:
+    """Where the run will execute programs the model writes (the python tool), say which
+    isolation the code sandbox gives on this machine; where strict isolation is asked for
+    (the tool's or the code reward's) and the machine cannot build the jail, a problem."""
+    agent = cfg.rollout.agent
+    uses_tool = agent.loop == "tools" and "python" in agent.tools
+    asked = [("reward.sandbox_isolation", cfg.reward.sandbox_isolation)]
+    asked += [("rollout.agent.sandbox_isolation", agent.sandbox_isolation)] if uses_tool else []
+    if not uses_tool and cfg.reward.sandbox_isolation != "strict":
+        return []  # no program runs, or the code reward says so itself if it runs one
+    from hybridflow.agents.sandbox import jail_unavailable
+
+    why = jail_unavailable()
+    if uses_tool:
+        level = f"basic isolation only ({why})" if why else "strict isolation (a jail per program)"
+        log(f"code sandbox: {level}")
+    return [
+        f"{key} = strict, but this machine cannot build the code sandbox's jail ({why}): run "
+        f"as root with CAP_SYS_ADMIN or where unprivileged user namespaces are allowed, or "
+        f"set {key}=auto to accept basic isolation (docs/troubleshooting.md)"
+        for key, level in asked
+        if level == "strict" and why
+    ]
+
+
+def _datasets(cfg: Config, tokenizer, reward):
+    from hybridflow.data.dataset import build_prompt_datasets
+    from hybridflow.rewards.combine import used_parts
+    from hybridflow.rewards.parts import weights_table
+    from hybridflow.trainer.lifecycle.run import DATA_SEED
+
+    # without the rule part (a reward model or judge alone), any data source is scored
+    rule = "rule" in used_parts(weights_table(cfg.reward))
+    train_set, val_set = build_prompt_datasets(
+        cfg.data,
+        tokenizer,
+        seed=DATA_SEED,
+        known_data_sources=reward.known_data_sources() if rule else None,
+    )
+    if len(train_set) < cfg.data.train_batch_size:
+        dropped = (
+            f" after dropping {train_set.num_filtered} prompts longer than "
+            f"data.max_prompt_length = {cfg.data.max_prompt_length}"
+            if train_set.num_filtered
+            else ""
+        )
+        raise ConfigError(
+            [
+                f"data.train_files hold {len(train_set)} usable prompts{dropped}, fewer than "
+                f"one batch (data.train_batch_size = {cfg.data.train_batch_size}): lower "
+                f"data.train_batch_size, add prompts, or raise data.max_prompt_length"
+            ]
+        )
+    return train_set, val_set
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def device_problems(device: str, n_gpus_per_node: int) -> list[str]:
+    """``trainer.device=cuda`` needs a visible GPU (else the workers wait for one forever)."""
+    if device != "cuda":
+        return []
+    import torch
+
+    if torch.cuda.is_available():
+        return []
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+    return [
+        f"trainer.device = cuda but no CUDA GPU is visible here (torch {torch.__version__} is "
+        f"{build}; CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): "
+        f"set trainer.device=cpu (or auto), or run on a machine with a GPU"
+    ]
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def run_dir_problems(run_dir: str, need_bytes: int) -> list[str]:
+    """The run directory (or the nearest parent that exists) is a writable directory with
+    ``need_bytes`` free (what a checkpoint needs)."""
+    return writable_dir_problems("trainer.run_dir", run_dir, need_bytes, "a checkpoint")
+
+
+def writable_dir_problems(key: str, directory: str, need_bytes: int, what: str) -> list[str]:
+    """``directory`` (or the nearest parent that exists) is a writable directory with
+    ``need_bytes`` free for ``what``. Nothing is created: a probe file is written and removed."""
+    path = Path(directory).expanduser()
+    existing = _nearest_existing(path)
+    if not existing.is_dir():
+        return [f"{key} = {directory}: {existing} is a file, not a directory"]
+    try:  # os.access is not enough: root passes it, and read-only mounts need a write
+        handle, probe = tempfile.mkstemp(dir=existing, prefix=".hybridflow-write-check-")
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as error:
+        return [
+            f"{key} = {directory}: cannot write in {existing} ({error.strerror}), where "
+            f"{what} goes: choose a writable directory"
+        ]
+    free = shutil.disk_usage(existing).free
+    if free < need_bytes:
+        return [
+            f"{key} = {directory}: {free / 2**20:.0f} MiB free at {existing}, {what} needs "
+            f"about {need_bytes / 2**20:.0f} MiB: free some space or choose another directory"
+        ]
+    return []
+
+
+def cache_dir_problems(cfg: Config) -> list[str]:
+    """``trainer.cache_dir`` is writable, with room, when the run will write there: an
+    ``sft:<task>`` warm start not cached yet (checked now, not after its SFT), or a GPU run
+    (the rollout engine pins its timing choices there, model.compile its artifacts). A
+    read-only cache that already holds the warm-start model is fine."""
+    from hybridflow.trainer.loop.roles import resolve_device
+    from hybridflow.trainer.loop.warm_start import needs_warm_start
+
+    t = cfg.trainer
+    if needs_warm_start(cfg):
+        preset = model_architecture(cfg.sft.preset)
+        # the fp32 model and the saved progress of a stopped SFT (weights + AdamW moments)
+        need = max(MIN_FREE_BYTES, 16 * preset.num_parameters()) if preset else MIN_FREE_BYTES
+        what = f"the {cfg.model.path} warm-start model"
+        return writable_dir_problems("trainer.cache_dir", t.cache_dir, need, what)
+    if resolve_device(t.device) == "cuda":
+        what = "the rollout engine's timing choices"
+        return writable_dir_problems("trainer.cache_dir", t.cache_dir, MIN_FREE_BYTES, what)
+    return []
+
+
+def _checkpoint_bytes(cfg: Config) -> int:
+    """fp32 weights + AdamW's two moments (12 bytes a parameter), when the size is known
+    (for ``sft:<task>``, that of the ``sft.preset`` it trains)."""
+    if cfg.trainer.save_freq < 0:
+        return MIN_FREE_BYTES
+    path = cfg.sft.preset if cfg.model.path.startswith("sft:") else cfg.model.path
+    architecture = model_architecture(path)
+    if architecture is None:
+        return MIN_FREE_BYTES
+    return max(MIN_FREE_BYTES, 12 * architecture.num_parameters())
+
+
+def model_architecture(model_path: str):
+    """The ModelArchitecture of a preset or a local HF directory, without loading weights;
+    None if unknown (``sft:`` before its warm start, an unreadable config.json)."""
+    try:
+        from hybridflow.models.architecture import ModelArchitecture
+        from hybridflow.models.presets import PRESETS
+
+        if model_path in PRESETS:
+            return PRESETS[model_path]
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        return ModelArchitecture.from_hf(config)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ImportError):
+        return None
+
+
+def parameter_count(architecture) -> int:
+    """Weights a token's forward pass multiplies by: the decoder layers' projections (attention,
+    SwiGLU MLP; a mixture of experts' router and top-k experts) and the lm_head (vocab ×
+    hidden, tied to the embedding or not; the embedding itself is a lookup). For stored bytes
+    use ModelArchitecture.num_parameters()."""
+    a = architecture
+    q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+    attention = a.num_hidden_layers * a.hidden_size * (2 * q + 2 * kv)
+    return attention + a.mlp_parameters(active=True) + a.vocab_size * a.hidden_size
+
+
+def logger_problems(loggers: list[str]) -> list[str]:
+    return [
+        f"trainer.loggers includes {name!r} but the {package!r} package is not installed: "
+        f"{extra_install(name)}, or drop it from trainer.loggers"
+        for name, package in LOGGER_PACKAGES.items()
+        if name in loggers and importlib.util.find_spec(package) is None
+    ]
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def model_problems(model_path: str, tokenizer_path: str | None) -> list[str]:
+    """A local model directory holds config.json, complete safetensors and a tokenizer."""
+    from hybridflow.models.presets import PRESETS
+
+    if model_path.startswith("sft:") or model_path in PRESETS:
+        return _tokenizer_problems(tokenizer_path) if tokenizer_path else []
+    problems = checkpoint_problems("model.path", model_path)
+    if problems and not Path(model_path).expanduser().is_dir():
+        return problems  # no directory: not a missing tokenizer too
+    return problems + _tokenizer_problems(tokenizer_path or str(Path(model_path).expanduser()))
+
+
+def checkpoint_problems(key: str, model_path: str, num_labels: int | None = None) -> list[str]:
+    """The model directory ``key`` names holds config.json with values a model can have,
+    complete safetensors files whose headers fit it (every tensor, in its shape, none
+    extra). num_labels: a reward model's score head."""
+    from hybridflow.models.hf_checkpoint import INDEX_FILE, SINGLE_FILE, safetensors_problem
+    from hybridflow.models.loadability import config_problems
+    from hybridflow.models.presets import PRESETS
+
+    path = Path(model_path).expanduser()
+    if not path.is_dir():
+        return [
+            f"{key} = {model_path!r} is not a directory, a preset ({', '.join(PRESETS)}) "
+            f"or sft:<task>: point it at a Hugging Face model directory"
+        ]
+    if not (path / "config.json").is_file():
+        return [
+            f"{key} = {model_path}: no config.json there: point {key} at the Hugging "
+            f"Face model directory itself (the one holding config.json and *.safetensors)"
+        ]
+    problems = [f"{key}: {problem}" for problem in config_problems(path, num_labels)]
+    files = sorted(path.glob("*.safetensors"))
+    if not files and not (path / INDEX_FILE).is_file():
+        problems.append(
+            f"{key} = {model_path}: no {SINGLE_FILE} (or sharded *.safetensors with "
+            f"{INDEX_FILE}); convert the weights to safetensors"
+        )
+    for file in files:
+        problem = safetensors_problem(file)
+        if problem:
+            problems.append(f"{key}: {problem}: copy the model directory again")
+    return problems
+
+
+def other_checkpoint_problems(cfg: Config, derived: Derived) -> list[str]:
+    """:func:`checkpoint_problems` of the reference, critic and reward model directories
+    the run loads besides the policy's."""
+    from hybridflow.config.reward_checks import stored_score_rows
+    from hybridflow.config.validation import model_paths
+    from hybridflow.models.presets import PRESETS
+
+    problems = []
+    for key, path in model_paths(cfg, derived.use_reference, derived.use_critic):
+        if key == "model.path" or path in PRESETS or path.startswith("sft:"):
+            continue
+        rows = stored_score_rows(path) if key == "reward.model.path" else None
+        problems += checkpoint_problems(key, path, rows)
+    return problems
+
+
+def _tokenizer_problems(tokenizer_path: str) -> list[str]:
+    from hybridflow.models.tokenizer import CHAR_TOKENIZER_NAMES
+
+    if tokenizer_path in CHAR_TOKENIZER_NAMES:
+        return []
+    path = Path(tokenizer_path).expanduser()
+    if not path.is_dir():
+        return [f"model.tokenizer_path = {tokenizer_path!r} is not a directory"]
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return [
+            f"{path} holds no tokenizer ({', '.join(TOKENIZER_FILES)}): copy the tokenizer "
+            f"files there or set model.tokenizer_path"
+        ]
+    return []

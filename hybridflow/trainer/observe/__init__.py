@@ -1,0 +1,1 @@
+"""What a run reports: metrics, loggers, the step profiler, traces, rollout dumps."""

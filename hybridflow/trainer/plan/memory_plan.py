@@ -1,0 +1,305 @@
+"""The memory plan: bytes on each GPU and on the host, item by item, before any model loads.
+
+Pure arithmetic on a :class:`~hybridflow.models.architecture.ModelArchitecture` and the
+options that decide what the code allocates (:class:`PlanOptions`); no torch, no config
+objects. ``trainer/plan/memory_check.py`` builds the options from a run's config, checks the
+peak against the GPU and names the changes that would make a run fit.
+
+What is modelled is what the code does today:
+
+- **Master weights** of a trained model (actor, critic) are in the training dtype: fp32 for
+  ``model.dtype=auto`` on a GPU (``workers/model_loading.training_dtype``), sharded over the
+  data-parallel ranks by FSDP2, on the host with ``param_offload`` (FSDP2 only: on one GPU
+  ``param_offload`` does nothing, ``learners/core.TrainCore``) or with ``optimizer_offload``
+  (one GPU only; the GPU then holds the trained weights in bf16).
+- **LoRA adapters** come on top of the frozen base, in fp32 whatever the base's dtype
+  (``learners/lora.apply_lora``): small for a dense model, 2.6 B parameters (9.6 GiB) at rank
+  64 on every expert of Qwen3-30B-A3B. With ``optimizer_offload`` their fp32 masters and
+  AdamW state are on the host and the GPU holds bf16 copies.
+- **Compute copy**: with fp32 masters the forward runs in bf16, and a bf16 copy of every
+  weight lives through a micro-batch's forward and backward: autocast caches its casts and
+  autograd keeps them for the backward (one GPU); FSDP2 keeps each unit gathered for the
+  whole mini-batch (``TrainCore.accumulate_unsharded``). The log-prob head casts the
+  lm_head weight once more (``learners/modules.PolicyModel``).
+- **Gradients** in the dtype of the trained weights on the GPU (fp32 masters; bf16 with
+  ``optimizer_offload``), freed after every optimizer step (``zero_grad(set_to_none=True)``;
+  bucket by bucket with ``optimizer_offload``). FSDP2 with several micro-batches keeps
+  unsharded fp32 gradients until the last one, then reduce-scatters them.
+- **AdamW state**: two moments in the master dtype per trainable parameter. It stays on the
+  GPU from the first step on; ``actor.optimizer_offload`` (one GPU) keeps it and the masters
+  on the host for the whole run and steps there (``learners/host_optimizer``), through two
+  pinned bf16 staging buffers and an fp32 gradient buffer of one bucket each;
+  ``actor.param_offload`` (FSDP2) steps on the host too.
+- **Nothing moves off the GPU between stages** (the loop never calls ``offload()``).
+- **Rollout weights**: the engine reads the actor's own parameters only on one device, without
+  FSDP, in the rollout's dtype, never generating over an update (async), and for LoRA with
+  ``rollout.lora_in_place``; otherwise it holds a full bf16 copy (``workers/rollout.py``).
+- **KV cache** (``engine/kv_cache.make_cache``): paged (``kv_block_size``, the default) as
+  many blocks as ``gpu_memory_utilization`` × free memory (the allocator's unused cache
+  counted free) − the reserve for decode logits and prefill holds, at most ``max_num_seqs``
+  sequences' worth, at least one sequence's (else the engine refuses); slots: up to
+  ``max_num_seqs`` of ``max_seq_len``. Plus a scratch block or slot. ``rollout.release_cache``
+  frees it (and the fused and fp8 weight copies of the triton path) after each generate.
+- **Activations** at the micro-batch token budget, bf16, what autograd keeps per token and
+  layer (see :func:`activation_bytes`); with gradient checkpointing each layer's input plus
+  one layer recomputed in full. The log-prob head adds one 4096-token chunk of bf16 logits
+  and an fp32 ``[V, H]`` gradient accumulator with its bf16 copy (``models/logprobs.py``).
+- Not counted: the CUDA context, cuBLAS/NCCL workspaces and allocator fragmentation (the fit
+  check keeps :data:`HEADROOM_FRACTION` and :data:`HEADROOM_BYTES` free for them), the
+  no-grad forwards of the log-prob, reference and value passes (their token budgets are
+  chosen to fit: ``trainer/plan/memory_choices.py``), and the batch tensors.
+
+Checked against ``max_memory_allocated`` of measured runs: docs/memory.md. The table and
+the fit verdict: ``trainer/plan/memory_render.py``. The phases, options and item types:
+``trainer/plan/memory_items.py``; the rollout's items and the KV cache: ``trainer/plan/memory_rollout.py``.
+"""
+
+from __future__ import annotations
+
+from hybridflow.models.architecture import ModelArchitecture
+from hybridflow.trainer.plan.memory_activations import (  # noqa: F401 (this module's names too)
+    LOGPROB_CHUNK_TOKENS,
+    activation_bytes_per_token,
+    layer_activation_elements,
+    logprob_head_bytes,
+)
+from hybridflow.trainer.plan.memory_items import (  # noqa: F401 (this module's names too)
+    ALWAYS,
+    CRITIC,
+    GENERATE,
+    GIB,
+    HEADROOM_BYTES,
+    HEADROOM_FRACTION,
+    LORA_TARGET_SHAPES,
+    PHASES,
+    STEP,
+    UPDATE,
+    MemoryItem,
+    MemoryPlan,
+    PlanOptions,
+    dtype_name,
+)
+from hybridflow.trainer.plan.memory_rollout import (  # noqa: F401 (this module's names too)
+    fused_copy_bytes,
+    kv_cache_entries,
+    kv_cache_item,
+    kv_slot_bytes,
+    rollout_items,
+    rollout_reserve_bytes,
+    rollout_shares_actor_weights,
+)
+
+OFFLOAD_BUCKET_ELEMENTS = 64 * 2**20
+"""Parameters per bucket of the host step (``learners/host_optimizer.BUCKET_ELEMENTS``)."""
+
+
+# ---------------------------------------------------------------------- parameter counts
+
+
+def linear_parameters(a: ModelArchitecture) -> int:
+    """Weights (and biases) of the decoder layers' linear projections: what autocast casts."""
+    q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+    per_layer = a.hidden_size * (2 * q + 2 * kv)
+    if a.attention_bias:
+        per_layer += q + 2 * kv
+    return a.num_hidden_layers * per_layer + a.mlp_parameters()  # every expert is cast
+
+
+def lora_parameters(a: ModelArchitecture, rank: int, targets: tuple[str, ...]) -> int:
+    """Adapter weights: rank × (in + out) for every targeted projection of every layer; a
+    sparse layer's experts each get rank × (in + out) for gate_up and down when an MLP
+    projection (or ``experts``) is targeted."""
+    q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+    h, i = a.hidden_size, a.intermediate_size
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+              "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
+    mlp_names = ("gate_proj", "up_proj", "down_proj")
+    attention = sum(rank * sum(shapes[t]) for t in targets if t in shapes and t not in mlp_names)
+    mlp = sum(rank * sum(shapes[t]) for t in targets if t in mlp_names)
+    sparse = len(a.sparse_layer_indices())
+    total = a.num_hidden_layers * attention + (a.num_hidden_layers - sparse) * mlp
+    if sparse and any(t in ("gate_proj", "up_proj", "down_proj", "experts") for t in targets):
+        # per-expert factors of gate_up [E, 2I, H] and down [E, H, I] (learners/lora.py)
+        inner = a.moe_intermediate_size
+        total += sparse * a.num_experts * rank * ((h + 2 * inner) + (inner + h))
+    return total
+
+
+def trainable_parameters(a: ModelArchitecture, options: PlanOptions) -> int:
+    if options.lora_rank > 0:
+        return lora_parameters(a, options.lora_rank, options.lora_targets)
+    return a.num_parameters()
+
+
+def host_step_bucket(a: ModelArchitecture, options: PlanOptions) -> int:
+    """Parameters in the largest bucket of the host step: the bucket size, or the largest
+    trained tensor when it is larger (the [V, H] embedding, an MLP matrix), at most all."""
+    widest = max(a.intermediate_size, 2 * a.moe_intermediate_size * max(a.num_experts, 1))
+    if options.lora_rank > 0:
+        largest = max(options.lora_rank * max(a.hidden_size, widest), 1)
+    else:  # the embedding, a dense MLP matrix or a layer's packed gate_up experts [E, 2I, H]
+        largest = max(a.vocab_size, widest) * a.hidden_size
+    return min(trainable_parameters(a, options), max(OFFLOAD_BUCKET_ELEMENTS, largest))
+
+
+# ---------------------------------------------------------------------- the plan
+
+
+def actor_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
+    """Master weights, compute copy, gradients, AdamW state, activations, log-prob head."""
+    items = host_step_items(a, o) if o.host_step else device_step_items(a, o)
+    tokens = o.micro_batch_tokens
+    checkpointed = ", checkpointed" if o.gradient_checkpointing else ""
+    activations = tokens * activation_bytes_per_token(a, o.gradient_checkpointing,
+                                                      o.compute_bytes)  # fmt: skip
+    items.append(MemoryItem(f"activations ({tokens:,} tokens{checkpointed})", activations,
+                            (UPDATE,)))  # fmt: skip
+    head = logprob_head_bytes(a, tokens, o.compute_bytes)
+    if o.lora_rank > 0:  # a frozen lm_head: no [V, H] gradient
+        head = min(tokens, LOGPROB_CHUNK_TOKENS) * a.vocab_size * o.compute_bytes
+    items.append(MemoryItem("log-prob head (logits chunk, lm_head gradient)", head, (UPDATE,)))
+    return items
+
+
+def compute_copy_item(a: ModelArchitecture, o: PlanOptions) -> MemoryItem:
+    """Autocast's bf16 casts of the fp32 layer weights and the lm_head, kept for the backward."""
+    copy = (linear_parameters(a) + a.vocab_size * a.hidden_size) * o.compute_bytes
+    return MemoryItem(f"actor compute copy ({dtype_name(o.compute_bytes)})", copy, (UPDATE,))
+
+
+def host_step_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
+    """``optimizer_offload`` on one GPU (learners/host_optimizer): trained weights in bf16 on
+    the GPU, their masters and AdamW state on the host, gradients freed bucket by bucket as
+    the host takes them; frozen weights (LoRA's base) stay in the training dtype."""
+    total, trainable = a.num_parameters(), trainable_parameters(a, o)
+    # the host's masters are the trained tensors in their own dtype: LoRA adapters are fp32
+    master_bytes = o.trained_state_bytes
+    master = dtype_name(master_bytes)
+    if o.lora_rank > 0:  # the frozen base stays in the training dtype; adapters come on top
+        items = [
+            MemoryItem(f"actor base weights ({dtype_name(o.master_bytes)}, frozen)",
+                       total * o.master_bytes, ALWAYS),
+            MemoryItem(f"actor LoRA adapters ({dtype_name(o.compute_bytes)}, masters on the "
+                       "host)", trainable * o.compute_bytes, ALWAYS),
+        ]  # fmt: skip
+    else:
+        items = [MemoryItem(f"actor weights ({dtype_name(o.compute_bytes)}, masters on the host)",
+                            total * o.compute_bytes, ALWAYS)]  # fmt: skip
+    items.append(MemoryItem(f"actor master weights ({master})", 0, (),
+                            host_bytes=trainable * master_bytes))  # fmt: skip
+    if o.lora_rank > 0 and o.mixed_precision:  # autocast still casts the fp32 base
+        items.append(compute_copy_item(a, o))
+    items += [
+        MemoryItem(f"actor gradients ({dtype_name(o.compute_bytes)})", trainable * o.compute_bytes,
+                   (UPDATE, STEP), note="freed bucket by bucket in the step"),
+        MemoryItem(f"optimizer state (AdamW, {master})", 0, (),
+                   host_bytes=trainable * 2 * master_bytes, note="steps on the host"),
+        MemoryItem(f"host step buffers (2 pinned {dtype_name(o.compute_bytes)} + {master} gradients)",
+                   0, (), host_bytes=host_step_bucket(a, o) * (2 * o.compute_bytes + master_bytes)),
+    ]  # fmt: skip
+    return items
+
+
+def device_step_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
+    """Masters, compute copy, gradients and AdamW state on the GPU (sharded by FSDP2)."""
+    total, trainable, ranks = a.num_parameters(), trainable_parameters(a, o), o.train_gpus
+    on_host = o.param_offload and o.sharded  # FSDP2 CPUOffloadPolicy; one GPU ignores it
+    master = total * o.master_bytes // ranks
+    kind = "masters" if o.mixed_precision else "weights"
+    items = [
+        MemoryItem(f"actor weights ({dtype_name(o.master_bytes)} {kind})", 0 if on_host else master,
+                   ALWAYS, host_bytes=master * ranks if on_host else 0,
+                   note=f"sharded over {ranks} GPUs" if o.sharded else ""),
+    ]  # fmt: skip
+    state_bytes = o.trained_state_bytes  # LoRA's fp32 adapters, else the masters' dtype
+    lora = trainable if o.lora_rank > 0 else 0  # adapters beside the base, not part of it
+    if lora:  # 2.6 B parameters at rank 64 on every expert of Qwen3-30B-A3B: 9.6 GiB in fp32
+        items.append(MemoryItem(f"actor LoRA adapters ({dtype_name(state_bytes)})",
+                                lora * state_bytes // ranks, ALWAYS,
+                                note=f"sharded over {ranks} GPUs" if o.sharded else ""))  # fmt: skip
+    if o.sharded:  # FSDP2 keeps every unit gathered for the mini-batch
+        gathered_bytes = o.compute_bytes if o.mixed_precision else o.master_bytes
+        items.append(MemoryItem(f"actor gathered weights ({dtype_name(gathered_bytes)})",
+                                (total + lora) * gathered_bytes, (UPDATE,)))  # fmt: skip
+    elif o.mixed_precision:  # autocast's casts, kept for the backward; the lm_head cast
+        items.append(compute_copy_item(a, o))
+    gradients, state_dtype = trainable * state_bytes // ranks, dtype_name(state_bytes)
+    accumulating = o.sharded and o.micro_batches > 1
+    # Accumulating FSDP2 gradients stay unsharded (fp32) until the last micro-batch's
+    # backward reduce-scatters them, layer by layer: the sharded ones replace them.
+    items.append(MemoryItem(f"actor gradients ({state_dtype})",
+                            0 if on_host else gradients, (STEP,) if accumulating else (UPDATE, STEP),
+                            host_bytes=gradients * ranks if on_host else 0))  # fmt: skip
+    if accumulating:
+        items.append(MemoryItem("actor unsharded gradients (accumulating)",
+                                trainable * state_bytes, (UPDATE,),
+                                note="until the last micro-batch"))  # fmt: skip
+    state = trainable * 2 * state_bytes // ranks
+    name = f"optimizer state (AdamW, {state_dtype})"
+    if on_host:
+        items.append(MemoryItem(name, 0, (), host_bytes=state * ranks, note="steps on the host"))
+    else:
+        items.append(MemoryItem(name, state, ALWAYS))
+    return items
+
+
+def reference_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
+    if o.reference == "none":
+        return []
+    if o.reference == "actor":
+        return [MemoryItem("reference weights", 0, ALWAYS, note="the actor, adapters off")]
+    on_host = o.reference_offload and o.sharded
+    weights = a.num_parameters() * o.reference_bytes // o.train_gpus
+    return [MemoryItem(f"reference weights ({dtype_name(o.reference_bytes)})",
+                       0 if on_host else weights, ALWAYS,
+                       host_bytes=weights * o.train_gpus if on_host else 0)]  # fmt: skip
+
+
+def reward_model_items(o: PlanOptions) -> list[MemoryItem]:
+    """A full copy of the reward model on each training GPU (workers/reward_model.py; not
+    sharded); offloaded, it is on the GPU only while it scores, after generation and
+    before the passes, a phase whose peak is below the update's."""
+    if not o.reward_model_parameters:
+        return []
+    weights = o.reward_model_parameters * o.reward_model_bytes
+    name = f"reward model weights ({dtype_name(o.reward_model_bytes)})"
+    if o.reward_model_offload:
+        return [MemoryItem(name, 0, ALWAYS, host_bytes=weights * o.train_gpus,
+                           note="on the GPU only while it scores")]  # fmt: skip
+    return [MemoryItem(name, weights, ALWAYS)]
+
+
+def critic_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
+    """The value model: the actor's shapes, its own masters and AdamW state, an untied
+    lm_head frozen (learners/modules.ValueModel); no LoRA, no offload, no checkpointing."""
+    if not o.critic:
+        return []
+    total, ranks = a.num_parameters(), o.train_gpus
+    frozen = 0 if a.tie_word_embeddings else a.vocab_size * a.hidden_size
+    trainable = total - frozen + a.hidden_size + 1
+    tokens = o.critic_micro_batch_tokens
+    copy = linear_parameters(a) * o.compute_bytes if o.mixed_precision else 0
+    if o.sharded:  # gathered for the mini-batch, like the actor's
+        copy = total * (o.compute_bytes if o.mixed_precision else o.master_bytes)
+    activations = tokens * activation_bytes_per_token(a, False, o.compute_bytes)
+    return [
+        MemoryItem(f"critic weights ({dtype_name(o.master_bytes)})",
+                   total * o.master_bytes // ranks, ALWAYS),
+        MemoryItem("critic optimizer state (AdamW)", trainable * 2 * o.master_bytes // ranks,
+                   ALWAYS),
+        MemoryItem("critic gradients", trainable * o.master_bytes // ranks, (CRITIC,)),
+        MemoryItem("critic compute copy", copy, (CRITIC,)),
+        MemoryItem(f"critic activations ({tokens:,} tokens)", activations, (CRITIC,)),
+    ]  # fmt: skip
+
+
+def build_plan(model: str, a: ModelArchitecture, o: PlanOptions) -> MemoryPlan:
+    """Every item of the run on one training GPU (and one rollout GPU with split placement)."""
+    items = actor_items(a, o) + reference_items(a, o) + reward_model_items(o)
+    items += critic_items(a, o) + rollout_items(a, o)
+    kv, slots = kv_cache_item(a, o, items)
+    items.append(kv)
+    if o.split:  # actor.full_weights(): the masters, on the controller's host, each sync
+        items.append(MemoryItem("weights sent to the rollout (controller)", 0, (),
+                                host_bytes=a.num_parameters() * o.master_bytes))  # fmt: skip
+    return MemoryPlan(model, a, o, items, kv_slots=slots)

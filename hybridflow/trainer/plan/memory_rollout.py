@@ -1,0 +1,103 @@
+"""The rollout's items of the memory plan: its weight copy and fused decode copies, the
+engine's reserve for decode logits and prefill, and the KV cache sized from what the other
+items leave (engine/cache/kv_cache.py, engine/engine.py)."""
+
+from __future__ import annotations
+
+from hybridflow.models.architecture import ModelArchitecture
+from hybridflow.trainer.plan.memory_items import (
+    ALWAYS,
+    GENERATE,
+    MemoryItem,
+    PlanOptions,
+    dtype_name,
+)
+
+
+def kv_slot_bytes(a: ModelArchitecture, max_seq_len: int, element_bytes: int = 2) -> int:
+    """K and V (MLA: the latent) of one sequence of max_seq_len tokens in every layer that
+    keeps them (engine/cache/kv_cache.py), a window's worth in sliding-window layers; a hybrid
+    model's recurrent layers keep none (state_bytes)."""
+    return a.cache_bytes_per_sequence(max_seq_len, element_bytes)
+
+
+def rollout_reserve_bytes(a: ModelArchitecture, options: PlanOptions) -> int:
+    """What the engine keeps out of the KV budget for decode logits and prefill activations
+    (engine/engine._allocate's reserve)."""
+    prefill = options.max_prefill_tokens * (4 * a.intermediate_size + 8 * a.hidden_size)
+    return options.rollout_max_seqs * a.vocab_size * 6 + prefill * options.rollout_bytes
+
+
+def fused_copy_bytes(a: ModelArchitecture, fuse_projections: str, element_bytes: int = 2) -> int:
+    """The triton decode path's concatenated q/k/v (and gate/up) copies (engine/weights.py)."""
+    if fuse_projections == "none":
+        return 0
+    q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+    rows = q + 2 * kv
+    per_layer = rows * a.hidden_size + (rows if a.attention_bias else 0)
+    total = a.num_hidden_layers * per_layer
+    if fuse_projections == "all":  # gate/up of the dense layers; experts are read in place
+        dense = a.num_hidden_layers - len(a.sparse_layer_indices())
+        total += dense * 2 * a.intermediate_size * a.hidden_size
+    return total * element_bytes
+
+
+def kv_cache_entries(entry_bytes: int, most: int, reserve: int, used: int, o: PlanOptions) -> int:
+    """Slots (kv_cache.plan_slots) or blocks (plan_blocks) the engine allocates: ``most``
+    (max_num_seqs sequences' worth), or what gpu_memory_utilization of the free memory minus
+    the reserve holds, one scratch entry taken out; >= 0. GPU size unknown: ``most``."""
+    if o.gpu_bytes is None:
+        return most
+    budget = int(o.gpu_memory_utilization * max(o.gpu_bytes - used, 0)) - reserve
+    return max(min(most, budget // entry_bytes - 1), 0)
+
+
+def rollout_shares_actor_weights(o: PlanOptions) -> bool:
+    """The engine runs on the actor's own tensors (workers/rollout.RolloutWorker)."""
+    return (not o.split and not o.sharded and (o.lora_rank == 0 or o.lora_in_place)
+            and not o.rollout_beside_update and o.trained_weight_bytes == o.rollout_bytes)  # fmt: skip
+
+
+def rollout_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
+    """Weight copy, fused decode copies and the engine's reserve (the KV cache comes last:
+    it is sized from what these leave)."""
+    split = o.split
+    if rollout_shares_actor_weights(o):
+        weights = MemoryItem("rollout weights", 0, ALWAYS, note="reads the actor's in place")
+    else:
+        weights = MemoryItem(f"rollout weights ({dtype_name(o.rollout_bytes)} copy)",
+                             a.num_parameters() * o.rollout_bytes, ALWAYS, rollout_gpu=split)  # fmt: skip
+    fused = fused_copy_bytes(a, o.fuse_projections, o.rollout_bytes)
+    held = (GENERATE,) if o.release_cache else ALWAYS  # Engine.release() frees them
+    fp8 = a.num_parameters(include_embeddings=False)  # 1 byte each (engine/fp8.py)
+    fp8_copies = [MemoryItem("rollout fp8 projection copies", fp8, held, rollout_gpu=split)]
+    return [
+        weights,
+        MemoryItem("rollout fused q/k/v, gate/up copies", fused, held, rollout_gpu=split),
+        *(fp8_copies if o.rollout_fp8 else []),
+        MemoryItem("rollout workspace (decode logits, prefill)", rollout_reserve_bytes(a, o),
+                   (GENERATE,), rollout_gpu=split),
+    ]  # fmt: skip
+
+
+def kv_cache_item(a: ModelArchitecture, o: PlanOptions, items: list[MemoryItem]):
+    """(the KV-cache item, the sequences of max_seq_len it holds), sized from the memory the
+    other items leave on the rollout's GPU when generation starts."""
+    reserve, length, block = rollout_reserve_bytes(a, o), o.rollout_max_seq_len, o.kv_block_size
+    used = sum(i.gpu_bytes for i in items if GENERATE in i.phases and i.rollout_gpu == o.split
+               and "workspace" not in i.name)  # fmt: skip
+    per_sequence = 1 if block is None else -(-length // block)  # slots or blocks a sequence
+    entry = kv_slot_bytes(a, length if block is None else block, o.rollout_bytes)
+    # a recurrent layer's state (conv + fp32 SSM) is one per sequence: spread over its entries
+    entry += -(-a.recurrent_state_bytes(o.rollout_bytes) // per_sequence)
+    entries = kv_cache_entries(entry, o.rollout_max_seqs * per_sequence, reserve, used, o)
+    sequences = entries // per_sequence  # the engine refuses 0 (no slot; not one sequence)
+    name, note = f"KV cache ({entries:,} + 1 slots × {length:,} tokens)", ""
+    none = f"KV cache (no slot of {length:,} tokens fits)"
+    if block is not None:  # paged: how many sequences of max_seq_len its blocks hold
+        name = f"KV cache ({entries:,} + 1 blocks: {sequences:,} × {length:,} tokens)"
+        none = f"KV cache (no {length:,}-token sequence fits)"
+        note = f"{block} tokens a block, {per_sequence:,} blocks a {length:,}-token sequence"
+    phases = (GENERATE,) if o.release_cache else ALWAYS
+    return MemoryItem(name if sequences else none, (entries + 1) * entry if sequences else 0,
+                      phases, rollout_gpu=o.split, note=note), sequences  # fmt: skip

@@ -1,0 +1,110 @@
+"""`hybridflow config plan`: the memory plan of a config, item by item, before any model loads;
+exit status 2 (a ConfigError) when it cannot fit (trainer/plan/memory_check.py plans and checks)."""
+
+from __future__ import annotations
+
+import re
+
+from hybridflow.config import Config, ConfigError, validate
+from hybridflow.config.parallel_checks import layout_notes, not_yet_supported, roles_in_use
+from hybridflow.config.validation import MAX_GPU_MEMORY_GIB
+from hybridflow.parallel.roles import role_sizes
+from hybridflow.trainer.loop.roles import resolve_device
+from hybridflow.trainer.plan import host_memory
+from hybridflow.trainer.plan.host_memory import host_need_for, host_problems, host_text
+from hybridflow.trainer.plan.memory_check import (
+    fit_problems,
+    forward_budget_problems,
+    gpu_memory_or_none,
+    memory_choices,
+    plan_for_config,
+)
+from hybridflow.trainer.plan.memory_plan import GIB
+from hybridflow.trainer.plan.memory_render import gib, render
+from hybridflow.trainer.plan.memory_reward_model import reward_model_gpu, reward_model_gpu_problems
+from hybridflow.trainer.plan.parallel_section import parallel_section, uses_parallel_layouts
+
+SIZE_UNITS = {"gib": GIB, "g": GIB, "": GIB, "gb": 10**9, "mib": 2**20, "mb": 10**6, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'141GiB', '80GB', '80' (GiB) -> bytes; ConfigError naming the flag when unreadable."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    size = float(match.group(1)) * SIZE_UNITS[unit] if match and unit in SIZE_UNITS else 0.0
+    if not 0 < size <= MAX_GPU_MEMORY_GIB * GIB:  # 400 digits of 9 read as inf
+        raise ConfigError(
+            [
+                f"--gpu-memory {text!r} is not a size: write it like 141GiB, 80GB or 80 (GiB), "
+                f"at most {MAX_GPU_MEMORY_GIB} GiB"
+            ]  # fmt: skip
+        )
+    return int(size)
+
+
+def plan_command(cfg: Config, gpu_memory: str | None = None, out=print) -> int:
+    """Print the plan; exit status 2 (a ConfigError) when it cannot fit the GPU, which is
+    ``--gpu-memory``, else trainer.gpu_memory_gib, else the first visible GPU; with none of
+    them the plan is printed and not checked."""
+    derived = validate(cfg, planning=True)
+    if gpu_memory is not None:
+        gpu_bytes, source = parse_size(gpu_memory), "--gpu-memory"
+    else:
+        gpu_bytes, source = gpu_memory_or_none(cfg)
+    if uses_parallel_layouts(cfg):  # tensor, sequence or expert parallel: their own plan
+        return parallel_plan_command(cfg, derived, gpu_bytes, out)
+    plan = plan_for_config(cfg, derived, gpu_bytes)
+    need = host_need_for(cfg, derived, plan if gpu_bytes is not None else None)
+    available, host_source = host_memory.available_host_bytes()
+    host = host_problems(need, cfg, available, host_source)
+    if plan is None:
+        raise ConfigError(
+            [
+                f"model.path = {cfg.model.path}: its shape is unknown (no readable config.json): "
+                "point model.path at a Hugging Face model directory or a preset",
+                *host,
+            ]  # fmt: skip
+        )
+    out(render(plan, source, on_cpu=resolve_device(cfg.trainer.device) == "cpu"))
+    for line in memory_choices(cfg, derived, gpu_bytes)[1]:
+        out("  " + line)
+    out("  " + host_text(need, cfg, available, host_source))
+    problems = fit_problems(cfg, plan, source) or forward_budget_problems(cfg, derived, plan)
+    reward_gpu = reward_model_gpu(cfg, derived)
+    if reward_gpu is not None:
+        out(f"  per reward-model GPU: {gib(reward_gpu[0])} (its weights and one forward)")
+        if gpu_bytes is not None:
+            problems = problems or reward_model_gpu_problems(cfg, reward_gpu, gpu_bytes, source)
+    if gpu_bytes is not None and derived.world_size > 1:  # what the layouts would give
+        out("")
+        out("\n".join(parallel_section(cfg, derived, gpu_bytes)[0]))
+    problems += host
+    if problems:
+        raise ConfigError(problems)
+    return 0
+
+
+def parallel_plan_command(cfg: Config, derived, gpu_bytes: int | None, out=print) -> int:
+    """The plan of a tensor/sequence/expert-parallel layout (or a plan-only shape): the
+    configured layout per GPU, the recommended one; exit 2 when the configured one cannot fit."""
+    if gpu_bytes is None:
+        raise ConfigError(["a parallel layout is planned for a GPU size: pass --gpu-memory "
+                           "(e.g. 80GB) or set trainer.gpu_memory_gib"])  # fmt: skip
+    lines, problems = parallel_section(cfg, derived, gpu_bytes)
+    if not lines:
+        raise ConfigError([f"model.path = {cfg.model.path}: its shape is unknown (no readable "
+                           "config.json): point model.path at a Hugging Face model directory "
+                           "or a preset"])  # fmt: skip
+    out("\n".join(lines))
+    for note in layout_notes(cfg, {"actor", "ref", "critic"}):
+        out("  " + note)
+    not_yet = not_yet_supported(role_sizes(cfg), roles_in_use(derived.use_reference,
+                                                              derived.use_critic))  # fmt: skip
+    if not_yet:  # "<key> = N...: <what> is not yet supported for the <role>: set ..."
+        missing = sorted({p.split(": ")[1].replace(" is not yet supported for the", " of the")
+                          for p in not_yet})  # fmt: skip
+        out(f"  not yet supported, so hybridflow train refuses this layout for now: "
+            f"{'; '.join(missing)}")  # fmt: skip
+    if problems:
+        raise ConfigError(problems)
+    return 0

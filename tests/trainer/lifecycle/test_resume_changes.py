@@ -1,0 +1,33 @@
+"""Resuming with a changed parallel layout: the training and rollout layouts over the same
+devices continue (each says how), a change of the devices is refused with the reason."""
+
+from hybridflow.trainer.lifecycle.resume_changes import config_changes, refusal_message, refused
+
+
+def test_a_changed_layout_over_the_same_devices_continues_and_says_how():
+    saved = {"actor": {"sequence_parallel_size": 1, "expert_parallel_size": 1},
+             "rollout": {"tensor_parallel_size": 1}}  # fmt: skip
+    current = {"actor": {"sequence_parallel_size": 2, "expert_parallel_size": 2},
+               "rollout": {"tensor_parallel_size": 2}}  # fmt: skip
+    changes = config_changes(saved, current)
+    assert refused(changes) == []
+    assert [change.line() for change in changes] == [
+        "actor.expert_parallel_size: 1 -> 2 (each rank reads its part of the checkpoint's "
+        "shards in the new layout)",
+        "actor.sequence_parallel_size: 1 -> 2 (each rank reads its part of the checkpoint's "
+        "shards in the new layout)",
+        "rollout.tensor_parallel_size: 1 -> 2 (the rollout keeps no state: its engine is built "
+        "in the new layout and takes the loaded actor's weights; the samples are the same)",
+    ]
+
+
+def test_one_process_to_two_is_refused_with_the_reason():
+    changes = config_changes(
+        {"trainer": {"n_gpus_per_node": 1}}, {"trainer": {"n_gpus_per_node": 2}}
+    )
+    message, fix = refusal_message("run/checkpoints/step_1", refused(changes))
+    assert message == (
+        "cannot resume run/checkpoints/step_1 with a changed config: trainer.n_gpus_per_node: "
+        "1 -> 2 (the optimizer state is sharded over the old number of ranks)"
+    )
+    assert fix.startswith("put the old values back to continue that run, or start a new run")

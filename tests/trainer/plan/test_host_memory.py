@@ -1,0 +1,69 @@
+"""Host memory is planned before any model loads: a step's data on the controller (and a
+CPU run's model) against the memory free on the machine."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridflow.config import ConfigError, load_config, validate
+from hybridflow.trainer.plan import host_memory
+from hybridflow.trainer.plan.host_memory import HostNeed, check_host_memory, host_need, sample_bytes
+
+
+def test_sample_bytes_by_hand():
+    # 10 prompt tokens: 3 int64 each = 240; 5 response tokens: 3 int64 (24) + 8 float32 (32)
+    # + 1 text byte = 57 each = 285; 100 bytes of arrays
+    assert sample_bytes(10, 5, reference=False, critic=False) == 240 + 285 + 100
+    # the reference's log-probs and the critic's values: one float32 more each per token
+    assert sample_bytes(10, 5, reference=True, critic=True) == 240 + 285 + 100 + 2 * 4 * 5
+
+
+def test_the_step_counts_train_batch_size_times_n():
+    cfg = load_config(
+        None,
+        [
+            "data.train_batch_size=8",
+            "actor.ppo_mini_batch_size=8",
+            "rollout.n=4",
+            "data.val_files=[]",
+        ],
+    )
+    need = host_need(cfg, validate(cfg))
+    assert need.samples == 32 and "data.train_batch_size = 8 × rollout.n = 4" in need.what
+    per_sample = sample_bytes(cfg.data.max_prompt_length, cfg.data.max_response_length,
+                              validate(cfg).use_reference, validate(cfg).use_critic)  # fmt: skip
+    assert need.data_bytes == 32 * per_sample
+
+
+def test_a_validation_pass_larger_than_a_step_is_named():
+    cfg = load_config(None, ["data.val_batch_size=100", "rollout.val_n=50", "rollout.n=2"])
+    need = host_need(cfg, validate(cfg))
+    assert need.samples == 5000 and "rollout.val_n = 50" in need.what
+
+
+def test_a_hundred_million_samples_are_refused_with_the_numbers(monkeypatch):
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: (16 * 2**30, "test"))
+    cfg = load_config(None, ["rollout.n=100000000"])
+    with pytest.raises(ConfigError) as error:
+        check_host_memory(cfg, validate(cfg))
+    text = str(error.value)
+    assert "rollout.n = 100000000" in text and "16.0 GiB is free (test)" in text
+    assert "GiB on the controller" in text and "lower rollout.n" in text
+
+
+def test_a_run_that_fits_passes(monkeypatch):
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: (16 * 2**30, "test"))
+    cfg = load_config("examples/grpo.yaml")
+    assert check_host_memory(cfg, validate(cfg)).total < 2**30
+
+
+def test_unknown_free_memory_is_not_checked():
+    need = HostNeed(samples=10**12, data_bytes=10**15, model_bytes=0, what="x")
+    assert host_memory.host_problems(need, load_config(), None, "") == []
+
+
+def test_free_memory_is_read_on_linux():
+    available, source = host_memory.available_host_bytes()
+    if available is None:
+        pytest.skip("no /proc/meminfo here")
+    assert available > 0 and source
