@@ -9,14 +9,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from hybridflow.engine.requests import Completion
 from hybridflow.engine.sampling import sample_reference, split_seed
 
 
 @torch.no_grad()
 def generate_slow(engine, prompts: list[list[int]], params, seeds: torch.Tensor):
     """seeds: [len(prompts) * n] per-request seeds (sampling.call_seeds)."""
-    from hybridflow.engine.engine import Completion
-
     engine._check_prompts(prompts)
     device, n = engine.device, params.n
     seed_lo, seed_hi = (s.to(device) for s in split_seed(seeds))

@@ -1,7 +1,7 @@
 """Admitting waiting requests into free slots: one packed prefill pass per admission (one
 prefill per unique prompt, its K/V fanned out to the slots of its n samples), then the first
-tokens sampled and the requests appended as live rows. Functions over a Scheduler's queues
-(scheduler.py), like continuation.py (kept slots) and preemption.py (a paged cache's room)."""
+tokens sampled and the requests appended as live rows. Functions over the scheduler's state
+(state.py), like continuation.py (kept slots) and preemption.py (a paged cache's room)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from hybridflow.engine.row_sampling import mixed_mode
 from hybridflow.engine.scheduling import preemption
 
 if TYPE_CHECKING:
-    from hybridflow.engine.scheduling.scheduler import Scheduler
+    from hybridflow.engine.scheduling.state import SchedulerState
 
 
-def take_waiting(scheduler: Scheduler) -> list[tuple[Submission, int]]:
+def take_waiting(scheduler: SchedulerState) -> list[tuple[Submission, int]]:
     """Requests for one prefill pass, in queue order: up to the free slots and the
     prefill token budget (a prompt's samples count its tokens once)."""
     taken: list[tuple[Submission, int]] = []
@@ -50,7 +50,7 @@ def take_waiting(scheduler: Scheduler) -> list[tuple[Submission, int]]:
     return taken
 
 
-def admit(scheduler: Scheduler) -> bool:
+def admit(scheduler: SchedulerState) -> bool:
     """One prefill pass of waiting requests; False when none could be taken (a paged
     cache without the blocks for the first)."""
     taken = take_waiting(scheduler)
@@ -122,14 +122,12 @@ def admit(scheduler: Scheduler) -> bool:
     return True
 
 
-def append_admitted(scheduler: Scheduler, taken, slots, logits, seed_lo, seed_hi, row_positions,
-                    row_slots, max_new_dev, max_new, prompt_lengths) -> None:  # fmt: skip
+def append_admitted(scheduler: SchedulerState, taken, slots, logits, seed_lo, seed_hi,
+                    row_positions, row_slots, max_new_dev, max_new,
+                    prompt_lengths) -> None:  # fmt: skip
     """Sample the admitted requests' first tokens and append them as live rows."""
     for sub, _ in taken:
-        if sub not in scheduler.live_subs:
-            scheduler.live_subs[sub] = 0
-            scheduler.subs_changed = True
-        scheduler.live_subs[sub] += 1
+        scheduler.count_live(sub)
     if scheduler.subs_changed:
         scheduler.sync_submissions()  # the stop ids the first tokens are checked against
     first = scheduler.state.num_rows

@@ -1,6 +1,6 @@
 """Admitting requests that continue a kept slot (kept.py): only the tokens past the slot's
-cached prefix go through the model, in one extend pass (prefill.py) into the same slot; the
-scheduler (scheduler.py) then samples their first tokens like any admission's."""
+cached prefix go through the model, in one extend pass (prefill.py) into the same slot; their first tokens are then sampled like any admission's
+(admission.append_admitted). Functions over the scheduler's state (state.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from hybridflow.engine.prefill import host_spans
 from hybridflow.engine.scheduling import admission, preemption
 
 if TYPE_CHECKING:
-    from hybridflow.engine.scheduling.scheduler import Scheduler
+    from hybridflow.engine.scheduling.state import SchedulerState
 
 
-def admit(scheduler: Scheduler) -> None:
+def admit(scheduler: SchedulerState) -> None:
     """Admit requests that continue a kept slot: only the tokens past the cached prefix
     are prefilled (Engine.extend), into the same slot."""
     engine = scheduler.engine

@@ -13,46 +13,30 @@ chunk's last logits: they are live rows from the next step on. A continuation of
 
 So a decode row waits at most one step for a new request, however long its prompt, and a
 turn of an agent's episode costs its own tokens in a step, not a pass of its own. Steps with
-no job replay the decode graphs as before (scheduler.py). Functions over a Scheduler's
-queues, like admission.py and continuation.py.
+no job replay the decode graphs as before (scheduler.py). Functions over the scheduler's
+state (state.py), like admission.py and continuation.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from hybridflow.engine.host import ranges, upload
 from hybridflow.engine.prefill import host_spans
-from hybridflow.engine.requests import Completion, LiveRequest, Submission
+from hybridflow.engine.requests import Completion, Submission
 from hybridflow.engine.scheduling import admission, preemption
+from hybridflow.engine.scheduling.state import PrefillJob
 
 if TYPE_CHECKING:
-    from hybridflow.engine.scheduling.scheduler import Scheduler
-
-
-@dataclass
-class PrefillJob:
-    """One prompt (its n samples) or one continuation, being prefilled a chunk per step."""
-
-    requests: list[tuple[Submission, int]]  # the samples of one prompt, in order
-    slots: list[int]  # theirs: the first holds the K/V as it is computed, the rest a copy
-    sequence: list[int]  # the token ids whose K/V the first slot must hold
-    done: int  # positions [0, done) are in the cache (a kept prefix, earlier chunks)
-    copies: tuple | None = None  # a paged cache's partial blocks to copy at the end
-    resumed: LiveRequest | None = None  # a preempted request's recompute (preemption.py)
-
-    @property
-    def left(self) -> int:
-        return len(self.sequence) - self.done
+    from hybridflow.engine.scheduling.state import SchedulerState
 
 
 # -- admission ----------------------------------------------------------------------------------
 
 
-def open_jobs(scheduler: Scheduler) -> None:
+def open_jobs(scheduler: SchedulerState) -> None:
     """Preempted requests, continuations of kept slots, then waiting requests, into jobs
     while slots (and a paged cache's blocks) last: no waiting for company, a job costs only
     its tokens in a step."""
@@ -76,7 +60,7 @@ def open_jobs(scheduler: Scheduler) -> None:
             _open_job(scheduler, group)
 
 
-def _has_room(scheduler: Scheduler) -> bool:
+def _has_room(scheduler: SchedulerState) -> bool:
     if not scheduler.free_slots and len(scheduler.engine.kept):  # kept KV gives way
         scheduler.free_slot(scheduler.engine.kept.evict_oldest())
     if scheduler.paging is not None and not preemption.blocks_for_next(scheduler):
@@ -96,7 +80,7 @@ def _prompt_groups(taken: list[tuple[Submission, int]]) -> list[list[tuple[Submi
     return groups
 
 
-def _open_job(scheduler: Scheduler, group: list[tuple[Submission, int]]) -> None:
+def _open_job(scheduler: SchedulerState, group: list[tuple[Submission, int]]) -> None:
     sub, first = group[0]
     sub.table.check()  # every id in range before it indexes the embedding
     slots = [scheduler.free_slots.pop() for _ in group]
@@ -107,7 +91,7 @@ def _open_job(scheduler: Scheduler, group: list[tuple[Submission, int]]) -> None
     scheduler.prefilling.append(PrefillJob(group, slots, prompt, 0, copies))
 
 
-def abort(scheduler: Scheduler, sub: Submission, request: int) -> bool:
+def abort(scheduler: SchedulerState, sub: Submission, request: int) -> bool:
     """A request of a job (already in sub.aborted): False when no job holds it. A job ends
     when all its requests are aborted (slots back, each finished with 'abort'); until then
     the others go on and the aborted one is retired as it goes live (finish_jobs)."""
@@ -131,7 +115,7 @@ def abort(scheduler: Scheduler, sub: Submission, request: int) -> bool:
 # -- one step -----------------------------------------------------------------------------------
 
 
-def run_step(scheduler: Scheduler) -> int:
+def run_step(scheduler: SchedulerState) -> int:
     """One forward: the live rows' next tokens (when any may still decode) and the jobs'
     next chunks; rows advanced and finished jobs' requests appended as live rows. -> decode
     steps run (0 or 1)."""
@@ -175,7 +159,7 @@ def run_step(scheduler: Scheduler) -> int:
         gather_slots, gather_positions, cu_new, cu_all = rest
         extra["spans"] = (gather_slots, gather_positions, cu_new.to(torch.int32),
                           cu_all.to(torch.int32), *spans[1])  # fmt: skip
-    max_len = max(int((starts + counts).max()), scheduler._max_live_len(1) if rows else 1)
+    max_len = max(int((starts + counts).max()), scheduler.max_live_len(1) if rows else 1)
     logits = engine.extend(
         engine.model, scheduler.cache, engine.rope, torch.cat([state.tokens[:rows], ids]),
         torch.cat([state.positions[:rows], positions]),
@@ -193,7 +177,7 @@ def run_step(scheduler: Scheduler) -> int:
     return int(rows > 0)
 
 
-def _chunks(scheduler: Scheduler, rows: int) -> list[tuple[PrefillJob, int, int]]:
+def _chunks(scheduler: SchedulerState, rows: int) -> list[tuple[PrefillJob, int, int]]:
     """(job, first position, token count) of this step's chunks, oldest jobs first, up to the
     step's budget: max_prefill_tokens_per_step beside decode rows; with none, no row waits
     for the step, and it takes a whole prefill pass's tokens (max_prefill_tokens), as many
@@ -212,7 +196,7 @@ def _chunks(scheduler: Scheduler, rows: int) -> list[tuple[PrefillJob, int, int]
     return chunks
 
 
-def finish_jobs(scheduler: Scheduler, jobs: list[PrefillJob], logits: torch.Tensor) -> None:
+def finish_jobs(scheduler: SchedulerState, jobs: list[PrefillJob], logits: torch.Tensor) -> None:
     """Jobs whose last chunk ran (logits [len(jobs), V]: their last tokens'): K/V fanned out
     to the other samples' slots, first tokens sampled, requests appended as live rows."""
     engine = scheduler.engine
@@ -246,7 +230,7 @@ def finish_jobs(scheduler: Scheduler, jobs: list[PrefillJob], logits: torch.Tens
         scheduler.retire(aborted)
 
 
-def _fan_out(scheduler: Scheduler, jobs: list[PrefillJob]) -> None:
+def _fan_out(scheduler: SchedulerState, jobs: list[PrefillJob]) -> None:
     """Each job's prompt K/V from its first slot to its other samples' (n > 1): every
     position in a slot cache, the partial last block in a paged one (its full blocks are
     shared: Paging.place)."""

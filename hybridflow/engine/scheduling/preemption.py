@@ -1,7 +1,7 @@
 """When a paged KV cache runs short (paging.py): the scheduler's rows make room and the
 requests preempted for it come back.
 
-Functions over a Scheduler's rows and queues, called by it (scheduler.py) at admission and
+Functions over the scheduler's rows and queues (state.py), called at admission and
 before each chunk of decode steps: evicting kept KV first, then preempting the newest
 requests (every row's tokens read back first, so a preempted request keeps all it sampled),
 and prefilling a preempted request again once its blocks are free. vLLM calls this recompute
@@ -18,20 +18,21 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridflow.engine.host import upload
+from hybridflow.engine.scheduling import readback
 
 if TYPE_CHECKING:
     from hybridflow.engine.requests import LiveRequest
-    from hybridflow.engine.scheduling.scheduler import Scheduler
+    from hybridflow.engine.scheduling.state import SchedulerState
 
 
-def evict_kept_for(scheduler: Scheduler, blocks: int) -> int:
+def evict_kept_for(scheduler: SchedulerState, blocks: int) -> int:
     """Evict kept KV, oldest first, until `blocks` are free or none is kept; -> free."""
     while scheduler.paging.free_blocks < blocks and len(scheduler.engine.kept):
         scheduler.free_slot(scheduler.engine.kept.evict_oldest())
     return scheduler.paging.free_blocks
 
 
-def growth_reserve(scheduler: Scheduler) -> int:
+def growth_reserve(scheduler: SchedulerState) -> int:
     """Blocks held back for the live rows to grow into (the admission watermark): one for each
     row whose blocks do not yet reach its last position. A row that cannot outgrow its blocks
     reserves none: with a max_seq_len of one block, a reserve per row would admit only half
@@ -42,13 +43,13 @@ def growth_reserve(scheduler: Scheduler) -> int:
                for live, end in zip(scheduler.rows, scheduler.row_end))  # fmt: skip
 
 
-def blocks_for_next(scheduler: Scheduler) -> bool:
+def blocks_for_next(scheduler: SchedulerState) -> bool:
     """Whether blocks are free past the live rows' growth reserve."""
     reserve = growth_reserve(scheduler)
     return evict_kept_for(scheduler, reserve + 2) > reserve + 1 or not scheduler.rows
 
 
-def extension_fits(scheduler: Scheduler) -> bool:
+def extension_fits(scheduler: SchedulerState) -> bool:
     """Whether the first continuation's new tokens have blocks (kept KV evicted for them;
     with nothing decoding, one that still does not fit is prefilled in full instead)."""
     if scheduler.paging is None:
@@ -65,7 +66,7 @@ def extension_fits(scheduler: Scheduler) -> bool:
     return False
 
 
-def make_room(scheduler: Scheduler, steps: int) -> int:
+def make_room(scheduler: SchedulerState, steps: int) -> int:
     """Blocks for every position the next `steps` decode steps write, in the device
     table. Short of them: kept KV goes first, then (after reading every row's tokens
     back) the newest requests are preempted until the rest fit. -> the steps to run (0:
@@ -80,7 +81,7 @@ def make_room(scheduler: Scheduler, steps: int) -> int:
 
     slots, ends, missing = needs()
     if missing > evict_kept_for(scheduler, missing):
-        scheduler.flush()  # exact tokens for the preempted; rows that finished retire
+        readback.flush(scheduler)  # exact tokens for the preempted; rows that finished retire
         slots, ends, missing = needs()
         while scheduler.rows and missing > paging.free_blocks:
             newest = max(scheduler.rows, key=lambda live: live.key)
@@ -94,7 +95,7 @@ def make_room(scheduler: Scheduler, steps: int) -> int:
     return steps if scheduler.rows else 0
 
 
-def can_resume(scheduler: Scheduler) -> bool:
+def can_resume(scheduler: SchedulerState) -> bool:
     """Whether the oldest preempted request can be prefilled again now."""
     live = scheduler.resuming[0]
     length = len(live.sub.prompt_of(live.request)) + len(live.tokens)
@@ -104,7 +105,7 @@ def can_resume(scheduler: Scheduler) -> bool:
     return bool(scheduler.free_slots) and evict_kept_for(scheduler, need) >= need
 
 
-def resume(scheduler: Scheduler) -> None:
+def resume(scheduler: SchedulerState) -> None:
     """Prefill the oldest preempted request's prompt and tokens but the last (which has
     not been through the model) into a free slot; it decodes on from its last token, its
     sampling step where it stopped, so it draws what it would have drawn unpreempted."""
@@ -121,7 +122,7 @@ def resume(scheduler: Scheduler) -> None:
     append_resumed(scheduler, live, length)
 
 
-def take_resumed(scheduler: Scheduler) -> tuple[LiveRequest, list[int]]:
+def take_resumed(scheduler: SchedulerState) -> tuple[LiveRequest, list[int]]:
     """The oldest preempted request into a free slot with blocks for what it recomputes:
     -> (it, the token ids whose K/V the slot must hold again)."""
     live = scheduler.resuming.popleft()
@@ -133,14 +134,11 @@ def take_resumed(scheduler: Scheduler) -> tuple[LiveRequest, list[int]]:
     return live, sequence
 
 
-def append_resumed(scheduler: Scheduler, live: LiveRequest, length: int) -> None:
+def append_resumed(scheduler: SchedulerState, live: LiveRequest, length: int) -> None:
     """A resumed request whose slot holds `length` positions again back as a live row, at
     its last token and sampling step."""
     sub, engine, slot = live.sub, scheduler.engine, live.slot
-    if sub not in scheduler.live_subs:
-        scheduler.live_subs[sub] = 0
-        scheduler.subs_changed = True
-    scheduler.live_subs[sub] += 1
+    scheduler.count_live(sub)
     if scheduler.subs_changed:
         scheduler.sync_submissions()
     first = scheduler.state.num_rows

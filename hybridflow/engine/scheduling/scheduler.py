@@ -22,80 +22,24 @@ rows' next tokens; a step with no job queues a chunk of decode steps as above.
 In a paged cache (paging.py) admission also needs free blocks, each chunk first grows the
 rows' blocks, and a shortage preempts the newest requests (preemption.py), which wait in
 `resuming` and come back before any new request is admitted.
+
+The steps are modules of their own (admission.py, continuation.py, mixed.py, preemption.py,
+readback.py), functions over the state they share (state.py: the queues, rows and counters);
+the Scheduler composes them and none of them imports it.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from typing import TYPE_CHECKING
-
-import torch
-
-from hybridflow.engine.host import collect_young, upload
-from hybridflow.engine.requests import Completion, LiveRequest, Submission
-from hybridflow.engine.row_sampling import mixed_mode
-from hybridflow.engine.scheduling import admission, continuation, mixed, preemption
-from hybridflow.engine.scheduling.readback import Snapshot, take_snapshot
-
-if TYPE_CHECKING:
-    from hybridflow.engine.engine import Engine
+from hybridflow.engine.host import upload
+from hybridflow.engine.requests import Completion, Submission
+from hybridflow.engine.scheduling import admission, continuation, mixed, preemption, readback
+from hybridflow.engine.scheduling.readback import Snapshot
+from hybridflow.engine.scheduling.state import SchedulerState
 
 
-class Scheduler:
-    """Waiting requests, live rows and free slots of one engine cache (module docstring)."""
-
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.state, self.runner, self.cache = engine.state, engine.runner, engine.cache
-        self.waiting: deque[tuple[Submission, int]] = deque()
-        # requests continuing a kept slot: (submission, request, slot, cached length)
-        self.extending: deque[tuple[Submission, int, int, int]] = deque()
-        kept = engine.kept.slots()
-        self.free_slots = [s for s in range(self.cache.num_slots - 1, -1, -1) if s not in kept]
-        # a paged cache's blocks (paging.py); a new scheduler frees all but the kept ones
-        self.paging = None
-        if engine.blocks is not None:
-            from hybridflow.engine.scheduling.paging import Paging
-
-            self.paging = Paging(engine.blocks, self.cache, engine.device)
-            for slot in self.free_slots:
-                self.paging.release(slot)
-        self.resuming: deque[LiveRequest] = deque()  # preempted, to prefill again (paging.py)
-        # mixed steps (mixed.py): prompts and continuations prefilled a chunk per step
-        self.mixed = engine.options.max_prefill_tokens_per_step > 0
-        self.prefilling: list[mixed.PrefillJob] = []
-        self.rows: list[LiveRequest] = []  # the request of each live row
-        self.row_budget: list[int] = []  # upper bound on steps each row may still take
-        self.row_end: list[int] = []  # prompt length + max_new: bound on the row's cache length
-        self.row_admission: list[int] = []  # which admission prefilled each row's prompt
-        self.admissions = 0
-        self.steps = 0  # step() calls so far (a clock for how long requests have waited)
-        self.decode_steps = 0  # steps run, and rows decoded summed over them (their ratio: the
-        self.decoded_rows = 0  # mean batch, a counter of how well requests share steps)
-        self.mixed_steps = 0  # steps whose forward carried decode rows and prompt chunks
-        self.pending: Snapshot | None = None
-        self.version = 0  # the policy version sampling now (new_version)
-        self.live_subs: dict[Submission, int] = {}  # live rows per submission
-        self.device_stop: frozenset | None = None  # the stop ids on the device now
-        self.extra_stops: dict[Submission, frozenset] = {}  # stop ids the host checks
-        self.subs_changed = True  # live_subs gained or lost a member: stops, mode
-        self.groups_changed = False  # rows changed: shared-prefix groups
-        # output columns a snapshot reads per row: a chunk's steps + the admission's token
-        self.window = engine.steps_per_sync + 1
-        self.columns = torch.arange(self.window, device=engine.device)
-        # Host reads lag the device by one chunk: the next chunk's replays are queued before
-        # the host waits for the previous chunk's flags and tokens, so the GPU does not idle
-        # while the host compacts rows, admits prompts and turns tokens into lists (H200,
-        # 0.5b: 171k vs 162k tok/s at 256 rows, 242k vs 227k at 1024).
-        self.lagged = engine.sync_lag > 0
-        # routing replay: finished requests' expert ids from the cache's record (routes.py),
-        # read after the last snapshot's event (every position they need is written by then)
-        self.route_reader = None
-        if self.cache.routes is not None:
-            from hybridflow.engine.scheduling.routes import RouteReader
-
-            self.route_reader = RouteReader(self.cache, engine.device)
-        self.read_after = None  # the last absorbed snapshot's event
+class Scheduler(SchedulerState):
+    """The steps over one engine cache's requests (module docstring); the queues, rows and
+    counters they act on are its SchedulerState (state.py)."""
 
     # -- requests in and out --------------------------------------------------------------------
 
@@ -123,11 +67,6 @@ class Scheduler:
         subs = {live.sub for live in self.rows} | {live.sub for live in self.resuming}
         subs |= {sub for job in self.prefilling for sub, _ in job.requests}
         return subs | {entry[0] for entry in self.waiting} | {e[0] for e in self.extending}
-
-    def free_slot(self, slot: int) -> None:
-        self.free_slots.append(slot)
-        if self.paging is not None:
-            self.paging.release(slot)
 
     def run(self, sub: Submission) -> list[Completion]:
         """Serve one submission to the end (generate(): nothing else is queued)."""
@@ -179,11 +118,7 @@ class Scheduler:
     def flush(self) -> None:
         """Read back everything the device has generated (before a pause or weight update:
         afterwards each live request's lists hold all of its tokens)."""
-        if self.pending is not None:
-            self._absorb(self.pending)
-            self.pending = None
-        if self.rows:
-            self._absorb(self._snapshot())
+        readback.flush(self)
 
     def new_version(self, version: int) -> None:
         """Tokens sampled from now on come from policy `version` (call after flush())."""
@@ -241,30 +176,10 @@ class Scheduler:
                 return
         if self.groups_changed and self.runner.shared:
             self._upload_groups()
-        self.runner.decode_steps(len(self.rows), steps, self._max_live_len(steps))
+        self.runner.decode_steps(len(self.rows), steps, self.max_live_len(steps))
         self.decode_steps += steps
         self.decoded_rows += steps * len(self.rows)
         self.row_budget = [b - steps for b in self.row_budget]
-
-    def sync_submissions(self) -> None:
-        """The live submissions changed: the device's stop ids (those every one of them
-        stops on), the host's extra checks, and the sampling mode of the decode steps."""
-        subs = list(self.live_subs)
-        self.subs_changed = False
-        if not subs:
-            return
-        common = frozenset.intersection(*(sub.stop_ids for sub in subs))
-        if common != self.device_stop:
-            self.state.set_stop_tokens(sorted(common))
-            self.device_stop = common
-        self.extra_stops = {sub: sub.stop_ids - common for sub in subs if sub.stop_ids != common}
-        modes = {sub.mode: sub.params for sub in subs}
-        mode = next(iter(modes.values())) if len(modes) == 1 else mixed_mode(modes)
-        engine = self.engine
-        shared = engine.shares_prefixes(max(sub.n for sub in subs))
-        if shared and not self.runner.shared:
-            self.groups_changed = True
-        self.runner.set_mode(mode, shared=shared)
 
     def _should_admit(self) -> bool:
         # Prefill in batches: wait until a useful share of the slots is free (amortises the
@@ -286,102 +201,13 @@ class Scheduler:
             return True
         return self.steps - queue[0][0].queued_at > self.engine.options.admission_wait_chunks
 
-    def _max_live_len(self, steps: int) -> int:
-        """Host upper bound on cache positions read during the next `steps` steps (eager torch
-        decode reads only these); no device sync needed."""
-        bound = max(end - budget + steps for end, budget in zip(self.row_end, self.row_budget))
-        return min(self.cache.max_seq_len, bound)
-
     # -- reading back ---------------------------------------------------------------------------
 
     def _snapshot(self) -> Snapshot:
-        return take_snapshot(self.state, self.rows, self.window, self.columns)
+        return readback.queue_snapshot(self)
 
     def _absorb(self, snapshot: Snapshot) -> None:
-        """Append a snapshot's new tokens to each request's lists; retire finished rows."""
-        collect_young(snapshot.ready)  # while the GPU is still busy, if there is work for it
-        snapshot.wait()
-        self.read_after = snapshot.ready
-        finished = snapshot.finished.tolist()
-        generated = snapshot.generated.tolist()
-        tokens, logprobs = snapshot.tokens.tolist(), snapshot.logprobs.tolist()
-        width = self.window
-        extra_stops = self.extra_stops
-        done = set()
-        for row, live in enumerate(snapshot.requests):
-            if live.done:  # retired by an earlier snapshot
-                continue
-            new = generated[row] - len(live.tokens)
-            if new > 0:
-                new_tokens, new_logprobs = tokens[row][width - new :], logprobs[row][width - new :]
-                extra = extra_stops.get(live.sub)
-                if extra:  # a stop id only this submission has: cut there
-                    cut = next((i for i, t in enumerate(new_tokens) if t in extra), None)
-                    if cut is not None:
-                        new_tokens, new_logprobs = new_tokens[: cut + 1], new_logprobs[: cut + 1]
-                        done.add(live)
-                live.tokens.extend(new_tokens)
-                live.logprobs.extend(new_logprobs)
-                if live.sub.listener is not None:
-                    live.sub.listener(live.request, new_tokens, new_logprobs)
-            if finished[row]:
-                done.add(live)
-        if done:
-            self.retire(done)
-
-    def retire(self, done: set[LiveRequest], preempt: bool = False) -> None:
-        """Record finished requests' results, free their slots and compact the live rows.
-        preempt: the rows are not done; they free their slots and wait in `resuming`."""
-        records = {} if preempt else self._read_routes(done)
-        keep = []
-        for row, live in enumerate(self.rows):
-            if live not in done:
-                keep.append(row)
-                continue
-            sub = live.sub
-            self.live_subs[sub] -= 1
-            if not self.live_subs[sub]:
-                del self.live_subs[sub]
-                self.subs_changed = True
-            if preempt:
-                self.free_slot(live.slot)
-                self.resuming.append(live)
-                continue
-            live.done = True
-            tokens = live.tokens
-            aborted = live.request in sub.aborted
-            handle = None
-            if sub.keep and not aborted:  # the slot holds the prompt and every token but the last
-                handle = self.engine.kept.keep(
-                    live.slot, [*sub.prompt_of(live.request), *tokens[:-1]]
-                )
-            else:
-                self.free_slot(live.slot)
-            reason = (
-                "abort" if aborted else "stop" if tokens and tokens[-1] in sub.stop_ids
-                else "length"
-            )  # fmt: skip
-            sub.finish(live.request, Completion(tokens, live.logprobs, reason, handle,
-                                                tuple(live.spans), records.get(live)))  # fmt: skip
-        self.state.keep_rows(keep, upload(self.engine.device, torch.tensor(keep))[0])
-        self.rows = [self.rows[r] for r in keep]
-        self.row_budget = [self.row_budget[r] for r in keep]
-        self.row_end = [self.row_end[r] for r in keep]
-        self.row_admission = [self.row_admission[r] for r in keep]
-        self.groups_changed = True
-
-    def _read_routes(self, done: set[LiveRequest]) -> dict:
-        """Each finished request's routing record (routes.py), {} without one."""
-        if self.route_reader is None or not done:
-            return {}
-        lives = [live for live in self.rows if live in done]
-        lengths = [len(live.sub.prompt_of(live.request)) + max(len(live.tokens) - 1, 0)
-                   for live in lives]  # fmt: skip
-        # a request retired before any of its tokens was read back (an abort) may have been
-        # prefilled after the last snapshot: wait for all work queued so far
-        after = self.read_after if all(live.tokens for live in lives) else None
-        records = self.route_reader.read([live.slot for live in lives], lengths, after)
-        return dict(zip(lives, records))
+        readback.absorb(self, snapshot)
 
     def _upload_groups(self) -> None:
         """The live rows' shared-prefix groups into the state (rows changed): queued before

@@ -1,0 +1,219 @@
+"""What the scheduler keeps between steps: the requests of one engine cache, waiting for a
+slot, continuing a kept slot (kept.py), preempted (preemption.py), being prefilled a chunk per
+step (mixed.py) or live in the decode batch, the free slots, and the counters. The steps
+(admission.py, continuation.py, preemption.py, mixed.py, readback.py) act on this object;
+the Scheduler (scheduler.py) composes them. Read here what a row, a queue or a counter is.
+
+Besides the queues it knows the engine through EngineView (what the steps use of it) and
+does what every step needs: free a slot, count a submission's live rows and set the device's
+stop ids and sampling mode from them, retire rows that finished or make way.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from hybridflow.engine.host import upload
+from hybridflow.engine.requests import Completion, LiveRequest, Submission
+from hybridflow.engine.row_sampling import mixed_mode
+
+if TYPE_CHECKING:
+    from hybridflow.engine.cache.blocks import BlockPool
+    from hybridflow.engine.cache.kv_cache import KVCache
+    from hybridflow.engine.graphs import DecodeRunner
+    from hybridflow.engine.options import EngineOptions
+    from hybridflow.engine.scheduling.kept import KeptKV
+    from hybridflow.engine.state import DecodeState
+
+
+class EngineView(Protocol):
+    """The parts of the Engine (engine.py) the scheduling steps use: its cache and decode
+    state, its forward passes and the options they follow."""
+
+    device: torch.device
+    options: EngineOptions
+    state: DecodeState  # the device's rows: tokens, positions, slots, sampling
+    runner: DecodeRunner  # decode steps (graphs) and first-token sampling
+    cache: KVCache
+    blocks: BlockPool | None  # a paged cache's block pool
+    kept: KeptKV  # slots kept for a conversation's next turn
+    model: torch.nn.Module
+    rope: object
+    prefill: object  # the prefill pass (prefill.py): packed prompts into their slots
+    extend: object  # the extend pass: new tokens after a cached prefix
+    decode_backend: str
+    steps_per_sync: int
+    sync_lag: int
+    max_prefill_tokens: int
+    prefill_tokens: int  # a counter the steps add the tokens they prefill to
+
+    def shares_prefixes(self, n: int) -> bool: ...
+
+
+@dataclass
+class PrefillJob:
+    """One prompt (its n samples) or one continuation, being prefilled a chunk per step."""
+
+    requests: list[tuple[Submission, int]]  # the samples of one prompt, in order
+    slots: list[int]  # theirs: the first holds the K/V as it is computed, the rest a copy
+    sequence: list[int]  # the token ids whose K/V the first slot must hold
+    done: int  # positions [0, done) are in the cache (a kept prefix, earlier chunks)
+    copies: tuple | None = None  # a paged cache's partial blocks to copy at the end
+    resumed: LiveRequest | None = None  # a preempted request's recompute (preemption.py)
+
+    @property
+    def left(self) -> int:
+        return len(self.sequence) - self.done
+
+
+class SchedulerState:
+    """Waiting requests, live rows and free slots of one engine cache (module docstring)."""
+
+    def __init__(self, engine: EngineView):
+        self.engine = engine
+        self.state, self.runner, self.cache = engine.state, engine.runner, engine.cache
+        self.waiting: deque[tuple[Submission, int]] = deque()
+        # requests continuing a kept slot: (submission, request, slot, cached length)
+        self.extending: deque[tuple[Submission, int, int, int]] = deque()
+        kept = engine.kept.slots()
+        self.free_slots = [s for s in range(self.cache.num_slots - 1, -1, -1) if s not in kept]
+        # a paged cache's blocks (paging.py); a new scheduler frees all but the kept ones
+        self.paging = None
+        if engine.blocks is not None:
+            from hybridflow.engine.scheduling.paging import Paging
+
+            self.paging = Paging(engine.blocks, self.cache, engine.device)
+            for slot in self.free_slots:
+                self.paging.release(slot)
+        self.resuming: deque[LiveRequest] = deque()  # preempted, to prefill again (paging.py)
+        # mixed steps (mixed.py): prompts and continuations prefilled a chunk per step
+        self.mixed = engine.options.max_prefill_tokens_per_step > 0
+        self.prefilling: list[PrefillJob] = []
+        self.rows: list[LiveRequest] = []  # the request of each live row
+        self.row_budget: list[int] = []  # upper bound on steps each row may still take
+        self.row_end: list[int] = []  # prompt length + max_new: bound on the row's cache length
+        self.row_admission: list[int] = []  # which admission prefilled each row's prompt
+        self.admissions = 0
+        self.steps = 0  # step() calls so far (a clock for how long requests have waited)
+        self.decode_steps = 0  # steps run, and rows decoded summed over them (their ratio: the
+        self.decoded_rows = 0  # mean batch, a counter of how well requests share steps)
+        self.mixed_steps = 0  # steps whose forward carried decode rows and prompt chunks
+        self.pending = None  # readback.Snapshot of the chunk queued last, not yet read
+        self.version = 0  # the policy version sampling now (new_version)
+        self.live_subs: dict[Submission, int] = {}  # live rows per submission
+        self.device_stop: frozenset | None = None  # the stop ids on the device now
+        self.extra_stops: dict[Submission, frozenset] = {}  # stop ids the host checks
+        self.subs_changed = True  # live_subs gained or lost a member: stops, mode
+        self.groups_changed = False  # rows changed: shared-prefix groups
+        # output columns a snapshot reads per row: a chunk's steps + the admission's token
+        self.window = engine.steps_per_sync + 1
+        self.columns = torch.arange(self.window, device=engine.device)
+        # Host reads lag the device by one chunk: the next chunk's replays are queued before
+        # the host waits for the previous chunk's flags and tokens, so the GPU does not idle
+        # while the host compacts rows, admits prompts and turns tokens into lists (H200,
+        # 0.5b: 171k vs 162k tok/s at 256 rows, 242k vs 227k at 1024).
+        self.lagged = engine.sync_lag > 0
+        # routing replay: finished requests' expert ids from the cache's record (routes.py),
+        # read after the last snapshot's event (every position they need is written by then)
+        self.route_reader = None
+        if self.cache.routes is not None:
+            from hybridflow.engine.scheduling.routes import RouteReader
+
+            self.route_reader = RouteReader(self.cache, engine.device)
+        self.read_after = None  # the last absorbed snapshot's event
+
+    def free_slot(self, slot: int) -> None:
+        self.free_slots.append(slot)
+        if self.paging is not None:
+            self.paging.release(slot)
+
+    def count_live(self, sub: Submission) -> None:
+        """One more live row of `sub`; a submission new to the batch changes the stop ids."""
+        if sub not in self.live_subs:
+            self.live_subs[sub] = 0
+            self.subs_changed = True
+        self.live_subs[sub] += 1
+
+    def sync_submissions(self) -> None:
+        """The live submissions changed: the device's stop ids (those every one of them
+        stops on), the host's extra checks, and the sampling mode of the decode steps."""
+        subs = list(self.live_subs)
+        self.subs_changed = False
+        if not subs:
+            return
+        common = frozenset.intersection(*(sub.stop_ids for sub in subs))
+        if common != self.device_stop:
+            self.state.set_stop_tokens(sorted(common))
+            self.device_stop = common
+        self.extra_stops = {sub: sub.stop_ids - common for sub in subs if sub.stop_ids != common}
+        modes = {sub.mode: sub.params for sub in subs}
+        mode = next(iter(modes.values())) if len(modes) == 1 else mixed_mode(modes)
+        engine = self.engine
+        shared = engine.shares_prefixes(max(sub.n for sub in subs))
+        if shared and not self.runner.shared:
+            self.groups_changed = True
+        self.runner.set_mode(mode, shared=shared)
+
+    def max_live_len(self, steps: int) -> int:
+        """Host upper bound on cache positions read during the next `steps` steps (eager torch
+        decode reads only these); no device sync needed."""
+        bound = max(end - budget + steps for end, budget in zip(self.row_end, self.row_budget))
+        return min(self.cache.max_seq_len, bound)
+
+    def retire(self, done: set[LiveRequest], preempt: bool = False) -> None:
+        """Record finished requests' results, free their slots and compact the live rows.
+        preempt: the rows are not done; they free their slots and wait in `resuming`."""
+        records = {} if preempt else self._read_routes(done)
+        keep = []
+        for row, live in enumerate(self.rows):
+            if live not in done:
+                keep.append(row)
+                continue
+            sub = live.sub
+            self.live_subs[sub] -= 1
+            if not self.live_subs[sub]:
+                del self.live_subs[sub]
+                self.subs_changed = True
+            if preempt:
+                self.free_slot(live.slot)
+                self.resuming.append(live)
+                continue
+            live.done = True
+            tokens = live.tokens
+            aborted = live.request in sub.aborted
+            handle = None
+            if sub.keep and not aborted:  # the slot holds the prompt and every token but the last
+                handle = self.engine.kept.keep(
+                    live.slot, [*sub.prompt_of(live.request), *tokens[:-1]]
+                )
+            else:
+                self.free_slot(live.slot)
+            reason = (
+                "abort" if aborted else "stop" if tokens and tokens[-1] in sub.stop_ids
+                else "length"
+            )  # fmt: skip
+            sub.finish(live.request, Completion(tokens, live.logprobs, reason, handle,
+                                                tuple(live.spans), records.get(live)))  # fmt: skip
+        self.state.keep_rows(keep, upload(self.engine.device, torch.tensor(keep))[0])
+        self.rows = [self.rows[r] for r in keep]
+        self.row_budget = [self.row_budget[r] for r in keep]
+        self.row_end = [self.row_end[r] for r in keep]
+        self.row_admission = [self.row_admission[r] for r in keep]
+        self.groups_changed = True
+
+    def _read_routes(self, done: set[LiveRequest]) -> dict:
+        """Each finished request's routing record (routes.py), {} without one."""
+        if self.route_reader is None or not done:
+            return {}
+        lives = [live for live in self.rows if live in done]
+        lengths = [len(live.sub.prompt_of(live.request)) + max(len(live.tokens) - 1, 0)
+                   for live in lives]  # fmt: skip
+        # a request retired before any of its tokens was read back (an abort) may have been
+        # prefilled after the last snapshot: wait for all work queued so far
+        after = self.read_after if all(live.tokens for live in lives) else None
+        records = self.route_reader.read([live.slot for live in lives], lengths, after)
+        return dict(zip(lives, records))
