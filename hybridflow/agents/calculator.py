@@ -12,7 +12,7 @@ import ast
 import math
 import re
 
-from hybridflow.agents.tools import ToolError, check_arguments
+from hybridflow.agents.tool_protocol import ToolError, check_arguments
 
 MAX_EXPRESSION_CHARS = 1_000
 MAX_RESULT_DIGITS = 10_000

@@ -96,7 +96,7 @@ from hybridflow.agents.sandbox_setup import (
     _interpreter_paths,
     bootstrap_source,
 )
-from hybridflow.agents.tools import check_arguments
+from hybridflow.agents.tool_protocol import check_arguments
 
 log = logging.getLogger("hybridflow.sandbox")
 _DRAIN_S = 0.5  # after the program exits, how long a stray descendant may hold its pipes

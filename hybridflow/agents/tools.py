@@ -1,4 +1,5 @@
-"""Tools a model may call during an episode, and loading them by name.
+"""Tools a model may call during an episode, and loading them by name (what a tool is:
+tool_protocol.py).
 
 A tool is any object with `name`, `description`, `parameters` (a JSON schema of its
 arguments) and `async __call__(arguments) -> str`. Built-in ones are named by a word
@@ -23,7 +24,10 @@ import types
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
+
+from hybridflow.agents.tool_protocol import Tool, ToolError, check_arguments
+from hybridflow.agents.tool_protocol import openai_schema as openai_schema  # re-exported
 
 if TYPE_CHECKING:
     from hybridflow.agents.sandbox import SandboxLimits
@@ -31,86 +35,8 @@ if TYPE_CHECKING:
 BUILTIN_TOOLS = ("python", "calculator")
 
 
-@runtime_checkable
-class Tool(Protocol):
-    """What an agent loop needs from a tool: a schema to show the model and a coroutine."""
-
-    name: str
-    description: str
-    parameters: dict
-    """JSON schema: {"type": "object", "properties": {...}, "required": [...]}."""
-
-    async def __call__(self, arguments: dict) -> str: ...
-
-
-class ToolError(Exception):
-    """A failure the model caused and can fix; the message is what the model is told."""
-
-
 class ToolLoadError(ValueError):
     """A tool spec cannot be loaded; the message names the spec, file and function."""
-
-
-def openai_schema(tool: Tool) -> dict:
-    """The tool in the form `apply_chat_template(tools=...)` and the OpenAI API take."""
-    return {
-        "type": "function",
-        "function": {
-            "name": tool.name,
-            "description": tool.description,
-            "parameters": tool.parameters,
-        },
-    }
-
-
-_JSON_TYPES: dict[str, tuple[type, ...]] = {
-    "string": (str,),
-    "integer": (int,),
-    "number": (int, float),
-    "boolean": (bool,),
-    "array": (list, tuple),
-    "object": (dict,),
-    "null": (type(None),),
-}
-
-
-def _matches(value: Any, json_type: str) -> bool:
-    if json_type not in _JSON_TYPES:
-        return True  # a type this check does not know: leave it to the tool
-    if isinstance(value, bool) and json_type in ("integer", "number"):
-        return False  # True is an int in Python, not a number in JSON
-    return isinstance(value, _JSON_TYPES[json_type])
-
-
-def check_arguments(tool_name: str, schema: dict, arguments: Any) -> None:
-    """Raise ToolError for a call the schema rejects: not an object, a required name
-    missing, a name the schema does not list (unless `additionalProperties` allows it),
-    or a top-level value of the wrong JSON type."""
-    if not isinstance(arguments, dict):
-        raise ToolError(
-            f"the arguments of {tool_name!r} must be a JSON object, got {type(arguments).__name__}"
-        )
-    properties: dict = schema.get("properties") or {}
-    missing = [name for name in schema.get("required") or [] if name not in arguments]
-    if missing:
-        raise ToolError(f"{tool_name!r} is missing required argument(s): {', '.join(missing)}")
-    if not schema.get("additionalProperties", False):
-        unknown = [name for name in arguments if name not in properties]
-        if unknown:
-            takes = ", ".join(properties) or "no arguments"
-            raise ToolError(
-                f"{tool_name!r} got unknown argument(s): {', '.join(unknown)}; it takes: {takes}"
-            )
-    for name, value in arguments.items():
-        declared = (properties.get(name) or {}).get("type")
-        if declared is None:
-            continue
-        allowed = declared if isinstance(declared, list) else [declared]
-        if not any(_matches(value, json_type) for json_type in allowed):
-            raise ToolError(
-                f"argument {name!r} of {tool_name!r} must be {' or '.join(allowed)}, "
-                f"got {type(value).__name__} {json.dumps(value, default=str)[:80]}"
-            )
 
 
 _SIMPLE_TYPES = {
