@@ -27,7 +27,7 @@ from hybridflow.errors import UserError
 from hybridflow.trainer.observe.profile_options import ProfileOptions
 
 if TYPE_CHECKING:
-    from hybridflow.parallel.roles import RoleLayouts
+    from hybridflow.parallel.layout import RoleLayouts
 
 GROUP_ESTIMATORS = (
     "grpo",

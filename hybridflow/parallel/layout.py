@@ -97,6 +97,17 @@ class Layout:
         return 1 if spans is None else math.prod(dims[name] for name in spans)
 
 
+@dataclass(frozen=True)
+class RoleLayouts:
+    """The layout of every role of a run (roles.role_layouts builds it from the config;
+    Derived.layouts)."""
+
+    actor: Layout
+    ref: Layout
+    critic: Layout
+    rollout: Layout
+
+
 def layout_problems(
     kind: str, world: int, tp: int, sp: int, ep: int, labels: Mapping[str, str] | None = None
 ) -> list[str]:

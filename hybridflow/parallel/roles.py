@@ -12,7 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hybridflow.parallel.layout import ROLLOUT, TRAIN, Layout, rollout_layout, train_layout
+from hybridflow.parallel.layout import (
+    ROLLOUT,
+    TRAIN,
+    Layout,
+    RoleLayouts,
+    rollout_layout,
+    train_layout,
+)
 
 if TYPE_CHECKING:
     from hybridflow.config.sections import Config
@@ -67,16 +74,6 @@ def sizes_of(cfg: Config, role: str) -> dict[str, int]:
 
 def kind_of(role: str) -> str:
     return ROLLOUT if role == "rollout" else TRAIN
-
-
-@dataclass(frozen=True)
-class RoleLayouts:
-    """The layout of every role of a run (validate() builds it; Derived.layouts)."""
-
-    actor: Layout
-    ref: Layout
-    critic: Layout
-    rollout: Layout
 
 
 def role_layouts(cfg: Config, train_world: int, rollout_world: int) -> RoleLayouts:
