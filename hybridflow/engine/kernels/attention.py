@@ -16,8 +16,9 @@ import triton
 import triton.language as tl
 
 from hybridflow.engine.kernels import sm_count
+from hybridflow.engine.kernels.attention_tiles import cache_offsets, softmax_tile
 from hybridflow.engine.kernels.launch import PLAIN, Launch
-from hybridflow.engine.kernels.pdl import prefetch_l2, wait_then_release
+from hybridflow.engine.kernels.pdl import wait_then_release
 from hybridflow.engine.kernels.rowwise import _rotate
 
 # -------------------------------------------------------------------------------------------
@@ -145,7 +146,7 @@ def _decode_attention_kernel(
         offs = base + at[:, None] + d[None, :]
         k = tl.load(kc_ptr + offs, mask=n_mask[:, None], other=0.0)
         v = tl.load(vc_ptr + offs, mask=n_mask[:, None], other=0.0)
-        m_i, l_i, acc = _softmax_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2, FP32_DOT)
+        m_i, l_i, acc = softmax_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2, FP32_DOT)
     if ROPE:
         if STORE_LAST:  # no program reads position pos from the cache: it may come last
             _store_new_kv(kc_ptr, vc_ptr, new_offs, split, k1n, k2n, v_new, h, d, HALF)
@@ -182,60 +183,12 @@ def _decode_attention_kernel(
 
 
 @triton.jit
-def prefetch_kv(kc_ptr, vc_ptr, base, lines, lo, hi, stride_cpos):
-    """Ask L2 for the cached keys and values of positions [lo, hi) at base (a slot and kv
-    head), `lines` the element offsets of a position's 128-byte lines (pdl.py; the
-    shared-prefix kernel's prefixes before its PDL wait)."""
-    for p0 in range(lo, hi, 64):
-        p = tl.minimum(p0 + tl.arange(0, 64), hi - 1).to(tl.int64)
-        offs = base + p[:, None] * stride_cpos + lines[None, :]
-        prefetch_l2(kc_ptr + offs)
-        prefetch_l2(vc_ptr + offs)
-
-
-@triton.jit
-def _softmax_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2, FP32_DOT: tl.constexpr):
-    """One tile of flash attention's online softmax, in log2 units: queries q [M, D] over
-    keys/values k, v [N, D] (n_mask: the valid ones) update the running max m_i [M], sum
-    l_i [M] and unnormalised output acc [M, D]. The PV product rounds P to the values'
-    dtype, as torch's attention does. Shared by the decode kernels (row and prefix)."""
-    if FP32_DOT:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if FP32_DOT:
-        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc * alpha[:, None] + pv
-
-
-@triton.jit
 def _norm_bias(x, rstd, bias_ptr, offs, mask, HAS_BIAS: tl.constexpr):
     """rstd * x (+ bias[offs]) in fp32, rounded to x's dtype."""
     y = x.to(tl.float32) * rstd
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     return y.to(x.dtype)
-
-
-@triton.jit
-def cache_offsets(table_ptr, slot, n, stride_table, stride_cslot, stride_cpos,
-                  PAGE: tl.constexpr, mask):  # fmt: skip
-    """Element offsets of positions n (a scalar or a vector; `mask`: the valid ones) of
-    sequence `slot`, without the kv head's: in a paged cache (PAGE = the block size) through
-    the block table, else within the slot (whose offset the caller adds)."""
-    n = n.to(tl.int64)
-    if PAGE:
-        block = tl.load(table_ptr + slot.to(tl.int64) * stride_table + n // PAGE, mask=mask,
-                        other=0)  # fmt: skip
-        return block.to(tl.int64) * stride_cslot + (n % PAGE) * stride_cpos
-    return n * stride_cpos
 
 
 @triton.jit

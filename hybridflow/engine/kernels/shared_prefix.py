@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from hybridflow.engine.kernels import sm_count
-from hybridflow.engine.kernels.attention import _softmax_tile, cache_offsets, prefetch_kv
+from hybridflow.engine.kernels.attention_tiles import cache_offsets, prefetch_kv, softmax_tile
 from hybridflow.engine.kernels.launch import PLAIN, Launch
 from hybridflow.engine.kernels.pdl import wait_then_release
 
@@ -88,7 +88,7 @@ def _prefix_attention_kernel(
     rest took). With PDL the programs start while the row kernel's last wave runs and ask L2
     for their prefixes (written at prefill, never by the row kernel) before they wait for its
     state: 1.4-2.8 us a layer off the shared attention on the H200. PAGE, table: a paged
-    cache (attention.cache_offsets), where the prefetch is skipped."""
+    cache (attention_tiles.cache_offsets), where the prefetch is skipped."""
     items = tl.load(groups_ptr) * NKV  # row 0: the number of entries
     i = tl.arange(0, M_PAD)  # (row in group, head in kv group) flattened
     d = tl.arange(0, D)
@@ -148,7 +148,7 @@ def _prefix_item(
         offs = base + at[:, None] + d[None, :]
         k = tl.load(kc_ptr + offs, mask=n_mask[:, None], other=0.0)
         v = tl.load(vc_ptr + offs, mask=n_mask[:, None], other=0.0)
-        m_i, l_i, acc = _softmax_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2, FP32_DOT)
+        m_i, l_i, acc = softmax_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2, FP32_DOT)
     # merge the row's own positions (the row kernel's state; always >= 1 position: its new
     # token; an empty prefix's -inf adds nothing)
     m_s = tl.load(pm_ptr + state, mask=valid, other=0.0)
