@@ -20,28 +20,11 @@ behaviour log-probs (actor.rollout_is_cap, on by default with rollout.dtype=fp8)
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
+from hybridflow.engine.fp8_rows import E4M3, E4M3_MAX, INV_E4M3_MAX, TINY, Fp8Rows
 from hybridflow.engine.kernels.launch import PLAIN, Launch
-
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0
-# Scales are max|x| times this, not max|x| / 448: torch on CUDA divides by a Python scalar as
-# a multiply by its reciprocal (CPU divides), so only the multiply is one rounding everywhere,
-# the kernels' included.
-INV_E4M3_MAX = 1.0 / E4M3_MAX
-TINY = 1e-12  # an all-zero row gets a finite scale (and quantizes to zeros)
-
-
-class Fp8Rows(NamedTuple):
-    """Activations quantized per row (quantize_rows, or a kernel that wrote them so):
-    x ≈ values * scale."""
-
-    values: torch.Tensor  # [M, K] float8_e4m3fn
-    scale: torch.Tensor  # [M, 1] fp32
 
 
 def check_fp8_engine(device: torch.device, decode_backend: str, adapted: bool) -> None:

@@ -1,0 +1,26 @@
+"""The float8 e4m3 format of the fp8 rollout (fp8.py): its range, how a row's scale is
+taken, and Fp8Rows, activations quantized per row. The Triton kernels that write or read
+such rows (kernels/fp8_quant.py, kernels/rowwise.py) and the matmuls in fp8.py share it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+# Scales are max|x| times this, not max|x| / 448: torch on CUDA divides by a Python scalar as
+# a multiply by its reciprocal (CPU divides), so only the multiply is one rounding everywhere,
+# the kernels' included.
+INV_E4M3_MAX = 1.0 / E4M3_MAX
+TINY = 1e-12  # an all-zero row gets a finite scale (and quantizes to zeros)
+
+
+class Fp8Rows(NamedTuple):
+    """Activations quantized per row (quantize_rows, or a kernel that wrote them so):
+    x ≈ values * scale."""
+
+    values: torch.Tensor  # [M, K] float8_e4m3fn
+    scale: torch.Tensor  # [M, 1] fp32
