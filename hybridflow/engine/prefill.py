@@ -15,18 +15,9 @@ import torch
 
 from hybridflow.engine.cache.kv_cache import KVCache
 from hybridflow.engine.kernels.launch import PLAIN, Launch
+from hybridflow.engine.rope_table import RopeTable
 from hybridflow.engine.weights import FusedProjections
 from hybridflow.models.attention import make_packed_attention, resolve_backend
-from hybridflow.models.rope import rope_cos_sin
-
-
-class RopeTable:
-    """cos/sin [max_seq_len, head_dim] in the model dtype: the same values rope_cos_sin gives
-    for each position, computed once instead of every step."""
-
-    def __init__(self, config, max_seq_len: int, dtype: torch.dtype, device: torch.device):
-        positions = torch.arange(max_seq_len, device=device)
-        self.cos, self.sin = rope_cos_sin(config, positions, dtype)
 
 
 @torch.no_grad()

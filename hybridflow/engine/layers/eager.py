@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from hybridflow.engine.cache.kv_cache import KVCache
 
 if TYPE_CHECKING:
-    from hybridflow.engine.prefill import RopeTable
+    from hybridflow.engine.rope_table import RopeTable
 
 
 def cached_attention_torch(
