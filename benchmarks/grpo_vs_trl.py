@@ -309,8 +309,8 @@ def _summary(name: str, times: list[float], args, peak_gib: float, gpus: int = 1
 
 def _stage_floors(model_dir: str, args, device_name: str) -> dict[str, float]:
     """Each stage's floor for this workload on this GPU ({} on a CPU or an unknown GPU)."""
-    from hybridflow.trainer.lifecycle.preflight import model_architecture
     from hybridflow.trainer.observe.metrics import peak_flops_per_gpu
+    from hybridflow.trainer.plan.architecture import model_architecture
     from hybridflow.trainer.plan.stage_floors import StepShape, peak_bandwidth, stage_floors
 
     architecture = model_architecture(model_dir)

@@ -115,8 +115,8 @@ def stage_floors_for(overrides: list[str], result: dict, model_dir: Path) -> dic
     import torch
 
     from hybridflow.config import load_config
-    from hybridflow.trainer.lifecycle.preflight import model_architecture
     from hybridflow.trainer.observe.metrics import peak_flops_per_gpu
+    from hybridflow.trainer.plan.architecture import model_architecture
     from hybridflow.trainer.plan.memory_check import memory_defaults
     from hybridflow.trainer.plan.stage_floors import StepShape, peak_bandwidth, stage_floors
 

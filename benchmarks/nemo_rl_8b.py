@@ -138,8 +138,8 @@ def stage_floors_s(args, prompts: int, offload: bool) -> dict[str, float]:
     """{stage: floor seconds} at the GPU's peaks (hybridflow/trainer/plan/stage_floors.py), with
     the recomputation the memory plan chooses and the decode steps its KV cache allows;
     {} on a CPU or an unknown GPU."""
-    from hybridflow.trainer.lifecycle.preflight import model_architecture
     from hybridflow.trainer.observe.metrics import peak_flops_per_gpu
+    from hybridflow.trainer.plan.architecture import model_architecture
     from hybridflow.trainer.plan.memory_check import memory_defaults
     from hybridflow.trainer.plan.stage_floors import StepShape, peak_bandwidth, stage_floors
 

@@ -78,8 +78,8 @@ def workload(args, vocab: int):
 
 
 def update_floor(args, device: torch.device) -> float | None:
-    from hybridflow.trainer.lifecycle.preflight import model_architecture
     from hybridflow.trainer.observe.metrics import peak_flops_per_gpu
+    from hybridflow.trainer.plan.architecture import model_architecture
     from hybridflow.trainer.plan.stage_floors import StepShape, forward_floor
 
     peak = peak_flops_per_gpu(torch.cuda.get_device_name(device)) if device.type == "cuda" else None

@@ -2,7 +2,8 @@
 validate`` runs the same checks.
 
 In order: the config rules (``validate``), the GPU memory plan (trainer/plan/memory_check.py),
-the host memory a step's data needs (trainer/plan/host_memory.py), then the machine (devices, a writable run directory with room for a checkpoint, the logger
+the host memory a step's data needs (trainer/plan/host_memory.py), then the machine
+(machine.py: devices, a writable run directory with room for a checkpoint, the logger
 packages), the model directory (config.json, complete safetensors files, a tokenizer), a
 writable ``trainer.cache_dir`` when the run will write there (an uncached warm start), the
 reward function, and every data file (readable, and still holding a batch after overlong
@@ -12,23 +13,20 @@ reported together, each with the key or file it is about and the fix.
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hybridflow.config import Config, ConfigError, Derived, validate
-from hybridflow.install_hint import extra_install
+from hybridflow.trainer.lifecycle.machine import (
+    MIN_FREE_BYTES,
+    machine_problems,
+    writable_dir_problems,
+)
+from hybridflow.trainer.plan.architecture import model_architecture
 
-LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
-"""trainer.loggers entry -> the package it needs (pip names: the same)."""
-
-MIN_FREE_BYTES = 64 * 2**20
-"""Free space the run directory needs at least (metrics, a tiny model's checkpoint)."""
+DATA_SEED = 0
+"""Seed of the built-in tasks' problems: the validation set is the same whatever trainer.seed."""
 
 
 @dataclass
@@ -81,15 +79,6 @@ def prepare_run(cfg: Config, log=lambda *a, **k: None) -> Preflight:
     return Preflight(derived, tokenizer, reward, train_set, val_set)
 
 
-def machine_problems(cfg: Config, out_dir: str) -> list[str]:
-    """The device, a writable ``out_dir`` with room for a checkpoint, the logger packages."""
-    return (
-        device_problems(cfg.trainer.device, cfg.trainer.n_gpus_per_node)
-        + run_dir_problems(out_dir, _checkpoint_bytes(cfg))
-        + logger_problems(cfg.trainer.loggers)
-    )
-
-
 def sandbox_problems(cfg: Config, log=lambda *a, **k: None) -> list[str]:
     """Where the run will execute programs the model writes (the python tool), say which
     isolation the code sandbox gives on this machine; where strict isolation is asked for
@@ -119,7 +108,6 @@ def _datasets(cfg: Config, tokenizer, reward):
     from hybridflow.data.dataset import build_prompt_datasets
     from hybridflow.rewards.combine import used_parts
     from hybridflow.rewards.parts import weights_table
-    from hybridflow.trainer.lifecycle.run import DATA_SEED
 
     # without the rule part (a reward model or judge alone), any data source is scored
     rule = "rule" in used_parts(weights_table(cfg.reward))
@@ -152,59 +140,6 @@ def _gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def device_problems(device: str, n_gpus_per_node: int) -> list[str]:
-    """``trainer.device=cuda`` needs a visible GPU (else the workers wait for one forever)."""
-    if device != "cuda":
-        return []
-    import torch
-
-    if torch.cuda.is_available():
-        return []
-    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-    return [
-        f"trainer.device = cuda but no CUDA GPU is visible here (torch {torch.__version__} is "
-        f"{build}; CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): "
-        f"set trainer.device=cpu (or auto), or run on a machine with a GPU"
-    ]
-
-
-def _nearest_existing(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
-def run_dir_problems(run_dir: str, need_bytes: int) -> list[str]:
-    """The run directory (or the nearest parent that exists) is a writable directory with
-    ``need_bytes`` free (what a checkpoint needs)."""
-    return writable_dir_problems("trainer.run_dir", run_dir, need_bytes, "a checkpoint")
-
-
-def writable_dir_problems(key: str, directory: str, need_bytes: int, what: str) -> list[str]:
-    """``directory`` (or the nearest parent that exists) is a writable directory with
-    ``need_bytes`` free for ``what``. Nothing is created: a probe file is written and removed."""
-    path = Path(directory).expanduser()
-    existing = _nearest_existing(path)
-    if not existing.is_dir():
-        return [f"{key} = {directory}: {existing} is a file, not a directory"]
-    try:  # os.access is not enough: root passes it, and read-only mounts need a write
-        handle, probe = tempfile.mkstemp(dir=existing, prefix=".hybridflow-write-check-")
-        os.close(handle)
-        os.unlink(probe)
-    except OSError as error:
-        return [
-            f"{key} = {directory}: cannot write in {existing} ({error.strerror}), where "
-            f"{what} goes: choose a writable directory"
-        ]
-    free = shutil.disk_usage(existing).free
-    if free < need_bytes:
-        return [
-            f"{key} = {directory}: {free / 2**20:.0f} MiB free at {existing}, {what} needs "
-            f"about {need_bytes / 2**20:.0f} MiB: free some space or choose another directory"
-        ]
-    return []
-
-
 def cache_dir_problems(cfg: Config) -> list[str]:
     """``trainer.cache_dir`` is writable, with room, when the run will write there: an
     ``sft:<task>`` warm start not cached yet (checked now, not after its SFT), or a GPU run
@@ -226,33 +161,6 @@ def cache_dir_problems(cfg: Config) -> list[str]:
     return []
 
 
-def _checkpoint_bytes(cfg: Config) -> int:
-    """fp32 weights + AdamW's two moments (12 bytes a parameter), when the size is known
-    (for ``sft:<task>``, that of the ``sft.preset`` it trains)."""
-    if cfg.trainer.save_freq < 0:
-        return MIN_FREE_BYTES
-    path = cfg.sft.preset if cfg.model.path.startswith("sft:") else cfg.model.path
-    architecture = model_architecture(path)
-    if architecture is None:
-        return MIN_FREE_BYTES
-    return max(MIN_FREE_BYTES, 12 * architecture.num_parameters())
-
-
-def model_architecture(model_path: str):
-    """The ModelArchitecture of a preset or a local HF directory, without loading weights;
-    None if unknown (``sft:`` before its warm start, an unreadable config.json)."""
-    try:
-        from hybridflow.models.architecture import ModelArchitecture
-        from hybridflow.models.presets import PRESETS
-
-        if model_path in PRESETS:
-            return PRESETS[model_path]
-        config = json.loads((Path(model_path) / "config.json").read_text())
-        return ModelArchitecture.from_hf(config)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, ImportError):
-        return None
-
-
 def parameter_count(architecture) -> int:
     """Weights a token's forward pass multiplies by: the decoder layers' projections (attention,
     SwiGLU MLP; a mixture of experts' router and top-k experts) and the lm_head (vocab ×
@@ -262,15 +170,6 @@ def parameter_count(architecture) -> int:
     q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
     attention = a.num_hidden_layers * a.hidden_size * (2 * q + 2 * kv)
     return attention + a.mlp_parameters(active=True) + a.vocab_size * a.hidden_size
-
-
-def logger_problems(loggers: list[str]) -> list[str]:
-    return [
-        f"trainer.loggers includes {name!r} but the {package!r} package is not installed: "
-        f"{extra_install(name)}, or drop it from trainer.loggers"
-        for name, package in LOGGER_PACKAGES.items()
-        if name in loggers and importlib.util.find_spec(package) is None
-    ]
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

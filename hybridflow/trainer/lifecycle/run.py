@@ -14,9 +14,6 @@ from hybridflow.progress import ProgressReporter, quiet_reporter
 from hybridflow.trainer.lifecycle.stop import StopRequest
 from hybridflow.trainer.loop.stages import RunContext
 
-DATA_SEED = 0
-"""Seed of the built-in tasks' problems: the validation set is the same whatever trainer.seed."""
-
 
 def setup(cfg: Config, log=print, progress: ProgressReporter | None = None,
           stop: StopRequest | None = None) -> RunContext:  # fmt: skip

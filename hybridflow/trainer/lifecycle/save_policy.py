@@ -28,7 +28,7 @@ def host_memory_bytes() -> int | None:
 def host_copy_bytes(cfg: Config, critic: bool = False) -> int | None:
     """The background save's host copy on one host (every rank's shard; the critic's too),
     None if unknown."""
-    from hybridflow.trainer.lifecycle.preflight import model_architecture
+    from hybridflow.trainer.plan.architecture import model_architecture
 
     if cfg.model.lora_rank > 0:
         return 0  # the adapters only: small

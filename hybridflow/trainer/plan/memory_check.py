@@ -43,7 +43,7 @@ def model_architecture_for(cfg: Config):
     """(name, ModelArchitecture) of the policy without loading it; ``sft:<task>`` plans the
     ``sft.preset`` shape it is trained from. None when the shape is unknown."""
     from hybridflow.models.presets import PRESETS
-    from hybridflow.trainer.lifecycle.preflight import model_architecture
+    from hybridflow.trainer.plan.architecture import model_architecture
 
     path = cfg.model.path
     if path.startswith("sft:"):

@@ -34,7 +34,7 @@ def reward_model_gpu(cfg: Config, derived: Derived) -> tuple[int, int] | None:
     """(bytes, of them its weights) on one of the reward model's own GPUs
     (reward.model.n_gpus_per_node): a full copy of its weights and one no-grad forward of its
     token budget; None when it shares the training GPUs or its shape is unknown."""
-    from hybridflow.trainer.lifecycle.preflight import model_architecture
+    from hybridflow.trainer.plan.architecture import model_architecture
 
     rm = cfg.reward.model
     if rm.path is None or not rm.n_gpus_per_node:
