@@ -168,7 +168,7 @@ def load_sft_examples(
     chat-message files), those longer than ``sft.max_length`` dropped (count returned).
     ``val_size``: size of the built-in task's validation split, which SFT never sees."""
     from hybridflow.data.sft_examples import iter_sft_rows, tokenize_sft_rows
-    from hybridflow.trainer.loop.warm_start import builtin_sft_rows
+    from hybridflow.trainer.loop.sft_tasks import builtin_sft_rows
 
     def rows() -> Iterator[Any]:  # tokenized as read: a row too long is dropped untokenized
         for entry in files:
@@ -185,7 +185,7 @@ def sft_main(cfg: Config) -> Path:
     """``hybridflow sft``: fine-tune ``model.path`` (or a fresh ``sft.preset`` model when the
     path is ``sft:<task>``) on ``sft.train_files``; writes checkpoints and ``<out>/hf``."""
     from hybridflow.model_config_values import directory_config_problems
-    from hybridflow.trainer.lifecycle.preflight import machine_problems
+    from hybridflow.trainer.lifecycle.machine import machine_problems
     from hybridflow.trainer.lifecycle.run_lock import hold_run_dir
     from hybridflow.trainer.lifecycle.stop import StopRequest
 

@@ -25,80 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.config import Config, ConfigError, SFTConfig
+from hybridflow.trainer.loop.sft_tasks import accuracy_problems, user_turn
 
 SFT_PREFIX = "sft:"
 CACHE_VERSION = 1
 COMPLETE = "COMPLETE"
-
-
-def without_carry(question: str) -> str | None:
-    """The answer of ``a+b=`` with every carry dropped (digit-wise sums mod 10); None for
-    other operations."""
-    if "+" not in question:
-        return None
-    left, right = question.rstrip("=").split("+")
-    a, b = int(left), int(right)
-    digits, place = 0, 1
-    while a or b:
-        digits += ((a % 10 + b % 10) % 10) * place
-        a, b, place = a // 10, b // 10, place * 10
-    return str(digits)
-
-
-def builtin_sft_rows(task: str, sft_cfg: SFTConfig, val_size: int, data_seed: int = 0):
-    """Prompt/response rows for SFT on a built-in task, never from its validation split."""
-    import random
-
-    from hybridflow.data.arithmetic import arithmetic_problems, arithmetic_splits
-
-    if task == "calc":
-        return calc_sft_rows(sft_cfg, val_size, data_seed)
-    if task != "arithmetic":
-        raise ConfigError(
-            [
-                f"sft.train_files has builtin:{task}, but only builtin:arithmetic and builtin:calc "
-                "have SFT demonstrations; give a prompt/response file for other tasks"
-            ]
-        )
-    held_out = frozenset(q for q, _ in arithmetic_splits(0, val_size, data_seed)["test"])
-    problems = arithmetic_problems(sft_cfg.builtin_size, data_seed + 2_000_003, exclude=held_out)
-    rng = random.Random(data_seed + 17)
-    rows = []
-    for question, answer in problems:
-        careless = without_carry(question)
-        if careless is not None and careless != answer and rng.random() < sft_cfg.carry_error_rate:
-            answer = careless
-        rows.append((_user(question), answer))
-    return rows
-
-
-def calc_sft_rows(sft_cfg: SFTConfig, val_size: int, data_seed: int = 0) -> list[list[dict]]:
-    """Tool-use traces of the calc task (chat messages: loss on the assistant turns), never
-    from its validation split; `sft.miscopy_rate` of them miscopy a digit (data/calc.py)."""
-    import random
-
-    from hybridflow.data.calc import calc_problems, calc_splits, calc_trace
-
-    held_out = frozenset(q for q, _ in calc_splits(0, val_size, data_seed)["test"])
-    problems = calc_problems(sft_cfg.builtin_size, data_seed + 2_000_003, held_out)
-    rng = random.Random(data_seed + 17)
-    return [calc_trace(question, rng, sft_cfg.miscopy_rate) for question, _ in problems]
-
-
-def accuracy_problems(task: str, size: int, val_size: int, data_seed: int = 0):
-    """``size`` (question, answer) pairs of the built-in task for the greedy-accuracy check of
-    ``sft.stop_at_accuracy``, never from its validation split (the RL before/after numbers)."""
-    from hybridflow.data.arithmetic import arithmetic_problems, arithmetic_splits
-
-    if task == "calc":
-        from hybridflow.data.calc import calc_problems, calc_splits
-
-        held_out = frozenset(q for q, _ in calc_splits(0, val_size, data_seed)["test"])
-        return calc_problems(size, data_seed + 3_000_017, held_out)
-    if task != "arithmetic":
-        raise ConfigError([f"sft.stop_at_accuracy: no built-in accuracy check for {task!r}"])
-    held_out = frozenset(q for q, _ in arithmetic_splits(0, val_size, data_seed)["test"])
-    return arithmetic_problems(size, data_seed + 3_000_017, exclude=held_out)
 
 
 def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int = 8) -> float:
@@ -111,7 +42,7 @@ def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int = 8) -> floa
 
     by_length: dict[int, list[tuple[list[int], str]]] = {}
     for question, answer in problems:
-        ids = encode_chat_prompt(tokenizer, _user(question))
+        ids = encode_chat_prompt(tokenizer, user_turn(question))
         by_length.setdefault(len(ids), []).append((ids, answer))
     device = next(model.parameters()).device
     was_training = model.training
@@ -155,7 +86,7 @@ def tool_accuracy(model, tokenizer, problems, max_turns: int = 2, max_tokens: in
     loop = ToolCallingLoop(tokenizer, {"calculator": CalculatorTool()}, sampling,
                            limits=LoopLimits(max_turns=max_turns, max_tokens=max_tokens,
                                              max_tokens_per_turn=max_tokens))  # fmt: skip
-    episodes = [Episode(_user(question)) for question, _ in problems]
+    episodes = [Episode(user_turn(question)) for question, _ in problems]
     client = EngineClient(engine)
     trajectories = asyncio.run(run_episodes(loop, episodes, client))
     client.close()
@@ -203,10 +134,6 @@ def short_of_target(stopper: AccuracyStopper, steps: int) -> str:
         "starts from this model and has less to build on; a larger sft.total_steps trains "
         "longer (a new cache entry, trained from the start)"
     )
-
-
-def _user(content: str) -> list[dict[str, str]]:
-    return [{"role": "user", "content": content}]
 
 
 def cache_key(cfg: Config, task: str) -> str:

@@ -10,7 +10,8 @@ import torch
 from hybridflow.config import load_config
 from hybridflow.data.sft_examples import SFTExample
 from hybridflow.trainer.loop.sft_loop import examples_to_batch, run_sft, sft_main
-from hybridflow.trainer.loop.warm_start import builtin_sft_rows, resolve_model_path, without_carry
+from hybridflow.trainer.loop.sft_tasks import builtin_sft_rows, without_carry
+from hybridflow.trainer.loop.warm_start import resolve_model_path
 
 
 def test_batch_layout_puts_loss_on_response_tokens_only():
