@@ -21,7 +21,8 @@ from types import SimpleNamespace
 
 import torch
 
-from hybridflow.bench.cli import bench_engine, bench_hf, make_prompts
+from hybridflow.bench.common import make_prompts
+from hybridflow.bench.rollout import bench_engine, bench_hf
 from hybridflow.engine import Engine, EngineOptions, SamplingParams
 from hybridflow.models import load_model
 from hybridflow.models.logprobs import logprobs_from_hidden

@@ -85,7 +85,7 @@ def main() -> None:
 
     from hybridflow.agents.client import EngineClient
     from hybridflow.bench.agent import FixedScheduleEpisodes
-    from hybridflow.bench.cli import make_prompts
+    from hybridflow.bench.common import make_prompts
     from hybridflow.engine import Engine, SamplingParams
     from hybridflow.models import load_model
 
@@ -98,7 +98,7 @@ def main() -> None:
     prompts = make_prompts(args.episodes, 128, vocab, 0)
     length = 128 + args.turns * args.turn_tokens + (args.turns - 1) * args.tool_tokens
     from hybridflow.bench.agent import SimpleArgs
-    from hybridflow.bench.cli import engine_options
+    from hybridflow.bench.common import engine_options
 
     engine = Engine(model, max_batch_size=args.episodes, max_seq_len=length,
                     options=engine_options(SimpleArgs(args.engine)))  # fmt: skip

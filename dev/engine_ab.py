@@ -36,7 +36,7 @@ import torch
 
 def parse_settings(pairs: list[str]) -> dict:
     """["decode_layer=split", "steps_per_sync=16"] -> EngineOptions fields (checked)."""
-    from hybridflow.bench.cli import parse_engine_settings
+    from hybridflow.bench.common import parse_engine_settings
     from hybridflow.engine.options import EngineOptions
 
     values = parse_engine_settings(pairs)
@@ -68,9 +68,10 @@ def build_side(package: str, options: dict, args, device, dtype):
     """(engine, prompts, params) of one side, from `package` (hybridflow or an alias)."""
     engine_pkg = importlib.import_module(f"{package}.engine")
     models = importlib.import_module(f"{package}.models")
-    bench = importlib.import_module(f"{package}.bench.cli")
+    from hybridflow.bench.common import make_prompts  # both sides' prompts: the same ids
+
     model = models.load_model(args.preset, dtype=dtype, device=device).eval()
-    prompts = bench.make_prompts(args.prompts, args.prompt_len, model.config.vocab_size, 0)
+    prompts = make_prompts(args.prompts, args.prompt_len, model.config.vocab_size, 0)
     params = engine_pkg.SamplingParams(n=args.n, max_new_tokens=args.new_tokens, seed=0,
                                        ignore_eos=True)  # fmt: skip
     sizes = {"max_batch_size": args.prompts * args.n,

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from hybridflow.bench.cli import make_prompts, parse_engine_settings
+from hybridflow.bench.common import make_prompts, parse_engine_settings
 from hybridflow.engine import Engine, EngineOptions, SamplingParams
 from hybridflow.models import load_model
 

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from hybridflow.bench.cli import make_prompts, parse_engine_settings
+from hybridflow.bench.common import make_prompts, parse_engine_settings
 from hybridflow.engine import Engine, EngineOptions, SamplingParams
 from hybridflow.engine.scheduling import scheduler
 from hybridflow.models import load_model

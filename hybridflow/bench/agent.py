@@ -92,7 +92,7 @@ def bench_agent(args, progress=None) -> dict:
     import torch
 
     from hybridflow.agents.client import EngineClient
-    from hybridflow.bench.cli import WARM_UP, _sync, counted, engine_options, make_prompts
+    from hybridflow.bench.common import WARM_UP, counted, engine_options, make_prompts, sync_device
     from hybridflow.engine import Engine, SamplingParams
     from hybridflow.models import load_model
     from hybridflow.progress import quiet_reporter
@@ -124,7 +124,7 @@ def bench_agent(args, progress=None) -> dict:
 
         start = time.perf_counter()
         asyncio.run(everything())
-        _sync(device)
+        sync_device(device)
         seconds = time.perf_counter() - start
         episodes.prefilled = engine.prefill_tokens - before
         steps, rows, passes, mixed = (b - a for a, b in zip(counters, _decode_counters(engine)))
@@ -140,7 +140,7 @@ def bench_agent(args, progress=None) -> dict:
         counters = _decode_counters(engine)
         start = time.perf_counter()
         engine.generate(prompts, single_params)
-        _sync(device)
+        sync_device(device)
         seconds = time.perf_counter() - start
         steps, rows, _, _ = (b - a for a, b in zip(counters, _decode_counters(engine)))
         return seconds, rows / max(steps, 1)
@@ -224,7 +224,7 @@ def print_result(result: dict) -> None:
 
 
 def run_agent_command(args) -> int:
-    from hybridflow.bench.cli import run_bench_command
+    from hybridflow.bench.common import run_bench_command
 
     return run_bench_command(
         "agent", args, bench_agent, print_result, engine_args=SimpleArgs(args.engine)

@@ -38,7 +38,7 @@ def add_ttft_arguments(p: argparse.ArgumentParser) -> None:
 def bench_ttft(args, progress=None) -> dict:
     import torch
 
-    from hybridflow.bench.cli import WARM_UP, _sync, engine_options, make_prompts
+    from hybridflow.bench.common import WARM_UP, engine_options, make_prompts, sync_device
     from hybridflow.engine import Engine, RolloutService, SamplingParams
     from hybridflow.models import load_model
     from hybridflow.progress import quiet_reporter
@@ -59,7 +59,7 @@ def bench_ttft(args, progress=None) -> dict:
     def prefill_alone(prompt) -> float:
         start = time.perf_counter()
         engine.generate([prompt], first)
-        _sync(device)
+        sync_device(device)
         return time.perf_counter() - start
 
     long = SamplingParams(temperature=1.0, ignore_eos=True, seed=args.seed,
@@ -106,6 +106,6 @@ def print_ttft(result: dict) -> None:
 
 
 def run_ttft_command(args) -> int:
-    from hybridflow.bench.cli import run_bench_command
+    from hybridflow.bench.common import run_bench_command
 
     return run_bench_command("ttft", args, bench_ttft, print_ttft)

@@ -169,7 +169,7 @@ def build_from_args(args):
     check_paths accepted; UserError, ValueError or OSError for a bad one."""
     import torch
 
-    from hybridflow.bench.cli import parse_engine_settings
+    from hybridflow.bench.common import parse_engine_settings
     from hybridflow.engine import Engine
     from hybridflow.engine.options import EngineOptions
     from hybridflow.models import load_model

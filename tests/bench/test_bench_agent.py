@@ -11,7 +11,7 @@ import pytest
 from progress_helpers import recording_reporter
 
 from hybridflow.bench.agent import add_agent_arguments, bench_agent
-from hybridflow.bench.cli import WARM_UP
+from hybridflow.bench.common import WARM_UP
 from hybridflow.cli import main
 
 

@@ -8,7 +8,9 @@ import json
 
 from progress_helpers import recording_reporter
 
-from hybridflow.bench.cli import WARM_UP, add_rollout_arguments, bench_rollout, main
+from hybridflow.bench.cli import main
+from hybridflow.bench.common import WARM_UP
+from hybridflow.bench.rollout import add_rollout_arguments, bench_rollout
 from hybridflow.bench.ttft import add_ttft_arguments, bench_ttft
 
 

@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
     import json, sys
     import torch
     from hybridflow.engine import Engine, EngineOptions, SamplingParams
-    from hybridflow.bench.cli import make_prompts
+    from hybridflow.bench.common import make_prompts
     from hybridflow.engine.kernels import attention
     from hybridflow.models import load_model
 

@@ -1,0 +1,283 @@
+"""`hybridflow bench rollout`: engine throughput next to HF transformers generate, same run.
+
+    hybridflow bench rollout --preset qwen2.5-0.5b --prompts 256 --prompt-len 128 --new-tokens 256
+    hybridflow bench rollout --preset qwen2.5-1.5b --prompts 64 --n 8 --engine decode_layer=split
+    python -m hybridflow.bench.cli rollout --preset tiny --prompts 8 --new-tokens 16 --device cpu
+
+Random-weight presets never emit EOS on purpose, so every sample runs to --new-tokens
+(ignore_eos on the engine, min_new_tokens on HF): both sides generate the same token count.
+`--engine NAME=VALUE` sets any EngineOptions field (hybridflow/engine/options.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from hybridflow.bench.common import (
+    WARM_UP,
+    counted,
+    engine_options,
+    make_prompts,
+    run_bench_command,
+    sync_device,
+)
+
+
+def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="qwen2.5-0.5b", help="model preset or local HF directory")
+    p.add_argument("--prompts", type=int, default=256, help="prompts generated for")
+    p.add_argument("--prompt-len", type=int, default=128, help="tokens of each prompt")
+    p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per sample")
+    p.add_argument("--n", type=int, default=1, help="samples per prompt")
+    p.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=None,
+        help="sequences decoded at once (default: prompts * n)",
+    )
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="weights' and activations' dtype")  # fmt: skip
+    p.add_argument("--device", default=None, help="device to run on (default: cuda if available)")
+    p.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"],
+                   help="EngineOptions.decode_backend")  # fmt: skip
+    p.add_argument("--no-graphs", action="store_true", help="eager decode steps")
+    p.add_argument("--engine", action="append", default=[], metavar="NAME=VALUE",
+                   help="an EngineOptions field, e.g. decode_layer=split or steps_per_sync=16 "
+                   "(repeatable; default: none, EngineOptions' defaults)")  # fmt: skip
+    p.add_argument("--cache-dir", default=None,
+                   help="pin the engine's timing choices here (EngineOptions.cache_dir; default: "
+                   "not pinned)")  # fmt: skip
+    p.add_argument("--retune", action="store_true",
+                   help="time the engine's kernel choices again (EngineOptions.retune)")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=1, help="timed runs (the median is kept)")
+    p.add_argument("--hf", dest="hf", action="store_true", default=True,
+                   help="time HF transformers generate on the same prompts (the default)")  # fmt: skip
+    p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HF baseline")
+    p.add_argument(
+        "--hf-batch-size",
+        type=int,
+        default=None,
+        help="prompts per HF generate call (default: all)",
+    )
+    p.add_argument("--hf-new-tokens", type=int, default=None,
+                   help="tokens HF generates per sample (default: --new-tokens); fewer keeps "
+                   "a slow baseline short")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and the sampling")
+    p.add_argument(
+        "--mean-length", type=int, default=None,
+        help="make ~vocab/L random token ids stop tokens: with a random-weight model, sample "
+        "lengths become ~geometric with mean L (exercises continuous batching; default: no "
+        "stop tokens, every sample runs to --new-tokens)",
+    )  # fmt: skip
+    p.add_argument("--json", default=None,
+                   help="also write the results to this file (default: print only)")  # fmt: skip
+
+
+def run_rollout_command(args) -> int:
+    return run_bench_command("rollout", args, bench_rollout, print_result)
+
+
+def _median_seconds(call, device, repeats: int) -> tuple[float, list[float], object]:
+    """Median wall time of `repeats` synchronised calls, every time, and the last result."""
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = call()
+        sync_device(device)
+        runs.append(time.perf_counter() - start)
+    return sorted(runs)[len(runs) // 2], runs, result
+
+
+def stop_ids_for_mean_length(vocab: int, mean_length: int | None, seed: int) -> tuple[int, ...]:
+    if not mean_length:
+        return ()
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 1)
+    count = max(1, round(vocab / mean_length))
+    return tuple(torch.randperm(vocab, generator=g)[:count].tolist())
+
+
+def bench_rollout(args, model=None, progress=None) -> dict:
+    import torch
+
+    from hybridflow.models import load_model
+    from hybridflow.progress import quiet_reporter
+
+    progress = progress or quiet_reporter()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if model is None:
+        with progress.task(f"loading {args.preset}"):
+            dtype = getattr(torch, args.dtype)
+            model = load_model(args.preset, dtype=dtype, device=device).eval()
+    prompts = make_prompts(args.prompts, args.prompt_len, model.config.vocab_size, args.seed)
+    result = {
+        "preset": args.preset, "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda" else "cpu", "dtype": args.dtype, "prompts": args.prompts,
+        "n": args.n, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "engine": bench_engine(model, prompts, args, device, progress),
+    }  # fmt: skip
+    if args.hf:
+        result["hf"] = bench_hf(model, prompts, args, device, progress)
+        result["speedup_vs_hf"] = result["engine"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
+    return result
+
+
+def bench_engine(model, prompts, args, device, progress=None) -> dict:
+    import torch
+
+    from hybridflow.engine import Engine, SamplingParams
+    from hybridflow.progress import quiet_reporter
+
+    progress = progress or quiet_reporter()
+    with progress.task(WARM_UP):
+        options = engine_options(args)
+        engine = Engine(
+            model,
+            max_batch_size=args.max_batch_size or len(prompts) * args.n,
+            max_seq_len=args.prompt_len + args.new_tokens,
+            options=options,
+        )
+        stop_ids = stop_ids_for_mean_length(
+            model.config.vocab_size, getattr(args, "mean_length", None), args.seed
+        )
+        params = SamplingParams(
+            n=args.n, temperature=args.temperature, max_new_tokens=args.new_tokens,
+            seed=args.seed, ignore_eos=True, stop_token_ids=stop_ids,
+        )  # fmt: skip
+        # Warm-up: kernel compilation and graph capture for the buckets this run uses.
+        start = time.perf_counter()
+        engine.generate(prompts, params)
+        sync_device(device)
+        warmup = time.perf_counter() - start
+    # Time to first token: prefill of every prompt + first sampled token.
+    repeats = max(1, getattr(args, "repeats", 1))
+    first_token = SamplingParams(n=args.n, max_new_tokens=1, seed=1, ignore_eos=True)
+    with progress.task("timed calls", total=2 * repeats, unit="calls") as task:
+        ttft = _median_seconds(
+            counted(task, lambda: engine.generate(prompts, first_token)), device, repeats
+        )[0]
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        seconds, runs, completions = _median_seconds(
+            counted(task, lambda: engine.generate(prompts, params)), device, repeats
+        )
+    stopped = sum(c.finish_reason == "stop" for c in completions)
+    tokens = sum(len(c.token_ids) for c in completions)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    slots = engine.num_slots
+    pinned = engine.pinned_choices()["choices"]
+    engine.release()
+    return {
+        "backend": engine.decode_backend, "cuda_graphs": engine.cuda_graphs, "slots": slots,
+        "fuse": engine.fuse_projections, "options": options.to_dict(),
+        "launch": None if engine.launch is None else vars(engine.launch),
+        "tokens": tokens, "seconds": seconds,
+        "tokens_per_s": tokens / seconds, "ttft_s": ttft, "peak_mem_gib": peak / 2**30,
+        "warmup_s": warmup, "stopped": stopped, "runs_s": [round(r, 4) for r in runs],
+        "choices": pinned,
+        "decode_layer_timings_us": engine.chooser.timings if engine.chooser else {},
+        "matmul_timings_us": {str(k): v for k, v in engine.matmul.timings.items()}
+        if engine.matmul else {},
+    }  # fmt: skip
+
+
+def bench_hf(model, prompts, args, device, progress=None) -> dict:
+    """transformers generate on the same weights (sdpa, dynamic cache), sampling, no early stop."""
+    import torch
+
+    from hybridflow.progress import quiet_reporter
+
+    progress = progress or quiet_reporter()
+    hf = _hf_twin(model, device)
+    batch = args.hf_batch_size or len(prompts)
+    new_tokens = getattr(args, "hf_new_tokens", None) or args.new_tokens
+    total, seconds = 0, 0.0
+    pad = model.config.pad_token_id or 0
+    stop_ids = stop_ids_for_mean_length(
+        model.config.vocab_size, getattr(args, "mean_length", None), args.seed
+    )
+    kwargs = dict(
+        max_new_tokens=new_tokens, min_new_tokens=0 if stop_ids else new_tokens,
+        do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0, pad_token_id=pad,
+        num_return_sequences=args.n, eos_token_id=list(stop_ids) or None,
+    )  # fmt: skip
+    batches = -(-len(prompts) // batch)
+    with progress.task("HF generate", total=batches, unit="batches") as task:
+        for start in range(0, len(prompts), batch):
+            ids = torch.tensor(prompts[start : start + batch], device=device)
+            mask = torch.ones_like(ids)
+            if start == 0:  # warm-up on a slice
+                hf.generate(input_ids=ids[:2], attention_mask=mask[:2], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # fmt: skip
+            sync_device(device)
+            t0 = time.perf_counter()
+            out = hf.generate(input_ids=ids, attention_mask=mask, **kwargs)
+            sync_device(device)
+            seconds += time.perf_counter() - t0
+            total += _count_generated(out[:, ids.shape[1] :], stop_ids)
+            task.advance()
+    del hf
+    return {"tokens": total, "seconds": seconds, "tokens_per_s": total / seconds,
+            "new_tokens": new_tokens}  # fmt: skip
+
+
+def _hf_twin(model, device):
+    """The transformers model of the same architecture, its parameters the same tensors as
+    `model`'s (no second copy: a 30B model fits once, not twice). Without accelerate (its
+    empty-weights context keeps the rotary buffers real), a copy on the device."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**model.config.to_hf())
+    config._attn_implementation = "sdpa"
+    state = model.state_dict()
+    try:
+        from accelerate import init_empty_weights
+    except ImportError:
+        init_empty_weights = None
+    if init_empty_weights is not None:
+        with init_empty_weights(include_buffers=False), torch.device(device):
+            hf = transformers.AutoModelForCausalLM.from_config(config, dtype=model.dtype)
+        missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
+        if "lm_head.weight" in missing:  # tied: the embedding
+            hf.lm_head.weight = hf.get_input_embeddings().weight
+    else:
+        with torch.device(device):
+            hf = transformers.AutoModelForCausalLM.from_config(config, dtype=model.dtype)
+        missing, unexpected = hf.load_state_dict(state, strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        raise RuntimeError(f"HF model names differ: missing {missing}, unexpected {unexpected}")
+    return hf.eval()
+
+
+def _count_generated(responses, stop_ids) -> int:
+    """Tokens up to and including each row's first stop id (HF pads after it)."""
+    import torch
+
+    if not stop_ids:
+        return responses.numel()
+    is_stop = torch.isin(responses, torch.tensor(stop_ids, device=responses.device))
+    after_stop = (is_stop.cumsum(-1) - is_stop.long()) > 0  # strictly after the first stop
+    return int((~after_stop).sum())
+
+
+def print_result(result: dict) -> None:
+    e = result["engine"]
+    print(
+        f"{result['preset']} {result['dtype']} on {result['device']}: {result['prompts']} prompts"
+        f" x n={result['n']}, {result['prompt_len']} prompt + {result['new_tokens']} new tokens"
+    )
+    print(
+        f"  engine ({e['backend']}, graphs={e['cuda_graphs']}, fuse={e['fuse']}, "
+        f"slots={e['slots']}): "
+        f"{e['tokens_per_s']:,.0f} tok/s ({e['tokens']} tokens in {e['seconds']:.3f} s), "
+        f"TTFT {e['ttft_s'] * 1000:.1f} ms, peak mem {e['peak_mem_gib']:.2f} GiB"
+    )
+    if "hf" in result:
+        h = result["hf"]
+        print(
+            f"  HF generate: {h['tokens_per_s']:,.0f} tok/s ({h['tokens']} tokens in "
+            f"{h['seconds']:.3f} s); engine speedup {result['speedup_vs_hf']:.1f}x"
+        )
