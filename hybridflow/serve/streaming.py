@@ -16,40 +16,9 @@ from dataclasses import dataclass
 
 from hybridflow.serve.http import generation_failed, stream_events
 from hybridflow.serve.openai_protocol import usage
-from hybridflow.serve.text import _spelling, finish_output
+from hybridflow.serve.text import PieceDecoder, _spelling, finish_output
 
 log = logging.getLogger("hybridflow.serve")
-
-
-class PieceDecoder:
-    """Incremental decoding: push(token id) -> the text that token adds ("" while a
-    character split over several byte tokens is unfinished, then the whole character on
-    its last token). A window of the last few tokens is decoded, never the whole text."""
-
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
-        self.tokenizer, self.skip = tokenizer, skip_special_tokens
-        self.ids: list[int] = []
-        self.prefix = self.read = 0  # ids[prefix:read]: the decoded context of the next piece
-        self.before = ""
-
-    def _decode(self, part) -> str:
-        return self.tokenizer.decode(part, skip_special_tokens=self.skip)
-
-    def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        after = self._decode(self.ids[self.prefix :])
-        if len(after) > len(self.before) and not after.endswith("\ufffd"):
-            piece = after[len(self.before) :]
-            self.prefix, self.read = self.read, len(self.ids)
-            self.before = self._decode(self.ids[self.prefix : self.read])
-            return piece
-        return ""
-
-    def trailing(self) -> str:
-        """At the end: an unfinished character's replacement text (else "")."""
-        if self.read < len(self.ids):
-            return self._decode(self.ids[self.prefix :])[len(self.before) :]
-        return ""
 
 
 @dataclass

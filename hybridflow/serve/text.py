@@ -14,12 +14,41 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+class PieceDecoder:
+    """Incremental decoding: push(token id) -> the text that token adds ("" while a
+    character split over several byte tokens is unfinished, then the whole character on
+    its last token). A window of the last few tokens is decoded, never the whole text."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix = self.read = 0  # ids[prefix:read]: the decoded context of the next piece
+        self.before = ""
+
+    def _decode(self, part) -> str:
+        return self.tokenizer.decode(part, skip_special_tokens=self.skip)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        after = self._decode(self.ids[self.prefix :])
+        if len(after) > len(self.before) and not after.endswith("\ufffd"):
+            piece = after[len(self.before) :]
+            self.prefix, self.read = self.read, len(self.ids)
+            self.before = self._decode(self.ids[self.prefix : self.read])
+            return piece
+        return ""
+
+    def trailing(self) -> str:
+        """At the end: an unfinished character's replacement text (else "")."""
+        if self.read < len(self.ids):
+            return self._decode(self.ids[self.prefix :])[len(self.before) :]
+        return ""
+
+
 def token_pieces(tokenizer, ids: list[int], skip_special_tokens: bool = True) -> list[str]:
-    """The text each token adds, by incremental decoding (streaming.PieceDecoder: a character
+    """The text each token adds, by incremental decoding (PieceDecoder: a character
     split over several byte tokens comes out whole, on its last token): the pieces joined are
     the decoded text."""
-    from hybridflow.serve.streaming import PieceDecoder
-
     decoder = PieceDecoder(tokenizer, skip_special_tokens)
     pieces = [decoder.push(token_id) for token_id in ids]
     if pieces:  # an unfinished character at the end: its replacement text
