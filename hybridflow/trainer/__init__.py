@@ -1,2 +1,3 @@
-"""The RL and SFT loops (``rl_loop``, ``sft_loop``), their stages, metrics, loggers,
-checkpoints and evaluation. The models they train live in ``hybridflow.learners``."""
+"""Everything that runs a training run: the RL and SFT loops (loop/), a run's life from
+preflight to export (lifecycle/), what a config costs before any model loads (plan/), and
+what a run reports (observe/). The models they train live in ``hybridflow.learners``."""
