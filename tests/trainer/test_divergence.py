@@ -10,7 +10,7 @@ import pytest
 from trainer_helpers import TINY
 
 from hybridflow.cli import main
-from hybridflow.trainer.divergence import non_finite_update
+from hybridflow.trainer.lifecycle.divergence import non_finite_update
 
 
 def test_finite_update_metrics_pass():

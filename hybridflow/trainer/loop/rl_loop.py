@@ -21,7 +21,7 @@ from contextlib import nullcontext
 
 from hybridflow.errors import RunStopped
 from hybridflow.protocol import Batch
-from hybridflow.trainer.divergence import check_update, kept_checkpoint
+from hybridflow.trainer.lifecycle.divergence import check_update, kept_checkpoint, non_finite_update
 from hybridflow.trainer.lifecycle.run_state import save_checkpoint, start_checkpoint
 from hybridflow.trainer.loop.async_rollout import RolloutProducer
 from hybridflow.trainer.loop.evaluation import headline, run_validation
@@ -97,12 +97,17 @@ def train_step(run: RunContext, rollout: tuple | None = None,
 
 def stop_if_diverged(run: RunContext, metrics: dict[str, float], role: str) -> dict[str, float]:
     """``metrics`` of the ``role``'s update, or TrainingDiverged when its loss or gradient
-    norm was not finite (trainer/divergence.py): raised before this step saves or syncs."""
+    norm was not finite (trainer/lifecycle/divergence.py): raised before this step saves or syncs."""
+    if non_finite_update(metrics, role) is None:  # the common case: no directory listing
+        return metrics
+    checkpoints = run.checkpoints  # None where nothing is saved (the step benchmarks)
     pending = run.pending_save.step if run.pending_save is not None else None
-    saved = [step for step in (run.checkpoints.latest_step(), pending) if step is not None]
+    latest = checkpoints.latest_step() if checkpoints is not None else None
+    saved = [step for step in (latest, pending) if step is not None]
     check_update(
         metrics, role, step=f"step {run.step}",
-        kept=kept_checkpoint(max(saved, default=None), run.checkpoints.root),
+        kept=kept_checkpoint(max(saved, default=None),
+                             checkpoints.root if checkpoints is not None else None),
         fix=f"resume from it (trainer.resume=auto) with a lower {role}.lr or "
             f"{role}.grad_clip, and look at the step's samples and rewards "
             f"(trainer.rollout_data_dir=DIR writes them)",

@@ -134,7 +134,7 @@ def run_sft(
     finite raises TrainingDiverged before it is logged or saved; ``kept()`` says which
     checkpoint the run keeps."""
     from hybridflow.data.sampler import ResumableSampler
-    from hybridflow.trainer.divergence import check_update
+    from hybridflow.trainer.lifecycle.divergence import check_update
 
     torch.manual_seed(seed)
     trainer = SFTTrainer(model, sft_cfg, device, grad_clip=1.0)
@@ -204,8 +204,8 @@ def sft_main(cfg: Config) -> Path:
 def _sft(cfg: Config, out: Path, stop) -> Path:
     from hybridflow.models import load_model, load_tokenizer
     from hybridflow.progress import ProgressReporter
-    from hybridflow.trainer.divergence import kept_checkpoint
     from hybridflow.trainer.lifecycle.checkpoint import CheckpointManager, load_newest_intact
+    from hybridflow.trainer.lifecycle.divergence import kept_checkpoint
     from hybridflow.trainer.loop.roles import resolve_device
     from hybridflow.trainer.observe.loggers import Tracker
     from hybridflow.workers.model_loading import resolve_dtype
