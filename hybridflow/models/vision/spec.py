@@ -82,7 +82,8 @@ class VisionSpec:
     def num_parameters(self) -> int:
         """Weights of the encoder (equals sum(p.numel()) of its module)."""
         e, i = self.hidden_size, self.intermediate_size
-        block = 2 * e + (3 * e * e + 3 * e) + (e * e + e) + 3 * (e * i + i) + e
+        # two norms, qkv and proj with biases, the SwiGLU MLP with biases
+        block = 2 * e + (3 * e * e + 3 * e) + (e * e + e) + (3 * e * i + 2 * i + e)
         merged = e * self.merge_unit
         merger = e + merged * merged + merged + merged * self.out_hidden_size
         merger += self.out_hidden_size
