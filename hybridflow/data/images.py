@@ -182,3 +182,25 @@ def image_prompt(
         expanded += [token] * next(counts) if token == pad_id else [token]
     positions = mrope_positions(torch.tensor(expanded), grids, pad_id, processor.merge_size)
     return ImagePrompt(expanded, pixel_values, grids, positions)
+
+
+def iter_image_records(
+    path: str | Path,
+    image_key: str,
+    known_data_sources=None,
+    prompt_key: str = "prompt",
+    max_pixels: int = MAX_IMAGE_PIXELS,
+):
+    """(record, its images decoded) for each row of a prompt file, as it is read: the
+    schema as iter_prompt_records checks it, then each image decoded and the placeholders
+    counted (one row's images in memory at a time). Relative image paths are read from the
+    file's directory."""
+    from hybridflow.data.schema import iter_rows, validate_row
+
+    base_dir = Path(path).parent
+    known = None if known_data_sources is None else frozenset(known_data_sources)
+    for where, row in iter_rows(path, required_keys=("data_source", prompt_key, "reward_model")):
+        record = validate_row(row, where, known, prompt_key)
+        images = row_images(row, image_key, where, base_dir, max_pixels)
+        check_placeholders(record.prompt, len(images), where, image_key)
+        yield record, images

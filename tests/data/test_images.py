@@ -149,3 +149,25 @@ def test_pixel_values_match_transformers_processor(model_dir):
     )
     assert torch.equal(ours, theirs["pixel_values"].float())
     assert torch.equal(grid, theirs["image_grid_thw"])
+
+
+def _geo3k_row(images, content="<image>Find x."):
+    return {"data_source": "hiyouga/geometry3k", "prompt": [{"role": "user", "content": content}],
+            "images": images, "reward_model": {"style": "rule", "ground_truth": "3"},
+            "ability": "math"}  # fmt: skip
+
+
+def test_data_check_decodes_the_images_of_a_geo3k_shaped_parquet(tmp_path, capsys):
+    from hybridflow.data.cli import main
+    from hybridflow.data.schema import write_rows
+
+    good = [{"bytes": _png(8, 8), "path": None}]
+    path = write_rows([_geo3k_row(good), _geo3k_row(good * 2, "<image><image>Same?")],
+                      tmp_path / "train.parquet")  # fmt: skip
+    assert main(["check", str(path), "--image-key", "images"]) == 0
+    assert "2 rows OK, 3 images decoded" in capsys.readouterr().out
+    bad = write_rows([_geo3k_row(good), _geo3k_row([{"bytes": b"GIF89a?", "path": None}])],
+                     tmp_path / "bad.parquet")  # fmt: skip
+    assert main(["check", str(bad), "--image-key", "images"]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}: row 1: key 'images[0]' cannot be decoded" in err and "Traceback" not in err
