@@ -47,6 +47,14 @@ REWARD_MODEL = "not used: hybridflow's reward model is set by reward.model.* (do
 MEGATRON = "Megatron-LM option"
 PIPELINE = "Megatron-LM pipeline parallelism (hybridflow splits layers by tensor parallelism)"
 MULTIMODAL = "multimodal models and data (images, videos)"
+# What exists of training on images, and what a run still lacks (the key stops the run
+# until the engine and the trainer carry images).
+IMAGES = (
+    "training on images: Qwen2.5-VL runs in hybridflow's decoder and `hybridflow data check "
+    "--image-key images` reads and checks the images, but the rollout engine's image prefill "
+    "and the trainer's image batches (pixel_values, image_grid_thw, mRoPE positions) are not "
+    "built yet"
+)
 
 
 def _no_pipeline(value) -> bool:
@@ -368,8 +376,8 @@ DATA_TABLE: list[Entry] = [
     Unsupported(
         "data.val_max_samples", "capping the prompts read", lambda v: v in (None, -1), "-1"
     ),
-    Unsupported("data.image_key", MULTIMODAL),
-    Unsupported("data.video_key", MULTIMODAL),
+    Unsupported("data.image_key", IMAGES),
+    Unsupported("data.video_key", "videos (frames through a vision encoder)"),
     Ignored("data.return_multi_modal_inputs", "there are no multimodal inputs"),
     Ignored("data.image_patch_size", "there are no multimodal inputs"),
     Unsupported("data.custom_cls.path", "custom dataset classes", _off, "null"),
