@@ -10,10 +10,13 @@ language model's width. Parameter names are transformers' (``visual.*`` of a che
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridflow.models.attention import flash_varlen_attention
 from hybridflow.models.norm import RMSNorm
 from hybridflow.models.rope import rotate_half
 from hybridflow.models.vision.grid import frame_cu_seqlens, patch_positions, window_order
@@ -58,6 +61,36 @@ class PatchEmbed(nn.Module):
         return F.linear(pixels.to(weight.dtype), weight.flatten(1))
 
 
+@dataclass(frozen=True)
+class Segments:
+    """Where attention's segments (windows or frames) are: their lengths, and on CUDA the
+    same as cu_seqlens for the flash kernel (one launch for all of them)."""
+
+    lengths: list[int]
+    cu_seqlens: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, lengths: list[int], device: torch.device) -> Segments:
+        if device.type != "cuda":
+            return cls(lengths)
+        cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return cls(lengths, cu.to(device))
+
+
+def segment_attention(q, k, v, segments: Segments) -> torch.Tensor:
+    """Bidirectional attention within each segment: q, k, v [N, heads, d] -> [N, heads, d].
+    FlashAttention's varlen kernel (bf16/fp16 on CUDA), else SDPA segment by segment."""
+    if segments.cu_seqlens is not None and q.dtype in (torch.bfloat16, torch.float16):
+        return flash_varlen_attention(q, k, v, segments.cu_seqlens, max(segments.lengths),
+                                      deterministic=True, causal=False)  # fmt: skip
+    lengths = segments.lengths
+    out = [
+        F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in segment)).transpose(0, 1)
+        for segment in zip(q.split(lengths), k.split(lengths), v.split(lengths))
+    ]
+    return torch.cat(out)
+
+
 class VisionAttention(nn.Module):
     """Bidirectional attention within segments (windows or frames), 2-D RoPE in fp32."""
 
@@ -67,16 +100,12 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(spec.hidden_size, 3 * spec.hidden_size, bias=True)
         self.proj = nn.Linear(spec.hidden_size, spec.hidden_size, bias=True)
 
-    def forward(self, x, cos, sin, lengths: list[int]) -> torch.Tensor:
+    def forward(self, x, cos, sin, segments: Segments) -> torch.Tensor:
         q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).unbind(1)  # [N, h, d]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q = (q.float() * cos + rotate_half(q.float()) * sin).to(v.dtype)
         k = (k.float() * cos + rotate_half(k.float()) * sin).to(v.dtype)
-        out = [
-            F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in segment)).transpose(0, 1)
-            for segment in zip(q.split(lengths), k.split(lengths), v.split(lengths))
-        ]
-        return self.proj(torch.cat(out).flatten(1))
+        return self.proj(segment_attention(q, k, v, segments).flatten(1))
 
 
 class VisionMLP(nn.Module):
@@ -100,8 +129,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(spec)
         self.mlp = VisionMLP(spec)
 
-    def forward(self, x, cos, sin, lengths: list[int]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, lengths)
+    def forward(self, x, cos, sin, segments: Segments) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
 
 
@@ -147,15 +176,15 @@ class VisionEncoder(nn.Module):
         cos, sin = vision_rope_cos_sin(spec, positions.to(hidden.device))
         # the full blocks attend within each frame, the others within each window (the
         # windows nest in the frames, so one permutation serves both)
-        frames = frame_cu_seqlens(grid).diff().tolist()
-        windows = window_cu.diff().tolist()
+        frames = Segments.of(frame_cu_seqlens(grid).diff().tolist(), hidden.device)
+        windows = Segments.of(window_cu.diff().tolist(), hidden.device)
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for index, block in enumerate(self.blocks):
-            lengths = frames if index in spec.fullatt_block_indexes else windows
+            segments = frames if index in spec.fullatt_block_indexes else windows
             if recompute:
                 hidden = torch.utils.checkpoint.checkpoint(
-                    block, hidden, cos, sin, lengths, use_reentrant=False
+                    block, hidden, cos, sin, segments, use_reentrant=False
                 )
             else:
-                hidden = block(hidden, cos, sin, lengths)
+                hidden = block(hidden, cos, sin, segments)
         return self.merger(hidden)[torch.argsort(order).to(hidden.device)]
