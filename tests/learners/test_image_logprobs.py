@@ -66,3 +66,19 @@ def test_log_probs_with_images_equal_the_models_forward_and_an_update_runs():
             - expected[[2, 0, 1]]).abs().max() <= 1e-5  # fmt: skip
     metrics = actor.update(batch)
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+
+
+def _tower_moves(**cfg) -> bool:
+    batch, _ = _image_batch()
+    actor = ActorLearner(load_model("tiny-vl"), actor_config(ppo_mini_batch_size=3, **cfg),
+                         total_steps=1, device="cpu")  # fmt: skip
+    before = [p.detach().clone() for p in actor.model.visual.parameters()]
+    language_before = actor.model.model.embed_tokens.weight.detach().clone()
+    actor.update(batch)
+    assert not torch.equal(language_before, actor.model.model.embed_tokens.weight)
+    return any(not torch.equal(a, b) for a, b in zip(before, actor.model.visual.parameters()))
+
+
+def test_the_vision_tower_is_frozen_by_default_and_trains_on_request():
+    assert not _tower_moves()
+    assert _tower_moves(freeze_vision_tower=False)

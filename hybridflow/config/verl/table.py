@@ -189,7 +189,7 @@ ACTOR_TABLE: list[Entry] = [
         ACTOR + "fsdp_config.*", "FSDP2 sharding, wrapping and precision are set by hybridflow"
     ),
     *_parallel_entries(ACTOR, "actor"),
-    Unsupported(ACTOR + "freeze_vision_tower", MULTIMODAL, _off, "False"),
+    Rename(ACTOR + "freeze_vision_tower", "actor.freeze_vision_tower"),
     Unsupported(ACTOR + "loss_scale_factor", "a fixed loss scale factor", _off, "null"),
     Ignored(ACTOR + "router_replay.*", "the engine hands the routes over in memory (no files)"),
     Rename(
