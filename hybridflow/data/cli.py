@@ -98,12 +98,12 @@ def _cmd_check(args) -> int:
 
 def _check_images(path: str, image_key: str, known, prompt_key: str) -> str:
     """The line data check prints for a file read with its images (each one decoded)."""
-    from hybridflow.data.images import iter_image_records
+    from hybridflow.data.schema import iter_prompt_records
 
     counts, images = Counter(), 0
-    for record, decoded in iter_image_records(path, image_key, known, prompt_key):
+    for record in iter_prompt_records(path, known, prompt_key, image_key):
         counts[record.data_source] += 1
-        images += len(decoded)
+        images += len(record.images)
     return (f"{path}: {sum(counts.values())} rows OK, {images} images decoded; data sources "
             f"{dict(counts)}")  # fmt: skip
 

@@ -21,31 +21,31 @@ PIXEL_VALUES = "pixel_values"
 IMAGE_GRID_THW = "image_grid_thw"
 
 
-def batch_image_fields(
+def prompt_image_fields(
     prompt_rows: Sequence[torch.Tensor],
     pixel_values: Sequence[torch.Tensor | None],
     image_grids: Sequence[torch.Tensor | None],
-    attention_mask: torch.Tensor,
-    prompt_length: int,
+    width: int,
 ) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
-    """The Batch entries of B rows: (tensors, arrays). prompt_rows[i] [3, p_i]: row i's
-    prompt positions (its p_i real prompt tokens, left-padded to prompt_length in the
-    mask); attention_mask [B, P+R]."""
-    batch, total = attention_mask.shape
-    positions = torch.zeros(batch, 3, total, dtype=torch.long)
+    """A prompt batch's entries: (tensors, arrays). prompt_rows[i] [3, p_i]: row i's
+    position rows, left-padded to ``width`` (0 on padding) as its tokens are."""
+    positions = torch.zeros(len(prompt_rows), 3, width, dtype=torch.long)
     for i, rows in enumerate(prompt_rows):
-        start = prompt_length - rows.shape[1]
-        positions[i, :, start:prompt_length] = rows
-        responses = int(attention_mask[i, prompt_length:].sum())
-        after = int(rows.max()) + 1 if rows.numel() else 0
-        positions[i, :, prompt_length : prompt_length + responses] = torch.arange(
-            after, after + responses
-        )
-    width = next((p.shape[1] for p in pixel_values if p is not None), 0)
-    pixels = [torch.zeros(0, width) if p is None else p for p in pixel_values]
+        positions[i, :, width - rows.shape[1] :] = rows
+    patch = next((p.shape[1] for p in pixel_values if p is not None), 0)
+    pixels = [torch.zeros(0, patch) if p is None else p for p in pixel_values]
     grids = [torch.zeros(0, 3, dtype=torch.long) if g is None else g for g in image_grids]
     return {MROPE_POSITIONS: positions}, {PIXEL_VALUES: _objects(pixels),
                                           IMAGE_GRID_THW: _objects(grids)}  # fmt: skip
+
+
+def extend_positions(positions: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Prompt rows [B, 3, P] -> [B, 3, P + R]: response token j of a row at its prompt's
+    largest position plus 1 + j in all three rows, 0 after the response ends."""
+    after = positions.amax(dim=(1, 2)) + 1  # [B]
+    steps = response_mask.long().cumsum(-1) - 1  # [B, R]
+    responses = ((after[:, None] + steps) * response_mask.long()).unsqueeze(1).expand(-1, 3, -1)
+    return torch.cat([positions, responses], dim=-1)
 
 
 def _objects(values: Sequence) -> np.ndarray:

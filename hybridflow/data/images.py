@@ -35,6 +35,9 @@ VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vi
 MAX_IMAGE_PIXELS = 89_478_485
 """PIL's own decompression-bomb threshold (Image.MAX_IMAGE_PIXELS): larger images are
 refused before their pixels are decoded."""
+MAX_ASPECT_RATIO = 200
+"""The Qwen-VL image processors refuse an image whose long side is over 200 times its
+short side (their smart_resize): refused as the row is read, not in the middle of a run."""
 
 
 def _open(value: Any, base_dir: Path) -> tuple[Any, str]:
@@ -74,6 +77,13 @@ def decode_image(value: Any, where: str, key: str, base_dir: Path, max_pixels: i
             if width < 1 or height < 1:
                 raise DataSchemaError(f"{where}: key '{key}'{named} is a {width}x{height} "
                                       "image, which has no pixels")  # fmt: skip
+            if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+                raise DataSchemaError(
+                    f"{where}: key '{key}'{named} is a {width}x{height} image: its long side "
+                    f"is over {MAX_ASPECT_RATIO} times its short side, which the image "
+                    "processor refuses",
+                    "crop or pad the image",
+                )
             if width * height > max_pixels:
                 raise DataSchemaError(
                     f"{where}: key '{key}'{named} is a {width}x{height} image, more than "
@@ -107,6 +117,44 @@ def row_images(
         entries = [entries]
     return [decode_image(entry, where, f"{image_key}[{i}]", Path(base_dir), max_pixels)
             for i, entry in enumerate(entries)]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ImageEntry:
+    """One checked image of a row, kept encoded (its bytes, or the path of its file) with
+    its size: a dataset holds no decoded pixels; :meth:`open` decodes it again."""
+
+    source: bytes | str
+    width: int
+    height: int
+
+    def open(self):
+        from PIL import Image
+
+        data = io.BytesIO(self.source) if isinstance(self.source, bytes) else self.source
+        with Image.open(data) as image:
+            return image.convert("RGB")
+
+
+def row_image_entries(
+    row: dict[str, Any],
+    image_key: str,
+    where: str,
+    base_dir: str | Path = ".",
+    max_pixels: int = MAX_IMAGE_PIXELS,
+) -> tuple[ImageEntry, ...]:
+    """Each image of the row decoded once to check it (row_images), then kept encoded."""
+    entries = row.get(image_key)
+    if entries is None:
+        return ()
+    if not isinstance(entries, (list, tuple)):
+        entries = [entries]
+    kept = []
+    for i, entry in enumerate(entries):
+        image = decode_image(entry, where, f"{image_key}[{i}]", Path(base_dir), max_pixels)
+        source, name = _open(entry, Path(base_dir))
+        kept.append(ImageEntry(source.getvalue() if name == "bytes" else name, *image.size))
+    return tuple(kept)
 
 
 def check_placeholders(messages: list[dict[str, str]], images: int, where: str, key: str) -> None:
@@ -150,6 +198,18 @@ class ImageProcessor:
         out = self.processor(images=images, return_tensors="pt")
         return out["pixel_values"].float(), out["image_grid_thw"].long()
 
+    def grid_of(self, width: int, height: int) -> tuple[int, int, int]:
+        """The patch grid (1, rows, columns) an image of that size gets, without resizing
+        it: the processor's own rule (smart_resize: each side a multiple of patch_size *
+        merge_size, the area within its min and max pixels)."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        processor = self.processor
+        patch = int(processor.patch_size)
+        rows, cols = smart_resize(height, width, patch * self.merge_size,
+                                  processor.size.shortest_edge, processor.size.longest_edge)  # fmt: skip
+        return 1, rows // patch, cols // patch
+
 
 @dataclass(frozen=True)
 class ImagePrompt:
@@ -162,6 +222,33 @@ class ImagePrompt:
     position_ids: torch.Tensor
 
 
+def image_prompt_ids(
+    messages: list[dict[str, str]],
+    image_grid_thw: torch.Tensor,
+    tokenizer: ChatTokenizer,
+    merge_size: int,
+) -> tuple[list[int], torch.Tensor]:
+    """A prompt's ids, each ``<image>`` become the model's vision tokens with one image-pad
+    token per merged patch of its grid, and mRoPE's position rows [3, len(ids)] for them."""
+    from hybridflow.models.mrope import mrope_positions
+
+    counts = iter((image_grid_thw.prod(-1) // merge_size**2).tolist())
+    part = VISION_START + IMAGE_PAD + VISION_END
+    marked = [{**m, "content": m["content"].replace(PLACEHOLDER, part)} for m in messages]
+    ids = encode_chat_prompt(tokenizer, marked)
+    pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    if pad_id is None or pad_id == getattr(tokenizer, "unk_token_id", None):
+        raise ValueError(f"the tokenizer has no {IMAGE_PAD} token (a vision-language model's "
+                         "tokenizer has): set model.tokenizer_path to the model's own")  # fmt: skip
+    if ids.count(pad_id) != len(image_grid_thw):
+        raise ValueError(f"the chat template made {ids.count(pad_id)} {IMAGE_PAD} tokens of "
+                         f"{len(image_grid_thw)} images")  # fmt: skip
+    expanded: list[int] = []
+    for token in ids:
+        expanded += [token] * next(counts) if token == pad_id else [token]
+    return expanded, mrope_positions(torch.tensor(expanded), image_grid_thw, pad_id, merge_size)
+
+
 def image_prompt(
     messages: list[dict[str, str]],
     images: list,
@@ -169,38 +256,6 @@ def image_prompt(
     processor: ImageProcessor,
 ) -> ImagePrompt:
     """Preprocess one prompt's images and tokenize its messages around them."""
-    from hybridflow.models.mrope import mrope_positions
-
     pixel_values, grids = processor(images)
-    counts = iter((grids.prod(-1) // processor.merge_size**2).tolist())
-    part = VISION_START + IMAGE_PAD + VISION_END
-    marked = [{**m, "content": m["content"].replace(PLACEHOLDER, part)} for m in messages]
-    ids = encode_chat_prompt(tokenizer, marked)
-    pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
-    expanded: list[int] = []
-    for token in ids:
-        expanded += [token] * next(counts) if token == pad_id else [token]
-    positions = mrope_positions(torch.tensor(expanded), grids, pad_id, processor.merge_size)
-    return ImagePrompt(expanded, pixel_values, grids, positions)
-
-
-def iter_image_records(
-    path: str | Path,
-    image_key: str,
-    known_data_sources=None,
-    prompt_key: str = "prompt",
-    max_pixels: int = MAX_IMAGE_PIXELS,
-):
-    """(record, its images decoded) for each row of a prompt file, as it is read: the
-    schema as iter_prompt_records checks it, then each image decoded and the placeholders
-    counted (one row's images in memory at a time). Relative image paths are read from the
-    file's directory."""
-    from hybridflow.data.schema import iter_rows, validate_row
-
-    base_dir = Path(path).parent
-    known = None if known_data_sources is None else frozenset(known_data_sources)
-    for where, row in iter_rows(path, required_keys=("data_source", prompt_key, "reward_model")):
-        record = validate_row(row, where, known, prompt_key)
-        images = row_images(row, image_key, where, base_dir, max_pixels)
-        check_placeholders(record.prompt, len(images), where, image_key)
-        yield record, images
+    ids, positions = image_prompt_ids(messages, grids, tokenizer, processor.merge_size)
+    return ImagePrompt(ids, pixel_values, grids, positions)

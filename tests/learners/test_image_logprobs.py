@@ -5,7 +5,7 @@ whole sequence with its images, however the rows are grouped; an update step run
 import torch
 from learner_helpers import actor_config
 
-from hybridflow.data.image_batch import batch_image_fields
+from hybridflow.data.image_batch import MROPE_POSITIONS, extend_positions, prompt_image_fields
 from hybridflow.learners import ActorLearner
 from hybridflow.models import load_model
 from hybridflow.models.mrope import mrope_positions
@@ -33,8 +33,9 @@ def _image_batch():
         mask[i, length_p - len(prompt) : length_p + len(response)] = 1
     rows = [mrope_positions(torch.tensor(p), g, IMAGE, SPEC.spatial_merge_size)
             for p, g in zip(PROMPTS, GRIDS)]  # fmt: skip
-    tensors, arrays = batch_image_fields(rows, pixels, GRIDS, mask, length_p)
+    tensors, arrays = prompt_image_fields(rows, pixels, GRIDS, length_p)
     response_mask = (mask[:, length_p:]).float()
+    tensors[MROPE_POSITIONS] = extend_positions(tensors[MROPE_POSITIONS], response_mask)
     tensors.update(prompts=prompts, responses=responses, attention_mask=mask,
                    response_mask=response_mask, advantages=response_mask.clone(),
                    old_logprobs=-response_mask, ref_logprobs=-response_mask)  # fmt: skip
