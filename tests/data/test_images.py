@@ -56,10 +56,11 @@ def test_bytes_paths_and_dicts_decode_to_rgb(tmp_path):
         (b"not an image", "key 'images[0]' cannot be decoded as an image"),
         (_with_header_size(_png(4, 4), 0, 0), "cannot be decoded"),  # PIL refuses a 0x0 PNG
         (_with_header_size(_png(4, 4), 10_000, 10_000), "10000x10000 image, more than"),
+        (_png(1, 250), "1x250 image: its long side is over 200 times its short side"),
         ({"path": "missing.png"}, "key 'images[0]' no image file"),
         (7, "holds a int"),
     ],
-    ids=["undecodable", "zero-size", "100-megapixels", "missing-file", "not-an-image"],
+    ids=["undecodable", "zero-size", "100-megapixels", "too-thin", "missing-file", "not-an-image"],
 )
 def test_a_bad_image_is_refused_naming_file_row_and_key(tmp_path, entry, words):
     with pytest.raises(DataSchemaError) as error:
