@@ -46,14 +46,13 @@ OLD_LOGPROB = (
 REWARD_MODEL = "not used: hybridflow's reward model is set by reward.model.* (docs/rewards.md)"
 MEGATRON = "Megatron-LM option"
 PIPELINE = "Megatron-LM pipeline parallelism (hybridflow splits layers by tensor parallelism)"
-MULTIMODAL = "multimodal models and data (images, videos)"
 # What exists of training on images, and what a run still lacks (the key stops the run
-# until the engine and the trainer carry images).
+# until the rollout engine takes images).
 IMAGES = (
-    "training on images: Qwen2.5-VL runs in hybridflow's decoder and `hybridflow data check "
-    "--image-key images` reads and checks the images, but the rollout engine's image prefill "
-    "and the trainer's image batches (pixel_values, image_grid_thw, mRoPE positions) are not "
-    "built yet"
+    "training on images: Qwen2.5-VL runs in hybridflow's decoder, the data path reads, "
+    "checks and preprocesses the images into the Batch (`hybridflow data check "
+    "--image-key images` checks a file) and the trainer's log-prob and update passes use "
+    "them, but the rollout engine's image prefill is not built yet"
 )
 
 
