@@ -310,6 +310,9 @@ class CausalLM(nn.Module):
         image_grid_thw [images, 3] (the batch's images row by row, as transformers' image
         processor writes them) and mRoPE's position_ids [3, B, T] (computed from the ids
         and grids when not given, models/mrope.py)."""
+        if position_ids is not None and (position_ids.dim() != 3 or position_ids.shape[0] != 3):
+            raise ValueError(f"position_ids {tuple(position_ids.shape)} must be mRoPE's rows "
+                             "[3, B, T] (plain positions come from the attention_mask)")  # fmt: skip
         rows = position_ids is not None or (
             self.config.mrope_section and image_grid_thw is not None
         )

@@ -136,3 +136,16 @@ def test_image_features_must_match_the_image_tokens(reference_dir):
     ids[0, ids[0] == IMAGE] = 5  # row 0's image tokens gone, its pixels still given
     with pytest.raises(ValueError, match="image tokens, the images give"):
         ours.embed(ids, pixels, grid)
+
+
+def test_given_positions_must_be_mropes_three_rows(reference_dir):
+    path, expected = reference_dir
+    ours = load_model_from_dir(str(path)).eval()
+    ids, mask, pixels, grid, _ = image_batch()
+    rows = batch_mrope_positions(ids, mask, grid, IMAGE, MERGE)
+    with torch.no_grad():
+        given = ours(ids, mask, pixel_values=pixels, image_grid_thw=grid, position_ids=rows)
+    real = mask.bool()
+    assert (given[real] - expected[real]).abs().max() <= TOLERANCE
+    with pytest.raises(ValueError, match=r"must be mRoPE's rows \[3, B, T\]"):
+        ours(ids, mask, position_ids=rows[0])
