@@ -16,8 +16,12 @@ from hybridflow.errors import UserError
 SUPPORTED_MODEL_TYPES = (
     "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
     "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "qwen3_next",
-    "deepseek_v3", "kimi_k2", "deepseek_v2", "gpt_oss",
+    "deepseek_v3", "kimi_k2", "deepseek_v2", "gpt_oss", "qwen2_5_vl",
 )  # fmt: skip
+# sizes of a vision encoder (config.json's vision_config), whole numbers >= 1
+VISION_SIZE_KEYS = ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels",
+                    "patch_size", "temporal_patch_size", "spatial_merge_size", "window_size",
+                    "out_hidden_size")  # fmt: skip
 
 
 class ModelConfigError(UserError, ValueError):
@@ -74,9 +78,20 @@ def config_value_problems(config: dict[str, Any]) -> list[str]:
     1..experts, attention heads not a multiple of the KV heads, an epsilon or RoPE base that
     is not a finite number > 0. The families hybridflow's decoder builds
     (SUPPORTED_MODEL_TYPES) also need their sizes present and an even head dimension."""
+    vision = config.get("vision_config")
+    vision_problems = []
+    if isinstance(vision, dict):
+        vision_problems = [f"vision_config.{problem}" for key in VISION_SIZE_KEYS
+                           if (problem := _whole_number_problem(key, vision.get(key), 1))]  # fmt: skip
     text = config.get("text_config")
     if isinstance(text, dict):  # a multimodal model: its language model is what we build
-        return [f"text_config.{problem}" for problem in config_value_problems(text)]
+        return [
+            f"text_config.{problem}" for problem in config_value_problems(text)
+        ] + vision_problems
+    if vision_problems:  # the published Qwen2.5-VL form: the language model's keys on top
+        return vision_problems + config_value_problems(
+            {key: value for key, value in config.items() if key != "vision_config"}
+        )
     problems: list[str] = []
     native = config.get("model_type") in SUPPORTED_MODEL_TYPES
     if native:

@@ -3,13 +3,16 @@
 ``run_ranks(fn, world, *args)`` spawns ``world`` processes; each calls ``fn(rank, world,
 *args)`` inside an initialised default group. ``fn`` must be a module-level function (spawn
 pickles it by name); an assertion that fails on any rank fails the test with that rank's
-traceback."""
+traceback.
+
+Every rank leaves through :func:`leave_group`, which destroys its groups while Python is whole
+(why: its docstring)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
-import sys
 
 import torch
 import torch.distributed as dist
@@ -30,7 +33,23 @@ def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
         fn(rank, world, *args)
         dist.barrier()  # no rank tears the group down while another still talks
     finally:
-        dist.destroy_process_group()
+        leave_group()
+
+
+def leave_group() -> None:
+    """Destroy this rank's process groups, their C++ side included, before the process exits.
+
+    ``destroy_process_group`` only unregisters the groups: a group's gloo worker threads and
+    device loop live on while any Python object still refers to it (a DeviceMesh, an FSDP
+    module, a learner), and such objects often sit in reference cycles that only a collection
+    frees. Such a group is then torn down during the interpreter's shutdown, or not at all
+    before exit(), with its threads still running (one may still hold the last reference to a
+    collective's tensor, which needs the GIL to free): now and then, mostly on a loaded host,
+    the rank aborts after its test passed ("terminate called without an active exception",
+    SIGABRT). Collecting here destroys those groups while Python is whole (pybind11 destroys
+    c10d objects with the GIL released, so their threads finish and are joined)."""
+    dist.destroy_process_group()
+    gc.collect()
 
 
 def join_group(rank: int, world: int, port: int, device_type: str) -> torch.device:
@@ -47,21 +66,23 @@ def join_group(rank: int, world: int, port: int, device_type: str) -> torch.devi
     return torch.device("cpu")
 
 
-def start_ranks(entry, world: int, *args, attempts: int = 2) -> None:
-    """Spawn ``world`` processes running ``entry(rank, world, port, *args)``. A run in which a
-    rank was killed by SIGABRT is run once more: gloo's C++ threads can call std::terminate
-    while the ranks tear their connections down on a loaded host (seen once in a full suite
-    run, never in isolation). A rank that raises, or aborts again, fails the test."""
-    for attempt in range(1, attempts + 1):
-        try:
-            mp.start_processes(
-                entry, args=(world, free_port(), *args), nprocs=world, start_method="spawn"
-            )
-            return
-        except mp.ProcessExitedException as exited:
-            if exited.signal_name != "SIGABRT" or attempt == attempts:
-                raise
-            print(f"gloo_ranks: {exited}; running the {world} ranks again", file=sys.stderr)
+def start_ranks(entry, world: int, *args) -> None:
+    """Spawn ``world`` processes running ``entry(rank, world, port, *args)``; an entry that
+    joins a group itself ends with :func:`leave_group`. A rank that raises or dies fails the
+    test.
+
+    The ranks fork from multiprocessing's fork server, a fresh interpreter (not a fork of
+    pytest: no thread or state of the tests is inherited) started once per test session that
+    has imported RANK_PRELOAD, instead of each rank starting Python and importing torch."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(RANK_PRELOAD)  # read when the server starts (the first call)
+    mp.start_processes(entry, args=(world, free_port(), *args), nprocs=world,
+                       start_method="forkserver")  # fmt: skip
+
+
+RANK_PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.fsdp", "hybridflow.models"]
+"""Modules every rank needs, imported once by the fork server rather than by each rank (about
+2 s of CPU a rank, torch.distributed.tensor bringing sympy)."""
 
 
 def _run_fn(rank: int, world: int, port: int, fn, args: tuple) -> None:

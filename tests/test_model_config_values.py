@@ -106,3 +106,19 @@ def test_more_expert_groups_chosen_than_there_are_is_named():
     assert config_value_problems(config) == [
         "topk_group = 3 must be at most n_group = 2 (the expert groups a token may be routed to)"
     ]
+
+
+VISION = {"depth": 2, "hidden_size": 32, "num_heads": 2, "patch_size": 14, "out_hidden_size": 64}
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["text_config", "published-flat"])
+def test_a_bad_vision_encoder_size_is_named_with_its_key(nested):
+    text = {key: MOE[key] for key in ("vocab_size", "hidden_size", "intermediate_size",
+                                      "num_hidden_layers", "num_attention_heads")}  # fmt: skip
+    vision = {**VISION, "num_heads": 0}
+    config = {"model_type": "qwen2_5_vl", "vision_config": vision}
+    config.update({"text_config": text} if nested else text)
+    assert config_value_problems(config) == [
+        "vision_config.num_heads = 0 must be a whole number >= 1"
+    ]
+    assert config_value_problems({**config, "vision_config": VISION}) == []

@@ -77,6 +77,10 @@ class ActorConfig:
     optimizer_offload: bool = False
     """One training GPU: fp32 masters and AdamW state on the host for the whole run, the step
     on the CPU bucket by bucket, bf16 weights on the GPU (docs/memory.md, Optimizer offload)."""
+    freeze_vision_tower: bool = True
+    """Vision-language models: the vision encoder is not trained (its weights get no
+    gradient and no optimizer state); false trains it with the language model. verl's
+    actor.freeze_vision_tower (which is off by default there)."""
     router_replay: str = "off"
     """Mixture-of-experts models: off | rollout. rollout: the old-log-prob and update passes
     send each token to the experts the rollout engine chose for it (gate weights recomputed

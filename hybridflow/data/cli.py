@@ -87,10 +87,25 @@ def _cmd_check(args) -> int:
                 print(f"{path} ({name} split, the default sizes): {sum(counts.values())} rows "
                       f"OK; data sources {dict(counts)}")  # fmt: skip
             continue
+        if args.image_key:
+            print(_check_images(path, args.image_key, known, args.prompt_key))
+            continue
         records = iter_prompt_records(path, known_data_sources=known, prompt_key=args.prompt_key)
         counts = Counter(record.data_source for record in records)
         print(f"{path}: {sum(counts.values())} rows OK; data sources {dict(counts)}")
     return 0
+
+
+def _check_images(path: str, image_key: str, known, prompt_key: str) -> str:
+    """The line data check prints for a file read with its images (each one decoded)."""
+    from hybridflow.data.schema import iter_prompt_records
+
+    counts, images = Counter(), 0
+    for record in iter_prompt_records(path, known, prompt_key, image_key):
+        counts[record.data_source] += 1
+        images += len(record.images)
+    return (f"{path}: {sum(counts.values())} rows OK, {images} images decoded; data sources "
+            f"{dict(counts)}")  # fmt: skip
 
 
 def _run(handler):
@@ -177,6 +192,9 @@ def add_data_subcommand(subparsers) -> argparse.ArgumentParser:
                    "(builtin:arithmetic, builtin:countdown, builtin:calc)")  # fmt: skip
     p.add_argument("--prompt-key", default="prompt",
                    help="the column holding the prompt (data.prompt_key)")  # fmt: skip
+    p.add_argument("--image-key", default=None,
+                   help="also decode the images of this column and count each prompt's "
+                   "<image> placeholders (data.image_key, verl's: images)")  # fmt: skip
     p.add_argument(
         "--known-sources",
         action="store_true",

@@ -20,6 +20,8 @@ import torch
 
 from hybridflow.data.char_limits import char_limit, keep_last_chars, text_chars
 from hybridflow.data.chat import ChatTokenizer, encode_chat_prompt
+from hybridflow.data.image_batch import prompt_image_fields
+from hybridflow.data.images import ImageProcessor, image_prompt_ids
 from hybridflow.data.sampler import ResumableSampler
 from hybridflow.data.schema import DataSchemaError, PromptRecord, iter_prompt_records
 
@@ -28,11 +30,16 @@ OVERLONG_MODES = ("filter", "error", "truncate")
 
 @dataclass(frozen=True)
 class PromptItem:
-    """One tokenised prompt; `index` is the row's position in the source records."""
+    """One tokenised prompt; `index` is the row's position in the source records. A prompt
+    with images: its ids hold an image-pad token per merged patch, ``image_grid_thw`` the
+    grids its images will have, ``mrope_positions`` [3, len(prompt_ids)] its position rows
+    (data/images.py); the pixels are made when a batch is (collate_prompts)."""
 
     prompt_ids: list[int]
     record: PromptRecord
     index: int
+    image_grid_thw: torch.Tensor | None = None
+    mrope_positions: torch.Tensor | None = None
 
 
 def tokenize_records(
@@ -40,9 +47,11 @@ def tokenize_records(
     tokenizer: ChatTokenizer,
     max_prompt_length: int | None,
     overlong: str = "filter",
+    images: ImageProcessor | None = None,
 ) -> tuple[list[PromptItem], int]:
     """Apply the chat template to each record as it comes; returns (items kept, number
-    filtered). A prompt longer than any tokenization of max_prompt_length tokens could be
+    filtered). A record with images is tokenized with its image tokens (``images``: the
+    model's image processor), which count towards max_prompt_length. A prompt longer than any tokenization of max_prompt_length tokens could be
     (char_limits.py) is filtered, refused or cut before it is tokenized, so `records` may
     be a stream whose rows are dropped as they are read."""
     if overlong not in OVERLONG_MODES:
@@ -63,7 +72,11 @@ def tokenize_records(
                     "prompt mode to 'filter' or 'truncate'"
                 )
             record = replace(record, prompt=keep_last_chars(record.prompt, 2 * chars_at_most))
-        prompt_ids = encode_chat_prompt(tokenizer, record.prompt)
+        grid = positions = None
+        if record.images:
+            prompt_ids, grid, positions = _image_prompt_ids(record, tokenizer, images)
+        else:
+            prompt_ids = encode_chat_prompt(tokenizer, record.prompt)
         if not prompt_ids:
             raise DataSchemaError(
                 f"{record.where}: the prompt is no tokens after the chat template "
@@ -80,9 +93,32 @@ def tokenize_records(
             if overlong == "filter":
                 num_filtered += 1
                 continue
+            if record.images:
+                raise DataSchemaError(
+                    f"{record.where}: prompt has {len(prompt_ids)} tokens with its images' "
+                    f"tokens, more than data.max_prompt_length={max_prompt_length}, and a "
+                    "prompt with images is not truncated; raise the limit or set the "
+                    "overlong prompt mode to 'filter'"
+                )
             prompt_ids = prompt_ids[-max_prompt_length:]
-        items.append(PromptItem(prompt_ids=prompt_ids, record=record, index=index))
+        items.append(PromptItem(prompt_ids, record, index, grid, positions))
     return items, num_filtered
+
+
+def _image_prompt_ids(record: PromptRecord, tokenizer, images: ImageProcessor | None):
+    """(ids with image tokens, the images' grids, mRoPE rows) of a record with images."""
+    if images is None:
+        raise DataSchemaError(
+            f"{record.where}: the row has {len(record.images)} images, and the model has no "
+            "image processor (a vision-language model's preprocessor_config.json)",
+            "use a vision-language model (Qwen2.5-VL), or prompts without images",
+        )
+    grid = torch.tensor([images.grid_of(image.width, image.height) for image in record.images])
+    try:
+        ids, positions = image_prompt_ids(record.prompt, grid, tokenizer, images.merge_size)
+    except ValueError as error:
+        raise DataSchemaError(f"{record.where}: {error}") from None
+    return ids, grid, positions
 
 
 class PromptDataset:
@@ -94,10 +130,11 @@ class PromptDataset:
         tokenizer: ChatTokenizer,
         max_prompt_length: int | None = None,
         overlong: str = "filter",
+        images: ImageProcessor | None = None,
     ):
         self.max_prompt_length = max_prompt_length
         self.items, self.num_filtered = tokenize_records(
-            records, tokenizer, max_prompt_length, overlong
+            records, tokenizer, max_prompt_length, overlong, images
         )
         if not self.items:
             raise DataSchemaError(
@@ -114,9 +151,12 @@ class PromptDataset:
         overlong: str = "filter",
         known_data_sources: Iterable[str] | None = None,
         prompt_key: str = "prompt",
+        image_key: str | None = None,
+        images: ImageProcessor | None = None,
     ) -> PromptDataset:
-        records = iter_prompt_records(paths, known_data_sources, prompt_key)
-        return cls(records, tokenizer, max_prompt_length, overlong)
+        """image_key: the column of the rows' images; images: the model's processor."""
+        records = iter_prompt_records(paths, known_data_sources, prompt_key, image_key)
+        return cls(records, tokenizer, max_prompt_length, overlong, images)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -137,7 +177,10 @@ def _object_array(values: Sequence[Any]) -> np.ndarray:
 
 
 def collate_prompts(
-    items: Sequence[PromptItem], pad_token_id: int, pad_to: int | None = None
+    items: Sequence[PromptItem],
+    pad_token_id: int,
+    pad_to: int | None = None,
+    images: ImageProcessor | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
     """Left-pad prompts into tensors and gather the per-row metadata into arrays.
 
@@ -146,6 +189,9 @@ def collate_prompts(
       arrays: `data_source`, `ground_truth`, `raw_prompt`, `extra_info`, `ability`
               (object), `index` (int64) — all [B].
     `P` is the longest prompt, or `pad_to` (fixed shapes for the engine) when given.
+    A batch holding images also gets each row's pixel_values and image_grid_thw and the
+    prompts' mRoPE rows (data/image_batch.py): the images are preprocessed here, once a
+    prompt, by ``images`` (the model's processor).
     """
     longest = max(len(item.prompt_ids) for item in items)
     width = longest if pad_to is None else pad_to
@@ -166,14 +212,44 @@ def collate_prompts(
         "ability": _object_array([r.ability for r in records]),
         "index": np.array([item.index for item in items], dtype=np.int64),
     }
-    return {"prompts": prompts, "attention_mask": attention_mask}, arrays
+    tensors = {"prompts": prompts, "attention_mask": attention_mask}
+    if any(item.image_grid_thw is not None for item in items):
+        image_tensors, image_arrays = _collate_images(items, width, images)
+        tensors.update(image_tensors)
+        arrays.update(image_arrays)
+    return tensors, arrays
 
 
-def make_prompt_batch(items: Sequence[PromptItem], pad_token_id: int, pad_to: int | None = None):
+def _collate_images(items: Sequence[PromptItem], width: int, images: ImageProcessor | None):
+    """Each row's images preprocessed (their grids as tokenized), and every row's rows."""
+    if images is None:
+        raise ValueError("a batch of prompts with images needs the model's image processor")
+    pixels, grids, rows = [], [], []
+    for item in items:
+        pixel_values = grid = None
+        if item.image_grid_thw is not None:
+            pixel_values, grid = images([image.open() for image in item.record.images])
+            if not torch.equal(grid, item.image_grid_thw):
+                raise ValueError(f"{item.record.where}: the images' grids {grid.tolist()} are "
+                                 f"not those tokenized ({item.image_grid_thw.tolist()})")  # fmt: skip
+        pixels.append(pixel_values)
+        grids.append(grid)
+        length = len(item.prompt_ids)
+        rows.append(item.mrope_positions if item.mrope_positions is not None
+                    else torch.arange(length).expand(3, length))  # fmt: skip
+    return prompt_image_fields(rows, pixels, grids, width)
+
+
+def make_prompt_batch(
+    items: Sequence[PromptItem],
+    pad_token_id: int,
+    pad_to: int | None = None,
+    images: ImageProcessor | None = None,
+):
     """`collate_prompts` wrapped in a `hybridflow.protocol.Batch`."""
     from hybridflow.protocol import Batch
 
-    tensors, arrays = collate_prompts(items, pad_token_id, pad_to)
+    tensors, arrays = collate_prompts(items, pad_token_id, pad_to, images)
     return Batch(tensors=tensors, arrays=arrays, meta={})
 
 
@@ -188,15 +264,17 @@ class PromptLoader:
         seed: int = 0,
         shuffle: bool = True,
         pad_to: int | None = None,
+        images: ImageProcessor | None = None,
     ):
         self.dataset, self.pad_token_id, self.pad_to = dataset, pad_token_id, pad_to
+        self.images = images
         self.sampler = ResumableSampler(len(dataset), batch_size, seed=seed, shuffle=shuffle)
 
     def next_items(self) -> list[PromptItem]:
         return [self.dataset[i] for i in self.sampler.next_batch()]
 
     def next_batch(self):
-        return make_prompt_batch(self.next_items(), self.pad_token_id, self.pad_to)
+        return make_prompt_batch(self.next_items(), self.pad_token_id, self.pad_to, self.images)
 
     @property
     def epoch(self) -> int:

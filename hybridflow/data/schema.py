@@ -49,16 +49,23 @@ class PromptRecord:
     extra_info: dict[str, Any] = field(default_factory=dict)
     where: str = field(default="", compare=False)
     """Human-readable location (`file: row N`), used in later error messages."""
+    images: tuple = ()
+    """The row's images (data.image_key), each checked and kept encoded
+    (data/images.ImageEntry), in the order of the prompt's ``<image>`` placeholders."""
 
     def to_row(self) -> dict[str, Any]:
         """The verl-schema dict for this record (the inverse of `validate_row`)."""
-        return {
+        row = {
             "data_source": self.data_source,
             "prompt": [dict(m) for m in self.prompt],
             "ability": self.ability,
             "reward_model": {"style": self.reward_style, "ground_truth": self.ground_truth},
             "extra_info": dict(self.extra_info),
         }
+        if self.images:  # under verl's default image_key
+            row["images"] = [{"bytes": image.source, "path": None} if isinstance(image.source, bytes)
+                             else {"bytes": None, "path": image.source} for image in self.images]  # fmt: skip
+        return row
 
 
 def _check_suffix(path: Path) -> str:
@@ -190,11 +197,15 @@ def validate_row(
     where: str,
     known_data_sources: Iterable[str] | None = None,
     prompt_key: str = "prompt",
+    image_key: str | None = None,
+    base_dir: str | Path = ".",
 ) -> PromptRecord:
     """Check one row against the schema and return it as a `PromptRecord`.
 
     `known_data_sources`, when given (e.g. the keys of a scorer registry), rejects rows
-    whose `data_source` no scorer handles.
+    whose `data_source` no scorer handles. `image_key`: the column of the row's images
+    (data/images.py: each decoded once and checked, one ``<image>`` in the prompt each;
+    relative paths from `base_dir`, the data file's directory).
     """
     if not isinstance(row, dict):
         raise DataSchemaError(f"{where}: row must be a JSON object, got {type(row).__name__}")
@@ -226,6 +237,12 @@ def validate_row(
             f"{where}: key 'extra_info' must be a dict, got {type(extra_info).__name__}"
         )
     ability = row.get("ability") or ""
+    images = ()
+    if image_key is not None:
+        from hybridflow.data.images import check_placeholders, row_image_entries
+
+        images = row_image_entries(row, image_key, where, base_dir)
+        check_placeholders(messages, len(images), where, image_key)
     return PromptRecord(
         data_source=data_source,
         prompt=messages,
@@ -234,6 +251,7 @@ def validate_row(
         reward_style=str(reward_model.get("style") or "rule"),
         extra_info=dict(extra_info),
         where=where,
+        images=images,
     )
 
 
@@ -241,8 +259,10 @@ def iter_prompt_records(
     paths: str | Path | Sequence[str | Path],
     known_data_sources: Iterable[str] | None = None,
     prompt_key: str = "prompt",
+    image_key: str | None = None,
 ) -> Iterator[PromptRecord]:
-    """Each validated row of one or more prompt files (parquet or jsonl), as it is read."""
+    """Each validated row of one or more prompt files (parquet or jsonl), as it is read;
+    with `image_key`, each row's images too (validate_row)."""
     if isinstance(paths, (str, Path)):
         paths = [paths]
     known = None if known_data_sources is None else frozenset(known_data_sources)
@@ -251,7 +271,7 @@ def iter_prompt_records(
         rows = 0
         for where, row in iter_rows(path, required_keys=required):
             rows += 1
-            yield validate_row(row, where, known, prompt_key)
+            yield validate_row(row, where, known, prompt_key, image_key, Path(path).parent)
         if not rows:
             raise DataSchemaError(
                 f"{path}: file holds no rows",

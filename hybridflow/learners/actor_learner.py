@@ -107,6 +107,8 @@ class ActorLearner:
                 dropout=model_cfg.lora_dropout,
                 seed=seed,
             )
+        if actor_cfg.freeze_vision_tower and getattr(model, "visual", None) is not None:
+            model.visual.requires_grad_(False)  # no gradient, no optimizer state
         # "auto" is resolved at run start (trainer/memory_check.memory_defaults and
         # trainer/compile_policy.compile_defaults); unresolved, it means off, as on the CPU.
         if model_cfg is not None and model_cfg.gradient_checkpointing is True:

@@ -57,8 +57,14 @@ def apply_lora(
         t for t in target_modules if t in linear_names or not (experts and t in EXPERT_TARGETS)
     ]
     if linear_targets:
+        # the language model only: a vision encoder's MLP shares its projection names
+        vision = getattr(model, "visual", None) is not None and not experts
         config = peft.LoraConfig(
-            r=rank, lora_alpha=alpha, target_modules=linear_targets, lora_dropout=dropout
+            r=rank,
+            lora_alpha=alpha,
+            target_modules=linear_targets,
+            lora_dropout=dropout,
+            exclude_modules=r"visual\..*" if vision else None,
         )
         devices = [model.lm_head.weight.device] if model.lm_head.weight.is_cuda else []
         # peft rewrites the targets of a model whose config names a transformers MoE type

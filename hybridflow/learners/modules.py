@@ -130,10 +130,21 @@ def packed_hidden(
 ) -> tuple[torch.Tensor, OutputShard | None]:
     """Final hidden states [m, H] at the tokens that predict the packed targets: all M of them,
     or under sequence parallelism this rank's share (and which share it is)."""
+    images = {}
+    if packed.pixel_values is not None:
+        images = {"pixel_values": packed.pixel_values, "image_grid_thw": packed.image_grid_thw}
     if sequence_group is not None:
+        if images:
+            raise ValueError("images with actor.sequence_parallel_size > 1 are not supported: "
+                             "set actor.sequence_parallel_size=1")  # fmt: skip
         return sharded_hidden(lm, packed, sequence_group, **routing)
     hidden = lm.forward_packed(
-        packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_seqlen, **routing
+        packed.input_ids,
+        packed.position_ids,
+        packed.cu_seqlens,
+        packed.max_seqlen,
+        **routing,
+        **images,
     )  # [N, H]
     return hidden[packed.hidden_index], None
 

@@ -17,7 +17,7 @@ class PackedRows:
     """Model inputs for some rows of a batch, plus where the per-token outputs go."""
 
     input_ids: torch.Tensor  # [N] real tokens of all rows, concatenated
-    position_ids: torch.Tensor  # [N] 0-based position inside each row
+    position_ids: torch.Tensor  # [N] 0-based position inside each row; [3, N] mRoPE's rows
     cu_seqlens: torch.Tensor  # int32 [S+1]
     max_seqlen: int
     hidden_index: torch.Tensor  # [M] packed index of the token that predicts each output token
@@ -28,6 +28,10 @@ class PackedRows:
     response_length: int
     routed_experts: torch.Tensor | None = None
     """[N, L_sparse, k] experts the rollout chose for each packed token (routing replay)."""
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    """The images of the packed rows, in order ([patches, C*T*P*P], [images, 3]): a
+    vision-language model's features replace the rows' image-pad tokens."""
 
     def to(self, device: torch.device | str) -> PackedRows:
         moved = {
@@ -62,9 +66,11 @@ def pack_rows(
     responses: torch.Tensor,
     attention_mask: torch.Tensor,
     routed_experts: torch.Tensor | None = None,
+    mrope_positions: torch.Tensor | None = None,
 ) -> PackedRows:
     """prompts [S, P] (left-padded), responses [S, R] (right-padded), attention_mask [S, P+R];
-    routed_experts [S, P+R, L_sparse, k] (optional, aligned with the mask) is packed alike.
+    routed_experts [S, P+R, L_sparse, k] (optional, aligned with the mask) is packed alike,
+    and mRoPE's position rows [S, 3, P+R] (a vision-language model's) into [3, N].
 
     Tokens with ``attention_mask == 1`` are kept in row order; positions count the kept tokens
     of each row from 0, as the rollout assigned them. Output tokens are the response positions
@@ -94,9 +100,12 @@ def pack_rows(
         has_output[:, 0] = False
         has_output[:, 1:] &= response_keep[:, :-1]
     out_rows, out_cols = has_output.nonzero(as_tuple=True)
+    packed_positions = positions[keep]
+    if mrope_positions is not None:
+        packed_positions = mrope_positions.transpose(0, 1)[:, keep]  # [3, N]
     return PackedRows(
         input_ids=input_ids[keep],
-        position_ids=positions[keep],
+        position_ids=packed_positions,
         cu_seqlens=cu_seqlens,
         max_seqlen=int(lengths.max()) if num_rows else 0,
         hidden_index=packed_index[out_rows, prompt_length + out_cols - 1],

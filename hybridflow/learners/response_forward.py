@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from hybridflow.data.image_batch import MROPE_POSITIONS, PIXEL_VALUES, pack_images
 from hybridflow.learners.core import TrainCore
 from hybridflow.learners.packing import PackedRows, pack_rows, to_device
 from hybridflow.protocol import Batch
@@ -29,13 +30,16 @@ def pack_batch_rows(batch: Batch, rows: list[int], device: torch.device) -> Pack
     Packing runs where the batch lives (the CPU, as the controller sends it): on a GPU its
     boolean indexing and ``max`` would each stall the host until the GPU is idle."""
     index = torch.as_tensor(rows, dtype=torch.long)
-    prompts, responses, attention_mask, routed_experts = (
+    prompts, responses, attention_mask, routed_experts, mrope_positions = (
         batch.tensors[key].index_select(0, index.to(batch.tensors[key].device))
         if key in batch.tensors
         else None
-        for key in (*REQUIRED_INPUTS, "routed_experts")
+        for key in (*REQUIRED_INPUTS, "routed_experts", MROPE_POSITIONS)
     )
-    return pack_rows(prompts, responses, attention_mask, routed_experts).to(device)
+    packed = pack_rows(prompts, responses, attention_mask, routed_experts, mrope_positions)
+    if PIXEL_VALUES in batch.arrays:
+        packed.pixel_values, packed.image_grid_thw = pack_images(batch, rows)
+    return packed.to(device)
 
 
 @torch.no_grad()

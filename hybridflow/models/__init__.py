@@ -60,8 +60,9 @@ def load_model(
     """A preset name (random init with a fixed seed) or a local HF model directory.
 
     backend: "auto" uses our decoder for the model types of models/families/ (Llama, Mistral,
-    Qwen2/3, Qwen3-MoE, Mixtral, Qwen3.5 dense and MoE, Qwen3-Next) and falls back, with a one-line notice on stderr, to transformers' AutoModelForCausalLM
-    (slower; same forward/forward_packed/save_pretrained interface, see hf_fallback.py) for
+    Qwen2/3, Qwen3-MoE, Mixtral, Qwen3.5 dense and MoE, Qwen3-Next, DeepSeek-V2/V3, GPT-OSS,
+    Qwen2.5-VL with its vision encoder) and falls back, with a one-line notice on stderr, to
+    transformers' AutoModelForCausalLM (slower; same forward/forward_packed/save_pretrained interface, see hf_fallback.py) for
     anything else; "native" or "hf" force one.
     """
     if backend not in ("auto", "native", "hf"):

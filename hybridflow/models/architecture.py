@@ -13,6 +13,7 @@ from typing import Any
 from hybridflow.model_config_values import check_config_values
 from hybridflow.models.families import SUPPORTED_MODEL_TYPES, family_of, text_config
 from hybridflow.models.layer_spec import LayerSpec
+from hybridflow.models.vision.spec import VisionSpec
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "ModelArchitecture"]
 
@@ -112,6 +113,11 @@ class ModelArchitecture:
     attention_window: int = 0
     """Tokens a sliding-window layer attends to (GPT-OSS's sliding_window, whose layers
     layer_types names); implemented, unlike Mistral's sliding_window above."""
+    mrope_section: tuple[int, ...] = ()
+    """Multimodal RoPE (Qwen2.5-VL): each head's frequency pairs cut into three sections,
+    turned by the temporal, height and width position rows (models/mrope.py); () = RoPE."""
+    vision: VisionSpec | None = None
+    """The vision encoder of a vision-language model (models/vision/); None = text only."""
 
     def __post_init__(self) -> None:
         family = family_of(self.model_type)
@@ -122,6 +128,7 @@ class ModelArchitecture:
             )
         self.mlp_only_layers = tuple(int(i) for i in self.mlp_only_layers)
         self.layer_types = tuple(self.layer_types)
+        self.mrope_section = tuple(int(s) for s in self.mrope_section)
         family.check(self)
         if self.rope_scaling is not None:
             rope_type = self.rope_type
@@ -256,6 +263,8 @@ class ModelArchitecture:
         total += self.mlp_parameters(active)
         if include_embeddings:
             total += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        if self.vision is not None:
+            total += self.vision.num_parameters()
         return total
 
     @classmethod
@@ -334,7 +343,8 @@ class ModelArchitecture:
             "torch_dtype": self.torch_dtype or "float32",
         }
         hf.update(family.fields_to_hf(self))
-        return hf
+        nest = getattr(family, "nest_config", None)
+        return hf if nest is None else nest(self, hf)
 
     def replace(self, **changes: Any) -> ModelArchitecture:
         return dataclasses.replace(self, **changes)

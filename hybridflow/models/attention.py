@@ -111,13 +111,14 @@ class _FlashVarlen(torch.autograd.Function):
     """FlashAttention-2 varlen forward/backward as shipped inside PyTorch (no flash-attn wheel)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, deterministic):
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, deterministic, causal=True):
         out, lse, rng_a, rng_b, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, causal, False
         )
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng_a, rng_b)
         ctx.max_seqlen = max_seqlen
         ctx.deterministic = deterministic
+        ctx.causal = causal
         return out
 
     @staticmethod
@@ -125,14 +126,15 @@ class _FlashVarlen(torch.autograd.Function):
         q, k, v, out, lse, cu_seqlens, rng_a, rng_b = ctx.saved_tensors
         m = ctx.max_seqlen
         backward = _deterministic_flash_backward if ctx.deterministic else _flash_backward
-        dq, dk, dv = backward(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, m, rng_a, rng_b)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = backward(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, m, rng_a,
+                              rng_b, ctx.causal)  # fmt: skip
+        return dq, dk, dv, None, None, None, None
 
 
-def _flash_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, rng_a, rng_b):
+def _flash_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, rng_a, rng_b, causal=True):
     m = max_seqlen
     return torch.ops.aten._flash_attention_backward(
-        grad_out, q, k, v, out, lse, cu_seqlens, cu_seqlens, m, m, 0.0, True, rng_a, rng_b
+        grad_out, q, k, v, out, lse, cu_seqlens, cu_seqlens, m, m, 0.0, causal, rng_a, rng_b
     )
 
 
@@ -149,13 +151,15 @@ def _deterministic_flash_backward(
     max_seqlen: int,
     rng_a: torch.Tensor,
     rng_b: torch.Tensor,
+    causal: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     with deterministic_kernels():
-        return _flash_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, rng_a, rng_b)
+        return _flash_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, rng_a, rng_b,
+                               causal)  # fmt: skip
 
 
 @_deterministic_flash_backward.register_fake
-def _(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, rng_a, rng_b):
+def _(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, rng_a, rng_b, causal=True):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -187,9 +191,17 @@ def flash_varlen_attention(
     cu_seqlens: torch.Tensor,
     max_seqlen: int,
     deterministic: bool = True,
+    causal: bool = True,
 ) -> torch.Tensor:
+    """causal=False: each token attends to its whole segment (a vision encoder's windows)."""
     return _FlashVarlen.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, max_seqlen, deterministic
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        cu_seqlens,
+        max_seqlen,
+        deterministic,
+        causal,
     )
 
 

@@ -128,7 +128,7 @@ def load_model_from_dir(
     if problems:
         raise ModelConfigError(problems[0])
     config = ModelArchitecture.from_hf(hf_config)
-    if isinstance(hf_config.get("text_config"), dict):  # read as its language model
+    if isinstance(hf_config.get("text_config"), dict) and config.vision is None:  # text only
         announce_text_only(path)
     check_weight_format(hf_config, path)
     with torch.device("meta"):

@@ -31,9 +31,11 @@ from hybridflow.models.mlps.dense import MLP
 from hybridflow.models.mlps.grouped_experts import GroupedExpertsMoeBlock
 from hybridflow.models.mlps.shared_experts import SharedExpertMoeBlock
 from hybridflow.models.moe import SparseMoeBlock
+from hybridflow.models.mrope import batch_mrope_positions, mrope_cos_sin
 from hybridflow.models.norm import GatedRMSNorm, RMSNorm, ZeroCenteredRMSNorm, make_rms_norm
 from hybridflow.models.rope import rope_cos_sin
 from hybridflow.models.sequence_parallel import ulysses_attention
+from hybridflow.models.vision.qwen2_5_vl import PatchEmbed, VisionEncoder
 
 __all__ = ["MLP", "Attention", "CausalLM", "DecoderLayer", "RMSNorm", "RouterTrace"]
 
@@ -151,6 +153,8 @@ class CausalLM(nn.Module):
         else:
             self.lm_head = None
             self.score = nn.Linear(config.hidden_size, num_labels, bias=False)
+        # a vision-language model's encoder (transformers' ``visual.*``); None: text only
+        self.visual = None if config.vision is None else VisionEncoder(config.vision)
         self.gradient_checkpointing = False
         self.attention_backend = "auto"
         self.deterministic_attention = True
@@ -174,6 +178,8 @@ class CausalLM(nn.Module):
                     module.bias.zero_()
             elif isinstance(module, nn.Conv1d):  # Gated DeltaNet's conv: HF's normal(0, std)
                 module.weight.normal_(0.0, std, generator=generator)
+            elif isinstance(module, PatchEmbed):  # the vision patches' Conv3d: normal(0, std)
+                module.proj.weight.normal_(0.0, std, generator=generator)
             elif isinstance(module, ZeroCenteredRMSNorm):
                 module.weight.zero_()
             elif isinstance(module, (RMSNorm, GatedRMSNorm)):
@@ -205,6 +211,8 @@ class CausalLM(nn.Module):
 
     def enable_gradient_checkpointing(self, enabled: bool = True) -> None:
         self.gradient_checkpointing = enabled
+        if self.visual is not None:
+            self.visual.gradient_checkpointing = enabled
 
     @property
     def device(self) -> torch.device:
@@ -256,22 +264,70 @@ class CausalLM(nn.Module):
                     router_trace.append((logits, ids))
         return self.model.norm(hidden)
 
+    def embed(
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Token embeddings [..., H]; with images, the vision encoder's features take the
+        places of the image-pad tokens (the images' tokens in order, row by row)."""
+        hidden = self.model.embed_tokens(input_ids)
+        if pixel_values is None:
+            return hidden
+        if self.visual is None:
+            raise ValueError(f"pixel_values given to a {self.config.model_type} model, which "
+                             "has no vision encoder")  # fmt: skip
+        if image_grid_thw is None:
+            raise ValueError("pixel_values need their image_grid_thw")
+        features = self.visual(pixel_values, image_grid_thw).to(hidden.dtype)
+        slots = input_ids == self.config.vision.image_token_id
+        if int(slots.sum()) != features.shape[0]:
+            raise ValueError(
+                f"the ids hold {int(slots.sum())} image tokens, the images give "
+                f"{features.shape[0]} features (image_grid_thw {image_grid_thw.tolist()})"
+            )
+        return hidden.masked_scatter(slots.unsqueeze(-1), features)
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, rows: bool):
+        """RoPE's cos/sin for positions, or for mRoPE's three rows [3, ...] when ``rows``."""
+        if rows:
+            return mrope_cos_sin(self.config, positions, dtype)
+        return rope_cos_sin(self.config, positions, dtype)
+
     def forward_hidden(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         router_trace: RouterTrace | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids [B, T], attention_mask [B, T] (left or right padding) -> hidden [B, T, H].
-        router_trace: as in forward_packed, with the B*T tokens flattened row by row."""
-        if attention_mask is None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-            positions = positions.expand(input_ids.shape)
-        else:
-            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, T]
+        router_trace: as in forward_packed, with the B*T tokens flattened row by row.
+        A vision-language model also takes pixel_values [patches, C*T*P*P] and
+        image_grid_thw [images, 3] (the batch's images row by row, as transformers' image
+        processor writes them) and mRoPE's position_ids [3, B, T] (computed from the ids
+        and grids when not given, models/mrope.py)."""
+        if position_ids is not None and (position_ids.dim() != 3 or position_ids.shape[0] != 3):
+            raise ValueError(f"position_ids {tuple(position_ids.shape)} must be mRoPE's rows "
+                             "[3, B, T] (plain positions come from the attention_mask)")  # fmt: skip
+        rows = position_ids is not None or (
+            self.config.mrope_section and image_grid_thw is not None
+        )
+        if position_ids is None and rows:
+            vision = self.config.vision
+            position_ids = batch_mrope_positions(input_ids, attention_mask, image_grid_thw,
+                                                 vision.image_token_id, vision.spatial_merge_size)  # fmt: skip
+        elif position_ids is None and attention_mask is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+            position_ids = position_ids.expand(input_ids.shape)
+        elif position_ids is None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, T]
         self._check_window(input_ids.shape[1])
-        hidden = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(self.config, positions, hidden.dtype)
+        hidden = self.embed(input_ids, pixel_values, image_grid_thw)
+        cos, sin = self._cos_sin(position_ids, hidden.dtype, bool(rows))
 
         def attend(q, k, v):
             return padded_causal_attention(q, k, v, attention_mask)
@@ -284,11 +340,16 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         router_trace: RouterTrace | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V] in the model dtype ([B, T, num_labels] for
-        the sequence-classification variant)."""
+        the sequence-classification variant); images as in forward_hidden."""
         head = self.lm_head if self.lm_head is not None else self.score
-        return head(self.forward_hidden(input_ids, attention_mask, router_trace))
+        hidden = self.forward_hidden(input_ids, attention_mask, router_trace, pixel_values,
+                                     image_grid_thw, position_ids)  # fmt: skip
+        return head(hidden)
 
     def forward_packed(
         self,
@@ -299,8 +360,12 @@ class CausalLM(nn.Module):
         routed_experts: torch.Tensor | None = None,
         router_trace: RouterTrace | None = None,
         sequence_group: dist.ProcessGroup | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Many sequences concatenated: input_ids/position_ids [N], cu_seqlens int32 [S+1].
+        A vision-language model: position_ids may be mRoPE's rows [3, N], and pixel_values /
+        image_grid_thw the images of the stream in order (as forward_hidden).
 
         Returns the final-norm hidden states [N, H] (no lm_head: log-probs are computed from
         them in chunks, see logprobs.py). Attention never crosses a sequence boundary.
@@ -313,8 +378,11 @@ class CausalLM(nn.Module):
         stream of SP × N tokens, cu_seqlens and max_seqlen describe that whole stream, and the
         result is the slice's hidden states [N, H]."""
         self._check_window(int(max_seqlen))
-        hidden = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(self.config, position_ids, hidden.dtype)
+        if sequence_group is not None and pixel_values is not None:
+            raise ValueError("images with actor.sequence_parallel_size > 1 are not supported: "
+                             "set actor.sequence_parallel_size=1")  # fmt: skip
+        hidden = self.embed(input_ids, pixel_values, image_grid_thw)
+        cos, sin = self._cos_sin(position_ids, hidden.dtype, position_ids.dim() == 2)
         backend = resolve_backend(self.attention_backend, hidden.device, hidden.dtype)
         sp_size = 1 if sequence_group is None else dist.get_world_size(sequence_group)
         attend = make_packed_attention(

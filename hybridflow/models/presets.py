@@ -5,6 +5,7 @@ Shapes copied from the public config.json of each model."""
 from __future__ import annotations
 
 from hybridflow.models.architecture import ModelArchitecture
+from hybridflow.models.vision.spec import VisionSpec
 
 # Built-in character tokenizer (tokenizer.py) ids; the tiny presets share its vocabulary.
 _CHAR_PAD, _CHAR_EOS = 0, 4
@@ -217,6 +218,20 @@ PRESETS: dict[str, ModelArchitecture] = {
         router_aux_loss_coef=0.001, tie_word_embeddings=True, eos_token_id=_CHAR_EOS,
         pad_token_id=_CHAR_PAD,
     ),
+    # ~0.2M parameters: Qwen2.5-VL at CPU-test size: a 2-layer language model and a 2-block
+    # encoder of 8-pixel patches (windows of 2x2 tokens, the second block full); the image
+    # token ids past the char tokenizer's.
+    "tiny-vl": ModelArchitecture(
+        model_type="qwen2_5_vl", vocab_size=128, hidden_size=64, intermediate_size=192,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=2048,
+        tie_word_embeddings=True, attention_bias=True, eos_token_id=_CHAR_EOS,
+        pad_token_id=_CHAR_PAD, mrope_section=(2, 3, 3),
+        vision=VisionSpec(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                          patch_size=8, window_size=32, fullatt_block_indexes=(1,),
+                          out_hidden_size=64, image_token_id=124, video_token_id=125,
+                          vision_start_token_id=126, vision_end_token_id=127),
+    ),  # fmt: skip
     "qwen2.5-0.5b": ModelArchitecture(
         model_type="qwen2",
         vocab_size=151936,
@@ -265,6 +280,19 @@ PRESETS: dict[str, ModelArchitecture] = {
         attention_bias=True,
         **_QWEN_TOKEN_IDS,
     ),
+    # Qwen/Qwen2.5-VL-7B-Instruct: Qwen2.5-7B's language model (128,000 positions) and a
+    # 32-block encoder of 1,280 (16 heads, MLP 3,420, 14-pixel patches, 112-pixel windows,
+    # full attention in blocks 7, 15, 23, 31); mRoPE sections 16/24/24. 8.29 B parameters.
+    "qwen2.5-vl-7b": ModelArchitecture(
+        model_type="qwen2_5_vl", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, head_dim=128,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=128000,
+        tie_word_embeddings=False, attention_bias=True, mrope_section=(16, 24, 24),
+        vision=VisionSpec(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                          patch_size=14, window_size=112, fullatt_block_indexes=(7, 15, 23, 31),
+                          out_hidden_size=3584, tokens_per_second=2),
+        **_QWEN_TOKEN_IDS,
+    ),  # fmt: skip
     # Shapes below (and rope_theta, rms_norm_eps, max_position_embeddings, tying) are the
     # published config.json of each base model (huggingface.co/<org>/<model>/blob/main/
     # config.json), as mirrored in github.com/citsjtu2020/LLM-Prof, sglang/Model_Config.md.

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from gloo_ranks import join_group
+from gloo_ranks import join_group, leave_group
 
 pytestmark = pytest.mark.gpu
 
@@ -92,7 +92,7 @@ def _worker(rank: int, world: int, port: int, device_type: str) -> None:
         _split_layers_match(device)
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        leave_group()
 
 
 def run(device_type: str = "cuda", world: int = 2) -> None:

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from gloo_ranks import join_group
+from gloo_ranks import join_group, leave_group
 
 pytestmark = pytest.mark.gpu
 
@@ -114,7 +114,7 @@ def _worker(rank: int, world: int, port: int, device_type: str, preset: str) -> 
             del model, engine_model
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        leave_group()
 
 
 def run(device_type: str = "cuda", preset: str = PRESET, world: int = 2) -> None:

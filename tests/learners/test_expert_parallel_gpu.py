@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from gloo_ranks import join_group
+from gloo_ranks import join_group, leave_group
 
 pytestmark = pytest.mark.gpu
 
@@ -58,7 +58,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, device_type: str) ->
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        leave_group()
 
 
 def run(device_type: str, world: int, out_dir: str) -> None:

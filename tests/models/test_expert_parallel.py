@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_ranks import start_ranks
+from gloo_ranks import leave_group, start_ranks
 
 from hybridflow.learners.router_terms import router_terms
 from hybridflow.models import load_model
@@ -132,7 +132,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             torch.save(results, os.path.join(out_dir, "ep.pt"))
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        leave_group()
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:

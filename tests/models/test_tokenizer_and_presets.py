@@ -81,7 +81,12 @@ def test_preset_shapes_and_hf_round_trip(name):
         assert config.num_parameters(active=True) < 1_000_000
     hf_config = transformers.AutoConfig.for_model(**config.to_hf())
     with torch.device("meta"):
-        hf_model = transformers.AutoModelForCausalLM.from_config(hf_config)
+        auto = (
+            transformers.AutoModelForImageTextToText
+            if config.vision
+            else transformers.AutoModelForCausalLM
+        )
+        hf_model = auto.from_config(hf_config)
     assert sum(p.numel() for p in hf_model.parameters()) == config.num_parameters()
 
 
@@ -110,6 +115,7 @@ PUBLISHED_BILLIONS = {
     "qwen3-14b": 14.8,
     "llama3.1-8b": 8.03,
     "qwen3-30b-a3b": 30.5,
+    "qwen2.5-vl-7b": 8.29,
 }
 
 

@@ -15,6 +15,8 @@ and optionally:
                          hold them (before experts are split per expert)
     not_loaded_note(hf, skipped)  one line naming the tensors a load left out, or None
     checkpoint_problem(hf, config_file)  why the weights cannot be read (a format), or None
+    nest_config(arch, flat)  the config.json to write, from the common entries written flat
+                         (a multimodal family's text_config / vision_config layout)
 
 Nothing outside these files branches on model_type: the decoder, the engine, LoRA and the
 memory plan ask the layer specs (models/layer_spec.py).
@@ -24,9 +26,16 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from hybridflow.models.families import deepseek_v3, gpt_oss, llama, qwen3_5, qwen3_moe
+from hybridflow.models.families import (
+    deepseek_v3,
+    gpt_oss,
+    llama,
+    qwen2_5_vl,
+    qwen3_5,
+    qwen3_moe,
+)
 
-FAMILIES: tuple[ModuleType, ...] = (llama, qwen3_moe, qwen3_5, deepseek_v3, gpt_oss)
+FAMILIES: tuple[ModuleType, ...] = (llama, qwen3_moe, qwen3_5, deepseek_v3, gpt_oss, qwen2_5_vl)
 
 # model_type -> its family module
 FAMILY_OF: dict[str, ModuleType] = {

@@ -30,7 +30,7 @@ def test_verl_example_command_lines_validate(name, capsys):
     "name, feature",
     [
         ("stops_grpo_qwen2_7b_math_megatron", "Megatron-LM"),
-        ("stops_grpo_qwen2_5_vl_7b", "multimodal"),
+        ("stops_grpo_qwen2_5_vl_7b", "the rollout engine's image prefill"),
     ],
 )
 def test_unsupported_feature_exits_2_naming_it(name, feature, capsys):

@@ -151,6 +151,7 @@ MAPPED = [
         "trainer.n_gpus_per_node=2",
         A + "router_replay.mode=R3",
         R + "enable_rollout_routing_replay=True",
+        A + "freeze_vision_tower=True",
     ],
     [
         A + "ulysses_sequence_parallel_size=2",

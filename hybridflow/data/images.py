@@ -1,0 +1,261 @@
+"""Images of prompt rows in verl's schema, read and preprocessed once, in the data path.
+
+A row names its images under ``data.image_key`` (verl's default ``images``): a list (or
+one) of encoded image bytes, a path, or a dict ``{"bytes": ..., "path": ...}`` (how
+Hugging Face datasets store an Image column, e.g. geo3k's parquet). Each ``<image>`` in the
+prompt's messages marks where one image goes, in order.
+
+Each image is decoded with PIL and refused, naming the file, the row and the image, when it
+cannot be decoded, has no pixels, or has more than ``max_pixels`` (checked from its header,
+before its pixels are decoded: PIL's decompression-bomb guard). The model directory's image
+processor (transformers' PIL one: no torchvision needed; torchvision's when it is installed)
+turns the images into ``pixel_values`` and ``image_grid_thw``; the prompt's ids get one
+image-pad token per merged patch, and mRoPE's position rows are computed once from them.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridflow.data.chat import ChatTokenizer, encode_chat_prompt
+from hybridflow.data.schema import DataSchemaError
+from hybridflow.errors import UserError
+
+PLACEHOLDER = "<image>"
+# Qwen2-VL/2.5-VL's chat template writes an image part as these three tokens; the pad is
+# then repeated once per merged patch
+VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+MAX_IMAGE_PIXELS = 89_478_485
+"""PIL's own decompression-bomb threshold (Image.MAX_IMAGE_PIXELS): larger images are
+refused before their pixels are decoded."""
+MAX_ASPECT_RATIO = 200
+"""The Qwen-VL image processors refuse an image whose long side is over 200 times its
+short side (their smart_resize): refused as the row is read, not in the middle of a run."""
+
+
+def _open(value: Any, base_dir: Path) -> tuple[Any, str]:
+    """The image file object of one entry and how to name it (its path, or "bytes")."""
+    if isinstance(value, dict):
+        data = value.get("bytes")
+        value = data if data is not None else value.get("path") or value.get("image")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return io.BytesIO(bytes(value)), "bytes"
+    if isinstance(value, str) and value:
+        path = Path(value.removeprefix("file://"))
+        if not path.is_absolute() and (base_dir / path).exists():
+            path = base_dir / path
+        if not path.is_file():
+            raise FileNotFoundError(f"no image file {path}")
+        return path, str(path)
+    raise TypeError(f"holds a {type(value).__name__}, not image bytes, a path or "
+                    "{'bytes': ..., 'path': ...}")  # fmt: skip
+
+
+def decode_image(value: Any, where: str, key: str, base_dir: Path, max_pixels: int):
+    """One image entry -> an RGB PIL image; DataSchemaError naming ``where`` (file and row),
+    ``key`` and the image file when it cannot be used."""
+    from PIL import Image
+
+    try:
+        source, name = _open(value, base_dir)
+    except (FileNotFoundError, TypeError) as error:
+        raise DataSchemaError(f"{where}: key '{key}' {error}") from None
+    named = "" if name == "bytes" else f" ({name})"
+    try:
+        with warnings.catch_warnings():
+            # the size is checked below, against max_pixels; PIL itself refuses twice its own
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(source)
+            width, height = image.size
+            if width < 1 or height < 1:
+                raise DataSchemaError(f"{where}: key '{key}'{named} is a {width}x{height} "
+                                      "image, which has no pixels")  # fmt: skip
+            if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+                raise DataSchemaError(
+                    f"{where}: key '{key}'{named} is a {width}x{height} image: its long side "
+                    f"is over {MAX_ASPECT_RATIO} times its short side, which the image "
+                    "processor refuses",
+                    "crop or pad the image",
+                )
+            if width * height > max_pixels:
+                raise DataSchemaError(
+                    f"{where}: key '{key}'{named} is a {width}x{height} image, more than "
+                    f"{max_pixels} pixels",
+                    "shrink the image (the model sees at most its processor's max_pixels)",
+                )
+            image.load()
+            return image.convert("RGB")
+    except DataSchemaError:
+        raise
+    except Image.DecompressionBombError as error:
+        raise DataSchemaError(f"{where}: key '{key}'{named} has more than {max_pixels} pixels "
+                              f"({error})") from None  # fmt: skip
+    except (OSError, ValueError, SyntaxError) as error:
+        raise DataSchemaError(f"{where}: key '{key}'{named} cannot be decoded as an image "
+                              f"({error})") from None  # fmt: skip
+
+
+def row_images(
+    row: dict[str, Any],
+    image_key: str,
+    where: str,
+    base_dir: str | Path = ".",
+    max_pixels: int = MAX_IMAGE_PIXELS,
+) -> list:
+    """The decoded images of one row ([] when it has none under ``image_key``)."""
+    entries = row.get(image_key)
+    if entries is None:
+        return []
+    if not isinstance(entries, (list, tuple)):
+        entries = [entries]
+    return [decode_image(entry, where, f"{image_key}[{i}]", Path(base_dir), max_pixels)
+            for i, entry in enumerate(entries)]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ImageEntry:
+    """One checked image of a row, kept encoded (its bytes, or the path of its file) with
+    its size: a dataset holds no decoded pixels; :meth:`open` decodes it again."""
+
+    source: bytes | str
+    width: int
+    height: int
+
+    def open(self):
+        from PIL import Image
+
+        data = io.BytesIO(self.source) if isinstance(self.source, bytes) else self.source
+        with Image.open(data) as image:
+            return image.convert("RGB")
+
+
+def row_image_entries(
+    row: dict[str, Any],
+    image_key: str,
+    where: str,
+    base_dir: str | Path = ".",
+    max_pixels: int = MAX_IMAGE_PIXELS,
+) -> tuple[ImageEntry, ...]:
+    """Each image of the row decoded once to check it (row_images), then kept encoded."""
+    entries = row.get(image_key)
+    if entries is None:
+        return ()
+    if not isinstance(entries, (list, tuple)):
+        entries = [entries]
+    kept = []
+    for i, entry in enumerate(entries):
+        image = decode_image(entry, where, f"{image_key}[{i}]", Path(base_dir), max_pixels)
+        source, name = _open(entry, Path(base_dir))
+        kept.append(ImageEntry(source.getvalue() if name == "bytes" else name, *image.size))
+    return tuple(kept)
+
+
+def check_placeholders(messages: list[dict[str, str]], images: int, where: str, key: str) -> None:
+    """One ``<image>`` in the messages for each image of the row."""
+    marks = sum(message["content"].count(PLACEHOLDER) for message in messages)
+    if marks != images:
+        raise DataSchemaError(
+            f"{where}: the prompt has {marks} {PLACEHOLDER} placeholders, key '{key}' holds "
+            f"{images} images",
+            f"put one {PLACEHOLDER} in the prompt where each image goes",
+        )
+
+
+class ImageProcessor:
+    """The image processor of a model directory (its preprocessor_config.json)."""
+
+    def __init__(self, processor: Any):
+        self.processor = processor
+        self.merge_size = int(processor.merge_size)
+
+    @classmethod
+    def from_model_dir(cls, path: str | os.PathLike) -> ImageProcessor:
+        """transformers' PIL image processor (torchvision's where it is installed, faster);
+        UserError naming the directory when it holds none."""
+        from transformers import AutoImageProcessor
+
+        config = Path(path) / "preprocessor_config.json"
+        if not config.is_file():
+            raise UserError(f"{path} has no preprocessor_config.json (the image processor of "
+                            "a vision-language model)", "copy the model directory again")  # fmt: skip
+        try:
+            import torchvision  # noqa: F401
+
+            backend = "torchvision"
+        except ImportError:  # CPU torch builds from local disk: the PIL one is as exact
+            backend = "pil"
+        return cls(AutoImageProcessor.from_pretrained(str(path), backend=backend))
+
+    def __call__(self, images: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (pixel_values [patches, C*T*P*P] fp32, image_grid_thw [images, 3] long)."""
+        out = self.processor(images=images, return_tensors="pt")
+        return out["pixel_values"].float(), out["image_grid_thw"].long()
+
+    def grid_of(self, width: int, height: int) -> tuple[int, int, int]:
+        """The patch grid (1, rows, columns) an image of that size gets, without resizing
+        it: the processor's own rule (smart_resize: each side a multiple of patch_size *
+        merge_size, the area within its min and max pixels)."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        processor = self.processor
+        patch = int(processor.patch_size)
+        rows, cols = smart_resize(height, width, patch * self.merge_size,
+                                  processor.size.shortest_edge, processor.size.longest_edge)  # fmt: skip
+        return 1, rows // patch, cols // patch
+
+
+@dataclass(frozen=True)
+class ImagePrompt:
+    """A prompt with its images, ready for the model: ids with an image-pad token per
+    merged patch, the images' pixel_values and grids, mRoPE's rows [3, len(ids)]."""
+
+    prompt_ids: list[int]
+    pixel_values: torch.Tensor
+    image_grid_thw: torch.Tensor
+    position_ids: torch.Tensor
+
+
+def image_prompt_ids(
+    messages: list[dict[str, str]],
+    image_grid_thw: torch.Tensor,
+    tokenizer: ChatTokenizer,
+    merge_size: int,
+) -> tuple[list[int], torch.Tensor]:
+    """A prompt's ids, each ``<image>`` become the model's vision tokens with one image-pad
+    token per merged patch of its grid, and mRoPE's position rows [3, len(ids)] for them."""
+    from hybridflow.models.mrope import mrope_positions
+
+    counts = iter((image_grid_thw.prod(-1) // merge_size**2).tolist())
+    part = VISION_START + IMAGE_PAD + VISION_END
+    marked = [{**m, "content": m["content"].replace(PLACEHOLDER, part)} for m in messages]
+    ids = encode_chat_prompt(tokenizer, marked)
+    pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    if pad_id is None or pad_id == getattr(tokenizer, "unk_token_id", None):
+        raise ValueError(f"the tokenizer has no {IMAGE_PAD} token (a vision-language model's "
+                         "tokenizer has): set model.tokenizer_path to the model's own")  # fmt: skip
+    if ids.count(pad_id) != len(image_grid_thw):
+        raise ValueError(f"the chat template made {ids.count(pad_id)} {IMAGE_PAD} tokens of "
+                         f"{len(image_grid_thw)} images")  # fmt: skip
+    expanded: list[int] = []
+    for token in ids:
+        expanded += [token] * next(counts) if token == pad_id else [token]
+    return expanded, mrope_positions(torch.tensor(expanded), image_grid_thw, pad_id, merge_size)
+
+
+def image_prompt(
+    messages: list[dict[str, str]],
+    images: list,
+    tokenizer: ChatTokenizer,
+    processor: ImageProcessor,
+) -> ImagePrompt:
+    """Preprocess one prompt's images and tokenize its messages around them."""
+    pixel_values, grids = processor(images)
+    ids, positions = image_prompt_ids(messages, grids, tokenizer, processor.merge_size)
+    return ImagePrompt(ids, pixel_values, grids, positions)

@@ -1,0 +1,190 @@
+"""Qwen2.5-VL's vision encoder: patches -> one feature row per language-model image token.
+
+patch embedding (a linear map of each flattened C x T x P x P patch: the stride-equals-kernel
+Conv3d of transformers' file, as one matmul), blocks of RMSNorm + attention + SwiGLU MLP with
+biases, attention within windows except on fullatt_block_indexes (there within each frame),
+2-D RoPE (each head's first half turned by the patch's row, its second by its column), then
+the merger: RMSNorm, spatial_merge_size² neighbouring patches concatenated, an MLP to the
+language model's width. Parameter names are transformers' (``visual.*`` of a checkpoint).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridflow.models.attention import flash_varlen_attention
+from hybridflow.models.norm import RMSNorm
+from hybridflow.models.rope import rotate_half
+from hybridflow.models.vision.grid import frame_cu_seqlens, patch_positions, window_order
+from hybridflow.models.vision.spec import VisionSpec
+
+NORM_EPS = 1e-6
+
+
+def activation(name: str):
+    """HF's activation of that name (vision_config.hidden_act)."""
+    return {"silu": F.silu, "gelu": F.gelu, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+            "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}[name]  # fmt: skip
+
+
+def vision_rope_cos_sin(
+    spec: VisionSpec, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [N, 2] (row, column) -> cos, sin [N, head_dim] in fp32: a quarter of the
+    head's frequencies for the row, a quarter for the column, the pair repeated (rotate_half
+    layout)."""
+    quarter = spec.head_dim // 2
+    exponents = torch.arange(0, quarter, 2, dtype=torch.float32, device=positions.device) / quarter
+    inv_freq = 1.0 / spec.rope_theta**exponents  # [head_dim // 4]
+    freqs = (positions.float().unsqueeze(-1) * inv_freq).flatten(1)  # [N, head_dim // 2]
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+class PatchEmbed(nn.Module):
+    """``proj.weight`` [E, C, T, P, P] as transformers stores its Conv3d (no bias); applied
+    to pixel_values rows [N, C*T*P*P] as the one matmul that convolution amounts to."""
+
+    def __init__(self, spec: VisionSpec):
+        super().__init__()
+        self.proj = nn.Module()
+        shape = (spec.hidden_size, spec.in_channels, spec.temporal_patch_size,
+                 spec.patch_size, spec.patch_size)  # fmt: skip
+        self.proj.weight = nn.Parameter(torch.empty(shape))
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        weight = self.proj.weight
+        return F.linear(pixels.to(weight.dtype), weight.flatten(1))
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Where attention's segments (windows or frames) are: their lengths, and on CUDA the
+    same as cu_seqlens for the flash kernel (one launch for all of them)."""
+
+    lengths: list[int]
+    cu_seqlens: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, lengths: list[int], device: torch.device) -> Segments:
+        if device.type != "cuda":
+            return cls(lengths)
+        cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return cls(lengths, cu.to(device))
+
+
+def segment_attention(q, k, v, segments: Segments) -> torch.Tensor:
+    """Bidirectional attention within each segment: q, k, v [N, heads, d] -> [N, heads, d].
+    FlashAttention's varlen kernel (bf16/fp16 on CUDA), else SDPA segment by segment."""
+    if segments.cu_seqlens is not None and q.dtype in (torch.bfloat16, torch.float16):
+        return flash_varlen_attention(q, k, v, segments.cu_seqlens, max(segments.lengths),
+                                      deterministic=True, causal=False)  # fmt: skip
+    lengths = segments.lengths
+    out = [
+        F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in segment)).transpose(0, 1)
+        for segment in zip(q.split(lengths), k.split(lengths), v.split(lengths))
+    ]
+    return torch.cat(out)
+
+
+class VisionAttention(nn.Module):
+    """Bidirectional attention within segments (windows or frames), 2-D RoPE in fp32."""
+
+    def __init__(self, spec: VisionSpec):
+        super().__init__()
+        self.num_heads = spec.num_heads
+        self.qkv = nn.Linear(spec.hidden_size, 3 * spec.hidden_size, bias=True)
+        self.proj = nn.Linear(spec.hidden_size, spec.hidden_size, bias=True)
+
+    def forward(self, x, cos, sin, segments: Segments) -> torch.Tensor:
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).unbind(1)  # [N, h, d]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = (q.float() * cos + rotate_half(q.float()) * sin).to(v.dtype)
+        k = (k.float() * cos + rotate_half(k.float()) * sin).to(v.dtype)
+        return self.proj(segment_attention(q, k, v, segments).flatten(1))
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, spec: VisionSpec):
+        super().__init__()
+        e, i = spec.hidden_size, spec.intermediate_size
+        self.gate_proj = nn.Linear(e, i, bias=True)
+        self.up_proj = nn.Linear(e, i, bias=True)
+        self.down_proj = nn.Linear(i, e, bias=True)
+        self.act = activation(spec.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, spec: VisionSpec):
+        super().__init__()
+        self.norm1 = RMSNorm(spec.hidden_size, NORM_EPS)
+        self.norm2 = RMSNorm(spec.hidden_size, NORM_EPS)
+        self.attn = VisionAttention(spec)
+        self.mlp = VisionMLP(spec)
+
+    def forward(self, x, cos, sin, segments: Segments) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """RMSNorm each patch, concatenate each merge block's patches, MLP (GELU) to the
+    language model's width: one row per language-model token."""
+
+    def __init__(self, spec: VisionSpec):
+        super().__init__()
+        self.merged = spec.hidden_size * spec.merge_unit
+        self.ln_q = RMSNorm(spec.hidden_size, NORM_EPS)
+        self.mlp = nn.Sequential(nn.Linear(self.merged, self.merged), nn.GELU(),
+                                 nn.Linear(self.merged, spec.out_hidden_size))  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).reshape(-1, self.merged))
+
+
+class VisionEncoder(nn.Module):
+    """pixel_values [patches, C*T*P*P], image_grid_thw [images, 3] -> image features
+    [tokens, out_hidden_size], the images' tokens in order (sum of t*h*w / merge² rows)."""
+
+    def __init__(self, spec: VisionSpec):
+        super().__init__()
+        self.spec = spec
+        self.patch_embed = PatchEmbed(spec)
+        self.blocks = nn.ModuleList(VisionBlock(spec) for _ in range(spec.depth))
+        self.merger = PatchMerger(spec)
+        self.gradient_checkpointing = False
+
+    def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        spec = self.spec
+        grid = image_grid_thw.cpu()
+        order, window_cu = window_order(grid, spec.spatial_merge_size, spec.window_size,
+                                        spec.patch_size)  # fmt: skip
+        unit = spec.merge_unit
+
+        def windowed(t: torch.Tensor) -> torch.Tensor:  # group each window's patches
+            return t.unflatten(0, (-1, unit))[order.to(t.device)].flatten(0, 1)
+
+        hidden = windowed(self.patch_embed(pixel_values))
+        positions = windowed(patch_positions(grid, spec.spatial_merge_size))
+        cos, sin = vision_rope_cos_sin(spec, positions.to(hidden.device))
+        # the full blocks attend within each frame, the others within each window (the
+        # windows nest in the frames, so one permutation serves both)
+        frames = Segments.of(frame_cu_seqlens(grid).diff().tolist(), hidden.device)
+        windows = Segments.of(window_cu.diff().tolist(), hidden.device)
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        for index, block in enumerate(self.blocks):
+            segments = frames if index in spec.fullatt_block_indexes else windows
+            if recompute:
+                hidden = torch.utils.checkpoint.checkpoint(
+                    block, hidden, cos, sin, segments, use_reentrant=False
+                )
+            else:
+                hidden = block(hidden, cos, sin, segments)
+        return self.merger(hidden)[torch.argsort(order).to(hidden.device)]
