@@ -21,6 +21,7 @@ from contextlib import nullcontext
 import torch
 
 from hybridflow.engine.cache import kv_cache
+from hybridflow.engine.cache.workspace import engine_workspace_bytes
 from hybridflow.engine.choices import (
     PinnedChoices,
     load_engine_choices,
@@ -219,17 +220,13 @@ class Engine:
             from hybridflow.engine.fp8 import Fp8Matmul
 
             self.fp8 = Fp8Matmul(self.model, self.fused)  # before the cache, like the fused
-        # Reserve for decode logits and prefill activations, which live outside the cache.
+        # Reserve for decode sampling and prefill activations, which live outside the cache
+        # (cache/workspace.py; the memory plan reserves the same).
         element = torch.empty((), dtype=self.dtype).element_size()
-        reserve = (self.max_batch_size * cfg.vocab_size * 6) + self.max_prefill_tokens * (
-            4 * cfg.intermediate_size + 8 * cfg.hidden_size
-        ) * element
+        reserve = engine_workspace_bytes(cfg, self.max_batch_size, self.max_prefill_tokens,
+                                         element, self.tensor_parallel)  # fmt: skip
         routes = None
         if self.moe:
-            # each token's k pairs: gathered rows, gate/up, SiLU*up, expert outputs; router
-            pairs = self.max_prefill_tokens * cfg.num_experts_per_tok
-            reserve += pairs * (3 * cfg.moe_intermediate_size + 2 * cfg.hidden_size) * element
-            reserve += self.max_prefill_tokens * cfg.num_experts * 4
             routes = kv_cache.route_spec(cfg) if self.options.record_routes else None
         self.cache, self.blocks = kv_cache.make_cache(
             cfg, self.max_batch_size, self.max_seq_len, self.options.kv_block_size,

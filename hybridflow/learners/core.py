@@ -138,8 +138,10 @@ class TrainCore:
         # the last micro-batch: one all-gather and one reduce-scatter per optimizer step instead
         # of two all-gathers and a reduce-scatter per micro-batch. Costs one unsharded copy
         # of the bf16 weights and fp32 gradients during the update (and of the weights during
-        # later log-prob passes, released at their end); False: pure ZeRO-3.
-        self.accumulate_unsharded = True
+        # later log-prob passes, released at their end); False: pure ZeRO-3, one layer
+        # gathered at a time, which param_offload asks for: it trades speed for memory, and
+        # the memory plan (trainer/plan/memory_plan.py) prices it so.
+        self.accumulate_unsharded = not self.param_offload
         self.state_writer = StateWriter(checkpoint_group(self.groups), distributed=_dist_on())
 
     # ------------------------------------------------------------------ setup

@@ -16,6 +16,7 @@ import math
 from hybridflow.config import Config, ConfigError, Derived, apply_mapping, validate
 from hybridflow.config.rollout_section import kv_memory_share
 from hybridflow.config.sections import UNPLANNED_UPDATE_BUDGET
+from hybridflow.parallel.roles import sizes_of
 from hybridflow.trainer.plan import memory_choices as choices
 from hybridflow.trainer.plan import memory_plan as mp
 from hybridflow.trainer.plan.memory_choices import (
@@ -68,7 +69,10 @@ def plan_options(cfg: Config, derived: Derived, gpu_bytes: int | None) -> PlanOp
         reference = "actor" if m.lora_rank > 0 and cfg.ref.path is None else "own"
     critic_tokens = (cfg.critic.max_tokens_per_gpu
                      or cfg.critic.micro_batch_size_per_gpu * max_len)  # fmt: skip
-    unfused = r.engine.decode_backend == "torch" or r.lora_in_place and m.lora_rank > 0
+    actor, rollout = sizes_of(cfg, "actor"), sizes_of(cfg, "rollout")
+    # a tensor-parallel rollout runs the eager path (engine/engine._resolve_backend)
+    unfused = (r.engine.decode_backend == "torch" or r.lora_in_place and m.lora_rank > 0
+               or rollout["tp"] > 1)  # fmt: skip
     fuse = "none" if unfused else r.engine.fuse_projections
     return PlanOptions(
         master_bytes=master_bytes,
@@ -77,7 +81,12 @@ def plan_options(cfg: Config, derived: Derived, gpu_bytes: int | None) -> PlanOp
         reference_bytes=rollout_bytes,
         lora_rank=m.lora_rank,
         lora_targets=tuple(m.lora_target_modules),
-        train_gpus=derived.train_dp_size,
+        train_gpus=training_gpus(cfg, derived),
+        tp=actor["tp"],
+        sp=actor["sp"],
+        ep=actor["ep"],
+        rollout_tp=rollout["tp"],
+        rollout_experts_whole=r.expert_parallel_size == 1 and rollout["tp"] > 1,
         param_offload=a.param_offload,
         optimizer_offload=a.optimizer_offload,
         gradient_checkpointing=m.gradient_checkpointing is True,  # auto: plan_for_config
@@ -102,6 +111,12 @@ def plan_options(cfg: Config, derived: Derived, gpu_bytes: int | None) -> PlanOp
         **reward_model_options(cfg),
         gpu_bytes=gpu_bytes,
     )
+
+
+def training_gpus(cfg: Config, derived: Derived) -> int:
+    """The actor's GPUs: all of them, less the rollout's own with split placement."""
+    split = cfg.trainer.placement == "split"
+    return derived.world_size - (cfg.trainer.rollout_gpus if split else 0)
 
 
 def plan_for_config(

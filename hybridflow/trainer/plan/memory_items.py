@@ -43,7 +43,18 @@ class PlanOptions:
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = LORA_TARGET_SHAPES
     train_gpus: int = 1
-    """Data-parallel ranks of the actor (FSDP2 shards over them when > 1)."""
+    """Training GPUs of the actor: tensor parallelism splits each layer over ``tp`` of them,
+    FSDP2 shards the rest over the others (``train_gpus // tp`` ranks; sharded when > 1)."""
+    tp: int = 1
+    """actor.tensor_parallel_size: each layer's heads, MLP columns and vocabulary split."""
+    sp: int = 1
+    """actor.sequence_parallel_size (Ulysses): each rank keeps its micro-batch budget."""
+    ep: int = 1
+    """actor.expert_parallel_size: each rank holds 1/ep of the experts (FSDP2 shards them)."""
+    rollout_tp: int = 1
+    """rollout.tensor_parallel_size: the engine's weights and KV heads split over tp ranks."""
+    rollout_experts_whole: bool = False
+    """rollout.expert_parallel_size=1 with rollout tp > 1: every rank holds every expert."""
     param_offload: bool = False
     optimizer_offload: bool = False
     gradient_checkpointing: bool = False
@@ -79,8 +90,19 @@ class PlanOptions:
     """Memory of one GPU; None: unknown (the KV cache is then planned at max_num_seqs)."""
 
     @property
+    def shard_ranks(self) -> int:
+        """Ranks FSDP2 shards each tensor-parallel piece over."""
+        return max(self.train_gpus // self.tp, 1)
+
+    @property
     def sharded(self) -> bool:
-        return self.train_gpus > 1
+        return self.shard_ranks > 1
+
+    @property
+    def layer_by_layer(self) -> bool:
+        """FSDP2 gathers one layer at a time (ZeRO-3) instead of keeping the whole model
+        gathered over a mini-batch: with ``param_offload`` (learners/core.TrainCore)."""
+        return self.sharded and self.param_offload
 
     @property
     def mixed_precision(self) -> bool:

@@ -131,6 +131,27 @@ def trainable_parameters(a: ModelArchitecture, options: PlanOptions) -> int:
     return a.num_parameters()
 
 
+def rank_parameters(a: ModelArchitecture, tp: int = 1, ep: int = 1) -> int:
+    """Parameters one training rank computes with once FSDP2 gathers them: 1/tp of every
+    layer and of the vocabulary, 1/(tp × ep) of the routed experts."""
+    from hybridflow.models.plan_shapes import shape_of
+
+    total, routed = a.num_parameters(), shape_of(a).routed_params if a.is_moe else 0
+    return (total - routed) // tp + routed // (tp * ep)
+
+
+def gathered_unit_parameters(a: ModelArchitecture, tp: int = 1, ep: int = 1) -> int:
+    """The largest unit FSDP2 gathers at once on a rank: a decoder layer's share, or the
+    vocabulary's (embedding, lm_head)."""
+    from hybridflow.models.plan_shapes import shape_of
+    from hybridflow.trainer.plan.parallel_plan import layer_share
+
+    s = shape_of(a)
+    kinds = [sparse for sparse in (False, True) if (s.sparse_layers if sparse else s.dense_layers)]
+    unit = max(layer_share(s, tp, ep, sparse) for sparse in kinds)
+    return max(unit, s.embedding_params // tp)
+
+
 def host_step_bucket(a: ModelArchitecture, options: PlanOptions) -> int:
     """Parameters in the largest bucket of the host step: the bucket size, or the largest
     trained tensor when it is larger (the [V, H] embedding, an MLP matrix), at most all."""
@@ -151,19 +172,20 @@ def actor_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
     tokens = o.micro_batch_tokens
     checkpointed = ", checkpointed" if o.gradient_checkpointing else ""
     activations = tokens * activation_bytes_per_token(a, o.gradient_checkpointing,
-                                                      o.compute_bytes)  # fmt: skip
+                                                      o.compute_bytes, o.tp)  # fmt: skip
     items.append(MemoryItem(f"activations ({tokens:,} tokens{checkpointed})", activations,
                             (UPDATE,)))  # fmt: skip
-    head = logprob_head_bytes(a, tokens, o.compute_bytes)
+    head = logprob_head_bytes(a, tokens, o.compute_bytes, o.tp)
     if o.lora_rank > 0:  # a frozen lm_head: no [V, H] gradient
-        head = min(tokens, LOGPROB_CHUNK_TOKENS) * a.vocab_size * o.compute_bytes
+        head = min(tokens, LOGPROB_CHUNK_TOKENS) * (a.vocab_size // o.tp) * o.compute_bytes
     items.append(MemoryItem("log-prob head (logits chunk, lm_head gradient)", head, (UPDATE,)))
     return items
 
 
 def compute_copy_item(a: ModelArchitecture, o: PlanOptions) -> MemoryItem:
-    """Autocast's bf16 casts of the fp32 layer weights and the lm_head, kept for the backward."""
-    copy = (linear_parameters(a) + a.vocab_size * a.hidden_size) * o.compute_bytes
+    """Autocast's bf16 casts of the fp32 layer weights and the lm_head, kept for the backward
+    (1/tp of them on a tensor-parallel rank)."""
+    copy = (linear_parameters(a) + a.vocab_size * a.hidden_size) // o.tp * o.compute_bytes
     return MemoryItem(f"actor compute copy ({dtype_name(o.compute_bytes)})", copy, (UPDATE,))
 
 
@@ -217,22 +239,32 @@ def device_step_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
         items.append(MemoryItem(f"actor LoRA adapters ({dtype_name(state_bytes)})",
                                 lora * state_bytes // ranks, ALWAYS,
                                 note=f"sharded over {ranks} GPUs" if o.sharded else ""))  # fmt: skip
-    if o.sharded:  # FSDP2 keeps every unit gathered for the mini-batch
-        gathered_bytes = o.compute_bytes if o.mixed_precision else o.master_bytes
+    gathered_bytes = o.compute_bytes if o.mixed_precision else o.master_bytes
+    on_rank = rank_parameters(a, o.tp, o.ep) + lora // o.tp  # a rank's share, gathered
+    if o.layer_by_layer:  # ZeRO-3: a layer computing, the next prefetched
+        unit = gathered_unit_parameters(a, o.tp, o.ep)
+        items += [
+            MemoryItem(f"actor gathered layers (2 in flight, {dtype_name(gathered_bytes)})",
+                       2 * unit * gathered_bytes, (UPDATE,), note="FSDP2, layer by layer"),
+            MemoryItem("actor one layer's gradients before reduce-scatter",
+                       unit * state_bytes, (UPDATE,)),
+        ]  # fmt: skip
+    elif o.sharded:  # FSDP2 keeps every unit gathered for the mini-batch
         items.append(MemoryItem(f"actor gathered weights ({dtype_name(gathered_bytes)})",
-                                (total + lora) * gathered_bytes, (UPDATE,)))  # fmt: skip
+                                on_rank * gathered_bytes, (UPDATE,)))  # fmt: skip
     elif o.mixed_precision:  # autocast's casts, kept for the backward; the lm_head cast
         items.append(compute_copy_item(a, o))
     gradients, state_dtype = trainable * state_bytes // ranks, dtype_name(state_bytes)
-    accumulating = o.sharded and o.micro_batches > 1
+    accumulating = o.sharded and o.micro_batches > 1 and not o.layer_by_layer
     # Accumulating FSDP2 gradients stay unsharded (fp32) until the last micro-batch's
     # backward reduce-scatters them, layer by layer: the sharded ones replace them.
     items.append(MemoryItem(f"actor gradients ({state_dtype})",
                             0 if on_host else gradients, (STEP,) if accumulating else (UPDATE, STEP),
                             host_bytes=gradients * ranks if on_host else 0))  # fmt: skip
     if accumulating:
+        unsharded = on_rank if o.lora_rank == 0 else trainable // o.tp
         items.append(MemoryItem("actor unsharded gradients (accumulating)",
-                                trainable * state_bytes, (UPDATE,),
+                                unsharded * state_bytes, (UPDATE,),
                                 note="until the last micro-batch"))  # fmt: skip
     state = trainable * 2 * state_bytes // ranks
     name = f"optimizer state (AdamW, {state_dtype})"

@@ -4,6 +4,7 @@ items leave (engine/cache/kv_cache.py, engine/engine.py)."""
 
 from __future__ import annotations
 
+from hybridflow.engine.cache.workspace import engine_workspace_bytes
 from hybridflow.models.architecture import ModelArchitecture
 from hybridflow.trainer.plan.memory_items import (
     ALWAYS,
@@ -22,10 +23,28 @@ def kv_slot_bytes(a: ModelArchitecture, max_seq_len: int, element_bytes: int = 2
 
 
 def rollout_reserve_bytes(a: ModelArchitecture, options: PlanOptions) -> int:
-    """What the engine keeps out of the KV budget for decode logits and prefill activations
-    (engine/engine._allocate's reserve)."""
-    prefill = options.max_prefill_tokens * (4 * a.intermediate_size + 8 * a.hidden_size)
-    return options.rollout_max_seqs * a.vocab_size * 6 + prefill * options.rollout_bytes
+    """What the engine keeps out of the KV budget for decode sampling, prefill activations
+    and the experts' workspace (engine/engine._allocate's reserve: the same function)."""
+    return engine_workspace_bytes(a, options.rollout_max_seqs, options.max_prefill_tokens,
+                                  options.rollout_bytes, options.rollout_tp)  # fmt: skip
+
+
+def kv_split(a: ModelArchitecture, tp: int) -> int:
+    """Ranks of a tensor-parallel rollout that split a sequence's KV cache: its KV heads
+    (replicated where tp exceeds them); MLA's latent is whole on every rank."""
+    return 1 if a.kv_lora_rank else max(min(tp, a.num_key_value_heads), 1)
+
+
+def rollout_weight_parameters(a: ModelArchitecture, o: PlanOptions) -> int:
+    """Parameters of the engine's copy on one rollout GPU: all of them, or 1/tp of every
+    layer and of the vocabulary with the experts split over the tp ranks (or whole on every
+    rank: rollout.expert_parallel_size=1)."""
+    if o.rollout_tp == 1:
+        return a.num_parameters()
+    from hybridflow.models.plan_shapes import shape_of
+    from hybridflow.trainer.plan.parallel_plan import rollout_share
+
+    return rollout_share(shape_of(a), o.rollout_tp, 1, o.rollout_experts_whole)
 
 
 def fused_copy_bytes(a: ModelArchitecture, fuse_projections: str, element_bytes: int = 2) -> int:
@@ -66,7 +85,9 @@ def rollout_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
         weights = MemoryItem("rollout weights", 0, ALWAYS, note="reads the actor's in place")
     else:
         weights = MemoryItem(f"rollout weights ({dtype_name(o.rollout_bytes)} copy)",
-                             a.num_parameters() * o.rollout_bytes, ALWAYS, rollout_gpu=split)  # fmt: skip
+                             rollout_weight_parameters(a, o) * o.rollout_bytes, ALWAYS,
+                             rollout_gpu=split,
+                             note=f"1/{o.rollout_tp}, tensor parallel" if o.rollout_tp > 1 else "")  # fmt: skip
     fused = fused_copy_bytes(a, o.fuse_projections, o.rollout_bytes)
     held = (GENERATE,) if o.release_cache else ALWAYS  # Engine.release() frees them
     fp8 = a.num_parameters(include_embeddings=False)  # 1 byte each (engine/fp8.py)
@@ -88,6 +109,7 @@ def kv_cache_item(a: ModelArchitecture, o: PlanOptions, items: list[MemoryItem])
                and "workspace" not in i.name)  # fmt: skip
     per_sequence = 1 if block is None else -(-length // block)  # slots or blocks a sequence
     entry = kv_slot_bytes(a, length if block is None else block, o.rollout_bytes)
+    entry //= kv_split(a, o.rollout_tp)
     # a recurrent layer's state (conv + fp32 SSM) is one per sequence: spread over its entries
     entry += -(-a.recurrent_state_bytes(o.rollout_bytes) // per_sequence)
     entries = kv_cache_entries(entry, o.rollout_max_seqs * per_sequence, reserve, used, o)

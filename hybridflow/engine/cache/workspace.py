@@ -1,0 +1,51 @@
+"""The engine's working memory outside its KV cache: what the automatic cache size
+(engine/engine._allocate, and the memory plan's rollout items, trainer/plan/memory_rollout.py)
+keeps free for a decode step's sampling and a prefill chunk's activations. One function, so
+the engine and the plan size the cache alike. Pure arithmetic on the model's config."""
+
+from __future__ import annotations
+
+SAMPLING_BYTES_PER_LOGIT = 22
+"""Per row and vocabulary entry of a decode step (engine/row_sampling.py): the logits in the
+model's dtype (2), their fp32 copy z (4), the sorted values (4) and the sort's int64 indices
+(8) when a row filters by top-k or top-p, the softmax over them (4)."""
+
+ROUTER_BYTES_PER_EXPERT = 8
+"""Per prefill token and expert: the router's logits and their fp32 softmax."""
+
+MOE_BLOCK_ROWS = 128
+"""The most rows a grouped-expert block pads an expert's pairs to (kernels/moe.block_rows)."""
+
+
+def engine_workspace_bytes(config, max_batch_size: int, max_prefill_tokens: int,
+                           element_bytes: int = 2, tp: int = 1) -> int:  # fmt: skip
+    """Bytes a decode step of ``max_batch_size`` rows or a prefill chunk of
+    ``max_prefill_tokens`` tokens allocates beyond the weights and the KV cache, whichever
+    is larger, plus the decode rows' sampling (it runs after every step).
+
+    ``config`` has the model's widths (a ModelArchitecture or the model's config): hidden
+    ``h``, dense MLP ``I``, q/k/v widths, and for a mixture of experts ``E`` experts, ``k`` a
+    token, ``I_e`` wide. A prefill chunk of ``T`` tokens holds the residual stream and its
+    normed copies (8h), attention's q, k, v and output (2q + 2kv) and the larger MLP: a
+    dense one's gate/up, SiLU and product (4I), or a sparse one's k pairs a token, each with
+    its gathered row, gate/up, SiLU·up and output (3I_e + 2h), the pairs padded to blocks
+    of :data:`MOE_BLOCK_ROWS` per expert, and the router's fp32 logits and softmax (8E).
+    ``tp``: the rollout's tensor-parallel ranks split the head-, MLP- and vocabulary-wide
+    tensors."""
+    h = config.hidden_size
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    vocab = config.vocab_size // tp
+    sampling = max_batch_size * vocab * SAMPLING_BYTES_PER_LOGIT
+    tokens = max_prefill_tokens
+    attention = (2 * heads + 2 * kv_heads) * head_dim // tp
+    per_token = 8 * h + attention + 4 * config.intermediate_size // tp
+    prefill = tokens * per_token * element_bytes
+    experts = getattr(config, "num_experts", 0) or 0
+    if experts:
+        k, inner = config.num_experts_per_tok, config.moe_intermediate_size
+        pairs = tokens * k + experts * MOE_BLOCK_ROWS
+        sparse = (tokens * (8 * h + attention) + pairs * (3 * inner + 2 * h)) * element_bytes
+        sparse += tokens * experts * ROUTER_BYTES_PER_EXPERT
+        prefill = max(prefill, sparse)
+    return sampling + prefill
