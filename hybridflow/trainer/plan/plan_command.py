@@ -22,7 +22,7 @@ from hybridflow.trainer.plan.memory_check import (
 from hybridflow.trainer.plan.memory_plan import GIB
 from hybridflow.trainer.plan.memory_render import gib, render
 from hybridflow.trainer.plan.memory_reward_model import reward_model_gpu, reward_model_gpu_problems
-from hybridflow.trainer.plan.parallel_section import parallel_section, uses_parallel_layouts
+from hybridflow.trainer.plan.parallel_section import parallel_lines
 
 SIZE_UNITS = {"gib": GIB, "g": GIB, "": GIB, "gb": 10**9, "mib": 2**20, "mb": 10**6, "tib": 2**40}
 
@@ -45,14 +45,13 @@ def parse_size(text: str) -> int:
 def plan_command(cfg: Config, gpu_memory: str | None = None, out=print) -> int:
     """Print the plan; exit status 2 (a ConfigError) when it cannot fit the GPU, which is
     ``--gpu-memory``, else trainer.gpu_memory_gib, else the first visible GPU; with none of
-    them the plan is printed and not checked."""
+    them the plan is printed and not checked. One plan (memory_check.plan_for_config, which
+    ``validate`` and ``train`` check too), then the layout the plan recommends."""
     derived = validate(cfg, planning=True)
     if gpu_memory is not None:
         gpu_bytes, source = parse_size(gpu_memory), "--gpu-memory"
     else:
         gpu_bytes, source = gpu_memory_or_none(cfg)
-    if uses_parallel_layouts(cfg):  # tensor, sequence or expert parallel: their own plan
-        return parallel_plan_command(cfg, derived, gpu_bytes, out)
     plan = plan_for_config(cfg, derived, gpu_bytes)
     need = host_need_for(cfg, derived, plan if gpu_bytes is not None else None)
     available, host_source = host_memory.available_host_bytes()
@@ -75,36 +74,24 @@ def plan_command(cfg: Config, gpu_memory: str | None = None, out=print) -> int:
         out(f"  per reward-model GPU: {gib(reward_gpu[0])} (its weights and one forward)")
         if gpu_bytes is not None:
             problems = problems or reward_model_gpu_problems(cfg, reward_gpu, gpu_bytes, source)
-    if gpu_bytes is not None and derived.world_size > 1:  # what the layouts would give
-        out("")
-        out("\n".join(parallel_section(cfg, derived, gpu_bytes)[0]))
+    for line in parallel_lines(cfg, derived, plan, fits=not problems):
+        out("  " + line)
+    for line in not_built_lines(cfg, derived):
+        out("  " + line)
     problems += host
     if problems:
         raise ConfigError(problems)
     return 0
 
 
-def parallel_plan_command(cfg: Config, derived, gpu_bytes: int | None, out=print) -> int:
-    """The plan of a tensor/sequence/expert-parallel layout (or a plan-only shape): the
-    configured layout per GPU, the recommended one; exit 2 when the configured one cannot fit."""
-    if gpu_bytes is None:
-        raise ConfigError(["a parallel layout is planned for a GPU size: pass --gpu-memory "
-                           "(e.g. 80GB) or set trainer.gpu_memory_gib"])  # fmt: skip
-    lines, problems = parallel_section(cfg, derived, gpu_bytes)
-    if not lines:
-        raise ConfigError([f"model.path = {cfg.model.path}: its shape is unknown (no readable "
-                           "config.json): point model.path at a Hugging Face model directory "
-                           "or a preset"])  # fmt: skip
-    out("\n".join(lines))
-    for note in layout_notes(cfg, {"actor", "ref", "critic"}):
-        out("  " + note)
+def not_built_lines(cfg: Config, derived) -> list[str]:
+    """Notes on the configured layout: KV heads replicated by SP, and what train refuses."""
+    lines = [note for note in layout_notes(cfg, {"actor", "ref", "critic"})]
     not_yet = not_yet_supported(role_sizes(cfg), roles_in_use(derived.use_reference,
                                                               derived.use_critic))  # fmt: skip
     if not_yet:  # "<key> = N...: <what> is not yet supported for the <role>: set ..."
         missing = sorted({p.split(": ")[1].replace(" is not yet supported for the", " of the")
                           for p in not_yet})  # fmt: skip
-        out(f"  not yet supported, so hybridflow train refuses this layout for now: "
-            f"{'; '.join(missing)}")  # fmt: skip
-    if problems:
-        raise ConfigError(problems)
-    return 0
+        lines.append(f"not yet supported, so hybridflow train refuses this layout for now: "
+                     f"{'; '.join(missing)}")  # fmt: skip
+    return lines
