@@ -67,7 +67,6 @@ def plan_command(cfg: Config, gpu_memory: str | None = None, out=print) -> int:
     out(render(plan, source, on_cpu=resolve_device(cfg.trainer.device) == "cpu"))
     for line in memory_choices(cfg, derived, gpu_bytes)[1]:
         out("  " + line)
-    out("  " + host_text(need, cfg, available, host_source))
     problems = fit_problems(cfg, plan, source) or forward_budget_problems(cfg, derived, plan)
     reward_gpu = reward_model_gpu(cfg, derived)
     if reward_gpu is not None:
@@ -78,6 +77,7 @@ def plan_command(cfg: Config, gpu_memory: str | None = None, out=print) -> int:
         out("  " + line)
     for line in not_built_lines(cfg, derived):
         out("  " + line)
+    out("  " + host_text(need, cfg, available, host_source))
     problems += host
     if problems:
         raise ConfigError(problems)

@@ -64,104 +64,79 @@ LLAMA70_GRPO = ["model.path=llama3.1-70b", "trainer.backend=local", "trainer.n_g
                 "rollout.gpu_memory_utilization=0.9"]  # fmt: skip
 
 
-def test_a_tensor_parallel_layout_is_planned():
+@pytest.fixture
+def plenty_of_host(monkeypatch):
+    from hybridflow.trainer.plan import host_memory
+
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: (2**50, "test"))
+
+
+def planned(overrides: list[str], gpu_memory: str) -> str:
+    """What `config plan` prints, whether or not the configured layout fits."""
     out = []
-    cfg = load_config(None, [*LLAMA70_GRPO, "actor.tensor_parallel_size=8",
-                             "rollout.tensor_parallel_size=8", "actor.param_offload=true",
-                             "model.gradient_checkpointing=true"])  # fmt: skip
-    assert plan_command(cfg, "140GiB", out=out.append) == 0
-    text = "\n".join(out)
-    assert (
-        "configured: actor tp 8 · sp 1 · ep 1 (data parallel 1), rollout tp 8 (1 replica)" in text
-    )
-    assert "rollout weights (bf16, tp 8)" in text and "reshard:" in text
+    try:
+        plan_command(load_config(None, overrides), gpu_memory, out=out.append)
+    except ConfigError:
+        pass
+    return "\n".join(out)
+
+
+def test_one_plan_is_printed_with_the_layout_it_recommends(plenty_of_host):
+    """Llama-3.1-70B on 8 × 80 GiB: one table (the plan validate and train check), and the
+    layout that fits it: the actor's state on the host, rollout tp 8."""
+    text = planned([*LLAMA70_GRPO, "trainer.device=cuda"], "80GiB")
+    assert text.count("memory plan: llama3.1-70b") == 1 and text.count("  item ") == 1
+    assert "layout: actor tp 1 · sp 1 · ep 1 (data parallel 8) on 8 GPU(s)" in text
+    assert ("recommended layout: rollout.tensor_parallel_size=8 model.gradient_checkpointing=true "
+            "actor.param_offload=true (peak ") in text  # fmt: skip
+
+
+def test_a_tensor_parallel_layout_is_planned(plenty_of_host):
+    text = planned([*LLAMA70_GRPO, "trainer.device=cuda", "actor.tensor_parallel_size=2",
+                    "rollout.tensor_parallel_size=8", "actor.param_offload=true",
+                    "model.gradient_checkpointing=true"], "80GiB")  # fmt: skip
+    assert "layout: actor tp 2 · sp 1 · ep 1 (data parallel 4) on 8 GPU(s), rollout tp 8 (1 replica)" in text
+    assert "rollout weights (bf16 copy)" in text and "1/8, tensor parallel" in text
+    assert "GPU 80.0 GiB (--gpu-memory), 75.0 GiB usable: fits" in text
+    # it fits, and the plan prefers less model parallelism where that fits too
+    assert "recommended layout: actor.tensor_parallel_size=1 (peak " in text
     # both layouts have their code path (models/tensor_parallel.py, engine/tensor_parallel.py)
     assert "not yet supported" not in text
 
 
-def test_the_reshard_line_is_the_block_plans_bytes_for_a_dense_model():
+def test_the_reshard_line_is_the_block_plans_bytes_for_a_dense_model(plenty_of_host):
     """FSDP2 over 8 GPUs into a rollout of TP 8: 4.9 GiB into each GPU a sync (the row-parallel
     weights and the norms; tests/parallel/test_blocks.py has the arithmetic), not the 14.4 of
     the shard less its 1/8."""
-    out = []
-    cfg = load_config(None, [*LLAMA70_GRPO, "rollout.tensor_parallel_size=8",
-                             "actor.param_offload=true", "model.gradient_checkpointing=true"])  # fmt: skip
-    assert plan_command(cfg, "140GiB", out=out.append) == 0
-    assert "reshard: 4.9 GiB into each rollout GPU a sync" in "\n".join(out)
+    text = planned([*LLAMA70_GRPO, "rollout.tensor_parallel_size=8", "actor.param_offload=true",
+                    "model.gradient_checkpointing=true"], "140GiB")  # fmt: skip
+    assert "reshard: 4.9 GiB into each rollout GPU a sync" in text
 
 
-def test_a_parallel_layout_that_does_not_fit_names_the_recommended_one():
-    cfg = load_config(None, [*LLAMA70_GRPO, "actor.tensor_parallel_size=8"])
-    with pytest.raises(ConfigError) as error:
-        plan_command(cfg, "80GiB", out=lambda line: None)
-    (problem,) = error.value.problems
-    assert problem.startswith("the configured layout (actor tp 8")
-    assert "the plan recommends: " in problem and "actor.param_offload=true" in problem
-
-
-def test_deepseek_v3_is_planned_and_validated_as_a_preset_of_the_runtime():
-    out = []
-    cfg = load_config(None, ["model.path=deepseek-v3", "trainer.backend=ray", "trainer.nnodes=12",
-                             "trainer.n_gpus_per_node=8", "data.train_batch_size=96",
-                             "actor.ppo_mini_batch_size=24", "data.max_prompt_length=1024",
-                             "data.max_response_length=4096", "rollout.n=8",
-                             "actor.max_tokens_per_gpu=16384", "rollout.max_num_seqs=256",
-                             "rollout.gpu_memory_utilization=0.9", "actor.tensor_parallel_size=8",
-                             "actor.expert_parallel_size=4", "rollout.tensor_parallel_size=8",
-                             "rollout.expert_parallel_size=32", "actor.param_offload=true",
-                             "model.gradient_checkpointing=true"])  # fmt: skip
-    assert plan_command(cfg, "96GB", out=out.append) == 0
-    assert out[0].startswith("Parallel layout plan: deepseek-v3 (671.03 B parameters")
-    with pytest.raises(ConfigError) as error:  # the layouts, not the model
-        validate(cfg)
-    assert not any("deepseek-v3" in p for p in error.value.problems)
+def test_deepseek_v3_is_planned_and_validated_as_a_preset_of_the_runtime(plenty_of_host):
+    overrides = ["model.path=deepseek-v3", "trainer.backend=ray", "trainer.nnodes=12",
+                 "trainer.n_gpus_per_node=8", "data.train_batch_size=96",
+                 "actor.ppo_mini_batch_size=24", "data.max_prompt_length=1024",
+                 "data.max_response_length=4096", "rollout.n=8", "trainer.device=cuda",
+                 "actor.max_tokens_per_gpu=16384", "rollout.max_num_seqs=256",
+                 "actor.tensor_parallel_size=8", "actor.expert_parallel_size=4",
+                 "actor.param_offload=true", "model.gradient_checkpointing=true"]  # fmt: skip
+    text = planned(overrides, "96GB")
+    assert text.startswith("memory plan: deepseek-v3 (671.03 B parameters")
+    assert "not yet supported, so hybridflow train refuses" not in text  # tp/ep are built...
+    with pytest.raises(ConfigError) as error:  # ...but not tp of experts, nor offloaded shards
+        validate(load_config(None, overrides))
+    assert not any("deepseek-v3:" in p for p in error.value.problems)
     assert any(p.startswith("actor: actor.tensor_parallel_size = 8") for p in error.value.problems)
 
 
-def test_a_data_parallel_run_on_several_gpus_gets_the_layout_advice_too():
-    out = []
-    cfg = load_config(None, [*LLAMA70_GRPO])
-    with pytest.raises(ConfigError):  # today's data-parallel plan: does not fit
-        plan_command(cfg, "80GiB", out=out.append)
-    text = "\n".join(out)
-    assert "Parallel layout plan: llama3.1-70b" in text and "recommended: actor tp" in text
-
-
-# The large cases of docs/parallelism.md ("The plan at scale"): the GRPO shape shared there,
-# the devices, and what the plan recommends (its "set:" line) with the KV cache a replica
-# holds, as the table shows them.
-AT_SCALE = ["data.max_prompt_length=1024", "data.max_response_length=4096", "rollout.n=8",
-            "actor.max_tokens_per_gpu=16384", "rollout.max_num_seqs=256",
-            "rollout.gpu_memory_utilization=0.9", "actor.use_kl_loss=true", "trainer.backend=ray",
-            "trainer.n_gpus_per_node=8"]  # fmt: skip
-TP, EP = "tensor_parallel_size", "expert_parallel_size"
-OFFLOAD = "model.gradient_checkpointing=true actor.param_offload=true"
-
-
-@pytest.mark.parametrize(
-    "model, nodes, memory, batch, recommended, sequences",
-    [("llama3.1-70b", 1, "80GiB", 128, f"actor.{TP}=2 rollout.{TP}=8 {OFFLOAD}", 204),
-     ("llama3.1-70b", 2, "140GiB", 128, f"actor.{TP}=2 rollout.{TP}=8 "
-      "model.gradient_checkpointing=true", 256),
-     ("qwen3-235b-a22b", 4, "80GiB", 128, f"actor.{EP}=32 rollout.{EP}=32 {OFFLOAD}", 34),
-     ("qwen3-235b-a22b", 8, "140GiB", 128, f"actor.{EP}=64 rollout.{EP}=64 "
-      "model.gradient_checkpointing=true", 66),
-     ("deepseek-v3", 12, "96GB", 96, f"actor.{TP}=4 actor.{EP}=8 rollout.{TP}=8 rollout.{EP}=32 "
-      f"{OFFLOAD}", 86)],
-)  # fmt: skip
-def test_the_large_cases_of_the_parallelism_page(model, nodes, memory, batch, recommended,
-                                                 sequences):  # fmt: skip
-    out = []
-    cfg = load_config(None, [f"model.path={model}", f"trainer.nnodes={nodes}",
-                             f"data.train_batch_size={batch}",
-                             f"actor.ppo_mini_batch_size={batch // 4}", *AT_SCALE])  # fmt: skip
-    with pytest.raises(ConfigError):  # the data-parallel layout of the config does not fit
-        plan_command(cfg, memory, out=out.append)
-    lines = "\n".join(out).splitlines()
-    start = next(i for i, line in enumerate(lines) if "  recommended: " in line)
-    assert lines[start + 1].strip() == f"set: {recommended}"
-    kv = next(line for line in lines[start:] if line.strip().startswith("KV cache: "))
-    assert kv.strip().startswith(f"KV cache: {sequences} sequences of 5,120 tokens")
+def test_when_nothing_fits_the_plan_says_what_fills_the_closest(plenty_of_host):
+    """Qwen3-235B-A22B on 32 × 80 GiB: its 4 KV heads stop the rollout at tp 4, and experts
+    across rollout replicas are not built, so each GPU would hold a quarter of the model."""
+    text = planned(["model.path=qwen3-235b-a22b", "trainer.nnodes=4", "trainer.backend=ray",
+                    "trainer.n_gpus_per_node=8", "trainer.device=cuda"], "80GiB")  # fmt: skip
+    line = next(line for line in text.splitlines() if "no layout fits" in line)
+    assert "rollout.tensor_parallel_size=4" in line and "rollout weights (bf16 copy)" in line
 
 
 def test_the_reshard_line_of_a_mixture_of_experts_counts_each_ranks_experts():
@@ -169,14 +144,14 @@ def test_the_reshard_line_of_a_mixture_of_experts_counts_each_ranks_experts():
     row chunks are each rank's experts and never move; held whole (expert_parallel_size=1)
     each rank also receives the other half: 3 sparse layers × 4 experts × (256 + 128) × 128
     elements × 2 bytes (the plan's bf16 rollout copy) = 1,179,648 bytes more."""
-    from hybridflow.config import validate
-    from hybridflow.trainer.plan.parallel_section import setup_from_config, sync_bytes
+    from hybridflow.trainer.plan.memory_check import plan_for_config
+    from hybridflow.trainer.plan.parallel_section import sync_bytes
 
     def received(*extra: str) -> int:
         cfg = load_config(None, ["model.path=tiny-moe", "trainer.backend=local", "trainer.device=cpu",
                                  "trainer.n_gpus_per_node=2", "rollout.tensor_parallel_size=2",
                                  *extra])  # fmt: skip
-        return sync_bytes(cfg, setup_from_config(cfg, validate(cfg), 2**30))
+        return sync_bytes(cfg, plan_for_config(cfg, validate(cfg), 2**30))
 
     split, whole = received(), received("rollout.expert_parallel_size=1")
     assert whole - split == 3 * 4 * (256 + 128) * 128 * 2
