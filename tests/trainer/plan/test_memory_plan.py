@@ -19,6 +19,10 @@ QWEN05 = PRESETS["qwen2.5-0.5b"]
 P = 494_032_768
 LINEAR = 24 * (1_836_160 + 13_074_432)  # 357,854,208: what autocast casts to bf16
 VOCAB_MATRIX = 136_134_656
+# The engine's reserve (engine/cache/workspace.py) at 2,000 decode rows: 22 bytes a row and
+# vocabulary entry for sampling, and a 16,384-token prefill chunk's 8h + q/k/v/out
+# (2·14 + 2·2 heads of 64) + 4i elements of 2 bytes
+RESERVE_2000_ROWS = 2000 * 151936 * 22 + 16384 * (8 * 896 + 32 * 64 + 4 * 4864) * 2
 
 
 def items(plan):
@@ -158,8 +162,7 @@ def test_slot_kv_cache_takes_its_fraction_of_what_generation_leaves_free():
     fused = 24 * ((896 + 256) * 896 + 1152 + 2 * 4864 * 896) * 2
     assert mp.fused_copy_bytes(QWEN05, "all") == fused
     used = 14 * P + fused
-    # reserve: 2,000 decode rows · V · 6 + 16,384 prefill tokens · (4i + 8h) · 2 bytes
-    reserve = 2000 * 151936 * 6 + 16384 * (4 * 4864 + 8 * 896) * 2
+    reserve = RESERVE_2000_ROWS
     slots = (int(0.5 * (40 * GIB - used)) - reserve) // 12_582_912 - 1
     assert plan.kv_slots == slots and 0 < slots < 2000  # the budget, not max_num_seqs, decides
     kv = next(i for i in plan.items if i.name.startswith("KV cache"))
@@ -176,7 +179,7 @@ def test_paged_kv_cache_takes_its_fraction_in_blocks():
                           rollout_max_seqs=2000, rollout_max_seq_len=1000)  # fmt: skip
     plan = mp.build_plan("q", QWEN05, options)
     fused = 24 * ((896 + 256) * 896 + 1152 + 2 * 4864 * 896) * 2
-    used, reserve = 14 * P + fused, 2000 * 151936 * 6 + 16384 * (4 * 4864 + 8 * 896) * 2
+    used, reserve = 14 * P + fused, RESERVE_2000_ROWS
     # 768 KiB blocks of 64 tokens, less the scratch block; 1,000 tokens round up to 16 blocks
     blocks = (int(0.5 * (40 * GIB - used)) - reserve) // 786_432 - 1
     assert plan.kv_slots == blocks // 16 and 0 < blocks < 2000 * 16
