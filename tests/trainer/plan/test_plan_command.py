@@ -95,7 +95,10 @@ def test_a_tensor_parallel_layout_is_planned(plenty_of_host):
     text = planned([*LLAMA70_GRPO, "trainer.device=cuda", "actor.tensor_parallel_size=2",
                     "rollout.tensor_parallel_size=8", "actor.param_offload=true",
                     "model.gradient_checkpointing=true"], "80GiB")  # fmt: skip
-    assert "layout: actor tp 2 · sp 1 · ep 1 (data parallel 4) on 8 GPU(s), rollout tp 8 (1 replica)" in text
+    assert (
+        "layout: actor tp 2 · sp 1 · ep 1 (data parallel 4) on 8 GPU(s), rollout tp 8 (1 replica)"
+        in text
+    )
     assert "rollout weights (bf16 copy)" in text and "1/8, tensor parallel" in text
     assert "GPU 80.0 GiB (--gpu-memory), 75.0 GiB usable: fits" in text
     # it fits, and the plan prefers less model parallelism where that fits too

@@ -1,0 +1,64 @@
+"""The engine's working memory outside the KV cache (engine/cache/workspace.py): by hand for
+Qwen3-30B-A3B, and the same number in the engine's reserve and the memory plan's."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridflow.engine.cache.workspace import engine_workspace_bytes
+from hybridflow.models.presets import PRESETS, preset_config
+
+QWEN3_30B = PRESETS["qwen3-30b-a3b"]
+
+
+def test_qwen3_30b_a3b_at_1024_rows_and_a_16384_token_chunk():
+    # h 2048, I 6144 (unused: every layer is sparse), 32 q + 4 kv heads of 128, E 128, k 8,
+    # I_e 768, V 151,936.
+    # sampling: 1,024 rows × 151,936 × 22 bytes                        = 3,422,814,208
+    # dense prefill: 16,384 × (8·2048 + 72·128 + 4·6144) × 2           = 1,644,167,168
+    # sparse prefill: 16,384 × (8·2048 + 9,216) × 2 = 838,860,800; pairs 16,384·8 + 128
+    #   experts × 128 padding rows = 147,456, × (3·768 + 2·2048) × 2 = 1,887,436,800; router
+    #   16,384 × 128 × 8 = 16,777,216                                   = 2,743,074,816
+    # the larger prefill with the sampling: 3,422,814,208 + 2,743,074,816 = 6,165,889,024
+    # (5.7 GiB; the reserve before counted 3,961,782,272: 6 bytes a logit, no padding)
+    assert engine_workspace_bytes(QWEN3_30B, 1024, 16384) == 6_165_889_024
+
+
+def test_a_dense_model_and_tensor_parallel_ranks():
+    # qwen2.5-0.5b: h 896, I 4864, 14 + 2 heads of 64, V 151,936; 256 rows, 4,096 tokens:
+    # 256 × 151,936 × 22 + 4,096 × (7,168 + 2,048 + 19,456) × 2 = 855,703,552 + 234,881,024
+    a = PRESETS["qwen2.5-0.5b"]
+    assert engine_workspace_bytes(a, 256, 4096) == 855_703_552 + 234_881_024
+    # over 2 ranks: 75,968 of the vocabulary, (1,024 + 9,728) of the head and MLP widths
+    assert engine_workspace_bytes(a, 256, 4096, tp=2) == (256 * 75_968 * 22
+                                                          + 4096 * (7_168 + 1_024 + 9_728) * 2)  # fmt: skip
+
+
+def test_the_engine_reserves_what_the_plan_reserves(monkeypatch):
+    """The engine's automatic cache size keeps engine_workspace_bytes free; the memory plan
+    sizes the cache with the same number."""
+    import torch
+
+    from hybridflow.engine import Engine, EngineOptions, SamplingParams
+    from hybridflow.engine.cache import kv_cache
+    from hybridflow.models import build_model
+    from hybridflow.trainer.plan.memory_plan import PlanOptions
+    from hybridflow.trainer.plan.memory_rollout import rollout_reserve_bytes
+
+    seen = {}
+
+    def make_cache(cfg, batch, seq_len, block, budget, reserve, *rest):
+        seen["reserve"] = reserve
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(kv_cache, "make_cache", make_cache)
+    model = build_model(preset_config("tiny-moe"), seed=0).eval().to(torch.float32)
+    options = EngineOptions(decode_backend="torch", max_prefill_tokens=512)
+    with pytest.raises(RuntimeError, match="stop"):
+        Engine(model, max_batch_size=8, max_seq_len=64, options=options).generate(
+            [[1, 2]], SamplingParams(max_new_tokens=2)
+        )
+    expected = engine_workspace_bytes(preset_config("tiny-moe"), 8, 512, 4)
+    assert seen["reserve"] == expected
+    plan = PlanOptions(rollout_max_seqs=8, max_prefill_tokens=512, rollout_bytes=4)
+    assert rollout_reserve_bytes(PRESETS["tiny-moe"], plan) == expected
