@@ -138,6 +138,9 @@ def cmd_config(args) -> int:
         plan_command = import_for("config", "hybridflow.trainer.plan.plan_command")
         return plan_command.plan_command(cfg, args.gpu_memory)
     if args.action == "validate":  # everything `train` checks before it loads a model
+        if args.gpu_memory is not None:  # the memory plan checked against this GPU size
+            plan_command = import_for("config", "hybridflow.trainer.plan.plan_command")
+            cfg.trainer.gpu_memory_gib = plan_command.parse_size(args.gpu_memory) / 2**30
         import_for("config", "hybridflow.trainer.lifecycle.preflight").check_run(cfg)
         print("config OK")
         return 0
@@ -308,7 +311,7 @@ def _add_config_subcommand(sub) -> None:
     for action, help_text, description in CONFIG_ACTIONS:
         p = actions.add_parser(action, help=help_text, description=description,
                                epilog=KEYS_DOCUMENTED)  # fmt: skip
-        if action == "plan":
+        if action in ("plan", "validate"):
             p.add_argument("--gpu-memory", default=None,
                            help="memory of one GPU, e.g. 80GiB (default: "
                            "trainer.gpu_memory_gib, else the visible GPU's, else no fit "

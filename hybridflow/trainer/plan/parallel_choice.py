@@ -13,8 +13,8 @@ its experts split over its tp ranks. The training layout preferred is the one th
 the least model parallelism: the smallest tp × sp (the most data parallel; communication
 grows with both), then without gradient checkpointing where allowed, then the smaller tp
 (Ulysses keeps each layer's weights whole), then the larger ep (fewer experts to gather per
-GPU). CPU offload of the training state (actor.param_offload) is tried only when no layout
-fits without it. The rollout's is the smallest tp whose KV cache holds a whole step's
+GPU). CPU offload of the training state (actor.param_offload; on one GPU actor.optimizer_offload)
+is tried only when no layout fits without it. The rollout's is the smallest tp whose KV cache holds a whole step's
 sequences at once on each replica (else the most it can hold).
 """
 
@@ -92,7 +92,10 @@ def recommend(cfg: Config, gpu_bytes: int) -> Recommendation | None:
     rollout_world = derived.world_size - world if cfg.trainer.placement == "split" else world
     setting = cfg.model.gradient_checkpointing
     checkpointing = (False, True) if setting == "auto" else (setting is True,)
-    offloads = (False, True) if not cfg.actor.param_offload else (True,)
+    # FSDP2 offloads with param_offload; one GPU steps on the host with optimizer_offload
+    offload_key = "actor.param_offload" if world > 1 else "actor.optimizer_offload"
+    name = offload_key.split(".")[1]
+    offloads = (True,) if getattr(cfg.actor, name) else (False, True)
     training = sorted(((offload, tp, sp, ep, ckpt) for offload in offloads
                        for tp, sp, ep in training_layouts(shape, world) for ckpt in checkpointing),
                       key=lambda c: (c[0], c[1] * c[2], c[4], c[1], -c[3]))  # fmt: skip
@@ -100,7 +103,7 @@ def recommend(cfg: Config, gpu_bytes: int) -> Recommendation | None:
     for offload, tp, sp, ep, ckpt in training:
         fitting = []
         for rollout_tp in rollout_sizes(shape, rollout_world):
-            keys = layout_keys(tp, sp, ep, rollout_tp, ckpt, offload)
+            keys = {**layout_keys(tp, sp, ep, rollout_tp, ckpt), offload_key: offload}
             plan = plan_of(with_changes(cfg, keys), gpu_bytes)
             if plan is None:
                 continue  # validate refuses it: not built, or the batch does not divide
@@ -116,11 +119,11 @@ def recommend(cfg: Config, gpu_bytes: int) -> Recommendation | None:
     return Recommendation({}, None, closest[1], changed_keys(cfg, closest[2]))
 
 
-def layout_keys(tp: int, sp: int, ep: int, rollout_tp: int, checkpointing: bool,
-                offload: bool) -> dict[str, object]:  # fmt: skip
+def layout_keys(tp: int, sp: int, ep: int, rollout_tp: int,
+                checkpointing: bool) -> dict[str, object]:  # fmt: skip
     return {"actor.tensor_parallel_size": tp, "actor.sequence_parallel_size": sp,
             "actor.expert_parallel_size": ep, "rollout.tensor_parallel_size": rollout_tp,
-            "model.gradient_checkpointing": checkpointing, "actor.param_offload": offload}  # fmt: skip
+            "model.gradient_checkpointing": checkpointing}  # fmt: skip
 
 
 def changed_keys(cfg: Config, keys: dict[str, object]) -> dict[str, object]:

@@ -1,0 +1,78 @@
+"""The layouts `config plan` recommends (trainer/plan/parallel_choice.py) pass `validate` and
+its memory check, which `train` runs too: one memory model, and nothing recommended that
+validate refuses (actor tp on a mixture of experts, offloaded expert-parallel shards, experts
+across rollout replicas)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridflow.config import load_config, validate
+from hybridflow.trainer.plan.memory_check import check_memory, with_changes
+from hybridflow.trainer.plan.memory_plan import GIB
+from hybridflow.trainer.plan.parallel_choice import recommend
+
+GRPO = ["trainer.backend=local", "trainer.device=cuda", "trainer.gpu_memory_gib=80",
+        "data.max_prompt_length=1024", "data.max_response_length=4096", "rollout.n=8",
+        "actor.max_tokens_per_gpu=16384", "rollout.max_num_seqs=256", "actor.use_kl_loss=true"]  # fmt: skip
+
+
+def recommended(model: str, gpus: int, batch: int):
+    cfg = load_config(None, [f"model.path={model}", f"trainer.n_gpus_per_node={gpus}",
+                             f"data.train_batch_size={batch}",
+                             f"actor.ppo_mini_batch_size={batch // 4}", *GRPO])  # fmt: skip
+    return cfg, recommend(cfg, 80 * GIB)
+
+
+@pytest.mark.parametrize(
+    "model, gpus, batch, expected",
+    [("llama3.1-70b", 8, 128, {"actor.tensor_parallel_size": 2, "rollout.tensor_parallel_size": 8,
+                               "model.gradient_checkpointing": True, "actor.param_offload": True}),
+     ("qwen3-30b-a3b", 8, 128, {"rollout.tensor_parallel_size": 4,
+                                "model.gradient_checkpointing": True, "actor.param_offload": True}),
+     ("qwen2.5-7b", 8, 128, {"rollout.tensor_parallel_size": 2,
+                             "model.gradient_checkpointing": True}),
+     ("qwen2.5-7b", 1, 16, {"model.gradient_checkpointing": True, "actor.optimizer_offload": True}),
+     ("qwen3-30b-a3b", 1, 16, None),
+     ("llama3.1-70b", 1, 16, None)],
+)  # fmt: skip
+def test_every_recommended_layout_passes_validate(model, gpus, batch, expected):
+    """On 8 × 80 GiB and 1 × 80 GiB; where nothing fits (a 30B or 70B model on one GPU) the
+    plan recommends nothing rather than a layout validate refuses."""
+    cfg, advice = recommended(model, gpus, batch)
+    if expected is None:
+        assert advice.plan is None and advice.closest is not None
+        return
+    assert advice.changes == expected
+    changed = with_changes(cfg, advice.changes)
+    derived = validate(changed)  # the code paths exist: not refused as "not built"
+    plan = check_memory(changed, derived)  # validate's and train's memory check: it fits
+    assert plan.checked_peak() == advice.plan.checked_peak()
+
+
+def test_expert_parallel_shards_are_not_offloaded_and_moe_actors_get_no_tensor_parallelism():
+    """Qwen3-30B-A3B on 8 GPUs: the plan may not pick actor tp (not built for experts) nor
+    expert parallelism with param_offload (not built); it offloads at ep 1."""
+    cfg, advice = recommended("qwen3-30b-a3b", 8, 128)
+    changed = with_changes(cfg, advice.changes)
+    assert changed.actor.tensor_parallel_size == 1
+    assert not (changed.actor.param_offload and changed.actor.expert_parallel_size > 1)
+
+
+def test_validate_checks_the_memory_of_the_layout(capsys, monkeypatch):
+    """`config validate` prices tensor parallelism and offload as plan does: Llama-3.1-70B's
+    recommended layout on 8 × 80 GiB passes the memory check (the next check, the host's
+    memory for the offloaded state, is this machine's)."""
+    from hybridflow.cli import main
+    from hybridflow.trainer.plan import host_memory
+
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: (2**50, "test"))
+    keys = ["model.path=llama3.1-70b", "trainer.n_gpus_per_node=8", "data.train_batch_size=128",
+            "actor.ppo_mini_batch_size=32", *GRPO[:1], *GRPO[3:], "actor.tensor_parallel_size=2",
+            "rollout.tensor_parallel_size=8", "model.gradient_checkpointing=true",
+            "actor.param_offload=true"]  # fmt: skip
+    main(["config", "validate", "--gpu-memory", "80GiB", "trainer.device=cpu", *keys])
+    err = capsys.readouterr().err
+    assert "does not fit" not in err and "per GPU" not in err, err
+    main(["config", "validate", "--gpu-memory", "80GiB", "trainer.device=cpu", *keys[:-3]])
+    assert "model.path = llama3.1-70b does not fit on a 80.0 GiB GPU" in capsys.readouterr().err
