@@ -104,3 +104,9 @@ def val_batch_size(value: Any) -> int:
     if value is None:
         raise KeepOurs("null validates all prompts in one batch in verl; here data.val_batch_size")
     return int(value)
+
+
+def recompute(value: Any) -> bool:
+    """Megatron's recompute_granularity (full | selective | null) -> gradient checkpointing:
+    hybridflow recomputes every layer whole."""
+    return value not in (None, "null", "None", "", False)

@@ -96,8 +96,44 @@ def _parallel_entries(verl: str, ours: str) -> list[Entry]:
         ),  # fmt: skip
         Ignored(mega + "use_distributed_optimizer", "FSDP2 shards the optimizer state"),
         Ignored(mega + "seed", "initialisation and sampling follow trainer.seed"),
+        *_megatron_memory_entries(mega, ours),
         Unsupported(mega + "*", MEGATRON),
     ]
+
+
+WEIGHTS_FROM_PATH = "weights load from model.path (Hugging Face safetensors)"
+RECOMPUTE = "gradient checkpointing recomputes every layer (model.gradient_checkpointing)"
+
+
+def _megatron_memory_entries(mega: str, ours: str) -> list[Entry]:
+    """Megatron's offload, recompute and checkpoint-format keys that map onto ours: CPU
+    offload of the role's state (FSDP2's, one key for weights, gradients and optimizer
+    state), recomputation as gradient checkpointing; the rest is said to have no effect."""
+    override = mega + "override_transformer_config."
+    entries: list[Entry] = [
+        Ignored(mega + "use_dist_checkpointing", WEIGHTS_FROM_PATH),
+        Ignored(mega + "dist_checkpointing_path", WEIGHTS_FROM_PATH),
+        Ignored(mega + "use_mbridge", WEIGHTS_FROM_PATH),
+        Ignored(override + "num_layers_in_first_pipeline_stage", f"applies to {PIPELINE}"),
+        Ignored(override + "num_layers_in_last_pipeline_stage", f"applies to {PIPELINE}"),
+        Ignored(override + "recompute_method", RECOMPUTE),
+        Ignored(override + "recompute_num_layers", RECOMPUTE),
+    ]
+    if ours in ("actor", "ref"):
+        entries.append(Rename(mega + "param_offload", f"{ours}.param_offload"))
+    if ours == "actor":
+        offloaded = (
+            "FSDP2's CPU offload (actor.param_offload) keeps it on the host with the weights"
+        )
+        entries += [
+            Ignored(mega + "grad_offload", offloaded),
+            Ignored(mega + "optimizer_offload", offloaded),
+            Rename(override + "recompute_granularity", "model.gradient_checkpointing",
+                   cv.recompute, "full or selective -> true"),
+        ]  # fmt: skip
+    else:
+        entries.append(Ignored(override + "recompute_granularity", RECOMPUTE))
+    return entries
 
 
 def _model_entries(prefix: str, ours: str) -> list[Entry]:

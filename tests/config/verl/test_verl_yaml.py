@@ -166,6 +166,12 @@ MAPPED = [
         R + "expert_parallel_size=2",
     ],
     [
+        A + "megatron.param_offload=True",
+        REF + "megatron.param_offload=True",
+        A + "megatron.override_transformer_config.recompute_granularity=full",
+        "trainer.n_gpus_per_node=2",
+    ],
+    [
         "reward_model.enable=True",
         "reward_model.model.path=/models/rm",
         "reward_model.micro_batch_size_per_gpu=4",

@@ -5,8 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 COMMAND_LINES = Path(__file__).parent / "command_lines"
-RUNS = sorted(p.stem for p in COMMAND_LINES.glob("*.txt") if not p.stem.startswith("stops_"))
+RUNS = sorted(p.stem for p in COMMAND_LINES.glob("*.txt")
+              if not p.stem.startswith(("stops_", "scale_")))  # fmt: skip
 STOPS = sorted(p.stem for p in COMMAND_LINES.glob("stops_*.txt"))
+SCALE = sorted(p.stem for p in COMMAND_LINES.glob("scale_*.txt"))
+"""Seed-scale layouts: validated against their GPUs, not run."""
 
 
 def command_line(name: str) -> list[str]:
