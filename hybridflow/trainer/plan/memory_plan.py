@@ -311,9 +311,10 @@ def critic_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
     trainable = total - frozen + a.hidden_size + 1
     tokens = o.critic_micro_batch_tokens
     copy = linear_parameters(a) * o.compute_bytes if o.mixed_precision else 0
-    if o.sharded:  # gathered for the mini-batch, like the actor's
-        copy = total * (o.compute_bytes if o.mixed_precision else o.master_bytes)
-    activations = tokens * activation_bytes_per_token(a, False, o.compute_bytes)
+    if o.sharded:  # a rank's share gathered for the mini-batch, like the actor's
+        copy = rank_parameters(a, o.tp, o.ep) * (o.compute_bytes if o.mixed_precision
+                                                 else o.master_bytes)  # fmt: skip
+    activations = tokens * activation_bytes_per_token(a, False, o.compute_bytes, o.tp)
     return [
         MemoryItem(f"critic weights ({dtype_name(o.master_bytes)})",
                    total * o.master_bytes // ranks, ALWAYS),
