@@ -194,7 +194,8 @@ def add_data_subcommand(subparsers) -> argparse.ArgumentParser:
                    help="the column holding the prompt (data.prompt_key)")  # fmt: skip
     p.add_argument("--image-key", default=None,
                    help="also decode the images of this column and count each prompt's "
-                   "<image> placeholders (data.image_key, verl's: images)")  # fmt: skip
+                   "<image> placeholders (data.image_key, verl's: images); default: "
+                   "none, images are not checked")  # fmt: skip
     p.add_argument(
         "--known-sources",
         action="store_true",
