@@ -24,13 +24,16 @@ KERNEL_TESTS := tests/engine/test_adapters_fused.py tests/engine/kernels/test_ke
 	tests/engine/test_paged_fused.py tests/engine/kernels/test_paged_attention.py \
 	tests/engine/kernels/test_moe_kernels.py tests/engine/kernels/test_moe_engine_fused.py tests/engine/layers/test_moe_grouped_mm.py tests/engine/scheduling/test_mixed_fused.py
 
-# The kernel tests run in a second process beside the main run (which runs one test at a
-# time); their output follows the main run's. Fails if either failed.
+# The main run is spread over TEST_WORKERS processes (pytest-xdist, a test file to a
+# process: most tests wait on processes of their own, so two keep both cores busy), and the
+# kernel tests run in one more process beside it; their output follows the main run's.
+# Fails if either failed.
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	@log=$$(mktemp); \
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider $(KERNEL_TESTS) >$$log 2>&1 & \
 	kernels=$$!; \
-	$(PY) -m pytest; main=$$?; \
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile; main=$$?; \
 	wait $$kernels; interpreted=$$?; \
 	echo "== the Triton kernels under TRITON_INTERPRET=1 (run beside the tests above)"; \
 	cat $$log; rm -f $$log; \
