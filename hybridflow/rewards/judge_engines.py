@@ -83,6 +83,33 @@ def read_bounded(response, max_bytes: int, deadline: float) -> bytes:
     return bytes(body)
 
 
+CONNECTION_RETRIES = 3
+"""A refused or dropped connection is tried again this many times (0.2 s, 0.4 s, 0.8 s
+apart, within the request's deadline): a server under a burst of requests drops some
+connections from its backlog, which says nothing about the sample."""
+
+
+def post_retrying(request, max_reply_bytes: int, deadline: float) -> bytes:
+    """The reply body of ``request``, trying again on a refused or reset connection while
+    ``deadline`` (time.monotonic) leaves time for it; else that connection's error."""
+    for attempt in range(CONNECTION_RETRIES + 1):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError
+        try:
+            with urllib.request.urlopen(request, timeout=remaining) as response:
+                return read_bounded(response, max_reply_bytes, deadline)
+        except (ConnectionError, urllib.error.URLError) as error:
+            dropped = isinstance(getattr(error, "reason", error), ConnectionError)
+            pause = 0.2 * 2**attempt
+            if not dropped or isinstance(error, urllib.error.HTTPError):
+                raise
+            if attempt == CONNECTION_RETRIES or time.monotonic() + pause >= deadline:
+                raise
+            time.sleep(pause)
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
 def url_asker(url: str, model: str, max_tokens: int, timeout_s: float,
               concurrency: int) -> Ask:  # fmt: skip
     """Greedy chat completions from an OpenAI-compatible server (``hybridflow serve``,
@@ -95,10 +122,9 @@ def url_asker(url: str, model: str, max_tokens: int, timeout_s: float,
         body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}],
                            "max_tokens": max_tokens, "temperature": 0.0}).encode()  # fmt: skip
         request = urllib.request.Request(endpoint, body, {"Content-Type": "application/json"})
+        deadline = time.monotonic() + timeout_s
         try:
-            deadline = time.monotonic() + timeout_s
-            with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                reply = json.loads(read_bounded(response, max_reply_bytes, deadline))
+            reply = json.loads(post_retrying(request, max_reply_bytes, deadline))
             return ScoreOutcome("ok", reply["choices"][0]["message"]["content"] or "")
         except TimeoutError:
             return ScoreOutcome("timeout", message=f"judge {endpoint} took more than {timeout_s}s")

@@ -131,3 +131,37 @@ def test_a_second_model_behind_an_openai_server_and_its_timeouts():
                                     "ReplyTooLarge: reply larger than 1048576 bytes")  # fmt: skip
     finally:
         server.shutdown()
+
+
+def test_a_connection_the_server_drops_is_tried_again_within_the_deadline():
+    """A judge server under a burst resets some connections from its backlog: those samples
+    are asked again, not scored as failures; a server that never answers is still an error."""
+    import socket
+    import struct
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    reply = json.dumps({"choices": [{"message": {"content": "Score: 4"}}]}).encode()
+
+    def serve(drops: int):
+        for index in range(drops + 1):
+            connection, _ = listener.accept()
+            if index < drops:  # a reset (RST), as a full backlog or a restarting server gives
+                connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                connection.close()
+                continue
+            connection.recv(65536)
+            connection.sendall(
+                b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(reply), reply)
+            )
+            connection.close()
+
+    server = threading.Thread(target=serve, args=(2,), daemon=True)
+    server.start()
+    ask = url_asker(f"http://127.0.0.1:{port}/v1", "judge", 8, timeout_s=10.0, concurrency=1)
+    (outcome,) = ask(["Q"])
+    assert (outcome.status, outcome.value) == ("ok", "Score: 4")
+    server.join(5)
+    listener.close()
+    (refused,) = ask(["Q"])  # nothing listens now: refused on every try
+    assert refused.status == "error" and "refused" in refused.message.lower()
