@@ -171,3 +171,27 @@ def test_layers_without_their_cache_kind_run_the_slow_path_with_a_reason():
     model = build_model(preset_config("tiny-deepseek-v3"), seed=1).eval()
     engine = Engine(model, max_batch_size=2, max_seq_len=32)
     assert not engine.native and "latent" in engine.slow_reason
+
+
+def test_the_rollout_service_keeps_only_exact_states(hybrid):
+    """Requests through the service sample as alone; one stopping on an id only it has
+    (checked by the host, the device stepping past it) keeps no slot, since its state moved
+    on; the other's next turn continues its kept state and samples as a full prefill."""
+    from hybridflow.engine.serving.service import RolloutService
+
+    plain = SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True)
+    alone = _engine(hybrid).generate([PROMPTS[0]], plain, seeds=[1])[0]
+    stop = alone.token_ids[2]
+    stopping = SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True,
+                              stop_token_ids=[stop])  # fmt: skip
+    with RolloutService(_engine(hybrid, slots=4, block=16)) as service:
+        a, b = service.submit_many([
+            dict(prompt_ids=PROMPTS[0], params=stopping, seed=1, keep=True),
+            dict(prompt_ids=PROMPTS[3], params=plain, seed=2, keep=True),
+        ])  # fmt: skip
+        first_a, first_b = a.result(timeout=60)[0], b.result(timeout=60)[0]
+        assert first_a.token_ids == alone.token_ids[: alone.token_ids.index(stop) + 1]
+        assert first_a.kv_handle is None and first_b.kv_handle is not None
+        turn = PROMPTS[3] + first_b.token_ids + [9, 10]
+        second = service.submit(turn, plain, seed=3, reuse=first_b.kv_handle).result(timeout=60)
+    _assert_same(second, _slow(_engine(hybrid), [turn], plain, seeds=[3]))
