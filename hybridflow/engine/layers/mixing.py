@@ -43,7 +43,7 @@ def recurrent_prefill(layer, normed: torch.Tensor, layout: TokenLayout, states,
     out, state = getattr(layer, layer.mixer_name).prefill(normed, layout)
     conv, ssm = states.layer(index)
     conv[slots] = state.conv.to(conv.dtype)
-    ssm[slots] = state.ssm
+    ssm[slots] = state.ssm.to(ssm.dtype)
     return out
 
 
@@ -58,7 +58,7 @@ def recurrent_extend(layer, normed: torch.Tensor, layout: TokenLayout, states, i
                            ssm[slots] * keep[:, None, None, None])  # fmt: skip
     out = getattr(layer, layer.mixer_name).extend(normed, layout, state)
     conv[targets] = state.conv
-    ssm[targets] = state.ssm
+    ssm[targets] = state.ssm.to(ssm.dtype)
     return out
 
 
@@ -73,7 +73,7 @@ def recurrent_decode(layer, normed: torch.Tensor, states, index: int, slots: tor
         state = RecurrentState(conv[slots], ssm[slots])
         out = mixer.decode(normed, state)
         conv[targets] = state.conv
-        ssm[targets] = state.ssm
+        ssm[targets] = state.ssm.to(ssm.dtype)
         return out
     from hybridflow.engine.kernels.delta_step import delta_rule_step
 
