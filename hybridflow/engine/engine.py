@@ -21,7 +21,7 @@ from contextlib import nullcontext
 import torch
 
 from hybridflow.engine.cache import kv_cache
-from hybridflow.engine.cache.kinds import engine_gaps
+from hybridflow.engine.cache.kinds import eager_only, engine_gaps
 from hybridflow.engine.cache.workspace import engine_workspace_bytes
 from hybridflow.engine.choices import (
     PinnedChoices,
@@ -121,12 +121,10 @@ class Engine:
             "; ".join(engine_gaps(self.config.layer_specs())) or None)  # fmt: skip
         self.native = self.slow_reason is None
         # Layers the fused decode layers (split, chain, lean) do not run: gated attention,
-        # Gated DeltaNet. Their engine runs the model's own modules (the torch backend) and
-        # steps the recurrent states with the Triton kernel where the triton backend would
-        # run (kernels/delta_step.py).
-        self.eager_layers = self.native and any(
-            layer.spec.mixer != "attention" for layer in model.model.layers
-        )
+        # Gated DeltaNet, a shared expert. Their engine runs the model's own modules (the
+        # torch backend) and steps the recurrent states with the Triton kernel where the
+        # triton backend would run (kernels/delta_step.py).
+        self.eager_layers = self.native and eager_only(self.config.layer_specs())
         from hybridflow.engine.layers.moe import ExpertMatmuls, has_experts
 
         # mixture-of-experts layers run through layers/moe.py: routing recorded for replay,

@@ -195,3 +195,24 @@ def test_the_rollout_service_keeps_only_exact_states(hybrid):
         turn = PROMPTS[3] + first_b.token_ids + [9, 10]
         second = service.submit(turn, plain, seed=3, reuse=first_b.kv_handle).result(timeout=60)
     _assert_same(second, _slow(_engine(hybrid), [turn], plain, seeds=[3]))
+
+
+def test_a_hybrid_mixture_of_experts_runs_natively_with_its_routes_recorded():
+    """Qwen3.5-MoE's layers (routed experts and a gated shared expert) at tiny size: the
+    slow path's tokens, log-probs and routing records."""
+    config = preset_config("tiny-hybrid").replace(
+        model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=True,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(2)
+    model = build_model(config, seed=2).eval().requires_grad_(False)
+    for p in model.parameters():
+        p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    engine = _engine(model, block=16)
+    assert engine.native and engine.moe
+    got = engine.generate(PROMPTS[:2], SAMPLED)
+    expected = _slow(engine, PROMPTS[:2], SAMPLED)
+    _assert_same(got, expected)
+    for a, b in zip(got, expected):
+        assert a.routed_experts.shape == b.routed_experts.shape
+        assert (a.routed_experts == b.routed_experts).all()

@@ -24,9 +24,20 @@ from dataclasses import dataclass
 import torch
 
 # Layer kinds the engine's own passes run (prefill.py, layers/eager.py): mixers whose cache
-# exists, MLPs the torch passes call. The rest run on the slow path (slow.py).
+# exists, MLPs the torch passes call (layers/moe.mlp_torch). The rest run on the slow path
+# (slow.py).
 ENGINE_MIXERS = ("attention", "gated_attention", "gated_deltanet")
-ENGINE_MLPS = ("dense", "experts")
+ENGINE_MLPS = ("dense", "experts", "experts_shared")
+# Kinds the fused decode layers (layers/split.py, chain.py, lean.py) also run; a model with
+# any other runs the eager passes (the model's own modules) on every backend.
+FUSED_MIXERS = ("attention",)
+FUSED_MLPS = ("dense", "experts")
+
+
+def eager_only(specs) -> bool:
+    """Whether a model of these layer specs needs the eager passes (a kind the fused decode
+    layers do not cover: gated attention, Gated DeltaNet, a shared expert)."""
+    return any(spec.mixer not in FUSED_MIXERS or spec.mlp not in FUSED_MLPS for spec in specs)
 
 
 def engine_gaps(specs) -> list[str]:
