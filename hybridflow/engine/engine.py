@@ -286,7 +286,8 @@ class Engine:
                                                    recurrent_step=self.recurrent_step)  # fmt: skip
         self.runner = DecodeRunner(
             self.model, self.cache, self.state, self.rope, decode_forward,
-            use_graphs=self.cuda_graphs, use_triton_sampler=self.decode_backend == "triton",
+            use_graphs=self.cuda_graphs,
+            use_triton_sampler="triton" in (self.decode_backend, self.recurrent_step),
             launch=self.launch or PLAIN,
         )  # fmt: skip
         self.scheduler = Scheduler(self)
