@@ -55,13 +55,19 @@ def engine_gaps(specs) -> list[str]:
     return list(dict.fromkeys(gaps))
 
 
+def layers_by_kind(specs) -> dict[str, tuple[int, ...]]:
+    """The model layers of each cache kind the specs name ("kv", "recurrent", "latent"), in
+    order: what a cache allocates for each kind (a kind's tensors have one row per layer)."""
+    kinds: dict[str, tuple[int, ...]] = {}
+    for index, spec in enumerate(specs):
+        kinds[spec.cache] = (*kinds.get(spec.cache, ()), index)
+    return kinds
+
+
 def kv_layer_rows(specs) -> list[int | None]:
     """Per model layer, its row of the K/V cache's layer axis (None: it keeps none)."""
-    rows, count = [], 0
-    for spec in specs:
-        rows.append(count if spec.keeps_kv else None)
-        count += spec.keeps_kv
-    return rows
+    kv = layers_by_kind(specs).get("kv", ())
+    return [kv.index(i) if i in kv else None for i in range(len(specs))]
 
 
 @dataclass(frozen=True)
@@ -97,7 +103,7 @@ class RecurrentStateSpec:
 
 def recurrent_state_spec(config, dtype: torch.dtype) -> RecurrentStateSpec | None:
     """The recurrent state a model config's layer specs need (None: no recurrent layer)."""
-    layers = tuple(i for i, spec in enumerate(config.layer_specs()) if spec.recurrent)
+    layers = layers_by_kind(config.layer_specs()).get("recurrent", ())
     if not layers:
         return None
     key_dim = config.linear_num_key_heads * config.linear_key_head_dim
