@@ -46,7 +46,8 @@ def engine_gaps(specs) -> list[str]:
     gaps = []
     for spec in specs:
         if spec.mixer not in ENGINE_MIXERS:
-            gaps.append(f"{spec.mixer} layers: no {spec.cache} cache kind in the engine yet")
+            gaps.append(f"{spec.mixer} layers ({spec.cache} cache): not in the engine's passes "
+                        "yet")  # fmt: skip
         elif spec.window:
             gaps.append(f"{spec.mixer} layers with a {spec.window}-token window: no windowed "
                         "cache kind yet")  # fmt: skip
