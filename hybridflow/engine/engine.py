@@ -21,6 +21,7 @@ from contextlib import nullcontext
 import torch
 
 from hybridflow.engine.cache import kv_cache
+from hybridflow.engine.cache.kinds import eager_only, engine_gaps
 from hybridflow.engine.cache.workspace import engine_workspace_bytes
 from hybridflow.engine.choices import (
     PinnedChoices,
@@ -114,9 +115,16 @@ class Engine:
         self.max_prefill_tokens = options.max_prefill_tokens
         from hybridflow.models.llama import CausalLM
 
-        # else: slow path (slow.py); so are layers with a recurrent state (Gated DeltaNet),
-        # MLA's latent, sinks or a window, until the cache keeps them beside the paged K/V
-        self.native = isinstance(model, CausalLM) and not model.unpaged_layers
+        # else: slow path (slow.py), with the reason; so are layer kinds whose cache kind the
+        # engine has not built yet (MLA's latent, sinks, a window: cache/kinds.py)
+        self.slow_reason = "not hybridflow's own decoder" if not isinstance(model, CausalLM) else (
+            "; ".join(engine_gaps(self.config.layer_specs())) or None)  # fmt: skip
+        self.native = self.slow_reason is None
+        # Layers the fused decode layers (split, chain, lean) do not run: gated attention,
+        # Gated DeltaNet, a shared expert. Their engine runs the model's own modules (the
+        # torch backend) and steps the recurrent states with the Triton kernel where the
+        # triton backend would run (kernels/delta_step.py).
+        self.eager_layers = self.native and eager_only(self.config.layer_specs())
         from hybridflow.engine.layers.moe import ExpertMatmuls, has_experts
 
         # mixture-of-experts layers run through layers/moe.py: routing recorded for replay,
@@ -129,6 +137,10 @@ class Engine:
         self.tensor_parallel = tensor_parallel_size(model)
         self.decode_backend = _resolve_backend(options.decode_backend, self.device,
                                                self.tensor_parallel)  # fmt: skip
+        self.recurrent_step = "torch"
+        if self.eager_layers:
+            self.recurrent_step = self.decode_backend
+            self.decode_backend = "torch"
         triton_backend = self.decode_backend == "triton"
         cuda = self.device.type == "cuda"
         # a tensor-parallel step's collectives in a graph: not measured yet, so asked for
@@ -151,6 +163,9 @@ class Engine:
         if options.weight_format == "fp8" and self.moe:
             raise ValueError("weight_format='fp8' (rollout.dtype=fp8) does not cover "
                              "mixture-of-experts models yet: use the model's dtype")  # fmt: skip
+        if options.weight_format == "fp8" and self.eager_layers:
+            raise ValueError("weight_format='fp8' (rollout.dtype=fp8) does not cover gated "
+                             "attention or Gated DeltaNet layers yet: use the model's dtype")  # fmt: skip
         if options.weight_format == "fp8":
             from hybridflow.engine.fp8 import check_fp8_engine
 
@@ -263,10 +278,16 @@ class Engine:
                                             matmul=extend_matmul, launch=self.launch,
                                             autotune=False, experts=self.experts)  # fmt: skip
         else:
-            from hybridflow.engine.layers.eager import decode_forward_torch as decode_forward
+            from hybridflow.engine.layers.eager import decode_forward_torch
+
+            decode_forward = decode_forward_torch
+            if self.cache.states is not None:
+                decode_forward = functools.partial(decode_forward_torch,
+                                                   recurrent_step=self.recurrent_step)  # fmt: skip
         self.runner = DecodeRunner(
             self.model, self.cache, self.state, self.rope, decode_forward,
-            use_graphs=self.cuda_graphs, use_triton_sampler=self.decode_backend == "triton",
+            use_graphs=self.cuda_graphs,
+            use_triton_sampler="triton" in (self.decode_backend, self.recurrent_step),
             launch=self.launch or PLAIN,
         )  # fmt: skip
         self.scheduler = Scheduler(self)

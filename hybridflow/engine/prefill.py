@@ -18,6 +18,7 @@ from hybridflow.engine.kernels.launch import PLAIN, Launch
 from hybridflow.engine.rope_table import RopeTable
 from hybridflow.engine.weights import FusedProjections
 from hybridflow.models.attention import make_packed_attention, resolve_backend
+from hybridflow.models.mixers.gated_deltanet import TokenLayout
 
 
 @torch.no_grad()
@@ -38,6 +39,7 @@ def prefill_forward(
 
     Every token's K/V goes to cache[layer, token_slots, position_ids], or to cache[layer,
     *cache_at] when given (a paged cache: each token's block and offset, kv_cache.py)."""
+    from hybridflow.engine.layers import mixing
     from hybridflow.engine.layers.moe import mlp_torch, route_target, sparse_indices
 
     entries, offsets = cache_at or (token_slots, position_ids)
@@ -47,18 +49,29 @@ def prefill_forward(
     cos, sin = rope.cos[position_ids], rope.sin[position_ids]  # [N, D]
     backend = resolve_backend(model.attention_backend, hidden.device, hidden.dtype)
     attend = make_packed_attention(backend, cu_seqlens, max_seqlen, input_ids.shape[0])
+    layout = sequence_slots = None
+    if cache.states is not None:  # each prompt's state goes to its (first) slot
+        layout = TokenLayout.packed(cu_seqlens, max_seqlen)
+        sequence_slots = token_slots[cu_seqlens[1:].long() - 1]
     layers = model.model.layers
     for index, layer in enumerate(layers):
-        attn = layer.self_attn
-        q, k, v = attn.project_qkv(layer.input_layernorm(hidden), cos, sin)
-        cache.keys[index, entries, offsets] = k
-        cache.values[index, entries, offsets] = v
-        out = attend(q, k, v).flatten(-2)
+        normed = layer.input_layernorm(hidden)
+        if layer.spec.recurrent:
+            out = mixing.recurrent_prefill(layer, normed, layout, cache.states, index,
+                                           sequence_slots)  # fmt: skip
+        else:
+            row = cache.kv_row(index)
+
+            def store(k, v, row=row):
+                cache.keys[row, entries, offsets] = k
+                cache.values[row, entries, offsets] = v
+
+            out = mixing.kv_mixer(layer, normed, cos, sin, store, attend)
         # the last tokens only (see above); a sparse layer routes (records) every token first
         trim = index + 1 == len(layers)
         if trim and sparse[index] is None:
             hidden, out = hidden[last_index], out[last_index]
-        hidden = hidden + attn.o_proj(out)
+        hidden = hidden + out
         keep = last_index if trim and sparse[index] is not None else None
         delta = mlp_torch(layer, layer.post_attention_layernorm(hidden), target, sparse[index],
                           keep)  # fmt: skip
@@ -135,15 +148,20 @@ def extend_forward(
     cache_at: tuple | None = None,
     decode_rows: int = 0,
     max_len: int | None = None,
+    frozen: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """input_ids/position_ids/token_slots [N]: each sequence's new tokens, contiguous and in
     position order; every token attends to its slot's cache up to its own position (the
     model's own modules, eager). -> logits [len(last_index), V] of the rows at last_index.
+    A recurrent layer runs each sequence on from its slot's state (from zeros where it
+    starts at position 0); frozen [decode_rows]: decode rows whose state must not move (rows
+    the device has finished), their new states to the scratch slot.
 
     In chunks of tokens, each through every layer before the next: a later token reads the
     K/V an earlier chunk wrote (causal order), and the gathered cache stays bounded. cache_at:
     as prefill_forward's. decode_rows, max_len: extend_forward_triton's (here every token
     attends the same way, over its slot up to its position, so they change nothing)."""
+    from hybridflow.engine.layers import mixing
     from hybridflow.engine.layers.eager import cached_attention_torch
     from hybridflow.engine.layers.moe import mlp_torch, route_target, sparse_indices
 
@@ -162,14 +180,34 @@ def extend_forward(
         hidden = model.model.embed_tokens(ids)
         cos, sin = rope.cos[positions], rope.sin[positions]
         target = route_target(cache, *chunk_at)
+        sequences = None
+        if cache.states is not None:  # the chunk's sequences, the frozen decode rows' targets
+            layout, sequence_slots, fresh = mixing.packed_layout(slots, positions)
+            held = None
+            if frozen is not None and start < decode_rows:
+                held = torch.zeros_like(fresh)
+                rows_here = min(decode_rows - start, len(held))
+                held[:rows_here] = frozen[start : start + rows_here]
+            targets = mixing.write_slots(sequence_slots, held, cache.states.scratch_slot)
+            sequences = (layout, sequence_slots, targets, fresh)
         for index, layer in enumerate(model.model.layers):
-            attn = layer.self_attn
-            q, k, v = attn.project_qkv(layer.input_layernorm(hidden), cos, sin)
-            cache.keys[index, chunk_at[0], chunk_at[1]] = k
-            cache.values[index, chunk_at[0], chunk_at[1]] = v
-            out = cached_attention_torch(q, cache.keys[index], cache.values[index], slots,
-                                         positions + 1, max_len, cache)  # fmt: skip
-            hidden = hidden + attn.o_proj(out.flatten(-2))
+            normed = layer.input_layernorm(hidden)
+            if layer.spec.recurrent:
+                out = mixing.recurrent_extend(layer, normed, sequences[0], cache.states, index,
+                                              *sequences[1:])  # fmt: skip
+            else:
+                row = cache.kv_row(index)
+
+                def store(k, v, row=row, chunk_at=chunk_at):
+                    cache.keys[row, chunk_at[0], chunk_at[1]] = k
+                    cache.values[row, chunk_at[0], chunk_at[1]] = v
+
+                def attend(q, k, v, row=row, slots=slots, positions=positions, max_len=max_len):
+                    return cached_attention_torch(q, cache.keys[row], cache.values[row], slots,
+                                                  positions + 1, max_len, cache)  # fmt: skip
+
+                out = mixing.kv_mixer(layer, normed, cos, sin, store, attend)
+            hidden = hidden + out
             normed = layer.post_attention_layernorm(hidden)
             hidden = hidden + mlp_torch(layer, normed, target, sparse[index])
         kept.append(hidden[wanted[start : start + chunk_tokens]])

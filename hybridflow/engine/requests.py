@@ -153,7 +153,8 @@ class LiveRequest:
     """One admitted request (module docstring); `key` orders nothing, it names the request
     in shared-prefix groups."""
 
-    __slots__ = ("sub", "request", "slot", "tokens", "logprobs", "spans", "done", "key")
+    __slots__ = ("sub", "request", "slot", "tokens", "logprobs", "spans", "done", "key",
+                 "overran")  # fmt: skip
 
     def __init__(self, sub: Submission, request: int, slot: int, version: int):
         self.sub, self.request, self.slot = sub, request, slot
@@ -162,6 +163,8 @@ class LiveRequest:
         self.spans: list[tuple[int, int]] = [(0, version)]
         self.done = False
         self.key = next(_live_ids)
+        # the device decoded past its end (a stop id only the host checks; the surplus cut)
+        self.overran = False
 
 
 def padded_tensors(results: list[Completion], pad_token_id: int) -> dict[str, torch.Tensor]:

@@ -15,9 +15,11 @@ from hybridflow.engine.sampling import sample_reference, split_seed
 
 @torch.no_grad()
 def generate_slow(engine, prompts: list[list[int]], params, seeds: torch.Tensor):
-    """seeds: [len(prompts) * n] per-request seeds (sampling.call_seeds)."""
+    """seeds: [len(prompts) * n] per-request seeds (sampling.call_seeds: a tensor, or ints
+    for one prompt or seeds given per prompt)."""
     engine._check_prompts(prompts)
     device, n = engine.device, params.n
+    seeds = torch.as_tensor(seeds, dtype=torch.int64)
     seed_lo, seed_hi = (s.to(device) for s in split_seed(seeds))
     stop_ids = set(engine._stop_ids(params))
     sequences = [list(p) for p in prompts for _ in range(n)]

@@ -81,8 +81,10 @@ class LayerSpec:
 
     @property
     def paged_kv(self) -> bool:
-        """The engine's paged K/V path runs this layer (plain GQA over the whole prefix);
-        the other kinds run on its slow path until their caches exist."""
+        """The engine's fused paged-K/V layers (and the tensor-parallel rollout) run this
+        layer: plain GQA over the whole prefix. Gated attention and Gated DeltaNet run the
+        engine's eager passes beside their caches (engine/cache/kinds.py); MLA, sinks and
+        windows its slow path until their cache kinds exist."""
         return self.mixer == "attention" and not self.window
 
     @property

@@ -195,14 +195,8 @@ class CausalLM(nn.Module):
     @property
     def recurrent_layers(self) -> list[int]:
         """Layers whose token mixer keeps a recurrent state instead of K/V (their spec's
-        cache kind): the engine's paged-K/V path does not run them yet."""
+        cache kind): the engine keeps a state per sequence for them (engine/cache/kinds.py)."""
         return [i for i, layer in enumerate(self.model.layers) if layer.spec.recurrent]
-
-    @property
-    def unpaged_layers(self) -> list[int]:
-        """Layers the engine's paged-K/V path does not run (a recurrent state, MLA's latent,
-        sinks or a sliding window): with any, the engine takes its slow path."""
-        return [i for i, layer in enumerate(self.model.layers) if not layer.spec.paged_kv]
 
     @property
     def layout_layers(self) -> list[int]:

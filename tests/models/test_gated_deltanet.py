@@ -56,3 +56,25 @@ def test_padded_rows_equal_packed_sequences():
         packed = mixer(torch.cat([x[0], x[1, 3:]]), TokenLayout.packed(torch.tensor([0, 7, 11]), 7))
     assert torch.allclose(padded[0], packed[:7], atol=1e-5)
     assert torch.allclose(padded[1, 3:], packed[7:], atol=1e-5)
+
+
+def test_extend_continues_a_prefilled_state_as_the_training_op():
+    """The engine's extend op (a kept turn, a prompt's later chunk): new tokens of sequences
+    whose earlier tokens were prefilled, one of them a single token and one shorter than the
+    conv window, give the training op's outputs; decode goes on from the state it leaves."""
+    mixer = _mixer(3)
+    lengths, prompts = [9, 5, 7], [5, 3, 1]
+    x = torch.randn(sum(lengths), 64)
+    with torch.no_grad():
+        rows = list(x.split(lengths))
+        full = [mixer(row, TokenLayout.packed(torch.tensor([0, len(row)]), len(row)))
+                for row in rows]  # fmt: skip
+        heads = torch.cat([row[:p] for row, p in zip(rows, prompts)])
+        _, state = mixer.prefill(heads, TokenLayout.packed(torch.tensor([0, 5, 8, 9]), 5))
+        tails = torch.cat([row[p:-1] for row, p in zip(rows, prompts)])  # all but the last
+        out = mixer.extend(tails, TokenLayout.packed(torch.tensor([0, 3, 4, 9]), 5), state)
+        news = [n - p - 1 for n, p in zip(lengths, prompts)]
+        for got, row_full, p, n in zip(out.split(news), full, prompts, news):
+            assert torch.allclose(got, row_full[p : p + n], atol=1e-5)
+        last = mixer.decode(torch.stack([row[-1] for row in rows]), state)
+        assert torch.allclose(last, torch.stack([row_full[-1] for row_full in full]), atol=1e-5)

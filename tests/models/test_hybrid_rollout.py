@@ -1,7 +1,7 @@
-"""A hybrid model (Gated DeltaNet layers) in the engine and the RL loop: with no
-recurrent-state cache yet, the engine runs it through its slow path (the whole left-padded
-sequence recomputed each step), whose greedy tokens are the model's own argmax; a GRPO run
-on tiny-hybrid completes its steps."""
+"""A hybrid model (Gated DeltaNet layers) in the engine and the RL loop: the engine runs it on
+its own path (a recurrent state per slot beside the attention layer's K/V), whose greedy
+tokens are the model's own argmax, as are its slow path's (the whole left-padded sequence
+recomputed each step); a GRPO run on tiny-hybrid completes its steps."""
 
 import torch
 
@@ -18,16 +18,23 @@ def _greedy_reference(model, prompt: list[int], steps: int) -> list[int]:
     return tokens[len(prompt) :]
 
 
-def test_engine_runs_a_hybrid_model_on_its_slow_path_with_the_models_tokens():
+def test_engine_runs_a_hybrid_model_natively_and_slowly_with_the_models_tokens():
+    from hybridflow.engine.sampling import call_seeds
+    from hybridflow.engine.slow import generate_slow
+
     model = load_model("tiny-hybrid").eval()
+    model.init_weights(seed=1, std=0.2)  # tokens that change from step to step
     assert model.recurrent_layers == [0, 1, 2]
     engine = Engine(model, max_batch_size=4, max_seq_len=32)
-    assert not engine.native
+    assert engine.native
     prompts = [[5, 6, 7, 8, 9], [10, 11]]  # different lengths: the shorter is left-padded
     params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
-    results = engine.generate(prompts, params)
-    for prompt, completion in zip(prompts, results):
+    native = engine.generate(prompts, params)
+    slow = generate_slow(engine, prompts, params, call_seeds(len(prompts), params))
+    for prompt, completion, recomputed in zip(prompts, native, slow):
         assert completion.token_ids == _greedy_reference(model, prompt, 6)
+        assert recomputed.token_ids == completion.token_ids
+    assert len(set(native[0].token_ids)) > 1
 
 
 def test_grpo_on_tiny_hybrid_completes_two_steps(tmp_path):

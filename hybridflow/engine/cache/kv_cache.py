@@ -18,6 +18,10 @@ A mixture-of-experts model's cache also holds the routing record (`routes`, rout
 each position's expert ids per sparse layer, [slots + 1, S, L_sparse, k] or [blocks + 1, B,
 L_sparse, k] (uint8 up to 256 experts, else int16), laid out like K and V so that it is
 shared, fanned out and grown with them; the scheduler reads a request's rows when it ends.
+
+K and V are kept for the layers whose spec keeps them only (``kv_rows``: a model layer's row
+of the layer axis); a hybrid model's recurrent layers keep a per-sequence state instead
+(``states``, kinds.RecurrentStates, one row per slot), sized in the same budget.
 """
 
 from __future__ import annotations
@@ -25,6 +29,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from hybridflow.engine.cache.kinds import (
+    RecurrentStates,
+    RecurrentStateSpec,
+    kv_layer_rows,
+    recurrent_state_spec,
+)
 
 
 @dataclass
@@ -34,6 +45,8 @@ class KVCache:
     block_table: torch.Tensor | None = None  # paged: int32 [slots + 1, S / B]
     seq_len: int | None = None  # paged: max_seq_len
     routes: torch.Tensor | None = None  # [slots + 1, S, L_sparse, k] or [blocks + 1, B, ...]
+    states: RecurrentStates | None = None  # per-sequence state of the recurrent layers
+    kv_rows: list[int | None] | None = None  # model layer -> K/V layer row (None: identity)
 
     @property
     def paged(self) -> bool:
@@ -65,7 +78,18 @@ class KVCache:
 
     def nbytes(self) -> int:
         routes = 0 if self.routes is None else self.routes.numel() * self.routes.element_size()
-        return self.keys.numel() * self.keys.element_size() * 2 + routes
+        states = 0 if self.states is None else self.states.nbytes()
+        return self.keys.numel() * self.keys.element_size() * 2 + routes + states
+
+    def kv_row(self, layer: int) -> int:
+        """Model layer `layer`'s row of keys/values (a hybrid model keeps K/V in some layers)."""
+        return layer if self.kv_rows is None else self.kv_rows[layer]
+
+    def copy_sequences(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Slot dst[i] takes slot src[i]'s per-sequence kinds (a recurrent state), device index
+        lists; the per-position kinds move with copy_entries and shared blocks."""
+        if self.states is not None and src.numel():
+            self.states.copy(src, dst)
 
     def locate(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple:
         """(entries, offsets) of positions of slots, as the cache's dim 1 and 2 index them
@@ -266,19 +290,30 @@ def make_cache(
 ) -> tuple[KVCache, object]:
     """The KV cache a model config's engine gets from its budget: a slot cache (block_size
     None) or a paged one, with the paged one's host-side blocks.BlockPool (else None).
-    routes: the routing record to keep beside K and V (route_spec), counted in the budget."""
-    layers = config.num_hidden_layers
+    routes: the routing record to keep beside K and V (route_spec), counted in the budget.
+    K/V for the layers whose spec keeps them; the recurrent layers' per-sequence state
+    (kinds.recurrent_state_spec) for every slot, taken from the budget first."""
+    specs = config.layer_specs()
+    rows = kv_layer_rows(specs)
+    layers = sum(row is not None for row in rows)
+    states = recurrent_state_spec(config, dtype)
     shape = (config.num_key_value_heads, config.head_dim)
     route_bytes = routes.bytes_per_position if routes is not None else 0
     if block_size is None:
         slot_bytes = bytes_per_slot(layers, *shape, max_seq_len, dtype, route_bytes)
+        slot_bytes += states.bytes_per_sequence if states is not None else 0
         slots = plan_slots(max_batch_size, slot_bytes, memory_budget, device, reserve_bytes)
         cache = allocate_cache(layers, slots, max_seq_len, *shape, dtype, device)
         if routes is not None:
             cache.routes = routes.allocate(slots + 1, max_seq_len, device)
-        return cache, None
+        return _with_kinds(cache, rows, states, slots, device), None
     from hybridflow.engine.cache.blocks import BlockPool
 
+    if states is not None:  # a state per slot whatever the blocks: taken off the budget first
+        reserve_bytes += (max_batch_size + 1) * states.bytes_per_sequence
+        if memory_budget is not None and not 0 < memory_budget <= 1:
+            memory_budget = int(memory_budget) - (max_batch_size + 1) * states.bytes_per_sequence
+            _check_state_budget(memory_budget, max_batch_size, states)
     block_bytes = bytes_per_block(layers, *shape, block_size, dtype, route_bytes)
     blocks = plan_blocks(max_batch_size, max_seq_len, block_size, block_bytes, memory_budget,
                          device, reserve_bytes)  # fmt: skip
@@ -286,4 +321,24 @@ def make_cache(
                                  dtype, device)  # fmt: skip
     if routes is not None:
         cache.routes = routes.allocate(blocks + 1, block_size, device)
+    cache = _with_kinds(cache, rows, states, max_batch_size, device)
     return cache, BlockPool(blocks, block_size, max_batch_size, cache.block_table.shape[1])
+
+
+def _check_state_budget(left: int, max_batch_size: int, states: RecurrentStateSpec) -> None:
+    if left <= 0:
+        raise ValueError(
+            f"memory_budget holds no KV blocks once the recurrent state of max_batch_size="
+            f"{max_batch_size} sequences ({states.bytes_per_sequence / 2**20:.2f} MiB each) is "
+            "taken: raise memory_budget or lower max_batch_size"
+        )
+
+
+def _with_kinds(cache: KVCache, rows, states: RecurrentStateSpec | None, slots: int,
+                device: torch.device) -> KVCache:  # fmt: skip
+    """The cache with its layer rows and the recurrent state of its slots."""
+    if any(row != layer for layer, row in enumerate(rows)):
+        cache.kv_rows = rows
+    if states is not None:
+        cache.states = states.allocate(slots, device)
+    return cache

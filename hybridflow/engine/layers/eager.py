@@ -54,12 +54,18 @@ def decode_forward_torch(
     row_slots: torch.Tensor,
     max_len: int,
     shared=None,
+    frozen: torch.Tensor | None = None,
+    recurrent_step: str = "torch",
 ) -> torch.Tensor:
     """tokens/positions/row_slots [B] -> logits [B, V]; K/V stored at (row_slots, positions).
 
     max_len: positions read by attention (a static bound under CUDA graphs, the live maximum
     in eager mode). shared (the triton path's shared-prefix groups) is ignored: each row
-    reads its whole cache, the same values."""
+    reads its whole cache, the same values. A recurrent layer moves each row's state one
+    token on, by slot; frozen [B]: rows whose state must not move (finished, still stepping
+    until read back), written to the scratch slot instead. recurrent_step: "torch" or
+    "triton" (layers/mixing.recurrent_decode)."""
+    from hybridflow.engine.layers import mixing
     from hybridflow.engine.layers.moe import mlp_torch, route_target, sparse_indices
 
     hidden = model.model.embed_tokens(tokens)  # [B, H]
@@ -68,15 +74,27 @@ def decode_forward_torch(
     entries, offsets = cache.locate(row_slots, positions)
     target = route_target(cache, entries, offsets)
     sparse = sparse_indices(model)
+    targets = None
+    if cache.states is not None:
+        targets = mixing.write_slots(row_slots, frozen, cache.states.scratch_slot)
     for index, layer in enumerate(model.model.layers):
-        attn = layer.self_attn
-        q, k, v = attn.project_qkv(layer.input_layernorm(hidden), cos, sin)
-        cache.keys[index, entries, offsets] = k
-        cache.values[index, entries, offsets] = v
-        out = cached_attention_torch(
-            q, cache.keys[index], cache.values[index], row_slots, lengths, max_len, cache
-        )
-        hidden = hidden + attn.o_proj(out.flatten(-2))
+        normed = layer.input_layernorm(hidden)
+        if layer.spec.recurrent:
+            out = mixing.recurrent_decode(layer, normed, cache.states, index, row_slots, targets,
+                                          recurrent_step)  # fmt: skip
+        else:
+            row = cache.kv_row(index)
+
+            def store(k, v, row=row):
+                cache.keys[row, entries, offsets] = k
+                cache.values[row, entries, offsets] = v
+
+            def attend(q, k, v, row=row):
+                return cached_attention_torch(q, cache.keys[row], cache.values[row], row_slots,
+                                              lengths, max_len, cache)  # fmt: skip
+
+            out = mixing.kv_mixer(layer, normed, cos, sin, store, attend)
+        hidden = hidden + out
         normed = layer.post_attention_layernorm(hidden)
         hidden = hidden + mlp_torch(layer, normed, target, sparse[index])
     return model.lm_head(model.model.norm(hidden))

@@ -78,10 +78,17 @@ def route_target(cache, entries: torch.Tensor, offsets: torch.Tensor) -> RouteTa
 def mlp_torch(layer, x: torch.Tensor, target: RouteTarget | None, sparse_index: int | None,
               keep: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The layer's MLP on x [N, H] with the model's own modules (rows `keep` only, when given;
-    a sparse layer routes every row first, recording them)."""
+    a sparse layer routes every row first, recording them; a shared expert beside the routed
+    ones, Qwen3.5-MoE's, adds its gated output as the model's forward_routed does)."""
     if sparse_index is None:
         return layer.mlp(x if keep is None else x[keep])
-    return experts_torch(layer.mlp, x, target, sparse_index, keep)
+    out = experts_torch(layer.mlp, x, target, sparse_index, keep)
+    shared = getattr(layer.mlp, "shared_expert", None)
+    if shared is None:
+        return out
+    rows = x if keep is None else x[keep]
+    gated = torch.sigmoid(layer.mlp.shared_expert_gate(rows)) * shared(rows)
+    return out + gated.to(out.dtype)
 
 
 def _active_adapters(mlp):

@@ -84,6 +84,8 @@ def absorb(scheduler: SchedulerState, snapshot: Snapshot) -> None:
             if extra:  # a stop id only this submission has: cut there
                 cut = next((i for i, t in enumerate(new_tokens) if t in extra), None)
                 if cut is not None:
+                    # unless the device stopped it there too, it steps on past the cut
+                    live.overran = not (finished[row] and cut + 1 == len(new_tokens))
                     new_tokens, new_logprobs = new_tokens[: cut + 1], new_logprobs[: cut + 1]
                     done.add(live)
             live.tokens.extend(new_tokens)

@@ -186,7 +186,13 @@ class SchedulerState:
             tokens = live.tokens
             aborted = live.request in sub.aborted
             handle = None
-            if sub.keep and not aborted:  # the slot holds the prompt and every token but the last
+            # A recurrent state moved on with every token the device decoded past a stop only
+            # the host checks (K/V past the end are overwritten): such a slot is not kept,
+            # and the next turn prefills in full.
+            exact = not (live.overran and self.cache.states is not None)
+            if (
+                sub.keep and not aborted and exact
+            ):  # the slot holds the prompt and every token but the last
                 handle = self.engine.kept.keep(
                     live.slot, [*sub.prompt_of(live.request), *tokens[:-1]]
                 )

@@ -156,15 +156,18 @@ def packed_gated_delta_rule(
     max_seqlen: int,
     backend: str = "auto",
     final_state: bool = False,
+    initial_state: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """q/k [N, Hk, Dk], v [N, Hv, Dv], g/beta [N, Hv] of packed sequences -> out [N, Hv, Dv]
     in v's dtype (and, with ``final_state``, each sequence's last state [S, Hv, Dk, Dv] fp32:
-    what a prefill hands the decode steps). backend: "fla" (fla-core's chunk kernel, CUDA),
-    "torch" (chunked reference on the sequences as rows) or "auto" (fla where it is
-    importable on CUDA)."""
+    what a prefill hands the decode steps). initial_state [S, Hv, Dk, Dv]: each sequence's
+    state before its first token (None: zeros; the engine's continued sequences). backend:
+    "fla" (fla-core's chunk kernel, CUDA), "torch" (chunked reference on the sequences as
+    rows) or "auto" (fla where it is importable on CUDA)."""
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta))
     if resolve_delta_backend(backend, q.device, v.dtype, needs_grad) == "fla":
-        out, state = fla_packed_gated_delta_rule(q, k, v, g, beta, cu_seqlens, final_state)
+        out, state = fla_packed_gated_delta_rule(q, k, v, g, beta, cu_seqlens, final_state,
+                                                 initial_state)  # fmt: skip
         return (out, state) if final_state else out
     rows, columns = rows_of_packed(cu_seqlens, max_seqlen)
     num_rows = len(cu_seqlens) - 1
@@ -175,7 +178,8 @@ def packed_gated_delta_rule(
 
     # right padding: a row's padded tail comes after its tokens, so it reaches none of them;
     # and with k = v = beta = g = 0 there it leaves the row's last state as it was
-    out, state = chunked_gated_delta_rule(*(as_rows(x) for x in (q, k, v, g, beta)))
+    out, state = chunked_gated_delta_rule(*(as_rows(x) for x in (q, k, v, g, beta)),
+                                          initial_state=initial_state)  # fmt: skip
     out = out[rows, columns].to(v.dtype)
     return (out, state) if final_state else out
 
@@ -245,7 +249,8 @@ def _fla_chunk():
     return chunk_gated_delta_rule
 
 
-def fla_packed_gated_delta_rule(q, k, v, g, beta, cu_seqlens, final_state: bool = False):
+def fla_packed_gated_delta_rule(q, k, v, g, beta, cu_seqlens, final_state: bool = False,
+                                initial_state: torch.Tensor | None = None):  # fmt: skip
     """fla-core's varlen chunk kernel: one batch row [1, N, H, D] with ``cu_seqlens`` (int64),
     the state reset at each boundary; it normalises q/k itself (use_qk_l2norm_in_kernel) and
     scales q by Dk^-0.5 by default. Key heads are expanded to the value heads first (older
@@ -259,7 +264,7 @@ def fla_packed_gated_delta_rule(q, k, v, g, beta, cu_seqlens, final_state: bool 
         v[None].contiguous(),
         g[None].float(),
         beta[None].to(v.dtype),
-        initial_state=None,
+        initial_state=None if initial_state is None else initial_state.float().contiguous(),
         output_final_state=final_state,
         cu_seqlens=cu_seqlens.long(),
         use_qk_l2norm_in_kernel=True,

@@ -141,6 +141,34 @@ class GatedDeltaNet(nn.Module):
         conv = (mixed[index] * inside[..., None]).transpose(1, 2).contiguous()  # [S, C, K-1]
         return out, RecurrentState(conv=conv, ssm=ssm)
 
+    def extend(self, x: torch.Tensor, layout: TokenLayout, state: RecurrentState) -> torch.Tensor:
+        """The engine's extend pass: packed new tokens x [N, H] of S sequences that continue
+        from ``state`` (theirs, in order: a kept turn, an earlier chunk of a prompt) -> out
+        [N, H]; the state moves on past each sequence's last token, in place."""
+        if not layout.is_packed:
+            raise ValueError("extend takes packed sequences (TokenLayout.packed)")
+        mixed = self.in_proj_qkv(x)  # [N, C]
+        kept = self.conv1d.weight.shape[-1] - 1
+        rows, columns = rows_of_packed(layout.cu_seqlens, layout.max_seqlen)
+        count = len(layout.cu_seqlens) - 1
+        # each sequence as a row: its kept conv inputs, then its new inputs (right-padded)
+        grid = mixed.new_zeros(count, kept + layout.max_seqlen, mixed.shape[-1])
+        grid[:, :kept] = state.conv.transpose(1, 2).to(mixed.dtype)
+        grid[rows, columns + kept] = mixed
+        convolved = F.conv1d(grid.transpose(1, 2), self.conv1d.weight.to(mixed.dtype),
+                             groups=mixed.shape[-1])  # fmt: skip  # [S, C, T]
+        convolved = convolved.transpose(1, 2)[rows, columns]
+        lengths = (layout.cu_seqlens[1:] - layout.cu_seqlens[:-1]).long()
+        last = lengths[:, None] + torch.arange(kept, device=x.device)  # the last K-1 inputs
+        conv = grid[torch.arange(count, device=x.device)[:, None], last]  # [S, K-1, C]
+        q, k, v = self._heads(F.silu(convolved))
+        g, beta = self.gates(x)
+        core, ssm = packed_gated_delta_rule(q, k, v, g, beta, layout.cu_seqlens, layout.max_seqlen,
+                                            self.delta_backend, True, state.ssm)  # fmt: skip
+        state.conv.copy_(conv.transpose(1, 2))
+        state.ssm.copy_(ssm)
+        return self.output(core, x)
+
     def decode(self, x: torch.Tensor, state: RecurrentState) -> torch.Tensor:
         """The engine's decode step: one token of each of B sequences, x [B, H] -> [B, H];
         ``state`` (theirs, in order) moves one token on, in place."""
@@ -154,14 +182,16 @@ class GatedDeltaNet(nn.Module):
             q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], state.ssm
         )
         state.ssm.copy_(ssm)
-        return self._output(core[:, 0].to(v.dtype), x)
+        return self.output(core[:, 0].to(v.dtype), x)
 
     def _heads(self, mixed: torch.Tensor):
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         return (q.unflatten(-1, (-1, self.head_k_dim)), k.unflatten(-1, (-1, self.head_k_dim)),
                 v.unflatten(-1, (-1, self.head_v_dim)))  # fmt: skip
 
-    def _output(self, core: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def output(self, core: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The delta rule's output core [..., Hv, Dv] (x's dtype) -> the layer's [..., H]:
+        RMSNorm gated by silu(in_proj_z(x)), then out_proj."""
         z = self.in_proj_z(x).unflatten(-1, (-1, self.head_v_dim))
         return self.out_proj(self.norm(core, z).flatten(-2))
 
@@ -184,7 +214,7 @@ class GatedDeltaNet(nn.Module):
                 core, ssm = core
         else:
             core = chunked_gated_delta_rule(q, k, v, g, beta)[0].to(v.dtype)
-        return self._output(core, x), mixed, ssm
+        return self.output(core, x), mixed, ssm
 
 
 def recurrent_state_elements(config) -> tuple[int, int]:

@@ -110,9 +110,12 @@ def kv_cache_item(a: ModelArchitecture, o: PlanOptions, items: list[MemoryItem])
     per_sequence = 1 if block is None else -(-length // block)  # slots or blocks a sequence
     entry = kv_slot_bytes(a, length if block is None else block, o.rollout_bytes)
     entry //= kv_split(a, o.rollout_tp)
-    # a recurrent layer's state (conv + fp32 SSM) is one per sequence: spread over its entries
-    entry += -(-a.recurrent_state_bytes(o.rollout_bytes) // per_sequence)
-    entries = kv_cache_entries(entry, o.rollout_max_seqs * per_sequence, reserve, used, o)
+    # a recurrent layer's state (conv + fp32 SSM) is one per slot: in each slot of a slot
+    # cache; beside a paged cache's blocks, every slot's (and the scratch one's) taken first
+    state = a.recurrent_state_bytes(o.rollout_bytes)
+    states = 0 if block is None else (o.rollout_max_seqs + 1) * state
+    entry += state if block is None else 0
+    entries = kv_cache_entries(entry, o.rollout_max_seqs * per_sequence, reserve + states, used, o)
     sequences = entries // per_sequence  # the engine refuses 0 (no slot; not one sequence)
     name, note = f"KV cache ({entries:,} + 1 slots × {length:,} tokens)", ""
     none = f"KV cache (no slot of {length:,} tokens fits)"
@@ -120,6 +123,9 @@ def kv_cache_item(a: ModelArchitecture, o: PlanOptions, items: list[MemoryItem])
         name = f"KV cache ({entries:,} + 1 blocks: {sequences:,} × {length:,} tokens)"
         none = f"KV cache (no {length:,}-token sequence fits)"
         note = f"{block} tokens a block, {per_sequence:,} blocks a {length:,}-token sequence"
+        if states:
+            note += f"; recurrent states of {o.rollout_max_seqs + 1:,} slots"
     phases = (GENERATE,) if o.release_cache else ALWAYS
-    return MemoryItem(name if sequences else none, (entries + 1) * entry if sequences else 0,
-                      phases, rollout_gpu=o.split, note=note), sequences  # fmt: skip
+    size = (entries + 1) * entry + states if sequences else 0
+    return MemoryItem(name if sequences else none, size, phases, rollout_gpu=o.split,
+                      note=note), sequences  # fmt: skip

@@ -1,7 +1,6 @@
 """The memory plan's arithmetic on known shapes, by hand, and against measured peaks."""
 
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 
@@ -195,23 +194,28 @@ def test_paged_kv_cache_takes_its_fraction_in_blocks():
     assert kv.gpu_bytes == 0 and kv.note == "64 tokens a block, 32 blocks a 2,048-token sequence"
 
 
+@pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid"])
 @pytest.mark.parametrize("block_size", [None, 16, 64])
-def test_the_plan_sizes_the_kv_cache_as_the_engine_allocates_it(block_size):
+def test_the_plan_sizes_the_kv_cache_as_the_engine_allocates_it(block_size, preset):
+    """tiny: 2 layers of K/V; tiny-hybrid: 1 layer of K/V and a recurrent state per slot in
+    3 layers (the slots' states taken first beside a paged cache, in each slot of a slot
+    cache)."""
     import torch
 
     from hybridflow.engine.cache import kv_cache
 
-    tiny = PRESETS["tiny"]  # 2 layers, 2 kv heads of 16: 256 bytes a token in bf16
-    config = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2, head_dim=16)
-    reserve = mp.rollout_reserve_bytes(tiny, PlanOptions(rollout_max_seqs=8))
+    arch = PRESETS[preset]
+    state = arch.recurrent_state_bytes(2)
+    reserve = mp.rollout_reserve_bytes(arch, PlanOptions(rollout_max_seqs=8))
     # budgets (bytes) from under one sequence to over all 8 of 100 tokens (7 blocks of 16)
-    for budget in (20_000, 100 * 256 * 2 - 1, 100 * 256 * 3, 8 * 112 * 256 + 7_000, 10**6):
+    for kv_budget in (20_000, 100 * 512 - 1, 100 * 768, 8 * 112 * 256 + 7_000, 10**6):
+        budget = kv_budget + 9 * state
         options = PlanOptions(gpu_bytes=budget + reserve, gpu_memory_utilization=1.0,
                               rollout_max_seqs=8, rollout_max_seq_len=100,
                               kv_block_size=block_size)  # fmt: skip
-        kv, sequences = mp.kv_cache_item(tiny, options, [])
+        kv, sequences = mp.kv_cache_item(arch, options, [])
         try:
-            cache, _ = kv_cache.make_cache(config, 8, 100, block_size, budget, 0, torch.bfloat16,
+            cache, _ = kv_cache.make_cache(arch, 8, 100, block_size, budget, 0, torch.bfloat16,
                                            torch.device("cpu"))  # fmt: skip
         except ValueError:  # the engine refuses: the plan says none fits
             assert sequences == 0 and kv.gpu_bytes == 0, budget
@@ -219,6 +223,7 @@ def test_the_plan_sizes_the_kv_cache_as_the_engine_allocates_it(block_size):
         assert kv.gpu_bytes == cache.nbytes(), budget
         held = cache.num_slots if block_size is None else cache.num_blocks // -(-100 // block_size)
         assert sequences == min(held, 8) > 0, budget
+        assert (cache.states is not None) == (state > 0)
 
 
 # Peaks measured with torch.cuda.max_memory_allocated on one H200 (docs/performance.md,
