@@ -1,5 +1,5 @@
-"""`python benchmarks/logprob_head.py`: the log-prob head alone, fused (models/fused_head.py)
-against token-chunked (models/logprobs.py), on the lm_head shapes of real models.
+"""`python benchmarks/logprob_head.py`: the log-prob head alone, fused (models/heads/fused_head.py)
+against token-chunked (models/heads/logprobs.py), on the lm_head shapes of real models.
 
     python benchmarks/logprob_head.py                  # one GPU: 0.5b, 1.5b, 8B heads
     python benchmarks/logprob_head.py --device cpu --presets tiny --tokens 64 --repeats 1
@@ -26,7 +26,7 @@ import time
 import torch
 
 from hybridflow.models import preset_config
-from hybridflow.models.logprobs import logprobs_from_hidden, naive_logprobs
+from hybridflow.models.heads.logprobs import logprobs_from_hidden, naive_logprobs
 
 HEADS = {"fused": True, "chunked": False}
 

@@ -25,7 +25,7 @@ from hybridflow.bench.common import make_prompts
 from hybridflow.bench.rollout import bench_engine, bench_hf
 from hybridflow.engine import Engine, EngineOptions, SamplingParams
 from hybridflow.models import load_model
-from hybridflow.models.logprobs import logprobs_from_hidden
+from hybridflow.models.heads.logprobs import logprobs_from_hidden
 
 EAGER = EngineOptions(decode_backend="torch", cuda_graphs=False)  # the reference path
 

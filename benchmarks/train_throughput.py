@@ -35,7 +35,7 @@ import torch
 
 from hybridflow.models import build_model, preset_config
 from hybridflow.models.attention import make_packed_attention
-from hybridflow.models.logprobs import logprobs_from_hidden
+from hybridflow.models.heads.logprobs import logprobs_from_hidden
 
 PEAK_BF16_FLOPS = 989e12
 
@@ -286,7 +286,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--head", choices=["fused", "chunked"], default="fused",
-                        help="the log-prob head (models/fused_head.py or the token-chunked one)")  # fmt: skip
+                        help="the log-prob head (models/heads/fused_head.py or the token-chunked one)")  # fmt: skip
     parser.add_argument(
         "--chunk-size", type=int, default=4096, help="tokens per chunked-head block"
     )

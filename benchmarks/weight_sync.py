@@ -50,7 +50,7 @@ def sharded_training_model(preset: str, train, device: str):
 
     from hybridflow.models.llama import CausalLM
     from hybridflow.models.presets import preset_config
-    from hybridflow.models.tensor_parallel import parallelize_decoder
+    from hybridflow.models.sharding.tensor_parallel import parallelize_decoder
     from hybridflow.parallel.layout import build_mesh
 
     mesh = build_mesh(train, torch.device(device).type)

@@ -26,7 +26,7 @@ Add = Callable[[str], None]
 
 SUPPORTED_LAYOUTS: frozenset[tuple[str, str]] = frozenset(
     {(role, dim) for role in ("actor", "ref", "critic") for dim in ("sp", "tp")}
-    # learners/sharding/sequence_shard.py, models/tensor_parallel.py
+    # learners/sharding/sequence_shard.py, models/sharding/tensor_parallel.py
     | {("actor", "ep"), ("ref", "ep")}  # learners/sharding/expert_shard.py
     | {("rollout", "tp"), ("rollout", "ep")}  # engine/tensor_parallel.py, engine/reshard.py
 )
@@ -60,7 +60,7 @@ def not_yet_supported(sizes: list[RoleSize], roles_in_use: set[str]) -> list[str
 def not_built_with_tensor_parallel(
     cfg: Config, arch: ModelArchitecture | None, sizes: list[RoleSize], in_use: set[str]
 ) -> list[str]:
-    """Training tensor parallelism (models/tensor_parallel.py) splits dense linear layers: a
+    """Training tensor parallelism (models/sharding/tensor_parallel.py) splits dense linear layers: a
     mixture of experts' sparse layers and LoRA adapters have no tensor-parallel path yet."""
     problems = []
     for size in sizes:

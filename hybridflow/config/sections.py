@@ -105,7 +105,7 @@ class ModelConfig:
     of the same model reuses them. The run's log and config.yaml say the decision."""
     fused_logprob_head: bool = True
     """Log-probs and entropy of the actor's and reference's passes through the fused head
-    (models/fused_head.py: lm_head matmul, log-softmax, target and entropy in tiles of tokens
+    (models/heads/fused_head.py: lm_head matmul, log-softmax, target and entropy in tiles of tokens
     x vocabulary, no logits block wider than 8,192 entries); false: the token-chunked head
     (one [4096, vocabulary] logits block at a time). Both give the same values."""
     lora_rank: int = 0

@@ -77,7 +77,7 @@ class Engine:
     Args:
         model: hybridflow.models.CausalLM. Anything else with forward(input_ids,
             attention_mask) -> logits and a .config with vocab_size/eos_token_id (the
-            transformers fallback, models/hf_fallback.py) runs the slow path (slow.py).
+            transformers fallback, models/checkpoint_io/hf_fallback.py) runs the slow path (slow.py).
             A tensor-parallel shard (tensor_parallel.tensor_parallel_model) runs the eager
             path on every rank of its group, each rank calling generate with the same
             prompts and sampling the same tokens.

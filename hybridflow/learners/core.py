@@ -67,7 +67,7 @@ class TrainCore:
         mesh: the role's parallel layout (hybridflow.parallel); replaces ``dp_group``: data
             reductions run over its ``dp`` group, FSDP2 shards over ``fsdp`` (dp × sp), a
             Ulysses ``sp`` group splits each packed stream (see ``sequence_group``) and a
-            ``tp`` group splits the layers (models/tensor_parallel.py; FSDP2 then shards the
+            ``tp`` group splits the layers (models/sharding/tensor_parallel.py; FSDP2 then shards the
             tensor-parallel parameters over ``fsdp``, a 2-D layout).
         fsdp: shard with FSDP2; None: when the group has more than one rank.
         mixed_precision: bf16 compute for fp32 weights on CUDA; None: on when the device is CUDA.
@@ -116,7 +116,7 @@ class TrainCore:
         if not self.param_offload:
             module.to(self.device)
         if self.groups.tensor is not None:
-            from hybridflow.models.tensor_parallel import parallelize_decoder
+            from hybridflow.models.sharding.tensor_parallel import parallelize_decoder
 
             parallelize_decoder(module.lm, mesh.submesh("tp"))
         if self.fsdp:

@@ -14,9 +14,9 @@ from torch import nn
 
 from hybridflow.learners.packing import PackedRows
 from hybridflow.learners.sharding.sequence_shard import OutputShard, sharded_hidden
-from hybridflow.models.logprobs import logprobs_from_hidden
-from hybridflow.models.tensor_parallel import vocab_shard
-from hybridflow.models.vocab_parallel import vocab_parallel_logprobs
+from hybridflow.models.heads.logprobs import logprobs_from_hidden
+from hybridflow.models.sharding.tensor_parallel import vocab_shard
+from hybridflow.models.sharding.vocab_parallel import vocab_parallel_logprobs
 
 # (router_logits [N, E], topk_ids [N, k]) of each sparse layer of one forward (models/llama.py)
 RouterTrace = list[tuple[torch.Tensor, torch.Tensor]]
@@ -34,7 +34,7 @@ class PolicyModel(nn.Module):
     ``packed.routed_experts`` when it has them (actor.router_replay=rollout).
     sequence_group: Ulysses sequence parallelism over this group (learners/sharding/sequence_shard.py);
     every rank of it gets the same packed rows and returns the same outputs.
-    fused_head: the fused log-prob head (model.fused_logprob_head, models/fused_head.py)."""
+    fused_head: the fused log-prob head (model.fused_logprob_head, models/heads/fused_head.py)."""
 
     def __init__(
         self,
@@ -85,7 +85,7 @@ def head_logprobs(
     fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of ``targets`` from hidden states [m, H] and the lm_head
-    weight: whole (fused: models/fused_head.py), or split by vocabulary over a
+    weight: whole (fused: models/heads/fused_head.py), or split by vocabulary over a
     tensor-parallel group."""
     shard = vocab_shard(weight)
     if shard is not None:

@@ -15,7 +15,7 @@ from torch import nn
 
 from hybridflow.learners.micro_batch import pack_by_token_budget, split_fixed
 from hybridflow.learners.packing import to_device
-from hybridflow.models.sequence_scores import pad_token_of
+from hybridflow.models.heads.sequence_scores import pad_token_of
 from hybridflow.protocol import Batch
 
 
@@ -65,7 +65,7 @@ class RewardModelScorer:
     """``compute_rm_scores(batch) -> Batch(rm_scores [B])``.
 
     Args:
-        model: a sequence classifier with ``forward_scores`` (models/sequence_scores.py).
+        model: a sequence classifier with ``forward_scores`` (models/heads/sequence_scores.py).
         device: where it computes.
         tokenizer: the reward model's; None: the batch's token ids are scored as they are.
         micro_batch_size, max_tokens: conversations per forward, or a token budget per

@@ -78,7 +78,7 @@ def load_model(
                 "(no downloads: point to a directory holding config.json and *.safetensors)"
             ]
         )
-    from hybridflow.models.hf_checkpoint import load_model_from_dir, read_hf_config
+    from hybridflow.models.checkpoint_io.hf_checkpoint import load_model_from_dir, read_hf_config
 
     hf_config = read_hf_config(name_or_path)  # its values checked, whichever backend builds it
     if backend == "auto":
@@ -92,7 +92,7 @@ def load_model(
             )
     if backend == "native":
         return load_model_from_dir(name_or_path, dtype=dtype, device=device)
-    from hybridflow.models.hf_fallback import load_hf_model
+    from hybridflow.models.checkpoint_io.hf_fallback import load_hf_model
 
     return load_hf_model(name_or_path, dtype=dtype, device=device)
 

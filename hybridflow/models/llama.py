@@ -34,7 +34,7 @@ from hybridflow.models.moe import SparseMoeBlock
 from hybridflow.models.mrope import batch_mrope_positions, mrope_cos_sin
 from hybridflow.models.norm import GatedRMSNorm, RMSNorm, ZeroCenteredRMSNorm, make_rms_norm
 from hybridflow.models.rope import rope_cos_sin
-from hybridflow.models.sequence_parallel import ulysses_attention
+from hybridflow.models.sharding.sequence_parallel import ulysses_attention
 from hybridflow.models.vision.qwen2_5_vl import PatchEmbed, VisionEncoder
 
 __all__ = ["MLP", "Attention", "CausalLM", "DecoderLayer", "RMSNorm", "RouterTrace"]
@@ -367,7 +367,7 @@ class CausalLM(nn.Module):
         (moe.NO_ROUTE rows route freely); router_trace, a list, receives each sparse layer's
         (router_logits [N, E], topk_ids [N, k]) for the router losses and metrics.
 
-        sequence_group: Ulysses sequence parallelism (models/sequence_parallel.py). Then
+        sequence_group: Ulysses sequence parallelism (models/sharding/sequence_parallel.py). Then
         input_ids, position_ids and routed_experts are this rank's contiguous slice of a
         stream of SP × N tokens, cu_seqlens and max_seqlen describe that whole stream, and the
         result is the slice's hidden states [N, H]."""
@@ -417,7 +417,7 @@ class CausalLM(nn.Module):
         """Sequence-classification variant: packed sequences (as forward_packed) -> the
         score head at each sequence's last token that is not ``pad_token_id``, as
         transformers' ``*ForSequenceClassification`` pools: [S, num_labels] fp32."""
-        from hybridflow.models.sequence_scores import last_token_index
+        from hybridflow.models.heads.sequence_scores import last_token_index
 
         hidden = self.forward_packed(input_ids, position_ids, cu_seqlens, max_seqlen)  # [N, H]
         last = last_token_index(input_ids, cu_seqlens, pad_token_id)  # [S]
@@ -430,7 +430,7 @@ class CausalLM(nn.Module):
     ) -> None:
         """Write config.json + safetensors (sharded with an index above max_shard_size bytes),
         plus the tokenizer files when a tokenizer is given: a directory transformers loads."""
-        from hybridflow.models.hf_checkpoint import save_model
+        from hybridflow.models.checkpoint_io.hf_checkpoint import save_model
 
         save_model(self, save_directory, max_shard_size=max_shard_size)
         if tokenizer is not None:

@@ -295,7 +295,7 @@ class Experts(nn.Module):
         if adapters is not None and adapters.disabled:
             adapters = None
         if group is not None:
-            from hybridflow.models.expert_parallel import expert_parallel_moe
+            from hybridflow.models.sharding.expert_parallel import expert_parallel_moe
 
             return expert_parallel_moe(flat, topk_ids, topk_weights, gate_up, down, group,
                                        backend, adapters)  # fmt: skip
@@ -309,7 +309,7 @@ class SparseMoeBlock(nn.Module):
 
     Attributes:
         expert_backend: one of EXPERT_BACKENDS ("auto": grouped GEMMs on CUDA, loop on CPU).
-        expert_group: expert parallelism (models/expert_parallel.py): the experts hold this
+        expert_group: expert parallelism (models/sharding/expert_parallel.py): the experts hold this
             rank's E/EP experts and tokens are dispatched over the group; None: all experts.
         expert_slice: the tensor-parallel rollout's split (engine/tensor_parallel.py): the
             experts hold this rank's share, every token is routed here and the partial

@@ -114,7 +114,10 @@ class TensorParallelRollout:
             return tensor
         from hybridflow.models import native_support_problem
         from hybridflow.models.architecture import ModelArchitecture
-        from hybridflow.models.hf_checkpoint import iter_checkpoint_tensors, read_hf_config
+        from hybridflow.models.checkpoint_io.hf_checkpoint import (
+            iter_checkpoint_tensors,
+            read_hf_config,
+        )
 
         config = read_hf_config(path)
         problem = native_support_problem(config)
@@ -129,9 +132,12 @@ class TensorParallelRollout:
     def copy_in(self, named_tensors, path: str | None = None) -> None:
         """Each whole tensor's slice into the engine shard (a tied lm_head is the embedding;
         unused extras, like old checkpoints' rotary buffers, are skipped). A checkpoint's
-        per-expert tensors (models/expert_checkpoint.py) are read for this rank's experts
+        per-expert tensors (models/checkpoint_io/expert_checkpoint.py) are read for this rank's experts
         only; the others are dropped as they are read."""
-        from hybridflow.models.expert_checkpoint import memory_name, place_expert_slice
+        from hybridflow.models.checkpoint_io.expert_checkpoint import (
+            memory_name,
+            place_expert_slice,
+        )
 
         params = dict(self.model.named_parameters())
         filled, slices = set(), set()

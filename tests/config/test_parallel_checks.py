@@ -90,7 +90,7 @@ def test_a_tensor_parallel_rollout_of_experts_splits_them_or_holds_them_whole():
 
 @pytest.mark.parametrize("dim", ["sequence", "tensor"])
 def test_sequence_and_tensor_parallel_training_roles_are_accepted(dim):
-    """Ulysses (learners/sharding/sequence_shard.py) and tensor parallelism (models/tensor_parallel.py)
+    """Ulysses (learners/sharding/sequence_shard.py) and tensor parallelism (models/sharding/tensor_parallel.py)
     run for the actor, the reference and the critic."""
     derived = validate(load_config(None, [*FOUR_CPUS, f"actor.{dim}_parallel_size=2",
                                           "actor.use_kl_loss=true", "algorithm.adv_estimator=gae"]))  # fmt: skip

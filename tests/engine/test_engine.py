@@ -9,7 +9,7 @@ import transformers
 
 from hybridflow.engine import Completion, Engine, EngineOptions, SamplingParams
 from hybridflow.models import build_model
-from hybridflow.models.logprobs import logprobs_from_hidden
+from hybridflow.models.heads.logprobs import logprobs_from_hidden
 from hybridflow.models.presets import preset_config
 
 PROMPTS = [[5, 17, 9, 33, 2, 71], [40, 41], [100, 3, 8, 19, 23, 60, 61, 62, 63, 7], [12]]
@@ -176,7 +176,7 @@ def test_memory_budget_limits_blocks(model):
 def test_transformers_fallback_runs_slow_path():
     """A model our decoder does not implement (GPT-2 here) generates through the slow path
     with the same sampler: greedy equals its own HF generate."""
-    from hybridflow.models.hf_fallback import HFCausalLM
+    from hybridflow.models.checkpoint_io.hf_fallback import HFCausalLM
 
     config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=64)
     torch.manual_seed(0)

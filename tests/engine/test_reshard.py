@@ -31,7 +31,7 @@ def _shard(model, train):
     does, learners/core.py)."""
     from torch.distributed.fsdp import fully_shard
 
-    from hybridflow.models.tensor_parallel import parallelize_decoder
+    from hybridflow.models.sharding.tensor_parallel import parallelize_decoder
 
     mesh = build_mesh(train, "cpu")
     if train.tp > 1:

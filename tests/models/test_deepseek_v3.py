@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hybridflow.models.hf_checkpoint import load_model_from_dir
+from hybridflow.models.checkpoint_io.hf_checkpoint import load_model_from_dir
 from hybridflow.models.mlps.grouped_experts import grouped_topk, grouped_weights
 from tests.models.mla_moe_helpers import deepseek_transformers, edit_config, packed_logits
 from tests.models.qwen3_5_helpers import two_sequences

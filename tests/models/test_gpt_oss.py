@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from hybridflow.errors import UserError
-from hybridflow.models.hf_checkpoint import load_model_from_dir
-from hybridflow.models.loadability import config_problems
+from hybridflow.models.checkpoint_io.hf_checkpoint import load_model_from_dir
+from hybridflow.models.checkpoint_io.loadability import config_problems
 from hybridflow.models.mixers.sink_attention import sink_attention_rows
 from tests.models.mla_moe_helpers import edit_config, gpt_oss_transformers, packed_logits
 from tests.models.qwen3_5_helpers import two_sequences

@@ -5,7 +5,7 @@ import torch
 from model_helpers import randomized_model, small_config
 
 from hybridflow.models.attention import make_packed_attention
-from hybridflow.models.logprobs import logprobs_from_hidden, naive_logprobs
+from hybridflow.models.heads.logprobs import logprobs_from_hidden, naive_logprobs
 
 pytestmark = [
     pytest.mark.gpu,

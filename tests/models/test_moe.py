@@ -11,8 +11,8 @@ from safetensors.torch import save_file
 from test_parity import TOLERANCE, to_transformers
 
 from hybridflow.models import CausalLM, load_model
-from hybridflow.models.hf_fallback import HFCausalLM
-from hybridflow.models.loadability import config_problems
+from hybridflow.models.checkpoint_io.hf_fallback import HFCausalLM
+from hybridflow.models.checkpoint_io.loadability import config_problems
 
 CASES = {
     # norm_topk_prob off, a dense layer among sparse ones (mlp_only_layers=[1])

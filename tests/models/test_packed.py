@@ -5,7 +5,7 @@ import torch
 from model_helpers import randomized_model, small_config
 
 from hybridflow.models.attention import make_packed_attention, sdpa_loop_attention
-from hybridflow.models.logprobs import logprobs_from_hidden
+from hybridflow.models.heads.logprobs import logprobs_from_hidden
 
 
 def pack(sequences):

@@ -10,8 +10,8 @@ import torch
 from qwen2_5_vl_helpers import IMAGE, MERGE, image_batch, transformers_model
 from safetensors.torch import load_file, save_file
 
-from hybridflow.models.hf_checkpoint import load_model_from_dir
-from hybridflow.models.loadability import config_problems
+from hybridflow.models.checkpoint_io.hf_checkpoint import load_model_from_dir
+from hybridflow.models.checkpoint_io.loadability import config_problems
 from hybridflow.models.mrope import batch_mrope_positions, mrope_positions
 
 pytest.importorskip("transformers")

@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from hybridflow.models import load_model
 from hybridflow.models.architecture import ModelArchitecture
-from hybridflow.models.hf_checkpoint import load_model_from_dir
-from hybridflow.models.loadability import config_problems
+from hybridflow.models.checkpoint_io.hf_checkpoint import load_model_from_dir
+from hybridflow.models.checkpoint_io.loadability import config_problems
 
 pytest.importorskip("transformers")
 TOLERANCE = 1e-4

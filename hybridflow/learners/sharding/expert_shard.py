@@ -2,7 +2,7 @@
 are reduced, and how much of the gradient norm each rank's copy counts for.
 
 Under a layout with ``ep`` > 1 (hybridflow/parallel/layout.py) every sparse layer keeps its
-EP rank's E/EP experts (models/expert_parallel.py) as a DTensor sharded on the expert axis
+EP rank's E/EP experts (models/sharding/expert_parallel.py) as a DTensor sharded on the expert axis
 over the ``ep`` group, so checkpoints, the full state dict and the weight sync see the whole
 [E, ...] tensors.
 
@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from hybridflow.models.expert_parallel import keep_local_experts
 from hybridflow.models.moe import SparseMoeBlock
+from hybridflow.models.sharding.expert_parallel import keep_local_experts
 
 if TYPE_CHECKING:
     from hybridflow.parallel import RoleMesh

@@ -1,7 +1,7 @@
 """The packed forward of a learner under Ulysses sequence parallelism.
 
 Each rank of the sequence-parallel group runs the decoder on its contiguous slice of the
-micro-batch's packed stream (models/sequence_parallel.py) and computes the per-token outputs
+micro-batch's packed stream (models/sharding/sequence_parallel.py) and computes the per-token outputs
 (log-probs, entropy, values) whose predicting token lies in its slice. Those few floats per
 token are then gathered, so every rank of the group holds the whole micro-batch's outputs and
 computes the same loss with the loss code of one process (token-mean over the global token
@@ -21,7 +21,7 @@ from torch import nn
 
 from hybridflow.learners.packing import PackedRows
 from hybridflow.models.moe import NO_ROUTE
-from hybridflow.models.sequence_parallel import (
+from hybridflow.models.sharding.sequence_parallel import (
     gather_outputs,
     output_range,
     pad_positions,

@@ -45,7 +45,7 @@ class TrainGroups:
     sequence: dist.ProcessGroup | None
     """Ulysses: the ranks that split one packed stream."""
     tensor: dist.ProcessGroup | None
-    """Tensor parallelism: the ranks that split each layer (models/tensor_parallel.py)."""
+    """Tensor parallelism: the ranks that split each layer (models/sharding/tensor_parallel.py)."""
     expert: dist.ProcessGroup | None
     """Expert parallelism: each rank holds E/EP experts (learners/sharding/expert_shard.py)."""
     role: dist.ProcessGroup | None

@@ -64,6 +64,6 @@ def logprob_head_bytes(a: ModelArchitecture, tokens: int, compute_bytes: int = 2
                        tp: int = 1) -> int:  # fmt: skip
     """The chunked log-prob head's working set: one [chunk, V] block of logits, the fp32
     [V, H] lm_head gradient accumulator and its copy in the compute dtype; 1/tp of the
-    vocabulary each under tensor parallelism (models/vocab_parallel.py)."""
+    vocabulary each under tensor parallelism (models/sharding/vocab_parallel.py)."""
     chunk, vocab = min(tokens, LOGPROB_CHUNK_TOKENS), a.vocab_size // tp
     return chunk * vocab * compute_bytes + vocab * a.hidden_size * (4 + compute_bytes)

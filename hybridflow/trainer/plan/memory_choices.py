@@ -78,7 +78,7 @@ def forward_bytes_per_token(a: ModelArchitecture, compute_bytes: int = 2) -> int
 
 def forward_logits_bytes(a: ModelArchitecture, tokens: int, compute_bytes: int = 2) -> int:
     """One chunk of logits in the compute dtype, its fp32 copy and (for the entropy) fp32
-    probabilities (models/logprobs.py)."""
+    probabilities (models/heads/logprobs.py)."""
     return min(tokens, mp.LOGPROB_CHUNK_TOKENS) * a.vocab_size * (compute_bytes + 8)
 
 

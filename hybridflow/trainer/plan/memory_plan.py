@@ -43,7 +43,7 @@ What is modelled is what the code does today:
 - **Activations** at the micro-batch token budget, bf16, what autograd keeps per token and
   layer (see :func:`activation_bytes`); with gradient checkpointing each layer's input plus
   one layer recomputed in full. The log-prob head adds one 4096-token chunk of bf16 logits
-  and an fp32 ``[V, H]`` gradient accumulator with its bf16 copy (``models/logprobs.py``).
+  and an fp32 ``[V, H]`` gradient accumulator with its bf16 copy (``models/heads/logprobs.py``).
 - Not counted: the CUDA context, cuBLAS/NCCL workspaces and allocator fragmentation (the fit
   check keeps :data:`HEADROOM_FRACTION` and :data:`HEADROOM_BYTES` free for them), the
   no-grad forwards of the log-prob, reference and value passes (their token budgets are

@@ -34,7 +34,7 @@ from hybridflow.engine.kernels import (
 )
 from hybridflow.engine.layers import chain as chain_mod  # noqa: E402
 from hybridflow.engine.layers import matmul_choice
-from hybridflow.models import fused_head_kernels, logprob_kernels  # noqa: E402
+from hybridflow.models.heads import fused_head_kernels, logprob_kernels  # noqa: E402
 
 INT64_POINTERS = {
     "slot_ptr", "pos_ptr", "targets_ptr", "seed_lo_ptr", "seed_hi_ptr", "step_ptr", "tok_ptr",

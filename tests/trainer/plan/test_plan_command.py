@@ -103,7 +103,7 @@ def test_a_tensor_parallel_layout_is_planned(plenty_of_host):
     assert "GPU 80.0 GiB (--gpu-memory), 75.0 GiB usable: fits" in text
     # it fits, and the plan prefers less model parallelism where that fits too
     assert "recommended layout: actor.tensor_parallel_size=1 (peak " in text
-    # both layouts have their code path (models/tensor_parallel.py, engine/tensor_parallel.py)
+    # both layouts have their code path (models/sharding/tensor_parallel.py, engine/tensor_parallel.py)
     assert "not yet supported" not in text
 
 

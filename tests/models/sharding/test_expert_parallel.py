@@ -11,12 +11,12 @@ from gloo_ranks import leave_group, start_ranks
 
 from hybridflow.learners.router_terms import router_terms
 from hybridflow.models import load_model
-from hybridflow.models.expert_parallel import (
+from hybridflow.models.moe import NO_ROUTE
+from hybridflow.models.sharding.expert_parallel import (
     keep_local_experts,
     local_expert_of_received,
     local_expert_range,
 )
-from hybridflow.models.moe import NO_ROUTE
 
 LENGTHS = [5, 7, 6, 4]  # rank r gets sequences 2r and 2r+1
 HIDDEN, SPARSE_LAYERS, TOP_K, EXPERTS = 128, 3, 2, 8

@@ -7,8 +7,8 @@ import re
 import pytest
 
 from hybridflow.errors import UserError
-from hybridflow.models.hf_checkpoint import read_hf_config
-from hybridflow.models.loadability import architecture_problem, config_problems
+from hybridflow.models.checkpoint_io.hf_checkpoint import read_hf_config
+from hybridflow.models.checkpoint_io.loadability import architecture_problem, config_problems
 
 
 @pytest.mark.parametrize(
@@ -42,7 +42,7 @@ def _tiny_dir(path):
     import torch
 
     from hybridflow.models import build_model
-    from hybridflow.models.hf_checkpoint import save_model
+    from hybridflow.models.checkpoint_io.hf_checkpoint import save_model
     from hybridflow.models.presets import preset_config
 
     save_model(build_model(preset_config("tiny"), dtype=torch.float32), str(path))

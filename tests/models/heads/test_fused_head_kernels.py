@@ -12,8 +12,8 @@ from triton_device import triton_test_device  # noqa: E402
 DEVICE = triton_test_device()  # skips this module without CUDA or TRITON_INTERPRET=1
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 
-from hybridflow.models.fused_head import fused_logprobs  # noqa: E402
-from hybridflow.models.logprobs import _use_kernels, naive_logprobs  # noqa: E402
+from hybridflow.models.heads.fused_head import fused_logprobs  # noqa: E402
+from hybridflow.models.heads.logprobs import _use_kernels, naive_logprobs  # noqa: E402
 
 DTYPES = [torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.float16]
 

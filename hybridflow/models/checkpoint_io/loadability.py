@@ -90,7 +90,9 @@ def config_problems(model_dir: str | Path, num_labels: int | None = None) -> lis
     if problem:
         return [problem]
     problems = config_value_problems(config)
-    if problems:  # the words a model load says (models/hf_checkpoint.py read_hf_config)
+    if (
+        problems
+    ):  # the words a model load says (models/checkpoint_io/hf_checkpoint.py read_hf_config)
         return [config_values_message(problems, Path(model_dir) / CONFIG_FILE)]
     if config.get("model_type") in SUPPORTED_MODEL_TYPES:
         from hybridflow.models.families import family_hook
@@ -194,7 +196,7 @@ def _stored_shapes(model_dir: Path, architecture) -> dict[str, tuple[int, ...]] 
     index's shards, else model.safetensors: a repository's other files, such as Mistral's
     consolidated.safetensors, are not read), under the names the model loads into; None if
     a header or the index is unreadable."""
-    from hybridflow.models.hf_checkpoint import checkpoint_files
+    from hybridflow.models.checkpoint_io.hf_checkpoint import checkpoint_files
 
     try:
         files = checkpoint_files(str(model_dir))
@@ -205,7 +207,7 @@ def _stored_shapes(model_dir: Path, architecture) -> dict[str, tuple[int, ...]] 
         return None
     import torch
 
-    from hybridflow.models.expert_checkpoint import shapes_in_memory
+    from hybridflow.models.checkpoint_io.expert_checkpoint import shapes_in_memory
     from hybridflow.models.families import read_tensor
 
     # each stored tensor as the names and shapes it loads into (meta tensors: no memory)

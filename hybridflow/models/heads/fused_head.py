@@ -105,7 +105,7 @@ def _statistics(hidden, weight, targets, temperature, with_entropy, kernels, tok
         empty = torch.zeros(0, dtype=_accumulate_dtype(hidden.dtype), device=hidden.device)
         return empty, empty, empty
     if kernels:
-        from hybridflow.models import fused_head_kernels
+        from hybridflow.models.heads import fused_head_kernels
 
         partials = fused_head_kernels.forward_partials(
             hidden, weight, targets, temperature, with_entropy
@@ -167,7 +167,7 @@ class _FusedLogprobs(torch.autograd.Function):
                 ent = entropy[rows] if use_entropy else None
                 g_ent = g_entropy[rows] if use_entropy else None
                 if kernels:
-                    from hybridflow.models import fused_head_kernels
+                    from hybridflow.models.heads import fused_head_kernels
 
                     grad = fused_head_kernels.grad_tile(
                         h, w_tile, local, lse[rows], ent, g_logprob[rows], g_ent, temperature,

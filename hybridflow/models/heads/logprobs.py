@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from hybridflow.models.fused_head import fused_logprobs
+from hybridflow.models.heads.fused_head import fused_logprobs
 
 
 def logprobs_from_hidden(
@@ -34,7 +34,7 @@ def logprobs_from_hidden(
     log_softmax computation up to float rounding).
 
     fused: tiles over tokens and vocabulary, no [chunk_size, V] logits block
-    (models/fused_head.py, with its own tile sizes); off: the token-chunked path below (one
+    (models/heads/fused_head.py, with its own tile sizes); off: the token-chunked path below (one
     [chunk_size, V] block at a time)."""
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(
@@ -95,7 +95,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for start in range(0, n, chunk_size):
             stop = min(start + chunk_size, n)
             if kernels:  # half-precision logits read once; lse kept for the backward
-                from hybridflow.models import logprob_kernels
+                from hybridflow.models.heads import logprob_kernels
 
                 chunk_lse, chunk_logprobs, chunk_entropy = logprob_kernels.chunk_stats(
                     hidden[start:stop] @ weight.T, targets[start:stop], temperature, with_entropy
@@ -135,7 +135,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             h = hidden[start:stop]
             chunk_targets = targets[start:stop]
             if kernels:
-                from hybridflow.models import logprob_kernels
+                from hybridflow.models.heads import logprob_kernels
 
                 grad_logits = logprob_kernels.chunk_grad_(
                     h @ weight.T, chunk_targets, saved_lse[start:stop],

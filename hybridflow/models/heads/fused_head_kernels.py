@@ -1,4 +1,4 @@
-"""Triton kernels of the fused log-prob head (models/fused_head.py): CUDA, bf16/fp16 hidden
+"""Triton kernels of the fused log-prob head (models/heads/fused_head.py): CUDA, bf16/fp16 hidden
 states and lm_head; the CPU tests run them under TRITON_INTERPRET=1.
 
 Each program computes [BLOCK_T, BLOCK_V] logits tiles h @ W^T in registers (fp32

@@ -11,7 +11,7 @@ from triton_device import triton_test_device  # noqa: E402
 DEVICE = triton_test_device()  # skips this module without CUDA or TRITON_INTERPRET=1
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 
-from hybridflow.models.logprobs import _ChunkedLogprobs, _use_kernels  # noqa: E402
+from hybridflow.models.heads.logprobs import _ChunkedLogprobs, _use_kernels  # noqa: E402
 
 
 def _run(kernels: bool, temperature: float, chunk: int, entropy_grad: bool, logprob_grad: bool):

@@ -11,7 +11,7 @@ from test_parity import to_transformers
 
 from hybridflow.model_config_values import ModelConfigError
 from hybridflow.models import CausalLM, load_model, load_tokenizer
-from hybridflow.models.hf_fallback import HFCausalLM
+from hybridflow.models.checkpoint_io.hf_fallback import HFCausalLM
 
 
 def _ids(vocab=97):

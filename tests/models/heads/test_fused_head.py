@@ -10,8 +10,8 @@ from model_helpers import randomized_model, small_config
 from hybridflow.learners import lora
 from hybridflow.learners.modules import PolicyModel, lm_head_operands
 from hybridflow.learners.packing import pack_rows
-from hybridflow.models.fused_head import fused_logprobs, merge_partials
-from hybridflow.models.logprobs import logprobs_from_hidden, naive_logprobs
+from hybridflow.models.heads.fused_head import fused_logprobs, merge_partials
+from hybridflow.models.heads.logprobs import logprobs_from_hidden, naive_logprobs
 
 
 def _inputs(dtype, n=37, h=16, v=53, seed=0):

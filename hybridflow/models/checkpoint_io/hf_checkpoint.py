@@ -12,10 +12,10 @@ from safetensors.torch import save_file
 
 from hybridflow.errors import UserError
 from hybridflow.model_config_values import ModelConfigError
-from hybridflow.models import expert_checkpoint
 from hybridflow.models.architecture import ModelArchitecture
+from hybridflow.models.checkpoint_io import expert_checkpoint
+from hybridflow.models.checkpoint_io.finite_weights import check_finite
 from hybridflow.models.families import family_hook, read_tensor, write_tensors
-from hybridflow.models.finite_weights import check_finite
 from hybridflow.models.llama import CausalLM
 
 SINGLE_FILE = "model.safetensors"
@@ -56,7 +56,7 @@ def read_hf_config(path: str) -> dict:
     """config.json of the model directory ``path`` (ModelConfigError naming the file and
     line when it is not a JSON object, or the key of a value no model can have)."""
     from hybridflow.model_config_values import check_config_values
-    from hybridflow.models.loadability import CONFIG_FILE, read_config_json
+    from hybridflow.models.checkpoint_io.loadability import CONFIG_FILE, read_config_json
 
     config = read_config_json(path)
     check_config_values(config, os.path.join(path, CONFIG_FILE))
@@ -121,7 +121,7 @@ def load_model_from_dir(
     as it is read (cast + moved once), so peak memory is one copy of the weights. Experts are
     read per expert or packed (expert_checkpoint.py). num_labels: the sequence-classification
     variant (``score.weight`` instead of ``lm_head.weight``)."""
-    from hybridflow.models.loadability import native_weight_problems
+    from hybridflow.models.checkpoint_io.loadability import native_weight_problems
 
     hf_config = read_hf_config(path)
     problems = native_weight_problems(path, hf_config, num_labels)  # the headers, as validate

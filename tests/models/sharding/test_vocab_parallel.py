@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 from gloo_ranks import run_ranks
 
-from hybridflow.models.logprobs import naive_logprobs
-from hybridflow.models.vocab_parallel import vocab_parallel_logprobs
+from hybridflow.models.heads.logprobs import naive_logprobs
+from hybridflow.models.sharding.vocab_parallel import vocab_parallel_logprobs
 
 VOCAB, HIDDEN, TOKENS = 97, 16, 13  # 97 rows split 49 / 48: uneven shards work too
 

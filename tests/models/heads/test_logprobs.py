@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hybridflow.models.logprobs import logprobs_from_hidden, naive_logprobs
+from hybridflow.models.heads.logprobs import logprobs_from_hidden, naive_logprobs
 
 
 def _inputs(n=37, h=16, v=53, seed=0):

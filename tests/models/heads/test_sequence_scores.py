@@ -7,7 +7,7 @@ import pytest
 import torch
 from reward_model_helpers import write_reward_model
 
-from hybridflow.models.sequence_scores import (
+from hybridflow.models.heads.sequence_scores import (
     HFSequenceClassifier,
     last_token_index,
     load_sequence_classifier,

@@ -5,7 +5,7 @@ Per layer, q/k/v and gate/up are column-parallel (each rank computes its heads a
 of the MLP width) and o_proj and down_proj row-parallel (each rank's partial product is
 summed by one all-reduce): two all-reduces per layer forward, two in its backward. The
 embedding is split by vocabulary rows (each rank looks up the ids it holds; one all-reduce),
-and so is the lm_head, whose log-probs and entropy come from models/vocab_parallel.py without
+and so is the lm_head, whose log-probs and entropy come from models/sharding/vocab_parallel.py without
 a [tokens, vocabulary] tensor on any rank. Norms, RoPE and the residual stream are
 replicated. A tied lm_head stays tied (the same vocabulary-split parameter).
 

@@ -123,7 +123,7 @@ def load_hf_model(
 ) -> HFCausalLM:
     from transformers import AutoModelForCausalLM
 
-    from hybridflow.models.finite_weights import check_all_finite
+    from hybridflow.models.checkpoint_io.finite_weights import check_all_finite
 
     hf_model = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, attn_implementation="sdpa"

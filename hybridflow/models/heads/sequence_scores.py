@@ -81,7 +81,7 @@ def load_sequence_classifier(
     """The reward model in ``path``: our decoder with a score head when it runs the
     architecture, else transformers' (one line on stderr says so)."""
     from hybridflow.models import native_support_problem
-    from hybridflow.models.hf_checkpoint import load_model_from_dir, read_hf_config
+    from hybridflow.models.checkpoint_io.hf_checkpoint import load_model_from_dir, read_hf_config
 
     num_labels = score_head_labels(path)
     if num_labels is None:
@@ -93,7 +93,7 @@ def load_sequence_classifier(
           file=sys.stderr)  # fmt: skip
     from transformers import AutoModelForSequenceClassification
 
-    from hybridflow.models.finite_weights import check_all_finite
+    from hybridflow.models.checkpoint_io.finite_weights import check_all_finite
 
     hf_model = AutoModelForSequenceClassification.from_pretrained(
         path, dtype=dtype, attn_implementation="sdpa"

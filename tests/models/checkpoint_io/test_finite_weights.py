@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from hybridflow.cli import main
 from hybridflow.errors import UserError
 from hybridflow.models import build_model, load_model
-from hybridflow.models.finite_weights import non_finite_count
-from hybridflow.models.hf_checkpoint import save_model
+from hybridflow.models.checkpoint_io.finite_weights import non_finite_count
+from hybridflow.models.checkpoint_io.hf_checkpoint import save_model
 from hybridflow.models.presets import preset_config
 
 TENSOR = "model.layers.1.mlp.down_proj.weight"
@@ -72,10 +72,10 @@ def test_transformers_fallback_refuses_a_non_finite_weight(tmp_path):
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_a_reward_model_refuses_a_non_finite_weight(tmp_path, family):
-    from hybridflow.models.sequence_scores import load_sequence_classifier
+    from hybridflow.models.heads.sequence_scores import load_sequence_classifier
 
     if family == "llama":  # our decoder with a score head
-        sys.path.insert(0, str(Path(__file__).parents[1]))
+        sys.path.insert(0, str(Path(__file__).parents[2]))
         from reward_model_helpers import write_reward_model
 
         write_reward_model(tmp_path)

@@ -8,7 +8,7 @@ from gloo_ranks import run_ranks
 from model_helpers import randomized_model, small_config
 
 from hybridflow.models.attention import sdpa_loop_attention
-from hybridflow.models.sequence_parallel import (
+from hybridflow.models.sharding.sequence_parallel import (
     gather_outputs,
     kv_repeats,
     output_counts,
