@@ -14,7 +14,7 @@ from hybridflow.engine import Engine, EngineOptions, SamplingParams
 from hybridflow.engine.sampling import call_seeds
 from hybridflow.engine.slow import generate_slow
 from hybridflow.models import build_model
-from hybridflow.models.logprobs import logprobs_from_hidden
+from hybridflow.models.heads.logprobs import logprobs_from_hidden
 from hybridflow.models.presets import preset_config
 
 EAGER = dict(decode_backend="torch", cuda_graphs=False, steps_per_sync=2)
