@@ -223,7 +223,7 @@ class ModelArchitecture:
         """Weights of one token mixer of kind ``mixer`` (layer_spec.MIXER_KINDS)."""
         h, hd = self.hidden_size, self.head_dim
         if mixer == "mla":
-            from hybridflow.models.mixers.mla import mla_parameters
+            from hybridflow.models.families.deepseek_v3 import mla_parameters
 
             return mla_parameters(self)
         if mixer == "gated_deltanet":

@@ -51,18 +51,6 @@ def mla_softmax_scale(config) -> float:
     return scale
 
 
-def mla_parameters(config) -> int:
-    """Weights of one MLA mixer (matches the module's parameter count)."""
-    h, heads, bias = config.hidden_size, config.num_attention_heads, config.attention_bias
-    qk = config.qk_nope_head_dim + config.qk_rope_head_dim
-    rank, latent = config.q_lora_rank, config.kv_lora_rank
-    q = h * heads * qk if rank is None else h * rank + bias * rank + rank + rank * heads * qk
-    kv_a = h * (latent + config.qk_rope_head_dim) + bias * (latent + config.qk_rope_head_dim)
-    kv_b = latent * heads * (config.qk_nope_head_dim + config.v_head_dim)
-    o = heads * config.v_head_dim * h + bias * h
-    return q + kv_a + latent + kv_b + o
-
-
 class MultiHeadLatentAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
