@@ -16,7 +16,7 @@ class RewardModelWorker(Worker):
     def __init__(self, config: Config):
         from hybridflow.learners.reward_model import RewardModelScorer, same_tokenization
         from hybridflow.models import load_tokenizer
-        from hybridflow.models.heads.sequence_scores import load_sequence_classifier
+        from hybridflow.models.checkpoint_io.sequence_classifier import load_sequence_classifier
 
         options = config.reward.model
         set_cpu_threads(config, self.device)

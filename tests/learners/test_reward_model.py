@@ -10,7 +10,7 @@ from reward_model_helpers import byte_bpe_tokenizer, transformers_score, write_r
 
 from hybridflow.learners.reward_model import RewardModelScorer, same_tokenization
 from hybridflow.models import load_tokenizer
-from hybridflow.models.heads.sequence_scores import load_sequence_classifier
+from hybridflow.models.checkpoint_io.sequence_classifier import load_sequence_classifier
 from hybridflow.protocol import Batch
 
 PROMPTS = [[{"role": "user", "content": "12+30="}], [{"role": "user", "content": "7+5="}],

@@ -14,7 +14,7 @@ from test_reward_model import policy_batch
 
 from hybridflow.learners.reward_model import RewardModelScorer
 from hybridflow.models import load_tokenizer
-from hybridflow.models.heads.sequence_scores import load_sequence_classifier
+from hybridflow.models.checkpoint_io.sequence_classifier import load_sequence_classifier
 
 pytestmark = [
     pytest.mark.gpu,

@@ -72,7 +72,7 @@ def test_transformers_fallback_refuses_a_non_finite_weight(tmp_path):
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_a_reward_model_refuses_a_non_finite_weight(tmp_path, family):
-    from hybridflow.models.heads.sequence_scores import load_sequence_classifier
+    from hybridflow.models.checkpoint_io.sequence_classifier import load_sequence_classifier
 
     if family == "llama":  # our decoder with a score head
         sys.path.insert(0, str(Path(__file__).parents[2]))

@@ -7,10 +7,10 @@ import pytest
 import torch
 from reward_model_helpers import write_reward_model
 
+from hybridflow.models.checkpoint_io.sequence_classifier import load_sequence_classifier
 from hybridflow.models.heads.sequence_scores import (
     HFSequenceClassifier,
     last_token_index,
-    load_sequence_classifier,
     score_head_labels,
 )
 
