@@ -284,9 +284,11 @@ class Experts(nn.Module):
         topk_weights: torch.Tensor,
         backend: str = "auto",
         group=None,
+        dispatch=None,
     ) -> torch.Tensor:
         """flat [T, H] in the compute dtype, topk_ids / topk_weights [T, k] -> [T, H].
-        group: the expert-parallel group (these tensors hold its rank's E/EP experts)."""
+        group: the expert-parallel group (these tensors hold its rank's E/EP experts), run by
+        ``dispatch`` (models/sharding/expert_parallel.expert_parallel_moe, set with the group)."""
         dtype = flat.dtype
         gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
         if gate_up.dtype != dtype:  # fp32 masters under autocast: a compute copy
@@ -295,10 +297,7 @@ class Experts(nn.Module):
         if adapters is not None and adapters.disabled:
             adapters = None
         if group is not None:
-            from hybridflow.models.sharding.expert_parallel import expert_parallel_moe
-
-            return expert_parallel_moe(flat, topk_ids, topk_weights, gate_up, down, group,
-                                       backend, adapters)  # fmt: skip
+            return dispatch(flat, topk_ids, topk_weights, gate_up, down, group, backend, adapters)
         return moe_experts(flat, topk_ids, topk_weights, gate_up, down, backend, adapters)
 
 
@@ -325,6 +324,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
         self.expert_backend = "auto"
         self.expert_group = None
+        self.expert_dispatch = None  # how the experts run over expert_group (set beside it)
         self.expert_slice: ExpertSlice | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -371,7 +371,8 @@ class SparseMoeBlock(nn.Module):
             experts = self.experts
             return sliced_moe_experts(flat, topk_ids, topk_weights, experts.gate_up_proj,
                                       experts.down_proj, self.expert_slice, self.expert_backend)  # fmt: skip
-        return self.experts(flat, topk_ids, topk_weights, self.expert_backend, self.expert_group)
+        return self.experts(flat, topk_ids, topk_weights, self.expert_backend, self.expert_group,
+                            self.expert_dispatch)  # fmt: skip
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

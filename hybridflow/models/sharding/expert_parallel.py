@@ -138,4 +138,4 @@ def keep_local_experts(causal_lm: torch.nn.Module, group: dist.ProcessGroup) -> 
             full = getattr(block.experts, name)
             part = torch.nn.Parameter(full.detach()[first:stop].clone(), full.requires_grad)
             setattr(block.experts, name, part)
-        block.expert_group = group
+        block.expert_group, block.expert_dispatch = group, expert_parallel_moe
