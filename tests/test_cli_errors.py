@@ -57,7 +57,7 @@ def tiny_model_dir(path: Path, preset: str = "tiny") -> Path:
     import torch
 
     from hybridflow.models import build_model
-    from hybridflow.models.checkpoint_io.hf_checkpoint import save_model
+    from hybridflow.models.checkpoint_io.hf_writer import save_model
     from hybridflow.models.presets import preset_config
 
     save_model(build_model(preset_config(preset), dtype=torch.float32), str(path))

@@ -430,7 +430,7 @@ class CausalLM(nn.Module):
     ) -> None:
         """Write config.json + safetensors (sharded with an index above max_shard_size bytes),
         plus the tokenizer files when a tokenizer is given: a directory transformers loads."""
-        from hybridflow.models.checkpoint_io.hf_checkpoint import save_model
+        from hybridflow.models.checkpoint_io.hf_writer import save_model
 
         save_model(self, save_directory, max_shard_size=max_shard_size)
         if tokenizer is not None:

@@ -17,7 +17,7 @@ from hybridflow.cli import main
 from hybridflow.errors import UserError
 from hybridflow.models import build_model, load_model
 from hybridflow.models.checkpoint_io.finite_weights import non_finite_count
-from hybridflow.models.checkpoint_io.hf_checkpoint import save_model
+from hybridflow.models.checkpoint_io.hf_writer import save_model
 from hybridflow.models.presets import preset_config
 
 TENSOR = "model.layers.1.mlp.down_proj.weight"

@@ -42,7 +42,7 @@ def _tiny_dir(path):
     import torch
 
     from hybridflow.models import build_model
-    from hybridflow.models.checkpoint_io.hf_checkpoint import save_model
+    from hybridflow.models.checkpoint_io.hf_writer import save_model
     from hybridflow.models.presets import preset_config
 
     save_model(build_model(preset_config("tiny"), dtype=torch.float32), str(path))
