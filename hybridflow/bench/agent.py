@@ -92,16 +92,19 @@ def bench_agent(args, progress=None) -> dict:
     import torch
 
     from hybridflow.agents.client import EngineClient
-    from hybridflow.bench.common import WARM_UP, counted, engine_options, make_prompts, sync_device
+    from hybridflow.bench.common import (
+        WARM_UP,
+        counted,
+        engine_options,
+        load_bench_model,
+        make_prompts,
+        sync_device,
+    )
     from hybridflow.engine import Engine, SamplingParams
-    from hybridflow.models import load_model
     from hybridflow.progress import quiet_reporter
 
     progress = progress or quiet_reporter()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
-    with progress.task(f"loading {args.preset}"):
-        model = load_model(args.preset, dtype=dtype, device=device).eval()
+    model, device = load_bench_model(args, progress)
     vocab = model.config.vocab_size
     prompts = make_prompts(args.episodes, args.prompt_len, vocab, args.seed)
     per_episode = args.turns * args.turn_tokens + (args.turns - 1) * args.tool_tokens

@@ -97,3 +97,17 @@ def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]
     g = torch.Generator().manual_seed(seed)
     # Skip the lowest ids (specials in the char tokenizer) so no prompt holds an EOS.
     return torch.randint(16, vocab, (num, length), generator=g).tolist()
+
+
+def load_bench_model(args, progress):
+    """(model, device) for a bench command's --preset, --device (default: CUDA when there is
+    one) and --dtype (on CUDA; the CPU computes in fp32), loaded under a progress task."""
+    import torch
+
+    from hybridflow.models import load_model
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
+    with progress.task(f"loading {args.preset}"):
+        model = load_model(args.preset, dtype=dtype, device=device).eval()
+    return model, device

@@ -38,16 +38,18 @@ def add_ttft_arguments(p: argparse.ArgumentParser) -> None:
 def bench_ttft(args, progress=None) -> dict:
     import torch
 
-    from hybridflow.bench.common import WARM_UP, engine_options, make_prompts, sync_device
+    from hybridflow.bench.common import (
+        WARM_UP,
+        engine_options,
+        load_bench_model,
+        make_prompts,
+        sync_device,
+    )
     from hybridflow.engine import Engine, RolloutService, SamplingParams
-    from hybridflow.models import load_model
     from hybridflow.progress import quiet_reporter
 
     progress = progress or quiet_reporter()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
-    with progress.task(f"loading {args.preset}"):
-        model = load_model(args.preset, dtype=dtype, device=device).eval()
+    model, device = load_bench_model(args, progress)
     vocab = model.config.vocab_size
     batch = make_prompts(args.rows, args.batch_prompt_len, vocab, args.seed)
     arriving = make_prompts(args.arrivals + 1, args.prompt_len, vocab, args.seed + 1)
