@@ -46,14 +46,6 @@ OLD_LOGPROB = (
 REWARD_MODEL = "not used: hybridflow's reward model is set by reward.model.* (docs/rewards.md)"
 MEGATRON = "Megatron-LM option"
 PIPELINE = "Megatron-LM pipeline parallelism (hybridflow splits layers by tensor parallelism)"
-# What exists of training on images, and what a run still lacks (the key stops the run
-# until the rollout engine takes images).
-IMAGES = (
-    "training on images: Qwen2.5-VL runs in hybridflow's decoder, the data path reads, "
-    "checks and preprocesses the images into the Batch (`hybridflow data check "
-    "--image-key images` checks a file) and the trainer's log-prob and update passes use "
-    "them, but the rollout engine's image prefill is not built yet"
-)
 
 
 def _no_pipeline(value) -> bool:
@@ -411,7 +403,7 @@ DATA_TABLE: list[Entry] = [
     Unsupported(
         "data.val_max_samples", "capping the prompts read", lambda v: v in (None, -1), "-1"
     ),
-    Unsupported("data.image_key", IMAGES),
+    Rename("data.image_key", "data.image_key"),
     Unsupported("data.video_key", "videos (frames through a vision encoder)"),
     Ignored("data.return_multi_modal_inputs", "a prompt's images travel in the Batch with it"),
     Ignored("data.image_patch_size", "the patch size is the model's image processor's"),
