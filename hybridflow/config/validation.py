@@ -459,7 +459,9 @@ def model_reads_images(path: str) -> bool | None:
     p = Path(path).expanduser()
     if (p / "config.json").is_file():
         try:
-            return json.loads((p / "config.json").read_text()).get("model_type") in VISION_MODEL_TYPES
+            return (
+                json.loads((p / "config.json").read_text()).get("model_type") in VISION_MODEL_TYPES
+            )
         except (ValueError, TypeError, AttributeError, RecursionError, OSError):
             return None  # an unreadable config.json is reported by the model checks
     from hybridflow.models.presets import PRESETS
@@ -470,7 +472,7 @@ def model_reads_images(path: str) -> bool | None:
     return None if preset is None else getattr(preset, "vision", None) is not None
 
 
-def _model_of(cfg: Config) -> str:
+def trained_model(cfg: Config) -> str:
     """The model the run trains: a warm start's preset (sft:<task>), else model.path."""
     return cfg.sft.preset if cfg.model.path.startswith("sft:") else cfg.model.path
 
@@ -480,7 +482,7 @@ def image_key(cfg: Config) -> str | None:
     for a vision-language model; None for a text-only one."""
     if cfg.data.image_key is not None:
         return cfg.data.image_key
-    return "images" if model_reads_images(_model_of(cfg)) else None
+    return "images" if model_reads_images(trained_model(cfg)) else None
 
 
 def _check_images(cfg: Config, add) -> None:
@@ -491,7 +493,7 @@ def _check_images(cfg: Config, add) -> None:
     if not isinstance(key, str) or not key:
         add(f"data.image_key = {key!r} must be the name of the rows' image column (verl's: "
             "images)")  # fmt: skip
-    elif model_reads_images(_model_of(cfg)) is False:
+    elif model_reads_images(trained_model(cfg)) is False:
         add(f"data.image_key = {key!r} asks for prompts with images, but model.path = "
             f"{cfg.model.path!r} is a text-only model (no vision encoder hybridflow runs): use "
             "a Qwen2.5-VL model (e.g. the tiny-vl preset), or drop data.image_key")  # fmt: skip

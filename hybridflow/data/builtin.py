@@ -52,8 +52,10 @@ def iter_records(
     builtin_train_size: int = 4000,
     builtin_val_size: int = 200,
     seed: int = 0,
+    image_key: str | None = None,
 ) -> Iterator[PromptRecord]:
-    """Records of data files and/or `builtin:<task>` entries, validated, as they are read."""
+    """Records of data files and/or `builtin:<task>` entries, validated, as they are read;
+    with image_key, each row's images too (a vision-language model's)."""
     if isinstance(files, (str, Path)):
         files = [files]
     known = None if known_data_sources is None else frozenset(known_data_sources)
@@ -63,9 +65,9 @@ def iter_records(
             task = entry[len(BUILTIN_PREFIX) :]
             rows = builtin_rows(task, split, builtin_train_size, builtin_val_size, seed)
             for i, row in enumerate(rows):
-                yield validate_row(row, f"{entry}[{split}] row {i}", known)
+                yield validate_row(row, f"{entry}[{split}] row {i}", known, image_key=image_key)
         else:
-            yield from iter_prompt_records(entry, known, prompt_key)
+            yield from iter_prompt_records(entry, known, prompt_key, image_key)
 
 
 def load_records(*args: Any, **kwargs: Any) -> list[PromptRecord]:

@@ -92,7 +92,8 @@ def default_tokenizer_path(model: ModelConfig) -> str:
     if model.tokenizer_path:
         return model.tokenizer_path
     if model.path.startswith("sft:") or model.path in PRESETS:
-        return "char"
+        vision = model.path in PRESETS and PRESETS[model.path].vision is not None
+        return "char-vl" if vision else "char"
     return model.path
 
 
