@@ -16,9 +16,10 @@ from hybridflow.data.arithmetic import arithmetic_row, arithmetic_splits
 from hybridflow.data.calc import calc_row, calc_splits
 from hybridflow.data.countdown import countdown_problem, countdown_row
 from hybridflow.data.schema import PromptRecord, iter_prompt_records, validate_row
+from hybridflow.data.shapes import shapes_row, shapes_splits
 
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_TASKS = ("arithmetic", "countdown", "calc")
+BUILTIN_TASKS = ("arithmetic", "countdown", "calc", "shapes")
 
 
 def builtin_rows(
@@ -35,6 +36,9 @@ def builtin_rows(
     if task == "calc":
         problems = calc_splits(train_size, val_size, seed)[split]
         return [calc_row(q, a, split, i) for i, (q, a) in enumerate(problems)]
+    if task == "shapes":
+        problems = shapes_splits(train_size, val_size, seed)[split]
+        return [shapes_row(p, q, a, split, i) for i, (p, q, a) in enumerate(problems)]
     rng = random.Random(seed if split == "train" else seed + 1)
     size = train_size if split == "train" else val_size
     rows = []
