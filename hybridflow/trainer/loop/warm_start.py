@@ -217,7 +217,10 @@ def train_warm_start(cfg: Config, task: str, target: Path, log=print, progress=N
     from hybridflow.trainer.lifecycle.stop import StopRequest
     from hybridflow.trainer.loop.roles import resolve_device
     from hybridflow.trainer.loop.sft_loop import load_sft_examples, run_sft
+    from hybridflow.trainer.loop.vision_warm_start import VISION_TASKS, train_vision_warm_start
 
+    if task in VISION_TASKS:  # a vision-language preset on the image task
+        return train_vision_warm_start(cfg, task, target, log, progress, stop)
     started = time.perf_counter()
     stop = stop if stop is not None else StopRequest()
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or "char")
