@@ -54,7 +54,9 @@ def _greedy_reference(model, prompt, pixels, grid, steps):
     (mRoPE rows from the ids and grids, the image features scattered)."""
     ids = list(prompt)
     for _ in range(steps):
-        logits = model(torch.tensor([ids]), pixel_values=pixels, image_grid_thw=grid)
+        device = next(model.parameters()).device
+        logits = model(torch.tensor([ids], device=device), pixel_values=pixels,
+                       image_grid_thw=grid)  # fmt: skip
         ids.append(int(logits[0, -1].argmax()))
     return ids[len(prompt) :]
 
