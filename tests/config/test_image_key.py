@@ -1,0 +1,25 @@
+"""data.image_key: a vision-language model reads its rows' images (verl's `images` column
+unless named), a text-only model refuses the key naming it."""
+
+import pytest
+
+from hybridflow.config import ConfigError, load_config, validate
+from hybridflow.config.validation import image_key
+
+
+def _config(*overrides):
+    return load_config(None, ["data.train_files=[builtin:shapes]",
+                              "data.val_files=[builtin:shapes]", *overrides])  # fmt: skip
+
+
+def test_a_vision_language_model_reads_verls_images_column_by_default():
+    assert image_key(_config("model.path=tiny-vl")) == "images"
+    assert image_key(_config("model.path=tiny-vl", "data.image_key=pictures")) == "pictures"
+    assert image_key(_config("model.path=sft:shapes", "sft.preset=tiny-vl")) == "images"
+    assert image_key(_config("model.path=tiny")) is None
+    validate(_config("model.path=tiny-vl", "data.image_key=images"))
+
+
+def test_a_text_only_model_refuses_the_key_naming_it():
+    with pytest.raises(ConfigError, match=r"data.image_key = 'images' .* text-only model"):
+        validate(_config("model.path=tiny", "data.image_key=images"))
