@@ -217,6 +217,7 @@ ACTOR_TABLE: list[Entry] = [
     ),
     *_parallel_entries(ACTOR, "actor"),
     Rename(ACTOR + "freeze_vision_tower", "actor.freeze_vision_tower"),
+    Rename(MODEL + "freeze_vision_tower", "actor.freeze_vision_tower"),  # newer verl's place
     Unsupported(ACTOR + "loss_scale_factor", "a fixed loss scale factor", _off, "null"),
     Ignored(ACTOR + "router_replay.*", "the engine hands the routes over in memory (no files)"),
     Rename(

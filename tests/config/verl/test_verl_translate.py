@@ -46,6 +46,9 @@ def test_verl_image_runs_validate_with_a_vision_language_model(name, capsys):
     assert main(["config", "validate", *command_line(name), *here]) == 0
     assert "config OK" in capsys.readouterr().out
     assert "data.image_key=images" in translate(["data.image_key=images"]).overrides
+    for place in ("actor", "model"):  # verl's key, in either section
+        key = f"actor_rollout_ref.{place}.freeze_vision_tower=False"
+        assert "actor.freeze_vision_tower=false" in translate([key]).overrides
 
 
 @pytest.mark.parametrize("name", IMAGES)
