@@ -488,15 +488,33 @@ def image_key(cfg: Config) -> str | None:
 def _check_images(cfg: Config, add) -> None:
     """data.image_key: a vision-language model's (a text-only model has no vision encoder)."""
     key = cfg.data.image_key
-    if key is None:
-        return
-    if not isinstance(key, str) or not key:
+    if key is not None and (not isinstance(key, str) or not key):
         add(f"data.image_key = {key!r} must be the name of the rows' image column (verl's: "
             "images)")  # fmt: skip
-    elif model_reads_images(trained_model(cfg)) is False:
+    elif key is not None and model_reads_images(trained_model(cfg)) is False:
         add(f"data.image_key = {key!r} asks for prompts with images, but model.path = "
             f"{cfg.model.path!r} is a text-only model (no vision encoder hybridflow runs): use "
             "a Qwen2.5-VL model (e.g. the tiny-vl preset), or drop data.image_key")  # fmt: skip
+    if image_key(cfg) is None:
+        return
+    # what prompts with images do not run through yet (docs/engine.md, Prompts with images)
+    unsupported = {
+        "trainer.partial_rollout": cfg.trainer.partial_rollout,
+        "rollout.agent.loop": cfg.rollout.agent.loop is not None,
+        "rollout.engine.max_prefill_tokens_per_step": cfg.rollout.engine.max_prefill_tokens_per_step > 0,
+        "actor.sequence_parallel_size": cfg.actor.sequence_parallel_size > 1,
+    }  # fmt: skip
+    for name, on in unsupported.items():
+        if on:
+            add(f"{name} = {_value(cfg, name)!r} does not run prompts with images yet (a "
+                "vision-language model reads data.image_key): leave it at its default")  # fmt: skip
+
+
+def _value(cfg: Config, dotted: str):
+    value = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def _check_router(cfg: Config, add) -> None:
