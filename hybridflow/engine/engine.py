@@ -33,7 +33,7 @@ from hybridflow.engine.choices import (
 )
 from hybridflow.engine.graphs import DecodeRunner
 from hybridflow.engine.host import cyclic_gc_paused
-from hybridflow.engine.images import ImageFeatures, prepare_images
+from hybridflow.engine.images import ImageFeatures, check_image_call, prepare_images
 from hybridflow.engine.kernels.launch import PLAIN
 from hybridflow.engine.options import EngineOptions
 from hybridflow.engine.prefill import RopeTable, extend_forward, prefill_forward
@@ -440,17 +440,9 @@ class Engine:
                          on_finish=on_finish)  # fmt: skip
         prepared = prepare_images(self.config, prompts, images)
         if prepared is not None:
-            self._check_image_call(keep, reuse)
+            check_image_call(self.options, keep, reuse)
             sub.images = ImageFeatures(prepared, n)
         return sub
-
-    def _check_image_call(self, keep: bool, reuse) -> None:
-        """What prompts with images do not run through yet: ValueError saying what to change."""
-        if keep or reuse is not None:
-            raise ValueError("prompts with images: keep and reuse (kept KV) are not supported")
-        if self.options.max_prefill_tokens_per_step > 0:
-            raise ValueError("prompts with images need max_prefill_tokens_per_step=0 (mixed "
-                             "steps prefill them in chunks, without the vision encoder)")  # fmt: skip
 
     def start_generation(self) -> None:
         """Before the scheduler runs after a pause: the cache allocated, the fused weight

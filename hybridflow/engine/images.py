@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridflow.engine.host import upload
 from hybridflow.models.mrope import mrope_cos_sin, mrope_positions
 
 
@@ -87,6 +88,15 @@ def prepare_images(config, prompts: list[list[int]], images: list | None) -> lis
         shift = int(rows.max()) + 1 - len(ids)
         prepared.append(PreparedImages(entry.pixel_values, grid, rows, shift))
     return prepared
+
+
+def check_image_call(options, keep: bool, reuse) -> None:
+    """What prompts with images do not run through yet: ValueError saying what to change."""
+    if keep or reuse is not None:
+        raise ValueError("prompts with images: keep and reuse (kept KV) are not supported")
+    if options.max_prefill_tokens_per_step > 0:
+        raise ValueError("prompts with images need max_prefill_tokens_per_step=0 (mixed "
+                         "steps prefill them in chunks, without the vision encoder)")  # fmt: skip
 
 
 class ImageFeatures:
@@ -169,5 +179,5 @@ def set_slot_shifts(rope, slots: list[int], shifts: list[int], device) -> None:
     prompt before)."""
     if rope.slot_shift is None:
         return
-    index = torch.tensor(slots, dtype=torch.long)
-    rope.slot_shift[index.to(device)] = torch.tensor(shifts, dtype=torch.long).to(device)
+    index, values = upload(device, torch.tensor(slots), torch.tensor(shifts))  # no host sync
+    rope.slot_shift[index] = values
