@@ -116,7 +116,7 @@ class Engine:
         from hybridflow.models.llama import CausalLM
 
         # else: slow path (slow.py), with the reason; so are layer kinds whose cache kind the
-        # engine has not built yet (MLA's latent, sinks, a window: cache/kinds.py)
+        # engine has not built yet (MLA's latent: cache/kinds.py)
         self.slow_reason = "not hybridflow's own decoder" if not isinstance(model, CausalLM) else (
             "; ".join(engine_gaps(self.config.layer_specs())) or None)  # fmt: skip
         self.native = self.slow_reason is None
@@ -281,9 +281,10 @@ class Engine:
             from hybridflow.engine.layers.eager import decode_forward_torch
 
             decode_forward = decode_forward_torch
-            if self.cache.states is not None:
+            if self.eager_layers:  # recurrent steps and sink attention on the asked backend
                 decode_forward = functools.partial(decode_forward_torch,
-                                                   recurrent_step=self.recurrent_step)  # fmt: skip
+                                                   recurrent_step=self.recurrent_step,
+                                                   attention_step=self.recurrent_step)  # fmt: skip
         self.runner = DecodeRunner(
             self.model, self.cache, self.state, self.rope, decode_forward,
             use_graphs=self.cuda_graphs,

@@ -41,6 +41,7 @@ def prefill_forward(
     *cache_at] when given (a paged cache: each token's block and offset, kv_cache.py)."""
     from hybridflow.engine.layers import mixing
     from hybridflow.engine.layers.moe import mlp_torch, route_target, sparse_indices
+    from hybridflow.engine.layers.sink import sink_prefill
 
     entries, offsets = cache_at or (token_slots, position_ids)
     target = route_target(cache, entries, offsets)
@@ -59,6 +60,9 @@ def prefill_forward(
         if layer.spec.recurrent:
             out = mixing.recurrent_prefill(layer, normed, layout, cache.states, index,
                                            sequence_slots)  # fmt: skip
+        elif layer.spec.mixer == "sink_attention":
+            out = sink_prefill(layer, normed, cos, sin, cache, index, (entries, offsets),
+                               token_slots, position_ids, cu_seqlens, last_index)  # fmt: skip
         else:
             row = cache.kv_row(index)
 
@@ -164,6 +168,7 @@ def extend_forward(
     from hybridflow.engine.layers import mixing
     from hybridflow.engine.layers.eager import cached_attention_torch
     from hybridflow.engine.layers.moe import mlp_torch, route_target, sparse_indices
+    from hybridflow.engine.layers.sink import sink_extend
 
     entries, offsets = cache_at or (token_slots, position_ids)
     sparse = sparse_indices(model)
@@ -190,11 +195,15 @@ def extend_forward(
                 held[:rows_here] = frozen[start : start + rows_here]
             targets = mixing.write_slots(sequence_slots, held, cache.states.scratch_slot)
             sequences = (layout, sequence_slots, targets, fresh)
+        held_tokens = _frozen_tokens(frozen, decode_rows, start, ids.shape[0])
         for index, layer in enumerate(model.model.layers):
             normed = layer.input_layernorm(hidden)
             if layer.spec.recurrent:
                 out = mixing.recurrent_extend(layer, normed, sequences[0], cache.states, index,
                                               *sequences[1:])  # fmt: skip
+            elif layer.spec.mixer == "sink_attention":
+                out = sink_extend(layer, normed, cos, sin, cache, index, chunk_at, slots,
+                                  positions, max_len, held_tokens)  # fmt: skip
             else:
                 row = cache.kv_row(index)
 
@@ -212,6 +221,18 @@ def extend_forward(
             hidden = hidden + mlp_torch(layer, normed, target, sparse[index])
         kept.append(hidden[wanted[start : start + chunk_tokens]])
     return model.lm_head(model.model.norm(torch.cat(kept)))
+
+
+def _frozen_tokens(frozen: torch.Tensor | None, decode_rows: int, start: int,
+                   count: int) -> torch.Tensor | None:  # fmt: skip
+    """Which of a chunk's `count` tokens (from token `start`) are frozen decode rows: [count]
+    bool, or None when none can be."""
+    if frozen is None or start >= decode_rows:
+        return None
+    held = torch.zeros(count, dtype=torch.bool, device=frozen.device)
+    rows_here = min(decode_rows - start, count)
+    held[:rows_here] = frozen[start : start + rows_here]
+    return held
 
 
 @torch.no_grad()

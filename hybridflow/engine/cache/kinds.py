@@ -26,8 +26,10 @@ import torch
 # Layer kinds the engine's own passes run (prefill.py, layers/eager.py): mixers whose cache
 # exists, MLPs the torch passes call (layers/moe.mlp_torch). The rest run on the slow path
 # (slow.py).
-ENGINE_MIXERS = ("attention", "gated_attention", "gated_deltanet")
-ENGINE_MLPS = ("dense", "experts", "experts_shared")
+ENGINE_MIXERS = ("attention", "gated_attention", "gated_deltanet", "sink_attention")
+ENGINE_MLPS = ("dense", "experts", "experts_shared", "biased_experts")
+# Mixers whose sliding-window layers keep a window's ring (window.py) instead of every position
+WINDOWED_MIXERS = ("sink_attention",)
 # Kinds the fused decode layers (layers/split.py, chain.py, lean.py) also run; a model with
 # any other runs the eager passes (the model's own modules) on every backend.
 FUSED_MIXERS = ("attention",)
@@ -44,11 +46,14 @@ def engine_gaps(specs) -> list[str]:
     """Why the engine's cached passes cannot run a model of these layer specs (empty: they
     can), one line per kind not covered; the engine then takes its slow path."""
     gaps = []
+    windows = sorted({spec.window for spec in specs if spec.window})
+    if len(windows) > 1:
+        gaps.append(f"sliding windows of several sizes {windows}: one ring size expected")
     for spec in specs:
         if spec.mixer not in ENGINE_MIXERS:
             gaps.append(f"{spec.mixer} layers ({spec.cache} cache): not in the engine's passes "
                         "yet")  # fmt: skip
-        elif spec.window:
+        elif spec.window and spec.mixer not in WINDOWED_MIXERS:
             gaps.append(f"{spec.mixer} layers with a {spec.window}-token window: no windowed "
                         "cache kind yet")  # fmt: skip
         if spec.mlp not in ENGINE_MLPS:
@@ -66,8 +71,9 @@ def layers_by_kind(specs) -> dict[str, tuple[int, ...]]:
 
 
 def kv_layer_rows(specs) -> list[int | None]:
-    """Per model layer, its row of the K/V cache's layer axis (None: it keeps none)."""
-    kv = layers_by_kind(specs).get("kv", ())
+    """Per model layer, its row of the K/V cache's layer axis (None: it keeps none there; a
+    sliding layer keeps its window's ring instead: window.py)."""
+    kv = tuple(i for i in layers_by_kind(specs).get("kv", ()) if not specs[i].window)
     return [kv.index(i) if i in kv else None for i in range(len(specs))]
 
 

@@ -106,6 +106,10 @@ def experts_torch(
     token is routed (and recorded), the experts run for these rows only -> [len(keep), H]."""
     from hybridflow.models.moe import moe_experts, router
 
+    if hasattr(mlp, "experts_output"):  # GPT-OSS's biased router and experts
+        from hybridflow.engine.layers.biased_moe import biased_experts_torch
+
+        return biased_experts_torch(mlp, x, target, sparse_index, keep)
     ids, weights, _ = router(x, _router_weight(mlp, x), mlp.top_k, mlp.norm_topk_prob)
     if target is not None:
         target.routes[target.entries, target.offsets, sparse_index] = ids.to(target.routes.dtype)
