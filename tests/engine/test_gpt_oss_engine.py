@@ -14,23 +14,12 @@ import torch
 from hybridflow.engine import Engine, EngineOptions, SamplingParams
 from hybridflow.engine.sampling import call_seeds
 from hybridflow.engine.slow import generate_slow
-from hybridflow.models import build_model
 from hybridflow.models.heads.logprobs import logprobs_from_hidden
-from hybridflow.models.presets import preset_config
+from tests.engine.gpt_oss_helpers import gpt_oss_model
 
 EAGER = dict(decode_backend="torch", cuda_graphs=False, steps_per_sync=2)
 PROMPTS = [[5, 17, 9, 33, 2, 71] * 3, [40, 41], [12], [100, 3, 8, 19, 23, 60, 61]]
 SAMPLED = SamplingParams(n=2, temperature=0.9, max_new_tokens=12, seed=3, ignore_eos=True)
-
-
-def gpt_oss_model(seed: int = 1):
-    """tiny-gpt-oss with std-0.3 weights, sinks and biases (fp32): peaked logits, greedy far
-    from ties, the sinks taking a visible share of each softmax."""
-    generator = torch.Generator().manual_seed(seed)
-    model = build_model(preset_config("tiny-gpt-oss"), seed=seed).eval().requires_grad_(False)
-    for p in model.parameters():
-        p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +92,9 @@ def test_sampled_tokens_with_a_seed_equal_the_slow_path_with_routes(gpt_oss):
     engine = _engine(gpt_oss, block=16)
     got, expected = engine.generate(PROMPTS, SAMPLED), _slow(engine, PROMPTS, SAMPLED)
     _assert_same(got, expected)
-    for a, b in zip(got, expected):
-        assert a.routed_experts.shape == b.routed_experts.shape == (len(a.token_ids) - 1 + len(
-            PROMPTS[got.index(a) // 2]), 2, 2)  # fmt: skip
+    for i, (a, b) in enumerate(zip(got, expected)):
+        positions = len(PROMPTS[i // 2]) + len(a.token_ids) - 1  # [positions, layers, k]
+        assert a.routed_experts.shape == b.routed_experts.shape == (positions, 2, 2)
         assert (a.routed_experts == b.routed_experts).all()
 
 
@@ -142,7 +131,7 @@ def test_preemption_rebuilds_the_ring_by_prefill(gpt_oss, per_step):
     reference = _engine(gpt_oss, slots=8, block=16, seq=96)
     expected = reference.generate(PROMPTS, params)
     cache = reference.cache
-    block_bytes = (cache.keys[:, 0].nbytes + cache.values[:, 0].nbytes + cache.routes[0].nbytes)
+    block_bytes = cache.keys[:, 0].nbytes + cache.values[:, 0].nbytes + cache.routes[0].nbytes
     engine = _engine(gpt_oss, slots=8, block=16, seq=96, per_step=per_step,
                      budget=block_bytes * 15 + cache.window.nbytes())  # fmt: skip
     got = engine.generate(PROMPTS, params)

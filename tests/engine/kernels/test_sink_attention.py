@@ -79,3 +79,32 @@ def test_sinks_with_a_shared_prefix(device):
                                      sinks=sinks)  # fmt: skip
     expected = _reference(q[:2], keys, values, row_slots, lengths, sinks)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block", [None, 16])
+def test_the_engine_decodes_gpt_oss_through_the_kernel_as_in_torch(device, block, monkeypatch):
+    """decode_backend='triton' runs GPT-OSS's sink layers (the sliding layer's ring, the
+    full layer's cache) through the kernel: the torch path's greedy tokens, past the window."""
+    from hybridflow.engine import Engine, EngineOptions, SamplingParams
+    from hybridflow.engine.kernels import attention
+    from tests.engine.gpt_oss_helpers import gpt_oss_model
+
+    calls = []
+    kernel = attention.decode_attention
+    monkeypatch.setattr(attention, "decode_attention",
+                        lambda *a, **k: calls.append(k["sinks"]) or kernel(*a, **k))  # fmt: skip
+
+    model = gpt_oss_model().to(device)
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=8, ignore_eos=True)
+    prompts = [[5, 17, 9, 33, 2, 71] * 2, [40, 41, 7]]
+    got = {}
+    for backend in ("torch", "triton"):
+        options = EngineOptions(decode_backend=backend, cuda_graphs=False, kv_block_size=block,
+                                steps_per_sync=4)  # fmt: skip
+        engine = Engine(model, 4, 32, options=options)
+        assert engine.native
+        got[backend] = engine.generate(prompts, params)
+    assert len(calls) >= 2 * 7 and all(sinks is not None for sinks in calls)  # both layers
+    assert [c.token_ids for c in got["triton"]] == [c.token_ids for c in got["torch"]]
+    for a, b in zip(got["triton"], got["torch"]):
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-4)
