@@ -6,11 +6,10 @@ A kind is one of two shapes:
 - **per position**: grows with the sequence and lives in the slot cache's rows or the paged
   cache's blocks (kv_cache.py), so a prompt's full blocks are shared by its samples, grown
   as it decodes and freed with it. K/V of attention layers is the one built; MLA's latent
-  would be another (``kv_lora_rank + qk_rope_head_dim`` a token instead of K and V), and a
-  sliding window's K/V the same as K/V with a sequence holding at most a window's positions.
+  would be another (``kv_lora_rank + qk_rope_head_dim`` a token instead of K and V).
 - **per sequence**: a fixed size whatever the length, one slot per sequence (beside the
   blocks, indexed by the sequence's slot): Gated DeltaNet's conv and SSM state
-  (:class:`RecurrentStates`). Copied to a prompt's other samples once after its prefill,
+  (:class:`RecurrentStates`), a sliding layer's ring of a window's K/V (window.py). Copied to a prompt's other samples once after its prefill,
   rebuilt by the prefill of a preempted request, continued by a kept conversation's turn.
 
 The scheduler sees sequences (slots) and blocks, not kinds: ``KVCache.copy_sequences`` copies
