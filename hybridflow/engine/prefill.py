@@ -168,7 +168,7 @@ def extend_forward(
     from hybridflow.engine.layers import mixing
     from hybridflow.engine.layers.eager import cached_attention_torch
     from hybridflow.engine.layers.moe import mlp_torch, route_target, sparse_indices
-    from hybridflow.engine.layers.sink import sink_extend
+    from hybridflow.engine.layers.sink import frozen_tokens, sink_extend
 
     entries, offsets = cache_at or (token_slots, position_ids)
     sparse = sparse_indices(model)
@@ -195,7 +195,7 @@ def extend_forward(
                 held[:rows_here] = frozen[start : start + rows_here]
             targets = mixing.write_slots(sequence_slots, held, cache.states.scratch_slot)
             sequences = (layout, sequence_slots, targets, fresh)
-        held_tokens = _frozen_tokens(frozen, decode_rows, start, ids.shape[0])
+        held_tokens = frozen_tokens(frozen, decode_rows, start, ids.shape[0])
         for index, layer in enumerate(model.model.layers):
             normed = layer.input_layernorm(hidden)
             if layer.spec.recurrent:
@@ -221,18 +221,6 @@ def extend_forward(
             hidden = hidden + mlp_torch(layer, normed, target, sparse[index])
         kept.append(hidden[wanted[start : start + chunk_tokens]])
     return model.lm_head(model.model.norm(torch.cat(kept)))
-
-
-def _frozen_tokens(frozen: torch.Tensor | None, decode_rows: int, start: int,
-                   count: int) -> torch.Tensor | None:  # fmt: skip
-    """Which of a chunk's `count` tokens (from token `start`) are frozen decode rows: [count]
-    bool, or None when none can be."""
-    if frozen is None or start >= decode_rows:
-        return None
-    held = torch.zeros(count, dtype=torch.bool, device=frozen.device)
-    rows_here = min(decode_rows - start, count)
-    held[:rows_here] = frozen[start : start + rows_here]
-    return held
 
 
 @torch.no_grad()

@@ -157,6 +157,18 @@ def windowed_extend_attention(q, k, v, ring: tuple, slots, positions, starts, wi
     return torch.cat(pieces)
 
 
+def frozen_tokens(frozen: torch.Tensor | None, decode_rows: int, start: int,
+                  count: int) -> torch.Tensor | None:  # fmt: skip
+    """Which of an extend chunk's `count` tokens (from token `start` of the pass) are frozen
+    decode rows (frozen [decode_rows]): [count] bool, or None when none can be."""
+    if frozen is None or start >= decode_rows:
+        return None
+    held = torch.zeros(count, dtype=torch.bool, device=frozen.device)
+    rows_here = min(decode_rows - start, count)
+    held[:rows_here] = frozen[start : start + rows_here]
+    return held
+
+
 def _runs(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """slots [N] in runs of one slot (a sequence's contiguous tokens) -> (index of each
     token's run's first token, of its last), without a host sync."""
