@@ -159,3 +159,27 @@ def test_a_kept_turn_continues_the_ring(gpt_oss, per_step, slots):
     if slots == 8:
         assert engine.prefill_tokens - before == sum(continued) and len(continued) == 4
     _assert_same(second, _slow(engine, prompts, params, seeds=[5, 6, 7, 8]))
+
+
+def test_the_rollout_service_keeps_only_exact_rings(gpt_oss):
+    """A request stopping on an id only it has (checked by the host, the device stepping
+    past it, its ring moving on over positions the next turn needs) keeps no slot; the
+    other's next turn continues its kept ring and samples as a full prefill."""
+    from hybridflow.engine.serving.service import RolloutService
+
+    plain = SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True)
+    alone = _engine(gpt_oss).generate([PROMPTS[0]], plain, seeds=[1])[0]
+    stop = alone.token_ids[2]
+    stopping = SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True,
+                              stop_token_ids=[stop])  # fmt: skip
+    with RolloutService(_engine(gpt_oss, slots=4, block=16)) as service:
+        a, b = service.submit_many([
+            dict(prompt_ids=PROMPTS[0], params=stopping, seed=1, keep=True),
+            dict(prompt_ids=PROMPTS[3], params=plain, seed=2, keep=True),
+        ])  # fmt: skip
+        first_a, first_b = a.result(timeout=60)[0], b.result(timeout=60)[0]
+        assert first_a.token_ids == alone.token_ids[: alone.token_ids.index(stop) + 1]
+        assert first_a.kv_handle is None and first_b.kv_handle is not None
+        turn = PROMPTS[3] + first_b.token_ids + [9, 10]
+        second = service.submit(turn, plain, seed=3, reuse=first_b.kv_handle).result(timeout=60)
+    _assert_same(second, _slow(_engine(gpt_oss), [turn], plain, seeds=[3]))
