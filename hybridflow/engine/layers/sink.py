@@ -19,7 +19,11 @@ from __future__ import annotations
 import torch
 
 from hybridflow.engine.cache.window import ring_positions, store_last_positions
-from hybridflow.models.mixers.sink_attention import sink_attention_packed
+
+# Scores a prefill pass holds at once (fp32 elements, heads x queries x keys): its queries
+# run in row blocks of at most this, so a long prompt's attention stays bounded (the model's
+# reference holds [heads, T, T] a sequence: 16 GiB at 8k tokens and 64 heads).
+PREFILL_SCORES = 2**25
 
 
 def sink_softmax(
@@ -29,20 +33,32 @@ def sink_softmax(
     visible: torch.Tensor,
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """q [T, nh, D], keys/values [T, S, nkv, D] (row t's keys), visible [T, S] bool, sinks
-    [nh] (None: a plain softmax) -> [T, nh, D]; scores and softmax in fp32, as the model's."""
+    """q [T, nh, D], keys/values [T, S, nkv, D] (row t's keys) or [S, nkv, D] (the same keys
+    for every row), visible [T, S] bool, sinks [nh] (None: a plain softmax) -> [T, nh, D];
+    scores and softmax in fp32, as the model's."""
     rows, heads, dim = q.shape
-    kv_heads = keys.shape[2]
-    grouped = q.view(rows, kv_heads, heads // kv_heads, dim)  # a kv head's queries together
-    k, v = keys.transpose(1, 2), values.transpose(1, 2)  # [T, nkv, S, D]
-    scores = (grouped @ k.transpose(-1, -2)).float() * dim**-0.5  # [T, nkv, G, S]
+    kv_heads = keys.shape[-2]
+    groups = heads // kv_heads
+    if keys.dim() == 3:  # shared keys: a kv head's queries of every row in one matmul
+        grouped = q.view(rows, kv_heads, groups, dim).transpose(0, 1).reshape(kv_heads, -1, dim)
+        k, v = keys.transpose(0, 1), values.transpose(0, 1)  # [nkv, S, D]
+        scores = (grouped @ k.transpose(-1, -2)).float() * dim**-0.5  # [nkv, T * G, S]
+        scores = scores.view(kv_heads, rows, groups, -1).transpose(0, 1)  # [T, nkv, G, S]
+    else:
+        grouped = q.view(rows, kv_heads, groups, dim)  # a kv head's queries together
+        k, v = keys.transpose(1, 2), values.transpose(1, 2)  # [T, nkv, S, D]
+        scores = (grouped @ k.transpose(-1, -2)).float() * dim**-0.5  # [T, nkv, G, S]
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     if sinks is not None:
-        sink = sinks.float().view(1, kv_heads, -1, 1).expand(rows, -1, -1, 1)
+        sink = sinks.float().view(1, kv_heads, groups, 1).expand(rows, -1, -1, 1)
         probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
     else:
         probs = torch.softmax(scores, dim=-1)
-    return (probs.to(v.dtype) @ v).view(rows, heads, dim)
+    probs = probs.to(v.dtype)
+    if keys.dim() == 3:
+        out = probs.transpose(0, 1).reshape(kv_heads, -1, probs.shape[-1]) @ v  # [nkv, T*G, D]
+        return out.view(kv_heads, rows, groups, dim).transpose(0, 1).reshape(rows, heads, dim)
+    return (probs @ v).view(rows, heads, dim)
 
 
 def sink_prefill(layer, normed, cos, sin, cache, index: int, cache_at: tuple,
@@ -61,8 +77,31 @@ def sink_prefill(layer, normed, cos, sin, cache, index: int, cache_at: tuple,
                              cache.scratch_slot)  # fmt: skip
     else:
         _store(cache, index, cache_at, k, v)
-    out = sink_attention_packed(q, k, v, mixer.sinks, window, cu_seqlens)
+    out = sink_prefill_attention(q, k, v, mixer.sinks, window, cu_seqlens)
     return mixer.o_proj(out.flatten(-2))
+
+
+def sink_prefill_attention(q, k, v, sinks, window: int, cu_seqlens: torch.Tensor,
+                           scores: int = PREFILL_SCORES) -> torch.Tensor:  # fmt: skip
+    """models/mixers/sink_attention.sink_attention_packed's contract (q [N, nh, D], k/v
+    [N, nkv, D], sequence i at rows cu_seqlens[i]: cu_seqlens[i+1] -> [N, nh, D]) in row
+    blocks holding at most `scores` scores each: a block of queries [a, b) reads the keys
+    [a - window + 1, b) of a sliding layer (a window's worth past the block), [0, b) of a
+    full one."""
+    out = torch.zeros_like(q)
+    bounds = cu_seqlens.tolist()
+    heads = q.shape[1]
+    for first, end in zip(bounds[:-1], bounds[1:]):
+        span = min(end - first, window) if window else end - first
+        rows = max(1, scores // (heads * span * 2))  # keys of a block: at most span + rows
+        for a in range(first, end, rows):
+            b = min(a + rows, end)
+            lo = max(first, a - window + 1) if window else first
+            positions = torch.arange(a, b, device=q.device)[:, None]
+            keys = torch.arange(lo, b, device=q.device)[None, :]
+            visible = (keys <= positions) & ((positions - keys < window) if window else True)
+            out[a:b] = sink_softmax(q[a:b], k[lo:b], v[lo:b], visible, sinks)
+    return out
 
 
 def sink_decode(layer, normed, cos, sin, cache, index: int, cache_at: tuple,

@@ -7,8 +7,13 @@ from __future__ import annotations
 import torch
 
 from hybridflow.engine.cache.window import store_last_positions
-from hybridflow.engine.layers.sink import _runs, sink_softmax, windowed_extend_attention
-from hybridflow.models.mixers.sink_attention import sink_attention_rows
+from hybridflow.engine.layers.sink import (
+    _runs,
+    sink_prefill_attention,
+    sink_softmax,
+    windowed_extend_attention,
+)
+from hybridflow.models.mixers.sink_attention import sink_attention_packed, sink_attention_rows
 
 HEADS, KV_HEADS, DIM, WINDOW = 4, 2, 8, 5
 
@@ -27,6 +32,20 @@ def test_sink_softmax_is_the_models_attention_for_a_full_prefix():
     got = sink_softmax(q, k[None].expand(7, -1, -1, -1), v[None].expand(7, -1, -1, -1),
                        visible, sinks)  # fmt: skip
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    shared = sink_softmax(q, k, v, visible, sinks)  # the same keys for every row
+    torch.testing.assert_close(shared, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_prefill_in_row_blocks_is_the_models_packed_attention():
+    """Two prompts of 23 and 9 tokens packed; row blocks of 3 queries (a score budget of
+    3 x heads x span x 2): a sliding layer's blocks read a window's keys past the block."""
+    q, k, v, sinks = _qkv(32, 2)
+    cu = torch.tensor([0, 23, 32], dtype=torch.int32)
+    for window in (WINDOW, 0):
+        expected = sink_attention_packed(q, k, v, sinks, window, cu)
+        span = WINDOW if window else 23
+        got = sink_prefill_attention(q, k, v, sinks, window, cu, scores=3 * HEADS * span * 2)
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_runs_of_slots():
