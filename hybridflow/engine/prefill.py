@@ -40,6 +40,7 @@ def prefill_forward(
     Every token's K/V goes to cache[layer, token_slots, position_ids], or to cache[layer,
     *cache_at] when given (a paged cache: each token's block and offset, kv_cache.py)."""
     from hybridflow.engine.layers import mixing
+    from hybridflow.engine.layers.latent import latent_prefill
     from hybridflow.engine.layers.moe import mlp_torch, route_target, sparse_indices
 
     entries, offsets = cache_at or (token_slots, position_ids)
@@ -59,6 +60,8 @@ def prefill_forward(
         if layer.spec.recurrent:
             out = mixing.recurrent_prefill(layer, normed, layout, cache.states, index,
                                            sequence_slots)  # fmt: skip
+        elif layer.spec.cache == "latent":
+            out = latent_prefill(layer, normed, cos, sin, cache, index, (entries, offsets), attend)
         else:
             row = cache.kv_row(index)
 
@@ -163,6 +166,7 @@ def extend_forward(
     attends the same way, over its slot up to its position, so they change nothing)."""
     from hybridflow.engine.layers import mixing
     from hybridflow.engine.layers.eager import cached_attention_torch
+    from hybridflow.engine.layers.latent import latent_cached
     from hybridflow.engine.layers.moe import mlp_torch, route_target, sparse_indices
 
     entries, offsets = cache_at or (token_slots, position_ids)
@@ -195,6 +199,9 @@ def extend_forward(
             if layer.spec.recurrent:
                 out = mixing.recurrent_extend(layer, normed, sequences[0], cache.states, index,
                                               *sequences[1:])  # fmt: skip
+            elif layer.spec.cache == "latent":
+                out = latent_cached(layer, normed, cos, sin, cache, index, chunk_at, slots,
+                                    positions + 1, max_len)  # fmt: skip
             else:
                 row = cache.kv_row(index)
 

@@ -5,9 +5,9 @@ A kind is one of two shapes:
 
 - **per position**: grows with the sequence and lives in the slot cache's rows or the paged
   cache's blocks (kv_cache.py), so a prompt's full blocks are shared by its samples, grown
-  as it decodes and freed with it. K/V of attention layers is the one built; MLA's latent
-  would be another (``kv_lora_rank + qk_rope_head_dim`` a token instead of K and V), and a
-  sliding window's K/V the same as K/V with a sequence holding at most a window's positions.
+  as it decodes and freed with it: K/V of attention layers, MLA's latent
+  (``kv_lora_rank + qk_rope_head_dim`` a token instead of K and V: latent.py); a sliding
+  window's K/V would be the same as K/V with a sequence holding at most a window's positions.
 - **per sequence**: a fixed size whatever the length, one slot per sequence (beside the
   blocks, indexed by the sequence's slot): Gated DeltaNet's conv and SSM state
   (:class:`RecurrentStates`). Copied to a prompt's other samples once after its prefill,
@@ -26,8 +26,8 @@ import torch
 # Layer kinds the engine's own passes run (prefill.py, layers/eager.py): mixers whose cache
 # exists, MLPs the torch passes call (layers/moe.mlp_torch). The rest run on the slow path
 # (slow.py).
-ENGINE_MIXERS = ("attention", "gated_attention", "gated_deltanet")
-ENGINE_MLPS = ("dense", "experts", "experts_shared")
+ENGINE_MIXERS = ("attention", "gated_attention", "gated_deltanet", "mla")
+ENGINE_MLPS = ("dense", "experts", "experts_shared", "grouped_experts_shared")
 # Kinds the fused decode layers (layers/split.py, chain.py, lean.py) also run; a model with
 # any other runs the eager passes (the model's own modules) on every backend.
 FUSED_MIXERS = ("attention",)

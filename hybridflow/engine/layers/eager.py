@@ -56,6 +56,7 @@ def decode_forward_torch(
     shared=None,
     frozen: torch.Tensor | None = None,
     recurrent_step: str = "torch",
+    latent_step: str = "torch",
 ) -> torch.Tensor:
     """tokens/positions/row_slots [B] -> logits [B, V]; K/V stored at (row_slots, positions).
 
@@ -64,8 +65,10 @@ def decode_forward_torch(
     reads its whole cache, the same values. A recurrent layer moves each row's state one
     token on, by slot; frozen [B]: rows whose state must not move (finished, still stepping
     until read back), written to the scratch slot instead. recurrent_step: "torch" or
-    "triton" (layers/mixing.recurrent_decode)."""
+    "triton" (layers/mixing.recurrent_decode). latent_step: an MLA layer's absorbed
+    attention, "torch" or "triton" (layers/latent.latent_cached)."""
     from hybridflow.engine.layers import mixing
+    from hybridflow.engine.layers.latent import latent_cached
     from hybridflow.engine.layers.moe import mlp_torch, route_target, sparse_indices
 
     hidden = model.model.embed_tokens(tokens)  # [B, H]
@@ -82,6 +85,9 @@ def decode_forward_torch(
         if layer.spec.recurrent:
             out = mixing.recurrent_decode(layer, normed, cache.states, index, row_slots, targets,
                                           recurrent_step)  # fmt: skip
+        elif layer.spec.cache == "latent":
+            out = latent_cached(layer, normed, cos, sin, cache, index, (entries, offsets),
+                                row_slots, lengths, max_len, latent_step)  # fmt: skip
         else:
             row = cache.kv_row(index)
 
