@@ -112,6 +112,6 @@ def latent_decode_attention(
         out.stride(1), heads, scale,
         RANK=rank, ROPE=rope, BLOCK_SIZE=latents.shape[1], PAGED=paged, BLOCK_H=block_h,
         BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)),
-        FP32_DOT=latents.dtype == torch.float32,
+        FP32_DOT=latents.dtype == torch.float32, num_warps=8 if block_r >= 256 else 4,
     )  # fmt: skip
     return out

@@ -84,3 +84,21 @@ def test_deepseek_engine_with_the_kernel_samples_the_torch_steps_tokens():
     for fused, plain in zip(results["triton"], results["torch"]):
         assert fused.token_ids == plain.token_ids
         torch.testing.assert_close(fused.logprobs, plain.logprobs, atol=1e-4, rtol=0)
+
+
+def test_kernel_at_deepseek_v3_widths():
+    """512 latent + 64 rope values a token (V3's), 16 heads, two rows over a paged cache."""
+    torch.manual_seed(1)
+    rank, rope = 512, 64
+    latents = torch.randn(9, BLOCK, rank + rope, device=DEVICE) * 0.1
+    table = torch.arange(8, device=DEVICE, dtype=torch.int32).flip(0).view(2, 4)
+    slots, lengths = torch.tensor([1, 0], device=DEVICE), torch.tensor([13, 16], device=DEVICE)
+    q = torch.randn(2, 16, rank, device=DEVICE) * 0.1
+    qr = torch.randn(2, 16, rope, device=DEVICE)
+    got = latent_decode_attention(q, qr, latents, slots, lengths, 0.07, rank, table)
+    blocks = table[slots].long()
+    gathered = latents[blocks].flatten(1, 2)
+    visible = torch.arange(16, device=DEVICE)[None] < lengths[:, None]
+    latent, k_rope = gathered.split([rank, rope], dim=-1)
+    expected = absorbed_attention(q, qr, latent, k_rope, visible, 0.07)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
