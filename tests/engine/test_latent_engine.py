@@ -152,3 +152,18 @@ def test_a_kept_turn_extends_the_latent(deepseek):
                              reuse=[c.kv_handle for c in first])  # fmt: skip
     assert engine.prefill_tokens - before == sum(len(d) + 1 for d in deltas)
     _assert_same(second, _slow(engine, prompts, params, seeds=[5, 6, 7, 8]), routes=False)
+
+
+def test_samples_share_the_prompts_latent_blocks(deepseek):
+    """4 samples of an 18-token prompt growing to 28 tokens: 2 blocks each alone (8), but the
+    prompt's full block is shared, its partial one copied (1 + 4). A budget of 5 blocks
+    decodes them all together, unpreempted, sampling what the slow path samples."""
+    params = SamplingParams(n=4, temperature=0.9, max_new_tokens=10, seed=7, ignore_eos=True)
+    probe = _engine(deepseek, slots=4, block=16, seq=32)
+    probe.generate([[1]], SamplingParams(max_new_tokens=1))
+    block_bytes = probe.cache.nbytes() // (probe.cache.num_blocks + 1)
+    engine = _engine(deepseek, slots=4, block=16, seq=32, budget=6 * block_bytes)
+    got = engine.generate(PROMPTS[:1], params)
+    assert engine.cache.num_blocks == 5 and engine.scheduler.paging.preemptions == 0
+    assert engine.scheduler.decoded_rows == 4 * engine.scheduler.decode_steps
+    _assert_same(got, _slow(engine, PROMPTS[:1], params))
