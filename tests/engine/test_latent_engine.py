@@ -167,3 +167,29 @@ def test_samples_share_the_prompts_latent_blocks(deepseek):
     assert engine.cache.num_blocks == 5 and engine.scheduler.paging.preemptions == 0
     assert engine.scheduler.decoded_rows == 4 * engine.scheduler.decode_steps
     _assert_same(got, _slow(engine, PROMPTS[:1], params))
+
+
+def test_unmerged_lora_adapters_decode_as_the_slow_path(deepseek):
+    """LoRA on q/k/v/o (MLA: q_a/q_b, kv_a and kv_b, o_proj) decoded unmerged: the absorbed
+    decode reads kv_b_proj's base weight plus its adapter's product."""
+    import copy
+
+    pytest.importorskip("peft")
+    from hybridflow.engine.adapters import adapter_layers
+    from hybridflow.learners.lora import apply_lora
+
+    model = copy.deepcopy(deepseek)
+    apply_lora(model, rank=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    generator = torch.Generator().manual_seed(4)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # trained adapters: B is no longer 0
+            p.data.normal_(0, 0.2, generator=generator)
+    model.requires_grad_(False)
+    assert any("kv_b_proj" in name for name, _ in model.named_modules()
+               if _ in adapter_layers(model))  # fmt: skip
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=6, ignore_eos=True)
+    engine = _engine(model, block=16)
+    got = engine.generate(PROMPTS[:2], params)
+    _assert_same(got, _slow(engine, PROMPTS[:2], params))
+    assert [c.token_ids for c in got] != [c.token_ids for c in _engine(deepseek).generate(
+        PROMPTS[:2], params)]  # fmt: skip
