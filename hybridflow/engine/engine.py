@@ -287,6 +287,7 @@ class Engine:
                                                    recurrent_step=self.recurrent_step)  # fmt: skip
             if self.cache.latent is not None:  # MLA: the absorbed attention's kernel likewise
                 decode_forward = functools.partial(decode_forward, latent_step=self.recurrent_step)
+                self.extend = functools.partial(extend_forward, latent_step=self.recurrent_step)
         self.runner = DecodeRunner(
             self.model, self.cache, self.state, self.rope, decode_forward,
             use_graphs=self.cuda_graphs,

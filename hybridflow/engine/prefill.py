@@ -152,6 +152,7 @@ def extend_forward(
     decode_rows: int = 0,
     max_len: int | None = None,
     frozen: torch.Tensor | None = None,
+    latent_step: str = "torch",
 ) -> torch.Tensor:
     """input_ids/position_ids/token_slots [N]: each sequence's new tokens, contiguous and in
     position order; every token attends to its slot's cache up to its own position (the
@@ -163,7 +164,9 @@ def extend_forward(
     In chunks of tokens, each through every layer before the next: a later token reads the
     K/V an earlier chunk wrote (causal order), and the gathered cache stays bounded. cache_at:
     as prefill_forward's. decode_rows, max_len: extend_forward_triton's (here every token
-    attends the same way, over its slot up to its position, so they change nothing)."""
+    attends the same way, over its slot up to its position, so they change nothing).
+    latent_step: an MLA layer's absorbed attention, every token a row over its slot
+    ("triton": the kernel reads the paged latents in place, no gather; layers/latent.py)."""
     from hybridflow.engine.layers import mixing
     from hybridflow.engine.layers.eager import cached_attention_torch
     from hybridflow.engine.layers.latent import latent_cached
@@ -201,7 +204,7 @@ def extend_forward(
                                               *sequences[1:])  # fmt: skip
             elif layer.spec.cache == "latent":
                 out = latent_cached(layer, normed, cos, sin, cache, index, chunk_at, slots,
-                                    positions + 1, max_len)  # fmt: skip
+                                    positions + 1, max_len, latent_step)  # fmt: skip
             else:
                 row = cache.kv_row(index)
 

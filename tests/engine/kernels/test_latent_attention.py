@@ -66,7 +66,8 @@ def test_kernel_equals_the_torch_op_over_the_cache(paged, dtype, tolerance):
 def test_deepseek_engine_with_the_kernel_samples_the_torch_steps_tokens():
     """decode_backend='triton' on tiny-deepseek-v3: the model's modules, the absorbed
     attention in the kernel, past a block of 16; greedy tokens and log-probs (fp32) of the
-    torch step, n = 2."""
+    torch step, n = 2; then a kept turn, its new tokens extending the latents through the
+    kernel too."""
     model = build_model(preset_config("tiny-deepseek-v3"), seed=1).to(DEVICE).eval()
     model.requires_grad_(False)
     generator = torch.Generator().manual_seed(1)
@@ -80,7 +81,15 @@ def test_deepseek_engine_with_the_kernel_samples_the_torch_steps_tokens():
                         options=EngineOptions(decode_backend=backend, cuda_graphs=False,
                                               kv_block_size=16))  # fmt: skip
         assert engine.native and engine.recurrent_step == backend
-        results[backend] = engine.generate(prompts, params)
+        first = engine.generate(prompts, params)
+        turn = prompts[0] + first[0].token_ids + [7, 8, 9]
+        kept = SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True)
+        handle = engine.generate([prompts[0]], kept, keep=True)[0].kv_handle
+        assert handle is not None
+        before = engine.prefill_tokens
+        second = engine.generate([turn], kept, reuse=[handle])
+        assert engine.prefill_tokens - before < len(turn)  # extended, not prefilled
+        results[backend] = first + second
     for fused, plain in zip(results["triton"], results["torch"]):
         assert fused.token_ids == plain.token_ids
         torch.testing.assert_close(fused.logprobs, plain.logprobs, atol=1e-4, rtol=0)
