@@ -82,8 +82,8 @@ class LayerSpec:
     @property
     def paged_kv(self) -> bool:
         """The engine's fused paged-K/V layers (and the tensor-parallel rollout) run this
-        layer: plain GQA over the whole prefix. Gated attention and Gated DeltaNet run the
-        engine's eager passes beside their caches (engine/cache/kinds.py); MLA, sinks and
+        layer: plain GQA over the whole prefix. Gated attention, Gated DeltaNet and MLA run
+        the engine's eager passes beside their caches (engine/cache/kinds.py); sinks and
         windows its slow path until their cache kinds exist."""
         return self.mixer == "attention" and not self.window
 
