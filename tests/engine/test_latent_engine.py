@@ -193,3 +193,18 @@ def test_unmerged_lora_adapters_decode_as_the_slow_path(deepseek):
     _assert_same(got, _slow(engine, PROMPTS[:2], params))
     assert [c.token_ids for c in got] != [c.token_ids for c in _engine(deepseek).generate(
         PROMPTS[:2], params)]  # fmt: skip
+
+
+def test_deepseek_v2_layers_run_natively_with_their_routes_recorded():
+    """DeepSeek-V2's softmax router with group-limited top-k (no correction bias, weights not
+    renormalised) beside the same MLA: the slow path's tokens and routing records."""
+    config = preset_config("tiny-deepseek-v3").replace(
+        model_type="deepseek_v2", topk_method="group_limited_greedy", norm_topk_prob=False
+    )
+    generator = torch.Generator().manual_seed(2)
+    model = build_model(config, seed=2).eval().requires_grad_(False)
+    for p in model.parameters():
+        p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    engine = _engine(model, block=16)
+    assert engine.native
+    _assert_same(engine.generate(PROMPTS[:2], SAMPLED), _slow(engine, PROMPTS[:2], SAMPLED))
