@@ -5,8 +5,8 @@ A kind is one of two shapes:
 
 - **per position**: grows with the sequence and lives in the slot cache's rows or the paged
   cache's blocks (kv_cache.py), so a prompt's full blocks are shared by its samples, grown
-  as it decodes and freed with it. K/V of attention layers is the one built; MLA's latent
-  would be another (``kv_lora_rank + qk_rope_head_dim`` a token instead of K and V).
+  as it decodes and freed with it: K/V of attention layers, MLA's latent
+  (``kv_lora_rank + qk_rope_head_dim`` a token instead of K and V: latent.py).
 - **per sequence**: a fixed size whatever the length, one slot per sequence (beside the
   blocks, indexed by the sequence's slot): Gated DeltaNet's conv and SSM state
   (:class:`RecurrentStates`), a sliding layer's ring of a window's K/V (window.py). Copied to a prompt's other samples once after its prefill,
@@ -25,8 +25,8 @@ import torch
 # Layer kinds the engine's own passes run (prefill.py, layers/eager.py): mixers whose cache
 # exists, MLPs the torch passes call (layers/moe.mlp_torch). The rest run on the slow path
 # (slow.py).
-ENGINE_MIXERS = ("attention", "gated_attention", "gated_deltanet", "sink_attention")
-ENGINE_MLPS = ("dense", "experts", "experts_shared", "biased_experts")
+ENGINE_MIXERS = ("attention", "gated_attention", "gated_deltanet", "sink_attention", "mla")
+ENGINE_MLPS = ("dense", "experts", "experts_shared", "biased_experts", "grouped_experts_shared")
 # Mixers whose sliding-window layers keep a window's ring (window.py) instead of every position
 WINDOWED_MIXERS = ("sink_attention",)
 # Kinds the fused decode layers (layers/split.py, chain.py, lean.py) also run; a model with

@@ -57,6 +57,7 @@ def decode_forward_torch(
     frozen: torch.Tensor | None = None,
     recurrent_step: str = "torch",
     attention_step: str = "torch",
+    latent_step: str = "torch",
 ) -> torch.Tensor:
     """tokens/positions/row_slots [B] -> logits [B, V]; K/V stored at (row_slots, positions).
 
@@ -66,8 +67,10 @@ def decode_forward_torch(
     token on, by slot; frozen [B]: rows whose state must not move (finished, still stepping
     until read back), written to the scratch slot instead. recurrent_step: "torch" or
     "triton" (layers/mixing.recurrent_decode). attention_step: "triton" runs sink attention
-    (layers/sink.py) through the Triton decode kernel, "torch" in torch."""
+    (layers/sink.py) through the Triton decode kernel, "torch" in torch. latent_step: an MLA
+    layer's absorbed attention, "torch" or "triton" (layers/latent.latent_cached)."""
     from hybridflow.engine.layers import mixing
+    from hybridflow.engine.layers.latent import latent_cached
     from hybridflow.engine.layers.moe import mlp_torch, route_target, sparse_indices
     from hybridflow.engine.layers.sink import sink_decode
 
@@ -88,6 +91,9 @@ def decode_forward_torch(
         elif layer.spec.mixer == "sink_attention":
             out = sink_decode(layer, normed, cos, sin, cache, index, (entries, offsets), row_slots,
                               positions, max_len, targets, attention_step == "triton")  # fmt: skip
+        elif layer.spec.cache == "latent":
+            out = latent_cached(layer, normed, cos, sin, cache, index, (entries, offsets),
+                                row_slots, lengths, max_len, latent_step)  # fmt: skip
         else:
             row = cache.kv_row(index)
 

@@ -42,10 +42,7 @@ def test_sliding_layers_keep_no_rows_of_the_kv_cache():
 
 def test_kinds_without_a_cache_are_named():
     assert engine_gaps(PRESETS["qwen3.5-4b"].layer_specs()) == []
-    assert engine_gaps([LayerSpec("mla", "grouped_experts_shared")]) == [
-        "mla layers (latent cache): not in the engine's passes yet",
-        "grouped_experts_shared MLPs: not in the engine's passes yet",
-    ]
+    assert engine_gaps(PRESETS["deepseek-v3"].layer_specs()) == []  # the latent kind
     assert engine_gaps([LayerSpec("sink_attention", "biased_experts", window=128)]) == []
     assert engine_gaps(
         [LayerSpec("sink_attention", window=128), LayerSpec("sink_attention", window=64)]
