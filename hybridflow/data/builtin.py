@@ -20,6 +20,8 @@ from hybridflow.data.shapes import shapes_row, shapes_splits
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_TASKS = ("arithmetic", "countdown", "calc", "shapes")
+IMAGE_TASKS = ("shapes",)
+"""Tasks whose prompts hold images (a vision-language model's: the tiny-vl preset)."""
 
 
 def builtin_rows(

@@ -150,3 +150,5 @@ def test_the_char_vl_tokenizer_has_the_tiny_vl_presets_vision_tokens():
 
     assert default_tokenizer_path(ModelConfig(path="tiny-vl")) == "char-vl"
     assert default_tokenizer_path(ModelConfig(path="tiny")) == "char"
+    assert default_tokenizer_path(ModelConfig(path="sft:shapes")) == "char-vl"
+    assert default_tokenizer_path(ModelConfig(path="sft:arithmetic")) == "char"

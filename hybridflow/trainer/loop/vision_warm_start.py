@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 
 from hybridflow.config import Config, ConfigError
+from hybridflow.data.builtin import IMAGE_TASKS
 
-VISION_TASKS = ("shapes",)
+VISION_TASKS = IMAGE_TASKS
 
 
 def _problems(size: int, seed: int, val_size: int, data_seed: int) -> list[tuple]:
@@ -98,6 +99,7 @@ def train_vision_warm_start(cfg: Config, task: str, target: Path, log=print, pro
     from hybridflow.trainer.loop.roles import resolve_device
     from hybridflow.trainer.loop.sft_loop import SFTTrainer
     from hybridflow.trainer.loop.warm_start import publish
+    from hybridflow.workers.model_loading import default_tokenizer_path
 
     sft_cfg = cfg.sft
     spec = PRESETS[sft_cfg.preset].vision if sft_cfg.preset in PRESETS else None
@@ -105,7 +107,7 @@ def train_vision_warm_start(cfg: Config, task: str, target: Path, log=print, pro
         raise ConfigError([f"model.path = sft:{task} is an image task: sft.preset = "
                            f"{sft_cfg.preset!r} must be a vision-language preset (tiny-vl)"])  # fmt: skip
     started = time.perf_counter()
-    tokenizer = load_tokenizer(cfg.model.tokenizer_path or "char-vl")
+    tokenizer = load_tokenizer(default_tokenizer_path(cfg.model))
     processor = ImageProcessor.for_encoder(spec)
     val_size, seed = cfg.data.builtin_val_size, cfg.trainer.seed
     items, answers = _items(_problems(sft_cfg.builtin_size, 2_000_003, val_size, 0), tokenizer,

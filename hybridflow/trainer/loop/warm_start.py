@@ -138,13 +138,15 @@ def short_of_target(stopper: AccuracyStopper, steps: int) -> str:
 
 def cache_key(cfg: Config, task: str) -> str:
     """Hash of the SFT settings, the data split and the seed (same key = same model)."""
+    from hybridflow.workers.model_loading import default_tokenizer_path
+
     payload = {
         "version": CACHE_VERSION,
         "task": task,
         "sft": dataclasses.asdict(cfg.sft),
         "val_size": cfg.data.builtin_val_size,
         "seed": cfg.trainer.seed,
-        "tokenizer": tokenizer_fingerprint(cfg.model.tokenizer_path or "char"),
+        "tokenizer": tokenizer_fingerprint(default_tokenizer_path(cfg.model)),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 
