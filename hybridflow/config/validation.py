@@ -486,7 +486,9 @@ def image_key(cfg: Config) -> str | None:
 
 
 def _check_images(cfg: Config, add) -> None:
-    """data.image_key: a vision-language model's (a text-only model has no vision encoder)."""
+    """data.image_key: a vision-language model's (a text-only model has no vision encoder);
+    what prompts with images do not run through yet is refused up front (the rollout
+    service, agent loops, mixed prefill steps, and the sharded layouts no test has run)."""
     key = cfg.data.image_key
     if key is not None and (not isinstance(key, str) or not key):
         add(f"data.image_key = {key!r} must be the name of the rows' image column (verl's: "
@@ -503,6 +505,7 @@ def _check_images(cfg: Config, add) -> None:
         "rollout.agent.loop": cfg.rollout.agent.loop is not None,
         "rollout.engine.max_prefill_tokens_per_step": cfg.rollout.engine.max_prefill_tokens_per_step > 0,
         "actor.sequence_parallel_size": cfg.actor.sequence_parallel_size > 1,
+        "rollout.tensor_parallel_size": cfg.rollout.tensor_parallel_size > 1,
     }  # fmt: skip
     for name, on in unsupported.items():
         if on:
