@@ -41,8 +41,12 @@ def test_unsupported_feature_exits_2_naming_it(name, feature, capsys):
 
 @pytest.mark.parametrize("name", IMAGES)
 def test_verl_image_runs_validate_with_a_vision_language_model(name, capsys):
-    here = [*HERE, "model.path=tiny-vl", "critic.path=tiny-vl",  # a stand-in that fits here
-            "data.max_response_length=1024"]
+    here = [
+        *HERE,
+        "model.path=tiny-vl",
+        "critic.path=tiny-vl",  # a stand-in that fits here
+        "data.max_response_length=1024",
+    ]
     assert main(["config", "validate", *command_line(name), *here]) == 0
     assert "config OK" in capsys.readouterr().out
     assert "data.image_key=images" in translate(["data.image_key=images"]).overrides
