@@ -220,14 +220,20 @@ def rollout_fp8_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]
     fp8 = cfg.rollout.dtype == "fp8" or cfg.rollout.engine.weight_format == "fp8"
     if not fp8 or arch is None:
         return []
-    from hybridflow.engine.cache.kinds import FUSED_MIXERS
+    from hybridflow.engine.cache.kinds import FUSED_MIXERS, FUSED_MLPS, engine_gaps
 
+    specs = arch.layer_specs()
+    if engine_gaps(specs):  # the slow path: not the engine's own layers
+        return []
     key = "rollout.dtype = fp8" if cfg.rollout.dtype == "fp8" else (
         "rollout.engine.weight_format = fp8")  # fmt: skip
-    eager = sorted({spec.mixer for spec in arch.layer_specs() if spec.mixer not in FUSED_MIXERS})
-    if eager:
-        return [f"{key}: the fp8 rollout does not cover this model's {' and '.join(eager)} "
-                "layers yet: set rollout.dtype=model"]  # fmt: skip
+    mixers = sorted({spec.mixer for spec in specs if spec.mixer not in FUSED_MIXERS})
+    mlps = sorted({spec.mlp for spec in specs if spec.mlp not in FUSED_MLPS})
+    kinds = [f"{' and '.join(mixers)} layers"] if mixers else []
+    kinds += [f"{' and '.join(mlps)} MLPs"] if mlps else []
+    if kinds:
+        return [f"{key}: the fp8 rollout does not cover this model's {' or its '.join(kinds)} "
+                "yet: set rollout.dtype=model"]  # fmt: skip
     if arch.is_moe:
         return [f"{key}: the fp8 rollout does not cover mixture-of-experts models yet: set "
                 "rollout.dtype=model"]  # fmt: skip
