@@ -60,6 +60,7 @@ from hybridflow.models.architecture import ModelArchitecture
 from hybridflow.trainer.plan.memory_activations import (  # noqa: F401 (this module's names too)
     LOGPROB_CHUNK_TOKENS,
     activation_bytes_per_token,
+    largest_layer_activation_elements,
     layer_activation_elements,
     logprob_head_bytes,
 )
