@@ -31,12 +31,14 @@ def deltanet_mixer_elements(a: ModelArchitecture) -> int:
 
 
 def layer_activation_elements(a: ModelArchitecture, sparse: bool = False, tp: int = 1,
-                              mixer: str = "attention") -> int:  # fmt: skip
+                              mixer: str = "attention", compiled: bool = False) -> int:  # fmt: skip
     """Elements per token one decoder layer keeps for the backward (below); tensor
     parallelism divides the head- and MLP-wide tensors by ``tp``, not the residual stream.
     ``mixer``: the layer's token mixer (models/layer_spec.MIXER_KINDS): Gated DeltaNet keeps
     deltanet_mixer_elements instead of attention's tensors, gated attention its output gate
-    too."""
+    too. ``compiled`` (``model.compile``): Inductor's partitioner recomputes SiLU(gate) in the
+    backward, so a dense MLP keeps 3i instead of 4i (what a compiled layer saves, counted
+    through saved-tensor hooks: gate, up and their product)."""
     h, i = a.hidden_size, a.intermediate_size
     q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
     if a.kv_lora_rank:  # MLA: each head expands its own k and v; the latent and q's rank too
@@ -49,7 +51,8 @@ def layer_activation_elements(a: ModelArchitecture, sparse: bool = False, tp: in
     elif mixer == "gated_deltanet":
         attention = 4 * h + deltanet_mixer_elements(a) // tp
     shared = 4 * a.moe_intermediate_size * a.n_shared_experts // tp  # DeepSeek's shared experts
-    return attention + (expert_activation_elements(a) + shared if sparse else 4 * i // tp)
+    dense = (3 if compiled else 4) * i // tp
+    return attention + (expert_activation_elements(a) + shared if sparse else dense)
 
 
 def expert_activation_elements(a: ModelArchitecture) -> int:
@@ -61,22 +64,24 @@ def expert_activation_elements(a: ModelArchitecture) -> int:
     return k * (4 * inner + 4 * a.hidden_size) + 3 * a.num_experts
 
 
-def layers_activation_elements(a: ModelArchitecture, tp: int = 1) -> int:
+def layers_activation_elements(a: ModelArchitecture, tp: int = 1, compiled: bool = False) -> int:
     """Elements per token all decoder layers keep (dense and sparse layers, attention and
     Gated DeltaNet layers differ)."""
-    return sum(layer_activation_elements(a, spec.sparse, tp, spec.mixer)
+    return sum(layer_activation_elements(a, spec.sparse, tp, spec.mixer, compiled)
                for spec in a.layer_specs())  # fmt: skip
 
 
-def largest_layer_activation_elements(a: ModelArchitecture, tp: int = 1) -> int:
+def largest_layer_activation_elements(a: ModelArchitecture, tp: int = 1,
+                                      compiled: bool = False) -> int:  # fmt: skip
     """Elements per token of the largest decoder layer (the one recomputed at a time under
     checkpointing, the peak of a no-grad forward)."""
     kinds = {(spec.sparse, spec.mixer) for spec in a.layer_specs()}
-    return max(layer_activation_elements(a, sparse, tp, mixer) for sparse, mixer in kinds)
+    return max(layer_activation_elements(a, sparse, tp, mixer, compiled) for sparse, mixer in kinds)
 
 
 def activation_bytes_per_token(a: ModelArchitecture, gradient_checkpointing: bool,
-                               element_bytes: int = 2, tp: int = 1) -> int:  # fmt: skip
+                               element_bytes: int = 2, tp: int = 1,
+                               compiled: bool = False) -> int:  # fmt: skip
     """Bytes autograd keeps per token for the backward, over all layers.
 
     One layer without checkpointing keeps 4h + 2q + 2kv + 4i elements: the inputs of both
@@ -87,12 +92,14 @@ def activation_bytes_per_token(a: ModelArchitecture, gradient_checkpointing: boo
     A mixture of experts' sparse layer keeps its experts'
     instead (expert_activation_elements). With checkpointing a layer keeps only its input (h)
     and one layer at a time is recomputed in full in the backward. The head adds the final
-    norm's input and output and the gathered response states (3h)."""
+    norm's input and output and the gathered response states (3h). compiled: the layers run
+    under ``torch.compile`` (layer_activation_elements)."""
     h, head = a.hidden_size, 3 * a.hidden_size
     if gradient_checkpointing:  # the largest layer is the one recomputed at a time
-        elements = a.num_hidden_layers * h + largest_layer_activation_elements(a, tp) + head
+        largest = largest_layer_activation_elements(a, tp, compiled)
+        elements = a.num_hidden_layers * h + largest + head
     else:
-        elements = layers_activation_elements(a, tp) + head
+        elements = layers_activation_elements(a, tp, compiled) + head
     return elements * element_bytes
 
 

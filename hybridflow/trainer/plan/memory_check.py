@@ -94,6 +94,8 @@ def plan_options(cfg: Config, derived: Derived, gpu_bytes: int | None) -> PlanOp
         param_offload=a.param_offload,
         optimizer_offload=a.optimizer_offload,
         gradient_checkpointing=m.gradient_checkpointing is True,  # auto: plan_for_config
+        # model.compile=auto compiles on CUDA (trainer/loop/compile_policy.py)
+        compiled_layers=m.compile is True or (m.compile == "auto" and t.device != "cpu"),
         micro_batch_tokens=micro_tokens,
         micro_batches=max(micro_batches, 1),
         rollout_max_seqs=r.max_num_seqs,

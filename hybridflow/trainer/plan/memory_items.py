@@ -58,6 +58,9 @@ class PlanOptions:
     param_offload: bool = False
     optimizer_offload: bool = False
     gradient_checkpointing: bool = False
+    compiled_layers: bool = False
+    """The decoder layers run under torch.compile (``model.compile``; auto: on CUDA), which
+    keeps fewer activations (memory_activations.layer_activation_elements)."""
     micro_batch_tokens: int = 4096
     """Most tokens in one actor micro-batch (the token budget, or samples × max length)."""
     micro_batches: int = 1

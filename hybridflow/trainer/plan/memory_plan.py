@@ -178,9 +178,10 @@ def actor_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
     items = host_step_items(a, o) if o.host_step else device_step_items(a, o)
     tokens = o.micro_batch_tokens
     checkpointed = ", checkpointed" if o.gradient_checkpointing else ""
-    activations = tokens * activation_bytes_per_token(a, o.gradient_checkpointing,
-                                                      o.compute_bytes, o.tp)  # fmt: skip
-    items.append(MemoryItem(f"activations ({tokens:,} tokens{checkpointed})", activations,
+    compiled = ", compiled" if o.compiled_layers else ""
+    activations = tokens * activation_bytes_per_token(a, o.gradient_checkpointing, o.compute_bytes,
+                                                      o.tp, o.compiled_layers)  # fmt: skip
+    items.append(MemoryItem(f"activations ({tokens:,} tokens{checkpointed}{compiled})", activations,
                             (UPDATE,)))  # fmt: skip
     head = logprob_head_bytes(a, tokens, o.compute_bytes, o.tp)
     if o.lora_rank > 0:  # a frozen lm_head: no [V, H] gradient
