@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from hybridflow.errors import UserError
+
 
 class ChatTokenizer(Protocol):
     """What the data pipeline needs from a tokenizer."""
@@ -38,6 +40,14 @@ def as_token_list(output: Any) -> list[int]:
 
 def encode_chat_prompt(tokenizer: ChatTokenizer, messages: Sequence[dict[str, str]]) -> list[int]:
     """Token ids of `messages` followed by the assistant turn opener (generation prompt)."""
+    if getattr(tokenizer, "chat_template", "") is None:  # a base model's tokenizer
+        raise UserError(
+            f"the tokenizer in {getattr(tokenizer, 'name_or_path', '?')} has no chat template, "
+            "and prompts are chat messages",
+            'add one to its tokenizer_config.json ("chat_template") or as chat_template.jinja, '
+            "e.g. the instruct model's of the same family, or set model.tokenizer_path to a "
+            "directory whose tokenizer has one",
+        )
     output = tokenizer.apply_chat_template(
         [dict(m) for m in messages], add_generation_prompt=True, tokenize=True
     )

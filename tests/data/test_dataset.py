@@ -262,3 +262,17 @@ def test_a_huge_prompt_cut_by_characters_truncates_as_tokenizing_it_whole_would(
     dataset = PromptDataset([long], TOKENIZER, max_prompt_length=8, overlong="truncate")
     assert dataset[0].prompt_ids == encode_chat_prompt(TOKENIZER, long.prompt)[-8:]
     assert len(dataset[0].record.prompt[0]["content"]) == 2 * 8 * 52  # 52: 4 x "<|endoftext|>"
+
+
+def test_a_tokenizer_without_a_chat_template_is_a_user_error_naming_it():
+    """A base model's tokenizer has no chat template: a clear error (exit 2), not
+    transformers' ValueError reported as a bug."""
+    from hybridflow.data.chat import encode_chat_prompt
+    from hybridflow.errors import UserError
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = None
+    tokenizer.name_or_path = "/models/base"
+    with pytest.raises(UserError, match="tokenizer in /models/base has no chat template") as info:
+        encode_chat_prompt(tokenizer, [{"role": "user", "content": "1+2="}])
+    assert info.value.exit_code == 2 and "chat_template" in info.value.fix
