@@ -85,23 +85,20 @@ def not_built_with_tensor_parallel(
 def not_built_with_expert_parallel(
     cfg: Config, sizes: list[RoleSize], in_use: set[str]
 ) -> list[str]:
-    """Offloading to the host has no expert-parallel path yet (learners/sharding/expert_shard.py: the
-    experts' shards stay on the GPU)."""
-    offloads = {"actor": [("actor.param_offload", cfg.actor.param_offload),
-                          ("actor.optimizer_offload", cfg.actor.optimizer_offload)],
-                "ref": [("ref.param_offload", cfg.ref.param_offload)]}  # fmt: skip
+    """The host step of one device (actor.optimizer_offload) has no expert-parallel path;
+    FSDP2's param_offload keeps the experts' shards and their AdamW state on the host
+    (learners/sharding/expert_shard.py)."""
     problems = []
     for size in sizes:
-        if size.dim != "ep" or size.value <= 1 or size.role not in in_use & offloads.keys():
+        if size.dim != "ep" or size.value <= 1 or size.role != "actor" or size.role not in in_use:
             continue
-        for key, on in offloads[size.role]:
-            if on:
-                problems.append(
-                    f"{ROLE_NAMES[size.role]}: {key} = true with {size.key} = {size.value}: "
-                    "offloading expert-parallel shards to the host is not built yet: set "
-                    f"{key}=false (FSDP2 already splits each expert over the ranks that hold "
-                    f"it) or {size.key}=1"
-                )
+        if cfg.actor.optimizer_offload:
+            problems.append(
+                f"actor: actor.optimizer_offload = true with {size.key} = {size.value}: the host "
+                "step runs on one device only: set actor.optimizer_offload=false and "
+                "actor.param_offload=true (FSDP2 keeps each rank's expert shards and their "
+                f"AdamW state on the host), or {size.key}=1"
+            )
     return problems
 
 

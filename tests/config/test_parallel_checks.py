@@ -206,16 +206,15 @@ def test_tensor_parallel_training_of_experts_or_lora_is_refused():
                                 "actor.sequence_parallel_size=2"]))  # fmt: skip
 
 
-def test_offloading_expert_parallel_shards_is_refused_by_key():
+def test_offloaded_expert_parallel_shards_pass_and_the_host_step_is_refused():
+    """FSDP2's param_offload holds the experts' shards on the host (learners/sharding/
+    expert_shard.py); the one-device host step (optimizer_offload) is refused by key."""
+    validate(load_config(None, [*FOUR_CPUS, "model.path=tiny-moe",
+                                "actor.expert_parallel_size=2", "actor.param_offload=true",
+                                "ref.param_offload=true", "actor.use_kl_loss=true"]))  # fmt: skip
     problems = _problems([*FOUR_CPUS, "model.path=tiny-moe", "actor.expert_parallel_size=2",
-                          "actor.param_offload=true", "ref.param_offload=true",
-                          "actor.use_kl_loss=true"])  # fmt: skip
-    assert problems == [
-        "actor: actor.param_offload = true with actor.expert_parallel_size = 2: offloading "
-        "expert-parallel shards to the host is not built yet: set actor.param_offload=false "
-        "(FSDP2 already splits each expert over the ranks that hold it) or "
-        "actor.expert_parallel_size=1",
-        "reference: ref.param_offload = true with actor.expert_parallel_size = 2: offloading "
-        "expert-parallel shards to the host is not built yet: set ref.param_offload=false "
-        "(FSDP2 already splits each expert over the ranks that hold it) or "
-        "actor.expert_parallel_size=1"]  # fmt: skip
+                          "actor.optimizer_offload=true"])  # fmt: skip
+    assert ("actor: actor.optimizer_offload = true with actor.expert_parallel_size = 2: the host "
+            "step runs on one device only: set actor.optimizer_offload=false and "
+            "actor.param_offload=true (FSDP2 keeps each rank's expert shards and their AdamW "
+            "state on the host), or actor.expert_parallel_size=1") in problems  # fmt: skip

@@ -2,8 +2,8 @@
 
 Each candidate is the run's config with the layout keys set, and is judged as ``validate``
 and ``train`` judge it: :func:`~hybridflow.config.validate` (a layout whose code path is not
-built, such as tensor parallelism of a mixture of experts' experts or offloaded expert
-shards, is refused there and never recommended) and the one memory plan
+built, such as tensor parallelism of a mixture of experts' experts, is refused there and
+never recommended) and the one memory plan
 (memory_check.plan_for_config, memory_check.fits). So a recommended layout passes
 ``validate`` by construction.
 
