@@ -194,18 +194,35 @@ def unpaged_mixers(arch: ModelArchitecture | None) -> list[str]:
 
 
 def rollout_expert_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]:
-    """rollout.expert_parallel_size: the experts split over one replica's tensor-parallel
-    ranks (unset, or equal to rollout.tensor_parallel_size) or held whole (1) are built;
-    experts spread over several replicas are not."""
+    """rollout.expert_parallel_size above rollout.tensor_parallel_size spreads the experts
+    over several replicas (engine/expert_parallel.py: a multiple of tp dividing the rollout's
+    GPUs, said by layout_problems). Its replicas move in rounds of the expert group, so what
+    runs at each replica's own pace is refused, as under rollout TP (with tp > 1,
+    rollout_tensor_parallel_limits says so already)."""
     ep, tp = cfg.rollout.expert_parallel_size, cfg.rollout.tensor_parallel_size
-    if ep is None or ep == 1 or ep == tp or (arch is not None and not arch.is_moe):
+    if ep is None or ep <= tp or (arch is not None and not arch.is_moe):
         return []  # a dense model's ep > 1: _check_shape says it has no experts
-    fix = (f"set rollout.expert_parallel_size={tp} (each replica's {tp} ranks split the "
-           "experts) or 1 (every rank holds every expert)" if tp > 1 else
-           f"set rollout.expert_parallel_size=1, or rollout.tensor_parallel_size={ep} to split "
-           f"the experts over {ep} ranks")  # fmt: skip
-    return [f"rollout.expert_parallel_size = {ep} with rollout.tensor_parallel_size = {tp}: "
-            f"experts spread over several engine replicas are not yet supported: {fix}"]  # fmt: skip
+    key = f"rollout.expert_parallel_size = {ep} (experts over several replicas)"
+    limits = [
+        (cfg.rollout.engine.cuda_graphs is True, "rollout.engine.cuda_graphs = true",
+         "the all-to-all's sizes are read on the host at every sparse layer"),
+        (cfg.model.lora_rank > 0, f"model.lora_rank = {cfg.model.lora_rank}",
+         "the reshard does not merge expert adapters"),
+    ]  # fmt: skip
+    if tp == 1:
+        limits += [
+            (cfg.rollout.agent.loop is not None, f"rollout.agent.loop = {cfg.rollout.agent.loop}",
+             "agent episodes take turns at their own pace on each replica"),
+            (cfg.trainer.mode == "async" and cfg.trainer.partial_rollout,
+             "trainer.partial_rollout",
+             "the rollout service admits requests as they come, at times that differ by rank"),
+            (cfg.rollout.engine.decode_backend == "triton" or cfg.rollout.dtype == "fp8",
+             "rollout.engine.decode_backend = triton" if cfg.rollout.dtype != "fp8" else
+             "rollout.dtype = fp8", "the fused decode layers have no all-to-all yet"),
+        ]  # fmt: skip
+    fix = f"rollout.expert_parallel_size={tp if tp > 1 else 1}"
+    return [f"{key} with {what}: not yet supported ({why}); set {fix}"
+            for applies, what, why in limits if applies]  # fmt: skip
 
 
 def _moe_rollout_limits(cfg: Config, arch: ModelArchitecture, key: str) -> list[str]:

@@ -1,4 +1,7 @@
-"""The rollout worker's side of a tensor-parallel engine (rollout.tensor_parallel_size > 1).
+"""The rollout worker's side of a tensor-parallel engine (rollout.tensor_parallel_size > 1),
+or of experts spread over several replicas (rollout.expert_parallel_size above it:
+engine/expert_parallel.py; each rank holds E / ep experts, and a replica of one rank is a
+"group" of one for the prompts below).
 
 The ranks of a tensor-parallel group run one engine together (engine/tensor_parallel.py):
 
@@ -68,38 +71,51 @@ class TensorParallelRollout:
         split_experts: a mixture of experts' experts are split over the group (each rank
             receives only its own), else every rank holds all of them
             (rollout.expert_parallel_size=1).
+        expert_parallel_size: above tensor_parallel_size, the experts are spread over that
+            many ranks, several replicas (engine/expert_parallel.py).
     """
 
     def __init__(self, architecture, tensor_parallel_size: int, dtype: torch.dtype,
-                 device: str, actor=None, split_experts: bool = True):  # fmt: skip
+                 device: str, actor=None, split_experts: bool = True,
+                 expert_parallel_size: int | None = None):  # fmt: skip
+        from hybridflow.engine.expert_parallel import expert_parallel_model
         from hybridflow.engine.tensor_parallel import tensor_parallel_model
         from hybridflow.parallel.layout import build_mesh, rollout_layout
 
         world = dist.get_world_size()
-        self.layout = rollout_layout(world, tp=tensor_parallel_size)
+        ep = expert_parallel_size or 1
+        self.spread = architecture.is_moe and ep > tensor_parallel_size
+        self.layout = rollout_layout(world, tp=tensor_parallel_size, ep=ep if self.spread else 1)
         mesh = build_mesh(self.layout, "cuda" if str(device).startswith("cuda") else "cpu")
         self.group = mesh.group("tp")
         self.size, self.rank_in_group = tensor_parallel_size, mesh.rank_in("tp")
         self.architecture = architecture
         self.split_experts = split_experts and architecture.is_moe
-        self.model = tensor_parallel_model(architecture, self.group, dtype, device,
-                                           self.split_experts)  # fmt: skip
+        if self.spread:
+            self.ep, self.ep_rank = ep, mesh.rank_in("ep")
+            replica = self.group if tensor_parallel_size > 1 else None
+            self.model = expert_parallel_model(architecture, mesh.group("ep"), replica, dtype,
+                                               device)  # fmt: skip
+        else:
+            self.model = tensor_parallel_model(architecture, self.group, dtype, device,
+                                               self.split_experts)  # fmt: skip
         self.resharder = None
         if actor is not None:
             self.resharder = self._resharder(actor)
 
     @classmethod
     def from_actor(cls, actor, size: int, dtype: torch.dtype, device: str, path: str,
-                   split_experts: bool = True):  # fmt: skip
+                   split_experts: bool = True, expert_parallel_size: int | None = None):  # fmt: skip
         """Its shard of the colocated actor's model, resharded from the actor's shards."""
         _check_native(actor.model, size, path)
-        tensor = cls(actor.model.config, size, dtype, device, actor, split_experts)
+        tensor = cls(actor.model.config, size, dtype, device, actor, split_experts,
+                     expert_parallel_size)  # fmt: skip
         tensor.sync(actor)
         return tensor
 
     @classmethod
     def from_checkpoint(cls, path: str, size: int, dtype: torch.dtype, device: str,
-                        split_experts: bool = True):  # fmt: skip
+                        split_experts: bool = True, expert_parallel_size: int | None = None):  # fmt: skip
         """Its shard of the model at ``path`` (split placement): a checkpoint directory is
         read one tensor at a time, each sliced, so no whole model is ever on the host; a
         preset is built whole once (its random weights are made whole)."""
@@ -109,7 +125,8 @@ class TensorParallelRollout:
         if path in PRESETS:
             whole = load_causal_lm(path, dtype, "cpu")
             _check_native(whole, size, path)
-            tensor = cls(whole.config, size, dtype, device, split_experts=split_experts)
+            tensor = cls(whole.config, size, dtype, device, split_experts=split_experts,
+                         expert_parallel_size=expert_parallel_size)  # fmt: skip
             tensor.copy_in(whole.named_parameters())
             return tensor
         from hybridflow.models import native_support_problem
@@ -124,7 +141,7 @@ class TensorParallelRollout:
         if problem is not None:
             raise ValueError(_fallback_refusal(size, path, problem))
         tensor = cls(ModelArchitecture.from_hf(config), size, dtype, device,
-                     split_experts=split_experts)  # fmt: skip
+                     split_experts=split_experts, expert_parallel_size=expert_parallel_size)  # fmt: skip
         tensor.copy_in(iter_checkpoint_tensors(path), path)
         return tensor
 
@@ -164,6 +181,9 @@ class TensorParallelRollout:
     def _expert_range(self) -> tuple[int, int]:
         """(first expert, experts) this rank holds of each sparse layer."""
         experts = self.architecture.num_experts
+        if self.spread:
+            share = experts // self.ep
+            return self.ep_rank * share, share
         if not self.split_experts:
             return 0, experts
         share = experts // self.size
@@ -192,8 +212,12 @@ class TensorParallelRollout:
     def local_slice(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         """(name, this rank's slice) of a whole in-memory tensor (split placement's weights;
         packed experts: this rank's experts)."""
+        from hybridflow.engine.expert_parallel import spread_shard
         from hybridflow.engine.tensor_parallel import local_shard
 
+        if self.spread:
+            return name, spread_shard(name, tensor, self.ep_rank, self.ep, self.rank_in_group,
+                                      self.size)  # fmt: skip
         return name, local_shard(name, tensor, self.rank_in_group, self.size,
                                  self.split_experts)  # fmt: skip
 

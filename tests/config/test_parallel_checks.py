@@ -66,16 +66,18 @@ def test_a_tensor_parallel_rollout_is_accepted_and_what_it_does_not_run_yet_refu
 
 def test_a_tensor_parallel_rollout_of_experts_splits_them_or_holds_them_whole():
     """engine/tensor_parallel.py: unset or equal to the rollout's tp, rollout.expert_parallel_size
-    splits the experts over a replica's ranks; 1 holds them whole; experts over several
-    replicas and expert adapters are refused by key."""
+    splits the experts over a replica's ranks; 1 holds them whole; a multiple spreads them over
+    several replicas (engine/expert_parallel.py); expert adapters are refused by key."""
     moe = [*FOUR_CPUS, "model.path=tiny-moe", "rollout.tensor_parallel_size=2"]
-    for extra in ([], ["rollout.expert_parallel_size=2"], ["rollout.expert_parallel_size=1"]):
+    for extra in ([], ["rollout.expert_parallel_size=2"], ["rollout.expert_parallel_size=1"],
+                  ["rollout.expert_parallel_size=4"]):  # fmt: skip
         derived = validate(load_config(None, [*moe, *extra]))
         assert (derived.layouts.rollout.tp, derived.rollout_dp_size) == (2, 2)
-    assert _problems([*moe, "rollout.expert_parallel_size=4"]) == [
-        "rollout.expert_parallel_size = 4 with rollout.tensor_parallel_size = 2: experts spread "
-        "over several engine replicas are not yet supported: set rollout.expert_parallel_size=2 "
-        "(each replica's 2 ranks split the experts) or 1 (every rank holds every expert)"]  # fmt: skip
+    assert derived.layouts.rollout.ep == 4
+    problems = _problems([*moe, "rollout.expert_parallel_size=4", "model.lora_rank=4"])
+    assert ("rollout.expert_parallel_size = 4 (experts over several replicas) with "
+            "model.lora_rank = 4: not yet supported (the reshard does not merge expert "
+            "adapters); set rollout.expert_parallel_size=2") in problems  # fmt: skip
     problems = _problems([*moe, "model.lora_rank=4"])
     assert [p.split(":")[0] for p in problems] == [
         "rollout.tensor_parallel_size = 2 with model.lora_rank = 4 on a mixture-of-experts model"
@@ -99,17 +101,26 @@ def test_sequence_and_tensor_parallel_training_roles_are_accepted(dim):
         assert (layout.sp, layout.tp) == ((2, 1) if dim == "sequence" else (1, 2))
 
 
-def test_expert_parallel_actor_and_reference_are_accepted_rollout_beyond_its_tp_refused():
+def test_expert_parallel_actor_reference_and_rollout_over_replicas_are_accepted():
     """Expert parallelism trains the actor and runs the reference (learners/sharding/expert_shard.py);
-    the rollout splits experts over its tensor-parallel ranks only."""
+    the rollout spreads the experts over replicas of one rank (engine/expert_parallel.py),
+    refusing what runs at each replica's own pace by key."""
     moe = [*FOUR_CPUS, "model.path=tiny-moe", "actor.use_kl_loss=true"]
     derived = validate(load_config(None, [*moe, "actor.expert_parallel_size=2"]))
     assert derived.layouts.actor.ep == derived.layouts.ref.ep == 2
-    problems = _problems([*moe, "rollout.expert_parallel_size=2"])
+    derived = validate(load_config(None, [*moe, "rollout.expert_parallel_size=4"]))
+    assert (derived.layouts.rollout.tp, derived.layouts.rollout.ep) == (1, 4)
+    problems = _problems([*moe, "rollout.expert_parallel_size=2",
+                          "rollout.engine.decode_backend=triton", "rollout.engine.cuda_graphs=true"])  # fmt: skip
     assert problems == [
-        "rollout.expert_parallel_size = 2 with rollout.tensor_parallel_size = 1: experts spread "
-        "over several engine replicas are not yet supported: set rollout.expert_parallel_size=1, "
-        "or rollout.tensor_parallel_size=2 to split the experts over 2 ranks"]  # fmt: skip
+        "rollout.expert_parallel_size = 2 (experts over several replicas) with "
+        "rollout.engine.cuda_graphs = true: not yet supported (the all-to-all's sizes are read "
+        "on the host at every sparse layer); set rollout.expert_parallel_size=1",
+        "rollout.expert_parallel_size = 2 (experts over several replicas) with "
+        "rollout.engine.decode_backend = triton: not yet supported (the fused decode layers "
+        "have no all-to-all yet); set rollout.expert_parallel_size=1"]  # fmt: skip
+    problems = _problems([*moe, "rollout.expert_parallel_size=3"])
+    assert any("rollout.expert_parallel_size = 3 must" in p for p in problems)
 
 
 def test_sizes_that_do_not_tile_the_devices_name_the_keys():

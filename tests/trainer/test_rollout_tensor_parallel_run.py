@@ -112,3 +112,21 @@ def test_a_mixture_of_experts_rollout_with_split_experts_logs_the_metrics_of_dat
         for step, want in plain.items():
             _assert_same(want, layout[step], step)
             assert _samples(tmp_path / "dp", step) == _samples(tmp_path / name, step)
+
+
+@pytest.mark.slow
+def test_experts_over_rollout_replicas_and_offloaded_expert_shards_log_data_parallel(tmp_path):
+    """tiny-moe with the rollout's experts spread over its two replicas of one process each
+    (rollout.expert_parallel_size=2: attention data-parallel, 4 experts a process, the tokens
+    dispatched by all-to-all; engine/expert_parallel.py), resharded from an expert-parallel
+    actor whose expert shards and AdamW state are on the host (actor.param_offload), logs the
+    metrics and samples the tokens of plain data parallelism."""
+    moe = ("model.path=tiny-moe", "actor.router_replay=rollout")
+    plain = _train(tmp_path / "dp", *PLAIN, *moe)
+    wide = _train(tmp_path / "wide", *moe, "rollout.expert_parallel_size=2",
+                  "actor.expert_parallel_size=2", "critic.expert_parallel_size=1",
+                  "actor.param_offload=true", "ref.param_offload=true")  # fmt: skip
+    assert plain.keys() == wide.keys() == {1, 2}
+    for step, want in plain.items():
+        _assert_same(want, wide[step], step)
+        assert _samples(tmp_path / "dp", step) == _samples(tmp_path / "wide", step)
