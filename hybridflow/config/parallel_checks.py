@@ -206,8 +206,6 @@ def rollout_expert_limits(cfg: Config, arch: ModelArchitecture | None) -> list[s
     limits = [
         (cfg.rollout.engine.cuda_graphs is True, "rollout.engine.cuda_graphs = true",
          "the all-to-all's sizes are read on the host at every sparse layer"),
-        (cfg.model.lora_rank > 0, f"model.lora_rank = {cfg.model.lora_rank}",
-         "the reshard does not merge expert adapters"),
     ]  # fmt: skip
     if tp == 1:
         limits += [
@@ -226,7 +224,8 @@ def rollout_expert_limits(cfg: Config, arch: ModelArchitecture | None) -> list[s
 
 
 def _moe_rollout_limits(cfg: Config, arch: ModelArchitecture, key: str) -> list[str]:
-    """A tensor-parallel rollout of a mixture of experts: what it does not run yet."""
+    """A tensor-parallel rollout of a mixture of experts: what it does not run yet (expert
+    LoRA is merged as it reshards: workers/rollout_tp.training_sources)."""
     problems = []
     split = cfg.rollout.expert_parallel_size != 1
     if split and arch.num_experts % cfg.rollout.tensor_parallel_size:
@@ -234,12 +233,6 @@ def _moe_rollout_limits(cfg: Config, arch: ModelArchitecture, key: str) -> list[
             f"{key} must divide the model's experts (num_experts = {arch.num_experts}) to "
             "split them over the replica's ranks: pick a divisor, or set "
             "rollout.expert_parallel_size=1 (every rank holds every expert)"
-        )
-    if cfg.model.lora_rank > 0:
-        problems.append(
-            f"{key} with model.lora_rank = {cfg.model.lora_rank} on a mixture-of-experts model: "
-            "not yet supported (the reshard does not merge expert adapters); set "
-            "rollout.tensor_parallel_size=1 or model.lora_rank=0"
         )
     return problems
 

@@ -27,7 +27,9 @@ from hybridflow.protocol import Batch
 def training_sources(model, names) -> tuple[dict, dict]:
     """(HF name -> the trainer's parameter, HF name -> its LoRA adapter) for the engine's
     parameter ``names``: a LoRA layer's base weight sits under ``base_layer`` (peft,
-    learners/lora.py) and is merged with its adapter as it moves."""
+    learners/lora.py) and is merged with its adapter as it moves; a mixture of experts'
+    packed expert tensor is merged with its per-expert factors (models/moe.ExpertLoRA:
+    ``...experts.lora.gate_up_A`` [E, r, in] and ``_B`` [E, out, r])."""
     from hybridflow.engine.reshard import Adapter
     from hybridflow.learners.lora import ADAPTER, lora_scalings
 
@@ -36,6 +38,12 @@ def training_sources(model, names) -> tuple[dict, dict]:
     sources, adapters = {}, {}
     for name in names:
         module, _, leaf = name.rpartition(".")
+        if f"{module}.lora" in scalings and leaf.endswith("_proj"):  # packed experts
+            sources[name] = params[name]
+            factor = f"{module}.lora.{leaf.removesuffix('_proj')}"
+            adapters[name] = Adapter(params[f"{factor}_A"], params[f"{factor}_B"],
+                                     scalings[f"{module}.lora"])  # fmt: skip
+            continue
         if module not in scalings:
             sources[name] = params[name]
             continue

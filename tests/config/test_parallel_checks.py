@@ -67,21 +67,16 @@ def test_a_tensor_parallel_rollout_is_accepted_and_what_it_does_not_run_yet_refu
 def test_a_tensor_parallel_rollout_of_experts_splits_them_or_holds_them_whole():
     """engine/tensor_parallel.py: unset or equal to the rollout's tp, rollout.expert_parallel_size
     splits the experts over a replica's ranks; 1 holds them whole; a multiple spreads them over
-    several replicas (engine/expert_parallel.py); expert adapters are refused by key."""
+    several replicas (engine/expert_parallel.py); expert adapters merge as they move."""
     moe = [*FOUR_CPUS, "model.path=tiny-moe", "rollout.tensor_parallel_size=2"]
     for extra in ([], ["rollout.expert_parallel_size=2"], ["rollout.expert_parallel_size=1"],
                   ["rollout.expert_parallel_size=4"]):  # fmt: skip
         derived = validate(load_config(None, [*moe, *extra]))
         assert (derived.layouts.rollout.tp, derived.rollout_dp_size) == (2, 2)
     assert derived.layouts.rollout.ep == 4
-    problems = _problems([*moe, "rollout.expert_parallel_size=4", "model.lora_rank=4"])
-    assert ("rollout.expert_parallel_size = 4 (experts over several replicas) with "
-            "model.lora_rank = 4: not yet supported (the reshard does not merge expert "
-            "adapters); set rollout.expert_parallel_size=2") in problems  # fmt: skip
-    problems = _problems([*moe, "model.lora_rank=4"])
-    assert [p.split(":")[0] for p in problems] == [
-        "rollout.tensor_parallel_size = 2 with model.lora_rank = 4 on a mixture-of-experts model"
-    ]
+    # expert adapters merge as they reshard (workers/rollout_tp.training_sources)
+    for extra in ([], ["rollout.expert_parallel_size=4"]):
+        validate(load_config(None, [*moe, *extra, "model.lora_rank=4"]))
     # an expert-parallel actor's expert shards (FSDP2-sharded too) reshard like any block
     for ep in (2, 4):
         validate(load_config(None, [*moe, f"actor.expert_parallel_size={ep}"]))

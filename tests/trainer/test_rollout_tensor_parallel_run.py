@@ -130,3 +130,19 @@ def test_experts_over_rollout_replicas_and_offloaded_expert_shards_log_data_para
     for step, want in plain.items():
         _assert_same(want, wide[step], step)
         assert _samples(tmp_path / "dp", step) == _samples(tmp_path / "wide", step)
+
+
+@pytest.mark.slow
+def test_expert_lora_with_a_tensor_parallel_rollout_logs_data_parallel(tmp_path):
+    """tiny-moe with LoRA on its experts (per-expert factors) and attention, rollout TP = 2
+    with the experts split: each sync merges W_e + scale · B_e @ A_e of a rank's own experts
+    as they reshard (workers/rollout_tp.training_sources); the run logs the metrics and
+    samples the tokens of data parallelism, where the engines get whole merged tensors."""
+    lora = ("model.path=tiny-moe", "model.lora_rank=8", "model.lora_alpha=16",
+            "model.lora_target_modules=[q_proj,experts]", "actor.lr=1e-2")  # fmt: skip
+    plain = _train(tmp_path / "dp", *PLAIN, *lora)
+    layout = _train(tmp_path / "tp", *lora, VERL + "rollout.tensor_model_parallel_size=2")
+    assert plain.keys() == layout.keys() == {1, 2}
+    for step, want in plain.items():
+        _assert_same(want, layout[step], step)
+        assert _samples(tmp_path / "dp", step) == _samples(tmp_path / "tp", step)
