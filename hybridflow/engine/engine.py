@@ -140,7 +140,7 @@ class Engine:
         from hybridflow.engine.expert_parallel import spread_of
 
         # experts over the replicas (expert_parallel.py): the eager path, rounds of the group
-        self.spread = self.native and spread_of(model) is not None
+        self.spread = spread_of(model) is not None
         self.decode_backend = _resolve_backend(options.decode_backend, self.device,
                                                self.tensor_parallel, self.spread)  # fmt: skip
         self.recurrent_step = "torch"
@@ -477,7 +477,9 @@ class Engine:
             if max_new_tokens is not None:
                 raise ValueError("max_new_tokens per request needs the engine's own decoder")
             seed_values = call_seeds(len(prompts), params, seeds, sample_index)
-            return generate_slow(self, prompts, params, seed_values)
+            results = generate_slow(self, prompts, params, seed_values)
+            self._serve_peers()
+            return results
         sub = self.submission(prompts, params, seeds, keep=keep, reuse=reuse,
                               max_new_tokens=max_new_tokens, sample_index=sample_index)  # fmt: skip
         self.start_generation()
@@ -491,12 +493,17 @@ class Engine:
         except BaseException:
             self._reset_scheduler()  # a bad prompt id, an interrupt: nothing half-admitted
             raise
-        if self.spread:  # the other replicas' tokens still need this rank's experts
+        self._serve_peers()
+        self._record_choices()
+        return results
+
+    def _serve_peers(self) -> None:
+        """Experts across replicas: the other replicas' tokens still need this rank's
+        experts after its own requests are done (expert_parallel.py)."""
+        if self.spread:
             from hybridflow.engine.expert_parallel import serve_peers
 
             serve_peers(self.model, self.device)
-        self._record_choices()
-        return results
 
     def _reset_scheduler(self) -> None:
         if self.state is None:

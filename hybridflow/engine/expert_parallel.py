@@ -24,6 +24,7 @@ the model), so the same code runs over gloo on CPU processes and NCCL on GPUs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -63,27 +64,40 @@ def join_round(spread: ExpertSpread, generating: bool, device: torch.device) -> 
 def spread_moe_experts(mlp, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                        sparse_index: int) -> torch.Tensor:  # fmt: skip
     """x [N, H] routed to ids/weights [N, k] -> the experts' output [N, H], the experts held
-    over the EP group. The first sparse layer of a pass opens its round."""
+    over the EP group (the engine's torch passes, layers/moe.py). The first sparse layer of a
+    pass opens its round."""
     spread = mlp.expert_spread
     if sparse_index == 0:
         join_round(spread, True, x.device)
-    return _dispatch(mlp, x, ids, weights, spread)
+    return _dispatch(x, ids, weights, mlp.experts.gate_up_proj, mlp.experts.down_proj, spread,
+                     mlp.expert_backend)  # fmt: skip
 
 
-def _dispatch(mlp, x, ids, weights, spread: ExpertSpread) -> torch.Tensor:
+def spread_dispatch(x, ids, weights, gate_up, down, group, backend="auto", adapters=None, *,
+                    spread: ExpertSpread, opens_round: bool) -> torch.Tensor:  # fmt: skip
+    """The same through the model's own forward (models/moe.Experts' ``dispatch``, the
+    engine's slow path: MLA, DeepSeek's grouped experts): ``opens_round`` on the model's
+    first sparse layer."""
+    if adapters is not None:
+        raise ValueError("expert LoRA runs merged in the rollout: experts across replicas "
+                         "take no attached adapters")  # fmt: skip
+    if opens_round:
+        join_round(spread, True, x.device)
+    return _dispatch(x, ids, weights, gate_up, down, spread, backend)
+
+
+def _dispatch(x, ids, weights, gate_up, down, spread: ExpertSpread, backend) -> torch.Tensor:
     from hybridflow.models.sharding.expert_parallel import expert_parallel_moe
 
-    gate_up, down = mlp.experts.gate_up_proj, mlp.experts.down_proj
     if spread.replica is None:
-        return expert_parallel_moe(x, ids, weights, gate_up, down, spread.group,
-                                   mlp.expert_backend)  # fmt: skip
+        return expert_parallel_moe(x, ids, weights, gate_up, down, spread.group, backend)
     # the replica's tp ranks hold the same rows: each dispatches its 1/tp, then all-gather
     rank, size = dist.get_rank(spread.replica), dist.get_world_size(spread.replica)
     rows = x.shape[0]
     width = -(-rows // size)  # rows a rank (the last ones may hold fewer, or none)
     start, stop = min(rank * width, rows), min((rank + 1) * width, rows)
     mine = expert_parallel_moe(x[start:stop], ids[start:stop], weights[start:stop], gate_up,
-                               down, spread.group, mlp.expert_backend)  # fmt: skip
+                               down, spread.group, backend)  # fmt: skip
     padded = mine.new_zeros(width, x.shape[1])
     padded[: stop - start] = mine
     chunks = [torch.empty_like(padded) for _ in range(size)]
@@ -105,7 +119,8 @@ def serve_peers(model, device: torch.device) -> int:
         for mlp in sparse:
             none = torch.zeros(0, hidden, dtype=dtype, device=device)
             no_ids = torch.zeros(0, mlp.top_k, dtype=torch.long, device=device)
-            _dispatch(mlp, none, no_ids, torch.zeros(0, mlp.top_k, device=device), spread)
+            _dispatch(none, no_ids, torch.zeros(0, mlp.top_k, device=device),
+                      mlp.experts.gate_up_proj, mlp.experts.down_proj, spread, mlp.expert_backend)  # fmt: skip
         rounds += 1
     return rounds
 
@@ -140,11 +155,16 @@ def expert_parallel_model(config: ModelArchitecture, expert_group, replica_group
     spread = ExpertSpread(ep_rank * share, expert_group, replica_group if tp > 1 else None)
 
     def spread_experts(model) -> None:
+        first = True
         for layer in model.model.layers:
             if layer.sparse:
-                layer.mlp.experts = Experts(share, config.hidden_size,
-                                            config.moe_intermediate_size)  # fmt: skip
-                layer.mlp.expert_spread = spread
+                mlp = layer.mlp
+                mlp.experts = Experts(share, config.hidden_size, config.moe_intermediate_size)
+                mlp.expert_spread = spread
+                # the model's own forward (the slow path) dispatches the same way
+                mlp.expert_group = expert_group
+                mlp.expert_dispatch = partial(spread_dispatch, spread=spread, opens_round=first)
+                first = False
 
     if tp > 1:
         from hybridflow.engine.tensor_parallel import tensor_parallel_model

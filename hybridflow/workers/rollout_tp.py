@@ -119,6 +119,7 @@ class TensorParallelRollout:
         tensor = cls(actor.model.config, size, dtype, device, actor, split_experts,
                      expert_parallel_size)  # fmt: skip
         tensor.sync(actor)
+        tensor.copy_buffers(actor.model.named_buffers())
         return tensor
 
     @classmethod
@@ -164,7 +165,7 @@ class TensorParallelRollout:
             place_expert_slice,
         )
 
-        params = dict(self.model.named_parameters())
+        params = {**self.persistent_buffers(), **dict(self.model.named_parameters())}
         filled, slices = set(), set()
         first, count = self._expert_range()
         for name, tensor in named_tensors:
@@ -185,6 +186,20 @@ class TensorParallelRollout:
         if missing:
             raise ValueError(f"checkpoint {path!r} lacks {len(missing)} tensors, e.g. "
                              f"{missing[:5]}")  # fmt: skip
+
+    def persistent_buffers(self) -> dict[str, torch.Tensor]:
+        """The engine model's buffers a checkpoint holds (DeepSeek's router correction bias):
+        the model was allocated empty, and the reshard moves parameters only."""
+        saved = set(self.model.state_dict())
+        return {name: buf for name, buf in self.model.named_buffers() if name in saved}
+
+    @torch.no_grad()
+    def copy_buffers(self, named_tensors) -> None:
+        """The trainer's buffers (whole on every rank) into the engine's persistent ones."""
+        buffers = self.persistent_buffers()
+        for name, tensor in named_tensors:
+            if name in buffers:
+                buffers[name].copy_(self.local_slice(name, tensor)[1])
 
     def _expert_range(self) -> tuple[int, int]:
         """(first expert, experts) this rank holds of each sparse layer."""

@@ -1,5 +1,5 @@
-"""Experts across rollout replicas (engine/expert_parallel.py) on gloo processes, tiny-moe in
-fp32 on the CPU: attention data-parallel over the replicas (each generates its own prompts,
+"""Experts across rollout replicas (engine/expert_parallel.py) on gloo processes, tiny-moe
+(and tiny-deepseek-v3, on the engine's slow path) in fp32 on the CPU: attention data-parallel over the replicas (each generates its own prompts,
 with budgets that differ, so the replicas run different numbers of passes), every sparse
 layer's 8 experts spread over all ranks and the tokens dispatched and combined by
 all-to-all. The tokens and routing records are one process's (greedy, and sampled with the
@@ -31,6 +31,11 @@ def _spread_engine(whole_model, mesh, tp: int):
     tp_rank = mesh.rank_in("tp")
     engine.load_weights((name, spread_shard(name, tensor, ep_rank, ep, tp_rank, tp))
                         for name, tensor in whole_model.named_parameters(remove_duplicate=False))  # fmt: skip
+    with torch.no_grad():  # DeepSeek's router correction bias: a buffer, whole on every rank
+        buffers = dict(engine.model.named_buffers())
+        for name, tensor in whole_model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffers[name].copy_(tensor)
     return engine
 
 
@@ -89,3 +94,34 @@ def test_two_replicas_of_one_rank_draw_one_process_tokens_and_routes():
 @pytest.mark.slow
 def test_two_tensor_parallel_replicas_draw_one_process_tokens_and_routes():
     run_ranks(_generate_on_ranks, 4, 2)
+
+
+def _deepseek_on_ranks(rank: int, world: int) -> None:
+    """tiny-deepseek-v3 (MLA, grouped routing, a shared expert: the engine's slow path, the
+    model's own forward dispatching over the group, models/moe.Experts)."""
+    from hybridflow.models import build_model
+    from hybridflow.models.presets import preset_config
+
+    mesh = build_mesh(rollout_layout(world, tp=1, ep=world), "cpu")
+    whole_model = build_model(preset_config("tiny-deepseek-v3"), seed=4).eval()
+    whole_model.requires_grad_(False)
+    engine = _spread_engine(whole_model, mesh, 1)
+    assert engine.spread and not engine.native  # MLA: the slow path
+    sparse = next(layer.mlp for layer in engine.model.model.layers if layer.sparse)
+    assert sparse.experts.gate_up_proj.shape[0] == whole_model.config.num_experts // world
+    mine = list(range(rank, len(PROMPTS), world))
+    budget = 12 if rank == 0 else 5  # the replicas end at different steps
+    params = SamplingParams(temperature=0, max_new_tokens=budget, ignore_eos=True)
+    got = engine.generate([PROMPTS[i] for i in mine], params)
+    expected = _engine(whole_model, 16).generate([PROMPTS[i] for i in mine], params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    assert all(len(c.token_ids) == budget for c in got)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs),
+                                   rtol=1e-4, atol=1e-5)  # fmt: skip
+        assert np.array_equal(a.routed_experts, b.routed_experts)
+    dist.barrier()
+
+
+def test_deepseek_v3_replicas_draw_one_process_tokens_and_routes():
+    run_ranks(_deepseek_on_ranks, 2)
