@@ -136,7 +136,7 @@ class TensorParallelRollout:
             _check_native(whole, size, path)
             tensor = cls(whole.config, size, dtype, device, split_experts=split_experts,
                          expert_parallel_size=expert_parallel_size)  # fmt: skip
-            tensor.copy_in(whole.named_parameters())
+            tensor.copy_in(whole.state_dict().items())
             return tensor
         from hybridflow.models import native_support_problem
         from hybridflow.models.architecture import ModelArchitecture
@@ -214,16 +214,18 @@ class TensorParallelRollout:
 
     def _resharder(self, actor):
         from hybridflow.engine.reshard import Resharder
-        from hybridflow.parallel.reshard_plan import parameter_shapes, rollout_blocks
+        from hybridflow.parallel.reshard_plan import rollout_blocks
 
         rank = dist.get_rank()
-        shapes = dict(parameter_shapes(self.architecture))
         targets = dict(self.model.named_parameters())
+        sources, _ = training_sources(actor.model, targets)
+        # the full shapes, read off the trainer's parameters (a DTensor's shape is the whole
+        # tensor's), so every layer kind the model has is covered (MLA's projections too)
+        shapes = {name: tuple(source.shape) for name, source in sources.items()}
         blocks = {name: rollout_blocks(name, shapes[name], self.layout, self.split_experts)[rank]
                   for name in targets}  # fmt: skip
         # a group of its own: a sync never queues behind (or between) the actor's collectives
         reshard_group = dist.new_group(list(range(dist.get_world_size())))
-        sources, _ = training_sources(actor.model, targets)
         return Resharder(sources, targets, blocks, reshard_group)
 
     def sync(self, actor):
