@@ -195,7 +195,7 @@ def unpaged_mixers(arch: ModelArchitecture | None) -> list[str]:
 
 def rollout_expert_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]:
     """rollout.expert_parallel_size above rollout.tensor_parallel_size spreads the experts
-    over several replicas (engine/expert_parallel.py: a multiple of tp dividing the rollout's
+    over several replicas (engine/expert_spread.py: a multiple of tp dividing the rollout's
     GPUs, said by layout_problems). Its replicas move in rounds of the expert group, so what
     runs at each replica's own pace is refused, as under rollout TP (with tp > 1,
     rollout_tensor_parallel_limits says so already)."""

@@ -82,7 +82,7 @@ class RolloutConfig:
     experts' memory, no all-reduce after the sparse layers). A multiple of it (dividing the
     rollout's GPUs): the experts spread over ep / tp replicas, E / ep a rank, attention
     data-parallel over the replicas and the tokens dispatched to their experts by
-    all-to-all (engine/expert_parallel.py; DeepSeek-V3's layout, also with tp = 1).
+    all-to-all (engine/expert_spread.py; DeepSeek-V3's layout, also with tp = 1).
     verl's rollout.expert_parallel_size."""
     agent: AgentOptions = field(default_factory=AgentOptions)
     """Multi-turn episodes with tools (hybridflow/agents/options.py): rollout.agent.loop=tools

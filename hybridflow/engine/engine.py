@@ -137,9 +137,9 @@ class Engine:
 
         # a tensor-parallel shard (tensor_parallel.py): the eager path, its all-reduces
         self.tensor_parallel = tensor_parallel_size(model)
-        from hybridflow.engine.expert_parallel import spread_of
+        from hybridflow.engine.expert_spread import spread_of
 
-        # experts over the replicas (expert_parallel.py): the eager path, rounds of the group
+        # experts over the replicas (expert_spread.py): the eager path, rounds of the group
         self.spread = spread_of(model) is not None
         self.decode_backend = _resolve_backend(options.decode_backend, self.device,
                                                self.tensor_parallel, self.spread)  # fmt: skip
@@ -499,9 +499,9 @@ class Engine:
 
     def _serve_peers(self) -> None:
         """Experts across replicas: the other replicas' tokens still need this rank's
-        experts after its own requests are done (expert_parallel.py)."""
+        experts after its own requests are done (expert_spread.py)."""
         if self.spread:
-            from hybridflow.engine.expert_parallel import serve_peers
+            from hybridflow.engine.expert_spread import serve_peers
 
             serve_peers(self.model, self.device)
 

@@ -146,7 +146,7 @@ def tensor_parallel_model(config: ModelArchitecture, group, dtype: torch.dtype,
     with local_shard slices, or reshard.py from a sharded trainer). Its config is the local
     shape (local_architecture). split_experts: a sparse layer holds this rank's experts
     (models/moe.ExpertSlice), else all of them. before_allocation: called with the model
-    while it is still on the meta device (engine/expert_parallel.py swaps the experts)."""
+    while it is still on the meta device (engine/expert_spread.py swaps the experts)."""
     from hybridflow.models.llama import CausalLM
     from hybridflow.models.moe import Experts, ExpertSlice
 

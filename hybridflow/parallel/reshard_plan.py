@@ -84,7 +84,7 @@ def rollout_blocks(name: str, shape: tuple[int, ...], layout: Layout,
     """Per rank, its block of parameter ``name`` in a rollout layout (each replica whole); a
     packed expert tensor: the rank's whole experts when ``split_experts`` (the experts
     split over the tensor-parallel ranks, engine/tensor_parallel.py, or over the ``ep``
-    ranks of several replicas when ep > tp, engine/expert_parallel.py), else all of them."""
+    ranks of several replicas when ep > tp, engine/expert_spread.py), else all of them."""
     dim = rollout_shard_dim(name, split_experts)
     spread = dim is not None and name.endswith(PACKED_EXPERTS) and layout.ep > layout.tp
     blocks = []

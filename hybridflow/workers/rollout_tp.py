@@ -1,6 +1,6 @@
 """The rollout worker's side of a tensor-parallel engine (rollout.tensor_parallel_size > 1),
 or of experts spread over several replicas (rollout.expert_parallel_size above it:
-engine/expert_parallel.py; each rank holds E / ep experts, and a replica of one rank is a
+engine/expert_spread.py; each rank holds E / ep experts, and a replica of one rank is a
 "group" of one for the prompts below).
 
 The ranks of a tensor-parallel group run one engine together (engine/tensor_parallel.py):
@@ -80,13 +80,13 @@ class TensorParallelRollout:
             receives only its own), else every rank holds all of them
             (rollout.expert_parallel_size=1).
         expert_parallel_size: above tensor_parallel_size, the experts are spread over that
-            many ranks, several replicas (engine/expert_parallel.py).
+            many ranks, several replicas (engine/expert_spread.py).
     """
 
     def __init__(self, architecture, tensor_parallel_size: int, dtype: torch.dtype,
                  device: str, actor=None, split_experts: bool = True,
                  expert_parallel_size: int | None = None):  # fmt: skip
-        from hybridflow.engine.expert_parallel import expert_parallel_model
+        from hybridflow.engine.expert_spread import expert_parallel_model
         from hybridflow.engine.tensor_parallel import tensor_parallel_model
         from hybridflow.parallel.layout import build_mesh, rollout_layout
 
@@ -237,7 +237,7 @@ class TensorParallelRollout:
     def local_slice(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         """(name, this rank's slice) of a whole in-memory tensor (split placement's weights;
         packed experts: this rank's experts)."""
-        from hybridflow.engine.expert_parallel import spread_shard
+        from hybridflow.engine.expert_spread import spread_shard
         from hybridflow.engine.tensor_parallel import local_shard
 
         if self.spread:

@@ -67,7 +67,7 @@ def test_a_tensor_parallel_rollout_is_accepted_and_what_it_does_not_run_yet_refu
 def test_a_tensor_parallel_rollout_of_experts_splits_them_or_holds_them_whole():
     """engine/tensor_parallel.py: unset or equal to the rollout's tp, rollout.expert_parallel_size
     splits the experts over a replica's ranks; 1 holds them whole; a multiple spreads them over
-    several replicas (engine/expert_parallel.py); expert adapters merge as they move."""
+    several replicas (engine/expert_spread.py); expert adapters merge as they move."""
     moe = [*FOUR_CPUS, "model.path=tiny-moe", "rollout.tensor_parallel_size=2"]
     for extra in ([], ["rollout.expert_parallel_size=2"], ["rollout.expert_parallel_size=1"],
                   ["rollout.expert_parallel_size=4"]):  # fmt: skip
@@ -98,7 +98,7 @@ def test_sequence_and_tensor_parallel_training_roles_are_accepted(dim):
 
 def test_expert_parallel_actor_reference_and_rollout_over_replicas_are_accepted():
     """Expert parallelism trains the actor and runs the reference (learners/sharding/expert_shard.py);
-    the rollout spreads the experts over replicas of one rank (engine/expert_parallel.py),
+    the rollout spreads the experts over replicas of one rank (engine/expert_spread.py),
     refusing what runs at each replica's own pace by key."""
     moe = [*FOUR_CPUS, "model.path=tiny-moe", "actor.use_kl_loss=true"]
     derived = validate(load_config(None, [*moe, "actor.expert_parallel_size=2"]))

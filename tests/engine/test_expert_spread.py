@@ -1,4 +1,4 @@
-"""Experts across rollout replicas (engine/expert_parallel.py) on gloo processes, tiny-moe
+"""Experts across rollout replicas (engine/expert_spread.py) on gloo processes, tiny-moe
 (and tiny-deepseek-v3, on the engine's slow path) in fp32 on the CPU: attention data-parallel over the replicas (each generates its own prompts,
 with budgets that differ, so the replicas run different numbers of passes), every sparse
 layer's 8 experts spread over all ranks and the tokens dispatched and combined by
@@ -16,7 +16,7 @@ from gloo_ranks import run_ranks
 from test_moe_tensor_parallel import PROMPTS, _engine, _gathered, _model
 
 from hybridflow.engine import SamplingParams
-from hybridflow.engine.expert_parallel import expert_parallel_model, spread_of, spread_shard
+from hybridflow.engine.expert_spread import expert_parallel_model, spread_of, spread_shard
 from hybridflow.parallel import build_mesh, rollout_layout
 
 BUDGETS = [3, 9, 6, 12]  # new tokens a prompt: the replicas end at different passes

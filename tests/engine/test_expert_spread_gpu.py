@@ -1,16 +1,16 @@
 """On 2 GPUs over NCCL: the rollout's experts spread over two replicas of one GPU each
-(engine/expert_parallel.py; tiny-moe, 4 of the 8 experts a GPU). The CPU test
-(tests/engine/test_expert_parallel.py) proves tokens and routes over gloo in fp32 on the
+(engine/expert_spread.py; tiny-moe, 4 of the 8 experts a GPU). The CPU test
+(tests/engine/test_expert_spread.py) proves tokens and routes over gloo in fp32 on the
 torch loop; this one runs NCCL's uneven all-to-all and the rounds' all-reduce on CUDA
 tensors, in fp32 and through the grouped GEMMs in bf16.
 
-    pytest -m gpu tests/engine/test_expert_parallel_gpu.py   # 2 GPUs
+    pytest -m gpu tests/engine/test_expert_spread_gpu.py   # 2 GPUs
 
 Checked: each replica generates its own prompts with budgets that differ (so one replica
 serves the other's experts after its own end); in fp32 the greedy tokens and routing record
 of each are one GPU's with the whole model; in bf16 the spread run draws as many tokens as
 asked. The same code runs on CPU processes over gloo, from tests/engine:
-``python -c 'import test_expert_parallel_gpu as t; t.run("cpu")'``.
+``python -c 'import test_expert_spread_gpu as t; t.run("cpu")'``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ BUDGETS = [4, 16, 9]
 
 
 def _spread(whole, dtype, device):
-    from hybridflow.engine.expert_parallel import expert_parallel_model, spread_shard
+    from hybridflow.engine.expert_spread import expert_parallel_model, spread_shard
 
     rank, world = dist.get_rank(), dist.get_world_size()
     shard = expert_parallel_model(whole.config, dist.group.WORLD, None, dtype, device)

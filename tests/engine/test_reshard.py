@@ -183,9 +183,9 @@ def _from_lora() -> None:
 def _from_expert_lora(spread: bool) -> None:
     """tiny-moe with LoRA on its experts (per-expert factors, models/moe.ExpertLoRA) and the
     attention, FSDP2 over 2 ranks, into rollout TP 2 with the experts split, or into 2
-    replicas of one rank with the experts spread over both (engine/expert_parallel.py): each
+    replicas of one rank with the experts spread over both (engine/expert_spread.py): each
     rank's experts arrive merged, W_e + scale · B_e @ A_e, as learners/lora merges them."""
-    from hybridflow.engine.expert_parallel import expert_parallel_model, spread_shard
+    from hybridflow.engine.expert_spread import expert_parallel_model, spread_shard
     from hybridflow.learners.lora import apply_lora, lora_scalings, merge_lora_stream
 
     rank = dist.get_rank()

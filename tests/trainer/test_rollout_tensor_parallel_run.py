@@ -118,7 +118,7 @@ def test_a_mixture_of_experts_rollout_with_split_experts_logs_the_metrics_of_dat
 def test_experts_over_rollout_replicas_and_offloaded_expert_shards_log_data_parallel(tmp_path):
     """tiny-moe with the rollout's experts spread over its two replicas of one process each
     (rollout.expert_parallel_size=2: attention data-parallel, 4 experts a process, the tokens
-    dispatched by all-to-all; engine/expert_parallel.py), resharded from an expert-parallel
+    dispatched by all-to-all; engine/expert_spread.py), resharded from an expert-parallel
     actor whose expert shards and AdamW state are on the host (actor.param_offload), logs the
     metrics and samples the tokens of plain data parallelism."""
     moe = ("model.path=tiny-moe", "actor.router_replay=rollout")

@@ -57,7 +57,7 @@ class PlanOptions:
     """rollout.expert_parallel_size=1 with rollout tp > 1: every rank holds every expert."""
     rollout_ep: int = 1
     """rollout.expert_parallel_size above rollout_tp: the experts spread over several
-    replicas, E / rollout_ep a GPU (engine/expert_parallel.py); else 1."""
+    replicas, E / rollout_ep a GPU (engine/expert_spread.py); else 1."""
     param_offload: bool = False
     optimizer_offload: bool = False
     gradient_checkpointing: bool = False

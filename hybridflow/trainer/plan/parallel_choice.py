@@ -63,7 +63,7 @@ def training_layouts(s: PlanShape, world: int) -> list[tuple[int, int, int]]:
 def rollout_layouts(s: PlanShape, world: int) -> list[tuple[int, int | None]]:
     """Rollout (tp, ep): ep None (the experts split over the tp ranks), or for a mixture of
     experts a multiple of tp above it that divides ``world`` and the experts (spread over
-    ep / tp replicas, engine/expert_parallel.py)."""
+    ep / tp replicas, engine/expert_spread.py)."""
     layouts = []
     for tp in rollout_sizes(s, world):
         layouts.append((tp, None))

@@ -69,7 +69,7 @@ def test_verls_rollout_tensor_and_expert_keys_split_a_mixture_of_experts():
     # verl's default 1 (vLLM splits each expert's width): ours stays unset, the experts split
     cfg = load_with_verl_keys(None, [*keys, R + "expert_parallel_size=1"], log=lambda text: None)
     assert cfg.rollout.expert_parallel_size is None
-    # EP over both replicas (engine/expert_parallel.py)
+    # EP over both replicas (engine/expert_spread.py)
     derived = load_and_validate([*keys, R + "expert_parallel_size=4"])
     assert (derived.layouts.rollout.tp, derived.layouts.rollout.ep) == (2, 4)
 

@@ -144,7 +144,7 @@ def test_when_nothing_fits_the_plan_says_what_fills_the_closest(plenty_of_host):
 
 def test_experts_over_rollout_replicas_make_qwen3_235b_fit_32_gpus(plenty_of_host):
     """Qwen3-235B-A22B on 32 × 80 GiB (short sequences): the rollout's experts spread over
-    16 of its replicas of one GPU (engine/expert_parallel.py) and the actor's expert shards
+    16 of its replicas of one GPU (engine/expert_spread.py) and the actor's expert shards
     offloaded fit, where the rollout's tp stops at 4 (4 KV heads, a quarter of the model a
     GPU)."""
     text = planned(["model.path=qwen3-235b-a22b", "trainer.nnodes=4", "trainer.backend=ray",
