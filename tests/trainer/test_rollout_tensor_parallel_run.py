@@ -146,3 +146,17 @@ def test_expert_lora_with_a_tensor_parallel_rollout_logs_data_parallel(tmp_path)
     for step, want in plain.items():
         _assert_same(want, layout[step], step)
         assert _samples(tmp_path / "dp", step) == _samples(tmp_path / "tp", step)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_with_experts_over_rollout_replicas_logs_data_parallel(tmp_path):
+    """tiny-deepseek-v3 (MLA, grouped routing, a shared expert: the engine's slow path) with
+    its rollout experts spread over two replicas of one process, the weights resharded from
+    an FSDP2 actor, logs the metrics and samples the tokens of data parallelism."""
+    model = ("model.path=tiny-deepseek-v3",)
+    plain = _train(tmp_path / "dp", *PLAIN, *model)
+    wide = _train(tmp_path / "wide", *model, "rollout.expert_parallel_size=2")
+    assert plain.keys() == wide.keys() == {1, 2}
+    for step, want in plain.items():
+        _assert_same(want, wide[step], step)
+        assert _samples(tmp_path / "dp", step) == _samples(tmp_path / "wide", step)
