@@ -85,13 +85,24 @@ def not_built_with_tensor_parallel(
 def not_built_with_expert_parallel(
     cfg: Config, sizes: list[RoleSize], in_use: set[str]
 ) -> list[str]:
-    """The host step of one device (actor.optimizer_offload) has no expert-parallel path;
-    FSDP2's param_offload keeps the experts' shards and their AdamW state on the host
-    (learners/sharding/expert_shard.py)."""
+    """The host step of one device (actor.optimizer_offload) and LoRA on the experts have no
+    expert-parallel path (models/sharding/expert_parallel.keep_local_experts refuses the
+    latter at start); FSDP2's param_offload keeps the experts' shards and their AdamW state
+    on the host (learners/sharding/expert_shard.py)."""
+    from hybridflow.learners.lora import EXPERT_TARGETS
+
     problems = []
     for size in sizes:
         if size.dim != "ep" or size.value <= 1 or size.role != "actor" or size.role not in in_use:
             continue
+        targets = sorted(set(cfg.model.lora_target_modules) & set(EXPERT_TARGETS))
+        if cfg.model.lora_rank > 0 and targets:
+            problems.append(
+                f"actor: model.lora_rank = {cfg.model.lora_rank} on the experts "
+                f"(model.lora_target_modules has {', '.join(targets)}) with {size.key} = "
+                f"{size.value}: LoRA on expert-parallel experts is not built yet: set "
+                f"{size.key}=1, or leave {', '.join(targets)} out of model.lora_target_modules"
+            )
         if cfg.actor.optimizer_offload:
             problems.append(
                 f"actor: actor.optimizer_offload = true with {size.key} = {size.value}: the host "
