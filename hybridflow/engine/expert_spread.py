@@ -46,8 +46,9 @@ class ExpertSpread:
 
 
 def spread_of(model) -> ExpertSpread | None:
-    """The spread of a wide-EP engine model (None: its experts are not spread)."""
-    for layer in model.model.layers:
+    """The spread of a wide-EP engine model (None: its experts are not spread, or the model
+    is not our decoder: the transformers fallback)."""
+    for layer in getattr(getattr(model, "model", None), "layers", ()):
         spread = getattr(layer.mlp, "expert_spread", None)
         if spread is not None:
             return spread
