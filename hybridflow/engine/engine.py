@@ -118,14 +118,15 @@ class Engine:
         from hybridflow.models.llama import CausalLM
 
         # else: slow path (slow.py), with the reason; so are layer kinds whose cache kind the
-        # engine has not built yet (MLA's latent, sinks, a window: cache/kinds.py)
+        # engine has not built yet (an attention layer's window: cache/kinds.py)
         self.slow_reason = "not hybridflow's own decoder" if not isinstance(model, CausalLM) else (
             "; ".join(engine_gaps(self.config.layer_specs())) or None)  # fmt: skip
         self.native = self.slow_reason is None
         # Layers the fused decode layers (split, chain, lean) do not run: gated attention,
-        # Gated DeltaNet, a shared expert. Their engine runs the model's own modules (the
-        # torch backend) and steps the recurrent states with the Triton kernel where the
-        # triton backend would run (kernels/delta_step.py).
+        # Gated DeltaNet, MLA, a shared expert. Their engine runs the model's own modules (the
+        # torch backend) and steps the recurrent states and MLA's absorbed attention with the
+        # Triton kernels where the triton backend would run (kernels/delta_step.py,
+        # kernels/latent_attention.py).
         self.eager_layers = self.native and eager_only(self.config.layer_specs())
         from hybridflow.engine.layers.moe import ExpertMatmuls, has_experts
 
@@ -287,9 +288,13 @@ class Engine:
             from hybridflow.engine.layers.eager import decode_forward_torch
 
             decode_forward = decode_forward_torch
-            if self.cache.states is not None:
+            if self.eager_layers:  # recurrent steps and sink attention on the asked backend
                 decode_forward = functools.partial(decode_forward_torch,
-                                                   recurrent_step=self.recurrent_step)  # fmt: skip
+                                                   recurrent_step=self.recurrent_step,
+                                                   attention_step=self.recurrent_step)  # fmt: skip
+            if self.cache.latent is not None:  # MLA: the absorbed attention's kernel likewise
+                decode_forward = functools.partial(decode_forward, latent_step=self.recurrent_step)
+                self.extend = functools.partial(extend_forward, latent_step=self.recurrent_step)
         self.runner = DecodeRunner(
             self.model, self.cache, self.state, self.rope, decode_forward,
             use_graphs=self.cuda_graphs,

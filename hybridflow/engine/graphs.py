@@ -109,7 +109,7 @@ class DecodeRunner:
         extra = {}
         if self.shared:
             extra["shared"] = (state.prefix_first[:rows], state.prefix_groups)
-        if self.cache.states is not None:  # finished rows keep their recurrent state
+        if self.cache.per_sequence:  # finished rows keep their state (or window ring)
             extra["frozen"] = state.finished[:rows]
         logits = self.decode_forward(
             self.model, self.cache, self.rope, state.tokens[:rows], state.positions[:rows],
@@ -188,7 +188,7 @@ class DecodeRunner:
         # 129 cached positions is not the one that wins a call (H200: 0.5b/1024's best at 130
         # was 2-3% slower at 256 and 380).
         self.state.move_to_middle(bucket, max_len)
-        if self.cache.states is not None:
+        if self.cache.per_sequence:
             # a recurrent state moves with every step, not only at its position: the warm-up
             # steps' rows write the scratch slot, so the live rows' states stay as they were
             self.state.row_slots[:bucket] = self.state.scratch_slot

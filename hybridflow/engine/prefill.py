@@ -40,7 +40,9 @@ def prefill_forward(
     Every token's K/V goes to cache[layer, token_slots, position_ids], or to cache[layer,
     *cache_at] when given (a paged cache: each token's block and offset, kv_cache.py)."""
     from hybridflow.engine.layers import mixing
+    from hybridflow.engine.layers.latent import latent_prefill
     from hybridflow.engine.layers.moe import mlp_torch, route_target, sparse_indices
+    from hybridflow.engine.layers.sink import sink_prefill
 
     entries, offsets = cache_at or (token_slots, position_ids)
     target = route_target(cache, entries, offsets)
@@ -59,6 +61,11 @@ def prefill_forward(
         if layer.spec.recurrent:
             out = mixing.recurrent_prefill(layer, normed, layout, cache.states, index,
                                            sequence_slots)  # fmt: skip
+        elif layer.spec.mixer == "sink_attention":
+            out = sink_prefill(layer, normed, cos, sin, cache, index, (entries, offsets),
+                               token_slots, position_ids, cu_seqlens, last_index)  # fmt: skip
+        elif layer.spec.cache == "latent":
+            out = latent_prefill(layer, normed, cos, sin, cache, index, (entries, offsets), attend)
         else:
             row = cache.kv_row(index)
 
@@ -149,6 +156,7 @@ def extend_forward(
     decode_rows: int = 0,
     max_len: int | None = None,
     frozen: torch.Tensor | None = None,
+    latent_step: str = "torch",
 ) -> torch.Tensor:
     """input_ids/position_ids/token_slots [N]: each sequence's new tokens, contiguous and in
     position order; every token attends to its slot's cache up to its own position (the
@@ -160,10 +168,14 @@ def extend_forward(
     In chunks of tokens, each through every layer before the next: a later token reads the
     K/V an earlier chunk wrote (causal order), and the gathered cache stays bounded. cache_at:
     as prefill_forward's. decode_rows, max_len: extend_forward_triton's (here every token
-    attends the same way, over its slot up to its position, so they change nothing)."""
+    attends the same way, over its slot up to its position, so they change nothing).
+    latent_step: an MLA layer's absorbed attention, every token a row over its slot
+    ("triton": the kernel reads the paged latents in place, no gather; layers/latent.py)."""
     from hybridflow.engine.layers import mixing
     from hybridflow.engine.layers.eager import cached_attention_torch
+    from hybridflow.engine.layers.latent import latent_cached
     from hybridflow.engine.layers.moe import mlp_torch, route_target, sparse_indices
+    from hybridflow.engine.layers.sink import frozen_tokens, sink_extend
 
     entries, offsets = cache_at or (token_slots, position_ids)
     sparse = sparse_indices(model)
@@ -190,11 +202,18 @@ def extend_forward(
                 held[:rows_here] = frozen[start : start + rows_here]
             targets = mixing.write_slots(sequence_slots, held, cache.states.scratch_slot)
             sequences = (layout, sequence_slots, targets, fresh)
+        held_tokens = frozen_tokens(frozen, decode_rows, start, ids.shape[0])
         for index, layer in enumerate(model.model.layers):
             normed = layer.input_layernorm(hidden)
             if layer.spec.recurrent:
                 out = mixing.recurrent_extend(layer, normed, sequences[0], cache.states, index,
                                               *sequences[1:])  # fmt: skip
+            elif layer.spec.mixer == "sink_attention":
+                out = sink_extend(layer, normed, cos, sin, cache, index, chunk_at, slots,
+                                  positions, max_len, held_tokens)  # fmt: skip
+            elif layer.spec.cache == "latent":
+                out = latent_cached(layer, normed, cos, sin, cache, index, chunk_at, slots,
+                                    positions + 1, max_len, latent_step)  # fmt: skip
             else:
                 row = cache.kv_row(index)
 

@@ -82,9 +82,9 @@ class LayerSpec:
     @property
     def paged_kv(self) -> bool:
         """The engine's fused paged-K/V layers (and the tensor-parallel rollout) run this
-        layer: plain GQA over the whole prefix. Gated attention and Gated DeltaNet run the
-        engine's eager passes beside their caches (engine/cache/kinds.py); MLA, sinks and
-        windows its slow path until their cache kinds exist."""
+        layer: plain GQA over the whole prefix. Gated attention, Gated DeltaNet, sink attention
+        (full or windowed) and MLA run the engine's eager passes beside their caches
+        (engine/cache/kinds.py)."""
         return self.mixer == "attention" and not self.window
 
     @property

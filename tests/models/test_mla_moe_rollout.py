@@ -1,7 +1,7 @@
-"""DeepSeek-V3 and GPT-OSS in the engine and the RL loop: with no latent or windowed cache
-yet, the engine runs them on its slow path (the whole left-padded sequence recomputed each
-step), whose greedy tokens are the model's own argmax and whose routing record is what the
-model's routers choose; a GRPO run with routing replay completes its steps."""
+"""DeepSeek-V3 and GPT-OSS in the engine and the RL loop, both on the engine's own passes
+(DeepSeek-V3 over its latent cache, GPT-OSS with a window's ring for its sliding layers):
+greedy tokens are the model's own argmax and the routing record is what the model's routers
+choose; a GRPO run with routing replay completes its steps."""
 
 import pytest
 import torch
@@ -25,7 +25,7 @@ def _greedy_reference(model, prompt: list[int], steps: int) -> list[int]:
 def test_engine_tokens_and_routes_are_the_models(preset):
     model = load_model(preset).eval()
     engine = Engine(model, max_batch_size=4, max_seq_len=32)
-    assert not engine.native
+    assert engine.native
     prompts = [[5, 6, 7, 8, 9], [10, 11]]  # 5 + 6 tokens pass tiny-gpt-oss' window of 8
     params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
     results = engine.generate(prompts, params)

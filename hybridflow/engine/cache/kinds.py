@@ -5,12 +5,11 @@ A kind is one of two shapes:
 
 - **per position**: grows with the sequence and lives in the slot cache's rows or the paged
   cache's blocks (kv_cache.py), so a prompt's full blocks are shared by its samples, grown
-  as it decodes and freed with it. K/V of attention layers is the one built; MLA's latent
-  would be another (``kv_lora_rank + qk_rope_head_dim`` a token instead of K and V), and a
-  sliding window's K/V the same as K/V with a sequence holding at most a window's positions.
+  as it decodes and freed with it: K/V of attention layers, MLA's latent
+  (``kv_lora_rank + qk_rope_head_dim`` a token instead of K and V: latent.py).
 - **per sequence**: a fixed size whatever the length, one slot per sequence (beside the
   blocks, indexed by the sequence's slot): Gated DeltaNet's conv and SSM state
-  (:class:`RecurrentStates`). Copied to a prompt's other samples once after its prefill,
+  (:class:`RecurrentStates`), a sliding layer's ring of a window's K/V (window.py). Copied to a prompt's other samples once after its prefill,
   rebuilt by the prefill of a preempted request, continued by a kept conversation's turn.
 
 The scheduler sees sequences (slots) and blocks, not kinds: ``KVCache.copy_sequences`` copies
@@ -26,8 +25,10 @@ import torch
 # Layer kinds the engine's own passes run (prefill.py, layers/eager.py): mixers whose cache
 # exists, MLPs the torch passes call (layers/moe.mlp_torch). The rest run on the slow path
 # (slow.py).
-ENGINE_MIXERS = ("attention", "gated_attention", "gated_deltanet")
-ENGINE_MLPS = ("dense", "experts", "experts_shared")
+ENGINE_MIXERS = ("attention", "gated_attention", "gated_deltanet", "sink_attention", "mla")
+ENGINE_MLPS = ("dense", "experts", "experts_shared", "biased_experts", "grouped_experts_shared")
+# Mixers whose sliding-window layers keep a window's ring (window.py) instead of every position
+WINDOWED_MIXERS = ("sink_attention",)
 # Kinds the fused decode layers (layers/split.py, chain.py, lean.py) also run; a model with
 # any other runs the eager passes (the model's own modules) on every backend.
 FUSED_MIXERS = ("attention",)
@@ -44,11 +45,14 @@ def engine_gaps(specs) -> list[str]:
     """Why the engine's cached passes cannot run a model of these layer specs (empty: they
     can), one line per kind not covered; the engine then takes its slow path."""
     gaps = []
+    windows = sorted({spec.window for spec in specs if spec.window})
+    if len(windows) > 1:
+        gaps.append(f"sliding windows of several sizes {windows}: one ring size expected")
     for spec in specs:
         if spec.mixer not in ENGINE_MIXERS:
             gaps.append(f"{spec.mixer} layers ({spec.cache} cache): not in the engine's passes "
                         "yet")  # fmt: skip
-        elif spec.window:
+        elif spec.window and spec.mixer not in WINDOWED_MIXERS:
             gaps.append(f"{spec.mixer} layers with a {spec.window}-token window: no windowed "
                         "cache kind yet")  # fmt: skip
         if spec.mlp not in ENGINE_MLPS:
@@ -66,8 +70,9 @@ def layers_by_kind(specs) -> dict[str, tuple[int, ...]]:
 
 
 def kv_layer_rows(specs) -> list[int | None]:
-    """Per model layer, its row of the K/V cache's layer axis (None: it keeps none)."""
-    kv = layers_by_kind(specs).get("kv", ())
+    """Per model layer, its row of the K/V cache's layer axis (None: it keeps none there; a
+    sliding layer keeps its window's ring instead: window.py)."""
+    kv = tuple(i for i in layers_by_kind(specs).get("kv", ()) if not specs[i].window)
     return [kv.index(i) if i in kv else None for i in range(len(specs))]
 
 

@@ -21,7 +21,11 @@ shared, fanned out and grown with them; the scheduler reads a request's rows whe
 
 K and V are kept for the layers whose spec keeps them only (``kv_rows``: a model layer's row
 of the layer axis); a hybrid model's recurrent layers keep a per-sequence state instead
-(``states``, kinds.RecurrentStates, one row per slot), sized in the same budget.
+(``states``, kinds.RecurrentStates, one row per slot), sized in the same budget; so do the
+sliding-window layers, a ring of a window's K/V per slot (``window``, window.WindowedKV).
+MLA layers keep their latent per position (``latent``, cache/latent.py: [L_latent, entries,
+positions, kv_lora_rank + rope], laid out like K and V so that it is shared, fanned out and
+grown with them; ``latent_rows``: a model layer's row of its layer axis).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from hybridflow.engine.cache.kinds import (
     kv_layer_rows,
     recurrent_state_spec,
 )
+from hybridflow.engine.cache.latent import LatentSpec, latent_spec
+from hybridflow.engine.cache.window import WindowedKV, WindowSpec, window_spec
 
 
 @dataclass
@@ -47,6 +53,16 @@ class KVCache:
     routes: torch.Tensor | None = None  # [slots + 1, S, L_sparse, k] or [blocks + 1, B, ...]
     states: RecurrentStates | None = None  # per-sequence state of the recurrent layers
     kv_rows: list[int | None] | None = None  # model layer -> K/V layer row (None: identity)
+    window: WindowedKV | None = None  # per-sequence rings of the sliding-window layers
+    latent: torch.Tensor | None = None  # [L_latent, slots + 1, S, width] or [.., blocks + 1, B, ..]
+    latent_rows: list[int | None] | None = None  # model layer -> latent layer row
+
+    @property
+    def per_sequence(self) -> bool:
+        """The cache holds per-sequence kinds (a recurrent state, a window's ring): a slot's
+        are copied to a prompt's samples, and a row whose slot must not change (finished,
+        padding, warming up) writes them to the scratch slot."""
+        return self.states is not None or self.window is not None
 
     @property
     def paged(self) -> bool:
@@ -79,17 +95,25 @@ class KVCache:
     def nbytes(self) -> int:
         routes = 0 if self.routes is None else self.routes.numel() * self.routes.element_size()
         states = 0 if self.states is None else self.states.nbytes()
-        return self.keys.numel() * self.keys.element_size() * 2 + routes + states
+        states += 0 if self.window is None else self.window.nbytes()
+        latent = 0 if self.latent is None else self.latent.numel() * self.latent.element_size()
+        return self.keys.numel() * self.keys.element_size() * 2 + routes + states + latent
 
     def kv_row(self, layer: int) -> int:
         """Model layer `layer`'s row of keys/values (a hybrid model keeps K/V in some layers)."""
         return layer if self.kv_rows is None else self.kv_rows[layer]
+
+    def latent_row(self, layer: int) -> int:
+        """Model layer `layer`'s row of the latent (an MLA layer's)."""
+        return self.latent_rows[layer]
 
     def copy_sequences(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Slot dst[i] takes slot src[i]'s per-sequence kinds (a recurrent state), device index
         lists; the per-position kinds move with copy_entries and shared blocks."""
         if self.states is not None and src.numel():
             self.states.copy(src, dst)
+        if self.window is not None and src.numel():
+            self.window.copy(src, dst)
 
     def locate(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple:
         """(entries, offsets) of positions of slots, as the cache's dim 1 and 2 index them
@@ -114,6 +138,8 @@ class KVCache:
         built on the host, so no device sync)."""
         for cache in (self.keys, self.values):
             cache[:, dst[0], dst[1]] = cache[:, src[0], src[1]]
+        if self.latent is not None:
+            self.latent[:, dst[0], dst[1]] = self.latent[:, src[0], src[1]]
         if self.routes is not None:
             self.routes[dst[0], dst[1]] = self.routes[src[0], src[1]]
 
@@ -291,25 +317,31 @@ def make_cache(
     """The KV cache a model config's engine gets from its budget: a slot cache (block_size
     None) or a paged one, with the paged one's host-side blocks.BlockPool (else None).
     routes: the routing record to keep beside K and V (route_spec), counted in the budget.
-    K/V for the layers whose spec keeps them; the recurrent layers' per-sequence state
-    (kinds.recurrent_state_spec) for every slot, taken from the budget first."""
+    K/V for the layers whose spec keeps them, the latent for MLA layers (latent.latent_spec:
+    its bytes a position counted instead of K/V's); the recurrent layers' per-sequence state
+    (kinds.recurrent_state_spec) and the sliding layers' rings (window.window_spec) for every
+    slot, taken from the budget first."""
     specs = config.layer_specs()
     rows = kv_layer_rows(specs)
     layers = sum(row is not None for row in rows)
-    states = recurrent_state_spec(config, dtype)
+    states = _PerSequence(recurrent_state_spec(config, dtype), window_spec(config, dtype))
+    latent = latent_spec(config, dtype)
     shape = (config.num_key_value_heads, config.head_dim)
+    # what a position keeps beside K/V: its routing record, MLA layers' latent
     route_bytes = routes.bytes_per_position if routes is not None else 0
+    route_bytes += latent.bytes_per_position if latent is not None else 0
     if block_size is None:
         slot_bytes = bytes_per_slot(layers, *shape, max_seq_len, dtype, route_bytes)
-        slot_bytes += states.bytes_per_sequence if states is not None else 0
+        slot_bytes += states.bytes_per_sequence
         slots = plan_slots(max_batch_size, slot_bytes, memory_budget, device, reserve_bytes)
         cache = allocate_cache(layers, slots, max_seq_len, *shape, dtype, device)
         if routes is not None:
             cache.routes = routes.allocate(slots + 1, max_seq_len, device)
+        _with_latent(cache, latent, len(rows), slots + 1, max_seq_len, device)
         return _with_kinds(cache, rows, states, slots, device), None
     from hybridflow.engine.cache.blocks import BlockPool
 
-    if states is not None:  # a state per slot whatever the blocks: taken off the budget first
+    if states.bytes_per_sequence:  # a state per slot whatever the blocks: off the budget first
         reserve_bytes += (max_batch_size + 1) * states.bytes_per_sequence
         if memory_budget is not None and not 0 < memory_budget <= 1:
             memory_budget = int(memory_budget) - (max_batch_size + 1) * states.bytes_per_sequence
@@ -321,24 +353,48 @@ def make_cache(
                                  dtype, device)  # fmt: skip
     if routes is not None:
         cache.routes = routes.allocate(blocks + 1, block_size, device)
+    _with_latent(cache, latent, len(rows), blocks + 1, block_size, device)
     cache = _with_kinds(cache, rows, states, max_batch_size, device)
     return cache, BlockPool(blocks, block_size, max_batch_size, cache.block_table.shape[1])
 
 
-def _check_state_budget(left: int, max_batch_size: int, states: RecurrentStateSpec) -> None:
+@dataclass(frozen=True)
+class _PerSequence:
+    """The per-sequence kinds of a cache (either may be None), sized together."""
+
+    recurrent: RecurrentStateSpec | None
+    window: WindowSpec | None
+
+    @property
+    def bytes_per_sequence(self) -> int:
+        return sum(kind.bytes_per_sequence for kind in (self.recurrent, self.window) if kind)
+
+
+def _check_state_budget(left: int, max_batch_size: int, states: _PerSequence) -> None:
     if left <= 0:
         raise ValueError(
-            f"memory_budget holds no KV blocks once the recurrent state of max_batch_size="
+            f"memory_budget holds no KV blocks once the recurrent state or sliding-window ring "
+            f"of max_batch_size="
             f"{max_batch_size} sequences ({states.bytes_per_sequence / 2**20:.2f} MiB each) is "
             "taken: raise memory_budget or lower max_batch_size"
         )
 
 
-def _with_kinds(cache: KVCache, rows, states: RecurrentStateSpec | None, slots: int,
+def _with_latent(cache: KVCache, latent: LatentSpec | None, num_layers: int, entries: int,
+                 positions: int, device: torch.device) -> None:  # fmt: skip
+    """The MLA layers' latent beside K/V (entries: slots or blocks, scratch included)."""
+    if latent is not None:
+        cache.latent = latent.allocate(entries, positions, device)
+        cache.latent_rows = latent.rows(num_layers)
+
+
+def _with_kinds(cache: KVCache, rows, states: _PerSequence, slots: int,
                 device: torch.device) -> KVCache:  # fmt: skip
-    """The cache with its layer rows and the recurrent state of its slots."""
+    """The cache with its layer rows and the per-sequence kinds of its slots."""
     if any(row != layer for layer, row in enumerate(rows)):
         cache.kv_rows = rows
-    if states is not None:
-        cache.states = states.allocate(slots, device)
+    if states.recurrent is not None:
+        cache.states = states.recurrent.allocate(slots, device)
+    if states.window is not None:
+        cache.window = states.window.allocate(slots, device)
     return cache

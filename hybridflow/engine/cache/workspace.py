@@ -31,14 +31,12 @@ def engine_workspace_bytes(config, max_batch_size: int, max_prefill_tokens: int,
     its gathered row, gate/up, SiLU·up and output (3I_e + 2h), the pairs padded to blocks
     of :data:`MOE_BLOCK_ROWS` per expert, and the router's fp32 logits and softmax (8E).
     ``tp``: the rollout's tensor-parallel ranks split the head-, MLP- and vocabulary-wide
-    tensors."""
+    tensors. MLA's attention runs expanded in a prefill: see :func:`attention_width`."""
     h = config.hidden_size
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or h // heads
     vocab = config.vocab_size // tp
     sampling = max_batch_size * vocab * SAMPLING_BYTES_PER_LOGIT
     tokens = max_prefill_tokens
-    attention = (2 * heads + 2 * kv_heads) * head_dim // tp
+    attention = attention_width(config) // tp
     per_token = 8 * h + attention + 4 * config.intermediate_size // tp
     prefill = tokens * per_token * element_bytes
     experts = getattr(config, "num_experts", 0) or 0
@@ -49,3 +47,19 @@ def engine_workspace_bytes(config, max_batch_size: int, max_prefill_tokens: int,
         sparse += tokens * experts * ROUTER_BYTES_PER_EXPERT
         prefill = max(prefill, sparse)
     return sampling + prefill
+
+
+def attention_width(config) -> int:
+    """Elements a prefill token's attention holds: q, k, v and the output of the heads, 2q +
+    2kv; for MLA (kv_lora_rank set) the expanded form's q, k, v and output, each zero-padded
+    to the wider of the q/k and v head widths (models/mixers/mla.attend_expanded), kv_b's
+    per-head product and the latent with its rope key (the latent cache holds only the last:
+    its bytes are the cache's, not this workspace's)."""
+    heads = config.num_attention_heads
+    rank = getattr(config, "kv_lora_rank", 0) or 0
+    if rank:
+        nope, rope, v = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        width = max(nope + rope, v)
+        return heads * (4 * width + nope + v) + rank + rope
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return (2 * heads + 2 * config.num_key_value_heads) * head_dim

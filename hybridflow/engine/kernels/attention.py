@@ -37,6 +37,7 @@ def _decode_attention_kernel(
     H_PAD: tl.constexpr = 16, HAS_BIAS: tl.constexpr = False,
     first_ptr=None, qs_ptr=None, pm_ptr=None, pl_ptr=None, pacc_ptr=None,
     SHARED: tl.constexpr = False, table_ptr=None, stride_table=0, PAGE: tl.constexpr = 0,
+    sink_ptr=None, HAS_SINK: tl.constexpr = False,
 ):  # fmt: skip
     """One (row, kv head, split): attention of the head group's queries over cached positions
     [split * CHUNK, (split + 1) * CHUNK) up to the row's last position pos.
@@ -66,7 +67,11 @@ def _decode_attention_kernel(
     slot cache, position p of slot `slot`. With PAGE >= BLOCK_N the tiles start at multiples
     of BLOCK_N (the positions before the first to read masked), so each lies in one block
     and takes one table load, as a slot's tile takes its base (with a lookup per position,
-    the paged cache measured ~9% below the slot cache at 0.5b, 256 rows, on the H200)."""
+    the paged cache measured ~9% below the slot cache at 0.5b, 256 rows, on the H200).
+
+    HAS_SINK (GPT-OSS): each head's learned logit sink[head] joins the softmax denominator
+    as a column with no value; split 0 folds it into its running state (once a row), so
+    the splits' merge and the shared prefix's see it like any key."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -161,6 +166,15 @@ def _decode_attention_kernel(
             if not FP32_DOT:  # the PV dot rounds P to the value dtype
                 p_new = p_new.to(dtype).to(tl.float32)
             acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+            m_i = m_new
+    if HAS_SINK:
+        if split == 0:
+            s_sink = tl.load(sink_ptr + heads, mask=g_mask, other=0.0).to(tl.float32)
+            s_sink = s_sink * 1.4426950408889634  # log2 units, as the scores
+            m_new = tl.maximum(m_i, s_sink)
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.exp2(s_sink - m_new)
+            acc = acc * alpha[:, None]
             m_i = m_new
     out_dtype = out_ptr.dtype.element_ty
     if SHARED:
@@ -274,16 +288,18 @@ def decode_attention(
     launch: Launch = PLAIN,
     autotune: bool = True,
     table: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, nh, D] (rows may be strided), caches [slots, S, nkv, D], lengths [B] -> out
     [B, nh, D]: row b attends over positions [0, lengths[b]) of slot row_slots[b]. max_len is
     a static bound on lengths (it only sizes the splits). shared: (first [B], groups) from
     shared_prefix.group_table: each group's prefix read once (one split). autotune: time the
     tile per shape (CUDA), else a fixed tile. table: a paged cache's block table [slots,
-    blocks per sequence] (int32; the caches then [blocks, block size, nkv, D])."""
+    blocks per sequence] (int32; the caches then [blocks, block size, nkv, D]). sinks: [nh]
+    per-head sink logits joining each softmax's denominator (GPT-OSS), or None."""
     return _attention(q, None, None, None, None, lengths - 1, key_cache, value_cache,
                       row_slots, max_len, splits, shared=shared, launch=launch,
-                      autotune=autotune, table=table)  # fmt: skip
+                      autotune=autotune, table=table, sinks=sinks)  # fmt: skip
 
 
 def decode_attention_rope(
@@ -304,6 +320,7 @@ def decode_attention_rope(
     launch: Launch = PLAIN,
     autotune: bool = True,
     table: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """rope_store + decode_attention in one launch: q [B, nh, D], k/v [B, nkv, D] of the new
     token (unrotated; rows may be strided), cos/sin [S, D] tables, positions [B] (the new
@@ -315,16 +332,17 @@ def decode_attention_rope(
     scales them by each row's 1/rms(residual) and adds the bias (lean.py).
 
     shared: (first [B], groups) from shared_prefix.group_table: each group's prompt prefix
-    is read once for all its rows (one split). table: as decode_attention's."""
+    is read once for all its rows (one split). table, sinks: as decode_attention's."""
     return _attention(q, k, v, cos, sin, positions, key_cache, value_cache, row_slots,
                       max_len, splits, norm=norm, shared=shared, launch=launch,
-                      autotune=autotune, table=table)  # fmt: skip
+                      autotune=autotune, table=table, sinks=sinks)  # fmt: skip
 
 
 def _attention(
     q, k, v, cos, sin, positions, key_cache, value_cache, row_slots, max_len, splits, *,
     norm: tuple | None = None, shared: tuple | None = None, launch: Launch = PLAIN,
     autotune: bool = True, store_last: bool = False, table: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ):  # fmt: skip
     """store_last: the untuned launch's store order (the tuner times both; tests force one)."""
     rows, num_heads, head_dim = q.shape
@@ -369,6 +387,9 @@ def _attention(
     if table is not None:
         assert table.dtype == torch.int32 and table.stride(1) == 1
         meta.update(table_ptr=table, stride_table=table.stride(0), PAGE=key_cache.shape[1])
+    if sinks is not None:
+        assert sinks.shape == (num_heads,) and sinks.stride(0) == 1
+        meta.update(sink_ptr=sinks, HAS_SINK=True)
     if norm is not None:
         assert rope, "norm needs the new token's k/v (decode_attention_rope)"
         residual, eps, bias = norm

@@ -56,6 +56,8 @@ def decode_forward_torch(
     shared=None,
     frozen: torch.Tensor | None = None,
     recurrent_step: str = "torch",
+    attention_step: str = "torch",
+    latent_step: str = "torch",
 ) -> torch.Tensor:
     """tokens/positions/row_slots [B] -> logits [B, V]; K/V stored at (row_slots, positions).
 
@@ -64,9 +66,13 @@ def decode_forward_torch(
     reads its whole cache, the same values. A recurrent layer moves each row's state one
     token on, by slot; frozen [B]: rows whose state must not move (finished, still stepping
     until read back), written to the scratch slot instead. recurrent_step: "torch" or
-    "triton" (layers/mixing.recurrent_decode)."""
+    "triton" (layers/mixing.recurrent_decode). attention_step: "triton" runs sink attention
+    (layers/sink.py) through the Triton decode kernel, "torch" in torch. latent_step: an MLA
+    layer's absorbed attention, "torch" or "triton" (layers/latent.latent_cached)."""
     from hybridflow.engine.layers import mixing
+    from hybridflow.engine.layers.latent import latent_cached
     from hybridflow.engine.layers.moe import mlp_torch, route_target, sparse_indices
+    from hybridflow.engine.layers.sink import sink_decode
 
     hidden = model.model.embed_tokens(tokens)  # [B, H]
     cos, sin = rope.cos[positions], rope.sin[positions]  # [B, D]
@@ -75,13 +81,19 @@ def decode_forward_torch(
     target = route_target(cache, entries, offsets)
     sparse = sparse_indices(model)
     targets = None
-    if cache.states is not None:
-        targets = mixing.write_slots(row_slots, frozen, cache.states.scratch_slot)
+    if cache.per_sequence:
+        targets = mixing.write_slots(row_slots, frozen, cache.scratch_slot)
     for index, layer in enumerate(model.model.layers):
         normed = layer.input_layernorm(hidden)
         if layer.spec.recurrent:
             out = mixing.recurrent_decode(layer, normed, cache.states, index, row_slots, targets,
                                           recurrent_step)  # fmt: skip
+        elif layer.spec.mixer == "sink_attention":
+            out = sink_decode(layer, normed, cos, sin, cache, index, (entries, offsets), row_slots,
+                              positions, max_len, targets, attention_step == "triton")  # fmt: skip
+        elif layer.spec.cache == "latent":
+            out = latent_cached(layer, normed, cos, sin, cache, index, (entries, offsets),
+                                row_slots, lengths, max_len, latent_step)  # fmt: skip
         else:
             row = cache.kv_row(index)
 

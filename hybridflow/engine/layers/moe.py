@@ -82,6 +82,8 @@ def mlp_torch(layer, x: torch.Tensor, target: RouteTarget | None, sparse_index: 
     ones, Qwen3.5-MoE's, adds its gated output as the model's forward_routed does)."""
     if sparse_index is None:
         return layer.mlp(x if keep is None else x[keep])
+    if layer.spec.mlp == "grouped_experts_shared":
+        return self_routed_experts_torch(layer.mlp, x, target, sparse_index, keep)
     out = experts_torch(layer.mlp, x, target, sparse_index, keep)
     shared = getattr(layer.mlp, "shared_expert", None)
     if shared is None:
@@ -89,6 +91,22 @@ def mlp_torch(layer, x: torch.Tensor, target: RouteTarget | None, sparse_index: 
     rows = x if keep is None else x[keep]
     gated = torch.sigmoid(layer.mlp.shared_expert_gate(rows)) * shared(rows)
     return out + gated.to(out.dtype)
+
+
+def self_routed_experts_torch(mlp, x: torch.Tensor, target: RouteTarget | None,
+                              sparse_index: int, keep: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """experts_torch's contract for an MLP that routes by its own rule (its route():
+    DeepSeek's grouped sigmoid router, models/mlps/grouped_experts.py), its always-on shared
+    experts added as the model's forward_routed adds them (they route nothing, record
+    nothing)."""
+    _, ids, weights = mlp.route(x, None)
+    if target is not None:
+        target.routes[target.entries, target.offsets, sparse_index] = ids.to(target.routes.dtype)
+    if keep is not None:
+        x, ids, weights = x[keep], ids[keep], weights[keep]
+    out = mlp.run_experts(x, ids, weights)
+    shared = getattr(mlp, "shared_experts", None)
+    return out if shared is None else out + shared(x).to(out.dtype)
 
 
 def _active_adapters(mlp):
@@ -106,6 +124,10 @@ def experts_torch(
     token is routed (and recorded), the experts run for these rows only -> [len(keep), H]."""
     from hybridflow.models.moe import moe_experts, router
 
+    if hasattr(mlp, "experts_output"):  # GPT-OSS's biased router and experts
+        from hybridflow.engine.layers.biased_moe import biased_experts_torch
+
+        return biased_experts_torch(mlp, x, target, sparse_index, keep)
     ids, weights, _ = router(x, _router_weight(mlp, x), mlp.top_k, mlp.norm_topk_prob)
     if target is not None:
         target.routes[target.entries, target.offsets, sparse_index] = ids.to(target.routes.dtype)

@@ -110,7 +110,7 @@ def admit(scheduler: SchedulerState) -> bool:
     )  # fmt: skip  # [U, V]
     if copy_pos.numel():
         scheduler.cache.copy_entries((copy_src, copy_pos), (copy_dst, copy_pos))
-    if len(copies) and scheduler.cache.states is not None:  # per-sequence kinds, once a sample
+    if len(copies) and scheduler.cache.per_sequence:  # per-sequence kinds, once a sample
         sequence_src, sequence_dst = upload(engine.device, first_slots[group_t[copies]],
                                             torch.tensor(slots)[copies])  # fmt: skip
         scheduler.cache.copy_sequences(sequence_src, sequence_dst)

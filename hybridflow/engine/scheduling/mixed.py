@@ -155,7 +155,7 @@ def run_step(scheduler: SchedulerState) -> int:
         chunk_at, rest = rest[:2], rest[2:]
         row_at = scheduler.cache.locate(state.row_slots[:rows], state.positions[:rows])
         extra["cache_at"] = tuple(torch.cat([a, b]) for a, b in zip(row_at, chunk_at))
-    if rows and scheduler.cache.states is not None:  # rows the device has finished
+    if rows and scheduler.cache.per_sequence:  # rows the device has finished
         extra["frozen"] = state.finished[:rows]
     if triton:
         gather_slots, gather_positions, cu_new, cu_all = rest
@@ -237,7 +237,7 @@ def _fan_out(scheduler: SchedulerState, jobs: list[PrefillJob]) -> None:
     position in a slot cache, the partial last block in a paged one (its full blocks are
     shared: Paging.place); the per-sequence state (a recurrent layer's) once per sample."""
     pairs = [(job.slots[0], slot) for job in jobs for slot in job.slots[1:]]
-    if pairs and scheduler.cache.states is not None:
+    if pairs and scheduler.cache.per_sequence:
         src, dst = upload(scheduler.engine.device, *torch.tensor(pairs).T)
         scheduler.cache.copy_sequences(src, dst)
     if scheduler.paging is not None:

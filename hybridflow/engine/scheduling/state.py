@@ -186,10 +186,10 @@ class SchedulerState:
             tokens = live.tokens
             aborted = live.request in sub.aborted
             handle = None
-            # A recurrent state moved on with every token the device decoded past a stop only
-            # the host checks (K/V past the end are overwritten): such a slot is not kept,
-            # and the next turn prefills in full.
-            exact = not (live.overran and self.cache.states is not None)
+            # A recurrent state (or a window's ring) moved on with every token the device
+            # decoded past a stop only the host checks (K/V past the end are overwritten):
+            # such a slot is not kept, and the next turn prefills in full.
+            exact = not (live.overran and self.cache.per_sequence)
             if (
                 sub.keep and not aborted and exact
             ):  # the slot holds the prompt and every token but the last

@@ -86,14 +86,24 @@ class BiasedExpertsMoeBlock(nn.Module):
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):
             flat = flat.to(torch.get_autocast_dtype(device_type))
-        dtype = flat.dtype
-        router_logits = F.linear(flat, self.router.weight.to(dtype), self.router.bias.to(dtype))
+        router_logits = self.router_logits(flat)
         topk_ids, weights = topk_softmax_route(router_logits, self.top_k, recorded_ids)
-        experts = self.experts
+        out = self.experts_output(flat, topk_ids, weights)
+        return out.view(*x.shape[:-1], -1), router_logits, topk_ids
+
+    def router_logits(self, flat: torch.Tensor) -> torch.Tensor:
+        """flat [T, H] -> [T, E], in flat's dtype (the engine routes through this too)."""
+        dtype = flat.dtype
+        return F.linear(flat, self.router.weight.to(dtype), self.router.bias.to(dtype))
+
+    def experts_output(
+        self, flat: torch.Tensor, topk_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """flat [T, H], each token's experts [T, k] and weights [T, k] -> [T, H]."""
+        experts, dtype = self.experts, flat.dtype
         # [E, H, 2I] / [E, I, H] as stored -> the [E, out, in] views moe_experts multiplies by
         gate_up = experts.gate_up_proj.to(dtype).transpose(1, 2)
         down = experts.down_proj.to(dtype).transpose(1, 2)
         biases = (experts.gate_up_proj_bias, experts.down_proj_bias)
-        out = moe_experts(flat, topk_ids, weights, gate_up, down, self.expert_backend,
-                          activation=self.activation, biases=biases)  # fmt: skip
-        return out.view(*x.shape[:-1], -1), router_logits, topk_ids
+        return moe_experts(flat, topk_ids, weights, gate_up, down, self.expert_backend,
+                           activation=self.activation, biases=biases)  # fmt: skip

@@ -33,15 +33,20 @@ def test_a_states_bytes_are_what_the_memory_plan_prices():
     assert recurrent_state_spec(PRESETS["tiny"], torch.bfloat16) is None
 
 
+def test_sliding_layers_keep_no_rows_of_the_kv_cache():
+    specs = PRESETS["gpt-oss-20b"].layer_specs()
+    rows = kv_layer_rows(specs)
+    assert rows[:4] == [None, 0, None, 1]  # sliding first, then full, alternating
+    assert layers_by_kind(specs)["kv"] == tuple(range(24))  # both keep K/V, of two extents
+
+
 def test_kinds_without_a_cache_are_named():
     assert engine_gaps(PRESETS["qwen3.5-4b"].layer_specs()) == []
-    assert engine_gaps([LayerSpec("mla", "grouped_experts_shared")]) == [
-        "mla layers (latent cache): not in the engine's passes yet",
-        "grouped_experts_shared MLPs: not in the engine's passes yet",
-    ]
-    assert engine_gaps([LayerSpec("sink_attention", "biased_experts", window=128)])[0] == (
-        "sink_attention layers (kv cache): not in the engine's passes yet"
-    )
+    assert engine_gaps(PRESETS["deepseek-v3"].layer_specs()) == []  # the latent kind
+    assert engine_gaps([LayerSpec("sink_attention", "biased_experts", window=128)]) == []
+    assert engine_gaps(
+        [LayerSpec("sink_attention", window=128), LayerSpec("sink_attention", window=64)]
+    ) == ["sliding windows of several sizes [64, 128]: one ring size expected"]
     assert engine_gaps([LayerSpec("attention", window=64)]) == [
         "attention layers with a 64-token window: no windowed cache kind yet"
     ]

@@ -62,3 +62,15 @@ def test_the_engine_reserves_what_the_plan_reserves(monkeypatch):
     assert seen["reserve"] == expected
     plan = PlanOptions(rollout_max_seqs=8, max_prefill_tokens=512, rollout_bytes=4)
     assert rollout_reserve_bytes(PRESETS["tiny-moe"], plan) == expected
+
+
+def test_mla_prefill_counts_its_expanded_heads():
+    # deepseek-v3: 128 heads of q/k 128 + 64, v 128 (all padded to 192), latent 512 + 64.
+    # attention a token: 128 × (4·192 + 128 + 128) + 576 = 131,648 (the GQA formula over
+    # the config's 128 kv "heads" of head_dim 64 would say 32,768)
+    # sampling 64 × 129,280 × 22 = 182,026,240; dense prefill (the larger here, MLP 18,432):
+    # 1,024 × (8·7168 + 131,648 + 4·18,432) × 2 = 459,276,288; sparse: 1,024 × (57,344 +
+    # 131,648) × 2 = 387,055,616, pairs (1,024·8 + 256·128) × (3·2048 + 2·7168) × 2 =
+    # 1,677,721,600, router 1,024 × 256 × 8 = 2,097,152: 2,066,874,368
+    a = PRESETS["deepseek-v3"]
+    assert engine_workspace_bytes(a, 64, 1024) == 182_026_240 + 2_066_874_368

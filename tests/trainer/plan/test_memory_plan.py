@@ -352,3 +352,26 @@ def test_lora_count_of_a_mixture_of_experts_matches_the_adapters():
     model = apply_lora(build_model(config), rank=4, alpha=8, target_modules=list(targets))
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert mp.lora_parameters(config, 4, targets) == trained
+
+
+def test_the_deepseek_v3_latent_cache_holds_tens_of_times_the_rows_of_expanded_heads():
+    """At 8k-token rows the plan sizes DeepSeek-V3's cache by its latent, 61 layers x (512 +
+    64) values a token (70,272 bytes in bf16), as the engine allocates it (cache/latent.py);
+    a GQA twin keeping its 128 heads' K (192) and V (128), 61 x 128 x 320 values (4,997,120
+    bytes), holds under a tenth as many rows (1/71 of the bytes a row)."""
+    from hybridflow.models.architecture import ModelArchitecture
+    from hybridflow.trainer.plan.memory_rollout import kv_cache_item, kv_slot_bytes
+
+    v3 = PRESETS["deepseek-v3"]
+    twin = ModelArchitecture(model_type="qwen3_moe", vocab_size=v3.vocab_size,
+                             hidden_size=v3.hidden_size, intermediate_size=v3.intermediate_size,
+                             num_hidden_layers=61, num_attention_heads=128,
+                             num_key_value_heads=128, head_dim=160)  # fmt: skip
+    options = PlanOptions(rollout_max_seqs=4096, rollout_max_seq_len=8192, kv_block_size=64,
+                          gpu_bytes=141 * GIB, gpu_memory_utilization=0.9)  # fmt: skip
+    _, latent_rows = kv_cache_item(v3, options, [])
+    _, gqa_rows = kv_cache_item(twin, options, [])
+    budget = int(0.9 * 141 * GIB) - mp.rollout_reserve_bytes(v3, options)
+    assert latent_rows == (budget // (64 * 61 * 576 * 2) - 1) // 128
+    assert gqa_rows * 10 < latent_rows  # 193 rows against 2 (their workspaces differ too)
+    assert kv_slot_bytes(twin, 8192) // kv_slot_bytes(v3, 8192) == 71
