@@ -76,9 +76,9 @@ def spread_moe_experts(mlp, x: torch.Tensor, ids: torch.Tensor, weights: torch.T
 
 def spread_dispatch(x, ids, weights, gate_up, down, group, backend="auto", adapters=None, *,
                     spread: ExpertSpread, opens_round: bool) -> torch.Tensor:  # fmt: skip
-    """The same through the model's own forward (models/moe.Experts' ``dispatch``, the
-    engine's slow path: MLA, DeepSeek's grouped experts): ``opens_round`` on the model's
-    first sparse layer."""
+    """The same through the model's own experts module (models/moe.Experts' ``dispatch``:
+    the self-routed blocks, DeepSeek's grouped experts, and the engine's slow path):
+    ``opens_round`` on the model's first sparse layer."""
     if adapters is not None:
         raise ValueError("expert LoRA runs merged in the rollout: experts across replicas "
                          "take no attached adapters")  # fmt: skip
@@ -162,7 +162,7 @@ def expert_parallel_model(config: ModelArchitecture, expert_group, replica_group
                 mlp = layer.mlp
                 mlp.experts = Experts(share, config.hidden_size, config.moe_intermediate_size)
                 mlp.expert_spread = spread
-                # the model's own forward (the slow path) dispatches the same way
+                # the model's own experts module (self-routed blocks, the slow path) too
                 mlp.expert_group = expert_group
                 mlp.expert_dispatch = partial(spread_dispatch, spread=spread, opens_round=first)
                 first = False

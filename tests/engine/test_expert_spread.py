@@ -1,5 +1,5 @@
 """Experts across rollout replicas (engine/expert_spread.py) on gloo processes, tiny-moe
-(and tiny-deepseek-v3, on the engine's slow path) in fp32 on the CPU: attention data-parallel over the replicas (each generates its own prompts,
+(and tiny-deepseek-v3) in fp32 on the CPU: attention data-parallel over the replicas (each generates its own prompts,
 with budgets that differ, so the replicas run different numbers of passes), every sparse
 layer's 8 experts spread over all ranks and the tokens dispatched and combined by
 all-to-all. The tokens and routing records are one process's (greedy, and sampled with the
@@ -97,8 +97,9 @@ def test_two_tensor_parallel_replicas_draw_one_process_tokens_and_routes():
 
 
 def _deepseek_on_ranks(rank: int, world: int) -> None:
-    """tiny-deepseek-v3 (MLA, grouped routing, a shared expert: the engine's slow path, the
-    model's own forward dispatching over the group, models/moe.Experts)."""
+    """tiny-deepseek-v3 (MLA, grouped routing, a shared expert): its self-routed sparse
+    blocks run their own experts module (models/moe.Experts), which dispatches over the
+    group with the spread's rounds."""
     from hybridflow.models import build_model
     from hybridflow.models.presets import preset_config
 
@@ -106,7 +107,7 @@ def _deepseek_on_ranks(rank: int, world: int) -> None:
     whole_model = build_model(preset_config("tiny-deepseek-v3"), seed=4).eval()
     whole_model.requires_grad_(False)
     engine = _spread_engine(whole_model, mesh, 1)
-    assert engine.spread and not engine.native  # MLA: the slow path
+    assert engine.spread and engine.native
     sparse = next(layer.mlp for layer in engine.model.model.layers if layer.sparse)
     assert sparse.experts.gate_up_proj.shape[0] == whole_model.config.num_experts // world
     mine = list(range(rank, len(PROMPTS), world))

@@ -150,8 +150,8 @@ def test_expert_lora_with_a_tensor_parallel_rollout_logs_data_parallel(tmp_path)
 
 @pytest.mark.slow
 def test_deepseek_v3_with_experts_over_rollout_replicas_logs_data_parallel(tmp_path):
-    """tiny-deepseek-v3 (MLA, grouped routing, a shared expert: the engine's slow path) with
-    its rollout experts spread over two replicas of one process, the weights resharded from
+    """tiny-deepseek-v3 (MLA, grouped routing, a shared expert) with its rollout experts
+    spread over two replicas of one process, the weights resharded from
     an FSDP2 actor, logs the metrics and samples the tokens of data parallelism."""
     model = ("model.path=tiny-deepseek-v3",)
     plain = _train(tmp_path / "dp", *PLAIN, *model)
