@@ -18,6 +18,8 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "qwen3_next",
     "deepseek_v3", "kimi_k2", "deepseek_v2", "gpt_oss", "qwen2_5_vl",
 )  # fmt: skip
+# model_type values whose vision encoder our decoder runs (prompts with images: data.image_key)
+VISION_MODEL_TYPES = ("qwen2_5_vl",)
 # sizes of a vision encoder (config.json's vision_config), whole numbers >= 1
 VISION_SIZE_KEYS = ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels",
                     "patch_size", "temporal_patch_size", "spatial_merge_size", "window_size",

@@ -159,6 +159,8 @@ def check_layouts(
             add(problem)
         for problem in rollout_expert_limits(cfg, architecture):
             add(problem)
+        for problem in rollout_fp8_limits(cfg, architecture):
+            add(problem)
         _check_runnable(cfg, add)
     if not tiled:
         return None
@@ -232,6 +234,33 @@ def rollout_expert_limits(cfg: Config, arch: ModelArchitecture | None) -> list[s
     fix = f"rollout.expert_parallel_size={tp if tp > 1 else 1}"
     return [f"{key} with {what}: not yet supported ({why}); set {fix}"
             for applies, what, why in limits if applies]  # fmt: skip
+
+
+def rollout_fp8_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]:
+    """The fp8 engine (engine/fp8.py) runs the fused decode layers only: the layer kinds the
+    engine runs on its eager passes (gated attention, Gated DeltaNet, a shared expert) and
+    routed experts are refused when the engine starts, after the model is loaded."""
+    fp8 = cfg.rollout.dtype == "fp8" or cfg.rollout.engine.weight_format == "fp8"
+    if not fp8 or arch is None:
+        return []
+    from hybridflow.engine.cache.kinds import FUSED_MIXERS, FUSED_MLPS, engine_gaps
+
+    specs = arch.layer_specs()
+    if engine_gaps(specs):  # the slow path: not the engine's own layers
+        return []
+    key = "rollout.dtype = fp8" if cfg.rollout.dtype == "fp8" else (
+        "rollout.engine.weight_format = fp8")  # fmt: skip
+    mixers = sorted({spec.mixer for spec in specs if spec.mixer not in FUSED_MIXERS})
+    mlps = sorted({spec.mlp for spec in specs if spec.mlp not in FUSED_MLPS})
+    kinds = [f"{' and '.join(mixers)} layers"] if mixers else []
+    kinds += [f"{' and '.join(mlps)} MLPs"] if mlps else []
+    if kinds:
+        return [f"{key}: the fp8 rollout does not cover this model's {' or its '.join(kinds)} "
+                "yet: set rollout.dtype=model"]  # fmt: skip
+    if arch.is_moe:
+        return [f"{key}: the fp8 rollout does not cover mixture-of-experts models yet: set "
+                "rollout.dtype=model"]  # fmt: skip
+    return []
 
 
 def _moe_rollout_limits(cfg: Config, arch: ModelArchitecture, key: str) -> list[str]:

@@ -79,6 +79,11 @@ class DataConfig:
     """Number of prompts generated for a ``builtin:`` validation task."""
     prompt_key: str = "prompt"
     """Column holding the chat messages (a list of ``{role, content}``) or a plain string."""
+    image_key: str | None = None
+    """Column holding each row's images (verl's schema: a list of encoded bytes, paths, or
+    ``{bytes, path}`` dicts, one ``<image>`` in the prompt where each goes). null: verl's
+    ``images`` for a vision-language model (Qwen2.5-VL), none for a text-only model, which
+    refuses the key."""
 
 
 @dataclass

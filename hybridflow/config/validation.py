@@ -327,6 +327,7 @@ def validate(cfg: Config, *, gpus_available: int | None = None, planning: bool =
     if a.clip_ratio_c <= 1:
         add(f"actor.clip_ratio_c = {a.clip_ratio_c} must be > 1 (dual clip; 3.0 is standard)")
     _check_router(cfg, add)
+    _check_images(cfg, add)
     if alg.dynamic_sampling and alg.adv_estimator not in GROUP_ESTIMATORS:
         add(
             f"algorithm.dynamic_sampling filters groups but algorithm.adv_estimator = {alg.adv_estimator} "
@@ -446,6 +447,77 @@ def model_has_experts(path: str) -> bool | None:
     from hybridflow.models.presets import PRESETS
 
     return PRESETS[path].is_moe if path in PRESETS else None
+
+
+def model_reads_images(path: str) -> bool | None:
+    """Whether the model at ``path`` (a preset or a directory) runs a vision encoder on
+    prompts with images, read without loading weights; None if unknown."""
+    import json
+
+    from hybridflow.model_config_values import VISION_MODEL_TYPES
+
+    p = Path(path).expanduser()
+    if (p / "config.json").is_file():
+        try:
+            return (
+                json.loads((p / "config.json").read_text()).get("model_type") in VISION_MODEL_TYPES
+            )
+        except (ValueError, TypeError, AttributeError, RecursionError, OSError):
+            return None  # an unreadable config.json is reported by the model checks
+    from hybridflow.models.presets import PRESETS
+
+    preset = PRESETS.get(path)
+    if callable(preset):
+        preset = preset()
+    return None if preset is None else getattr(preset, "vision", None) is not None
+
+
+def trained_model(cfg: Config) -> str:
+    """The model the run trains: a warm start's preset (sft:<task>), else model.path."""
+    return cfg.sft.preset if cfg.model.path.startswith("sft:") else cfg.model.path
+
+
+def image_key(cfg: Config) -> str | None:
+    """The column the rows' images are read from: data.image_key, else verl's ``images``
+    for a vision-language model; None for a text-only one."""
+    if cfg.data.image_key is not None:
+        return cfg.data.image_key
+    return "images" if model_reads_images(trained_model(cfg)) else None
+
+
+def _check_images(cfg: Config, add) -> None:
+    """data.image_key: a vision-language model's (a text-only model has no vision encoder);
+    what prompts with images do not run through yet is refused up front (the rollout
+    service, agent loops, mixed prefill steps, and the sharded layouts no test has run)."""
+    key = cfg.data.image_key
+    if key is not None and (not isinstance(key, str) or not key):
+        add(f"data.image_key = {key!r} must be the name of the rows' image column (verl's: "
+            "images)")  # fmt: skip
+    elif key is not None and model_reads_images(trained_model(cfg)) is False:
+        add(f"data.image_key = {key!r} asks for prompts with images, but model.path = "
+            f"{cfg.model.path!r} is a text-only model (no vision encoder hybridflow runs): use "
+            "a Qwen2.5-VL model (e.g. the tiny-vl preset), or drop data.image_key")  # fmt: skip
+    if image_key(cfg) is None:
+        return
+    # what prompts with images do not run through yet (docs/engine.md, Prompts with images)
+    unsupported = {
+        "trainer.partial_rollout": cfg.trainer.partial_rollout,
+        "rollout.agent.loop": cfg.rollout.agent.loop is not None,
+        "rollout.engine.max_prefill_tokens_per_step": cfg.rollout.engine.max_prefill_tokens_per_step > 0,
+        "actor.sequence_parallel_size": cfg.actor.sequence_parallel_size > 1,
+        "rollout.tensor_parallel_size": cfg.rollout.tensor_parallel_size > 1,
+    }  # fmt: skip
+    for name, on in unsupported.items():
+        if on:
+            add(f"{name} = {_value(cfg, name)!r} does not run prompts with images yet (a "
+                "vision-language model reads data.image_key): leave it at its default")  # fmt: skip
+
+
+def _value(cfg: Config, dotted: str):
+    value = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def _check_router(cfg: Config, add) -> None:

@@ -16,9 +16,12 @@ from hybridflow.data.arithmetic import arithmetic_row, arithmetic_splits
 from hybridflow.data.calc import calc_row, calc_splits
 from hybridflow.data.countdown import countdown_problem, countdown_row
 from hybridflow.data.schema import PromptRecord, iter_prompt_records, validate_row
+from hybridflow.data.shapes import shapes_row, shapes_splits
 
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_TASKS = ("arithmetic", "countdown", "calc")
+BUILTIN_TASKS = ("arithmetic", "countdown", "calc", "shapes")
+IMAGE_TASKS = ("shapes",)
+"""Tasks whose prompts hold images (a vision-language model's: the tiny-vl preset)."""
 
 
 def builtin_rows(
@@ -35,6 +38,9 @@ def builtin_rows(
     if task == "calc":
         problems = calc_splits(train_size, val_size, seed)[split]
         return [calc_row(q, a, split, i) for i, (q, a) in enumerate(problems)]
+    if task == "shapes":
+        problems = shapes_splits(train_size, val_size, seed)[split]
+        return [shapes_row(p, q, a, split, i) for i, (p, q, a) in enumerate(problems)]
     rng = random.Random(seed if split == "train" else seed + 1)
     size = train_size if split == "train" else val_size
     rows = []
@@ -52,8 +58,10 @@ def iter_records(
     builtin_train_size: int = 4000,
     builtin_val_size: int = 200,
     seed: int = 0,
+    image_key: str | None = None,
 ) -> Iterator[PromptRecord]:
-    """Records of data files and/or `builtin:<task>` entries, validated, as they are read."""
+    """Records of data files and/or `builtin:<task>` entries, validated, as they are read;
+    with image_key, each row's images too (a vision-language model's)."""
     if isinstance(files, (str, Path)):
         files = [files]
     known = None if known_data_sources is None else frozenset(known_data_sources)
@@ -63,9 +71,9 @@ def iter_records(
             task = entry[len(BUILTIN_PREFIX) :]
             rows = builtin_rows(task, split, builtin_train_size, builtin_val_size, seed)
             for i, row in enumerate(rows):
-                yield validate_row(row, f"{entry}[{split}] row {i}", known)
+                yield validate_row(row, f"{entry}[{split}] row {i}", known, image_key=image_key)
         else:
-            yield from iter_prompt_records(entry, known, prompt_key)
+            yield from iter_prompt_records(entry, known, prompt_key, image_key)
 
 
 def load_records(*args: Any, **kwargs: Any) -> list[PromptRecord]:

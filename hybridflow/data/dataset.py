@@ -133,6 +133,7 @@ class PromptDataset:
         images: ImageProcessor | None = None,
     ):
         self.max_prompt_length = max_prompt_length
+        self.images = images  # the processor a batch's pixels are made with (collate_prompts)
         self.items, self.num_filtered = tokenize_records(
             records, tokenizer, max_prompt_length, overlong, images
         )
@@ -292,11 +293,14 @@ def build_prompt_datasets(
     tokenizer: ChatTokenizer,
     seed: int = 0,
     known_data_sources: Iterable[str] | None = None,
+    image_key: str | None = None,
+    images: ImageProcessor | None = None,
 ) -> tuple[PromptDataset, PromptDataset | None]:
     """Train and validation datasets from the `data` config section (validation: None when
     `val_files` is empty). Every file is validated before any model is loaded; each
     dataset's `num_filtered` is the count of overlong prompts dropped (as the rows are read,
-    so memory holds the prompts kept), for the log."""
+    so memory holds the prompts kept), for the log. image_key: the rows' image column (a
+    vision-language model's), images: its processor."""
     from hybridflow.data.builtin import iter_records
 
     def build(files, split, overlong):
@@ -308,8 +312,9 @@ def build_prompt_datasets(
             builtin_train_size=data_config.builtin_train_size,
             builtin_val_size=data_config.builtin_val_size,
             seed=seed,
+            image_key=image_key,
         )
-        return PromptDataset(records, tokenizer, data_config.max_prompt_length, overlong)
+        return PromptDataset(records, tokenizer, data_config.max_prompt_length, overlong, images)
 
     train = build(data_config.train_files, "train", data_config.overlong_prompts)
     val = None

@@ -193,6 +193,30 @@ class ImageProcessor:
             backend = "pil"
         return cls(AutoImageProcessor.from_pretrained(str(path), backend=backend))
 
+    @classmethod
+    def for_encoder(cls, spec, min_side: int = 32, max_side: int = 64) -> ImageProcessor:
+        """transformers' PIL Qwen2-VL processor for an encoder of our own (a preset, which
+        has no model directory): its patch, merge and frame sizes, images resized to
+        between min_side² and max_side² pixels (a small encoder's few tokens)."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil,
+        )
+
+        size = {"shortest_edge": min_side * min_side, "longest_edge": max_side * max_side}
+        return cls(Qwen2VLImageProcessorPil(
+            patch_size=spec.patch_size, merge_size=spec.spatial_merge_size,
+            temporal_patch_size=spec.temporal_patch_size, size=size,
+        ))  # fmt: skip
+
+    @classmethod
+    def for_model(cls, path: str) -> ImageProcessor:
+        """A model directory's processor, or for_encoder of a preset's vision encoder."""
+        from hybridflow.models.presets import PRESETS
+
+        if path in PRESETS and PRESETS[path].vision is not None:
+            return cls.for_encoder(PRESETS[path].vision)
+        return cls.from_model_dir(path)
+
     def __call__(self, images: list) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (pixel_values [patches, C*T*P*P] fp32, image_grid_thw [images, 3] long)."""
         out = self.processor(images=images, return_tensors="pt")

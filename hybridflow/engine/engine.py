@@ -33,6 +33,7 @@ from hybridflow.engine.choices import (
 )
 from hybridflow.engine.graphs import DecodeRunner
 from hybridflow.engine.host import cyclic_gc_paused
+from hybridflow.engine.images import ImageFeatures, check_image_call, prepare_images
 from hybridflow.engine.kernels.launch import PLAIN
 from hybridflow.engine.options import EngineOptions
 from hybridflow.engine.prefill import RopeTable, extend_forward, prefill_forward
@@ -148,6 +149,11 @@ class Engine:
         if self.eager_layers:
             self.recurrent_step = self.decode_backend
             self.decode_backend = "torch"
+        # a vision-language model: prompts with images (images.py) decode with a per-slot
+        # rotary shift, which the fused decode layers do not take: the model's own modules
+        self.vision = self.native and getattr(self.config, "vision", None) is not None
+        if self.vision:
+            self.decode_backend = "torch"
         triton_backend = self.decode_backend == "triton"
         cuda = self.device.type == "cuda"
         # a tensor-parallel step's collectives in a graph: not measured yet, so asked for
@@ -256,7 +262,8 @@ class Engine:
         )  # fmt: skip
         slots = self.cache.num_slots
         self.state = DecodeState(slots, slots, self.max_seq_len, cfg.vocab_size, self.device)
-        self.rope = RopeTable(cfg, self.max_seq_len, self.dtype, self.device)
+        self.rope = RopeTable(cfg, self.max_seq_len, self.dtype, self.device,
+                              slots if self.vision else None)  # fmt: skip
         self.prefill = prefill_forward
         if self.decode_backend == "triton":
             from hybridflow.engine.adapters import AdapterMatmul
@@ -386,7 +393,8 @@ class Engine:
                  seeds: list[int] | None = None, *, keep: bool = False,
                  reuse: list[int | None] | None = None,
                  max_new_tokens: list[int] | None = None,
-                 sample_index: list[int] | None = None) -> list[Completion]:  # fmt: skip
+                 sample_index: list[int] | None = None,
+                 images: list | None = None) -> list[Completion]:  # fmt: skip
         """n completions per prompt, prompt-major: result[i * n + j] is sample j of prompt i.
 
         seeds: a base seed per prompt (instead of params.seed): prompt i samples exactly as a
@@ -398,8 +406,13 @@ class Engine:
         params.max_new_tokens for all. sample_index: these prompts are part of a larger call
         with params.seed (a batch split over processes): prompt i's sample j draws as that
         call's sample sample_index[i] + j (sampling.indexed_request_seeds), so the tokens do
-        not depend on how the call was split. While a RolloutService runs this engine, the
-        prompts are submitted to it (and decode beside its other requests)."""
+        not depend on how the call was split. images: per prompt its images.PromptImages (or
+        None), the prompt's ids holding an image-pad token per merged patch (a
+        vision-language model; generate() calls only, without keep or reuse). While a
+        RolloutService runs this engine, the prompts are submitted to it (and decode beside
+        its other requests)."""
+        if self.service is not None and images is not None:
+            raise ValueError("prompts with images: through generate(), not a running service")
         if self.service is not None:
             if max_new_tokens is not None:
                 raise ValueError("max_new_tokens per request: not through a running service")
@@ -408,7 +421,7 @@ class Engine:
         with cyclic_gc_paused():  # also while the results are made (thousands of objects)
             return self._generate(prompts, params, seeds, keep=keep, reuse=reuse,
                                   max_new_tokens=max_new_tokens,
-                                  sample_index=sample_index)  # fmt: skip
+                                  sample_index=sample_index, images=images)  # fmt: skip
 
     def release_kept(self, handles) -> None:
         """Give kept slots back (their handles become invalid; unknown ones are ignored)."""
@@ -421,7 +434,7 @@ class Engine:
 
     def submission(self, prompts, params: SamplingParams, seeds=None, keep=False, reuse=None,
                    listener=None, on_finish=None, max_new_tokens=None,
-                   sample_index=None) -> Submission:  # fmt: skip
+                   sample_index=None, images=None) -> Submission:  # fmt: skip
         """The scheduler's unit of work for these prompts; lengths checked (ValueError naming
         the first bad prompt), token ids checked when admitted (or by table.check())."""
         table = self._prompt_table(prompts)
@@ -433,9 +446,14 @@ class Engine:
                              f"{len(prompts)} prompts x n={n} requests")  # fmt: skip
         max_new = [min(budget, limit - len(prompts[i // n])) for i, budget in enumerate(budgets)]
         seed_values = call_seeds(len(prompts), params, seeds, sample_index)
-        return Submission(table, params, seed_values, max_new,
-                          self._stop_ids(params), keep=keep, reuse=reuse, listener=listener,
-                          on_finish=on_finish)  # fmt: skip
+        sub = Submission(table, params, seed_values, max_new,
+                         self._stop_ids(params), keep=keep, reuse=reuse, listener=listener,
+                         on_finish=on_finish)  # fmt: skip
+        prepared = prepare_images(self.config, prompts, images)
+        if prepared is not None:
+            check_image_call(self.options, keep, reuse)
+            sub.images = ImageFeatures(prepared, n)
+        return sub
 
     def start_generation(self) -> None:
         """Before the scheduler runs after a pause: the cache allocated, the fused weight
@@ -475,7 +493,11 @@ class Engine:
 
     @torch.no_grad()
     def _generate(self, prompts, params: SamplingParams, seeds=None, keep=False,
-                  reuse=None, max_new_tokens=None, sample_index=None) -> list[Completion]:  # fmt: skip
+                  reuse=None, max_new_tokens=None, sample_index=None,
+                  images=None) -> list[Completion]:  # fmt: skip
+        if not self.native and images is not None:
+            raise ValueError(f"prompts with images need hybridflow's own decoder; the engine "
+                             f"runs this model on its slow path ({self.slow_reason})")  # fmt: skip
         if not self.native:
             from hybridflow.engine.slow import generate_slow
 
@@ -486,7 +508,8 @@ class Engine:
             self._serve_peers()
             return results
         sub = self.submission(prompts, params, seeds, keep=keep, reuse=reuse,
-                              max_new_tokens=max_new_tokens, sample_index=sample_index)  # fmt: skip
+                              max_new_tokens=max_new_tokens, sample_index=sample_index,
+                              images=images)  # fmt: skip
         self.start_generation()
         try:
             with cyclic_gc_paused():

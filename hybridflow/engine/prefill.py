@@ -33,12 +33,15 @@ def prefill_forward(
     max_seqlen: int,
     last_index: torch.Tensor,
     cache_at: tuple | None = None,
+    inputs: tuple | None = None,
 ) -> torch.Tensor:
     """input_ids/position_ids/token_slots [N] (prompts packed), cu_seqlens int32 [P+1],
     last_index [P] (index in N of each prompt's last token) -> logits [P, V] (model dtype).
 
     Every token's K/V goes to cache[layer, token_slots, position_ids], or to cache[layer,
-    *cache_at] when given (a paged cache: each token's block and offset, kv_cache.py)."""
+    *cache_at] when given (a paged cache: each token's block and offset, kv_cache.py).
+    inputs: (hidden [N, H], cos, sin [N, D]) instead of the ids' embeddings and the RoPE
+    table's rows at position_ids: prompts with images (engine/images.py)."""
     from hybridflow.engine.layers import mixing
     from hybridflow.engine.layers.latent import latent_prefill
     from hybridflow.engine.layers.moe import mlp_torch, route_target, sparse_indices
@@ -47,8 +50,11 @@ def prefill_forward(
     entries, offsets = cache_at or (token_slots, position_ids)
     target = route_target(cache, entries, offsets)
     sparse = sparse_indices(model)
-    hidden = model.model.embed_tokens(input_ids)  # [N, H]
-    cos, sin = rope.cos[position_ids], rope.sin[position_ids]  # [N, D]
+    if inputs is None:
+        hidden = model.model.embed_tokens(input_ids)  # [N, H]
+        cos, sin = rope.cos[position_ids], rope.sin[position_ids]  # [N, D]
+    else:
+        hidden, cos, sin = inputs
     backend = resolve_backend(model.attention_backend, hidden.device, hidden.dtype)
     attend = make_packed_attention(backend, cu_seqlens, max_seqlen, input_ids.shape[0])
     layout = sequence_slots = None

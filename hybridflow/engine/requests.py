@@ -13,11 +13,15 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from hybridflow.engine.sampling import SamplingParams, split_seed
+
+if TYPE_CHECKING:
+    from hybridflow.engine.images import ImageFeatures
 
 
 class PromptTable:
@@ -131,6 +135,8 @@ class Submission:
         self.aborted: set[int] = set()  # requests to end early (abort)
         self.error: BaseException | None = None
         self.queued_at = 0  # the scheduler's step count when it was added
+        # prompts with images (engine/images.py): their checked images and encoder features
+        self.images: ImageFeatures | None = None
 
     @property
     def done(self) -> bool:

@@ -132,7 +132,8 @@ def packed_hidden(
     or under sequence parallelism this rank's share (and which share it is)."""
     images = {}
     if packed.pixel_values is not None:
-        images = {"pixel_values": packed.pixel_values, "image_grid_thw": packed.image_grid_thw}
+        images = {"pixel_values": packed.pixel_values, "image_grid_thw": packed.image_grid_thw,
+                  "image_slots": packed.prompt_tokens}  # fmt: skip
     if sequence_group is not None:
         if images:
             raise ValueError("images with actor.sequence_parallel_size > 1 are not supported: "

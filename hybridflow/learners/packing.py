@@ -32,6 +32,9 @@ class PackedRows:
     image_grid_thw: torch.Tensor | None = None
     """The images of the packed rows, in order ([patches, C*T*P*P], [images, 3]): a
     vision-language model's features replace the rows' image-pad tokens."""
+    prompt_tokens: torch.Tensor | None = None
+    """[N] bool: the packed tokens that are prompt tokens. Image features go to the prompts'
+    image-pad tokens only: a response may hold that token id too (a sampled token)."""
 
     def to(self, device: torch.device | str) -> PackedRows:
         moved = {
@@ -115,7 +118,15 @@ def pack_rows(
         num_rows=num_rows,
         response_length=response_length,
         routed_experts=None if routed_experts is None else routed_experts[keep],
+        prompt_tokens=_prompt_columns(keep, prompt_length)[keep],
     )
+
+
+def _prompt_columns(keep: torch.Tensor, prompt_length: int) -> torch.Tensor:
+    """[S, P+R] bool: True on the prompt columns."""
+    columns = torch.zeros_like(keep)
+    columns[:, :prompt_length] = True
+    return columns
 
 
 def balance_for_data_parallel(batch, dp_size: int):

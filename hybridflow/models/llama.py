@@ -267,9 +267,12 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
+        image_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token embeddings [..., H]; with images, the vision encoder's features take the
-        places of the image-pad tokens (the images' tokens in order, row by row)."""
+        places of the image-pad tokens (the images' tokens in order, row by row), or of
+        those where image_slots (bool, like input_ids) is True: the prompts' (a sampled
+        response may hold the image-pad id)."""
         hidden = self.model.embed_tokens(input_ids)
         if pixel_values is None:
             return hidden
@@ -280,6 +283,8 @@ class CausalLM(nn.Module):
             raise ValueError("pixel_values need their image_grid_thw")
         features = self.visual(pixel_values, image_grid_thw).to(hidden.dtype)
         slots = input_ids == self.config.vision.image_token_id
+        if image_slots is not None:
+            slots &= image_slots
         if int(slots.sum()) != features.shape[0]:
             raise ValueError(
                 f"the ids hold {int(slots.sum())} image tokens, the images give "
@@ -360,10 +365,12 @@ class CausalLM(nn.Module):
         sequence_group: dist.ProcessGroup | None = None,
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
+        image_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Many sequences concatenated: input_ids/position_ids [N], cu_seqlens int32 [S+1].
         A vision-language model: position_ids may be mRoPE's rows [3, N], and pixel_values /
-        image_grid_thw the images of the stream in order (as forward_hidden).
+        image_grid_thw the images of the stream in order (as forward_hidden), image_slots
+        [N] bool the tokens their features may go to (embed).
 
         Returns the final-norm hidden states [N, H] (no lm_head: log-probs are computed from
         them in chunks, see logprobs.py). Attention never crosses a sequence boundary.
@@ -379,7 +386,7 @@ class CausalLM(nn.Module):
         if sequence_group is not None and pixel_values is not None:
             raise ValueError("images with actor.sequence_parallel_size > 1 are not supported: "
                              "set actor.sequence_parallel_size=1")  # fmt: skip
-        hidden = self.embed(input_ids, pixel_values, image_grid_thw)
+        hidden = self.embed(input_ids, pixel_values, image_grid_thw, image_slots)
         cos, sin = self._cos_sin(position_ids, hidden.dtype, position_ids.dim() == 2)
         backend = resolve_backend(self.attention_backend, hidden.device, hidden.dtype)
         sp_size = 1 if sequence_group is None else dist.get_world_size(sequence_group)

@@ -362,6 +362,24 @@ PRESETS: dict[str, ModelArchitecture] = {
         qk_norm=True,
         **_QWEN_TOKEN_IDS,
     ),
+    # Qwen/Qwen3-4B: 4.0 B parameters, 36 layers of 2,560, MLP 9,728, 32 heads (8 KV), tied
+    # embeddings; every layer keeps K/V (the dense peer of qwen3.5-4b in the plan).
+    "qwen3-4b": ModelArchitecture(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        qk_norm=True,
+        **_QWEN_TOKEN_IDS,
+    ),
     # Qwen3 (same source as the Qwen2.5 sizes above): q/k-norm, no attention bias, head_dim
     # given explicitly, untied from 8B on.
     "qwen3-8b": ModelArchitecture(  # Qwen/Qwen3-8B: 8.2 B parameters

@@ -40,17 +40,26 @@ CHAR_SPECIAL_TOKENS = ["<pad>", "<unk>", "<|endoftext|>", "<|im_start|>", "<|im_
 CHAR_ALPHABET = ["\t", "\n"] + [chr(c) for c in range(32, 127)]
 CHAR_VOCAB_SIZE = len(CHAR_SPECIAL_TOKENS) + len(CHAR_ALPHABET)  # 102 <= tiny vocab 128
 
-# Names that resolve to the built-in char tokenizer.
-CHAR_TOKENIZER_NAMES = ("char", "tiny", "tiny-4l")
+# The vision tokens of the char-vl tokenizer, at the ids the tiny-vl preset's config names
+# (image_token_id 124 ... vision_end_token_id 127); ids 102..123 are unused.
+CHAR_VISION_TOKENS = {"<|image_pad|>": 124, "<|video_pad|>": 125, "<|vision_start|>": 126,
+                      "<|vision_end|>": 127}  # fmt: skip
+
+# Names that resolve to the built-in char tokenizer, and to it with the vision tokens.
+CHAR_TOKENIZER_NAMES = ("char", "tiny", "tiny-4l", "char-vl", "tiny-vl")
+CHAR_VISION_NAMES = ("char-vl", "tiny-vl")
 
 
-def build_char_tokenizer():
+def build_char_tokenizer(vision: bool = False):
     """Character-level tokenizer: printable ASCII + tab/newline, ChatML special tokens,
-    eos = <|im_end|> (end of an assistant turn), pad = <pad>, the compact chat template."""
+    eos = <|im_end|> (end of an assistant turn), pad = <pad>, the compact chat template.
+    vision: with Qwen2-VL's vision tokens (CHAR_VISION_TOKENS), for the tiny-vl preset."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
     vocab = {token: i for i, token in enumerate(CHAR_SPECIAL_TOKENS + CHAR_ALPHABET)}
+    if vision:
+        vocab.update(CHAR_VISION_TOKENS)
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     backend.decoder = decoders.Fuse()  # join characters without separators
     tokenizer = PreTrainedTokenizerFast(
@@ -64,14 +73,15 @@ def build_char_tokenizer():
         clean_up_tokenization_spaces=False,
         model_max_length=2048,
     )
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|endoftext|>", "<|im_start|>"]})
+    special = ["<|endoftext|>", "<|im_start|>"] + (list(CHAR_VISION_TOKENS) if vision else [])
+    tokenizer.add_special_tokens({"additional_special_tokens": special})
     return tokenizer
 
 
 def load_tokenizer(name_or_path: str):
     """Built-in char tokenizer for "char"/tiny presets, else AutoTokenizer on a local directory."""
     if name_or_path in CHAR_TOKENIZER_NAMES:
-        return build_char_tokenizer()
+        return build_char_tokenizer(vision=name_or_path in CHAR_VISION_NAMES)
     if not os.path.isdir(name_or_path):
         raise ConfigError(
             [

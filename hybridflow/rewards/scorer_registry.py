@@ -84,6 +84,7 @@ def default_registry(sandbox_isolation: str = "auto") -> ScorerRegistry:
             "countdown": ScorerSpec(f"{SCORERS}.countdown:compute_score"),
             "arithmetic": ScorerSpec(f"{SCORERS}.arithmetic:compute_score"),
             "calc": ScorerSpec(f"{SCORERS}.arithmetic:compute_score"),  # the exact integer
+            "shapes": ScorerSpec(f"{SCORERS}.shapes:compute_score"),
             "code": code,
             "codecontests": code,
             "codeforces": code,

@@ -85,14 +85,18 @@ def idle_cores_line(config, device: str) -> str | None:
 
 
 def default_tokenizer_path(model: ModelConfig) -> str:
-    """``model.tokenizer_path``, else the char tokenizer for ``sft:`` and presets, else the
-    model directory's own."""
+    """``model.tokenizer_path``, else the char tokenizer for ``sft:`` and presets (with the
+    vision tokens for a vision-language preset or an image task's warm start), else the model
+    directory's own."""
+    from hybridflow.data.builtin import IMAGE_TASKS
     from hybridflow.models import PRESETS
 
     if model.tokenizer_path:
         return model.tokenizer_path
     if model.path.startswith("sft:") or model.path in PRESETS:
-        return "char"
+        vision = model.path.removeprefix("sft:") in IMAGE_TASKS or (
+            model.path in PRESETS and PRESETS[model.path].vision is not None)  # fmt: skip
+        return "char-vl" if vision else "char"
     return model.path
 
 

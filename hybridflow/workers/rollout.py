@@ -28,6 +28,7 @@ import torch
 from hybridflow.config import Config
 from hybridflow.config.rollout_section import kv_memory_share
 from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.data.image_batch import IMAGE_GRID_THW, MROPE_POSITIONS, PIXEL_VALUES
 from hybridflow.protocol import Batch
 from hybridflow.workers.model_loading import (
     default_tokenizer_path,
@@ -287,8 +288,11 @@ class RolloutWorker(Worker):
         ]
         if params.seed is None:
             sample_index = None  # a fresh draw: nothing to reproduce
+        images = {}
+        if PIXEL_VALUES in batch.arrays:  # each prompt's images, the engine's prefill runs them
+            images["images"] = _prompt_images(batch)
         # through the service, if one runs
-        results = self.engine.generate(prompt_ids, params, sample_index=sample_index)
+        results = self.engine.generate(prompt_ids, params, sample_index=sample_index, **images)
         # the service keeps its cache for the requests in flight
         if cfg.release_cache and str(self.device).startswith("cuda") and self.service is None:
             self.engine.release()
@@ -399,3 +403,19 @@ def engine_options(config: Config):
             options, cache_dir=os.path.expanduser(config.trainer.cache_dir)
         )
     return options
+
+
+def _prompt_images(batch: Batch) -> list:
+    """Each prompt row's images for the engine (engine/images.PromptImages; None for a row
+    without), with the mRoPE rows the data path computed over its real tokens."""
+    from hybridflow.engine.images import PromptImages
+
+    images = []
+    for row, mask in enumerate(batch.tensors["attention_mask"].bool()):
+        grid = batch.arrays[IMAGE_GRID_THW][row]
+        if not len(grid):
+            images.append(None)
+            continue
+        positions = batch.tensors[MROPE_POSITIONS][row][:, mask]  # [3, p]
+        images.append(PromptImages(batch.arrays[PIXEL_VALUES][row], grid, positions))
+    return images

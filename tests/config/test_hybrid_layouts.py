@@ -1,5 +1,6 @@
 """validate() refuses tensor and sequence parallelism for a model with Gated DeltaNet layers
-(a recurrent state that spans the sequence), naming the key to set."""
+(a recurrent state that spans the sequence), and an fp8 rollout (its engine refuses the
+layers it runs on its eager passes), naming the key to set, before any model is loaded."""
 
 import pytest
 
@@ -16,3 +17,20 @@ def test_parallel_layouts_that_split_recurrent_layers_are_refused(key):
         f"{key} = 2: this model's 3 Gated DeltaNet layers" in p and p.endswith(f"set {key}=1")
         for p in error.value.problems
     ), error.value.problems
+
+
+@pytest.mark.parametrize("model", ["tiny-hybrid", "sft:arithmetic sft.preset=tiny-hybrid"])
+def test_an_fp8_rollout_of_a_hybrid_is_refused_before_loading(model):
+    path, *rest = model.split()
+    overrides = [f"model.path={path}", *rest, "rollout.dtype=fp8", "trainer.device=cuda"]
+    with pytest.raises(ConfigError) as error:
+        validate(load_config(None, overrides))
+    assert any(
+        p.startswith("rollout.dtype = fp8: the fp8 rollout does not cover this model's "
+                     "gated_attention and gated_deltanet layers") and p.endswith("rollout.dtype=model")
+        for p in error.value.problems
+    ), error.value.problems  # fmt: skip
+
+
+def test_an_fp8_rollout_of_a_dense_model_validates():
+    validate(load_config(None, ["model.path=tiny", "rollout.dtype=fp8", "trainer.device=cuda"]))

@@ -101,6 +101,31 @@ def test_sampled_tokens_with_a_seed_equal_the_slow_path(hybrid):
     _assert_same(engine.generate(PROMPTS, SAMPLED), _slow(engine, PROMPTS, SAMPLED))
 
 
+@pytest.mark.parametrize("block,per_step", [(None, 0), (16, 0), (16, 7)])
+def test_n_samples_copy_the_prompts_state_once(hybrid, block, per_step):
+    """n = 4: each prompt runs through prefill once (in chunks with per_step), then each of
+    its 3 other samples takes the prompt's state in one copy from the prompt's slot (what
+    they then sample: test_sampled_tokens_with_a_seed_equal_the_slow_path)."""
+    params = SamplingParams(n=4, temperature=0.9, max_new_tokens=5, seed=2, ignore_eos=True)
+    engine = _engine(hybrid, slots=8, block=block, per_step=per_step)
+    engine.generate([[1]], SamplingParams(max_new_tokens=1))  # the cache, allocated
+    states, copies = engine.cache.states, []
+    copy = states.copy
+
+    def recorded(src, dst):
+        copies.extend(zip(src.tolist(), dst.tolist()))
+        copy(src, dst)
+
+    states.copy = recorded
+    prompts = [PROMPTS[0], PROMPTS[3]]
+    before = engine.prefill_tokens
+    got = engine.generate(prompts, params)
+    assert engine.prefill_tokens - before == sum(map(len, prompts))
+    assert len(copies) == 2 * 3 and len({dst for _, dst in copies}) == 6
+    assert len({src for src, _ in copies}) == 2  # one source slot a prompt
+    assert len(got) == 8 and all(len(c.token_ids) == 5 for c in got)
+
+
 @pytest.mark.parametrize("block", [None, 16])
 def test_mixed_steps_sample_as_separate_passes(hybrid, block):
     """Prompts prefilled in chunks beside decoding rows (their states carried from chunk to

@@ -83,3 +83,29 @@ def _tower_moves(**cfg) -> bool:
 def test_the_vision_tower_is_frozen_by_default_and_trains_on_request():
     assert not _tower_moves()
     assert _tower_moves(freeze_vision_tower=False)
+
+
+def test_a_response_holding_the_image_pad_id_gets_no_image_features():
+    """A sampled response token may be the image-pad id: the features go to the prompt's
+    image tokens only, and the response's is embedded as the token it is."""
+    global RESPONSES
+    kept, RESPONSES = RESPONSES, [[11, IMAGE, 13], [14, 15], [IMAGE]]
+    try:
+        batch, pixels = _image_batch()
+    finally:
+        RESPONSES = kept
+    actor = ActorLearner(load_model("tiny-vl"), actor_config(ppo_mini_batch_size=3),
+                         total_steps=1, device="cpu")  # fmt: skip
+    got = actor.compute_logprobs(batch)["old_logprobs"]
+    prompt, response = PROMPTS[0], [11, IMAGE, 13]
+    ids = torch.tensor(prompt + response)
+    rows = batch.tensors[MROPE_POSITIONS][0][:, batch.tensors["attention_mask"][0].bool()]
+    with torch.no_grad():
+        hidden = actor.model.forward_packed(
+            ids, rows, torch.tensor([0, len(ids)], dtype=torch.int32), len(ids),
+            pixel_values=pixels[0], image_grid_thw=GRIDS[0],
+            image_slots=torch.arange(len(ids)) < len(prompt),
+        )  # fmt: skip
+        logprobs = actor.model.lm_head(hidden).log_softmax(-1)[len(prompt) - 1 : -1]
+    expected = logprobs.gather(-1, torch.tensor(response)[:, None])[:, 0]
+    assert (got[0] - expected).abs().max() <= 1e-5

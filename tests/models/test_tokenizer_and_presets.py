@@ -134,3 +134,21 @@ def test_the_large_presets_need_the_decoder_features_they_name():
     moe = PRESETS["qwen3-30b-a3b"]
     assert 3.3 <= moe.num_parameters(active=True) / 1e9 < 3.4
     assert moe.sparse_layer_indices() == list(range(48)) and moe.norm_topk_prob
+
+
+def test_the_char_vl_tokenizer_has_the_tiny_vl_presets_vision_tokens():
+    from hybridflow.models.presets import PRESETS
+    from hybridflow.models.tokenizer import load_tokenizer
+    from hybridflow.workers.model_loading import default_tokenizer_path
+
+    spec = PRESETS["tiny-vl"].vision
+    tokenizer = load_tokenizer("char-vl")
+    ids = tokenizer.encode("a<|vision_start|><|image_pad|><|vision_end|>", add_special_tokens=False)
+    assert ids[1:] == [spec.vision_start_token_id, spec.image_token_id, spec.vision_end_token_id]
+    assert "<|image_pad|>" not in load_tokenizer("char").get_vocab()
+    from hybridflow.config import ModelConfig
+
+    assert default_tokenizer_path(ModelConfig(path="tiny-vl")) == "char-vl"
+    assert default_tokenizer_path(ModelConfig(path="tiny")) == "char"
+    assert default_tokenizer_path(ModelConfig(path="sft:shapes")) == "char-vl"
+    assert default_tokenizer_path(ModelConfig(path="sft:arithmetic")) == "char"

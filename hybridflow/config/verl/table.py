@@ -46,14 +46,6 @@ OLD_LOGPROB = (
 REWARD_MODEL = "not used: hybridflow's reward model is set by reward.model.* (docs/rewards.md)"
 MEGATRON = "Megatron-LM option"
 PIPELINE = "Megatron-LM pipeline parallelism (hybridflow splits layers by tensor parallelism)"
-# What exists of training on images, and what a run still lacks (the key stops the run
-# until the rollout engine takes images).
-IMAGES = (
-    "training on images: Qwen2.5-VL runs in hybridflow's decoder, the data path reads, "
-    "checks and preprocesses the images into the Batch (`hybridflow data check "
-    "--image-key images` checks a file) and the trainer's log-prob and update passes use "
-    "them, but the rollout engine's image prefill is not built yet"
-)
 
 
 def _no_pipeline(value) -> bool:
@@ -225,6 +217,7 @@ ACTOR_TABLE: list[Entry] = [
     ),
     *_parallel_entries(ACTOR, "actor"),
     Rename(ACTOR + "freeze_vision_tower", "actor.freeze_vision_tower"),
+    Rename(MODEL + "freeze_vision_tower", "actor.freeze_vision_tower"),  # newer verl's place
     Unsupported(ACTOR + "loss_scale_factor", "a fixed loss scale factor", _off, "null"),
     Ignored(ACTOR + "router_replay.*", "the engine hands the routes over in memory (no files)"),
     Rename(
@@ -411,7 +404,7 @@ DATA_TABLE: list[Entry] = [
     Unsupported(
         "data.val_max_samples", "capping the prompts read", lambda v: v in (None, -1), "-1"
     ),
-    Unsupported("data.image_key", IMAGES),
+    Rename("data.image_key", "data.image_key"),
     Unsupported("data.video_key", "videos (frames through a vision encoder)"),
     Ignored("data.return_multi_modal_inputs", "a prompt's images travel in the Batch with it"),
     Ignored("data.image_patch_size", "the patch size is the model's image processor's"),

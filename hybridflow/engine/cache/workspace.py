@@ -31,7 +31,8 @@ def engine_workspace_bytes(config, max_batch_size: int, max_prefill_tokens: int,
     its gathered row, gate/up, SiLU·up and output (3I_e + 2h), the pairs padded to blocks
     of :data:`MOE_BLOCK_ROWS` per expert, and the router's fp32 logits and softmax (8E).
     ``tp``: the rollout's tensor-parallel ranks split the head-, MLP- and vocabulary-wide
-    tensors. MLA's attention runs expanded in a prefill: see :func:`attention_width`."""
+    tensors. MLA's attention runs expanded in a prefill: see :func:`attention_width`. A
+    vision-language model's prefill may be all image tokens: see :func:`vision_prefill`."""
     h = config.hidden_size
     vocab = config.vocab_size // tp
     sampling = max_batch_size * vocab * SAMPLING_BYTES_PER_LOGIT
@@ -46,7 +47,23 @@ def engine_workspace_bytes(config, max_batch_size: int, max_prefill_tokens: int,
         sparse = (tokens * (8 * h + attention) + pairs * (3 * inner + 2 * h)) * element_bytes
         sparse += tokens * experts * ROUTER_BYTES_PER_EXPERT
         prefill = max(prefill, sparse)
-    return sampling + prefill
+    return sampling + vision_prefill(config, tokens, prefill, element_bytes)
+
+
+def vision_prefill(config, tokens: int, prefill: int, element_bytes: int = 2) -> int:
+    """A prefill chunk's bytes when every one of its ``tokens`` may be an image token
+    (engine/images.py): first the vision encoder, a block at a time over the merge_unit
+    patches of each token (its input, norm, q/k/v, q and k turned in fp32 (4e of 2-byte
+    elements), the attention's output and projection, the SwiGLU MLP's gate, up and product:
+    11e + 3i a patch), then the language model's ``prefill`` beside the features kept for the
+    prompts' other samples (a token's out_hidden_size). ``prefill`` for a text-only model."""
+    vision = getattr(config, "vision", None)
+    if vision is None:
+        return prefill
+    features = tokens * vision.out_hidden_size * element_bytes
+    patches = tokens * vision.merge_unit
+    encoder = patches * (11 * vision.hidden_size + 3 * vision.intermediate_size) * element_bytes
+    return max(encoder, prefill) + features
 
 
 def attention_width(config) -> int:

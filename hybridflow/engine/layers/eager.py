@@ -75,7 +75,8 @@ def decode_forward_torch(
     from hybridflow.engine.layers.sink import sink_decode
 
     hidden = model.model.embed_tokens(tokens)  # [B, H]
-    cos, sin = rope.cos[positions], rope.sin[positions]  # [B, D]
+    rotary = rope.rotary_positions(positions, row_slots)  # mRoPE: shifted (engine/images.py)
+    cos, sin = rope.cos[rotary], rope.sin[rotary]  # [B, D]
     lengths = positions + 1
     entries, offsets = cache.locate(row_slots, positions)
     target = route_target(cache, entries, offsets)

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from hybridflow.engine.host import ranges, upload
+from hybridflow.engine.images import Segment, has_images, prefill_inputs, set_slot_shifts
 from hybridflow.engine.requests import LiveRequest, Submission
 from hybridflow.engine.row_sampling import mixed_mode
 from hybridflow.engine.scheduling import preemption
@@ -104,6 +105,8 @@ def admit(scheduler: SchedulerState) -> bool:
     extra = {}
     if cache_at is not None:
         extra["cache_at"] = tuple(upload(engine.device, *cache_at))
+    if engine.vision:
+        extra.update(_image_inputs(engine, taken, slots, group, runs, ids))
     logits = engine.prefill(
         engine.model, scheduler.cache, engine.rope, ids, positions, token_slots,
         cu_dev.to(torch.int32), int(lengths.max()), cu_dev[1:] - 1, **extra,
@@ -124,6 +127,23 @@ def admit(scheduler: SchedulerState) -> bool:
     for sub in {sub for sub, _ in taken}:
         sub.table.check()  # the rest of its ids, while the GPU runs this prefill (once)
     return True
+
+
+def _image_inputs(engine, taken, slots, group, runs, ids) -> dict:
+    """A vision-language engine's admission: each slot's decode shift set, and the prefill's
+    inputs (images.prefill_inputs) when a prompt has images; each prompt's encoder features
+    dropped once its last sample is admitted."""
+    segments = [Segment(sub.images, prompt, length, length)
+                for sub, first, last in runs for prompt in range(first, last)
+                for length in [int(sub.table.lengths[prompt])]]  # fmt: skip
+    set_slot_shifts(engine.rope, slots, [segments[g].shift for g in group], engine.device)
+    inputs = {}
+    if has_images(segments):
+        inputs["inputs"] = prefill_inputs(engine.model, ids, segments)
+    for sub, request in taken:
+        if sub.images is not None:
+            sub.images.admitted(request)
+    return inputs
 
 
 def append_admitted(scheduler: SchedulerState, taken, slots, logits, seed_lo, seed_hi,

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridflow.engine.host import upload
+from hybridflow.engine.images import Segment, has_images, prefill_inputs, set_slot_shifts
 from hybridflow.engine.scheduling import readback
 
 if TYPE_CHECKING:
@@ -117,8 +118,20 @@ def resume(scheduler: SchedulerState) -> None:
         engine.device, torch.tensor(sequence), positions, slots,
         *scheduler.paging.locate(slots, positions), torch.tensor([0, length]),
     )  # fmt: skip
+    extra = {}
+    if engine.vision:  # its images' features again (images.py), its slot's decode shift
+        prompt = live.request // live.sub.n
+        segment = Segment(live.sub.images, prompt, len(live.sub.prompts[prompt]), length)
+        set_slot_shifts(engine.rope, [slot], [segment.shift], engine.device)
+        if has_images([segment]):
+            features = live.sub.images.features
+            held = prompt in features  # its other samples still to be admitted
+            extra["inputs"] = prefill_inputs(engine.model, ids, [segment])
+            if not held:
+                features.pop(prompt)
     engine.prefill(engine.model, scheduler.cache, engine.rope, ids, positions_dev, slots_dev,
-                   cu.to(torch.int32), length, cu[1:] - 1, cache_at=(entries, offsets))  # fmt: skip
+                   cu.to(torch.int32), length, cu[1:] - 1, cache_at=(entries, offsets),
+                   **extra)  # fmt: skip
     append_resumed(scheduler, live, length)
 
 

@@ -46,6 +46,7 @@ class EngineView(Protocol):
     prefill: object  # the prefill pass (prefill.py): packed prompts into their slots
     extend: object  # the extend pass: new tokens after a cached prefix
     decode_backend: str
+    vision: bool  # a vision-language model: prompts may hold images (images.py)
     steps_per_sync: int
     sync_lag: int
     max_prefill_tokens: int

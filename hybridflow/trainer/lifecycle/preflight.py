@@ -105,17 +105,22 @@ def sandbox_problems(cfg: Config, log=lambda *a, **k: None) -> list[str]:
 
 
 def _datasets(cfg: Config, tokenizer, reward):
+    from hybridflow.config.validation import image_key, trained_model
     from hybridflow.data.dataset import build_prompt_datasets
+    from hybridflow.data.images import ImageProcessor
     from hybridflow.rewards.combine import used_parts
     from hybridflow.rewards.parts import weights_table
 
     # without the rule part (a reward model or judge alone), any data source is scored
     rule = "rule" in used_parts(weights_table(cfg.reward))
+    key = image_key(cfg)  # a vision-language model's rows hold images
     train_set, val_set = build_prompt_datasets(
         cfg.data,
         tokenizer,
         seed=DATA_SEED,
         known_data_sources=reward.known_data_sources() if rule else None,
+        image_key=key,
+        images=None if key is None else ImageProcessor.for_model(trained_model(cfg)),
     )
     if len(train_set) < cfg.data.train_batch_size:
         dropped = (

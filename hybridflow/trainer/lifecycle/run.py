@@ -72,6 +72,7 @@ def setup(cfg: Config, log=print, progress: ProgressReporter | None = None,
         pad,
         seed=cfg.trainer.seed,
         shuffle=cfg.data.shuffle,
+        images=train_set.images,
     )
     alg = cfg.algorithm
     return RunContext(

@@ -43,7 +43,7 @@ def run_validation(run: RunContext) -> dict[str, float]:
                 run.log(f"validation at step {run.step} ended early: not reported")
                 return {}
             items = [dataset[i] for i in range(start, min(start + size, len(dataset)))]
-            prompts: Batch = make_prompt_batch(items, pad)
+            prompts: Batch = make_prompt_batch(items, pad, images=dataset.images)
             prompts.arrays["uid"] = np.asarray([item.index for item in items])
             seed = VALIDATION_SEED + start
             batch = generate(run, prompts, n=n, temperature=temperature, seed=seed)

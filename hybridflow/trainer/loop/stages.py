@@ -15,6 +15,12 @@ import numpy as np
 import torch
 
 from hybridflow.config import Config, Derived
+from hybridflow.data.image_batch import (
+    IMAGE_GRID_THW,
+    MROPE_POSITIONS,
+    PIXEL_VALUES,
+    extend_positions,
+)
 from hybridflow.progress import ProgressReporter, quiet_reporter
 from hybridflow.protocol import Batch
 from hybridflow.trainer.lifecycle.stop import StopRequest
@@ -131,6 +137,8 @@ def generate(run: RunContext, prompts: Batch, *, n: int, temperature: float, see
     keys = ("prompts", "attention_mask", "raw_prompt") if agent else ("prompts", "attention_mask")
     if run.cfg.rollout.agent.loop == "openai" and "extra_info" in prompts.arrays:
         keys += ("extra_info",)  # an agent program reads its row's extra_info
+    if PIXEL_VALUES in prompts.arrays:  # prompts with images (data/image_batch.py)
+        keys += (PIXEL_VALUES, IMAGE_GRID_THW, MROPE_POSITIONS)
     request = rollout_request(prompts.select(*keys, meta=False), n, engine_n)
     request.meta.update(sampling_meta(run, n=engine_n, temperature=temperature, seed=seed))
     if run.cfg.trainer.partial_rollout:  # the weight syncs reach the worker meanwhile
@@ -154,6 +162,9 @@ def generate(run: RunContext, prompts: Batch, *, n: int, temperature: float, see
     rows.tensors["attention_mask"] = torch.cat(
         [prompt_mask.long(), response_attention.long()], dim=1
     )  # [B*n, P+R]
+    if MROPE_POSITIONS in rows.tensors:  # the responses' rows, after their prompt's largest
+        rows.tensors[MROPE_POSITIONS] = extend_positions(rows.tensors[MROPE_POSITIONS],
+                                                         response_attention)  # fmt: skip
     rows.meta["temperature"] = temperature
     return rows
 

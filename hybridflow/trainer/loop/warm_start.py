@@ -138,13 +138,15 @@ def short_of_target(stopper: AccuracyStopper, steps: int) -> str:
 
 def cache_key(cfg: Config, task: str) -> str:
     """Hash of the SFT settings, the data split and the seed (same key = same model)."""
+    from hybridflow.workers.model_loading import default_tokenizer_path
+
     payload = {
         "version": CACHE_VERSION,
         "task": task,
         "sft": dataclasses.asdict(cfg.sft),
         "val_size": cfg.data.builtin_val_size,
         "seed": cfg.trainer.seed,
-        "tokenizer": tokenizer_fingerprint(cfg.model.tokenizer_path or "char"),
+        "tokenizer": tokenizer_fingerprint(default_tokenizer_path(cfg.model)),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -217,7 +219,10 @@ def train_warm_start(cfg: Config, task: str, target: Path, log=print, progress=N
     from hybridflow.trainer.lifecycle.stop import StopRequest
     from hybridflow.trainer.loop.roles import resolve_device
     from hybridflow.trainer.loop.sft_loop import load_sft_examples, run_sft
+    from hybridflow.trainer.loop.vision_warm_start import VISION_TASKS, train_vision_warm_start
 
+    if task in VISION_TASKS:  # a vision-language preset on the image task
+        return train_vision_warm_start(cfg, task, target, log, progress, stop)
     started = time.perf_counter()
     stop = stop if stop is not None else StopRequest()
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or "char")

@@ -31,6 +31,7 @@ from hybridflow.trainer.plan.memory_reward_model import (
     reward_model_gpu_problems,
     reward_model_options,
 )
+from hybridflow.trainer.plan.memory_vision import image_patches
 
 # model.dtype -> bytes of (trained weights, rollout and reference weights) on a GPU
 # (workers/model_loading.training_dtype and resolve_dtype).
@@ -75,6 +76,9 @@ def plan_options(cfg: Config, derived: Derived, gpu_bytes: int | None) -> PlanOp
     unfused = (r.engine.decode_backend == "torch" or r.lora_in_place and m.lora_rank > 0
                or rollout["tp"] > 1 or rollout["ep"] > rollout["tp"])  # fmt: skip
     fuse = "none" if unfused else r.engine.fuse_projections
+    named = model_architecture_for(cfg)  # a vision-language model: its images' patches
+    patches = 0 if named is None else image_patches(named[1], micro_tokens,
+                                                    cfg.data.max_prompt_length / max_len)  # fmt: skip
     return PlanOptions(
         master_bytes=master_bytes,
         compute_bytes=2,
@@ -112,6 +116,8 @@ def plan_options(cfg: Config, derived: Derived, gpu_bytes: int | None) -> PlanOp
         critic_micro_batch_tokens=critic_tokens,
         **reward_model_options(cfg),
         gpu_bytes=gpu_bytes,
+        freeze_vision_tower=a.freeze_vision_tower,
+        image_patches=patches,
     )
 
 

@@ -72,7 +72,7 @@ def forward_bytes_per_token(a: ModelArchitecture, compute_bytes: int = 2) -> int
     """Peak bytes per token of a no-grad forward: one layer's intermediates at a time (the
     same elements a layer keeps for a backward), the residual stream, and the final norm's
     input, output and the gathered response states."""
-    layer = max(mp.layer_activation_elements(a), mp.layer_activation_elements(a, a.is_moe))
+    layer = mp.largest_layer_activation_elements(a)
     return (layer + 4 * a.hidden_size) * compute_bytes
 
 

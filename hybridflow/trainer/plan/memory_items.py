@@ -91,6 +91,10 @@ class PlanOptions:
     """reward.model.param_offload: its weights in host memory except while it scores."""
     gpu_bytes: int | None = None
     """Memory of one GPU; None: unknown (the KV cache is then planned at max_num_seqs)."""
+    freeze_vision_tower: bool = True
+    """actor.freeze_vision_tower: a vision-language model's encoder is not trained."""
+    image_patches: int = 0
+    """Most image patches in one actor micro-batch (vision-language models; 0: none)."""
 
     @property
     def shard_ranks(self) -> int:

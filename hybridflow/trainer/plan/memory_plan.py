@@ -60,6 +60,7 @@ from hybridflow.models.architecture import ModelArchitecture
 from hybridflow.trainer.plan.memory_activations import (  # noqa: F401 (this module's names too)
     LOGPROB_CHUNK_TOKENS,
     activation_bytes_per_token,
+    largest_layer_activation_elements,
     layer_activation_elements,
     logprob_head_bytes,
 )
@@ -87,6 +88,11 @@ from hybridflow.trainer.plan.memory_rollout import (  # noqa: F401 (this module'
     rollout_items,
     rollout_reserve_bytes,
     rollout_shares_actor_weights,
+)
+from hybridflow.trainer.plan.memory_vision import (
+    encoder_parameters,
+    trained_encoder_parameters,
+    vision_items,
 )
 
 OFFLOAD_BUCKET_ELEMENTS = 64 * 2**20
@@ -128,7 +134,8 @@ def lora_parameters(a: ModelArchitecture, rank: int, targets: tuple[str, ...]) -
 def trainable_parameters(a: ModelArchitecture, options: PlanOptions) -> int:
     if options.lora_rank > 0:
         return lora_parameters(a, options.lora_rank, options.lora_targets)
-    return a.num_parameters()
+    frozen = encoder_parameters(a) - trained_encoder_parameters(a, options)
+    return a.num_parameters() - frozen
 
 
 def rank_parameters(a: ModelArchitecture, tp: int = 1, ep: int = 1) -> int:
@@ -179,13 +186,14 @@ def actor_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
     if o.lora_rank > 0:  # a frozen lm_head: no [V, H] gradient
         head = min(tokens, LOGPROB_CHUNK_TOKENS) * (a.vocab_size // o.tp) * o.compute_bytes
     items.append(MemoryItem("log-prob head (logits chunk, lm_head gradient)", head, (UPDATE,)))
-    return items
+    return items + vision_items(a, o)
 
 
 def compute_copy_item(a: ModelArchitecture, o: PlanOptions) -> MemoryItem:
     """Autocast's bf16 casts of the fp32 layer weights and the lm_head, kept for the backward
     (1/tp of them on a tensor-parallel rank)."""
-    copy = (linear_parameters(a) + a.vocab_size * a.hidden_size) // o.tp * o.compute_bytes
+    linear = linear_parameters(a) + encoder_parameters(a)  # the encoder's projections too
+    copy = (linear + a.vocab_size * a.hidden_size) // o.tp * o.compute_bytes
     return MemoryItem(f"actor compute copy ({dtype_name(o.compute_bytes)})", copy, (UPDATE,))
 
 

@@ -4,6 +4,7 @@ items leave (engine/cache/kv_cache.py, engine/engine.py)."""
 
 from __future__ import annotations
 
+from hybridflow.engine.cache.kinds import eager_only
 from hybridflow.engine.cache.workspace import engine_workspace_bytes
 from hybridflow.models.architecture import ModelArchitecture
 from hybridflow.trainer.plan.memory_items import (
@@ -48,8 +49,10 @@ def rollout_weight_parameters(a: ModelArchitecture, o: PlanOptions) -> int:
 
 
 def fused_copy_bytes(a: ModelArchitecture, fuse_projections: str, element_bytes: int = 2) -> int:
-    """The triton decode path's concatenated q/k/v (and gate/up) copies (engine/weights.py)."""
-    if fuse_projections == "none":
+    """The triton decode path's concatenated q/k/v (and gate/up) copies (engine/weights.py);
+    none for a model the engine runs on its eager passes (gated attention, Gated DeltaNet, a
+    shared expert: engine/cache/kinds.eager_only), which decodes without them."""
+    if fuse_projections == "none" or eager_only(a.layer_specs()):
         return 0
     q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
     rows = q + 2 * kv
@@ -125,7 +128,19 @@ def kv_cache_item(a: ModelArchitecture, o: PlanOptions, items: list[MemoryItem])
         note = f"{block} tokens a block, {per_sequence:,} blocks a {length:,}-token sequence"
         if states:
             note += f"; recurrent states of {o.rollout_max_seqs + 1:,} slots"
+            size = (entries + 1) * entry + states
+            balanced = balanced_state_slots(size, state, per_sequence * entry)
+            if sequences < balanced < o.rollout_max_seqs:
+                note += (f", {states / 2**30:.1f} GiB: rollout.max_num_seqs={balanced:,} holds "
+                         f"{balanced:,} {length:,}-token sequences at once")  # fmt: skip
     phases = (GENERATE,) if o.release_cache else ALWAYS
     size = (entries + 1) * entry + states if sequences else 0
     return MemoryItem(name if sequences else none, size, phases, rollout_gpu=o.split,
                       note=note), sequences  # fmt: skip
+
+
+def balanced_state_slots(budget: int, state_bytes: int, sequence_bytes: int) -> int:
+    """The most slots S whose recurrent states ((S + 1) of them, the scratch slot's too) and
+    K/V blocks for S whole sequences fit ``budget``: beside a paged cache every slot's state
+    is taken first, so slots beyond S leave fewer whole sequences held at once."""
+    return max((budget - state_bytes) // (sequence_bytes + state_bytes), 0)

@@ -14,14 +14,19 @@ distance to the hardware is visible per stage rather than as one MFU figure.
 - the actor update: forward + backward (3 forwards), 4 with activation recomputation.
 
 Matmul FLOPs are 2 per weight per token (the lm_head's included, tied or not; the embedding is
-a lookup), attention 4·L·(heads·head_dim) per token and position attended (causal: half the
-sequence on average for a full pass). A floor assumes the peak: real kernels reach 60-80% of
-it at best, so a stage at 2× its floor has room, one at 1.2× has little.
+a lookup), attention 4·(heads·head_dim) per token, attention layer and position attended
+(causal: half the sequence on average for a full pass). A hybrid model's Gated DeltaNet
+layers attend to nothing: their delta rule costs a fixed amount per token (_delta_rule_flops),
+they keep no K/V, and each decode step reads and writes every row's recurrent state (conv +
+fp32 SSM state) instead. A floor assumes the peak: real kernels reach 60-80% of it at best,
+so a stage at 2× its floor has room, one at 1.2× has little.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from hybridflow.trainer.plan.memory_activations import DELTA_CHUNK_TOKENS
 
 # HBM bandwidth per device, bytes/s, from the vendors' data sheets (SXM parts).
 PEAK_HBM_BYTES_PER_S = {
@@ -56,15 +61,32 @@ class StepShape:
 
 
 def _matmul_weights(a) -> int:
-    q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
-    attention = a.num_hidden_layers * a.hidden_size * (2 * q + 2 * kv)
-    # a mixture of experts' decode step at batch sizes where every expert is touched
-    return attention + a.mlp_parameters() + a.vocab_size * a.hidden_size
+    """Weights a token multiplies by: every layer's token mixer and MLP (a mixture of experts'
+    decode step at batch sizes where every expert is touched) and the lm_head."""
+    mixers = sum(a.mixer_parameters(spec.mixer) for spec in a.layer_specs())
+    return mixers + a.mlp_parameters() + a.vocab_size * a.hidden_size
 
 
-def _attention_flops(a, positions: float) -> float:
-    """Attention FLOPs of one token attending over `positions` earlier positions."""
-    return 4.0 * a.num_hidden_layers * a.num_attention_heads * a.head_dim * positions
+def _delta_rule_flops(a, chunked: bool) -> float:
+    """FLOPs of one token's gated delta rule in all Gated DeltaNet layers, beyond their
+    projections. Per value head against the [Dk, Dv] state: 6·Dk·Dv (q's read, k's
+    prediction, the rank-one write). Chunked (prefill, training), per token of a chunk of C:
+    C·(6·Dk + 4·Dv) more (the WY products of kβ and vβ, the masked k·kᵀ and q·kᵀ, and the
+    latter's product with v') and C²/3 for the triangular solve."""
+    layers = a.num_hidden_layers - a.kv_layers
+    if not layers:
+        return 0.0
+    dk, dv, c = a.linear_key_head_dim, a.linear_value_head_dim, DELTA_CHUNK_TOKENS
+    per_head = 6.0 * dk * dv + ((c * (6 * dk + 4 * dv) + c * c / 3) if chunked else 0.0)
+    return layers * a.linear_num_value_heads * per_head
+
+
+def _mixing_flops(a, positions: float, chunked: bool = True) -> float:
+    """Token-mixing FLOPs of one token: attending over `positions` earlier positions in each
+    layer that keeps K/V, plus the delta rule of the recurrent layers (chunked in a prefill
+    or a full pass, one recurrent step in decode)."""
+    attention = 4.0 * a.kv_layers * a.num_attention_heads * a.head_dim * positions
+    return attention + _delta_rule_flops(a, chunked)
 
 
 def decode_steps(shape: StepShape, kv_tokens: int | None) -> int:
@@ -84,21 +106,20 @@ def decode_steps(shape: StepShape, kv_tokens: int | None) -> int:
 def generation_floor(a, shape: StepShape, peak_flops: float, bandwidth: float,
                      dtype_bytes: int = 2, kv_tokens: int | None = None) -> float:  # fmt: skip
     """Seconds: prefill of each unique prompt + one decode step per new token, plus the
-    weight reads of the extra steps a KV cache of ``kv_tokens`` positions forces."""
+    weight reads of the extra steps a KV cache of ``kv_tokens`` positions forces. A decode
+    step reads every weight, each row's K/V up to its position, and reads and writes each
+    row's recurrent state (hybrid models)."""
     weights = _matmul_weights(a)
     prefill_tokens = shape.prompts * shape.prompt_len
-    seconds = (
-        prefill_tokens * (2.0 * weights + _attention_flops(a, shape.prompt_len / 2)) / peak_flops
-    )
+    seconds = prefill_tokens * (2.0 * weights + _mixing_flops(a, shape.prompt_len / 2)) / peak_flops
     rows = shape.prompts * shape.samples
-    kv_bytes_per_position = (
-        2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * dtype_bytes
-    )
+    kv_bytes_per_position = a.kv_bytes_per_token(dtype_bytes)
+    state_bytes = 2 * a.recurrent_state_bytes(dtype_bytes)  # read, then written back
     weight_bytes = weights * dtype_bytes
     for step in range(shape.new_tokens):
         context = shape.prompt_len + step
-        flops = rows * (2.0 * weights + _attention_flops(a, context))
-        read = weight_bytes + rows * context * kv_bytes_per_position
+        flops = rows * (2.0 * weights + _mixing_flops(a, context, chunked=False))
+        read = weight_bytes + rows * (context * kv_bytes_per_position + state_bytes)
         seconds += max(flops / peak_flops, read / bandwidth)
     extra_steps = decode_steps(shape, kv_tokens) - shape.new_tokens
     return seconds + extra_steps * weight_bytes / bandwidth
@@ -108,7 +129,7 @@ def forward_floor(a, shape: StepShape, peak_flops: float) -> float:
     """Seconds of one forward pass over every token of every sample (a scoring pass)."""
     length = shape.prompt_len + shape.new_tokens
     tokens = shape.prompts * shape.samples * length
-    return tokens * (2.0 * _matmul_weights(a) + _attention_flops(a, length / 2)) / peak_flops
+    return tokens * (2.0 * _matmul_weights(a) + _mixing_flops(a, length / 2)) / peak_flops
 
 
 def stage_floors(a, shape: StepShape, peak_flops: float | None, bandwidth: float | None,

@@ -1,7 +1,7 @@
 """verl command lines: detection by name, translation, notices and features that stop."""
 
 import pytest
-from verl_command_lines import RUNS, STOPS, command_line
+from verl_command_lines import IMAGES, RUNS, STOPS, command_line
 
 from hybridflow.cli import main
 from hybridflow.config import ConfigError, load_config
@@ -30,7 +30,6 @@ def test_verl_example_command_lines_validate(name, capsys):
     "name, feature",
     [
         ("stops_grpo_qwen2_7b_math_megatron", "Megatron-LM"),
-        ("stops_grpo_qwen2_5_vl_7b", "the rollout engine's image prefill"),
     ],
 )
 def test_unsupported_feature_exits_2_naming_it(name, feature, capsys):
@@ -38,6 +37,30 @@ def test_unsupported_feature_exits_2_naming_it(name, feature, capsys):
     assert main(["train", *command_line(name)]) == 2
     err = capsys.readouterr().err
     assert feature in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("name", IMAGES)
+def test_verl_image_runs_validate_with_a_vision_language_model(name, capsys):
+    here = [
+        *HERE,
+        "model.path=tiny-vl",
+        "critic.path=tiny-vl",  # a stand-in that fits here
+        "data.max_response_length=1024",
+    ]
+    assert main(["config", "validate", *command_line(name), *here]) == 0
+    assert "config OK" in capsys.readouterr().out
+    assert "data.image_key=images" in translate(["data.image_key=images"]).overrides
+    for place in ("actor", "model"):  # verl's key, in either section
+        key = f"actor_rollout_ref.{place}.freeze_vision_tower=False"
+        assert "actor.freeze_vision_tower=false" in translate([key]).overrides
+
+
+@pytest.mark.parametrize("name", IMAGES)
+def test_verl_image_runs_with_a_text_only_model_exit_2_naming_the_key(name, capsys):
+    assert main(["config", "validate", *command_line(name), *HERE]) == 2
+    err = capsys.readouterr().err
+    assert "data.image_key = 'images'" in err and "text-only model" in err
+    assert "Traceback" not in err
 
 
 def test_hydra_forms_and_lists():

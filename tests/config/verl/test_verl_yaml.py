@@ -23,6 +23,8 @@ MAPPED = [
     [
         "actor_rollout_ref.model.path=tiny",
         "actor_rollout_ref.model.tokenizer_path=/tok",
+        "actor_rollout_ref.model.freeze_vision_tower=False",
+        "data.image_key=pictures",
         "actor_rollout_ref.model.enable_gradient_checkpointing=True",
         "actor_rollout_ref.model.lora_rank=8",
         "actor_rollout_ref.model.lora_alpha=32",

@@ -6,8 +6,10 @@ from pathlib import Path
 
 COMMAND_LINES = Path(__file__).parent / "command_lines"
 RUNS = sorted(p.stem for p in COMMAND_LINES.glob("*.txt")
-              if not p.stem.startswith(("stops_", "scale_")))  # fmt: skip
+              if not p.stem.startswith(("stops_", "scale_", "images_")))  # fmt: skip
 STOPS = sorted(p.stem for p in COMMAND_LINES.glob("stops_*.txt"))
+IMAGES = sorted(p.stem for p in COMMAND_LINES.glob("images_*.txt"))
+"""Runs on images: validated with a vision-language model."""
 SCALE = sorted(p.stem for p in COMMAND_LINES.glob("scale_*.txt"))
 """Seed-scale layouts: validated against their GPUs, not run."""
 

@@ -74,3 +74,21 @@ def test_mla_prefill_counts_its_expanded_heads():
     # 1,677,721,600, router 1,024 × 256 × 8 = 2,097,152: 2,066,874,368
     a = PRESETS["deepseek-v3"]
     assert engine_workspace_bytes(a, 64, 1024) == 182_026_240 + 2_066_874_368
+
+
+def test_a_vision_language_prefill_counts_the_encoder_and_the_kept_features():
+    # qwen2.5-vl-7b: encoder e 1280, i 3420, 2x2 patches a token, features 3,584 wide; the
+    # language model h 3584, I 18944, 28 + 4 heads of 128; 64 rows, a 16,384-token chunk:
+    # encoder: 65,536 patches x (11·1280 + 3·3420 = 24,340) x 2        = 3,190,292,480
+    # language model: 16,384 x (8·3584 + 64·128 + 4·18944 = 112,640) x 2 = 3,690,987,520
+    # features kept: 16,384 x 3,584 x 2                                   =   117,440,512
+    a = PRESETS["qwen2.5-vl-7b"]
+    sampling = 64 * a.vocab_size * 22
+    assert engine_workspace_bytes(a, 64, 16384) == sampling + 3_690_987_520 + 117_440_512
+    # a wide encoder on a narrow language model: the encoder's blocks are the larger
+    import dataclasses
+
+    narrow = dataclasses.replace(a, intermediate_size=1024)
+    text = 16384 * (8 * 3584 + 64 * 128 + 4 * 1024) * 2
+    assert text < 3_190_292_480
+    assert engine_workspace_bytes(narrow, 64, 16384) == sampling + 3_190_292_480 + 117_440_512

@@ -9,6 +9,7 @@ from hybridflow.models.presets import PRESETS
 from hybridflow.trainer.plan.stage_floors import (
     StepShape,
     _matmul_weights,
+    _mixing_flops,
     decode_steps,
     forward_floor,
     generation_floor,
@@ -94,3 +95,32 @@ def test_a_kv_cache_without_room_beyond_the_prompts_is_refused():
     shape = StepShape(prompts=8, samples=32, prompt_len=256, new_tokens=16)
     with pytest.raises(ValueError, match="does not hold the prompts"):
         decode_steps(shape, 8 * 256)
+
+
+def test_a_hybrid_models_matmuls_count_its_own_mixers():
+    a = PRESETS["qwen3.5-4b"]  # tied: the lm_head is the embedding, counted once
+    norms = a.num_hidden_layers * 2 * a.hidden_size + a.hidden_size
+    assert _matmul_weights(a) == a.num_parameters() - norms
+
+
+def test_a_hybrid_decode_step_reads_kv_of_its_attention_layers_and_every_rows_state():
+    """Qwen3.5-4B: K/V in 8 of 32 layers; each step reads and writes every row's 49 MiB
+    recurrent state. One row, long context: the bytes bound the step."""
+    a = PRESETS["qwen3.5-4b"]
+    shape = StepShape(prompts=1, samples=64, prompt_len=4096, new_tokens=1)
+    weights = 2 * _matmul_weights(a)
+    kv = 64 * 4096 * 8 * 2 * 4 * 256 * 2
+    state = 64 * 2 * a.recurrent_state_bytes(2)
+    prefill = 4096 * (2 * _matmul_weights(a) + _mixing_flops(a, 2048)) / PEAK
+    decode = (weights + kv + state) / BANDWIDTH
+    assert generation_floor(a, shape, PEAK, BANDWIDTH) == pytest.approx(prefill + decode)
+
+
+def test_deltanet_layers_mix_tokens_at_a_cost_that_does_not_grow_with_the_context():
+    a, dense = PRESETS["qwen3.5-4b"], PRESETS["qwen3-4b"]
+    attention = 4.0 * 8 * 16 * 256  # 8 attention layers of 16 heads x 256, per position
+    recurrent = 24 * 32 * 6 * 128 * 128  # 24 layers, 32 value heads against [128, 128] states
+    chunk = 24 * 32 * (64 * (6 * 128 + 4 * 128) + 64 * 64 / 3)
+    assert _mixing_flops(a, 1000, chunked=False) == pytest.approx(1000 * attention + recurrent)
+    assert _mixing_flops(a, 1000) == pytest.approx(1000 * attention + recurrent + chunk)
+    assert _mixing_flops(dense, 1000) == 4.0 * 36 * 32 * 128 * 1000

@@ -1,0 +1,183 @@
+"""Prompts with images in the engine: the vision encoder's features in the prefill, mRoPE's
+position rows in the prefill and the decode.
+
+A prompt's images come as a PromptImages (its pixel_values and image_grid_thw, as the data
+path preprocessed them, and optionally mRoPE's rows [3, p] it computed). Its ids hold one
+image-pad token per merged patch (models/mrope.py checks the count), so the KV cache, the
+prefill budget and max_seq_len count the image tokens as they count text.
+
+Prefill: the encoder runs once a prompt, when its first sample is admitted; its features
+stay with the submission until the prompt's last sample is admitted (n samples of a prompt
+may be admitted over several passes when slots are few), so the n samples share one encoder
+call. The features take the places of the image-pad tokens in the prompt's embeddings, and
+each token is turned by its three mRoPE rows.
+
+Decode: every token after the prompt has equal rows (text), at the prompt's largest position
+plus one and on, so its turn is plain RoPE at ``cache position + shift`` with ``shift =
+largest position + 1 - prompt length`` (<= 0: an image's tokens span fewer positions than
+tokens). The shift is kept per cache slot (RopeTable.slot_shift) and added by the decode
+pass: transformers' rope_deltas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridflow.engine.host import upload
+from hybridflow.models.mrope import mrope_cos_sin, mrope_positions
+
+
+@dataclass(frozen=True)
+class PromptImages:
+    """One prompt's images: pixel_values [patches, C*T*P*P], image_grid_thw [images, 3]
+    (the model's image processor's output), positions: mRoPE's rows [3, p] of the prompt
+    (None: computed from its ids and the grids)."""
+
+    pixel_values: torch.Tensor
+    image_grid_thw: torch.Tensor
+    positions: torch.Tensor | None = None
+
+
+@dataclass
+class PreparedImages:
+    """A checked PromptImages with its rows [3, p] and its decode shift."""
+
+    pixel_values: torch.Tensor
+    image_grid_thw: torch.Tensor
+    positions: torch.Tensor
+    shift: int
+
+
+def prepare_images(config, prompts: list[list[int]], images: list | None) -> list | None:
+    """images (one PromptImages or None per prompt) checked against the prompts' ids ->
+    PreparedImages or None per prompt; None when no prompt has images. ValueError naming
+    the first bad prompt."""
+    if images is None or all(entry is None for entry in images):
+        return None
+    vision = getattr(config, "vision", None)
+    if vision is None:
+        raise ValueError(f"images given to a {config.model_type} model, which has no vision "
+                         "encoder")  # fmt: skip
+    if len(images) != len(prompts):
+        raise ValueError(f"images: one entry (or None) per prompt; {len(images)} for "
+                         f"{len(prompts)} prompts")  # fmt: skip
+    prepared: list[PreparedImages | None] = []
+    for i, (ids, entry) in enumerate(zip(prompts, images)):
+        if entry is None:
+            if vision.image_token_id in ids:
+                raise ValueError(f"prompt {i} holds image tokens but no images")
+            prepared.append(None)
+            continue
+        grid = entry.image_grid_thw.long().cpu()
+        patches = int(grid.prod(-1).sum())
+        if entry.pixel_values.shape[0] != patches:
+            raise ValueError(f"prompt {i}: {entry.pixel_values.shape[0]} rows of pixel_values, "
+                             f"its grids hold {patches} patches")  # fmt: skip
+        try:
+            rows = mrope_positions(torch.tensor(ids), grid, vision.image_token_id,
+                                   vision.spatial_merge_size)  # fmt: skip
+        except ValueError as err:
+            raise ValueError(f"prompt {i}: {err}") from None
+        if entry.positions is not None:
+            given = entry.positions.long().cpu()
+            if given.shape != rows.shape or not torch.equal(given, rows):
+                raise ValueError(f"prompt {i}: its mRoPE positions are not those of its ids "
+                                 "and image grids")  # fmt: skip
+        shift = int(rows.max()) + 1 - len(ids)
+        prepared.append(PreparedImages(entry.pixel_values, grid, rows, shift))
+    return prepared
+
+
+def check_image_call(options, keep: bool, reuse) -> None:
+    """What prompts with images do not run through yet: ValueError saying what to change."""
+    if keep or reuse is not None:
+        raise ValueError("prompts with images: keep and reuse (kept KV) are not supported")
+    if options.max_prefill_tokens_per_step > 0:
+        raise ValueError("prompts with images need max_prefill_tokens_per_step=0 (mixed "
+                         "steps prefill them in chunks, without the vision encoder)")  # fmt: skip
+
+
+class ImageFeatures:
+    """A submission's encoder features, per prompt, from its first sample's admission to
+    its last's (module docstring)."""
+
+    def __init__(self, prepared: list[PreparedImages | None], n: int):
+        self.prepared, self.n = prepared, n
+        self.features: dict[int, torch.Tensor] = {}
+
+    def of(self, model, prompt: int) -> torch.Tensor:
+        """[image tokens, H] of the prompt's images, the encoder run on the first ask."""
+        if prompt not in self.features:
+            entry = self.prepared[prompt]
+            weight = next(model.visual.parameters())
+            pixels = entry.pixel_values.to(weight.device, weight.dtype)
+            device = weight.device
+            self.features[prompt] = model.visual(pixels, entry.image_grid_thw.to(device))
+        return self.features[prompt]
+
+    def admitted(self, request: int) -> None:
+        """Request admitted: its prompt's features go when it is the prompt's last sample."""
+        if request % self.n == self.n - 1:
+            self.features.pop(request // self.n, None)
+
+
+@dataclass
+class Segment:
+    """One sequence of a packed prefill: its submission's images (or None), its prompt,
+    and how many tokens of it the pass runs (the prompt, or the prompt and tokens a
+    preempted request had generated)."""
+
+    images: ImageFeatures | None
+    prompt: int
+    prompt_length: int
+    length: int
+
+    @property
+    def entry(self) -> PreparedImages | None:
+        return None if self.images is None else self.images.prepared[self.prompt]
+
+    @property
+    def shift(self) -> int:
+        return 0 if self.entry is None else self.entry.shift
+
+
+def has_images(segments: list[Segment]) -> bool:
+    return any(segment.entry is not None for segment in segments)
+
+
+@torch.no_grad()
+def prefill_inputs(model, ids: torch.Tensor, segments: list[Segment]):
+    """(hidden [N, H], cos, sin [N, D]) for packed ids [N] of these segments in order: the
+    token embeddings with each image prompt's features at its image tokens, each token's
+    cos/sin from its mRoPE rows (text: equal rows; after a prompt: its largest position
+    plus one and on)."""
+    config = model.config
+    hidden = model.model.embed_tokens(ids)
+    rows, start = [], 0
+    for segment in segments:
+        entry = segment.entry
+        if entry is None:
+            rows.append(torch.arange(segment.length).expand(3, -1))
+        else:
+            after = int(entry.positions.max()) + 1
+            tail = torch.arange(after, after + segment.length - segment.prompt_length)
+            rows.append(torch.cat([entry.positions, tail.expand(3, -1)], dim=1))
+            end = start + segment.prompt_length
+            slots = ids[start:end] == config.vision.image_token_id
+            features = segment.images.of(model, segment.prompt).to(hidden.dtype)
+            hidden[start:end] = hidden[start:end].masked_scatter(slots.unsqueeze(-1), features)
+        start += segment.length
+    positions = torch.cat(rows, dim=1).to(ids.device)  # [3, N]
+    cos, sin = mrope_cos_sin(config, positions, hidden.dtype)
+    return hidden, cos, sin
+
+
+def set_slot_shifts(rope, slots: list[int], shifts: list[int], device) -> None:
+    """The decode shift of each slot (0 for a text prompt: a slot may have held an image
+    prompt before)."""
+    if rope.slot_shift is None:
+        return
+    index, values = upload(device, torch.tensor(slots), torch.tensor(shifts))  # no host sync
+    rope.slot_shift[index] = values

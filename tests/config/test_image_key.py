@@ -1,0 +1,35 @@
+"""data.image_key: a vision-language model reads its rows' images (verl's `images` column
+unless named), a text-only model refuses the key naming it."""
+
+import pytest
+
+from hybridflow.config import ConfigError, load_config, validate
+from hybridflow.config.validation import image_key
+
+
+def _config(*overrides):
+    return load_config(None, ["data.train_files=[builtin:shapes]",
+                              "data.val_files=[builtin:shapes]", *overrides])  # fmt: skip
+
+
+def test_a_vision_language_model_reads_verls_images_column_by_default():
+    assert image_key(_config("model.path=tiny-vl")) == "images"
+    assert image_key(_config("model.path=tiny-vl", "data.image_key=pictures")) == "pictures"
+    assert image_key(_config("model.path=sft:shapes", "sft.preset=tiny-vl")) == "images"
+    assert image_key(_config("model.path=tiny")) is None
+    validate(_config("model.path=tiny-vl", "data.image_key=images"))
+
+
+def test_a_text_only_model_refuses_the_key_naming_it():
+    with pytest.raises(ConfigError, match=r"data.image_key = 'images' .* text-only model"):
+        validate(_config("model.path=tiny", "data.image_key=images"))
+
+
+def test_what_prompts_with_images_do_not_run_through_is_refused_up_front():
+    for settings in (["trainer.mode=async", "trainer.partial_rollout=true"],
+                     ["actor.sequence_parallel_size=2"],
+                     ["rollout.tensor_parallel_size=2"],
+                     ["rollout.engine.max_prefill_tokens_per_step=256"]):  # fmt: skip
+        key = settings[-1].split("=")[0]
+        with pytest.raises(ConfigError, match=rf"{key} = .* prompts with images"):
+            validate(_config("model.path=tiny-vl", *settings))

@@ -1,0 +1,175 @@
+"""The engine on prompts with images (tiny-vl, fp32, CPU): greedy tokens equal the model's
+own greedy decoding with its images, sampled log-probs equal the trainer's pass, the vision
+encoder runs once a prompt whatever n and however the samples are admitted, the image
+tokens count in the cache, and what is not supported is refused."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hybridflow.data.image_batch import MROPE_POSITIONS, extend_positions, prompt_image_fields
+from hybridflow.engine import Engine, EngineOptions, SamplingParams
+from hybridflow.engine.images import PromptImages
+from hybridflow.models import build_model
+from hybridflow.models.mrope import mrope_positions
+from hybridflow.models.presets import preset_config
+from hybridflow.protocol import Batch
+
+CONFIG = preset_config("tiny-vl")
+SPEC = CONFIG.vision
+IMAGE, START, END = SPEC.image_token_id, SPEC.vision_start_token_id, SPEC.vision_end_token_id
+# an image of 4 x 6 patches (6 merged tokens), a text prompt, two images (4 + 4 tokens)
+PROMPTS = [[5, START] + [IMAGE] * 6 + [END, 6, 7], [8, 9, 10],
+           [11, START] + [IMAGE] * 4 + [END, 12, START] + [IMAGE] * 4 + [END]]  # fmt: skip
+GRIDS = [torch.tensor([[1, 4, 6]]), None, torch.tensor([[1, 4, 4], [1, 2, 8]])]
+
+
+@pytest.fixture(scope="module")
+def model():
+    """std-0.3 language-model weights (peaked logits: greedy far from ties), std-0.1 encoder
+    weights (its features move the logits)."""
+    generator = torch.Generator().manual_seed(1)
+    model = build_model(CONFIG, seed=1).eval().requires_grad_(False)
+    for name, p in model.named_parameters():
+        if not name.endswith("bias"):
+            p.normal_(0, 0.1 if name.startswith("visual.") else 0.3, generator=generator)
+    return model
+
+
+def _pixels():
+    generator = torch.Generator().manual_seed(0)
+    return [None if g is None else torch.randn(int(g.prod(-1).sum()), SPEC.patch_elements,
+                                               generator=generator) for g in GRIDS]  # fmt: skip
+
+
+def _images(pixels):
+    return [None if g is None else PromptImages(p, g) for p, g in zip(pixels, GRIDS)]
+
+
+def _greedy_reference(model, prompt, pixels, grid, steps):
+    """The model's own greedy decoding: its whole forward over prompt + tokens each step
+    (mRoPE rows from the ids and grids, the image features scattered)."""
+    ids = list(prompt)
+    for _ in range(steps):
+        device = next(model.parameters()).device
+        logits = model(torch.tensor([ids], device=device), pixel_values=pixels,
+                       image_grid_thw=grid)  # fmt: skip
+        ids.append(int(logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def test_greedy_tokens_equal_the_models_own_decoding_with_images(model):
+    pixels = _pixels()
+    params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    engine = Engine(model, max_batch_size=4, max_seq_len=64)
+    got = [c.token_ids for c in engine.generate(PROMPTS, params, images=_images(pixels))]
+    for prompt, p, g, tokens in zip(PROMPTS, pixels, GRIDS, got):
+        assert tokens == _greedy_reference(model, prompt, p, g, 6)
+    # the images matter: other pixels, other tokens
+    other = [None if p is None else p.flip(0) for p in pixels]
+    moved = engine.generate(PROMPTS, params, images=_images(other))
+    assert [c.token_ids for c in moved] != got
+
+
+def _count_encoder_calls(model):
+    calls = []
+    handle = model.visual.register_forward_hook(lambda *_: calls.append(1))
+    return calls, handle
+
+
+@pytest.mark.parametrize("slots", [16, 2])
+def test_the_encoder_runs_once_a_prompt_for_its_n_samples(model, slots):
+    # 2 slots: a prompt's 3 samples are admitted over two passes, sharing one encoder call
+    calls, handle = _count_encoder_calls(model)
+    try:
+        params = SamplingParams(n=3, temperature=1.0, max_new_tokens=4, seed=0)
+        out = Engine(model, max_batch_size=slots, max_seq_len=64).generate(
+            PROMPTS, params, images=_images(_pixels()))  # fmt: skip
+    finally:
+        handle.remove()
+    assert len(out) == 9 and len(calls) == 2  # two prompts hold images
+
+
+def test_sampled_logprobs_equal_the_trainers_pass(model):
+    from hybridflow.config import ActorConfig
+    from hybridflow.learners import ActorLearner
+
+    pixels = _pixels()
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3, ignore_eos=True)
+    completions = Engine(model, max_batch_size=8, max_seq_len=64).generate(
+        PROMPTS, params, images=_images(pixels))  # fmt: skip
+    rows = [i // 2 for i in range(len(completions))]
+    width_p, width_r = max(map(len, PROMPTS)), 6
+    prompts = torch.zeros(len(rows), width_p, dtype=torch.long)
+    responses = torch.zeros(len(rows), width_r, dtype=torch.long)
+    mask = torch.zeros(len(rows), width_p + width_r, dtype=torch.long)
+    for i, (row, c) in enumerate(zip(rows, completions)):
+        prompts[i, width_p - len(PROMPTS[row]) :] = torch.tensor(PROMPTS[row])
+        responses[i, : len(c.token_ids)] = torch.tensor(c.token_ids)
+        mask[i, width_p - len(PROMPTS[row]) : width_p + len(c.token_ids)] = 1
+    positions = [mrope_positions(torch.tensor(PROMPTS[r]), GRIDS[r], IMAGE,
+                                 SPEC.spatial_merge_size) for r in rows]  # fmt: skip
+    tensors, arrays = prompt_image_fields(positions, [pixels[r] for r in rows],
+                                          [GRIDS[r] for r in rows], width_p)  # fmt: skip
+    response_mask = mask[:, width_p:].float()
+    tensors[MROPE_POSITIONS] = extend_positions(tensors[MROPE_POSITIONS], response_mask)
+    tensors.update(prompts=prompts, responses=responses, attention_mask=mask,
+                   response_mask=response_mask)  # fmt: skip
+    trained = copy.deepcopy(model).requires_grad_(True)
+    actor = ActorLearner(trained, ActorConfig(ppo_mini_batch_size=6), total_steps=1, device="cpu")
+    trainer = actor.compute_logprobs(Batch(tensors, arrays))["old_logprobs"]
+    engine = torch.tensor([c.logprobs for c in completions])
+    assert (trainer - engine).abs().max() <= 1e-5
+
+
+def _paged(model, params, budget=None):
+    engine = Engine(model, max_batch_size=9, max_seq_len=64, memory_budget=budget,
+                    options=EngineOptions(kv_block_size=16))  # fmt: skip
+    return engine, engine.generate(PROMPTS, params, images=_images(_pixels()))
+
+
+def test_preempted_image_requests_resume_with_identical_tokens(model):
+    """9 sequences of 3 blocks (image tokens included) in 14 blocks: the newest are
+    preempted and prefilled again, their images' features with them."""
+    params = SamplingParams(n=3, temperature=0.9, max_new_tokens=24, seed=3, ignore_eos=True)
+    probe, expected = _paged(model, params)
+    block = probe.cache.keys[:, 0].numel() * probe.cache.keys.element_size() * 2
+    engine, got = _paged(model, params, budget=block * 15)
+    assert engine.cache.num_blocks == 14 and engine.scheduler.paging.preemptions > 0
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+
+
+def test_image_tokens_count_in_the_prompt_limit(model):
+    # prompt 2 is 14 tokens, 8 of them its images': max_seq_len=14 leaves it no room
+    engine = Engine(model, max_batch_size=4, max_seq_len=14)
+    with pytest.raises(ValueError, match="prompt 2 has 14 tokens"):
+        engine.generate(PROMPTS, SamplingParams(max_new_tokens=1), images=_images(_pixels()))
+    engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=1), images=_images(_pixels())[:1])
+    assert engine.prefill_tokens == len(PROMPTS[0])  # its 6 image tokens with the text
+
+
+def test_what_images_do_not_run_through_is_refused(model):
+    images = _images(_pixels())
+    engine = Engine(model, max_batch_size=4, max_seq_len=64)
+    with pytest.raises(ValueError, match="prompt 0: an image of grid"):
+        engine.generate(PROMPTS, SamplingParams(), images=[images[2], None, images[0]])
+    with pytest.raises(ValueError, match="prompt 2 holds image tokens but no images"):
+        engine.generate(PROMPTS, SamplingParams(), images=[images[0], None, None])
+    with pytest.raises(ValueError, match="prompt 0: 23 rows of pixel_values, its grids hold 24"):
+        cut = PromptImages(images[0].pixel_values[:-1], images[0].image_grid_thw)
+        engine.generate(PROMPTS, SamplingParams(), images=[cut, None, images[2]])
+    with pytest.raises(ValueError, match="keep and reuse"):
+        engine.generate(PROMPTS, SamplingParams(), images=images, keep=True)
+    mixed = Engine(model, max_batch_size=4, max_seq_len=64,
+                   options=EngineOptions(max_prefill_tokens_per_step=32))  # fmt: skip
+    with pytest.raises(ValueError, match="max_prefill_tokens_per_step=0"):
+        mixed.generate(PROMPTS, SamplingParams(), images=images)
+    text_only = build_model(preset_config("tiny"), seed=0)
+    with pytest.raises(ValueError, match="no vision encoder"):
+        Engine(text_only, max_batch_size=4, max_seq_len=64).generate(
+            [[1, 2]], SamplingParams(), images=[images[0]])  # fmt: skip

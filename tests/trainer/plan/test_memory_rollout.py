@@ -1,0 +1,74 @@
+"""The rollout's items of the memory plan for a hybrid model (memory_rollout.py): K/V for its
+attention quarter only, a recurrent state per slot, no fused decode copies (the engine decodes
+it on its eager passes), and the rows of long responses it holds against a dense peer."""
+
+from __future__ import annotations
+
+from hybridflow.config import load_config
+from hybridflow.models.presets import PRESETS
+from hybridflow.trainer.plan.memory_check import plan_for_config
+from hybridflow.trainer.plan.memory_rollout import balanced_state_slots, fused_copy_bytes
+
+GIB = 2**30
+LONG = ["data.max_prompt_length=512", "data.max_response_length=16384", "trainer.device=cuda",
+        "trainer.n_gpus_per_node=1"]  # fmt: skip
+
+
+def _kv_item(plan):
+    return next(item for item in plan.items if item.name.startswith("KV cache"))
+
+
+def _plan(model: str, *overrides: str):
+    cfg = load_config(None, [f"model.path={model}", *LONG, *overrides])
+    return plan_for_config(cfg, gpu_bytes=141 * GIB)
+
+
+def test_a_hybrid_keeps_kv_in_its_attention_quarter_and_a_state_per_slot():
+    a = PRESETS["qwen3.5-4b"]  # 8 attention layers of 4 KV heads x 256; 24 DeltaNet layers
+    plan = _plan("qwen3.5-4b", "rollout.max_num_seqs=64")
+    block, blocks_a_sequence = 64, -(-16896 // 64)
+    kv_block = 8 * 2 * 4 * 256 * 2 * block  # K and V of the 8 attention layers, bf16
+    state = 24 * ((2 * 16 * 128 + 32 * 128) * 3 * 2 + 32 * 128 * 128 * 4)  # conv + fp32 SSM
+    assert a.recurrent_state_bytes(2) == state
+    item = _kv_item(plan)
+    blocks = int(item.name.split("(")[1].split(" ")[0].replace(",", ""))
+    assert item.gpu_bytes == (blocks + 1) * kv_block + 65 * state  # 64 slots + the scratch one
+    assert plan.kv_slots == min(blocks // blocks_a_sequence, 64)
+    # the dense layout would have charged all 32 layers K/V: 4x the bytes a block
+    assert kv_block * 4 == 32 * 2 * 4 * 256 * 2 * block
+
+
+def test_a_hybrid_decodes_without_fused_copies():
+    a, dense = PRESETS["qwen3.5-4b"], PRESETS["qwen3-4b"]
+    assert fused_copy_bytes(a, "all") == 0 == fused_copy_bytes(a, "qkv")
+    assert fused_copy_bytes(dense, "qkv") > 0
+    fused = next(i for i in _plan("qwen3.5-4b").items if "fused" in i.name)
+    assert fused.gpu_bytes == 0
+
+
+def test_balanced_slots_fill_the_budget_with_whole_sequences_and_their_states():
+    assert balanced_state_slots(10 * 100 + 11 * 5, 5, 100) == 10
+    assert balanced_state_slots(10 * 100 + 11 * 5 - 1, 5, 100) == 9
+    assert balanced_state_slots(3, 5, 100) == 0
+
+
+def test_at_16k_responses_a_hybrid_holds_about_4x_the_rows_of_qwen3_4b():
+    """Per 16,896-token row qwen3-4b keeps 36 layers of K/V (2.32 GiB); qwen3.5-4b 8 layers
+    (0.52 GiB) and a 49 MiB recurrent state. With the default 1,024 slots their states take
+    49 GiB first, so the plan names the max_num_seqs that balances states and blocks; there
+    it holds ~4x the rows (the budgets differ by the models' other items)."""
+    dense = _plan("qwen3-4b")
+    hybrid = _plan("qwen3.5-4b")
+    note = _kv_item(hybrid).note
+    assert "recurrent states of 1,025 slots" in note and "rollout.max_num_seqs=" in note
+    balanced = int(note.split("rollout.max_num_seqs=")[1].split(" ")[0].replace(",", ""))
+    assert hybrid.kv_slots < balanced  # the default slots' states crowd out the blocks
+    tuned = _plan("qwen3.5-4b", f"rollout.max_num_seqs={balanced}")
+    assert tuned.kv_slots == balanced
+    assert "rollout.max_num_seqs=" not in _kv_item(tuned).note
+    a, d = PRESETS["qwen3.5-4b"], PRESETS["qwen3-4b"]
+    per_row = a.cache_bytes_per_sequence(16896) + a.recurrent_state_bytes(2)
+    expected = d.cache_bytes_per_sequence(16896) / per_row  # 4.1
+    budgets = _kv_item(tuned).gpu_bytes / _kv_item(dense).gpu_bytes
+    assert 3.5 < tuned.kv_slots / dense.kv_slots
+    assert abs(tuned.kv_slots / dense.kv_slots - expected * budgets) < 0.1 * expected
