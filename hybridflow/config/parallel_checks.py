@@ -85,23 +85,31 @@ def not_built_with_tensor_parallel(
 def not_built_with_expert_parallel(
     cfg: Config, sizes: list[RoleSize], in_use: set[str]
 ) -> list[str]:
-    """Offloading to the host has no expert-parallel path yet (learners/sharding/expert_shard.py: the
-    experts' shards stay on the GPU)."""
-    offloads = {"actor": [("actor.param_offload", cfg.actor.param_offload),
-                          ("actor.optimizer_offload", cfg.actor.optimizer_offload)],
-                "ref": [("ref.param_offload", cfg.ref.param_offload)]}  # fmt: skip
+    """The host step of one device (actor.optimizer_offload) and LoRA on the experts have no
+    expert-parallel path (models/sharding/expert_parallel.keep_local_experts refuses the
+    latter at start); FSDP2's param_offload keeps the experts' shards and their AdamW state
+    on the host (learners/sharding/expert_shard.py)."""
+    from hybridflow.learners.lora import EXPERT_TARGETS
+
     problems = []
     for size in sizes:
-        if size.dim != "ep" or size.value <= 1 or size.role not in in_use & offloads.keys():
+        if size.dim != "ep" or size.value <= 1 or size.role != "actor" or size.role not in in_use:
             continue
-        for key, on in offloads[size.role]:
-            if on:
-                problems.append(
-                    f"{ROLE_NAMES[size.role]}: {key} = true with {size.key} = {size.value}: "
-                    "offloading expert-parallel shards to the host is not built yet: set "
-                    f"{key}=false (FSDP2 already splits each expert over the ranks that hold "
-                    f"it) or {size.key}=1"
-                )
+        targets = sorted(set(cfg.model.lora_target_modules) & set(EXPERT_TARGETS))
+        if cfg.model.lora_rank > 0 and targets:
+            problems.append(
+                f"actor: model.lora_rank = {cfg.model.lora_rank} on the experts "
+                f"(model.lora_target_modules has {', '.join(targets)}) with {size.key} = "
+                f"{size.value}: LoRA on expert-parallel experts is not built yet: set "
+                f"{size.key}=1, or leave {', '.join(targets)} out of model.lora_target_modules"
+            )
+        if cfg.actor.optimizer_offload:
+            problems.append(
+                f"actor: actor.optimizer_offload = true with {size.key} = {size.value}: the host "
+                "step runs on one device only: set actor.optimizer_offload=false and "
+                "actor.param_offload=true (FSDP2 keeps each rank's expert shards and their "
+                f"AdamW state on the host), or {size.key}=1"
+            )
     return problems
 
 
@@ -199,18 +207,33 @@ def unpaged_mixers(arch: ModelArchitecture | None) -> list[str]:
 
 
 def rollout_expert_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]:
-    """rollout.expert_parallel_size: the experts split over one replica's tensor-parallel
-    ranks (unset, or equal to rollout.tensor_parallel_size) or held whole (1) are built;
-    experts spread over several replicas are not."""
+    """rollout.expert_parallel_size above rollout.tensor_parallel_size spreads the experts
+    over several replicas (engine/expert_spread.py: a multiple of tp dividing the rollout's
+    GPUs, said by layout_problems). Its replicas move in rounds of the expert group, so what
+    runs at each replica's own pace is refused, as under rollout TP (with tp > 1,
+    rollout_tensor_parallel_limits says so already)."""
     ep, tp = cfg.rollout.expert_parallel_size, cfg.rollout.tensor_parallel_size
-    if ep is None or ep == 1 or ep == tp or (arch is not None and not arch.is_moe):
+    if ep is None or ep <= tp or (arch is not None and not arch.is_moe):
         return []  # a dense model's ep > 1: _check_shape says it has no experts
-    fix = (f"set rollout.expert_parallel_size={tp} (each replica's {tp} ranks split the "
-           "experts) or 1 (every rank holds every expert)" if tp > 1 else
-           f"set rollout.expert_parallel_size=1, or rollout.tensor_parallel_size={ep} to split "
-           f"the experts over {ep} ranks")  # fmt: skip
-    return [f"rollout.expert_parallel_size = {ep} with rollout.tensor_parallel_size = {tp}: "
-            f"experts spread over several engine replicas are not yet supported: {fix}"]  # fmt: skip
+    key = f"rollout.expert_parallel_size = {ep} (experts over several replicas)"
+    limits = [
+        (cfg.rollout.engine.cuda_graphs is True, "rollout.engine.cuda_graphs = true",
+         "the all-to-all's sizes are read on the host at every sparse layer"),
+    ]  # fmt: skip
+    if tp == 1:
+        limits += [
+            (cfg.rollout.agent.loop is not None, f"rollout.agent.loop = {cfg.rollout.agent.loop}",
+             "agent episodes take turns at their own pace on each replica"),
+            (cfg.trainer.mode == "async" and cfg.trainer.partial_rollout,
+             "trainer.partial_rollout",
+             "the rollout service admits requests as they come, at times that differ by rank"),
+            (cfg.rollout.engine.decode_backend == "triton" or cfg.rollout.dtype == "fp8",
+             "rollout.engine.decode_backend = triton" if cfg.rollout.dtype != "fp8" else
+             "rollout.dtype = fp8", "the fused decode layers have no all-to-all yet"),
+        ]  # fmt: skip
+    fix = f"rollout.expert_parallel_size={tp if tp > 1 else 1}"
+    return [f"{key} with {what}: not yet supported ({why}); set {fix}"
+            for applies, what, why in limits if applies]  # fmt: skip
 
 
 def rollout_fp8_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]:
@@ -241,7 +264,8 @@ def rollout_fp8_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]
 
 
 def _moe_rollout_limits(cfg: Config, arch: ModelArchitecture, key: str) -> list[str]:
-    """A tensor-parallel rollout of a mixture of experts: what it does not run yet."""
+    """A tensor-parallel rollout of a mixture of experts: what it does not run yet (expert
+    LoRA is merged as it reshards: workers/rollout_tp.training_sources)."""
     problems = []
     split = cfg.rollout.expert_parallel_size != 1
     if split and arch.num_experts % cfg.rollout.tensor_parallel_size:
@@ -249,12 +273,6 @@ def _moe_rollout_limits(cfg: Config, arch: ModelArchitecture, key: str) -> list[
             f"{key} must divide the model's experts (num_experts = {arch.num_experts}) to "
             "split them over the replica's ranks: pick a divisor, or set "
             "rollout.expert_parallel_size=1 (every rank holds every expert)"
-        )
-    if cfg.model.lora_rank > 0:
-        problems.append(
-            f"{key} with model.lora_rank = {cfg.model.lora_rank} on a mixture-of-experts model: "
-            "not yet supported (the reshard does not merge expert adapters); set "
-            "rollout.tensor_parallel_size=1 or model.lora_rank=0"
         )
     return problems
 

@@ -79,8 +79,11 @@ class RolloutConfig:
     """Mixture-of-experts models with rollout.tensor_parallel_size > 1: unset or equal to
     it, each replica's ranks split the experts (rank r holds experts [r·E/tp, (r+1)·E/tp),
     whole; one all-reduce per sparse layer); 1, every rank holds every expert (tp times the
-    experts' memory, no all-reduce after the sparse layers). Experts spread over several
-    replicas (other values) are not built yet. verl's rollout.expert_parallel_size."""
+    experts' memory, no all-reduce after the sparse layers). A multiple of it (dividing the
+    rollout's GPUs): the experts spread over ep / tp replicas, E / ep a rank, attention
+    data-parallel over the replicas and the tokens dispatched to their experts by
+    all-to-all (engine/expert_spread.py; DeepSeek-V3's layout, also with tp = 1).
+    verl's rollout.expert_parallel_size."""
     agent: AgentOptions = field(default_factory=AgentOptions)
     """Multi-turn episodes with tools (hybridflow/agents/options.py): rollout.agent.loop=tools
     rollout.agent.tools=[calculator,python] trains on the model's turns, tool results masked

@@ -506,6 +506,9 @@ def _check_images(cfg: Config, add) -> None:
         "rollout.engine.max_prefill_tokens_per_step": cfg.rollout.engine.max_prefill_tokens_per_step > 0,
         "actor.sequence_parallel_size": cfg.actor.sequence_parallel_size > 1,
         "rollout.tensor_parallel_size": cfg.rollout.tensor_parallel_size > 1,
+        # experts over replicas: the rollout's rows travel without their images (rollout_tp)
+        "rollout.expert_parallel_size": (cfg.rollout.expert_parallel_size or 1)
+        > cfg.rollout.tensor_parallel_size,
     }  # fmt: skip
     for name, on in unsupported.items():
         if on:

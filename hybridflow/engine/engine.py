@@ -58,10 +58,12 @@ def _triton_available() -> bool:
     return True
 
 
-def _resolve_backend(requested: str, device: torch.device, tensor_parallel: int = 1) -> str:
-    if tensor_parallel > 1:  # the fused layers have no all-reduce yet (docs/parallelism.md)
+def _resolve_backend(requested: str, device: torch.device, tensor_parallel: int = 1,
+                     spread: bool = False) -> str:  # fmt: skip
+    if tensor_parallel > 1 or spread:  # the fused layers have no collectives yet
         if requested == "triton":
-            raise ValueError("decode_backend='triton' does not run a tensor-parallel model "
+            what = "tensor-parallel" if tensor_parallel > 1 else "wide expert-parallel"
+            raise ValueError(f"decode_backend='triton' does not run a {what} model "
                              "yet: use decode_backend='torch' (or 'auto')")  # fmt: skip
         return "torch"
     if requested == "auto":
@@ -137,8 +139,12 @@ class Engine:
 
         # a tensor-parallel shard (tensor_parallel.py): the eager path, its all-reduces
         self.tensor_parallel = tensor_parallel_size(model)
+        from hybridflow.engine.expert_spread import spread_of
+
+        # experts over the replicas (expert_spread.py): the eager path, rounds of the group
+        self.spread = spread_of(model) is not None
         self.decode_backend = _resolve_backend(options.decode_backend, self.device,
-                                               self.tensor_parallel)  # fmt: skip
+                                               self.tensor_parallel, self.spread)  # fmt: skip
         self.recurrent_step = "torch"
         if self.eager_layers:
             self.recurrent_step = self.decode_backend
@@ -151,7 +157,7 @@ class Engine:
         triton_backend = self.decode_backend == "triton"
         cuda = self.device.type == "cuda"
         # a tensor-parallel step's collectives in a graph: not measured yet, so asked for
-        graphs_default = cuda and self.tensor_parallel == 1
+        graphs_default = cuda and self.tensor_parallel == 1 and not self.spread
         self.cuda_graphs = graphs_default if options.cuda_graphs is None else options.cuda_graphs
         self.sync_lag = int(cuda) if options.sync_lag is None else options.sync_lag
         from hybridflow.engine.adapters import adapter_layers
@@ -498,7 +504,9 @@ class Engine:
             if max_new_tokens is not None:
                 raise ValueError("max_new_tokens per request needs the engine's own decoder")
             seed_values = call_seeds(len(prompts), params, seeds, sample_index)
-            return generate_slow(self, prompts, params, seed_values)
+            results = generate_slow(self, prompts, params, seed_values)
+            self._serve_peers()
+            return results
         sub = self.submission(prompts, params, seeds, keep=keep, reuse=reuse,
                               max_new_tokens=max_new_tokens, sample_index=sample_index,
                               images=images)  # fmt: skip
@@ -513,8 +521,17 @@ class Engine:
         except BaseException:
             self._reset_scheduler()  # a bad prompt id, an interrupt: nothing half-admitted
             raise
+        self._serve_peers()
         self._record_choices()
         return results
+
+    def _serve_peers(self) -> None:
+        """Experts across replicas: the other replicas' tokens still need this rank's
+        experts after its own requests are done (expert_spread.py)."""
+        if self.spread:
+            from hybridflow.engine.expert_spread import serve_peers
+
+            serve_peers(self.model, self.device)
 
     def _reset_scheduler(self) -> None:
         if self.state is None:

@@ -58,10 +58,12 @@ def local_block(tensor: torch.Tensor) -> Block | None:
 
 class Adapter(NamedTuple):
     """A LoRA adapter on a weight: the weight moves as W + scale · B @ A (its rows of B are
-    held where its rows of W are: FSDP2 chunks both by output rows)."""
+    held where its rows of W are: FSDP2 chunks both by output rows). On a packed expert
+    tensor W [E, out, in] the factors are per expert, A [E, r, in] and B [E, out, r], and
+    FSDP2 chunks all three by experts (dim 0), so a rank merges its own experts alone."""
 
-    lora_a: torch.Tensor  # [r, in] (a DTensor: gathered, r × in is small)
-    lora_b: torch.Tensor  # [out, r]
+    lora_a: torch.Tensor  # [r, in] (a DTensor: gathered, r × in is small); experts: [E, r, in]
+    lora_b: torch.Tensor  # [out, r]; experts: [E, out, r]
     scale: float
 
 
@@ -69,6 +71,11 @@ def merged_block(base: torch.Tensor, adapter: Adapter) -> torch.Tensor:
     """This rank's block of W + scale · B @ A in fp32 (the rows of its base shard), as
     learners/lora.merge_lora_stream merges whole tensors. Collective for a sharded A: every
     rank calls it for the same weights in the same order."""
+    if adapter.lora_a.dim() == 3:  # per-expert factors: this rank's experts, bmm
+        lora_a, lora_b = (t.to_local() if hasattr(t, "to_local") else t
+                          for t in (adapter.lora_a, adapter.lora_b))  # fmt: skip
+        delta = adapter.scale * torch.bmm(lora_b.float(), lora_a.float().to(lora_b.device))
+        return base.float() + delta.to(base.device)
     lora_a = adapter.lora_a
     lora_a = lora_a.full_tensor() if hasattr(lora_a, "full_tensor") else lora_a
     lora_b = adapter.lora_b

@@ -140,11 +140,13 @@ class VocabParallelHead(nn.Module):
 
 
 def tensor_parallel_model(config: ModelArchitecture, group, dtype: torch.dtype,
-                          device: str | torch.device, split_experts: bool = True):  # fmt: skip
+                          device: str | torch.device, split_experts: bool = True,
+                          before_allocation=None):  # fmt: skip
     """This rank's shard of a CausalLM of ``config``, uninitialised (load_weights fills it
     with local_shard slices, or reshard.py from a sharded trainer). Its config is the local
     shape (local_architecture). split_experts: a sparse layer holds this rank's experts
-    (models/moe.ExpertSlice), else all of them."""
+    (models/moe.ExpertSlice), else all of them. before_allocation: called with the model
+    while it is still on the meta device (engine/expert_spread.py swaps the experts)."""
     from hybridflow.models.llama import CausalLM
     from hybridflow.models.moe import Experts, ExpertSlice
 
@@ -168,6 +170,8 @@ def tensor_parallel_model(config: ModelArchitecture, group, dtype: torch.dtype,
             elif split_experts and size > 1:
                 mlp.experts = Experts(share, config.hidden_size, config.moe_intermediate_size)
                 mlp.expert_slice = ExpertSlice(first, group)
+        if before_allocation is not None:
+            before_allocation(model)
     model.tie_weights()  # the head shares the embedding's shard
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()

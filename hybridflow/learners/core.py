@@ -97,7 +97,7 @@ class TrainCore:
         self.expert_params: list[nn.Parameter] = []
         self.experts_sharded = False  # FSDP2 over expert_fsdp (learners/sharding/expert_shard.py)
         if self.groups.expert is not None:
-            check_expert_options(optimizer_offload=optimizer_offload, param_offload=param_offload)
+            check_expert_options(optimizer_offload=optimizer_offload)
             self.expert_params = distribute_experts(module.lm, mesh)
         self.fsdp = self.groups.shard_size > 1 if fsdp is None else fsdp
         if self.fsdp and optimizer_offload:

@@ -189,6 +189,10 @@ class CausalLM(nn.Module):
             elif isinstance(module, (SparseMoeBlock, BiasedExpertsMoeBlock)):
                 for param in module.parameters():  # router and experts: HF's normal(0, std)
                     param.normal_(0.0, std, generator=generator)
+                # DeepSeek's router correction bias, zero as HF's (materialised from meta, it
+                # would otherwise hold whatever the memory held, different on every process)
+                for buffer in module.buffers():
+                    buffer.zero_()
             elif isinstance(module, SinkAttention):  # HF's normal(0, std) sinks
                 module.sinks.normal_(0.0, std, generator=generator)
 

@@ -181,7 +181,10 @@ def moe_experts(
     unsorted = torch.empty_like(expert_out).index_copy_(0, order, expert_out)
     if mine is not None:  # rows past the last run: zeros (loop) or unwritten (grouped_mm)
         unsorted = torch.where(mine[:, None], unsorted, 0)
-    weighted = unsorted.view(num_tokens, top_k, -1).float() * topk_weights[..., None].float()
+    weighted = (
+        unsorted.view(num_tokens, top_k, unsorted.shape[-1]).float()
+        * topk_weights[..., None].float()
+    )
     return weighted.sum(dim=1).to(hidden.dtype)
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from hybridflow.models.architecture import ModelArchitecture
 from hybridflow.parallel.blocks import (
+    PACKED_EXPERTS,
     Block,
     fsdp_block,
     numel,
@@ -82,10 +83,16 @@ def rollout_blocks(name: str, shape: tuple[int, ...], layout: Layout,
                    split_experts: bool = True) -> list[Block]:  # fmt: skip
     """Per rank, its block of parameter ``name`` in a rollout layout (each replica whole); a
     packed expert tensor: the rank's whole experts when ``split_experts`` (the experts
-    split over the tensor-parallel ranks, engine/tensor_parallel.py), else all of them."""
+    split over the tensor-parallel ranks, engine/tensor_parallel.py, or over the ``ep``
+    ranks of several replicas when ep > tp, engine/expert_spread.py), else all of them."""
     dim = rollout_shard_dim(name, split_experts)
-    return [tensor_parallel_block(shape, dim, coordinates(layout, rank).get("tp", 0), layout.tp)
-            for rank in range(layout.world)]  # fmt: skip
+    spread = dim is not None and name.endswith(PACKED_EXPERTS) and layout.ep > layout.tp
+    blocks = []
+    for rank in range(layout.world):
+        at = coordinates(layout, rank)
+        index, parts = (at["ep"], layout.ep) if spread else (at.get("tp", 0), layout.tp)
+        blocks.append(tensor_parallel_block(shape, dim, index, parts))
+    return blocks
 
 
 @dataclass(frozen=True)

@@ -64,9 +64,11 @@ class RolloutWorker(Worker):
             # async mode generates while the actor updates: the engine needs its own copy
             and not (t.mode == "async" and (t.max_staleness > 0 or partial))
         )
-        # rollout.tensor_parallel_size > 1: one engine over each tensor-parallel group
+        # rollout.tensor_parallel_size > 1: one engine over each tensor-parallel group;
+        # rollout.expert_parallel_size above it: the experts spread over several replicas
         self.tensor = None
-        if config.rollout.tensor_parallel_size > 1:
+        r = config.rollout
+        if r.tensor_parallel_size > 1 or (r.expert_parallel_size or 1) > r.tensor_parallel_size:
             self.tensor = self._tensor_parallel(config, dtype)
             model = self.tensor.model
         elif self.shares_actor_weights:
@@ -107,12 +109,12 @@ class RolloutWorker(Worker):
         size = config.rollout.tensor_parallel_size
         # rollout.expert_parallel_size: unset or the tensor-parallel size splits the experts
         # over the group, 1 holds every expert on every rank (validate() refuses the rest)
-        split = config.rollout.expert_parallel_size != 1
+        split, ep = config.rollout.expert_parallel_size != 1, config.rollout.expert_parallel_size
         if self.actor is not None:
             return TensorParallelRollout.from_actor(self.actor, size, dtype, self.device,
-                                                    config.model.path, split)  # fmt: skip
+                                                    config.model.path, split, ep)  # fmt: skip
         return TensorParallelRollout.from_checkpoint(config.model.path, size, dtype, self.device,
-                                                     split)  # fmt: skip
+                                                     split, ep)  # fmt: skip
 
     def _generate_episodes(self, batch: Batch, params, pad_token_id: int) -> Batch:
         """rollout.agent.loop: n multi-turn episodes per prompt row (its `raw_prompt`

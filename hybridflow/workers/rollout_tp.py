@@ -1,4 +1,7 @@
-"""The rollout worker's side of a tensor-parallel engine (rollout.tensor_parallel_size > 1).
+"""The rollout worker's side of a tensor-parallel engine (rollout.tensor_parallel_size > 1),
+or of experts spread over several replicas (rollout.expert_parallel_size above it:
+engine/expert_spread.py; each rank holds E / ep experts, and a replica of one rank is a
+"group" of one for the prompts below).
 
 The ranks of a tensor-parallel group run one engine together (engine/tensor_parallel.py):
 
@@ -24,7 +27,9 @@ from hybridflow.protocol import Batch
 def training_sources(model, names) -> tuple[dict, dict]:
     """(HF name -> the trainer's parameter, HF name -> its LoRA adapter) for the engine's
     parameter ``names``: a LoRA layer's base weight sits under ``base_layer`` (peft,
-    learners/lora.py) and is merged with its adapter as it moves."""
+    learners/lora.py) and is merged with its adapter as it moves; a mixture of experts'
+    packed expert tensor is merged with its per-expert factors (models/moe.ExpertLoRA:
+    ``...experts.lora.gate_up_A`` [E, r, in] and ``_B`` [E, out, r])."""
     from hybridflow.engine.reshard import Adapter
     from hybridflow.learners.lora import ADAPTER, lora_scalings
 
@@ -33,6 +38,12 @@ def training_sources(model, names) -> tuple[dict, dict]:
     sources, adapters = {}, {}
     for name in names:
         module, _, leaf = name.rpartition(".")
+        if f"{module}.lora" in scalings and leaf.endswith("_proj"):  # packed experts
+            sources[name] = params[name]
+            factor = f"{module}.lora.{leaf.removesuffix('_proj')}"
+            adapters[name] = Adapter(params[f"{factor}_A"], params[f"{factor}_B"],
+                                     scalings[f"{module}.lora"])  # fmt: skip
+            continue
         if module not in scalings:
             sources[name] = params[name]
             continue
@@ -68,38 +79,52 @@ class TensorParallelRollout:
         split_experts: a mixture of experts' experts are split over the group (each rank
             receives only its own), else every rank holds all of them
             (rollout.expert_parallel_size=1).
+        expert_parallel_size: above tensor_parallel_size, the experts are spread over that
+            many ranks, several replicas (engine/expert_spread.py).
     """
 
     def __init__(self, architecture, tensor_parallel_size: int, dtype: torch.dtype,
-                 device: str, actor=None, split_experts: bool = True):  # fmt: skip
+                 device: str, actor=None, split_experts: bool = True,
+                 expert_parallel_size: int | None = None):  # fmt: skip
+        from hybridflow.engine.expert_spread import expert_parallel_model
         from hybridflow.engine.tensor_parallel import tensor_parallel_model
         from hybridflow.parallel.layout import build_mesh, rollout_layout
 
         world = dist.get_world_size()
-        self.layout = rollout_layout(world, tp=tensor_parallel_size)
+        ep = expert_parallel_size or 1
+        self.spread = architecture.is_moe and ep > tensor_parallel_size
+        self.layout = rollout_layout(world, tp=tensor_parallel_size, ep=ep if self.spread else 1)
         mesh = build_mesh(self.layout, "cuda" if str(device).startswith("cuda") else "cpu")
         self.group = mesh.group("tp")
         self.size, self.rank_in_group = tensor_parallel_size, mesh.rank_in("tp")
         self.architecture = architecture
         self.split_experts = split_experts and architecture.is_moe
-        self.model = tensor_parallel_model(architecture, self.group, dtype, device,
-                                           self.split_experts)  # fmt: skip
+        if self.spread:
+            self.ep, self.ep_rank = ep, mesh.rank_in("ep")
+            replica = self.group if tensor_parallel_size > 1 else None
+            self.model = expert_parallel_model(architecture, mesh.group("ep"), replica, dtype,
+                                               device)  # fmt: skip
+        else:
+            self.model = tensor_parallel_model(architecture, self.group, dtype, device,
+                                               self.split_experts)  # fmt: skip
         self.resharder = None
         if actor is not None:
             self.resharder = self._resharder(actor)
 
     @classmethod
     def from_actor(cls, actor, size: int, dtype: torch.dtype, device: str, path: str,
-                   split_experts: bool = True):  # fmt: skip
+                   split_experts: bool = True, expert_parallel_size: int | None = None):  # fmt: skip
         """Its shard of the colocated actor's model, resharded from the actor's shards."""
         _check_native(actor.model, size, path)
-        tensor = cls(actor.model.config, size, dtype, device, actor, split_experts)
+        tensor = cls(actor.model.config, size, dtype, device, actor, split_experts,
+                     expert_parallel_size)  # fmt: skip
         tensor.sync(actor)
+        tensor.copy_buffers(actor.model.named_buffers())
         return tensor
 
     @classmethod
     def from_checkpoint(cls, path: str, size: int, dtype: torch.dtype, device: str,
-                        split_experts: bool = True):  # fmt: skip
+                        split_experts: bool = True, expert_parallel_size: int | None = None):  # fmt: skip
         """Its shard of the model at ``path`` (split placement): a checkpoint directory is
         read one tensor at a time, each sliced, so no whole model is ever on the host; a
         preset is built whole once (its random weights are made whole)."""
@@ -109,8 +134,9 @@ class TensorParallelRollout:
         if path in PRESETS:
             whole = load_causal_lm(path, dtype, "cpu")
             _check_native(whole, size, path)
-            tensor = cls(whole.config, size, dtype, device, split_experts=split_experts)
-            tensor.copy_in(whole.named_parameters())
+            tensor = cls(whole.config, size, dtype, device, split_experts=split_experts,
+                         expert_parallel_size=expert_parallel_size)  # fmt: skip
+            tensor.copy_in(whole.state_dict().items())
             return tensor
         from hybridflow.models import native_support_problem
         from hybridflow.models.architecture import ModelArchitecture
@@ -124,7 +150,7 @@ class TensorParallelRollout:
         if problem is not None:
             raise ValueError(_fallback_refusal(size, path, problem))
         tensor = cls(ModelArchitecture.from_hf(config), size, dtype, device,
-                     split_experts=split_experts)  # fmt: skip
+                     split_experts=split_experts, expert_parallel_size=expert_parallel_size)  # fmt: skip
         tensor.copy_in(iter_checkpoint_tensors(path), path)
         return tensor
 
@@ -139,7 +165,7 @@ class TensorParallelRollout:
             place_expert_slice,
         )
 
-        params = dict(self.model.named_parameters())
+        params = {**self.persistent_buffers(), **dict(self.model.named_parameters())}
         filled, slices = set(), set()
         first, count = self._expert_range()
         for name, tensor in named_tensors:
@@ -161,9 +187,26 @@ class TensorParallelRollout:
             raise ValueError(f"checkpoint {path!r} lacks {len(missing)} tensors, e.g. "
                              f"{missing[:5]}")  # fmt: skip
 
+    def persistent_buffers(self) -> dict[str, torch.Tensor]:
+        """The engine model's buffers a checkpoint holds (DeepSeek's router correction bias):
+        the model was allocated empty, and the reshard moves parameters only."""
+        saved = set(self.model.state_dict())
+        return {name: buf for name, buf in self.model.named_buffers() if name in saved}
+
+    @torch.no_grad()
+    def copy_buffers(self, named_tensors) -> None:
+        """The trainer's buffers (whole on every rank) into the engine's persistent ones."""
+        buffers = self.persistent_buffers()
+        for name, tensor in named_tensors:
+            if name in buffers:
+                buffers[name].copy_(self.local_slice(name, tensor)[1])
+
     def _expert_range(self) -> tuple[int, int]:
         """(first expert, experts) this rank holds of each sparse layer."""
         experts = self.architecture.num_experts
+        if self.spread:
+            share = experts // self.ep
+            return self.ep_rank * share, share
         if not self.split_experts:
             return 0, experts
         share = experts // self.size
@@ -171,16 +214,18 @@ class TensorParallelRollout:
 
     def _resharder(self, actor):
         from hybridflow.engine.reshard import Resharder
-        from hybridflow.parallel.reshard_plan import parameter_shapes, rollout_blocks
+        from hybridflow.parallel.reshard_plan import rollout_blocks
 
         rank = dist.get_rank()
-        shapes = dict(parameter_shapes(self.architecture))
         targets = dict(self.model.named_parameters())
+        sources, _ = training_sources(actor.model, targets)
+        # the full shapes, read off the trainer's parameters (a DTensor's shape is the whole
+        # tensor's), so every layer kind the model has is covered (MLA's projections too)
+        shapes = {name: tuple(source.shape) for name, source in sources.items()}
         blocks = {name: rollout_blocks(name, shapes[name], self.layout, self.split_experts)[rank]
                   for name in targets}  # fmt: skip
         # a group of its own: a sync never queues behind (or between) the actor's collectives
         reshard_group = dist.new_group(list(range(dist.get_world_size())))
-        sources, _ = training_sources(actor.model, targets)
         return Resharder(sources, targets, blocks, reshard_group)
 
     def sync(self, actor):
@@ -192,8 +237,12 @@ class TensorParallelRollout:
     def local_slice(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         """(name, this rank's slice) of a whole in-memory tensor (split placement's weights;
         packed experts: this rank's experts)."""
+        from hybridflow.engine.expert_spread import spread_shard
         from hybridflow.engine.tensor_parallel import local_shard
 
+        if self.spread:
+            return name, spread_shard(name, tensor, self.ep_rank, self.ep, self.rank_in_group,
+                                      self.size)  # fmt: skip
         return name, local_shard(name, tensor, self.rank_in_group, self.size,
                                  self.split_experts)  # fmt: skip
 

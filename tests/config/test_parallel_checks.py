@@ -66,20 +66,17 @@ def test_a_tensor_parallel_rollout_is_accepted_and_what_it_does_not_run_yet_refu
 
 def test_a_tensor_parallel_rollout_of_experts_splits_them_or_holds_them_whole():
     """engine/tensor_parallel.py: unset or equal to the rollout's tp, rollout.expert_parallel_size
-    splits the experts over a replica's ranks; 1 holds them whole; experts over several
-    replicas and expert adapters are refused by key."""
+    splits the experts over a replica's ranks; 1 holds them whole; a multiple spreads them over
+    several replicas (engine/expert_spread.py); expert adapters merge as they move."""
     moe = [*FOUR_CPUS, "model.path=tiny-moe", "rollout.tensor_parallel_size=2"]
-    for extra in ([], ["rollout.expert_parallel_size=2"], ["rollout.expert_parallel_size=1"]):
+    for extra in ([], ["rollout.expert_parallel_size=2"], ["rollout.expert_parallel_size=1"],
+                  ["rollout.expert_parallel_size=4"]):  # fmt: skip
         derived = validate(load_config(None, [*moe, *extra]))
         assert (derived.layouts.rollout.tp, derived.rollout_dp_size) == (2, 2)
-    assert _problems([*moe, "rollout.expert_parallel_size=4"]) == [
-        "rollout.expert_parallel_size = 4 with rollout.tensor_parallel_size = 2: experts spread "
-        "over several engine replicas are not yet supported: set rollout.expert_parallel_size=2 "
-        "(each replica's 2 ranks split the experts) or 1 (every rank holds every expert)"]  # fmt: skip
-    problems = _problems([*moe, "model.lora_rank=4"])
-    assert [p.split(":")[0] for p in problems] == [
-        "rollout.tensor_parallel_size = 2 with model.lora_rank = 4 on a mixture-of-experts model"
-    ]
+    assert derived.layouts.rollout.ep == 4
+    # expert adapters merge as they reshard (workers/rollout_tp.training_sources)
+    for extra in ([], ["rollout.expert_parallel_size=4"]):
+        validate(load_config(None, [*moe, *extra, "model.lora_rank=4"]))
     # an expert-parallel actor's expert shards (FSDP2-sharded too) reshard like any block
     for ep in (2, 4):
         validate(load_config(None, [*moe, f"actor.expert_parallel_size={ep}"]))
@@ -99,17 +96,26 @@ def test_sequence_and_tensor_parallel_training_roles_are_accepted(dim):
         assert (layout.sp, layout.tp) == ((2, 1) if dim == "sequence" else (1, 2))
 
 
-def test_expert_parallel_actor_and_reference_are_accepted_rollout_beyond_its_tp_refused():
+def test_expert_parallel_actor_reference_and_rollout_over_replicas_are_accepted():
     """Expert parallelism trains the actor and runs the reference (learners/sharding/expert_shard.py);
-    the rollout splits experts over its tensor-parallel ranks only."""
+    the rollout spreads the experts over replicas of one rank (engine/expert_spread.py),
+    refusing what runs at each replica's own pace by key."""
     moe = [*FOUR_CPUS, "model.path=tiny-moe", "actor.use_kl_loss=true"]
     derived = validate(load_config(None, [*moe, "actor.expert_parallel_size=2"]))
     assert derived.layouts.actor.ep == derived.layouts.ref.ep == 2
-    problems = _problems([*moe, "rollout.expert_parallel_size=2"])
+    derived = validate(load_config(None, [*moe, "rollout.expert_parallel_size=4"]))
+    assert (derived.layouts.rollout.tp, derived.layouts.rollout.ep) == (1, 4)
+    problems = _problems([*moe, "rollout.expert_parallel_size=2",
+                          "rollout.engine.decode_backend=triton", "rollout.engine.cuda_graphs=true"])  # fmt: skip
     assert problems == [
-        "rollout.expert_parallel_size = 2 with rollout.tensor_parallel_size = 1: experts spread "
-        "over several engine replicas are not yet supported: set rollout.expert_parallel_size=1, "
-        "or rollout.tensor_parallel_size=2 to split the experts over 2 ranks"]  # fmt: skip
+        "rollout.expert_parallel_size = 2 (experts over several replicas) with "
+        "rollout.engine.cuda_graphs = true: not yet supported (the all-to-all's sizes are read "
+        "on the host at every sparse layer); set rollout.expert_parallel_size=1",
+        "rollout.expert_parallel_size = 2 (experts over several replicas) with "
+        "rollout.engine.decode_backend = triton: not yet supported (the fused decode layers "
+        "have no all-to-all yet); set rollout.expert_parallel_size=1"]  # fmt: skip
+    problems = _problems([*moe, "rollout.expert_parallel_size=3"])
+    assert any("rollout.expert_parallel_size = 3 must" in p for p in problems)
 
 
 def test_sizes_that_do_not_tile_the_devices_name_the_keys():
@@ -206,16 +212,27 @@ def test_tensor_parallel_training_of_experts_or_lora_is_refused():
                                 "actor.sequence_parallel_size=2"]))  # fmt: skip
 
 
-def test_offloading_expert_parallel_shards_is_refused_by_key():
+def test_offloaded_expert_parallel_shards_pass_and_the_host_step_is_refused():
+    """FSDP2's param_offload holds the experts' shards on the host (learners/sharding/
+    expert_shard.py); the one-device host step (optimizer_offload) is refused by key."""
+    validate(load_config(None, [*FOUR_CPUS, "model.path=tiny-moe",
+                                "actor.expert_parallel_size=2", "actor.param_offload=true",
+                                "ref.param_offload=true", "actor.use_kl_loss=true"]))  # fmt: skip
     problems = _problems([*FOUR_CPUS, "model.path=tiny-moe", "actor.expert_parallel_size=2",
-                          "actor.param_offload=true", "ref.param_offload=true",
-                          "actor.use_kl_loss=true"])  # fmt: skip
+                          "actor.optimizer_offload=true"])  # fmt: skip
+    assert ("actor: actor.optimizer_offload = true with actor.expert_parallel_size = 2: the host "
+            "step runs on one device only: set actor.optimizer_offload=false and "
+            "actor.param_offload=true (FSDP2 keeps each rank's expert shards and their AdamW "
+            "state on the host), or actor.expert_parallel_size=1") in problems  # fmt: skip
+
+
+def test_lora_on_expert_parallel_experts_is_refused_by_key():
+    """keep_local_experts refuses adapters on split experts at start: validate says so first,
+    so plan never recommends it; LoRA on attention only trains with EP."""
+    moe = [*FOUR_CPUS, "model.path=tiny-moe", "actor.expert_parallel_size=2", "model.lora_rank=4"]
+    problems = _problems([*moe, "model.lora_target_modules=[q_proj,experts]"])
     assert problems == [
-        "actor: actor.param_offload = true with actor.expert_parallel_size = 2: offloading "
-        "expert-parallel shards to the host is not built yet: set actor.param_offload=false "
-        "(FSDP2 already splits each expert over the ranks that hold it) or "
-        "actor.expert_parallel_size=1",
-        "reference: ref.param_offload = true with actor.expert_parallel_size = 2: offloading "
-        "expert-parallel shards to the host is not built yet: set ref.param_offload=false "
-        "(FSDP2 already splits each expert over the ranks that hold it) or "
-        "actor.expert_parallel_size=1"]  # fmt: skip
+        "actor: model.lora_rank = 4 on the experts (model.lora_target_modules has experts) with "
+        "actor.expert_parallel_size = 2: LoRA on expert-parallel experts is not built yet: set "
+        "actor.expert_parallel_size=1, or leave experts out of model.lora_target_modules"]  # fmt: skip
+    validate(load_config(None, [*moe, "model.lora_target_modules=[q_proj,v_proj]"]))

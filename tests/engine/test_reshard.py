@@ -180,6 +180,54 @@ def _from_lora() -> None:
         torch.testing.assert_close(param, expected, rtol=1e-6, atol=1e-6, msg=name)
 
 
+def _from_expert_lora(spread: bool) -> None:
+    """tiny-moe with LoRA on its experts (per-expert factors, models/moe.ExpertLoRA) and the
+    attention, FSDP2 over 2 ranks, into rollout TP 2 with the experts split, or into 2
+    replicas of one rank with the experts spread over both (engine/expert_spread.py): each
+    rank's experts arrive merged, W_e + scale · B_e @ A_e, as learners/lora merges them."""
+    from hybridflow.engine.expert_spread import expert_parallel_model, spread_shard
+    from hybridflow.learners.lora import apply_lora, lora_scalings, merge_lora_stream
+
+    rank = dist.get_rank()
+    model = build_model(preset_config("tiny-moe"), seed=3)
+    apply_lora(model, rank=4, alpha=8, target_modules=["q_proj", "experts"])
+    with torch.no_grad():  # B starts at 0: give the adapters something to merge
+        for name, param in model.named_parameters():
+            if "lora_B" in name or name.endswith("_B"):
+                param.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    merged = dict(merge_lora_stream(model.state_dict().items(), lora_scalings(model)))
+    _shard(model, train_layout(2))
+    if spread:
+        rollout = rollout_layout(2, tp=1, ep=2)
+        group = build_mesh(rollout, "cpu").group("ep")
+        engine_model = expert_parallel_model(preset_config("tiny-moe"), group, None,
+                                             torch.float32, "cpu")  # fmt: skip
+    else:
+        rollout = rollout_layout(2, tp=2)
+        engine_model = _engine_model(rollout, "tiny-moe")
+    targets = dict(engine_model.named_parameters())
+    blocks = {name: rollout_blocks(name, tuple(merged[name].shape), rollout)[rank]
+              for name in targets}  # fmt: skip
+    sources, adapters = training_sources(model, targets)
+    assert {"model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj",
+            "model.layers.0.self_attn.q_proj.weight"} <= set(adapters)  # fmt: skip
+    Resharder(sources, targets, blocks).run(sources, adapters)
+    for name, param in targets.items():
+        expected = (spread_shard(name, merged[name], rank, 2) if spread
+                    else local_shard(name, merged[name], rank, 2))  # fmt: skip
+        torch.testing.assert_close(param, expected, rtol=1e-6, atol=1e-6, msg=name)
+    assert targets["model.layers.1.mlp.experts.gate_up_proj"].shape[0] == 4
+
+
+def _expert_lora_on_ranks(rank: int, world: int) -> None:
+    _from_expert_lora(spread=False)
+    _from_expert_lora(spread=True)
+
+
+def test_expert_adapters_merge_as_they_reshard():
+    run_ranks(_expert_lora_on_ranks, 2)
+
+
 def _same_layout() -> None:
     """Actor TP 2 over both ranks (FSDP2 over one) into rollout TP 2: the layouts coincide,
     every rank copies its own blocks and nothing crosses ranks (no collective runs)."""

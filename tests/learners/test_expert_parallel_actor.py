@@ -92,3 +92,48 @@ def test_ep2_update_equals_one_process(tmp_path, world):
     one = ActorLearner(load_model("tiny-moe"), actor_config(**CFG), total_steps=2, device="cpu")
     one.load(str(tmp_path / "ckpt"))
     assert max_abs_diff(dict(one.hf_weights()), rank0["weights"]) == 0
+
+
+def _offload_worker(rank: int, world: int, out_dir: str) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    mesh = build_mesh(train_layout(world, ep=2), "cpu")
+    result = {}
+    for offload in (False, True):
+        actor = ActorLearner(load_model("tiny-moe"), actor_config(**CFG, param_offload=offload),
+                             total_steps=2, device="cpu", mesh=mesh)  # fmt: skip
+        experts = actor.model.model.layers[1].mlp.experts
+        grads = record_full_gradients(actor)
+        rows = 8 // world
+        metrics = actor.update(_batch().index(list(range(rows * rank, rows * rank + rows))))
+        weights = {name: tensor.clone() for name, tensor in actor.hf_weights()}
+        result[offload] = dict(grads=grads, metrics=metrics, weights=weights,
+                               unit=isinstance(experts, FSDPModule))  # fmt: skip
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_ep2_offloaded_update_equals_on_device_and_one_process(tmp_path, world):
+    """actor.param_offload with EP = 2: FSDP2's CPU offload holds the experts' shards and
+    their AdamW state. On 2 ranks (each expert on one rank) the experts become an FSDP2 unit
+    of their own over one rank; on 4 they are one over the 2 ranks that share them. The
+    update is the on-device EP run's and one process's."""
+    run_ranks(_offload_worker, world, str(tmp_path))
+    rank0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    on_device, offloaded = rank0[False], rank0[True]
+    # on 2 ranks FSDP2 leaves the experts out unless they are offloaded
+    assert on_device["unit"] == (world == 4) and offloaded["unit"]
+    for step, step_grads in enumerate(on_device["grads"]):
+        for name, grad in step_grads.items():
+            assert torch.allclose(offloaded["grads"][step][name], grad, rtol=1e-5, atol=1e-7), name
+    for key in ("pg_loss", "grad_norm", "moe/aux_loss", "moe/z_loss"):
+        assert abs(offloaded["metrics"][key] - on_device["metrics"][key]) <= 1e-5 * abs(
+            on_device["metrics"][key]), key  # fmt: skip
+    assert max_abs_diff(offloaded["weights"], on_device["weights"]) < 1e-5
+    order, micro_batch = SINGLE_PROCESS[world]
+    single = ActorLearner(load_model("tiny-moe"),
+                          actor_config(**dict(CFG, micro_batch_size_per_gpu=micro_batch)),
+                          total_steps=2, device="cpu")  # fmt: skip
+    single.update(_batch().index(order))
+    # the bound of test_ep2_update_equals_one_process (Adam on float-noise gradients)
+    assert max_abs_diff(offloaded["weights"], dict(single.hf_weights())) < 0.2 * CFG["lr"]

@@ -143,3 +143,14 @@ def test_expanded_heads_through_a_one_width_kernel_give_mlas_attention():
         probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
         expected = torch.einsum("hqk,khd->qhd", probs, v[rows])
         assert torch.allclose(out[rows], expected, atol=1e-5)
+
+
+def test_a_built_model_routes_with_a_zero_correction_bias():
+    """build_model materialises the model from meta: the router's correction bias (a buffer)
+    starts at zero as HF's does, not at whatever the memory held."""
+    from hybridflow.models import build_model
+    from hybridflow.models.presets import preset_config
+
+    model = build_model(preset_config("tiny-deepseek-v3"), seed=0)
+    biases = [b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
+    assert biases and all(torch.equal(b, torch.zeros_like(b)) for b in biases)

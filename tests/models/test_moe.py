@@ -153,3 +153,14 @@ def test_unsupported_router_gets_a_notice_and_the_fallback(tmp_path, capsys, wha
     input_ids = _ids()
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(input_ids), hf_model(input_ids).logits)
+
+
+def test_experts_of_no_tokens_give_no_rows():
+    """A rank with no tokens (an idle replica of the wide-EP rollout, a rank no token was sent
+    to) still runs the layer: [0, H] out, not a reshape error."""
+    from hybridflow.models.moe import moe_experts
+
+    gate_up, down = torch.randn(4, 2 * 6, 8), torch.randn(4, 8, 6)
+    out = moe_experts(torch.zeros(0, 8), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2),
+                      gate_up, down, "loop")  # fmt: skip
+    assert out.shape == (0, 8)

@@ -133,6 +133,10 @@ def experts_torch(
         target.routes[target.entries, target.offsets, sparse_index] = ids.to(target.routes.dtype)
     if keep is not None:
         x, ids, weights = x[keep], ids[keep], weights[keep]
+    if getattr(mlp, "expert_spread", None) is not None:  # over the replicas (expert_spread.py)
+        from hybridflow.engine.expert_spread import spread_moe_experts
+
+        return spread_moe_experts(mlp, x, ids, weights, sparse_index)
     experts = mlp.experts
     expert_slice = getattr(mlp, "expert_slice", None)
     if expert_slice is not None:  # this rank's experts, summed over the group (tensor_parallel.py)

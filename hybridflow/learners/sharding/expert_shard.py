@@ -15,6 +15,12 @@ parameter's. With ep = dp × sp there is one such rank and FSDP2 leaves the expe
 (``ignored_params``); :func:`reduce_expert_grads` then scales their gradients. The gradient
 norm counts each expert once (optim.global_grad_norm weighs a DTensor's part by its
 distinct shards).
+
+With ``param_offload`` the experts are always an FSDP2 unit of their own, over a group of
+one rank when ep = dp × sp: FSDP2's CPUOffloadPolicy then keeps a rank's expert shards, their
+gradients and AdamW state on the host and copies them to the device one layer at a time, as
+it does for the dense weights (a group of one gathers nothing; its reduce-scatter is the
+division :func:`reduce_expert_grads` would make).
 """
 
 from __future__ import annotations
@@ -54,13 +60,13 @@ def shard_experts(causal_lm: nn.Module, mesh: RoleMesh, options: dict) -> bool:
     """FSDP2 over ``expert_fsdp`` for every sparse layer's ``experts`` module, before the
     layers are sharded over ``fsdp`` (a module already sharded is left to its own FSDP2).
     ``options``: the layers' fully_shard options (mixed precision, offload). Returns False
-    (nothing done) when the group has one rank.
+    (nothing done) when the group has one rank and nothing is offloaded (module docstring).
 
     The reduce-scatter sums the gradients over ``expert_fsdp`` and divides them by the
     ``fsdp`` size, as the other parameters' reduction over ``fsdp`` divides theirs: each rank
     back-propagated its loss times that size (learners/step.py), and an expert's gradient
     already sums its EP group's tokens (the all-to-all's backward)."""
-    if mesh.size("expert_fsdp") == 1:
+    if mesh.size("expert_fsdp") == 1 and "offload_policy" not in options:
         return False
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -74,8 +80,11 @@ def shard_experts(causal_lm: nn.Module, mesh: RoleMesh, options: dict) -> bool:
         if isinstance(block, SparseMoeBlock):
             fully_shard(block.experts, **own)
             block.experts.set_gradient_divide_factor(float(mesh.size("fsdp")))
-            # a sum, then the division: gloo has no pre-multiplied sum (NCCL's PREMUL_SUM)
-            block.experts.set_force_sum_reduction_for_comms(True)
+            # a sum, then the division: gloo has no pre-multiplied sum (NCCL's PREMUL_SUM). Not
+            # on a group of one, which has no collective and where torch 2.13 would divide
+            # twice (its one-rank copy divides, then the post-division again).
+            if mesh.size("expert_fsdp") > 1:
+                block.experts.set_force_sum_reduction_for_comms(True)
     return True
 
 
@@ -90,10 +99,12 @@ def reduce_expert_grads(params: list[nn.Parameter], shard_size: int) -> None:
             param.grad.to_local().div_(shard_size)
 
 
-def check_expert_options(*, optimizer_offload: bool, param_offload: bool) -> None:
-    """Options that have no expert-parallel path yet."""
-    if optimizer_offload or param_offload:
+def check_expert_options(*, optimizer_offload: bool) -> None:
+    """Options that have no expert-parallel path: the host step of one device
+    (optimizer_offload); FSDP2's param_offload offloads the experts' shards."""
+    if optimizer_offload:
         raise ValueError(
-            "actor.param_offload and actor.optimizer_offload are not supported with expert "
-            "parallelism: set them to false or expert_parallel_size=1"
+            "actor.optimizer_offload steps on the host on one device only: with expert "
+            "parallelism use actor.param_offload (FSDP2 keeps each rank's expert shards and "
+            "their AdamW state on the host)"
         )

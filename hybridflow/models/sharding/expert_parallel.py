@@ -101,7 +101,9 @@ def expert_parallel_moe(
     expert_out = moe_experts(received, local_ids, unit, gate_up, down, backend, adapters)
     returned = AllToAllRows.apply(expert_out, recv_splits, send_splits, group)  # [T*k, H]
     unsorted = torch.empty_like(returned).index_copy_(0, order, returned)
-    weighted = unsorted.view(num_tokens, top_k, -1).float() * topk_weights[..., None].float()
+    weighted = (
+        unsorted.view(num_tokens, top_k, hidden.shape[-1]).float() * topk_weights[..., None].float()
+    )
     return weighted.sum(dim=1).to(hidden.dtype)
 
 

@@ -55,6 +55,9 @@ class PlanOptions:
     """rollout.tensor_parallel_size: the engine's weights and KV heads split over tp ranks."""
     rollout_experts_whole: bool = False
     """rollout.expert_parallel_size=1 with rollout tp > 1: every rank holds every expert."""
+    rollout_ep: int = 1
+    """rollout.expert_parallel_size above rollout_tp: the experts spread over several
+    replicas, E / rollout_ep a GPU (engine/expert_spread.py); else 1."""
     param_offload: bool = False
     optimizer_offload: bool = False
     gradient_checkpointing: bool = False

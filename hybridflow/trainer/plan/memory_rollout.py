@@ -39,13 +39,13 @@ def kv_split(a: ModelArchitecture, tp: int) -> int:
 def rollout_weight_parameters(a: ModelArchitecture, o: PlanOptions) -> int:
     """Parameters of the engine's copy on one rollout GPU: all of them, or 1/tp of every
     layer and of the vocabulary with the experts split over the tp ranks (or whole on every
-    rank: rollout.expert_parallel_size=1)."""
-    if o.rollout_tp == 1:
+    rank: rollout.expert_parallel_size=1; or 1/ep of them, spread over several replicas)."""
+    if o.rollout_tp == 1 and o.rollout_ep == 1:
         return a.num_parameters()
     from hybridflow.models.plan_shapes import shape_of
     from hybridflow.trainer.plan.parallel_plan import rollout_share
 
-    return rollout_share(shape_of(a), o.rollout_tp, 1, o.rollout_experts_whole)
+    return rollout_share(shape_of(a), o.rollout_tp, o.rollout_ep, o.rollout_experts_whole)
 
 
 def fused_copy_bytes(a: ModelArchitecture, fuse_projections: str, element_bytes: int = 2) -> int:

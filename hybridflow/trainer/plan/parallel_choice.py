@@ -2,20 +2,23 @@
 
 Each candidate is the run's config with the layout keys set, and is judged as ``validate``
 and ``train`` judge it: :func:`~hybridflow.config.validate` (a layout whose code path is not
-built, such as tensor parallelism of a mixture of experts' experts or offloaded expert
-shards, is refused there and never recommended) and the one memory plan
+built, such as tensor parallelism of a mixture of experts' experts, is refused there and
+never recommended) and the one memory plan
 (memory_check.plan_for_config, memory_check.fits). So a recommended layout passes
 ``validate`` by construction.
 
 Candidates are every layout with tensor parallelism inside a node (tp ≤ 8), Ulysses sp ≤ 8
 and, for a mixture of experts, every expert-parallel size that tiles; the rollout's tp ≤ 8,
-its experts split over its tp ranks. The training layout preferred is the one that fits with
+its experts split over its tp ranks or, for a mixture of experts, spread over several
+replicas (rollout.expert_parallel_size, a multiple of tp dividing the rollout's GPUs and the
+experts). The training layout preferred is the one that fits with
 the least model parallelism: the smallest tp × sp (the most data parallel; communication
 grows with both), then without gradient checkpointing where allowed, then the smaller tp
 (Ulysses keeps each layer's weights whole), then the larger ep (fewer experts to gather per
 GPU). CPU offload of the training state (actor.param_offload; on one GPU actor.optimizer_offload)
 is tried only when no layout fits without it. The rollout's is the smallest tp whose KV cache holds a whole step's
-sequences at once on each replica (else the most it can hold).
+sequences at once on each replica (else the most it can hold), its experts spread over
+replicas only when no layout without that holds the step (then the smallest ep).
 """
 
 from __future__ import annotations
@@ -55,6 +58,19 @@ def training_layouts(s: PlanShape, world: int) -> list[tuple[int, int, int]]:
     return [(tp, sp, ep) for tp in SIZES for sp in SIZES for ep in _expert_sizes(s, world)
             if not layout_problems("train", world, tp, sp, ep)
             and shape_allows(s, tp, sp, ep)]  # fmt: skip
+
+
+def rollout_layouts(s: PlanShape, world: int) -> list[tuple[int, int | None]]:
+    """Rollout (tp, ep): ep None (the experts split over the tp ranks), or for a mixture of
+    experts a multiple of tp above it that divides ``world`` and the experts (spread over
+    ep / tp replicas, engine/expert_spread.py)."""
+    layouts = []
+    for tp in rollout_sizes(s, world):
+        layouts.append((tp, None))
+        if s.is_moe:
+            layouts += [(tp, ep) for ep in range(2 * tp, world + 1, tp)
+                        if world % ep == 0 and s.experts % ep == 0]  # fmt: skip
+    return layouts
 
 
 def rollout_sizes(s: PlanShape, world: int) -> list[int]:
@@ -102,8 +118,10 @@ def recommend(cfg: Config, gpu_bytes: int) -> Recommendation | None:
     closest: tuple[int, MemoryPlan, dict] | None = None
     for offload, tp, sp, ep, ckpt in training:
         fitting = []
-        for rollout_tp in rollout_sizes(shape, rollout_world):
+        for rollout_tp, rollout_ep in rollout_layouts(shape, rollout_world):
             keys = {**layout_keys(tp, sp, ep, rollout_tp, ckpt), offload_key: offload}
+            if rollout_ep is not None:
+                keys["rollout.expert_parallel_size"] = rollout_ep
             plan = plan_of(with_changes(cfg, keys), gpu_bytes)
             if plan is None:
                 continue  # validate refuses it: not built, or the batch does not divide
@@ -153,14 +171,15 @@ def fits_plan(plan: MemoryPlan) -> bool:
 
 
 def rollout_preference(plan: MemoryPlan, derived) -> tuple:
-    """A whole step's wave at once on each replica first, then the smaller tp, then the most
-    sequences at once over all replicas."""
+    """A whole step's wave at once on each replica first, then the experts kept inside each
+    replica, then the smaller tp and ep, then the most sequences at once over all replicas."""
     o = plan.options
     world = plan.options.train_gpus if not o.split else derived.world_size - o.train_gpus
     replicas = max(world // o.rollout_tp, 1)
     wave = -(-derived.samples_per_step // replicas)
     whole_wave = plan.kv_slots >= min(wave, o.rollout_max_seqs)
-    return (not whole_wave, o.rollout_tp, -plan.kv_slots * replicas)
+    return (not whole_wave, o.rollout_ep > 1, o.rollout_tp, o.rollout_ep,
+            -plan.kv_slots * replicas)  # fmt: skip
 
 
 def overflow(plan: MemoryPlan) -> int:

@@ -73,12 +73,12 @@ class Reshard:
 
 def reshard(s: PlanShape, world: int, rollout_tp: int, experts_whole: bool = False,
             rollout_bytes: int = 2, rollout_gpus: int = 0,
-            moved: int | None = None) -> Reshard:  # fmt: skip
+            moved: int | None = None, rollout_ep: int = 1) -> Reshard:  # fmt: skip
     """What a sync moves into one rollout GPU. ``moved``: the bytes, block by block, where
     known (parallel/reshard_plan.reshard_traffic); else estimated: its rollout shard, less
     the 1/world of it its own training shard holds when colocated (``rollout_gpus`` 0; FSDP2
     spreads every weight over all the training GPUs, so the rest comes from the others)."""
-    shard = rollout_share(s, rollout_tp, 1, experts_whole) * rollout_bytes
+    shard = rollout_share(s, rollout_tp, rollout_ep, experts_whole) * rollout_bytes
     if moved is None:
         moved = shard - shard // world if not rollout_gpus else shard
     inside = world + rollout_gpus <= GPUS_PER_NODE

@@ -24,7 +24,9 @@ def layout_line(cfg: Config, plan: MemoryPlan) -> str:
     text = (f"layout: actor tp {actor['tp']} · sp {actor['sp']} · ep {actor['ep']} (data "
             f"parallel {dp}) on {o.train_gpus} GPU(s), rollout tp {o.rollout_tp} ({replicas} "
             f"replica{'s' if replicas > 1 else ''})")  # fmt: skip
+    spread = f"rollout experts over {o.rollout_ep // o.rollout_tp} replicas (ep {o.rollout_ep})"
     extras = [w for w, on in (("experts whole on every rollout rank", o.rollout_experts_whole),
+                              (spread, o.rollout_ep > 1),
                               ("gradient checkpointing", o.gradient_checkpointing),
                               ("training state on the host", o.param_offload and o.sharded))
               if on]  # fmt: skip
@@ -37,7 +39,7 @@ def reshard_line(cfg: Config, plan: MemoryPlan) -> str:
     rollout_gpus = cfg.trainer.rollout_gpus if o.split else 0
     r = reshard(shape_of(plan.architecture), o.train_gpus, o.rollout_tp,
                 o.rollout_experts_whole, o.rollout_bytes, rollout_gpus,
-                sync_bytes(cfg, plan))  # fmt: skip
+                sync_bytes(cfg, plan), o.rollout_ep)  # fmt: skip
     return (f"reshard: {gib(r.bytes_in)} into each rollout GPU a sync, about {r.seconds:.2f} s "
             f"({r.link})")  # fmt: skip
 
@@ -53,7 +55,7 @@ def sync_bytes(cfg: Config, plan: MemoryPlan) -> int | None:
     from hybridflow.parallel.reshard_plan import reshard_traffic
 
     train = train_layout(o.train_gpus, tp=o.tp, sp=o.sp)
-    rollout = rollout_layout(o.train_gpus, tp=o.rollout_tp)
+    rollout = rollout_layout(o.train_gpus, tp=o.rollout_tp, ep=o.rollout_ep)
     split = cfg.rollout.expert_parallel_size != 1
     return reshard_traffic(plan.architecture, train, rollout, o.rollout_bytes, split).received
 

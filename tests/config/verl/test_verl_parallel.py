@@ -61,7 +61,7 @@ def test_a_translated_layout_without_its_code_path_is_refused_by_validate(monkey
 
 def test_verls_rollout_tensor_and_expert_keys_split_a_mixture_of_experts():
     """rollout TP 2 with EP 2 (the experts split over the replica's ranks) is accepted for an
-    MoE model; EP over several replicas is refused naming the key."""
+    MoE model, and EP over several replicas."""
     keys = [R + "tensor_model_parallel_size=2", "actor_rollout_ref.model.path=tiny-moe",
             "trainer.n_gpus_per_node=4", "trainer.device=cpu"]  # fmt: skip
     derived = load_and_validate([*keys, R + "expert_parallel_size=2"])
@@ -69,11 +69,9 @@ def test_verls_rollout_tensor_and_expert_keys_split_a_mixture_of_experts():
     # verl's default 1 (vLLM splits each expert's width): ours stays unset, the experts split
     cfg = load_with_verl_keys(None, [*keys, R + "expert_parallel_size=1"], log=lambda text: None)
     assert cfg.rollout.expert_parallel_size is None
-    with pytest.raises(ConfigError) as error:
-        load_and_validate([*keys, R + "expert_parallel_size=4"])
-    assert [p.split(":")[0] for p in error.value.problems] == [
-        "rollout.expert_parallel_size = 4 with rollout.tensor_parallel_size = 2"
-    ]
+    # EP over both replicas (engine/expert_spread.py)
+    derived = load_and_validate([*keys, R + "expert_parallel_size=4"])
+    assert (derived.layouts.rollout.tp, derived.layouts.rollout.ep) == (2, 4)
 
 
 def load_and_validate(items):

@@ -1,7 +1,6 @@
 """The layouts `config plan` recommends (trainer/plan/parallel_choice.py) pass `validate` and
 its memory check, which `train` runs too: one memory model, and nothing recommended that
-validate refuses (actor tp on a mixture of experts, offloaded expert-parallel shards, experts
-across rollout replicas)."""
+validate refuses (actor tp on a mixture of experts, experts across rollout replicas)."""
 
 from __future__ import annotations
 
@@ -28,7 +27,8 @@ def recommended(model: str, gpus: int, batch: int):
     "model, gpus, batch, expected",
     [("llama3.1-70b", 8, 128, {"actor.tensor_parallel_size": 2, "rollout.tensor_parallel_size": 8,
                                "model.gradient_checkpointing": True, "actor.param_offload": True}),
-     ("qwen3-30b-a3b", 8, 128, {"rollout.tensor_parallel_size": 4,
+     ("qwen3-30b-a3b", 8, 128, {"actor.expert_parallel_size": 8,
+                                "rollout.tensor_parallel_size": 4,
                                 "model.gradient_checkpointing": True, "actor.param_offload": True}),
      ("qwen2.5-7b", 8, 128, {"rollout.tensor_parallel_size": 2,
                              "model.gradient_checkpointing": True}),
@@ -50,13 +50,14 @@ def test_every_recommended_layout_passes_validate(model, gpus, batch, expected):
     assert plan.checked_peak() == advice.plan.checked_peak()
 
 
-def test_expert_parallel_shards_are_not_offloaded_and_moe_actors_get_no_tensor_parallelism():
-    """Qwen3-30B-A3B on 8 GPUs: the plan may not pick actor tp (not built for experts) nor
-    expert parallelism with param_offload (not built); it offloads at ep 1."""
+def test_moe_actors_offload_their_expert_shards_and_get_no_tensor_parallelism():
+    """Qwen3-30B-A3B on 8 GPUs: the plan may not pick actor tp (not built for experts); it
+    offloads the expert-parallel shards (built: learners/sharding/expert_shard.py), at the
+    largest ep (the fewest experts gathered a GPU)."""
     cfg, advice = recommended("qwen3-30b-a3b", 8, 128)
     changed = with_changes(cfg, advice.changes)
     assert changed.actor.tensor_parallel_size == 1
-    assert not (changed.actor.param_offload and changed.actor.expert_parallel_size > 1)
+    assert changed.actor.param_offload and changed.actor.expert_parallel_size == 8
 
 
 def test_validate_checks_the_memory_of_the_layout(capsys, monkeypatch):

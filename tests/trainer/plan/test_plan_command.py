@@ -127,19 +127,30 @@ def test_deepseek_v3_is_planned_and_validated_as_a_preset_of_the_runtime(plenty_
     text = planned(overrides, "96GB")
     assert text.startswith("memory plan: deepseek-v3 (671.03 B parameters")
     assert "not yet supported, so hybridflow train refuses" not in text  # tp/ep are built...
-    with pytest.raises(ConfigError) as error:  # ...but not tp of experts, nor offloaded shards
+    with pytest.raises(ConfigError) as error:  # ...but not tp of experts
         validate(load_config(None, overrides))
     assert not any("deepseek-v3:" in p for p in error.value.problems)
     assert any(p.startswith("actor: actor.tensor_parallel_size = 8") for p in error.value.problems)
 
 
 def test_when_nothing_fits_the_plan_says_what_fills_the_closest(plenty_of_host):
-    """Qwen3-235B-A22B on 32 × 80 GiB: its 4 KV heads stop the rollout at tp 4, and experts
-    across rollout replicas are not built, so each GPU would hold a quarter of the model."""
-    text = planned(["model.path=qwen3-235b-a22b", "trainer.nnodes=4", "trainer.backend=ray",
-                    "trainer.n_gpus_per_node=8", "trainer.device=cuda"], "80GiB")  # fmt: skip
+    """Qwen3-235B-A22B on 4 × 80 GiB: its 4 KV heads stop the rollout at tp 4, one replica, so
+    each GPU would hold a quarter of the model."""
+    text = planned(["model.path=qwen3-235b-a22b", "trainer.backend=ray",
+                    "trainer.n_gpus_per_node=4", "trainer.device=cuda"], "80GiB")  # fmt: skip
     line = next(line for line in text.splitlines() if "no layout fits" in line)
     assert "rollout.tensor_parallel_size=4" in line and "rollout weights (bf16 copy)" in line
+
+
+def test_experts_over_rollout_replicas_make_qwen3_235b_fit_32_gpus(plenty_of_host):
+    """Qwen3-235B-A22B on 32 × 80 GiB (short sequences): the rollout's experts spread over
+    16 of its replicas of one GPU (engine/expert_spread.py) and the actor's expert shards
+    offloaded fit, where the rollout's tp stops at 4 (4 KV heads, a quarter of the model a
+    GPU)."""
+    text = planned(["model.path=qwen3-235b-a22b", "trainer.nnodes=4", "trainer.backend=ray",
+                    "trainer.n_gpus_per_node=8", "trainer.device=cuda"], "80GiB")  # fmt: skip
+    line = next(line for line in text.splitlines() if "recommended layout" in line)
+    assert "rollout.expert_parallel_size=16" in line and "actor.param_offload=true" in line
 
 
 def test_the_reshard_line_of_a_mixture_of_experts_counts_each_ranks_experts():

@@ -1,7 +1,8 @@
 """`hybridflow train` runs the layout pattern `config plan` recommends: the keys it picks for
-Qwen3-30B-A3B on 8 × 80 GiB (a tensor-parallel rollout, gradient checkpointing, the actor's
-state on the host, FSDP2 gathering layer by layer), applied to tiny-moe on two CPU
-processes (gloo), rollout tp scaled to them."""
+Qwen3-30B-A3B on 8 × 80 GiB (a tensor-parallel rollout, expert parallelism, gradient
+checkpointing, the actor's state and expert shards on the host, FSDP2 gathering layer by
+layer), applied to tiny-moe on two CPU processes (gloo), rollout tp and actor ep scaled to
+them."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ def test_train_runs_the_recommended_pattern_on_two_cpu_processes(tmp_path):
                              "actor.max_tokens_per_gpu=16384", "actor.use_kl_loss=true"])  # fmt: skip
     keys = recommend(cfg, 80 * GIB).changes
     assert keys["actor.param_offload"] is True and keys["rollout.tensor_parallel_size"] > 1
+    assert keys["actor.expert_parallel_size"] > 1
     keys["rollout.tensor_parallel_size"] = 2  # the pattern, on two processes
+    keys["actor.expert_parallel_size"] = 2
     overrides = [f"{key}={str(value).lower()}" for key, value in keys.items()]
     tiny = tiny_config(tmp_path, "model.path=tiny-moe", "trainer.backend=local",
                        "trainer.n_gpus_per_node=2", "trainer.total_steps=1", "trainer.save_freq=0",

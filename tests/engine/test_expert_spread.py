@@ -1,0 +1,128 @@
+"""Experts across rollout replicas (engine/expert_spread.py) on gloo processes, tiny-moe
+(and tiny-deepseek-v3) in fp32 on the CPU: attention data-parallel over the replicas (each generates its own prompts,
+with budgets that differ, so the replicas run different numbers of passes), every sparse
+layer's 8 experts spread over all ranks and the tokens dispatched and combined by
+all-to-all. The tokens and routing records are one process's (greedy, and sampled with the
+split call's sample indices); the ranks of a tensor-parallel replica write the same
+record."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from gloo_ranks import run_ranks
+from test_moe_tensor_parallel import PROMPTS, _engine, _gathered, _model
+
+from hybridflow.engine import SamplingParams
+from hybridflow.engine.expert_spread import expert_parallel_model, spread_of, spread_shard
+from hybridflow.parallel import build_mesh, rollout_layout
+
+BUDGETS = [3, 9, 6, 12]  # new tokens a prompt: the replicas end at different passes
+
+
+def _spread_engine(whole_model, mesh, tp: int):
+    replica = mesh.group("tp") if tp > 1 else None
+    shard = expert_parallel_model(whole_model.config, mesh.group("ep"), replica, torch.float32,
+                                  "cpu")  # fmt: skip
+    engine = _engine(shard, 16)
+    ep_rank, ep = mesh.rank_in("ep"), mesh.size("ep")
+    tp_rank = mesh.rank_in("tp")
+    engine.load_weights((name, spread_shard(name, tensor, ep_rank, ep, tp_rank, tp))
+                        for name, tensor in whole_model.named_parameters(remove_duplicate=False))  # fmt: skip
+    with torch.no_grad():  # DeepSeek's router correction bias: a buffer, whole on every rank
+        buffers = dict(engine.model.named_buffers())
+        for name, tensor in whole_model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffers[name].copy_(tensor)
+    return engine
+
+
+def _generate_on_ranks(rank: int, world: int, tp: int) -> None:
+    mesh = build_mesh(rollout_layout(world, tp=tp, ep=world), "cpu")
+    whole_model = _model()
+    engine = _spread_engine(whole_model, mesh, tp)
+    assert engine.spread and engine.decode_backend == "torch" and not engine.cuda_graphs
+    experts = engine.model.model.layers[1].mlp.experts.gate_up_proj
+    assert experts.shape[0] == 8 // world  # no rank holds every expert
+    torch.testing.assert_close(
+        experts, whole_model.model.layers[1].mlp.experts.gate_up_proj[
+            rank * experts.shape[0] : (rank + 1) * experts.shape[0]])  # fmt: skip
+    replicas, replica = world // tp, rank // tp
+    mine = list(range(replica, len(PROMPTS), replicas))  # prompt i on replica i mod replicas
+    whole = _engine(whole_model, 16)
+    for params in (SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True),
+                   SamplingParams(n=2, temperature=1.0, max_new_tokens=16, seed=7,
+                                  ignore_eos=True)):  # fmt: skip
+        n = params.n
+        budgets = [BUDGETS[i] for i in mine for _ in range(n)]
+        got = engine.generate([PROMPTS[i] for i in mine], params, max_new_tokens=budgets,
+                              sample_index=[i * n for i in mine] if params.seed else None)  # fmt: skip
+        expected = whole.generate(PROMPTS, params,
+                                  max_new_tokens=[b for b in BUDGETS for _ in range(n)])  # fmt: skip
+        expected = [expected[i * n + j] for i in mine for j in range(n)]
+        assert [len(c.token_ids) for c in got] == budgets
+        assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs),
+                                       rtol=1e-4, atol=1e-5)  # fmt: skip
+            assert np.array_equal(a.routed_experts, b.routed_experts)
+        records = _gathered([c.routed_experts.tolist() for c in got])
+        assert records[rank] == records[replica * tp]  # the replica's ranks: one record
+    dist.barrier()
+
+
+def test_spread_shard_splits_experts_by_ep_and_the_rest_by_tp():
+    full = torch.arange(8 * 6 * 4).view(8, 6, 4)
+    part = spread_shard("model.layers.1.mlp.experts.gate_up_proj", full, 1, 4)
+    assert torch.equal(part, full[2:4])
+    router = full[0]
+    assert spread_shard("model.layers.1.mlp.gate.weight", router, 1, 4) is router
+    q = torch.arange(8 * 4).view(8, 4)
+    assert torch.equal(spread_shard("model.layers.0.self_attn.q_proj.weight", q, 1, 4, 1, 2), q[4:])
+
+
+def test_a_whole_model_has_no_spread():
+    assert spread_of(_model()) is None
+
+
+def test_two_replicas_of_one_rank_draw_one_process_tokens_and_routes():
+    run_ranks(_generate_on_ranks, 2, 1)
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_replicas_draw_one_process_tokens_and_routes():
+    run_ranks(_generate_on_ranks, 4, 2)
+
+
+def _deepseek_on_ranks(rank: int, world: int) -> None:
+    """tiny-deepseek-v3 (MLA, grouped routing, a shared expert): its self-routed sparse
+    blocks run their own experts module (models/moe.Experts), which dispatches over the
+    group with the spread's rounds."""
+    from hybridflow.models import build_model
+    from hybridflow.models.presets import preset_config
+
+    mesh = build_mesh(rollout_layout(world, tp=1, ep=world), "cpu")
+    whole_model = build_model(preset_config("tiny-deepseek-v3"), seed=4).eval()
+    whole_model.requires_grad_(False)
+    engine = _spread_engine(whole_model, mesh, 1)
+    assert engine.spread and engine.native
+    sparse = next(layer.mlp for layer in engine.model.model.layers if layer.sparse)
+    assert sparse.experts.gate_up_proj.shape[0] == whole_model.config.num_experts // world
+    mine = list(range(rank, len(PROMPTS), world))
+    budget = 12 if rank == 0 else 5  # the replicas end at different steps
+    params = SamplingParams(temperature=0, max_new_tokens=budget, ignore_eos=True)
+    got = engine.generate([PROMPTS[i] for i in mine], params)
+    expected = _engine(whole_model, 16).generate([PROMPTS[i] for i in mine], params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    assert all(len(c.token_ids) == budget for c in got)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs),
+                                   rtol=1e-4, atol=1e-5)  # fmt: skip
+        assert np.array_equal(a.routed_experts, b.routed_experts)
+    dist.barrier()
+
+
+def test_deepseek_v3_replicas_draw_one_process_tokens_and_routes():
+    run_ranks(_deepseek_on_ranks, 2)
