@@ -12,6 +12,7 @@ This module imports nothing heavy (no torch) so ``hybridflow config validate`` i
 """
 
 from hybridflow.config.loading import apply_mapping, field_docs, load_config, to_dict
+from hybridflow.config.model_facts import model_context_length
 from hybridflow.config.sections import (
     GROUP_ESTIMATORS,
     SECTIONS,
@@ -29,7 +30,7 @@ from hybridflow.config.sections import (
     SFTConfig,
     TrainerConfig,
 )
-from hybridflow.config.validation import model_context_length, validate
+from hybridflow.config.validation import validate
 
 __all__ = [
     "GROUP_ESTIMATORS",

@@ -5,9 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 
 from hybridflow.config.loading import _suggest
+from hybridflow.config.model_facts import (
+    image_key,
+    model_context_length,
+    model_has_experts,
+    model_paths,
+    model_reads_images,
+    trained_model,
+)
 from hybridflow.config.parallel_checks import check_layouts, roles_in_use
 from hybridflow.config.reward_checks import reward_part_problems
 from hybridflow.config.sections import GROUP_ESTIMATORS, Config, ConfigError, Derived
@@ -42,28 +49,6 @@ def _known_names() -> tuple[set[str], set[str], set[str], set[str]]:
         agg = {"token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"}
         kl = {"kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "low_var_kl+"}
         return adv, pl, agg, kl
-
-
-def model_context_length(path: str) -> int | None:
-    """Max positions of the model at ``path`` without loading weights; None if unknown."""
-    import json
-
-    p = Path(path).expanduser()
-    if (p / "config.json").is_file():
-        try:
-            return int(json.loads((p / "config.json").read_text()).get("max_position_embeddings"))
-        except (ValueError, TypeError, AttributeError, RecursionError, OSError):
-            return None  # an unreadable config.json is reported by the model checks
-    try:
-        from hybridflow.models.presets import PRESETS
-
-        preset = PRESETS.get(path)
-        if preset is not None:
-            cfg = preset() if callable(preset) else preset
-            return int(cfg.max_position_embeddings)
-    except ImportError:
-        pass
-    return None
 
 
 def validate(cfg: Config, *, gpus_available: int | None = None, planning: bool = False) -> Derived:
@@ -392,15 +377,6 @@ def validate(cfg: Config, *, gpus_available: int | None = None, planning: bool =
     )
 
 
-def model_paths(cfg: Config, use_reference: bool, use_critic: bool) -> list[tuple[str, str]]:
-    """(key, path) of every model directory the run loads besides presets: the policy, a
-    reference or critic of its own, the reward model."""
-    paths = [("model.path", cfg.model.path), ("ref.path", cfg.ref.path if use_reference else None),
-             ("critic.path", cfg.critic.path if use_critic else None),
-             ("reward.model.path", cfg.reward.model.path)]  # fmt: skip
-    return [(key, path) for key, path in paths if path]
-
-
 def _worlds(cfg: Config, train_world: int, rollout_world: int) -> dict[str, tuple[int, str]]:
     """The devices of the training roles and of the rollout, and the keys that set them."""
     t = cfg.trainer
@@ -429,60 +405,6 @@ def _dp_arithmetic(cfg: Config, role: str, world: int) -> str:
         return ""
     return (f" (its {world} devices / ({role}.tensor_parallel_size × {role}.sequence_parallel_size "
             f"= {sizes['tp']} × {sizes['sp']}))")  # fmt: skip
-
-
-def model_has_experts(path: str) -> bool | None:
-    """Whether the model at ``path`` (a preset or a directory) is a mixture of experts, read
-    without loading weights; None if unknown."""
-    import json
-
-    p = Path(path).expanduser()
-    if (p / "config.json").is_file():
-        try:
-            hf = json.loads((p / "config.json").read_text())
-            keys = ("num_experts", "num_local_experts", "n_routed_experts")
-            return any(int(hf.get(key) or 0) > 0 for key in keys)
-        except (ValueError, TypeError, AttributeError, RecursionError, OSError):
-            return None  # an unreadable config.json is reported by the model checks
-    from hybridflow.models.presets import PRESETS
-
-    return PRESETS[path].is_moe if path in PRESETS else None
-
-
-def model_reads_images(path: str) -> bool | None:
-    """Whether the model at ``path`` (a preset or a directory) runs a vision encoder on
-    prompts with images, read without loading weights; None if unknown."""
-    import json
-
-    from hybridflow.model_config_values import VISION_MODEL_TYPES
-
-    p = Path(path).expanduser()
-    if (p / "config.json").is_file():
-        try:
-            return (
-                json.loads((p / "config.json").read_text()).get("model_type") in VISION_MODEL_TYPES
-            )
-        except (ValueError, TypeError, AttributeError, RecursionError, OSError):
-            return None  # an unreadable config.json is reported by the model checks
-    from hybridflow.models.presets import PRESETS
-
-    preset = PRESETS.get(path)
-    if callable(preset):
-        preset = preset()
-    return None if preset is None else getattr(preset, "vision", None) is not None
-
-
-def trained_model(cfg: Config) -> str:
-    """The model the run trains: a warm start's preset (sft:<task>), else model.path."""
-    return cfg.sft.preset if cfg.model.path.startswith("sft:") else cfg.model.path
-
-
-def image_key(cfg: Config) -> str | None:
-    """The column the rows' images are read from: data.image_key, else verl's ``images``
-    for a vision-language model; None for a text-only one."""
-    if cfg.data.image_key is not None:
-        return cfg.data.image_key
-    return "images" if model_reads_images(trained_model(cfg)) else None
 
 
 def _check_images(cfg: Config, add) -> None:

@@ -4,7 +4,7 @@ unless named), a text-only model refuses the key naming it."""
 import pytest
 
 from hybridflow.config import ConfigError, load_config, validate
-from hybridflow.config.validation import image_key
+from hybridflow.config.model_facts import image_key
 
 
 def _config(*overrides):

@@ -105,7 +105,7 @@ def sandbox_problems(cfg: Config, log=lambda *a, **k: None) -> list[str]:
 
 
 def _datasets(cfg: Config, tokenizer, reward):
-    from hybridflow.config.validation import image_key, trained_model
+    from hybridflow.config.model_facts import image_key, trained_model
     from hybridflow.data.dataset import build_prompt_datasets
     from hybridflow.data.images import ImageProcessor
     from hybridflow.rewards.combine import used_parts
@@ -232,8 +232,8 @@ def checkpoint_problems(key: str, model_path: str, num_labels: int | None = None
 def other_checkpoint_problems(cfg: Config, derived: Derived) -> list[str]:
     """:func:`checkpoint_problems` of the reference, critic and reward model directories
     the run loads besides the policy's."""
+    from hybridflow.config.model_facts import model_paths
     from hybridflow.config.reward_checks import stored_score_rows
-    from hybridflow.config.validation import model_paths
     from hybridflow.models.presets import PRESETS
 
     problems = []
