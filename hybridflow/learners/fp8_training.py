@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-PRECISIONS = ("bf16", "fp8")
-FP8_RECIPES = ("rowwise", "tensorwise")
+from hybridflow.config.precision_checks import FP8_RECIPES, PRECISIONS
+
 MIN_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90) have float8 tensor cores
 FP8_TILE = 16  # torch._scaled_mm needs both dims of each operand divisible by 16
 # Leaf names of Linears that route tokens (a mixture of experts' router, as transformers
