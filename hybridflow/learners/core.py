@@ -442,7 +442,10 @@ class TrainCore:
                 for name, param in unit.named_parameters(remove_duplicate=False):
                     # a weight all-gathered in float8 (fp8 tensorwise) arrives dequantized: the
                     # weights the FP8 forward computed with
-                    yield prefix + name, plain_tensor(_whole(param.detach())).to(self.gather_dtype())
+                    yield (
+                        prefix + name,
+                        plain_tensor(_whole(param.detach())).to(self.gather_dtype()),
+                    )
                 self._release_gathered(unit)
             root = self.module  # its own parameters: embeddings, final norm, untied head
             root.unshard()
