@@ -148,13 +148,14 @@ def convert_to_fp8(lm: nn.Module, options: Fp8Training, *, fsdp: bool) -> list[s
     """Swap the FP8-capable Linears of ``lm`` (see :func:`fp8_linear_names`) for torchao's
     Float8Linear, in place, before FSDP2 shards it; returns their names."""
     float8 = import_torchao_float8()
-    names = set(fp8_linear_names(lm))
+    names = fp8_linear_names(lm)
+    chosen = set(names)
     float8.convert_to_float8_training(
         lm,
         config=float8_config(options, fsdp=fsdp),
-        module_filter_fn=lambda _module, fqn: fqn in names,
+        module_filter_fn=lambda _module, fqn: fqn in chosen,
     )
-    return sorted(names)
+    return names
 
 
 def gathers_in_fp8(module: nn.Module) -> bool:
