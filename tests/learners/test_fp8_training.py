@@ -160,3 +160,19 @@ def test_conversion_keeps_state_dict_names_and_dtypes():
     fp8 = _actor(model=model)
     assert {k: v.dtype for k, v in fp8.model.state_dict().items()} == names
     assert dataclasses.is_dataclass(fp8.cfg) and fp8.cfg.precision == "fp8"
+
+
+@pytest.mark.gpu
+@needs_torchao
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_fp8_on_a_gpu_runs_float8_matmuls_near_bf16(recipe):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a GPU of compute capability >= 8.9")
+    batch = make_batch(seed=3)
+    results = {}
+    for precision in ("bf16", "fp8"):
+        actor = ActorLearner(tiny_model(), actor_config(precision=precision, fp8_recipe=recipe,
+                             ppo_mini_batch_size=8), total_steps=1, device="cuda")  # fmt: skip
+        results[precision] = actor.update(batch)
+    assert results["fp8"]["pg_loss"] == pytest.approx(results["bf16"]["pg_loss"], rel=2e-2)
+    assert results["fp8"]["grad_norm"] == pytest.approx(results["bf16"]["grad_norm"], rel=0.15)
