@@ -65,6 +65,15 @@ def test_fp8_on_the_cpu_without_emulation_is_refused_naming_the_key():
         ActorLearner(tiny_model(), actor_config(precision="fp8"), total_steps=1, device="cpu")
 
 
+def test_a_gpu_without_float8_tensor_cores_is_named_with_its_capability(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA A100")
+    problem = fp8_device_problem(torch.device("cuda", 0))
+    assert "cuda:0 (NVIDIA A100) has 8.0" in problem and ">= 8.9" in problem
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    assert fp8_device_problem(torch.device("cuda", 0)) is None
+
+
 def test_a_missing_torchao_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "torchao.float8", None)
     with pytest.raises(UserError, match=r"torchao.*\[fp8\]"):
