@@ -1,5 +1,6 @@
 """``hybridflow bench``: the engine against HF generate (rollout.py), the time to first token
-into a full batch (ttft.py), multi-turn agent episodes against single-turn calls (agent.py).
+into a full batch (ttft.py), multi-turn agent episodes against single-turn calls (agent.py),
+the actor's update in bf16 against FP8 training matmuls (update.py).
 
     python -m hybridflow.bench.cli rollout --preset tiny --prompts 8 --new-tokens 16 --device cpu
 """
@@ -12,6 +13,7 @@ import sys
 from hybridflow.bench.agent import add_agent_arguments, run_agent_command
 from hybridflow.bench.rollout import add_rollout_arguments, run_rollout_command
 from hybridflow.bench.ttft import add_ttft_arguments, run_ttft_command
+from hybridflow.bench.update import add_update_arguments, run_update_command
 
 
 def add_bench_subcommand(subparsers) -> None:
@@ -32,6 +34,9 @@ def add_bench_subcommand(subparsers) -> None:
     ttft = bench_sub.add_parser("ttft", help="time to first token into a full batch")
     add_ttft_arguments(ttft)
     ttft.set_defaults(func=run_ttft_command)
+    update = bench_sub.add_parser("update", help="the actor's update: bf16 vs FP8 matmuls")
+    add_update_arguments(update)
+    update.set_defaults(func=run_update_command)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     ttft = sub.add_parser("ttft", help="time to first token into a full batch")
     add_ttft_arguments(ttft)
     ttft.set_defaults(func=run_ttft_command)
+    update = sub.add_parser("update", help="the actor's update: bf16 vs FP8 matmuls")
+    add_update_arguments(update)
+    update.set_defaults(func=run_update_command)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -101,6 +101,15 @@ class ActorConfig:
     expert_parallel_size: int = 1
     """Mixture-of-experts models: ranks that split the experts of each sparse layer (tokens
     dispatched and combined by all-to-all); a multiple of sequence_parallel_size."""
+    precision: str = "bf16"
+    """Matmuls of training: bf16 | fp8. fp8: the decoder layers' linear projections compute in
+    float8 (torchao's float8 training, `pip install -e '.[fp8]'`; a GPU of compute capability
+    >= 8.9); masters and AdamW state stay fp32, the embedding, LM head and router bf16
+    (learners/fp8_training.py). verl's megatron.override_transformer_config.fp8."""
+    fp8_recipe: str = "rowwise"
+    """Scales of precision=fp8: rowwise (one per row of each operand, e4m3 gradients: the more
+    accurate) | tensorwise (one per tensor, e5m2 gradients: the fastest; under FSDP2 the
+    weights are all-gathered in float8)."""
 
 
 @dataclass
@@ -151,3 +160,7 @@ class CriticConfig:
     """As actor.sequence_parallel_size, for the critic; None: the actor's."""
     expert_parallel_size: int | None = None
     """As actor.expert_parallel_size, for the critic; None: the actor's."""
+    precision: str = "bf16"
+    """As actor.precision, for the critic (its value head stays bf16)."""
+    fp8_recipe: str = "rowwise"
+    """As actor.fp8_recipe, for the critic."""

@@ -16,6 +16,7 @@ from hybridflow.config.model_facts import (
     trained_model,
 )
 from hybridflow.config.parallel_checks import check_layouts, roles_in_use
+from hybridflow.config.precision_checks import precision_problems
 from hybridflow.config.reward_checks import reward_part_problems
 from hybridflow.config.sections import GROUP_ESTIMATORS, Config, ConfigError, Derived
 from hybridflow.model_config_values import directory_config_problems
@@ -313,6 +314,7 @@ def validate(cfg: Config, *, gpus_available: int | None = None, planning: bool =
         add(f"actor.clip_ratio_c = {a.clip_ratio_c} must be > 1 (dual clip; 3.0 is standard)")
     _check_router(cfg, add)
     _check_images(cfg, add)
+    problems += precision_problems(cfg, use_critic=use_critic)
     if alg.dynamic_sampling and alg.adv_estimator not in GROUP_ESTIMATORS:
         add(
             f"algorithm.dynamic_sampling filters groups but algorithm.adv_estimator = {alg.adv_estimator} "

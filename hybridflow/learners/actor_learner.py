@@ -29,6 +29,7 @@ from hybridflow.config import ActorConfig, ModelConfig
 from hybridflow.config.sections import UNPLANNED_UPDATE_BUDGET
 from hybridflow.learners import lora
 from hybridflow.learners.core import TrainCore
+from hybridflow.learners.fp8_training import fp8_options
 from hybridflow.learners.metric_sums import MetricSums
 from hybridflow.learners.modules import PolicyModel
 from hybridflow.learners.packing import PackedRows, to_device
@@ -72,6 +73,7 @@ class ActorLearner:
         max_response_length: ``T`` of ``seq-mean-token-sum-norm``; None: the batch's width.
         fsdp: force FSDP2 on/off; None: on when the DP group has more than one rank.
         seed: seeds the mini-batch shuffle and the LoRA initialisation.
+        fp8_emulate: with actor.precision=fp8, torchao's emulation (runs on the CPU; tests).
     """
 
     def __init__(
@@ -88,7 +90,10 @@ class ActorLearner:
         max_response_length: int | None = None,
         fsdp: bool | None = None,
         seed: int = 0,
+        fp8_emulate: bool = False,
     ):
+        fp8 = fp8_options(actor_cfg.precision, actor_cfg.fp8_recipe, device,
+                          emulate=fp8_emulate, key="actor.precision")  # fmt: skip
         if actor_cfg.max_tokens_per_gpu == "auto":
             # resolved at run start (trainer/memory_check.memory_defaults); unresolved (a
             # learner built outside `hybridflow train`), what a run without a GPU size gets
@@ -142,6 +147,7 @@ class ActorLearner:
             fsdp=fsdp,
             param_offload=actor_cfg.param_offload,
             optimizer_offload=actor_cfg.optimizer_offload,
+            fp8=fp8,
         )
         self.core.build_optimizer(
             lr=actor_cfg.lr,

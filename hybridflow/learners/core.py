@@ -24,6 +24,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridflow.learners.fp8_training import (
+    Fp8Training,
+    after_optimizer_step,
+    convert_to_fp8,
+    gathers_in_fp8,
+    plain_tensor,
+)
 from hybridflow.learners.host_optimizer import (
     BUCKET_ELEMENTS,
     HostAdamW,
@@ -76,6 +83,7 @@ class TrainCore:
         optimizer_offload: master weights and AdamW state on the host, the step on the CPU,
             the device holding compute-dtype weights (one device only: with FSDP2 use
             ``param_offload``).
+        fp8: the decoder's linears compute in FP8 (learners/fp8_training.py); None: bf16.
     """
 
     def __init__(
@@ -89,6 +97,7 @@ class TrainCore:
         mixed_precision: bool | None = None,
         param_offload: bool = False,
         optimizer_offload: bool = False,
+        fp8: Fp8Training | None = None,
     ):
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is not None:
@@ -119,6 +128,13 @@ class TrainCore:
             from hybridflow.models.sharding.tensor_parallel import parallelize_decoder
 
             parallelize_decoder(module.lm, mesh.submesh("tp"))
+        self.fp8_linears: list[str] = []  # names in module.lm of the Linears computing in FP8
+        if fp8 is not None:
+            if self.groups.tensor is not None:
+                raise ValueError("FP8 training with tensor parallelism is not supported (its "
+                                 "sharded Linears would need torchao's float8 TP styles): set "
+                                 "tensor_parallel_size=1 or precision=bf16")  # fmt: skip
+            self.fp8_linears = convert_to_fp8(module.lm, fp8, fsdp=self.fsdp)
         if self.fsdp:
             self._shard(module)
         elif self.compute_dtype is not None:
@@ -143,6 +159,7 @@ class TrainCore:
         # the memory plan (trainer/plan/memory_plan.py) prices it so.
         self.accumulate_unsharded = not self.param_offload
         self.state_writer = StateWriter(checkpoint_group(self.groups), distributed=_dist_on())
+        self.fp8_scales_after_step = fp8 is not None and gathers_in_fp8(module)
 
     # ------------------------------------------------------------------ setup
 
@@ -297,6 +314,8 @@ class TrainCore:
         skipped = not math.isfinite(grad_norm)
         if not skipped:
             self.optimizer.step()
+            if self.fp8_scales_after_step:
+                after_optimizer_step(self.module)
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, skipped
 
@@ -386,9 +405,9 @@ class TrainCore:
                     yield name, masters[name]  # optimizer_offload: the host fp32 master
                 elif hasattr(tensor, "full_tensor"):
                     # CPU-offloaded shards are gathered on the device (NCCL needs CUDA tensors).
-                    yield name, tensor.to(self.device).full_tensor()
+                    yield name, plain_tensor(tensor.to(self.device).full_tensor())
                 else:
-                    yield name, tensor
+                    yield name, plain_tensor(tensor)
 
     def master_dtype(self) -> torch.dtype:
         """dtype of the (sharded) parameters the optimizer updates (the host masters' with
@@ -421,13 +440,18 @@ class TrainCore:
             for unit, prefix in zip(units, prefixes):
                 unit.unshard()
                 for name, param in unit.named_parameters(remove_duplicate=False):
-                    yield prefix + name, _whole(param.detach()).to(self.gather_dtype())
+                    # a weight all-gathered in float8 (fp8 tensorwise) arrives dequantized: the
+                    # weights the FP8 forward computed with
+                    yield (
+                        prefix + name,
+                        plain_tensor(_whole(param.detach())).to(self.gather_dtype()),
+                    )
                 self._release_gathered(unit)
             root = self.module  # its own parameters: embeddings, final norm, untied head
             root.unshard()
             for name, param in module.named_parameters(remove_duplicate=False):
                 if not name.startswith(prefixes):  # a tied head under both names, like state_dict
-                    yield name, _whole(param.detach())
+                    yield name, plain_tensor(_whole(param.detach()))
             self._release_gathered(root)
 
     def _release_gathered(self, unit) -> None:

@@ -17,6 +17,7 @@ from torch import nn
 from hybridflow.algos import value_loss
 from hybridflow.config import ActorConfig, CriticConfig
 from hybridflow.learners.core import TrainCore
+from hybridflow.learners.fp8_training import fp8_options
 from hybridflow.learners.metric_sums import MetricSums
 from hybridflow.learners.modules import ValueModel
 from hybridflow.learners.packing import PackedRows, to_device
@@ -42,7 +43,8 @@ class CriticLearner:
         total_steps: RL steps (``lr_warmup_steps`` counts optimizer steps, as for the actor).
         actor_cfg: fallbacks for ``ppo_mini_batch_size`` / ``ppo_epochs`` left as None, and the
             AdamW betas / weight decay.
-        rollout_n, max_response_length, device, dp_group, mesh, fsdp: as for the actor.
+        rollout_n, max_response_length, device, dp_group, mesh, fsdp, fp8_emulate: as for
+            the actor.
     """
 
     def __init__(
@@ -59,7 +61,10 @@ class CriticLearner:
         max_response_length: int | None = None,
         fsdp: bool | None = None,
         value_head: nn.Linear | None = None,
+        fp8_emulate: bool = False,
     ):
+        fp8 = fp8_options(critic_cfg.precision, critic_cfg.fp8_recipe, device,
+                          emulate=fp8_emulate, key="critic.precision")  # fmt: skip
         actor_cfg = actor_cfg or ActorConfig()
         self.cfg = critic_cfg
         self.mini_batch_prompts = critic_cfg.ppo_mini_batch_size or actor_cfg.ppo_mini_batch_size
@@ -68,7 +73,7 @@ class CriticLearner:
         self.max_response_length = max_response_length
         self.value_model = ValueModel(model, value_head, sequence_group=sequence_group_of(mesh))
         self.core = TrainCore(
-            self.value_model, device=device, dp_group=dp_group, mesh=mesh, fsdp=fsdp
+            self.value_model, device=device, dp_group=dp_group, mesh=mesh, fsdp=fsdp, fp8=fp8
         )
         self.core.build_optimizer(
             lr=critic_cfg.lr,

@@ -110,3 +110,25 @@ def recompute(value: Any) -> bool:
     """Megatron's recompute_granularity (full | selective | null) -> gradient checkpointing:
     hybridflow recomputes every layer whole."""
     return value not in (None, "null", "None", "", False)
+
+
+def fp8_precision(value: Any) -> str:
+    """Megatron's override_transformer_config.fp8 (Transformer Engine's format: e4m3 |
+    hybrid, null: off) -> our precision. The gradient's format follows our fp8_recipe."""
+    if value in (None, "null", "None", "", False, "false", "False"):
+        raise KeepOurs("null: the matmuls train in bf16")
+    if str(value).lower() not in ("e4m3", "hybrid"):
+        raise NotHere(f"the fp8 format {value!r} (Transformer Engine's e4m3 or hybrid)")
+    return "fp8"
+
+
+# Transformer Engine's recipe -> the nearest of torchao's: delayed (an amax history) becomes
+# current scaling, blockwise (1x128 activation and 128x128 weight blocks) a scale per row.
+FP8_RECIPES = {"tensorwise": "tensorwise", "delayed": "tensorwise", "blockwise": "rowwise"}
+
+
+def fp8_recipe(value: Any) -> str:
+    if value not in FP8_RECIPES:
+        raise NotHere(f"the fp8 recipe {value!r} (known: {', '.join(FP8_RECIPES)}; MXFP8 and "
+                      "NVFP4 need Blackwell GPUs)")  # fmt: skip
+    return FP8_RECIPES[value]

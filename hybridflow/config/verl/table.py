@@ -111,6 +111,7 @@ def _megatron_memory_entries(mega: str, ours: str) -> list[Entry]:
         Ignored(override + "recompute_method", RECOMPUTE),
         Ignored(override + "recompute_num_layers", RECOMPUTE),
     ]
+    entries += _megatron_fp8_entries(override, ours)
     if ours in ("actor", "ref"):
         entries.append(Rename(mega + "param_offload", f"{ours}.param_offload"))
     if ours == "actor":
@@ -126,6 +127,28 @@ def _megatron_memory_entries(mega: str, ours: str) -> list[Entry]:
     else:
         entries.append(Ignored(override + "recompute_granularity", RECOMPUTE))
     return entries
+
+
+def _megatron_fp8_entries(override: str, ours: str) -> list[Entry]:
+    """Transformer Engine's FP8 training keys -> ``{ours}.precision`` and ``fp8_recipe``
+    (torchao's float8 training here, learners/fp8_training.py); the reference only runs
+    forward passes and stays bf16."""
+    if ours == "ref":
+        return [Ignored(override + "fp8", "the reference policy's forward stays bf16"),
+                Ignored(override + "fp8_recipe", "the reference policy's forward stays bf16")]  # fmt: skip
+    return [
+        Rename(override + "fp8", f"{ours}.precision", cv.fp8_precision,
+               "e4m3 or hybrid -> fp8; the gradient format follows the recipe"),
+        Rename(override + "fp8_recipe", f"{ours}.fp8_recipe", cv.fp8_recipe,
+               "tensorwise and delayed -> tensorwise, blockwise -> rowwise"),
+        Ignored(override + "fp8_param", FP8_MASTERS),
+        Ignored(override + "fp8_param_gather", FP8_MASTERS),
+    ]  # fmt: skip
+
+
+FP8_MASTERS = (
+    "masters stay fp32; under FSDP2 the tensorwise recipe all-gathers the weights in float8"
+)
 
 
 def _model_entries(prefix: str, ours: str) -> list[Entry]:
@@ -196,6 +219,10 @@ OPTIM_TABLE: list[Entry] = [
     Unsupported(
         ACTOR + "optim.override_optimizer_config", "Megatron optimizer options", _off, "null"
     ),
+    Ignored(
+        ACTOR + "optim.override_optimizer_config.fp8_recipe",
+        "AdamW state stays fp32 (actor.precision=fp8 changes the matmuls, not the optimizer)",
+    ),  # fmt: skip
     Unsupported(ACTOR + "optim.override_optimizer_config.*", "Megatron optimizer options"),
 ]
 

@@ -203,3 +203,29 @@ def test_torch_compile_becomes_auto_or_off():
     assert (on.model.compile, off.model.compile) == ("auto", False)
     ref = translate(["actor_rollout_ref.ref.use_torch_compile=False"])
     assert not ref.problems and not any("compile" in o for o in ref.overrides)
+
+
+def test_megatron_fp8_training_keys_become_our_precision():
+    # verl's FP8 end-to-end recipe (low_precision/run_dapo_qwen3_moe_30b_megatron_fp8e2e.sh)
+    actor = "actor_rollout_ref.actor."
+    override = actor + "megatron.override_transformer_config."
+    t = translate([override + "fp8=e4m3", override + "fp8_recipe=blockwise",
+                   actor + "optim.override_optimizer_config.fp8_recipe=blockwise",
+                   "critic.megatron.override_transformer_config.fp8=hybrid",
+                   "critic.megatron.override_transformer_config.fp8_recipe=delayed",
+                   "actor_rollout_ref.ref.megatron.override_transformer_config.fp8=e4m3"])  # fmt: skip
+    assert not t.problems
+    for ours in ("actor.precision=fp8", "actor.fp8_recipe=rowwise", "critic.precision=fp8",
+                 "critic.fp8_recipe=tensorwise"):  # fmt: skip
+        assert ours in t.overrides
+    reasons = {n.verl: n.why for n in t.notices}
+    assert "fp32" in reasons[actor + "optim.override_optimizer_config.fp8_recipe"]
+    assert "bf16" in reasons["actor_rollout_ref.ref.megatron.override_transformer_config.fp8"]
+
+
+def test_megatron_fp8_off_keeps_bf16_and_an_unknown_recipe_stops():
+    override = "actor_rollout_ref.actor.megatron.override_transformer_config."
+    off = translate([override + "fp8=null"])
+    assert not off.problems and not any("precision" in o for o in off.overrides)
+    stop = translate([override + "fp8_recipe=mxfp8"])
+    assert "fp8 recipe 'mxfp8'" in stop.problems[0]

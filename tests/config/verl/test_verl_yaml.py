@@ -168,6 +168,14 @@ MAPPED = [
         R + "expert_parallel_size=2",
     ],
     [
+        A + "megatron.override_transformer_config.fp8=e4m3",
+        A + "megatron.override_transformer_config.fp8_recipe=tensorwise",
+        "algorithm.adv_estimator=gae",
+        "critic.megatron.override_transformer_config.fp8=hybrid",
+        "critic.megatron.override_transformer_config.fp8_recipe=blockwise",
+        "trainer.device=cuda",
+    ],
+    [
         A + "megatron.param_offload=True",
         REF + "megatron.param_offload=True",
         A + "megatron.override_transformer_config.recompute_granularity=full",
