@@ -70,37 +70,55 @@ def propose(context: Sequence[int], sources: Sequence[NgramIndex], k: int, min_n
 
 
 class DraftStore:
-    """Earlier rollouts per prompt, bounded: the `max_prompts` prompts seen last (least
-    recently used dropped first), the latest `rollouts_per_prompt` responses of each, every
-    response cut to `max_tokens`. So its memory is bounded whatever the workload: the
-    group's siblings that finished, and earlier epochs' samples of the same prompt."""
+    """Earlier responses per prompt, bounded in tokens: the latest `rollouts_per_prompt`
+    responses of each prompt, and at most `max_tokens` tokens in all (the oldest response of
+    the prompt added to least recently goes first). So its memory is bounded whatever the
+    workload: the group's siblings that finished, and earlier epochs' samples of the prompt.
 
-    def __init__(self, max_prompts: int, rollouts_per_prompt: int, max_tokens: int,
-                 min_n: int, max_n: int):  # fmt: skip
-        self.max_prompts, self.rollouts_per_prompt = max_prompts, rollouts_per_prompt
-        self.max_tokens, self.min_n, self.max_n = max_tokens, min_n, max_n
-        self._prompts: OrderedDict[tuple[int, ...], deque[NgramIndex]] = OrderedDict()
+    A response is indexed when first looked up, not when added: every finished request is
+    added, and only those whose prompt still has a row decoding in the tail are read."""
+
+    def __init__(self, max_tokens: int, rollouts_per_prompt: int, min_n: int, max_n: int):
+        self.max_tokens, self.rollouts_per_prompt = max_tokens, rollouts_per_prompt
+        self.min_n, self.max_n = min_n, max_n
+        # prompt -> its responses, oldest first: token lists, or their indexes once read
+        self._prompts: OrderedDict[tuple[int, ...], deque[list[int] | NgramIndex]] = OrderedDict()
+        self.tokens = 0  # tokens held (responses, and the prompt tails indexed with them)
 
     def __len__(self) -> int:
         return len(self._prompts)
 
     def add(self, prompt: Sequence[int], response: Sequence[int]) -> None:
-        """A finished response of `prompt` (indexed with the prompt's last tokens before it,
-        so a match may span the prompt's end)."""
-        if self.max_prompts <= 0 or self.rollouts_per_prompt <= 0 or not response:
+        """A finished response of `prompt`, kept with the prompt's last max_n - 1 tokens
+        before it (a match may span the prompt's end)."""
+        if self.max_tokens <= 0 or self.rollouts_per_prompt <= 0 or not response:
             return
         key = tuple(prompt)
         rollouts = self._prompts.get(key)
         if rollouts is None:
-            rollouts = self._prompts[key] = deque(maxlen=self.rollouts_per_prompt)
-            while len(self._prompts) > self.max_prompts:
-                self._prompts.popitem(last=False)
+            rollouts = self._prompts[key] = deque()
         self._prompts.move_to_end(key)
-        head = list(prompt[len(prompt) - (self.max_n - 1) :]) if self.max_n > 1 else []
-        rollouts.append(NgramIndex(self.min_n, self.max_n,
-                                   head + list(response[: self.max_tokens])))  # fmt: skip
+        tail = list(prompt[len(prompt) - (self.max_n - 1) :]) if self.max_n > 1 else []
+        kept = tail + list(response[: self.max_tokens - len(tail)])
+        rollouts.append(kept)
+        self.tokens += len(kept)
+        if len(rollouts) > self.rollouts_per_prompt:
+            self._drop_oldest(key)
+        while self.tokens > self.max_tokens:
+            self._drop_oldest(next(iter(self._prompts)))
+
+    def _drop_oldest(self, key: tuple[int, ...]) -> None:
+        rollouts = self._prompts[key]
+        self.tokens -= len(rollouts.popleft())
+        if not rollouts:
+            del self._prompts[key]
 
     def rollouts(self, prompt: Sequence[int]) -> list[NgramIndex]:
-        """The stored responses of `prompt`, newest first ([] if none)."""
+        """The stored responses of `prompt` as indexes, newest first ([] if none)."""
         rollouts = self._prompts.get(tuple(prompt))
-        return list(reversed(rollouts)) if rollouts else []
+        if not rollouts:
+            return []
+        for i, rollout in enumerate(rollouts):
+            if not isinstance(rollout, NgramIndex):
+                rollouts[i] = NgramIndex(self.min_n, self.max_n, rollout)
+        return list(reversed(rollouts))

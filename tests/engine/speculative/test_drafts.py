@@ -55,24 +55,25 @@ def test_self_repetition_drafts_the_loop():
     assert propose(sequence, [index], k=6, min_n=2, max_n=3) == [4, 5, 6, 7]  # up to the end
 
 
-def test_store_keeps_the_newest_rollouts_of_the_newest_prompts():
-    store = DraftStore(max_prompts=2, rollouts_per_prompt=2, max_tokens=3, min_n=1, max_n=2)
-    store.add([1], [10, 11, 12, 13])
+def test_store_keeps_the_newest_rollouts_within_its_token_budget():
+    store = DraftStore(max_tokens=8, rollouts_per_prompt=2, min_n=1, max_n=2)
+    store.add([1], [10, 11, 12])
     store.add([1], [20])
-    store.add([1], [30])
+    store.add([1], [30])  # a third response of [1]: its oldest goes
     assert [r.tokens for r in store.rollouts([1])] == [[1, 30], [1, 20]]  # prompt's tail first
-    store.add([2], [40])
-    store.rollouts([1])  # a lookup does not refresh; an add does
-    store.add([1], [50])
-    store.add([3], [60])  # [2] was least recently added to: dropped
-    assert len(store) == 2 and store.rollouts([2]) == []
-    store.add([4], [10, 11, 12, 13, 14])
-    assert store.rollouts([4])[0].tokens == [4, 10, 11, 12]  # cut to max_tokens
+    store.add([2], [40, 41])
+    store.add([1], [50])  # [2] is now the prompt added to least recently
+    assert store.tokens == 7
+    store.add([3], [60])  # 9 tokens: [2]'s response goes
+    assert store.rollouts([2]) == [] and len(store) == 2 and store.tokens == 6
+    store.add([4], list(range(100, 120)))  # cut to the budget; everything else goes
+    assert [r.tokens for r in store.rollouts([4])] == [[4, *range(100, 107)]]
+    assert store.rollouts([1]) == [] and store.tokens == 8
     assert store.rollouts([5]) == []
 
 
 def test_a_stored_rollout_drafts_what_followed_across_the_prompt_end():
-    store = DraftStore(max_prompts=4, rollouts_per_prompt=4, max_tokens=100, min_n=2, max_n=3)
+    store = DraftStore(max_tokens=100, rollouts_per_prompt=4, min_n=2, max_n=3)
     prompt = [7, 8, 9]
     store.add(prompt, [1, 2, 3, 4, 5])
     # the new sample has produced nothing yet: its context ends with the prompt
@@ -81,9 +82,9 @@ def test_a_stored_rollout_drafts_what_followed_across_the_prompt_end():
 
 
 def test_an_empty_or_disabled_store_holds_nothing():
-    store = DraftStore(max_prompts=0, rollouts_per_prompt=4, max_tokens=10, min_n=2, max_n=3)
+    store = DraftStore(max_tokens=0, rollouts_per_prompt=4, min_n=2, max_n=3)
     store.add([1], [2, 3])
     assert len(store) == 0
-    store = DraftStore(max_prompts=3, rollouts_per_prompt=4, max_tokens=10, min_n=2, max_n=3)
+    store = DraftStore(max_tokens=10, rollouts_per_prompt=4, min_n=2, max_n=3)
     store.add([1], [])
     assert len(store) == 0
