@@ -24,7 +24,7 @@ read of every weight, so the syncs cost little next to the tokens a pass can emi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,12 +54,18 @@ class SpeculationStats:
     accepted: int = 0  # draft tokens accepted
     emitted: int = 0  # tokens the passes emitted (accepted + one per row, less stops)
 
-    def summary(self) -> dict[str, float]:
-        """Acceptance rate and tokens per row and pass (1.0: no gain)."""
+    def since(self, earlier: SpeculationStats) -> SpeculationStats:
+        """The counts of what ran after `earlier` (a copy taken then: dataclasses.replace)."""
+        return SpeculationStats(*(getattr(self, f.name) - getattr(earlier, f.name)
+                                  for f in fields(self)))  # fmt: skip
+
+    def metrics(self) -> dict[str, float]:
+        """Rollout metrics: verify passes, the share of drafts accepted, and the tokens a row
+        emits per pass (1.0: no gain; a decode step emits 1)."""
         return {
-            "speculative/passes": float(self.passes),
-            "speculative/acceptance_rate": self.accepted / max(self.drafted, 1),
-            "speculative/tokens_per_row_pass": self.emitted / max(self.rows, 1),
+            "rollout/speculative_passes": float(self.passes),
+            "rollout/speculative_acceptance_rate": self.accepted / max(self.drafted, 1),
+            "rollout/speculative_tokens_per_pass": self.emitted / max(self.rows, 1),
         }
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from hybridflow.config import Config, Derived
+from hybridflow.engine.speculative import SPECULATIVE_METRICS
 from hybridflow.progress import ProgressReporter, quiet_reporter
 from hybridflow.protocol import Batch
 from hybridflow.trainer.lifecycle.stop import StopRequest
@@ -214,6 +215,7 @@ def score(run: RunContext, batch: Batch, step: int | None = None) -> tuple[Batch
         from hybridflow.agents.rollout import agent_metrics
 
         metrics.update(agent_metrics(batch.arrays))
+    metrics.update(batch.meta.get(SPECULATIVE_METRICS, {}))  # rollout.engine.speculative
     return batch, metrics
 
 
