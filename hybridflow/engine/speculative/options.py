@@ -21,7 +21,7 @@ def speculative_problems(options) -> list[str]:
     drafts, per_sync = options.speculative_draft_tokens, options.steps_per_sync
     if not _is_int(drafts) or drafts < 1:
         problems.append(f"speculative_draft_tokens={drafts!r}: must be an integer >= 1")
-    elif _is_int(per_sync) and drafts > per_sync:
+    elif options.speculative != "off" and _is_int(per_sync) and drafts > per_sync:
         # a verify pass emits up to drafts + 1 tokens; the read-back copies steps_per_sync + 1
         problems.append(f"speculative_draft_tokens={drafts}: at most steps_per_sync="
                         f"{per_sync} (raise steps_per_sync or draft fewer tokens)")  # fmt: skip

@@ -91,7 +91,8 @@ def test_rows_past_the_tail_decode_in_chunks(model):
 @pytest.mark.parametrize(
     ("fields", "message"),
     [(dict(speculative="eagle"), "speculative='eagle': must be one of off, ngram"),
-     (dict(speculative_draft_tokens=9), "speculative_draft_tokens=9: at most steps_per_sync=8"),
+     (dict(speculative="ngram", speculative_draft_tokens=9),
+      "speculative_draft_tokens=9: at most steps_per_sync=8"),
      (dict(speculative_draft_tokens=0), "speculative_draft_tokens=0: must be an integer >= 1"),
      (dict(speculative_max_rows=0), "speculative_max_rows=0: must be an integer >= 1"),
      (dict(speculative_min_ngram=3, speculative_max_ngram=2), "1 <= min <= max <= 16"),
@@ -101,6 +102,10 @@ def test_speculative_options_are_checked(fields, message):
     with pytest.raises(ValueError, match="invalid engine options") as raised:
         EngineOptions(**fields).checked()
     assert message in str(raised.value)
+
+
+def test_draft_tokens_past_steps_per_sync_matter_only_with_speculation_on():
+    assert EngineOptions(steps_per_sync=2, speculative_draft_tokens=4).validate() == []
 
 
 def test_a_recurrent_model_refuses_speculation():
