@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hybridflow.engine import Engine, EngineOptions, SamplingParams
+from hybridflow.engine.serving.service import RolloutService
 from hybridflow.models import build_model
 from hybridflow.models.presets import preset_config
 
@@ -86,6 +87,26 @@ def test_rows_past_the_tail_decode_in_chunks(model):
     expected = _engine(model, False).generate(PROMPTS, params)
     _assert_same(engine.generate(PROMPTS, params), expected)
     assert engine.speculation.stats.rows == engine.speculation.stats.passes  # one row a pass
+
+
+def test_service_requests_with_different_settings_sample_as_alone(model):
+    """Rows of one verify pass that sample differently (row_sampling.py: each position with
+    its row's settings) emit what each request emits alone without speculation."""
+    settings = [
+        SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.9, max_new_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.7, top_k=5, max_new_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=1.2, min_p=0.1, max_new_tokens=25, ignore_eos=True),
+    ]
+    expected = [_engine(model, False).generate([p], params, seeds=[i])[0]
+                for i, (p, params) in enumerate(zip(PROMPTS, settings))]  # fmt: skip
+    engine = _engine(model, True, speculative_min_ngram=1)
+    with RolloutService(engine) as service:
+        for _ in range(2):  # the second round drafts from the first's responses
+            handles = [service.submit(p, params, seed=i)
+                       for i, (p, params) in enumerate(zip(PROMPTS, settings))]  # fmt: skip
+            _assert_same([h.result(timeout=120)[0] for h in handles], expected)
+    assert engine.speculation.stats.accepted > 0
 
 
 @pytest.mark.parametrize(
