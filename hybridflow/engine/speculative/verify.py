@@ -89,6 +89,14 @@ class Speculation:
         if live.request not in live.sub.aborted:
             self.store.add(live.sub.prompt_of(live.request), live.tokens)
 
+    def drafts(self, rows: list[LiveRequest], budgets: list[int]) -> dict[int, list[int]]:
+        """Each row's draft (LiveRequest.key -> tokens), fewer than the tokens it may still
+        emit; the indexes of requests no longer decoding are dropped (bounded memory)."""
+        drafts = {live.key: self.draft(live, budget - 1) for live, budget in zip(rows, budgets)}
+        if len(self.contexts) > len(drafts):
+            self.contexts = {key: self.contexts[key] for key in drafts}
+        return drafts
+
     def draft(self, live: LiveRequest, limit: int) -> list[int]:
         """Up to min(draft_tokens, limit) tokens to follow the row's tokens read back so far."""
         prompt = live.sub.prompt_of(live.request)
@@ -110,8 +118,7 @@ def run_step(scheduler: SchedulerState) -> bool:
     from hybridflow.engine.scheduling import preemption, readback
 
     readback.flush(scheduler)  # every row's tokens on the host: the drafts extend them
-    drafts = {live.key: speculation.draft(live, budget - 1)
-              for live, budget in zip(scheduler.rows, scheduler.row_budget)}  # fmt: skip
+    drafts = speculation.drafts(scheduler.rows, scheduler.row_budget)
     longest = max(map(len, drafts.values()), default=0)
     if not longest:
         return False

@@ -6,11 +6,14 @@ checked."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from hybridflow.engine import Engine, EngineOptions, SamplingParams
 from hybridflow.engine.serving.service import RolloutService
+from hybridflow.engine.speculative.verify import Speculation
 from hybridflow.models import build_model
 from hybridflow.models.presets import preset_config
 
@@ -107,6 +110,24 @@ def test_service_requests_with_different_settings_sample_as_alone(model):
                        for i, (p, params) in enumerate(zip(PROMPTS, settings))]  # fmt: skip
             _assert_same([h.result(timeout=120)[0] for h in handles], expected)
     assert engine.speculation.stats.accepted > 0
+
+
+def _row(key: int, prompt: list[int], tokens: list[int]):
+    sub = SimpleNamespace(prompt_of=lambda request: prompt, aborted=set())
+    return SimpleNamespace(key=key, sub=sub, request=0, tokens=tokens)
+
+
+def test_drafts_follow_siblings_then_the_row_and_keep_indexes_of_decoding_rows_only():
+    speculation = Speculation(EngineOptions(speculative="ngram", speculative_draft_tokens=3))
+    prompt = [1, 2, 3, 4, 1, 2]
+    speculation.finished(_row(0, prompt, [9, 8, 7, 6]))  # a sibling that finished
+    rows = [_row(1, prompt, [9]), _row(2, prompt, [5, 3, 4, 1]), _row(3, [7, 7], [7])]
+    drafts = speculation.drafts(rows, [10, 10, 2])
+    # the sibling's (1, 2, 9) beats the prompt's (1, 2, 3); (3, 4, 1) only the prompt has;
+    # a row that may emit 2 more tokens drafts 1
+    assert drafts == {1: [8, 7, 6], 2: [2, 5, 3], 3: [7]}
+    assert speculation.drafts(rows[1:], [10, 10]) == {2: [2, 5, 3], 3: [7]}
+    assert set(speculation.contexts) == {2, 3}  # row 1 left (a reset scheduler's request)
 
 
 @pytest.mark.parametrize(
