@@ -61,7 +61,7 @@ class SpeculationStats:
 
     def metrics(self) -> dict[str, float]:
         """Rollout metrics: verify passes, the share of drafts accepted, and the tokens a row
-        emits per pass (1.0: no gain; a decode step emits 1)."""
+        emits per pass (a decode step emits 1; 0 when no pass ran)."""
         return {
             "rollout/speculative_passes": float(self.passes),
             "rollout/speculative_acceptance_rate": self.accepted / max(self.drafted, 1),
