@@ -133,8 +133,38 @@ def run_step(scheduler: SchedulerState) -> bool:
 def _verify(scheduler: SchedulerState, drafts: list[list[int]]) -> None:
     """One forward over every row's last token and drafts, their acceptance, the state
     advanced by each row's emitted tokens, and the host's budgets by the same counts."""
-    engine, state, rows = scheduler.engine, scheduler.state, len(scheduler.rows)
+    state, rows, runner = scheduler.state, len(scheduler.rows), scheduler.runner
     width = max(map(len, drafts)) + 1  # positions per row in the padded [rows, width] views
+    logits, token_rows, offsets, padded, lengths = _forward(scheduler, drafts, width)
+    steps = state.generated[token_rows] + offsets  # the sampling step of each position
+    rows_of = token_rows if runner.mixed else None  # each position's row settings
+    tokens, logprobs = runner.sample(logits, state.seed_lo[token_rows], state.seed_hi[token_rows],
+                                     steps, rows=rows_of)  # fmt: skip
+    sampled = torch.zeros((rows, width), dtype=torch.int64, device=tokens.device)
+    sampled_logprobs = torch.zeros((rows, width), dtype=logprobs.dtype, device=tokens.device)
+    sampled[token_rows, offsets] = tokens
+    sampled_logprobs[token_rows, offsets] = logprobs
+    accepted = accepted_lengths(sampled, padded, lengths)
+    emitted = emitted_lengths(accepted, state.stop_mask[sampled])
+    emitted = torch.where(state.finished[:rows], 0, emitted)
+    _advance(state, rows, sampled, sampled_logprobs, emitted)
+    accepted_list, emitted_list = torch.stack([accepted, emitted]).tolist()  # the one sync
+    scheduler.row_budget[:rows] = [b - e for b, e in zip(scheduler.row_budget, emitted_list)]
+    scheduler.decode_steps += 1
+    scheduler.decoded_rows += rows
+    stats = scheduler.engine.speculation.stats
+    stats.passes += 1
+    stats.rows += rows
+    stats.drafted += sum(map(len, drafts))
+    stats.accepted += sum(min(a, e) for a, e in zip(accepted_list, emitted_list))
+    stats.emitted += sum(emitted_list)
+
+
+def _forward(scheduler: SchedulerState, drafts: list[list[int]], width: int) -> tuple:
+    """The extend pass over each row's last token and drafts (mixed.run_step's inputs, no
+    prompt chunk). -> (logits [T, V], each token's row [T] and index in its row [T], the
+    drafts padded with -1 [rows, width - 1], their lengths [rows]), on the device."""
+    engine, rows = scheduler.engine, len(scheduler.rows)
     counts = torch.tensor([len(d) + 1 for d in drafts])
     starts = torch.tensor([len(live.sub.prompt_of(live.request)) + len(live.tokens) - 1
                            for live in scheduler.rows])  # fmt: skip  # each last token's position
@@ -160,7 +190,6 @@ def _verify(scheduler: SchedulerState, drafts: list[list[int]]) -> None:
     uploaded = upload(engine.device, ids, positions, token_slots, token_rows, offsets, padded,
                       counts - 1, *cache_at, *span_tensors)  # fmt: skip
     ids, positions, token_slots, token_rows, offsets, padded, lengths, *rest = uploaded
-    padded = padded.view(rows, width - 1)  # (upload flattens)
     extra = {}
     if cache_at:
         extra["cache_at"], rest = tuple(rest[:2]), rest[2:]
@@ -172,29 +201,7 @@ def _verify(scheduler: SchedulerState, drafts: list[list[int]]) -> None:
     every = torch.arange(ids.shape[0], device=ids.device)
     logits = engine.extend(engine.model, scheduler.cache, engine.rope, ids, positions,
                            token_slots, every, max_len=max_len, **extra)  # fmt: skip  # [T, V]
-    steps = state.generated[token_rows] + offsets  # the sampling step of each position
-    runner = scheduler.runner
-    rows_of = token_rows if runner.mixed else None  # each position's row settings
-    tokens, logprobs = runner.sample(logits, state.seed_lo[token_rows], state.seed_hi[token_rows],
-                                     steps, rows=rows_of)  # fmt: skip
-    sampled = torch.zeros((rows, width), dtype=torch.int64, device=ids.device)
-    sampled_logprobs = torch.zeros((rows, width), dtype=logprobs.dtype, device=ids.device)
-    sampled[token_rows, offsets] = tokens
-    sampled_logprobs[token_rows, offsets] = logprobs
-    accepted = accepted_lengths(sampled, padded, lengths)
-    emitted = emitted_lengths(accepted, state.stop_mask[sampled])
-    emitted = torch.where(state.finished[:rows], 0, emitted)
-    _advance(state, rows, sampled, sampled_logprobs, emitted)
-    accepted_list, emitted_list = torch.stack([accepted, emitted]).tolist()  # the one sync
-    scheduler.row_budget[:rows] = [b - e for b, e in zip(scheduler.row_budget, emitted_list)]
-    scheduler.decode_steps += 1
-    scheduler.decoded_rows += rows
-    stats = scheduler.engine.speculation.stats
-    stats.passes += 1
-    stats.rows += rows
-    stats.drafted += sum(map(len, drafts))
-    stats.accepted += sum(min(a, e) for a, e in zip(accepted_list, emitted_list))
-    stats.emitted += sum(emitted_list)
+    return logits, token_rows, offsets, padded.view(rows, width - 1), lengths
 
 
 def _advance(state, rows: int, sampled: torch.Tensor, logprobs: torch.Tensor,
