@@ -194,7 +194,7 @@ def bench_engine(model, prompts, args, device, progress=None) -> dict:
         "backend": engine.decode_backend, "cuda_graphs": engine.cuda_graphs, "slots": slots,
         "fuse": engine.fuse_projections, "options": options.to_dict(),
         "launch": None if engine.launch is None else vars(engine.launch),
-        "tokens": tokens, "seconds": seconds,
+        "tokens": tokens, "seconds": seconds, "repeats": repeats,
         "tokens_per_s": tokens / seconds, "ttft_s": ttft, "peak_mem_gib": peak / 2**30,
         "warmup_s": warmup, "stopped": stopped, "runs_s": [round(r, 4) for r in runs],
         "choices": pinned,

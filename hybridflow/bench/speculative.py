@@ -1,7 +1,7 @@
 """`hybridflow bench rollout --speculative ngram`: the engine with speculative decoding off and
 on, same prompts, same seeds, so the same tokens (speculative sampling keeps them), in one
-process: tok/s, verify passes, the share of drafts accepted and the tokens a row emits per
-pass.
+process: tok/s, verify passes (their count over the timed calls, their seconds per call),
+the share of drafts accepted and the tokens a row emits per pass.
 
     hybridflow bench rollout --preset qwen2.5-0.5b --prompts 256 --new-tokens 1024 \\
         --mean-length 256 --speculative ngram --repeats 3 --no-hf
@@ -40,8 +40,8 @@ def bench_speculative(model, prompts, args, device, progress=None) -> dict:
 def print_speculative(result: dict) -> None:
     spec = result["speculative"]
     print(f"  speculative decoding ({spec['method']}), same prompts and seeds:")
-    print(f"    {'method':<8} {'tok/s':>12} {'seconds':>9} {'passes':>8} {'accepted':>9} "
-          f"{'tok/pass':>9}")  # fmt: skip
+    print(f"    {'method':<8} {'tok/s':>12} {'seconds':>9} {'passes':>8} {'in passes':>10} "
+          f"{'accepted':>9} {'tok/pass':>9}")  # fmt: skip
     for name in ("off", "on"):
         run = spec[name]
         metrics = run.get("speculative") or {}
@@ -49,7 +49,8 @@ def print_speculative(result: dict) -> None:
         passes = metrics.get("rollout/speculative_passes", 0.0)
         accepted = metrics.get("rollout/speculative_acceptance_rate", 0.0)
         per_pass = metrics.get("rollout/speculative_tokens_per_pass", 1.0) if passes else 1.0
+        in_passes = metrics.get("rollout/speculative_seconds", 0.0) / max(run["repeats"], 1)
         print(f"    {label:<8} {run['tokens_per_s']:>12,.0f} {run['seconds']:>9.3f} "
-              f"{passes:>8.0f} {accepted:>9.1%} {per_pass:>9.2f}")  # fmt: skip
+              f"{passes:>8.0f} {in_passes:>9.3f}s {accepted:>9.1%} {per_pass:>9.2f}")  # fmt: skip
     same = "the same tokens" if spec["same_tokens"] else "DIFFERENT tokens (float rounding)"
     print(f"    speedup {spec['speedup']:.2f}x; {same}")

@@ -166,5 +166,6 @@ def test_speculative_rollout_reports_its_metrics_with_the_batch():
         assert metrics["rollout/speculative_passes"] > 0
         assert 0 <= metrics["rollout/speculative_acceptance_rate"] <= 1
         assert metrics["rollout/speculative_tokens_per_pass"] >= 1
+        assert metrics["rollout/speculative_seconds"] > 0
     finally:
         group.shutdown()

@@ -24,6 +24,7 @@ read of every weight, so the syncs cost little next to the tokens a pass can emi
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -53,6 +54,7 @@ class SpeculationStats:
     drafted: int = 0  # draft tokens scored
     accepted: int = 0  # draft tokens accepted
     emitted: int = 0  # tokens the passes emitted (accepted + one per row, less stops)
+    seconds: float = 0.0  # wall time of the passes (synchronous: reads back, forward, sync)
 
     def since(self, earlier: SpeculationStats) -> SpeculationStats:
         """The counts of what ran after `earlier` (a copy taken then: dataclasses.replace)."""
@@ -66,6 +68,7 @@ class SpeculationStats:
             "rollout/speculative_passes": float(self.passes),
             "rollout/speculative_acceptance_rate": self.accepted / max(self.drafted, 1),
             "rollout/speculative_tokens_per_pass": self.emitted / max(self.rows, 1),
+            "rollout/speculative_seconds": self.seconds,
         }
 
 
@@ -117,6 +120,7 @@ def run_step(scheduler: SchedulerState) -> bool:
         return False
     from hybridflow.engine.scheduling import preemption, readback
 
+    started = time.perf_counter()
     readback.flush(scheduler)  # every row's tokens on the host: the drafts extend them
     drafts = speculation.drafts(scheduler.rows, scheduler.row_budget)
     longest = max(map(len, drafts.values()), default=0)
@@ -127,6 +131,7 @@ def run_step(scheduler: SchedulerState) -> bool:
     if scheduler.paging is not None and not preemption.make_room(scheduler, longest):
         return False  # every row was preempted
     _verify(scheduler, [drafts[live.key] for live in scheduler.rows])
+    speculation.stats.seconds += time.perf_counter() - started
     return True
 
 
