@@ -70,6 +70,18 @@ def test_sampled_tokens_equal_the_engine_without_speculation_for_a_seed(model, p
     assert stats.passes > 0 and stats.accepted > 0
 
 
+def test_verify_passes_take_turns_with_mixed_steps(model):
+    """Four slots for eight requests: prompts are prefilled in mixed steps while rows
+    decode, and verify passes run between them."""
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=24, ignore_eos=True)
+    budgets = [24, 5, 9, 24, 14, 7, 24, 11]
+    expected = _engine(model, False).generate(PROMPTS, params, max_new_tokens=budgets)
+    engine = _engine(model, True, slots=4, max_prefill_tokens_per_step=8,
+                     speculative_min_ngram=1)  # fmt: skip
+    _assert_same(engine.generate(PROMPTS, params, max_new_tokens=budgets), expected)
+    assert engine.scheduler.mixed_steps > 0 and engine.speculation.stats.passes > 0
+
+
 def test_a_kept_slot_continues_as_without_speculation(model):
     """A rejected draft's K/V stays past the row's end in its slot: the next turn, extending
     the kept slot, must not read it."""
