@@ -3,6 +3,7 @@
     python benchmarks/async_rl.py --preset qwen2.5-0.5b --prompts 128 --samples 8 \\
         --max-new-tokens 4096 --mean-new-tokens 1024 --steps 6 --prime 2 \\
         --modes sync async:1 async:1:partial async:1:partial:priority
+    python benchmarks/async_rl.py ... --modes sync sync:spec async:1:partial async:1:partial:spec
     python benchmarks/async_rl.py --modes sync async:1:partial:split --prime 2 \\
         --override trainer.backend=local --override trainer.n_gpus_per_node=2  # 2 GPUs
     python benchmarks/async_rl.py --preset tiny --device cpu --prompts 4 --samples 2 \\
@@ -87,6 +88,7 @@ MODE_FLAGS = {
     "partial": [],  # trainer.partial_rollout, below
     "priority": ["rollout.engine.service_stream=priority"],
     "split": ["trainer.placement=split", "trainer.rollout_gpus=1"],
+    "spec": ["rollout.engine.speculative=ngram"],  # verify passes of n-gram drafts in the tail
 }
 
 
@@ -94,13 +96,19 @@ def mode_overrides(mode: str) -> list[str]:
     """'sync', or 'async:S' (staleness S) followed by any of ':partial' (partial rollouts),
     ':priority' (the rollout service on a high-priority CUDA stream of its own) and ':split'
     (the rollout on a device of its own, the rest training: with --override
-    trainer.backend=local --override trainer.n_gpus_per_node=N, sync is colocated on all N)."""
-    if mode == "sync":
-        return ["trainer.mode=sync"]
-    name, staleness, *flags = mode.split(":")
+    trainer.backend=local --override trainer.n_gpus_per_node=N, sync is colocated on all N);
+    either followed by ':spec' (speculative decoding of the tail: rollout.engine.speculative)."""
+    bad = (f"--modes: {mode!r} is not sync[:spec] or "
+           "async:S[:partial][:priority][:split][:spec]")  # fmt: skip
+    name, *rest = mode.split(":")
+    if name == "sync":
+        if rest not in ([], ["spec"]):
+            raise SystemExit(bad)
+        return ["trainer.mode=sync", *(o for flag in rest for o in MODE_FLAGS[flag])]
+    staleness, *flags = rest or [""]
     if (name != "async" or not staleness.isdigit() or len(set(flags)) != len(flags)
             or not set(flags) <= set(MODE_FLAGS)):  # fmt: skip
-        raise SystemExit(f"--modes: {mode!r} is not sync or async:S[:partial][:priority][:split]")
+        raise SystemExit(bad)
     return ["trainer.mode=async", f"trainer.max_staleness={staleness}",
             f"trainer.partial_rollout={'true' if 'partial' in flags else 'false'}",
             *(o for flag in flags for o in MODE_FLAGS[flag])]  # fmt: skip
@@ -153,7 +161,8 @@ def run_mode(mode: str, work: Path, args) -> dict | None:
     for row in steps:  # the async mode's wait for its rollout lies outside train_step
         row["wall_s"] = row["timing_s/step"] + row.get("timing_s/wait_rollout", 0.0)
     mean = lambda key: sum(row.get(key, 0.0) for row in timed) / len(timed)  # noqa: E731
-    extra = sorted({k for row in timed for k in row if k.startswith(("async/", "staleness/"))})
+    logged = ("async/", "staleness/", "rollout/speculative_")
+    extra = sorted({k for row in timed for k in row if k.startswith(logged)})
     return {
         "mode": mode,
         "complete": complete,

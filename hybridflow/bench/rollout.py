@@ -6,12 +6,14 @@
 
 Random-weight presets never emit EOS on purpose, so every sample runs to --new-tokens
 (ignore_eos on the engine, min_new_tokens on HF): both sides generate the same token count.
-`--engine NAME=VALUE` sets any EngineOptions field (hybridflow/engine/options.py).
+`--engine NAME=VALUE` sets any EngineOptions field (hybridflow/engine/options.py);
+`--speculative ngram` runs the engine with speculative decoding off and on (speculative.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 from hybridflow.bench.common import (
@@ -71,6 +73,9 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
         "lengths become ~geometric with mean L (exercises continuous batching; default: no "
         "stop tokens, every sample runs to --new-tokens)",
     )  # fmt: skip
+    p.add_argument("--speculative", default=None, choices=["ngram"],
+                   help="also run the engine with this speculative decoding method and print "
+                   "both (bench/speculative.py; each timed call then samples a seed of its own)")  # fmt: skip
     p.add_argument("--json", default=None,
                    help="also write the results to this file (default: print only)")  # fmt: skip
 
@@ -117,8 +122,14 @@ def bench_rollout(args, model=None, progress=None) -> dict:
         "preset": args.preset, "device": torch.cuda.get_device_name(device)
         if device.type == "cuda" else "cpu", "dtype": args.dtype, "prompts": args.prompts,
         "n": args.n, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-        "engine": bench_engine(model, prompts, args, device, progress),
     }  # fmt: skip
+    if getattr(args, "speculative", None):
+        from hybridflow.bench.speculative import bench_speculative
+
+        result["speculative"] = bench_speculative(model, prompts, args, device, progress)
+        result["engine"] = result["speculative"]["off"]
+    else:
+        result["engine"] = bench_engine(model, prompts, args, device, progress)
     if args.hf:
         result["hf"] = bench_hf(model, prompts, args, device, progress)
         result["speedup_vs_hf"] = result["engine"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
@@ -155,15 +166,24 @@ def bench_engine(model, prompts, args, device, progress=None) -> dict:
     # Time to first token: prefill of every prompt + first sampled token.
     repeats = max(1, getattr(args, "repeats", 1))
     first_token = SamplingParams(n=args.n, max_new_tokens=1, seed=1, ignore_eos=True)
+    # --speculative: a seed per timed call (the draft store holds earlier calls' samples of
+    # the prompts, never the ones drawn); with and without speculation alike
+    seeds = iter(range(args.seed + 1, args.seed + 1 + repeats))
+    fresh_seeds = bool(getattr(args, "speculative", None))
+
+    def timed_call():
+        seed = next(seeds) if fresh_seeds else args.seed
+        return engine.generate(prompts, dataclasses.replace(params, seed=seed))
+
     with progress.task("timed calls", total=2 * repeats, unit="calls") as task:
         ttft = _median_seconds(
             counted(task, lambda: engine.generate(prompts, first_token)), device, repeats
         )[0]
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        seconds, runs, completions = _median_seconds(
-            counted(task, lambda: engine.generate(prompts, params)), device, repeats
-        )
+        speculation = engine.speculation
+        before = dataclasses.replace(speculation.stats) if speculation is not None else None
+        seconds, runs, completions = _median_seconds(counted(task, timed_call), device, repeats)
     stopped = sum(c.finish_reason == "stop" for c in completions)
     tokens = sum(len(c.token_ids) for c in completions)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
@@ -174,10 +194,12 @@ def bench_engine(model, prompts, args, device, progress=None) -> dict:
         "backend": engine.decode_backend, "cuda_graphs": engine.cuda_graphs, "slots": slots,
         "fuse": engine.fuse_projections, "options": options.to_dict(),
         "launch": None if engine.launch is None else vars(engine.launch),
-        "tokens": tokens, "seconds": seconds,
+        "tokens": tokens, "seconds": seconds, "repeats": repeats,
         "tokens_per_s": tokens / seconds, "ttft_s": ttft, "peak_mem_gib": peak / 2**30,
         "warmup_s": warmup, "stopped": stopped, "runs_s": [round(r, 4) for r in runs],
         "choices": pinned,
+        "speculative": speculation.stats.since(before).metrics() if before else None,
+        "token_digest": hash(tuple(tuple(c.token_ids) for c in completions)),
         "decode_layer_timings_us": engine.chooser.timings if engine.chooser else {},
         "matmul_timings_us": {str(k): v for k, v in engine.matmul.timings.items()}
         if engine.matmul else {},
@@ -275,6 +297,10 @@ def print_result(result: dict) -> None:
         f"{e['tokens_per_s']:,.0f} tok/s ({e['tokens']} tokens in {e['seconds']:.3f} s), "
         f"TTFT {e['ttft_s'] * 1000:.1f} ms, peak mem {e['peak_mem_gib']:.2f} GiB"
     )
+    if "speculative" in result:
+        from hybridflow.bench.speculative import print_speculative
+
+        print_speculative(result)
     if "hf" in result:
         h = result["hf"]
         print(

@@ -214,6 +214,12 @@ class Engine:
         self.service = None  # the RolloutService driving this engine, while one runs
         self.policy_version = 0  # bumped by load_weights / new_policy_version
         self.prefill_tokens = 0  # prompt tokens run through prefill or extend (a counter)
+        # verify passes of drafted tokens in the tail (speculative/verify.py), or None
+        self.speculation = None
+        if options.speculative != "off" and self.native:
+            from hybridflow.engine.speculative.verify import make_speculation
+
+            self.speculation = make_speculation(options, self.config)
 
     # -- pinned choices (choices.py) -----------------------------------------------------------
 

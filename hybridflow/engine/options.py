@@ -135,6 +135,27 @@ class EngineOptions:
     processes make the same choices without timing. None: choices live in the process only."""
     retune: bool = False
     """Ignore pinned choices and time again (the new ones replace them in cache_dir)."""
+    speculative: str = "off"
+    """Speculative decoding of the tail (speculative/): "ngram" drafts up to
+    speculative_draft_tokens tokens per row from n-gram matches in its prompt, in its own
+    tokens and in earlier responses of the same prompt (its finished siblings, earlier
+    epochs), and scores them in one extend pass beside the rows with no draft; speculative
+    sampling keeps the emitted tokens distributed exactly as without it (for a seed, they are
+    the same tokens). Runs while at most speculative_max_rows rows decode. "off" until
+    measured on a GPU (bench rollout --speculative)."""
+    speculative_draft_tokens: int = 4
+    """Draft tokens per row and verify pass (at most steps_per_sync)."""
+    speculative_max_rows: int = 16
+    """Verify passes replace chunks of decode steps while at most this many rows decode (the
+    long tail, where a decode step reads the weights for a few tokens)."""
+    speculative_min_ngram: int = 2
+    """Shortest suffix of a row's tokens matched against the draft sources."""
+    speculative_max_ngram: int = 4
+    """Longest suffix matched (longer matches are tried first)."""
+    speculative_store_tokens: int = 1 << 20
+    """Tokens of finished responses kept as draft sources for later samples of their prompt
+    (host memory: ~40 bytes a token, ~0.5 KB once indexed, which only the prompts of rows
+    that speculate are; 0: none kept)."""
 
     def validate(self) -> list[str]:
         """Problems as 'field=value: what to change' lines (empty when valid)."""
@@ -183,7 +204,9 @@ class EngineOptions:
         elif isinstance(self.max_prefill_tokens, int) and 1 <= self.max_prefill_tokens < per_step:
             problems.append(f"max_prefill_tokens_per_step={per_step}: at most max_prefill_tokens="
                             f"{self.max_prefill_tokens} (the prefill activations' reserve)")  # fmt: skip
-        return problems
+        from hybridflow.engine.speculative.options import speculative_problems
+
+        return problems + speculative_problems(self)
 
     def checked(self) -> EngineOptions:
         """self, or ValueError listing every problem."""
@@ -218,5 +241,11 @@ class EngineOptions:
             "service_stream",
             "record_routes",
             "kv_block_size",  # the attention tile keys on it itself (kernels/attention.py)
+            "speculative",  # verify passes run the extend path's untimed choices
+            "speculative_draft_tokens",
+            "speculative_max_rows",
+            "speculative_min_ngram",
+            "speculative_max_ngram",
+            "speculative_store_tokens",
         }
         return {k: v for k, v in asdict(self).items() if k not in skip}

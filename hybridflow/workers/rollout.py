@@ -29,6 +29,7 @@ from hybridflow.config import Config
 from hybridflow.config.rollout_section import kv_memory_share
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.data.image_batch import IMAGE_GRID_THW, MROPE_POSITIONS, PIXEL_VALUES
+from hybridflow.engine.speculative import SPECULATIVE_METRICS
 from hybridflow.protocol import Batch
 from hybridflow.workers.model_loading import (
     default_tokenizer_path,
@@ -291,6 +292,8 @@ class RolloutWorker(Worker):
         images = {}
         if PIXEL_VALUES in batch.arrays:  # each prompt's images, the engine's prefill runs them
             images["images"] = _prompt_images(batch)
+        speculation = self.engine.speculation  # its counters before, for this call's metrics
+        before = dataclasses.replace(speculation.stats) if speculation is not None else None
         # through the service, if one runs
         results = self.engine.generate(prompt_ids, params, sample_index=sample_index, **images)
         # the service keeps its cache for the requests in flight
@@ -323,7 +326,10 @@ class RolloutWorker(Worker):
                 batch.tensors["prompts"].shape[1],
                 width,
             )  # [b*n, P+R, L_sparse, k]
-        return Batch(tensors)
+        meta = {}
+        if before is not None:  # this rank's (a concat keeps the first rank's meta)
+            meta[SPECULATIVE_METRICS] = speculation.stats.since(before).metrics()
+        return Batch(tensors, meta=meta)
 
     def _token_versions(self, results: list, width: int) -> torch.Tensor:
         """[rows, width] int64: the version that sampled each token, -1 after the end. The

@@ -50,6 +50,23 @@ def test_bench_rollout_passes_engine_options_and_records_them(tmp_path):
     assert engine["tokens"] == 2 * 3 * 3
 
 
+def test_bench_rollout_runs_speculation_off_and_on_with_the_same_tokens(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    args = ["rollout", "--preset", "tiny", "--prompts", "3", "--prompt-len", "6",
+            "--new-tokens", "24", "--n", "2", "--device", "cpu", "--dtype", "float32",
+            "--no-hf", "--repeats", "2", "--speculative", "ngram",
+            "--engine", "speculative_min_ngram=1", "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    spec = json.loads(out.read_text())["speculative"]
+    assert spec["off"]["options"]["speculative"] == "off" and spec["off"]["speculative"] is None
+    assert spec["on"]["options"]["speculative"] == "ngram"
+    assert spec["on"]["options"]["speculative_min_ngram"] == 1  # the other --engine fields kept
+    assert spec["on"]["speculative"]["rollout/speculative_passes"] > 0
+    assert spec["same_tokens"] and spec["on"]["tokens"] == spec["off"]["tokens"]
+    printed = capsys.readouterr().out
+    assert "speculative decoding (ngram)" in printed and "tok/pass" in printed
+
+
 def test_bench_rollout_names_a_bad_engine_option_and_exits_2(capsys):
     args = ["rollout", "--preset", "tiny", "--device", "cpu", "--no-hf",
             "--engine", "decode_layer=fast", "--engine", "bogus=1"]  # fmt: skip

@@ -68,7 +68,11 @@ def test_a_mode_names_its_staleness_partial_rollouts_and_the_services_stream():
         "rollout.engine.service_stream=priority"]  # fmt: skip
     assert mode_overrides("async:1:partial:split")[-2:] == [
         "trainer.placement=split", "trainer.rollout_gpus=1"]  # fmt: skip
-    for bad in ("async:1:fast", "async:1:partial:partial", "async:x", "sync:1"):
+    assert mode_overrides("sync:spec") == ["trainer.mode=sync",
+                                           "rollout.engine.speculative=ngram"]  # fmt: skip
+    assert mode_overrides("async:1:partial:spec")[-1] == "rollout.engine.speculative=ngram"
+    for bad in ("async:1:fast", "async:1:partial:partial", "async:x", "sync:1", "async",
+                "sync:spec:spec"):  # fmt: skip
         with pytest.raises(SystemExit, match="async:S"):
             mode_overrides(bad)
 

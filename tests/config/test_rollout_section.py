@@ -43,3 +43,11 @@ def test_anything_else_is_refused_naming_the_key(value):
     cfg = load_config(None, [f"rollout.gpu_memory_utilization={value}"])
     with pytest.raises(ConfigError, match="rollout.gpu_memory_utilization = .* must be auto or"):
         validate(cfg)
+
+
+def test_speculative_decoding_is_off_by_default_and_its_options_are_checked():
+    assert load_config(None, []).rollout.engine.speculative == "off"
+    cfg = load_config(None, ["rollout.engine.speculative=ngram",
+                             "rollout.engine.speculative_draft_tokens=0"])  # fmt: skip
+    with pytest.raises(ConfigError, match="rollout.engine.speculative_draft_tokens=0: must be"):
+        validate(cfg)

@@ -151,3 +151,21 @@ def test_idle_cores_are_said_once_with_the_setting_that_uses_them():
     assert "trainer.cpu_threads=2" in note
     assert cpu_threads_note(threads=1, processes=2, cores=2) is None  # every core busy
     assert cpu_threads_note(threads=None, processes=1, cores=64) is None  # torch's default
+
+
+def test_speculative_rollout_reports_its_metrics_with_the_batch():
+    from hybridflow.engine.speculative import SPECULATIVE_METRICS
+
+    config = tiny_config("rollout.engine.speculative=ngram", "rollout.engine.decode_backend=torch",
+                         "data.max_response_length=32",
+                         "rollout.engine.speculative_min_ngram=1")  # fmt: skip
+    group = WorkerGroup(fused_worker(rollout=True), config=config)
+    try:
+        out = group.rollout.generate(prompts())
+        metrics = out.meta[SPECULATIVE_METRICS]
+        assert metrics["rollout/speculative_passes"] > 0
+        assert 0 <= metrics["rollout/speculative_acceptance_rate"] <= 1
+        assert metrics["rollout/speculative_tokens_per_pass"] >= 1
+        assert metrics["rollout/speculative_seconds"] > 0
+    finally:
+        group.shutdown()

@@ -146,7 +146,9 @@ class Scheduler(SchedulerState):
             steps = mixed.run_step(self)
         else:
             steps = min(self.engine.steps_per_sync, max(self.row_budget, default=0))
-            if steps > 0:
+            if steps > 0 and self.engine.speculation is not None:
+                steps = self._verify_or_decode(steps)
+            elif steps > 0:
                 self._decode(steps)
         snapshot = None
         if self.rows and (steps > 0 or self.pending is None):
@@ -180,6 +182,19 @@ class Scheduler(SchedulerState):
         self.decode_steps += steps
         self.decoded_rows += steps * len(self.rows)
         self.row_budget = [b - steps for b in self.row_budget]
+
+    def _verify_or_decode(self, steps: int) -> int:
+        """Speculation on (speculative/verify.py): a verify pass while few rows decode and
+        some has a draft; else the chunk of decode steps (its rows maybe read back first).
+        -> the steps run."""
+        from hybridflow.engine.speculative import verify
+
+        if verify.run_step(self):
+            return 1
+        steps = min(steps, max(self.row_budget, default=0))
+        if steps > 0:
+            self._decode(steps)
+        return steps
 
     def _should_admit(self) -> bool:
         # Prefill in batches: wait until a useful share of the slots is free (amortises the

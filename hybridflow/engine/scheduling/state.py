@@ -51,6 +51,7 @@ class EngineView(Protocol):
     sync_lag: int
     max_prefill_tokens: int
     prefill_tokens: int  # a counter the steps add the tokens they prefill to
+    speculation: object  # speculative.verify.Speculation, or None (EngineOptions.speculative)
 
     def shares_prefixes(self, n: int) -> bool: ...
 
@@ -185,6 +186,8 @@ class SchedulerState:
                 continue
             live.done = True
             tokens = live.tokens
+            if self.engine.speculation is not None:  # its response drafts for its siblings
+                self.engine.speculation.finished(live)
             aborted = live.request in sub.aborted
             handle = None
             # A recurrent state (or a window's ring) moved on with every token the device

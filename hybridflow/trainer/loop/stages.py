@@ -21,6 +21,7 @@ from hybridflow.data.image_batch import (
     PIXEL_VALUES,
     extend_positions,
 )
+from hybridflow.engine.speculative import SPECULATIVE_METRICS
 from hybridflow.progress import ProgressReporter, quiet_reporter
 from hybridflow.protocol import Batch
 from hybridflow.trainer.lifecycle.stop import StopRequest
@@ -225,6 +226,7 @@ def score(run: RunContext, batch: Batch, step: int | None = None) -> tuple[Batch
         from hybridflow.agents.rollout import agent_metrics
 
         metrics.update(agent_metrics(batch.arrays))
+    metrics.update(batch.meta.get(SPECULATIVE_METRICS, {}))  # rollout.engine.speculative
     return batch, metrics
 
 

@@ -1,0 +1,240 @@
+"""Verify passes (EngineOptions.speculative): while few rows decode (the long tail), a
+scheduler step scores each row's draft tokens in one forward instead of queueing a chunk of
+decode steps.
+
+A row with drafts d_1..d_m (m <= speculative_draft_tokens, fewer than the tokens it may
+still emit) feeds its last token and its drafts at their positions through the extend pass
+(the mixed steps' path: K/V written into its slot or blocks, logits at every position);
+rows with no draft feed their last token alone, as a decode step would. Every position is
+sampled by the engine's sampler with the row's seed at that position's sampling step, and
+the drafts are accepted by speculative sampling (acceptance.py): the row emits its accepted
+drafts and the token after them, cut after a stop token.
+
+Rejected positions are rolled back by the row's length alone: its position moves past the
+emitted tokens only, so the K/V written for rejected drafts lie past the row's end, where
+no attention reads (every read is bounded by the reader's position) and the row's next
+token overwrites them before any read reaches them. A recurrent layer's state cannot be
+rolled back that way: models with one do not speculate (Engine raises).
+
+Drafts come from the tokens read back so far, so a verify pass first reads every row back
+(the pass is synchronous: no chunk overlaps the host's work) and its emitted counts are read
+after it (the host's budgets stay exact). In the tail a step is a few rows' tokens against a
+read of every weight, so the syncs cost little next to the tokens a pass can emit.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+import torch
+
+from hybridflow.engine.host import ranges, upload
+from hybridflow.engine.prefill import host_spans
+from hybridflow.engine.speculative.acceptance import accepted_lengths, emitted_lengths
+from hybridflow.engine.speculative.drafts import DraftStore, NgramIndex, propose
+
+if TYPE_CHECKING:
+    from hybridflow.engine.options import EngineOptions
+    from hybridflow.engine.requests import LiveRequest
+    from hybridflow.engine.scheduling.state import SchedulerState
+
+ROLLOUTS_PER_PROMPT = 16
+"""Responses kept per prompt as draft sources (the latest: a group's siblings, then earlier
+epochs' samples)."""
+
+
+@dataclass
+class SpeculationStats:
+    """Counters since the engine was made (rollout metrics read their differences)."""
+
+    passes: int = 0  # verify passes run
+    rows: int = 0  # rows verified, summed over the passes
+    drafted: int = 0  # draft tokens scored
+    accepted: int = 0  # draft tokens accepted
+    emitted: int = 0  # tokens the passes emitted (accepted + one per row, less stops)
+    seconds: float = 0.0  # wall time of the passes (synchronous: reads back, forward, sync)
+
+    def since(self, earlier: SpeculationStats) -> SpeculationStats:
+        """The counts of what ran after `earlier` (a copy taken then: dataclasses.replace)."""
+        return SpeculationStats(*(getattr(self, f.name) - getattr(earlier, f.name)
+                                  for f in fields(self)))  # fmt: skip
+
+    def metrics(self) -> dict[str, float]:
+        """Rollout metrics: verify passes, the share of drafts accepted, and the tokens a row
+        emits per pass (a decode step emits 1; 0 when no pass ran)."""
+        return {
+            "rollout/speculative_passes": float(self.passes),
+            "rollout/speculative_acceptance_rate": self.accepted / max(self.drafted, 1),
+            "rollout/speculative_tokens_per_pass": self.emitted / max(self.rows, 1),
+            "rollout/speculative_seconds": self.seconds,
+        }
+
+
+class Speculation:
+    """The drafts of the engine's rows (an index over each live row's prompt and tokens, the
+    store of finished responses) and the counters. One per engine, across its calls: the
+    store is how earlier epochs' responses draft for the same prompts."""
+
+    def __init__(self, options: EngineOptions):
+        self.draft_tokens = options.speculative_draft_tokens
+        self.max_rows = options.speculative_max_rows
+        self.min_n, self.max_n = options.speculative_min_ngram, options.speculative_max_ngram
+        self.store = DraftStore(options.speculative_store_tokens, ROLLOUTS_PER_PROMPT,
+                                self.min_n, self.max_n)  # fmt: skip
+        self.contexts: dict[int, NgramIndex] = {}  # LiveRequest.key -> its prompt and tokens
+        self.stats = SpeculationStats()
+
+    def finished(self, live: LiveRequest) -> None:
+        """A request retired (not preempted): its response drafts for its prompt's others."""
+        self.contexts.pop(live.key, None)
+        if live.request not in live.sub.aborted:
+            self.store.add(live.sub.prompt_of(live.request), live.tokens)
+
+    def drafts(self, rows: list[LiveRequest], budgets: list[int]) -> dict[int, list[int]]:
+        """Each row's draft (LiveRequest.key -> tokens), fewer than the tokens it may still
+        emit; the indexes of requests no longer decoding are dropped (bounded memory)."""
+        drafts = {live.key: self.draft(live, budget - 1) for live, budget in zip(rows, budgets)}
+        if len(self.contexts) > len(drafts):
+            self.contexts = {key: self.contexts[key] for key in drafts}
+        return drafts
+
+    def draft(self, live: LiveRequest, limit: int) -> list[int]:
+        """Up to min(draft_tokens, limit) tokens to follow the row's tokens read back so far."""
+        prompt = live.sub.prompt_of(live.request)
+        index = self.contexts.get(live.key)
+        if index is None:
+            index = self.contexts[live.key] = NgramIndex(self.min_n, self.max_n, prompt)
+        index.extend(live.tokens[len(index) - len(prompt) :])
+        sources = [*self.store.rollouts(prompt), index]
+        return propose(index.tokens, sources, min(self.draft_tokens, limit), self.min_n,
+                       self.max_n)  # fmt: skip
+
+
+def run_step(scheduler: SchedulerState) -> bool:
+    """A verify pass instead of a chunk of decode steps, when at most speculative_max_rows
+    rows decode and some row has a draft. -> whether it ran (if not, the caller decodes)."""
+    speculation = scheduler.engine.speculation
+    if len(scheduler.rows) > speculation.max_rows:
+        return False
+    from hybridflow.engine.scheduling import preemption, readback
+
+    started = time.perf_counter()
+    readback.flush(scheduler)  # every row's tokens on the host: the drafts extend them
+    drafts = speculation.drafts(scheduler.rows, scheduler.row_budget)
+    longest = max(map(len, drafts.values()), default=0)
+    if not longest:
+        return False
+    if scheduler.subs_changed:
+        scheduler.sync_submissions()  # the stop ids and sampling mode the pass uses
+    if scheduler.paging is not None and not preemption.make_room(scheduler, longest):
+        return False  # every row was preempted
+    _verify(scheduler, [drafts[live.key] for live in scheduler.rows])
+    speculation.stats.seconds += time.perf_counter() - started
+    return True
+
+
+def _verify(scheduler: SchedulerState, drafts: list[list[int]]) -> None:
+    """One forward over every row's last token and drafts, their acceptance, the state
+    advanced by each row's emitted tokens, and the host's budgets by the same counts."""
+    state, rows, runner = scheduler.state, len(scheduler.rows), scheduler.runner
+    width = max(map(len, drafts)) + 1  # positions per row in the padded [rows, width] views
+    logits, token_rows, offsets, padded, lengths = _forward(scheduler, drafts, width)
+    steps = state.generated[token_rows] + offsets  # the sampling step of each position
+    rows_of = token_rows if runner.mixed else None  # each position's row settings
+    tokens, logprobs = runner.sample(logits, state.seed_lo[token_rows], state.seed_hi[token_rows],
+                                     steps, rows=rows_of)  # fmt: skip
+    sampled = torch.zeros((rows, width), dtype=torch.int64, device=tokens.device)
+    sampled_logprobs = torch.zeros((rows, width), dtype=logprobs.dtype, device=tokens.device)
+    sampled[token_rows, offsets] = tokens
+    sampled_logprobs[token_rows, offsets] = logprobs
+    accepted = accepted_lengths(sampled, padded, lengths)
+    emitted = emitted_lengths(accepted, state.stop_mask[sampled])
+    emitted = torch.where(state.finished[:rows], 0, emitted)
+    _advance(state, rows, sampled, sampled_logprobs, emitted)
+    accepted_list, emitted_list = torch.stack([accepted, emitted]).tolist()  # the one sync
+    scheduler.row_budget[:rows] = [b - e for b, e in zip(scheduler.row_budget, emitted_list)]
+    scheduler.decode_steps += 1
+    scheduler.decoded_rows += rows
+    stats = scheduler.engine.speculation.stats
+    stats.passes += 1
+    stats.rows += rows
+    stats.drafted += sum(map(len, drafts))
+    stats.accepted += sum(min(a, e) for a, e in zip(accepted_list, emitted_list))
+    stats.emitted += sum(emitted_list)
+
+
+def _forward(scheduler: SchedulerState, drafts: list[list[int]], width: int) -> tuple:
+    """The extend pass over each row's last token and drafts (mixed.run_step's inputs, no
+    prompt chunk). -> (logits [T, V], each token's row [T] and index in its row [T], the
+    drafts padded with -1 [rows, width - 1], their lengths [rows]), on the device."""
+    engine, rows = scheduler.engine, len(scheduler.rows)
+    counts = torch.tensor([len(d) + 1 for d in drafts])
+    starts = torch.tensor([len(live.sub.prompt_of(live.request)) + len(live.tokens) - 1
+                           for live in scheduler.rows])  # fmt: skip  # each last token's position
+    slots = torch.tensor([live.slot for live in scheduler.rows])
+    ids = torch.tensor(
+        [t for live, d in zip(scheduler.rows, drafts) for t in (live.tokens[-1], *d)]
+    )
+    offsets = ranges(counts)  # each token's index in its row's pass
+    positions = offsets + torch.repeat_interleave(starts, counts)
+    token_slots = torch.repeat_interleave(slots, counts)
+    token_rows = torch.repeat_interleave(torch.arange(rows), counts)
+    padded = torch.full((rows, width - 1), -1, dtype=torch.int64)
+    for row, d in enumerate(drafts):
+        padded[row, : len(d)] = torch.tensor(d, dtype=torch.int64)
+    triton = engine.decode_backend == "triton"
+    spans = host_spans(slots, starts, counts) if triton else ((), ())
+    span_tensors = spans[0]
+    cache_at = ()
+    if scheduler.paging is not None:
+        if triton:  # the flash path gathers K/V by (block, offset)
+            span_tensors = (*scheduler.paging.locate(*span_tensors[:2]), *span_tensors[2:])
+        cache_at = scheduler.paging.locate(token_slots, positions)
+    uploaded = upload(engine.device, ids, positions, token_slots, token_rows, offsets, padded,
+                      counts - 1, *cache_at, *span_tensors)  # fmt: skip
+    ids, positions, token_slots, token_rows, offsets, padded, lengths, *rest = uploaded
+    extra = {}
+    if cache_at:
+        extra["cache_at"], rest = tuple(rest[:2]), rest[2:]
+    if triton:
+        gather_slots, gather_positions, cu_new, cu_all = rest
+        extra["spans"] = (gather_slots, gather_positions, cu_new.to(torch.int32),
+                          cu_all.to(torch.int32), *spans[1])  # fmt: skip
+    max_len = min(int((starts + counts).max()), scheduler.cache.max_seq_len)
+    every = torch.arange(ids.shape[0], device=ids.device)
+    logits = engine.extend(engine.model, scheduler.cache, engine.rope, ids, positions,
+                           token_slots, every, max_len=max_len, **extra)  # fmt: skip  # [T, V]
+    return logits, token_rows, offsets, padded.view(rows, width - 1), lengths
+
+
+def _advance(state, rows: int, sampled: torch.Tensor, logprobs: torch.Tensor,
+             emitted: torch.Tensor) -> None:  # fmt: skip
+    """Record each row's first emitted[r] sampled tokens [rows, W] (and log-probs) in its
+    output columns and move it past them (state.advance, several tokens a row). Columns
+    past a row's emitted tokens are written to the scratch slot's row instead."""
+    width = sampled.shape[1]
+    columns = torch.arange(width, device=sampled.device)[None, :]
+    valid = columns < emitted[:, None]  # [rows, W]
+    slots = state.row_slots[:rows, None].expand(rows, width)
+    out_slots = torch.where(valid, slots, state.scratch_slot)
+    out_columns = torch.where(valid, state.generated[:rows, None] + columns, 0)
+    state.out_tokens[out_slots, out_columns] = sampled
+    state.out_logprobs[out_slots, out_columns] = logprobs
+    last = sampled.gather(1, (emitted - 1).clamp(min=0)[:, None]).squeeze(1)
+    moved = emitted > 0
+    state.tokens[:rows] = torch.where(moved, last, state.tokens[:rows])
+    state.positions[:rows] += emitted
+    state.generated[:rows] += emitted
+    stop = state.stop_mask[last] | (state.generated[:rows] >= state.max_new[:rows])
+    state.finished[:rows] |= moved & stop
+
+
+def make_speculation(options: EngineOptions, config) -> Speculation:
+    """The engine's Speculation; ValueError when its model cannot roll a pass back."""
+    if any(spec.recurrent for spec in config.layer_specs()):
+        raise ValueError(f"speculative={options.speculative!r}: a recurrent layer's state (Gated "
+                         "DeltaNet) cannot be rolled back past rejected drafts; use "
+                         "speculative='off' for this model")  # fmt: skip
+    return Speculation(options)
