@@ -1,11 +1,11 @@
 """Geometry3K conversion (`hybridflow data geo3k`) from parquet files written here, with
 figures drawn with PIL (never downloaded)."""
 
-import io
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from geo3k_helpers import figure, hub_row
 
 from hybridflow.data.cli import main
 from hybridflow.data.geo3k import INSTRUCTION, convert_geo3k_file, split_name
@@ -14,26 +14,8 @@ from hybridflow.rewards.scorer_registry import default_registry
 from hybridflow.rewards.scorers import geo3k as geo3k_scorer
 
 
-def _figure(width=64, height=48) -> bytes:
-    """A triangle with a side labelled, as a PNG (geo3k's figures are line drawings)."""
-    from PIL import Image, ImageDraw
-
-    image = Image.new("RGB", (width, height), "white")
-    draw = ImageDraw.Draw(image)
-    draw.polygon([(4, height - 4), (width - 4, height - 4), (4, 4)], outline="black")
-    draw.text((width // 2, height - 14), "x", fill="black")
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def _hub_row(problem="<image>Find x.", answer=r"2 \sqrt { 3 }", images=None):
-    images = [{"bytes": _figure(), "path": "figure.png"}] if images is None else images
-    return {"images": images, "problem": problem, "answer": answer}
-
-
 def test_hub_parquet_converts_to_verl_rows_the_scorer_and_data_path_take(tmp_path, capsys):
-    source = write_rows([_hub_row(), _hub_row("<image>Find y.", "60")],
+    source = write_rows([hub_row(), hub_row("<image>Find y.", "60")],
                         tmp_path / "hub" / "test-00000-of-00001.parquet")  # fmt: skip
     assert main(["geo3k", "--input", str(source), "--out", str(tmp_path / "out")]) == 0
     out = tmp_path / "out" / "test.parquet"
@@ -46,7 +28,7 @@ def test_hub_parquet_converts_to_verl_rows_the_scorer_and_data_path_take(tmp_pat
     assert first.extra_info == {"split": "test", "index": 0, "answer": r"2 \sqrt { 3 }",
                                 "question": "<image>Find x."}  # fmt: skip
     assert (first.images[0].width, first.images[0].height) == (64, 48)
-    assert first.images[0].source == _figure()  # embedded as it came
+    assert first.images[0].source == figure()  # embedded as it came
     right = r"<think>30-60-90 triangle</think> \boxed{2\sqrt{3}}"
     assert geo3k_scorer.compute_score(right, first.ground_truth)["score"] == 1.0
 
@@ -61,7 +43,7 @@ def test_verl_wording_of_the_instruction():
 def test_rows_verl_already_wrote_keep_their_prompt_and_take_the_scorer_data_source(tmp_path):
     """verl's preprocessing of a local copy writes data_source `local:<path>`, which no
     scorer knows; paths relative to the input file are embedded as bytes."""
-    (tmp_path / "fig.png").write_bytes(_figure(40, 40))
+    (tmp_path / "fig.png").write_bytes(figure(40, 40))
     prompt = [{"role": "user", "content": f"<image>Find z. {INSTRUCTION}"}]
     row = {"data_source": "local:/data/geometry3k", "prompt": prompt, "ability": "math",
            "images": [{"bytes": None, "path": "fig.png"}],
@@ -70,13 +52,13 @@ def test_rows_verl_already_wrote_keep_their_prompt_and_take_the_scorer_data_sour
     done = convert_geo3k_file(write_rows([row], tmp_path / "train.parquet"), tmp_path / "out")
     (record,) = iter_prompt_records(done.path, image_key="images")
     assert record.data_source == "hiyouga/geometry3k" and record.prompt == prompt
-    assert record.images[0].source == _figure(40, 40)
+    assert record.images[0].source == figure(40, 40)
     assert record.extra_info["question"] == "<image>Find z." and record.extra_info["index"] == 0
 
 
 def test_a_problem_without_placeholders_gets_one_per_image(tmp_path):
-    two = [{"bytes": _figure(), "path": None}] * 2
-    source = write_rows([_hub_row("Are they similar?", "Yes", two)], tmp_path / "train.parquet")
+    two = [{"bytes": figure(), "path": None}] * 2
+    source = write_rows([hub_row("Are they similar?", "Yes", two)], tmp_path / "train.parquet")
     (record,) = iter_prompt_records(
         convert_geo3k_file(source, tmp_path / "out").path, image_key="images"
     )
@@ -86,19 +68,19 @@ def test_a_problem_without_placeholders_gets_one_per_image(tmp_path):
 @pytest.mark.parametrize(
     "bad, message",
     [
-        (_hub_row(images=[]), "row 1: key 'images' holds no image"),
+        (hub_row(images=[]), "row 1: key 'images' holds no image"),
         (
-            _hub_row(images=[{"bytes": b"\x89PNG broken", "path": None}]),
+            hub_row(images=[{"bytes": b"\x89PNG broken", "path": None}]),
             "row 1: key 'images[0]' cannot be decoded as an image",
         ),
         (
-            _hub_row(images=[{"bytes": None, "path": "missing.png"}]),
+            hub_row(images=[{"bytes": None, "path": "missing.png"}]),
             "row 1: key 'images[0]' no image file",
         ),
-        (_hub_row(answer=""), "row 1: key 'answer' must be a non-empty string"),
-        (_hub_row(problem="<image><image>Find x."), "row 1: the prompt has 2 <image> placeholders"),
+        (hub_row(answer=""), "row 1: key 'answer' must be a non-empty string"),
+        (hub_row(problem="<image><image>Find x."), "row 1: the prompt has 2 <image> placeholders"),
         (
-            {"question": "q", "images": [{"bytes": _figure(), "path": None}]},
+            {"question": "q", "images": [{"bytes": figure(), "path": None}]},
             "row 1: neither a Geometry3K row",
         ),
     ],
@@ -106,7 +88,7 @@ def test_a_problem_without_placeholders_gets_one_per_image(tmp_path):
 def test_bad_rows_are_refused_naming_file_and_row_and_nothing_is_written(
     tmp_path, capsys, bad, message
 ):
-    source = write_rows([_hub_row(), bad], tmp_path / "train.parquet")
+    source = write_rows([hub_row(), bad], tmp_path / "train.parquet")
     out = tmp_path / "out"
     assert main(["geo3k", "--input", str(source), "--out", str(out)]) == 2
     err = capsys.readouterr().err
@@ -118,7 +100,7 @@ def test_rows_are_written_in_batches(tmp_path, monkeypatch):
     import hybridflow.data.geo3k as geo3k
 
     monkeypatch.setattr(geo3k, "WRITE_BATCH_ROWS", 2)
-    source = write_rows([_hub_row(answer=str(i)) for i in range(5)], tmp_path / "train.parquet")
+    source = write_rows([hub_row(answer=str(i)) for i in range(5)], tmp_path / "train.parquet")
     done = convert_geo3k_file(source, tmp_path / "out")
     assert (done.rows, done.images, done.first_ground_truth) == (5, 5, "0")
     assert pq.ParquetFile(done.path).metadata.num_row_groups == 3
