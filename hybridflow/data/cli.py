@@ -2,6 +2,7 @@
 
 hybridflow data gsm8k --input /path/to/train.jsonl --out data/gsm8k
 hybridflow data gsm8k --from-hub --out data/gsm8k
+hybridflow data geo3k --input /path/to/geometry3k/train-00000-of-00001.parquet --out data/geo3k
 hybridflow data arithmetic --out data/arithmetic
 hybridflow data countdown --out data/countdown
 hybridflow data check data/gsm8k/train.parquet
@@ -32,6 +33,19 @@ def _cmd_gsm8k(args) -> int:
     progress.close()
     for path in paths:
         print(f"wrote {describe(path)}")
+    return 0
+
+
+def _cmd_geo3k(args) -> int:
+    from hybridflow.data.geo3k import convert_geo3k_file
+    from hybridflow.progress import ProgressReporter
+
+    progress = ProgressReporter()
+    with progress.task(f"geo3k: converting {args.input} (each image decoded once)"):
+        done = convert_geo3k_file(args.input, args.out, split=args.split)
+    progress.close()
+    print(f"wrote {done.path}: {done.rows} rows, {done.images} images; first ground truth "
+          f"{done.first_ground_truth!r}")  # fmt: skip
     return 0
 
 
@@ -145,6 +159,22 @@ def add_data_subcommand(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory (<split>.parquet)")
     p.add_argument("--split", default=None, help="split name (default: input file stem)")
     p.set_defaults(func=_run(_cmd_gsm8k))
+
+    p = actions.add_parser(
+        "geo3k",
+        help="convert Geometry3K (the Hub's parquet, with images) to verl schema",
+        description="Convert Geometry3K rows (problem, answer, images: the Hub's "
+        "hiyouga/geometry3k parquet, or rows verl's geo3k preprocessing wrote) into verl's "
+        "prompt schema with the images embedded and verl's <think>/\\boxed{} instruction; "
+        "each image is decoded once and a row without a usable one is refused.",
+    )
+    p.add_argument("--input", required=True,
+                   help="a geometry3k parquet or jsonl file (e.g. the Hub's "
+                   "data/train-00000-of-00001.parquet)")  # fmt: skip
+    p.add_argument("--out", required=True, help="output directory (<split>.parquet)")
+    p.add_argument("--split", default=None,
+                   help="split name (default: the input's name: train-00000-of-00001 -> train)")  # fmt: skip
+    p.set_defaults(func=_run(_cmd_geo3k))
 
     p = actions.add_parser(
         "arithmetic",

@@ -32,6 +32,7 @@ EXTRACTORS = {
     "DigitalLearningGmbH/MATH-lighteval": _math,
     "HuggingFaceH4/MATH-500": _math,
     "math": _math,
+    "hiyouga/geometry3k": _math,
     "countdown": _countdown,
     "arithmetic": _stripped,
 }

@@ -81,6 +81,7 @@ def default_registry(sandbox_isolation: str = "auto") -> ScorerRegistry:
             "DigitalLearningGmbH/MATH-lighteval": math,
             "HuggingFaceH4/MATH-500": math,
             "math": math,
+            "hiyouga/geometry3k": ScorerSpec(f"{SCORERS}.geo3k:compute_score"),
             "countdown": ScorerSpec(f"{SCORERS}.countdown:compute_score"),
             "arithmetic": ScorerSpec(f"{SCORERS}.arithmetic:compute_score"),
             "calc": ScorerSpec(f"{SCORERS}.arithmetic:compute_score"),  # the exact integer
