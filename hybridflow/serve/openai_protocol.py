@@ -23,7 +23,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridflow.serve.chat_messages import ROLES, convert_messages, hermes_tool_calls_text
+from hybridflow.serve.chat_messages import (
+    ROLES,
+    ImagePart,
+    chat_messages,
+    convert_messages,
+    hermes_tool_calls_text,
+)
 from hybridflow.serve.limits import ServerLimits
 from hybridflow.serve.request_error import RequestError, error_body
 
@@ -289,6 +295,8 @@ class ChatRequest:
     logprobs: bool
     user: str | None = None
     metadata: dict | None = None
+    images: list[ImagePart] = field(default_factory=list)
+    """The images of the messages' image_url parts, in order (chat_messages.py)."""
 
 
 def _tools(body: dict) -> list[dict] | None:
@@ -313,7 +321,7 @@ def _tools(body: dict) -> list[dict] | None:
 def parse_chat_request(body: dict, limits: ServerLimits | None = None) -> ChatRequest:
     limits = limits or ServerLimits()
     _unsupported(body)
-    messages = convert_messages(body.get("messages"))
+    messages, images = chat_messages(body.get("messages"))
     tools = _tools(body)
     tool_choice = body.get("tool_choice")
     if tool_choice not in (None, "auto", "none"):
@@ -335,6 +343,7 @@ def parse_chat_request(body: dict, limits: ServerLimits | None = None) -> ChatRe
         logprobs=logprobs,
         user=user,
         metadata=metadata,
+        images=images,
     )
 
 
