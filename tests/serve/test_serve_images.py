@@ -188,4 +188,3 @@ def test_the_body_cap_has_room_for_images_and_a_larger_body_is_413_unread(vl_ser
     assert cap == text_cap + LIMITS.image_bytes
     status, body = exchange(server.url, post_head("/v1/chat/completions", cap + 1))
     assert status == 413 and str(cap) in body["error"]["message"]
-    assert exchange(server.url, post_head("/v1/chat/completions", text_cap + 1))[0] != 413
