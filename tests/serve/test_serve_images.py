@@ -188,3 +188,24 @@ def test_the_body_cap_has_room_for_images_and_a_larger_body_is_413_unread(vl_ser
     assert cap == text_cap + LIMITS.image_bytes
     status, body = exchange(server.url, post_head("/v1/chat/completions", cap + 1))
     assert status == 413 and str(cap) in body["error"]["message"]
+
+
+def test_hybridflow_serve_of_a_vision_preset_answers_a_chat_with_an_image():
+    from hybridflow.cli import build_parser
+    from hybridflow.serve.app import RECORDS
+    from hybridflow.serve.cli import build_from_args, check_paths
+    from hybridflow.serve.running import BackgroundServer
+
+    args = build_parser().parse_args(["serve", "--model", "tiny-vl", "--device", "cpu",
+                                      "--max-seq-len", "128"])  # fmt: skip
+    check_paths(args)
+    app, name, _, _ = build_from_args(args)
+    with BackgroundServer(app) as server:
+        api = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        answer = api.chat.completions.create(model=name, messages=image_message(png()),
+                                             max_tokens=3, logprobs=True)  # fmt: skip
+    prompt = list(app[RECORDS].get(answer.id).choices[0].prompt_token_ids)
+    _, rows, cols = ImageProcessor.for_model("tiny-vl").grid_of(48, 40)
+    pad = TOKENIZER.convert_tokens_to_ids("<|image_pad|>")
+    assert name == "tiny-vl" and prompt.count(pad) == rows * cols // 4 > 1
+    assert len(answer.choices[0].logprobs.content) == answer.usage.completion_tokens
