@@ -28,6 +28,7 @@ TOKENIZER = with_tool_template(build_char_tokenizer(vision=True))
 MAX_SEQ_LEN = 256
 LIMITS = ServerLimits(max_images=2, image_bytes=2**16)
 QUESTION = "How many shapes?"
+PAD = TOKENIZER.convert_tokens_to_ids("<|image_pad|>")
 
 
 def png(width: int = 48, height: int = 40, color=(200, 30, 30), box=(8, 6, 30, 28)) -> bytes:
@@ -206,6 +207,40 @@ def test_hybridflow_serve_of_a_vision_preset_answers_a_chat_with_an_image():
                                              max_tokens=3, logprobs=True)  # fmt: skip
     prompt = list(app[RECORDS].get(answer.id).choices[0].prompt_token_ids)
     _, rows, cols = ImageProcessor.for_model("tiny-vl").grid_of(48, 40)
-    pad = TOKENIZER.convert_tokens_to_ids("<|image_pad|>")
-    assert name == "tiny-vl" and prompt.count(pad) == rows * cols // 4 > 1
+    assert name == "tiny-vl" and prompt.count(PAD) == rows * cols // 4 > 1
     assert len(answer.choices[0].logprobs.content) == answer.usage.completion_tokens
+
+
+def test_images_whose_tokens_fill_the_context_are_a_400_naming_the_part():
+    from hybridflow.serve.chat_messages import ImagePart
+    from hybridflow.serve.images import ChatImages
+    from hybridflow.serve.request_error import RequestError
+
+    processor = ImageProcessor.for_model("tiny-vl")
+    _, rows, cols = processor.grid_of(48, 40)
+    images = ChatImages(processor, PAD, max_seq_len=rows * cols // 4 + 1, limits=LIMITS)
+    parts = [ImagePart("messages[0].content[0]", png()), ImagePart("messages[0].content[1]", png())]
+    assert len(images.preprocess(parts[:1])[1]) == 1
+    with pytest.raises(RequestError) as caught:
+        images.preprocess(parts)
+    assert caught.value.param == "messages[0].content[1]"
+    assert caught.value.code == "context_length_exceeded"
+
+
+def test_an_image_in_a_request_of_an_episode_is_a_400(vl_server):
+    from hybridflow.serve.episodes import EPISODE_HEADER
+
+    _, api, _ = vl_server
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.chat.completions.create(model="tiny-vl", messages=image_message(png()), max_tokens=2,
+                                    extra_headers={EPISODE_HEADER: "e1"})  # fmt: skip
+    assert caught.value.body["param"] == "messages[0].content[0]"
+
+
+def test_a_completion_prompt_of_image_tokens_is_a_400(vl_server):
+    _, api, _ = vl_server
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.completions.create(model="tiny-vl", prompt=[5, PAD, 6], max_tokens=2)
+    assert (
+        caught.value.body["param"] == "prompt" and "<|image_pad|>" in caught.value.body["message"]
+    )
