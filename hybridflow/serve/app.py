@@ -34,6 +34,10 @@ Hermes `<tool_call>` blocks, so templates without native tool support show them 
 as `message.tool_calls` with finish_reason "tool_calls", the text outside them as `content`.
 `tools` with a chat template that does not render them is a 400 (prompts.py).
 
+Images: a server over a vision-language model (build_app's image_processor) takes chat
+messages' image_url parts (data URLs); each becomes its image-pad tokens in the prompt and
+its pixels go to the engine with it (images.py). A text-only model refuses them (400).
+
 Errors are OpenAI's JSON error body: 400 for a request that cannot be served as written
 (invalid JSON, a missing or out-of-range field, an unknown role, a prompt with no room left
 under max_seq_len), 404 for an unknown route or model, 408 for a body that arrives too

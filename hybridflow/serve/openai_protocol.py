@@ -12,6 +12,9 @@ Supported besides the standard fields (vLLM's names): `top_k`, `min_p`, `stop_to
 text, `tool_choice` "required" or a named function, the legacy `functions` / `function_call`,
 top-k log-prob alternatives (`top_logprobs` > 0). Other unknown fields are ignored.
 
+Chat content parts: `text`, and `image_url` as a base64 data URL for a vision-language
+model (chat_messages.py; the server checks the images: images.py).
+
 Numbers must be finite (Python's JSON reads NaN and Infinity) and in range: temperature 0 or
 in [1e-6, 1000]; `n`, the choices of a request (prompts x n) and the `stop` strings are
 capped by the server's ServerLimits (limits.py).
