@@ -34,14 +34,16 @@ class EngineClient:
         self.posts = 0  # posts to the service that carried them (one per event-loop tick)
         self._pending: list[tuple[dict, asyncio.Future]] = []  # this tick's requests
 
-    async def generate(self, prompt_ids: list[int], params, session=None):
+    async def generate(self, prompt_ids: list[int], params, session=None, images=None):
         """One completion of prompt_ids (params.n must be 1). session: any hashable naming
-        the conversation; its last turn's KV is continued when prompt_ids extends it."""
+        the conversation; its last turn's KV is continued when prompt_ids extends it.
+        images: the prompt's engine.images.PromptImages (not with a session)."""
         if params.n != 1:
             raise ValueError(f"EngineClient.generate takes n=1 requests, got n={params.n}")
         reuse = self._handles.pop(session, None) if session is not None else None
         handle = await self._submit(dict(prompt_ids=prompt_ids, params=params,
-                                         keep=session is not None, reuse=reuse))  # fmt: skip
+                                         keep=session is not None, reuse=reuse,
+                                         images=images))  # fmt: skip
         try:
             completion = (await handle)[0]
         except BaseException:
@@ -78,11 +80,11 @@ class EngineClient:
             else:
                 future.set_result(outcome)
 
-    def stream(self, prompt_ids: list[int], params):
+    def stream(self, prompt_ids: list[int], params, images=None):
         """A RequestHandle whose astream() yields the new tokens as they are decoded (all
-        params.n samples; abort() it when the reader goes away)."""
+        params.n samples; abort() it when the reader goes away). images: as generate's."""
         self.requests += 1
-        return self.service.submit(prompt_ids, params, stream=True)
+        return self.service.submit(prompt_ids, params, stream=True, images=images)
 
     async def close_session(self, session) -> None:
         """The conversation is over: its kept slot goes back."""

@@ -256,21 +256,35 @@ def image_prompt_ids(
     token per merged patch of its grid, and mRoPE's position rows [3, len(ids)] for them."""
     from hybridflow.models.mrope import mrope_positions
 
-    counts = iter((image_grid_thw.prod(-1) // merge_size**2).tolist())
     part = VISION_START + IMAGE_PAD + VISION_END
     marked = [{**m, "content": m["content"].replace(PLACEHOLDER, part)} for m in messages]
     ids = encode_chat_prompt(tokenizer, marked)
+    pad_id = image_pad_id(tokenizer)
+    if ids.count(pad_id) != len(image_grid_thw):
+        raise ValueError(f"the chat template made {ids.count(pad_id)} {IMAGE_PAD} tokens of "
+                         f"{len(image_grid_thw)} images")  # fmt: skip
+    expanded = expand_image_pads(ids, image_grid_thw, pad_id, merge_size)
+    return expanded, mrope_positions(torch.tensor(expanded), image_grid_thw, pad_id, merge_size)
+
+
+def image_pad_id(tokenizer: ChatTokenizer) -> int:
+    """The tokenizer's image-pad token id; ValueError when it has none."""
     pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
     if pad_id is None or pad_id == getattr(tokenizer, "unk_token_id", None):
         raise ValueError(f"the tokenizer has no {IMAGE_PAD} token (a vision-language model's "
                          "tokenizer has): set model.tokenizer_path to the model's own")  # fmt: skip
-    if ids.count(pad_id) != len(image_grid_thw):
-        raise ValueError(f"the chat template made {ids.count(pad_id)} {IMAGE_PAD} tokens of "
-                         f"{len(image_grid_thw)} images")  # fmt: skip
+    return pad_id
+
+
+def expand_image_pads(ids: list[int], image_grid_thw: torch.Tensor, pad_id: int,
+                      merge_size: int) -> list[int]:  # fmt: skip
+    """ids with one image-pad token per image (in order) -> with one per merged patch of
+    that image's grid (the ids' pad count must equal the number of grids)."""
+    counts = iter((image_grid_thw.prod(-1) // merge_size**2).tolist())
     expanded: list[int] = []
     for token in ids:
         expanded += [token] * next(counts) if token == pad_id else [token]
-    return expanded, mrope_positions(torch.tensor(expanded), image_grid_thw, pad_id, merge_size)
+    return expanded
 
 
 def image_prompt(

@@ -34,6 +34,10 @@ Hermes `<tool_call>` blocks, so templates without native tool support show them 
 as `message.tool_calls` with finish_reason "tool_calls", the text outside them as `content`.
 `tools` with a chat template that does not render them is a 400 (prompts.py).
 
+Images: a server over a vision-language model (build_app's image_processor) takes chat
+messages' image_url parts (data URLs); each becomes its image-pad tokens in the prompt and
+its pixels go to the engine with it (images.py). A text-only model refuses them (400).
+
 Errors are OpenAI's JSON error body: 400 for a request that cannot be served as written
 (invalid JSON, a missing or out-of-range field, an unknown role, a prompt with no room left
 under max_seq_len), 404 for an unknown route or model, 408 for a body that arrives too
@@ -62,6 +66,7 @@ from hybridflow.serve.http import (
     read_json,
     stream_events,
 )
+from hybridflow.serve.images import ChatImages, chat_images, refuse_images
 from hybridflow.serve.limits import ServerLimits
 from hybridflow.serve.openai_protocol import (
     RequestError,
@@ -95,7 +100,8 @@ class OpenAIServer:
     """The request handlers (build_app wires them into an Application)."""
 
     def __init__(self, tokenizer, model_name: str, client, max_seq_len: int, vocab_size: int,
-                 records: RequestRecords, limits: ServerLimits, parser=None):  # fmt: skip
+                 records: RequestRecords, limits: ServerLimits, parser=None,
+                 images: ChatImages | None = None):  # fmt: skip
         from hybridflow.agents.parsers import HermesParser
 
         self.tokenizer = tokenizer
@@ -105,7 +111,8 @@ class OpenAIServer:
         self.vocab_size = vocab_size
         self.records = records
         self.limits = limits
-        self.max_request_bytes = limits.request_bytes(max_seq_len)
+        self.images = images  # None: a text-only model, image parts refused
+        self.max_request_bytes = limits.request_bytes(max_seq_len, images is not None)
         self.prompts = PromptBuilder(tokenizer, max_seq_len, vocab_size, limits)
         self.parser = parser or HermesParser()
         self.created = int(time.time())
@@ -146,6 +153,9 @@ class OpenAIServer:
         self._check_model(req.model)
         sampling = req.sampling
         prompts = self.prompts.completion_prompts(req.prompts)
+        if self.images is not None:  # image tokens come with images, which only chat takes
+            for i, ids in enumerate(prompts):
+                self.images.check_pads(ids, 0, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
         rid, created, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), sampling.n
         want_logprobs = req.logprobs is not None
         if sampling.stream and self._streams():
@@ -189,9 +199,17 @@ class OpenAIServer:
         self._check_model(req.model)
         sampling = req.sampling
         episode = request.headers.get(EPISODE_HEADER)
-        if episode is None:
-            prompt, plan = self.prompts.chat_prompt(req), None
+        if self.images is None:
+            refuse_images(req.images, self.model_name)
+        images = plan = None
+        if episode is None and self.images is not None:
+            prompt, images = await self.images.chat_prompt(self.prompts, req)
+        elif episode is None:
+            prompt = self.prompts.chat_prompt(req)
         else:  # continued from the episode's tokens (episodes.py)
+            if req.images:
+                raise RequestError(f"{req.images[0].where}: a request of an episode takes no "
+                                   "images", req.images[0].where, "images_not_supported")  # fmt: skip
             if sampling.n != 1:
                 raise RequestError("a request of an episode takes n = 1", "n")
             self.prompts.check_chat(req)
@@ -200,8 +218,8 @@ class OpenAIServer:
                                                "messages")  # fmt: skip
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if sampling.stream and self._streams() and not req.parse_tool_calls and plan is None:
-            return await self._stream_chat(request, req, prompt, rid, created)
-        outputs = (await self._generate([prompt], sampling, episode, plan))[0]
+            return await self._stream_chat(request, req, prompt, rid, created, images)
+        outputs = (await self._generate([prompt], sampling, episode, plan, images))[0]
         if plan is not None:
             out = outputs[0]
             self.episodes.record(episode, plan, out.token_ids, out.logprobs, out.finish_reason,
@@ -271,7 +289,7 @@ class OpenAIServer:
         self._record(rid, "completions", created, chosen, req.sampling, req.user, req.metadata)
         return response
 
-    async def _stream_chat(self, request, req, prompt, rid, created):
+    async def _stream_chat(self, request, req, prompt, rid, created, images=None):
         """`stream: true` on /v1/chat/completions without tool parsing: content chunks as
         the tokens decode (with tools the calls are parsed from the whole text: buffered)."""
         model = self.model_name
@@ -291,6 +309,7 @@ class OpenAIServer:
             request, [prompt], req.sampling, event, lambda index, reason: chunk(index, {}, None, reason),
             lambda counts: chat_chunk(rid, created, model, [], counts),
             start_event=lambda index: chunk(index, {"role": "assistant", "content": ""}),
+            images=None if images is None else [images],
         )  # fmt: skip
         self._record(rid, "chat.completions", created, chosen, req.sampling, req.user,
                      req.metadata)  # fmt: skip
@@ -341,9 +360,11 @@ class OpenAIServer:
         return params, stop_ids
 
     async def _generate(self, prompts: list[list[int]], sampling: Sampling,
-                        episode: str | None = None, plan=None) -> list[list[Output]]:  # fmt: skip
+                        episode: str | None = None, plan=None,
+                        images=None) -> list[list[Output]]:  # fmt: skip
         """sampling.n outputs per prompt. episode: the one prompt is that episode's next turn
-        (its trainer's sampling and budget; its KV kept between turns)."""
+        (its trainer's sampling and budget; its KV kept between turns). images: the one
+        prompt's."""
         params, _ = self._params(sampling)
         if episode is not None:
             params = [self._episode_params(episode, params[0], plan)]
@@ -351,6 +372,8 @@ class OpenAIServer:
                 return [[finish_output(self.tokenizer, [], [], "length", [])]]
         extra = {} if episode is None or not hasattr(self.client, "close_session") else {
             "session": ("episode", episode)}  # fmt: skip
+        if images is not None:
+            extra["images"] = images
         calls = [self.client.generate(prompt, p, **extra) for prompt in prompts for p in params]
         try:
             completions = await asyncio.gather(*calls)
@@ -386,11 +409,11 @@ class OpenAIServer:
         return callable(getattr(self.client, "stream", None))
 
     async def _stream(self, request, prompts, sampling: Sampling, event, finish_event,
-                      usage_event, start_event=lambda index: None):  # fmt: skip
+                      usage_event, start_event=lambda index: None, images=None):  # fmt: skip
         params, stop_ids = self._params(sampling)
         return await stream_choices(self.client, self.tokenizer, request, prompts, sampling,
                                     params, stop_ids, event, finish_event, usage_event,
-                                    start_event)  # fmt: skip
+                                    start_event, images)  # fmt: skip
 
     def _message(self, out: Output, parse_tool_calls: bool) -> tuple[dict, str]:
         message = {"role": "assistant", "content": out.text, "refusal": None}
@@ -423,7 +446,8 @@ class OpenAIServer:
 
 def build_app(engine, tokenizer, model_name: str, *, client=None, max_seq_len: int | None = None,
               vocab_size: int | None = None, max_records: int = 10_000,
-              limits: ServerLimits | None = None, parser=None) -> web.Application:  # fmt: skip
+              limits: ServerLimits | None = None, parser=None,
+              image_processor=None) -> web.Application:  # fmt: skip
     """The server's Application.
 
     engine: a hybridflow Engine (None when `client` is given). tokenizer: encodes prompts,
@@ -432,7 +456,8 @@ def build_app(engine, tokenizer, model_name: str, *, client=None, max_seq_len: i
     with the app). max_seq_len / vocab_size: default to the engine's. max_records: request
     records kept (app[RECORDS]). limits: request sizes, counts and timeouts (limits.py;
     app[LIMITS]). parser: the ToolCallParser of chat completions with tools (default
-    HermesParser)."""
+    HermesParser). image_processor: a vision-language model's (data.images.ImageProcessor;
+    required for one): chat messages may then carry image_url parts (serve/images.py)."""
     owned = client is None
     if client is None:
         if engine is None:
@@ -449,8 +474,9 @@ def build_app(engine, tokenizer, model_name: str, *, client=None, max_seq_len: i
         vocab_size = getattr(config, "vocab_size", None) or len(tokenizer)
     limits = limits or ServerLimits()
     records = RequestRecords(max_records)
+    images = chat_images(engine, tokenizer, image_processor, max_seq_len, limits)
     server = OpenAIServer(tokenizer, model_name, client, max_seq_len, vocab_size, records,
-                          limits, parser=parser)  # fmt: skip
+                          limits, parser=parser, images=images)  # fmt: skip
     app = web.Application(middlewares=[request_deadlines, json_errors],
                           client_max_size=server.max_request_bytes)  # fmt: skip
     app[RECORDS] = records

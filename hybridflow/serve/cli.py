@@ -187,7 +187,13 @@ def build_from_args(args):
     engine = Engine(model, max_batch_size=args.max_batch_size, max_seq_len=max_seq_len,
                     memory_budget=args.memory_budget, options=options)  # fmt: skip
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
-    app = build_app(engine, tokenizer, name, max_records=args.max_records, limits=limits)
+    processor = None
+    if getattr(engine.config, "vision", None) is not None:  # chat messages may carry images
+        from hybridflow.data.images import ImageProcessor
+
+        processor = ImageProcessor.for_model(args.model)
+    app = build_app(engine, tokenizer, name, max_records=args.max_records, limits=limits,
+                    image_processor=processor)  # fmt: skip
     return app, name, max_seq_len, tokenizer
 
 

@@ -12,6 +12,9 @@ Supported besides the standard fields (vLLM's names): `top_k`, `min_p`, `stop_to
 text, `tool_choice` "required" or a named function, the legacy `functions` / `function_call`,
 top-k log-prob alternatives (`top_logprobs` > 0). Other unknown fields are ignored.
 
+Chat content parts: `text`, and `image_url` as a base64 data URL for a vision-language
+model (chat_messages.py; the server checks the images: images.py).
+
 Numbers must be finite (Python's JSON reads NaN and Infinity) and in range: temperature 0 or
 in [1e-6, 1000]; `n`, the choices of a request (prompts x n) and the `stop` strings are
 capped by the server's ServerLimits (limits.py).
@@ -19,16 +22,21 @@ capped by the server's ServerLimits (limits.py).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridflow.serve.json_text import lone_surrogate, surrogate_message
+from hybridflow.serve.chat_messages import (
+    ROLES,
+    ImagePart,
+    chat_messages,
+    convert_messages,
+    hermes_tool_calls_text,
+)
 from hybridflow.serve.limits import ServerLimits
+from hybridflow.serve.request_error import RequestError, error_body
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
-"""Chat roles accepted; "developer" (OpenAI's newer name) is rendered as "system"."""
+__all__ = ["ROLES", "RequestError", "convert_messages", "error_body", "hermes_tool_calls_text"]
 
 SEED_RANGE = 2**62
 """Seeds are taken modulo this (the engine's seeds are non-negative int64)."""
@@ -38,25 +46,6 @@ MAX_TEMPERATURE = 1000.0
 """A temperature other than 0 (greedy) is taken in [MIN_TEMPERATURE, MAX_TEMPERATURE]: the
 engine divides float32 logits by it, which past these ends overflows (to NaN, an empty
 completion) or cannot be stored; at 1000 sampling is uniform already."""
-
-
-class RequestError(Exception):
-    """A request the server will not serve; str() is the message the client reads."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None,
-                 status: int = 400, type: str = "invalid_request_error"):  # fmt: skip
-        super().__init__(message)
-        self.message, self.param, self.code, self.status, self.type = (
-            message, param, code, status, type,
-        )  # fmt: skip
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:  # fmt: skip
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 # -- field checks ------------------------------------------------------------------------------
@@ -309,85 +298,8 @@ class ChatRequest:
     logprobs: bool
     user: str | None = None
     metadata: dict | None = None
-
-
-def hermes_tool_calls_text(calls: list[dict], where: str) -> str:
-    """An OpenAI assistant `tool_calls` list as Hermes text (Qwen2.5's rendering):
-    `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one per line."""
-    blocks = []
-    for j, call in enumerate(calls):
-        at = f"{where}.tool_calls[{j}]"
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise RequestError(f"{at} must be {{'type': 'function', 'function': "
-                               "{'name': ..., 'arguments': ...}}", at)  # fmt: skip
-        arguments = function.get("arguments", "{}")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except json.JSONDecodeError as error:
-                raise RequestError(f"{at}.function.arguments is not JSON ({error.msg})",
-                                   f"{at}.function.arguments") from None  # fmt: skip
-            surrogate = lone_surrogate(arguments)  # escaped inside the string: decoded only now
-            if surrogate is not None:
-                where = f"{at}.function.arguments"
-                raise RequestError(surrogate_message(where, *surrogate[1:]), where,
-                                   "invalid_unicode")  # fmt: skip
-        payload = json.dumps({"name": function["name"], "arguments": arguments},
-                             ensure_ascii=False)  # fmt: skip
-        blocks.append(f"<tool_call>\n{payload}\n</tool_call>")
-    return "\n".join(blocks)
-
-
-def _content(value: Any, where: str, optional: bool) -> str:
-    if value is None:
-        if optional:
-            return ""
-        raise RequestError(f"{where}.content is missing", f"{where}.content")
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        texts = []
-        for k, part in enumerate(value):
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                raise RequestError(f"{where}.content[{k}]: only text parts are supported",
-                                   f"{where}.content")  # fmt: skip
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise RequestError(f"{where}.content must be a string or a list of text parts",
-                       f"{where}.content")  # fmt: skip
-
-
-def convert_messages(raw: Any) -> list[dict]:
-    """OpenAI chat messages -> what the chat template renders (see ChatRequest.messages)."""
-    if not isinstance(raw, list) or not raw:
-        raise RequestError("messages must be a non-empty list", "messages")
-    out = []
-    for i, message in enumerate(raw):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise RequestError(f"{where} must be an object", where)
-        role = message.get("role")
-        if role not in ROLES:
-            raise RequestError(f"{where}.role {role!r} is not one of {', '.join(ROLES)}",
-                               f"{where}.role")  # fmt: skip
-        calls = message.get("tool_calls") if role == "assistant" else None
-        content = _content(message.get("content"), where, optional=role == "assistant")
-        if calls:
-            if not isinstance(calls, list):
-                raise RequestError(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
-            text = hermes_tool_calls_text(calls, where)
-            content = f"{content}\n{text}" if content else text
-        converted = {"role": "system" if role == "developer" else role, "content": content}
-        for key in ("name", "tool_call_id"):
-            if isinstance(message.get(key), str):
-                converted[key] = message[key]
-        out.append(converted)
-    return out
+    images: list[ImagePart] = field(default_factory=list)
+    """The images of the messages' image_url parts, in order (chat_messages.py)."""
 
 
 def _tools(body: dict) -> list[dict] | None:
@@ -412,7 +324,7 @@ def _tools(body: dict) -> list[dict] | None:
 def parse_chat_request(body: dict, limits: ServerLimits | None = None) -> ChatRequest:
     limits = limits or ServerLimits()
     _unsupported(body)
-    messages = convert_messages(body.get("messages"))
+    messages, images = chat_messages(body.get("messages"))
     tools = _tools(body)
     tool_choice = body.get("tool_choice")
     if tool_choice not in (None, "auto", "none"):
@@ -434,6 +346,7 @@ def parse_chat_request(body: dict, limits: ServerLimits | None = None) -> ChatRe
         logprobs=logprobs,
         user=user,
         metadata=metadata,
+        images=images,
     )
 
 

@@ -124,18 +124,21 @@ class TextStream:
 
 async def stream_choices(client, tokenizer, request, prompts: list[list[int]], sampling,
                          params: list, stop_ids: set[int], event, finish_event, usage_event,
-                         start_event) -> tuple:  # fmt: skip
+                         start_event, images: list | None = None) -> tuple:  # fmt: skip
     """Stream every choice's text as it decodes: `event(index, emits)` makes the chunk of
     new pieces (None: nothing to send), `finish_event(index, reason)` the last one of a
     choice, `usage_event(counts)` the usage chunk, `start_event(index)` an opening one.
+    images: per prompt its PromptImages or None (None: no prompt has images).
     -> (response, [(index, prompt, Output, finish)] for the record)."""
     n = sampling.n
     choices = [(i * n + j, prompt, p) for i, prompt in enumerate(prompts)
                for j, p in enumerate(params)]  # fmt: skip
     handles = []
     try:
-        for _, prompt, p in choices:
-            handles.append(client.stream(prompt, p))
+        for index, prompt, p in choices:
+            image = None if images is None else images[index // n]
+            extra = {} if image is None else {"images": image}
+            handles.append(client.stream(prompt, p, **extra))
     except Exception as error:
         for handle in handles:
             handle.abort()

@@ -71,13 +71,14 @@ class RolloutService:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, seed: int | None = None,
                *, keep: bool = False, reuse: int | None = None,
-               stream: bool = False) -> RequestHandle:  # fmt: skip
+               stream: bool = False, images=None) -> RequestHandle:  # fmt: skip
         """One request: params.n samples of prompt_ids. seed: its base seed (params.seed
         when None; random when both are). keep/reuse: kept KV (module docstring; n = 1).
         stream: the handle records new tokens as they come (handle.stream()/astream()).
-        ValueError, here, for a prompt that cannot be served (empty, too long, ids out of
-        the vocabulary)."""
-        sub, handle = self._prepare(prompt_ids, params, seed, keep, reuse, stream)
+        images: the prompt's engine.images.PromptImages (a vision-language model; without
+        keep/reuse). ValueError, here, for a prompt that cannot be served (empty, too long,
+        ids out of the vocabulary, image tokens that its images do not fill)."""
+        sub, handle = self._prepare(prompt_ids, params, seed, keep, reuse, stream, images)
         self._post(lambda: self._add(sub, handle.on_error))
         return handle
 
@@ -98,15 +99,19 @@ class RolloutService:
         return out
 
     def _prepare(self, prompt_ids, params: SamplingParams, seed=None, keep=False, reuse=None,
-                 stream=False) -> tuple[Submission, RequestHandle]:  # fmt: skip
+                 stream=False, images=None) -> tuple[Submission, RequestHandle]:  # fmt: skip
         """A request's submission and handle, checked here, on the caller's thread (the
         engine's never raises for a bad prompt)."""
+        if images is not None and not self.engine.native:  # the slow path drops them
+            raise ValueError(f"prompts with images need hybridflow's own decoder; the engine "
+                             f"runs this model on its slow path ({self.engine.slow_reason})")  # fmt: skip
         handle = RequestHandle(params.n, wakeups=self.wakeups)
         seeds = None if seed is None else [seed]
         sub = self.engine.submission(
             [list(prompt_ids)], params, seeds, keep=keep,
             reuse=None if reuse is None else [reuse],
             listener=handle.on_tokens if stream else None, on_finish=handle.on_finish,
+            images=None if images is None else [images],
         )  # fmt: skip
         sub.table.check()
         handle._abort = lambda: self._post(lambda: self._abort(sub))
