@@ -5,6 +5,7 @@ items leave (engine/cache/kv_cache.py, engine/engine.py)."""
 from __future__ import annotations
 
 from hybridflow.engine.cache.kinds import eager_only
+from hybridflow.engine.cache.kv_cache import state_slots, whole_sequence_slots
 from hybridflow.engine.cache.workspace import engine_workspace_bytes
 from hybridflow.models.architecture import ModelArchitecture
 from hybridflow.trainer.plan.memory_items import (
@@ -64,13 +65,21 @@ def fused_copy_bytes(a: ModelArchitecture, fuse_projections: str, element_bytes:
     return total * element_bytes
 
 
+def kv_budget(reserve: int, used: int, o: PlanOptions) -> int | None:
+    """Bytes the engine's cache may take (kv_cache.cache_budget): gpu_memory_utilization of
+    the memory the other items leave, minus the reserve; None: the GPU's size is unknown."""
+    if o.gpu_bytes is None:
+        return None
+    return int(o.gpu_memory_utilization * max(o.gpu_bytes - used, 0)) - reserve
+
+
 def kv_cache_entries(entry_bytes: int, most: int, reserve: int, used: int, o: PlanOptions) -> int:
     """Slots (kv_cache.plan_slots) or blocks (plan_blocks) the engine allocates: ``most``
-    (max_num_seqs sequences' worth), or what gpu_memory_utilization of the free memory minus
-    the reserve holds, one scratch entry taken out; >= 0. GPU size unknown: ``most``."""
-    if o.gpu_bytes is None:
+    (max_num_seqs sequences' worth), or what kv_budget holds, one scratch entry taken out;
+    >= 0. GPU size unknown: ``most``."""
+    budget = kv_budget(reserve, used, o)
+    if budget is None:
         return most
-    budget = int(o.gpu_memory_utilization * max(o.gpu_bytes - used, 0)) - reserve
     return max(min(most, budget // entry_bytes - 1), 0)
 
 
@@ -114,11 +123,16 @@ def kv_cache_item(a: ModelArchitecture, o: PlanOptions, items: list[MemoryItem])
     entry = kv_slot_bytes(a, length if block is None else block, o.rollout_bytes)
     entry //= kv_split(a, o.rollout_tp)
     # a recurrent layer's state (conv + fp32 SSM) is one per slot: in each slot of a slot
-    # cache; beside a paged cache's blocks, every slot's (and the scratch one's) taken first
+    # cache; beside a paged cache's blocks, every slot's (and the scratch one's) taken first,
+    # the slots capped where whole sequences fit fewer (kv_cache.state_slots, as the engine)
     state = a.recurrent_state_bytes(o.rollout_bytes)
-    states = 0 if block is None else (o.rollout_max_seqs + 1) * state
+    slots = o.rollout_max_seqs
+    if block is not None and state:
+        slots = state_slots(slots, kv_budget(reserve, used, o), state, entry, per_sequence,
+                            o.cap_state_slots)  # fmt: skip
+    states = 0 if block is None else (slots + 1) * state
     entry += state if block is None else 0
-    entries = kv_cache_entries(entry, o.rollout_max_seqs * per_sequence, reserve + states, used, o)
+    entries = kv_cache_entries(entry, slots * per_sequence, reserve + states, used, o)
     sequences = entries // per_sequence  # the engine refuses 0 (no slot; not one sequence)
     name, note = f"KV cache ({entries:,} + 1 slots × {length:,} tokens)", ""
     none = f"KV cache (no slot of {length:,} tokens fits)"
@@ -127,20 +141,25 @@ def kv_cache_item(a: ModelArchitecture, o: PlanOptions, items: list[MemoryItem])
         none = f"KV cache (no {length:,}-token sequence fits)"
         note = f"{block} tokens a block, {per_sequence:,} blocks a {length:,}-token sequence"
         if states:
-            note += f"; recurrent states of {o.rollout_max_seqs + 1:,} slots"
-            size = (entries + 1) * entry + states
-            balanced = balanced_state_slots(size, state, per_sequence * entry)
-            if sequences < balanced < o.rollout_max_seqs:
-                note += (f", {states / 2**30:.1f} GiB: rollout.max_num_seqs={balanced:,} holds "
-                         f"{balanced:,} {length:,}-token sequences at once")  # fmt: skip
+            note += state_slots_note(o, slots, sequences, kv_budget(reserve, used, o), state,
+                                     entry, per_sequence, length)  # fmt: skip
     phases = (GENERATE,) if o.release_cache else ALWAYS
     size = (entries + 1) * entry + states if sequences else 0
     return MemoryItem(name if sequences else none, size, phases, rollout_gpu=o.split,
                       note=note), sequences  # fmt: skip
 
 
-def balanced_state_slots(budget: int, state_bytes: int, sequence_bytes: int) -> int:
-    """The most slots S whose recurrent states ((S + 1) of them, the scratch slot's too) and
-    K/V blocks for S whole sequences fit ``budget``: beside a paged cache every slot's state
-    is taken first, so slots beyond S leave fewer whole sequences held at once."""
-    return max((budget - state_bytes) // (sequence_bytes + state_bytes), 0)
+def state_slots_note(o: PlanOptions, slots: int, sequences: int, budget: int | None,
+                     state: int, block: int, per_sequence: int, length: int) -> str:  # fmt: skip
+    """What the paged cache's recurrent states take, and where the slots were capped (or,
+    with rollout.engine.cap_state_slots=false, the max_num_seqs that would hold the most
+    whole sequences)."""
+    note = f"; recurrent states of {slots + 1:,} slots, {(slots + 1) * state / 2**30:.1f} GiB"
+    if slots < o.rollout_max_seqs:
+        return note + (f": rollout.max_num_seqs={o.rollout_max_seqs:,} capped at {slots:,}, "
+                       f"the most whole {length:,}-token sequences beside their states")  # fmt: skip
+    whole = 0 if budget is None else whole_sequence_slots(budget, state, block, per_sequence)
+    if sequences < whole < o.rollout_max_seqs:
+        note += (f": rollout.engine.cap_state_slots=true (or rollout.max_num_seqs={whole:,}) "
+                 f"holds {whole:,} {length:,}-token sequences at once")  # fmt: skip
+    return note
