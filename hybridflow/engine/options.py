@@ -63,7 +63,7 @@ class EngineOptions:
     blocks hold that many whole max_seq_len sequences at once (kv_cache.state_slots), since
     every slot's state is allocated up front and slots beyond that leave fewer whole
     sequences (qwen3.5-4b at 16k-token rows on an H200: 1,024 slots' states take 49 GiB and
-    leave blocks for 34 rows; 118 slots hold 118). Logged when it caps max_batch_size.
+    leave blocks for 40 rows; 124 slots hold 124). Logged when it caps max_batch_size.
     False: every one of max_batch_size slots gets its state (more rows at once only where
     responses stay well short of max_seq_len)."""
     admission_wait_chunks: int = 2
