@@ -24,6 +24,24 @@ def kv_slot_bytes(a: ModelArchitecture, max_seq_len: int, element_bytes: int = 2
     return a.cache_bytes_per_sequence(max_seq_len, element_bytes)
 
 
+def kv_block_bytes(a: ModelArchitecture, block: int, element_bytes: int = 2) -> int:
+    """K and V (MLA: the latent) of ``block`` positions of a paged cache's block: the layers
+    that keep every position (a sliding layer keeps a ring a slot instead: per_sequence_bytes)."""
+    per_layer = a.cache_elements_per_token()
+    kept = [s for s in a.layer_specs() if s.cache != "recurrent" and not s.window]
+    return sum(per_layer[s.cache] for s in kept) * block * element_bytes
+
+
+def per_sequence_bytes(a: ModelArchitecture, element_bytes: int = 2) -> int:
+    """What a sequence keeps whatever its length, one per slot beside a paged cache's blocks
+    (engine/cache/kv_cache._PerSequence): its recurrent layers' state (conv + fp32 SSM) and
+    its sliding layers' rings of a window's K/V (engine/cache/window.py)."""
+    per_layer = a.cache_elements_per_token()
+    rings = sum(per_layer[s.cache] * s.window for s in a.layer_specs()
+                if s.cache != "recurrent" and s.window)  # fmt: skip
+    return a.recurrent_state_bytes(element_bytes) + rings * element_bytes
+
+
 def rollout_reserve_bytes(a: ModelArchitecture, options: PlanOptions) -> int:
     """What the engine keeps out of the KV budget for decode sampling, prefill activations
     and the experts' workspace (engine/engine._allocate's reserve: the same function)."""
@@ -120,12 +138,16 @@ def kv_cache_item(a: ModelArchitecture, o: PlanOptions, items: list[MemoryItem])
     used = sum(i.gpu_bytes for i in items if GENERATE in i.phases and i.rollout_gpu == o.split
                and "workspace" not in i.name)  # fmt: skip
     per_sequence = 1 if block is None else -(-length // block)  # slots or blocks a sequence
-    entry = kv_slot_bytes(a, length if block is None else block, o.rollout_bytes)
-    entry //= kv_split(a, o.rollout_tp)
-    # a recurrent layer's state (conv + fp32 SSM) is one per slot: in each slot of a slot
-    # cache; beside a paged cache's blocks, every slot's (and the scratch one's) taken first,
-    # the slots capped where whole sequences fit fewer (kv_cache.state_slots, as the engine)
-    state = a.recurrent_state_bytes(o.rollout_bytes)
+    # a slot cache's slot: its K/V (a sliding layer's window of it) and its recurrent state;
+    # beside a paged cache's blocks (the layers keeping every position), every slot's
+    # per-sequence kinds (and the scratch one's) are taken first, the slots capped where
+    # whole sequences fit fewer (kv_cache.state_slots, as the engine)
+    if block is None:
+        entry = kv_slot_bytes(a, length, o.rollout_bytes) // kv_split(a, o.rollout_tp)
+        state = a.recurrent_state_bytes(o.rollout_bytes)
+    else:
+        entry = kv_block_bytes(a, block, o.rollout_bytes) // kv_split(a, o.rollout_tp)
+        state = per_sequence_bytes(a, o.rollout_bytes)
     slots = o.rollout_max_seqs
     if block is not None and state:
         slots = state_slots(slots, kv_budget(reserve, used, o), state, entry, per_sequence,
@@ -141,8 +163,9 @@ def kv_cache_item(a: ModelArchitecture, o: PlanOptions, items: list[MemoryItem])
         none = f"KV cache (no {length:,}-token sequence fits)"
         note = f"{block} tokens a block, {per_sequence:,} blocks a {length:,}-token sequence"
         if states:
+            kind = "recurrent states" if a.recurrent_state_bytes() else "window rings"
             note += state_slots_note(o, slots, sequences, kv_budget(reserve, used, o), state,
-                                     entry, per_sequence, length)  # fmt: skip
+                                     entry, per_sequence, length, kind)  # fmt: skip
     phases = (GENERATE,) if o.release_cache else ALWAYS
     size = (entries + 1) * entry + states if sequences else 0
     return MemoryItem(name if sequences else none, size, phases, rollout_gpu=o.split,
@@ -150,11 +173,12 @@ def kv_cache_item(a: ModelArchitecture, o: PlanOptions, items: list[MemoryItem])
 
 
 def state_slots_note(o: PlanOptions, slots: int, sequences: int, budget: int | None,
-                     state: int, block: int, per_sequence: int, length: int) -> str:  # fmt: skip
-    """What the paged cache's recurrent states take, and where the slots were capped (or,
+                     state: int, block: int, per_sequence: int, length: int,
+                     kind: str) -> str:  # fmt: skip
+    """What the paged cache's per-sequence ``kind`` takes, and where the slots were capped (or,
     with rollout.engine.cap_state_slots=false, the max_num_seqs that would hold the most
     whole sequences)."""
-    note = f"; recurrent states of {slots + 1:,} slots, {(slots + 1) * state / 2**30:.1f} GiB"
+    note = f"; {kind} of {slots + 1:,} slots, {(slots + 1) * state / 2**30:.1f} GiB"
     if slots < o.rollout_max_seqs:
         return note + (f": rollout.max_num_seqs={o.rollout_max_seqs:,} capped at {slots:,}, "
                        f"the most whole {length:,}-token sequences beside their states")  # fmt: skip

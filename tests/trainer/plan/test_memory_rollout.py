@@ -8,6 +8,8 @@ from hybridflow.config import load_config
 from hybridflow.engine.cache.kv_cache import state_slots, whole_sequence_slots
 from hybridflow.models.presets import PRESETS
 from hybridflow.trainer.plan.memory_check import plan_for_config
+from hybridflow.trainer.plan.memory_items import PlanOptions
+from hybridflow.trainer.plan.memory_plan import build_plan
 from hybridflow.trainer.plan.memory_rollout import fused_copy_bytes
 
 GIB = 2**30
@@ -88,3 +90,18 @@ def test_pinned_slots_keep_their_states_and_name_the_slots_that_hold_the_most():
     assert "recurrent states of 1,025 slots" in note
     assert f"rollout.max_num_seqs={capped.kv_slots:,})" in note
     assert pinned.kv_slots < capped.kv_slots / 2
+
+
+def test_gpt_oss_rings_are_one_a_slot_beside_the_full_layers_blocks():
+    """gpt-oss-20b: 12 full layers keep every position in the blocks, 12 sliding ones a ring
+    of 128 positions a slot (engine/cache/window.py), sized as the engine sizes them."""
+    options = PlanOptions(gpu_bytes=141 * GIB, rollout_max_seq_len=16896, split=True,
+                          gpu_memory_utilization=0.9)  # fmt: skip
+    plan = build_plan("gpt-oss-20b", PRESETS["gpt-oss-20b"], options)
+    item = _kv_item(plan)
+    per_layer = 2 * 8 * 64 * 2  # K and V of 8 KV heads of 64, bf16, a position
+    block, ring = 12 * per_layer * 64, 12 * per_layer * 128
+    blocks = int(item.name.split("(")[1].split(" ")[0].replace(",", ""))
+    slots = int(item.note.split("window rings of ")[1].split(" ")[0].replace(",", "")) - 1
+    assert item.gpu_bytes == (blocks + 1) * block + (slots + 1) * ring
+    assert plan.kv_slots == blocks // 264 == min(slots, 1024)
