@@ -45,7 +45,11 @@ class RolloutConfig:
     """Keep generating past EOS up to max_response_length (benchmarks)."""
     max_num_seqs: int = 1024
     """Most sequences decoded at once per engine (the slot cache's slots; with the paged
-    cache, the rows one decode step may hold)."""
+    cache, the rows one decode step may hold): an upper bound, as in verl. A model with a
+    per-sequence state (Qwen3.5's recurrent layers, GPT-OSS's window rings) gets at most the
+    slots whose states and K/V blocks hold that many whole sequences of max_prompt_length +
+    max_response_length, logged when it caps (rollout.engine.cap_state_slots=false keeps
+    every slot; docs/engine.md, How many slots)."""
     gpu_memory_utilization: float | str = "auto"
     """Share of the GPU memory free when generation starts that the KV cache may take (less
     the engine's reserve for decode logits and prefill; vLLM's is a share of all the

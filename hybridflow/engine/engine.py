@@ -15,6 +15,7 @@ Every choice is an EngineOptions field (options.py).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from contextlib import nullcontext
 
@@ -48,6 +49,8 @@ from hybridflow.engine.scheduling.kept import KeptKV
 from hybridflow.engine.scheduling.scheduler import Scheduler
 from hybridflow.engine.state import DecodeState
 from hybridflow.engine.weights import FusedProjections, copy_named_tensors
+
+log = logging.getLogger("hybridflow.engine")
 
 
 def _triton_available() -> bool:
@@ -114,6 +117,7 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.memory_budget = memory_budget
+        self._capped_reported = False  # the slots' cap is logged once (_report_capped_slots)
         self.steps_per_sync = options.steps_per_sync
         self.max_prefill_tokens = options.max_prefill_tokens
         from hybridflow.models.llama import CausalLM
@@ -244,6 +248,18 @@ class Engine:
 
     # -- memory ---------------------------------------------------------------------------------
 
+    def _report_capped_slots(self, slots: int) -> None:
+        """One log line, at the first allocation, when a paged cache's per-sequence kinds got
+        fewer slots than max_batch_size (EngineOptions.cap_state_slots)."""
+        capped = self.cache.paged and self.cache.per_sequence and slots < self.max_batch_size
+        if not capped or self._capped_reported:
+            return
+        self._capped_reported = True
+        log.warning("engine: %d slots of max_batch_size=%d: the memory budget holds the "
+                    "per-sequence state and K/V blocks of %d whole sequences of max_seq_len=%d "
+                    "(rollout.engine.cap_state_slots=false keeps them all)", slots,
+                    self.max_batch_size, slots, self.max_seq_len)  # fmt: skip
+
     def _allocate(self) -> None:
         cfg = self.config
         self.kept.clear()  # a new cache holds nothing
@@ -265,8 +281,10 @@ class Engine:
         self.cache, self.blocks = kv_cache.make_cache(
             cfg, self.max_batch_size, self.max_seq_len, self.options.kv_block_size,
             self.memory_budget, reserve, self.dtype, self.device, routes,
+            self.options.cap_state_slots,
         )  # fmt: skip
         slots = self.cache.num_slots
+        self._report_capped_slots(slots)
         self.state = DecodeState(slots, slots, self.max_seq_len, cfg.vocab_size, self.device)
         self.rope = RopeTable(cfg, self.max_seq_len, self.dtype, self.device,
                               slots if self.vision else None)  # fmt: skip

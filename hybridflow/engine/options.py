@@ -57,6 +57,15 @@ class EngineOptions:
     fit, not as many as max_seq_len does (7B, long-tail responses, 40 GiB on an H200: 1.95x
     the slot cache's tokens/s), and costs within 2% on short responses (docs/performance.md,
     "Paged KV cache"). 64 is the block size measured there."""
+    cap_state_slots: bool = True
+    """A model with per-sequence kinds (a hybrid's recurrent state, a sliding window's ring)
+    in the paged cache under a bounded memory budget: at most the slots whose kinds and K/V
+    blocks hold that many whole max_seq_len sequences at once (kv_cache.state_slots), since
+    every slot's state is allocated up front and slots beyond that leave fewer whole
+    sequences (qwen3.5-4b at 16k-token rows on an H200: 1,024 slots' states take 49 GiB and
+    leave blocks for 40 rows; 124 slots hold 124). Logged when it caps max_batch_size.
+    False: every one of max_batch_size slots gets its state (more rows at once only where
+    responses stay well short of max_seq_len)."""
     admission_wait_chunks: int = 2
     """While rows decode, requests that arrive a few at a time (agent turns, a server's
     traffic) wait up to this many chunks of decode steps for others to share their prefill
@@ -178,6 +187,8 @@ class EngineOptions:
                             f"{self.decode_layer!r} reads bf16 weights: use auto or split")  # fmt: skip
         if self.weight_format == "fp8" and self.decode_backend == "torch":
             problems.append("weight_format='fp8' needs the triton decode backend (auto on a GPU)")
+        if not isinstance(self.cap_state_slots, bool):
+            problems.append(f"cap_state_slots={self.cap_state_slots!r}: must be true or false")
         if not isinstance(self.steps_per_sync, int) or self.steps_per_sync < 1:
             problems.append(f"steps_per_sync={self.steps_per_sync!r}: must be an integer >= 1")
         if self.sync_lag not in (None, 0, 1):

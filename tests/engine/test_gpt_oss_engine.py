@@ -27,9 +27,10 @@ def gpt_oss():
     return gpt_oss_model()
 
 
-def _engine(model, slots=4, block=None, budget=None, per_step=0, seq=64, lag=0) -> Engine:
+def _engine(model, slots=4, block=None, budget=None, per_step=0, seq=64, lag=0,
+            cap=True) -> Engine:  # fmt: skip
     options = EngineOptions(**EAGER, kv_block_size=block, max_prefill_tokens_per_step=per_step,
-                            sync_lag=lag)  # fmt: skip
+                            sync_lag=lag, cap_state_slots=cap)  # fmt: skip
     return Engine(model, slots, seq, memory_budget=budget, options=options)
 
 
@@ -72,7 +73,27 @@ def test_a_budget_counts_the_ring_of_every_slot(gpt_oss):
     engine = _engine(gpt_oss, slots=8, budget=3 * (slot + ring))
     assert engine.num_slots == 2
     with pytest.raises(ValueError, match="sliding-window ring"):
-        _engine(gpt_oss, slots=8, block=16, budget=8 * ring).generate([[1]], SamplingParams())
+        _engine(gpt_oss, slots=8, block=16, budget=8 * ring, cap=False).generate(
+            [[1]], SamplingParams()
+        )
+    with pytest.raises(ValueError, match="no whole sequence of max_seq_len=64 beside its"):
+        _engine(gpt_oss, slots=8, block=16, budget=2 * ring).generate([[1]], SamplingParams())
+
+
+def test_a_budget_of_n_whole_sequences_gets_n_slots(gpt_oss):
+    """Paged, seq 64 (4 blocks of 16): a budget holding 3 rings (2 slots and the scratch
+    one) and 2 sequences' blocks and the scratch block gets 2 of max_batch_size=8 slots;
+    its 8 sequences wait for them (none preempted) and sample what 8 slots do."""
+    reference = _engine(gpt_oss, slots=8, block=16)
+    expected = reference.generate(PROMPTS, SAMPLED)
+    cache = reference.cache
+    block = cache.keys[:, 0].nbytes + cache.values[:, 0].nbytes + cache.routes[0].nbytes
+    ring = cache.window.nbytes() // 9  # 8 slots + the scratch one
+    engine = _engine(gpt_oss, slots=8, block=16, budget=3 * ring + (2 * 4 + 1) * block)
+    got = engine.generate(PROMPTS, SAMPLED)
+    assert engine.num_slots == 2 and engine.cache.num_blocks == 2 * 4
+    assert engine.scheduler.paging.preemptions == 0
+    _assert_same(got, expected)
 
 
 @pytest.mark.parametrize("block", [None, 16])
@@ -126,14 +147,15 @@ def test_logprobs_equal_the_trainers(gpt_oss):
 @pytest.mark.parametrize("per_step", [0, 9])
 def test_preemption_rebuilds_the_ring_by_prefill(gpt_oss, per_step):
     """14 blocks of 16 (and the slots' rings) for 8 sequences growing to 2-4 blocks: the
-    newest are preempted and prefilled again, and sample what an unpreempted run does."""
+    newest are preempted and prefilled again, and sample what an unpreempted run does.
+    The slots pinned (cap=False): capped ones always have the blocks to finish."""
     params = SamplingParams(n=2, temperature=0.9, max_new_tokens=40, seed=5, ignore_eos=True)
     reference = _engine(gpt_oss, slots=8, block=16, seq=96)
     expected = reference.generate(PROMPTS, params)
     cache = reference.cache
     block_bytes = cache.keys[:, 0].nbytes + cache.values[:, 0].nbytes + cache.routes[0].nbytes
     engine = _engine(gpt_oss, slots=8, block=16, seq=96, per_step=per_step,
-                     budget=block_bytes * 15 + cache.window.nbytes())  # fmt: skip
+                     budget=block_bytes * 15 + cache.window.nbytes(), cap=False)  # fmt: skip
     got = engine.generate(PROMPTS, params)
     assert engine.cache.num_blocks == 14 and engine.scheduler.paging.preemptions > 0
     _assert_same(got, expected)

@@ -7,6 +7,8 @@ are the trainer's."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -33,9 +35,10 @@ def hybrid():
     return model
 
 
-def _engine(model, slots=4, block=None, budget=None, per_step=0, seq=64, lag=0) -> Engine:
+def _engine(model, slots=4, block=None, budget=None, per_step=0, seq=64, lag=0,
+            cap=True) -> Engine:  # fmt: skip
     options = EngineOptions(**EAGER, kv_block_size=block, max_prefill_tokens_per_step=per_step,
-                            sync_lag=lag)  # fmt: skip
+                            sync_lag=lag, cap_state_slots=cap)  # fmt: skip
     return Engine(model, slots, seq, memory_budget=budget, options=options)
 
 
@@ -82,7 +85,42 @@ def test_a_budget_counts_the_state_of_every_slot(hybrid):
     assert 3 * (kv + state) // kv - 1 >= 5  # slots if the states were not counted
     assert engine.num_slots == 2
     with pytest.raises(ValueError, match="recurrent state"):
-        _engine(hybrid, slots=8, block=16, budget=8 * state).generate([[1]], SamplingParams())
+        _engine(hybrid, slots=8, block=16, budget=8 * state, cap=False).generate(
+            [[1]], SamplingParams()
+        )
+    with pytest.raises(ValueError, match="no whole sequence of max_seq_len=64 beside its"):
+        _engine(hybrid, slots=8, block=16, budget=2 * state).generate([[1]], SamplingParams())
+
+
+def test_a_budget_of_n_whole_sequences_gets_n_slots(hybrid, caplog):
+    """Paged, seq 96 (6 blocks of 16): a budget holding the states of 3 slots and the
+    scratch one, and 3 sequences' blocks and the scratch block, gets 3 of max_batch_size=8
+    slots, each able to grow to max_seq_len, logged once; a byte less, 2. Its 8 sequences
+    wait for those slots (none preempted) and sample what 8 slots with room for all do.
+    Pinned (cap=False), 4 slots' states leave blocks for 2 whole sequences (13 blocks)."""
+    params = SamplingParams(n=2, temperature=0.9, max_new_tokens=40, seed=5, ignore_eos=True)
+    reference = _engine(hybrid, slots=8, block=16, seq=96)
+    expected = reference.generate(PROMPTS, params)
+    cache = reference.cache
+    block = cache.keys[:, 0].numel() * cache.keys.element_size() * 2
+    state = cache.states.nbytes() // 9  # 8 slots + the scratch one
+    budget = 4 * state + (3 * 6 + 1) * block
+    with caplog.at_level(logging.WARNING, logger="hybridflow.engine"):
+        engine = _engine(hybrid, slots=8, block=16, seq=96, budget=budget)
+        got = engine.generate(PROMPTS, params)
+        engine.release()
+        engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))
+    assert engine.num_slots == 3 and engine.cache.num_blocks == 3 * 6
+    assert engine.scheduler.paging.preemptions == 0
+    _assert_same(got, expected)
+    assert [r.getMessage() for r in caplog.records if r.name == "hybridflow.engine"] == [
+        "engine: 3 slots of max_batch_size=8: the memory budget holds the per-sequence state "
+        "and K/V blocks of 3 whole sequences of max_seq_len=96 "
+        "(rollout.engine.cap_state_slots=false keeps them all)"
+    ]
+    assert _engine(hybrid, slots=8, block=16, seq=96, budget=budget - 1).num_slots == 2
+    pinned = _engine(hybrid, slots=4, block=16, seq=96, budget=budget, cap=False)
+    assert pinned.num_slots == 4 and pinned.cache.num_blocks // 6 == 2
 
 
 @pytest.mark.parametrize("block", [None, 16])
@@ -154,7 +192,8 @@ def test_logprobs_equal_the_trainers(hybrid):
 @pytest.mark.parametrize("per_step", [0, 9])
 def test_preemption_rebuilds_the_state_by_prefill(hybrid, per_step):
     """14 blocks of 16 (and the slots' states) for 8 sequences growing to 2-4 blocks: the
-    newest are preempted and prefilled again, and sample what an unpreempted run does."""
+    newest are preempted and prefilled again, and sample what an unpreempted run does.
+    The slots pinned (cap=False): capped ones always have the blocks to finish."""
     params = SamplingParams(n=2, temperature=0.9, max_new_tokens=40, seed=5, ignore_eos=True)
     reference = _engine(hybrid, slots=8, block=16, seq=96)
     expected = reference.generate(PROMPTS, params)
@@ -162,7 +201,7 @@ def test_preemption_rebuilds_the_state_by_prefill(hybrid, per_step):
     block_bytes = cache.keys[:, 0].numel() * cache.keys.element_size() * 2
     states = cache.states.nbytes()  # 8 slots + the scratch one
     engine = _engine(hybrid, slots=8, block=16, seq=96, per_step=per_step,
-                     budget=block_bytes * 15 + states)  # fmt: skip
+                     budget=block_bytes * 15 + states, cap=False)  # fmt: skip
     got = engine.generate(PROMPTS, params)
     assert engine.cache.num_blocks == 14 and engine.scheduler.paging.preemptions > 0
     _assert_same(got, expected)

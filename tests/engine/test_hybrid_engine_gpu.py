@@ -30,10 +30,11 @@ def hybrid():
     return model.cuda()
 
 
-def _engine(model, graphs: bool, slots=8, budget=None, per_step=0) -> Engine:
+def _engine(model, graphs: bool, slots=8, budget=None, per_step=0, cap=True) -> Engine:
     backend = "triton" if graphs else "torch"
     options = EngineOptions(decode_backend=backend, cuda_graphs=graphs, kv_block_size=16,
-                            max_prefill_tokens_per_step=per_step)  # fmt: skip
+                            max_prefill_tokens_per_step=per_step,
+                            cap_state_slots=cap)  # fmt: skip
     return Engine(model, slots, 96, memory_budget=budget, options=options)
 
 
@@ -56,14 +57,15 @@ def test_graphed_fused_steps_sample_the_eager_paths_tokens(hybrid, per_step):
 
 def test_graphed_steps_through_preemption_sample_the_eager_paths_tokens(hybrid):
     """14 blocks of 16 for 8 sequences growing to 2-4 blocks: preempted rows are prefilled
-    again (their states rebuilt) while the others step on in graphs."""
+    again (their states rebuilt) while the others step on in graphs. The slots pinned
+    (cap=False): capped ones always have the blocks to finish."""
     params = SamplingParams(n=2, temperature=0.9, max_new_tokens=40, seed=5, ignore_eos=True)
     reference = _engine(hybrid, graphs=False)
     expected = reference.generate(PROMPTS, params)
     cache = reference.cache
     block_bytes = cache.keys[:, 0].numel() * cache.keys.element_size() * 2
     budget = block_bytes * 15 + cache.states.nbytes()
-    engine = _engine(hybrid, graphs=True, budget=budget)
+    engine = _engine(hybrid, graphs=True, budget=budget, cap=False)
     got = engine.generate(PROMPTS, params)
     assert engine.cache.num_blocks == 14 and engine.scheduler.paging.preemptions > 0
     _assert_same(got, expected)

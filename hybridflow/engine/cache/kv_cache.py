@@ -313,6 +313,7 @@ def make_cache(
     dtype: torch.dtype,
     device: torch.device,
     routes: RouteSpec | None = None,
+    cap_state_slots: bool = True,
 ) -> tuple[KVCache, object]:
     """The KV cache a model config's engine gets from its budget: a slot cache (block_size
     None) or a paged one, with the paged one's host-side blocks.BlockPool (else None).
@@ -320,7 +321,9 @@ def make_cache(
     K/V for the layers whose spec keeps them, the latent for MLA layers (latent.latent_spec:
     its bytes a position counted instead of K/V's); the recurrent layers' per-sequence state
     (kinds.recurrent_state_spec) and the sliding layers' rings (window.window_spec) for every
-    slot, taken from the budget first."""
+    slot, taken from the budget first. Beside a paged cache, a bounded budget gets at most
+    the slots whose states and blocks hold that many whole max_seq_len sequences
+    (state_slots; cap_state_slots False: every one of max_batch_size)."""
     specs = config.layer_specs()
     rows = kv_layer_rows(specs)
     layers = sum(row is not None for row in rows)
@@ -341,21 +344,27 @@ def make_cache(
         return _with_kinds(cache, rows, states, slots, device), None
     from hybridflow.engine.cache.blocks import BlockPool
 
-    if states.bytes_per_sequence:  # a state per slot whatever the blocks: off the budget first
-        reserve_bytes += (max_batch_size + 1) * states.bytes_per_sequence
-        if memory_budget is not None and not 0 < memory_budget <= 1:
-            memory_budget = int(memory_budget) - (max_batch_size + 1) * states.bytes_per_sequence
-            _check_state_budget(memory_budget, max_batch_size, states)
     block_bytes = bytes_per_block(layers, *shape, block_size, dtype, route_bytes)
-    blocks = plan_blocks(max_batch_size, max_seq_len, block_size, block_bytes, memory_budget,
-                         device, reserve_bytes)  # fmt: skip
-    cache = allocate_paged_cache(layers, max_batch_size, blocks, block_size, max_seq_len, *shape,
+    slots = max_batch_size
+    if states.bytes_per_sequence:  # a state per slot whatever the blocks: off the budget first
+        budget = cache_budget(memory_budget, device, reserve_bytes)
+        if budget is not None:
+            per_sequence = -(-max_seq_len // block_size)
+            slots = state_slots(max_batch_size, budget, states.bytes_per_sequence, block_bytes,
+                                per_sequence, cap_state_slots)  # fmt: skip
+            if cap_state_slots:
+                _check_whole_sequence(budget, max_seq_len, states, block_bytes, per_sequence)
+            memory_budget, reserve_bytes = budget - (slots + 1) * states.bytes_per_sequence, 0
+            _check_state_budget(memory_budget, slots, states)
+    blocks = plan_blocks(slots, max_seq_len, block_size, block_bytes, memory_budget, device,
+                         reserve_bytes)  # fmt: skip
+    cache = allocate_paged_cache(layers, slots, blocks, block_size, max_seq_len, *shape,
                                  dtype, device)  # fmt: skip
     if routes is not None:
         cache.routes = routes.allocate(blocks + 1, block_size, device)
     _with_latent(cache, latent, len(rows), blocks + 1, block_size, device)
-    cache = _with_kinds(cache, rows, states, max_batch_size, device)
-    return cache, BlockPool(blocks, block_size, max_batch_size, cache.block_table.shape[1])
+    cache = _with_kinds(cache, rows, states, slots, device)
+    return cache, BlockPool(blocks, block_size, slots, cache.block_table.shape[1])
 
 
 @dataclass(frozen=True)
@@ -370,13 +379,50 @@ class _PerSequence:
         return sum(kind.bytes_per_sequence for kind in (self.recurrent, self.window) if kind)
 
 
-def _check_state_budget(left: int, max_batch_size: int, states: _PerSequence) -> None:
-    if left <= 0:
+def whole_sequence_slots(budget: int, state_bytes: int, block_bytes: int,
+                         blocks_per_sequence: int) -> int:  # fmt: skip
+    """The most slots S whose per-sequence kinds ((S + 1) of them, the scratch slot's too)
+    and the K/V blocks of S whole sequences (S x blocks_per_sequence, and the scratch block)
+    fit ``budget`` bytes; >= 0. Beside a paged cache every slot's state is allocated up
+    front, so slots beyond S leave fewer whole sequences held at once."""
+    sequence = state_bytes + blocks_per_sequence * block_bytes
+    return max((budget - state_bytes - block_bytes) // sequence, 0)
+
+
+def state_slots(max_batch_size: int, budget: int | None, state_bytes: int, block_bytes: int,
+                blocks_per_sequence: int, cap: bool = True) -> int:  # fmt: skip
+    """Slots of a paged cache with per-sequence kinds of ``state_bytes`` a slot: at most
+    max_batch_size, capped (``cap``) at whole_sequence_slots where the budget (bytes; None:
+    unbounded) does not hold max_batch_size whole sequences, at least one (the blocks'
+    sizing then names what a sequence needs). The engine (make_cache) and the memory plan
+    (trainer/plan/memory_rollout.py) both size the slots here."""
+    if budget is None or not cap or not state_bytes:
+        return max_batch_size
+    whole = whole_sequence_slots(budget, state_bytes, block_bytes, blocks_per_sequence)
+    return max(min(max_batch_size, whole), 1)
+
+
+def _check_state_budget(left: int, slots: int, states: _PerSequence) -> None:
+    if left <= 1:  # an int budget of 1 or less would read as a fraction of free memory
         raise ValueError(
             f"memory_budget holds no KV blocks once the recurrent state or sliding-window ring "
             f"of max_batch_size="
-            f"{max_batch_size} sequences ({states.bytes_per_sequence / 2**20:.2f} MiB each) is "
+            f"{slots} sequences ({states.bytes_per_sequence / 2**20:.2f} MiB each) is "
             "taken: raise memory_budget or lower max_batch_size"
+        )
+
+
+def _check_whole_sequence(budget: int, max_seq_len: int, states: _PerSequence,
+                          block_bytes: int, per_sequence: int) -> None:  # fmt: skip
+    """Refuse a budget that holds not one sequence of max_seq_len beside its state (and the
+    scratch slot's state and block), naming both sizes."""
+    sequence_bytes = block_bytes * per_sequence
+    if not whole_sequence_slots(budget, states.bytes_per_sequence, block_bytes, per_sequence):
+        raise ValueError(
+            f"memory_budget holds no whole sequence of max_seq_len={max_seq_len} beside its "
+            f"recurrent state or sliding-window ring ({states.bytes_per_sequence / 2**20:.2f} "
+            f"MiB a slot, the scratch slot's too) and its K/V blocks "
+            f"({sequence_bytes / 2**20:.2f} MiB): raise memory_budget or lower max_seq_len"
         )
 
 

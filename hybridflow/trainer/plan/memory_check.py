@@ -103,6 +103,7 @@ def plan_options(cfg: Config, derived: Derived, gpu_bytes: int | None) -> PlanOp
         rollout_max_seqs=r.max_num_seqs,
         rollout_max_seq_len=max_len,
         kv_block_size=r.engine.kv_block_size,
+        cap_state_slots=r.engine.cap_state_slots,
         gpu_memory_utilization=kv_memory_share(r, t),
         # partial rollouts: requests stay in flight while the actor trains, the cache with them
         release_cache=r.release_cache and not (t.mode == "async" and t.partial_rollout),

@@ -5,6 +5,7 @@ items leave (engine/cache/kv_cache.py, engine/engine.py)."""
 from __future__ import annotations
 
 from hybridflow.engine.cache.kinds import eager_only
+from hybridflow.engine.cache.kv_cache import state_slots, whole_sequence_slots
 from hybridflow.engine.cache.workspace import engine_workspace_bytes
 from hybridflow.models.architecture import ModelArchitecture
 from hybridflow.trainer.plan.memory_items import (
@@ -21,6 +22,24 @@ def kv_slot_bytes(a: ModelArchitecture, max_seq_len: int, element_bytes: int = 2
     keeps them (engine/cache/kv_cache.py), a window's worth in sliding-window layers; a hybrid
     model's recurrent layers keep none (state_bytes)."""
     return a.cache_bytes_per_sequence(max_seq_len, element_bytes)
+
+
+def kv_block_bytes(a: ModelArchitecture, block: int, element_bytes: int = 2) -> int:
+    """K and V (MLA: the latent) of ``block`` positions of a paged cache's block: the layers
+    that keep every position (a sliding layer keeps a ring a slot instead: per_sequence_bytes)."""
+    per_layer = a.cache_elements_per_token()
+    kept = [s for s in a.layer_specs() if s.cache != "recurrent" and not s.window]
+    return sum(per_layer[s.cache] for s in kept) * block * element_bytes
+
+
+def per_sequence_bytes(a: ModelArchitecture, element_bytes: int = 2) -> int:
+    """What a sequence keeps whatever its length, one per slot beside a paged cache's blocks
+    (engine/cache/kv_cache._PerSequence): its recurrent layers' state (conv + fp32 SSM) and
+    its sliding layers' rings of a window's K/V (engine/cache/window.py)."""
+    per_layer = a.cache_elements_per_token()
+    rings = sum(per_layer[s.cache] * s.window for s in a.layer_specs()
+                if s.cache != "recurrent" and s.window)  # fmt: skip
+    return a.recurrent_state_bytes(element_bytes) + rings * element_bytes
 
 
 def rollout_reserve_bytes(a: ModelArchitecture, options: PlanOptions) -> int:
@@ -64,13 +83,21 @@ def fused_copy_bytes(a: ModelArchitecture, fuse_projections: str, element_bytes:
     return total * element_bytes
 
 
+def kv_budget(reserve: int, used: int, o: PlanOptions) -> int | None:
+    """Bytes the engine's cache may take (kv_cache.cache_budget): gpu_memory_utilization of
+    the memory the other items leave, minus the reserve; None: the GPU's size is unknown."""
+    if o.gpu_bytes is None:
+        return None
+    return int(o.gpu_memory_utilization * max(o.gpu_bytes - used, 0)) - reserve
+
+
 def kv_cache_entries(entry_bytes: int, most: int, reserve: int, used: int, o: PlanOptions) -> int:
     """Slots (kv_cache.plan_slots) or blocks (plan_blocks) the engine allocates: ``most``
-    (max_num_seqs sequences' worth), or what gpu_memory_utilization of the free memory minus
-    the reserve holds, one scratch entry taken out; >= 0. GPU size unknown: ``most``."""
-    if o.gpu_bytes is None:
+    (max_num_seqs sequences' worth), or what kv_budget holds, one scratch entry taken out;
+    >= 0. GPU size unknown: ``most``."""
+    budget = kv_budget(reserve, used, o)
+    if budget is None:
         return most
-    budget = int(o.gpu_memory_utilization * max(o.gpu_bytes - used, 0)) - reserve
     return max(min(most, budget // entry_bytes - 1), 0)
 
 
@@ -111,14 +138,23 @@ def kv_cache_item(a: ModelArchitecture, o: PlanOptions, items: list[MemoryItem])
     used = sum(i.gpu_bytes for i in items if GENERATE in i.phases and i.rollout_gpu == o.split
                and "workspace" not in i.name)  # fmt: skip
     per_sequence = 1 if block is None else -(-length // block)  # slots or blocks a sequence
-    entry = kv_slot_bytes(a, length if block is None else block, o.rollout_bytes)
-    entry //= kv_split(a, o.rollout_tp)
-    # a recurrent layer's state (conv + fp32 SSM) is one per slot: in each slot of a slot
-    # cache; beside a paged cache's blocks, every slot's (and the scratch one's) taken first
-    state = a.recurrent_state_bytes(o.rollout_bytes)
-    states = 0 if block is None else (o.rollout_max_seqs + 1) * state
+    # a slot cache's slot: its K/V (a sliding layer's window of it) and its recurrent state;
+    # beside a paged cache's blocks (the layers keeping every position), every slot's
+    # per-sequence kinds (and the scratch one's) are taken first, the slots capped where
+    # whole sequences fit fewer (kv_cache.state_slots, as the engine)
+    if block is None:
+        entry = kv_slot_bytes(a, length, o.rollout_bytes) // kv_split(a, o.rollout_tp)
+        state = a.recurrent_state_bytes(o.rollout_bytes)
+    else:
+        entry = kv_block_bytes(a, block, o.rollout_bytes) // kv_split(a, o.rollout_tp)
+        state = per_sequence_bytes(a, o.rollout_bytes)
+    slots = o.rollout_max_seqs
+    if block is not None and state:
+        slots = state_slots(slots, kv_budget(reserve, used, o), state, entry, per_sequence,
+                            o.cap_state_slots)  # fmt: skip
+    states = 0 if block is None else (slots + 1) * state
     entry += state if block is None else 0
-    entries = kv_cache_entries(entry, o.rollout_max_seqs * per_sequence, reserve + states, used, o)
+    entries = kv_cache_entries(entry, slots * per_sequence, reserve + states, used, o)
     sequences = entries // per_sequence  # the engine refuses 0 (no slot; not one sequence)
     name, note = f"KV cache ({entries:,} + 1 slots × {length:,} tokens)", ""
     none = f"KV cache (no slot of {length:,} tokens fits)"
@@ -127,20 +163,27 @@ def kv_cache_item(a: ModelArchitecture, o: PlanOptions, items: list[MemoryItem])
         none = f"KV cache (no {length:,}-token sequence fits)"
         note = f"{block} tokens a block, {per_sequence:,} blocks a {length:,}-token sequence"
         if states:
-            note += f"; recurrent states of {o.rollout_max_seqs + 1:,} slots"
-            size = (entries + 1) * entry + states
-            balanced = balanced_state_slots(size, state, per_sequence * entry)
-            if sequences < balanced < o.rollout_max_seqs:
-                note += (f", {states / 2**30:.1f} GiB: rollout.max_num_seqs={balanced:,} holds "
-                         f"{balanced:,} {length:,}-token sequences at once")  # fmt: skip
+            kind = "recurrent states" if a.recurrent_state_bytes() else "window rings"
+            note += state_slots_note(o, slots, sequences, kv_budget(reserve, used, o), state,
+                                     entry, per_sequence, length, kind)  # fmt: skip
     phases = (GENERATE,) if o.release_cache else ALWAYS
     size = (entries + 1) * entry + states if sequences else 0
     return MemoryItem(name if sequences else none, size, phases, rollout_gpu=o.split,
                       note=note), sequences  # fmt: skip
 
 
-def balanced_state_slots(budget: int, state_bytes: int, sequence_bytes: int) -> int:
-    """The most slots S whose recurrent states ((S + 1) of them, the scratch slot's too) and
-    K/V blocks for S whole sequences fit ``budget``: beside a paged cache every slot's state
-    is taken first, so slots beyond S leave fewer whole sequences held at once."""
-    return max((budget - state_bytes) // (sequence_bytes + state_bytes), 0)
+def state_slots_note(o: PlanOptions, slots: int, sequences: int, budget: int | None,
+                     state: int, block: int, per_sequence: int, length: int,
+                     kind: str) -> str:  # fmt: skip
+    """What the paged cache's per-sequence ``kind`` takes, and where the slots were capped (or,
+    with rollout.engine.cap_state_slots=false, the max_num_seqs that would hold the most
+    whole sequences)."""
+    note = f"; {kind} of {slots + 1:,} slots, {(slots + 1) * state / 2**30:.1f} GiB"
+    if slots < o.rollout_max_seqs:
+        return note + (f": rollout.max_num_seqs={o.rollout_max_seqs:,} capped at {slots:,}, "
+                       f"the most whole {length:,}-token sequences beside their states")  # fmt: skip
+    whole = 0 if budget is None else whole_sequence_slots(budget, state, block, per_sequence)
+    if sequences < whole < o.rollout_max_seqs:
+        note += (f": rollout.engine.cap_state_slots=true (or rollout.max_num_seqs={whole:,}) "
+                 f"holds {whole:,} {length:,}-token sequences at once")  # fmt: skip
+    return note

@@ -5,9 +5,12 @@ it on its eager passes), and the rows of long responses it holds against a dense
 from __future__ import annotations
 
 from hybridflow.config import load_config
+from hybridflow.engine.cache.kv_cache import state_slots, whole_sequence_slots
 from hybridflow.models.presets import PRESETS
 from hybridflow.trainer.plan.memory_check import plan_for_config
-from hybridflow.trainer.plan.memory_rollout import balanced_state_slots, fused_copy_bytes
+from hybridflow.trainer.plan.memory_items import PlanOptions
+from hybridflow.trainer.plan.memory_plan import build_plan
+from hybridflow.trainer.plan.memory_rollout import fused_copy_bytes
 
 GIB = 2**30
 LONG = ["data.max_prompt_length=512", "data.max_response_length=16384", "trainer.device=cuda",
@@ -47,28 +50,58 @@ def test_a_hybrid_decodes_without_fused_copies():
 
 
 def test_balanced_slots_fill_the_budget_with_whole_sequences_and_their_states():
-    assert balanced_state_slots(10 * 100 + 11 * 5, 5, 100) == 10
-    assert balanced_state_slots(10 * 100 + 11 * 5 - 1, 5, 100) == 9
-    assert balanced_state_slots(3, 5, 100) == 0
+    # 10 sequences of 4 blocks of 25 bytes and 11 states of 5 (the scratch slot's) and the
+    # scratch block: 10 slots; a byte less: 9
+    assert whole_sequence_slots(10 * 100 + 11 * 5 + 25, 5, 25, 4) == 10
+    assert whole_sequence_slots(10 * 100 + 11 * 5 + 25 - 1, 5, 25, 4) == 9
+    assert whole_sequence_slots(3, 5, 25, 4) == 0
+    assert state_slots(1024, 10 * 100 + 11 * 5 + 25, 5, 25, 4) == 10
+    assert state_slots(8, 10 * 100 + 11 * 5 + 25, 5, 25, 4) == 8  # max_num_seqs bounds it
+    assert state_slots(1024, 10 * 100 + 11 * 5 + 25, 5, 25, 4, cap=False) == 1024  # pinned
+    assert state_slots(1024, None, 5, 25, 4) == 1024  # unbounded budget
+    assert state_slots(1024, 3, 5, 25, 4) == 1  # the blocks' sizing names what one needs
 
 
 def test_at_16k_responses_a_hybrid_holds_about_4x_the_rows_of_qwen3_4b():
     """Per 16,896-token row qwen3-4b keeps 36 layers of K/V (2.32 GiB); qwen3.5-4b 8 layers
-    (0.52 GiB) and a 49 MiB recurrent state. With the default 1,024 slots their states take
-    49 GiB first, so the plan names the max_num_seqs that balances states and blocks; there
-    it holds ~4x the rows (the budgets differ by the models' other items)."""
+    (0.52 GiB) and a 49 MiB recurrent state. The default 1,024 slots' states would take
+    49 GiB first; the engine caps them at the slots that hold the most whole sequences
+    (kv_cache.state_slots), and the plan with it: ~4x the rows under the defaults (the
+    budgets differ by the models' other items)."""
     dense = _plan("qwen3-4b")
     hybrid = _plan("qwen3.5-4b")
     note = _kv_item(hybrid).note
-    assert "recurrent states of 1,025 slots" in note and "rollout.max_num_seqs=" in note
-    balanced = int(note.split("rollout.max_num_seqs=")[1].split(" ")[0].replace(",", ""))
-    assert hybrid.kv_slots < balanced  # the default slots' states crowd out the blocks
-    tuned = _plan("qwen3.5-4b", f"rollout.max_num_seqs={balanced}")
-    assert tuned.kv_slots == balanced
-    assert "rollout.max_num_seqs=" not in _kv_item(tuned).note
+    assert f"rollout.max_num_seqs=1,024 capped at {hybrid.kv_slots:,}" in note
+    assert f"recurrent states of {hybrid.kv_slots + 1:,} slots" in note
     a, d = PRESETS["qwen3.5-4b"], PRESETS["qwen3-4b"]
     per_row = a.cache_bytes_per_sequence(16896) + a.recurrent_state_bytes(2)
     expected = d.cache_bytes_per_sequence(16896) / per_row  # 4.1
-    budgets = _kv_item(tuned).gpu_bytes / _kv_item(dense).gpu_bytes
-    assert 3.5 < tuned.kv_slots / dense.kv_slots
-    assert abs(tuned.kv_slots / dense.kv_slots - expected * budgets) < 0.1 * expected
+    budgets = _kv_item(hybrid).gpu_bytes / _kv_item(dense).gpu_bytes
+    assert 3.5 < hybrid.kv_slots / dense.kv_slots
+    assert abs(hybrid.kv_slots / dense.kv_slots - expected * budgets) < 0.1 * expected
+
+
+def test_pinned_slots_keep_their_states_and_name_the_slots_that_hold_the_most():
+    """rollout.engine.cap_state_slots=false: every one of max_num_seqs slots gets its state,
+    and the plan names the max_num_seqs that holds the most whole sequences."""
+    capped = _plan("qwen3.5-4b")
+    pinned = _plan("qwen3.5-4b", "rollout.engine.cap_state_slots=false")
+    note = _kv_item(pinned).note
+    assert "recurrent states of 1,025 slots" in note
+    assert f"rollout.max_num_seqs={capped.kv_slots:,})" in note
+    assert pinned.kv_slots < capped.kv_slots / 2
+
+
+def test_gpt_oss_rings_are_one_a_slot_beside_the_full_layers_blocks():
+    """gpt-oss-20b: 12 full layers keep every position in the blocks, 12 sliding ones a ring
+    of 128 positions a slot (engine/cache/window.py), sized as the engine sizes them."""
+    options = PlanOptions(gpu_bytes=141 * GIB, rollout_max_seq_len=16896, split=True,
+                          gpu_memory_utilization=0.9)  # fmt: skip
+    plan = build_plan("gpt-oss-20b", PRESETS["gpt-oss-20b"], options)
+    item = _kv_item(plan)
+    per_layer = 2 * 8 * 64 * 2  # K and V of 8 KV heads of 64, bf16, a position
+    block, ring = 12 * per_layer * 64, 12 * per_layer * 128
+    blocks = int(item.name.split("(")[1].split(" ")[0].replace(",", ""))
+    slots = int(item.note.split("window rings of ")[1].split(" ")[0].replace(",", "")) - 1
+    assert item.gpu_bytes == (blocks + 1) * block + (slots + 1) * ring
+    assert plan.kv_slots == blocks // 264 == min(slots, 1024)
