@@ -475,7 +475,7 @@ class Engine:
                          on_finish=on_finish)  # fmt: skip
         prepared = prepare_images(self.config, prompts, images)
         if prepared is not None:
-            check_image_call(self.options, keep, reuse)
+            check_image_call(self.options)
             sub.images = ImageFeatures(prepared, n)
         return sub
 

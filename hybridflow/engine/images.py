@@ -16,7 +16,9 @@ Decode: every token after the prompt has equal rows (text), at the prompt's larg
 plus one and on, so its turn is plain RoPE at ``cache position + shift`` with ``shift =
 largest position + 1 - prompt length`` (<= 0: an image's tokens span fewer positions than
 tokens). The shift is kept per cache slot (RopeTable.slot_shift) and added by the decode
-pass: transformers' rope_deltas.
+pass: transformers' rope_deltas. A kept slot (scheduling/kept.py) keeps it: the next turn's
+text tokens (the model's turn and a tool's result) extend the slot at their cache position
+plus the shift, as its decode steps did; a turn that adds images is prefilled in full.
 """
 
 from __future__ import annotations
@@ -90,10 +92,9 @@ def prepare_images(config, prompts: list[list[int]], images: list | None) -> lis
     return prepared
 
 
-def check_image_call(options, keep: bool, reuse) -> None:
-    """What prompts with images do not run through yet: ValueError saying what to change."""
-    if keep or reuse is not None:
-        raise ValueError("prompts with images: keep and reuse (kept KV) are not supported")
+def check_image_call(options) -> None:
+    """What prompts with images do not run through yet: ValueError saying what to change.
+    (Kept KV runs: a continuation's text turns at its slot's shift, scheduling/continuation.py.)"""
     if options.max_prefill_tokens_per_step > 0:
         raise ValueError("prompts with images need max_prefill_tokens_per_step=0 (mixed "
                          "steps prefill them in chunks, without the vision encoder)")  # fmt: skip

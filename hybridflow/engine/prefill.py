@@ -163,6 +163,7 @@ def extend_forward(
     max_len: int | None = None,
     frozen: torch.Tensor | None = None,
     latent_step: str = "torch",
+    rotary_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """input_ids/position_ids/token_slots [N]: each sequence's new tokens, contiguous and in
     position order; every token attends to its slot's cache up to its own position (the
@@ -176,7 +177,9 @@ def extend_forward(
     as prefill_forward's. decode_rows, max_len: extend_forward_triton's (here every token
     attends the same way, over its slot up to its position, so they change nothing).
     latent_step: an MLA layer's absorbed attention, every token a row over its slot
-    ("triton": the kernel reads the paged latents in place, no gather; layers/latent.py)."""
+    ("triton": the kernel reads the paged latents in place, no gather; layers/latent.py).
+    rotary_positions [N]: each token's RoPE position where it is not its cache position (the
+    slot of an mRoPE prompt with images: cache position + the slot's shift, images.py)."""
     from hybridflow.engine.layers import mixing
     from hybridflow.engine.layers.eager import cached_attention_torch
     from hybridflow.engine.layers.latent import latent_cached
@@ -184,6 +187,7 @@ def extend_forward(
     from hybridflow.engine.layers.sink import frozen_tokens, sink_extend
 
     entries, offsets = cache_at or (token_slots, position_ids)
+    rotary = position_ids if rotary_positions is None else rotary_positions
     sparse = sparse_indices(model)
     rows = input_ids.shape[0]
     wanted = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
@@ -196,7 +200,8 @@ def extend_forward(
         chunk_at = entries[start : start + chunk_tokens], offsets[start : start + chunk_tokens]
         max_len = int(positions.max()) + 1
         hidden = model.model.embed_tokens(ids)
-        cos, sin = rope.cos[positions], rope.sin[positions]
+        turns = rotary[start : start + chunk_tokens]
+        cos, sin = rope.cos[turns], rope.sin[turns]
         target = route_target(cache, *chunk_at)
         sequences = None
         if cache.states is not None:  # the chunk's sequences, the frozen decode rows' targets
@@ -258,6 +263,7 @@ def extend_forward_triton(
     experts=None,
     decode_rows: int = 0,
     max_len: int | None = None,
+    rotary_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """extend_forward with the fused kernels: RoPE and the cache store of every new token
     first (rope_store), then the new tokens' attention over their slots, two launches, so no
@@ -281,7 +287,7 @@ def extend_forward_triton(
     token each, attending through decode_attention over their slot (a paged cache's block
     table), whatever the kernel of the rest; the flash path's spans then cover the other
     tokens only. max_len: a host bound on position_ids + 1 over every token (None: read from
-    the device, a sync)."""
+    the device, a sync). rotary_positions: as extend_forward's."""
     from hybridflow.engine.kernels import attention, rowwise
     from hybridflow.engine.layers.moe import route_target
     from hybridflow.engine.layers.split import fused_layers
@@ -297,6 +303,10 @@ def extend_forward_triton(
         )
     )
     entries, offsets = cache_at or (token_slots, None)
+    rotary = position_ids
+    if rotary_positions is not None:  # RoPE at the shifted positions, K/V at the cache's
+        rotary = rotary_positions
+        offsets = position_ids if offsets is None else offsets
     lengths = position_ids + 1
     if max_len is None:
         max_len = int(position_ids.max()) + 1
@@ -309,7 +319,7 @@ def extend_forward_triton(
 
     def attend(index, q, k, v):
         keys, values = cache.keys[index], cache.values[index]
-        rowwise.rope_store(q, k, v, rope.cos, rope.sin, position_ids, entries, keys, values,
+        rowwise.rope_store(q, k, v, rope.cos, rope.sin, rotary, entries, keys, values,
                            launch=launch, cache_positions=offsets)  # fmt: skip
         parts = []
         if decoded:
