@@ -215,8 +215,9 @@ class ToolCallingLoop:
         allowed = set(self.tools) if episode.tools is None else set(episode.tools)
         messages = [dict(m) for m in episode.messages]
         prompt, positions = self._prompt(renderer, episode, messages)
-        if episode.images is not None:
-            session = {**session, "images": episode.images}  # every turn: its prompt's images
+        if episode.images is not None:  # every turn: its first prompt's images (their span)
+            images = dataclasses.replace(episode.images, image_span=len(prompt))
+            session = {**session, "images": images}
         ids: list[int] = []
         logprobs: list[float] = []
         mask: list[int] = []

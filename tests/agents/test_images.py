@@ -178,3 +178,33 @@ def test_placeholders_that_do_not_match_the_images_are_refused():
     episode.messages = MESSAGES[0]  # one <image> for two images
     with pytest.raises(ValueError, match="renders 1 <\\|image_pad\\|> tokens for 2 images"):
         asyncio.run(_loop().run(episode, None))
+
+
+def test_grpo_trains_on_tool_episodes_with_images_on_the_shapes_task(tmp_path, monkeypatch):
+    """examples/vision.yaml shortened (tiny-vl without its warm start), episodes of two turns
+    (every turn calls the calculator: the random model writes no calls): 2 steps, the
+    trainer's log-probs over prompt images, turns and tool results equal the engine's."""
+    from hybridflow.agents import parsers
+    from hybridflow.trainer.lifecycle.run import train
+    from tests.trainer.trainer_helpers import read_metrics, tiny_config
+
+    class EveryTurnCalculates:
+        def parse(self, text: str) -> ParsedTurn:
+            return ParsedTurn(text, [ToolCall("calculator", {"expression": "2+2"})])
+
+    monkeypatch.setattr(parsers, "make_parser", lambda name: EveryTurnCalculates())
+    cfg = tiny_config(
+        tmp_path, "model.path=tiny-vl", "data.max_prompt_length=40",
+        "data.max_response_length=48", "rollout.agent.loop=tools",
+        "rollout.agent.tools=[calculator]", "rollout.agent.max_turns=2",
+        "rollout.agent.max_tokens_per_turn=6", "reward.custom_fn=null",
+        "actor.ppo_mini_batch_size=2", example="vision",  # 2 mini-batches: old log-probs
+    )  # fmt: skip
+    train(cfg, log=lambda *a, **k: None)
+    rows = read_metrics(cfg.trainer.run_dir)
+    assert {1, 2} <= set(rows)
+    for step in (1, 2):
+        assert rows[step]["rollout/agent_turns"] == 2.0
+        assert rows[step]["rollout/agent_tool_calls"] == 2.0  # the last turn's: not run
+        assert 0 < rows[step]["rollout/agent_masked_token_fraction"] < 1
+        assert rows[step]["rollout_gap/abs_logprob_diff_max"] < 1e-4  # fp32 on the CPU

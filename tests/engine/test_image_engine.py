@@ -174,10 +174,11 @@ def test_what_images_do_not_run_through_is_refused(model):
             [[1, 2]], SamplingParams(), images=[images[0]])  # fmt: skip
 
 
-def _turns(model, kept: bool, added):
+def _turns(model, kept: bool, added, span: bool = False):
     """Two turns of each prompt with images (n=1, sampled): turn 2's prompt is turn 1's
     with its tokens and `added` (prompt index -> ids, images) after them; with kept, turn 2
-    continues turn 1's slot. -> (turn 1, turn 2 completions, prefilled tokens)."""
+    continues turn 1's slot; span: turn 1's prompt is the images' span (image_span).
+    -> (turn 1, turn 2 completions, prefilled tokens)."""
     engine = Engine(model, max_batch_size=4, max_seq_len=96)
     params = SamplingParams(temperature=1.0, max_new_tokens=5, seed=7, ignore_eos=True)
     images = _images(_pixels())
@@ -190,6 +191,8 @@ def _turns(model, kept: bool, added):
         if extra_image is not None:  # one more image after the prompt's own
             entry = PromptImages(torch.cat([entry.pixel_values, extra_image.pixel_values]),
                                  torch.cat([entry.image_grid_thw, extra_image.image_grid_thw]))  # fmt: skip
+        if span and entry is not None:
+            entry = dataclasses.replace(entry, image_span=len(prompt))
         second_images.append(entry)
     reuse = [c.kv_handle for c in first] if kept else None
     engine.prefill_tokens = 0
@@ -222,3 +225,18 @@ def test_a_continuation_that_adds_an_image_is_prefilled_in_full(model):
     for a, b in zip(kept[1], full[1]):
         torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
     assert kept[2] == len(PROMPTS[0]) + 5 + 5 + 2 * 4  # prompt 0 in full, the others' 4
+
+
+def test_image_pad_ids_past_the_image_span_are_text(model):
+    """A later turn holding the image-pad id (the model may sample it) after its images' span
+    continues its kept slot as text, as a full prefill reads it; without the span it is
+    refused (more image tokens than the grids give)."""
+    added = {0: ([43, IMAGE, 44], None), 2: ([IMAGE, IMAGE], None)}
+    full = _turns(model, kept=False, added=added, span=True)
+    kept = _turns(model, kept=True, added=added, span=True)
+    assert [c.token_ids for c in kept[1]] == [c.token_ids for c in full[1]]
+    for a, b in zip(kept[1], full[1]):
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+    assert kept[2] == 4 + 4 + 3  # continued, each its unread token and the added ones
+    with pytest.raises(ValueError, match="image tokens beyond the 1 images' grids"):
+        _turns(model, kept=True, added=added)

@@ -91,8 +91,9 @@ def _shift(sub, request: int) -> int:
 
 
 def extends_text_only(sub, request: int, cached: int, image_token_id: int | None) -> bool:
-    """Whether the tokens a continuation would add past its slot's `cached` ones hold no
-    image token (those need the vision encoder: the prompt is prefilled in full)."""
-    if sub.images is None or image_token_id is None:
+    """Whether the tokens a continuation would add past its slot's `cached` ones hold none
+    of its images' tokens (those need the vision encoder: the prompt is prefilled in full)."""
+    entry = None if sub.images is None else sub.images.prepared[request]
+    if entry is None or image_token_id is None:
         return True
-    return image_token_id not in sub.prompts[request][cached:]
+    return image_token_id not in sub.prompts[request][cached : entry.span]
