@@ -179,7 +179,8 @@ def extend_forward(
     latent_step: an MLA layer's absorbed attention, every token a row over its slot
     ("triton": the kernel reads the paged latents in place, no gather; layers/latent.py).
     rotary_positions [N]: each token's RoPE position where it is not its cache position (the
-    slot of an mRoPE prompt with images: cache position + the slot's shift, images.py)."""
+    slot of an mRoPE prompt with images: cache position + the slot's shift, images.py; a
+    vision-language engine runs this eager pass)."""
     from hybridflow.engine.layers import mixing
     from hybridflow.engine.layers.eager import cached_attention_torch
     from hybridflow.engine.layers.latent import latent_cached
@@ -263,7 +264,6 @@ def extend_forward_triton(
     experts=None,
     decode_rows: int = 0,
     max_len: int | None = None,
-    rotary_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """extend_forward with the fused kernels: RoPE and the cache store of every new token
     first (rope_store), then the new tokens' attention over their slots, two launches, so no
@@ -287,7 +287,7 @@ def extend_forward_triton(
     token each, attending through decode_attention over their slot (a paged cache's block
     table), whatever the kernel of the rest; the flash path's spans then cover the other
     tokens only. max_len: a host bound on position_ids + 1 over every token (None: read from
-    the device, a sync). rotary_positions: as extend_forward's."""
+    the device, a sync)."""
     from hybridflow.engine.kernels import attention, rowwise
     from hybridflow.engine.layers.moe import route_target
     from hybridflow.engine.layers.split import fused_layers
@@ -303,10 +303,6 @@ def extend_forward_triton(
         )
     )
     entries, offsets = cache_at or (token_slots, None)
-    rotary = position_ids
-    if rotary_positions is not None:  # RoPE at the shifted positions, K/V at the cache's
-        rotary = rotary_positions
-        offsets = position_ids if offsets is None else offsets
     lengths = position_ids + 1
     if max_len is None:
         max_len = int(position_ids.max()) + 1
@@ -319,7 +315,7 @@ def extend_forward_triton(
 
     def attend(index, q, k, v):
         keys, values = cache.keys[index], cache.values[index]
-        rowwise.rope_store(q, k, v, rope.cos, rope.sin, rotary, entries, keys, values,
+        rowwise.rope_store(q, k, v, rope.cos, rope.sin, position_ids, entries, keys, values,
                            launch=launch, cache_positions=offsets)  # fmt: skip
         parts = []
         if decoded:

@@ -184,9 +184,10 @@ def test_grpo_trains_on_tool_episodes_with_images_on_the_shapes_task(tmp_path, m
     """examples/vision.yaml shortened (tiny-vl without its warm start), episodes of two turns
     (every turn calls the calculator: the random model writes no calls): 2 steps, the
     trainer's log-probs over prompt images, turns and tool results equal the engine's."""
+    from trainer.trainer_helpers import read_metrics, tiny_config
+
     from hybridflow.agents import parsers
     from hybridflow.trainer.lifecycle.run import train
-    from tests.trainer.trainer_helpers import read_metrics, tiny_config
 
     class EveryTurnCalculates:
         def parse(self, text: str) -> ParsedTurn:
