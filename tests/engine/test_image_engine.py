@@ -174,12 +174,14 @@ def test_what_images_do_not_run_through_is_refused(model):
             [[1, 2]], SamplingParams(), images=[images[0]])  # fmt: skip
 
 
-def _turns(model, kept: bool, added, span: bool = False):
+def _turns(model, kept: bool, added, span: bool = False, block: int | None = 64):
     """Two turns of each prompt with images (n=1, sampled): turn 2's prompt is turn 1's
     with its tokens and `added` (prompt index -> ids, images) after them; with kept, turn 2
-    continues turn 1's slot; span: turn 1's prompt is the images' span (image_span).
-    -> (turn 1, turn 2 completions, prefilled tokens)."""
-    engine = Engine(model, max_batch_size=4, max_seq_len=96)
+    continues turn 1's slot; span: turn 1's prompt is the images' span (image_span); block:
+    the cache's kv_block_size (None: contiguous). -> (turn 1, turn 2 completions,
+    prefilled tokens)."""
+    engine = Engine(model, max_batch_size=4, max_seq_len=96,
+                    options=EngineOptions(kv_block_size=block))  # fmt: skip
     params = SamplingParams(temperature=1.0, max_new_tokens=5, seed=7, ignore_eos=True)
     images = _images(_pixels())
     first = engine.generate(PROMPTS, params, keep=kept, images=images)
@@ -201,12 +203,13 @@ def _turns(model, kept: bool, added, span: bool = False):
     return first, second, engine.prefill_tokens
 
 
-def test_a_kept_slot_of_a_prompt_with_images_continues_as_a_full_prefill_samples(model):
+@pytest.mark.parametrize("block", [64, None])
+def test_a_kept_slot_of_a_prompt_with_images_continues_as_a_full_prefill_samples(model, block):
     """Turn 2 of prompts with images continues turn 1's kept slot (its text at the slot's
     mRoPE shift): the same tokens and log-probs as prefilling turn 2 in full, and only the
     added tokens prefilled."""
-    full = _turns(model, kept=False, added={})
-    kept = _turns(model, kept=True, added={})
+    full = _turns(model, kept=False, added={}, block=block)
+    kept = _turns(model, kept=True, added={}, block=block)
     for full_turn, kept_turn in zip(full[:2], kept[:2]):
         assert [c.token_ids for c in kept_turn] == [c.token_ids for c in full_turn]
         for a, b in zip(kept_turn, full_turn):
