@@ -20,11 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridflow.errors import UserError
+
 IMAGE_PART_TYPES = ("image", "image_url", "input_image")
 
 
-class ToolImageError(ValueError):
-    """A tool returned an image part: tool results are text (module docstring)."""
+class ToolImageError(UserError):
+    """A tool returned an image part: tool results are text (module docstring); the run
+    stops with the tool's name (exit 2), as it is the tool's to change."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ def check_text_result(name: str, result) -> None:
     if any(isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES for p in parts):
         raise ToolImageError(
             f"tool {name!r} returned an image part: tool results are text (the trainer keeps "
-            "a row's prompt images only). Return text, e.g. a description of the image, or "
-            "put the image in the row's prompt (data.image_key)"
+            "a row's prompt images only)",
+            "return text (e.g. what the image shows), or put the image in the row's prompt "
+            "(data.image_key)",
         )
