@@ -37,7 +37,8 @@ class EngineClient:
     async def generate(self, prompt_ids: list[int], params, session=None, images=None):
         """One completion of prompt_ids (params.n must be 1). session: any hashable naming
         the conversation; its last turn's KV is continued when prompt_ids extends it.
-        images: the prompt's engine.images.PromptImages (not with a session)."""
+        images: the prompt's engine.images.PromptImages, sent with every turn of a session
+        (a turn continues the kept KV with its text; one that cannot is prefilled in full)."""
         if params.n != 1:
             raise ValueError(f"EngineClient.generate takes n=1 requests, got n={params.n}")
         reuse = self._handles.pop(session, None) if session is not None else None

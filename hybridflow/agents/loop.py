@@ -11,6 +11,8 @@ tokenized, by rendering the conversation with and without the new messages and e
 difference. Re-tokenizing the whole conversation each turn can change the model's tokens
 (merges across turn boundaries, a template that rewrites the assistant's text), so the
 trained log-probs would belong to tokens the model never sampled.
+
+An episode may carry its first prompt's images (a vision-language model): agents/images.py.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from hybridflow.agents.images import (
+    check_text_result,
+    image_prompt_ids,
+    marked_messages,
+)
 from hybridflow.agents.parsers import HermesParser, ParsedTurn, ToolCall, ToolCallParser
 from hybridflow.agents.sandbox_limits import SandboxError
 
@@ -40,6 +47,9 @@ class Episode:
     """Base seed of the episode's samples (turn t samples with seed + t)."""
     metadata: dict = field(default_factory=dict)
     """Carried to the Trajectory (data source, ground truth, ...)."""
+    images: Any = None
+    """The first prompt's images (engine.images.PromptImages), one ``<image>`` placeholder
+    each in `messages`, in order; None: a text episode."""
 
 
 @dataclass
@@ -69,6 +79,9 @@ class Trajectory:
     """"answer" (a turn without tool calls), "max_turns", "max_tokens" or "length" (the
     last turn ran out of tokens)."""
     metadata: dict = field(default_factory=dict)
+    prompt_positions: Any = None
+    """An episode with images: mRoPE's position rows [3, len(prompt_ids)] of its prompt (the
+    response continues from their largest plus one); None for text."""
 
     @property
     def final_text(self) -> str:
@@ -166,7 +179,7 @@ class ToolCallingLoop:
     from the limits)."""
 
     def __init__(self, tokenizer, tools: dict, sampling, *, parser: ToolCallParser | None = None,
-                 limits: LoopLimits | None = None):  # fmt: skip
+                 limits: LoopLimits | None = None, image_merge_size: int | None = None):  # fmt: skip
         from hybridflow.agents.tools import openai_schema
 
         self.tokenizer = tokenizer
@@ -174,6 +187,7 @@ class ToolCallingLoop:
         self.parser = parser or HermesParser()
         self.limits = limits or LoopLimits()
         self.sampling = sampling
+        self.image_merge_size = image_merge_size  # the vision encoder's (episodes with images)
         self._schemas = {name: openai_schema(tool) for name, tool in self.tools.items()}
         self._sessions = itertools.count()
         eos = tokenizer.eos_token_id
@@ -200,7 +214,10 @@ class ToolCallingLoop:
         renderer = self._renderer(episode)
         allowed = set(self.tools) if episode.tools is None else set(episode.tools)
         messages = [dict(m) for m in episode.messages]
-        prompt = renderer.prompt_ids(messages)
+        prompt, positions = self._prompt(renderer, episode, messages)
+        if episode.images is not None:  # every turn: its first prompt's images (their span)
+            images = dataclasses.replace(episode.images, image_span=len(prompt))
+            session = {**session, "images": images}
         ids: list[int] = []
         logprobs: list[float] = []
         mask: list[int] = []
@@ -249,7 +266,20 @@ class ToolCallingLoop:
         if finish == "answer" and turns and turns[-1].finish_reason == "length":
             finish = "length"
         return Trajectory(prompt, ids, logprobs, mask, messages, turns, finish,
-                          dict(episode.metadata))  # fmt: skip
+                          dict(episode.metadata), positions)  # fmt: skip
+
+    def _prompt(self, renderer: ChatRenderer, episode: Episode, messages: list[dict]):
+        """(the first prompt's ids, its mRoPE rows or None); an episode with images gets its
+        vision tokens in `messages` (in place) and in the ids (agents/images.py)."""
+        if episode.images is None:
+            return renderer.prompt_ids(messages), None
+        if self.image_merge_size is None:
+            raise ValueError("an episode with images needs the loop's image_merge_size (the "
+                             "vision encoder's spatial_merge_size)")  # fmt: skip
+        messages[:] = marked_messages(messages)
+        prompt = image_prompt_ids(self.tokenizer, renderer.prompt_ids(messages),
+                                  episode.images.image_grid_thw, self.image_merge_size)  # fmt: skip
+        return prompt.ids, prompt.positions
 
     async def _run_tools(self, parsed: ParsedTurn, allowed: set[str], turn: Turn) -> list[dict]:
         """One `tool` message per call (and per unreadable call), in the calls' order; the
@@ -278,6 +308,7 @@ class ToolCallingLoop:
             raise
         except Exception as error:  # a tool's failure is the model's information, not ours
             return f"Error: {call.name} failed: {type(error).__name__}: {error}", "error"
+        check_text_result(call.name, result)  # an image: the tool's author's to fix, stop
         text = result if isinstance(result, str) else json.dumps(result)
         cap = self.limits.max_tool_output_chars
         if len(text) > cap:

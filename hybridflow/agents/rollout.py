@@ -5,7 +5,9 @@ The response of a row is the episode after its prompt: the model's turns and the
 between them. `response_mask` is the loss mask (1 on the model's tokens only), while
 `response_attention_mask` marks every real token, tool output included, since the policy
 reads the tool results it is trained to use. The prompt is the agent's own rendering (the
-chat template with the tools' schemas), so it replaces the dataset's prompt ids.
+chat template with the tools' schemas), so it replaces the dataset's prompt ids; with images
+(agents/images.py), its mRoPE rows replace the dataset's too (`agent_mrope_positions`), the
+row's pixel_values and grids stay the dataset's.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ from hybridflow.agents.options import AgentOptions
 EPISODE_SEED_STRIDE = 7919
 
 
-def build_loop(options: AgentOptions, tokenizer, sampling, max_response_length: int):
-    """The configured AgentLoop (options.loop == "tools": the built-in ToolCallingLoop)."""
+def build_loop(options: AgentOptions, tokenizer, sampling, max_response_length: int,
+               image_merge_size: int | None = None):  # fmt: skip
+    """The configured AgentLoop (options.loop == "tools": the built-in ToolCallingLoop).
+    image_merge_size: a vision-language model's (episodes with images)."""
     from hybridflow.agents.parsers import make_parser
     from hybridflow.agents.sandbox import SandboxLimits
     from hybridflow.agents.tools import load_tools
@@ -45,12 +49,13 @@ def build_loop(options: AgentOptions, tokenizer, sampling, max_response_length: 
         tool_timeout_s=options.tool_timeout_s,
     )
     return ToolCallingLoop(tokenizer, tools, sampling, parser=make_parser(options.parser),
-                           limits=limits)  # fmt: skip
+                           limits=limits, image_merge_size=image_merge_size)  # fmt: skip
 
 
 def run_agent_batch(loop, client, raw_prompts: list, n: int, seed: int | None,
-                    concurrency: int) -> list[Trajectory]:  # fmt: skip
-    """n episodes per prompt, prompt-major (row i * n + j is sample j of prompt i)."""
+                    concurrency: int, images: list | None = None) -> list[Trajectory]:  # fmt: skip
+    """n episodes per prompt, prompt-major (row i * n + j is sample j of prompt i).
+    images: per prompt its engine.images.PromptImages (or None)."""
     episodes = []
     for i, messages in enumerate(raw_prompts):
         if isinstance(messages, str):
@@ -58,7 +63,8 @@ def run_agent_batch(loop, client, raw_prompts: list, n: int, seed: int | None,
         for j in range(n):
             k = i * n + j
             episode_seed = None if seed is None else seed + EPISODE_SEED_STRIDE * k
-            episodes.append(Episode([dict(m) for m in messages], seed=episode_seed))
+            episodes.append(Episode([dict(m) for m in messages], seed=episode_seed,
+                                    images=None if images is None else images[i]))  # fmt: skip
     try:
         return asyncio.run(run_episodes(loop, episodes, client, concurrency))
     finally:
@@ -107,12 +113,15 @@ def pack_trajectories(trajectories: list[Trajectory], width: int, pad_token_id: 
         prompts[row, prompt_width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
         prompt_mask[row, prompt_width - len(prompt) :] = 1
     metrics = [t.metrics() for t in trajectories]
+    tensors = {
+        "responses": responses, "response_mask": loss_mask,
+        "response_attention_mask": attention, "rollout_logprobs": logprobs,
+        "agent_prompts": prompts, "agent_prompt_mask": prompt_mask,
+    }  # fmt: skip
+    if any(t.prompt_positions is not None for t in trajectories):
+        tensors["agent_mrope_positions"] = _prompt_positions(trajectories, prompt_width)
     return {
-        "tensors": {
-            "responses": responses, "response_mask": loss_mask,
-            "response_attention_mask": attention, "rollout_logprobs": logprobs,
-            "agent_prompts": prompts, "agent_prompt_mask": prompt_mask,
-        },
+        "tensors": tensors,
         "arrays": {
             "final_text": np.asarray([t.final_text for t in trajectories], dtype=object),
             "agent_finish": np.asarray([t.finish_reason for t in trajectories], dtype=object),
@@ -121,6 +130,18 @@ def pack_trajectories(trajectories: list[Trajectory], width: int, pad_token_id: 
                             "masked_token_fraction")},
         },
     }  # fmt: skip
+
+
+def _prompt_positions(trajectories: list[Trajectory], width: int) -> torch.Tensor:
+    """[N, 3, width]: each agent prompt's mRoPE rows, left-padded as its ids are (0 on
+    padding; a text prompt's rows are its token indices), data/image_batch.py's layout."""
+    from hybridflow.data.image_batch import MROPE_POSITIONS, prompt_image_fields
+
+    rows = [t.prompt_positions if t.prompt_positions is not None
+            else torch.arange(len(t.prompt_ids)).expand(3, -1) for t in trajectories]  # fmt: skip
+    nothing = [None] * len(trajectories)
+    tensors, _ = prompt_image_fields(rows, nothing, nothing, width)
+    return tensors[MROPE_POSITIONS]
 
 
 def agent_metrics(arrays: dict) -> dict[str, float]:

@@ -432,7 +432,7 @@ class Engine:
         call's sample sample_index[i] + j (sampling.indexed_request_seeds), so the tokens do
         not depend on how the call was split. images: per prompt its images.PromptImages (or
         None), the prompt's ids holding an image-pad token per merged patch (a
-        vision-language model; generate() calls only, without keep or reuse). While a
+        vision-language model; generate() calls only). While a
         RolloutService runs this engine, the prompts are submitted to it (and decode beside
         its other requests)."""
         if self.service is not None and images is not None:
@@ -475,7 +475,7 @@ class Engine:
                          on_finish=on_finish)  # fmt: skip
         prepared = prepare_images(self.config, prompts, images)
         if prepared is not None:
-            check_image_call(self.options, keep, reuse)
+            check_image_call(self.options)
             sub.images = ImageFeatures(prepared, n)
         return sub
 

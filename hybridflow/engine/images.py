@@ -16,7 +16,9 @@ Decode: every token after the prompt has equal rows (text), at the prompt's larg
 plus one and on, so its turn is plain RoPE at ``cache position + shift`` with ``shift =
 largest position + 1 - prompt length`` (<= 0: an image's tokens span fewer positions than
 tokens). The shift is kept per cache slot (RopeTable.slot_shift) and added by the decode
-pass: transformers' rope_deltas.
+pass: transformers' rope_deltas. A kept slot (scheduling/kept.py) keeps it: the next turn's
+text tokens (the model's turn and a tool's result) extend the slot at their cache position
+plus the shift, as its decode steps did; a turn that adds images is prefilled in full.
 """
 
 from __future__ import annotations
@@ -33,11 +35,15 @@ from hybridflow.models.mrope import mrope_cos_sin, mrope_positions
 class PromptImages:
     """One prompt's images: pixel_values [patches, C*T*P*P], image_grid_thw [images, 3]
     (the model's image processor's output), positions: mRoPE's rows [3, p] of the prompt
-    (None: computed from its ids and the grids)."""
+    (None: computed from its ids and the grids). image_span: the images' tokens are among
+    the first image_span ids; the ids after are text whatever they are (a conversation's
+    later turns: the model may have sampled the image-pad id, which is no image), as the
+    trainer's forward reads them (image_slots). None: the whole prompt."""
 
     pixel_values: torch.Tensor
     image_grid_thw: torch.Tensor
     positions: torch.Tensor | None = None
+    image_span: int | None = None
 
 
 @dataclass
@@ -48,6 +54,8 @@ class PreparedImages:
     image_grid_thw: torch.Tensor
     positions: torch.Tensor
     shift: int
+    span: int
+    """The ids whose image tokens are the images' (PromptImages.image_span)."""
 
 
 def prepare_images(config, prompts: list[list[int]], images: list | None) -> list | None:
@@ -75,25 +83,29 @@ def prepare_images(config, prompts: list[list[int]], images: list | None) -> lis
         if entry.pixel_values.shape[0] != patches:
             raise ValueError(f"prompt {i}: {entry.pixel_values.shape[0]} rows of pixel_values, "
                              f"its grids hold {patches} patches")  # fmt: skip
+        span = len(ids) if entry.image_span is None else entry.image_span
+        if not 0 < span <= len(ids):
+            raise ValueError(f"prompt {i}: image_span={span} is not within its {len(ids)} ids")
         try:
-            rows = mrope_positions(torch.tensor(ids), grid, vision.image_token_id,
+            rows = mrope_positions(torch.tensor(ids[:span]), grid, vision.image_token_id,
                                    vision.spatial_merge_size)  # fmt: skip
         except ValueError as err:
             raise ValueError(f"prompt {i}: {err}") from None
+        after = int(rows.max()) + 1  # the text past the span: on from the largest position
+        rows = torch.cat([rows, torch.arange(after, after + len(ids) - span).expand(3, -1)], 1)
         if entry.positions is not None:
             given = entry.positions.long().cpu()
             if given.shape != rows.shape or not torch.equal(given, rows):
                 raise ValueError(f"prompt {i}: its mRoPE positions are not those of its ids "
                                  "and image grids")  # fmt: skip
         shift = int(rows.max()) + 1 - len(ids)
-        prepared.append(PreparedImages(entry.pixel_values, grid, rows, shift))
+        prepared.append(PreparedImages(entry.pixel_values, grid, rows, shift, span))
     return prepared
 
 
-def check_image_call(options, keep: bool, reuse) -> None:
-    """What prompts with images do not run through yet: ValueError saying what to change."""
-    if keep or reuse is not None:
-        raise ValueError("prompts with images: keep and reuse (kept KV) are not supported")
+def check_image_call(options) -> None:
+    """What prompts with images do not run through yet: ValueError saying what to change.
+    (Kept KV runs: a continuation's text turns at its slot's shift, scheduling/continuation.py.)"""
     if options.max_prefill_tokens_per_step > 0:
         raise ValueError("prompts with images need max_prefill_tokens_per_step=0 (mixed "
                          "steps prefill them in chunks, without the vision encoder)")  # fmt: skip
@@ -166,6 +178,7 @@ def prefill_inputs(model, ids: torch.Tensor, segments: list[Segment]):
             rows.append(torch.cat([entry.positions, tail.expand(3, -1)], dim=1))
             end = start + segment.prompt_length
             slots = ids[start:end] == config.vision.image_token_id
+            slots[entry.span :] = False  # past the span: text (PromptImages.image_span)
             features = segment.images.of(model, segment.prompt).to(hidden.dtype)
             hidden[start:end] = hidden[start:end].masked_scatter(slots.unsqueeze(-1), features)
         start += segment.length

@@ -163,6 +163,7 @@ def extend_forward(
     max_len: int | None = None,
     frozen: torch.Tensor | None = None,
     latent_step: str = "torch",
+    rotary_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """input_ids/position_ids/token_slots [N]: each sequence's new tokens, contiguous and in
     position order; every token attends to its slot's cache up to its own position (the
@@ -176,7 +177,10 @@ def extend_forward(
     as prefill_forward's. decode_rows, max_len: extend_forward_triton's (here every token
     attends the same way, over its slot up to its position, so they change nothing).
     latent_step: an MLA layer's absorbed attention, every token a row over its slot
-    ("triton": the kernel reads the paged latents in place, no gather; layers/latent.py)."""
+    ("triton": the kernel reads the paged latents in place, no gather; layers/latent.py).
+    rotary_positions [N]: each token's RoPE position where it is not its cache position (the
+    slot of an mRoPE prompt with images: cache position + the slot's shift, images.py; a
+    vision-language engine runs this eager pass)."""
     from hybridflow.engine.layers import mixing
     from hybridflow.engine.layers.eager import cached_attention_torch
     from hybridflow.engine.layers.latent import latent_cached
@@ -184,6 +188,7 @@ def extend_forward(
     from hybridflow.engine.layers.sink import frozen_tokens, sink_extend
 
     entries, offsets = cache_at or (token_slots, position_ids)
+    rotary = position_ids if rotary_positions is None else rotary_positions
     sparse = sparse_indices(model)
     rows = input_ids.shape[0]
     wanted = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
@@ -196,7 +201,8 @@ def extend_forward(
         chunk_at = entries[start : start + chunk_tokens], offsets[start : start + chunk_tokens]
         max_len = int(positions.max()) + 1
         hidden = model.model.embed_tokens(ids)
-        cos, sin = rope.cos[positions], rope.sin[positions]
+        turns = rotary[start : start + chunk_tokens]
+        cos, sin = rope.cos[turns], rope.sin[turns]
         target = route_target(cache, *chunk_at)
         sequences = None
         if cache.states is not None:  # the chunk's sequences, the frozen decode rows' targets

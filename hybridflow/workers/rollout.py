@@ -140,11 +140,18 @@ class RolloutWorker(Worker):
             trajectories = self._program_episodes(batch, params, turn_params, width)
             return self._packed(trajectories, pad_token_id, cfg.data.max_prompt_length)
         if self._agent_loop is None:
-            self._agent_loop = build_loop(cfg.rollout.agent, self.tokenizer, turn_params, width)
+            vision = getattr(self.engine.config, "vision", None)
+            merge = None if vision is None else vision.spatial_merge_size
+            self._agent_loop = build_loop(cfg.rollout.agent, self.tokenizer, turn_params, width,
+                                          image_merge_size=merge)  # fmt: skip
         self._agent_loop.sampling = turn_params  # the temperature differs for validation
+        # each row's images (the first prompt's; agents/images.py)
+        images = None
+        if PIXEL_VALUES in batch.arrays:  # rows computed from the agent's prompt, not these
+            images = _prompt_images(batch, dataset_positions=False)
         trajectories = run_agent_batch(
             self._agent_loop, EngineClient(self.engine), list(batch.arrays["raw_prompt"]),
-            params.n, params.seed, cfg.rollout.agent.concurrency,
+            params.n, params.seed, cfg.rollout.agent.concurrency, images,
         )  # fmt: skip
         if cfg.rollout.release_cache and str(self.device).startswith("cuda"):
             self.engine.release()
@@ -411,9 +418,10 @@ def engine_options(config: Config):
     return options
 
 
-def _prompt_images(batch: Batch) -> list:
+def _prompt_images(batch: Batch, dataset_positions: bool = True) -> list:
     """Each prompt row's images for the engine (engine/images.PromptImages; None for a row
-    without), with the mRoPE rows the data path computed over its real tokens."""
+    without), with the mRoPE rows the data path computed over its real tokens
+    (dataset_positions; else none: the engine computes them from the ids it is given)."""
     from hybridflow.engine.images import PromptImages
 
     images = []
@@ -422,6 +430,6 @@ def _prompt_images(batch: Batch) -> list:
         if not len(grid):
             images.append(None)
             continue
-        positions = batch.tensors[MROPE_POSITIONS][row][:, mask]  # [3, p]
+        positions = batch.tensors[MROPE_POSITIONS][row][:, mask] if dataset_positions else None
         images.append(PromptImages(batch.arrays[PIXEL_VALUES][row], grid, positions))
     return images

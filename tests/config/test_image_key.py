@@ -34,3 +34,11 @@ def test_what_prompts_with_images_do_not_run_through_is_refused_up_front():
         key = settings[-1].split("=")[0]
         with pytest.raises(ConfigError, match=rf"{key} = .* prompts with images"):
             validate(_config("model.path=tiny-vl", *settings))
+
+
+def test_the_tool_loop_runs_prompts_with_images_and_an_agent_program_is_refused():
+    validate(_config("model.path=tiny-vl", "rollout.agent.loop=tools",
+                     "rollout.agent.tools=[calculator]"))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"rollout.agent.loop = 'openai' .* prompts with images"):
+        validate(_config("model.path=tiny-vl", "rollout.agent.loop=openai",
+                         "rollout.agent.program=agent.py:run"))  # fmt: skip

@@ -6,6 +6,7 @@ tokens count in the cache, and what is not supported is refused."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -163,8 +164,6 @@ def test_what_images_do_not_run_through_is_refused(model):
     with pytest.raises(ValueError, match="prompt 0: 23 rows of pixel_values, its grids hold 24"):
         cut = PromptImages(images[0].pixel_values[:-1], images[0].image_grid_thw)
         engine.generate(PROMPTS, SamplingParams(), images=[cut, None, images[2]])
-    with pytest.raises(ValueError, match="keep and reuse"):
-        engine.generate(PROMPTS, SamplingParams(), images=images, keep=True)
     mixed = Engine(model, max_batch_size=4, max_seq_len=64,
                    options=EngineOptions(max_prefill_tokens_per_step=32))  # fmt: skip
     with pytest.raises(ValueError, match="max_prefill_tokens_per_step=0"):
@@ -173,3 +172,74 @@ def test_what_images_do_not_run_through_is_refused(model):
     with pytest.raises(ValueError, match="no vision encoder"):
         Engine(text_only, max_batch_size=4, max_seq_len=64).generate(
             [[1, 2]], SamplingParams(), images=[images[0]])  # fmt: skip
+
+
+def _turns(model, kept: bool, added, span: bool = False, block: int | None = 64):
+    """Two turns of each prompt with images (n=1, sampled): turn 2's prompt is turn 1's
+    with its tokens and `added` (prompt index -> ids, images) after them; with kept, turn 2
+    continues turn 1's slot; span: turn 1's prompt is the images' span (image_span); block:
+    the cache's kv_block_size (None: contiguous). -> (turn 1, turn 2 completions,
+    prefilled tokens)."""
+    engine = Engine(model, max_batch_size=4, max_seq_len=96,
+                    options=EngineOptions(kv_block_size=block))  # fmt: skip
+    params = SamplingParams(temperature=1.0, max_new_tokens=5, seed=7, ignore_eos=True)
+    images = _images(_pixels())
+    first = engine.generate(PROMPTS, params, keep=kept, images=images)
+    prompts, second_images = [], []
+    for i, (prompt, completion) in enumerate(zip(PROMPTS, first)):
+        extra_ids, extra_image = added.get(i, ([40, 41, 42], None))
+        prompts.append(prompt + completion.token_ids + extra_ids)
+        entry = images[i]
+        if extra_image is not None:  # one more image after the prompt's own
+            entry = PromptImages(torch.cat([entry.pixel_values, extra_image.pixel_values]),
+                                 torch.cat([entry.image_grid_thw, extra_image.image_grid_thw]))  # fmt: skip
+        if span and entry is not None:
+            entry = dataclasses.replace(entry, image_span=len(prompt))
+        second_images.append(entry)
+    reuse = [c.kv_handle for c in first] if kept else None
+    engine.prefill_tokens = 0
+    second = engine.generate(prompts, dataclasses.replace(params, seed=8), reuse=reuse,
+                             images=second_images)  # fmt: skip
+    return first, second, engine.prefill_tokens
+
+
+@pytest.mark.parametrize("block", [64, None])
+def test_a_kept_slot_of_a_prompt_with_images_continues_as_a_full_prefill_samples(model, block):
+    """Turn 2 of prompts with images continues turn 1's kept slot (its text at the slot's
+    mRoPE shift): the same tokens and log-probs as prefilling turn 2 in full, and only the
+    added tokens prefilled."""
+    full = _turns(model, kept=False, added={}, block=block)
+    kept = _turns(model, kept=True, added={}, block=block)
+    for full_turn, kept_turn in zip(full[:2], kept[:2]):
+        assert [c.token_ids for c in kept_turn] == [c.token_ids for c in full_turn]
+        for a, b in zip(kept_turn, full_turn):
+            torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+    # each prompt's turn-1 token the model has not read yet, and the 3 added
+    assert kept[2] == 3 * 4 and full[2] == sum(len(p) + 5 + 3 for p in PROMPTS)
+
+
+def test_a_continuation_that_adds_an_image_is_prefilled_in_full(model):
+    pixels = torch.randn(8, SPEC.patch_elements, generator=torch.Generator().manual_seed(5))
+    extra = PromptImages(pixels, torch.tensor([[1, 2, 4]]))  # 2 image tokens
+    added = {0: ([43, START, IMAGE, IMAGE, END], extra)}
+    full = _turns(model, kept=False, added=added)
+    kept = _turns(model, kept=True, added=added)
+    assert [c.token_ids for c in kept[1]] == [c.token_ids for c in full[1]]
+    for a, b in zip(kept[1], full[1]):
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+    assert kept[2] == len(PROMPTS[0]) + 5 + 5 + 2 * 4  # prompt 0 in full, the others' 4
+
+
+def test_image_pad_ids_past_the_image_span_are_text(model):
+    """A later turn holding the image-pad id (the model may sample it) after its images' span
+    continues its kept slot as text, as a full prefill reads it; without the span it is
+    refused (more image tokens than the grids give)."""
+    added = {0: ([43, IMAGE, 44], None), 2: ([IMAGE, IMAGE], None)}
+    full = _turns(model, kept=False, added=added, span=True)
+    kept = _turns(model, kept=True, added=added, span=True)
+    assert [c.token_ids for c in kept[1]] == [c.token_ids for c in full[1]]
+    for a, b in zip(kept[1], full[1]):
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+    assert kept[2] == 4 + 4 + 3  # continued, each its unread token and the added ones
+    with pytest.raises(ValueError, match="image tokens beyond the 1 images' grids"):
+        _turns(model, kept=True, added=added)

@@ -1,6 +1,12 @@
 """Admitting requests that continue a kept slot (kept.py): only the tokens past the slot's
-cached prefix go through the model, in one extend pass (prefill.py) into the same slot; their first tokens are then sampled like any admission's
-(admission.append_admitted). Functions over the scheduler's state (state.py)."""
+cached prefix go through the model, in one extend pass (prefill.py) into the same slot; their
+first tokens are then sampled like any admission's (admission.append_admitted). Functions over
+the scheduler's state (state.py).
+
+A prompt with images (images.py) continues its slot when its new tokens are text (the model's
+turn and a tool's result): they turn at their cache position plus the slot's mRoPE shift, as
+its decode steps did. New image tokens need the vision encoder, which the extend pass does not
+run: such a prompt is prefilled in full instead (Scheduler.add)."""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridflow.engine.host import ranges, upload
+from hybridflow.engine.images import set_slot_shifts
 from hybridflow.engine.prefill import host_spans
 from hybridflow.engine.scheduling import admission, preemption
 
@@ -45,6 +52,11 @@ def admit(scheduler: SchedulerState) -> None:
     span_tensors, span_maxima = host_spans(torch.tensor(slots), starts, counts) if triton else ((), ())  # fmt: skip
     token_slots = torch.repeat_interleave(torch.tensor(slots), counts)
     extra = {}
+    if engine.vision:  # each slot's shift again (images.py): its decode goes on from it
+        shifts = [_shift(sub, r) for sub, r in requests]
+        set_slot_shifts(engine.rope, slots, shifts, engine.device)
+        rotary = positions + torch.repeat_interleave(torch.tensor(shifts), counts)
+        extra["rotary_positions"] = upload(engine.device, rotary)[0]
     if scheduler.paging is not None:
         if triton:  # the flash path gathers K/V by (block, offset)
             span_tensors = (*scheduler.paging.locate(*span_tensors[:2]), *span_tensors[2:])
@@ -70,3 +82,18 @@ def admit(scheduler: SchedulerState) -> None:
                            token_slots, last, max_len=max(lengths), **spans, **extra)  # fmt: skip  # [R, V]
     admission.append_admitted(scheduler, requests, slots, logits, seed_lo, seed_hi, row_positions,
                               row_slots, max_new_dev, max_new, lengths)  # fmt: skip
+
+
+def _shift(sub, request: int) -> int:
+    """The mRoPE shift of a continued request's prompt (0 without images; n is 1)."""
+    entry = None if sub.images is None else sub.images.prepared[request]
+    return 0 if entry is None else entry.shift
+
+
+def extends_text_only(sub, request: int, cached: int, image_token_id: int | None) -> bool:
+    """Whether the tokens a continuation would add past its slot's `cached` ones hold none
+    of its images' tokens (those need the vision encoder: the prompt is prefilled in full)."""
+    entry = None if sub.images is None else sub.images.prepared[request]
+    if entry is None or image_token_id is None:
+        return True
+    return image_token_id not in sub.prompts[request][cached : entry.span]

@@ -50,8 +50,15 @@ class Scheduler(SchedulerState):
         if sub.reuse is None:
             self.waiting.extend((sub, request) for request in range(len(sub.max_new)))
             return
+        vision = self.engine.config.vision if self.engine.vision else None
+        image_token = None if vision is None else vision.image_token_id
         for request, handle in enumerate(sub.reuse):
             taken = self.engine.kept.take(handle, sub.prompts[request])
+            if taken is not None and not continuation.extends_text_only(
+                sub, request, taken[1], image_token
+            ):  # new images: the encoder runs in a full prefill (continuation.py)
+                self.free_slot(taken[0])  # its K/V are not continued
+                taken = None
             if taken is None:
                 self.waiting.append((sub, request))
             else:

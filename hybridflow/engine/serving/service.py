@@ -75,8 +75,8 @@ class RolloutService:
         """One request: params.n samples of prompt_ids. seed: its base seed (params.seed
         when None; random when both are). keep/reuse: kept KV (module docstring; n = 1).
         stream: the handle records new tokens as they come (handle.stream()/astream()).
-        images: the prompt's engine.images.PromptImages (a vision-language model; without
-        keep/reuse). ValueError, here, for a prompt that cannot be served (empty, too long,
+        images: the prompt's engine.images.PromptImages (a vision-language model; with
+        keep/reuse, a continuation's new text extends the kept slot, images.py). ValueError, here, for a prompt that cannot be served (empty, too long,
         ids out of the vocabulary, image tokens that its images do not fill)."""
         sub, handle = self._prepare(prompt_ids, params, seed, keep, reuse, stream, images)
         self._post(lambda: self._add(sub, handle.on_error))

@@ -154,6 +154,8 @@ def generate(run: RunContext, prompts: Batch, *, n: int, temperature: float, see
     if "agent_prompts" in out.tensors:  # episodes render their own prompt (with the tools)
         rows.tensors["prompts"] = out.tensors.pop("agent_prompts")
         prompt_mask = out.tensors.pop("agent_prompt_mask")
+    if "agent_mrope_positions" in out.tensors:  # and with images, its mRoPE rows
+        rows.tensors[MROPE_POSITIONS] = out.tensors.pop("agent_mrope_positions")
     # the tokens the policy reads: all real ones (tool output too); the loss: response_mask
     response_attention = out.tensors.pop("response_attention_mask", None)
     rows = rows.union(out)
