@@ -32,6 +32,7 @@ from hybridflow.engine.choices import (
     record_engine_choices,
     recorded_choices,
 )
+from hybridflow.engine.fp8_weights import ENGINE_SCALES
 from hybridflow.engine.graphs import DecodeRunner
 from hybridflow.engine.host import cyclic_gc_paused
 from hybridflow.engine.images import ImageFeatures, check_image_call, prepare_images
@@ -187,6 +188,10 @@ class Engine:
             from hybridflow.engine.fp8 import check_fp8_engine
 
             check_fp8_engine(self.device, self.decode_backend, self.adapted)
+        # "auto" is the trainer's recipe where a trainer names one (workers/rollout.py)
+        scales = options.fp8_weight_scales
+        fp8_recipe = options.weight_format == "fp8" and scales != "auto"
+        self.fp8_weight_scales = scales if fp8_recipe else ENGINE_SCALES
         self.matmul = self.chain = self.chooser = None
         self.launch = None
         if triton_backend:
@@ -265,11 +270,13 @@ class Engine:
         self.kept.clear()  # a new cache holds nothing
         if self.decode_backend == "triton" and self.fuse_projections != "none":
             # Before the cache: a budget given as a fraction of free memory must see it used.
-            self.fused = FusedProjections(self.model, gate_up=self.fuse_projections == "all")
+            self.fused = FusedProjections(self.model, gate_up=self.fuse_projections == "all",
+                                          fold=self.fp8_weight_scales == ENGINE_SCALES)  # fmt: skip
         if self.options.weight_format == "fp8":
             from hybridflow.engine.fp8 import Fp8Matmul
 
-            self.fp8 = Fp8Matmul(self.model, self.fused)  # before the cache, like the fused
+            self.fp8 = Fp8Matmul(self.model, self.fused,  # before the cache, like the fused
+                                 weight_scales=self.fp8_weight_scales)  # fmt: skip
         # Reserve for decode sampling and prefill activations, which live outside the cache
         # (cache/workspace.py; the memory plan reserves the same).
         element = torch.empty((), dtype=self.dtype).element_size()

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow.engine.fp8_rows import E4M3, E4M3_MAX, INV_E4M3_MAX, TINY, Fp8Rows
+from hybridflow.engine.fp8_weights import ENGINE_SCALES, quantize_weight, tensor_amax_rows
 from hybridflow.engine.kernels.launch import PLAIN, Launch
 
 
@@ -90,30 +91,47 @@ class Fp8Matmul:
     rounding of both operands (up to 2^-4 of each element) already puts in a product, and
     the trainer corrects the rollout's log-probs by importance sampling either way; so it is
     on by default. The engine holds one Fp8Matmul for prefill, extend and decode: all three
-    accumulate the same way."""
+    accumulate the same way.
 
-    def __init__(self, model, fused, fast_accumulation: bool = True):
+    weight_scales: how the weights are quantized (fp8_weights.py): "engine" (amax / 448 per
+    output channel) or the FP8 trainer's recipe, "rowwise" or "tensorwise", whose bytes and
+    scales equal those of the trainer's forward (the fused copies then hold the model's
+    weights as they are: no norm weight folded in)."""
+
+    def __init__(self, model, fused, fast_accumulation: bool = True,
+                 weight_scales: str = ENGINE_SCALES):  # fmt: skip
+        if weight_scales != ENGINE_SCALES and fused is not None and fused.folded:
+            raise ValueError(f"weight_scales={weight_scales!r} quantizes the model's own "
+                             "weights: the fused copies must not fold the norm weights in")  # fmt: skip
         self.model, self.fused = model, fused
         self.fast_accumulation = fast_accumulation
+        self.weight_scales = weight_scales
         self.copies: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.refresh()
 
     def sources(self) -> list[torch.Tensor]:
         """The bf16 weights quantized: per layer q/k/v (fused or each), o_proj, gate/up (fused
         or each), down_proj."""
+        return [weight for weight, _, _ in self.sources_with_parts()]
+
+    def sources_with_parts(self) -> list[tuple[torch.Tensor, list[torch.Tensor], bool]]:
+        """(weight quantized, the model weights it is made of, whether their rows are
+        interleaved) for each of :meth:`sources` (a tensorwise scale is each part's own)."""
         fused, weights = self.fused, []
         for index, layer in enumerate(self.model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
+            qkv = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
             if fused is not None:
-                weights.append(fused.qkv_weight[index])
+                weights.append((fused.qkv_weight[index], qkv, False))
             else:
-                weights += [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
-            weights.append(attn.o_proj.weight)
+                weights += [(weight, [weight], False) for weight in qkv]
+            weights.append((attn.o_proj.weight, [attn.o_proj.weight], False))
+            gate_up = [mlp.gate_proj.weight, mlp.up_proj.weight]
             if fused is not None and fused.gate_up_weight is not None:
-                weights.append(fused.gate_up_weight[index])
+                weights.append((fused.gate_up_weight[index], gate_up, True))
             else:
-                weights += [mlp.gate_proj.weight, mlp.up_proj.weight]
-            weights.append(mlp.down_proj.weight)
+                weights += [(weight, [weight], False) for weight in gate_up]
+            weights.append((mlp.down_proj.weight, [mlp.down_proj.weight], False))
         return weights
 
     @torch.no_grad()
@@ -121,7 +139,7 @@ class Fp8Matmul:
         """Quantize the live weights into the fp8 copies (in place where one exists for the
         same tensor, so graphs that read them stay valid)."""
         copies = {}
-        for weight in self.sources():
+        for weight, parts, interleaved in self.sources_with_parts():
             key = weight.data_ptr()  # the fused copies' per-layer views are new objects each
             old = self.copies.get(key)  # time: the storage, not the view, is the identity
             if old is not None and old[0].shape == weight.shape:
@@ -129,7 +147,10 @@ class Fp8Matmul:
             else:
                 weight8 = torch.empty(weight.shape, dtype=E4M3, device=weight.device)
                 scale = torch.empty(1, weight.shape[0], dtype=torch.float32, device=weight.device)
-            quantized, row_scale = quantize_rows_reference(weight)
+            row_amax = None
+            if self.weight_scales == "tensorwise" and len(parts) > 1:
+                row_amax = tensor_amax_rows(parts, interleaved)
+            quantized, row_scale = quantize_weight(weight, self.weight_scales, row_amax)
             weight8.copy_(quantized)
             scale.copy_(row_scale.view(1, -1))
             copies[key] = (weight, weight8, scale)

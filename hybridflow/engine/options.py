@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+from hybridflow.engine.fp8_weights import WEIGHT_SCALES
+
 DECODE_BACKENDS = ("auto", "triton", "torch")
 FUSE_PROJECTIONS = ("all", "qkv", "none")
 DECODE_MATMULS = ("auto", "cublas", "triton")
@@ -92,6 +94,13 @@ class EngineOptions:
     activation scales), the rest in the model's dtype; the triton backend on a GPU with fp8
     tensor cores (sm_89+), the split decode layer. The trainer corrects for the gap
     (rollout.dtype=fp8 turns truncated importance sampling on)."""
+    fp8_weight_scales: str = "auto"
+    """weight_format="fp8": how the weights are quantized (fp8_weights.py). "engine": a scale
+    per output channel, amax / 448. "rowwise" / "tensorwise": the FP8 trainer's recipe
+    (torchao's, actor.fp8_recipe), so the rollout multiplies by the e4m3 weights and scales of
+    the trainer's forward, bit for bit (the fused copies then keep the norm weights out).
+    "auto": the actor's recipe when actor.precision=fp8 (workers/rollout.engine_options), else
+    engine."""
     fuse_projections: str = "all"
     """triton backend: "all" keeps a concatenated copy of each layer's q/k/v and interleaved
     gate/up weights with the RMSNorm weights folded in (one matmul instead of three and two;
@@ -180,6 +189,7 @@ class EngineOptions:
         one_of("decode_matmul", DECODE_MATMULS)
         one_of("decode_layer", DECODE_LAYERS)
         one_of("weight_format", WEIGHT_FORMATS)
+        one_of("fp8_weight_scales", WEIGHT_SCALES)
         one_of("service_stream", SERVICE_STREAMS)
         one_of("expert_matmul", EXPERT_MATMULS)
         if self.weight_format == "fp8" and self.decode_layer not in ("auto", "split"):

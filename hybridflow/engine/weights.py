@@ -43,9 +43,10 @@ class FusedProjections:
     them then skip their weight, and chain.py can scale rows by 1/rms in the matmul's
     epilogue. A transient copy: made when the KV cache is allocated, refreshed from the live
     parameters at every generate() (in place, so captured graphs stay valid), freed by
-    Engine.release()."""
+    Engine.release(). fold=False keeps the norm weights out (the split layer applies them).
+    """
 
-    def __init__(self, model, gate_up: bool):
+    def __init__(self, model, gate_up: bool, fold: bool = True):
         layers = model.model.layers
         attn, mlp = layers[0].self_attn, layers[0].mlp
         weight = attn.q_proj.weight
@@ -58,7 +59,9 @@ class FusedProjections:
             torch.empty(len(layers), rows, **like) if attn.q_proj.bias is not None else None
         )
         self.gate_up_weight = None
-        self.folded = gate_up  # the norm weights folded into qkv and gate/up
+        # the norm weights folded into qkv and gate/up; not when the fp8 copies must hold the
+        # model's own weights (fp8.Fp8Matmul with the trainer's scales)
+        self.folded = gate_up and fold
         if gate_up:
             inner, hidden = mlp.gate_proj.weight.shape
             self.gate_up_weight = torch.empty(len(layers), 2 * inner, hidden, **like)

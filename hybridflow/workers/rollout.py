@@ -404,13 +404,17 @@ class RolloutWorker(Worker):
 
 
 def engine_options(config: Config):
-    """rollout.engine (with rollout.dtype's weight format), its pinned choices under
-    trainer.cache_dir unless it names a directory."""
+    """rollout.engine (with rollout.dtype's weight format, and the actor's FP8 recipe as the
+    fp8 weights' scales when it trains in FP8), its pinned choices under trainer.cache_dir
+    unless it names a directory."""
     import os
 
     options = config.rollout.engine
     if config.rollout.dtype == "fp8":
         options = dataclasses.replace(options, weight_format="fp8")
+    if options.fp8_weight_scales == "auto" and config.actor.precision == "fp8":
+        # the trainer's e4m3 weights and scales, not a second quantization (engine/fp8_weights)
+        options = dataclasses.replace(options, fp8_weight_scales=config.actor.fp8_recipe)
     if options.cache_dir is None:
         options = dataclasses.replace(
             options, cache_dir=os.path.expanduser(config.trainer.cache_dir)

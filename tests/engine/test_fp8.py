@@ -74,7 +74,7 @@ def test_copies_cover_every_projection_and_refresh_in_place_from_the_live_weight
         2, 8, weight.shape[1], generator=generator
     )  # views made afresh at every refresh,
     views = Fp8Matmul(model, fused=None)  # as the fused copies' per-layer slices are
-    views.sources = lambda: [fused_like[0], fused_like[1]]
+    views.sources_with_parts = lambda: [(w, [w], False) for w in (fused_like[0], fused_like[1])]
     views.refresh()
     buffers = [copy[1] for copy in views.copies.values()]
     fused_like.mul_(3.0)
