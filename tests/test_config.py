@@ -259,6 +259,27 @@ def test_fp8_rollout_reaches_the_engine_options():
     assert engine_options(load_config(None, [])).weight_format == "model"
 
 
+def test_fp8_training_with_an_fp8_rollout_validates_and_the_rollout_takes_the_actors_recipe():
+    from hybridflow.workers.rollout import engine_options
+
+    for recipe in ("rowwise", "tensorwise"):
+        cfg = load_config(None, ["model.path=tiny", "trainer.device=cuda", "actor.precision=fp8",
+                                 f"actor.fp8_recipe={recipe}", "rollout.dtype=fp8"])  # fmt: skip
+        validate(cfg)
+        options = engine_options(cfg)
+        assert options.weight_format == "fp8" and options.fp8_weight_scales == recipe
+    chosen = load_config(None, ["actor.precision=fp8", "rollout.dtype=fp8",
+                                "rollout.engine.fp8_weight_scales=engine"])  # fmt: skip
+    assert engine_options(chosen).fp8_weight_scales == "engine"  # set by hand: kept
+    # bf16 training: the engine's own scales ("auto" resolves to them in the engine)
+    assert engine_options(load_config(None, ["rollout.dtype=fp8"])).fp8_weight_scales == "auto"
+    # the rollout's dtype does not follow actor.precision (docs/fp8-training.md says why)
+    assert engine_options(load_config(None, ["actor.precision=fp8"])).weight_format == "model"
+    with pytest.raises(ConfigError, match=r"rollout.engine.fp8_weight_scales='blockwise'"):
+        validate(load_config(None, ["rollout.dtype=fp8", "trainer.device=cuda",
+                                    "rollout.engine.fp8_weight_scales=blockwise"]))  # fmt: skip
+
+
 def test_optimizer_offload_on_several_training_ranks_names_param_offload():
     msg = _problems(
         ["trainer.backend=local", "trainer.n_gpus_per_node=2", "actor.optimizer_offload=true"]

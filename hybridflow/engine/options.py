@@ -269,4 +269,6 @@ class EngineOptions:
             "speculative_max_ngram",
             "speculative_store_tokens",
         }
+        if self.weight_format != "fp8":  # read by the fp8 matmuls only: model-dtype engines
+            skip.add("fp8_weight_scales")  # keep the choices pinned before it existed
         return {k: v for k, v in asdict(self).items() if k not in skip}

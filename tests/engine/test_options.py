@@ -43,3 +43,12 @@ def test_timing_identity_leaves_out_what_does_not_change_timing():
     )
     assert EngineOptions(decode_layer="split").timing_identity() != base
     assert EngineOptions(pdl=False).timing_identity() != base
+    # the fp8 weights' scales key fp8 engines only (model-dtype ones keep their pinned choices)
+    assert EngineOptions(fp8_weight_scales="rowwise").timing_identity() == base
+    fp8 = EngineOptions(weight_format="fp8").timing_identity()
+    assert EngineOptions(weight_format="fp8", fp8_weight_scales="rowwise").timing_identity() != fp8
+
+
+def test_an_unknown_fp8_weight_scale_is_named_with_the_recipes():
+    (problem,) = EngineOptions(fp8_weight_scales="blockwise").validate()
+    assert "fp8_weight_scales='blockwise'" in problem and "rowwise, tensorwise" in problem
