@@ -63,3 +63,27 @@ def test_the_triton_activation_quantizer_matches_the_reference():
     want, want_scale = quantize_rows_reference(x)
     assert torch.equal(scale, want_scale)  # IEEE divisions in the kernel, as in torch
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_fp8_engine_with_the_trainers_scales_quantizes_the_models_own_weights():
+    from hybridflow.engine.fp8_weights import quantize_weight
+
+    model = _model()
+    greedy = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+    expected = Engine(model, 4, 64, options=EngineOptions(decode_backend="triton")).generate(
+        PROMPTS[:2], greedy
+    )
+    for recipe in ("rowwise", "tensorwise"):
+        options = EngineOptions(decode_backend="triton", weight_format="fp8",
+                                fp8_weight_scales=recipe)  # fmt: skip
+        engine = Engine(model, 4, 64, options=options)
+        results = engine.generate(PROMPTS[:2], greedy)
+        assert not engine.fused.folded  # the split layer applies the norm weights itself
+        q_proj = model.model.layers[0].self_attn.q_proj.weight
+        _, qkv8, scale = engine.fp8.copies[engine.fused.qkv_weight[0].data_ptr()]
+        values, q_scale = quantize_weight(q_proj, recipe)
+        rows = q_proj.shape[0]
+        assert torch.equal(qkv8[:rows].view(torch.uint8), values.view(torch.uint8))
+        assert torch.equal(scale[0, :rows], q_scale[:, 0])
+        for a, b in zip(results, expected):
+            assert abs(a.logprobs[0] - b.logprobs[0]) < 0.25
