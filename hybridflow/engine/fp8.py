@@ -3,7 +3,8 @@
 Weights: each projection (the fused q/k/v and gate/up copies, o_proj, down_proj) is quantized
 per output channel (scale = the row's max |w| / 448) into an fp8 copy that lives as long as
 the KV cache and is refreshed in place from the live bf16 parameters at every weight sync, so
-captured CUDA graphs stay valid. Activations: quantized per token (row) in front of each
+captured CUDA graphs stay valid (or with the FP8 trainer's recipe, fp8_weights.py, when the
+actor trains in FP8: the trainer's e4m3 bytes and scales). Activations: quantized per token (row) in front of each
 matmul: the split layer's norms and SiLU*up write their outputs as e4m3 rows with scales
 (Fp8Rows, rowwise.py), so only the attention output takes a quantize launch of its own. The
 product: torch._scaled_mm with both scale vectors, bf16 out. The embedding, the
