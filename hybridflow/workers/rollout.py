@@ -87,7 +87,11 @@ class RolloutWorker(Worker):
         )
         self.service = None  # partial rollouts: the engine serves from its own thread
         self.in_flight: dict[int, Future] = {}  # start_generate's ticket -> its result
-        if partial:
+        if partial and self.tensor is not None:  # the group's ranks serve in lockstep
+            from hybridflow.engine.serving.lockstep import LockstepService
+
+            self.service = LockstepService(self.engine, self.tensor.service_group())
+        elif partial:
             from hybridflow.engine.serving.service import RolloutService
 
             self.service = RolloutService(self.engine)
@@ -111,11 +115,13 @@ class RolloutWorker(Worker):
         # rollout.expert_parallel_size: unset or the tensor-parallel size splits the experts
         # over the group, 1 holds every expert on every rank (validate() refuses the rest)
         split, ep = config.rollout.expert_parallel_size != 1, config.rollout.expert_parallel_size
+        # partial rollouts: the engine decodes on its service's thread while training runs
+        own = config.trainer.mode == "async" and config.trainer.partial_rollout
         if self.actor is not None:
             return TensorParallelRollout.from_actor(self.actor, size, dtype, self.device,
-                                                    config.model.path, split, ep)  # fmt: skip
+                                                    config.model.path, split, ep, own)  # fmt: skip
         return TensorParallelRollout.from_checkpoint(config.model.path, size, dtype, self.device,
-                                                     split, ep)  # fmt: skip
+                                                     split, ep, own)  # fmt: skip
 
     def _generate_episodes(self, batch: Batch, params, pad_token_id: int) -> Batch:
         """rollout.agent.loop: n multi-turn episodes per prompt row (its `raw_prompt`
@@ -251,6 +257,8 @@ class RolloutWorker(Worker):
     def _generate(self, batch: Batch) -> Batch:
         if self.tensor is None:
             return self._generate_rows(batch, self.rank)
+        if self.service is not None:  # the service runs every member's rows on each rank
+            return self._generate_rows(batch, self.rank)
         # the group's chunks together on its engine; this rank keeps its own chunk's rows
         rows, chunk, chunk_rows = self.tensor.gather_rows(batch)
         out = self._generate_rows(rows, self.rank // self.tensor.size)
@@ -368,8 +376,15 @@ class RolloutWorker(Worker):
                 "placement the controller calls load_weights(actor.full_weights())"
             )
         if self.tensor is not None:  # the reshard: training shards into the engine's
-            self.tensor.sync(self.actor)
-            self.engine.new_policy_version(version)
+            if self.service is None:
+                self.tensor.sync(self.actor)
+                self.engine.new_policy_version(version)
+                return
+            self.service.pause()  # between two decode steps of the requests in flight
+            try:
+                self.tensor.sync(self.actor)
+            finally:
+                self.service.resume(weights_changed=True, version=version)
             return
         self._load(self.actor.learner.hf_weights(dtype=self.engine.dtype), version)
 

@@ -85,7 +85,7 @@ class TensorParallelRollout:
 
     def __init__(self, architecture, tensor_parallel_size: int, dtype: torch.dtype,
                  device: str, actor=None, split_experts: bool = True,
-                 expert_parallel_size: int | None = None):  # fmt: skip
+                 expert_parallel_size: int | None = None, own_group: bool = False):  # fmt: skip
         from hybridflow.engine.expert_spread import expert_parallel_model
         from hybridflow.engine.tensor_parallel import tensor_parallel_model
         from hybridflow.parallel.layout import build_mesh, rollout_layout
@@ -96,6 +96,8 @@ class TensorParallelRollout:
         self.layout = rollout_layout(world, tp=tensor_parallel_size, ep=ep if self.spread else 1)
         mesh = build_mesh(self.layout, "cuda" if str(device).startswith("cuda") else "cpu")
         self.group = mesh.group("tp")
+        if own_group:  # a rollout service decodes while the actor's collectives run
+            self.group = _subgroup(self.layout, None)
         self.size, self.rank_in_group = tensor_parallel_size, mesh.rank_in("tp")
         self.architecture = architecture
         self.split_experts = split_experts and architecture.is_moe
@@ -113,18 +115,22 @@ class TensorParallelRollout:
 
     @classmethod
     def from_actor(cls, actor, size: int, dtype: torch.dtype, device: str, path: str,
-                   split_experts: bool = True, expert_parallel_size: int | None = None):  # fmt: skip
-        """Its shard of the colocated actor's model, resharded from the actor's shards."""
+                   split_experts: bool = True, expert_parallel_size: int | None = None,
+                   own_group: bool = False):  # fmt: skip
+        """Its shard of the colocated actor's model, resharded from the actor's shards.
+        own_group: the engine talks over a group of its own (the mesh's may be the default
+        group, which the actor's collectives use from another thread)."""
         _check_native(actor.model, size, path)
         tensor = cls(actor.model.config, size, dtype, device, actor, split_experts,
-                     expert_parallel_size)  # fmt: skip
+                     expert_parallel_size, own_group)  # fmt: skip
         tensor.sync(actor)
         tensor.copy_buffers(actor.model.named_buffers())
         return tensor
 
     @classmethod
     def from_checkpoint(cls, path: str, size: int, dtype: torch.dtype, device: str,
-                        split_experts: bool = True, expert_parallel_size: int | None = None):  # fmt: skip
+                        split_experts: bool = True, expert_parallel_size: int | None = None,
+                        own_group: bool = False):  # fmt: skip
         """Its shard of the model at ``path`` (split placement): a checkpoint directory is
         read one tensor at a time, each sliced, so no whole model is ever on the host; a
         preset is built whole once (its random weights are made whole)."""
@@ -135,7 +141,7 @@ class TensorParallelRollout:
             whole = load_causal_lm(path, dtype, "cpu")
             _check_native(whole, size, path)
             tensor = cls(whole.config, size, dtype, device, split_experts=split_experts,
-                         expert_parallel_size=expert_parallel_size)  # fmt: skip
+                         expert_parallel_size=expert_parallel_size, own_group=own_group)  # fmt: skip
             tensor.copy_in(whole.state_dict().items())
             return tensor
         from hybridflow.models import native_support_problem
@@ -150,7 +156,8 @@ class TensorParallelRollout:
         if problem is not None:
             raise ValueError(_fallback_refusal(size, path, problem))
         tensor = cls(ModelArchitecture.from_hf(config), size, dtype, device,
-                     split_experts=split_experts, expert_parallel_size=expert_parallel_size)  # fmt: skip
+                     split_experts=split_experts, expert_parallel_size=expert_parallel_size,
+                     own_group=own_group)  # fmt: skip
         tensor.copy_in(iter_checkpoint_tensors(path), path)
         return tensor
 
@@ -234,6 +241,13 @@ class TensorParallelRollout:
         names = dict(self.model.named_parameters())
         return self.resharder.run(*training_sources(actor.model, names))
 
+    def service_group(self):
+        """A gloo group of this rank's tensor-parallel group for its LockstepService's thread
+        alone (engine/serving/lockstep.py): its rounds never interleave with the decode's
+        all-reduces or the calls' collectives. Every rank calls this (the groups are made
+        collectively)."""
+        return _subgroup(self.layout, "gloo")
+
     def local_slice(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         """(name, this rank's slice) of a whole in-memory tensor (split placement's weights;
         packed experts: this rank's experts)."""
@@ -269,3 +283,11 @@ class TensorParallelRollout:
         merged = Batch.concat([Batch(dict(t)) for t, _, _ in chunks])
         merged.meta = dict(chunks[0][1])
         return merged, self.rank_in_group, len(batch)
+
+
+def _subgroup(layout, backend: str | None):
+    """A new process group of this rank's tensor-parallel group (every rank calls this)."""
+    from hybridflow.parallel.layout import group_ranks
+
+    mine, _ = dist.new_subgroups_by_enumeration(group_ranks(layout, "tp"), backend=backend)
+    return mine

@@ -52,15 +52,34 @@ def test_a_tensor_parallel_rollout_is_accepted_and_what_it_does_not_run_yet_refu
     """engine/tensor_parallel.py and engine/reshard.py; verl's key translates to it."""
     derived = validate(load_config(None, [*FOUR_CPUS, "rollout.tensor_parallel_size=2"]))
     assert (derived.layouts.rollout.tp, derived.rollout_dp_size) == (2, 2)
-    problems = _problems([*FOUR_CPUS, "rollout.tensor_parallel_size=2", "trainer.mode=async",
-                          "trainer.partial_rollout=true", "rollout.engine.decode_backend=triton"])  # fmt: skip
+    partial = [*FOUR_CPUS, "rollout.tensor_parallel_size=2", "trainer.mode=async",
+               "trainer.partial_rollout=true"]  # fmt: skip
+    validate(load_config(None, partial))  # its ranks serve in lockstep (serving/lockstep.py)
+    problems = _problems([*partial, "rollout.engine.decode_backend=triton"])
     assert problems == [
-        "rollout.tensor_parallel_size = 2 with trainer.partial_rollout: not yet supported (the "
-        "rollout service admits requests as they come, at times that differ by rank); set "
-        "rollout.tensor_parallel_size=1",
         "rollout.tensor_parallel_size = 2 with rollout.engine.decode_backend = triton: not yet "
         "supported (the fused decode layers have no all-reduce yet); set "
         "rollout.tensor_parallel_size=1",
+    ]
+    agents = _problems(
+        [
+            *FOUR_CPUS,
+            "rollout.tensor_parallel_size=2",
+            "rollout.agent.loop=tools",
+            "rollout.agent.tools=[calculator]",
+        ]
+    )
+    assert agents == [
+        "rollout.tensor_parallel_size = 2 with rollout.agent.loop = tools: not yet supported "
+        "(agent episodes take turns at their own pace on each rank); set "
+        "rollout.tensor_parallel_size=1",
+    ]
+    # experts over several replicas still move in rounds of the expert group
+    spread = _problems([*partial, "model.path=tiny-moe", "rollout.expert_parallel_size=4"])
+    assert spread == [
+        "rollout.expert_parallel_size = 4 (experts over several replicas) with "
+        "trainer.partial_rollout: not yet supported (the rollout service admits requests as "
+        "they come, at times that differ by replica); set rollout.expert_parallel_size=2"
     ]
 
 

@@ -160,3 +160,20 @@ def test_deepseek_v3_with_experts_over_rollout_replicas_logs_data_parallel(tmp_p
     for step, want in plain.items():
         _assert_same(want, wide[step], step)
         assert _samples(tmp_path / "dp", step) == _samples(tmp_path / "wide", step)
+
+
+@pytest.mark.slow
+def test_partial_rollouts_in_async_mode_with_a_tensor_parallel_rollout_log_data_parallel(
+    tmp_path,
+):
+    """trainer.mode=async with partial rollouts: the rollout runs as a service, its two
+    ranks in lockstep (engine/serving/lockstep.py) with the weights resharded into it
+    between two decode steps; it logs the metrics and samples the tokens of the same run
+    with a data-parallel rollout."""
+    partial = ("trainer.mode=async", "trainer.partial_rollout=true", "trainer.total_steps=3")
+    plain = _train(tmp_path / "dp", *PLAIN, *partial)
+    layout = _train(tmp_path / "layout", VERL + "rollout.tensor_model_parallel_size=2", *partial)
+    assert plain.keys() == layout.keys() == {1, 2, 3}
+    for step, want in plain.items():
+        _assert_same(want, layout[step], step)
+        assert _samples(tmp_path / "dp", step) == _samples(tmp_path / "layout", step)
