@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
 from hybridflow.errors import UserError, report
@@ -344,7 +345,17 @@ def command_parser(parser: argparse.ArgumentParser, args) -> argparse.ArgumentPa
         parser = chosen
 
 
+def quiet_import_warnings() -> None:
+    """transformers imports torchao (the fp8 extra) whenever it is installed, in every run;
+    on a torch it was not built for, torchao's import logs that its C++ kernels did not load
+    (the float8 training path is Python) and torch's pytree logs a deprecation for its enums.
+    Neither says anything about this run, and they would bury its first lines."""
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
+    quiet_import_warnings()
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown and isinstance(getattr(args, "overrides", None), list):

@@ -75,7 +75,8 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--speculative", default=None, choices=["ngram"],
                    help="also run the engine with this speculative decoding method and print "
-                   "both (bench/speculative.py; each timed call then samples a seed of its own)")  # fmt: skip
+                   "both (bench/speculative.py; each timed call then samples a seed of its own; "
+                   "default: off)")  # fmt: skip
     p.add_argument("--json", default=None,
                    help="also write the results to this file (default: print only)")  # fmt: skip
 
