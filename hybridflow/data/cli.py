@@ -122,12 +122,31 @@ def _check_images(path: str, image_key: str, known, prompt_key: str) -> str:
             f"{dict(counts)}")  # fmt: skip
 
 
+def out_dir_problem(out: str) -> str | None:
+    """Why ``--out`` cannot be made a directory (it, or a folder above it, is a file);
+    None when it can."""
+    from pathlib import Path
+
+    path = Path(out).expanduser()
+    for existing in (path, *path.parents):
+        if existing.exists():
+            if existing.is_dir():
+                return None
+            return (f"--out {out}: {existing} is a file, not a directory: give a directory "
+                    "to write the files to")  # fmt: skip
+    return None
+
+
 def _run(handler):
     """Turn data errors into one readable line and exit code 2 instead of a traceback."""
 
     def run(args) -> int:
         from hybridflow.data.schema import DataSchemaError
 
+        problem = out_dir_problem(args.out) if getattr(args, "out", None) else None
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
         try:
             return handler(args)
         except (DataSchemaError, RuntimeError, ValueError) as error:
