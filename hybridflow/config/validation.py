@@ -19,6 +19,7 @@ from hybridflow.config.parallel_checks import check_layouts, roles_in_use
 from hybridflow.config.precision_checks import precision_problems
 from hybridflow.config.reward_checks import reward_part_problems
 from hybridflow.config.sections import GROUP_ESTIMATORS, Config, ConfigError, Derived
+from hybridflow.config.sft_checks import sft_problems
 from hybridflow.model_config_values import directory_config_problems
 from hybridflow.parallel.roles import RoleLayouts, sizes_of
 
@@ -315,6 +316,8 @@ def validate(cfg: Config, *, gpus_available: int | None = None, planning: bool =
     _check_router(cfg, add)
     _check_images(cfg, add)
     problems += precision_problems(cfg, use_critic=use_critic)
+    if cfg.model.path.startswith("sft:"):  # the warm start trains with the sft section
+        problems += sft_problems(cfg.sft)
     if alg.dynamic_sampling and alg.adv_estimator not in GROUP_ESTIMATORS:
         add(
             f"algorithm.dynamic_sampling filters groups but algorithm.adv_estimator = {alg.adv_estimator} "
