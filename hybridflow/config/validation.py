@@ -425,6 +425,7 @@ def _check_images(cfg: Config, add) -> None:
             f"{cfg.model.path!r} is a text-only model (no vision encoder hybridflow runs): use "
             "a Qwen2.5-VL model (e.g. the tiny-vl preset), or drop data.image_key")  # fmt: skip
     if image_key(cfg) is None:
+        _check_image_tasks_need_images(cfg, add)
         return
     # what prompts with images do not run through yet (docs/engine.md, Prompts with images)
     unsupported = {
@@ -443,6 +444,21 @@ def _check_images(cfg: Config, add) -> None:
         if on:
             add(f"{name} = {_value(cfg, name)!r} does not run prompts with images yet (a "
                 "vision-language model reads data.image_key): leave it at its default")  # fmt: skip
+
+
+def _check_image_tasks_need_images(cfg: Config, add) -> None:
+    """A built-in task of pictures given to a text-only model would train on its questions
+    without the pictures they ask about."""
+    from hybridflow.data.builtin import BUILTIN_PREFIX, IMAGE_TASKS
+
+    for key in ("data.train_files", "data.val_files"):
+        for entry in _value(cfg, key) or ():
+            task = entry[len(BUILTIN_PREFIX) :] if str(entry).startswith(BUILTIN_PREFIX) else None
+            if task in IMAGE_TASKS:
+                add(f"{key} has {entry}, whose prompts are pictures, but model.path = "
+                    f"{cfg.model.path!r} is a text-only model: use a vision-language model "
+                    "(model.path=sft:shapes, the tiny-vl warm start, as examples/vision.yaml "
+                    "does), or a text task")  # fmt: skip
 
 
 def _value(cfg: Config, dotted: str):
