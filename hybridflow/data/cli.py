@@ -123,17 +123,20 @@ def _check_images(path: str, image_key: str, known, prompt_key: str) -> str:
 
 
 def out_dir_problem(out: str) -> str | None:
-    """Why ``--out`` cannot be made a directory (it, or a folder above it, is a file);
-    None when it can."""
+    """Make the ``--out`` directory; why it cannot be made (it, or a folder above it, is a
+    file; the file system refuses), or None when it is there."""
     from pathlib import Path
 
     path = Path(out).expanduser()
-    for existing in (path, *path.parents):
-        if existing.exists():
-            if existing.is_dir():
-                return None
-            return (f"--out {out}: {existing} is a file, not a directory: give a directory "
-                    "to write the files to")  # fmt: skip
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        return (f"--out {out}: {existing} is a file, not a directory: give a directory to "
+                "write the files to")  # fmt: skip
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        return (f"--out {out}: the directory cannot be made ({error.strerror or error}): give "
+                "a directory you can write to")  # fmt: skip
     return None
 
 

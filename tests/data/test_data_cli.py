@@ -85,3 +85,9 @@ def test_out_that_is_a_file_is_named_before_any_work(tmp_path, capsys, action, b
     err = capsys.readouterr().err
     assert f"--out {out}: {taken} is a file, not a directory" in err
     assert taken.read_text() == "a file"
+
+
+def test_out_the_file_system_refuses_is_named(tmp_path, capsys):
+    out = "/proc/hybridflow-out"  # procfs makes no directories, even for root
+    assert main(["arithmetic", "--out", out]) == 2
+    assert f"--out {out}: the directory cannot be made" in capsys.readouterr().err
