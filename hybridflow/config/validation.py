@@ -11,6 +11,7 @@ from hybridflow.config.model_facts import (
     image_key,
     model_context_length,
     model_has_experts,
+    model_has_recurrent_layers,
     model_paths,
     model_reads_images,
     trained_model,
@@ -315,6 +316,11 @@ def validate(cfg: Config, *, gpus_available: int | None = None, planning: bool =
         add(f"actor.clip_ratio_c = {a.clip_ratio_c} must be > 1 (dual clip; 3.0 is standard)")
     _check_router(cfg, add)
     _check_images(cfg, add)
+    speculative = cfg.rollout.engine.speculative
+    if speculative != "off" and model_has_recurrent_layers(trained_model(cfg)):
+        add(f"rollout.engine.speculative = {speculative!r}: the model "
+            f"{trained_model(cfg)!r} has recurrent layers (Gated DeltaNet), whose state cannot "
+            "be rolled back past rejected drafts: set rollout.engine.speculative=off")  # fmt: skip
     problems += precision_problems(cfg, use_critic=use_critic)
     if cfg.model.path.startswith("sft:"):  # the warm start trains with the sft section
         problems += sft_problems(cfg.sft)
