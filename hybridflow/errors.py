@@ -116,6 +116,27 @@ def _is_oom(text: str) -> bool:
     return text.startswith("OutOfMemoryError") or "CUDA out of memory" in text
 
 
+HOST_OOM = "DefaultCPUAllocator: can't allocate memory"
+"""How torch reports a host allocation the system refused (too large for its memory)."""
+
+
+def format_host_oom(message: str, *, stage: str | None = None, rank: int | None = None) -> str:
+    """One paragraph for a refused host allocation: where, its size (from torch's text
+    ``message``), and what to change (on CPU the rollout cache and the batches live here)."""
+    import re
+
+    where = " ".join(part for part in (f"in {stage}" if stage else "",
+                                       f"on rank {rank}" if rank is not None else "") if part)  # fmt: skip
+    size = re.search(r"allocate (\d+) bytes", message)
+    tried = f": tried to allocate {int(size.group(1)) / 2**30:,.1f} GiB" if size else ""
+    return (
+        f"out of host memory{' ' + where if where else ''}{tried}. To fit, lower "
+        "rollout.max_num_seqs (a CPU rollout's cache holds that many sequences), "
+        "data.max_prompt_length + data.max_response_length, data.train_batch_size or "
+        "actor.micro_batch_size_per_gpu; `hybridflow config plan` shows each item's memory"
+    )
+
+
 def as_user_error(error: BaseException) -> UserError | None:
     """The :class:`UserError` ``error`` is or stands for; None when it is a bug."""
     for cause in causes(error):
@@ -126,6 +147,8 @@ def as_user_error(error: BaseException) -> UserError | None:
                              f"rank {cause.rank}, in {cause.method})")  # fmt: skip
         if hasattr(cause, "method") and _is_oom(str(getattr(cause, "error", ""))):  # a worker's
             return UserError(format_oom(cause.error, stage=cause.method, rank=cause.rank))
+        if hasattr(cause, "method") and HOST_OOM in str(getattr(cause, "error", "")):
+            return UserError(format_host_oom(cause.error, stage=cause.method, rank=cause.rank))
     if is_disk_full(error):
         path = next((c.filename for c in causes(error) if getattr(c, "filename", None)), None)
         return UserError(
@@ -140,6 +163,8 @@ def as_user_error(error: BaseException) -> UserError | None:
             )
         if type(cause).__name__ == "OutOfMemoryError" or _is_oom(str(cause)):  # in this process
             return UserError(format_oom(str(cause)))
+        if HOST_OOM in str(cause):
+            return UserError(format_host_oom(str(cause)))
     return None
 
 

@@ -118,6 +118,7 @@ def config_value_problems(config: dict[str, Any]) -> list[str]:
         problems.append(f"topk_group = {sizes['topk_group']} must be at most n_group = "
                         f"{sizes['n_group']} (the expert groups a token may be routed to)")  # fmt: skip
     problems += _head_problems(sizes, native)
+    problems += _layout_problems(config, sizes)
     for key in EPSILON_KEYS:
         problems += _positive_number_problems(key, config.get(key))
     problems += _rope_problems(config)
@@ -193,6 +194,50 @@ def _head_problems(sizes: dict[str, int], native: bool) -> list[str]:
         return [f"head_dim = {head_dim} must be even (rotary embeddings turn pairs of "
                 f"dimensions){'' if 'head_dim' in sizes else ' (hidden_size / num_attention_heads)'}"]  # fmt: skip
     return []
+
+
+WINDOWED_LAYER = "sliding_attention"
+
+
+def _layout_problems(config: dict[str, Any], sizes: dict[str, int]) -> list[str]:
+    """Values that must agree with each other: one layer_types entry per layer, a window
+    for windowed layers, Gated DeltaNet value heads in groups of the key heads, experts that
+    split into the routing groups (n_group) with enough of them for the top-k."""
+    problems = []
+    layer_types, layers = config.get("layer_types"), sizes.get("num_hidden_layers")
+    if layer_types is not None and not (
+        isinstance(layer_types, list) and all(isinstance(kind, str) for kind in layer_types)
+    ):
+        problems.append(f"layer_types = {_shown(layer_types)} must be a list of layer kinds "
+                        "(e.g. \"full_attention\"), one per layer")  # fmt: skip
+    elif layer_types is not None and layers is not None and len(layer_types) != layers:
+        problems.append(f"layer_types names {len(layer_types)} layers, num_hidden_layers = "
+                        f"{layers}: give one entry per layer")  # fmt: skip
+    window = config.get("sliding_window")
+    problem = _whole_number_problem("sliding_window", window, 0)
+    if problem:
+        problems.append(problem)
+    elif window == 0 and isinstance(layer_types, list) and WINDOWED_LAYER in layer_types:
+        problems.append(f"sliding_window = 0, but layer_types has {WINDOWED_LAYER} layers: "
+                        "their window must be >= 1 token")  # fmt: skip
+    key_heads, value_heads = sizes.get("linear_num_key_heads"), sizes.get("linear_num_value_heads")
+    if key_heads and value_heads and value_heads % key_heads:
+        problems.append(f"linear_num_value_heads = {value_heads} must be a multiple of "
+                        f"linear_num_key_heads = {key_heads} (each key head serves a group of "
+                        "value heads)")  # fmt: skip
+    experts, groups = sizes.get("n_routed_experts"), sizes.get("n_group")
+    if experts and groups and experts % groups:
+        problems.append(f"n_routed_experts = {experts} must split evenly into n_group = "
+                        f"{groups} groups of experts")  # fmt: skip
+    elif experts and groups and sizes.get("topk_group") and sizes.get("num_experts_per_tok"):
+        reachable = sizes["topk_group"] * (experts // groups)
+        if sizes["num_experts_per_tok"] > reachable:
+            problems.append(f"num_experts_per_tok = {sizes['num_experts_per_tok']} exceeds the "
+                            f"{reachable} experts of topk_group = {sizes['topk_group']} groups "
+                            f"(of {experts // groups} experts each) a token is routed within")  # fmt: skip
+    return problems + _positive_number_problems(
+        "routed_scaling_factor", config.get("routed_scaling_factor")
+    )
 
 
 def _positive_number_problems(key: str, value: Any) -> list[str]:

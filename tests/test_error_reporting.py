@@ -76,3 +76,23 @@ def test_a_user_error_raised_in_a_worker_is_shown_alone():
     text, status = report(error, debug=False)
     assert status == 2 and "Traceback" not in text
     assert "x/model.safetensors is truncated" in text and "rank 0" in text
+
+
+HOST_OOM_TEXT = (
+    "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+    "you tried to allocate 819200008192 bytes. Error code 12 (Cannot allocate memory)"
+)
+
+
+def test_a_refused_host_allocation_is_a_user_error_naming_its_size_and_the_knobs():
+    text, status = report(RuntimeError(HOST_OOM_TEXT), debug=False)
+    assert status == 2 and "Traceback" not in text and "bug" not in text
+    assert "out of host memory: tried to allocate 762.9 GiB" in text
+    assert "rollout.max_num_seqs" in text
+
+
+def test_a_refused_host_allocation_in_a_worker_names_its_method_and_rank():
+    error = WorkerError("fused", "rollout", 1, "rollout.generate", f"RuntimeError: {HOST_OOM_TEXT}")
+    text, status = report(error, debug=False)
+    assert status == 2 and "Traceback" not in text
+    assert "out of host memory in rollout.generate on rank 1: tried to allocate 762.9 GiB" in text

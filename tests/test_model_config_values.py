@@ -122,3 +122,42 @@ def test_a_bad_vision_encoder_size_is_named_with_its_key(nested):
         "vision_config.num_heads = 0 must be a whole number >= 1"
     ]
     assert config_value_problems({**config, "vision_config": VISION}) == []
+
+
+DEEPSEEK = PRESETS["tiny-deepseek-v3"].to_hf()  # 8 routed experts in n_group = 4, top-2
+GPT_OSS = PRESETS["tiny-gpt-oss"].to_hf()  # 2 layers: sliding, full; sliding_window 8
+HYBRID = PRESETS["tiny-hybrid"].to_hf()  # Qwen3.5: 4 layers, 2 key heads, 4 value heads
+
+MISMATCHED_VALUES = [
+    # (config, changes, the key named, words of the rule)
+    (GPT_OSS, {"layer_types": ["sliding_attention"]}, "layer_types names 1 layers",
+     "num_hidden_layers = 2"),
+    (HYBRID, {"layer_types": ["linear_attention"] * 5}, "layer_types names 5 layers",
+     "num_hidden_layers = 4"),
+    (HYBRID, {"layer_types": "linear_attention"}, 'layer_types = "linear_attention"', "a list"),
+    (GPT_OSS, {"sliding_window": 0}, "sliding_window = 0", "window must be >= 1"),
+    (GPT_OSS, {"sliding_window": -4}, "sliding_window = -4", ">= 0"),
+    (HYBRID, {"linear_num_value_heads": 3}, "linear_num_value_heads = 3",
+     "multiple of linear_num_key_heads = 2"),
+    (DEEPSEEK, {"n_group": 3, "topk_group": 2}, "n_routed_experts = 8",
+     "split evenly into n_group = 3"),
+    (DEEPSEEK, {"num_experts_per_tok": 6, "topk_group": 2}, "num_experts_per_tok = 6",
+     "exceeds the 4 experts of topk_group = 2"),
+    (DEEPSEEK, {"routed_scaling_factor": math.nan}, "routed_scaling_factor = nan",
+     "finite number > 0"),
+    (DEEPSEEK, {"routed_scaling_factor": 0}, "routed_scaling_factor = 0", "finite number > 0"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("config, changes, key, rule", MISMATCHED_VALUES,
+                         ids=[f"{c['model_type']}-{json.dumps(ch)}"
+                              for c, ch, _, _ in MISMATCHED_VALUES])  # fmt: skip
+def test_values_that_disagree_with_each_other_are_named(config, changes, key, rule):
+    (problem,) = config_value_problems({**config, **changes})
+    assert problem.startswith(key) and rule in problem
+
+
+def test_a_window_larger_than_the_context_or_null_is_fine():
+    assert config_value_problems({**GPT_OSS, "sliding_window": 10**6}) == []
+    assert config_value_problems({**MIXTRAL, "sliding_window": None}) == []
+    assert config_value_problems({**MIXTRAL, "sliding_window": 0}) == []  # no windowed layers

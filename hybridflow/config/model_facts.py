@@ -49,6 +49,34 @@ def model_has_experts(path: str) -> bool | None:
     return PRESETS[path].is_moe if path in PRESETS else None
 
 
+RECURRENT_LAYER_TYPE = "linear_attention"
+"""config.json's layer_types name of a Gated DeltaNet layer (a recurrent state a sequence)."""
+RECURRENT_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+"""Families whose layers default to Gated DeltaNet ones when config.json lists none."""
+
+
+def model_has_recurrent_layers(path: str) -> bool | None:
+    """Whether the model at ``path`` (a preset or a directory) has recurrent layers (Gated
+    DeltaNet), read without loading weights; None if unknown."""
+    import json
+
+    p = Path(path).expanduser()
+    if (p / "config.json").is_file():
+        try:
+            hf = json.loads((p / "config.json").read_text())
+            hf = hf.get("text_config") or hf
+            if hf.get("layer_types"):
+                return RECURRENT_LAYER_TYPE in hf["layer_types"]
+            return hf.get("model_type") in RECURRENT_MODEL_TYPES
+        except (ValueError, TypeError, AttributeError, RecursionError, OSError):
+            return None  # an unreadable config.json is reported by the model checks
+    from hybridflow.models.presets import PRESETS
+
+    if path not in PRESETS:
+        return None
+    return any(spec.recurrent for spec in PRESETS[path].layer_specs())
+
+
 def model_reads_images(path: str) -> bool | None:
     """Whether the model at ``path`` (a preset or a directory) runs a vision encoder on
     prompts with images, read without loading weights; None if unknown."""

@@ -11,6 +11,7 @@ from hybridflow.config.model_facts import (
     image_key,
     model_context_length,
     model_has_experts,
+    model_has_recurrent_layers,
     model_paths,
     model_reads_images,
     trained_model,
@@ -19,6 +20,7 @@ from hybridflow.config.parallel_checks import check_layouts, roles_in_use
 from hybridflow.config.precision_checks import precision_problems
 from hybridflow.config.reward_checks import reward_part_problems
 from hybridflow.config.sections import GROUP_ESTIMATORS, Config, ConfigError, Derived
+from hybridflow.config.sft_checks import sft_problems
 from hybridflow.model_config_values import directory_config_problems
 from hybridflow.parallel.roles import RoleLayouts, sizes_of
 
@@ -314,7 +316,14 @@ def validate(cfg: Config, *, gpus_available: int | None = None, planning: bool =
         add(f"actor.clip_ratio_c = {a.clip_ratio_c} must be > 1 (dual clip; 3.0 is standard)")
     _check_router(cfg, add)
     _check_images(cfg, add)
+    speculative = cfg.rollout.engine.speculative
+    if speculative != "off" and model_has_recurrent_layers(trained_model(cfg)):
+        add(f"rollout.engine.speculative = {speculative!r}: the model "
+            f"{trained_model(cfg)!r} has recurrent layers (Gated DeltaNet), whose state cannot "
+            "be rolled back past rejected drafts: set rollout.engine.speculative=off")  # fmt: skip
     problems += precision_problems(cfg, use_critic=use_critic)
+    if cfg.model.path.startswith("sft:"):  # the warm start trains with the sft section
+        problems += sft_problems(cfg.sft)
     if alg.dynamic_sampling and alg.adv_estimator not in GROUP_ESTIMATORS:
         add(
             f"algorithm.dynamic_sampling filters groups but algorithm.adv_estimator = {alg.adv_estimator} "
@@ -422,6 +431,7 @@ def _check_images(cfg: Config, add) -> None:
             f"{cfg.model.path!r} is a text-only model (no vision encoder hybridflow runs): use "
             "a Qwen2.5-VL model (e.g. the tiny-vl preset), or drop data.image_key")  # fmt: skip
     if image_key(cfg) is None:
+        _check_image_tasks_need_images(cfg, add)
         return
     # what prompts with images do not run through yet (docs/engine.md, Prompts with images)
     unsupported = {
@@ -440,6 +450,21 @@ def _check_images(cfg: Config, add) -> None:
         if on:
             add(f"{name} = {_value(cfg, name)!r} does not run prompts with images yet (a "
                 "vision-language model reads data.image_key): leave it at its default")  # fmt: skip
+
+
+def _check_image_tasks_need_images(cfg: Config, add) -> None:
+    """A built-in task of pictures given to a text-only model would train on its questions
+    without the pictures they ask about."""
+    from hybridflow.data.builtin import BUILTIN_PREFIX, IMAGE_TASKS
+
+    for key in ("data.train_files", "data.val_files"):
+        for entry in _value(cfg, key) or ():
+            task = entry[len(BUILTIN_PREFIX) :] if str(entry).startswith(BUILTIN_PREFIX) else None
+            if task in IMAGE_TASKS:
+                add(f"{key} has {entry}, whose prompts are pictures, but model.path = "
+                    f"{cfg.model.path!r} is a text-only model: use a vision-language model "
+                    "(model.path=sft:shapes, the tiny-vl warm start, as examples/vision.yaml "
+                    "does), or a text task")  # fmt: skip
 
 
 def _value(cfg: Config, dotted: str):

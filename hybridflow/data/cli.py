@@ -122,12 +122,34 @@ def _check_images(path: str, image_key: str, known, prompt_key: str) -> str:
             f"{dict(counts)}")  # fmt: skip
 
 
+def out_dir_problem(out: str) -> str | None:
+    """Make the ``--out`` directory; why it cannot be made (it, or a folder above it, is a
+    file; the file system refuses), or None when it is there."""
+    from pathlib import Path
+
+    path = Path(out).expanduser()
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        return (f"--out {out}: {existing} is a file, not a directory: give a directory to "
+                "write the files to")  # fmt: skip
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        return (f"--out {out}: the directory cannot be made ({error.strerror or error}): give "
+                "a directory you can write to")  # fmt: skip
+    return None
+
+
 def _run(handler):
     """Turn data errors into one readable line and exit code 2 instead of a traceback."""
 
     def run(args) -> int:
         from hybridflow.data.schema import DataSchemaError
 
+        problem = out_dir_problem(args.out) if getattr(args, "out", None) else None
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
         try:
             return handler(args)
         except (DataSchemaError, RuntimeError, ValueError) as error:

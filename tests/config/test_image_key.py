@@ -42,3 +42,12 @@ def test_the_tool_loop_runs_prompts_with_images_and_an_agent_program_is_refused(
     with pytest.raises(ConfigError, match=r"rollout.agent.loop = 'openai' .* prompts with images"):
         validate(_config("model.path=tiny-vl", "rollout.agent.loop=openai",
                          "rollout.agent.program=agent.py:run"))  # fmt: skip
+
+
+def test_a_picture_task_for_a_text_only_model_is_refused_naming_the_files_key():
+    with pytest.raises(ConfigError) as error:
+        validate(_config("model.path=tiny"))
+    text = str(error.value)
+    assert "data.train_files has builtin:shapes, whose prompts are pictures" in text
+    assert "data.val_files has builtin:shapes" in text and "model.path=sft:shapes" in text
+    validate(load_config(None, ["model.path=tiny"]))  # the text tasks stay as they were

@@ -72,3 +72,22 @@ def test_check_names_an_unknown_builtin_task(capsys):
     assert hybridflow(["data", "check", "builtin:algebra"]) == 2
     err = capsys.readouterr().err
     assert "unknown built-in task 'algebra'" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("action", ["arithmetic", "countdown", "geo3k"])
+@pytest.mark.parametrize("below", [False, True])
+def test_out_that_is_a_file_is_named_before_any_work(tmp_path, capsys, action, below):
+    taken = tmp_path / "taken"
+    taken.write_text("a file")
+    out = taken / "sub" if below else taken
+    extra = ["--input", str(tmp_path / "in.parquet")] if action == "geo3k" else []
+    assert main([action, "--out", str(out), *extra]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}: {taken} is a file, not a directory" in err
+    assert taken.read_text() == "a file"
+
+
+def test_out_the_file_system_refuses_is_named(tmp_path, capsys):
+    out = "/proc/hybridflow-out"  # procfs makes no directories, even for root
+    assert main(["arithmetic", "--out", out]) == 2
+    assert f"--out {out}: the directory cannot be made" in capsys.readouterr().err

@@ -133,7 +133,7 @@ def test_value_heads_must_group_over_key_heads():
     hf = {"model_type": "qwen3_5_text", "vocab_size": 96, "hidden_size": 32,
           "intermediate_size": 48, "num_hidden_layers": 4, "num_attention_heads": 4,
           "head_dim": 16, "linear_num_key_heads": 3, "linear_num_value_heads": 4}  # fmt: skip
-    with pytest.raises(ValueError, match="linear_num_value_heads=4 must be a multiple"):
+    with pytest.raises(ValueError, match="linear_num_value_heads = 4 must be a multiple"):
         ModelArchitecture.from_hf(hf)
 
 

@@ -184,6 +184,7 @@ def load_sft_examples(
 def sft_main(cfg: Config) -> Path:
     """``hybridflow sft``: fine-tune ``model.path`` (or a fresh ``sft.preset`` model when the
     path is ``sft:<task>``) on ``sft.train_files``; writes checkpoints and ``<out>/hf``."""
+    from hybridflow.config.sft_checks import sft_problems
     from hybridflow.model_config_values import directory_config_problems
     from hybridflow.trainer.lifecycle.machine import machine_problems
     from hybridflow.trainer.lifecycle.run_lock import hold_run_dir
@@ -191,7 +192,7 @@ def sft_main(cfg: Config) -> Path:
 
     sft_cfg = cfg.sft
     out = Path(sft_cfg.out_dir or Path(cfg.trainer.run_dir) / "sft")
-    problems = machine_problems(cfg, str(out))
+    problems = sft_problems(cfg.sft) + machine_problems(cfg, str(out))
     if not cfg.model.path.startswith("sft:"):  # before the tokenizer reads config.json
         problems += [f"model.path: {p}" for p in directory_config_problems(cfg.model.path)]
     if problems:

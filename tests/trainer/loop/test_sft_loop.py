@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from hybridflow.config import load_config
@@ -229,3 +230,13 @@ def test_a_stopped_sft_says_where_it_stopped_and_a_resumed_one_counts_its_own_st
     assert main([*args, "sft.total_steps=5"]) == 0
     out = capsys.readouterr().out
     assert "SFT: done, 2 steps in " in out and "(this run: 4 to 5 of 5)" in out
+
+
+def test_hybridflow_sft_refuses_a_bad_sft_value_before_any_step(tmp_path):
+    from hybridflow.config import ConfigError
+
+    cfg = load_config(None, ["model.path=tiny", "sft.total_steps=-1", "trainer.device=cpu",
+                             f"trainer.run_dir={tmp_path / 'run'}"])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"sft\.total_steps = -1 must be a whole number >= 1"):
+        sft_main(cfg)
+    assert not (tmp_path / "run/sft/hf").exists()

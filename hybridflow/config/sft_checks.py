@@ -1,0 +1,48 @@
+"""The ``sft`` section's values (``hybridflow sft``, and the ``model.path=sft:<task>`` warm
+start of ``train``): counts, rates and the learning rate, checked before any example is made
+or any step runs, one line a key."""
+
+from __future__ import annotations
+
+import math
+
+from hybridflow.config.sections import SFTConfig
+
+_WHOLE_AT_LEAST = {"total_steps": 1, "batch_size": 1, "builtin_size": 1, "max_length": 1,
+                   "eval_every": 1, "eval_size": 1, "warmup_steps": 0}  # fmt: skip
+_FRACTIONS = ("min_lr_ratio", "carry_error_rate", "miscopy_rate")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def sft_problems(sft: SFTConfig) -> list[str]:
+    """One line per bad value, naming the key and what it must be."""
+    problems = [
+        f"sft.{key} = {getattr(sft, key)!r} must be a whole number >= {least}"
+        for key, least in _WHOLE_AT_LEAST.items()
+        if not (isinstance(getattr(sft, key), int) and getattr(sft, key) >= least)
+    ]
+    if sft.lr_decay_steps is not None and not (
+        isinstance(sft.lr_decay_steps, int) and sft.lr_decay_steps >= 1
+    ):
+        problems.append(f"sft.lr_decay_steps = {sft.lr_decay_steps!r} must be a whole number "
+                        ">= 1, or null (at sft.total_steps)")  # fmt: skip
+    for key in ("lr", "weight_decay"):
+        value = getattr(sft, key)
+        if not (
+            _is_number(value) and math.isfinite(value) and value >= 0 and (value or key != "lr")
+        ):
+            least = "> 0" if key == "lr" else ">= 0"
+            problems.append(f"sft.{key} = {value!r} must be a finite number {least}")
+    problems += [
+        f"sft.{key} = {getattr(sft, key)!r} must be a fraction between 0 and 1"
+        for key in _FRACTIONS
+        if not (_is_number(getattr(sft, key)) and 0 <= getattr(sft, key) <= 1)
+    ]
+    target = sft.stop_at_accuracy
+    if target is not None and not (_is_number(target) and 0 < target <= 1):
+        problems.append(f"sft.stop_at_accuracy = {target!r} must be a fraction in (0, 1] of "
+                        "right greedy answers, or null (always sft.total_steps)")  # fmt: skip
+    return problems

@@ -1,0 +1,47 @@
+import math
+
+import pytest
+
+from hybridflow.config import ConfigError, load_config, validate
+from hybridflow.config.sft_checks import sft_problems
+
+
+def test_the_defaults_and_the_vision_example_have_no_problem():
+    assert sft_problems(load_config(None, []).sft) == []
+    assert sft_problems(load_config("examples/vision.yaml", []).sft) == []
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("sft.total_steps=-1", "sft.total_steps = -1 must be a whole number >= 1"),
+        ("sft.total_steps=0", "sft.total_steps = 0 must be a whole number >= 1"),
+        ("sft.batch_size=0", "sft.batch_size = 0 must be a whole number >= 1"),
+        ("sft.builtin_size=-5", "sft.builtin_size = -5 must be a whole number >= 1"),
+        ("sft.max_length=0", "sft.max_length = 0 must be a whole number >= 1"),
+        ("sft.eval_every=0", "sft.eval_every = 0 must be a whole number >= 1"),
+        ("sft.warmup_steps=-1", "sft.warmup_steps = -1 must be a whole number >= 0"),
+        ("sft.lr_decay_steps=0", "sft.lr_decay_steps = 0 must be a whole number >= 1, or null"),
+        ("sft.lr=nan", "sft.lr = nan must be a finite number > 0"),
+        ("sft.lr=0", "sft.lr = 0.0 must be a finite number > 0"),
+        ("sft.weight_decay=-0.1", "sft.weight_decay = -0.1 must be a finite number >= 0"),
+        ("sft.min_lr_ratio=2", "sft.min_lr_ratio = 2.0 must be a fraction between 0 and 1"),
+        ("sft.miscopy_rate=inf", "sft.miscopy_rate = inf must be a fraction between 0 and 1"),
+        ("sft.stop_at_accuracy=2", "sft.stop_at_accuracy = 2.0 must be a fraction in (0, 1]"),
+        ("sft.stop_at_accuracy=0", "sft.stop_at_accuracy = 0.0 must be a fraction in (0, 1]"),
+    ],
+)
+def test_a_bad_value_is_named_with_its_key(override, expected):
+    (problem,) = sft_problems(load_config(None, [override]).sft)
+    assert problem.startswith(expected)
+
+
+def test_validate_checks_the_section_for_the_warm_start_only():
+    with pytest.raises(ConfigError, match=r"sft\.builtin_size = 0"):
+        validate(load_config(None, ["model.path=sft:arithmetic", "sft.builtin_size=0"]))
+    validate(load_config(None, ["model.path=tiny", "sft.builtin_size=0"]))  # sft unused
+
+
+def test_a_nan_from_yaml_is_refused_too():
+    cfg = load_config(None, ["sft.lr=.nan"])
+    assert math.isnan(cfg.sft.lr) and sft_problems(cfg.sft)[0].startswith("sft.lr = nan")
