@@ -1,7 +1,6 @@
 import importlib.abc
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -34,16 +33,14 @@ def test_show_marks_derived(capsys):
 
 
 def test_import_is_light():
+    """The CLI starts (help, validate, errors) without the heavy libraries: what it imports,
+    not a wall-clock bound, which a loaded CI host would make flaky."""
     code = (
-        "import time, sys; t=time.time(); import hybridflow, hybridflow.config, hybridflow.cli; "
-        "print(time.time()-t); print('torch' in sys.modules)"
+        "import sys; import hybridflow, hybridflow.config, hybridflow.cli; "
+        "print(*[m for m in ('torch', 'transformers', 'numpy', 'pyarrow') if m in sys.modules])"
     )
-    t0 = time.time()
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True
-    ).stdout.split()
-    assert float(out[0]) < 1.0 and time.time() - t0 < 10
-    assert out[1] == "False", "import hybridflow must not import torch"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [], "import hybridflow must not import " + out.stdout
 
 
 def test_python_dash_m_runs_the_command():

@@ -26,10 +26,7 @@ from __future__ import annotations
 import torch
 
 from hybridflow.engine.fp8_rows import E4M3, E4M3_MAX, TINY
-
-ENGINE_SCALES = "engine"
-TRAINER_RECIPES = ("rowwise", "tensorwise")  # config/precision_checks.FP8_RECIPES
-WEIGHT_SCALES = ("auto", ENGINE_SCALES, *TRAINER_RECIPES)
+from hybridflow.engine.options import ENGINE_SCALES, TRAINER_RECIPES, WEIGHT_SCALES  # noqa: F401
 
 
 def trainer_multiplier(amax: torch.Tensor, recipe: str) -> torch.Tensor:

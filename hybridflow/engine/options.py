@@ -11,7 +11,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from hybridflow.engine.fp8_weights import WEIGHT_SCALES
+# How fp8 weights are scaled (fp8_weights.py), here so the torch-free config can check the key
+ENGINE_SCALES = "engine"
+TRAINER_RECIPES = ("rowwise", "tensorwise")  # config/precision_checks.FP8_RECIPES
+WEIGHT_SCALES = ("auto", ENGINE_SCALES, *TRAINER_RECIPES)
+
 
 DECODE_BACKENDS = ("auto", "triton", "torch")
 FUSE_PROJECTIONS = ("all", "qkv", "none")
