@@ -24,7 +24,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridflow.engine.fp8_rows import E4M3, E4M3_MAX, INV_E4M3_MAX, TINY, Fp8Rows
+from hybridflow.engine.fp8_rows import (  # noqa: F401 (quantize_rows_reference: its home before)
+    E4M3,
+    E4M3_MAX,
+    INV_E4M3_MAX,
+    TINY,
+    Fp8Rows,
+    quantize_rows_reference,
+)
 from hybridflow.engine.fp8_weights import ENGINE_SCALES, quantize_weight, tensor_amax_rows
 from hybridflow.engine.kernels.launch import PLAIN, Launch
 
@@ -42,13 +49,6 @@ def check_fp8_engine(device: torch.device, decode_backend: str, adapted: bool) -
         raise UserError(f"weight_format='fp8' needs the triton decode backend, and this "
                         f"engine on {device} resolved {decode_backend!r}",
                         fix="run on a GPU with fp8 tensor cores (sm_89+), or drop fp8")  # fmt: skip
-
-
-def quantize_rows_reference(x: torch.Tensor) -> Fp8Rows:
-    """x [M, K] -> (x8 [M, K] e4m3, scale [M, 1] fp32) with x ≈ x8 * scale per row."""
-    xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=TINY) * INV_E4M3_MAX
-    return Fp8Rows((xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale)
 
 
 def quantize_rows(x: torch.Tensor) -> Fp8Rows:

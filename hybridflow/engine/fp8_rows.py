@@ -24,3 +24,10 @@ class Fp8Rows(NamedTuple):
 
     values: torch.Tensor  # [M, K] float8_e4m3fn
     scale: torch.Tensor  # [M, 1] fp32
+
+
+def quantize_rows_reference(x: torch.Tensor) -> Fp8Rows:
+    """x [M, K] -> (x8 [M, K] e4m3, scale [M, 1] fp32) with x ≈ x8 * scale per row."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=TINY) * INV_E4M3_MAX
+    return Fp8Rows((xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.engine.fp8_rows import E4M3, E4M3_MAX, TINY
+from hybridflow.engine.fp8_rows import E4M3, E4M3_MAX, TINY, quantize_rows_reference
 from hybridflow.engine.options import ENGINE_SCALES, TRAINER_RECIPES, WEIGHT_SCALES  # noqa: F401
 
 
@@ -50,8 +50,6 @@ def quantize_weight(
     weight's, repeated on its rows: see :func:`tensor_amax_rows`); None: the whole ``weight``'s
     own."""
     if recipe == ENGINE_SCALES:
-        from hybridflow.engine.fp8 import quantize_rows_reference
-
         return quantize_rows_reference(weight)
     wide = weight.to(torch.float32)
     if recipe == "rowwise":
