@@ -127,7 +127,9 @@ def bench_rollout(args, model=None, progress=None) -> dict:
     if getattr(args, "speculative", None):
         from hybridflow.bench.speculative import bench_speculative
 
-        result["speculative"] = bench_speculative(model, prompts, args, device, progress)
+        result["speculative"] = bench_speculative(
+            bench_engine, model, prompts, args, device, progress
+        )
         result["engine"] = result["speculative"]["off"]
     else:
         result["engine"] = bench_engine(model, prompts, args, device, progress)

@@ -26,10 +26,9 @@ def with_speculation(args, method: str) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), "engine": [*kept, f"speculative={method}"]})
 
 
-def bench_speculative(model, prompts, args, device, progress=None) -> dict:
-    """bench_engine with speculation off, then on (args.speculative: the method)."""
-    from hybridflow.bench.rollout import bench_engine
-
+def bench_speculative(bench_engine, model, prompts, args, device, progress=None) -> dict:
+    """``bench_engine`` (bench/rollout.py's, passed in) with speculation off, then on
+    (args.speculative: the method)."""
     off = bench_engine(model, prompts, with_speculation(args, "off"), device, progress)
     on = bench_engine(model, prompts, with_speculation(args, args.speculative), device, progress)
     return {"method": args.speculative, "off": off, "on": on,

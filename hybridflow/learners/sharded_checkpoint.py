@@ -3,14 +3,16 @@ through torch.distributed.checkpoint, and per rank the scheduler, counters and R
 (``extra_rank{r}.pt``) that a bit-exact resume needs.
 
 Plain functions over the core: it owns the module, the optimizer and the state writer;
-this module only knows how they are written and read back.
+this module only knows how they are written and read back. It names what it reads of the
+core in :class:`CheckpointedCore`, so it needs no import of the core that calls it.
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -20,12 +22,25 @@ from hybridflow.learners.host_optimizer import offloaded_state_dicts, restore_lo
 from hybridflow.learners.optim import apply_hyperparameters, hyperparameters
 from hybridflow.learners.sharding.train_groups import TrainGroups, distributed_on, distributed_world
 
-if TYPE_CHECKING:
-    from hybridflow.learners.core import TrainCore
+
+class CheckpointedCore(Protocol):
+    """What the save and the load read of a TrainCore (learners/core.py)."""
+
+    module: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    host_optimizer: object | None  # learners/host_optimizer.py's HostAdamW
+    scheduler: object | None
+    groups: TrainGroups
+    device: torch.device
+    state_writer: object  # learners/state_writer.py
+
+    def on_device(self) -> AbstractContextManager[None]: ...
+
+    def save_finished(self) -> bool: ...
 
 
 def save_checkpoint(
-    core: TrainCore,
+    core: CheckpointedCore,
     directory: str | os.PathLike,
     extra: dict,
     *,
@@ -64,7 +79,9 @@ def save_checkpoint(
         role_barrier(core.groups)
 
 
-def load_checkpoint(core: TrainCore, directory: str | os.PathLike, *, trainable_only: bool) -> dict:
+def load_checkpoint(
+    core: CheckpointedCore, directory: str | os.PathLike, *, trainable_only: bool
+) -> dict:
     """Inverse of :func:`save_checkpoint` (same world size); returns the ``extra`` dict."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,

@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.config import Config, ConfigError, SFTConfig
+from hybridflow.trainer.loop.published_model import COMPLETE, publish
 from hybridflow.trainer.loop.sft_tasks import accuracy_problems, user_turn
 
 SFT_PREFIX = "sft:"
 CACHE_VERSION = 1
-COMPLETE = "COMPLETE"
 
 
 def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int = 8) -> float:
@@ -311,19 +311,6 @@ def sft_task(sft_cfg: SFTConfig) -> tuple[str, int | None]:
         f"warm start SFT to greedy accuracy {sft_cfg.stop_at_accuracy} "
         f"(at most {sft_cfg.total_steps} steps)"
     ), None
-
-
-def publish(model, tokenizer, sft_cfg: SFTConfig, target: Path) -> None:
-    """The model and tokenizer at ``target``, atomically (a COMPLETE marker, then a rename)."""
-    from hybridflow.trainer.loop.sft_loop import save_hf_model
-
-    temporary = target.with_name(target.name + f".tmp{os.getpid()}")
-    shutil.rmtree(temporary, ignore_errors=True)
-    save_hf_model(model.to("cpu"), tokenizer, temporary)
-    (temporary / COMPLETE).write_text(json.dumps(dataclasses.asdict(sft_cfg)))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(target, ignore_errors=True)
-    os.rename(temporary, target)
 
 
 class WarmStartProgress:
