@@ -23,7 +23,7 @@ import torch
 
 from hybridflow.engine.cache import kv_cache
 from hybridflow.engine.cache.kinds import eager_only, engine_gaps
-from hybridflow.engine.cache.workspace import engine_workspace_bytes
+from hybridflow.engine.cache.workspace import engine_workspace_bytes, sampling_bytes_per_row
 from hybridflow.engine.choices import (
     PinnedChoices,
     load_engine_choices,
@@ -289,6 +289,7 @@ class Engine:
             cfg, self.max_batch_size, self.max_seq_len, self.options.kv_block_size,
             self.memory_budget, reserve, self.dtype, self.device, routes,
             self.options.cap_state_slots,
+            sampling_bytes_per_row(cfg, self.tensor_parallel),
         )  # fmt: skip
         slots = self.cache.num_slots
         self._report_capped_slots(slots)

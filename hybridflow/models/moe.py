@@ -98,6 +98,21 @@ def resolve_expert_backend(
     return "grouped_mm" if device.type == "cuda" and dtype == torch.bfloat16 and aligned else "loop"
 
 
+def masked_grouped_linear(rows: torch.Tensor, weight: torch.Tensor,
+                          offsets: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """grouped_linear without reading the counts on the host, so a CUDA graph can capture it
+    where torch._grouped_mm does not run (fp32: an engine's eager MoE layers under graphs):
+    every expert over every row, each row keeping its own expert's product; rows past the
+    last run are zero. E times the FLOPs of the split loop: a path for fp32 tests and tiny
+    models, bf16 runs take torch._grouped_mm."""
+    positions = torch.arange(rows.shape[0], device=rows.device, dtype=offsets.dtype)
+    row_expert = torch.searchsorted(offsets, positions, right=True)  # [M]; E: past the runs
+    out = rows.new_zeros(rows.shape[0], weight.shape[1])
+    for expert in range(weight.shape[0]):
+        out = torch.where((row_expert == expert).unsqueeze(-1), F.linear(rows, weight[expert]), out)
+    return out
+
+
 def grouped_linear(
     rows: torch.Tensor,
     weight: torch.Tensor,
@@ -111,6 +126,8 @@ def grouped_linear(
         # torch._grouped_mm(a [M, K], b [E, K, N], offs=int32 ends): one launch for all experts;
         # b as a transposed view (column-major per expert) is the layout Hopper's kernel wants.
         return torch._grouped_mm(rows, weight.transpose(-2, -1), offs=offsets)
+    if rows.is_cuda and torch.cuda.is_current_stream_capturing():
+        return masked_grouped_linear(rows, weight, offsets)
     sizes = counts.tolist()
     rest = rows.shape[0] - sum(sizes)  # rows past the last expert's run (routed elsewhere)
     pieces = rows.split([*sizes, rest])

@@ -164,3 +164,19 @@ def test_experts_of_no_tokens_give_no_rows():
     out = moe_experts(torch.zeros(0, 8), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2),
                       gate_up, down, "loop")  # fmt: skip
     assert out.shape == (0, 8)
+
+
+def test_the_capturable_grouped_linear_equals_the_split_loop():
+    """masked_grouped_linear (what an fp32 CUDA graph captures: no host read of the counts)
+    gives each row its own expert's product, and zeros past the last run, as the loop does."""
+    from hybridflow.models.moe import grouped_linear, masked_grouped_linear
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(4, 6, 5, generator=generator)
+    counts = torch.tensor([2, 0, 3, 1], dtype=torch.int32)
+    offsets = counts.cumsum(0).to(torch.int32)
+    rows = torch.randn(8, 5, generator=generator)  # 2 rows past the runs (another rank's)
+    expected = grouped_linear(rows, weight, counts, offsets, "loop")
+    got = masked_grouped_linear(rows, weight, offsets)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert got[6:].abs().sum() == 0

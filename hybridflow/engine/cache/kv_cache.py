@@ -222,6 +222,12 @@ def cache_budget(
     return int(fraction * available_bytes(device)) - reserve_bytes
 
 
+def _reserve_taken(memory_budget: int | float | None) -> bool:
+    """Whether cache_budget takes the reserve out of this budget: a fraction of the device's
+    memory (or None), not bytes given outright."""
+    return memory_budget is None or 0 < memory_budget <= 1
+
+
 def plan_slots(
     max_batch_size: int,
     slot_bytes: int,
@@ -314,6 +320,7 @@ def make_cache(
     device: torch.device,
     routes: RouteSpec | None = None,
     cap_state_slots: bool = True,
+    row_reserve_bytes: int = 0,
 ) -> tuple[KVCache, object]:
     """The KV cache a model config's engine gets from its budget: a slot cache (block_size
     None) or a paged one, with the paged one's host-side blocks.BlockPool (else None).
@@ -323,7 +330,9 @@ def make_cache(
     (kinds.recurrent_state_spec) and the sliding layers' rings (window.window_spec) for every
     slot, taken from the budget first. Beside a paged cache, a bounded budget gets at most
     the slots whose states and blocks hold that many whole max_seq_len sequences
-    (state_slots; cap_state_slots False: every one of max_batch_size)."""
+    (state_slots; cap_state_slots False: every one of max_batch_size). ``row_reserve_bytes``:
+    the part of reserve_bytes each of max_batch_size rows takes (its sampling), given back to
+    the cache for the rows capped slots never decode."""
     specs = config.layer_specs()
     rows = kv_layer_rows(specs)
     layers = sum(row is not None for row in rows)
@@ -350,10 +359,13 @@ def make_cache(
         budget = cache_budget(memory_budget, device, reserve_bytes)
         if budget is not None:
             per_sequence = -(-max_seq_len // block_size)
+            # a budget given in bytes is the cache's own: no reserve was taken out of it
+            row = row_reserve_bytes if _reserve_taken(memory_budget) else 0
             slots = state_slots(max_batch_size, budget, states.bytes_per_sequence, block_bytes,
-                                per_sequence, cap_state_slots)  # fmt: skip
+                                per_sequence, cap_state_slots, row)  # fmt: skip
             if cap_state_slots:
                 _check_whole_sequence(budget, max_seq_len, states, block_bytes, per_sequence)
+            budget += (max_batch_size - slots) * row  # the rows never decoded
             memory_budget, reserve_bytes = budget - (slots + 1) * states.bytes_per_sequence, 0
             _check_state_budget(memory_budget, slots, states)
     blocks = plan_blocks(slots, max_seq_len, block_size, block_bytes, memory_budget, device,
@@ -390,15 +402,21 @@ def whole_sequence_slots(budget: int, state_bytes: int, block_bytes: int,
 
 
 def state_slots(max_batch_size: int, budget: int | None, state_bytes: int, block_bytes: int,
-                blocks_per_sequence: int, cap: bool = True) -> int:  # fmt: skip
+                blocks_per_sequence: int, cap: bool = True, row_bytes: int = 0) -> int:  # fmt: skip
     """Slots of a paged cache with per-sequence kinds of ``state_bytes`` a slot: at most
     max_batch_size, capped (``cap``) at whole_sequence_slots where the budget (bytes; None:
     unbounded) does not hold max_batch_size whole sequences, at least one (the blocks'
     sizing then names what a sequence needs). The engine (make_cache) and the memory plan
-    (trainer/plan/memory_rollout.py) both size the slots here."""
+    (trainer/plan/memory_rollout.py) both size the slots here.
+
+    ``row_bytes``: the workspace each decoded row reserves outside the cache (its sampling:
+    workspace.sampling_bytes_per_row), already taken out of ``budget`` for max_batch_size
+    rows. Capped slots decode fewer rows, so the rows they drop give their workspace back to
+    the cache: a slot then costs its state, its blocks and its row."""
     if budget is None or not cap or not state_bytes:
         return max_batch_size
-    whole = whole_sequence_slots(budget, state_bytes, block_bytes, blocks_per_sequence)
+    whole = whole_sequence_slots(budget + max_batch_size * row_bytes, state_bytes + row_bytes,
+                                 block_bytes, blocks_per_sequence)  # fmt: skip
     return max(min(max_batch_size, whole), 1)
 
 

@@ -34,8 +34,7 @@ def engine_workspace_bytes(config, max_batch_size: int, max_prefill_tokens: int,
     tensors. MLA's attention runs expanded in a prefill: see :func:`attention_width`. A
     vision-language model's prefill may be all image tokens: see :func:`vision_prefill`."""
     h = config.hidden_size
-    vocab = config.vocab_size // tp
-    sampling = max_batch_size * vocab * SAMPLING_BYTES_PER_LOGIT
+    sampling = max_batch_size * sampling_bytes_per_row(config, tp)
     tokens = max_prefill_tokens
     attention = attention_width(config) // tp
     per_token = 8 * h + attention + 4 * config.intermediate_size // tp
@@ -48,6 +47,13 @@ def engine_workspace_bytes(config, max_batch_size: int, max_prefill_tokens: int,
         sparse += tokens * experts * ROUTER_BYTES_PER_EXPERT
         prefill = max(prefill, sparse)
     return sampling + vision_prefill(config, tokens, prefill, element_bytes)
+
+
+def sampling_bytes_per_row(config, tp: int = 1) -> int:
+    """The part of engine_workspace_bytes each decoded row adds: its logits and their
+    sampling over the vocabulary (a tensor-parallel rank's share of it). A cache that holds
+    fewer rows than max_batch_size (kv_cache.state_slots) gives these bytes back."""
+    return config.vocab_size // tp * SAMPLING_BYTES_PER_LOGIT
 
 
 def vision_prefill(config, tokens: int, prefill: int, element_bytes: int = 2) -> int:

@@ -56,6 +56,8 @@ the fit verdict: ``trainer/plan/memory_render.py``. The phases, options and item
 
 from __future__ import annotations
 
+import dataclasses
+
 from hybridflow.models.architecture import ModelArchitecture
 from hybridflow.trainer.plan.memory_activations import (  # noqa: F401 (this module's names too)
     LOGPROB_CHUNK_TOKENS,
@@ -81,6 +83,7 @@ from hybridflow.trainer.plan.memory_items import (  # noqa: F401 (this module's 
     dtype_name,
 )
 from hybridflow.trainer.plan.memory_rollout import (  # noqa: F401 (this module's names too)
+    ROLLOUT_WORKSPACE,
     fused_copy_bytes,
     kv_cache_entries,
     kv_cache_item,
@@ -339,7 +342,10 @@ def build_plan(model: str, a: ModelArchitecture, o: PlanOptions) -> MemoryPlan:
     """Every item of the run on one training GPU (and one rollout GPU with split placement)."""
     items = actor_items(a, o) + reference_items(a, o) + reward_model_items(o)
     items += critic_items(a, o) + rollout_items(a, o)
-    kv, slots = kv_cache_item(a, o, items)
+    kv, slots, rows = kv_cache_item(a, o, items)
+    if rows < o.rollout_max_seqs:  # capped slots: the workspace of the rows they decode
+        items = [dataclasses.replace(i, gpu_bytes=rollout_reserve_bytes(a, o, rows))
+                 if i.name == ROLLOUT_WORKSPACE else i for i in items]  # fmt: skip
     items.append(kv)
     if o.split:  # actor.full_weights(): the masters, on the controller's host, each sync
         items.append(MemoryItem("weights sent to the rollout (controller)", 0, (),

@@ -5,8 +5,8 @@ items leave (engine/cache/kv_cache.py, engine/engine.py)."""
 from __future__ import annotations
 
 from hybridflow.engine.cache.kinds import eager_only
-from hybridflow.engine.cache.kv_cache import state_slots, whole_sequence_slots
-from hybridflow.engine.cache.workspace import engine_workspace_bytes
+from hybridflow.engine.cache.kv_cache import state_slots
+from hybridflow.engine.cache.workspace import engine_workspace_bytes, sampling_bytes_per_row
 from hybridflow.models.architecture import ModelArchitecture
 from hybridflow.trainer.plan.memory_items import (
     ALWAYS,
@@ -42,11 +42,17 @@ def per_sequence_bytes(a: ModelArchitecture, element_bytes: int = 2) -> int:
     return a.recurrent_state_bytes(element_bytes) + rings * element_bytes
 
 
-def rollout_reserve_bytes(a: ModelArchitecture, options: PlanOptions) -> int:
+def rollout_reserve_bytes(a: ModelArchitecture, options: PlanOptions,
+                          rows: int | None = None) -> int:  # fmt: skip
     """What the engine keeps out of the KV budget for decode sampling, prefill activations
-    and the experts' workspace (engine/engine._allocate's reserve: the same function)."""
-    return engine_workspace_bytes(a, options.rollout_max_seqs, options.max_prefill_tokens,
-                                  options.rollout_bytes, options.rollout_tp)  # fmt: skip
+    and the experts' workspace (engine/engine._allocate's reserve: the same function), for
+    ``rows`` decoded at once (default max_num_seqs; fewer where the cache caps its slots)."""
+    rows = options.rollout_max_seqs if rows is None else rows
+    return engine_workspace_bytes(a, rows, options.max_prefill_tokens, options.rollout_bytes,
+                                  options.rollout_tp)  # fmt: skip
+
+
+ROLLOUT_WORKSPACE = "rollout workspace (decode logits, prefill)"
 
 
 def kv_split(a: ModelArchitecture, tp: int) -> int:
@@ -126,14 +132,16 @@ def rollout_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
         weights,
         MemoryItem("rollout fused q/k/v, gate/up copies", fused, held, rollout_gpu=split),
         *(fp8_copies if o.rollout_fp8 else []),
-        MemoryItem("rollout workspace (decode logits, prefill)", rollout_reserve_bytes(a, o),
+        MemoryItem(ROLLOUT_WORKSPACE, rollout_reserve_bytes(a, o),
                    (GENERATE,), rollout_gpu=split),
     ]  # fmt: skip
 
 
 def kv_cache_item(a: ModelArchitecture, o: PlanOptions, items: list[MemoryItem]):
-    """(the KV-cache item, the sequences of max_seq_len it holds), sized from the memory the
-    other items leave on the rollout's GPU when generation starts."""
+    """(the KV-cache item, the sequences of max_seq_len it holds, the rows decoded at once),
+    sized from the memory the other items leave on the rollout's GPU when generation starts.
+    Rows below max_num_seqs (capped slots) reserve their sampling workspace no more: the
+    cache has it, as the engine's (kv_cache.make_cache)."""
     reserve, length, block = rollout_reserve_bytes(a, o), o.rollout_max_seq_len, o.kv_block_size
     used = sum(i.gpu_bytes for i in items if GENERATE in i.phases and i.rollout_gpu == o.split
                and "workspace" not in i.name)  # fmt: skip
@@ -148,10 +156,11 @@ def kv_cache_item(a: ModelArchitecture, o: PlanOptions, items: list[MemoryItem])
     else:
         entry = kv_block_bytes(a, block, o.rollout_bytes) // kv_split(a, o.rollout_tp)
         state = per_sequence_bytes(a, o.rollout_bytes)
-    slots = o.rollout_max_seqs
+    slots, row = o.rollout_max_seqs, sampling_bytes_per_row(a, o.rollout_tp)
+    budget = kv_budget(reserve, used, o)  # max_num_seqs rows' workspace taken out
     if block is not None and state:
-        slots = state_slots(slots, kv_budget(reserve, used, o), state, entry, per_sequence,
-                            o.cap_state_slots)  # fmt: skip
+        slots = state_slots(slots, budget, state, entry, per_sequence, o.cap_state_slots, row)
+        reserve = rollout_reserve_bytes(a, o, slots)
     states = 0 if block is None else (slots + 1) * state
     entry += state if block is None else 0
     entries = kv_cache_entries(entry, slots * per_sequence, reserve + states, used, o)
@@ -164,25 +173,26 @@ def kv_cache_item(a: ModelArchitecture, o: PlanOptions, items: list[MemoryItem])
         note = f"{block} tokens a block, {per_sequence:,} blocks a {length:,}-token sequence"
         if states:
             kind = "recurrent states" if a.recurrent_state_bytes() else "window rings"
-            note += state_slots_note(o, slots, sequences, kv_budget(reserve, used, o), state,
-                                     entry, per_sequence, length, kind)  # fmt: skip
+            note += state_slots_note(o, slots, sequences, budget, state, entry, per_sequence,
+                                     length, kind, row)  # fmt: skip
     phases = (GENERATE,) if o.release_cache else ALWAYS
     size = (entries + 1) * entry + states if sequences else 0
     return MemoryItem(name if sequences else none, size, phases, rollout_gpu=o.split,
-                      note=note), sequences  # fmt: skip
+                      note=note), sequences, slots  # fmt: skip
 
 
 def state_slots_note(o: PlanOptions, slots: int, sequences: int, budget: int | None,
                      state: int, block: int, per_sequence: int, length: int,
-                     kind: str) -> str:  # fmt: skip
+                     kind: str, row: int) -> str:  # fmt: skip
     """What the paged cache's per-sequence ``kind`` takes, and where the slots were capped (or,
     with rollout.engine.cap_state_slots=false, the max_num_seqs that would hold the most
-    whole sequences)."""
+    whole sequences; ``row``: a decoded row's sampling workspace, state_slots')."""
     note = f"; {kind} of {slots + 1:,} slots, {(slots + 1) * state / 2**30:.1f} GiB"
     if slots < o.rollout_max_seqs:
         return note + (f": rollout.max_num_seqs={o.rollout_max_seqs:,} capped at {slots:,}, "
                        f"the most whole {length:,}-token sequences beside their states")  # fmt: skip
-    whole = 0 if budget is None else whole_sequence_slots(budget, state, block, per_sequence)
+    whole = 0 if budget is None else state_slots(o.rollout_max_seqs, budget, state, block,
+                                                 per_sequence, True, row)  # fmt: skip
     if sequences < whole < o.rollout_max_seqs:
         note += (f": rollout.engine.cap_state_slots=true (or rollout.max_num_seqs={whole:,}) "
                  f"holds {whole:,} {length:,}-token sequences at once")  # fmt: skip

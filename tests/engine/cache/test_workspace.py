@@ -92,3 +92,56 @@ def test_a_vision_language_prefill_counts_the_encoder_and_the_kept_features():
     text = 16384 * (8 * 3584 + 64 * 128 + 4 * 1024) * 2
     assert text < 3_190_292_480
     assert engine_workspace_bytes(narrow, 64, 16384) == sampling + 3_190_292_480 + 117_440_512
+
+
+def test_capped_slots_give_the_rows_they_never_decode_back_to_the_cache(monkeypatch):
+    """tiny-hybrid, paged: the automatic budget (a fraction of the device) has the sampling
+    workspace of max_batch_size=64 rows taken out. Capped at the whole sequences it holds,
+    the cache decodes fewer rows, so their workspace is the cache's again: one slot costs
+    its state, its blocks and its row's sampling (kv_cache.state_slots). Without the
+    give-back the slots would be those of the budget alone, fewer."""
+    import torch
+
+    from hybridflow.engine.cache import kv_cache
+    from hybridflow.engine.cache.workspace import sampling_bytes_per_row
+
+    config = preset_config("tiny-hybrid")
+    row = sampling_bytes_per_row(config)
+    probe, _ = kv_cache.make_cache(config, 4, 64, 16, 10**9, 0, torch.float32,
+                                   torch.device("cpu"))  # fmt: skip
+    state = probe.states.nbytes() // 5
+    block = probe.keys[:, 0].numel() * probe.keys.element_size() * 2
+    sequence = state + 4 * block + row  # 64 tokens: 4 blocks of 16
+    budget = 10 * sequence + state + row + block - 64 * row  # 10 slots once rows come back
+    monkeypatch.setattr(kv_cache, "cache_budget", lambda *args: budget)
+    cache, pool = kv_cache.make_cache(config, 64, 64, 16, 0.9, 0, torch.float32,
+                                      torch.device("cpu"), row_reserve_bytes=row)  # fmt: skip
+    assert cache.num_slots == 10
+    given_back = budget + 54 * row - 11 * state
+    assert cache.num_blocks == given_back // block - 1
+    without, _ = kv_cache.make_cache(config, 64, 64, 16, 0.9, 0, torch.float32,
+                                     torch.device("cpu"))  # fmt: skip
+    assert without.num_slots < 10
+    # a budget in bytes is the cache's own: no row reserve was taken out, none comes back
+    monkeypatch.undo()
+    exact, _ = kv_cache.make_cache(config, 64, 64, 16, budget + 64 * row, 0, torch.float32,
+                                   torch.device("cpu"), row_reserve_bytes=row)  # fmt: skip
+    assert exact.num_slots == kv_cache.state_slots(64, budget + 64 * row, state, block, 4)
+
+
+def test_the_plan_reserves_the_workspace_of_the_rows_capped_slots_decode():
+    """qwen3.5-4b on an H200 at 16,896-token rows: the slots are capped far below
+    max_num_seqs=1,024, and the plan's workspace is that of the rows decoded (the engine's
+    make_cache gives the rest to the cache), not 1,024 rows' 5.2 GiB of sampling."""
+    from hybridflow.trainer.plan.memory_items import GIB, PlanOptions
+    from hybridflow.trainer.plan.memory_plan import build_plan
+    from hybridflow.trainer.plan.memory_rollout import ROLLOUT_WORKSPACE, rollout_reserve_bytes
+
+    a = PRESETS["qwen3.5-4b"]
+    options = PlanOptions(gpu_bytes=141 * GIB, rollout_max_seq_len=16896, split=True,
+                          gpu_memory_utilization=0.9, rollout_max_seqs=1024)  # fmt: skip
+    plan = build_plan("qwen3.5-4b", a, options)
+    workspace = next(i for i in plan.items if i.name == ROLLOUT_WORKSPACE)
+    assert plan.kv_slots < 1024 // 4
+    assert workspace.gpu_bytes == rollout_reserve_bytes(a, options, plan.kv_slots)
+    assert rollout_reserve_bytes(a, options) - workspace.gpu_bytes > 4 * GIB  # of 5.2 GiB

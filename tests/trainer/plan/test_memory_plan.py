@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 
+from hybridflow.engine.cache.workspace import sampling_bytes_per_row
 from hybridflow.models.presets import PRESETS
 from hybridflow.trainer.plan import memory_plan as mp
 from hybridflow.trainer.plan.memory_plan import GIB, PlanOptions
@@ -196,7 +197,7 @@ def test_paged_kv_cache_takes_its_fraction_in_blocks():
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid"])
 @pytest.mark.parametrize("block_size", [None, 16, 64])
-def test_the_plan_sizes_the_kv_cache_as_the_engine_allocates_it(block_size, preset):
+def test_the_plan_sizes_the_kv_cache_as_the_engine_allocates_it(block_size, preset, monkeypatch):
     """tiny: 2 layers of K/V; tiny-hybrid: 1 layer of K/V and a recurrent state per slot in
     3 layers (the slots' states taken first beside a paged cache, in each slot of a slot
     cache)."""
@@ -213,10 +214,13 @@ def test_the_plan_sizes_the_kv_cache_as_the_engine_allocates_it(block_size, pres
         options = PlanOptions(gpu_bytes=budget + reserve, gpu_memory_utilization=1.0,
                               rollout_max_seqs=8, rollout_max_seq_len=100,
                               kv_block_size=block_size)  # fmt: skip
-        kv, sequences = mp.kv_cache_item(arch, options, [])
+        kv, sequences, _ = mp.kv_cache_item(arch, options, [])
+        # the engine's automatic budget (a fraction of the device) with the reserve taken out
+        monkeypatch.setattr(kv_cache, "cache_budget", lambda *args, budget=budget: budget)
         try:
-            cache, _ = kv_cache.make_cache(arch, 8, 100, block_size, budget, 0, torch.bfloat16,
-                                           torch.device("cpu"))  # fmt: skip
+            cache, _ = kv_cache.make_cache(arch, 8, 100, block_size, 1.0, reserve,
+                                           torch.bfloat16, torch.device("cpu"),
+                                           row_reserve_bytes=sampling_bytes_per_row(arch))  # fmt: skip
         except ValueError:  # the engine refuses: the plan says none fits
             assert sequences == 0 and kv.gpu_bytes == 0, budget
             continue
@@ -369,8 +373,8 @@ def test_the_deepseek_v3_latent_cache_holds_tens_of_times_the_rows_of_expanded_h
                              num_key_value_heads=128, head_dim=160)  # fmt: skip
     options = PlanOptions(rollout_max_seqs=4096, rollout_max_seq_len=8192, kv_block_size=64,
                           gpu_bytes=141 * GIB, gpu_memory_utilization=0.9)  # fmt: skip
-    _, latent_rows = kv_cache_item(v3, options, [])
-    _, gqa_rows = kv_cache_item(twin, options, [])
+    _, latent_rows, _ = kv_cache_item(v3, options, [])
+    _, gqa_rows, _ = kv_cache_item(twin, options, [])
     budget = int(0.9 * 141 * GIB) - mp.rollout_reserve_bytes(v3, options)
     assert latent_rows == (budget // (64 * 61 * 576 * 2) - 1) // 128
     assert gqa_rows * 10 < latent_rows  # 193 rows against 2 (their workspaces differ too)

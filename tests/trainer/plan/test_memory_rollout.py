@@ -105,3 +105,11 @@ def test_gpt_oss_rings_are_one_a_slot_beside_the_full_layers_blocks():
     slots = int(item.note.split("window rings of ")[1].split(" ")[0].replace(",", "")) - 1
     assert item.gpu_bytes == (blocks + 1) * block + (slots + 1) * ring
     assert plan.kv_slots == blocks // 264 == min(slots, 1024)
+
+
+def test_capped_slots_count_the_sampling_rows_they_give_back():
+    # max_num_seqs 20 rows of 10 bytes of sampling already out of a budget of 990: capped
+    # slots decode fewer rows, so a slot costs state 5 + row 10 + 4 blocks of 25 and the
+    # budget has 20 rows back: 11 × 15 + 25 + 10 × 100 = 1,190 = 990 + 200 holds 10
+    assert state_slots(20, 990, 5, 25, 4, row_bytes=10) == 10
+    assert state_slots(20, 990, 5, 25, 4) == 9  # the rows' workspace kept out: one fewer
