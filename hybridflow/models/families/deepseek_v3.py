@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from hybridflow.models.families.quantized import quantized_checkpoint_problem
+from hybridflow.models.checkpoint_io.quantized_checkpoint import quantized_checkpoint_problem
 from hybridflow.models.layer_spec import LayerSpec
 
 ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridflow.models.families.quantized import quantized_checkpoint_problem
+from hybridflow.models.checkpoint_io.quantized_checkpoint import quantized_checkpoint_problem
 from hybridflow.models.layer_spec import LayerSpec
 
 ARCHITECTURES = {"gpt_oss": "GptOssForCausalLM"}
