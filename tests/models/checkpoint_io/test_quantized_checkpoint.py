@@ -1,0 +1,101 @@
+"""Quantized checkpoints load dequantised: a GPT-OSS with MXFP4 experts and a DeepSeek-V3
+with block-scaled FP8 projections (partial blocks at the ends) give the logits of the same
+weights dequantised by transformers and stored plain; validate accepts them; a method not
+read is named."""
+
+import pytest
+import torch
+
+from hybridflow.errors import UserError
+from hybridflow.model_config_values import ModelConfigError
+from hybridflow.models.checkpoint_io.hf_checkpoint import load_model_from_dir
+from hybridflow.models.checkpoint_io.loadability import config_problems
+from tests.models.mla_moe_helpers import deepseek_transformers, edit_config, gpt_oss_transformers
+from tests.models.quantized_helpers import fp8_deepseek, mxfp4_gpt_oss, quantize_mxfp4
+from tests.models.qwen3_5_helpers import two_sequences
+
+
+def _logits(model):
+    ids, mask = two_sequences()[:2]
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask)
+    return getattr(out, "logits", out)[mask.bool()]  # transformers' output, or our logits
+
+
+def _load(path, capsys):
+    model = load_model_from_dir(str(path)).eval()
+    return model, [line for line in capsys.readouterr().err.splitlines() if "dequantised" in line]
+
+
+def test_mxfp4_gpt_oss_gives_the_logits_of_its_dequantised_weights(tmp_path, capsys):
+    original = gpt_oss_transformers(hidden_size=64, intermediate_size=32)
+    original.save_pretrained(tmp_path / "mxfp4")
+    mxfp4_gpt_oss(tmp_path / "mxfp4", tmp_path / "plain")
+    assert config_problems(tmp_path / "mxfp4") == []  # refused before the loader read it
+    ours, lines = _load(tmp_path / "mxfp4", capsys)
+    plain = load_model_from_dir(str(tmp_path / "plain")).eval()
+    assert len(lines) == 1 and "6 weight tensors dequantised from MXFP4" in lines[0]
+    assert lines[0].endswith("to float32")
+    assert ours.model.layers[0].mlp.experts.gate_up_proj.shape == (4, 64, 64)
+    assert (_logits(ours) - _logits(plain)).abs().max() <= 1e-5
+    # the quantisation moved the weights enough to show in the logits: they were read
+    assert (_logits(ours) - _logits(original)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("block", [(16, 16), (128, 128)])
+def test_fp8_deepseek_gives_the_logits_of_its_dequantised_weights(tmp_path, capsys, block):
+    """16 x 16 blocks leave partial ones at the ends (q_a_proj is 24 rows, q_b_proj 24 wide);
+    128 x 128 (the released size) is one partial block per projection at this size."""
+    original = deepseek_transformers()
+    original.save_pretrained(tmp_path / "fp8")
+    fp8_deepseek(tmp_path / "fp8", tmp_path / "plain", block)
+    assert config_problems(tmp_path / "fp8") == []
+    ours, lines = _load(tmp_path / "fp8", capsys)
+    plain = load_model_from_dir(str(tmp_path / "plain")).eval()
+    assert len(lines) == 1 and f"FP8 e4m3 in {block[0]}x{block[1]} blocks" in lines[0]
+    assert (_logits(ours) - _logits(plain)).abs().max() <= 1e-5
+    assert (_logits(ours) - _logits(original)).abs().max() > 1e-4
+
+
+def test_a_bf16_load_dequantises_straight_to_bf16(tmp_path, capsys):
+    deepseek_transformers().save_pretrained(tmp_path / "fp8")
+    fp8_deepseek(tmp_path / "fp8", tmp_path / "plain", (16, 16))
+    ours = load_model_from_dir(str(tmp_path / "fp8"), dtype=torch.bfloat16)
+    plain = load_model_from_dir(str(tmp_path / "plain"), dtype=torch.bfloat16)
+    assert "to bfloat16" in capsys.readouterr().err
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(),
+                                                 plain.state_dict().values()))  # fmt: skip
+
+
+def test_mxfp4_blocks_without_their_scales_are_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    gpt_oss_transformers(hidden_size=64, intermediate_size=32).save_pretrained(tmp_path / "q")
+    mxfp4_gpt_oss(tmp_path / "q", tmp_path / "plain")
+    weights = load_file(tmp_path / "q" / "model.safetensors")
+    del weights["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(weights, tmp_path / "q" / "model.safetensors", metadata={"format": "pt"})
+    problems = config_problems(tmp_path / "q")
+    assert len(problems) == 1 and "without their pair" in problems[0]
+    assert "model.layers.1.mlp.experts.down_proj_blocks" in problems[0]
+    with pytest.raises(ModelConfigError, match="down_proj_blocks"):
+        load_model_from_dir(str(tmp_path / "q"))
+
+
+def test_a_quantization_not_read_is_named_by_validate_and_the_loader(tmp_path):
+    gpt_oss_transformers().save_pretrained(tmp_path)
+    edit_config(tmp_path, quantization_config={"quant_method": "gptq", "bits": 4})
+    with pytest.raises(UserError, match="config.json: quantization_config describes gptq"):
+        load_model_from_dir(str(tmp_path))
+    problems = config_problems(tmp_path)
+    assert len(problems) == 1 and str(tmp_path / "config.json") in problems[0]
+    edit_config(tmp_path, quantization_config={"quant_method": "fp8"})  # per-tensor fp8
+    assert "weight_block_size = None" in config_problems(tmp_path)[0]
+
+
+def test_the_reference_quantiser_rounds_to_the_nearest_code():
+    weight = torch.zeros(1, 32)
+    weight[0, :4] = torch.tensor([6.0, 2.9, -0.26, 0.2])  # scale 1: 6, 3, -0.5, 0
+    blocks, scales = quantize_mxfp4(weight)
+    assert scales.tolist() == [[127]]
+    assert blocks[0, 0, :2].tolist() == [0x5 << 4 | 0x7, 0x0 << 4 | 0x9]
