@@ -99,3 +99,60 @@ def test_the_reference_quantiser_rounds_to_the_nearest_code():
     blocks, scales = quantize_mxfp4(weight)
     assert scales.tolist() == [[127]]
     assert blocks[0, 0, :2].tolist() == [0x5 << 4 | 0x7, 0x0 << 4 | 0x9]
+
+
+def test_a_dequantised_model_saves_plain_and_loads_in_transformers(tmp_path):
+    import json
+
+    import transformers
+
+    gpt_oss_transformers(hidden_size=64, intermediate_size=32).save_pretrained(tmp_path / "q")
+    mxfp4_gpt_oss(tmp_path / "q", tmp_path / "plain")
+    ours = load_model_from_dir(str(tmp_path / "q")).eval()
+    ours.save_pretrained(str(tmp_path / "out"))
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert (_logits(reloaded) - _logits(ours)).abs().max() <= 1e-4
+
+
+def test_transformers_reads_these_checkpoints_as_released_ones_with_our_logits(tmp_path):
+    """The test checkpoints have the released layout: transformers, dequantising on load,
+    gives our logits. (Its FP8 loader derives the block from the scale grid, which is wrong
+    where a partial block ends a weight, so the blocks here divide every projection.)"""
+    import transformers
+
+    gpt_oss_transformers(hidden_size=64, intermediate_size=32).save_pretrained(tmp_path / "q")
+    mxfp4_gpt_oss(tmp_path / "q", tmp_path / "q_plain")
+    deepseek_transformers().save_pretrained(tmp_path / "f")
+    fp8_deepseek(tmp_path / "f", tmp_path / "f_plain", (8, 8))
+    for name, quantization in [("q", transformers.Mxfp4Config(dequantize=True)),
+                               ("f", transformers.FineGrainedFP8Config(
+                                   dequantize=True, weight_block_size=(8, 8)))]:  # fmt: skip
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / name, quantization_config=quantization, dtype=torch.float32
+        ).eval()
+        ours = load_model_from_dir(str(tmp_path / name)).eval()
+        assert (_logits(theirs) - _logits(ours)).abs().max() <= 1e-4
+
+
+def test_scales_in_another_shard_are_read_with_their_blocks(tmp_path, capsys):
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    gpt_oss_transformers(hidden_size=64, intermediate_size=32).save_pretrained(tmp_path / "q")
+    mxfp4_gpt_oss(tmp_path / "q", tmp_path / "plain")
+    weights = load_file(tmp_path / "q" / "model.safetensors")
+    (tmp_path / "q" / "model.safetensors").unlink()
+    second = {name for name in weights if name.endswith("_scales") or "layers.2." in name}
+    shards = {"model-00001-of-00002.safetensors": {n: t for n, t in weights.items() if n not in second},
+              "model-00002-of-00002.safetensors": {n: weights[n] for n in second}}  # fmt: skip
+    for file, tensors in shards.items():
+        save_file(tensors, tmp_path / "q" / file, metadata={"format": "pt"})
+    weight_map = {name: file for file, tensors in shards.items() for name in tensors}
+    index = {"metadata": {}, "weight_map": weight_map}
+    (tmp_path / "q" / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert config_problems(tmp_path / "q") == []
+    ours, lines = _load(tmp_path / "q", capsys)
+    plain = load_model_from_dir(str(tmp_path / "plain")).eval()
+    assert len(lines) == 1 and (_logits(ours) - _logits(plain)).abs().max() <= 1e-5
