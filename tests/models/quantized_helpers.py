@@ -66,11 +66,12 @@ def mxfp4_gpt_oss(directory: Path, dequantised: Path) -> None:
                                                 "modules_to_not_convert": ["model.layers.*.self_attn"]})  # fmt: skip
 
 
-def fp8_deepseek(directory: Path, dequantised: Path, block: tuple[int, int]) -> None:
-    """Rewrite the DeepSeek-V3 checkpoint in ``directory`` as the released one is: every
-    projection of the decoder layers (attention, dense, shared and routed experts; not the
-    router, norms, embeddings or lm_head) in float8 e4m3 with ``weight_scale_inv`` per
-    ``block``; ``dequantised`` gets it as transformers dequantises it."""
+def fp8_blocks(directory: Path, dequantised: Path, block: tuple[int, int]) -> None:
+    """Rewrite the checkpoint in ``directory`` as DeepSeek-V3's (and Qwen3-FP8's) released
+    ones are: every projection of the decoder layers (attention, dense, shared and routed
+    experts; not the router, norms, embeddings or lm_head) in float8 e4m3 with
+    ``weight_scale_inv`` per ``block``; ``dequantised`` gets it as transformers dequantises
+    it."""
     from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
     weights = load_file(directory / "model.safetensors")

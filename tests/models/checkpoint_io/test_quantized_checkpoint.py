@@ -11,7 +11,7 @@ from hybridflow.model_config_values import ModelConfigError
 from hybridflow.models.checkpoint_io.hf_checkpoint import load_model_from_dir
 from hybridflow.models.checkpoint_io.loadability import config_problems
 from tests.models.mla_moe_helpers import deepseek_transformers, edit_config, gpt_oss_transformers
-from tests.models.quantized_helpers import fp8_deepseek, mxfp4_gpt_oss, quantize_mxfp4
+from tests.models.quantized_helpers import fp8_blocks, mxfp4_gpt_oss, quantize_mxfp4
 from tests.models.qwen3_5_helpers import two_sequences
 
 
@@ -43,12 +43,12 @@ def test_mxfp4_gpt_oss_gives_the_logits_of_its_dequantised_weights(tmp_path, cap
 
 
 @pytest.mark.parametrize("block", [(16, 16), (128, 128)])
-def test_fp8_deepseek_gives_the_logits_of_its_dequantised_weights(tmp_path, capsys, block):
+def test_fp8_blocks_gives_the_logits_of_its_dequantised_weights(tmp_path, capsys, block):
     """16 x 16 blocks leave partial ones at the ends (q_a_proj is 24 rows, q_b_proj 24 wide);
     128 x 128 (the released size) is one partial block per projection at this size."""
     original = deepseek_transformers()
     original.save_pretrained(tmp_path / "fp8")
-    fp8_deepseek(tmp_path / "fp8", tmp_path / "plain", block)
+    fp8_blocks(tmp_path / "fp8", tmp_path / "plain", block)
     assert config_problems(tmp_path / "fp8") == []
     ours, lines = _load(tmp_path / "fp8", capsys)
     plain = load_model_from_dir(str(tmp_path / "plain")).eval()
@@ -59,7 +59,7 @@ def test_fp8_deepseek_gives_the_logits_of_its_dequantised_weights(tmp_path, caps
 
 def test_a_bf16_load_dequantises_straight_to_bf16(tmp_path, capsys):
     deepseek_transformers().save_pretrained(tmp_path / "fp8")
-    fp8_deepseek(tmp_path / "fp8", tmp_path / "plain", (16, 16))
+    fp8_blocks(tmp_path / "fp8", tmp_path / "plain", (16, 16))
     ours = load_model_from_dir(str(tmp_path / "fp8"), dtype=torch.bfloat16)
     plain = load_model_from_dir(str(tmp_path / "plain"), dtype=torch.bfloat16)
     assert "to bfloat16" in capsys.readouterr().err
@@ -124,7 +124,7 @@ def test_transformers_reads_these_checkpoints_as_released_ones_with_our_logits(t
     gpt_oss_transformers(hidden_size=64, intermediate_size=32).save_pretrained(tmp_path / "q")
     mxfp4_gpt_oss(tmp_path / "q", tmp_path / "q_plain")
     deepseek_transformers().save_pretrained(tmp_path / "f")
-    fp8_deepseek(tmp_path / "f", tmp_path / "f_plain", (8, 8))
+    fp8_blocks(tmp_path / "f", tmp_path / "f_plain", (8, 8))
     for name, quantization in [("q", transformers.Mxfp4Config(dequantize=True)),
                                ("f", transformers.FineGrainedFP8Config(
                                    dequantize=True, weight_block_size=(8, 8)))]:  # fmt: skip
@@ -156,3 +156,33 @@ def test_scales_in_another_shard_are_read_with_their_blocks(tmp_path, capsys):
     ours, lines = _load(tmp_path / "q", capsys)
     plain = load_model_from_dir(str(tmp_path / "plain")).eval()
     assert len(lines) == 1 and (_logits(ours) - _logits(plain)).abs().max() <= 1e-5
+
+
+def test_block_fp8_loads_in_any_family_of_our_decoder(tmp_path, capsys):
+    """Qwen3's FP8 releases use DeepSeek's layout: the loader does not ask the family."""
+    from tests.models.model_helpers import randomized_model, small_config
+
+    randomized_model(small_config("qwen3")).save_pretrained(str(tmp_path / "fp8"))
+    fp8_blocks(tmp_path / "fp8", tmp_path / "plain", (16, 16))
+    assert config_problems(tmp_path / "fp8") == []
+    ours, lines = _load(tmp_path / "fp8", capsys)
+    plain = load_model_from_dir(str(tmp_path / "plain")).eval()
+    assert len(lines) == 1 and "14 weight tensors" in lines[0]  # 7 projections x 2 layers
+    assert (_logits(ours) - _logits(plain)).abs().max() <= 1e-5
+
+
+def test_a_load_dequantises_one_tensor_at_a_time(tmp_path, monkeypatch):
+    """The stream hands each dequantised tensor on before it dequantises the next, so the
+    host holds one stored tensor and its result beyond what the model has taken."""
+    from hybridflow.models.checkpoint_io import dequantize, hf_checkpoint
+
+    gpt_oss_transformers(hidden_size=64, intermediate_size=32).save_pretrained(tmp_path / "q")
+    mxfp4_gpt_oss(tmp_path / "q", tmp_path / "plain")
+    calls = []
+    real = dequantize.mxfp4_experts_to_float
+    monkeypatch.setattr(dequantize, "mxfp4_experts_to_float",
+                        lambda *args: calls.append(1) or real(*args))  # fmt: skip
+    stream = hf_checkpoint.iter_checkpoint_tensors(str(tmp_path / "q"), torch.float32)
+    first = next(tensor for name, tensor in stream if name.endswith("experts.down_proj"))
+    assert len(calls) == 1 and first.shape == (4, 32, 64)
+    assert sum(1 for _ in stream) > 0 and len(calls) == 6

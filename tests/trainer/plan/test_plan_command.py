@@ -192,11 +192,11 @@ def test_a_quantized_checkpoint_is_validated_and_planned_dequantised(tmp_path, c
     read it) and the plan says it counts them so."""
     from hybridflow.cli import main
     from tests.models.mla_moe_helpers import deepseek_transformers, edit_config
-    from tests.models.quantized_helpers import fp8_deepseek
+    from tests.models.quantized_helpers import fp8_blocks
 
     deepseek_transformers().save_pretrained(tmp_path / "fp8")
     edit_config(tmp_path / "fp8", max_position_embeddings=64)  # the default prompts fit
-    fp8_deepseek(tmp_path / "fp8", tmp_path / "plain", (16, 16))
+    fp8_blocks(tmp_path / "fp8", tmp_path / "plain", (16, 16))
     overrides = [f"model.path={tmp_path / 'fp8'}", "model.tokenizer_path=char",
                  "trainer.device=cpu"]  # fmt: skip
     assert main(["config", "validate", *overrides]) == 0
