@@ -34,6 +34,9 @@ def mxfp4_to_float(
 ) -> torch.Tensor:
     """MXFP4 ``blocks`` [..., R, G, B] (uint8) and ``scales`` [..., R, G] (uint8 e8m0) ->
     [..., R, G * 2B] in ``dtype``. Every e2m1 value times a power of two is exact in bf16."""
+    if blocks.element_size() != 1 or scales.element_size() != 1:
+        raise ValueError(f"MXFP4 blocks and scales are bytes, not {blocks.dtype} and "
+                         f"{scales.dtype}")  # fmt: skip
     if blocks.shape[:-1] != scales.shape:
         raise ValueError(f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} "
                          "differ before the last dimension")  # fmt: skip

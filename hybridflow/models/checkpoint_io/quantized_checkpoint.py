@@ -127,7 +127,9 @@ def loaded_shapes(
     return shapes
 
 
-def unpaired_problem(loaded: dict[str, tuple[int, ...]], quantization, model_dir) -> str | None:
+def unpaired_problem(
+    loaded: dict[str, tuple[int, ...]], quantization: WeightQuantization | None, model_dir
+) -> str | None:
     """Why the tensors :func:`loaded_shapes` left under their stored names cannot load: a
     quantized tensor without its scales, or scales without their tensor; None if none."""
     if quantization is None:

@@ -101,3 +101,11 @@ def test_fp8_scales_of_another_grid_are_named():
     weight, _ = _random_fp8((300, 200), (128, 128))
     with pytest.raises(ValueError, match=r"needs scale_inv \[3, 2\], not \[2, 2\]"):
         fp8_blocks_to_float(weight, torch.ones(2, 2), (128, 128))
+
+
+def test_mxfp4_blocks_of_another_dtype_or_shape_are_named():
+    blocks, scales = _random_mxfp4(1, 4, 2)
+    with pytest.raises(ValueError, match="bytes, not torch.float32"):
+        mxfp4_to_float(blocks[0].float(), scales[0])
+    with pytest.raises(ValueError, match=r"scales \[4, 1\] differ"):
+        mxfp4_to_float(blocks[0], scales[0, :, :1])
