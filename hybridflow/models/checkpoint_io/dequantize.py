@@ -41,17 +41,24 @@ def mxfp4_to_float(
         raise ValueError(f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} "
                          "differ before the last dimension")  # fmt: skip
     *lead, groups, width = blocks.shape
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
     rows_in = blocks.reshape(-1, width).view(torch.uint8)  # [rows, B]
-    exponents = scales.reshape(-1, 1).to(torch.int32) - E8M0_BIAS  # [rows, 1]
+    # 2**(scale - 127) is exact in fp32 for every e8m0 byte but 255 (NaN; inf here)
+    multipliers = torch.ldexp(torch.ones(rows_in.shape[0], 1, device=blocks.device),
+                              scales.reshape(-1, 1).to(torch.int32) - E8M0_BIAS)  # fmt: skip
+    pairs = _byte_pairs(blocks.device)  # a byte -> its (low, high) values: one gather a byte
     out = torch.empty(rows_in.shape[0], 2 * width, dtype=dtype, device=blocks.device)
     step = max(1, CHUNK_ELEMENTS // (2 * width))
     for start in range(0, rows_in.shape[0], step):
-        chunk = rows_in[start : start + step]
-        values = torch.stack((table[(chunk & 0x0F).long()], table[(chunk >> 4).long()]), -1)
-        values = torch.ldexp(values.flatten(-2), exponents[start : start + step])
-        out[start : start + step] = values
+        values = pairs[rows_in[start : start + step].long()].flatten(-2)  # [rows, 2B]
+        out[start : start + step] = values.mul_(multipliers[start : start + step])
     return out.reshape(*lead, groups * 2 * width)
+
+
+def _byte_pairs(device) -> torch.Tensor:
+    """[256, 2] fp32: the e2m1 values of a byte's low and high nibble."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+    codes = torch.arange(256, device=device)
+    return torch.stack((table[codes & 0x0F], table[codes >> 4]), dim=-1)
 
 
 def mxfp4_experts_to_float(
@@ -85,21 +92,31 @@ def fp8_blocks_to_float(
     dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """Block-scaled FP8 ``weight`` [..., R, C] with ``scale_inv`` [..., ceil(R/bm),
-    ceil(C/bn)] for ``block`` = (bm, bn) -> [..., R, C] in ``dtype``; one row of blocks at
-    a time."""
+    ceil(C/bn)] for ``block`` = (bm, bn) -> [..., R, C] in ``dtype``; a few rows of blocks
+    at a time."""
+    if weight.dim() < 2:
+        raise ValueError(
+            f"an FP8 weight in blocks is [..., rows, columns], not {list(weight.shape)}"
+        )
     block_rows, block_cols = block
     rows, cols = weight.shape[-2:]
     grid = (-(-rows // block_rows), -(-cols // block_cols))
-    if weight.dim() < 2 or tuple(scale_inv.shape) != (*weight.shape[:-2], *grid):
+    if tuple(scale_inv.shape) != (*weight.shape[:-2], *grid):
         raise ValueError(
             f"weight {list(weight.shape)} in {block_rows}x{block_cols} blocks needs "
             f"scale_inv {[*weight.shape[:-2], *grid]}, not {list(scale_inv.shape)}"
         )
     multipliers = fp8_scales_to_float(scale_inv)
+    full = cols // block_cols  # whole blocks a row; the columns after them: a partial one
+    step = max(1, CHUNK_ELEMENTS // (block_rows * cols))  # rows of blocks a chunk
     out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
-    for index in range(grid[0]):
-        rows_of_block = slice(index * block_rows, (index + 1) * block_rows)
-        row_scales = multipliers[..., index, :].repeat_interleave(block_cols, dim=-1)[..., :cols]
-        values = weight[..., rows_of_block, :].to(torch.float32) * row_scales.unsqueeze(-2)
-        out[..., rows_of_block, :] = values
+    for first in range(0, grid[0], step):
+        chunk = slice(first * block_rows, (first + step) * block_rows)
+        values = weight[..., chunk, :].to(torch.float32)  # [..., r, C]
+        row_scales = multipliers[..., first : first + step, :].repeat_interleave(block_rows, -2)
+        row_scales = row_scales[..., : values.shape[-2], :]  # [..., r, blocks]
+        blocked = values[..., : full * block_cols].unflatten(-1, (full, block_cols))
+        blocked.mul_(row_scales[..., :full, None])
+        values[..., full * block_cols :].mul_(row_scales[..., full:])
+        out[..., chunk, :] = values
     return out

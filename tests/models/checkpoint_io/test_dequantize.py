@@ -81,6 +81,19 @@ def test_fp8_blocks_equal_transformers_bit_for_bit_with_partial_tails(shape, blo
     assert torch.equal(_bits(rounded), _bits(expected.to(torch.bfloat16)))  # one rounding
 
 
+@pytest.mark.parametrize("chunk_elements", [1, 2 * 16 * 45])  # one, then two rows of blocks
+def test_fp8_chunks_of_block_rows_give_the_whole_tensor(monkeypatch, chunk_elements):
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    from hybridflow.models.checkpoint_io import dequantize
+
+    monkeypatch.setattr(dequantize, "CHUNK_ELEMENTS", chunk_elements)
+    weight, scale_inv = _random_fp8((3, 70, 45), (16, 32), seed=2)  # 5 rows of blocks
+    expected = _dequantize_fp8_weight(weight, scale_inv, [16, 32], torch.float32)
+    ours = fp8_blocks_to_float(weight, scale_inv, (16, 32), torch.float32)
+    assert torch.equal(_bits(ours), _bits(expected))
+
+
 def test_fp8_blocks_equal_transformers_load_dequantiser_where_blocks_divide():
     """The dequantiser transformers runs on load (scales as a grid, blocks derived)."""
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
