@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hybridflow.model_config_values import (
     ModelConfigError,
@@ -20,6 +21,9 @@ from hybridflow.model_config_values import (
 )
 from hybridflow.models.architecture import SUPPORTED_MODEL_TYPES
 from hybridflow.safetensors_headers import stored_shapes
+
+if TYPE_CHECKING:
+    from hybridflow.models.checkpoint_io.quantized_checkpoint import WeightQuantization
 
 CONFIG_FILE = "config.json"
 
@@ -116,10 +120,9 @@ def native_weight_problems(
 
     try:
         architecture = ModelArchitecture.from_hf(config)
-        weight_quantization(config)
+        quantization = weight_quantization(config)
     except (ValueError, KeyError, TypeError):
         return []  # not for our decoder (transformers' fallback reads it), or said before
-    quantization = weight_quantization(config)
     stored = _stored_shapes(Path(model_dir), architecture, quantization)
     if stored is None:
         return []
@@ -200,7 +203,7 @@ def _missing_message(model_dir, config_file, count: int, names: list[str]) -> st
 
 
 def _stored_shapes(
-    model_dir: Path, architecture, quantization=None
+    model_dir: Path, architecture, quantization: WeightQuantization | None = None
 ) -> dict[str, tuple[int, ...]] | None:
     """Tensor name -> shape from the headers of the safetensors files the loader reads (the
     index's shards, else model.safetensors: a repository's other files, such as Mistral's
@@ -220,14 +223,12 @@ def _stored_shapes(
 
     from hybridflow.models.checkpoint_io.expert_checkpoint import shapes_in_memory
     from hybridflow.models.checkpoint_io.quantized_checkpoint import loaded_shapes
-
-    shapes = loaded_shapes(shapes, quantization)
     from hybridflow.models.families import read_tensor
 
     # each stored tensor as the names and shapes it loads into (meta tensors: no memory)
     shapes = {
         name: tuple(tensor.shape)
-        for stored, shape in shapes.items()
+        for stored, shape in loaded_shapes(shapes, quantization).items()
         for name, tensor in read_tensor(architecture, stored, torch.empty(shape, device="meta"))
     }
     return shapes_in_memory(shapes)  # one tensor per expert -> the packed names we load into
