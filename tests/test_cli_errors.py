@@ -141,6 +141,19 @@ MODELS_THAT_CANNOT_LOAD = {
         lambda m: _add_tensor(m, "model.layers.0.mlp.extra.weight"),
         "has no place for (e.g. model.layers.0.mlp.extra.weight)",
     ),
+    "a quantization the decoder does not read": (
+        lambda m: _edit_config(m, quantization_config={"quant_method": "gptq", "bits": 4}),
+        "quantization_config describes gptq weights",
+    ),
+    "FP8 scales without their weight": (
+        lambda m: (
+            _edit_config(
+                m, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}
+            ),
+            _add_tensor(m, "model.layers.0.mlp.extra.weight_scale_inv"),
+        ),
+        "without their pair (e.g. model.layers.0.mlp.extra.weight_scale_inv",
+    ),
     "a tokenizer file that does not load": (
         lambda m: (m / "tokenizer.json").write_text("{}"),
         "the tokenizer in",

@@ -23,11 +23,25 @@ def stored_score_rows(model_dir: str | Path) -> int | None:
 
 
 def stored_parameter_count(model_dir: str | Path) -> int | None:
-    """Elements of every tensor in the checkpoint (for the memory plan); None if unreadable."""
+    """Elements of every tensor in the checkpoint (for the memory plan), quantized ones
+    counted as they load, dequantised; None if unreadable."""
+    import json
+
+    from hybridflow.models.checkpoint_io.quantized_checkpoint import (
+        loaded_shapes,
+        weight_quantization,
+    )
+
     shapes = stored_shapes(model_dir)
     if shapes is None:
         return None
-    return sum(math.prod(shape) for shape in shapes.values())
+    try:
+        quantization = weight_quantization(
+            json.loads((Path(model_dir) / "config.json").read_text())
+        )
+    except (OSError, ValueError, AttributeError):
+        quantization = None  # unreadable or a format not read: said by the checks
+    return sum(math.prod(shape) for shape in loaded_shapes(shapes, quantization).values())
 
 
 def reward_model_problems(path: str) -> list[str]:

@@ -158,7 +158,7 @@ class TensorParallelRollout:
         tensor = cls(ModelArchitecture.from_hf(config), size, dtype, device,
                      split_experts=split_experts, expert_parallel_size=expert_parallel_size,
                      own_group=own_group)  # fmt: skip
-        tensor.copy_in(iter_checkpoint_tensors(path), path)
+        tensor.copy_in(iter_checkpoint_tensors(path, dtype), path)
         return tensor
 
     @torch.no_grad()

@@ -111,16 +111,6 @@ def test_deepseek_v2_checkpoints_give_transformers_logits_both_ways(tmp_path, to
     _compare(reloaded, ours)
 
 
-def test_fp8_checkpoints_are_refused_naming_the_file(tmp_path):
-    from hybridflow.errors import UserError
-
-    deepseek_transformers().save_pretrained(tmp_path)
-    edit_config(tmp_path, quantization_config={"quant_method": "fp8",
-                                               "weight_block_size": [128, 128]})  # fmt: skip
-    with pytest.raises(UserError, match=f"{tmp_path}/config.json describes fp8 weights"):
-        load_model_from_dir(str(tmp_path))
-
-
 def test_expanded_heads_through_a_one_width_kernel_give_mlas_attention():
     """The flash varlen kernel takes one head width and scales by its inverse square root:
     q/k (24 wide here) and v (12) padded to one width with q pre-scaled give the scores

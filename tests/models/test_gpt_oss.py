@@ -1,15 +1,12 @@
 """GPT-OSS in our decoder: checkpoints transformers writes (sliding and full layers, sinks,
 biased experts with a clamped SwiGLU) load with transformers' logits, padded and packed, and
-ours load back into transformers; MXFP4 checkpoints are refused by name."""
+ours load back into transformers (MXFP4 checkpoints: checkpoint_io/test_quantized_checkpoint.py)."""
 
-import pytest
 import torch
 
-from hybridflow.errors import UserError
 from hybridflow.models.checkpoint_io.hf_checkpoint import load_model_from_dir
-from hybridflow.models.checkpoint_io.loadability import config_problems
 from hybridflow.models.mixers.sink_attention import sink_attention_rows
-from tests.models.mla_moe_helpers import edit_config, gpt_oss_transformers, packed_logits
+from tests.models.mla_moe_helpers import gpt_oss_transformers, packed_logits
 from tests.models.qwen3_5_helpers import two_sequences
 
 
@@ -76,12 +73,3 @@ def test_a_sink_takes_weight_from_the_keys():
     assert torch.allclose(plain, reference, atol=1e-6)
     heavy = sink_attention_rows(q, k, v, torch.full((2,), 1e4), 0)
     assert heavy.abs().max() < 1e-6  # all weight on the sink: nothing read
-
-
-def test_mxfp4_checkpoints_are_refused_naming_the_file(tmp_path):
-    gpt_oss_transformers().save_pretrained(tmp_path)
-    edit_config(tmp_path, quantization_config={"quant_method": "mxfp4"})
-    with pytest.raises(UserError, match="config.json describes mxfp4 weights"):
-        load_model_from_dir(str(tmp_path))
-    problems = config_problems(tmp_path)
-    assert len(problems) == 1 and str(tmp_path / "config.json") in problems[0]

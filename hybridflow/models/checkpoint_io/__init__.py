@@ -1,1 +1,1 @@
-"""Hugging Face checkpoints in and out: reading safetensors into our decoder (per-expert or packed experts, finite weights), the checks `validate` shares with loading, and transformers' fallback."""
+"""Hugging Face checkpoints in and out: reading safetensors into our decoder (per-expert or packed experts, finite weights, MXFP4 and block-FP8 weights dequantised), the checks `validate` shares with loading, and transformers' fallback."""

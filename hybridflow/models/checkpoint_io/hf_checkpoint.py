@@ -16,6 +16,11 @@ from hybridflow.models.architecture import ModelArchitecture
 from hybridflow.models.checkpoint_io import expert_checkpoint
 from hybridflow.models.checkpoint_io.finite_weights import check_finite
 from hybridflow.models.checkpoint_io.hf_writer import INDEX_FILE, SINGLE_FILE
+from hybridflow.models.checkpoint_io.quantized_checkpoint import (
+    dequantized_tensors,
+    quantization_problem,
+    weight_quantization,
+)
 from hybridflow.models.families import family_hook, read_tensor
 from hybridflow.models.llama import CausalLM
 
@@ -43,11 +48,11 @@ def announce_not_loaded(hf_config: dict, path: str, skipped: list[str]) -> None:
 
 
 def check_weight_format(hf_config: dict, path: str) -> None:
-    """UserError when config.json describes weights the decoder cannot read (MXFP4)."""
-    problem = family_hook(hf_config, "checkpoint_problem")
-    message = problem(hf_config, os.path.join(path, "config.json")) if problem else None
-    if message:
-        raise UserError(message)
+    """UserError when config.json describes weights the decoder cannot read (a quantization
+    it does not dequantise: quantized_checkpoint.py)."""
+    problem = quantization_problem(hf_config, os.path.join(path, "config.json"))
+    if problem:
+        raise UserError(problem)
 
 
 def read_hf_config(path: str) -> dict:
@@ -95,18 +100,34 @@ def safetensors_problem(file: str | os.PathLike) -> str | None:
     return None
 
 
-def iter_checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of every tensor in the checkpoint, one file open at a time; a
-    tensor holding a NaN or an inf is refused (UserError naming it)."""
-    for file in checkpoint_files(path):
+def iter_checkpoint_tensors(
+    path: str, dtype: torch.dtype = torch.bfloat16
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of every tensor in the checkpoint, one at a time; quantized
+    weights (config.json's quantization_config) come dequantised to ``dtype`` under the
+    names they load into. A tensor holding a NaN or an inf is refused (UserError naming it)."""
+    files = checkpoint_files(path)
+    for file in files:
         problem = safetensors_problem(file)
         if problem is not None:
             raise UserError(problem, "copy the model directory again (a download cut short?)")
+    config = read_hf_config(path) if os.path.exists(os.path.join(path, "config.json")) else {}
+    check_weight_format(config, path)
+    quantization = weight_quantization(config)
+    if quantization is None:
+        stream = _plain_tensors(files)
+    else:
+        stream = dequantized_tensors(files, quantization, dtype, path)
+    for name, tensor, file in stream:
+        check_finite(name, tensor, file)
+        yield name, tensor
+
+
+def _plain_tensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor, str]]:
+    for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                tensor = f.get_tensor(name)
-                check_finite(name, tensor, file)
-                yield name, tensor
+                yield name, f.get_tensor(name), file
 
 
 def load_model_from_dir(
@@ -122,13 +143,13 @@ def load_model_from_dir(
     from hybridflow.models.checkpoint_io.loadability import native_weight_problems
 
     hf_config = read_hf_config(path)
+    check_weight_format(hf_config, path)
     problems = native_weight_problems(path, hf_config, num_labels)  # the headers, as validate
     if problems:
         raise ModelConfigError(problems[0])
     config = ModelArchitecture.from_hf(hf_config)
     if isinstance(hf_config.get("text_config"), dict) and config.vision is None:  # text only
         announce_text_only(path)
-    check_weight_format(hf_config, path)
     with torch.device("meta"):
         model = CausalLM(config, num_labels=num_labels)
     shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
@@ -155,7 +176,8 @@ def load_model_from_dir(
                 raise ModelConfigError(f"checkpoint tensor {name!r} of {path} has no place "
                                        f"in {config.model_type}")  # fmt: skip
 
-    for stored_name, stored in iter_checkpoint_tensors(path):
+    dequantize_to = dtype if dtype.is_floating_point else torch.bfloat16
+    for stored_name, stored in iter_checkpoint_tensors(path, dequantize_to):
         pairs = read_tensor(config, stored_name, stored)  # renamed, split; none: not run
         if not pairs:
             skipped.append(stored_name)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hybridflow.model_config_values import (
     ModelConfigError,
@@ -20,6 +21,9 @@ from hybridflow.model_config_values import (
 )
 from hybridflow.models.architecture import SUPPORTED_MODEL_TYPES
 from hybridflow.safetensors_headers import stored_shapes
+
+if TYPE_CHECKING:
+    from hybridflow.models.checkpoint_io.quantized_checkpoint import WeightQuantization
 
 CONFIG_FILE = "config.json"
 
@@ -95,10 +99,9 @@ def config_problems(model_dir: str | Path, num_labels: int | None = None) -> lis
     ):  # the words a model load says (models/checkpoint_io/hf_checkpoint.py read_hf_config)
         return [config_values_message(problems, Path(model_dir) / CONFIG_FILE)]
     if config.get("model_type") in SUPPORTED_MODEL_TYPES:
-        from hybridflow.models.families import family_hook
+        from hybridflow.models.checkpoint_io.quantized_checkpoint import quantization_problem
 
-        problem = family_hook(config, "checkpoint_problem")
-        message = problem(config, str(Path(model_dir) / CONFIG_FILE)) if problem else None
+        message = quantization_problem(config, str(Path(model_dir) / CONFIG_FILE))
         return [message] if message else native_weight_problems(model_dir, config, num_labels)
     return []
 
@@ -110,14 +113,22 @@ def native_weight_problems(
     ``config``, in its shape, and none it has no place for ([] if so, or if a file is
     unreadable: reported elsewhere). The loader says the same before it reads a weight."""
     from hybridflow.models.architecture import ModelArchitecture
+    from hybridflow.models.checkpoint_io.quantized_checkpoint import (
+        unpaired_problem,
+        weight_quantization,
+    )
 
     try:
         architecture = ModelArchitecture.from_hf(config)
+        quantization = weight_quantization(config)
     except (ValueError, KeyError, TypeError):
-        return []  # not for our decoder: transformers' fallback reads it
-    stored = _stored_shapes(Path(model_dir), architecture)
+        return []  # not for our decoder (transformers' fallback reads it), or said before
+    stored = _stored_shapes(Path(model_dir), architecture, quantization)
     if stored is None:
         return []
+    unpaired = unpaired_problem(stored, quantization, model_dir)
+    if unpaired:
+        return [unpaired]
     config_file = Path(model_dir) / CONFIG_FILE
     layers = stored_layer_count(stored)
     if architecture.num_hidden_layers > layers:  # said before a model of that depth is built
@@ -191,11 +202,14 @@ def _missing_message(model_dir, config_file, count: int, names: list[str]) -> st
     )
 
 
-def _stored_shapes(model_dir: Path, architecture) -> dict[str, tuple[int, ...]] | None:
+def _stored_shapes(
+    model_dir: Path, architecture, quantization: WeightQuantization | None = None
+) -> dict[str, tuple[int, ...]] | None:
     """Tensor name -> shape from the headers of the safetensors files the loader reads (the
     index's shards, else model.safetensors: a repository's other files, such as Mistral's
-    consolidated.safetensors, are not read), under the names the model loads into; None if
-    a header or the index is unreadable."""
+    consolidated.safetensors, are not read), under the names and shapes the model loads
+    (quantized weights as dequantised: quantized_checkpoint.loaded_shapes); None if a header
+    or the index is unreadable."""
     from hybridflow.models.checkpoint_io.hf_checkpoint import checkpoint_files
 
     try:
@@ -208,12 +222,13 @@ def _stored_shapes(model_dir: Path, architecture) -> dict[str, tuple[int, ...]] 
     import torch
 
     from hybridflow.models.checkpoint_io.expert_checkpoint import shapes_in_memory
+    from hybridflow.models.checkpoint_io.quantized_checkpoint import loaded_shapes
     from hybridflow.models.families import read_tensor
 
     # each stored tensor as the names and shapes it loads into (meta tensors: no memory)
     shapes = {
         name: tuple(tensor.shape)
-        for stored, shape in shapes.items()
+        for stored, shape in loaded_shapes(shapes, quantization).items()
         for name, tensor in read_tensor(architecture, stored, torch.empty(shape, device="meta"))
     }
     return shapes_in_memory(shapes)  # one tensor per expert -> the packed names we load into

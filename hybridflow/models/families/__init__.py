@@ -14,7 +14,6 @@ and optionally:
     write_tensors(arch, state)        our state dict -> (name, tensor) as its checkpoints
                          hold them (before experts are split per expert)
     not_loaded_note(hf, skipped)  one line naming the tensors a load left out, or None
-    checkpoint_problem(hf, config_file)  why the weights cannot be read (a format), or None
     nest_config(arch, flat)  the config.json to write, from the common entries written flat
                          (a multimodal family's text_config / vision_config layout)
 

@@ -14,8 +14,9 @@ head_dim is qk_rope_head_dim, the dimensions RoPE turns (transformers sets it so
 The published checkpoints append ``num_nextn_predict_layers`` multi-token-prediction layers
 after the last decoder layer (``model.layers.61.*`` for V3); they serve speculative
 decoding and are not loaded. The published V3, R1 and Kimi-K2 weights are FP8 with block
-scales (``quantization_config``): refused by name, to be dequantised to bf16 first. On disk each routed expert is its own tensors under
-``mlp.experts.{e}`` (expert_checkpoint.py).
+scales (``quantization_config``): they load dequantised to the model's dtype
+(checkpoint_io/quantized_checkpoint.py). On disk each routed expert is its own tensors
+under ``mlp.experts.{e}`` (expert_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from hybridflow.models.families.quantized import quantized_checkpoint_problem
 from hybridflow.models.layer_spec import LayerSpec
 
 ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM",
@@ -45,11 +45,6 @@ def text_config(hf: dict[str, Any]) -> dict[str, Any]:
     head_dim = int(hf.get("qk_rope_head_dim") or hf.get("head_dim") or 64)
     model_type = V2 if hf.get("model_type") == V2 else "deepseek_v3"
     return {**hf, "model_type": model_type, "head_dim": head_dim}
-
-
-def checkpoint_problem(hf: dict[str, Any], config_file: str) -> str | None:
-    """The published V3/R1/Kimi-K2 weights are block-scaled FP8: named, not misread."""
-    return quantized_checkpoint_problem(hf, config_file)
 
 
 def read_tensor(arch, name: str, tensor) -> list[tuple[str, Any]]:

@@ -8,27 +8,20 @@ expert's width), ``sliding_window``, ``layer_types`` ("sliding_attention" /
 "full_attention"), ``swiglu_alpha``/``swiglu_limit`` (absent: 1.702 and 7.0).
 
 The released checkpoints store the experts in MXFP4 (``*_blocks`` and ``*_scales`` tensors,
-``quantization_config.quant_method = "mxfp4"``); this decoder reads bf16/fp32 tensors
-(transformers writes those, e.g. after dequantising on load) and names such a checkpoint as
-one it cannot read.
+``quantization_config.quant_method = "mxfp4"``); they load dequantised to the model's dtype
+(checkpoint_io/quantized_checkpoint.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from hybridflow.models.families.quantized import quantized_checkpoint_problem
 from hybridflow.models.layer_spec import LayerSpec
 
 ARCHITECTURES = {"gpt_oss": "GptOssForCausalLM"}
 MODEL_TYPES = tuple(ARCHITECTURES)
 WINDOWED = "sliding_attention"
 LAYER_TYPES = (WINDOWED, "full_attention")
-
-
-def checkpoint_problem(hf: dict[str, Any], config_file: str) -> str | None:
-    """Why this decoder cannot read the weights config.json describes (MXFP4), or None."""
-    return quantized_checkpoint_problem(hf, config_file)
 
 
 def layer_types_of(hf: dict[str, Any]) -> tuple[str, ...]:

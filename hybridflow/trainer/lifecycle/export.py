@@ -56,6 +56,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, log=print) -> Pat
     stream = core.iter_full_tensors(model)
     if use_lora:
         stream = lora.merge_lora_stream(stream, lora.lora_scalings(model))
+    quantized = dequantised_note(hf_config, out)
+    if quantized:  # the source checkpoint's precision, not the training masters' fp32
+        log(quantized)
+        stream = ((n, t.to(torch.bfloat16) if t.is_floating_point() else t) for n, t in stream)
     tied = model.config.tie_word_embeddings
     state = {name: t for name, t in stream if not (tied and name == "lm_head.weight")}
     export_causal_lm(model.config, state, out)
@@ -63,6 +67,20 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, log=print) -> Pat
     if tokenizer_dir.is_dir():
         copy_regular_files(tokenizer_dir, out)
     return out
+
+
+def dequantised_note(hf_config: dict, out: Path) -> str | None:
+    """The line saying the export is written in bf16 without quantization_config, when
+    model.path's checkpoint stored its weights quantized (read dequantised:
+    models/checkpoint_io/quantized_checkpoint.py); None otherwise."""
+    quantization = hf_config.get("quantization_config")
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if not method:
+        return None
+    return (
+        f"{out}: model.path stored its weights as {method} (quantization_config); they were "
+        "trained dequantised and are written in bfloat16, without quantization_config"
+    )
 
 
 def check_export_target(out: Path, overwrite: bool) -> None:

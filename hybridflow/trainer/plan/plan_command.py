@@ -75,7 +75,7 @@ def plan_command(cfg: Config, gpu_memory: str | None = None, out=print) -> int:
             problems = problems or reward_model_gpu_problems(cfg, reward_gpu, gpu_bytes, source)
     for line in parallel_lines(cfg, derived, plan, fits=not problems):
         out("  " + line)
-    for line in not_built_lines(cfg, derived):
+    for line in not_built_lines(cfg, derived) + quantized_weights_lines(cfg.model.path):
         out("  " + line)
     out("  " + host_text(need, cfg, available, host_source))
     problems += host
@@ -95,3 +95,19 @@ def not_built_lines(cfg: Config, derived) -> list[str]:
         lines.append(f"not yet supported, so hybridflow train refuses this layout for now: "
                      f"{'; '.join(missing)}")  # fmt: skip
     return lines
+
+
+def quantized_weights_lines(model_path: str) -> list[str]:
+    """A line when model.path stores its weights quantized (config.json's
+    quantization_config): they load dequantised, so the plan counts them in the dtypes its
+    items name, not the stored bytes (models/checkpoint_io/quantized_checkpoint.py)."""
+    import json
+    from pathlib import Path
+
+    try:
+        hf = json.loads((Path(model_path).expanduser() / "config.json").read_text())
+        method = hf["quantization_config"]["quant_method"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [f"model.path stores its weights as {method}; they load dequantised, so the weights "
+            "above are counted in the dtypes named there (bf16 or fp32), not as stored"]  # fmt: skip

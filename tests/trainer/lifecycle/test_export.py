@@ -141,3 +141,35 @@ def test_exported_weights_get_the_mode_the_umask_gives_as_the_config_does(run_di
         os.umask(previous)
     for name in ("model.safetensors", "config.json"):
         assert stat.S_IMODE((tmp_path / "hf" / name).stat().st_mode) == 0o644, name
+
+
+def test_a_run_from_a_quantized_checkpoint_exports_bf16_without_its_quantization(
+    run_dir, tmp_path, capsys
+):
+    """model.path stored its weights quantized (its config.json, copied into the checkpoint's
+    hf_config.json, says so): the export is plain bf16 and says so."""
+    import json
+
+    from safetensors import safe_open
+
+    from hybridflow.trainer.lifecycle.checkpoint_files import METADATA_FILE, checksum
+
+    checkpoint = tmp_path / "step_2"
+    shutil.copytree(run_dir / "checkpoints" / "step_2", checkpoint)
+    hf_config_file = checkpoint / "hf_config.json"
+    hf_config = json.loads(hf_config_file.read_text())
+    hf_config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    hf_config_file.write_text(json.dumps(hf_config))
+    metadata = json.loads((checkpoint / METADATA_FILE).read_text())  # as if saved so
+    metadata["files"]["hf_config.json"] = hf_config_file.stat().st_size
+    metadata["checksums"]["hf_config.json"] = checksum(hf_config_file)
+    (checkpoint / METADATA_FILE).write_text(json.dumps(metadata))
+
+    out = tmp_path / "hf"
+    assert main(["export", str(checkpoint), str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "stored its weights as fp8" in said and "written in bfloat16" in said
+    written = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in written and written["torch_dtype"] == "bfloat16"
+    with safe_open(out / "model.safetensors", framework="pt") as weights:
+        assert {weights.get_tensor(n).dtype for n in weights.keys()} == {torch.bfloat16}

@@ -185,3 +185,23 @@ def test_the_rollout_copy_holds_every_expert_when_asked():
     split, whole = rollout_share(shape, 2, 1), rollout_share(shape, 2, 1, experts_whole=True)
     assert whole - split == 589_824
     assert rollout_share(shape, 2, 2) == split  # ep = tp: the same split
+
+
+def test_a_quantized_checkpoint_is_validated_and_planned_dequantised(tmp_path, capsys):
+    """Its weights load dequantised: validate accepts it (it refused it before the loader
+    read it) and the plan says it counts them so."""
+    from hybridflow.cli import main
+    from tests.models.mla_moe_helpers import deepseek_transformers, edit_config
+    from tests.models.quantized_helpers import fp8_blocks
+
+    deepseek_transformers().save_pretrained(tmp_path / "fp8")
+    edit_config(tmp_path / "fp8", max_position_embeddings=64)  # the default prompts fit
+    fp8_blocks(tmp_path / "fp8", tmp_path / "plain", (16, 16))
+    overrides = [f"model.path={tmp_path / 'fp8'}", "model.tokenizer_path=char",
+                 "trainer.device=cpu"]  # fmt: skip
+    assert main(["config", "validate", *overrides]) == 0
+    assert main(["config", "plan", *overrides]) == 0
+    out = capsys.readouterr().out
+    assert "model.path stores its weights as fp8; they load dequantised" in out
+    assert main(["config", "plan", *overrides[1:], f"model.path={tmp_path / 'plain'}"]) == 0
+    assert "dequantised" not in capsys.readouterr().out
