@@ -112,10 +112,12 @@ class _FlashVarlen(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, max_seqlen, deterministic, causal=True):
-        out, lse, rng_a, rng_b, _ = torch.ops.aten._flash_attention_forward(
+        # Dropout 0: the RNG state this returns is never read, so it is neither saved nor
+        # passed on (_flash_backward).
+        out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
             q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, causal, False
         )
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng_a, rng_b)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
         ctx.max_seqlen = max_seqlen
         ctx.deterministic = deterministic
         ctx.causal = causal
@@ -123,18 +125,23 @@ class _FlashVarlen(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, cu_seqlens, rng_a, rng_b = ctx.saved_tensors
-        m = ctx.max_seqlen
+        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
         backward = _deterministic_flash_backward if ctx.deterministic else _flash_backward
-        dq, dk, dv = backward(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, m, rng_a,
-                              rng_b, ctx.causal)  # fmt: skip
+        dq, dk, dv = backward(
+            grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.causal
+        )
         return dq, dk, dv, None, None, None, None
 
 
-def _flash_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, rng_a, rng_b, causal=True):
+def _flash_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, causal=True):
+    # With dropout 0 the kernel never reads its RNG state: stand-ins made here, as
+    # torch.nn.attention.varlen does, rather than the forward's unused state carried through
+    # autograd and the opaque op below.
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    unused = torch.empty(0, device=q.device)
     m = max_seqlen
     return torch.ops.aten._flash_attention_backward(
-        grad_out, q, k, v, out, lse, cu_seqlens, cu_seqlens, m, m, 0.0, causal, rng_a, rng_b
+        grad_out, q, k, v, out, lse, cu_seqlens, cu_seqlens, m, m, 0.0, causal, rng_state, unused
     )
 
 
@@ -149,17 +156,14 @@ def _deterministic_flash_backward(
     lse: torch.Tensor,
     cu_seqlens: torch.Tensor,
     max_seqlen: int,
-    rng_a: torch.Tensor,
-    rng_b: torch.Tensor,
     causal: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     with deterministic_kernels():
-        return _flash_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, rng_a, rng_b,
-                               causal)  # fmt: skip
+        return _flash_backward(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, causal)
 
 
 @_deterministic_flash_backward.register_fake
-def _(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, rng_a, rng_b, causal=True):
+def _(grad_out, q, k, v, out, lse, cu_seqlens, max_seqlen, causal=True):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
