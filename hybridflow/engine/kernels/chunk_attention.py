@@ -6,7 +6,7 @@ replays as a CUDA graph (the eager extend pass gathers each sequence's K/V for
 FlashAttention's varlen kernel instead, sized by the data).
 
 The work is cut on the host into tiles of up to `tile_tokens` consecutive tokens of one
-chunk (chunk_tiles): a program per (tile, kv head) attends the tile's tokens x the head
+chunk (chunk_tiles; fewer is fine: the rows past a tile's end are masked): a program per (tile, kv head) attends the tile's tokens x the head
 group's query heads as one [tokens * G_PAD, D] matrix, so each K/V tile is read once for the
 whole group, over the keys up to the tile's last position. A tile without a sequence (slot
 < 0) writes zeros: the padding tokens of the step's budget, whose rows run through the rest
@@ -26,8 +26,9 @@ from hybridflow.engine.kernels.attention_tiles import cache_offsets
 from hybridflow.engine.kernels.launch import PLAIN, Launch
 from hybridflow.engine.kernels.pdl import wait_then_release
 
-TILE_ROWS = 64  # query rows of a program: tokens x the padded head group
-BLOCK_N = 32  # cached positions a loop iteration reads
+# Query rows of a program (tokens x the padded head group): 16 tokens of 0.5b's group of 7
+# heads (padded to 8), each K/V tile read once for them; not timed on a GPU yet.
+TILE_ROWS = 128
 
 
 def tile_tokens(num_heads: int, num_kv_heads: int) -> int:
@@ -144,9 +145,11 @@ def chunk_attention(
     assert q.stride(2) == 1 and q.stride(1) == head_dim
     assert key_cache.stride() == value_cache.stride() and key_cache.stride(3) == 1
     out = torch.empty(tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    # the decode kernel's untimed tile: 64 positions a loop at head dim 64, 32 above
     meta = dict(G=group, G_PAD=triton.next_power_of_2(group), D=head_dim,
-                TOKENS=tile_tokens(num_heads, num_kv), BLOCK=BLOCK_N,
-                FP32_DOT=q.dtype == torch.float32, PAGE=0)  # fmt: skip
+                TOKENS=tile_tokens(num_heads, num_kv), BLOCK=64 if head_dim <= 64 else 32,
+                FP32_DOT=q.dtype == torch.float32, PAGE=0,
+                num_warps=4 if head_dim <= 64 else 8)  # fmt: skip
     table_arg, stride_table = positions, 0
     if table is not None:
         assert table.dtype == torch.int32 and table.stride(1) == 1

@@ -22,8 +22,9 @@ pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 SEQ, KV_HEADS, DIM = 64, 2, 16
 
 
-def _step(heads: int, paged: bool, generator):
-    """Three chunks (slot, cached, new) packed into a 40-token budget, the rest padding."""
+def _step(heads: int, paged: bool, generator, per_tile: int | None = None):
+    """Three chunks (slot, cached, new) packed into a 40-token budget, the rest padding;
+    tiles of per_tile tokens (at most the kernel's tile_tokens; default: that)."""
     chunks = [(3, 0, 11), (0, 17, 6), (5, 30, 9)]  # a fresh prompt, two continuations
     tokens = 40
     slots = 7
@@ -48,7 +49,7 @@ def _step(heads: int, paged: bool, generator):
         chunk_slots.append(slot)
         positions[offset : offset + new] = torch.arange(cached, cached + new)
         offset += new
-    per_tile = tile_tokens(heads, KV_HEADS)
+    per_tile = per_tile or tile_tokens(heads, KV_HEADS)
     tiles = chunk_tiles(firsts, counts, chunk_slots, tokens, per_tile,
                         tile_count(tokens, len(chunks), per_tile))  # fmt: skip
     q = torch.randn(tokens, heads, DIM, generator=generator)
@@ -58,9 +59,10 @@ def _step(heads: int, paged: bool, generator):
 
 @pytest.mark.parametrize("paged", [True, False])
 @pytest.mark.parametrize("heads", [4, 6])
-def test_chunk_attention_equals_the_gathered_reference(paged, heads):
+@pytest.mark.parametrize("per_tile", [None, 5])  # whole chunks a tile; tiles cut at odd places
+def test_chunk_attention_equals_the_gathered_reference(paged, heads, per_tile):
     generator = torch.Generator().manual_seed(heads + paged)
-    q, keys, values, positions, tiles, table, used = _step(heads, paged, generator)
+    q, keys, values, positions, tiles, table, used = _step(heads, paged, generator, per_tile)
     out = chunk_attention(q, keys, values, positions, tiles, table=table)
     expected = chunk_attention_reference(q, keys, values, positions, tiles, table=table)
     torch.testing.assert_close(out[:used], expected[:used], rtol=1e-5, atol=1e-5)
