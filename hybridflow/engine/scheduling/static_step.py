@@ -176,7 +176,7 @@ class StaticMixedStep:
             (torch.cat([row_entries, entries]), torch.cat([row_offsets, offsets])), row_slots,
             torch.cat([self.arange[:bucket], ends + bucket]), tiles,
         )  # fmt: skip  # [bucket + max_chunks, V]
-        self.runner.advance_rows(logits[:bucket], bucket)
+        self.runner.sample_and_advance(logits[:bucket], bucket)
         self.job_logits.copy_(logits[bucket:])
 
     def _graph(self, bucket: int, tokens: int) -> MixedGraph:
