@@ -63,6 +63,24 @@ def test_captured_mixed_steps_sample_as_eager_mixed_steps(model, block):
     _assert_same(again, expected)
 
 
+def test_warm_up_captures_the_mixed_graphs_that_the_steps_then_replay(model):
+    """Engine.warm_up captures every (batch bucket, token bucket) mixed graph with padding
+    rows and tokens only; the steps afterwards replay them (none captured) and sample as
+    eager mixed steps do."""
+    params = SamplingParams(n=2, temperature=0.9, max_new_tokens=12, seed=3, ignore_eos=True)
+    budgets = [3, 3, 12, 12, 6, 6, 9, 9]
+    expected = _engine(model, False).generate(PROMPTS, params, max_new_tokens=budgets)
+    engine = _engine(model, True)
+    captured = engine.warm_up(params)
+    static = engine.scheduler.static_step
+    assert static.captures == len(static.buckets) * len(engine.runner.buckets)
+    assert captured == static.captures + len(engine.runner.buckets)
+    got = engine.generate(PROMPTS, params, max_new_tokens=budgets)
+    assert static.captures == len(static.buckets) * len(engine.runner.buckets)
+    assert static.steps > 0
+    _assert_same(got, expected)
+
+
 def test_captured_mixed_steps_with_preemption_keep_every_token(model):
     params = SamplingParams(n=2, temperature=0.9, max_new_tokens=40, seed=5, ignore_eos=True)
     prompts = PROMPTS[:3]

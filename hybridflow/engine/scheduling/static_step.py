@@ -115,7 +115,7 @@ class StaticMixedStep:
         counts = [count for _, _, count in chunks]
         tokens = next(t for t in self.buckets if t >= sum(counts))
         bucket = self.bucket(rows)
-        self._upload(scheduler, chunks, finished, tokens)
+        self._upload(scheduler.paging, chunks, finished, tokens)
         if scheduler.paging is not None:
             scheduler.paging.sync_table()  # the rows' and chunks' blocks, before any read
         if self.runner.use_graphs:
@@ -125,8 +125,22 @@ class StaticMixedStep:
         self.steps += 1
         return self.job_logits[: len(finished)]
 
-    def _upload(self, scheduler, chunks, finished, tokens: int) -> None:
-        """The chunks' inputs, padded to `tokens`, into the device buffer (one copy)."""
+    def capture_all(self) -> int:
+        """Capture the current sampling mode's graph of every (batch bucket, token bucket)
+        now, not at first use (Engine.warm_up; idle engines: the warm-up steps run padding
+        rows and tokens only, on the scratch slot and block). -> how many were new."""
+        if not self.runner.use_graphs or self.engine.state.num_rows:
+            return 0
+        before = self.captures
+        for tokens in self.buckets:
+            self._upload(None, [], [], tokens)
+            for bucket in self.runner.buckets:
+                self._graph(bucket, tokens)
+        return self.captures - before
+
+    def _upload(self, paging, chunks, finished, tokens: int) -> None:
+        """The chunks' inputs, padded to `tokens`, into the device buffer (one copy);
+        paging: the scheduler's (paging.py), None for a slot cache."""
         turn = self.turn = 1 - self.turn
         if self.copied[turn] is not None:
             self.copied[turn].synchronize()  # its last copy (two steps ago) read it: long done
@@ -141,8 +155,8 @@ class StaticMixedStep:
         ids[:used] = [t for job, start, n in chunks for t in job.sequence[start : start + n]]
         positions[:used] = np.arange(used) - np.repeat(firsts - starts, counts)
         token_slots = np.repeat(slots, counts)
-        if scheduler.paging is not None:
-            blocks, at = scheduler.paging.pool.locate(token_slots, positions[:used])
+        if paging is not None:
+            blocks, at = paging.pool.locate(token_slots, positions[:used])
             entries[:used], offsets[:used] = blocks, at
         else:
             entries[:used], offsets[:used] = token_slots, positions[:used]
