@@ -151,11 +151,12 @@ def bench_agent(args, progress=None) -> dict:
     with progress.task(WARM_UP):
         engine.warm_up(sampling)  # every batch size's graph: the episodes' batch size wanders
         agent_run(), single_run()  # warm-up: compile, tune, capture every bucket both use
-    captures = engine.runner.captures if engine.runner is not None else 0
+    captures, static_steps = _graph_counters(engine)
     with progress.task("timed pairs", total=args.repeats, unit="pairs") as task:
         timed_pair = counted(task, lambda: (agent_run(), single_run()))
         pairs = [timed_pair() for _ in range(args.repeats)]
-    captures = (engine.runner.captures if engine.runner is not None else 0) - captures
+    captures, static_steps = (b - a for a, b in zip((captures, static_steps),
+                                                     _graph_counters(engine)))  # fmt: skip
     agent_s = statistics.median(agent[0] for agent, _ in pairs)
     single_s = statistics.median(single[0] for _, single in pairs)
     _, episodes, client = pairs[-1][0]
@@ -177,6 +178,7 @@ def bench_agent(args, progress=None) -> dict:
                   "mean_rows_per_step": episodes.mean_rows,
                   "prefill_passes": episodes.prefill_passes, "graph_captures": captures,
                   "mixed_steps": episodes.mixed_steps,
+                  "static_mixed_steps_while_timed": static_steps,
                   "prefilled_tokens": episodes.prefilled},
         "single_turn": {"seconds": single_s, "generated_tokens": single_tokens,
                         "tokens_per_s": single_tokens / single_s,
@@ -201,6 +203,18 @@ def _decode_counters(engine) -> tuple[int, int, int, int]:
             scheduler.mixed_steps)  # fmt: skip
 
 
+def _graph_counters(engine) -> tuple[int, int]:
+    """(graphs captured, mixed steps replayed or run with static shapes) so far: the decode
+    runner's and the static mixed steps' (graph_mixed_steps)."""
+    scheduler = engine.scheduler
+    if scheduler is None:
+        return (0, 0)
+    static = scheduler.static_step
+    if static is None:
+        return (scheduler.runner.captures, 0)
+    return (scheduler.runner.captures + static.captures, static.steps)
+
+
 @dataclasses.dataclass
 class SimpleArgs:
     engine: list
@@ -222,8 +236,9 @@ def print_result(result: dict) -> None:
           f"each pair from {ratios[0]:.2f} to {ratios[-1]:.2f}")  # fmt: skip
     print(f"agent / single-turn: {result['agent_over_single_turn']:.2f}; prefill recomputed / "
           f"context tokens: {result['prefill_recomputed_over_context']:.2f}; prefill passes: "
-          f"{a['prefill_passes']}; mixed steps: {a['mixed_steps']}; graphs captured while "
-          f"timed: {a['graph_captures']}")  # fmt: skip
+          f"{a['prefill_passes']}; mixed steps: {a['mixed_steps']}; static-shape mixed steps "
+          f"while timed (graph_mixed_steps): {a['static_mixed_steps_while_timed']}; graphs "
+          f"captured while timed: {a['graph_captures']}")  # fmt: skip
 
 
 def run_agent_command(args) -> int:

@@ -9,16 +9,20 @@ import json
 import sys
 
 WARM_UP = "engine warm-up (compile, tune, capture graphs)"
+_YAML_WORDS = {"true": True, "false": False, "null": None}  # as rollout.engine.* is written
 
 
 def parse_engine_settings(pairs: list[str]) -> dict:
     """["decode_layer=split", "steps_per_sync=16"] -> {"decode_layer": "split", ...}: VALUE
-    is a Python literal (16, None, True), else a string."""
+    is a Python literal (16, None, True) or the config's true/false/null, else a string."""
     out = {}
     for pair in pairs:
         name, sep, text = pair.partition("=")
         if not sep or not name:
             raise ValueError(f"--engine {pair!r}: expected NAME=VALUE")
+        if text in _YAML_WORDS:
+            out[name] = _YAML_WORDS[text]
+            continue
         try:
             out[name] = ast.literal_eval(text)
         except (ValueError, SyntaxError):

@@ -507,10 +507,10 @@ class Engine:
 
     @torch.no_grad()
     def warm_up(self, params: SamplingParams) -> int:
-        """Capture the decode graph of every batch-size bucket for `params`' sampling mode
-        now, with the timing choices each bucket makes, instead of when a batch first has
-        that many rows: a server whose batch size wanders (requests come and go) would
-        otherwise stall at each new size. -> graphs captured. Idle engines only."""
+        """Capture every batch bucket's decode graph (and mixed steps' graphs) for `params`'
+        sampling mode now, with the timing choices each makes, not when a batch first has that
+        many rows: a server whose batch size wanders (requests come and go) would otherwise
+        stall at each new size. -> graphs captured. Idle engines only."""
         if self.service is not None and not self.service.on_engine_thread():
             return self.service._call(lambda: self.warm_up(params))
         if not self.native or self.scheduler is not None and self.scheduler.busy:
@@ -519,7 +519,7 @@ class Engine:
         self.runner.set_mode(params, shared=self.shares_prefixes(params.n))
         context = torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
         with context:
-            captured = self.runner.capture_all()
+            captured = self.scheduler.capture_graphs()
         self._record_choices()
         return captured
 

@@ -115,10 +115,15 @@ class DecodeRunner:
             self.model, self.cache, self.rope, state.tokens[:rows], state.positions[:rows],
             state.row_slots[:rows], max_len, **extra,
         )  # fmt: skip
+        self.sample_and_advance(logits, rows)
+
+    def sample_and_advance(self, logits: torch.Tensor, rows: int) -> None:
+        """advance_rows as a captured step runs it: with the fused sampler and one sampling
+        setting, sampling and the state update in the same kernels (one launch less per op)."""
         if self.use_triton_sampler and not self.mixed:
             from hybridflow.engine.kernels.sampler import sample_fused
 
-            # sampling and the state update in the same kernels (one launch less per op)
+            state = self.state
             sample_fused(logits, self.params, state.seed_lo, state.seed_hi, state.generated,
                          state=state, launch=self.launch)  # fmt: skip
             return

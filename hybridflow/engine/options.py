@@ -53,6 +53,15 @@ class EngineOptions:
     max_prefill_tokens. 0: prompts and continuations in passes of their own before a chunk
     of decode steps (the path measured in docs/performance.md; the default until the mixed
     steps are measured on the GPU)."""
+    graph_mixed_steps: bool = False
+    """With max_prefill_tokens_per_step > 0, mixed steps with decode rows run with static
+    shapes (scheduling/static_step.py): the rows padded to the decode graphs' batch buckets,
+    the chunks' tokens to a bucket of the step's budget, their inputs copied into fixed
+    buffers and their attention through the block table (kernels/chunk_attention.py), so a
+    step replays as a CUDA graph instead of ~530 launches from Python. The fused (triton)
+    backend only: models on the torch backend (recurrent, latent or sink-attention layers,
+    images) keep the eager mixed step. False until measured on a GPU (bench agent --engine
+    graph_mixed_steps=true)."""
     kv_block_size: int | None = 64
     """A power of two >= 16: the paged cache (kv_cache.py, blocks.py): blocks of that many
     positions handed out as sequences grow, a prompt's full blocks shared by its samples,
@@ -229,6 +238,11 @@ class EngineOptions:
         elif isinstance(self.max_prefill_tokens, int) and 1 <= self.max_prefill_tokens < per_step:
             problems.append(f"max_prefill_tokens_per_step={per_step}: at most max_prefill_tokens="
                             f"{self.max_prefill_tokens} (the prefill activations' reserve)")  # fmt: skip
+        if not isinstance(self.graph_mixed_steps, bool):
+            problems.append(f"graph_mixed_steps={self.graph_mixed_steps!r}: must be true or false")
+        elif self.graph_mixed_steps and per_step == 0:
+            problems.append("graph_mixed_steps=true captures mixed steps: set "
+                            "max_prefill_tokens_per_step > 0 too (e.g. 2048)")  # fmt: skip
         from hybridflow.engine.speculative.options import speculative_problems
 
         return problems + speculative_problems(self)
@@ -263,6 +277,7 @@ class EngineOptions:
             "admission_wait_chunks",
             "admission_gather_ms",
             "max_prefill_tokens_per_step",
+            "graph_mixed_steps",
             "service_stream",
             "record_routes",
             "kv_block_size",  # the attention tile keys on it itself (kernels/attention.py)

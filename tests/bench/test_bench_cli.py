@@ -50,6 +50,15 @@ def test_bench_rollout_passes_engine_options_and_records_them(tmp_path):
     assert engine["tokens"] == 2 * 3 * 3
 
 
+def test_engine_settings_take_the_configs_true_false_and_null():
+    from hybridflow.bench.common import parse_engine_settings
+
+    assert parse_engine_settings(["graph_mixed_steps=true", "shared_prefix=false",
+                                  "sync_lag=null", "decode_layer=split"]) == {
+        "graph_mixed_steps": True, "shared_prefix": False, "sync_lag": None,
+        "decode_layer": "split"}  # fmt: skip
+
+
 def test_bench_rollout_runs_speculation_off_and_on_with_the_same_tokens(tmp_path, capsys):
     out = tmp_path / "r.json"
     args = ["rollout", "--preset", "tiny", "--prompts", "3", "--prompt-len", "6",

@@ -118,25 +118,44 @@ def abort(scheduler: SchedulerState, sub: Submission, request: int) -> bool:
 def run_step(scheduler: SchedulerState) -> int:
     """One forward: the live rows' next tokens (when any may still decode) and the jobs'
     next chunks; rows advanced and finished jobs' requests appended as live rows. -> decode
-    steps run (0 or 1)."""
-    engine, state = scheduler.engine, scheduler.state
+    steps run (0 or 1). With rows to decode and a static step (static_step.py: graph_mixed_steps
+    on the fused backend) the forward has static shapes and replays as a CUDA graph."""
     rows = 0
     if scheduler.rows and max(scheduler.row_budget) > 0:
         if scheduler.subs_changed:
             scheduler.sync_submissions()
         room = scheduler.paging is None or preemption.make_room(scheduler, 1)
         rows = len(scheduler.rows) if room else 0
-    chunks = _chunks(scheduler, rows)
+    static = scheduler.static_step if rows else None
+    chunks = _chunks(scheduler, rows, static.max_chunks if static is not None else None)
+    for job, _, count in chunks:
+        job.done += count
+    finished = [i for i, (job, _, _) in enumerate(chunks) if not job.left]
+    if static is not None:
+        job_logits = static.run(scheduler, rows, chunks, finished)
+    else:
+        job_logits = _eager_forward(scheduler, rows, chunks, finished)
+    if rows:
+        scheduler.decode_steps += 1
+        scheduler.mixed_steps += 1
+        scheduler.decoded_rows += rows
+        scheduler.row_budget[:rows] = [b - 1 for b in scheduler.row_budget[:rows]]
+    if finished:
+        finish_jobs(scheduler, [chunks[i][0] for i in finished], job_logits)
+    return int(rows > 0)
+
+
+def _eager_forward(scheduler: SchedulerState, rows: int, chunks, finished: list[int]):
+    """The step's forward as the engine's extend pass (sized by the step's tokens), the rows
+    sampled and advanced. -> the finished chunks' last logits [len(finished), V]."""
+    engine, state = scheduler.engine, scheduler.state
     starts = torch.tensor([start for _, start, _ in chunks])
     counts = torch.tensor([count for _, _, count in chunks])
     chunk_slots = torch.tensor([job.slots[0] for job, _, _ in chunks])
     ids = torch.tensor([t for job, start, n in chunks for t in job.sequence[start : start + n]])
     positions = ranges(counts) + torch.repeat_interleave(starts, counts)
     token_slots = torch.repeat_interleave(chunk_slots, counts)
-    for job, _, count in chunks:
-        job.done += count
     ends = counts.cumsum(0) - 1 + rows  # each chunk's last token in the forward
-    finished = [i for i, (job, _, _) in enumerate(chunks) if not job.left]
     keep = torch.cat([torch.arange(rows), ends[finished]])
     triton = engine.decode_backend == "triton"
     spans = host_spans(chunk_slots, starts, counts) if triton else ((), ())
@@ -170,27 +189,23 @@ def run_step(scheduler: SchedulerState) -> int:
     )  # fmt: skip  # [rows + finished jobs, V]
     if rows:
         scheduler.runner.advance_rows(logits[:rows], rows)
-        scheduler.decode_steps += 1
-        scheduler.mixed_steps += 1
-        scheduler.decoded_rows += rows
-        scheduler.row_budget[:rows] = [b - 1 for b in scheduler.row_budget[:rows]]
-    if finished:
-        finish_jobs(scheduler, [chunks[i][0] for i in finished], logits[rows:])
-    return int(rows > 0)
+    return logits[rows:]
 
 
-def _chunks(scheduler: SchedulerState, rows: int) -> list[tuple[PrefillJob, int, int]]:
+def _chunks(scheduler: SchedulerState, rows: int,
+            max_jobs: int | None = None) -> list[tuple[PrefillJob, int, int]]:  # fmt: skip
     """(job, first position, token count) of this step's chunks, oldest jobs first, up to the
     step's budget: max_prefill_tokens_per_step beside decode rows; with none, no row waits
     for the step, and it takes a whole prefill pass's tokens (max_prefill_tokens), as many
-    as the separate passes would (a burst of prompts costs as few forwards)."""
+    as the separate passes would (a burst of prompts costs as few forwards). max_jobs: at
+    most that many chunks (a static step's)."""
     options = scheduler.engine.options
     budget = options.max_prefill_tokens_per_step
     if not rows:
         budget = max(budget, options.max_prefill_tokens)
     chunks = []
     for job in scheduler.prefilling:
-        if budget <= 0:
+        if budget <= 0 or len(chunks) == max_jobs:
             break
         count = min(job.left, budget)
         chunks.append((job, job.done, count))

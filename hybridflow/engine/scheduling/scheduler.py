@@ -109,6 +109,14 @@ class Scheduler(SchedulerState):
             self.waiting.remove((sub, request))
         sub.finish(request, Completion([], [], "abort", version_spans=((0, self.version),)))
 
+    def capture_graphs(self) -> int:
+        """Every batch bucket's decode graph of the current sampling mode, and the static
+        mixed steps' (static_step.py) where they run, captured now. -> how many were new."""
+        captured = self.runner.capture_all()
+        if self.static_step is not None:
+            captured += self.static_step.capture_all()
+        return captured
+
     def release_kept(self, handles) -> None:
         for slot in self.engine.kept.release(handles):
             self.free_slot(slot)

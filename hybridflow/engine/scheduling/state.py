@@ -45,6 +45,7 @@ class EngineView(Protocol):
     rope: object
     prefill: object  # the prefill pass (prefill.py): packed prompts into their slots
     extend: object  # the extend pass: new tokens after a cached prefix
+    config: object  # the model's config
     decode_backend: str
     vision: bool  # a vision-language model: prompts may hold images (images.py)
     steps_per_sync: int
@@ -95,6 +96,12 @@ class SchedulerState:
         # mixed steps (mixed.py): prompts and continuations prefilled a chunk per step
         self.mixed = engine.options.max_prefill_tokens_per_step > 0
         self.prefilling: list[PrefillJob] = []
+        # their steps with static shapes, replayed as CUDA graphs (static_step.py), or None
+        self.static_step = None
+        if self.mixed and engine.options.graph_mixed_steps:
+            from hybridflow.engine.scheduling.static_step import static_step_for
+
+            self.static_step = static_step_for(engine)
         self.rows: list[LiveRequest] = []  # the request of each live row
         self.row_budget: list[int] = []  # upper bound on steps each row may still take
         self.row_end: list[int] = []  # prompt length + max_new: bound on the row's cache length

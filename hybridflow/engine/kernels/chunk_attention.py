@@ -1,0 +1,187 @@
+"""Paged varlen attention for the prompt chunks of a mixed step (scheduling/static_mixed.py):
+each chunk's new tokens attend causally over their sequence's cache, the cached prefix and
+the chunk itself (stored by rope_store just before), read in place through the block table.
+Nothing of a variable size is gathered or allocated, so the step's shapes stay static and it
+replays as a CUDA graph (the eager extend pass gathers each sequence's K/V for
+FlashAttention's varlen kernel instead, sized by the data).
+
+The work is cut on the host into tiles of up to `tile_tokens` consecutive tokens of one
+chunk (chunk_tiles; fewer is fine: the rows past a tile's end are masked): a program per (tile, kv head) attends the tile's tokens x the head
+group's query heads as one [tokens * G_PAD, D] matrix, so each K/V tile is read once for the
+whole group, over the keys up to the tile's last position. A tile without a sequence (slot
+< 0) writes zeros: the padding tokens of the step's budget, whose rows run through the rest
+of the layer and are never read.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from hybridflow.engine.kernels.attention_tiles import cache_offsets
+from hybridflow.engine.kernels.launch import PLAIN, Launch
+from hybridflow.engine.kernels.pdl import wait_then_release
+
+# Query rows of a program (tokens x the padded head group): 16 tokens of 0.5b's group of 7
+# heads (padded to 8), each K/V tile read once for them; not timed on a GPU yet.
+TILE_ROWS = 128
+
+
+def tile_tokens(num_heads: int, num_kv_heads: int) -> int:
+    """Tokens of one chunk a program attends for (its rows: these x the padded group)."""
+    group = triton.next_power_of_2(num_heads // num_kv_heads)
+    return max(1, TILE_ROWS // group)
+
+
+def tile_count(tokens: int, chunks: int, per_tile: int) -> int:
+    """Tiles that always cover `tokens` tokens in up to `chunks` chunks plus the padding
+    after them (each chunk's last tile may be partial, and so may the padding's)."""
+    return tokens // per_tile + chunks + 2
+
+
+def chunk_tiles(firsts, counts, slots, tokens: int, per_tile: int, num_tiles: int) -> np.ndarray:
+    """The host's tile table [num_tiles, 3] int64 of (slot, first token, end token) for
+    chunks at token offsets `firsts` with `counts` tokens each (in [0, tokens), packed from
+    0) attending over their sequences' `slots`; the tokens after the chunks get tiles of
+    slot -1 (zeros written), the tiles left over (-1, 0, 0) (nothing)."""
+    table = np.zeros((num_tiles, 3), dtype=np.int64)
+    table[:, 0] = -1
+    rows = []
+    used = 0
+    for first, count, slot in zip(firsts, counts, slots):
+        rows += [(slot, s, min(s + per_tile, first + count))
+                 for s in range(first, first + count, per_tile)]  # fmt: skip
+        used = max(used, first + count)
+    rows += [(-1, s, min(s + per_tile, tokens)) for s in range(used, tokens, per_tile)]
+    if len(rows) > num_tiles:
+        raise ValueError(f"chunk_tiles: {len(rows)} tiles needed, {num_tiles} allocated")
+    if rows:
+        table[: len(rows)] = rows
+    return table
+
+
+@triton.jit
+def _chunk_attention_kernel(
+    q_ptr, kc_ptr, vc_ptr, pos_ptr, tile_ptr, out_ptr, table_ptr, stride_q, stride_o,
+    stride_table, stride_cslot, stride_cpos, stride_chead, scale_log2,
+    G: tl.constexpr, G_PAD: tl.constexpr, TOKENS: tl.constexpr, D: tl.constexpr,
+    BLOCK: tl.constexpr, PAGE: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    """One (tile, kv head): rows r = token * G_PAD + g of the tile's tokens and the group's
+    heads; each row attends over its sequence's positions [0, its own position]."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    wait_then_release(PDL)
+    slot = tl.load(tile_ptr + tile * 3)
+    first = tl.load(tile_ptr + tile * 3 + 1)
+    end = tl.load(tile_ptr + tile * 3 + 2)
+    r = tl.arange(0, TOKENS * G_PAD)
+    token = first + r // G_PAD
+    g = r % G_PAD
+    row_mask = (token < end) & (g < G)
+    heads = kv_head * G + g
+    d = tl.arange(0, D)
+    o_offs = token.to(tl.int64)[:, None] * stride_o + heads[:, None] * D + d[None, :]
+    attends = row_mask & (token * 0 + slot >= 0)  # rows of a chunk (not padding)
+    # positions of the tile's rows; -1 (no key) for rows past its end and padding tiles
+    pos = tl.load(pos_ptr + token, mask=attends, other=-1)
+    q_offs = token.to(tl.int64)[:, None] * stride_q + heads[:, None] * D + d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=attends[:, None], other=0.0)
+    last = tl.max(pos, axis=0)
+    base = kv_head * stride_chead
+    if not PAGE:
+        base += tl.maximum(slot, 0).to(tl.int64) * stride_cslot
+    m_i = tl.full([TOKENS * G_PAD], -1.0e30, dtype=tl.float32)  # finite: all-masked rows stay 0
+    l_i = tl.zeros([TOKENS * G_PAD], dtype=tl.float32)
+    acc = tl.zeros([TOKENS * G_PAD, D], dtype=tl.float32)
+    for start in range(0, last + 1, BLOCK):
+        n = start + tl.arange(0, BLOCK)
+        n_mask = n <= last
+        offs = base + cache_offsets(table_ptr, slot, n, stride_table, stride_cslot, stride_cpos,
+                                    PAGE, n_mask)  # fmt: skip
+        k = tl.load(kc_ptr + offs[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
+        v = tl.load(vc_ptr + offs[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
+        if FP32_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        causal = n[None, :] <= pos[:, None]
+        s = tl.where(causal, s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if FP32_DOT:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+def chunk_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    positions: torch.Tensor,
+    tiles: torch.Tensor,
+    table: torch.Tensor | None = None,
+    launch: Launch = PLAIN,
+) -> torch.Tensor:
+    """q [T, nh, D] (rows may be strided; heads and dims contiguous), one layer's caches
+    ([slots, S, nkv, D], or [blocks, PAGE, nkv, D] with the block table `table` int32),
+    positions [T] (each token's cache position, its K/V already stored), tiles [NT, 3] int64
+    (chunk_tiles, on the device) -> out [T, nh, D]: token t of a tile attends over its slot's
+    positions [0, positions[t]]; tokens of slot -1 tiles get zeros."""
+    tokens, num_heads, head_dim = q.shape
+    num_kv = key_cache.shape[2]
+    group = num_heads // num_kv
+    assert q.stride(2) == 1 and q.stride(1) == head_dim
+    assert key_cache.stride() == value_cache.stride() and key_cache.stride(3) == 1
+    out = torch.empty(tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    # the decode kernel's untimed tile: 64 positions a loop at head dim 64, 32 above
+    meta = dict(G=group, G_PAD=triton.next_power_of_2(group), D=head_dim,
+                TOKENS=tile_tokens(num_heads, num_kv), BLOCK=64 if head_dim <= 64 else 32,
+                FP32_DOT=q.dtype == torch.float32, PAGE=0,
+                num_warps=4 if head_dim <= 64 else 8)  # fmt: skip
+    table_arg, stride_table = positions, 0
+    if table is not None:
+        assert table.dtype == torch.int32 and table.stride(1) == 1
+        table_arg, stride_table = table, table.stride(0)
+        meta["PAGE"] = key_cache.shape[1]
+    scale_log2 = (1.0 / math.sqrt(head_dim)) * 1.4426950408889634
+    _chunk_attention_kernel[(tiles.shape[0], num_kv)](
+        q, key_cache, value_cache, positions, tiles, out, table_arg, q.stride(0), out.stride(0),
+        stride_table, key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), scale_log2,
+        **meta, **launch.keywords(),
+    )  # fmt: skip
+    return out
+
+
+def chunk_attention_reference(q, key_cache, value_cache, positions, tiles, table=None):
+    """chunk_attention in torch (fp32 softmax), each token over its slot's gathered K/V."""
+    out = torch.zeros_like(q)
+    group = q.shape[1] // key_cache.shape[2]
+    for slot, first, end in tiles.tolist():
+        if slot < 0:
+            continue
+        for t in range(first, end):
+            length = int(positions[t]) + 1
+            where = torch.arange(length, device=q.device)
+            if table is None:
+                k, v = key_cache[slot, :length], value_cache[slot, :length]
+            else:
+                blocks = table[slot, where // key_cache.shape[1]].long()
+                k = key_cache[blocks, where % key_cache.shape[1]]
+                v = value_cache[blocks, where % key_cache.shape[1]]
+            k = k.float().repeat_interleave(group, dim=1)  # [L, nh, D]
+            v = v.float().repeat_interleave(group, dim=1)
+            scores = torch.einsum("hd,lhd->hl", q[t].float(), k) / math.sqrt(q.shape[2])
+            out[t] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v).to(q.dtype)
+    return out
