@@ -235,7 +235,7 @@ def rollout_expert_limits(cfg: Config, arch: ModelArchitecture | None) -> list[s
 
 
 def rollout_fp8_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]:
-    """The fp8 engine (engine/fp8.py) runs the fused decode layers only: the layer kinds the
+    """The fp8 engine (engine/fp8/matmul.py) runs the fused decode layers only: the layer kinds the
     engine runs on its eager passes (gated attention, Gated DeltaNet, a shared expert) and
     routed experts are refused when the engine starts, after the model is loaded."""
     fp8 = cfg.rollout.dtype == "fp8" or cfg.rollout.engine.weight_format == "fp8"

@@ -32,7 +32,7 @@ from hybridflow.engine.choices import (
     record_engine_choices,
     recorded_choices,
 )
-from hybridflow.engine.fp8_weights import ENGINE_SCALES
+from hybridflow.engine.fp8.weight_scales import ENGINE_SCALES
 from hybridflow.engine.graphs import DecodeRunner
 from hybridflow.engine.host import cyclic_gc_paused
 from hybridflow.engine.images import ImageFeatures, check_image_call, prepare_images
@@ -185,7 +185,7 @@ class Engine:
             raise ValueError("weight_format='fp8' (rollout.dtype=fp8) does not cover gated "
                              "attention or Gated DeltaNet layers yet: use the model's dtype")  # fmt: skip
         if options.weight_format == "fp8":
-            from hybridflow.engine.fp8 import check_fp8_engine
+            from hybridflow.engine.fp8.matmul import check_fp8_engine
 
             check_fp8_engine(self.device, self.decode_backend, self.adapted)
         # "auto" is the trainer's recipe where a trainer names one (workers/rollout.py)
@@ -273,7 +273,7 @@ class Engine:
             self.fused = FusedProjections(self.model, gate_up=self.fuse_projections == "all",
                                           fold=self.fp8_weight_scales == ENGINE_SCALES)  # fmt: skip
         if self.options.weight_format == "fp8":
-            from hybridflow.engine.fp8 import Fp8Matmul
+            from hybridflow.engine.fp8.matmul import Fp8Matmul
 
             self.fp8 = Fp8Matmul(self.model, self.fused,  # before the cache, like the fused
                                  weight_scales=self.fp8_weight_scales)  # fmt: skip

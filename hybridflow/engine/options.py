@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-# How fp8 weights are scaled (fp8_weights.py), here so the torch-free config can check the key
+# How fp8 weights are scaled (fp8/weight_scales.py), here so the torch-free config can check the key
 ENGINE_SCALES = "engine"
 TRAINER_RECIPES = ("rowwise", "tensorwise")  # config/precision_checks.FP8_RECIPES
 WEIGHT_SCALES = ("auto", ENGINE_SCALES, *TRAINER_RECIPES)
@@ -99,7 +99,7 @@ class EngineOptions:
     tensor cores (sm_89+), the split decode layer. The trainer corrects for the gap
     (rollout.dtype=fp8 turns truncated importance sampling on)."""
     fp8_weight_scales: str = "auto"
-    """weight_format="fp8": how the weights are quantized (fp8_weights.py). "engine": a scale
+    """weight_format="fp8": how the weights are quantized (fp8/weight_scales.py). "engine": a scale
     per output channel, amax / 448. "rowwise" / "tensorwise": the FP8 trainer's recipe
     (torchao's, actor.fp8_recipe), so the rollout multiplies by the e4m3 weights and scales of
     the trainer's forward, bit for bit (the fused copies then keep the norm weights out).

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridflow.engine.fp8_rows import TINY, Fp8Rows
+from hybridflow.engine.fp8.e4m3 import TINY, Fp8Rows
 from hybridflow.engine.kernels.fp8_quant import e4m3_values, empty_rows, row_scale
 from hybridflow.engine.kernels.launch import PLAIN, Launch
 from hybridflow.engine.kernels.pdl import wait_then_release
