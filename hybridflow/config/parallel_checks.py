@@ -161,6 +161,8 @@ def check_layouts(
             add(problem)
         for problem in rollout_fp8_limits(cfg, architecture):
             add(problem)
+        for problem in rollout_fp8_kv_limits(cfg, architecture):
+            add(problem)
         _check_runnable(cfg, add)
     if not tiled:
         return None
@@ -259,6 +261,27 @@ def rollout_fp8_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]
         return [f"{key}: the fp8 rollout does not cover mixture-of-experts models yet: set "
                 "rollout.dtype=model"]  # fmt: skip
     return []
+
+
+def rollout_fp8_kv_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]:
+    """An FP8 KV cache (engine/cache/fp8_kv.py) holds full-attention K/V in the paged cache
+    of a one-rank engine: the other cache kinds are refused here, before the model loads
+    (the slot cache by EngineOptions.validate)."""
+    engine = cfg.rollout.engine
+    if engine.kv_cache_dtype != "fp8" or engine.kv_block_size is None or arch is None:
+        return []
+    from hybridflow.engine.cache.fp8_kv import fp8_kv_problem
+    from hybridflow.engine.cache.kinds import engine_gaps
+
+    specs = arch.layer_specs()
+    if engine_gaps(specs):
+        problem = "kv_cache_dtype='fp8': this model runs on the engine's slow path"
+    elif cfg.rollout.tensor_parallel_size > 1:
+        problem = "kv_cache_dtype='fp8' does not cover a tensor-parallel rollout yet"
+    else:
+        problem = fp8_kv_problem(specs, paged=True)
+    return [] if problem is None else [f"rollout.engine.{problem}: set "
+                                       "rollout.engine.kv_cache_dtype=model"]  # fmt: skip
 
 
 def _moe_rollout_limits(cfg: Config, arch: ModelArchitecture, key: str) -> list[str]:

@@ -188,6 +188,9 @@ class Engine:
             from hybridflow.engine.fp8.matmul import check_fp8_engine
 
             check_fp8_engine(self.device, self.decode_backend, self.adapted)
+        self.kv_fp8 = options.kv_cache_dtype == "fp8"  # cache/fp8_kv.py
+        if self.kv_fp8:
+            self._check_fp8_kv(options)
         # "auto" is the trainer's recipe where a trainer names one (workers/rollout.py)
         scales = options.fp8_weight_scales
         fp8_recipe = options.weight_format == "fp8" and scales != "auto"
@@ -229,6 +232,21 @@ class Engine:
             from hybridflow.engine.speculative.verify import make_speculation
 
             self.speculation = make_speculation(options, self.config)
+
+    def _check_fp8_kv(self, options: EngineOptions) -> None:
+        """ValueError naming what an FP8 KV cache does not cover in this engine."""
+        from hybridflow.engine.cache.fp8_kv import fp8_kv_problem
+
+        problem = None
+        if not self.native:
+            problem = ("kv_cache_dtype='fp8': this model runs on the engine's slow path, "
+                       "which keeps no cache of its own")  # fmt: skip
+        elif self.tensor_parallel > 1:
+            problem = "kv_cache_dtype='fp8' does not cover a tensor-parallel engine yet"
+        else:
+            problem = fp8_kv_problem(self.config.layer_specs(), options.kv_block_size is not None)
+        if problem is not None:
+            raise ValueError(f"{problem}: set rollout.engine.kv_cache_dtype=model")
 
     # -- pinned choices (choices.py) -----------------------------------------------------------
 
@@ -288,7 +306,7 @@ class Engine:
         self.cache, self.blocks = kv_cache.make_cache(
             cfg, self.max_batch_size, self.max_seq_len, self.options.kv_block_size,
             self.memory_budget, reserve, self.dtype, self.device, routes,
-            self.options.cap_state_slots,
+            self.options.cap_state_slots, kv_fp8=self.kv_fp8,
         )  # fmt: skip
         slots = self.cache.num_slots
         self._report_capped_slots(slots)
@@ -502,7 +520,8 @@ class Engine:
     def shares_prefixes(self, n: int) -> bool:
         """Whether decode steps with n samples per prompt read each prompt's prefix once per
         group of its samples (EngineOptions.shared_prefix; the triton backend)."""
-        return self.decode_backend == "triton" and self.options.shared_prefix and n > 1
+        shared = self.options.shared_prefix and not self.kv_fp8  # its kernel reads bf16 K/V
+        return self.decode_backend == "triton" and shared and n > 1
 
     @torch.no_grad()
     def warm_up(self, params: SamplingParams) -> int:
