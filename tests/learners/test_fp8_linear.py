@@ -19,7 +19,8 @@ QKV = ("q_proj", "k_proj", "v_proj")
 
 def _trainer_weight_casts(model, monkeypatch, autocast: bool = True) -> dict:
     """{linear name: (e4m3 [N, K], scale [N]) its forward multiplies by}, recorded in one
-    forward of ``model`` under CPU bf16 autocast (the one-device trainer's) or without."""
+    forward of ``model`` under bf16 autocast on its device (the one-device trainer's) or
+    without."""
     import torchao.float8.float8_linear as float8_linear
     from torchao.float8.float8_training_tensor import GemmInputRole
 
@@ -38,8 +39,9 @@ def _trainer_weight_casts(model, monkeypatch, autocast: bool = True) -> dict:
     ]
     with monkeypatch.context() as patch:
         patch.setattr(float8_linear, "hp_tensor_to_float8_dynamic", recording)
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            model(torch.arange(12).view(2, 6))
+        device = next(model.parameters()).device
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            model(torch.arange(16, device=device).view(2, 8))
     for hook in hooks:
         hook.remove()
     # the forward casts weight.t() [K, N]; its matmul multiplies by 1 / torchao's multiplier
@@ -53,16 +55,29 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+def _device(name: str) -> torch.device:
+    """The CPU (torchao emulated), or a GPU with float8 tensor cores (torchao's kernels)."""
+    if name == "cuda" and not (
+        torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+    ):
+        pytest.skip("needs a GPU of compute capability >= 8.9")
+    return torch.device(name)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
 def test_the_rollouts_fp8_weights_are_the_bytes_and_scales_of_the_trainers_forward(
-    recipe, monkeypatch
+    recipe, device, monkeypatch
 ):
+    device = _device(device)
     trainer = tiny_model(seed=3)
     for param in trainer.parameters():  # fp32 values that bf16 rounds
         param.data.normal_(0, 0.05, generator=torch.Generator().manual_seed(param.numel()))
+    trainer.to(device)
     assert next(trainer.parameters()).dtype == torch.float32
     rollout = copy.deepcopy(trainer).to(torch.bfloat16).requires_grad_(False)  # the weight sync
-    convert_to_fp8(trainer, Fp8Training(recipe=recipe, emulate=True), fsdp=False)
+    emulate = device.type == "cpu"
+    convert_to_fp8(trainer, Fp8Training(recipe=recipe, emulate=emulate), fsdp=False)
     casts = _trainer_weight_casts(trainer, monkeypatch)
     fused = FusedProjections(rollout, gate_up=True, fold=False)
     matmul = Fp8Matmul(rollout, fused, weight_scales=recipe)
