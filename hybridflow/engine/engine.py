@@ -235,7 +235,7 @@ class Engine:
 
     def _check_fp8_kv(self, options: EngineOptions) -> None:
         """ValueError naming what an FP8 KV cache does not cover in this engine."""
-        from hybridflow.engine.cache.fp8_kv import fp8_kv_problem
+        from hybridflow.engine.cache.fp8_kv import fp8_kv_device_problem, fp8_kv_problem
 
         problem = None
         if not self.native:
@@ -245,6 +245,9 @@ class Engine:
             problem = "kv_cache_dtype='fp8' does not cover a tensor-parallel engine yet"
         else:
             problem = fp8_kv_problem(self.config.layer_specs(), options.kv_block_size is not None)
+        if problem is None and self.device.type == "cuda":
+            capability = torch.cuda.get_device_capability(self.device)
+            problem = fp8_kv_device_problem(self.decode_backend, capability)
         if problem is not None:
             raise ValueError(f"{problem}: set rollout.engine.kv_cache_dtype=model")
 

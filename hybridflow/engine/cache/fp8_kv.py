@@ -71,3 +71,15 @@ def fp8_kv_problem(specs, paged: bool) -> str | None:
         return (f"kv_cache_dtype='fp8' covers full-attention K/V only, and this model has "
                 f"{', '.join(kinds)} layers")  # fmt: skip
     return None
+
+
+MIN_TRITON_CAPABILITY = (8, 9)  # Triton converts e4m3 (fp8e4nv) on Ada and Hopper and newer
+
+
+def fp8_kv_device_problem(backend: str, capability: tuple[int, int] | None) -> str | None:
+    """Why the Triton kernels cannot run an FP8 KV cache on a GPU of this compute capability
+    (None: they can; the torch backend converts e4m3 anywhere)."""
+    if backend != "triton" or capability is None or capability >= MIN_TRITON_CAPABILITY:
+        return None
+    return (f"kv_cache_dtype='fp8' on the triton backend needs compute capability >= 8.9 "
+            f"(Triton's e4m3 conversions), and this GPU has {capability[0]}.{capability[1]}")  # fmt: skip

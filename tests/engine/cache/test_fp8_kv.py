@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from hybridflow.engine import Engine, EngineOptions, SamplingParams
-from hybridflow.engine.cache.fp8_kv import dequantize_heads, fp8_kv_problem, quantize_heads
+from hybridflow.engine.cache.fp8_kv import (
+    dequantize_heads,
+    fp8_kv_device_problem,
+    fp8_kv_problem,
+    quantize_heads,
+)
 from hybridflow.engine.cache.kv_cache import make_cache
 from hybridflow.models import build_model
 from hybridflow.models.presets import preset_config
@@ -119,3 +124,11 @@ def test_the_shared_prefix_grouping_stays_off_over_an_fp8_cache():
     plain = Engine(model, 2, 32, options=EngineOptions(**EAGER))
     plain.decode_backend = "triton"
     assert plain.shares_prefixes(4)
+
+
+def test_the_triton_kernels_need_e4m3_conversions_the_torch_backend_does_not():
+    problem = fp8_kv_device_problem("triton", (8, 0))
+    assert "compute capability >= 8.9" in problem and "this GPU has 8.0" in problem
+    assert fp8_kv_device_problem("triton", (9, 0)) is None
+    assert fp8_kv_device_problem("torch", (8, 0)) is None
+    assert fp8_kv_device_problem("triton", None) is None
