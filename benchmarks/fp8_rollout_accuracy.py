@@ -11,7 +11,10 @@ Each (mode, seed) is one fresh `hybridflow train` process with trainer.seed=SEED
 is cached per seed under one trainer.cache_dir shared by all runs, so both modes of a seed start
 from the same model and the SFT runs once per seed. Modes: bf16 (rollout.dtype=model: the
 trainer's bf16 compute weights) and fp8 (rollout.dtype=fp8: W8A8 e4m3 on sm_89+ GPUs with the
-triton backend; with it actor.rollout_is_cap defaults to 2.0, trainer/run.async_defaults).
+triton backend; with it actor.rollout_is_cap defaults to 2.0, trainer/run.async_defaults),
+fp8-train (and actor.precision=fp8: the rollout multiplies by the trainer's own e4m3 weights,
+so its IS metrics are the FP8 end-to-end mismatch) and fp8-kv (and
+rollout.engine.kv_cache_dtype=fp8). Each mode other than bf16 gets its verdict against bf16.
 Each run validates before the first step and after the last (val/arithmetic/mean@4 by default).
 Its output goes to WORK/run-MODE-seedSEED.log (benchmarks/train_run.py); a run that fails or
 passes --run-timeout is said with its last lines and left out of the table (the others still
@@ -40,7 +43,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from train_run import run_train  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = {"bf16": "rollout.dtype=model", "fp8": "rollout.dtype=fp8"}
+MODES = {
+    "bf16": ["rollout.dtype=model"],
+    "fp8": ["rollout.dtype=fp8"],
+    # FP8 end to end: the rollout multiplies by the trainer's own e4m3 weights and scales
+    "fp8-train": ["rollout.dtype=fp8", "actor.precision=fp8"],
+    # the FP8 rollout with its K/V cached in e4m3 too (engine/cache/fp8_kv.py)
+    "fp8-kv": ["rollout.dtype=fp8", "rollout.engine.kv_cache_dtype=fp8"],
+}
 CORRECTION_METRICS = ("rollout_is", "is_weight", "tis", "rollout_logprob")
 """Substrings of the logged metric names about the rollout/trainer log-prob mismatch."""
 
@@ -48,7 +58,7 @@ CORRECTION_METRICS = ("rollout_is", "is_weight", "tis", "rollout_logprob")
 def run_overrides(mode: str, seed: int, work: Path, args) -> list[str]:
     """The `hybridflow train` overrides of one (mode, seed) run, after examples/grpo.yaml."""
     return [
-        MODES[mode],
+        *MODES[mode],
         f"trainer.seed={seed}",
         f"trainer.total_steps={args.steps}",
         "trainer.val_before_train=true",
@@ -150,13 +160,15 @@ def report(results: list[dict], metric: str) -> str:
     lines += ["", "| mode | seeds | final mean | final std |", "|---|---|---|---|"]
     for mode, s in summary.items():
         lines.append(f"| {mode} | {len(s['finals'])} | {cell(s['mean'])} | {cell(s['std'])} |")
-    if "bf16" in summary and "fp8" in summary:
-        lines.append(verdict(within_noise(summary["bf16"]["finals"], summary["fp8"]["finals"])))
+    for mode in summary:
+        if mode != "bf16" and "bf16" in summary:
+            noise = within_noise(summary["bf16"]["finals"], summary[mode]["finals"])
+            lines.append(verdict(noise, mode))
     return "\n".join(lines)
 
 
-def verdict(noise: dict) -> str:
-    head = f"fp8 - bf16 final mean: {noise['diff']:+.3f}"
+def verdict(noise: dict, mode: str = "fp8") -> str:
+    head = f"{mode} - bf16 final mean: {noise['diff']:+.3f}"
     if noise["within"] is None:
         return f"{head}; one seed per mode: no std, no verdict (run --seeds 1 2 3)"
     word = "within noise" if noise["within"] else "NOT within noise"

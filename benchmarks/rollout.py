@@ -7,6 +7,7 @@ log-probs) and can profile a decode step. Prints a table last; writes JSON + mar
     python benchmarks/rollout.py --out /tmp/r --only check  # just the device checks
     python benchmarks/rollout.py --out $OUT --only variants --presets qwen3-30b-a3b  # one model
     python benchmarks/rollout.py --out $OUT --only moegap   # MoE gap, with and without replay
+    python benchmarks/rollout.py --out $OUT --only gap      # bf16 gap per decode path, fp8, FP8 KV
     python benchmarks/rollout.py --device cpu --quick       # CPU dry run of every code path
 """
 
@@ -97,14 +98,15 @@ def _record(out: dict, key: str, value) -> None:
     print(f"check {key}: {json.dumps(value)}", flush=True)
 
 
-# Decode layers forced one at a time for the bf16 gap, and the fp8 matmuls: (name,
-# EngineOptions fields).
+# Decode layers forced one at a time for the bf16 gap, the fp8 matmuls and the FP8 KV cache:
+# (name, EngineOptions fields).
 GAP_PATHS = [("default", {}), ("default:no-shared-prefix", {"shared_prefix": False}),
              ("split", {"decode_layer": "split"}), ("chain", {"decode_layer": "chain"}),
              ("lean:qkv+mlp", {"decode_layer": "lean:qkv+mlp"}),
              ("lean:qkv", {"decode_layer": "lean:qkv"}),
              ("lean:mlp", {"decode_layer": "lean:mlp"}),
-             ("fp8", {"weight_format": "fp8"})]  # fmt: skip
+             ("fp8", {"weight_format": "fp8"}), ("fp8_kv", {"kv_cache_dtype": "fp8"}),
+             ("fp8+fp8_kv", {"weight_format": "fp8", "kv_cache_dtype": "fp8"})]  # fmt: skip
 
 
 @torch.no_grad()
@@ -292,6 +294,8 @@ QUICK_VARIANTS = [
     dict(preset="tiny", prompts=4, hf=True,
          engine={"decode_backend": "torch", "cuda_graphs": False, "steps_per_sync": 4}),
     dict(preset="tiny", prompts=2, n=2, engine={"decode_backend": "torch", "cuda_graphs": False}),
+    dict(preset="tiny", prompts=2, n=2, engine={"decode_backend": "torch", "cuda_graphs": False,
+                                                "kv_cache_dtype": "fp8"}),
 ]  # fmt: skip
 
 

@@ -161,6 +161,8 @@ def check_layouts(
             add(problem)
         for problem in rollout_fp8_limits(cfg, architecture):
             add(problem)
+        for problem in rollout_fp8_kv_limits(cfg, architecture):
+            add(problem)
         _check_runnable(cfg, add)
     if not tiled:
         return None
@@ -235,7 +237,7 @@ def rollout_expert_limits(cfg: Config, arch: ModelArchitecture | None) -> list[s
 
 
 def rollout_fp8_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]:
-    """The fp8 engine (engine/fp8.py) runs the fused decode layers only: the layer kinds the
+    """The fp8 engine (engine/fp8/matmul.py) runs the fused decode layers only: the layer kinds the
     engine runs on its eager passes (gated attention, Gated DeltaNet, a shared expert) and
     routed experts are refused when the engine starts, after the model is loaded."""
     fp8 = cfg.rollout.dtype == "fp8" or cfg.rollout.engine.weight_format == "fp8"
@@ -259,6 +261,27 @@ def rollout_fp8_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]
         return [f"{key}: the fp8 rollout does not cover mixture-of-experts models yet: set "
                 "rollout.dtype=model"]  # fmt: skip
     return []
+
+
+def rollout_fp8_kv_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]:
+    """An FP8 KV cache (engine/cache/fp8_kv.py) holds full-attention K/V in the paged cache
+    of a one-rank engine: the other cache kinds are refused here, before the model loads
+    (the slot cache by EngineOptions.validate)."""
+    engine = cfg.rollout.engine
+    if engine.kv_cache_dtype != "fp8" or engine.kv_block_size is None or arch is None:
+        return []
+    from hybridflow.engine.cache.fp8_kv import fp8_kv_problem
+    from hybridflow.engine.cache.kinds import engine_gaps
+
+    specs = arch.layer_specs()
+    if engine_gaps(specs):
+        problem = "kv_cache_dtype='fp8': this model runs on the engine's slow path"
+    elif cfg.rollout.tensor_parallel_size > 1:
+        problem = "kv_cache_dtype='fp8' does not cover a tensor-parallel rollout yet"
+    else:
+        problem = fp8_kv_problem(specs, paged=True)
+    return [] if problem is None else [f"rollout.engine.{problem}: set "
+                                       "rollout.engine.kv_cache_dtype=model"]  # fmt: skip
 
 
 def _moe_rollout_limits(cfg: Config, arch: ModelArchitecture, key: str) -> list[str]:

@@ -32,7 +32,7 @@ from hybridflow.engine.choices import (
     record_engine_choices,
     recorded_choices,
 )
-from hybridflow.engine.fp8_weights import ENGINE_SCALES
+from hybridflow.engine.fp8.weight_scales import ENGINE_SCALES
 from hybridflow.engine.graphs import DecodeRunner
 from hybridflow.engine.host import cyclic_gc_paused
 from hybridflow.engine.images import ImageFeatures, check_image_call, prepare_images
@@ -185,9 +185,12 @@ class Engine:
             raise ValueError("weight_format='fp8' (rollout.dtype=fp8) does not cover gated "
                              "attention or Gated DeltaNet layers yet: use the model's dtype")  # fmt: skip
         if options.weight_format == "fp8":
-            from hybridflow.engine.fp8 import check_fp8_engine
+            from hybridflow.engine.fp8.matmul import check_fp8_engine
 
             check_fp8_engine(self.device, self.decode_backend, self.adapted)
+        self.kv_fp8 = options.kv_cache_dtype == "fp8"  # cache/fp8_kv.py
+        if self.kv_fp8:
+            self._check_fp8_kv(options)
         # "auto" is the trainer's recipe where a trainer names one (workers/rollout.py)
         scales = options.fp8_weight_scales
         fp8_recipe = options.weight_format == "fp8" and scales != "auto"
@@ -229,6 +232,24 @@ class Engine:
             from hybridflow.engine.speculative.verify import make_speculation
 
             self.speculation = make_speculation(options, self.config)
+
+    def _check_fp8_kv(self, options: EngineOptions) -> None:
+        """ValueError naming what an FP8 KV cache does not cover in this engine."""
+        from hybridflow.engine.cache.fp8_kv import fp8_kv_device_problem, fp8_kv_problem
+
+        problem = None
+        if not self.native:
+            problem = ("kv_cache_dtype='fp8': this model runs on the engine's slow path, "
+                       "which keeps no cache of its own")  # fmt: skip
+        elif self.tensor_parallel > 1:
+            problem = "kv_cache_dtype='fp8' does not cover a tensor-parallel engine yet"
+        else:
+            problem = fp8_kv_problem(self.config.layer_specs(), options.kv_block_size is not None)
+        if problem is None and self.device.type == "cuda":
+            capability = torch.cuda.get_device_capability(self.device)
+            problem = fp8_kv_device_problem(self.decode_backend, capability)
+        if problem is not None:
+            raise ValueError(f"{problem}: set rollout.engine.kv_cache_dtype=model")
 
     # -- pinned choices (choices.py) -----------------------------------------------------------
 
@@ -273,7 +294,7 @@ class Engine:
             self.fused = FusedProjections(self.model, gate_up=self.fuse_projections == "all",
                                           fold=self.fp8_weight_scales == ENGINE_SCALES)  # fmt: skip
         if self.options.weight_format == "fp8":
-            from hybridflow.engine.fp8 import Fp8Matmul
+            from hybridflow.engine.fp8.matmul import Fp8Matmul
 
             self.fp8 = Fp8Matmul(self.model, self.fused,  # before the cache, like the fused
                                  weight_scales=self.fp8_weight_scales)  # fmt: skip
@@ -288,8 +309,8 @@ class Engine:
         self.cache, self.blocks = kv_cache.make_cache(
             cfg, self.max_batch_size, self.max_seq_len, self.options.kv_block_size,
             self.memory_budget, reserve, self.dtype, self.device, routes,
-            self.options.cap_state_slots,
-            sampling_bytes_per_row(cfg, self.tensor_parallel),
+            self.options.cap_state_slots, sampling_bytes_per_row(cfg, self.tensor_parallel),
+            kv_fp8=self.kv_fp8,
         )  # fmt: skip
         slots = self.cache.num_slots
         self._report_capped_slots(slots)
@@ -503,7 +524,8 @@ class Engine:
     def shares_prefixes(self, n: int) -> bool:
         """Whether decode steps with n samples per prompt read each prompt's prefix once per
         group of its samples (EngineOptions.shared_prefix; the triton backend)."""
-        return self.decode_backend == "triton" and self.options.shared_prefix and n > 1
+        shared = self.options.shared_prefix and not self.kv_fp8  # its kernel reads bf16 K/V
+        return self.decode_backend == "triton" and shared and n > 1
 
     @torch.no_grad()
     def warm_up(self, params: SamplingParams) -> int:

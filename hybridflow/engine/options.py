@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-# How fp8 weights are scaled (fp8_weights.py), here so the torch-free config can check the key
+# How fp8 weights are scaled (fp8/weight_scales.py), here so the torch-free config can check the key
 ENGINE_SCALES = "engine"
 TRAINER_RECIPES = ("rowwise", "tensorwise")  # config/precision_checks.FP8_RECIPES
 WEIGHT_SCALES = ("auto", ENGINE_SCALES, *TRAINER_RECIPES)
@@ -22,6 +22,7 @@ FUSE_PROJECTIONS = ("all", "qkv", "none")
 DECODE_MATMULS = ("auto", "cublas", "triton")
 LEAN_VARIANTS = ("qkv+mlp", "qkv", "mlp")
 WEIGHT_FORMATS = ("model", "fp8")
+KV_CACHE_DTYPES = ("model", "fp8")
 EXPERT_MATMULS = ("triton", "grouped_mm")
 SERVICE_STREAMS = ("default", "priority")
 DECODE_LAYERS = ("auto", "split", "chain", "lean", *(f"lean:{v}" for v in LEAN_VARIANTS))
@@ -108,12 +109,19 @@ class EngineOptions:
     tensor cores (sm_89+), the split decode layer. The trainer corrects for the gap
     (rollout.dtype=fp8 turns truncated importance sampling on)."""
     fp8_weight_scales: str = "auto"
-    """weight_format="fp8": how the weights are quantized (fp8_weights.py). "engine": a scale
+    """weight_format="fp8": how the weights are quantized (fp8/weight_scales.py). "engine": a scale
     per output channel, amax / 448. "rowwise" / "tensorwise": the FP8 trainer's recipe
     (torchao's, actor.fp8_recipe), so the rollout multiplies by the e4m3 weights and scales of
     the trainer's forward, bit for bit (the fused copies then keep the norm weights out).
     "auto": the actor's recipe when actor.precision=fp8 (workers/rollout.engine_options), else
     engine."""
+    kv_cache_dtype: str = "model"
+    """"model": K/V cached in the model's dtype. "fp8": float8 e4m3 with a scale per position
+    and kv head (cache/fp8_kv.py): half the bytes a cached token (plus 4 per head for its
+    scale), so twice the tokens in the same budget; decode attention dequantizes each tile.
+    The paged cache (kv_block_size) of full-attention models only; the shared-prefix
+    grouping (shared_prefix) does not run over it. The sampled tokens' log-probs move by what
+    the rounding of K/V adds (docs/engine.md, FP8 KV cache)."""
     fuse_projections: str = "all"
     """triton backend: "all" keeps a concatenated copy of each layer's q/k/v and interleaved
     gate/up weights with the RMSNorm weights folded in (one matmul instead of three and two;
@@ -203,6 +211,10 @@ class EngineOptions:
         one_of("decode_layer", DECODE_LAYERS)
         one_of("weight_format", WEIGHT_FORMATS)
         one_of("fp8_weight_scales", WEIGHT_SCALES)
+        one_of("kv_cache_dtype", KV_CACHE_DTYPES)
+        if self.kv_cache_dtype == "fp8" and self.kv_block_size is None:
+            problems.append("kv_cache_dtype='fp8' covers the paged cache only: set "
+                            "kv_block_size (e.g. 64), or kv_cache_dtype=model")  # fmt: skip
         one_of("service_stream", SERVICE_STREAMS)
         one_of("expert_matmul", EXPERT_MATMULS)
         if self.weight_format == "fp8" and self.decode_layer not in ("auto", "split"):
@@ -290,4 +302,6 @@ class EngineOptions:
         }
         if self.weight_format != "fp8":  # read by the fp8 matmuls only: model-dtype engines
             skip.add("fp8_weight_scales")  # keep the choices pinned before it existed
+        if self.kv_cache_dtype == "model":  # model-dtype caches keep their pinned choices
+            skip.add("kv_cache_dtype")
         return {k: v for k, v in asdict(self).items() if k not in skip}

@@ -76,8 +76,7 @@ def prefill_forward(
             row = cache.kv_row(index)
 
             def store(k, v, row=row):
-                cache.keys[row, entries, offsets] = k
-                cache.values[row, entries, offsets] = v
+                cache.store(row, entries, offsets, k, v)
 
             out = mixing.kv_mixer(layer, normed, cos, sin, store, attend)
         # the last tokens only (see above); a sparse layer routes (records) every token first
@@ -136,6 +135,7 @@ def prefill_forward_triton(
         rowwise.rope_store(
             q, k, v, rope.cos, rope.sin, position_ids, entries, cache.keys[index],
             cache.values[index], rotate_k=True, launch=launch, cache_positions=offsets,
+            kv_scales=cache.layer_scales(index),
         )  # fmt: skip
         return packed(q, k, v)
 
@@ -230,12 +230,11 @@ def extend_forward(
                 row = cache.kv_row(index)
 
                 def store(k, v, row=row, chunk_at=chunk_at):
-                    cache.keys[row, chunk_at[0], chunk_at[1]] = k
-                    cache.values[row, chunk_at[0], chunk_at[1]] = v
+                    cache.store(row, *chunk_at, k, v)
 
                 def attend(q, k, v, row=row, slots=slots, positions=positions, max_len=max_len):
-                    return cached_attention_torch(q, cache.keys[row], cache.values[row], slots,
-                                                  positions + 1, max_len, cache)  # fmt: skip
+                    return cached_attention_torch(q, *cache.layer(row), slots, positions + 1,
+                                                  max_len, cache)  # fmt: skip
 
                 out = mixing.kv_mixer(layer, normed, cos, sin, store, attend)
             hidden = hidden + out
@@ -295,6 +294,9 @@ def extend_forward_triton(
     routes = route_target(cache, *(cache_at or (token_slots, position_ids)))
     if attention_kernel not in ("auto", "flash", "decode"):
         raise ValueError(f"attention_kernel={attention_kernel!r}: auto, flash or decode")
+    if attention_kernel == "flash" and cache.scales is not None:
+        raise ValueError("attention_kernel='flash' reads model-dtype K/V; an FP8 cache's "
+                         "extend runs decode attention (auto or decode)")  # fmt: skip
     flash = (
         attention_kernel == "flash"
         or attention_kernel == "auto"
@@ -315,13 +317,14 @@ def extend_forward_triton(
 
     def attend(index, q, k, v):
         keys, values = cache.keys[index], cache.values[index]
+        scales = cache.layer_scales(index)
         rowwise.rope_store(q, k, v, rope.cos, rope.sin, position_ids, entries, keys, values,
-                           launch=launch, cache_positions=offsets)  # fmt: skip
+                           launch=launch, cache_positions=offsets, kv_scales=scales)  # fmt: skip
         parts = []
         if decoded:
             parts.append(attention.decode_attention(
                 q[:decoded], keys, values, token_slots[:decoded], lengths[:decoded], max_len,
-                launch=launch, autotune=autotune, table=cache.block_table,
+                launch=launch, autotune=autotune, table=cache.block_table, kv_scales=scales,
             ))  # fmt: skip
         if flash:
             parts.append(torch.ops.aten._flash_attention_forward(

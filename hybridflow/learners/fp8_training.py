@@ -146,7 +146,8 @@ def float8_config(options: Fp8Training, *, fsdp: bool):
 
 def convert_to_fp8(lm: nn.Module, options: Fp8Training, *, fsdp: bool) -> list[str]:
     """Swap the FP8-capable Linears of ``lm`` (see :func:`fp8_linear_names`) for torchao's
-    Float8Linear, in place, before FSDP2 shards it; returns their names."""
+    Float8Linear (as fp8_linear.ComputeCopyFloat8Linear: the weight quantized from its bf16
+    compute copy), in place, before FSDP2 shards it; returns their names."""
     float8 = import_torchao_float8()
     names = fp8_linear_names(lm)
     chosen = set(names)
@@ -155,6 +156,10 @@ def convert_to_fp8(lm: nn.Module, options: Fp8Training, *, fsdp: bool) -> list[s
         config=float8_config(options, fsdp=fsdp),
         module_filter_fn=lambda _module, fqn: fqn in chosen,
     )
+    from hybridflow.learners.fp8_linear import ComputeCopyFloat8Linear
+
+    for name in names:
+        lm.get_submodule(name).__class__ = ComputeCopyFloat8Linear  # same state, its forward
     return names
 
 

@@ -428,7 +428,7 @@ def engine_options(config: Config):
     if config.rollout.dtype == "fp8":
         options = dataclasses.replace(options, weight_format="fp8")
     if options.fp8_weight_scales == "auto" and config.actor.precision == "fp8":
-        # the trainer's e4m3 weights and scales, not a second quantization (engine/fp8_weights)
+        # the trainer's e4m3 weights and scales, not a second quantization (engine/fp8/weight_scales.py)
         options = dataclasses.replace(options, fp8_weight_scales=config.actor.fp8_recipe)
     if options.cache_dir is None:
         options = dataclasses.replace(

@@ -116,3 +116,16 @@ def test_a_run_past_its_timeout_is_reported_with_its_last_lines_not_a_traceback(
     assert "bf16 seed 2: stopped after its time limit" in done.stdout  # the next still ran
     assert done.returncode == 1 and "no run finished" in done.stderr
     assert (tmp_path / "run-bf16-seed1.log").is_file()  # the run's own output, kept
+
+
+def test_the_fp8_end_to_end_and_fp8_kv_modes_add_their_keys_and_get_a_verdict_each():
+    args = Namespace(steps=7, device=None, override=[])
+    train = bench.run_overrides("fp8-train", 1, Path("/w"), args)
+    assert train[:2] == ["rollout.dtype=fp8", "actor.precision=fp8"]
+    kv = bench.run_overrides("fp8-kv", 1, Path("/w"), args)
+    assert kv[:2] == ["rollout.dtype=fp8", "rollout.engine.kv_cache_dtype=fp8"]
+    runs = synthetic_runs([0.41, 0.43, 0.45])
+    runs += [dict(run, mode="fp8-train", final=run["final"] + 0.1) for run in runs[3:]]
+    text = bench.report(runs, "val/arithmetic/mean@4")
+    assert "fp8 - bf16 final mean: +0.010, standard error 0.016: within noise" in text
+    assert "fp8-train - bf16 final mean: +0.110" in text and "NOT within noise" in text

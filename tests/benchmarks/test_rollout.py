@@ -13,7 +13,11 @@ def test_quick_variants_print_a_table_with_the_hf_baseline(tmp_path):
         "rollout.py", "--device", "cpu", "--quick", "--only", "variants", "--out", str(tmp_path)
     )
     rows = markdown_rows(out, "| preset |")
-    assert [(r["preset"], r["prompts x n"]) for r in rows] == [("tiny", "4 x 1"), ("tiny", "2 x 2")]
+    assert [(r["preset"], r["prompts x n"]) for r in rows] == [
+        ("tiny", "4 x 1"),
+        ("tiny", "2 x 2"),
+        ("tiny", "2 x 2"),
+    ]
     results = json.loads((tmp_path / "rollout.json").read_text())
     assert (tmp_path / "rollout.md").read_text().strip() == results["table"]
     for row, variant in zip(rows, results["variants"]):
@@ -22,6 +26,7 @@ def test_quick_variants_print_a_table_with_the_hf_baseline(tmp_path):
         assert number(row["tok/s"]) > 0
         assert row["ms/step"] == "-" or number(row["ms/step"]) > 0  # "-": TTFT ran longer
     assert rows[0]["options"] == "decode_backend=torch cuda_graphs=False steps_per_sync=4"
+    assert rows[2]["options"].endswith("kv_cache_dtype=fp8")  # the FP8 KV cache
     # The first variant also times HF generate on the same prompts.
     assert number(rows[0]["HF tok/s"]) > 0
     assert number(rows[0]["x HF"]) == pytest.approx(

@@ -34,3 +34,20 @@ def test_an_fp8_rollout_of_a_hybrid_is_refused_before_loading(model):
 
 def test_an_fp8_rollout_of_a_dense_model_validates():
     validate(load_config(None, ["model.path=tiny", "rollout.dtype=fp8", "trainer.device=cuda"]))
+
+
+def test_an_fp8_kv_cache_of_a_hybrid_or_a_slot_cache_is_refused_before_loading():
+    with pytest.raises(ConfigError) as error:
+        validate(load_config(None, ["model.path=tiny-hybrid", "rollout.engine.kv_cache_dtype=fp8"]))
+    assert any(
+        p.startswith("rollout.engine.kv_cache_dtype='fp8' covers full-attention K/V only, and "
+                     "this model has gated_attention (kv cache), gated_deltanet (recurrent "
+                     "cache) layers") and p.endswith("set rollout.engine.kv_cache_dtype=model")
+        for p in error.value.problems
+    ), error.value.problems  # fmt: skip
+    with pytest.raises(ConfigError) as error:
+        validate(load_config(None, ["model.path=tiny", "rollout.engine.kv_cache_dtype=fp8",
+                                    "rollout.engine.kv_block_size=null"]))  # fmt: skip
+    assert any("kv_cache_dtype='fp8' covers the paged cache only" in p
+               for p in error.value.problems), error.value.problems  # fmt: skip
+    validate(load_config(None, ["model.path=tiny", "rollout.engine.kv_cache_dtype=fp8"]))

@@ -13,7 +13,8 @@ DEVICE = triton_test_device()
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 
 from hybridflow.engine import Engine, EngineOptions, SamplingParams  # noqa: E402
-from hybridflow.engine.fp8 import quantize_rows, quantize_rows_reference  # noqa: E402
+from hybridflow.engine.fp8.e4m3 import quantize_rows_reference  # noqa: E402
+from hybridflow.engine.fp8.matmul import quantize_rows  # noqa: E402
 from hybridflow.models import build_model  # noqa: E402
 from hybridflow.models.presets import preset_config  # noqa: E402
 
@@ -66,7 +67,7 @@ def test_the_triton_activation_quantizer_matches_the_reference():
 
 
 def test_fp8_engine_with_the_trainers_scales_quantizes_the_models_own_weights():
-    from hybridflow.engine.fp8_weights import quantize_weight
+    from hybridflow.engine.fp8.weight_scales import quantize_weight
 
     model = _model()
     greedy = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)

@@ -26,6 +26,9 @@ sliding-window layers, a ring of a window's K/V per slot (``window``, window.Win
 MLA layers keep their latent per position (``latent``, cache/latent.py: [L_latent, entries,
 positions, kv_lora_rank + rope], laid out like K and V so that it is shared, fanned out and
 grown with them; ``latent_rows``: a model layer's row of its layer axis).
+
+An FP8 cache (``scales``, fp8_kv.py) keeps K/V as e4m3 with a scale per position and kv head:
+``store`` writes through it and ``layer`` reads a layer back in the model dtype.
 """
 
 from __future__ import annotations
@@ -34,6 +37,13 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridflow.engine.cache.fp8_kv import (
+    SCALE_BYTES,
+    KVScales,
+    allocate_scales,
+    dequantize_heads,
+    quantize_heads,
+)
 from hybridflow.engine.cache.kinds import (
     RecurrentStates,
     RecurrentStateSpec,
@@ -56,6 +66,7 @@ class KVCache:
     window: WindowedKV | None = None  # per-sequence rings of the sliding-window layers
     latent: torch.Tensor | None = None  # [L_latent, slots + 1, S, width] or [.., blocks + 1, B, ..]
     latent_rows: list[int | None] | None = None  # model layer -> latent layer row
+    scales: KVScales | None = None  # an FP8 cache's (fp8_kv.py): K/V are e4m3
 
     @property
     def per_sequence(self) -> bool:
@@ -97,7 +108,38 @@ class KVCache:
         states = 0 if self.states is None else self.states.nbytes()
         states += 0 if self.window is None else self.window.nbytes()
         latent = 0 if self.latent is None else self.latent.numel() * self.latent.element_size()
-        return self.keys.numel() * self.keys.element_size() * 2 + routes + states + latent
+        scales = 0 if self.scales is None else self.scales.nbytes()
+        return self.keys.numel() * self.keys.element_size() * 2 + routes + states + latent + scales
+
+    def store(self, row: int, entries: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:  # fmt: skip
+        """K/V row ``row`` at (entries, offsets) = k, v [N, kv_heads, D] (quantized in an FP8
+        cache)."""
+        if self.scales is None:
+            self.keys[row, entries, offsets] = k
+            self.values[row, entries, offsets] = v
+            return
+        for cache, scales, x in ((self.keys, self.scales.keys, k),
+                                 (self.values, self.scales.values, v)):  # fmt: skip
+            values, scale = quantize_heads(x)
+            cache[row, entries, offsets] = values
+            scales[row, entries, offsets] = scale
+
+    def layer(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) of K/V row ``row`` in the model dtype (an FP8 cache's dequantized:
+        a copy, for the eager passes)."""
+        if self.scales is None:
+            return self.keys[row], self.values[row]
+        dtype = self.scales.dtype
+        return (dequantize_heads(self.keys[row], self.scales.keys[row], dtype),
+                dequantize_heads(self.values[row], self.scales.values[row], dtype))  # fmt: skip
+
+    def layer_scales(self, row: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An FP8 cache's (key scales, value scales) of K/V row ``row`` (the Triton kernels
+        read them beside the e4m3 values); None for a model-dtype cache."""
+        if self.scales is None:
+            return None
+        return self.scales.keys[row], self.scales.values[row]
 
     def kv_row(self, layer: int) -> int:
         """Model layer `layer`'s row of keys/values (a hybrid model keeps K/V in some layers)."""
@@ -136,7 +178,9 @@ class KVCache:
         layer, K and V, one gather/scatter each (fans a prefilled prompt out to its samples:
         every position in a slot cache, a paged cache's last partial block; flat index lists
         built on the host, so no device sync)."""
-        for cache in (self.keys, self.values):
+        kinds = [self.keys, self.values]
+        kinds += [] if self.scales is None else [self.scales.keys, self.scales.values]
+        for cache in kinds:
             cache[:, dst[0], dst[1]] = cache[:, src[0], src[1]]
         if self.latent is not None:
             self.latent[:, dst[0], dst[1]] = self.latent[:, src[0], src[1]]
@@ -321,6 +365,7 @@ def make_cache(
     routes: RouteSpec | None = None,
     cap_state_slots: bool = True,
     row_reserve_bytes: int = 0,
+    kv_fp8: bool = False,
 ) -> tuple[KVCache, object]:
     """The KV cache a model config's engine gets from its budget: a slot cache (block_size
     None) or a paged one, with the paged one's host-side blocks.BlockPool (else None).
@@ -332,8 +377,15 @@ def make_cache(
     the slots whose states and blocks hold that many whole max_seq_len sequences
     (state_slots; cap_state_slots False: every one of max_batch_size). ``row_reserve_bytes``:
     the part of reserve_bytes each of max_batch_size rows takes (its sampling), given back to
-    the cache for the rows capped slots never decode."""
+    the cache for the rows capped slots never decode. kv_fp8: K/V in e4m3 with their scales
+    (fp8_kv.py; ValueError where fp8_kv_problem names a gap)."""
     specs = config.layer_specs()
+    if kv_fp8:
+        from hybridflow.engine.cache.fp8_kv import fp8_kv_problem
+
+        problem = fp8_kv_problem(specs, paged=block_size is not None)
+        if problem is not None:
+            raise ValueError(problem)
     rows = kv_layer_rows(specs)
     layers = sum(row is not None for row in rows)
     states = _PerSequence(recurrent_state_spec(config, dtype), window_spec(config, dtype))
@@ -353,7 +405,10 @@ def make_cache(
         return _with_kinds(cache, rows, states, slots, device), None
     from hybridflow.engine.cache.blocks import BlockPool
 
-    block_bytes = bytes_per_block(layers, *shape, block_size, dtype, route_bytes)
+    stored = torch.float8_e4m3fn if kv_fp8 else dtype
+    block_bytes = bytes_per_block(layers, *shape, block_size, stored, route_bytes)
+    if kv_fp8:  # the scales: one a position and kv head, K's and V's
+        block_bytes += 2 * layers * config.num_key_value_heads * SCALE_BYTES * block_size
     slots = max_batch_size
     if states.bytes_per_sequence:  # a state per slot whatever the blocks: off the budget first
         budget = cache_budget(memory_budget, device, reserve_bytes)
@@ -371,7 +426,9 @@ def make_cache(
     blocks = plan_blocks(slots, max_seq_len, block_size, block_bytes, memory_budget, device,
                          reserve_bytes)  # fmt: skip
     cache = allocate_paged_cache(layers, slots, blocks, block_size, max_seq_len, *shape,
-                                 dtype, device)  # fmt: skip
+                                 stored, device)  # fmt: skip
+    if kv_fp8:
+        cache.scales = allocate_scales(cache.keys.shape, dtype, device)
     if routes is not None:
         cache.routes = routes.allocate(blocks + 1, block_size, device)
     _with_latent(cache, latent, len(rows), blocks + 1, block_size, device)

@@ -15,11 +15,15 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridflow.engine.fp8.e4m3 import TINY
 from hybridflow.engine.kernels import sm_count
 from hybridflow.engine.kernels.attention_tiles import cache_offsets, softmax_tile
+from hybridflow.engine.kernels.fp8_quant import e4m3_values, row_scale
 from hybridflow.engine.kernels.launch import PLAIN, Launch
 from hybridflow.engine.kernels.pdl import wait_then_release
 from hybridflow.engine.kernels.rowwise import _rotate
+
+_TINY = tl.constexpr(TINY)
 
 # -------------------------------------------------------------------------------------------
 # Decode attention over each row's live length (GQA, split-K flash-decoding)
@@ -38,6 +42,7 @@ def _decode_attention_kernel(
     first_ptr=None, qs_ptr=None, pm_ptr=None, pl_ptr=None, pacc_ptr=None,
     SHARED: tl.constexpr = False, table_ptr=None, stride_table=0, PAGE: tl.constexpr = 0,
     sink_ptr=None, HAS_SINK: tl.constexpr = False,
+    ks_ptr=None, vs_ptr=None, stride_sslot=0, stride_spos=0, KV_FP8: tl.constexpr = False,
 ):  # fmt: skip
     """One (row, kv head, split): attention of the head group's queries over cached positions
     [split * CHUNK, (split + 1) * CHUNK) up to the row's last position pos.
@@ -71,7 +76,12 @@ def _decode_attention_kernel(
 
     HAS_SINK (GPT-OSS): each head's learned logit sink[head] joins the softmax denominator
     as a column with no value; split 0 folds it into its running state (once a row), so
-    the splits' merge and the shared prefix's see it like any key."""
+    the splits' merge and the shared prefix's see it like any key.
+
+    KV_FP8 (cache/fp8_kv.py): the caches hold e4m3 values and ks/vs a scale per (position,
+    kv head) [entries, positions, kv heads]; each tile is dequantized to the activation
+    dtype before its dots. The new token's k/v are quantized as they are stored, and
+    attended from registers dequantized, as later steps read them back."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -86,8 +96,10 @@ def _decode_attention_kernel(
     else:
         end = tl.minimum(chunk_end, pos + 1)
     base = kv_head * stride_chead
+    s_base = kv_head.to(tl.int64)  # the scales' (KV_FP8): heads contiguous
     if not PAGE:
         base += slot.to(tl.int64) * stride_cslot
+        s_base += slot.to(tl.int64) * stride_sslot
     wait_then_release(PDL)
     dtype = q_ptr.dtype.element_ty
     g = tl.arange(0, G_PAD)
@@ -124,8 +136,30 @@ def _decode_attention_kernel(
         k1n, k2n = _rotate(k1n.to(tl.float32), k2n.to(tl.float32), cos, sin, dtype)
         new_offs = base + cache_offsets(table_ptr, slot, pos, stride_table, stride_cslot,
                                         stride_cpos, PAGE, pos >= 0)  # fmt: skip
+        if KV_FP8:
+            new_s = s_base + cache_offsets(table_ptr, slot, pos, stride_table, stride_sslot,
+                                           stride_spos, PAGE, pos >= 0)  # fmt: skip
+            k_amax = tl.maximum(tl.max(tl.abs(k1n.to(tl.float32)), axis=0),
+                                tl.max(tl.abs(k2n.to(tl.float32)), axis=0))  # fmt: skip
+            k_scale = row_scale(k_amax, _TINY)
+            v_scale = row_scale(tl.max(tl.abs(v_new.to(tl.float32)), axis=0), _TINY)
+            k1q = e4m3_values(k1n.to(tl.float32), k_scale)
+            k2q = e4m3_values(k2n.to(tl.float32), k_scale)
+            vq = e4m3_values(v_new.to(tl.float32), v_scale)
+            if split == 0:
+                tl.store(ks_ptr + new_s, k_scale)
+                tl.store(vs_ptr + new_s, v_scale)
+            # registers attend with what the cache will read back
+            k1n, k2n = (k1q * k_scale).to(dtype), (k2q * k_scale).to(dtype)
+            v_new = (vq * v_scale).to(dtype)
+            k1n_stored = k1q.to(kc_ptr.dtype.element_ty)
+            k2n_stored = k2q.to(kc_ptr.dtype.element_ty)
+            v_stored = vq.to(vc_ptr.dtype.element_ty)
+        else:
+            k1n_stored, k2n_stored, v_stored = k1n, k2n, v_new
         if not STORE_LAST:
-            _store_new_kv(kc_ptr, vc_ptr, new_offs, split, k1n, k2n, v_new, h, d, HALF)
+            _store_new_kv(kc_ptr, vc_ptr, new_offs, split, k1n_stored, k2n_stored, v_stored, h,
+                          d, HALF)  # fmt: skip
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, 2 * HALF], tl.float32)
@@ -144,17 +178,28 @@ def _decode_attention_kernel(
             n_mask = (n >= first_read) & (n < end)
             block = tl.load(table_ptr + slot.to(tl.int64) * stride_table + n0 // PAGE)
             at = block.to(tl.int64) * stride_cslot + (n % PAGE).to(tl.int64) * stride_cpos
+            s_at = block.to(tl.int64) * stride_sslot + (n % PAGE).to(tl.int64) * stride_spos
         else:
             n_mask = n < end
             at = cache_offsets(table_ptr, slot, n, stride_table, stride_cslot, stride_cpos,
                                  PAGE, n_mask)  # fmt: skip
+            s_at = n  # only read under KV_FP8, which the wrapper runs paged
+            if KV_FP8:
+                s_at = cache_offsets(table_ptr, slot, n, stride_table, stride_sslot,
+                                     stride_spos, PAGE, n_mask)  # fmt: skip
         offs = base + at[:, None] + d[None, :]
         k = tl.load(kc_ptr + offs, mask=n_mask[:, None], other=0.0)
         v = tl.load(vc_ptr + offs, mask=n_mask[:, None], other=0.0)
+        if KV_FP8:
+            k_scales = tl.load(ks_ptr + s_base + s_at, mask=n_mask, other=0.0)
+            v_scales = tl.load(vs_ptr + s_base + s_at, mask=n_mask, other=0.0)
+            k = (k.to(tl.float32) * k_scales[:, None]).to(dtype)
+            v = (v.to(tl.float32) * v_scales[:, None]).to(dtype)
         m_i, l_i, acc = softmax_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2, FP32_DOT)
     if ROPE:
         if STORE_LAST:  # no program reads position pos from the cache: it may come last
-            _store_new_kv(kc_ptr, vc_ptr, new_offs, split, k1n, k2n, v_new, h, d, HALF)
+            _store_new_kv(kc_ptr, vc_ptr, new_offs, split, k1n_stored, k2n_stored, v_stored, h,
+                          d, HALF)  # fmt: skip
         if (start <= pos) & (pos < chunk_end):  # the new token belongs to this split
             s_new = tl.sum(q1.to(tl.float32) * k1n.to(tl.float32)[None, :], axis=1)
             s_new += tl.sum(q2.to(tl.float32) * k2n.to(tl.float32)[None, :], axis=1)
@@ -262,6 +307,7 @@ _decode_attention_tuned = triton.autotune(
         "NORM",
         "SHARED",
         "PAGE",
+        "KV_FP8",
     ],  # fmt: skip
     prune_configs_by={"early_config_prune": _prune_store_orders},
 )(_decode_attention_kernel)
@@ -289,6 +335,7 @@ def decode_attention(
     autotune: bool = True,
     table: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    kv_scales: tuple | None = None,
 ) -> torch.Tensor:
     """q [B, nh, D] (rows may be strided), caches [slots, S, nkv, D], lengths [B] -> out
     [B, nh, D]: row b attends over positions [0, lengths[b]) of slot row_slots[b]. max_len is
@@ -296,10 +343,13 @@ def decode_attention(
     shared_prefix.group_table: each group's prefix read once (one split). autotune: time the
     tile per shape (CUDA), else a fixed tile. table: a paged cache's block table [slots,
     blocks per sequence] (int32; the caches then [blocks, block size, nkv, D]). sinks: [nh]
-    per-head sink logits joining each softmax's denominator (GPT-OSS), or None."""
+    per-head sink logits joining each softmax's denominator (GPT-OSS), or None. kv_scales:
+    an FP8 cache's (key scales, value scales) of this layer [blocks, block size, nkv]
+    (cache/fp8_kv.py; paged only), the caches then e4m3."""
     return _attention(q, None, None, None, None, lengths - 1, key_cache, value_cache,
                       row_slots, max_len, splits, shared=shared, launch=launch,
-                      autotune=autotune, table=table, sinks=sinks)  # fmt: skip
+                      autotune=autotune, table=table, sinks=sinks,
+                      kv_scales=kv_scales)  # fmt: skip
 
 
 def decode_attention_rope(
@@ -321,6 +371,7 @@ def decode_attention_rope(
     autotune: bool = True,
     table: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    kv_scales: tuple | None = None,
 ) -> torch.Tensor:
     """rope_store + decode_attention in one launch: q [B, nh, D], k/v [B, nkv, D] of the new
     token (unrotated; rows may be strided), cos/sin [S, D] tables, positions [B] (the new
@@ -332,17 +383,19 @@ def decode_attention_rope(
     scales them by each row's 1/rms(residual) and adds the bias (lean.py).
 
     shared: (first [B], groups) from shared_prefix.group_table: each group's prompt prefix
-    is read once for all its rows (one split). table, sinks: as decode_attention's."""
+    is read once for all its rows (one split). table, sinks, kv_scales: as
+    decode_attention's (an FP8 cache's new k/v are stored quantized)."""
     return _attention(q, k, v, cos, sin, positions, key_cache, value_cache, row_slots,
                       max_len, splits, norm=norm, shared=shared, launch=launch,
-                      autotune=autotune, table=table, sinks=sinks)  # fmt: skip
+                      autotune=autotune, table=table, sinks=sinks,
+                      kv_scales=kv_scales)  # fmt: skip
 
 
 def _attention(
     q, k, v, cos, sin, positions, key_cache, value_cache, row_slots, max_len, splits, *,
     norm: tuple | None = None, shared: tuple | None = None, launch: Launch = PLAIN,
     autotune: bool = True, store_last: bool = False, table: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None, kv_scales: tuple | None = None,
 ):  # fmt: skip
     """store_last: the untuned launch's store order (the tuner times both; tests force one)."""
     rows, num_heads, head_dim = q.shape
@@ -390,6 +443,12 @@ def _attention(
     if sinks is not None:
         assert sinks.shape == (num_heads,) and sinks.stride(0) == 1
         meta.update(sink_ptr=sinks, HAS_SINK=True)
+    if kv_scales is not None:  # the shared-prefix kernel reads model-dtype K/V only
+        key_scales, value_scales = kv_scales
+        assert table is not None and shared is None, "an FP8 cache is paged, not shared"
+        assert key_scales.stride() == value_scales.stride() and key_scales.stride(2) == 1
+        meta.update(ks_ptr=key_scales, vs_ptr=value_scales, stride_sslot=key_scales.stride(0),
+                    stride_spos=key_scales.stride(1), KV_FP8=True)  # fmt: skip
     if norm is not None:
         assert rope, "norm needs the new token's k/v (decode_attention_rope)"
         residual, eps, bias = norm

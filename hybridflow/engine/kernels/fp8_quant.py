@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridflow.engine.fp8_rows import E4M3, INV_E4M3_MAX, TINY, Fp8Rows
+from hybridflow.engine.fp8.e4m3 import E4M3, INV_E4M3_MAX, TINY, Fp8Rows
 
 _INV_E4M3_MAX = tl.constexpr(INV_E4M3_MAX)
 
@@ -22,7 +22,7 @@ _INV_E4M3_MAX = tl.constexpr(INV_E4M3_MAX)
 @triton.jit
 def row_scale(amax, tiny):
     """A row's scale from its max |x| (fp32): max(amax, tiny) * (1/448), as the reference
-    computes it (fp8_rows.INV_E4M3_MAX says why not a division)."""
+    computes it (fp8/e4m3.INV_E4M3_MAX says why not a division)."""
     return tl.maximum(amax, tiny) * _INV_E4M3_MAX
 
 

@@ -17,10 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridflow.engine.fp8_rows import TINY, Fp8Rows
+from hybridflow.engine.fp8.e4m3 import TINY, Fp8Rows
 from hybridflow.engine.kernels.fp8_quant import e4m3_values, empty_rows, row_scale
 from hybridflow.engine.kernels.launch import PLAIN, Launch
 from hybridflow.engine.kernels.pdl import wait_then_release
+
+_TINY = tl.constexpr(TINY)
 
 # -------------------------------------------------------------------------------------------
 # RMSNorm, residual add + RMSNorm
@@ -359,8 +361,11 @@ def _rope_store_kernel(
     stride_q, stride_k, stride_v, stride_cs, stride_cslot, stride_cpos, stride_chead,
     NH: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr,
     NH_PAD: tl.constexpr, NKV_PAD: tl.constexpr, K_IN_PLACE: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, ks_ptr=None, vs_ptr=None, stride_sslot=0, stride_spos=0,
+    KV_FP8: tl.constexpr = False,
 ):  # fmt: skip
+    """KV_FP8 (cache/fp8_kv.py): k and v stored as e4m3 with a scale per kv head at
+    ks/vs[slot, cache_pos, head]; a k rotated in place stays in the activation dtype."""
     wait_then_release(PDL)
     row = tl.program_id(0)
     pos = tl.load(pos_ptr + row)
@@ -388,15 +393,34 @@ def _rope_store_kernel(
     r1, r2 = _rotate(k1, k2, c, s, dtype)
     cache_offs = (slot * stride_cslot + cache_pos * stride_cpos + kv_heads * stride_chead
                   + half[None, :])  # fmt: skip
-    tl.store(kc_ptr + cache_offs, r1, mask=kv_mask)
-    tl.store(kc_ptr + cache_offs + HALF, r2, mask=kv_mask)
     if K_IN_PLACE:
         tl.store(k_ptr + row * stride_k + kv_offs, r1, mask=kv_mask)
         tl.store(k_ptr + row * stride_k + kv_offs + HALF, r2, mask=kv_mask)
     v1 = tl.load(v_ptr + row * stride_v + kv_offs, mask=kv_mask, other=0.0)
     v2 = tl.load(v_ptr + row * stride_v + kv_offs + HALF, mask=kv_mask, other=0.0)
-    tl.store(vc_ptr + cache_offs, v1, mask=kv_mask)
-    tl.store(vc_ptr + cache_offs + HALF, v2, mask=kv_mask)
+    if KV_FP8:
+        scale_offs = slot.to(tl.int64) * stride_sslot + cache_pos.to(tl.int64) * stride_spos
+        scale_offs += tl.arange(0, NKV_PAD)
+        heads_mask = tl.arange(0, NKV_PAD) < NKV
+        r1, r2, k_scale = _quantize_halves(r1, r2)
+        v1, v2, v_scale = _quantize_halves(v1, v2)
+        tl.store(ks_ptr + scale_offs, k_scale, mask=heads_mask)
+        tl.store(vs_ptr + scale_offs, v_scale, mask=heads_mask)
+    element = kc_ptr.dtype.element_ty
+    tl.store(kc_ptr + cache_offs, r1.to(element), mask=kv_mask)
+    tl.store(kc_ptr + cache_offs + HALF, r2.to(element), mask=kv_mask)
+    tl.store(vc_ptr + cache_offs, v1.to(element), mask=kv_mask)
+    tl.store(vc_ptr + cache_offs + HALF, v2.to(element), mask=kv_mask)
+
+
+@triton.jit
+def _quantize_halves(x1, x2):
+    """Each head's vector, as halves x1, x2 [heads, half], quantized on its own (fp8_kv.py):
+    (e4m3 values of x1, of x2, held in fp32, and the scale [heads])."""
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x1), axis=1), tl.max(tl.abs(x2), axis=1))
+    scale = row_scale(amax, _TINY)
+    return e4m3_values(x1, scale[:, None]), e4m3_values(x2, scale[:, None]), scale
 
 
 def rope_store(
@@ -412,6 +436,7 @@ def rope_store(
     rotate_k: bool = False,
     launch: Launch = PLAIN,
     cache_positions=None,
+    kv_scales: tuple | None = None,
 ) -> None:
     """q [B, nh, D] rotated in place; rotated k [B, nkv, D] and v stored at
     cache[row_slots, positions] (key_cache/value_cache: one layer, [slots, S, nkv, D], any
@@ -419,15 +444,23 @@ def rope_store(
     hands it to the packed attention as is, instead of gathering it back from the cache).
     q/k/v rows may be strided (views of matmul outputs); heads and dims contiguous.
     cache_positions: where in row_slots' entries the K/V go when that is not the RoPE position
-    (a paged cache: row_slots are blocks, cache_positions the offsets in them)."""
+    (a paged cache: row_slots are blocks, cache_positions the offsets in them). kv_scales:
+    an FP8 cache's (key scales, value scales) of this layer [entries, positions, nkv]
+    (cache/fp8_kv.py), the caches then e4m3."""
     rows, num_heads, head_dim = q.shape
     num_kv = k.shape[1]
     assert q.stride(2) == 1 and q.stride(1) == head_dim and k.stride(1) == head_dim
+    fp8 = {}
+    if kv_scales is not None:
+        key_scales, value_scales = kv_scales
+        assert key_scales.stride() == value_scales.stride() and key_scales.stride(2) == 1
+        fp8 = dict(ks_ptr=key_scales, vs_ptr=value_scales, stride_sslot=key_scales.stride(0),
+                   stride_spos=key_scales.stride(1), KV_FP8=True)  # fmt: skip
     _rope_store_kernel[(rows,)](
         q, k, v, cos, sin, positions, row_slots,
         positions if cache_positions is None else cache_positions, key_cache, value_cache,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), key_cache.stride(0),
         key_cache.stride(1), key_cache.stride(2), NH=num_heads, NKV=num_kv, HALF=head_dim // 2,
         NH_PAD=triton.next_power_of_2(num_heads), NKV_PAD=triton.next_power_of_2(num_kv),
-        K_IN_PLACE=rotate_k, **launch.keywords(),
+        K_IN_PLACE=rotate_k, **fp8, **launch.keywords(),
     )  # fmt: skip

@@ -125,7 +125,7 @@ def decode_forward_triton(
             return attention.decode_attention_rope(
                 q, k, v, rope.cos, rope.sin, positions, cache.keys[index], cache.values[index],
                 row_slots, max_len, norm=norm, shared=shared, launch=layer_launch,
-                autotune=autotune, table=cache.block_table,
+                autotune=autotune, table=cache.block_table, kv_scales=cache.layer_scales(index),
             )  # fmt: skip
 
         return attend

@@ -99,12 +99,11 @@ def decode_forward_torch(
             row = cache.kv_row(index)
 
             def store(k, v, row=row):
-                cache.keys[row, entries, offsets] = k
-                cache.values[row, entries, offsets] = v
+                cache.store(row, entries, offsets, k, v)
 
             def attend(q, k, v, row=row):
-                return cached_attention_torch(q, cache.keys[row], cache.values[row], row_slots,
-                                              lengths, max_len, cache)  # fmt: skip
+                return cached_attention_torch(q, *cache.layer(row), row_slots, lengths, max_len,
+                                              cache)  # fmt: skip
 
             out = mixing.kv_mixer(layer, normed, cos, sin, store, attend)
         hidden = hidden + out

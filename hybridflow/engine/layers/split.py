@@ -34,7 +34,7 @@ def fused_layers(
     launch: the kernels' launch options. Mixture-of-experts layers (layers/moe.py): routes,
     a moe.RouteTarget the tokens record their expert ids in (None: not recorded); experts, a
     moe.ExpertMatmuls. Returns the final-normed hidden states [N or len(keep), H]."""
-    from hybridflow.engine.fp8 import Fp8Matmul
+    from hybridflow.engine.fp8.matmul import Fp8Matmul
     from hybridflow.engine.kernels import gemm, rowwise
     from hybridflow.engine.layers.moe import ExpertMatmuls, experts_triton, is_sparse
 

@@ -28,6 +28,19 @@ APPLIED = {
         for size in ("tensor_parallel_size", "expert_parallel_size")
     },
     **{
+        f"{role}.precision": "the checkpoint holds the same fp32/bf16 weights and AdamW state "
+        "in either precision (FP8 casts them at each matmul): the linears compute in the new "
+        "one from the next step"
+        for role in ("actor", "critic")
+    },
+    **{
+        f"{role}.fp8_recipe": "FP8 scales are taken afresh at each matmul, none is saved: "
+        "the new recipe applies from the next step"
+        for role in ("actor", "critic")
+    },
+    "rollout.dtype": "the rollout keeps no state: its engine takes the loaded actor's weights "
+    "in the new format",
+    **{
         f"{role}.{size}": "each rank reads its part of the checkpoint's shards in the new layout"
         for role in ("actor", "ref", "critic")
         for size in ("tensor_parallel_size", "sequence_parallel_size", "expert_parallel_size")

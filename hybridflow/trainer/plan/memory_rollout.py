@@ -126,7 +126,7 @@ def rollout_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
                              note=f"1/{o.rollout_tp}, tensor parallel" if o.rollout_tp > 1 else "")  # fmt: skip
     fused = fused_copy_bytes(a, o.fuse_projections, o.rollout_bytes)
     held = (GENERATE,) if o.release_cache else ALWAYS  # Engine.release() frees them
-    fp8 = a.num_parameters(include_embeddings=False)  # 1 byte each (engine/fp8.py)
+    fp8 = a.num_parameters(include_embeddings=False)  # 1 byte each (engine/fp8/matmul.py)
     fp8_copies = [MemoryItem("rollout fp8 projection copies", fp8, held, rollout_gpu=split)]
     return [
         weights,

@@ -47,7 +47,7 @@ def test_the_engine_reserves_what_the_plan_reserves(monkeypatch):
 
     seen = {}
 
-    def make_cache(cfg, batch, seq_len, block, budget, reserve, *rest):
+    def make_cache(cfg, batch, seq_len, block, budget, reserve, *rest, **options):
         seen["reserve"] = reserve
         raise RuntimeError("stop")
 

@@ -1,4 +1,4 @@
-"""The e4m3 kernels against fp8.quantize_rows_reference, bit for bit: the standalone quantizer
+"""The e4m3 kernels against fp8/e4m3.quantize_rows_reference, bit for bit: the standalone quantizer
 (kernels/fp8_quant.py), the norms and SiLU*up that write e4m3 rows (rowwise.py's *_e4m3), and
 the split layer fed by them against the same layer quantizing in front of each matmul.
 CUDA (marked gpu) or CPU under TRITON_INTERPRET=1."""
@@ -12,8 +12,9 @@ from triton_device import triton_test_device
 DEVICE = triton_test_device()
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 
-from hybridflow.engine import fp8  # noqa: E402
-from hybridflow.engine.fp8 import E4M3, Fp8Matmul, quantize_rows_reference  # noqa: E402
+from hybridflow.engine.fp8 import matmul as fp8  # noqa: E402
+from hybridflow.engine.fp8.e4m3 import E4M3, quantize_rows_reference  # noqa: E402
+from hybridflow.engine.fp8.matmul import Fp8Matmul  # noqa: E402
 from hybridflow.engine.kernels import rowwise  # noqa: E402
 from hybridflow.engine.kernels.fp8_quant import quantize_rows_triton  # noqa: E402
 from hybridflow.engine.kernels.launch import PLAIN  # noqa: E402

@@ -368,6 +368,29 @@ def test_e4m3_writers_compile_with_the_hardware_cast(pdl):
         assert all("griddepcontrol.wait" in kernel.asm["ptx"] for kernel in compiled[1:])
 
 
+def test_fp8_kv_cache_kernels_compile_with_the_hardware_casts():
+    """An FP8 KV cache (cache/fp8_kv.py): the new token's store and rope_store quantize
+    (cvt...e4m3x2), decode attention dequantizes its tiles (e4m3 loads converted up)."""
+    fp8 = {"kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv", "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
+    compiled = []
+    for rope, page, splits in ((True, 16, 3), (True, 64, 1), (False, 64, 3)):
+        base = dict(G=7, G_PAD=16, HALF=32, NH=14, SPLITS=splits, ROPE=rope, BLOCK_N=64,
+                    FP32_DOT=False, PAGE=page, KV_FP8=True)  # fmt: skip
+        compiled.append(_compile(attention._decode_attention_kernel, base, "bf16",
+                                 overrides=fp8, stages=2))  # fmt: skip
+    compiled.append(_compile(attention._decode_attention_kernel,
+                             dict(G=6, G_PAD=16, HALF=64, NH=12, SPLITS=1, ROPE=True, BLOCK_N=32,
+                                  FP32_DOT=False, PAGE=64, KV_FP8=True, NORM=True, H_PAD=2048,
+                                  HAS_BIAS=True),
+                             "bf16", overrides=fp8, stages=2))  # lean.py's  # fmt: skip
+    compiled.append(_compile(rowwise._rope_store_kernel,
+                             dict(NH=14, NKV=2, HALF=32, NH_PAD=16, NKV_PAD=2, K_IN_PLACE=True,
+                                  KV_FP8=True),
+                             "bf16", overrides=fp8))  # fmt: skip
+    stores = [compiled[0], compiled[1], compiled[3], compiled[4]]
+    assert all("e4m3x2" in kernel.asm["ptx"] for kernel in stores)
+
+
 @pytest.mark.parametrize("with_entropy", [True, False])
 def test_logprob_kernels_compile(with_entropy):
     constexprs = dict(WITH_ENTROPY=with_entropy, BLOCK=logprob_kernels.BLOCK_V)

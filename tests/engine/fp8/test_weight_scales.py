@@ -1,4 +1,4 @@
-"""The fp8 rollout's weights quantized with the FP8 trainer's recipe (fp8_weights.py): the e4m3
+"""The fp8 rollout's weights quantized with the FP8 trainer's recipe (engine/fp8/weight_scales.py): the e4m3
 bytes and scales equal those torchao's float8 training (emulated on the CPU) multiplies by in
 a Linear's forward, per recipe and weight dtype, and in the fused q/k/v and gate/up copies."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from hybridflow.engine.fp8 import Fp8Matmul
-from hybridflow.engine.fp8_weights import quantize_weight, trainer_multiplier
+from hybridflow.engine.fp8.matmul import Fp8Matmul
+from hybridflow.engine.fp8.weight_scales import quantize_weight, trainer_multiplier
 from hybridflow.engine.weights import FusedProjections
 from hybridflow.models import build_model
 from hybridflow.models.presets import preset_config

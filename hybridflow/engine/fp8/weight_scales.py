@@ -1,9 +1,9 @@
-"""How the fp8 rollout (fp8.py) quantizes a projection's weight: with the engine's own scales,
+"""How the fp8 rollout (matmul.py) quantizes a projection's weight: with the engine's own scales,
 or with the FP8 trainer's recipe (torchao's float8 training, learners/fp8_training.py), so that
 the e4m3 bytes and scales the rollout multiplies by are those of the trainer's forward.
 
 The engine's own ("engine"): a scale per output channel, amax / 448 (fp32 times 1/448), the
-row divided by it (fp8_rows.py).
+row divided by it (e4m3.py).
 
 The trainer's (torchao 0.18, ``float8_utils.amax_to_scale`` and ``_ToFloat8ConstrFunc``): torchao
 keeps the multiplier s = 448 / max(amax, 1e-12), computed in float64 and rounded to fp32; the
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.engine.fp8_rows import E4M3, E4M3_MAX, TINY, quantize_rows_reference
+from hybridflow.engine.fp8.e4m3 import E4M3, E4M3_MAX, TINY, quantize_rows_reference
 from hybridflow.engine.options import ENGINE_SCALES, TRAINER_RECIPES, WEIGHT_SCALES  # noqa: F401
 
 
@@ -45,7 +45,7 @@ def quantize_weight(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [N, K] -> (e4m3 [N, K], scale [N, 1] fp32) with weight ≈ e4m3 * scale per row.
 
-    recipe: "engine" (fp8_rows' own per-row scales) or a trainer recipe (rowwise, tensorwise).
+    recipe: "engine" (e4m3.py's own per-row scales) or a trainer recipe (rowwise, tensorwise).
     row_amax [N, 1]: the amax each row's scale comes from under tensorwise (the whole source
     weight's, repeated on its rows: see :func:`tensor_amax_rows`); None: the whole ``weight``'s
     own."""

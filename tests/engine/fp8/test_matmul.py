@@ -1,4 +1,4 @@
-"""FP8 matmuls (fp8.py) on the CPU: per-row e4m3 quantization within its rounding step, the
+"""FP8 matmuls (engine/fp8/matmul.py) on the CPU: per-row e4m3 quantization within its rounding step, the
 scaled matmul against the model-dtype one, copies refreshed in place from the live weights,
 rows quantized ahead (what the e4m3 norms hand over) taken as model-dtype ones, and the
 options that cannot run fp8 refused."""
@@ -10,13 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow.engine import Engine, EngineOptions
-from hybridflow.engine.fp8 import (
-    E4M3_MAX,
-    Fp8Matmul,
-    Fp8Rows,
-    quantize_rows_reference,
-    scaled_linear,
-)
+from hybridflow.engine.fp8.e4m3 import E4M3_MAX, Fp8Rows, quantize_rows_reference
+from hybridflow.engine.fp8.matmul import Fp8Matmul, scaled_linear
 from hybridflow.errors import UserError
 from hybridflow.models import build_model
 from hybridflow.models.presets import preset_config

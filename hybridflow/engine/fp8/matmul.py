@@ -3,7 +3,7 @@
 Weights: each projection (the fused q/k/v and gate/up copies, o_proj, down_proj) is quantized
 per output channel (scale = the row's max |w| / 448) into an fp8 copy that lives as long as
 the KV cache and is refreshed in place from the live bf16 parameters at every weight sync, so
-captured CUDA graphs stay valid (or with the FP8 trainer's recipe, fp8_weights.py, when the
+captured CUDA graphs stay valid (or with the FP8 trainer's recipe, fp8/weight_scales.py, when the
 actor trains in FP8: the trainer's e4m3 bytes and scales). Activations: quantized per token (row) in front of each
 matmul: the split layer's norms and SiLU*up write their outputs as e4m3 rows with scales
 (Fp8Rows, rowwise.py), so only the attention output takes a quantize launch of its own. The
@@ -24,15 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridflow.engine.fp8_rows import (  # noqa: F401 (quantize_rows_reference: its home before)
-    E4M3,
-    E4M3_MAX,
-    INV_E4M3_MAX,
-    TINY,
-    Fp8Rows,
-    quantize_rows_reference,
-)
-from hybridflow.engine.fp8_weights import ENGINE_SCALES, quantize_weight, tensor_amax_rows
+from hybridflow.engine.fp8.e4m3 import E4M3, Fp8Rows, quantize_rows_reference
+from hybridflow.engine.fp8.weight_scales import ENGINE_SCALES, quantize_weight, tensor_amax_rows
 from hybridflow.engine.kernels.launch import PLAIN, Launch
 
 
@@ -94,7 +87,7 @@ class Fp8Matmul:
     on by default. The engine holds one Fp8Matmul for prefill, extend and decode: all three
     accumulate the same way.
 
-    weight_scales: how the weights are quantized (fp8_weights.py): "engine" (amax / 448 per
+    weight_scales: how the weights are quantized (weight_scales.py): "engine" (amax / 448 per
     output channel) or the FP8 trainer's recipe, "rowwise" or "tensorwise", whose bytes and
     scales equal those of the trainer's forward (the fused copies then hold the model's
     weights as they are: no norm weight folded in)."""

@@ -1,6 +1,6 @@
-"""The float8 e4m3 format of the fp8 rollout (fp8.py): its range, how a row's scale is
+"""The float8 e4m3 format of the fp8 rollout (matmul.py): its range, how a row's scale is
 taken, and Fp8Rows, activations quantized per row. The Triton kernels that write or read
-such rows (kernels/fp8_quant.py, kernels/rowwise.py) and the matmuls in fp8.py share it.
+such rows (kernels/fp8_quant.py, kernels/rowwise.py) and the matmuls in matmul.py share it.
 """
 
 from __future__ import annotations
