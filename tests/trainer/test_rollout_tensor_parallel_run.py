@@ -178,3 +178,19 @@ def test_partial_rollouts_in_async_mode_with_a_tensor_parallel_rollout_log_data_
     assert plain.keys() == layout.keys() == {1, 2, 3}
     _assert_same(plain[1], layout[1], 1)
     assert _samples(tmp_path / "dp", 1) == _samples(tmp_path / "layout", 1)
+
+
+@pytest.mark.slow
+def test_agent_episodes_with_a_tensor_parallel_rollout_log_data_parallel(tmp_path):
+    """rollout.agent.loop=tools with rollout TP = 2: each rank runs its own rows' episodes,
+    the two ranks serving their turns in lockstep (engine/serving/lockstep.py; the tiny
+    random model answers without tool calls, so an episode is one kept turn, released at its
+    end); the metrics and samples are those of a data-parallel rollout, step after step."""
+    agents = ("rollout.agent.loop=tools", "rollout.agent.tools=[calculator]",
+              "data.max_prompt_length=64", "reward.custom_fn=null")  # fmt: skip
+    plain = _train(tmp_path / "dp", *PLAIN, *agents)
+    layout = _train(tmp_path / "layout", VERL + "rollout.tensor_model_parallel_size=2", *agents)
+    assert plain.keys() == layout.keys() and len(plain) >= 2
+    for step, want in plain.items():
+        _assert_same(want, layout[step], step)
+        assert _samples(tmp_path / "dp", step) == _samples(tmp_path / "layout", step)
