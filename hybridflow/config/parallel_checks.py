@@ -177,9 +177,8 @@ def rollout_tensor_parallel_limits(cfg: Config, arch: ModelArchitecture | None) 
         return []
     key = f"rollout.tensor_parallel_size = {size}"
     limits = [
-        (cfg.rollout.engine.decode_backend == "triton" or cfg.rollout.dtype == "fp8",
-         "rollout.engine.decode_backend = triton" if cfg.rollout.dtype != "fp8" else
-         "rollout.dtype = fp8", "the fused decode layers have no all-reduce yet"),
+        (_fused_key(cfg) is not None, _fused_key(cfg),
+         "the fused decode layers have no all-reduce yet"),
     ]  # fmt: skip
     problems = [f"{key} with {what}: not yet supported ({why}); set "
                 "rollout.tensor_parallel_size=1" for applies, what, why in limits if applies]  # fmt: skip
@@ -224,13 +223,25 @@ def rollout_expert_limits(cfg: Config, arch: ModelArchitecture | None) -> list[s
     ]  # fmt: skip
     if tp == 1:
         limits += [
-            (cfg.rollout.engine.decode_backend == "triton" or cfg.rollout.dtype == "fp8",
-             "rollout.engine.decode_backend = triton" if cfg.rollout.dtype != "fp8" else
-             "rollout.dtype = fp8", "the fused decode layers have no all-to-all yet"),
+            (_fused_key(cfg) is not None, _fused_key(cfg),
+             "the fused decode layers have no all-to-all yet"),
         ]  # fmt: skip
     fix = f"rollout.expert_parallel_size={tp if tp > 1 else 1}"
     return [f"{key} with {what}: not yet supported ({why}); set {fix}"
             for applies, what, why in limits if applies]  # fmt: skip
+
+
+def _fused_key(cfg: Config) -> str | None:
+    """The key that asks for the fused decode layers (the fp8 engine runs on them only,
+    engine/fp8.check_fp8_engine), as `key = value`; None when none does."""
+    r = cfg.rollout
+    if r.dtype == "fp8":
+        return "rollout.dtype = fp8"
+    if r.engine.weight_format == "fp8":
+        return "rollout.engine.weight_format = fp8"
+    if r.engine.decode_backend == "triton":
+        return "rollout.engine.decode_backend = triton"
+    return None
 
 
 def rollout_fp8_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]:

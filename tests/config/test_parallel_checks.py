@@ -61,6 +61,13 @@ def test_a_tensor_parallel_rollout_is_accepted_and_what_it_does_not_run_yet_refu
         "supported (the fused decode layers have no all-reduce yet); set "
         "rollout.tensor_parallel_size=1",
     ]
+    # the fp8 engine runs on the fused decode layers only, whichever key asks for it
+    for key in ("rollout.dtype=fp8", "rollout.engine.weight_format=fp8"):
+        name = key.replace("=", " = ")
+        assert (
+            f"rollout.tensor_parallel_size = 2 with {name}: not yet supported (the fused "
+            "decode layers have no all-reduce yet); set rollout.tensor_parallel_size=1"
+        ) in _problems([*FOUR_CPUS, "rollout.tensor_parallel_size=2", key])
     # agent loops: each rank's turns and releases of kept KV run in lockstep too
     agents = [*FOUR_CPUS, "rollout.tensor_parallel_size=2", "rollout.agent.tools=[calculator]"]
     validate(load_config(None, [*agents, "rollout.agent.loop=tools"]))
