@@ -80,9 +80,7 @@ def host_need(cfg: Config, derived: Derived, plan=None, on_cpu: bool = False) ->
                               derived.use_reference, derived.use_critic)  # fmt: skip
     model = 0
     if plan is not None:  # on a CPU: what the optimizer step holds (weights, gradients, AdamW)
-        # in each of the host's processes (a shard each under FSDP2)
-        processes = plan.options.gpus_per_host
-        model = plan.host_bytes() + (plan.phase_bytes(STEP) * processes if on_cpu else 0)
+        model = plan.host_bytes() + (plan.phase_bytes(STEP) if on_cpu else 0)
     model_what = ("the model's weights, gradients and optimizer state" if on_cpu
                   else "the model's offloaded state")  # fmt: skip
     if plan is not None and plan.options.gpus_per_host < plan.options.train_gpus:

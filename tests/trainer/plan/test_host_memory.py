@@ -135,18 +135,3 @@ def test_validate_checks_a_nodes_host_memory_as_the_plan_prints_it(monkeypatch):
     text = str(error.value)
     assert "of one node's 8 GPUs (of 96)" in text and "512.0 GiB is free (test)" in text
     assert "more nodes (trainer.nnodes)" in text
-
-
-def test_a_cpu_run_counts_every_process_of_the_host():
-    """trainer.device=cpu on 2 processes: each holds its FSDP2 shard of the weights,
-    gradients and AdamW state in host memory, so the host holds both shares."""
-    from hybridflow.trainer.plan.host_memory import host_need_for
-    from hybridflow.trainer.plan.memory_check import plan_for_config
-    from hybridflow.trainer.plan.memory_plan import STEP
-
-    cfg = load_config(None, ["model.path=qwen2.5-0.5b", "trainer.device=cpu",
-                             "trainer.backend=local", "trainer.n_gpus_per_node=2"])  # fmt: skip
-    derived = validate(cfg)
-    one_process = plan_for_config(cfg, derived, None).phase_bytes(STEP)
-    need = host_need_for(cfg, derived)
-    assert need.on_cpu and need.model_bytes == 2 * one_process
