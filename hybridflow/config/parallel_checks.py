@@ -171,18 +171,16 @@ def check_layouts(
 
 def rollout_tensor_parallel_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]:
     """What a tensor-parallel rollout does not run yet (its ranks must run the same decode
-    steps in lockstep, on the eager decode path). Partial rollouts run: the group's ranks
-    serve in rounds (engine/serving/lockstep.py)."""
+    steps in lockstep, on the eager decode path). Partial rollouts and agent loops run: the
+    group's ranks serve in rounds (engine/serving/lockstep.py), kept KV released on every
+    rank at the same step."""
     size = cfg.rollout.tensor_parallel_size
     if size <= 1:
         return []
     key = f"rollout.tensor_parallel_size = {size}"
     limits = [
-        (cfg.rollout.agent.loop is not None, f"rollout.agent.loop = {cfg.rollout.agent.loop}",
-         "agent episodes take turns at their own pace on each rank"),
-        (cfg.rollout.engine.decode_backend == "triton" or cfg.rollout.dtype == "fp8",
-         "rollout.engine.decode_backend = triton" if cfg.rollout.dtype != "fp8" else
-         "rollout.dtype = fp8", "the fused decode layers have no all-reduce yet"),
+        (_fused_key(cfg) is not None, _fused_key(cfg),
+         "the fused decode layers have no all-reduce yet"),
     ]  # fmt: skip
     problems = [f"{key} with {what}: not yet supported ({why}); set "
                 "rollout.tensor_parallel_size=1" for applies, what, why in limits if applies]  # fmt: skip
@@ -222,18 +220,30 @@ def rollout_expert_limits(cfg: Config, arch: ModelArchitecture | None) -> list[s
          "the all-to-all's sizes are read on the host at every sparse layer"),
         (cfg.trainer.mode == "async" and cfg.trainer.partial_rollout, "trainer.partial_rollout",
          "the rollout service admits requests as they come, at times that differ by replica"),
+        (cfg.rollout.agent.loop is not None, f"rollout.agent.loop = {cfg.rollout.agent.loop}",
+         "agent episodes take turns at their own pace on each replica"),
     ]  # fmt: skip
     if tp == 1:
         limits += [
-            (cfg.rollout.agent.loop is not None, f"rollout.agent.loop = {cfg.rollout.agent.loop}",
-             "agent episodes take turns at their own pace on each replica"),
-            (cfg.rollout.engine.decode_backend == "triton" or cfg.rollout.dtype == "fp8",
-             "rollout.engine.decode_backend = triton" if cfg.rollout.dtype != "fp8" else
-             "rollout.dtype = fp8", "the fused decode layers have no all-to-all yet"),
+            (_fused_key(cfg) is not None, _fused_key(cfg),
+             "the fused decode layers have no all-to-all yet"),
         ]  # fmt: skip
     fix = f"rollout.expert_parallel_size={tp if tp > 1 else 1}"
     return [f"{key} with {what}: not yet supported ({why}); set {fix}"
             for applies, what, why in limits if applies]  # fmt: skip
+
+
+def _fused_key(cfg: Config) -> str | None:
+    """The key that asks for the fused decode layers (the fp8 engine runs on them only,
+    engine/fp8.check_fp8_engine), as `key = value`; None when none does."""
+    r = cfg.rollout
+    if r.dtype == "fp8":
+        return "rollout.dtype = fp8"
+    if r.engine.weight_format == "fp8":
+        return "rollout.engine.weight_format = fp8"
+    if r.engine.decode_backend == "triton":
+        return "rollout.engine.decode_backend = triton"
+    return None
 
 
 def rollout_fp8_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]:

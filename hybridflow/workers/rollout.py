@@ -19,6 +19,7 @@ the requests in flight: their later tokens record the new version (``token_versi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from concurrent.futures import Future
@@ -95,6 +96,11 @@ class RolloutWorker(Worker):
             from hybridflow.engine.serving.service import RolloutService
 
             self.service = RolloutService(self.engine)
+        # agent episodes on a tensor-parallel rollout: each rank runs its own rows' episodes,
+        # the group's ranks serving their turns in lockstep for the batch (_agent_service)
+        self._agent_group = None
+        if config.rollout.agent.loop is not None and r.tensor_parallel_size > 1 and not partial:
+            self._agent_group = self.tensor.service_group()
         self._agent_loop = None  # built at the first agent rollout (rollout.agent.loop)
         self.tokenizer = None
         if config.rollout.agent.loop is not None:
@@ -155,11 +161,14 @@ class RolloutWorker(Worker):
         images = None
         if PIXEL_VALUES in batch.arrays:  # rows computed from the agent's prompt, not these
             images = _prompt_images(batch, dataset_positions=False)
-        trajectories = run_agent_batch(
-            self._agent_loop, EngineClient(self.engine), list(batch.arrays["raw_prompt"]),
-            params.n, params.seed, cfg.rollout.agent.concurrency, images,
-        )  # fmt: skip
-        if cfg.rollout.release_cache and str(self.device).startswith("cuda"):
+        with self._agent_service():
+            trajectories = run_agent_batch(
+                self._agent_loop, EngineClient(self.engine), list(batch.arrays["raw_prompt"]),
+                params.n, params.seed, cfg.rollout.agent.concurrency, images,
+            )  # fmt: skip
+        # a partial rollouts' service keeps its cache for the requests in flight
+        if cfg.rollout.release_cache and str(self.device).startswith("cuda") and (
+                self.service is None):  # fmt: skip
             self.engine.release()
         packed = pack_trajectories(trajectories, width, pad_token_id,
                                    prompt_width(self._agent_loop, cfg.data.max_prompt_length))  # fmt: skip
@@ -172,18 +181,41 @@ class RolloutWorker(Worker):
 
         agent = self.config.rollout.agent
         program = load_program(agent.program)
-        server = ProgramServer(self.engine, self.tokenizer)
         try:
-            extra = batch.arrays.get("extra_info")
-            extra_infos = list(extra) if extra is not None else [None] * len(batch)
-            return run_program_batch(
-                program, server, self.tokenizer, list(batch.arrays["raw_prompt"]), extra_infos,
-                params.n, params.seed, turn_params, width, agent.concurrency,
-            )  # fmt: skip
+            with self._agent_service():
+                server = ProgramServer(self.engine, self.tokenizer)
+                try:
+                    extra = batch.arrays.get("extra_info")
+                    extra_infos = list(extra) if extra is not None else [None] * len(batch)
+                    return run_program_batch(
+                        program, server, self.tokenizer, list(batch.arrays["raw_prompt"]),
+                        extra_infos, params.n, params.seed, turn_params, width,
+                        agent.concurrency,
+                    )  # fmt: skip
+                finally:
+                    server.close()  # its service stops: the engine is the trainer's again
         finally:
-            server.close()  # the service stops: the engine is the trainer's between batches
-            if self.config.rollout.release_cache and str(self.device).startswith("cuda"):
+            if self.config.rollout.release_cache and str(self.device).startswith("cuda") and (
+                    self.service is None):  # fmt: skip
                 self.engine.release()
+
+    @contextlib.contextmanager
+    def _agent_service(self):
+        """A tensor-parallel rollout's agent batch: the group's ranks serve their episodes'
+        turns in lockstep (engine/serving/lockstep.py: each rank's turns and its releases of
+        kept KV run on every rank between the same two steps), each rank's EngineClient
+        talking to that service; closed (every rank's episodes done) before the batch ends.
+        Elsewhere the client starts and stops a service of its own."""
+        if self._agent_group is None:
+            yield
+            return
+        from hybridflow.engine.serving.lockstep import LockstepService
+
+        service = LockstepService(self.engine, self._agent_group)
+        try:
+            yield
+        finally:
+            service.close()
 
     def _packed(self, trajectories: list, pad_token_id: int, max_prompt_length: int) -> Batch:
         from hybridflow.agents.rollout import pack_trajectories
@@ -257,7 +289,8 @@ class RolloutWorker(Worker):
     def _generate(self, batch: Batch) -> Batch:
         if self.tensor is None:
             return self._generate_rows(batch, self.rank)
-        if self.service is not None:  # the service runs every member's rows on each rank
+        if self.service is not None or self._agent_group is not None:
+            # a service (lockstep) runs every member's requests on each rank
             return self._generate_rows(batch, self.rank)
         # the group's chunks together on its engine; this rank keeps its own chunk's rows
         rows, chunk, chunk_rows = self.tensor.gather_rows(batch)

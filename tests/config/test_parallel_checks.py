@@ -61,18 +61,22 @@ def test_a_tensor_parallel_rollout_is_accepted_and_what_it_does_not_run_yet_refu
         "supported (the fused decode layers have no all-reduce yet); set "
         "rollout.tensor_parallel_size=1",
     ]
-    agents = _problems(
-        [
-            *FOUR_CPUS,
-            "rollout.tensor_parallel_size=2",
-            "rollout.agent.loop=tools",
-            "rollout.agent.tools=[calculator]",
-        ]
-    )
-    assert agents == [
-        "rollout.tensor_parallel_size = 2 with rollout.agent.loop = tools: not yet supported "
-        "(agent episodes take turns at their own pace on each rank); set "
-        "rollout.tensor_parallel_size=1",
+    # the fp8 engine runs on the fused decode layers only, whichever key asks for it
+    for key in ("rollout.dtype=fp8", "rollout.engine.weight_format=fp8"):
+        name = key.replace("=", " = ")
+        assert (
+            f"rollout.tensor_parallel_size = 2 with {name}: not yet supported (the fused "
+            "decode layers have no all-reduce yet); set rollout.tensor_parallel_size=1"
+        ) in _problems([*FOUR_CPUS, "rollout.tensor_parallel_size=2", key])
+    # agent loops: each rank's turns and releases of kept KV run in lockstep too
+    agents = [*FOUR_CPUS, "rollout.tensor_parallel_size=2", "rollout.agent.tools=[calculator]"]
+    validate(load_config(None, [*agents, "rollout.agent.loop=tools"]))
+    wide = _problems([*agents, "rollout.agent.loop=tools", "model.path=tiny-moe",
+                      "rollout.expert_parallel_size=4"])  # fmt: skip
+    assert wide == [
+        "rollout.expert_parallel_size = 4 (experts over several replicas) with "
+        "rollout.agent.loop = tools: not yet supported (agent episodes take turns at their own "
+        "pace on each replica); set rollout.expert_parallel_size=2"
     ]
     # experts over several replicas still move in rounds of the expert group
     spread = _problems([*partial, "model.path=tiny-moe", "rollout.expert_parallel_size=4"])

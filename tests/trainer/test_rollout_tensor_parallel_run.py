@@ -178,3 +178,51 @@ def test_partial_rollouts_in_async_mode_with_a_tensor_parallel_rollout_log_data_
     assert plain.keys() == layout.keys() == {1, 2, 3}
     _assert_same(plain[1], layout[1], 1)
     assert _samples(tmp_path / "dp", 1) == _samples(tmp_path / "layout", 1)
+
+
+@pytest.mark.slow
+def test_agent_episodes_with_a_tensor_parallel_rollout_log_data_parallel(tmp_path):
+    """rollout.agent.loop=tools with rollout TP = 2: each rank runs its own rows' episodes,
+    the two ranks serving their turns in lockstep (engine/serving/lockstep.py; the tiny
+    random model answers without tool calls, so an episode is one kept turn, released at its
+    end); the metrics and samples are those of a data-parallel rollout, step after step."""
+    agents = ("rollout.agent.loop=tools", "rollout.agent.tools=[calculator]",
+              "data.max_prompt_length=64", "reward.custom_fn=null")  # fmt: skip
+    plain = _train(tmp_path / "dp", *PLAIN, *agents)
+    layout = _train(tmp_path / "layout", VERL + "rollout.tensor_model_parallel_size=2", *agents)
+    assert plain.keys() == layout.keys() and len(plain) >= 2
+    for step, want in plain.items():
+        _assert_same(want, layout[step], step)
+        assert _samples(tmp_path / "dp", step) == _samples(tmp_path / "layout", step)
+
+
+TWO_TURN_PROGRAM = """
+async def run(client, messages, *, model, extra_info):
+    first = await client.chat.completions.create(model=model, messages=messages)
+    messages = messages + [
+        {"role": "assistant", "content": first.choices[0].message.content or ""},
+        {"role": "user", "content": "go on"},
+    ]
+    second = await client.chat.completions.create(model=model, messages=messages)
+    return second.choices[0].message.content or ""
+"""
+
+
+@pytest.mark.slow
+def test_agent_programs_with_a_tensor_parallel_rollout_log_data_parallel(tmp_path):
+    """rollout.agent.loop=openai with rollout TP = 2: each rank's program episodes take two
+    turns over HTTP, the second continuing the kept K/V of the first on both ranks (the
+    server's episode sessions) and released at each episode's end; the metrics and samples
+    are those of a data-parallel rollout."""
+    pytest.importorskip("openai")
+    pytest.importorskip("aiohttp")
+    program = tmp_path / "two_turns.py"
+    program.write_text(TWO_TURN_PROGRAM)
+    agents = ("rollout.agent.loop=openai", f"rollout.agent.program={program}:run",
+              "rollout.agent.max_tokens_per_turn=4", "data.max_prompt_length=64",
+              "reward.custom_fn=null", "trainer.total_steps=1")  # fmt: skip
+    plain = _train(tmp_path / "dp", *PLAIN, *agents)
+    layout = _train(tmp_path / "layout", VERL + "rollout.tensor_model_parallel_size=2", *agents)
+    assert plain.keys() == layout.keys() == {1}
+    _assert_same(plain[1], layout[1], 1)
+    assert _samples(tmp_path / "dp", 1) == _samples(tmp_path / "layout", 1)

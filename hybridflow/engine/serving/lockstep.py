@@ -12,17 +12,25 @@ each request), are the same on every rank.
 
 Two kinds of operations:
 
-- requests (a submission, an abort): a rank's own. The submitting rank builds the request
-  (its seeds resolved there) and keeps its handle; the other ranks run a copy without
-  callers. Its tokens reach only the rank that submitted it.
+- requests (a submission, an abort, a release of kept KV): a rank's own. The submitting rank
+  builds the request (its seeds resolved there) and keeps its handle; the other ranks run a
+  copy without callers. Its tokens reach only the rank that submitted it.
 - group operations (pause, resume, a weight update, close, any other call on the engine's
   thread): every rank posts the same ones in the same order, each with its own data (its
   weight shard), and one runs when every rank has posted it, so a weight update lands
   between the same two steps on every rank.
 
 Each rank's operations run in the order it posted them. A caller that waits for a group
-operation waits for the other ranks to post theirs. Kept KV (keep/reuse), streaming to
-other ranks and images are not served here.
+operation waits for the other ranks to post theirs.
+
+Kept KV (keep/reuse, engine/scheduling/kept.py: an agent episode's turns continue its
+conversation's slot): every rank keeps the slot of a kept request, its own or a copy, and
+holds its share of the K/V (its heads). The engine numbers kept slots in the order requests
+finish, and the ranks finish the same requests at the same step in the same order, so a
+handle means the same slot on every rank: the owner's `reuse` and its release travel as they
+are. A release (the episode is over, which only its rank knows) is a request of its rank: it
+runs on every rank at the same place in the round's order, between the same two steps.
+Streaming to other ranks and images are not served here.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ from hybridflow.engine.serving.handles import RequestHandle
 from hybridflow.engine.serving.service import RolloutService
 from hybridflow.engine.serving.service_stream import ServiceStream
 
-ADD, ABORT, GROUP = "add", "abort", "group"
+ADD, ABORT, RELEASE, GROUP = "add", "abort", "release", "group"
 
 
 class LockstepService(RolloutService):
@@ -70,8 +78,8 @@ class LockstepService(RolloutService):
     def submit(self, prompt_ids: list[int], params: SamplingParams, seed: int | None = None,
                *, keep: bool = False, reuse: int | None = None,
                stream: bool = False, images=None) -> RequestHandle:  # fmt: skip
-        _refuse_local_features(keep, reuse, images)
-        sub, handle = self._prepare(prompt_ids, params, seed, stream=stream)
+        _refuse_images(images)
+        sub, handle = self._prepare(prompt_ids, params, seed, keep, reuse, stream=stream)
         self._send(sub, handle.on_error)
         return handle
 
@@ -96,9 +104,8 @@ class LockstepService(RolloutService):
                  reuse=None, sample_index=None) -> list[Completion]:  # fmt: skip
         if threading.current_thread() is self._thread:
             raise RuntimeError("Engine.generate called on the engine's own thread")
-        _refuse_local_features(keep, reuse, None)
         finished = threading.Event()
-        sub = self.engine.submission(prompts, params, seeds,
+        sub = self.engine.submission(prompts, params, seeds, keep=keep, reuse=reuse,
                                      on_finish=lambda *_: sub.done and finished.set(),
                                      sample_index=sample_index)  # fmt: skip
         sub.table.check()
@@ -114,6 +121,11 @@ class LockstepService(RolloutService):
         if errors:
             raise errors[0]
         return sub.results
+
+    def release_kept(self, handles) -> None:
+        """Give kept slots back on every rank: a request of this rank's (module docstring),
+        so it needs nothing from the others."""
+        self._enqueue(RELEASE, list(handles), None)
 
     def close(self) -> None:
         """Abort what runs, then stop: a group operation, so every rank's thread leaves after
@@ -134,8 +146,9 @@ class LockstepService(RolloutService):
 
     def _send(self, sub: Submission, on_error) -> Future:
         seeds = [lo | hi << 32 for lo, hi in zip(sub.seed_lo, sub.seed_hi)]
+        reuse = None if sub.reuse is None else list(sub.reuse)
         payload = (sub.lockstep_key, [list(p) for p in sub.prompts], sub.params, seeds,
-                   list(sub.max_new))  # fmt: skip
+                   list(sub.max_new), sub.keep, reuse)  # fmt: skip
         return self._enqueue(ADD, payload, (sub, on_error))
 
     def _enqueue(self, kind: str, payload, local) -> Future:
@@ -199,6 +212,8 @@ class LockstepService(RolloutService):
             sub = self._requests.get(payload)
             if sub is not None:
                 self._abort(sub)
+        elif kind == RELEASE:
+            self.engine.release_kept(payload)  # on the engine's thread: now, not posted
         else:
             key = payload[0]
             sub, on_error = self._local[op_id][0] if mine else (self._copy(payload), _ignore)
@@ -210,9 +225,9 @@ class LockstepService(RolloutService):
     def _copy(self, payload) -> Submission:
         """Another rank's request, run here without a caller: the same prompts, settings,
         budgets and seeds."""
-        key, prompts, params, seeds, max_new = payload
-        sub = self.engine.submission(prompts, params, seeds=[0] * len(prompts),
-                                     max_new_tokens=max_new)  # fmt: skip
+        key, prompts, params, seeds, max_new, keep, reuse = payload
+        sub = self.engine.submission(prompts, params, seeds=[0] * len(prompts), keep=keep,
+                                     reuse=reuse, max_new_tokens=max_new)  # fmt: skip
         sub.seed_lo = [seed & 0xFFFFFFFF for seed in seeds]
         sub.seed_hi = [(seed >> 32) & 0xFFFFFFFF for seed in seeds]
         sub.lockstep_key = key
@@ -246,7 +261,7 @@ def _ignore(error: BaseException) -> None:
     """Another rank's request failed here: its own rank tells its caller."""
 
 
-def _refuse_local_features(keep, reuse, images) -> None:
-    if keep or reuse is not None or images is not None:
-        raise ValueError("a tensor-parallel rollout service serves plain requests: kept KV "
-                         "(keep/reuse) and images are not served in lockstep yet")  # fmt: skip
+def _refuse_images(images) -> None:
+    if images is not None:
+        raise ValueError("a tensor-parallel rollout service serves text requests: images are "
+                         "not served in lockstep yet")  # fmt: skip

@@ -1,5 +1,7 @@
 """Host memory before any model loads: a step's data on the controller, and on a CPU run the
-model's memory plan, against the memory this machine has free.
+model's memory plan, against the memory this machine has free. On several nodes the
+controller's host holds its own GPUs' shares of the offloaded state (trainer.n_gpus_per_node
+of them), not the whole run's: each node has its own memory.
 
 A step's batch holds every sample of ``data.train_batch_size × rollout.n`` at full length on
 the controller. ``rollout.n=100000000`` makes that terabytes: without this check the run
@@ -54,6 +56,8 @@ class HostNeed:
     """Where the samples come from, for messages."""
     model_what: str = "the model's offloaded state"
     """What model_bytes counts, for messages."""
+    on_cpu: bool = False
+    """model_bytes is a CPU run's whole model (else what a GPU run offloads to the host)."""
 
     @property
     def total(self) -> int:
@@ -79,7 +83,11 @@ def host_need(cfg: Config, derived: Derived, plan=None, on_cpu: bool = False) ->
         model = plan.host_bytes() + (plan.phase_bytes(STEP) if on_cpu else 0)
     model_what = ("the model's weights, gradients and optimizer state" if on_cpu
                   else "the model's offloaded state")  # fmt: skip
-    return HostNeed(samples, samples * per_sample, model, what, model_what)
+    if plan is not None and plan.options.gpus_per_host < plan.options.train_gpus:
+        # several nodes: each host holds its own GPUs' shares; the controller's the most
+        o = plan.options
+        model_what += f" of one node's {o.gpus_per_host} GPUs (of {o.train_gpus})"
+    return HostNeed(samples, samples * per_sample, model, what, model_what, on_cpu)
 
 
 def available_host_bytes() -> tuple[int | None, str]:
@@ -138,8 +146,11 @@ def host_problems(need: HostNeed, cfg: Config, available: int | None, source: st
     if need.data_bytes >= need.model_bytes:
         fix = ("lower rollout.n, data.train_batch_size (or data.val_batch_size, rollout.val_n) "
                "or data.max_response_length")  # fmt: skip
-    else:
+    elif need.on_cpu:
         fix = "train a smaller model, or LoRA (model.lora_rank=64), or on a GPU"
+    else:  # offloaded state: each node holds its GPUs' shares of it
+        fix = ("spread the training over more nodes (trainer.nnodes), offload less "
+               "(actor.param_offload, ref.param_offload), or train LoRA (model.lora_rank=64)")  # fmt: skip
     return [
         f"the run needs at least {gib(need.total)} of host memory, {gib(available)} is free "
         f"({source}): {need.what} of up to {d.max_prompt_length} + {d.max_response_length} "

@@ -87,6 +87,7 @@ def plan_options(cfg: Config, derived: Derived, gpu_bytes: int | None) -> PlanOp
         lora_rank=m.lora_rank,
         lora_targets=tuple(m.lora_target_modules),
         train_gpus=training_gpus(cfg, derived),
+        host_gpus=t.n_gpus_per_node,
         tp=actor["tp"],
         sp=actor["sp"],
         ep=actor["ep"],

@@ -45,6 +45,10 @@ class PlanOptions:
     train_gpus: int = 1
     """Training GPUs of the actor: tensor parallelism splits each layer over ``tp`` of them,
     FSDP2 shards the rest over the others (``train_gpus // tp`` ranks; sharded when > 1)."""
+    host_gpus: int | None = None
+    """Training GPUs on one host (trainer.n_gpus_per_node, or train_gpus when fewer; None:
+    every training GPU on one host): what a host holds of the offloaded state is its GPUs'
+    shares, and the host column and check are one host's."""
     tp: int = 1
     """actor.tensor_parallel_size: each layer's heads, MLP columns and vocabulary split."""
     sp: int = 1
@@ -103,6 +107,11 @@ class PlanOptions:
     """Most image patches in one actor micro-batch (vision-language models; 0: none)."""
 
     @property
+    def gpus_per_host(self) -> int:
+        """Training GPUs whose offloaded shares one host holds."""
+        return min(self.host_gpus or self.train_gpus, self.train_gpus)
+
+    @property
     def shard_ranks(self) -> int:
         """Ranks FSDP2 shards each tensor-parallel piece over."""
         return max(self.train_gpus // self.tp, 1)
@@ -144,7 +153,8 @@ class MemoryItem:
     """Per GPU, while one of ``phases`` runs."""
     phases: tuple[str, ...]
     host_bytes: int = 0
-    """Host memory, held for the whole run."""
+    """Host memory of one host (the controller's, with its GPUs' shares: PlanOptions.gpus_per_host),
+    held for the whole run."""
     rollout_gpu: bool = False
     """On the rollout's own GPUs (split placement)."""
     note: str = ""

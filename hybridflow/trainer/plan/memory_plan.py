@@ -242,7 +242,7 @@ def device_step_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
     kind = "masters" if o.mixed_precision else "weights"
     items = [
         MemoryItem(f"actor weights ({dtype_name(o.master_bytes)} {kind})", 0 if on_host else master,
-                   ALWAYS, host_bytes=master * ranks if on_host else 0,
+                   ALWAYS, host_bytes=master * o.gpus_per_host if on_host else 0,
                    note=f"sharded over {ranks} GPUs" if o.sharded else ""),
     ]  # fmt: skip
     state_bytes = o.trained_state_bytes  # LoRA's fp32 adapters, else the masters' dtype
@@ -272,7 +272,7 @@ def device_step_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
     # backward reduce-scatters them, layer by layer: the sharded ones replace them.
     items.append(MemoryItem(f"actor gradients ({state_dtype})",
                             0 if on_host else gradients, (STEP,) if accumulating else (UPDATE, STEP),
-                            host_bytes=gradients * ranks if on_host else 0))  # fmt: skip
+                            host_bytes=gradients * o.gpus_per_host if on_host else 0))  # fmt: skip
     if accumulating:
         unsharded = on_rank if o.lora_rank == 0 else trainable // o.tp
         items.append(MemoryItem("actor unsharded gradients (accumulating)",
@@ -281,7 +281,8 @@ def device_step_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
     state = trainable * 2 * state_bytes // ranks
     name = f"optimizer state (AdamW, {state_dtype})"
     if on_host:
-        items.append(MemoryItem(name, 0, (), host_bytes=state * ranks, note="steps on the host"))
+        items.append(MemoryItem(name, 0, (), host_bytes=state * o.gpus_per_host,
+                                note="steps on the host"))  # fmt: skip
     else:
         items.append(MemoryItem(name, state, ALWAYS))
     return items
@@ -296,7 +297,7 @@ def reference_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
     weights = a.num_parameters() * o.reference_bytes // o.train_gpus
     return [MemoryItem(f"reference weights ({dtype_name(o.reference_bytes)})",
                        0 if on_host else weights, ALWAYS,
-                       host_bytes=weights * o.train_gpus if on_host else 0)]  # fmt: skip
+                       host_bytes=weights * o.gpus_per_host if on_host else 0)]  # fmt: skip
 
 
 def reward_model_items(o: PlanOptions) -> list[MemoryItem]:
@@ -308,7 +309,7 @@ def reward_model_items(o: PlanOptions) -> list[MemoryItem]:
     weights = o.reward_model_parameters * o.reward_model_bytes
     name = f"reward model weights ({dtype_name(o.reward_model_bytes)})"
     if o.reward_model_offload:
-        return [MemoryItem(name, 0, ALWAYS, host_bytes=weights * o.train_gpus,
+        return [MemoryItem(name, 0, ALWAYS, host_bytes=weights * o.gpus_per_host,
                            note="on the GPU only while it scores")]  # fmt: skip
     return [MemoryItem(name, weights, ALWAYS)]
 

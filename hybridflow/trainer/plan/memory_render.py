@@ -60,7 +60,10 @@ def render(plan: MemoryPlan, gpu_source: str = "", on_cpu: bool = False) -> str:
     phases = [p for p in PHASES if p != CRITIC or o.critic]
     peaks = " | ".join(f"{p} {gib(plan.phase_bytes(p))}" for p in phases)
     per = "per GPU, were it trained on GPUs" if on_cpu else "per training GPU"
-    lines.append(f"  {per}: {peaks}; host {gib(plan.host_bytes())}")
+    host = f"host {gib(plan.host_bytes())}"
+    if o.gpus_per_host < o.train_gpus:  # several nodes: the host column is one node's
+        host += f" a node (the shares of its {o.gpus_per_host} GPUs)"
+    lines.append(f"  {per}: {peaks}; {host}")
     if o.split:
         lines.append(f"  per rollout GPU: {gib(plan.phase_bytes(GENERATE, rollout_gpu=True))}")
     lines.append("  " + verdict(plan, gpu_source))

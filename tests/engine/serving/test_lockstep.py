@@ -40,9 +40,9 @@ def _shards(model):
             for name, tensor in model.named_parameters(remove_duplicate=False)]  # fmt: skip
 
 
-def _tp_service(whole) -> LockstepService:
+def _tp_service(whole, max_seq_len: int = 64) -> LockstepService:
     shard = tensor_parallel_model(whole.config, dist.group.WORLD, torch.float32, "cpu")
-    engine = Engine(shard, 16, 64, options=EAGER)
+    engine = Engine(shard, 16, max_seq_len, options=EAGER)
     engine.load_weights(_shards(whole))
     return LockstepService(engine, dist.new_group(backend="gloo"))
 
@@ -119,3 +119,68 @@ def _update_while_decoding(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_a_weight_update_lands_between_the_same_steps_on_every_rank():
     run_ranks(_update_while_decoding, 2)
+
+
+class _AlwaysCalls:
+    """A parser that reads one call in every turn: the random model's episodes take their
+    second turn (the loop's answer to the call, "unknown tool", appended as a delta to the
+    kept conversation; no tools, so no schemas lengthen the prompt)."""
+
+    def parse(self, text: str):
+        from hybridflow.agents.parsers import ParsedTurn, ToolCall
+
+        return ParsedTurn(text, [ToolCall("t", {})])
+
+
+def _two_turn_episodes(engine, episodes) -> list:
+    """Each episode through the tool loop (2 turns, kept KV through sessions), then every
+    kept slot given back (EngineClient.close)."""
+    import asyncio
+
+    from hybridflow.agents.client import EngineClient
+    from hybridflow.agents.loop import LoopLimits, ToolCallingLoop, run_episodes
+    from hybridflow.agents.templates import with_tool_template
+    from hybridflow.models.tokenizer import build_char_tokenizer
+
+    tokenizer = with_tool_template(build_char_tokenizer())
+    loop = ToolCallingLoop(tokenizer, {}, SamplingParams(temperature=1.0),
+                           parser=_AlwaysCalls(),
+                           limits=LoopLimits(max_turns=2, max_tokens_per_turn=4))  # fmt: skip
+    client = EngineClient(engine)
+    try:
+        return asyncio.run(run_episodes(loop, episodes, client))
+    finally:
+        client.close()
+
+
+def _agent_episodes_with_kept_kv(rank: int, world: int) -> None:
+    from hybridflow.agents.loop import Episode
+
+    whole = _model()
+    episodes = [Episode([{"role": "user", "content": f"q{i}"}], seed=10 * i) for i in range(2)]
+    alone = Engine(whole, 16, 128, options=EAGER)
+    expected = _two_turn_episodes(alone, episodes)
+    assert all(len(t.turns) == 2 for t in expected)
+    service = _tp_service(whole, max_seq_len=128)
+    if rank == 1:
+        time.sleep(0.3)  # its turns and its release come at other moments than rank 0's
+    got = _two_turn_episodes(service.engine, episodes[rank : rank + 1])
+    service.close()  # after every rank's releases: each rank's own, run on both
+    for trajectory, single in zip(got, expected[rank : rank + 1]):
+        assert trajectory.response_ids == single.response_ids
+        assert trajectory.loss_mask == single.loss_mask
+        torch.testing.assert_close(torch.tensor(trajectory.response_logprobs),
+                                   torch.tensor(single.response_logprobs), rtol=1e-4,
+                                   atol=1e-5)  # fmt: skip
+    # the second turns continued their kept slots (on both ranks, every episode's prefill
+    # as one process's), and every slot went back on both ranks
+    assert service.engine.prefill_tokens == alone.prefill_tokens
+    second_prompts = [len(t.prompt_ids) + len(t.response_ids) - t.turns[1].generated_tokens
+                      for t in expected]  # fmt: skip
+    full = sum(len(t.prompt_ids) for t in expected) + sum(second_prompts)
+    assert alone.prefill_tokens < full
+    assert len(service.engine.kept) == 0 and len(alone.kept) == 0
+
+
+def test_agent_episodes_with_kept_kv_sample_the_tokens_of_one_process():
+    run_ranks(_agent_episodes_with_kept_kv, 2)

@@ -67,3 +67,71 @@ def test_free_memory_is_read_on_linux():
     if available is None:
         pytest.skip("no /proc/meminfo here")
     assert available > 0 and source
+
+
+DEEPSEEK_96 = ["model.path=deepseek-v3", "trainer.backend=ray", "trainer.nnodes=12",
+               "trainer.n_gpus_per_node=8", "trainer.device=cuda", "data.train_batch_size=96",
+               "actor.ppo_mini_batch_size=24", "data.max_prompt_length=1024",
+               "data.max_response_length=4096", "rollout.n=8", "actor.use_kl_loss=true",
+               "actor.expert_parallel_size=32", "rollout.expert_parallel_size=32",
+               "actor.param_offload=true", "ref.param_offload=true",
+               "model.gradient_checkpointing=true", "actor.max_tokens_per_gpu=16384"]  # fmt: skip
+LLAMA70_8 = ["model.path=llama3.1-70b", "trainer.backend=local", "trainer.n_gpus_per_node=8",
+             "trainer.device=cuda", "data.train_batch_size=128", "actor.ppo_mini_batch_size=32",
+             "rollout.n=8", "actor.use_kl_loss=true", "actor.tensor_parallel_size=2",
+             "rollout.tensor_parallel_size=8", "model.gradient_checkpointing=true",
+             "actor.param_offload=true", "actor.max_tokens_per_gpu=16384"]  # fmt: skip
+
+
+def _offloaded_per_gpu(plan, reference: bool) -> int:
+    """By hand: a training GPU's shares of what param_offload puts on the host: fp32 masters,
+    gradients and AdamW's two moments (16 bytes a parameter), the bf16 reference (2 more)
+    with ref.param_offload."""
+    parameters, ranks = plan.architecture.num_parameters(), plan.options.train_gpus
+    actor = 2 * (parameters * 4 // ranks) + parameters * 8 // ranks
+    return actor + (parameters * 2 // ranks if reference else 0)
+
+
+@pytest.mark.parametrize("layout, gpus_on_a_host", [(LLAMA70_8, 8), (DEEPSEEK_96, 8)])
+def test_the_host_holds_the_offloaded_shares_of_its_own_gpus(layout, gpus_on_a_host):
+    """One node of 8 GPUs holds 8 GPUs' shares: all of the state for Llama-3.1-70B on 8 ×
+    80 GiB, a twelfth of it for DeepSeek-V3 on 12 nodes × 8 (937 GiB, not 11 TiB)."""
+    from hybridflow.trainer.plan.memory_check import plan_for_config
+    from hybridflow.trainer.plan.memory_render import render
+
+    cfg = load_config(None, layout)
+    derived = validate(cfg)
+    plan = plan_for_config(cfg, derived, 96 * 10**9)
+    per_gpu = _offloaded_per_gpu(plan, cfg.ref.param_offload)
+    assert plan.host_bytes() == gpus_on_a_host * per_gpu
+    need = host_need(cfg, derived, plan)
+    assert need.model_bytes == plan.host_bytes()
+    several_nodes = cfg.trainer.nnodes > 1
+    assert ("of one node's 8 GPUs (of 96)" in need.model_what) == several_nodes
+    assert ("a node (the shares of its 8 GPUs)" in render(plan)) == several_nodes
+    if several_nodes:
+        assert 930 * 2**30 < plan.host_bytes() < 940 * 2**30
+
+
+def test_validate_checks_a_nodes_host_memory_as_the_plan_prints_it(monkeypatch):
+    """DeepSeek-V3 on 12 × 8 GPUs with its training state offloaded fits hosts of 1 TiB free
+    (each holds its 8 GPUs' shares); hosts of 512 GiB are refused with the node's numbers."""
+    from hybridflow.trainer.plan.memory_check import plan_for_config
+    from hybridflow.trainer.plan.plan_command import plan_command
+
+    cfg = load_config(None, DEEPSEEK_96)
+    derived = validate(cfg)
+    plan = plan_for_config(cfg, derived, 96 * 10**9)
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: (2**40, "test"))
+    assert check_host_memory(cfg, derived, plan).total < 2**40
+    out = []
+    with pytest.raises(ConfigError) as error:  # the GPU does not fit at these sizes
+        plan_command(cfg, "96GB", out=out.append)
+    assert not any("host memory" in p for p in error.value.problems)
+    assert any(line.startswith("  host: ") and line.endswith(": fits") for line in out)
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: (2**39, "test"))
+    with pytest.raises(ConfigError) as error:
+        check_host_memory(cfg, derived, plan)
+    text = str(error.value)
+    assert "of one node's 8 GPUs (of 96)" in text and "512.0 GiB is free (test)" in text
+    assert "more nodes (trainer.nnodes)" in text
