@@ -184,8 +184,8 @@ def _merge_expert_tensor(
     scalings: dict[str, float],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """One tensor of an adapted ``...mlp.experts`` module (state-dict order: gate_up_proj,
-    down_proj, then lora.gate_up_A/B, lora.down_A/B): each packed tensor leaves merged,
-    W_e + scale * B_e @ A_e, once its B arrives."""
+    down_proj (GPT-OSS: each followed by its bias), then lora.gate_up_A/B, lora.down_A/B):
+    each packed tensor leaves merged, W_e + scale * B_e @ A_e, once its B arrives."""
     if ".experts.lora." in name:
         adapters, leaf = name.rsplit(".", 1)  # "...experts.lora", "gate_up_A"
         experts = adapters.removesuffix(".lora")
@@ -197,6 +197,9 @@ def _merge_expert_tensor(
         base = pending.pop(base_name)["weight"]
         lora_a = pending.pop(f"{adapters}.{projection}")["A"]
         yield base_name, merged(base, tensor, lora_a, scalings[adapters])
+        return
+    if not name.endswith(("gate_up_proj", "down_proj")):  # GPT-OSS's expert biases: as they are
+        yield name, tensor
         return
     pending.setdefault(name, {})["weight"] = tensor
 

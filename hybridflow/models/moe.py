@@ -253,7 +253,10 @@ class ExpertLoRA(nn.Module):
             drawn = first_factor(width_in)
             zeros = torch.zeros(num_experts, width_out, rank, device=device)
             if self.stored_in_out:  # B @ A = [E, in, out]
-                drawn, zeros = drawn.transpose(1, 2).contiguous(), zeros.transpose(1, 2).contiguous()
+                drawn, zeros = (
+                    drawn.transpose(1, 2).contiguous(),
+                    zeros.transpose(1, 2).contiguous(),
+                )
                 setattr(self, f"{name}_A", nn.Parameter(zeros))
                 setattr(self, f"{name}_B", nn.Parameter(drawn))
             else:

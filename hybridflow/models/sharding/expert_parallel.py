@@ -20,11 +20,10 @@ same collective runs in the CPU tests and over NCCL.
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-
 from collections.abc import Callable
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from hybridflow.models.moe import ExpertLoRA, SparseMoeBlock, moe_experts
