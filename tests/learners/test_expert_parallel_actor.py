@@ -152,8 +152,8 @@ def _family_batch(preset: str):
 
 
 def _family_update(preset: str, rows: list[int], mesh=None, lora: bool = False):
-    """One update of ``preset`` on ``rows``: (gradients of its first step, metrics, merged
-    HF weights, the experts' first tensor's local expert count)."""
+    """One update (one optimizer step) of ``preset`` on ``rows``: its gradients, metrics,
+    merged HF weights, and the experts' first tensor's local expert count."""
     model_cfg = ModelConfig(path=preset, **FAMILY_LORA) if lora else None
     actor = ActorLearner(load_model(preset), actor_config(**CFG), total_steps=2, device="cpu",
                          mesh=mesh, model_cfg=model_cfg)  # fmt: skip
@@ -169,7 +169,7 @@ def _families_worker(rank: int, world: int, out_dir: str) -> None:
     """Per family: FSDP2 over both ranks (experts sharded by FSDP2 as any weight), then
     EP = 2 (half of the experts a rank, their biases and LoRA factors with them)."""
     mesh = build_mesh(train_layout(world, ep=2), "cpu")
-    rows = list(range(4 * rank, 4 * rank + 4))
+    rows = [2 * rank, 2 * rank + 1]  # one mini-batch of the batch's first 4 rows
     result = {}
     for preset in FAMILIES:
         result[preset, "fsdp"] = _family_update(preset, rows)
@@ -200,7 +200,7 @@ def test_gpt_oss_and_deepseek_v3_under_fsdp2_and_ep2_equal_one_process(tmp_path)
     run_ranks(_families_worker, 2, str(tmp_path))
     rank0 = torch.load(tmp_path / "families0.pt", weights_only=True)
     rank1 = torch.load(tmp_path / "families1.pt", weights_only=True)
-    order = SINGLE_PROCESS[2][0]
+    order = [0, 1, 2, 3]
     for preset in FAMILIES:
         experts = load_model(preset).config.num_experts
         # the router losses pool the EP group's micro-batches, a rank's own under FSDP2 alone
