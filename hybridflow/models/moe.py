@@ -250,18 +250,13 @@ class ExpertLoRA(nn.Module):
         for name in ("gate_up", "down"):
             stored = getattr(experts, f"{name}_proj")
             width_in, width_out = stored.shape[1:] if self.stored_in_out else stored.shape[:0:-1]
-            drawn = first_factor(width_in)
-            zeros = torch.zeros(num_experts, width_out, rank, device=device)
-            if self.stored_in_out:  # B @ A = [E, in, out]
-                drawn, zeros = (
-                    drawn.transpose(1, 2).contiguous(),
-                    zeros.transpose(1, 2).contiguous(),
-                )
-                setattr(self, f"{name}_A", nn.Parameter(zeros))
-                setattr(self, f"{name}_B", nn.Parameter(drawn))
-            else:
-                setattr(self, f"{name}_A", nn.Parameter(drawn))
-                setattr(self, f"{name}_B", nn.Parameter(zeros))
+            drawn = first_factor(width_in)  # [E, r, in]
+            zeros = torch.zeros(num_experts, width_out, rank, device=device)  # [E, out, r]
+            a, b = drawn, zeros
+            if self.stored_in_out:  # B [E, in, r] @ A [E, r, out] = [E, in, out]
+                a, b = zeros.transpose(1, 2).contiguous(), drawn.transpose(1, 2).contiguous()
+            setattr(self, f"{name}_A", nn.Parameter(a))
+            setattr(self, f"{name}_B", nn.Parameter(b))
         self.scale = alpha / rank
         self.disabled = False
 
