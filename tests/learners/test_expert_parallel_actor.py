@@ -151,18 +151,30 @@ def _family_batch(preset: str):
     return batch
 
 
-def _family_update(preset: str, rows: list[int], mesh=None, lora: bool = False):
+def _family_update(preset: str, rows: list[int], mesh=None, lora: bool = False,
+                   checkpoint: str | None = None):  # fmt: skip
     """One update (one optimizer step) of ``preset`` on ``rows``: its gradients, metrics,
-    merged HF weights, and the experts' first tensor's local expert count."""
+    merged HF weights, and the experts' first tensor's local expert count; ``checkpoint``:
+    saved there, and the merged weights of a learner that loads it."""
     model_cfg = ModelConfig(path=preset, **FAMILY_LORA) if lora else None
-    actor = ActorLearner(load_model(preset), actor_config(**CFG), total_steps=2, device="cpu",
-                         mesh=mesh, model_cfg=model_cfg)  # fmt: skip
+
+    def learner():
+        return ActorLearner(load_model(preset), actor_config(**CFG), total_steps=2,
+                            device="cpu", mesh=mesh, model_cfg=model_cfg)  # fmt: skip
+
+    actor = learner()
     experts = actor.model.model.layers[-1].mlp.experts.gate_up_proj
     local = experts.to_local() if hasattr(experts, "to_local") else experts
     grads = record_full_gradients(actor)
     metrics = actor.update(_family_batch(preset).index(rows))
     weights = {name: tensor.clone() for name, tensor in actor.hf_weights()}
-    return dict(grads=grads[0], metrics=metrics, weights=weights, local_experts=local.shape[0])
+    result = dict(grads=grads[0], metrics=metrics, weights=weights, local_experts=local.shape[0])
+    if checkpoint is not None:
+        actor.save(checkpoint)
+        resumed = learner()
+        resumed.load(checkpoint)
+        result["resumed_weights"] = {name: t.clone() for name, t in resumed.hf_weights()}
+    return result
 
 
 def _families_worker(rank: int, world: int, out_dir: str) -> None:
@@ -174,7 +186,9 @@ def _families_worker(rank: int, world: int, out_dir: str) -> None:
     for preset in FAMILIES:
         result[preset, "fsdp"] = _family_update(preset, rows)
         result[preset, "ep"] = _family_update(preset, rows, mesh)
-        result[preset, "ep_lora"] = _family_update(preset, rows, mesh, lora=True)
+        checkpoint = os.path.join(out_dir, f"{preset}-ep-lora")
+        result[preset, "ep_lora"] = _family_update(preset, rows, mesh, lora=True,
+                                                   checkpoint=checkpoint)  # fmt: skip
     torch.save(result, os.path.join(out_dir, f"families{rank}.pt"))
 
 
@@ -196,7 +210,8 @@ def test_gpt_oss_and_deepseek_v3_under_fsdp2_and_ep2_equal_one_process(tmp_path)
     and DeepSeek-V3's grouped-routed experts (shared experts and the score correction whole)
     over 2 gloo ranks: the first step's gradients, the losses and the updated weights of one
     process on the same rows, with FSDP2 alone, with EP = 2, and with EP = 2 and LoRA on the
-    attention projections and every expert (the exported weights merged)."""
+    attention projections and every expert (the exported weights merged, and a checkpoint
+    of the split adapters resumes them)."""
     run_ranks(_families_worker, 2, str(tmp_path))
     rank0 = torch.load(tmp_path / "families0.pt", weights_only=True)
     rank1 = torch.load(tmp_path / "families1.pt", weights_only=True)
@@ -217,5 +232,8 @@ def test_gpt_oss_and_deepseek_v3_under_fsdp2_and_ep2_equal_one_process(tmp_path)
             if lora:  # only adapters train; the export is plain HF names, merged
                 assert all(".lora" in name for name in want["grads"])
                 assert not any("lora" in name for name in want["weights"])
+                # the split adapters' checkpoint resumes them
+                resumed = rank0[preset, run]["resumed_weights"]
+                assert max_abs_diff(resumed, rank0[preset, run]["weights"]) == 0
         assert rank0[preset, "ep"]["local_experts"] == experts // 2
         assert rank0[preset, "fsdp"]["local_experts"] == experts // 2  # FSDP2's dim-0 shard
