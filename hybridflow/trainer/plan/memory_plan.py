@@ -103,12 +103,17 @@ OFFLOAD_BUCKET_ELEMENTS = 64 * 2**20
 
 
 def linear_parameters(a: ModelArchitecture) -> int:
-    """Weights (and biases) of the decoder layers' linear projections: what autocast casts."""
+    """Weights (and biases) of the decoder layers' linear projections: what autocast casts
+    (MLA: q_a/q_b or q, kv_a, kv_b and o, without their norms)."""
     q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
     per_layer = a.hidden_size * (2 * q + 2 * kv)
     if a.attention_bias:
         per_layer += q + 2 * kv
-    return a.num_hidden_layers * per_layer + a.mlp_parameters()  # every expert is cast
+    if a.o_proj_bias:
+        per_layer += a.hidden_size
+    mla = a.mixer_parameters("mla") - (a.q_lora_rank or 0) - a.kv_lora_rank if a.kv_lora_rank else 0
+    mixers = sum(mla if spec.mixer == "mla" else per_layer for spec in a.layer_specs())
+    return mixers + a.mlp_parameters()  # every expert is cast
 
 
 # Target names that give every routed expert its own factors (learners/lora.EXPERT_TARGETS).

@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+import torch
 
 from hybridflow.models.presets import PRESETS
 from hybridflow.trainer.plan import memory_plan as mp
@@ -421,3 +422,20 @@ def test_lora_and_expert_parallel_shares_of_mla_and_biased_experts_by_hand():
     options = PlanOptions(lora_rank=4, train_gpus=2, ep=2, master_bytes=4, compute_bytes=4)
     gathered = items(mp.build_plan("m", deepseek, options))["actor gathered weights (fp32)"]
     assert gathered.gpu_bytes == 4 * (mp.rank_parameters(deepseek, 1, 2) + 12_000 + 7_168)
+
+
+@pytest.mark.parametrize("name", ["tiny-deepseek-v3", "tiny-gpt-oss"])
+def test_the_compute_copy_counts_mla_and_biased_projections_as_built(name):
+    """What autocast casts: every linear projection of the mixers (MLA's five, GPT-OSS's
+    biased q/k/v/o; not their norms or sinks) and the MLPs' weights."""
+    from hybridflow.models import build_model
+
+    config = PRESETS[name]
+    model = build_model(config)
+    projections = sum(
+        module.weight.numel() + (module.bias.numel() if module.bias is not None else 0)
+        for layer in model.model.layers
+        for module in layer.self_attn.modules()
+        if isinstance(module, torch.nn.Linear)
+    )
+    assert mp.linear_parameters(config) == projections + config.mlp_parameters()
