@@ -85,24 +85,13 @@ def not_built_with_tensor_parallel(
 def not_built_with_expert_parallel(
     cfg: Config, sizes: list[RoleSize], in_use: set[str]
 ) -> list[str]:
-    """The host step of one device (actor.optimizer_offload) and LoRA on the experts have no
-    expert-parallel path (models/sharding/expert_parallel.keep_local_experts refuses the
-    latter at start); FSDP2's param_offload keeps the experts' shards and their AdamW state
-    on the host (learners/sharding/expert_shard.py)."""
-    from hybridflow.learners.lora import EXPERT_TARGETS
-
+    """The host step of one device (actor.optimizer_offload) has no expert-parallel path;
+    FSDP2's param_offload keeps the experts' shards and their AdamW state on the host
+    (learners/sharding/expert_shard.py)."""
     problems = []
     for size in sizes:
         if size.dim != "ep" or size.value <= 1 or size.role != "actor" or size.role not in in_use:
             continue
-        targets = sorted(set(cfg.model.lora_target_modules) & set(EXPERT_TARGETS))
-        if cfg.model.lora_rank > 0 and targets:
-            problems.append(
-                f"actor: model.lora_rank = {cfg.model.lora_rank} on the experts "
-                f"(model.lora_target_modules has {', '.join(targets)}) with {size.key} = "
-                f"{size.value}: LoRA on expert-parallel experts is not built yet: set "
-                f"{size.key}=1, or leave {', '.join(targets)} out of model.lora_target_modules"
-            )
         if cfg.actor.optimizer_offload:
             problems.append(
                 f"actor: actor.optimizer_offload = true with {size.key} = {size.value}: the host "
@@ -385,9 +374,11 @@ def _check_shape(role: str, arch: ModelArchitecture, sizes: list[RoleSize], add:
         if not arch.is_moe:
             add(f"{who}: {ep_key} = {ep} splits the experts of a mixture-of-experts model; this "
                 f"model has none: set {ep_key}=1")  # fmt: skip
-        elif any(spec.mlp == "biased_experts" for spec in arch.layer_specs()):
+        elif role == "rollout" and any(s.mlp == "biased_experts" for s in arch.layer_specs()):
+            # the trainer splits them (models/sharding/expert_parallel.py); the engine's
+            # expert spread and slices hold plain experts only
             add(f"{who}: {ep_key} = {ep}: this model's biased experts (GPT-OSS) are not split "
-                f"by expert parallelism yet: set {ep_key}=1")  # fmt: skip
+                f"by the rollout's expert parallelism yet: set {ep_key}=1")  # fmt: skip
         elif arch.num_experts % ep:
             add(f"{who}: {ep_key} = {ep} must divide the model's experts (num_experts = "
                 f"{arch.num_experts}): pick a divisor of {arch.num_experts}")  # fmt: skip

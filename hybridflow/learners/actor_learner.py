@@ -379,6 +379,11 @@ class ActorLearner:
             for name, tensor in core.iter_unit_gathered(self.model):
                 if not (self.model.config.tie_word_embeddings and name == "lm_head.weight"):
                     yield name, tensor
+            # the buffers a checkpoint holds (DeepSeek's score correction), never sharded
+            saved = self.model.state_dict().keys()
+            for name, buffer in self.model.named_buffers():
+                if name in saved:
+                    yield name, buffer.detach().to(wanted)
             return
         stream = core.iter_full_tensors(self.model)
         if self.lora:

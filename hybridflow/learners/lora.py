@@ -10,7 +10,8 @@ without materialising W + BA for every expert at every forward. Targeting gate_p
 or down_proj (or ``experts``) gives each expert its own rank-r factors instead
 (models/moe.ExpertLoRA: ``...mlp.experts.lora.gate_up_A [E, r, H]`` and friends), applied as
 two more grouped GEMMs per projection; the router is not adapted, and LoRA dropout does not
-apply to the experts.
+apply to the experts. GPT-OSS's biased experts (stored [E, in, out]) get theirs the same way;
+their biases stay frozen, as peft's bias="none" leaves a linear layer's.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from hybridflow.models.layer_spec import lora_target_modules
+from hybridflow.models.mlps.biased_experts import BiasedExperts
 from hybridflow.models.moe import ExpertLoRA, Experts
 
 ADAPTER = "default"
@@ -45,7 +47,7 @@ def apply_lora(
     data-parallel rank creates the same adapters before FSDP shards them, and runs repeat."""
     import peft
 
-    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    experts = [m for m in model.modules() if isinstance(m, (Experts, BiasedExperts))]
     layer_specs = getattr(getattr(model, "config", None), "layer_specs", None)
     if layer_specs is not None:  # attention's names -> each mixer kind's own projections
         target_modules = lora_target_modules(layer_specs(), target_modules)
@@ -182,8 +184,8 @@ def _merge_expert_tensor(
     scalings: dict[str, float],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """One tensor of an adapted ``...mlp.experts`` module (state-dict order: gate_up_proj,
-    down_proj, then lora.gate_up_A/B, lora.down_A/B): each packed tensor leaves merged,
-    W_e + scale * B_e @ A_e, once its B arrives."""
+    down_proj (GPT-OSS: each followed by its bias), then lora.gate_up_A/B, lora.down_A/B):
+    each packed tensor leaves merged, W_e + scale * B_e @ A_e, once its B arrives."""
     if ".experts.lora." in name:
         adapters, leaf = name.rsplit(".", 1)  # "...experts.lora", "gate_up_A"
         experts = adapters.removesuffix(".lora")
@@ -195,6 +197,9 @@ def _merge_expert_tensor(
         base = pending.pop(base_name)["weight"]
         lora_a = pending.pop(f"{adapters}.{projection}")["A"]
         yield base_name, merged(base, tensor, lora_a, scalings[adapters])
+        return
+    if not name.endswith(("gate_up_proj", "down_proj")):  # GPT-OSS's expert biases: as they are
+        yield name, tensor
         return
     pending.setdefault(name, {})["weight"] = tensor
 

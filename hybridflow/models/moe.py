@@ -245,35 +245,55 @@ class ExpertLoRA(nn.Module):
     """Per-expert low-rank adapters of the packed expert tensors (peft adapts nn.Linear
     layers only): W_e + scale * B_e @ A_e for each expert e of gate_up_proj and down_proj.
 
-    A is drawn like peft's (kaiming-uniform, a = sqrt(5)), B starts at 0, so an adapted model
-    starts equal to its base. ``disabled`` runs the base (the reference policy)."""
+    The factors are named by that merge, whatever the layout the experts store: for
+    [E, out, in] (Experts) A [E, r, in] is applied first and B [E, out, r] second; for
+    [E, in, out] (GPT-OSS's, ``stored_in_out``) B [E, in, r] first and A [E, r, out] second.
+    The factor applied first is drawn like peft's A (kaiming-uniform, a = sqrt(5)), the other
+    starts at 0, so an adapted model starts equal to its base. Every factor has the expert
+    axis first (expert parallelism splits them with their experts). ``disabled`` runs the
+    base (the reference policy)."""
 
-    def __init__(self, experts: Experts, rank: int, alpha: float, generator: torch.Generator):
+    def __init__(self, experts: nn.Module, rank: int, alpha: float, generator: torch.Generator):
         super().__init__()
-        num_experts, two_inner, hidden = experts.gate_up_proj.shape
-        inner = experts.down_proj.shape[2]
+        self.stored_in_out = getattr(experts, "stored_in_out", False)
+        num_experts = experts.gate_up_proj.shape[0]
         device = experts.gate_up_proj.device
 
-        def down_factor(width: int) -> nn.Parameter:  # U(-1/sqrt(in), 1/sqrt(in))
+        def first_factor(width: int) -> torch.Tensor:  # [E, r, in] ~ U(-1/sqrt(in), 1/sqrt(in))
             bound = 1.0 / math.sqrt(width)
             values = torch.rand(num_experts, rank, width, generator=generator, device=device)
-            return nn.Parameter((2 * values - 1) * bound)
+            return (2 * values - 1) * bound
 
-        self.gate_up_A = down_factor(hidden)
-        self.gate_up_B = nn.Parameter(torch.zeros(num_experts, two_inner, rank, device=device))
-        self.down_A = down_factor(inner)
-        self.down_B = nn.Parameter(torch.zeros(num_experts, hidden, rank, device=device))
+        for name in ("gate_up", "down"):
+            stored = getattr(experts, f"{name}_proj")
+            width_in, width_out = stored.shape[1:] if self.stored_in_out else stored.shape[:0:-1]
+            drawn = first_factor(width_in)  # [E, r, in]
+            zeros = torch.zeros(num_experts, width_out, rank, device=device)  # [E, out, r]
+            a, b = drawn, zeros
+            if self.stored_in_out:  # B [E, in, r] @ A [E, r, out] = [E, in, out]
+                a, b = zeros.transpose(1, 2).contiguous(), drawn.transpose(1, 2).contiguous()
+            setattr(self, f"{name}_A", nn.Parameter(a))
+            setattr(self, f"{name}_B", nn.Parameter(b))
         self.scale = alpha / rank
         self.disabled = False
 
     def factors(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A [E, r, in], B [E, out, r]) of "gate_up" or "down"."""
-        return getattr(self, f"{name}_A"), getattr(self, f"{name}_B")
+        """(first [E, r, in], second [E, out, r]) of "gate_up" or "down", in the order
+        moe_experts applies them (this rank's experts under expert parallelism)."""
+        a, b = local_part(getattr(self, f"{name}_A")), local_part(getattr(self, f"{name}_B"))
+        if self.stored_in_out:
+            return b.transpose(1, 2), a.transpose(1, 2)
+        return a, b
 
     def delta(self, name: str) -> torch.Tensor:
-        """scale * B @ A [E, out, in] in fp32: what merging adds to the expert tensor."""
-        a, b = self.factors(name)
+        """scale * B @ A in fp32, in the stored layout: what merging adds to the expert tensor."""
+        a, b = getattr(self, f"{name}_A"), getattr(self, f"{name}_B")
         return self.scale * torch.bmm(b.float(), a.float())
+
+
+def active_adapters(adapters: ExpertLoRA | None) -> ExpertLoRA | None:
+    """The experts' LoRA when attached and on, else None."""
+    return None if adapters is None or adapters.disabled else adapters
 
 
 class TopKRouter(nn.Module):
@@ -290,6 +310,9 @@ class Experts(nn.Module):
     ``forward`` runs the routed tokens through them, so that a wrapper of this module (FSDP2
     sharding the experts over the ranks that hold the same ones, learners/sharding/expert_shard.py)
     sees its parameters used inside its own call."""
+
+    stored_in_out = False  # [E, out, in]
+    expert_tensors = ("gate_up_proj", "down_proj")  # expert parallelism splits these on dim 0
 
     def __init__(self, num_experts: int, hidden_size: int, inner: int):
         super().__init__()
@@ -310,12 +333,10 @@ class Experts(nn.Module):
         group: the expert-parallel group (these tensors hold its rank's E/EP experts), run by
         ``dispatch`` (models/sharding/expert_parallel.expert_parallel_moe, set with the group)."""
         dtype = flat.dtype
-        gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
+        gate_up, down = local_part(self.gate_up_proj), local_part(self.down_proj)
         if gate_up.dtype != dtype:  # fp32 masters under autocast: a compute copy
             gate_up, down = gate_up.to(dtype), down.to(dtype)
-        adapters = self.lora
-        if adapters is not None and adapters.disabled:
-            adapters = None
+        adapters = active_adapters(self.lora)
         if group is not None:
             return dispatch(flat, topk_ids, topk_weights, gate_up, down, group, backend, adapters)
         return moe_experts(flat, topk_ids, topk_weights, gate_up, down, backend, adapters)
@@ -395,7 +416,7 @@ class SparseMoeBlock(nn.Module):
                             self.expert_dispatch)  # fmt: skip
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of an expert tensor (a DTensor over the expert-parallel group holds
     the rank's experts locally); a plain tensor as it is."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor

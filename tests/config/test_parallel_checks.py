@@ -249,13 +249,9 @@ def test_offloaded_expert_parallel_shards_pass_and_the_host_step_is_refused():
             "state on the host), or actor.expert_parallel_size=1") in problems  # fmt: skip
 
 
-def test_lora_on_expert_parallel_experts_is_refused_by_key():
-    """keep_local_experts refuses adapters on split experts at start: validate says so first,
-    so plan never recommends it; LoRA on attention only trains with EP."""
+def test_lora_on_expert_parallel_experts_validates():
+    """keep_local_experts splits each expert's adapters with it: LoRA on the experts, or on
+    attention only, trains with EP."""
     moe = [*FOUR_CPUS, "model.path=tiny-moe", "actor.expert_parallel_size=2", "model.lora_rank=4"]
-    problems = _problems([*moe, "model.lora_target_modules=[q_proj,experts]"])
-    assert problems == [
-        "actor: model.lora_rank = 4 on the experts (model.lora_target_modules has experts) with "
-        "actor.expert_parallel_size = 2: LoRA on expert-parallel experts is not built yet: set "
-        "actor.expert_parallel_size=1, or leave experts out of model.lora_target_modules"]  # fmt: skip
+    validate(load_config(None, [*moe, "model.lora_target_modules=[q_proj,experts]"]))
     validate(load_config(None, [*moe, "model.lora_target_modules=[q_proj,v_proj]"]))

@@ -15,6 +15,7 @@ from gloo_ranks import run_ranks
 from learner_helpers import actor_config, make_batch, max_abs_diff, record_full_gradients
 from test_moe_actor import _own_routes
 
+from hybridflow.config import ModelConfig
 from hybridflow.learners import ActorLearner
 from hybridflow.models import load_model
 from hybridflow.parallel import build_mesh, train_layout
@@ -137,3 +138,102 @@ def test_ep2_offloaded_update_equals_on_device_and_one_process(tmp_path, world):
     single.update(_batch().index(order))
     # the bound of test_ep2_update_equals_one_process (Adam on float-noise gradients)
     assert max_abs_diff(offloaded["weights"], dict(single.hf_weights())) < 0.2 * CFG["lr"]
+
+
+FAMILIES = ("tiny-gpt-oss", "tiny-deepseek-v3")
+# LoRA on attention (GPT-OSS's biased q/k/v/o, DeepSeek's MLA projections) and every expert
+FAMILY_LORA = dict(lora_rank=4, lora_alpha=8)
+
+
+def _family_batch(preset: str):
+    batch = make_batch(seed=31)
+    batch.tensors["routed_experts"] = _own_routes(load_model(preset), batch)
+    return batch
+
+
+def _family_update(preset: str, rows: list[int], mesh=None, lora: bool = False,
+                   checkpoint: str | None = None):  # fmt: skip
+    """One update (one optimizer step) of ``preset`` on ``rows``: its gradients, metrics,
+    merged HF weights, and the experts' first tensor's local expert count; ``checkpoint``:
+    saved there, and the merged weights of a learner that loads it."""
+    model_cfg = ModelConfig(path=preset, **FAMILY_LORA) if lora else None
+
+    def learner():
+        return ActorLearner(load_model(preset), actor_config(**CFG), total_steps=2,
+                            device="cpu", mesh=mesh, model_cfg=model_cfg)  # fmt: skip
+
+    actor = learner()
+    experts = actor.model.model.layers[-1].mlp.experts.gate_up_proj
+    local = experts.to_local() if hasattr(experts, "to_local") else experts
+    grads = record_full_gradients(actor)
+    metrics = actor.update(_family_batch(preset).index(rows))
+    weights = {name: tensor.clone() for name, tensor in actor.hf_weights()}
+    result = dict(grads=grads[0], metrics=metrics, weights=weights, local_experts=local.shape[0])
+    if checkpoint is not None:
+        actor.save(checkpoint)
+        resumed = learner()
+        resumed.load(checkpoint)
+        result["resumed_weights"] = {name: t.clone() for name, t in resumed.hf_weights()}
+    return result
+
+
+def _families_worker(rank: int, world: int, out_dir: str) -> None:
+    """Per family: FSDP2 over both ranks (experts sharded by FSDP2 as any weight), then
+    EP = 2 (half of the experts a rank, their biases and LoRA factors with them)."""
+    mesh = build_mesh(train_layout(world, ep=2), "cpu")
+    rows = [2 * rank, 2 * rank + 1]  # one mini-batch of the batch's first 4 rows
+    result = {}
+    for preset in FAMILIES:
+        result[preset, "fsdp"] = _family_update(preset, rows)
+        result[preset, "ep"] = _family_update(preset, rows, mesh)
+        checkpoint = os.path.join(out_dir, f"{preset}-ep-lora")
+        result[preset, "ep_lora"] = _family_update(preset, rows, mesh, lora=True,
+                                                   checkpoint=checkpoint)  # fmt: skip
+    torch.save(result, os.path.join(out_dir, f"families{rank}.pt"))
+
+
+def _assert_same_step(got: dict, want: dict, lr: float) -> None:
+    assert got["grads"].keys() == want["grads"].keys()
+    for name, grad in want["grads"].items():
+        scale = grad.abs().max().clamp(min=1e-12)
+        assert float((got["grads"][name] - grad).abs().max() / scale) < 1e-4, name
+    for key in ("pg_loss", "grad_norm", "moe/aux_loss", "moe/z_loss"):
+        assert abs(got["metrics"][key] - want["metrics"][key]) <= 1e-4 * abs(
+            want["metrics"][key]), key  # fmt: skip
+    assert got["weights"].keys() == want["weights"].keys()
+    # the bound of test_ep2_update_equals_one_process (Adam on float-noise gradients)
+    assert max_abs_diff(got["weights"], want["weights"]) < 0.2 * lr
+
+
+def test_gpt_oss_and_deepseek_v3_under_fsdp2_and_ep2_equal_one_process(tmp_path):
+    """GPT-OSS's biased experts (biases split with their experts, the router's bias whole)
+    and DeepSeek-V3's grouped-routed experts (shared experts and the score correction whole)
+    over 2 gloo ranks: the first step's gradients, the losses and the updated weights of one
+    process on the same rows, with FSDP2 alone, with EP = 2, and with EP = 2 and LoRA on the
+    attention projections and every expert (the exported weights merged, and a checkpoint
+    of the split adapters resumes them)."""
+    run_ranks(_families_worker, 2, str(tmp_path))
+    rank0 = torch.load(tmp_path / "families0.pt", weights_only=True)
+    rank1 = torch.load(tmp_path / "families1.pt", weights_only=True)
+    order = [0, 1, 2, 3]
+    for preset in FAMILIES:
+        experts = load_model(preset).config.num_experts
+        # the router losses pool the EP group's micro-batches, a rank's own under FSDP2 alone
+        for run, micro_batch, lora in (("fsdp", 2, False), ("ep", 4, False), ("ep_lora", 4, True)):
+            model_cfg = ModelConfig(path=preset, **FAMILY_LORA) if lora else None
+            single = ActorLearner(load_model(preset),
+                                  actor_config(**dict(CFG, micro_batch_size_per_gpu=micro_batch)),
+                                  total_steps=2, device="cpu", model_cfg=model_cfg)  # fmt: skip
+            grads = record_full_gradients(single)
+            metrics = single.update(_family_batch(preset).index(order))
+            want = dict(grads=grads[0], metrics=metrics, weights=dict(single.hf_weights()))
+            _assert_same_step(rank0[preset, run], want, CFG["lr"])
+            assert max_abs_diff(rank1[preset, run]["weights"], rank0[preset, run]["weights"]) == 0
+            if lora:  # only adapters train; the export is plain HF names, merged
+                assert all(".lora" in name for name in want["grads"])
+                assert not any("lora" in name for name in want["weights"])
+                # the split adapters' checkpoint resumes them
+                resumed = rank0[preset, run]["resumed_weights"]
+                assert max_abs_diff(resumed, rank0[preset, run]["weights"]) == 0
+        assert rank0[preset, "ep"]["local_experts"] == experts // 2
+        assert rank0[preset, "fsdp"]["local_experts"] == experts // 2  # FSDP2's dim-0 shard

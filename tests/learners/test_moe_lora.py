@@ -1,6 +1,7 @@
 """LoRA on a mixture of experts: per-expert adapters beside peft's, the reference = adapters
 off, and merged weights that equal the adapted model."""
 
+import pytest
 import torch
 from learner_helpers import actor_config, make_batch
 
@@ -110,3 +111,69 @@ def test_merge_runs_on_the_base_device_when_the_adapters_live_elsewhere():
     delta = scalings[f"{experts}.lora"] * torch.bmm(b, a)
     want = (state[f"{experts}.down_proj"].float() + delta).bfloat16()
     torch.testing.assert_close(on_cpu[f"{experts}.down_proj"], want)
+
+
+def _deepseek(**changes):
+    """tiny-deepseek-v3 with as many KV heads as heads in config.json (MLA ignores them;
+    transformers' sdpa path does not)."""
+    from hybridflow.models import build_model
+    from hybridflow.models.presets import PRESETS
+
+    return build_model(PRESETS["tiny-deepseek-v3"].replace(num_key_value_heads=4, **changes))
+
+
+FAMILY_MODELS = {
+    "tiny-gpt-oss": lambda: load_model("tiny-gpt-oss"),
+    "tiny-deepseek-v3": _deepseek,
+    "deepseek-v3-direct-q": lambda: _deepseek(q_lora_rank=None),  # q in one projection
+}
+ADAPTED = {  # per layer kind: the projections peft adapts; every routed expert gets ours
+    "tiny-gpt-oss": {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                     "self_attn.o_proj", "mlp.experts"},
+    "tiny-deepseek-v3": {"self_attn.q_a_proj", "self_attn.q_b_proj",
+                         "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj", "self_attn.o_proj",
+                         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "mlp.experts",
+                         "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj",
+                         "mlp.shared_experts.down_proj"},
+    "deepseek-v3-direct-q": {"self_attn.q_proj", "self_attn.kv_a_proj_with_mqa",
+                             "self_attn.kv_b_proj", "self_attn.o_proj", "mlp.gate_proj",
+                             "mlp.up_proj", "mlp.down_proj", "mlp.experts",
+                             "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj",
+                             "mlp.shared_experts.down_proj"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_MODELS))
+def test_gpt_oss_and_mla_lora_starts_as_the_base_trains_adapters_and_exports_merged(tmp_path, name):
+    """LoRA with the default targets on GPT-OSS (biased q/k/v/o, biased experts stored
+    [E, in, out]) and DeepSeek-V3 (MLA's projections, dense and shared MLPs, routed experts):
+    the base's logits at init, gradients on the adapters only, and merged weights that
+    transformers loads with the adapted model's logits."""
+    import transformers
+
+    from hybridflow.learners.actor_learner import export_causal_lm
+
+    model = apply_lora(FAMILY_MODELS[name](), rank=4, alpha=8,
+                       target_modules=LORA.lora_target_modules)  # fmt: skip
+    adapted = {n.split(".", 3)[3].split(".lora")[0] for n, p in model.named_parameters()
+               if p.requires_grad}  # fmt: skip
+    assert adapted == ADAPTED[name]
+    ids = torch.randint(5, 128, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), FAMILY_MODELS[name]()(ids))
+        generator = torch.Generator().manual_seed(1)
+        for param in model.parameters():  # the zero factors drawn: the merge changes weights
+            if param.requires_grad and not param.any():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    logits = model(ids)
+    logits.square().mean().backward()
+    with_grad = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert with_grad == {n for n, p in model.named_parameters() if p.requires_grad}
+    merged = dict(merge_lora_stream(model.state_dict().items(), lora_scalings(model)))
+    assert not any(".lora" in n or ".base_layer." in n for n in merged)
+    export_causal_lm(model.config, merged, tmp_path)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).float().eval()
+    with torch.no_grad():
+        assert (reference(ids).logits - logits).abs().max() < 1e-4
+        # the adapters moved the logits: the comparison sees the merged factors
+        assert (reference(ids).logits - FAMILY_MODELS[name]()(ids)).abs().max() > 1e-3

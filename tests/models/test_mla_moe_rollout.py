@@ -43,10 +43,10 @@ def test_engine_tokens_and_routes_are_the_models(preset):
 
 
 # DeepSeek with LoRA: the merged weights the engine receives carry the router's
-# score-correction buffer beside the parameters
+# score-correction buffer beside the parameters; GPT-OSS's merged experts keep their biases
 @pytest.mark.parametrize("preset, extra", [
     ("tiny-deepseek-v3", ["model.lora_rank=4", "model.gradient_checkpointing=true"]),
-    ("tiny-gpt-oss", []),
+    ("tiny-gpt-oss", ["model.lora_rank=4"]),
 ])  # fmt: skip
 def test_grpo_with_routing_replay_completes_two_steps(tmp_path, preset, extra):
     from hybridflow.trainer.lifecycle.run import train
@@ -89,13 +89,20 @@ def test_sequence_parallelism_of_sink_layers_is_refused_by_name():
                for p in error.value.problems), error.value.problems  # fmt: skip
 
 
-def test_expert_parallelism_of_biased_experts_is_refused_by_name():
+@pytest.mark.parametrize("preset", PRESETS)
+def test_expert_parallel_training_validates_and_the_rollouts_refuses_biased_experts(preset):
+    """The trainer splits both families' experts (models/sharding/expert_parallel.py), with
+    LoRA on them; the engine's expert spread holds plain experts only."""
     from hybridflow.config import ConfigError, validate
 
-    cfg = load_config(None, ["model.path=tiny-gpt-oss", "actor.expert_parallel_size=2",
-                             "trainer.backend=local", "trainer.n_gpus_per_node=2",
-                             "trainer.device=cpu"])  # fmt: skip
+    two = ["trainer.backend=local", "trainer.n_gpus_per_node=2", "trainer.device=cpu",
+           f"model.path={preset}"]  # fmt: skip
+    validate(load_config(None, [*two, "actor.expert_parallel_size=2", "model.lora_rank=4"]))
+    rollout = load_config(None, [*two, "rollout.expert_parallel_size=2"])
+    if preset == "tiny-deepseek-v3":
+        validate(rollout)
+        return
     with pytest.raises(ConfigError) as error:
-        validate(cfg)
-    assert any("actor.expert_parallel_size = 2: this model's biased experts" in p
+        validate(rollout)
+    assert any("rollout.expert_parallel_size = 2: this model's biased experts" in p
                for p in error.value.problems), error.value.problems  # fmt: skip

@@ -29,8 +29,11 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from hybridflow.models.moe import SparseMoeBlock
-from hybridflow.models.sharding.expert_parallel import keep_local_experts
+from hybridflow.models.sharding.expert_parallel import (
+    expert_blocks,
+    keep_local_experts,
+    split_tensors,
+)
 
 if TYPE_CHECKING:
     from hybridflow.parallel import RoleMesh
@@ -38,20 +41,19 @@ if TYPE_CHECKING:
 
 def distribute_experts(causal_lm: nn.Module, mesh: RoleMesh) -> list[nn.Parameter]:
     """Keep this rank's experts of every sparse layer as DTensors over the ``ep`` group
-    (Shard(0) of the expert axis); returns those parameters."""
+    (Shard(0) of the expert axis: their projections, GPT-OSS's biases, their LoRA factors);
+    returns those parameters."""
     from torch.distributed.tensor import DTensor, Shard
 
     keep_local_experts(causal_lm, mesh.group("ep"))
     submesh = mesh.submesh("ep")
     params = []
-    for block in causal_lm.modules():
-        if not isinstance(block, SparseMoeBlock):
-            continue
-        for name in ("gate_up_proj", "down_proj"):
-            local = getattr(block.experts, name)
+    for block in expert_blocks(causal_lm):
+        for module, name in split_tensors(block.experts):
+            local = getattr(module, name)
             sharded = DTensor.from_local(local.detach(), submesh, [Shard(0)], run_check=False)
             param = nn.Parameter(sharded, requires_grad=local.requires_grad)
-            setattr(block.experts, name, param)
+            setattr(module, name, param)
             params.append(param)
     return params
 
@@ -76,15 +78,14 @@ def shard_experts(causal_lm: nn.Module, mesh: RoleMesh, options: dict) -> bool:
         own["mp_policy"] = MixedPrecisionPolicy(param_dtype=policy.param_dtype,
                                                 reduce_dtype=policy.reduce_dtype,
                                                 cast_forward_inputs=False)  # fmt: skip
-    for block in causal_lm.modules():
-        if isinstance(block, SparseMoeBlock):
-            fully_shard(block.experts, **own)
-            block.experts.set_gradient_divide_factor(float(mesh.size("fsdp")))
-            # a sum, then the division: gloo has no pre-multiplied sum (NCCL's PREMUL_SUM). Not
-            # on a group of one, which has no collective and where torch 2.13 would divide
-            # twice (its one-rank copy divides, then the post-division again).
-            if mesh.size("expert_fsdp") > 1:
-                block.experts.set_force_sum_reduction_for_comms(True)
+    for block in expert_blocks(causal_lm):
+        fully_shard(block.experts, **own)
+        block.experts.set_gradient_divide_factor(float(mesh.size("fsdp")))
+        # a sum, then the division: gloo has no pre-multiplied sum (NCCL's PREMUL_SUM). Not
+        # on a group of one, which has no collective and where torch 2.13 would divide
+        # twice (its one-rank copy divides, then the post-division again).
+        if mesh.size("expert_fsdp") > 1:
+            block.experts.set_force_sum_reduction_for_comms(True)
     return True
 
 

@@ -10,6 +10,10 @@ mlp.experts.gate_up_proj [E, H, 2I] (gate and up interleaved), gate_up_proj_bias
 down_proj [E, I, H], down_proj_bias [E, H]. The experts run through models/moe.moe_experts
 (grouped GEMMs on CUDA) on transposed views. Routing replay keeps recorded ids and
 recomputes their weights from the current logits.
+
+Expert parallelism (models/sharding/expert_parallel.py) splits every tensor of ``experts``
+(the biases with their experts) on the expert axis; the router and its bias stay whole.
+LoRA adapts each expert's two projections (models/moe.ExpertLoRA, in this layout).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridflow.models.moe import NO_ROUTE, moe_experts
+from hybridflow.models.moe import NO_ROUTE, ExpertLoRA, active_adapters, local_part, moe_experts
 
 
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -50,12 +54,46 @@ class BiasedRouter(nn.Module):
 
 
 class BiasedExperts(nn.Module):
+    """HF's ``mlp.experts`` of GPT-OSS: stored [E, in, out] (``stored_in_out``), each
+    projection with a bias. ``forward`` runs the routed tokens through them, so that FSDP2
+    wrapping this module (learners/sharding/expert_shard.py) sees its parameters used inside
+    its own call."""
+
+    stored_in_out = True
+    expert_tensors = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+
     def __init__(self, num_experts: int, hidden_size: int, inner: int):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * inner))
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * inner))
         self.down_proj = nn.Parameter(torch.empty(num_experts, inner, hidden_size))
         self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.lora: ExpertLoRA | None = None  # set by learners/lora.py
+
+    def forward(
+        self,
+        flat: torch.Tensor,
+        topk_ids: torch.Tensor,
+        weights: torch.Tensor,
+        activation,
+        backend: str = "auto",
+        group=None,
+        dispatch=None,
+    ) -> torch.Tensor:
+        """flat [T, H] in the compute dtype, each token's experts [T, k] and weights [T, k]
+        -> [T, H]. group: the expert-parallel group (these tensors hold its rank's E/EP
+        experts), run by ``dispatch`` (models/sharding/expert_parallel.expert_parallel_moe)."""
+        dtype = flat.dtype
+        # [E, H, 2I] / [E, I, H] as stored -> the [E, out, in] views moe_experts multiplies by
+        gate_up = local_part(self.gate_up_proj).to(dtype).transpose(1, 2)
+        down = local_part(self.down_proj).to(dtype).transpose(1, 2)
+        biases = (local_part(self.gate_up_proj_bias), local_part(self.down_proj_bias))
+        adapters = active_adapters(self.lora)
+        if group is not None:
+            return dispatch(flat, topk_ids, weights, gate_up, down, group, backend, adapters,
+                            activation=activation, biases=biases)  # fmt: skip
+        return moe_experts(flat, topk_ids, weights, gate_up, down, backend, adapters,
+                           activation=activation, biases=biases)  # fmt: skip
 
 
 class BiasedExpertsMoeBlock(nn.Module):
@@ -63,7 +101,9 @@ class BiasedExpertsMoeBlock(nn.Module):
     as models/moe.SparseMoeBlock.
 
     Attributes:
-        expert_backend: models/moe.EXPERT_BACKENDS ("auto": grouped GEMMs on CUDA)."""
+        expert_backend: models/moe.EXPERT_BACKENDS ("auto": grouped GEMMs on CUDA).
+        expert_group: expert parallelism (models/sharding/expert_parallel.py): the experts hold
+            this rank's E/EP experts and tokens are dispatched over the group; None: all."""
 
     def __init__(self, config):
         super().__init__()
@@ -75,6 +115,8 @@ class BiasedExpertsMoeBlock(nn.Module):
         self.activation = partial(clamped_swiglu, alpha=config.swiglu_alpha,
                                   limit=config.swiglu_limit)  # fmt: skip
         self.expert_backend = "auto"
+        self.expert_group = None
+        self.expert_dispatch = None  # how the experts run over expert_group (set beside it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_routed(x)[0]
@@ -100,10 +142,5 @@ class BiasedExpertsMoeBlock(nn.Module):
         self, flat: torch.Tensor, topk_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """flat [T, H], each token's experts [T, k] and weights [T, k] -> [T, H]."""
-        experts, dtype = self.experts, flat.dtype
-        # [E, H, 2I] / [E, I, H] as stored -> the [E, out, in] views moe_experts multiplies by
-        gate_up = experts.gate_up_proj.to(dtype).transpose(1, 2)
-        down = experts.down_proj.to(dtype).transpose(1, 2)
-        biases = (experts.gate_up_proj_bias, experts.down_proj_bias)
-        return moe_experts(flat, topk_ids, weights, gate_up, down, self.expert_backend,
-                           activation=self.activation, biases=biases)  # fmt: skip
+        return self.experts(flat, topk_ids, weights, self.activation, self.expert_backend,
+                            self.expert_group, self.expert_dispatch)  # fmt: skip

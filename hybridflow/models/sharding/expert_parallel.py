@@ -20,10 +20,13 @@ same collective runs in the CPU tests and over NCCL.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from hybridflow.models.moe import ExpertLoRA, moe_experts
+from hybridflow.models.moe import ExpertLoRA, SparseMoeBlock, moe_experts
 
 
 class AllToAllRows(torch.autograd.Function):
@@ -76,13 +79,17 @@ def expert_parallel_moe(
     group: dist.ProcessGroup,
     backend: str = "auto",
     adapters: ExpertLoRA | None = None,
+    *,
+    activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """:func:`~hybridflow.models.moe.moe_experts` with the experts spread over ``group``.
 
     hidden [T, H], topk_ids [T, k] global expert ids, topk_weights [T, k]; gate_up
     [E/EP, 2I, H] and down [E/EP, H, I]: this rank's experts, rank r holding experts
-    r*E/EP .. (r+1)*E/EP - 1 (adapters: their LoRA factors) -> [T, H] in hidden's dtype.
-    Every rank of ``group`` must call it (with T = 0 if it has no tokens)."""
+    r*E/EP .. (r+1)*E/EP - 1 (adapters, biases: theirs; activation as moe_experts') ->
+    [T, H] in hidden's dtype. Every rank of ``group`` must call it (with T = 0 if it has
+    no tokens)."""
     num_tokens, top_k = topk_ids.shape
     ep_size, local_experts = dist.get_world_size(group), gate_up.shape[0]
     num_experts = ep_size * local_experts
@@ -98,7 +105,8 @@ def expert_parallel_moe(
     unit = torch.ones(local_ids.shape, dtype=torch.float32, device=hidden.device)
     # One assignment per received row with gate weight 1: the local grouped GEMMs, exact
     # in any dtype (x * 1.0); the gate weights apply below, on the sending rank.
-    expert_out = moe_experts(received, local_ids, unit, gate_up, down, backend, adapters)
+    expert_out = moe_experts(received, local_ids, unit, gate_up, down, backend, adapters,
+                             activation=activation, biases=biases)  # fmt: skip
     returned = AllToAllRows.apply(expert_out, recv_splits, send_splits, group)  # [T*k, H]
     unsorted = torch.empty_like(returned).index_copy_(0, order, returned)
     weighted = (
@@ -115,29 +123,35 @@ def local_expert_range(num_experts: int, ep_rank: int, ep_size: int) -> tuple[in
     return ep_rank * per_rank, (ep_rank + 1) * per_rank
 
 
+def expert_blocks(causal_lm: nn.Module) -> list[nn.Module]:
+    """The sparse layers' MLPs whose experts expert parallelism splits: models/moe's
+    SparseMoeBlock and its kinds (DeepSeek's grouped router and shared experts, Qwen3.5's
+    shared expert), GPT-OSS's biased experts."""
+    from hybridflow.models.mlps.biased_experts import BiasedExpertsMoeBlock
+
+    kinds = (SparseMoeBlock, BiasedExpertsMoeBlock)
+    return [block for block in causal_lm.modules() if isinstance(block, kinds)]
+
+
+def split_tensors(experts: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, parameter name) of every tensor of ``experts`` with the expert axis first:
+    its projections (GPT-OSS's biases too) and their LoRA factors."""
+    owned = [(experts, name) for name in experts.expert_tensors]
+    if experts.lora is not None:
+        owned += [(experts.lora, name) for name, _ in experts.lora.named_parameters()]
+    return owned
+
+
 def keep_local_experts(causal_lm: torch.nn.Module, group: dist.ProcessGroup) -> None:
     """Cut every sparse layer of ``causal_lm`` (a full model, the same on every rank) down to
-    this rank's experts of the EP ``group`` and make the layer dispatch over it. The router
-    stays whole: every rank routes its tokens over all E experts."""
-    from hybridflow.models.mlps.biased_experts import BiasedExpertsMoeBlock
-    from hybridflow.models.moe import SparseMoeBlock
-
-    if any(isinstance(block, BiasedExpertsMoeBlock) for block in causal_lm.modules()):
-        raise ValueError("expert parallelism does not split biased experts (GPT-OSS) yet: set "
-                         "actor.expert_parallel_size=1")  # fmt: skip
+    this rank's experts of the EP ``group`` (each expert's biases and LoRA factors with it)
+    and make the layer dispatch over it. The router (its bias, DeepSeek's score correction)
+    and the shared experts stay whole: every rank routes its tokens over all E experts."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    for block in causal_lm.modules():
-        if not isinstance(block, SparseMoeBlock):
-            continue
-        if block.experts.lora is not None:
-            raise ValueError(
-                "LoRA on the experts is not supported with expert parallelism: set "
-                "actor.expert_parallel_size=1 or leave the experts out of "
-                "model.lora_target_modules"
-            )
+    for block in expert_blocks(causal_lm):
         first, stop = local_expert_range(block.num_experts, rank, size)
-        for name in ("gate_up_proj", "down_proj"):
-            full = getattr(block.experts, name)
+        for module, name in split_tensors(block.experts):
+            full = getattr(module, name)
             part = torch.nn.Parameter(full.detach()[first:stop].clone(), full.requires_grad)
-            setattr(block.experts, name, part)
+            setattr(module, name, part)
         block.expert_group, block.expert_dispatch = group, expert_parallel_moe

@@ -106,32 +106,79 @@ OFFLOAD_BUCKET_ELEMENTS = 64 * 2**20
 
 
 def linear_parameters(a: ModelArchitecture) -> int:
-    """Weights (and biases) of the decoder layers' linear projections: what autocast casts."""
+    """Weights (and biases) of the decoder layers' linear projections: what autocast casts
+    (MLA: q_a/q_b or q, kv_a, kv_b and o, without their norms)."""
     q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
     per_layer = a.hidden_size * (2 * q + 2 * kv)
     if a.attention_bias:
         per_layer += q + 2 * kv
-    return a.num_hidden_layers * per_layer + a.mlp_parameters()  # every expert is cast
+    if a.o_proj_bias:
+        per_layer += a.hidden_size
+    mla = a.mixer_parameters("mla") - (a.q_lora_rank or 0) - a.kv_lora_rank if a.kv_lora_rank else 0
+    mixers = sum(mla if spec.mixer == "mla" else per_layer for spec in a.layer_specs())
+    return mixers + a.mlp_parameters()  # every expert is cast
+
+
+# Target names that give every routed expert its own factors (learners/lora.EXPERT_TARGETS).
+LORA_EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj", "experts")
 
 
 def lora_parameters(a: ModelArchitecture, rank: int, targets: tuple[str, ...]) -> int:
-    """Adapter weights: rank × (in + out) for every targeted projection of every layer; a
-    sparse layer's experts each get rank × (in + out) for gate_up and down when an MLP
-    projection (or ``experts``) is targeted."""
-    q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
-    h, i = a.hidden_size, a.intermediate_size
-    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-              "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
-    mlp_names = ("gate_proj", "up_proj", "down_proj")
-    attention = sum(rank * sum(shapes[t]) for t in targets if t in shapes and t not in mlp_names)
-    mlp = sum(rank * sum(shapes[t]) for t in targets if t in mlp_names)
-    sparse = len(a.sparse_layer_indices())
-    total = a.num_hidden_layers * attention + (a.num_hidden_layers - sparse) * mlp
-    if sparse and any(t in ("gate_proj", "up_proj", "down_proj", "experts") for t in targets):
-        # per-expert factors of gate_up [E, 2I, H] and down [E, H, I] (learners/lora.py)
-        inner = a.moe_intermediate_size
-        total += sparse * a.num_experts * rank * ((h + 2 * inner) + (inner + h))
-    return total
+    """Adapter weights of the whole model (:func:`lora_parameter_parts`, both parts)."""
+    return sum(lora_parameter_parts(a, rank, targets))
+
+
+def lora_parameter_parts(
+    a: ModelArchitecture, rank: int, targets: tuple[str, ...]
+) -> tuple[int, int]:
+    """(peft's adapters, the routed experts' factors): rank × (in + out) for every targeted
+    projection of every layer (:func:`lora_projections`: a mixer adapts its own projections
+    in place of attention's, models/layer_spec.lora_target_modules), and for each routed
+    expert rank × (in + out) of gate_up and down when an MLP projection (or ``experts``) is
+    targeted (learners/lora.py). Expert parallelism splits the second part with the experts."""
+    from hybridflow.models.layer_spec import lora_target_modules
+
+    h, inner = a.hidden_size, a.moe_intermediate_size
+    adapted = expert = 0
+    for spec in a.layer_specs():
+        names = set(lora_target_modules([spec], list(targets)))
+        shapes = lora_projections(a, spec)
+        adapted += sum(rank * sum(shape) for name, shape in shapes.items() if name in names)
+        if spec.sparse and any(t in LORA_EXPERT_TARGETS for t in targets):
+            # per-expert factors of gate_up [in h, out 2I] and down [in I, out h]
+            expert += a.num_experts * rank * ((h + 2 * inner) + (inner + h))
+    return adapted, expert
+
+
+def lora_projections(a: ModelArchitecture, spec) -> dict[str, tuple[int, int]]:
+    """(in, out) of each linear layer LoRA may adapt in a decoder layer of kind ``spec``, by
+    module name: the mixer's projections (MLA's q through its rank or direct, kv_a, kv_b, o;
+    attention's q/k/v/o otherwise), the dense MLP's or the shared experts' gate/up/down."""
+    h, heads = a.hidden_size, a.num_attention_heads
+    if spec.mixer == "mla":
+        qk = heads * (a.qk_nope_head_dim + a.qk_rope_head_dim)
+        rank = a.q_lora_rank
+        shapes = {"q_proj": (h, qk)} if rank is None else {"q_a_proj": (h, rank),
+                                                           "q_b_proj": (rank, qk)}  # fmt: skip
+        shapes.update(kv_a_proj_with_mqa=(h, a.kv_lora_rank + a.qk_rope_head_dim),
+                      kv_b_proj=(a.kv_lora_rank, heads * (a.qk_nope_head_dim + a.v_head_dim)),
+                      o_proj=(heads * a.v_head_dim, h))  # fmt: skip
+    else:
+        q, kv = heads * a.head_dim, a.num_key_value_heads * a.head_dim
+        shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+    width = {"dense": a.intermediate_size, "experts_shared": a.shared_expert_intermediate_size,
+             "grouped_experts_shared": a.moe_intermediate_size * a.n_shared_experts}  # fmt: skip
+    if width.get(spec.mlp):
+        inner = width[spec.mlp]
+        shapes.update(gate_proj=(h, inner), up_proj=(h, inner), down_proj=(inner, h))
+    return shapes
+
+
+def lora_rank_parameters(a: ModelArchitecture, options: PlanOptions) -> int:
+    """Adapter weights one training rank computes with once FSDP2 gathers them: 1/tp of
+    peft's, 1/(tp × ep) of the routed experts' (split with their experts)."""
+    adapted, expert = lora_parameter_parts(a, options.lora_rank, options.lora_targets)
+    return adapted // options.tp + expert // (options.tp * options.ep)
 
 
 def trainable_parameters(a: ModelArchitecture, options: PlanOptions) -> int:
@@ -252,7 +299,8 @@ def device_step_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
                                 lora * state_bytes // ranks, ALWAYS,
                                 note=f"sharded over {ranks} GPUs" if o.sharded else ""))  # fmt: skip
     gathered_bytes = o.compute_bytes if o.mixed_precision else o.master_bytes
-    on_rank = rank_parameters(a, o.tp, o.ep) + lora // o.tp  # a rank's share, gathered
+    lora_on_rank = lora_rank_parameters(a, o) if lora else 0
+    on_rank = rank_parameters(a, o.tp, o.ep) + lora_on_rank  # a rank's share, gathered
     if o.layer_by_layer:  # ZeRO-3: a layer computing, the next prefetched
         unit = gathered_unit_parameters(a, o.tp, o.ep)
         items += [
@@ -274,7 +322,7 @@ def device_step_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
                             0 if on_host else gradients, (STEP,) if accumulating else (UPDATE, STEP),
                             host_bytes=gradients * o.gpus_per_host if on_host else 0))  # fmt: skip
     if accumulating:
-        unsharded = on_rank if o.lora_rank == 0 else trainable // o.tp
+        unsharded = on_rank if o.lora_rank == 0 else lora_on_rank
         items.append(MemoryItem("actor unsharded gradients (accumulating)",
                                 unsharded * state_bytes, (UPDATE,),
                                 note="until the last micro-batch"))  # fmt: skip

@@ -156,3 +156,112 @@ def test_two_ep_ranks_equal_one_process(tmp_path):
         for name, param in model.named_parameters():
             # the step (of size ~lr) agrees to 1% of its size
             assert (ep["weights"][name] - param.detach()).abs().max() < 1e-2 * LR, name
+
+
+FAMILIES = ("tiny-gpt-oss", "tiny-deepseek-v3")
+
+
+def _family_model(preset: str, lora: bool):
+    """``preset`` with DeepSeek's score correction drawn (it steers the routing); lora: every
+    expert adapted, both factors drawn (a zero factor leaves the other without a gradient)."""
+    from hybridflow.learners.lora import apply_lora, expert_adapters
+
+    generator = torch.Generator().manual_seed(3)
+    model = load_model(preset)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.3)
+    if lora:
+        apply_lora(model, rank=4, alpha=8, target_modules=["experts"])
+        with torch.no_grad():
+            for adapters in expert_adapters(model):
+                for factor in adapters.parameters():
+                    if not factor.any():
+                        factor.copy_(torch.randn(factor.shape, generator=generator) * 0.1)
+    return model
+
+
+def _family_run(preset: str, sequences: list[int], group, lora: bool):
+    """Forward + backward of the sequences' tokens: (hidden, loss, model)."""
+    input_ids, _, _ = _data()
+    starts = torch.tensor([0, *LENGTHS]).cumsum(0)
+    take = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in sequences])
+    lengths = [LENGTHS[s] for s in sequences]
+    model = _family_model(preset, lora)
+    if group is not None:
+        keep_local_experts(model, group)
+    hidden = model.forward_packed(
+        input_ids[take], torch.cat([torch.arange(n) for n in lengths]),
+        torch.tensor([0, *lengths]).cumsum(0).to(torch.int32), max(lengths),
+    )  # fmt: skip
+    projection = torch.randn(sum(LENGTHS), model.config.hidden_size,
+                             generator=torch.Generator().manual_seed(7))  # fmt: skip
+    loss = (hidden * projection[take]).sum()
+    loss.backward()
+    return hidden.detach(), loss.detach(), model
+
+
+def _gathered_grads(model, group) -> dict:
+    """Full gradients: the split expert tensors' concatenated, the others summed."""
+    grads = {}
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        if ".experts." in name:
+            parts = [torch.empty_like(param.grad) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, param.grad, group=group)
+            grads[name] = torch.cat(parts)
+        else:
+            dist.all_reduce(param.grad, group=group)
+            grads[name] = param.grad.clone()
+    return grads
+
+
+def _families_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        group, results = dist.group.WORLD, {}
+        for preset in FAMILIES:
+            for lora in (False, True):
+                hidden, loss, model = _family_run(preset, [2 * rank, 2 * rank + 1], group, lora)
+                experts = model.model.layers[-1].mlp.experts
+                split = {name: getattr(experts, name).shape[0] for name in experts.expert_tensors}
+                hiddens = [None] * world
+                dist.all_gather_object(hiddens, hidden)
+                dist.all_reduce(loss)
+                results[preset, lora] = dict(hidden=torch.cat(hiddens), loss=loss, split=split,
+                                             grads=_gathered_grads(model, group))  # fmt: skip
+        if rank == 0:
+            torch.save(results, os.path.join(out_dir, "families.pt"))
+        dist.barrier()
+    finally:
+        leave_group()
+
+
+def test_two_ep_ranks_split_biased_and_grouped_experts_as_one_process(tmp_path):
+    """GPT-OSS's biased experts (each expert's biases on its rank, the router's bias whole)
+    and DeepSeek-V3's grouped-routed experts (the shared experts and the score correction
+    whole) over EP = 2: hidden states, loss and every gradient of one process in fp32; with
+    LoRA on the experts, the adapters' factors split with them and only they get gradients."""
+    start_ranks(_families_worker, 2, str(tmp_path))
+    results = torch.load(tmp_path / "families.pt", weights_only=True)
+    for preset in FAMILIES:
+        for lora in (False, True):
+            ep = results[preset, lora]
+            hidden, loss, model = _family_run(preset, [0, 1, 2, 3], None, lora)
+            experts = model.config.num_experts
+            assert set(ep["split"].values()) == {experts // 2}, ep["split"]
+            assert _relative(ep["hidden"], hidden) < 1e-5, preset
+            assert _relative(ep["loss"], loss) < 1e-5, preset
+            grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+            assert sorted(ep["grads"]) == sorted(grads)
+            if lora:
+                assert all(".experts.lora." in name for name in grads) and len(grads) > 0
+            else:  # the experts' biases (GPT-OSS) and the router's are among them
+                assert any(name.endswith("experts.down_proj_bias") for name in grads) == (
+                    preset == "tiny-gpt-oss")  # fmt: skip
+            for name, grad in grads.items():
+                assert _relative(ep["grads"][name], grad) < 1e-5, (preset, name)

@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+import torch
 
 from hybridflow.engine.cache.workspace import sampling_bytes_per_row
 from hybridflow.models.presets import PRESETS
@@ -379,3 +380,66 @@ def test_the_deepseek_v3_latent_cache_holds_tens_of_times_the_rows_of_expanded_h
     assert latent_rows == (budget // (64 * 61 * 576 * 2) - 1) // 128
     assert gqa_rows * 10 < latent_rows  # 193 rows against 2 (their workspaces differ too)
     assert kv_slot_bytes(twin, 8192) // kv_slot_bytes(v3, 8192) == 71
+
+
+def _direct_q_deepseek():
+    return PRESETS["tiny-deepseek-v3"].replace(q_lora_rank=None)
+
+
+@pytest.mark.parametrize(
+    "config", [PRESETS["tiny-gpt-oss"], PRESETS["tiny-deepseek-v3"], _direct_q_deepseek()]
+)
+@pytest.mark.parametrize("targets", [mp.LORA_TARGET_SHAPES, ("q_proj", "experts"),
+                                     ("k_proj", "v_proj", "down_proj")])  # fmt: skip
+def test_lora_count_of_gpt_oss_and_mla_matches_the_adapters(config, targets):
+    """MLA adapts q_a/q_b (or q), kv_a and kv_b in place of q/k/v (k and v share them), the
+    shared experts' projections beside each expert's factors; GPT-OSS's biased q/k/v/o and
+    its experts stored [E, in, out]."""
+    pytest.importorskip("peft")
+    from hybridflow.learners.lora import apply_lora
+    from hybridflow.models import build_model
+
+    model = apply_lora(build_model(config), rank=4, alpha=8, target_modules=list(targets))
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert mp.lora_parameters(config, 4, targets) == trained
+
+
+def test_lora_and_expert_parallel_shares_of_mla_and_biased_experts_by_hand():
+    deepseek, gpt_oss = PRESETS["tiny-deepseek-v3"], PRESETS["tiny-gpt-oss"]
+    # tiny-deepseek-v3 at rank 4 (h 64, 4 heads of nope 16 + rope 8, v 16, q rank 32, latent
+    # 32; 1 dense layer of 128, 2 sparse of 8 experts of 32 and a shared one of 32), per
+    # layer q_a 4·(64 + 32) + q_b 4·(32 + 96) + kv_a 4·(64 + 40) + kv_b 4·(32 + 128)
+    # + o 4·(64 + 64) = 2,464; the dense MLP 3·4·(64 + 128) = 2,304; a shared expert
+    # 3·4·(64 + 32) = 1,152; a layer's experts 8·4·((64 + 64) + (32 + 64)) = 7,168
+    assert mp.lora_parameter_parts(deepseek, 4, mp.LORA_TARGET_SHAPES) == (
+        3 * 2_464 + 2_304 + 2 * 1_152, 2 * 7_168)  # fmt: skip
+    # tiny-gpt-oss (h 64, 4 heads and 2 KV heads of 16, 4 experts of 64, 2 layers): q and o
+    # 4·(64 + 64), k and v 4·(64 + 32); a layer's experts 4·4·((64 + 128) + (64 + 64))
+    assert mp.lora_parameter_parts(gpt_oss, 4, mp.LORA_TARGET_SHAPES) == (
+        2 * 1_792, 2 * 5_120)  # fmt: skip
+    # EP = 2 holds half of every expert: GPT-OSS's an expert's weights 3·64·64 and its biases
+    # 2·64 + 64, 4 experts in 2 layers; DeepSeek's 3·64·32, 8 experts in 2 layers
+    assert mp.rank_parameters(gpt_oss, 1, 2) == gpt_oss.num_parameters() - 2 * 4 * 12_480 // 2
+    assert mp.rank_parameters(deepseek, 1, 2) == deepseek.num_parameters() - 2 * 8 * 6_144 // 2
+    # a rank of 2 with EP = 2 and LoRA gathers the frozen base's share and its adapters: all
+    # of peft's, half of the experts' factors (split with them)
+    options = PlanOptions(lora_rank=4, train_gpus=2, ep=2, master_bytes=4, compute_bytes=4)
+    gathered = items(mp.build_plan("m", deepseek, options))["actor gathered weights (fp32)"]
+    assert gathered.gpu_bytes == 4 * (mp.rank_parameters(deepseek, 1, 2) + 12_000 + 7_168)
+
+
+@pytest.mark.parametrize("name", ["tiny-deepseek-v3", "tiny-gpt-oss"])
+def test_the_compute_copy_counts_mla_and_biased_projections_as_built(name):
+    """What autocast casts: every linear projection of the mixers (MLA's five, GPT-OSS's
+    biased q/k/v/o; not their norms or sinks) and the MLPs' weights."""
+    from hybridflow.models import build_model
+
+    config = PRESETS[name]
+    model = build_model(config)
+    projections = sum(
+        module.weight.numel() + (module.bias.numel() if module.bias is not None else 0)
+        for layer in model.model.layers
+        for module in layer.self_attn.modules()
+        if isinstance(module, torch.nn.Linear)
+    )
+    assert mp.linear_parameters(config) == projections + config.mlp_parameters()
