@@ -185,8 +185,16 @@ def _run_trainer(kind: str, args) -> int:
     if kind == "train":
         import_for("train", "hybridflow.trainer.lifecycle.run").train(cfg)
     else:
-        import_for("sft", "hybridflow.trainer.loop.sft_loop").sft_main(cfg)
+        import_for("sft", "hybridflow.trainer.loop.sft_loop").sft_main(cfg, _given_keys(args))
     return 0
+
+
+def _given_keys(args) -> list[str]:
+    """The keys the command line's overrides set (verl's translated to ours)."""
+    from hybridflow.config.verl import translate_command_line
+
+    overrides = translate_command_line(args.config, args.overrides).overrides
+    return [item.split("=", 1)[0].strip() for item in overrides]
 
 
 def cmd_export(args) -> int:
