@@ -13,6 +13,7 @@ import torch
 
 from hybridflow.data.images import (
     IMAGE_PAD,
+    MAX_IMAGE_BYTES,
     VISION_END,
     VISION_START,
     ImageProcessor,
@@ -72,6 +73,27 @@ def test_an_image_path_is_named_when_it_is_bad(tmp_path):
     (tmp_path / "broken.png").write_bytes(_png(4, 4)[:40])  # cut short
     with pytest.raises(DataSchemaError, match="broken.png"):
         row_images({"images": "broken.png"}, "images", WHERE, base_dir=tmp_path)
+
+
+def test_an_image_over_the_byte_cap_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    from PIL import Image
+
+    huge = tmp_path / "huge.png"  # a valid picture, then trailing bytes (sparse: no disk)
+    with huge.open("wb") as file:
+        file.write(_png(4, 4))
+        file.truncate(MAX_IMAGE_BYTES + 1)
+    monkeypatch.setattr(Image, "open", lambda *a, **k: pytest.fail("opened"))
+    with pytest.raises(DataSchemaError) as error:
+        row_images({"images": [{"path": "huge.png"}]}, "images", WHERE, base_dir=tmp_path)
+    assert str(error.value).startswith(f"{WHERE}: key 'images[0]' names the image file {huge}")
+    assert f"of {MAX_IMAGE_BYTES + 1:,} bytes, more than the {MAX_IMAGE_BYTES:,}" in str(
+        error.value
+    )
+    import hybridflow.data.images as images
+
+    monkeypatch.setattr(images, "MAX_IMAGE_BYTES", 10)  # embedded bytes: the same cap
+    with pytest.raises(DataSchemaError, match=r"'images\[0\]' holds an image of \d+ bytes"):
+        row_images({"images": [_png(4, 4)]}, "images", WHERE)
 
 
 def test_a_zero_width_image_is_refused(tmp_path, monkeypatch):
