@@ -50,20 +50,37 @@ def _open(value: Any, base_dir: Path) -> tuple[Any, str]:
     """The image file object of one entry and how to name it (its path, or "bytes")."""
     if isinstance(value, dict):
         data = value.get("bytes")
+        if isinstance(data, str):  # a JSON file's text, base64 or not: never a path
+            raise TypeError("holds {'bytes': <a string>}: 'bytes' must be the image file's "
+                            "bytes (a parquet binary column), or give its file as 'path'")  # fmt: skip
         value = data if data is not None else value.get("path") or value.get("image")
     if isinstance(value, (bytes, bytearray, memoryview)):
         _check_bytes(len(value), "holds an image of")
         return io.BytesIO(bytes(value)), "bytes"
     if isinstance(value, str) and value:
-        path = Path(value.removeprefix("file://"))
-        if not path.is_absolute() and (base_dir / path).exists():
-            path = base_dir / path
-        if not path.is_file():
-            raise FileNotFoundError(f"no image file {path}")
+        path = _image_path(value, base_dir)
         _check_bytes(path.stat().st_size, f"names the image file {path} of")
         return path, str(path)
     raise TypeError(f"holds a {type(value).__name__}, not image bytes, a path or "
                     "{'bytes': ..., 'path': ...}")  # fmt: skip
+
+
+def _image_path(text: str, base_dir: Path) -> Path:
+    """The image file ``text`` names (relative: to ``base_dir`` where it is there);
+    FileNotFoundError when there is none, or the text is no path (too long, a NUL byte)."""
+    try:
+        path = Path(text.removeprefix("file://"))
+        if not path.is_absolute() and (base_dir / path).exists():
+            path = base_dir / path
+        if path.is_file():
+            return path
+    except (OSError, ValueError) as error:
+        reason = getattr(error, "strerror", None) or str(error)
+        shown = text if len(text) <= 60 else f"{text[:57]}..."
+        raise FileNotFoundError(
+            f"names no image file: {shown!r} is not a path ({reason})"
+        ) from None
+    raise FileNotFoundError(f"no image file {path}")
 
 
 class ImageTooLarge(ValueError):

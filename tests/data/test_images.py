@@ -60,8 +60,21 @@ def test_bytes_paths_and_dicts_decode_to_rgb(tmp_path):
         (_png(1, 250), "1x250 image: its long side is over 200 times its short side"),
         ({"path": "missing.png"}, "key 'images[0]' no image file"),
         (7, "holds a int"),
+        ("x" * 5000, "names no image file: 'xxx"),  # the OS refuses so long a name
+        ("a\0b.png", "no image file"),
+        ({"bytes": "iVBORw0KGgo=", "path": None}, "holds {'bytes': <a string>}"),  # JSON text
     ],
-    ids=["undecodable", "zero-size", "100-megapixels", "too-thin", "missing-file", "not-an-image"],
+    ids=[
+        "undecodable",
+        "zero-size",
+        "100-megapixels",
+        "too-thin",
+        "missing-file",
+        "not-an-image",
+        "name-too-long",
+        "nul-in-name",
+        "text-as-bytes",
+    ],  # fmt: skip
 )
 def test_a_bad_image_is_refused_naming_file_row_and_key(tmp_path, entry, words):
     with pytest.raises(DataSchemaError) as error:
