@@ -122,6 +122,7 @@ def config_value_problems(config: dict[str, Any]) -> list[str]:
     for key in EPSILON_KEYS:
         problems += _positive_number_problems(key, config.get(key))
     problems += _rope_problems(config)
+    problems += _partial_rotary_problems(config, sizes)
     coefficient = config.get("router_aux_loss_coef")
     if coefficient is not None and not (_is_number(coefficient) and math.isfinite(coefficient)
                                         and coefficient >= 0):  # fmt: skip
@@ -265,6 +266,29 @@ def _rope_problems(config: dict[str, Any]) -> list[str]:
         for prefix, part in {section: value, **nested}.items():
             for key in ("rope_theta", "factor"):
                 problems += _positive_number_problems(f"{prefix}.{key}", part.get(key))
+    return problems
+
+
+def _partial_rotary_problems(config: dict[str, Any], sizes: dict[str, int]) -> list[str]:
+    """partial_rotary_factor (top level or in the RoPE settings): the share of each head's
+    dimensions RoPE turns, a number in (0, 1] that leaves an even count of them."""
+    found = [("partial_rotary_factor", config.get("partial_rotary_factor"))]
+    for section in ("rope_scaling", "rope_parameters"):
+        if isinstance(config.get(section), dict):
+            found.append((f"{section}.partial_rotary_factor",
+                          config[section].get("partial_rotary_factor")))  # fmt: skip
+    heads, hidden = sizes.get("num_attention_heads"), sizes.get("hidden_size")
+    head_dim = sizes.get("head_dim") or (hidden // heads if heads and hidden else None)
+    problems = []
+    for key, factor in found:
+        if factor is None:
+            continue
+        if not (_is_number(factor) and math.isfinite(factor) and 0 < factor <= 1):
+            problems.append(f"{key} = {_shown(factor)} must be a number in (0, 1] (the share "
+                            "of each head's dimensions RoPE turns)")  # fmt: skip
+        elif head_dim and int(head_dim * factor) % 2 + (int(head_dim * factor) < 2):
+            problems.append(f"{key} = {factor} turns {int(head_dim * factor)} of head_dim = "
+                            f"{head_dim} dimensions: RoPE turns an even number >= 2 of them")  # fmt: skip
     return problems
 
 

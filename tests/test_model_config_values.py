@@ -146,6 +146,12 @@ MISMATCHED_VALUES = [
     (DEEPSEEK, {"routed_scaling_factor": math.nan}, "routed_scaling_factor = nan",
      "finite number > 0"),
     (DEEPSEEK, {"routed_scaling_factor": 0}, "routed_scaling_factor = 0", "finite number > 0"),
+    (HYBRID, {"rope_parameters": {**HYBRID["rope_parameters"], "partial_rotary_factor": 2.0}},
+     "rope_parameters.partial_rotary_factor = 2.0", "a number in (0, 1]"),
+    (HYBRID, {"partial_rotary_factor": 0}, "partial_rotary_factor = 0", "a number in (0, 1]"),
+    (HYBRID, {"partial_rotary_factor": "half"}, 'partial_rotary_factor = "half"', "(0, 1]"),
+    (HYBRID, {"partial_rotary_factor": 3 / HYBRID["head_dim"]}, "partial_rotary_factor = 0.",
+     f"turns 3 of head_dim = {HYBRID['head_dim']} dimensions: RoPE turns an even number"),
 ]  # fmt: skip
 
 
