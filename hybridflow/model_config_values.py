@@ -194,6 +194,10 @@ def _head_problems(sizes: dict[str, int], native: bool) -> list[str]:
     if native and head_dim is not None and head_dim % 2:
         return [f"head_dim = {head_dim} must be even (rotary embeddings turn pairs of "
                 f"dimensions){'' if 'head_dim' in sizes else ' (hidden_size / num_attention_heads)'}"]  # fmt: skip
+    rope_dim = sizes.get("qk_rope_head_dim")  # multi-head latent attention's rotary part
+    if native and rope_dim is not None and rope_dim % 2:
+        return [f"qk_rope_head_dim = {rope_dim} must be even (rotary embeddings turn pairs of "
+                "dimensions)"]  # fmt: skip
     return []
 
 

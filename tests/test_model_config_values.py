@@ -146,6 +146,7 @@ MISMATCHED_VALUES = [
     (DEEPSEEK, {"routed_scaling_factor": math.nan}, "routed_scaling_factor = nan",
      "finite number > 0"),
     (DEEPSEEK, {"routed_scaling_factor": 0}, "routed_scaling_factor = 0", "finite number > 0"),
+    (DEEPSEEK, {"qk_rope_head_dim": 7}, "qk_rope_head_dim = 7", "must be even"),
     (HYBRID, {"rope_parameters": {**HYBRID["rope_parameters"], "partial_rotary_factor": 2.0}},
      "rope_parameters.partial_rotary_factor = 2.0", "a number in (0, 1]"),
     (HYBRID, {"partial_rotary_factor": 0}, "partial_rotary_factor = 0", "a number in (0, 1]"),
