@@ -53,6 +53,10 @@ EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_topk")
 """Experts each token is routed to (top-k), by family."""
 
+COUNT_KEYS = ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers")
+"""Counts that may be 0 (DeepSeek's always-on experts, its leading dense layers, its
+multi-token-prediction layers): a whole number >= 0 where present."""
+
 EPSILON_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "norm_epsilon")
 """Added to a variance before its square root: a finite number > 0."""
 
@@ -104,7 +108,8 @@ def config_value_problems(config: dict[str, Any]) -> list[str]:
                      for key in required if config.get(key) is None]  # fmt: skip
     sizes = {}
     # 0 experts is a dense model, whose top-k (if it names one) routes nothing
-    minimums = {**dict.fromkeys(SIZE_KEYS, 1), **dict.fromkeys(EXPERT_COUNT_KEYS + TOP_K_KEYS, 0)}
+    minimums = {**dict.fromkeys(SIZE_KEYS, 1),
+                **dict.fromkeys(EXPERT_COUNT_KEYS + TOP_K_KEYS + COUNT_KEYS, 0)}  # fmt: skip
     if config.get("model_type") in EXPERTS_ONLY_TYPES:
         minimums["intermediate_size"] = 0  # no dense MLP: written as 0 when written at all
     for key, minimum in minimums.items():

@@ -147,6 +147,8 @@ MISMATCHED_VALUES = [
      "finite number > 0"),
     (DEEPSEEK, {"routed_scaling_factor": 0}, "routed_scaling_factor = 0", "finite number > 0"),
     (DEEPSEEK, {"qk_rope_head_dim": 7}, "qk_rope_head_dim = 7", "must be even"),
+    (DEEPSEEK, {"n_shared_experts": -1}, "n_shared_experts = -1", "whole number >= 0"),
+    (DEEPSEEK, {"first_k_dense_replace": -1}, "first_k_dense_replace = -1", ">= 0"),
     (HYBRID, {"rope_parameters": {**HYBRID["rope_parameters"], "partial_rotary_factor": 2.0}},
      "rope_parameters.partial_rotary_factor = 2.0", "a number in (0, 1]"),
     (HYBRID, {"partial_rotary_factor": 0}, "partial_rotary_factor = 0", "a number in (0, 1]"),

@@ -133,6 +133,9 @@ def decode_image(value: Any, where: str, key: str, base_dir: Path, max_pixels: i
     except Image.DecompressionBombError as error:
         raise DataSchemaError(f"{where}: key '{key}'{named} has more than {max_pixels} pixels "
                               f"({error})") from None  # fmt: skip
+    except Image.UnidentifiedImageError:  # its text holds the repr of a BytesIO
+        raise DataSchemaError(f"{where}: key '{key}'{named} cannot be decoded as an image (not "
+                              "a format PIL reads, or not an image)") from None  # fmt: skip
     except (OSError, ValueError, SyntaxError) as error:
         raise DataSchemaError(f"{where}: key '{key}'{named} cannot be decoded as an image "
                               f"({error})") from None  # fmt: skip

@@ -54,7 +54,7 @@ def test_bytes_paths_and_dicts_decode_to_rgb(tmp_path):
 @pytest.mark.parametrize(
     "entry, words",
     [
-        (b"not an image", "key 'images[0]' cannot be decoded as an image"),
+        (b"not an image", "key 'images[0]' cannot be decoded as an image (not a format PIL"),
         (_with_header_size(_png(4, 4), 0, 0), "cannot be decoded"),  # PIL refuses a 0x0 PNG
         (_with_header_size(_png(4, 4), 10_000, 10_000), "10000x10000 image, more than"),
         (_png(1, 250), "1x250 image: its long side is over 200 times its short side"),
