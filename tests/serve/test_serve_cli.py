@@ -120,3 +120,16 @@ def test_serve_started_with_sigint_ignored_still_stops_on_sigint():
         if process.poll() is None:
             process.kill()
             process.wait(timeout=30)
+
+
+def test_a_cpu_engine_cache_is_sized_from_the_host_memory_free(monkeypatch):
+    from hybridflow.serve.cli import cache_budget_for
+    from hybridflow.trainer.plan import host_memory
+
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: (2**30, "test"))
+    assert cache_budget_for(None, "cpu") == int(0.9 * 2**30)  # not every --max-batch-size slot
+    assert cache_budget_for(0.5, "cpu") == 2**29  # a fraction of the host's free memory
+    assert cache_budget_for(3e6, "cpu") == 3e6  # bytes, as given
+    assert cache_budget_for(None, "cuda") is None  # the engine reads the GPU's free memory
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: (None, ""))
+    assert cache_budget_for(None, "cpu") is None  # unknown: as before
