@@ -39,7 +39,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt + completion tokens (default: the model's context, at most 4096)")  # fmt: skip
     p.add_argument("--memory-budget", type=float, default=None,
                    help="KV-cache bytes, or a fraction in (0, 1] of free device memory "
-                   "(default: 0.9 of it; on a CPU, of the host memory free at start)")  # fmt: skip
+                   "(default: 0.9 of it; on a CPU, 0.5 of the host memory free at start)")  # fmt: skip
     p.add_argument("--dtype", default=None, choices=DTYPES,
                    help="weights' dtype (default: bfloat16 on cuda, float32 on cpu)")  # fmt: skip
     p.add_argument(
@@ -164,9 +164,11 @@ def limits_from_args(args):
         raise UserError(text) from None
 
 
-HOST_CACHE_SHARE = 0.9
+HOST_CACHE_SHARE = 0.5
 """A CPU engine's default cache budget: this share of the host memory free at start (a GPU
-engine's is 0.9 of the GPU's free memory, engine/cache/kv_cache.cache_budget)."""
+engine's is 0.9 of the GPU's free memory, engine/cache/kv_cache.cache_budget); the rest is
+for the decode and prefill workspace, which a CPU engine does not reserve, and the host's
+other work."""
 
 
 def cache_budget_for(memory_budget: float | None, device) -> int | float | None:
@@ -182,6 +184,22 @@ def cache_budget_for(memory_budget: float | None, device) -> int | float | None:
     if available is None:
         return memory_budget
     return int((memory_budget or HOST_CACHE_SHARE) * available)
+
+
+def allocate_cache(engine, args) -> None:
+    """The engine's cache made now, so that one the memory cannot hold stops the server at
+    start (exit 2, naming the flags) rather than failing every request."""
+    from hybridflow.errors import HOST_OOM, UserError
+
+    try:
+        engine.num_slots  # noqa: B018 (allocates the cache)
+    except RuntimeError as error:
+        if HOST_OOM not in str(error):
+            raise
+        raise UserError(f"the engine's cache of --max-batch-size {args.max_batch_size} sequences "
+                        f"of --max-seq-len {engine.max_seq_len} tokens does not fit the host "
+                        "memory", "lower --max-batch-size or --max-seq-len, or give "
+                        "--memory-budget in bytes") from None  # fmt: skip
 
 
 def build_from_args(args):
@@ -207,6 +225,7 @@ def build_from_args(args):
     budget = cache_budget_for(args.memory_budget, device)
     engine = Engine(model, max_batch_size=args.max_batch_size, max_seq_len=max_seq_len,
                     memory_budget=budget, options=options)  # fmt: skip
+    allocate_cache(engine, args)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     processor = None
     if getattr(engine.config, "vision", None) is not None:  # chat messages may carry images
