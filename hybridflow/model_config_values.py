@@ -68,6 +68,8 @@ REQUIRED_KEYS = {
     "qwen3_5_moe_text": ("moe_intermediate_size", "num_experts", "num_experts_per_tok"),
     "qwen3_next": ("moe_intermediate_size", "num_experts", "num_experts_per_tok"),
 }  # fmt: skip
+ROUTED_TYPES = ("qwen3_moe", "mixtral", "qwen3_5_moe_text", "qwen3_next", "gpt_oss")
+"""Families whose sparse layers always route to experts: an expert count of 0 builds none."""
 EXPERTS_ONLY_TYPES = ("qwen3_5_moe_text",)
 """Families whose every layer routes to experts: no dense MLP width to require."""
 """Keys hybridflow's decoder reads without a default (its families: models/architecture.py)."""
@@ -112,6 +114,8 @@ def config_value_problems(config: dict[str, Any]) -> list[str]:
                 **dict.fromkeys(EXPERT_COUNT_KEYS + TOP_K_KEYS + COUNT_KEYS, 0)}  # fmt: skip
     if config.get("model_type") in EXPERTS_ONLY_TYPES:
         minimums["intermediate_size"] = 0  # no dense MLP: written as 0 when written at all
+    if config.get("model_type") in ROUTED_TYPES:
+        minimums.update(dict.fromkeys(EXPERT_COUNT_KEYS, 1))
     for key, minimum in minimums.items():
         problem = _whole_number_problem(key, config.get(key), minimum)
         if problem:
@@ -264,6 +268,7 @@ def _rope_problems(config: dict[str, Any]) -> list[str]:
     """rope_theta (top level, or in transformers 5's rope_parameters, per attention kind
     for some families) and a scaling factor: finite numbers > 0."""
     problems = _positive_number_problems("rope_theta", config.get("rope_theta"))
+    problems += _positive_number_problems("swiglu_limit", config.get("swiglu_limit"))  # GPT-OSS
     for section in ("rope_scaling", "rope_parameters"):
         value = config.get(section)
         if value is None:

@@ -42,7 +42,7 @@ BAD_VALUES = [
     (MOE, {"num_experts_per_tok": 0}, "num_experts_per_tok = 0", "between 1 and"),
     (MOE, {"num_experts_per_tok": -2}, "num_experts_per_tok = -2", ">= 0"),
     (MIXTRAL, {"num_experts_per_tok": 5}, "num_experts_per_tok = 5", "num_local_experts = 4"),
-    (MOE, {"num_experts": -1}, "num_experts = -1", ">= 0"),
+    (MOE, {"num_experts": -1}, "num_experts = -1", ">= 1"),  # qwen3_moe always routes
     (MOE, {"moe_intermediate_size": 0}, "moe_intermediate_size = 0", ">= 1"),
     (MOE, {"hidden_size": -64}, "hidden_size = -64", ">= 1"),
     (MOE, {"vocab_size": 0}, "vocab_size = 0", ">= 1"),
@@ -148,6 +148,9 @@ MISMATCHED_VALUES = [
     (DEEPSEEK, {"routed_scaling_factor": 0}, "routed_scaling_factor = 0", "finite number > 0"),
     (DEEPSEEK, {"qk_rope_head_dim": 7}, "qk_rope_head_dim = 7", "must be even"),
     (DEEPSEEK, {"n_shared_experts": -1}, "n_shared_experts = -1", "whole number >= 0"),
+    (GPT_OSS, {"num_local_experts": 0}, "num_local_experts = 0", "whole number >= 1"),
+    (MOE, {"num_experts": 0}, "num_experts = 0", "whole number >= 1"),
+    (GPT_OSS, {"swiglu_limit": -1.0}, "swiglu_limit = -1.0", "finite number > 0"),
     (DEEPSEEK, {"first_k_dense_replace": -1}, "first_k_dense_replace = -1", ">= 0"),
     (HYBRID, {"rope_parameters": {**HYBRID["rope_parameters"], "partial_rotary_factor": 2.0}},
      "rope_parameters.partial_rotary_factor = 2.0", "a number in (0, 1]"),
