@@ -91,6 +91,7 @@ def config_value_problems(config: dict[str, Any]) -> list[str]:
     if isinstance(vision, dict):
         vision_problems = [f"vision_config.{problem}" for key in VISION_SIZE_KEYS
                            if (problem := _whole_number_problem(key, vision.get(key), 1))]  # fmt: skip
+        vision_problems = vision_problems or _vision_language_problems(config, vision)
     text = config.get("text_config")
     if isinstance(text, dict):  # a multimodal model: its language model is what we build
         return [
@@ -280,6 +281,49 @@ def _rope_problems(config: dict[str, Any]) -> list[str]:
         for prefix, part in {section: value, **nested}.items():
             for key in ("rope_theta", "factor"):
                 problems += _positive_number_problems(f"{prefix}.{key}", part.get(key))
+    return problems
+
+
+VISION_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id",
+                     "vision_end_token_id")  # fmt: skip
+
+
+def _vision_language_problems(config: dict[str, Any], vision: dict[str, Any]) -> list[str]:
+    """What a vision-language config must agree on (Qwen2.5-VL, either layout): the encoder's
+    heads splitting its width, the vision token ids inside the vocabulary, and mRoPE's three
+    sections of a head's frequency pairs (head_dim / 2)."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    problems = []
+    width, heads = vision.get("hidden_size"), vision.get("num_heads")
+    if isinstance(width, int) and isinstance(heads, int) and width % heads:
+        problems.append(f"vision_config.hidden_size = {width} must be a multiple of "
+                        f"vision_config.num_heads = {heads}")  # fmt: skip
+    vocab = text.get("vocab_size")
+    for key in VISION_TOKEN_KEYS:
+        value = config.get(key, text.get(key))
+        if value is None:
+            continue
+        top = vocab - 1 if isinstance(vocab, int) and vocab >= 1 else MAX_SIZE
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= top:
+            problems.append(f"{key} = {_shown(value)} must be a token id, a whole number from "
+                            f"0 to {top} (vocab_size - 1)")  # fmt: skip
+    rope = {}
+    for section in ("rope_scaling", "rope_parameters"):
+        if isinstance(text.get(section), dict):
+            rope.update(text[section])
+    sections = rope.get("mrope_section")
+    hidden, heads = text.get("hidden_size"), text.get("num_attention_heads")
+    head_dim = text.get("head_dim") or (
+        hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+    )
+    whole = isinstance(sections, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sections
+    )
+    pairs = head_dim // 2 if isinstance(head_dim, int) else None
+    if sections is not None and not (whole and len(sections) == 3 and sum(sections) == pairs):
+        problems.append(f"mrope_section = {_shown(sections)} must be three whole numbers >= 1 "
+                        f"summing to head_dim / 2 = {pairs} (the frequency pairs each position "
+                        "row turns)")  # fmt: skip
     return problems
 
 

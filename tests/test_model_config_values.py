@@ -173,3 +173,36 @@ def test_a_window_larger_than_the_context_or_null_is_fine():
     assert config_value_problems({**GPT_OSS, "sliding_window": 10**6}) == []
     assert config_value_problems({**MIXTRAL, "sliding_window": None}) == []
     assert config_value_problems({**MIXTRAL, "sliding_window": 0}) == []  # no windowed layers
+
+
+VL = PRESETS["tiny-vl"].to_hf()  # nested: text_config (16-dim heads), a 32-wide encoder
+
+
+def _with_mrope(section):
+    text = {**VL["text_config"], "rope_parameters": {**VL["text_config"]["rope_parameters"],
+                                                     "mrope_section": section}}  # fmt: skip
+    return {"text_config": text}
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        (_with_mrope([2, 3, 4]), "mrope_section = [2, 3, 4] must be three whole numbers >= 1 "
+         "summing to head_dim / 2 = 8"),
+        (_with_mrope([10, -1, -1]), "mrope_section = [10, -1, -1] must be three"),
+        (_with_mrope([4, 4]), "mrope_section = [4, 4] must be three"),
+        (_with_mrope("2,3,3"), 'mrope_section = "2,3,3" must be three'),
+        ({"image_token_id": 10**6}, "image_token_id = 1000000 must be a token id, a whole "
+         f"number from 0 to {VL['text_config']['vocab_size'] - 1}"),
+        ({"vision_start_token_id": -1}, "vision_start_token_id = -1 must be a token id"),
+        ({"image_token_id": "<|image_pad|>"}, 'image_token_id = "<|image_pad|>" must be a token'),
+        ({"vision_config": {**VL["vision_config"], "num_heads": 3}},
+         "vision_config.hidden_size = 32 must be a multiple of vision_config.num_heads = 3"),
+    ],
+    ids=["mrope-sum", "mrope-negative", "mrope-two", "mrope-text", "image-token-past-vocab",
+         "negative-token", "token-as-text", "encoder-heads"],
+)  # fmt: skip
+def test_what_a_vision_language_config_must_agree_on_is_named(changes, words):
+    assert config_value_problems(VL) == []
+    (problem,) = config_value_problems({**VL, **changes})
+    assert problem.startswith(words)
