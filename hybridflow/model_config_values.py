@@ -212,6 +212,8 @@ def _head_problems(sizes: dict[str, int], native: bool) -> list[str]:
 
 
 WINDOWED_LAYER = "sliding_attention"
+LAYER_KINDS = ("full_attention", WINDOWED_LAYER, "linear_attention")
+"""The layer_types entries hybridflow's decoder builds (models/families)."""
 
 
 def _layout_problems(config: dict[str, Any], sizes: dict[str, int]) -> list[str]:
@@ -228,6 +230,11 @@ def _layout_problems(config: dict[str, Any], sizes: dict[str, int]) -> list[str]
     elif layer_types is not None and layers is not None and len(layer_types) != layers:
         problems.append(f"layer_types names {len(layer_types)} layers, num_hidden_layers = "
                         f"{layers}: give one entry per layer")  # fmt: skip
+    elif config.get("model_type") in SUPPORTED_MODEL_TYPES and layer_types is not None:
+        unknown = sorted(set(layer_types) - set(LAYER_KINDS))
+        if unknown:
+            problems.append(f"layer_types holds {', '.join(map(repr, unknown))}: each entry "
+                            f"must be one of {', '.join(LAYER_KINDS)}")  # fmt: skip
     window = config.get("sliding_window")
     problem = _whole_number_problem("sliding_window", window, 0)
     if problem:

@@ -135,6 +135,8 @@ MISMATCHED_VALUES = [
     (HYBRID, {"layer_types": ["linear_attention"] * 5}, "layer_types names 5 layers",
      "num_hidden_layers = 4"),
     (HYBRID, {"layer_types": "linear_attention"}, 'layer_types = "linear_attention"', "a list"),
+    (HYBRID, {"layer_types": ["linear_attention", "foo", "linear_attention", "full_attention"]},
+     "layer_types holds 'foo'", "must be one of full_attention, sliding_attention"),
     (GPT_OSS, {"sliding_window": 0}, "sliding_window = 0", "window must be >= 1"),
     (GPT_OSS, {"sliding_window": -4}, "sliding_window = -4", ">= 0"),
     (HYBRID, {"linear_num_value_heads": 3}, "linear_num_value_heads = 3",
