@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 from hybridflow.model_config_values import (
+    VISION_MODEL_TYPES,
     ModelConfigError,
     config_value_problems,
     config_values_message,
@@ -113,7 +114,9 @@ def native_weight_problems(
 
     try:
         architecture = ModelArchitecture.from_hf(config)
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError) as error:
+        if config.get("model_type") in VISION_MODEL_TYPES:  # no fallback loads these
+            return [config_values_message([str(error)], Path(model_dir) / CONFIG_FILE)]
         return []  # not for our decoder: transformers' fallback reads it
     stored = _stored_shapes(Path(model_dir), architecture)
     if stored is None:
