@@ -85,3 +85,17 @@ def unread_key_problems(keys: list[str]) -> list[str]:
             f"{', '.join(sorted(SFT_READS))})"
         )
     return problems
+
+
+def task_problems(model_path: str, sft: SFTConfig) -> list[str]:
+    """``model.path = sft:<task>`` beside ``sft.train_files`` of other built-in tasks only:
+    ``hybridflow sft`` trains ``sft.preset`` on the files, so the task named would be
+    ignored."""
+    task = model_path.removeprefix("sft:") if model_path.startswith("sft:") else None
+    files = list(sft.train_files) if isinstance(sft.train_files, list) else []
+    builtin = [f for f in files if isinstance(f, str) and f.startswith("builtin:")]
+    if task is None or not files or len(builtin) < len(files) or f"builtin:{task}" in builtin:
+        return []
+    return [f"model.path = sft:{task} names the task {task}, but sft.train_files = {files}: "
+            f"hybridflow sft trains sft.preset on sft.train_files; set "
+            f"sft.train_files=[builtin:{task}]"]  # fmt: skip

@@ -3,7 +3,7 @@ import math
 import pytest
 
 from hybridflow.config import ConfigError, load_config, validate
-from hybridflow.config.sft_checks import SFT_READS, sft_problems, unread_key_problems
+from hybridflow.config.sft_checks import SFT_READS, sft_problems, task_problems, unread_key_problems
 
 
 def test_the_defaults_and_the_vision_example_have_no_problem():
@@ -73,3 +73,13 @@ def test_hybridflow_sft_refuses_an_rl_key_before_any_work(capsys, tmp_path):
     assert "trainer.total_steps: hybridflow sft does not read it; set sft.total_steps" in err
     assert "data.train_batch_size: hybridflow sft does not read it; set sft.batch_size" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_an_sft_task_beside_other_builtin_files_is_named():
+    (problem,) = task_problems("sft:calc", load_config(None, []).sft)  # builtin:arithmetic
+    assert problem.startswith("model.path = sft:calc names the task calc, but sft.train_files")
+    assert problem.endswith("set sft.train_files=[builtin:calc]")
+    calc = load_config(None, ["sft.train_files=[builtin:calc]"]).sft
+    own = load_config(None, ["sft.train_files=[data/sft.jsonl]"]).sft
+    assert task_problems("sft:calc", calc) == task_problems("sft:calc", own) == []
+    assert task_problems("/models/qwen", calc) == task_problems("sft:arithmetic", own) == []

@@ -185,7 +185,7 @@ def sft_main(cfg: Config, given_keys: Sequence[str] = ()) -> Path:
     """``hybridflow sft``: fine-tune ``model.path`` (or a fresh ``sft.preset`` model when the
     path is ``sft:<task>``) on ``sft.train_files``; writes checkpoints and ``<out>/hf``.
     ``given_keys``: the keys the command line set, refused where SFT never reads them."""
-    from hybridflow.config.sft_checks import sft_problems, unread_key_problems
+    from hybridflow.config.sft_checks import sft_problems, task_problems, unread_key_problems
     from hybridflow.model_config_values import directory_config_problems
     from hybridflow.trainer.lifecycle.machine import machine_problems
     from hybridflow.trainer.lifecycle.run_lock import hold_run_dir
@@ -193,7 +193,7 @@ def sft_main(cfg: Config, given_keys: Sequence[str] = ()) -> Path:
 
     sft_cfg = cfg.sft
     out = Path(sft_cfg.out_dir or Path(cfg.trainer.run_dir) / "sft")
-    problems = unread_key_problems(list(given_keys))
+    problems = unread_key_problems(list(given_keys)) + task_problems(cfg.model.path, sft_cfg)
     problems += sft_problems(cfg.sft) + machine_problems(cfg, str(out))
     if not cfg.model.path.startswith("sft:"):  # before the tokenizer reads config.json
         problems += [f"model.path: {p}" for p in directory_config_problems(cfg.model.path)]
