@@ -305,7 +305,7 @@ def _vision_language_problems(config: dict[str, Any], vision: dict[str, Any]) ->
     if isinstance(width, int) and isinstance(heads, int) and width % heads:
         problems.append(f"vision_config.hidden_size = {width} must be a multiple of "
                         f"vision_config.num_heads = {heads}")  # fmt: skip
-    vocab = text.get("vocab_size")
+    vocab, ids = text.get("vocab_size"), {}
     for key in VISION_TOKEN_KEYS:
         value = config.get(key, text.get(key))
         if value is None:
@@ -314,6 +314,12 @@ def _vision_language_problems(config: dict[str, Any], vision: dict[str, Any]) ->
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= top:
             problems.append(f"{key} = {_shown(value)} must be a token id, a whole number from "
                             f"0 to {top} (vocab_size - 1)")  # fmt: skip
+        elif value in ids.values():  # one id for two marks: the model cannot tell them apart
+            other = next(name for name, id_ in ids.items() if id_ == value)
+            problems.append(f"{key} = {value} is {other} too: each vision token needs an id "
+                            "of its own")  # fmt: skip
+        else:
+            ids[key] = value
     rope = {}
     for section in ("rope_scaling", "rope_parameters"):
         if isinstance(text.get(section), dict):

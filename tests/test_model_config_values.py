@@ -197,12 +197,14 @@ def _with_mrope(section):
         ({"image_token_id": 10**6}, "image_token_id = 1000000 must be a token id, a whole "
          f"number from 0 to {VL['text_config']['vocab_size'] - 1}"),
         ({"vision_start_token_id": -1}, "vision_start_token_id = -1 must be a token id"),
+        ({"video_token_id": VL["image_token_id"]}, f"video_token_id = {VL['image_token_id']} is "
+         "image_token_id too: each vision token needs an id of its own"),
         ({"image_token_id": "<|image_pad|>"}, 'image_token_id = "<|image_pad|>" must be a token'),
         ({"vision_config": {**VL["vision_config"], "num_heads": 3}},
          "vision_config.hidden_size = 32 must be a multiple of vision_config.num_heads = 3"),
     ],
     ids=["mrope-sum", "mrope-negative", "mrope-two", "mrope-text", "image-token-past-vocab",
-         "negative-token", "token-as-text", "encoder-heads"],
+         "negative-token", "shared-token", "token-as-text", "encoder-heads"],
 )  # fmt: skip
 def test_what_a_vision_language_config_must_agree_on_is_named(changes, words):
     assert config_value_problems(VL) == []
