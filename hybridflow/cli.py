@@ -236,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
          "overrides make; with neither, the built-in GRPO demo on the arithmetic task."),
         ("sft", "supervised fine-tuning on prompt/response or chat data",
          "Supervised fine-tuning of model.path on the prompt/response or chat rows of "
-         "sft.train_files (the `sft` section's keys set the run), e.g. `hybridflow sft "
+         "sft.train_files (the `sft` section's keys set the run; an RL key it never reads, "
+         "such as trainer.total_steps, is refused naming the sft key to set), e.g. `hybridflow sft "
          "model.path=/models/Qwen2.5-0.5B-Instruct sft.train_files=[data/sft.jsonl] "
          "sft.total_steps=500`."),
     ):  # fmt: skip
