@@ -185,8 +185,16 @@ def _run_trainer(kind: str, args) -> int:
     if kind == "train":
         import_for("train", "hybridflow.trainer.lifecycle.run").train(cfg)
     else:
-        import_for("sft", "hybridflow.trainer.loop.sft_loop").sft_main(cfg)
+        import_for("sft", "hybridflow.trainer.loop.sft_loop").sft_main(cfg, _given_keys(args))
     return 0
+
+
+def _given_keys(args) -> list[str]:
+    """The keys the command line's overrides set (verl's translated to ours)."""
+    from hybridflow.config.verl import translate_command_line
+
+    overrides = translate_command_line(args.config, args.overrides).overrides
+    return [item.split("=", 1)[0].strip() for item in overrides]
 
 
 def cmd_export(args) -> int:
@@ -228,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
          "overrides make; with neither, the built-in GRPO demo on the arithmetic task."),
         ("sft", "supervised fine-tuning on prompt/response or chat data",
          "Supervised fine-tuning of model.path on the prompt/response or chat rows of "
-         "sft.train_files (the `sft` section's keys set the run), e.g. `hybridflow sft "
+         "sft.train_files (the `sft` section's keys set the run; an RL key it never reads, "
+         "such as trainer.total_steps, is refused naming the sft key to set), e.g. `hybridflow sft "
          "model.path=/models/Qwen2.5-0.5B-Instruct sft.train_files=[data/sft.jsonl] "
          "sft.total_steps=500`."),
     ):  # fmt: skip

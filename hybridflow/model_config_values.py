@@ -53,6 +53,10 @@ EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_topk")
 """Experts each token is routed to (top-k), by family."""
 
+COUNT_KEYS = ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers")
+"""Counts that may be 0 (DeepSeek's always-on experts, its leading dense layers, its
+multi-token-prediction layers): a whole number >= 0 where present."""
+
 EPSILON_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "norm_epsilon")
 """Added to a variance before its square root: a finite number > 0."""
 
@@ -64,6 +68,8 @@ REQUIRED_KEYS = {
     "qwen3_5_moe_text": ("moe_intermediate_size", "num_experts", "num_experts_per_tok"),
     "qwen3_next": ("moe_intermediate_size", "num_experts", "num_experts_per_tok"),
 }  # fmt: skip
+ROUTED_TYPES = ("qwen3_moe", "mixtral", "qwen3_5_moe_text", "qwen3_next", "gpt_oss")
+"""Families whose sparse layers always route to experts: an expert count of 0 builds none."""
 EXPERTS_ONLY_TYPES = ("qwen3_5_moe_text",)
 """Families whose every layer routes to experts: no dense MLP width to require."""
 """Keys hybridflow's decoder reads without a default (its families: models/architecture.py)."""
@@ -85,6 +91,7 @@ def config_value_problems(config: dict[str, Any]) -> list[str]:
     if isinstance(vision, dict):
         vision_problems = [f"vision_config.{problem}" for key in VISION_SIZE_KEYS
                            if (problem := _whole_number_problem(key, vision.get(key), 1))]  # fmt: skip
+        vision_problems = vision_problems or _vision_language_problems(config, vision)
     text = config.get("text_config")
     if isinstance(text, dict):  # a multimodal model: its language model is what we build
         return [
@@ -104,9 +111,12 @@ def config_value_problems(config: dict[str, Any]) -> list[str]:
                      for key in required if config.get(key) is None]  # fmt: skip
     sizes = {}
     # 0 experts is a dense model, whose top-k (if it names one) routes nothing
-    minimums = {**dict.fromkeys(SIZE_KEYS, 1), **dict.fromkeys(EXPERT_COUNT_KEYS + TOP_K_KEYS, 0)}
+    minimums = {**dict.fromkeys(SIZE_KEYS, 1),
+                **dict.fromkeys(EXPERT_COUNT_KEYS + TOP_K_KEYS + COUNT_KEYS, 0)}  # fmt: skip
     if config.get("model_type") in EXPERTS_ONLY_TYPES:
         minimums["intermediate_size"] = 0  # no dense MLP: written as 0 when written at all
+    if config.get("model_type") in ROUTED_TYPES:
+        minimums.update(dict.fromkeys(EXPERT_COUNT_KEYS, 1))
     for key, minimum in minimums.items():
         problem = _whole_number_problem(key, config.get(key), minimum)
         if problem:
@@ -122,6 +132,7 @@ def config_value_problems(config: dict[str, Any]) -> list[str]:
     for key in EPSILON_KEYS:
         problems += _positive_number_problems(key, config.get(key))
     problems += _rope_problems(config)
+    problems += _partial_rotary_problems(config, sizes)
     coefficient = config.get("router_aux_loss_coef")
     if coefficient is not None and not (_is_number(coefficient) and math.isfinite(coefficient)
                                         and coefficient >= 0):  # fmt: skip
@@ -193,10 +204,16 @@ def _head_problems(sizes: dict[str, int], native: bool) -> list[str]:
     if native and head_dim is not None and head_dim % 2:
         return [f"head_dim = {head_dim} must be even (rotary embeddings turn pairs of "
                 f"dimensions){'' if 'head_dim' in sizes else ' (hidden_size / num_attention_heads)'}"]  # fmt: skip
+    rope_dim = sizes.get("qk_rope_head_dim")  # multi-head latent attention's rotary part
+    if native and rope_dim is not None and rope_dim % 2:
+        return [f"qk_rope_head_dim = {rope_dim} must be even (rotary embeddings turn pairs of "
+                "dimensions)"]  # fmt: skip
     return []
 
 
 WINDOWED_LAYER = "sliding_attention"
+LAYER_KINDS = ("full_attention", WINDOWED_LAYER, "linear_attention")
+"""The layer_types entries hybridflow's decoder builds (models/families)."""
 
 
 def _layout_problems(config: dict[str, Any], sizes: dict[str, int]) -> list[str]:
@@ -213,6 +230,11 @@ def _layout_problems(config: dict[str, Any], sizes: dict[str, int]) -> list[str]
     elif layer_types is not None and layers is not None and len(layer_types) != layers:
         problems.append(f"layer_types names {len(layer_types)} layers, num_hidden_layers = "
                         f"{layers}: give one entry per layer")  # fmt: skip
+    elif config.get("model_type") in SUPPORTED_MODEL_TYPES and layer_types is not None:
+        unknown = sorted(set(layer_types) - set(LAYER_KINDS))
+        if unknown:
+            problems.append(f"layer_types holds {', '.join(map(repr, unknown))}: each entry "
+                            f"must be one of {', '.join(LAYER_KINDS)}")  # fmt: skip
     window = config.get("sliding_window")
     problem = _whole_number_problem("sliding_window", window, 0)
     if problem:
@@ -254,6 +276,7 @@ def _rope_problems(config: dict[str, Any]) -> list[str]:
     """rope_theta (top level, or in transformers 5's rope_parameters, per attention kind
     for some families) and a scaling factor: finite numbers > 0."""
     problems = _positive_number_problems("rope_theta", config.get("rope_theta"))
+    problems += _positive_number_problems("swiglu_limit", config.get("swiglu_limit"))  # GPT-OSS
     for section in ("rope_scaling", "rope_parameters"):
         value = config.get(section)
         if value is None:
@@ -265,6 +288,78 @@ def _rope_problems(config: dict[str, Any]) -> list[str]:
         for prefix, part in {section: value, **nested}.items():
             for key in ("rope_theta", "factor"):
                 problems += _positive_number_problems(f"{prefix}.{key}", part.get(key))
+    return problems
+
+
+VISION_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id",
+                     "vision_end_token_id")  # fmt: skip
+
+
+def _vision_language_problems(config: dict[str, Any], vision: dict[str, Any]) -> list[str]:
+    """What a vision-language config must agree on (Qwen2.5-VL, either layout): the encoder's
+    heads splitting its width, the vision token ids inside the vocabulary, and mRoPE's three
+    sections of a head's frequency pairs (head_dim / 2)."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    problems = []
+    width, heads = vision.get("hidden_size"), vision.get("num_heads")
+    if isinstance(width, int) and isinstance(heads, int) and width % heads:
+        problems.append(f"vision_config.hidden_size = {width} must be a multiple of "
+                        f"vision_config.num_heads = {heads}")  # fmt: skip
+    vocab, ids = text.get("vocab_size"), {}
+    for key in VISION_TOKEN_KEYS:
+        value = config.get(key, text.get(key))
+        if value is None:
+            continue
+        top = vocab - 1 if isinstance(vocab, int) and vocab >= 1 else MAX_SIZE
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= top:
+            problems.append(f"{key} = {_shown(value)} must be a token id, a whole number from "
+                            f"0 to {top} (vocab_size - 1)")  # fmt: skip
+        elif value in ids.values():  # one id for two marks: the model cannot tell them apart
+            other = next(name for name, id_ in ids.items() if id_ == value)
+            problems.append(f"{key} = {value} is {other} too: each vision token needs an id "
+                            "of its own")  # fmt: skip
+        else:
+            ids[key] = value
+    rope = {}
+    for section in ("rope_scaling", "rope_parameters"):
+        if isinstance(text.get(section), dict):
+            rope.update(text[section])
+    sections = rope.get("mrope_section")
+    hidden, heads = text.get("hidden_size"), text.get("num_attention_heads")
+    head_dim = text.get("head_dim") or (
+        hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+    )
+    whole = isinstance(sections, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sections
+    )
+    pairs = head_dim // 2 if isinstance(head_dim, int) else None
+    if sections is not None and not (whole and len(sections) == 3 and sum(sections) == pairs):
+        problems.append(f"mrope_section = {_shown(sections)} must be three whole numbers >= 1 "
+                        f"summing to head_dim / 2 = {pairs} (the frequency pairs each position "
+                        "row turns)")  # fmt: skip
+    return problems
+
+
+def _partial_rotary_problems(config: dict[str, Any], sizes: dict[str, int]) -> list[str]:
+    """partial_rotary_factor (top level or in the RoPE settings): the share of each head's
+    dimensions RoPE turns, a number in (0, 1] that leaves an even count of them."""
+    found = [("partial_rotary_factor", config.get("partial_rotary_factor"))]
+    for section in ("rope_scaling", "rope_parameters"):
+        if isinstance(config.get(section), dict):
+            found.append((f"{section}.partial_rotary_factor",
+                          config[section].get("partial_rotary_factor")))  # fmt: skip
+    heads, hidden = sizes.get("num_attention_heads"), sizes.get("hidden_size")
+    head_dim = sizes.get("head_dim") or (hidden // heads if heads and hidden else None)
+    problems = []
+    for key, factor in found:
+        if factor is None:
+            continue
+        if not (_is_number(factor) and math.isfinite(factor) and 0 < factor <= 1):
+            problems.append(f"{key} = {_shown(factor)} must be a number in (0, 1] (the share "
+                            "of each head's dimensions RoPE turns)")  # fmt: skip
+        elif head_dim and int(head_dim * factor) % 2 + (int(head_dim * factor) < 2):
+            problems.append(f"{key} = {factor} turns {int(head_dim * factor)} of head_dim = "
+                            f"{head_dim} dimensions: RoPE turns an even number >= 2 of them")  # fmt: skip
     return problems
 
 

@@ -34,11 +34,19 @@ def no_model_loading(monkeypatch):
     monkeypatch.setattr(warm_start, "resolve_model_path", loaded)
 
 
+SFT_TINY = ["model.path=tiny", "trainer.device=cpu", "trainer.loggers=[jsonl]", "sft.total_steps=2"]
+
+
 def run_cli(capsys, tmp_path, *overrides, command=("train",)) -> str:
     """``hybridflow <command> TINY… overrides``; asserts exit 2, a short message and no
     traceback; returns stderr."""
-    run = [f"trainer.run_dir={tmp_path / 'run'}", f"trainer.cache_dir={tmp_path / 'cache'}"]
-    status = main([*command, *TINY, *run, *overrides])
+    run = [f"trainer.run_dir={tmp_path / 'run'}"]
+    if command[0] == "sft":  # SFT refuses the RL keys it never reads
+        status = main([*command, *SFT_TINY, *run, *overrides])
+    else:
+        status = main(
+            [*command, *TINY, *run, f"trainer.cache_dir={tmp_path / 'cache'}", *overrides]
+        )
     captured = capsys.readouterr()
     assert status == 2, captured.err
     assert "Traceback" not in captured.err + captured.out

@@ -55,6 +55,13 @@ def test_a_group_estimator_with_one_sample_says_so_and_zero_samples_only_once():
     assert "rollout.n = 0 must be >= 1" in problems and "rollout.n = 1" not in problems, problems
 
 
+@pytest.mark.parametrize("value", [0, -3])
+def test_no_rollout_slot_is_named_at_validate(value):
+    assert f"rollout.max_num_seqs = {value} must be >= 1" in _problems(
+        [f"rollout.max_num_seqs={value}"]
+    )
+
+
 def test_types_coerced():
     cfg = load_config(
         None, ["actor.lr=1", "data.train_files=a.parquet", "actor.max_tokens_per_gpu=null"]

@@ -42,7 +42,7 @@ BAD_VALUES = [
     (MOE, {"num_experts_per_tok": 0}, "num_experts_per_tok = 0", "between 1 and"),
     (MOE, {"num_experts_per_tok": -2}, "num_experts_per_tok = -2", ">= 0"),
     (MIXTRAL, {"num_experts_per_tok": 5}, "num_experts_per_tok = 5", "num_local_experts = 4"),
-    (MOE, {"num_experts": -1}, "num_experts = -1", ">= 0"),
+    (MOE, {"num_experts": -1}, "num_experts = -1", ">= 1"),  # qwen3_moe always routes
     (MOE, {"moe_intermediate_size": 0}, "moe_intermediate_size = 0", ">= 1"),
     (MOE, {"hidden_size": -64}, "hidden_size = -64", ">= 1"),
     (MOE, {"vocab_size": 0}, "vocab_size = 0", ">= 1"),
@@ -135,6 +135,8 @@ MISMATCHED_VALUES = [
     (HYBRID, {"layer_types": ["linear_attention"] * 5}, "layer_types names 5 layers",
      "num_hidden_layers = 4"),
     (HYBRID, {"layer_types": "linear_attention"}, 'layer_types = "linear_attention"', "a list"),
+    (HYBRID, {"layer_types": ["linear_attention", "foo", "linear_attention", "full_attention"]},
+     "layer_types holds 'foo'", "must be one of full_attention, sliding_attention"),
     (GPT_OSS, {"sliding_window": 0}, "sliding_window = 0", "window must be >= 1"),
     (GPT_OSS, {"sliding_window": -4}, "sliding_window = -4", ">= 0"),
     (HYBRID, {"linear_num_value_heads": 3}, "linear_num_value_heads = 3",
@@ -146,6 +148,18 @@ MISMATCHED_VALUES = [
     (DEEPSEEK, {"routed_scaling_factor": math.nan}, "routed_scaling_factor = nan",
      "finite number > 0"),
     (DEEPSEEK, {"routed_scaling_factor": 0}, "routed_scaling_factor = 0", "finite number > 0"),
+    (DEEPSEEK, {"qk_rope_head_dim": 7}, "qk_rope_head_dim = 7", "must be even"),
+    (DEEPSEEK, {"n_shared_experts": -1}, "n_shared_experts = -1", "whole number >= 0"),
+    (GPT_OSS, {"num_local_experts": 0}, "num_local_experts = 0", "whole number >= 1"),
+    (MOE, {"num_experts": 0}, "num_experts = 0", "whole number >= 1"),
+    (GPT_OSS, {"swiglu_limit": -1.0}, "swiglu_limit = -1.0", "finite number > 0"),
+    (DEEPSEEK, {"first_k_dense_replace": -1}, "first_k_dense_replace = -1", ">= 0"),
+    (HYBRID, {"rope_parameters": {**HYBRID["rope_parameters"], "partial_rotary_factor": 2.0}},
+     "rope_parameters.partial_rotary_factor = 2.0", "a number in (0, 1]"),
+    (HYBRID, {"partial_rotary_factor": 0}, "partial_rotary_factor = 0", "a number in (0, 1]"),
+    (HYBRID, {"partial_rotary_factor": "half"}, 'partial_rotary_factor = "half"', "(0, 1]"),
+    (HYBRID, {"partial_rotary_factor": 3 / HYBRID["head_dim"]}, "partial_rotary_factor = 0.",
+     f"turns 3 of head_dim = {HYBRID['head_dim']} dimensions: RoPE turns an even number"),
 ]  # fmt: skip
 
 
@@ -161,3 +175,38 @@ def test_a_window_larger_than_the_context_or_null_is_fine():
     assert config_value_problems({**GPT_OSS, "sliding_window": 10**6}) == []
     assert config_value_problems({**MIXTRAL, "sliding_window": None}) == []
     assert config_value_problems({**MIXTRAL, "sliding_window": 0}) == []  # no windowed layers
+
+
+VL = PRESETS["tiny-vl"].to_hf()  # nested: text_config (16-dim heads), a 32-wide encoder
+
+
+def _with_mrope(section):
+    text = {**VL["text_config"], "rope_parameters": {**VL["text_config"]["rope_parameters"],
+                                                     "mrope_section": section}}  # fmt: skip
+    return {"text_config": text}
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        (_with_mrope([2, 3, 4]), "mrope_section = [2, 3, 4] must be three whole numbers >= 1 "
+         "summing to head_dim / 2 = 8"),
+        (_with_mrope([10, -1, -1]), "mrope_section = [10, -1, -1] must be three"),
+        (_with_mrope([4, 4]), "mrope_section = [4, 4] must be three"),
+        (_with_mrope("2,3,3"), 'mrope_section = "2,3,3" must be three'),
+        ({"image_token_id": 10**6}, "image_token_id = 1000000 must be a token id, a whole "
+         f"number from 0 to {VL['text_config']['vocab_size'] - 1}"),
+        ({"vision_start_token_id": -1}, "vision_start_token_id = -1 must be a token id"),
+        ({"video_token_id": VL["image_token_id"]}, f"video_token_id = {VL['image_token_id']} is "
+         "image_token_id too: each vision token needs an id of its own"),
+        ({"image_token_id": "<|image_pad|>"}, 'image_token_id = "<|image_pad|>" must be a token'),
+        ({"vision_config": {**VL["vision_config"], "num_heads": 3}},
+         "vision_config.hidden_size = 32 must be a multiple of vision_config.num_heads = 3"),
+    ],
+    ids=["mrope-sum", "mrope-negative", "mrope-two", "mrope-text", "image-token-past-vocab",
+         "negative-token", "shared-token", "token-as-text", "encoder-heads"],
+)  # fmt: skip
+def test_what_a_vision_language_config_must_agree_on_is_named(changes, words):
+    assert config_value_problems(VL) == []
+    (problem,) = config_value_problems({**VL, **changes})
+    assert problem.startswith(words)

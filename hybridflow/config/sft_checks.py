@@ -46,3 +46,56 @@ def sft_problems(sft: SFTConfig) -> list[str]:
         problems.append(f"sft.stop_at_accuracy = {target!r} must be a fraction in (0, 1] of "
                         "right greedy answers, or null (always sft.total_steps)")  # fmt: skip
     return problems
+
+
+SFT_READS = frozenset({
+    "model.path", "model.tokenizer_path", "model.dtype", "data.builtin_val_size",
+    "trainer.run_dir", "trainer.seed", "trainer.device", "trainer.save_freq",
+    "trainer.keep_last_k", "trainer.resume", "trainer.loggers", "trainer.progress_interval_s",
+    "trainer.cpu_threads", "trainer.project_name", "trainer.experiment_name",
+})  # fmt: skip
+"""The keys outside the ``sft`` section that ``hybridflow sft`` reads."""
+
+SFT_COUNTERPARTS = {
+    "trainer.total_steps": "sft.total_steps", "trainer.total_epochs": "sft.total_steps",
+    "data.train_files": "sft.train_files", "data.train_batch_size": "sft.batch_size",
+    "data.max_prompt_length": "sft.max_length", "data.max_response_length": "sft.max_length",
+    "data.builtin_train_size": "sft.builtin_size", "actor.lr": "sft.lr",
+    "actor.weight_decay": "sft.weight_decay", "actor.lr_warmup_steps": "sft.warmup_steps",
+    "actor.min_lr_ratio": "sft.min_lr_ratio", "actor.max_tokens_per_gpu": "sft.max_tokens_per_gpu",
+}  # fmt: skip
+"""An RL key given to ``hybridflow sft`` -> the sft key that does what it was meant to."""
+
+
+def unread_key_problems(keys: list[str]) -> list[str]:
+    """The keys of ``keys`` (dotted, as given on the command line) that ``hybridflow sft``
+    never reads: one line for each that has an sft counterpart, one line for the rest."""
+    unread = [key for key in dict.fromkeys(keys)
+              if not key.startswith("sft.") and key not in SFT_READS]  # fmt: skip
+    problems = [
+        f"{key}: hybridflow sft does not read it; set {SFT_COUNTERPARTS[key]} instead"
+        for key in unread
+        if key in SFT_COUNTERPARTS
+    ]
+    rest = [key for key in unread if key not in SFT_COUNTERPARTS]
+    if rest:
+        problems.append(
+            f"{', '.join(rest)}: hybridflow sft does not read {'it' if len(rest) == 1 else 'them'}"
+            f"; remove {'it' if len(rest) == 1 else 'them'} (besides the sft section it reads "
+            f"{', '.join(sorted(SFT_READS))})"
+        )
+    return problems
+
+
+def task_problems(model_path: str, sft: SFTConfig) -> list[str]:
+    """``model.path = sft:<task>`` beside ``sft.train_files`` of other built-in tasks only:
+    ``hybridflow sft`` trains ``sft.preset`` on the files, so the task named would be
+    ignored."""
+    task = model_path.removeprefix("sft:") if model_path.startswith("sft:") else None
+    files = list(sft.train_files) if isinstance(sft.train_files, list) else []
+    builtin = [f for f in files if isinstance(f, str) and f.startswith("builtin:")]
+    if task is None or not files or len(builtin) < len(files) or f"builtin:{task}" in builtin:
+        return []
+    return [f"model.path = sft:{task} names the task {task}, but sft.train_files = {files}: "
+            f"hybridflow sft trains sft.preset on sft.train_files; set "
+            f"sft.train_files=[builtin:{task}]"]  # fmt: skip

@@ -134,6 +134,8 @@ def validate(cfg: Config, *, gpus_available: int | None = None, planning: bool =
     if n < 1:
         add(f"rollout.n = {n} must be >= 1")
         n = 1
+    if r.max_num_seqs < 1:  # the engine's slots: none would hold a sequence
+        add(f"rollout.max_num_seqs = {r.max_num_seqs} must be >= 1 (sequences decoded at once)")
     if alg.adv_estimator in GROUP_ESTIMATORS and r.n == 1:  # below 1 is said just above
         add(
             f"algorithm.adv_estimator = {alg.adv_estimator} normalises within groups of rollout.n samples "

@@ -15,8 +15,8 @@ A problem without `<image>` gets one in front for each image, as the data path n
 placeholder an image. Every image is decoded once to check it (data/images.py); a row
 without an image, or with one that cannot be used, is refused naming the file and the
 row. Images given as paths are embedded as bytes, so the output stands on its own. Rows
-are read and written in batches (memory holds a batch, not the file), into a temporary
-file renamed when every row passed.
+are read and written in batches of rows or of image bytes (memory holds a batch, not the
+file), into a temporary file renamed when every row passed.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ INSTRUCTION = (
 """verl's wording (its geo3k preprocessing), appended to each problem after a space."""
 IMAGE_KEY = "images"
 WRITE_BATCH_ROWS = 256
+WRITE_BATCH_BYTES = 64 * 2**20
+"""A batch is written once it holds this many bytes of images, even short of its rows."""
 _HUB_SHARD = re.compile(r"^(?P<split>.+?)-\d+-of-\d+$")
 
 
@@ -131,13 +133,19 @@ def _schema():
     )
 
 
-def _batches(rows: Iterable[dict], size: int) -> Iterator[list[dict]]:
-    batch = []
+def _image_bytes(row: dict) -> int:
+    return sum(len(image["bytes"]) for image in row[IMAGE_KEY])
+
+
+def _batches(rows: Iterable[dict], size: int, max_bytes: int) -> Iterator[list[dict]]:
+    """Rows in batches of ``size``, or fewer once their images take ``max_bytes``."""
+    batch, held = [], 0
     for row in rows:
         batch.append(row)
-        if len(batch) == size:
+        held += _image_bytes(row)
+        if len(batch) == size or held >= max_bytes:
             yield batch
-            batch = []
+            batch, held = [], 0
     if batch:
         yield batch
 
@@ -163,7 +171,7 @@ def convert_geo3k_file(
     counts, first, schema = {"rows": 0, "images": 0}, None, _schema()
     try:
         with pq.ParquetWriter(partial, schema) as writer:
-            for batch in _batches(rows, WRITE_BATCH_ROWS):
+            for batch in _batches(rows, WRITE_BATCH_ROWS, WRITE_BATCH_BYTES):
                 first = first or batch[0]["reward_model"]["ground_truth"]
                 counts["rows"] += len(batch)
                 counts["images"] += sum(len(row[IMAGE_KEY]) for row in batch)

@@ -6,8 +6,9 @@ Hugging Face datasets store an Image column, e.g. geo3k's parquet). Each ``<imag
 prompt's messages marks where one image goes, in order.
 
 Each image is decoded with PIL and refused, naming the file, the row and the image, when it
-cannot be decoded, has no pixels, or has more than ``max_pixels`` (checked from its header,
-before its pixels are decoded: PIL's decompression-bomb guard). The model directory's image
+takes more than MAX_IMAGE_BYTES encoded (a file's size read before it is opened), cannot be
+decoded, has no pixels, or has more than ``max_pixels`` (checked from its header, before its
+pixels are decoded: PIL's decompression-bomb guard). The model directory's image
 processor (transformers' PIL one: no torchvision needed; torchvision's when it is installed)
 turns the images into ``pixel_values`` and ``image_grid_thw``; the prompt's ids get one
 image-pad token per merged patch, and mRoPE's position rows are computed once from them.
@@ -35,6 +36,11 @@ VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vi
 MAX_IMAGE_PIXELS = 89_478_485
 """PIL's own decompression-bomb threshold (Image.MAX_IMAGE_PIXELS): larger images are
 refused before their pixels are decoded."""
+MAX_IMAGE_BYTES = 64 * 2**20
+"""The largest encoded image taken (a file's size read before it is opened): a photo at
+MAX_IMAGE_PIXELS is ~30 MB as JPEG, and the Qwen-VL processors shrink anything past 12.8
+megapixels. A file past it would be read whole (a 2 GB PNG with trailing bytes took
+`data geo3k` past 17 GB) for no pixel the model sees."""
 MAX_ASPECT_RATIO = 200
 """The Qwen-VL image processors refuse an image whose long side is over 200 times its
 short side (their smart_resize): refused as the row is read, not in the middle of a run."""
@@ -44,18 +50,48 @@ def _open(value: Any, base_dir: Path) -> tuple[Any, str]:
     """The image file object of one entry and how to name it (its path, or "bytes")."""
     if isinstance(value, dict):
         data = value.get("bytes")
+        if isinstance(data, str):  # a JSON file's text, base64 or not: never a path
+            raise TypeError("holds {'bytes': <a string>}: 'bytes' must be the image file's "
+                            "bytes (a parquet binary column), or give its file as 'path'")  # fmt: skip
         value = data if data is not None else value.get("path") or value.get("image")
     if isinstance(value, (bytes, bytearray, memoryview)):
+        _check_bytes(len(value), "holds an image of")
         return io.BytesIO(bytes(value)), "bytes"
     if isinstance(value, str) and value:
-        path = Path(value.removeprefix("file://"))
-        if not path.is_absolute() and (base_dir / path).exists():
-            path = base_dir / path
-        if not path.is_file():
-            raise FileNotFoundError(f"no image file {path}")
+        path = _image_path(value, base_dir)
+        _check_bytes(path.stat().st_size, f"names the image file {path} of")
         return path, str(path)
     raise TypeError(f"holds a {type(value).__name__}, not image bytes, a path or "
                     "{'bytes': ..., 'path': ...}")  # fmt: skip
+
+
+def _image_path(text: str, base_dir: Path) -> Path:
+    """The image file ``text`` names (relative: to ``base_dir`` where it is there);
+    FileNotFoundError when there is none, or the text is no path (too long, a NUL byte)."""
+    try:
+        path = Path(text.removeprefix("file://"))
+        if not path.is_absolute() and (base_dir / path).exists():
+            path = base_dir / path
+        if path.is_file():
+            return path
+    except (OSError, ValueError) as error:
+        reason = getattr(error, "strerror", None) or str(error)
+        shown = text if len(text) <= 60 else f"{text[:57]}..."
+        raise FileNotFoundError(
+            f"names no image file: {shown!r} is not a path ({reason})"
+        ) from None
+    raise FileNotFoundError(f"no image file {path}")
+
+
+class ImageTooLarge(ValueError):
+    """An encoded image past MAX_IMAGE_BYTES (refused before it is read)."""
+
+
+def _check_bytes(size: int, what: str) -> None:
+    if size > MAX_IMAGE_BYTES:
+        raise ImageTooLarge(f"{what} {size:,} bytes, more than the {MAX_IMAGE_BYTES:,} an "
+                            "image may take: shrink it or save it as JPEG (the model sees at "
+                            "most its processor's max_pixels)")  # fmt: skip
 
 
 def decode_image(value: Any, where: str, key: str, base_dir: Path, max_pixels: int):
@@ -65,7 +101,7 @@ def decode_image(value: Any, where: str, key: str, base_dir: Path, max_pixels: i
 
     try:
         source, name = _open(value, base_dir)
-    except (FileNotFoundError, TypeError) as error:
+    except (FileNotFoundError, TypeError, ImageTooLarge) as error:
         raise DataSchemaError(f"{where}: key '{key}' {error}") from None
     named = "" if name == "bytes" else f" ({name})"
     try:
@@ -97,6 +133,9 @@ def decode_image(value: Any, where: str, key: str, base_dir: Path, max_pixels: i
     except Image.DecompressionBombError as error:
         raise DataSchemaError(f"{where}: key '{key}'{named} has more than {max_pixels} pixels "
                               f"({error})") from None  # fmt: skip
+    except Image.UnidentifiedImageError:  # its text holds the repr of a BytesIO
+        raise DataSchemaError(f"{where}: key '{key}'{named} cannot be decoded as an image (not "
+                              "a format PIL reads, or not an image)") from None  # fmt: skip
     except (OSError, ValueError, SyntaxError) as error:
         raise DataSchemaError(f"{where}: key '{key}'{named} cannot be decoded as an image "
                               f"({error})") from None  # fmt: skip

@@ -15,7 +15,11 @@ import sys
 import torch
 
 from hybridflow.config import ConfigError
-from hybridflow.model_config_values import ModelConfigError
+from hybridflow.model_config_values import (
+    VISION_MODEL_TYPES,
+    ModelConfigError,
+    config_values_message,
+)
 from hybridflow.models.architecture import SUPPORTED_MODEL_TYPES, ModelArchitecture
 from hybridflow.models.llama import CausalLM
 from hybridflow.models.presets import PRESETS, preset_config
@@ -83,6 +87,11 @@ def load_model(
     hf_config = read_hf_config(name_or_path)  # its values checked, whichever backend builds it
     if backend == "auto":
         problem = native_support_problem(hf_config)
+        if problem is not None and hf_config.get("model_type") in VISION_MODEL_TYPES:
+            # transformers' causal-LM fallback has no vision model: nothing else could load it
+            raise ModelConfigError(config_values_message(
+                [problem.removeprefix("config.json: ")], os.path.join(name_or_path, "config.json")
+            ))  # fmt: skip
         backend = "native" if problem is None else "hf"
         if problem is not None:
             print(

@@ -39,7 +39,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt + completion tokens (default: the model's context, at most 4096)")  # fmt: skip
     p.add_argument("--memory-budget", type=float, default=None,
                    help="KV-cache bytes, or a fraction in (0, 1] of free device memory "
-                   "(default: 0.9 of it on a GPU, no limit on a CPU)")  # fmt: skip
+                   "(default: 0.9 of it; on a CPU, 0.5 of the host memory free at start)")  # fmt: skip
     p.add_argument("--dtype", default=None, choices=DTYPES,
                    help="weights' dtype (default: bfloat16 on cuda, float32 on cpu)")  # fmt: skip
     p.add_argument(
@@ -164,6 +164,44 @@ def limits_from_args(args):
         raise UserError(text) from None
 
 
+HOST_CACHE_SHARE = 0.5
+"""A CPU engine's default cache budget: this share of the host memory free at start (a GPU
+engine's is 0.9 of the GPU's free memory, engine/cache/kv_cache.cache_budget); the rest is
+for the decode and prefill workspace, which a CPU engine does not reserve, and the host's
+other work."""
+
+
+def cache_budget_for(memory_budget: float | None, device) -> int | float | None:
+    """The engine's memory_budget: --memory-budget as given on a GPU or in bytes; on a CPU,
+    unset or a fraction, that share of the host memory free now, in bytes. The engine
+    zeroes its whole cache up front, so a --max-batch-size past the host's memory then gets
+    the slots that fit instead of taking the host down."""
+    if str(device).startswith("cuda") or (memory_budget is not None and memory_budget > 1):
+        return memory_budget
+    from hybridflow.trainer.plan.host_memory import available_host_bytes
+
+    available, _ = available_host_bytes()
+    if available is None:
+        return memory_budget
+    return int((memory_budget or HOST_CACHE_SHARE) * available)
+
+
+def allocate_cache(engine, args) -> None:
+    """The engine's cache made now, so that one the memory cannot hold stops the server at
+    start (exit 2, naming the flags) rather than failing every request."""
+    from hybridflow.errors import HOST_OOM, UserError
+
+    try:
+        engine.num_slots  # noqa: B018 (allocates the cache)
+    except RuntimeError as error:
+        if HOST_OOM not in str(error):
+            raise
+        raise UserError(f"the engine's cache of --max-batch-size {args.max_batch_size} sequences "
+                        f"of --max-seq-len {engine.max_seq_len} tokens does not fit the host "
+                        "memory", "lower --max-batch-size or --max-seq-len, or give "
+                        "--memory-budget in bytes") from None  # fmt: skip
+
+
 def build_from_args(args):
     """(app, model name, max_seq_len, tokenizer) of a `serve` command line whose paths
     check_paths accepted; UserError, ValueError or OSError for a bad one."""
@@ -184,8 +222,10 @@ def build_from_args(args):
     model = load_model(args.model, dtype=getattr(torch, dtype), device=device)
     model.eval()
     max_seq_len = args.max_seq_len or _default_max_seq_len(model)
+    budget = cache_budget_for(args.memory_budget, device)
     engine = Engine(model, max_batch_size=args.max_batch_size, max_seq_len=max_seq_len,
-                    memory_budget=args.memory_budget, options=options)  # fmt: skip
+                    memory_budget=budget, options=options)  # fmt: skip
+    allocate_cache(engine, args)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     processor = None
     if getattr(engine.config, "vision", None) is not None:  # chat messages may carry images

@@ -106,6 +106,32 @@ def test_rows_are_written_in_batches(tmp_path, monkeypatch):
     assert pq.ParquetFile(done.path).metadata.num_row_groups == 3
 
 
+def test_rows_are_written_in_batches_of_image_bytes_too(tmp_path, monkeypatch):
+    import hybridflow.data.geo3k as geo3k
+
+    monkeypatch.setattr(geo3k, "WRITE_BATCH_BYTES", 2 * len(figure()))
+    source = write_rows([hub_row(answer=str(i)) for i in range(5)], tmp_path / "train.parquet")
+    assert (
+        pq.ParquetFile(convert_geo3k_file(source, tmp_path / "out").path).metadata.num_row_groups
+        == 3
+    )
+
+
+def test_an_image_file_over_the_byte_cap_is_refused_naming_it_and_its_row(tmp_path, capsys):
+    from hybridflow.data.images import MAX_IMAGE_BYTES
+
+    huge = tmp_path / "huge.png"
+    with huge.open("wb") as file:  # a figure with trailing bytes (sparse: no disk)
+        file.write(figure())
+        file.truncate(MAX_IMAGE_BYTES + 1)
+    source = write_rows([hub_row(), hub_row(images=[{"bytes": None, "path": "huge.png"}])],
+                        tmp_path / "train.parquet")  # fmt: skip
+    assert main(["geo3k", "--input", str(source), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{source}: row 1: key 'images[0]' names the image file {huge} of" in err
+    assert "Traceback" not in err and not list((tmp_path / "out").iterdir())
+
+
 def test_split_names():
     assert split_name(Path("d/train-00000-of-00001.parquet")) == "train"
     assert split_name(Path("d/test.parquet")) == "test"

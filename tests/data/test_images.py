@@ -13,6 +13,7 @@ import torch
 
 from hybridflow.data.images import (
     IMAGE_PAD,
+    MAX_IMAGE_BYTES,
     VISION_END,
     VISION_START,
     ImageProcessor,
@@ -53,14 +54,27 @@ def test_bytes_paths_and_dicts_decode_to_rgb(tmp_path):
 @pytest.mark.parametrize(
     "entry, words",
     [
-        (b"not an image", "key 'images[0]' cannot be decoded as an image"),
+        (b"not an image", "key 'images[0]' cannot be decoded as an image (not a format PIL"),
         (_with_header_size(_png(4, 4), 0, 0), "cannot be decoded"),  # PIL refuses a 0x0 PNG
         (_with_header_size(_png(4, 4), 10_000, 10_000), "10000x10000 image, more than"),
         (_png(1, 250), "1x250 image: its long side is over 200 times its short side"),
         ({"path": "missing.png"}, "key 'images[0]' no image file"),
         (7, "holds a int"),
+        ("x" * 5000, "names no image file: 'xxx"),  # the OS refuses so long a name
+        ("a\0b.png", "no image file"),
+        ({"bytes": "iVBORw0KGgo=", "path": None}, "holds {'bytes': <a string>}"),  # JSON text
     ],
-    ids=["undecodable", "zero-size", "100-megapixels", "too-thin", "missing-file", "not-an-image"],
+    ids=[
+        "undecodable",
+        "zero-size",
+        "100-megapixels",
+        "too-thin",
+        "missing-file",
+        "not-an-image",
+        "name-too-long",
+        "nul-in-name",
+        "text-as-bytes",
+    ],  # fmt: skip
 )
 def test_a_bad_image_is_refused_naming_file_row_and_key(tmp_path, entry, words):
     with pytest.raises(DataSchemaError) as error:
@@ -72,6 +86,27 @@ def test_an_image_path_is_named_when_it_is_bad(tmp_path):
     (tmp_path / "broken.png").write_bytes(_png(4, 4)[:40])  # cut short
     with pytest.raises(DataSchemaError, match="broken.png"):
         row_images({"images": "broken.png"}, "images", WHERE, base_dir=tmp_path)
+
+
+def test_an_image_over_the_byte_cap_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    from PIL import Image
+
+    huge = tmp_path / "huge.png"  # a valid picture, then trailing bytes (sparse: no disk)
+    with huge.open("wb") as file:
+        file.write(_png(4, 4))
+        file.truncate(MAX_IMAGE_BYTES + 1)
+    monkeypatch.setattr(Image, "open", lambda *a, **k: pytest.fail("opened"))
+    with pytest.raises(DataSchemaError) as error:
+        row_images({"images": [{"path": "huge.png"}]}, "images", WHERE, base_dir=tmp_path)
+    assert str(error.value).startswith(f"{WHERE}: key 'images[0]' names the image file {huge}")
+    assert f"of {MAX_IMAGE_BYTES + 1:,} bytes, more than the {MAX_IMAGE_BYTES:,}" in str(
+        error.value
+    )
+    import hybridflow.data.images as images
+
+    monkeypatch.setattr(images, "MAX_IMAGE_BYTES", 10)  # embedded bytes: the same cap
+    with pytest.raises(DataSchemaError, match=r"'images\[0\]' holds an image of \d+ bytes"):
+        row_images({"images": [_png(4, 4)]}, "images", WHERE)
 
 
 def test_a_zero_width_image_is_refused(tmp_path, monkeypatch):

@@ -120,3 +120,34 @@ def test_serve_started_with_sigint_ignored_still_stops_on_sigint():
         if process.poll() is None:
             process.kill()
             process.wait(timeout=30)
+
+
+def test_a_cpu_engine_cache_is_sized_from_the_host_memory_free(monkeypatch):
+    from hybridflow.serve.cli import cache_budget_for
+    from hybridflow.trainer.plan import host_memory
+
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: (2**30, "test"))
+    assert cache_budget_for(None, "cpu") == int(0.5 * 2**30)  # not every --max-batch-size slot
+    assert cache_budget_for(0.5, "cpu") == 2**29  # a fraction of the host's free memory
+    assert cache_budget_for(3e6, "cpu") == 3e6  # bytes, as given
+    assert cache_budget_for(None, "cuda") is None  # the engine reads the GPU's free memory
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: (None, ""))
+    assert cache_budget_for(None, "cpu") is None  # unknown: as before
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--max-batch-size", str(10**12)], "the engine's cache of --max-batch-size 1000000000000 "
+         "sequences of --max-seq-len 2048 tokens does not fit the host memory"),
+        (["--max-seq-len", str(10**9)], "one sequence of max_seq_len=1000000000 needs"),
+    ],
+    ids=["rows", "tokens"],
+)  # fmt: skip
+def test_a_cpu_cache_past_the_host_memory_stops_serve_at_start(monkeypatch, capsys, flags, words):
+    from hybridflow.trainer.plan import host_memory
+
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: (64 * 2**20, "test"))
+    assert main(["serve", "--model", "tiny", "--device", "cpu", "--port", "0", *flags]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err

@@ -293,10 +293,13 @@ class RolloutService:
             except Exception as error:
                 on_error(error)
             return
-        if engine.scheduler is None:
-            engine.start_generation()
-        sub.on_error = on_error
-        engine.scheduler.add(sub)
+        try:  # a cache too large for the memory fails here: the request hears it, never waits
+            if engine.scheduler is None:
+                engine.start_generation()
+            sub.on_error = on_error
+            engine.scheduler.add(sub)
+        except Exception as error:
+            on_error(error)
 
     def _abort(self, sub: Submission) -> None:
         if self.engine.scheduler is None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hybridflow.model_config_values import (
+    VISION_MODEL_TYPES,
     ModelConfigError,
     config_value_problems,
     config_values_message,
@@ -121,7 +122,9 @@ def native_weight_problems(
     try:
         architecture = ModelArchitecture.from_hf(config)
         quantization = weight_quantization(config)
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError) as error:
+        if config.get("model_type") in VISION_MODEL_TYPES:  # no fallback loads these
+            return [config_values_message([str(error)], Path(model_dir) / CONFIG_FILE)]
         return []  # not for our decoder (transformers' fallback reads it), or said before
     stored = _stored_shapes(Path(model_dir), architecture, quantization)
     if stored is None:

@@ -181,10 +181,11 @@ def load_sft_examples(
     return tokenize_sft_rows(rows(), tokenizer, tokenizer.eos_token_id, sft_cfg.max_length)
 
 
-def sft_main(cfg: Config) -> Path:
+def sft_main(cfg: Config, given_keys: Sequence[str] = ()) -> Path:
     """``hybridflow sft``: fine-tune ``model.path`` (or a fresh ``sft.preset`` model when the
-    path is ``sft:<task>``) on ``sft.train_files``; writes checkpoints and ``<out>/hf``."""
-    from hybridflow.config.sft_checks import sft_problems
+    path is ``sft:<task>``) on ``sft.train_files``; writes checkpoints and ``<out>/hf``.
+    ``given_keys``: the keys the command line set, refused where SFT never reads them."""
+    from hybridflow.config.sft_checks import sft_problems, task_problems, unread_key_problems
     from hybridflow.model_config_values import directory_config_problems
     from hybridflow.trainer.lifecycle.machine import machine_problems
     from hybridflow.trainer.lifecycle.run_lock import hold_run_dir
@@ -192,7 +193,8 @@ def sft_main(cfg: Config) -> Path:
 
     sft_cfg = cfg.sft
     out = Path(sft_cfg.out_dir or Path(cfg.trainer.run_dir) / "sft")
-    problems = sft_problems(cfg.sft) + machine_problems(cfg, str(out))
+    problems = unread_key_problems(list(given_keys)) + task_problems(cfg.model.path, sft_cfg)
+    problems += sft_problems(cfg.sft) + machine_problems(cfg, str(out))
     if not cfg.model.path.startswith("sft:"):  # before the tokenizer reads config.json
         problems += [f"model.path: {p}" for p in directory_config_problems(cfg.model.path)]
     if problems:
@@ -209,12 +211,13 @@ def _sft(cfg: Config, out: Path, stop) -> Path:
     from hybridflow.trainer.lifecycle.divergence import kept_checkpoint
     from hybridflow.trainer.loop.roles import resolve_device
     from hybridflow.trainer.observe.loggers import Tracker
-    from hybridflow.workers.model_loading import resolve_dtype
+    from hybridflow.workers.model_loading import resolve_dtype, set_cpu_threads
 
     sft_cfg = cfg.sft
     device = resolve_device(cfg.trainer.device)
     if device == "cuda":
         device = "cuda:0"
+    set_cpu_threads(cfg, device)
     model_path = sft_cfg.preset if cfg.model.path.startswith("sft:") else cfg.model.path
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or model_path)
     examples, dropped = load_sft_examples(
@@ -253,7 +256,13 @@ def _sft(cfg: Config, out: Path, stop) -> Path:
         stop.graceful("saving a checkpoint after this SFT step, then stopping"),
         progress.collecting_warnings(),
         progress.task("SFT", total=sft_cfg.total_steps, unit="steps") as bar,
-        Tracker(cfg.trainer.loggers, out, progress=progress) as tracker,
+        Tracker(
+            cfg.trainer.loggers,
+            out,
+            cfg.trainer.project_name,
+            cfg.trainer.experiment_name,
+            progress=progress,
+        ) as tracker,  # fmt: skip
     ):
 
         def log(metrics: dict[str, float], step: int) -> None:

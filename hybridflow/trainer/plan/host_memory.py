@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridflow.config import Config, Derived
-from hybridflow.trainer.plan.memory_plan import GIB, STEP
+from hybridflow.trainer.plan.memory_plan import GENERATE, GIB, STEP
 
 # Per-token tensors of one sample in a step's batch (trainer/loop/stages.py):
 INT64_PER_PROMPT_TOKEN = 3
@@ -49,15 +49,19 @@ class HostNeed:
     data_bytes: int
     model_bytes: int
     """The memory plan's host items (offloaded weights and optimizer state), and on a CPU
-    run, where the device is the host, what its optimizer step holds: every weight, the
-    gradients and AdamW's state. The KV cache and activations are left out: on a CPU the
-    pages of a large allocation are taken only as they are written."""
+    run, where the device is the host, the larger of what its optimizer step holds (every
+    weight, the gradients and AdamW's state) and what its generation holds (the weights,
+    AdamW's state and the rollout's KV cache: the engine zeroes every page of it up front, so
+    a cache past the host's memory is its end). Activations and the engine's workspace are
+    left out (estimates, not a lower bound)."""
     what: str = ""
     """Where the samples come from, for messages."""
     model_what: str = "the model's offloaded state"
     """What model_bytes counts, for messages."""
     on_cpu: bool = False
     """model_bytes is a CPU run's whole model (else what a GPU run offloads to the host)."""
+    kv_cache_bytes: int = 0
+    """The part of model_bytes that is the rollout's KV cache (a CPU run's generation)."""
 
     @property
     def total(self) -> int:
@@ -78,16 +82,31 @@ def host_need(cfg: Config, derived: Derived, plan=None, on_cpu: bool = False) ->
                 f"{d.val_batch_size} × rollout.val_n = {cfg.rollout.val_n})")  # fmt: skip
     per_sample = sample_bytes(d.max_prompt_length, d.max_response_length,
                               derived.use_reference, derived.use_critic)  # fmt: skip
-    model = 0
-    if plan is not None:  # on a CPU: what the optimizer step holds (weights, gradients, AdamW)
-        model = plan.host_bytes() + (plan.phase_bytes(STEP) if on_cpu else 0)
-    model_what = ("the model's weights, gradients and optimizer state" if on_cpu
-                  else "the model's offloaded state")  # fmt: skip
+    model, kv, model_what = 0, 0, "the model's offloaded state"
+    if plan is not None:
+        model = plan.host_bytes()
+    if plan is not None and on_cpu:  # the device is the host: its larger phase
+        step, (generation, kv) = plan.phase_bytes(STEP), cpu_generation_bytes(plan)
+        model_what = "the model's weights, gradients and optimizer state"
+        if generation > step:
+            model_what = (f"generation's weights, optimizer state and KV cache ({gib(kv)} for "
+                          f"rollout.max_num_seqs = {cfg.rollout.max_num_seqs:,} sequences of "
+                          f"up to {d.max_prompt_length} + {d.max_response_length} tokens)")  # fmt: skip
+        model, kv = model + max(step, generation), kv if generation > step else 0
     if plan is not None and plan.options.gpus_per_host < plan.options.train_gpus:
         # several nodes: each host holds its own GPUs' shares; the controller's the most
         o = plan.options
         model_what += f" of one node's {o.gpus_per_host} GPUs (of {o.train_gpus})"
-    return HostNeed(samples, samples * per_sample, model, what, model_what, on_cpu)
+    return HostNeed(samples, samples * per_sample, model, what, model_what, on_cpu, kv)
+
+
+def cpu_generation_bytes(plan) -> tuple[int, int]:
+    """(bytes a CPU run's generation holds, its KV cache's part): the plan's generation
+    items but the engine's workspace, an estimate it reserves on a GPU (kv_cache.py)."""
+    held = [i for i in plan.items if GENERATE in i.phases and not i.rollout_gpu
+            and "workspace" not in i.name]  # fmt: skip
+    kv = sum(i.gpu_bytes for i in held if i.name.startswith("KV cache"))
+    return sum(i.gpu_bytes for i in held), kv
 
 
 def available_host_bytes() -> tuple[int | None, str]:
@@ -146,6 +165,9 @@ def host_problems(need: HostNeed, cfg: Config, available: int | None, source: st
     if need.data_bytes >= need.model_bytes:
         fix = ("lower rollout.n, data.train_batch_size (or data.val_batch_size, rollout.val_n) "
                "or data.max_response_length")  # fmt: skip
+    elif 2 * need.kv_cache_bytes >= need.model_bytes:  # the cache is most of it
+        fix = ("lower rollout.max_num_seqs (a CPU rollout's cache holds that many sequences "
+               "whole, allocated up front) or data.max_response_length")  # fmt: skip
     elif need.on_cpu:
         fix = "train a smaller model, or LoRA (model.lora_rank=64), or on a GPU"
     else:  # offloaded state: each node holds its GPUs' shares of it

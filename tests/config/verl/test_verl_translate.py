@@ -13,7 +13,8 @@ from hybridflow.config.verl import load_with_verl_keys, translate, translate_com
 HERE = ["model.path=qwen2.5-0.5b", "critic.path=qwen2.5-0.5b", "trainer.loggers=[console]",
         "data.train_files=[builtin:arithmetic]",
         "data.val_files=[builtin:arithmetic]", "data.builtin_train_size=8192",
-        "rollout.tensor_parallel_size=1"]  # the stand-in has 2 KV heads; the examples split 2 or 4  # fmt: skip
+        "rollout.tensor_parallel_size=1",  # the stand-in has 2 KV heads; the examples split 2 or 4
+        "rollout.max_num_seqs=64"]  # planned as a CPU run here: its rollout cache on the host  # fmt: skip
 
 
 @pytest.mark.parametrize("name", RUNS)

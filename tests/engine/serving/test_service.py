@@ -277,3 +277,18 @@ def test_pinned_choices_are_read_on_the_engine_thread_while_a_service_runs(model
     with RolloutService(engine):
         recorded = engine.pinned_choices()
     assert threads == ["hybridflow-engine"] and set(recorded) == {"identity", "choices"}
+
+
+def test_a_cache_that_cannot_be_made_fails_the_request_instead_of_leaving_it_waiting(
+    model, monkeypatch
+):
+    from hybridflow.engine.cache import kv_cache
+
+    def refused(*args, **kwargs):  # as the allocator says it for a cache past the memory
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate")
+
+    monkeypatch.setattr(kv_cache, "make_cache", refused)
+    with RolloutService(_engine(model)) as service:
+        handle = service.submit(PROMPTS[0], SAMPLED, seed=0)
+        with pytest.raises(RuntimeError, match="can't allocate memory"):
+            handle.result(timeout=30)

@@ -79,3 +79,31 @@ def test_a_config_of_more_layers_is_said_before_a_model_is_built(tmp_path):
     (model / "config.json").write_text(json.dumps(config))
     (problem,) = config_problems(model)
     assert "hold 2 decoder layers" in problem and "num_hidden_layers = 1000000000" in problem
+
+
+@pytest.mark.parametrize(
+    "vision, words",
+    [
+        ({"out_hidden_size": 48}, "vision_config.out_hidden_size=48 must equal the language "
+         "model's hidden_size"),
+        ({"fullatt_block_indexes": [7]}, "fullatt_block_indexes [7] are not blocks of depth"),
+        ({"window_size": 13}, "vision_config.window_size=13 must be at least"),
+    ],
+    ids=["encoder-width", "full-attention-block", "window"],
+)  # fmt: skip
+def test_a_vision_language_config_our_decoder_refuses_is_named_not_passed_to_transformers(
+    tmp_path, vision, words
+):
+    import json
+
+    from hybridflow.model_config_values import ModelConfigError
+    from hybridflow.models import load_model
+    from hybridflow.models.presets import PRESETS
+
+    config = PRESETS["tiny-vl"].to_hf()  # transformers has no causal LM of it to fall back to
+    config["vision_config"] = {**config["vision_config"], **vision}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (problem,) = config_problems(tmp_path)
+    assert problem.startswith(f"{tmp_path / 'config.json'}: ") and words in problem
+    with pytest.raises(ModelConfigError, match=re.escape(words)):
+        load_model(str(tmp_path))

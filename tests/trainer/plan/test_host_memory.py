@@ -135,3 +135,22 @@ def test_validate_checks_a_nodes_host_memory_as_the_plan_prints_it(monkeypatch):
     text = str(error.value)
     assert "of one node's 8 GPUs (of 96)" in text and "512.0 GiB is free (test)" in text
     assert "more nodes (trainer.nnodes)" in text
+
+
+def test_a_cpu_rollout_cache_past_the_host_is_refused_naming_max_num_seqs(monkeypatch):
+    from hybridflow.trainer.plan.memory_check import plan_for_config
+
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: (16 * 2**30, "test"))
+    cfg = load_config(None, ["trainer.device=cpu", "model.path=tiny",
+                             "rollout.max_num_seqs=1000000", "data.max_response_length=512"])  # fmt: skip
+    plan = plan_for_config(cfg, validate(cfg))
+    (cache,) = [item for item in plan.items if item.name.startswith("KV cache")]
+    need = host_need(cfg, validate(cfg), plan, on_cpu=True)
+    assert need.kv_cache_bytes == cache.gpu_bytes > 16 * 2**30  # the engine zeroes it all
+    with pytest.raises(ConfigError) as error:
+        check_host_memory(cfg, validate(cfg))
+    text = str(error.value)
+    assert "rollout.max_num_seqs = 1,000,000 sequences of up to 32 + 512 tokens" in text
+    assert "lower rollout.max_num_seqs" in text
+    # the same cache on a GPU is sized from the GPU's memory: not the host's to hold
+    assert host_need(cfg, validate(cfg), plan, on_cpu=False).kv_cache_bytes == 0
