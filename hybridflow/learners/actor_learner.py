@@ -29,7 +29,7 @@ from hybridflow.config import ActorConfig, ModelConfig
 from hybridflow.config.sections import UNPLANNED_UPDATE_BUDGET
 from hybridflow.learners import lora
 from hybridflow.learners.core import TrainCore
-from hybridflow.learners.fp8_training import fp8_options
+from hybridflow.learners.fp8_training import FP8_TILE, fp8_options
 from hybridflow.learners.metric_sums import MetricSums
 from hybridflow.learners.modules import PolicyModel
 from hybridflow.learners.packing import PackedRows, to_device
@@ -138,6 +138,7 @@ class ActorLearner:
             replay_routes=replay,
             sequence_group=sequence_group_of(mesh),
             fused_head=model_cfg is None or model_cfg.fused_logprob_head,
+            token_multiple=FP8_TILE if fp8 is not None else 1,
         )
         self.core = TrainCore(
             self.policy,

@@ -17,7 +17,7 @@ from torch import nn
 from hybridflow.algos import value_loss
 from hybridflow.config import ActorConfig, CriticConfig
 from hybridflow.learners.core import TrainCore
-from hybridflow.learners.fp8_training import fp8_options
+from hybridflow.learners.fp8_training import FP8_TILE, fp8_options
 from hybridflow.learners.metric_sums import MetricSums
 from hybridflow.learners.modules import ValueModel
 from hybridflow.learners.packing import PackedRows, to_device
@@ -71,7 +71,8 @@ class CriticLearner:
         self.ppo_epochs = critic_cfg.ppo_epochs or actor_cfg.ppo_epochs
         self.rollout_n = rollout_n
         self.max_response_length = max_response_length
-        self.value_model = ValueModel(model, value_head, sequence_group=sequence_group_of(mesh))
+        self.value_model = ValueModel(model, value_head, sequence_group=sequence_group_of(mesh),
+                                      token_multiple=FP8_TILE if fp8 is not None else 1)  # fmt: skip
         self.core = TrainCore(
             self.value_model, device=device, dp_group=dp_group, mesh=mesh, fsdp=fsdp, fp8=fp8
         )

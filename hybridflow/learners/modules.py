@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridflow.learners.packing import PackedRows
+from hybridflow.learners.packing import PackedRows, pad_tokens
 from hybridflow.learners.sharding.sequence_shard import OutputShard, sharded_hidden
 from hybridflow.models.heads.logprobs import logprobs_from_hidden
 from hybridflow.models.sharding.tensor_parallel import vocab_shard
@@ -34,7 +34,9 @@ class PolicyModel(nn.Module):
     ``packed.routed_experts`` when it has them (actor.router_replay=rollout).
     sequence_group: Ulysses sequence parallelism over this group (learners/sharding/sequence_shard.py);
     every rank of it gets the same packed rows and returns the same outputs.
-    fused_head: the fused log-prob head (model.fused_logprob_head, models/heads/fused_head.py)."""
+    fused_head: the fused log-prob head (model.fused_logprob_head, models/heads/fused_head.py).
+    token_multiple: the packed token stream padded to a multiple of it (FP8 training's 16:
+    packing.pad_tokens)."""
 
     def __init__(
         self,
@@ -42,12 +44,14 @@ class PolicyModel(nn.Module):
         replay_routes: bool = False,
         sequence_group: dist.ProcessGroup | None = None,
         fused_head: bool = True,
+        token_multiple: int = 1,
     ):
         super().__init__()
         self.lm = causal_lm
         self.replay_routes = replay_routes
         self.sequence_group = sequence_group
         self.fused_head = fused_head
+        self.token_multiple = token_multiple
 
     def forward(
         self,
@@ -63,7 +67,9 @@ class PolicyModel(nn.Module):
             routing["routed_experts"] = packed.routed_experts
         if router_trace is not None:
             routing["router_trace"] = router_trace
-        hidden, outputs = packed_hidden(self.lm, packed, self.sequence_group, routing)  # [m, H]
+        hidden, outputs = packed_hidden(
+            self.lm, packed, self.sequence_group, routing, self.token_multiple
+        )  # [m, H]
         targets = (
             packed.targets if outputs is None else packed.targets[outputs.start : outputs.stop]
         )
@@ -126,10 +132,15 @@ def lm_head_operands(lm_head: nn.Module, hidden: torch.Tensor) -> tuple[torch.Te
 
 
 def packed_hidden(
-    lm: nn.Module, packed: PackedRows, sequence_group: dist.ProcessGroup | None, routing: dict
+    lm: nn.Module,
+    packed: PackedRows,
+    sequence_group: dist.ProcessGroup | None,
+    routing: dict,
+    token_multiple: int = 1,
 ) -> tuple[torch.Tensor, OutputShard | None]:
     """Final hidden states [m, H] at the tokens that predict the packed targets: all M of them,
-    or under sequence parallelism this rank's share (and which share it is)."""
+    or under sequence parallelism this rank's share (and which share it is). token_multiple:
+    the tokens the model runs padded to a multiple of it (packing.pad_tokens)."""
     images = {}
     if packed.pixel_values is not None:
         images = {"pixel_values": packed.pixel_values, "image_grid_thw": packed.image_grid_thw,
@@ -139,6 +150,9 @@ def packed_hidden(
             raise ValueError("images with actor.sequence_parallel_size > 1 are not supported: "
                              "set actor.sequence_parallel_size=1")  # fmt: skip
         return sharded_hidden(lm, packed, sequence_group, **routing)
+    packed = pad_tokens(packed, token_multiple)
+    if "routed_experts" in routing:  # the replayed routes padded with the tokens
+        routing = {**routing, "routed_experts": packed.routed_experts}
     hidden = lm.forward_packed(
         packed.input_ids,
         packed.position_ids,
@@ -163,10 +177,12 @@ class ValueModel(nn.Module):
         causal_lm: nn.Module,
         value_head: nn.Linear | None = None,
         sequence_group: dist.ProcessGroup | None = None,
+        token_multiple: int = 1,
     ):
         super().__init__()
         self.lm = causal_lm
         self.sequence_group = sequence_group
+        self.token_multiple = token_multiple  # as PolicyModel's
         hidden_size = causal_lm.config.hidden_size
         if value_head is None:
             weight = causal_lm.lm_head.weight
@@ -180,6 +196,8 @@ class ValueModel(nn.Module):
             causal_lm.lm_head.weight.requires_grad_(False)
 
     def forward(self, packed: PackedRows) -> torch.Tensor:
-        hidden, outputs = packed_hidden(self.lm, packed, self.sequence_group, {})  # [m, H]
+        hidden, outputs = packed_hidden(
+            self.lm, packed, self.sequence_group, {}, self.token_multiple
+        )  # [m, H]
         values = self.value_head(hidden).squeeze(-1).float()
         return values if outputs is None else outputs.gather(values)  # [M]

@@ -7,6 +7,7 @@ The model runs ``forward_packed`` on the real tokens only (no compute on padding
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -119,6 +120,36 @@ def pack_rows(
         response_length=response_length,
         routed_experts=None if routed_experts is None else routed_experts[keep],
         prompt_tokens=_prompt_columns(keep, prompt_length)[keep],
+    )
+
+
+def pad_tokens(packed: PackedRows, multiple: int) -> PackedRows:
+    """``packed`` with its token stream padded to a multiple of ``multiple`` tokens: the pad
+    tokens (id 0) form one more sequence of their own in cu_seqlens, so no real token attends
+    to them or carries state from them, and no output reads them (hidden_index, targets and
+    the images' prompt slots are unchanged). FP8 training needs it: torch._scaled_mm wants
+    every dim divisible by 16, and the weight gradient's inner dim is the token count."""
+    count = packed.input_ids.shape[0]
+    pad = -count % multiple
+    if pad == 0:
+        return packed
+    device = packed.input_ids.device
+    steps = torch.arange(pad, dtype=packed.position_ids.dtype, device=device)
+    positions = steps if packed.position_ids.dim() == 1 else steps.expand(3, pad)
+    routed = packed.routed_experts
+    if routed is not None:  # the pads replay some real token's experts (outputs ignore them)
+        routed = torch.cat([routed, routed[-1:].expand(pad, *routed.shape[1:])]) if count else None
+    prompt_tokens = packed.prompt_tokens
+    if prompt_tokens is not None:
+        prompt_tokens = torch.cat([prompt_tokens, prompt_tokens.new_zeros(pad)])
+    return dataclasses.replace(
+        packed,
+        input_ids=torch.cat([packed.input_ids, packed.input_ids.new_zeros(pad)]),
+        position_ids=torch.cat([packed.position_ids, positions], dim=-1),
+        cu_seqlens=torch.cat([packed.cu_seqlens, packed.cu_seqlens[-1:] + pad]),
+        max_seqlen=max(packed.max_seqlen, pad),
+        routed_experts=routed,
+        prompt_tokens=prompt_tokens,
     )
 
 

@@ -38,3 +38,43 @@ def test_pack_rows_positions_and_targets():
     assert p.hidden_index.tolist() == [1, 2, 6]
     assert p.targets.tolist() == [12, 13, 14]
     assert p.scatter(torch.tensor([1.0, 2.0, 3.0])).tolist() == [[1.0, 2.0], [3.0, 0.0]]
+
+
+def test_tokens_padded_to_a_multiple_give_the_same_logprobs_and_an_fp8_actor_pads():
+    """pad_tokens: the pads are a sequence of their own, so the real tokens' hidden states
+    (and log-probs) are those of the unpadded stream; the FP8 actor runs every micro-batch
+    padded to 16 tokens (torch._scaled_mm's weight gradient has the tokens as inner dim)."""
+    import pytest
+
+    from hybridflow.learners.modules import PolicyModel
+    from hybridflow.learners.packing import pad_tokens
+
+    batch = make_batch(num_rows=5, seed=3)
+    packed = pack_rows(batch["prompts"], batch["responses"], batch["attention_mask"])
+    assert packed.input_ids.numel() % 16  # the case that needs padding
+    padded = pad_tokens(packed, 16)
+    assert padded.input_ids.numel() % 16 == 0 and padded.cu_seqlens[-2] == packed.cu_seqlens[-1]
+    assert pad_tokens(padded, 16) is padded
+    model = tiny_model()
+    with torch.no_grad():
+        plain = PolicyModel(model)(packed)[0]
+        got = PolicyModel(model, token_multiple=16)(packed)[0]
+    torch.testing.assert_close(got, plain, rtol=0, atol=1e-6)
+
+    pytest.importorskip("torchao")
+    from learner_helpers import actor_config
+
+    from hybridflow.learners import ActorLearner
+
+    actor = ActorLearner(tiny_model(), actor_config(precision="fp8", ppo_mini_batch_size=8),
+                         total_steps=1, device="cpu", fp8_emulate=True)  # fmt: skip
+    lengths = []
+    forward = actor.model.forward_packed
+
+    def recorded(input_ids, *args, **kwargs):
+        lengths.append(input_ids.numel())
+        return forward(input_ids, *args, **kwargs)
+
+    actor.model.forward_packed = recorded
+    actor.update(make_batch(seed=3))
+    assert lengths and all(n % 16 == 0 for n in lengths)
