@@ -210,13 +210,15 @@ def bench_engine(model, prompts, args, device, progress=None) -> dict:
 
 
 def bench_hf(model, prompts, args, device, progress=None) -> dict:
-    """transformers generate on the same weights (sdpa, dynamic cache), sampling, no early stop."""
+    """transformers generate on the same weights (sdpa where transformers has it, else eager:
+    hf_attention; dynamic cache), sampling, no early stop."""
     import torch
 
     from hybridflow.progress import quiet_reporter
 
     progress = progress or quiet_reporter()
     hf = _hf_twin(model, device)
+    attention = hf.config._attn_implementation
     batch = args.hf_batch_size or len(prompts)
     new_tokens = getattr(args, "hf_new_tokens", None) or args.new_tokens
     total, seconds = 0, 0.0
@@ -245,7 +247,16 @@ def bench_hf(model, prompts, args, device, progress=None) -> dict:
             task.advance()
     del hf
     return {"tokens": total, "seconds": seconds, "tokens_per_s": total / seconds,
-            "new_tokens": new_tokens}  # fmt: skip
+            "new_tokens": new_tokens, "attention": attention}  # fmt: skip
+
+
+def hf_attention(config) -> str:
+    """The attention transformers runs its twin with: sdpa, or eager for a family whose
+    transformers class has no sdpa path (GPT-OSS: its sinks)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
 
 
 def _hf_twin(model, device):
@@ -256,7 +267,7 @@ def _hf_twin(model, device):
     import transformers
 
     config = transformers.AutoConfig.for_model(**model.config.to_hf())
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = hf_attention(config)
     state = model.state_dict()
     try:
         from accelerate import init_empty_weights
@@ -307,6 +318,7 @@ def print_result(result: dict) -> None:
     if "hf" in result:
         h = result["hf"]
         print(
-            f"  HF generate: {h['tokens_per_s']:,.0f} tok/s ({h['tokens']} tokens in "
-            f"{h['seconds']:.3f} s); engine speedup {result['speedup_vs_hf']:.1f}x"
+            f"  HF generate ({h.get('attention', 'sdpa')} attention): {h['tokens_per_s']:,.0f} "
+            f"tok/s ({h['tokens']} tokens in {h['seconds']:.3f} s); engine speedup "
+            f"{result['speedup_vs_hf']:.1f}x"
         )

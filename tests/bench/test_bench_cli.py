@@ -125,3 +125,21 @@ def test_bench_ttft_reports_each_phase_while_it_runs():
     bench_ttft(args, progress=reporter)
     assert opened == ["loading tiny", WARM_UP, "arrivals into the full batch"]
     assert "arrivals into the full batch: done, 2 requests" in log.getvalue()
+
+
+def test_the_hf_baseline_of_a_family_without_sdpa_runs_eager_attention(capsys):
+    """transformers' GPT-OSS has no sdpa path: its twin runs eager attention (an H100 run
+    stopped with an internal error), and the printed line says which attention ran."""
+    import transformers
+
+    from hybridflow.bench.rollout import hf_attention, print_result
+
+    assert hf_attention(transformers.AutoConfig.for_model("gpt_oss")) == "eager"
+    assert hf_attention(transformers.AutoConfig.for_model("qwen2")) == "sdpa"
+    args = parsed(add_rollout_arguments, ["--preset", "tiny-gpt-oss", "--prompts", "2",
+                  "--prompt-len", "4", "--new-tokens", "3", "--device", "cpu",
+                  "--dtype", "float32"])  # fmt: skip
+    result = bench_rollout(args)
+    assert result["hf"]["attention"] == "eager" and result["hf"]["tokens"] == 6
+    print_result(result)
+    assert "HF generate (eager attention):" in capsys.readouterr().out
