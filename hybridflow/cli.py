@@ -142,8 +142,8 @@ def cmd_config(args) -> int:
         if args.gpu_memory is not None:  # the memory plan checked against this GPU size
             plan_command = import_for("config", "hybridflow.trainer.plan.plan_command")
             cfg.trainer.gpu_memory_gib = plan_command.parse_size(args.gpu_memory) / 2**30
-        import_for("config", "hybridflow.trainer.lifecycle.preflight").check_run(cfg)
-        print("config OK")
+        notes = import_for("config", "hybridflow.trainer.lifecycle.preflight").check_run(cfg)
+        print("config OK" + "".join(f" ({note})" for note in notes))
         return 0
     _print_config(cfg, validate(cfg))  # show
     return 0

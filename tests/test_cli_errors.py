@@ -314,7 +314,31 @@ def test_late_checks_are_found_by_validate_and_before_any_model_loads(
 
         if torch.cuda.is_available():
             pytest.skip("a GPU is visible")
+        if command == ("config", "validate"):
+            pytest.skip("validate leaves the machine's checks to train where no GPU is visible")
     assert expected in run_cli(capsys, tmp_path, *overrides, command=command)
+
+
+def test_validate_without_a_gpu_checks_the_config_and_names_the_machine_checks_it_left(
+    capsys, tmp_path, no_model_loading
+):
+    """A cluster's config checked on a login node: trainer.device=cuda with no GPU visible.
+    The config's own problems are still found; the machine's checks (a GPU, host memory, room
+    in the run directory) are named as left to train, which still refuses here."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    assert "actor.lr = -1.0" in run_cli(capsys, tmp_path, "trainer.device=cuda", "actor.lr=-1",
+                                        command=("config", "validate"))  # fmt: skip
+    status = main(["config", "validate", *TINY, f"trainer.cache_dir={tmp_path / 'cache'}",
+                   "trainer.device=cuda", "trainer.run_dir=/proc/run"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert status == 0
+    assert out.startswith("config OK (not checked here, as no CUDA GPU is visible: a GPU")
+    assert "host memory a node" in out and "hybridflow train checks them at start" in out
+    assert "no CUDA GPU is visible" in run_cli(capsys, tmp_path, "trainer.device=cuda",
+                                               command=("train",))  # fmt: skip
 
 
 def test_a_read_only_cache_dir_is_fine_when_the_run_writes_nothing_there(capsys, tmp_path):

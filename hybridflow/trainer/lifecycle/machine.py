@@ -21,6 +21,16 @@ MIN_FREE_BYTES = 64 * 2**20
 """Free space the run directory needs at least (metrics, a tiny model's checkpoint)."""
 
 
+def runs_here(device: str) -> bool:
+    """Whether this machine can be the run's: any but ``trainer.device=cuda`` without a
+    visible GPU (a login node or laptop where a cluster's config is checked)."""
+    if device != "cuda":
+        return True
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def machine_problems(cfg: Config, out_dir: str) -> list[str]:
     """The device, a writable ``out_dir`` with room for a checkpoint, the logger packages."""
     return (

@@ -20,7 +20,9 @@ from typing import Any
 from hybridflow.config import Config, ConfigError, Derived, validate
 from hybridflow.trainer.lifecycle.machine import (
     MIN_FREE_BYTES,
+    logger_problems,
     machine_problems,
+    runs_here,
     writable_dir_problems,
 )
 from hybridflow.trainer.plan.architecture import model_architecture
@@ -39,28 +41,47 @@ class Preflight:
     """A RewardManager (its worker pool starts on first use); the caller closes it."""
     train_set: Any
     val_set: Any
+    host_need: Any = None
+    """The host memory the run needs (plan/host_memory.HostNeed)."""
 
 
-def check_run(cfg: Config, log=lambda *a, **k: None) -> Preflight | None:
+def check_run(cfg: Config, log=lambda *a, **k: None) -> list[str]:
     """Run every check; raises a UserError (ConfigError, DataSchemaError, …) on the first
-    kind of problem found. ``config validate`` calls this and discards the result."""
-    preflight = prepare_run(cfg, log)
+    kind of problem found. ``config validate`` calls this. On a machine that cannot be the
+    run's (trainer.device=cuda, no GPU visible: a cluster's config checked on a login node)
+    the config is checked whole, and the machine's own checks (a visible GPU, host memory
+    and the run directory's room) are left to ``train`` on the run's machine: returned as
+    notes naming them, with the host memory the run needs a node."""
+    here = runs_here(cfg.trainer.device)
+    preflight = prepare_run(cfg, log, machine_checks=here)
     preflight.reward.close()
-    return None
+    if here:
+        return []
+    from hybridflow.trainer.plan.host_memory import gib
+
+    need = preflight.host_need
+    return [f"not checked here, as no CUDA GPU is visible: a GPU on each node, {gib(need.total)} "
+            f"of host memory a node ({need.model_what} and a step's data), and room in "
+            f"trainer.run_dir for a checkpoint; hybridflow train checks them at start"]  # fmt: skip
 
 
-def prepare_run(cfg: Config, log=lambda *a, **k: None) -> Preflight:
-    """The checks of :func:`check_run`; returns what they built (the caller closes reward)."""
+def prepare_run(cfg: Config, log=lambda *a, **k: None, machine_checks: bool = True) -> Preflight:
+    """The checks of :func:`check_run`; returns what they built (the caller closes reward).
+    ``machine_checks``: also the machine's (runs_here); ``train`` always runs them."""
     from hybridflow.models import load_tokenizer
     from hybridflow.rewards import build_reward_manager
-    from hybridflow.trainer.plan.host_memory import check_host_memory
+    from hybridflow.trainer.plan.host_memory import check_host_memory, host_need_for
     from hybridflow.trainer.plan.memory_check import check_memory
     from hybridflow.workers.model_loading import default_tokenizer_path
 
     derived = validate(cfg, gpus_available=_gpu_count() if cfg.trainer.device == "cuda" else None)
     plan = check_memory(cfg, derived, log)  # the GPU memory plan, printed; exit 2 if too big
-    check_host_memory(cfg, derived, plan)  # a step's data (and a CPU run's model) on the host
-    problems = machine_problems(cfg, cfg.trainer.run_dir)
+    if machine_checks:  # a step's data (and a CPU run's model) on the host
+        host = check_host_memory(cfg, derived, plan)
+        problems = machine_problems(cfg, cfg.trainer.run_dir)
+    else:
+        host = host_need_for(cfg, derived, plan)
+        problems = logger_problems(cfg.trainer.loggers)
     problems += sandbox_problems(cfg, log)
     problems += model_problems(cfg.model.path, cfg.model.tokenizer_path)
     problems += other_checkpoint_problems(cfg, derived)
@@ -76,7 +97,7 @@ def prepare_run(cfg: Config, log=lambda *a, **k: None) -> Preflight:
     except BaseException:
         reward.close()
         raise
-    return Preflight(derived, tokenizer, reward, train_set, val_set)
+    return Preflight(derived, tokenizer, reward, train_set, val_set, host)
 
 
 def sandbox_problems(cfg: Config, log=lambda *a, **k: None) -> list[str]:

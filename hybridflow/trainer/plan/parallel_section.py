@@ -79,7 +79,9 @@ def recommendation_text(advice: Recommendation, gpu_bytes: int) -> str:
 
     if advice.plan is not None:
         keys = overrides_text(advice.changes) or "the configured layout"
-        return f"recommended layout: {keys} ({peak_text(advice.plan)})"
+        host = advice.plan.host_bytes()  # one node's share of what it offloads
+        offloaded = f"; {gib(host)} of host memory a node for what it offloads" if host else ""
+        return f"recommended layout: {keys} ({peak_text(advice.plan)}{offloaded})"
     if advice.closest is None:
         return "no layout fits, and none is valid for this config"
     phase, peak = advice.closest.checked_peak()

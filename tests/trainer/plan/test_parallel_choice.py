@@ -77,3 +77,34 @@ def test_validate_checks_the_memory_of_the_layout(capsys, monkeypatch):
     assert "does not fit" not in err and "per GPU" not in err, err
     main(["config", "validate", "--gpu-memory", "80GiB", "trainer.device=cpu", *keys[:-3]])
     assert "model.path = llama3.1-70b does not fit on a 80.0 GiB GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["llama3.1-70b", "qwen3-30b-a3b"])
+def test_the_printed_recommendation_passes_config_validate_on_a_machine_without_the_gpus(
+    model, capsys
+):
+    """What a user does on a login node: `config plan` for 8 × 80 GiB, then `config validate`
+    with the keys it printed. The config passes; the checks of the run's own machine (a GPU,
+    the host memory a node needs for the offloaded state) are named, not failed, and the
+    plan's recommendation says that host memory too. `train` still runs them at start."""
+    import re
+
+    import torch
+
+    from hybridflow.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: this machine is the run's")
+    keys = [f"model.path={model}", "trainer.n_gpus_per_node=8", "trainer.backend=local",
+            "trainer.device=cuda"]  # fmt: skip
+    assert main(["config", "plan", "--gpu-memory", "80GiB", *keys]) == 2  # the base does not fit
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "recommended layout:" in x)
+    recommended = re.search(r"recommended layout: (.*?) \(", line).group(1).split()
+    host = re.search(r"; ([\d,.]+ GiB) of host memory a node", line).group(1)
+    assert main(["config", "validate", "--gpu-memory", "80GiB", *keys, *recommended]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("config OK (not checked here, as no CUDA GPU is visible")
+    needed = re.search(r"([\d,.]+) GiB of host memory a node", out).group(1)
+    # the offloaded state the plan printed, and a step's data (MiB) beside it
+    assert float(needed.replace(",", "")) == pytest.approx(float(host.split()[0]), abs=0.1)
