@@ -8,6 +8,8 @@ that layout."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 from rollout_layout_helpers import LAYOUT, PLAIN, VERL, assert_same, read_samples, train_run
 
@@ -20,7 +22,8 @@ def test_ulysses_actor_and_tensor_parallel_rollout_log_the_metrics_of_data_paral
     one = train_run(
         tmp_path / "one", *PLAIN, "trainer.backend=inprocess", "trainer.n_gpus_per_node=1"
     )
-    plain = train_run(tmp_path / "dp", *PLAIN)
+    # checkpoints of steps 1 and 2: the resume below starts from the one of step 1
+    plain = train_run(tmp_path / "dp", *PLAIN, "trainer.save_freq=1")
     layout = train_run(tmp_path / "layout", *LAYOUT)
     assert one.keys() == plain.keys() == layout.keys() == {1, 2}
     for step, want in plain.items():
@@ -34,11 +37,13 @@ def test_ulysses_actor_and_tensor_parallel_rollout_log_the_metrics_of_data_paral
             == samples
             == read_samples(tmp_path / "layout", step)
         )
-    # resume across the change of layout: step 1 in data parallelism, step 2 in the layout
-    train_run(tmp_path / "resumed", *PLAIN, "trainer.total_steps=1", "trainer.save_freq=1")
+    # resume across the change of layout: step 1 in data parallelism (its run's checkpoint),
+    # step 2 in the layout
+    step_1 = tmp_path / "dp" / "run" / "checkpoints" / "step_1"
+    shutil.copytree(step_1, tmp_path / "resumed" / "run" / "checkpoints" / "step_1")
     capsys.readouterr()
     resumed = train_run(tmp_path / "resumed", *LAYOUT, "trainer.resume=auto")
-    assert sorted(resumed) == [1, 2]
+    assert sorted(resumed) == [2]  # step 1 is not run again
     assert_same(plain[2], resumed[2], 2)
     assert read_samples(tmp_path / "resumed", 2) == read_samples(tmp_path / "dp", 2)
     out = capsys.readouterr()
