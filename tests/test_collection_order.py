@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from collection_order import slow_files_first
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -28,10 +24,3 @@ def test_files_with_more_slow_tests_come_first_each_in_one_piece_and_in_order():
              _Item("d.py", "d1")]  # fmt: skip
     slow_files_first(items)
     assert [item.name for item in items] == ["c1", "c2", "b1", "b2", "a1", "a2", "d1"]
-
-
-def test_make_test_hands_out_files_in_the_collection_order():
-    """Without --no-loadscope-reorder, xdist sorts the files by their number of tests."""
-    makefile = (REPO / "Makefile").read_text()
-    (main_run,) = re.findall(r"\$\(PY\) -m pytest -n .*", makefile)
-    assert "--dist loadfile" in main_run and "--no-loadscope-reorder" in main_run
