@@ -154,12 +154,15 @@ class ScoringPool:
 
     def _start_chunk(self, slot, chunk, calls, busy, run: ScoringRun) -> None:
         start, size = chunk
+        # busy before the send: a Ctrl-C landing right after it (a scorer that signals its
+        # parent at once) must still discard this worker, or its stale answer would be read
+        # as the next run's, after the scorer's whole call
+        busy[slot] = (start, size, time.monotonic() + self._limit_s(size))
         try:
             self._worker(slot).send(("score", calls[start : start + size], self.timeout_s))
         except WorkerDied as death:
+            del busy[slot]
             self._record_death(slot, chunk, calls, death, run)
-            return
-        busy[slot] = (start, size, time.monotonic() + self._limit_s(size))
 
     def _finish_chunks(self, calls, busy, run: ScoringRun) -> None:
         """Wait for the first answers (or the first deadline) and record them."""

@@ -105,6 +105,7 @@ def test_bad_agent_settings_are_named_before_anything_loads():
         validate(load_config(None, ["rollout.agent.loop=tools"]))
 
 
+@pytest.mark.slow
 def test_the_calc_task_runs_end_to_end_from_its_tool_use_warm_start(tmp_path):
     """sft:calc (a few SFT steps on tool-use traces) then a GRPO step of real two-turn
     episodes with the calculator: the pipeline of examples/calc_tools.yaml at toy size (the

@@ -14,6 +14,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from async_rl import mode_overrides, uneven_warning  # noqa: E402
 
 
+@pytest.mark.slow
 def test_sync_and_async_runs_of_the_long_tail_workload_print_their_table(tmp_path):
     out = tmp_path / "result.json"
     text = run_benchmark(
@@ -37,6 +38,7 @@ def test_sync_and_async_runs_of_the_long_tail_workload_print_their_table(tmp_pat
     assert results[2]["async_metrics"]["async/staleness_max"] <= 1.0
 
 
+@pytest.mark.slow
 def test_a_run_stopped_at_its_timeout_reports_the_steps_it_finished_and_its_last_lines(tmp_path):
     """A mode that outlives --run-timeout is stopped (no traceback): its finished steps are
     its result, marked as stopped, and the run's last log lines say where it was."""

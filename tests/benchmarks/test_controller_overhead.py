@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from benchmark_run import run_benchmark
 
 COLUMNS = ("start s", "noop us", "send ms", "send MiB/s", "echo ms", "echo MiB/s")
 
 
+@pytest.mark.slow
 def test_prints_one_row_per_backend_with_positive_times():
     out = run_benchmark(
         "controller_overhead.py", "--backends", "inprocess", "local", "--world-size", "2",

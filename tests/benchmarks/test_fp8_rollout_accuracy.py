@@ -86,6 +86,7 @@ def test_fp8_on_the_cpu_is_refused_before_any_run():
     assert done.returncode == 2 and "--modes fp8 needs a CUDA GPU" in done.stderr
 
 
+@pytest.mark.slow
 def test_cpu_smoke_run_reads_the_accuracies_and_importance_weights_of_a_train_run(tmp_path):
     out = tmp_path / "result.json"
     text = run_benchmark(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from benchmark_run import markdown_rows, number, run_benchmark
 
 
@@ -18,6 +19,7 @@ def _gsm8k_file(path):
     return path
 
 
+@pytest.mark.slow
 def test_the_example_runs_and_its_stages_are_printed(tmp_path):
     out = tmp_path / "result.json"
     text = run_benchmark(

@@ -47,6 +47,7 @@ def test_without_a_gpu_size_nothing_is_planned():
     assert plan["log_prob_tokens"] is None and plan["plan_peak_gib"] is None
 
 
+@pytest.mark.slow
 def test_cpu_smoke_run_prints_the_plan_choices_and_step_times(tmp_path):
     out_json = tmp_path / "long.json"
     text = run_benchmark(

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from benchmark_run import markdown_rows, run_benchmark
 
 
+@pytest.mark.slow
 def test_prints_unmerged_and_merged_rows(tmp_path):
     out_json = tmp_path / "lora.json"
     out = run_benchmark("lora_rollout.py", "--preset", "tiny", "--device", "cpu", "--prompts",

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from benchmark_run import load_script, markdown_rows, number, run_benchmark
 
 
+@pytest.mark.slow
 def test_a_row_per_setting_and_the_plans_verdict_for_one_that_does_not_fit(tmp_path):
     out_json = tmp_path / "offload.json"
     # 0.02 GiB of free host memory: the full model's fp32 masters and AdamW moments on the

@@ -3,6 +3,8 @@ full-length sequences makes the slot cache decode fewer rows than the paged one.
 
 from __future__ import annotations
 
+import pytest
+
 from tests.benchmarks.benchmark_run import load_script, markdown_rows, run_benchmark
 
 
@@ -13,6 +15,7 @@ def test_budgets_have_the_asked_mean_and_stay_within_the_cap():
     assert max(budgets) > 5 * 300  # a long tail
 
 
+@pytest.mark.slow
 def test_smoke_run_prints_both_caches_with_identical_tokens():
     out = run_benchmark(
         "paged_kv.py", "--preset", "tiny", "--device", "cpu", "--prompts", "4", "--samples",

@@ -8,6 +8,7 @@ import pytest
 from benchmark_run import markdown_rows, number, run_benchmark
 
 
+@pytest.mark.slow
 def test_quick_variants_print_a_table_with_the_hf_baseline(tmp_path):
     out = run_benchmark(
         "rollout.py", "--device", "cpu", "--quick", "--only", "variants", "--out", str(tmp_path)

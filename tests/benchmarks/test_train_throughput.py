@@ -8,6 +8,7 @@ import pytest
 from benchmark_run import markdown_rows, number, run_benchmark
 
 
+@pytest.mark.slow
 def test_prints_ours_and_hf_rows_consistent_with_the_json(tmp_path):
     out_json = tmp_path / "mfu.json"
     out = run_benchmark(
@@ -30,6 +31,7 @@ def test_prints_ours_and_hf_rows_consistent_with_the_json(tmp_path):
     assert 0 < results["sections"]["hf"]["padding_fraction"] < 1
 
 
+@pytest.mark.slow
 def test_the_chunked_head_is_named_in_its_row():
     out = run_benchmark(
         "train_throughput.py", "--preset", "tiny", "--device", "cpu", "--tokens-per-batch",

@@ -151,7 +151,9 @@ def test_ctrl_c_during_a_scorer_still_interrupts(scorers):
     with pytest.raises(KeyboardInterrupt):
         manager.score(["signal"], ["x"], ["s"])
     assert time.monotonic() - start < 10  # not after the scorer's 30 s sleep
+    start = time.monotonic()
     assert manager.score(["fine"], ["x"], ["s"]).scores == [1.0]  # the busy worker was replaced
+    assert time.monotonic() - start < 10  # a new worker, not the interrupted one's answer
 
 
 def test_a_reward_file_that_exits_on_import_is_named(tmp_path):

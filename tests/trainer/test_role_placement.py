@@ -11,6 +11,7 @@ from trainer_helpers import read_metrics, tiny_config
 from hybridflow.trainer.lifecycle.run import train
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("placement", ["colocate", "split"])
 def test_two_process_run(placement, tmp_path, quiet):
     overrides = ["trainer.backend=local", "trainer.n_gpus_per_node=2", "actor.use_kl_loss=true"]

@@ -1,0 +1,94 @@
+"""`hybridflow train` of the mixture-of-experts presets on two CPU processes, the rollout's
+experts split over its tensor-parallel ranks or spread over its replicas (resharded from an
+FSDP2 or an expert-parallel actor, with LoRA on the experts), logs the metrics and writes the
+samples of plain data parallelism on the same two processes, step after step."""
+
+from __future__ import annotations
+
+import pytest
+from rollout_layout_helpers import PLAIN, VERL, assert_same, read_samples, train_run
+
+# tiny-moe replaying the rollout's routes in the actor (after TINY's model.path)
+MOE = ("model.path=tiny-moe", "actor.router_replay=rollout")
+
+
+@pytest.fixture(scope="module")
+def moe_data_parallel(tmp_path_factory):
+    """The data-parallel run of MOE that two layouts below are compared with: run once."""
+    run = tmp_path_factory.mktemp("moe_dp")
+    return train_run(run, *PLAIN, *MOE), run
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_rollout_with_split_experts_logs_the_metrics_of_data_parallel(
+    tmp_path, moe_data_parallel
+):
+    """tiny-moe with verl's rollout TP = 2 and EP = 2 (each process holds 4 of the 8 experts
+    of every sparse layer, resharded from the actor's FSDP2 shards) and the trainer replaying
+    the rollout's routing (actor.router_replay=rollout: the engine's record, the same on both
+    ranks, returned once per sample) logs the metrics of data parallelism; so does the same
+    rollout resharded from an expert-parallel actor (EP = 2: each process trains 4 experts)."""
+    rollout = (
+        VERL + "rollout.tensor_model_parallel_size=2",
+        VERL + "rollout.expert_parallel_size=2",
+    )
+    plain, plain_dir = moe_data_parallel
+    layouts = {
+        "layout": train_run(tmp_path / "layout", *MOE, *rollout),
+        "ep": train_run(tmp_path / "ep", *MOE, *rollout, "actor.expert_parallel_size=2",
+                          "critic.expert_parallel_size=1"),
+    }  # fmt: skip
+    for name, layout in layouts.items():
+        assert plain.keys() == layout.keys() == {1, 2}
+        for step, want in plain.items():
+            assert_same(want, layout[step], step)
+            assert read_samples(plain_dir, step) == read_samples(tmp_path / name, step)
+
+
+@pytest.mark.slow
+def test_experts_over_rollout_replicas_and_offloaded_expert_shards_log_data_parallel(
+    tmp_path, moe_data_parallel
+):
+    """tiny-moe with the rollout's experts spread over its two replicas of one process each
+    (rollout.expert_parallel_size=2: attention data-parallel, 4 experts a process, the tokens
+    dispatched by all-to-all; engine/expert_spread.py), resharded from an expert-parallel
+    actor whose expert shards and AdamW state are on the host (actor.param_offload), logs the
+    metrics and samples the tokens of plain data parallelism."""
+    plain, plain_dir = moe_data_parallel
+    wide = train_run(tmp_path / "wide", *MOE, "rollout.expert_parallel_size=2",
+                       "actor.expert_parallel_size=2", "critic.expert_parallel_size=1",
+                       "actor.param_offload=true", "ref.param_offload=true")  # fmt: skip
+    assert plain.keys() == wide.keys() == {1, 2}
+    for step, want in plain.items():
+        assert_same(want, wide[step], step)
+        assert read_samples(plain_dir, step) == read_samples(tmp_path / "wide", step)
+
+
+@pytest.mark.slow
+def test_expert_lora_with_a_tensor_parallel_rollout_logs_data_parallel(tmp_path):
+    """tiny-moe with LoRA on its experts (per-expert factors) and attention, rollout TP = 2
+    with the experts split: each sync merges W_e + scale · B_e @ A_e of a rank's own experts
+    as they reshard (workers/rollout_tp.training_sources); the run logs the metrics and
+    samples the tokens of data parallelism, where the engines get whole merged tensors."""
+    lora = ("model.path=tiny-moe", "model.lora_rank=8", "model.lora_alpha=16",
+            "model.lora_target_modules=[q_proj,experts]", "actor.lr=1e-2")  # fmt: skip
+    plain = train_run(tmp_path / "dp", *PLAIN, *lora)
+    layout = train_run(tmp_path / "tp", *lora, VERL + "rollout.tensor_model_parallel_size=2")
+    assert plain.keys() == layout.keys() == {1, 2}
+    for step, want in plain.items():
+        assert_same(want, layout[step], step)
+        assert read_samples(tmp_path / "dp", step) == read_samples(tmp_path / "tp", step)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_with_experts_over_rollout_replicas_logs_data_parallel(tmp_path):
+    """tiny-deepseek-v3 (MLA, grouped routing, a shared expert) with its rollout experts
+    spread over two replicas of one process, the weights resharded from
+    an FSDP2 actor, logs the metrics and samples the tokens of data parallelism."""
+    model = ("model.path=tiny-deepseek-v3",)
+    plain = train_run(tmp_path / "dp", *PLAIN, *model)
+    wide = train_run(tmp_path / "wide", *model, "rollout.expert_parallel_size=2")
+    assert plain.keys() == wide.keys() == {1, 2}
+    for step, want in plain.items():
+        assert_same(want, wide[step], step)
+        assert read_samples(tmp_path / "dp", step) == read_samples(tmp_path / "wide", step)
