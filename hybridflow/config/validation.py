@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from hybridflow.config.batch_checks import check_batch_sizes
 from hybridflow.config.loading import _suggest
 from hybridflow.config.model_facts import (
     image_key,
@@ -16,13 +17,12 @@ from hybridflow.config.model_facts import (
     model_reads_images,
     trained_model,
 )
-from hybridflow.config.parallel_checks import check_layouts, roles_in_use
+from hybridflow.config.placement_checks import Placement, check_devices, check_placement
 from hybridflow.config.precision_checks import precision_problems
 from hybridflow.config.reward_checks import reward_part_problems
 from hybridflow.config.sections import GROUP_ESTIMATORS, Config, ConfigError, Derived
 from hybridflow.config.sft_checks import sft_problems
 from hybridflow.model_config_values import directory_config_problems
-from hybridflow.parallel.roles import RoleLayouts, sizes_of
 
 LOGGER_NAMES = ("console", "jsonl", "tensorboard", "wandb")
 """trainer.loggers choices (trainer/observe/loggers.py implements them)."""
@@ -58,44 +58,41 @@ def validate(cfg: Config, *, gpus_available: int | None = None, planning: bool =
     """Check every rule at once; return the derived per-device sizes or raise ConfigError.
     ``planning``: for ``hybridflow config plan``, which prices layouts and model shapes that
     cannot run yet, so it does not refuse those."""
-    d, a, r, c, t, alg = cfg.data, cfg.actor, cfg.rollout, cfg.critic, cfg.trainer, cfg.algorithm
     problems: list[str] = []
     add = problems.append
+    world = check_devices(cfg, gpus_available, add)
+    _check_run_modes(cfg, world, add)
+    placement = check_placement(cfg, world, add, planning)
+    sizes = check_batch_sizes(cfg, placement, add)
+    _check_names(cfg, add)
+    _check_sampling(cfg, add)
+    _check_training(cfg, placement, add)
+    # the models' config.json values, before anything is built from them
+    for key, path in model_paths(cfg, placement.use_reference, placement.use_critic):
+        problems += [f"{key}: {problem}" for problem in directory_config_problems(path)]
+    _check_context(cfg, sizes.max_len, add)
+    if problems:
+        raise ConfigError(problems)
+    d = cfg.data
+    return Derived(
+        world_size=world,
+        train_dp_size=placement.ranks["actor"],
+        rollout_dp_size=placement.ranks["rollout"],
+        samples_per_step=sizes.samples,
+        mini_batches_per_step=d.train_batch_size // max(sizes.mini, 1),
+        mini_batch_samples_per_gpu=sizes.mini_per_gpu,
+        micro_batches_per_mini_batch=sizes.micro_per_mini,
+        critic_mini_batch_samples_per_gpu=sizes.critic_mini_per_gpu,
+        use_reference=placement.use_reference,
+        use_critic=placement.use_critic,
+        max_sequence_length=sizes.max_len,
+        layouts=placement.layouts,
+    )
 
-    # ---- devices and placement
-    world = t.nnodes * t.n_gpus_per_node
-    if t.nnodes < 1 or t.n_gpus_per_node < 1:
-        add(
-            f"trainer.nnodes = {t.nnodes} and trainer.n_gpus_per_node = {t.n_gpus_per_node} must both be >= 1"
-        )
-        world = max(world, 1)
-    if t.backend not in ("inprocess", "local", "ray"):
-        add(f"trainer.backend = {t.backend!r} is unknown: use inprocess, local or ray")
-    if t.backend == "inprocess" and world != 1:
-        add(
-            f"trainer.backend = inprocess runs on one device but trainer.nnodes × trainer.n_gpus_per_node "
-            f"= {t.nnodes} × {t.n_gpus_per_node} = {world}: set trainer.backend=local (one node) or ray"
-        )
-    if t.backend == "local" and t.nnodes != 1:
-        add(
-            f"trainer.backend = local runs on one node but trainer.nnodes = {t.nnodes}: use trainer.backend=ray"
-        )
-    if gpus_available is not None and t.device != "cpu" and t.n_gpus_per_node > gpus_available > 0:
-        add(
-            f"trainer.n_gpus_per_node = {t.n_gpus_per_node} but this node has {gpus_available} GPU(s): "
-            f"set trainer.n_gpus_per_node <= {gpus_available}"
-        )
-    reward_pool = cfg.reward.model.n_gpus_per_node
-    if (gpus_available is not None and t.device != "cpu" and isinstance(reward_pool, int)
-            and reward_pool > 0 and t.n_gpus_per_node <= gpus_available
-            and t.n_gpus_per_node + reward_pool > gpus_available > 0):  # fmt: skip
-        add(
-            f"trainer.n_gpus_per_node + reward.model.n_gpus_per_node = {t.n_gpus_per_node} + "
-            f"{reward_pool} GPUs, but this node has {gpus_available}: give the reward model "
-            f"fewer devices of its own, or share the training ones (reward.model.n_gpus_per_node=0)"
-        )
-    if t.device not in ("auto", "cpu", "cuda"):
-        add(f"trainer.device = {t.device!r} is unknown: use auto, cpu or cuda")
+
+def _check_run_modes(cfg: Config, world: int, add) -> None:
+    """trainer.loggers, the sync or async mode and what belongs to it, in-place LoRA."""
+    t = cfg.trainer
     unknown_loggers = [name for name in t.loggers if name not in LOGGER_NAMES]
     if unknown_loggers:
         add(
@@ -108,144 +105,12 @@ def validate(cfg: Config, *, gpus_available: int | None = None, planning: bool =
         add(f"trainer.max_staleness = {t.max_staleness!r} must be an integer >= 0")
     _check_partial_rollout(cfg, add)
     _check_lora_in_place(cfg, world, add)
-    if t.placement not in ("colocate", "split"):
-        add(f"trainer.placement = {t.placement!r} is unknown: use colocate or split")
-    train_dp, rollout_dp = world, world
-    if t.placement == "split" and t.nnodes > 1:
-        add("trainer.placement = split runs on one node: set trainer.nnodes=1")
-    if t.placement == "split":
-        if not 0 < t.rollout_gpus < world:
-            add(
-                f"trainer.placement = split needs 0 < trainer.rollout_gpus < {world} (all devices), "
-                f"got trainer.rollout_gpus = {t.rollout_gpus}: give the rollout some devices and "
-                f"leave the rest for training"
-            )
-        else:
-            train_dp, rollout_dp = world - t.rollout_gpus, t.rollout_gpus
-    use_reference, use_critic = a.use_kl_loss or alg.use_kl_in_reward, alg.adv_estimator == "gae"
-    layouts = check_layouts(cfg, _worlds(cfg, train_dp, rollout_dp),
-                            roles_in_use(use_reference, use_critic), add, planning)  # fmt: skip
-    train_world = train_dp
-    ranks = _data_ranks(layouts, train_dp, rollout_dp)
-    train_dp, rollout_dp = ranks["actor"], ranks["rollout"]
 
-    # ---- batch sizes
-    n = r.n
-    if n < 1:
-        add(f"rollout.n = {n} must be >= 1")
-        n = 1
-    if r.max_num_seqs < 1:  # the engine's slots: none would hold a sequence
-        add(f"rollout.max_num_seqs = {r.max_num_seqs} must be >= 1 (sequences decoded at once)")
-    if alg.adv_estimator in GROUP_ESTIMATORS and r.n == 1:  # below 1 is said just above
-        add(
-            f"algorithm.adv_estimator = {alg.adv_estimator} normalises within groups of rollout.n samples "
-            f"but rollout.n = {r.n}: set rollout.n >= 2 (e.g. 8)"
-        )
-    if d.train_batch_size < 1:
-        add(f"data.train_batch_size = {d.train_batch_size} must be >= 1")
-    samples = d.train_batch_size * n
-    splits = [(train_dp, "data-parallel ranks")]
-    if rollout_dp != train_dp:
-        splits.append((rollout_dp, "rollout engines"))
-    for role, used in (("ref", use_reference), ("critic", use_critic)):
-        if used and ranks[role] not in (train_dp, rollout_dp):
-            splits.append((ranks[role], f"{role} data-parallel ranks"))
-    for dp, what in splits:
-        if dp > 0 and samples % dp:
-            need = dp // math.gcd(n, dp)
-            add(
-                f"data.train_batch_size × rollout.n = {d.train_batch_size} × {n} = {samples} samples cannot be "
-                f"split over {dp} {what}: make data.train_batch_size a multiple of {need}"
-            )
-    mini = a.ppo_mini_batch_size
-    mini_per_gpu = 0
-    if mini < 1 or mini > d.train_batch_size:
-        add(
-            f"actor.ppo_mini_batch_size = {mini} must be between 1 and data.train_batch_size = "
-            f"{d.train_batch_size}"
-        )
-    else:
-        if d.train_batch_size % mini:
-            add(
-                f"data.train_batch_size = {d.train_batch_size} is not a multiple of actor.ppo_mini_batch_size "
-                f"= {mini}: the last mini-batch would be partial; pick a divisor of {d.train_batch_size}"
-            )
-        if (mini * n) % train_dp:
-            need = train_dp // math.gcd(n, train_dp)
-            add(
-                f"actor.ppo_mini_batch_size × rollout.n = {mini} × {n} = {mini * n} samples cannot be split "
-                f"over {train_dp} data-parallel ranks{_dp_arithmetic(cfg, 'actor', train_world)}: "
-                f"make actor.ppo_mini_batch_size a multiple of {need}"
-            )
-        mini_per_gpu = mini * n // max(train_dp, 1)
-    micro_per_mini = None
-    if a.max_tokens_per_gpu is None:
-        mb = a.micro_batch_size_per_gpu
-        if mb < 1:
-            add(
-                f"actor.micro_batch_size_per_gpu = {mb} must be >= 1 (or set actor.max_tokens_per_gpu)"
-            )
-        elif mini_per_gpu and mini_per_gpu % mb:
-            add(
-                f"actor mini-batch per GPU = actor.ppo_mini_batch_size × rollout.n / data-parallel ranks = {mini} × {n} / "
-                f"{train_dp} = {mini_per_gpu} samples is not a multiple of actor.micro_batch_size_per_gpu = "
-                f"{mb}: pick a divisor of {mini_per_gpu}"
-            )
-        elif mini_per_gpu:
-            micro_per_mini = mini_per_gpu // mb
-    max_len = d.max_prompt_length + d.max_response_length
-    if isinstance(a.max_tokens_per_gpu, str) and a.max_tokens_per_gpu != "auto":
-        add(f"actor.max_tokens_per_gpu = {a.max_tokens_per_gpu!r} is unknown: use a number of "
-            f"tokens (at least {max_len}), auto (the memory plan picks it) or null (batches of "
-            f"actor.micro_batch_size_per_gpu samples)")  # fmt: skip
-    actor_budget = a.max_tokens_per_gpu if isinstance(a.max_tokens_per_gpu, int) else None
-    for key, budget in (
-        ("actor.max_tokens_per_gpu", actor_budget),
-        ("actor.log_prob_max_tokens_per_gpu", a.log_prob_max_tokens_per_gpu),
-        ("ref.max_tokens_per_gpu", cfg.ref.max_tokens_per_gpu),
-        ("critic.max_tokens_per_gpu", c.max_tokens_per_gpu),
-    ):
-        if budget is not None and budget < max_len:
-            add(
-                f"{key} = {budget} is smaller than one full sequence, data.max_prompt_length + "
-                f"data.max_response_length = {d.max_prompt_length} + {d.max_response_length} = {max_len}: "
-                f"raise it to at least {max_len} (2-4× that packs better)"
-            )
-    if a.ppo_epochs < 1:
-        add(f"actor.ppo_epochs = {a.ppo_epochs} must be >= 1")
-    if d.max_prompt_length < 1 or d.max_response_length < 1:
-        add(
-            f"data.max_prompt_length = {d.max_prompt_length} and data.max_response_length = "
-            f"{d.max_response_length} must both be >= 1"
-        )
-    if d.overlong_prompts not in ("filter", "error", "truncate"):
-        add(
-            f"data.overlong_prompts = {d.overlong_prompts!r} is unknown: use filter, error or truncate"
-        )
 
-    # ---- critic (GAE)
-    critic_mini_per_gpu = 0
-    if use_critic:
-        cmini, critic_dp = c.ppo_mini_batch_size or mini, ranks["critic"]
-        if cmini < 1 or d.train_batch_size % cmini or (cmini * n) % critic_dp:
-            add(
-                f"critic.ppo_mini_batch_size = {cmini} must divide data.train_batch_size = {d.train_batch_size} "
-                f"and × rollout.n = {n} split evenly over {critic_dp} data-parallel ranks"
-                f"{_dp_arithmetic(cfg, 'critic', train_world)}"
-            )
-        else:
-            critic_mini_per_gpu = cmini * n // critic_dp
-            if c.max_tokens_per_gpu is None and critic_mini_per_gpu % max(
-                c.micro_batch_size_per_gpu, 1
-            ):
-                add(
-                    f"critic mini-batch per GPU = {critic_mini_per_gpu} samples is not a multiple of "
-                    f"critic.micro_batch_size_per_gpu = {c.micro_batch_size_per_gpu}"
-                )
-        if c.ppo_epochs is not None and c.ppo_epochs < 1:
-            add(f"critic.ppo_epochs = {c.ppo_epochs} must be >= 1")
-
-    # ---- names
+def _check_names(cfg: Config, add) -> None:
+    """Registered estimator, loss, aggregation and KL names; the schedulers, the reward
+    manager and its sandbox, a custom reward function, the reward's parts."""
+    a, c, alg = cfg.actor, cfg.critic, cfg.algorithm
     adv_names, loss_names, agg_names, kl_names = _known_names()
     for key, value, known in (
         ("algorithm.adv_estimator", alg.adv_estimator, adv_names),
@@ -272,9 +137,13 @@ def validate(cfg: Config, *, gpus_available: int | None = None, planning: bool =
         add(
             f"reward.custom_fn = {cfg.reward.custom_fn!r} must look like path/to/file.py:function_name"
         )
-    problems += reward_part_problems(cfg)
+    for problem in reward_part_problems(cfg):
+        add(problem)
 
-    # ---- sampling and algorithm knobs
+
+def _check_sampling(cfg: Config, add) -> None:
+    """The rollout's sampling, memory share, engine options and dtype, its agent section."""
+    r, t = cfg.rollout, cfg.trainer
     if r.temperature <= 0:
         add(
             f"rollout.temperature = {r.temperature}: training rollouts must sample (greedy "
@@ -304,6 +173,14 @@ def validate(cfg: Config, *, gpus_available: int | None = None, planning: bool =
             add(f"rollout.dtype = fp8: rollout.engine.{problem}")
     for problem in r.agent.validate():
         add(f"rollout.agent.{problem}")
+
+
+def _check_training(cfg: Config, placement: Placement, add) -> None:
+    """The trainer's profile, memory and progress; learning rates and clipping; what the
+    model's kind asks (routers, images, recurrent layers); precision, warm start, dynamic
+    sampling, offload; the model section; how long the run is and what it keeps."""
+    a, t, alg = cfg.actor, cfg.trainer, cfg.algorithm
+    c, use_critic, train_dp = cfg.critic, placement.use_critic, placement.ranks["actor"]
     for problem in t.profile.validate(t.total_steps):
         add(f"trainer.profile.{problem}")
     if t.gpu_memory_gib is not None and not 0 < t.gpu_memory_gib <= MAX_GPU_MEMORY_GIB:
@@ -323,9 +200,11 @@ def validate(cfg: Config, *, gpus_available: int | None = None, planning: bool =
         add(f"rollout.engine.speculative = {speculative!r}: the model "
             f"{trained_model(cfg)!r} has recurrent layers (Gated DeltaNet), whose state cannot "
             "be rolled back past rejected drafts: set rollout.engine.speculative=off")  # fmt: skip
-    problems += precision_problems(cfg, use_critic=use_critic)
+    for problem in precision_problems(cfg, use_critic=use_critic):
+        add(problem)
     if cfg.model.path.startswith("sft:"):  # the warm start trains with the sft section
-        problems += sft_problems(cfg.sft)
+        for problem in sft_problems(cfg.sft):
+            add(problem)
     if alg.dynamic_sampling and alg.adv_estimator not in GROUP_ESTIMATORS:
         add(
             f"algorithm.dynamic_sampling filters groups but algorithm.adv_estimator = {alg.adv_estimator} "
@@ -359,11 +238,10 @@ def validate(cfg: Config, *, gpus_available: int | None = None, planning: bool =
     if t.total_epochs is not None and t.total_epochs < 1:
         add(f"trainer.total_epochs = {t.total_epochs} must be >= 1 (or null: trainer.total_steps)")
 
-    # ---- the models' config.json values, before anything is built from them
-    for key, path in model_paths(cfg, use_reference, use_critic):
-        problems += [f"{key}: {problem}" for problem in directory_config_problems(path)]
 
-    # ---- lengths vs the model's context
+def _check_context(cfg: Config, max_len: int, add) -> None:
+    """The longest sequence against the context of model.path."""
+    d = cfg.data
     ctx = model_context_length(cfg.model.path)
     if ctx is not None and max_len > ctx:
         add(
@@ -371,53 +249,6 @@ def validate(cfg: Config, *, gpus_available: int | None = None, planning: bool =
             f"{d.max_response_length} = {max_len} exceeds the context of model.path = {cfg.model.path!r} "
             f"({ctx} tokens): shorten one of them"
         )
-
-    if problems:
-        raise ConfigError(problems)
-    return Derived(
-        world_size=world,
-        train_dp_size=train_dp,
-        rollout_dp_size=rollout_dp,
-        samples_per_step=samples,
-        mini_batches_per_step=d.train_batch_size // max(mini, 1),
-        mini_batch_samples_per_gpu=mini_per_gpu,
-        micro_batches_per_mini_batch=micro_per_mini,
-        critic_mini_batch_samples_per_gpu=critic_mini_per_gpu,
-        use_reference=use_reference,
-        use_critic=use_critic,
-        max_sequence_length=max_len,
-        layouts=layouts,
-    )
-
-
-def _worlds(cfg: Config, train_world: int, rollout_world: int) -> dict[str, tuple[int, str]]:
-    """The devices of the training roles and of the rollout, and the keys that set them."""
-    t = cfg.trainer
-    devices = (
-        "trainer.n_gpus_per_node" if t.nnodes == 1 else "trainer.nnodes × trainer.n_gpus_per_node"
-    )
-    if t.placement == "split":
-        return {"train": (train_world, f"{devices} − trainer.rollout_gpus"),
-                "rollout": (rollout_world, "trainer.rollout_gpus")}  # fmt: skip
-    return {"train": (train_world, devices), "rollout": (rollout_world, devices)}
-
-
-def _data_ranks(layouts: RoleLayouts | None, train_world: int, rollout_world: int) -> dict:
-    """Ranks that see different data, per role: devices / (tp × sp) (verl's normalisation);
-    the devices themselves while a layout does not tile (that problem is reported)."""
-    if layouts is None:
-        return {"actor": train_world, "ref": train_world, "critic": train_world,
-                "rollout": rollout_world}  # fmt: skip
-    return {role: getattr(layouts, role).dp for role in ("actor", "ref", "critic", "rollout")}
-
-
-def _dp_arithmetic(cfg: Config, role: str, world: int) -> str:
-    """`` (devices / (tp × sp) = …)`` when the role's layout is more than data parallel."""
-    sizes = sizes_of(cfg, role)
-    if sizes["tp"] * sizes["sp"] == 1:
-        return ""
-    return (f" (its {world} devices / ({role}.tensor_parallel_size × {role}.sequence_parallel_size "
-            f"= {sizes['tp']} × {sizes['sp']}))")  # fmt: skip
 
 
 def _check_images(cfg: Config, add) -> None:

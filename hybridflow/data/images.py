@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from hybridflow.data.chat import ChatTokenizer, encode_chat_prompt
-from hybridflow.data.schema import DataSchemaError
+from hybridflow.data.errors import DataSchemaError
 from hybridflow.errors import UserError
 
 PLACEHOLDER = "<image>"

@@ -24,15 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridflow.errors import UserError
+from hybridflow.data.errors import DataSchemaError
 
 REQUIRED_KEYS = ("data_source", "prompt", "reward_model")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 SUPPORTED_SUFFIXES = (".parquet", ".jsonl", ".json")
-
-
-class DataSchemaError(UserError, ValueError):
-    """A data file does not follow the expected schema; the message says where and why."""
 
 
 @dataclass(frozen=True)

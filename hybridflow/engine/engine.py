@@ -9,25 +9,23 @@ graphs) and the choices made per shape (pinned across processes: choices.py); th
 bookkeeping (admission, chunks of decode steps, reading tokens back one chunk late) is
 scheduler.Scheduler, which generate() runs until its prompts are done and the rollout service
 (service.py: requests submitted from any thread while others decode) runs on its own thread.
-Every choice is an EngineOptions field (options.py).
+Every choice is an EngineOptions field (options.py); which backend runs them, backend.py;
+what is allocated before generating, allocation.py.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
 from contextlib import nullcontext
 
 import torch
 
+from hybridflow.engine.allocation import allocate
+from hybridflow.engine.backend import check_fp8_kv, resolve_backend, triton_pieces
 from hybridflow.engine.cache import kv_cache
 from hybridflow.engine.cache.kinds import eager_only, engine_gaps
-from hybridflow.engine.cache.workspace import engine_workspace_bytes, sampling_bytes_per_row
 from hybridflow.engine.choices import (
     PinnedChoices,
     load_engine_choices,
-    pin_attention_tiles,
     pin_recorded_choices,
     record_engine_choices,
     recorded_choices,
@@ -36,9 +34,8 @@ from hybridflow.engine.fp8.weight_scales import ENGINE_SCALES
 from hybridflow.engine.graphs import DecodeRunner
 from hybridflow.engine.host import cyclic_gc_paused
 from hybridflow.engine.images import ImageFeatures, check_image_call, prepare_images
-from hybridflow.engine.kernels.launch import PLAIN
 from hybridflow.engine.options import EngineOptions
-from hybridflow.engine.prefill import RopeTable, extend_forward, prefill_forward
+from hybridflow.engine.prefill import extend_forward, prefill_forward
 from hybridflow.engine.requests import (
     Completion,
     PromptTable,
@@ -49,33 +46,7 @@ from hybridflow.engine.sampling import SamplingParams, call_seeds
 from hybridflow.engine.scheduling.kept import KeptKV
 from hybridflow.engine.scheduling.scheduler import Scheduler
 from hybridflow.engine.state import DecodeState
-from hybridflow.engine.weights import FusedProjections, copy_named_tensors
-
-log = logging.getLogger("hybridflow.engine")
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _resolve_backend(requested: str, device: torch.device, tensor_parallel: int = 1,
-                     spread: bool = False) -> str:  # fmt: skip
-    if tensor_parallel > 1 or spread:  # the fused layers have no collectives yet
-        if requested == "triton":
-            what = "tensor-parallel" if tensor_parallel > 1 else "wide expert-parallel"
-            raise ValueError(f"decode_backend='triton' does not run a {what} model "
-                             "yet: use decode_backend='torch' (or 'auto')")  # fmt: skip
-        return "torch"
-    if requested == "auto":
-        return "triton" if device.type == "cuda" and _triton_available() else "torch"
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # kernel tests on CPU
-    if requested == "triton" and device.type != "cuda" and not interpreted:
-        raise ValueError("decode_backend='triton' needs the model on a CUDA device")
-    return requested
+from hybridflow.engine.weights import copy_named_tensors
 
 
 class Engine:
@@ -118,7 +89,7 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.memory_budget = memory_budget
-        self._capped_reported = False  # the slots' cap is logged once (_report_capped_slots)
+        self._capped_reported = False  # the slots' cap is logged once (allocation.py)
         self.steps_per_sync = options.steps_per_sync
         self.max_prefill_tokens = options.max_prefill_tokens
         from hybridflow.models.llama import CausalLM
@@ -148,8 +119,8 @@ class Engine:
 
         # experts over the replicas (expert_spread.py): the eager path, rounds of the group
         self.spread = spread_of(model) is not None
-        self.decode_backend = _resolve_backend(options.decode_backend, self.device,
-                                               self.tensor_parallel, self.spread)  # fmt: skip
+        self.decode_backend = resolve_backend(options.decode_backend, self.device,
+                                              self.tensor_parallel, self.spread)  # fmt: skip
         self.recurrent_step = "torch"
         if self.eager_layers:
             self.recurrent_step = self.decode_backend
@@ -190,30 +161,18 @@ class Engine:
             check_fp8_engine(self.device, self.decode_backend, self.adapted)
         self.kv_fp8 = options.kv_cache_dtype == "fp8"  # cache/fp8_kv.py
         if self.kv_fp8:
-            self._check_fp8_kv(options)
+            check_fp8_kv(self)
         # "auto" is the trainer's recipe where a trainer names one (workers/rollout.py)
         scales = options.fp8_weight_scales
         fp8_recipe = options.weight_format == "fp8" and scales != "auto"
         self.fp8_weight_scales = scales if fp8_recipe else ENGINE_SCALES
         self.matmul = self.chain = self.chooser = None
         self.launch = None
-        if triton_backend:
-            from hybridflow.engine.kernels.launch import launch_for
-            from hybridflow.engine.layers.chain import DecodeChain
-            from hybridflow.engine.layers.chooser import DecodeLayerChooser
-            from hybridflow.engine.layers.matmul_choice import DecodeMatmul
-
-            self.launch = launch_for(self.device, options.pdl, options.prefetch_weights,
-                                     options.tma)  # fmt: skip
-            # kept across release(): shape choices
-            self.matmul = DecodeMatmul(options.decode_matmul, persistent=options.persistent_matmul,
-                                       pinned=self.pinned)  # fmt: skip
-            self.chain = DecodeChain(launch=self.launch, pinned=self.pinned)
+        if triton_backend:  # kept across release(): shape choices
             # fp8 projections run in the split layer (the others read bf16 weights in Triton)
             split = options.weight_format == "fp8" or self.adapted or self.moe
-            layer = "split" if split else options.decode_layer
-            self.chooser = DecodeLayerChooser(layer, pinned=self.pinned)
-            pin_attention_tiles(self.pinned)
+            self.launch, self.matmul, self.chain, self.chooser = triton_pieces(
+                options, self.device, self.pinned, split)  # fmt: skip
         self.cache: kv_cache.KVCache | None = None
         self.blocks = None  # blocks.BlockPool of a paged cache (options.kv_block_size)
         self.state: DecodeState | None = None
@@ -232,24 +191,6 @@ class Engine:
             from hybridflow.engine.speculative.verify import make_speculation
 
             self.speculation = make_speculation(options, self.config)
-
-    def _check_fp8_kv(self, options: EngineOptions) -> None:
-        """ValueError naming what an FP8 KV cache does not cover in this engine."""
-        from hybridflow.engine.cache.fp8_kv import fp8_kv_device_problem, fp8_kv_problem
-
-        problem = None
-        if not self.native:
-            problem = ("kv_cache_dtype='fp8': this model runs on the engine's slow path, "
-                       "which keeps no cache of its own")  # fmt: skip
-        elif self.tensor_parallel > 1:
-            problem = "kv_cache_dtype='fp8' does not cover a tensor-parallel engine yet"
-        else:
-            problem = fp8_kv_problem(self.config.layer_specs(), options.kv_block_size is not None)
-        if problem is None and self.device.type == "cuda":
-            capability = torch.cuda.get_device_capability(self.device)
-            problem = fp8_kv_device_problem(self.decode_backend, capability)
-        if problem is not None:
-            raise ValueError(f"{problem}: set rollout.engine.kv_cache_dtype=model")
 
     # -- pinned choices (choices.py) -----------------------------------------------------------
 
@@ -274,95 +215,8 @@ class Engine:
 
     # -- memory ---------------------------------------------------------------------------------
 
-    def _report_capped_slots(self, slots: int) -> None:
-        """One log line, at the first allocation, when a paged cache's per-sequence kinds got
-        fewer slots than max_batch_size (EngineOptions.cap_state_slots)."""
-        capped = self.cache.paged and self.cache.per_sequence and slots < self.max_batch_size
-        if not capped or self._capped_reported:
-            return
-        self._capped_reported = True
-        log.warning("engine: %d slots of max_batch_size=%d: the memory budget holds the "
-                    "per-sequence state and K/V blocks of %d whole sequences of max_seq_len=%d "
-                    "(rollout.engine.cap_state_slots=false keeps them all)", slots,
-                    self.max_batch_size, slots, self.max_seq_len)  # fmt: skip
-
     def _allocate(self) -> None:
-        cfg = self.config
-        self.kept.clear()  # a new cache holds nothing
-        if self.decode_backend == "triton" and self.fuse_projections != "none":
-            # Before the cache: a budget given as a fraction of free memory must see it used.
-            self.fused = FusedProjections(self.model, gate_up=self.fuse_projections == "all",
-                                          fold=self.fp8_weight_scales == ENGINE_SCALES)  # fmt: skip
-        if self.options.weight_format == "fp8":
-            from hybridflow.engine.fp8.matmul import Fp8Matmul
-
-            self.fp8 = Fp8Matmul(self.model, self.fused,  # before the cache, like the fused
-                                 weight_scales=self.fp8_weight_scales)  # fmt: skip
-        # Reserve for decode sampling and prefill activations, which live outside the cache
-        # (cache/workspace.py; the memory plan reserves the same).
-        element = torch.empty((), dtype=self.dtype).element_size()
-        reserve = engine_workspace_bytes(cfg, self.max_batch_size, self.max_prefill_tokens,
-                                         element, self.tensor_parallel)  # fmt: skip
-        routes = None
-        if self.moe:
-            routes = kv_cache.route_spec(cfg) if self.options.record_routes else None
-        self.cache, self.blocks = kv_cache.make_cache(
-            cfg, self.max_batch_size, self.max_seq_len, self.options.kv_block_size,
-            self.memory_budget, reserve, self.dtype, self.device, routes,
-            self.options.cap_state_slots, sampling_bytes_per_row(cfg, self.tensor_parallel),
-            kv_fp8=self.kv_fp8,
-        )  # fmt: skip
-        slots = self.cache.num_slots
-        self._report_capped_slots(slots)
-        self.state = DecodeState(slots, slots, self.max_seq_len, cfg.vocab_size, self.device)
-        self.rope = RopeTable(cfg, self.max_seq_len, self.dtype, self.device,
-                              slots if self.vision else None)  # fmt: skip
-        self.prefill = prefill_forward
-        if self.decode_backend == "triton":
-            from hybridflow.engine.adapters import AdapterMatmul
-            from hybridflow.engine.layers.chooser import decode_forward_triton
-            from hybridflow.engine.layers.matmul_choice import DecodeMatmul
-            from hybridflow.engine.prefill import extend_forward_triton, prefill_forward_triton
-
-            matmul = self.fp8 if self.fp8 is not None else self.matmul
-            extend_matmul = self.fp8 if self.fp8 is not None else DecodeMatmul("cublas")
-            if self.adapted:
-                matmul, extend_matmul = AdapterMatmul(self.model, matmul), AdapterMatmul(
-                    self.model, extend_matmul)  # fmt: skip
-            decode_forward = functools.partial(
-                decode_forward_triton, fused=self.fused, matmul=matmul, chain=self.chain,
-                chooser=self.chooser, launch=self.launch,
-                autotune=self.options.attention_autotune, experts=self.experts,
-            )  # fmt: skip
-            self.prefill = functools.partial(prefill_forward_triton, fused=self.fused,
-                                             matmul=matmul, launch=self.launch,
-                                             experts=self.experts)  # fmt: skip
-            # Extend passes (kept-KV turns) come in whatever token counts the requests arrive
-            # with: timing candidates at each new count would stall the engine (an H200
-            # agent benchmark spent 3.7 of its 4.3 s in 14 such passes), so they run cuBLAS
-            # and the untuned attention tile.
-            self.extend = functools.partial(extend_forward_triton, fused=self.fused,
-                                            matmul=extend_matmul, launch=self.launch,
-                                            autotune=False, experts=self.experts)  # fmt: skip
-        else:
-            from hybridflow.engine.layers.eager import decode_forward_torch
-
-            decode_forward = decode_forward_torch
-            if self.eager_layers:  # recurrent steps and sink attention on the asked backend
-                decode_forward = functools.partial(decode_forward_torch,
-                                                   recurrent_step=self.recurrent_step,
-                                                   attention_step=self.recurrent_step)  # fmt: skip
-            if self.cache.latent is not None:  # MLA: the absorbed attention's kernel likewise
-                decode_forward = functools.partial(decode_forward, latent_step=self.recurrent_step)
-                self.extend = functools.partial(extend_forward, latent_step=self.recurrent_step)
-        self.runner = DecodeRunner(
-            self.model, self.cache, self.state, self.rope, decode_forward,
-            use_graphs=self.cuda_graphs,
-            use_triton_sampler="triton" in (self.decode_backend, self.recurrent_step),
-            launch=self.launch or PLAIN,
-        )  # fmt: skip
-        self.scheduler = Scheduler(self)
-        self.scheduler.version = self.policy_version
+        allocate(self)  # allocation.py
 
     def release(self) -> None:
         """Free the KV cache, decode state and captured graphs (memory back to training);

@@ -1,5 +1,5 @@
 """The engine's working memory outside its KV cache: what the automatic cache size
-(engine/engine._allocate, and the memory plan's rollout items, trainer/plan/memory_rollout.py)
+(engine/allocation.py, and the memory plan's rollout items, trainer/plan/memory_rollout.py)
 keeps free for a decode step's sampling and a prefill chunk's activations. One function, so
 the engine and the plan size the cache alike. Pure arithmetic on the model's config."""
 

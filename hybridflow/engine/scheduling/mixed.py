@@ -27,7 +27,7 @@ from hybridflow.engine.host import ranges, upload
 from hybridflow.engine.prefill import host_spans
 from hybridflow.engine.requests import Completion, Submission
 from hybridflow.engine.scheduling import admission, preemption
-from hybridflow.engine.scheduling.state import PrefillJob
+from hybridflow.engine.scheduling.view import PrefillJob
 
 if TYPE_CHECKING:
     from hybridflow.engine.scheduling.state import SchedulerState
@@ -132,7 +132,7 @@ def run_step(scheduler: SchedulerState) -> int:
         job.done += count
     finished = [i for i, (job, _, _) in enumerate(chunks) if not job.left]
     if static is not None:
-        job_logits = static.run(scheduler, rows, chunks, finished)
+        job_logits = static.run(scheduler.paging, rows, chunks, finished)
     else:
         job_logits = _eager_forward(scheduler, rows, chunks, finished)
     if rows:

@@ -39,7 +39,8 @@ from hybridflow.engine.kernels.chunk_attention import chunk_tiles, tile_count, t
 from hybridflow.engine.mixed_forward import static_forward_of
 
 if TYPE_CHECKING:
-    from hybridflow.engine.scheduling.state import EngineView, PrefillJob, SchedulerState
+    from hybridflow.engine.scheduling.paging import Paging
+    from hybridflow.engine.scheduling.view import EngineView, PrefillJob
 
 MAX_CHUNKS = 64  # jobs a static step carries chunks of (the rest wait a step)
 FIELDS = ("ids", "positions", "entries", "offsets")  # per chunk token
@@ -107,7 +108,7 @@ class StaticMixedStep:
     def bucket(self, rows: int) -> int:
         return next(b for b in self.runner.buckets if b >= rows)
 
-    def run(self, scheduler: SchedulerState, rows: int,
+    def run(self, paging: Paging | None, rows: int,
             chunks: list[tuple[PrefillJob, int, int]], finished: list[int]) -> torch.Tensor:  # fmt: skip
         """One step: rows [0, rows) decode (sampled and advanced on the device) beside the
         chunks (job, first position, count); -> the logits of the `finished` chunks' last
@@ -115,9 +116,9 @@ class StaticMixedStep:
         counts = [count for _, _, count in chunks]
         tokens = next(t for t in self.buckets if t >= sum(counts))
         bucket = self.bucket(rows)
-        self._upload(scheduler.paging, chunks, finished, tokens)
-        if scheduler.paging is not None:
-            scheduler.paging.sync_table()  # the rows' and chunks' blocks, before any read
+        self._upload(paging, chunks, finished, tokens)
+        if paging is not None:
+            paging.sync_table()  # the rows' and chunks' blocks, before any read
         if self.runner.use_graphs:
             self._graph(bucket, tokens).replay()
         else:

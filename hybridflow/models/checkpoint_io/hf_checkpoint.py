@@ -15,12 +15,12 @@ from hybridflow.model_config_values import ModelConfigError
 from hybridflow.models.architecture import ModelArchitecture
 from hybridflow.models.checkpoint_io import expert_checkpoint
 from hybridflow.models.checkpoint_io.finite_weights import check_finite
-from hybridflow.models.checkpoint_io.hf_writer import INDEX_FILE, SINGLE_FILE
 from hybridflow.models.checkpoint_io.quantized_checkpoint import (
     dequantized_tensors,
     quantization_problem,
     weight_quantization,
 )
+from hybridflow.models.checkpoint_io.weight_files import checkpoint_files
 from hybridflow.models.families import family_hook, read_tensor
 from hybridflow.models.llama import CausalLM
 
@@ -64,21 +64,6 @@ def read_hf_config(path: str) -> dict:
     config = read_config_json(path)
     check_config_values(config, os.path.join(path, CONFIG_FILE))
     return config
-
-
-def checkpoint_files(path: str) -> list[str]:
-    """Safetensors files of a HF model directory (index order for sharded checkpoints)."""
-    index_path = os.path.join(path, INDEX_FILE)
-    if os.path.exists(index_path):
-        with open(index_path) as f:
-            weight_map = json.load(f)["weight_map"]
-        return [os.path.join(path, name) for name in dict.fromkeys(weight_map.values())]
-    single = os.path.join(path, SINGLE_FILE)
-    if os.path.exists(single):
-        return [single]
-    raise FileNotFoundError(
-        f"no {SINGLE_FILE} or {INDEX_FILE} in {path!r} (only safetensors checkpoints are read)"
-    )
 
 
 def safetensors_problem(file: str | os.PathLike) -> str | None:

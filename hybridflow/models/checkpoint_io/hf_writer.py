@@ -11,10 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 from hybridflow.models.checkpoint_io import expert_checkpoint
+from hybridflow.models.checkpoint_io.weight_files import INDEX_FILE, SINGLE_FILE
 from hybridflow.models.families import write_tensors
-
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 
 
 def save_model(model, directory: str, max_shard_size: int = 5 * 1024**3) -> None:

@@ -21,6 +21,7 @@ from hybridflow.model_config_values import (
     config_values_message,
 )
 from hybridflow.models.architecture import SUPPORTED_MODEL_TYPES
+from hybridflow.models.checkpoint_io.weight_files import checkpoint_files
 from hybridflow.safetensors_headers import stored_shapes
 
 if TYPE_CHECKING:
@@ -213,8 +214,6 @@ def _stored_shapes(
     consolidated.safetensors, are not read), under the names and shapes the model loads
     (quantized weights as dequantised: quantized_checkpoint.loaded_shapes); None if a header
     or the index is unreadable."""
-    from hybridflow.models.checkpoint_io.hf_checkpoint import checkpoint_files
-
     try:
         files = checkpoint_files(str(model_dir))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):

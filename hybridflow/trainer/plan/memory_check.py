@@ -72,7 +72,7 @@ def plan_options(cfg: Config, derived: Derived, gpu_bytes: int | None) -> PlanOp
                      or cfg.critic.micro_batch_size_per_gpu * max_len)  # fmt: skip
     actor, rollout = sizes_of(cfg, "actor"), sizes_of(cfg, "rollout")
     # a tensor-parallel rollout, or one with experts over replicas, runs the eager path
-    # (engine/engine._resolve_backend)
+    # (engine/backend.resolve_backend)
     unfused = (r.engine.decode_backend == "torch" or r.lora_in_place and m.lora_rank > 0
                or rollout["tp"] > 1 or rollout["ep"] > rollout["tp"])  # fmt: skip
     fuse = "none" if unfused else r.engine.fuse_projections

@@ -45,7 +45,7 @@ def per_sequence_bytes(a: ModelArchitecture, element_bytes: int = 2) -> int:
 def rollout_reserve_bytes(a: ModelArchitecture, options: PlanOptions,
                           rows: int | None = None) -> int:  # fmt: skip
     """What the engine keeps out of the KV budget for decode sampling, prefill activations
-    and the experts' workspace (engine/engine._allocate's reserve: the same function), for
+    and the experts' workspace (engine/allocation.py's reserve: the same function), for
     ``rows`` decoded at once (default max_num_seqs; fewer where the cache caps its slots)."""
     rows = options.rollout_max_seqs if rows is None else rows
     return engine_workspace_bytes(a, rows, options.max_prefill_tokens, options.rollout_bytes,

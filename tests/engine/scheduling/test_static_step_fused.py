@@ -118,7 +118,7 @@ def test_padding_tokens_point_at_the_scratch_block_and_tiles_cover_each_chunk(mo
     """The inputs one static step uploads: the chunks' tokens packed from 0 at their cache
     blocks and offsets, the token bucket's padding at offset 0 of the scratch block (the
     only K/V it writes), each finished job's last token, the tiles' chunks."""
-    from hybridflow.engine.scheduling.state import PrefillJob
+    from hybridflow.engine.scheduling.view import PrefillJob
 
     engine = _engine(model, True)
     engine.start_generation()
