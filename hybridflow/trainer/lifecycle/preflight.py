@@ -217,12 +217,9 @@ def checkpoint_problems(key: str, model_path: str, num_labels: int | None = None
     """The model directory ``key`` names holds config.json with values a model can have,
     complete safetensors files whose headers fit it (every tensor, in its shape, none
     extra). num_labels: a reward model's score head."""
-    from hybridflow.models.checkpoint_io.hf_checkpoint import (
-        INDEX_FILE,
-        SINGLE_FILE,
-        safetensors_problem,
-    )
+    from hybridflow.models.checkpoint_io.hf_checkpoint import safetensors_problem
     from hybridflow.models.checkpoint_io.loadability import config_problems
+    from hybridflow.models.checkpoint_io.weight_files import INDEX_FILE, SINGLE_FILE
     from hybridflow.models.presets import PRESETS
 
     path = Path(model_path).expanduser()
