@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from hybridflow.engine.kernels.chunk_attention import chunk_tiles, tile_count, tile_tokens
-from hybridflow.engine.mixed_forward import static_forward_of
+from hybridflow.engine.scheduling.mixed_forward import static_forward_of
 
 if TYPE_CHECKING:
     from hybridflow.engine.scheduling.paging import Paging
