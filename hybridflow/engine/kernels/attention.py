@@ -195,7 +195,7 @@ def _decode_attention_kernel(
             v_scales = tl.load(vs_ptr + s_base + s_at, mask=n_mask, other=0.0)
             k = (k.to(tl.float32) * k_scales[:, None]).to(dtype)
             v = (v.to(tl.float32) * v_scales[:, None]).to(dtype)
-        m_i, l_i, acc = softmax_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2, FP32_DOT)
+        m_i, l_i, acc = softmax_tile(q, k, v, n_mask[None, :], m_i, l_i, acc, scale_log2, FP32_DOT)
     if ROPE:
         if STORE_LAST:  # no program reads position pos from the cache: it may come last
             _store_new_kv(kc_ptr, vc_ptr, new_offs, split, k1n_stored, k2n_stored, v_stored, h,

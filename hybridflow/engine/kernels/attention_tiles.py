@@ -37,16 +37,17 @@ def prefetch_kv(kc_ptr, vc_ptr, base, lines, lo, hi, stride_cpos):
 
 
 @triton.jit
-def softmax_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2, FP32_DOT: tl.constexpr):
+def softmax_tile(q, k, v, mask, m_i, l_i, acc, scale_log2, FP32_DOT: tl.constexpr):
     """One tile of flash attention's online softmax, in log2 units: queries q [M, D] over
-    keys/values k, v [N, D] (n_mask: the valid ones) update the running max m_i [M], sum
-    l_i [M] and unnormalised output acc [M, D]. The PV product rounds P to the values'
-    dtype, as torch's attention does. Shared by the decode kernels (row and prefix)."""
+    keys/values k, v [N, D] (mask [M, N] or [1, N]: the pairs that attend) update the
+    running max m_i [M], sum l_i [M] and unnormalised output acc [M, D]. The PV product rounds P to the values'
+    dtype, as torch's attention does. Shared by the decode kernels (row and prefix) and the
+    mixed step's chunk kernel (a causal mask a row)."""
     if FP32_DOT:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
+    s = tl.where(mask, s * scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridflow.engine.kernels.attention_tiles import cache_offsets
+from hybridflow.engine.kernels.attention_tiles import cache_offsets, softmax_tile
 from hybridflow.engine.kernels.launch import PLAIN, Launch
 from hybridflow.engine.kernels.pdl import wait_then_release
 
@@ -105,22 +105,8 @@ def _chunk_attention_kernel(
                                     PAGE, n_mask)  # fmt: skip
         k = tl.load(kc_ptr + offs[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
         v = tl.load(vc_ptr + offs[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
-        if FP32_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
         causal = n[None, :] <= pos[:, None]
-        s = tl.where(causal, s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if FP32_DOT:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = softmax_tile(q, k, v, causal, m_i, l_i, acc, scale_log2, FP32_DOT)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 

@@ -148,7 +148,7 @@ def _prefix_item(
         offs = base + at[:, None] + d[None, :]
         k = tl.load(kc_ptr + offs, mask=n_mask[:, None], other=0.0)
         v = tl.load(vc_ptr + offs, mask=n_mask[:, None], other=0.0)
-        m_i, l_i, acc = softmax_tile(q, k, v, n_mask, m_i, l_i, acc, scale_log2, FP32_DOT)
+        m_i, l_i, acc = softmax_tile(q, k, v, n_mask[None, :], m_i, l_i, acc, scale_log2, FP32_DOT)
     # merge the row's own positions (the row kernel's state; always >= 1 position: its new
     # token; an empty prefix's -inf adds nothing)
     m_s = tl.load(pm_ptr + state, mask=valid, other=0.0)
