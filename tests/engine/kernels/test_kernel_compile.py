@@ -24,6 +24,7 @@ from sm90_compile import Compiled, compile_pool, compile_to_ptx  # noqa: E402
 
 from hybridflow.engine.kernels import (
     attention,
+    chunk_attention,
     fp8_quant,
     gemm,
     gemm_persistent,
@@ -186,6 +187,17 @@ def test_decode_layer_kernels_compile():
     # and the prefix kernel, at 0.5b's and 1.5b's heads, slot and paged caches
     for (group, dim), page in itertools.product(((7, 64), (6, 128)), (0, 16, 64)):
         _prefix("bf16", group, dim, page)
+
+
+@pytest.mark.parametrize("activation", ["bf16", "fp32"])
+@pytest.mark.parametrize("page", [0, 16])
+def test_chunk_attention_kernel_compiles(activation, page):
+    """The mixed step's chunk kernel (a causal [rows, keys] mask through the shared softmax
+    tile), slot and paged, at a 7-head group (qwen2.5-0.5b's) and head dim 64."""
+    _compile(chunk_attention._chunk_attention_kernel,
+             dict(G=7, G_PAD=8, TOKENS=16, D=64, BLOCK=64, PAGE=page,
+                  FP32_DOT=activation == "fp32"),
+             activation, overrides={"pos_ptr": "*i64", "tile_ptr": "*i64"})  # fmt: skip
 
 
 def test_decode_layer_kernels_compile_in_fp32():
