@@ -37,14 +37,13 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import threading
 from collections import deque
 from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
 
-from hybridflow.engine.requests import Completion, Submission
+from hybridflow.engine.requests import Submission
 from hybridflow.engine.sampling import SamplingParams
 from hybridflow.engine.serving.handles import RequestHandle
 from hybridflow.engine.serving.service import RolloutService
@@ -100,27 +99,10 @@ class LockstepService(RolloutService):
         sub.lockstep_key = key
         return sub, handle
 
-    def generate(self, prompts, params: SamplingParams, seeds=None, *, keep=False,
-                 reuse=None, sample_index=None) -> list[Completion]:  # fmt: skip
-        if threading.current_thread() is self._thread:
-            raise RuntimeError("Engine.generate called on the engine's own thread")
-        finished = threading.Event()
-        sub = self.engine.submission(prompts, params, seeds, keep=keep, reuse=reuse,
-                                     on_finish=lambda *_: sub.done and finished.set(),
-                                     sample_index=sample_index)  # fmt: skip
-        sub.table.check()
+    def _submit(self, sub, failed) -> None:
+        """A generate()'s submission goes to every rank, under this rank's key."""
         sub.lockstep_key = (self.rank, next(self._keys))
-        errors: list[BaseException] = []
-
-        def failed(error):
-            errors.append(error)
-            finished.set()
-
         self._send(sub, failed)
-        finished.wait()
-        if errors:
-            raise errors[0]
-        return sub.results
 
     def release_kept(self, handles) -> None:
         """Give kept slots back on every rank: a request of this rank's (module docstring),

@@ -133,11 +133,15 @@ class RolloutService:
             errors.append(error)
             finished.set()
 
-        self._post(lambda: self._add(sub, failed))
+        self._submit(sub, failed)
         finished.wait()
         if errors:
             raise errors[0]
         return sub.results
+
+    def _submit(self, sub, failed) -> None:
+        """Hand a checked submission to the engine's thread (lockstep.py: to every rank's)."""
+        self._post(lambda: self._add(sub, failed))
 
     def release_kept(self, handles) -> None:
         """Give kept slots back (at the next chunk boundary)."""
