@@ -45,6 +45,7 @@ from hybridflow.engine.requests import (
 from hybridflow.engine.sampling import SamplingParams, call_seeds
 from hybridflow.engine.scheduling.kept import KeptKV
 from hybridflow.engine.scheduling.scheduler import Scheduler
+from hybridflow.engine.scheduling.tail import TailStats
 from hybridflow.engine.state import DecodeState
 from hybridflow.engine.weights import copy_named_tensors
 
@@ -185,6 +186,7 @@ class Engine:
         self.service = None  # the RolloutService driving this engine, while one runs
         self.policy_version = 0  # bumped by load_weights / new_policy_version
         self.prefill_tokens = 0  # prompt tokens run through prefill or extend (a counter)
+        self.tail = TailStats()  # the long tail's steps and seconds (scheduling/tail.py)
         # verify passes of drafted tokens in the tail (speculative/verify.py), or None
         self.speculation = None
         if options.speculative != "off" and self.native:

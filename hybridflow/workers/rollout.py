@@ -30,6 +30,7 @@ from hybridflow.config import Config
 from hybridflow.config.rollout_section import kv_memory_share
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.data.image_batch import IMAGE_GRID_THW, MROPE_POSITIONS, PIXEL_VALUES
+from hybridflow.engine.scheduling.tail import TAIL_METRICS, tail_metrics
 from hybridflow.engine.speculative import SPECULATIVE_METRICS
 from hybridflow.protocol import Batch
 from hybridflow.workers.model_loading import (
@@ -342,6 +343,7 @@ class RolloutWorker(Worker):
             images["images"] = _prompt_images(batch)
         speculation = self.engine.speculation  # its counters before, for this call's metrics
         before = dataclasses.replace(speculation.stats) if speculation is not None else None
+        tail_before = dataclasses.replace(self.engine.tail)
         # through the service, if one runs
         results = self.engine.generate(prompt_ids, params, sample_index=sample_index, **images)
         # the service keeps its cache for the requests in flight
@@ -374,10 +376,21 @@ class RolloutWorker(Worker):
                 batch.tensors["prompts"].shape[1],
                 width,
             )  # [b*n, P+R, L_sparse, k]
-        meta = {}
-        if before is not None:  # this rank's (a concat keeps the first rank's meta)
-            meta[SPECULATIVE_METRICS] = speculation.stats.since(before).metrics()
-        return Batch(tensors, meta=meta)
+        return Batch(tensors, meta=self._engine_metrics(before, tail_before))
+
+    def _engine_metrics(self, speculation_before, tail_before) -> dict:
+        """Batch.meta of the engine's metrics since the counters' copies taken before the
+        call: this rank's (a concat keeps the first rank's meta)."""
+        speculation, meta = self.engine.speculation, {}
+        pair = None
+        if speculation_before is not None:
+            call = speculation.stats.since(speculation_before)
+            meta[SPECULATIVE_METRICS] = call.metrics()
+            pair = (call, speculation.stats)
+        if self.engine.native:  # the slow path has no scheduler, so no tail
+            tail = self.engine.tail
+            meta[TAIL_METRICS] = tail_metrics(tail.since(tail_before), tail, pair)
+        return meta
 
     def _token_versions(self, results: list, width: int) -> torch.Tensor:
         """[rows, width] int64: the version that sampled each token, -1 after the end. The

@@ -154,6 +154,7 @@ def test_idle_cores_are_said_once_with_the_setting_that_uses_them():
 
 
 def test_speculative_rollout_reports_its_metrics_with_the_batch():
+    from hybridflow.engine.scheduling.tail import TAIL_METRICS
     from hybridflow.engine.speculative import SPECULATIVE_METRICS
 
     config = tiny_config("rollout.engine.speculative=ngram", "rollout.engine.decode_backend=torch",
@@ -167,5 +168,7 @@ def test_speculative_rollout_reports_its_metrics_with_the_batch():
         assert 0 <= metrics["rollout/speculative_acceptance_rate"] <= 1
         assert metrics["rollout/speculative_tokens_per_pass"] >= 1
         assert metrics["rollout/speculative_seconds"] > 0
+        tail = out.meta[TAIL_METRICS]  # its rows decode 32 tokens: the last ones in a tail
+        assert tail["rollout/tail_seconds"] > metrics["rollout/speculative_seconds"]
     finally:
         group.shutdown()

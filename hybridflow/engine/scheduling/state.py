@@ -58,6 +58,7 @@ class SchedulerState:
         self.steps = 0  # step() calls so far (a clock for how long requests have waited)
         self.decode_steps = 0  # steps run, and rows decoded summed over them (their ratio: the
         self.decoded_rows = 0  # mean batch, a counter of how well requests share steps)
+        self.plain_decode_steps = 0  # decode_steps less verify passes and mixed steps
         self.mixed_steps = 0  # steps whose forward carried decode rows and prompt chunks
         self.pending = None  # readback.Snapshot of the chunk queued last, not yet read
         self.version = 0  # the policy version sampling now (new_version)

@@ -54,7 +54,7 @@ class SpeculationStats:
     drafted: int = 0  # draft tokens scored
     accepted: int = 0  # draft tokens accepted
     emitted: int = 0  # tokens the passes emitted (accepted + one per row, less stops)
-    seconds: float = 0.0  # wall time of the passes (synchronous: reads back, forward, sync)
+    seconds: float = 0.0  # wall time of the passes (synchronous: drafts, forward, sync)
 
     def since(self, earlier: SpeculationStats) -> SpeculationStats:
         """The counts of what ran after `earlier` (a copy taken then: dataclasses.replace)."""
@@ -120,8 +120,10 @@ def run_step(scheduler: SchedulerState) -> bool:
         return False
     from hybridflow.engine.scheduling import preemption, readback
 
-    started = time.perf_counter()
     readback.flush(scheduler)  # every row's tokens on the host: the drafts extend them
+    # timed from here: the flush waits for the decode chunk queued before (tail.py's plain
+    # decode time), not for this pass
+    started = time.perf_counter()
     drafts = speculation.drafts(scheduler.rows, scheduler.row_budget)
     longest = max(map(len, drafts.values()), default=0)
     if not longest:

@@ -21,6 +21,7 @@ from hybridflow.data.image_batch import (
     PIXEL_VALUES,
     extend_positions,
 )
+from hybridflow.engine.scheduling.tail import TAIL_METRICS
 from hybridflow.engine.speculative import SPECULATIVE_METRICS
 from hybridflow.progress import ProgressReporter, quiet_reporter
 from hybridflow.protocol import Batch
@@ -229,6 +230,7 @@ def score(run: RunContext, batch: Batch, step: int | None = None) -> tuple[Batch
 
         metrics.update(agent_metrics(batch.arrays))
     metrics.update(batch.meta.get(SPECULATIVE_METRICS, {}))  # rollout.engine.speculative
+    metrics.update(batch.meta.get(TAIL_METRICS, {}))  # the long tail's seconds (and saved)
     return batch, metrics
 
 
