@@ -114,12 +114,23 @@ def mode_overrides(mode: str) -> list[str]:
             *(o for flag in flags for o in MODE_FLAGS[flag])]  # fmt: skip
 
 
+def workload_paths(work: Path, args) -> dict[str, Path]:
+    """The model, its tokenizer and the prompts every mode runs: --model-dir, --tokenizer-dir
+    and --prompts-file where given, else the random-weight ones built under work."""
+    model = Path(args.model_dir) if getattr(args, "model_dir", None) else work / "model"
+    tokenizer = getattr(args, "tokenizer_dir", None) or (
+        model if getattr(args, "model_dir", None) else work / "tokenizer")  # fmt: skip
+    prompts = getattr(args, "prompts_file", None) or work / "prompts.jsonl"
+    return {"model": model, "tokenizer": Path(tokenizer), "prompts": Path(prompts)}
+
+
 def mode_run_overrides(mode: str, work: Path, args, steps: int, run_dir: Path) -> list[str]:
     """The `hybridflow train` overrides of a `steps`-step run of `mode` in run_dir."""
+    paths = workload_paths(work, args)
     return [
-        f"model.path={work / 'model'}",
-        f"model.tokenizer_path={work / 'tokenizer'}",
-        f"data.train_files=[{work / 'prompts.jsonl'}]",
+        f"model.path={paths['model']}",
+        f"model.tokenizer_path={paths['tokenizer']}",
+        f"data.train_files=[{paths['prompts']}]",
         f"data.train_batch_size={args.prompts}",
         f"data.max_prompt_length={args.prompt_len + 8}",
         f"data.max_response_length={args.max_new_tokens}",
@@ -131,6 +142,26 @@ def mode_run_overrides(mode: str, work: Path, args, steps: int, run_dir: Path) -
         *mode_overrides(mode),
         *args.override,
     ]
+
+
+def prepare_workload(work: Path, args) -> None:
+    """The random-weight model (unless --model-dir), the random-word prompts (unless
+    --prompts-file) and the hashed reward, under work."""
+    if args.model_dir:
+        vocab = json.loads((Path(args.model_dir) / "config.json").read_text())["vocab_size"]
+    else:
+        vocab = build_model_dir(args.preset, work / "model", args.mean_new_tokens)["vocab_size"]
+    if not args.prompts_file:
+        write_prompts(work / "prompts.jsonl", args.prompts, args.prompt_len, vocab, 0)
+    (work / "reward.py").write_text(REWARD)
+
+
+def workload_label(args) -> str:
+    """The model and lengths of the runs, for the table's title."""
+    if args.model_dir:
+        return f"{args.model_dir}, prompts of at most {args.prompt_len} tokens"
+    return (f"{args.preset}, prompt {args.prompt_len}, responses geometric of mean "
+            f"~{args.mean_new_tokens:.0f}")  # fmt: skip
 
 
 def prime_caches(work: Path, args) -> None:
@@ -161,12 +192,13 @@ def run_mode(mode: str, work: Path, args) -> dict | None:
     for row in steps:  # the async mode's wait for its rollout lies outside train_step
         row["wall_s"] = row["timing_s/step"] + row.get("timing_s/wait_rollout", 0.0)
     mean = lambda key: sum(row.get(key, 0.0) for row in timed) / len(timed)  # noqa: E731
-    logged = ("async/", "staleness/", "rollout/speculative_")
+    logged = ("async/", "staleness/", "rollout/speculative_", "rollout/tail_")
     extra = sorted({k for row in timed for k in row if k.startswith(logged)})
     return {
         "mode": mode,
         "complete": complete,
         "step_s": mean("wall_s"),
+        "gen_s": mean("timing_s/gen"),  # asynchronous: timed on the producer, beside the update
         "steps_s": [row["wall_s"] for row in steps],
         "timed_s": [row["wall_s"] for row in timed],
         "response_mean": mean("response_length/mean"),
@@ -212,15 +244,25 @@ def main() -> None:
     p.add_argument("--override", action="append", default=[], help="a config override, every mode")
     p.add_argument("--work-dir", default=None, help="model, prompts and runs (default: a temp dir)")
     p.add_argument("--run-timeout", type=float, default=3000)
+    p.add_argument("--model-dir", default=None,
+                   help="a trained checkpoint (config.json and weights) instead of a random-"
+                        "weight --preset: its own end-of-sequence ids end the responses, so "
+                        "--mean-new-tokens is unused (benchmarks/speculative_tail.py)")  # fmt: skip
+    p.add_argument("--tokenizer-dir", default=None, help="--model-dir's tokenizer (default: it)")
+    p.add_argument("--prompts-file", default=None,
+                   help="prompt rows (jsonl or parquet, the data schema) instead of random "
+                        "words; --prompt-len must cover their tokens")  # fmt: skip
     p.add_argument("--json", default=None)
     args = p.parse_args()
     for mode in args.modes:
         mode_overrides(mode)  # a bad mode stops here, before anything is built
+    for flag, path in (("--model-dir", args.model_dir), ("--tokenizer-dir", args.tokenizer_dir),
+                       ("--prompts-file", args.prompts_file)):  # fmt: skip
+        if path is not None and not Path(path).exists():
+            raise SystemExit(f"{flag} {path}: no such file or directory")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-async-"))
     work.mkdir(parents=True, exist_ok=True)
-    config = build_model_dir(args.preset, work / "model", args.mean_new_tokens)
-    write_prompts(work / "prompts.jsonl", args.prompts, args.prompt_len, config["vocab_size"], 0)
-    (work / "reward.py").write_text(REWARD)
+    prepare_workload(work, args)
     if args.prime:
         prime_caches(work, args)
     results = []
@@ -236,9 +278,9 @@ def main() -> None:
         )
     if not results:
         raise SystemExit("no mode finished a step: nothing to compare")
-    print(f"\nGRPO, {args.preset}, {args.prompts} prompts × {args.samples} samples, "
-          f"prompt {args.prompt_len}, responses geometric of mean ~{args.mean_new_tokens:.0f} "
-          f"up to {args.max_new_tokens}; mean of steps {args.warmup + 1}..{args.steps - 1}")  # fmt: skip
+    print(f"\nGRPO, {workload_label(args)}, {args.prompts} prompts × {args.samples} samples, "
+          f"up to {args.max_new_tokens} new tokens; mean of steps {args.warmup + 1}.."
+          f"{args.steps - 1}")  # fmt: skip
     print("| mode | s/step | speed-up | response mean | response max | cut at max "
           "| GPU busy % | steps (s) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
