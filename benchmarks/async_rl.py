@@ -8,6 +8,8 @@
         --override trainer.backend=local --override trainer.n_gpus_per_node=2  # 2 GPUs
     python benchmarks/async_rl.py --preset tiny --device cpu --prompts 4 --samples 2 \\
         --max-new-tokens 32 --mean-new-tokens 8 --steps 3          # smoke run
+    python benchmarks/async_rl.py --model-dir CKPT --prompts-file rows.jsonl --prompt-len 256 \\
+        --modes sync sync:spec       # a trained checkpoint (benchmarks/speculative_tail.py)
 
 The lengths: a random-weight model samples nearly uniformly over its vocabulary, so with K of
 its V ids as end-of-sequence ids (the model's config.json `eos_token_id` list) a response

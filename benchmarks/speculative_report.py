@@ -78,7 +78,7 @@ def print_generation(data: dict) -> None:
         same, total = same_tokens(data["off"], data["ngram"])
         print(f"tail {_cell(tail, '.2f')}× faster (target {TAIL_TARGET}×), the whole call "
               f"{_cell(call, '.2f')}×; {same} of {total} completions the same tokens as "
-              f"without speculation (bf16: a rounding apart can change a draw)")  # fmt: skip
+              f"without speculation (a float rounding apart can change a draw)")  # fmt: skip
 
 
 def baseline_of(mode: str) -> str:

@@ -255,7 +255,7 @@ def parse_args(argv=None):
     p.add_argument("--work-dir", default=None, help="default: a temporary directory")
     p.add_argument("--json", default=None, help="the result, rewritten after every phase")
     p.add_argument("--device", default=None, help="cuda (default where there is one) or cpu")
-    p.add_argument("--budget-s", type=float, default=550, help="every phase together")
+    p.add_argument("--budget-s", type=float, default=540, help="every phase together")
     p.add_argument("--preset", default="qwen2.5-0.5b", help="the SFT model's shape")
     p.add_argument("--tokenizer-vocab", type=int, default=8192, help="BPE ids = model vocab")
     p.add_argument("--model-dir", default=None, help="a trained checkpoint: no SFT")

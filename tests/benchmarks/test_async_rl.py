@@ -85,3 +85,28 @@ def test_timed_steps_far_apart_are_flagged_as_no_steady_state():
     assert warning.startswith("warning: sync's timed steps differ 1.9×") and "--prime 2" in warning
     assert uneven_warning("async:1:partial", [23.14, 22.12]) is None  # run-to-run noise
     assert uneven_warning("sync", [22.4]) is None  # one timed step: nothing to compare
+
+
+def test_a_given_checkpoint_and_prompts_replace_the_random_ones(tmp_path):
+    from argparse import Namespace
+
+    from async_rl import prepare_workload, workload_paths
+
+    work, checkpoint = tmp_path / "work", tmp_path / "ckpt"
+    work.mkdir()
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"vocab_size": 300}))
+    args = Namespace(model_dir=str(checkpoint), tokenizer_dir=None, prompts_file=None,
+                     prompts=3, prompt_len=4, preset="tiny", mean_new_tokens=8)  # fmt: skip
+    prepare_workload(work, args)
+    assert not (work / "model").exists()  # no random-weight model built
+    rows = [json.loads(line) for line in (work / "prompts.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and (work / "reward.py").exists()
+    words = rows[0]["prompt"][0]["content"].split()
+    assert len(words) == 4 and all(10 <= int(w[1:]) < 150 for w in words)  # the model's vocab
+    assert workload_paths(work, args) == {"model": checkpoint, "tokenizer": checkpoint,
+                                          "prompts": work / "prompts.jsonl"}  # fmt: skip
+    given = Namespace(model_dir=None, tokenizer_dir=None, prompts_file=str(tmp_path / "p.jsonl"))
+    assert workload_paths(work, given) == {"model": work / "model",
+                                           "tokenizer": work / "tokenizer",
+                                           "prompts": tmp_path / "p.jsonl"}  # fmt: skip
