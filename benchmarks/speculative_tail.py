@@ -20,14 +20,15 @@ as it goes and its result kept in --json before the next starts:
 3. generation: the engine on --gen-prompts questions × --gen-samples at temperature 1 up to
    --gen-max-new-tokens, speculation off then on, the same seeds: each call's seconds, the
    long tail's (the steps with at most --tail-rows rows decoding: scheduling/tail.py), the
-   acceptance rate, tokens per verify pass and the tail seconds the engine says it saved;
+   acceptance rate, tokens per verify pass and the tail seconds the engine says it saved
+   (the draft store holds the earlier calls' samples of the same prompts: a later epoch);
 4. rl: `hybridflow train` GRPO runs of --rl-modes on the checkpoint (benchmarks/async_rl.py's
    runs, --model-dir), distinct prompts every step (the draft store holds a group's siblings,
    no earlier epoch), --rl-steps each, the mean of the steps after --rl-warmup and before the
    last; the update runs eager (model.compile=false: a cold compile would take most of a
    short run; --rl-override model.compile=true to change it).
 
-Targets (docs/performance.md): the tail ≥ 1.5× faster, a sync step ≥ 1.2×. Exit 1 when a
+Targets: the tail ≥ 1.5× faster, a sync step ≥ 1.2×. Exit 1 when a
 phase failed or was skipped (what the others measured is printed and kept).
 """
 
