@@ -13,7 +13,8 @@ as it goes and its result kept in --json before the next starts:
 
 1. prepare: a byte-level BPE tokenizer trained on the questions and solutions (Qwen's chat
    template, `<|im_end|>` its end of sequence), the SFT rows (question and the instruction
-   of `hybridflow data gsm8k` -> the solution), the RL prompt rows and the engine's prompts;
+   of `hybridflow data gsm8k` -> the solution), the RL prompt rows and the engine's prompts
+   (the input's last rows, held out of the SFT);
 2. sft (benchmarks/speculative_phases.py): a fresh --preset model, its vocabulary the
    tokenizer's, trained for --sft-seconds and saved with its tokenizer (skipped with
    --model-dir);
@@ -100,6 +101,19 @@ def read_gsm8k(path: str, limit: int | None) -> list[dict]:
     return rows
 
 
+def split_rows(rows: list[dict], gen_prompts: int, rl_prompts: int) -> tuple[list, list, list]:
+    """(SFT rows, the engine's, the RL runs'): the last gen_prompts + rl_prompts rows are held
+    out of the SFT, so the measured prompts are questions the model never saw solved (its
+    own memorised solutions would agree with their siblings more than a model's text does).
+    SystemExit when no row is left to train on."""
+    held = gen_prompts + rl_prompts
+    if len(rows) <= held:
+        raise SystemExit(f"--input: {len(rows)} rows, and {gen_prompts} (--gen-prompts) + "
+                         f"{rl_prompts} (--rl-prompts × --rl-steps) are held out of the SFT: "
+                         "give more rows or fewer prompts")  # fmt: skip
+    return rows[:-held], rows[-held:][:gen_prompts], rows[-held:][gen_prompts:]
+
+
 def prepare(work: Path, args, report: Report) -> dict:
     """The tokenizer (unless --model-dir brings one), the SFT rows, the RL prompt rows and
     the engine's prompt ids under work. -> the workload's facts."""
@@ -110,25 +124,27 @@ def prepare(work: Path, args, report: Report) -> dict:
     from hybridflow.models import load_tokenizer
 
     rows = read_gsm8k(args.input, args.sft_examples)
+    sft_rows, gen_rows, rl_rows = split_rows(rows, args.gen_prompts,
+                                             args.rl_prompts * args.rl_steps)  # fmt: skip
     if args.model_dir:
         tokenizer = load_tokenizer(args.tokenizer_dir or args.model_dir)
     else:
-        texts = [text for row in rows for text in (row["question"], row["answer"])]
+        texts = [text for row in sft_rows for text in (row["question"], row["answer"])]
         tokenizer = build_tokenizer(texts, args.tokenizer_vocab, work / "tokenizer")
     with (work / "sft.jsonl").open("w") as f:
-        for row in rows:
+        for row in sft_rows:
             prompt = [{"role": "user", "content": f"{row['question']} {INSTRUCTION}"}]
             f.write(json.dumps({"prompt": prompt, "response": row["answer"]}) + "\n")
     rl_rows = [gsm8k_row(row["question"], row["answer"], "train", i)
-               for i, row in enumerate(rows[: args.rl_prompts * args.rl_steps])]  # fmt: skip
+               for i, row in enumerate(rl_rows)]  # fmt: skip
     with (work / "prompts.jsonl").open("w") as f:
         f.writelines(json.dumps(row) + "\n" for row in rl_rows)
     gen_ids = [encode_chat_prompt(tokenizer, gsm8k_row(row["question"], row["answer"], "train",
                                                        i)["prompt"])
-               for i, row in enumerate(rows[: args.gen_prompts])]  # fmt: skip
+               for i, row in enumerate(gen_rows)]  # fmt: skip
     (work / "gen_prompts.json").write_text(json.dumps(gen_ids))
     rl_lengths = [len(encode_chat_prompt(tokenizer, row["prompt"])) for row in rl_rows]
-    facts = {"rows": len(rows), "vocab": len(tokenizer), "rl_prompts": len(rl_rows),
+    facts = {"sft_rows": len(sft_rows), "vocab": len(tokenizer), "rl_prompts": len(rl_rows),
              "rl_prompt_max": max(rl_lengths), "gen_prompts": len(gen_ids),
              "gen_prompt_mean": sum(map(len, gen_ids)) / len(gen_ids)}  # fmt: skip
     report.put("prepare", facts)
@@ -266,7 +282,12 @@ def parse_args(argv=None):
     p.add_argument("--sft-batch", type=int, default=64)
     p.add_argument("--sft-lr", type=float, default=6e-4)
     p.add_argument("--sft-max-length", type=int, default=512, help="longer examples dropped")
-    p.add_argument("--sft-examples", type=int, default=None, help="rows read (default: all)")
+    p.add_argument(
+        "--sft-examples",
+        type=int,
+        default=None,
+        help="rows read, the measured prompts' among them (default: all)",
+    )
     p.add_argument("--gen-prompts", type=int, default=64)
     p.add_argument("--gen-samples", type=int, default=8)
     p.add_argument("--gen-max-new-tokens", type=int, default=1024)

@@ -147,3 +147,14 @@ def test_the_tables_compare_each_speculative_mode_with_its_baseline(capsys):
     speedups = [row["speed-up"] for row in markdown_rows(text, "| mode |")]
     assert speedups == ["-", "1.20×", "-"]  # no async:1:partial run to compare with
     assert "sync step 1.20× faster with speculation (target 1.2×)" in text
+
+
+def test_the_measured_prompts_are_held_out_of_the_sft():
+    bench = load_script("speculative_tail.py")
+    rows = [{"question": f"q{i}"} for i in range(10)]
+    sft, gen, rl = bench.split_rows(rows, 2, 3)
+    assert [r["question"] for r in sft] == [f"q{i}" for i in range(5)]
+    assert [r["question"] for r in gen] == ["q5", "q6"]
+    assert [r["question"] for r in rl] == ["q7", "q8", "q9"]
+    with pytest.raises(SystemExit, match="10 rows, and 4 .* 6 .* are held out"):
+        bench.split_rows(rows, 4, 6)
