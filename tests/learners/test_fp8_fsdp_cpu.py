@@ -1,6 +1,9 @@
 """FP8 training under FSDP2 on two CPU ranks (gloo, torchao's emulation): the update equals
 one process's, the weights sync and save as plain fp32 tensors, and with tensorwise scales
-FSDP2 all-gathers the weights in float8. One start-up of the two processes serves the tests."""
+FSDP2 all-gathers the weights in float8. Under Ulysses sequence parallelism (SP = 2) each
+rank's slice is padded to a multiple of 16 tokens: the loss and the update are those of the
+unpadded slices, and every FP8 matmul runs a multiple of 16 tokens. One start-up of the two
+processes serves the tests."""
 
 import importlib.util
 import json
@@ -8,7 +11,7 @@ import json
 import pytest
 import torch
 from gloo_ranks import run_ranks
-from learner_helpers import actor_config, make_batch, tiny_model
+from learner_helpers import actor_config, make_batch, record_float8_token_counts, tiny_model
 
 from hybridflow.learners import ActorLearner
 
@@ -47,13 +50,63 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
             }
             with open(f"{out_dir}/{recipe}.json", "w") as f:
                 json.dump(result, f)
+    _sequence_parallel(rank, world, out_dir)
+
+
+def _sequence_parallel(rank: int, world: int, out_dir: str) -> None:
+    """SP = 2 (FSDP2 over the two ranks): fp32 actors with the slices unpadded and padded to
+    16 tokens (what FP8 training pads to), and an FP8 actor; each rank's own rows."""
+    from hybridflow.parallel import build_mesh, train_layout
+
+    mesh = build_mesh(train_layout(world, sp=2), "cpu")
+    rows = make_batch(seed=3).index(list(range(rank * 4, rank * 4 + 4)))
+    result = {}
+    for name, multiple in (("unpadded", 1), ("padded", 16)):
+        actor = ActorLearner(tiny_model(), actor_config(ppo_mini_batch_size=8), total_steps=2,
+                             device="cpu", mesh=mesh)  # fmt: skip
+        actor.policy.token_multiple = multiple  # the padding FP8 training turns on
+        slices = _recorded_slice_lengths(actor.model)
+        logprobs = actor.compute_logprobs(rows)["old_logprobs"]
+        metrics = actor.update(rows)
+        weights = {n: t.clone() for n, t in actor.core.iter_full_tensors(actor.model)}
+        result[name] = (slices, logprobs, metrics, weights)
+    fp8 = ActorLearner(tiny_model(), actor_config(precision="fp8", ppo_mini_batch_size=8),
+                       total_steps=2, device="cpu", mesh=mesh, fp8_emulate=True)  # fmt: skip
+    counts = record_float8_token_counts(fp8.model)
+    fp8.compute_logprobs(rows)
+    fp8.update(rows)
+    if rank == 0:
+        (unpadded_slices, logprobs, metrics, weights), padded = result["unpadded"], result["padded"]
+        summary = {
+            "unpadded_slices": unpadded_slices,
+            "padded_slices": padded[0],
+            "logprob_diff": float((padded[1] - logprobs).abs().max()),
+            "metrics": (metrics, padded[2]),
+            "weight_diff": max(float((padded[3][n] - w).abs().max()) for n, w in weights.items()),
+            "fp8_token_counts": counts,
+        }
+        with open(f"{out_dir}/sequence_parallel.json", "w") as f:
+            json.dump(summary, f)
+
+
+def _recorded_slice_lengths(model) -> list[int]:
+    """The token count of each packed forward ``model`` runs (this rank's slice under SP)."""
+    lengths, forward = [], model.forward_packed
+
+    def recorded(input_ids, *args, **kwargs):
+        lengths.append(input_ids.numel())
+        return forward(input_ids, *args, **kwargs)
+
+    model.forward_packed = recorded
+    return lengths
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("fp8_fsdp")
     run_ranks(_worker, 2, str(out_dir))
-    return {r: json.loads((out_dir / f"{r}.json").read_text()) for r in RECIPES}
+    names = (*RECIPES, "sequence_parallel")
+    return {r: json.loads((out_dir / f"{r}.json").read_text()) for r in names}
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -72,3 +125,21 @@ def test_fsdp2_fp8_weights_sync_and_save_as_plain_fp32(two_ranks, recipe):
     assert result["full_types"] == ["Tensor"] and result["full_dtypes"] == ["torch.float32"]
     assert result["gathered_types"] == ["Tensor"]
     assert result["resumed_in_bf16"]
+
+
+def test_sequence_parallel_slices_padded_to_16_tokens_keep_the_loss_and_the_update(two_ranks):
+    result = two_ranks["sequence_parallel"]
+    assert any(n % 16 for n in result["unpadded_slices"])  # the case that needs padding
+    assert result["padded_slices"] and all(n % 16 == 0 for n in result["padded_slices"])
+    # the pad is a sequence of its own that no output reads: fp32, the same up to the sums'
+    # order (the padded slices split the stream at other tokens)
+    assert result["logprob_diff"] < 1e-5
+    unpadded, padded = result["metrics"]
+    for key in ("pg_loss", "pg_clipfrac", "grad_norm"):
+        assert padded[key] == pytest.approx(unpadded[key], rel=1e-5, abs=1e-7), key
+    assert result["weight_diff"] < 1e-6
+
+
+def test_every_float8_matmul_under_sequence_parallelism_runs_a_multiple_of_16_tokens(two_ranks):
+    counts = two_ranks["sequence_parallel"]["fp8_token_counts"]
+    assert counts and all(n % 16 == 0 for n in counts), sorted(set(counts))
