@@ -1,6 +1,8 @@
 """FP8 training under FSDP2 on two CPU ranks (gloo, torchao's emulation): the update equals
 one process's, the weights sync and save as plain fp32 tensors, and with tensorwise scales
-FSDP2 all-gathers the weights in float8. Under Ulysses sequence parallelism (SP = 2) each
+FSDP2 all-gathers the weights in float8; the rollout's e4m3 weights (its quantization of the
+bf16 weights the sync gathers) are the bytes and scales of the trainer's forward, before and
+after an optimizer step, with bf16 mixed precision as on a GPU. Under Ulysses sequence parallelism (SP = 2) each
 rank's slice is padded to a multiple of 16 tokens: the loss and the update are those of the
 unpadded slices, and every FP8 matmul runs a multiple of 16 tokens. One start-up of the two
 processes serves the tests."""
@@ -50,7 +52,98 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
             }
             with open(f"{out_dir}/{recipe}.json", "w") as f:
                 json.dump(result, f)
+    _weight_sync(rank, out_dir)
     _sequence_parallel(rank, world, out_dir)
+
+
+def _weight_sync(rank: int, out_dir: str) -> None:
+    """Per recipe and check (built, then stepped): how many projections the rollout
+    quantizes into the trainer's bytes, and into its scales, on rank 0."""
+    result = {}
+    for recipe in RECIPES:
+        core = _mixed_precision_core(recipe)
+        for when in ("built", "stepped"):
+            if when == "stepped":
+                loss = core.module(_packed())[0].float().square().mean()
+                loss.backward()
+                core.optimizer_step(grad_clip=1.0)
+            result[f"{recipe} {when}"] = _rollout_matches(core, recipe)
+    if rank == 0:
+        with open(f"{out_dir}/weight_sync.json", "w") as f:
+            json.dump(result, f)
+
+
+def _mixed_precision_core(recipe: str):
+    """FSDP2 over the two ranks with fp32 masters computing in bf16 (the GPU's layout)."""
+    from hybridflow.learners.core import TrainCore
+    from hybridflow.learners.fp8_training import Fp8Training
+    from hybridflow.learners.modules import PolicyModel
+
+    model = tiny_model(seed=3)
+    for param in model.parameters():  # fp32 values that bf16 rounds
+        param.data.normal_(0, 0.05, generator=torch.Generator().manual_seed(param.numel()))
+    core = TrainCore(PolicyModel(model, token_multiple=16), device="cpu", mixed_precision=True,
+                     fp8=Fp8Training(recipe, emulate=True))  # fmt: skip
+    core.build_optimizer(lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), schedule="constant",
+                         warmup_steps=0, total_steps=2, min_lr_ratio=0.0)  # fmt: skip
+    return core
+
+
+def _packed():
+    from hybridflow.learners.packing import pack_rows
+
+    batch = make_batch(seed=3)
+    return pack_rows(batch["prompts"], batch["responses"], batch["attention_mask"])
+
+
+def _rollout_matches(core, recipe: str) -> dict[str, int]:
+    from hybridflow.engine.fp8.weight_scales import quantize_weight
+
+    casts = _trainer_weight_casts(core)
+    synced = {name: t.clone() for name, t in core.iter_unit_gathered(core.module.lm)}
+    counts = {"projections": len(casts), "same bytes": 0, "same scales": 0}
+    for name, (values, scale) in casts.items():
+        rollout_values, rollout_scale = quantize_weight(synced[f"{name}.weight"], recipe)
+        counts["same bytes"] += torch.equal(values.view(torch.uint8),
+                                            rollout_values.view(torch.uint8))  # fmt: skip
+        counts["same scales"] += torch.equal(scale.expand(len(rollout_scale)),
+                                             rollout_scale.view(-1))  # fmt: skip
+    return counts
+
+
+def _trainer_weight_casts(core) -> dict:
+    """{linear name: (e4m3 [N, K], scale [N] or [1])} its FP8 forward multiplies by, recorded in
+    one forward: a weight FSDP2 all-gathered in float8 (tensorwise) arrives cast; rowwise
+    casts the gathered bf16 weight in the forward (torchao's hp_tensor_to_float8_dynamic)."""
+    import torchao.float8.float8_linear as float8_linear
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+
+    casts, current, cast = {}, [], float8_linear.hp_tensor_to_float8_dynamic
+
+    def recording(tensor, *args, **kwargs):
+        out = cast(tensor, *args, **kwargs)
+        if kwargs.get("gemm_input_role") is GemmInputRole.WEIGHT:  # weight.t(): [K, N]
+            casts[current[-1]] = (out._data.t(), out._scale.reciprocal().reshape(-1))
+        return out
+
+    def before(module, _args, name):
+        current.append(name)
+        weight = module.weight
+        if isinstance(weight, Float8TrainingTensor):  # freed with the unit's gather: copied
+            casts[name] = (weight._data.clone(), weight._scale.reciprocal().reshape(-1))
+
+    hooks = [module.register_forward_pre_hook(lambda m, a, name=name: before(m, a, name))
+             for name, module in core.module.lm.named_modules()
+             if isinstance(module, float8_linear.Float8Linear)]  # fmt: skip
+    float8_linear.hp_tensor_to_float8_dynamic = recording
+    try:
+        with torch.no_grad():
+            core.module(_packed())
+    finally:
+        float8_linear.hp_tensor_to_float8_dynamic = cast
+        for hook in hooks:
+            hook.remove()
+    return casts
 
 
 def _sequence_parallel(rank: int, world: int, out_dir: str) -> None:
@@ -105,7 +198,7 @@ def _recorded_slice_lengths(model) -> list[int]:
 def two_ranks(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("fp8_fsdp")
     run_ranks(_worker, 2, str(out_dir))
-    names = (*RECIPES, "sequence_parallel")
+    names = (*RECIPES, "sequence_parallel", "weight_sync")
     return {r: json.loads((out_dir / f"{r}.json").read_text()) for r in names}
 
 
@@ -125,6 +218,19 @@ def test_fsdp2_fp8_weights_sync_and_save_as_plain_fp32(two_ranks, recipe):
     assert result["full_types"] == ["Tensor"] and result["full_dtypes"] == ["torch.float32"]
     assert result["gathered_types"] == ["Tensor"]
     assert result["resumed_in_bf16"]
+
+
+@pytest.mark.parametrize("when", ["built", "stepped"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_rollout_quantizes_the_synced_weights_into_the_trainers_bytes_and_scales(
+    two_ranks, recipe, when
+):
+    """Rowwise: FSDP2 gathers bf16 weights, which both sides quantize. Tensorwise: FSDP2
+    gathers the trainer's float8 bytes, which the sync dequantizes to bf16; the trainer's
+    scale is taken from the bf16 amax (fp8_training.precompute_weight_scales), so the
+    rollout's quantization of what it receives gives back the trainer's scale and bytes."""
+    counts = two_ranks["weight_sync"][f"{recipe} {when}"]
+    assert counts == {"projections": 14, "same bytes": 14, "same scales": 14}
 
 
 def test_sequence_parallel_slices_padded_to_16_tokens_keep_the_loss_and_the_update(two_ranks):
