@@ -9,6 +9,11 @@ samples of `prompt-len` + `response-len` tokens, one optimizer step (one mini-ba
 into micro-batches of at most `--max-tokens` tokens, as `hybridflow train` runs it. The time
 is the median of `--steps` updates after `--warmup` (the first compiles). On the CPU the FP8
 variants run torchao's emulation (a smoke test: no FP8 speed there).
+
+Each row is printed against its floor (trainer/plan/stage_floors.update_floor: forward +
+backward FLOPs at the GPU's dense peak): bf16 at the bf16 peak; FP8 with the float8 linears'
+matmuls at the FP8 peak and the rest (lm_head, attention) at bf16's. "at floor" is floor /
+time. No floor on a device whose peaks are unknown (the CPU).
 """
 
 from __future__ import annotations
@@ -126,10 +131,37 @@ def time_variant(args, device, precision: str, recipe: str | None, progress) -> 
     tokens = args.rows * (args.prompt_len + args.response_len)
     seconds = statistics.median(times)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    fp8_weights = sum(actor.model.get_submodule(name).weight.numel()
+                      for name in actor.core.fp8_linears)  # fmt: skip
+    floor = update_floor_s(args, _device_name(device), fp8_weights)
     return {"precision": precision, "fp8_recipe": recipe, "update_s": seconds,
             "tokens_per_s": tokens / seconds, "fp8_linears": len(actor.core.fp8_linears),
+            "floor_s": floor, "at_floor": None if floor is None else floor / seconds,
             "peak_gib": peak, "emulated": precision == "fp8" and device.type == "cpu",
             "compiled": compile_on, "times_s": times}  # fmt: skip
+
+
+def update_floor_s(args, device_name: str, fp8_weights: int) -> float | None:
+    """The update's floor on ``device_name`` (stage_floors.update_floor): bf16 without
+    ``fp8_weights`` (weights of the linears computing in float8), FP8 with them; None where
+    the device's peaks (or its architecture's shape) are unknown."""
+    from hybridflow.trainer.observe.metrics import peak_flops_per_gpu, peak_fp8_flops_per_gpu
+    from hybridflow.trainer.plan.architecture import model_architecture
+    from hybridflow.trainer.plan.stage_floors import StepShape, update_floor
+
+    bf16_peak, fp8_peak = peak_flops_per_gpu(device_name), peak_fp8_flops_per_gpu(device_name)
+    architecture = model_architecture(args.preset)
+    if not bf16_peak or architecture is None or (fp8_weights and not fp8_peak):
+        return None
+    shape = StepShape(args.rows, 1, args.prompt_len, args.response_len)
+    return update_floor(architecture, shape, bf16_peak, args.gradient_checkpointing,
+                        fp8_weights, fp8_peak)  # fmt: skip
+
+
+def _device_name(device) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def bench_update(args, progress=None) -> dict:
@@ -148,8 +180,7 @@ def bench_update(args, progress=None) -> dict:
     baseline = next((r["update_s"] for r in rows if r["precision"] == "bf16"), None)
     for row in rows:
         row["speedup_vs_bf16"] = None if baseline is None else baseline / row["update_s"]
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return {"device": name, "preset": args.preset, "rows": args.rows,
+    return {"device": _device_name(device), "preset": args.preset, "rows": args.rows,
             "tokens": args.rows * (args.prompt_len + args.response_len),
             "torch": torch.__version__, "torchao": _torchao_version(), "variants": rows}  # fmt: skip
 
@@ -166,15 +197,21 @@ def _torchao_version() -> str | None:
 def show_update(result: dict) -> None:
     print(f"actor update on {result['device']}: {result['preset']}, {result['rows']} samples, "
           f"{result['tokens']} tokens (torch {result['torch']}, torchao {result['torchao']})")  # fmt: skip
-    print(f"{'variant':<26} {'update s':>9} {'tokens/s':>10} {'vs bf16':>8} {'fp8 linears':>12} "
-          f"{'peak GiB':>9}")  # fmt: skip
+    print(f"{'variant':<26} {'update s':>9} {'floor s':>8} {'at floor':>8} {'tokens/s':>10} "
+          f"{'vs bf16':>8} {'fp8 linears':>12} {'peak GiB':>9}")  # fmt: skip
     for row in result["variants"]:
         name = row["precision"] + (f" {row['fp8_recipe']}" if row["fp8_recipe"] else "")
         name += " (emulated)" if row["emulated"] else ""
         speedup = "-" if row["speedup_vs_bf16"] is None else f"{row['speedup_vs_bf16']:.2f}x"
         peak = "-" if row["peak_gib"] is None else f"{row['peak_gib']:.1f}"
-        print(f"{name:<26} {row['update_s']:>9.3f} {row['tokens_per_s']:>10.0f} {speedup:>8} "
-              f"{row['fp8_linears']:>12} {peak:>9}")  # fmt: skip
+        floor = "-" if row["floor_s"] is None else f"{row['floor_s']:.3f}"
+        at_floor = "-" if row["at_floor"] is None else f"{row['at_floor']:.0%}"
+        print(f"{name:<26} {row['update_s']:>9.3f} {floor:>8} {at_floor:>8} "
+              f"{row['tokens_per_s']:>10.0f} {speedup:>8} {row['fp8_linears']:>12} {peak:>9}")  # fmt: skip
+    print(
+        "floor: forward + backward FLOPs at the GPU's dense peak; fp8 rows: the float8 "
+        "linears' matmuls at the FP8 peak, the lm_head and attention at bf16's"
+    )
 
 
 def run_update_command(args) -> int:

@@ -26,10 +26,10 @@ from torch import nn
 
 from hybridflow.learners.fp8_training import (
     Fp8Training,
-    after_optimizer_step,
     convert_to_fp8,
     gathers_in_fp8,
     plain_tensor,
+    precompute_weight_scales,
 )
 from hybridflow.learners.host_optimizer import (
     BUCKET_ELEMENTS,
@@ -160,6 +160,7 @@ class TrainCore:
         self.accumulate_unsharded = not self.param_offload
         self.state_writer = StateWriter(checkpoint_group(self.groups), distributed=_dist_on())
         self.fp8_scales_after_step = fp8 is not None and gathers_in_fp8(module)
+        self.refresh_fp8_scales()  # the first forward's, as each step's
 
     # ------------------------------------------------------------------ setup
 
@@ -314,8 +315,7 @@ class TrainCore:
         skipped = not math.isfinite(grad_norm)
         if not skipped:
             self.optimizer.step()
-            if self.fp8_scales_after_step:
-                after_optimizer_step(self.module)
+            self.refresh_fp8_scales()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, skipped
 
@@ -390,7 +390,16 @@ class TrainCore:
 
     def load(self, directory: str | os.PathLike, *, trainable_only: bool) -> dict:
         """Inverse of :meth:`save` (same world size); returns the ``extra`` dict."""
-        return load_checkpoint(self, directory, trainable_only=trainable_only)
+        extra = load_checkpoint(self, directory, trainable_only=trainable_only)
+        self.refresh_fp8_scales()  # of the loaded weights
+        return extra
+
+    def refresh_fp8_scales(self) -> None:
+        """The float8 scales of the weights FSDP2 all-gathers in float8 (tensorwise FP8
+        training), after the weights changed (fp8_training.precompute_weight_scales)."""
+        if self.fp8_scales_after_step:
+            with self.on_device():
+                precompute_weight_scales(self.module, self.compute_dtype)
 
     # ------------------------------------------------------------------ full weights
 

@@ -27,6 +27,7 @@ so one of the three FP8 matmuls of a base layer is wasted.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass
 
@@ -165,19 +166,53 @@ def convert_to_fp8(lm: nn.Module, options: Fp8Training, *, fsdp: bool) -> list[s
 
 def gathers_in_fp8(module: nn.Module) -> bool:
     """Whether FSDP2 all-gathers some of ``module``'s weights in float8 (then their scales are
-    computed once after each optimizer step: :func:`after_optimizer_step`)."""
+    computed once whenever the weights change: :func:`precompute_weight_scales`)."""
     wrapper = _torchao_class("fsdp_utils", "WeightWithDynamicFloat8CastTensor")
     if wrapper is None:
         return False
     return any(isinstance(getattr(p, "_local_tensor", p), wrapper) for p in module.parameters())
 
 
-def after_optimizer_step(module: nn.Module) -> None:
+@torch.no_grad()
+def precompute_weight_scales(module: nn.Module, compute_dtype: torch.dtype | None) -> None:
     """The float8 scales of the FSDP2-sharded tensorwise weights, in one all-reduce for all of
-    them, instead of one per layer at the next forward (torchao's recipe)."""
-    import torchao.float8 as float8
+    them, instead of one per layer at each forward: torchao's
+    ``precompute_float8_dynamic_scale_for_fsdp``, each amax rounded to ``compute_dtype``
+    (FSDP2's param_dtype; None: fp32) first. Call it when the weights change (built, loaded,
+    stepped).
 
-    float8.precompute_float8_dynamic_scale_for_fsdp(module)
+    Why the rounding: the rollout receives each weight as the trainer's float8 bytes
+    dequantized to bf16 (core.iter_unit_gathered) and quantizes it again with the trainer's
+    recipe (engine/fp8/weight_scales.py), taking the amax of what it received. The amax
+    element's byte is 448, so it receives 448 / s rounded to bf16: with s = 448 / amax of the
+    fp32 master, that is within 2^-9 of amax, and the rollout's scale differs from the
+    trainer's in its last bits; with s = 448 / bf16(amax) (the amax of the bf16 compute copy,
+    the tensor a one-device trainer quantizes: fp8_linear.py) it is bf16(amax) exactly, so the
+    rollout computes the trainer's s, and its bytes, e4m3(bf16(b / s) * s) = b, are the
+    trainer's bytes b."""
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_utils import EPS
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    linears = [
+        m
+        for m in module.modules()
+        if isinstance(m, Float8Linear)
+        and isinstance(m.weight, DTensor)
+        and isinstance(m.weight._local_tensor, WeightWithDynamicFloat8CastTensor)
+    ]
+    if not linears:
+        return
+    (target,) = {m.config.cast_config_weight.target_dtype for m in linears}
+    amax = torch.stack(torch._foreach_norm([m.weight for m in linears], ord=math.inf))  # Partial
+    amax = torch.clamp(amax, EPS)  # Replicate: the one all-reduce
+    if compute_dtype is not None:
+        amax = amax.to(compute_dtype)
+    # float64 as torchao's amax_to_scale (its compiled and eager numerics agree)
+    scales = (torch.finfo(target).max / amax.to(torch.float64)).to_local().to(torch.float32)
+    for index, linear in enumerate(linears):
+        linear.weight._local_tensor._precomputed_scale = scales[index]
 
 
 def plain_tensor(tensor: torch.Tensor) -> torch.Tensor:

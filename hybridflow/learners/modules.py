@@ -35,8 +35,8 @@ class PolicyModel(nn.Module):
     sequence_group: Ulysses sequence parallelism over this group (learners/sharding/sequence_shard.py);
     every rank of it gets the same packed rows and returns the same outputs.
     fused_head: the fused log-prob head (model.fused_logprob_head, models/heads/fused_head.py).
-    token_multiple: the packed token stream padded to a multiple of it (FP8 training's 16:
-    packing.pad_tokens)."""
+    token_multiple: the tokens each forward runs padded to a multiple of it (FP8 training's 16:
+    packing.pad_tokens; under sequence parallelism each rank's slice)."""
 
     def __init__(
         self,
@@ -140,7 +140,8 @@ def packed_hidden(
 ) -> tuple[torch.Tensor, OutputShard | None]:
     """Final hidden states [m, H] at the tokens that predict the packed targets: all M of them,
     or under sequence parallelism this rank's share (and which share it is). token_multiple:
-    the tokens the model runs padded to a multiple of it (packing.pad_tokens)."""
+    the tokens the model runs padded to a multiple of it (packing.pad_tokens; under sequence
+    parallelism each rank's slice, sequence_shard.sharded_hidden)."""
     images = {}
     if packed.pixel_values is not None:
         images = {"pixel_values": packed.pixel_values, "image_grid_thw": packed.image_grid_thw,
@@ -149,7 +150,7 @@ def packed_hidden(
         if images:
             raise ValueError("images with actor.sequence_parallel_size > 1 are not supported: "
                              "set actor.sequence_parallel_size=1")  # fmt: skip
-        return sharded_hidden(lm, packed, sequence_group, **routing)
+        return sharded_hidden(lm, packed, sequence_group, **routing, token_multiple=token_multiple)
     packed = pad_tokens(packed, token_multiple)
     if "routed_experts" in routing:  # the replayed routes padded with the tokens
         routing = {**routing, "routed_experts": packed.routed_experts}

@@ -87,3 +87,18 @@ def record_full_gradients(actor) -> list[dict[str, torch.Tensor]]:
 
     actor.core.optimizer_step = recording_step
     return recorded
+
+
+def record_float8_token_counts(module: torch.nn.Module) -> list[int]:
+    """The token count of every input to ``module``'s torchao Float8Linears, one entry per
+    forward call (the backward's two matmuls have the same tokens: the grad-input's rows, the
+    grad-weight's inner dim). Empty when nothing converted."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    counts: list[int] = []
+    for layer in module.modules():
+        if isinstance(layer, Float8Linear):
+            layer.register_forward_pre_hook(
+                lambda _layer, args: counts.append(args[0].shape[:-1].numel())
+            )
+    return counts

@@ -124,3 +124,38 @@ def test_outside_autocast_the_fp32_weight_is_quantized_as_it_is(monkeypatch):
     logits.float().square().mean().backward()
     assert weight.grad is not None and weight.grad.dtype == torch.float32
     assert weight.grad.abs().sum() > 0
+
+
+def test_a_lora_rollout_quantizes_the_merged_weight_not_the_trainers_frozen_base(monkeypatch):
+    """LoRA: the trainer's FP8 linear quantizes the frozen base W and adds the bf16 adapters'
+    s·B(A x) beside it; the rollout receives W + s·BA merged (the sync folds the adapters in)
+    and quantizes that. While B = 0 (peft's initialisation) the bytes and scales are the
+    trainer's; once the adapters have trained, those of the adapted projections are not (the
+    others stay equal). Equal bytes would need the rollout to decode the adapters unmerged,
+    which the fp8 engine refuses (engine/fp8/matmul.check_fp8_engine)."""
+    from learner_helpers import actor_config, make_batch
+
+    from hybridflow.config import ModelConfig
+    from hybridflow.engine.fp8.weight_scales import quantize_weight
+    from hybridflow.learners import ActorLearner
+
+    lora = ModelConfig(path="tiny", lora_rank=4, lora_alpha=8,
+                       lora_target_modules=["q_proj", "v_proj"])  # fmt: skip
+    actor = ActorLearner(tiny_model(seed=3), actor_config(precision="fp8", ppo_mini_batch_size=8),
+                         total_steps=1, device="cpu", model_cfg=lora, fp8_emulate=True)  # fmt: skip
+
+    def projections_that_differ() -> list[str]:
+        casts = _trainer_weight_casts(actor.model, monkeypatch)  # bf16 autocast: one GPU's
+        assert len(casts) == 14  # 7 projections in each of 2 layers
+        synced = dict(actor.hf_weights(torch.bfloat16))  # what the rollout receives
+        differ = []
+        for name, (values, scale) in casts.items():
+            rollout_values, rollout_scale = quantize_weight(synced[f"{name}.weight"], "rowwise")
+            if not (_same_bits(values, rollout_values) and torch.equal(scale, rollout_scale[:, 0])):
+                differ.append(name.split(".", 2)[2])  # 0.self_attn.q_proj
+        return sorted(differ)
+
+    assert projections_that_differ() == []
+    actor.update(make_batch(seed=3))
+    adapted = [f"{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "v_proj")]
+    assert projections_that_differ() == adapted

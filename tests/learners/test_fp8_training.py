@@ -6,10 +6,17 @@ import importlib.util
 
 import pytest
 import torch
-from learner_helpers import actor_config, flat_params, make_batch, max_abs_diff, tiny_model
+from learner_helpers import (
+    actor_config,
+    flat_params,
+    make_batch,
+    max_abs_diff,
+    record_float8_token_counts,
+    tiny_model,
+)
 from torch import nn
 
-from hybridflow.config import CriticConfig
+from hybridflow.config import CriticConfig, ModelConfig
 from hybridflow.errors import UserError
 from hybridflow.learners import ActorLearner, CriticLearner
 from hybridflow.learners.fp8_training import (
@@ -20,6 +27,7 @@ from hybridflow.learners.fp8_training import (
 )
 from hybridflow.learners.lora import apply_lora
 from hybridflow.models import load_model
+from hybridflow.protocol import Batch
 
 PROJECTIONS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]  # fmt: skip
@@ -136,6 +144,33 @@ def test_checkpoint_and_weight_sync_hold_plain_tensors_and_resume_across_precisi
     again = _actor(model=tiny_model(seed=6))
     again.load(tmp_path / "bf16")
     assert max_abs_diff(flat_params(again.model), flat_params(bf16.model)) == 0.0
+
+
+@needs_torchao
+@pytest.mark.parametrize("role", ["actor", "lora actor", "critic"])
+def test_every_float8_matmul_runs_a_multiple_of_16_tokens(role):
+    """torch._scaled_mm needs each dim divisible by 16 and the weight gradient's inner dim is
+    the token count: every FP8 linear's input (update and log-probs) holds a multiple of 16
+    tokens, though the batch's micro-batches do not (the pad is a sequence of its own)."""
+    batch = make_batch(seed=3)
+    micro_batch_tokens = batch["attention_mask"].view(2, 4, -1).sum((1, 2)).tolist()
+    assert any(n % 16 for n in micro_batch_tokens)  # the case that needs padding
+    if role == "critic":
+        critic_cfg = CriticConfig(precision="fp8", micro_batch_size_per_gpu=4)
+        learner = CriticLearner(tiny_model(), critic_cfg, total_steps=1, device="cpu",
+                                fp8_emulate=True)  # fmt: skip
+        counts = record_float8_token_counts(learner.value_model)
+        learner.compute_values(batch)
+        returns = batch["response_mask"]
+        learner.update(batch.union(Batch({"values": 0.5 * returns, "returns": returns})))
+    else:
+        lora = ModelConfig(path="tiny", lora_rank=4, lora_alpha=8) if role == "lora actor" else None
+        learner = ActorLearner(tiny_model(), actor_config(precision="fp8"), total_steps=1,
+                               device="cpu", model_cfg=lora, fp8_emulate=True)  # fmt: skip
+        counts = record_float8_token_counts(learner.model)
+        learner.compute_logprobs(batch)
+        learner.update(batch)
+    assert counts and all(n % 16 == 0 for n in counts), sorted(set(counts))
 
 
 @needs_torchao

@@ -38,10 +38,10 @@ from dataclasses import dataclass
 import torch
 
 from hybridflow.engine.cache.fp8_kv import (
-    SCALE_BYTES,
     KVScales,
     allocate_scales,
     dequantize_heads,
+    fp8_kv_bytes_per_position,
     quantize_heads,
 )
 from hybridflow.engine.cache.kinds import (
@@ -406,9 +406,9 @@ def make_cache(
     from hybridflow.engine.cache.blocks import BlockPool
 
     stored = torch.float8_e4m3fn if kv_fp8 else dtype
-    block_bytes = bytes_per_block(layers, *shape, block_size, stored, route_bytes)
-    if kv_fp8:  # the scales: one a position and kv head, K's and V's
-        block_bytes += 2 * layers * config.num_key_value_heads * SCALE_BYTES * block_size
+    block_bytes = bytes_per_block(layers, *shape, block_size, dtype, route_bytes)
+    if kv_fp8:  # e4m3 K/V and their scales
+        block_bytes = (fp8_kv_bytes_per_position(layers, *shape) + route_bytes) * block_size
     slots = max_batch_size
     if states.bytes_per_sequence:  # a state per slot whatever the blocks: off the budget first
         budget = cache_budget(memory_budget, device, reserve_bytes)

@@ -52,11 +52,17 @@ def sharded_hidden(
     *,
     routed_experts: torch.Tensor | None = None,
     router_trace: list | None = None,
+    token_multiple: int = 1,
 ) -> tuple[torch.Tensor, OutputShard]:
     """Hidden states [m, H] of the tokens that predict this rank's outputs, and which outputs
-    they are. ``router_trace`` receives each sparse layer's routing of the whole stream."""
+    they are. ``router_trace`` receives each sparse layer's routing of the whole stream.
+    token_multiple: each rank's slice padded to a multiple of it (FP8 training's 16); the pad
+    is a sequence of its own that no output reads (sequence_parallel.shard_stream)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    shards = [shard_stream(packed.cu_seqlens, packed.max_seqlen, r, size) for r in range(size)]
+    shards = [
+        shard_stream(packed.cu_seqlens, packed.max_seqlen, r, size, token_multiple)
+        for r in range(size)
+    ]
     shard = shards[rank]
     local_trace = [] if router_trace is not None else None
     hidden = lm.forward_packed(

@@ -38,7 +38,8 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 class StreamShard:
     """One rank's slice of a packed stream of ``num_tokens`` real tokens.
 
-    The stream is padded with ``pad`` tokens to a multiple of the SP size; the padding forms a
+    The stream is padded with ``pad`` tokens to a multiple of the SP size (times the token
+    multiple each slice needs); the padding forms a
     sequence of its own at the end of ``cu_seqlens`` (it attends only to itself and nothing
     attends to it), so the real tokens' outputs do not depend on it."""
 
@@ -53,10 +54,15 @@ class StreamShard:
     max_seqlen: int
 
 
-def shard_stream(cu_seqlens: torch.Tensor, max_seqlen: int, rank: int, size: int) -> StreamShard:
-    """The slice of rank ``rank`` out of ``size`` for the stream with boundaries ``cu_seqlens``."""
+def shard_stream(
+    cu_seqlens: torch.Tensor, max_seqlen: int, rank: int, size: int, multiple: int = 1
+) -> StreamShard:
+    """The slice of rank ``rank`` out of ``size`` for the stream with boundaries ``cu_seqlens``;
+    every rank's slice holds a multiple of ``multiple`` tokens (FP8 training's 16: the weight
+    gradient's inner dim is a rank's token count)."""
     num_tokens = int(cu_seqlens[-1])
     per_rank = max(math.ceil(num_tokens / size), 1)
+    per_rank = math.ceil(per_rank / multiple) * multiple
     pad = per_rank * size - num_tokens
     boundaries = cu_seqlens.to(torch.int32)
     if pad:

@@ -34,6 +34,14 @@ PEAK_BF16_FLOPS = {
     "A10G": 70e12,
     "RTX 4090": 165e12,
 }
+# Dense FP8 (e4m3) tensor-core peak, FLOP/s, same data sheets: the GPUs with float8 tensor
+# cores (compute capability >= 8.9) whose rate with fp32 accumulation is published.
+PEAK_FP8_FLOPS = {
+    "H200": 1979e12,
+    "H100": 1979e12,
+    "H800": 1979e12,
+    "L40S": 733e12,
+}
 
 
 def _stats(values: torch.Tensor, prefix: str) -> dict[str, float]:
@@ -155,11 +163,21 @@ def rl_step_flops(
 
 def peak_flops_per_gpu(device_name: str | None = None) -> float | None:
     """Dense bf16 peak of this machine's (or the named) CUDA device, None if unknown."""
+    return _peak(PEAK_BF16_FLOPS, device_name)
+
+
+def peak_fp8_flops_per_gpu(device_name: str | None = None) -> float | None:
+    """Dense FP8 peak of this machine's (or the named) CUDA device, None if unknown or
+    without float8 tensor cores."""
+    return _peak(PEAK_FP8_FLOPS, device_name)
+
+
+def _peak(table: dict[str, float], device_name: str | None) -> float | None:
     if device_name is None:
         device_name = cuda_device_name()
     if device_name is None:
         return None
-    for key, flops in PEAK_BF16_FLOPS.items():
+    for key, flops in table.items():
         if key in device_name:
             return flops
     return None

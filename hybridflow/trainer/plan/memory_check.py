@@ -110,6 +110,7 @@ def plan_options(cfg: Config, derived: Derived, gpu_bytes: int | None) -> PlanOp
         release_cache=r.release_cache and not (t.mode == "async" and t.partial_rollout),
         fuse_projections=fuse,
         rollout_fp8=r.dtype == "fp8",
+        kv_cache_fp8=r.engine.kv_cache_dtype == "fp8",
         max_prefill_tokens=r.engine.max_prefill_tokens,
         split=t.placement == "split",
         rollout_beside_update=t.mode == "async" and (t.max_staleness > 0 or t.partial_rollout),
@@ -362,7 +363,8 @@ def no_kv_slot_text(plan: MemoryPlan) -> str:
     what = f"no KV-cache slot of {one / 2**20:.0f} MiB ({length} tokens)"
     if o.kv_block_size is not None:  # a sequence's blocks: its length rounded up to a block
         blocks = -(-length // o.kv_block_size)
-        one = blocks * mp.kv_slot_bytes(plan.architecture, o.kv_block_size, o.rollout_bytes)
+        one = blocks * mp.kv_block_bytes(plan.architecture, o.kv_block_size, o.rollout_bytes,
+                                         o.kv_cache_fp8)  # fmt: skip
         what = (f"fewer than the {blocks} KV-cache blocks of {o.kv_block_size} tokens "
                 f"({one / 2**20:.0f} MiB) that one sequence of {length} tokens needs")  # fmt: skip
     return (f"rollout.gpu_memory_utilization = {o.gpu_memory_utilization} of the memory left "

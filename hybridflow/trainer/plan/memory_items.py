@@ -83,6 +83,9 @@ class PlanOptions:
     fuse_projections: str = "all"
     """Fused decode weight copies: all | qkv | none (none off the triton decode path)."""
     rollout_fp8: bool = False  # rollout.dtype=fp8: e4m3 copies of the projections
+    kv_cache_fp8: bool = False
+    """rollout.engine.kv_cache_dtype=fp8: the paged cache's K/V in e4m3, 1 byte an element,
+    with an fp32 scale a position and kv head (engine/cache/fp8_kv.py)."""
     max_prefill_tokens: int = 16384
     split: bool = False
     """Rollout on GPUs of its own (their items are planned separately)."""

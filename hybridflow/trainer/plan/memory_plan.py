@@ -38,7 +38,9 @@ What is modelled is what the code does today:
   many blocks as ``gpu_memory_utilization`` × free memory (the allocator's unused cache
   counted free) − the reserve for decode logits and prefill holds, at most ``max_num_seqs``
   sequences' worth, at least one sequence's (else the engine refuses); slots: up to
-  ``max_num_seqs`` of ``max_seq_len``. Plus a scratch block or slot. ``rollout.release_cache``
+  ``max_num_seqs`` of ``max_seq_len``. Plus a scratch block or slot. With
+  ``rollout.engine.kv_cache_dtype=fp8`` a position's K/V take 1 byte an element and an fp32
+  scale a kv head (``engine/cache/fp8_kv.py``). ``rollout.release_cache``
   frees it (and the fused and fp8 weight copies of the triton path) after each generate.
 - **Activations** at the micro-batch token budget, bf16, what autograd keeps per token and
   layer (see :func:`activation_bytes`); with gradient checkpointing each layer's input plus
@@ -85,6 +87,7 @@ from hybridflow.trainer.plan.memory_items import (  # noqa: F401 (this module's 
 from hybridflow.trainer.plan.memory_rollout import (  # noqa: F401 (this module's names too)
     ROLLOUT_WORKSPACE,
     fused_copy_bytes,
+    kv_block_bytes,
     kv_cache_entries,
     kv_cache_item,
     kv_slot_bytes,

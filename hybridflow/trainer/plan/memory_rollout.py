@@ -4,6 +4,7 @@ items leave (engine/cache/kv_cache.py, engine/engine.py)."""
 
 from __future__ import annotations
 
+from hybridflow.engine.cache.fp8_kv import fp8_kv_bytes_per_position
 from hybridflow.engine.cache.kinds import eager_only
 from hybridflow.engine.cache.kv_cache import state_slots
 from hybridflow.engine.cache.workspace import engine_workspace_bytes, sampling_bytes_per_row
@@ -24,11 +25,16 @@ def kv_slot_bytes(a: ModelArchitecture, max_seq_len: int, element_bytes: int = 2
     return a.cache_bytes_per_sequence(max_seq_len, element_bytes)
 
 
-def kv_block_bytes(a: ModelArchitecture, block: int, element_bytes: int = 2) -> int:
+def kv_block_bytes(a: ModelArchitecture, block: int, element_bytes: int = 2,
+                   fp8: bool = False) -> int:  # fmt: skip
     """K and V (MLA: the latent) of ``block`` positions of a paged cache's block: the layers
-    that keep every position (a sliding layer keeps a ring a slot instead: per_sequence_bytes)."""
+    that keep every position (a sliding layer keeps a ring a slot instead: per_sequence_bytes).
+    fp8: an FP8 cache's e4m3 K/V and their scales (rollout.engine.kv_cache_dtype=fp8, which
+    covers full-attention K/V only: validate refuses the other kinds)."""
     per_layer = a.cache_elements_per_token()
     kept = [s for s in a.layer_specs() if s.cache != "recurrent" and not s.window]
+    if fp8:
+        return fp8_kv_bytes_per_position(len(kept), a.num_key_value_heads, a.head_dim) * block
     return sum(per_layer[s.cache] for s in kept) * block * element_bytes
 
 
@@ -154,7 +160,9 @@ def kv_cache_item(a: ModelArchitecture, o: PlanOptions, items: list[MemoryItem])
         entry = kv_slot_bytes(a, length, o.rollout_bytes) // kv_split(a, o.rollout_tp)
         state = a.recurrent_state_bytes(o.rollout_bytes)
     else:
-        entry = kv_block_bytes(a, block, o.rollout_bytes) // kv_split(a, o.rollout_tp)
+        entry = kv_block_bytes(a, block, o.rollout_bytes, o.kv_cache_fp8) // kv_split(
+            a, o.rollout_tp
+        )
         state = per_sequence_bytes(a, o.rollout_bytes)
     slots, row = o.rollout_max_seqs, sampling_bytes_per_row(a, o.rollout_tp)
     budget = kv_budget(reserve, used, o)  # max_num_seqs rows' workspace taken out
@@ -171,6 +179,8 @@ def kv_cache_item(a: ModelArchitecture, o: PlanOptions, items: list[MemoryItem])
         name = f"KV cache ({entries:,} + 1 blocks: {sequences:,} × {length:,} tokens)"
         none = f"KV cache (no {length:,}-token sequence fits)"
         note = f"{block} tokens a block, {per_sequence:,} blocks a {length:,}-token sequence"
+        if o.kv_cache_fp8:
+            note = f"fp8 K/V (e4m3, a scale a kv head), {note}"
         if states:
             kind = "recurrent states" if a.recurrent_state_bytes() else "window rings"
             note += state_slots_note(o, slots, sequences, budget, state, entry, per_sequence,

@@ -11,7 +11,8 @@ distance to the hardware is visible per stage rather than as one MFU figure.
   cache holds at once), and each extra step reads every weight once more (the recomputation
   of preempted rows is not counted);
 - a scoring pass (old log-probs, reference): one forward over every token;
-- the actor update: forward + backward (3 forwards), 4 with activation recomputation.
+- the actor update: forward + backward (3 forwards), 4 with activation recomputation; with
+  FP8 training the float8 linears' matmuls at the device's FP8 peak (update_floor).
 
 Matmul FLOPs are 2 per weight per token (the lm_head's included, tied or not; the embedding is
 a lookup), attention 4·(heads·head_dim) per token, attention layer and position attended
@@ -132,6 +133,22 @@ def forward_floor(a, shape: StepShape, peak_flops: float) -> float:
     return tokens * (2.0 * _matmul_weights(a) + _mixing_flops(a, length / 2)) / peak_flops
 
 
+def update_floor(a, shape: StepShape, peak_flops: float, recompute: bool = True,
+                 fp8_weights: int = 0, fp8_peak_flops: float | None = None) -> float:  # fmt: skip
+    """Seconds of the actor update over every token: forward + backward (3 forwards), 4 with
+    activation recomputation. FP8 training (actor.precision=fp8): the matmuls of the
+    ``fp8_weights`` weights that compute in float8 (learners/fp8_training.fp8_linear_names),
+    forward and backward, at ``fp8_peak_flops``; the lm_head, attention and any linear left
+    in bf16 at ``peak_flops``."""
+    passes = 4 if recompute else 3
+    seconds = passes * forward_floor(a, shape, peak_flops)
+    if not fp8_weights:
+        return seconds
+    tokens = shape.prompts * shape.samples * (shape.prompt_len + shape.new_tokens)
+    fp8_flops = passes * 2.0 * fp8_weights * tokens
+    return seconds - fp8_flops / peak_flops + fp8_flops / fp8_peak_flops
+
+
 def stage_floors(a, shape: StepShape, peak_flops: float | None, bandwidth: float | None,
                  recompute: bool = True, kv_tokens: int | None = None) -> dict[str, float]:  # fmt: skip
     """{timing key: floor seconds} for the stages a floor is known for; empty without the
@@ -144,5 +161,5 @@ def stage_floors(a, shape: StepShape, peak_flops: float | None, bandwidth: float
         "timing_s/gen": generation_floor(a, shape, peak_flops, bandwidth, kv_tokens=kv_tokens),
         "timing_s/old_logprob": forward,
         "timing_s/ref": forward,
-        "timing_s/update_actor": (4 if recompute else 3) * forward,
+        "timing_s/update_actor": update_floor(a, shape, peak_flops, recompute),
     }

@@ -45,6 +45,21 @@ def test_shard_stream_pads_to_a_multiple_and_isolates_the_pad():
     assert output_counts(hidden_index, shards) == [3, 3]
 
 
+def test_shard_stream_gives_each_rank_a_multiple_of_the_token_multiple():
+    """FP8 training's 16: 17 tokens on 2 ranks -> 16 per rank, the 15 pad tokens one
+    sequence of their own at the end; 17 on 3 ranks -> 16 per rank, 31 pads."""
+    _, position_ids, cu_seqlens, max_seqlen = _packed(97)
+    shards = [shard_stream(cu_seqlens, max_seqlen, rank, 2, multiple=16) for rank in range(2)]
+    assert [(s.start, s.stop, s.pad) for s in shards] == [(0, 16, 15), (16, 32, 15)]
+    assert shards[0].cu_seqlens.tolist() == [0, 5, 13, 16, 17, 32]
+    assert shards[0].max_seqlen == 15
+    assert pad_positions(position_ids, shards[1]).tolist() == [0, *range(15)]
+    assert take_slice(torch.arange(17), shards[1], fill=-1).tolist() == [16, *[-1] * 15]
+    last = shard_stream(cu_seqlens, max_seqlen, 2, 3, multiple=16)
+    assert (last.start, last.stop, last.pad) == (32, 48, 31)
+    assert pad_positions(position_ids, last).tolist() == list(range(15, 31))
+
+
 @pytest.mark.parametrize(
     "heads, kv_heads, sp, repeats",
     [(4, 2, 2, 1), (4, 1, 2, 2), (8, 2, 4, 2), (8, 4, 8, 2), (12, 6, 4, 2), (4, 4, 4, 1)],

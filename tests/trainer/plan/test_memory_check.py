@@ -123,6 +123,15 @@ def test_no_room_for_one_sequences_kv_blocks_names_the_utilization():
     assert "rollout.gpu_memory_utilization=0.9 (peak" in text and "no sequence's KV blocks" in text
 
 
+def test_validate_prices_an_fp8_kv_caches_blocks_at_a_byte_an_element_and_its_scales():
+    """rollout.engine.kv_cache_dtype=fp8: 24 layers · 2 kv heads · 2 · (64 + 4) bytes a
+    token, 63 blocks of 64: 25 MiB where bf16 takes 47."""
+    with pytest.raises(ConfigError) as error:
+        cfg = load_config(None, [*NO_KV_ROOM, "rollout.engine.kv_cache_dtype=fp8"])
+        mc.check_memory(cfg, validate(cfg))
+    assert "fewer than the 63 KV-cache blocks of 64 tokens (25 MiB) that one" in str(error.value)
+
+
 def test_no_kv_slot_names_the_utilization():
     with pytest.raises(ConfigError) as error:  # the slot cache's own wording
         cfg = load_config(None, [*NO_KV_ROOM, "rollout.engine.kv_block_size=null"])

@@ -196,12 +196,19 @@ def test_paged_kv_cache_takes_its_fraction_in_blocks():
     assert kv.gpu_bytes == 0 and kv.note == "64 tokens a block, 32 blocks a 2,048-token sequence"
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid"])
-@pytest.mark.parametrize("block_size", [None, 16, 64])
-def test_the_plan_sizes_the_kv_cache_as_the_engine_allocates_it(block_size, preset, monkeypatch):
+@pytest.mark.parametrize(
+    "preset, block_size, kv_fp8",
+    [(preset, block, False) for preset in ("tiny", "tiny-hybrid") for block in (None, 16, 64)]
+    + [("tiny", 16, True), ("tiny", 64, True)],
+)
+def test_the_plan_sizes_the_kv_cache_as_the_engine_allocates_it(
+    block_size, preset, kv_fp8, monkeypatch
+):
     """tiny: 2 layers of K/V; tiny-hybrid: 1 layer of K/V and a recurrent state per slot in
     3 layers (the slots' states taken first beside a paged cache, in each slot of a slot
-    cache)."""
+    cache); an FP8 cache (rollout.engine.kv_cache_dtype=fp8, paged full attention only):
+    e4m3 K/V and an fp32 scale a kv head, 2·2·2·(16 + 4) = 160 bytes a position of tiny
+    against bf16's 256."""
     import torch
 
     from hybridflow.engine.cache import kv_cache
@@ -209,22 +216,26 @@ def test_the_plan_sizes_the_kv_cache_as_the_engine_allocates_it(block_size, pres
     arch = PRESETS[preset]
     state = arch.recurrent_state_bytes(2)
     reserve = mp.rollout_reserve_bytes(arch, PlanOptions(rollout_max_seqs=8))
+    if kv_fp8:
+        assert mp.kv_block_bytes(arch, 1, 2, fp8=True) == 160
     # budgets (bytes) from under one sequence to over all 8 of 100 tokens (7 blocks of 16)
     for kv_budget in (20_000, 100 * 512 - 1, 100 * 768, 8 * 112 * 256 + 7_000, 10**6):
         budget = kv_budget + 9 * state
         options = PlanOptions(gpu_bytes=budget + reserve, gpu_memory_utilization=1.0,
                               rollout_max_seqs=8, rollout_max_seq_len=100,
-                              kv_block_size=block_size)  # fmt: skip
+                              kv_block_size=block_size, kv_cache_fp8=kv_fp8)  # fmt: skip
         kv, sequences, _ = mp.kv_cache_item(arch, options, [])
         # the engine's automatic budget (a fraction of the device) with the reserve taken out
         monkeypatch.setattr(kv_cache, "cache_budget", lambda *args, budget=budget: budget)
         try:
             cache, _ = kv_cache.make_cache(arch, 8, 100, block_size, 1.0, reserve,
                                            torch.bfloat16, torch.device("cpu"),
-                                           row_reserve_bytes=sampling_bytes_per_row(arch))  # fmt: skip
+                                           row_reserve_bytes=sampling_bytes_per_row(arch),
+                                           kv_fp8=kv_fp8)  # fmt: skip
         except ValueError:  # the engine refuses: the plan says none fits
             assert sequences == 0 and kv.gpu_bytes == 0, budget
             continue
+        assert (cache.scales is not None) == kv_fp8
         assert kv.gpu_bytes == cache.nbytes(), budget
         held = cache.num_slots if block_size is None else cache.num_blocks // -(-100 // block_size)
         assert sequences == min(held, 8) > 0, budget

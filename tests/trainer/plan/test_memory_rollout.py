@@ -4,6 +4,8 @@ it on its eager passes), and the rows of long responses it holds against a dense
 
 from __future__ import annotations
 
+import pytest
+
 from hybridflow.config import load_config
 from hybridflow.engine.cache.kv_cache import state_slots, whole_sequence_slots
 from hybridflow.models.presets import PRESETS
@@ -113,3 +115,19 @@ def test_capped_slots_count_the_sampling_rows_they_give_back():
     # budget has 20 rows back: 11 × 15 + 25 + 10 × 100 = 1,190 = 990 + 200 holds 10
     assert state_slots(20, 990, 5, 25, 4, row_bytes=10) == 10
     assert state_slots(20, 990, 5, 25, 4) == 9  # the rows' workspace kept out: one fewer
+
+
+def test_an_fp8_kv_cache_halves_the_kv_line_and_about_doubles_the_sequences_it_holds():
+    """rollout.engine.kv_cache_dtype=fp8 (engine/cache/fp8_kv.py): qwen2.5-1.5b keeps K/V of
+    2 KV heads of 128 in 28 layers, 2·28·2·128·2 = 28,672 bytes a position in bf16 and
+    2·28·2·(128 + 1·4) = 14,784 in e4m3 with an fp32 scale a head: 0.516 of it."""
+    fp8 = "rollout.engine.kv_cache_dtype=fp8"
+    few = ("rollout.max_num_seqs=16",)  # 16 sequences of 264 blocks fit either way
+    blocks = 16 * 264 + 1  # and the scratch block
+    assert _kv_item(_plan("qwen2.5-1.5b", *few)).gpu_bytes == blocks * 64 * 28_672
+    fewer = _kv_item(_plan("qwen2.5-1.5b", *few, fp8))
+    assert fewer.gpu_bytes == blocks * 64 * 14_784 and fewer.note.startswith("fp8 K/V")
+    # 1,024 rows do not fit 141 GiB: the budget holds 1 / 0.516 = 1.94 times the sequences
+    bf16_plan, fp8_plan = _plan("qwen2.5-1.5b"), _plan("qwen2.5-1.5b", fp8)
+    assert 1.9 < fp8_plan.kv_slots / bf16_plan.kv_slots < 1.95 and fp8_plan.kv_slots < 1024
+    assert _kv_item(fp8_plan).gpu_bytes == pytest.approx(_kv_item(bf16_plan).gpu_bytes, rel=1e-3)
