@@ -229,7 +229,8 @@ def bench_engine(model, prompts, args, device, progress=None, images=None) -> di
 
     with progress.task("timed calls", total=2 * repeats, unit="calls") as task:
         ttft = _median_seconds(
-            counted(task, lambda: engine.generate(prompts, first_token, images=images)), device,
+            counted(task, lambda: engine.generate(prompts, first_token, images=images)),
+            device,
             repeats,
         )[0]
         if device.type == "cuda":
@@ -263,7 +264,6 @@ def bench_hf(model, prompts, args, device, progress=None, images=None) -> dict:
     """transformers generate on the same weights (sdpa where transformers has it, else eager:
     hf_attention; dynamic cache), sampling, no early stop; prompts left-padded, with their
     images' pixel_values and image_grid_thw (hf_inputs)."""
-    import torch
 
     from hybridflow.progress import quiet_reporter
 

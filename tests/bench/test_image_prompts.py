@@ -55,7 +55,11 @@ def test_each_prompt_holds_its_images_tokens_then_its_text():
     made = with_images(texts, 2, ((32, 32), (48, 64), (64, 32)), processor, vision, seed=0)
     # 16-pixel merged patches: 32x32 -> 4 tokens, 48x64 -> 12, 64x32 -> 8; in turn
     assert made.image_tokens == [4 + 12, 8 + 4]
-    start, pad, end = vision.vision_start_token_id, vision.image_token_id, vision.vision_end_token_id
+    start, pad, end = (
+        vision.vision_start_token_id,
+        vision.image_token_id,
+        vision.vision_end_token_id,
+    )
     assert made.prompts[0] == [start] + [pad] * 4 + [end, start] + [pad] * 12 + [end] + texts[0]
     second = made.images[1]
     assert second.image_grid_thw.tolist() == [[1, 4, 8], [1, 4, 4]]
