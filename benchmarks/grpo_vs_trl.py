@@ -21,6 +21,15 @@ a reward that scores random numbers (so advantages and gradients are non-zero).
 TRL generates with its own `model.generate` (its vLLM mode is not used).
 Prints a table: seconds per step, tokens/s (prompt + response tokens), peak GPU memory.
 
+A vision-language preset (``qwen2.5-vl-7b``, ``tiny-vl``) trains on prompts with images
+(grpo_vl.py): --images-per-prompt random pictures of the --image-size sizes (Geometry3K-like
+by default) before the text, the same ids and pixels on both sides; TRL gets them as an
+``images`` column through transformers' Qwen2.5-VL processor, and both freeze the vision
+tower. benchmarks/vision_7b.sh: the 7B commands for one GPU.
+
+    python benchmarks/grpo_vs_trl.py --which both --device cpu --preset tiny-vl --prompts 2 \
+        --samples 2 --prompt-len 6 --new-tokens 5 --steps 2 --image-size 32x32,48x64
+
 ``--gpus N`` runs the hybridflow side on N GPUs (``local`` backend: one worker process per
 GPU, FSDP2-sharded actor, a rollout engine per GPU, prompts split over the ranks) with
 ``--prompts`` prompts per GPU. ``--scaling 1 2`` runs each GPU count in a fresh process at
@@ -57,7 +66,11 @@ def build_hf_model_dir(preset: str, out_dir: str, seed: int = 0) -> str:
     from hybridflow.models import load_model
 
     torch.manual_seed(seed)
-    model = load_model(preset, dtype=torch.float32, device="cpu")
+    # on a GPU: drawn there and written in bf16, what both sides train in (a 7B model's
+    # fp32 draw and write on the host take minutes)
+    cuda = torch.cuda.is_available()
+    model = load_model(preset, dtype=torch.bfloat16 if cuda else torch.float32,
+                       device="cuda" if cuda else "cpu")  # fmt: skip
     model.save_pretrained(out_dir)
     vocab_size = model.config.vocab_size
     vision = getattr(model.config, "vision", None)
@@ -77,6 +90,8 @@ def build_hf_model_dir(preset: str, out_dir: str, seed: int = 0) -> str:
     # sanity: transformers reads what we wrote
     AutoConfig.from_pretrained(out_dir)
     del model
+    if cuda:
+        torch.cuda.empty_cache()
     return out_dir
 
 
