@@ -232,21 +232,28 @@ def micro_tokens(text: str) -> int | str:
 def run_hybridflow(model_dir: str, prompts: list[list[int]], args, made=None) -> dict:
     """The hybridflow side on ``args.gpus`` GPUs; ``prompts`` holds ``args.prompts`` per GPU
     (equal per-GPU work: the global batch grows with the GPU count); ``made``
-    (grpo_vl.image_prompts): the prompts with their images instead."""
+    (grpo_vl.image_prompts): the prompts with their images instead. Each step's time and
+    stages go to stderr as it ends (a run cut short says how far it got)."""
+    from hybridflow.bench.common import bench_reporter
     from hybridflow.bench.grpo_steps import time_grpo_steps
 
-    times, peaks, breakdown = time_grpo_steps(
-        model_path=model_dir,
-        prompts=prompts if made is None else made.prompts,
-        images=None if made is None else made.images,
-        samples_per_prompt=args.samples,
-        new_tokens=args.new_tokens,
-        steps=args.steps,
-        micro_batch_tokens=args.hf_micro_tokens,
-        gpus=args.gpus,
-        tokenizer=load_word_tokenizer(model_dir),
-        overrides=hybridflow_overrides(args),
-    )
+    progress = bench_reporter()
+    try:
+        times, peaks, breakdown = time_grpo_steps(
+            model_path=model_dir,
+            prompts=prompts if made is None else made.prompts,
+            images=None if made is None else made.images,
+            samples_per_prompt=args.samples,
+            new_tokens=args.new_tokens,
+            steps=args.steps,
+            micro_batch_tokens=args.hf_micro_tokens,
+            gpus=args.gpus,
+            tokenizer=load_word_tokenizer(model_dir),
+            overrides=hybridflow_overrides(args),
+            progress=progress,
+        )
+    finally:
+        progress.close()
     name = f"hybridflow {args.gpus}GPU" + "".join(f" {o}" for o in args.override)
     out = _summary(name, times, args, max(peaks, default=float("nan")), gpus=args.gpus,
                    prompt_tokens=_mean_length(made))  # fmt: skip

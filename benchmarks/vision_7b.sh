@@ -18,8 +18,10 @@
 # engine's timing choices in $CACHE, which the GRPO side's engine then reads.
 #
 # Each part has its own time limit (3.5 + 6 minutes), so a slow first part leaves the second
-# its time; the GRPO part prints each finished step's time and stages as it goes; logs and JSON go to $OUT as each part ends. TRL missing: TRL_WHEEL=<its wheel>
-# installs it (--no-deps), else the GRPO part measures hybridflow alone and says so.
+# its time; hybridflow's GRPO steps print their time and stages as each ends (a cut run
+# still says how far it got); logs and JSON go to $OUT as each part ends. TRL missing:
+# TRL_WHEEL=<its wheel> installs it (--no-deps), else the GRPO part measures hybridflow
+# alone and says so.
 set -uo pipefail
 export PYTHONPATH=$PWD TRITON_CACHE_DIR=$PWD/.cache/triton TORCHINDUCTOR_CACHE_DIR=$PWD/.cache/inductor
 OUT=${OUT:-.}
