@@ -19,6 +19,7 @@ from __future__ import annotations
 from hybridflow.bench.image_prompts import (  # noqa: F401  (grpo_vs_trl.py's arguments)
     GEO3K_IMAGE_SIZES,
     format_image_sizes,
+    images_per_prompt,
     parse_image_sizes,
 )
 
@@ -55,14 +56,14 @@ def vision_of(model_dir: str):
     return None if architecture is None else architecture.vision
 
 
-def image_prompts(model_dir: str, texts: list[list[int]], images_per_prompt: int, sizes):
+def image_prompts(model_dir: str, texts: list[list[int]], count: int, sizes):
     """The prompts with images both sides get (bench/image_prompts.py's ImagePrompts),
     preprocessed by the directory's own image processor."""
     from hybridflow.bench.image_prompts import bench_image_processor, with_images
 
     vision = vision_of(model_dir)
     processor = bench_image_processor(model_dir, vision)
-    return with_images(texts, images_per_prompt, sizes, processor, vision)
+    return with_images(texts, count, sizes, processor, vision)
 
 
 def trl_processor(model_dir: str):

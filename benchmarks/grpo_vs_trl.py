@@ -447,7 +447,7 @@ def main() -> None:
         "per-GPU work and print scaling efficiency",
     )
     p.add_argument("--run-timeout", type=float, default=None, help="seconds per --scaling run")
-    p.add_argument("--images-per-prompt", type=int, default=None,
+    p.add_argument("--images-per-prompt", type=grpo_vl.images_per_prompt, default=None,
                    help="a vision-language preset's random images before each prompt's text "
                    "(default: 1 for one; grpo_vl.py)")  # fmt: skip
     p.add_argument("--image-size", type=grpo_vl.parse_image_sizes,

@@ -38,6 +38,13 @@ def parse_image_sizes(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(sizes)
 
 
+def images_per_prompt(text: str) -> int:
+    """argparse's type for --images-per-prompt: a whole number, 0 or more."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of images (0 or more)")
+    return int(text)
+
+
 def format_image_sizes(sizes) -> str:
     return ",".join(f"{w}x{h}" for w, h in sizes)
 

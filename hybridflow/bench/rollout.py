@@ -36,6 +36,7 @@ from hybridflow.bench.common import (
 from hybridflow.bench.image_prompts import (
     GEO3K_IMAGE_SIZES,
     format_image_sizes,
+    images_per_prompt,
     parse_image_sizes,
 )
 
@@ -91,7 +92,7 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
                    help="also run the engine with this speculative decoding method and print "
                    "both (bench/speculative.py; each timed call then samples a seed of its own; "
                    "default: off)")  # fmt: skip
-    p.add_argument("--images-per-prompt", type=int, default=None,
+    p.add_argument("--images-per-prompt", type=images_per_prompt, default=None,
                    help="random images before each prompt's text, for a vision-language model "
                    "(default: 1 for one, 0 for a text model)")  # fmt: skip
     p.add_argument("--image-size", type=parse_image_sizes, default=GEO3K_IMAGE_SIZES,
@@ -172,8 +173,6 @@ def bench_prompts(config, args, progress) -> tuple[list[list[int]], list | None,
     vision = getattr(config, "vision", None)
     count = getattr(args, "images_per_prompt", None)
     count = (1 if vision is not None else 0) if count is None else count
-    if count < 0:
-        raise UserError(f"--images-per-prompt {count}: a number of images, 0 or more")
     if count and vision is None:
         raise UserError(f"--images-per-prompt {count}: {args.preset} is a text model (no vision "
                         "encoder)", "drop --images-per-prompt, or bench a vision-language "
@@ -181,7 +180,7 @@ def bench_prompts(config, args, progress) -> tuple[list[list[int]], list | None,
     texts = make_prompts(args.prompts, args.prompt_len, text_id_limit(config), args.seed)
     if not count:
         return texts, None, {}
-    sizes = args.image_size
+    sizes = getattr(args, "image_size", GEO3K_IMAGE_SIZES)
     with progress.task(f"making {args.prompts * count} images"):
         processor = bench_image_processor(args.preset, vision)
         made = with_images(texts, count, sizes, processor, vision, args.seed)

@@ -100,7 +100,8 @@ def test_images_asked_of_a_text_model_are_refused_naming_the_option(capsys):
     assert "--images-per-prompt 1: tiny is a text model" in err and "Traceback" not in err
 
 
-def test_a_bad_image_size_is_an_argument_error():
+@pytest.mark.parametrize("argv", [["--image-size", "448by448"], ["--images-per-prompt", "-1"]])
+def test_a_bad_image_size_or_count_is_an_argument_error(argv, capsys):
     with pytest.raises(SystemExit) as stop:
-        _args(["--image-size", "448by448"])
-    assert stop.value.code == 2
+        _args(argv)
+    assert stop.value.code == 2 and argv[0] in capsys.readouterr().err
