@@ -21,6 +21,15 @@ a reward that scores random numbers (so advantages and gradients are non-zero).
 TRL generates with its own `model.generate` (its vLLM mode is not used).
 Prints a table: seconds per step, tokens/s (prompt + response tokens), peak GPU memory.
 
+A vision-language preset (``qwen2.5-vl-7b``, ``tiny-vl``) trains on prompts with images
+(grpo_vl.py): --images-per-prompt random pictures of the --image-size sizes (Geometry3K-like
+by default) before the text, the same ids and pixels on both sides; TRL gets them as an
+``images`` column through transformers' Qwen2.5-VL processor, and both freeze the vision
+tower. benchmarks/vision_7b.sh: the 7B commands for one GPU.
+
+    python benchmarks/grpo_vs_trl.py --which both --device cpu --preset tiny-vl --prompts 2 \
+        --samples 2 --prompt-len 6 --new-tokens 5 --steps 2 --image-size 32x32,48x64
+
 ``--gpus N`` runs the hybridflow side on N GPUs (``local`` backend: one worker process per
 GPU, FSDP2-sharded actor, a rollout engine per GPU, prompts split over the ranks) with
 ``--prompts`` prompts per GPU. ``--scaling 1 2`` runs each GPU count in a fresh process at
@@ -38,33 +47,51 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import grpo_vl  # noqa: E402
 
 
 def build_hf_model_dir(preset: str, out_dir: str, seed: int = 0) -> str:
     """Random-weight HF checkpoint of the preset's shape, plus a word-level tokenizer whose
-    vocabulary covers every id (token i is spelled ``w{i}``), so text round-trips exactly."""
+    vocabulary covers every id (token i is spelled ``w{i}``), so text round-trips exactly.
+    A vision-language preset's vision tokens keep their own names, and the directory gets
+    a chat template and an image processor (grpo_vl.py)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoConfig, PreTrainedTokenizerFast
 
     from hybridflow.models import load_model
 
     torch.manual_seed(seed)
-    model = load_model(preset, dtype=torch.float32, device="cpu")
+    # on a GPU: drawn there and written in bf16, what both sides train in (a 7B model's
+    # fp32 draw and write on the host take minutes)
+    cuda = torch.cuda.is_available()
+    model = load_model(preset, dtype=torch.bfloat16 if cuda else torch.float32,
+                       device="cuda" if cuda else "cpu")  # fmt: skip
     model.save_pretrained(out_dir)
     vocab_size = model.config.vocab_size
-    vocab = {f"w{i}": i for i in range(vocab_size)}
+    vision = getattr(model.config, "vision", None)
+    names = grpo_vl.vision_token_names(vision) if vision is not None else {}
+    below = min(names, default=vocab_size)  # eos and pad: the last plain ids
+    vocab = {names.get(i, f"w{i}"): i for i in range(vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    special = {"additional_special_tokens": list(names.values())} if names else {}
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=f"w{vocab_size - 1}", pad_token=f"w{vocab_size - 2}"
+        tokenizer_object=tok, eos_token=f"w{below - 1}", pad_token=f"w{below - 2}", **special
     )
+    if vision is not None:
+        fast.chat_template = grpo_vl.CHAT_TEMPLATE
+        grpo_vl.write_image_processor(out_dir, vision)
     fast.save_pretrained(out_dir)
     # sanity: transformers reads what we wrote
     AutoConfig.from_pretrained(out_dir)
     del model
-    _ = AutoModelForCausalLM  # imported to fail early if transformers is broken
+    if cuda:
+        torch.cuda.empty_cache()
     return out_dir
 
 
@@ -82,8 +109,9 @@ def random_prompts(n: int, length: int, vocab_size: int, seed: int = 0) -> list[
     return [[rng.randrange(10, vocab_size - 10) for _ in range(length)] for _ in range(n)]
 
 
-def run_trl(model_dir: str, prompts: list[list[int]], args) -> dict:
-    from datasets import Dataset
+def run_trl(model_dir: str, prompts: list[list[int]], args, made=None) -> dict:
+    """TRL's GRPOTrainer on the text ``prompts``; ``made`` (grpo_vl.image_prompts): their
+    images too, in an ``images`` column, through the model's processor."""
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -93,7 +121,12 @@ def run_trl(model_dir: str, prompts: list[list[int]], args) -> dict:
         "prompt must tokenize to prompt-len ids"
     )
     n_prompts_total = args.prompts * args.steps
-    ds = Dataset.from_dict({"prompt": (texts * args.steps)[:n_prompts_total]})
+    if made is None:
+        from datasets import Dataset
+
+        ds = Dataset.from_dict({"prompt": (texts * args.steps)[:n_prompts_total]})
+    else:
+        ds = grpo_vl.trl_dataset(texts, made.pictures, args.steps)
 
     def random_reward(completions, **kwargs):
         return [random.random() for _ in completions]
@@ -122,9 +155,13 @@ def run_trl(model_dir: str, prompts: list[list[int]], args) -> dict:
         use_cpu=not cuda,
         shuffle_dataset=False,
     )
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.bfloat16 if cuda else torch.float32, attn_implementation="sdpa"
-    )
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if made is None:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, attn_implementation="sdpa"
+        )
+    else:
+        model = grpo_vl.load_trl_model(model_dir, dtype)
 
     times: list[float] = []
 
@@ -144,7 +181,7 @@ def run_trl(model_dir: str, prompts: list[list[int]], args) -> dict:
         reward_funcs=random_reward,
         args=cfg,
         train_dataset=ds,
-        processing_class=tok,
+        processing_class=tok if made is None else grpo_vl.trl_processor(model_dir),
         callbacks=[StepTimer()],
     )
     if cuda:
@@ -154,7 +191,7 @@ def run_trl(model_dir: str, prompts: list[list[int]], args) -> dict:
     del trainer, model
     if cuda:
         torch.cuda.empty_cache()
-    return _summary("TRL " + _version("trl"), times, args, peak)
+    return _summary("TRL " + _version("trl"), times, args, peak, prompt_tokens=_mean_length(made))
 
 
 def hybridflow_overrides(args) -> tuple[str, ...]:
@@ -163,22 +200,23 @@ def hybridflow_overrides(args) -> tuple[str, ...]:
     return ("model.gradient_checkpointing=auto", *args.override)
 
 
-def resolved_config(model_dir: str, args):
+def resolved_config(model_dir: str, args, prompt_len: int | None = None):
     """The hybridflow side's config as its run resolves it (the plan's checkpointing and
-    token budgets for the visible GPU, or --override's)."""
+    token budgets for the visible GPU, or --override's); ``prompt_len``: the longest
+    prompt with its image tokens (default --prompt-len)."""
     from hybridflow.bench.grpo_steps import bench_config
     from hybridflow.trainer.plan.memory_check import memory_defaults
 
     cfg = bench_config(model_dir, prompts=args.prompts * args.gpus, samples=args.samples,
-                       prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                       prompt_len=prompt_len or args.prompt_len, new_tokens=args.new_tokens,
                        micro_batch_tokens=args.hf_micro_tokens, gpus=args.gpus,
                        overrides=hybridflow_overrides(args))  # fmt: skip
     return memory_defaults(cfg, log=lambda line: None)
 
 
-def resolved_checkpointing(model_dir: str, args) -> bool:
+def resolved_checkpointing(model_dir: str, args, prompt_len: int | None = None) -> bool:
     """Whether the hybridflow side recomputes activations (the plan's choice, or --override)."""
-    return bool(resolved_config(model_dir, args).model.gradient_checkpointing)
+    return bool(resolved_config(model_dir, args, prompt_len).model.gradient_checkpointing)
 
 
 def micro_tokens(text: str) -> int | str:
@@ -191,24 +229,34 @@ def micro_tokens(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of tokens or auto") from None
 
 
-def run_hybridflow(model_dir: str, prompts: list[list[int]], args) -> dict:
+def run_hybridflow(model_dir: str, prompts: list[list[int]], args, made=None) -> dict:
     """The hybridflow side on ``args.gpus`` GPUs; ``prompts`` holds ``args.prompts`` per GPU
-    (equal per-GPU work: the global batch grows with the GPU count)."""
+    (equal per-GPU work: the global batch grows with the GPU count); ``made``
+    (grpo_vl.image_prompts): the prompts with their images instead. Each step's time and
+    stages go to stderr as it ends (a run cut short says how far it got)."""
+    from hybridflow.bench.common import bench_reporter
     from hybridflow.bench.grpo_steps import time_grpo_steps
 
-    times, peaks, breakdown = time_grpo_steps(
-        model_path=model_dir,
-        prompts=prompts,
-        samples_per_prompt=args.samples,
-        new_tokens=args.new_tokens,
-        steps=args.steps,
-        micro_batch_tokens=args.hf_micro_tokens,
-        gpus=args.gpus,
-        tokenizer=load_word_tokenizer(model_dir),
-        overrides=hybridflow_overrides(args),
-    )
+    progress = bench_reporter()
+    try:
+        times, peaks, breakdown = time_grpo_steps(
+            model_path=model_dir,
+            prompts=prompts if made is None else made.prompts,
+            images=None if made is None else made.images,
+            samples_per_prompt=args.samples,
+            new_tokens=args.new_tokens,
+            steps=args.steps,
+            micro_batch_tokens=args.hf_micro_tokens,
+            gpus=args.gpus,
+            tokenizer=load_word_tokenizer(model_dir),
+            overrides=hybridflow_overrides(args),
+            progress=progress,
+        )
+    finally:
+        progress.close()
     name = f"hybridflow {args.gpus}GPU" + "".join(f" {o}" for o in args.override)
-    out = _summary(name, times, args, max(peaks, default=float("nan")), gpus=args.gpus)
+    out = _summary(name, times, args, max(peaks, default=float("nan")), gpus=args.gpus,
+                   prompt_tokens=_mean_length(made))  # fmt: skip
     out["peak_gib_per_gpu"] = peaks
     out["breakdown"] = breakdown
     return out
@@ -226,7 +274,7 @@ def run_scaling(model_dir: str, args) -> list[dict]:
             "--samples", str(args.samples), "--prompt-len", str(args.prompt_len),
             "--new-tokens", str(args.new_tokens), "--steps", str(args.steps),
             "--hf-micro-tokens", str(args.hf_micro_tokens), "--model-dir", model_dir,
-            "--json", out_json,
+            "--json", out_json, *_image_arguments(args),
             *(f"--override={o}" for o in args.override),
         ]  # fmt: skip
         print(f"\n=== hybridflow on {gpus} GPU(s) ===", flush=True)
@@ -236,6 +284,13 @@ def run_scaling(model_dir: str, args) -> list[dict]:
         except (subprocess.SubprocessError, OSError) as error:  # keep the other GPU counts
             results.append({"name": f"hybridflow {gpus}GPU", "gpus": gpus, "error": repr(error)})
     return results
+
+
+def _image_arguments(args) -> list[str]:
+    if args.images_per_prompt is None:
+        return []
+    return ["--images-per-prompt", str(args.images_per_prompt),
+            "--image-size", grpo_vl.format_image_sizes(args.image_size)]  # fmt: skip
 
 
 def add_scaling_efficiency(results: list[dict]) -> None:
@@ -290,11 +345,14 @@ def _version(pkg: str) -> str:
         return "?"
 
 
-def _summary(name: str, times: list[float], args, peak_gib: float, gpus: int = 1) -> dict:
-    """``args.prompts`` prompts per GPU; tokens count prompt + response tokens."""
+def _summary(name: str, times: list[float], args, peak_gib: float, gpus: int = 1,
+             prompt_tokens: float | None = None) -> dict:  # fmt: skip
+    """``args.prompts`` prompts per GPU; tokens count prompt + response tokens
+    (``prompt_tokens``: a prompt's mean, its image tokens counted; default --prompt-len)."""
     timed = times[1:] if len(times) > 1 else times  # first step excluded (warm-up)
     step_s = sum(timed) / len(timed)
-    tokens = gpus * args.prompts * args.samples * (args.prompt_len + args.new_tokens)
+    prompt_tokens = args.prompt_len if prompt_tokens is None else prompt_tokens
+    tokens = gpus * args.prompts * args.samples * (prompt_tokens + args.new_tokens)
     return {
         "name": name,
         "gpus": gpus,
@@ -307,8 +365,15 @@ def _summary(name: str, times: list[float], args, peak_gib: float, gpus: int = 1
     }
 
 
-def _stage_floors(model_dir: str, args, device_name: str) -> dict[str, float]:
-    """Each stage's floor for this workload on this GPU ({} on a CPU or an unknown GPU)."""
+def _mean_length(made) -> float | None:
+    """A prompt's mean token count with its images (None: text prompts, --prompt-len)."""
+    return None if made is None else made.summary()["prompt_tokens"]["mean"]
+
+
+def _stage_floors(model_dir: str, args, device_name: str, made=None) -> dict[str, float]:
+    """Each stage's floor for this workload on this GPU ({} on a CPU or an unknown GPU);
+    with images, of the language model over the prompts' mean length (the encoder's work
+    is not in it)."""
     from hybridflow.trainer.observe.metrics import peak_flops_per_gpu
     from hybridflow.trainer.plan.architecture import model_architecture
     from hybridflow.trainer.plan.stage_floors import StepShape, peak_bandwidth, stage_floors
@@ -316,14 +381,39 @@ def _stage_floors(model_dir: str, args, device_name: str) -> dict[str, float]:
     architecture = model_architecture(model_dir)
     if architecture is None:
         return {}
-    shape = StepShape(args.prompts, args.samples, args.prompt_len, args.new_tokens)
-    recompute = resolved_checkpointing(model_dir, args)
+    prompt_len = round(_mean_length(made) or args.prompt_len)
+    shape = StepShape(args.prompts, args.samples, prompt_len, args.new_tokens)
+    recompute = resolved_checkpointing(model_dir, args, _longest(made))
     return stage_floors(architecture, shape, peak_flops_per_gpu(device_name),
                         peak_bandwidth(device_name), recompute=recompute)  # fmt: skip
 
 
+def _longest(made) -> int | None:
+    return None if made is None else made.summary()["prompt_tokens"]["max"]
+
+
 def _device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def workload(model_dir: str, args):
+    """(the text prompts' ids, grpo_vl.image_prompts of them or None): random ids below a
+    vision-language model's vision tokens, with --images-per-prompt images (default: 1 for
+    such a model, none for a text model)."""
+    from hybridflow.bench.image_prompts import text_id_limit
+    from hybridflow.trainer.plan.architecture import model_architecture
+
+    architecture = model_architecture(model_dir)
+    texts = random_prompts(args.prompts * args.gpus, args.prompt_len, text_id_limit(architecture))
+    count = args.images_per_prompt
+    if architecture.vision is None:
+        if count:
+            raise ValueError(f"--images-per-prompt {count}: {model_dir} holds a text model (no "
+                             "vision encoder); drop it, or bench a vision-language preset")  # fmt: skip
+        return texts, None
+    count = 1 if count is None else count
+    made = grpo_vl.image_prompts(model_dir, texts, count, args.image_size) if count else None
+    return texts, made
 
 
 def main() -> None:
@@ -357,6 +447,14 @@ def main() -> None:
         "per-GPU work and print scaling efficiency",
     )
     p.add_argument("--run-timeout", type=float, default=None, help="seconds per --scaling run")
+    p.add_argument("--images-per-prompt", type=grpo_vl.images_per_prompt, default=None,
+                   help="a vision-language preset's random images before each prompt's text "
+                   "(default: 1 for one; grpo_vl.py)")  # fmt: skip
+    p.add_argument("--image-size", type=grpo_vl.parse_image_sizes,
+                   default=grpo_vl.GEO3K_IMAGE_SIZES, metavar="WxH[,WxH...]",
+                   help="the images' sizes in pixels, given to the prompts' images in turn "
+                   "(default: Geometry3K-like, "
+                   f"{grpo_vl.format_image_sizes(grpo_vl.GEO3K_IMAGE_SIZES)})")  # fmt: skip
     p.add_argument(
         "--device", default=None, help="cpu: run the hybridflow workers on CPU (smoke test)"
     )
@@ -382,20 +480,24 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
         return
-    vocab = json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"]
     # args.prompts per GPU; the first args.prompts are the same whatever the GPU count.
-    prompts = random_prompts(args.prompts * args.gpus, args.prompt_len, vocab)
+    try:
+        prompts, made = workload(model_dir, args)
+    except ValueError as error:
+        p.error(str(error))
     results = []
     if args.which in ("both", "hybridflow"):
-        results.append(run_hybridflow(model_dir, prompts, args))
+        results.append(run_hybridflow(model_dir, prompts, args, made))
     if args.which in ("both", "trl"):
-        results.append(run_trl(model_dir, prompts, args))
+        results.append(run_trl(model_dir, prompts, args, made))
 
     dev = _device_name()
     print(
         f"\nGRPO step, {args.preset}, {args.prompts} prompts (per GPU) × {args.samples} samples, "
         f"{args.prompt_len}+{args.new_tokens} tokens, {dev}, torch {torch.__version__}"
     )
+    if made is not None:
+        print(f"prompts: {grpo_vl.describe(made, args.image_size)} before the text tokens")
     print(f"{'system':<22}{'s/step':>10}{'tokens/s':>12}{'peak GiB':>10}  steps")
     for r in results:
         steps = " ".join(f"{t:.2f}" for t in r["all_steps_s"])
@@ -406,9 +508,9 @@ def main() -> None:
         print(f"speed-up hybridflow / TRL: {results[1]['step_s'] / results[0]['step_s']:.2f}×")
     if results and "breakdown" in results[0]:
         breakdown = results[0]["breakdown"]
-        floors = _stage_floors(model_dir, args, dev)
+        floors = _stage_floors(model_dir, args, dev, made)
         results[0]["floors"] = floors
-        resolved = resolved_config(model_dir, args)
+        resolved = resolved_config(model_dir, args, _longest(made))
         checkpointing = "on" if resolved.model.gradient_checkpointing else "off"
         print(f"hybridflow breakdown (mean of timed steps, s; gradient checkpointing "
               f"{checkpointing}, {resolved.actor.max_tokens_per_gpu:,}-token update micro-"

@@ -26,20 +26,38 @@ from hybridflow.trainer.plan.memory_check import memory_defaults
 
 
 class FixedPrompts:
-    """A loader that returns the same equal-length prompts every step."""
+    """A loader that returns the same prompts every step, left-padded with ``pad_token_id``;
+    ``images`` (an engine PromptImages, or None, a prompt): their pixels, grids and mRoPE
+    rows in the batch as the data path puts them (data/image_batch.py)."""
 
-    def __init__(self, prompts: list[list[int]]):
-        ids = torch.tensor(prompts, dtype=torch.long)  # [B, P]
-        self.batch = Batch(
-            tensors={"prompts": ids, "attention_mask": torch.ones_like(ids)},
-            arrays={
-                "data_source": np.asarray(["bench"] * len(prompts), dtype=object),
-                "ground_truth": np.asarray([""] * len(prompts), dtype=object),
-                "extra_info": np.asarray([{}] * len(prompts), dtype=object),
-                # token ids without a text: a reward model reads the policy's tokens
-                "raw_prompt": np.asarray([""] * len(prompts), dtype=object),
-            },
-        )
+    def __init__(self, prompts: list[list[int]], images: list | None = None,
+                 pad_token_id: int = 0):  # fmt: skip
+        from hybridflow.data.image_batch import prompt_image_fields
+
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)  # [B, P]
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        tensors = {"prompts": ids, "attention_mask": mask}
+        arrays = {
+            "data_source": np.asarray(["bench"] * len(prompts), dtype=object),
+            "ground_truth": np.asarray([""] * len(prompts), dtype=object),
+            "extra_info": np.asarray([{}] * len(prompts), dtype=object),
+            # token ids without a text: a reward model reads the policy's tokens
+            "raw_prompt": np.asarray([""] * len(prompts), dtype=object),
+        }
+        if images is not None:
+            rows = [torch.arange(len(p)).expand(3, len(p)) if e is None or e.positions is None
+                    else e.positions for p, e in zip(prompts, images)]  # fmt: skip
+            image_tensors, image_arrays = prompt_image_fields(
+                rows, [None if e is None else e.pixel_values for e in images],
+                [None if e is None else e.image_grid_thw for e in images], width,
+            )  # fmt: skip
+            tensors.update(image_tensors)
+            arrays.update(image_arrays)
+        self.batch = Batch(tensors=tensors, arrays=arrays)
 
     def next_batch(self) -> Batch:
         return Batch(dict(self.batch.tensors), dict(self.batch.arrays), {})
@@ -135,6 +153,7 @@ def time_grpo_steps(
     tokenizer: Any = None,
     progress: ProgressReporter | None = None,
     reward_weights: dict[str, dict[str, float]] | None = None,
+    images: list | None = None,
 ) -> tuple[list[float], list[float], dict[str, float]]:
     """Run ``steps`` GRPO steps on ``gpus`` devices (``prompts`` is the global batch).
 
@@ -143,7 +162,9 @@ def time_grpo_steps(
     16k-token responses takes minutes, and a benchmark cut short by its time limit should
     have said how far it got. ``reward_weights``: how the reward parts combine (e.g.
     ``{"*": {"model": 1.0}}`` with ``reward.model.path`` in ``overrides``); default: the
-    random scores alone.
+    random scores alone. ``images``: an engine PromptImages (or None) a prompt, for a
+    vision-language model (bench/image_prompts.py); prompts of unequal lengths are
+    left-padded with the tokenizer's pad id.
 
     Returns (seconds per step, peak allocated GiB of each rank's GPU over all steps, empty
     on CPU; mean stage timings of the steps after the first)."""
@@ -155,7 +176,7 @@ def time_grpo_steps(
         model_path,
         prompts=len(prompts),
         samples=samples_per_prompt,
-        prompt_len=len(prompts[0]),
+        prompt_len=max(len(p) for p in prompts),
         new_tokens=new_tokens,
         micro_batch_tokens=micro_batch_tokens,
         gpus=gpus,
@@ -168,12 +189,13 @@ def time_grpo_steps(
     progress = progress or quiet_reporter()
     with progress.task("building the actor and the rollout engine"):
         roles = build_roles(cfg, derived)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_path)
     run = RunContext(
         cfg=cfg,
         derived=derived,
         roles=roles,
-        tokenizer=tokenizer if tokenizer is not None else load_tokenizer(model_path),
-        loader=FixedPrompts(prompts),
+        tokenizer=tokenizer,
+        loader=FixedPrompts(prompts, images, getattr(tokenizer, "pad_token_id", None) or 0),
         val_dataset=None,
         reward=RandomReward(),
         kl_ctrl=None,

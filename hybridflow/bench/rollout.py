@@ -3,17 +3,26 @@
     hybridflow bench rollout --preset qwen2.5-0.5b --prompts 256 --prompt-len 128 --new-tokens 256
     hybridflow bench rollout --preset qwen2.5-1.5b --prompts 64 --n 8 --engine decode_layer=split
     python -m hybridflow.bench.cli rollout --preset tiny --prompts 8 --new-tokens 16 --device cpu
+    hybridflow bench rollout --preset qwen2.5-vl-7b --prompts 64 --prompt-len 64 \\
+        --images-per-prompt 1 --image-size 256x256,384x288,448x448,576x432
 
 Random-weight presets never emit EOS on purpose, so every sample runs to --new-tokens
 (ignore_eos on the engine, min_new_tokens on HF): both sides generate the same token count.
 `--engine NAME=VALUE` sets any EngineOptions field (hybridflow/engine/options.py);
 `--speculative ngram` runs the engine with speculative decoding off and on (speculative.py).
+
+A vision-language model's prompts carry images (image_prompts.py): --images-per-prompt
+random RGB pictures of the --image-size sizes (in turn over the prompts' images) before
+--prompt-len text tokens, preprocessed once by the model's image processor; the engine and
+HF's Qwen2_5_VLForConditionalGeneration get the same pixel_values and image_grid_thw, and
+the table says how many image tokens a prompt has.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import time
 
 from hybridflow.bench.common import (
@@ -23,6 +32,12 @@ from hybridflow.bench.common import (
     make_prompts,
     run_bench_command,
     sync_device,
+)
+from hybridflow.bench.image_prompts import (
+    GEO3K_IMAGE_SIZES,
+    format_image_sizes,
+    images_per_prompt,
+    parse_image_sizes,
 )
 
 
@@ -77,6 +92,13 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
                    help="also run the engine with this speculative decoding method and print "
                    "both (bench/speculative.py; each timed call then samples a seed of its own; "
                    "default: off)")  # fmt: skip
+    p.add_argument("--images-per-prompt", type=images_per_prompt, default=None,
+                   help="random images before each prompt's text, for a vision-language model "
+                   "(default: 1 for one, 0 for a text model)")  # fmt: skip
+    p.add_argument("--image-size", type=parse_image_sizes, default=GEO3K_IMAGE_SIZES,
+                   metavar="WxH[,WxH...]",
+                   help="the images' sizes in pixels, given to the prompts' images in turn "
+                   f"(default: {format_image_sizes(GEO3K_IMAGE_SIZES)}, Geometry3K-like)")  # fmt: skip
     p.add_argument("--json", default=None,
                    help="also write the results to this file (default: print only)")  # fmt: skip
 
@@ -118,28 +140,54 @@ def bench_rollout(args, model=None, progress=None) -> dict:
         with progress.task(f"loading {args.preset}"):
             dtype = getattr(torch, args.dtype)
             model = load_model(args.preset, dtype=dtype, device=device).eval()
-    prompts = make_prompts(args.prompts, args.prompt_len, model.config.vocab_size, args.seed)
+    prompts, images, image_info = bench_prompts(model.config, args, progress)
     result = {
         "preset": args.preset, "device": torch.cuda.get_device_name(device)
         if device.type == "cuda" else "cpu", "dtype": args.dtype, "prompts": args.prompts,
         "n": args.n, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        **image_info,
     }  # fmt: skip
+    engine_bench = functools.partial(bench_engine, images=images)
     if getattr(args, "speculative", None):
         from hybridflow.bench.speculative import bench_speculative
 
         result["speculative"] = bench_speculative(
-            bench_engine, model, prompts, args, device, progress
+            engine_bench, model, prompts, args, device, progress
         )
         result["engine"] = result["speculative"]["off"]
     else:
-        result["engine"] = bench_engine(model, prompts, args, device, progress)
+        result["engine"] = engine_bench(model, prompts, args, device, progress)
     if args.hf:
-        result["hf"] = bench_hf(model, prompts, args, device, progress)
+        result["hf"] = bench_hf(model, prompts, args, device, progress, images=images)
         result["speedup_vs_hf"] = result["engine"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
     return result
 
 
-def bench_engine(model, prompts, args, device, progress=None) -> dict:
+def bench_prompts(config, args, progress) -> tuple[list[list[int]], list | None, dict]:
+    """(prompt ids, an engine PromptImages per prompt or None, what the result says of the
+    images): --prompt-len random text ids, after --images-per-prompt images for a
+    vision-language model. UserError for images asked of a text model."""
+    from hybridflow.bench.image_prompts import bench_image_processor, text_id_limit, with_images
+    from hybridflow.errors import UserError
+
+    vision = getattr(config, "vision", None)
+    count = getattr(args, "images_per_prompt", None)
+    count = (1 if vision is not None else 0) if count is None else count
+    if count and vision is None:
+        raise UserError(f"--images-per-prompt {count}: {args.preset} is a text model (no vision "
+                        "encoder)", "drop --images-per-prompt, or bench a vision-language "
+                        "model (e.g. --preset qwen2.5-vl-7b)")  # fmt: skip
+    texts = make_prompts(args.prompts, args.prompt_len, text_id_limit(config), args.seed)
+    if not count:
+        return texts, None, {}
+    sizes = getattr(args, "image_size", GEO3K_IMAGE_SIZES)
+    with progress.task(f"making {args.prompts * count} images"):
+        processor = bench_image_processor(args.preset, vision)
+        made = with_images(texts, count, sizes, processor, vision, args.seed)
+    return made.prompts, made.images, {"image_sizes": format_image_sizes(sizes), **made.summary()}
+
+
+def bench_engine(model, prompts, args, device, progress=None, images=None) -> dict:
     import torch
 
     from hybridflow.engine import Engine, SamplingParams
@@ -151,7 +199,7 @@ def bench_engine(model, prompts, args, device, progress=None) -> dict:
         engine = Engine(
             model,
             max_batch_size=args.max_batch_size or len(prompts) * args.n,
-            max_seq_len=args.prompt_len + args.new_tokens,
+            max_seq_len=max(map(len, prompts)) + args.new_tokens,
             options=options,
         )
         stop_ids = stop_ids_for_mean_length(
@@ -163,7 +211,7 @@ def bench_engine(model, prompts, args, device, progress=None) -> dict:
         )  # fmt: skip
         # Warm-up: kernel compilation and graph capture for the buckets this run uses.
         start = time.perf_counter()
-        engine.generate(prompts, params)
+        engine.generate(prompts, params, images=images)
         sync_device(device)
         warmup = time.perf_counter() - start
     # Time to first token: prefill of every prompt + first sampled token.
@@ -176,11 +224,13 @@ def bench_engine(model, prompts, args, device, progress=None) -> dict:
 
     def timed_call():
         seed = next(seeds) if fresh_seeds else args.seed
-        return engine.generate(prompts, dataclasses.replace(params, seed=seed))
+        return engine.generate(prompts, dataclasses.replace(params, seed=seed), images=images)
 
     with progress.task("timed calls", total=2 * repeats, unit="calls") as task:
         ttft = _median_seconds(
-            counted(task, lambda: engine.generate(prompts, first_token)), device, repeats
+            counted(task, lambda: engine.generate(prompts, first_token, images=images)),
+            device,
+            repeats,
         )[0]
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -209,10 +259,10 @@ def bench_engine(model, prompts, args, device, progress=None) -> dict:
     }  # fmt: skip
 
 
-def bench_hf(model, prompts, args, device, progress=None) -> dict:
+def bench_hf(model, prompts, args, device, progress=None, images=None) -> dict:
     """transformers generate on the same weights (sdpa where transformers has it, else eager:
-    hf_attention; dynamic cache), sampling, no early stop."""
-    import torch
+    hf_attention; dynamic cache), sampling, no early stop; prompts left-padded, with their
+    images' pixel_values and image_grid_thw (hf_inputs)."""
 
     from hybridflow.progress import quiet_reporter
 
@@ -231,32 +281,70 @@ def bench_hf(model, prompts, args, device, progress=None) -> dict:
         do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0, pad_token_id=pad,
         num_return_sequences=args.n, eos_token_id=list(stop_ids) or None,
     )  # fmt: skip
+
+    def inputs(begin: int, stop: int) -> dict:
+        return hf_inputs(model.config, prompts[begin:stop],
+                         None if images is None else images[begin:stop], pad, device)  # fmt: skip
+
     batches = -(-len(prompts) // batch)
     with progress.task("HF generate", total=batches, unit="batches") as task:
         for start in range(0, len(prompts), batch):
-            ids = torch.tensor(prompts[start : start + batch], device=device)
-            mask = torch.ones_like(ids)
             if start == 0:  # warm-up on a slice
-                hf.generate(input_ids=ids[:2], attention_mask=mask[:2], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # fmt: skip
+                hf.generate(**inputs(0, 2), **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # fmt: skip
+            given = inputs(start, start + batch)
             sync_device(device)
             t0 = time.perf_counter()
-            out = hf.generate(input_ids=ids, attention_mask=mask, **kwargs)
+            out = hf.generate(**given, **kwargs)
             sync_device(device)
             seconds += time.perf_counter() - t0
-            total += _count_generated(out[:, ids.shape[1] :], stop_ids)
+            total += _count_generated(out[:, given["input_ids"].shape[1] :], stop_ids)
             task.advance()
     del hf
     return {"tokens": total, "seconds": seconds, "tokens_per_s": total / seconds,
             "new_tokens": new_tokens, "attention": attention}  # fmt: skip
 
 
+def hf_inputs(config, prompts, images, pad: int, device) -> dict:
+    """transformers generate's inputs for ``prompts``: ids left-padded with ``pad`` and their
+    attention mask; with images (an engine PromptImages or None per prompt) also the
+    prompts' pixel_values and image_grid_thw, in order, and mm_token_type_ids (1 on image
+    tokens: how transformers' Qwen2.5-VL finds them for its mRoPE rows)."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    out = {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+    held = [entry for entry in images or () if entry is not None]
+    if held:
+        image_token = config.vision.image_token_id
+        out["pixel_values"] = torch.cat([e.pixel_values for e in held]).to(device)
+        out["image_grid_thw"] = torch.cat([e.image_grid_thw for e in held]).to(device)
+        out["mm_token_type_ids"] = ((ids == image_token) & mask.bool()).long().to(device)
+    return out
+
+
+def _hf_class(config):
+    """transformers' generating class of an HF config: its causal LM, or a vision-language
+    model's image-text-to-text class (Qwen2_5_VLForConditionalGeneration)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    )
+
+    for mapping in (MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING):
+        if type(config) in mapping:
+            return mapping[type(config)]
+    return None
+
+
 def hf_attention(config) -> str:
     """The attention transformers runs its twin with: sdpa, or eager for a family whose
     transformers class has no sdpa path (GPT-OSS: its sinks)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
-    return "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
+    return "sdpa" if getattr(_hf_class(config), "_supports_sdpa", True) else "eager"
 
 
 def _hf_twin(model, device):
@@ -268,20 +356,25 @@ def _hf_twin(model, device):
 
     config = transformers.AutoConfig.for_model(**model.config.to_hf())
     config._attn_implementation = hf_attention(config)
+    model_class = _hf_class(config) or transformers.AutoModelForCausalLM
     state = model.state_dict()
+    if getattr(model.config, "vision", None) is not None:  # transformers 5's module names
+        from hybridflow.models.families.qwen2_5_vl import transformers_name
+
+        state = {transformers_name(name): tensor for name, tensor in state.items()}
     try:
         from accelerate import init_empty_weights
     except ImportError:
         init_empty_weights = None
     if init_empty_weights is not None:
         with init_empty_weights(include_buffers=False), torch.device(device):
-            hf = transformers.AutoModelForCausalLM.from_config(config, dtype=model.dtype)
+            hf = model_class._from_config(config, dtype=model.dtype)
         missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
         if "lm_head.weight" in missing:  # tied: the embedding
             hf.lm_head.weight = hf.get_input_embeddings().weight
     else:
         with torch.device(device):
-            hf = transformers.AutoModelForCausalLM.from_config(config, dtype=model.dtype)
+            hf = model_class._from_config(config, dtype=model.dtype)
         missing, unexpected = hf.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if k != "lm_head.weight"]:
         raise RuntimeError(f"HF model names differ: missing {missing}, unexpected {unexpected}")
@@ -305,6 +398,13 @@ def print_result(result: dict) -> None:
         f"{result['preset']} {result['dtype']} on {result['device']}: {result['prompts']} prompts"
         f" x n={result['n']}, {result['prompt_len']} prompt + {result['new_tokens']} new tokens"
     )
+    if "image_tokens_per_prompt" in result:
+        tokens, lengths = result["image_tokens_per_prompt"], result["prompt_tokens"]
+        print(
+            f"  images: {result['images_per_prompt']} a prompt of {result['image_sizes']} px "
+            f"(in turn); image tokens a prompt {tokens['min']}-{tokens['max']} (mean "
+            f"{tokens['mean']:.0f}), prompt tokens with them {lengths['min']}-{lengths['max']}"
+        )
     print(
         f"  engine ({e['backend']}, graphs={e['cuda_graphs']}, fuse={e['fuse']}, "
         f"slots={e['slots']}): "

@@ -12,7 +12,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 def run_benchmark(script: str, *args: str, timeout: float = 240) -> str:
     """``python benchmarks/<script> args…`` from the repository root; returns its stdout."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # the repository first; what the caller's PYTHONPATH adds (an optional peer) kept
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
     done = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / script), *args],
         cwd=REPO,

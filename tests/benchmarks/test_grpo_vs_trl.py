@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from benchmark_run import run_benchmark
 
 from hybridflow.bench.grpo_steps import bench_config
@@ -116,3 +117,76 @@ def test_one_hybridflow_run_prints_its_step_table(tmp_path):
     assert stages["timing_s/gen"] > 0 and stages["timing_s/update_actor"] > 0
     assert stages["timing_s/step"] >= stages["timing_s/gen"] + stages["timing_s/update_actor"]
     assert "controller (step - stages)" in out
+
+
+# 16-pixel merged patches: 32x32 -> 4 image tokens, 48x64 -> 12; each prompt also holds the
+# vision start and end tokens and 6 text tokens: 12 and 20 tokens, 16 on average
+VL_ARGS = ("--preset", "tiny-vl", "--prompts", "2", "--samples", "2", "--prompt-len", "6",
+           "--new-tokens", "5", "--steps", "2", "--image-size", "32x32,48x64")  # fmt: skip
+
+
+def test_a_vision_language_run_trains_on_prompts_with_images(tmp_path):
+    out_json = tmp_path / "grpo.json"
+    out = run_benchmark(
+        "grpo_vs_trl.py", "--which", "hybridflow", "--device", "cpu", *VL_ARGS,
+        "--model-dir", str(tmp_path / "model"), "--json", str(out_json),
+    )  # fmt: skip
+    (result,) = json.loads(out_json.read_text())
+    assert result["tokens_per_s"] * result["step_s"] == pytest.approx(2 * 2 * (16 + 5))
+    assert "prompts: 1 image(s) a prompt (32x32,48x64 px), 4-12 image tokens (mean 8)" in out
+    assert (tmp_path / "model" / "preprocessor_config.json").is_file()
+
+
+def test_trls_processor_makes_the_ids_and_pixels_hybridflow_trains_on(tmp_path):
+    """What TRL's GRPOTrainer does with a conversational prompt and its images (its
+    prepare_multimodal_messages puts the images first), through the directory's processor:
+    the same ids as hybridflow's prompts, the same pixels and grids, and its padded call's
+    mm_token_type_ids on the image tokens of the left-padded prompts, as TRL pads them."""
+    from benchmark_run import load_script
+
+    bench = load_script("grpo_vs_trl.py")
+    vl = bench.grpo_vl
+    model_dir = bench.build_hf_model_dir("tiny-vl", str(tmp_path / "model"))
+    texts = bench.random_prompts(2, 6, 100)
+    made = vl.image_prompts(model_dir, texts, 1, ((32, 32), (48, 64)))
+    processor = vl.trl_processor(model_dir)
+    words = [" ".join(f"w{i}" for i in text) for text in texts]
+    conversations = [[{"role": "user", "content": [{"type": "image", "image": pictures[0]},
+                                                   {"type": "text", "text": text}]}]
+                     for pictures, text in zip(made.pictures, words)]  # fmt: skip
+    out = processor.apply_chat_template(conversation=conversations, add_generation_prompt=True,
+                                        tokenize=True, return_dict=True)  # fmt: skip
+    assert [list(ids) for ids in out["input_ids"]] == made.prompts
+    grids, pixels = (torch.as_tensor(out[key]) for key in ("image_grid_thw", "pixel_values"))
+    assert torch.equal(grids, torch.cat([e.image_grid_thw for e in made.images]))
+    assert torch.equal(pixels.float(), torch.cat([e.pixel_values for e in made.images]))
+    rendered = [processor.apply_chat_template(c, tokenize=False) for c in conversations]
+    padded = processor(images=made.pictures, text=rendered, padding=True, return_tensors="pt")
+    image_pad = made.images[0].image_grid_thw.new_tensor(124)  # tiny-vl's image-pad id
+    assert padded["input_ids"][0, 0] != image_pad and padded["attention_mask"][0, 0] == 0
+    assert torch.equal(padded["mm_token_type_ids"].bool(), padded["input_ids"] == image_pad)
+
+
+def test_images_asked_of_a_text_model_are_refused_and_a_vision_model_gets_one():
+    from benchmark_run import load_script
+
+    bench = load_script("grpo_vs_trl.py")
+    args = argparse.Namespace(prompts=2, gpus=1, prompt_len=4, images_per_prompt=1,
+                              image_size=((32, 32),))  # fmt: skip
+    with pytest.raises(ValueError, match="--images-per-prompt 1: tiny holds a text model"):
+        bench.workload("tiny", args)
+    args.images_per_prompt = None  # a text model: none; a vision-language one: one a prompt
+    assert bench.workload("tiny", args)[1] is None
+    texts, made = bench.workload("tiny-vl", args)
+    assert made.summary()["images_per_prompt"] == 1 and made.prompts[0][-4:] == texts[0]
+
+
+@pytest.mark.slow
+def test_trl_runs_a_vision_language_grpo_step_on_the_same_tokens(tmp_path):
+    pytest.importorskip("trl")
+    out_json = tmp_path / "grpo.json"
+    run_benchmark("grpo_vs_trl.py", "--which", "trl", *VL_ARGS, "--model-dir",
+                  str(tmp_path / "model"), "--json", str(out_json))  # fmt: skip
+    (result,) = json.loads(out_json.read_text())
+    assert result["name"].startswith("TRL") and len(result["all_steps_s"]) == 2
+    assert result["tokens_per_s"] * result["step_s"] == pytest.approx(2 * 2 * (16 + 5))

@@ -103,6 +103,15 @@ def read_tensor(arch, name: str, tensor) -> list[tuple[str, Any]]:
     return [(name, tensor)]
 
 
+def transformers_name(name: str) -> str:
+    """A published (our) weight name -> transformers 5's in-memory one: read_tensor's
+    inverse, for loading our tensors into transformers' module without a checkpoint."""
+    for ours, theirs in (("visual.", "model.visual."), ("model.", "model.language_model.")):
+        if name.startswith(ours):
+            return theirs + name.removeprefix(ours)
+    return name
+
+
 def layer_specs(arch) -> list[LayerSpec]:
     return [LayerSpec("attention", "dense")] * arch.num_hidden_layers
 
