@@ -1,7 +1,7 @@
 """Which backend an Engine decodes with, and the Triton pieces the triton backend runs.
 
 resolve_backend picks torch or triton from EngineOptions.decode_backend and what the model
-is (a tensor-parallel shard, experts spread over replicas: torch); triton_pieces makes the
+is (experts spread over replicas: torch); triton_pieces makes the
 launch settings, the decode matmul, chain and layer chooser (kept across release(): their
 shape choices); check_fp8_kv says what an FP8 KV cache does not cover.
 """
@@ -21,13 +21,16 @@ def _triton_available() -> bool:
     return True
 
 
-def resolve_backend(requested: str, device: torch.device, tensor_parallel: int = 1,
-                    spread: bool = False) -> str:  # fmt: skip
-    if tensor_parallel > 1 or spread:  # the fused layers have no collectives yet
+def resolve_backend(requested: str, device: torch.device, spread: bool = False) -> str:
+    """ "torch" or "triton" for EngineOptions.decode_backend ``requested``. A tensor-parallel
+    shard runs the split layer on the triton backend (its all-reduces where the eager path has
+    them: layers/split.py), a mixture of experts included (experts_triton sums a rank's share
+    of the experts as the eager path does); experts spread over replicas do not (their
+    all-to-all runs on the eager path only)."""
+    if spread:  # the fused layers have no all-to-all yet
         if requested == "triton":
-            what = "tensor-parallel" if tensor_parallel > 1 else "wide expert-parallel"
-            raise ValueError(f"decode_backend='triton' does not run a {what} model "
-                             "yet: use decode_backend='torch' (or 'auto')")  # fmt: skip
+            raise ValueError("decode_backend='triton' does not run a wide expert-parallel "
+                             "model yet: use decode_backend='torch' (or 'auto')")  # fmt: skip
         return "torch"
     if requested == "auto":
         return "triton" if device.type == "cuda" and _triton_available() else "torch"
@@ -40,7 +43,8 @@ def resolve_backend(requested: str, device: torch.device, tensor_parallel: int =
 def triton_pieces(options, device: torch.device, pinned, split: bool):
     """(launch settings, DecodeMatmul, DecodeChain, DecodeLayerChooser) of the triton
     backend, with the pinned choices; split: the split decode layer whatever
-    options.decode_layer says (fp8 projections, LoRA adapters, experts)."""
+    options.decode_layer says (fp8 projections, LoRA adapters, experts, a tensor-parallel
+    shard)."""
     from hybridflow.engine.choices import pin_attention_tiles
     from hybridflow.engine.kernels.launch import launch_for
     from hybridflow.engine.layers.chain import DecodeChain

@@ -114,14 +114,14 @@ class Engine:
         self.experts = ExpertMatmuls(1024 if options.expert_matmul == "grouped_mm" else None)
         from hybridflow.engine.tensor_parallel import tensor_parallel_size
 
-        # a tensor-parallel shard (tensor_parallel.py): the eager path, its all-reduces
+        # a tensor-parallel shard (tensor_parallel.py): its all-reduces run in the eager
+        # modules or, on the triton backend, the split layer (layers/split.py)
         self.tensor_parallel = tensor_parallel_size(model)
         from hybridflow.engine.expert_spread import spread_of
 
         # experts over the replicas (expert_spread.py): the eager path, rounds of the group
         self.spread = spread_of(model) is not None
-        self.decode_backend = resolve_backend(options.decode_backend, self.device,
-                                              self.tensor_parallel, self.spread)  # fmt: skip
+        self.decode_backend = resolve_backend(options.decode_backend, self.device, self.spread)
         self.recurrent_step = "torch"
         if self.eager_layers:
             self.recurrent_step = self.decode_backend
@@ -170,8 +170,11 @@ class Engine:
         self.matmul = self.chain = self.chooser = None
         self.launch = None
         if triton_backend:  # kept across release(): shape choices
-            # fp8 projections run in the split layer (the others read bf16 weights in Triton)
-            split = options.weight_format == "fp8" or self.adapted or self.moe
+            # fp8 projections run in the split layer (the others read bf16 weights in Triton);
+            # so does a tensor-parallel shard: the chain and lean layers fuse o_proj and
+            # down_proj into their neighbours, leaving no place for the all-reduces
+            split = (options.weight_format == "fp8" or self.adapted or self.moe
+                     or self.tensor_parallel > 1)  # fmt: skip
             self.launch, self.matmul, self.chain, self.chooser = triton_pieces(
                 options, self.device, self.pinned, split)  # fmt: skip
         self.cache: kv_cache.KVCache | None = None

@@ -20,7 +20,9 @@ the all-reduce. Dense layers among the sparse ones (mlp_only_layers) are split a
 
 The model is a CausalLM built from the per-rank shape (heads, KV heads and MLP width divided
 by tp, the vocabulary whole) with those four modules swapped in, so the engine's eager
-prefill, extend and decode (prefill.py, layers/eager.py) run it unchanged, and the KV cache,
+prefill, extend and decode (prefill.py, layers/eager.py) run it unchanged, the fused split
+layer (layers/split.py) with its own matmuls and RowParallelLinear.reduce after o_proj and
+down_proj (project_out), and the KV cache,
 sized from its config, holds this rank's KV heads only. The modules talk through the process
 group they are given; nothing here is global, so the same model runs over gloo on CPU
 processes and over NCCL on GPUs.
@@ -98,9 +100,22 @@ class RowParallelLinear(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
-        dist.all_reduce(out, group=self.group)
-        return out if self.bias is None else out + self.bias
+        return self.reduce(F.linear(x, self.weight))
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The group's partial products x_shard @ W_shard^T summed (in place), then the bias
+        once."""
+        dist.all_reduce(partial, group=self.group)
+        return partial if self.bias is None else partial + self.bias
+
+
+def project_out(linear, x: torch.Tensor, module) -> torch.Tensor:
+    """o_proj's or down_proj's output through a decode layer's matmul ``linear(x, weight,
+    bias)``: a RowParallelLinear's summed over its group, its bias added after the sum (the
+    fused layers' all-reduces, where the eager modules have them)."""
+    if isinstance(module, RowParallelLinear):
+        return module.reduce(linear(x, module.weight))
+    return linear(x, module.weight, module.bias)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -182,6 +197,13 @@ def tensor_parallel_group(model) -> object | None:
     """The process group of a tensor_parallel_model (None: a whole model)."""
     head = getattr(model, "lm_head", None)
     return head.group if isinstance(head, VocabParallelHead) else None
+
+
+def row_parallel_weights(model) -> set[int]:
+    """The ids of the weights whose input columns are split over the group (each
+    RowParallelLinear's: o_proj, a dense down_proj)."""
+    return {id(module.weight) for module in model.modules()
+            if isinstance(module, RowParallelLinear)}  # fmt: skip
 
 
 def splits_experts(model) -> bool:

@@ -29,5 +29,11 @@ class Fp8Rows(NamedTuple):
 def quantize_rows_reference(x: torch.Tensor) -> Fp8Rows:
     """x [M, K] -> (x8 [M, K] e4m3, scale [M, 1] fp32) with x ≈ x8 * scale per row."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=TINY) * INV_E4M3_MAX
-    return Fp8Rows((xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale)
+    return quantize_rows_by_amax(xf, xf.abs().amax(dim=-1, keepdim=True))
+
+
+def quantize_rows_by_amax(x: torch.Tensor, amax: torch.Tensor) -> Fp8Rows:
+    """quantize_rows_reference with each row's scale taken from amax [M, 1] fp32: the row's
+    own, or the whole row's where x holds a part of its columns (a tensor-parallel shard)."""
+    scale = amax.clamp(min=TINY) * INV_E4M3_MAX
+    return Fp8Rows((x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale)

@@ -25,7 +25,12 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow.engine.fp8.e4m3 import E4M3, Fp8Rows, quantize_rows_reference
-from hybridflow.engine.fp8.weight_scales import ENGINE_SCALES, quantize_weight, tensor_amax_rows
+from hybridflow.engine.fp8.weight_scales import (
+    ENGINE_SCALES,
+    amax_rows,
+    quantize_weight,
+    tensor_amax_rows,
+)
 from hybridflow.engine.kernels.launch import PLAIN, Launch
 
 
@@ -90,7 +95,18 @@ class Fp8Matmul:
     weight_scales: how the weights are quantized (weight_scales.py): "engine" (amax / 448 per
     output channel) or the FP8 trainer's recipe, "rowwise" or "tensorwise", whose bytes and
     scales equal those of the trainer's forward (the fused copies then hold the model's
-    weights as they are: no norm weight folded in)."""
+    weights as they are: no norm weight folded in).
+
+    A tensor-parallel shard (engine/tensor_parallel.py) quantizes its slices with the scales of
+    the whole weights: a row's amax where the columns are split (o_proj, down_proj) and a
+    tensor's amax under tensorwise are the MAX over the group of the shards' (one all-reduce
+    a refresh), so each rank's e4m3 bytes and scales are the slices of the one-process
+    engine's, and of the FP8 trainer's, whose forward quantizes whole weights: the layout does
+    not change the policy's weights. (Scales of each shard's own would round the split rows on
+    a finer grid, and differently at every tp.) The activations in front of o_proj and
+    down_proj are quantized per row over the rank's own columns, with no collective in the
+    step (as vLLM's row-parallel fp8 layers do), so the sums differ from one process's by that
+    rounding."""
 
     def __init__(self, model, fused, fast_accumulation: bool = True,
                  weight_scales: str = ENGINE_SCALES):  # fmt: skip
@@ -101,6 +117,9 @@ class Fp8Matmul:
         self.fast_accumulation = fast_accumulation
         self.weight_scales = weight_scales
         self.copies: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        from hybridflow.engine.tensor_parallel import tensor_parallel_group
+
+        self.group = tensor_parallel_group(model)  # None: the whole model
         self.refresh()
 
     def sources(self) -> list[torch.Tensor]:
@@ -133,7 +152,8 @@ class Fp8Matmul:
         """Quantize the live weights into the fp8 copies (in place where one exists for the
         same tensor, so graphs that read them stay valid)."""
         copies = {}
-        for weight, parts, interleaved in self.sources_with_parts():
+        sources = self.sources_with_parts()
+        for (weight, _, _), row_amax in zip(sources, self._row_amaxes(sources)):
             key = weight.data_ptr()  # the fused copies' per-layer views are new objects each
             old = self.copies.get(key)  # time: the storage, not the view, is the identity
             if old is not None and old[0].shape == weight.shape:
@@ -141,14 +161,37 @@ class Fp8Matmul:
             else:
                 weight8 = torch.empty(weight.shape, dtype=E4M3, device=weight.device)
                 scale = torch.empty(1, weight.shape[0], dtype=torch.float32, device=weight.device)
-            row_amax = None
-            if self.weight_scales == "tensorwise" and len(parts) > 1:
-                row_amax = tensor_amax_rows(parts, interleaved)
             quantized, row_scale = quantize_weight(weight, self.weight_scales, row_amax)
             weight8.copy_(quantized)
             scale.copy_(row_scale.view(1, -1))
             copies[key] = (weight, weight8, scale)
         self.copies = copies
+
+    def _row_amaxes(self, sources) -> list[torch.Tensor | None]:
+        """Per source, the [N, 1] amax quantize_weight takes its rows' scales from (None: the
+        weight's own). A tensor-parallel shard's are the whole weights' (the class's
+        docstring): one MAX all-reduce over the group of every split row's."""
+        recipe = self.weight_scales
+        if self.group is None:
+            return [tensor_amax_rows(parts, interleaved)
+                    if recipe == "tensorwise" and len(parts) > 1 else None
+                    for _, parts, interleaved in sources]  # fmt: skip
+        from hybridflow.engine.tensor_parallel import row_parallel_weights
+
+        amaxes = [amax_rows(weight, parts, interleaved, recipe)
+                  for weight, parts, interleaved in sources]  # fmt: skip
+        split_columns = row_parallel_weights(self.model)
+        shared = [index for index, (weight, _, _) in enumerate(sources)
+                  if recipe == "tensorwise" or id(weight) in split_columns]  # fmt: skip
+        if shared:
+            import torch.distributed as dist
+
+            flat = torch.cat([amaxes[index].flatten() for index in shared])
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.group)
+            pieces = flat.split([amaxes[index].numel() for index in shared])
+            for index, piece in zip(shared, pieces):
+                amaxes[index] = piece.view(-1, 1)
+        return amaxes
 
     def nbytes(self) -> int:
         return sum(w8.numel() + s.numel() * 4 for _, w8, s in self.copies.values())

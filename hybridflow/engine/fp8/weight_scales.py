@@ -25,7 +25,13 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.engine.fp8.e4m3 import E4M3, E4M3_MAX, TINY, quantize_rows_reference
+from hybridflow.engine.fp8.e4m3 import (
+    E4M3,
+    E4M3_MAX,
+    TINY,
+    quantize_rows_by_amax,
+    quantize_rows_reference,
+)
 from hybridflow.engine.options import ENGINE_SCALES, TRAINER_RECIPES, WEIGHT_SCALES  # noqa: F401
 
 
@@ -46,18 +52,21 @@ def quantize_weight(
     """weight [N, K] -> (e4m3 [N, K], scale [N, 1] fp32) with weight ≈ e4m3 * scale per row.
 
     recipe: "engine" (e4m3.py's own per-row scales) or a trainer recipe (rowwise, tensorwise).
-    row_amax [N, 1]: the amax each row's scale comes from under tensorwise (the whole source
-    weight's, repeated on its rows: see :func:`tensor_amax_rows`); None: the whole ``weight``'s
-    own."""
+    row_amax [N, 1]: the amax each row's scale comes from (see :func:`amax_rows`): under
+    tensorwise the whole source weight's, repeated on its rows (:func:`tensor_amax_rows`); on a
+    tensor-parallel shard the whole weight's (its rows' or the tensor's). None: ``weight``'s
+    own (each row's, or the whole tensor's under tensorwise)."""
     if recipe == ENGINE_SCALES:
-        return quantize_rows_reference(weight)
+        if row_amax is None:
+            return quantize_rows_reference(weight)
+        return quantize_rows_by_amax(weight, row_amax)
     wide = weight.to(torch.float32)
-    if recipe == "rowwise":
-        amax = wide.abs().amax(dim=1, keepdim=True)
-    elif row_amax is None:
-        amax = wide.abs().amax().expand(weight.shape[0], 1)
-    else:
+    if row_amax is not None:
         amax = row_amax
+    elif recipe == "rowwise":
+        amax = wide.abs().amax(dim=1, keepdim=True)
+    else:
+        amax = wide.abs().amax().expand(weight.shape[0], 1)
     multiplier = trainer_multiplier(amax, recipe)
     values = (wide * multiplier).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return values, multiplier.reciprocal()
@@ -72,3 +81,14 @@ def tensor_amax_rows(parts: list[torch.Tensor], interleaved: bool) -> torch.Tens
         rows = torch.stack([amax.expand(part.shape[0]) for amax, part in zip(amaxes, parts)], 1)
         return rows.reshape(-1, 1)
     return torch.cat([amax.expand(part.shape[0]) for amax, part in zip(amaxes, parts)])[:, None]
+
+
+def amax_rows(weight: torch.Tensor, parts: list[torch.Tensor], interleaved: bool,
+              recipe: str) -> torch.Tensor:  # fmt: skip
+    """[N, 1] fp32: the amax each row of ``weight`` (a fused copy of ``parts``, or one of them)
+    takes its scale from, over what this process holds: its part's under tensorwise, its own
+    row's otherwise. A tensor-parallel shard takes the MAX of these over its group (each rank's
+    row i is of the same part, or the same output channel where the columns are split)."""
+    if recipe == "tensorwise":
+        return tensor_amax_rows(parts, interleaved)
+    return weight.to(torch.float32).abs().amax(dim=1, keepdim=True)

@@ -4,6 +4,9 @@ DecodeMatmul's choice for gate/up), the fused row-wise kernels around them. Also
 stack of the triton prefill (with its packed attention). The reference the other decode
 layers (chain.py, lean.py) are timed against, and the one that always applies, fp8 included:
 with an fp8.Fp8Matmul the norms and SiLU*up write e4m3 rows for the projections after them.
+On a tensor-parallel shard (engine/tensor_parallel.py) each rank runs it over its heads and
+MLP columns, o_proj's and down_proj's partial products summed over the group where the eager
+modules sum them (a sparse layer's experts: layers/moe.experts_triton).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ def fused_layers(
     from hybridflow.engine.fp8.matmul import Fp8Matmul
     from hybridflow.engine.kernels import gemm, rowwise
     from hybridflow.engine.layers.moe import ExpertMatmuls, experts_triton, is_sparse
+    from hybridflow.engine.tensor_parallel import project_out
 
     linear = matmul.linear if matmul is not None else F.linear
     gate_up_silu = matmul.gate_up_silu if matmul is not None else gemm.gate_up_silu_cublas
@@ -73,7 +77,7 @@ def fused_layers(
         trim = keep is not None and last
         if trim and not is_sparse(layer):
             out, hidden = out[keep], hidden[keep]
-        delta = linear(out.flatten(-2), attn.o_proj.weight, attn.o_proj.bias)
+        delta = project_out(linear, out.flatten(-2), attn.o_proj)  # tensor-parallel: summed
         normed = add_rms_norm(hidden, delta, layer.post_attention_layernorm, weighted, launch)
         mlp = layer.mlp
         if is_sparse(layer):
@@ -88,7 +92,7 @@ def fused_layers(
             else:
                 act = silu_mul(linear(normed, mlp.gate_proj.weight),
                                linear(normed, mlp.up_proj.weight), launch)  # fmt: skip
-            delta = linear(act, mlp.down_proj.weight)
+            delta = project_out(linear, act, mlp.down_proj)
         if not last:
             normed = add_rms_norm(hidden, delta, layers[index + 1].input_layernorm, weighted,
                                   launch)  # fmt: skip
