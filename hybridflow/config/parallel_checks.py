@@ -160,19 +160,15 @@ def check_layouts(
 
 def rollout_tensor_parallel_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]:
     """What a tensor-parallel rollout does not run yet (its ranks must run the same decode
-    steps in lockstep, on the eager decode path). Partial rollouts and agent loops run: the
-    group's ranks serve in rounds (engine/serving/lockstep.py), kept KV released on every
-    rank at the same step."""
+    steps in lockstep). Partial rollouts and agent loops run: the group's ranks serve in
+    rounds (engine/serving/lockstep.py), kept KV released on every rank at the same step; so
+    do the fused decode layers (the split layer's all-reduces: engine/layers/split.py) and
+    the fp8 rollout on them."""
     size = cfg.rollout.tensor_parallel_size
     if size <= 1:
         return []
     key = f"rollout.tensor_parallel_size = {size}"
-    limits = [
-        (_fused_key(cfg) is not None, _fused_key(cfg),
-         "the fused decode layers have no all-reduce yet"),
-    ]  # fmt: skip
-    problems = [f"{key} with {what}: not yet supported ({why}); set "
-                "rollout.tensor_parallel_size=1" for applies, what, why in limits if applies]  # fmt: skip
+    problems = []
     unpaged = unpaged_mixers(arch)
     if unpaged:
         problems.append(f"{key}: the tensor-parallel rollout runs GQA attention layers only, "

@@ -55,19 +55,12 @@ def test_a_tensor_parallel_rollout_is_accepted_and_what_it_does_not_run_yet_refu
     partial = [*FOUR_CPUS, "rollout.tensor_parallel_size=2", "trainer.mode=async",
                "trainer.partial_rollout=true"]  # fmt: skip
     validate(load_config(None, partial))  # its ranks serve in lockstep (serving/lockstep.py)
-    problems = _problems([*partial, "rollout.engine.decode_backend=triton"])
-    assert problems == [
-        "rollout.tensor_parallel_size = 2 with rollout.engine.decode_backend = triton: not yet "
-        "supported (the fused decode layers have no all-reduce yet); set "
-        "rollout.tensor_parallel_size=1",
-    ]
-    # the fp8 engine runs on the fused decode layers only, whichever key asks for it
+    # the fused decode layers sum over the group (engine/layers/split.py), and the fp8
+    # rollout runs on them, whichever key asks for it
+    validate(load_config(None, [*partial, "rollout.engine.decode_backend=triton"]))
+    four_gpus = ["trainer.backend=local", "trainer.n_gpus_per_node=4", "trainer.device=cuda"]
     for key in ("rollout.dtype=fp8", "rollout.engine.weight_format=fp8"):
-        name = key.replace("=", " = ")
-        assert (
-            f"rollout.tensor_parallel_size = 2 with {name}: not yet supported (the fused "
-            "decode layers have no all-reduce yet); set rollout.tensor_parallel_size=1"
-        ) in _problems([*FOUR_CPUS, "rollout.tensor_parallel_size=2", key])
+        validate(load_config(None, [*four_gpus, "rollout.tensor_parallel_size=2", key]))
     # agent loops: each rank's turns and releases of kept KV run in lockstep too
     agents = [*FOUR_CPUS, "rollout.tensor_parallel_size=2", "rollout.agent.tools=[calculator]"]
     validate(load_config(None, [*agents, "rollout.agent.loop=tools"]))

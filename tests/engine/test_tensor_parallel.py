@@ -107,11 +107,9 @@ def _generate_on_ranks(rank: int, world: int) -> None:
     handles = [[c.kv_handle for c in f] for f in first]
     after = [e.generate(turns[0], params, reuse=h) for e, h in zip((whole, tp), handles)]
     assert [c.token_ids for c in after[1]] == [c.token_ids for c in after[0]]
-    with pytest.raises(ValueError, match="does not run a tensor-parallel model"):
-        Engine(tp.model, options=EngineOptions(decode_backend="triton"))
 
 
 @pytest.mark.slow
 def test_two_ranks_draw_the_tokens_of_one_process():
-    """Also: the fused triton path refuses a tensor-parallel model (no all-reduce there)."""
+    """On the torch backend (the fused layers' run: test_tensor_parallel_fused.py)."""
     run_ranks(_generate_on_ranks, 2)

@@ -130,9 +130,11 @@ def rollout_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
                              rollout_weight_parameters(a, o) * o.rollout_bytes, ALWAYS,
                              rollout_gpu=split,
                              note=f"1/{o.rollout_tp}, tensor parallel" if o.rollout_tp > 1 else "")  # fmt: skip
-    fused = fused_copy_bytes(a, o.fuse_projections, o.rollout_bytes)
+    # a tensor-parallel shard's copies are of its heads and MLP columns
+    fused = fused_copy_bytes(a, o.fuse_projections, o.rollout_bytes) // o.rollout_tp
     held = (GENERATE,) if o.release_cache else ALWAYS  # Engine.release() frees them
-    fp8 = a.num_parameters(include_embeddings=False)  # 1 byte each (engine/fp8/matmul.py)
+    # 1 byte each (engine/fp8/matmul.py)
+    fp8 = a.num_parameters(include_embeddings=False) // o.rollout_tp
     fp8_copies = [MemoryItem("rollout fp8 projection copies", fp8, held, rollout_gpu=split)]
     return [
         weights,

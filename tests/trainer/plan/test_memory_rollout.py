@@ -131,3 +131,16 @@ def test_an_fp8_kv_cache_halves_the_kv_line_and_about_doubles_the_sequences_it_h
     bf16_plan, fp8_plan = _plan("qwen2.5-1.5b"), _plan("qwen2.5-1.5b", fp8)
     assert 1.9 < fp8_plan.kv_slots / bf16_plan.kv_slots < 1.95 and fp8_plan.kv_slots < 1024
     assert _kv_item(fp8_plan).gpu_bytes == pytest.approx(_kv_item(bf16_plan).gpu_bytes, rel=1e-3)
+
+
+def test_a_tensor_parallel_rollout_holds_its_shards_fused_and_fp8_copies():
+    """The triton backend runs a tensor-parallel shard (engine/layers/split.py): each GPU holds
+    the fused and fp8 copies of its heads and MLP columns, 1/tp of one GPU's."""
+    gpus = ["trainer.backend=local", "trainer.n_gpus_per_node=2", "model.dtype=bfloat16",
+            "rollout.dtype=fp8"]  # fmt: skip
+    plans = [_plan("qwen2.5-7b", *gpus, f"rollout.tensor_parallel_size={tp}") for tp in (1, 2)]
+    names = ("rollout fused q/k/v, gate/up copies", "rollout fp8 projection copies")
+    sizes = [{i.name: i.gpu_bytes for i in plan.items if i.name in names} for plan in plans]
+    assert sizes[0][names[0]] == fused_copy_bytes(PRESETS["qwen2.5-7b"], "all")
+    for name in names:
+        assert sizes[0][name] > 0 and sizes[1][name] == sizes[0][name] // 2
