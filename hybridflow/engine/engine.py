@@ -57,9 +57,9 @@ class Engine:
         model: hybridflow.models.CausalLM. Anything else with forward(input_ids,
             attention_mask) -> logits and a .config with vocab_size/eos_token_id (the
             transformers fallback, models/checkpoint_io/hf_fallback.py) runs the slow path (slow.py).
-            A tensor-parallel shard (tensor_parallel.tensor_parallel_model) runs the eager
-            path on every rank of its group, each rank calling generate with the same
-            prompts and sampling the same tokens.
+            A tensor-parallel shard (tensor_parallel.tensor_parallel_model) runs on every
+            rank of its group (the eager path, or the triton backend's split layer), each
+            rank calling generate with the same prompts and sampling the same tokens.
         max_batch_size: sequences decoded together (KV-cache slots).
         max_seq_len: prompt + generated tokens per sequence.
         memory_budget: KV-cache bytes (int), fraction of free device memory (float in (0, 1]),

@@ -193,3 +193,37 @@ def test_two_ranks_with_fp8_weights_quantize_slices_of_one_process_and_draw_its_
     """The tokens are one process's where the activation scales are the same on both sides;
     with each row's own, the log-probs are a rounding apart."""
     run_ranks(_fp8_on_ranks, 2)
+
+
+def _moe_on_ranks(rank: int, world: int) -> None:
+    """tiny-moe cut to its dense first layer and one sparse layer, std-0.3 weights: each rank
+    holds 4 of the 8 experts and experts_triton sums the partial outputs over the group.
+    Greedy only, rank 0 running the one-process reference (the interpreted expert kernels are
+    slow)."""
+    config = dataclasses.replace(preset_config("tiny-moe"), num_hidden_layers=2)
+    generator = torch.Generator().manual_seed(2)
+    whole = build_model(config, seed=2).eval().requires_grad_(False)
+    for name, p in whole.named_parameters():
+        if not name.endswith("norm.weight"):
+            p.normal_(0, 0.3, generator=generator)
+    tp = Engine(_shard(whole), max_batch_size=4, max_seq_len=32, options=_options("model"))
+    assert tp.decode_backend == "triton"
+    assert tp.model.model.layers[1].mlp.experts.gate_up_proj.shape[0] == 4
+    got = tp.generate(PROMPTS, GREEDY)
+    expected = [None]
+    if rank == 0:
+        one = Engine(whole, max_batch_size=4, max_seq_len=32, options=_options("model"))
+        expected = [[(c.token_ids, c.logprobs, c.routed_experts.tolist())
+                     for c in one.generate(PROMPTS, GREEDY)]]  # fmt: skip
+    dist.broadcast_object_list(expected, src=0)
+    assert [c.token_ids for c in got] == [tokens for tokens, _, _ in expected[0]]
+    for completion, (_, logprobs, routes) in zip(got, expected[0]):
+        torch.testing.assert_close(torch.tensor(completion.logprobs), torch.tensor(logprobs),
+                                   rtol=1e-4, atol=1e-4)  # fmt: skip
+        assert completion.routed_experts.tolist() == routes
+
+
+@interpreted
+@pytest.mark.slow
+def test_two_ranks_of_a_mixture_of_experts_on_the_fused_layers_draw_the_tokens_of_one_process():
+    run_ranks(_moe_on_ranks, 2)
