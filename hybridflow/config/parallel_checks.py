@@ -194,8 +194,8 @@ def rollout_expert_limits(cfg: Config, arch: ModelArchitecture | None) -> list[s
     """rollout.expert_parallel_size above rollout.tensor_parallel_size spreads the experts
     over several replicas (engine/expert_spread.py: a multiple of tp dividing the rollout's
     GPUs, said by layout_problems). Its replicas move in rounds of the expert group, so what
-    runs at each replica's own pace is refused, as under rollout TP (with tp > 1,
-    rollout_tensor_parallel_limits says so already)."""
+    runs at each replica's own pace is refused, and so are the fused decode layers (a
+    tensor-parallel rollout runs them, experts over replicas do not)."""
     ep, tp = cfg.rollout.expert_parallel_size, cfg.rollout.tensor_parallel_size
     if ep is None or ep <= tp or (arch is not None and not arch.is_moe):
         return []  # a dense model's ep > 1: _check_shape says it has no experts
@@ -207,12 +207,9 @@ def rollout_expert_limits(cfg: Config, arch: ModelArchitecture | None) -> list[s
          "the rollout service admits requests as they come, at times that differ by replica"),
         (cfg.rollout.agent.loop is not None, f"rollout.agent.loop = {cfg.rollout.agent.loop}",
          "agent episodes take turns at their own pace on each replica"),
+        (_fused_key(cfg) is not None, _fused_key(cfg),
+         "the fused decode layers have no all-to-all yet"),
     ]  # fmt: skip
-    if tp == 1:
-        limits += [
-            (_fused_key(cfg) is not None, _fused_key(cfg),
-             "the fused decode layers have no all-to-all yet"),
-        ]  # fmt: skip
     fix = f"rollout.expert_parallel_size={tp if tp > 1 else 1}"
     return [f"{key} with {what}: not yet supported ({why}); set {fix}"
             for applies, what, why in limits if applies]  # fmt: skip

@@ -71,6 +71,15 @@ def test_a_tensor_parallel_rollout_is_accepted_and_what_it_does_not_run_yet_refu
         "rollout.agent.loop = tools: not yet supported (agent episodes take turns at their own "
         "pace on each replica); set rollout.expert_parallel_size=2"
     ]
+    # experts over several replicas of tensor-parallel ranks: the fused layers have no
+    # all-to-all (engine/backend.resolve_backend refuses them)
+    fused = _problems([*FOUR_CPUS, "rollout.tensor_parallel_size=2", "model.path=tiny-moe",
+                       "rollout.expert_parallel_size=4", "rollout.engine.decode_backend=triton"])  # fmt: skip
+    assert fused == [
+        "rollout.expert_parallel_size = 4 (experts over several replicas) with "
+        "rollout.engine.decode_backend = triton: not yet supported (the fused decode layers have "
+        "no all-to-all yet); set rollout.expert_parallel_size=2"
+    ]
     # experts over several replicas still move in rounds of the expert group
     spread = _problems([*partial, "model.path=tiny-moe", "rollout.expert_parallel_size=4"])
     assert spread == [
