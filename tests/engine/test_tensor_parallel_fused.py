@@ -2,10 +2,12 @@
 (tiny preset with an o_proj bias, fp32 CPU): each rank runs the split decode layer's fused
 kernels over its heads and MLP columns, o_proj's and down_proj's partial products summed over
 the group, and both ranks draw the tokens one process with the whole model draws on the same
-backend, greedy and sampled. With fp8 weights: each rank's e4m3 copies and scales are the
-slices of the one-process engine's (every recipe), and the tokens are the one-process fp8
-engine's. Each rank computes half of the one-process references (interpreted Triton is slow)
-and the ranks exchange them."""
+backend, greedy and sampled; a mixture of experts' split experts likewise, with its routes.
+With fp8 weights: each rank's e4m3 copies and scales are the slices of the one-process
+engine's (every recipe), the tokens are the one-process fp8 engine's where both quantize the
+activations with the same scales, and with each row's own scales (a rank's columns: the
+engine's choice, engine/fp8/matmul.py) the log-probs are a rounding apart. Each rank computes
+half of the one-process references (interpreted Triton is slow) and the ranks exchange them."""
 
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ def test_auto_picks_triton_on_a_gpu_whatever_the_tensor_parallel_size():
 def _model():
     """The tiny preset with an o_proj bias (added once, after the sum), the same on every
     rank: std-0.3 projections and a std-1 embedding (the tied head), so the logits are peaked
-    (greedy log-probs near -0.1) and fp8's rounding moves no token."""
+    (greedy log-probs near -0.1): no near ties for fp32 rounding to flip."""
     config = dataclasses.replace(preset_config("tiny"), o_proj_bias=True)
     generator = torch.Generator().manual_seed(1)
     model = build_model(config, seed=1).eval().requires_grad_(False)
