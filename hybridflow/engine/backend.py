@@ -22,11 +22,11 @@ def _triton_available() -> bool:
 
 
 def resolve_backend(requested: str, device: torch.device, spread: bool = False) -> str:
-    """ "torch" or "triton" for EngineOptions.decode_backend ``requested``. A tensor-parallel
-    shard runs the split layer on the triton backend (its all-reduces where the eager path has
-    them: layers/split.py), a mixture of experts included (experts_triton sums a rank's share
-    of the experts as the eager path does); experts spread over replicas do not (their
-    all-to-all runs on the eager path only)."""
+    """The backend (torch or triton) for EngineOptions.decode_backend ``requested``. A
+    tensor-parallel shard runs the split layer on the triton backend (its all-reduces where
+    the eager path has them: layers/split.py), a mixture of experts included (experts_triton
+    sums a rank's share of the experts as the eager path does); experts spread over replicas
+    do not (their all-to-all runs on the eager path only)."""
     if spread:  # the fused layers have no all-to-all yet
         if requested == "triton":
             raise ValueError("decode_backend='triton' does not run a wide expert-parallel "

@@ -20,12 +20,12 @@ the all-reduce. Dense layers among the sparse ones (mlp_only_layers) are split a
 
 The model is a CausalLM built from the per-rank shape (heads, KV heads and MLP width divided
 by tp, the vocabulary whole) with those four modules swapped in, so the engine's eager
-prefill, extend and decode (prefill.py, layers/eager.py) run it unchanged, the fused split
-layer (layers/split.py) with its own matmuls and RowParallelLinear.reduce after o_proj and
-down_proj (project_out), and the KV cache,
-sized from its config, holds this rank's KV heads only. The modules talk through the process
-group they are given; nothing here is global, so the same model runs over gloo on CPU
-processes and over NCCL on GPUs.
+prefill, extend and decode (prefill.py, layers/eager.py) run it unchanged; the triton
+backend's split layer (layers/split.py) runs o_proj and down_proj with its own matmuls and
+sums them with RowParallelLinear.reduce (project_out). The KV cache, sized from its config,
+holds this rank's KV heads only. The modules talk through the process group they are given;
+nothing here is global, so the same model runs over gloo on CPU processes and over NCCL on
+GPUs.
 """
 
 from __future__ import annotations
