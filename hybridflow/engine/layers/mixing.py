@@ -75,7 +75,7 @@ def recurrent_decode(layer, normed: torch.Tensor, states, index: int, slots: tor
         conv[targets] = state.conv
         ssm[targets] = state.ssm.to(ssm.dtype)
         return out
-    from hybridflow.engine.kernels.delta_step import delta_rule_step
+    from hybridflow.engine.kernels.delta_step_grouped import delta_rule_step
 
     g, beta = mixer.gates(normed)
     core = delta_rule_step(mixer.in_proj_qkv(normed), conv, mixer.conv1d.weight, ssm, g, beta,
