@@ -1,4 +1,5 @@
-"""Gated DeltaNet's decode step in one Triton kernel: the causal conv's shift and the gated
+"""Gated DeltaNet's decode step in one Triton kernel, the layout before kernels/delta_step.py
+(kept for benchmarks/delta_step.py to time against it): the causal conv's shift and the gated
 delta rule's update of every row of a batch, on the per-slot states in place (CUDA; on CPU
 under TRITON_INTERPRET=1 in tests). The projections around it (in_proj_qkv, the gates, the
 gated norm and out_proj) stay the model's own modules.
@@ -23,34 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridflow.engine.kernels.delta_step import conv_channels
 from hybridflow.models.mixers.gated_delta_rule import L2_EPS
-
-
-@triton.jit
-def _conv_channels(mixed_ptr, conv_ptr, weight_ptr, src, dst, row, channels, mask, stride_m,
-                   stride_cs, KERNEL: tl.constexpr):  # fmt: skip
-    """silu(conv) of `channels` of one row (fp32, rounded to the model dtype like the torch
-    op), the conv state shifted by the row's new input into slot dst."""
-    dtype = mixed_ptr.dtype.element_ty
-    newest = tl.load(mixed_ptr + row * stride_m + channels, mask=mask, other=0.0)
-    acc = newest.to(tl.float32) * tl.load(weight_ptr + channels * KERNEL + KERNEL - 1, mask=mask,
-                                          other=0.0).to(dtype).to(tl.float32)  # fmt: skip
-    state = conv_ptr + channels * (KERNEL - 1)
-    for j in tl.static_range(KERNEL - 1):
-        old = tl.load(state + src * stride_cs + j, mask=mask, other=0.0).to(dtype)
-        tap = tl.load(weight_ptr + channels * KERNEL + j, mask=mask, other=0.0).to(dtype)
-        acc += old.to(tl.float32) * tap.to(tl.float32)
-    tl.debug_barrier()
-    # the shift: entry j takes entry j + 1, read before the next iteration overwrites it (a
-    # thread stores the channels it loaded, so in place, src == dst, reads the old values)
-    for j in tl.static_range(KERNEL - 2):
-        later = tl.load(state + src * stride_cs + j + 1, mask=mask, other=0.0)
-        tl.store(state + dst * stride_cs + j, later, mask=mask)
-    if KERNEL > 1:
-        tl.store(state + dst * stride_cs + KERNEL - 2, newest.to(conv_ptr.dtype.element_ty),
-                 mask=mask)  # fmt: skip
-    convolved = acc.to(dtype).to(tl.float32)
-    return (convolved * tl.sigmoid(convolved)).to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -66,9 +41,9 @@ def _delta_step_kernel(
     dst = tl.load(write_ptr + row).to(tl.int64)
     dk = tl.arange(0, BLOCK_K)
     mask_k = dk < DK
-    q = _conv_channels(mixed_ptr, conv_ptr, weight_ptr, src, dst, row, head * DK + dk, mask_k,
+    q = conv_channels(mixed_ptr, conv_ptr, weight_ptr, src, dst, row, head * DK + dk, mask_k,
                        stride_m, stride_cs, KERNEL)  # fmt: skip
-    k = _conv_channels(mixed_ptr, conv_ptr, weight_ptr, src, dst, row,
+    k = conv_channels(mixed_ptr, conv_ptr, weight_ptr, src, dst, row,
                        key_total + head * DK + dk, mask_k, stride_m, stride_cs, KERNEL)  # fmt: skip
     q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps) * scale
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
@@ -81,7 +56,7 @@ def _delta_step_kernel(
             cols = start + dv
             mask_v = cols < DV
             channels = 2 * key_total + value_head * DV + cols
-            v = _conv_channels(mixed_ptr, conv_ptr, weight_ptr, src, dst, row, channels, mask_v,
+            v = conv_channels(mixed_ptr, conv_ptr, weight_ptr, src, dst, row, channels, mask_v,
                                stride_m, stride_cs, KERNEL)  # fmt: skip
             tile = value_head * DK * DV + dk[:, None] * DV + cols[None, :]
             mask = mask_k[:, None] & mask_v[None, :]
