@@ -44,6 +44,19 @@ def cached_attention_torch(
     return out.squeeze(2)
 
 
+def cached_attention_triton(q: torch.Tensor, cache: KVCache, row: int, row_slots: torch.Tensor,
+                            lengths: torch.Tensor, max_len: int) -> torch.Tensor:  # fmt: skip
+    """cached_attention_torch's result through the Triton decode kernel (kernels/attention.py)
+    over K/V row ``row`` of the cache in place: each row's positions read once, where the
+    torch form first copies [B, max_len] positions of K and V out (and SDPA's math fallback,
+    which a masked GQA call takes, expands them to every query head)."""
+    from hybridflow.engine.kernels.attention import decode_attention
+
+    return decode_attention(q.contiguous(), cache.keys[row], cache.values[row], row_slots,
+                            lengths, max_len, table=cache.block_table,
+                            kv_scales=cache.layer_scales(row))  # fmt: skip
+
+
 @torch.no_grad()
 def decode_forward_torch(
     model,
@@ -66,8 +79,9 @@ def decode_forward_torch(
     reads its whole cache, the same values. A recurrent layer moves each row's state one
     token on, by slot; frozen [B]: rows whose state must not move (finished, still stepping
     until read back), written to the scratch slot instead. recurrent_step: "torch" or
-    "triton" (layers/mixing.recurrent_decode). attention_step: "triton" runs sink attention
-    (layers/sink.py) through the Triton decode kernel, "torch" in torch. latent_step: an MLA
+    "triton" (layers/mixing.recurrent_decode). attention_step: "triton" runs the attention of
+    K/V layers (gated attention's too) and sink attention (layers/sink.py) through the Triton
+    decode kernel, "torch" in torch. latent_step: an MLA
     layer's absorbed attention, "torch" or "triton" (layers/latent.latent_cached)."""
     from hybridflow.engine.layers import mixing
     from hybridflow.engine.layers.latent import latent_cached
@@ -102,6 +116,8 @@ def decode_forward_torch(
                 cache.store(row, entries, offsets, k, v)
 
             def attend(q, k, v, row=row):
+                if attention_step == "triton":
+                    return cached_attention_triton(q, cache, row, row_slots, lengths, max_len)
                 return cached_attention_torch(q, *cache.layer(row), row_slots, lengths, max_len,
                                               cache)  # fmt: skip
 
