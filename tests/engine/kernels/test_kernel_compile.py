@@ -134,6 +134,8 @@ def _row_kernels(activation: str) -> None:
     for add, weighted in [(True, True), (False, True), (True, False)]:
         norm = dict(ADD=add, WEIGHT=weighted, BLOCK_H=1024)
         _compile(rowwise._rms_norm_kernel, norm, activation, warps=4)
+    zero_centered = dict(ADD=True, WEIGHT=True, BLOCK_H=4096, OFFSET=True)  # Qwen3.5's norms
+    _compile(rowwise._rms_norm_kernel, zero_centered, activation, warps=4)
     _compile(rowwise._qk_norm_kernel, dict(NH=32, NKV=4, NH_PAD=32, NKV_PAD=4, D=128),
              activation)  # fmt: skip
     for pairs in (True, False):
