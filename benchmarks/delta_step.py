@@ -14,11 +14,14 @@ Two tables:
    H200 4.8 TB/s) and against a measured device-to-device copy.
 2. One whole decode step of the qwen3.5-4b preset (random weights) at 256 rows, each at
    position --position, through the engine's torch decode step (layers/eager.py, as the
-   engine runs a hybrid model), eager and replayed as a CUDA graph, for each recurrent step;
-   the floor is the weights (a tied embedding once), the recurrent states read and written
-   and the K/V read, over the HBM peak.
+   engine runs a hybrid model), eager and replayed as a CUDA graph: the step as it was (the
+   grouped kernel, torch attention and norms), then the two-kernel step, then the attention
+   kernel on the cache in place, then the fused residual adds and norms. The floor is the
+   weights (a tied embedding once), the recurrent states read and written and the K/V read,
+   over the HBM peak; "of floor" is the floor over the graph's time.
 
-Both run timed as CUDA graphs of 10 calls (the engine replays its decode step as a graph).
+Table 1 times CUDA graphs of 10 calls, table 2 of 3 steps (the engine replays its decode step
+as a graph); each median of 5 replays.
 
     python benchmarks/delta_step.py --out $OUT                  # H100/H200: ~3 min
     python benchmarks/delta_step.py --out $OUT --no-engine      # table 1 only
@@ -246,13 +249,15 @@ def engine_floor_bytes(model, engine, rows: int, position: int) -> int:
     return weights + 2 * rows * per_slot + kv
 
 
-ENGINE_STEPS = (("triton-grouped", "torch"), ("triton", "torch"), ("triton", "triton"))
+# (recurrent step, attention step, norm step): the engine's step before (the grouped kernel,
+# the torch attention and norms), then each change on top of the one before
+ENGINE_STEPS = (("triton-grouped", "torch", "torch"), ("triton", "torch", "torch"),
+                ("triton", "triton", "torch"), ("triton", "triton", "triton"))  # fmt: skip
 
 
 def engine_table(preset: str, rows: int, position: int, max_seq_len: int, device: torch.device,
                  peaks: dict) -> list[dict]:  # fmt: skip
-    """Table 2's rows: the whole decode step per (recurrent step, attention step), eager and
-    as a CUDA graph, and its logits' largest difference from the first row's (states zeroed
+    """Table 2's rows: the whole decode step per ENGINE_STEPS entry, eager and as a CUDA graph, and its logits' largest difference from the first row's (states zeroed
     before each check, so every variant steps from the same state)."""
     from hybridflow.engine.layers.eager import decode_forward_torch
 
@@ -265,17 +270,18 @@ def engine_table(preset: str, rows: int, position: int, max_seq_len: int, device
     frozen = torch.zeros(rows, dtype=torch.bool, device=device)
     floor = engine_floor_bytes(model, engine, rows, position)
     out, first = [], None
-    for recurrent, attention in ENGINE_STEPS:
-        step = lambda r=recurrent, a=attention: decode_forward_torch(  # noqa: E731
+    for recurrent, attention, norms in ENGINE_STEPS:
+        step = lambda r=recurrent, a=attention, n=norms: decode_forward_torch(  # noqa: E731
             model, cache, rope, tokens, positions, slots, cache.max_seq_len, frozen=frozen,
-            recurrent_step=r, attention_step=a)  # fmt: skip
+            recurrent_step=r, attention_step=a, norm_step=n)  # fmt: skip
         cache.states.conv.zero_()
         cache.states.ssm.zero_()
         logits = step().float()
         first = logits if first is None else first
         eager = timed_us(step, device, calls=3, graph=False)
         graph = timed_us(step, device, calls=3) if device.type == "cuda" else None
-        out.append({"recurrent": recurrent, "attention": attention, "eager_ms": eager / 1e3,
+        out.append({"recurrent": recurrent, "attention": attention, "norms": norms,
+                    "eager_ms": eager / 1e3,
                     "graph_ms": None if graph is None else graph / 1e3, "floor_bytes": floor,
                     "max_logit_diff": (logits - first).abs().max().item(),
                     **{f"floor_ms_{k}": floor / peak * 1e3 for k, peak in peaks.items() if peak}})  # fmt: skip
@@ -301,12 +307,13 @@ def step_markdown(rows: list[dict]) -> str:
 
 
 def engine_markdown(rows: list[dict]) -> str:
-    lines = ["| recurrent step | attention step | eager ms | graph ms | floor ms | of floor "
-             "| max logit diff |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| recurrent step | attention step | norm step | eager ms | graph ms | floor ms "
+             "| of floor | max logit diff |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for row in rows:
         floor = row.get("floor_ms_peak")
         share = None if floor is None or row["graph_ms"] is None else floor / row["graph_ms"]
-        lines.append(f"| {row['recurrent']} | {row['attention']} | {number(row['eager_ms'], 2)} "
+        lines.append(f"| {row['recurrent']} | {row['attention']} | {row['norms']} "
+                     f"| {number(row['eager_ms'], 2)} "
                      f"| {number(row['graph_ms'], 2)} | {number(floor, 2)} | {percent(share)} "
                      f"| {row['max_logit_diff']:.2e} |")  # fmt: skip
     return "\n".join(lines)

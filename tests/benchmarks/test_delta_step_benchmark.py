@@ -19,8 +19,9 @@ def test_quick_run_prints_the_step_paths_and_the_engine_steps(tmp_path, monkeypa
     for row in steps[1:]:  # fp32: the torch op's output within rounding
         assert float(row["rel. error"]) < 1e-5 and number(row["us"]) > 0
     engine = markdown_rows(out, "| recurrent step |")
-    assert [(row["recurrent step"], row["attention step"]) for row in engine] == [
-        ("triton-grouped", "torch"), ("triton", "torch"), ("triton", "triton")]  # fmt: skip
+    assert [(row["recurrent step"], row["attention step"], row["norm step"]) for row in engine] == [
+        ("triton-grouped", "torch", "torch"), ("triton", "torch", "torch"),
+        ("triton", "triton", "torch"), ("triton", "triton", "triton")]  # fmt: skip
     assert all(float(row["max logit diff"]) < 1e-4 for row in engine)
     result = json.loads((tmp_path / "delta_step.json").read_text())
-    assert len(result["step"]) == 4 and len(result["engine"]) == 3
+    assert len(result["step"]) == 4 and len(result["engine"]) == 4
