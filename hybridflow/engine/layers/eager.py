@@ -101,9 +101,9 @@ def decode_forward_torch(
     until read back), written to the scratch slot instead. recurrent_step: "torch" or
     "triton" (layers/mixing.recurrent_decode). attention_step: "triton" runs the attention of
     K/V layers (gated attention's too) and sink attention (layers/sink.py) through the Triton
-    decode kernel, "torch" in torch. latent_step: an MLA
-    layer's absorbed attention, "torch" or "triton" (layers/latent.latent_cached). norm_step:
-    the residual adds and RMSNorms, "triton" fused in one launch each (residual_norm)."""
+    decode kernel, "torch" in torch. latent_step: an MLA layer's absorbed attention, "torch"
+    or "triton" (layers/latent.latent_cached). norm_step: the residual adds and RMSNorms,
+    "triton" fused in one launch each (residual_norm)."""
     from hybridflow.engine.layers import mixing
     from hybridflow.engine.layers.latent import latent_cached
     from hybridflow.engine.layers.moe import mlp_torch, route_target, sparse_indices
