@@ -43,7 +43,7 @@ import torch
 SHAPE = dict(rows=256, hidden=2560, key_heads=16, value_heads=32, dk=128, dv=128, kernel=4)
 QUICK_SHAPE = dict(rows=3, hidden=32, key_heads=2, value_heads=4, dk=16, dv=8, kernel=4)
 PEAK_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}  # HBM3e / HBM3 (SXM)
-SWEEP = dict(block_v=(32, 64, 128), num_warps=(2, 4, 8))
+SWEEP = dict(block_v=(16, 32, 64, 128), num_warps=(2, 4, 8))
 QUICK_SWEEP = dict(block_v=(4, 8), num_warps=(2,))
 
 

@@ -14,7 +14,8 @@ read once and written once. Two launches:
    dt_bias)) and beta = sigmoid(b), then the [Dk, block_v] tile of the state: read, decayed,
    corrected by the delta rule, written, and the output columns S^T q. A program that holds
    a whole value head (block_v >= Dv) also applies the gated norm and writes the model-dtype
-   output; with narrower tiles ``_norm_kernel`` does it after (the norm sums over Dv).
+   output; with narrower tiles (the default: DeltaStepLaunch says why) ``_norm_kernel`` does
+   it after, a third launch over the [B, Hv * Dv] fp32 output (the norm sums over Dv).
 
 Why q/k first: each key head's q and k are read by G value heads x Dv/block_v programs. If
 every one of them convolved q/k, one of them would have to shift the q/k conv state in place
@@ -45,9 +46,13 @@ from hybridflow.models.mixers.gated_delta_rule import L2_EPS
 class DeltaStepLaunch:
     """Launch parameters (benchmarks/delta_step.py sweeps them). block_v: value columns of
     a state tile (None: the whole head, which also fuses the gated norm); num_warps: the state
-    kernel's (None: 8 for a tile of 16k elements or more, else 4)."""
+    kernel's (None: 8 for a tile of more than 8k elements, else 4).
 
-    block_v: int | None = None
+    The default, [128, 64] tiles on 4 warps at Dk = 128, is the widest that ptxas fits in
+    registers for sm_90a: 168 a thread, no spills, 3 programs an SM; the whole head ([128,
+    128]) takes 255 and spills on 8 warps (and on 4), [128, 32] on 4 warps 96."""
+
+    block_v: int | None = 64
     num_warps: int | None = None
 
 
@@ -203,7 +208,7 @@ def state_tile(dk: int, dv: int, launch: DeltaStepLaunch) -> tuple[int, int, int
     block_v = (
         whole if launch.block_v is None else min(triton.next_power_of_2(launch.block_v), whole)
     )
-    warps = launch.num_warps or (8 if block_k * block_v >= 16384 else 4)
+    warps = launch.num_warps or (8 if block_k * block_v > 8192 else 4)
     return block_k, block_v, warps
 
 

@@ -77,7 +77,7 @@ def _small_config(key_heads=3, value_heads=6, dk=16, dv=8):
 @pytest.mark.parametrize(
     "dtype,tolerance,step,launch",
     [
-        (torch.float32, 1e-5, "triton", None),  # a program per whole value head: norm fused
+        (torch.float32, 1e-5, "triton", None),  # Dv = 8 < 64: a whole head, norm fused
         (torch.float32, 1e-5, "triton", DeltaStepLaunch(block_v=4, num_warps=2)),  # 2 tiles
         (torch.bfloat16, 3e-2, "triton", None),
         (torch.float32, 1e-5, "triton-grouped", None),
@@ -122,9 +122,10 @@ def test_fused_gates_follow_torchs_softplus_at_both_ends():
 
 
 def test_launch_tiles_fit_the_head_and_pick_warps_by_tile_size():
-    assert state_tile(128, 128, DeltaStepLaunch()) == (128, 128, 8)  # norm fused, 16k elements
+    assert state_tile(128, 128, DeltaStepLaunch()) == (128, 64, 4)  # Qwen3.5's: 2 tiles a head
+    assert state_tile(128, 128, DeltaStepLaunch(block_v=None)) == (128, 128, 8)  # norm fused
     assert state_tile(128, 128, DeltaStepLaunch(block_v=32)) == (128, 32, 4)
-    assert state_tile(16, 8, DeltaStepLaunch(block_v=64, num_warps=2)) == (16, 8, 2)
+    assert state_tile(16, 8, DeltaStepLaunch(num_warps=2)) == (16, 8, 2)  # a head under 64
     assert state_tile(16, 12, DeltaStepLaunch(block_v=5)) == (16, 8, 4)  # powers of two
 
 
