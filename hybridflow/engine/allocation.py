@@ -104,9 +104,9 @@ def _forward_passes(engine):
 
     decode_forward, extend = decode_forward_torch, engine.extend
     step = engine.recurrent_step
-    if engine.eager_layers:  # recurrent steps and sink attention on the asked backend
+    if engine.eager_layers:  # recurrent steps, attention and norms on the asked backend
         decode_forward = functools.partial(decode_forward_torch, recurrent_step=step,
-                                           attention_step=step)  # fmt: skip
+                                           attention_step=step, norm_step=step)  # fmt: skip
     if engine.cache.latent is not None:  # MLA: the absorbed attention's kernel likewise
         decode_forward = functools.partial(decode_forward, latent_step=step)
         extend = functools.partial(extend_forward, latent_step=step)

@@ -32,12 +32,14 @@ _TINY = tl.constexpr(TINY)
 def _rms_norm_kernel(
     x_ptr, delta_ptr, w_ptr, out_ptr, stride_x, stride_d, stride_o, H, eps,
     ADD: tl.constexpr, WEIGHT: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False,
-    scale_ptr=None, tiny=0.0, E4M3: tl.constexpr = False,
+    scale_ptr=None, tiny=0.0, E4M3: tl.constexpr = False, OFFSET: tl.constexpr = False,
 ):  # fmt: skip
     """One row per program (on 4 warps: the fastest on the H200 at 256, 1024 and 16384 rows;
     4 rows a program took 2.18 vs 1.94 us at 256 rows). E4M3: out is e4m3 and scale_ptr [B]
     fp32 gets each row's scale (fp8_quant.py), from the output rounded to x's dtype as the
-    plain kernel stores it, so the two match quantize_rows of that output bit for bit."""
+    plain kernel stores it, so the two match quantize_rows of that output bit for bit.
+    OFFSET: the weight is stored as an offset from 1 (a ZeroCenteredRMSNorm's: x * (1 + w),
+    in fp32 as that module computes it)."""
     wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
@@ -51,7 +53,10 @@ def _rms_norm_kernel(
     variance = tl.sum(xf * xf, axis=0) / H
     y = xf * tl.rsqrt(variance + eps)
     if WEIGHT:  # else the weight is folded into the next matmul (FusedProjections)
-        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if OFFSET:
+            w = w + 1.0
+        y = y * w
     if E4M3:  # after the weight: the scale is the max of what the matmul reads
         y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
         scale = row_scale(tl.max(tl.abs(y), axis=0), tiny)
@@ -60,23 +65,27 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_rms_norm(x, delta, weight, out, eps, add: bool, weighted: bool,
+def _launch_rms_norm(x, delta, norm, out, add: bool, weighted: bool,
                      launch: Launch, scale: torch.Tensor | None = None) -> None:  # fmt: skip
-    """scale: out is e4m3 and scale [B, 1] fp32 receives the rows' scales."""
+    """norm: the model's RMSNorm or ZeroCenteredRMSNorm module (its weight and eps). scale:
+    out is e4m3 and scale [B, 1] fp32 receives the rows' scales."""
+    from hybridflow.models.norm import ZeroCenteredRMSNorm
+
     rows, hidden = x.shape
     e4m3 = {} if scale is None else dict(scale_ptr=scale, tiny=TINY, E4M3=True)
     _rms_norm_kernel[(rows,)](
-        x, delta, weight, out, x.stride(0), delta.stride(0), out.stride(0), hidden, eps,
-        ADD=add, WEIGHT=weighted, BLOCK_H=triton.next_power_of_2(hidden), num_warps=4,
-        **launch.keywords(), **e4m3,
+        x, delta, norm.weight, out, x.stride(0), delta.stride(0), out.stride(0), hidden,
+        norm.eps, ADD=add, WEIGHT=weighted, BLOCK_H=triton.next_power_of_2(hidden), num_warps=4,
+        OFFSET=isinstance(norm, ZeroCenteredRMSNorm), **launch.keywords(), **e4m3,
     )  # fmt: skip
 
 
 def rms_norm(x: torch.Tensor, norm, weighted: bool = True, launch: Launch = PLAIN) -> torch.Tensor:
-    """x [B, H] -> RMSNorm(x) * norm.weight [B, H] (norm: the model's RMSNorm module; without
-    `weighted`, the weight is left to the next matmul)."""
+    """x [B, H] -> RMSNorm(x) * norm.weight [B, H] (norm: the model's RMSNorm module, or a
+    ZeroCenteredRMSNorm: * (1 + weight); without `weighted`, the weight is left to the next
+    matmul)."""
     out = torch.empty_like(x)
-    _launch_rms_norm(x, x, norm.weight, out, norm.eps, False, weighted, launch)
+    _launch_rms_norm(x, x, norm, out, False, weighted, launch)
     return out
 
 
@@ -87,7 +96,7 @@ def add_rms_norm(
     """residual += delta (in place, [B, H]); returns RMSNorm(residual) * norm.weight (without
     `weighted`: not multiplied by the weight)."""
     out = torch.empty_like(residual)
-    _launch_rms_norm(residual, delta, norm.weight, out, norm.eps, True, weighted, launch)
+    _launch_rms_norm(residual, delta, norm, out, True, weighted, launch)
     return out
 
 
@@ -96,7 +105,7 @@ def rms_norm_e4m3(x: torch.Tensor, norm, weighted: bool = True,
     """rms_norm(x, norm, weighted) as e4m3 rows with per-row scales (fp8.quantize_rows of
     it, in the norm's own launch)."""
     out = empty_rows(*x.shape, x.device)
-    _launch_rms_norm(x, x, norm.weight, out.values, norm.eps, False, weighted, launch, out.scale)
+    _launch_rms_norm(x, x, norm, out.values, False, weighted, launch, out.scale)
     return out
 
 
@@ -106,8 +115,7 @@ def add_rms_norm_e4m3(
 ) -> Fp8Rows:  # fmt: skip
     """add_rms_norm (residual += delta in place) with its output as e4m3 rows and scales."""
     out = empty_rows(*residual.shape, residual.device)
-    _launch_rms_norm(residual, delta, norm.weight, out.values, norm.eps, True, weighted, launch,
-                     out.scale)  # fmt: skip
+    _launch_rms_norm(residual, delta, norm, out.values, True, weighted, launch, out.scale)
     return out
 
 

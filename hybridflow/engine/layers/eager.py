@@ -44,6 +44,38 @@ def cached_attention_torch(
     return out.squeeze(2)
 
 
+def cached_attention_triton(q: torch.Tensor, cache: KVCache, row: int, row_slots: torch.Tensor,
+                            lengths: torch.Tensor, max_len: int) -> torch.Tensor:  # fmt: skip
+    """cached_attention_torch's result through the Triton decode kernel (kernels/attention.py)
+    over K/V row ``row`` of the cache in place: each row's positions read once, where the
+    torch form first copies [B, max_len] positions of K and V out (and SDPA's math fallback,
+    which a masked GQA call takes, expands them to every query head)."""
+    from hybridflow.engine.kernels.attention import decode_attention
+
+    return decode_attention(q.contiguous(), cache.keys[row], cache.values[row], row_slots,
+                            lengths, max_len, table=cache.block_table,
+                            kv_scales=cache.layer_scales(row))  # fmt: skip
+
+
+def residual_norm(norm, hidden: torch.Tensor, delta: torch.Tensor | None,
+                  step: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(hidden + delta, norm of it); delta None: hidden as it is. step "triton": one launch
+    (kernels/rowwise.py: the sum written into hidden in place, an RMSNorm's or a
+    ZeroCenteredRMSNorm's fp32 arithmetic), where the model's modules take an add and up to
+    five kernels over fp32 copies; "torch" (or a norm of another kind): the model's."""
+    from hybridflow.models.norm import RMSNorm, ZeroCenteredRMSNorm
+
+    if step == "triton" and type(norm) in (RMSNorm, ZeroCenteredRMSNorm):
+        from hybridflow.engine.kernels import rowwise
+
+        if delta is None:
+            return hidden, rowwise.rms_norm(hidden, norm)
+        return hidden, rowwise.add_rms_norm(hidden, delta, norm)
+    if delta is not None:
+        hidden = hidden + delta
+    return hidden, norm(hidden)
+
+
 @torch.no_grad()
 def decode_forward_torch(
     model,
@@ -58,6 +90,7 @@ def decode_forward_torch(
     recurrent_step: str = "torch",
     attention_step: str = "torch",
     latent_step: str = "torch",
+    norm_step: str = "torch",
 ) -> torch.Tensor:
     """tokens/positions/row_slots [B] -> logits [B, V]; K/V stored at (row_slots, positions).
 
@@ -66,9 +99,11 @@ def decode_forward_torch(
     reads its whole cache, the same values. A recurrent layer moves each row's state one
     token on, by slot; frozen [B]: rows whose state must not move (finished, still stepping
     until read back), written to the scratch slot instead. recurrent_step: "torch" or
-    "triton" (layers/mixing.recurrent_decode). attention_step: "triton" runs sink attention
-    (layers/sink.py) through the Triton decode kernel, "torch" in torch. latent_step: an MLA
-    layer's absorbed attention, "torch" or "triton" (layers/latent.latent_cached)."""
+    "triton" (layers/mixing.recurrent_decode). attention_step: "triton" runs the attention of
+    K/V layers (gated attention's too) and sink attention (layers/sink.py) through the Triton
+    decode kernel, "torch" in torch. latent_step: an MLA layer's absorbed attention, "torch"
+    or "triton" (layers/latent.latent_cached). norm_step: the residual adds and RMSNorms,
+    "triton" fused in one launch each (residual_norm)."""
     from hybridflow.engine.layers import mixing
     from hybridflow.engine.layers.latent import latent_cached
     from hybridflow.engine.layers.moe import mlp_torch, route_target, sparse_indices
@@ -84,8 +119,9 @@ def decode_forward_torch(
     targets = None
     if cache.per_sequence:
         targets = mixing.write_slots(row_slots, frozen, cache.scratch_slot)
+    delta = None  # the last MLP's output: the next norm adds it to hidden
     for index, layer in enumerate(model.model.layers):
-        normed = layer.input_layernorm(hidden)
+        hidden, normed = residual_norm(layer.input_layernorm, hidden, delta, norm_step)
         if layer.spec.recurrent:
             out = mixing.recurrent_decode(layer, normed, cache.states, index, row_slots, targets,
                                           recurrent_step)  # fmt: skip
@@ -102,11 +138,12 @@ def decode_forward_torch(
                 cache.store(row, entries, offsets, k, v)
 
             def attend(q, k, v, row=row):
+                if attention_step == "triton":
+                    return cached_attention_triton(q, cache, row, row_slots, lengths, max_len)
                 return cached_attention_torch(q, *cache.layer(row), row_slots, lengths, max_len,
                                               cache)  # fmt: skip
 
             out = mixing.kv_mixer(layer, normed, cos, sin, store, attend)
-        hidden = hidden + out
-        normed = layer.post_attention_layernorm(hidden)
-        hidden = hidden + mlp_torch(layer, normed, target, sparse[index])
-    return model.lm_head(model.model.norm(hidden))
+        hidden, normed = residual_norm(layer.post_attention_layernorm, hidden, out, norm_step)
+        delta = mlp_torch(layer, normed, target, sparse[index])
+    return model.lm_head(residual_norm(model.model.norm, hidden, delta, norm_step)[1])

@@ -63,10 +63,13 @@ def recurrent_extend(layer, normed: torch.Tensor, layout: TokenLayout, states, i
 
 
 def recurrent_decode(layer, normed: torch.Tensor, states, index: int, slots: torch.Tensor,
-                     targets: torch.Tensor, step: str = "torch") -> torch.Tensor:  # fmt: skip
+                     targets: torch.Tensor, step: str = "torch", launch=None) -> torch.Tensor:  # fmt: skip
     """One token of each row [B, H]: the state read from slots [B], written to targets [B].
-    step: "torch" (the mixer's own decode op on gathered states) or "triton" (the fused
-    conv + delta-rule kernel on the states in place: kernels/delta_step.py)."""
+    step: "torch" (the mixer's own decode op on gathered states), "triton" (the conv, gates,
+    delta rule and gated norm in two kernels on the states in place: kernels/delta_step.py;
+    launch: its DeltaStepLaunch, None for the default) or "triton-grouped" (the former
+    one-kernel layout, the gates and norm in torch: kernels/delta_step_grouped.py, which
+    benchmarks/delta_step.py times against)."""
     mixer = getattr(layer, layer.mixer_name)
     conv, ssm = states.layer(index)
     if step == "torch":
@@ -75,12 +78,20 @@ def recurrent_decode(layer, normed: torch.Tensor, states, index: int, slots: tor
         conv[targets] = state.conv
         ssm[targets] = state.ssm.to(ssm.dtype)
         return out
-    from hybridflow.engine.kernels.delta_step import delta_rule_step
+    if step == "triton-grouped":
+        from hybridflow.engine.kernels.delta_step_grouped import delta_rule_step
 
-    g, beta = mixer.gates(normed)
-    core = delta_rule_step(mixer.in_proj_qkv(normed), conv, mixer.conv1d.weight, ssm, g, beta,
-                           slots, targets, mixer.num_k_heads)  # fmt: skip
-    return mixer.output(core.to(normed.dtype), normed)
+        g, beta = mixer.gates(normed)
+        core = delta_rule_step(mixer.in_proj_qkv(normed), conv, mixer.conv1d.weight, ssm, g,
+                               beta, slots, targets, mixer.num_k_heads)  # fmt: skip
+        return mixer.output(core.to(normed.dtype), normed)
+    from hybridflow.engine.kernels.delta_step import DeltaParams, DeltaStepLaunch, gated_delta_step
+
+    mixed, a, b, z = (proj(normed) for proj in (mixer.in_proj_qkv, mixer.in_proj_a,
+                                                   mixer.in_proj_b, mixer.in_proj_z))  # fmt: skip
+    gated = gated_delta_step(mixed, a, b, z, conv, ssm, slots, targets, DeltaParams.of(mixer),
+                             launch or DeltaStepLaunch())  # fmt: skip
+    return mixer.out_proj(gated)
 
 
 def packed_layout(token_slots: torch.Tensor, position_ids: torch.Tensor):

@@ -25,6 +25,8 @@ from sm90_compile import Compiled, compile_pool, compile_to_ptx  # noqa: E402
 from hybridflow.engine.kernels import (
     attention,
     chunk_attention,
+    delta_step,
+    delta_step_grouped,
     fp8_quant,
     gemm,
     gemm_persistent,
@@ -132,6 +134,8 @@ def _row_kernels(activation: str) -> None:
     for add, weighted in [(True, True), (False, True), (True, False)]:
         norm = dict(ADD=add, WEIGHT=weighted, BLOCK_H=1024)
         _compile(rowwise._rms_norm_kernel, norm, activation, warps=4)
+    zero_centered = dict(ADD=True, WEIGHT=True, BLOCK_H=4096, OFFSET=True)  # Qwen3.5's norms
+    _compile(rowwise._rms_norm_kernel, zero_centered, activation, warps=4)
     _compile(rowwise._qk_norm_kernel, dict(NH=32, NKV=4, NH_PAD=32, NKV_PAD=4, D=128),
              activation)  # fmt: skip
     for pairs in (True, False):
@@ -187,6 +191,38 @@ def test_decode_layer_kernels_compile():
     # and the prefix kernel, at 0.5b's and 1.5b's heads, slot and paged caches
     for (group, dim), page in itertools.product(((7, 64), (6, 128)), (0, 16, 64)):
         _prefix("bf16", group, dim, page)
+
+
+# the Gated DeltaNet step's pointers and scalars beside the bf16 activations
+DELTA_TYPES = {"ssm_ptr": "*fp32", "qk_ptr": "*fp32", "core_ptr": "*fp32", "g_ptr": "*fp32",
+               "read_ptr": "*i64", "write_ptr": "*i64", "scale": "fp32", "norm_eps": "fp32"}  # fmt: skip
+
+
+@pytest.mark.parametrize("block_v,warps", [(128, 8), (128, 4), (64, 4), (32, 2)])
+def test_delta_step_kernels_compile(block_v, warps):
+    """kernels/delta_step.py at Qwen3.5-4B's shape (16 key heads, 32 value heads of 128 x
+    128, a 4-tap conv), corners of benchmarks/delta_step.py's sweep: a state tile of the
+    whole head (the gated norm fused, bf16 out) or narrower ones (fp32 core, then the norm
+    kernel); with the q/k kernel and the former grouped kernel the benchmark times."""
+    shape = dict(DK=128, DV=128, GROUP=2, KERNEL=4, BLOCK_K=128, BLOCK_V=block_v)
+    fused = block_v == 128
+    out = {"out_ptr": "*bf16" if fused else "*fp32"}
+    _compile(delta_step._state_kernel, {**shape, "NORM": fused},
+             overrides={**DELTA_TYPES, **out}, warps=warps)  # fmt: skip
+    if block_v == 32:
+        _compile(delta_step._qk_kernel, dict(DK=128, KERNEL=4, BLOCK_K=128),
+                 overrides=DELTA_TYPES)  # fmt: skip
+        _compile(delta_step._norm_kernel, dict(DV=128, BLOCK_V=128), overrides=DELTA_TYPES)
+        _compile(delta_step_grouped._delta_step_kernel, shape,
+                 overrides={**DELTA_TYPES, "out_ptr": "*fp32"})  # fmt: skip
+
+
+def test_gated_attention_decode_compiles_at_head_dim_256():
+    """Qwen3.5's gated attention through the decode kernel (layers/eager.py's triton step):
+    head dim 256, 16 heads over 4 K/V heads, no RoPE in the kernel, slot and paged caches."""
+    gated = dict(G=4, G_PAD=16, NH=16, HALF=128, ROPE=False, SPLITS=1)
+    _attention("bf16", **gated, BLOCK_N=64)
+    _attention("bf16", **gated, BLOCK_N=32, PAGE=64)
 
 
 @pytest.mark.parametrize("activation", ["bf16", "fp32"])

@@ -49,6 +49,23 @@ def test_rms_norms_and_silu_match_torch():
     torch.testing.assert_close(rowwise.silu_mul_pairs(interleaved), F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_of_a_zero_centered_norm_scales_by_one_plus_its_weight(dtype):
+    """Qwen3.5's norms keep their weight as an offset from 1: the kernel's output (and the
+    residual add before it) is the module's, whose arithmetic is fp32."""
+    from hybridflow.models.norm import ZeroCenteredRMSNorm
+
+    norm = ZeroCenteredRMSNorm(96, 1e-6).to(DEVICE)
+    torch.nn.init.normal_(norm.weight, 0, 0.5)
+    norm = norm.to(dtype)
+    x, d = (torch.randn(5, 96, device=DEVICE).to(dtype) for _ in range(2))
+    tolerance = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else {}
+    torch.testing.assert_close(rowwise.rms_norm(x, norm), norm(x), **tolerance)
+    residual = x.clone()
+    torch.testing.assert_close(rowwise.add_rms_norm(residual, d, norm), norm(x + d), **tolerance)
+    torch.testing.assert_close(residual, x + d, **tolerance)  # bf16: the interpreter truncates
+
+
 def test_qk_norm_in_place_matches_the_models_norms():
     """Strided q and k views of one projection (the fused q/k/v rows), normed in place."""
     rows, heads, kv_heads, dim = 5, 6, 2, 16
