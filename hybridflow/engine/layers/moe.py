@@ -210,10 +210,10 @@ def _pairs_grouped_mm(x, ids, gate_up, down, first_expert: int | None = None) ->
     gate_up_rows = torch._grouped_mm(rows, gate_up.transpose(-2, -1), offs=ends)
     act = rowwise.silu_mul(gate_up_rows[:, :inner], gate_up_rows[:, inner:])
     expert_rows = torch._grouped_mm(act, down.transpose(-2, -1), offs=ends)
-    return _rows_in_pair_order(expert_rows, pair_index, pairs, blocks.subset)
+    return rows_in_pair_order(expert_rows, pair_index, pairs, blocks.subset)
 
 
-def _rows_in_pair_order(expert_rows, pair_index, pairs: int, subset: bool) -> torch.Tensor:
+def rows_in_pair_order(expert_rows, pair_index, pairs: int, subset: bool) -> torch.Tensor:
     """expert_rows [capacity, H] in sorted order, pair_index [capacity] (each row's pair, P
     for padding) -> [P, H] in pair order. A gather through each pair's sorted position, not a
     scatter of the rows: torch's row gather moves 16-byte vectors a row (H200, 32K prefill
