@@ -107,7 +107,7 @@ def _forward_passes(engine):
     if engine.eager_layers:  # recurrent steps and sink attention on the asked backend
         decode_forward = functools.partial(decode_forward_torch, recurrent_step=step,
                                            attention_step=step)  # fmt: skip
-        prefill = functools.partial(prefill_forward, attention_step=step)
+        prefill = functools.partial(prefill_forward, attention_step=step, expert_step=step)
     if engine.cache.latent is not None:  # MLA: the absorbed attention's kernel likewise
         decode_forward = functools.partial(decode_forward, latent_step=step)
         extend = functools.partial(extend_forward, latent_step=step)

@@ -35,6 +35,7 @@ def prefill_forward(
     cache_at: tuple | None = None,
     inputs: tuple | None = None,
     attention_step: str = "torch",
+    expert_step: str = "torch",
 ) -> torch.Tensor:
     """input_ids/position_ids/token_slots [N] (prompts packed), cu_seqlens int32 [P+1],
     last_index [P] (index in N of each prompt's last token) -> logits [P, V] (model dtype).
@@ -44,7 +45,9 @@ def prefill_forward(
     inputs: (hidden [N, H], cos, sin [N, D]) instead of the ids' embeddings and the RoPE
     table's rows at position_ids: prompts with images (engine/images.py). attention_step:
     "triton" runs sink-attention layers (GPT-OSS) through the packed prompts' kernel
-    (layers/sink.py), "torch" in torch."""
+    (layers/sink.py), "torch" in torch. expert_step: "triton" runs GPT-OSS's biased experts
+    through torch._grouped_mm with the biases and the clamped SwiGLU in row-wise kernels
+    (layers/biased_moe.py), "torch" through the model's."""
     from hybridflow.engine.layers import mixing
     from hybridflow.engine.layers.latent import latent_prefill
     from hybridflow.engine.layers.moe import mlp_torch, route_target, sparse_indices
@@ -92,7 +95,7 @@ def prefill_forward(
         hidden = hidden + out
         keep = last_index if trim and sparse[index] is not None else None
         delta = mlp_torch(layer, layer.post_attention_layernorm(hidden), target, sparse[index],
-                          keep)  # fmt: skip
+                          keep, expert_step)  # fmt: skip
         hidden = (hidden if keep is None else hidden[keep]) + delta
     return model.lm_head(model.model.norm(hidden))
 

@@ -1,8 +1,10 @@
-"""GPT-OSS's prefill with the sink layers' attention through the packed prompts' kernel
-(prefill.prefill_forward, attention_step="triton"; kernels/chunk_attention.packed_attention):
-in fp32 the logits of the model's own forward and the K/V of the torch step, for packed
-prompts of different lengths, longer than the sliding window; the engine's triton step
-prefills through it. On CUDA, the kernel in bf16 (gpu-marked)."""
+"""GPT-OSS's prefill on the Triton step (prefill.prefill_forward, attention_step and
+expert_step "triton"): the sink layers' attention through the packed prompts' kernel
+(kernels/chunk_attention.packed_attention), the biased experts through their grouped path
+(layers/biased_moe.py). In fp32 the logits of the model's own forward and the K/V of the
+torch step, for packed prompts of different lengths, longer than the sliding window; the
+engine's triton step prefills through both. On CUDA, the kernel and the prefill in bf16
+(gpu-marked)."""
 
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ def _prefill(model, step: str, dtype=torch.float32):
     prompts, (ids, positions, slots, cu, last) = _packed(cfg.vocab_size, DEVICE)
     rope = RopeTable(cfg, 32, dtype, ids.device)
     logits = prefill_forward(model, cache, rope, ids, positions, slots, cu, max(LENGTHS), last,
-                             attention_step=step)  # fmt: skip
+                             attention_step=step, expert_step=step)  # fmt: skip
     return prompts, logits, cache
 
 
@@ -60,21 +62,25 @@ def test_prefill_logits_equal_the_models_forward_and_the_cache_the_torch_steps(g
 
 def test_the_engines_triton_step_prefills_through_the_kernel(gpt_oss, monkeypatch):
     """decode_backend='triton' (GPT-OSS decodes on the torch backend with the Triton steps):
-    every sink layer of the prefill runs the packed kernel, and greedy tokens past the window
-    equal the model's own argmax."""
+    every sink layer of the prefill runs the packed kernel, every MLP the grouped experts,
+    and greedy tokens past the window equal the model's own argmax."""
     from hybridflow.engine import Engine, EngineOptions, SamplingParams
     from hybridflow.engine.kernels import chunk_attention
+    from hybridflow.engine.layers import biased_moe
 
-    calls = []
-    kernel = chunk_attention.packed_attention
+    calls, grouped = [], []
+    kernel, experts = chunk_attention.packed_attention, biased_moe.biased_experts_grouped
     monkeypatch.setattr(chunk_attention, "packed_attention",
                         lambda *a, **k: calls.append(a[4]) or kernel(*a, **k))  # fmt: skip
+    monkeypatch.setattr(biased_moe, "biased_experts_grouped",
+                        lambda *a: grouped.append(a[1].shape[0]) or experts(*a))  # fmt: skip
     options = EngineOptions(decode_backend="triton", cuda_graphs=False, steps_per_sync=4)
     engine = Engine(gpt_oss, 4, 32, options=options)
     prompts = [[5, 17, 9, 33, 2, 71] * 2, [40, 41, 7]]
     params = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
     got = engine.generate(prompts, params)
     assert len(calls) == 2 and all(sinks is not None for sinks in calls)  # both layers, once
+    assert grouped[:2] == [15, 2]  # the prompts' tokens, then the last layer's last tokens
     for prompt, completion in zip(prompts, got):
         tokens = list(prompt)
         for _ in range(4):
