@@ -68,9 +68,11 @@ def test_lora_or_another_dtype_keeps_the_models_path():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_grouped_experts_in_bf16_on_cuda_are_the_models():
     """bf16 on CUDA: each rounding where the model's torch ops round (grouped GEMMs on both
-    sides), so the outputs agree to a bf16 step."""
+    sides), so the outputs agree to a bf16 step (of the largest: sums of signed terms near 0
+    have no relative bound)."""
     block = _block(torch.bfloat16, experts=32)
     x, ids, weights = _routed(block, 4096)
     got = biased_experts_grouped(block, x, ids, weights)
     expected = block.experts_output(x, ids, weights)
-    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    gap = (got.float() - expected.float()).abs().max()
+    assert gap <= 1e-2 * expected.float().abs().max()  # a bf16 step of the largest output

@@ -92,7 +92,8 @@ def test_the_engines_triton_step_prefills_through_the_kernel(gpt_oss, monkeypatc
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_kernel_in_bf16_on_cuda_is_the_torch_steps_prefill(gpt_oss):
     """The bf16 kernel against the model's attention of the same bf16 q/k/v (fp32 softmax),
-    and the bf16 prefill's logits against the torch step's."""
+    at gpt-oss-20b's heads; the bf16 prefill's logits as far from the fp32 ones as the torch
+    step's."""
     from hybridflow.engine.kernels.chunk_attention import (
         packed_attention,
         packed_tiles,
@@ -113,10 +114,11 @@ def test_the_kernel_in_bf16_on_cuda_is_the_torch_steps_prefill(gpt_oss):
         got = packed_attention(q, k, v, layout, sinks, window)
         expected = sink_attention_packed(q, k, v, sinks, window, cu)
         torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+    reference = _prefill(gpt_oss, "torch")[1]  # fp32
     model = gpt_oss.to(torch.bfloat16)
     try:
-        _, logits, _ = _prefill(model, "triton", torch.bfloat16)
-        _, expected, _ = _prefill(model, "torch", torch.bfloat16)
-        torch.testing.assert_close(logits.float(), expected.float(), rtol=0, atol=5e-2)
+        gaps = {step: (_prefill(model, step, torch.bfloat16)[1].float() - reference).abs().max()
+                for step in ("triton", "torch")}  # fmt: skip
     finally:
         gpt_oss.float()
+    assert gaps["triton"] <= 2 * gaps["torch"] + 1e-2  # within the torch step's bf16 gap
