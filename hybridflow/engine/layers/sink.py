@@ -9,12 +9,12 @@ which folds the sink into the same denominator.
 
 Prefill runs the model's packed attention in row blocks (the model's arithmetic), or every
 prompt of the pass in one launch of kernels/chunk_attention.py with the sink and the window
-(the Triton step: the row blocks cost ~20 launches a prompt and layer, 123k for 256 prompts
+(the Triton step: the row blocks cost ~19 launches a prompt and layer, ~117k for 256 prompts
 through gpt-oss-20b's 24 layers), then keeps each prompt's last window of K/V on a sliding
-layer. Extend (new tokens after a sequence's
-cached ones: a kept turn, a chunked prompt, a mixed step's decode rows) attends a sliding
-layer's tokens over their ring as it was before the pass plus the pass's own earlier
-tokens, then stores the pass's last window, so the ring never needs more than a window.
+layer. Extend (new tokens after a sequence's cached ones: a kept turn, a chunked prompt, a
+mixed step's decode rows) attends a sliding layer's tokens over their ring as it was before
+the pass plus the pass's own earlier tokens, then stores the pass's last window, so the ring
+never needs more than a window.
 """
 
 from __future__ import annotations
