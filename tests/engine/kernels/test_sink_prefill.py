@@ -80,7 +80,9 @@ def test_the_engines_triton_step_prefills_through_the_kernel(gpt_oss, monkeypatc
     params = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
     got = engine.generate(prompts, params)
     assert len(calls) == 2 and all(sinks is not None for sinks in calls)  # both layers, once
-    assert grouped[:2] == [15, 2]  # the prompts' tokens, then the last layer's last tokens
+    # the prompts' tokens, then the last layer's last tokens; fp32 on CUDA keeps the model's
+    # experts (torch._grouped_mm's CUDA kernel takes bf16)
+    assert grouped == ([15, 2] if DEVICE == "cpu" else [])
     for prompt, completion in zip(prompts, got):
         tokens = list(prompt)
         for _ in range(4):
