@@ -102,15 +102,16 @@ def _forward_passes(engine):
         return _triton_passes(engine)
     from hybridflow.engine.layers.eager import decode_forward_torch
 
-    decode_forward, extend = decode_forward_torch, engine.extend
+    decode_forward, extend, prefill = decode_forward_torch, engine.extend, prefill_forward
     step = engine.recurrent_step
     if engine.eager_layers:  # recurrent steps, attention and norms on the asked backend
         decode_forward = functools.partial(decode_forward_torch, recurrent_step=step,
                                            attention_step=step, norm_step=step)  # fmt: skip
+        prefill = functools.partial(prefill_forward, attention_step=step, expert_step=step)
     if engine.cache.latent is not None:  # MLA: the absorbed attention's kernel likewise
         decode_forward = functools.partial(decode_forward, latent_step=step)
         extend = functools.partial(extend_forward, latent_step=step)
-    return decode_forward, prefill_forward, extend
+    return decode_forward, prefill, extend
 
 
 def _triton_passes(engine):

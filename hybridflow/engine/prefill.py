@@ -34,6 +34,8 @@ def prefill_forward(
     last_index: torch.Tensor,
     cache_at: tuple | None = None,
     inputs: tuple | None = None,
+    attention_step: str = "torch",
+    expert_step: str = "torch",
 ) -> torch.Tensor:
     """input_ids/position_ids/token_slots [N] (prompts packed), cu_seqlens int32 [P+1],
     last_index [P] (index in N of each prompt's last token) -> logits [P, V] (model dtype).
@@ -41,7 +43,11 @@ def prefill_forward(
     Every token's K/V goes to cache[layer, token_slots, position_ids], or to cache[layer,
     *cache_at] when given (a paged cache: each token's block and offset, kv_cache.py).
     inputs: (hidden [N, H], cos, sin [N, D]) instead of the ids' embeddings and the RoPE
-    table's rows at position_ids: prompts with images (engine/images.py)."""
+    table's rows at position_ids: prompts with images (engine/images.py). attention_step:
+    "triton" runs sink-attention layers (GPT-OSS) through the packed prompts' kernel
+    (layers/sink.py), "torch" in torch. expert_step: "triton" runs GPT-OSS's biased experts
+    through torch._grouped_mm with the biases and the clamped SwiGLU in row-wise kernels
+    (layers/biased_moe.py), "torch" through the model's."""
     from hybridflow.engine.layers import mixing
     from hybridflow.engine.layers.latent import latent_prefill
     from hybridflow.engine.layers.moe import mlp_torch, route_target, sparse_indices
@@ -62,6 +68,9 @@ def prefill_forward(
         layout = TokenLayout.packed(cu_seqlens, max_seqlen)
         sequence_slots = token_slots[cu_seqlens[1:].long() - 1]
     layers = model.model.layers
+    tiled = (
+        _sink_tiles(model, cu_seqlens, input_ids.shape[0]) if attention_step == "triton" else None
+    )
     for index, layer in enumerate(layers):
         normed = layer.input_layernorm(hidden)
         if layer.spec.recurrent:
@@ -69,7 +78,7 @@ def prefill_forward(
                                            sequence_slots)  # fmt: skip
         elif layer.spec.mixer == "sink_attention":
             out = sink_prefill(layer, normed, cos, sin, cache, index, (entries, offsets),
-                               token_slots, position_ids, cu_seqlens, last_index)  # fmt: skip
+                               token_slots, position_ids, cu_seqlens, last_index, tiled)  # fmt: skip
         elif layer.spec.cache == "latent":
             out = latent_prefill(layer, normed, cos, sin, cache, index, (entries, offsets), attend)
         else:
@@ -86,9 +95,21 @@ def prefill_forward(
         hidden = hidden + out
         keep = last_index if trim and sparse[index] is not None else None
         delta = mlp_torch(layer, layer.post_attention_layernorm(hidden), target, sparse[index],
-                          keep)  # fmt: skip
+                          keep, expert_step)  # fmt: skip
         hidden = (hidden if keep is None else hidden[keep]) + delta
     return model.lm_head(model.model.norm(hidden))
+
+
+def _sink_tiles(model, cu_seqlens: torch.Tensor, tokens: int) -> tuple | None:
+    """The packed prompts' tiles for the sink layers' kernel, made once for all the layers
+    (kernels/chunk_attention.packed_tiles); None: the model has no sink layer."""
+    if not any(layer.spec.mixer == "sink_attention" for layer in model.model.layers):
+        return None
+    from hybridflow.engine.kernels.chunk_attention import packed_tiles, tile_tokens
+
+    config = model.config
+    per_tile = tile_tokens(config.num_attention_heads, config.num_key_value_heads)
+    return packed_tiles(cu_seqlens, tokens, per_tile)
 
 
 @torch.no_grad()

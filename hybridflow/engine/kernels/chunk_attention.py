@@ -66,13 +66,16 @@ def chunk_tiles(firsts, counts, slots, tokens: int, per_tile: int, num_tiles: in
 
 @triton.jit
 def _chunk_attention_kernel(
-    q_ptr, kc_ptr, vc_ptr, pos_ptr, tile_ptr, out_ptr, table_ptr, stride_q, stride_o,
+    q_ptr, kc_ptr, vc_ptr, pos_ptr, tile_ptr, out_ptr, table_ptr, sink_ptr, stride_q, stride_o,
     stride_table, stride_cslot, stride_cpos, stride_chead, scale_log2,
     G: tl.constexpr, G_PAD: tl.constexpr, TOKENS: tl.constexpr, D: tl.constexpr,
-    BLOCK: tl.constexpr, PAGE: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK: tl.constexpr, PAGE: tl.constexpr, FP32_DOT: tl.constexpr, WINDOW: tl.constexpr = 0,
+    HAS_SINK: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One (tile, kv head): rows r = token * G_PAD + g of the tile's tokens and the group's
-    heads; each row attends over its sequence's positions [0, its own position]."""
+    heads; each row attends over its sequence's positions [0, its own position], the last
+    WINDOW of them only when WINDOW > 0; HAS_SINK: each head's logit sink[head] joins the
+    softmax's denominator (GPT-OSS), as in the decode kernel (attention.py)."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     wait_then_release(PDL)
@@ -98,15 +101,29 @@ def _chunk_attention_kernel(
     m_i = tl.full([TOKENS * G_PAD], -1.0e30, dtype=tl.float32)  # finite: all-masked rows stay 0
     l_i = tl.zeros([TOKENS * G_PAD], dtype=tl.float32)
     acc = tl.zeros([TOKENS * G_PAD, D], dtype=tl.float32)
-    for start in range(0, last + 1, BLOCK):
+    if WINDOW:  # the tile's earliest row sees WINDOW - 1 positions back, no further
+        lowest = tl.min(tl.where(attends, pos, last), axis=0)
+        lo = tl.maximum(lowest - WINDOW + 1, 0)
+    else:
+        lo = last * 0
+    for start in range(lo, last + 1, BLOCK):
         n = start + tl.arange(0, BLOCK)
         n_mask = n <= last
         offs = base + cache_offsets(table_ptr, slot, n, stride_table, stride_cslot, stride_cpos,
                                     PAGE, n_mask)  # fmt: skip
         k = tl.load(kc_ptr + offs[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
         v = tl.load(vc_ptr + offs[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
-        causal = n[None, :] <= pos[:, None]
-        m_i, l_i, acc = softmax_tile(q, k, v, causal, m_i, l_i, acc, scale_log2, FP32_DOT)
+        seen = n[None, :] <= pos[:, None]
+        if WINDOW:
+            seen = seen & (n[None, :] > pos[:, None] - WINDOW)
+        m_i, l_i, acc = softmax_tile(q, k, v, seen, m_i, l_i, acc, scale_log2, FP32_DOT)
+    if HAS_SINK:  # one more column of the softmax, holding no value
+        sink = tl.load(sink_ptr + heads, mask=g < G, other=0.0).to(tl.float32)
+        sink = sink * 1.4426950408889634  # log2 units, as the scores
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.exp2(sink - m_new)
+        acc = acc * alpha[:, None]
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
@@ -119,12 +136,16 @@ def chunk_attention(
     tiles: torch.Tensor,
     table: torch.Tensor | None = None,
     launch: Launch = PLAIN,
+    sinks: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """q [T, nh, D] (rows may be strided; heads and dims contiguous), one layer's caches
     ([slots, S, nkv, D], or [blocks, PAGE, nkv, D] with the block table `table` int32),
     positions [T] (each token's cache position, its K/V already stored), tiles [NT, 3] int64
     (chunk_tiles, on the device) -> out [T, nh, D]: token t of a tile attends over its slot's
-    positions [0, positions[t]]; tokens of slot -1 tiles get zeros."""
+    positions [0, positions[t]]; tokens of slot -1 tiles get zeros. sinks [nh]: a logit per
+    head joining each softmax's denominator (None: none); window > 0: token t attends over
+    positions (positions[t] - window, positions[t]] only (a sliding-window layer)."""
     tokens, num_heads, head_dim = q.shape
     num_kv = key_cache.shape[2]
     group = num_heads // num_kv
@@ -134,8 +155,10 @@ def chunk_attention(
     # the decode kernel's untimed tile: 64 positions a loop at head dim 64, 32 above
     meta = dict(G=group, G_PAD=triton.next_power_of_2(group), D=head_dim,
                 TOKENS=tile_tokens(num_heads, num_kv), BLOCK=64 if head_dim <= 64 else 32,
-                FP32_DOT=q.dtype == torch.float32, PAGE=0,
-                num_warps=4 if head_dim <= 64 else 8)  # fmt: skip
+                FP32_DOT=q.dtype == torch.float32, PAGE=0, WINDOW=window,
+                HAS_SINK=sinks is not None, num_warps=4 if head_dim <= 64 else 8)  # fmt: skip
+    if sinks is not None:
+        assert sinks.shape == (num_heads,) and sinks.stride(0) == 1
     table_arg, stride_table = positions, 0
     if table is not None:
         assert table.dtype == torch.int32 and table.stride(1) == 1
@@ -143,7 +166,8 @@ def chunk_attention(
         meta["PAGE"] = key_cache.shape[1]
     scale_log2 = (1.0 / math.sqrt(head_dim)) * 1.4426950408889634
     _chunk_attention_kernel[(tiles.shape[0], num_kv)](
-        q, key_cache, value_cache, positions, tiles, out, table_arg, q.stride(0), out.stride(0),
+        q, key_cache, value_cache, positions, tiles, out, table_arg,
+        positions if sinks is None else sinks, q.stride(0), out.stride(0),
         stride_table, key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), scale_log2,
         **meta, **launch.keywords(),
     )  # fmt: skip
@@ -171,3 +195,54 @@ def chunk_attention_reference(q, key_cache, value_cache, positions, tiles, table
             scores = torch.einsum("hd,lhd->hl", q[t].float(), k) / math.sqrt(q.shape[2])
             out[t] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v).to(q.dtype)
     return out
+
+
+# -------------------------------------------------------------------------------------------
+# Prompts packed back to back, attending over their own K/V (a prefill pass)
+
+
+def packed_tiles(cu_seqlens: torch.Tensor, tokens: int, per_tile: int) -> tuple:
+    """Prompts packed at rows cu_seqlens[i]: cu_seqlens[i+1] of `tokens` -> (tiles [NT, 3]
+    int64 of (the prompt's first row, first token, end token), each prompt cut in tiles of
+    per_tile tokens, the spare tiles (-1, 0, 0); positions [tokens] int64, each token's
+    position in its prompt). On the device, without a host sync: NT is tile_count's bound."""
+    device = cu_seqlens.device
+    cu = cu_seqlens.long()
+    prompts = cu.shape[0] - 1
+    counts = (cu[1:] - cu[:-1] + per_tile - 1) // per_tile  # tiles of each prompt
+    ends = counts.cumsum(0)
+    index = torch.arange(tile_count(tokens, prompts, per_tile), device=device)
+    prompt = torch.searchsorted(ends, index, right=True)  # prompts: a spare tile
+    used = prompt < prompts
+    prompt = prompt.clamp(max=prompts - 1)
+    first = cu[prompt] + (index - ends[prompt] + counts[prompt]) * per_tile
+    end = torch.minimum(first + per_tile, cu[prompt + 1])
+    tiles = torch.stack([torch.where(used, cu[prompt], -1), torch.where(used, first, 0),
+                         torch.where(used, end, 0)], dim=1)  # fmt: skip
+    rows = torch.arange(tokens, device=device)
+    starts = cu[torch.searchsorted(cu[1:], rows, right=True).clamp(max=prompts - 1)]
+    return tiles, rows - starts
+
+
+def rows_as_slots(rows: torch.Tensor) -> torch.Tensor:
+    """Packed rows [N, nkv, D] as the kernel's slot cache (a view, nothing copied) whose slot
+    and position strides are both a row's: slot s, position n is row s + n, so a prompt
+    packed from row s is slot s with its tokens at their positions. The view declares
+    [N, 1, nkv, D] (torch bounds a view by its storage); the kernel indexes by the strides,
+    reading a prompt's own rows only."""
+    stride = rows.stride(0)
+    return rows.as_strided(
+        (rows.shape[0], 1, *rows.shape[1:]), (stride, stride, *rows.stride()[1:])
+    )
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: tuple,
+                     sinks: torch.Tensor | None = None, window: int = 0,
+                     launch: Launch = PLAIN) -> torch.Tensor:  # fmt: skip
+    """Causal attention of packed prompts over their own keys: q [N, nh, D], k/v [N, nkv, D]
+    (contiguous heads and dims), layout: packed_tiles' (tiles, positions) -> [N, nh, D];
+    sinks, window: as chunk_attention's. Every token must be in a prompt (cu_seqlens[-1] = N):
+    the rows no tile covers are left unwritten."""
+    tiles, positions = layout
+    return chunk_attention(q, rows_as_slots(k), rows_as_slots(v), positions, tiles,
+                           launch=launch, sinks=sinks, window=window)  # fmt: skip

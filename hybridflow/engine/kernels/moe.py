@@ -371,8 +371,11 @@ def grouped_down(act: torch.Tensor, down: torch.Tensor, blocks: ExpertBlocks,
 
 @triton.jit
 def _combine_kernel(y_ptr, w_ptr, out_ptr, H, stride_y, stride_o, TOP_K: tl.constexpr,
-                    BLOCK_H: tl.constexpr):  # fmt: skip
-    """out[t] = sum_j weights[t, j] * y[t * TOP_K + j] in fp32, j in order, rounded once."""
+                    BLOCK_H: tl.constexpr, bias_ptr=None, ids_ptr=None, stride_b=0,
+                    HAS_BIAS: tl.constexpr = False):  # fmt: skip
+    """out[t] = sum_j weights[t, j] * y[t * TOP_K + j] in fp32, j in order, rounded once.
+    HAS_BIAS: each row first gets its expert's bias[ids[t, j]], the sum rounded to y's dtype
+    (as the model adds a bias)."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -380,18 +383,28 @@ def _combine_kernel(y_ptr, w_ptr, out_ptr, H, stride_y, stride_o, TOP_K: tl.cons
     for j in tl.static_range(TOP_K):
         weight = tl.load(w_ptr + token * TOP_K + j)
         y = tl.load(y_ptr + (token * TOP_K + j) * stride_y + cols, mask=mask, other=0.0)
+        if HAS_BIAS:
+            expert = tl.load(ids_ptr + token * TOP_K + j).to(tl.int64)
+            bias = tl.load(bias_ptr + expert * stride_b + cols, mask=mask, other=0.0)
+            y = (y.to(tl.float32) + bias.to(tl.float32)).to(y.dtype)
         acc += y.to(tl.float32) * weight
     tl.store(out_ptr + token * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """y [T * k, H] (pair rows), weights [T, k] fp32 -> [T, H] in y's dtype."""
+def combine(y: torch.Tensor, weights: torch.Tensor, bias: torch.Tensor | None = None,
+            ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """y [T * k, H] (pair rows), weights [T, k] fp32 -> [T, H] in y's dtype. bias [E, H]
+    with ids [T, k] (contiguous): each pair's expert's bias added to its row first."""
     tokens, top_k = weights.shape
     out = torch.empty(tokens, y.shape[1], dtype=y.dtype, device=y.device)
+    extra = {}
+    if bias is not None:
+        assert bias.stride(1) == 1 and ids.is_contiguous() and ids.shape == weights.shape
+        extra = dict(bias_ptr=bias, ids_ptr=ids, stride_b=bias.stride(0), HAS_BIAS=True)
     if tokens:
         _combine_kernel[(tokens,)](y, weights, out, y.shape[1], y.stride(0), out.stride(0),
                                    TOP_K=top_k, BLOCK_H=triton.next_power_of_2(y.shape[1]),
-                                   num_warps=4)  # fmt: skip
+                                   num_warps=4, **extra)  # fmt: skip
     return out
 
 

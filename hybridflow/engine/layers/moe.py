@@ -76,15 +76,17 @@ def route_target(cache, entries: torch.Tensor, offsets: torch.Tensor) -> RouteTa
 
 
 def mlp_torch(layer, x: torch.Tensor, target: RouteTarget | None, sparse_index: int | None,
-              keep: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+              keep: torch.Tensor | None = None, expert_step: str = "torch") -> torch.Tensor:  # fmt: skip
     """The layer's MLP on x [N, H] with the model's own modules (rows `keep` only, when given;
     a sparse layer routes every row first, recording them; a shared expert beside the routed
-    ones, Qwen3.5-MoE's, adds its gated output as the model's forward_routed does)."""
+    ones, Qwen3.5-MoE's, adds its gated output as the model's forward_routed does).
+    expert_step: "triton" runs GPT-OSS's biased experts through their grouped path
+    (layers/biased_moe.py), "torch" through the model's."""
     if sparse_index is None:
         return layer.mlp(x if keep is None else x[keep])
     if layer.spec.mlp == "grouped_experts_shared":
         return self_routed_experts_torch(layer.mlp, x, target, sparse_index, keep)
-    out = experts_torch(layer.mlp, x, target, sparse_index, keep)
+    out = experts_torch(layer.mlp, x, target, sparse_index, keep, expert_step == "triton")
     shared = getattr(layer.mlp, "shared_expert", None)
     if shared is None:
         return out
@@ -117,17 +119,18 @@ def _active_adapters(mlp):
 
 def experts_torch(
     mlp, x: torch.Tensor, target: RouteTarget | None, sparse_index: int,
-    keep: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None, grouped: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """x [N, H] (post-attention normed) -> the MLP's output [N, H]: the model's own routing and
     experts (models/moe.py), the expert ids recorded at the tokens' cache positions. keep: every
-    token is routed (and recorded), the experts run for these rows only -> [len(keep), H]."""
+    token is routed (and recorded), the experts run for these rows only -> [len(keep), H].
+    grouped: GPT-OSS's experts through biased_moe.biased_experts_grouped where it runs."""
     from hybridflow.models.moe import moe_experts, router
 
     if hasattr(mlp, "experts_output"):  # GPT-OSS's biased router and experts
         from hybridflow.engine.layers.biased_moe import biased_experts_torch
 
-        return biased_experts_torch(mlp, x, target, sparse_index, keep)
+        return biased_experts_torch(mlp, x, target, sparse_index, keep, grouped)
     ids, weights, _ = router(x, _router_weight(mlp, x), mlp.top_k, mlp.norm_topk_prob)
     if target is not None:
         target.routes[target.entries, target.offsets, sparse_index] = ids.to(target.routes.dtype)
@@ -192,28 +195,38 @@ def experts_triton(
 
 def _pairs_grouped_mm(x, ids, gate_up, down, first_expert: int | None = None) -> torch.Tensor:
     """Each (token, expert) pair's expert output [T * k, H] through torch._grouped_mm (one
-    launch per projection, CUTLASS on Hopper): pairs sorted by expert (align_pairs, blocks of
-    16 rows), SiLU*up by the row-wise kernel, rows gathered back to pair order (zeros for
-    pairs routed to experts held elsewhere: first_expert, align_pairs)."""
-    from hybridflow.engine.kernels import moe, rowwise
+    launch per projection, CUTLASS on Hopper): pairs sorted by expert (sorted_pair_rows),
+    SiLU*up by the row-wise kernel, rows gathered back to pair order (zeros for pairs routed
+    to experts held elsewhere: first_expert, align_pairs)."""
+    from hybridflow.engine.kernels import rowwise
 
-    pairs, top_k = ids.numel(), ids.shape[1]
-    blocks = moe.align_pairs(ids, gate_up.shape[0], 16, first_expert)
-    sorted_pairs = blocks.sorted_pairs
-    valid = (sorted_pairs < pairs) & (
-        torch.arange(sorted_pairs.shape[0], device=x.device) < blocks.total
-    )  # past `total` the array was never written
-    pair_index = torch.where(valid, sorted_pairs, pairs).long()  # padding -> a spare row
-    rows = x[(pair_index % pairs) // top_k]  # [capacity, H]
+    rows, pair_index, blocks = sorted_pair_rows(x, ids, gate_up.shape[0], first_expert)
     ends = blocks.group_ends
     inner = gate_up.shape[1] // 2
     gate_up_rows = torch._grouped_mm(rows, gate_up.transpose(-2, -1), offs=ends)
     act = rowwise.silu_mul(gate_up_rows[:, :inner], gate_up_rows[:, inner:])
     expert_rows = torch._grouped_mm(act, down.transpose(-2, -1), offs=ends)
-    return _rows_in_pair_order(expert_rows, pair_index, pairs, blocks.subset)
+    return rows_in_pair_order(expert_rows, pair_index, ids.numel(), blocks.subset)
 
 
-def _rows_in_pair_order(expert_rows, pair_index, pairs: int, subset: bool) -> torch.Tensor:
+def sorted_pair_rows(x, ids, num_experts: int, first_expert: int | None = None) -> tuple:
+    """x [T, H], ids [T, k] -> (rows [capacity, H]: each pair's token row, sorted by expert
+    in runs that end at blocks.group_ends (torch._grouped_mm's offsets); pair_index
+    [capacity] int64: each row's pair, T * k for padding; blocks: kernels/moe.align_pairs'
+    ExpertBlocks of 16-row blocks)."""
+    from hybridflow.engine.kernels import moe
+
+    pairs, top_k = ids.numel(), ids.shape[1]
+    blocks = moe.align_pairs(ids, num_experts, 16, first_expert)
+    sorted_pairs = blocks.sorted_pairs
+    valid = (sorted_pairs < pairs) & (
+        torch.arange(sorted_pairs.shape[0], device=x.device) < blocks.total
+    )  # past `total` the array was never written
+    pair_index = torch.where(valid, sorted_pairs, pairs).long()  # padding -> a spare row
+    return x[(pair_index % pairs) // top_k], pair_index, blocks
+
+
+def rows_in_pair_order(expert_rows, pair_index, pairs: int, subset: bool) -> torch.Tensor:
     """expert_rows [capacity, H] in sorted order, pair_index [capacity] (each row's pair, P
     for padding) -> [P, H] in pair order. A gather through each pair's sorted position, not a
     scatter of the rows: torch's row gather moves 16-byte vectors a row (H200, 32K prefill

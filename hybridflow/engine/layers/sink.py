@@ -7,11 +7,14 @@ no value (models/mixers/sink_attention.py). ``sink_softmax`` is the pure-torch f
 gathered keys; decode may run kernels/attention.py's Triton kernel instead (``kernel``),
 which folds the sink into the same denominator.
 
-Prefill runs the model's own packed attention (bitwise the model's), then keeps each
-prompt's last window of K/V on a sliding layer. Extend (new tokens after a sequence's
-cached ones: a kept turn, a chunked prompt, a mixed step's decode rows) attends a sliding
-layer's tokens over their ring as it was before the pass plus the pass's own earlier
-tokens, then stores the pass's last window, so the ring never needs more than a window.
+Prefill runs the model's packed attention in row blocks (the model's arithmetic), or every
+prompt of the pass in one launch of kernels/chunk_attention.py with the sink and the window
+(the Triton step: the row blocks cost ~19 launches a prompt and layer, ~117k for 256 prompts
+through gpt-oss-20b's 24 layers), then keeps each prompt's last window of K/V on a sliding
+layer. Extend (new tokens after a sequence's cached ones: a kept turn, a chunked prompt, a
+mixed step's decode rows) attends a sliding layer's tokens over their ring as it was before
+the pass plus the pass's own earlier tokens, then stores the pass's last window, so the ring
+never needs more than a window.
 """
 
 from __future__ import annotations
@@ -63,10 +66,11 @@ def sink_softmax(
 
 def sink_prefill(layer, normed, cos, sin, cache, index: int, cache_at: tuple,
                  token_slots: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
-                 last_index: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                 last_index: torch.Tensor, tiled: tuple | None = None) -> torch.Tensor:  # fmt: skip
     """Packed prompts [N, H] (prefill.prefill_forward's) -> the mixer's output [N, H]; K/V
     to the full layer's cache at cache_at (entries, offsets), or each prompt's last window to
-    its slot's ring."""
+    its slot's ring. tiled: the prompts' kernels/chunk_attention.packed_tiles, to attend
+    through that kernel (one launch a layer, the sink and window in it); None: in torch."""
     mixer = getattr(layer, layer.mixer_name)
     q, k, v = mixer.project_qkv(normed, cos, sin)
     window = layer.spec.window
@@ -77,7 +81,12 @@ def sink_prefill(layer, normed, cos, sin, cache, index: int, cache_at: tuple,
                              cache.scratch_slot)  # fmt: skip
     else:
         _store(cache, index, cache_at, k, v)
-    out = sink_prefill_attention(q, k, v, mixer.sinks, window, cu_seqlens)
+    if tiled is None:
+        out = sink_prefill_attention(q, k, v, mixer.sinks, window, cu_seqlens)
+    else:
+        from hybridflow.engine.kernels.chunk_attention import packed_attention
+
+        out = packed_attention(q, k, v, tiled, mixer.sinks, window)
     return mixer.o_proj(out.flatten(-2))
 
 

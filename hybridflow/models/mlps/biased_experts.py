@@ -112,6 +112,7 @@ class BiasedExpertsMoeBlock(nn.Module):
         self.router = BiasedRouter(config.num_experts, config.hidden_size)
         self.experts = BiasedExperts(config.num_experts, config.hidden_size,
                                      config.moe_intermediate_size)  # fmt: skip
+        self.swiglu_alpha, self.swiglu_limit = config.swiglu_alpha, config.swiglu_limit
         self.activation = partial(clamped_swiglu, alpha=config.swiglu_alpha,
                                   limit=config.swiglu_limit)  # fmt: skip
         self.expert_backend = "auto"

@@ -1,7 +1,9 @@
 """The mixed step's chunk attention (kernels/chunk_attention.py) against a torch reference
 over gathered K/V: chunks of a paged cache (through the block table) and of a slot cache,
 tiles cut at odd places, a kept prefix before a chunk, GQA groups of 2 and 3, and padding
-tokens that come out zero while the rows past a chunk's end are left alone."""
+tokens that come out zero while the rows past a chunk's end are left alone. Then packed
+prompts attending over their own K/V with a sink logit per head and a sliding window (a
+GPT-OSS prefill) against the model's packed sink attention."""
 
 from __future__ import annotations
 
@@ -87,3 +89,47 @@ def test_strided_queries_are_read_in_place():
     out = chunk_attention(view, keys, values, positions, tiles, table=table)
     expected = chunk_attention(q, keys, values, positions, tiles, table=table)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+# -- packed prompts over their own K/V, with sinks and a window (a GPT-OSS prefill) ---------
+
+
+def _packed(lengths, heads, generator):
+    tokens = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(tokens, heads, DIM, generator=generator)
+    k, v = (torch.randn(tokens, KV_HEADS, DIM, generator=generator) for _ in range(2))
+    sinks = torch.randn(heads, generator=generator) * 3  # some above the scores
+    return [t.to(DEVICE) for t in (q, k, v, sinks, cu)]
+
+
+@pytest.mark.parametrize("window", [0, 8])
+@pytest.mark.parametrize("heads", [4, 6])
+@pytest.mark.parametrize("per_tile", [None, 5])
+def test_packed_prompts_with_sinks_equal_the_models_attention(window, heads, per_tile):
+    """Prompts of 23, 1, 40 and 9 tokens packed (longer and shorter than the window of 8),
+    tiles of the kernel's size or cut at odd places: the model's packed sink attention."""
+    from hybridflow.engine.kernels.chunk_attention import packed_attention, packed_tiles
+    from hybridflow.models.mixers.sink_attention import sink_attention_packed
+
+    generator = torch.Generator().manual_seed(heads + window)
+    q, k, v, sinks, cu = _packed([23, 1, 40, 9], heads, generator)
+    layout = packed_tiles(cu, q.shape[0], per_tile or tile_tokens(heads, KV_HEADS))
+    got = packed_attention(q, k, v, layout, sinks, window)
+    expected = sink_attention_packed(q, k, v, sinks, window, cu)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    plain = packed_attention(q, k, v, layout, None, window)
+    assert (got - plain).abs().max() > 1e-2  # the sinks changed the output
+    if window:  # the window masked keys: the full layer's output differs
+        assert (got - packed_attention(q, k, v, layout, sinks, 0)).abs().max() > 1e-2
+
+
+def test_packed_tiles_cut_each_prompt_and_number_its_tokens():
+    from hybridflow.engine.kernels.chunk_attention import packed_tiles
+
+    cu = torch.tensor([0, 5, 6, 14], dtype=torch.int32)
+    tiles, positions = packed_tiles(cu, 14, per_tile=4)
+    used = [tuple(row) for row in tiles.tolist() if row != [-1, 0, 0]]
+    assert used == [(0, 0, 4), (0, 4, 5), (5, 5, 6), (6, 6, 10), (6, 10, 14)]
+    assert tiles.shape[0] == tile_count(14, 3, 4)
+    assert positions.tolist() == [0, 1, 2, 3, 4, 0, 0, 1, 2, 3, 4, 5, 6, 7]

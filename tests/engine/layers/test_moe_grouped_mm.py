@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridflow.engine.layers.moe import _pairs_grouped_mm, _rows_in_pair_order
+from hybridflow.engine.layers.moe import _pairs_grouped_mm, rows_in_pair_order
 from hybridflow.models.moe import moe_experts
 
 
@@ -17,12 +17,12 @@ def test_rows_come_back_in_pair_order_and_pairs_held_elsewhere_are_zero():
     pair, P = 5 marking padding; pair 2 is in no row (its expert is held elsewhere)."""
     pair_index = torch.tensor([3, 0, 5, 4, 1, 5, 5, 5])
     rows = torch.where(pair_index < 5, 10.0 * pair_index + 1, -1.0)[:, None].repeat(1, 4)
-    out = _rows_in_pair_order(rows, pair_index, 5, subset=True)
+    out = rows_in_pair_order(rows, pair_index, 5, subset=True)
     assert out[:, 0].tolist() == [1.0, 11.0, 0.0, 31.0, 41.0]
     assert (out == out[:, :1]).all()  # whole rows moved
     every = torch.tensor([3, 0, 2, 4, 1, 5, 5, 5])
     rows = torch.where(every < 5, 10.0 * every + 1, -1.0)[:, None].repeat(1, 4)
-    out = _rows_in_pair_order(rows, every, 5, subset=False)
+    out = rows_in_pair_order(rows, every, 5, subset=False)
     assert out[:, 0].tolist() == [1.0, 11.0, 21.0, 31.0, 41.0]
 
 
