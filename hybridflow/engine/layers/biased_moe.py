@@ -57,7 +57,7 @@ def biased_experts_grouped(mlp, x: torch.Tensor, ids: torch.Tensor,
     biases and the clamped SwiGLU in the row-wise kernels. No host sync."""
     from hybridflow.engine.kernels import moe
     from hybridflow.engine.kernels.biased_experts import bias_clamped_swiglu
-    from hybridflow.engine.layers.moe import rows_in_pair_order, sorted_pair_rows
+    from hybridflow.engine.layers.pair_order import rows_in_pair_order, sorted_pair_rows
 
     experts = mlp.experts
     gate_up, down = local_part(experts.gate_up_proj), local_part(experts.down_proj)

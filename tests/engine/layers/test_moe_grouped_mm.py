@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridflow.engine.layers.moe import _pairs_grouped_mm, rows_in_pair_order
+from hybridflow.engine.layers.moe import _pairs_grouped_mm
+from hybridflow.engine.layers.pair_order import rows_in_pair_order
 from hybridflow.models.moe import moe_experts
 
 
