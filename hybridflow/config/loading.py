@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Iterable
@@ -183,6 +184,9 @@ def _apply_section(sec: Any, prefix: str, values: dict, source: str) -> list[str
                 f"{name} ({source}) expects {_type_name(tp)}, got {shown(value)} "
                 f"({type(value).__name__})"
             )
+            continue
+        if isinstance(coerced, float) and math.isnan(coerced):  # compares false to any bound
+            problems.append(f"{name} ({source}) = nan: give a number")
             continue
         _set(sec, key, coerced)
     return problems
