@@ -18,7 +18,9 @@ def test_a_header_with_shapes_no_tensor_has_gives_none(tmp_path):
 
     for shape in ([-4], "4", [2.0]):
         text = json.dumps({"a": {"dtype": "F32", "shape": shape, "data_offsets": [0, 16]}})
-        (tmp_path / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text.encode())
+        (tmp_path / "model.safetensors").write_bytes(
+            len(text).to_bytes(8, "little") + text.encode()
+        )
         assert stored_shapes(tmp_path) is None
     deep = b"[" * 100_000 + b"]" * 100_000
     (tmp_path / "model.safetensors").write_bytes(len(deep).to_bytes(8, "little") + deep)

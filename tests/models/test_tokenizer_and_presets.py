@@ -162,7 +162,9 @@ def test_a_config_json_value_transformers_refuses_is_not_blamed_on_the_tokenizer
     from hybridflow.models.tokenizer import build_char_tokenizer, load_tokenizer
 
     build_char_tokenizer().save_pretrained(str(tmp_path))
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "torch_dtype": "float128"}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "qwen2", "torch_dtype": "float128"})
+    )
     with pytest.raises(ConfigError) as error:
         load_tokenizer(str(tmp_path))
     text = str(error.value)

@@ -23,7 +23,10 @@ def test_an_index_naming_a_missing_shard_is_named(tmp_path):
     weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
     (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     (problem,) = checkpoint_problems("model.path", str(model))
-    assert problem.startswith("model.path: ") and "model-00002-of-00002.safetensors, which is not in" in problem
+    assert (
+        problem.startswith("model.path: ")
+        and "model-00002-of-00002.safetensors, which is not in" in problem
+    )
 
 
 def test_shards_without_their_index_are_named(tmp_path):
@@ -32,4 +35,7 @@ def test_shards_without_their_index_are_named(tmp_path):
     for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
         save_file({"a": torch.zeros(2)}, str(model / name))
     (problem,) = checkpoint_problems("model.path", str(model))
-    assert "no model.safetensors (or sharded *.safetensors with model.safetensors.index.json)" in problem
+    assert (
+        "no model.safetensors (or sharded *.safetensors with model.safetensors.index.json)"
+        in problem
+    )
