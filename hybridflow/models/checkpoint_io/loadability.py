@@ -165,6 +165,9 @@ def native_weight_problems(
         if config.get("model_type") in VISION_MODEL_TYPES:  # no fallback loads these
             return [config_values_message([str(error)], Path(model_dir) / CONFIG_FILE)]
         return []  # not for our decoder (transformers' fallback reads it), or said before
+    problem = _quantized_pair_problem(Path(model_dir), quantization)
+    if problem:
+        return [problem]
     stored = _stored_shapes(Path(model_dir), architecture, quantization)
     if stored is None:
         return []
@@ -242,6 +245,19 @@ def _missing_message(model_dir, config_file, count: int, names: list[str]) -> st
         f"needs (e.g. {', '.join(names[:3])}): the weights belong to another model, or "
         f"a shard is missing; copy the model directory again"
     )
+
+
+def _quantized_pair_problem(model_dir: Path, quantization) -> str | None:
+    """A quantized tensor and its scales whose header shapes do not fit each other."""
+    from hybridflow.models.checkpoint_io.quantized_checkpoint import pair_shape_problem
+
+    if quantization is None:
+        return None
+    try:
+        shapes = stored_shapes(model_dir, checkpoint_files(str(model_dir)))
+    except (OSError, UserError):
+        return None  # said by the file checks
+    return pair_shape_problem(shapes, quantization, model_dir) if shapes else None
 
 
 def _stored_shapes(
