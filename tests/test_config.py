@@ -336,6 +336,13 @@ def test_off_given_to_a_text_setting_is_the_text_off_not_a_boolean(given, tmp_pa
         ("model.lora_dropout=1", "model.lora_dropout = 1.0 must be in [0, 1)"),
         ("algorithm.gamma=nan", "algorithm.gamma (command line) = nan: give a number"),
         ("rollout.temperature=nan", "rollout.temperature (command line) = nan: give a number"),
+        # made in memory before the run: 10**30 of them grew without bound
+        (
+            "data.builtin_train_size=1000000000000000000000000000000",
+            "data.builtin_train_size = 1000000000000000000000000000000 must be at most 1,000,000",
+        ),
+        ("data.builtin_val_size=2000000", "data.builtin_val_size = 2000000 must be at most"),
+        ("sft.eval_size=1000000000000", "sft.eval_size = 1000000000000 must be at most"),
     ],
 )
 def test_a_number_the_run_cannot_use_is_named_at_validate(override, words):
