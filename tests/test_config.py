@@ -338,11 +338,17 @@ def test_off_given_to_a_text_setting_is_the_text_off_not_a_boolean(given, tmp_pa
         ("rollout.temperature=nan", "rollout.temperature (command line) = nan: give a number"),
         # made in memory before the run: 10**30 of them grew without bound
         (
-            "data.builtin_train_size=1000000000000000000000000000000",
-            "data.builtin_train_size = 1000000000000000000000000000000 must be at most 1,000,000",
+            "data.builtin_train_size=1000000000000",
+            "data.builtin_train_size = 1000000000000 must be at most 1,000,000",
         ),
         ("data.builtin_val_size=2000000", "data.builtin_val_size = 2000000 must be at most"),
         ("sft.eval_size=1000000000000", "sft.eval_size = 1000000000000 must be at most"),
+        # whole numbers reach torch as int64: an OverflowError traceback in train
+        (
+            "rollout.top_k=1000000000000000000000000000000",
+            "rollout.top_k (command line) = 1000000000000000000000000000000 is past the largest",
+        ),
+        ("trainer.seed=-9223372036854775809", "trainer.seed (command line) = -9223372036854775809"),
     ],
 )
 def test_a_number_the_run_cannot_use_is_named_at_validate(override, words):
