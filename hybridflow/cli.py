@@ -205,16 +205,18 @@ def cmd_export(args) -> int:
 
     export = import_for("export", "hybridflow.trainer.lifecycle.export")
     out = Path(args.out)
-    export.check_export_target(out, overwrite=args.overwrite)
     existed = out.exists()
+    export.check_export_target(out, overwrite=args.overwrite)  # makes a new one
     try:  # nothing to save on the way: SIGTERM or Ctrl-C stops the export at once
         with StopRequest().on_signals(lambda line: print(line, file=sys.stderr)):
             export.export_checkpoint(args.checkpoint, args.out)
-    except (KeyboardInterrupt, SystemExit):
+    except BaseException as error:
+        stopped = isinstance(error, (KeyboardInterrupt, SystemExit))
         if not existed and out.exists():  # a half-written model must not pass for one
             shutil.rmtree(out, ignore_errors=True)
-            print(f"removed the partial export {out}", file=sys.stderr)
-        elif out.is_dir():
+            if stopped:
+                print(f"removed the partial export {out}", file=sys.stderr)
+        elif stopped and out.is_dir():
             print(f"{out} may hold a partial export: export again before using it",
                   file=sys.stderr)  # fmt: skip
         raise

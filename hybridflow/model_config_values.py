@@ -133,6 +133,7 @@ def config_value_problems(config: dict[str, Any]) -> list[str]:
         problems += _positive_number_problems(key, config.get(key))
     problems += _rope_problems(config)
     problems += _partial_rotary_problems(config, sizes)
+    problems += _kind_problems(config)
     coefficient = config.get("router_aux_loss_coef")
     if coefficient is not None and not (_is_number(coefficient) and math.isfinite(coefficient)
                                         and coefficient >= 0):  # fmt: skip
@@ -260,6 +261,40 @@ def _layout_problems(config: dict[str, Any], sizes: dict[str, int]) -> list[str]
     return problems + _positive_number_problems(
         "routed_scaling_factor", config.get("routed_scaling_factor")
     )
+
+
+BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window",
+             "use_cache")  # fmt: skip
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+NAME_KEYS = ("model_type", "hidden_act", "torch_dtype", "dtype")
+
+
+def _kind_problems(config: dict[str, Any]) -> list[str]:
+    """Values of the wrong JSON kind that transformers refuses as it reads the file (the
+    tokenizer reads config.json too): switches that are not true/false, token ids that are
+    not whole numbers (a list of them for eos_token_id), names that are not strings."""
+    problems = [f"{key} = {_shown(config[key])} must be true or false"
+                for key in BOOL_KEYS if key in config and not isinstance(config[key], bool)]  # fmt: skip
+    problems += [f"{key} = {_shown(config[key])} must be a string"
+                 for key in NAME_KEYS if config.get(key) is not None
+                 and not isinstance(config[key], str)]  # fmt: skip
+    for key in TOKEN_ID_KEYS:
+        value = config.get(key)
+        ids = value if isinstance(value, list) and key == "eos_token_id" else [value]
+        if value is not None and not all(_is_whole(id_) for id_ in ids):
+            problems.append(f"{key} = {_shown(value)} must be a token id (a whole number), "
+                            f"{'a list of them ' if key == 'eos_token_id' else ''}or null")  # fmt: skip
+    for section in ("rope_scaling", "rope_parameters"):
+        value = config.get(section)
+        for part in (value, *value.values()) if isinstance(value, dict) else ():
+            kind = part.get("rope_type", part.get("type")) if isinstance(part, dict) else None
+            if kind is not None and not isinstance(kind, str):
+                problems.append(f"{section} rope_type = {_shown(kind)} must be a string")
+    return problems
+
+
+def _is_whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _positive_number_problems(key: str, value: Any) -> list[str]:

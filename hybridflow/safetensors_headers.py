@@ -18,11 +18,18 @@ def stored_shapes(
             with open(file, "rb") as handle:
                 length = int.from_bytes(handle.read(8), "little")
                 header = json.loads(handle.read(length))
-        except (OSError, ValueError, UnicodeDecodeError, MemoryError):
+        except (OSError, ValueError, UnicodeDecodeError, MemoryError, RecursionError):
             return None
         if not isinstance(header, dict):
             return None
         for name, info in header.items():
             if name != "__metadata__" and isinstance(info, dict):
-                shapes[name] = tuple(info.get("shape", ()))
+                shape = info.get("shape", [])
+                if not (isinstance(shape, list) and all(_is_size(n) for n in shape)):
+                    return None  # a damaged header: the file checks name it
+                shapes[name] = tuple(shape)
     return shapes
+
+
+def _is_size(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -325,3 +325,35 @@ def test_off_given_to_a_text_setting_is_the_text_off_not_a_boolean(given, tmp_pa
     path = tmp_path / "run.yaml"
     path.write_text(f"actor:\n  router_replay: {given}\n")
     assert load_config(path, []).actor.router_replay == "off"
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("rollout.temperature=inf", "rollout.temperature = inf must be within [1e-06, 10000]"),
+        ("rollout.val_temperature=1e300", "rollout.val_temperature = 1e+300 must be within"),
+        ("model.lora_dropout=inf", "model.lora_dropout = inf must be in [0, 1)"),
+        ("model.lora_dropout=1", "model.lora_dropout = 1.0 must be in [0, 1)"),
+        ("algorithm.gamma=nan", "algorithm.gamma (command line) = nan: give a number"),
+        ("rollout.temperature=nan", "rollout.temperature (command line) = nan: give a number"),
+        # made in memory before the run: 10**30 of them grew without bound
+        (
+            "data.builtin_train_size=1000000000000",
+            "data.builtin_train_size = 1000000000000 must be at most 1,000,000",
+        ),
+        ("data.builtin_val_size=2000000", "data.builtin_val_size = 2000000 must be at most"),
+        ("sft.eval_size=1000000000000", "sft.eval_size = 1000000000000 must be at most"),
+        # whole numbers reach torch as int64: an OverflowError traceback in train
+        (
+            "rollout.top_k=1000000000000000000000000000000",
+            "rollout.top_k (command line) = 1000000000000000000000000000000 is past the largest",
+        ),
+        ("trainer.seed=-9223372036854775809", "trainer.seed (command line) = -9223372036854775809"),
+    ],
+)
+def test_a_number_the_run_cannot_use_is_named_at_validate(override, words):
+    """Each passed validate; train then stopped in a traceback (the sampler's or dropout's
+    check), or, for nan, compared false to every bound and ran on."""
+    with pytest.raises(ConfigError) as error:
+        validate(load_config(None, [override]))
+    assert words in str(error.value)

@@ -74,6 +74,16 @@ BAD_VALUES = [
     (MOE, {"rms_norm_eps": "1e-6"}, 'rms_norm_eps = "1e-6"', "number"),
     (MOE, {"router_aux_loss_coef": math.nan}, "router_aux_loss_coef = NaN", ">= 0"),
     (MOE, {"hidden_size": None}, "hidden_size is missing", "qwen3_moe"),
+    # kinds transformers refuses while it reads the file (the tokenizer reads it too)
+    (MOE, {"tie_word_embeddings": "yes"}, 'tie_word_embeddings = "yes"', "true or false"),
+    (MOE, {"attention_bias": 1}, "attention_bias = 1", "true or false"),
+    (MOE, {"bos_token_id": True}, "bos_token_id = true", "token id"),
+    (MOE, {"eos_token_id": [4, "x"]}, 'eos_token_id = [4, "x"]', "a list of them"),
+    (MOE, {"pad_token_id": 1.5}, "pad_token_id = 1.5", "token id"),
+    (MOE, {"model_type": ["qwen3_moe"]}, 'model_type = ["qwen3_moe"]', "a string"),
+    (MOE, {"hidden_act": 5}, "hidden_act = 5", "a string"),
+    (MOE, {"torch_dtype": 16}, "torch_dtype = 16", "a string"),
+    (MOE, {"rope_scaling": {"rope_type": ["yarn"], "factor": 2.0}}, 'rope_scaling rope_type = ["yarn"]', "a string"),
 ]  # fmt: skip
 
 

@@ -24,7 +24,10 @@ Inside, the program sees:
   the interpreter    its installation, the venv's bin/ and site-packages, read-only
 
 The working directory, /tmp and /dev/shm share one tmpfs of `scratch_bytes`: a write past
-that fails with ENOSPC, and everything is gone when the program ends.
+that fails with ENOSPC, and everything is gone when the program ends. Its files are capped
+too, at one per page of it (SCRATCH_BYTES_PER_FILE): an empty file takes no page of the
+tmpfs but about a kilobyte of kernel memory for its inode and name, and 10 s of creating
+them made 180,000 (about 180 MB past the cap) before the cap.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ import sys
 import sysconfig
 
 from hybridflow.agents.sandbox_limits import SandboxError
+
+SCRATCH_BYTES_PER_FILE = 4096
+"""The scratch tmpfs holds at most scratch_bytes / this many files and directories."""
 
 JAIL_DIR = "/sandbox"
 JAIL_PROGRAM = f"{JAIL_DIR}/main.py"
@@ -114,6 +120,7 @@ def jail_config(root: str, program: str, network: bool, scratch_bytes: int) -> d
     return {
         "root": mount_point,
         "scratch_bytes": int(scratch_bytes),
+        "scratch_files": max(64, int(scratch_bytes) // SCRATCH_BYTES_PER_FILE),
         "binds": plan["binds"],
         "links": plan["links"],
         "dir": JAIL_DIR,
@@ -148,7 +155,7 @@ def _jail_build(config: dict, libc_call) -> list[str]:
     inside = lambda path: root + path  # noqa: E731
     _jail_mount(libc_call, None, "/", None, ms_rec | ms_private, None)
     _jail_mount(libc_call, "tmpfs", root, "tmpfs", ms_nosuid | ms_nodev,
-                f"size={jail['scratch_bytes']},mode=0755")  # fmt: skip
+                f"size={jail['scratch_bytes']},nr_inodes={jail['scratch_files']},mode=0755")  # fmt: skip
     for path, mode in (("/tmp", 0o1777), ("/dev", 0o755), ("/dev/shm", 0o1777),
                        ("/proc", 0o555), (jail["dir"], 0o755), (jail["workdir"], 0o700)):  # fmt: skip
         os.makedirs(inside(path), exist_ok=True)

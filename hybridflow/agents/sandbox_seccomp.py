@@ -12,6 +12,10 @@ past a 64 MiB scratch was measured. The filter refuses, with EPERM:
                               cap (RLIMIT_FSIZE bounds one, not how many)
   shmget                      a SysV segment outlives its mapping (and, under basic
                               isolation, the program)
+  msgget, semget              SysV message queues and semaphore sets outlive the program
+                              under basic isolation too: 50 queues of up to 16 KiB each
+                              were left behind by one (multiprocessing uses POSIX
+                              semaphores, which stay allowed)
 
 and clone3 with ENOSYS: its flags are in memory a filter cannot read, and ENOSYS makes
 glibc (pthread_create, posix_spawn) fall back to clone, whose flags it can. A syscall of
@@ -47,9 +51,11 @@ def _seccomp_install(libc_call) -> str:
     # (audit arch, {syscall: number}) of the native ABIs; x86_64 also has x32's bit to refuse
     abis = {
         "x86_64": (0xC000003E, {"clone": 56, "unshare": 272, "setns": 308, "clone3": 435,
-                                "memfd_create": 319, "shmget": 29}),
+                                "memfd_create": 319, "shmget": 29, "msgget": 68,
+                                "semget": 64}),
         "aarch64": (0xC00000B7, {"clone": 220, "unshare": 97, "setns": 268, "clone3": 435,
-                                 "memfd_create": 279, "shmget": 194}),
+                                 "memfd_create": 279, "shmget": 194, "msgget": 186,
+                                 "semget": 190}),
     }  # fmt: skip
     machine = os.uname().machine
     if machine not in abis:
@@ -64,7 +70,8 @@ def _seccomp_install(libc_call) -> str:
     if machine == "x86_64":
         program += [(jge, 0, 1, 0x40000000), (ret, 0, 0, kill)]  # __X32_SYSCALL_BIT
     for name, action in (("unshare", eperm), ("setns", eperm), ("memfd_create", eperm),
-                         ("shmget", eperm), ("clone3", enosys)):  # fmt: skip
+                         ("shmget", eperm), ("msgget", eperm), ("semget", eperm),
+                         ("clone3", enosys)):  # fmt: skip
         program += [(jeq, 0, 1, number[name]), (ret, 0, 0, action)]
     program += [
         (jeq, 0, 3, number["clone"]),  # not clone: allow

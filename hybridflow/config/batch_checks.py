@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hybridflow.config.placement_checks import Placement
-from hybridflow.config.sections import GROUP_ESTIMATORS, Config
+from hybridflow.config.sections import GROUP_ESTIMATORS, MAX_BUILTIN_PROMPTS, Config
 from hybridflow.parallel.roles import sizes_of
 
 Add = Callable[[str], None]
@@ -43,6 +43,10 @@ def check_batch_sizes(cfg: Config, placement: Placement, add: Add) -> BatchSizes
         )
     if d.train_batch_size < 1:
         add(f"data.train_batch_size = {d.train_batch_size} must be >= 1")
+    for key in ("builtin_train_size", "builtin_val_size"):
+        if getattr(d, key) > MAX_BUILTIN_PROMPTS:
+            add(f"data.{key} = {getattr(d, key)} must be at most {MAX_BUILTIN_PROMPTS:,} (the "
+                "prompts a builtin: task makes in memory before the run)")  # fmt: skip
     samples = _check_sample_split(cfg, placement, n, add)
     mini, mini_per_gpu, micro_per_mini = _check_mini_batches(cfg, placement, n, add)
     max_len = _check_lengths(cfg, add)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Iterable
@@ -137,6 +138,11 @@ def _suggest_key(prefix: str, name: str, known: Iterable[str]) -> str:
     return f"; did you mean {close!r}?" if close else f"; known: {', '.join(sorted(known))}"
 
 
+MAX_WHOLE_NUMBER = 2**63 - 1
+"""A whole-number setting reaches torch and numpy as int64: a larger one was an
+OverflowError traceback there (rollout.top_k, trainer.seed, steps_per_sync)."""
+
+
 def apply_mapping(cfg: Config, data: dict, source: str) -> list[str]:
     problems = []
     for section, values in data.items():
@@ -183,6 +189,13 @@ def _apply_section(sec: Any, prefix: str, values: dict, source: str) -> list[str
                 f"{name} ({source}) expects {_type_name(tp)}, got {shown(value)} "
                 f"({type(value).__name__})"
             )
+            continue
+        if isinstance(coerced, float) and math.isnan(coerced):  # compares false to any bound
+            problems.append(f"{name} ({source}) = nan: give a number")
+            continue
+        if isinstance(coerced, int) and abs(coerced) > MAX_WHOLE_NUMBER:
+            problems.append(f"{name} ({source}) = {shown(coerced, quote=False)} is past the "
+                            f"largest whole number a setting takes ({MAX_WHOLE_NUMBER:,})")  # fmt: skip
             continue
         _set(sec, key, coerced)
     return problems

@@ -52,6 +52,11 @@ UNPLANNED_UPDATE_BUDGET = 16384
 """actor.max_tokens_per_gpu=auto where no GPU size is known to plan for (a CPU run)."""
 
 
+MAX_BUILTIN_PROMPTS = 1_000_000
+"""The most prompts a ``builtin:`` task generates (data.builtin_*_size, sft.builtin_size,
+sft.eval_size): they are made in memory up front, so 10**30 of them grew without bound."""
+
+
 @dataclass
 class DataConfig:
     train_files: list[str] = field(default_factory=lambda: ["builtin:arithmetic"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from hybridflow.config.sections import SFTConfig
+from hybridflow.config.sections import MAX_BUILTIN_PROMPTS, SFTConfig
 
 _WHOLE_AT_LEAST = {"total_steps": 1, "batch_size": 1, "builtin_size": 1, "max_length": 1,
                    "eval_every": 1, "eval_size": 1, "warmup_steps": 0}  # fmt: skip
@@ -23,6 +23,12 @@ def sft_problems(sft: SFTConfig) -> list[str]:
         f"sft.{key} = {getattr(sft, key)!r} must be a whole number >= {least}"
         for key, least in _WHOLE_AT_LEAST.items()
         if not (isinstance(getattr(sft, key), int) and getattr(sft, key) >= least)
+    ]
+    problems += [
+        f"sft.{key} = {getattr(sft, key)} must be at most {MAX_BUILTIN_PROMPTS:,} (the "
+        "problems the built-in task makes in memory before the run)"
+        for key in ("builtin_size", "eval_size")
+        if isinstance(getattr(sft, key), int) and getattr(sft, key) > MAX_BUILTIN_PROMPTS
     ]
     if sft.lr_decay_steps is not None and not (
         isinstance(sft.lr_decay_steps, int) and sft.lr_decay_steps >= 1

@@ -22,6 +22,7 @@ from hybridflow.config.precision_checks import precision_problems
 from hybridflow.config.reward_checks import reward_part_problems
 from hybridflow.config.sections import GROUP_ESTIMATORS, Config, ConfigError, Derived
 from hybridflow.config.sft_checks import sft_problems
+from hybridflow.engine.options import MAX_TEMPERATURE, MIN_TEMPERATURE
 from hybridflow.model_config_values import directory_config_problems
 
 LOGGER_NAMES = ("console", "jsonl", "tensorboard", "wandb")
@@ -153,6 +154,11 @@ def _check_sampling(cfg: Config, add) -> None:
         )
     if r.val_temperature < 0:
         add(f"rollout.val_temperature = {r.val_temperature} must be >= 0 (0 = greedy)")
+    for key in ("temperature", "val_temperature"):  # what the sampler takes (SamplingParams)
+        value = getattr(r, key)
+        if value > 0 and not MIN_TEMPERATURE <= value <= MAX_TEMPERATURE:
+            add(f"rollout.{key} = {value} must be within [{MIN_TEMPERATURE:g}, "
+                f"{MAX_TEMPERATURE:g}] (1.0 is standard)")  # fmt: skip
     if not 0 < r.top_p <= 1:
         add(f"rollout.top_p = {r.top_p} must be in (0, 1]")
     if not 0 <= r.min_p < 1:
@@ -219,6 +225,9 @@ def _check_training(cfg: Config, placement: Placement, add) -> None:
             "host and steps there), or train on one GPU")  # fmt: skip
     if cfg.model.lora_rank < 0:
         add(f"model.lora_rank = {cfg.model.lora_rank} must be >= 0")
+    if not 0 <= cfg.model.lora_dropout < 1:
+        add(f"model.lora_dropout = {cfg.model.lora_dropout} must be in [0, 1) (the share of "
+            "the adapters' inputs dropped in training)")  # fmt: skip
     if cfg.model.gradient_checkpointing not in (True, False, "auto"):
         add(
             f"model.gradient_checkpointing = {cfg.model.gradient_checkpointing!r} is unknown: "

@@ -109,6 +109,11 @@ def iter_rows(path: str | Path, required_keys: Sequence[str] = ()) -> Iterator[t
                 row = json.loads(line)
             except json.JSONDecodeError as error:
                 raise DataSchemaError(f"{where}: not valid JSON ({error.msg})") from error
+            except RecursionError:  # brackets nested thousands deep
+                raise DataSchemaError(f"{where}: JSON nested too deeply to be a row") from None
+            except ValueError:  # an integer of more digits than Python converts (4300)
+                raise DataSchemaError(f"{where}: holds a number of thousands of digits, "
+                                      "which no row needs") from None  # fmt: skip
             yield where, row
 
 

@@ -16,6 +16,10 @@ ENGINE_SCALES = "engine"
 TRAINER_RECIPES = ("rowwise", "tensorwise")  # config/precision_checks.FP8_RECIPES
 WEIGHT_SCALES = ("auto", ENGINE_SCALES, *TRAINER_RECIPES)
 
+# The temperatures the sampler takes besides 0 (sampling.SamplingParams), here for the config too
+MIN_TEMPERATURE = 1e-6
+MAX_TEMPERATURE = 1e4
+
 
 DECODE_BACKENDS = ("auto", "triton", "torch")
 FUSE_PROJECTIONS = ("all", "qkv", "none")

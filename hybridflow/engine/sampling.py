@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridflow.engine.options import MAX_TEMPERATURE, MIN_TEMPERATURE
+
 MASK32 = 0xFFFFFFFF
 _MIX_C1 = 0x7FEB352D
 _MIX_C2 = 0x846CA68B
@@ -46,10 +48,6 @@ _SCAN_SALT = 0x85EBCA77  # differs from split * _GOLDEN (mod 2^32) for every spl
 SPLIT_SIZE = 4096
 """Tokens per split of the hierarchical sampler (see the module docstring: a 152k vocabulary
 is 38 splits per row; short enough that the in-split walk is cheap)."""
-
-
-MIN_TEMPERATURE = 1e-6
-MAX_TEMPERATURE = 1e4
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,9 @@ def load_tokenizer(name_or_path: str):
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     except Exception as error:  # transformers raises anything from KeyError to OSError here
+        config_problem = _config_json_problem(name_or_path)
+        if config_problem:  # the tokenizer reads config.json too: its files are not at fault
+            raise ConfigError([config_problem]) from error
         raise ConfigError(
             [
                 f"the tokenizer in {name_or_path} cannot be loaded ({type(error).__name__}: "
@@ -104,3 +107,21 @@ def load_tokenizer(name_or_path: str):
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token  # batching needs some pad id
     return tokenizer
+
+
+def _config_json_problem(directory: str) -> str | None:
+    """Why transformers cannot read ``directory``'s config.json (a value its own checks
+    refuse, such as an unknown torch_dtype), or None when it reads it or there is none."""
+    from transformers import AutoConfig
+
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        return None
+    try:
+        AutoConfig.from_pretrained(directory)
+    except Exception as error:  # as above: any kind, for any value it refuses
+        text = " ".join(str(error).split())
+        return (
+            f"{directory}/config.json holds a value transformers refuses ({type(error).__name__}: "
+            f"{text[:400]}): correct the value in config.json, or copy the model directory again"
+        )
+    return None

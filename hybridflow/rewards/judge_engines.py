@@ -125,7 +125,11 @@ def url_asker(url: str, model: str, max_tokens: int, timeout_s: float,
         deadline = time.monotonic() + timeout_s
         try:
             reply = json.loads(post_retrying(request, max_reply_bytes, deadline))
-            return ScoreOutcome("ok", reply["choices"][0]["message"]["content"] or "")
+            content = reply["choices"][0]["message"]["content"] or ""
+            if not isinstance(content, str):  # its text would be parsed for a score
+                raise TypeError(f"the reply's message content is a {type(content).__name__}, "
+                                "not text")  # fmt: skip
+            return ScoreOutcome("ok", content)
         except TimeoutError:
             return ScoreOutcome("timeout", message=f"judge {endpoint} took more than {timeout_s}s")
         except urllib.error.URLError as error:

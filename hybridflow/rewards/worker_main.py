@@ -104,8 +104,11 @@ def _fileno(stream) -> int | None:
 def plain(value, depth: int = 0):
     """``value`` as numbers, strings, lists and dicts (numpy and torch values through
     ``tolist()``); TypeError for anything else."""
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if value is None or type(value) in (bool, int, float, str):
         return value
+    for kind in (int, float, str):  # a subclass (numpy's float64 is a float) as the plain kind:
+        if isinstance(value, kind):  # the trainer unpickles no class
+            return kind(value)
     if depth >= _MAX_DEPTH:
         raise TypeError(f"a value nested more than {_MAX_DEPTH} levels deep")
     if isinstance(value, dict):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import pickle
 import signal
 import socket
@@ -96,6 +97,7 @@ class RewardWorker:
             self.process.kill()
         self.process.wait()
         self.connection.close()
+        self._end_session()
 
     def close(self, wait_s: float = 5.0) -> None:
         """Closing the connection ends an idle worker; one that does not end is killed."""
@@ -104,3 +106,13 @@ class RewardWorker:
             self.process.wait(wait_s)
         except subprocess.TimeoutExpired:
             self.kill()
+        self._end_session()
+
+    def _end_session(self) -> None:
+        """Kill what the scoring code started in the worker's session (forked or spawned
+        processes left running): they would outlive the run. The group keeps the worker's id
+        while any of them lives, so no other process can hold it."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # none left

@@ -238,6 +238,19 @@ def build_from_args(args):
 
 
 def run_serve_command(args) -> int:
+    import signal
+
+    received = take_stop_signals()
+    try:
+        return _serve(args)
+    except KeyboardInterrupt:
+        if received.get("signal") != signal.SIGTERM:
+            raise  # Ctrl-C: the command line prints "interrupted" (exit 130)
+        print("hybridflow serve: stopped by SIGTERM", file=sys.stderr)
+        return 128 + signal.SIGTERM
+
+
+def _serve(args) -> int:
     import asyncio
     import logging
 
@@ -267,18 +280,29 @@ def run_serve_command(args) -> int:
             print(f"serving {name} (max_seq_len {max_seq_len}) at {url}/v1 "
                   "(OpenAI API; Ctrl-C stops)", flush=True)  # fmt: skip
 
-        take_ctrl_c()
         asyncio.run(serve_forever(app, sock, started))
     return 0
 
 
-def take_ctrl_c() -> None:
-    """SIGINT stops the server, also when started where it is ignored (``nohup``, ``cmd &``
-    in a script: the shell starts background jobs with SIGINT ignored, and Python keeps an
-    inherited SIG_IGN). `hybridflow train` takes SIGINT the same way (trainer/lifecycle/stop.py)."""
+def take_stop_signals() -> dict[str, int]:
+    """SIGINT and SIGTERM stop the server, while it loads too: SIGINT also when started where
+    it is ignored (``nohup``, ``cmd &`` in a script: the shell starts background jobs with
+    SIGINT ignored, and Python keeps an inherited SIG_IGN), SIGTERM (what a service manager
+    sends) as a stop with its own last line and exit status 143, not a silent death by the
+    signal. Both raise KeyboardInterrupt, which asyncio turns into a clean shutdown; the dict
+    returned records which signal came. `hybridflow train` takes both the same way
+    (trainer/lifecycle/stop.py)."""
     import signal
 
+    received: dict[str, int] = {}
+
+    def stop(signum, frame) -> None:
+        received["signal"] = signum
+        raise KeyboardInterrupt
+
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, stop)
+    return received
 
 
 def _bind(host: str, port: int):

@@ -1,5 +1,6 @@
 """A sandboxed program may not make namespaces (in one of its own it is uid 0 and can mount a
-tmpfs that fills host memory past every limit), nor hold memory in memfds or SysV segments;
+tmpfs that fills host memory past every limit), nor hold memory in memfds or SysV segments,
+queues and semaphore sets;
 fork, threads, subprocesses and multiprocessing still work."""
 
 import os
@@ -60,6 +61,14 @@ segment = libc.shmget(0, SHMGET_SIZE, 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600
 outcome("shmget", segment)
 if segment >= 0:
     libc.shmctl(segment, 0, None)  # IPC_RMID: where it was allowed, leave no segment behind
+queue = libc.msgget(0, 0o1600)  # a SysV message queue, which outlives the program too
+outcome("msgget", queue)
+if queue >= 0:
+    libc.msgctl(queue, 0, None)
+semaphores = libc.semget(0, 8, 0o1600)
+outcome("semget", semaphores)
+if semaphores >= 0:
+    libc.semctl(semaphores, 0, 0)
 
 # what programs do: still allowed
 import multiprocessing, threading
@@ -76,7 +85,16 @@ with multiprocessing.Pool(2) as pool:
     print("pool ok" if pool.map(abs, [-1, -2]) == [1, 2] else "pool FAILED")
 """
 
-REFUSED = ["unshare-cli", "os.unshare", "clone-newuser", "setns", "memfd_create", "shmget"]
+REFUSED = [
+    "unshare-cli",
+    "os.unshare",
+    "clone-newuser",
+    "setns",
+    "memfd_create",
+    "shmget",
+    "msgget",
+    "semget",
+]
 STILL_WORKS = ["thread ok", "fork ok", "subprocess ok", "pool ok"]
 
 

@@ -119,6 +119,22 @@ def test_invalid_json_line(tmp_path):
         load_prompt_records(path)
 
 
+@pytest.mark.parametrize(
+    "line, words",
+    [
+        ('{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", "JSON nested too deeply"),
+        ('{"prompt": "1+2=", "n": 1' + "0" * 5000 + "}", "holds a number of thousands of digits"),
+    ],
+    ids=["nested", "long-number"],
+)
+def test_json_the_parser_refuses_past_its_limits_names_the_line(tmp_path, line, words):
+    """A RecursionError and the int-digits ValueError were tracebacks in train and validate."""
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n" + line + "\n")
+    with pytest.raises(DataSchemaError, match=rf"d\.jsonl: line 2: {words}"):
+        load_prompt_records(path)
+
+
 def test_unknown_data_source_with_registry(tmp_path):
     from hybridflow.rewards import default_registry
 

@@ -152,3 +152,21 @@ def test_the_char_vl_tokenizer_has_the_tiny_vl_presets_vision_tokens():
     assert default_tokenizer_path(ModelConfig(path="tiny")) == "char"
     assert default_tokenizer_path(ModelConfig(path="sft:shapes")) == "char-vl"
     assert default_tokenizer_path(ModelConfig(path="sft:arithmetic")) == "char"
+
+
+def test_a_config_json_value_transformers_refuses_is_not_blamed_on_the_tokenizer_files(tmp_path):
+    """AutoTokenizer reads config.json too: a torch_dtype torch lacks is config.json's fault."""
+    import json
+
+    from hybridflow.config import ConfigError
+    from hybridflow.models.tokenizer import build_char_tokenizer, load_tokenizer
+
+    build_char_tokenizer().save_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "qwen2", "torch_dtype": "float128"})
+    )
+    with pytest.raises(ConfigError) as error:
+        load_tokenizer(str(tmp_path))
+    text = str(error.value)
+    assert f"{tmp_path}/config.json holds a value transformers refuses" in text
+    assert "float128" in text and "copy the tokenizer files" not in text

@@ -86,6 +86,8 @@ class _Judge(BaseHTTPRequestHandler):
         if "slow" in prompt:
             time.sleep(2)
         reply = {"choices": [{"message": {"content": f"Score: {len(prompt) % 7}"}}]}
+        if "object" in prompt:  # malformed: the content is not text
+            reply = {"choices": [{"message": {"content": {"score": 9}}}]}
         if "huge" in prompt:  # 8 MB, in chunks as an endless reply comes
             self._send_chunked(json.dumps({**reply, "padding": "x" * 8_000_000}).encode())
             return
@@ -126,6 +128,10 @@ def test_a_second_model_behind_an_openai_server_and_its_timeouts():
         assert outcomes[1].status == "timeout" and "0.5s" in outcomes[1].message
         refused = url_asker("http://127.0.0.1:9/v1", "judge", 8, 0.5, 1)(["x"])[0]
         assert refused.status == "error"
+        malformed = url_asker(url, "judge", 8, timeout_s=10, concurrency=1)(["object"])[0]
+        assert malformed == ScoreOutcome("error", message=f"judge {url}/chat/completions: "
+                                         "TypeError: the reply's message content is a dict, "
+                                         "not text")  # fmt: skip
         huge = url_asker(url, "judge", max_tokens=8, timeout_s=10, concurrency=1)(["huge"])[0]
         assert huge == ScoreOutcome("error", message=f"judge {url}/chat/completions: "
                                     "ReplyTooLarge: reply larger than 1048576 bytes")  # fmt: skip

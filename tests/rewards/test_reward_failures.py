@@ -42,6 +42,20 @@ SCORERS = textwrap.dedent(
         while True:
             pass
 
+    def numpy_score(data_source, solution_str, ground_truth, extra_info=None):
+        import numpy as np
+        return np.float64(0.5)  # a float subclass, as np.mean returns
+
+    def forks(data_source, solution_str, ground_truth, extra_info=None):
+        import os
+        child = os.fork()
+        if child == 0:
+            time.sleep(60)
+            os._exit(0)
+        with open(ground_truth, "w") as log:
+            log.write(str(child))
+        return 1.0
+
     class Abort(BaseException):
         pass
 
@@ -143,6 +157,34 @@ def test_sys_exit_and_base_exceptions_of_a_scorer_are_its_errors(scorers, where,
     )
     assert result.error_messages[1:] == [f"scorer {target}: KeyboardInterrupt: from the scorer",
                                          f"scorer {target}: Abort: from the scorer"]  # fmt: skip
+
+
+def test_a_numpy_float_is_a_score_not_a_dead_worker(scorers):
+    """np.float64 is a float subclass: it reached the trainer as a numpy class, which the
+    plain-data unpickler refuses (a worker death and a 0 for every sample)."""
+    with scorers("numpy_score") as manager:
+        result = manager.score(["a"], ["x"], ["s"])
+    assert result.scores == [0.5] and result.metrics["reward/num_worker_deaths"] == 0.0
+
+
+def test_processes_a_scorer_leaves_running_end_with_its_worker(scorers, tmp_path):
+    log = tmp_path / "child.txt"
+    with scorers("forks") as manager:
+        assert manager.score(["a"], [str(log)], ["s"]).scores == [1.0]
+    child = int(log.read_text())
+    deadline = time.monotonic() + 5
+    while _running(child):
+        assert time.monotonic() < deadline, "the scorer's child outlived the reward manager"
+        time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie waiting for its new parent to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_ctrl_c_during_a_scorer_still_interrupts(scorers):

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -151,3 +152,24 @@ def test_a_cpu_cache_past_the_host_memory_stops_serve_at_start(monkeypatch, caps
     assert main(["serve", "--model", "tiny", "--device", "cpu", "--port", "0", *flags]) == 2
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err
+
+
+def test_sigterm_stops_serve_with_a_last_line_and_exit_143(monkeypatch, capsys):
+    """A service manager's stop: the server died by the signal, saying nothing. (In this
+    process, the server stood in for: a real one stops as it does on Ctrl-C, through
+    asyncio's shutdown, test_serve_started_with_sigint_ignored_still_stops_on_sigint.)"""
+    from hybridflow.serve import cli as serve_cli
+
+    def serving(args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(10)  # the handler stops this sleep
+        raise AssertionError("SIGTERM did not stop the server")
+
+    monkeypatch.setattr(serve_cli, "_serve", serving)
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        assert serve_cli.run_serve_command(None) == 143
+    finally:
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
+    assert capsys.readouterr().err == "hybridflow serve: stopped by SIGTERM\n"

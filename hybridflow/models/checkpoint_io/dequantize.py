@@ -67,14 +67,40 @@ def mxfp4_experts_to_float(
     """GPT-OSS's stored experts: ``blocks`` [E, R, G, B], ``scales`` [E, R, G] -> [E, 2GB, R]
     (transposed, as its experts multiply ``x @ W[e]``: gate_up_proj [E, H, 2I] from blocks
     of [E, 2I, H/32, 16]), one expert at a time."""
-    if blocks.dim() != 4:
-        raise ValueError(f"MXFP4 expert blocks are [experts, rows, groups, 16], not "
-                         f"{list(blocks.shape)}")  # fmt: skip
+    problem = mxfp4_shape_problem(tuple(blocks.shape), tuple(scales.shape))
+    if problem:
+        raise ValueError(problem)
     experts, rows, groups, width = blocks.shape
     out = torch.empty(experts, groups * 2 * width, rows, dtype=dtype, device=blocks.device)
     for expert in range(experts):
         out[expert] = mxfp4_to_float(blocks[expert], scales[expert], dtype).T
     return out
+
+
+def mxfp4_shape_problem(blocks: tuple[int, ...], scales: tuple[int, ...]) -> str | None:
+    """Why MXFP4 expert ``blocks`` and ``scales`` of these shapes cannot be dequantised
+    together (None: they can); read from the headers by validate, and by the loader."""
+    if len(blocks) != 4:
+        return f"MXFP4 expert blocks are [experts, rows, groups, 16], not {list(blocks)}"
+    if blocks[:-1] != scales:
+        return (f"MXFP4 blocks {list(blocks)} and scales {list(scales)} differ before the "
+                "last dimension")  # fmt: skip
+    return None
+
+
+def fp8_shape_problem(
+    weight: tuple[int, ...], scale_inv: tuple[int, ...], block: tuple[int, int]
+) -> str | None:
+    """Why an FP8 ``weight`` and its ``scale_inv`` of these shapes do not fit ``block``
+    (None: they do): one multiplier per block, the last row and column of blocks partial."""
+    if len(weight) < 2:
+        return f"an FP8 weight in blocks is [..., rows, columns], not {list(weight)}"
+    block_rows, block_cols = block
+    grid = (-(-weight[-2] // block_rows), -(-weight[-1] // block_cols))
+    if scale_inv != (*weight[:-2], *grid):
+        return (f"weight {list(weight)} in {block_rows}x{block_cols} blocks needs scale_inv "
+                f"{[*weight[:-2], *grid]}, not {list(scale_inv)}")  # fmt: skip
+    return None
 
 
 def fp8_scales_to_float(scale_inv: torch.Tensor) -> torch.Tensor:
@@ -94,18 +120,12 @@ def fp8_blocks_to_float(
     """Block-scaled FP8 ``weight`` [..., R, C] with ``scale_inv`` [..., ceil(R/bm),
     ceil(C/bn)] for ``block`` = (bm, bn) -> [..., R, C] in ``dtype``; a few rows of blocks
     at a time."""
-    if weight.dim() < 2:
-        raise ValueError(
-            f"an FP8 weight in blocks is [..., rows, columns], not {list(weight.shape)}"
-        )
+    problem = fp8_shape_problem(tuple(weight.shape), tuple(scale_inv.shape), block)
+    if problem:
+        raise ValueError(problem)
     block_rows, block_cols = block
     rows, cols = weight.shape[-2:]
     grid = (-(-rows // block_rows), -(-cols // block_cols))
-    if tuple(scale_inv.shape) != (*weight.shape[:-2], *grid):
-        raise ValueError(
-            f"weight {list(weight.shape)} in {block_rows}x{block_cols} blocks needs "
-            f"scale_inv {[*weight.shape[:-2], *grid]}, not {list(scale_inv.shape)}"
-        )
     multipliers = fp8_scales_to_float(scale_inv)
     full = cols // block_cols  # whole blocks a row; the columns after them: a partial one
     step = max(1, CHUNK_ELEMENTS // (block_rows * cols))  # rows of blocks a chunk

@@ -68,7 +68,8 @@ def read_hf_config(path: str) -> dict:
 
 def safetensors_problem(file: str | os.PathLike) -> str | None:
     """Why ``file`` is not a complete safetensors file (truncated, bad header), or None.
-    Reads the header only: 8 bytes of length, then JSON with each tensor's byte range."""
+    Reads the header only: 8 bytes of length, then JSON with each tensor's byte range, dtype
+    and shape, which the safetensors library checks (no overlap, sizes that fit the shape)."""
     try:
         size = os.path.getsize(file)
         with open(file, "rb") as handle:
@@ -76,13 +77,30 @@ def safetensors_problem(file: str | os.PathLike) -> str | None:
             if size < 8 or 8 + header_length > size:
                 return f"{file} is truncated or not a safetensors file ({size} bytes)"
             header = json.loads(handle.read(header_length))
-    except (OSError, ValueError, UnicodeDecodeError) as error:
-        return f"{file} cannot be read as safetensors ({error})"
-    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as error:
+        return f"{file} cannot be read as safetensors ({str(error)[:200]})"
+    if not isinstance(header, dict):
+        return (
+            f"{file} cannot be read as safetensors (its header is a JSON {type(header).__name__})"
+        )
+    ends = [_data_end(info) for name, info in header.items() if name != "__metadata__"]
     expected = 8 + header_length + max(ends, default=0)
     if size < expected:
         return f"{file} is truncated: {size} bytes on disk, its header describes {expected}"
+    try:
+        with safe_open(str(file), framework="pt"):
+            pass  # the library's own header checks: dtypes, shapes, byte ranges
+    except Exception as error:  # SafetensorError, and whatever a malformed header raises
+        return f"{file} cannot be read as safetensors ({str(error)[:300]})"
     return None
+
+
+def _data_end(info) -> int:
+    """Where a header entry's bytes end (0 when it gives no byte range: the library says so)."""
+    offsets = info.get("data_offsets") if isinstance(info, dict) else None
+    if isinstance(offsets, list) and len(offsets) == 2 and isinstance(offsets[1], int):
+        return offsets[1]
+    return 0
 
 
 def iter_checkpoint_tensors(

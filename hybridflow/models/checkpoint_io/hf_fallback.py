@@ -123,8 +123,17 @@ def load_hf_model(
 ) -> HFCausalLM:
     from transformers import AutoModelForCausalLM
 
+    from hybridflow.model_config_values import ModelConfigError, config_values_message
     from hybridflow.models.checkpoint_io.finite_weights import check_all_finite
+    from hybridflow.models.checkpoint_io.loadability import (
+        CONFIG_FILE,
+        read_config_json,
+        transformers_name_problems,
+    )
 
+    problems = transformers_name_problems(read_config_json(path))
+    if problems:  # said before transformers looks them up by name (a KeyError there)
+        raise ModelConfigError(config_values_message(problems, f"{path}/{CONFIG_FILE}"))
     hf_model = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, attn_implementation="sdpa"
     ).to(device)

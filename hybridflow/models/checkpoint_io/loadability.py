@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hybridflow.errors import UserError
 from hybridflow.model_config_values import (
     VISION_MODEL_TYPES,
     ModelConfigError,
@@ -58,6 +59,13 @@ def architecture_problem(config: dict, path: str | Path) -> str | None:
     architectures = config.get("architectures") or []
     if not isinstance(architectures, list):
         architectures = [architectures]
+    if not isinstance(model_type, str | None) or not all(isinstance(n, str) for n in architectures):
+        return (
+            f"{Path(path) / CONFIG_FILE}: model_type = {json.dumps(model_type)[:40]} and "
+            f"architectures = {json.dumps(architectures)[:60]} must be strings naming the "
+            f'architecture (e.g. "qwen2" and ["Qwen2ForCausalLM"]): correct them in '
+            f"config.json, or copy the model directory again"
+        )
     if model_type in SUPPORTED_MODEL_TYPES:
         return None
     causal_lm = _transformers_causal_lm()  # model_type -> its *ForCausalLM class name
@@ -95,7 +103,7 @@ def config_problems(model_dir: str | Path, num_labels: int | None = None) -> lis
     problem = architecture_problem(config, model_dir)
     if problem:
         return [problem]
-    problems = config_value_problems(config)
+    problems = config_value_problems(config) or transformers_name_problems(config)
     if (
         problems
     ):  # the words a model load says (models/checkpoint_io/hf_checkpoint.py read_hf_config)
@@ -106,6 +114,36 @@ def config_problems(model_dir: str | Path, num_labels: int | None = None) -> lis
         message = quantization_problem(config, str(Path(model_dir) / CONFIG_FILE))
         return [message] if message else native_weight_problems(model_dir, config, num_labels)
     return []
+
+
+OUR_ROPE_TYPES = ("default", "mrope")  # besides transformers' (mrope: Qwen2.5-VL's sections)
+
+
+def transformers_name_problems(config: dict) -> list[str]:
+    """hidden_act and the RoPE type must name functions transformers has: a model our decoder
+    does not run is built by transformers' fallback, which looks them up by these names (an
+    unknown one was a KeyError deep inside the build)."""
+    config = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    problems = []
+    activation = config.get("hidden_act")
+    if isinstance(activation, str) and activation != "silu":
+        from transformers.activations import ACT2CLS
+
+        if activation not in ACT2CLS:
+            problems.append(f"hidden_act = {activation!r} is not an activation transformers "
+                            f"has ({', '.join(sorted(ACT2CLS))})")  # fmt: skip
+    for section in ("rope_scaling", "rope_parameters"):
+        value = config.get(section)
+        for part in (value, *value.values()) if isinstance(value, dict) else ():
+            kind = part.get("rope_type", part.get("type")) if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind not in OUR_ROPE_TYPES:
+                from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+                if kind not in ROPE_INIT_FUNCTIONS:
+                    known = ", ".join((*OUR_ROPE_TYPES, *ROPE_INIT_FUNCTIONS))
+                    problems.append(f"{section} rope_type = {kind!r} is not a RoPE scaling "
+                                    f"transformers has ({known})")  # fmt: skip
+    return problems
 
 
 def native_weight_problems(
@@ -127,6 +165,9 @@ def native_weight_problems(
         if config.get("model_type") in VISION_MODEL_TYPES:  # no fallback loads these
             return [config_values_message([str(error)], Path(model_dir) / CONFIG_FILE)]
         return []  # not for our decoder (transformers' fallback reads it), or said before
+    problem = _quantized_pair_problem(Path(model_dir), quantization)
+    if problem:
+        return [problem]
     stored = _stored_shapes(Path(model_dir), architecture, quantization)
     if stored is None:
         return []
@@ -206,6 +247,19 @@ def _missing_message(model_dir, config_file, count: int, names: list[str]) -> st
     )
 
 
+def _quantized_pair_problem(model_dir: Path, quantization) -> str | None:
+    """A quantized tensor and its scales whose header shapes do not fit each other."""
+    from hybridflow.models.checkpoint_io.quantized_checkpoint import pair_shape_problem
+
+    if quantization is None:
+        return None
+    try:
+        shapes = stored_shapes(model_dir, checkpoint_files(str(model_dir)))
+    except (OSError, UserError):
+        return None  # said by the file checks
+    return pair_shape_problem(shapes, quantization, model_dir) if shapes else None
+
+
 def _stored_shapes(
     model_dir: Path, architecture, quantization: WeightQuantization | None = None
 ) -> dict[str, tuple[int, ...]] | None:
@@ -216,7 +270,7 @@ def _stored_shapes(
     or the index is unreadable."""
     try:
         files = checkpoint_files(str(model_dir))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, UserError):
         return None  # no weights, or an index that does not parse: said by the file checks
     shapes = stored_shapes(model_dir, files)
     if shapes is None:

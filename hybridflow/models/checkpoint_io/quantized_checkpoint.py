@@ -148,6 +148,29 @@ def unpaired_problem(
     )
 
 
+def pair_shape_problem(
+    stored: dict[str, tuple[int, ...]], quantization: WeightQuantization | None, model_dir
+) -> str | None:
+    """Why a quantized tensor and its scales, by their header shapes ``stored``, cannot be
+    dequantised together (what the loader would find reading them); None if all fit."""
+    from hybridflow.models.checkpoint_io.dequantize import fp8_shape_problem, mxfp4_shape_problem
+
+    if quantization is None:
+        return None
+    for name, shape in stored.items():
+        companion = quantization.companion(name)
+        if companion is None or companion not in stored:
+            continue
+        if quantization.method == MXFP4:
+            problem = mxfp4_shape_problem(shape, stored[companion])
+        else:
+            problem = fp8_shape_problem(shape, stored[companion], quantization.block)
+        if problem:
+            return (f"the weights in {model_dir}: tensor {name} and {companion} do not fit "
+                    f"({problem}): copy the model directory again")  # fmt: skip
+    return None
+
+
 def dequantized_tensors(files: list[str], quantization: WeightQuantization, dtype,
                         source: str) -> Iterator[tuple[str, Any, str]]:  # fmt: skip
     """(name, tensor, file) of every tensor in ``files`` (safetensors), the quantized ones

@@ -84,13 +84,21 @@ def dequantised_note(hf_config: dict, out: Path) -> str | None:
 
 
 def check_export_target(out: Path, overwrite: bool) -> None:
-    """``out`` is a directory to create, an empty one, or (``overwrite``) any directory: an
-    export never replaces a model someone may still need without being told to."""
+    """``out`` is a directory to create (made here, before any work: the file system may
+    refuse it), an empty one, or (``overwrite``) any directory: an export never replaces a
+    model someone may still need without being told to."""
     if out.exists() and not out.is_dir():
         raise UserError(
             f"{out} is a file, not a directory", "give a directory to write the model to"
         )
-    if overwrite or not out.is_dir() or not any(out.iterdir()):
+    if not out.exists():
+        try:
+            out.mkdir(parents=True)
+        except OSError as error:  # a file above it, procfs, a read-only file system
+            raise UserError(f"{out}: the directory cannot be made ({error.strerror or error})",
+                            "give a directory you can write to") from None  # fmt: skip
+        return
+    if overwrite or not any(out.iterdir()):
         return
     raise UserError(
         f"{out} already exists and is not empty; export does not write over it",

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.config import Config, ConfigError, Derived, validate
+from hybridflow.errors import UserError
 from hybridflow.trainer.lifecycle.machine import (
     MIN_FREE_BYTES,
     logger_problems,
@@ -219,7 +220,11 @@ def checkpoint_problems(key: str, model_path: str, num_labels: int | None = None
     extra). num_labels: a reward model's score head."""
     from hybridflow.models.checkpoint_io.hf_checkpoint import safetensors_problem
     from hybridflow.models.checkpoint_io.loadability import config_problems
-    from hybridflow.models.checkpoint_io.weight_files import INDEX_FILE, SINGLE_FILE
+    from hybridflow.models.checkpoint_io.weight_files import (
+        INDEX_FILE,
+        SINGLE_FILE,
+        checkpoint_files,
+    )
     from hybridflow.models.presets import PRESETS
 
     path = Path(model_path).expanduser()
@@ -234,12 +239,16 @@ def checkpoint_problems(key: str, model_path: str, num_labels: int | None = None
             f"Face model directory itself (the one holding config.json and *.safetensors)"
         ]
     problems = [f"{key}: {problem}" for problem in config_problems(path, num_labels)]
-    files = sorted(path.glob("*.safetensors"))
-    if not files and not (path / INDEX_FILE).is_file():
+    files = []
+    try:
+        files = checkpoint_files(str(path))  # the files a load reads
+    except FileNotFoundError:
         problems.append(
             f"{key} = {model_path}: no {SINGLE_FILE} (or sharded *.safetensors with "
             f"{INDEX_FILE}); convert the weights to safetensors"
         )
+    except UserError as error:  # an index that does not parse, or names a missing shard
+        problems.append(f"{key}: {error}")
     for file in files:
         problem = safetensors_problem(file)
         if problem:

@@ -112,3 +112,50 @@ def test_hf_fallback_trains_with_gradient_checkpointing(tmp_path):
     hidden = model.forward_packed(torch.randint(0, 97, (12,)), positions, cu_seqlens, 7)
     model.lm_head(hidden).logsumexp(-1).sum().backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def _with_header(path, mutate):
+    """model.safetensors of one 2x2 and one 4-value tensor, its header changed by ``mutate``."""
+    import struct
+
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.zeros(2, 2), "b": torch.zeros(4)}, str(path))
+    raw = path.read_bytes()
+    length = struct.unpack("<Q", raw[:8])[0]
+    header = mutate(json.loads(raw[8 : 8 + length]))
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + length :])
+
+
+def _set(name, key, value):
+    def mutate(header):
+        header[name][key] = value
+        return header
+
+    return mutate
+
+
+@pytest.mark.parametrize(
+    "mutate, words",
+    [
+        (lambda header: [1, 2], "its header is a JSON list"),
+        (lambda header: b"[" * 100_000 + b"]" * 100_000, "maximum recursion depth"),
+        (_set("b", "data_offsets", None), "expected a tuple of size 2"),
+        (_set("b", "data_offsets", [0, 16]), "invalid offset"),  # overlaps a's bytes
+        (_set("a", "dtype", "F128"), "F128"),
+        (_set("a", "shape", [-4]), "invalid"),
+        (_set("a", "shape", "4"), "invalid"),
+        (lambda header: {**header, "__metadata__": {"format": ["pt"]}}, "invalid type"),
+    ],
+    ids=["list", "nested", "no-offsets", "overlap", "dtype", "negative-shape", "shape-text",
+         "metadata"],
+)  # fmt: skip
+def test_a_header_the_library_refuses_is_named_before_a_load(tmp_path, mutate, words):
+    """Each was a traceback (KeyError, AttributeError, SafetensorError) in validate or serve."""
+    from hybridflow.models.checkpoint_io.hf_checkpoint import safetensors_problem
+
+    path = tmp_path / "model.safetensors"
+    _with_header(path, mutate)
+    problem = safetensors_problem(path)
+    assert problem.startswith(f"{path} cannot be read as safetensors") and words in problem

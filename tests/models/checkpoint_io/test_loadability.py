@@ -107,3 +107,35 @@ def test_a_vision_language_config_our_decoder_refuses_is_named_not_passed_to_tra
     assert problem.startswith(f"{tmp_path / 'config.json'}: ") and words in problem
     with pytest.raises(ModelConfigError, match=re.escape(words)):
         load_model(str(tmp_path))
+
+
+def test_a_model_type_that_is_not_a_string_is_named_not_looked_up():
+    problem = architecture_problem({"model_type": ["qwen2"]}, "m")
+    assert 'model_type = ["qwen2"]' in problem and "must be strings" in problem
+
+
+@pytest.mark.parametrize(
+    "changes, named",
+    [
+        ({"hidden_act": "florb"}, "hidden_act = 'florb' is not an activation transformers has"),
+        ({"rope_scaling": {"rope_type": "nonsense", "factor": 2.0}},
+         "rope_scaling rope_type = 'nonsense' is not a RoPE scaling transformers has"),
+    ],
+)  # fmt: skip
+def test_a_name_transformers_builds_by_and_lacks_is_named_at_validate_and_load(
+    tmp_path, changes, named
+):
+    """Our decoder hands such a model to transformers' fallback, whose build looked the name
+    up in a table (a KeyError traceback in serve and train)."""
+    import json
+
+    from hybridflow.model_config_values import ModelConfigError
+    from hybridflow.models import load_model
+
+    model = _tiny_dir(tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, **changes}))
+    (problem,) = config_problems(model)
+    assert named in problem and str(model / "config.json") in problem
+    with pytest.raises(ModelConfigError, match=re.escape(named)):
+        load_model(str(model))

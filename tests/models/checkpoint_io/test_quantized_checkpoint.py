@@ -186,3 +186,31 @@ def test_a_load_dequantises_one_tensor_at_a_time(tmp_path, monkeypatch):
     first = next(tensor for name, tensor in stream if name.endswith("experts.down_proj"))
     assert len(calls) == 1 and first.shape == (4, 32, 64)
     assert sum(1 for _ in stream) > 0 and len(calls) == 6
+
+
+def _cut(tmp_path, suffix):
+    """The first tensor ending in ``suffix`` loses its last row (its pair then does not fit)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(tmp_path / "model.safetensors")
+    name = next(n for n in sorted(weights) if n.endswith(suffix))
+    weights[name] = weights[name][..., :-1].contiguous()
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    return name
+
+
+@pytest.mark.parametrize("kind", ["fp8", "mxfp4"])
+def test_scales_that_do_not_fit_their_tensor_are_named_at_validate(tmp_path, kind):
+    """validate said nothing; the load then refused them (the dequantiser's shape check)."""
+    if kind == "fp8":
+        deepseek_transformers().save_pretrained(tmp_path / "q")
+        fp8_blocks(tmp_path / "q", tmp_path / "plain", (16, 16))
+        name, words = _cut(tmp_path / "q", "_scale_inv"), "blocks needs scale_inv"
+    else:
+        gpt_oss_transformers(hidden_size=64, intermediate_size=32).save_pretrained(tmp_path / "q")
+        mxfp4_gpt_oss(tmp_path / "q", tmp_path / "plain")
+        name, words = _cut(tmp_path / "q", "_scales"), "differ before the last dimension"
+    (problem,) = config_problems(tmp_path / "q")
+    assert name in problem and "do not fit" in problem and words in problem
+    with pytest.raises(UserError, match=words):
+        load_model_from_dir(str(tmp_path / "q"))

@@ -61,6 +61,15 @@ def test_export_rejects_incomplete_checkpoint(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_an_out_the_file_system_refuses_is_named_before_any_work(tmp_path, capsys):
+    """It was a FileNotFoundError traceback once the model had been loaded and converted."""
+    (tmp_path / "step_3" / "actor").mkdir(parents=True)
+    out = "/proc/hybridflow-export"  # procfs makes no directories, even for root
+    assert main(["export", str(tmp_path / "step_3"), out]) == 2
+    err = capsys.readouterr().err
+    assert f"{out}: the directory cannot be made" in err and "not a complete" not in err
+
+
 def test_export_of_a_missing_path_says_it_does_not_exist(tmp_path, capsys):
     assert main(["export", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
