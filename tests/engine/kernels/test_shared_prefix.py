@@ -126,8 +126,8 @@ def test_a_wrong_prefix_length_changes_the_output(device):
 @pytest.mark.parametrize("layer", ["split", "lean:qkv+mlp"])
 def test_engine_generations_with_shared_prefixes_equal_plain_ones(device, layer, monkeypatch):
     """A whole generate() with n = 3 through the triton decode path with shared_prefix on
-    against the eager engine: the same tokens, log-probs within fp32 noise, and the prefix kernel ran.
-    Six slots for 18 requests with early stops: rows retire, compact and refill, so the
+    against the eager engine: the same tokens, log-probs within fp32 noise, and the prefix
+    kernel ran. Six slots for 18 requests with early stops: rows retire, compact and refill, so the
     group table is rewritten many times (a stale table would read another prompt's prefix:
     other tokens). Through the split layer and "lean", which puts 1/rms, bias and RoPE inside
     the row kernel before q is left for the prefix kernel (the chain layer attends through the
