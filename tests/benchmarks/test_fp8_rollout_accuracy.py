@@ -91,7 +91,7 @@ def test_cpu_smoke_run_reads_the_accuracies_and_importance_weights_of_a_train_ru
     out = tmp_path / "result.json"
     text = run_benchmark(
         "fp8_rollout_accuracy.py", "--device", "cpu", "--modes", "bf16", "--seeds", "1",
-        "--steps", "2", "--override", "sft.total_steps=10", "--override",
+        "--steps", "2", "--override", "sft.total_steps=2", "--override",
         "data.builtin_val_size=16", "--override", "actor.rollout_is_cap=2.0",
         "--work-dir", str(tmp_path / "work"), "--json", str(out),
     )  # fmt: skip

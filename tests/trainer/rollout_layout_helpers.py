@@ -21,6 +21,11 @@ NOT_COMPARED = ("timing_s/", "perf/", "memory/")  # wall-clock and host measurem
 
 
 PLAIN = (VERL + "rollout.tensor_model_parallel_size=1",)
+# The dense model's reference where data parallelism over the two processes is not itself in
+# question: the same run in this process, without starting two (it logs what data
+# parallelism logs: test_rollout_tensor_parallel_run.py's first test). Not for
+# mixture-of-experts runs: their router statistics (aux loss, expert load) are per rank.
+ONE_PROCESS = (*PLAIN, "trainer.backend=inprocess", "trainer.n_gpus_per_node=1")
 LAYOUT = (VERL + "actor.ulysses_sequence_parallel_size=2",
           VERL + "rollout.tensor_model_parallel_size=2")  # fmt: skip
 

@@ -4,14 +4,23 @@ from the actor's FSDP2 shards after every update) logs the metrics of plain data
 on the same two processes, which logs those of one process, step after step (the second
 step samples with the resharded weights of the first update) and samples the same tokens
 (the samples verl's trainer.rollout_data_dir writes); a data-parallel checkpoint resumes in
-that layout."""
+that layout. The later runs compare with the one-process run only (the plain data-parallel
+run logs the same: the first test), which saves starting two more processes a test."""
 
 from __future__ import annotations
 
 import shutil
 
 import pytest
-from rollout_layout_helpers import LAYOUT, PLAIN, VERL, assert_same, read_samples, train_run
+from rollout_layout_helpers import (
+    LAYOUT,
+    ONE_PROCESS,
+    PLAIN,
+    VERL,
+    assert_same,
+    read_samples,
+    train_run,
+)
 
 
 @pytest.mark.slow
@@ -19,9 +28,7 @@ def test_ulysses_actor_and_tensor_parallel_rollout_log_the_metrics_of_data_paral
     tmp_path, capsys
 ):
     # all through verl's keys, so verl's defaults apply to every run alike
-    one = train_run(
-        tmp_path / "one", *PLAIN, "trainer.backend=inprocess", "trainer.n_gpus_per_node=1"
-    )
+    one = train_run(tmp_path / "one", *ONE_PROCESS)
     # checkpoints of steps 1 and 2: the resume below starts from the one of step 1
     plain = train_run(tmp_path / "dp", *PLAIN, "trainer.save_freq=1")
     layout = train_run(tmp_path / "layout", *LAYOUT)
@@ -62,7 +69,7 @@ def test_partial_rollouts_in_async_mode_with_a_tensor_parallel_rollout_log_data_
     between two steps: tests/engine/serving/test_lockstep.py), so they are only run."""
     # 2 steps: step 2's requests are drawn while step 1 trains, so its sync lands among them
     partial = ("trainer.mode=async", "trainer.partial_rollout=true", "trainer.total_steps=2")
-    plain = train_run(tmp_path / "dp", *PLAIN, *partial)
+    plain = train_run(tmp_path / "dp", *ONE_PROCESS, *partial)
     layout = train_run(tmp_path / "layout", VERL + "rollout.tensor_model_parallel_size=2", *partial)
     assert plain.keys() == layout.keys() == {1, 2}
     assert_same(plain[1], layout[1], 1)
@@ -78,7 +85,7 @@ def test_agent_episodes_with_a_tensor_parallel_rollout_log_data_parallel(tmp_pat
     sync into a tensor-parallel rollout between steps is the other layout runs' to check."""
     agents = ("rollout.agent.loop=tools", "rollout.agent.tools=[calculator]",
               "data.max_prompt_length=64", "reward.custom_fn=null", "trainer.total_steps=1")  # fmt: skip
-    plain = train_run(tmp_path / "dp", *PLAIN, *agents)
+    plain = train_run(tmp_path / "dp", *ONE_PROCESS, *agents)
     layout = train_run(tmp_path / "layout", VERL + "rollout.tensor_model_parallel_size=2", *agents)
     assert plain.keys() == layout.keys() == {1}
     for step, want in plain.items():
@@ -111,7 +118,7 @@ def test_agent_programs_with_a_tensor_parallel_rollout_log_data_parallel(tmp_pat
     agents = ("rollout.agent.loop=openai", f"rollout.agent.program={program}:run",
               "rollout.agent.max_tokens_per_turn=4", "data.max_prompt_length=64",
               "reward.custom_fn=null", "trainer.total_steps=1")  # fmt: skip
-    plain = train_run(tmp_path / "dp", *PLAIN, *agents)
+    plain = train_run(tmp_path / "dp", *ONE_PROCESS, *agents)
     layout = train_run(tmp_path / "layout", VERL + "rollout.tensor_model_parallel_size=2", *agents)
     assert plain.keys() == layout.keys() == {1}
     assert_same(plain[1], layout[1], 1)

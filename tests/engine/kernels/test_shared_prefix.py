@@ -125,9 +125,9 @@ def test_a_wrong_prefix_length_changes_the_output(device):
 
 @pytest.mark.parametrize("layer", ["split", "lean:qkv+mlp"])
 def test_engine_generations_with_shared_prefixes_equal_plain_ones(device, layer, monkeypatch):
-    """A whole generate() with n = 3 through the triton decode path, shared_prefix on
-    against off: the same tokens, log-probs within fp32 noise, and the prefix kernel ran.
-    Six slots for 18 requests with early stops: rows retire, compact and refill, so the
+    """A whole generate() with n = 3 through the triton decode path with shared_prefix on
+    against the eager engine: the same tokens, log-probs within fp32 noise, and the prefix
+    kernel ran. Six slots for 18 requests with early stops: rows retire, compact and refill, so the
     group table is rewritten many times (a stale table would read another prompt's prefix:
     other tokens). Through the split layer and "lean", which puts 1/rms, bias and RoPE inside
     the row kernel before q is left for the prefix kernel (the chain layer attends through the
@@ -154,14 +154,14 @@ def test_engine_generations_with_shared_prefixes_equal_plain_ones(device, layer,
         return real(*args, **kwargs)
 
     monkeypatch.setattr(shared_prefix, "prefix_attention", counted)
-    results = {}
-    for sharing in (False, True):
-        options = EngineOptions(decode_backend="triton", decode_layer=layer,
-                                shared_prefix=sharing, steps_per_sync=2)  # fmt: skip
-        engine = Engine(model, max_batch_size=6, max_seq_len=64, options=options)
-        results[sharing] = engine.generate(prompts, params)
-        assert bool(calls) == sharing
-    off, on = results[False], results[True]
+    # off: the eager engine, which reads every row's own prefix (an interpreted triton
+    # engine without sharing would cost as much as the one with it)
+    eager = EngineOptions(decode_backend="torch", cuda_graphs=False, steps_per_sync=2)
+    off = Engine(model, max_batch_size=6, max_seq_len=64, options=eager).generate(prompts, params)
+    options = EngineOptions(decode_backend="triton", decode_layer=layer, shared_prefix=True,
+                            steps_per_sync=2)  # fmt: skip
+    on = Engine(model, max_batch_size=6, max_seq_len=64, options=options).generate(prompts, params)
+    assert calls
     assert [c.token_ids for c in on] == [c.token_ids for c in off]
     assert {c.finish_reason for c in on} == {"stop", "length"}
     for a, b in zip(on, off):
