@@ -130,6 +130,7 @@ def run_step(scheduler: SchedulerState) -> int:
     chunks = _chunks(scheduler, rows, static.max_chunks if static is not None else None)
     for job, _, count in chunks:
         job.done += count
+        scheduler.chunk_tokens += count
     finished = [i for i, (job, _, _) in enumerate(chunks) if not job.left]
     if static is not None:
         job_logits = static.run(scheduler.paging, rows, chunks, finished)
