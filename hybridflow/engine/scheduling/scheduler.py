@@ -185,8 +185,12 @@ class Scheduler(SchedulerState):
             snapshot = self._snapshot()
         if self.pending is not None:
             self._absorb(self.pending)  # the GPU runs the chunk just queued meanwhile
-        if snapshot is not None and (not self.lagged or steps == 0):
-            self._absorb(snapshot)  # nothing queued to overlap with: read it now
+        # Nothing queued to overlap with and no row left to decode: read it now. Rows that
+        # may decode (a prefill step's new rows) are read while the next step runs.
+        if snapshot is not None and (
+            not self.lagged or (steps == 0 and max(self.row_budget, default=0) <= 0)
+        ):
+            self._absorb(snapshot)
             self.drains += 1
             snapshot = None
         self.pending = snapshot

@@ -44,6 +44,7 @@ class SchedulerState:
         # mixed steps (mixed.py): prompts and continuations prefilled a chunk per step
         self.mixed = engine.options.max_prefill_tokens_per_step > 0
         self.prefilling: list[PrefillJob] = []
+        self.burst_tokens = 0  # tokens of a burst's jobs left to prefill before its rows decode
         # their steps with static shapes, replayed as CUDA graphs (static_step.py), or None
         self.static_step = None
         if self.mixed and engine.options.graph_mixed_steps:
