@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import os
 import sys
 from dataclasses import dataclass, replace
 
@@ -206,8 +207,8 @@ def zero_forwards(engine: Engine) -> None:
 def build_engine(model, args, variant: str) -> Engine:
     settings = dict(VARIANTS[variant], sync_lag=1)  # the read-back lag of CUDA runs
     settings["max_prefill_tokens_per_step"] = 0 if variant == "passes" else args.budget
-    if model.device.type != "cuda":
-        settings.setdefault("decode_backend", "torch")
+    if model.device.type != "cuda":  # the fused kernels on the CPU only interpreted
+        settings.setdefault("decode_backend", "triton" if interpreted(args) else "torch")
     per_episode = args.turns * args.turn_tokens + (args.turns - 1) * args.tool_tokens
     engine = Engine(model, max_batch_size=args.episodes,
                     max_seq_len=args.prompt_len + per_episode,
@@ -217,9 +218,6 @@ def build_engine(model, args, variant: str) -> Engine:
     if variant == "static" and scheduler.static_step is None:
         # the torch backend has no static forward: the step's host side (buckets, padding,
         # uploads, sampling) with zero logits, as zero_forwards gives every pass
-        if args.model_forwards:
-            raise SystemExit("agent_steps.py: --model-forwards with the static variant needs "
-                             "the triton backend (a GPU, or TRITON_INTERPRET=1)")  # fmt: skip
         scheduler.static_step = StaticMixedStep(engine, forward=None)
     if not args.model_forwards:
         zero_forwards(engine)
@@ -227,6 +225,11 @@ def build_engine(model, args, variant: str) -> Engine:
         engine.warm_up(SamplingParams(temperature=1.0, ignore_eos=True))
     scheduler.step_log = []
     return engine
+
+
+def interpreted(args) -> bool:
+    """Whether the model's forwards run the fused kernels under Triton's CPU interpreter."""
+    return args.model_forwards and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def graph_shapes(steps: list[step_log.StepRecord]) -> tuple[set, set]:
@@ -303,6 +306,16 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.episodes < 1 or args.turns < 1 or args.turn_tokens < 1:
         print("agent_steps.py: --episodes, --turns and --turn-tokens must be at least 1",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if (
+        args.model_forwards
+        and "static" in args.variants
+        and args.device == "cpu"
+        and not (interpreted(args))
+    ):
+        print("agent_steps.py: --model-forwards with the static variant runs the fused kernels: "
+              "on the CPU set TRITON_INTERPRET=1 (slow), or leave it out (zero logits)",
               file=sys.stderr)  # fmt: skip
         return 2
     model = load_model(args.preset, device=args.device).eval()
