@@ -16,6 +16,11 @@ the graph shapes used, and the modeled seconds; --trace prints every step.
 Variants: "passes" (max_prefill_tokens_per_step 0, the default engine), "eager" (mixed steps
 of --budget tokens, graph_mixed_steps off), "static" (graph_mixed_steps on).
 
+The steps of real runs on a GPU, with measured host times (the same table):
+
+    hybridflow bench agent --preset qwen2.5-0.5b --repeats 3 --step-table \
+        --engine max_prefill_tokens_per_step=2048 --engine graph_mixed_steps=true
+
 Random weights, ignore_eos: what the scheduler does depends on lengths and arrival times
 only, so by default the forwards are replaced by zero logits (--model-forwards runs the
 model: the torch backend on the CPU, where the static step keeps its host side and pads as
