@@ -48,6 +48,10 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-kept-kv", dest="kept_kv", action="store_false",
                    help="every turn prefills its whole conversation")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and the sampling")
+    p.add_argument("--step-table", action="store_true",
+                   help="log the timed runs' scheduler steps and print them by kind (decode "
+                   "chunks, mixed static/eager steps, prefill steps: rows and tokens live and "
+                   "computed, captures, host waits, host ms)")  # fmt: skip
     p.add_argument("--json", default=None,
                    help="also write the results to this file (default: print only)")  # fmt: skip
 
@@ -152,8 +156,22 @@ def bench_agent(args, progress=None) -> dict:
         engine.warm_up(sampling)  # every batch size's graph: the episodes' batch size wanders
         agent_run(), single_run()  # warm-up: compile, tune, capture every bucket both use
     captures, static_steps = _graph_counters(engine)
+    step_logs = {"agent": [], "single-turn": []} if args.step_table else None
+
+    def logged(path: str, run):
+        """run(), its scheduler steps added to step_logs[path] (--step-table)."""
+        if step_logs is None:
+            return run()
+        engine.scheduler.step_log = []
+        try:
+            return run()
+        finally:
+            step_logs[path] += engine.scheduler.step_log
+            engine.scheduler.step_log = None
+
     with progress.task("timed pairs", total=args.repeats, unit="pairs") as task:
-        timed_pair = counted(task, lambda: (agent_run(), single_run()))
+        timed_pair = counted(task, lambda: (logged("agent", agent_run),
+                                            logged("single-turn", single_run)))  # fmt: skip
         pairs = [timed_pair() for _ in range(args.repeats)]
     captures, static_steps = (b - a for a, b in zip((captures, static_steps),
                                                      _graph_counters(engine)))  # fmt: skip
@@ -189,6 +207,8 @@ def bench_agent(args, progress=None) -> dict:
                   for (agent, single), ratio in zip(pairs, ratios)],
         "agent_over_single_turn": statistics.median(ratios),
     }  # fmt: skip
+    if step_logs is not None:
+        result["step_tables"] = _step_tables(step_logs, model.config.num_hidden_layers)
     engine.release()
     return result
 
@@ -215,6 +235,16 @@ def _graph_counters(engine) -> tuple[int, int]:
     return (scheduler.runner.captures + static.captures, static.steps)
 
 
+def _step_tables(step_logs: dict, layers: int) -> dict:
+    """Per path: its steps' totals by kind and the table of them (step_log.py)."""
+    from hybridflow.engine.scheduling import step_log
+
+    return {path: {"steps": len(steps), "table": step_log.table(steps, layers),
+                   "by_kind": {kind: dataclasses.asdict(totals)
+                               for kind, totals in step_log.summarize(steps).items()}}
+            for path, steps in step_logs.items()}  # fmt: skip
+
+
 @dataclasses.dataclass
 class SimpleArgs:
     engine: list
@@ -239,6 +269,9 @@ def print_result(result: dict) -> None:
           f"{a['prefill_passes']}; mixed steps: {a['mixed_steps']}; static-shape mixed steps "
           f"while timed (graph_mixed_steps): {a['static_mixed_steps_while_timed']}; graphs "
           f"captured while timed: {a['graph_captures']}")  # fmt: skip
+    for path, logged in result.get("step_tables", {}).items():
+        print(f"\nscheduler steps of the {result['repeats']} timed {path} runs "
+              f"({logged['steps']:,} steps):\n{logged['table']}")  # fmt: skip
 
 
 def run_agent_command(args) -> int:

@@ -54,7 +54,8 @@ class EngineOptions:
     carries every live row's next token and up to this many tokens of the prompts and
     continuations being prefilled, a long prompt in chunks over several steps, so a decode
     row waits at most one step for a new request (steps with nothing to prefill replay the
-    decode graphs; a step with no row decoding takes up to max_prefill_tokens). At most
+    decode graphs; a step with no row decoding takes up to max_prefill_tokens, and so do the
+    steps after it until the burst it began is prefilled). At most
     max_prefill_tokens. 0: prompts and continuations in passes of their own before a chunk
     of decode steps (the path measured in docs/performance.md; the default until the mixed
     steps are measured on the GPU)."""

@@ -83,3 +83,23 @@ def test_bench_agent_reports_each_phase_while_it_runs():
     assert opened == ["loading tiny", WARM_UP, "timed pairs"]
     assert "timed pairs: 1/2 pairs (50%)" in log.getvalue()
     assert "timed pairs: done, 2 pairs" in log.getvalue()
+
+
+@pytest.mark.parametrize("budget", [0, 4])
+def test_bench_agent_step_table_counts_the_timed_runs_steps(tmp_path, capsys, budget):
+    out = tmp_path / "agent.json"
+    assert main(["bench", "agent", "--preset", "tiny", "--episodes", "3", "--turns", "2",
+                 "--prompt-len", "4", "--turn-tokens", "3", "--tool-tokens", "1",
+                 "--tool-latency-ms", "0", "--device", "cpu", "--repeats", "2", "--step-table",
+                 "--engine", "decode_backend=torch", "--engine",
+                 f"max_prefill_tokens_per_step={budget}", "--json", str(out)]) == 0  # fmt: skip
+    result = json.loads(out.read_text())
+    agent = result["step_tables"]["agent"]["by_kind"]
+    # every prompt token the two timed agent runs prefilled is in a step of the log
+    assert sum(kind["tokens"] for kind in agent.values()) == 2 * result["agent"]["prefilled_tokens"]
+    single = result["step_tables"]["single-turn"]["by_kind"]
+    assert sum(kind["tokens"] for kind in single.values()) == 2 * 3 * 4
+    assert sum(kind["forwards"] for kind in single.values()) >= 2 * (2 * 3 - 1)
+    printed = capsys.readouterr().out
+    assert "scheduler steps of the 2 timed agent runs" in printed
+    assert "| step kind | steps |" in printed

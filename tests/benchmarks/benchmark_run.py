@@ -51,5 +51,6 @@ def load_script(script: str):
 
     spec = importlib.util.spec_from_file_location(Path(script).stem, REPO / "benchmarks" / script)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # a dataclass of the script looks its module up there
     spec.loader.exec_module(module)
     return module

@@ -12,7 +12,11 @@ chunk's last logits: they are live rows from the next step on. A continuation of
 (preemption.py) is a job whose row goes on from the last token it sampled.
 
 So a decode row waits at most one step for a new request, however long its prompt, and a
-turn of an agent's episode costs its own tokens in a step, not a pass of its own. Steps with
+turn of an agent's episode costs its own tokens in a step, not a pass of its own. A burst of
+requests that arrives while nothing decodes is the exception: the steps after the first take
+the rest of it without the rows it admitted (at the no-row budget, max_prefill_tokens), so
+the burst decodes in step, as after separate prefill passes (a share admitted a budget per
+step would end its turn that many steps after the rest: the batch's tail). Steps with
 no job replay the decode graphs as before (scheduler.py). Functions over the scheduler's
 state (state.py), like admission.py and continuation.py.
 """
@@ -120,8 +124,10 @@ def run_step(scheduler: SchedulerState) -> int:
     next chunks; rows advanced and finished jobs' requests appended as live rows. -> decode
     steps run (0 or 1). With rows to decode and a static step (static_step.py: graph_mixed_steps
     on the fused backend) the forward has static shapes and replays as a CUDA graph."""
+    starts_burst = not scheduler.rows  # nothing decodes: a burst of requests starts here
+    burst = min(scheduler.burst_tokens, sum(job.left for job in scheduler.prefilling))
     rows = 0
-    if scheduler.rows and max(scheduler.row_budget) > 0:
+    if scheduler.rows and max(scheduler.row_budget) > 0 and not burst:
         if scheduler.subs_changed:
             scheduler.sync_submissions()
         room = scheduler.paging is None or preemption.make_room(scheduler, 1)
@@ -130,6 +136,13 @@ def run_step(scheduler: SchedulerState) -> int:
     chunks = _chunks(scheduler, rows, static.max_chunks if static is not None else None)
     for job, _, count in chunks:
         job.done += count
+        scheduler.chunk_tokens += count
+    taken = sum(count for _, _, count in chunks)
+    # The rest of a burst that came while nothing decoded is prefilled before its first rows
+    # decode, as separate passes would: it joins them at once, not a budget a step later,
+    # where it would finish its turn that many steps after them (the batch's tail).
+    left = sum(job.left for job in scheduler.prefilling)
+    scheduler.burst_tokens = left if starts_burst else max(burst - taken, 0)
     finished = [i for i, (job, _, _) in enumerate(chunks) if not job.left]
     if static is not None:
         job_logits = static.run(scheduler.paging, rows, chunks, finished)

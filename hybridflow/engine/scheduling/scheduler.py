@@ -34,7 +34,15 @@ import time
 
 from hybridflow.engine.host import upload
 from hybridflow.engine.requests import Completion, Submission
-from hybridflow.engine.scheduling import admission, continuation, mixed, preemption, readback, tail
+from hybridflow.engine.scheduling import (
+    admission,
+    continuation,
+    mixed,
+    preemption,
+    readback,
+    step_log,
+    tail,
+)
 from hybridflow.engine.scheduling.readback import Snapshot
 from hybridflow.engine.scheduling.state import SchedulerState
 
@@ -155,6 +163,7 @@ class Scheduler(SchedulerState):
         # rows admitted later would otherwise trail the first ones by a whole chunk of steps
         # at a smaller batch (an H200 profile of 256 prompts showed 15 steps at 128 rows).
         started = time.perf_counter()
+        before = None if self.step_log is None else step_log.counters(self)
         self.steps += 1
         if self.mixed:
             mixed.open_jobs(self)
@@ -176,8 +185,13 @@ class Scheduler(SchedulerState):
             snapshot = self._snapshot()
         if self.pending is not None:
             self._absorb(self.pending)  # the GPU runs the chunk just queued meanwhile
-        if snapshot is not None and (not self.lagged or steps == 0):
-            self._absorb(snapshot)  # nothing queued to overlap with: read it now
+        # Nothing queued to overlap with and no row left to decode: read it now. Rows that
+        # may decode (a prefill step's new rows) are read while the next step runs.
+        if snapshot is not None and (
+            not self.lagged or (steps == 0 and max(self.row_budget, default=0) <= 0)
+        ):
+            self._absorb(snapshot)
+            self.drains += 1
             snapshot = None
         self.pending = snapshot
         if in_tail:  # the step's wall time: its chunk queued, the previous one read back
@@ -185,6 +199,8 @@ class Scheduler(SchedulerState):
             clock.steps += 1
             clock.seconds += time.perf_counter() - started
             clock.decode_steps += self.plain_decode_steps - plain_before
+        if before is not None:
+            self.step_log.append(step_log.record(self, before))
 
     def _admit(self) -> None:
         """Prefill and extend passes of their own, before the chunk of decode steps."""

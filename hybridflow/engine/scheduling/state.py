@@ -44,6 +44,7 @@ class SchedulerState:
         # mixed steps (mixed.py): prompts and continuations prefilled a chunk per step
         self.mixed = engine.options.max_prefill_tokens_per_step > 0
         self.prefilling: list[PrefillJob] = []
+        self.burst_tokens = 0  # tokens of a burst's jobs left to prefill before its rows decode
         # their steps with static shapes, replayed as CUDA graphs (static_step.py), or None
         self.static_step = None
         if self.mixed and engine.options.graph_mixed_steps:
@@ -60,6 +61,9 @@ class SchedulerState:
         self.decoded_rows = 0  # mean batch, a counter of how well requests share steps)
         self.plain_decode_steps = 0  # decode_steps less verify passes and mixed steps
         self.mixed_steps = 0  # steps whose forward carried decode rows and prompt chunks
+        self.chunk_tokens = 0  # prompt tokens those steps (and steps of chunks alone) carried
+        self.drains = 0  # steps whose results the host read at once (waiting for the device)
+        self.step_log = None  # a list of step_log.StepRecord, one per step, when recording
         self.pending = None  # readback.Snapshot of the chunk queued last, not yet read
         self.version = 0  # the policy version sampling now (new_version)
         self.live_subs: dict[Submission, int] = {}  # live rows per submission

@@ -102,6 +102,7 @@ class StaticMixedStep:
         self.scratch = self.cache.num_blocks if self.cache.paged else self.cache.scratch_slot
         self.captures = 0  # graphs captured so far (a counter)
         self.steps = 0  # static steps run (a counter)
+        self.shape = (0, 0)  # the last step's (batch bucket, token bucket)
 
     # -- host side ------------------------------------------------------------------------------
 
@@ -117,6 +118,7 @@ class StaticMixedStep:
         tokens = next(t for t in self.buckets if t >= sum(counts))
         bucket = self.bucket(rows)
         self._upload(paging, chunks, finished, tokens)
+        self.shape = (bucket, tokens)
         if paging is not None:
             paging.sync_table()  # the rows' and chunks' blocks, before any read
         if self.runner.use_graphs:

@@ -118,3 +118,39 @@ def test_max_prefill_tokens_per_step_is_validated():
         "max_prefill_tokens_per_step=2048: at most max_prefill_tokens=1024 (the prefill "
         "activations' reserve)"
     ]
+
+
+def test_a_burst_while_nothing_decodes_is_prefilled_before_its_rows_decode(model):
+    """Six prompts at once, two prefill steps' worth (max_prefill_tokens 40): the second
+    step takes the rest without the rows the first admitted, so every row decodes from the
+    same step on (none a step's budget behind), and each samples as with separate passes."""
+    params = SamplingParams(temperature=0.9, max_new_tokens=6, seed=2, ignore_eos=True)
+    options = EngineOptions(**EAGER, max_prefill_tokens_per_step=4, max_prefill_tokens=40)
+    engine = Engine(model, 8, 64, options=options)
+    engine.start_generation()
+    scheduler = engine.scheduler
+    scheduler.step_log = []
+    got = engine.generate(PROMPTS, params)
+    kinds = [step.kind for step in scheduler.step_log]
+    assert kinds[:2] == ["prefill", "prefill"] and "mixed eager" not in kinds
+    assert scheduler.mixed_steps == 0 and scheduler.step_log[2].rows == len(PROMPTS)
+    _assert_same(got, _engine(model, slots=8).generate(PROMPTS, params))
+
+
+def test_a_prefill_steps_rows_are_read_back_while_the_next_step_runs(model):
+    """With the read-back lag, the first tokens of a step that only prefilled are read after
+    the next step's decode chunk is queued: the host does not wait for the prefill."""
+    options = EngineOptions(**{**EAGER, "sync_lag": 1}, max_prefill_tokens_per_step=8)
+    engine = Engine(model, 4, 64, options=options)
+    engine.start_generation()
+    scheduler = engine.scheduler
+    params = SamplingParams(temperature=0.9, max_new_tokens=5, seed=1, ignore_eos=True)
+    sub = engine.submission(PROMPTS[:2], params)
+    scheduler.add(sub)
+    scheduler.step()  # the prompts alone: their rows' first tokens queued, not read
+    assert len(scheduler.rows) == 2 and scheduler.pending is not None and not scheduler.drains
+    while not sub.done:
+        scheduler.step()
+    assert scheduler.drains == 0
+    expected = _engine(model).generate(PROMPTS[:2], params)
+    _assert_same(sub.results, expected)
