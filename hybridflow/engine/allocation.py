@@ -106,7 +106,8 @@ def _forward_passes(engine):
     step = engine.recurrent_step
     if engine.eager_layers:  # recurrent steps, attention and norms on the asked backend
         decode_forward = functools.partial(decode_forward_torch, recurrent_step=step,
-                                           attention_step=step, norm_step=step)  # fmt: skip
+                                           attention_step=step, norm_step=step,
+                                           expert_step=step)  # fmt: skip
         prefill = functools.partial(prefill_forward, attention_step=step, expert_step=step)
     if engine.cache.latent is not None:  # MLA: the absorbed attention's kernel likewise
         decode_forward = functools.partial(decode_forward, latent_step=step)

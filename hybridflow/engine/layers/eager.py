@@ -91,6 +91,7 @@ def decode_forward_torch(
     attention_step: str = "torch",
     latent_step: str = "torch",
     norm_step: str = "torch",
+    expert_step: str = "torch",
 ) -> torch.Tensor:
     """tokens/positions/row_slots [B] -> logits [B, V]; K/V stored at (row_slots, positions).
 
@@ -103,7 +104,8 @@ def decode_forward_torch(
     K/V layers (gated attention's too) and sink attention (layers/sink.py) through the Triton
     decode kernel, "torch" in torch. latent_step: an MLA layer's absorbed attention, "torch"
     or "triton" (layers/latent.latent_cached). norm_step: the residual adds and RMSNorms,
-    "triton" fused in one launch each (residual_norm)."""
+    "triton" fused in one launch each (residual_norm). expert_step: a sparse layer's
+    experts, "triton" on their grouped kernels (layers/moe.mlp_torch), "torch" the model's."""
     from hybridflow.engine.layers import mixing
     from hybridflow.engine.layers.latent import latent_cached
     from hybridflow.engine.layers.moe import mlp_torch, route_target, sparse_indices
@@ -145,5 +147,5 @@ def decode_forward_torch(
 
             out = mixing.kv_mixer(layer, normed, cos, sin, store, attend)
         hidden, normed = residual_norm(layer.post_attention_layernorm, hidden, out, norm_step)
-        delta = mlp_torch(layer, normed, target, sparse[index])
+        delta = mlp_torch(layer, normed, target, sparse[index], expert_step=expert_step)
     return model.lm_head(residual_norm(model.model.norm, hidden, delta, norm_step)[1])

@@ -83,12 +83,14 @@ def mlp_torch(layer, x: torch.Tensor, target: RouteTarget | None, sparse_index: 
     a sparse layer routes every row first, recording them; a shared expert beside the routed
     ones, Qwen3.5-MoE's, adds its gated output as the model's forward_routed does).
     expert_step: "triton" runs GPT-OSS's biased experts through their grouped path
-    (layers/biased_moe.py), "torch" through the model's."""
+    (layers/biased_moe.py) and DeepSeek's routed experts through the Triton grouped kernels
+    (routed_experts_triton), "torch" through the model's."""
     if sparse_index is None:
         return layer.mlp(x if keep is None else x[keep])
+    grouped = expert_step == "triton"
     if layer.spec.mlp == "grouped_experts_shared":
-        return self_routed_experts_torch(layer.mlp, x, target, sparse_index, keep)
-    out = experts_torch(layer.mlp, x, target, sparse_index, keep, expert_step == "triton")
+        return self_routed_experts_torch(layer.mlp, x, target, sparse_index, keep, grouped)
+    out = experts_torch(layer.mlp, x, target, sparse_index, keep, grouped)
     shared = getattr(layer.mlp, "shared_expert", None)
     if shared is None:
         return out
@@ -98,19 +100,54 @@ def mlp_torch(layer, x: torch.Tensor, target: RouteTarget | None, sparse_index: 
 
 
 def self_routed_experts_torch(mlp, x: torch.Tensor, target: RouteTarget | None,
-                              sparse_index: int, keep: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                              sparse_index: int, keep: torch.Tensor | None = None,
+                              grouped: bool = False) -> torch.Tensor:  # fmt: skip
     """experts_torch's contract for an MLP that routes by its own rule (its route():
     DeepSeek's grouped sigmoid router, models/mlps/grouped_experts.py), its always-on shared
     experts added as the model's forward_routed adds them (they route nothing, record
-    nothing)."""
+    nothing). grouped: the routed experts through routed_experts_triton where
+    triton_experts_run says it can."""
     _, ids, weights = mlp.route(x, None)
     if target is not None:
         target.routes[target.entries, target.offsets, sparse_index] = ids.to(target.routes.dtype)
     if keep is not None:
         x, ids, weights = x[keep], ids[keep], weights[keep]
-    out = mlp.run_experts(x, ids, weights)
+    if grouped and triton_experts_run(mlp, x):
+        out = routed_experts_triton(mlp, x, ids, weights)
+    else:
+        out = mlp.run_experts(x, ids, weights)
     shared = getattr(mlp, "shared_experts", None)
     return out if shared is None else out + shared(x).to(out.dtype)
+
+
+def triton_experts_run(mlp, x: torch.Tensor) -> bool:
+    """routed_experts_triton covers this block and input: every expert here (no expert
+    parallelism, no tensor-parallel slice, no replicas), no LoRA on them, the weights in x's
+    dtype and x's rows contiguous (the kernels' operands)."""
+    split = (getattr(mlp, name, None) is not None
+             for name in ("expert_group", "expert_slice", "expert_spread"))  # fmt: skip
+    if any(split) or _active_adapters(mlp) is not None:
+        return False
+    return mlp.experts.gate_up_proj.dtype == x.dtype and x.stride(-1) == 1
+
+
+def routed_experts_triton(mlp, x: torch.Tensor, ids: torch.Tensor,
+                          weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """SparseMoeBlock.run_experts' contract (x [T, H], ids / weights [T, k] -> [T, H]) on
+    kernels/moe.py's grouped kernels, the routing given (a block that routes by its own
+    rule): the pairs sorted by expert in blocks of block_rows, silu(gate) * up in the gate/up
+    kernel's epilogue, the k rows weighted and summed in fp32 in one launch. At 256 decode
+    rows the model's moe_experts took 0.55 ms a Qwen3-30B-A3B layer to these kernels' 0.32
+    (H200, docs/performance.md): its argsort, gathered rows, SiLU passes and fp32 weighted
+    sum around torch._grouped_mm. No host sync."""
+    from hybridflow.engine.kernels import moe
+
+    gate_up, down = mlp.experts.gate_up_proj, mlp.experts.down_proj
+    ids = ids.to(torch.int32).contiguous()
+    block_m = moe.block_rows(x.shape[0], ids.shape[1], gate_up.shape[0])
+    blocks = moe.align_pairs(ids, gate_up.shape[0], block_m)
+    pair_out = moe.grouped_down(moe.grouped_gate_up(x, gate_up, blocks), down, blocks)
+    return moe.combine(pair_out, weights.float().contiguous())
 
 
 def _active_adapters(mlp):

@@ -1,0 +1,112 @@
+"""The sparse layers' experts on the eager decode step's Triton step (expert_step="triton",
+layers/moe.mlp_torch): DeepSeek-V3's routed experts through kernels/moe.py's grouped kernels
+(routed_experts_triton) and GPT-OSS's biased experts through their grouped path
+(layers/biased_moe.biased_experts_grouped), never the model's moe_experts. In fp32 the whole
+step (with the latent, sink-attention and norm kernels, as the engine runs it) against the
+torch step: logits, routing record, greedy tokens; the engine's triton backend generates the
+torch backend's tokens. Runs on CUDA in bf16 (marked gpu), or on CPU under TRITON_INTERPRET=1
+in fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_device import triton_test_device
+
+DEVICE = triton_test_device()  # skips this module without CUDA or TRITON_INTERPRET=1
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
+
+from hybridflow.engine import Engine, EngineOptions, SamplingParams  # noqa: E402
+from hybridflow.engine.layers import eager  # noqa: E402
+from hybridflow.models import build_model  # noqa: E402
+from hybridflow.models.presets import preset_config  # noqa: E402
+from tests.engine.gpt_oss_helpers import gpt_oss_model  # noqa: E402
+
+ROWS = 3
+# bf16 on CUDA: the two steps round the experts' sums differently (the grouped kernels'
+# fp32 combine against the model's); fp32: summation order only
+TOLERANCE = dict(rtol=1e-4, atol=1e-4) if DEVICE == "cpu" else dict(rtol=5e-2, atol=5e-2)
+
+
+def _deepseek():
+    """tiny-deepseek-v3 (8 experts in 4 groups, 2 groups a token, a shared expert) with
+    std-0.3 weights: peaked logits, greedy far from ties."""
+    generator = torch.Generator().manual_seed(1)
+    model = build_model(preset_config("tiny-deepseek-v3"), seed=1).eval().requires_grad_(False)
+    for p in model.parameters():
+        p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    return model
+
+
+MODELS = {"tiny-deepseek-v3": _deepseek, "tiny-gpt-oss": gpt_oss_model}
+
+
+def _on_device(name: str):
+    model = MODELS[name]().to(DEVICE)
+    return model.to(torch.bfloat16) if DEVICE == "cuda" else model
+
+
+def _step_outputs(model, step: str, monkeypatch=None):
+    """(logits, routing record) of one decode step of ROWS rows at different positions over
+    a cache of random latents / K/V, every eager step on `step`."""
+    options = EngineOptions(decode_backend="torch", cuda_graphs=False)
+    engine = Engine(model, ROWS, 32, options=options)
+    assert engine.num_slots >= ROWS  # allocates the cache
+    cache = engine.cache
+    generator = torch.Generator(DEVICE).manual_seed(0)
+    for buffer in (cache.latent, cache.keys, cache.values, getattr(cache.window, "keys", None),
+                   getattr(cache.window, "values", None)):  # fmt: skip
+        if buffer is not None and buffer.numel():
+            noise = torch.randn(buffer.shape, generator=generator, device=DEVICE) * 0.5
+            buffer.copy_(noise.to(buffer.dtype))
+    tokens = torch.tensor([5, 9, 3], device=DEVICE)
+    positions = torch.tensor([4, 17, 0], device=DEVICE)
+    slots = torch.tensor([2, 0, 1], device=DEVICE)
+    logits = eager.decode_forward_torch(
+        model, cache, engine.rope, tokens, positions, slots, cache.max_seq_len,
+        recurrent_step=step, attention_step=step, latent_step=step, norm_step=step,
+        expert_step=step)  # fmt: skip
+    return logits.float(), cache.routes.clone()
+
+
+def _forbid_model_experts(monkeypatch):
+    def model_experts(*args, **kwargs):
+        raise AssertionError("the triton expert step ran the model's moe_experts")
+
+    monkeypatch.setattr("hybridflow.models.moe.moe_experts", model_experts)
+    monkeypatch.setattr("hybridflow.models.mlps.biased_experts.moe_experts", model_experts)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_decode_step_runs_the_experts_on_the_grouped_kernels(name, monkeypatch):
+    model = _on_device(name)
+    want_logits, want_routes = _step_outputs(model, "torch")
+    _forbid_model_experts(monkeypatch)
+    logits, routes = _step_outputs(model, "triton")
+    torch.testing.assert_close(logits, want_logits, **TOLERANCE)
+    assert (routes == want_routes).all()
+    if DEVICE == "cpu":
+        assert (logits.argmax(-1) == want_logits.argmax(-1)).all()
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="fp32 tokens: the CPU run under the interpreter")
+@pytest.mark.parametrize("name", list(MODELS))
+def test_triton_backend_generates_the_torch_backends_tokens(name, monkeypatch):
+    """The engine's triton backend (the eager layers with every Triton step, its prefill and
+    decode never in the model's moe_experts) against its torch backend: greedy tokens and
+    routing records equal in fp32."""
+    model = _on_device(name)
+    prompts = [[5, 17, 9, 33, 2, 71, 5, 17, 9, 33], [40, 41], [12]]
+    params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    results = {}
+    for backend in ("torch", "triton"):
+        options = EngineOptions(decode_backend=backend, cuda_graphs=False)
+        engine = Engine(model, len(prompts), 32, options=options)
+        assert engine.decode_backend == "torch"  # the eager layers, their steps on `backend`
+        assert engine.recurrent_step == backend
+        if backend == "triton":
+            _forbid_model_experts(monkeypatch)
+        results[backend] = engine.generate(prompts, params)
+    for got, want in zip(results["triton"], results["torch"]):
+        assert got.token_ids == want.token_ids
+        assert (got.routed_experts == want.routed_experts).all()
