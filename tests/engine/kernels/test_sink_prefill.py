@@ -62,8 +62,9 @@ def test_prefill_logits_equal_the_models_forward_and_the_cache_the_torch_steps(g
 
 def test_the_engines_triton_step_prefills_through_the_kernel(gpt_oss, monkeypatch):
     """decode_backend='triton' (GPT-OSS decodes on the torch backend with the Triton steps):
-    every sink layer of the prefill runs the packed kernel, every MLP the grouped experts,
-    and greedy tokens past the window equal the model's own argmax."""
+    every sink layer of the prefill runs the packed kernel, every MLP of the prefill and of
+    the decode steps the grouped experts, and greedy tokens past the window equal the
+    model's own argmax."""
     from hybridflow.engine import Engine, EngineOptions, SamplingParams
     from hybridflow.engine.kernels import chunk_attention
     from hybridflow.engine.layers import biased_moe
@@ -80,9 +81,10 @@ def test_the_engines_triton_step_prefills_through_the_kernel(gpt_oss, monkeypatc
     params = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
     got = engine.generate(prompts, params)
     assert len(calls) == 2 and all(sinks is not None for sinks in calls)  # both layers, once
-    # the prompts' tokens, then the last layer's last tokens; fp32 on CUDA keeps the model's
-    # experts (torch._grouped_mm's CUDA kernel takes bf16)
-    assert grouped == ([15, 2] if DEVICE == "cpu" else [])
+    # the prompts' tokens, then the last layer's last tokens, then both layers' 2 rows at
+    # each of the 3 decode steps; fp32 on CUDA keeps the model's experts (torch._grouped_mm's
+    # CUDA kernel takes bf16)
+    assert grouped == ([15, 2] + [2] * 6 if DEVICE == "cpu" else [])
     for prompt, completion in zip(prompts, got):
         tokens = list(prompt)
         for _ in range(4):
