@@ -67,12 +67,12 @@ def step_case(preset: str, rows: int, max_seq_len: int, device: torch.device,
         with torch.device("meta"):
             model = CausalLM(config).to(dtype)
         model.tie_weights()
+        for layer in model.model.layers:  # CUDA bf16's backend (meta would pick the CPU loop)
+            if getattr(layer.mlp, "expert_backend", None) is not None:
+                layer.mlp.expert_backend = "grouped_mm"
     else:
         model = build_model(config, dtype=dtype, device=device)
     model.eval().requires_grad_(False)
-    for layer in model.model.layers:  # CUDA bf16's backend (meta would pick the CPU loop)
-        if getattr(layer.mlp, "expert_backend", None) is not None:
-            layer.mlp.expert_backend = "grouped_mm"
     cache, _ = make_cache(config, rows, max_seq_len, None, None, 0, dtype, device,
                           route_spec(config))  # fmt: skip
     return model, cache, RopeTable(config, max_seq_len, dtype, device)
@@ -150,14 +150,14 @@ def account_markdown(preset: str, counted: dict, rows: int) -> str:
             parts = {}
             for (layer, part, op), (launches, read, written) in table.items():
                 if layer == kind:
-                    parts.setdefault(part, []).append((op, launches // count, read / count,
+                    parts.setdefault(part, []).append((op, launches / count, read / count,
                                                       written / count))  # fmt: skip
             for part, ops in parts.items():
                 for op, launches, read, written in sorted(ops, key=lambda o: -o[2]):
-                    lines.append(f"| {part} | {op} | {launches} | {read / 1e6:,.2f} | "
+                    lines.append(f"| {part} | {op} | {launches:g} | {read / 1e6:,.2f} | "
                                  f"{written / 1e6:,.2f} |")  # fmt: skip
                 total = [sum(o[i] for o in ops) for i in (1, 2, 3)]
-                lines.append(f"| **{part}** | | **{total[0]}** | **{total[1] / 1e6:,.2f}** | "
+                lines.append(f"| **{part}** | | **{total[0]:g}** | **{total[1] / 1e6:,.2f}** | "
                              f"**{total[2] / 1e6:,.2f}** |")  # fmt: skip
             lines.append("")
     floor = counted["floor_bytes"]
@@ -191,9 +191,6 @@ def timing(preset: str, rows: int, position: int, device: torch.device, peak) ->
                     "of_floor": None if graph is None or floor_ms is None
                     else floor_ms / (graph / 1e3),
                     "max_logit_diff": (logits - first).abs().max().item()})  # fmt: skip
-    del model, cache
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return out
 
 
@@ -234,8 +231,10 @@ def main() -> None:
         name, peak = peak_bandwidth(device)
         print(f"device: {name}; HBM peak {number(peak and peak / 1e12, 2)} TB/s; {rows} rows "
               f"at position {position}\n")  # fmt: skip
-        for preset in presets:
+        for preset in presets:  # one preset's weights on the device at a time
             result["timing"] += timing(preset, rows, position, device, peak)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         print(timing_markdown(result["timing"]))
     (out_dir / "moe_decode_step.json").write_text(json.dumps(result, indent=1))
 
