@@ -49,7 +49,7 @@ PARTS = {
     "self_routed_experts_torch": "route record, shared add",
     "biased_experts_torch": "route record, shared add",
     "moe_experts": "routed experts", "routed_experts_triton": "routed experts",
-    "biased_experts_grouped": "routed experts",
+    "biased_experts_grouped": "routed experts", "biased_experts_triton": "routed experts",
     "rotary_positions": "step setup", "locate": "step setup", "write_slots": "step setup",
 }  # fmt: skip
 # modules (by the last name of their path) whose calls name a part
@@ -218,6 +218,19 @@ def kernel_stand_ins(counter: StepCounter, live: int) -> ExitStack:
         counter.add("triton grouped down", 1, nbytes(down) + rows, nbytes(out))
         return out
 
+    def biased_gate_up(x, gate_up, bias, blocks, alpha, limit):
+        out = x.new_empty(blocks.sorted_pairs.shape[0], gate_up.shape[2] // 2)
+        rows = blocks.pairs * x.shape[1] * x.element_size()
+        counter.add("triton grouped gate/up + bias + clamped swiglu", 1,
+                    nbytes(gate_up, bias) + rows, nbytes(out))  # fmt: skip
+        return out
+
+    def biased_down(act, down, blocks):
+        out = act.new_empty(blocks.pairs, down.shape[2])
+        rows = blocks.pairs * act.shape[1] * act.element_size()
+        counter.add("triton grouped down", 1, nbytes(down) + rows, nbytes(out))
+        return out
+
     def combine(y, weights, bias=None, ids=None):
         out = y.new_empty(weights.shape[0], y.shape[1])
         biases = 0 if bias is None else y.shape[0] * bias.shape[1] * bias.element_size()
@@ -242,6 +255,8 @@ def kernel_stand_ins(counter: StepCounter, live: int) -> ExitStack:
         "hybridflow.engine.kernels.moe.grouped_down": grouped_down,
         "hybridflow.engine.kernels.moe.combine": combine,
         "hybridflow.engine.kernels.biased_experts.bias_clamped_swiglu": bias_clamped_swiglu,
+        "hybridflow.engine.kernels.biased_grouped.biased_gate_up": biased_gate_up,
+        "hybridflow.engine.kernels.biased_grouped.biased_down": biased_down,
     }  # fmt: skip
     for target, stand_in in patches.items():
         stack.enter_context(mock.patch(target, stand_in))

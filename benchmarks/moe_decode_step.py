@@ -7,7 +7,9 @@ the middle of a 256 x (128 + 256) rollout), bf16, on the engine's eager step
 Each step variant (STEPS): "torch" (the model's own modules: the pure reference), "before"
 (the Triton steps the engine ran before the experts had theirs: latent / sink attention and
 the fused norms), "triton" (what the engine's triton backend runs now: the experts on their
-grouped kernels too).
+grouped Triton kernels too), and between them GPT-OSS's experts on torch._grouped_mm with
+the row-wise bias + SwiGLU kernel (the Triton step's prefill path; for moonlight the same as
+"triton").
 
 Two tables per preset:
 
@@ -31,7 +33,9 @@ import argparse
 import json
 import os
 import sys
+from contextlib import nullcontext
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -42,13 +46,16 @@ from delta_step import number, peak_bandwidth, percent, timed_us  # noqa: E402
 
 PRESETS = ("moonlight-16b-a3b", "gpt-oss-20b")
 QUICK_PRESETS = ("tiny-deepseek-v3", "tiny-gpt-oss")
-# (name, the eager step's arguments)
+TRITON_STEPS = dict(recurrent_step="triton", attention_step="triton", latent_step="triton",
+                    norm_step="triton")  # fmt: skip
+# (name, the eager step's arguments, the rows up to which GPT-OSS's experts take the Triton
+# kernels on the Triton step: layers/biased_moe.DECODE_ROWS, 0 for torch._grouped_mm always)
 STEPS = (
-    ("torch", {}),
-    ("before", dict(recurrent_step="triton", attention_step="triton", latent_step="triton",
-                    norm_step="triton")),
-    ("triton", dict(recurrent_step="triton", attention_step="triton", latent_step="triton",
-                    norm_step="triton", expert_step="triton")),
+    ("torch", {}, None),
+    ("before", TRITON_STEPS, None),
+    ("triton, biased experts on torch._grouped_mm", {**TRITON_STEPS, "expert_step": "triton"},
+     0),
+    ("triton", {**TRITON_STEPS, "expert_step": "triton"}, None),
 )  # fmt: skip
 H100_PEAK = 3.35e12
 
@@ -85,11 +92,15 @@ def step_inputs(model, rows: int, position: int, device: torch.device) -> dict:
                 row_slots=torch.arange(rows, device=device))  # fmt: skip
 
 
-def run_step(model, cache, rope, inputs: dict, arguments: dict) -> torch.Tensor:
+def run_step(model, cache, rope, inputs: dict, arguments: dict,
+             decode_rows: int | None = None) -> torch.Tensor:  # fmt: skip
     from hybridflow.engine.layers.eager import decode_forward_torch
 
-    return decode_forward_torch(model, cache, rope, inputs["tokens"], inputs["positions"],
-                                inputs["row_slots"], cache.max_seq_len, **arguments)  # fmt: skip
+    rows = nullcontext() if decode_rows is None else mock.patch(
+        "hybridflow.engine.layers.biased_moe.DECODE_ROWS", decode_rows)  # fmt: skip
+    with rows:
+        return decode_forward_torch(model, cache, rope, inputs["tokens"], inputs["positions"],
+                                    inputs["row_slots"], cache.max_seq_len, **arguments)  # fmt: skip
 
 
 def floor_bytes(model, rows: int, position: int) -> int:
@@ -129,10 +140,10 @@ def account(preset: str, rows: int, position: int) -> dict:
     kinds = [layer_kind(i, layer) for i, layer in enumerate(model.model.layers)]
     out = {"layers": {kind: kinds.count(kind) for kind in dict.fromkeys(kinds)}, "steps": {},
            "floor_bytes": floor_bytes(model, rows, position)}  # fmt: skip
-    for name, arguments in STEPS:
+    for name, arguments, decode_rows in STEPS:
         counter = StepCounter(model, layer_kind)
         with kernel_stand_ins(counter, position + 1), counter:
-            run_step(model, cache, rope, inputs, arguments)
+            run_step(model, cache, rope, inputs, arguments, decode_rows)
         out["steps"][name] = {key: list(value) for key, value in counter.rows.items()}
     return out
 
@@ -179,8 +190,8 @@ def timing(preset: str, rows: int, position: int, device: torch.device, peak) ->
     inputs = step_inputs(model, rows, position, device)
     floor = floor_bytes(model, rows, position)
     out, first = [], None
-    for name, arguments in STEPS:
-        step = lambda a=arguments: run_step(model, cache, rope, inputs, a)  # noqa: E731
+    for name, arguments, decode_rows in STEPS:
+        step = lambda a=arguments, r=decode_rows: run_step(model, cache, rope, inputs, a, r)  # noqa: E731
         logits = step().float()
         first = logits if first is None else first
         eager = timed_us(step, device, calls=3, graph=False)

@@ -20,13 +20,27 @@ BLOCK = 1024
 
 
 @triton.jit
+def _clamped_swiglu(gate, up, alpha, limit, dtype: tl.constexpr):
+    """(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit), over
+    fp32 gate/up already rounded to dtype, each step rounded where the model's torch ops
+    round -> fp32 (of dtype's values)."""
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    scaled = (gate * alpha).to(dtype).to(tl.float32)
+    tail = tl.exp(-tl.abs(scaled))  # in (0, 1]: no overflow for a gate far below 0
+    sig = tl.where(scaled >= 0, 1.0 / (1.0 + tail), tail / (1.0 + tail))
+    sig = sig.to(dtype).to(tl.float32)
+    glu = (gate * sig).to(dtype).to(tl.float32)
+    return (up + 1.0).to(dtype).to(tl.float32) * glu
+
+
+@triton.jit
 def _bias_clamped_swiglu_kernel(
     x_ptr, bias_ptr, expert_ptr, out_ptr, stride_x, stride_b, stride_o, inner, alpha, limit,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """out[r, i] = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate,
-    limit), where gate = x[r, 2i] + bias[e, 2i] and up = x[r, 2i + 1] + bias[e, 2i + 1] (e:
-    row r's expert)."""
+    """out[r, i] = _clamped_swiglu(gate, up), where gate = x[r, 2i] + bias[e, 2i] and up =
+    x[r, 2i + 1] + bias[e, 2i + 1] (e: row r's expert)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inner
@@ -38,14 +52,7 @@ def _bias_clamped_swiglu_kernel(
     up = tl.load(x + 1, mask=mask, other=0.0).to(tl.float32)
     gate = (gate + tl.load(b, mask=mask, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
     up = (up + tl.load(b + 1, mask=mask, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    scaled = (gate * alpha).to(dtype).to(tl.float32)
-    tail = tl.exp(-tl.abs(scaled))  # in (0, 1]: no overflow for a gate far below 0
-    sig = tl.where(scaled >= 0, 1.0 / (1.0 + tail), tail / (1.0 + tail))
-    sig = sig.to(dtype).to(tl.float32)
-    glu = (gate * sig).to(dtype).to(tl.float32)
-    out = (up + 1.0).to(dtype).to(tl.float32) * glu
+    out = _clamped_swiglu(gate, up, alpha, limit, dtype)
     tl.store(out_ptr + row * stride_o + cols, out.to(dtype), mask=mask)
 
 

@@ -3,13 +3,15 @@ experts with biases and the clamped SwiGLU (models/mlps/biased_experts.py), each
 expert ids recorded at its cache position for routing replay, as layers/moe.experts_torch
 does for the plain experts.
 
-Two ways to run the experts: the model's own (models/moe.moe_experts: grouped GEMMs on CUDA
-with each bias and the clamped SwiGLU as torch ops over the [T * k, 2I] product), or
-`biased_experts_grouped` (the Triton step's): the same torch._grouped_mm over the pairs
-sorted by kernels/moe.align_pairs, the gate/up bias and the clamped SwiGLU in one row-wise
-kernel, the down bias folded into the weighted combine (kernels/biased_experts.py). At
-gpt-oss-20b's 32,768 prefill tokens the model's form moves ~30 GB a layer around its two
-GEMMs, this one ~8 GB.
+Three ways to run the experts: the model's own (models/moe.moe_experts: grouped GEMMs on
+CUDA with each bias and the clamped SwiGLU as torch ops over the [T * k, 2I] product), and
+two on the Triton step. Up to DECODE_ROWS rows, `biased_experts_triton`: kernels/moe.py's
+grouped kernels' way (kernels/biased_grouped.py), the bias and the clamped SwiGLU in the
+gate/up kernel's epilogue. Past it, `biased_experts_grouped`: the same torch._grouped_mm over
+the pairs sorted by kernels/moe.align_pairs, the gate/up bias and the clamped SwiGLU in one
+row-wise kernel (kernels/biased_experts.py). Both fold the down bias into the weighted
+combine. At gpt-oss-20b's 32,768 prefill tokens the model's form moves ~30 GB a layer around
+its two GEMMs, the grouped one ~8 GB.
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ import torch
 
 from hybridflow.models.mlps.biased_experts import topk_softmax_route
 from hybridflow.models.moe import active_adapters, local_part
+
+# Rows up to which the Triton step runs the experts on the grouped Triton kernels (decode
+# steps and small extend passes), past which on torch._grouped_mm: the bound the plain
+# experts use (layers/moe.ExpertMatmuls' 1024; docs/performance.md: at 256 rows the Triton
+# kernels took 0.32 ms a Qwen3-30B-A3B layer, torch._grouped_mm 0.67)
+DECODE_ROWS = 1024
 
 
 def biased_experts_torch(mlp, x: torch.Tensor, target, sparse_index: int,
@@ -32,9 +40,39 @@ def biased_experts_torch(mlp, x: torch.Tensor, target, sparse_index: int,
         target.routes[target.entries, target.offsets, sparse_index] = ids.to(target.routes.dtype)
     if keep is not None:
         x, ids, weights = x[keep], ids[keep], weights[keep]
+    if grouped and x.shape[0] <= DECODE_ROWS and triton_runs(mlp, x):
+        return biased_experts_triton(mlp, x, ids, weights)
     if grouped and grouped_runs(mlp, x):
         return biased_experts_grouped(mlp, x, ids, weights)
     return mlp.experts_output(x, ids, weights)
+
+
+def triton_runs(mlp, x: torch.Tensor) -> bool:
+    """biased_experts_triton covers this block and input: every expert here, no LoRA on
+    them, the weights in x's dtype, x's rows contiguous."""
+    experts = mlp.experts
+    if mlp.expert_group is not None or active_adapters(experts.lora) is not None:
+        return False
+    return experts.gate_up_proj.dtype == x.dtype and x.stride(-1) == 1
+
+
+def biased_experts_triton(mlp, x: torch.Tensor, ids: torch.Tensor,
+                          weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """BiasedExpertsMoeBlock.experts_output's contract (x [T, H], ids / weights [T, k] ->
+    [T, H]) on the grouped Triton kernels (kernels/biased_grouped.py) over the experts as
+    stored: 5 launches (the sort's 2, gate/up with its bias and SwiGLU, down, the combine
+    with the down bias), no host sync."""
+    from hybridflow.engine.kernels import moe
+    from hybridflow.engine.kernels.biased_grouped import biased_down, biased_gate_up
+
+    experts = mlp.experts
+    ids = ids.to(torch.int32).contiguous()
+    block_m = moe.block_rows(x.shape[0], ids.shape[1], experts.gate_up_proj.shape[0])
+    blocks = moe.align_pairs(ids, experts.gate_up_proj.shape[0], block_m)
+    act = biased_gate_up(x, experts.gate_up_proj, experts.gate_up_proj_bias, blocks,
+                         mlp.swiglu_alpha, mlp.swiglu_limit)  # fmt: skip
+    pair_rows = biased_down(act, experts.down_proj, blocks)
+    return moe.combine(pair_rows, weights.float().contiguous(), experts.down_proj_bias, ids)
 
 
 def grouped_runs(mlp, x: torch.Tensor) -> bool:

@@ -82,7 +82,7 @@ def mlp_torch(layer, x: torch.Tensor, target: RouteTarget | None, sparse_index: 
     """The layer's MLP on x [N, H] with the model's own modules (rows `keep` only, when given;
     a sparse layer routes every row first, recording them; a shared expert beside the routed
     ones, Qwen3.5-MoE's, adds its gated output as the model's forward_routed does).
-    expert_step: "triton" runs GPT-OSS's biased experts through their grouped path
+    expert_step: "triton" runs GPT-OSS's biased experts through their grouped paths
     (layers/biased_moe.py) and DeepSeek's routed experts through the Triton grouped kernels
     (routed_experts_triton), "torch" through the model's."""
     if sparse_index is None:
@@ -163,7 +163,7 @@ def experts_torch(
     """x [N, H] (post-attention normed) -> the MLP's output [N, H]: the model's own routing and
     experts (models/moe.py), the expert ids recorded at the tokens' cache positions. keep: every
     token is routed (and recorded), the experts run for these rows only -> [len(keep), H].
-    grouped: GPT-OSS's experts through biased_moe.biased_experts_grouped where it runs."""
+    grouped: GPT-OSS's experts on the Triton step's grouped paths (layers/biased_moe.py)."""
     from hybridflow.models.moe import moe_experts, router
 
     if hasattr(mlp, "experts_output"):  # GPT-OSS's biased router and experts

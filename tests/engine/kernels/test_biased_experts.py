@@ -6,6 +6,8 @@ CUDA in bf16 (gpu-marked)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from triton_device import triton_test_device
@@ -81,3 +83,41 @@ def test_grouped_experts_in_bf16_on_cuda_are_the_models():
     expected = block.experts_output(x, ids, weights)
     gap = (got.float() - expected.float()).abs().max()
     assert gap <= 1e-2 * expected.float().abs().max()  # a bf16 step of the largest output
+
+
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_triton_experts_equal_the_models_in_fp32(tokens):
+    """The grouped Triton kernels over the experts as stored ([E, in, out]), the bias and
+    the clamped SwiGLU in the gate/up kernel, against the model's (fp32, CPU or CUDA)."""
+    from hybridflow.engine.layers.biased_moe import biased_experts_triton, triton_runs
+
+    block = _block(experts=8)
+    x, ids, weights = _routed(block, tokens)
+    assert triton_runs(block, x)
+    got = biased_experts_triton(block, x, ids, weights)
+    # the model's grouped GEMMs take bf16 on CUDA: its fp32 loop on the CPU
+    reference = copy.deepcopy(block).cpu()
+    expected = reference.experts_output(x.cpu(), ids.cpu(), weights.cpu())
+    # outputs up to ~1.5e3 (weights of std 2): a few fp32 ulps of the largest, as the
+    # summation orders differ
+    atol = 1e-6 * expected.abs().max().item()
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-5, atol=atol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_triton_experts_in_bf16_on_cuda_are_the_grouped_paths():
+    """bf16 at gpt-oss-20b's expert shape, 256 decode rows: the Triton kernels against the
+    torch._grouped_mm path, within a bf16 step of the largest output."""
+    from hybridflow.engine.layers.biased_moe import biased_experts_triton
+
+    config = preset_config("gpt-oss-20b")
+    block = BiasedExpertsMoeBlock(config)
+    generator = torch.Generator().manual_seed(0)
+    for p in block.parameters():
+        p.data = torch.randn(p.shape, generator=generator) * 0.02
+    block = block.to("cuda", torch.bfloat16).requires_grad_(False)
+    x, ids, weights = _routed(block, 256)
+    got = biased_experts_triton(block, x, ids, weights).float()
+    want = biased_experts_grouped(block, x, ids, weights).float()
+    assert (got - want).abs().max() <= 2**-7 * want.abs().max()

@@ -70,11 +70,13 @@ def test_the_engines_triton_step_prefills_through_the_kernel(gpt_oss, monkeypatc
     from hybridflow.engine.layers import biased_moe
 
     calls, grouped = [], []
-    kernel, experts = chunk_attention.packed_attention, biased_moe.biased_experts_grouped
+    kernel = chunk_attention.packed_attention
     monkeypatch.setattr(chunk_attention, "packed_attention",
                         lambda *a, **k: calls.append(a[4]) or kernel(*a, **k))  # fmt: skip
-    monkeypatch.setattr(biased_moe, "biased_experts_grouped",
-                        lambda *a: grouped.append(a[1].shape[0]) or experts(*a))  # fmt: skip
+    for name in ("biased_experts_grouped", "biased_experts_triton"):  # by the rows
+        experts = getattr(biased_moe, name)
+        monkeypatch.setattr(biased_moe, name,
+                            lambda *a, f=experts: grouped.append(a[1].shape[0]) or f(*a))  # fmt: skip
     options = EngineOptions(decode_backend="triton", cuda_graphs=False, steps_per_sync=4)
     engine = Engine(gpt_oss, 4, 32, options=options)
     prompts = [[5, 17, 9, 33, 2, 71] * 2, [40, 41, 7]]
@@ -82,9 +84,8 @@ def test_the_engines_triton_step_prefills_through_the_kernel(gpt_oss, monkeypatc
     got = engine.generate(prompts, params)
     assert len(calls) == 2 and all(sinks is not None for sinks in calls)  # both layers, once
     # the prompts' tokens, then the last layer's last tokens, then both layers' 2 rows at
-    # each of the 3 decode steps; fp32 on CUDA keeps the model's experts (torch._grouped_mm's
-    # CUDA kernel takes bf16)
-    assert grouped == ([15, 2] + [2] * 6 if DEVICE == "cpu" else [])
+    # each of the 3 decode steps (all on the grouped Triton kernels, fp32 on CUDA too)
+    assert grouped == [15, 2] + [2] * 6
     for prompt, completion in zip(prompts, got):
         tokens = list(prompt)
         for _ in range(4):

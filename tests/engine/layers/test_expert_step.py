@@ -1,7 +1,7 @@
 """The sparse layers' experts on the eager decode step's Triton step (expert_step="triton",
 layers/moe.mlp_torch): DeepSeek-V3's routed experts through kernels/moe.py's grouped kernels
-(routed_experts_triton) and GPT-OSS's biased experts through their grouped path
-(layers/biased_moe.biased_experts_grouped), never the model's moe_experts. In fp32 the whole
+(routed_experts_triton) and GPT-OSS's biased experts through theirs
+(layers/biased_moe.biased_experts_triton), never the model's moe_experts. In fp32 the whole
 step (with the latent, sink-attention and norm kernels, as the engine runs it) against the
 torch step: logits, routing record, greedy tokens; the engine's triton backend generates the
 torch backend's tokens. Runs on CUDA in bf16 (marked gpu), or on CPU under TRITON_INTERPRET=1
