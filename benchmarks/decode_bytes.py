@@ -9,7 +9,8 @@ returns an empty output of the kernel's shape and counts one launch (two for ali
 with the bytes the kernel moves (decode attention: the live positions of each row; the
 grouped expert kernels: every expert's weights, which 256 rows touch). Each op is put under
 the part of the layer it serves by the innermost function or module on the Python stack that
-names one (PARTS, MODULE_PARTS). An estimate of traffic, not a profile: L2 hits, the GEMMs'
+names one (PARTS, MODULE_PARTS). F.rms_norm, which meta tensors decompose, counts as the one
+fused kernel it is on CUDA. An estimate of traffic, not a profile: L2 hits, the GEMMs'
 re-reads of their activations and a kernel's internal passes are not counted.
 """
 
@@ -37,7 +38,8 @@ FREE = {
 PARTS = {
     "residual_norm": "residual add + norm",
     "project_q": "q proj + rope", "project_latent": "kv_a proj + latent norm + rope",
-    "_project_and_store": "latent store", "absorbed_weights": "absorb q (W_UK)",
+    "_project_and_store": "latent store",
+    "_project_and_store_fused": "q, kv_a proj + ropes + latent norm + store", "absorbed_weights": "absorb q (W_UK)",
     "absorb_query": "absorb q (W_UK)", "latent_cached": "latent attention",
     "latent_decode_attention": "latent attention", "absorbed_attention": "latent attention",
     "expand_output": "expand out (W_UV)",
@@ -231,6 +233,13 @@ def kernel_stand_ins(counter: StepCounter, live: int) -> ExitStack:
         counter.add("triton grouped down", 1, nbytes(down) + rows, nbytes(out))
         return out
 
+    def latent_rope_store(q, kv, norm, cos, sin, latent, entries, offsets, nope, interleaved):
+        rope = q.shape[2] - nope
+        q_rope = q.shape[0] * q.shape[1] * rope * q.element_size()
+        stored = q.shape[0] * latent.shape[-1] * latent.element_size()
+        counter.add("triton latent_rope_store", 1, q_rope + nbytes(kv, cos, sin, norm.weight),
+                    q_rope + stored)  # fmt: skip
+
     def combine(y, weights, bias=None, ids=None):
         out = y.new_empty(weights.shape[0], y.shape[1])
         biases = 0 if bias is None else y.shape[0] * bias.shape[1] * bias.element_size()
@@ -243,13 +252,20 @@ def kernel_stand_ins(counter: StepCounter, live: int) -> ExitStack:
                     nbytes(out))  # fmt: skip
         return out
 
+    def rms_norm_cuda(x, shape, weight=None, eps=None):
+        out = torch.empty_like(x)
+        counter.add("rms_norm (fused CUDA kernel)", 1, nbytes(x, weight), nbytes(out))
+        return out
+
     stack = ExitStack()
     patches = {
         "hybridflow.engine.kernels.rowwise.rms_norm": rms_norm,
+        "torch.nn.functional.rms_norm": rms_norm_cuda,
         "hybridflow.engine.kernels.rowwise.add_rms_norm": add_rms_norm,
         "hybridflow.engine.kernels.attention.decode_attention": decode_attention,
         "hybridflow.engine.kernels.latent_attention.latent_decode_attention":
             latent_decode_attention,
+        "hybridflow.engine.kernels.latent_rope.latent_rope_store": latent_rope_store,
         "hybridflow.engine.kernels.moe.align_pairs": align_pairs,
         "hybridflow.engine.kernels.moe.grouped_gate_up": grouped_gate_up,
         "hybridflow.engine.kernels.moe.grouped_down": grouped_down,

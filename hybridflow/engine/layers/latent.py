@@ -8,7 +8,8 @@ over the latent cache kind (cache/latent.py).
   scores against the latents and rope keys, the output taken back through W_UV, then
   o_proj. ``step`` "torch" gathers the rows' latents (the pure reference); "triton" reads
   the paged latents in place (kernels/latent_attention.py), no host sync, so decode steps
-  replay as CUDA graphs.
+  replay as CUDA graphs, and turns q and the rope key, norms the latent and stores it in one
+  launch (kernels/latent_rope.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,23 @@ def _project_and_store(mixer, normed, cos, sin, cache, index: int, at: tuple):
     return q, latent, k_rope
 
 
+def _project_and_store_fused(mixer, normed, cos, sin, cache, index: int, at: tuple):
+    """_project_and_store's q, its writes alike, in three launches: the two projections
+    (mla.project_q's and project_latent's linear maps), then kernels/latent_rope.py for the
+    ropes, the latent's norm and the store."""
+    from hybridflow.engine.kernels.latent_rope import latent_rope_store
+
+    if mixer.q_lora_rank is None:
+        q = mixer.q_proj(normed)
+    else:
+        q = mixer.q_b_proj(mixer.q_a_layernorm(mixer.q_a_proj(normed)))
+    q = q.unflatten(-1, (mixer.num_heads, mixer.qk_dim))
+    latent = cache.latent[cache.latent_row(index)]
+    latent_rope_store(q, mixer.kv_a_proj_with_mqa(normed), mixer.kv_a_layernorm, cos, sin,
+                      latent, at[0], at[1], mixer.nope_dim, mixer.interleaved)  # fmt: skip
+    return q
+
+
 def latent_prefill(layer, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,
                    index: int, at: tuple, attend: Callable) -> torch.Tensor:  # fmt: skip
     """Packed prompts [N, H] (attend: the packed attention over them) -> the mixer's output
@@ -57,7 +75,10 @@ def latent_cached(layer, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     if step not in STEPS:
         raise ValueError(f"latent step {step!r}: one of {STEPS}")
     mixer = getattr(layer, layer.mixer_name)
-    q, _, _ = _project_and_store(mixer, normed, cos, sin, cache, index, at)
+    if step == "triton" and cache.latent.dtype == normed.dtype:
+        q = _project_and_store_fused(mixer, normed, cos, sin, cache, index, at)
+    else:
+        q, _, _ = _project_and_store(mixer, normed, cos, sin, cache, index, at)
     w_uk, w_uv = absorbed_weights(mixer)
     q_nope, q_rope = q.split([mixer.nope_dim, mixer.rope_dim], dim=-1)
     q_latent = absorb_query(q_nope, w_uk)

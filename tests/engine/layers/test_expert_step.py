@@ -1,5 +1,5 @@
 """The sparse layers' experts on the eager decode step's Triton step (expert_step="triton",
-layers/moe.mlp_torch): DeepSeek-V3's routed experts through kernels/moe.py's grouped kernels
+layers/moe.mlp_torch), MLA's ropes, latent norm and store in one kernel there too: DeepSeek-V3's routed experts through kernels/moe.py's grouped kernels
 (routed_experts_triton) and GPT-OSS's biased experts through theirs
 (layers/biased_moe.biased_experts_triton), never the model's moe_experts. In fp32 the whole
 step (with the latent, sink-attention and norm kernels, as the engine runs it) against the
@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 from hybridflow.engine import Engine, EngineOptions, SamplingParams  # noqa: E402
 from hybridflow.engine.layers import eager  # noqa: E402
 from hybridflow.models import build_model  # noqa: E402
+from hybridflow.models.mixers.mla import MultiHeadLatentAttention  # noqa: E402
 from hybridflow.models.presets import preset_config  # noqa: E402
 from tests.engine.gpt_oss_helpers import gpt_oss_model  # noqa: E402
 
@@ -69,19 +70,24 @@ def _step_outputs(model, step: str, monkeypatch=None):
     return logits.float(), cache.routes.clone()
 
 
-def _forbid_model_experts(monkeypatch):
-    def model_experts(*args, **kwargs):
-        raise AssertionError("the triton expert step ran the model's moe_experts")
+def _forbid_model_experts(monkeypatch, decode: bool = False):
+    """The model's moe_experts raises; decode: so does MLA's project_latent (the triton
+    latent step turns, norms and stores in one kernel, kernels/latent_rope.py)."""
 
-    monkeypatch.setattr("hybridflow.models.moe.moe_experts", model_experts)
-    monkeypatch.setattr("hybridflow.models.mlps.biased_experts.moe_experts", model_experts)
+    def model_path(*args, **kwargs):
+        raise AssertionError("the triton step ran the model's own path")
+
+    monkeypatch.setattr("hybridflow.models.moe.moe_experts", model_path)
+    monkeypatch.setattr("hybridflow.models.mlps.biased_experts.moe_experts", model_path)
+    if decode:
+        monkeypatch.setattr(MultiHeadLatentAttention, "project_latent", model_path)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_decode_step_runs_the_experts_on_the_grouped_kernels(name, monkeypatch):
     model = _on_device(name)
     want_logits, want_routes = _step_outputs(model, "torch")
-    _forbid_model_experts(monkeypatch)
+    _forbid_model_experts(monkeypatch, decode=True)
     logits, routes = _step_outputs(model, "triton")
     torch.testing.assert_close(logits, want_logits, **TOLERANCE)
     assert (routes == want_routes).all()
