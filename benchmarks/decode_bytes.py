@@ -43,7 +43,8 @@ PARTS = {
     "absorb_query": "absorb q (W_UK)", "latent_cached": "latent attention",
     "latent_decode_attention": "latent attention", "absorbed_attention": "latent attention",
     "expand_output": "expand out (W_UV)",
-    "project_qkv": "q/k/v proj + rope", "sink_decode": "K/V store", "decode_attention":
+    "project_qkv": "q/k/v proj + rope", "sink_decode": "K/V store",
+    "_rope_store": "q/k/v proj + rope + K/V store", "decode_attention":
     "attention", "sink_softmax": "attention",
     "route": "router + top-k", "router_logits": "router + top-k",
     "topk_softmax_route": "router + top-k", "grouped_topk": "router + top-k",
@@ -240,6 +241,10 @@ def kernel_stand_ins(counter: StepCounter, live: int) -> ExitStack:
         counter.add("triton latent_rope_store", 1, q_rope + nbytes(kv, cos, sin, norm.weight),
                     q_rope + stored)  # fmt: skip
 
+    def rope_store(q, k, v, cos, sin, positions, row_slots, key_cache, value_cache, **kwargs):
+        counter.add("triton rope_store", 1, nbytes(q, k, v, positions, row_slots),
+                    nbytes(q, k, v))  # fmt: skip
+
     def combine(y, weights, bias=None, ids=None):
         out = y.new_empty(weights.shape[0], y.shape[1])
         biases = 0 if bias is None else y.shape[0] * bias.shape[1] * bias.element_size()
@@ -260,6 +265,7 @@ def kernel_stand_ins(counter: StepCounter, live: int) -> ExitStack:
     stack = ExitStack()
     patches = {
         "hybridflow.engine.kernels.rowwise.rms_norm": rms_norm,
+        "hybridflow.engine.kernels.rowwise.rope_store": rope_store,
         "torch.nn.functional.rms_norm": rms_norm_cuda,
         "hybridflow.engine.kernels.rowwise.add_rms_norm": add_rms_norm,
         "hybridflow.engine.kernels.attention.decode_attention": decode_attention,

@@ -120,27 +120,29 @@ def sink_decode(layer, normed, cos, sin, cache, index: int, cache_at: tuple,
     stores at cache_at and attends positions [0, p]; a sliding layer stores in its ring at
     entry p % window of slot targets[b] (the scratch slot for a frozen row) and attends the
     ring's first min(p + 1, window) entries, positions p - window + 1 .. p. No host sync
-    (CUDA graphs). kernel: the Triton decode kernel instead of sink_softmax."""
+    (CUDA graphs). kernel: the Triton decode kernel instead of sink_softmax, and the ropes
+    and stores in one launch (_rope_store)."""
     mixer = getattr(layer, layer.mixer_name)
-    q, k, v = mixer.project_qkv(normed, cos, sin)
     if layer.spec.window:
         keys, values = cache.window.layer(index)
         size = keys.shape[1]
-        entries = torch.remainder(positions, size)
-        keys[targets, entries] = k
-        values[targets, entries] = v
+        store_at = (targets, torch.remainder(positions, size))
         lengths, table, max_len = (positions + 1).clamp(max=size), None, size
     else:
-        _store(cache, index, cache_at, k, v)
         row = cache.kv_row(index)
         keys, values = cache.keys[row], cache.values[row]
+        store_at = cache_at
         lengths, table = positions + 1, cache.block_table
     if kernel:
         from hybridflow.engine.kernels.attention import decode_attention
 
+        q = _rope_store(mixer, normed, cos, sin, keys, values, store_at)
         out = decode_attention(q, keys, values, row_slots, lengths, max_len, table=table,
                                sinks=mixer.sinks)  # fmt: skip
     else:
+        q, k, v = mixer.project_qkv(normed, cos, sin)
+        keys[store_at] = k
+        values[store_at] = v
         if table is None:
             rows_keys, rows_values = keys[row_slots, :max_len], values[row_slots, :max_len]
         else:
@@ -149,6 +151,19 @@ def sink_decode(layer, normed, cos, sin, cache, index: int, cache_at: tuple,
         visible = torch.arange(max_len, device=q.device)[None, :] < lengths[:, None]
         out = sink_softmax(q, rows_keys, rows_values, visible, mixer.sinks)
     return mixer.o_proj(out.flatten(-2))
+
+
+def _rope_store(mixer, normed, cos, sin, keys, values, at: tuple) -> torch.Tensor:
+    """project_qkv's q; its k and v stored at keys/values[at[0], at[1]]: the projections,
+    then q and k turned and both stored in one launch (kernels/rowwise.rope_store, the
+    model's rounding), where the model's rope and the two indexed stores take ~12."""
+    from hybridflow.engine.kernels.rowwise import rope_store
+
+    q, k, v = (proj(normed).unflatten(-1, (-1, mixer.head_dim))
+               for proj in (mixer.q_proj, mixer.k_proj, mixer.v_proj))  # fmt: skip
+    rows = torch.arange(q.shape[0], device=q.device)  # cos/sin hold the rows' own already
+    rope_store(q, k, v, cos, sin, rows, at[0], keys, values, cache_positions=at[1])
+    return q
 
 
 def sink_extend(layer, normed, cos, sin, cache, index: int, cache_at: tuple,

@@ -1,5 +1,6 @@
 """The sparse layers' experts on the eager decode step's Triton step (expert_step="triton",
-layers/moe.mlp_torch), MLA's ropes, latent norm and store in one kernel there too: DeepSeek-V3's routed experts through kernels/moe.py's grouped kernels
+layers/moe.mlp_torch), MLA's ropes, latent norm and store and the sink layers' ropes and
+K/V stores in one kernel each there too: DeepSeek-V3's routed experts through kernels/moe.py's grouped kernels
 (routed_experts_triton) and GPT-OSS's biased experts through theirs
 (layers/biased_moe.biased_experts_triton), never the model's moe_experts. In fp32 the whole
 step (with the latent, sink-attention and norm kernels, as the engine runs it) against the
@@ -20,6 +21,7 @@ from hybridflow.engine import Engine, EngineOptions, SamplingParams  # noqa: E40
 from hybridflow.engine.layers import eager  # noqa: E402
 from hybridflow.models import build_model  # noqa: E402
 from hybridflow.models.mixers.mla import MultiHeadLatentAttention  # noqa: E402
+from hybridflow.models.mixers.sink_attention import SinkAttention  # noqa: E402
 from hybridflow.models.presets import preset_config  # noqa: E402
 from tests.engine.gpt_oss_helpers import gpt_oss_model  # noqa: E402
 
@@ -71,8 +73,9 @@ def _step_outputs(model, step: str, monkeypatch=None):
 
 
 def _forbid_model_experts(monkeypatch, decode: bool = False):
-    """The model's moe_experts raises; decode: so does MLA's project_latent (the triton
-    latent step turns, norms and stores in one kernel, kernels/latent_rope.py)."""
+    """The model's moe_experts raises; decode: so do MLA's project_latent and the sink
+    attention's project_qkv (the triton steps turn, norm and store in one kernel:
+    kernels/latent_rope.py, rowwise.rope_store)."""
 
     def model_path(*args, **kwargs):
         raise AssertionError("the triton step ran the model's own path")
@@ -81,6 +84,7 @@ def _forbid_model_experts(monkeypatch, decode: bool = False):
     monkeypatch.setattr("hybridflow.models.mlps.biased_experts.moe_experts", model_path)
     if decode:
         monkeypatch.setattr(MultiHeadLatentAttention, "project_latent", model_path)
+        monkeypatch.setattr(SinkAttention, "project_qkv", model_path)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
