@@ -5,11 +5,12 @@ the middle of a 256 x (128 + 256) rollout), bf16, on the engine's eager step
 (layers/eager.decode_forward_torch, as the engine decodes these families).
 
 Each step variant (STEPS): "torch" (the model's own modules: the pure reference), "before"
-(the Triton steps the engine ran before the experts had theirs: latent / sink attention and
-the fused norms), "triton" (what the engine's triton backend runs now: the experts on their
-grouped Triton kernels too), and between them GPT-OSS's experts on torch._grouped_mm with
-the row-wise bias + SwiGLU kernel (the Triton step's prefill path; for moonlight the same as
-"triton").
+(the Triton steps as the engine ran them before: latent / sink attention kernels and the
+fused norms, the model's projections, ropes and experts), "triton" (what the engine's triton
+backend runs now: the ropes, norm and cache stores of MLA and of the sink layers in one
+launch each, the experts on grouped Triton kernels), and between them "triton" with the
+experts as before, and with GPT-OSS's experts on torch._grouped_mm and the row-wise bias +
+SwiGLU kernel (the Triton step's prefill path; for moonlight the same as "triton").
 
 Two tables per preset:
 
@@ -33,7 +34,7 @@ import argparse
 import json
 import os
 import sys
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from unittest import mock
 
@@ -49,14 +50,39 @@ QUICK_PRESETS = ("tiny-deepseek-v3", "tiny-gpt-oss")
 TRITON_STEPS = dict(recurrent_step="triton", attention_step="triton", latent_step="triton",
                     norm_step="triton")  # fmt: skip
 # (name, the eager step's arguments, the rows up to which GPT-OSS's experts take the Triton
-# kernels on the Triton step: layers/biased_moe.DECODE_ROWS, 0 for torch._grouped_mm always)
+# kernels on the Triton step: layers/biased_moe.DECODE_ROWS, 0 for torch._grouped_mm always;
+# former: MLA's and the sink layers' projections as the model's modules run them)
 STEPS = (
-    ("torch", {}, None),
-    ("before", TRITON_STEPS, None),
+    ("torch", {}, None, False),
+    ("before", TRITON_STEPS, None, True),
+    ("triton, experts as before", TRITON_STEPS, None, False),
     ("triton, biased experts on torch._grouped_mm", {**TRITON_STEPS, "expert_step": "triton"},
-     0),
-    ("triton", {**TRITON_STEPS, "expert_step": "triton"}, None),
+     0, False),
+    ("triton", {**TRITON_STEPS, "expert_step": "triton"}, None, False),
 )  # fmt: skip
+
+
+def former_projections() -> ExitStack:
+    """The Triton steps' projections as they ran before their one-launch kernels: MLA's
+    q/latent ropes, latent norm and store, and the sink layers' ropes and K/V stores through
+    the model's modules and indexed stores (layers/latent.py, layers/sink.py)."""
+    from hybridflow.engine.layers import latent, sink
+
+    def project_and_store(mixer, normed, cos, sin, cache, index, at):
+        return latent._project_and_store(mixer, normed, cos, sin, cache, index, at)[0]
+
+    def rope_store(mixer, normed, cos, sin, keys, values, at):
+        q, k, v = mixer.project_qkv(normed, cos, sin)
+        keys[at] = k
+        values[at] = v
+        return q
+
+    stack = ExitStack()
+    stack.enter_context(mock.patch.object(latent, "_project_and_store_fused", project_and_store))
+    stack.enter_context(mock.patch.object(sink, "_rope_store", rope_store))
+    return stack
+
+
 H100_PEAK = 3.35e12
 
 
@@ -92,13 +118,13 @@ def step_inputs(model, rows: int, position: int, device: torch.device) -> dict:
                 row_slots=torch.arange(rows, device=device))  # fmt: skip
 
 
-def run_step(model, cache, rope, inputs: dict, arguments: dict,
-             decode_rows: int | None = None) -> torch.Tensor:  # fmt: skip
+def run_step(model, cache, rope, inputs: dict, arguments: dict, decode_rows: int | None = None,
+             former: bool = False) -> torch.Tensor:  # fmt: skip
     from hybridflow.engine.layers.eager import decode_forward_torch
 
     rows = nullcontext() if decode_rows is None else mock.patch(
         "hybridflow.engine.layers.biased_moe.DECODE_ROWS", decode_rows)  # fmt: skip
-    with rows:
+    with rows, former_projections() if former else nullcontext():
         return decode_forward_torch(model, cache, rope, inputs["tokens"], inputs["positions"],
                                     inputs["row_slots"], cache.max_seq_len, **arguments)  # fmt: skip
 
@@ -140,10 +166,10 @@ def account(preset: str, rows: int, position: int) -> dict:
     kinds = [layer_kind(i, layer) for i, layer in enumerate(model.model.layers)]
     out = {"layers": {kind: kinds.count(kind) for kind in dict.fromkeys(kinds)}, "steps": {},
            "floor_bytes": floor_bytes(model, rows, position)}  # fmt: skip
-    for name, arguments, decode_rows in STEPS:
+    for name, *variant in STEPS:
         counter = StepCounter(model, layer_kind)
         with kernel_stand_ins(counter, position + 1), counter:
-            run_step(model, cache, rope, inputs, arguments, decode_rows)
+            run_step(model, cache, rope, inputs, *variant)
         out["steps"][name] = {key: list(value) for key, value in counter.rows.items()}
     return out
 
@@ -190,8 +216,8 @@ def timing(preset: str, rows: int, position: int, device: torch.device, peak) ->
     inputs = step_inputs(model, rows, position, device)
     floor = floor_bytes(model, rows, position)
     out, first = [], None
-    for name, arguments, decode_rows in STEPS:
-        step = lambda a=arguments, r=decode_rows: run_step(model, cache, rope, inputs, a, r)  # noqa: E731
+    for name, *variant in STEPS:
+        step = lambda v=variant: run_step(model, cache, rope, inputs, *v)  # noqa: E731
         logits = step().float()
         first = logits if first is None else first
         eager = timed_us(step, device, calls=3, graph=False)
