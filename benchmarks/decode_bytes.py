@@ -43,7 +43,7 @@ PARTS = {
     "absorb_query": "absorb q (W_UK)", "latent_cached": "latent attention",
     "latent_decode_attention": "latent attention", "absorbed_attention": "latent attention",
     "expand_output": "expand out (W_UV)",
-    "project_qkv": "q/k/v proj + rope", "sink_decode": "K/V store",
+    "project_qkv": "q/k/v proj + rope", "sink_decode": "K/V store (torch: + rows gathered)",
     "_rope_store": "q/k/v proj + rope + K/V store", "decode_attention":
     "attention", "sink_softmax": "attention",
     "route": "router + top-k", "router_logits": "router + top-k",
