@@ -48,7 +48,7 @@ PARTS = {
     "attention", "sink_softmax": "attention",
     "route": "router + top-k", "router_logits": "router + top-k",
     "topk_softmax_route": "router + top-k", "grouped_topk": "router + top-k",
-    "grouped_weights": "router + top-k",
+    "grouped_weights": "router + top-k", "_grouped_route_triton": "router + top-k",
     "self_routed_experts_torch": "route record, shared add",
     "biased_experts_torch": "route record, shared add",
     "moe_experts": "routed experts", "routed_experts_triton": "routed experts",
@@ -245,6 +245,14 @@ def kernel_stand_ins(counter: StepCounter, live: int) -> ExitStack:
         counter.add("triton rope_store", 1, nbytes(q, k, v, positions, row_slots),
                     nbytes(q, k, v))  # fmt: skip
 
+    def grouped_route(logits, correction, top_k, n_group, topk_group, renormalize, scaling,
+                      record=None):  # fmt: skip
+        ids = torch.empty(logits.shape[0], top_k, dtype=torch.int32, device=logits.device)
+        weights = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
+        counter.add("triton grouped_route", 1, nbytes(logits, correction),
+                    nbytes(ids, weights) * (2 if record is not None else 1))  # fmt: skip
+        return ids, weights
+
     def combine(y, weights, bias=None, ids=None):
         out = y.new_empty(weights.shape[0], y.shape[1])
         biases = 0 if bias is None else y.shape[0] * bias.shape[1] * bias.element_size()
@@ -272,6 +280,7 @@ def kernel_stand_ins(counter: StepCounter, live: int) -> ExitStack:
         "hybridflow.engine.kernels.latent_attention.latent_decode_attention":
             latent_decode_attention,
         "hybridflow.engine.kernels.latent_rope.latent_rope_store": latent_rope_store,
+        "hybridflow.engine.kernels.grouped_route.grouped_route": grouped_route,
         "hybridflow.engine.kernels.moe.align_pairs": align_pairs,
         "hybridflow.engine.kernels.moe.grouped_gate_up": grouped_gate_up,
         "hybridflow.engine.kernels.moe.grouped_down": grouped_down,

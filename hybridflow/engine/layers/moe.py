@@ -105,19 +105,41 @@ def self_routed_experts_torch(mlp, x: torch.Tensor, target: RouteTarget | None,
     """experts_torch's contract for an MLP that routes by its own rule (its route():
     DeepSeek's grouped sigmoid router, models/mlps/grouped_experts.py), its always-on shared
     experts added as the model's forward_routed adds them (they route nothing, record
-    nothing). grouped: the routed experts through routed_experts_triton where
-    triton_experts_run says it can."""
-    _, ids, weights = mlp.route(x, None)
-    if target is not None:
-        target.routes[target.entries, target.offsets, sparse_index] = ids.to(target.routes.dtype)
+    nothing). grouped: where triton_experts_run says it can, the routed experts through
+    routed_experts_triton, and DeepSeek-V3's routing after its fp32 linear map in one kernel
+    (kernels/grouped_route.py, its ids recorded there)."""
+    grouped = grouped and triton_experts_run(mlp, x)
+    if grouped and getattr(mlp, "topk_method", None) == "noaux_tc":
+        ids, weights = _grouped_route_triton(mlp, x, target, sparse_index)
+    else:
+        _, ids, weights = mlp.route(x, None)
+        if target is not None:
+            routes = target.routes
+            routes[target.entries, target.offsets, sparse_index] = ids.to(routes.dtype)
     if keep is not None:
         x, ids, weights = x[keep], ids[keep], weights[keep]
-    if grouped and triton_experts_run(mlp, x):
+    if grouped:
         out = routed_experts_triton(mlp, x, ids, weights)
     else:
         out = mlp.run_experts(x, ids, weights)
     shared = getattr(mlp, "shared_experts", None)
     return out if shared is None else out + shared(x).to(out.dtype)
+
+
+def _grouped_route_triton(mlp, x: torch.Tensor, target: RouteTarget | None,
+                          sparse_index: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """GroupedExpertsMoeBlock.route's (ids, weights) for noaux_tc: the fp32 linear map as the
+    model computes it, then kernels/grouped_route.py (ids int32, recorded at `target`)."""
+    from hybridflow.engine.kernels import moe
+    from hybridflow.engine.kernels.grouped_route import grouped_route
+
+    logits = F.linear(x.float(), mlp.gate.weight.float())  # [N, E]
+    record = None
+    if target is not None:
+        record = moe.RouteRecord(target.routes, target.entries, target.offsets,
+                                 column=sparse_index * mlp.top_k)  # fmt: skip
+    return grouped_route(logits, mlp.gate.e_score_correction_bias, mlp.top_k, mlp.n_group,
+                         mlp.topk_group, mlp.norm_topk_prob, mlp.routed_scaling_factor, record)  # fmt: skip
 
 
 def triton_experts_run(mlp, x: torch.Tensor) -> bool:
