@@ -65,6 +65,8 @@ def train_step(run: RunContext, rollout: tuple | None = None,
             batch, rollout_metrics = collect_rollouts(run, timer, scored=not beside)
         else:
             batch, rollout_metrics = rollout
+        if run.cfg.rollout.release_weights:  # the passes and the update get its memory
+            roles.rollout.release_weights()  # until the sync below rewrites it
         metrics.update(rollout_metrics)
         batch = balance_ranks(batch, training_ranks(run.derived, len(batch)))
 
