@@ -16,8 +16,11 @@ the least model parallelism: the smallest tp × sp (the most data parallel; comm
 grows with both), then without gradient checkpointing where allowed, then the smaller tp
 (Ulysses keeps each layer's weights whole), then the larger ep (fewer experts to gather per
 GPU). CPU offload of the training state (actor.param_offload; on one GPU actor.optimizer_offload)
-is tried only when no layout fits without it. The rollout's is the smallest tp whose KV cache holds a whole step's
-sequences at once on each replica (else the most it can hold), its experts spread over
+is tried only when no layout fits without it. Before it, at each offload setting, the
+rollout's weight copy freed for the update (rollout.release_weights, sync mode, colocated) is
+tried when no layout fits without that: the sync rewrites the copy anyway, so it costs an
+allocation a step, where offload steps on the host. The rollout's is the smallest tp whose
+KV cache holds a whole step's sequences at once on each replica (else the most it can hold), its experts spread over
 replicas only when no layout without that holds the step (then the smallest ep).
 """
 
@@ -112,14 +115,19 @@ def recommend(cfg: Config, gpu_bytes: int) -> Recommendation | None:
     offload_key = "actor.param_offload" if world > 1 else "actor.optimizer_offload"
     name = offload_key.split(".")[1]
     offloads = (True,) if getattr(cfg.actor, name) else (False, True)
-    training = sorted(((offload, tp, sp, ep, ckpt) for offload in offloads
-                       for tp, sp, ep in training_layouts(shape, world) for ckpt in checkpointing),
-                      key=lambda c: (c[0], c[1] * c[2], c[4], c[1], -c[3]))  # fmt: skip
+    releases = (cfg.rollout.release_weights,)
+    if cfg.trainer.mode == "sync" and cfg.trainer.placement == "colocate":  # validate's terms
+        releases = (True,) if cfg.rollout.release_weights else (False, True)
+    training = sorted(((offload, release, tp, sp, ep, ckpt) for offload in offloads
+                       for release in releases for tp, sp, ep in training_layouts(shape, world)
+                       for ckpt in checkpointing),
+                      key=lambda c: (c[0], c[1], c[2] * c[3], c[5], c[2], -c[4]))  # fmt: skip
     closest: tuple[int, MemoryPlan, dict] | None = None
-    for offload, tp, sp, ep, ckpt in training:
+    for offload, release, tp, sp, ep, ckpt in training:
         fitting = []
         for rollout_tp, rollout_ep in rollout_layouts(shape, rollout_world):
-            keys = {**layout_keys(tp, sp, ep, rollout_tp, ckpt), offload_key: offload}
+            keys = {**layout_keys(tp, sp, ep, rollout_tp, ckpt), offload_key: offload,
+                    "rollout.release_weights": release}  # fmt: skip
             if rollout_ep is not None:
                 keys["rollout.expert_parallel_size"] = rollout_ep
             plan = plan_of(with_changes(cfg, keys), gpu_bytes)

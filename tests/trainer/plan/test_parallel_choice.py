@@ -101,10 +101,15 @@ def test_the_printed_recommendation_passes_config_validate_on_a_machine_without_
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if "recommended layout:" in x)
     recommended = re.search(r"recommended layout: (.*?) \(", line).group(1).split()
-    host = re.search(r"; ([\d,.]+ GiB) of host memory a node", line).group(1)
+    host = re.search(r"; ([\d,.]+ GiB) of host memory a node", line)
     assert main(["config", "validate", "--gpu-memory", "80GiB", *keys, *recommended]) == 0
     out = capsys.readouterr().out
     assert out.startswith("config OK (not checked here, as no CUDA GPU is visible")
+    if host is None:  # nothing offloaded: the rollout's copy freed for the update instead
+        assert "rollout.release_weights=true" in recommended, line
+        assert "actor.param_offload=true" not in recommended, line
+        return
+    host = host.group(1)
     needed = re.search(r"([\d,.]+) GiB of host memory a node", out).group(1)
     # the offloaded state the plan printed, and a step's data (MiB) beside it
     assert float(needed.replace(",", "")) == pytest.approx(float(host.split()[0]), abs=0.1)
