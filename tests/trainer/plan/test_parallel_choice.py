@@ -113,3 +113,23 @@ def test_the_printed_recommendation_passes_config_validate_on_a_machine_without_
     needed = re.search(r"([\d,.]+) GiB of host memory a node", out).group(1)
     # the offloaded state the plan printed, and a step's data (MiB) beside it
     assert float(needed.replace(",", "")) == pytest.approx(float(host.split()[0]), abs=0.1)
+
+
+def test_the_rollouts_copy_is_freed_for_the_update_before_the_state_goes_to_the_host():
+    """Qwen3-30B-A3B on 8 × 80 GiB at the defaults: no layout fits with the rollout's copy
+    held through the update and the training state on the GPU; freed (the sync rewrites
+    it anyway) one does, so the plan turns rollout.release_weights on rather than
+    actor.param_offload. In async mode, which cannot free it, the state goes to the host."""
+    from hybridflow.trainer.plan.memory_check import fits, plan_for_config
+
+    keys = ["model.path=qwen3-30b-a3b", "trainer.n_gpus_per_node=8", "trainer.backend=local",
+            "trainer.device=cuda"]  # fmt: skip
+    cfg = load_config(None, keys)
+    advice = recommend(cfg, 80 * GIB)
+    assert advice.changes["rollout.release_weights"] is True
+    assert "actor.param_offload" not in advice.changes
+    kept = with_changes(cfg, {**advice.changes, "rollout.release_weights": False})
+    assert not fits(plan_for_config(kept, validate(kept), 80 * GIB))
+    asynchronous = recommend(load_config(None, [*keys, "trainer.mode=async"]), 80 * GIB)
+    assert asynchronous.changes["actor.param_offload"] is True
+    assert "rollout.release_weights" not in asynchronous.changes
