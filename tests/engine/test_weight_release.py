@@ -65,6 +65,9 @@ def test_released_weights_are_freed_and_after_the_sync_draw_what_kept_ones_draw(
     check_rewritten(restored, {name for name, _ in _parameters_only(trainer)})
     assert engine.restore_weights() is None  # nothing left to restore
     after = [c.token_ids for c in engine.generate(PROMPTS, PARAMS)]
+    # the decode runner keyed its graphs by the addresses the weights came back at
+    # (graphs.DecodeRunner.check_weights drops those captured on other ones)
+    assert engine.runner._weights_key == tuple(p.data_ptr() for p in model.parameters())
     assert after == [c.token_ids for c in kept.generate(PROMPTS, PARAMS)]
     assert after != before
     for name, buffer in trainer.named_buffers():
