@@ -59,6 +59,15 @@ class RolloutConfig:
     shares the GPU (kv_memory_share)."""
     release_cache: bool = True
     """Free the KV cache after each generate so training gets the memory back."""
+    release_weights: bool = False
+    """Free the engine's own weight copy after a step's generation, so the actor's passes
+    and update get its memory; the weight sync after the update allocates it again and
+    rewrites every weight (nothing is saved to the host: vLLM's sleep level 2, the sleep
+    verl's hybrid engine runs). The engine's buffers (rotary tables, DeepSeek's score
+    correction) stay. Nothing to free where the engine reads the actor's own tensors (one
+    GPU, no FSDP, the rollout's dtype). Needs trainer.mode=sync and colocated placement;
+    `hybridflow config plan` turns it on where nothing fits without it
+    (engine/weight_release.py)."""
     lora_in_place: bool = False
     """LoRA: decode the actor's own base weights with the adapters added unmerged
     (engine/adapters.py) instead of a merged copy refreshed at each sync: no second copy of

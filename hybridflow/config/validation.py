@@ -106,6 +106,7 @@ def _check_run_modes(cfg: Config, world: int, add) -> None:
         add(f"trainer.max_staleness = {t.max_staleness!r} must be an integer >= 0")
     _check_partial_rollout(cfg, add)
     _check_lora_in_place(cfg, world, add)
+    _check_release_weights(cfg, add)
 
 
 def _check_names(cfg: Config, add) -> None:
@@ -375,3 +376,19 @@ def _check_lora_in_place(cfg: Config, world: int, add) -> None:
         if not ok:
             add(f"rollout.lora_in_place = true needs {what}: change that, or set "
                 "rollout.lora_in_place=false (a merged copy)")  # fmt: skip
+
+
+def _check_release_weights(cfg: Config, add) -> None:
+    """rollout.release_weights frees the engine's copy between a step's generation and its
+    weight sync: nothing may generate in between, and the update must share the GPU."""
+    t = cfg.trainer
+    if not cfg.rollout.release_weights:
+        return
+    if t.mode != "sync":
+        add("rollout.release_weights = true needs trainer.mode = sync (in async mode the "
+            "rollout generates the next batches while the actor updates): set "
+            "rollout.release_weights=false")  # fmt: skip
+    if t.placement != "colocate":
+        add("rollout.release_weights = true frees the rollout's weights for the update on the "
+            "same GPUs; with trainer.placement = split no update shares them: set "
+            "rollout.release_weights=false")  # fmt: skip

@@ -93,9 +93,27 @@ def iter_rows(path: str | Path, required_keys: Sequence[str] = ()) -> Iterator[t
     if suffix == ".parquet":
         yield from _parquet_rows(path, required_keys)
         return
+    yield from _jsonl_rows(path, MAX_ROW_BYTES)
+
+
+MAX_ROW_BYTES = 256 << 20
+"""The longest jsonl line read: a row is parsed whole (its bytes, text and objects: about six
+times the line at peak), so a cap on the line is what bounds memory whatever the file holds.
+256 MiB holds three 64 MiB images as base64 (data/images.py caps an image at 64 MiB)."""
+
+
+def _jsonl_rows(path: Path, max_row_bytes: int) -> Iterator[tuple[str, Any]]:
+    """(where, row) of each line of a jsonl file, a line over max_row_bytes refused before
+    more than that is read."""
     with path.open("rb") as handle:
-        for line_number, raw in enumerate(handle, start=1):
+        for line_number, raw in enumerate(iter(lambda: handle.readline(max_row_bytes + 1), b""),
+                                          start=1):  # fmt: skip
             where = f"{path}: line {line_number}"
+            if len(raw) > max_row_bytes:
+                raise DataSchemaError(
+                    f"{where}: longer than {max_row_bytes >> 20} MiB, more than a row may take",
+                    "shorten or drop that row; give large images as file paths, not bytes",
+                )
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as error:

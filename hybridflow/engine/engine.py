@@ -187,6 +187,7 @@ class Engine:
         self.kept = KeptKV()  # slots kept for the next turn of their conversation
         self.scheduler: Scheduler | None = None  # made with the cache
         self.service = None  # the RolloutService driving this engine, while one runs
+        self.released_weights = None  # weight_release.ReleasedWeights while freed
         self.policy_version = 0  # bumped by load_weights / new_policy_version
         self.prefill_tokens = 0  # prompt tokens run through prefill or extend (a counter)
         self.tail = TailStats()  # the long tail's steps and seconds (scheduling/tail.py)
@@ -238,6 +239,35 @@ class Engine:
             torch.cuda.empty_cache()
         if self.service is not None:  # its thread: the caller reuses the memory after this
             self.service.streams.hand_back()
+
+    def release_weights(self) -> int:
+        """Free the parameters' storage until :meth:`restore_weights` (weight_release.py),
+        after which the caller rewrites every parameter; generating in between raises.
+        -> bytes freed."""
+        if self.service is not None:
+            raise RuntimeError("Engine.release_weights: a service is decoding on these weights")
+        if self.released_weights is not None:
+            return 0
+        from hybridflow.engine.weight_release import release_parameters
+
+        self.released_weights = release_parameters(self.model)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return self.released_weights.nbytes
+
+    def restore_weights(self):
+        """The storage freed by :meth:`release_weights` allocated again, its contents
+        undefined: -> the weight_release.ReleasedWeights record (None: nothing was freed),
+        for the caller to check it rewrote every one (weight_release.check_rewritten)."""
+        released, self.released_weights = self.released_weights, None
+        if released is not None:
+            released.restore()
+        return released
+
+    def _check_weights_held(self) -> None:
+        if self.released_weights is not None:
+            raise RuntimeError("the engine's weights were released (rollout.release_weights) "
+                               "and not loaded again: sync the weights before generating")  # fmt: skip
 
     @property
     def num_slots(self) -> int:
@@ -323,6 +353,7 @@ class Engine:
         vision-language model; generate() calls only). While a
         RolloutService runs this engine, the prompts are submitted to it (and decode beside
         its other requests)."""
+        self._check_weights_held()
         if self.service is not None and images is not None:
             raise ValueError("prompts with images: through generate(), not a running service")
         if self.service is not None:
@@ -371,6 +402,7 @@ class Engine:
         """Before the scheduler runs after a pause: the cache allocated, the fused weight
         copies refreshed (the weights may have changed in place), graphs re-captured if a
         parameter moved."""
+        self._check_weights_held()
         if self.fused is not None:
             # Queued first: the GPU copies while the host builds the first prefill's inputs.
             self.fused.refresh(self.model)

@@ -32,6 +32,7 @@ from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.data.image_batch import IMAGE_GRID_THW, MROPE_POSITIONS, PIXEL_VALUES
 from hybridflow.engine.scheduling.tail import TAIL_METRICS, tail_metrics
 from hybridflow.engine.speculative import SPECULATIVE_METRICS
+from hybridflow.engine.weight_release import check_rewritten
 from hybridflow.protocol import Batch
 from hybridflow.workers.model_loading import (
     default_tokenizer_path,
@@ -423,7 +424,9 @@ class RolloutWorker(Worker):
             )
         if self.tensor is not None:  # the reshard: training shards into the engine's
             if self.service is None:
-                self.tensor.sync(self.actor)
+                restored = self.engine.restore_weights()  # rollout.release_weights
+                self.tensor.sync(self.actor)  # every parameter of the shard
+                check_rewritten(restored, set(dict(self.tensor.model.named_parameters())))
                 self.engine.new_policy_version(version)
                 return
             self.service.pause()  # between two decode steps of the requests in flight
@@ -446,7 +449,10 @@ class RolloutWorker(Worker):
         if self.service is not None:  # between two decode chunks of the requests in flight
             self.service.update_weights(named_tensors, version=version)
             return
-        self.engine.load_weights(named_tensors)
+        restored = self.engine.restore_weights()  # rollout.release_weights
+        written: set[str] = set()
+        self.engine.load_weights(_recording(named_tensors, written))
+        check_rewritten(restored, written)
         if version is not None:
             self.engine.new_policy_version(version)
 
@@ -455,6 +461,15 @@ class RolloutWorker(Worker):
         """Free the KV cache (training gets the memory back)."""
         self.engine.release()
 
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def release_weights(self) -> int:
+        """rollout.release_weights: free the engine's own weight copy for the step's passes
+        and update (engine/weight_release.py); the next sync allocates and rewrites it. Nothing
+        to free where the engine reads the actor's tensors. -> bytes freed on this rank."""
+        if not self.config.rollout.release_weights or self.shares_actor_weights:
+            return 0
+        return self.engine.release_weights()
+
     def close(self) -> None:
         """The group's shutdown hook: a partial-rollout service stops its engine thread
         (aborting what is still in flight), so neither it nor the model outlives the run
@@ -462,6 +477,13 @@ class RolloutWorker(Worker):
         if self.service is not None:
             self.service.close()
             self.service = None
+
+
+def _recording(named_tensors, names: set[str]):
+    """The (name, tensor) pairs as they come, each name added to ``names``."""
+    for name, tensor in named_tensors:
+        names.add(name)
+        yield name, tensor
 
 
 def engine_options(config: Config):

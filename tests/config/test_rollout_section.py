@@ -51,3 +51,30 @@ def test_speculative_decoding_is_off_by_default_and_its_options_are_checked():
                              "rollout.engine.speculative_draft_tokens=0"])  # fmt: skip
     with pytest.raises(ConfigError, match="rollout.engine.speculative_draft_tokens=0: must be"):
         validate(cfg)
+
+
+def test_released_weights_are_off_by_default_and_pass_in_a_colocated_sync_run():
+    assert load_config(None, []).rollout.release_weights is False
+    validate(load_config(None, ["rollout.release_weights=true", "trainer.backend=local",
+                                "trainer.n_gpus_per_node=2"]))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["trainer.mode=async", "trainer.max_staleness=0"], "needs trainer.mode = sync"),
+        (["trainer.placement=split", "trainer.rollout_gpus=1"], "trainer.placement = split"),
+    ],
+)
+def test_released_weights_where_something_else_needs_them_exit_2_naming_why(
+    overrides, named, capsys
+):
+    """Async mode generates over the update; a split rollout shares no GPU with it."""
+    from hybridflow.cli import main
+
+    keys = ["rollout.release_weights=true", "trainer.backend=local", "trainer.n_gpus_per_node=2",
+            *overrides]  # fmt: skip
+    assert main(["config", "validate", *keys]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.release_weights = true" in err and named in err, err
+    assert "set rollout.release_weights=false" in err and "Traceback" not in err

@@ -135,6 +135,32 @@ def test_json_the_parser_refuses_past_its_limits_names_the_line(tmp_path, line, 
         load_prompt_records(path)
 
 
+def test_a_line_over_the_row_cap_is_named_before_more_than_the_cap_is_read(tmp_path, monkeypatch):
+    """A row is parsed whole (about six times its line at peak), so without a cap on the line
+    one huge row took memory without bound; the cap is read, not the line."""
+    import tracemalloc
+
+    from hybridflow.data import schema
+
+    row = json.dumps(GOOD)
+    path = tmp_path / "d.jsonl"
+    huge = json.dumps(dict(GOOD, extra="x" * (40 << 20)))
+    path.write_text(row + "\n" + huge + "\n" + row + "\n")
+    del huge
+    monkeypatch.setattr(schema, "MAX_ROW_BYTES", 1 << 20)
+    tracemalloc.start()
+    try:
+        with pytest.raises(DataSchemaError, match=r"d\.jsonl: line 2: longer than 1 MiB"):
+            load_prompt_records(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, peak  # the cap and one byte were read, never the 40 MB line
+    monkeypatch.setattr(schema, "MAX_ROW_BYTES", len(row) + 1)  # a line of exactly the cap
+    path.write_text(row + "\n" + row + "\n")
+    assert len(load_prompt_records(path)) == 2
+
+
 def test_unknown_data_source_with_registry(tmp_path):
     from hybridflow.rewards import default_registry
 

@@ -294,7 +294,12 @@ ROLLOUT_TABLE: list[Entry] = [
         "rollout.gpu_memory_utilization",
         how="vLLM: share of all GPU memory; here: share of the memory free for the KV cache",
     ),
-    Rename(ROLLOUT + "free_cache_engine", "rollout.release_cache"),
+    Rename(
+        ROLLOUT + "free_cache_engine",
+        "rollout.release_cache",
+        how="the KV cache only: vLLM's sleep frees its weights too, which here is "
+        "rollout.release_weights=true",
+    ),
     Rename(
         ROLLOUT + "enforce_eager",
         "rollout.engine.cuda_graphs",

@@ -66,6 +66,9 @@ def train_step(run: RunContext, rollout: tuple | None = None,
         else:
             batch, rollout_metrics = rollout
         metrics.update(rollout_metrics)
+        if run.cfg.rollout.release_weights:  # the passes and the update get its memory
+            freed = roles.rollout.release_weights()  # until the sync below rewrites it
+            metrics["perf/rollout_weights_released_gb"] = max(freed) / 1024**3
         batch = balance_ranks(batch, training_ranks(run.derived, len(batch)))
 
         for stage, method in passes:

@@ -79,6 +79,11 @@ class RolloutHandle(Protocol):
         shares them) and starts policy `version`: ``RolloutWorker.sync_from_actor``."""
         ...
 
+    def release_weights(self) -> list[int]:
+        """rollout.release_weights: the engine's own weight copy freed until the next sync,
+        bytes per rank: ``RolloutWorker.release_weights``."""
+        ...
+
     def load_weights(self, weights: dict[str, torch.Tensor],
                      version: int | None = None) -> list[None]:  # fmt: skip
         """Split placement: load the weights sent by the controller:

@@ -94,6 +94,7 @@ def plan_options(cfg: Config, derived: Derived, gpu_bytes: int | None) -> PlanOp
         rollout_tp=rollout["tp"],
         rollout_experts_whole=r.expert_parallel_size == 1 and rollout["tp"] > 1,
         rollout_ep=rollout["ep"] if rollout["ep"] > rollout["tp"] else 1,
+        rollout_release_weights=r.release_weights,
         param_offload=a.param_offload,
         optimizer_offload=a.optimizer_offload,
         gradient_checkpointing=m.gradient_checkpointing is True,  # auto: plan_for_config
@@ -395,6 +396,8 @@ def candidate_fixes(cfg: Config, plan: MemoryPlan) -> list[dict[str, object]]:
         candidates.append({"actor.micro_batch_size_per_gpu": a.micro_batch_size_per_gpu // 2})
     if not r.release_cache:
         candidates.append({"rollout.release_cache": True})
+    if not r.release_weights and not mp.rollout_shares_actor_weights(o):
+        candidates.append({"rollout.release_weights": True})  # validate: sync, colocated
     if plan.kv_slots == 0:
         if o.gpu_memory_utilization < 0.9:  # auto is 0.9 already where nothing else needs it
             candidates.append({"rollout.gpu_memory_utilization": 0.9})

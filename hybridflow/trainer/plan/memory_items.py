@@ -62,6 +62,9 @@ class PlanOptions:
     rollout_ep: int = 1
     """rollout.expert_parallel_size above rollout_tp: the experts spread over several
     replicas, E / rollout_ep a GPU (engine/expert_spread.py); else 1."""
+    rollout_release_weights: bool = False
+    """rollout.release_weights: the engine's own copy is freed after generation and comes
+    back at the weight sync (workers/rollout.RolloutWorker.release_weights)."""
     param_offload: bool = False
     optimizer_offload: bool = False
     gradient_checkpointing: bool = False

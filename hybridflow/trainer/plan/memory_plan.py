@@ -30,10 +30,15 @@ What is modelled is what the code does today:
   on the host for the whole run and steps there (``learners/host_optimizer``), through two
   pinned bf16 staging buffers and an fp32 gradient buffer of one bucket each;
   ``actor.param_offload`` (FSDP2) steps on the host too.
-- **Nothing moves off the GPU between stages** (the loop never calls ``offload()``).
+- **Nothing moves off the GPU between stages** (the loop never calls ``offload()``), but
+  for the rollout's weight copy under ``rollout.release_weights``.
 - **Rollout weights**: the engine reads the actor's own parameters only on one device, without
   FSDP, in the rollout's dtype, never generating over an update (async), and for LoRA with
-  ``rollout.lora_in_place``; otherwise it holds a full bf16 copy (``workers/rollout.py``).
+  ``rollout.lora_in_place``; otherwise it holds a full bf16 copy (``workers/rollout.py``),
+  held in every phase, or with ``rollout.release_weights`` in generation only: freed after
+  it, allocated again at the weight sync after the optimizer step, when the GPU holds what
+  it holds in generation less the KV cache and the engine's workspace: generation's peak
+  bounds the sync's (whose transient buffers are not counted, with the key or without).
 - **KV cache** (``engine/kv_cache.make_cache``): paged (``kv_block_size``, the default) as
   many blocks as ``gpu_memory_utilization`` × free memory (the allocator's unused cache
   counted free) − the reserve for decode logits and prefill holds, at most ``max_num_seqs``

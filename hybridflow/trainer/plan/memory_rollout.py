@@ -126,10 +126,15 @@ def rollout_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
     if rollout_shares_actor_weights(o):
         weights = MemoryItem("rollout weights", 0, ALWAYS, note="reads the actor's in place")
     else:
+        notes = [f"1/{o.rollout_tp}, tensor parallel"] if o.rollout_tp > 1 else []
+        # freed after generation, back at the sync, when the GPU holds what it holds in
+        # generation less the KV cache and the workspace (validate: sync mode, colocated)
+        released = o.rollout_release_weights and not split
+        notes += ["freed for the update (rollout.release_weights)"] if released else []
         weights = MemoryItem(f"rollout weights ({dtype_name(o.rollout_bytes)} copy)",
-                             rollout_weight_parameters(a, o) * o.rollout_bytes, ALWAYS,
-                             rollout_gpu=split,
-                             note=f"1/{o.rollout_tp}, tensor parallel" if o.rollout_tp > 1 else "")  # fmt: skip
+                             rollout_weight_parameters(a, o) * o.rollout_bytes,
+                             (GENERATE,) if released else ALWAYS, rollout_gpu=split,
+                             note="; ".join(notes))  # fmt: skip
     # a tensor-parallel shard's copies are of its heads and MLP columns
     fused = fused_copy_bytes(a, o.fuse_projections, o.rollout_bytes) // o.rollout_tp
     held = (GENERATE,) if o.release_cache else ALWAYS  # Engine.release() frees them

@@ -16,9 +16,12 @@ the least model parallelism: the smallest tp × sp (the most data parallel; comm
 grows with both), then without gradient checkpointing where allowed, then the smaller tp
 (Ulysses keeps each layer's weights whole), then the larger ep (fewer experts to gather per
 GPU). CPU offload of the training state (actor.param_offload; on one GPU actor.optimizer_offload)
-is tried only when no layout fits without it. The rollout's is the smallest tp whose KV cache holds a whole step's
-sequences at once on each replica (else the most it can hold), its experts spread over
-replicas only when no layout without that holds the step (then the smallest ep).
+is tried only when no layout fits without it; the rollout's weight copy freed for the update
+(rollout.release_weights, sync mode, colocated) only when no layout fits without that, with
+the training state on the GPU or on the host; the reference's shard on the host
+(ref.param_offload) last (memory_tiers). The rollout's is the smallest tp whose KV cache
+holds a whole step's sequences at once on each replica (else the most it can hold), its
+experts spread over replicas only when no layout without that holds the step (then the smallest ep).
 """
 
 from __future__ import annotations
@@ -108,18 +111,15 @@ def recommend(cfg: Config, gpu_bytes: int) -> Recommendation | None:
     rollout_world = derived.world_size - world if cfg.trainer.placement == "split" else world
     setting = cfg.model.gradient_checkpointing
     checkpointing = (False, True) if setting == "auto" else (setting is True,)
-    # FSDP2 offloads with param_offload; one GPU steps on the host with optimizer_offload
-    offload_key = "actor.param_offload" if world > 1 else "actor.optimizer_offload"
-    name = offload_key.split(".")[1]
-    offloads = (True,) if getattr(cfg.actor, name) else (False, True)
-    training = sorted(((offload, tp, sp, ep, ckpt) for offload in offloads
+    tiers = memory_tiers(cfg, world, derived.use_reference)
+    training = sorted(((tier, tp, sp, ep, ckpt) for tier in range(len(tiers))
                        for tp, sp, ep in training_layouts(shape, world) for ckpt in checkpointing),
                       key=lambda c: (c[0], c[1] * c[2], c[4], c[1], -c[3]))  # fmt: skip
     closest: tuple[int, MemoryPlan, dict] | None = None
-    for offload, tp, sp, ep, ckpt in training:
+    for tier, tp, sp, ep, ckpt in training:
         fitting = []
         for rollout_tp, rollout_ep in rollout_layouts(shape, rollout_world):
-            keys = {**layout_keys(tp, sp, ep, rollout_tp, ckpt), offload_key: offload}
+            keys = {**layout_keys(tp, sp, ep, rollout_tp, ckpt), **tiers[tier]}
             if rollout_ep is not None:
                 keys["rollout.expert_parallel_size"] = rollout_ep
             plan = plan_of(with_changes(cfg, keys), gpu_bytes)
@@ -135,6 +135,29 @@ def recommend(cfg: Config, gpu_bytes: int) -> Recommendation | None:
     if closest is None:
         return Recommendation({}, None)
     return Recommendation({}, None, closest[1], changed_keys(cfg, closest[2]))
+
+
+def memory_tiers(cfg: Config, world: int, use_reference: bool) -> list[dict[str, bool]]:
+    """The keys that save memory at a cost, in the order tried, each only where nothing
+    fits without it: the training state on the host (actor.param_offload; on
+    one GPU actor.optimizer_offload), then the rollout's copy freed for the update (sync
+    mode, colocated; with the state on the GPU first), then the reference's shard on the
+    host too (ref.param_offload, FSDP2: a frozen copy of its own). A key the config sets
+    true stays true."""
+    t = cfg.trainer
+    offload_key = "actor.param_offload" if world > 1 else "actor.optimizer_offload"
+
+    def tried(key: str, allowed: bool = True) -> tuple[bool, ...]:
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name):
+            return (True,)
+        return (False, True) if allowed else (False,)
+
+    releases = tried("rollout.release_weights", t.mode == "sync" and t.placement == "colocate")
+    own_reference = use_reference and (cfg.model.lora_rank == 0 or cfg.ref.path is not None)
+    references = tried("ref.param_offload", own_reference and world > 1)
+    return [{"rollout.release_weights": release, offload_key: offload, "ref.param_offload": ref}
+            for ref in references for release in releases for offload in tried(offload_key)]  # fmt: skip
 
 
 def layout_keys(tp: int, sp: int, ep: int, rollout_tp: int,

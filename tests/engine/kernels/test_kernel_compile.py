@@ -24,6 +24,7 @@ from sm90_compile import Compiled, compile_pool, compile_to_ptx  # noqa: E402
 
 from hybridflow.engine.kernels import (
     attention,
+    biased_experts,
     chunk_attention,
     delta_step,
     delta_step_grouped,
@@ -234,6 +235,20 @@ def test_chunk_attention_kernel_compiles(activation, page):
              dict(G=7, G_PAD=8, TOKENS=16, D=64, BLOCK=64, PAGE=page,
                   FP32_DOT=activation == "fp32"),
              activation, overrides={"pos_ptr": "*i64", "tile_ptr": "*i64"})  # fmt: skip
+
+
+@pytest.mark.parametrize("activation", ["bf16", "fp32"])
+def test_sink_prefill_kernels_compile(activation):
+    """GPT-OSS's prefill (layers/sink.py, layers/biased_moe.py): the chunk kernel over packed
+    prompts with a sink logit a head (the model's dtype) and a sliding window, at its
+    64 heads over 8 K/V heads and head dim 64; the biased experts' clamped SwiGLU."""
+    _compile(chunk_attention._chunk_attention_kernel,
+             dict(G=8, G_PAD=8, TOKENS=chunk_attention.tile_tokens(64, 8), D=64, BLOCK=64,
+                  PAGE=0, FP32_DOT=activation == "fp32", WINDOW=128, HAS_SINK=True),
+             activation, overrides={"pos_ptr": "*i64", "tile_ptr": "*i64"})  # fmt: skip
+    _compile(biased_experts._bias_clamped_swiglu_kernel, dict(BLOCK=biased_experts.BLOCK),
+             activation, overrides={"expert_ptr": "*i64", "alpha": "fp32", "limit": "fp32"},
+             divisible=("stride_x", "stride_b", "stride_o"))  # fmt: skip
 
 
 def test_decode_layer_kernels_compile_in_fp32():

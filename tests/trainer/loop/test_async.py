@@ -16,7 +16,7 @@ from hybridflow.trainer.loop.async_rollout import (
     generation_version,
 )
 
-NOT_COMPARED = ("timing_s/", "perf/", "async/", "memory/")
+NOT_COMPARED = ("timing_s/", "perf/", "async/", "memory/", "rollout/tail_seconds")  # wall clock
 
 
 def _comparable(rows: dict) -> dict:

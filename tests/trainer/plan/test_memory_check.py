@@ -229,3 +229,17 @@ def test_the_kv_cache_takes_most_of_the_memory_free_in_generation_by_default():
     assert plan("rollout.gpu_memory_utilization=0.4").kv_slots == 74
     beside_update = plan("trainer.mode=async", "trainer.max_staleness=1")
     assert beside_update.options.gpu_memory_utilization == 0.4
+
+
+def test_an_update_that_fits_without_the_rollouts_copy_names_release_weights():
+    """Qwen3-30B-A3B on 8 × 80 GiB, experts over 8 ranks, rollout tp 4: the update is over
+    by more than the rollout's copy; the fixes name freeing it, planned again (fits)."""
+    cfg = load_config(None, ["model.path=qwen3-30b-a3b", "trainer.n_gpus_per_node=8",
+                             "trainer.backend=local", "trainer.device=cuda",
+                             "trainer.gpu_memory_gib=80", "actor.expert_parallel_size=8",
+                             "rollout.tensor_parallel_size=4",
+                             "model.gradient_checkpointing=true"])  # fmt: skip
+    with pytest.raises(ConfigError) as error:
+        mc.check_memory(cfg, validate(cfg))
+    (problem,) = error.value.problems
+    assert "rollout.release_weights=true (peak 73.5 GiB in the actor update, fits)" in problem

@@ -12,7 +12,7 @@ from hybridflow.models.presets import PRESETS
 from hybridflow.trainer.plan.memory_check import plan_for_config
 from hybridflow.trainer.plan.memory_items import PlanOptions
 from hybridflow.trainer.plan.memory_plan import build_plan
-from hybridflow.trainer.plan.memory_rollout import fused_copy_bytes
+from hybridflow.trainer.plan.memory_rollout import fused_copy_bytes, rollout_weight_parameters
 
 GIB = 2**30
 LONG = ["data.max_prompt_length=512", "data.max_response_length=16384", "trainer.device=cuda",
@@ -144,3 +144,32 @@ def test_a_tensor_parallel_rollout_holds_its_shards_fused_and_fp8_copies():
     assert sizes[0][names[0]] == fused_copy_bytes(PRESETS["qwen2.5-7b"], "all")
     for name in names:
         assert sizes[0][name] > 0 and sizes[1][name] == sizes[0][name] // 2
+
+
+def test_released_rollout_weights_leave_the_update_and_the_forward_budget_grows():
+    """rollout.release_weights: the copy is held in generation only; the update and the
+    optimizer step lose exactly its bytes, generation keeps them (the sync brings them back
+    at no more than generation's peak), and the log-prob passes get room beside the rest."""
+    from hybridflow.trainer.plan.memory_choices import fitting_forward_tokens
+    from hybridflow.trainer.plan.memory_items import GENERATE, STEP, UPDATE
+
+    gpus = ["trainer.backend=local", "trainer.n_gpus_per_node=8", "rollout.tensor_parallel_size=2"]
+    kept = _plan("qwen2.5-7b", *gpus)
+    freed = _plan("qwen2.5-7b", *gpus, "rollout.release_weights=true")
+    copy = next(i for i in kept.items if i.name.startswith("rollout weights"))
+    released = next(i for i in freed.items if i.name.startswith("rollout weights"))
+    # a tp rank's half, bf16 (the norms whole on both ranks)
+    share = rollout_weight_parameters(PRESETS["qwen2.5-7b"], freed.options) * 2
+    assert copy.gpu_bytes == released.gpu_bytes == share > 7 * GIB
+    assert released.phases == (GENERATE,) and "rollout.release_weights" in released.note
+    for phase in (UPDATE, STEP):
+        assert kept.phase_bytes(phase) - freed.phase_bytes(phase) == copy.gpu_bytes
+    assert kept.phase_bytes(GENERATE) == freed.phase_bytes(GENERATE)
+    assert fitting_forward_tokens(freed) > fitting_forward_tokens(kept)
+
+
+def test_an_engine_on_the_actors_tensors_has_no_copy_to_release():
+    """One GPU, bf16: the engine reads the actor's parameters; releasing frees nothing."""
+    one = ["model.dtype=bfloat16", "rollout.release_weights=true"]
+    item = next(i for i in _plan("qwen2.5-7b", *one).items if i.name.startswith("rollout weights"))
+    assert item.gpu_bytes == 0 and item.note == "reads the actor's in place"

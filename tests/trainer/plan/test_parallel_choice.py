@@ -108,3 +108,26 @@ def test_the_printed_recommendation_passes_config_validate_on_a_machine_without_
     needed = re.search(r"([\d,.]+) GiB of host memory a node", out).group(1)
     # the offloaded state the plan printed, and a step's data (MiB) beside it
     assert float(needed.replace(",", "")) == pytest.approx(float(host.split()[0]), abs=0.1)
+
+
+def test_the_rollouts_copy_is_freed_only_where_nothing_fits_without_it():
+    """Qwen2.5-7B on 2 × 26 GiB with a reference: no layout fits with the rollout's copy
+    held through the update, even with the training state on the host; freed (the sync
+    rewrites it anyway) one does, so the plan turns rollout.release_weights on, before the
+    reference's shard goes to the host. In async mode, which cannot free it, the reference
+    goes instead."""
+    from hybridflow.trainer.plan.memory_check import fits, plan_for_config
+
+    keys = ["model.path=qwen2.5-7b", "trainer.n_gpus_per_node=2", "trainer.backend=local",
+            "trainer.device=cuda", "actor.use_kl_loss=true"]  # fmt: skip
+    cfg = load_config(None, keys)
+    advice = recommend(cfg, 26 * GIB)
+    assert advice.changes["rollout.release_weights"] is True
+    assert (
+        advice.changes["actor.param_offload"] is True and "ref.param_offload" not in advice.changes
+    )
+    kept = with_changes(cfg, {**advice.changes, "rollout.release_weights": False})
+    assert not fits(plan_for_config(kept, validate(kept), 26 * GIB))
+    asynchronous = recommend(load_config(None, [*keys, "trainer.mode=async"]), 26 * GIB)
+    assert asynchronous.changes["ref.param_offload"] is True
+    assert "rollout.release_weights" not in asynchronous.changes

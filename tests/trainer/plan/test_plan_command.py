@@ -205,3 +205,37 @@ def test_a_quantized_checkpoint_is_validated_and_planned_dequantised(tmp_path, c
     assert "model.path stores its weights as fp8; they load dequantised" in out
     assert main(["config", "plan", *overrides[1:], f"model.path={tmp_path / 'plain'}"]) == 0
     assert "dequantised" not in capsys.readouterr().out
+
+
+def test_deepseek_v3_fits_96_gpus_of_96_gb_with_the_rollouts_copy_freed_for_the_update():
+    """docs/parallelism.md, The plan at scale: actor ep 32 with its state on the host, the
+    rollout's experts over 32 replicas. Its 69.9 GiB copy held through the update put that at
+    130.0 GiB; freed, the update is 60.0 GiB and generation (the copy, the workspace and the
+    reference's 13.0 GiB shard, 95.7) the fullest phase; the reference on the host too, it
+    fits: 82.7 GiB before the KV cache, 87.5 with it, the update 47.0."""
+    from hybridflow.trainer.plan.memory_check import fits, plan_for_config
+    from hybridflow.trainer.plan.memory_plan import GENERATE, UPDATE
+
+    base = [
+        "model.path=deepseek-v3", "trainer.backend=ray", "trainer.nnodes=12",
+        "trainer.n_gpus_per_node=8", "trainer.device=cuda", "data.train_batch_size=96",
+        "actor.ppo_mini_batch_size=24", "data.max_prompt_length=1024",
+        "data.max_response_length=4096", "rollout.n=8", "actor.max_tokens_per_gpu=16384",
+        "rollout.max_num_seqs=256", "rollout.gpu_memory_utilization=0.9",
+        "actor.use_kl_loss=true", "actor.expert_parallel_size=32",
+        "model.gradient_checkpointing=true", "actor.param_offload=true",
+        "rollout.expert_parallel_size=32"]  # fmt: skip
+
+    def planned(*overrides: str):
+        cfg = load_config(None, [*base, *overrides])
+        plan = plan_for_config(cfg, validate(cfg), 96 * 10**9)
+        gib = {phase: round(plan.phase_bytes(phase) / GIB, 1) for phase in (GENERATE, UPDATE)}
+        return plan, gib
+
+    held, gib = planned()
+    assert gib[UPDATE] == 130.0 and not fits(held)
+    freed, gib = planned("rollout.release_weights=true")
+    assert (gib[GENERATE], gib[UPDATE]) == (95.7, 60.0) and not fits(freed)
+    both, gib = planned("rollout.release_weights=true", "ref.param_offload=true")
+    assert (gib[GENERATE], gib[UPDATE]) == (87.5, 47.0) and fits(both)
+    assert round(both.checked_peak()[1] / GIB, 1) == 82.7 and both.kv_slots == 14
