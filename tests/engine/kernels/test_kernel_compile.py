@@ -25,12 +25,15 @@ from sm90_compile import Compiled, compile_pool, compile_to_ptx  # noqa: E402
 from hybridflow.engine.kernels import (
     attention,
     biased_experts,
+    biased_grouped,
     chunk_attention,
     delta_step,
     delta_step_grouped,
     fp8_quant,
     gemm,
     gemm_persistent,
+    grouped_route,
+    latent_rope,
     moe,
     rowwise,
     sampler,
@@ -292,6 +295,42 @@ def test_moe_kernels_compile(block_m):
     for compiled in grouped:
         ptx = compiled.asm["ptx"]  # pipelined (async copies), tensor cores, no atomics
         assert "cp.async" in ptx and "mma" in ptx and "atom" not in ptx
+
+
+@pytest.mark.parametrize("block_m", [16, 32])  # decode's blocks at 256 rows: 8 and 64 experts
+def test_moe_family_decode_kernels_compile(block_m):
+    """The MoE families' decode pieces on the Triton step: GPT-OSS's grouped expert kernels
+    over [E, in, out] weights (the bias and clamped SwiGLU in the gate/up epilogue) at each
+    block's tile, DeepSeek-V3's grouped routing with its record (8 groups of 32, top 4
+    groups), MLA's one-launch ropes, latent norm and store (Moonlight's 16 heads, V3's 128)."""
+    ints = {"sorted_ptr": "*i32", "block_expert_ptr": "*i32", "total_ptr": "*i32"}
+    grouped = []
+    for gate_up in (True, False):
+        block_n, block_k, warps, stages = moe.TILES[block_m]["gate_up" if gate_up else "down"]
+        grouped.append(_compile(
+            biased_grouped._grouped_in_out_kernel,
+            dict(TOP_K=4, GATE_UP=gate_up, FP32=False, BLOCK_M=block_m, BLOCK_N=block_n,
+                 BLOCK_K=block_k),
+            overrides={**ints, "alpha": "fp32", "limit": "fp32"}, warps=warps, stages=stages,
+            divisible=("N", "K", "stride_am", "stride_we", "stride_wk", "stride_cm",
+                       "stride_be"),
+        ))  # fmt: skip
+    routing = {"logits_ptr": "*fp32", "correction_ptr": "*fp32", "ids_ptr": "*i32",
+               "weights_ptr": "*fp32", "routes_ptr": "*u8", "entry_ptr": "*i64",
+               "offset_ptr": "*i64", "scaling": "fp32"}  # fmt: skip
+    for groups, chosen in ((8, 4), (1, 1)):
+        _compile(grouped_route._grouped_route_kernel,
+                 dict(TOP_K=8, K_PAD=8, E_PAD=256, N_GROUP=groups, G_PAD=max(groups, 2),
+                      TOPK_GROUP=chosen, GROUP_SIZE=256 // groups, BLOCK_T=16, RENORM=True,
+                      RECORD=True), overrides=routing)  # fmt: skip
+    rope = {"entry_ptr": "*i64", "offset_ptr": "*i64"}
+    for heads in (16, 128):
+        _compile(latent_rope._latent_rope_store_kernel,
+                 dict(NOPE=128, HALF=32, HALF_PAD=32, RANK=512, RANK_PAD=512,
+                      HEADS_PAD=heads, INTERLEAVED=True), overrides=rope)  # fmt: skip
+    for compiled in grouped:
+        ptx = compiled.asm["ptx"]  # tensor cores, no atomics
+        assert "mma" in ptx and "atom" not in ptx
 
 
 GEMM_CONFIGS = [gemm.INTERPRETER_CONFIG, *matmul_choice.PAIR_CONFIGS]
