@@ -17,7 +17,9 @@ VERL = "actor_rollout_ref."
 RUN = ["trainer.nnodes=1", "trainer.n_gpus_per_node=2", VERL + "actor.use_kl_loss=True",
        "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=False",
        "trainer.logger=['console','file']"]  # fmt: skip
-NOT_COMPARED = ("timing_s/", "perf/", "memory/")  # wall-clock and host measurements
+# Wall-clock and host measurements (the rollout's tail and speculation are clocked too).
+NOT_COMPARED = ("timing_s/", "perf/", "memory/", "rollout/tail_seconds",
+                "rollout/speculative_seconds", "rollout/speculative_tail_seconds_saved")  # fmt: skip
 
 
 PLAIN = (VERL + "rollout.tensor_model_parallel_size=1",)
