@@ -6,12 +6,16 @@ Why forking after these imports is safe: the server imports modules and runs not
 Importing torch does not initialise CUDA (torch.cuda initialises lazily, at a worker's first
 ``set_device``), so each child starts CUDA for itself as a spawned process would; and the
 server runs no Python thread, so no child inherits a lock that another thread held (the one
-native thread, numpy's OpenBLAS pool, is parked across fork by OpenBLAS's own fork handler).
-tests/controller/test_fork_server.py checks both facts on the preload list.
+native thread, numpy's OpenBLAS pool, is stopped before each fork by OpenBLAS's own fork
+handler and started again when next needed). tests/controller/test_fork_server.py checks both
+facts on the preload list.
 
 What the server does not carry over, the local backend passes to each worker: the caller's
-environment at the time the worker starts (the server kept the one of its own start). The
-preload list therefore holds only modules that read no run-time setting at import."""
+environment at the time the worker starts (the server kept the one of its own start). A module
+that reads a setting at import is therefore left out of the preload, for each worker to import
+after taking that environment; torch reads a few logging and debug switches at import (such as
+TORCH_LOGS): a process that changes them after its first group started keeps the first ones in
+later workers."""
 
 from __future__ import annotations
 
