@@ -4,6 +4,7 @@ starts, the server survives a SIGTERM to every process of a job, and its preload
 thread and no CUDA (what makes forking after it safe). That a worker still exits with its
 controller, which is no longer its parent: test_local_lifecycle.py."""
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -49,6 +50,11 @@ def test_other_children_of_the_server_keep_the_default_sigterm():
     process.start()
     process.join(30)
     assert process.exitcode == -signal.SIGTERM
+
+
+def test_a_platform_without_a_fork_server_spawns_the_workers(monkeypatch):
+    monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["fork", "spawn"])
+    assert process_context().get_start_method() == "spawn"
 
 
 PRELOAD_PROBE = """
