@@ -55,10 +55,7 @@ def median_seconds(fn, repeats: int, warmup: int = 3) -> float:
 def measure(backend: str, world_size: int, batch: Batch, repeats: int) -> dict:
     label = backend
     if backend == "local-pickle":
-        os.environ["HYBRIDFLOW_SHM_MIN_BYTES"] = str(1 << 62)  # read by the spawned workers
-        from hybridflow.controller import transport
-
-        transport.SHM_MIN_BYTES = 1 << 62
+        os.environ["HYBRIDFLOW_SHM_MIN_BYTES"] = str(1 << 62)  # read by controller and workers
         backend = "local"
     start = time.perf_counter()
     group = WorkerGroup(BenchWorker, ResourcePool(cpus=world_size, cpus_per_worker=0.5), backend)

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hybridflow.controller.fork_server import WORKER_PRELOAD
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -73,16 +75,12 @@ def start_ranks(entry, world: int, *args) -> None:
 
     The ranks fork from multiprocessing's fork server, a fresh interpreter (not a fork of
     pytest: no thread or state of the tests is inherited) started once per test session that
-    has imported RANK_PRELOAD, instead of each rank starting Python and importing torch."""
+    has imported the local backend's WORKER_PRELOAD (controller/fork_server.py, whose workers
+    share the server), instead of each rank starting Python and importing torch."""
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(RANK_PRELOAD)  # read when the server starts (the first call)
+    context.set_forkserver_preload(WORKER_PRELOAD)  # read when the server starts (the first call)
     mp.start_processes(entry, args=(world, free_port(), *args), nprocs=world,
                        start_method="forkserver")  # fmt: skip
-
-
-RANK_PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.fsdp", "hybridflow.models"]
-"""Modules every rank needs, imported once by the fork server rather than by each rank (about
-2 s of CPU a rank, torch.distributed.tensor bringing sympy)."""
 
 
 def _run_fn(rank: int, world: int, port: int, fn, args: tuple) -> None:

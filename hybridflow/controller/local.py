@@ -1,4 +1,5 @@
-"""``local`` backend: one spawned process per device on this node.
+"""``local`` backend: one process per device on this node, forked from a fork server that has
+imported torch once (fork_server.py), or spawned where the platform has no fork server.
 
 Each worker initialises torch.distributed (NCCL on GPU, gloo on CPU) and then serves calls
 from a pipe; tensors travel through shared memory (transport.py). A thread per worker
@@ -10,6 +11,7 @@ and exit by themselves when the controller process disappears.
 from __future__ import annotations
 
 import itertools
+import multiprocessing.connection
 import os
 import signal
 import socket
@@ -20,6 +22,7 @@ from concurrent.futures import Future
 
 from hybridflow.controller import transport
 from hybridflow.controller.errors import WorkerDiedError
+from hybridflow.controller.fork_server import apply_environment, process_context
 from hybridflow.controller.resources import ResourcePool
 from hybridflow.controller.worker import (
     RankResult,
@@ -28,8 +31,6 @@ from hybridflow.controller.worker import (
     destroy_distributed,
     init_distributed,
 )
-
-_PARENT_POLL_S = 1.0
 
 
 class LocalBackend:
@@ -47,8 +48,6 @@ class LocalBackend:
     ) -> None:
         """``rendezvous_host``: where rank 0's torch.distributed store listens; the default
         keeps it off the network (all ranks are on this host)."""
-        import torch.multiprocessing as mp
-
         if pool.num_nodes != 1:
             raise ValueError(
                 f"the local backend runs on one node; {pool} spans {pool.num_nodes}: use backend='ray'"
@@ -62,7 +61,7 @@ class LocalBackend:
         self.pending: list[dict[int, Future]] = [{} for _ in range(self.world_size)]
         self.lock = threading.Lock()
         self.call_ids = itertools.count()
-        ctx = mp.get_context("spawn")
+        ctx = process_context()
         port = _free_port()
         self.procs, self.conns = [], []
         for rank in range(self.world_size):
@@ -85,6 +84,7 @@ class LocalBackend:
                     collective_timeout_s,
                     os.getpid(),
                     rendezvous_host,
+                    dict(os.environ),  # a forked worker would have the fork server's
                 ),
                 name=f"hybridflow-{group}-{rank}",
                 daemon=False,  # workers may start their own children (daemons cannot)
@@ -282,14 +282,16 @@ def _worker_main(
     context: WorkerContext,
     port: int,
     collective_timeout_s: float,
-    parent_pid: int,
-    rendezvous_host: str = "127.0.0.1",
+    controller_pid: int,
+    rendezvous_host: str,
+    environ: dict[str, str],
 ) -> None:
+    apply_environment(environ)
     # The controller decides when workers stop: a scheduler's SIGTERM to the whole process
     # group must not kill them while the controller saves a checkpoint.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=_exit_with_controller, args=(controller_pid,), daemon=True).start()
     owner = str(os.getpid())
     host = WorkerHost()
     try:
@@ -342,15 +344,23 @@ def _serve(conn, host: WorkerHost, owner: str) -> None:
         conn.send_bytes(reply)
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    # If the controller is SIGKILLed no atexit runs: workers notice and leave on their own.
-    while True:
-        time.sleep(_PARENT_POLL_S)
-        if os.getppid() != parent_pid:
-            try:
-                _kill_descendants()
-            finally:
-                os._exit(1)
+def _exit_with_controller(controller_pid: int) -> None:
+    """If the controller is SIGKILLed no atexit runs: workers notice and leave on their own.
+
+    The controller is not this process's parent when the fork server started it, so this
+    waits on what ends with the controller itself: multiprocessing's parent sentinel (a pipe
+    whose write end only the controller holds) and, where Linux has pidfds, the controller's
+    process (in case a child the controller forked holds a copy of that pipe)."""
+    watched = [multiprocessing.parent_process().sentinel]
+    try:
+        watched.append(os.pidfd_open(controller_pid))
+    except (AttributeError, OSError):  # no pidfd here, or the controller is already gone
+        pass
+    multiprocessing.connection.wait(watched)
+    try:
+        _kill_descendants()
+    finally:
+        os._exit(1)
 
 
 def _kill_descendants() -> None:

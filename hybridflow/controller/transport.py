@@ -27,10 +27,16 @@ from hybridflow.protocol import Batch
 
 SHM_DIR = "/dev/shm"
 # Below this many tensor bytes a message goes inline (creating a file costs ~50 us).
-# The environment variable exists for benchmarks that compare both paths.
-SHM_MIN_BYTES = int(os.environ.get("HYBRIDFLOW_SHM_MIN_BYTES", 1 << 20))
+SHM_MIN_BYTES = 1 << 20
 SHM_PREFIX = "hybridflow-"
 _ALIGN = 64
+
+
+def shm_min_bytes() -> int:
+    """SHM_MIN_BYTES, or HYBRIDFLOW_SHM_MIN_BYTES for benchmarks that compare both paths. Read
+    at each message, not at import: a forked worker imports this module before it takes on
+    its controller's environment (controller/fork_server.py)."""
+    return int(os.environ.get("HYBRIDFLOW_SHM_MIN_BYTES", SHM_MIN_BYTES))
 
 
 def segment_prefix(owner: str) -> str:
@@ -96,7 +102,7 @@ def encode_many(
     sizes = [r.numel() for r in raw]
     offsets, total = _layout(sizes)
     segment = None
-    if total >= SHM_MIN_BYTES and os.path.isdir(SHM_DIR):
+    if total >= shm_min_bytes() and os.path.isdir(SHM_DIR):
         segment = _write_segment(raw, offsets, total, owner)
     if segment is not None:
         carrier: Any = ("shm", segment, offsets, total, receiver_unlinks)

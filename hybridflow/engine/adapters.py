@@ -20,6 +20,8 @@ optimizer steps reach the next decode step with no copy. Dropout is not applied 
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,12 +30,15 @@ from hybridflow.engine.kernels.launch import PLAIN, Launch
 
 
 def adapter_layers(model: nn.Module) -> list[nn.Module]:
-    """The peft LoRA layers injected into `model` ([] for a plain model)."""
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:  # peft is an extra; a model without it has no adapters
+    """The peft LoRA layers injected into `model` ([] for a plain model).
+
+    A model with LoRA layers has had their module imported; one without is answered without
+    importing peft, which costs ~2 s of CPU (transformers, torchao and torch._dynamo with it)
+    at every engine's start in a process that trains no adapter."""
+    lora = sys.modules.get("peft.tuners.lora")
+    if lora is None:  # also where peft, an extra, is not installed
         return []
-    return [m for m in model.modules() if isinstance(m, LoraLayer)]
+    return [m for m in model.modules() if isinstance(m, lora.LoraLayer)]
 
 
 class AdapterMatmul:

@@ -1,7 +1,7 @@
-"""The `local` backend: spawned processes, gloo, shared-memory transport, failure handling.
+"""The `local` backend: worker processes, gloo, shared-memory transport, failure handling.
 
-Each group start costs a few seconds (every process imports torch), so the tests share
-one group where they can.
+Each group start costs a few seconds (torch.distributed's start, the workers' own imports), so
+the tests share one group where they can. How workers start: test_fork_server.py.
 """
 
 import glob
@@ -44,9 +44,12 @@ def gone(pid: int) -> bool:
 
 
 def child_pids() -> set[int]:
-    """Our descendants, minus multiprocessing's resource tracker (one per controller)."""
-    procs = psutil.Process().children(recursive=True)
-    return {p.pid for p in procs if "resource_tracker" not in " ".join(p.cmdline())}
+    """Our descendants, minus multiprocessing's resource tracker and fork server (one per
+    controller, kept for its later groups)."""
+    me = psutil.Process()
+    helpers = {p.pid for p in me.children()  # the workers forked from the server are counted
+               if any(h in " ".join(p.cmdline()) for h in ("resource_tracker", "forkserver"))}  # fmt: skip
+    return {p.pid for p in me.children(recursive=True)} - helpers
 
 
 def wait_gone(pids: list[int], timeout_s: float = 10.0) -> bool:

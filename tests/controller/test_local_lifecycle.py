@@ -1,6 +1,7 @@
 """No worker process (nor anything a worker started) outlives a controller that is
 interrupted (Ctrl-C), terminated (SIGTERM) or killed (SIGKILL: no cleanup code runs in
-the controller; the workers notice their parent is gone)."""
+the controller; the workers notice their controller is gone, and so does the fork server they
+came from)."""
 
 import signal
 import subprocess
@@ -65,6 +66,7 @@ def test_stopped_controller_leaves_no_orphans(tmp_path: Path, signum: int):
             time.sleep(0.1)
         worker_pid, grandchild_pid = map(int, out.read_text().split())
         assert not gone(worker_pid) and not gone(grandchild_pid)
+        server_pid = psutil.Process(worker_pid).ppid()  # the fork server the worker came from
         proc.send_signal(signum)
         proc.wait(timeout=30)
     finally:
@@ -73,5 +75,5 @@ def test_stopped_controller_leaves_no_orphans(tmp_path: Path, signum: int):
         assert "KeyboardInterrupt" in err.read_text()
     if signum == signal.SIGTERM:
         assert proc.returncode == 128 + signal.SIGTERM  # SystemExit, so atexit ran
-    survivors = [worker_pid, grandchild_pid]
+    survivors = [worker_pid, grandchild_pid, server_pid]
     assert wait_gone(survivors, timeout_s=15), [describe(p) for p in survivors if not gone(p)]

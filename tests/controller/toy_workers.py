@@ -80,6 +80,10 @@ class Toy(Worker):
         return os.getpid()
 
     @register
+    def getenv(self, name: str) -> str | None:
+        return os.environ.get(name)
+
+    @register
     def start_child(self) -> int:
         """A grandchild of the controller, which must not outlive the group."""
         return subprocess.Popen(["sleep", "300"]).pid

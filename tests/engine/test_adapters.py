@@ -4,6 +4,8 @@ what an engine over the merged weights samples."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -88,3 +90,25 @@ def test_fp32_adapters_beside_a_bf16_base_are_read_in_bf16():
         layer.base_layer(x) + layer.scaling["default"] * (x @ a.bfloat16().t()) @ b.bfloat16().t()
     )
     torch.testing.assert_close(got, bf16, rtol=0.02, atol=0.02)
+
+
+class _RefusePeft:
+    """A meta-path finder that records, and refuses, every import of peft."""
+
+    def __init__(self):
+        self.asked: list[str] = []
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "peft":
+            self.asked.append(name)
+            raise ImportError(f"{name} refused by the test")
+        return None
+
+
+def test_a_plain_model_is_answered_without_importing_peft(monkeypatch):
+    for name in [n for n in sys.modules if n.split(".")[0] == "peft"]:
+        monkeypatch.delitem(sys.modules, name)  # as in a process that never imported peft
+    finder = _RefusePeft()
+    monkeypatch.setattr(sys, "meta_path", [finder, *sys.meta_path])
+    assert adapter_layers(build_model(preset_config("tiny"), seed=0)) == []
+    assert finder.asked == []

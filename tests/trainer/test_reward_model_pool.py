@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 from reward_model_helpers import write_reward_model
-from trainer_helpers import read_metrics, tiny_config
+from trainer_helpers import CLOCKED, read_metrics, tiny_config
 
 from hybridflow.config import ConfigError, validate
 from hybridflow.models import load_tokenizer
 from hybridflow.trainer.lifecycle.run import train
 from hybridflow.trainer.loop import roles as roles_module
 
-NOT_COMPARED = ("timing_s/", "perf/", "async/", "memory/")
+NOT_COMPARED = ("timing_s/", "perf/", "async/", "memory/", *CLOCKED)
 
 
 def _comparable(rows: dict) -> dict:

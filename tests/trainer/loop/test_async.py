@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from trainer_helpers import read_metrics, tiny_config
+from trainer_helpers import CLOCKED, read_metrics, tiny_config
 
 from hybridflow.trainer.lifecycle.run import train
 from hybridflow.trainer.loop.async_rollout import (
@@ -16,7 +16,7 @@ from hybridflow.trainer.loop.async_rollout import (
     generation_version,
 )
 
-NOT_COMPARED = ("timing_s/", "perf/", "async/", "memory/", "rollout/tail_seconds")  # wall clock
+NOT_COMPARED = ("timing_s/", "perf/", "async/", "memory/", *CLOCKED)
 
 
 def _comparable(rows: dict) -> dict:
