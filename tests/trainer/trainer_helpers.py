@@ -36,7 +36,8 @@ TINY = [
 CLOCKED = ("rollout/tail_seconds", "rollout/tail_decode_steps", "rollout/speculative_seconds",
            "rollout/speculative_tail_seconds_saved")  # fmt: skip
 """Metric keys outside timing_s/ that are wall-clock readings (the engine clocks the rollout's
-tail and its verify passes): runs that must match leave them out, as they do timing_s/."""
+tail and its verify passes) or counts of the steps those clocks cover (in async mode they
+depend on when requests arrive): runs that must match leave them out, as they do timing_s/."""
 
 
 def tiny_config(tmp_path: Path, *overrides: str, example: str | None = None):
