@@ -67,7 +67,7 @@ class RolloutConfig:
     correction) stay. Nothing to free where the engine reads the actor's own tensors (one
     GPU, no FSDP, the rollout's dtype). Needs trainer.mode=sync and colocated placement;
     `hybridflow config plan` turns it on where nothing fits without it
-    (engine/weight_release.py)."""
+    (engine/weights/release.py)."""
     lora_in_place: bool = False
     """LoRA: decode the actor's own base weights with the adapters added unmerged
     (engine/adapters.py) instead of a merged copy refreshed at each sync: no second copy of

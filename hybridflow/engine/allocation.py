@@ -21,7 +21,7 @@ from hybridflow.engine.kernels.launch import PLAIN
 from hybridflow.engine.prefill import RopeTable, extend_forward, prefill_forward
 from hybridflow.engine.scheduling.scheduler import Scheduler
 from hybridflow.engine.state import DecodeState
-from hybridflow.engine.weights import FusedProjections
+from hybridflow.engine.weights.fused import FusedProjections
 
 log = logging.getLogger("hybridflow.engine")
 

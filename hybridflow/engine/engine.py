@@ -47,7 +47,7 @@ from hybridflow.engine.scheduling.kept import KeptKV
 from hybridflow.engine.scheduling.scheduler import Scheduler
 from hybridflow.engine.scheduling.tail import TailStats
 from hybridflow.engine.state import DecodeState
-from hybridflow.engine.weights import copy_named_tensors
+from hybridflow.engine.weights.fused import copy_named_tensors
 
 
 class Engine:
@@ -187,7 +187,7 @@ class Engine:
         self.kept = KeptKV()  # slots kept for the next turn of their conversation
         self.scheduler: Scheduler | None = None  # made with the cache
         self.service = None  # the RolloutService driving this engine, while one runs
-        self.released_weights = None  # weight_release.ReleasedWeights while freed
+        self.released_weights = None  # weights/release.ReleasedWeights while freed
         self.policy_version = 0  # bumped by load_weights / new_policy_version
         self.prefill_tokens = 0  # prompt tokens run through prefill or extend (a counter)
         self.tail = TailStats()  # the long tail's steps and seconds (scheduling/tail.py)
@@ -241,14 +241,14 @@ class Engine:
             self.service.streams.hand_back()
 
     def release_weights(self) -> int:
-        """Free the parameters' storage until :meth:`restore_weights` (weight_release.py),
+        """Free the parameters' storage until :meth:`restore_weights` (weights/release.py),
         after which the caller rewrites every parameter; generating in between raises.
         -> bytes freed."""
         if self.service is not None:
             raise RuntimeError("Engine.release_weights: a service is decoding on these weights")
         if self.released_weights is not None:
             return 0
-        from hybridflow.engine.weight_release import release_parameters
+        from hybridflow.engine.weights.release import release_parameters
 
         self.released_weights = release_parameters(self.model)
         if self.device.type == "cuda":
@@ -257,8 +257,8 @@ class Engine:
 
     def restore_weights(self):
         """The storage freed by :meth:`release_weights` allocated again, its contents
-        undefined: -> the weight_release.ReleasedWeights record (None: nothing was freed),
-        for the caller to check it rewrote every one (weight_release.check_rewritten)."""
+        undefined: -> the weights/release.ReleasedWeights record (None: nothing was freed),
+        for the caller to check it rewrote every one (weights/release.check_rewritten)."""
         released, self.released_weights = self.released_weights, None
         if released is not None:
             released.restore()

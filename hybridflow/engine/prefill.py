@@ -16,7 +16,7 @@ import torch
 from hybridflow.engine.cache.kv_cache import KVCache
 from hybridflow.engine.kernels.launch import PLAIN, Launch
 from hybridflow.engine.rope_table import RopeTable
-from hybridflow.engine.weights import FusedProjections
+from hybridflow.engine.weights.fused import FusedProjections
 from hybridflow.models.attention import make_packed_attention, resolve_backend
 from hybridflow.models.mixers.gated_deltanet import TokenLayout
 

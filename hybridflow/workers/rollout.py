@@ -32,7 +32,7 @@ from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.data.image_batch import IMAGE_GRID_THW, MROPE_POSITIONS, PIXEL_VALUES
 from hybridflow.engine.scheduling.tail import TAIL_METRICS, tail_metrics
 from hybridflow.engine.speculative import SPECULATIVE_METRICS
-from hybridflow.engine.weight_release import check_rewritten
+from hybridflow.engine.weights.release import check_rewritten
 from hybridflow.protocol import Batch
 from hybridflow.workers.model_loading import (
     default_tokenizer_path,
@@ -464,7 +464,7 @@ class RolloutWorker(Worker):
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def release_weights(self) -> int:
         """rollout.release_weights: free the engine's own weight copy for the step's passes
-        and update (engine/weight_release.py); the next sync allocates and rewrites it. Nothing
+        and update (engine/weights/release.py); the next sync allocates and rewrites it. Nothing
         to free where the engine reads the actor's tensors. -> bytes freed on this rank."""
         if not self.config.rollout.release_weights or self.shares_actor_weights:
             return 0

@@ -169,7 +169,7 @@ def _row_blind_activation_scales():
 
 def _fp8_on_ranks(rank: int, world: int) -> None:
     from hybridflow.engine.fp8.matmul import Fp8Matmul
-    from hybridflow.engine.weights import FusedProjections
+    from hybridflow.engine.weights.fused import FusedProjections
 
     whole = _model()
     shard = _shard(whole)

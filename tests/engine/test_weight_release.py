@@ -1,4 +1,4 @@
-"""Engine.release_weights / restore_weights (weight_release.py) on CPU, fp32: the weights'
+"""Engine.release_weights / restore_weights (weights/release.py) on CPU, fp32: the weights'
 storage is freed between a generation and the sync, the buffers are kept, and after the
 sync rewrites the parameters the engine draws the tokens it drew before."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybridflow.engine import Engine, EngineOptions, SamplingParams
-from hybridflow.engine.weight_release import check_rewritten
+from hybridflow.engine.weights.release import check_rewritten
 from hybridflow.models import build_model
 from hybridflow.models.presets import preset_config
 

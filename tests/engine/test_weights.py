@@ -12,7 +12,7 @@ def test_fused_projections_refresh_is_the_per_layer_concatenation_with_norms_fol
     """refresh() (one batched copy, one multiply per tensor) gives bitwise what concatenating
     q/k/v, interleaving gate/up rows and folding each norm weight in fp32 per layer gives, in
     bf16; and a later refresh picks up parameters changed in place (an optimizer step)."""
-    from hybridflow.engine.weights import FusedProjections
+    from hybridflow.engine.weights.fused import FusedProjections
 
     cfg = preset_config("tiny")
     model = build_model(cfg, seed=5).to(torch.bfloat16).eval().requires_grad_(False)

@@ -11,7 +11,7 @@ from learner_helpers import tiny_model
 pytest.importorskip("torchao.float8")
 
 from hybridflow.engine.fp8.matmul import Fp8Matmul  # noqa: E402
-from hybridflow.engine.weights import FusedProjections  # noqa: E402
+from hybridflow.engine.weights.fused import FusedProjections  # noqa: E402
 from hybridflow.learners.fp8_training import Fp8Training, convert_to_fp8  # noqa: E402
 
 QKV = ("q_proj", "k_proj", "v_proj")

@@ -80,7 +80,7 @@ def rollout_weight_parameters(a: ModelArchitecture, o: PlanOptions) -> int:
 
 
 def fused_copy_bytes(a: ModelArchitecture, fuse_projections: str, element_bytes: int = 2) -> int:
-    """The triton decode path's concatenated q/k/v (and gate/up) copies (engine/weights.py);
+    """The triton decode path's concatenated q/k/v (and gate/up) copies (engine/weights/fused.py);
     none for a model the engine runs on its eager passes (gated attention, Gated DeltaNet, a
     shared expert: engine/cache/kinds.eager_only), which decodes without them."""
     if fuse_projections == "none" or eager_only(a.layer_specs()):

@@ -10,7 +10,7 @@ from torch import nn
 
 from hybridflow.engine.fp8.matmul import Fp8Matmul
 from hybridflow.engine.fp8.weight_scales import quantize_weight, trainer_multiplier
-from hybridflow.engine.weights import FusedProjections
+from hybridflow.engine.weights.fused import FusedProjections
 from hybridflow.models import build_model
 from hybridflow.models.presets import preset_config
 

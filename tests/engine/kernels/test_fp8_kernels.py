@@ -19,7 +19,7 @@ from hybridflow.engine.kernels import rowwise  # noqa: E402
 from hybridflow.engine.kernels.fp8_quant import quantize_rows_triton  # noqa: E402
 from hybridflow.engine.kernels.launch import PLAIN  # noqa: E402
 from hybridflow.engine.layers.split import fused_layers  # noqa: E402
-from hybridflow.engine.weights import FusedProjections  # noqa: E402
+from hybridflow.engine.weights.fused import FusedProjections  # noqa: E402
 from hybridflow.models import build_model  # noqa: E402
 from hybridflow.models.presets import preset_config  # noqa: E402
 

@@ -262,7 +262,7 @@ def test_bf16_prefill_with_strided_flash_inputs_matches_model_prefill():
     noise of the model's own modules (a wrong row stride would give unrelated logits)."""
     from hybridflow.engine.cache.kv_cache import allocate_cache
     from hybridflow.engine.prefill import RopeTable, prefill_forward, prefill_forward_triton
-    from hybridflow.engine.weights import FusedProjections
+    from hybridflow.engine.weights.fused import FusedProjections
 
     cfg = preset_config("tiny")
     model = build_model(cfg, seed=3, device=DEVICE).to(torch.bfloat16).eval()

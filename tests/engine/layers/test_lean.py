@@ -106,7 +106,7 @@ def test_lean_engine_matches_eager_engine(variant, monkeypatch):
 
 
 def test_lean_does_not_apply_without_folded_gate_up_or_with_qk_norms():
-    from hybridflow.engine.weights import FusedProjections
+    from hybridflow.engine.weights.fused import FusedProjections
 
     model = _model()
     assert lean.applies(model, FusedProjections(model, gate_up=True))
