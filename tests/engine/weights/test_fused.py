@@ -1,4 +1,4 @@
-"""FusedProjections (weights.py) on CPU."""
+"""FusedProjections (engine/weights/fused.py) on CPU."""
 
 from __future__ import annotations
 
