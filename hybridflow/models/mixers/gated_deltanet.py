@@ -135,6 +135,8 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
         self.delta_backend = "auto"
+        # tensor parallelism: this rank's heads (models/sharding/tensor_parallel.TensorHeads)
+        self.tensor_heads = None
 
     @torch.no_grad()
     def init_state_parameters(self, generator: torch.Generator) -> None:
@@ -148,7 +150,18 @@ class GatedDeltaNet(nn.Module):
         return decay_and_beta(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
 
     def head_weights(self) -> HeadWeights:
+        """The conv taps, A_log and dt_bias of this rank's heads (all of them but under
+        tensor parallelism)."""
+        if self.tensor_heads is not None:
+            return HeadWeights(*self.tensor_heads.local(self.conv1d.weight, self.A_log,
+                                                        self.dt_bias))  # fmt: skip
         return HeadWeights(conv=self.conv1d.weight, A_log=self.A_log, dt_bias=self.dt_bias)
+
+    def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """in_proj_qkv's output [..., C] (of this rank's heads under tensor parallelism)."""
+        if self.tensor_heads is not None:
+            return self.tensor_heads.project_qkv(x, self.in_proj_qkv.weight)
+        return self.in_proj_qkv(x)
 
     def forward(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         """The training op: x [N, H] packed or [B, T, H] padded (``layout``) -> [..., H]."""
@@ -230,7 +243,7 @@ class GatedDeltaNet(nn.Module):
         """-> (out, the conv's inputs, the last states [S, Hv, Dk, Dv] or None)."""
         if layout.attention_mask is not None:  # padding tokens enter as zeros: no state change
             x = x * layout.attention_mask[..., None].to(x.dtype)
-        mixed, a, b = self.in_proj_qkv(x), self.in_proj_a(x), self.in_proj_b(x)
+        mixed, a, b = self.project_qkv(x), self.in_proj_a(x), self.in_proj_b(x)
         if layout.sequence_group is not None:
             if final_state:
                 raise ValueError("a sequence-parallel forward keeps no final state")
