@@ -6,7 +6,8 @@ several sequences; the split's divisibility check.
 
 The hybrid's fp32 forward is itself only good to ~4e-5 on these logits (against fp64: the
 chunked delta rule's triangular solves), and the split sums in another order, so it is
-compared at that floor in fp32 and to rounding in fp64."""
+compared at that floor in fp32 and much closer in fp64 (where its norms and gates still
+compute in fp32)."""
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ LENGTHS = [6, 9, 3, 1]
 CONFIGS = {
     "qwen3 qk-norm": (small_config("qwen3", vocab_size=96), torch.float32, 1e-5),
     "tiny hybrid": (PRESETS["tiny-hybrid"], torch.float32, 1e-4),
-    "tiny hybrid fp64": (PRESETS["tiny-hybrid"], torch.float64, 1e-10),
+    "tiny hybrid fp64": (PRESETS["tiny-hybrid"], torch.float64, 1e-6),
 }
 
 

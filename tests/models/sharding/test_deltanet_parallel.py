@@ -1,11 +1,16 @@
 """Gated DeltaNet layers split by heads: a rank's heads mix as the whole layer's do (no
 processes), and the tiny hybrid's packed forward, logits, loss and gradients under Ulysses
 SP = 2 on 2 gloo ranks equal one process's (fp32), on a stream of several sequences, one of
-which crosses the ranks' boundary."""
+which crosses the ranks' boundary; and on 4 ranks, Ulysses SP = 2 over the heads of tensor
+parallelism TP = 2 (at the hybrid's fp32 floor: the split sums in another order, see
+test_decoder_tensor_parallel.py)."""
+
+import dataclasses
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from gloo_ranks import run_ranks
 from model_helpers import randomized_model
 
@@ -77,8 +82,8 @@ def test_each_rank_heads_mix_as_the_whole_layer_does(size):
         torch.testing.assert_close(part, full[:, heads], rtol=1e-6, atol=1e-6)
 
 
-def _close(actual, expected, where: str, rtol: float = 1e-5) -> None:
-    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=rtol,
+def _close(actual, expected, where: str, rtol: float = 1e-5, atol: float = 1e-5) -> None:
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol,
                                msg=lambda m: f"{where}: {m}")  # fmt: skip
 
 
@@ -119,3 +124,50 @@ def _check_hybrid_ulysses(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_two_rank_ulysses_hybrid_logits_loss_and_gradients_equal_one_process():
     run_ranks(_check_hybrid_ulysses, 2)
+
+
+# 4 key heads of 8 value heads: TP = 2 leaves 2 a rank, SP = 2 one a rank; attention's 4
+# heads / 2 KV heads: one KV head a TP rank, repeated for the 2 SP ranks
+WIDER_HYBRID = dataclasses.replace(PRESETS["tiny-hybrid"], linear_num_key_heads=4,
+                                   linear_num_value_heads=8, linear_key_head_dim=8,
+                                   linear_value_head_dim=8)  # fmt: skip
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _check_ulysses_over_tensor_parallel(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hybridflow.models.sharding.tensor_parallel import parallelize_decoder
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("sp", "tp"))
+    group = mesh["sp"].get_group()
+    single = randomized_model(WIDER_HYBRID).train()
+    split = randomized_model(WIDER_HYBRID).train()
+    input_ids, targets, position_ids, cu_seqlens, max_seqlen = _packed(WIDER_HYBRID.vocab_size)
+    count = input_ids.shape[0]
+    hidden = single.forward_packed(input_ids, position_ids, cu_seqlens, max_seqlen)
+    logits = F.linear(hidden, single.lm_head.weight)
+    (F.cross_entropy(logits, targets, reduction="sum") / count).backward()
+
+    parallelize_decoder(split, mesh["tp"])
+    shard = shard_stream(cu_seqlens, max_seqlen, mesh["sp"].get_local_rank(), 2)
+    local = split.forward_packed(take_slice(input_ids, shard),
+                                 pad_positions(position_ids, shard), shard.cu_seqlens,
+                                 shard.max_seqlen, sequence_group=group)  # fmt: skip
+    mine = slice(shard.start, min(shard.stop, count))
+    local_logits = F.linear(local[: mine.stop - mine.start], _whole(split.lm_head.weight))
+    _close(local_logits, logits[mine].detach(), "logits", atol=1e-4)
+    (F.cross_entropy(local_logits, targets[mine], reduction="sum") / count).backward()
+    params = dict(split.named_parameters())
+    for name, param in single.named_parameters():
+        grad = _whole(params[name].grad).clone()
+        dist.all_reduce(grad, group=group)  # each SP rank's tokens' share
+        _close(grad, param.grad, name, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_four_rank_ulysses_over_tensor_parallel_hybrid_equals_one_process():
+    run_ranks(_check_ulysses_over_tensor_parallel, 4)
