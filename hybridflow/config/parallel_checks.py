@@ -182,7 +182,7 @@ def rollout_tensor_parallel_limits(cfg: Config, arch: ModelArchitecture | None) 
 def unpaged_mixers(arch: ModelArchitecture | None) -> list[str]:
     """The token mixers of ``arch`` beyond the engine's paged GQA path (layer_spec.paged_kv:
     MLA's latent, sinks, a sliding window), by kind; none for a model with recurrent layers
-    (refused for every split by _check_shape)."""
+    (the rollout's tensor parallelism of them is refused by _check_shape)."""
     if arch is None or arch.num_hidden_layers > arch.kv_layers:
         return []  # recurrent layers: _check_shape names them
     kinds = {spec.mixer + (" (sliding window)" if spec.window else "")
