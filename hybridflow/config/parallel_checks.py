@@ -182,7 +182,7 @@ def rollout_tensor_parallel_limits(cfg: Config, arch: ModelArchitecture | None) 
 def unpaged_mixers(arch: ModelArchitecture | None) -> list[str]:
     """The token mixers of ``arch`` beyond the engine's paged GQA path (layer_spec.paged_kv:
     MLA's latent, sinks, a sliding window), by kind; none for a model with recurrent layers
-    (refused for every split by _check_shape)."""
+    (the rollout's tensor parallelism of them is refused by _check_shape)."""
     if arch is None or arch.num_hidden_layers > arch.kv_layers:
         return []  # recurrent layers: _check_shape names them
     kinds = {spec.mixer + (" (sliding window)" if spec.window else "")
@@ -327,13 +327,15 @@ def _check_shape(role: str, arch: ModelArchitecture, sizes: list[RoleSize], add:
     who = ROLE_NAMES[role]
     heads, kv = arch.num_attention_heads, arch.num_key_value_heads
     recurrent = arch.num_hidden_layers - arch.kv_layers  # layers whose state spans the sequence
-    for dim, size in (("tp", tp), ("sp", sp)):
-        if size > 1 and recurrent:
-            key = mine[dim].key
-            add(f"{who}: {key} = {size}: this model's {recurrent} Gated DeltaNet layers (a "
-                f"recurrent state per sequence) are not split by tensor or sequence parallelism "
-                f"yet: set {key}=1")  # fmt: skip
-            return
+    if recurrent and role == "rollout" and tp > 1:  # the engine's recurrent cache is whole
+        key = mine["tp"].key
+        add(f"{who}: {key} = {tp}: this model's {recurrent} Gated DeltaNet layers (a recurrent "
+            f"state per sequence) are not split by the rollout's tensor parallelism yet: set "
+            f"{key}=1 (the actor, reference and critic split them by tensor and sequence "
+            "parallelism)")  # fmt: skip
+        return
+    if recurrent and max(tp, sp) > 1:
+        _check_recurrent_heads(who, arch, mine, tp, sp, add)
     sinks = sum(spec.mixer == "sink_attention" for spec in arch.layer_specs())
     if sp > 1 and sinks:  # its attention runs outside the Ulysses-wrapped kernels
         add(f"{who}: {mine['sp'].key} = {sp}: this model's {sinks} attention-sink layers are not "
@@ -375,6 +377,22 @@ def _check_shape(role: str, arch: ModelArchitecture, sizes: list[RoleSize], add:
         elif arch.num_experts % ep:
             add(f"{who}: {ep_key} = {ep} must divide the model's experts (num_experts = "
                 f"{arch.num_experts}): pick a divisor of {arch.num_experts}")  # fmt: skip
+
+
+def _check_recurrent_heads(
+    who: str, arch: ModelArchitecture, mine: dict[str, RoleSize], tp: int, sp: int, add: Add
+) -> None:
+    """Gated DeltaNet layers are split by key heads, each with the value heads it serves
+    (models/sharding/tensor_parallel.py, deltanet_parallel.py): tp, then sp, must divide
+    linear_num_key_heads (the value heads, a multiple of them, follow)."""
+    heads = arch.linear_num_key_heads
+    if tp > 1 and heads % tp:
+        add(f"{who}: {mine['tp'].key} = {tp} must divide the model's Gated DeltaNet key heads "
+            f"(linear_num_key_heads = {heads}): pick a divisor of {heads}")  # fmt: skip
+    elif sp > 1 and (heads // tp) % sp:
+        add(f"{who}: {mine['sp'].key} = {sp} must divide the Gated DeltaNet key heads per "
+            f"tensor-parallel rank = linear_num_key_heads / {tp} = {heads // tp} (Ulysses gives "
+            "each rank whole key heads with their value heads)")  # fmt: skip
 
 
 def _has_dense(arch: ModelArchitecture) -> bool:

@@ -402,18 +402,19 @@ class CausalLM(nn.Module):
             attend = ulysses_attention(attend, sequence_group)
         layout = None  # built only where a mixer needs it (its token columns cost a host sync)
         if self.layout_layers:
-            layout = TokenLayout.packed(cu_seqlens.to(torch.int32), int(max_seqlen))
+            layout = TokenLayout.packed(cu_seqlens.to(torch.int32), int(max_seqlen),
+                                        sequence_group)  # fmt: skip
         return self._run_layers(hidden, cos, sin, attend, routed_experts, router_trace, layout)
 
     def _check_sequence_parallel(self) -> None:
-        """Ulysses splits tokens over ranks and regathers them by heads around attention
-        only; a recurrent mixer would see a slice of each sequence."""
-        recurrent = self.layout_layers
-        if recurrent:
+        """Ulysses splits tokens over ranks and regathers them by heads around attention and
+        Gated DeltaNet's mixing (models/sharding/deltanet_parallel.py); an attention-sink
+        layer's window runs outside them and would see a slice of each sequence."""
+        unsplit = [i for i in self.layout_layers if not self.model.layers[i].spec.recurrent]
+        if unsplit:
             raise ValueError(
-                f"actor.sequence_parallel_size > 1 cannot run layers {recurrent[:4]}... whose "
-                "token mixer runs along each sequence (Gated DeltaNet's recurrent state, "
-                "attention sinks over a window): set "
+                f"actor.sequence_parallel_size > 1 cannot run layers {unsplit[:4]}... whose "
+                "attention sinks run over a window of each sequence: set "
                 "actor.sequence_parallel_size=1 for this model"
             )
 

@@ -24,6 +24,7 @@ from hybridflow.models.mixers.gated_delta_rule import (
     rows_of_packed,
 )
 from hybridflow.models.norm import GatedRMSNorm
+from hybridflow.models.sharding.deltanet_parallel import ulysses_mix
 
 
 @dataclass(frozen=True)
@@ -38,11 +39,17 @@ class TokenLayout:
     max_seqlen: int = 0
     columns: torch.Tensor | None = None
     attention_mask: torch.Tensor | None = None
+    sequence_group: object | None = None
+    """Ulysses (models/sharding/sequence_parallel.py): x is this rank's contiguous slice of
+    the packed stream that cu_seqlens describes (a torch.distributed ProcessGroup)."""
 
     @classmethod
-    def packed(cls, cu_seqlens: torch.Tensor, max_seqlen: int) -> TokenLayout:
+    def packed(
+        cls, cu_seqlens: torch.Tensor, max_seqlen: int, sequence_group: object | None = None
+    ) -> TokenLayout:
         columns = rows_of_packed(cu_seqlens, int(max_seqlen))[1]
-        return cls(cu_seqlens=cu_seqlens, max_seqlen=int(max_seqlen), columns=columns)
+        return cls(cu_seqlens=cu_seqlens, max_seqlen=int(max_seqlen), columns=columns,
+                   sequence_group=sequence_group)  # fmt: skip
 
     @property
     def is_packed(self) -> bool:
@@ -70,6 +77,26 @@ def causal_conv_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     kernel = weight.shape[-1]
     out = F.conv1d(x.transpose(1, 2), weight.to(x.dtype), padding=kernel - 1, groups=x.shape[-1])
     return out[..., : x.shape[1]].transpose(1, 2)
+
+
+def decay_and_beta(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g [..., Hv] fp32 log decay, beta [..., Hv]) of in_proj_a's and in_proj_b's outputs
+    a, b [..., Hv] and the per-head A_log, dt_bias [Hv] (any subset of heads, in order)."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, torch.sigmoid(b)
+
+
+@dataclass(frozen=True)
+class HeadWeights:
+    """The per-head weights of some of a layer's heads (all of them, or a sequence- or
+    tensor-parallel rank's): ``conv`` [C', 1, K] the conv taps of their q, k and v channels
+    (in that order), ``A_log`` and ``dt_bias`` [Hv'] their decay."""
+
+    conv: torch.Tensor
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
 
 
 @dataclass
@@ -108,6 +135,8 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
         self.delta_backend = "auto"
+        # tensor parallelism: this rank's heads (models/sharding/tensor_parallel.TensorHeads)
+        self.tensor_heads = None
 
     @torch.no_grad()
     def init_state_parameters(self, generator: torch.Generator) -> None:
@@ -118,9 +147,21 @@ class GatedDeltaNet(nn.Module):
 
     def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(g [..., Hv] fp32 log decay, beta [..., Hv]) of the layer input x [..., H]."""
-        beta = torch.sigmoid(self.in_proj_b(x))
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
-        return g, beta
+        return decay_and_beta(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
+
+    def head_weights(self) -> HeadWeights:
+        """The conv taps, A_log and dt_bias of this rank's heads (all of them but under
+        tensor parallelism)."""
+        if self.tensor_heads is not None:
+            return HeadWeights(*self.tensor_heads.local(self.conv1d.weight, self.A_log,
+                                                        self.dt_bias))  # fmt: skip
+        return HeadWeights(conv=self.conv1d.weight, A_log=self.A_log, dt_bias=self.dt_bias)
+
+    def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """in_proj_qkv's output [..., C] (of this rank's heads under tensor parallelism)."""
+        if self.tensor_heads is not None:
+            return self.tensor_heads.project_qkv(x, self.in_proj_qkv.weight)
+        return self.in_proj_qkv(x)
 
     def forward(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         """The training op: x [N, H] packed or [B, T, H] padded (``layout``) -> [..., H]."""
@@ -185,7 +226,10 @@ class GatedDeltaNet(nn.Module):
         return self.output(core[:, 0].to(v.dtype), x)
 
     def _heads(self, mixed: torch.Tensor):
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        """The conv's output [..., C'] of all heads or of a rank's (q, k and v channels in
+        the layer's proportions) -> q, k [..., Hk', Dk], v [..., Hv', Dv]."""
+        key = mixed.shape[-1] * self.key_dim // (2 * self.key_dim + self.value_dim)
+        q, k, v = mixed.split([key, key, mixed.shape[-1] - 2 * key], dim=-1)
         return (q.unflatten(-1, (-1, self.head_k_dim)), k.unflatten(-1, (-1, self.head_k_dim)),
                 v.unflatten(-1, (-1, self.head_v_dim)))  # fmt: skip
 
@@ -199,22 +243,39 @@ class GatedDeltaNet(nn.Module):
         """-> (out, the conv's inputs, the last states [S, Hv, Dk, Dv] or None)."""
         if layout.attention_mask is not None:  # padding tokens enter as zeros: no state change
             x = x * layout.attention_mask[..., None].to(x.dtype)
-        mixed = self.in_proj_qkv(x)
-        if layout.is_packed:
-            convolved = causal_conv_packed(mixed, self.conv1d.weight, layout.columns)
-        else:
-            convolved = causal_conv_rows(mixed, self.conv1d.weight)
-        q, k, v = self._heads(F.silu(convolved))
-        g, beta = self.gates(x)
-        ssm = None
-        if layout.is_packed:
-            core = packed_gated_delta_rule(q, k, v, g, beta, layout.cu_seqlens, layout.max_seqlen,
-                                           self.delta_backend, final_state)  # fmt: skip
+        mixed, a, b = self.project_qkv(x), self.in_proj_a(x), self.in_proj_b(x)
+        if layout.sequence_group is not None:
             if final_state:
-                core, ssm = core
-        else:
-            core = chunked_gated_delta_rule(q, k, v, g, beta)[0].to(v.dtype)
+                raise ValueError("a sequence-parallel forward keeps no final state")
+            core = ulysses_mix(self, mixed, a, b, layout, self.head_weights())
+            return self.output(core, x), mixed, None
+        core, ssm = self.mix(mixed, a, b, layout, self.head_weights(), final_state)
         return self.output(core, x), mixed, ssm
+
+    def mix(
+        self,
+        mixed: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        layout: TokenLayout,
+        weights: HeadWeights,
+        final_state: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The per-head part of the layer, for all its heads or some (a parallel rank's):
+        in_proj_qkv's output ``mixed`` [..., C'] (their q, k, v channels), in_proj_a's and
+        in_proj_b's ``a``, ``b`` [..., Hv'] and their ``weights`` -> (the delta rule's output
+        [..., Hv', Dv] in mixed's dtype, the last states [S, Hv', Dk, Dv] or None)."""
+        if layout.is_packed:
+            convolved = causal_conv_packed(mixed, weights.conv, layout.columns)
+        else:
+            convolved = causal_conv_rows(mixed, weights.conv)
+        q, k, v = self._heads(F.silu(convolved))
+        g, beta = decay_and_beta(a, b, weights.A_log, weights.dt_bias)
+        if not layout.is_packed:
+            return chunked_gated_delta_rule(q, k, v, g, beta)[0].to(v.dtype), None
+        core = packed_gated_delta_rule(q, k, v, g, beta, layout.cu_seqlens, layout.max_seqlen,
+                                       self.delta_backend, final_state)  # fmt: skip
+        return core if final_state else (core, None)
 
 
 def recurrent_state_elements(config) -> tuple[int, int]:

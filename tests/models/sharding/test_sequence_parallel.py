@@ -182,3 +182,37 @@ def test_ulysses_attention_equals_attention_in_one_process_of_one_rank():
     finally:
         if group is not None:
             dist.destroy_process_group()
+
+
+def test_ulysses_refuses_attention_sinks_over_a_window_and_runs_recurrent_layers():
+    """GPT-OSS's sink layers run a window of each sequence outside the Ulysses exchange:
+    refused, naming the key; Gated DeltaNet layers run (models/sharding/deltanet_parallel.py)."""
+    import os
+
+    from gloo_ranks import free_port
+
+    from hybridflow.models import build_model
+    from hybridflow.models.presets import PRESETS
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    input_ids, position_ids, cu_seqlens, max_seqlen = _packed(97)
+    group = None
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        group = dist.group.WORLD
+    try:
+        with torch.no_grad():
+            sinks = build_model(PRESETS["tiny-gpt-oss"])
+            with pytest.raises(
+                ValueError, match="attention sinks .* actor.sequence_parallel_size=1"
+            ):
+                sinks.forward_packed(input_ids, position_ids, cu_seqlens, max_seqlen,
+                                     sequence_group=dist.group.WORLD)  # fmt: skip
+            hybrid = build_model(PRESETS["tiny-hybrid"])
+            want = hybrid.forward_packed(input_ids, position_ids, cu_seqlens, max_seqlen)
+            got = hybrid.forward_packed(input_ids, position_ids, cu_seqlens, max_seqlen,
+                                        sequence_group=dist.group.WORLD)  # fmt: skip
+        torch.testing.assert_close(got, want)
+    finally:
+        if group is not None:
+            dist.destroy_process_group()
