@@ -9,7 +9,7 @@ import pytest
 from hybridflow.config import load_config
 from hybridflow.engine.cache.kv_cache import state_slots, whole_sequence_slots
 from hybridflow.models.presets import PRESETS
-from hybridflow.trainer.plan.memory_check import plan_for_config
+from hybridflow.trainer.plan.memory_from_config import plan_for_config
 from hybridflow.trainer.plan.memory_items import PlanOptions
 from hybridflow.trainer.plan.memory_plan import build_plan
 from hybridflow.trainer.plan.memory_rollout import fused_copy_bytes, rollout_weight_parameters
