@@ -1,10 +1,11 @@
 """A run's memory plan from its config, checked against the GPU before any model loads.
 
 ``hybridflow train`` and ``hybridflow config validate`` run :func:`check_memory` (through
-trainer/lifecycle/preflight.py); ``hybridflow config plan`` prints :func:`plan_for_config`'s table.
-The arithmetic and its assumptions are in trainer/plan/memory_plan.py. A plan that does not fit
-raises a ConfigError (exit 2) naming the largest items of the phase that overflows and the
-changes that would make it fit, each planned again with the change applied.
+trainer/lifecycle/preflight.py); ``hybridflow config plan`` prints the table of
+memory_from_config.plan_for_config. The arithmetic and its assumptions are in
+trainer/plan/memory_plan.py. A plan that does not fit raises a ConfigError (exit 2) naming
+the largest items of the phase that overflows and the changes that would make it fit, each
+planned again with the change applied (memory_fixes.py).
 """
 
 from __future__ import annotations

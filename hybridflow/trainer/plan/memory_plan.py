@@ -2,8 +2,9 @@
 
 Pure arithmetic on a :class:`~hybridflow.models.architecture.ModelArchitecture` and the
 options that decide what the code allocates (:class:`PlanOptions`); no torch, no config
-objects. ``trainer/plan/memory_check.py`` builds the options from a run's config, checks the
-peak against the GPU and names the changes that would make a run fit.
+objects. ``trainer/plan/memory_from_config.py`` builds the options from a run's config,
+``memory_check.py`` checks the peak against the GPU and ``memory_fixes.py`` names the changes
+that would make a run fit.
 
 What is modelled is what the code does today:
 

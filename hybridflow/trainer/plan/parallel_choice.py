@@ -4,7 +4,7 @@ Each candidate is the run's config with the layout keys set, and is judged as ``
 and ``train`` judge it: :func:`~hybridflow.config.validate` (a layout whose code path is not
 built, such as tensor parallelism of a mixture of experts' experts, is refused there and
 never recommended) and the one memory plan
-(memory_check.plan_for_config, memory_check.fits). So a recommended layout passes
+(memory_from_config.plan_for_config, memory_fixes.fits). So a recommended layout passes
 ``validate`` by construction.
 
 Candidates are every layout with tensor parallelism inside a node (tp ≤ 8), Ulysses sp ≤ 8

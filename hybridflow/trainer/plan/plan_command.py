@@ -45,7 +45,7 @@ def parse_size(text: str) -> int:
 def plan_command(cfg: Config, gpu_memory: str | None = None, out=print) -> int:
     """Print the plan; exit status 2 (a ConfigError) when it cannot fit the GPU, which is
     ``--gpu-memory``, else trainer.gpu_memory_gib, else the first visible GPU; with none of
-    them the plan is printed and not checked. One plan (memory_check.plan_for_config, which
+    them the plan is printed and not checked. One plan (memory_from_config.plan_for_config, which
     ``validate`` and ``train`` check too), then the layout the plan recommends."""
     derived = validate(cfg, planning=True)
     if gpu_memory is not None:
