@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from hybridflow.engine.cache.fp8_kv import fp8_kv_bytes_per_position
 from hybridflow.engine.cache.kinds import eager_only
-from hybridflow.engine.cache.kv_cache import state_slots
+from hybridflow.engine.cache.sizing import state_slots
 from hybridflow.engine.cache.workspace import engine_workspace_bytes, sampling_bytes_per_row
 from hybridflow.models.architecture import ModelArchitecture
 from hybridflow.trainer.plan.memory_items import (
