@@ -1,4 +1,4 @@
-"""The preallocated KV cache, slot-based or paged, and its sizing from a memory budget.
+"""The preallocated KV cache, slot-based or paged (its sizing from a memory budget: sizing.py).
 
 A slot is one sequence (prompt + generated tokens, up to max_seq_len): what the scheduler
 admits into and decode rows point at. Where its K/V live:

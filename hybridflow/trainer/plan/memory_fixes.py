@@ -45,7 +45,7 @@ def fit_problems(cfg: Config, plan: MemoryPlan, source: str = "") -> list[str]:
 
 def no_kv_slot_text(plan: MemoryPlan) -> str:
     """Why the engine would refuse its KV cache: the budget holds no slot (slot cache), or
-    fewer blocks than one sequence of max_seq_len needs (paged: kv_cache.plan_blocks)."""
+    fewer blocks than one sequence of max_seq_len needs (paged: sizing.plan_blocks)."""
     o, length = plan.options, plan.options.rollout_max_seq_len
     one = mp.kv_slot_bytes(plan.architecture, length, o.rollout_bytes)
     what = f"no KV-cache slot of {one / 2**20:.0f} MiB ({length} tokens)"
