@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridflow.engine.kernels.moe import RouteRecord
+from hybridflow.engine.kernels.routing import RouteRecord
 
 
 @triton.jit

@@ -3,7 +3,7 @@ expert matmuls that read only the experts a batch touches, and the weighted comb
 
 One sparse layer, T tokens, E experts, top-k each (P = T * k (token, expert) pairs):
 
-1. `route_topk`: softmax over the router logits in fp32, top-k (descending, as torch.topk),
+1. `routing.route_topk`: softmax over the router logits in fp32, top-k (descending, as torch.topk),
    renormalised when the model says so; optionally each token's expert ids are written to the
    engine's routing record (routing replay: kv_cache.KVCache.routes).
 2. `align_pairs`: the pairs sorted by expert (stable: in pair order inside an expert), each
@@ -33,91 +33,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-
-# -------------------------------------------------------------------------------------------
-# 1. Routing
-
-
-@triton.jit
-def _topk_kernel(
-    logits_ptr, ids_ptr, weights_ptr, routes_ptr, entry_ptr, offset_ptr, T, E, stride_l,
-    stride_re, stride_ro, route_col,
-    TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-    RENORM: tl.constexpr, RECORD: tl.constexpr,
-):  # fmt: skip
-    """BLOCK_T rows a program: softmax (fp32) of logits [T, E], the TOP_K largest (ties: the
-    lower expert id) -> ids [T, TOP_K] int32, weights [T, TOP_K] fp32 (divided by their sum
-    when RENORM). RECORD: ids also to routes[entry[t], offset[t], route_col + j] (the
-    routing record of the token's cache position)."""
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, E_PAD)
-    row_mask = rows < T
-    col_mask = cols < E
-    rows64 = tl.where(row_mask, rows, 0).to(tl.int64)
-    x = tl.load(logits_ptr + rows64[:, None] * stride_l + cols[None, :],
-                mask=col_mask[None, :], other=float("-inf")).to(tl.float32)  # fmt: skip
-    shifted = tl.exp(x - tl.max(x, axis=1)[:, None])
-    probs = shifted / tl.sum(shifted, axis=1)[:, None]  # padded columns: exp(-inf) = 0
-    work = tl.where(col_mask[None, :], probs, -1.0)
-    slots = tl.arange(0, K_PAD)
-    ids = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int32)
-    values = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(work, axis=1)
-        index = tl.min(tl.where(work == best[:, None], cols[None, :], E_PAD), axis=1)
-        ids = tl.where(slots[None, :] == j, index[:, None], ids)
-        values = tl.where(slots[None, :] == j, best[:, None], values)
-        work = tl.where(cols[None, :] == index[:, None], -2.0, work)
-    if RENORM:
-        values = values / tl.sum(values, axis=1)[:, None]
-    out = rows64[:, None] * TOP_K + slots[None, :]
-    mask = row_mask[:, None] & (slots < TOP_K)[None, :]
-    tl.store(ids_ptr + out, ids, mask=mask)
-    tl.store(weights_ptr + out, values, mask=mask)
-    if RECORD:
-        entry = tl.load(entry_ptr + rows64, mask=row_mask, other=0)
-        offset = tl.load(offset_ptr + rows64, mask=row_mask, other=0)
-        where = entry * stride_re + offset * stride_ro + route_col
-        record = routes_ptr + where[:, None] + slots[None, :]
-        tl.store(record, ids.to(routes_ptr.dtype.element_ty), mask=mask)
-
-
-@dataclass
-class RouteRecord:
-    """Where route_topk writes a layer's expert ids: routes[entries[t], offsets[t], column:
-    column + k] (kv_cache.KVCache.routes; entries/offsets [T] int64, the tokens' cache
-    locations)."""
-
-    routes: torch.Tensor
-    entries: torch.Tensor
-    offsets: torch.Tensor
-    column: int
-
-
-def route_topk(
-    logits: torch.Tensor, top_k: int, renormalize: bool, record: RouteRecord | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] (the router's output, any float dtype) -> (ids [T, k] int32, weights
-    [T, k] fp32): softmax in fp32, top-k descending, renormalised when asked."""
-    tokens, experts = logits.shape
-    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
-    if tokens == 0:
-        return ids, weights
-    block = 16 if experts <= 256 else 4  # [BLOCK_T, E_PAD] fp32 in registers
-    if record is None:
-        routes, entries, offsets, strides, column = ids, ids, ids, (0, 0), 0
-    else:
-        routes, entries, offsets = record.routes, record.entries, record.offsets
-        strides, column = (routes.stride(0), routes.stride(1)), record.column
-    _topk_kernel[(triton.cdiv(tokens, block),)](
-        logits, ids, weights, routes, entries, offsets, tokens, experts, logits.stride(0),
-        *strides, column, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
-        E_PAD=triton.next_power_of_2(experts), BLOCK_T=block, RENORM=renormalize,
-        RECORD=record is not None, num_warps=4,
-    )  # fmt: skip
-    return ids, weights
-
 
 # -------------------------------------------------------------------------------------------
 # 2. Pairs sorted by expert, runs padded to BLOCK_M

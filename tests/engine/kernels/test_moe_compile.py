@@ -13,7 +13,13 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 from sm90_compile import compile_kernel  # noqa: E402
 
-from hybridflow.engine.kernels import biased_grouped, grouped_route, latent_rope, moe  # noqa: E402
+from hybridflow.engine.kernels import (  # noqa: E402
+    biased_grouped,
+    grouped_route,
+    latent_rope,
+    moe,
+    routing,
+)
 
 
 @pytest.mark.parametrize("block_m", [16, 128])  # decode's smallest block, prefill's
@@ -22,10 +28,11 @@ def test_moe_kernels_compile(block_m):
     tile (tensor-core dots, no atomics: the order is fixed) and the combine."""
     ints = {"ids_ptr": "*i32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
             "total_ptr": "*i32", "ends_ptr": "*i32", "counts_ptr": "*i32"}  # fmt: skip
-    routing = {**ints, "weights_ptr": "*fp32", "logits_ptr": "*bf16", "routes_ptr": "*u8",
-               "entry_ptr": "*i64", "offset_ptr": "*i64"}  # fmt: skip
-    compile_kernel(moe._topk_kernel, dict(TOP_K=8, K_PAD=8, E_PAD=128, BLOCK_T=16, RENORM=True,
-                                          RECORD=True), overrides=routing)  # fmt: skip
+    route_types = {**ints, "weights_ptr": "*fp32", "logits_ptr": "*bf16", "routes_ptr": "*u8",
+                   "entry_ptr": "*i64", "offset_ptr": "*i64"}  # fmt: skip
+    compile_kernel(routing._topk_kernel, dict(TOP_K=8, K_PAD=8, E_PAD=128, BLOCK_T=16,
+                                              RENORM=True, RECORD=True),
+                   overrides=route_types)  # fmt: skip
     # the sort by expert: the counts, then the placement (decode: 2048 pairs, 128 experts)
     compile_kernel(moe._count_kernel, dict(CHUNK=2048), overrides=ints, warps=8)
     compile_kernel(moe._align_kernel, dict(BINS=128, BLOCK_M=block_m, CHUNK=2048), overrides=ints,
@@ -64,14 +71,14 @@ def test_moe_family_decode_kernels_compile(block_m):
             divisible=("N", "K", "stride_am", "stride_we", "stride_wk", "stride_cm",
                        "stride_be"),
         ))  # fmt: skip
-    routing = {"logits_ptr": "*fp32", "correction_ptr": "*fp32", "ids_ptr": "*i32",
-               "weights_ptr": "*fp32", "routes_ptr": "*u8", "entry_ptr": "*i64",
-               "offset_ptr": "*i64", "scaling": "fp32"}  # fmt: skip
+    route_types = {"logits_ptr": "*fp32", "correction_ptr": "*fp32", "ids_ptr": "*i32",
+                   "weights_ptr": "*fp32", "routes_ptr": "*u8", "entry_ptr": "*i64",
+                   "offset_ptr": "*i64", "scaling": "fp32"}  # fmt: skip
     for groups, chosen in ((8, 4), (1, 1)):
         compile_kernel(grouped_route._grouped_route_kernel,
                        dict(TOP_K=8, K_PAD=8, E_PAD=256, N_GROUP=groups, G_PAD=max(groups, 2),
                             TOPK_GROUP=chosen, GROUP_SIZE=256 // groups, BLOCK_T=16, RENORM=True,
-                            RECORD=True), overrides=routing)  # fmt: skip
+                            RECORD=True), overrides=route_types)  # fmt: skip
     rope = {"entry_ptr": "*i64", "offset_ptr": "*i64"}
     for heads in (16, 128):
         compile_kernel(latent_rope._latent_rope_store_kernel,
