@@ -180,14 +180,8 @@ def _grouped_kernel(
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
         return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    positions = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_ptr + positions)
-    valid = pairs < P
-    if GATHER:
-        a_rows = tl.where(valid, pairs // TOP_K, 0).to(tl.int64)  # padding reads row 0
-    else:
-        a_rows = positions.to(tl.int64)
+    expert, positions, pairs, valid, a_rows = _block_pairs(sorted_ptr, block_expert_ptr, pid_m,
+                                                           P, TOP_K, GATHER, BLOCK_M)  # fmt: skip
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
     rn_safe = tl.where(n_mask, rn, 0).to(tl.int64)
@@ -220,9 +214,34 @@ def _grouped_kernel(
         c = c_ptr + positions.to(tl.int64)[:, None] * stride_cm + rn[None, :]
         tl.store(c, (silu * up).to(dtype), mask=n_mask[None, :])
     else:
-        out_rows = tl.where(valid, pairs, 0).to(tl.int64)
-        c = c_ptr + out_rows[:, None] * stride_cm + rn[None, :]
-        tl.store(c, acc.to(dtype), mask=valid[:, None] & n_mask[None, :])
+        _store_pair_rows(c_ptr, acc, pairs, valid, rn, n_mask, stride_cm)
+
+
+@triton.jit
+def _block_pairs(sorted_ptr, block_expert_ptr, pid_m, P, TOP_K: tl.constexpr,
+                 GATHER: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+    """Block pid_m of the sorted pairs (one expert): (its expert, its positions in the sorted
+    order, their pairs, which are pairs and not padding, the rows of a they read). GATHER
+    (gate/up): pair p reads token p // TOP_K of a [T, K], padding row 0; else a's rows are
+    in sorted order already."""
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    positions = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ptr + positions)
+    valid = pairs < P
+    if GATHER:
+        a_rows = tl.where(valid, pairs // TOP_K, 0).to(tl.int64)  # padding reads row 0
+    else:
+        a_rows = positions.to(tl.int64)
+    return expert, positions, pairs, valid, a_rows
+
+
+@triton.jit
+def _store_pair_rows(c_ptr, acc, pairs, valid, rn, n_mask, stride_cm):
+    """The down projection's block: each pair's row to c[pair] ([P, N]) in c's dtype, the
+    padding rows not written."""
+    out_rows = tl.where(valid, pairs, 0).to(tl.int64)
+    c = c_ptr + out_rows[:, None] * stride_cm + rn[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
 # (block_n, block_k, warps, stages) of each kernel by the rows a block holds, the fastest of
@@ -243,20 +262,29 @@ def _tile(block_m: int, kernel: str, x: torch.Tensor) -> tuple[int, int, int, in
     return FP32_TILE if x.dtype == torch.float32 else TILES[block_m][kernel]
 
 
+def grouped_launch(blocks: ExpertBlocks, columns: int, kernel: str, x: torch.Tensor,
+                   tile: tuple | None = None) -> tuple[tuple[int, int], dict]:  # fmt: skip
+    """A grouped kernel's grid (a program a block and BLOCK_N of the ``columns`` outputs)
+    and its tile's launch keywords: ``tile`` (block_n, block_k, warps, stages), else
+    TILES' for ``kernel`` ("gate_up" or "down") at the blocks' rows and x's dtype."""
+    block_n, block_k, warps, stages = tile or _tile(blocks.block_m, kernel, x)
+    grid = (blocks.max_blocks, triton.cdiv(columns, block_n))
+    return grid, dict(BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                      num_warps=warps, num_stages=stages)  # fmt: skip
+
+
 def grouped_gate_up(x: torch.Tensor, gate_up: torch.Tensor, blocks: ExpertBlocks,
                     tile: tuple | None = None) -> torch.Tensor:  # fmt: skip
     """x [T, H], gate_up [E, 2I, H] -> silu(gate) * up [capacity, I], rows in sorted order.
     tile: (block_n, block_k, warps, stages) instead of TILES' (benchmarks/moe_layer.py)."""
     inner = gate_up.shape[1] // 2
     out = torch.empty(blocks.sorted_pairs.shape[0], inner, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = tile or _tile(blocks.block_m, "gate_up", x)
-    grid = (blocks.max_blocks, triton.cdiv(inner, block_n))
+    grid, launch = grouped_launch(blocks, inner, "gate_up", x, tile)
     _grouped_kernel[grid](
         x, gate_up, out, blocks.sorted_pairs, blocks.block_expert, blocks.total, blocks.pairs,
         inner, x.shape[1], x.stride(0), gate_up.stride(0), gate_up.stride(1), out.stride(0),
         inner, TOP_K=blocks.top_k, GATHER=True, SILU_UP=True, FP32=x.dtype == torch.float32,
-        BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        num_stages=stages,
+        **launch,
     )  # fmt: skip
     return out
 
@@ -268,14 +296,12 @@ def grouped_down(act: torch.Tensor, down: torch.Tensor, blocks: ExpertBlocks,
     hidden = down.shape[1]
     allocate = torch.zeros if blocks.subset else torch.empty  # empty: every row is written
     out = allocate(blocks.pairs, hidden, dtype=act.dtype, device=act.device)
-    block_n, block_k, warps, stages = tile or _tile(blocks.block_m, "down", act)
-    grid = (blocks.max_blocks, triton.cdiv(hidden, block_n))
+    grid, launch = grouped_launch(blocks, hidden, "down", act, tile)
     _grouped_kernel[grid](
         act, down, out, blocks.sorted_pairs, blocks.block_expert, blocks.total, blocks.pairs,
         hidden, act.shape[1], act.stride(0), down.stride(0), down.stride(1), out.stride(0), 0,
         TOP_K=blocks.top_k, GATHER=False, SILU_UP=False, FP32=act.dtype == torch.float32,
-        BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        num_stages=stages,
+        **launch,
     )  # fmt: skip
     return out
 

@@ -24,11 +24,7 @@ def _topk_kernel(
     lower expert id) -> ids [T, TOP_K] int32, weights [T, TOP_K] fp32 (divided by their sum
     when RENORM). RECORD: ids also to routes[entry[t], offset[t], route_col + j] (the
     routing record of the token's cache position)."""
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, E_PAD)
-    row_mask = rows < T
-    col_mask = cols < E
-    rows64 = tl.where(row_mask, rows, 0).to(tl.int64)
+    rows64, row_mask, cols, col_mask = _router_rows(T, E, BLOCK_T, E_PAD)
     x = tl.load(logits_ptr + rows64[:, None] * stride_l + cols[None, :],
                 mask=col_mask[None, :], other=float("-inf")).to(tl.float32)  # fmt: skip
     shifted = tl.exp(x - tl.max(x, axis=1)[:, None])
@@ -45,6 +41,30 @@ def _topk_kernel(
         work = tl.where(cols[None, :] == index[:, None], -2.0, work)
     if RENORM:
         values = values / tl.sum(values, axis=1)[:, None]
+    _store_routes(ids, values, rows64, row_mask, ids_ptr, weights_ptr, routes_ptr, entry_ptr,
+                  offset_ptr, stride_re, stride_ro, route_col, TOP_K, K_PAD, RECORD)  # fmt: skip
+
+
+@triton.jit
+def _router_rows(T, E, BLOCK_T: tl.constexpr, E_PAD: tl.constexpr):
+    """A routing program's BLOCK_T token rows (int64, padding rows at 0) and E_PAD expert
+    columns, with their masks: (rows64, row_mask, cols, col_mask)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, E_PAD)
+    row_mask = rows < T
+    col_mask = cols < E
+    rows64 = tl.where(row_mask, rows, 0).to(tl.int64)
+    return rows64, row_mask, cols, col_mask
+
+
+@triton.jit
+def _store_routes(ids, values, rows64, row_mask, ids_ptr, weights_ptr, routes_ptr, entry_ptr,
+                  offset_ptr, stride_re, stride_ro, route_col, TOP_K: tl.constexpr,
+                  K_PAD: tl.constexpr, RECORD: tl.constexpr):  # fmt: skip
+    """A routing program's winners, ids [BLOCK_T, K_PAD] and their weights, to ids [T, TOP_K]
+    and weights [T, TOP_K]; RECORD: the ids also to routes[entry[t], offset[t], route_col +
+    j] (the routing record of the token's cache position)."""
+    slots = tl.arange(0, K_PAD)
     out = rows64[:, None] * TOP_K + slots[None, :]
     mask = row_mask[:, None] & (slots < TOP_K)[None, :]
     tl.store(ids_ptr + out, ids, mask=mask)
@@ -75,16 +95,11 @@ def route_topk(
     """logits [T, E] (the router's output, any float dtype) -> (ids [T, k] int32, weights
     [T, k] fp32): softmax in fp32, top-k descending, renormalised when asked."""
     tokens, experts = logits.shape
-    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids, weights = route_buffers(logits, top_k)
     if tokens == 0:
         return ids, weights
-    block = 16 if experts <= 256 else 4  # [BLOCK_T, E_PAD] fp32 in registers
-    if record is None:
-        routes, entries, offsets, strides, column = ids, ids, ids, (0, 0), 0
-    else:
-        routes, entries, offsets = record.routes, record.entries, record.offsets
-        strides, column = (routes.stride(0), routes.stride(1)), record.column
+    block = route_block(experts)
+    routes, entries, offsets, strides, column = record_arguments(record, ids)
     _topk_kernel[(triton.cdiv(tokens, block),)](
         logits, ids, weights, routes, entries, offsets, tokens, experts, logits.stride(0),
         *strides, column, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
@@ -92,3 +107,27 @@ def route_topk(
         RECORD=record is not None, num_warps=4,
     )  # fmt: skip
     return ids, weights
+
+
+def route_buffers(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A routing kernel's outputs for logits [T, E]: (ids [T, k] int32, weights [T, k] fp32)."""
+    tokens = logits.shape[0]
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    return ids, weights
+
+
+def route_block(experts: int) -> int:
+    """A routing program's token rows (BLOCK_T): [BLOCK_T, E_PAD] fp32 in registers."""
+    return 16 if experts <= 256 else 4
+
+
+def record_arguments(record: RouteRecord | None, ids: torch.Tensor) -> tuple:
+    """A routing kernel's record arguments: (routes, entries, offsets, (stride of an entry,
+    stride of a position), column); without a record (RECORD off, nothing read) ``ids``
+    stands in for the pointers."""
+    if record is None:
+        return ids, ids, ids, (0, 0), 0
+    routes = record.routes
+    return (routes, record.entries, record.offsets, (routes.stride(0), routes.stride(1)),
+            record.column)  # fmt: skip
