@@ -15,10 +15,10 @@ from hybridflow.config.verl.table_parts import (
     PROFILER,
     REF,
     ROLLOUT,
-    _model_entries,
-    _off,
-    _one,
-    _parallel_entries,
+    is_off,
+    is_one,
+    model_entries,
+    parallel_entries,
 )
 
 MODEL_TABLE: list[Entry] = [
@@ -35,13 +35,13 @@ MODEL_TABLE: list[Entry] = [
         cv.lora_targets,
         "all-linear -> the 7 projections of a decoder layer",
     ),
-    Unsupported(MODEL + "lora_adapter_path", "starting from a saved LoRA adapter", _off, "null"),
-    Unsupported(MODEL + "exclude_modules", "excluding modules from LoRA", _off, "null"),
+    Unsupported(MODEL + "lora_adapter_path", "starting from a saved LoRA adapter", is_off, "null"),
+    Unsupported(MODEL + "exclude_modules", "excluding modules from LoRA", is_off, "null"),
     Ignored(MODEL + "lora.*", "LoRA adapters are initialised as peft does"),
-    Unsupported(MODEL + "custom_chat_template", "a custom chat template", _off, "null"),
-    Unsupported(MODEL + "mtp.enable", "multi-token prediction (MTP)", _off, "False"),
+    Unsupported(MODEL + "custom_chat_template", "a custom chat template", is_off, "null"),
+    Unsupported(MODEL + "mtp.enable", "multi-token prediction (MTP)", is_off, "False"),
     Ignored(MODEL + "mtp.*", "applies only with mtp.enable=True"),
-    *_model_entries(MODEL, "model.path"),
+    *model_entries(MODEL, "model.path"),
 ]
 
 OPTIM_TABLE: list[Entry] = [
@@ -68,7 +68,7 @@ OPTIM_TABLE: list[Entry] = [
     Ignored(ACTOR + "optim.optimizer_impl", "torch.optim.AdamW is used"),
     Ignored(ACTOR + "optim.total_training_steps", "set from the run length"),
     Unsupported(
-        ACTOR + "optim.override_optimizer_config", "Megatron optimizer options", _off, "null"
+        ACTOR + "optim.override_optimizer_config", "Megatron optimizer options", is_off, "null"
     ),
     Ignored(
         ACTOR + "optim.override_optimizer_config.fp8_recipe",
@@ -93,10 +93,10 @@ ACTOR_TABLE: list[Entry] = [
     Ignored(
         ACTOR + "fsdp_config.*", "FSDP2 sharding, wrapping and precision are set by hybridflow"
     ),
-    *_parallel_entries(ACTOR, "actor"),
+    *parallel_entries(ACTOR, "actor"),
     Rename(ACTOR + "freeze_vision_tower", "actor.freeze_vision_tower"),
     Rename(MODEL + "freeze_vision_tower", "actor.freeze_vision_tower"),  # newer verl's place
-    Unsupported(ACTOR + "loss_scale_factor", "a fixed loss scale factor", _off, "null"),
+    Unsupported(ACTOR + "loss_scale_factor", "a fixed loss scale factor", is_off, "null"),
     Ignored(ACTOR + "router_replay.*", "the engine hands the routes over in memory (no files)"),
     Rename(
         ACTOR + "use_torch_compile",
@@ -122,7 +122,7 @@ ACTOR_TABLE: list[Entry] = [
 REF_TABLE: list[Entry] = [
     Rename(REF + "fsdp_config.param_offload", "ref.param_offload"),
     Ignored(REF + "fsdp_config.*", "FSDP2 sharding, wrapping and precision are set by hybridflow"),
-    *_parallel_entries(REF, "ref"),
+    *parallel_entries(REF, "ref"),
     Ignored(
         REF + "use_torch_compile",
         "the reference runs uncompiled (model.compile applies to the actor)",
@@ -197,19 +197,19 @@ ROLLOUT_TABLE: list[Entry] = [
     Unsupported(
         ROLLOUT + "multi_turn.enable",
         "verl's multi-turn config (hybridflow's tool episodes: rollout.agent.*)",
-        _off,
+        is_off,
         "False",
     ),
     Unsupported(
         ROLLOUT + "multi_turn.*",
         "verl's multi-turn config (hybridflow's tool episodes: rollout.agent.*)",
-        _off,
+        is_off,
         "null",
     ),
     Unsupported(
-        ROLLOUT + "over_sample_rate", "over-sampling and aborting slow rollouts", _off, "0"
+        ROLLOUT + "over_sample_rate", "over-sampling and aborting slow rollouts", is_off, "0"
     ),
-    Unsupported(ROLLOUT + "data_parallel_size", "data parallelism inside one engine", _one, "1"),
+    Unsupported(ROLLOUT + "data_parallel_size", "data parallelism inside one engine", is_one, "1"),
     Rename(
         ROLLOUT + "expert_parallel_size",
         "rollout.expert_parallel_size",
@@ -217,10 +217,10 @@ ROLLOUT_TABLE: list[Entry] = [
         "1 -> unset (the experts split whole over the rollout's tensor-parallel ranks, the "
         "bytes a rank of vLLM's width split holds); larger: as given",
     ),
-    Unsupported(ROLLOUT + "pipeline_model_parallel_size", "pipeline-parallel rollout", _one, "1"),
-    Unsupported(ROLLOUT + "quantization", "quantized rollout", _off, "null"),
-    Unsupported(ROLLOUT + "quantization_config_file", "quantized rollout", _off, "null"),
-    Unsupported(ROLLOUT + "skip_rollout", "replaying dumped rollouts", _off, "False"),
+    Unsupported(ROLLOUT + "pipeline_model_parallel_size", "pipeline-parallel rollout", is_one, "1"),
+    Unsupported(ROLLOUT + "quantization", "quantized rollout", is_off, "null"),
+    Unsupported(ROLLOUT + "quantization_config_file", "quantized rollout", is_off, "null"),
+    Unsupported(ROLLOUT + "skip_rollout", "replaying dumped rollouts", is_off, "False"),
     Ignored(ROLLOUT + "skip_dump_dir", "applies only with skip_rollout=True"),
 ]
 
@@ -232,14 +232,14 @@ CRITIC_TABLE: list[Entry] = [
     Rename("critic.model.path", "critic.path"),
     Ignored("critic.model.tokenizer_path", "the critic reads the policy's token ids"),
     Ignored("critic.model.enable_gradient_checkpointing", "model.gradient_checkpointing applies"),
-    Unsupported("critic.model.fsdp_config.param_offload", "critic offload", _off, "False"),
-    Unsupported("critic.model.fsdp_config.optimizer_offload", "critic offload", _off, "False"),
+    Unsupported("critic.model.fsdp_config.param_offload", "critic offload", is_off, "False"),
+    Unsupported("critic.model.fsdp_config.optimizer_offload", "critic offload", is_off, "False"),
     Ignored("critic.model.fsdp_config.*", "FSDP2 is configured by hybridflow"),
-    Unsupported("critic.model.lora_rank", "LoRA on the critic", _off, "0"),
+    Unsupported("critic.model.lora_rank", "LoRA on the critic", is_off, "0"),
     Ignored("critic.model.lora_alpha", "applies only with critic LoRA"),
     Ignored("critic.model.target_modules", "applies only with critic LoRA"),
-    *_model_entries("critic.model.", "critic.path"),
-    *_parallel_entries("critic.", "critic"),
+    *model_entries("critic.model.", "critic.path"),
+    *parallel_entries("critic.", "critic"),
     Ignored("critic.enable", "a critic runs exactly when algorithm.adv_estimator=gae"),
     Ignored("critic.shuffle", "the critic's mini-batches are taken in order"),
     Ignored("critic.data_loader_seed", "data order follows trainer.seed"),

@@ -25,7 +25,7 @@ from hybridflow.config.verl.table_parts import (
     PROFILER,
     REWARD_MODEL,
     ROLLOUT,
-    _off,
+    is_off,
 )
 
 # Top-level sections that only verl has: a key under them is verl's by its name alone.
@@ -52,7 +52,7 @@ ALGORITHM_TABLE: list[Entry] = [
     Ignored(
         "algorithm.filter_groups.metric", "groups whose samples all score the same are dropped"
     ),
-    Unsupported("algorithm.use_pf_ppo", "PF-PPO (reward-weighted resampling)", _off, "False"),
+    Unsupported("algorithm.use_pf_ppo", "PF-PPO (reward-weighted resampling)", is_off, "False"),
     Ignored("algorithm.pf_ppo.*", "applies only with algorithm.use_pf_ppo=True"),
 ]
 
@@ -83,16 +83,16 @@ DATA_TABLE: list[Entry] = [
     Unsupported("data.video_key", "videos (frames through a vision encoder)"),
     Ignored("data.return_multi_modal_inputs", "a prompt's images travel in the Batch with it"),
     Ignored("data.image_patch_size", "the patch size is the model's image processor's"),
-    Unsupported("data.custom_cls.path", "custom dataset classes", _off, "null"),
+    Unsupported("data.custom_cls.path", "custom dataset classes", is_off, "null"),
     Ignored("data.custom_cls.name", "applies only with data.custom_cls.path"),
-    Unsupported("data.sampler.class_path", "custom samplers (curricula)", _off, "null"),
+    Unsupported("data.sampler.class_path", "custom samplers (curricula)", is_off, "null"),
     Ignored("data.sampler.class_name", "applies only with data.sampler.class_path"),
-    Unsupported("data.datagen.path", "generated datasets", _off, "null"),
+    Unsupported("data.datagen.path", "generated datasets", is_off, "null"),
     Ignored("data.datagen.name", "applies only with data.datagen.path"),
     Unsupported(
         "data.tool_config_path",
         "verl's tool config (hybridflow: rollout.agent.tools)",
-        _off,
+        is_off,
         "null",
     ),
     Unsupported("data.apply_chat_template_kwargs.*", "chat template keyword arguments"),
@@ -102,7 +102,7 @@ REWARD_TABLE: list[Entry] = [
     Rename("reward_model.reward_manager", "reward.manager"),
     Rename("reward_manager.name", "reward.manager"),
     Ignored("reward_manager.source", "reward managers are named by reward.manager"),
-    Unsupported("reward_manager.module.path", "custom reward manager classes", _off, "null"),
+    Unsupported("reward_manager.module.path", "custom reward manager classes", is_off, "null"),
     Ignored("reward_manager.module.*", "applies only with reward_manager.module.path"),
     Ignored("reward_model.reward_kwargs.max_resp_len", "follows data.max_response_length"),
     Unsupported("reward_model.reward_kwargs.*", "reward manager keyword arguments"),
@@ -110,7 +110,7 @@ REWARD_TABLE: list[Entry] = [
     Unsupported(
         "reward_model.sandbox_fusion.url",
         "SandboxFusion (code rewards run in hybridflow's local sandbox)",
-        _off,
+        is_off,
         "null",
     ),
     Ignored("reward_model.sandbox_fusion.*", "applies only with sandbox_fusion.url"),
@@ -135,15 +135,15 @@ TRAINER_TABLE: list[Entry] = [
     Rename("trainer.max_actor_ckpt_to_keep", "trainer.keep_last_k", cv.keep_checkpoints),
     Ignored("trainer.max_critic_ckpt_to_keep", "one checkpoint holds actor and critic"),
     Unsupported(
-        "trainer.critic_warmup", "critic warm-up (actor updates held for N steps)", _off, "0"
+        "trainer.critic_warmup", "critic warm-up (actor updates held for N steps)", is_off, "0"
     ),
     Ignored("trainer.balance_batch", "micro-batches are always balanced by tokens across ranks"),
     Ignored("trainer.log_val_generations", "validation generations are not logged"),
     Rename("trainer.rollout_data_dir", "trainer.rollout_data_dir"),
-    Unsupported("trainer.validation_data_dir", "dumping validation generations", _off, "null"),
-    Unsupported("trainer.default_hdfs_dir", "copying checkpoints to HDFS", _off, "null"),
+    Unsupported("trainer.validation_data_dir", "dumping validation generations", is_off, "null"),
+    Unsupported("trainer.default_hdfs_dir", "copying checkpoints to HDFS", is_off, "null"),
     Ignored("trainer.del_local_ckpt_after_load", "checkpoints are kept per trainer.keep_last_k"),
-    Unsupported("trainer.val_only", "validation-only runs", _off, "False"),
+    Unsupported("trainer.val_only", "validation-only runs", is_off, "False"),
     Ignored("trainer.use_legacy_worker_impl", "there is one worker implementation"),
     Ignored("trainer.esi_redundant_time", "no elastic-instance deadlines"),
     Ignored(
@@ -159,7 +159,7 @@ MISC_TABLE: list[Entry] = [
     Ignored(ARR + "nccl_timeout", "remote calls time out after trainer.call_timeout_s"),
     Ignored("global_profiler.*", PROFILER),
     Ignored("ray_kwargs.*", "the ray backend joins the running cluster (address=auto)"),
-    Unsupported("transfer_queue.enable", "TransferQueue", _off, "False"),
+    Unsupported("transfer_queue.enable", "TransferQueue", is_off, "False"),
     Ignored("transfer_queue.*", "applies only with transfer_queue.enable=True"),
 ]
 

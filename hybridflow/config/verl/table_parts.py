@@ -11,11 +11,14 @@ ARR = "actor_rollout_ref."
 MODEL, ACTOR, REF, ROLLOUT = ARR + "model.", ARR + "actor.", ARR + "ref.", ARR + "rollout."
 
 
-def _off(value) -> bool:
+def is_off(value) -> bool:
+    """An Unsupported key's check: the value leaves the feature off (verl's null, false, 0,
+    an empty mapping or list, as YAML or a command line writes them)."""
     return value in (None, False, "false", "False", 0, {}, [])
 
 
-def _one(value) -> bool:
+def is_one(value) -> bool:
+    """An Unsupported size's check: unset or 1 (nothing split that way)."""
     return value in (None, 1)
 
 
@@ -36,7 +39,7 @@ def _no_pipeline(value) -> bool:
     return value in (None, 1, "null", "None")
 
 
-def _parallel_entries(verl: str, ours: str) -> list[Entry]:
+def parallel_entries(verl: str, ours: str) -> list[Entry]:
     """A training role's layout keys: Ulysses and the Megatron-style sizes that map onto
     ours (``verl`` is the role's prefix, ``ours`` its section); what does not map stops."""
     mega = verl + "megatron."
@@ -49,14 +52,14 @@ def _parallel_entries(verl: str, ours: str) -> list[Entry]:
         ),  # fmt: skip
         Rename(mega + "tensor_model_parallel_size", f"{ours}.tensor_parallel_size"),
         Rename(mega + "expert_model_parallel_size", f"{ours}.expert_parallel_size"),
-        Unsupported(mega + "pipeline_model_parallel_size", PIPELINE, _one, "1"),
+        Unsupported(mega + "pipeline_model_parallel_size", PIPELINE, is_one, "1"),
         Unsupported(
             mega + "virtual_pipeline_model_parallel_size", PIPELINE, _no_pipeline, "null"
         ),  # fmt: skip
         Unsupported(
             mega + "context_parallel_size",
             "ring context parallelism (ulysses_sequence_parallel_size splits long sequences)",
-            _one,
+            is_one,
             "1",
         ),
         Unsupported(
@@ -135,17 +138,17 @@ FP8_MASTERS = (
 )
 
 
-def _model_entries(prefix: str, ours: str) -> list[Entry]:
+def model_entries(prefix: str, ours: str) -> list[Entry]:
     """Entries shared by the actor's and the critic's ``model.*`` keys."""
     return [
         Ignored(prefix + "use_remove_padding", PACKED),
         Ignored(prefix + "use_shm", "weights are read from their local path"),
         Ignored(prefix + "trust_remote_code", "no model code is downloaded or run"),
-        Unsupported(prefix + "external_lib", "external model libraries", _off, "null"),
-        Unsupported(prefix + "override_config", "overriding the model's config.json", _off, "{}"),
+        Unsupported(prefix + "external_lib", "external model libraries", is_off, "null"),
+        Unsupported(prefix + "override_config", "overriding the model's config.json", is_off, "{}"),
         Unsupported(prefix + "override_config.*", "overriding the model's config.json"),
-        Unsupported(prefix + "enable_activation_offload", "activation offload", _off, "False"),
-        Unsupported(prefix + "tiled_mlp.enabled", "TiledMLP", _off, "False"),
+        Unsupported(prefix + "enable_activation_offload", "activation offload", is_off, "False"),
+        Unsupported(prefix + "tiled_mlp.enabled", "TiledMLP", is_off, "False"),
         Ignored(prefix + "tiled_mlp.*", "applies only with tiled_mlp.enabled=True"),
         Ignored(prefix + "fused_kernel_options.*", "hybridflow's own kernels are always used"),
         Ignored(prefix + "use_fused_kernels", "hybridflow's own kernels are always used"),
