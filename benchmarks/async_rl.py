@@ -59,7 +59,7 @@ def build_model_dir(preset: str, out_dir: Path, mean_new_tokens: float) -> dict:
     """A random-weight checkpoint of the preset with ~V/mean of its ids as end-of-sequence
     ids, and beside it a word-level tokenizer (grpo_vs_trl.py) whose chat template is the
     messages' text. -> config.json's contents."""
-    from grpo_vs_trl import build_hf_model_dir, load_word_tokenizer
+    from grpo_model import build_hf_model_dir, load_word_tokenizer
 
     build_hf_model_dir(preset, str(out_dir))
     tokenizer = load_word_tokenizer(str(out_dir))

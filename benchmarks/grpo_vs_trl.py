@@ -42,156 +42,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import grpo_vl  # noqa: E402
-
-
-def build_hf_model_dir(preset: str, out_dir: str, seed: int = 0) -> str:
-    """Random-weight HF checkpoint of the preset's shape, plus a word-level tokenizer whose
-    vocabulary covers every id (token i is spelled ``w{i}``), so text round-trips exactly.
-    A vision-language preset's vision tokens keep their own names, and the directory gets
-    a chat template and an image processor (grpo_vl.py)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoConfig, PreTrainedTokenizerFast
-
-    from hybridflow.models import load_model
-
-    torch.manual_seed(seed)
-    # on a GPU: drawn there and written in bf16, what both sides train in (a 7B model's
-    # fp32 draw and write on the host take minutes)
-    cuda = torch.cuda.is_available()
-    model = load_model(preset, dtype=torch.bfloat16 if cuda else torch.float32,
-                       device="cuda" if cuda else "cpu")  # fmt: skip
-    model.save_pretrained(out_dir)
-    vocab_size = model.config.vocab_size
-    vision = getattr(model.config, "vision", None)
-    names = grpo_vl.vision_token_names(vision) if vision is not None else {}
-    below = min(names, default=vocab_size)  # eos and pad: the last plain ids
-    vocab = {names.get(i, f"w{i}"): i for i in range(vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    special = {"additional_special_tokens": list(names.values())} if names else {}
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=f"w{below - 1}", pad_token=f"w{below - 2}", **special
-    )
-    if vision is not None:
-        fast.chat_template = grpo_vl.CHAT_TEMPLATE
-        grpo_vl.write_image_processor(out_dir, vision)
-    fast.save_pretrained(out_dir)
-    # sanity: transformers reads what we wrote
-    AutoConfig.from_pretrained(out_dir)
-    del model
-    if cuda:
-        torch.cuda.empty_cache()
-    return out_dir
-
-
-def load_word_tokenizer(model_dir: str):
-    """The word-level tokenizer written by build_hf_model_dir. (AutoTokenizer would pick the
-    model type's own tokenizer class, which re-tokenizes ``w123`` differently.)"""
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast.from_pretrained(model_dir)
-
-
-def random_prompts(n: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    # avoid the last ids (eos / pad of the word-level tokenizer)
-    return [[rng.randrange(10, vocab_size - 10) for _ in range(length)] for _ in range(n)]
-
-
-def run_trl(model_dir: str, prompts: list[list[int]], args, made=None) -> dict:
-    """TRL's GRPOTrainer on the text ``prompts``; ``made`` (grpo_vl.image_prompts): their
-    images too, in an ``images`` column, through the model's processor."""
-    from transformers import AutoModelForCausalLM, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    tok = load_word_tokenizer(model_dir)
-    texts = [" ".join(f"w{i}" for i in p) for p in prompts]
-    assert len(tok(texts[0])["input_ids"]) == args.prompt_len, (
-        "prompt must tokenize to prompt-len ids"
-    )
-    n_prompts_total = args.prompts * args.steps
-    if made is None:
-        from datasets import Dataset
-
-        ds = Dataset.from_dict({"prompt": (texts * args.steps)[:n_prompts_total]})
-    else:
-        ds = grpo_vl.trl_dataset(texts, made.pictures, args.steps)
-
-    def random_reward(completions, **kwargs):
-        return [random.random() for _ in completions]
-
-    cuda = torch.cuda.is_available()
-    samples = args.prompts * args.samples
-    micro = min(args.trl_micro_batch, samples)
-    cfg = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl-bench-"),
-        per_device_train_batch_size=micro,
-        gradient_accumulation_steps=samples // micro,
-        steps_per_generation=samples // micro,  # one optimizer step per generation batch
-        num_generations=args.samples,
-        max_completion_length=args.new_tokens,
-        generation_kwargs={"min_new_tokens": args.new_tokens},
-        learning_rate=1e-6,
-        beta=0.0,
-        num_iterations=1,
-        bf16=cuda,
-        gradient_checkpointing=True,
-        max_steps=args.steps,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        seed=0,
-        use_cpu=not cuda,
-        shuffle_dataset=False,
-    )
-    dtype = torch.bfloat16 if cuda else torch.float32
-    if made is None:
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=dtype, attn_implementation="sdpa"
-        )
-    else:
-        model = grpo_vl.load_trl_model(model_dir, dtype)
-
-    times: list[float] = []
-
-    class StepTimer(TrainerCallback):
-        def on_step_begin(self, *a, **k):
-            if cuda:
-                torch.cuda.synchronize()
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            if cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - self.t0)
-
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=random_reward,
-        args=cfg,
-        train_dataset=ds,
-        processing_class=tok if made is None else grpo_vl.trl_processor(model_dir),
-        callbacks=[StepTimer()],
-    )
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    trainer.train()
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-    del trainer, model
-    if cuda:
-        torch.cuda.empty_cache()
-    return _summary("TRL " + _version("trl"), times, args, peak, prompt_tokens=_mean_length(made))
+from grpo_model import build_hf_model_dir, load_word_tokenizer, random_prompts  # noqa: E402
+from grpo_report import (  # noqa: E402
+    add_scaling_efficiency,
+    mean_prompt_length,
+    scaling_table,
+    step_summary,
+)
+from grpo_trl import run_trl  # noqa: E402
 
 
 def hybridflow_overrides(args) -> tuple[str, ...]:
@@ -255,8 +122,8 @@ def run_hybridflow(model_dir: str, prompts: list[list[int]], args, made=None) ->
     finally:
         progress.close()
     name = f"hybridflow {args.gpus}GPU" + "".join(f" {o}" for o in args.override)
-    out = _summary(name, times, args, max(peaks, default=float("nan")), gpus=args.gpus,
-                   prompt_tokens=_mean_length(made))  # fmt: skip
+    out = step_summary(name, times, args, max(peaks, default=float("nan")), gpus=args.gpus,
+                   prompt_tokens=mean_prompt_length(made))  # fmt: skip
     out["peak_gib_per_gpu"] = peaks
     out["breakdown"] = breakdown
     return out
@@ -293,83 +160,6 @@ def _image_arguments(args) -> list[str]:
             "--image-size", grpo_vl.format_image_sizes(args.image_size)]  # fmt: skip
 
 
-def add_scaling_efficiency(results: list[dict]) -> None:
-    """``scaling_efficiency``: per-GPU tokens/s over the 1-GPU run's (equal per-GPU work, so
-    also 1-GPU step time / N-GPU step time); NaN without a 1-GPU run."""
-    base = next((r for r in results if r.get("gpus") == 1 and "error" not in r), None)
-    for r in results:
-        if "error" not in r:
-            r["scaling_efficiency"] = (
-                r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"] if base else float("nan")
-            )
-
-
-def scaling_table(results: list[dict]) -> list[str]:
-    """Step time, tokens/s (total and per GPU), scaling efficiency, peak memory per GPU and
-    the stage breakdown of each run (``add_scaling_efficiency`` first)."""
-    lines = [
-        f"{'GPUs':>4}{'prompts':>9}{'s/step':>9}{'tokens/s':>11}{'tok/s/GPU':>11}"
-        f"{'scaling':>9}  peak GiB per GPU"
-    ]
-    for r in results:
-        if "error" in r:
-            lines.append(f"{r['gpus']:>4}  failed: {r['error'][:200]}")
-            continue
-        peaks = " ".join(f"{p:.1f}" for p in r.get("peak_gib_per_gpu", [])) or "n/a"
-        lines.append(
-            f"{r['gpus']:>4}{r['prompts']:>9}{r['step_s']:>9.2f}{r['tokens_per_s']:>11.0f}"
-            f"{r['tokens_per_s_per_gpu']:>11.0f}{100 * r['scaling_efficiency']:>8.1f}%  {peaks}"
-        )
-    ok = [r for r in results if "breakdown" in r]
-    if ok:
-        lines.append("stage breakdown (s, mean of timed steps): " + " | ".join(
-            f"{r['gpus']} GPU" for r in ok))  # fmt: skip
-        for key in dict.fromkeys(k for r in ok for k in r["breakdown"]):  # union, in order
-            values = "".join(f"{r['breakdown'].get(key, 0.0):>10.3f}" for r in ok)
-            lines.append(f"  {key:<28}{values}")
-        overhead = "".join(f"{_controller_s(r['breakdown']):>10.3f}" for r in ok)
-        lines.append(f"  {'controller (step - stages)':<28}{overhead}")
-    return lines
-
-
-def _controller_s(breakdown: dict[str, float]) -> float:
-    return breakdown["timing_s/step"] - sum(v for k, v in breakdown.items() if k != "timing_s/step")
-
-
-def _version(pkg: str) -> str:
-    from importlib.metadata import version
-
-    try:
-        return version(pkg)
-    except Exception:
-        return "?"
-
-
-def _summary(name: str, times: list[float], args, peak_gib: float, gpus: int = 1,
-             prompt_tokens: float | None = None) -> dict:  # fmt: skip
-    """``args.prompts`` prompts per GPU; tokens count prompt + response tokens
-    (``prompt_tokens``: a prompt's mean, its image tokens counted; default --prompt-len)."""
-    timed = times[1:] if len(times) > 1 else times  # first step excluded (warm-up)
-    step_s = sum(timed) / len(timed)
-    prompt_tokens = args.prompt_len if prompt_tokens is None else prompt_tokens
-    tokens = gpus * args.prompts * args.samples * (prompt_tokens + args.new_tokens)
-    return {
-        "name": name,
-        "gpus": gpus,
-        "prompts": gpus * args.prompts,
-        "step_s": step_s,
-        "all_steps_s": times,
-        "tokens_per_s": tokens / step_s,
-        "tokens_per_s_per_gpu": tokens / step_s / gpus,
-        "peak_gib": peak_gib,
-    }
-
-
-def _mean_length(made) -> float | None:
-    """A prompt's mean token count with its images (None: text prompts, --prompt-len)."""
-    return None if made is None else made.summary()["prompt_tokens"]["mean"]
-
-
 def _stage_floors(model_dir: str, args, device_name: str, made=None) -> dict[str, float]:
     """Each stage's floor for this workload on this GPU ({} on a CPU or an unknown GPU);
     with images, of the language model over the prompts' mean length (the encoder's work
@@ -381,7 +171,7 @@ def _stage_floors(model_dir: str, args, device_name: str, made=None) -> dict[str
     architecture = model_architecture(model_dir)
     if architecture is None:
         return {}
-    prompt_len = round(_mean_length(made) or args.prompt_len)
+    prompt_len = round(mean_prompt_length(made) or args.prompt_len)
     shape = StepShape(args.prompts, args.samples, prompt_len, args.new_tokens)
     recompute = resolved_checkpointing(model_dir, args, _longest(made))
     return stage_floors(architecture, shape, peak_flops_per_gpu(device_name),

@@ -59,12 +59,9 @@ def planned_run(args) -> dict:
     """The plan's choices (as overrides), its peak and the lines it logs, before anything loads."""
     from hybridflow.bench.grpo_steps import bench_config
     from hybridflow.config import validate
-    from hybridflow.trainer.plan.memory_check import (
-        memory_choices,
-        overrides_text,
-        plan_for_config,
-        with_changes,
-    )
+    from hybridflow.trainer.plan.memory_check import memory_choices
+    from hybridflow.trainer.plan.memory_fixes import overrides_text
+    from hybridflow.trainer.plan.memory_from_config import plan_for_config, with_changes
 
     cfg = bench_config(args.preset, prompts=args.prompts, samples=args.samples,
                        prompt_len=args.prompt_len, new_tokens=args.new_tokens,

@@ -89,7 +89,8 @@ H100_PEAK = 3.35e12
 def step_case(preset: str, rows: int, max_seq_len: int, device: torch.device,
               dtype: torch.dtype):  # fmt: skip
     """(model, cache, rope) of a preset with random weights (none on meta)."""
-    from hybridflow.engine.cache.kv_cache import make_cache, route_spec
+    from hybridflow.engine.cache.kv_cache import route_spec
+    from hybridflow.engine.cache.sizing import make_cache
     from hybridflow.engine.rope_table import RopeTable
     from hybridflow.models import build_model
     from hybridflow.models.llama import CausalLM

@@ -194,7 +194,7 @@ SWEEP_BLOCKS = {256: (16, 32, 64), 1024: (32, 64, 128), 4096: (64, 128), 16384: 
 
 def sweep(tokens: int, shape: dict, device) -> list[dict]:
     """Each grouped kernel's time per BLOCK_M and tile (engine/kernels/moe.py's TILES)."""
-    from hybridflow.engine.kernels import moe
+    from hybridflow.engine.kernels import moe, routing
 
     experts, top_k, hidden, inner = (shape[k] for k in ("experts", "top_k", "hidden", "inner"))
     generator = torch.Generator(device).manual_seed(tokens)
@@ -204,7 +204,7 @@ def sweep(tokens: int, shape: dict, device) -> list[dict]:
     down = torch.randn(experts, hidden, inner, device=device, generator=generator) * 0.02
     down = down.bfloat16()
     logits = torch.randn(tokens, experts, device=device, generator=generator)
-    ids, _ = moe.route_topk(logits, top_k, True)
+    ids, _ = routing.route_topk(logits, top_k, True)
     rows = []
     for block_m in SWEEP_BLOCKS.get(tokens, (moe.block_rows(tokens, top_k, experts),)):
         blocks = moe.align_pairs(ids, experts, block_m)
@@ -249,12 +249,12 @@ def align_rows(tokens: int, shape: dict, device) -> list[dict]:
     histograms all pairs: moe_align_baseline.py), checked to give the same blocks."""
     from moe_align_baseline import histogram_align
 
-    from hybridflow.engine.kernels import moe
+    from hybridflow.engine.kernels import moe, routing
 
     experts, top_k = shape["experts"], shape["top_k"]
     generator = torch.Generator(device).manual_seed(tokens)
     logits = torch.randn(tokens, experts, device=device, generator=generator)
-    ids, _ = moe.route_topk(logits, top_k, True)
+    ids, _ = routing.route_topk(logits, top_k, True)
     pairs, block_m = tokens * top_k, moe.block_rows(tokens, top_k, experts)
     chunk = min(max(1 << (pairs - 1).bit_length(), 256), 4096)  # align_pairs' chunk
     rows = []

@@ -124,7 +124,7 @@ def kv_sequences(args, prompts: int, offload: bool) -> int | None:
     """Full-length sequences the memory plan's KV cache holds at once (the engine sizes it
     from the memory free when generation starts, as the plan does); None: GPU size unknown."""
     from hybridflow.config import validate
-    from hybridflow.trainer.plan.memory_check import plan_for_config
+    from hybridflow.trainer.plan.memory_from_config import plan_for_config
 
     gpu_bytes, _ = gpu_bytes_for(args)
     if gpu_bytes is None:
@@ -162,7 +162,8 @@ def memory_choice_overrides(args, prompts: int, offload: bool) -> tuple[str, ...
     """The memory plan's choices for the timed run (checkpointing, token budgets) as
     key=value: a warm-up at another length runs with them, so it compiles the same graphs."""
     from hybridflow.config import validate
-    from hybridflow.trainer.plan.memory_check import memory_choices, overrides_text
+    from hybridflow.trainer.plan.memory_check import memory_choices
+    from hybridflow.trainer.plan.memory_fixes import overrides_text
 
     cfg = recipe_config(args, prompts, offload)
     changes, _ = memory_choices(cfg, validate(cfg), gpu_bytes_for(args)[0])

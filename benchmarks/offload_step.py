@@ -84,7 +84,8 @@ def plan_verdict(cfg, gpu: tuple[int | None, str], host: tuple[int | None, str])
     plan_host_gib, problems} (problems: [] when it fits)."""
     from hybridflow.config import validate
     from hybridflow.trainer.plan.host_memory import host_need_for, host_problems
-    from hybridflow.trainer.plan.memory_check import fit_problems, plan_for_config
+    from hybridflow.trainer.plan.memory_fixes import fit_problems
+    from hybridflow.trainer.plan.memory_from_config import plan_for_config
 
     derived = validate(cfg)
     plan = plan_for_config(cfg, derived, gpu[0])

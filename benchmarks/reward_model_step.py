@@ -72,7 +72,7 @@ def planned_peak(cfg, args) -> tuple[float, str]:
     """(GiB, phase) of the memory plan's peak for ``cfg`` on a GPU of --gpu-memory-gib, else
     on the visible GPU; nan without either."""
     from hybridflow.config import validate
-    from hybridflow.trainer.plan.memory_check import plan_for_config
+    from hybridflow.trainer.plan.memory_from_config import plan_for_config
 
     if args.gpu_memory_gib is not None:
         gpu_bytes = int(args.gpu_memory_gib * 2**30)

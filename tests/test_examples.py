@@ -11,6 +11,8 @@ from example_helpers import command_overrides
 
 from hybridflow.config import load_config, validate
 from hybridflow.trainer.plan import memory_check as mc
+from hybridflow.trainer.plan import memory_fixes as mf
+from hybridflow.trainer.plan import memory_from_config as mfc
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
 
@@ -62,5 +64,5 @@ def test_the_gsm8k_example_on_an_h200_fits_and_trains_without_recomputing():
     assert resolved.actor.max_tokens_per_gpu == 65536
     assert resolved.actor.log_prob_max_tokens_per_gpu == resolved.ref.max_tokens_per_gpu >= 65536
     assert lines[0].startswith("actor.max_tokens_per_gpu=auto: 65,536 tokens")
-    assert mc.fits(mc.plan_for_config(cfg, validate(cfg), 141 * 2**30))
+    assert mf.fits(mfc.plan_for_config(cfg, validate(cfg), 141 * 2**30))
     validate(resolved)

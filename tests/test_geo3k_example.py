@@ -8,7 +8,8 @@ from example_helpers import command_overrides
 from geo3k_helpers import write_hub_parquet, write_tiny_qwen2_5_vl
 
 from hybridflow.config import load_config, validate
-from hybridflow.trainer.plan import memory_check as mc
+from hybridflow.trainer.plan import memory_fixes as mf
+from hybridflow.trainer.plan import memory_from_config as mfc
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "geo3k.yaml"
 
@@ -40,5 +41,5 @@ def test_converted_data_and_a_qwen2_5_vl_directory_validate(tmp_path, monkeypatc
 
 def test_the_7b_plan_fits_a_node_of_h200s():
     cfg = load_config(str(EXAMPLE), ["model.path=qwen2.5-vl-7b"])
-    plan = mc.plan_for_config(cfg, validate(cfg), 141 * 2**30)
-    assert mc.fits(plan)
+    plan = mfc.plan_for_config(cfg, validate(cfg), 141 * 2**30)
+    assert mf.fits(plan)

@@ -1,4 +1,5 @@
-"""A batch's images: where a Batch keeps them, and how a packed forward gathers them.
+"""A batch's images: where a Batch keeps them, how a packed forward gathers them, and how
+the rollout hands them to the engine (prompt_images).
 
 Images vary in number and size from row to row, so a Batch (protocol.py) keeps them as
 object arrays, one entry a row (row operations index, repeat and chunk them with the
@@ -62,3 +63,20 @@ def pack_images(batch, rows: Sequence[int]) -> tuple[torch.Tensor | None, torch.
         return None, None
     pixels = [batch.arrays[PIXEL_VALUES][row] for row in rows]
     return torch.cat(pixels), torch.cat(grids)
+
+
+def prompt_images(batch, dataset_positions: bool = True) -> list:
+    """Each prompt row's images for the engine (engine/images.PromptImages; None for a row
+    without), with the mRoPE rows the data path computed over its real tokens
+    (dataset_positions; else none: the engine computes them from the ids it is given)."""
+    from hybridflow.engine.images import PromptImages
+
+    images = []
+    for row, mask in enumerate(batch.tensors["attention_mask"].bool()):
+        grid = batch.arrays[IMAGE_GRID_THW][row]
+        if not len(grid):
+            images.append(None)
+            continue
+        positions = batch.tensors[MROPE_POSITIONS][row][:, mask] if dataset_positions else None
+        images.append(PromptImages(batch.arrays[PIXEL_VALUES][row], grid, positions))
+    return images

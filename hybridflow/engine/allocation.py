@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from hybridflow.engine.cache import kv_cache
+from hybridflow.engine.cache import kv_cache, sizing
 from hybridflow.engine.cache.workspace import engine_workspace_bytes, sampling_bytes_per_row
 from hybridflow.engine.fp8.weight_scales import ENGINE_SCALES
 from hybridflow.engine.graphs import DecodeRunner
@@ -87,7 +87,7 @@ def _make_cache(engine):
     routes = None
     if engine.moe:
         routes = kv_cache.route_spec(cfg) if options.record_routes else None
-    return kv_cache.make_cache(
+    return sizing.make_cache(
         cfg, engine.max_batch_size, engine.max_seq_len, options.kv_block_size,
         engine.memory_budget, reserve, engine.dtype, engine.device, routes,
         options.cap_state_slots, sampling_bytes_per_row(cfg, engine.tensor_parallel),

@@ -81,7 +81,7 @@ class EngineOptions:
     cap_state_slots: bool = True
     """A model with per-sequence kinds (a hybrid's recurrent state, a sliding window's ring)
     in the paged cache under a bounded memory budget: at most the slots whose kinds and K/V
-    blocks hold that many whole max_seq_len sequences at once (kv_cache.state_slots), since
+    blocks hold that many whole max_seq_len sequences at once (sizing.state_slots), since
     every slot's state is allocated up front and slots beyond that leave fewer whole
     sequences (qwen3.5-4b at 16k-token rows on an H200: 1,024 slots' states take 49 GiB and
     leave blocks for 40 rows; 124 slots hold 124). Logged when it caps max_batch_size.

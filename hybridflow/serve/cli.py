@@ -166,7 +166,7 @@ def limits_from_args(args):
 
 HOST_CACHE_SHARE = 0.5
 """A CPU engine's default cache budget: this share of the host memory free at start (a GPU
-engine's is 0.9 of the GPU's free memory, engine/cache/kv_cache.cache_budget); the rest is
+engine's is 0.9 of the GPU's free memory, engine/cache/sizing.cache_budget); the rest is
 for the decode and prefill workspace, which a CPU engine does not reserve, and the host's
 other work."""
 

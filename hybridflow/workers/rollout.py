@@ -19,7 +19,6 @@ the requests in flight: their later tokens record the new version (``token_versi
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 from concurrent.futures import Future
@@ -29,13 +28,12 @@ import torch
 from hybridflow.config import Config
 from hybridflow.config.rollout_section import kv_memory_share
 from hybridflow.controller import Dispatch, Worker, register
-from hybridflow.data.image_batch import IMAGE_GRID_THW, MROPE_POSITIONS, PIXEL_VALUES
+from hybridflow.data.image_batch import PIXEL_VALUES, prompt_images
 from hybridflow.engine.scheduling.tail import TAIL_METRICS, tail_metrics
 from hybridflow.engine.speculative import SPECULATIVE_METRICS
 from hybridflow.engine.weights.release import check_rewritten
 from hybridflow.protocol import Batch
 from hybridflow.workers.model_loading import (
-    default_tokenizer_path,
     load_causal_lm,
     resolve_dtype,
     set_cpu_threads,
@@ -99,20 +97,16 @@ class RolloutWorker(Worker):
 
             self.service = RolloutService(self.engine)
         # agent episodes on a tensor-parallel rollout: each rank runs its own rows' episodes,
-        # the group's ranks serving their turns in lockstep for the batch (_agent_service)
+        # the group's ranks serving their turns in lockstep for the batch (rollout_agents.py)
         self._agent_group = None
         if config.rollout.agent.loop is not None and r.tensor_parallel_size > 1 and not partial:
             self._agent_group = self.tensor.service_group()
-        self._agent_loop = None  # built at the first agent rollout (rollout.agent.loop)
-        self.tokenizer = None
+        self.agents = None
         if config.rollout.agent.loop is not None:
-            from hybridflow.agents.templates import renders_tool_messages, with_tool_template
-            from hybridflow.models.tokenizer import load_tokenizer
+            from hybridflow.workers.rollout_agents import AgentEpisodes
 
-            tokenizer = load_tokenizer(default_tokenizer_path(config.model))
-            # a tokenizer whose template cannot render tool results gets the built-in ChatML one
-            self.tokenizer = tokenizer if renders_tool_messages(tokenizer) else (
-                with_tool_template(tokenizer))  # fmt: skip
+            self.agents = AgentEpisodes(config, self.engine, self._agent_group,
+                                        self._release_cache)  # fmt: skip
 
     def _tensor_parallel(self, config: Config, dtype: torch.dtype):
         """This rank's part of a tensor-parallel engine with its first weights: resharded
@@ -130,107 +124,6 @@ class RolloutWorker(Worker):
                                                     config.model.path, split, ep, own)  # fmt: skip
         return TensorParallelRollout.from_checkpoint(config.model.path, size, dtype, self.device,
                                                      split, ep, own)  # fmt: skip
-
-    def _generate_episodes(self, batch: Batch, params, pad_token_id: int) -> Batch:
-        """rollout.agent.loop: n multi-turn episodes per prompt row (its `raw_prompt`
-        messages) through the agent loop; the rows' prompts become the agent's own
-        (hybridflow/agents/rollout.py)."""
-        from hybridflow.agents.client import EngineClient
-        from hybridflow.agents.rollout import (
-            build_loop,
-            pack_trajectories,
-            prompt_width,
-            run_agent_batch,
-        )
-
-        cfg = self.config
-        if "raw_prompt" not in batch.arrays:
-            raise ValueError("rollout.agent.loop needs each row's chat messages (raw_prompt)")
-        width = cfg.data.max_response_length
-        turn_params = dataclasses.replace(params, n=1, seed=None)
-        if cfg.rollout.agent.loop == "openai":
-            per_turn = cfg.rollout.agent.max_tokens_per_turn or width
-            turn_params = dataclasses.replace(turn_params, max_new_tokens=per_turn)
-            trajectories = self._program_episodes(batch, params, turn_params, width)
-            return self._packed(trajectories, pad_token_id, cfg.data.max_prompt_length)
-        if self._agent_loop is None:
-            vision = getattr(self.engine.config, "vision", None)
-            merge = None if vision is None else vision.spatial_merge_size
-            self._agent_loop = build_loop(cfg.rollout.agent, self.tokenizer, turn_params, width,
-                                          image_merge_size=merge)  # fmt: skip
-        self._agent_loop.sampling = turn_params  # the temperature differs for validation
-        # each row's images (the first prompt's; agents/images.py)
-        images = None
-        if PIXEL_VALUES in batch.arrays:  # rows computed from the agent's prompt, not these
-            images = _prompt_images(batch, dataset_positions=False)
-        with self._agent_service():
-            trajectories = run_agent_batch(
-                self._agent_loop, EngineClient(self.engine), list(batch.arrays["raw_prompt"]),
-                params.n, params.seed, cfg.rollout.agent.concurrency, images,
-            )  # fmt: skip
-        # a partial rollouts' service keeps its cache for the requests in flight
-        if cfg.rollout.release_cache and str(self.device).startswith("cuda") and (
-                self.service is None):  # fmt: skip
-            self.engine.release()
-        packed = pack_trajectories(trajectories, width, pad_token_id,
-                                   prompt_width(self._agent_loop, cfg.data.max_prompt_length))  # fmt: skip
-        return Batch(packed["tensors"], packed["arrays"])
-
-    def _program_episodes(self, batch: Batch, params, turn_params, width: int) -> list:
-        """rollout.agent.loop=openai: the user's agent program, once per episode, against
-        the engine served on 127.0.0.1 (hybridflow/agents/external.py)."""
-        from hybridflow.agents.external import ProgramServer, load_program, run_program_batch
-
-        agent = self.config.rollout.agent
-        program = load_program(agent.program)
-        try:
-            with self._agent_service():
-                server = ProgramServer(self.engine, self.tokenizer)
-                try:
-                    extra = batch.arrays.get("extra_info")
-                    extra_infos = list(extra) if extra is not None else [None] * len(batch)
-                    return run_program_batch(
-                        program, server, self.tokenizer, list(batch.arrays["raw_prompt"]),
-                        extra_infos, params.n, params.seed, turn_params, width,
-                        agent.concurrency,
-                    )  # fmt: skip
-                finally:
-                    server.close()  # its service stops: the engine is the trainer's again
-        finally:
-            if self.config.rollout.release_cache and str(self.device).startswith("cuda") and (
-                    self.service is None):  # fmt: skip
-                self.engine.release()
-
-    @contextlib.contextmanager
-    def _agent_service(self):
-        """A tensor-parallel rollout's agent batch: the group's ranks serve their episodes'
-        turns in lockstep (engine/serving/lockstep.py: each rank's turns and its releases of
-        kept KV run on every rank between the same two steps), each rank's EngineClient
-        talking to that service; closed (every rank's episodes done) before the batch ends.
-        Elsewhere the client starts and stops a service of its own."""
-        if self._agent_group is None:
-            yield
-            return
-        from hybridflow.engine.serving.lockstep import LockstepService
-
-        service = LockstepService(self.engine, self._agent_group)
-        try:
-            yield
-        finally:
-            service.close()
-
-    def _packed(self, trajectories: list, pad_token_id: int, max_prompt_length: int) -> Batch:
-        from hybridflow.agents.rollout import pack_trajectories
-
-        width = self.config.data.max_response_length
-        longest = max(len(t.prompt_ids) for t in trajectories)
-        if longest > max_prompt_length:
-            raise ValueError(
-                f"an agent program's first prompt has {longest} tokens, more than "
-                f"data.max_prompt_length={max_prompt_length}: raise data.max_prompt_length"
-            )
-        packed = pack_trajectories(trajectories, width, pad_token_id, max_prompt_length)
-        return Batch(packed["tensors"], packed["arrays"])
 
     @register(dispatch=Dispatch.RANK_ZERO)
     def engine_choices(self) -> dict:
@@ -332,7 +225,7 @@ class RolloutWorker(Worker):
 
                 first_seed = params.seed + EPISODE_SEED_STRIDE * sample_index[0]
                 params = dataclasses.replace(params, seed=first_seed)
-            return self._generate_episodes(batch, params, pad_token_id)
+            return self.agents.generate(batch, params, pad_token_id)
         prompt_ids = [
             row[mask.bool()].tolist()
             for row, mask in zip(batch.tensors["prompts"], batch.tensors["attention_mask"])
@@ -341,15 +234,13 @@ class RolloutWorker(Worker):
             sample_index = None  # a fresh draw: nothing to reproduce
         images = {}
         if PIXEL_VALUES in batch.arrays:  # each prompt's images, the engine's prefill runs them
-            images["images"] = _prompt_images(batch)
+            images["images"] = prompt_images(batch)
         speculation = self.engine.speculation  # its counters before, for this call's metrics
         before = dataclasses.replace(speculation.stats) if speculation is not None else None
         tail_before = dataclasses.replace(self.engine.tail)
         # through the service, if one runs
         results = self.engine.generate(prompt_ids, params, sample_index=sample_index, **images)
-        # the service keeps its cache for the requests in flight
-        if cfg.release_cache and str(self.device).startswith("cuda") and self.service is None:
-            self.engine.release()
+        self._release_cache()
         out = padded_tensors(results, pad_token_id)
         rows = out["responses"].shape[0]
         responses = torch.full((rows, width), pad_token_id, dtype=torch.long)  # [b*n, R]
@@ -378,6 +269,13 @@ class RolloutWorker(Worker):
                 width,
             )  # [b*n, P+R, L_sparse, k]
         return Batch(tensors, meta=self._engine_metrics(before, tail_before))
+
+    def _release_cache(self) -> None:
+        """rollout.release_cache after a generation on a GPU; a partial rollouts' service
+        keeps its cache for the requests in flight."""
+        if self.config.rollout.release_cache and str(self.device).startswith("cuda") and (
+                self.service is None):  # fmt: skip
+            self.engine.release()
 
     def _engine_metrics(self, speculation_before, tail_before) -> dict:
         """Batch.meta of the engine's metrics since the counters' copies taken before the
@@ -503,20 +401,3 @@ def engine_options(config: Config):
             options, cache_dir=os.path.expanduser(config.trainer.cache_dir)
         )
     return options
-
-
-def _prompt_images(batch: Batch, dataset_positions: bool = True) -> list:
-    """Each prompt row's images for the engine (engine/images.PromptImages; None for a row
-    without), with the mRoPE rows the data path computed over its real tokens
-    (dataset_positions; else none: the engine computes them from the ids it is given)."""
-    from hybridflow.engine.images import PromptImages
-
-    images = []
-    for row, mask in enumerate(batch.tensors["attention_mask"].bool()):
-        grid = batch.arrays[IMAGE_GRID_THW][row]
-        if not len(grid):
-            images.append(None)
-            continue
-        positions = batch.tensors[MROPE_POSITIONS][row][:, mask] if dataset_positions else None
-        images.append(PromptImages(batch.arrays[PIXEL_VALUES][row], grid, positions))
-    return images

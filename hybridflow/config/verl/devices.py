@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 from hybridflow.config.verl.converters import as_bool
 from hybridflow.config.verl.rules import Context, GroupResult, Row
-from hybridflow.config.verl.table import ROLLOUT
+from hybridflow.config.verl.table_parts import ROLLOUT
 
 
 def tensor_parallel(given: Mapping, ctx: Context) -> GroupResult:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hybridflow.config.verl import devices, groups
 from hybridflow.config.verl.rules import Group
-from hybridflow.config.verl.table import ACTOR, REF, ROLLOUT
+from hybridflow.config.verl.table_parts import ACTOR, REF, ROLLOUT
 
 GROUPS: tuple[Group, ...] = (
     Group(

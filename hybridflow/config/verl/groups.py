@@ -15,7 +15,7 @@ from typing import Any
 
 from hybridflow.config.verl.converters import as_bool, as_number
 from hybridflow.config.verl.rules import Context, GroupResult, Notice, Row
-from hybridflow.config.verl.table import ACTOR, REF, ROLLOUT
+from hybridflow.config.verl.table_parts import ACTOR, REF, ROLLOUT
 
 ACTOR_TOKENS_DEFAULT = 16384  # verl: actor.ppo_max_token_len_per_gpu
 CRITIC_TOKENS_DEFAULT = 32768  # verl: critic.ppo_max_token_len_per_gpu

@@ -43,7 +43,7 @@ SCALE_BYTES = 4  # one fp32 scale per position and kv head
 def fp8_kv_bytes_per_position(layers: int, kv_heads: int, head_dim: int) -> int:
     """What one position takes in ``layers`` layers of an FP8 cache: K's and V's e4m3 values
     (1 byte an element) and their fp32 scale a kv head; head_dim + 4 bytes a head where bf16
-    takes 2 × head_dim. The engine's allocation (kv_cache.make_cache) and the memory plan
+    takes 2 × head_dim. The engine's allocation (sizing.make_cache) and the memory plan
     (trainer/plan/memory_rollout.py) both price it here."""
     return 2 * layers * kv_heads * (head_dim + SCALE_BYTES)
 

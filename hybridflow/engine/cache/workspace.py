@@ -52,7 +52,7 @@ def engine_workspace_bytes(config, max_batch_size: int, max_prefill_tokens: int,
 def sampling_bytes_per_row(config, tp: int = 1) -> int:
     """The part of engine_workspace_bytes each decoded row adds: its logits and their
     sampling over the vocabulary (a tensor-parallel rank's share of it). A cache that holds
-    fewer rows than max_batch_size (kv_cache.state_slots) gives these bytes back."""
+    fewer rows than max_batch_size (sizing.state_slots) gives these bytes back."""
     return config.vocab_size // tp * SAMPLING_BYTES_PER_LOGIT
 
 

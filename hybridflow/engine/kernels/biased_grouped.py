@@ -17,7 +17,12 @@ import triton
 import triton.language as tl
 
 from hybridflow.engine.kernels.biased_experts import _clamped_swiglu
-from hybridflow.engine.kernels.moe import ExpertBlocks, _tile
+from hybridflow.engine.kernels.moe import (
+    ExpertBlocks,
+    _block_pairs,
+    _store_pair_rows,
+    grouped_launch,
+)
 
 
 @triton.jit
@@ -38,14 +43,8 @@ def _grouped_in_out_kernel(
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
         return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    positions = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_ptr + positions)
-    valid = pairs < P
-    if GATE_UP:
-        a_rows = tl.where(valid, pairs // TOP_K, 0).to(tl.int64)  # padding reads row 0
-    else:
-        a_rows = positions.to(tl.int64)
+    expert, positions, pairs, valid, a_rows = _block_pairs(sorted_ptr, block_expert_ptr, pid_m,
+                                                           P, TOP_K, GATE_UP, BLOCK_M)  # fmt: skip
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
     rn_safe = tl.where(n_mask, rn, 0).to(tl.int64)
@@ -86,9 +85,7 @@ def _grouped_in_out_kernel(
         c = c_ptr + positions.to(tl.int64)[:, None] * stride_cm + rn[None, :]
         tl.store(c, out.to(dtype), mask=n_mask[None, :])
     else:
-        out_rows = tl.where(valid, pairs, 0).to(tl.int64)
-        c = c_ptr + out_rows[:, None] * stride_cm + rn[None, :]
-        tl.store(c, acc.to(dtype), mask=valid[:, None] & n_mask[None, :])
+        _store_pair_rows(c_ptr, acc, pairs, valid, rn, n_mask, stride_cm)
 
 
 def biased_gate_up(x: torch.Tensor, gate_up: torch.Tensor, bias: torch.Tensor,
@@ -98,14 +95,12 @@ def biased_gate_up(x: torch.Tensor, gate_up: torch.Tensor, bias: torch.Tensor,
     assert x.stride(1) == 1 and gate_up.stride(2) == 1 and bias.stride(1) == 1
     inner = gate_up.shape[2] // 2
     out = torch.empty(blocks.sorted_pairs.shape[0], inner, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = _tile(blocks.block_m, "gate_up", x)
-    grid = (blocks.max_blocks, triton.cdiv(inner, block_n))
+    grid, launch = grouped_launch(blocks, inner, "gate_up", x)
     _grouped_in_out_kernel[grid](
         x, gate_up, out, bias, blocks.sorted_pairs, blocks.block_expert, blocks.total,
         blocks.pairs, inner, x.shape[1], x.stride(0), gate_up.stride(0), gate_up.stride(1),
         out.stride(0), bias.stride(0), float(alpha), float(limit), TOP_K=blocks.top_k,
-        GATE_UP=True, FP32=x.dtype == torch.float32, BLOCK_M=blocks.block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        GATE_UP=True, FP32=x.dtype == torch.float32, **launch,
     )  # fmt: skip
     return out
 
@@ -116,13 +111,11 @@ def biased_down(act: torch.Tensor, down: torch.Tensor, blocks: ExpertBlocks) -> 
     assert act.stride(1) == 1 and down.stride(2) == 1 and not blocks.subset
     hidden = down.shape[2]
     out = torch.empty(blocks.pairs, hidden, dtype=act.dtype, device=act.device)
-    block_n, block_k, warps, stages = _tile(blocks.block_m, "down", act)
-    grid = (blocks.max_blocks, triton.cdiv(hidden, block_n))
+    grid, launch = grouped_launch(blocks, hidden, "down", act)
     _grouped_in_out_kernel[grid](
         act, down, out, act, blocks.sorted_pairs, blocks.block_expert, blocks.total,
         blocks.pairs, hidden, act.shape[1], act.stride(0), down.stride(0), down.stride(1),
         out.stride(0), 0, 0.0, 0.0, TOP_K=blocks.top_k, GATE_UP=False,
-        FP32=act.dtype == torch.float32, BLOCK_M=blocks.block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        FP32=act.dtype == torch.float32, **launch,
     )  # fmt: skip
     return out

@@ -12,7 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridflow.engine.kernels.moe import RouteRecord
+from hybridflow.engine.kernels.routing import (
+    RouteRecord,
+    _router_rows,
+    _store_routes,
+    record_arguments,
+    route_block,
+    route_buffers,
+)
 
 
 @triton.jit
@@ -23,11 +30,7 @@ def _grouped_route_kernel(
     G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
     BLOCK_T: tl.constexpr, RENORM: tl.constexpr, RECORD: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, E_PAD)
-    row_mask = rows < T
-    col_mask = cols < E
-    rows64 = tl.where(row_mask, rows, 0).to(tl.int64)
+    rows64, row_mask, cols, col_mask = _router_rows(T, E, BLOCK_T, E_PAD)
     x = tl.load(logits_ptr + rows64[:, None] * stride_l + cols[None, :],
                 mask=col_mask[None, :], other=0.0).to(tl.float32)  # fmt: skip
     scores = 1.0 / (1.0 + tl.exp(-x))
@@ -67,16 +70,8 @@ def _grouped_route_kernel(
     if RENORM:
         values = values / (tl.sum(values, axis=1)[:, None] + 1e-20)
     values = values * scaling
-    out = rows64[:, None] * TOP_K + slots_k[None, :]
-    mask = row_mask[:, None] & (slots_k < TOP_K)[None, :]
-    tl.store(ids_ptr + out, ids, mask=mask)
-    tl.store(weights_ptr + out, values, mask=mask)
-    if RECORD:
-        entry = tl.load(entry_ptr + rows64, mask=row_mask, other=0)
-        offset = tl.load(offset_ptr + rows64, mask=row_mask, other=0)
-        where = entry * stride_re + offset * stride_ro + route_col
-        record = routes_ptr + where[:, None] + slots_k[None, :]
-        tl.store(record, ids.to(routes_ptr.dtype.element_ty), mask=mask)
+    _store_routes(ids, values, rows64, row_mask, ids_ptr, weights_ptr, routes_ptr, entry_ptr,
+                  offset_ptr, stride_re, stride_ro, route_col, TOP_K, K_PAD, RECORD)  # fmt: skip
 
 
 def grouped_route(logits: torch.Tensor, correction: torch.Tensor, top_k: int, n_group: int,
@@ -87,16 +82,11 @@ def grouped_route(logits: torch.Tensor, correction: torch.Tensor, top_k: int, n_
     weights; record: the ids also to the routing record."""
     tokens, experts = logits.shape
     assert logits.stride(1) == 1 and experts % n_group == 0
-    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids, weights = route_buffers(logits, top_k)
     if tokens == 0:
         return ids, weights
-    if record is None:
-        routes, entries, offsets, strides, column = ids, ids, ids, (0, 0), 0
-    else:
-        routes, entries, offsets = record.routes, record.entries, record.offsets
-        strides, column = (routes.stride(0), routes.stride(1)), record.column
-    block = 16 if experts <= 256 else 4  # [BLOCK_T, E_PAD] fp32 in registers
+    routes, entries, offsets, strides, column = record_arguments(record, ids)
+    block = route_block(experts)
     _grouped_route_kernel[(triton.cdiv(tokens, block),)](
         logits, correction, ids, weights, routes, entries, offsets, tokens, experts,
         logits.stride(0), *strides, column, float(scaling), TOP_K=top_k,

@@ -3,7 +3,7 @@ expert matmuls that read only the experts a batch touches, and the weighted comb
 
 One sparse layer, T tokens, E experts, top-k each (P = T * k (token, expert) pairs):
 
-1. `route_topk`: softmax over the router logits in fp32, top-k (descending, as torch.topk),
+1. `routing.route_topk`: softmax over the router logits in fp32, top-k (descending, as torch.topk),
    renormalised when the model says so; optionally each token's expert ids are written to the
    engine's routing record (routing replay: kv_cache.KVCache.routes).
 2. `align_pairs`: the pairs sorted by expert (stable: in pair order inside an expert), each
@@ -33,91 +33,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-
-# -------------------------------------------------------------------------------------------
-# 1. Routing
-
-
-@triton.jit
-def _topk_kernel(
-    logits_ptr, ids_ptr, weights_ptr, routes_ptr, entry_ptr, offset_ptr, T, E, stride_l,
-    stride_re, stride_ro, route_col,
-    TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-    RENORM: tl.constexpr, RECORD: tl.constexpr,
-):  # fmt: skip
-    """BLOCK_T rows a program: softmax (fp32) of logits [T, E], the TOP_K largest (ties: the
-    lower expert id) -> ids [T, TOP_K] int32, weights [T, TOP_K] fp32 (divided by their sum
-    when RENORM). RECORD: ids also to routes[entry[t], offset[t], route_col + j] (the
-    routing record of the token's cache position)."""
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, E_PAD)
-    row_mask = rows < T
-    col_mask = cols < E
-    rows64 = tl.where(row_mask, rows, 0).to(tl.int64)
-    x = tl.load(logits_ptr + rows64[:, None] * stride_l + cols[None, :],
-                mask=col_mask[None, :], other=float("-inf")).to(tl.float32)  # fmt: skip
-    shifted = tl.exp(x - tl.max(x, axis=1)[:, None])
-    probs = shifted / tl.sum(shifted, axis=1)[:, None]  # padded columns: exp(-inf) = 0
-    work = tl.where(col_mask[None, :], probs, -1.0)
-    slots = tl.arange(0, K_PAD)
-    ids = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int32)
-    values = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(work, axis=1)
-        index = tl.min(tl.where(work == best[:, None], cols[None, :], E_PAD), axis=1)
-        ids = tl.where(slots[None, :] == j, index[:, None], ids)
-        values = tl.where(slots[None, :] == j, best[:, None], values)
-        work = tl.where(cols[None, :] == index[:, None], -2.0, work)
-    if RENORM:
-        values = values / tl.sum(values, axis=1)[:, None]
-    out = rows64[:, None] * TOP_K + slots[None, :]
-    mask = row_mask[:, None] & (slots < TOP_K)[None, :]
-    tl.store(ids_ptr + out, ids, mask=mask)
-    tl.store(weights_ptr + out, values, mask=mask)
-    if RECORD:
-        entry = tl.load(entry_ptr + rows64, mask=row_mask, other=0)
-        offset = tl.load(offset_ptr + rows64, mask=row_mask, other=0)
-        where = entry * stride_re + offset * stride_ro + route_col
-        record = routes_ptr + where[:, None] + slots[None, :]
-        tl.store(record, ids.to(routes_ptr.dtype.element_ty), mask=mask)
-
-
-@dataclass
-class RouteRecord:
-    """Where route_topk writes a layer's expert ids: routes[entries[t], offsets[t], column:
-    column + k] (kv_cache.KVCache.routes; entries/offsets [T] int64, the tokens' cache
-    locations)."""
-
-    routes: torch.Tensor
-    entries: torch.Tensor
-    offsets: torch.Tensor
-    column: int
-
-
-def route_topk(
-    logits: torch.Tensor, top_k: int, renormalize: bool, record: RouteRecord | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] (the router's output, any float dtype) -> (ids [T, k] int32, weights
-    [T, k] fp32): softmax in fp32, top-k descending, renormalised when asked."""
-    tokens, experts = logits.shape
-    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
-    if tokens == 0:
-        return ids, weights
-    block = 16 if experts <= 256 else 4  # [BLOCK_T, E_PAD] fp32 in registers
-    if record is None:
-        routes, entries, offsets, strides, column = ids, ids, ids, (0, 0), 0
-    else:
-        routes, entries, offsets = record.routes, record.entries, record.offsets
-        strides, column = (routes.stride(0), routes.stride(1)), record.column
-    _topk_kernel[(triton.cdiv(tokens, block),)](
-        logits, ids, weights, routes, entries, offsets, tokens, experts, logits.stride(0),
-        *strides, column, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
-        E_PAD=triton.next_power_of_2(experts), BLOCK_T=block, RENORM=renormalize,
-        RECORD=record is not None, num_warps=4,
-    )  # fmt: skip
-    return ids, weights
-
 
 # -------------------------------------------------------------------------------------------
 # 2. Pairs sorted by expert, runs padded to BLOCK_M
@@ -265,14 +180,8 @@ def _grouped_kernel(
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
         return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    positions = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_ptr + positions)
-    valid = pairs < P
-    if GATHER:
-        a_rows = tl.where(valid, pairs // TOP_K, 0).to(tl.int64)  # padding reads row 0
-    else:
-        a_rows = positions.to(tl.int64)
+    expert, positions, pairs, valid, a_rows = _block_pairs(sorted_ptr, block_expert_ptr, pid_m,
+                                                           P, TOP_K, GATHER, BLOCK_M)  # fmt: skip
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
     rn_safe = tl.where(n_mask, rn, 0).to(tl.int64)
@@ -305,9 +214,34 @@ def _grouped_kernel(
         c = c_ptr + positions.to(tl.int64)[:, None] * stride_cm + rn[None, :]
         tl.store(c, (silu * up).to(dtype), mask=n_mask[None, :])
     else:
-        out_rows = tl.where(valid, pairs, 0).to(tl.int64)
-        c = c_ptr + out_rows[:, None] * stride_cm + rn[None, :]
-        tl.store(c, acc.to(dtype), mask=valid[:, None] & n_mask[None, :])
+        _store_pair_rows(c_ptr, acc, pairs, valid, rn, n_mask, stride_cm)
+
+
+@triton.jit
+def _block_pairs(sorted_ptr, block_expert_ptr, pid_m, P, TOP_K: tl.constexpr,
+                 GATHER: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+    """Block pid_m of the sorted pairs (one expert): (its expert, its positions in the sorted
+    order, their pairs, which are pairs and not padding, the rows of a they read). GATHER
+    (gate/up): pair p reads token p // TOP_K of a [T, K], padding row 0; else a's rows are
+    in sorted order already."""
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    positions = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ptr + positions)
+    valid = pairs < P
+    if GATHER:
+        a_rows = tl.where(valid, pairs // TOP_K, 0).to(tl.int64)  # padding reads row 0
+    else:
+        a_rows = positions.to(tl.int64)
+    return expert, positions, pairs, valid, a_rows
+
+
+@triton.jit
+def _store_pair_rows(c_ptr, acc, pairs, valid, rn, n_mask, stride_cm):
+    """The down projection's block: each pair's row to c[pair] ([P, N]) in c's dtype, the
+    padding rows not written."""
+    out_rows = tl.where(valid, pairs, 0).to(tl.int64)
+    c = c_ptr + out_rows[:, None] * stride_cm + rn[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
 # (block_n, block_k, warps, stages) of each kernel by the rows a block holds, the fastest of
@@ -328,20 +262,29 @@ def _tile(block_m: int, kernel: str, x: torch.Tensor) -> tuple[int, int, int, in
     return FP32_TILE if x.dtype == torch.float32 else TILES[block_m][kernel]
 
 
+def grouped_launch(blocks: ExpertBlocks, columns: int, kernel: str, x: torch.Tensor,
+                   tile: tuple | None = None) -> tuple[tuple[int, int], dict]:  # fmt: skip
+    """A grouped kernel's grid (a program a block and BLOCK_N of the ``columns`` outputs)
+    and its tile's launch keywords: ``tile`` (block_n, block_k, warps, stages), else
+    TILES' for ``kernel`` ("gate_up" or "down") at the blocks' rows and x's dtype."""
+    block_n, block_k, warps, stages = tile or _tile(blocks.block_m, kernel, x)
+    grid = (blocks.max_blocks, triton.cdiv(columns, block_n))
+    return grid, dict(BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                      num_warps=warps, num_stages=stages)  # fmt: skip
+
+
 def grouped_gate_up(x: torch.Tensor, gate_up: torch.Tensor, blocks: ExpertBlocks,
                     tile: tuple | None = None) -> torch.Tensor:  # fmt: skip
     """x [T, H], gate_up [E, 2I, H] -> silu(gate) * up [capacity, I], rows in sorted order.
     tile: (block_n, block_k, warps, stages) instead of TILES' (benchmarks/moe_layer.py)."""
     inner = gate_up.shape[1] // 2
     out = torch.empty(blocks.sorted_pairs.shape[0], inner, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = tile or _tile(blocks.block_m, "gate_up", x)
-    grid = (blocks.max_blocks, triton.cdiv(inner, block_n))
+    grid, launch = grouped_launch(blocks, inner, "gate_up", x, tile)
     _grouped_kernel[grid](
         x, gate_up, out, blocks.sorted_pairs, blocks.block_expert, blocks.total, blocks.pairs,
         inner, x.shape[1], x.stride(0), gate_up.stride(0), gate_up.stride(1), out.stride(0),
         inner, TOP_K=blocks.top_k, GATHER=True, SILU_UP=True, FP32=x.dtype == torch.float32,
-        BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        num_stages=stages,
+        **launch,
     )  # fmt: skip
     return out
 
@@ -353,14 +296,12 @@ def grouped_down(act: torch.Tensor, down: torch.Tensor, blocks: ExpertBlocks,
     hidden = down.shape[1]
     allocate = torch.zeros if blocks.subset else torch.empty  # empty: every row is written
     out = allocate(blocks.pairs, hidden, dtype=act.dtype, device=act.device)
-    block_n, block_k, warps, stages = tile or _tile(blocks.block_m, "down", act)
-    grid = (blocks.max_blocks, triton.cdiv(hidden, block_n))
+    grid, launch = grouped_launch(blocks, hidden, "down", act, tile)
     _grouped_kernel[grid](
         act, down, out, blocks.sorted_pairs, blocks.block_expert, blocks.total, blocks.pairs,
         hidden, act.shape[1], act.stride(0), down.stride(0), down.stride(1), out.stride(0), 0,
         TOP_K=blocks.top_k, GATHER=False, SILU_UP=False, FP32=act.dtype == torch.float32,
-        BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        num_stages=stages,
+        **launch,
     )  # fmt: skip
     return out
 

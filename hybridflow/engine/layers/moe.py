@@ -130,14 +130,14 @@ def _grouped_route_triton(mlp, x: torch.Tensor, target: RouteTarget | None,
                           sparse_index: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """GroupedExpertsMoeBlock.route's (ids, weights) for noaux_tc: the fp32 linear map as the
     model computes it, then kernels/grouped_route.py (ids int32, recorded at `target`)."""
-    from hybridflow.engine.kernels import moe
+    from hybridflow.engine.kernels import routing
     from hybridflow.engine.kernels.grouped_route import grouped_route
 
     logits = F.linear(x.float(), mlp.gate.weight.float())  # [N, E]
     record = None
     if target is not None:
-        record = moe.RouteRecord(target.routes, target.entries, target.offsets,
-                                 column=sparse_index * mlp.top_k)  # fmt: skip
+        record = routing.RouteRecord(target.routes, target.entries, target.offsets,
+                                     column=sparse_index * mlp.top_k)  # fmt: skip
     return grouped_route(logits, mlp.gate.e_score_correction_bias, mlp.top_k, mlp.n_group,
                          mlp.topk_group, mlp.norm_topk_prob, mlp.routed_scaling_factor, record)  # fmt: skip
 
@@ -224,16 +224,16 @@ def experts_triton(
     """experts_torch's contract on the fused kernels: no host sync, static shapes (the grid is
     the bound for any routing), so decode steps replay as CUDA graphs. prefill: a prefill or
     extend pass (ExpertMatmuls may run torch._grouped_mm)."""
-    from hybridflow.engine.kernels import moe
+    from hybridflow.engine.kernels import moe, routing
 
     if _active_adapters(mlp) is not None:  # unmerged expert LoRA: the model's own grouped path
         return experts_torch(mlp, x, target, sparse_index, keep)
     logits = F.linear(x, _router_weight(mlp, x))  # [N, E], rounded as the model's router
     record = None
     if target is not None:
-        record = moe.RouteRecord(target.routes, target.entries, target.offsets,
-                                 column=sparse_index * mlp.top_k)  # fmt: skip
-    ids, weights = moe.route_topk(logits, mlp.top_k, mlp.norm_topk_prob, record)
+        record = routing.RouteRecord(target.routes, target.entries, target.offsets,
+                                     column=sparse_index * mlp.top_k)  # fmt: skip
+    ids, weights = routing.route_topk(logits, mlp.top_k, mlp.norm_topk_prob, record)
     if keep is not None:
         x, ids, weights = x[keep], ids[keep], weights[keep]
     tokens = x.shape[0]

@@ -37,7 +37,7 @@ def growth_reserve(scheduler: SchedulerState) -> int:
     """Blocks held back for the live rows to grow into (the admission watermark): one for each
     row whose blocks do not yet reach its last position. A row that cannot outgrow its blocks
     reserves none: with a max_seq_len of one block, a reserve per row would admit only half
-    of max_batch_size at the cap of every sequence at full length (kv_cache.plan_blocks), and
+    of max_batch_size at the cap of every sequence at full length (sizing.plan_blocks), and
     evict kept KV the slot cache keeps."""
     pool, limit = scheduler.paging.pool, scheduler.cache.max_seq_len
     return sum(pool.missing(live.slot, min(end, limit)) > 0

@@ -200,7 +200,7 @@ def host_need_for(cfg: Config, derived: Derived, gpu_plan=None) -> HostNeed:
     without a GPU plan the CPU run's whole plan (None when the model's shape is unknown)."""
     if gpu_plan is not None:
         return host_need(cfg, derived, gpu_plan, on_cpu=False)
-    from hybridflow.trainer.plan.memory_check import plan_for_config
+    from hybridflow.trainer.plan.memory_from_config import plan_for_config
 
     plan = plan_for_config(cfg, derived, None) if cfg.trainer.device != "cuda" else None
     return host_need(cfg, derived, plan, on_cpu=plan is not None)

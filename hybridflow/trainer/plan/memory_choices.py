@@ -3,7 +3,7 @@
 passes (``actor.log_prob_max_tokens_per_gpu`` and ``ref.max_tokens_per_gpu`` left null).
 
 Pure arithmetic on a :class:`~hybridflow.trainer.plan.memory_plan.MemoryPlan`; the config side
-(reading the keys, the log line) is ``trainer/memory_check.memory_defaults``.
+(reading the keys, the log line) is ``trainer/plan/memory_check.memory_defaults``.
 
 - **Checkpointing** costs a second forward of every layer in the backward (~30% more update
   compute), so ``auto`` turns it on only when the actor update would not fit without it:

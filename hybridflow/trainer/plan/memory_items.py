@@ -80,7 +80,7 @@ class PlanOptions:
     kv_block_size: int | None = 64  # rollout.engine.kv_block_size: None is the slot cache
     cap_state_slots: bool = True
     """rollout.engine.cap_state_slots: a paged cache's per-sequence states get at most the
-    slots whose states and blocks hold that many whole sequences (kv_cache.state_slots)."""
+    slots whose states and blocks hold that many whole sequences (sizing.state_slots)."""
     gpu_memory_utilization: float = 0.4
     release_cache: bool = True
     fuse_projections: str = "all"

@@ -2,8 +2,9 @@
 
 Pure arithmetic on a :class:`~hybridflow.models.architecture.ModelArchitecture` and the
 options that decide what the code allocates (:class:`PlanOptions`); no torch, no config
-objects. ``trainer/plan/memory_check.py`` builds the options from a run's config, checks the
-peak against the GPU and names the changes that would make a run fit.
+objects. ``trainer/plan/memory_from_config.py`` builds the options from a run's config,
+``memory_check.py`` checks the peak against the GPU and ``memory_fixes.py`` names the changes
+that would make a run fit.
 
 What is modelled is what the code does today:
 
@@ -39,7 +40,7 @@ What is modelled is what the code does today:
   it, allocated again at the weight sync after the optimizer step, when the GPU holds what
   it holds in generation less the KV cache and the engine's workspace: generation's peak
   bounds the sync's (whose transient buffers are not counted, with the key or without).
-- **KV cache** (``engine/kv_cache.make_cache``): paged (``kv_block_size``, the default) as
+- **KV cache** (``engine/cache/sizing.make_cache``): paged (``kv_block_size``, the default) as
   many blocks as ``gpu_memory_utilization`` × free memory (the allocator's unused cache
   counted free) − the reserve for decode logits and prefill holds, at most ``max_num_seqs``
   sequences' worth, at least one sequence's (else the engine refuses); slots: up to

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from hybridflow.engine.cache.fp8_kv import fp8_kv_bytes_per_position
 from hybridflow.engine.cache.kinds import eager_only
-from hybridflow.engine.cache.kv_cache import state_slots
+from hybridflow.engine.cache.sizing import state_slots
 from hybridflow.engine.cache.workspace import engine_workspace_bytes, sampling_bytes_per_row
 from hybridflow.models.architecture import ModelArchitecture
 from hybridflow.trainer.plan.memory_items import (
@@ -40,7 +40,7 @@ def kv_block_bytes(a: ModelArchitecture, block: int, element_bytes: int = 2,
 
 def per_sequence_bytes(a: ModelArchitecture, element_bytes: int = 2) -> int:
     """What a sequence keeps whatever its length, one per slot beside a paged cache's blocks
-    (engine/cache/kv_cache._PerSequence): its recurrent layers' state (conv + fp32 SSM) and
+    (engine/cache/sizing._PerSequence): its recurrent layers' state (conv + fp32 SSM) and
     its sliding layers' rings of a window's K/V (engine/cache/window.py)."""
     per_layer = a.cache_elements_per_token()
     rings = sum(per_layer[s.cache] * s.window for s in a.layer_specs()
@@ -96,7 +96,7 @@ def fused_copy_bytes(a: ModelArchitecture, fuse_projections: str, element_bytes:
 
 
 def kv_budget(reserve: int, used: int, o: PlanOptions) -> int | None:
-    """Bytes the engine's cache may take (kv_cache.cache_budget): gpu_memory_utilization of
+    """Bytes the engine's cache may take (sizing.cache_budget): gpu_memory_utilization of
     the memory the other items leave, minus the reserve; None: the GPU's size is unknown."""
     if o.gpu_bytes is None:
         return None
@@ -104,7 +104,7 @@ def kv_budget(reserve: int, used: int, o: PlanOptions) -> int | None:
 
 
 def kv_cache_entries(entry_bytes: int, most: int, reserve: int, used: int, o: PlanOptions) -> int:
-    """Slots (kv_cache.plan_slots) or blocks (plan_blocks) the engine allocates: ``most``
+    """Slots (sizing.plan_slots) or blocks (plan_blocks) the engine allocates: ``most``
     (max_num_seqs sequences' worth), or what kv_budget holds, one scratch entry taken out;
     >= 0. GPU size unknown: ``most``."""
     budget = kv_budget(reserve, used, o)
@@ -154,7 +154,7 @@ def kv_cache_item(a: ModelArchitecture, o: PlanOptions, items: list[MemoryItem])
     """(the KV-cache item, the sequences of max_seq_len it holds, the rows decoded at once),
     sized from the memory the other items leave on the rollout's GPU when generation starts.
     Rows below max_num_seqs (capped slots) reserve their sampling workspace no more: the
-    cache has it, as the engine's (kv_cache.make_cache)."""
+    cache has it, as the engine's (sizing.make_cache)."""
     reserve, length, block = rollout_reserve_bytes(a, o), o.rollout_max_seq_len, o.kv_block_size
     used = sum(i.gpu_bytes for i in items if GENERATE in i.phases and i.rollout_gpu == o.split
                and "workspace" not in i.name)  # fmt: skip
@@ -162,7 +162,7 @@ def kv_cache_item(a: ModelArchitecture, o: PlanOptions, items: list[MemoryItem])
     # a slot cache's slot: its K/V (a sliding layer's window of it) and its recurrent state;
     # beside a paged cache's blocks (the layers keeping every position), every slot's
     # per-sequence kinds (and the scratch one's) are taken first, the slots capped where
-    # whole sequences fit fewer (kv_cache.state_slots, as the engine)
+    # whole sequences fit fewer (sizing.state_slots, as the engine)
     if block is None:
         entry = kv_slot_bytes(a, length, o.rollout_bytes) // kv_split(a, o.rollout_tp)
         state = a.recurrent_state_bytes(o.rollout_bytes)

@@ -4,7 +4,7 @@ Each candidate is the run's config with the layout keys set, and is judged as ``
 and ``train`` judge it: :func:`~hybridflow.config.validate` (a layout whose code path is not
 built, such as tensor parallelism of a mixture of experts' experts, is refused there and
 never recommended) and the one memory plan
-(memory_check.plan_for_config, memory_check.fits). So a recommended layout passes
+(memory_from_config.plan_for_config, memory_fixes.fits). So a recommended layout passes
 ``validate`` by construction.
 
 Candidates are every layout with tensor parallelism inside a node (tp ≤ 8), Ulysses sp ≤ 8
@@ -97,7 +97,7 @@ class Recommendation:
 def recommend(cfg: Config, gpu_bytes: int) -> Recommendation | None:
     """The preferred layout that fits (module docstring), with the keys to set; None when
     the model's shape is unknown."""
-    from hybridflow.trainer.plan.memory_check import (
+    from hybridflow.trainer.plan.memory_from_config import (
         model_architecture_for,
         training_gpus,
         with_changes,
@@ -179,7 +179,7 @@ def changed_keys(cfg: Config, keys: dict[str, object]) -> dict[str, object]:
 
 def plan_of(cfg: Config, gpu_bytes: int) -> MemoryPlan | None:
     """The plan of a candidate config, None when validate refuses it."""
-    from hybridflow.trainer.plan.memory_check import plan_for_config
+    from hybridflow.trainer.plan.memory_from_config import plan_for_config
 
     try:
         return plan_for_config(cfg, validate(cfg), gpu_bytes)
@@ -188,7 +188,7 @@ def plan_of(cfg: Config, gpu_bytes: int) -> MemoryPlan | None:
 
 
 def fits_plan(plan: MemoryPlan) -> bool:
-    from hybridflow.trainer.plan.memory_check import fits
+    from hybridflow.trainer.plan.memory_fixes import fits
 
     return fits(plan)
 

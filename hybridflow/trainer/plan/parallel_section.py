@@ -75,7 +75,7 @@ def parallel_lines(cfg: Config, derived: Derived, plan: MemoryPlan, fits: bool) 
 
 
 def recommendation_text(advice: Recommendation, gpu_bytes: int) -> str:
-    from hybridflow.trainer.plan.memory_check import overrides_text, peak_text
+    from hybridflow.trainer.plan.memory_fixes import overrides_text, peak_text
 
     if advice.plan is not None:
         keys = overrides_text(advice.changes) or "the configured layout"

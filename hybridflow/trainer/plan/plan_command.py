@@ -13,12 +13,12 @@ from hybridflow.trainer.loop.roles import resolve_device
 from hybridflow.trainer.plan import host_memory
 from hybridflow.trainer.plan.host_memory import host_need_for, host_problems, host_text
 from hybridflow.trainer.plan.memory_check import (
-    fit_problems,
     forward_budget_problems,
     gpu_memory_or_none,
     memory_choices,
-    plan_for_config,
 )
+from hybridflow.trainer.plan.memory_fixes import fit_problems
+from hybridflow.trainer.plan.memory_from_config import plan_for_config
 from hybridflow.trainer.plan.memory_plan import GIB
 from hybridflow.trainer.plan.memory_render import gib, render
 from hybridflow.trainer.plan.memory_reward_model import reward_model_gpu, reward_model_gpu_problems
@@ -45,7 +45,7 @@ def parse_size(text: str) -> int:
 def plan_command(cfg: Config, gpu_memory: str | None = None, out=print) -> int:
     """Print the plan; exit status 2 (a ConfigError) when it cannot fit the GPU, which is
     ``--gpu-memory``, else trainer.gpu_memory_gib, else the first visible GPU; with none of
-    them the plan is printed and not checked. One plan (memory_check.plan_for_config, which
+    them the plan is printed and not checked. One plan (memory_from_config.plan_for_config, which
     ``validate`` and ``train`` check too), then the layout the plan recommends."""
     derived = validate(cfg, planning=True)
     if gpu_memory is not None:

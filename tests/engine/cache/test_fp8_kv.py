@@ -15,7 +15,7 @@ from hybridflow.engine.cache.fp8_kv import (
     fp8_kv_problem,
     quantize_heads,
 )
-from hybridflow.engine.cache.kv_cache import make_cache
+from hybridflow.engine.cache.sizing import make_cache
 from hybridflow.models import build_model
 from hybridflow.models.presets import preset_config
 

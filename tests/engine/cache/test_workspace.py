@@ -40,7 +40,7 @@ def test_the_engine_reserves_what_the_plan_reserves(monkeypatch):
     import torch
 
     from hybridflow.engine import Engine, EngineOptions, SamplingParams
-    from hybridflow.engine.cache import kv_cache
+    from hybridflow.engine.cache import sizing
     from hybridflow.models import build_model
     from hybridflow.trainer.plan.memory_plan import PlanOptions
     from hybridflow.trainer.plan.memory_rollout import rollout_reserve_bytes
@@ -51,7 +51,7 @@ def test_the_engine_reserves_what_the_plan_reserves(monkeypatch):
         seen["reserve"] = reserve
         raise RuntimeError("stop")
 
-    monkeypatch.setattr(kv_cache, "make_cache", make_cache)
+    monkeypatch.setattr(sizing, "make_cache", make_cache)
     model = build_model(preset_config("tiny-moe"), seed=0).eval().to(torch.float32)
     options = EngineOptions(decode_backend="torch", max_prefill_tokens=512)
     with pytest.raises(RuntimeError, match="stop"):
@@ -98,35 +98,35 @@ def test_capped_slots_give_the_rows_they_never_decode_back_to_the_cache(monkeypa
     """tiny-hybrid, paged: the automatic budget (a fraction of the device) has the sampling
     workspace of max_batch_size=64 rows taken out. Capped at the whole sequences it holds,
     the cache decodes fewer rows, so their workspace is the cache's again: one slot costs
-    its state, its blocks and its row's sampling (kv_cache.state_slots). Without the
+    its state, its blocks and its row's sampling (sizing.state_slots). Without the
     give-back the slots would be those of the budget alone, fewer."""
     import torch
 
-    from hybridflow.engine.cache import kv_cache
+    from hybridflow.engine.cache import sizing
     from hybridflow.engine.cache.workspace import sampling_bytes_per_row
 
     config = preset_config("tiny-hybrid")
     row = sampling_bytes_per_row(config)
-    probe, _ = kv_cache.make_cache(config, 4, 64, 16, 10**9, 0, torch.float32,
+    probe, _ = sizing.make_cache(config, 4, 64, 16, 10**9, 0, torch.float32,
                                    torch.device("cpu"))  # fmt: skip
     state = probe.states.nbytes() // 5
     block = probe.keys[:, 0].numel() * probe.keys.element_size() * 2
     sequence = state + 4 * block + row  # 64 tokens: 4 blocks of 16
     budget = 10 * sequence + state + row + block - 64 * row  # 10 slots once rows come back
-    monkeypatch.setattr(kv_cache, "cache_budget", lambda *args: budget)
-    cache, pool = kv_cache.make_cache(config, 64, 64, 16, 0.9, 0, torch.float32,
+    monkeypatch.setattr(sizing, "cache_budget", lambda *args: budget)
+    cache, pool = sizing.make_cache(config, 64, 64, 16, 0.9, 0, torch.float32,
                                       torch.device("cpu"), row_reserve_bytes=row)  # fmt: skip
     assert cache.num_slots == 10
     given_back = budget + 54 * row - 11 * state
     assert cache.num_blocks == given_back // block - 1
-    without, _ = kv_cache.make_cache(config, 64, 64, 16, 0.9, 0, torch.float32,
+    without, _ = sizing.make_cache(config, 64, 64, 16, 0.9, 0, torch.float32,
                                      torch.device("cpu"))  # fmt: skip
     assert without.num_slots < 10
     # a budget in bytes is the cache's own: no row reserve was taken out, none comes back
     monkeypatch.undo()
-    exact, _ = kv_cache.make_cache(config, 64, 64, 16, budget + 64 * row, 0, torch.float32,
+    exact, _ = sizing.make_cache(config, 64, 64, 16, budget + 64 * row, 0, torch.float32,
                                    torch.device("cpu"), row_reserve_bytes=row)  # fmt: skip
-    assert exact.num_slots == kv_cache.state_slots(64, budget + 64 * row, state, block, 4)
+    assert exact.num_slots == sizing.state_slots(64, budget + 64 * row, state, block, 4)
 
 
 def test_the_plan_reserves_the_workspace_of_the_rows_capped_slots_decode():

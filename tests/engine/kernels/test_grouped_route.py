@@ -14,7 +14,7 @@ DEVICE = triton_test_device()  # skips this module without CUDA or TRITON_INTERP
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 
 from hybridflow.engine.kernels.grouped_route import grouped_route  # noqa: E402
-from hybridflow.engine.kernels.moe import RouteRecord  # noqa: E402
+from hybridflow.engine.kernels.routing import RouteRecord  # noqa: E402
 from hybridflow.models.mlps.grouped_experts import grouped_topk, grouped_weights  # noqa: E402
 
 

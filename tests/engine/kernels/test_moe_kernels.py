@@ -1,5 +1,5 @@
-"""The mixture-of-experts kernels (kernels/moe.py) against literal torch loops: routing, the
-sort by expert, the grouped expert matmuls and the combine. CUDA (marked gpu) or the CPU
+"""The mixture-of-experts kernels (kernels/moe.py) against literal torch loops: the sort by
+expert, the grouped expert matmuls and the combine (routing: test_routing.py). CUDA (marked gpu) or the CPU
 under TRITON_INTERPRET=1, at tiny sizes."""
 
 from __future__ import annotations
@@ -12,32 +12,7 @@ from triton_device import triton_test_device  # noqa: E402
 DEVICE = triton_test_device()  # skips this module without CUDA or TRITON_INTERPRET=1
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 
-from hybridflow.engine.kernels import moe  # noqa: E402
-
-
-def _reference_routing(logits, top_k, renormalize):
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = probs.topk(top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return ids, weights
-
-
-@pytest.mark.parametrize("renormalize", [True, False])
-def test_route_topk_matches_softmax_topk_and_records(renormalize):
-    tokens, experts, top_k = 19, 12, 3  # a partial row block, experts not a power of two
-    logits = torch.randn(tokens, experts, device=DEVICE)
-    routes = torch.full((4, 8, 2, top_k), 255, dtype=torch.uint8, device=DEVICE)
-    entries = torch.arange(tokens, device=DEVICE) // 8 % 4  # distinct (entry, offset) pairs
-    offsets = torch.arange(tokens, device=DEVICE) % 8
-    record = moe.RouteRecord(routes, entries, offsets, column=top_k)  # the second sparse layer
-    ids, weights = moe.route_topk(logits, top_k, renormalize, record)
-    expected_ids, expected_weights = _reference_routing(logits, top_k, renormalize)
-    assert torch.equal(ids.long(), expected_ids)
-    torch.testing.assert_close(weights, expected_weights)
-    recorded = routes[entries, offsets, 1]
-    assert torch.equal(recorded.long(), expected_ids)
-    assert (routes[entries, offsets, 0] == 255).all()  # the other layer's column untouched
+from hybridflow.engine.kernels import moe, routing  # noqa: E402
 
 
 def _expected_blocks(ids, experts, block_m, first=None):
@@ -144,7 +119,7 @@ def test_grouped_expert_matmuls_and_combine_match_the_loop(tokens, block_m):
     down = (torch.randn(experts, hidden, inner, generator=generator) * 0.2).to(DEVICE)
     logits = torch.randn(tokens, experts, generator=generator).to(DEVICE)
     logits[:, 5] = -30.0  # expert 5 never chosen
-    ids, weights = moe.route_topk(logits, top_k, renormalize=True)
+    ids, weights = routing.route_topk(logits, top_k, renormalize=True)
     blocks = moe.align_pairs(ids, experts, block_m)
     act = moe.grouped_gate_up(x, gate_up, blocks)
     pair_out = moe.grouped_down(act, down, blocks)
@@ -174,8 +149,8 @@ def test_a_share_of_the_experts_skips_the_pairs_routed_elsewhere(first):
     x = torch.randn(tokens, hidden, generator=generator).to(DEVICE)
     gate_up = (torch.randn(experts, 2 * inner, hidden, generator=generator) * 0.2).to(DEVICE)
     down = (torch.randn(experts, hidden, inner, generator=generator) * 0.2).to(DEVICE)
-    ids, weights = moe.route_topk(torch.randn(tokens, experts, generator=generator).to(DEVICE),
-                                  top_k, renormalize=True)  # fmt: skip
+    ids, weights = routing.route_topk(torch.randn(tokens, experts, generator=generator).to(DEVICE),
+                                      top_k, renormalize=True)  # fmt: skip
     mine = slice(first, first + share)
     blocks = moe.align_pairs(ids, share, 16, first_expert=first)
     local = ids.flatten() - first

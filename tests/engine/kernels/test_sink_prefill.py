@@ -12,7 +12,7 @@ import pytest
 import torch
 from triton_device import triton_test_device
 
-from hybridflow.engine.cache.kv_cache import make_cache
+from hybridflow.engine.cache.sizing import make_cache
 from hybridflow.engine.prefill import RopeTable, prefill_forward
 from tests.engine.gpt_oss_helpers import gpt_oss_model
 

@@ -282,12 +282,12 @@ def test_pinned_choices_are_read_on_the_engine_thread_while_a_service_runs(model
 def test_a_cache_that_cannot_be_made_fails_the_request_instead_of_leaving_it_waiting(
     model, monkeypatch
 ):
-    from hybridflow.engine.cache import kv_cache
+    from hybridflow.engine.cache import sizing
 
     def refused(*args, **kwargs):  # as the allocator says it for a cache past the memory
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate")
 
-    monkeypatch.setattr(kv_cache, "make_cache", refused)
+    monkeypatch.setattr(sizing, "make_cache", refused)
     with RolloutService(_engine(model)) as service:
         handle = service.submit(PROMPTS[0], SAMPLED, seed=0)
         with pytest.raises(RuntimeError, match="can't allocate memory"):

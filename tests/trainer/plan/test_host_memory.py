@@ -96,7 +96,7 @@ def _offloaded_per_gpu(plan, reference: bool) -> int:
 def test_the_host_holds_the_offloaded_shares_of_its_own_gpus(layout, gpus_on_a_host):
     """One node of 8 GPUs holds 8 GPUs' shares: all of the state for Llama-3.1-70B on 8 ×
     80 GiB, a twelfth of it for DeepSeek-V3 on 12 nodes × 8 (937 GiB, not 11 TiB)."""
-    from hybridflow.trainer.plan.memory_check import plan_for_config
+    from hybridflow.trainer.plan.memory_from_config import plan_for_config
     from hybridflow.trainer.plan.memory_render import render
 
     cfg = load_config(None, layout)
@@ -116,7 +116,7 @@ def test_the_host_holds_the_offloaded_shares_of_its_own_gpus(layout, gpus_on_a_h
 def test_validate_checks_a_nodes_host_memory_as_the_plan_prints_it(monkeypatch):
     """DeepSeek-V3 on 12 × 8 GPUs with its training state offloaded fits hosts of 1 TiB free
     (each holds its 8 GPUs' shares); hosts of 512 GiB are refused with the node's numbers."""
-    from hybridflow.trainer.plan.memory_check import plan_for_config
+    from hybridflow.trainer.plan.memory_from_config import plan_for_config
     from hybridflow.trainer.plan.plan_command import plan_command
 
     cfg = load_config(None, DEEPSEEK_96)
@@ -138,7 +138,7 @@ def test_validate_checks_a_nodes_host_memory_as_the_plan_prints_it(monkeypatch):
 
 
 def test_a_cpu_rollout_cache_past_the_host_is_refused_naming_max_num_seqs(monkeypatch):
-    from hybridflow.trainer.plan.memory_check import plan_for_config
+    from hybridflow.trainer.plan.memory_from_config import plan_for_config
 
     monkeypatch.setattr(host_memory, "available_host_bytes", lambda: (16 * 2**30, "test"))
     cfg = load_config(None, ["trainer.device=cpu", "model.path=tiny",

@@ -53,7 +53,7 @@ def test_compiled_layers_keep_three_mlp_intermediates_not_four():
 
 def test_the_plan_counts_compiled_layers_where_training_compiles_them():
     from hybridflow.config import load_config, validate
-    from hybridflow.trainer.plan.memory_check import plan_for_config
+    from hybridflow.trainer.plan.memory_from_config import plan_for_config
 
     def activations(*overrides):
         cfg = load_config(None, ["model.path=qwen2.5-0.5b", *overrides])

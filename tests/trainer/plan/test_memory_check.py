@@ -6,6 +6,8 @@ import pytest
 from hybridflow.cli import main
 from hybridflow.config import ConfigError, load_config, validate
 from hybridflow.trainer.plan import memory_check as mc
+from hybridflow.trainer.plan import memory_fixes as mf
+from hybridflow.trainer.plan import memory_from_config as mfc
 from hybridflow.trainer.plan.memory_plan import GIB
 
 
@@ -56,12 +58,12 @@ def test_the_named_combination_does_fit():
     # checkpointing off by hand (auto would turn it on), so that a fix can name it
     cfg = load_config(None, ["model.path=qwen2.5-7b", "trainer.gpu_memory_gib=35",
                              "model.gradient_checkpointing=false"])  # fmt: skip
-    plan = mc.plan_for_config(cfg, validate(cfg), 35 * GIB)
-    text = mc.fixes_text(cfg, plan)
+    plan = mfc.plan_for_config(cfg, validate(cfg), 35 * GIB)
+    text = mf.fixes_text(cfg, plan)
     assert "Together: actor.optimizer_offload=true model.gradient_checkpointing=true" in text
     together = text.split("Together: ")[1].split(" (peak")[0].split()
     fixed = load_config(None, ["model.path=qwen2.5-7b", *together])
-    assert mc.fits(mc.plan_for_config(fixed, validate(fixed), 35 * GIB))
+    assert mf.fits(mfc.plan_for_config(fixed, validate(fixed), 35 * GIB))
 
 
 def test_a_7b_that_fits_with_lora_says_so(capsys):
@@ -98,7 +100,7 @@ def test_a_fitting_run_passes_and_the_plan_is_printed(capsys):
     cfg = load_config(None, ["model.path=qwen2.5-0.5b", "trainer.gpu_memory_gib=141"])
     lines = []
     plan = mc.check_memory(cfg, validate(cfg), log=lines.append)
-    assert plan is not None and mc.fits(plan)
+    assert plan is not None and mf.fits(plan)
     assert "fits, peak" in lines[0] and "141.0 GiB (trainer.gpu_memory_gib)" in lines[0]
 
 
@@ -154,7 +156,7 @@ def test_plan_options_follow_the_config():
          "data.max_response_length=512", "data.train_batch_size=16", "rollout.n=8",
          "actor.ppo_mini_batch_size=8"],
     )  # fmt: skip
-    options = mc.plan_options(cfg, validate(cfg), None)
+    options = mfc.plan_options(cfg, validate(cfg), None)
     assert (options.master_bytes, options.rollout_bytes) == (4, 2)  # auto: fp32 masters
     assert options.reference == "actor"  # LoRA: the actor with its adapters off
     assert options.micro_batch_tokens == 4096
@@ -172,13 +174,13 @@ def test_plan_options_follow_the_config():
 )  # fmt: skip
 def test_async_generation_beside_the_update_plans_the_engines_own_weights(mode, expected):
     cfg = load_config(None, ["model.path=qwen2.5-0.5b", "model.dtype=bfloat16", *mode])
-    options = mc.plan_options(cfg, validate(cfg), None)
+    options = mfc.plan_options(cfg, validate(cfg), None)
     assert options.rollout_beside_update is expected
     weights = {
-        i.name: i.gpu_bytes for i in mc.plan_for_config(cfg).items if "rollout weights" in i.name
+        i.name: i.gpu_bytes for i in mfc.plan_for_config(cfg).items if "rollout weights" in i.name
     }
     # bf16 training weights: the engine reads them in place unless it generates over the update
-    copy = mc.plan_for_config(cfg).architecture.num_parameters() * 2
+    copy = mfc.plan_for_config(cfg).architecture.num_parameters() * 2
     assert sum(weights.values()) == (copy if expected else 0)
 
 
@@ -200,14 +202,14 @@ def test_an_explicit_log_prob_budget_that_cannot_fit_exits_2_naming_the_key(caps
 
 def test_lora_in_place_plans_no_rollout_copy_and_no_fused_copies():
     base = ["model.path=qwen2.5-32b", "model.lora_rank=64", "model.dtype=bfloat16"]
-    copy, in_place = (mc.plan_for_config(load_config(None, base + extra), None, 141 * GIB)
+    copy, in_place = (mfc.plan_for_config(load_config(None, base + extra), None, 141 * GIB)
                       for extra in ([], ["rollout.lora_in_place=true"]))  # fmt: skip
     sizes = [{i.name: i.gpu_bytes for i in plan.items} for plan in (copy, in_place)]
     assert sizes[0]["rollout weights (bf16 copy)"] == copy.architecture.num_parameters() * 2
     assert sizes[1]["rollout weights"] == 0  # the actor's base, read in place
     assert sizes[0]["rollout fused q/k/v, gate/up copies"] > 0
     assert sizes[1]["rollout fused q/k/v, gate/up copies"] == 0  # the split layer reads in place
-    assert not mc.fits(copy) and mc.fits(in_place)
+    assert not mf.fits(copy) and mf.fits(in_place)
 
 
 def test_the_kv_cache_takes_most_of_the_memory_free_in_generation_by_default():
@@ -223,7 +225,7 @@ def test_the_kv_cache_takes_most_of_the_memory_free_in_generation_by_default():
 
     def plan(*overrides):
         cfg = load_config(None, [*recipe, *overrides])
-        return mc.plan_for_config(cfg, validate(cfg), 141 * GIB)
+        return mfc.plan_for_config(cfg, validate(cfg), 141 * GIB)
 
     assert plan().options.gpu_memory_utilization == 0.9 and plan().kv_slots == 177
     assert plan("rollout.gpu_memory_utilization=0.4").kv_slots == 74

@@ -9,6 +9,7 @@ from hybridflow.config import ConfigError, load_config, validate
 from hybridflow.models.presets import PRESETS
 from hybridflow.trainer.plan import memory_check as mc
 from hybridflow.trainer.plan import memory_choices as choices
+from hybridflow.trainer.plan import memory_from_config as mfc
 from hybridflow.trainer.plan import memory_plan as mp
 from hybridflow.trainer.plan.memory_plan import GIB, PlanOptions
 from hybridflow.trainer.plan.memory_render import usable_bytes
@@ -124,7 +125,7 @@ def test_auto_is_on_for_a_run_that_needs_it_and_the_fit_check_plans_with_it():
     lines = []
     assert mc.memory_defaults(cfg, lines.append, 80 * GIB).model.gradient_checkpointing is True
     assert "auto: on" in lines[0]
-    assert mc.plan_for_config(cfg, validate(cfg), 80 * GIB).options.gradient_checkpointing
+    assert mfc.plan_for_config(cfg, validate(cfg), 80 * GIB).options.gradient_checkpointing
 
 
 def test_without_a_gpu_auto_is_off_and_the_budgets_follow_the_update():
@@ -200,10 +201,10 @@ def test_on_an_h200_auto_keeps_checkpointing_off_at_the_budget_that_allows_it(pr
     assert lines[0].endswith("model.gradient_checkpointing=auto: off")
     # the log-prob budget is chosen for the update's new budget; the plan is the explicit one's
     assert cfg.actor.log_prob_max_tokens_per_gpu >= tokens
-    auto = mc.plan_for_config(_auto_budget_cfg(preset, "model.gradient_checkpointing=auto"),
+    auto = mfc.plan_for_config(_auto_budget_cfg(preset, "model.gradient_checkpointing=auto"),
                               gpu_bytes=139 * GIB)  # fmt: skip
     assert auto.options.micro_batch_tokens == tokens
-    assert auto.peak() == mc.plan_for_config(cfg, gpu_bytes=139 * GIB).peak()
+    assert auto.peak() == mfc.plan_for_config(cfg, gpu_bytes=139 * GIB).peak()
     validate(cfg)
 
 

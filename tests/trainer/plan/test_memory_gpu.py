@@ -6,7 +6,7 @@ from trainer_helpers import one_step_0_5b
 
 from hybridflow.config import load_config, validate
 from hybridflow.trainer.plan import memory_plan as mp
-from hybridflow.trainer.plan.memory_check import plan_for_config
+from hybridflow.trainer.plan.memory_from_config import plan_for_config
 from hybridflow.trainer.plan.memory_render import render
 
 pytestmark = [

@@ -211,7 +211,7 @@ def test_the_plan_sizes_the_kv_cache_as_the_engine_allocates_it(
     against bf16's 256."""
     import torch
 
-    from hybridflow.engine.cache import kv_cache
+    from hybridflow.engine.cache import sizing
 
     arch = PRESETS[preset]
     state = arch.recurrent_state_bytes(2)
@@ -226,9 +226,9 @@ def test_the_plan_sizes_the_kv_cache_as_the_engine_allocates_it(
                               kv_block_size=block_size, kv_cache_fp8=kv_fp8)  # fmt: skip
         kv, sequences, _ = mp.kv_cache_item(arch, options, [])
         # the engine's automatic budget (a fraction of the device) with the reserve taken out
-        monkeypatch.setattr(kv_cache, "cache_budget", lambda *args, budget=budget: budget)
+        monkeypatch.setattr(sizing, "cache_budget", lambda *args, budget=budget: budget)
         try:
-            cache, _ = kv_cache.make_cache(arch, 8, 100, block_size, 1.0, reserve,
+            cache, _ = sizing.make_cache(arch, 8, 100, block_size, 1.0, reserve,
                                            torch.bfloat16, torch.device("cpu"),
                                            row_reserve_bytes=sampling_bytes_per_row(arch),
                                            kv_fp8=kv_fp8)  # fmt: skip

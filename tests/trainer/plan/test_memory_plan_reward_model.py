@@ -5,13 +5,14 @@ from reward_model_helpers import write_reward_model
 
 from hybridflow.config import load_config, validate
 from hybridflow.trainer.plan import memory_check as mc
+from hybridflow.trainer.plan import memory_from_config as mfc
 from hybridflow.trainer.plan.memory_plan import GIB
 
 
 def _plan(directory, *overrides):
     cfg = load_config(None, ["model.path=qwen2.5-0.5b", f"reward.model.path={directory}",
                              *overrides])  # fmt: skip
-    return mc.plan_for_config(cfg, validate(cfg), 80 * GIB)
+    return mfc.plan_for_config(cfg, validate(cfg), 80 * GIB)
 
 
 def test_the_reward_model_weights_are_on_each_training_gpu_or_on_the_host(tmp_path):

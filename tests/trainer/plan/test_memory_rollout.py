@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from hybridflow.config import load_config
-from hybridflow.engine.cache.kv_cache import state_slots, whole_sequence_slots
+from hybridflow.engine.cache.sizing import state_slots, whole_sequence_slots
 from hybridflow.models.presets import PRESETS
-from hybridflow.trainer.plan.memory_check import plan_for_config
+from hybridflow.trainer.plan.memory_from_config import plan_for_config
 from hybridflow.trainer.plan.memory_items import PlanOptions
 from hybridflow.trainer.plan.memory_plan import build_plan
 from hybridflow.trainer.plan.memory_rollout import fused_copy_bytes, rollout_weight_parameters
@@ -68,7 +68,7 @@ def test_at_16k_responses_a_hybrid_holds_about_4x_the_rows_of_qwen3_4b():
     """Per 16,896-token row qwen3-4b keeps 36 layers of K/V (2.32 GiB); qwen3.5-4b 8 layers
     (0.52 GiB) and a 49 MiB recurrent state. The default 1,024 slots' states would take
     49 GiB first; the engine caps them at the slots that hold the most whole sequences
-    (kv_cache.state_slots), and the plan with it: ~4x the rows under the defaults (the
+    (sizing.state_slots), and the plan with it: ~4x the rows under the defaults (the
     budgets differ by the models' other items)."""
     dense = _plan("qwen3-4b")
     hybrid = _plan("qwen3.5-4b")

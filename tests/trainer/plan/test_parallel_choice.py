@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from hybridflow.config import load_config, validate
-from hybridflow.trainer.plan.memory_check import check_memory, with_changes
+from hybridflow.trainer.plan.memory_check import check_memory
+from hybridflow.trainer.plan.memory_from_config import with_changes
 from hybridflow.trainer.plan.memory_plan import GIB
 from hybridflow.trainer.plan.parallel_choice import recommend
 
@@ -116,7 +117,8 @@ def test_the_rollouts_copy_is_freed_only_where_nothing_fits_without_it():
     rewrites it anyway) one does, so the plan turns rollout.release_weights on, before the
     reference's shard goes to the host. In async mode, which cannot free it, the reference
     goes instead."""
-    from hybridflow.trainer.plan.memory_check import fits, plan_for_config
+    from hybridflow.trainer.plan.memory_fixes import fits
+    from hybridflow.trainer.plan.memory_from_config import plan_for_config
 
     keys = ["model.path=qwen2.5-7b", "trainer.n_gpus_per_node=2", "trainer.backend=local",
             "trainer.device=cuda", "actor.use_kl_loss=true"]  # fmt: skip

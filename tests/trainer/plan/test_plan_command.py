@@ -160,7 +160,7 @@ def test_the_reshard_line_of_a_mixture_of_experts_counts_each_ranks_experts():
     row chunks are each rank's experts and never move; held whole (expert_parallel_size=1)
     each rank also receives the other half: 3 sparse layers × 4 experts × (256 + 128) × 128
     elements × 2 bytes (the plan's bf16 rollout copy) = 1,179,648 bytes more."""
-    from hybridflow.trainer.plan.memory_check import plan_for_config
+    from hybridflow.trainer.plan.memory_from_config import plan_for_config
     from hybridflow.trainer.plan.parallel_section import sync_bytes
 
     def received(*extra: str) -> int:
@@ -215,7 +215,8 @@ def test_deepseek_v3_fits_96_gpus_of_96_gb_with_the_rollouts_copy_freed_for_the_
     130.0 GiB; freed, the update is 60.0 GiB and generation (the copy, the workspace and the
     reference's 13.0 GiB shard, 95.7) the fullest phase; the reference on the host too, it
     fits: 82.7 GiB before the KV cache, 87.5 with it, the update 47.0."""
-    from hybridflow.trainer.plan.memory_check import fits, plan_for_config
+    from hybridflow.trainer.plan.memory_fixes import fits
+    from hybridflow.trainer.plan.memory_from_config import plan_for_config
     from hybridflow.trainer.plan.memory_plan import GENERATE, UPDATE
 
     base = [
