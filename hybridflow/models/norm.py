@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridflow.models.sharding.tensor_parallel import summed_grad
+from hybridflow.models.sharding.grad_sum import summed_grad
 
 
 def _weight(norm: nn.Module) -> torch.Tensor:

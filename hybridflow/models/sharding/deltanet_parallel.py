@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from hybridflow.models.mixers.token_layout import HeadWeights, TokenLayout
 from hybridflow.models.sharding.sequence_parallel import heads_to_tokens, tokens_to_heads
 
 if TYPE_CHECKING:
-    from hybridflow.models.mixers.gated_deltanet import GatedDeltaNet, HeadWeights, TokenLayout
+    from torch import nn
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class HeadShape:
         return self.key_heads * self.group
 
     @classmethod
-    def of(cls, mixer: GatedDeltaNet, channels: int, value_heads: int) -> HeadShape:
+    def of(cls, mixer: nn.Module, channels: int, value_heads: int) -> HeadShape:
         """The heads behind in_proj_qkv's ``channels`` outputs and ``value_heads`` gate
         outputs (all of the layer's, or a tensor-parallel rank's)."""
         key_channels = (channels - value_heads * mixer.head_v_dim) // 2
@@ -96,7 +97,7 @@ def from_key_heads(packed: torch.Tensor, shape: HeadShape):
 
 
 def ulysses_mix(
-    mixer: GatedDeltaNet,
+    mixer: nn.Module,
     mixed: torch.Tensor,
     a: torch.Tensor,
     b: torch.Tensor,

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from hybridflow.models.sharding.deltanet_parallel import HeadShape, head_channels
+from hybridflow.models.sharding.grad_sum import summed_grad
 
 LAYER_PLAN = {
     "self_attn.q_proj": ColwiseParallel,
@@ -51,13 +52,6 @@ LAYER_PLAN = {
 }
 HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm", "linear_attn.norm")
 """Norms whose one weight is applied to every head (each rank applies it to its own)."""
-
-
-def summed_grad(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """x itself in the forward; in the backward its gradient summed over ``mesh``'s ranks:
-    for a replicated tensor that each rank uses for its own heads only."""
-    replicated = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-    return replicated.to_local(grad_placements=[Partial()])
 
 
 class TensorHeads:
