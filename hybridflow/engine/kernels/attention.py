@@ -43,6 +43,7 @@ def _decode_attention_kernel(
     SHARED: tl.constexpr = False, table_ptr=None, stride_table=0, PAGE: tl.constexpr = 0,
     sink_ptr=None, HAS_SINK: tl.constexpr = False,
     ks_ptr=None, vs_ptr=None, stride_sslot=0, stride_spos=0, KV_FP8: tl.constexpr = False,
+    shift_ptr=None, ROPE_SHIFT: tl.constexpr = False,
 ):  # fmt: skip
     """One (row, kv head, split): attention of the head group's queries over cached positions
     [split * CHUNK, (split + 1) * CHUNK) up to the row's last position pos.
@@ -51,6 +52,11 @@ def _decode_attention_kernel(
     stored at cache[slot, pos] (by split 0) and the new token is attended from registers (so
     no program reads the position being written). Without ROPE, position pos is read from the
     cache like the others. Vectors are handled as halves (rotate_half RoPE pairs them).
+
+    ROPE_SHIFT (with ROPE; mRoPE prompts with images, engine/images.py): the new token turns
+    at pos + shift[slot], its slot's rotary shift (<= 0), while it is stored and attended at
+    its cache position pos. shift lives at a fixed address (RopeTable.slot_shift), so graph
+    replays read each slot's current shift.
 
     STORE_LAST: store the new token's rotated k/v after the loop instead of before it (a
     store ahead of the loop keeps the loop's first loads behind it in the PTX: the compiler
@@ -89,6 +95,10 @@ def _decode_attention_kernel(
     # (the sampler) or between graph replays, never in the last two launches (pdl.py).
     slot = tl.load(slot_ptr + row)
     pos = tl.load(pos_ptr + row)
+    rope_pos = pos
+    if ROPE_SHIFT:  # set at admission, before any step of the slot (images.set_slot_shifts)
+        # at least 0: a padding row's stale position must not read before the table
+        rope_pos = tl.maximum(pos + tl.load(shift_ptr + slot).to(pos.dtype), 0)
     start = split * CHUNK
     chunk_end = start + CHUNK
     if ROPE:
@@ -118,8 +128,8 @@ def _decode_attention_kernel(
         q1 = _norm_bias(q1, rstd, bias_ptr, q_bias, g_mask[:, None], HAS_BIAS)
         q2 = _norm_bias(q2, rstd, bias_ptr, q_bias + HALF, g_mask[:, None], HAS_BIAS)
     if ROPE:
-        cos = tl.load(cos_ptr + pos * stride_cs + h).to(tl.float32)
-        sin = tl.load(sin_ptr + pos * stride_cs + h).to(tl.float32)
+        cos = tl.load(cos_ptr + rope_pos * stride_cs + h).to(tl.float32)
+        sin = tl.load(sin_ptr + rope_pos * stride_cs + h).to(tl.float32)
         q1, q2 = _rotate(
             q1.to(tl.float32), q2.to(tl.float32), cos[None, :], sin[None, :], dtype
         )  # fmt: skip
@@ -372,6 +382,7 @@ def decode_attention_rope(
     table: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     kv_scales: tuple | None = None,
+    shifts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """rope_store + decode_attention in one launch: q [B, nh, D], k/v [B, nkv, D] of the new
     token (unrotated; rows may be strided), cos/sin [S, D] tables, positions [B] (the new
@@ -384,11 +395,15 @@ def decode_attention_rope(
 
     shared: (first [B], groups) from shared_prefix.group_table: each group's prompt prefix
     is read once for all its rows (one split). table, sinks, kv_scales: as
-    decode_attention's (an FP8 cache's new k/v are stored quantized)."""
+    decode_attention's (an FP8 cache's new k/v are stored quantized).
+
+    shifts: each slot's rotary shift [slots] (RopeTable.slot_shift, long; mRoPE prompts with
+    images): row b turns at positions[b] + shifts[row_slots[b]], stored and attended at
+    positions[b]. None: at positions[b]."""
     return _attention(q, k, v, cos, sin, positions, key_cache, value_cache, row_slots,
                       max_len, splits, norm=norm, shared=shared, launch=launch,
                       autotune=autotune, table=table, sinks=sinks,
-                      kv_scales=kv_scales)  # fmt: skip
+                      kv_scales=kv_scales, shifts=shifts)  # fmt: skip
 
 
 def _attention(
@@ -396,6 +411,7 @@ def _attention(
     norm: tuple | None = None, shared: tuple | None = None, launch: Launch = PLAIN,
     autotune: bool = True, store_last: bool = False, table: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None, kv_scales: tuple | None = None,
+    shifts: torch.Tensor | None = None,
 ):  # fmt: skip
     """store_last: the untuned launch's store order (the tuner times both; tests force one)."""
     rows, num_heads, head_dim = q.shape
@@ -449,6 +465,9 @@ def _attention(
         assert key_scales.stride() == value_scales.stride() and key_scales.stride(2) == 1
         meta.update(ks_ptr=key_scales, vs_ptr=value_scales, stride_sslot=key_scales.stride(0),
                     stride_spos=key_scales.stride(1), KV_FP8=True)  # fmt: skip
+    if shifts is not None:
+        assert rope and shifts.dtype == torch.int64, "shifts: long, with the new token's k/v"
+        meta.update(shift_ptr=shifts, ROPE_SHIFT=True)
     if norm is not None:
         assert rope, "norm needs the new token's k/v (decode_attention_rope)"
         residual, eps, bias = norm
