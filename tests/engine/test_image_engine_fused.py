@@ -139,3 +139,31 @@ def test_speculative_verify_passes_turn_rows_at_their_shift(model):
     engine, got = _generate(model, "triton", params, block=16, **speculative)
     assert engine.speculation.stats.passes > 0
     _assert_same(got, expected)
+
+
+def test_static_mixed_step_turns_decode_rows_at_their_shift(model):
+    """The static mixed step's forward (scheduling/mixed_forward.py, what its graphs capture)
+    turns its decode rows at their slots' shifts: their logits are the decode step's, over
+    the same cache (random K/V), beside one padding chunk token."""
+    from hybridflow.engine.kernels.chunk_attention import chunk_tiles, tile_count, tile_tokens
+    from hybridflow.engine.scheduling.mixed_forward import static_forward_of
+
+    engine = Engine(model, 4, 64, options=EngineOptions(decode_backend="triton",
+                                                        kv_block_size=None))  # fmt: skip
+    engine._allocate()  # a slot cache: no block table to fill
+    cache, rope = engine.cache, engine.rope
+    cache.keys.normal_(generator=torch.Generator(DEVICE).manual_seed(0))
+    cache.values.normal_(generator=torch.Generator(DEVICE).manual_seed(1))
+    rope.slot_shift[:3] = torch.tensor([-3, 0, -10])
+    tokens, positions, slots = (torch.tensor(x, device=DEVICE) for x in
+                                ([20, 21, 22], [12, 30, 17], [0, 1, 2]))  # fmt: skip
+    expected = engine.runner.decode_forward(model, cache, rope, tokens, positions, slots, 64)
+    scratch = torch.tensor([cache.scratch_slot], device=DEVICE)
+    zero = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    per_tile = tile_tokens(CONFIG.num_attention_heads, CONFIG.num_key_value_heads)
+    tiles = chunk_tiles([], [], [], 1, per_tile, tile_count(1, 0, per_tile))
+    forward = static_forward_of(engine.extend)
+    got = forward(model, cache, rope, torch.cat([tokens, zero]), torch.cat([positions, zero]),
+                  (torch.cat([slots, scratch]), torch.cat([positions, zero])), slots,
+                  torch.arange(3, device=DEVICE), torch.from_numpy(tiles).to(DEVICE))  # fmt: skip
+    torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)
