@@ -5,8 +5,8 @@
 tiny-vl widened to Qwen2.5-VL-7B's layout at toy widths: a 4-block encoder (window 4 x 4
 tokens, full attention in blocks 1 and 3), one image a prompt at Geometry3K's patch grids in
 turn (18x18, 20x28, 32x32, 30x42 patches: 81-315 image tokens, as the H100 benchmark's),
-64 text tokens a prompt. Prints the wall time of generate(max_new_tokens=1) (the TTFT of
-the batch) and of its parts: the encoder calls, the window/position index building, the
+64 text tokens a prompt. Prints the time of generate(max_new_tokens=1) (the TTFT of the
+batch; wall and this process's CPU time, one thread) and the CPU time of its parts: the encoder calls, the window/position index building, the
 feature scatter and mRoPE rows (images.prefill_inputs), and the language-model passes.
 --profile: torch.profiler's top ops and the number of encoder calls.
 """
@@ -51,7 +51,7 @@ def model_and_prompts(prompts: int, seed: int = 0):
 
 @contextmanager
 def timed_calls(totals: dict, counts: dict):
-    """Wall time of the functions the prefill calls, summed per name while inside."""
+    """CPU time of the functions the prefill calls, summed per name while inside."""
     import hybridflow.engine.images as images_mod
     import hybridflow.models.vision.qwen2_5_vl as encoder_mod
     from hybridflow.engine.scheduling import admission
@@ -60,11 +60,11 @@ def timed_calls(totals: dict, counts: dict):
         original = getattr(owner, name)
 
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start = time.process_time()  # the host is shared: this process's CPU time
             try:
                 return original(*args, **kwargs)
             finally:
-                totals[label] += time.perf_counter() - start
+                totals[label] += time.process_time() - start
                 counts[label] += 1
 
         setattr(owner, name, timed)
@@ -88,6 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--n", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=3, help="timed calls (the best kept)")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -96,16 +97,21 @@ def main() -> None:
     slots = args.prompts * args.n
     engine = Engine(model, max_batch_size=slots, max_seq_len=512)
     engine.generate(ids[:4], params, images=images[:4])  # allocation and warm-up
-    totals, counts = defaultdict(float), defaultdict(int)
-    with timed_calls(totals, counts):
-        start = time.perf_counter()
-        engine.generate(ids, params, images=images)
-        wall = time.perf_counter() - start
+    best = None
+    for _ in range(args.repeat):  # the host is shared: the best of a few calls
+        totals, counts = defaultdict(float), defaultdict(int)
+        with timed_calls(totals, counts):
+            start, cpu = time.perf_counter(), time.process_time()
+            engine.generate(ids, params, images=images)
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        if best is None or cpu < best[1]:
+            best = wall, cpu, totals, counts
+    wall, cpu, totals, counts = best
     tokens = sum(map(len, ids))
     print(f"{args.prompts} prompts x n={args.n}, {tokens} prompt tokens: generate(1 token) "
-          f"{wall * 1e3:.1f} ms")  # fmt: skip
+          f"{wall * 1e3:.1f} ms wall, {cpu * 1e3:.1f} ms CPU (best of {args.repeat})")  # fmt: skip
     for label, seconds in totals.items():
-        print(f"  {label}: {seconds * 1e3:.1f} ms in {counts[label]} calls")
+        print(f"  {label}: {seconds * 1e3:.1f} ms CPU in {counts[label]} calls")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 

@@ -77,21 +77,24 @@ def test_greedy_tokens_equal_the_models_own_decoding_with_images(model):
 
 def _count_encoder_calls(model):
     calls = []
-    handle = model.visual.register_forward_hook(lambda *_: calls.append(1))
+    handle = model.visual.register_forward_hook(
+        lambda module, args, out: calls.append(len(args[1]))  # the images of each call
+    )
     return calls, handle
 
 
-@pytest.mark.parametrize("slots", [16, 2])
-def test_the_encoder_runs_once_a_prompt_for_its_n_samples(model, slots):
-    # 2 slots: a prompt's 3 samples are admitted over two passes, sharing one encoder call
-    calls, handle = _count_encoder_calls(model)
+@pytest.mark.parametrize("slots, calls", [(16, [3]), (2, [1, 2])])
+def test_the_encoder_runs_once_a_pass_for_its_prompts_and_their_n_samples(model, slots, calls):
+    """16 slots: one prefill pass, one encoder call for both prompts' images (1 + 2); 2
+    slots: prompt 0's 3 samples are admitted over two passes, sharing one encoder call."""
+    encoded, handle = _count_encoder_calls(model)
     try:
         params = SamplingParams(n=3, temperature=1.0, max_new_tokens=4, seed=0)
         out = Engine(model, max_batch_size=slots, max_seq_len=64).generate(
             PROMPTS, params, images=_images(_pixels()))  # fmt: skip
     finally:
         handle.remove()
-    assert len(out) == 9 and len(calls) == 2  # two prompts hold images
+    assert len(out) == 9 and encoded == calls
 
 
 def test_sampled_logprobs_equal_the_trainers_pass(model):
