@@ -48,3 +48,12 @@ def test_one_call_over_several_images_gives_each_its_own_features():
         alone = torch.cat([model.visual(p, g) for p, g in zip(pixels, grids)])
         together = model.visual(torch.cat(pixels), torch.cat(grids))
     torch.testing.assert_close(together, alone, rtol=0, atol=1e-6)
+
+
+def test_to_device_moves_index_tensors_in_one_copy_keeping_their_shapes():
+    from hybridflow.models.vision.grid import to_device
+
+    a, b = torch.arange(6).view(2, 3), torch.tensor([7, 8], dtype=torch.int32)
+    moved = to_device(torch.device("cpu"), a, b)
+    assert [tuple(t.shape) for t in moved] == [(2, 3), (2,)]
+    assert torch.equal(moved[0], a) and moved[1].tolist() == [7, 8]

@@ -19,10 +19,16 @@ from torch import nn
 from hybridflow.models.attention import flash_varlen_attention
 from hybridflow.models.norm import RMSNorm
 from hybridflow.models.rope import rotate_half
-from hybridflow.models.vision.grid import frame_cu_seqlens, patch_positions, window_order
+from hybridflow.models.vision.grid import (
+    frame_cu_seqlens,
+    patch_positions,
+    to_device,
+    window_order,
+)
 from hybridflow.models.vision.spec import VisionSpec
 
 NORM_EPS = 1e-6
+FLASH_DTYPES = (torch.bfloat16, torch.float16)  # segment_attention's flash kernel
 
 
 def activation(name: str):
@@ -72,12 +78,18 @@ class Segments:
     groups: EqualLengthGroups | None = None
 
     @classmethod
-    def of(cls, lengths: list[int], device: torch.device) -> Segments:
-        cu = None
-        if device.type == "cuda":
-            cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-            cu = cu.to(device)
-        return cls(lengths, cu, equal_length_groups(lengths, device))
+    def of(cls, lengths: list[int], device: torch.device,
+           dtype: torch.dtype | None = None) -> Segments:  # fmt: skip
+        """What segment_attention reads for activations of ``dtype`` on ``device``: the
+        flash kernel's cu_seqlens or SDPA's groups (None: both)."""
+        flash = device.type == "cuda" and dtype in (None, *FLASH_DTYPES)
+        cu = groups = None
+        if flash:
+            cu = torch.tensor([0, *lengths]).cumsum(0)
+            cu = to_device(device, cu)[0].to(torch.int32)
+        if dtype is None or not flash:
+            groups = equal_length_groups(lengths, device)
+        return cls(lengths, cu, groups)
 
 
 @dataclass(frozen=True)
@@ -102,17 +114,15 @@ def equal_length_groups(lengths: list[int], device: torch.device) -> EqualLength
     order = torch.cat([i.flatten() for i in index]) if index else sizes.new_zeros(0)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel())
-    moved = torch.cat([order, inverse]).to(device)  # one copy
-    index_moved = moved[: order.numel()].split([i.numel() for i in index])
-    index = [i.view(-1, n) for i, n in zip(index_moved, distinct)]
-    return EqualLengthGroups(distinct, index, moved[order.numel() :])
+    *index, inverse = to_device(device, *index, inverse)
+    return EqualLengthGroups(distinct, index, inverse)
 
 
 def segment_attention(q, k, v, segments: Segments) -> torch.Tensor:
     """Bidirectional attention within each segment: q, k, v [N, heads, d] -> [N, heads, d].
     FlashAttention's varlen kernel (bf16/fp16 on CUDA), else SDPA, one batched call for the
     segments of each length."""
-    if segments.cu_seqlens is not None and q.dtype in (torch.bfloat16, torch.float16):
+    if segments.cu_seqlens is not None and q.dtype in FLASH_DTYPES:
         return flash_varlen_attention(q, k, v, segments.cu_seqlens, max(segments.lengths),
                                       deterministic=True, causal=False)  # fmt: skip
     groups = segments.groups or equal_length_groups(segments.lengths, q.device)
@@ -200,16 +210,19 @@ class VisionEncoder(nn.Module):
                                         spec.patch_size)  # fmt: skip
         unit = spec.merge_unit
 
-        def windowed(t: torch.Tensor) -> torch.Tensor:  # group each window's patches
-            return t.unflatten(0, (-1, unit))[order.to(t.device)].flatten(0, 1)
+        def windowed(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+            return t.unflatten(0, (-1, unit))[order].flatten(0, 1)  # each window's patches
 
-        hidden = windowed(self.patch_embed(pixel_values))
-        positions = windowed(patch_positions(grid, spec.spatial_merge_size))
-        cos, sin = vision_rope_cos_sin(spec, positions.to(hidden.device))
+        positions = windowed(patch_positions(grid, spec.spatial_merge_size), order)
+        device = pixel_values.device
+        order, unorder, positions = to_device(device, order, torch.argsort(order), positions)
+        hidden = windowed(self.patch_embed(pixel_values), order)
+        cos, sin = vision_rope_cos_sin(spec, positions)
         # the full blocks attend within each frame, the others within each window (the
         # windows nest in the frames, so one permutation serves both)
-        frames = Segments.of(frame_cu_seqlens(grid).diff().tolist(), hidden.device)
-        windows = Segments.of(window_cu.diff().tolist(), hidden.device)
+        dtype = hidden.dtype
+        frames = Segments.of(frame_cu_seqlens(grid).diff().tolist(), device, dtype)
+        windows = Segments.of(window_cu.diff().tolist(), device, dtype)
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for index, block in enumerate(self.blocks):
             segments = frames if index in spec.fullatt_block_indexes else windows
@@ -219,4 +232,4 @@ class VisionEncoder(nn.Module):
                 )
             else:
                 hidden = block(hidden, cos, sin, segments)
-        return self.merger(hidden)[torch.argsort(order).to(hidden.device)]
+        return self.merger(hidden)[unorder]
