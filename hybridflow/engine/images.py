@@ -6,17 +6,20 @@ path preprocessed them, and optionally mRoPE's rows [3, p] it computed). Its ids
 image-pad token per merged patch (models/mrope.py checks the count), so the KV cache, the
 prefill budget and max_seq_len count the image tokens as they count text.
 
-Prefill: the encoder runs once a prompt, when its first sample is admitted; its features
-stay with the submission until the prompt's last sample is admitted (n samples of a prompt
-may be admitted over several passes when slots are few), so the n samples share one encoder
-call. The features take the places of the image-pad tokens in the prompt's embeddings, and
-each token is turned by its three mRoPE rows.
+Prefill: a pass runs the encoder once, over the images of the prompts whose first sample
+it admits (encode_missing); a prompt's features stay with the submission until its last
+sample is admitted (n samples of a prompt may be admitted over several passes when slots
+are few), so the n samples share one encoder call. The features take the places of the
+image-pad tokens in the prompts' embeddings, and each token is turned by its three mRoPE
+rows (the model's own modules run such a pass on either backend: prefill.py).
 
 Decode: every token after the prompt has equal rows (text), at the prompt's largest position
 plus one and on, so its turn is plain RoPE at ``cache position + shift`` with ``shift =
 largest position + 1 - prompt length`` (<= 0: an image's tokens span fewer positions than
-tokens). The shift is kept per cache slot (RopeTable.slot_shift) and added by the decode
-pass: transformers' rope_deltas. A kept slot (scheduling/kept.py) keeps it: the next turn's
+tokens). The shift is kept per cache slot (RopeTable.slot_shift, a buffer at a fixed
+address that CUDA graphs read) and added by the decode and extend passes of both backends
+(the fused decode attention reads it per row: kernels/attention.py): transformers'
+rope_deltas. A kept slot (scheduling/kept.py) keeps it: the next turn's
 text tokens (the model's turn and a tool's result) extend the slot at their cache position
 plus the shift, as its decode steps did; a turn that adds images is prefilled in full.
 """
