@@ -46,7 +46,7 @@ from hybridflow.models.heads import fused_head_kernels, logprob_kernels  # noqa:
 INT64_POINTERS = {
     "slot_ptr", "pos_ptr", "targets_ptr", "seed_lo_ptr", "seed_hi_ptr", "step_ptr", "tok_ptr",
     "generated_ptr", "max_new_ptr", "state_tok_ptr", "positions_ptr", "out_tok_ptr",
-    "first_ptr", "cpos_ptr",
+    "first_ptr", "cpos_ptr", "shift_ptr",
 }  # fmt: skip
 FP32_POINTERS = {
     "part_o_ptr", "part_lse_ptr", "part_m_ptr", "part_s_ptr", "part_f_ptr", "threshold_ptr",
@@ -192,6 +192,11 @@ def test_decode_layer_kernels_compile():
     for (rope, shared), page in itertools.product(((True, False), (False, False), (True, True)),
                                                   (64, 16)):  # fmt: skip
         _attention("bf16", ROPE=rope, SPLITS=1 if shared else 3, SHARED=shared, PAGE=page)
+    # mRoPE's per-slot rotary shift (a vision-language model): split, lean and shared rows
+    _attention("bf16", ROPE_SHIFT=True, SPLITS=3, HALF=64)
+    _attention("bf16", G=7, NH=28, HALF=64, BLOCK_N=32, NORM=True, H_PAD=4096, HAS_BIAS=True,
+               ROPE_SHIFT=True, PAGE=64)  # fmt: skip
+    _attention("bf16", G=7, NH=28, HALF=64, SHARED=True, ROPE_SHIFT=True, PAGE=64)
     # and the prefix kernel, at 0.5b's and 1.5b's heads, slot and paged caches
     for (group, dim), page in itertools.product(((7, 64), (6, 128)), (0, 16, 64)):
         _prefix("bf16", group, dim, page)
