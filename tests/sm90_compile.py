@@ -59,7 +59,7 @@ def compile_pool() -> ProcessPoolExecutor:
 INT64_POINTERS = {
     "slot_ptr", "pos_ptr", "targets_ptr", "seed_lo_ptr", "seed_hi_ptr", "step_ptr", "tok_ptr",
     "generated_ptr", "max_new_ptr", "state_tok_ptr", "positions_ptr", "out_tok_ptr",
-    "first_ptr", "cpos_ptr",
+    "first_ptr", "cpos_ptr", "shift_ptr",
 }  # fmt: skip
 FP32_POINTERS = {
     "part_o_ptr", "part_lse_ptr", "part_m_ptr", "part_s_ptr", "part_f_ptr", "threshold_ptr",

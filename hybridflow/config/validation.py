@@ -283,6 +283,8 @@ def _check_images(cfg: Config, add) -> None:
         # OpenAI endpoint in text, which refuses images in an episode's request
         "rollout.agent.loop": cfg.rollout.agent.loop == "openai",
         "rollout.engine.max_prefill_tokens_per_step": cfg.rollout.engine.max_prefill_tokens_per_step > 0,
+        # the passes with images prefill in the model's dtype (the engine refuses it too)
+        "rollout.dtype": cfg.rollout.dtype == "fp8",
         "actor.sequence_parallel_size": cfg.actor.sequence_parallel_size > 1,
         "rollout.tensor_parallel_size": cfg.rollout.tensor_parallel_size > 1,
         # experts over replicas: the rollout's rows travel without their images (rollout_tp)

@@ -127,10 +127,9 @@ class Engine:
             self.recurrent_step = self.decode_backend
             self.decode_backend = "torch"
         # a vision-language model: prompts with images (images.py) decode with a per-slot
-        # rotary shift, which the fused decode layers do not take: the model's own modules
+        # rotary shift, which both backends read (RopeTable.slot_shift); their prefill runs
+        # the model's own modules (the vision encoder's features, mRoPE's three rows)
         self.vision = self.native and getattr(self.config, "vision", None) is not None
-        if self.vision:
-            self.decode_backend = "torch"
         triton_backend = self.decode_backend == "triton"
         cuda = self.device.type == "cuda"
         # a tensor-parallel step's collectives in a graph: not measured yet, so asked for
@@ -153,6 +152,10 @@ class Engine:
         if options.weight_format == "fp8" and self.moe:
             raise ValueError("weight_format='fp8' (rollout.dtype=fp8) does not cover "
                              "mixture-of-experts models yet: use the model's dtype")  # fmt: skip
+        if options.weight_format == "fp8" and self.vision:
+            raise ValueError("weight_format='fp8' (rollout.dtype=fp8) does not cover "
+                             "vision-language models yet (their prompts with images prefill "
+                             "in the model's dtype): use the model's dtype")  # fmt: skip
         if options.weight_format == "fp8" and self.eager_layers:
             raise ValueError("weight_format='fp8' (rollout.dtype=fp8) does not cover gated "
                              "attention or Gated DeltaNet layers yet: use the model's dtype")  # fmt: skip

@@ -6,17 +6,20 @@ path preprocessed them, and optionally mRoPE's rows [3, p] it computed). Its ids
 image-pad token per merged patch (models/mrope.py checks the count), so the KV cache, the
 prefill budget and max_seq_len count the image tokens as they count text.
 
-Prefill: the encoder runs once a prompt, when its first sample is admitted; its features
-stay with the submission until the prompt's last sample is admitted (n samples of a prompt
-may be admitted over several passes when slots are few), so the n samples share one encoder
-call. The features take the places of the image-pad tokens in the prompt's embeddings, and
-each token is turned by its three mRoPE rows.
+Prefill: a pass runs the encoder once, over the images of the prompts whose first sample
+it admits (encode_missing); a prompt's features stay with the submission until its last
+sample is admitted (n samples of a prompt may be admitted over several passes when slots
+are few), so the n samples share one encoder call. The features take the places of the
+image-pad tokens in the prompts' embeddings, and each token is turned by its three mRoPE
+rows (the model's own modules run such a pass on either backend: prefill.py).
 
 Decode: every token after the prompt has equal rows (text), at the prompt's largest position
 plus one and on, so its turn is plain RoPE at ``cache position + shift`` with ``shift =
 largest position + 1 - prompt length`` (<= 0: an image's tokens span fewer positions than
-tokens). The shift is kept per cache slot (RopeTable.slot_shift) and added by the decode
-pass: transformers' rope_deltas. A kept slot (scheduling/kept.py) keeps it: the next turn's
+tokens). The shift is kept per cache slot (RopeTable.slot_shift, a buffer at a fixed
+address that CUDA graphs read) and added by the decode and extend passes of both backends
+(the fused decode attention reads it per row: kernels/attention.py): transformers'
+rope_deltas. A kept slot (scheduling/kept.py) keeps it: the next turn's
 text tokens (the model's turn and a tool's result) extend the slot at their cache position
 plus the shift, as its decode steps did; a turn that adds images is prefilled in full.
 """
@@ -113,21 +116,11 @@ def check_image_call(options) -> None:
 
 class ImageFeatures:
     """A submission's encoder features, per prompt, from its first sample's admission to
-    its last's (module docstring)."""
+    its last's (module docstring); encode_missing fills them."""
 
     def __init__(self, prepared: list[PreparedImages | None], n: int):
         self.prepared, self.n = prepared, n
         self.features: dict[int, torch.Tensor] = {}
-
-    def of(self, model, prompt: int) -> torch.Tensor:
-        """[image tokens, H] of the prompt's images, the encoder run on the first ask."""
-        if prompt not in self.features:
-            entry = self.prepared[prompt]
-            weight = next(model.visual.parameters())
-            pixels = entry.pixel_values.to(weight.device, weight.dtype)
-            device = weight.device
-            self.features[prompt] = model.visual(pixels, entry.image_grid_thw.to(device))
-        return self.features[prompt]
 
     def admitted(self, request: int) -> None:
         """Request admitted: its prompt's features go when it is the prompt's last sample."""
@@ -159,31 +152,70 @@ def has_images(segments: list[Segment]) -> bool:
     return any(segment.entry is not None for segment in segments)
 
 
+def encode_missing(model, segments: list[Segment]) -> None:
+    """One encoder call over the images of every segment whose prompt's features are not
+    held yet, each prompt's features then held by its ImageFeatures. One call a prefill pass,
+    not one a prompt: a 7B encoder call is ~400 launches (32 blocks) and a host round trip,
+    and a pass's image tokens are at most its prefill tokens, which the engine's workspace
+    plans the encoder's activations for (cache/workspace.vision_prefill)."""
+    wanted: dict[tuple[int, int], Segment] = {}
+    for segment in segments:
+        key = (id(segment.images), segment.prompt)
+        if segment.entry is not None and segment.prompt not in segment.images.features:
+            wanted.setdefault(key, segment)
+    if not wanted:
+        return
+    entries = [segment.entry for segment in wanted.values()]
+    weight = next(model.visual.parameters())
+    pixels = _device_rows([e.pixel_values for e in entries], weight.device).to(weight.dtype)
+    grids = torch.cat([e.image_grid_thw for e in entries])  # on the host, as the encoder reads
+    features = model.visual(pixels, grids)
+    unit = model.config.vision.spatial_merge_size**2
+    counts = [int(e.image_grid_thw.prod(-1).sum()) // unit for e in entries]
+    for segment, rows in zip(wanted.values(), features.split(counts)):
+        segment.images.features[segment.prompt] = rows
+
+
+def _device_rows(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The tensors concatenated on the device: host ones through one pinned, non-blocking
+    copy (a pageable copy waits for the GPU to drain)."""
+    on_host = all(t.device.type == "cpu" for t in tensors)
+    if not on_host:
+        return torch.cat([t.to(device) for t in tensors])
+    rows = torch.cat(tensors)
+    if device.type == "cuda":
+        return rows.pin_memory().to(device, non_blocking=True)
+    return rows.to(device)
+
+
 @torch.no_grad()
 def prefill_inputs(model, ids: torch.Tensor, segments: list[Segment]):
     """(hidden [N, H], cos, sin [N, D]) for packed ids [N] of these segments in order: the
-    token embeddings with each image prompt's features at its image tokens, each token's
-    cos/sin from its mRoPE rows (text: equal rows; after a prompt: its largest position
-    plus one and on)."""
+    token embeddings with each image prompt's features at its image tokens (within its
+    images' span), each token's cos/sin from its mRoPE rows (text: equal rows; after a
+    prompt: its largest position plus one and on). One encoder call, one scatter and one
+    upload for the pass, whatever its prompts."""
     config = model.config
+    encode_missing(model, segments)
     hidden = model.model.embed_tokens(ids)
-    rows, start = [], 0
+    rows, spans, features = [], [], []
     for segment in segments:
         entry = segment.entry
+        span = torch.zeros(segment.length, dtype=torch.int64)  # where its image tokens may be
         if entry is None:
             rows.append(torch.arange(segment.length).expand(3, -1))
         else:
             after = int(entry.positions.max()) + 1
             tail = torch.arange(after, after + segment.length - segment.prompt_length)
             rows.append(torch.cat([entry.positions, tail.expand(3, -1)], dim=1))
-            end = start + segment.prompt_length
-            slots = ids[start:end] == config.vision.image_token_id
-            slots[entry.span :] = False  # past the span: text (PromptImages.image_span)
-            features = segment.images.of(model, segment.prompt).to(hidden.dtype)
-            hidden[start:end] = hidden[start:end].masked_scatter(slots.unsqueeze(-1), features)
-        start += segment.length
-    positions = torch.cat(rows, dim=1).to(ids.device)  # [3, N]
-    cos, sin = mrope_cos_sin(config, positions, hidden.dtype)
+            span[: entry.span] = 1  # past it: text (PromptImages.image_span)
+            features.append(segment.images.features[segment.prompt])
+        spans.append(span)
+    positions, span = upload(ids.device, torch.cat(rows, dim=1), torch.cat(spans))
+    if features:
+        slots = (ids == config.vision.image_token_id) & span.bool()
+        hidden = hidden.masked_scatter(slots.unsqueeze(-1), torch.cat(features).to(hidden.dtype))
+    cos, sin = mrope_cos_sin(config, positions.view(3, -1), hidden.dtype)
     return hidden, cos, sin
 
 

@@ -65,8 +65,8 @@ class EngineOptions:
     the chunks' tokens to a bucket of the step's budget, their inputs copied into fixed
     buffers and their attention through the block table (kernels/chunk_attention.py), so a
     step replays as a CUDA graph instead of ~530 launches from Python. The fused (triton)
-    backend only: models on the torch backend (recurrent, latent or sink-attention layers,
-    images) keep the eager mixed step. False until measured on a GPU (bench agent --engine
+    backend only: models on the torch backend (recurrent, latent or sink-attention layers)
+    keep the eager mixed step. False until measured on a GPU (bench agent --engine
     graph_mixed_steps=true)."""
     kv_block_size: int | None = 64
     """A power of two >= 16: the paged cache (kv_cache.py, blocks.py): blocks of that many

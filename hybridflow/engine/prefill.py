@@ -100,6 +100,19 @@ def prefill_forward(
     return model.lm_head(model.model.norm(hidden))
 
 
+def prefill_with_images(model, cache: KVCache, rope: RopeTable, *args,
+                        fused_prefill, inputs: tuple | None = None,
+                        cache_at: tuple | None = None) -> torch.Tensor:  # fmt: skip
+    """A vision-language engine's prefill on the triton backend: a pass with images
+    (inputs: images.prefill_inputs' embeddings with the encoder's features and mRoPE's
+    three-row cos/sin) runs prefill_forward, the model's own modules; a text-only pass runs
+    fused_prefill (prefill_forward_triton with the engine's kernels). Both write the K/V
+    the fused decode layers read."""
+    if inputs is not None:
+        return prefill_forward(model, cache, rope, *args, cache_at=cache_at, inputs=inputs)
+    return fused_prefill(model, cache, rope, *args, cache_at=cache_at)
+
+
 def _sink_tiles(model, cu_seqlens: torch.Tensor, tokens: int) -> tuple | None:
     """The packed prompts' tiles for the sink layers' kernel, made once for all the layers
     (kernels/chunk_attention.packed_tiles); None: the model has no sink layer."""
@@ -184,7 +197,6 @@ def extend_forward(
     max_len: int | None = None,
     frozen: torch.Tensor | None = None,
     latent_step: str = "torch",
-    rotary_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """input_ids/position_ids/token_slots [N]: each sequence's new tokens, contiguous and in
     position order; every token attends to its slot's cache up to its own position (the
@@ -199,9 +211,8 @@ def extend_forward(
     attends the same way, over its slot up to its position, so they change nothing).
     latent_step: an MLA layer's absorbed attention, every token a row over its slot
     ("triton": the kernel reads the paged latents in place, no gather; layers/latent.py).
-    rotary_positions [N]: each token's RoPE position where it is not its cache position (the
-    slot of an mRoPE prompt with images: cache position + the slot's shift, images.py; a
-    vision-language engine runs this eager pass)."""
+    Each token turns at its cache position plus its slot's rotary shift (RopeTable.
+    rotary_positions: mRoPE prompts with images, images.py; 0 elsewhere)."""
     from hybridflow.engine.layers import mixing
     from hybridflow.engine.layers.eager import cached_attention_torch
     from hybridflow.engine.layers.latent import latent_cached
@@ -209,7 +220,7 @@ def extend_forward(
     from hybridflow.engine.layers.sink import frozen_tokens, sink_extend
 
     entries, offsets = cache_at or (token_slots, position_ids)
-    rotary = position_ids if rotary_positions is None else rotary_positions
+    rotary = rope.rotary_positions(position_ids, token_slots)
     sparse = sparse_indices(model)
     rows = input_ids.shape[0]
     wanted = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
@@ -307,7 +318,8 @@ def extend_forward_triton(
     token each, attending through decode_attention over their slot (a paged cache's block
     table), whatever the kernel of the rest; the flash path's spans then cover the other
     tokens only. max_len: a host bound on position_ids + 1 over every token (None: read from
-    the device, a sync)."""
+    the device, a sync). Each token turns at its cache position plus its slot's rotary shift,
+    as extend_forward's."""
     from hybridflow.engine.kernels import attention, rowwise
     from hybridflow.engine.layers.moe import route_target
     from hybridflow.engine.layers.split import fused_layers
@@ -326,6 +338,9 @@ def extend_forward_triton(
         )
     )
     entries, offsets = cache_at or (token_slots, None)
+    rotary = rope.rotary_positions(position_ids, token_slots)
+    if offsets is None and rotary is not position_ids:  # stored at the cache position
+        offsets = position_ids
     lengths = position_ids + 1
     if max_len is None:
         max_len = int(position_ids.max()) + 1
@@ -339,7 +354,7 @@ def extend_forward_triton(
     def attend(index, q, k, v):
         keys, values = cache.keys[index], cache.values[index]
         scales = cache.layer_scales(index)
-        rowwise.rope_store(q, k, v, rope.cos, rope.sin, position_ids, entries, keys, values,
+        rowwise.rope_store(q, k, v, rope.cos, rope.sin, rotary, entries, keys, values,
                            launch=launch, cache_positions=offsets, kv_scales=scales)  # fmt: skip
         parts = []
         if decoded:

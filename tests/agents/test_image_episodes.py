@@ -92,11 +92,12 @@ def _loop(tool=None) -> ToolCallingLoop:
 
 
 def _run(model, kept: bool):
-    """Both episodes, concurrently -> (trajectories, encoder calls, prefilled tokens)."""
+    """Both episodes, concurrently -> (trajectories, images encoded, prefilled tokens)."""
     engine = Engine(model, max_batch_size=4, max_seq_len=512,
                     options=EngineOptions(decode_backend="torch", cuda_graphs=False))  # fmt: skip
     calls = []
-    hook = model.visual.register_forward_hook(lambda *_: calls.append(1))
+    # the images of each encoder call (one call a prefill pass, for all its prompts')
+    hook = model.visual.register_forward_hook(lambda _, args, out: calls.append(len(args[1])))
     client = EngineClient(engine)
     loop = _loop()
 
@@ -109,12 +110,12 @@ def _run(model, kept: bool):
     finally:
         hook.remove()
         client.close()
-    return trajectories, len(calls), engine.prefill_tokens
+    return trajectories, sum(calls), engine.prefill_tokens
 
 
 def test_two_turns_with_a_tool_continue_the_kept_kv_as_re_prefilled_turns_sample(model):
-    kept, kept_calls, kept_prefilled = _run(model, kept=True)
-    full, full_calls, full_prefilled = _run(model, kept=False)
+    kept, kept_images, kept_prefilled = _run(model, kept=True)
+    full, full_images, full_prefilled = _run(model, kept=False)
     for a, b in zip(kept, full):
         assert [t.generated_tokens for t in a.turns] == [6, 6] and a.finish_reason == "max_turns"
         assert a.prompt_ids == b.prompt_ids and a.response_ids == b.response_ids
@@ -123,8 +124,9 @@ def test_two_turns_with_a_tool_continue_the_kept_kv_as_re_prefilled_turns_sample
     # the prompt's image tokens, one a merged patch, and its mRoPE rows
     assert kept[1].prompt_ids.count(SPEC.image_token_id) == 8
     assert kept[1].prompt_positions.shape == (3, len(kept[1].prompt_ids))
-    # the encoder once an episode (its first prefill); re-prefilling runs it every turn
-    assert (kept_calls, full_calls) == (2, 4)
+    # each episode's images (1 and 2) encoded once (its first prefill); re-prefilling encodes
+    # them every turn
+    assert (kept_images, full_images) == (3, 6)
     assert kept_prefilled < full_prefilled - sum(len(t.prompt_ids) for t in kept)
 
 

@@ -77,21 +77,24 @@ def test_greedy_tokens_equal_the_models_own_decoding_with_images(model):
 
 def _count_encoder_calls(model):
     calls = []
-    handle = model.visual.register_forward_hook(lambda *_: calls.append(1))
+    handle = model.visual.register_forward_hook(
+        lambda module, args, out: calls.append(len(args[1]))  # the images of each call
+    )
     return calls, handle
 
 
-@pytest.mark.parametrize("slots", [16, 2])
-def test_the_encoder_runs_once_a_prompt_for_its_n_samples(model, slots):
-    # 2 slots: a prompt's 3 samples are admitted over two passes, sharing one encoder call
-    calls, handle = _count_encoder_calls(model)
+@pytest.mark.parametrize("slots, calls", [(16, [3]), (2, [1, 2])])
+def test_the_encoder_runs_once_a_pass_for_its_prompts_and_their_n_samples(model, slots, calls):
+    """16 slots: one prefill pass, one encoder call for both prompts' images (1 + 2); 2
+    slots: prompt 0's 3 samples are admitted over two passes, sharing one encoder call."""
+    encoded, handle = _count_encoder_calls(model)
     try:
         params = SamplingParams(n=3, temperature=1.0, max_new_tokens=4, seed=0)
         out = Engine(model, max_batch_size=slots, max_seq_len=64).generate(
             PROMPTS, params, images=_images(_pixels()))  # fmt: skip
     finally:
         handle.remove()
-    assert len(out) == 9 and len(calls) == 2  # two prompts hold images
+    assert len(out) == 9 and encoded == calls
 
 
 def test_sampled_logprobs_equal_the_trainers_pass(model):
@@ -168,10 +171,29 @@ def test_what_images_do_not_run_through_is_refused(model):
                    options=EngineOptions(max_prefill_tokens_per_step=32))  # fmt: skip
     with pytest.raises(ValueError, match="max_prefill_tokens_per_step=0"):
         mixed.generate(PROMPTS, SamplingParams(), images=images)
+    with pytest.raises(ValueError, match="does not cover vision-language models"):
+        Engine(model, max_batch_size=4, max_seq_len=64,
+               options=EngineOptions(weight_format="fp8"))  # fmt: skip
     text_only = build_model(preset_config("tiny"), seed=0)
     with pytest.raises(ValueError, match="no vision encoder"):
         Engine(text_only, max_batch_size=4, max_seq_len=64).generate(
             [[1, 2]], SamplingParams(), images=[images[0]])  # fmt: skip
+
+
+def test_speculative_verify_passes_turn_rows_at_their_shift(model):
+    """Drafts scored in extend passes over the decode rows (each at its slot's mRoPE shift):
+    the tokens of decoding without drafts."""
+    params = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+    expected = Engine(model, max_batch_size=4, max_seq_len=64).generate(
+        PROMPTS, params, images=_images(_pixels()))  # fmt: skip
+    options = EngineOptions(speculative="ngram", speculative_max_rows=64,
+                            speculative_min_ngram=1)  # fmt: skip
+    engine = Engine(model, max_batch_size=4, max_seq_len=64, options=options)
+    got = engine.generate(PROMPTS, params, images=_images(_pixels()))
+    assert engine.speculation.stats.passes > 0
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
 
 
 def _turns(model, kept: bool, added, span: bool = False, block: int | None = 64):

@@ -114,6 +114,7 @@ def decode_attention_rope(
     table: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     kv_scales: tuple | None = None,
+    shifts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """rope_store + decode_attention in one launch: q [B, nh, D], k/v [B, nkv, D] of the new
     token (unrotated; rows may be strided), cos/sin [S, D] tables, positions [B] (the new
@@ -126,11 +127,15 @@ def decode_attention_rope(
 
     shared: (first [B], groups) from shared_prefix.group_table: each group's prompt prefix
     is read once for all its rows (one split). table, sinks, kv_scales: as
-    decode_attention's (an FP8 cache's new k/v are stored quantized)."""
+    decode_attention's (an FP8 cache's new k/v are stored quantized).
+
+    shifts: each slot's rotary shift [slots] (RopeTable.slot_shift, long; mRoPE prompts with
+    images): row b turns at positions[b] + shifts[row_slots[b]], stored and attended at
+    positions[b]. None: at positions[b]."""
     return _attention(q, k, v, cos, sin, positions, key_cache, value_cache, row_slots,
                       max_len, splits, norm=norm, shared=shared, launch=launch,
                       autotune=autotune, table=table, sinks=sinks,
-                      kv_scales=kv_scales)  # fmt: skip
+                      kv_scales=kv_scales, shifts=shifts)  # fmt: skip
 
 
 def _attention(
@@ -138,6 +143,7 @@ def _attention(
     norm: tuple | None = None, shared: tuple | None = None, launch: Launch = PLAIN,
     autotune: bool = True, store_last: bool = False, table: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None, kv_scales: tuple | None = None,
+    shifts: torch.Tensor | None = None,
 ):  # fmt: skip
     """store_last: the untuned launch's store order (the tuner times both; tests force one)."""
     rows, num_heads, head_dim = q.shape
@@ -191,6 +197,9 @@ def _attention(
         assert key_scales.stride() == value_scales.stride() and key_scales.stride(2) == 1
         meta.update(ks_ptr=key_scales, vs_ptr=value_scales, stride_sslot=key_scales.stride(0),
                     stride_spos=key_scales.stride(1), KV_FP8=True)  # fmt: skip
+    if shifts is not None:
+        assert rope and shifts.dtype == torch.int64, "shifts: long, with the new token's k/v"
+        meta.update(shift_ptr=shifts, ROPE_SHIFT=True)
     if norm is not None:
         assert rope, "norm needs the new token's k/v (decode_attention_rope)"
         residual, eps, bias = norm

@@ -35,6 +35,7 @@ def _decode_attention_kernel(
     SHARED: tl.constexpr = False, table_ptr=None, stride_table=0, PAGE: tl.constexpr = 0,
     sink_ptr=None, HAS_SINK: tl.constexpr = False,
     ks_ptr=None, vs_ptr=None, stride_sslot=0, stride_spos=0, KV_FP8: tl.constexpr = False,
+    shift_ptr=None, ROPE_SHIFT: tl.constexpr = False,
 ):  # fmt: skip
     """One (row, kv head, split): attention of the head group's queries over cached positions
     [split * CHUNK, (split + 1) * CHUNK) up to the row's last position pos.
@@ -43,6 +44,11 @@ def _decode_attention_kernel(
     stored at cache[slot, pos] (by split 0) and the new token is attended from registers (so
     no program reads the position being written). Without ROPE, position pos is read from the
     cache like the others. Vectors are handled as halves (rotate_half RoPE pairs them).
+
+    ROPE_SHIFT (with ROPE; mRoPE prompts with images, engine/images.py): the new token turns
+    at pos + shift[slot], its slot's rotary shift (<= 0), while it is stored and attended at
+    its cache position pos. shift lives at a fixed address (RopeTable.slot_shift), so graph
+    replays read each slot's current shift.
 
     STORE_LAST: store the new token's rotated k/v after the loop instead of before it (a
     store ahead of the loop keeps the loop's first loads behind it in the PTX: the compiler
@@ -81,6 +87,10 @@ def _decode_attention_kernel(
     # (the sampler) or between graph replays, never in the last two launches (pdl.py).
     slot = tl.load(slot_ptr + row)
     pos = tl.load(pos_ptr + row)
+    rope_pos = pos
+    if ROPE_SHIFT:  # set at admission, before any step of the slot (images.set_slot_shifts)
+        # at least 0: a padding row's stale position must not read before the table
+        rope_pos = tl.maximum(pos + tl.load(shift_ptr + slot).to(pos.dtype), 0)
     start = split * CHUNK
     chunk_end = start + CHUNK
     if ROPE:
@@ -110,8 +120,8 @@ def _decode_attention_kernel(
         q1 = _norm_bias(q1, rstd, bias_ptr, q_bias, g_mask[:, None], HAS_BIAS)
         q2 = _norm_bias(q2, rstd, bias_ptr, q_bias + HALF, g_mask[:, None], HAS_BIAS)
     if ROPE:
-        cos = tl.load(cos_ptr + pos * stride_cs + h).to(tl.float32)
-        sin = tl.load(sin_ptr + pos * stride_cs + h).to(tl.float32)
+        cos = tl.load(cos_ptr + rope_pos * stride_cs + h).to(tl.float32)
+        sin = tl.load(sin_ptr + rope_pos * stride_cs + h).to(tl.float32)
         q1, q2 = _rotate(
             q1.to(tl.float32), q2.to(tl.float32), cos[None, :], sin[None, :], dtype
         )  # fmt: skip

@@ -126,6 +126,7 @@ def decode_forward_triton(
                 q, k, v, rope.cos, rope.sin, positions, cache.keys[index], cache.values[index],
                 row_slots, max_len, norm=norm, shared=shared, launch=layer_launch,
                 autotune=autotune, table=cache.block_table, kv_scales=cache.layer_scales(index),
+                shifts=rope.slot_shift,  # mRoPE: each slot's rotary shift (engine/images.py)
             )  # fmt: skip
 
         return attend

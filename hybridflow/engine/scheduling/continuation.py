@@ -54,9 +54,7 @@ def admit(scheduler: SchedulerState) -> None:
     extra = {}
     if engine.vision:  # each slot's shift again (images.py): its decode goes on from it
         shifts = [_shift(sub, r) for sub, r in requests]
-        set_slot_shifts(engine.rope, slots, shifts, engine.device)
-        rotary = positions + torch.repeat_interleave(torch.tensor(shifts), counts)
-        extra["rotary_positions"] = upload(engine.device, rotary)[0]
+        set_slot_shifts(engine.rope, slots, shifts, engine.device)  # the extend turns by it
     if scheduler.paging is not None:
         if triton:  # the flash path gathers K/V by (block, offset)
             span_tensors = (*scheduler.paging.locate(*span_tensors[:2]), *span_tensors[2:])

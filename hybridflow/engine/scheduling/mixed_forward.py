@@ -42,7 +42,10 @@ def mixed_forward_static(
     chunk_tiles on the device; keep [K]: the tokens whose logits come out -> [K, V].
 
     Each decode row attends over its slot like a decode step (decode_attention, the untimed
-    tile, as the extend pass), each chunk token over its sequence up to its position."""
+    tile, as the extend pass), each chunk token over its sequence up to its position. A
+    decode row turns at its position plus its slot's rotary shift (RopeTable.slot_shift,
+    read in the graph: mRoPE prompts with images); chunk tokens at their positions (a mixed
+    step prefills no prompt with images: images.check_image_call)."""
     from hybridflow.engine.kernels import attention, rowwise
     from hybridflow.engine.kernels.chunk_attention import chunk_attention
     from hybridflow.engine.layers.moe import route_target
@@ -51,10 +54,13 @@ def mixed_forward_static(
     rows = row_slots.shape[0]
     entries, offsets = cache_at
     lengths = positions[:rows] + 1
+    rotary = positions
+    if rope.slot_shift is not None:
+        rotary = torch.cat([rope.rotary_positions(positions[:rows], row_slots), positions[rows:]])
 
     def attend(index, q, k, v):
         keys, values = cache.keys[index], cache.values[index]
-        rowwise.rope_store(q, k, v, rope.cos, rope.sin, positions, entries, keys, values,
+        rowwise.rope_store(q, k, v, rope.cos, rope.sin, rotary, entries, keys, values,
                            launch=launch, cache_positions=offsets)  # fmt: skip
         decoded = attention.decode_attention(
             q[:rows], keys, values, row_slots, lengths, cache.max_seq_len, launch=launch,
@@ -74,8 +80,8 @@ def mixed_forward_static(
 def static_forward_of(extend) -> functools.partial | None:
     """mixed_forward_static with the engine's extend pass's weights and kernels (its
     keywords), or None where the extend pass is not the fused one (the torch backend: hybrid,
-    MLA, sink-attention and vision-language models run the model's own modules, whose chunk
-    passes size their work from the data)."""
+    MLA and sink-attention models run the model's own modules, whose chunk passes size their
+    work from the data)."""
     from hybridflow.engine.prefill import extend_forward_triton
 
     if not isinstance(extend, functools.partial) or extend.func is not extend_forward_triton:

@@ -22,7 +22,7 @@ waits for the GPU. A step with no decode row (a burst of prompts, up to max_pref
 runs eagerly: its launches are a small share of its work.
 
 The fused (triton) backend only: engines on the torch backend (hybrid models' recurrent
-state, MLA's latent, sink attention's window ring, prompts with images) run their chunks
+state, MLA's latent, sink attention's window ring) run their chunks
 through the model's own modules, whose extend ops size their work from the data; they keep
 the eager mixed step (static_step_for returns None).
 """

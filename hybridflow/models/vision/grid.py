@@ -63,3 +63,16 @@ def window_order(
 def tokens_per_image(grid_thw: torch.Tensor, merge: int) -> list[int]:
     """Language-model tokens (merged patches) of each image."""
     return (grid_thw.prod(-1) // (merge * merge)).tolist()
+
+
+def to_device(device: torch.device, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Host int64 index tensors on the device through one copy, pinned and non-blocking on
+    CUDA (a pageable copy waits for the GPU to drain: the encoder's index tensors would
+    each stall the host behind the work queued before them)."""
+    flat = torch.cat([t.reshape(-1).to(torch.int64) for t in tensors])
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    else:
+        flat = flat.to(device)
+    return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]),
+                                                  tensors)]  # fmt: skip

@@ -19,10 +19,16 @@ from torch import nn
 from hybridflow.models.attention import flash_varlen_attention
 from hybridflow.models.norm import RMSNorm
 from hybridflow.models.rope import rotate_half
-from hybridflow.models.vision.grid import frame_cu_seqlens, patch_positions, window_order
+from hybridflow.models.vision.grid import (
+    frame_cu_seqlens,
+    patch_positions,
+    to_device,
+    window_order,
+)
 from hybridflow.models.vision.spec import VisionSpec
 
 NORM_EPS = 1e-6
+FLASH_DTYPES = (torch.bfloat16, torch.float16)  # segment_attention's flash kernel
 
 
 def activation(name: str):
@@ -63,32 +69,68 @@ class PatchEmbed(nn.Module):
 
 @dataclass(frozen=True)
 class Segments:
-    """Where attention's segments (windows or frames) are: their lengths, and on CUDA the
-    same as cu_seqlens for the flash kernel (one launch for all of them)."""
+    """Where attention's segments (windows or frames) are: their lengths; on CUDA the same
+    as cu_seqlens for the flash kernel (one launch for all of them); and for SDPA the
+    segments grouped by length (equal_length_groups), built once for all the blocks."""
 
     lengths: list[int]
     cu_seqlens: torch.Tensor | None = None
+    groups: EqualLengthGroups | None = None
 
     @classmethod
-    def of(cls, lengths: list[int], device: torch.device) -> Segments:
-        if device.type != "cuda":
-            return cls(lengths)
-        cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        return cls(lengths, cu.to(device))
+    def of(cls, lengths: list[int], device: torch.device,
+           dtype: torch.dtype | None = None) -> Segments:  # fmt: skip
+        """What segment_attention reads for activations of ``dtype`` on ``device``: the
+        flash kernel's cu_seqlens or SDPA's groups (None: both)."""
+        flash = device.type == "cuda" and dtype in (None, *FLASH_DTYPES)
+        cu = groups = None
+        if flash:
+            cu = torch.tensor([0, *lengths]).cumsum(0)
+            cu = to_device(device, cu)[0].to(torch.int32)
+        if dtype is None or not flash:
+            groups = equal_length_groups(lengths, device)
+        return cls(lengths, cu, groups)
+
+
+@dataclass(frozen=True)
+class EqualLengthGroups:
+    """The segments of each distinct length, as one batch of SDPA: lengths [G], index
+    [S_g, length] of each group's tokens (row by row: its segments), and inverse [N]: where
+    each token's output lies in the groups' outputs concatenated."""
+
+    lengths: list[int]
+    index: list[torch.Tensor]
+    inverse: torch.Tensor
+
+
+def equal_length_groups(lengths: list[int], device: torch.device) -> EqualLengthGroups:
+    """A window layout has a few distinct lengths (a full window, one cut at the right edge,
+    at the bottom, at the corner, per image size): attention runs once a length instead of
+    once a window (a 448 x 448 image has 16 windows in each of 28 windowed blocks at 7B)."""
+    sizes = torch.tensor(lengths, dtype=torch.int64)
+    starts = torch.cumsum(sizes, 0) - sizes
+    distinct = sorted(set(lengths))
+    index = [starts[sizes == n][:, None] + torch.arange(n) for n in distinct]
+    order = torch.cat([i.flatten() for i in index]) if index else sizes.new_zeros(0)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+    *index, inverse = to_device(device, *index, inverse)
+    return EqualLengthGroups(distinct, index, inverse)
 
 
 def segment_attention(q, k, v, segments: Segments) -> torch.Tensor:
     """Bidirectional attention within each segment: q, k, v [N, heads, d] -> [N, heads, d].
-    FlashAttention's varlen kernel (bf16/fp16 on CUDA), else SDPA segment by segment."""
-    if segments.cu_seqlens is not None and q.dtype in (torch.bfloat16, torch.float16):
+    FlashAttention's varlen kernel (bf16/fp16 on CUDA), else SDPA, one batched call for the
+    segments of each length."""
+    if segments.cu_seqlens is not None and q.dtype in FLASH_DTYPES:
         return flash_varlen_attention(q, k, v, segments.cu_seqlens, max(segments.lengths),
                                       deterministic=True, causal=False)  # fmt: skip
-    lengths = segments.lengths
-    out = [
-        F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in segment)).transpose(0, 1)
-        for segment in zip(q.split(lengths), k.split(lengths), v.split(lengths))
-    ]
-    return torch.cat(out)
+    groups = segments.groups or equal_length_groups(segments.lengths, q.device)
+    out = []
+    for index in groups.index:  # [S, L, heads, d] -> [S, heads, L, d] and back
+        batch = (t[index].transpose(1, 2) for t in (q, k, v))
+        out.append(F.scaled_dot_product_attention(*batch).transpose(1, 2).flatten(0, 1))
+    return torch.cat(out)[groups.inverse]
 
 
 class VisionAttention(nn.Module):
@@ -168,16 +210,19 @@ class VisionEncoder(nn.Module):
                                         spec.patch_size)  # fmt: skip
         unit = spec.merge_unit
 
-        def windowed(t: torch.Tensor) -> torch.Tensor:  # group each window's patches
-            return t.unflatten(0, (-1, unit))[order.to(t.device)].flatten(0, 1)
+        def windowed(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+            return t.unflatten(0, (-1, unit))[order].flatten(0, 1)  # each window's patches
 
-        hidden = windowed(self.patch_embed(pixel_values))
-        positions = windowed(patch_positions(grid, spec.spatial_merge_size))
-        cos, sin = vision_rope_cos_sin(spec, positions.to(hidden.device))
+        positions = windowed(patch_positions(grid, spec.spatial_merge_size), order)
+        device = pixel_values.device
+        order, unorder, positions = to_device(device, order, torch.argsort(order), positions)
+        hidden = windowed(self.patch_embed(pixel_values), order)
+        cos, sin = vision_rope_cos_sin(spec, positions)
         # the full blocks attend within each frame, the others within each window (the
         # windows nest in the frames, so one permutation serves both)
-        frames = Segments.of(frame_cu_seqlens(grid).diff().tolist(), hidden.device)
-        windows = Segments.of(window_cu.diff().tolist(), hidden.device)
+        dtype = hidden.dtype
+        frames = Segments.of(frame_cu_seqlens(grid).diff().tolist(), device, dtype)
+        windows = Segments.of(window_cu.diff().tolist(), device, dtype)
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for index, block in enumerate(self.blocks):
             segments = frames if index in spec.fullatt_block_indexes else windows
@@ -187,4 +232,4 @@ class VisionEncoder(nn.Module):
                 )
             else:
                 hidden = block(hidden, cos, sin, segments)
-        return self.merger(hidden)[torch.argsort(order).to(hidden.device)]
+        return self.merger(hidden)[unorder]

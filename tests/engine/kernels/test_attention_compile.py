@@ -82,6 +82,11 @@ def test_decode_layer_kernels_compile():
     for (rope, shared), page in itertools.product(((True, False), (False, False), (True, True)),
                                                   (64, 16)):  # fmt: skip
         _attention("bf16", ROPE=rope, SPLITS=1 if shared else 3, SHARED=shared, PAGE=page)
+    # mRoPE's per-slot rotary shift (a vision-language model): split, lean and shared rows
+    _attention("bf16", ROPE_SHIFT=True, SPLITS=3, HALF=64)
+    _attention("bf16", G=7, NH=28, HALF=64, BLOCK_N=32, NORM=True, H_PAD=4096, HAS_BIAS=True,
+               ROPE_SHIFT=True, PAGE=64)  # fmt: skip
+    _attention("bf16", G=7, NH=28, HALF=64, SHARED=True, ROPE_SHIFT=True, PAGE=64)
     # and the prefix kernel, at 0.5b's and 1.5b's heads, slot and paged caches
     for (group, dim), page in itertools.product(((7, 64), (6, 128)), (0, 16, 64)):
         _prefix("bf16", group, dim, page)

@@ -186,6 +186,37 @@ def test_decode_attention_rope_equals_rope_store_then_attention(splits, store_la
     assert torch.equal(q, q_before)  # q is rotated in registers only
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_decode_attention_rope_turns_each_slot_at_its_shift(splits):
+    """shifts (mRoPE's per-slot rotary shift): each row turns at its position plus its
+    slot's shift, and is stored and attended at its position, as rope_store at the shifted
+    positions (cache_positions: the positions) then attention."""
+    config = preset_config("tiny")
+    rows, heads, kv_heads, dim, seq = 3, 4, 2, 16, 40
+    q, k, v = (torch.randn(rows, n, dim, device=DEVICE) for n in (heads, kv_heads, kv_heads))
+    cos, sin = rope_cos_sin(config, torch.arange(seq, device=DEVICE), torch.float32)
+    slots = torch.tensor([2, 0, 1], device=DEVICE)
+    positions = torch.tensor([9, 30, 5], device=DEVICE)
+    shifts = torch.tensor([-4, 0, -7, 0], device=DEVICE)  # per slot; the last: scratch
+    keys = _cache_like(4, seq, kv_heads, dim, torch.randn)
+    values = _cache_like(4, seq, kv_heads, dim, torch.randn)
+    keys_ref, values_ref, q_ref = keys.clone(), values.clone(), q.clone()
+    rowwise.rope_store(q_ref, k, v, cos, sin, positions + shifts[slots], slots, keys_ref,
+                       values_ref, cache_positions=positions)  # fmt: skip
+    expected = attention.decode_attention(
+        q_ref, keys_ref, values_ref, slots, positions + 1, seq, splits=splits
+    )
+    got = attention.decode_attention_rope(q, k, v, cos, sin, positions, keys, values, slots,
+                                          seq, splits=splits, autotune=False,
+                                          shifts=shifts)  # fmt: skip
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(keys, keys_ref)
+    unshifted = attention.decode_attention_rope(q, k, v, cos, sin, positions, keys.clone(),
+                                                values.clone(), slots, seq, splits=splits,
+                                                autotune=False)  # fmt: skip
+    assert not torch.allclose(unshifted, expected, atol=1e-3)
+
+
 @pytest.mark.parametrize(
     "params",
     [
