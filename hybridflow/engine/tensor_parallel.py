@@ -77,7 +77,7 @@ def local_architecture(config: ModelArchitecture, size: int,
     vocabulary and hidden size whole (the logits are gathered). A mixture of experts keeps
     its router and expert width whole; ``split_experts``: the experts must divide by size
     (the experts a rank holds are built by tensor_parallel_model). MLA's num_key_value_heads
-    shapes nothing (every head reads the one latent) and stays as given."""
+    shapes nothing (every head reads the one latent): it need not divide."""
     unsplit = unsplit_mixers(config)
     if unsplit:
         raise ValueError(f"the tensor-parallel rollout does not split {', '.join(unsplit)} "
@@ -99,12 +99,12 @@ def local_architecture(config: ModelArchitecture, size: int,
     if problems:
         raise ValueError(f"tensor parallel size {size} must divide the model's "
                          f"{', '.join(problems)}")  # fmt: skip
+    heads = config.num_attention_heads // size
     return dataclasses.replace(
         config,
-        num_attention_heads=config.num_attention_heads // size,
-        num_key_value_heads=config.num_key_value_heads // size
-        if kv_heads
-        else (config.num_key_value_heads),  # fmt: skip
+        num_attention_heads=heads,
+        # MLA: every head expands its own k and v from the latent (one "KV head" a head)
+        num_key_value_heads=config.num_key_value_heads // size if kv_heads else heads,
         # a model whose every layer is sparse never builds a dense MLP of this width
         intermediate_size=config.intermediate_size // size if dense else config.intermediate_size,
     )
