@@ -6,7 +6,7 @@ kv_b_proj rows split with their heads, the latent projection and its norm whole;
 experts (with GPT-OSS's biases) split by whole experts, DeepSeek's shared experts like a
 dense MLP and its router's score correction (a buffer) copied whole. Every engine
 parameter equals its slice of the trained model, and the engine then draws the tokens one
-process with the trained model draws."""
+process with the trained model draws; the bytes moved are the block plan's."""
 
 from __future__ import annotations
 
@@ -83,6 +83,22 @@ def _same_tokens(engine_model, full: dict[str, torch.Tensor], preset: str) -> No
                                    rtol=0, atol=1e-5)  # fmt: skip
 
 
+def _planned(stats, preset: str) -> None:
+    """The bytes moved are the block plan's (parallel/reshard_plan.py, the memory plan's
+    reshard line), read off the model's own parameters."""
+    from hybridflow.parallel.layout import rollout_layout, train_layout
+    from hybridflow.parallel.reshard_plan import reshard_traffic
+
+    planned = reshard_traffic(preset_config(preset), train_layout(2), rollout_layout(2, tp=2),
+                              element_bytes=4)  # fmt: skip
+    most = torch.tensor([stats.bytes_received, stats.bytes_sent])
+    moved = torch.tensor([stats.bytes_sent])
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    dist.all_reduce(moved)
+    assert most.tolist() == [planned.received, planned.sent] and planned.received > 0
+    assert moved.item() == planned.total_moved
+
+
 def _reshard_on_ranks(rank: int, world: int, preset: str) -> None:
     model = _model(preset)
     _shard(model)
@@ -95,7 +111,7 @@ def _reshard_on_ranks(rank: int, world: int, preset: str) -> None:
     moved = [name for name in before if not torch.equal(before[name], after[name])]
     assert any("sinks" in name or "kv_b_proj" in name for name in moved)
     stats = tensor.sync(actor)
-    assert stats.bytes_received > 0
+    _planned(stats, preset)
     _matches(tensor, after)
     _same_tokens(tensor.model, after, preset)
 
