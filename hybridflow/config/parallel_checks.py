@@ -331,9 +331,9 @@ def _check_shape(role: str, arch: ModelArchitecture, sizes: list[RoleSize], add:
     if min(tp, sp, ep) < 1:
         return  # said by layout_problems
     who = ROLE_NAMES[role]
-    heads = arch.num_attention_heads
+    heads, specs = arch.num_attention_heads, arch.layer_specs()
     # MLA's num_key_value_heads shapes nothing (every head reads the one latent)
-    kv = arch.num_key_value_heads if any(s.keeps_kv for s in arch.layer_specs()) else 0
+    kv = arch.num_key_value_heads if any(spec.keeps_kv for spec in specs) else 0
     recurrent = arch.num_hidden_layers - arch.kv_layers  # layers whose state spans the sequence
     for dim, size in (("tp", tp), ("sp", sp)):
         if size > 1 and recurrent:
@@ -342,7 +342,7 @@ def _check_shape(role: str, arch: ModelArchitecture, sizes: list[RoleSize], add:
                 f"recurrent state per sequence) are not split by tensor or sequence parallelism "
                 f"yet: set {key}=1")  # fmt: skip
             return
-    sinks = sum(spec.mixer == "sink_attention" for spec in arch.layer_specs())
+    sinks = sum(spec.mixer == "sink_attention" for spec in specs)
     if sp > 1 and sinks:  # its attention runs outside the Ulysses-wrapped kernels
         add(f"{who}: {mine['sp'].key} = {sp}: this model's {sinks} attention-sink layers are not "
             f"split by sequence parallelism yet: set {mine['sp'].key}=1")  # fmt: skip
@@ -375,7 +375,7 @@ def _check_shape(role: str, arch: ModelArchitecture, sizes: list[RoleSize], add:
         if not arch.is_moe:
             add(f"{who}: {ep_key} = {ep} splits the experts of a mixture-of-experts model; this "
                 f"model has none: set {ep_key}=1")  # fmt: skip
-        elif role == "rollout" and ep > tp and _biased_experts(arch):
+        elif role == "rollout" and ep > tp and any(s.mlp == "biased_experts" for s in specs):
             # the trainer spreads them (models/sharding/expert_parallel.py), and so does a
             # tensor-parallel rollout over its own ranks; the engine's spread over several
             # replicas holds plain experts only (engine/expert_spread.py)
@@ -384,10 +384,6 @@ def _check_shape(role: str, arch: ModelArchitecture, sizes: list[RoleSize], add:
         elif arch.num_experts % ep:
             add(f"{who}: {ep_key} = {ep} must divide the model's experts (num_experts = "
                 f"{arch.num_experts}): pick a divisor of {arch.num_experts}")  # fmt: skip
-
-
-def _biased_experts(arch: ModelArchitecture) -> bool:
-    return any(spec.mlp == "biased_experts" for spec in arch.layer_specs())
 
 
 def _has_dense(arch: ModelArchitecture) -> bool:
