@@ -16,7 +16,15 @@ every token of the same all-reduced hidden states, runs only the experts it hold
 experts [r·E/tp, (r+1)·E/tp), each whole) and one all-reduce sums the partial outputs, the
 same single all-reduce per MLP as a dense layer (models/moe.sliced_moe_experts). With
 ``split_experts=False`` every rank holds every expert and a sparse layer runs whole, without
-the all-reduce. Dense layers among the sparse ones (mlp_only_layers) are split as above.
+the all-reduce. Dense layers among the sparse ones (mlp_only_layers) are split as above;
+so are DeepSeek's always-on shared experts (gate/up by columns, down_proj row-parallel: a
+second all-reduce in its sparse layers). GPT-OSS's experts split with their biases.
+
+Sink attention (GPT-OSS) and MLA (DeepSeek) split by heads too (parallel/blocks.HEAD_ROWS): a
+rank holds its heads' sink logits, or its heads' rows of MLA's q_b_proj and kv_b_proj (the
+up-projections the absorbed decode folds into q and the output). MLA's latent is shared by
+every head, so its projection (kv_a_proj_with_mqa, q_a_proj and their norms) is whole on
+every rank, each computing it, and each rank's cache holds the whole latent (vLLM's layout).
 
 The model is a CausalLM built from the per-rank shape (heads, KV heads and MLP width divided
 by tp, the vocabulary whole) with those four modules swapped in, so the engine's eager
