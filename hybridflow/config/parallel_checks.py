@@ -163,31 +163,31 @@ def rollout_tensor_parallel_limits(cfg: Config, arch: ModelArchitecture | None) 
     steps in lockstep). Partial rollouts and agent loops run: the group's ranks serve in
     rounds (engine/serving/lockstep.py), kept KV released on every rank at the same step; so
     do the fused decode layers (the split layer's all-reduces: engine/layers/split.py) and
-    the fp8 rollout on them."""
+    the fp8 rollout on them. GQA, sink attention (full or windowed) and MLA layers split by
+    heads (engine/tensor_parallel.py)."""
     size = cfg.rollout.tensor_parallel_size
     if size <= 1:
         return []
     key = f"rollout.tensor_parallel_size = {size}"
     problems = []
-    unpaged = unpaged_mixers(arch)
-    if unpaged:
-        problems.append(f"{key}: the tensor-parallel rollout runs GQA attention layers only, "
-                        f"not this model's {', '.join(unpaged)} layers; set "
-                        "rollout.tensor_parallel_size=1")  # fmt: skip
+    unsplit = unsplit_mixers(arch)
+    if unsplit:
+        problems.append(f"{key}: the tensor-parallel rollout does not split this model's "
+                        f"{', '.join(unsplit)} layers yet; set rollout.tensor_parallel_size=1")  # fmt: skip
     elif arch is not None and arch.is_moe:
         problems += _moe_rollout_limits(cfg, arch, key)
     return problems
 
 
-def unpaged_mixers(arch: ModelArchitecture | None) -> list[str]:
-    """The token mixers of ``arch`` beyond the engine's paged GQA path (layer_spec.paged_kv:
-    MLA's latent, sinks, a sliding window), by kind; none for a model with recurrent layers
-    (the rollout's tensor parallelism of them is refused by _check_shape)."""
+def unsplit_mixers(arch: ModelArchitecture | None) -> list[str]:
+    """The token mixers of ``arch`` the tensor-parallel rollout does not split
+    (engine/tensor_parallel.SPLIT_MIXERS: Qwen3.5's gated attention), by kind; none for a
+    model with recurrent layers (refused for every split by _check_shape)."""
     if arch is None or arch.num_hidden_layers > arch.kv_layers:
         return []  # recurrent layers: _check_shape names them
-    kinds = {spec.mixer + (" (sliding window)" if spec.window else "")
-             for spec in arch.layer_specs() if not spec.paged_kv}  # fmt: skip
-    return sorted(kinds)
+    from hybridflow.engine.tensor_parallel import unsplit_mixers as kinds
+
+    return kinds(arch)
 
 
 def rollout_expert_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]:
@@ -200,6 +200,7 @@ def rollout_expert_limits(cfg: Config, arch: ModelArchitecture | None) -> list[s
     if ep is None or ep <= tp or (arch is not None and not arch.is_moe):
         return []  # a dense model's ep > 1: _check_shape says it has no experts
     key = f"rollout.expert_parallel_size = {ep} (experts over several replicas)"
+    fix = f"rollout.expert_parallel_size={tp if tp > 1 else 1}"
     limits = [
         (cfg.rollout.engine.cuda_graphs is True, "rollout.engine.cuda_graphs = true",
          "the all-to-all's sizes are read on the host at every sparse layer"),
@@ -210,7 +211,6 @@ def rollout_expert_limits(cfg: Config, arch: ModelArchitecture | None) -> list[s
         (_fused_key(cfg) is not None, _fused_key(cfg),
          "the fused decode layers have no all-to-all yet"),
     ]  # fmt: skip
-    fix = f"rollout.expert_parallel_size={tp if tp > 1 else 1}"
     return [f"{key} with {what}: not yet supported ({why}); set {fix}"
             for applies, what, why in limits if applies]  # fmt: skip
 
@@ -287,6 +287,12 @@ def _moe_rollout_limits(cfg: Config, arch: ModelArchitecture, key: str) -> list[
             "split them over the replica's ranks: pick a divisor, or set "
             "rollout.expert_parallel_size=1 (every rank holds every expert)"
         )
+    shared = arch.moe_intermediate_size * arch.n_shared_experts
+    if shared % cfg.rollout.tensor_parallel_size:  # split like a dense MLP
+        problems.append(
+            f"{key} must divide the width of the model's shared experts (moe_intermediate_size "
+            f"× n_shared_experts = {shared}): pick a divisor of {shared}"
+        )
     return problems
 
 
@@ -325,7 +331,9 @@ def _check_shape(role: str, arch: ModelArchitecture, sizes: list[RoleSize], add:
     if min(tp, sp, ep) < 1:
         return  # said by layout_problems
     who = ROLE_NAMES[role]
-    heads, kv = arch.num_attention_heads, arch.num_key_value_heads
+    heads, specs = arch.num_attention_heads, arch.layer_specs()
+    # MLA's num_key_value_heads shapes nothing (every head reads the one latent)
+    kv = arch.num_key_value_heads if any(spec.keeps_kv for spec in specs) else 0
     recurrent = arch.num_hidden_layers - arch.kv_layers  # layers whose state spans the sequence
     if recurrent and role == "rollout" and tp > 1:  # the engine's recurrent cache is whole
         key = mine["tp"].key
@@ -336,7 +344,7 @@ def _check_shape(role: str, arch: ModelArchitecture, sizes: list[RoleSize], add:
         return
     if recurrent and max(tp, sp) > 1:
         _check_recurrent_heads(who, arch, mine, tp, sp, add)
-    sinks = sum(spec.mixer == "sink_attention" for spec in arch.layer_specs())
+    sinks = sum(spec.mixer == "sink_attention" for spec in specs)
     if sp > 1 and sinks:  # its attention runs outside the Ulysses-wrapped kernels
         add(f"{who}: {mine['sp'].key} = {sp}: this model's {sinks} attention-sink layers are not "
             f"split by sequence parallelism yet: set {mine['sp'].key}=1")  # fmt: skip
@@ -369,11 +377,12 @@ def _check_shape(role: str, arch: ModelArchitecture, sizes: list[RoleSize], add:
         if not arch.is_moe:
             add(f"{who}: {ep_key} = {ep} splits the experts of a mixture-of-experts model; this "
                 f"model has none: set {ep_key}=1")  # fmt: skip
-        elif role == "rollout" and any(s.mlp == "biased_experts" for s in arch.layer_specs()):
-            # the trainer splits them (models/sharding/expert_parallel.py); the engine's
-            # expert spread and slices hold plain experts only
-            add(f"{who}: {ep_key} = {ep}: this model's biased experts (GPT-OSS) are not split "
-                f"by the rollout's expert parallelism yet: set {ep_key}=1")  # fmt: skip
+        elif role == "rollout" and ep > tp and any(s.mlp == "biased_experts" for s in specs):
+            # the trainer spreads them (models/sharding/expert_parallel.py), and so does a
+            # tensor-parallel rollout over its own ranks; the engine's spread over several
+            # replicas holds plain experts only (engine/expert_spread.py)
+            add(f"{who}: {ep_key} = {ep}: this model's biased experts (GPT-OSS) are not spread "
+                f"over several rollout replicas yet: set {ep_key}={tp}")  # fmt: skip
         elif arch.num_experts % ep:
             add(f"{who}: {ep_key} = {ep} must divide the model's experts (num_experts = "
                 f"{arch.num_experts}): pick a divisor of {arch.num_experts}")  # fmt: skip

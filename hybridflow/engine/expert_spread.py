@@ -151,6 +151,10 @@ def expert_parallel_model(config: ModelArchitecture, expert_group, replica_group
     if config.num_experts % ep:
         raise ValueError(f"rollout.expert_parallel_size = {ep} must divide the model's "
                          f"num_experts = {config.num_experts}")  # fmt: skip
+    if any(spec.mlp == "biased_experts" for spec in config.layer_specs()):
+        raise ValueError(f"rollout.expert_parallel_size = {ep}: GPT-OSS's biased experts are "
+                         "not spread over several rollout replicas yet: set it to "
+                         "rollout.tensor_parallel_size")  # fmt: skip
     share = config.num_experts // ep
     tp = 1 if replica_group is None else dist.get_world_size(replica_group)
     spread = ExpertSpread(ep_rank * share, expert_group, replica_group if tp > 1 else None)

@@ -16,7 +16,15 @@ every token of the same all-reduced hidden states, runs only the experts it hold
 experts [r·E/tp, (r+1)·E/tp), each whole) and one all-reduce sums the partial outputs, the
 same single all-reduce per MLP as a dense layer (models/moe.sliced_moe_experts). With
 ``split_experts=False`` every rank holds every expert and a sparse layer runs whole, without
-the all-reduce. Dense layers among the sparse ones (mlp_only_layers) are split as above.
+the all-reduce. Dense layers among the sparse ones (mlp_only_layers) are split as above;
+so are DeepSeek's always-on shared experts (gate/up by columns, down_proj row-parallel: a
+second all-reduce in its sparse layers). GPT-OSS's experts split with their biases.
+
+Sink attention (GPT-OSS) and MLA (DeepSeek) split by heads too (parallel/blocks.HEAD_ROWS): a
+rank holds its heads' sink logits, or its heads' rows of MLA's q_b_proj and kv_b_proj (the
+up-projections the absorbed decode folds into q and the output). MLA's latent is shared by
+every head, so its projection (kv_a_proj_with_mqa, q_a_proj and their norms) is whole on
+every rank, each computing it, and each rank's cache holds the whole latent (vLLM's layout).
 
 The model is a CausalLM built from the per-rank shape (heads, KV heads and MLP width divided
 by tp, the vocabulary whole) with those four modules swapped in, so the engine's eager
@@ -56,35 +64,55 @@ def _has_dense_layers(config: ModelArchitecture) -> bool:
     return len(config.sparse_layer_indices()) < config.num_hidden_layers
 
 
+# The token mixers a tensor-parallel rank runs over its share of the heads (the others,
+# Qwen3.5's gated attention and Gated DeltaNet, are refused by local_architecture).
+SPLIT_MIXERS = ("attention", "sink_attention", "mla")
+
+
+def unsplit_mixers(config: ModelArchitecture) -> list[str]:
+    """The token mixer kinds of ``config`` the tensor-parallel rollout does not split."""
+    return sorted({spec.mixer for spec in config.layer_specs() if spec.mixer not in SPLIT_MIXERS})
+
+
+def shared_expert_width(config: ModelArchitecture) -> int:
+    """The width of DeepSeek's always-on shared experts (0: none), split like a dense MLP."""
+    return config.moe_intermediate_size * config.n_shared_experts if config.is_moe else 0
+
+
 def local_architecture(config: ModelArchitecture, size: int,
                        split_experts: bool = True) -> ModelArchitecture:  # fmt: skip
     """The shape one of ``size`` ranks builds: heads, KV heads and MLP width divided, the
     vocabulary and hidden size whole (the logits are gathered). A mixture of experts keeps
     its router and expert width whole; ``split_experts``: the experts must divide by size
-    (the experts a rank holds are built by tensor_parallel_model)."""
-    unpaged = sorted({spec.mixer for spec in config.layer_specs() if not spec.paged_kv})
-    if unpaged:
-        raise ValueError(f"the tensor-parallel rollout runs GQA attention layers only, not "
-                         f"{', '.join(unpaged)}: set rollout.tensor_parallel_size=1")  # fmt: skip
+    (the experts a rank holds are built by tensor_parallel_model). MLA's num_key_value_heads
+    shapes nothing (every head reads the one latent): it need not divide."""
+    unsplit = unsplit_mixers(config)
+    if unsplit:
+        raise ValueError(f"the tensor-parallel rollout does not split {', '.join(unsplit)} "
+                         "layers yet: set rollout.tensor_parallel_size=1")  # fmt: skip
     dense = _has_dense_layers(config)
+    kv_heads = any(spec.keeps_kv for spec in config.layer_specs())
     problems = [
         f"{what} = {count}"
         for what, count, applies in (
             ("num_attention_heads", config.num_attention_heads, True),
-            ("num_key_value_heads", config.num_key_value_heads, True),
+            ("num_key_value_heads", config.num_key_value_heads, kv_heads),
             ("intermediate_size", config.intermediate_size, dense),
             ("vocab_size", config.vocab_size, True),
             ("num_experts", config.num_experts, config.is_moe and split_experts),
+            ("moe_intermediate_size * n_shared_experts", shared_expert_width(config), True),
         )
         if applies and count % size
     ]
     if problems:
         raise ValueError(f"tensor parallel size {size} must divide the model's "
                          f"{', '.join(problems)}")  # fmt: skip
+    heads = config.num_attention_heads // size
     return dataclasses.replace(
         config,
-        num_attention_heads=config.num_attention_heads // size,
-        num_key_value_heads=config.num_key_value_heads // size,
+        num_attention_heads=heads,
+        # MLA: every head expands its own k and v from the latent (one "KV head" a head)
+        num_key_value_heads=config.num_key_value_heads // size if kv_heads else heads,
         # a model whose every layer is sparse never builds a dense MLP of this width
         intermediate_size=config.intermediate_size // size if dense else config.intermediate_size,
     )
@@ -163,7 +191,8 @@ def tensor_parallel_model(config: ModelArchitecture, group, dtype: torch.dtype,
     (models/moe.ExpertSlice), else all of them. before_allocation: called with the model
     while it is still on the meta device (engine/expert_spread.py swaps the experts)."""
     from hybridflow.models.llama import CausalLM
-    from hybridflow.models.moe import Experts, ExpertSlice
+    from hybridflow.models.mlps.dense import MLP
+    from hybridflow.models.moe import ExpertSlice
 
     size = dist.get_world_size(group)
     local = local_architecture(config, size, split_experts)
@@ -182,9 +211,16 @@ def tensor_parallel_model(config: ModelArchitecture, group, dtype: torch.dtype,
             if not layer.sparse:
                 mlp.down_proj = RowParallelLinear(mlp.down_proj.in_features, config.hidden_size,
                                                   False, group)  # fmt: skip
-            elif split_experts and size > 1:
-                mlp.experts = Experts(share, config.hidden_size, config.moe_intermediate_size)
+                continue
+            if split_experts and size > 1:  # the rank's experts, of the layer's own kind
+                mlp.experts = type(mlp.experts)(share, config.hidden_size,
+                                                config.moe_intermediate_size)  # fmt: skip
                 mlp.expert_slice = ExpertSlice(first, group)
+            if getattr(mlp, "shared_experts", None) is not None:  # DeepSeek's: a dense MLP's split
+                width = shared_expert_width(config) // size
+                mlp.shared_experts = MLP(local, width)
+                mlp.shared_experts.down_proj = RowParallelLinear(width, config.hidden_size, False,
+                                                                 group)  # fmt: skip
         if before_allocation is not None:
             before_allocation(model)
     model.tie_weights()  # the head shares the embedding's shard

@@ -81,8 +81,8 @@ class LayerSpec:
 
     @property
     def paged_kv(self) -> bool:
-        """The engine's fused paged-K/V layers (and the tensor-parallel rollout) run this
-        layer: plain GQA over the whole prefix. Gated attention, Gated DeltaNet, sink attention
+        """The engine's fused paged-K/V layers run this layer: plain GQA over the whole
+        prefix. Gated attention, Gated DeltaNet, sink attention
         (full or windowed) and MLA run the engine's eager passes beside their caches
         (engine/cache/kinds.py)."""
         return self.mixer == "attention" and not self.window

@@ -58,6 +58,9 @@ class PlanShape:
     window: int = 0
     """Layers that attend over a sliding window of ``window`` tokens (GPT-OSS): their cache
     holds a window's worth of each sequence."""
+    rollout_whole: int = 0
+    """Of the layers' non-expert parameters, those every rank of a tensor-parallel rollout
+    holds whole (:func:`rollout_whole_parameters`)."""
 
     @property
     def total_params(self) -> int:
@@ -130,7 +133,33 @@ def shape_of(a: ModelArchitecture) -> PlanShape:
         state_bytes=a.recurrent_state_bytes(2),
         window_layers=len(windowed),
         window=max(windowed, default=0),
+        rollout_whole=rollout_whole_parameters(a),
     )
+
+
+def rollout_whole_parameters(a: ModelArchitecture) -> int:
+    """The layers' parameters every rank of a tensor-parallel rollout holds whole
+    (parallel/blocks.rollout_shard_dim: no split dimension): the norms, o_proj's bias, MLA's
+    q down-projection and latent projection with their norms (every head reads the one
+    latent), a sparse layer's router with its bias or DeepSeek-V3's score correction (a
+    buffer, priced with the router). The final norm is not counted (nor is it in the layers'
+    parameters)."""
+    h, bias = a.hidden_size, int(a.attention_bias)
+    whole = 0
+    for spec in a.layer_specs():
+        whole += 2 * h + h * a.o_proj_bias  # the layer's two norms, o_proj's bias
+        if spec.mixer == "mla":
+            latent = a.kv_lora_rank + a.qk_rope_head_dim
+            whole += (h + bias) * latent + a.kv_lora_rank
+            if a.q_lora_rank is not None:
+                whole += (h + bias + 1) * a.q_lora_rank
+        elif a.qk_norm:
+            whole += 2 * a.head_dim
+        if spec.sparse:
+            corrected = spec.mlp == "grouped_experts_shared" and a.topk_method == "noaux_tc"
+            extra = spec.mlp == "biased_experts" or corrected
+            whole += a.num_experts * (h + extra)
+    return whole
 
 
 PLAN_ONLY_SHAPES: dict[str, PlanShape] = {}

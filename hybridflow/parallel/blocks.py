@@ -38,15 +38,26 @@ def shard_dim(name: str) -> int | None:
     return None
 
 
-PACKED_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+# A packed expert tensor [E, ...] (GPT-OSS's experts carry a bias [E, ...] each)
+PACKED_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj",
+                  ".mlp.experts.gate_up_proj_bias", ".mlp.experts.down_proj_bias")  # fmt: skip
+# Per-head tensors of the other attention kinds, split with their heads in the rollout:
+# GPT-OSS's sink logits [nh]; MLA's q up-projection [nh * (nope + rope), q_lora_rank] and
+# k/v up-projection [nh * (nope + v), kv_lora_rank] (whole heads per rank). MLA's latent
+# projection (kv_a_proj_with_mqa), q's down-projection and their norms are whole on every
+# rank: every head reads the one latent.
+HEAD_ROWS = (".self_attn.sinks", ".self_attn.q_b_proj.weight", ".self_attn.kv_b_proj.weight")
 
 
 def rollout_shard_dim(name: str, split_experts: bool = True) -> int | None:
     """shard_dim in the tensor-parallel rollout: a packed expert tensor [E, ...] is split by
     whole experts (dim 0) when the rollout splits its experts (engine/tensor_parallel.py),
-    else held whole; the router (mlp.gate.weight) is whole on every rank."""
+    else held whole; the router (mlp.gate.weight) is whole on every rank; the per-head
+    tensors of sink attention and MLA (HEAD_ROWS) are split by heads."""
     if name.endswith(PACKED_EXPERTS):
         return 0 if split_experts else None
+    if name.endswith(HEAD_ROWS):
+        return 0
     return shard_dim(name)
 
 

@@ -22,47 +22,20 @@ from hybridflow.parallel.layout import Layout, coordinates
 
 
 def parameter_shapes(arch: ModelArchitecture) -> list[tuple[str, tuple[int, ...]]]:
-    """(HF name, shape) of every parameter of the decoder, in the model's order; a tied
-    lm_head is the embedding (not repeated). A sparse layer's MLP is its router [E, H] and
-    its packed experts (models/moe.py, the in-memory names the trainer holds)."""
-    h, hd, inner = arch.hidden_size, arch.head_dim, arch.intermediate_size
-    experts, width = arch.num_experts, arch.moe_intermediate_size
-    q, kv = arch.num_attention_heads * hd, arch.num_key_value_heads * hd
-    shapes = [("model.embed_tokens.weight", (arch.vocab_size, h))]
-    for index in range(arch.num_hidden_layers):
-        prefix = f"model.layers.{index}."
-        layer = [("input_layernorm.weight", (h,)), ("self_attn.q_proj.weight", (q, h))]
-        if arch.attention_bias:
-            layer.append(("self_attn.q_proj.bias", (q,)))
-        layer.append(("self_attn.k_proj.weight", (kv, h)))
-        if arch.attention_bias:
-            layer.append(("self_attn.k_proj.bias", (kv,)))
-        layer.append(("self_attn.v_proj.weight", (kv, h)))
-        if arch.attention_bias:
-            layer.append(("self_attn.v_proj.bias", (kv,)))
-        layer.append(("self_attn.o_proj.weight", (h, q)))
-        if arch.o_proj_bias:
-            layer.append(("self_attn.o_proj.bias", (h,)))
-        if arch.qk_norm:
-            layer += [("self_attn.q_norm.weight", (hd,)), ("self_attn.k_norm.weight", (hd,))]
-        layer.append(("post_attention_layernorm.weight", (h,)))
-        if arch.is_sparse_layer(index):
-            layer += [
-                ("mlp.gate.weight", (experts, h)),
-                ("mlp.experts.gate_up_proj", (experts, 2 * width, h)),
-                ("mlp.experts.down_proj", (experts, h, width)),
-            ]
-        else:
-            layer += [
-                ("mlp.gate_proj.weight", (inner, h)),
-                ("mlp.up_proj.weight", (inner, h)),
-                ("mlp.down_proj.weight", (h, inner)),
-            ]
-        shapes += [(prefix + name, shape) for name, shape in layer]
-    shapes.append(("model.norm.weight", (h,)))
-    if not arch.tie_word_embeddings:
-        shapes.append(("lm_head.weight", (arch.vocab_size, h)))
-    return shapes
+    """(HF name, shape) of every parameter of the decoder, in the model's order, read off
+    the model built on the meta device (no memory), so every layer kind is exact (MLA's
+    projections, GPT-OSS's sinks and biased experts, DeepSeek's shared experts); a tied
+    lm_head is the embedding (not repeated). A sparse layer's MLP is its router and its
+    packed experts (models/moe.py, the in-memory names the trainer holds)."""
+    import dataclasses
+
+    import torch
+
+    from hybridflow.models.llama import CausalLM
+
+    with torch.device("meta"):
+        model = CausalLM(dataclasses.replace(arch, vision=None))
+    return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
 
 
 def training_blocks(name: str, shape: tuple[int, ...], layout: Layout) -> list[Block | None]:

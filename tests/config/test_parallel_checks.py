@@ -257,3 +257,17 @@ def test_lora_on_expert_parallel_experts_validates():
     moe = [*FOUR_CPUS, "model.path=tiny-moe", "actor.expert_parallel_size=2", "model.lora_rank=4"]
     validate(load_config(None, [*moe, "model.lora_target_modules=[q_proj,experts]"]))
     validate(load_config(None, [*moe, "model.lora_target_modules=[q_proj,v_proj]"]))
+
+
+def test_a_tensor_parallel_rollout_of_shared_experts_needs_their_width_to_divide():
+    """DeepSeek's shared experts split like a dense MLP (engine/tensor_parallel.py)."""
+    from hybridflow.models.presets import preset_config
+
+    cfg = load_config(None, ["rollout.tensor_parallel_size=8", "model.path=tiny-deepseek-v3"])
+    arch = preset_config("tiny-deepseek-v3")
+    assert parallel_checks.rollout_tensor_parallel_limits(cfg, arch) == []
+    narrow = arch.replace(moe_intermediate_size=20)
+    assert parallel_checks.rollout_tensor_parallel_limits(cfg, narrow) == [
+        "rollout.tensor_parallel_size = 8 must divide the width of the model's shared experts "
+        "(moe_intermediate_size × n_shared_experts = 20): pick a divisor of 20"
+    ]

@@ -96,22 +96,24 @@ def test_two_tensor_parallel_replicas_draw_one_process_tokens_and_routes():
     run_ranks(_generate_on_ranks, 4, 2)
 
 
-def _deepseek_on_ranks(rank: int, world: int) -> None:
+def _deepseek_on_ranks(rank: int, world: int, tp: int) -> None:
     """tiny-deepseek-v3 (MLA, grouped routing, a shared expert): its self-routed sparse
     blocks run their own experts module (models/moe.Experts), which dispatches over the
-    group with the spread's rounds."""
+    group with the spread's rounds; in tensor-parallel replicas MLA splits by heads and the
+    shared expert by columns (engine/tensor_parallel.py)."""
     from hybridflow.models import build_model
     from hybridflow.models.presets import preset_config
 
-    mesh = build_mesh(rollout_layout(world, tp=1, ep=world), "cpu")
+    mesh = build_mesh(rollout_layout(world, tp=tp, ep=world), "cpu")
     whole_model = build_model(preset_config("tiny-deepseek-v3"), seed=4).eval()
     whole_model.requires_grad_(False)
-    engine = _spread_engine(whole_model, mesh, 1)
-    assert engine.spread and engine.native
+    engine = _spread_engine(whole_model, mesh, tp)
+    assert engine.spread and engine.native and engine.tensor_parallel == tp
     sparse = next(layer.mlp for layer in engine.model.model.layers if layer.sparse)
     assert sparse.experts.gate_up_proj.shape[0] == whole_model.config.num_experts // world
-    mine = list(range(rank, len(PROMPTS), world))
-    budget = 12 if rank == 0 else 5  # the replicas end at different steps
+    replicas, replica = world // tp, rank // tp
+    mine = list(range(replica, len(PROMPTS), replicas))
+    budget = 12 if replica == 0 else 5  # the replicas end at different steps
     params = SamplingParams(temperature=0, max_new_tokens=budget, ignore_eos=True)
     got = engine.generate([PROMPTS[i] for i in mine], params)
     expected = _engine(whole_model, 16).generate([PROMPTS[i] for i in mine], params)
@@ -125,4 +127,10 @@ def _deepseek_on_ranks(rank: int, world: int) -> None:
 
 
 def test_deepseek_v3_replicas_draw_one_process_tokens_and_routes():
-    run_ranks(_deepseek_on_ranks, 2)
+    run_ranks(_deepseek_on_ranks, 2, 1)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_tensor_parallel_replicas_draw_one_process_tokens_and_routes():
+    """2 replicas of rollout TP 2, the experts over all 4 ranks (rollout ep 4)."""
+    run_ranks(_deepseek_on_ranks, 4, 2)

@@ -64,17 +64,23 @@ def test_grpo_with_routing_replay_completes_two_steps(tmp_path, preset, extra):
     assert len(lines) >= 2
 
 
-@pytest.mark.parametrize("preset, kind", [("tiny-deepseek-v3", "mla"),
-                                          ("tiny-gpt-oss", "sink_attention")])  # fmt: skip
-def test_a_tensor_parallel_rollout_of_these_layers_is_refused_by_name(preset, kind):
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_tensor_parallel_rollout_of_these_layers_validates(preset):
+    """engine/tensor_parallel.py splits sink attention and MLA by heads (the experts split
+    over the ranks, or held whole); what it does not build is still refused by key."""
     from hybridflow.config import ConfigError, validate
 
-    cfg = load_config(None, [f"model.path={preset}", "rollout.tensor_parallel_size=2",
-                             "trainer.backend=local", "trainer.n_gpus_per_node=2"])  # fmt: skip
+    four = [f"model.path={preset}", "trainer.backend=local", "trainer.n_gpus_per_node=4",
+            "trainer.device=cpu", "rollout.tensor_parallel_size=2"]  # fmt: skip
+    for extra in ([], ["rollout.expert_parallel_size=2"], ["rollout.expert_parallel_size=1"]):
+        derived = validate(load_config(None, [*four, *extra]))
+        assert derived.layouts.rollout.tp == 2
     with pytest.raises(ConfigError) as error:
-        validate(cfg)
-    (problem,) = [p for p in error.value.problems if p.startswith("rollout.tensor_parallel")]
-    assert f"not this model's {kind}" in problem and "rollout.tensor_parallel_size=1" in problem
+        validate(load_config(None, [*four, "rollout.engine.kv_cache_dtype=fp8",
+                                    "rollout.engine.kv_block_size=16"]))  # fmt: skip
+    assert error.value.problems == [
+        "rollout.engine.kv_cache_dtype='fp8' does not cover a tensor-parallel rollout yet: set "
+        "rollout.engine.kv_cache_dtype=model"]  # fmt: skip
 
 
 def test_sequence_parallelism_of_sink_layers_is_refused_by_name():
@@ -104,5 +110,14 @@ def test_expert_parallel_training_validates_and_the_rollouts_refuses_biased_expe
         return
     with pytest.raises(ConfigError) as error:
         validate(rollout)
-    assert any("rollout.expert_parallel_size = 2: this model's biased experts" in p
-               for p in error.value.problems), error.value.problems  # fmt: skip
+    assert any("rollout.expert_parallel_size = 2: this model's biased experts (GPT-OSS) are "
+               "not spread over several rollout replicas yet: set rollout.expert_parallel_size=1"
+               in p for p in error.value.problems), error.value.problems  # fmt: skip
+    # a tensor-parallel rollout splits them over its own ranks; not over several replicas
+    four = [*two[:1], "trainer.n_gpus_per_node=4", *two[2:], "rollout.tensor_parallel_size=2"]
+    validate(load_config(None, [*four, "rollout.expert_parallel_size=2"]))
+    with pytest.raises(ConfigError) as error:
+        validate(load_config(None, [*four, "rollout.expert_parallel_size=4"]))
+    assert error.value.problems == [
+        "rollout: rollout.expert_parallel_size = 4: this model's biased experts (GPT-OSS) are "
+        "not spread over several rollout replicas yet: set rollout.expert_parallel_size=2"]  # fmt: skip

@@ -92,3 +92,18 @@ def test_deepseek_v3_with_experts_over_rollout_replicas_logs_data_parallel(tmp_p
     for step, want in plain.items():
         assert_same(want, wide[step], step)
         assert read_samples(tmp_path / "dp", step) == read_samples(tmp_path / "wide", step)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_with_a_tensor_parallel_rollout_logs_data_parallel(tmp_path):
+    """tiny-deepseek-v3 with LoRA and verl's rollout TP = 2 (MLA split by heads, the latent
+    whole on each process, the shared expert by columns, 4 of the 8 routed experts a
+    process; adapters merged as they reshard, routes replayed) logs the metrics and writes
+    the samples of data parallelism on the same two processes."""
+    deepseek = ("model.path=tiny-deepseek-v3", "actor.router_replay=rollout", "model.lora_rank=4")
+    plain = train_run(tmp_path / "plain", *PLAIN, *deepseek)
+    layout = train_run(tmp_path / "tp", *deepseek, VERL + "rollout.tensor_model_parallel_size=2")
+    assert plain.keys() == layout.keys() == {1, 2}
+    for step, want in plain.items():
+        assert_same(want, layout[step], step)
+        assert read_samples(tmp_path / "plain", step) == read_samples(tmp_path / "tp", step)

@@ -47,11 +47,17 @@ def biased_experts_torch(mlp, x: torch.Tensor, target, sparse_index: int,
     return mlp.experts_output(x, ids, weights)
 
 
+def _split(mlp) -> bool:
+    """The block's experts are spread over ranks: expert parallelism, or the tensor-parallel
+    rollout's slice (the model's own sliced path sums them: experts_output)."""
+    return mlp.expert_group is not None or getattr(mlp, "expert_slice", None) is not None
+
+
 def triton_runs(mlp, x: torch.Tensor) -> bool:
-    """biased_experts_triton covers this block and input: every expert here, no LoRA on
-    them, the weights in x's dtype, x's rows contiguous."""
+    """biased_experts_triton covers this block and input: every expert here (not _split), no
+    LoRA on them, the weights in x's dtype, x's rows contiguous."""
     experts = mlp.experts
-    if mlp.expert_group is not None or active_adapters(experts.lora) is not None:
+    if _split(mlp) or active_adapters(experts.lora) is not None:
         return False
     return experts.gate_up_proj.dtype == x.dtype and x.stride(-1) == 1
 
@@ -80,7 +86,7 @@ def grouped_runs(mlp, x: torch.Tensor) -> bool:
     parallelism), no LoRA on them, the weights in x's dtype, bf16 on CUDA (torch._grouped_mm's
     kernel there) and rows of 16 bytes' multiples (its operands)."""
     experts = mlp.experts
-    if mlp.expert_group is not None or active_adapters(experts.lora) is not None:
+    if _split(mlp) or active_adapters(experts.lora) is not None:
         return False
     if experts.gate_up_proj.dtype != x.dtype or (x.is_cuda and x.dtype != torch.bfloat16):
         return False

@@ -24,7 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridflow.models.moe import NO_ROUTE, ExpertLoRA, active_adapters, local_part, moe_experts
+from hybridflow.models.moe import (
+    NO_ROUTE,
+    ExpertLoRA,
+    ExpertSlice,
+    active_adapters,
+    local_part,
+    moe_experts,
+)
 
 
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -103,7 +110,10 @@ class BiasedExpertsMoeBlock(nn.Module):
     Attributes:
         expert_backend: models/moe.EXPERT_BACKENDS ("auto": grouped GEMMs on CUDA).
         expert_group: expert parallelism (models/sharding/expert_parallel.py): the experts hold
-            this rank's E/EP experts and tokens are dispatched over the group; None: all."""
+            this rank's E/EP experts and tokens are dispatched over the group; None: all.
+        expert_slice: the tensor-parallel rollout's split (engine/tensor_parallel.py): the
+            experts (and their biases) hold this rank's share, every token is routed here and
+            the partial outputs are summed over the group; None: all experts."""
 
     def __init__(self, config):
         super().__init__()
@@ -118,6 +128,7 @@ class BiasedExpertsMoeBlock(nn.Module):
         self.expert_backend = "auto"
         self.expert_group = None
         self.expert_dispatch = None  # how the experts run over expert_group (set beside it)
+        self.expert_slice: ExpertSlice | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_routed(x)[0]
@@ -143,5 +154,22 @@ class BiasedExpertsMoeBlock(nn.Module):
         self, flat: torch.Tensor, topk_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """flat [T, H], each token's experts [T, k] and weights [T, k] -> [T, H]."""
+        if self.expert_slice is not None:
+            return self._sliced_output(flat, topk_ids, weights)
         return self.experts(flat, topk_ids, weights, self.activation, self.expert_backend,
                             self.expert_group, self.expert_dispatch)  # fmt: skip
+
+    def _sliced_output(
+        self, flat: torch.Tensor, topk_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """This rank's experts' share of the output (a pair routed elsewhere adds zero, its
+        bias too), summed over the slice's group: every rank calls it with the same tokens."""
+        import torch.distributed as dist
+
+        experts, dtype = self.experts, flat.dtype
+        out = moe_experts(flat, topk_ids, weights, experts.gate_up_proj.to(dtype).transpose(1, 2),
+                          experts.down_proj.to(dtype).transpose(1, 2), self.expert_backend,
+                          activation=self.activation, first_expert=self.expert_slice.first,
+                          biases=(experts.gate_up_proj_bias, experts.down_proj_bias))  # fmt: skip
+        dist.all_reduce(out, group=self.expert_slice.group)
+        return out

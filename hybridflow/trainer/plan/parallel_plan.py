@@ -33,11 +33,13 @@ def layer_share(s: PlanShape, tp: int, ep: int, sparse: bool) -> int:
 
 
 def rollout_share(s: PlanShape, tp: int, ep: int, experts_whole: bool = False) -> int:
-    """Parameters of the rollout's copy on one GPU: 1/tp of every layer and of the vocabulary;
+    """Parameters of the rollout's copy on one GPU: 1/tp of every layer and of the vocabulary
+    but what every rank holds whole (norms, routers, MLA's latent projection: rollout_whole);
     the experts 1/ep (whole experts; ep unset: over the tp ranks), or all of them on every
     rank (``experts_whole``: rollout.expert_parallel_size=1)."""
-    dense = (s.layers * s.attention_params + s.dense_layers * s.dense_mlp_params
-             + s.sparse_layers * s.shared_params + s.embedding_params) // tp  # fmt: skip
+    split = (s.layers * s.attention_params + s.dense_layers * s.dense_mlp_params
+             + s.sparse_layers * s.shared_params + s.embedding_params - s.rollout_whole)  # fmt: skip
+    dense = split // tp + s.rollout_whole
     experts = s.routed_params // ep if ep > 1 else s.routed_params // tp
     if experts_whole:
         experts = s.routed_params

@@ -39,9 +39,10 @@ def test_llama_70b_on_16_gpus_at_tensor_parallel_8():
     # and its unsharded fp32 gradients until the last micro-batch
     assert _item(plan, "actor gathered weights") == 8_819_213_312 * 2
     assert _item(plan, "actor unsharded gradients") == 8_819_213_312 * 4
-    # the rollout's copy at tp 8: every weight but the final norm / 8 =
-    # (70,553,706,496 − 8,192) // 8 = 8,819,212,288 parameters × 2 bytes
-    assert _item(plan, "rollout weights") == 17_638_424_576
+    # the rollout's copy at tp 8: every weight but the final norm / 8, the layers' norms
+    # whole on every rank (80 × 2 × 8,192 = 1,310,720): (70,553,706,496 − 8,192 − 1,310,720)
+    # // 8 + 1,310,720 = 8,819,048,448 + 1,310,720 = 8,820,359,168 parameters × 2 bytes
+    assert _item(plan, "rollout weights") == 17_640_718_336
     # activations per token: 80 × (4 × 8192 + (2 × 8192 + 2 × 1024) / 8 + 4 × 28672 / 8)
     # + 3 × 8192 = 80 × 49,408 + 24,576 = 3,977,216 elements, × 2 bytes × 16,384 tokens
     assert _item(plan, "activations") == 3_977_216 * 2 * 16384
@@ -78,12 +79,12 @@ def test_the_latent_cache_is_whole_on_every_rollout_rank():
 
 
 def test_the_reshard_estimate():
-    # Llama-70B colocated on 16 GPUs into rollout tp 8: its shard 17,638,424,576 bytes less
-    # the 1/16 its own training shard holds (1,102,401,536) = 16,536,023,040; 16 GPUs span
+    # Llama-70B colocated on 16 GPUs into rollout tp 8: its shard 17,640,718,336 bytes less
+    # the 1/16 its own training shard holds (1,102,544,896) = 16,538,173,440; 16 GPUs span
     # two nodes: the network, 50 GB/s
     r = pp.reshard(shape_of(LLAMA70), 16, 8)
-    assert r.bytes_in == 16_536_023_040
-    assert r.seconds == pytest.approx(16_536_023_040 / 50e9) and r.link.startswith("network")
+    assert r.bytes_in == 16_538_173_440
+    assert r.seconds == pytest.approx(16_538_173_440 / 50e9) and r.link.startswith("network")
 
 
 def test_candidates_respect_the_model_and_the_devices():
@@ -91,3 +92,20 @@ def test_candidates_respect_the_model_and_the_devices():
     layouts = training_layouts(qwen235, 32)
     assert {tp for tp, _, _ in layouts} == {1, 2, 4}
     assert all(ep % sp == 0 and (32 // tp) % ep == 0 for tp, sp, ep in layouts if ep > 1)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe", "tiny-deepseek-v3", "tiny-gpt-oss"])
+def test_the_rollout_share_is_what_a_tensor_parallel_rank_holds(preset):
+    """rollout_share at tp 2 counts the parameters (and DeepSeek's score correction) of one
+    rank's engine shard exactly: half of each split tensor (parallel/blocks.rollout_shard_dim),
+    the rest whole (norms, routers, o_proj's bias, MLA's latent projection and q's
+    down-projection with their norms), less the final norm the plan leaves out."""
+    from hybridflow.models import build_model
+    from hybridflow.parallel.blocks import rollout_shard_dim
+
+    arch = PRESETS[preset]
+    model = build_model(arch, seed=0)
+    saved = set(model.state_dict())
+    named = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n in saved)]
+    held = sum(t.numel() // (1 if rollout_shard_dim(name) is None else 2) for name, t in named)
+    assert pp.rollout_share(shape_of(arch), 2, 1) == held - arch.hidden_size

@@ -214,7 +214,8 @@ def test_deepseek_v3_fits_96_gpus_of_96_gb_with_the_rollouts_copy_freed_for_the_
     rollout's experts over 32 replicas. Its 69.9 GiB copy held through the update put that at
     130.0 GiB; freed, the update is 60.0 GiB and generation (the copy, the workspace and the
     reference's 13.0 GiB shard, 95.7) the fullest phase; the reference on the host too, it
-    fits: 82.7 GiB before the KV cache, 87.5 with it, the update 47.0."""
+    fits: 82.7 GiB before the KV cache, 87.5 with it, the update 47.0; in replicas of rollout
+    TP 2 it fits with the reference's shard on the GPU."""
     from hybridflow.trainer.plan.memory_fixes import fits
     from hybridflow.trainer.plan.memory_from_config import plan_for_config
     from hybridflow.trainer.plan.memory_plan import GENERATE, UPDATE
@@ -242,3 +243,13 @@ def test_deepseek_v3_fits_96_gpus_of_96_gb_with_the_rollouts_copy_freed_for_the_
     both, gib = planned("rollout.release_weights=true", "ref.param_offload=true")
     assert (gib[GENERATE], gib[UPDATE]) == (87.5, 47.0) and fits(both)
     assert round(both.checked_peak()[1] / GIB, 1) == 82.7 and both.kv_slots == 14
+    # replicas of rollout TP 2 (MLA split by heads, the latent whole on each rank): a 55.0
+    # GiB copy, 115.0 GiB in the update if held; freed, it fits with the reference on the
+    # GPU, 26 sequences a replica (the layout `config plan` recommends: docs/parallelism.md)
+    tp2 = "rollout.tensor_parallel_size=2"
+    held, gib = planned(tp2)
+    assert gib[UPDATE] == 115.0 and not fits(held)
+    (copy,) = [i.gpu_bytes for i in held.items if i.name.startswith("rollout weights")]
+    assert round(copy / GIB, 1) == 55.0
+    freed, gib = planned(tp2, "rollout.release_weights=true")
+    assert (gib[GENERATE], gib[UPDATE]) == (87.3, 60.0) and fits(freed) and freed.kv_slots == 26
