@@ -52,18 +52,31 @@ class _TensorPickler(pickle.Pickler):
         self.tensors, self.slots = tensors, slots  # shared by all messages of one encode_many
 
     def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            if id(obj) not in self.slots:  # the same tensor sent to several ranks: stored once
-                self.slots[id(obj)] = len(self.tensors)
-                self.tensors.append(obj)
-            return ("tensor", self.slots[id(obj)], obj.dtype, tuple(obj.shape))
-        if type(obj) is Batch:
-            # The nested tensors come back through persistent_id as well.
-            return ("batch", obj.tensors, obj.arrays, obj.meta)
-        return None
+        return take_tensor(obj, self.tensors, self.slots)
 
 
-class _TensorUnpickler(pickle.Unpickler):
+def take_tensor(obj: Any, tensors: list[torch.Tensor], slots: dict[int, int]) -> Any:
+    """A pickler's ``persistent_id``: a tensor is replaced by its slot in ``tensors`` (each
+    distinct tensor once); a Batch by its parts, whose tensors come back here in turn."""
+    if isinstance(obj, torch.Tensor):
+        if id(obj) not in slots:  # the same tensor sent to several ranks: stored once
+            slots[id(obj)] = len(tensors)
+            tensors.append(obj)
+        return ("tensor", slots[id(obj)], obj.dtype, tuple(obj.shape))
+    if type(obj) is Batch:
+        return ("batch", obj.tensors, obj.arrays, obj.meta)
+    return None
+
+
+def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's own bytes, flat uint8 on the CPU (a copy only if it is elsewhere or not
+    contiguous): bfloat16 and bool travel as bytes, since numpy has no bfloat16."""
+    return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)  # [nbytes]
+
+
+class TensorUnpickler(pickle.Unpickler):
+    """Rebuilds what ``take_tensor`` took out, from flat uint8 tensors in slot order."""
+
     def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
         super().__init__(file)
         self.tensors = tensors
@@ -96,11 +109,9 @@ def encode_many(
         buffer = io.BytesIO()
         _TensorPickler(buffer, tensors, slots).dump(obj)
         payloads.append(buffer.getvalue())
-    raw = [
-        t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8) for t in tensors
-    ]  # [nbytes]
+    raw = [raw_bytes(t) for t in tensors]
     sizes = [r.numel() for r in raw]
-    offsets, total = _layout(sizes)
+    offsets, total = layout(sizes)
     segment = None
     if total >= shm_min_bytes() and os.path.isdir(SHM_DIR):
         segment = _write_segment(raw, offsets, total, owner)
@@ -125,7 +136,7 @@ def decode(data: bytes) -> Any:
             else torch.empty(0, dtype=torch.uint8)
             for b in carrier[1]
         ]
-    return _TensorUnpickler(io.BytesIO(payload), tensors).load()
+    return TensorUnpickler(io.BytesIO(payload), tensors).load()
 
 
 def remove_segments(owner: str) -> None:
@@ -137,7 +148,9 @@ def remove_segments(owner: str) -> None:
             pass
 
 
-def _layout(sizes: list[int]) -> tuple[list[int], int]:
+def layout(sizes: list[int]) -> tuple[list[int], int]:
+    """Offsets of buffers of ``sizes`` bytes placed one after another, each 64-byte aligned,
+    and the total."""
     offsets, cursor = [], 0
     for n in sizes:
         offsets.append(cursor)
