@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import argparse
 import io
+import mmap
 import os
 import statistics
 import time
 import warnings
 
+import numpy as np
 import torch
 
 from hybridflow.controller import Dispatch, ResourcePool, Worker, WorkerGroup, register
@@ -93,6 +95,7 @@ def touch(batch: Batch) -> int:
 class BenchWorker(Worker):
     def __init__(self, response_len: int) -> None:
         self.response_len = response_len
+        self.replies: dict[int, Batch] = {}
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def noop(self) -> None:
@@ -108,8 +111,15 @@ class BenchWorker(Worker):
 
     @register(dispatch=Dispatch.DP_SPLIT)
     def logprobs(self, rows: Batch) -> Batch:
-        shape = (len(rows), self.response_len)
-        return Batch({"old_logprobs": torch.randn(shape), "entropy": torch.rand(shape)})
+        # made once: the calls time the transfer, not the random numbers
+        if len(rows) not in self.replies:
+            self.replies[len(rows)] = logprobs_reply(len(rows), self.response_len)
+        return self.replies[len(rows)]
+
+
+def logprobs_reply(rows: int, response_len: int) -> Batch:
+    shape = (rows, response_len)
+    return Batch({"old_logprobs": torch.randn(shape), "entropy": torch.rand(shape)})
 
 
 def median_seconds(fn, repeats: int, warmup: int = 2) -> float:
@@ -210,14 +220,33 @@ def _batch_pickle():
     return (lambda b: b), (lambda v: v)  # Batch.__reduce__: uint8 numpy views, copied per tensor
 
 
-def _numpy_views(copy: bool):
+def _numpy_views(copy: str):
+    """copy: "private" (ray_transport.decode: a copy per tensor), "arena" (one copy of all
+    into fresh huge pages), "none" (the read-only views)."""
     from hybridflow.controller import ray_transport
 
-    def readonly(encoded):
-        tensors = [torch.from_numpy(b) for b in encoded.buffers]
+    def read(encoded):
+        if copy == "arena":
+            tensors = _huge_page_copies(encoded.buffers)
+        else:
+            tensors = [torch.from_numpy(b) for b in encoded.buffers]
         return ray_transport.TensorUnpickler(io.BytesIO(encoded.payload), tensors).load()
 
-    return ray_transport.encode, ray_transport.decode if copy else readonly
+    return ray_transport.encode, ray_transport.decode if copy == "private" else read
+
+
+def _huge_page_copies(buffers) -> list[torch.Tensor]:
+    """All buffers copied into one anonymous private mapping, transparent huge pages advised
+    (fewer page faults than fresh 4 KiB pages; but fresh memory every call)."""
+    from hybridflow.controller.transport import layout
+
+    offsets, total = layout([b.nbytes for b in buffers])
+    mapping = mmap.mmap(-1, max(total, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping.madvise(mmap.MADV_HUGEPAGE)
+    arena = torch.frombuffer(mapping, dtype=torch.uint8)
+    for buffer, offset in zip(buffers, offsets):
+        np.copyto(arena[offset : offset + buffer.nbytes].numpy(), buffer)
+    return [arena[o : o + b.nbytes] for b, o in zip(buffers, offsets)]
 
 
 def _arrow(copy: bool):
@@ -247,8 +276,9 @@ def _arrow(copy: bool):
 ENCODINGS = {
     "torch pickle (copy)": _torch_pickle,
     "Batch pickle (copy)": _batch_pickle,
-    "numpy views (copy)": lambda: _numpy_views(copy=True),
-    "numpy views (read-only)": lambda: _numpy_views(copy=False),
+    "numpy views (copy)": lambda: _numpy_views("private"),
+    "numpy views (huge pages)": lambda: _numpy_views("arena"),
+    "numpy views (read-only)": lambda: _numpy_views("none"),
     "Arrow IPC (copy)": lambda: _arrow(copy=True),
     "Arrow IPC (read-only)": lambda: _arrow(copy=False),
 }
@@ -256,8 +286,7 @@ ENCODINGS = {
 
 class EncodingActor:
     def __init__(self, rows: int, response_len: int) -> None:
-        shape = (rows, response_len)
-        self.logprobs = Batch({"old_logprobs": torch.randn(shape), "entropy": torch.rand(shape)})
+        self.logprobs = logprobs_reply(rows, response_len)
 
     def take(self, name: str, stored) -> int:
         return touch(ENCODINGS[name]()[1](stored))

@@ -9,18 +9,16 @@ included), so that Ray moves all of them the zero-copy way.
 
 The views Ray hands back are read-only, and all readers of an object on a node share them:
 a write through one (torch does not refuse it) would change what the other ranks read. So
-``decode`` copies the read-only buffers once into one private, writable mapping with
-transparent huge pages advised, which spares the page faults of fresh memory: the copy of a
-204 MiB batch took 19 ms there against 101 ms in 4 KiB pages on a 2-core host (numbers in
-docs/performance-host.md "Controller overhead"). Arrow IPC was measured too: it writes one
-more copy on the sender for the same read-only views at the reader.
+``decode`` gives each tensor a private copy of its bytes: the one copy a reader pays. It
+stays per tensor, in the ordinary allocator, which reuses the memory of the last batch;
+one arena in fresh huge pages, Arrow IPC, and leaving the views read-only were measured
+beside it (docs/performance-host.md "Controller overhead").
 """
 
 from __future__ import annotations
 
 import functools
 import io
-import mmap
 import pickle
 from dataclasses import dataclass
 from typing import Any
@@ -28,9 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridflow.controller.transport import TensorUnpickler, layout, raw_bytes, take_tensor
-
-HUGE_PAGE = 2 << 20  # below this a copy goes to the ordinary allocator
+from hybridflow.controller.transport import TensorUnpickler, raw_bytes, take_tensor
 
 
 @dataclass(frozen=True)
@@ -62,28 +58,14 @@ def decode(encoded: Encoded) -> Any:
 
 def private_tensors(buffers: list[np.ndarray]) -> list[torch.Tensor]:
     """One flat uint8 tensor per buffer: writable buffers (already private, e.g. after an
-    in-band pickle) as they are, read-only ones copied into one private arena."""
-    readonly = [i for i, b in enumerate(buffers) if not b.flags.writeable]
-    offsets, total = layout([buffers[i].nbytes for i in readonly])
-    arena = _private_arena(total)
-    arena_np = arena.numpy()
-    tensors = [torch.from_numpy(b) if b.flags.writeable else None for b in buffers]
-    for index, offset in zip(readonly, offsets):
-        size = buffers[index].nbytes
-        np.copyto(arena_np[offset : offset + size], buffers[index])
-        tensors[index] = arena[offset : offset + size]
-    return tensors
+    in-band pickle) as they are, read-only ones copied."""
+    return [_private_tensor(b) for b in buffers]
 
 
-def _private_arena(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of writable memory [nbytes] uint8; large ones in an anonymous private
-    mapping with huge pages advised (freed when the last tensor viewing it is)."""
-    if nbytes < HUGE_PAGE:
-        return torch.empty(nbytes, dtype=torch.uint8)
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux; elsewhere ordinary pages
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(mapping, dtype=torch.uint8)
+def _private_tensor(buffer: np.ndarray) -> torch.Tensor:
+    if buffer.nbytes == 0:  # numpy gives empty arrays stride 0, which .view(dtype) refuses
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.from_numpy(buffer if buffer.flags.writeable else buffer.copy())
 
 
 @functools.cache
