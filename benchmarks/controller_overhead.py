@@ -32,6 +32,7 @@ import argparse
 import io
 import mmap
 import os
+import pickle
 import statistics
 import time
 import warnings
@@ -167,7 +168,7 @@ def print_rows(rows: list[dict], first: str) -> None:
     print("-" * len(header))
     for r in rows:
         rate = f"{r['MiB'] * MiB / 1e9 / (r['ms'] / 1e3):6.2f}" if r["MiB"] else f"{'':>6}"
-        print(f"{r[first]:<24} {r['call']:<11} {r['MiB']:>9.0f} {r['ms']:>10.1f} {rate}")
+        print(f"{r[first]:<24} {r['call']:<11} {r['MiB']:>9.1f} {r['ms']:>10.1f} {rate}")
 
 
 def main() -> None:
@@ -221,44 +222,58 @@ def _batch_pickle():
 
 
 def _numpy_views(copy: str):
-    """copy: "private" (ray_transport.decode: a copy per tensor), "arena" (one copy of all
-    into fresh huge pages), "none" (the read-only views)."""
+    """copy: "private" (ray_transport.decode: a copy per buffer), "arena" (one copy of all
+    into fresh huge pages), "none" (the read-only views of the object store)."""
     from hybridflow.controller import ray_transport
 
     def read(encoded):
         if copy == "arena":
-            tensors = _huge_page_copies(encoded.buffers)
-        else:
-            tensors = [torch.from_numpy(b) for b in encoded.buffers]
-        return ray_transport.TensorUnpickler(io.BytesIO(encoded.payload), tensors).load()
+            return pickle.loads(encoded.payload, buffers=_huge_page_copies(encoded.buffers))
+        return _ReadOnlyUnpickler(io.BytesIO(encoded.payload), buffers=encoded.buffers).load()
 
     return ray_transport.encode, ray_transport.decode if copy == "private" else read
 
 
-def _huge_page_copies(buffers) -> list[torch.Tensor]:
-    """All buffers copied into one anonymous private mapping, transparent huge pages advised
-    (fewer page faults than fresh 4 KiB pages; but fresh memory every call)."""
-    from hybridflow.controller.transport import layout
+class _ReadOnlyUnpickler(pickle.Unpickler):
+    """Tensors as views of read-only buffers (a Batch would copy them)."""
 
-    offsets, total = layout([b.nbytes for b in buffers])
-    mapping = mmap.mmap(-1, max(total, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("hybridflow.protocol", "raw_to_tensor"):
+            return _view
+        if (module, name) == ("hybridflow.protocol", "_rebuild_batch"):
+            return lambda packed, *rest: Batch({k: _view(*v) for k, v in packed.items()}, *rest)
+        return super().find_class(module, name)
+
+
+def _view(dtype: torch.dtype, shape: tuple[int, ...], raw: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(raw).view(dtype).reshape(shape)
+
+
+def _huge_page_copies(buffers) -> list[np.ndarray]:
+    """All buffers copied into one anonymous private mapping, transparent huge pages advised
+    (fewer page faults than fresh 4 KiB pages, but fresh memory at every call)."""
+    sizes = [(b.nbytes + 63) // 64 * 64 for b in buffers]  # 64-byte aligned
+    mapping = mmap.mmap(-1, max(sum(sizes), 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     mapping.madvise(mmap.MADV_HUGEPAGE)
-    arena = torch.frombuffer(mapping, dtype=torch.uint8)
-    for buffer, offset in zip(buffers, offsets):
-        np.copyto(arena[offset : offset + buffer.nbytes].numpy(), buffer)
-    return [arena[o : o + b.nbytes] for b, o in zip(buffers, offsets)]
+    arena = np.frombuffer(mapping, np.uint8)
+    copies, offset = [], 0
+    for buffer, size in zip(buffers, sizes):
+        copies.append(arena[offset : offset + buffer.nbytes])
+        np.copyto(copies[-1], buffer)
+        offset += size
+    return copies
 
 
 def _arrow(copy: bool):
     import pyarrow as pa
 
     from hybridflow.controller import ray_transport
-    from hybridflow.controller.transport import raw_bytes
+    from hybridflow.protocol import tensor_to_raw
 
     def send(batch):
         sink = pa.BufferOutputStream()  # one IPC stream: the tensors one after another
         for t in batch.tensors.values():
-            pa.ipc.write_tensor(pa.Tensor.from_numpy(raw_bytes(t).numpy()), sink)
+            pa.ipc.write_tensor(pa.Tensor.from_numpy(tensor_to_raw(t)[2]), sink)
         header = {k: (t.dtype, tuple(t.shape)) for k, t in batch.tensors.items()}
         return header, batch.arrays, sink.getvalue()
 
@@ -266,7 +281,9 @@ def _arrow(copy: bool):
         header, arrays, buffer = value
         reader = pa.BufferReader(buffer)
         buffers = [pa.ipc.read_tensor(reader).to_numpy() for _ in header]  # read-only views
-        raw = ray_transport.private_tensors(buffers) if copy else map(torch.from_numpy, buffers)
+        if copy:
+            buffers = [ray_transport.private_copy(b) for b in buffers]
+        raw = [torch.from_numpy(b) for b in buffers]
         tensors = {k: r.view(d).reshape(s) for (k, (d, s)), r in zip(header.items(), raw)}
         return Batch(tensors, arrays)
 
@@ -295,30 +312,32 @@ class EncodingActor:
         return ENCODINGS[name]()[0](self.logprobs)
 
 
-def measure_encodings(batch: Batch, repeats: int) -> list[dict]:
+def measure_encodings(batch: Batch, repeats: int, warmup: int = 2) -> list[dict]:
     """One actor; the controller puts the batch (encode + ray.put), the actor decodes it and
-    reads every page; then the actor returns the log-probs of all rows the same way."""
+    reads every page; then the actor returns the log-probs of all rows the same way. The
+    encodings take turns in each round, so that a busy moment of the host hits them all."""
     import ray
 
     response_len = batch["responses"].shape[1]
     actor = ray.remote(num_cpus=0.5)(EncodingActor).remote(len(batch), response_len)
+    codecs = {name: make() for name, make in ENCODINGS.items()}
+    times: dict[str, tuple[list, list]] = {name: ([], []) for name in codecs}
+    for round_index in range(warmup + repeats):
+        for name, (send, read) in codecs.items():
+            start = time.perf_counter()
+            ray.get(actor.take.remote(name, ray.put(send(batch))))
+            middle = time.perf_counter()
+            touch(read(ray.get(actor.give.remote(name))))
+            if round_index >= warmup:
+                times[name][0].append(middle - start)
+                times[name][1].append(time.perf_counter() - middle)
+    ray.kill(actor)
     returned = 2 * len(batch) * response_len * 4
     results = []
-    for name in ENCODINGS:
-        to_worker, back = _time_encoding(ray, actor, name, batch, repeats)
-        results.append(_row(name, "to worker", tensor_bytes(batch), to_worker))
-        results.append(_row(name, "logprobs", returned, back))
-    ray.kill(actor)
+    for name, (to_worker, back) in times.items():
+        results.append(_row(name, "to worker", tensor_bytes(batch), statistics.median(to_worker)))
+        results.append(_row(name, "logprobs", returned, statistics.median(back)))
     return results
-
-
-def _time_encoding(ray, actor, name: str, batch: Batch, repeats: int) -> tuple[float, float]:
-    send, read = ENCODINGS[name]()
-    to_worker = median_seconds(
-        lambda: ray.get(actor.take.remote(name, ray.put(send(batch)))), repeats
-    )
-    back = median_seconds(lambda: touch(read(ray.get(actor.give.remote(name)))), repeats)
-    return to_worker, back
 
 
 def _row(name: str, call: str, nbytes: int, seconds: float) -> dict:

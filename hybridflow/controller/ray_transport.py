@@ -2,37 +2,41 @@
 
 Ray pickles what crosses between processes with pickle protocol 5: the bytes of a numpy
 array go out of band, written once into the object store and handed to the reader as a
-zero-copy view of it; a torch tensor, pickled by torch, is copied into the pickle stream
-instead. ``encode`` takes every tensor out of a value (those of Batches too, anywhere in it;
-each distinct tensor once) as a flat uint8 numpy view of its own bytes (bfloat16 and bool
-included), so that Ray moves all of them the zero-copy way.
+zero-copy view of it. A Batch pickles its tensors that way already (``Batch.__reduce__``);
+a torch tensor anywhere else is pickled by torch, through a copy into the pickle stream
+(7x slower for a dict of 204 MiB of tensors, such as the weights the controller passes
+from the actor to the rollout in a split placement). ``encode`` pickles every tensor as a
+Batch does, as a flat uint8 numpy view of its own bytes (bfloat16 and bool included), and
+keeps those bytes out of the stream, for Ray to move the zero-copy way.
 
 The views Ray hands back are read-only, and all readers of an object on a node share them:
-a write through one (torch does not refuse it) would change what the other ranks read. So
-``decode`` gives each tensor a private copy of its bytes: the one copy a reader pays. It
-stays per tensor, in the ordinary allocator, which reuses the memory of the last batch;
-one arena in fresh huge pages, Arrow IPC, and leaving the views read-only were measured
-beside it (docs/performance-host.md "Controller overhead").
+a write through one (torch does not refuse it) would change what the other ranks read.
+So ``decode`` gives each buffer a private copy, the one copy a reader pays, in the ordinary
+allocator (which reuses the last batch's memory). One arena in fresh huge pages, Arrow IPC,
+and leaving the views read-only were measured beside it: docs/performance-host.md
+"Controller overhead".
 """
 
 from __future__ import annotations
 
+import copyreg
 import functools
 import io
 import pickle
+from collections import ChainMap
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from hybridflow.controller.transport import TensorUnpickler, raw_bytes, take_tensor
+from hybridflow.protocol import raw_to_tensor, tensor_to_raw
 
 
 @dataclass(frozen=True)
 class Encoded:
-    """A value as it crosses Ray: the pickle stream without the tensors' bytes, and those
-    bytes, one flat uint8 array per distinct tensor (pickled out of band by Ray)."""
+    """A value as it crosses Ray: the pickle stream without its buffers' bytes, and those
+    bytes, one flat uint8 numpy array per tensor or numeric array (out of band for Ray)."""
 
     payload: bytes
     buffers: tuple[np.ndarray, ...]
@@ -43,48 +47,38 @@ class Encoded:
 
 
 def encode(value: Any) -> Encoded:
-    tensors: list[torch.Tensor] = []
+    buffers: list[pickle.PickleBuffer] = []
     stream = io.BytesIO()
-    _tensor_pickler()(stream, tensors).dump(value)
-    return Encoded(stream.getvalue(), tuple(raw_bytes(t).numpy() for t in tensors))
+    _pickler_class()(stream, protocol=5, buffer_callback=buffers.append).dump(value)
+    return Encoded(stream.getvalue(), tuple(np.frombuffer(b.raw(), np.uint8) for b in buffers))
 
 
 def decode(encoded: Encoded) -> Any:
     """The value, with writable tensors that share memory with nothing the sender or another
     reader holds (always on the CPU)."""
-    tensors = private_tensors(list(encoded.buffers))
-    return TensorUnpickler(io.BytesIO(encoded.payload), tensors).load()
+    return pickle.loads(encoded.payload, buffers=[private_copy(b) for b in encoded.buffers])
 
 
-def private_tensors(buffers: list[np.ndarray]) -> list[torch.Tensor]:
-    """One flat uint8 tensor per buffer: writable buffers (already private, e.g. after an
-    in-band pickle) as they are, read-only ones copied."""
-    return [_private_tensor(b) for b in buffers]
+def private_copy(buffer: np.ndarray) -> np.ndarray:
+    """A writable buffer (already private, e.g. after an in-band pickle) as it is, a
+    read-only one (a view of Ray's object store) copied."""
+    return buffer if buffer.flags.writeable else buffer.copy()
 
 
-def _private_tensor(buffer: np.ndarray) -> torch.Tensor:
-    if buffer.nbytes == 0:  # numpy gives empty arrays stride 0, which .view(dtype) refuses
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.from_numpy(buffer if buffer.flags.writeable else buffer.copy())
+def _reduce_tensor(tensor: torch.Tensor) -> tuple:
+    return raw_to_tensor, tensor_to_raw(tensor)
 
 
 @functools.cache
-def _tensor_pickler() -> type:
-    """A pickler that takes tensors out (``take_tensor``), built on Ray's cloudpickle when Ray
-    is there, as Ray pickles call arguments: functions and classes of a script's
-    ``__main__`` then travel by value, as they did before."""
+def _pickler_class() -> type:
+    """A pickler that reduces tensors to numpy bytes; Ray's cloudpickle when Ray is there, as
+    Ray pickles call arguments: functions and classes of a script's ``__main__`` travel by
+    value, as they did before."""
     try:
         from ray.cloudpickle import Pickler
     except ImportError:
         Pickler = pickle.Pickler
-
-    class TensorPickler(Pickler):
-        def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
-            super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-            self.tensors: list[torch.Tensor] = tensors
-            self.slots: dict[int, int] = {}
-
-        def persistent_id(self, obj: Any) -> Any:
-            return take_tensor(obj, self.tensors, self.slots)
-
-    return TensorPickler
+    base = getattr(Pickler, "dispatch_table", copyreg.dispatch_table)
+    # By exact type, as a dispatch table goes: Parameter is a subclass of its own.
+    tensors = {torch.Tensor: _reduce_tensor, torch.nn.Parameter: _reduce_tensor}
+    return type("TensorPickler", (Pickler,), {"dispatch_table": ChainMap(tensors, base)})

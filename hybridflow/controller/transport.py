@@ -52,31 +52,18 @@ class _TensorPickler(pickle.Pickler):
         self.tensors, self.slots = tensors, slots  # shared by all messages of one encode_many
 
     def persistent_id(self, obj: Any) -> Any:
-        return take_tensor(obj, self.tensors, self.slots)
+        if isinstance(obj, torch.Tensor):
+            if id(obj) not in self.slots:  # the same tensor sent to several ranks: stored once
+                self.slots[id(obj)] = len(self.tensors)
+                self.tensors.append(obj)
+            return ("tensor", self.slots[id(obj)], obj.dtype, tuple(obj.shape))
+        if type(obj) is Batch:
+            # The nested tensors come back through persistent_id as well.
+            return ("batch", obj.tensors, obj.arrays, obj.meta)
+        return None
 
 
-def take_tensor(obj: Any, tensors: list[torch.Tensor], slots: dict[int, int]) -> Any:
-    """A pickler's ``persistent_id``: a tensor is replaced by its slot in ``tensors`` (each
-    distinct tensor once); a Batch by its parts, whose tensors come back here in turn."""
-    if isinstance(obj, torch.Tensor):
-        if id(obj) not in slots:  # the same tensor sent to several ranks: stored once
-            slots[id(obj)] = len(tensors)
-            tensors.append(obj)
-        return ("tensor", slots[id(obj)], obj.dtype, tuple(obj.shape))
-    if type(obj) is Batch:
-        return ("batch", obj.tensors, obj.arrays, obj.meta)
-    return None
-
-
-def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's own bytes, flat uint8 on the CPU (a copy only if it is elsewhere or not
-    contiguous): bfloat16 and bool travel as bytes, since numpy has no bfloat16."""
-    return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)  # [nbytes]
-
-
-class TensorUnpickler(pickle.Unpickler):
-    """Rebuilds what ``take_tensor`` took out, from flat uint8 tensors in slot order."""
-
+class _TensorUnpickler(pickle.Unpickler):
     def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
         super().__init__(file)
         self.tensors = tensors
@@ -109,9 +96,11 @@ def encode_many(
         buffer = io.BytesIO()
         _TensorPickler(buffer, tensors, slots).dump(obj)
         payloads.append(buffer.getvalue())
-    raw = [raw_bytes(t) for t in tensors]
+    raw = [
+        t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8) for t in tensors
+    ]  # [nbytes]
     sizes = [r.numel() for r in raw]
-    offsets, total = layout(sizes)
+    offsets, total = _layout(sizes)
     segment = None
     if total >= shm_min_bytes() and os.path.isdir(SHM_DIR):
         segment = _write_segment(raw, offsets, total, owner)
@@ -136,7 +125,7 @@ def decode(data: bytes) -> Any:
             else torch.empty(0, dtype=torch.uint8)
             for b in carrier[1]
         ]
-    return TensorUnpickler(io.BytesIO(payload), tensors).load()
+    return _TensorUnpickler(io.BytesIO(payload), tensors).load()
 
 
 def remove_segments(owner: str) -> None:
@@ -148,9 +137,7 @@ def remove_segments(owner: str) -> None:
             pass
 
 
-def layout(sizes: list[int]) -> tuple[list[int], int]:
-    """Offsets of buffers of ``sizes`` bytes placed one after another, each 64-byte aligned,
-    and the total."""
+def _layout(sizes: list[int]) -> tuple[list[int], int]:
     offsets, cursor = [], 0
     for n in sizes:
         offsets.append(cursor)

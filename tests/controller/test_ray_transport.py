@@ -4,17 +4,18 @@ out of its object store (Ray itself: tests/controller/test_ray.py)."""
 import numpy as np
 import pytest
 import torch
+from numpy.lib.stride_tricks import as_strided
 from toy_workers import assert_same_batch, trainer_batch
 
 from hybridflow.controller import ray_transport
-from hybridflow.protocol import Batch
 
 
 def as_ray_reads(encoded: ray_transport.Encoded) -> ray_transport.Encoded:
-    """The encoded value as a reader gets it from Ray: the same bytes, read-only views."""
+    """The encoded value as a reader gets it from Ray: the same bytes as read-only views,
+    an empty one with stride 0."""
     buffers = []
     for buffer in encoded.buffers:
-        view = buffer.view()
+        view = buffer.view() if buffer.size else as_strided(buffer, (0,), (0,))
         view.flags.writeable = False
         buffers.append(view)
     return ray_transport.Encoded(encoded.payload, tuple(buffers))
@@ -28,12 +29,20 @@ def test_a_batch_of_every_trainer_dtype_round_trips_exactly():
 
 def test_tensors_leave_the_pickle_stream_each_once():
     big = torch.randn(256, 256)  # 256 KiB
-    encoded = ray_transport.encode({"twice": [big, big], "batch": Batch({"x": big})})
+    encoded = ray_transport.encode({"twice": [big, big], "row": big[0]})
     assert len(encoded.payload) < 1000  # the bytes travel out of band
-    assert [b.nbytes for b in encoded.buffers] == [big.numel() * 4]
+    assert [b.nbytes for b in encoded.buffers] == [big.numel() * 4, 256 * 4]
     got = ray_transport.decode(as_ray_reads(encoded))
-    one, other = got["twice"]
-    assert one.data_ptr() == other.data_ptr() and torch.equal(got["batch"]["x"], big)
+    assert got["twice"][0] is got["twice"][1] and torch.equal(got["twice"][0], big)
+    assert torch.equal(got["row"], big[0])
+
+
+def test_a_plain_tensor_travels_as_its_bytes_not_through_torch_pickling():
+    weights = {"w": torch.randn(64, 64).bfloat16(), "bias": torch.zeros(64)}
+    encoded = ray_transport.encode(weights)
+    assert b"_rebuild_tensor" not in encoded.payload
+    got = ray_transport.decode(as_ray_reads(encoded))
+    assert got["w"].dtype == torch.bfloat16 and torch.equal(got["w"], weights["w"])
 
 
 def test_read_only_buffers_become_private_writable_memory():
@@ -46,9 +55,8 @@ def test_read_only_buffers_become_private_writable_memory():
 
 
 def test_writable_buffers_are_used_as_they_are():
-    buffers = [np.arange(8, dtype=np.uint8)]
-    (tensor,) = ray_transport.private_tensors(buffers)
-    assert tensor.data_ptr() == buffers[0].ctypes.data
+    buffer = np.arange(8, dtype=np.uint8)
+    assert ray_transport.private_copy(buffer) is buffer
 
 
 def test_functions_of_a_script_travel_by_value():
@@ -56,11 +64,3 @@ def test_functions_of_a_script_travel_by_value():
     local = lambda x: x + 1  # noqa: E731 - not importable by reference
     encoded = ray_transport.encode(local)
     assert ray_transport.decode(encoded)(1) == 2
-
-
-def test_an_empty_buffer_with_stride_zero_becomes_an_empty_column():
-    # what Ray hands back for a column of no bytes: numpy strides (0,)
-    empty = np.lib.stride_tricks.as_strided(np.empty(0, np.uint8), (0,), (0,))
-    empty.flags.writeable = False
-    (raw,) = ray_transport.private_tensors([empty])
-    assert raw.view(torch.float32).reshape(6, 0).shape == (6, 0)
