@@ -176,14 +176,17 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--backends", nargs="+", default=["inprocess", "local", "local-pickle", "ray"]
+        "--backends", nargs="*", default=["inprocess", "local", "local-pickle", "ray"]
     )
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--rows", type=int, default=1024)
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--response-len", type=int, default=3072)
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--encodings", action="store_true", help="also compare Ray's encodings")
+    parser.add_argument(
+        "--encodings", nargs="*", metavar="NAME", choices=list(ENCODINGS),
+        help="also compare Ray's encodings: all, or those named",
+    )  # fmt: skip
     args = parser.parse_args()
     batch = grpo_update_batch(args.rows, args.prompt_len, args.response_len)
     tokens = args.prompt_len + args.response_len
@@ -192,7 +195,7 @@ def main() -> None:
         f"of tensors in {len(batch.tensors)} columns + {len(batch.arrays)} arrays; world size "
         f"{args.world_size}; torch {torch.__version__}; {os.cpu_count()} CPUs"
     )
-    use_ray = "ray" in args.backends or args.encodings
+    use_ray = "ray" in args.backends or args.encodings is not None
     if use_ray:
         import ray
 
@@ -201,10 +204,12 @@ def main() -> None:
     rows = []
     for backend in args.backends:
         rows += measure_backend(backend, args.world_size, batch, args.repeats)
-    print_rows(rows, "backend")
-    if args.encodings:
+    if rows:
+        print_rows(rows, "backend")
+    if args.encodings is not None:
         print()
-        print_rows(measure_encodings(batch, args.repeats), "ray encoding")
+        names = args.encodings or list(ENCODINGS)
+        print_rows(measure_encodings(batch, names, args.repeats), "ray encoding")
 
 
 # ---------------------------------------------------------------- Ray's encodings
@@ -312,7 +317,7 @@ class EncodingActor:
         return ENCODINGS[name]()[0](self.logprobs)
 
 
-def measure_encodings(batch: Batch, repeats: int, warmup: int = 2) -> list[dict]:
+def measure_encodings(batch: Batch, names: list[str], repeats: int, warmup: int = 2) -> list[dict]:
     """One actor; the controller puts the batch (encode + ray.put), the actor decodes it and
     reads every page; then the actor returns the log-probs of all rows the same way. The
     encodings take turns in each round, so that a busy moment of the host hits them all."""
@@ -320,7 +325,7 @@ def measure_encodings(batch: Batch, repeats: int, warmup: int = 2) -> list[dict]
 
     response_len = batch["responses"].shape[1]
     actor = ray.remote(num_cpus=0.5)(EncodingActor).remote(len(batch), response_len)
-    codecs = {name: make() for name, make in ENCODINGS.items()}
+    codecs = {name: ENCODINGS[name]() for name in names}
     times: dict[str, tuple[list, list]] = {name: ([], []) for name in codecs}
     for round_index in range(warmup + repeats):
         for name, (send, read) in codecs.items():
