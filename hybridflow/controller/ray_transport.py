@@ -76,9 +76,10 @@ def _pickler_class() -> type:
     value, as they did before."""
     try:
         from ray.cloudpickle import Pickler
+
+        base = Pickler.dispatch_table
     except ImportError:
-        Pickler = pickle.Pickler
-    base = getattr(Pickler, "dispatch_table", copyreg.dispatch_table)
+        Pickler, base = pickle.Pickler, copyreg.dispatch_table
     # By exact type, as a dispatch table goes: Parameter is a subclass of its own.
     tensors = {torch.Tensor: _reduce_tensor, torch.nn.Parameter: _reduce_tensor}
     return type("TensorPickler", (Pickler,), {"dispatch_table": ChainMap(tensors, base)})

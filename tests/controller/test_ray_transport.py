@@ -1,6 +1,9 @@
 """Values through ray_transport's encode/decode, with the buffers read-only as Ray hands them
 out of its object store (Ray itself: tests/controller/test_ray.py)."""
 
+import sys
+from fractions import Fraction
+
 import numpy as np
 import pytest
 import torch
@@ -64,3 +67,16 @@ def test_functions_of_a_script_travel_by_value():
     local = lambda x: x + 1  # noqa: E731 - not importable by reference
     encoded = ray_transport.encode(local)
     assert ray_transport.decode(encoded)(1) == 2
+
+
+def test_without_ray_the_standard_pickler_carries_the_rest(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails
+    monkeypatch.setitem(sys.modules, "ray.cloudpickle", None)
+    ray_transport._pickler_class.cache_clear()
+    try:
+        value = {"tensor": torch.arange(3), "third": Fraction(1, 3), "batch": trainer_batch()}
+        got = ray_transport.decode(as_ray_reads(ray_transport.encode(value)))
+    finally:
+        ray_transport._pickler_class.cache_clear()
+    assert got["third"] == Fraction(1, 3) and got["tensor"].tolist() == [0, 1, 2]
+    assert_same_batch(got["batch"], value["batch"])
