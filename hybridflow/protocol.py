@@ -255,7 +255,7 @@ class Batch:
         # copies that buffer once (protocol 5 keeps it out of the opcode stream), and a view
         # into a larger storage costs only its own size. bfloat16 has no numpy dtype, hence
         # the raw bytes plus the torch dtype.
-        packed = {k: _tensor_to_raw(v) for k, v in self.tensors.items()}
+        packed = {k: tensor_to_raw(v) for k, v in self.tensors.items()}
         return (_rebuild_batch, (packed, self.arrays, self.meta))
 
     # ------------------------------------------------------------------ helpers
@@ -334,12 +334,16 @@ def _same_meta(a: Any, b: Any) -> bool:
         return False
 
 
-def _tensor_to_raw(tensor: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...], np.ndarray]:
+def tensor_to_raw(tensor: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...], np.ndarray]:
+    """(dtype, shape, its own bytes as a flat uint8 numpy view): what a Batch pickles per
+    tensor; ``raw_to_tensor`` rebuilds it."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     return tensor.dtype, tuple(tensor.shape), flat.view(torch.uint8).numpy()
 
 
-def _raw_to_tensor(dtype: torch.dtype, shape: tuple[int, ...], raw: np.ndarray) -> torch.Tensor:
+def raw_to_tensor(dtype: torch.dtype, shape: tuple[int, ...], raw: np.ndarray) -> torch.Tensor:
+    if raw.size == 0:  # numpy may give an empty array stride 0, which .view(dtype) refuses
+        return torch.empty(shape, dtype=dtype)
     if not raw.flags.writeable:
         # Zero-copy unpickling (Ray's object store) hands out read-only buffers; workers
         # write into batches in place, so take a private copy.
@@ -348,4 +352,4 @@ def _raw_to_tensor(dtype: torch.dtype, shape: tuple[int, ...], raw: np.ndarray) 
 
 
 def _rebuild_batch(packed: dict, arrays: dict, meta: dict) -> Batch:
-    return Batch({k: _raw_to_tensor(*v) for k, v in packed.items()}, arrays, meta)
+    return Batch({k: raw_to_tensor(*v) for k, v in packed.items()}, arrays, meta)

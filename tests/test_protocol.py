@@ -152,6 +152,18 @@ def test_pickle_round_trip_keeps_dtypes_and_values():
     assert b["input_ids"][0, 0] == 0
 
 
+def test_an_empty_column_from_a_zero_copy_reader_is_rebuilt():
+    # Ray hands out an empty buffer as a read-only numpy array of stride 0
+    from numpy.lib.stride_tricks import as_strided
+
+    from hybridflow.protocol import raw_to_tensor
+
+    raw = as_strided(np.empty(0, np.uint8), (0,), (0,))
+    raw.flags.writeable = False
+    tensor = raw_to_tensor(torch.float32, (4, 0), raw)
+    assert tensor.shape == (4, 0) and tensor.dtype == torch.float32
+
+
 def test_pickled_size_is_close_to_raw_tensor_bytes():
     big = torch.randint(0, 50_000, (256, 1024), dtype=torch.int64)
     raw = big.numel() * big.element_size()

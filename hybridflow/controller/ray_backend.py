@@ -3,8 +3,9 @@
 ``ray.init(address="auto")`` joins a running cluster; without one a local Ray is started
 (a Ray that the program already initialised is used as is). Ranks are ordered by node,
 then by bundle; rank 0's node address and a free port there become the torch.distributed
-master. Batches travel through Ray's object store (``Batch`` pickles to its raw tensor
-bytes); a Batch sent to every rank is put in the store once.
+master. Call arguments and results travel through Ray's object store with their tensors'
+bytes out of band (ray_transport.py: written once by the sender, copied once into private
+memory by the reader); an argument sent to every rank is put in the store once.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
+from hybridflow.controller import ray_transport
 from hybridflow.controller.errors import WorkerDiedError
 from hybridflow.controller.resources import ResourcePool
 from hybridflow.controller.worker import RankResult, WorkerContext, WorkerHost, init_distributed
-from hybridflow.protocol import Batch
 
 
 def import_ray():
@@ -89,11 +90,23 @@ class _RayHost:
             )
         return self.host.start(worker_cls, context, init_kwargs)
 
-    def call(self, path: str, kwarg_names: list[str], *values: Any) -> RankResult:
+    def call(
+        self, path: str, kwarg_names: list[str], *encoded: ray_transport.Encoded
+    ) -> ray_transport.Encoded:
         # Arguments arrive flat: Ray resolves ObjectRefs only at the top level.
+        try:
+            values = [ray_transport.decode(e) for e in encoded]
+        except Exception as exc:  # noqa: BLE001 - e.g. an argument class this process cannot import
+            error = f"the worker could not unpickle the arguments: {exc!r}"
+            return ray_transport.encode(RankResult(error=error))
         n_args = len(values) - len(kwarg_names)
         kwargs = dict(zip(kwarg_names, values[n_args:]))
-        return self.host.call(path, values[:n_args], kwargs)
+        outcome = self.host.call(path, tuple(values[:n_args]), kwargs)
+        try:
+            return ray_transport.encode(outcome)
+        except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable return value
+            error = f"{path} returned a value that cannot be sent: {exc}"
+            return ray_transport.encode(RankResult(error=error))
 
     def close(self) -> RankResult:
         return self.host.close()
@@ -177,21 +190,18 @@ class RayBackend:
             raise
 
     def submit(self, path: str, per_rank: list[tuple[tuple, dict]]) -> list[Future]:
-        stored: dict[
-            int, Any
-        ] = {}  # id(batch) -> ObjectRef: a Batch sent to many ranks is stored once
+        # id(value) -> what goes to Ray: a value sent to many ranks is encoded (and stored) once
+        sent: dict[int, Any] = {}
 
-        def put(value: Any) -> Any:
-            if not isinstance(value, Batch):
-                return value
-            if id(value) not in stored:
-                stored[id(value)] = self.ray.put(value)
-            return stored[id(value)]
+        def send(value: Any) -> Any:
+            if id(value) not in sent:
+                sent[id(value)] = _store_if_large(self.ray, ray_transport.encode(value))
+            return sent[id(value)]
 
         futures = []
         with self.lock:
             for rank, (args, kwargs) in enumerate(per_rank):
-                values = [put(v) for v in [*args, *kwargs.values()]]
+                values = [send(v) for v in [*args, *kwargs.values()]]
                 ref = self.actors[rank].call.remote(path, list(kwargs), *values)
                 futures.append(self._wrap(ref, rank, path))
         return futures
@@ -204,7 +214,10 @@ class RayBackend:
             self.unsettled.discard(out)
             exc = ray_future.exception()
             if exc is None:
-                out.set_result(ray_future.result())
+                try:
+                    out.set_result(ray_transport.decode(ray_future.result()))
+                except Exception as decode_exc:  # noqa: BLE001 - e.g. out of memory
+                    out.set_exception(decode_exc)
             elif isinstance(exc, self.ray.exceptions.RayActorError):
                 out.set_exception(
                     WorkerDiedError(self.group, "", rank, path, f"Ray actor died: {exc}")
@@ -247,6 +260,15 @@ class RayBackend:
             except Exception:  # noqa: BLE001
                 pass
         self.actors, self.placement_groups = [], []
+
+
+# Below this many tensor bytes an argument travels inside the call (Ray inlines small ones
+# anyway); above, ray.put stores it once for all ranks that receive it.
+_STORE_MIN_BYTES = 1 << 20
+
+
+def _store_if_large(ray: Any, encoded: ray_transport.Encoded) -> Any:
+    return ray.put(encoded) if encoded.nbytes >= _STORE_MIN_BYTES else encoded
 
 
 def _first_failure_or_all(ray: Any, refs: list, timeout_s: float) -> list[RankResult]:

@@ -8,15 +8,18 @@ import sys
 import time
 
 import pytest
+import torch
 from toy_workers import (
     EXPECTED_EXERCISE,
     Counter,
     ReadsPeer,
     RecordsClose,
     Toy,
+    assert_same_batch,
     closed_lines,
     exercise,
     toy_input,
+    trainer_batch,
 )
 
 from hybridflow.controller import ResourcePool, WorkerDiedError, WorkerError, WorkerGroup, fuse
@@ -94,6 +97,19 @@ def test_collectives_and_large_batches(group):
     out = group.transform(batch)
     assert out["uid"].tolist() == batch["uid"].tolist()
     out["y"][0, 0] = -1  # tensors from the object store come back writable
+
+
+def test_every_trainer_dtype_round_trips_both_ways(group):
+    batch = trainer_batch()
+    for got in group.echo({"batch": batch, "scalar": torch.tensor(True)}):
+        assert_same_batch(got["batch"], batch)
+        assert got["scalar"].dtype == torch.bool and got["scalar"].shape == ()
+
+
+def test_ranks_given_one_stored_tensor_write_to_copies_of_their_own(group):
+    sent = torch.arange(1 << 18)  # 2 MiB: put in the object store once for both ranks
+    assert group.write_then_read(sent) == [0, -1]
+    assert sent[0] == 0
 
 
 def test_exception_names_rank_and_remote_traceback(group):

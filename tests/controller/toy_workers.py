@@ -92,6 +92,14 @@ class Toy(Worker):
     def echo(self, value):
         return value
 
+    @register
+    def write_then_read(self, tensor: torch.Tensor) -> int:
+        """Rank 1 writes into the tensor it received, in place; rank 0 then reads its own."""
+        if self.rank == 1:
+            tensor[0] = -1
+        torch.distributed.barrier()
+        return int(tensor[0])
+
     def private_helper(self) -> None:
         """Not registered: not callable from the controller."""
 
@@ -134,6 +142,38 @@ class RecordsClose(Worker):
 
 def closed_lines(path) -> list[str]:
     return sorted(open(path).read().splitlines()) if os.path.exists(path) else []
+
+
+def trainer_batch(rows: int = 6) -> Batch:
+    """Every dtype a training step's Batch carries, plus a non-contiguous column."""
+    grid = torch.arange(rows * 10).reshape(rows, 10)
+    return Batch(
+        {
+            "responses": torch.randint(0, 1000, (rows, 5)),  # int64
+            "response_mask": torch.ones(rows, 5),  # float32
+            "old_logprobs": torch.randn(rows, 5).bfloat16(),
+            "token_versions": torch.arange(rows, dtype=torch.int32),
+            "image_mask": torch.rand(rows, 3) > 0.5,  # bool
+            "pixels": torch.randint(0, 255, (rows, 2), dtype=torch.uint8),
+            "scores": torch.randn(rows, dtype=torch.float64),
+            "every_third": grid[:, ::3],  # not contiguous
+            "empty": torch.zeros(rows, 0),
+        },
+        {"uid": [f"u{i}" for i in range(rows)], "ground_truth": [{"a": i} for i in range(rows)]},
+        {"temperature": 0.7, "step_tensor": torch.tensor(3.5)},  # a 0-d tensor in meta
+    )
+
+
+def assert_same_batch(got: Batch, want: Batch) -> None:
+    assert list(got.tensors) == list(want.tensors)
+    for key, tensor in want.tensors.items():
+        assert got[key].dtype == tensor.dtype and got[key].shape == tensor.shape, key
+        assert torch.equal(got[key], tensor), key
+    assert got["uid"].tolist() == want["uid"].tolist()
+    assert got["ground_truth"].tolist() == want["ground_truth"].tolist()
+    assert got.meta["temperature"] == 0.7
+    assert torch.equal(got.meta["step_tensor"], want.meta["step_tensor"])
+    assert got.meta["step_tensor"].shape == ()
 
 
 def toy_input(rows: int = 7, cols: int = 4) -> Batch:

@@ -1,0 +1,14 @@
+#!/bin/bash
+# Controller overhead (docs/performance-host.md): a 2-core CPU host, from the repository root.
+# before.log: the ray backend of 545b2f0 (Ray carried a Batch's tensors out of band, any
+# other tensor through torch's pickling), timed by this benchmark script; after.log: every
+# backend and Ray's encodings; turns.log: the two correct encodings of a Batch, 30 rounds.
+set -e
+OUT=${OUT:-.}
+git worktree add --detach /tmp/hybridflow-545b2f0 545b2f0
+PYTHONPATH=/tmp/hybridflow-545b2f0 python benchmarks/controller_overhead.py --backends ray \
+  --repeats 15 | tee $OUT/before.log
+export PYTHONPATH=$PWD
+python benchmarks/controller_overhead.py --encodings --repeats 15 | tee $OUT/after.log
+python benchmarks/controller_overhead.py --backends --repeats 30 --encodings \
+  "Batch pickle (copy)" "numpy views (copy)" "numpy views (read-only)" | tee $OUT/turns.log
