@@ -183,7 +183,7 @@ def test_async_settings_are_checked():
 
     with pytest.raises(ConfigError, match="trainer.mode = 'later' is unknown"):
         validate(load_config(None, ["trainer.mode=later"]))
-    # every backend runs the async mode with staleness (tests/trainer/test_async_ray.py)
+    # every backend runs the async mode with staleness (tests/trainer/loop/test_async_ray.py)
     validate(load_config(None, ["trainer.mode=async", "trainer.max_staleness=2",
                                 "trainer.partial_rollout=true", "trainer.backend=ray",
                                 "trainer.n_gpus_per_node=2", "trainer.device=cpu"]))  # fmt: skip
