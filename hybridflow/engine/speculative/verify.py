@@ -34,6 +34,7 @@ from hybridflow.engine.host import ranges, upload
 from hybridflow.engine.prefill import host_spans
 from hybridflow.engine.speculative.acceptance import accepted_lengths, emitted_lengths
 from hybridflow.engine.speculative.drafts import DraftStore, NgramIndex, propose
+from hybridflow.engine.speculative.rule import SpeculationRule
 
 if TYPE_CHECKING:
     from hybridflow.engine.options import EngineOptions
@@ -55,6 +56,7 @@ class SpeculationStats:
     accepted: int = 0  # draft tokens accepted
     emitted: int = 0  # tokens the passes emitted (accepted + one per row, less stops)
     seconds: float = 0.0  # wall time of the passes (synchronous: drafts, forward, sync)
+    off_steps: int = 0  # tail steps the measured rule decoded plain (its decode probes too)
 
     def since(self, earlier: SpeculationStats) -> SpeculationStats:
         """The counts of what ran after `earlier` (a copy taken then: dataclasses.replace)."""
@@ -69,6 +71,7 @@ class SpeculationStats:
             "rollout/speculative_acceptance_rate": self.accepted / max(self.drafted, 1),
             "rollout/speculative_tokens_per_pass": self.emitted / max(self.rows, 1),
             "rollout/speculative_seconds": self.seconds,
+            "rollout/speculative_off_steps": float(self.off_steps),
         }
 
 
@@ -85,6 +88,8 @@ class Speculation:
                                 self.min_n, self.max_n)  # fmt: skip
         self.contexts: dict[int, NgramIndex] = {}  # LiveRequest.key -> its prompt and tokens
         self.stats = SpeculationStats()
+        self.rule = SpeculationRule(options.speculative_rule == "measured",
+                                    options.speculative_margin, options.speculative_probe_steps)  # fmt: skip
 
     def finished(self, live: LiveRequest) -> None:
         """A request retired (not preempted): its response drafts for its prompt's others."""
@@ -114,16 +119,19 @@ class Speculation:
 
 def run_step(scheduler: SchedulerState) -> bool:
     """A verify pass instead of a chunk of decode steps, when at most speculative_max_rows
-    rows decode and some row has a draft. -> whether it ran (if not, the caller decodes)."""
+    rows decode, the rule (rule.py) says it pays and some row has a draft. -> whether it ran
+    (if not, the caller decodes)."""
     speculation = scheduler.engine.speculation
-    if len(scheduler.rows) > speculation.max_rows:
+    if len(scheduler.rows) > speculation.max_rows or not speculation.rule.verify_next():
         return False
     from hybridflow.engine.scheduling import preemption, readback
 
+    flush_started = time.perf_counter()
     readback.flush(scheduler)  # every row's tokens on the host: the drafts extend them
     # timed from here: the flush waits for the decode chunk queued before (tail.py's plain
     # decode time), not for this pass
     started = time.perf_counter()
+    speculation.rule.flushed(started - flush_started)
     drafts = speculation.drafts(scheduler.rows, scheduler.row_budget)
     longest = max(map(len, drafts.values()), default=0)
     if not longest:
