@@ -34,12 +34,14 @@ from hybridflow.engine.host import ranges, upload
 from hybridflow.engine.prefill import host_spans
 from hybridflow.engine.speculative.acceptance import accepted_lengths, emitted_lengths
 from hybridflow.engine.speculative.drafts import DraftStore, NgramIndex, propose
+from hybridflow.engine.speculative.model_verify import accept_model_drafts
 from hybridflow.engine.speculative.rule import SpeculationRule
 
 if TYPE_CHECKING:
     from hybridflow.engine.options import EngineOptions
     from hybridflow.engine.requests import LiveRequest
     from hybridflow.engine.scheduling.state import SchedulerState
+    from hybridflow.engine.speculative.draft_model import DraftModel
 
 ROLLOUTS_PER_PROMPT = 16
 """Responses kept per prompt as draft sources (the latest: a group's siblings, then earlier
@@ -80,7 +82,8 @@ class Speculation:
     store of finished responses) and the counters. One per engine, across its calls: the
     store is how earlier epochs' responses draft for the same prompts."""
 
-    def __init__(self, options: EngineOptions):
+    def __init__(self, options: EngineOptions, draft_model: DraftModel | None = None):
+        self.draft_model = draft_model  # speculative="draft": its tokens, else n-gram drafts
         self.draft_tokens = options.speculative_draft_tokens
         self.max_rows = options.speculative_max_rows
         self.min_n, self.max_n = options.speculative_min_ngram, options.speculative_max_ngram
@@ -104,6 +107,15 @@ class Speculation:
         if len(self.contexts) > len(drafts):
             self.contexts = {key: self.contexts[key] for key in drafts}
         return drafts
+
+    def propose(self, scheduler: SchedulerState) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Each row's draft, fewer tokens than it may still emit, and the draft model's q
+        [R, K, V] (None for n-gram drafts, which are deterministic)."""
+        if self.draft_model is None:
+            drafts = self.drafts(scheduler.rows, scheduler.row_budget)
+            return [drafts[live.key] for live in scheduler.rows], None
+        limits = [min(self.draft_tokens, budget - 1) for budget in scheduler.row_budget]
+        return self.draft_model.propose(scheduler, limits)
 
     def draft(self, live: LiveRequest, limit: int) -> list[int]:
         """Up to min(draft_tokens, limit) tokens to follow the row's tokens read back so far."""
@@ -132,34 +144,35 @@ def run_step(scheduler: SchedulerState) -> bool:
     # decode time), not for this pass
     started = time.perf_counter()
     speculation.rule.flushed(started - flush_started)
-    drafts = speculation.drafts(scheduler.rows, scheduler.row_budget)
-    longest = max(map(len, drafts.values()), default=0)
-    if not longest:
-        return False
     if scheduler.subs_changed:
         scheduler.sync_submissions()  # the stop ids and sampling mode the pass uses
+    drafts, draft_probs = speculation.propose(scheduler)
+    longest = max(map(len, drafts), default=0)
+    if not longest:
+        return False
     if scheduler.paging is not None and not preemption.make_room(scheduler, longest):
         return False  # every row was preempted
-    _verify(scheduler, [drafts[live.key] for live in scheduler.rows])
+    _verify(scheduler, drafts, draft_probs)
     speculation.stats.seconds += time.perf_counter() - started
     return True
 
 
-def _verify(scheduler: SchedulerState, drafts: list[list[int]]) -> None:
-    """One forward over every row's last token and drafts, their acceptance, the state
-    advanced by each row's emitted tokens, and the host's budgets by the same counts."""
-    state, rows, runner = scheduler.state, len(scheduler.rows), scheduler.runner
+def _verify(scheduler: SchedulerState, drafts: list[list[int]],
+            draft_probs: torch.Tensor | None = None) -> None:  # fmt: skip
+    """One forward over every row's last token and drafts, their acceptance (n-gram drafts
+    by the coupling, a draft model's against its q: model_verify.py), the state advanced by
+    each row's emitted tokens, and the host's budgets by the same counts."""
+    state, rows = scheduler.state, len(scheduler.rows)
     width = max(map(len, drafts)) + 1  # positions per row in the padded [rows, width] views
     logits, token_rows, offsets, padded, lengths = _forward(scheduler, drafts, width)
-    steps = state.generated[token_rows] + offsets  # the sampling step of each position
-    rows_of = token_rows if runner.mixed else None  # each position's row settings
-    tokens, logprobs = runner.sample(logits, state.seed_lo[token_rows], state.seed_hi[token_rows],
-                                     steps, rows=rows_of)  # fmt: skip
-    sampled = torch.zeros((rows, width), dtype=torch.int64, device=tokens.device)
-    sampled_logprobs = torch.zeros((rows, width), dtype=logprobs.dtype, device=tokens.device)
-    sampled[token_rows, offsets] = tokens
-    sampled_logprobs[token_rows, offsets] = logprobs
-    accepted = accepted_lengths(sampled, padded, lengths)
+    if draft_probs is None:
+        sampled, sampled_logprobs = _sample_positions(scheduler, logits, token_rows, offsets,
+                                                      width)  # fmt: skip
+        accepted = accepted_lengths(sampled, padded, lengths)
+    else:
+        sampled, sampled_logprobs, accepted = accept_model_drafts(
+            state, logits, token_rows, offsets, padded, lengths, draft_probs
+        )
     emitted = emitted_lengths(accepted, state.stop_mask[sampled])
     emitted = torch.where(state.finished[:rows], 0, emitted)
     _advance(state, rows, sampled, sampled_logprobs, emitted)
@@ -173,6 +186,21 @@ def _verify(scheduler: SchedulerState, drafts: list[list[int]]) -> None:
     stats.drafted += sum(map(len, drafts))
     stats.accepted += sum(min(a, e) for a, e in zip(accepted_list, emitted_list))
     stats.emitted += sum(emitted_list)
+
+
+def _sample_positions(scheduler: SchedulerState, logits, token_rows, offsets, width: int):
+    """Every position sampled by the engine's sampler at its sampling step with its row's
+    seed (n-gram drafts' coupling: acceptance.py). -> (tokens, log-probs) [rows, width]."""
+    state, runner, rows = scheduler.state, scheduler.runner, len(scheduler.rows)
+    steps = state.generated[token_rows] + offsets  # the sampling step of each position
+    rows_of = token_rows if runner.mixed else None  # each position's row settings
+    tokens, logprobs = runner.sample(logits, state.seed_lo[token_rows], state.seed_hi[token_rows],
+                                     steps, rows=rows_of)  # fmt: skip
+    sampled = torch.zeros((rows, width), dtype=torch.int64, device=tokens.device)
+    sampled_logprobs = torch.zeros((rows, width), dtype=logprobs.dtype, device=tokens.device)
+    sampled[token_rows, offsets] = tokens
+    sampled_logprobs[token_rows, offsets] = logprobs
+    return sampled, sampled_logprobs
 
 
 def _forward(scheduler: SchedulerState, drafts: list[list[int]], width: int) -> tuple:
@@ -241,10 +269,21 @@ def _advance(state, rows: int, sampled: torch.Tensor, logprobs: torch.Tensor,
     state.finished[:rows] |= moved & stop
 
 
-def make_speculation(options: EngineOptions, config) -> Speculation:
-    """The engine's Speculation; ValueError when its model cannot roll a pass back."""
+def make_speculation(options: EngineOptions, config, device, dtype) -> Speculation:
+    """The engine's Speculation (its draft model loaded on `device` in `dtype` with
+    speculative="draft"); ValueError when its model cannot roll a pass back or the draft
+    model cannot draft for it."""
     if any(spec.recurrent for spec in config.layer_specs()):
         raise ValueError(f"speculative={options.speculative!r}: a recurrent layer's state (Gated "
                          "DeltaNet) cannot be rolled back past rejected drafts; use "
                          "speculative='off' for this model")  # fmt: skip
-    return Speculation(options)
+    if any(spec.window for spec in config.layer_specs()):
+        raise ValueError(f"speculative={options.speculative!r}: a sliding layer's ring of K/V "
+                         "(GPT-OSS) would hold rejected drafts in place of positions its window "
+                         "still reads; use speculative='off' for this model")  # fmt: skip
+    draft_model = None
+    if options.speculative == "draft":
+        from hybridflow.engine.speculative.draft_model import DraftModel
+
+        draft_model = DraftModel.load(options.speculative_draft_model, config, device, dtype)
+    return Speculation(options, draft_model)
