@@ -45,9 +45,8 @@ def _draft_model_problems(options) -> list[str]:
     if options.speculative == "draft" and not (isinstance(draft, str) and draft):
         return ["speculative='draft' needs speculative_draft_model: a preset name or a local "
                 "HF directory of a small model with the target's vocabulary"]  # fmt: skip
-    if options.speculative != "draft" and draft is not None:
-        return [f"speculative_draft_model={draft!r}: read with speculative='draft' only "
-                f"(speculative={options.speculative!r}); set speculative=draft or drop it"]  # fmt: skip
+    if draft is not None and not isinstance(draft, str):
+        return [f"speculative_draft_model={draft!r}: a preset name or a directory, or null"]
     return []
 
 

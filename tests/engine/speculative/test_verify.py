@@ -154,7 +154,7 @@ def test_drafts_follow_siblings_then_the_row_and_keep_indexes_of_decoding_rows_o
      (dict(speculative_min_ngram=3, speculative_max_ngram=2), "1 <= min <= max <= 16"),
      (dict(speculative_store_tokens=-1), "speculative_store_tokens=-1: must be an integer >= 0"),
      (dict(speculative="draft"), "speculative='draft' needs speculative_draft_model"),
-     (dict(speculative_draft_model="tiny"), "read with speculative='draft' only"),
+     (dict(speculative_draft_model=3), "speculative_draft_model=3: a preset name or a directory"),
      (dict(speculative_rule="sometimes"), "speculative_rule='sometimes': must be one of measured, always"),
      (dict(speculative_margin=-0.1), "speculative_margin=-0.1: must be a number >= 0"),
      (dict(speculative_margin=float("nan")), "speculative_margin=nan: must be a number >= 0"),
