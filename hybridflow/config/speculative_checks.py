@@ -1,18 +1,14 @@
-"""Checks of rollout.engine.speculative that ``validate()`` runs before any model loads: the
-model must roll rejected drafts back (no recurrent state, no window's ring), and a draft
-model (speculative=draft) must exist and share its vocabulary. Reads presets and
-config.json only (no weights)."""
+"""Checks of rollout.engine.speculative that ``validate()`` runs before any model loads: a
+draft model (speculative=draft) must exist and share the model's vocabulary. Reads presets
+and config.json only (no weights)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from hybridflow.config.model_facts import model_has_recurrent_layers, trained_model
+from hybridflow.config.model_facts import trained_model
 from hybridflow.config.sections import Config
-
-WINDOWED_LAYER_TYPE = "sliding_attention"
-"""config.json's layer_types name of a sliding layer (GPT-OSS: a ring of a window's K/V)."""
 
 
 def _hf_config(path: str) -> dict | None:
@@ -33,16 +29,6 @@ def _preset(path: str):
     return PRESETS.get(path)
 
 
-def model_has_windowed_layers(path: str) -> bool | None:
-    """Whether the model at ``path`` (a preset or a directory) has sliding layers whose K/V
-    live in a ring; None if unknown."""
-    hf = _hf_config(path)
-    if hf is not None:
-        return WINDOWED_LAYER_TYPE in (hf.get("layer_types") or ())
-    preset = _preset(path)
-    return None if preset is None else any(spec.window for spec in preset.layer_specs())
-
-
 def model_vocab_size(path: str) -> int | None:
     """The vocabulary size of the model at ``path`` (a preset or a directory); None if
     unknown."""
@@ -59,17 +45,7 @@ def model_vocab_size(path: str) -> int | None:
 def speculative_problems(cfg: Config) -> list[str]:
     """Problems with the run's speculative decoding, one line each (empty when fine)."""
     engine = cfg.rollout.engine
-    if engine.speculative == "off":
-        return []
-    model, key = trained_model(cfg), "rollout.engine.speculative"
-    if model_has_recurrent_layers(model):
-        return [f"{key} = {engine.speculative!r}: the model {model!r} has recurrent layers "
-                "(Gated DeltaNet), whose state cannot be rolled back past rejected drafts: "
-                f"set {key}=off"]  # fmt: skip
-    if model_has_windowed_layers(model):
-        return [f"{key} = {engine.speculative!r}: the model {model!r} has sliding layers, "
-                "whose ring of K/V cannot be rolled back past rejected drafts: "
-                f"set {key}=off"]  # fmt: skip
+    model = trained_model(cfg)
     draft = engine.speculative_draft_model
     if engine.speculative != "draft" or not isinstance(draft, str) or not draft:
         return []  # a missing draft model is the engine options' check

@@ -1,6 +1,6 @@
-"""Speculative decoding needs a model whose every layer can roll back rejected drafts: one
-with recurrent layers (Gated DeltaNet) or sliding layers' rings is refused at validate,
-naming the key; a draft model must exist and share the model's vocabulary."""
+"""Speculative decoding at validate: models with recurrent layers (Gated DeltaNet) or sliding
+layers' rings pass (their states are rolled back); a draft model must exist and share the
+model's vocabulary, refused naming the key otherwise."""
 
 import json
 
@@ -8,7 +8,7 @@ import pytest
 
 from hybridflow.config import ConfigError, load_config, validate
 from hybridflow.config.model_facts import model_has_recurrent_layers
-from hybridflow.config.speculative_checks import model_has_windowed_layers, model_vocab_size
+from hybridflow.config.speculative_checks import model_vocab_size
 from hybridflow.models.presets import PRESETS
 
 
@@ -25,20 +25,10 @@ def test_recurrent_layers_are_read_off_presets_and_config_json(tmp_path):
     assert model_has_recurrent_layers(str(tmp_path)) is False
 
 
-def test_speculative_decoding_of_a_recurrent_model_is_refused_naming_the_key():
-    with pytest.raises(ConfigError, match=r"rollout.engine.speculative = 'ngram': the model "
-                                          r"'tiny-hybrid' has recurrent layers"):  # fmt: skip
-        validate(load_config("examples/hybrid.yaml", ["rollout.engine.speculative=ngram"]))
-    validate(load_config(None, ["rollout.engine.speculative=ngram"]))  # attention only: runs
-
-
-def test_speculative_decoding_of_a_windowed_model_is_refused(tmp_path):
-    assert model_has_windowed_layers("tiny-gpt-oss") is True
-    assert model_has_windowed_layers("tiny") is False
-    (tmp_path / "config.json").write_text(json.dumps(PRESETS["tiny-gpt-oss"].to_hf()))
-    assert model_has_windowed_layers(str(tmp_path)) is True
-    with pytest.raises(ConfigError, match="'tiny-gpt-oss' has sliding layers"):
-        validate(load_config(None, ["model.path=tiny-gpt-oss", "rollout.engine.speculative=ngram"]))
+@pytest.mark.parametrize("model", ["tiny-hybrid", "tiny-gpt-oss"])
+def test_speculative_decoding_of_models_with_per_sequence_state_validates(model):
+    """Recurrent states and sliding rings are rolled back (engine/speculative/rollback.py)."""
+    validate(load_config(None, [f"model.path={model}", "rollout.engine.speculative=ngram"]))
 
 
 def test_a_draft_model_must_exist_and_share_the_vocabulary(tmp_path):

@@ -13,8 +13,9 @@ drafts and the token after them, cut after a stop token.
 Rejected positions are rolled back by the row's length alone: its position moves past the
 emitted tokens only, so the K/V written for rejected drafts lie past the row's end, where
 no attention reads (every read is bounded by the reader's position) and the row's next
-token overwrites them before any read reaches them. A recurrent layer's state cannot be
-rolled back that way: models with one do not speculate (Engine raises).
+token overwrites them before any read reaches them. A recurrent layer's state and a sliding
+layer's ring cannot be rolled back that way: they are copied before the pass and, for the
+rows that rejected drafts, restored and moved through the kept inputs again (rollback.py).
 
 Drafts come from the tokens read back so far, so a verify pass first reads every row back
 (the pass is synchronous: no chunk overlaps the host's work) and its emitted counts are read
@@ -32,6 +33,7 @@ import torch
 
 from hybridflow.engine.host import ranges, upload
 from hybridflow.engine.prefill import host_spans
+from hybridflow.engine.speculative import rollback
 from hybridflow.engine.speculative.acceptance import accepted_lengths, emitted_lengths
 from hybridflow.engine.speculative.drafts import DraftStore, NgramIndex, propose
 from hybridflow.engine.speculative.model_verify import accept_model_drafts
@@ -164,6 +166,9 @@ def _verify(scheduler: SchedulerState, drafts: list[list[int]],
     each row's emitted tokens, and the host's budgets by the same counts."""
     state, rows = scheduler.state, len(scheduler.rows)
     width = max(map(len, drafts)) + 1  # positions per row in the padded [rows, width] views
+    drafting = [r for r, draft in enumerate(drafts) if draft]
+    slots = [live.slot for live in scheduler.rows]
+    saved = rollback.save(scheduler.cache, [slots[r] for r in drafting])  # recurrent states
     logits, token_rows, offsets, padded, lengths = _forward(scheduler, drafts, width)
     if draft_probs is None:
         sampled, sampled_logprobs = _sample_positions(scheduler, logits, token_rows, offsets,
@@ -177,6 +182,8 @@ def _verify(scheduler: SchedulerState, drafts: list[list[int]],
     emitted = torch.where(state.finished[:rows], 0, emitted)
     _advance(state, rows, sampled, sampled_logprobs, emitted)
     accepted_list, emitted_list = torch.stack([accepted, emitted]).tolist()  # the one sync
+    if saved is not None:
+        _roll_back(scheduler, drafts, emitted_list, drafting, saved)
     scheduler.row_budget[:rows] = [b - e for b, e in zip(scheduler.row_budget, emitted_list)]
     scheduler.decode_steps += 1
     scheduler.decoded_rows += rows
@@ -186,6 +193,22 @@ def _verify(scheduler: SchedulerState, drafts: list[list[int]],
     stats.drafted += sum(map(len, drafts))
     stats.accepted += sum(min(a, e) for a, e in zip(accepted_list, emitted_list))
     stats.emitted += sum(emitted_list)
+
+
+def _roll_back(scheduler: SchedulerState, drafts, emitted: list[int], drafting: list[int],
+               saved: list[torch.Tensor]) -> None:  # fmt: skip
+    """Per-sequence kinds of the rows that rejected drafts back to before the pass, then
+    through the inputs they kept (rollback.py)."""
+    redo = rollback.rows_to_redo(drafts, emitted, drafting)
+    if not redo:
+        return
+    slots = [scheduler.rows[r].slot for r in drafting]
+    rollback.restore(scheduler.cache, slots, saved, [drafting.index(r) for r in redo])
+    kept = rollback.kept_inputs(drafts, emitted)
+    again = [r for r in redo if kept[r] > 0]  # a row that emitted nothing keeps its state
+    if again:
+        inputs = [drafts[r][: kept[r] - 1] for r in again]
+        _forward(scheduler, inputs, max(map(len, inputs)) + 1, [scheduler.rows[r] for r in again])
 
 
 def _sample_positions(scheduler: SchedulerState, logits, token_rows, offsets, width: int):
@@ -203,18 +226,20 @@ def _sample_positions(scheduler: SchedulerState, logits, token_rows, offsets, wi
     return sampled, sampled_logprobs
 
 
-def _forward(scheduler: SchedulerState, drafts: list[list[int]], width: int) -> tuple:
+def _forward(scheduler: SchedulerState, drafts: list[list[int]], width: int,
+             lives: list[LiveRequest] | None = None) -> tuple:  # fmt: skip
     """The extend pass over each row's last token and drafts (mixed.run_step's inputs, no
-    prompt chunk). -> (logits [T, V], each token's row [T] and index in its row [T], the
-    drafts padded with -1 [rows, width - 1], their lengths [rows]), on the device."""
-    engine, rows = scheduler.engine, len(scheduler.rows)
+    prompt chunk; lives: these rows instead of the scheduler's). -> (logits [T, V], each
+    token's row [T] and index in its row [T], the drafts padded with -1 [rows, width - 1],
+    their lengths [rows]), on the device."""
+    engine = scheduler.engine
+    lives = scheduler.rows if lives is None else lives
+    rows = len(lives)
     counts = torch.tensor([len(d) + 1 for d in drafts])
     starts = torch.tensor([len(live.sub.prompt_of(live.request)) + len(live.tokens) - 1
-                           for live in scheduler.rows])  # fmt: skip  # each last token's position
-    slots = torch.tensor([live.slot for live in scheduler.rows])
-    ids = torch.tensor(
-        [t for live, d in zip(scheduler.rows, drafts) for t in (live.tokens[-1], *d)]
-    )
+                           for live in lives])  # fmt: skip  # each last token's position
+    slots = torch.tensor([live.slot for live in lives])
+    ids = torch.tensor([t for live, d in zip(lives, drafts) for t in (live.tokens[-1], *d)])
     offsets = ranges(counts)  # each token's index in its row's pass
     positions = offsets + torch.repeat_interleave(starts, counts)
     token_slots = torch.repeat_interleave(slots, counts)
@@ -271,16 +296,7 @@ def _advance(state, rows: int, sampled: torch.Tensor, logprobs: torch.Tensor,
 
 def make_speculation(options: EngineOptions, config, device, dtype) -> Speculation:
     """The engine's Speculation (its draft model loaded on `device` in `dtype` with
-    speculative="draft"); ValueError when its model cannot roll a pass back or the draft
-    model cannot draft for it."""
-    if any(spec.recurrent for spec in config.layer_specs()):
-        raise ValueError(f"speculative={options.speculative!r}: a recurrent layer's state (Gated "
-                         "DeltaNet) cannot be rolled back past rejected drafts; use "
-                         "speculative='off' for this model")  # fmt: skip
-    if any(spec.window for spec in config.layer_specs()):
-        raise ValueError(f"speculative={options.speculative!r}: a sliding layer's ring of K/V "
-                         "(GPT-OSS) would hold rejected drafts in place of positions its window "
-                         "still reads; use speculative='off' for this model")  # fmt: skip
+    speculative="draft"); ValueError when the draft model cannot draft for the model."""
     draft_model = None
     if options.speculative == "draft":
         from hybridflow.engine.speculative.draft_model import DraftModel

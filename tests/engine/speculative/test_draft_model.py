@@ -4,7 +4,7 @@ that disagrees with the target now and then, in a slot and a paged cache); a dra
 the target accepts everything at temperature 0; sampled tokens at temperature 1 with top-p
 follow the target's exact distribution (chi-square over many samples, and the same test
 rejects a rule that resamples from p instead of the residual); a vocabulary mismatch is
-refused naming both sizes."""
+refused naming both sizes, and so is a draft that could not roll back."""
 
 from __future__ import annotations
 
@@ -197,11 +197,3 @@ def test_a_recurrent_draft_is_refused(model):
     hybrid = build_model(preset_config("tiny-hybrid"), seed=0)
     with pytest.raises(ValueError, match="cannot be rolled back past rejected drafts"):
         DraftModel(hybrid, model.config, "tiny-hybrid")
-
-
-def test_a_windowed_model_refuses_speculation():
-    """A sliding layer's ring keeps position p at entry p % window: a rejected draft's K/V
-    would replace a position the window still reads."""
-    gpt_oss = build_model(preset_config("tiny-gpt-oss"), seed=0).eval()
-    with pytest.raises(ValueError, match="sliding layer's ring"):
-        Engine(gpt_oss, 2, 64, options=EngineOptions(**EAGER, speculative="ngram"))

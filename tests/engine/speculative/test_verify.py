@@ -14,8 +14,6 @@ import torch
 from hybridflow.engine import Engine, EngineOptions, SamplingParams
 from hybridflow.engine.serving.service import RolloutService
 from hybridflow.engine.speculative.verify import Speculation
-from hybridflow.models import build_model
-from hybridflow.models.presets import preset_config
 
 EAGER = dict(decode_backend="torch", cuda_graphs=False, steps_per_sync=4)
 # the rule "always": verify every tail step with a draft (the measured rule: test_rule.py)
@@ -168,9 +166,3 @@ def test_speculative_options_are_checked(fields, message):
 
 def test_draft_tokens_past_steps_per_sync_matter_only_with_speculation_on():
     assert EngineOptions(steps_per_sync=2, speculative_draft_tokens=4).validate() == []
-
-
-def test_a_recurrent_model_refuses_speculation():
-    model = build_model(preset_config("tiny-hybrid"), seed=0).eval()
-    with pytest.raises(ValueError, match="cannot be rolled back past rejected drafts"):
-        Engine(model, 2, 64, options=EngineOptions(**EAGER, speculative="ngram"))
