@@ -112,6 +112,20 @@ class DraftModel:
             raise ValueError(problem)
         self.model = model.eval().requires_grad_(False)
 
+    def cache_bytes(self, slots: int, max_seq_len: int) -> int:
+        """The bytes of a DraftCache of `slots` slots (the engine reserves them beside its
+        own cache: allocation.py)."""
+        from hybridflow.engine.cache.kinds import kv_layer_rows
+        from hybridflow.engine.cache.kv_cache import bytes_per_slot
+        from hybridflow.engine.cache.latent import latent_spec
+
+        config, dtype = self.model.config, next(self.model.parameters()).dtype
+        layers = sum(row is not None for row in kv_layer_rows(config.layer_specs()))
+        latent = latent_spec(config, dtype)
+        per_position = latent.bytes_per_position if latent is not None else 0
+        shape = (config.num_key_value_heads, config.head_dim)
+        return (slots + 1) * bytes_per_slot(layers, *shape, max_seq_len, dtype, per_position)
+
     @classmethod
     def load(cls, name: str, target_config, device, dtype) -> DraftModel:
         """A preset (random weights: for benchmarks) or a local HF directory."""

@@ -16,7 +16,7 @@ import torch
 from hybridflow.engine import Engine, EngineOptions, SamplingParams
 from hybridflow.engine.sampling import allowed_probs_reference
 from hybridflow.engine.speculative import model_verify
-from hybridflow.engine.speculative.draft_model import DraftModel
+from hybridflow.engine.speculative.draft_model import DraftCache, DraftModel
 from hybridflow.models import build_model
 from hybridflow.models.presets import preset_config
 
@@ -197,3 +197,13 @@ def test_a_recurrent_draft_is_refused(model):
     hybrid = build_model(preset_config("tiny-hybrid"), seed=0)
     with pytest.raises(ValueError, match="cannot be rolled back past rejected drafts"):
         DraftModel(hybrid, model.config, "tiny-hybrid")
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-deepseek-v3"])
+def test_the_engine_reserves_what_the_draft_cache_takes(model, preset):
+    """The engine's own cache leaves room for the draft's (allocation.py reserves
+    DraftModel.cache_bytes): the reserve is the bytes the DraftCache allocates (K/V, or an
+    MLA model's latent)."""
+    draft = DraftModel(build_model(preset_config(preset), seed=0), model.config, preset)
+    cache = DraftCache(draft.model, 3, 40).cache
+    assert cache.nbytes() == draft.cache_bytes(3, 40) > 0
