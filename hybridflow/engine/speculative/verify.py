@@ -148,12 +148,19 @@ def run_step(scheduler: SchedulerState) -> bool:
     speculation.rule.flushed(started - flush_started)
     if scheduler.subs_changed:
         scheduler.sync_submissions()  # the stop ids and sampling mode the pass uses
+    drafted = list(scheduler.rows)
     drafts, draft_probs = speculation.propose(scheduler)
     longest = max(map(len, drafts), default=0)
     if not longest:
         return False
     if scheduler.paging is not None and not preemption.make_room(scheduler, longest):
         return False  # every row was preempted
+    if len(scheduler.rows) < len(drafted):  # some were preempted: the drafts of the rest
+        line = {live.key: row for row, live in enumerate(drafted)}
+        kept = [line[live.key] for live in scheduler.rows]
+        drafts = [drafts[row] for row in kept]
+        if draft_probs is not None:
+            draft_probs = draft_probs[torch.as_tensor(kept, device=draft_probs.device)]
     _verify(scheduler, drafts, draft_probs)
     speculation.stats.seconds += time.perf_counter() - started
     return True

@@ -66,12 +66,14 @@ def same_dir(model, tmp_path_factory):
     return _saved(model, tmp_path_factory, "same")
 
 
-def _engine(model, draft: str | None, block=None, slots=8, max_seq_len=128, **extra) -> Engine:
+def _engine(model, draft: str | None, block=None, slots=8, max_seq_len=128, budget=None,
+            **extra) -> Engine:  # fmt: skip
     fields = dict(EAGER, **extra)
     if draft is not None:
         fields.update(speculative="draft", speculative_draft_model=draft, speculative_rule="always",
                       speculative_max_rows=max(slots, 16))  # fmt: skip
-    return Engine(model, slots, max_seq_len, options=EngineOptions(**fields, kv_block_size=block))
+    options = EngineOptions(**fields, kv_block_size=block)
+    return Engine(model, slots, max_seq_len, memory_budget=budget, options=options)
 
 
 def _assert_same(got, expected):
@@ -207,3 +209,14 @@ def test_the_engine_reserves_what_the_draft_cache_takes(model, preset):
     draft = DraftModel(build_model(preset_config(preset), seed=0), model.config, preset)
     cache = DraftCache(draft.model, 3, 40).cache
     assert cache.nbytes() == draft.cache_bytes(3, 40) > 0
+
+
+def test_rows_preempted_before_a_pass_leave_the_others_drafts_in_line(model, draft_dir):
+    """A paged cache too small for every row: making room for a pass preempts the newest
+    rows, after their drafts were made; the others verify their own drafts."""
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=40, ignore_eos=True)
+    expected = _engine(model, None).generate(PROMPTS, params)
+    # 24 blocks of 16 positions (2 layers of 2 x 16 fp32 K and V: 4 KiB a block)
+    engine = _engine(model, draft_dir, block=16, budget=24 * 4096)
+    _assert_same(engine.generate(PROMPTS, params), expected)
+    assert engine.scheduler.paging.preemptions > 0 and engine.speculation.stats.accepted > 0
