@@ -76,7 +76,7 @@ class DraftCache:
     and dropped with the scheduler (Engine.release)."""
 
     def __init__(self, model, slots: int, max_seq_len: int):
-        from hybridflow.engine.cache.kv_cache import make_cache
+        from hybridflow.engine.cache.sizing import make_cache
         from hybridflow.engine.rope_table import RopeTable
 
         device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
@@ -116,8 +116,8 @@ class DraftModel:
         """The bytes of a DraftCache of `slots` slots (the engine reserves them beside its
         own cache: allocation.py)."""
         from hybridflow.engine.cache.kinds import kv_layer_rows
-        from hybridflow.engine.cache.kv_cache import bytes_per_slot
         from hybridflow.engine.cache.latent import latent_spec
+        from hybridflow.engine.cache.sizing import bytes_per_slot
 
         config, dtype = self.model.config, next(self.model.parameters()).dtype
         layers = sum(row is not None for row in kv_layer_rows(config.layer_specs()))
