@@ -88,9 +88,10 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
         "lengths become ~geometric with mean L (exercises continuous batching; default: no "
         "stop tokens, every sample runs to --new-tokens)",
     )  # fmt: skip
-    p.add_argument("--speculative", default=None, choices=["ngram"],
+    p.add_argument("--speculative", default=None, choices=["ngram", "draft"],
                    help="also run the engine with this speculative decoding method and print "
                    "both (bench/speculative.py; each timed call then samples a seed of its own; "
+                   "draft: name the model with --engine speculative_draft_model=...; "
                    "default: off)")  # fmt: skip
     p.add_argument("--images-per-prompt", type=images_per_prompt, default=None,
                    help="random images before each prompt's text, for a vision-language model "

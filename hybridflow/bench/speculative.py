@@ -6,6 +6,8 @@ the share of drafts accepted and the tokens a row emits per pass.
     hybridflow bench rollout --preset qwen2.5-0.5b --prompts 256 --new-tokens 1024 \\
         --mean-length 256 --speculative ngram --repeats 3 --no-hf
     hybridflow bench rollout --preset /path/to/sft-checkpoint ... --speculative ngram
+    hybridflow bench rollout --preset /path/to/7b ... --speculative draft \\
+        --engine speculative_draft_model=/path/to/0.5b
 
 Each timed call samples with a seed of its own (the warm-up another): the draft store then
 holds earlier calls' samples of the same prompts, as a training run's earlier epochs, never
@@ -51,5 +53,7 @@ def print_speculative(result: dict) -> None:
         in_passes = metrics.get("rollout/speculative_seconds", 0.0) / max(run["repeats"], 1)
         print(f"    {label:<8} {run['tokens_per_s']:>12,.0f} {run['seconds']:>9.3f} "
               f"{passes:>8.0f} {in_passes:>9.3f}s {accepted:>9.1%} {per_pass:>9.2f}")  # fmt: skip
-    same = "the same tokens" if spec["same_tokens"] else "DIFFERENT tokens (float rounding)"
+    # a draft model keeps the distribution, not the tokens of a seed (greedy aside)
+    why = "a draft model: the same distribution" if spec["method"] == "draft" else "float rounding"
+    same = "the same tokens" if spec["same_tokens"] else f"DIFFERENT tokens ({why})"
     print(f"    speedup {spec['speedup']:.2f}x; {same}")

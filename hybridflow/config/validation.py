@@ -12,7 +12,6 @@ from hybridflow.config.model_facts import (
     image_key,
     model_context_length,
     model_has_experts,
-    model_has_recurrent_layers,
     model_paths,
     model_reads_images,
     trained_model,
@@ -22,6 +21,7 @@ from hybridflow.config.precision_checks import precision_problems
 from hybridflow.config.reward_checks import reward_part_problems
 from hybridflow.config.sections import GROUP_ESTIMATORS, Config, ConfigError, Derived
 from hybridflow.config.sft_checks import sft_problems
+from hybridflow.config.speculative_checks import speculative_problems
 from hybridflow.engine.options import MAX_TEMPERATURE, MIN_TEMPERATURE
 from hybridflow.model_config_values import directory_config_problems
 
@@ -202,11 +202,8 @@ def _check_training(cfg: Config, placement: Placement, add) -> None:
         add(f"actor.clip_ratio_c = {a.clip_ratio_c} must be > 1 (dual clip; 3.0 is standard)")
     _check_router(cfg, add)
     _check_images(cfg, add)
-    speculative = cfg.rollout.engine.speculative
-    if speculative != "off" and model_has_recurrent_layers(trained_model(cfg)):
-        add(f"rollout.engine.speculative = {speculative!r}: the model "
-            f"{trained_model(cfg)!r} has recurrent layers (Gated DeltaNet), whose state cannot "
-            "be rolled back past rejected drafts: set rollout.engine.speculative=off")  # fmt: skip
+    for problem in speculative_problems(cfg):
+        add(problem)
     for problem in precision_problems(cfg, use_critic=use_critic):
         add(problem)
     if cfg.model.path.startswith("sft:"):  # the warm start trains with the sft section

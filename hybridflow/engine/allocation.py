@@ -84,6 +84,10 @@ def _make_cache(engine):
     element = torch.empty((), dtype=engine.dtype).element_size()
     reserve = engine_workspace_bytes(cfg, engine.max_batch_size, engine.max_prefill_tokens,
                                      element, engine.tensor_parallel)  # fmt: skip
+    draft = engine.speculation.draft_model if engine.speculation is not None else None
+    if draft is not None:  # its cache, made at the first tail (speculative/draft_model.py)
+        rows = min(options.speculative_max_rows, engine.max_batch_size)
+        reserve += draft.cache_bytes(rows, engine.max_seq_len)
     routes = None
     if engine.moe:
         routes = kv_cache.route_spec(cfg) if options.record_routes else None

@@ -199,7 +199,7 @@ class Engine:
         if options.speculative != "off" and self.native:
             from hybridflow.engine.speculative.verify import make_speculation
 
-            self.speculation = make_speculation(options, self.config)
+            self.speculation = make_speculation(options, self.config, self.device, self.dtype)
 
     # -- pinned choices (choices.py) -----------------------------------------------------------
 

@@ -185,8 +185,15 @@ class EngineOptions:
     tokens and in earlier responses of the same prompt (its finished siblings, earlier
     epochs), and scores them in one extend pass beside the rows with no draft; speculative
     sampling keeps the emitted tokens distributed exactly as without it (for a seed, they are
-    the same tokens). Runs while at most speculative_max_rows rows decode. "off" until
+    the same tokens). "draft": a small model sharing the tokenizer
+    (speculative_draft_model) samples the drafts, accepted by speculative sampling (the
+    distribution exact; greedy tokens the same). Runs while at most speculative_max_rows
+    rows decode, where the measured rule (speculative_rule) finds it pays. "off" until
     measured on a GPU (bench rollout --speculative)."""
+    speculative_draft_model: str | None = None
+    """speculative="draft": a preset name or a local HF directory of the draft model (its
+    vocabulary the target's), loaded in the engine's dtype on its device (ignored by the
+    other methods)."""
     speculative_draft_tokens: int = 4
     """Draft tokens per row and verify pass (at most steps_per_sync)."""
     speculative_max_rows: int = 16
@@ -200,6 +207,18 @@ class EngineOptions:
     """Tokens of finished responses kept as draft sources for later samples of their prompt
     (host memory: ~40 bytes a token, ~0.5 KB once indexed, which only the prompts of rows
     that speculate are; 0: none kept)."""
+    speculative_rule: str = "measured"
+    """When a tail step verifies: "measured" (speculative/rule.py) while the tokens a row
+    emits per verify pass times the seconds of a plain decode step exceed the pass's seconds
+    by speculative_margin, as the engine measures them in the tail, re-probing the other
+    kind of step every speculative_probe_steps tail steps; "always": whenever some row has a
+    draft (the row count alone)."""
+    speculative_margin: float = 0.1
+    """The measured rule's margin: verify while tokens x step seconds > (1 + margin) x pass
+    seconds."""
+    speculative_probe_steps: int = 16
+    """The measured rule re-probes every this many tail steps: one verify pass while
+    speculation is off, one plain decode step while it is on."""
 
     def validate(self) -> list[str]:
         """Problems as 'field=value: what to change' lines (empty when valid)."""
@@ -304,6 +323,10 @@ class EngineOptions:
             "speculative_min_ngram",
             "speculative_max_ngram",
             "speculative_store_tokens",
+            "speculative_draft_model",  # the draft runs its own eager extend passes
+            "speculative_rule",
+            "speculative_margin",
+            "speculative_probe_steps",
         }
         if self.weight_format != "fp8":  # read by the fp8 matmuls only: model-dtype engines
             skip.add("fp8_weight_scales")  # keep the choices pinned before it existed

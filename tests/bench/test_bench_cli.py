@@ -64,7 +64,8 @@ def test_bench_rollout_runs_speculation_off_and_on_with_the_same_tokens(tmp_path
     args = ["rollout", "--preset", "tiny", "--prompts", "3", "--prompt-len", "6",
             "--new-tokens", "24", "--n", "2", "--device", "cpu", "--dtype", "float32",
             "--no-hf", "--repeats", "2", "--speculative", "ngram",
-            "--engine", "speculative_min_ngram=1", "--json", str(out)]  # fmt: skip
+            "--engine", "speculative_min_ngram=1", "--engine", "speculative_rule='always'",
+            "--json", str(out)]  # fmt: skip
     assert main(args) == 0
     spec = json.loads(out.read_text())["speculative"]
     assert spec["off"]["options"]["speculative"] == "off" and spec["off"]["speculative"] is None
@@ -74,6 +75,21 @@ def test_bench_rollout_runs_speculation_off_and_on_with_the_same_tokens(tmp_path
     assert spec["same_tokens"] and spec["on"]["tokens"] == spec["off"]["tokens"]
     printed = capsys.readouterr().out
     assert "speculative decoding (ngram)" in printed and "tok/pass" in printed
+
+
+def test_bench_rollout_speculates_with_a_draft_model(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    args = ["rollout", "--preset", "tiny", "--prompts", "2", "--prompt-len", "6",
+            "--new-tokens", "12", "--device", "cpu", "--dtype", "float32", "--no-hf",
+            "--repeats", "1", "--speculative", "draft", "--engine",
+            "speculative_draft_model='tiny'", "--engine", "speculative_rule='always'",
+            "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    spec = json.loads(out.read_text())["speculative"]
+    assert spec["off"]["options"]["speculative"] == "off"
+    assert spec["on"]["options"]["speculative_draft_model"] == "tiny"
+    assert spec["on"]["speculative"]["rollout/speculative_passes"] > 0
+    assert "speculative decoding (draft)" in capsys.readouterr().out
 
 
 def test_bench_rollout_names_a_bad_engine_option_and_exits_2(capsys):

@@ -187,7 +187,7 @@ def test_speculative_verify_passes_turn_rows_at_their_shift(model):
     expected = Engine(model, max_batch_size=4, max_seq_len=64).generate(
         PROMPTS, params, images=_images(_pixels()))  # fmt: skip
     options = EngineOptions(speculative="ngram", speculative_max_rows=64,
-                            speculative_min_ngram=1)  # fmt: skip
+                            speculative_min_ngram=1, speculative_rule="always")  # fmt: skip
     engine = Engine(model, max_batch_size=4, max_seq_len=64, options=options)
     got = engine.generate(PROMPTS, params, images=_images(_pixels()))
     assert engine.speculation.stats.passes > 0

@@ -135,7 +135,8 @@ def test_speculative_verify_passes_turn_rows_at_their_shift(model):
     """Drafts scored in extend passes over the decode rows: each row at its slot's shift."""
     params = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
     _, expected = _generate(model, "torch", params, block=16, cuda_graphs=False)
-    speculative = dict(speculative="ngram", speculative_max_rows=64, speculative_min_ngram=1)
+    speculative = dict(speculative="ngram", speculative_max_rows=64, speculative_min_ngram=1,
+                       speculative_rule="always")  # fmt: skip
     engine, got = _generate(model, "triton", params, block=16, **speculative)
     assert engine.speculation.stats.passes > 0
     _assert_same(got, expected)

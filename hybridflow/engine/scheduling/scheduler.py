@@ -172,6 +172,9 @@ class Scheduler(SchedulerState):
         tail_rows = self.engine.options.speculative_max_rows
         in_tail = tail.in_tail(len(self.rows), bool(self.prefilling), tail_rows)
         plain_before = self.plain_decode_steps
+        speculation = self.engine.speculation
+        if in_tail and speculation is not None:  # the measured rule times its tail steps
+            speculation.rule.step_started(speculation.stats)
         if self.prefilling:  # one forward: a step of the rows and chunks of the prompts
             steps = mixed.run_step(self)
         else:
@@ -195,10 +198,13 @@ class Scheduler(SchedulerState):
             snapshot = None
         self.pending = snapshot
         if in_tail:  # the step's wall time: its chunk queued, the previous one read back
-            clock = self.engine.tail
+            clock, seconds = self.engine.tail, time.perf_counter() - started
             clock.steps += 1
-            clock.seconds += time.perf_counter() - started
+            clock.seconds += seconds
             clock.decode_steps += self.plain_decode_steps - plain_before
+            if speculation is not None:
+                speculation.rule.step_ended(speculation.stats, seconds,
+                                            self.plain_decode_steps - plain_before)  # fmt: skip
         if before is not None:
             self.step_log.append(step_log.record(self, before))
 
@@ -227,14 +233,17 @@ class Scheduler(SchedulerState):
         self.row_budget = [b - steps for b in self.row_budget]
 
     def _verify_or_decode(self, steps: int) -> int:
-        """Speculation on (speculative/verify.py): a verify pass while few rows decode and
-        some has a draft; else the chunk of decode steps (its rows maybe read back first).
-        -> the steps run."""
+        """Speculation on (speculative/verify.py): a verify pass while few rows decode, the
+        rule finds it pays and some row has a draft; else the chunk of decode steps (its rows
+        maybe read back first; one step when it probes a decode step's time). -> the steps
+        run."""
         from hybridflow.engine.speculative import verify
 
         if verify.run_step(self):
             return 1
-        steps = min(steps, max(self.row_budget, default=0))
+        steps = min(
+            self.engine.speculation.rule.plain_steps(steps), max(self.row_budget, default=0)
+        )
         if steps > 0:
             self._decode(steps)
         return steps

@@ -87,6 +87,9 @@ class SchedulerState:
 
             self.route_reader = RouteReader(self.cache, engine.device)
         self.read_after = None  # the last absorbed snapshot's event
+        # a draft model's K/V of the rows it drafts for (speculative/draft_model.py), made at
+        # its first draft: freed with the scheduler, like the cache
+        self.draft_cache = None
 
     def free_slot(self, slot: int) -> None:
         self.free_slots.append(slot)

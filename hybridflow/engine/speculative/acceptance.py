@@ -55,22 +55,45 @@ def speculative_accept(target_probs: torch.Tensor, draft_probs: torch.Tensor,
     target's sampling distributions at each verified position), draft_probs [R, K, V] (the
     draft's, from which drafts [R, K] were drawn). -> (accepted [R], next token [R]: the
     residual's draw at the first rejection, the bonus from position K when all are
-    accepted). Draws from `generator` (host-synchronous sampling: tests and small drafts)."""
+    accepted). Draws from `generator` (host-synchronous sampling: tests and small drafts;
+    the engine draws from counter-based noise instead: model_verify.py)."""
     rows, k, _ = draft_probs.shape
-    picked_target = target_probs[:, :k].gather(-1, drafts[..., None]).squeeze(-1)  # [R, K]
-    picked_draft = draft_probs.gather(-1, drafts[..., None]).squeeze(-1)
-    u = torch.rand(picked_target.shape, generator=generator, device=drafts.device,
-                   dtype=picked_target.dtype)  # fmt: skip
+    lengths = torch.full((rows,), k, dtype=torch.int64, device=drafts.device)
+    u = torch.rand((rows, k), generator=generator, device=drafts.device,
+                   dtype=target_probs.dtype)  # fmt: skip
+    accepted = accepted_counts(target_probs, draft_probs, drafts, lengths, u)
+    residual = residual_probs(target_probs, draft_probs, accepted, lengths)
+    following = torch.multinomial(residual, 1, generator=generator).squeeze(-1)
+    return accepted, following
+
+
+def accepted_counts(target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: torch.Tensor,
+                    lengths: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """Drafts kept per row [R] in [0, lengths]: d_{i+1} while u_i < p_i(d) / q_i(d) (target_probs
+    [R, >= K+1, V], draft_probs [R, K, V], drafts [R, K] (past a row's length: any value),
+    lengths [R], u [R, K] uniforms in (0, 1)). No host sync."""
+    k = drafts.shape[1]
+    index = drafts.clamp(min=0)[..., None]
+    picked_target = target_probs[:, :k].gather(-1, index).squeeze(-1)  # [R, K]
+    picked_draft = draft_probs.gather(-1, index).squeeze(-1)
+    within = torch.arange(k, device=drafts.device)[None, :] < lengths[:, None]
     # u < p/q without dividing (q > 0 wherever the draft was drawn)
-    keep = u * picked_draft < picked_target  # [R, K]
-    accepted = keep.to(torch.int64).cumprod(1).sum(1)
-    row = torch.arange(rows, device=drafts.device)
+    keep = (u.to(picked_target.dtype) * picked_draft < picked_target) & within
+    return keep.to(torch.int64).cumprod(1).sum(1)
+
+
+def residual_probs(target_probs: torch.Tensor, draft_probs: torch.Tensor,
+                   accepted: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The distribution of each row's token after its accepted drafts [R, V]: the residual
+    max(0, p - q) normalised at a rejection; p itself after all `lengths` drafts (the bonus:
+    q is 0 there). No host sync."""
+    rows, k, _ = draft_probs.shape
+    row = torch.arange(rows, device=accepted.device)
     target_next = target_probs[row, accepted]  # [R, V]
-    padded = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], 1)
-    residual = (target_next - padded[row, accepted]).clamp(min=0)  # q = 0 for the bonus
+    draft_next = draft_probs[row, accepted.clamp(max=max(k - 1, 0))] if k else 0.0
+    draft_next = torch.where((accepted < lengths)[:, None], draft_next, 0.0)
+    residual = (target_next - draft_next).clamp(min=0)
     # p == q exactly leaves no residual mass; a rejection then has probability 0 anyway
     empty = residual.sum(-1, keepdim=True) <= 0
     residual = torch.where(empty, target_next, residual)
-    following = torch.multinomial(residual / residual.sum(-1, keepdim=True), 1,
-                                  generator=generator).squeeze(-1)  # fmt: skip
-    return accepted, following
+    return residual / residual.sum(-1, keepdim=True)

@@ -3,7 +3,8 @@ engine's option list stays one line per check. No torch import (the config reads
 
 from __future__ import annotations
 
-SPECULATIVE_METHODS = ("off", "ngram")
+SPECULATIVE_METHODS = ("off", "ngram", "draft")
+SPECULATIVE_RULES = ("measured", "always")
 MAX_NGRAM = 16
 
 
@@ -36,4 +37,30 @@ def speculative_problems(options) -> list[str]:
     if not _is_int(store) or store < 0:
         problems.append(f"speculative_store_tokens={store!r}: must be an integer >= 0 "
                         "(0: no earlier rollouts kept)")  # fmt: skip
+    return problems + _draft_model_problems(options) + _rule_problems(options)
+
+
+def _draft_model_problems(options) -> list[str]:
+    draft = options.speculative_draft_model
+    if options.speculative == "draft" and not (isinstance(draft, str) and draft):
+        return ["speculative='draft' needs speculative_draft_model: a preset name or a local "
+                "HF directory of a small model with the target's vocabulary"]  # fmt: skip
+    if draft is not None and not isinstance(draft, str):
+        return [f"speculative_draft_model={draft!r}: a preset name or a directory, or null"]
+    return []
+
+
+def _rule_problems(options) -> list[str]:
+    problems = []
+    if options.speculative_rule not in SPECULATIVE_RULES:
+        problems.append(f"speculative_rule={options.speculative_rule!r}: must be one of "
+                        f"{', '.join(SPECULATIVE_RULES)}")  # fmt: skip
+    margin = options.speculative_margin
+    number = isinstance(margin, (int, float)) and not isinstance(margin, bool)
+    if not number or not 0 <= margin < float("inf"):
+        problems.append(f"speculative_margin={margin!r}: must be a number >= 0 (0.1: verify "
+                        "while passes emit 10% more than their seconds' worth of decode steps)")  # fmt: skip
+    probe = options.speculative_probe_steps
+    if not _is_int(probe) or probe < 1:
+        problems.append(f"speculative_probe_steps={probe!r}: must be an integer >= 1")
     return problems

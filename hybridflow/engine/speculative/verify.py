@@ -13,8 +13,9 @@ drafts and the token after them, cut after a stop token.
 Rejected positions are rolled back by the row's length alone: its position moves past the
 emitted tokens only, so the K/V written for rejected drafts lie past the row's end, where
 no attention reads (every read is bounded by the reader's position) and the row's next
-token overwrites them before any read reaches them. A recurrent layer's state cannot be
-rolled back that way: models with one do not speculate (Engine raises).
+token overwrites them before any read reaches them. A recurrent layer's state and a sliding
+layer's ring cannot be rolled back that way: they are copied before the pass and, for the
+rows that rejected drafts, restored and moved through the kept inputs again (rollback.py).
 
 Drafts come from the tokens read back so far, so a verify pass first reads every row back
 (the pass is synchronous: no chunk overlaps the host's work) and its emitted counts are read
@@ -32,13 +33,17 @@ import torch
 
 from hybridflow.engine.host import ranges, upload
 from hybridflow.engine.prefill import host_spans
+from hybridflow.engine.speculative import rollback
 from hybridflow.engine.speculative.acceptance import accepted_lengths, emitted_lengths
 from hybridflow.engine.speculative.drafts import DraftStore, NgramIndex, propose
+from hybridflow.engine.speculative.model_verify import accept_model_drafts
+from hybridflow.engine.speculative.rule import SpeculationRule
 
 if TYPE_CHECKING:
     from hybridflow.engine.options import EngineOptions
     from hybridflow.engine.requests import LiveRequest
     from hybridflow.engine.scheduling.state import SchedulerState
+    from hybridflow.engine.speculative.draft_model import DraftModel
 
 ROLLOUTS_PER_PROMPT = 16
 """Responses kept per prompt as draft sources (the latest: a group's siblings, then earlier
@@ -55,6 +60,7 @@ class SpeculationStats:
     accepted: int = 0  # draft tokens accepted
     emitted: int = 0  # tokens the passes emitted (accepted + one per row, less stops)
     seconds: float = 0.0  # wall time of the passes (synchronous: drafts, forward, sync)
+    off_steps: int = 0  # tail steps the measured rule decoded plain (its decode probes too)
 
     def since(self, earlier: SpeculationStats) -> SpeculationStats:
         """The counts of what ran after `earlier` (a copy taken then: dataclasses.replace)."""
@@ -69,6 +75,7 @@ class SpeculationStats:
             "rollout/speculative_acceptance_rate": self.accepted / max(self.drafted, 1),
             "rollout/speculative_tokens_per_pass": self.emitted / max(self.rows, 1),
             "rollout/speculative_seconds": self.seconds,
+            "rollout/speculative_off_steps": float(self.off_steps),
         }
 
 
@@ -77,7 +84,8 @@ class Speculation:
     store of finished responses) and the counters. One per engine, across its calls: the
     store is how earlier epochs' responses draft for the same prompts."""
 
-    def __init__(self, options: EngineOptions):
+    def __init__(self, options: EngineOptions, draft_model: DraftModel | None = None):
+        self.draft_model = draft_model  # speculative="draft": its tokens, else n-gram drafts
         self.draft_tokens = options.speculative_draft_tokens
         self.max_rows = options.speculative_max_rows
         self.min_n, self.max_n = options.speculative_min_ngram, options.speculative_max_ngram
@@ -85,6 +93,8 @@ class Speculation:
                                 self.min_n, self.max_n)  # fmt: skip
         self.contexts: dict[int, NgramIndex] = {}  # LiveRequest.key -> its prompt and tokens
         self.stats = SpeculationStats()
+        self.rule = SpeculationRule(options.speculative_rule == "measured",
+                                    options.speculative_margin, options.speculative_probe_steps)  # fmt: skip
 
     def finished(self, live: LiveRequest) -> None:
         """A request retired (not preempted): its response drafts for its prompt's others."""
@@ -100,6 +110,15 @@ class Speculation:
             self.contexts = {key: self.contexts[key] for key in drafts}
         return drafts
 
+    def propose(self, scheduler: SchedulerState) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Each row's draft, fewer tokens than it may still emit, and the draft model's q
+        [R, K, V] (None for n-gram drafts, which are deterministic)."""
+        if self.draft_model is None:
+            drafts = self.drafts(scheduler.rows, scheduler.row_budget)
+            return [drafts[live.key] for live in scheduler.rows], None
+        limits = [min(self.draft_tokens, budget - 1) for budget in scheduler.row_budget]
+        return self.draft_model.propose(scheduler, limits)
+
     def draft(self, live: LiveRequest, limit: int) -> list[int]:
         """Up to min(draft_tokens, limit) tokens to follow the row's tokens read back so far."""
         prompt = live.sub.prompt_of(live.request)
@@ -114,48 +133,64 @@ class Speculation:
 
 def run_step(scheduler: SchedulerState) -> bool:
     """A verify pass instead of a chunk of decode steps, when at most speculative_max_rows
-    rows decode and some row has a draft. -> whether it ran (if not, the caller decodes)."""
+    rows decode, the rule (rule.py) says it pays and some row has a draft. -> whether it ran
+    (if not, the caller decodes)."""
     speculation = scheduler.engine.speculation
-    if len(scheduler.rows) > speculation.max_rows:
+    if len(scheduler.rows) > speculation.max_rows or not speculation.rule.verify_next():
         return False
     from hybridflow.engine.scheduling import preemption, readback
 
+    flush_started = time.perf_counter()
     readback.flush(scheduler)  # every row's tokens on the host: the drafts extend them
     # timed from here: the flush waits for the decode chunk queued before (tail.py's plain
     # decode time), not for this pass
     started = time.perf_counter()
-    drafts = speculation.drafts(scheduler.rows, scheduler.row_budget)
-    longest = max(map(len, drafts.values()), default=0)
-    if not longest:
-        return False
+    speculation.rule.flushed(started - flush_started)
     if scheduler.subs_changed:
         scheduler.sync_submissions()  # the stop ids and sampling mode the pass uses
+    drafted = list(scheduler.rows)
+    drafts, draft_probs = speculation.propose(scheduler)
+    longest = max(map(len, drafts), default=0)
+    if not longest:
+        return False
     if scheduler.paging is not None and not preemption.make_room(scheduler, longest):
         return False  # every row was preempted
-    _verify(scheduler, [drafts[live.key] for live in scheduler.rows])
+    if len(scheduler.rows) < len(drafted):  # some were preempted: the drafts of the rest
+        line = {live.key: row for row, live in enumerate(drafted)}
+        kept = [line[live.key] for live in scheduler.rows]
+        drafts = [drafts[row] for row in kept]
+        if draft_probs is not None:
+            draft_probs = draft_probs[torch.as_tensor(kept, device=draft_probs.device)]
+    _verify(scheduler, drafts, draft_probs)
     speculation.stats.seconds += time.perf_counter() - started
     return True
 
 
-def _verify(scheduler: SchedulerState, drafts: list[list[int]]) -> None:
-    """One forward over every row's last token and drafts, their acceptance, the state
-    advanced by each row's emitted tokens, and the host's budgets by the same counts."""
-    state, rows, runner = scheduler.state, len(scheduler.rows), scheduler.runner
+def _verify(scheduler: SchedulerState, drafts: list[list[int]],
+            draft_probs: torch.Tensor | None = None) -> None:  # fmt: skip
+    """One forward over every row's last token and drafts, their acceptance (n-gram drafts
+    by the coupling, a draft model's against its q: model_verify.py), the state advanced by
+    each row's emitted tokens, and the host's budgets by the same counts."""
+    state, rows = scheduler.state, len(scheduler.rows)
     width = max(map(len, drafts)) + 1  # positions per row in the padded [rows, width] views
+    drafting = [r for r, draft in enumerate(drafts) if draft]
+    slots = [live.slot for live in scheduler.rows]
+    saved = rollback.save(scheduler.cache, [slots[r] for r in drafting])  # recurrent states
     logits, token_rows, offsets, padded, lengths = _forward(scheduler, drafts, width)
-    steps = state.generated[token_rows] + offsets  # the sampling step of each position
-    rows_of = token_rows if runner.mixed else None  # each position's row settings
-    tokens, logprobs = runner.sample(logits, state.seed_lo[token_rows], state.seed_hi[token_rows],
-                                     steps, rows=rows_of)  # fmt: skip
-    sampled = torch.zeros((rows, width), dtype=torch.int64, device=tokens.device)
-    sampled_logprobs = torch.zeros((rows, width), dtype=logprobs.dtype, device=tokens.device)
-    sampled[token_rows, offsets] = tokens
-    sampled_logprobs[token_rows, offsets] = logprobs
-    accepted = accepted_lengths(sampled, padded, lengths)
+    if draft_probs is None:
+        sampled, sampled_logprobs = _sample_positions(scheduler, logits, token_rows, offsets,
+                                                      width)  # fmt: skip
+        accepted = accepted_lengths(sampled, padded, lengths)
+    else:
+        sampled, sampled_logprobs, accepted = accept_model_drafts(
+            state, logits, token_rows, offsets, padded, lengths, draft_probs
+        )
     emitted = emitted_lengths(accepted, state.stop_mask[sampled])
     emitted = torch.where(state.finished[:rows], 0, emitted)
     _advance(state, rows, sampled, sampled_logprobs, emitted)
     accepted_list, emitted_list = torch.stack([accepted, emitted]).tolist()  # the one sync
+    if saved is not None:
+        _roll_back(scheduler, drafts, emitted_list, drafting, saved)
     scheduler.row_budget[:rows] = [b - e for b, e in zip(scheduler.row_budget, emitted_list)]
     scheduler.decode_steps += 1
     scheduler.decoded_rows += rows
@@ -167,18 +202,51 @@ def _verify(scheduler: SchedulerState, drafts: list[list[int]]) -> None:
     stats.emitted += sum(emitted_list)
 
 
-def _forward(scheduler: SchedulerState, drafts: list[list[int]], width: int) -> tuple:
+def _roll_back(scheduler: SchedulerState, drafts, emitted: list[int], drafting: list[int],
+               saved: list[torch.Tensor]) -> None:  # fmt: skip
+    """Per-sequence kinds of the rows that rejected drafts back to before the pass, then
+    through the inputs they kept (rollback.py)."""
+    redo = rollback.rows_to_redo(drafts, emitted, drafting)
+    if not redo:
+        return
+    slots = [scheduler.rows[r].slot for r in drafting]
+    rollback.restore(scheduler.cache, slots, saved, [drafting.index(r) for r in redo])
+    kept = rollback.kept_inputs(drafts, emitted)
+    again = [r for r in redo if kept[r] > 0]  # a row that emitted nothing keeps its state
+    if again:
+        inputs = [drafts[r][: kept[r] - 1] for r in again]
+        _forward(scheduler, inputs, max(map(len, inputs)) + 1, [scheduler.rows[r] for r in again])
+
+
+def _sample_positions(scheduler: SchedulerState, logits, token_rows, offsets, width: int):
+    """Every position sampled by the engine's sampler at its sampling step with its row's
+    seed (n-gram drafts' coupling: acceptance.py). -> (tokens, log-probs) [rows, width]."""
+    state, runner, rows = scheduler.state, scheduler.runner, len(scheduler.rows)
+    steps = state.generated[token_rows] + offsets  # the sampling step of each position
+    rows_of = token_rows if runner.mixed else None  # each position's row settings
+    tokens, logprobs = runner.sample(logits, state.seed_lo[token_rows], state.seed_hi[token_rows],
+                                     steps, rows=rows_of)  # fmt: skip
+    sampled = torch.zeros((rows, width), dtype=torch.int64, device=tokens.device)
+    sampled_logprobs = torch.zeros((rows, width), dtype=logprobs.dtype, device=tokens.device)
+    sampled[token_rows, offsets] = tokens
+    sampled_logprobs[token_rows, offsets] = logprobs
+    return sampled, sampled_logprobs
+
+
+def _forward(scheduler: SchedulerState, drafts: list[list[int]], width: int,
+             lives: list[LiveRequest] | None = None) -> tuple:  # fmt: skip
     """The extend pass over each row's last token and drafts (mixed.run_step's inputs, no
-    prompt chunk). -> (logits [T, V], each token's row [T] and index in its row [T], the
-    drafts padded with -1 [rows, width - 1], their lengths [rows]), on the device."""
-    engine, rows = scheduler.engine, len(scheduler.rows)
+    prompt chunk; lives: these rows instead of the scheduler's). -> (logits [T, V], each
+    token's row [T] and index in its row [T], the drafts padded with -1 [rows, width - 1],
+    their lengths [rows]), on the device."""
+    engine = scheduler.engine
+    lives = scheduler.rows if lives is None else lives
+    rows = len(lives)
     counts = torch.tensor([len(d) + 1 for d in drafts])
     starts = torch.tensor([len(live.sub.prompt_of(live.request)) + len(live.tokens) - 1
-                           for live in scheduler.rows])  # fmt: skip  # each last token's position
-    slots = torch.tensor([live.slot for live in scheduler.rows])
-    ids = torch.tensor(
-        [t for live, d in zip(scheduler.rows, drafts) for t in (live.tokens[-1], *d)]
-    )
+                           for live in lives])  # fmt: skip  # each last token's position
+    slots = torch.tensor([live.slot for live in lives])
+    ids = torch.tensor([t for live, d in zip(lives, drafts) for t in (live.tokens[-1], *d)])
     offsets = ranges(counts)  # each token's index in its row's pass
     positions = offsets + torch.repeat_interleave(starts, counts)
     token_slots = torch.repeat_interleave(slots, counts)
@@ -233,10 +301,12 @@ def _advance(state, rows: int, sampled: torch.Tensor, logprobs: torch.Tensor,
     state.finished[:rows] |= moved & stop
 
 
-def make_speculation(options: EngineOptions, config) -> Speculation:
-    """The engine's Speculation; ValueError when its model cannot roll a pass back."""
-    if any(spec.recurrent for spec in config.layer_specs()):
-        raise ValueError(f"speculative={options.speculative!r}: a recurrent layer's state (Gated "
-                         "DeltaNet) cannot be rolled back past rejected drafts; use "
-                         "speculative='off' for this model")  # fmt: skip
-    return Speculation(options)
+def make_speculation(options: EngineOptions, config, device, dtype) -> Speculation:
+    """The engine's Speculation (its draft model loaded on `device` in `dtype` with
+    speculative="draft"); ValueError when the draft model cannot draft for the model."""
+    draft_model = None
+    if options.speculative == "draft":
+        from hybridflow.engine.speculative.draft_model import DraftModel
+
+        draft_model = DraftModel.load(options.speculative_draft_model, config, device, dtype)
+    return Speculation(options, draft_model)

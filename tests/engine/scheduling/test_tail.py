@@ -62,7 +62,7 @@ def test_tail_metrics_say_the_seconds_saved_once_a_plain_step_was_timed():
 @pytest.mark.parametrize("speculative", ["off", "ngram"])
 def test_the_engine_clocks_its_tail(model, speculative):
     options = EngineOptions(**EAGER, speculative=speculative, speculative_max_rows=1,
-                            speculative_min_ngram=1)  # fmt: skip
+                            speculative_min_ngram=1, speculative_rule="always")  # fmt: skip
     engine = Engine(model, 4, 64, options=options)
     budgets = [24, 4, 6, 5]  # one row outlives the others by far
     params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)

@@ -14,11 +14,11 @@ import torch
 from hybridflow.engine import Engine, EngineOptions, SamplingParams
 from hybridflow.engine.serving.service import RolloutService
 from hybridflow.engine.speculative.verify import Speculation
-from hybridflow.models import build_model
-from hybridflow.models.presets import preset_config
 
 EAGER = dict(decode_backend="torch", cuda_graphs=False, steps_per_sync=4)
-SPECULATIVE = dict(speculative="ngram", speculative_draft_tokens=4, speculative_max_rows=64)
+# the rule "always": verify every tail step with a draft (the measured rule: test_rule.py)
+SPECULATIVE = dict(speculative="ngram", speculative_draft_tokens=4, speculative_max_rows=64,
+                   speculative_rule="always")  # fmt: skip
 # repetitive prompts (prompt lookup drafts), of different lengths
 PROMPTS = [[5, 17, 9, 33, 2, 71] * 3, [40, 41, 42, 40, 41], list(range(60, 80)) * 2, [12, 13]]
 
@@ -144,13 +144,19 @@ def test_drafts_follow_siblings_then_the_row_and_keep_indexes_of_decoding_rows_o
 
 @pytest.mark.parametrize(
     ("fields", "message"),
-    [(dict(speculative="eagle"), "speculative='eagle': must be one of off, ngram"),
+    [(dict(speculative="eagle"), "speculative='eagle': must be one of off, ngram, draft"),
      (dict(speculative="ngram", speculative_draft_tokens=9),
       "speculative_draft_tokens=9: at most steps_per_sync=8"),
      (dict(speculative_draft_tokens=0), "speculative_draft_tokens=0: must be an integer >= 1"),
      (dict(speculative_max_rows=0), "speculative_max_rows=0: must be an integer >= 1"),
      (dict(speculative_min_ngram=3, speculative_max_ngram=2), "1 <= min <= max <= 16"),
-     (dict(speculative_store_tokens=-1), "speculative_store_tokens=-1: must be an integer >= 0")],
+     (dict(speculative_store_tokens=-1), "speculative_store_tokens=-1: must be an integer >= 0"),
+     (dict(speculative="draft"), "speculative='draft' needs speculative_draft_model"),
+     (dict(speculative_draft_model=3), "speculative_draft_model=3: a preset name or a directory"),
+     (dict(speculative_rule="sometimes"), "speculative_rule='sometimes': must be one of measured, always"),
+     (dict(speculative_margin=-0.1), "speculative_margin=-0.1: must be a number >= 0"),
+     (dict(speculative_margin=float("nan")), "speculative_margin=nan: must be a number >= 0"),
+     (dict(speculative_probe_steps=0), "speculative_probe_steps=0: must be an integer >= 1")],
 )  # fmt: skip
 def test_speculative_options_are_checked(fields, message):
     with pytest.raises(ValueError, match="invalid engine options") as raised:
@@ -160,9 +166,3 @@ def test_speculative_options_are_checked(fields, message):
 
 def test_draft_tokens_past_steps_per_sync_matter_only_with_speculation_on():
     assert EngineOptions(steps_per_sync=2, speculative_draft_tokens=4).validate() == []
-
-
-def test_a_recurrent_model_refuses_speculation():
-    model = build_model(preset_config("tiny-hybrid"), seed=0).eval()
-    with pytest.raises(ValueError, match="cannot be rolled back past rejected drafts"):
-        Engine(model, 2, 64, options=EngineOptions(**EAGER, speculative="ngram"))

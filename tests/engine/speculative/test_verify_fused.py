@@ -18,7 +18,9 @@ from hybridflow.models import build_model  # noqa: E402
 from hybridflow.models.presets import preset_config  # noqa: E402
 
 PROMPTS = [[5, 17, 9, 33, 2, 71] * 3, [40, 41, 42, 40, 41], [12, 13]]
-SPECULATIVE = dict(speculative="ngram", speculative_max_rows=64, speculative_min_ngram=1)
+# verify every tail step with a draft (what the measured rule decides: test_rule.py)
+SPECULATIVE = dict(speculative="ngram", speculative_max_rows=64, speculative_min_ngram=1,
+                   speculative_rule="always")  # fmt: skip
 
 
 def _model(dtype=torch.float32):

@@ -1,0 +1,209 @@
+"""A small draft model (EngineOptions.speculative="draft"): it samples each tail row's next k
+tokens from its own distribution q, which the verify pass accepts by speculative sampling
+against the target's p (model_verify.py), so the emitted tokens keep the target's
+distribution whatever the draft proposes.
+
+The draft keeps K/V of its own for the rows it drafts for (DraftCache: a slot cache of the
+engine's kinds, speculative_max_rows slots, made with the scheduler and freed with it). A
+row's slot holds the K/V of a prefix of its tokens and of the drafts fed after them; each
+call first catches up on the tokens the row emitted since (the accepted drafts already in
+the slot are kept, the rest recomputed), then feeds its drafts one position at a time.
+Rejected drafts are rolled back by length alone, as the target's are (verify.py): their K/V
+lie past the prefix the next call keeps and are overwritten before anything reads them.
+A per-sequence kind (a recurrent state, a window's ring) cannot be rolled back that way, so
+draft models with one are refused.
+
+    draft = DraftModel.load("qwen2.5-0.5b", target_config, device, dtype)
+    tokens, q = draft.propose(scheduler, limits)    # tokens per row, q [R, K, V]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from hybridflow.engine.cache.kinds import engine_gaps
+from hybridflow.engine.speculative.draws import DRAFT_SALT, draw, row_distributions, salted_keys
+
+if TYPE_CHECKING:
+    from hybridflow.engine.scheduling.state import SchedulerState
+
+
+def draft_model_problem(config, target_config, name: str) -> str | None:
+    """Why a draft model of this config cannot draft for the target (one line), or None."""
+    drafted, target = config.vocab_size, target_config.vocab_size
+    if drafted != target:
+        return (f"speculative_draft_model={name!r}: its vocabulary has {drafted} tokens, the "
+                f"model's {target}: a draft model must share the model's tokenizer and "
+                "vocabulary")  # fmt: skip
+    gaps = engine_gaps(config.layer_specs())
+    if gaps:
+        return f"speculative_draft_model={name!r}: the engine's passes cannot run it ({gaps[0]})"
+    if any(spec.recurrent or spec.window for spec in config.layer_specs()):
+        return (f"speculative_draft_model={name!r}: a recurrent state or a window's ring "
+                "cannot be rolled back past rejected drafts; use a draft with attention "
+                "layers only")  # fmt: skip
+    if getattr(config, "vision", None) is not None or getattr(config, "mrope_section", None):
+        return f"speculative_draft_model={name!r}: a vision-language model cannot draft"
+    return None
+
+
+@dataclass
+class DraftRow:
+    """A row's draft slot: K/V of the row's first `kept` tokens (prompt and response), then
+    of the drafts `fed` after them."""
+
+    slot: int
+    kept: int = 0
+    fed: list[int] = field(default_factory=list)
+
+    def reusable(self, context: list[int]) -> int:
+        """Positions of the slot still valid for `context` (the row's tokens now, which
+        extend the ones it held): the kept prefix and the fed drafts that were accepted,
+        leaving at least the last token to feed (its logits draft the next)."""
+        valid = self.kept
+        for token in self.fed:
+            if valid >= len(context) - 1 or context[valid] != token:
+                break
+            valid += 1
+        return min(valid, len(context) - 1)
+
+
+class DraftCache:
+    """The draft's K/V for the scheduler's rows (module docstring): made at the first draft
+    and dropped with the scheduler (Engine.release)."""
+
+    def __init__(self, model, slots: int, max_seq_len: int):
+        from hybridflow.engine.cache.sizing import make_cache
+        from hybridflow.engine.rope_table import RopeTable
+
+        device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+        self.cache, _ = make_cache(model.config, slots, max_seq_len, None, None, 0, dtype, device)
+        self.rope = RopeTable(model.config, max_seq_len, dtype, device)
+        self.free = list(range(self.cache.num_slots - 1, -1, -1))
+        self.rows: dict[int, DraftRow] = {}  # LiveRequest.key -> its slot
+
+    def slots_for(self, keys: list[int]) -> list[DraftRow | None]:
+        """Each key's row (a new one for a new key; None when no slot is free), the slots of
+        keys no longer asked for given back first (bounded memory)."""
+        wanted = set(keys)
+        for key in [key for key in self.rows if key not in wanted]:
+            self.free.append(self.rows.pop(key).slot)
+        for key in keys:
+            if key not in self.rows and self.free:
+                self.rows[key] = DraftRow(self.free.pop())
+        return [self.rows.get(key) for key in keys]
+
+
+class DraftModel:
+    """The draft model of an engine (module docstring); its K/V live in the scheduler's
+    DraftCache."""
+
+    def __init__(self, model, target_config, name: str = "draft"):
+        from hybridflow.models.llama import CausalLM
+
+        if not isinstance(model, CausalLM):
+            raise ValueError(f"speculative_draft_model={name!r}: not a model of hybridflow's "
+                             "own decoder (the engine's passes run the draft)")  # fmt: skip
+        problem = draft_model_problem(model.config, target_config, name)
+        if problem is not None:
+            raise ValueError(problem)
+        self.model = model.eval().requires_grad_(False)
+
+    def cache_bytes(self, slots: int, max_seq_len: int) -> int:
+        """The bytes of a DraftCache of `slots` slots (the engine reserves them beside its
+        own cache: allocation.py)."""
+        from hybridflow.engine.cache.kinds import kv_layer_rows
+        from hybridflow.engine.cache.latent import latent_spec
+        from hybridflow.engine.cache.sizing import bytes_per_slot
+
+        config, dtype = self.model.config, next(self.model.parameters()).dtype
+        layers = sum(row is not None for row in kv_layer_rows(config.layer_specs()))
+        latent = latent_spec(config, dtype)
+        per_position = latent.bytes_per_position if latent is not None else 0
+        shape = (config.num_key_value_heads, config.head_dim)
+        return (slots + 1) * bytes_per_slot(layers, *shape, max_seq_len, dtype, per_position)
+
+    @classmethod
+    def load(cls, name: str, target_config, device, dtype) -> DraftModel:
+        """A preset (random weights: for benchmarks) or a local HF directory."""
+        from hybridflow.models import load_model
+
+        return cls(load_model(name, dtype=dtype, device=device, backend="native"), target_config,
+                   name)  # fmt: skip
+
+    @torch.no_grad()
+    def propose(self, scheduler: SchedulerState, limits: list[int]
+                ) -> tuple[list[list[int]], torch.Tensor | None]:  # fmt: skip
+        """Up to limits[r] draft tokens for each of the scheduler's rows (their tokens read
+        back), sampled from q with each row's sampling settings and seed. -> (the tokens,
+        q [R, K, V] fp32 with K the longest draft, zeros past a row's draft; None if no
+        row drafts)."""
+        if scheduler.draft_cache is None:  # a slot for each row of a tail
+            slots = min(scheduler.engine.options.speculative_max_rows, scheduler.cache.num_slots)
+            scheduler.draft_cache = DraftCache(self.model, slots, scheduler.cache.max_seq_len)
+        rows = scheduler.rows
+        entries = scheduler.draft_cache.slots_for([live.key for live in rows])
+        limits = [limit if entry is not None else 0 for limit, entry in zip(limits, entries)]
+        width = max(limits, default=0)
+        if width <= 0:
+            return [[] for _ in rows], None
+        contexts = [[*live.sub.prompt_of(live.request), *live.tokens] for live in rows]
+        active = [r for r, limit in enumerate(limits) if limit > 0]
+        logits = self._catch_up(scheduler.draft_cache, [entries[r] for r in active],
+                                [contexts[r] for r in active])  # fmt: skip
+        tokens, q = self._sample(scheduler, active, limits, contexts, entries, logits, width)
+        drafts = [[] for _ in rows]
+        for r, row_tokens in zip(active, tokens.tolist()):
+            drafts[r] = row_tokens[: limits[r]]
+            entries[r].kept, entries[r].fed = len(contexts[r]), drafts[r][:-1]
+        return drafts, q
+
+    def _catch_up(self, cache: DraftCache, entries: list[DraftRow], contexts: list[list[int]]):
+        """Feed each row the tokens its slot lacks; -> logits at each row's last token."""
+        ids, positions, slots, last = [], [], [], []
+        for entry, context in zip(entries, contexts):
+            start = entry.reusable(context)
+            ids += context[start:]
+            positions += range(start, len(context))
+            slots += [entry.slot] * (len(context) - start)
+            last.append(len(ids) - 1)
+        return self._forward(cache, ids, positions, slots, last)
+
+    def _forward(self, cache: DraftCache, ids, positions, slots, last) -> torch.Tensor:
+        from hybridflow.engine.prefill import extend_forward
+
+        device = cache.cache.keys.device
+        as_tensor = lambda values: torch.as_tensor(values, dtype=torch.int64, device=device)  # noqa: E731
+        return extend_forward(self.model, cache.cache, cache.rope, as_tensor(ids),
+                              as_tensor(positions), as_tensor(slots), as_tensor(last))  # fmt: skip
+
+    def _sample(self, scheduler, active, limits, contexts, entries, logits, width):
+        """Draft tokens one position at a time: draw from q at each, feed it, until each
+        row has its limit. -> (tokens [A, width] of the active rows, q [R, width, V])."""
+        state = scheduler.state
+        device = logits.device
+        q = torch.zeros((len(limits), width, logits.shape[-1]), device=device)
+        tokens = torch.zeros((len(active), width), dtype=torch.int64, device=device)
+        column = {r: j for j, r in enumerate(active)}  # a row's line in `tokens`
+        here = active  # the rows the logits are of
+        for i in range(width):
+            index = torch.as_tensor(here, device=device)
+            probs, _ = row_distributions(logits, state.temperature[index], state.top_k[index],
+                                         state.top_p[index], state.min_p[index])  # fmt: skip
+            keys = salted_keys(state.seed_lo[index], state.seed_hi[index],
+                               state.generated[index] + i, DRAFT_SALT)  # fmt: skip
+            drawn = draw(probs, keys)
+            q[index, i] = probs
+            tokens[torch.as_tensor([column[r] for r in here], device=device), i] = drawn
+            going = [j for j, r in enumerate(here) if limits[r] > i + 1]
+            if not going:
+                break
+            here = [here[j] for j in going]
+            ids = drawn[torch.as_tensor(going, device=device)]
+            positions = [len(contexts[r]) + i for r in here]
+            logits = self._forward(scheduler.draft_cache, ids, positions,
+                                   [entries[r].slot for r in here], list(range(len(here))))  # fmt: skip
+        return tokens, q

@@ -1,0 +1,222 @@
+"""A draft model's verify passes (speculative/draft_model.py, model_verify.py) in the engine,
+CPU fp32 eager: greedy tokens and log-probs equal the engine's without speculation (a draft
+that disagrees with the target now and then, in a slot and a paged cache); a draft equal to
+the target accepts everything at temperature 0; sampled tokens at temperature 1 with top-p
+follow the target's exact distribution (chi-square over many samples, and the same test
+rejects a rule that resamples from p instead of the residual); a vocabulary mismatch is
+refused naming both sizes, and so is a draft that could not roll back."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hybridflow.engine import Engine, EngineOptions, SamplingParams
+from hybridflow.engine.sampling import allowed_probs_reference
+from hybridflow.engine.speculative import model_verify
+from hybridflow.engine.speculative.draft_model import DraftCache, DraftModel
+from hybridflow.models import build_model
+from hybridflow.models.presets import preset_config
+
+EAGER = dict(decode_backend="torch", cuda_graphs=False, steps_per_sync=4)
+PROMPTS = [[5, 17, 9, 33, 2, 71] * 3, [40, 41, 42, 40, 41], list(range(60, 80)) * 2, [12, 13]]
+
+
+def _perturbed(model, scale: float, seed: int = 7):
+    """A copy of `model` with noise of `scale` x each weight's std added: a draft that
+    agrees with the target on its confident tokens and disagrees elsewhere."""
+    generator = torch.Generator().manual_seed(seed)
+    copy = build_model(model.config, seed=0).eval().requires_grad_(False)
+    for (_, mine), (_, theirs) in zip(copy.named_parameters(), model.named_parameters()):
+        noise = torch.randn(theirs.shape, generator=generator) * theirs.std().nan_to_num(0)
+        mine.copy_(theirs + scale * noise)
+    return copy
+
+
+def _saved(model, tmp_path_factory, name: str) -> str:
+    path = tmp_path_factory.mktemp(name)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(model, tmp_path_factory):
+    return _saved(_perturbed(model, 0.1), tmp_path_factory, "draft")
+
+
+@pytest.fixture(scope="module")
+def peaked(model):
+    """The tiny model with logits 4x as large: at temperature 1 and top-p 0.9 its first
+    three tokens take ~1,400 sequences, 112 of them likely enough for a test of 6,000."""
+    copy = build_model(model.config, seed=0).eval().requires_grad_(False)
+    copy.load_state_dict(model.state_dict())
+    copy.model.norm.weight.mul_(4)
+    return copy
+
+
+@pytest.fixture(scope="module")
+def peaked_draft_dir(peaked, tmp_path_factory):
+    return _saved(_perturbed(peaked, 0.2), tmp_path_factory, "peaked_draft")
+
+
+@pytest.fixture(scope="module")
+def same_dir(model, tmp_path_factory):
+    return _saved(model, tmp_path_factory, "same")
+
+
+def _engine(model, draft: str | None, block=None, slots=8, max_seq_len=128, budget=None,
+            **extra) -> Engine:  # fmt: skip
+    fields = dict(EAGER, **extra)
+    if draft is not None:
+        fields.update(speculative="draft", speculative_draft_model=draft, speculative_rule="always",
+                      speculative_max_rows=max(slots, 16))  # fmt: skip
+    options = EngineOptions(**fields, kv_block_size=block)
+    return Engine(model, slots, max_seq_len, memory_budget=budget, options=options)
+
+
+def _assert_same(got, expected):
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    assert [c.finish_reason for c in got] == [c.finish_reason for c in expected]
+    for a, b in zip(got, expected):  # other matmul shapes: equal up to fp32 rounding
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("block", [None, 16])
+def test_greedy_tokens_and_logprobs_equal_the_engine_without_speculation(model, draft_dir, block):
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=40, ignore_eos=True,
+                            stop_token_ids=(17,))  # fmt: skip
+    budgets = [40, 12, 40, 25, 33, 40, 7, 40]  # rows leave at different steps
+    expected = _engine(model, None, block).generate(PROMPTS, params, max_new_tokens=budgets)
+    engine = _engine(model, draft_dir, block)
+    _assert_same(engine.generate(PROMPTS, params, max_new_tokens=budgets), expected)
+    stats = engine.speculation.stats
+    assert 0 < stats.accepted < stats.drafted  # some drafts kept, some rolled back
+    _assert_same(engine.generate(PROMPTS, params, max_new_tokens=budgets), expected)  # again
+    if block is not None:
+        assert engine.blocks.free_blocks == engine.blocks.num_blocks
+
+
+def test_a_draft_equal_to_the_target_accepts_everything_greedy(model, same_dir):
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=30, ignore_eos=True)
+    expected = _engine(model, None).generate(PROMPTS, params)
+    engine = _engine(model, same_dir, speculative_draft_tokens=3)
+    _assert_same(engine.generate(PROMPTS, params), expected)
+    stats = engine.speculation.stats
+    assert stats.drafted > 0 and stats.accepted >= 0.98 * stats.drafted
+    assert stats.emitted / stats.rows > 3.5  # 3 drafts and the bonus a pass, nearly always
+
+
+def test_sampled_tokens_repeat_for_a_seed_and_differ_across_seeds(model, draft_dir):
+    params = SamplingParams(n=2, temperature=0.8, top_k=20, max_new_tokens=20, ignore_eos=True)
+    engine = _engine(model, draft_dir)
+    first = engine.generate(PROMPTS, params, seeds=[1, 2, 3, 4])
+    again = engine.generate(PROMPTS, params, seeds=[1, 2, 3, 4])
+    other = engine.generate(PROMPTS, params, seeds=[5, 6, 7, 8])
+    assert [c.token_ids for c in first] == [c.token_ids for c in again]
+    assert [c.token_ids for c in first] != [c.token_ids for c in other]
+    assert engine.speculation.stats.accepted > 0
+
+
+# -- the distribution ---------------------------------------------------------------------------
+
+SAMPLES = 6000
+PROMPT = [5, 17, 9, 33, 2, 71]
+TOP_P = SamplingParams(n=SAMPLES, temperature=1.0, top_p=0.9, max_new_tokens=3, seed=11,
+                       ignore_eos=True)  # fmt: skip
+
+
+def _exact_joint(target) -> dict[tuple[int, ...], float]:
+    """P(t1, t2, t3) of the target's sampler after PROMPT, by enumerating its allowed sets."""
+    joint = {(): 1.0}
+    for _ in range(3):
+        prefixes = list(joint)
+        logits = target(torch.tensor([PROMPT + list(p) for p in prefixes]))[:, -1]
+        probs = allowed_probs_reference(logits, TOP_P)
+        joint = {(*p, t): joint[p] * float(row[t]) for p, row in zip(prefixes, probs)
+                 for t in row.nonzero().flatten().tolist()}  # fmt: skip
+    return joint
+
+
+def _chi2(observed: dict, expected_probs: dict, total: int) -> tuple[float, float]:
+    """Pearson's statistic over the cells expecting >= 5 samples and the rest pooled, and
+    the critical value at p ~ 3e-5 (Wilson-Hilferty, z = 4)."""
+    assert set(observed) <= set(expected_probs), "a sequence the target never samples"
+    big = [cell for cell, p in expected_probs.items() if p * total >= 5]
+    cells = [(observed.get(c, 0), expected_probs[c] * total) for c in big]
+    rest = (total - sum(o for o, _ in cells), total - sum(e for _, e in cells))
+    if rest[1] > 0:
+        cells.append(rest)
+    stat = sum((o - e) ** 2 / e for o, e in cells)
+    dof = len(cells) - 1
+    return stat, dof * (1 - 2 / (9 * dof) + 4.0 * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def _sampled_triples(model, draft_dir) -> tuple[dict, object]:
+    engine = _engine(model, draft_dir, slots=SAMPLES, max_seq_len=16, speculative_draft_tokens=2)
+    counts: dict[tuple[int, ...], int] = {}
+    for completion in engine.generate([PROMPT], TOP_P):
+        key = tuple(completion.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    return counts, engine.speculation.stats
+
+
+def test_sampled_tokens_follow_the_target_distribution(peaked, peaked_draft_dir):
+    counts, stats = _sampled_triples(peaked, peaked_draft_dir)
+    assert 0.2 * stats.drafted < stats.accepted < 0.9 * stats.drafted  # both paths, often
+    joint = _exact_joint(peaked)
+    assert sum(p * SAMPLES >= 5 for p in joint.values()) >= 50  # a test of many cells
+    stat, critical = _chi2(counts, joint, SAMPLES)
+    assert stat < critical, (stat, critical)
+
+
+def test_resampling_rejections_from_the_target_fails_the_test(peaked, peaked_draft_dir,
+                                                               monkeypatch):  # fmt: skip
+    def from_target(target_probs, draft_probs, accepted, lengths):
+        return target_probs[torch.arange(len(accepted)), accepted]  # wrong: p, not max(0, p - q)
+
+    monkeypatch.setattr(model_verify, "residual_probs", from_target)
+    counts, _ = _sampled_triples(peaked, peaked_draft_dir)
+    stat, critical = _chi2(counts, _exact_joint(peaked), SAMPLES)
+    assert stat > 3 * critical, (stat, critical)
+
+
+# -- refusals -------------------------------------------------------------------------------------
+
+
+def test_a_draft_with_another_vocabulary_is_refused_naming_both_sizes(model, tmp_path):
+    other = build_model(preset_config("tiny").replace(vocab_size=160), seed=0)
+    with pytest.raises(ValueError, match="its vocabulary has 160 tokens, the model's 128"):
+        DraftModel(other, model.config)
+    path = tmp_path / "wide"
+    other.save_pretrained(str(path))
+    with pytest.raises(ValueError, match="its vocabulary has 160 tokens, the model's 128"):
+        _engine(model, str(path))
+
+
+def test_a_recurrent_draft_is_refused(model):
+    hybrid = build_model(preset_config("tiny-hybrid"), seed=0)
+    with pytest.raises(ValueError, match="cannot be rolled back past rejected drafts"):
+        DraftModel(hybrid, model.config, "tiny-hybrid")
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-deepseek-v3"])
+def test_the_engine_reserves_what_the_draft_cache_takes(model, preset):
+    """The engine's own cache leaves room for the draft's (allocation.py reserves
+    DraftModel.cache_bytes): the reserve is the bytes the DraftCache allocates (K/V, or an
+    MLA model's latent)."""
+    draft = DraftModel(build_model(preset_config(preset), seed=0), model.config, preset)
+    cache = DraftCache(draft.model, 3, 40).cache
+    assert cache.nbytes() == draft.cache_bytes(3, 40) > 0
+
+
+def test_rows_preempted_before_a_pass_leave_the_others_drafts_in_line(model, draft_dir):
+    """A paged cache too small for every row: making room for a pass preempts the newest
+    rows, after their drafts were made; the others verify their own drafts."""
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=40, ignore_eos=True)
+    expected = _engine(model, None).generate(PROMPTS, params)
+    # 24 blocks of 16 positions (2 layers of 2 x 16 fp32 K and V: 4 KiB a block)
+    engine = _engine(model, draft_dir, block=16, budget=24 * 4096)
+    _assert_same(engine.generate(PROMPTS, params), expected)
+    assert engine.scheduler.paging.preemptions > 0 and engine.speculation.stats.accepted > 0
