@@ -191,9 +191,9 @@ class EngineOptions:
     rows decode, where the measured rule (speculative_rule) finds it pays. "off" until
     measured on a GPU (bench rollout --speculative)."""
     speculative_draft_model: str | None = None
-    """speculative="draft": a preset name or a local HF directory of the draft model (its
-    vocabulary the target's), loaded in the engine's dtype on its device (ignored by the
-    other methods)."""
+    """speculative="draft": a preset name or a local HF directory of the draft model (the
+    target's tokenizer; its embedding table may be padded to another size), loaded in the
+    engine's dtype on its device (ignored by the other methods)."""
     speculative_draft_tokens: int = 4
     """Draft tokens per row and verify pass (at most steps_per_sync)."""
     speculative_max_rows: int = 16

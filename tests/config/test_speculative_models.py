@@ -1,14 +1,15 @@
 """Speculative decoding at validate: models with recurrent layers (Gated DeltaNet) or sliding
-layers' rings pass (their states are rolled back); a draft model must exist and share the
-model's vocabulary, refused naming the key otherwise."""
+layers' rings pass (their states are rolled back); a draft model must exist, refused naming
+the key otherwise, and may pad its embedding table to another size than the model's; a draft
+whose tokenizer's vocabulary differs from the model's is warned of in one line."""
 
 import json
 
 import pytest
 
-from hybridflow.config import ConfigError, load_config, validate
+from hybridflow.config import ConfigError, load_config, speculative_checks, validate
 from hybridflow.config.model_facts import model_has_recurrent_layers
-from hybridflow.config.speculative_checks import model_vocab_size
+from hybridflow.config.speculative_checks import tokenizer_vocabulary
 from hybridflow.models.presets import PRESETS
 
 
@@ -31,18 +32,65 @@ def test_speculative_decoding_of_models_with_per_sequence_state_validates(model)
     validate(load_config(None, [f"model.path={model}", "rollout.engine.speculative=ngram"]))
 
 
-def test_a_draft_model_must_exist_and_share_the_vocabulary(tmp_path):
-    def draft(path):
-        return load_config(None, ["rollout.engine.speculative=draft",
-                                  f"rollout.engine.speculative_draft_model={path}"])  # fmt: skip
+def _draft(path, *more):
+    return load_config(None, ["rollout.engine.speculative=draft",
+                              f"rollout.engine.speculative_draft_model={path}", *more])  # fmt: skip
 
-    validate(draft("tiny-4l"))  # the tiny presets share the char tokenizer's vocabulary
+
+def _model_dir(path, vocab_size=128, tokens=None):
+    """A model directory: the tiny preset's config.json at `vocab_size`, and a tokenizer.json
+    of `tokens` (token -> id) if given."""
+    path.mkdir()
+    (path / "config.json").write_text(
+        json.dumps({**PRESETS["tiny"].to_hf(), "vocab_size": vocab_size})
+    )
+    if tokens is not None:
+        tokenizer = {"model": {"type": "BPE", "vocab": tokens}, "added_tokens": []}
+        (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return str(path)
+
+
+def test_a_draft_model_must_exist(tmp_path):
+    validate(_draft("tiny-4l"))  # the tiny presets share the char tokenizer's vocabulary
     with pytest.raises(ConfigError, match="neither a preset nor a directory holding config.json"):
-        validate(draft(str(tmp_path / "missing")))
-    wide = {**PRESETS["tiny"].to_hf(), "vocab_size": 160}
-    (tmp_path / "config.json").write_text(json.dumps(wide))
-    assert model_vocab_size(str(tmp_path)) == 160 and model_vocab_size("tiny") == 128
-    with pytest.raises(ConfigError, match="its vocabulary has 160 tokens, the model 'tiny-4l' 128"):
-        validate(draft(str(tmp_path)))
+        validate(_draft(str(tmp_path / "missing")))
     with pytest.raises(ConfigError, match="speculative='draft' needs speculative_draft_model"):
         validate(load_config(None, ["rollout.engine.speculative=draft"]))
+
+
+@pytest.mark.parametrize("vocab_size", [160, 96])
+def test_a_draft_with_a_table_of_another_size_validates(tmp_path, vocab_size, caplog):
+    """One tokenizer, embedding tables padded to different sizes (Qwen2.5-0.5B's 151,936
+    rows beside Qwen2.5-7B's 152,064): the engine cuts or pads the draft's logits."""
+    tokens = {"a": 0, "b": 1}
+    model = _model_dir(tmp_path / "model", 128, tokens)
+    validate(_draft(_model_dir(tmp_path / "draft", vocab_size, tokens), f"model.path={model}"))
+    validate(_draft(_model_dir(tmp_path / "untokenized", vocab_size)))  # against a preset
+    assert not [r for r in caplog.records if r.name == "hybridflow.config"]
+
+
+def test_a_draft_whose_tokenizer_differs_is_warned_of_in_one_line(tmp_path, caplog):
+    model = _model_dir(tmp_path / "model", tokens={"a": 0, "b": 1})
+    draft = _model_dir(tmp_path / "draft", tokens={"a": 0, "c": 1})
+    validate(_draft(draft, f"model.path={model}"))
+    [record] = [r for r in caplog.records if r.name == "hybridflow.config"]
+    message = record.getMessage()
+    assert record.levelname == "WARNING" and "\n" not in message
+    assert "its tokenizer's vocabulary differs from the model's" in message and draft in message
+    assert "the measured rule turns speculation off" in message
+
+
+def test_tokenizer_vocabularies_are_read_from_tokenizer_json_or_vocab_json(tmp_path, monkeypatch):
+    bpe = {"model": {"vocab": {"a": 0, "b": 1}}, "added_tokens": [{"id": 2, "content": "<s>"}]}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(bpe))
+    assert tokenizer_vocabulary(str(tmp_path)) == {"a": 0, "b": 1, "<s>": 2}
+    unigram = {"model": {"vocab": [["x", -1.0], ["y", -2.0]]}, "added_tokens": []}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(unigram))
+    assert tokenizer_vocabulary(str(tmp_path)) == {"x": 0, "y": 1}
+    (tmp_path / "tokenizer.json").write_text("{not json")  # unreadable: vocab.json, else none
+    assert tokenizer_vocabulary(str(tmp_path)) is None
+    (tmp_path / "vocab.json").write_text(json.dumps({"a": 0}))
+    assert tokenizer_vocabulary(str(tmp_path)) == {"a": 0}
+    assert tokenizer_vocabulary(str(tmp_path / "missing")) is None
+    monkeypatch.setattr(speculative_checks, "TOKENIZER_READ_BYTES", 4)  # larger: not read
+    assert tokenizer_vocabulary(str(tmp_path)) is None

@@ -13,6 +13,13 @@ lie past the prefix the next call keeps and are overwritten before anything read
 A per-sequence kind (a recurrent state, a window's ring) cannot be rolled back that way, so
 draft models with one are refused.
 
+The draft's embedding table may be padded to another size than the target's (Qwen2.5-0.5B's
+151,936 rows beside Qwen2.5-7B's 152,064, one tokenizer): its logits are cut or padded with
+-inf to the target's vocabulary before q is formed, so q is over the target's ids and draws
+only ids both tables have, and a token of the row past the draft's table is fed to it as id
+0. Speculative sampling is exact for any q it drew from, so that changes how often drafts
+are accepted, never the emitted tokens' distribution.
+
     draft = DraftModel.load("qwen2.5-0.5b", target_config, device, dtype)
     tokens, q = draft.propose(scheduler, limits)    # tokens per row, q [R, K, V]
 """
@@ -33,11 +40,6 @@ if TYPE_CHECKING:
 
 def draft_model_problem(config, target_config, name: str) -> str | None:
     """Why a draft model of this config cannot draft for the target (one line), or None."""
-    drafted, target = config.vocab_size, target_config.vocab_size
-    if drafted != target:
-        return (f"speculative_draft_model={name!r}: its vocabulary has {drafted} tokens, the "
-                f"model's {target}: a draft model must share the model's tokenizer and "
-                "vocabulary")  # fmt: skip
     gaps = engine_gaps(config.layer_specs())
     if gaps:
         return f"speculative_draft_model={name!r}: the engine's passes cannot run it ({gaps[0]})"
@@ -48,6 +50,15 @@ def draft_model_problem(config, target_config, name: str) -> str | None:
     if getattr(config, "vision", None) is not None or getattr(config, "mrope_section", None):
         return f"speculative_draft_model={name!r}: a vision-language model cannot draft"
     return None
+
+
+def to_vocabulary(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """logits [N, V] cut or padded with -inf to [N, vocab]: a distribution formed from them
+    is over the first `vocab` ids and never gives an id past V."""
+    width = logits.shape[-1]
+    if width >= vocab:
+        return logits[:, :vocab]
+    return torch.nn.functional.pad(logits, (0, vocab - width), value=float("-inf"))
 
 
 @dataclass
@@ -111,6 +122,8 @@ class DraftModel:
         if problem is not None:
             raise ValueError(problem)
         self.model = model.eval().requires_grad_(False)
+        self.table = model.config.vocab_size  # the ids the draft can read
+        self.vocab = target_config.vocab_size  # the ids q is over (the target's)
 
     def cache_bytes(self, slots: int, max_seq_len: int) -> int:
         """The bytes of a DraftCache of `slots` slots (the engine reserves them beside its
@@ -177,8 +190,11 @@ class DraftModel:
 
         device = cache.cache.keys.device
         as_tensor = lambda values: torch.as_tensor(values, dtype=torch.int64, device=device)  # noqa: E731
-        return extend_forward(self.model, cache.cache, cache.rope, as_tensor(ids),
-                              as_tensor(positions), as_tensor(slots), as_tensor(last))  # fmt: skip
+        ids = as_tensor(ids)
+        ids = ids.masked_fill(ids >= self.table, 0)  # the target's ids past the draft's table
+        logits = extend_forward(self.model, cache.cache, cache.rope, ids, as_tensor(positions),
+                                as_tensor(slots), as_tensor(last))  # fmt: skip
+        return to_vocabulary(logits, self.vocab)
 
     def _sample(self, scheduler, active, limits, contexts, entries, logits, width):
         """Draft tokens one position at a time: draw from q at each, feed it, until each

@@ -44,7 +44,7 @@ def _draft_model_problems(options) -> list[str]:
     draft = options.speculative_draft_model
     if options.speculative == "draft" and not (isinstance(draft, str) and draft):
         return ["speculative='draft' needs speculative_draft_model: a preset name or a local "
-                "HF directory of a small model with the target's vocabulary"]  # fmt: skip
+                "HF directory of a small model sharing the target's tokenizer"]  # fmt: skip
     if draft is not None and not isinstance(draft, str):
         return [f"speculative_draft_model={draft!r}: a preset name or a directory, or null"]
     return []

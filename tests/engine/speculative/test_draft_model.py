@@ -3,8 +3,9 @@ CPU fp32 eager: greedy tokens and log-probs equal the engine's without speculati
 that disagrees with the target now and then, in a slot and a paged cache); a draft equal to
 the target accepts everything at temperature 0; sampled tokens at temperature 1 with top-p
 follow the target's exact distribution (chi-square over many samples, and the same test
-rejects a rule that resamples from p instead of the residual); a vocabulary mismatch is
-refused naming both sizes, and so is a draft that could not roll back."""
+rejects a rule that resamples from p instead of the residual), all three with a draft whose
+embedding table is larger or smaller than the target's too; a draft that could not roll back
+is refused."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from hybridflow.engine import Engine, EngineOptions, SamplingParams
 from hybridflow.engine.sampling import allowed_probs_reference
 from hybridflow.engine.speculative import model_verify
-from hybridflow.engine.speculative.draft_model import DraftCache, DraftModel
+from hybridflow.engine.speculative.draft_model import DraftCache, DraftModel, to_vocabulary
 from hybridflow.models import build_model
 from hybridflow.models.presets import preset_config
 
@@ -24,14 +25,19 @@ EAGER = dict(decode_backend="torch", cuda_graphs=False, steps_per_sync=4)
 PROMPTS = [[5, 17, 9, 33, 2, 71] * 3, [40, 41, 42, 40, 41], list(range(60, 80)) * 2, [12, 13]]
 
 
-def _perturbed(model, scale: float, seed: int = 7):
+def _perturbed(model, scale: float, seed: int = 7, vocab: int | None = None):
     """A copy of `model` with noise of `scale` x each weight's std added: a draft that
-    agrees with the target on its confident tokens and disagrees elsewhere."""
+    agrees with the target on its confident tokens and disagrees elsewhere. `vocab`: the
+    copy's embedding table and lm_head cut or grown to that many rows (a grown row drawn at
+    the weight's std), as a family's models pad their tables to different sizes."""
     generator = torch.Generator().manual_seed(seed)
-    copy = build_model(model.config, seed=0).eval().requires_grad_(False)
+    config = model.config if vocab is None else model.config.replace(vocab_size=vocab)
+    copy = build_model(config, seed=0).eval().requires_grad_(False)
     for (_, mine), (_, theirs) in zip(copy.named_parameters(), model.named_parameters()):
-        noise = torch.randn(theirs.shape, generator=generator) * theirs.std().nan_to_num(0)
-        mine.copy_(theirs + scale * noise)
+        noise = torch.randn(mine.shape, generator=generator) * theirs.std().nan_to_num(0)
+        both = tuple(slice(0, min(a, b)) for a, b in zip(mine.shape, theirs.shape))
+        mine.copy_(noise)
+        mine[both] = theirs[both] + scale * noise[both]
     return copy
 
 
@@ -56,9 +62,16 @@ def peaked(model):
     return copy
 
 
-@pytest.fixture(scope="module")
-def peaked_draft_dir(peaked, tmp_path_factory):
-    return _saved(_perturbed(peaked, 0.2), tmp_path_factory, "peaked_draft")
+@pytest.fixture(scope="module", params=[(128, 128, 7), (128, 160, 11), (160, 128, 7)],
+                ids=["same-table", "larger-draft-table", "smaller-draft-table"])  # fmt: skip
+def peaked_pair(peaked, tmp_path_factory, request):
+    """(the peaked target, its draft's directory) at (target, draft) table sizes: the
+    target's grown rows are new tokens it samples (~half its first token's mass), the
+    draft's q is cut or padded to them. The noise's seed: a draft accepted 20-90% of the time."""
+    target_vocab, draft_vocab, seed = request.param
+    target = peaked if target_vocab == 128 else _perturbed(peaked, 0.0, vocab=target_vocab)
+    draft = _perturbed(target, 0.2, seed, vocab=draft_vocab)
+    return target, _saved(draft, tmp_path_factory, "peaked_draft")
 
 
 @pytest.fixture(scope="module")
@@ -162,17 +175,20 @@ def _sampled_triples(model, draft_dir) -> tuple[dict, object]:
     return counts, engine.speculation.stats
 
 
-def test_sampled_tokens_follow_the_target_distribution(peaked, peaked_draft_dir):
-    counts, stats = _sampled_triples(peaked, peaked_draft_dir)
+def test_sampled_tokens_follow_the_target_distribution(peaked_pair):
+    target, draft_dir = peaked_pair
+    counts, stats = _sampled_triples(target, draft_dir)
     assert 0.2 * stats.drafted < stats.accepted < 0.9 * stats.drafted  # both paths, often
-    joint = _exact_joint(peaked)
+    joint = _exact_joint(target)
     assert sum(p * SAMPLES >= 5 for p in joint.values()) >= 50  # a test of many cells
     stat, critical = _chi2(counts, joint, SAMPLES)
     assert stat < critical, (stat, critical)
 
 
-def test_resampling_rejections_from_the_target_fails_the_test(peaked, peaked_draft_dir,
+def test_resampling_rejections_from_the_target_fails_the_test(peaked, tmp_path_factory,
                                                                monkeypatch):  # fmt: skip
+    peaked_draft_dir = _saved(_perturbed(peaked, 0.2), tmp_path_factory, "peaked_draft")
+
     def from_target(target_probs, draft_probs, accepted, lengths):
         return target_probs[torch.arange(len(accepted)), accepted]  # wrong: p, not max(0, p - q)
 
@@ -182,17 +198,40 @@ def test_resampling_rejections_from_the_target_fails_the_test(peaked, peaked_dra
     assert stat > 3 * critical, (stat, critical)
 
 
+# -- embedding tables of other sizes --------------------------------------------------------------
+
+
+def test_logits_are_cut_or_padded_to_the_target_vocabulary():
+    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    assert to_vocabulary(logits, 3).tolist() == [[1.0, 2.0, 3.0]]
+    assert to_vocabulary(logits, 6).tolist() == [[1.0, 2.0, 3.0, 4.0, -math.inf, -math.inf]]
+    assert to_vocabulary(logits, 4).equal(logits)
+
+
+@pytest.mark.parametrize("target_vocab, draft_vocab", [(128, 160), (160, 128)],
+                         ids=["larger-draft-table", "smaller-draft-table"])  # fmt: skip
+def test_a_draft_with_another_table_size_gives_the_engine_s_greedy_tokens(
+        model, tmp_path, target_vocab, draft_vocab):  # fmt: skip
+    """The draft drafts only ids both tables have; the target's tokens past the draft's
+    table (a smaller draft) are fed to it as id 0."""
+    target = (
+        model
+        if target_vocab == model.config.vocab_size
+        else _perturbed(model, 0.0, vocab=target_vocab)
+    )
+    draft_dir = str(tmp_path / "draft")
+    _perturbed(target, 0.1, vocab=draft_vocab).save_pretrained(draft_dir)
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=40, ignore_eos=True)
+    expected = _engine(target, None).generate(PROMPTS, params)
+    engine = _engine(target, draft_dir)
+    _assert_same(engine.generate(PROMPTS, params), expected)
+    stats = engine.speculation.stats
+    assert 0 < stats.accepted < stats.drafted
+    past_the_draft = [t for c in expected for t in c.token_ids if t >= draft_vocab]
+    assert (len(past_the_draft) > 0) == (target_vocab > draft_vocab)
+
+
 # -- refusals -------------------------------------------------------------------------------------
-
-
-def test_a_draft_with_another_vocabulary_is_refused_naming_both_sizes(model, tmp_path):
-    other = build_model(preset_config("tiny").replace(vocab_size=160), seed=0)
-    with pytest.raises(ValueError, match="its vocabulary has 160 tokens, the model's 128"):
-        DraftModel(other, model.config)
-    path = tmp_path / "wide"
-    other.save_pretrained(str(path))
-    with pytest.raises(ValueError, match="its vocabulary has 160 tokens, the model's 128"):
-        _engine(model, str(path))
 
 
 def test_a_recurrent_draft_is_refused(model):
