@@ -87,3 +87,16 @@ def test_fp8_moe_engine_graphs_sample_as_eager_and_near_bf16():
                    options=EngineOptions(decode_backend="triton", weight_format="fp8",
                                          cuda_graphs=False)).generate(PROMPTS, params)  # fmt: skip
     assert [c.token_ids for c in synced] == [c.token_ids for c in fresh]
+
+
+def test_expert_quantization_on_cuda_is_the_dense_copies_quantize_weight():
+    """quantize_experts_into runs the Triton row quantizer on CUDA: the bytes and scales of
+    weight_scales.quantize_weight (the dense copies'), bit for bit."""
+    from hybridflow.engine.fp8.weight_scales import quantize_weight
+
+    weight = (torch.randn(6, 1536, 2048, device="cuda") * 0.02).bfloat16()
+    weight[2, 5] *= 300.0
+    values, scale = _quantized(weight)
+    expected, expected_scale = quantize_weight(weight.flatten(0, 1), "engine")
+    assert torch.equal(values.flatten(0, 1).view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(scale.flatten(), expected_scale.flatten())

@@ -61,12 +61,20 @@ def quantize_experts_into(weight: torch.Tensor, values: torch.Tensor, scale: tor
                           chunk_elements: int = CHUNK_ELEMENTS) -> None:  # fmt: skip
     """weight [E, N, K] -> values [E, N, K] e4m3 and scale [E, N] fp32 in place, each row
     quantized by weight_scales.quantize_weight (the engine's scales), a few experts at a time
-    (at most chunk_elements, at least one expert, widened to fp32 at once)."""
+    (at most chunk_elements, at least one expert, widened to fp32 at once). On CUDA by the
+    activations' Triton quantizer (matmul.quantize_rows, the same bytes and scales bit for
+    bit): one pass over the weight, where torch's takes several over an fp32 copy (a
+    refresh quantizes all of Qwen3-30B-A3B's 29B expert weights)."""
+    from hybridflow.engine.fp8.matmul import quantize_rows
+
     experts, rows, depth = weight.shape
     step = max(1, chunk_elements // max(rows * depth, 1))
     for first in range(0, experts, step):
         part = weight[first : first + step]
-        quantized, row_scale = quantize_weight(part.flatten(0, 1), ENGINE_SCALES)
+        if weight.is_cuda:
+            quantized, row_scale = quantize_rows(part.flatten(0, 1).contiguous())
+        else:
+            quantized, row_scale = quantize_weight(part.flatten(0, 1), ENGINE_SCALES)
         values[first : first + step].copy_(quantized.view(part.shape))
         scale[first : first + step].copy_(row_scale.view(part.shape[:2]))
 
