@@ -19,7 +19,10 @@ One sparse layer, T tokens, E experts, top-k each (P = T * k (token, expert) pai
    order (deterministic), rounded once.
 
 The weights are the model's packed expert tensors, read in place (Hugging Face layout):
-gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I].
+gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I]; or, for the fp8 rollout, e4m3
+copies of them with an fp32 scale per row (engine/fp8/experts.py), widened to the
+activations' dtype tile by tile in the inner loop and scaled in the epilogue (weight-only:
+half the bytes a decode step reads).
 
 Rounding follows the eager reference (models/moe.py): each projection rounded to the
 activation dtype, silu rounded, then the product; the combine is fp32 (the reference adds the

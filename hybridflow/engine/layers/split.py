@@ -3,7 +3,9 @@ attention, o_proj, add+RMSNorm, gate/up (+SiLU), down), cuBLAS for the matmuls (
 DecodeMatmul's choice for gate/up), the fused row-wise kernels around them. Also the layer
 stack of the triton prefill (with its packed attention). The reference the other decode
 layers (chain.py, lean.py) are timed against, and the one that always applies, fp8 included:
-with an fp8.Fp8Matmul the norms and SiLU*up write e4m3 rows for the projections after them.
+with an fp8.Fp8Matmul the norms and SiLU*up write e4m3 rows for the projections after them
+(a sparse layer's post-attention norm writes model-dtype rows: its router and its experts,
+weight-only e4m3 in fp8/experts.py, read those).
 On a tensor-parallel shard (engine/tensor_parallel.py) each rank runs it over its heads and
 MLP columns, o_proj's and down_proj's partial products summed over the group where the eager
 modules sum them (a sparse layer's experts: layers/moe.experts_triton).
