@@ -8,6 +8,7 @@ log-probs) and can profile a decode step. Prints a table last; writes JSON + mar
     python benchmarks/rollout.py --out $OUT --only variants --presets qwen3-30b-a3b  # one model
     python benchmarks/rollout.py --out $OUT --only moegap   # MoE gap, with and without replay
     python benchmarks/rollout.py --out $OUT --only gap      # bf16 gap per decode path, fp8, FP8 KV
+    python benchmarks/rollout.py --out $OUT --only fp8speed # bf16 vs fp8 rollout tok/s (1.5b, 30B-A3B)
     python benchmarks/rollout.py --device cpu --quick       # CPU dry run of every code path
 """
 
@@ -289,6 +290,9 @@ VARIANTS = [
     dict(preset="qwen3-30b-a3b", prompts=256, hf=True, hf_new_tokens=32),
     dict(preset="qwen3-30b-a3b", prompts=64, n=8),
     dict(preset="qwen3-30b-a3b", prompts=1024),
+    # the fp8 rollout (e4m3 routed experts, W8A8 attention): 61 GB of bf16 weights and
+    # ~31 GB of fp8 copies, so an H200 (an H100's 80 GB leaves no room for the cache)
+    dict(preset="qwen3-30b-a3b", prompts=256, engine={"weight_format": "fp8"}),
 ]
 QUICK_VARIANTS = [
     dict(preset="tiny", prompts=4, hf=True,
@@ -332,6 +336,26 @@ def run_variants(device, variants, quick: bool) -> list[dict]:
         print(json.dumps({k: v for k, v in row.items() if k not in skip}), flush=True)
         rows.append(row)
     return rows
+
+
+# --only fp8speed: each preset in bf16, then with the fp8 rollout (weight_format=fp8: W8A8
+# dense projections, a mixture of experts' routed experts weight-only e4m3), 256 prompts
+FP8_SPEED_PRESETS = "qwen2.5-1.5b,qwen3-30b-a3b"
+
+
+def fp8_speed(device, presets: list[str], quick: bool) -> dict:
+    """bf16 against fp8 rollout tok/s per preset (run_variants' rows, their table, and the
+    fp8 / bf16 ratio of each preset both ran). quick: the triton backend for both (the CPU's
+    interpreter, TRITON_INTERPRET=1), 2 prompts."""
+    base = {"decode_backend": "triton", "cuda_graphs": False} if quick else {}
+    variants = [dict(preset=preset, prompts=2 if quick else 256, engine={**base, **fields})
+                for preset in presets for fields in ({}, {"weight_format": "fp8"})]  # fmt: skip
+    rows = run_variants(device, variants, quick)
+    ratios = {bf16["preset"]: round(fp8["tokens_per_s"] / bf16["tokens_per_s"], 3)
+              for bf16, fp8 in zip(rows[::2], rows[1::2])
+              if "error" not in bf16 and "error" not in fp8}  # fmt: skip
+    print("fp8 / bf16 tok/s:", json.dumps(ratios), flush=True)
+    return {"rows": rows, "table": table(rows), "fp8_over_bf16": ratios}
 
 
 def table(rows: list[dict]) -> str:
@@ -383,6 +407,10 @@ def main() -> None:
         results["gap"] = bf16_gaps(device)
     if "moegap" in parts:
         results["moegap"] = moe_gaps(device)
+    if "fp8speed" in parts:
+        presets = (args.presets or FP8_SPEED_PRESETS).split(",")
+        results["fp8speed"] = fp8_speed(device, presets, args.quick)
+        print(results["fp8speed"]["table"], flush=True)
     if "breakdown" in parts and device.type == "cuda":
         results["breakdown"] = {
             "0.5b_b256_L256": step_breakdown(device, "qwen2.5-0.5b", 256, 256),

@@ -229,30 +229,28 @@ def _fused_key(cfg: Config) -> str | None:
 
 
 def rollout_fp8_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]:
-    """The fp8 engine (engine/fp8/matmul.py) runs the fused decode layers only: the layer kinds the
-    engine runs on its eager passes (gated attention, Gated DeltaNet, a shared expert) and
-    routed experts are refused when the engine starts, after the model is loaded."""
+    """The fp8 engine (engine/fp8/matmul.py) runs the fused decode layers only: the layer
+    kinds the engine runs on its eager passes (gated attention, Gated DeltaNet, MLA, sink
+    attention, and the experts beside a shared expert, with biases or with grouped routing)
+    are refused here, before the model loads. Routed SwiGLU experts (the "experts" MLP:
+    Qwen3-MoE, Mixtral, OLMoE) run e4m3 (engine/fp8/experts.py)."""
     fp8 = cfg.rollout.dtype == "fp8" or cfg.rollout.engine.weight_format == "fp8"
     if not fp8 or arch is None:
         return []
-    from hybridflow.engine.cache.kinds import FUSED_MIXERS, FUSED_MLPS, engine_gaps
+    from hybridflow.engine.cache.kinds import engine_gaps, unfused_kinds
 
     specs = arch.layer_specs()
     if engine_gaps(specs):  # the slow path: not the engine's own layers
         return []
     key = "rollout.dtype = fp8" if cfg.rollout.dtype == "fp8" else (
         "rollout.engine.weight_format = fp8")  # fmt: skip
-    mixers = sorted({spec.mixer for spec in specs if spec.mixer not in FUSED_MIXERS})
-    mlps = sorted({spec.mlp for spec in specs if spec.mlp not in FUSED_MLPS})
-    kinds = [f"{' and '.join(mixers)} layers"] if mixers else []
-    kinds += [f"{' and '.join(mlps)} MLPs"] if mlps else []
-    if kinds:
-        return [f"{key}: the fp8 rollout does not cover this model's {' or its '.join(kinds)} "
-                "yet: set rollout.dtype=model"]  # fmt: skip
-    if arch.is_moe:
-        return [f"{key}: the fp8 rollout does not cover mixture-of-experts models yet: set "
-                "rollout.dtype=model"]  # fmt: skip
-    return []
+    kinds = unfused_kinds(specs)
+    if not kinds:
+        return []
+    experts = ("; of the mixtures of experts it covers routed SwiGLU experts without a shared "
+               "expert (Qwen3-MoE, Mixtral)" if arch.is_moe else "")  # fmt: skip
+    return [f"{key}: the fp8 rollout does not cover this model's {' or its '.join(kinds)} "
+            f"yet{experts}: set rollout.dtype=model"]  # fmt: skip
 
 
 def rollout_fp8_kv_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]:

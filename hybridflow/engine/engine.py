@@ -22,7 +22,7 @@ import torch
 from hybridflow.engine.allocation import allocate
 from hybridflow.engine.backend import check_fp8_kv, resolve_backend, triton_pieces
 from hybridflow.engine.cache import kv_cache
-from hybridflow.engine.cache.kinds import eager_only, engine_gaps
+from hybridflow.engine.cache.kinds import eager_only, engine_gaps, unfused_kinds
 from hybridflow.engine.choices import (
     PinnedChoices,
     load_engine_choices,
@@ -149,16 +149,14 @@ class Engine:
             self.pinned = load_engine_choices(self.config, self.dtype, self.device, options)
         self.fused = None
         self.fp8 = None  # fp8.Fp8Matmul with weight_format="fp8", made with the cache
-        if options.weight_format == "fp8" and self.moe:
-            raise ValueError("weight_format='fp8' (rollout.dtype=fp8) does not cover "
-                             "mixture-of-experts models yet: use the model's dtype")  # fmt: skip
         if options.weight_format == "fp8" and self.vision:
             raise ValueError("weight_format='fp8' (rollout.dtype=fp8) does not cover "
                              "vision-language models yet (their prompts with images prefill "
                              "in the model's dtype): use the model's dtype")  # fmt: skip
         if options.weight_format == "fp8" and self.eager_layers:
-            raise ValueError("weight_format='fp8' (rollout.dtype=fp8) does not cover gated "
-                             "attention or Gated DeltaNet layers yet: use the model's dtype")  # fmt: skip
+            kinds = " or its ".join(unfused_kinds(self.config.layer_specs()))
+            raise ValueError(f"weight_format='fp8' (rollout.dtype=fp8) does not cover this "
+                             f"model's {kinds} yet: use the model's dtype")  # fmt: skip
         if options.weight_format == "fp8":
             from hybridflow.engine.fp8.matmul import check_fp8_engine
 

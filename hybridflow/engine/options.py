@@ -110,7 +110,8 @@ class EngineOptions:
     weight_format: str = "model"
     """"model": matmuls in the model's dtype. "fp8": W8A8 float8 e4m3 matmuls (fp8.py;
     per-channel weight scales quantized from the live weights at every sync, per-token
-    activation scales), the rest in the model's dtype; the triton backend on a GPU with fp8
+    activation scales; a mixture of experts' routed experts weight-only e4m3, fp8/experts.py),
+    the rest in the model's dtype; the triton backend on a GPU with fp8
     tensor cores (sm_89+), the split decode layer. The trainer corrects for the gap
     (rollout.dtype=fp8 turns truncated importance sampling on)."""
     fp8_weight_scales: str = "auto"

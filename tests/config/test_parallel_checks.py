@@ -271,3 +271,21 @@ def test_a_tensor_parallel_rollout_of_shared_experts_needs_their_width_to_divide
         "rollout.tensor_parallel_size = 8 must divide the width of the model's shared experts "
         "(moe_intermediate_size × n_shared_experts = 20): pick a divisor of 20"
     ]
+
+
+def test_an_fp8_rollout_of_routed_experts_validates_and_other_experts_are_refused():
+    """The fp8 rollout covers routed SwiGLU experts on the fused layers (engine/fp8/
+    experts.py: Qwen3-MoE, Mixtral); GPT-OSS's and DeepSeek's experts run on the eager
+    passes, refused before loading, naming the key that asked and the kinds."""
+    gpu = ["trainer.device=cuda"]
+    for key in ("rollout.dtype=fp8", "rollout.engine.weight_format=fp8"):
+        validate(load_config(None, [*gpu, "model.path=tiny-moe", key]))
+    kinds = {"tiny-gpt-oss": "sink_attention layers or its biased_experts MLPs",
+             "tiny-deepseek-v3": "mla layers or its grouped_experts_shared MLPs"}  # fmt: skip
+    for path, named in kinds.items():
+        problems = _problems([*gpu, f"model.path={path}", "rollout.engine.weight_format=fp8"])
+        assert problems == [
+            f"rollout.engine.weight_format = fp8: the fp8 rollout does not cover this model's "
+            f"{named} yet; of the mixtures of experts it covers routed SwiGLU experts without "
+            "a shared expert (Qwen3-MoE, Mixtral): set rollout.dtype=model"
+        ]

@@ -90,3 +90,76 @@ def test_fp8_engine_with_the_trainers_scales_quantizes_the_models_own_weights():
         assert torch.equal(scale[0, :rows], q_scale[:, 0])
         for a, b in zip(results, expected):
             assert abs(a.logprobs[0] - b.logprobs[0]) < 0.25
+
+
+def _moe_model():
+    """tiny-moe (layer 0 dense, layers 1-3 of 8 routed experts) with weights that route and
+    generate unevenly."""
+    model = build_model(preset_config("tiny-moe"), seed=3, device=DEVICE).eval()
+    generator = torch.Generator(DEVICE).manual_seed(3)
+    for name, p in model.named_parameters():
+        if not name.endswith("norm.weight"):
+            p.data.normal_(0, 0.3, generator=generator)
+    return model.to(DTYPE).requires_grad_(False)
+
+
+def _quantized_experts(mlp):
+    from hybridflow.engine.fp8.experts import quantize_experts_into
+
+    out = []
+    for weight in (mlp.experts.gate_up_proj, mlp.experts.down_proj):
+        values = torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=weight.device)
+        scale = torch.empty(weight.shape[:2], dtype=torch.float32, device=weight.device)
+        quantize_experts_into(weight, values, scale)
+        out.append((values, scale))
+    return out
+
+
+@pytest.mark.slow  # ~25 s under the interpreter
+def test_fp8_experts_generate_as_their_dequantized_weights_in_the_model_dtype(monkeypatch):
+    """A mixture of experts under weight_format="fp8": its routed experts are e4m3 copies
+    (fp8/experts.py) read by the grouped kernels. Against the same fp8 engine over a copy of
+    the model whose experts hold the dequantized weights (values * scale) and run in the
+    model's dtype (no expert copies), the only difference is the experts' quantization:
+    the same greedy tokens, log-probs within the kernels' rounding. The dense layer's MLP
+    and the attention projections take the dense fp8 path in both; a weight sync
+    re-quantizes the experts in place."""
+    import copy
+
+    from hybridflow.engine.fp8 import experts as fp8_experts
+
+    model = _moe_model()
+    dequantized = copy.deepcopy(model)
+    for layer in dequantized.model.layers[1:]:
+        experts = layer.mlp.experts
+        (gate_up8, gate_up_scale), (down8, down_scale) = _quantized_experts(layer.mlp)
+        experts.gate_up_proj.copy_(gate_up8.float() * gate_up_scale[..., None])
+        experts.down_proj.copy_(down8.float() * down_scale[..., None])
+    greedy = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
+    options = EngineOptions(decode_backend="triton", weight_format="fp8")
+    engine = Engine(model, 4, 64, options=options)
+    got = engine.generate(PROMPTS[:2], greedy)
+    assert sorted(engine.fp8.experts.layers) == [1, 2, 3]  # layer 0's MLP is dense
+    dense_mlp = model.model.layers[0].mlp.down_proj.weight
+    assert dense_mlp.data_ptr() in engine.fp8.copies
+    with monkeypatch.context() as patch:  # the reference: experts in the model's dtype
+        patch.setattr(fp8_experts, "expert_tensors", lambda layer: None)
+        reference = Engine(dequantized, 4, 64, options=options)
+        expected = reference.generate(PROMPTS[:2], greedy)
+        assert not reference.fp8.experts.layers
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    for a, b in zip(got, expected):
+        assert max(abs(p - q) for p, q in zip(a.logprobs, b.logprobs)) < 1e-4
+    copies = engine.fp8.experts.of(1)  # the kernels read e4m3 bytes, not the model's weights
+    assert copies.gate_up.dtype == torch.float8_e4m3fn
+    assert not torch.equal(copies.gate_up.float() * copies.gate_up_scale[..., None],
+                           model.model.layers[1].mlp.experts.gate_up_proj.float())  # fmt: skip
+
+    with torch.no_grad():  # a training step in place: the next call quantizes it afresh
+        model.model.layers[2].mlp.experts.down_proj.mul_(-0.5)
+    engine.weights_updated()
+    engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_new_tokens=1))
+    copies = engine.fp8.experts.of(2)
+    (_, _), (down8, down_scale) = _quantized_experts(model.model.layers[2].mlp)
+    assert torch.equal(copies.down.view(torch.uint8), down8.view(torch.uint8))
+    assert torch.equal(copies.down_scale, down_scale)

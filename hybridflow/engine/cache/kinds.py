@@ -41,6 +41,15 @@ def eager_only(specs) -> bool:
     return any(spec.mixer not in FUSED_MIXERS or spec.mlp not in FUSED_MLPS for spec in specs)
 
 
+def unfused_kinds(specs) -> list[str]:
+    """The layer kinds of these specs the fused decode layers do not run, as "X and Y
+    layers" (mixers) and "Z MLPs" (empty: they run every layer)."""
+    mixers = sorted({spec.mixer for spec in specs if spec.mixer not in FUSED_MIXERS})
+    mlps = sorted({spec.mlp for spec in specs if spec.mlp not in FUSED_MLPS})
+    kinds = [f"{' and '.join(mixers)} layers"] if mixers else []
+    return kinds + ([f"{' and '.join(mlps)} MLPs"] if mlps else [])
+
+
 def engine_gaps(specs) -> list[str]:
     """Why the engine's cached passes cannot run a model of these layer specs (empty: they
     can), one line per kind not covered; the engine then takes its slow path."""

@@ -120,11 +120,16 @@ class Fp8Matmul:
         from hybridflow.engine.tensor_parallel import tensor_parallel_group
 
         self.group = tensor_parallel_group(model)  # None: the whole model
+        from hybridflow.engine.fp8.experts import Fp8Experts
+
+        # a mixture of experts' routed experts: weight-only e4m3 copies (fp8/experts.py),
+        # made by refresh() with the others
+        self.experts = Fp8Experts(model)
         self.refresh()
 
     def sources(self) -> list[torch.Tensor]:
         """The bf16 weights quantized: per layer q/k/v (fused or each), o_proj, gate/up (fused
-        or each), down_proj."""
+        or each), down_proj (a sparse layer's experts: fp8/experts.py)."""
         return [weight for weight, _, _ in self.sources_with_parts()]
 
     def sources_with_parts(self) -> list[tuple[torch.Tensor, list[torch.Tensor], bool]]:
@@ -139,6 +144,8 @@ class Fp8Matmul:
             else:
                 weights += [(weight, [weight], False) for weight in qkv]
             weights.append((attn.o_proj.weight, [attn.o_proj.weight], False))
+            if getattr(layer, "sparse", False):  # routed experts: self.experts
+                continue
             gate_up = [mlp.gate_proj.weight, mlp.up_proj.weight]
             if fused is not None and fused.gate_up_weight is not None:
                 weights.append((fused.gate_up_weight[index], gate_up, True))
@@ -151,6 +158,7 @@ class Fp8Matmul:
     def refresh(self) -> None:
         """Quantize the live weights into the fp8 copies (in place where one exists for the
         same tensor, so graphs that read them stay valid)."""
+        self.experts.refresh()
         copies = {}
         sources = self.sources_with_parts()
         for (weight, _, _), row_amax in zip(sources, self._row_amaxes(sources)):
@@ -194,7 +202,8 @@ class Fp8Matmul:
         return amaxes
 
     def nbytes(self) -> int:
-        return sum(w8.numel() + s.numel() * 4 for _, w8, s in self.copies.values())
+        dense = sum(w8.numel() + s.numel() * 4 for _, w8, s in self.copies.values())
+        return dense + self.experts.nbytes()
 
     def linear(self, x: torch.Tensor | Fp8Rows, weight, bias=None) -> torch.Tensor:
         """x [M, K] (model dtype or Fp8Rows) @ weight.T (+ bias) -> [M, N] in weight's dtype."""

@@ -19,7 +19,10 @@ One sparse layer, T tokens, E experts, top-k each (P = T * k (token, expert) pai
    order (deterministic), rounded once.
 
 The weights are the model's packed expert tensors, read in place (Hugging Face layout):
-gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I].
+gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I]; or, for the fp8 rollout, e4m3
+copies of them with an fp32 scale per row (engine/fp8/experts.py), widened to the
+activations' dtype tile by tile in the inner loop and scaled in the epilogue (weight-only:
+half the bytes a decode step reads).
 
 Rounding follows the eager reference (models/moe.py): each projection rounded to the
 activation dtype, silu rounded, then the product; the combine is fp32 (the reference adds the
@@ -168,6 +171,7 @@ def _grouped_kernel(
     stride_we, stride_wn, stride_cm, up_rows,
     TOP_K: tl.constexpr, GATHER: tl.constexpr, SILU_UP: tl.constexpr, FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    scale_ptr=None, stride_se=0, W_FP8: tl.constexpr = False,
 ):  # fmt: skip
     """One BLOCK_M block of sorted pairs (one expert) x BLOCK_N output columns.
 
@@ -175,7 +179,11 @@ def _grouped_kernel(
     the sorted order (c [capacity, N]). Else (down) a's rows are in sorted order already and
     each valid row goes to c[pair] ([P, N]).
     SILU_UP: w's rows [n, n + BLOCK_N) are gate columns, [up_rows + n, ...) the matching up
-    columns; c gets silu(gate) * up, rounded as torch rounds F.silu(gate) * up."""
+    columns; c gets silu(gate) * up, rounded as torch rounds F.silu(gate) * up.
+    W_FP8 (the fp8 rollout's experts, weight-only): w holds float8 e4m3 with a scale per
+    output row, scale [E, rows] (stride_se a expert); each tile is widened to a's dtype in
+    the loop (exact: every e4m3 value is a bf16 one) and the fp32 sums are multiplied by
+    their rows' scales before the epilogue rounds them."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -194,18 +202,27 @@ def _grouped_kernel(
         k_mask = (k0 + rk) < K
         a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+        if W_FP8:
+            w = w.to(a.dtype)
         if FP32:
             acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, tl.trans(w), acc)
         if SILU_UP:
             u = tl.load(w_ptrs + up_rows * stride_wn, mask=k_mask[None, :], other=0.0)
+            if W_FP8:
+                u = u.to(a.dtype)
             if FP32:
                 acc_up = tl.dot(a, tl.trans(u), acc_up, input_precision="ieee")
             else:
                 acc_up = tl.dot(a, tl.trans(u), acc_up)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if W_FP8:  # each output row's scale (a row of w: a column of the product)
+        scales = scale_ptr + expert * stride_se + rn_safe
+        acc = acc * tl.load(scales)[None, :]
+        if SILU_UP:
+            acc_up = acc_up * tl.load(scales + up_rows)[None, :]
     dtype = c_ptr.dtype.element_ty
     if SILU_UP:
         gate = acc.to(dtype).to(tl.float32)
@@ -273,10 +290,22 @@ def grouped_launch(blocks: ExpertBlocks, columns: int, kernel: str, x: torch.Ten
                       num_warps=warps, num_stages=stages)  # fmt: skip
 
 
+def _fp8_weights(weight: torch.Tensor, scale: torch.Tensor | None) -> dict:
+    """The grouped kernel's keywords for weights in the activations' dtype (scale None), or
+    float8 e4m3 ones with a scale per output row (scale [E, rows] fp32, rows contiguous)."""
+    if scale is None:
+        return {}
+    assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+    assert scale.shape == weight.shape[:2] and scale.stride(1) == 1
+    return dict(scale_ptr=scale, stride_se=scale.stride(0), W_FP8=True)
+
+
 def grouped_gate_up(x: torch.Tensor, gate_up: torch.Tensor, blocks: ExpertBlocks,
-                    tile: tuple | None = None) -> torch.Tensor:  # fmt: skip
+                    tile: tuple | None = None,
+                    scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """x [T, H], gate_up [E, 2I, H] -> silu(gate) * up [capacity, I], rows in sorted order.
-    tile: (block_n, block_k, warps, stages) instead of TILES' (benchmarks/moe_layer.py)."""
+    tile: (block_n, block_k, warps, stages) instead of TILES' (benchmarks/moe_layer.py).
+    scale [E, 2I] fp32: gate_up is float8 e4m3, row r of expert e times scale[e, r]."""
     inner = gate_up.shape[1] // 2
     out = torch.empty(blocks.sorted_pairs.shape[0], inner, dtype=x.dtype, device=x.device)
     grid, launch = grouped_launch(blocks, inner, "gate_up", x, tile)
@@ -284,15 +313,17 @@ def grouped_gate_up(x: torch.Tensor, gate_up: torch.Tensor, blocks: ExpertBlocks
         x, gate_up, out, blocks.sorted_pairs, blocks.block_expert, blocks.total, blocks.pairs,
         inner, x.shape[1], x.stride(0), gate_up.stride(0), gate_up.stride(1), out.stride(0),
         inner, TOP_K=blocks.top_k, GATHER=True, SILU_UP=True, FP32=x.dtype == torch.float32,
-        **launch,
+        **launch, **_fp8_weights(gate_up, scale),
     )  # fmt: skip
     return out
 
 
 def grouped_down(act: torch.Tensor, down: torch.Tensor, blocks: ExpertBlocks,
-                 tile: tuple | None = None) -> torch.Tensor:  # fmt: skip
+                 tile: tuple | None = None,
+                 scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """act [capacity, I] (sorted order), down [E, H, I] -> [P, H], row p = pair p's output
-    (zeros for a pair no block holds: routed to an expert of another rank)."""
+    (zeros for a pair no block holds: routed to an expert of another rank). scale [E, H]
+    fp32: down is float8 e4m3, as grouped_gate_up's."""
     hidden = down.shape[1]
     allocate = torch.zeros if blocks.subset else torch.empty  # empty: every row is written
     out = allocate(blocks.pairs, hidden, dtype=act.dtype, device=act.device)
@@ -301,7 +332,7 @@ def grouped_down(act: torch.Tensor, down: torch.Tensor, blocks: ExpertBlocks,
         act, down, out, blocks.sorted_pairs, blocks.block_expert, blocks.total, blocks.pairs,
         hidden, act.shape[1], act.stride(0), down.stride(0), down.stride(1), out.stride(0), 0,
         TOP_K=blocks.top_k, GATHER=False, SILU_UP=False, FP32=act.dtype == torch.float32,
-        **launch,
+        **launch, **_fp8_weights(down, scale),
     )  # fmt: skip
     return out
 

@@ -220,10 +220,14 @@ def experts_triton(
     matmuls: ExpertMatmuls = ExpertMatmuls(),
     keep: torch.Tensor | None = None,
     prefill: bool = False,
+    fp8=None,
 ) -> torch.Tensor:
     """experts_torch's contract on the fused kernels: no host sync, static shapes (the grid is
     the bound for any routing), so decode steps replay as CUDA graphs. prefill: a prefill or
-    extend pass (ExpertMatmuls may run torch._grouped_mm)."""
+    extend pass (ExpertMatmuls may run torch._grouped_mm). fp8: the layer's experts as
+    fp8/experts.Fp8ExpertWeights (the fp8 rollout): the grouped kernels read their e4m3
+    bytes (weight-only; x stays in the model's dtype), prefill included (torch._grouped_mm
+    takes no such weights); the router reads the model's own weight."""
     from hybridflow.engine.kernels import moe, routing
 
     if _active_adapters(mlp) is not None:  # unmerged expert LoRA: the model's own grouped path
@@ -240,12 +244,16 @@ def experts_triton(
     gate_up, down = mlp.experts.gate_up_proj, mlp.experts.down_proj
     expert_slice = getattr(mlp, "expert_slice", None)  # this rank's experts (tensor_parallel.py)
     first = None if expert_slice is None else expert_slice.first
-    if matmuls.use_grouped_mm(tokens, x, prefill):
+    if fp8 is None and matmuls.use_grouped_mm(tokens, x, prefill):
         pair_out = _pairs_grouped_mm(x, ids, gate_up, down, first)
     else:
         block_m = moe.block_rows(tokens, mlp.top_k, mlp.num_experts)  # pairs per expert
         blocks = moe.align_pairs(ids, gate_up.shape[0], block_m, first)
-        pair_out = moe.grouped_down(moe.grouped_gate_up(x, gate_up, blocks), down, blocks)
+        scales = (None, None)
+        if fp8 is not None:
+            gate_up, down, scales = fp8.gate_up, fp8.down, (fp8.gate_up_scale, fp8.down_scale)
+        act = moe.grouped_gate_up(x, gate_up, blocks, scale=scales[0])
+        pair_out = moe.grouped_down(act, down, blocks, scale=scales[1])
     out = moe.combine(pair_out, weights)
     if expert_slice is not None:  # the partial outputs of the group's ranks, summed
         import torch.distributed as dist

@@ -3,7 +3,9 @@ attention, o_proj, add+RMSNorm, gate/up (+SiLU), down), cuBLAS for the matmuls (
 DecodeMatmul's choice for gate/up), the fused row-wise kernels around them. Also the layer
 stack of the triton prefill (with its packed attention). The reference the other decode
 layers (chain.py, lean.py) are timed against, and the one that always applies, fp8 included:
-with an fp8.Fp8Matmul the norms and SiLU*up write e4m3 rows for the projections after them.
+with an fp8.Fp8Matmul the norms and SiLU*up write e4m3 rows for the projections after them
+(a sparse layer's post-attention norm writes model-dtype rows: its router and its experts,
+weight-only e4m3 in fp8/experts.py, read those).
 On a tensor-parallel shard (engine/tensor_parallel.py) each rank runs it over its heads and
 MLP columns, o_proj's and down_proj's partial products summed over the group where the eager
 modules sum them (a sparse layer's experts: layers/moe.experts_triton).
@@ -44,7 +46,8 @@ def fused_layers(
 
     linear = matmul.linear if matmul is not None else F.linear
     gate_up_silu = matmul.gate_up_silu if matmul is not None else gemm.gate_up_silu_cublas
-    if isinstance(matmul, Fp8Matmul):  # outputs as e4m3 rows + scales, what its matmuls read
+    fp8 = isinstance(matmul, Fp8Matmul)
+    if fp8:  # outputs as e4m3 rows + scales, what its matmuls read
         rms_norm, add_rms_norm = rowwise.rms_norm_e4m3, rowwise.add_rms_norm_e4m3
         silu_mul = rowwise.silu_mul_e4m3
     else:
@@ -78,11 +81,15 @@ def fused_layers(
         if trim and not is_sparse(layer):
             out, hidden = out[keep], hidden[keep]
         delta = project_out(linear, out.flatten(-2), attn.o_proj)  # tensor-parallel: summed
-        normed = add_rms_norm(hidden, delta, layer.post_attention_layernorm, weighted, launch)
+        sparse = is_sparse(layer)
+        # the router and the fp8 experts (weight-only) read rows in the model's dtype
+        post_norm = rowwise.add_rms_norm if sparse else add_rms_norm
+        normed = post_norm(hidden, delta, layer.post_attention_layernorm, weighted, launch)
         mlp = layer.mlp
-        if is_sparse(layer):
+        if sparse:
             delta = experts_triton(mlp, normed, routes, sparse_index, experts or ExpertMatmuls(),
-                                   keep=keep if trim else None, prefill=keep is not None)  # fmt: skip
+                                   keep=keep if trim else None, prefill=keep is not None,
+                                   fp8=matmul.experts.of(index) if fp8 else None)  # fmt: skip
             sparse_index += 1
             if trim:
                 hidden = hidden[keep]

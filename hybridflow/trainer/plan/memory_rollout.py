@@ -138,7 +138,7 @@ def rollout_items(a: ModelArchitecture, o: PlanOptions) -> list[MemoryItem]:
     # a tensor-parallel shard's copies are of its heads and MLP columns
     fused = fused_copy_bytes(a, o.fuse_projections, o.rollout_bytes) // o.rollout_tp
     held = (GENERATE,) if o.release_cache else ALWAYS  # Engine.release() frees them
-    # 1 byte each (engine/fp8/matmul.py)
+    # 1 byte each (engine/fp8/matmul.py; a mixture of experts' experts: fp8/experts.py)
     fp8 = a.num_parameters(include_embeddings=False) // o.rollout_tp
     fp8_copies = [MemoryItem("rollout fp8 projection copies", fp8, held, rollout_gpu=split)]
     return [

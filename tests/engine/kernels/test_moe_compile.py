@@ -53,6 +53,28 @@ def test_moe_kernels_compile(block_m):
         assert "cp.async" in ptx and "mma" in ptx and "atom" not in ptx
 
 
+@pytest.mark.parametrize("block_m", [16, 32, 128])  # decode's blocks (up to 256 rows), prefill's
+def test_fp8_expert_kernels_compile(block_m):
+    """The fp8 rollout's experts (fp8/experts.py): both grouped matmuls over e4m3 weights
+    with fp32 row scales at each block's tile, each tile widened to bf16 in the loop: still
+    pipelined tensor-core dots, the widening by the hardware's e4m3 converts, no atomics."""
+    ints = {"sorted_ptr": "*i32", "block_expert_ptr": "*i32", "total_ptr": "*i32"}
+    for silu in (True, False):
+        block_n, block_k, warps, stages = moe.TILES[block_m]["gate_up" if silu else "down"]
+        compiled = compile_kernel(
+            moe._grouped_kernel,
+            dict(TOP_K=8, GATHER=silu, SILU_UP=silu, FP32=False, BLOCK_M=block_m,
+                 BLOCK_N=block_n, BLOCK_K=block_k, W_FP8=True),
+            overrides={**ints, "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}, warps=warps,
+            stages=stages,
+            divisible=("P", "N", "K", "stride_am", "stride_we", "stride_wn", "stride_cm",
+                       "up_rows", "stride_se"),
+        )  # fmt: skip
+        ptx = compiled.asm["ptx"]
+        assert "cp.async" in ptx and "mma" in ptx and "atom" not in ptx
+        assert "cvt.rn.f16x2.e4m3x2" in ptx  # e4m3 pairs widened in registers
+
+
 @pytest.mark.parametrize("block_m", [16, 32])  # decode's blocks at 256 rows: 8 and 64 experts
 def test_moe_family_decode_kernels_compile(block_m):
     """The MoE families' decode pieces on the Triton step: GPT-OSS's grouped expert kernels

@@ -198,3 +198,43 @@ def test_the_fused_sparse_layer_of_a_share_of_the_experts_sums_over_the_ranks():
     from gloo_ranks import run_ranks
 
     run_ranks(_fused_layer_on_ranks, 2)
+
+
+@pytest.mark.parametrize("tokens,block_m,first", [(7, 16, None), (40, 32, None), (9, 16, 2)])
+def test_fp8_expert_weights_match_the_loop_over_their_dequantized_weights(tokens, block_m,
+                                                                          first):  # fmt: skip
+    """The fp8 rollout's experts (weight-only): e4m3 gate_up/down with a scale per output row
+    (fp8/experts.quantize_experts_into, the dense copies' quantize_weight), widened in the
+    grouped kernels' inner loop and scaled in their epilogue, equal the fp32 loop over the
+    dequantized weights values * scale; a share of the experts (first) skips the others."""
+    from hybridflow.engine.fp8.experts import quantize_experts_into
+    from hybridflow.models.moe import moe_experts
+
+    experts, top_k, hidden, inner = 6, 3, 48, 40
+    generator = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=generator).to(DEVICE)
+    gate_up = (torch.randn(experts, 2 * inner, hidden, generator=generator) * 0.2).to(DEVICE)
+    down = (torch.randn(experts, hidden, inner, generator=generator) * 0.2).to(DEVICE)
+    gate_up[1, 3] *= 40.0  # an outlier row: its own scale, the other rows keep theirs
+    ids, weights = routing.route_topk(torch.randn(tokens, experts, generator=generator).to(DEVICE),
+                                      top_k, renormalize=True)  # fmt: skip
+    share = slice(None) if first is None else slice(first, first + 3)
+    gate_up, down = gate_up[share].contiguous(), down[share].contiguous()
+    quantized = []
+    for weight in (gate_up, down):
+        values = torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=DEVICE)
+        scale = torch.empty(weight.shape[:2], dtype=torch.float32, device=DEVICE)
+        quantize_experts_into(weight, values, scale, chunk_elements=1)  # an expert at a time
+        quantized.append((values, scale))
+    (gate_up8, gate_up_scale), (down8, down_scale) = quantized
+    blocks = moe.align_pairs(ids, gate_up.shape[0], block_m, first_expert=first)
+    act = moe.grouped_gate_up(x, gate_up8, blocks, scale=gate_up_scale)
+    out = moe.combine(moe.grouped_down(act, down8, blocks, scale=down_scale), weights)
+    dequantized = [values.float() * scale[..., None] for values, scale in quantized]
+    expected = moe_experts(x, ids.long(), weights, *dequantized, "loop", first_expert=first)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # and it is the quantization, not the kernel, that moves the output from the fp32 layer
+    exact = moe_experts(x, ids.long(), weights, gate_up, down, "loop", first_expert=first)
+    assert not torch.allclose(out, exact, rtol=1e-5, atol=1e-5)
+    # (the outlier row's large activation meets down's rows' rounding: 17% at tokens=7)
+    assert ((out - exact).norm() / exact.norm()).item() < 0.25
