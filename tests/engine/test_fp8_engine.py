@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 
 from hybridflow.engine import Engine, EngineOptions, SamplingParams  # noqa: E402
 from hybridflow.engine.fp8.e4m3 import quantize_rows_reference  # noqa: E402
-from hybridflow.engine.fp8.matmul import quantize_rows  # noqa: E402
+from hybridflow.engine.fp8.rows import quantize_rows  # noqa: E402
 from hybridflow.models import build_model  # noqa: E402
 from hybridflow.models.presets import preset_config  # noqa: E402
 

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from hybridflow.engine.fp8.e4m3 import E4M3
+from hybridflow.engine.fp8.rows import quantize_rows
 from hybridflow.engine.fp8.weight_scales import ENGINE_SCALES, quantize_weight
 
 # Elements quantized at once: quantize_weight widens its input to fp32, so a whole layer's
@@ -62,10 +63,9 @@ def quantize_experts_into(weight: torch.Tensor, values: torch.Tensor, scale: tor
     """weight [E, N, K] -> values [E, N, K] e4m3 and scale [E, N] fp32 in place, each row
     quantized by weight_scales.quantize_weight (the engine's scales), a few experts at a time
     (at most chunk_elements, at least one expert, widened to fp32 at once). On CUDA by the
-    activations' Triton quantizer (matmul.quantize_rows, the same bytes and scales bit for
+    activations' Triton quantizer (fp8/rows.quantize_rows, the same bytes and scales bit for
     bit): one pass over the weight, where torch's takes several over an fp32 copy (a
     refresh quantizes all of Qwen3-30B-A3B's 29B expert weights)."""
-    from hybridflow.engine.fp8.matmul import quantize_rows
 
     experts, rows, depth = weight.shape
     step = max(1, chunk_elements // max(rows * depth, 1))

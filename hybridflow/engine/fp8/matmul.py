@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridflow.engine.fp8.e4m3 import E4M3, Fp8Rows, quantize_rows_reference
+from hybridflow.engine.fp8.e4m3 import E4M3, Fp8Rows
+from hybridflow.engine.fp8.rows import quantize_rows
 from hybridflow.engine.fp8.weight_scales import (
     ENGINE_SCALES,
     amax_rows,
@@ -47,15 +48,6 @@ def check_fp8_engine(device: torch.device, decode_backend: str, adapted: bool) -
         raise UserError(f"weight_format='fp8' needs the triton decode backend, and this "
                         f"engine on {device} resolved {decode_backend!r}",
                         fix="run on a GPU with fp8 tensor cores (sm_89+), or drop fp8")  # fmt: skip
-
-
-def quantize_rows(x: torch.Tensor) -> Fp8Rows:
-    """quantize_rows_reference on CUDA in one Triton launch (kernels/fp8_quant.py)."""
-    if not x.is_cuda:
-        return quantize_rows_reference(x)
-    from hybridflow.engine.kernels.fp8_quant import quantize_rows_triton
-
-    return quantize_rows_triton(x)
 
 
 def scaled_linear(
