@@ -26,6 +26,7 @@ experts spread over replicas only when no layout without that holds the step (th
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from hybridflow.config import Config, ConfigError, validate
@@ -97,11 +98,7 @@ class Recommendation:
 def recommend(cfg: Config, gpu_bytes: int) -> Recommendation | None:
     """The preferred layout that fits (module docstring), with the keys to set; None when
     the model's shape is unknown."""
-    from hybridflow.trainer.plan.memory_from_config import (
-        model_architecture_for,
-        training_gpus,
-        with_changes,
-    )
+    from hybridflow.trainer.plan.memory_from_config import model_architecture_for, training_gpus
 
     found = model_architecture_for(cfg)
     if found is None:
@@ -117,12 +114,17 @@ def recommend(cfg: Config, gpu_bytes: int) -> Recommendation | None:
                       key=lambda c: (c[0], c[1] * c[2], c[4], c[1], -c[3]))  # fmt: skip
     closest: tuple[int, MemoryPlan, dict] | None = None
     for tier, tp, sp, ep, ckpt in training:
-        fitting = []
+        candidates = []
         for rollout_tp, rollout_ep in rollout_layouts(shape, rollout_world):
             keys = {**layout_keys(tp, sp, ep, rollout_tp, ckpt), **tiers[tier]}
             if rollout_ep is not None:
                 keys["rollout.expert_parallel_size"] = rollout_ep
-            plan = plan_of(with_changes(cfg, keys), gpu_bytes)
+            candidates.append((with_keys(cfg, keys), keys))
+        if not candidates or training_refusals(candidates[0][0], found[1], derived):
+            continue  # validate refuses every one of them
+        fitting = []
+        for candidate, keys in candidates:
+            plan = plan_of(candidate, gpu_bytes)
             if plan is None:
                 continue  # validate refuses it: not built, or the batch does not divide
             if fits_plan(plan):
@@ -135,6 +137,24 @@ def recommend(cfg: Config, gpu_bytes: int) -> Recommendation | None:
     if closest is None:
         return Recommendation({}, None)
     return Recommendation({}, None, closest[1], changed_keys(cfg, closest[2]))
+
+
+def training_refusals(cfg: Config, architecture, derived) -> list[str]:
+    """What validate refuses in a candidate's training layout whatever the rollout's (tensor
+    parallelism of experts or of LoRA, expert parallelism with the one-device host step:
+    config/parallel_checks.py), checked once per training layout before validate judges each
+    of its rollout layouts: the rollout's keys do not enter these checks, so a training
+    layout they refuse has no candidate validate accepts."""
+    from hybridflow.config.parallel_checks import (
+        not_built_with_expert_parallel,
+        not_built_with_tensor_parallel,
+        roles_in_use,
+    )
+    from hybridflow.parallel.roles import role_sizes
+
+    sizes, in_use = role_sizes(cfg), roles_in_use(derived.use_reference, derived.use_critic)
+    return (not_built_with_tensor_parallel(cfg, architecture, sizes, in_use)
+            + not_built_with_expert_parallel(cfg, sizes, in_use))  # fmt: skip
 
 
 def memory_tiers(cfg: Config, world: int, use_reference: bool) -> list[dict[str, bool]]:
@@ -165,6 +185,19 @@ def layout_keys(tp: int, sp: int, ep: int, rollout_tp: int,
     return {"actor.tensor_parallel_size": tp, "actor.sequence_parallel_size": sp,
             "actor.expert_parallel_size": ep, "rollout.tensor_parallel_size": rollout_tp,
             "model.gradient_checkpointing": checkpointing}  # fmt: skip
+
+
+def with_keys(cfg: Config, keys: dict[str, object]) -> Config:
+    """cfg with a candidate's keys set: new copies of the sections they name, the others
+    shared. memory_from_config.with_changes gives the same config through a deep copy and
+    the loader's type checks, a few milliseconds a candidate; these keys and values are the
+    candidates' own, of the types the sections declare."""
+    sections: dict[str, dict[str, object]] = {}
+    for key, value in keys.items():
+        section, name = key.split(".")
+        sections.setdefault(section, {})[name] = value
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **values)
+                                       for section, values in sections.items()})  # fmt: skip
 
 
 def changed_keys(cfg: Config, keys: dict[str, object]) -> dict[str, object]:
