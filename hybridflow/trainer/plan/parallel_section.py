@@ -60,15 +60,17 @@ def sync_bytes(cfg: Config, plan: MemoryPlan) -> int | None:
     return reshard_traffic(plan.architecture, train, rollout, o.rollout_bytes, split).received
 
 
-def parallel_lines(cfg: Config, derived: Derived, plan: MemoryPlan, fits: bool) -> list[str]:
+def parallel_lines(cfg: Config, derived: Derived, plan: MemoryPlan, fits: bool,
+                   progress=None) -> list[str]:  # fmt: skip
     """The layout, the reshard (several GPUs) and the recommended layout when it differs from
-    the configured one (or why nothing fits)."""
+    the configured one (or why nothing fits); ``progress`` (a ProgressReporter) is told of
+    the search for it."""
     lines = [layout_line(cfg, plan)]
     if derived.world_size > 1:
         lines.append(reshard_line(cfg, plan))
     if plan.options.gpu_bytes is None:
         return lines
-    advice = recommend(cfg, plan.options.gpu_bytes)
+    advice = recommend(cfg, plan.options.gpu_bytes, progress)
     if advice is not None and (advice.changes or not fits):
         lines.append(recommendation_text(advice, plan.options.gpu_bytes))
     return lines
