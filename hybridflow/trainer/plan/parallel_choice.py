@@ -99,7 +99,7 @@ class Recommendation:
 def recommend(cfg: Config, gpu_bytes: int, progress=None) -> Recommendation | None:
     """The preferred layout that fits (module docstring), with the keys to set; None when
     the model's shape is unknown. ``progress`` (a ProgressReporter) is told of each training
-    layout tried: a few seconds for DeepSeek-V3 on 96 GPUs."""
+    layout tried (about a second of CPU for DeepSeek-V3 on 96 GPUs)."""
     from hybridflow.trainer.plan.memory_from_config import model_architecture_for, training_gpus
 
     found = model_architecture_for(cfg)
@@ -119,11 +119,11 @@ def recommend(cfg: Config, gpu_bytes: int, progress=None) -> Recommendation | No
         for tier, tp, sp, ep, ckpt in training:
             if task is not None:
                 task.advance()
-            candidates = [(with_keys(cfg, keys), keys) for keys in
-                          candidate_keys(tiers[tier], tp, sp, ep, ckpt, shape, rollout_world)]  # fmt: skip
-            if not candidates or training_refusals(candidates[0][0], found[1], derived):
+            candidates = candidate_keys(tiers[tier], tp, sp, ep, ckpt, shape, rollout_world)
+            if not candidates or training_refusals(with_keys(cfg, candidates[0]), found[1],
+                                                   derived):  # fmt: skip
                 continue  # validate refuses every one of them
-            fitting, closest = judged(candidates, gpu_bytes, closest)
+            fitting, closest = judged(cfg, candidates, gpu_bytes, closest)
             if fitting:
                 plan, keys = min(fitting, key=lambda pair: rollout_preference(pair[0], derived))
                 return Recommendation(changed_keys(cfg, keys), plan)
@@ -153,13 +153,14 @@ def candidate_keys(memory_keys: dict[str, bool], tp: int, sp: int, ep: int, ckpt
     return candidates
 
 
-def judged(candidates: list[tuple[Config, dict]], gpu_bytes: int,
+def judged(cfg: Config, candidates: list[dict[str, object]], gpu_bytes: int,
            closest: tuple[int, MemoryPlan, dict] | None) -> tuple[list, tuple | None]:  # fmt: skip
-    """The candidates that validate accepts and that fit, as (plan, keys); and the closest
-    miss so far, updated with these (the first of the least overflow)."""
+    """The candidates (cfg with each one's keys) that validate accepts and that fit, as
+    (plan, keys); and the closest miss so far, updated with these (the first of the least
+    overflow)."""
     fitting = []
-    for candidate, keys in candidates:
-        plan = plan_of(candidate, gpu_bytes)
+    for keys in candidates:
+        plan = plan_of(with_keys(cfg, keys), gpu_bytes)
         if plan is None:
             continue  # validate refuses it: not built, or the batch does not divide
         if fits_plan(plan):

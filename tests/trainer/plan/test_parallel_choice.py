@@ -138,11 +138,12 @@ def test_the_rollouts_copy_is_freed_only_where_nothing_fits_without_it():
 def test_a_candidate_is_the_config_with_its_keys_set():
     """The search builds each candidate by replacing the sections its keys name
     (parallel_choice.with_keys): the config with_changes gives through the loader, and the
-    base config untouched."""
+    base config untouched by the search."""
     from hybridflow.trainer.plan.parallel_choice import with_keys
 
-    cfg, _ = recommended("qwen3-30b-a3b", 8, 128)
+    cfg = recommended("qwen3-30b-a3b", 8, 128)[0]
     before = repr(cfg)
+    recommend(cfg, 80 * GIB)  # its candidates share the sections they do not set with cfg
     keys = {"actor.tensor_parallel_size": 1, "actor.sequence_parallel_size": 2,
             "actor.expert_parallel_size": 4, "rollout.tensor_parallel_size": 2,
             "model.gradient_checkpointing": True, "rollout.expert_parallel_size": 8,
