@@ -158,7 +158,8 @@ class ModelArchitecture:
         """``compute()``, a pure function of the fields, computed once per field values: the
         memory plan asks the same counts of one shape for each of thousands of candidate
         layouts (trainer/plan/parallel_choice.py). A field set after the first call (the
-        dataclass is not frozen) is seen, and everything is computed afresh."""
+        dataclass is not frozen) is seen, and everything is computed afresh; a value changed
+        in place (rope_scaling's dict) is not, and none of these counts reads one."""
         fields = _field_values(self)
         memo = self.__dict__.get(_DERIVED)
         if memo is None or memo[0] != fields:
