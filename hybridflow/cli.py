@@ -137,7 +137,11 @@ def cmd_config(args) -> int:
     cfg = _load(args)
     if args.action == "plan":  # GPU memory, item by item, before any model loads
         plan_command = import_for("config", "hybridflow.trainer.plan.plan_command")
-        return plan_command.plan_command(cfg, args.gpu_memory)
+        progress = _stderr_progress()  # the search for a layout: seconds at 96 GPUs
+        try:
+            return plan_command.plan_command(cfg, args.gpu_memory, progress=progress)
+        finally:
+            progress.close()
     if args.action == "validate":  # everything `train` checks before it loads a model
         if args.gpu_memory is not None:  # the memory plan checked against this GPU size
             plan_command = import_for("config", "hybridflow.trainer.plan.plan_command")
@@ -147,6 +151,16 @@ def cmd_config(args) -> int:
         return 0
     _print_config(cfg, validate(cfg))  # show
     return 0
+
+
+def _stderr_progress():
+    """A progress reporter on stderr: a transient bar on a terminal, else a status line after
+    10 s of silence; stdout keeps the command's own output."""
+    from rich.console import Console
+
+    from hybridflow.progress import ProgressReporter
+
+    return ProgressReporter(Console(stderr=True))
 
 
 def cmd_config_from_verl(args) -> int:

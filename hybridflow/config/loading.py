@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import types
 import typing
@@ -160,11 +161,19 @@ def apply_mapping(cfg: Config, data: dict, source: str) -> list[str]:
     return problems
 
 
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """A config section's annotations, resolved once per class (typing.get_type_hints
+    evaluates every string annotation each time: most of a candidate layout's cost in the
+    recommendation's thousands of candidate configs)."""
+    return typing.get_type_hints(cls)
+
+
 def _apply_section(sec: Any, prefix: str, values: dict, source: str) -> list[str]:
     """Set `values` on the dataclass `sec` (fields that are dataclasses themselves, like
     rollout.engine, take a mapping and are replaced, so frozen ones work too)."""
     problems = []
-    hints = typing.get_type_hints(type(sec))
+    hints = field_types(type(sec))
     for key, value in values.items():
         name = f"{prefix}.{key}"
         if key not in hints:

@@ -307,17 +307,14 @@ def _check_runnable(cfg: Config, add: Add) -> None:
 def _architecture(cfg: Config) -> ModelArchitecture | None:
     """The policy's shape without loading weights (an ``sft:`` run: its ``sft.preset``);
     None when unknown (an unreadable config.json is reported by the model checks)."""
-    import json
-    from pathlib import Path
-
-    from hybridflow.models.architecture import ModelArchitecture
+    from hybridflow.models.architecture_file import directory_architecture
     from hybridflow.models.presets import PRESETS
 
     path = cfg.sft.preset if cfg.model.path.startswith("sft:") else cfg.model.path
     if path in PRESETS:
         return PRESETS[path]
     try:
-        return ModelArchitecture.from_hf(json.loads((Path(path) / "config.json").read_text()))
+        return directory_architecture(path)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None
 

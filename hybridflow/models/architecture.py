@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +21,10 @@ __all__ = ["SUPPORTED_MODEL_TYPES", "ModelArchitecture"]
 
 # rope_scaling types rope.py implements (HF names; "type" is the legacy key for "rope_type").
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+_DERIVED = "_derived_values"
+"""Where ModelArchitecture.derived keeps its values (outside the fields)."""
 
 
 @dataclass
@@ -144,7 +150,24 @@ class ModelArchitecture:
 
     def layer_specs(self) -> list[LayerSpec]:
         """What each layer is made of (its family's rule): ask these, not model_type."""
-        return family_of(self.model_type).layer_specs(self)
+        return list(
+            self.derived("layer_specs", lambda: family_of(self.model_type).layer_specs(self))
+        )
+
+    def derived(self, name: str, compute):
+        """``compute()``, a pure function of the fields, computed once per field values: the
+        memory plan asks the same counts of one shape for each of thousands of candidate
+        layouts (trainer/plan/parallel_choice.py). A field set after the first call (the
+        dataclass is not frozen) is seen, and everything is computed afresh; a value changed
+        in place (rope_scaling's dict) is not, and none of these counts reads one."""
+        fields = _field_values(self)
+        memo = self.__dict__.get(_DERIVED)
+        if memo is None or memo[0] != fields:
+            memo = (fields, {})
+            self.__dict__[_DERIVED] = memo
+        if name not in memo[1]:
+            memo[1][name] = compute()
+        return memo[1][name]
 
     def is_sparse_layer(self, index: int) -> bool:
         """Layer ``index`` holds a mixture of experts."""
@@ -154,7 +177,7 @@ class ModelArchitecture:
     def kv_layers(self) -> int:
         """Layers whose token mixer keeps something per token, K/V or MLA's latent (the
         others keep a recurrent state)."""
-        return sum(not spec.recurrent for spec in self.layer_specs())
+        return self.derived("kv_layers", lambda: sum(not s.recurrent for s in self.layer_specs()))
 
     def kv_bytes_per_token(self, element_bytes: int = 2) -> int:
         """K and V (or MLA's latent) of one token in every layer that keeps them per token
@@ -194,7 +217,8 @@ class ModelArchitecture:
 
     def sparse_layer_indices(self) -> list[int]:
         """Layers with experts, in order: the L axis of routed_experts [.., L, k]."""
-        return [i for i, spec in enumerate(self.layer_specs()) if spec.sparse]
+        return list(self.derived("sparse_layer_indices", lambda: [
+            i for i, spec in enumerate(self.layer_specs()) if spec.sparse]))  # fmt: skip
 
     @property
     def rotary_dim(self) -> int:
@@ -205,6 +229,9 @@ class ModelArchitecture:
         """Weights of every layer's MLP: SwiGLU matrices of the dense layers, router and
         experts (and shared expert) of the sparse ones (active: the top-k experts one token
         runs through)."""
+        return self.derived(("mlp_parameters", active), lambda: self._mlp_parameters(active))
+
+    def _mlp_parameters(self, active: bool) -> int:
         h = self.hidden_size
         experts = self.num_experts_per_tok if active else self.num_experts
         moe = self.num_experts * h + experts * 3 * h * self.moe_intermediate_size
@@ -258,7 +285,8 @@ class ModelArchitecture:
 
         active: count only the experts one token runs through (top-k of each sparse layer)."""
         h = self.hidden_size
-        mixers = sum(self.mixer_parameters(spec.mixer) for spec in self.layer_specs())
+        mixers = self.derived("mixers", lambda: sum(self.mixer_parameters(spec.mixer)
+                                                    for spec in self.layer_specs()))  # fmt: skip
         total = mixers + self.num_hidden_layers * 2 * h + h  # + 2 norms a layer, final norm
         total += self.mlp_parameters(active)
         if include_embeddings:
@@ -348,3 +376,13 @@ class ModelArchitecture:
 
     def replace(self, **changes: Any) -> ModelArchitecture:
         return dataclasses.replace(self, **changes)
+
+
+@functools.cache
+def _field_getter() -> operator.attrgetter:
+    return operator.attrgetter(*(f.name for f in dataclasses.fields(ModelArchitecture)))
+
+
+def _field_values(arch: ModelArchitecture) -> tuple:
+    """Every field's value, what ModelArchitecture.derived keys its values by."""
+    return _field_getter()(arch)

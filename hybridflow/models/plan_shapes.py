@@ -85,7 +85,12 @@ class PlanShape:
 
 def shape_of(a: ModelArchitecture) -> PlanShape:
     """The plan's view of a runtime model (its counts add up to ``a.num_parameters()``, plus
-    DeepSeek's score-correction buffers, which the plan prices as the router's)."""
+    DeepSeek's score-correction buffers, which the plan prices as the router's); computed
+    once per shape (ModelArchitecture.derived)."""
+    return a.derived("plan_shape", lambda: _shape_of(a))
+
+
+def _shape_of(a: ModelArchitecture) -> PlanShape:
     h = a.hidden_size
     q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
     kv_cache, splits = 2 * kv, True

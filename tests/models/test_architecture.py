@@ -71,3 +71,25 @@ def test_unsupported_inputs_name_the_problem():
         ModelArchitecture(rope_scaling={"rope_type": "longrope", "factor": 2.0})
     with pytest.raises(ValueError, match="multiple of"):
         ModelArchitecture(num_attention_heads=6, num_key_value_heads=4)
+
+
+def test_what_the_shape_determines_is_computed_again_when_a_field_changes():
+    """ModelArchitecture.derived keeps the layer specs and parameter counts the memory plan
+    asks thousands of times; the dataclass is not frozen, so a field set afterwards gives
+    the counts of the new shape, and a caller changing the list it got changes nothing."""
+    from hybridflow.models.plan_shapes import shape_of
+    from hybridflow.models.presets import PRESETS
+
+    arch = PRESETS["qwen3-30b-a3b"].replace()
+    specs, total, shape = arch.layer_specs(), arch.num_parameters(), shape_of(arch)
+    specs.clear()
+    assert len(arch.layer_specs()) == arch.num_hidden_layers == 48
+    arch.num_hidden_layers = 4
+    assert len(arch.layer_specs()) == 4 and arch.kv_layers == 4
+    assert arch.num_parameters() < total and shape_of(arch).layers == 4
+    assert (
+        arch.num_parameters()
+        == PRESETS["qwen3-30b-a3b"].replace(num_hidden_layers=4).num_parameters()
+    )
+    arch.num_hidden_layers = 48
+    assert arch.num_parameters() == total and shape_of(arch) == shape

@@ -3,20 +3,16 @@ the memory plan, the checkpoint sizes and the preflight checks price."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 
 def model_architecture(model_path: str):
     """The ModelArchitecture of a preset or a local HF directory, without loading weights;
     None if unknown (``sft:`` before its warm start, an unreadable config.json)."""
     try:
-        from hybridflow.models.architecture import ModelArchitecture
+        from hybridflow.models.architecture_file import directory_architecture
         from hybridflow.models.presets import PRESETS
 
         if model_path in PRESETS:
             return PRESETS[model_path]
-        config = json.loads((Path(model_path) / "config.json").read_text())
-        return ModelArchitecture.from_hf(config)
+        return directory_architecture(model_path)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, ImportError):
         return None

@@ -26,6 +26,8 @@ experts spread over replicas only when no layout without that holds the step (th
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 from hybridflow.config import Config, ConfigError, validate
@@ -94,14 +96,11 @@ class Recommendation:
     closest_changes: dict[str, object] | None = None
 
 
-def recommend(cfg: Config, gpu_bytes: int) -> Recommendation | None:
+def recommend(cfg: Config, gpu_bytes: int, progress=None) -> Recommendation | None:
     """The preferred layout that fits (module docstring), with the keys to set; None when
-    the model's shape is unknown."""
-    from hybridflow.trainer.plan.memory_from_config import (
-        model_architecture_for,
-        training_gpus,
-        with_changes,
-    )
+    the model's shape is unknown. ``progress`` (a ProgressReporter) is told of each training
+    layout tried (about a second of CPU for DeepSeek-V3 on 96 GPUs)."""
+    from hybridflow.trainer.plan.memory_from_config import model_architecture_for, training_gpus
 
     found = model_architecture_for(cfg)
     if found is None:
@@ -116,25 +115,77 @@ def recommend(cfg: Config, gpu_bytes: int) -> Recommendation | None:
                        for tp, sp, ep in training_layouts(shape, world) for ckpt in checkpointing),
                       key=lambda c: (c[0], c[1] * c[2], c[4], c[1], -c[3]))  # fmt: skip
     closest: tuple[int, MemoryPlan, dict] | None = None
-    for tier, tp, sp, ep, ckpt in training:
-        fitting = []
-        for rollout_tp, rollout_ep in rollout_layouts(shape, rollout_world):
-            keys = {**layout_keys(tp, sp, ep, rollout_tp, ckpt), **tiers[tier]}
-            if rollout_ep is not None:
-                keys["rollout.expert_parallel_size"] = rollout_ep
-            plan = plan_of(with_changes(cfg, keys), gpu_bytes)
-            if plan is None:
-                continue  # validate refuses it: not built, or the batch does not divide
-            if fits_plan(plan):
-                fitting.append((plan, keys))
-            elif closest is None or overflow(plan) < closest[0]:
-                closest = (overflow(plan), plan, keys)
-        if fitting:
-            plan, keys = min(fitting, key=lambda pair: rollout_preference(pair[0], derived))
-            return Recommendation(changed_keys(cfg, keys), plan)
+    with searching(progress, len(training)) as task:
+        for tier, tp, sp, ep, ckpt in training:
+            if task is not None:
+                task.advance()
+            candidates = candidate_keys(tiers[tier], tp, sp, ep, ckpt, shape, rollout_world)
+            if not candidates or training_refusals(with_keys(cfg, candidates[0]), found[1],
+                                                   derived):  # fmt: skip
+                continue  # validate refuses every one of them
+            fitting, closest = judged(cfg, candidates, gpu_bytes, closest)
+            if fitting:
+                plan, keys = min(fitting, key=lambda pair: rollout_preference(pair[0], derived))
+                return Recommendation(changed_keys(cfg, keys), plan)
     if closest is None:
         return Recommendation({}, None)
     return Recommendation({}, None, closest[1], changed_keys(cfg, closest[2]))
+
+
+def searching(progress, total: int):
+    """The reported task of the search (nullcontext without a reporter); no total, as the
+    search ends at the first training layout that fits."""
+    if progress is None:
+        return contextlib.nullcontext()
+    return progress.task("config plan: the layout to recommend",
+                         unit=f"of at most {total} training layouts tried")  # fmt: skip
+
+
+def candidate_keys(memory_keys: dict[str, bool], tp: int, sp: int, ep: int, ckpt: bool,
+                   shape: PlanShape, rollout_world: int) -> list[dict[str, object]]:  # fmt: skip
+    """The keys of each candidate of one training layout: one a rollout layout."""
+    candidates = []
+    for rollout_tp, rollout_ep in rollout_layouts(shape, rollout_world):
+        keys = {**layout_keys(tp, sp, ep, rollout_tp, ckpt), **memory_keys}
+        if rollout_ep is not None:
+            keys["rollout.expert_parallel_size"] = rollout_ep
+        candidates.append(keys)
+    return candidates
+
+
+def judged(cfg: Config, candidates: list[dict[str, object]], gpu_bytes: int,
+           closest: tuple[int, MemoryPlan, dict] | None) -> tuple[list, tuple | None]:  # fmt: skip
+    """The candidates (cfg with each one's keys) that validate accepts and that fit, as
+    (plan, keys); and the closest miss so far, updated with these (the first of the least
+    overflow)."""
+    fitting = []
+    for keys in candidates:
+        plan = plan_of(with_keys(cfg, keys), gpu_bytes)
+        if plan is None:
+            continue  # validate refuses it: not built, or the batch does not divide
+        if fits_plan(plan):
+            fitting.append((plan, keys))
+        elif closest is None or overflow(plan) < closest[0]:
+            closest = (overflow(plan), plan, keys)
+    return fitting, closest
+
+
+def training_refusals(cfg: Config, architecture, derived) -> list[str]:
+    """What validate refuses in a candidate's training layout whatever the rollout's (tensor
+    parallelism of experts or of LoRA, expert parallelism with the one-device host step:
+    config/parallel_checks.py), checked once per training layout before validate judges each
+    of its rollout layouts: the rollout's keys do not enter these checks, so a training
+    layout they refuse has no candidate validate accepts."""
+    from hybridflow.config.parallel_checks import (
+        not_built_with_expert_parallel,
+        not_built_with_tensor_parallel,
+        roles_in_use,
+    )
+    from hybridflow.parallel.roles import role_sizes
+
+    sizes, in_use = role_sizes(cfg), roles_in_use(derived.use_reference, derived.use_critic)
+    return (not_built_with_tensor_parallel(cfg, architecture, sizes, in_use)
+            + not_built_with_expert_parallel(cfg, sizes, in_use))  # fmt: skip
 
 
 def memory_tiers(cfg: Config, world: int, use_reference: bool) -> list[dict[str, bool]]:
@@ -165,6 +216,19 @@ def layout_keys(tp: int, sp: int, ep: int, rollout_tp: int,
     return {"actor.tensor_parallel_size": tp, "actor.sequence_parallel_size": sp,
             "actor.expert_parallel_size": ep, "rollout.tensor_parallel_size": rollout_tp,
             "model.gradient_checkpointing": checkpointing}  # fmt: skip
+
+
+def with_keys(cfg: Config, keys: dict[str, object]) -> Config:
+    """cfg with a candidate's keys set: new copies of the sections they name, the others
+    shared. memory_from_config.with_changes gives the same config through a deep copy and
+    the loader's type checks, a few milliseconds a candidate; these keys and values are the
+    candidates' own, of the types the sections declare."""
+    sections: dict[str, dict[str, object]] = {}
+    for key, value in keys.items():
+        section, name = key.split(".")
+        sections.setdefault(section, {})[name] = value
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **values)
+                                       for section, values in sections.items()})  # fmt: skip
 
 
 def changed_keys(cfg: Config, keys: dict[str, object]) -> dict[str, object]:

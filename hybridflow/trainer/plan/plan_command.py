@@ -42,11 +42,12 @@ def parse_size(text: str) -> int:
     return int(size)
 
 
-def plan_command(cfg: Config, gpu_memory: str | None = None, out=print) -> int:
+def plan_command(cfg: Config, gpu_memory: str | None = None, out=print, progress=None) -> int:
     """Print the plan; exit status 2 (a ConfigError) when it cannot fit the GPU, which is
     ``--gpu-memory``, else trainer.gpu_memory_gib, else the first visible GPU; with none of
     them the plan is printed and not checked. One plan (memory_from_config.plan_for_config, which
-    ``validate`` and ``train`` check too), then the layout the plan recommends."""
+    ``validate`` and ``train`` check too), then the layout the plan recommends (its search
+    reported on ``progress``, a ProgressReporter, where given)."""
     derived = validate(cfg, planning=True)
     if gpu_memory is not None:
         gpu_bytes, source = parse_size(gpu_memory), "--gpu-memory"
@@ -73,7 +74,7 @@ def plan_command(cfg: Config, gpu_memory: str | None = None, out=print) -> int:
         out(f"  per reward-model GPU: {gib(reward_gpu[0])} (its weights and one forward)")
         if gpu_bytes is not None:
             problems = problems or reward_model_gpu_problems(cfg, reward_gpu, gpu_bytes, source)
-    for line in parallel_lines(cfg, derived, plan, fits=not problems):
+    for line in parallel_lines(cfg, derived, plan, fits=not problems, progress=progress):
         out("  " + line)
     for line in not_built_lines(cfg, derived) + quantized_weights_lines(cfg.model.path):
         out("  " + line)

@@ -133,3 +133,59 @@ def test_the_rollouts_copy_is_freed_only_where_nothing_fits_without_it():
     asynchronous = recommend(load_config(None, [*keys, "trainer.mode=async"]), 26 * GIB)
     assert asynchronous.changes["ref.param_offload"] is True
     assert "rollout.release_weights" not in asynchronous.changes
+
+
+def test_a_candidate_is_the_config_with_its_keys_set():
+    """The search builds each candidate by replacing the sections its keys name
+    (parallel_choice.with_keys): the config with_changes gives through the loader, and the
+    base config untouched by the search."""
+    from hybridflow.trainer.plan.parallel_choice import with_keys
+
+    cfg = recommended("qwen3-30b-a3b", 8, 128)[0]
+    before = repr(cfg)
+    recommend(cfg, 80 * GIB)  # its candidates share the sections they do not set with cfg
+    keys = {"actor.tensor_parallel_size": 1, "actor.sequence_parallel_size": 2,
+            "actor.expert_parallel_size": 4, "rollout.tensor_parallel_size": 2,
+            "model.gradient_checkpointing": True, "rollout.expert_parallel_size": 8,
+            "actor.param_offload": True, "ref.param_offload": True}  # fmt: skip
+    assert with_keys(cfg, keys) == with_changes(cfg, keys)
+    assert repr(cfg) == before
+
+
+def test_a_training_layout_validate_refuses_is_not_judged_rollout_by_rollout(monkeypatch):
+    """Qwen3-30B-A3B on 8 GPUs: actor tp > 1 (tensor parallelism of experts, not built) is
+    refused whatever the rollout's layout, so none of its candidates goes through validate;
+    every candidate validate judges, it accepts. The recommendation is the same."""
+    from hybridflow.config import ConfigError
+    from hybridflow.trainer.plan import parallel_choice
+
+    judged, refused = [], []
+
+    def counting(cfg, **kwargs):
+        judged.append(cfg)
+        try:
+            return validate(cfg, **kwargs)
+        except ConfigError:
+            refused.append(cfg)
+            raise
+
+    monkeypatch.setattr(parallel_choice, "validate", counting)
+    cfg, advice = recommended("qwen3-30b-a3b", 8, 128)
+    assert judged and not refused, f"{len(refused)} of {len(judged)} candidates refused"
+    assert advice.changes["actor.expert_parallel_size"] == 8
+
+
+def test_the_search_is_reported_on_the_progress_reporter():
+    """`config plan` shows the search going on (a bar on a terminal, a status line in a log
+    after a silence): how many training layouts it tried, of at most how many."""
+    from progress_helpers import recording_reporter
+
+    reporter, buffer, opened = recording_reporter()
+    cfg = load_config(None, ["model.path=qwen2.5-7b", "trainer.n_gpus_per_node=8", *GRPO,
+                             "data.train_batch_size=128", "actor.ppo_mini_batch_size=32"])  # fmt: skip
+    recommend(cfg, 80 * GIB, reporter)
+    reporter.close()
+    assert opened == ["config plan: the layout to recommend"]
+    text = buffer.getvalue()
+    assert "config plan: the layout to recommend: 1 of at most " in text, text
+    assert "config plan: the layout to recommend: done, " in text, text

@@ -253,3 +253,20 @@ def test_deepseek_v3_fits_96_gpus_of_96_gb_with_the_rollouts_copy_freed_for_the_
     assert round(copy / GIB, 1) == 55.0
     freed, gib = planned(tp2, "rollout.release_weights=true")
     assert (gib[GENERATE], gib[UPDATE]) == (87.3, 60.0) and fits(freed) and freed.kv_slots == 26
+
+
+def test_the_plans_long_parts_are_reported_as_they_go(plenty_of_host):
+    """What a sync moves (block by block) and the search for the layout to recommend take
+    seconds at scale: `config plan` reports both on its progress reporter (stderr)."""
+    from progress_helpers import recording_reporter
+
+    reporter, buffer, opened = recording_reporter()
+    cfg = load_config(None, [*LLAMA70_GRPO, "trainer.device=cuda"])
+    with pytest.raises(ConfigError):  # the configured layout does not fit; one is recommended
+        plan_command(cfg, "80GiB", out=[].append, progress=reporter)
+    reporter.close()
+    assert opened == [
+        "config plan: what a weight sync moves",
+        "config plan: the layout to recommend",
+    ]
+    assert "config plan: the layout to recommend: done, " in buffer.getvalue()
