@@ -103,6 +103,11 @@ def rollout_pieces(name: str, shape: tuple[int, ...], index: int, size: int,
     return tuple(pieces)
 
 
+def as_pieces(blocks: Block | tuple[Block, ...]) -> tuple[Block, ...]:
+    """A rank's block of a tensor, or its pieces (rollout_pieces), as pieces."""
+    return (blocks,) if isinstance(blocks[0][0], int) else blocks
+
+
 def whole(shape: tuple[int, ...]) -> Block:
     return tuple((0, size) for size in shape)
 
