@@ -43,6 +43,21 @@ def test_a_hybrid_keeps_kv_in_its_attention_quarter_and_a_state_per_slot():
     assert kv_block * 4 == 32 * 2 * 4 * 256 * 2 * block
 
 
+def test_a_tensor_parallel_rollout_keeps_its_ranks_share_of_the_states():
+    """rollout.tensor_parallel_size=2: a rank's blocks hold 2 of the 4 KV heads and its slots
+    the state of 8 of the 16 Gated DeltaNet key heads with their value heads (conv channels
+    and SSM state halved, engine/tensor_parallel.py), so a slot costs half the bytes."""
+    plan = _plan("qwen3.5-4b", "rollout.max_num_seqs=64", "trainer.n_gpus_per_node=2",
+                 "trainer.backend=local",
+                 "rollout.tensor_parallel_size=2")  # fmt: skip
+    kv_block = 8 * 2 * 2 * 256 * 2 * 64  # the rank's 2 KV heads
+    state = 24 * ((2 * 8 * 128 + 16 * 128) * 3 * 2 + 16 * 128 * 128 * 4)  # 8 key heads' share
+    assert state * 2 == PRESETS["qwen3.5-4b"].recurrent_state_bytes(2)
+    item = _kv_item(plan)
+    blocks = int(item.name.split("(")[1].split(" ")[0].replace(",", ""))
+    assert item.gpu_bytes == (blocks + 1) * kv_block + 65 * state
+
+
 def test_a_hybrid_decodes_without_fused_copies():
     a, dense = PRESETS["qwen3.5-4b"], PRESETS["qwen3-4b"]
     assert fused_copy_bytes(a, "all") == 0 == fused_copy_bytes(a, "qkv")
