@@ -5,9 +5,12 @@ of in_proj_qkv and the conv taps, of in_proj_z/a/b, their A_log and dt_bias), so
 recurrent cache holds half the conv channels and SSM state [S, 2, Dk, Dv]. The Qwen3.5-MoE
 variant also splits the experts (2 of 4 a rank) and the gated shared expert's width. Both
 ranks draw exactly the tokens one process with the whole model draws (greedy, n samples
-copying a prompt's state, preemption), log-probs equal to fp32 rounding."""
+copying a prompt's state, preemption), log-probs equal to fp32 rounding; on the triton
+backend too (its Triton recurrent step over the rank's heads; TRITON_INTERPRET=1 on CPU)."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ import torch.distributed as dist
 from gloo_ranks import run_ranks
 from test_tensor_parallel_mixers import GREEDY, LONG, PROMPTS, SAMPLED, _compare, _engine
 
+from hybridflow.engine import Engine, EngineOptions, SamplingParams
 from hybridflow.engine.tensor_parallel import local_architecture, local_shard, tensor_parallel_model
 from hybridflow.models import build_model
 from hybridflow.models.presets import preset_config
@@ -108,3 +112,29 @@ def _generate_on_ranks(rank: int, world: int, moe: bool) -> None:
 @pytest.mark.parametrize("moe", [False, True], ids=["tiny-hybrid", "tiny-hybrid-moe"])
 def test_two_ranks_draw_the_tokens_of_one_process(moe):
     run_ranks(_generate_on_ranks, 2, moe)
+
+
+TRITON_STEP = SamplingParams(n=2, temperature=0.9, max_new_tokens=4, seed=3, ignore_eos=True)
+
+
+def _triton_steps_on_ranks(rank: int, world: int) -> None:
+    """decode_backend="triton": the model's eager passes with the Triton recurrent step and
+    attention kernel (kernels/delta_step.py) over the rank's heads."""
+    whole_model = _model(_config(moe=False))
+    options = EngineOptions(decode_backend="triton", kv_block_size=16, cap_state_slots=False)
+    whole = Engine(whole_model, 4, 32, options=options)
+    shard = tensor_parallel_model(whole_model.config, dist.group.WORLD, torch.float32, "cpu")
+    tp = Engine(shard, 4, 32, options=options)
+    sections = deltanet_sections(whole_model.config)
+    tp.load_weights((name, local_shard(name, tensor, rank, world, sections=sections))
+                    for name, tensor in whole_model.named_parameters(remove_duplicate=False))  # fmt: skip
+    assert tp.recurrent_step == whole.recurrent_step == "triton"
+    _compare(tp.generate(PROMPTS[:2], TRITON_STEP), whole.generate(PROMPTS[:2], TRITON_STEP))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton kernels on CPU need TRITON_INTERPRET=1")  # fmt: skip
+@pytest.mark.slow
+def test_two_ranks_on_the_triton_recurrent_step_draw_the_tokens_of_one_process():
+    pytest.importorskip("triton")
+    run_ranks(_triton_steps_on_ranks, 2)
