@@ -150,15 +150,20 @@ class TensorParallelRollout:
             iter_checkpoint_tensors,
             read_hf_config,
         )
+        from hybridflow.models.families import read_tensor
 
         config = read_hf_config(path)
         problem = native_support_problem(config)
         if problem is not None:
             raise ValueError(_fallback_refusal(size, path, problem))
-        tensor = cls(ModelArchitecture.from_hf(config), size, dtype, device,
-                     split_experts=split_experts, expert_parallel_size=expert_parallel_size,
-                     own_group=own_group)  # fmt: skip
-        tensor.copy_in(iter_checkpoint_tensors(path, dtype), path)
+        architecture = ModelArchitecture.from_hf(config)
+        tensor = cls(architecture, size, dtype, device, split_experts=split_experts,
+                     expert_parallel_size=expert_parallel_size, own_group=own_group)  # fmt: skip
+        # under our names, as the one-process loader reads them (a multimodal checkpoint's
+        # prefix dropped, Qwen3-Next's fused DeltaNet projections split: models/families)
+        named = (pair for name, stored in iter_checkpoint_tensors(path, dtype)
+                 for pair in read_tensor(architecture, name, stored))  # fmt: skip
+        tensor.copy_in(named, path)
         return tensor
 
     @torch.no_grad()

@@ -7,7 +7,8 @@ reshards the trainer's shards straight into the engine's (engine/reshard.py): ea
 gets exactly its key heads' rows of in_proj_qkv and the conv taps (a piece of each [q; k; v]
 section), of in_proj_z/a/b, its A_log and dt_bias, its columns of out_proj, its gated-
 attention heads with their gates, the norms whole. The engine then draws the tokens one
-process with the trained model draws; the bytes moved are the block plan's."""
+process with the trained model draws; the bytes moved are the block plan's. Split placement
+reads each rank's heads from a checkpoint directory, Qwen3-Next's fused projections too."""
 
 from __future__ import annotations
 
@@ -146,3 +147,25 @@ def _reshard_on_ranks(rank: int, world: int, moe: bool, train_tp: int) -> None:
 )  # fmt: skip
 def test_a_trained_actor_reshards_into_the_tensor_parallel_rollout(moe, train_tp):
     run_ranks(_reshard_on_ranks, 2, moe, train_tp)
+
+
+def _load_on_ranks(rank: int, world: int, path: str, moe: bool) -> None:
+    config = _next_config() if moe else _config(moe=False)
+    whole = dict(build_model(config, seed=5).named_parameters())
+    tensor = TensorParallelRollout.from_checkpoint(path, 2, torch.float32, "cpu")
+    sections = deltanet_sections(config)
+    for name, param in tensor.model.named_parameters():
+        assert torch.equal(param, local_shard(name, whole[name], rank, 2, sections=sections)), name
+
+
+def _next_config():
+    """Qwen3-Next's layout of the same layers: its checkpoint fuses each key head's q, k, v
+    and z rows into in_proj_qkvz (and a and b into in_proj_ba), split on reading."""
+    return _config(moe=True).replace(model_type="qwen3_next")
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["tiny-hybrid", "qwen3-next-layout"])
+def test_split_placement_reads_each_ranks_heads_from_a_checkpoint(tmp_path, moe):
+    build_model(_next_config() if moe else _config(moe=False), seed=5).save_pretrained(
+        str(tmp_path))  # fmt: skip
+    run_ranks(_load_on_ranks, 2, str(tmp_path), moe)
