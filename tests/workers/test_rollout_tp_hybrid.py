@@ -8,7 +8,8 @@ gets exactly its key heads' rows of in_proj_qkv and the conv taps (a piece of ea
 section), of in_proj_z/a/b, its A_log and dt_bias, its columns of out_proj, its gated-
 attention heads with their gates, the norms whole. The engine then draws the tokens one
 process with the trained model draws; the bytes moved are the block plan's. Split placement
-reads each rank's heads from a checkpoint directory, Qwen3-Next's fused projections too."""
+reads each rank's heads from a checkpoint directory, Qwen3-Next's fused projections too; LoRA
+adapters arrive merged into each rank's pieces."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from hybridflow.models import build_model
 from hybridflow.models.presets import preset_config
 from hybridflow.parallel.blocks import deltanet_sections
 from hybridflow.parallel.layout import build_mesh, rollout_layout, train_layout
-from hybridflow.workers.rollout_tp import TensorParallelRollout
+from hybridflow.workers.rollout_tp import TensorParallelRollout, training_sources
 
 
 def _config(moe: bool):
@@ -169,3 +170,32 @@ def test_split_placement_reads_each_ranks_heads_from_a_checkpoint(tmp_path, moe)
     build_model(_next_config() if moe else _config(moe=False), seed=5).save_pretrained(
         str(tmp_path))  # fmt: skip
     run_ranks(_load_on_ranks, 2, str(tmp_path), moe)
+
+
+def _lora_on_ranks(rank: int, world: int) -> None:
+    """LoRA on q/k/v and o_proj (Gated DeltaNet's in_proj_qkv, in_proj_z and out_proj),
+    FSDP2 over both ranks: each rank's pieces of in_proj_qkv arrive merged, W + scale · B @ A,
+    as learners/lora merges the whole weight."""
+    from hybridflow.learners.lora import apply_lora, lora_scalings, merge_lora_stream
+
+    model = _model(_config(moe=False))
+    apply_lora(model, rank=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    with torch.no_grad():  # lora_B starts at 0: give the adapters something to merge
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    merged = dict(merge_lora_stream(model.state_dict().items(), lora_scalings(model)))
+    _shard(model, train_layout(2))
+    actor = SimpleNamespace(model=model)
+    tensor = TensorParallelRollout.from_actor(actor, 2, torch.float32, "cpu", "tiny-hybrid")
+    _, adapters = training_sources(model, dict(tensor.model.named_parameters()))
+    assert {"model.layers.0.linear_attn.in_proj_qkv.weight",
+            "model.layers.3.self_attn.q_proj.weight"} <= set(adapters)  # fmt: skip
+    sections = deltanet_sections(tensor.architecture)
+    for name, param in tensor.model.named_parameters():
+        expected = local_shard(name, merged[name], rank, 2, sections=sections)
+        torch.testing.assert_close(param, expected, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_lora_adapters_merge_into_each_ranks_heads():
+    run_ranks(_lora_on_ranks, 2)
