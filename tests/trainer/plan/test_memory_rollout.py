@@ -12,7 +12,11 @@ from hybridflow.models.presets import PRESETS
 from hybridflow.trainer.plan.memory_from_config import plan_for_config
 from hybridflow.trainer.plan.memory_items import PlanOptions
 from hybridflow.trainer.plan.memory_plan import build_plan
-from hybridflow.trainer.plan.memory_rollout import fused_copy_bytes, rollout_weight_parameters
+from hybridflow.trainer.plan.memory_rollout import (
+    fused_copy_bytes,
+    per_sequence_bytes,
+    rollout_weight_parameters,
+)
 
 GIB = 2**30
 LONG = ["data.max_prompt_length=512", "data.max_response_length=16384", "trainer.device=cuda",
@@ -188,3 +192,11 @@ def test_an_engine_on_the_actors_tensors_has_no_copy_to_release():
     one = ["model.dtype=bfloat16", "rollout.release_weights=true"]
     item = next(i for i in _plan("qwen2.5-7b", *one).items if i.name.startswith("rollout weights"))
     assert item.gpu_bytes == 0 and item.note == "reads the actor's in place"
+
+
+def test_a_tensor_parallel_rank_keeps_its_kv_heads_share_of_the_rings():
+    """gpt-oss-20b at rollout TP 2: a slot's rings hold the rank's 4 of the 8 KV heads
+    (engine/cache/window.py), 12 sliding layers × 128 positions × K and V × 4 × 64 × 2 bytes."""
+    a = PRESETS["gpt-oss-20b"]
+    assert per_sequence_bytes(a, 2, tp=2) == 12 * 128 * 2 * 4 * 64 * 2
+    assert per_sequence_bytes(a, 2, tp=1) == 2 * per_sequence_bytes(a, 2, tp=2)
