@@ -163,8 +163,8 @@ def rollout_tensor_parallel_limits(cfg: Config, arch: ModelArchitecture | None) 
     steps in lockstep). Partial rollouts and agent loops run: the group's ranks serve in
     rounds (engine/serving/lockstep.py), kept KV released on every rank at the same step; so
     do the fused decode layers (the split layer's all-reduces: engine/layers/split.py) and
-    the fp8 rollout on them. GQA, sink attention (full or windowed) and MLA layers split by
-    heads (engine/tensor_parallel.py)."""
+    the fp8 rollout on them. GQA, sink attention (full or windowed), MLA, gated attention
+    and Gated DeltaNet layers split by heads (engine/tensor_parallel.py)."""
     size = cfg.rollout.tensor_parallel_size
     if size <= 1:
         return []
@@ -181,10 +181,9 @@ def rollout_tensor_parallel_limits(cfg: Config, arch: ModelArchitecture | None) 
 
 def unsplit_mixers(arch: ModelArchitecture | None) -> list[str]:
     """The token mixers of ``arch`` the tensor-parallel rollout does not split
-    (engine/tensor_parallel.SPLIT_MIXERS: Qwen3.5's gated attention), by kind; none for a
-    model with recurrent layers (refused for every split by _check_shape)."""
-    if arch is None or arch.num_hidden_layers > arch.kv_layers:
-        return []  # recurrent layers: _check_shape names them
+    (engine/tensor_parallel.SPLIT_MIXERS), by kind."""
+    if arch is None:
+        return []
     from hybridflow.engine.tensor_parallel import unsplit_mixers as kinds
 
     return kinds(arch)
@@ -291,6 +290,12 @@ def _moe_rollout_limits(cfg: Config, arch: ModelArchitecture, key: str) -> list[
             f"{key} must divide the width of the model's shared experts (moe_intermediate_size "
             f"× n_shared_experts = {shared}): pick a divisor of {shared}"
         )
+    gated = arch.shared_expert_intermediate_size  # Qwen3.5-MoE's, split like a dense MLP
+    if gated % cfg.rollout.tensor_parallel_size:
+        problems.append(
+            f"{key} must divide the width of the model's shared expert "
+            f"(shared_expert_intermediate_size = {gated}): pick a divisor of {gated}"
+        )
     return problems
 
 
@@ -330,14 +335,12 @@ def _check_shape(role: str, arch: ModelArchitecture, sizes: list[RoleSize], add:
     # MLA's num_key_value_heads shapes nothing (every head reads the one latent)
     kv = arch.num_key_value_heads if any(spec.keeps_kv for spec in specs) else 0
     recurrent = arch.num_hidden_layers - arch.kv_layers  # layers whose state spans the sequence
-    if recurrent and role == "rollout" and tp > 1:  # the engine's recurrent cache is whole
-        key = mine["tp"].key
-        add(f"{who}: {key} = {tp}: this model's {recurrent} Gated DeltaNet layers (a recurrent "
-            f"state per sequence) are not split by the rollout's tensor parallelism yet: set "
-            f"{key}=1 (the actor, reference and critic split them by tensor and sequence "
-            "parallelism)")  # fmt: skip
+    if recurrent and role == "rollout" and ep > tp > 1:  # engine/expert_spread.py's replicas
+        add(f"{who}: {mine['ep'].key} = {ep} above {mine['tp'].key} = {tp}: experts spread over "
+            f"several tensor-parallel replicas of a model with {recurrent} Gated DeltaNet "
+            f"layers are not built yet: set {mine['ep'].key}={tp}")  # fmt: skip
         return
-    if recurrent and max(tp, sp) > 1:
+    if recurrent and max(tp, sp) > 1:  # the rollout's tensor parallelism too (its engine's)
         _check_recurrent_heads(who, arch, mine, tp, sp, add)
     sinks = sum(spec.mixer == "sink_attention" for spec in specs)
     if sp > 1 and sinks:  # its attention runs outside the Ulysses-wrapped kernels

@@ -127,9 +127,10 @@ def serve_peers(model, device: torch.device) -> int:
 
 
 def spread_shard(name: str, full: torch.Tensor, ep_rank: int, ep: int, tp_rank: int = 0,
-                 tp: int = 1) -> torch.Tensor:  # fmt: skip
+                 tp: int = 1, sections: tuple[int, ...] | None = None) -> torch.Tensor:  # fmt: skip
     """``name``'s slice for this rank (a view): a packed expert tensor [E, ...] its E / ep
-    experts, any other tensor its tensor-parallel slice (whole with tp = 1)."""
+    experts, any other tensor its tensor-parallel slice (whole with tp = 1; sections:
+    tensor_parallel.local_shard's)."""
     if name.endswith(PACKED_EXPERTS):
         start, stop = even_range(full.shape[0], ep_rank, ep)
         return full.narrow(0, start, stop - start)
@@ -137,7 +138,7 @@ def spread_shard(name: str, full: torch.Tensor, ep_rank: int, ep: int, tp_rank: 
         return full
     from hybridflow.engine.tensor_parallel import local_shard
 
-    return local_shard(name, full, tp_rank, tp, split_experts=False)
+    return local_shard(name, full, tp_rank, tp, split_experts=False, sections=sections)
 
 
 def expert_parallel_model(config: ModelArchitecture, expert_group, replica_group,

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from hybridflow.parallel.blocks import Block, Transfer, numel, transfer_plan, whole
+from hybridflow.parallel.blocks import Block, Transfer, as_pieces, numel, transfer_plan, whole
 
 
 @dataclass
@@ -103,6 +103,10 @@ class Resharder:
     ``targets`` (name -> the engine's parameter, this rank's block ``target_blocks[name]``
     of the full tensor) over ``group``, whose ranks index the blocks.
 
+    A target held as several pieces (``target_blocks[name]`` a tuple of blocks stacked along
+    its dim 0: Gated DeltaNet's in_proj_qkv and conv taps, parallel/blocks.rollout_pieces)
+    is assembled piece by piece.
+
     Built once per pair of layouts (collective: every rank of the group, same names);
     ``run(sources)`` (collective too) moves their current values and returns what it did
     (the trainer's parameter objects are read again at every run: FSDP2 may have replaced
@@ -120,15 +124,22 @@ class Resharder:
         self.world = dist.get_world_size(group)
         self.bucket_bytes = bucket_bytes
         names = list(targets)
-        mine = {name: (local_block(sources[name]), target_blocks[name]) for name in names}
+        mine = {name: (local_block(sources[name]), as_pieces(target_blocks[name]))
+                for name in names}  # fmt: skip
         everyone: list = [None] * self.world
         dist.all_gather_object(everyone, mine, group=group)
         self.parameters = []
         for name in names:
-            entry = _Parameter(name, mine[name][0], targets[name], mine[name][1])
-            entry.transfers = transfer_plan([blocks[name][0] for blocks in everyone],
-                                            [blocks[name][1] for blocks in everyone])  # fmt: skip
-            self.parameters.append(entry)
+            source_block, pieces = mine[name]
+            row = 0  # a piece's first row in this rank's engine tensor (pieces stack on dim 0)
+            for index, piece in enumerate(pieces):
+                rows = piece[0][1] - piece[0][0]
+                target = targets[name] if len(pieces) == 1 else targets[name].narrow(0, row, rows)
+                entry = _Parameter(name, source_block, target, piece)
+                entry.transfers = transfer_plan([blocks[name][0] for blocks in everyone],
+                                                [blocks[name][1][index] for blocks in everyone])  # fmt: skip
+                self.parameters.append(entry)
+                row += rows
         self.buckets = self._buckets()
 
     def _traffic(self, entry: _Parameter) -> list[int]:

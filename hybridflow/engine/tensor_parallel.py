@@ -26,9 +26,24 @@ up-projections the absorbed decode folds into q and the output). MLA's latent is
 every head, so its projection (kv_a_proj_with_mqa, q_a_proj and their norms) is whole on
 every rank, each computing it, and each rank's cache holds the whole latent (vLLM's layout).
 
-The model is a CausalLM built from the per-rank shape (heads, KV heads and MLP width divided
-by tp, the vocabulary whole) with those four modules swapped in, so the engine's eager
-prefill, extend and decode (prefill.py, layers/eager.py) run it unchanged; the triton
+Qwen3.5's layers split by heads too. Gated attention: each rank's heads with their output
+gates (q_proj's rows hold [q_h | gate_h] per head, so a contiguous 1/tp of them) and KV heads;
+the zero-centred q/k norms act on a head's dimensions and are whole. Gated DeltaNet: each rank
+runs its key heads with the value heads they serve (models/sharding/deltanet_parallel.py's
+head arithmetic, as training's tensor parallelism splits them): their rows of in_proj_qkv and
+of the conv taps (a part of each [q; k; v] section: parallel/blocks.rollout_pieces), of
+in_proj_z, in_proj_a and in_proj_b, their A_log and dt_bias, the gated norm whole (one weight
+a head dimension), out_proj row-parallel. Nothing of the delta rule crosses heads, so a
+rank's recurrent cache holds its heads' conv channels and SSM state [S, Hv / tp, Dk, Dv]
+only (cache/kinds.recurrent_state_spec of the local shape), prefilled, copied to a prompt's
+samples and rebuilt after a preemption as one process does. Qwen3.5-MoE's gated shared
+expert splits like a dense MLP (its sigmoid gate, one scalar a token, whole: it scales the
+summed output).
+
+The model is a CausalLM built from the per-rank shape (heads, KV heads, Gated DeltaNet heads
+and MLP width divided by tp, the vocabulary whole) with those four modules swapped in, so the
+engine's eager prefill, extend and decode (prefill.py, layers/eager.py; the Triton recurrent
+step, kernels/delta_step.py, on the rank's heads) run it unchanged; the triton
 backend's split layer (layers/split.py) runs o_proj and down_proj with its own matmuls and
 sums them with RowParallelLinear.reduce (project_out). The KV cache, sized from its config,
 holds this rank's KV heads only. The modules talk through the process group they are given;
@@ -46,27 +61,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridflow.models.architecture import ModelArchitecture
-from hybridflow.parallel.blocks import even_range, rollout_shard_dim
+from hybridflow.parallel.blocks import even_range, rollout_pieces
 
 
 def local_shard(name: str, full: torch.Tensor, rank: int, size: int,
-                split_experts: bool = True) -> torch.Tensor:  # fmt: skip
-    """``rank``'s slice of the full tensor of parameter ``name`` (a view); a packed expert
-    tensor [E, ...] gives its E / size experts when ``split_experts``, else all of them."""
-    dim = rollout_shard_dim(name, split_experts)
-    if dim is None or size == 1:
-        return full
-    start, stop = even_range(full.shape[dim], rank, size)
-    return full.narrow(dim, start, stop - start)
+                split_experts: bool = True,
+                sections: tuple[int, ...] | None = None) -> torch.Tensor:  # fmt: skip
+    """``rank``'s slice of the full tensor of parameter ``name`` (a view, but for Gated
+    DeltaNet's in_proj_qkv and conv taps: the rows of the rank's heads from each of their
+    ``sections``, parallel/blocks.deltanet_sections, concatenated); a packed expert tensor
+    [E, ...] gives its E / size experts when ``split_experts``, else all of them."""
+    pieces = rollout_pieces(name, tuple(full.shape), rank, size, split_experts, sections)
+    views = [full[tuple(slice(start, stop) for start, stop in block)] for block in pieces]
+    return views[0] if len(views) == 1 else torch.cat(views)
 
 
 def _has_dense_layers(config: ModelArchitecture) -> bool:
     return len(config.sparse_layer_indices()) < config.num_hidden_layers
 
 
-# The token mixers a tensor-parallel rank runs over its share of the heads (the others,
-# Qwen3.5's gated attention and Gated DeltaNet, are refused by local_architecture).
-SPLIT_MIXERS = ("attention", "sink_attention", "mla")
+# The token mixers a tensor-parallel rank runs over its share of the heads (any other is
+# refused by local_architecture): every mixer kind of models/layer_spec.MIXER_KINDS today.
+SPLIT_MIXERS = ("attention", "gated_attention", "gated_deltanet", "sink_attention", "mla")
 
 
 def unsplit_mixers(config: ModelArchitecture) -> list[str]:
@@ -92,15 +108,18 @@ def local_architecture(config: ModelArchitecture, size: int,
                          "layers yet: set rollout.tensor_parallel_size=1")  # fmt: skip
     dense = _has_dense_layers(config)
     kv_heads = any(spec.keeps_kv for spec in config.layer_specs())
+    recurrent = bool(config.linear_num_key_heads)
     problems = [
         f"{what} = {count}"
         for what, count, applies in (
             ("num_attention_heads", config.num_attention_heads, True),
             ("num_key_value_heads", config.num_key_value_heads, kv_heads),
+            ("linear_num_key_heads", config.linear_num_key_heads, recurrent),
             ("intermediate_size", config.intermediate_size, dense),
             ("vocab_size", config.vocab_size, True),
             ("num_experts", config.num_experts, config.is_moe and split_experts),
             ("moe_intermediate_size * n_shared_experts", shared_expert_width(config), True),
+            ("shared_expert_intermediate_size", config.shared_expert_intermediate_size, True),
         )
         if applies and count % size
     ]
@@ -115,6 +134,11 @@ def local_architecture(config: ModelArchitecture, size: int,
         num_key_value_heads=config.num_key_value_heads // size if kv_heads else heads,
         # a model whose every layer is sparse never builds a dense MLP of this width
         intermediate_size=config.intermediate_size // size if dense else config.intermediate_size,
+        # Gated DeltaNet: the rank's key heads with the value heads each serves (a multiple)
+        linear_num_key_heads=config.linear_num_key_heads // size,
+        linear_num_value_heads=config.linear_num_value_heads // size,
+        # Qwen3.5-MoE's gated shared expert: a dense MLP's split (its gate whole)
+        shared_expert_intermediate_size=config.shared_expert_intermediate_size // size,
     )
 
 
@@ -182,6 +206,16 @@ class VocabParallelHead(nn.Module):
         return torch.cat(shards, dim=-1)
 
 
+def _split_mixer_output(mixer: nn.Module, hidden_size: int, group) -> None:
+    """The mixer's output projection made row-parallel (its input columns are the rank's
+    heads): o_proj, or Gated DeltaNet's out_proj. Everything before it is the rank's heads
+    already, the mixer built from local_architecture's shape."""
+    name = "out_proj" if hasattr(mixer, "out_proj") else "o_proj"
+    linear = getattr(mixer, name)
+    setattr(mixer, name, RowParallelLinear(linear.in_features, hidden_size,
+                                           linear.bias is not None, group))  # fmt: skip
+
+
 def tensor_parallel_model(config: ModelArchitecture, group, dtype: torch.dtype,
                           device: str | torch.device, split_experts: bool = True,
                           before_allocation=None):  # fmt: skip
@@ -205,9 +239,8 @@ def tensor_parallel_model(config: ModelArchitecture, group, dtype: torch.dtype,
         vocab_local = stack.embed_tokens.weight.shape[0]
         model.lm_head = VocabParallelHead(vocab_local, config.hidden_size, group)
         for layer in stack.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.o_proj = RowParallelLinear(attn.o_proj.in_features, config.hidden_size,
-                                            config.o_proj_bias, group)  # fmt: skip
+            _split_mixer_output(getattr(layer, layer.mixer_name), config.hidden_size, group)
+            mlp = layer.mlp
             if not layer.sparse:
                 mlp.down_proj = RowParallelLinear(mlp.down_proj.in_features, config.hidden_size,
                                                   False, group)  # fmt: skip
@@ -221,6 +254,10 @@ def tensor_parallel_model(config: ModelArchitecture, group, dtype: torch.dtype,
                 mlp.shared_experts = MLP(local, width)
                 mlp.shared_experts.down_proj = RowParallelLinear(width, config.hidden_size, False,
                                                                  group)  # fmt: skip
+            if getattr(mlp, "shared_expert", None) is not None:  # Qwen3.5-MoE's, gated after
+                width = local.shared_expert_intermediate_size  # the sum (a scalar a token)
+                mlp.shared_expert.down_proj = RowParallelLinear(width, config.hidden_size, False,
+                                                                group)  # fmt: skip
         if before_allocation is not None:
             before_allocation(model)
     model.tie_weights()  # the head shares the embedding's shard

@@ -144,11 +144,11 @@ def _shape_of(a: ModelArchitecture) -> PlanShape:
 
 def rollout_whole_parameters(a: ModelArchitecture) -> int:
     """The layers' parameters every rank of a tensor-parallel rollout holds whole
-    (parallel/blocks.rollout_shard_dim: no split dimension): the norms, o_proj's bias, MLA's
-    q down-projection and latent projection with their norms (every head reads the one
-    latent), a sparse layer's router with its bias or DeepSeek-V3's score correction (a
-    buffer, priced with the router). The final norm is not counted (nor is it in the layers'
-    parameters)."""
+    (parallel/blocks.rollout_shard_dim: no split dimension): the norms (Gated DeltaNet's gated
+    norm too), o_proj's bias, MLA's q down-projection and latent projection with their norms
+    (every head reads the one latent), a sparse layer's router with its bias or DeepSeek-V3's
+    score correction (a buffer, priced with the router), Qwen3.5-MoE's shared-expert gate.
+    The final norm is not counted (nor is it in the layers' parameters)."""
     h, bias = a.hidden_size, int(a.attention_bias)
     whole = 0
     for spec in a.layer_specs():
@@ -158,12 +158,15 @@ def rollout_whole_parameters(a: ModelArchitecture) -> int:
             whole += (h + bias) * latent + a.kv_lora_rank
             if a.q_lora_rank is not None:
                 whole += (h + bias + 1) * a.q_lora_rank
+        elif spec.mixer == "gated_deltanet":  # its gated norm (one weight a head dimension)
+            whole += a.linear_value_head_dim
         elif a.qk_norm:
             whole += 2 * a.head_dim
         if spec.sparse:
             corrected = spec.mlp == "grouped_experts_shared" and a.topk_method == "noaux_tc"
             extra = spec.mlp == "biased_experts" or corrected
             whole += a.num_experts * (h + extra)
+            whole += h if spec.mlp == "experts_shared" else 0  # its shared expert's gate
     return whole
 
 

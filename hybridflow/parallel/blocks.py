@@ -20,6 +20,16 @@ Block = tuple[tuple[int, int], ...]
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
 VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+# Gated DeltaNet (models/sharding/tensor_parallel.py): split by key heads with their value
+# heads. Its input projections, conv taps and per-head decay parameters by rows (dim 0),
+# out_proj by input columns; its gated norm (one weight a head dimension) whole.
+DELTANET_ROWS = (".linear_attn.in_proj_qkv.weight", ".linear_attn.in_proj_z.weight",
+                 ".linear_attn.in_proj_a.weight", ".linear_attn.in_proj_b.weight",
+                 ".linear_attn.conv1d.weight", ".linear_attn.A_log", ".linear_attn.dt_bias")  # fmt: skip
+DELTANET_COLUMNS = (".linear_attn.out_proj.weight",)
+# ... of which in_proj_qkv's and the conv's rows run [q; k; v] over all heads: a rank's heads
+# are its part of each of the three sections (deltanet_parallel.head_channels), not one range
+SECTIONED_ROWS = (".linear_attn.in_proj_qkv.weight", ".linear_attn.conv1d.weight")
 
 
 def shard_dim(name: str) -> int | None:
@@ -27,8 +37,10 @@ def shard_dim(name: str) -> int | None:
     Megatron's split (Shoeybi et al. 2019, §3): q/k/v and gate/up by output rows (whole
     heads), o_proj and down_proj by input columns, the embedding and lm_head by vocabulary
     rows; None: every rank holds all of it (norms, o_proj's bias, added after the sum)."""
-    if name in VOCAB:
+    if name in VOCAB or name.endswith(DELTANET_ROWS):
         return 0
+    if name.endswith(DELTANET_COLUMNS):
+        return 1
     parts = name.split(".")
     module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
     if module in COLUMN:
@@ -59,6 +71,41 @@ def rollout_shard_dim(name: str, split_experts: bool = True) -> int | None:
     if name.endswith(HEAD_ROWS):
         return 0
     return shard_dim(name)
+
+
+def deltanet_sections(config) -> tuple[int, int, int] | None:
+    """The widths of the [q; k; v] sections of a Gated DeltaNet layer's in_proj_qkv and conv
+    rows (SECTIONED_ROWS) of a ModelArchitecture; None: the model has no such layer."""
+    if not config.linear_num_key_heads:
+        return None
+    keys = config.linear_num_key_heads * config.linear_key_head_dim
+    return keys, keys, config.linear_num_value_heads * config.linear_value_head_dim
+
+
+def rollout_pieces(name: str, shape: tuple[int, ...], index: int, size: int,
+                   split_experts: bool = True,
+                   sections: tuple[int, ...] | None = None) -> tuple[Block, ...]:  # fmt: skip
+    """Rank ``index`` of ``size``'s blocks of parameter ``name`` in the tensor-parallel
+    rollout, in the order its own tensor holds them along dim 0 (their concatenation): one
+    block (rollout_shard_dim's split), or for a tensor of SECTIONED_ROWS its part of each of
+    ``sections`` (deltanet_sections: rank r's key heads' q rows, then their k rows, then their
+    value heads' v rows, as deltanet_parallel.head_channels lists them)."""
+    if size == 1 or not name.endswith(SECTIONED_ROWS):
+        return (tensor_parallel_block(shape, rollout_shard_dim(name, split_experts), index,
+                                      size),)  # fmt: skip
+    if sections is None or sum(sections) != shape[0]:
+        raise ValueError(f"{name} {shape}: its rows are [q; k; v] sections, given {sections}")
+    pieces, first = [], 0
+    for width in sections:
+        start, stop = even_range(width, index, size)
+        pieces.append(((first + start, first + stop), *whole(shape)[1:]))
+        first += width
+    return tuple(pieces)
+
+
+def as_pieces(blocks: Block | tuple[Block, ...]) -> tuple[Block, ...]:
+    """A rank's block of a tensor, or its pieces (rollout_pieces), as pieces."""
+    return (blocks,) if isinstance(blocks[0][0], int) else blocks
 
 
 def whole(shape: tuple[int, ...]) -> Block:

@@ -10,9 +10,13 @@ from dataclasses import dataclass
 from hybridflow.models.architecture import ModelArchitecture
 from hybridflow.parallel.blocks import (
     PACKED_EXPERTS,
+    SECTIONED_ROWS,
     Block,
+    as_pieces,
+    deltanet_sections,
     fsdp_block,
     numel,
+    rollout_pieces,
     rollout_shard_dim,
     shard_dim,
     tensor_parallel_block,
@@ -52,19 +56,24 @@ def training_blocks(name: str, shape: tuple[int, ...], layout: Layout) -> list[B
     return blocks
 
 
-def rollout_blocks(name: str, shape: tuple[int, ...], layout: Layout,
-                   split_experts: bool = True) -> list[Block]:  # fmt: skip
+def rollout_blocks(name: str, shape: tuple[int, ...], layout: Layout, split_experts: bool = True,
+                   sections: tuple[int, ...] | None = None) -> list[Block | tuple[Block, ...]]:  # fmt: skip
     """Per rank, its block of parameter ``name`` in a rollout layout (each replica whole); a
     packed expert tensor: the rank's whole experts when ``split_experts`` (the experts
     split over the tensor-parallel ranks, engine/tensor_parallel.py, or over the ``ep``
-    ranks of several replicas when ep > tp, engine/expert_spread.py), else all of them."""
+    ranks of several replicas when ep > tp, engine/expert_spread.py), else all of them.
+    Gated DeltaNet's in_proj_qkv and conv taps: the rank's pieces, one a section of
+    ``sections`` (blocks.rollout_pieces; blocks.deltanet_sections of the model)."""
     dim = rollout_shard_dim(name, split_experts)
     spread = dim is not None and name.endswith(PACKED_EXPERTS) and layout.ep > layout.tp
     blocks = []
     for rank in range(layout.world):
         at = coordinates(layout, rank)
-        index, parts = (at["ep"], layout.ep) if spread else (at.get("tp", 0), layout.tp)
-        blocks.append(tensor_parallel_block(shape, dim, index, parts))
+        if spread:
+            blocks.append(tensor_parallel_block(shape, dim, at["ep"], layout.ep))
+            continue
+        pieces = rollout_pieces(name, shape, at.get("tp", 0), layout.tp, split_experts, sections)
+        blocks.append(pieces[0] if len(pieces) == 1 else pieces)
     return blocks
 
 
@@ -102,20 +111,25 @@ def reshard_traffic(arch: ModelArchitecture, train: Layout, rollout: Layout,
     if train.ep > 1:
         raise ValueError("reshard_traffic plans training layouts without expert parallelism")
     for name, shape in parameter_shapes(arch):
-        kind = (shape, shard_dim(name), rollout_shard_dim(name, split_experts))
+        # a sectioned tensor's pieces depend on its name, not only its split dimension
+        kind = (shape, shard_dim(name), rollout_shard_dim(name, split_experts),
+                name.endswith(SECTIONED_ROWS))  # fmt: skip
         kinds.setdefault(kind, [name, 0])[1] += 1
-    for (shape, _, _), (name, count) in kinds.items():
+    sections = deltanet_sections(arch)
+    for (shape, *_), (name, count) in kinds.items():
         sources = training_blocks(name, shape, train)
-        dests = rollout_blocks(name, shape, rollout, split_experts)
-        for move in transfer_plan(sources, dests):
-            size = numel(move.block) * element_bytes * count
-            if move.source == move.dest:
-                kept[move.dest] += size
-            else:
-                received[move.dest] += size
-                sent[move.source] += size
-        for rank, block in enumerate(dests):
-            shard[rank] += numel(block) * element_bytes * count
+        dests = [as_pieces(pieces) for pieces in
+                 rollout_blocks(name, shape, rollout, split_experts, sections)]  # fmt: skip
+        for piece in range(len(dests[0])):
+            for move in transfer_plan(sources, [pieces[piece] for pieces in dests]):
+                size = numel(move.block) * element_bytes * count
+                if move.source == move.dest:
+                    kept[move.dest] += size
+                else:
+                    received[move.dest] += size
+                    sent[move.source] += size
+        for rank, pieces in enumerate(dests):
+            shard[rank] += sum(numel(block) for block in pieces) * element_bytes * count
         own = max(numel(b) for b in sources if b is not None)
         gathered += (numel(tuple((0, s) for s in shape)) - own) * element_bytes * count
     return ReshardTraffic(max(received), max(sent), min(kept), max(shard), sum(sent), gathered)

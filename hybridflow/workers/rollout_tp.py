@@ -150,15 +150,20 @@ class TensorParallelRollout:
             iter_checkpoint_tensors,
             read_hf_config,
         )
+        from hybridflow.models.families import read_tensor
 
         config = read_hf_config(path)
         problem = native_support_problem(config)
         if problem is not None:
             raise ValueError(_fallback_refusal(size, path, problem))
-        tensor = cls(ModelArchitecture.from_hf(config), size, dtype, device,
-                     split_experts=split_experts, expert_parallel_size=expert_parallel_size,
-                     own_group=own_group)  # fmt: skip
-        tensor.copy_in(iter_checkpoint_tensors(path, dtype), path)
+        architecture = ModelArchitecture.from_hf(config)
+        tensor = cls(architecture, size, dtype, device, split_experts=split_experts,
+                     expert_parallel_size=expert_parallel_size, own_group=own_group)  # fmt: skip
+        # under our names, as the one-process loader reads them (a multimodal checkpoint's
+        # prefix dropped, Qwen3-Next's fused DeltaNet projections split: models/families)
+        named = (pair for name, stored in iter_checkpoint_tensors(path, dtype)
+                 for pair in read_tensor(architecture, name, stored))  # fmt: skip
+        tensor.copy_in(named, path)
         return tensor
 
     @torch.no_grad()
@@ -221,6 +226,7 @@ class TensorParallelRollout:
 
     def _resharder(self, actor):
         from hybridflow.engine.reshard import Resharder
+        from hybridflow.parallel.blocks import deltanet_sections
         from hybridflow.parallel.reshard_plan import rollout_blocks
 
         rank = dist.get_rank()
@@ -229,8 +235,9 @@ class TensorParallelRollout:
         # the full shapes, read off the trainer's parameters (a DTensor's shape is the whole
         # tensor's), so every layer kind the model has is covered (MLA's projections too)
         shapes = {name: tuple(source.shape) for name, source in sources.items()}
-        blocks = {name: rollout_blocks(name, shapes[name], self.layout, self.split_experts)[rank]
-                  for name in targets}  # fmt: skip
+        sections = deltanet_sections(self.architecture)
+        blocks = {name: rollout_blocks(name, shapes[name], self.layout, self.split_experts,
+                                       sections)[rank] for name in targets}  # fmt: skip
         # a group of its own: a sync never queues behind (or between) the actor's collectives
         reshard_group = dist.new_group(list(range(dist.get_world_size())))
         return Resharder(sources, targets, blocks, reshard_group)
@@ -253,12 +260,14 @@ class TensorParallelRollout:
         packed experts: this rank's experts)."""
         from hybridflow.engine.expert_spread import spread_shard
         from hybridflow.engine.tensor_parallel import local_shard
+        from hybridflow.parallel.blocks import deltanet_sections
 
+        sections = deltanet_sections(self.architecture)
         if self.spread:
             return name, spread_shard(name, tensor, self.ep_rank, self.ep, self.rank_in_group,
-                                      self.size)  # fmt: skip
+                                      self.size, sections)  # fmt: skip
         return name, local_shard(name, tensor, self.rank_in_group, self.size,
-                                 self.split_experts)  # fmt: skip
+                                 self.split_experts, sections)  # fmt: skip
 
     def local_slices(self, named_tensors):
         """(name, this rank's slice) of whole in-memory tensors."""

@@ -1,7 +1,7 @@
 """validate() and a model with Gated DeltaNet layers (a recurrent state that spans the
 sequence): the actor, reference and critic split them by tensor and sequence parallelism
-(whole key heads with their value heads), the rollout's tensor parallelism does not yet, and
-an fp8 rollout is refused (its engine refuses the layers it runs on its eager passes), each
+(whole key heads with their value heads), and so does the rollout's tensor parallelism
+(engine/tensor_parallel.py); an fp8 rollout is refused (its engine refuses the layers it runs on its eager passes), each
 naming the key to set, before any model is loaded."""
 
 import pytest
@@ -32,15 +32,58 @@ def test_training_layouts_that_split_recurrent_layers_validate(layout):
     validate(load_config(None, [*HYBRID, *layout]))
 
 
-def test_the_rollout_tensor_parallelism_of_recurrent_layers_is_still_refused():
-    key = "rollout.tensor_parallel_size"
-    problems = _problems([*HYBRID, f"{key}=2"])
-    assert any(
-        f"{key} = 2: this model's 3 Gated DeltaNet layers" in p
-        and "not split by the rollout's tensor parallelism" in p
-        and f"set {key}=1" in p
-        for p in problems
-    ), problems
+def test_the_rollout_tensor_parallelism_of_the_hybrid_layers_validates():
+    validate(load_config(None, [*HYBRID, "rollout.tensor_parallel_size=2"]))
+
+
+def _moe_hybrid(tmp_path, shared_width: int = 48) -> str:
+    """A Qwen3.5-MoE checkpoint directory (its config.json only: validate reads no weights)."""
+    import json
+
+    from hybridflow.models.presets import preset_config
+
+    config = preset_config("tiny-hybrid").replace(
+        model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=shared_width,
+        norm_topk_prob=True,
+    )  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config.to_hf()))
+    return str(tmp_path)
+
+
+def test_the_rollout_tensor_parallelism_of_a_hybrid_mixture_of_experts_validates(tmp_path):
+    validate(load_config(None, [*FOUR_CPUS, f"model.path={_moe_hybrid(tmp_path)}",
+                                "rollout.tensor_parallel_size=2"]))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("sizes", "shared_width", "says"),
+    [
+        (["rollout.tensor_parallel_size=4"], 48,
+         "rollout: rollout.tensor_parallel_size = 4 must divide the model's Gated DeltaNet key "
+         "heads (linear_num_key_heads = 2): pick a divisor of 2"),
+        (["rollout.tensor_parallel_size=2"], 49,
+         "rollout.tensor_parallel_size = 2 must divide the width of the model's shared expert "
+         "(shared_expert_intermediate_size = 49): pick a divisor of 49"),
+        (["rollout.tensor_parallel_size=2", "rollout.expert_parallel_size=4"], 48,
+         "rollout: rollout.expert_parallel_size = 4 above rollout.tensor_parallel_size = 2: "
+         "experts spread over several tensor-parallel replicas of a model with 3 Gated "
+         "DeltaNet layers are not built yet: set rollout.expert_parallel_size=2"),
+    ],
+)  # fmt: skip
+def test_rollout_layouts_of_the_hybrid_layers_not_built_are_refused(tmp_path, sizes,
+                                                                     shared_width, says):  # fmt: skip
+    problems = _problems([*FOUR_CPUS, f"model.path={_moe_hybrid(tmp_path, shared_width)}",
+                          *sizes])  # fmt: skip
+    assert any(says in p for p in problems), problems
+
+
+def test_an_fp8_tensor_parallel_rollout_of_a_hybrid_is_still_refused():
+    overrides = [*HYBRID, "rollout.tensor_parallel_size=2", "rollout.dtype=fp8",
+                 "trainer.device=cuda"]  # fmt: skip
+    assert any(p.startswith("rollout.dtype = fp8: the fp8 rollout does not cover this model's "
+                            "gated_attention and gated_deltanet layers") for p in
+               _problems(overrides))  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -60,8 +60,6 @@ def test_local_shapes_of_sink_attention_and_mla():
     with pytest.raises(ValueError, match="moe_intermediate_size \\* n_shared_experts = 32"):
         local_architecture(preset_config("tiny-deepseek-v3").replace(num_attention_heads=6), 3,
                            split_experts=False)  # fmt: skip
-    with pytest.raises(ValueError, match="does not split gated_attention, gated_deltanet"):
-        local_architecture(preset_config("tiny-hybrid"), 2)
 
 
 def _model(preset: str):

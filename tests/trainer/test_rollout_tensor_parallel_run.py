@@ -123,3 +123,17 @@ def test_agent_programs_with_a_tensor_parallel_rollout_log_data_parallel(tmp_pat
     assert plain.keys() == layout.keys() == {1}
     assert_same(plain[1], layout[1], 1)
     assert read_samples(tmp_path / "dp", 1) == read_samples(tmp_path / "layout", 1)
+
+
+@pytest.mark.slow
+def test_a_hybrid_with_a_tensor_parallel_rollout_logs_the_metrics_of_one_process(tmp_path):
+    """tiny-hybrid (gated attention, Gated DeltaNet) with the rollout tensor-parallel over both
+    processes (each rank its heads and their recurrent state, resharded from the actor's FSDP2
+    shards after each update) logs the metrics and samples the tokens of one process."""
+    hybrid = "model.path=tiny-hybrid"
+    one = train_run(tmp_path / "one", hybrid, *ONE_PROCESS)
+    layout = train_run(tmp_path / "layout", hybrid, VERL + "rollout.tensor_model_parallel_size=2")
+    assert one.keys() == layout.keys() == {1, 2}
+    for step, want in one.items():
+        assert_same(want, layout[step], step)
+        assert read_samples(tmp_path / "one", step) == read_samples(tmp_path / "layout", step)

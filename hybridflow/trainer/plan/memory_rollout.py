@@ -38,14 +38,23 @@ def kv_block_bytes(a: ModelArchitecture, block: int, element_bytes: int = 2,
     return sum(per_layer[s.cache] for s in kept) * block * element_bytes
 
 
-def per_sequence_bytes(a: ModelArchitecture, element_bytes: int = 2) -> int:
-    """What a sequence keeps whatever its length, one per slot beside a paged cache's blocks
-    (engine/cache/sizing._PerSequence): its recurrent layers' state (conv + fp32 SSM) and
-    its sliding layers' rings of a window's K/V (engine/cache/window.py)."""
+def per_sequence_bytes(a: ModelArchitecture, element_bytes: int = 2, tp: int = 1) -> int:
+    """What a sequence keeps whatever its length on one rank of a ``tp``-rank rollout, one
+    per slot beside a paged cache's blocks (engine/cache/sizing._PerSequence): its recurrent
+    layers' state (recurrent_state_bytes) and its sliding layers' rings of a window's K/V
+    (engine/cache/window.py: the rank's KV heads, kv_split)."""
     per_layer = a.cache_elements_per_token()
     rings = sum(per_layer[s.cache] * s.window for s in a.layer_specs()
                 if s.cache != "recurrent" and s.window)  # fmt: skip
-    return a.recurrent_state_bytes(element_bytes) + rings * element_bytes
+    rings_bytes = rings * element_bytes // kv_split(a, tp)
+    return recurrent_state_bytes(a, element_bytes, tp) + rings_bytes
+
+
+def recurrent_state_bytes(a: ModelArchitecture, element_bytes: int = 2, tp: int = 1) -> int:
+    """A sequence's recurrent state (conv + fp32 SSM) on one rank of a ``tp``-rank rollout:
+    each rank keeps its Gated DeltaNet key heads' channels and value heads' state only
+    (engine/tensor_parallel.py; tp divides the key heads, validate says so)."""
+    return a.recurrent_state_bytes(element_bytes) // tp
 
 
 def rollout_reserve_bytes(a: ModelArchitecture, options: PlanOptions,
@@ -165,12 +174,12 @@ def kv_cache_item(a: ModelArchitecture, o: PlanOptions, items: list[MemoryItem])
     # whole sequences fit fewer (sizing.state_slots, as the engine)
     if block is None:
         entry = kv_slot_bytes(a, length, o.rollout_bytes) // kv_split(a, o.rollout_tp)
-        state = a.recurrent_state_bytes(o.rollout_bytes)
+        state = recurrent_state_bytes(a, o.rollout_bytes, o.rollout_tp)
     else:
         entry = kv_block_bytes(a, block, o.rollout_bytes, o.kv_cache_fp8) // kv_split(
             a, o.rollout_tp
         )
-        state = per_sequence_bytes(a, o.rollout_bytes)
+        state = per_sequence_bytes(a, o.rollout_bytes, o.rollout_tp)
     slots, row = o.rollout_max_seqs, sampling_bytes_per_row(a, o.rollout_tp)
     budget = kv_budget(reserve, used, o)  # max_num_seqs rows' workspace taken out
     if block is not None and state:

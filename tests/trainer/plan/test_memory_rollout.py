@@ -12,7 +12,11 @@ from hybridflow.models.presets import PRESETS
 from hybridflow.trainer.plan.memory_from_config import plan_for_config
 from hybridflow.trainer.plan.memory_items import PlanOptions
 from hybridflow.trainer.plan.memory_plan import build_plan
-from hybridflow.trainer.plan.memory_rollout import fused_copy_bytes, rollout_weight_parameters
+from hybridflow.trainer.plan.memory_rollout import (
+    fused_copy_bytes,
+    per_sequence_bytes,
+    rollout_weight_parameters,
+)
 
 GIB = 2**30
 LONG = ["data.max_prompt_length=512", "data.max_response_length=16384", "trainer.device=cuda",
@@ -41,6 +45,21 @@ def test_a_hybrid_keeps_kv_in_its_attention_quarter_and_a_state_per_slot():
     assert plan.kv_slots == min(blocks // blocks_a_sequence, 64)
     # the dense layout would have charged all 32 layers K/V: 4x the bytes a block
     assert kv_block * 4 == 32 * 2 * 4 * 256 * 2 * block
+
+
+def test_a_tensor_parallel_rollout_keeps_its_ranks_share_of_the_states():
+    """rollout.tensor_parallel_size=2: a rank's blocks hold 2 of the 4 KV heads and its slots
+    the state of 8 of the 16 Gated DeltaNet key heads with their value heads (conv channels
+    and SSM state halved, engine/tensor_parallel.py), so a slot costs half the bytes."""
+    plan = _plan("qwen3.5-4b", "rollout.max_num_seqs=64", "trainer.n_gpus_per_node=2",
+                 "trainer.backend=local",
+                 "rollout.tensor_parallel_size=2")  # fmt: skip
+    kv_block = 8 * 2 * 2 * 256 * 2 * 64  # the rank's 2 KV heads
+    state = 24 * ((2 * 8 * 128 + 16 * 128) * 3 * 2 + 16 * 128 * 128 * 4)  # 8 key heads' share
+    assert state * 2 == PRESETS["qwen3.5-4b"].recurrent_state_bytes(2)
+    item = _kv_item(plan)
+    blocks = int(item.name.split("(")[1].split(" ")[0].replace(",", ""))
+    assert item.gpu_bytes == (blocks + 1) * kv_block + 65 * state
 
 
 def test_a_hybrid_decodes_without_fused_copies():
@@ -173,3 +192,11 @@ def test_an_engine_on_the_actors_tensors_has_no_copy_to_release():
     one = ["model.dtype=bfloat16", "rollout.release_weights=true"]
     item = next(i for i in _plan("qwen2.5-7b", *one).items if i.name.startswith("rollout weights"))
     assert item.gpu_bytes == 0 and item.note == "reads the actor's in place"
+
+
+def test_a_tensor_parallel_rank_keeps_its_kv_heads_share_of_the_rings():
+    """gpt-oss-20b at rollout TP 2: a slot's rings hold the rank's 4 of the 8 KV heads
+    (engine/cache/window.py), 12 sliding layers × 128 positions × K and V × 4 × 64 × 2 bytes."""
+    a = PRESETS["gpt-oss-20b"]
+    assert per_sequence_bytes(a, 2, tp=2) == 12 * 128 * 2 * 4 * 64 * 2
+    assert per_sequence_bytes(a, 2, tp=1) == 2 * per_sequence_bytes(a, 2, tp=2)

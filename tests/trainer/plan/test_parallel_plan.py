@@ -94,7 +94,10 @@ def test_candidates_respect_the_model_and_the_devices():
     assert all(ep % sp == 0 and (32 // tp) % ep == 0 for tp, sp, ep in layouts if ep > 1)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-moe", "tiny-deepseek-v3", "tiny-gpt-oss"])
+@pytest.mark.parametrize(
+    "preset",
+    ["tiny", "tiny-moe", "tiny-deepseek-v3", "tiny-gpt-oss", "tiny-hybrid", "tiny-hybrid-moe"],
+)
 def test_the_rollout_share_is_what_a_tensor_parallel_rank_holds(preset):
     """rollout_share at tp 2 counts the parameters (and DeepSeek's score correction) of one
     rank's engine shard exactly: half of each split tensor (parallel/blocks.rollout_shard_dim),
@@ -103,7 +106,10 @@ def test_the_rollout_share_is_what_a_tensor_parallel_rank_holds(preset):
     from hybridflow.models import build_model
     from hybridflow.parallel.blocks import rollout_shard_dim
 
-    arch = PRESETS[preset]
+    arch = PRESETS[preset] if preset in PRESETS else PRESETS["tiny-hybrid"].replace(
+        model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=True,
+    )  # fmt: skip  # Qwen3.5-MoE's layers: a gated shared expert beside the routed ones
     model = build_model(arch, seed=0)
     saved = set(model.state_dict())
     named = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n in saved)]
