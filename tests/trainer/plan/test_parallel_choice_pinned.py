@@ -42,8 +42,8 @@ CASES = [
      'model.gradient_checkpointing=true actor.param_offload=true (peak 54.1 GiB in the '
      'generation, fits; 455.0 GiB of host memory a node for what it offloads)'),
     ("qwen3.5-35b-a3b", 1, 8, 128, 80 * GIB, (),
-     'recommended layout: actor.expert_parallel_size=8 model.gradient_checkpointing=true '
-     'actor.param_offload=true rollout.expert_parallel_size=2 (peak 76.1 GiB in the '
+     'recommended layout: actor.expert_parallel_size=8 rollout.tensor_parallel_size=2 '
+     'model.gradient_checkpointing=true actor.param_offload=true (peak 63.6 GiB in the '
      'generation, fits; 516.5 GiB of host memory a node for what it offloads)'),
     ("qwen3-235b-a22b", 4, 8, 128, 80 * GIB, (),
      'recommended layout: actor.expert_parallel_size=32 rollout.tensor_parallel_size=2 '
