@@ -21,8 +21,9 @@ Lifetime, exactly:
   it maps it, else by the sender once every receiver has answered); from then on the memory
   goes with the last process that maps it. Until then the file carries the owner's prefix and
   ``transport.remove_segments`` removes it.
-- A free segment too small for a write is retired: the sender unmaps it, and receivers unmap
-  it at their next message once none of its views is alive.
+- The sender keeps the segments in use plus one spare; it retires the other free ones (and
+  those too small for a write): it unmaps them, and receivers unmap them at their next
+  message once none of its views is alive.
 - A process forked by a receiver inherits its mapping but not its release: it must not keep
   views that its parent has released.
 """
@@ -96,7 +97,11 @@ class SegmentPool:
         free = [s for s in self.segments if s.receivers == receivers and s.free()]  # oldest first
         fitting = [s for s in free if s.capacity >= total]
         if fitting:
-            return min(fitting, key=lambda s: s.capacity)
+            chosen = min(fitting, key=lambda s: s.capacity)
+            spares = sorted((s for s in free if s is not chosen), key=lambda s: s.capacity)
+            for segment in spares[:-1]:  # one spare is kept, the largest: memory is bounded
+                self._retire(segment)
+            return chosen
         for segment in free:  # all too small: retired, and a bigger one made
             self._retire(segment)
         capacity = max(_GRANULE, -(-total // _GRANULE) * _GRANULE)
@@ -140,7 +145,8 @@ class _Mapped:
     data: mmap.mmap  # private (copy-on-write)
     array: np.ndarray  # uint8 view of ``data``
     live: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    # reentrant: a finalizer may run on this thread while it holds the lock
+    lock: threading.RLock = field(default_factory=threading.RLock)
 
 
 class SegmentReader:

@@ -109,7 +109,7 @@ def encode_many(
     if total >= shm_min_bytes() and os.path.isdir(SHM_DIR):
         if pool is not None:
             pooled = pool.write(raw, offsets, total, len(objs))
-        else:
+        if pooled is None:
             segment = _write_segment(raw, offsets, total, owner)
     carriers: list[Any]
     if pooled is not None:
