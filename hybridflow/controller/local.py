@@ -2,9 +2,9 @@
 imported torch once (fork_server.py), or spawned where the platform has no fork server.
 
 Each worker initialises torch.distributed (NCCL on GPU, gloo on CPU) and then serves calls
-from a pipe; tensors travel through shared memory (transport.py). A thread per worker
-reads its replies; a closed pipe means the process died, and every pending call fails at
-once with ``WorkerDiedError``. Workers ignore SIGINT (the controller decides when they stop)
+from a pipe; tensors travel through shared memory that each side reuses from call to call
+(transport.py, segment_pool.py). A thread per worker reads its replies; a closed pipe means
+the process died, and every pending call fails at once with ``WorkerDiedError``. Workers ignore SIGINT (the controller decides when they stop)
 and exit by themselves when the controller process disappears.
 """
 
