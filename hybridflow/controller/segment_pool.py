@@ -80,7 +80,7 @@ class SegmentPool:
             return None
         for data, offset in zip(raw, offsets):
             # numpy's single-threaded memcpy: torch's copy_ splits it over its thread pool,
-            # up to 8 times slower on a busy host (benchmarks/controller_overhead.py).
+            # up to 8 times slower on a busy host (benchmarks/shared_memory_steps.py).
             np.copyto(segment.data[offset : offset + data.numel()], data.numpy())
         segment.generation += 1
         new, segment.linked = segment.linked, False
@@ -115,7 +115,7 @@ class SegmentPool:
         path = os.path.join(self.directory, name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            # Allocated now: a full /dev/shm fails here (the caller falls back to inline bytes)
+            # Allocated now: a full /dev/shm fails here (the caller falls back to other means)
             # instead of with a SIGBUS on a later write through the mapping.
             os.posix_fallocate(fd, 0, HEADER + capacity)
             header = mmap.mmap(fd, HEADER, flags=mmap.MAP_SHARED)
