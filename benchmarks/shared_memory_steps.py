@@ -6,7 +6,7 @@ spends its time, step by step, in one process (docs/performance-host.md "Control
 A fresh ``/dev/shm`` file per message (the local backend before segments were reused), each
 way of filling it, then a receiver's private mapping read page by page (with or without
 MADV_POPULATE_READ), unmapped, and the file unlinked (the kernel frees its pages); against a
-segment kept mapped by both sides (segment_pool.py): one memcpy, torch's or numpy's. The
+segment kept mapped by both sides (segment_pool.py): one memcpy per column, numpy's or torch's. The
 variants take turns in each round; medians in ms.
 """
 
@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 PAGE = 4096
+COLUMNS = 14
 MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23  # Linux 5.14; Python 3.11's mmap lacks them
 
 
@@ -95,10 +96,20 @@ def one_round(source: np.ndarray, reused: dict, times: dict) -> None:
                 receive(path, source.nbytes, populate, times)
         finally:
             timed("unlink (the kernel frees the pages)", os.unlink, path)
-    destination, as_tensor = reused["array"], reused["tensor"]
-    timed("reused segment: np.copyto (used)", np.copyto, destination, source)
-    timed("reused segment: torch copy_", as_tensor.copy_, torch.from_numpy(source))
+    destination = reused["array"]
+    timed("reused segment: np.copyto per column (used)", copy_columns, destination, source, False)
+    timed("reused segment: torch copy_ per column", copy_columns, destination, source, True)
     timed("reused segment: receiver reads every page", touch, destination)
+
+
+def copy_columns(destination: np.ndarray, source: np.ndarray, with_torch: bool) -> None:
+    """As a pool writes a message: one copy per tensor (a GRPO update batch has 14)."""
+    bounds = [source.nbytes * i // COLUMNS for i in range(COLUMNS + 1)]
+    for start, stop in zip(bounds, bounds[1:]):
+        if with_torch:
+            torch.from_numpy(destination[start:stop]).copy_(torch.from_numpy(source[start:stop]))
+        else:
+            np.copyto(destination[start:stop], source[start:stop])
 
 
 def main() -> None:
@@ -114,7 +125,7 @@ def main() -> None:
     os.close(fd)
     os.unlink(path)
     array = np.frombuffer(segment, np.uint8)
-    reused = {"array": array, "tensor": torch.from_numpy(array)}
+    reused = {"array": array}
     np.copyto(array, source)  # mapped and populated once, as a pool's segment after its first use
     times: dict[str, list[float]] = {}
     for _ in range(args.rounds):
