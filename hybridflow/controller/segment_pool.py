@@ -173,7 +173,8 @@ class SegmentReader:
             with mapped.lock:
                 mapped.live += 1
         region = mapped.array[:total]  # one buffer object for every view of this message
-        weakref.finalize(region, _release, mapped, 1 + index, generation, total)
+        release = weakref.finalize(region, _release, mapped, 1 + index, generation, total)
+        release.atexit = False  # a process that exits releases nothing: its mappings go with it
         return torch.from_numpy(region)
 
     def _map(self, name: str) -> _Mapped:
