@@ -2,9 +2,9 @@
 imported torch once (fork_server.py), or spawned where the platform has no fork server.
 
 Each worker initialises torch.distributed (NCCL on GPU, gloo on CPU) and then serves calls
-from a pipe; tensors travel through shared memory (transport.py). A thread per worker
-reads its replies; a closed pipe means the process died, and every pending call fails at
-once with ``WorkerDiedError``. Workers ignore SIGINT (the controller decides when they stop)
+from a pipe; tensors travel through shared memory that each side reuses from call to call
+(transport.py, segment_pool.py). A thread per worker reads its replies; a closed pipe means
+the process died, and every pending call fails at once with ``WorkerDiedError``. Workers ignore SIGINT (the controller decides when they stop)
 and exit by themselves when the controller process disappears.
 """
 
@@ -56,6 +56,9 @@ class LocalBackend:
         self.world_size = pool.world_size
         # Names this group's shm segments (unique even when two groups share a name).
         self.owner = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # Calls reuse shared memory (transport.segment_pool); replies are mapped once each.
+        self.segments = transport.segment_pool(self.owner)
+        self.reader = transport.segment_reader()
         self.closing = False
         self.dead: dict[int, str] = {}
         self.pending: list[dict[int, Future]] = [{} for _ in range(self.world_size)]
@@ -144,19 +147,23 @@ class LocalBackend:
         with self.lock:  # every rank sees calls in the same order (collectives match up)
             call_id = next(self.call_ids)
             messages, segment = transport.encode_many(
-                [(call_id, path, args, kwargs) for args, kwargs in per_rank], self.owner
+                [(call_id, path, args, kwargs) for args, kwargs in per_rank],
+                self.owner,
+                pool=self.segments,
             )
             if segment is not None:  # shared by all ranks: unlinked once every rank is done
                 _unlink_when_all_done(futures, segment)
             for rank, (future, message) in enumerate(zip(futures, messages)):
                 future.path = path  # type: ignore[attr-defined]
                 if rank in self.dead:
+                    transport.release_unsent(message, self.segments)
                     future.set_exception(self._died(rank, path))
                     continue
                 self.pending[rank][call_id] = future
                 try:
                     self.conns[rank].send_bytes(message)
                 except (OSError, EOFError):
+                    transport.release_unsent(message, self.segments)
                     self.pending[rank].pop(call_id, None)
                     self._mark_dead(rank)
                     if not future.done():
@@ -171,7 +178,7 @@ class LocalBackend:
             except (EOFError, OSError):
                 break
             try:
-                call_id, outcome = transport.decode(data)
+                call_id, outcome = transport.decode(data, self.reader)
             except Exception as exc:  # noqa: BLE001 - e.g. a result class the controller cannot import
                 call_id = None  # calls run in order: the reply is the oldest pending call's
                 outcome = RankResult(error=f"the controller could not unpickle the result: {exc!r}")
@@ -242,6 +249,7 @@ class LocalBackend:
         psutil.wait_procs(descendants, timeout=2)
         for conn in self.conns:
             conn.close()
+        self.segments.close()
         transport.remove_segments(self.owner)
         for proc in self.procs:
             transport.remove_segments(str(proc.pid))
@@ -312,19 +320,25 @@ def _worker_main(
             )
             return
         conn.send_bytes(transport.encode(host.start(worker_cls, context, init_kwargs), owner))
-        _serve(conn, host, owner)
+        _serve(conn, host, owner, transport.segment_pool(owner), transport.segment_reader())
     finally:
         destroy_distributed()
 
 
-def _serve(conn, host: WorkerHost, owner: str) -> None:
+def _serve(
+    conn,
+    host: WorkerHost,
+    owner: str,
+    pool: transport.SegmentPool,
+    reader: transport.SegmentReader,
+) -> None:
     while True:
         try:
             data = conn.recv_bytes()
         except (EOFError, OSError):
             return  # the controller is gone
         try:
-            message = transport.decode(data)
+            message = transport.decode(data, reader)
         except Exception as exc:  # noqa: BLE001 - e.g. an argument class this process cannot import
             error = f"the worker could not unpickle the arguments: {exc!r}"
             conn.send_bytes(transport.encode((None, RankResult(error=error)), owner))
@@ -333,9 +347,15 @@ def _serve(conn, host: WorkerHost, owner: str) -> None:
             host.close()  # the worker's shutdown hook; its failure must not keep us alive
             return
         call_id, path, args, kwargs = message
+        # Views of the arguments the worker did not keep are freed before the reply, so that
+        # the controller finds their segment free at its next call.
+        del message, data
         outcome = host.call(path, args, kwargs)
+        del args, kwargs
         try:
-            reply = transport.encode((call_id, outcome), owner)
+            [reply], _ = transport.encode_many(
+                [(call_id, outcome)], owner, receiver_unlinks=True, pool=pool
+            )
         except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable return value
             reply = transport.encode(
                 (call_id, RankResult(error=f"{path} returned a value that cannot be sent: {exc}")),

@@ -32,8 +32,8 @@ from hybridflow.controller import (
     WorkerError,
     WorkerGroup,
     fuse,
-    transport,
 )
+from hybridflow.controller.segment_pool import SegmentPool
 
 
 def gone(pid: int) -> bool:
@@ -84,25 +84,41 @@ def test_collectives_run_over_gloo(group):
 
 
 def test_large_batch_round_trip_through_shared_memory(group, monkeypatch):
-    segments = []
+    writes = []
 
-    def spy(*args, **kwargs):
-        segments.append(write_segment(*args, **kwargs))
-        return segments[-1]
+    def spy(self, *args, **kwargs):
+        writes.append(write(self, *args, **kwargs))
+        return writes[-1]
 
-    write_segment = transport._write_segment
-    monkeypatch.setattr(transport, "_write_segment", spy)
-    batch = toy_input(2048, cols=128)  # 2 MiB of int64
-    out = group.transform(batch)
-    assert len(segments) == 1 and segments[0] is not None  # one segment for both ranks
-    assert out["y"].shape == (2048, 128) and out["uid"].tolist() == batch["uid"].tolist()
-    assert torch.equal(out["y"], batch["x"] * 3 + batch["x"].sum(dim=1, keepdim=True))
-    assert out["rank"].tolist() == [0] * 1024 + [1] * 1024
-    # The segment both ranks mapped is removed once both replied.
+    write = SegmentPool.write
+    monkeypatch.setattr(SegmentPool, "write", spy)
+    for scale in (1, 2):
+        batch = toy_input(2048, cols=128)  # 2 MiB of int64
+        batch["x"] *= scale
+        out = group.transform(batch)
+        assert out["y"].shape == (2048, 128) and out["uid"].tolist() == batch["uid"].tolist()
+        assert torch.equal(out["y"], batch["x"] * 3 + batch["x"].sum(dim=1, keepdim=True))
+        assert out["rank"].tolist() == [0] * 1024 + [1] * 1024
+    # One segment for both ranks, written again at the next call (both ranks released it).
+    assert [(name, generation) for name, generation, _ in writes] == [
+        (writes[0][0], 1),
+        (writes[0][0], 2),
+    ]
+    # Its file is removed once both mapped it.
     deadline = time.monotonic() + 2
     while glob.glob(f"/dev/shm/hybridflow-{os.getpid()}-*") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert glob.glob(f"/dev/shm/hybridflow-{os.getpid()}-*") == []
+
+
+def test_a_batch_a_worker_keeps_reads_its_own_bytes_after_later_calls(group):
+    kept = toy_input(2048, cols=128)  # 2 MiB: through shared memory
+    group.keep(kept)
+    for scale in (2, 3):
+        later = toy_input(2048, cols=128)
+        later["x"] *= scale
+        group.transform(later)
+    assert group.kept_sum() == [int(kept["x"].sum())] * 2
 
 
 def test_exception_names_rank_and_carries_remote_traceback(group):

@@ -100,6 +100,14 @@ class Toy(Worker):
         torch.distributed.barrier()
         return int(tensor[0])
 
+    @register
+    def keep(self, batch: Batch) -> None:
+        self.kept = batch  # views of the message, kept past this call
+
+    @register
+    def kept_sum(self) -> int:
+        return int(self.kept["x"].sum())
+
     def private_helper(self) -> None:
         """Not registered: not callable from the controller."""
 
