@@ -77,6 +77,11 @@ EXPERTS_ONLY_TYPES = ("qwen3_5_moe_text",)
 MAX_SIZE = 2**31 - 1
 """Past int32: no model has a dimension that large, and index arithmetic overflows."""
 
+LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "depth")
+MAX_LAYERS = 4096
+"""The deepest published decoders have under 200 layers; checks and the memory plan build a
+list with one entry per layer, so a count past this would take memory before any refusal."""
+
 FIX = "correct the value in config.json, or copy the model directory again"
 
 
@@ -169,6 +174,8 @@ def _whole_number_problem(key: str, value: Any, minimum: int) -> str | None:
         return f"{key} = {value} must be a whole number >= {minimum}"
     if value > MAX_SIZE:
         return f"{key} = {value} is larger than any model's ({MAX_SIZE})"
+    if key in LAYER_COUNT_KEYS and value > MAX_LAYERS:
+        return f"{key} = {value} is more layers than any model has (at most {MAX_LAYERS})"
     return None
 
 

@@ -53,6 +53,9 @@ BAD_VALUES = [
     (MOE, {"num_attention_heads": 0}, "num_attention_heads = 0", ">= 1"),
     (MOE, {"num_key_value_heads": 0}, "num_key_value_heads = 0", ">= 1"),
     (MOE, {"vocab_size": 2**40}, "vocab_size = 1099511627776", "larger than any model"),
+    # a list of one entry per layer is built from the count: refused before it is
+    (MOE, {"num_hidden_layers": 10**9}, "num_hidden_layers = 1000000000", "more layers than any"),
+    (GPT2, {"n_layer": 10**6}, "n_layer = 1000000", "more layers than any model has"),
     (GPT2, {"n_embd": -8}, "n_embd = -8", ">= 1"),
     (MOE, {"num_key_value_heads": 3}, "num_attention_heads = 4", "multiple of num_key_value_heads = 3"),
     (MIXTRAL, {"num_key_value_heads": 8}, "num_attention_heads = 4", "num_key_value_heads = 8"),
@@ -132,6 +135,10 @@ def test_a_bad_vision_encoder_size_is_named_with_its_key(nested):
         "vision_config.num_heads = 0 must be a whole number >= 1"
     ]
     assert config_value_problems({**config, "vision_config": VISION}) == []
+    deep = {**config, "vision_config": {**VISION, "depth": 10**9}}
+    assert config_value_problems(deep) == [
+        "vision_config.depth = 1000000000 is more layers than any model has (at most 4096)"
+    ]
 
 
 DEEPSEEK = PRESETS["tiny-deepseek-v3"].to_hf()  # 8 routed experts in n_group = 4, top-2
