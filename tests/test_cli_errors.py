@@ -130,6 +130,16 @@ def _add_tensor(model: Path, name: str) -> None:
     save_file(weights, model / "model.safetensors")
 
 
+def _retype_tensor(model: Path, name: str) -> None:
+    """``name`` stored as int32 (its values truncated): the loader cast it back unnoticed."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(model / "model.safetensors")
+    weights[name] = weights[name].to(torch.int32)
+    save_file(weights, model / "model.safetensors")
+
+
 MODELS_THAT_CANNOT_LOAD = {
     "config.json is not JSON": (
         lambda m: (m / "config.json").write_text('{"model_type": "qwen2",'),
@@ -161,6 +171,10 @@ MODELS_THAT_CANNOT_LOAD = {
             _add_tensor(m, "model.layers.0.mlp.extra.weight_scale_inv"),
         ),
         "without their pair (e.g. model.layers.0.mlp.extra.weight_scale_inv",
+    ),
+    "a weight stored as integers": (
+        lambda m: _retype_tensor(m, "model.norm.weight"),
+        "(e.g. model.norm.weight is I32; weights are floating point",
     ),
     "a tokenizer file that does not load": (
         lambda m: (m / "tokenizer.json").write_text("{}"),
