@@ -328,9 +328,30 @@ def _rope_problems(config: dict[str, Any]) -> list[str]:
             continue
         nested = {f"{section}.{k}": v for k, v in value.items() if isinstance(v, dict)}
         for prefix, part in {section: value, **nested}.items():
-            for key in ("rope_theta", "factor"):
-                problems += _positive_number_problems(f"{prefix}.{key}", part.get(key))
+            problems += _rope_part_problems(prefix, part)
     return problems
+
+
+ROPE_POSITIVE_KEYS = ("rope_theta", "factor", "attention_factor", "beta_fast", "beta_slow")
+"""RoPE settings that are finite numbers > 0: YaRN takes the log of its betas' turns and
+scales cos/sin by its attention factor."""
+ROPE_FINITE_KEYS = ("mscale", "mscale_all_dim")
+"""YaRN's attention-factor coefficients (DeepSeek-V3): finite numbers (a NaN one made every
+logit NaN, found only as the first update's gradient was)."""
+
+
+def _rope_part_problems(prefix: str, part: dict[str, Any]) -> list[str]:
+    """The numbers of one RoPE settings object (``prefix``: where it is in config.json)."""
+    problems = []
+    for key in ROPE_POSITIVE_KEYS:
+        problems += _positive_number_problems(f"{prefix}.{key}", part.get(key))
+    for key in ROPE_FINITE_KEYS:
+        value = part.get(key)
+        if value is not None and not (_is_number(value) and math.isfinite(value)):
+            problems.append(f"{prefix}.{key} = {_shown(value)} must be a finite number")
+    key = "original_max_position_embeddings"  # YaRN and llama3 divide by it
+    problem = _whole_number_problem(f"{prefix}.{key}", part.get(key), 1)
+    return problems + ([problem] if problem else [])
 
 
 VISION_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id",

@@ -22,6 +22,8 @@ MIXTRAL = {"model_type": "mixtral", "vocab_size": 128, "hidden_size": 64,
            "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
            "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
            "rms_norm_eps": 1e-5, "rope_theta": 1e6}  # fmt: skip
+YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 0.707, "original_max_position_embeddings": 64}  # fmt: skip
 GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_inner": None,
         "n_positions": 128, "vocab_size": 128, "layer_norm_epsilon": 1e-5}  # fmt: skip
 
@@ -70,6 +72,17 @@ BAD_VALUES = [
     (MOE, {"rope_scaling": {"rope_type": "linear", "factor": math.nan}},
      "rope_scaling.factor = nan", "finite number > 0"),
     (MOE, {"rope_scaling": "linear"}, 'rope_scaling = "linear"', "an object or null"),
+    # YaRN's numbers (DeepSeek-V3): a NaN mscale made every logit NaN, found at the first update
+    (MOE, {"rope_parameters": {**YARN, "mscale": math.nan}}, "rope_parameters.mscale = NaN",
+     "must be a finite number"),
+    (MOE, {"rope_scaling": {**YARN, "mscale_all_dim": math.inf}},
+     "rope_scaling.mscale_all_dim = Infinity", "must be a finite number"),
+    (MOE, {"rope_parameters": {**YARN, "beta_fast": 0}}, "rope_parameters.beta_fast = 0",
+     "finite number > 0"),
+    (MOE, {"rope_parameters": {**YARN, "attention_factor": -1.0}},
+     "rope_parameters.attention_factor = -1.0", "finite number > 0"),
+    (MOE, {"rope_parameters": {**YARN, "original_max_position_embeddings": 0}},
+     "rope_parameters.original_max_position_embeddings = 0", "whole number >= 1"),
     (MOE, {"hidden_size": "128"}, 'hidden_size = "128"', "whole number"),
     (MOE, {"num_hidden_layers": True}, "num_hidden_layers = true", "whole number"),
     (MOE, {"intermediate_size": 384.0}, "intermediate_size = 384.0", "whole number"),
