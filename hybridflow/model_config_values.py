@@ -66,11 +66,12 @@ REQUIRED_KEYS = {
     "qwen3_moe": ("moe_intermediate_size", "num_experts_per_tok"),
     "mixtral": ("num_local_experts", "num_experts_per_tok"),
     "qwen3_5_moe_text": ("moe_intermediate_size", "num_experts", "num_experts_per_tok"),
+    "qwen3_5_moe": ("moe_intermediate_size", "num_experts", "num_experts_per_tok"),
     "qwen3_next": ("moe_intermediate_size", "num_experts", "num_experts_per_tok"),
 }  # fmt: skip
-ROUTED_TYPES = ("qwen3_moe", "mixtral", "qwen3_5_moe_text", "qwen3_next", "gpt_oss")
+ROUTED_TYPES = ("qwen3_moe", "mixtral", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next", "gpt_oss")
 """Families whose sparse layers always route to experts: an expert count of 0 builds none."""
-EXPERTS_ONLY_TYPES = ("qwen3_5_moe_text",)
+EXPERTS_ONLY_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
 """Families whose every layer routes to experts: no dense MLP width to require."""
 """Keys hybridflow's decoder reads without a default (its families: models/architecture.py)."""
 
@@ -98,6 +99,9 @@ def config_value_problems(config: dict[str, Any]) -> list[str]:
                            if (problem := _whole_number_problem(key, vision.get(key), 1))]  # fmt: skip
         vision_problems = vision_problems or _vision_language_problems(config, vision)
     text = config.get("text_config")
+    if isinstance(text, dict) and text.get("model_type") is None:
+        # read as the outer family's language model (its keys required), as the loader does
+        text = {**text, "model_type": config.get("model_type")}
     if isinstance(text, dict):  # a multimodal model: its language model is what we build
         return [
             f"text_config.{problem}" for problem in config_value_problems(text)

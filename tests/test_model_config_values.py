@@ -240,3 +240,16 @@ def test_what_a_vision_language_config_must_agree_on_is_named(changes, words):
     assert config_value_problems(VL) == []
     (problem,) = config_value_problems({**VL, **changes})
     assert problem.startswith(words)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_moe", "qwen2_5_vl"])
+def test_a_text_config_without_its_sizes_is_named_as_the_family_reads_it(model_type):
+    """An empty text_config was read as no family's: validate passed, and the load built the
+    family's default-sized language model (billions of weights) from it."""
+    problems = config_value_problems(
+        {"model_type": model_type, "text_config": {}, "vision_config": VISION}
+    )
+    assert problems[0] == f"text_config.vocab_size is missing (model_type {model_type!r} needs it)"
+    moe = model_type == "qwen3_5_moe"
+    assert any("text_config.num_experts is missing" in p for p in problems) == moe
+    assert any("text_config.intermediate_size" in p for p in problems) != moe
