@@ -92,6 +92,17 @@ def config_value_problems(config: dict[str, Any]) -> list[str]:
     1..experts, attention heads not a multiple of the KV heads, an epsilon or RoPE base that
     is not a finite number > 0. The families hybridflow's decoder builds
     (SUPPORTED_MODEL_TYPES) also need their sizes present and an even head dimension."""
+    quantization = config.get("quantization_config")  # top level, also beside a text_config
+    problems = []
+    if quantization is not None and not isinstance(quantization, dict):
+        problems.append(f"quantization_config = {_shown(quantization)} must be an object (e.g. "
+                        '{"quant_method": "mxfp4"}) or absent (plain weights)')  # fmt: skip
+    return problems + _value_problems(config)
+
+
+def _value_problems(config: dict[str, Any]) -> list[str]:
+    """:func:`config_value_problems` but for the top-level sections (text_config's values and
+    the published Qwen2.5-VL's flat ones are read through it too)."""
     vision = config.get("vision_config")
     vision_problems = []
     if isinstance(vision, dict):
@@ -103,11 +114,9 @@ def config_value_problems(config: dict[str, Any]) -> list[str]:
         # read as the outer family's language model (its keys required), as the loader does
         text = {**text, "model_type": config.get("model_type")}
     if isinstance(text, dict):  # a multimodal model: its language model is what we build
-        return [
-            f"text_config.{problem}" for problem in config_value_problems(text)
-        ] + vision_problems
+        return [f"text_config.{problem}" for problem in _value_problems(text)] + vision_problems
     if vision_problems:  # the published Qwen2.5-VL form: the language model's keys on top
-        return vision_problems + config_value_problems(
+        return vision_problems + _value_problems(
             {key: value for key, value in config.items() if key != "vision_config"}
         )
     problems: list[str] = []

@@ -203,6 +203,7 @@ BAD_CONFIG_VALUES = {
     "KV heads that do not divide the heads": ({"num_key_value_heads": 3}, "num_key_value_heads = 3"),
     "a NaN epsilon": ({"rms_norm_eps": float("nan")}, "rms_norm_eps = nan"),
     "a size as a string": ({"vocab_size": "128"}, 'vocab_size = "128"'),
+    "a quantization_config not an object": ({"quantization_config": "mxfp4"}, "quantization_config"),
 }  # fmt: skip
 
 

@@ -100,6 +100,8 @@ BAD_VALUES = [
     (MOE, {"hidden_act": 5}, "hidden_act = 5", "a string"),
     (MOE, {"torch_dtype": 16}, "torch_dtype = 16", "a string"),
     (MOE, {"rope_scaling": {"rope_type": ["yarn"], "factor": 2.0}}, 'rope_scaling rope_type = ["yarn"]', "a string"),
+    # transformers' reading said "'str' object has no attribute 'to_dict'", naming no key
+    (MOE, {"quantization_config": "mxfp4"}, 'quantization_config = "mxfp4"', "must be an object"),
 ]  # fmt: skip
 
 
@@ -253,3 +255,11 @@ def test_a_text_config_without_its_sizes_is_named_as_the_family_reads_it(model_t
     moe = model_type == "qwen3_5_moe"
     assert any("text_config.num_experts is missing" in p for p in problems) == moe
     assert any("text_config.intermediate_size" in p for p in problems) != moe
+
+
+def test_a_quantization_config_beside_a_text_config_is_checked_too():
+    config = {**VL, "quantization_config": ["fp8"]}
+    assert config_value_problems(config) == [
+        'quantization_config = ["fp8"] must be an object (e.g. {"quant_method": "mxfp4"}) or '
+        "absent (plain weights)"
+    ]
