@@ -266,7 +266,11 @@ def _dtype_problem(model_dir: Path, quantization) -> str | None:
     """A tensor stored in a type no weight is read from: integers outside the quantized
     tensors (a float weight cast to int has lost its values, and the loader would cast it
     back silently), or MXFP4 blocks and scales that are not bytes."""
-    from hybridflow.models.checkpoint_io.quantized_checkpoint import MXFP4, MXFP4_BLOCKS
+    from hybridflow.models.checkpoint_io.quantized_checkpoint import (
+        MXFP4,
+        MXFP4_BLOCKS,
+        MXFP4_SCALES,
+    )
 
     try:
         dtypes = stored_dtypes(model_dir, checkpoint_files(str(model_dir)))
@@ -288,6 +292,13 @@ def _dtype_problem(model_dir: Path, quantization) -> str | None:
     )  # fmt: skip
     if not wrong:
         return None
+    if quantization is None and wrong[0][0].endswith((MXFP4_BLOCKS, MXFP4_SCALES)):
+        return (
+            f"the weights in {model_dir} hold MXFP4 blocks and scales (e.g. {wrong[0][0]}), but "
+            f"{model_dir / CONFIG_FILE} has no quantization_config: add "
+            '"quantization_config": {"quant_method": "mxfp4"} to it (as the released GPT-OSS '
+            "has), or copy the model directory again"
+        )
     examples = ", ".join(f"{name} is {dtype}" for name, dtype in wrong[:3])
     return (
         f"the weights in {model_dir} hold {len(wrong)} tensors of a type no weight is read "
