@@ -263,6 +263,11 @@ def _layout_problems(config: dict[str, Any], sizes: dict[str, int]) -> list[str]
     elif window == 0 and isinstance(layer_types, list) and WINDOWED_LAYER in layer_types:
         problems.append(f"sliding_window = 0, but layer_types has {WINDOWED_LAYER} layers: "
                         "their window must be >= 1 token")  # fmt: skip
+    elif (window is None and isinstance(layer_types, list) and WINDOWED_LAYER in layer_types
+          and config.get("model_type") in SUPPORTED_MODEL_TYPES):  # fmt: skip
+        # our decoder cannot run them, and transformers' fallback failed deep in its build
+        problems.append(f"sliding_window is missing or null, but layer_types has "
+                        f"{WINDOWED_LAYER} layers: give their window in tokens (gpt-oss: 128)")  # fmt: skip
     key_heads, value_heads = sizes.get("linear_num_key_heads"), sizes.get("linear_num_value_heads")
     if key_heads and value_heads and value_heads % key_heads:
         problems.append(f"linear_num_value_heads = {value_heads} must be a multiple of "

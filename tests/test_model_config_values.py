@@ -171,6 +171,8 @@ MISMATCHED_VALUES = [
      "layer_types holds 'foo'", "must be one of full_attention, sliding_attention"),
     (GPT_OSS, {"sliding_window": 0}, "sliding_window = 0", "window must be >= 1"),
     (GPT_OSS, {"sliding_window": -4}, "sliding_window = -4", ">= 0"),
+    (GPT_OSS, {"sliding_window": None}, "sliding_window is missing or null",
+     "give their window in tokens"),
     (HYBRID, {"linear_num_value_heads": 3}, "linear_num_value_heads = 3",
      "multiple of linear_num_key_heads = 2"),
     (DEEPSEEK, {"n_group": 3, "topk_group": 2}, "n_routed_experts = 8",
