@@ -66,16 +66,22 @@ REQUIRED_KEYS = {
     "qwen3_moe": ("moe_intermediate_size", "num_experts_per_tok"),
     "mixtral": ("num_local_experts", "num_experts_per_tok"),
     "qwen3_5_moe_text": ("moe_intermediate_size", "num_experts", "num_experts_per_tok"),
+    "qwen3_5_moe": ("moe_intermediate_size", "num_experts", "num_experts_per_tok"),
     "qwen3_next": ("moe_intermediate_size", "num_experts", "num_experts_per_tok"),
 }  # fmt: skip
-ROUTED_TYPES = ("qwen3_moe", "mixtral", "qwen3_5_moe_text", "qwen3_next", "gpt_oss")
+ROUTED_TYPES = ("qwen3_moe", "mixtral", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next", "gpt_oss")
 """Families whose sparse layers always route to experts: an expert count of 0 builds none."""
-EXPERTS_ONLY_TYPES = ("qwen3_5_moe_text",)
+EXPERTS_ONLY_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
 """Families whose every layer routes to experts: no dense MLP width to require."""
 """Keys hybridflow's decoder reads without a default (its families: models/architecture.py)."""
 
 MAX_SIZE = 2**31 - 1
 """Past int32: no model has a dimension that large, and index arithmetic overflows."""
+
+LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "depth")
+MAX_LAYERS = 4096
+"""The deepest published decoders have under 200 layers; checks and the memory plan build a
+list with one entry per layer, so a count past this would take memory before any refusal."""
 
 FIX = "correct the value in config.json, or copy the model directory again"
 
@@ -86,6 +92,17 @@ def config_value_problems(config: dict[str, Any]) -> list[str]:
     1..experts, attention heads not a multiple of the KV heads, an epsilon or RoPE base that
     is not a finite number > 0. The families hybridflow's decoder builds
     (SUPPORTED_MODEL_TYPES) also need their sizes present and an even head dimension."""
+    quantization = config.get("quantization_config")  # top level, also beside a text_config
+    problems = []
+    if quantization is not None and not isinstance(quantization, dict):
+        problems.append(f"quantization_config = {_shown(quantization)} must be an object (e.g. "
+                        '{"quant_method": "mxfp4"}) or absent (plain weights)')  # fmt: skip
+    return problems + _value_problems(config)
+
+
+def _value_problems(config: dict[str, Any]) -> list[str]:
+    """:func:`config_value_problems` but for the top-level sections (text_config's values and
+    the published Qwen2.5-VL's flat ones are read through it too)."""
     vision = config.get("vision_config")
     vision_problems = []
     if isinstance(vision, dict):
@@ -93,12 +110,13 @@ def config_value_problems(config: dict[str, Any]) -> list[str]:
                            if (problem := _whole_number_problem(key, vision.get(key), 1))]  # fmt: skip
         vision_problems = vision_problems or _vision_language_problems(config, vision)
     text = config.get("text_config")
+    if isinstance(text, dict) and text.get("model_type") is None:
+        # read as the outer family's language model (its keys required), as the loader does
+        text = {**text, "model_type": config.get("model_type")}
     if isinstance(text, dict):  # a multimodal model: its language model is what we build
-        return [
-            f"text_config.{problem}" for problem in config_value_problems(text)
-        ] + vision_problems
+        return [f"text_config.{problem}" for problem in _value_problems(text)] + vision_problems
     if vision_problems:  # the published Qwen2.5-VL form: the language model's keys on top
-        return vision_problems + config_value_problems(
+        return vision_problems + _value_problems(
             {key: value for key, value in config.items() if key != "vision_config"}
         )
     problems: list[str] = []
@@ -169,6 +187,8 @@ def _whole_number_problem(key: str, value: Any, minimum: int) -> str | None:
         return f"{key} = {value} must be a whole number >= {minimum}"
     if value > MAX_SIZE:
         return f"{key} = {value} is larger than any model's ({MAX_SIZE})"
+    if key in LAYER_COUNT_KEYS and value > MAX_LAYERS:
+        return f"{key} = {value} is more layers than any model has (at most {MAX_LAYERS})"
     return None
 
 
@@ -243,6 +263,11 @@ def _layout_problems(config: dict[str, Any], sizes: dict[str, int]) -> list[str]
     elif window == 0 and isinstance(layer_types, list) and WINDOWED_LAYER in layer_types:
         problems.append(f"sliding_window = 0, but layer_types has {WINDOWED_LAYER} layers: "
                         "their window must be >= 1 token")  # fmt: skip
+    elif (window is None and isinstance(layer_types, list) and WINDOWED_LAYER in layer_types
+          and config.get("model_type") in SUPPORTED_MODEL_TYPES):  # fmt: skip
+        # our decoder cannot run them, and transformers' fallback failed deep in its build
+        problems.append(f"sliding_window is missing or null, but layer_types has "
+                        f"{WINDOWED_LAYER} layers: give their window in tokens (gpt-oss: 128)")  # fmt: skip
     key_heads, value_heads = sizes.get("linear_num_key_heads"), sizes.get("linear_num_value_heads")
     if key_heads and value_heads and value_heads % key_heads:
         problems.append(f"linear_num_value_heads = {value_heads} must be a multiple of "
@@ -321,9 +346,30 @@ def _rope_problems(config: dict[str, Any]) -> list[str]:
             continue
         nested = {f"{section}.{k}": v for k, v in value.items() if isinstance(v, dict)}
         for prefix, part in {section: value, **nested}.items():
-            for key in ("rope_theta", "factor"):
-                problems += _positive_number_problems(f"{prefix}.{key}", part.get(key))
+            problems += _rope_part_problems(prefix, part)
     return problems
+
+
+ROPE_POSITIVE_KEYS = ("rope_theta", "factor", "attention_factor", "beta_fast", "beta_slow")
+"""RoPE settings that are finite numbers > 0: YaRN takes the log of its betas' turns and
+scales cos/sin by its attention factor."""
+ROPE_FINITE_KEYS = ("mscale", "mscale_all_dim")
+"""YaRN's attention-factor coefficients (DeepSeek-V3): finite numbers (a NaN one made every
+logit NaN, found only as the first update's gradient was)."""
+
+
+def _rope_part_problems(prefix: str, part: dict[str, Any]) -> list[str]:
+    """The numbers of one RoPE settings object (``prefix``: where it is in config.json)."""
+    problems = []
+    for key in ROPE_POSITIVE_KEYS:
+        problems += _positive_number_problems(f"{prefix}.{key}", part.get(key))
+    for key in ROPE_FINITE_KEYS:
+        value = part.get(key)
+        if value is not None and not (_is_number(value) and math.isfinite(value)):
+            problems.append(f"{prefix}.{key} = {_shown(value)} must be a finite number")
+    key = "original_max_position_embeddings"  # YaRN and llama3 divide by it
+    problem = _whole_number_problem(f"{prefix}.{key}", part.get(key), 1)
+    return problems + ([problem] if problem else [])
 
 
 VISION_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id",

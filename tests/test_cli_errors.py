@@ -130,6 +130,16 @@ def _add_tensor(model: Path, name: str) -> None:
     save_file(weights, model / "model.safetensors")
 
 
+def _retype_tensor(model: Path, name: str) -> None:
+    """``name`` stored as int32 (its values truncated): the loader cast it back unnoticed."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(model / "model.safetensors")
+    weights[name] = weights[name].to(torch.int32)
+    save_file(weights, model / "model.safetensors")
+
+
 MODELS_THAT_CANNOT_LOAD = {
     "config.json is not JSON": (
         lambda m: (m / "config.json").write_text('{"model_type": "qwen2",'),
@@ -162,6 +172,10 @@ MODELS_THAT_CANNOT_LOAD = {
         ),
         "without their pair (e.g. model.layers.0.mlp.extra.weight_scale_inv",
     ),
+    "a weight stored as integers": (
+        lambda m: _retype_tensor(m, "model.norm.weight"),
+        "(e.g. model.norm.weight is I32; weights are floating point",
+    ),
     "a tokenizer file that does not load": (
         lambda m: (m / "tokenizer.json").write_text("{}"),
         "the tokenizer in",
@@ -189,6 +203,7 @@ BAD_CONFIG_VALUES = {
     "KV heads that do not divide the heads": ({"num_key_value_heads": 3}, "num_key_value_heads = 3"),
     "a NaN epsilon": ({"rms_norm_eps": float("nan")}, "rms_norm_eps = nan"),
     "a size as a string": ({"vocab_size": "128"}, 'vocab_size = "128"'),
+    "a quantization_config not an object": ({"quantization_config": "mxfp4"}, "quantization_config"),
 }  # fmt: skip
 
 

@@ -22,6 +22,8 @@ MIXTRAL = {"model_type": "mixtral", "vocab_size": 128, "hidden_size": 64,
            "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
            "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
            "rms_norm_eps": 1e-5, "rope_theta": 1e6}  # fmt: skip
+YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 0.707, "original_max_position_embeddings": 64}  # fmt: skip
 GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_inner": None,
         "n_positions": 128, "vocab_size": 128, "layer_norm_epsilon": 1e-5}  # fmt: skip
 
@@ -53,6 +55,9 @@ BAD_VALUES = [
     (MOE, {"num_attention_heads": 0}, "num_attention_heads = 0", ">= 1"),
     (MOE, {"num_key_value_heads": 0}, "num_key_value_heads = 0", ">= 1"),
     (MOE, {"vocab_size": 2**40}, "vocab_size = 1099511627776", "larger than any model"),
+    # a list of one entry per layer is built from the count: refused before it is
+    (MOE, {"num_hidden_layers": 10**9}, "num_hidden_layers = 1000000000", "more layers than any"),
+    (GPT2, {"n_layer": 10**6}, "n_layer = 1000000", "more layers than any model has"),
     (GPT2, {"n_embd": -8}, "n_embd = -8", ">= 1"),
     (MOE, {"num_key_value_heads": 3}, "num_attention_heads = 4", "multiple of num_key_value_heads = 3"),
     (MIXTRAL, {"num_key_value_heads": 8}, "num_attention_heads = 4", "num_key_value_heads = 8"),
@@ -67,6 +72,17 @@ BAD_VALUES = [
     (MOE, {"rope_scaling": {"rope_type": "linear", "factor": math.nan}},
      "rope_scaling.factor = nan", "finite number > 0"),
     (MOE, {"rope_scaling": "linear"}, 'rope_scaling = "linear"', "an object or null"),
+    # YaRN's numbers (DeepSeek-V3): a NaN mscale made every logit NaN, found at the first update
+    (MOE, {"rope_parameters": {**YARN, "mscale": math.nan}}, "rope_parameters.mscale = NaN",
+     "must be a finite number"),
+    (MOE, {"rope_scaling": {**YARN, "mscale_all_dim": math.inf}},
+     "rope_scaling.mscale_all_dim = Infinity", "must be a finite number"),
+    (MOE, {"rope_parameters": {**YARN, "beta_fast": 0}}, "rope_parameters.beta_fast = 0",
+     "finite number > 0"),
+    (MOE, {"rope_parameters": {**YARN, "attention_factor": -1.0}},
+     "rope_parameters.attention_factor = -1.0", "finite number > 0"),
+    (MOE, {"rope_parameters": {**YARN, "original_max_position_embeddings": 0}},
+     "rope_parameters.original_max_position_embeddings = 0", "whole number >= 1"),
     (MOE, {"hidden_size": "128"}, 'hidden_size = "128"', "whole number"),
     (MOE, {"num_hidden_layers": True}, "num_hidden_layers = true", "whole number"),
     (MOE, {"intermediate_size": 384.0}, "intermediate_size = 384.0", "whole number"),
@@ -84,6 +100,8 @@ BAD_VALUES = [
     (MOE, {"hidden_act": 5}, "hidden_act = 5", "a string"),
     (MOE, {"torch_dtype": 16}, "torch_dtype = 16", "a string"),
     (MOE, {"rope_scaling": {"rope_type": ["yarn"], "factor": 2.0}}, 'rope_scaling rope_type = ["yarn"]', "a string"),
+    # transformers' reading said "'str' object has no attribute 'to_dict'", naming no key
+    (MOE, {"quantization_config": "mxfp4"}, 'quantization_config = "mxfp4"', "must be an object"),
 ]  # fmt: skip
 
 
@@ -132,6 +150,10 @@ def test_a_bad_vision_encoder_size_is_named_with_its_key(nested):
         "vision_config.num_heads = 0 must be a whole number >= 1"
     ]
     assert config_value_problems({**config, "vision_config": VISION}) == []
+    deep = {**config, "vision_config": {**VISION, "depth": 10**9}}
+    assert config_value_problems(deep) == [
+        "vision_config.depth = 1000000000 is more layers than any model has (at most 4096)"
+    ]
 
 
 DEEPSEEK = PRESETS["tiny-deepseek-v3"].to_hf()  # 8 routed experts in n_group = 4, top-2
@@ -149,6 +171,8 @@ MISMATCHED_VALUES = [
      "layer_types holds 'foo'", "must be one of full_attention, sliding_attention"),
     (GPT_OSS, {"sliding_window": 0}, "sliding_window = 0", "window must be >= 1"),
     (GPT_OSS, {"sliding_window": -4}, "sliding_window = -4", ">= 0"),
+    (GPT_OSS, {"sliding_window": None}, "sliding_window is missing or null",
+     "give their window in tokens"),
     (HYBRID, {"linear_num_value_heads": 3}, "linear_num_value_heads = 3",
      "multiple of linear_num_key_heads = 2"),
     (DEEPSEEK, {"n_group": 3, "topk_group": 2}, "n_routed_experts = 8",
@@ -220,3 +244,24 @@ def test_what_a_vision_language_config_must_agree_on_is_named(changes, words):
     assert config_value_problems(VL) == []
     (problem,) = config_value_problems({**VL, **changes})
     assert problem.startswith(words)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_moe", "qwen2_5_vl"])
+def test_a_text_config_without_its_sizes_is_named_as_the_family_reads_it(model_type):
+    """An empty text_config was read as no family's: validate passed, and the load built the
+    family's default-sized language model (billions of weights) from it."""
+    problems = config_value_problems(
+        {"model_type": model_type, "text_config": {}, "vision_config": VISION}
+    )
+    assert problems[0] == f"text_config.vocab_size is missing (model_type {model_type!r} needs it)"
+    moe = model_type == "qwen3_5_moe"
+    assert any("text_config.num_experts is missing" in p for p in problems) == moe
+    assert any("text_config.intermediate_size" in p for p in problems) != moe
+
+
+def test_a_quantization_config_beside_a_text_config_is_checked_too():
+    config = {**VL, "quantization_config": ["fp8"]}
+    assert config_value_problems(config) == [
+        'quantization_config = ["fp8"] must be an object (e.g. {"quant_method": "mxfp4"}) or '
+        "absent (plain weights)"
+    ]

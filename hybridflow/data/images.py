@@ -224,13 +224,22 @@ class ImageProcessor:
         if not config.is_file():
             raise UserError(f"{path} has no preprocessor_config.json (the image processor of "
                             "a vision-language model)", "copy the model directory again")  # fmt: skip
+        _read_json_object(config)  # a file transformers fails on is named by line
         try:
             import torchvision  # noqa: F401
 
             backend = "torchvision"
         except ImportError:  # CPU torch builds from local disk: the PIL one is as exact
             backend = "pil"
-        return cls(AutoImageProcessor.from_pretrained(str(path), backend=backend))
+        try:
+            processor = AutoImageProcessor.from_pretrained(str(path), backend=backend)
+        except (ValueError, TypeError, KeyError, AttributeError) as error:
+            raise UserError(f"{config} holds a value transformers refuses "
+                            f"({type(error).__name__}: {error})", PROCESSOR_FIX) from None  # fmt: skip
+        problems = processor_problems(processor, _vision_config(Path(path)))
+        if problems:
+            raise UserError(f"{config}: {'; '.join(problems)}", PROCESSOR_FIX)
+        return cls(processor)
 
     @classmethod
     def for_encoder(cls, spec, min_side: int = 32, max_side: int = 64) -> ImageProcessor:
@@ -272,6 +281,60 @@ class ImageProcessor:
         rows, cols = smart_resize(height, width, patch * self.merge_size,
                                   processor.size.shortest_edge, processor.size.longest_edge)  # fmt: skip
         return 1, rows // patch, cols // patch
+
+
+PROCESSOR_FIX = "correct the value in preprocessor_config.json, or copy the model directory again"
+# the processor's sizes and config.json's vision_config names for them: patches the encoder
+# does not cut (other sizes) fail deep in its first matmul or in the image-token count
+PROCESSOR_SIZES = (("patch_size", "patch_size"), ("merge_size", "spatial_merge_size"),
+                   ("temporal_patch_size", "temporal_patch_size"))  # fmt: skip
+
+
+def processor_problems(processor: Any, vision: dict[str, Any]) -> list[str]:
+    """Why an image processor's patches do not fit the encoder ``vision`` (config.json's
+    vision_config) describes, or its pixel bounds cannot resize an image ([] if fine)."""
+    problems = []
+    for ours, theirs in PROCESSOR_SIZES:
+        value, expected = getattr(processor, ours, None), vision.get(theirs)
+        if isinstance(expected, int) and value != expected:
+            problems.append(f"{ours} = {value}, but config.json's vision_config.{theirs} = "
+                            f"{expected}: the encoder reads patches of its own sizes")  # fmt: skip
+    size = getattr(processor, "size", None)
+    low, high = getattr(size, "shortest_edge", None), getattr(size, "longest_edge", None)
+    whole = all(isinstance(n, int) and not isinstance(n, bool) for n in (low, high))
+    if not (whole and 0 <= low <= high and high >= 1):
+        problems.append(f"size shortest_edge = {low}, longest_edge = {high} (min_pixels, "
+                        "max_pixels: an image's area bounds) must be whole numbers with "
+                        "0 <= shortest_edge <= longest_edge and longest_edge >= 1")  # fmt: skip
+    return problems
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; UserError naming the file and line when it is not one."""
+    import json
+
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as error:
+        where = f" (line {error.lineno}, column {error.colno})" if hasattr(error, "lineno") else ""
+        raise UserError(f"{path} is not valid JSON{where}", PROCESSOR_FIX) from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path} must hold a JSON object, not a {type(value).__name__}",
+                        PROCESSOR_FIX)  # fmt: skip
+    return value
+
+
+def _vision_config(model_dir: Path) -> dict[str, Any]:
+    """config.json's vision_config ({} when unreadable: the model checks say why)."""
+    import json
+
+    try:
+        vision = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))[
+            "vision_config"
+        ]
+    except (OSError, ValueError, RecursionError, KeyError, TypeError):
+        return {}
+    return vision if isinstance(vision, dict) else {}
 
 
 @dataclass(frozen=True)

@@ -207,3 +207,43 @@ def test_data_check_decodes_the_images_of_a_geo3k_shaped_parquet(tmp_path, capsy
     assert main(["check", str(bad), "--image-key", "images"]) == 2
     err = capsys.readouterr().err
     assert f"{bad}: row 1: key 'images[0]' cannot be decoded" in err and "Traceback" not in err
+
+
+def _edit_json(path, **changes):
+    import json
+
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"patch_size": 14}, "patch_size = 14, but config.json's vision_config.patch_size = 4"),
+        ({"merge_size": 3}, "merge_size = 3, but config.json's vision_config.spatial_merge_size = 2"),
+        ({"temporal_patch_size": 1}, "temporal_patch_size = 1, but config.json's vision_config."
+         "temporal_patch_size = 2"),
+        ({"size": {"shortest_edge": 64, "longest_edge": 0}}, "size shortest_edge = 64, "
+         "longest_edge = 0 (min_pixels, max_pixels"),
+    ],
+    ids=["patch", "merge", "temporal", "max-pixels-0"],
+)  # fmt: skip
+def test_a_processor_that_does_not_fit_the_encoder_is_named(model_dir, changes, words):
+    """Each reached the worker: a shape error in the encoder's first matmul, an image-token
+    count that does not add up, or a division by zero while sizing an image."""
+    from hybridflow.errors import UserError
+
+    vision = {"patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2}
+    (model_dir / "config.json").write_text(__import__("json").dumps({"vision_config": vision}))
+    ImageProcessor.from_model_dir(model_dir)  # as written, it fits
+    _edit_json(model_dir / "preprocessor_config.json", **changes)
+    with pytest.raises(UserError) as error:
+        ImageProcessor.from_model_dir(model_dir)
+    assert str(error.value).startswith(f"{model_dir / 'preprocessor_config.json'}: {words}")
+
+
+def test_a_processor_file_that_is_not_json_is_named_by_line(model_dir):
+    from hybridflow.errors import UserError
+
+    (model_dir / "preprocessor_config.json").write_text('{\n  "patch_size": 4,\n  oops\n}')
+    with pytest.raises(UserError, match=r"preprocessor_config.json is not valid JSON \(line 3"):
+        ImageProcessor.from_model_dir(model_dir)

@@ -23,7 +23,7 @@ from hybridflow.model_config_values import (
 )
 from hybridflow.models.architecture import SUPPORTED_MODEL_TYPES
 from hybridflow.models.checkpoint_io.weight_files import checkpoint_files
-from hybridflow.safetensors_headers import stored_shapes
+from hybridflow.safetensors_headers import stored_dtypes, stored_shapes
 
 if TYPE_CHECKING:
     from hybridflow.models.checkpoint_io.quantized_checkpoint import WeightQuantization
@@ -165,7 +165,9 @@ def native_weight_problems(
         if config.get("model_type") in VISION_MODEL_TYPES:  # no fallback loads these
             return [config_values_message([str(error)], Path(model_dir) / CONFIG_FILE)]
         return []  # not for our decoder (transformers' fallback reads it), or said before
-    problem = _quantized_pair_problem(Path(model_dir), quantization)
+    problem = _quantized_pair_problem(Path(model_dir), quantization) or _dtype_problem(
+        Path(model_dir), quantization
+    )
     if problem:
         return [problem]
     stored = _stored_shapes(Path(model_dir), architecture, quantization)
@@ -258,6 +260,52 @@ def _quantized_pair_problem(model_dir: Path, quantization) -> str | None:
     except (OSError, UserError):
         return None  # said by the file checks
     return pair_shape_problem(shapes, quantization, model_dir) if shapes else None
+
+
+def _dtype_problem(model_dir: Path, quantization) -> str | None:
+    """A tensor stored in a type no weight is read from: integers outside the quantized
+    tensors (a float weight cast to int has lost its values, and the loader would cast it
+    back silently), or MXFP4 blocks and scales that are not bytes."""
+    from hybridflow.models.checkpoint_io.quantized_checkpoint import (
+        MXFP4,
+        MXFP4_BLOCKS,
+        MXFP4_SCALES,
+    )
+
+    try:
+        dtypes = stored_dtypes(model_dir, checkpoint_files(str(model_dir)))
+    except (OSError, UserError):
+        return None  # said by the file checks
+    mxfp4 = quantization is not None and quantization.method == MXFP4
+
+    def quantized(name: str) -> bool:  # a quantized tensor or its scales (paired or not)
+        if quantization is None:
+            return False
+        if quantization.is_companion(name) or (mxfp4 and name.endswith(MXFP4_BLOCKS)):
+            return True
+        return not mxfp4 and quantization.companion(name) in dtypes
+
+    wrong = sorted(
+        (name, dtype) for name, dtype in (dtypes or {}).items()
+        if (dtype != "U8" if mxfp4 and quantized(name)
+            else not quantized(name) and not dtype.startswith(("F", "BF")))
+    )  # fmt: skip
+    if not wrong:
+        return None
+    if quantization is None and wrong[0][0].endswith((MXFP4_BLOCKS, MXFP4_SCALES)):
+        return (
+            f"the weights in {model_dir} hold MXFP4 blocks and scales (e.g. {wrong[0][0]}), but "
+            f"{model_dir / CONFIG_FILE} has no quantization_config: add "
+            '"quantization_config": {"quant_method": "mxfp4"} to it (as the released GPT-OSS '
+            "has), or copy the model directory again"
+        )
+    examples = ", ".join(f"{name} is {dtype}" for name, dtype in wrong[:3])
+    return (
+        f"the weights in {model_dir} hold {len(wrong)} tensors of a type no weight is read "
+        f"from (e.g. {examples}; weights are floating point: F32, BF16, F16, and MXFP4 "
+        f"blocks and scales are U8): the file was damaged or converted wrongly; copy the "
+        f"model directory again"
+    )
 
 
 def _stored_shapes(

@@ -39,12 +39,15 @@ def window_order(
     window ``window_size`` pixels square (window_size // merge // patch_size tokens a side,
     cut short at the image's right and bottom edges); cu_seqlens bounds each window in
     patches. ``hidden[order]`` groups each window's patches; ``argsort(order)`` undoes it."""
-    side = window_size // merge // patch_size
+    full_side = window_size // merge // patch_size
     unit = merge * merge
     order, lengths, offset = [], [], 0
     for t, h, w in grid_thw.tolist():
         rows, cols = h // merge, w // merge
         index = torch.arange(t * rows * cols).reshape(t, rows, cols)
+        # a window past the image holds all of it, as one of the image's extent does: padding
+        # to it would take memory growing with window_size², whatever the image
+        side = min(full_side, max(rows, cols, 1))
         pad_rows, pad_cols = -rows % side, -cols % side
         padded = F.pad(index, (0, pad_cols, 0, pad_rows), value=-1)
         across, down = (cols + pad_cols) // side, (rows + pad_rows) // side

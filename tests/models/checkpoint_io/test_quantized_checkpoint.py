@@ -214,3 +214,26 @@ def test_scales_that_do_not_fit_their_tensor_are_named_at_validate(tmp_path, kin
     assert name in problem and "do not fit" in problem and words in problem
     with pytest.raises(UserError, match=words):
         load_model_from_dir(str(tmp_path / "q"))
+
+
+def test_mxfp4_scales_that_are_not_bytes_are_named_at_validate(tmp_path):
+    """validate said nothing; the load then refused them (the dequantiser's dtype check)."""
+    from safetensors.torch import load_file, save_file
+
+    gpt_oss_transformers(hidden_size=64, intermediate_size=32).save_pretrained(tmp_path / "q")
+    mxfp4_gpt_oss(tmp_path / "q", tmp_path / "plain")
+    weights = load_file(tmp_path / "q" / "model.safetensors")
+    name = "model.layers.0.mlp.experts.down_proj_scales"
+    weights[name] = weights[name].float()
+    save_file(weights, tmp_path / "q" / "model.safetensors", metadata={"format": "pt"})
+    (problem,) = config_problems(tmp_path / "q")
+    assert f"(e.g. {name} is F32;" in problem and "MXFP4 blocks and scales are U8" in problem
+
+
+def test_mxfp4_tensors_without_a_quantization_config_say_what_config_json_lacks(tmp_path):
+    gpt_oss_transformers(hidden_size=64, intermediate_size=32).save_pretrained(tmp_path / "q")
+    mxfp4_gpt_oss(tmp_path / "q", tmp_path / "plain")
+    edit_config(tmp_path / "q", quantization_config=None)
+    (problem,) = config_problems(tmp_path / "q")
+    assert "hold MXFP4 blocks and scales (e.g. model.layers.0.mlp.experts." in problem
+    assert f"{tmp_path / 'q' / 'config.json'} has no quantization_config: add" in problem
