@@ -45,6 +45,13 @@ CASES = [
      'recommended layout: actor.expert_parallel_size=8 rollout.tensor_parallel_size=2 '
      'model.gradient_checkpointing=true actor.param_offload=true (peak 63.6 GiB in the '
      'generation, fits; 516.5 GiB of host memory a node for what it offloads)'),
+    ("moonlight-16b-a3b", 1, 8, 128, 80 * GIB, (),
+     'recommended layout: actor.expert_parallel_size=8 rollout.tensor_parallel_size=4 '
+     'model.gradient_checkpointing=true (peak 74.0 GiB in the generation, fits)'),
+    ("gpt-oss-120b", 1, 8, 128, 80 * GIB, (),
+     'recommended layout: actor.expert_parallel_size=8 rollout.tensor_parallel_size=8 '
+     'model.gradient_checkpointing=true actor.param_offload=true (peak 74.7 GiB in the '
+     'actor update, fits; 1740.9 GiB of host memory a node for what it offloads)'),
     ("qwen3-235b-a22b", 4, 8, 128, 80 * GIB, (),
      'recommended layout: actor.expert_parallel_size=32 rollout.tensor_parallel_size=2 '
      'model.gradient_checkpointing=true actor.param_offload=true '
