@@ -205,3 +205,22 @@ def test_the_rollout_service_keeps_only_exact_rings(gpt_oss):
         turn = PROMPTS[3] + first_b.token_ids + [9, 10]
         second = service.submit(turn, plain, seed=3, reuse=first_b.kv_handle).result(timeout=60)
     _assert_same(second, _slow(_engine(gpt_oss), [turn], plain, seeds=[3]))
+
+
+@pytest.mark.parametrize("window,block,per_step", [(2**31 - 1, None, 0), (2**31 - 1, 16, 5),
+                                                   (10**6, 16, 0)])  # fmt: skip
+def test_a_window_past_max_seq_len_decodes_as_a_window_of_max_seq_len(window, block, per_step):
+    """A sliding layer whose window no sequence of max_seq_len=64 fills keeps a ring of 64
+    (cache/window.ring_length: the cache of a 64-token window, not 2**31 - 1 positions a
+    slot) and samples, greedy in fp32, what the window of 64 does and what the model
+    (which attends over the whole window) gives; chunked prompts (per_step) extend over it."""
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=10, ignore_eos=True)
+    wide, as_long = gpt_oss_model(window=window), gpt_oss_model(window=64)
+    reference = _engine(as_long, block=block, per_step=per_step)
+    expected = reference.generate(PROMPTS, params)
+    engine = _engine(wide, block=block, per_step=per_step)
+    got = engine.generate(PROMPTS, params)
+    _assert_same(got, expected)
+    _assert_same(got, _slow(engine, PROMPTS, params))
+    assert engine.cache.window.keys.shape == reference.cache.window.keys.shape == (1, 5, 64, 2, 16)
+    assert engine.cache.nbytes() == reference.cache.nbytes()

@@ -62,6 +62,18 @@ def test_local_shapes_of_sink_attention_and_mla():
                            split_experts=False)  # fmt: skip
 
 
+def test_a_ranks_ring_of_a_window_past_max_seq_len_is_its_kv_heads_share_of_max_seq_len():
+    """A rank's ring (its local shape's window_spec, as make_cache sizes it) of a window
+    no 64-token sequence fills: 64 positions of its 1 KV head, what the plan prices a rank."""
+    from hybridflow.engine.cache.window import window_spec
+    from hybridflow.trainer.plan.memory_rollout import per_sequence_bytes
+
+    whole = preset_config("tiny-gpt-oss").replace(attention_window=2**31 - 1)
+    spec = window_spec(local_architecture(whole, 2), torch.float32, 64)
+    assert (spec.window, spec.kv_heads) == (64, 1)
+    assert spec.bytes_per_sequence == per_sequence_bytes(whole, 64, 4, tp=2) == 2 * 64 * 16 * 4
+
+
 def _model(preset: str):
     """std-0.3 weights, sinks and biases (fp32), the same on every rank: peaked logits and
     routers far from ties."""

@@ -138,8 +138,8 @@ def make_cache(
     routes: the routing record to keep beside K and V (route_spec), counted in the budget.
     K/V for the layers whose spec keeps them, the latent for MLA layers (latent.latent_spec:
     its bytes a position counted instead of K/V's); the recurrent layers' per-sequence state
-    (kinds.recurrent_state_spec) and the sliding layers' rings (window.window_spec) for every
-    slot, taken from the budget first. Beside a paged cache, a bounded budget gets at most
+    (kinds.recurrent_state_spec) and the sliding layers' rings (window.window_spec: at most
+    max_seq_len positions each) for every slot, taken from the budget first. Beside a paged cache, a bounded budget gets at most
     the slots whose states and blocks hold that many whole max_seq_len sequences
     (state_slots; cap_state_slots False: every one of max_batch_size). ``row_reserve_bytes``:
     the part of reserve_bytes each of max_batch_size rows takes (its sampling), given back to
@@ -154,7 +154,8 @@ def make_cache(
             raise ValueError(problem)
     rows = kv_layer_rows(specs)
     layers = sum(row is not None for row in rows)
-    states = _PerSequence(recurrent_state_spec(config, dtype), window_spec(config, dtype))
+    rings = window_spec(config, dtype, max_seq_len)
+    states = _PerSequence(recurrent_state_spec(config, dtype), rings)
     latent = latent_spec(config, dtype)
     shape = (config.num_key_value_heads, config.head_dim)
     # what a position keeps beside K/V: its routing record, MLA layers' latent

@@ -8,6 +8,11 @@ recurrent state: copied to a prompt's other samples after its prefill, rebuilt b
 prefill of a preempted request, counted per slot in the cache budget. The full layers keep
 every position in the slot cache or the blocks (kv_cache.py).
 
+A ring holds ``ring_length`` entries: the window, at most the engine's max_seq_len. A
+sequence never reaches that many positions, so a window at least as long attends over its
+whole prefix (full attention), which a ring of max_seq_len holds without wrapping: a
+checkpoint's 128k (or 2**31 - 1) window costs a 4k context's K/V, not the window's.
+
 Attention is a sum over keys, so the ring's order does not matter: a row at position p
 (stored) reads entries j <= p of its ring, each holding position
 ``p - ((p - j) mod window)`` (``ring_positions``), every one of them inside the window.
@@ -23,7 +28,8 @@ import torch
 @dataclass(frozen=True)
 class WindowSpec:
     """The rings of the sliding layers ``layers`` (model indices), ``window`` positions of
-    [kv_heads, head_dim] K and V each, in ``dtype``."""
+    [kv_heads, head_dim] K and V each, in ``dtype``: the ring's length (ring_length), not
+    the layers' window where that exceeds max_seq_len."""
 
     layers: tuple[int, ...]
     window: int
@@ -46,8 +52,15 @@ class WindowSpec:
         return WindowedKV(keys, torch.zeros_like(keys), rows)
 
 
-def window_spec(config, dtype: torch.dtype) -> WindowSpec | None:
-    """The rings a model config's sliding layers need (None: no sliding layer)."""
+def ring_length(window: int, max_seq_len: int) -> int:
+    """Entries a sliding layer's ring keeps a sequence: its last ``window`` positions, or
+    all of them where a sequence of at most max_seq_len never fills the window."""
+    return min(window, max_seq_len)
+
+
+def window_spec(config, dtype: torch.dtype, max_seq_len: int) -> WindowSpec | None:
+    """The rings a model config's sliding layers need for sequences of at most max_seq_len
+    tokens (None: no sliding layer)."""
     specs = config.layer_specs()
     layers = tuple(i for i, spec in enumerate(specs) if spec.keeps_kv and spec.window)
     if not layers:
@@ -55,7 +68,8 @@ def window_spec(config, dtype: torch.dtype) -> WindowSpec | None:
     windows = {specs[i].window for i in layers}
     if len(windows) > 1:  # engine_gaps names it; no family has two sizes
         raise ValueError(f"sliding windows of several sizes {sorted(windows)}: one expected")
-    return WindowSpec(layers, windows.pop(), config.num_key_value_heads, config.head_dim, dtype)
+    length = ring_length(windows.pop(), max_seq_len)
+    return WindowSpec(layers, length, config.num_key_value_heads, config.head_dim, dtype)
 
 
 @dataclass

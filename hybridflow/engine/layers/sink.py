@@ -73,7 +73,7 @@ def sink_prefill(layer, normed, cos, sin, cache, index: int, cache_at: tuple,
     through that kernel (one launch a layer, the sink and window in it); None: in torch."""
     mixer = getattr(layer, layer.mixer_name)
     q, k, v = mixer.project_qkv(normed, cos, sin)
-    window = layer.spec.window
+    window = attended_window(layer, cache)
     if window:
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
         ends = torch.repeat_interleave(positions[last_index], lengths, output_size=len(positions))
@@ -88,6 +88,15 @@ def sink_prefill(layer, normed, cos, sin, cache, index: int, cache_at: tuple,
 
         out = packed_attention(q, k, v, tiled, mixer.sinks, window)
     return mixer.o_proj(out.flatten(-2))
+
+
+def attended_window(layer, cache) -> int:
+    """The window a layer attends in the engine (0: none): its own, capped at its ring's
+    length (window.ring_length). A sequence of the engine never holds more positions than
+    the ring, so the cap changes nothing it reads, and the kernels' masks never meet a
+    window of 2**31 - 1."""
+    window = layer.spec.window
+    return min(window, cache.window.window) if window else 0
 
 
 def sink_prefill_attention(q, k, v, sinks, window: int, cu_seqlens: torch.Tensor,
@@ -175,7 +184,7 @@ def sink_extend(layer, normed, cos, sin, cache, index: int, cache_at: tuple,
     the scratch slot."""
     mixer = getattr(layer, layer.mixer_name)
     q, k, v = mixer.project_qkv(normed, cos, sin)
-    window = layer.spec.window
+    window = attended_window(layer, cache)
     if not window:  # stored first: a token reads the pass's earlier tokens from the cache
         _store(cache, index, cache_at, k, v)
         row = cache.kv_row(index)
@@ -198,17 +207,21 @@ def sink_extend(layer, normed, cos, sin, cache, index: int, cache_at: tuple,
 def windowed_extend_attention(q, k, v, ring: tuple, slots, positions, starts, window: int,
                               sinks, rows_per_pass: int = 256) -> torch.Tensor:  # fmt: skip
     """q [N, nh, D], k/v [N, nkv, D] of the pass's tokens, ring (keys, values) [slots + 1,
-    window, nkv, D] as before the pass, starts [N]: the index of each token's sequence's
-    first token in the pass -> [N, nh, D]. Token t at position p sees the ring's positions
-    before its sequence's first new one and the pass's tokens of its sequence, both within
-    p - window + 1 .. p. In passes of rows_per_pass tokens (the gathered keys stay bounded)."""
+    size, nkv, D] as before the pass (size: window.ring_length, at most window), starts [N]:
+    the index of each token's sequence's first token in the pass -> [N, nh, D]. Token t at
+    position p sees the ring's positions before its sequence's first new one and the pass's
+    tokens of its sequence, both within p - window + 1 .. p. In passes of rows_per_pass
+    tokens (the gathered keys stay bounded)."""
     ring_keys, ring_values = ring
     size = ring_keys.shape[1]
     index = torch.arange(q.shape[0], device=q.device)
-    held = ring_positions(positions[starts] - 1, size)  # [N, window]
+    held = ring_positions(positions[starts] - 1, size)  # [N, size]
     ring_visible = (held >= 0) & (positions[:, None] - held < window)
-    back = index[:, None] - torch.arange(window - 1, -1, -1, device=q.device)[None, :]
-    back_visible = back >= starts[:, None]  # the same sequence: at most window - 1 back
+    # the pass's earlier tokens a token sees: at most window - 1 back, and fewer than a ring's
+    # worth (a ring shorter than the window holds a sequence whole: ring_length)
+    span = min(window, size)
+    back = index[:, None] - torch.arange(span - 1, -1, -1, device=q.device)[None, :]
+    back_visible = back >= starts[:, None]  # the same sequence
     back = back.clamp(min=0)
     pieces = []
     for first in range(0, q.shape[0], rows_per_pass):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from hybridflow.engine.cache.fp8_kv import fp8_kv_bytes_per_position
 from hybridflow.engine.cache.kinds import eager_only
 from hybridflow.engine.cache.sizing import state_slots
+from hybridflow.engine.cache.window import ring_length
 from hybridflow.engine.cache.workspace import engine_workspace_bytes, sampling_bytes_per_row
 from hybridflow.models.architecture import ModelArchitecture
 from hybridflow.trainer.plan.memory_items import (
@@ -38,13 +39,15 @@ def kv_block_bytes(a: ModelArchitecture, block: int, element_bytes: int = 2,
     return sum(per_layer[s.cache] for s in kept) * block * element_bytes
 
 
-def per_sequence_bytes(a: ModelArchitecture, element_bytes: int = 2, tp: int = 1) -> int:
-    """What a sequence keeps whatever its length on one rank of a ``tp``-rank rollout, one
-    per slot beside a paged cache's blocks (engine/cache/sizing._PerSequence): its recurrent
-    layers' state (recurrent_state_bytes) and its sliding layers' rings of a window's K/V
-    (engine/cache/window.py: the rank's KV heads, kv_split)."""
+def per_sequence_bytes(a: ModelArchitecture, max_seq_len: int, element_bytes: int = 2,
+                       tp: int = 1) -> int:  # fmt: skip
+    """What a sequence of at most max_seq_len tokens keeps whatever its length on one rank of
+    a ``tp``-rank rollout, one per slot beside a paged cache's blocks
+    (engine/cache/sizing._PerSequence): its recurrent layers' state (recurrent_state_bytes)
+    and its sliding layers' rings of a window's K/V, at most max_seq_len positions
+    (engine/cache/window.py: ring_length; the rank's KV heads, kv_split)."""
     per_layer = a.cache_elements_per_token()
-    rings = sum(per_layer[s.cache] * s.window for s in a.layer_specs()
+    rings = sum(per_layer[s.cache] * ring_length(s.window, max_seq_len) for s in a.layer_specs()
                 if s.cache != "recurrent" and s.window)  # fmt: skip
     rings_bytes = rings * element_bytes // kv_split(a, tp)
     return recurrent_state_bytes(a, element_bytes, tp) + rings_bytes
@@ -179,7 +182,7 @@ def kv_cache_item(a: ModelArchitecture, o: PlanOptions, items: list[MemoryItem])
         entry = kv_block_bytes(a, block, o.rollout_bytes, o.kv_cache_fp8) // kv_split(
             a, o.rollout_tp
         )
-        state = per_sequence_bytes(a, o.rollout_bytes, o.rollout_tp)
+        state = per_sequence_bytes(a, length, o.rollout_bytes, o.rollout_tp)
     slots, row = o.rollout_max_seqs, sampling_bytes_per_row(a, o.rollout_tp)
     budget = kv_budget(reserve, used, o)  # max_num_seqs rows' workspace taken out
     if block is not None and state:

@@ -3,7 +3,8 @@ over gathered K/V: chunks of a paged cache (through the block table) and of a sl
 tiles cut at odd places, a kept prefix before a chunk, GQA groups of 2 and 3, and padding
 tokens that come out zero while the rows past a chunk's end are left alone. Then packed
 prompts attending over their own K/V with a sink logit per head and a sliding window (a
-GPT-OSS prefill) against the model's packed sink attention."""
+GPT-OSS prefill) against the model's packed sink attention, a window no prompt fills as
+full attention."""
 
 from __future__ import annotations
 
@@ -122,6 +123,21 @@ def test_packed_prompts_with_sinks_equal_the_models_attention(window, heads, per
     assert (got - plain).abs().max() > 1e-2  # the sinks changed the output
     if window:  # the window masked keys: the full layer's output differs
         assert (got - packed_attention(q, k, v, layout, sinks, 0)).abs().max() > 1e-2
+
+
+def test_a_window_capped_at_the_longest_prompt_reads_what_full_attention_reads():
+    """The engine passes a window past max_seq_len as max_seq_len (layers/sink.py's
+    attended_window): prompts of at most 40 tokens under a window of 64 read what the full
+    layer (window 0) and the model's 2**31 - 1-token window read."""
+    from hybridflow.engine.kernels.chunk_attention import packed_attention, packed_tiles
+    from hybridflow.models.mixers.sink_attention import sink_attention_packed
+
+    q, k, v, sinks, cu = _packed([23, 1, 40, 9], 4, torch.Generator().manual_seed(3))
+    layout = packed_tiles(cu, q.shape[0], tile_tokens(4, KV_HEADS))
+    got = packed_attention(q, k, v, layout, sinks, SEQ)
+    torch.testing.assert_close(got, packed_attention(q, k, v, layout, sinks, 0), rtol=0, atol=0)
+    expected = sink_attention_packed(q, k, v, sinks, 2**31 - 1, cu)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_packed_tiles_cut_each_prompt_and_number_its_tokens():

@@ -93,6 +93,31 @@ def test_the_engines_triton_step_prefills_through_the_kernel(gpt_oss, monkeypatc
         assert completion.token_ids == tokens[len(prompt) :]
 
 
+def test_a_window_past_max_seq_len_reaches_the_kernel_as_max_seq_len(monkeypatch):
+    """A 2**31 - 1-token window at max_seq_len 32: the sliding layer's packed kernel gets a
+    window of 32 (layers/sink.attended_window), its ring 32 entries, and the greedy tokens
+    (the decode steps reading that ring) are the model's own argmax."""
+    from hybridflow.engine import Engine, EngineOptions, SamplingParams
+    from hybridflow.engine.kernels import chunk_attention
+
+    windows = []
+    kernel = chunk_attention.packed_attention
+    monkeypatch.setattr(chunk_attention, "packed_attention",
+                        lambda *a, **k: windows.append(a[5]) or kernel(*a, **k))  # fmt: skip
+    model = gpt_oss_model(window=2**31 - 1).to(DEVICE)
+    options = EngineOptions(decode_backend="triton", cuda_graphs=False, steps_per_sync=4)
+    engine = Engine(model, 4, 32, options=options)
+    prompts = [[5, 17, 9, 33, 2, 71] * 2, [40, 41, 7]]
+    got = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=4,
+                                                  ignore_eos=True))  # fmt: skip
+    assert windows == [32, 0] and engine.cache.window.keys.shape[2] == 32
+    for prompt, completion in zip(prompts, got):
+        tokens = list(prompt)
+        for _ in range(4):
+            tokens.append(int(model(torch.tensor([tokens], device=DEVICE))[0, -1].argmax()))
+        assert completion.token_ids == tokens[len(prompt) :]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_kernel_in_bf16_on_cuda_is_the_torch_steps_prefill(gpt_oss):

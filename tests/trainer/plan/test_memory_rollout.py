@@ -4,6 +4,8 @@ it on its eager passes), and the rows of long responses it holds against a dense
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from hybridflow.config import load_config
@@ -198,5 +200,27 @@ def test_a_tensor_parallel_rank_keeps_its_kv_heads_share_of_the_rings():
     """gpt-oss-20b at rollout TP 2: a slot's rings hold the rank's 4 of the 8 KV heads
     (engine/cache/window.py), 12 sliding layers × 128 positions × K and V × 4 × 64 × 2 bytes."""
     a = PRESETS["gpt-oss-20b"]
-    assert per_sequence_bytes(a, 2, tp=2) == 12 * 128 * 2 * 4 * 64 * 2
-    assert per_sequence_bytes(a, 2, tp=1) == 2 * per_sequence_bytes(a, 2, tp=2)
+    assert per_sequence_bytes(a, 4096, 2, tp=2) == 12 * 128 * 2 * 4 * 64 * 2
+    assert per_sequence_bytes(a, 4096, 2, tp=1) == 2 * per_sequence_bytes(a, 4096, 2, tp=2)
+
+
+@pytest.mark.parametrize("window", [131072, 10**6, 2**31 - 1])
+def test_a_window_past_max_seq_len_is_priced_as_a_ring_of_max_seq_len(window):
+    """gpt-oss-20b with a window no 4,096-token sequence fills: its rings hold 4,096
+    positions (engine/cache/window.ring_length), a TP rank its KV heads' share, and the
+    paged cache's plan prices that (not 2**31 - 1 positions a slot)."""
+    a = replace(PRESETS["gpt-oss-20b"], attention_window=window)
+    ring = 12 * 4096 * 2 * 8 * 64 * 2  # 12 sliding layers, K and V of 8 KV heads, bf16
+    assert per_sequence_bytes(a, 4096, 2) == ring
+    assert per_sequence_bytes(a, 4096, 2, tp=2) == ring // 2
+    assert per_sequence_bytes(a, 128, 2) == per_sequence_bytes(PRESETS["gpt-oss-20b"], 4096, 2)
+    options = PlanOptions(gpu_bytes=141 * GIB, rollout_max_seq_len=4096, split=True,
+                          gpu_memory_utilization=0.9)  # fmt: skip
+    plan = build_plan("wide", a, options)
+    item, block = _kv_item(plan), 12 * 2 * 8 * 64 * 2 * 64  # the 12 full layers' block
+    blocks = int(item.name.split("(")[1].split(" ")[0].replace(",", ""))
+    slots = int(item.note.split("window rings of ")[1].split(" ")[0].replace(",", "")) - 1
+    assert item.gpu_bytes == (blocks + 1) * block + (slots + 1) * ring
+    assert plan.kv_slots == blocks // 64 == min(slots, 1024) > 0
+    as_long = build_plan("as long", replace(a, attention_window=4096), options)
+    assert _kv_item(as_long) == item

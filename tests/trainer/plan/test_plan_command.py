@@ -270,3 +270,28 @@ def test_the_plans_long_parts_are_reported_as_they_go(plenty_of_host):
         "config plan: the layout to recommend",
     ]
     assert "config plan: the layout to recommend: done, " in buffer.getvalue()
+
+
+def test_a_window_past_the_rollouts_length_is_validated_and_planned_as_its_ring(tmp_path, capsys):
+    """GPT-OSS whose sliding_window (2**31 - 1) no 32 + 16-token sequence fills: validate and
+    the plan accept it (they refused the 2**31 - 1-position rings of a CPU rollout's 1,024
+    slots, naming rollout.max_num_seqs), its KV cache priced as that of a 48-token window."""
+    from hybridflow.cli import main
+    from hybridflow.trainer.plan.memory_from_config import plan_for_config
+    from tests.models.mla_moe_helpers import edit_config, gpt_oss_transformers
+
+    gpt_oss_transformers(sliding_window=2**31 - 1).save_pretrained(tmp_path / "wide")
+    gpt_oss_transformers(sliding_window=48).save_pretrained(tmp_path / "as_long")
+    rest = ["model.tokenizer_path=char", "trainer.device=cpu"]
+    overrides = [f"model.path={tmp_path / 'wide'}", *rest]
+    assert main(["config", "validate", *overrides]) == 0
+    assert main(["config", "plan", *overrides]) == 0
+    assert "window rings of 1,025 slots" in capsys.readouterr().out
+
+    def kv_item(path):
+        plan = plan_for_config(load_config(None, [f"model.path={path}", *rest]))
+        return next(item for item in plan.items if item.name.startswith("KV cache"))
+
+    assert kv_item(tmp_path / "wide") == kv_item(tmp_path / "as_long")
+    edit_config(tmp_path / "as_long", sliding_window=4)  # a ring shorter than the sequence
+    assert kv_item(tmp_path / "as_long").gpu_bytes < kv_item(tmp_path / "wide").gpu_bytes
