@@ -4,9 +4,7 @@ items leave (engine/cache/kv_cache.py, engine/engine.py)."""
 
 from __future__ import annotations
 
-from hybridflow.engine.cache.fp8_kv import fp8_kv_bytes_per_position
-from hybridflow.engine.cache.kinds import eager_only
-from hybridflow.engine.cache.sizing import state_slots
+from hybridflow.engine.cache.arithmetic import eager_only, fp8_kv_bytes_per_position, state_slots
 from hybridflow.engine.cache.window import ring_length
 from hybridflow.engine.cache.workspace import engine_workspace_bytes, sampling_bytes_per_row
 from hybridflow.models.architecture import ModelArchitecture
