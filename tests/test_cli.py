@@ -64,7 +64,13 @@ def heavy_imports_of(argv: list[str]) -> tuple[int, list[str]]:
 
 
 @pytest.mark.parametrize(
-    "argv", [["--help"], ["config", "show"], ["config", "show", "rollout.n=4"]]
+    "argv",
+    [
+        ["--help"],
+        ["config", "show"],
+        ["config", "show", "rollout.n=4"],
+        ["config", "plan", "trainer.device=cpu"],  # `auto` asks torch whether a GPU is seen
+    ],
 )
 def test_commands_that_build_no_model_start_without_torch(argv):
     """Every subcommand's parser is built and the config validated without torch (2-3 s of
