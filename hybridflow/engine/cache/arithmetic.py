@@ -15,6 +15,12 @@ def fp8_kv_bytes_per_position(layers: int, kv_heads: int, head_dim: int) -> int:
     return 2 * layers * kv_heads * (head_dim + SCALE_BYTES)
 
 
+def ring_length(window: int, max_seq_len: int) -> int:
+    """Entries a sliding layer's ring keeps a sequence: its last ``window`` positions, or
+    all of them where a sequence of at most max_seq_len never fills the window."""
+    return min(window, max_seq_len)
+
+
 # Kinds the fused decode layers (layers/split.py, chain.py, lean.py) also run; a model with
 # any other runs the eager passes (the model's own modules) on every backend.
 FUSED_MIXERS = ("attention",)
