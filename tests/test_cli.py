@@ -70,6 +70,7 @@ def heavy_imports_of(argv: list[str]) -> tuple[int, list[str]]:
         ["config", "show"],
         ["config", "show", "rollout.n=4"],
         ["config", "plan", "trainer.device=cpu"],  # `auto` asks torch whether a GPU is seen
+        ["config", "plan", "trainer.device=cpu", "model.path=tiny-hybrid"],  # recurrent state
     ],
 )
 def test_commands_that_build_no_model_start_without_torch(argv):
