@@ -1,7 +1,10 @@
 """`hybridflow` command line: config, train, sft, export, data, bench, serve, report.
 
-Subcommands import their heavy modules only when they run, so `hybridflow --help` and
-`hybridflow config validate` stay instant. Every subcommand is always listed: one whose
+Subcommands import their heavy modules only when they run, so `hybridflow --help`,
+`hybridflow config show` and the memory plan of `config plan` start in a fraction of a second:
+torch loads only where a command needs it (to ask whether a GPU is visible for
+trainer.device=auto, to build a model on the meta device for a layout's resharding plan, to
+tokenize and batch the data `config validate` checks); tests/test_cli.py keeps it so. Every subcommand is always listed: one whose
 module cannot be imported (a missing optional package, a broken install) says so in one line
 when it runs, with what to install, and exits with status 2.
 

@@ -43,6 +43,43 @@ def test_import_is_light():
     assert out.stdout.split() == [], "import hybridflow must not import " + out.stdout
 
 
+HEAVY_LIBRARIES = ("torch", "transformers", "numpy")
+
+
+def heavy_imports_of(argv: list[str]) -> tuple[int, list[str]]:
+    """(exit status, the heavy libraries loaded) of `hybridflow ARGV` in a new interpreter."""
+    code = (
+        "import contextlib, io, sys\n"
+        "from hybridflow.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    try:\n"
+        f"        status = main({argv!r})\n"
+        "    except SystemExit as exit:\n"
+        "        status = exit.code\n"
+        f"print(status, *[m for m in {HEAVY_LIBRARIES!r} if m in sys.modules])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    status, *loaded = out.stdout.split()
+    return int(status), loaded
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["config", "show"],
+        ["config", "show", "rollout.n=4"],
+        ["config", "plan", "trainer.device=cpu"],  # `auto` asks torch whether a GPU is seen
+        ["config", "plan", "trainer.device=cpu", "model.path=tiny-hybrid"],  # recurrent state
+    ],
+)
+def test_commands_that_build_no_model_start_without_torch(argv):
+    """Every subcommand's parser is built and the config validated without torch (2-3 s of
+    CPU a command): what the command imports, not a wall-clock bound, which a loaded CI host
+    would make flaky."""
+    assert heavy_imports_of(argv) == (0, [])
+
+
 def test_python_dash_m_runs_the_command():
     # `python -m hybridflow` where the venv's scripts directory is not on PATH
     done = subprocess.run(

@@ -15,8 +15,6 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 GEO3K_IMAGE_SIZES = ((256, 256), (384, 288), (448, 448), (576, 432))
 """Geometry3K's figures are small diagrams of ~200-600 pixels a side; these four, in turn,
 give 81, 140, 256 and 315 image tokens at Qwen2.5-VL's 28-pixel merged patches."""
@@ -118,6 +116,8 @@ def with_images(texts: list[list[int]], images_per_prompt: int, sizes, processor
     turn over all the prompts' images), preprocessed by ``processor`` (data/images.py's
     ImageProcessor) as the data path does: one image-pad token per merged patch, mRoPE's
     position rows from the ids and grids."""
+    import torch  # here: the CLI imports this module for --image-size's parser alone
+
     from hybridflow.data.images import expand_image_pads
     from hybridflow.engine.images import PromptImages
     from hybridflow.models.mrope import mrope_positions

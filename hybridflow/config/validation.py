@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 
 from hybridflow.config.batch_checks import check_batch_sizes
 from hybridflow.config.loading import _suggest
@@ -33,26 +34,34 @@ MAX_GPU_MEMORY_GIB = 2**20
 whole bytes, and inf or 1e300 GiB is no number of bytes (NaN fails every comparison too)."""
 
 
+BUILTIN_NAMES = (
+    frozenset({"gae", "remax", "reinforce_plus_plus", *GROUP_ESTIMATORS}),
+    frozenset({"vanilla", "gspo", "cispo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean"}),
+    frozenset({"token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+               "seq-mean-token-sum-norm"}),
+    frozenset({kind + plus for kind in ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+               for plus in ("", "+")}),
+)  # fmt: skip
+"""The estimator, policy-loss, aggregation and KL names hybridflow.algos registers itself,
+without importing it (and torch with it): ``hybridflow config show`` and ``validate`` run
+in a fraction of a second. tests/config/test_validation_names.py keeps them equal."""
+
+
 def _known_names() -> tuple[set[str], set[str], set[str], set[str]]:
-    """Registered estimator, policy-loss, aggregation and KL names (user registrations too)."""
-    try:
-        from hybridflow import algos
-
-        def names(registry) -> set[str]:
-            return set(registry.names()) if hasattr(registry, "names") else set(registry)
-
-        return (
-            names(algos.ADVANTAGE_ESTIMATORS),
-            names(algos.POLICY_LOSSES),
-            names(algos.LOSS_AGG_MODES),
-            names(algos.KL_KINDS),
-        )
-    except (ImportError, AttributeError):  # algos not importable: fall back to the built-ins
-        adv = {"gae", "remax", "reinforce_plus_plus", *GROUP_ESTIMATORS}
-        pl = {"vanilla", "gspo", "cispo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean"}
-        agg = {"token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"}
-        kl = {"kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "low_var_kl+"}
-        return adv, pl, agg, kl
+    """Registered estimator, policy-loss, aggregation and KL names (user registrations too).
+    A module that registers its own imports hybridflow.algos, before the config is validated
+    (docs/algorithms.md); until one has, only the built-ins are registered."""
+    algos = sys.modules.get("hybridflow.algos")
+    kinds = ("ADVANTAGE_ESTIMATORS", "POLICY_LOSSES", "LOSS_AGG_MODES", "KL_KINDS")
+    registries = [getattr(algos, kind, None) for kind in kinds]
+    if None in registries:  # not imported (or half imported): the built-ins
+        adv, pl, agg, kl = BUILTIN_NAMES
+        return set(adv), set(pl), set(agg), set(kl)
+    adv, pl, agg, kl = (
+        set(registry.names()) if hasattr(registry, "names") else set(registry)
+        for registry in registries
+    )
+    return adv, pl, agg, kl
 
 
 def validate(cfg: Config, *, gpus_available: int | None = None, planning: bool = False) -> Derived:

@@ -22,7 +22,8 @@ import torch
 from hybridflow.engine.allocation import allocate
 from hybridflow.engine.backend import check_fp8_kv, resolve_backend, triton_pieces
 from hybridflow.engine.cache import kv_cache
-from hybridflow.engine.cache.kinds import eager_only, engine_gaps, unfused_kinds
+from hybridflow.engine.cache.arithmetic import eager_only
+from hybridflow.engine.cache.kinds import engine_gaps, unfused_kinds
 from hybridflow.engine.choices import (
     PinnedChoices,
     load_engine_choices,

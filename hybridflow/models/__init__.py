@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-
-import torch
+from typing import TYPE_CHECKING
 
 from hybridflow.config import ConfigError
 from hybridflow.model_config_values import (
@@ -21,8 +20,12 @@ from hybridflow.model_config_values import (
     config_values_message,
 )
 from hybridflow.models.architecture import SUPPORTED_MODEL_TYPES, ModelArchitecture
-from hybridflow.models.llama import CausalLM
 from hybridflow.models.presets import PRESETS, preset_config
+
+if TYPE_CHECKING:
+    import torch
+
+    from hybridflow.models.llama import CausalLM
 
 __all__ = [
     "PRESETS",
@@ -36,15 +39,32 @@ __all__ = [
 PRESET_SEED = 0
 
 
+def __getattr__(name: str):
+    """``CausalLM`` on first use: torch loads with it, and the shape-only modules below this
+    package (architecture, presets, plan_shapes) are read by `hybridflow config` commands
+    that never build a model."""
+    if name == "CausalLM":
+        from hybridflow.models.llama import CausalLM
+
+        return CausalLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def build_model(
     config: ModelArchitecture,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     seed: int = PRESET_SEED,
     num_labels: int | None = None,
 ) -> CausalLM:
-    """Randomly initialised model (built on meta, materialised once on `device`);
-    ``num_labels``: a sequence classifier (a reward model's score head) instead of a LM."""
+    """Randomly initialised model (built on meta, materialised once on `device`), in
+    ``dtype`` (None: float32); ``num_labels``: a sequence classifier (a reward model's score
+    head) instead of a LM."""
+    import torch
+
+    from hybridflow.models.llama import CausalLM
+
+    dtype = torch.float32 if dtype is None else dtype
     with torch.device("meta"):
         model = CausalLM(config, num_labels=num_labels)
     # the dtype first, on meta: materialising in fp32 would need twice the memory (a 30B
@@ -57,11 +77,12 @@ def build_model(
 
 def load_model(
     name_or_path: str,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     backend: str = "auto",
 ):
-    """A preset name (random init with a fixed seed) or a local HF model directory.
+    """A preset name (random init with a fixed seed) or a local HF model directory, in
+    ``dtype`` (None: float32).
 
     backend: "auto" uses our decoder for the model types of models/families/ (Llama, Mistral,
     Qwen2/3, Qwen3-MoE, Mixtral, Qwen3.5 dense and MoE, Qwen3-Next, DeepSeek-V2/V3, GPT-OSS,
@@ -69,6 +90,9 @@ def load_model(
     transformers' AutoModelForCausalLM (slower; same forward/forward_packed/save_pretrained interface, see hf_fallback.py) for
     anything else; "native" or "hf" force one.
     """
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     if backend not in ("auto", "native", "hf"):
         raise ValueError(f"backend={backend!r} must be 'auto', 'native' or 'hf'")
     if name_or_path in PRESETS:

@@ -210,8 +210,6 @@ class ModelArchitecture:
         recurrent = self.num_hidden_layers - self.kv_layers
         if not recurrent:
             return 0
-        from hybridflow.models.mixers.gated_deltanet import recurrent_state_elements
-
         conv, ssm = recurrent_state_elements(self)
         return recurrent * (conv * element_bytes + ssm * 4)
 
@@ -386,3 +384,13 @@ def _field_getter() -> operator.attrgetter:
 def _field_values(arch: ModelArchitecture) -> tuple:
     """Every field's value, what ModelArchitecture.derived keys its values by."""
     return _field_getter()(arch)
+
+
+def recurrent_state_elements(config) -> tuple[int, int]:
+    """(conv state, SSM state) elements one sequence keeps per Gated DeltaNet layer: the last
+    kernel-1 inputs of the conv and the [Hv, Dk, Dv] delta-rule state (held in fp32)."""
+    conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim
+    conv_dim += config.linear_num_value_heads * config.linear_value_head_dim
+    conv = conv_dim * (config.linear_conv_kernel_dim - 1)
+    ssm = config.linear_num_value_heads * config.linear_key_head_dim
+    return conv, ssm * config.linear_value_head_dim

@@ -37,17 +37,6 @@ class KVScales:
         return 2 * self.keys.numel() * self.keys.element_size()
 
 
-SCALE_BYTES = 4  # one fp32 scale per position and kv head
-
-
-def fp8_kv_bytes_per_position(layers: int, kv_heads: int, head_dim: int) -> int:
-    """What one position takes in ``layers`` layers of an FP8 cache: K's and V's e4m3 values
-    (1 byte an element) and their fp32 scale a kv head; head_dim + 4 bytes a head where bf16
-    takes 2 × head_dim. The engine's allocation (sizing.make_cache) and the memory plan
-    (trainer/plan/memory_rollout.py) both price it here."""
-    return 2 * layers * kv_heads * (head_dim + SCALE_BYTES)
-
-
 def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (e4m3 [..., D], scale [...] fp32): each D-vector quantized on its own."""
     rows = quantize_rows_reference(x.reshape(-1, x.shape[-1]))

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridflow.engine.cache.arithmetic import FUSED_MIXERS, FUSED_MLPS
+
 # Layer kinds the engine's own passes run (prefill.py, layers/eager.py): mixers whose cache
 # exists, MLPs the torch passes call (layers/moe.mlp_torch). The rest run on the slow path
 # (slow.py).
@@ -29,16 +31,6 @@ ENGINE_MIXERS = ("attention", "gated_attention", "gated_deltanet", "sink_attenti
 ENGINE_MLPS = ("dense", "experts", "experts_shared", "biased_experts", "grouped_experts_shared")
 # Mixers whose sliding-window layers keep a window's ring (window.py) instead of every position
 WINDOWED_MIXERS = ("sink_attention",)
-# Kinds the fused decode layers (layers/split.py, chain.py, lean.py) also run; a model with
-# any other runs the eager passes (the model's own modules) on every backend.
-FUSED_MIXERS = ("attention",)
-FUSED_MLPS = ("dense", "experts")
-
-
-def eager_only(specs) -> bool:
-    """Whether a model of these layer specs needs the eager passes (a kind the fused decode
-    layers do not cover: gated attention, Gated DeltaNet, a shared expert)."""
-    return any(spec.mixer not in FUSED_MIXERS or spec.mlp not in FUSED_MLPS for spec in specs)
 
 
 def unfused_kinds(specs) -> list[str]:

@@ -9,10 +9,12 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridflow.engine.cache.fp8_kv import (
-    allocate_scales,
+from hybridflow.engine.cache.arithmetic import (
     fp8_kv_bytes_per_position,
+    state_slots,
+    whole_sequence_slots,
 )
+from hybridflow.engine.cache.fp8_kv import allocate_scales
 from hybridflow.engine.cache.kinds import (
     RecurrentStateSpec,
     kv_layer_rows,
@@ -213,35 +215,6 @@ class _PerSequence:
     @property
     def bytes_per_sequence(self) -> int:
         return sum(kind.bytes_per_sequence for kind in (self.recurrent, self.window) if kind)
-
-
-def whole_sequence_slots(budget: int, state_bytes: int, block_bytes: int,
-                         blocks_per_sequence: int) -> int:  # fmt: skip
-    """The most slots S whose per-sequence kinds ((S + 1) of them, the scratch slot's too)
-    and the K/V blocks of S whole sequences (S x blocks_per_sequence, and the scratch block)
-    fit ``budget`` bytes; >= 0. Beside a paged cache every slot's state is allocated up
-    front, so slots beyond S leave fewer whole sequences held at once."""
-    sequence = state_bytes + blocks_per_sequence * block_bytes
-    return max((budget - state_bytes - block_bytes) // sequence, 0)
-
-
-def state_slots(max_batch_size: int, budget: int | None, state_bytes: int, block_bytes: int,
-                blocks_per_sequence: int, cap: bool = True, row_bytes: int = 0) -> int:  # fmt: skip
-    """Slots of a paged cache with per-sequence kinds of ``state_bytes`` a slot: at most
-    max_batch_size, capped (``cap``) at whole_sequence_slots where the budget (bytes; None:
-    unbounded) does not hold max_batch_size whole sequences, at least one (the blocks'
-    sizing then names what a sequence needs). The engine (make_cache) and the memory plan
-    (trainer/plan/memory_rollout.py) both size the slots here.
-
-    ``row_bytes``: the workspace each decoded row reserves outside the cache (its sampling:
-    workspace.sampling_bytes_per_row), already taken out of ``budget`` for max_batch_size
-    rows. Capped slots decode fewer rows, so the rows they drop give their workspace back to
-    the cache: a slot then costs its state, its blocks and its row."""
-    if budget is None or not cap or not state_bytes:
-        return max_batch_size
-    whole = whole_sequence_slots(budget + max_batch_size * row_bytes, state_bytes + row_bytes,
-                                 block_bytes, blocks_per_sequence)  # fmt: skip
-    return max(min(max_batch_size, whole), 1)
 
 
 def _check_state_budget(left: int, slots: int, states: _PerSequence) -> None:

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridflow.engine.cache.arithmetic import ring_length
+
 
 @dataclass(frozen=True)
 class WindowSpec:
@@ -50,12 +52,6 @@ class WindowSpec:
         keys = torch.zeros(shape, dtype=self.dtype, device=device)
         rows = {layer: i for i, layer in enumerate(self.layers)}
         return WindowedKV(keys, torch.zeros_like(keys), rows)
-
-
-def ring_length(window: int, max_seq_len: int) -> int:
-    """Entries a sliding layer's ring keeps a sequence: its last ``window`` positions, or
-    all of them where a sequence of at most max_seq_len never fills the window."""
-    return min(window, max_seq_len)
 
 
 def window_spec(config, dtype: torch.dtype, max_seq_len: int) -> WindowSpec | None:

@@ -237,13 +237,3 @@ class GatedDeltaNet(nn.Module):
         core = packed_gated_delta_rule(q, k, v, g, beta, layout.cu_seqlens, layout.max_seqlen,
                                        self.delta_backend, final_state)  # fmt: skip
         return core if final_state else (core, None)
-
-
-def recurrent_state_elements(config) -> tuple[int, int]:
-    """(conv state, SSM state) elements one sequence keeps per Gated DeltaNet layer: the last
-    kernel-1 inputs of the conv and the [Hv, Dk, Dv] delta-rule state (held in fp32)."""
-    conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim
-    conv_dim += config.linear_num_value_heads * config.linear_value_head_dim
-    conv = conv_dim * (config.linear_conv_kernel_dim - 1)
-    ssm = config.linear_num_value_heads * config.linear_key_head_dim
-    return conv, ssm * config.linear_value_head_dim

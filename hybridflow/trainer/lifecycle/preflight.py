@@ -172,7 +172,7 @@ def cache_dir_problems(cfg: Config) -> list[str]:
     ``sft:<task>`` warm start not cached yet (checked now, not after its SFT), or a GPU run
     (the rollout engine pins its timing choices there, model.compile its artifacts). A
     read-only cache that already holds the warm-start model is fine."""
-    from hybridflow.trainer.loop.roles import resolve_device
+    from hybridflow.trainer.loop.device import resolve_device
     from hybridflow.trainer.loop.warm_start import needs_warm_start
 
     t = cfg.trainer

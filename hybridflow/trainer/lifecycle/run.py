@@ -28,7 +28,8 @@ def setup(cfg: Config, log=print, progress: ProgressReporter | None = None,
     from hybridflow.trainer.lifecycle.run_state import refuse_changed_config
     from hybridflow.trainer.lifecycle.save_policy import save_defaults
     from hybridflow.trainer.loop.compile_policy import compile_defaults
-    from hybridflow.trainer.loop.roles import build_roles, resolve_device
+    from hybridflow.trainer.loop.device import resolve_device
+    from hybridflow.trainer.loop.roles import build_roles
     from hybridflow.trainer.loop.warm_start import planned_model_path, resolve_model_path
     from hybridflow.trainer.observe.profiling import build_profiler
     from hybridflow.trainer.plan.memory_check import memory_defaults
@@ -109,7 +110,7 @@ def run_layout_line(cfg: Config, derived) -> str:
     """Which roles run, and each one's TP/SP/EP/DP sizes over the run's devices."""
     from hybridflow.config.parallel_checks import roles_in_use
     from hybridflow.parallel.roles import layout_line, role_layouts
-    from hybridflow.trainer.loop.roles import resolve_device
+    from hybridflow.trainer.loop.device import resolve_device
 
     layouts = derived.layouts or role_layouts(cfg, derived.world_size, derived.world_size)
     in_use = roles_in_use(derived.use_reference, derived.use_critic)
@@ -203,8 +204,8 @@ def _with_epochs_as_steps(cfg: Config, num_prompts: int, log) -> Config:
 
 def _train(cfg: Config, log, progress: ProgressReporter, stop) -> dict[str, float]:
     from hybridflow.trainer.lifecycle.run_state import resume
+    from hybridflow.trainer.loop.device import resolve_device
     from hybridflow.trainer.loop.rl_loop import fit
-    from hybridflow.trainer.loop.roles import resolve_device
     from hybridflow.trainer.observe.loggers import Tracker
 
     started = time.perf_counter()

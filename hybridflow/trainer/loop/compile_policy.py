@@ -27,7 +27,7 @@ def compile_defaults(cfg: Config, log, device: str | None = None) -> Config:
     if cfg.model.compile != "auto":
         return cfg
     if device is None:
-        from hybridflow.trainer.loop.roles import resolve_device
+        from hybridflow.trainer.loop.device import resolve_device
 
         device = resolve_device(cfg.trainer.device)
     on = compile_on("auto", device)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from hybridflow.config import Config, Derived
+from hybridflow.trainer.loop.device import resolve_device
 from hybridflow.trainer.loop.role_handles import (
     ActorHandle,
     CriticHandle,
@@ -53,15 +54,6 @@ class Roles:
     def shutdown(self) -> None:
         for group in self.groups:
             group.shutdown()
-
-
-def resolve_device(device: str) -> str:
-    """``trainer.device``: auto is cuda when a GPU is visible, else cpu."""
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _pool(device: str, per_node: list[int], first_device: int = 0):

@@ -209,7 +209,7 @@ def _sft(cfg: Config, out: Path, stop) -> Path:
     from hybridflow.progress import ProgressReporter
     from hybridflow.trainer.lifecycle.checkpoint import CheckpointManager, load_newest_intact
     from hybridflow.trainer.lifecycle.divergence import kept_checkpoint
-    from hybridflow.trainer.loop.roles import resolve_device
+    from hybridflow.trainer.loop.device import resolve_device
     from hybridflow.trainer.observe.loggers import Tracker
     from hybridflow.workers.model_loading import resolve_dtype, set_cpu_threads
 

@@ -96,8 +96,8 @@ def train_vision_warm_start(cfg: Config, task: str, target: Path, log=print, pro
     from hybridflow.models import PRESETS, load_model, load_tokenizer
     from hybridflow.progress import quiet_reporter
     from hybridflow.trainer.lifecycle.divergence import check_update
+    from hybridflow.trainer.loop.device import resolve_device
     from hybridflow.trainer.loop.published_model import publish
-    from hybridflow.trainer.loop.roles import resolve_device
     from hybridflow.trainer.loop.sft_loop import SFTTrainer
     from hybridflow.workers.model_loading import default_tokenizer_path
 

@@ -217,7 +217,7 @@ def train_warm_start(cfg: Config, task: str, target: Path, log=print, progress=N
     from hybridflow.models import load_model, load_tokenizer
     from hybridflow.progress import quiet_reporter
     from hybridflow.trainer.lifecycle.stop import StopRequest
-    from hybridflow.trainer.loop.roles import resolve_device
+    from hybridflow.trainer.loop.device import resolve_device
     from hybridflow.trainer.loop.sft_loop import load_sft_examples, run_sft
     from hybridflow.trainer.loop.vision_warm_start import VISION_TASKS, train_vision_warm_start
 

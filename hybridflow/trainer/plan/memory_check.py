@@ -130,7 +130,7 @@ def check_memory(cfg: Config, derived: Derived, log=lambda *a, **k: None) -> Mem
     plan = plan_for_config(cfg, derived, gpu_bytes)
     if plan is None:
         return None
-    from hybridflow.trainer.loop.roles import resolve_device
+    from hybridflow.trainer.loop.device import resolve_device
 
     log(render(plan, source, on_cpu=resolve_device(cfg.trainer.device) == "cpu"))
     reward_gpu = reward_model_gpu(cfg, derived)

@@ -4,10 +4,12 @@ items leave (engine/cache/kv_cache.py, engine/engine.py)."""
 
 from __future__ import annotations
 
-from hybridflow.engine.cache.fp8_kv import fp8_kv_bytes_per_position
-from hybridflow.engine.cache.kinds import eager_only
-from hybridflow.engine.cache.sizing import state_slots
-from hybridflow.engine.cache.window import ring_length
+from hybridflow.engine.cache.arithmetic import (
+    eager_only,
+    fp8_kv_bytes_per_position,
+    ring_length,
+    state_slots,
+)
 from hybridflow.engine.cache.workspace import engine_workspace_bytes, sampling_bytes_per_row
 from hybridflow.models.architecture import ModelArchitecture
 from hybridflow.trainer.plan.memory_items import (
@@ -45,7 +47,7 @@ def per_sequence_bytes(a: ModelArchitecture, max_seq_len: int, element_bytes: in
     a ``tp``-rank rollout, one per slot beside a paged cache's blocks
     (engine/cache/sizing._PerSequence): its recurrent layers' state (recurrent_state_bytes)
     and its sliding layers' rings of a window's K/V, at most max_seq_len positions
-    (engine/cache/window.py: ring_length; the rank's KV heads, kv_split)."""
+    (engine/cache/arithmetic.py: ring_length; the rank's KV heads, kv_split)."""
     per_layer = a.cache_elements_per_token()
     rings = sum(per_layer[s.cache] * ring_length(s.window, max_seq_len) for s in a.layer_specs()
                 if s.cache != "recurrent" and s.window)  # fmt: skip

@@ -9,7 +9,7 @@ from hybridflow.config import Config, ConfigError, validate
 from hybridflow.config.parallel_checks import layout_notes, not_yet_supported, roles_in_use
 from hybridflow.config.validation import MAX_GPU_MEMORY_GIB
 from hybridflow.parallel.roles import role_sizes
-from hybridflow.trainer.loop.roles import resolve_device
+from hybridflow.trainer.loop.device import resolve_device
 from hybridflow.trainer.plan import host_memory
 from hybridflow.trainer.plan.host_memory import host_need_for, host_problems, host_text
 from hybridflow.trainer.plan.memory_check import (

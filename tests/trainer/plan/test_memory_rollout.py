@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from hybridflow.config import load_config
-from hybridflow.engine.cache.sizing import state_slots, whole_sequence_slots
+from hybridflow.engine.cache.arithmetic import state_slots, whole_sequence_slots
 from hybridflow.models.presets import PRESETS
 from hybridflow.trainer.plan.memory_from_config import plan_for_config
 from hybridflow.trainer.plan.memory_items import PlanOptions
