@@ -40,7 +40,7 @@ the memory plan says it fits, else on the host (actor.optimizer_offload, the pla
 requirement on one H200); gradient checkpointing and token budgets as the plan decides; the
 KV cache takes 90% of the memory free during generation (rollout.gpu_memory_utilization=auto:
 the cache is freed after it, nothing else runs then; the table's KV rows: how many
-full-length sequences that holds at once, 178 of 256 on one H200, 76 at 0.4); the
+full-length sequences that holds at once, 177 of 256 on one H200 (141 GiB), 74 at 0.4, by the plan); the
 real loop's step (bench/grpo_steps.py: random rewards, no EOS). The old-log-prob pass is
 skipped when a step is one optimizer step (actor.skip_old_logprob_on_policy), as hybridflow
 runs it; NeMo-RL computes it.
