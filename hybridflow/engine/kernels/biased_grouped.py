@@ -7,7 +7,9 @@ adds the bias and applies the clamped SwiGLU (kernels/biased_experts._clamped_sw
 [P, 2I] product is never written. The down bias goes into moe.combine.
 
 At 256 decode rows torch._grouped_mm took 0.67 ms a Qwen3-30B-A3B layer to these kernels'
-0.32 (H200, docs/performance.md): layers/biased_moe.py runs these up to DECODE_ROWS rows.
+0.32 (H200, docs/performance.md); GPT-OSS's [E, in, out] weights read this way measured slower
+than torch._grouped_mm (layers/biased_moe.DECODE_ROWS says by how much), so they run only where
+DECODE_ROWS allows.
 """
 
 from __future__ import annotations

@@ -208,7 +208,9 @@ def state_tile(dk: int, dv: int, launch: DeltaStepLaunch) -> tuple[int, int, int
     block_v = (
         whole if launch.block_v is None else min(triton.next_power_of_2(launch.block_v), whole)
     )
-    warps = launch.num_warps or (8 if block_k * block_v > 8192 else 4)
+    # H100 80GB, qwen3.5-4b's heads at 256 rows (benchmarks/delta_step.py): [128, 64] tiles
+    # took 461.5 us on 2 warps, 478.0 on 4; [128, 128] 463.8 on 4, 576.4 on 8, 3,191 on 2
+    warps = launch.num_warps or (4 if block_k * block_v > 8192 else 2)
     return block_k, block_v, warps
 
 

@@ -5,7 +5,7 @@ does for the plain experts.
 
 Three ways to run the experts: the model's own (models/moe.moe_experts: grouped GEMMs on
 CUDA with each bias and the clamped SwiGLU as torch ops over the [T * k, 2I] product), and
-two on the Triton step. Up to DECODE_ROWS rows, `biased_experts_triton`: kernels/moe.py's
+two on the Triton step. Up to DECODE_ROWS rows (none now: see it), `biased_experts_triton`: kernels/moe.py's
 grouped kernels' way (kernels/biased_grouped.py), the bias and the clamped SwiGLU in the
 gate/up kernel's epilogue. Past it, `biased_experts_grouped`: the same torch._grouped_mm over
 the pairs sorted by kernels/moe.align_pairs, the gate/up bias and the clamped SwiGLU in one
@@ -22,10 +22,11 @@ from hybridflow.models.mlps.biased_experts import topk_softmax_route
 from hybridflow.models.moe import active_adapters, local_part
 
 # Rows up to which the Triton step runs the experts on the grouped Triton kernels (decode
-# steps and small extend passes), past which on torch._grouped_mm: the bound the plain
-# experts use (layers/moe.ExpertMatmuls' 1024; docs/performance.md: at 256 rows the Triton
-# kernels took 0.32 ms a Qwen3-30B-A3B layer, torch._grouped_mm 0.67)
-DECODE_ROWS = 1024
+# steps and small extend passes), past which on torch._grouped_mm. 0: never. GPT-OSS's experts
+# are stored [E, in, out], which these kernels read across their rows: a gpt-oss-20b decode
+# step of 256 rows took 116.1 ms on them against 20.5 on torch._grouped_mm (H100 80GB,
+# benchmarks/moe_decode_step.py), so they wait for a tile layout of their own
+DECODE_ROWS = 0
 
 
 def biased_experts_torch(mlp, x: torch.Tensor, target, sparse_index: int,

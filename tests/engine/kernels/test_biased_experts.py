@@ -67,7 +67,8 @@ def test_lora_or_another_dtype_keeps_the_models_path():
     block = _block()
     x, _, _ = _routed(block, 4)
     assert not grouped_runs(block, x.double())  # the weights are fp32
-    block.experts.lora = ExpertLoRA(block.experts, 2, 4.0, torch.Generator().manual_seed(0))
+    generator = torch.Generator(device=block.experts.gate_up_proj.device).manual_seed(0)
+    block.experts.lora = ExpertLoRA(block.experts, 2, 4.0, generator)  # as learners/lora.py does
     assert not grouped_runs(block, x)
 
 

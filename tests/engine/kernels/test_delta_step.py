@@ -122,11 +122,11 @@ def test_fused_gates_follow_torchs_softplus_at_both_ends():
 
 
 def test_launch_tiles_fit_the_head_and_pick_warps_by_tile_size():
-    assert state_tile(128, 128, DeltaStepLaunch()) == (128, 64, 4)  # Qwen3.5's: 2 tiles a head
-    assert state_tile(128, 128, DeltaStepLaunch(block_v=None)) == (128, 128, 8)  # norm fused
-    assert state_tile(128, 128, DeltaStepLaunch(block_v=32)) == (128, 32, 4)
-    assert state_tile(16, 8, DeltaStepLaunch(num_warps=2)) == (16, 8, 2)  # a head under 64
-    assert state_tile(16, 12, DeltaStepLaunch(block_v=5)) == (16, 8, 4)  # powers of two
+    assert state_tile(128, 128, DeltaStepLaunch()) == (128, 64, 2)  # Qwen3.5's: 2 tiles a head
+    assert state_tile(128, 128, DeltaStepLaunch(block_v=None)) == (128, 128, 4)  # norm fused
+    assert state_tile(128, 128, DeltaStepLaunch(block_v=32)) == (128, 32, 2)
+    assert state_tile(16, 8, DeltaStepLaunch(num_warps=8)) == (16, 8, 8)  # a head under 64
+    assert state_tile(16, 12, DeltaStepLaunch(block_v=5)) == (16, 8, 2)  # powers of two
 
 
 def test_hybrid_engine_with_the_fused_step_samples_the_torch_steps_tokens():
