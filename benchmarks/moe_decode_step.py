@@ -58,8 +58,11 @@ STEPS = (
     ("triton, experts as before", TRITON_STEPS, None, False),
     ("triton, biased experts on torch._grouped_mm", {**TRITON_STEPS, "expert_step": "triton"},
      0, False),
-    ("triton", {**TRITON_STEPS, "expert_step": "triton"}, None, False),
+    ("triton", {**TRITON_STEPS, "expert_step": "triton"}, 1024, False),
 )  # fmt: skip
+# "triton" runs GPT-OSS's experts on the grouped Triton kernels up to 1,024 rows; the engine's
+# default (DECODE_ROWS = 0) is the row before it, torch._grouped_mm (slower kernels at [E, in,
+# out]: docs/performance-models.md "One decode step, measured")
 
 
 def former_projections() -> ExitStack:
