@@ -22,9 +22,9 @@ setup: $(STAMP)
 KERNEL_TESTS := tests/engine/test_adapters_fused.py tests/engine/kernels/test_kernels.py tests/engine/kernels/test_gemm.py tests/engine/layers/test_chain.py tests/engine/layers/test_lean.py tests/engine/kernels/test_shared_prefix.py \
 	tests/engine/kernels/test_sampler_fused.py tests/models/heads/test_logprob_kernels.py tests/models/heads/test_fused_head_kernels.py tests/engine/serving/test_service_fused.py tests/engine/test_fp8_engine.py tests/engine/kernels/test_fp8_kernels.py \
 	tests/engine/test_paged_fused.py tests/engine/test_tensor_parallel_fused.py tests/engine/kernels/test_paged_attention.py tests/engine/kernels/test_sink_attention.py \
-	tests/engine/kernels/test_moe_kernels.py tests/engine/kernels/test_moe_engine_fused.py tests/engine/kernels/test_delta_step.py tests/engine/kernels/test_latent_attention.py tests/engine/layers/test_moe_grouped_mm.py tests/engine/scheduling/test_mixed_fused.py tests/engine/speculative/test_verify_fused.py \
-	tests/engine/kernels/test_chunk_attention.py tests/engine/scheduling/test_static_step_fused.py tests/engine/layers/test_eager.py tests/engine/kernels/test_sink_prefill.py tests/engine/kernels/test_biased_experts.py \
-	tests/engine/layers/test_expert_step.py tests/engine/kernels/test_latent_rope.py tests/engine/kernels/test_grouped_route.py \
+	tests/engine/kernels/experts/test_moe_kernels.py tests/engine/kernels/experts/test_moe_engine_fused.py tests/engine/kernels/test_delta_step.py tests/engine/kernels/test_latent_attention.py tests/engine/layers/test_moe_grouped_mm.py tests/engine/scheduling/test_mixed_fused.py tests/engine/speculative/test_verify_fused.py \
+	tests/engine/kernels/test_chunk_attention.py tests/engine/scheduling/test_static_step_fused.py tests/engine/layers/test_eager.py tests/engine/kernels/test_sink_prefill.py tests/engine/kernels/experts/test_biased_experts.py \
+	tests/engine/layers/test_expert_step.py tests/engine/kernels/test_latent_rope.py tests/engine/kernels/experts/test_grouped_route.py \
 	tests/engine/test_image_engine_fused.py
 
 # The main run is spread over TEST_WORKERS processes (pytest-xdist, a test file to a

@@ -164,7 +164,7 @@ def kernel_stand_ins(counter: StepCounter, live: int) -> ExitStack:
     """Patches every Triton entry point the eager triton steps call with a meta stand-in that
     counts the kernel. live: the positions each row holds (a sliding layer's row reads at
     most its window of them)."""
-    from hybridflow.engine.kernels import moe as moe_kernels
+    from hybridflow.engine.kernels.experts import moe as moe_kernels
 
     def nbytes(*tensors) -> int:
         return sum(_distinct_bytes(t) for t in tensors if t is not None)
@@ -280,14 +280,14 @@ def kernel_stand_ins(counter: StepCounter, live: int) -> ExitStack:
         "hybridflow.engine.kernels.latent_attention.latent_decode_attention":
             latent_decode_attention,
         "hybridflow.engine.kernels.latent_rope.latent_rope_store": latent_rope_store,
-        "hybridflow.engine.kernels.grouped_route.grouped_route": grouped_route,
-        "hybridflow.engine.kernels.moe.align_pairs": align_pairs,
-        "hybridflow.engine.kernels.moe.grouped_gate_up": grouped_gate_up,
-        "hybridflow.engine.kernels.moe.grouped_down": grouped_down,
-        "hybridflow.engine.kernels.moe.combine": combine,
-        "hybridflow.engine.kernels.biased_experts.bias_clamped_swiglu": bias_clamped_swiglu,
-        "hybridflow.engine.kernels.biased_grouped.biased_gate_up": biased_gate_up,
-        "hybridflow.engine.kernels.biased_grouped.biased_down": biased_down,
+        "hybridflow.engine.kernels.experts.grouped_route.grouped_route": grouped_route,
+        "hybridflow.engine.kernels.experts.moe.align_pairs": align_pairs,
+        "hybridflow.engine.kernels.experts.moe.grouped_gate_up": grouped_gate_up,
+        "hybridflow.engine.kernels.experts.moe.grouped_down": grouped_down,
+        "hybridflow.engine.kernels.experts.moe.combine": combine,
+        "hybridflow.engine.kernels.experts.biased_experts.bias_clamped_swiglu": bias_clamped_swiglu,
+        "hybridflow.engine.kernels.experts.biased_grouped.biased_gate_up": biased_gate_up,
+        "hybridflow.engine.kernels.experts.biased_grouped.biased_down": biased_down,
     }  # fmt: skip
     for target, stand_in in patches.items():
         stack.enter_context(mock.patch(target, stand_in))

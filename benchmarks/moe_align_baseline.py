@@ -1,4 +1,4 @@
-"""The former sort by expert of engine/kernels/moe.py, one launch: every program builds the
+"""The former sort by expert of engine/kernels/experts/moe.py, one launch: every program builds the
 full histogram of the pairs' expert ids (tl.histogram), then places its own expert's pairs.
 benchmarks/moe_layer.py --align times it beside align_pairs (its count and placement
 launches) on the same routing, as the baseline of that change."""
@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridflow.engine.kernels.moe import ExpertBlocks, _local_ids
+from hybridflow.engine.kernels.experts.moe import ExpertBlocks, _local_ids
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 shape (128 experts, top-8, 2048 -> 768): grouped GEMMs against a per-expert loop and the floor.
 
 For each token count it times, on the same routing: the engine's Triton kernels (sort by
-expert, grouped gate/up with SiLU*up, grouped down, combine: engine/kernels/moe.py), the
+expert, grouped gate/up with SiLU*up, grouped down, combine: engine/kernels/experts/moe.py), the
 engine's torch._grouped_mm path, the trainer's `moe_experts` with grouped GEMMs (forward, and
 forward + backward) and with a per-expert loop (models/moe.py). The floor is the larger of the
 touched experts' weight bytes over the measured copy bandwidth and the FLOPs over the measured
@@ -75,7 +75,7 @@ def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
 def engine_paths(x, ids, weights, gate_up, down) -> dict:
     """The engine's two expert paths as zero-argument calls (Triton kernels; torch's
     grouped matmul where it runs)."""
-    from hybridflow.engine.kernels import moe
+    from hybridflow.engine.kernels.experts import moe
     from hybridflow.engine.layers.moe import _pairs_grouped_mm
 
     ids32 = ids.to(torch.int32)
@@ -100,7 +100,7 @@ def share_rows(x, ids, weights, gate_up, down, share: int, limits: dict,
     """One rank's 1/share of the experts (experts [0, E/share)): the engine's Triton kernels
     and the trainer's grouped path on the pairs routed to them, against an fp32 loop over the
     same share; the floor counts the share's touched experts and pairs only."""
-    from hybridflow.engine.kernels import moe
+    from hybridflow.engine.kernels.experts import moe
 
     tokens, top_k = ids.shape
     local = gate_up.shape[0] // share
@@ -193,8 +193,8 @@ SWEEP_BLOCKS = {256: (16, 32, 64), 1024: (32, 64, 128), 4096: (64, 128), 16384: 
 
 
 def sweep(tokens: int, shape: dict, device) -> list[dict]:
-    """Each grouped kernel's time per BLOCK_M and tile (engine/kernels/moe.py's TILES)."""
-    from hybridflow.engine.kernels import moe, routing
+    """Each grouped kernel's time per BLOCK_M and tile (engine/kernels/experts/moe.py's TILES)."""
+    from hybridflow.engine.kernels.experts import moe, routing
 
     experts, top_k, hidden, inner = (shape[k] for k in ("experts", "top_k", "hidden", "inner"))
     generator = torch.Generator(device).manual_seed(tokens)
@@ -249,7 +249,7 @@ def align_rows(tokens: int, shape: dict, device) -> list[dict]:
     histograms all pairs: moe_align_baseline.py), checked to give the same blocks."""
     from moe_align_baseline import histogram_align
 
-    from hybridflow.engine.kernels import moe, routing
+    from hybridflow.engine.kernels.experts import moe, routing
 
     experts, top_k = shape["experts"], shape["top_k"]
     generator = torch.Generator(device).manual_seed(tokens)

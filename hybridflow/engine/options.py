@@ -155,7 +155,7 @@ class EngineOptions:
     (`Completion.routed_experts`), for the trainer's routing replay."""
     expert_matmul: str = "triton"
     """Mixture-of-experts models on the triton backend: "triton" runs every pass's experts on
-    the Triton grouped kernels (kernels/moe.py: only the touched experts' weights are read);
+    the Triton grouped kernels (kernels/experts/moe.py: only the touched experts' weights are read);
     "grouped_mm" runs prefill and extend passes of 1024+ tokens on torch._grouped_mm where it
     runs (Hopper, 16-bit), decode steps on Triton. H200, one 30B-A3B layer at 16,384 tokens:
     Triton 3.6 ms, torch._grouped_mm 4.4 ms (benchmarks/moe_layer.py)."""

@@ -1,4 +1,4 @@
-"""The fp8 rollout's routed experts on a GPU (fp8/experts.py, kernels/moe.py's W_FP8 path):
+"""The fp8 rollout's routed experts on a GPU (fp8/experts.py, kernels/experts/moe.py's W_FP8 path):
 the grouped kernels over e4m3 weights at a Qwen3-30B-A3B layer's width against torch over the
 dequantized weights, in bf16; tiny-moe's fp8 engine with CUDA graphs samples what it samples
 eagerly, stays near the bf16 engine, and replays a weight sync's re-quantized experts."""
@@ -10,7 +10,7 @@ import torch
 
 from hybridflow.engine import Engine, EngineOptions, SamplingParams
 from hybridflow.engine.fp8.experts import quantize_experts_into
-from hybridflow.engine.kernels import moe, routing
+from hybridflow.engine.kernels.experts import moe, routing
 from hybridflow.models import build_model
 from hybridflow.models.moe import moe_experts
 from hybridflow.models.presets import preset_config

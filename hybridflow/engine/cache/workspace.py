@@ -14,7 +14,7 @@ ROUTER_BYTES_PER_EXPERT = 8
 """Per prefill token and expert: the router's logits and their fp32 softmax."""
 
 MOE_BLOCK_ROWS = 128
-"""The most rows a grouped-expert block pads an expert's pairs to (kernels/moe.block_rows)."""
+"""The most rows a grouped-expert block pads an expert's pairs to (kernels/experts/moe.block_rows)."""
 
 
 def engine_workspace_bytes(config, max_batch_size: int, max_prefill_tokens: int,

@@ -1,6 +1,6 @@
 """The fp8 rollout's routed experts: weight-only float8 e4m3 copies of each sparse layer's
 packed expert tensors (gate_up [E, 2I, H], down [E, H, I]) with a scale per output row, read
-by kernels/moe.py's grouped kernels (W_FP8), which widen each tile to the activations' dtype
+by kernels/experts/moe.py's grouped kernels (W_FP8), which widen each tile to the activations' dtype
 in their inner loop and scale the fp32 sums in the epilogue.
 
 Why weight-only here, where the dense projections are W8A8 (matmul.py): a decode step of a

@@ -5,11 +5,11 @@ does for the plain experts.
 
 Three ways to run the experts: the model's own (models/moe.moe_experts: grouped GEMMs on
 CUDA with each bias and the clamped SwiGLU as torch ops over the [T * k, 2I] product), and
-two on the Triton step. Up to DECODE_ROWS rows (none now: see it), `biased_experts_triton`: kernels/moe.py's
-grouped kernels' way (kernels/biased_grouped.py), the bias and the clamped SwiGLU in the
+two on the Triton step. Up to DECODE_ROWS rows (none now: see it), `biased_experts_triton`: kernels/experts/moe.py's
+grouped kernels' way (kernels/experts/biased_grouped.py), the bias and the clamped SwiGLU in the
 gate/up kernel's epilogue. Past it, `biased_experts_grouped`: the same torch._grouped_mm over
-the pairs sorted by kernels/moe.align_pairs, the gate/up bias and the clamped SwiGLU in one
-row-wise kernel (kernels/biased_experts.py). Both fold the down bias into the weighted
+the pairs sorted by kernels/experts/moe.align_pairs, the gate/up bias and the clamped SwiGLU in one
+row-wise kernel (kernels/experts/biased_experts.py). Both fold the down bias into the weighted
 combine. At gpt-oss-20b's 32,768 prefill tokens the model's form moves ~30 GB a layer around
 its two GEMMs, the grouped one ~8 GB.
 """
@@ -66,11 +66,11 @@ def triton_runs(mlp, x: torch.Tensor) -> bool:
 def biased_experts_triton(mlp, x: torch.Tensor, ids: torch.Tensor,
                           weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """BiasedExpertsMoeBlock.experts_output's contract (x [T, H], ids / weights [T, k] ->
-    [T, H]) on the grouped Triton kernels (kernels/biased_grouped.py) over the experts as
+    [T, H]) on the grouped Triton kernels (kernels/experts/biased_grouped.py) over the experts as
     stored: 5 launches (the sort's 2, gate/up with its bias and SwiGLU, down, the combine
     with the down bias), no host sync."""
-    from hybridflow.engine.kernels import moe
-    from hybridflow.engine.kernels.biased_grouped import biased_down, biased_gate_up
+    from hybridflow.engine.kernels.experts import moe
+    from hybridflow.engine.kernels.experts.biased_grouped import biased_down, biased_gate_up
 
     experts = mlp.experts
     ids = ids.to(torch.int32).contiguous()
@@ -100,8 +100,8 @@ def biased_experts_grouped(mlp, x: torch.Tensor, ids: torch.Tensor,
     """BiasedExpertsMoeBlock.experts_output's contract (x [T, H], ids / weights [T, k] ->
     [T, H]) through torch._grouped_mm on the experts as stored ([E, in, out]: no copy), the
     biases and the clamped SwiGLU in the row-wise kernels. No host sync."""
-    from hybridflow.engine.kernels import moe
-    from hybridflow.engine.kernels.biased_experts import bias_clamped_swiglu
+    from hybridflow.engine.kernels.experts import moe
+    from hybridflow.engine.kernels.experts.biased_experts import bias_clamped_swiglu
     from hybridflow.engine.layers.pair_order import rows_in_pair_order, sorted_pair_rows
 
     experts = mlp.experts

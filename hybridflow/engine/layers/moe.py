@@ -2,7 +2,7 @@
 routing replay), then the experts, for decode, prefill and extend passes alike.
 
 `experts_triton` is the triton backend's: the router's logits by cuBLAS (as the model
-computes them), then kernels/moe.py's fused routing and grouped expert matmuls (or, for
+computes them), then kernels/experts/moe.py's fused routing and grouped expert matmuls (or, for
 prefill-sized passes on Hopper when asked, torch._grouped_mm: `ExpertMatmuls`).
 `experts_torch` is the torch backend's: the model's own functions (models/moe.py), bitwise.
 Both read the experts' packed weights in place (no copy) and write each token's expert ids to
@@ -107,7 +107,7 @@ def self_routed_experts_torch(mlp, x: torch.Tensor, target: RouteTarget | None,
     experts added as the model's forward_routed adds them (they route nothing, record
     nothing). grouped: where triton_experts_run says it can, the routed experts through
     routed_experts_triton, and DeepSeek-V3's routing after its fp32 linear map in one kernel
-    (kernels/grouped_route.py, its ids recorded there)."""
+    (kernels/experts/grouped_route.py, its ids recorded there)."""
     grouped = grouped and triton_experts_run(mlp, x)
     if grouped and getattr(mlp, "topk_method", None) == "noaux_tc":
         ids, weights = _grouped_route_triton(mlp, x, target, sparse_index)
@@ -129,9 +129,9 @@ def self_routed_experts_torch(mlp, x: torch.Tensor, target: RouteTarget | None,
 def _grouped_route_triton(mlp, x: torch.Tensor, target: RouteTarget | None,
                           sparse_index: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """GroupedExpertsMoeBlock.route's (ids, weights) for noaux_tc: the fp32 linear map as the
-    model computes it, then kernels/grouped_route.py (ids int32, recorded at `target`)."""
-    from hybridflow.engine.kernels import routing
-    from hybridflow.engine.kernels.grouped_route import grouped_route
+    model computes it, then kernels/experts/grouped_route.py (ids int32, recorded at `target`)."""
+    from hybridflow.engine.kernels.experts import routing
+    from hybridflow.engine.kernels.experts.grouped_route import grouped_route
 
     logits = F.linear(x.float(), mlp.gate.weight.float())  # [N, E]
     record = None
@@ -156,13 +156,13 @@ def triton_experts_run(mlp, x: torch.Tensor) -> bool:
 def routed_experts_triton(mlp, x: torch.Tensor, ids: torch.Tensor,
                           weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """SparseMoeBlock.run_experts' contract (x [T, H], ids / weights [T, k] -> [T, H]) on
-    kernels/moe.py's grouped kernels, the routing given (a block that routes by its own
+    kernels/experts/moe.py's grouped kernels, the routing given (a block that routes by its own
     rule): the pairs sorted by expert in blocks of block_rows, silu(gate) * up in the gate/up
     kernel's epilogue, the k rows weighted and summed in fp32 in one launch. At 256 decode
     rows the model's moe_experts took 0.55 ms a Qwen3-30B-A3B layer to these kernels' 0.32
     (H200, docs/performance.md): its argsort, gathered rows, SiLU passes and fp32 weighted
     sum around torch._grouped_mm. No host sync."""
-    from hybridflow.engine.kernels import moe
+    from hybridflow.engine.kernels.experts import moe
 
     gate_up, down = mlp.experts.gate_up_proj, mlp.experts.down_proj
     ids = ids.to(torch.int32).contiguous()
@@ -228,7 +228,7 @@ def experts_triton(
     fp8/experts.Fp8ExpertWeights (the fp8 rollout): the grouped kernels read their e4m3
     bytes (weight-only; x stays in the model's dtype), prefill included (torch._grouped_mm
     takes no such weights); the router reads the model's own weight."""
-    from hybridflow.engine.kernels import moe, routing
+    from hybridflow.engine.kernels.experts import moe, routing
 
     if _active_adapters(mlp) is not None:  # unmerged expert LoRA: the model's own grouped path
         return experts_torch(mlp, x, target, sparse_index, keep)

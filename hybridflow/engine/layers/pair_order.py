@@ -10,9 +10,9 @@ import torch
 def sorted_pair_rows(x, ids, num_experts: int, first_expert: int | None = None) -> tuple:
     """x [T, H], ids [T, k] -> (rows [capacity, H]: each pair's token row, sorted by expert
     in runs that end at blocks.group_ends (torch._grouped_mm's offsets); pair_index
-    [capacity] int64: each row's pair, T * k for padding; blocks: kernels/moe.align_pairs'
+    [capacity] int64: each row's pair, T * k for padding; blocks: kernels/experts/moe.align_pairs'
     ExpertBlocks of 16-row blocks)."""
-    from hybridflow.engine.kernels import moe
+    from hybridflow.engine.kernels.experts import moe
 
     pairs, top_k = ids.numel(), ids.shape[1]
     blocks = moe.align_pairs(ids, num_experts, 16, first_expert)

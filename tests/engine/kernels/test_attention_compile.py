@@ -17,11 +17,11 @@ from sm90_compile import compile_kernel  # noqa: E402
 
 from hybridflow.engine.kernels import (  # noqa: E402
     attention_kernel,
-    biased_experts,
     chunk_attention,
     rowwise,
     shared_prefix,
 )
+from hybridflow.engine.kernels.experts import biased_experts  # noqa: E402
 
 
 def _row_kernels(activation: str) -> None:

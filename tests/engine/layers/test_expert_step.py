@@ -1,6 +1,6 @@
 """The sparse layers' experts on the eager decode step's Triton step (expert_step="triton",
 layers/moe.mlp_torch), MLA's ropes, latent norm and store and the sink layers' ropes and
-K/V stores in one kernel each there too: DeepSeek-V3's routed experts through kernels/moe.py's grouped kernels
+K/V stores in one kernel each there too: DeepSeek-V3's routed experts through kernels/experts/moe.py's grouped kernels
 (routed_experts_triton) and GPT-OSS's biased experts through theirs
 (layers/biased_moe.biased_experts_triton), never the model's moe_experts. In fp32 the whole
 step (with the latent, sink-attention and norm kernels, as the engine runs it) against the

@@ -1,4 +1,4 @@
-"""The routing kernel of a mixture-of-experts layer (kernels/moe.py's step 1): softmax over
+"""The routing kernel of a mixture-of-experts layer (kernels/experts/moe.py's step 1): softmax over
 the router logits in fp32, top-k (descending, as torch.topk), renormalised when the model
 says so; optionally each token's expert ids are written to the engine's routing record
 (routing replay: kv_cache.KVCache.routes). grouped_route.py routes DeepSeek-V3's way.

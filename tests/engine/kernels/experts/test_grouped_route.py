@@ -1,4 +1,4 @@
-"""kernels/grouped_route.py: DeepSeek-V3's grouped sigmoid routing in one launch against the
+"""kernels/experts/grouped_route.py: DeepSeek-V3's grouped sigmoid routing in one launch against the
 model's (grouped_experts.grouped_topk and grouped_weights): the same winners in the same
 order, the same weights, the ids written to the routing record, for one group (Moonlight),
 groups of two and of several experts (DeepSeek-V3's 8 of 32). Runs on CUDA, or on CPU under
@@ -13,8 +13,8 @@ from triton_device import triton_test_device
 DEVICE = triton_test_device()  # skips this module without CUDA or TRITON_INTERPRET=1
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 
-from hybridflow.engine.kernels.grouped_route import grouped_route  # noqa: E402
-from hybridflow.engine.kernels.routing import RouteRecord  # noqa: E402
+from hybridflow.engine.kernels.experts.grouped_route import grouped_route  # noqa: E402
+from hybridflow.engine.kernels.experts.routing import RouteRecord  # noqa: E402
 from hybridflow.models.mlps.grouped_experts import grouped_topk, grouped_weights  # noqa: E402
 
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridflow.engine.kernels.routing import (
+from hybridflow.engine.kernels.experts.routing import (
     RouteRecord,
     _router_rows,
     _store_routes,

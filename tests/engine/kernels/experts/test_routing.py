@@ -1,4 +1,4 @@
-"""The routing kernel (kernels/routing.py) against torch's softmax and top-k, its routing
+"""The routing kernel (kernels/experts/routing.py) against torch's softmax and top-k, its routing
 record included. CUDA (marked gpu) or the CPU under TRITON_INTERPRET=1, at tiny sizes."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from triton_device import triton_test_device  # noqa: E402
 DEVICE = triton_test_device()  # skips this module without CUDA or TRITON_INTERPRET=1
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 
-from hybridflow.engine.kernels import routing  # noqa: E402
+from hybridflow.engine.kernels.experts import routing  # noqa: E402
 
 
 def _reference_routing(logits, top_k, renormalize):

@@ -1,6 +1,6 @@
 """GPT-OSS's experts on the engine's grouped path (layers/biased_moe.biased_experts_grouped:
 torch._grouped_mm, the bias and clamped SwiGLU kernel and the combine with the down bias,
-kernels/biased_experts.py) against the model's own (BiasedExpertsMoeBlock.experts_output):
+kernels/experts/biased_experts.py) against the model's own (BiasedExpertsMoeBlock.experts_output):
 in fp32, with gates and ups past the clamp and experts no token picks; on
 CUDA in bf16 (gpu-marked)."""
 

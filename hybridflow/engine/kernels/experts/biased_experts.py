@@ -1,6 +1,6 @@
 """The row-wise pieces of GPT-OSS's experts around torch._grouped_mm (layers/biased_moe.py):
 the gate/up bias and the clamped SwiGLU in one pass over the gate_up product, and the down
-bias folded into the weighted combine (kernels/moe.combine's bias).
+bias folded into the weighted combine (kernels/experts/moe.combine's bias).
 
 The model (models/mlps/biased_experts.py, through models/moe.moe_experts) adds each bias as
 a gathered [P, 2I] (then [P, H]) tensor and runs the clamped SwiGLU as eight elementwise

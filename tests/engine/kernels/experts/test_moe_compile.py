@@ -1,4 +1,4 @@
-"""The mixture-of-experts kernels (kernels/moe.py, biased_grouped.py, grouped_route.py,
+"""The mixture-of-experts kernels (kernels/experts/moe.py, biased_grouped.py, grouped_route.py,
 latent_rope.py) compile for sm_90: how and why in test_kernel_compile.py."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 from sm90_compile import compile_kernel  # noqa: E402
 
-from hybridflow.engine.kernels import (  # noqa: E402
+from hybridflow.engine.kernels import latent_rope  # noqa: E402
+from hybridflow.engine.kernels.experts import (  # noqa: E402
     biased_grouped,
     grouped_route,
-    latent_rope,
     moe,
     routing,
 )

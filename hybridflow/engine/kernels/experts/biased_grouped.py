@@ -1,9 +1,9 @@
-"""GPT-OSS's expert matmuls as kernels/moe.py's grouped kernels do them for the plain experts
+"""GPT-OSS's expert matmuls as kernels/experts/moe.py's grouped kernels do them for the plain experts
 (decode-sized passes): the pairs sorted by expert into BLOCK_M blocks (moe.align_pairs), a
 program a block of one expert and BLOCK_N output columns, only the touched experts' weights
 read. Two differences, GPT-OSS's: the weights stay as stored, [E, in, out] (gate_up [E, H,
 2I] with gate and up columns interleaved, down [E, I, H]), and the gate/up kernel's epilogue
-adds the bias and applies the clamped SwiGLU (kernels/biased_experts._clamped_swiglu), so the
+adds the bias and applies the clamped SwiGLU (kernels/experts/biased_experts._clamped_swiglu), so the
 [P, 2I] product is never written. The down bias goes into moe.combine.
 
 At 256 decode rows torch._grouped_mm took 0.67 ms a Qwen3-30B-A3B layer to these kernels'
@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridflow.engine.kernels.biased_experts import _clamped_swiglu
-from hybridflow.engine.kernels.moe import (
+from hybridflow.engine.kernels.experts.biased_experts import _clamped_swiglu
+from hybridflow.engine.kernels.experts.moe import (
     ExpertBlocks,
     _block_pairs,
     _store_pair_rows,

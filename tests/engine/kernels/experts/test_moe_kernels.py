@@ -1,4 +1,4 @@
-"""The mixture-of-experts kernels (kernels/moe.py) against literal torch loops: the sort by
+"""The mixture-of-experts kernels (kernels/experts/moe.py) against literal torch loops: the sort by
 expert, the grouped expert matmuls and the combine (routing: test_routing.py). CUDA (marked gpu) or the CPU
 under TRITON_INTERPRET=1, at tiny sizes."""
 
@@ -12,7 +12,7 @@ from triton_device import triton_test_device  # noqa: E402
 DEVICE = triton_test_device()  # skips this module without CUDA or TRITON_INTERPRET=1
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 
-from hybridflow.engine.kernels import moe, routing  # noqa: E402
+from hybridflow.engine.kernels.experts import moe, routing  # noqa: E402
 
 
 def _expected_blocks(ids, experts, block_m, first=None):
