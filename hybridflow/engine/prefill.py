@@ -219,7 +219,7 @@ def extend_forward(
     rotary_positions: mRoPE prompts with images, images.py; 0 elsewhere). fp8_experts: as
     layers/eager.decode_forward_torch's."""
     from hybridflow.engine.layers import mixing
-    from hybridflow.engine.layers.eager import layer_fp8_experts, cached_attention_torch
+    from hybridflow.engine.layers.eager import cached_attention_torch, layer_fp8_experts
     from hybridflow.engine.layers.latent import latent_cached
     from hybridflow.engine.layers.moe import mlp_torch, route_target, sparse_indices
     from hybridflow.engine.layers.sink import frozen_tokens, sink_extend
