@@ -48,11 +48,14 @@ FP8_DIM_MULTIPLE = 16
 
 def eager_linears(model) -> list[nn.Linear]:
     """The nn.Linear projections of ``model``'s decoder layers the fp8 eager passes quantize
-    (the module docstring's list), in layer order."""
+    (the module docstring's list), in layer order. Subclasses count: an actor training in
+    FP8 shares torchao's Float8Linear modules (learners/fp8_training.py), whose weights the
+    copies then take with the trainer's recipe (EngineOptions.fp8_weight_scales); a
+    tensor-parallel shard's RowParallelLinear is no Linear."""
     linears = []
     for layer in model.model.layers:
         for name, module in layer.named_modules():
-            if type(module) is not nn.Linear or name.rsplit(".", 1)[-1] in KEPT:
+            if not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] in KEPT:
                 continue
             if any(dim % FP8_DIM_MULTIPLE for dim in module.weight.shape):
                 continue
