@@ -190,3 +190,14 @@ def test_an_fp8_engine_computes_its_copies_and_a_sync_requantizes(preset):
     _assert_copies_hold(model, engine)
     assert [a.logprobs for a in synced] != [a.logprobs for a in got]
     _assert_same(synced, _generate(_emulated_model(model, engine))[1], atol=1e-4)
+
+
+def test_a_released_engine_wraps_its_passes_once_again():
+    """release() and the next cache: the eager passes are wrapped from the engine's own
+    extend pass again, not around the last cache's wrapper."""
+    model = _model("tiny-gpt-oss")
+    engine, first = _generate(model, FP8)
+    engine.release()
+    _, again = _generate(engine)
+    assert [c.token_ids for c in again] == [c.token_ids for c in first]
+    assert not hasattr(engine.extend.eager_pass, "eager_pass")
