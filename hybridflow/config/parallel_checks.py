@@ -215,8 +215,8 @@ def rollout_expert_limits(cfg: Config, arch: ModelArchitecture | None) -> list[s
 
 
 def _fused_key(cfg: Config) -> str | None:
-    """The key that asks for the fused decode layers (the fp8 engine runs on them only,
-    engine/fp8.check_fp8_engine), as `key = value`; None when none does."""
+    """The key that asks for the triton backend (the fp8 engine runs on it only,
+    engine/fp8/matmul.check_fp8_engine), as `key = value`; None when none does."""
     r = cfg.rollout
     if r.dtype == "fp8":
         return "rollout.dtype = fp8"
@@ -228,11 +228,13 @@ def _fused_key(cfg: Config) -> str | None:
 
 
 def rollout_fp8_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]:
-    """The fp8 engine (engine/fp8/matmul.py) runs the fused decode layers only: the layer
-    kinds the engine runs on its eager passes (gated attention, Gated DeltaNet, MLA, sink
-    attention, and the experts beside a shared expert, with biases or with grouped routing)
-    are refused here, before the model loads. Routed SwiGLU experts (the "experts" MLP:
-    Qwen3-MoE, Mixtral, OLMoE) run e4m3 (engine/fp8/experts.py)."""
+    """What the fp8 rollout does not run yet, refused before the model loads. It covers every
+    layer kind of the engine's own passes: the fused decode layers' (engine/fp8/matmul.py,
+    routed SwiGLU experts in engine/fp8/experts.py) and the eager passes' (gated attention,
+    Gated DeltaNet, MLA, sink attention, shared and grouped-routed experts:
+    engine/fp8/linears.py; GPT-OSS's biased experts stay in the model's dtype beside them).
+    Not yet: the eager layers on a tensor-parallel rollout (their row-parallel projections
+    and its scales over the group are not built)."""
     fp8 = cfg.rollout.dtype == "fp8" or cfg.rollout.engine.weight_format == "fp8"
     if not fp8 or arch is None:
         return []
@@ -244,12 +246,12 @@ def rollout_fp8_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]
     key = "rollout.dtype = fp8" if cfg.rollout.dtype == "fp8" else (
         "rollout.engine.weight_format = fp8")  # fmt: skip
     kinds = unfused_kinds(specs)
-    if not kinds:
+    size = cfg.rollout.tensor_parallel_size
+    if not kinds or size <= 1:
         return []
-    experts = ("; of the mixtures of experts it covers routed SwiGLU experts without a shared "
-               "expert (Qwen3-MoE, Mixtral)" if arch.is_moe else "")  # fmt: skip
-    return [f"{key}: the fp8 rollout does not cover this model's {' or its '.join(kinds)} "
-            f"yet{experts}: set rollout.dtype=model"]  # fmt: skip
+    return [f"{key} with rollout.tensor_parallel_size = {size}: the fp8 rollout of this "
+            f"model's {' and its '.join(kinds)} runs on one rank only yet: set "
+            "rollout.tensor_parallel_size=1, or rollout.dtype=model"]  # fmt: skip
 
 
 def rollout_fp8_kv_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]:

@@ -71,9 +71,13 @@ def _weight_copies(engine):
         fused = FusedProjections(engine.model, gate_up=engine.fuse_projections == "all",
                                  fold=engine.fp8_weight_scales == ENGINE_SCALES)  # fmt: skip
     if engine.options.weight_format == "fp8":
+        from hybridflow.engine.fp8.linears import eager_linears
         from hybridflow.engine.fp8.matmul import Fp8Matmul
 
-        fp8 = Fp8Matmul(engine.model, fused, weight_scales=engine.fp8_weight_scales)
+        # the eager passes' projections (fp8/linears.py), or the fused layers' own
+        linears = eager_linears(engine.model) if engine.eager_layers else None
+        fp8 = Fp8Matmul(engine.model, fused, weight_scales=engine.fp8_weight_scales,
+                        linears=linears)  # fmt: skip
     return fused, fp8
 
 
@@ -106,7 +110,9 @@ def _forward_passes(engine):
         return _triton_passes(engine)
     from hybridflow.engine.layers.eager import decode_forward_torch
 
-    decode_forward, extend, prefill = decode_forward_torch, engine.extend, prefill_forward
+    # the engine's extend pass as it was before an fp8 wrapper of an earlier cache
+    extend = getattr(engine.extend, "eager_pass", engine.extend)
+    decode_forward, prefill = decode_forward_torch, prefill_forward
     step = engine.recurrent_step
     if engine.eager_layers:  # recurrent steps, attention and norms on the asked backend
         decode_forward = functools.partial(decode_forward_torch, recurrent_step=step,
@@ -116,7 +122,24 @@ def _forward_passes(engine):
     if engine.cache.latent is not None:  # MLA: the absorbed attention's kernel likewise
         decode_forward = functools.partial(decode_forward, latent_step=step)
         extend = functools.partial(extend_forward, latent_step=step)
+    if engine.fp8 is not None:  # the fp8 rollout of the eager layers (fp8/linears.py)
+        return _fp8_eager_passes(engine.fp8, (decode_forward, prefill, extend))
     return decode_forward, prefill, extend
+
+
+def _fp8_eager_passes(fp8, passes):
+    """The eager passes (decode step, prefill, extend) over the fp8 copies: each runs with
+    the projections fp8 (fp8/linears.with_fp8_projections) and the routed experts' e4m3
+    copies (fp8/experts.py)."""
+    from hybridflow.engine.fp8.linears import with_fp8_projections
+
+    wrapped = []
+    for run in passes:
+        fp8_run = with_fp8_projections(fp8, fp8.linears,
+                                       functools.partial(run, fp8_experts=fp8.experts))  # fmt: skip
+        fp8_run.eager_pass = run  # what the next cache's passes start from
+        wrapped.append(fp8_run)
+    return tuple(wrapped)
 
 
 def _triton_passes(engine):

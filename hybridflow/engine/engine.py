@@ -154,14 +154,18 @@ class Engine:
             raise ValueError("weight_format='fp8' (rollout.dtype=fp8) does not cover "
                              "vision-language models yet (their prompts with images prefill "
                              "in the model's dtype): use the model's dtype")  # fmt: skip
-        if options.weight_format == "fp8" and self.eager_layers:
-            kinds = " or its ".join(unfused_kinds(self.config.layer_specs()))
-            raise ValueError(f"weight_format='fp8' (rollout.dtype=fp8) does not cover this "
-                             f"model's {kinds} yet: use the model's dtype")  # fmt: skip
         if options.weight_format == "fp8":
             from hybridflow.engine.fp8.matmul import check_fp8_engine
 
-            check_fp8_engine(self.device, self.decode_backend, self.adapted)
+            # eager layers: their projections fp8 in the eager passes (fp8/linears.py), on
+            # the backend the engine resolved for their steps
+            backend = self.recurrent_step if self.eager_layers else self.decode_backend
+            check_fp8_engine(self.device, backend, self.adapted, self.eager_layers)
+            if self.eager_layers and self.tensor_parallel > 1:
+                kinds = " and its ".join(unfused_kinds(self.config.layer_specs()))
+                raise ValueError(f"weight_format='fp8' (rollout.dtype=fp8) runs this model's "
+                                 f"{kinds} on one rank only yet: use tensor_parallel_size=1 "
+                                 "or the model's dtype")  # fmt: skip
         self.kv_fp8 = options.kv_cache_dtype == "fp8"  # cache/fp8_kv.py
         if self.kv_fp8:
             check_fp8_kv(self)

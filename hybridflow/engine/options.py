@@ -112,7 +112,9 @@ class EngineOptions:
     per-channel weight scales quantized from the live weights at every sync, per-token
     activation scales; a mixture of experts' routed experts weight-only e4m3, fp8/experts.py),
     the rest in the model's dtype; the triton backend on a GPU with fp8
-    tensor cores (sm_89+), the split decode layer. The trainer corrects for the gap
+    tensor cores (sm_89+), the split decode layer, or for the layers the eager passes run
+    (Qwen3.5, DeepSeek-V3, GPT-OSS) their projections in those passes (fp8/linears.py,
+    which also says what stays in the model's dtype). The trainer corrects for the gap
     (rollout.dtype=fp8 turns truncated importance sampling on)."""
     fp8_weight_scales: str = "auto"
     """weight_format="fp8": how the weights are quantized (fp8/weight_scales.py). "engine": a scale

@@ -36,6 +36,7 @@ def prefill_forward(
     inputs: tuple | None = None,
     attention_step: str = "torch",
     expert_step: str = "torch",
+    fp8_experts=None,
 ) -> torch.Tensor:
     """input_ids/position_ids/token_slots [N] (prompts packed), cu_seqlens int32 [P+1],
     last_index [P] (index in N of each prompt's last token) -> logits [P, V] (model dtype).
@@ -47,8 +48,10 @@ def prefill_forward(
     "triton" runs sink-attention layers (GPT-OSS) through the packed prompts' kernel
     (layers/sink.py), "torch" in torch. expert_step: "triton" runs GPT-OSS's biased experts
     through torch._grouped_mm with the biases and the clamped SwiGLU in row-wise kernels
-    (layers/biased_moe.py), "torch" through the model's."""
+    (layers/biased_moe.py), "torch" through the model's. fp8_experts: as
+    layers/eager.decode_forward_torch's."""
     from hybridflow.engine.layers import mixing
+    from hybridflow.engine.layers.eager import layer_fp8_experts
     from hybridflow.engine.layers.latent import latent_prefill
     from hybridflow.engine.layers.moe import mlp_torch, route_target, sparse_indices
     from hybridflow.engine.layers.sink import sink_prefill
@@ -95,7 +98,7 @@ def prefill_forward(
         hidden = hidden + out
         keep = last_index if trim and sparse[index] is not None else None
         delta = mlp_torch(layer, layer.post_attention_layernorm(hidden), target, sparse[index],
-                          keep, expert_step)  # fmt: skip
+                          keep, expert_step, layer_fp8_experts(fp8_experts, index))  # fmt: skip
         hidden = (hidden if keep is None else hidden[keep]) + delta
     return model.lm_head(model.model.norm(hidden))
 
@@ -197,6 +200,7 @@ def extend_forward(
     max_len: int | None = None,
     frozen: torch.Tensor | None = None,
     latent_step: str = "torch",
+    fp8_experts=None,
 ) -> torch.Tensor:
     """input_ids/position_ids/token_slots [N]: each sequence's new tokens, contiguous and in
     position order; every token attends to its slot's cache up to its own position (the
@@ -212,9 +216,10 @@ def extend_forward(
     latent_step: an MLA layer's absorbed attention, every token a row over its slot
     ("triton": the kernel reads the paged latents in place, no gather; layers/latent.py).
     Each token turns at its cache position plus its slot's rotary shift (RopeTable.
-    rotary_positions: mRoPE prompts with images, images.py; 0 elsewhere)."""
+    rotary_positions: mRoPE prompts with images, images.py; 0 elsewhere). fp8_experts: as
+    layers/eager.decode_forward_torch's."""
     from hybridflow.engine.layers import mixing
-    from hybridflow.engine.layers.eager import cached_attention_torch
+    from hybridflow.engine.layers.eager import cached_attention_torch, layer_fp8_experts
     from hybridflow.engine.layers.latent import latent_cached
     from hybridflow.engine.layers.moe import mlp_torch, route_target, sparse_indices
     from hybridflow.engine.layers.sink import frozen_tokens, sink_extend
@@ -271,7 +276,8 @@ def extend_forward(
                 out = mixing.kv_mixer(layer, normed, cos, sin, store, attend)
             hidden = hidden + out
             normed = layer.post_attention_layernorm(hidden)
-            hidden = hidden + mlp_torch(layer, normed, target, sparse[index])
+            hidden = hidden + mlp_torch(layer, normed, target, sparse[index],
+                                        fp8=layer_fp8_experts(fp8_experts, index))  # fmt: skip
         kept.append(hidden[wanted[start : start + chunk_tokens]])
     return model.lm_head(model.model.norm(torch.cat(kept)))
 

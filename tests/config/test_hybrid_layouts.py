@@ -1,8 +1,9 @@
 """validate() and a model with Gated DeltaNet layers (a recurrent state that spans the
 sequence): the actor, reference and critic split them by tensor and sequence parallelism
 (whole key heads with their value heads), and so does the rollout's tensor parallelism
-(engine/tensor_parallel.py); an fp8 rollout is refused (its engine refuses the layers it runs on its eager passes), each
-naming the key to set, before any model is loaded."""
+(engine/tensor_parallel.py); an fp8 rollout validates (engine/fp8/linears.py), a
+tensor-parallel one is refused; each refusal naming the key to set, before any model is
+loaded."""
 
 import pytest
 
@@ -81,9 +82,9 @@ def test_rollout_layouts_of_the_hybrid_layers_not_built_are_refused(tmp_path, si
 def test_an_fp8_tensor_parallel_rollout_of_a_hybrid_is_still_refused():
     overrides = [*HYBRID, "rollout.tensor_parallel_size=2", "rollout.dtype=fp8",
                  "trainer.device=cuda"]  # fmt: skip
-    assert any(p.startswith("rollout.dtype = fp8: the fp8 rollout does not cover this model's "
-                            "gated_attention and gated_deltanet layers") for p in
-               _problems(overrides))  # fmt: skip
+    assert ("rollout.dtype = fp8 with rollout.tensor_parallel_size = 2: the fp8 rollout of "
+            "this model's gated_attention and gated_deltanet layers runs on one rank only yet: "
+            "set rollout.tensor_parallel_size=1, or rollout.dtype=model") in _problems(overrides)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -106,16 +107,11 @@ def test_layouts_that_split_key_heads_are_refused(sizes, says):
 
 
 @pytest.mark.parametrize("model", ["tiny-hybrid", "sft:arithmetic sft.preset=tiny-hybrid"])
-def test_an_fp8_rollout_of_a_hybrid_is_refused_before_loading(model):
+def test_an_fp8_rollout_of_a_hybrid_validates(model):
+    """Gated attention and Gated DeltaNet run fp8 on the eager passes (engine/fp8/linears.py)."""
     path, *rest = model.split()
-    overrides = [f"model.path={path}", *rest, "rollout.dtype=fp8", "trainer.device=cuda"]
-    with pytest.raises(ConfigError) as error:
-        validate(load_config(None, overrides))
-    assert any(
-        p.startswith("rollout.dtype = fp8: the fp8 rollout does not cover this model's "
-                     "gated_attention and gated_deltanet layers") and p.endswith("rollout.dtype=model")
-        for p in error.value.problems
-    ), error.value.problems  # fmt: skip
+    validate(load_config(None, [f"model.path={path}", *rest, "rollout.dtype=fp8",
+                                "trainer.device=cuda"]))  # fmt: skip
 
 
 def test_an_fp8_rollout_of_a_dense_model_validates():

@@ -273,19 +273,22 @@ def test_a_tensor_parallel_rollout_of_shared_experts_needs_their_width_to_divide
     ]
 
 
-def test_an_fp8_rollout_of_routed_experts_validates_and_other_experts_are_refused():
+def test_an_fp8_rollout_of_every_mixture_of_experts_validates():
     """The fp8 rollout covers routed SwiGLU experts on the fused layers (engine/fp8/
-    experts.py: Qwen3-MoE, Mixtral); GPT-OSS's and DeepSeek's experts run on the eager
-    passes, refused before loading, naming the key that asked and the kinds."""
+    experts.py: Qwen3-MoE, Mixtral) and the eager passes' layers (engine/fp8/linears.py):
+    GPT-OSS (its biased experts in the model's dtype) and DeepSeek-V3 validate with either
+    key; a tensor-parallel rollout of the eager layers is refused, naming the key."""
+    from hybridflow.models.presets import preset_config
+
     gpu = ["trainer.device=cuda"]
-    for key in ("rollout.dtype=fp8", "rollout.engine.weight_format=fp8"):
-        validate(load_config(None, [*gpu, "model.path=tiny-moe", key]))
-    kinds = {"tiny-gpt-oss": "sink_attention layers or its biased_experts MLPs",
-             "tiny-deepseek-v3": "mla layers or its grouped_experts_shared MLPs"}  # fmt: skip
-    for path, named in kinds.items():
-        problems = _problems([*gpu, f"model.path={path}", "rollout.engine.weight_format=fp8"])
-        assert problems == [
-            f"rollout.engine.weight_format = fp8: the fp8 rollout does not cover this model's "
-            f"{named} yet; of the mixtures of experts it covers routed SwiGLU experts without "
-            "a shared expert (Qwen3-MoE, Mixtral): set rollout.dtype=model"
-        ]
+    for path in ("tiny-moe", "tiny-gpt-oss", "tiny-deepseek-v3"):
+        for key in ("rollout.dtype=fp8", "rollout.engine.weight_format=fp8"):
+            validate(load_config(None, [*gpu, f"model.path={path}", key]))
+    cfg = load_config(None, [*gpu, "model.path=tiny-deepseek-v3",
+                             "rollout.tensor_parallel_size=2",
+                             "rollout.engine.weight_format=fp8"])  # fmt: skip
+    assert parallel_checks.rollout_fp8_limits(cfg, preset_config("tiny-deepseek-v3")) == [
+        "rollout.engine.weight_format = fp8 with rollout.tensor_parallel_size = 2: the fp8 "
+        "rollout of this model's mla layers and its grouped_experts_shared MLPs runs on one "
+        "rank only yet: set rollout.tensor_parallel_size=1, or rollout.dtype=model"
+    ]

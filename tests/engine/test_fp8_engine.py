@@ -163,3 +163,39 @@ def test_fp8_experts_generate_as_their_dequantized_weights_in_the_model_dtype(mo
     (_, _), (down8, down_scale) = _quantized_experts(model.model.layers[2].mlp)
     assert torch.equal(copies.down.view(torch.uint8), down8.view(torch.uint8))
     assert torch.equal(copies.down_scale, down_scale)
+
+
+def _eager_kind_model(preset: str):
+    config = preset_config("tiny-hybrid")
+    if preset == "tiny-hybrid-moe":  # Qwen3.5-MoE: routed experts beside a shared expert
+        config = config.replace(model_type="qwen3_5_moe_text", num_experts=4,
+                                num_experts_per_tok=2, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=48, norm_topk_prob=True)  # fmt: skip
+    else:
+        config = preset_config(preset).replace(kv_lora_rank=40)  # kv_a: 48 rows, fp8-sized
+    model = build_model(config, seed=2).eval().requires_grad_(False)
+    generator = torch.Generator().manual_seed(2)
+    for p in model.parameters():
+        p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+    return model
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="tests/engine/test_fp8_eager_gpu.py on CUDA")
+@pytest.mark.parametrize("preset", ["tiny-deepseek-v3", "tiny-hybrid-moe"])
+def test_fp8_eager_layers_on_the_triton_steps_sample_as_on_the_torch_steps(preset):
+    """The layers of the eager passes with fp8 projections (fp8/linears.py) on the Triton
+    steps (the W_FP8 grouped kernels for the routed experts, the latent or delta-rule step)
+    against the torch steps (the experts' copies widened back for the model's moe_experts):
+    the same tokens, log-probs within fp32 noise."""
+    model = _eager_kind_model(preset)
+    greedy = SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True)
+    results = {}
+    for backend in ("triton", "auto"):  # auto: the torch steps on the CPU
+        options = EngineOptions(decode_backend=backend, weight_format="fp8", cuda_graphs=False)
+        engine = Engine(model, 1, 16, options=options)
+        results[backend] = engine.generate(PROMPTS[:1], greedy)
+        assert engine.fp8.experts.layers
+    got, expected = results["triton"], results["auto"]
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-3)

@@ -46,10 +46,19 @@ class Fp8ExpertWeights(NamedTuple):
 
 def expert_tensors(layer) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(gate_up, down) of a layer whose MLP is routed SwiGLU experts packed as
-    models/moe.Experts holds them; None for any other MLP."""
+    models/moe.Experts holds them ([E, out, in]: Qwen3-MoE's, Mixtral's, Qwen3.5-MoE's
+    beside its shared expert, DeepSeek's grouped-routed ones); None for any other MLP.
+
+    GPT-OSS's biased experts (stored [E, in, out], ``stored_in_out``) stay in the model's
+    dtype under fp8: their decode runs on torch._grouped_mm (layers/biased_moe.py's
+    DECODE_ROWS: the grouped Triton kernels read that layout across its rows: 116.1 ms
+    against 20.5 for a gpt-oss-20b step of 256 rows), which takes no e4m3 weights with row scales, and an e4m3 copy
+    re-laid [E, out, in] for the W_FP8 kernels would run them at that slower speed."""
     if not getattr(layer, "sparse", False):
         return None
     experts = getattr(layer.mlp, "experts", None)
+    if getattr(experts, "stored_in_out", False):
+        return None
     gate_up = getattr(experts, "gate_up_proj", None)
     down = getattr(experts, "down_proj", None)
     if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
@@ -77,6 +86,12 @@ def quantize_experts_into(weight: torch.Tensor, values: torch.Tensor, scale: tor
             quantized, row_scale = quantize_weight(part.flatten(0, 1), ENGINE_SCALES)
         values[first : first + step].copy_(quantized.view(part.shape))
         scale[first : first + step].copy_(row_scale.view(part.shape[:2]))
+
+
+def dequantized(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An expert tensor's e4m3 copy widened back: values [E, N, K] * scale [E, N] in dtype
+    (what the W_FP8 kernels multiply by, for the torch reference step on the CPU)."""
+    return (values.float() * scale[..., None]).to(dtype)
 
 
 def _empty_like_quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

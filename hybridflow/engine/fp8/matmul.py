@@ -35,16 +35,20 @@ from hybridflow.engine.fp8.weight_scales import (
 from hybridflow.engine.kernels.launch import PLAIN, Launch
 
 
-def check_fp8_engine(device: torch.device, decode_backend: str, adapted: bool) -> None:
+def check_fp8_engine(device: torch.device, decode_backend: str, adapted: bool,
+                     eager: bool = False) -> None:  # fmt: skip
     """UserError unless an engine on `device` can run fp8 matmuls: the triton backend, over
-    weights it may quantize (not LoRA adapters decoded unmerged)."""
+    weights it may quantize (not LoRA adapters decoded unmerged). eager: a model of layers
+    the eager passes run (fp8/linears.py), whose fp8 projections are torch._scaled_mm calls
+    in the model's modules: on the CPU (torch's reference kernel) they run on either
+    backend; on a GPU they need the triton backend's device, as the fused layers do."""
     from hybridflow.errors import UserError
 
     if adapted:
         raise UserError("weight_format='fp8' quantizes merged weights, and this model's LoRA "
                         "adapters are decoded unmerged",
                         fix="set rollout.lora_in_place=false, or drop fp8")  # fmt: skip
-    if decode_backend != "triton":
+    if decode_backend != "triton" and not (eager and device.type == "cpu"):
         raise UserError(f"weight_format='fp8' needs the triton decode backend, and this "
                         f"engine on {device} resolved {decode_backend!r}",
                         fix="run on a GPU with fp8 tensor cores (sm_89+), or drop fp8")  # fmt: skip
@@ -69,8 +73,10 @@ def scaled_linear(
 class Fp8Matmul:
     """The decode layer's matmuls (the interface of matmul_choice.DecodeMatmul) over fp8
     copies of the model's projections. model: the CausalLM; fused: weights.FusedProjections
-    (its q/k/v and gate/up copies are the ones quantized) or None. A weight it holds no copy
-    of (none: every projection is covered) goes through F.linear in the model dtype.
+    (its q/k/v and gate/up copies are the ones quantized) or None. linears: the nn.Linear
+    modules of the engine's eager passes (fp8/linears.eager_linears), quantized instead of
+    the fused layers' projections (None: those). A weight it holds no copy of goes through
+    F.linear in the model dtype.
 
     linear takes model-dtype rows or Fp8Rows (what the split layer's e4m3 norms write), and
     gate_up_silu returns Fp8Rows, the down projection's input.
@@ -101,11 +107,14 @@ class Fp8Matmul:
     rounding."""
 
     def __init__(self, model, fused, fast_accumulation: bool = True,
-                 weight_scales: str = ENGINE_SCALES):  # fmt: skip
+                 weight_scales: str = ENGINE_SCALES, linears=None):  # fmt: skip
         if weight_scales != ENGINE_SCALES and fused is not None and fused.folded:
             raise ValueError(f"weight_scales={weight_scales!r} quantizes the model's own "
                              "weights: the fused copies must not fold the norm weights in")  # fmt: skip
         self.model, self.fused = model, fused
+        # the eager passes' projections (fp8/linears.py), quantized instead of the fused
+        # layers' (None: the fused decode layers' sources)
+        self.linears = linears
         self.fast_accumulation = fast_accumulation
         self.weight_scales = weight_scales
         self.copies: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -121,12 +130,15 @@ class Fp8Matmul:
 
     def sources(self) -> list[torch.Tensor]:
         """The bf16 weights quantized: per layer q/k/v (fused or each), o_proj, gate/up (fused
-        or each), down_proj (a sparse layer's experts: fp8/experts.py)."""
+        or each), down_proj (a sparse layer's experts: fp8/experts.py); with ``linears``,
+        their weights (the eager passes': fp8/linears.py)."""
         return [weight for weight, _, _ in self.sources_with_parts()]
 
     def sources_with_parts(self) -> list[tuple[torch.Tensor, list[torch.Tensor], bool]]:
         """(weight quantized, the model weights it is made of, whether their rows are
         interleaved) for each of :meth:`sources` (a tensorwise scale is each part's own)."""
+        if self.linears is not None:
+            return [(linear.weight, [linear.weight], False) for linear in self.linears]
         fused, weights = self.fused, []
         for index, layer in enumerate(self.model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp

@@ -92,6 +92,7 @@ def decode_forward_torch(
     latent_step: str = "torch",
     norm_step: str = "torch",
     expert_step: str = "torch",
+    fp8_experts=None,
 ) -> torch.Tensor:
     """tokens/positions/row_slots [B] -> logits [B, V]; K/V stored at (row_slots, positions).
 
@@ -105,7 +106,9 @@ def decode_forward_torch(
     decode kernel, "torch" in torch. latent_step: an MLA layer's absorbed attention, "torch"
     or "triton" (layers/latent.latent_cached). norm_step: the residual adds and RMSNorms,
     "triton" fused in one launch each (residual_norm). expert_step: a sparse layer's
-    experts, "triton" on their grouped kernels (layers/moe.mlp_torch), "torch" the model's."""
+    experts, "triton" on their grouped kernels (layers/moe.mlp_torch), "torch" the model's.
+    fp8_experts: fp8/experts.Fp8Experts, the routed experts' e4m3 copies (the fp8 rollout,
+    its projections routed by fp8/linears.py around this call; None: the model's weights)."""
     from hybridflow.engine.layers import mixing
     from hybridflow.engine.layers.latent import latent_cached
     from hybridflow.engine.layers.moe import mlp_torch, route_target, sparse_indices
@@ -147,5 +150,11 @@ def decode_forward_torch(
 
             out = mixing.kv_mixer(layer, normed, cos, sin, store, attend)
         hidden, normed = residual_norm(layer.post_attention_layernorm, hidden, out, norm_step)
-        delta = mlp_torch(layer, normed, target, sparse[index], expert_step=expert_step)
+        delta = mlp_torch(layer, normed, target, sparse[index], expert_step=expert_step,
+                          fp8=layer_fp8_experts(fp8_experts, index))  # fmt: skip
     return model.lm_head(residual_norm(model.model.norm, hidden, delta, norm_step)[1])
+
+
+def layer_fp8_experts(fp8_experts, index: int):
+    """Layer ``index``'s e4m3 expert copies (fp8/experts.Fp8Experts.of), or None."""
+    return None if fp8_experts is None else fp8_experts.of(index)

@@ -78,19 +78,22 @@ def route_target(cache, entries: torch.Tensor, offsets: torch.Tensor) -> RouteTa
 
 
 def mlp_torch(layer, x: torch.Tensor, target: RouteTarget | None, sparse_index: int | None,
-              keep: torch.Tensor | None = None, expert_step: str = "torch") -> torch.Tensor:  # fmt: skip
+              keep: torch.Tensor | None = None, expert_step: str = "torch",
+              fp8=None) -> torch.Tensor:  # fmt: skip
     """The layer's MLP on x [N, H] with the model's own modules (rows `keep` only, when given;
     a sparse layer routes every row first, recording them; a shared expert beside the routed
     ones, Qwen3.5-MoE's, adds its gated output as the model's forward_routed does).
     expert_step: "triton" runs GPT-OSS's biased experts through their grouped paths
     (layers/biased_moe.py) and DeepSeek's routed experts through the Triton grouped kernels
-    (routed_experts_triton), "torch" through the model's."""
+    (routed_experts_triton), "torch" through the model's. fp8: the layer's routed experts
+    as fp8/experts.Fp8ExpertWeights (the fp8 rollout; None: the model's weights), run by
+    fp8_routed_experts."""
     if sparse_index is None:
         return layer.mlp(x if keep is None else x[keep])
     grouped = expert_step == "triton"
     if layer.spec.mlp == "grouped_experts_shared":
-        return self_routed_experts_torch(layer.mlp, x, target, sparse_index, keep, grouped)
-    out = experts_torch(layer.mlp, x, target, sparse_index, keep, grouped)
+        return self_routed_experts_torch(layer.mlp, x, target, sparse_index, keep, grouped, fp8)
+    out = experts_torch(layer.mlp, x, target, sparse_index, keep, grouped, fp8)
     shared = getattr(layer.mlp, "shared_expert", None)
     if shared is None:
         return out
@@ -101,14 +104,15 @@ def mlp_torch(layer, x: torch.Tensor, target: RouteTarget | None, sparse_index: 
 
 def self_routed_experts_torch(mlp, x: torch.Tensor, target: RouteTarget | None,
                               sparse_index: int, keep: torch.Tensor | None = None,
-                              grouped: bool = False) -> torch.Tensor:  # fmt: skip
+                              grouped: bool = False, fp8=None) -> torch.Tensor:  # fmt: skip
     """experts_torch's contract for an MLP that routes by its own rule (its route():
     DeepSeek's grouped sigmoid router, models/mlps/grouped_experts.py), its always-on shared
     experts added as the model's forward_routed adds them (they route nothing, record
     nothing). grouped: where triton_experts_run says it can, the routed experts through
     routed_experts_triton, and DeepSeek-V3's routing after its fp32 linear map in one kernel
-    (kernels/experts/grouped_route.py, its ids recorded there)."""
-    grouped = grouped and triton_experts_run(mlp, x)
+    (kernels/experts/grouped_route.py, its ids recorded there). fp8: mlp_torch's."""
+    fp8 = fp8 if fp8 is not None and fp8_experts_run(mlp) else None
+    grouped = grouped and (triton_experts_run(mlp, x) or fp8 is not None and x.is_cuda)
     if grouped and getattr(mlp, "topk_method", None) == "noaux_tc":
         ids, weights = _grouped_route_triton(mlp, x, target, sparse_index)
     else:
@@ -118,7 +122,9 @@ def self_routed_experts_torch(mlp, x: torch.Tensor, target: RouteTarget | None,
             routes[target.entries, target.offsets, sparse_index] = ids.to(routes.dtype)
     if keep is not None:
         x, ids, weights = x[keep], ids[keep], weights[keep]
-    if grouped:
+    if fp8 is not None:
+        out = fp8_routed_experts(mlp, x, ids, weights, fp8, grouped)
+    elif grouped:
         out = routed_experts_triton(mlp, x, ids, weights)
     else:
         out = mlp.run_experts(x, ids, weights)
@@ -153,22 +159,53 @@ def triton_experts_run(mlp, x: torch.Tensor) -> bool:
     return mlp.experts.gate_up_proj.dtype == x.dtype and x.stride(-1) == 1
 
 
+def fp8_experts_run(mlp) -> bool:
+    """The fp8 copies of the block's routed experts (fp8/experts.py) can stand for them:
+    every expert here (no expert parallelism, tensor-parallel slice or replicas), no LoRA
+    on them. Elsewhere the experts run in the model's dtype."""
+    split = (getattr(mlp, name, None) is not None
+             for name in ("expert_group", "expert_slice", "expert_spread"))  # fmt: skip
+    return not any(split) and _active_adapters(mlp) is None
+
+
+def fp8_routed_experts(mlp, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fp8,
+                       grouped: bool) -> torch.Tensor:  # fmt: skip
+    """SparseMoeBlock.run_experts' contract over the experts' e4m3 copies (fp8: fp8/experts.
+    Fp8ExpertWeights, weight-only: x stays in the model's dtype). On CUDA, or where grouped
+    is asked, the W_FP8 grouped kernels (routed_experts_triton), prefill and extend included;
+    on the CPU's torch step, the model's moe_experts over the copies widened back (the
+    reference arithmetic of the same weights)."""
+    if grouped or x.is_cuda:
+        return routed_experts_triton(mlp, x.contiguous(), ids, weights, fp8)
+    from hybridflow.engine.fp8.experts import dequantized
+    from hybridflow.models.moe import moe_experts
+
+    gate_up = dequantized(fp8.gate_up, fp8.gate_up_scale, x.dtype)
+    down = dequantized(fp8.down, fp8.down_scale, x.dtype)
+    return moe_experts(x, ids, weights, gate_up, down, mlp.expert_backend)
+
+
 def routed_experts_triton(mlp, x: torch.Tensor, ids: torch.Tensor,
-                          weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                          weights: torch.Tensor, fp8=None) -> torch.Tensor:  # fmt: skip
     """SparseMoeBlock.run_experts' contract (x [T, H], ids / weights [T, k] -> [T, H]) on
     kernels/experts/moe.py's grouped kernels, the routing given (a block that routes by its own
     rule): the pairs sorted by expert in blocks of block_rows, silu(gate) * up in the gate/up
     kernel's epilogue, the k rows weighted and summed in fp32 in one launch. At 256 decode
     rows the model's moe_experts took 0.55 ms a Qwen3-30B-A3B layer to these kernels' 0.32
     (H200, docs/performance.md): its argsort, gathered rows, SiLU passes and fp32 weighted
-    sum around torch._grouped_mm. No host sync."""
+    sum around torch._grouped_mm. No host sync. fp8: the experts' e4m3 copies
+    (fp8/experts.Fp8ExpertWeights), read in the kernels' W_FP8 mode."""
     from hybridflow.engine.kernels.experts import moe
 
     gate_up, down = mlp.experts.gate_up_proj, mlp.experts.down_proj
+    scales = (None, None)
+    if fp8 is not None:
+        gate_up, down, scales = fp8.gate_up, fp8.down, (fp8.gate_up_scale, fp8.down_scale)
     ids = ids.to(torch.int32).contiguous()
     block_m = moe.block_rows(x.shape[0], ids.shape[1], gate_up.shape[0])
     blocks = moe.align_pairs(ids, gate_up.shape[0], block_m)
-    pair_out = moe.grouped_down(moe.grouped_gate_up(x, gate_up, blocks), down, blocks)
+    act = moe.grouped_gate_up(x, gate_up, blocks, scale=scales[0])
+    pair_out = moe.grouped_down(act, down, blocks, scale=scales[1])
     return moe.combine(pair_out, weights.float().contiguous())
 
 
@@ -180,12 +217,13 @@ def _active_adapters(mlp):
 
 def experts_torch(
     mlp, x: torch.Tensor, target: RouteTarget | None, sparse_index: int,
-    keep: torch.Tensor | None = None, grouped: bool = False,
+    keep: torch.Tensor | None = None, grouped: bool = False, fp8=None,
 ) -> torch.Tensor:  # fmt: skip
     """x [N, H] (post-attention normed) -> the MLP's output [N, H]: the model's own routing and
     experts (models/moe.py), the expert ids recorded at the tokens' cache positions. keep: every
     token is routed (and recorded), the experts run for these rows only -> [len(keep), H].
-    grouped: GPT-OSS's experts on the Triton step's grouped paths (layers/biased_moe.py)."""
+    grouped: GPT-OSS's experts on the Triton step's grouped paths (layers/biased_moe.py).
+    fp8: mlp_torch's (GPT-OSS's biased experts have none: fp8/experts.expert_tensors)."""
     from hybridflow.models.moe import moe_experts, router
 
     if hasattr(mlp, "experts_output"):  # GPT-OSS's biased router and experts
@@ -197,6 +235,8 @@ def experts_torch(
         target.routes[target.entries, target.offsets, sparse_index] = ids.to(target.routes.dtype)
     if keep is not None:
         x, ids, weights = x[keep], ids[keep], weights[keep]
+    if fp8 is not None and fp8_experts_run(mlp):
+        return fp8_routed_experts(mlp, x, ids, weights, fp8, grouped)
     if getattr(mlp, "expert_spread", None) is not None:  # over the replicas (expert_spread.py)
         from hybridflow.engine.expert_spread import spread_moe_experts
 
