@@ -335,11 +335,6 @@ def _check_shape(role: str, arch: ModelArchitecture, sizes: list[RoleSize], add:
     # MLA's num_key_value_heads shapes nothing (every head reads the one latent)
     kv = arch.num_key_value_heads if any(spec.keeps_kv for spec in specs) else 0
     recurrent = arch.num_hidden_layers - arch.kv_layers  # layers whose state spans the sequence
-    if recurrent and role == "rollout" and ep > tp > 1:  # engine/expert_spread.py's replicas
-        add(f"{who}: {mine['ep'].key} = {ep} above {mine['tp'].key} = {tp}: experts spread over "
-            f"several tensor-parallel replicas of a model with {recurrent} Gated DeltaNet "
-            f"layers are not built yet: set {mine['ep'].key}={tp}")  # fmt: skip
-        return
     if recurrent and max(tp, sp) > 1:  # the rollout's tensor parallelism too (its engine's)
         _check_recurrent_heads(who, arch, mine, tp, sp, add)
     sinks = sum(spec.mixer == "sink_attention" for spec in specs)
@@ -375,12 +370,6 @@ def _check_shape(role: str, arch: ModelArchitecture, sizes: list[RoleSize], add:
         if not arch.is_moe:
             add(f"{who}: {ep_key} = {ep} splits the experts of a mixture-of-experts model; this "
                 f"model has none: set {ep_key}=1")  # fmt: skip
-        elif role == "rollout" and ep > tp and any(s.mlp == "biased_experts" for s in specs):
-            # the trainer spreads them (models/sharding/expert_parallel.py), and so does a
-            # tensor-parallel rollout over its own ranks; the engine's spread over several
-            # replicas holds plain experts only (engine/expert_spread.py)
-            add(f"{who}: {ep_key} = {ep}: this model's biased experts (GPT-OSS) are not spread "
-                f"over several rollout replicas yet: set {ep_key}={tp}")  # fmt: skip
         elif arch.num_experts % ep:
             add(f"{who}: {ep_key} = {ep} must divide the model's experts (num_experts = "
                 f"{arch.num_experts}): pick a divisor of {arch.num_experts}")  # fmt: skip

@@ -81,11 +81,13 @@ def test_expert_lora_with_a_tensor_parallel_rollout_logs_data_parallel(tmp_path)
 
 
 @pytest.mark.slow
-def test_deepseek_v3_with_experts_over_rollout_replicas_logs_data_parallel(tmp_path):
-    """tiny-deepseek-v3 (MLA, grouped routing, a shared expert) with its rollout experts
-    spread over two replicas of one process, the weights resharded from
-    an FSDP2 actor, logs the metrics and samples the tokens of data parallelism."""
-    model = ("model.path=tiny-deepseek-v3",)
+@pytest.mark.parametrize("preset", ["tiny-deepseek-v3", "tiny-gpt-oss"])
+def test_experts_of_each_family_over_rollout_replicas_log_data_parallel(tmp_path, preset):
+    """tiny-deepseek-v3 (MLA, grouped routing, a shared expert) and tiny-gpt-oss (a router
+    with a bias, experts with biases) with their rollout experts spread over two replicas of
+    one process, the weights resharded from an FSDP2 actor (GPT-OSS's expert biases with
+    their experts), log the metrics and sample the tokens of data parallelism."""
+    model = (f"model.path={preset}",)
     plain = train_run(tmp_path / "dp", *PLAIN, *model)
     wide = train_run(tmp_path / "wide", *model, "rollout.expert_parallel_size=2")
     assert plain.keys() == wide.keys() == {1, 2}
