@@ -192,9 +192,11 @@ def unsplit_mixers(arch: ModelArchitecture | None) -> list[str]:
 def rollout_expert_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]:
     """rollout.expert_parallel_size above rollout.tensor_parallel_size spreads the experts
     over several replicas (engine/expert_spread.py: a multiple of tp dividing the rollout's
-    GPUs, said by layout_problems). Its replicas move in rounds of the expert group, so what
-    runs at each replica's own pace is refused, and so are the fused decode layers (a
-    tensor-parallel rollout runs them, experts over replicas do not)."""
+    GPUs, said by layout_problems). Its replicas move in rounds of the expert group (a
+    rollout service joins them too: engine/serving/spread_rounds.py, so agent loops and
+    partial rollouts run), whose all-to-all sizes are read on the host: CUDA graphs and the
+    fused decode layers are refused (a tensor-parallel rollout runs them, experts over
+    replicas do not)."""
     ep, tp = cfg.rollout.expert_parallel_size, cfg.rollout.tensor_parallel_size
     if ep is None or ep <= tp or (arch is not None and not arch.is_moe):
         return []  # a dense model's ep > 1: _check_shape says it has no experts
@@ -203,10 +205,6 @@ def rollout_expert_limits(cfg: Config, arch: ModelArchitecture | None) -> list[s
     limits = [
         (cfg.rollout.engine.cuda_graphs is True, "rollout.engine.cuda_graphs = true",
          "the all-to-all's sizes are read on the host at every sparse layer"),
-        (cfg.trainer.mode == "async" and cfg.trainer.partial_rollout, "trainer.partial_rollout",
-         "the rollout service admits requests as they come, at times that differ by replica"),
-        (cfg.rollout.agent.loop is not None, f"rollout.agent.loop = {cfg.rollout.agent.loop}",
-         "agent episodes take turns at their own pace on each replica"),
         (_fused_key(cfg) is not None, _fused_key(cfg),
          "the fused decode layers have no all-to-all yet"),
     ]  # fmt: skip

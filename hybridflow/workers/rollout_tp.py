@@ -255,6 +255,25 @@ class TensorParallelRollout:
         collectively)."""
         return _subgroup(self.layout, "gloo")
 
+    def lockstep_services(self, engine):
+        """-> a maker of LockstepServices of ``engine`` for this rollout's layout
+        (engine/serving/lockstep.py): its tensor-parallel group's ranks in lockstep, and with
+        experts over several replicas the expert group's rounds (spread_rounds.py). Its
+        groups are made now, once (every rank calls this: they are made collectively)."""
+        from functools import partial
+
+        from hybridflow.engine.serving.lockstep import LockstepService
+        from hybridflow.engine.serving.spread_rounds import spread_rounds
+        from hybridflow.parallel.layout import group_ranks
+
+        group = self.service_group() if self.size > 1 else None
+        rounds = None
+        if self.spread:  # the beats' gloo group of this rank's expert group
+            beats, _ = dist.new_subgroups_by_enumeration(group_ranks(self.layout, "ep"),
+                                                         backend="gloo")  # fmt: skip
+            rounds = spread_rounds(engine, beats)
+        return partial(LockstepService, engine, group, rounds=rounds)
+
     def local_slice(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         """(name, this rank's slice) of a whole in-memory tensor (split placement's weights;
         packed experts: this rank's experts)."""
