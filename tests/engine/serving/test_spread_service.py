@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 from gloo_ranks import run_ranks
@@ -35,23 +36,26 @@ def _model(seed: int = 2):
     return model
 
 
-def _shards(model) -> list:
-    rank, size = dist.get_rank(), dist.get_world_size()
-    return [(name, spread_shard(name, tensor, rank, size).clone())
+def _shards(model, tp: int = 1) -> list:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return [(name, spread_shard(name, tensor, rank, world, rank % tp, tp).clone())
             for name, tensor in model.named_parameters(remove_duplicate=False)]  # fmt: skip
 
 
-def _spread_service(whole, max_seq_len: int = 64) -> LockstepService:
-    """This rank's replica of ``whole``, its experts spread over every rank, served with the
-    expert group's rounds (its all-to-alls over a group of their own, as the rollout's
-    mesh gives them)."""
-    experts = dist.new_group()  # the service's rounds: no collective of the main thread's
-    shard = expert_parallel_model(whole.config, experts, None, torch.float32, "cpu")
+def _spread_service(whole, max_seq_len: int = 64, tp: int = 1) -> LockstepService:
+    """This rank's replica of ``whole`` (``tp`` ranks), its experts spread over every rank,
+    served with the expert group's rounds (its all-to-alls over a group of their own, as
+    the rollout's mesh gives them for a service)."""
+    world = dist.get_world_size()
+    experts = dist.new_group()  # no collective of the main thread's meets the rounds
+    replicas = [list(range(r, r + tp)) for r in range(0, world, tp)]
+    replica = dist.new_subgroups_by_enumeration(replicas)[0] if tp > 1 else None
+    lockstep = dist.new_subgroups_by_enumeration(replicas, backend="gloo")[0] if tp > 1 else None
+    shard = expert_parallel_model(whole.config, experts, replica, torch.float32, "cpu")
     engine = Engine(shard, 16, max_seq_len, options=EAGER)
-    engine.load_weights(_shards(whole))
-    return LockstepService(
-        engine, None, rounds=spread_rounds(engine, dist.new_group(backend="gloo"))
-    )
+    engine.load_weights(_shards(whole, tp))
+    rounds = spread_rounds(engine, dist.new_group(backend="gloo"))
+    return LockstepService(engine, lockstep, rounds=rounds)
 
 
 def _same(got, expected) -> None:
@@ -62,11 +66,12 @@ def _same(got, expected) -> None:
         assert np.array_equal(a.routed_experts, b.routed_experts)
 
 
-def _requests_at_different_moments(rank: int, world: int) -> None:
+def _requests_at_different_moments(rank: int, world: int, tp: int) -> None:
     whole = _model()
-    mine = list(range(rank * 4, rank * 4 + 4))  # rank 0: prompts 0-3, rank 1: prompts 4-7
+    share = len(PROMPTS) // world
+    mine = list(range(rank * share, (rank + 1) * share))  # each rank's own prompts
     expected = Engine(whole, 16, 64, options=EAGER).generate([PROMPTS[i] for i in mine], GREEDY)
-    service = _spread_service(whole)
+    service = _spread_service(whole, tp=tp)
     time.sleep(0.3 * rank)  # rank 0's requests decode alone first
     handles = []
     for i in mine:
@@ -74,14 +79,22 @@ def _requests_at_different_moments(rank: int, world: int) -> None:
         if rank == 0:
             next(iter(handles[-1].stream(timeout=60)))  # each after the last has decoded
     got = [h.result(timeout=60)[0] for h in handles]
-    if rank == 1:
-        time.sleep(0.3)  # rank 0 closes first and serves rank 1's rounds meanwhile
+    if rank == world - 1:
+        time.sleep(0.3)  # the others close first and serve its rounds meanwhile
     service.close()
     _same(got, expected)
 
 
 def test_requests_admitted_at_each_replicas_moments_sample_one_process_tokens():
-    run_ranks(_requests_at_different_moments, 2)
+    run_ranks(_requests_at_different_moments, 2, 1)
+
+
+@pytest.mark.slow
+def test_requests_on_tensor_parallel_replicas_sample_one_process_tokens():
+    """2 replicas of 2 tensor-parallel ranks in lockstep, the experts over all 4 ranks: each
+    rank's requests run on both ranks of its replica, and the replicas join each other's
+    rounds."""
+    run_ranks(_requests_at_different_moments, 4, 2)
 
 
 def _update_while_decoding(rank: int, world: int) -> None:
