@@ -11,6 +11,13 @@ trainer's expert parallelism (models/sharding/expert_parallel.expert_parallel_mo
 a tensor-parallel replica each of its tp ranks dispatches 1/tp of the rows and an all-gather
 over the replica puts them together, so no expert computes a row twice.
 
+Every kind of sparse block spreads: the plain routed experts (Qwen3-MoE, Mixtral), beside
+Qwen3.5-MoE's gated shared expert (computed whole on each replica, split by columns in a
+tensor-parallel one), DeepSeek's self-routed blocks (grouped routing, shared experts: their
+experts module takes the spread's dispatch), and GPT-OSS's biased experts (each expert's
+two biases travel with it, its clamped SwiGLU runs on the rank that holds it; the router and
+its bias stay whole on every rank).
+
 The all-to-alls are collectives of the whole EP group, but the replicas run their own
 schedules (prefill, decode, a replica with nothing left). So the group moves in rounds: a
 forward pass of any rank is one round, opened at its first sparse layer by a MAX all-reduce
@@ -18,7 +25,9 @@ of "still generating" over the group. A rank whose generation is over keeps join
 with no tokens (:func:`serve_peers`: the sparse layers' collectives with zero rows, its
 experts computing the others' tokens) until a round finds every rank done. Every rank then
 leaves ``Engine.generate`` after the same rounds; nothing is global (the groups travel with
-the model), so the same code runs over gloo on CPU processes and NCCL on GPUs.
+the model), so the same code runs over gloo on CPU processes and NCCL on GPUs. A rollout
+service (agent loops, partial rollouts) joins the same rounds from its thread, each of its
+steps one iteration of the group: engine/serving/spread_rounds.py.
 """
 
 from __future__ import annotations
