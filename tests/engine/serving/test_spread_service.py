@@ -105,17 +105,25 @@ def _update_while_decoding(rank: int, world: int) -> None:
     service.pause()  # every rank's requests go in together, and decode across the update
     handles = [service.submit(p, params, stream=True) for p in mine]
     service.resume()
-    next(iter(handles[-1].stream(timeout=60)))
-    if rank == 1:
-        time.sleep(0.2)  # rank 0 posts its update first and serves rank 1's rounds
-    version = service.update_weights(_shards(new))  # between the same two rounds everywhere
+    # rank 0 posts its update after its first tokens and serves rank 1's rounds until rank 1
+    # posts its own, a few tokens later: it lands between the same two iterations everywhere
+    _wait_for_tokens(handles[-1], 1 if rank == 0 else 6)
+    version = service.update_weights(_shards(new))
     got = [h.result(timeout=60)[0] for h in handles]
     service.close()
     switched = {c.version_spans for c in got}
     assert len(switched) == 1  # admitted together: every request switched at one token
     (first, _), (at, after) = switched.pop()
-    assert after == version and 0 < at < 30 and first == 0
+    assert after == version and 6 <= at < 30 and first == 0
     _same(got, _one_process_update(old, new, mine, params, at))
+
+
+def _wait_for_tokens(handle, count: int) -> None:
+    seen = 0
+    for delta in handle.stream(timeout=60):
+        seen += len(delta.token_ids)
+        if seen >= count:
+            return
 
 
 def _one_process_update(old, new, prompts, params, at: int) -> list:
