@@ -192,9 +192,11 @@ def unsplit_mixers(arch: ModelArchitecture | None) -> list[str]:
 def rollout_expert_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]:
     """rollout.expert_parallel_size above rollout.tensor_parallel_size spreads the experts
     over several replicas (engine/expert_spread.py: a multiple of tp dividing the rollout's
-    GPUs, said by layout_problems). Its replicas move in rounds of the expert group, so what
-    runs at each replica's own pace is refused, and so are the fused decode layers (a
-    tensor-parallel rollout runs them, experts over replicas do not)."""
+    GPUs, said by layout_problems). Its replicas move in rounds of the expert group (a
+    rollout service joins them too: engine/serving/spread_rounds.py, so agent loops and
+    partial rollouts run), whose all-to-all sizes are read on the host: CUDA graphs and the
+    fused decode layers are refused (a tensor-parallel rollout runs them, experts over
+    replicas do not)."""
     ep, tp = cfg.rollout.expert_parallel_size, cfg.rollout.tensor_parallel_size
     if ep is None or ep <= tp or (arch is not None and not arch.is_moe):
         return []  # a dense model's ep > 1: _check_shape says it has no experts
@@ -203,10 +205,6 @@ def rollout_expert_limits(cfg: Config, arch: ModelArchitecture | None) -> list[s
     limits = [
         (cfg.rollout.engine.cuda_graphs is True, "rollout.engine.cuda_graphs = true",
          "the all-to-all's sizes are read on the host at every sparse layer"),
-        (cfg.trainer.mode == "async" and cfg.trainer.partial_rollout, "trainer.partial_rollout",
-         "the rollout service admits requests as they come, at times that differ by replica"),
-        (cfg.rollout.agent.loop is not None, f"rollout.agent.loop = {cfg.rollout.agent.loop}",
-         "agent episodes take turns at their own pace on each replica"),
         (_fused_key(cfg) is not None, _fused_key(cfg),
          "the fused decode layers have no all-to-all yet"),
     ]  # fmt: skip
@@ -337,11 +335,6 @@ def _check_shape(role: str, arch: ModelArchitecture, sizes: list[RoleSize], add:
     # MLA's num_key_value_heads shapes nothing (every head reads the one latent)
     kv = arch.num_key_value_heads if any(spec.keeps_kv for spec in specs) else 0
     recurrent = arch.num_hidden_layers - arch.kv_layers  # layers whose state spans the sequence
-    if recurrent and role == "rollout" and ep > tp > 1:  # engine/expert_spread.py's replicas
-        add(f"{who}: {mine['ep'].key} = {ep} above {mine['tp'].key} = {tp}: experts spread over "
-            f"several tensor-parallel replicas of a model with {recurrent} Gated DeltaNet "
-            f"layers are not built yet: set {mine['ep'].key}={tp}")  # fmt: skip
-        return
     if recurrent and max(tp, sp) > 1:  # the rollout's tensor parallelism too (its engine's)
         _check_recurrent_heads(who, arch, mine, tp, sp, add)
     sinks = sum(spec.mixer == "sink_attention" for spec in specs)
@@ -377,12 +370,6 @@ def _check_shape(role: str, arch: ModelArchitecture, sizes: list[RoleSize], add:
         if not arch.is_moe:
             add(f"{who}: {ep_key} = {ep} splits the experts of a mixture-of-experts model; this "
                 f"model has none: set {ep_key}=1")  # fmt: skip
-        elif role == "rollout" and ep > tp and any(s.mlp == "biased_experts" for s in specs):
-            # the trainer spreads them (models/sharding/expert_parallel.py), and so does a
-            # tensor-parallel rollout over its own ranks; the engine's spread over several
-            # replicas holds plain experts only (engine/expert_spread.py)
-            add(f"{who}: {ep_key} = {ep}: this model's biased experts (GPT-OSS) are not spread "
-                f"over several rollout replicas yet: set {ep_key}={tp}")  # fmt: skip
         elif arch.num_experts % ep:
             add(f"{who}: {ep_key} = {ep} must divide the model's experts (num_experts = "
                 f"{arch.num_experts}): pick a divisor of {arch.num_experts}")  # fmt: skip

@@ -11,6 +11,13 @@ trainer's expert parallelism (models/sharding/expert_parallel.expert_parallel_mo
 a tensor-parallel replica each of its tp ranks dispatches 1/tp of the rows and an all-gather
 over the replica puts them together, so no expert computes a row twice.
 
+Every kind of sparse block spreads: the plain routed experts (Qwen3-MoE, Mixtral), beside
+Qwen3.5-MoE's gated shared expert (computed whole on each replica, split by columns in a
+tensor-parallel one), DeepSeek's self-routed blocks (grouped routing, shared experts: their
+experts module takes the spread's dispatch), and GPT-OSS's biased experts (each expert's
+two biases travel with it, its clamped SwiGLU runs on the rank that holds it; the router and
+its bias stay whole on every rank).
+
 The all-to-alls are collectives of the whole EP group, but the replicas run their own
 schedules (prefill, decode, a replica with nothing left). So the group moves in rounds: a
 forward pass of any rank is one round, opened at its first sparse layer by a MAX all-reduce
@@ -18,7 +25,9 @@ of "still generating" over the group. A rank whose generation is over keeps join
 with no tokens (:func:`serve_peers`: the sparse layers' collectives with zero rows, its
 experts computing the others' tokens) until a round finds every rank done. Every rank then
 leaves ``Engine.generate`` after the same rounds; nothing is global (the groups travel with
-the model), so the same code runs over gloo on CPU processes and NCCL on GPUs.
+the model), so the same code runs over gloo on CPU processes and NCCL on GPUs. A rollout
+service (agent loops, partial rollouts) joins the same rounds from its thread, each of its
+steps one iteration of the group: engine/serving/spread_rounds.py.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.models.architecture import ModelArchitecture
+from hybridflow.models.mlps.biased_experts import BiasedExperts
 from hybridflow.parallel.blocks import PACKED_EXPERTS, even_range
 
 
@@ -75,30 +85,34 @@ def spread_moe_experts(mlp, x: torch.Tensor, ids: torch.Tensor, weights: torch.T
 
 
 def spread_dispatch(x, ids, weights, gate_up, down, group, backend="auto", adapters=None, *,
-                    spread: ExpertSpread, opens_round: bool) -> torch.Tensor:  # fmt: skip
-    """The same through the model's own experts module (models/moe.Experts' ``dispatch``:
-    the self-routed blocks, DeepSeek's grouped experts, and the engine's slow path):
+                    spread: ExpertSpread, opens_round: bool, activation=None,
+                    biases=None) -> torch.Tensor:  # fmt: skip
+    """The same through the model's own experts module (the ``dispatch`` of models/moe.Experts
+    and of GPT-OSS's BiasedExperts, whose activation and biases come along: the self-routed
+    blocks, DeepSeek's grouped experts, GPT-OSS's, and the engine's slow path):
     ``opens_round`` on the model's first sparse layer."""
     if adapters is not None:
         raise ValueError("expert LoRA runs merged in the rollout: experts across replicas "
                          "take no attached adapters")  # fmt: skip
     if opens_round:
         join_round(spread, True, x.device)
-    return _dispatch(x, ids, weights, gate_up, down, spread, backend)
+    return _dispatch(x, ids, weights, gate_up, down, spread, backend, activation, biases)
 
 
-def _dispatch(x, ids, weights, gate_up, down, spread: ExpertSpread, backend) -> torch.Tensor:
+def _dispatch(x, ids, weights, gate_up, down, spread: ExpertSpread, backend, activation=None,
+              biases=None) -> torch.Tensor:  # fmt: skip
     from hybridflow.models.sharding.expert_parallel import expert_parallel_moe
 
+    experts = partial(expert_parallel_moe, gate_up=gate_up, down=down, group=spread.group,
+                      backend=backend, activation=activation, biases=biases)  # fmt: skip
     if spread.replica is None:
-        return expert_parallel_moe(x, ids, weights, gate_up, down, spread.group, backend)
+        return experts(x, ids, weights)
     # the replica's tp ranks hold the same rows: each dispatches its 1/tp, then all-gather
     rank, size = dist.get_rank(spread.replica), dist.get_world_size(spread.replica)
     rows = x.shape[0]
     width = -(-rows // size)  # rows a rank (the last ones may hold fewer, or none)
     start, stop = min(rank * width, rows), min((rank + 1) * width, rows)
-    mine = expert_parallel_moe(x[start:stop], ids[start:stop], weights[start:stop], gate_up,
-                               down, spread.group, backend)  # fmt: skip
+    mine = experts(x[start:stop], ids[start:stop], weights[start:stop])
     padded = mine.new_zeros(width, x.shape[1])
     padded[: stop - start] = mine
     chunks = [torch.empty_like(padded) for _ in range(size)]
@@ -113,17 +127,26 @@ def serve_peers(model, device: torch.device) -> int:
     if spread is None:
         return 0
     sparse = [layer.mlp for layer in model.model.layers if getattr(layer, "sparse", False)]
-    dtype = sparse[0].experts.gate_up_proj.dtype
-    hidden = model.config.hidden_size
     rounds = 0
     while join_round(spread, False, device):
         for mlp in sparse:
-            none = torch.zeros(0, hidden, dtype=dtype, device=device)
-            no_ids = torch.zeros(0, mlp.top_k, dtype=torch.long, device=device)
-            _dispatch(none, no_ids, torch.zeros(0, mlp.top_k, device=device),
-                      mlp.experts.gate_up_proj, mlp.experts.down_proj, spread, mlp.expert_backend)  # fmt: skip
+            _serve_layer(mlp, spread, model.config.hidden_size, device)
         rounds += 1
     return rounds
+
+
+def _serve_layer(mlp, spread: ExpertSpread, hidden: int, device: torch.device) -> None:
+    """One sparse layer's collectives with no tokens of this rank, through the layer's own
+    experts module (its weights' layout, GPT-OSS's activation and biases), opening no round."""
+    experts = mlp.experts
+    none = torch.zeros(0, hidden, dtype=experts.gate_up_proj.dtype, device=device)
+    no_ids = torch.zeros(0, mlp.top_k, dtype=torch.long, device=device)
+    no_weights = torch.zeros(0, mlp.top_k, device=device)
+    quiet = partial(spread_dispatch, spread=spread, opens_round=False)
+    if isinstance(experts, BiasedExperts):
+        experts(none, no_ids, no_weights, mlp.activation, mlp.expert_backend, spread.group, quiet)
+    else:
+        experts(none, no_ids, no_weights, mlp.expert_backend, spread.group, quiet)
 
 
 def spread_shard(name: str, full: torch.Tensor, ep_rank: int, ep: int, tp_rank: int = 0,
@@ -152,10 +175,6 @@ def expert_parallel_model(config: ModelArchitecture, expert_group, replica_group
     if config.num_experts % ep:
         raise ValueError(f"rollout.expert_parallel_size = {ep} must divide the model's "
                          f"num_experts = {config.num_experts}")  # fmt: skip
-    if any(spec.mlp == "biased_experts" for spec in config.layer_specs()):
-        raise ValueError(f"rollout.expert_parallel_size = {ep}: GPT-OSS's biased experts are "
-                         "not spread over several rollout replicas yet: set it to "
-                         "rollout.tensor_parallel_size")  # fmt: skip
     share = config.num_experts // ep
     tp = 1 if replica_group is None else dist.get_world_size(replica_group)
     spread = ExpertSpread(ep_rank * share, expert_group, replica_group if tp > 1 else None)
@@ -165,7 +184,8 @@ def expert_parallel_model(config: ModelArchitecture, expert_group, replica_group
         for layer in model.model.layers:
             if layer.sparse:
                 mlp = layer.mlp
-                mlp.experts = Experts(share, config.hidden_size, config.moe_intermediate_size)
+                kind = BiasedExperts if isinstance(mlp.experts, BiasedExperts) else Experts
+                mlp.experts = kind(share, config.hidden_size, config.moe_intermediate_size)
                 mlp.expert_spread = spread
                 # the model's own experts module (self-routed blocks, the slow path) too
                 mlp.expert_group = expert_group

@@ -89,23 +89,21 @@ class RolloutWorker(Worker):
         self.service = None  # partial rollouts: the engine serves from its own thread
         self.in_flight: dict[int, Future] = {}  # start_generate's ticket -> its result
         if partial and self.tensor is not None:  # the group's ranks serve in lockstep
-            from hybridflow.engine.serving.lockstep import LockstepService
-
-            self.service = LockstepService(self.engine, self.tensor.service_group())
+            self.service = self.tensor.lockstep_services(self.engine)()
         elif partial:
             from hybridflow.engine.serving.service import RolloutService
 
             self.service = RolloutService(self.engine)
-        # agent episodes on a tensor-parallel rollout: each rank runs its own rows' episodes,
-        # the group's ranks serving their turns in lockstep for the batch (rollout_agents.py)
-        self._agent_group = None
-        if config.rollout.agent.loop is not None and r.tensor_parallel_size > 1 and not partial:
-            self._agent_group = self.tensor.service_group()
+        # agent episodes on a tensor-parallel rollout or experts over several replicas: each
+        # rank runs its own rows' episodes, served in lockstep for the batch (rollout_agents.py)
+        self._agent_lockstep = None
+        if config.rollout.agent.loop is not None and self.tensor is not None and not partial:
+            self._agent_lockstep = self.tensor.lockstep_services(self.engine)
         self.agents = None
         if config.rollout.agent.loop is not None:
             from hybridflow.workers.rollout_agents import AgentEpisodes
 
-            self.agents = AgentEpisodes(config, self.engine, self._agent_group,
+            self.agents = AgentEpisodes(config, self.engine, self._agent_lockstep,
                                         self._release_cache)  # fmt: skip
 
     def _tensor_parallel(self, config: Config, dtype: torch.dtype):
@@ -184,7 +182,7 @@ class RolloutWorker(Worker):
     def _generate(self, batch: Batch) -> Batch:
         if self.tensor is None:
             return self._generate_rows(batch, self.rank)
-        if self.service is not None or self._agent_group is not None:
+        if self.service is not None or self._agent_lockstep is not None:
             # a service (lockstep) runs every member's requests on each rank
             return self._generate_rows(batch, self.rank)
         # the group's chunks together on its engine; this rank keeps its own chunk's rows

@@ -18,14 +18,17 @@ from hybridflow.workers.model_loading import default_tokenizer_path
 class AgentEpisodes:
     """A rollout's agent episodes: its engine, its tokenizer (with a template that renders
     tool results), the agent loop (built at the first batch) and, on a tensor-parallel
-    rollout, the group whose ranks serve their episodes' turns in lockstep (``group``).
-    ``release_cache``: what frees the engine's KV cache after a batch, as the worker does."""
+    rollout or one of experts over several replicas, what makes the service whose ranks
+    serve their episodes' turns in lockstep (``lockstep``: workers/rollout_tp.py's
+    lockstep_services). ``release_cache``: what frees the engine's KV cache after a batch,
+    as the worker does."""
 
-    def __init__(self, config: Config, engine, group, release_cache: Callable[[], None]):
+    def __init__(self, config: Config, engine, lockstep: Callable | None,
+                 release_cache: Callable[[], None]):  # fmt: skip
         from hybridflow.agents.templates import renders_tool_messages, with_tool_template
         from hybridflow.models.tokenizer import load_tokenizer
 
-        self.config, self.engine, self.group = config, engine, group
+        self.config, self.engine, self.lockstep = config, engine, lockstep
         self.release_cache = release_cache
         self.loop = None  # built at the first agent rollout (rollout.agent.loop)
         tokenizer = load_tokenizer(default_tokenizer_path(config.model))
@@ -102,15 +105,15 @@ class AgentEpisodes:
     def _service(self):
         """A tensor-parallel rollout's agent batch: the group's ranks serve their episodes'
         turns in lockstep (engine/serving/lockstep.py: each rank's turns and its releases of
-        kept KV run on every rank between the same two steps), each rank's EngineClient
-        talking to that service; closed (every rank's episodes done) before the batch ends.
-        Elsewhere the client starts and stops a service of its own."""
-        if self.group is None:
+        kept KV run on every rank between the same two steps); with experts over several
+        replicas every rank also joins the expert group's rounds while any rank has turns to
+        run (engine/serving/spread_rounds.py). Each rank's EngineClient talks to that service;
+        closed (every rank's episodes done) before the batch ends. Elsewhere the client
+        starts and stops a service of its own."""
+        if self.lockstep is None:
             yield
             return
-        from hybridflow.engine.serving.lockstep import LockstepService
-
-        service = LockstepService(self.engine, self.group)
+        service = self.lockstep()
         try:
             yield
         finally:

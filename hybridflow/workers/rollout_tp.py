@@ -104,8 +104,8 @@ class TensorParallelRollout:
         if self.spread:
             self.ep, self.ep_rank = ep, mesh.rank_in("ep")
             replica = self.group if tensor_parallel_size > 1 else None
-            self.model = expert_parallel_model(architecture, mesh.group("ep"), replica, dtype,
-                                               device)  # fmt: skip
+            experts = _subgroup(self.layout, None, "ep") if own_group else mesh.group("ep")
+            self.model = expert_parallel_model(architecture, experts, replica, dtype, device)
         else:
             self.model = tensor_parallel_model(architecture, self.group, dtype, device,
                                                self.split_experts)  # fmt: skip
@@ -255,6 +255,22 @@ class TensorParallelRollout:
         collectively)."""
         return _subgroup(self.layout, "gloo")
 
+    def lockstep_services(self, engine):
+        """-> a maker of LockstepServices of ``engine`` for this rollout's layout
+        (engine/serving/lockstep.py): its tensor-parallel group's ranks in lockstep, and with
+        experts over several replicas the expert group's rounds (spread_rounds.py). Its
+        groups are made now, once (every rank calls this: they are made collectively)."""
+        from functools import partial
+
+        from hybridflow.engine.serving.lockstep import LockstepService
+        from hybridflow.engine.serving.spread_rounds import spread_rounds
+
+        group = self.service_group() if self.size > 1 else None
+        rounds = None
+        if self.spread:  # the beats' gloo group of this rank's expert group
+            rounds = spread_rounds(engine, _subgroup(self.layout, "gloo", "ep"))
+        return partial(LockstepService, engine, group, rounds=rounds)
+
     def local_slice(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         """(name, this rank's slice) of a whole in-memory tensor (split placement's weights;
         packed experts: this rank's experts)."""
@@ -294,9 +310,10 @@ class TensorParallelRollout:
         return merged, self.rank_in_group, len(batch)
 
 
-def _subgroup(layout, backend: str | None):
-    """A new process group of this rank's tensor-parallel group (every rank calls this)."""
+def _subgroup(layout, backend: str | None, name: str = "tp"):
+    """A new process group of this rank's ``name`` group of the layout (every rank calls
+    this)."""
     from hybridflow.parallel.layout import group_ranks
 
-    mine, _ = dist.new_subgroups_by_enumeration(group_ranks(layout, "tp"), backend=backend)
+    mine, _ = dist.new_subgroups_by_enumeration(group_ranks(layout, name), backend=backend)
     return mine

@@ -52,9 +52,17 @@ def _moe_hybrid(tmp_path, shared_width: int = 48) -> str:
     return str(tmp_path)
 
 
-def test_the_rollout_tensor_parallelism_of_a_hybrid_mixture_of_experts_validates(tmp_path):
-    validate(load_config(None, [*FOUR_CPUS, f"model.path={_moe_hybrid(tmp_path)}",
-                                "rollout.tensor_parallel_size=2"]))  # fmt: skip
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        ["rollout.tensor_parallel_size=2"],
+        # experts over two tensor-parallel replicas (engine/expert_spread.py)
+        ["rollout.tensor_parallel_size=2", "rollout.expert_parallel_size=4"],
+        ["rollout.expert_parallel_size=4"],
+    ],
+)  # fmt: skip
+def test_the_rollout_layouts_of_a_hybrid_mixture_of_experts_validate(tmp_path, sizes):
+    validate(load_config(None, [*FOUR_CPUS, f"model.path={_moe_hybrid(tmp_path)}", *sizes]))
 
 
 @pytest.mark.parametrize(
@@ -66,10 +74,6 @@ def test_the_rollout_tensor_parallelism_of_a_hybrid_mixture_of_experts_validates
         (["rollout.tensor_parallel_size=2"], 49,
          "rollout.tensor_parallel_size = 2 must divide the width of the model's shared expert "
          "(shared_expert_intermediate_size = 49): pick a divisor of 49"),
-        (["rollout.tensor_parallel_size=2", "rollout.expert_parallel_size=4"], 48,
-         "rollout: rollout.expert_parallel_size = 4 above rollout.tensor_parallel_size = 2: "
-         "experts spread over several tensor-parallel replicas of a model with 3 Gated "
-         "DeltaNet layers are not built yet: set rollout.expert_parallel_size=2"),
     ],
 )  # fmt: skip
 def test_rollout_layouts_of_the_hybrid_layers_not_built_are_refused(tmp_path, sizes,

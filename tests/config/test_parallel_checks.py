@@ -64,13 +64,15 @@ def test_a_tensor_parallel_rollout_is_accepted_and_what_it_does_not_run_yet_refu
     # agent loops: each rank's turns and releases of kept KV run in lockstep too
     agents = [*FOUR_CPUS, "rollout.tensor_parallel_size=2", "rollout.agent.tools=[calculator]"]
     validate(load_config(None, [*agents, "rollout.agent.loop=tools"]))
-    wide = _problems([*agents, "rollout.agent.loop=tools", "model.path=tiny-moe",
-                      "rollout.expert_parallel_size=4"])  # fmt: skip
-    assert wide == [
-        "rollout.expert_parallel_size = 4 (experts over several replicas) with "
-        "rollout.agent.loop = tools: not yet supported (agent episodes take turns at their own "
-        "pace on each replica); set rollout.expert_parallel_size=2"
-    ]
+    # experts over several replicas: each replica's service joins the expert group's rounds
+    # (engine/serving/spread_rounds.py), of one rank or tensor-parallel
+    for tp in (1, 2):
+        validate(load_config(None, [*agents, "rollout.agent.loop=tools", "model.path=tiny-moe",
+                                    "rollout.expert_parallel_size=4",
+                                    f"rollout.tensor_parallel_size={tp}"]))  # fmt: skip
+        validate(load_config(None, [*partial, "model.path=tiny-moe",
+                                    "rollout.expert_parallel_size=4",
+                                    f"rollout.tensor_parallel_size={tp}"]))  # fmt: skip
     # experts over several replicas of tensor-parallel ranks: the fused layers have no
     # all-to-all (engine/backend.resolve_backend refuses them)
     fused = _problems([*FOUR_CPUS, "rollout.tensor_parallel_size=2", "model.path=tiny-moe",
@@ -79,13 +81,6 @@ def test_a_tensor_parallel_rollout_is_accepted_and_what_it_does_not_run_yet_refu
         "rollout.expert_parallel_size = 4 (experts over several replicas) with "
         "rollout.engine.decode_backend = triton: not yet supported (the fused decode layers have "
         "no all-to-all yet); set rollout.expert_parallel_size=2"
-    ]
-    # experts over several replicas still move in rounds of the expert group
-    spread = _problems([*partial, "model.path=tiny-moe", "rollout.expert_parallel_size=4"])
-    assert spread == [
-        "rollout.expert_parallel_size = 4 (experts over several replicas) with "
-        "trainer.partial_rollout: not yet supported (the rollout service admits requests as "
-        "they come, at times that differ by replica); set rollout.expert_parallel_size=2"
     ]
 
 

@@ -18,6 +18,7 @@ from test_moe_tensor_parallel import PROMPTS, _engine, _gathered, _model
 from hybridflow.engine import SamplingParams
 from hybridflow.engine.expert_spread import expert_parallel_model, spread_of, spread_shard
 from hybridflow.parallel import build_mesh, rollout_layout
+from hybridflow.parallel.blocks import deltanet_sections
 
 BUDGETS = [3, 9, 6, 12]  # new tokens a prompt: the replicas end at different passes
 
@@ -28,8 +29,8 @@ def _spread_engine(whole_model, mesh, tp: int):
                                   "cpu")  # fmt: skip
     engine = _engine(shard, 16)
     ep_rank, ep = mesh.rank_in("ep"), mesh.size("ep")
-    tp_rank = mesh.rank_in("tp")
-    engine.load_weights((name, spread_shard(name, tensor, ep_rank, ep, tp_rank, tp))
+    tp_rank, sections = mesh.rank_in("tp"), deltanet_sections(whole_model.config)
+    engine.load_weights((name, spread_shard(name, tensor, ep_rank, ep, tp_rank, tp, sections))
                         for name, tensor in whole_model.named_parameters(remove_duplicate=False))  # fmt: skip
     with torch.no_grad():  # DeepSeek's router correction bias: a buffer, whole on every rank
         buffers = dict(engine.model.named_buffers())
@@ -96,21 +97,41 @@ def test_two_tensor_parallel_replicas_draw_one_process_tokens_and_routes():
     run_ranks(_generate_on_ranks, 4, 2)
 
 
-def _deepseek_on_ranks(rank: int, world: int, tp: int) -> None:
-    """tiny-deepseek-v3 (MLA, grouped routing, a shared expert): its self-routed sparse
-    blocks run their own experts module (models/moe.Experts), which dispatches over the
-    group with the spread's rounds; in tensor-parallel replicas MLA splits by heads and the
-    shared expert by columns (engine/tensor_parallel.py)."""
+def _family_model(family: str):
+    """A tiny model of ``family`` with std-0.1 weights (fp32; biases too, so that GPT-OSS's
+    expert biases must travel with their experts): routers far from ties."""
     from hybridflow.models import build_model
     from hybridflow.models.presets import preset_config
 
+    if family == "qwen3.5-moe":  # Gated DeltaNet and gated attention, a gated shared expert
+        config = preset_config("tiny-hybrid").replace(
+            model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=True)  # fmt: skip
+    else:
+        config = preset_config(f"tiny-{family}")
+    model = build_model(config, seed=4).eval().requires_grad_(False)
+    generator = torch.Generator().manual_seed(4)
+    for name, p in model.named_parameters():
+        if family != "deepseek-v3" and not name.endswith("norm.weight"):
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+    return model
+
+
+def _family_on_ranks(rank: int, world: int, tp: int, family: str) -> None:
+    """One family's sparse blocks with the experts over all ranks: tiny-deepseek-v3 (MLA,
+    grouped routing, a shared expert: its self-routed blocks run their own experts module,
+    which dispatches over the group with the spread's rounds), tiny-gpt-oss (sink attention,
+    a router with a bias, experts with biases and the clamped SwiGLU) and a tiny Qwen3.5-MoE
+    (Gated DeltaNet, a gated shared expert); in tensor-parallel replicas their attention
+    splits by heads and the shared experts by columns (engine/tensor_parallel.py)."""
     mesh = build_mesh(rollout_layout(world, tp=tp, ep=world), "cpu")
-    whole_model = build_model(preset_config("tiny-deepseek-v3"), seed=4).eval()
-    whole_model.requires_grad_(False)
+    whole_model = _family_model(family)
     engine = _spread_engine(whole_model, mesh, tp)
     assert engine.spread and engine.native and engine.tensor_parallel == tp
     sparse = next(layer.mlp for layer in engine.model.model.layers if layer.sparse)
-    assert sparse.experts.gate_up_proj.shape[0] == whole_model.config.num_experts // world
+    share = whole_model.config.num_experts // world
+    for name, tensor in sparse.experts.named_parameters():
+        assert tensor.shape[0] == share, name  # GPT-OSS's biases: with their experts
     replicas, replica = world // tp, rank // tp
     mine = list(range(replica, len(PROMPTS), replicas))
     budget = 12 if replica == 0 else 5  # the replicas end at different steps
@@ -123,14 +144,18 @@ def _deepseek_on_ranks(rank: int, world: int, tp: int) -> None:
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs),
                                    rtol=1e-4, atol=1e-5)  # fmt: skip
         assert np.array_equal(a.routed_experts, b.routed_experts)
+    records = _gathered([c.routed_experts.tolist() for c in got])
+    assert records[rank] == records[replica * tp]  # the replica's ranks: one record
     dist.barrier()
 
 
-def test_deepseek_v3_replicas_draw_one_process_tokens_and_routes():
-    run_ranks(_deepseek_on_ranks, 2, 1)
+@pytest.mark.parametrize("family", ["deepseek-v3", "gpt-oss", "qwen3.5-moe"])
+def test_replicas_of_each_family_draw_one_process_tokens_and_routes(family):
+    run_ranks(_family_on_ranks, 2, 1, family)
 
 
 @pytest.mark.slow
-def test_deepseek_v3_tensor_parallel_replicas_draw_one_process_tokens_and_routes():
+@pytest.mark.parametrize("family", ["deepseek-v3", "gpt-oss", "qwen3.5-moe"])
+def test_tensor_parallel_replicas_of_each_family_draw_one_process_tokens_and_routes(family):
     """2 replicas of rollout TP 2, the experts over all 4 ranks (rollout ep 4)."""
-    run_ranks(_deepseek_on_ranks, 4, 2)
+    run_ranks(_family_on_ranks, 4, 2, family)

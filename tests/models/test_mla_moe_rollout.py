@@ -96,28 +96,15 @@ def test_sequence_parallelism_of_sink_layers_is_refused_by_name():
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_expert_parallel_training_validates_and_the_rollouts_refuses_biased_experts(preset):
+def test_expert_parallel_training_and_the_rollouts_experts_over_replicas_validate(preset):
     """The trainer splits both families' experts (models/sharding/expert_parallel.py), with
-    LoRA on them; the engine's expert spread holds plain experts only."""
-    from hybridflow.config import ConfigError, validate
+    LoRA on them; the rollout spreads them over several replicas (engine/expert_spread.py:
+    GPT-OSS's biases with their experts), of one rank or tensor-parallel."""
+    from hybridflow.config import validate
 
     two = ["trainer.backend=local", "trainer.n_gpus_per_node=2", "trainer.device=cpu",
            f"model.path={preset}"]  # fmt: skip
     validate(load_config(None, [*two, "actor.expert_parallel_size=2", "model.lora_rank=4"]))
-    rollout = load_config(None, [*two, "rollout.expert_parallel_size=2"])
-    if preset == "tiny-deepseek-v3":
-        validate(rollout)
-        return
-    with pytest.raises(ConfigError) as error:
-        validate(rollout)
-    assert any("rollout.expert_parallel_size = 2: this model's biased experts (GPT-OSS) are "
-               "not spread over several rollout replicas yet: set rollout.expert_parallel_size=1"
-               in p for p in error.value.problems), error.value.problems  # fmt: skip
-    # a tensor-parallel rollout splits them over its own ranks; not over several replicas
+    validate(load_config(None, [*two, "rollout.expert_parallel_size=2"]))
     four = [*two[:1], "trainer.n_gpus_per_node=4", *two[2:], "rollout.tensor_parallel_size=2"]
-    validate(load_config(None, [*four, "rollout.expert_parallel_size=2"]))
-    with pytest.raises(ConfigError) as error:
-        validate(load_config(None, [*four, "rollout.expert_parallel_size=4"]))
-    assert error.value.problems == [
-        "rollout: rollout.expert_parallel_size = 4: this model's biased experts (GPT-OSS) are "
-        "not spread over several rollout replicas yet: set rollout.expert_parallel_size=2"]  # fmt: skip
+    validate(load_config(None, [*four, "rollout.expert_parallel_size=4"]))

@@ -81,11 +81,13 @@ def test_expert_lora_with_a_tensor_parallel_rollout_logs_data_parallel(tmp_path)
 
 
 @pytest.mark.slow
-def test_deepseek_v3_with_experts_over_rollout_replicas_logs_data_parallel(tmp_path):
-    """tiny-deepseek-v3 (MLA, grouped routing, a shared expert) with its rollout experts
-    spread over two replicas of one process, the weights resharded from
-    an FSDP2 actor, logs the metrics and samples the tokens of data parallelism."""
-    model = ("model.path=tiny-deepseek-v3",)
+@pytest.mark.parametrize("preset", ["tiny-deepseek-v3", "tiny-gpt-oss"])
+def test_experts_of_each_family_over_rollout_replicas_log_data_parallel(tmp_path, preset):
+    """tiny-deepseek-v3 (MLA, grouped routing, a shared expert) and tiny-gpt-oss (a router
+    with a bias, experts with biases) with their rollout experts spread over two replicas of
+    one process, the weights resharded from an FSDP2 actor (GPT-OSS's expert biases with
+    their experts), log the metrics and sample the tokens of data parallelism."""
+    model = (f"model.path={preset}",)
     plain = train_run(tmp_path / "dp", *PLAIN, *model)
     wide = train_run(tmp_path / "wide", *model, "rollout.expert_parallel_size=2")
     assert plain.keys() == wide.keys() == {1, 2}
@@ -107,3 +109,36 @@ def test_deepseek_v3_with_a_tensor_parallel_rollout_logs_data_parallel(tmp_path)
     for step, want in plain.items():
         assert_same(want, layout[step], step)
         assert read_samples(tmp_path / "plain", step) == read_samples(tmp_path / "tp", step)
+
+
+@pytest.mark.slow
+def test_agent_episodes_with_experts_over_rollout_replicas_log_data_parallel(tmp_path):
+    """rollout.agent.loop=tools with tiny-moe's rollout experts spread over two replicas of
+    one process: each rank runs its own rows' episodes, its service joining the expert
+    group's rounds while any rank has turns to run (engine/serving/spread_rounds.py); the
+    metrics and samples are those of a data-parallel rollout."""
+    agents = ("model.path=tiny-moe", "rollout.agent.loop=tools",
+              "rollout.agent.tools=[calculator]", "data.max_prompt_length=64",
+              "reward.custom_fn=null", "trainer.total_steps=1")  # fmt: skip
+    plain = train_run(tmp_path / "dp", *PLAIN, *agents)
+    wide = train_run(tmp_path / "wide", *agents, "rollout.expert_parallel_size=2")
+    assert plain.keys() == wide.keys() == {1}
+    assert_same(plain[1], wide[1], 1)
+    assert read_samples(tmp_path / "dp", 1) == read_samples(tmp_path / "wide", 1)
+
+
+@pytest.mark.slow
+def test_partial_rollouts_with_experts_over_rollout_replicas_log_data_parallel(tmp_path):
+    """trainer.mode=async with partial rollouts and tiny-moe's rollout experts spread over two
+    replicas: the rollout runs as a service on each rank, the services in the expert group's
+    rounds, the weights resharded into them between the same two rounds (a group operation
+    of every rank). Step 1 (drawn before the first sync) logs the metrics and samples the
+    tokens of a data-parallel rollout; step 2's sync lands where timing puts it (the exact
+    update: tests/engine/serving/test_spread_service.py), so it is only run."""
+    partial = ("model.path=tiny-moe", "trainer.mode=async", "trainer.partial_rollout=true",
+               "trainer.total_steps=2")  # fmt: skip
+    plain = train_run(tmp_path / "dp", *PLAIN, *partial)
+    wide = train_run(tmp_path / "wide", *partial, "rollout.expert_parallel_size=2")
+    assert plain.keys() == wide.keys() == {1, 2}
+    assert_same(plain[1], wide[1], 1)
+    assert read_samples(tmp_path / "dp", 1) == read_samples(tmp_path / "wide", 1)

@@ -199,3 +199,32 @@ def _lora_on_ranks(rank: int, world: int) -> None:
 
 def test_lora_adapters_merge_into_each_ranks_heads():
     run_ranks(_lora_on_ranks, 2)
+
+
+def _spread_reshard_on_ranks(rank: int, world: int) -> None:
+    """Qwen3.5-MoE trained FSDP2 over 4 ranks into 2 tensor-parallel rollout replicas with
+    the experts over all 4 (rollout tp 2, ep 4: engine/expert_spread.py): each rank gets its
+    replica's heads (in_proj_qkv and the conv taps by key heads) and its own experts."""
+    from hybridflow.engine.expert_spread import spread_shard
+
+    config = _config(moe=True)
+    model = _model(config)
+    _shard(model, train_layout(world))
+    actor = SimpleNamespace(model=model)
+    tensor = TensorParallelRollout.from_actor(actor, 2, torch.float32, "cpu", "tiny-hybrid",
+                                              expert_parallel_size=world)  # fmt: skip
+    assert tensor.spread
+    sections = deltanet_sections(config)
+    _train_step(model)
+    tensor.sync(actor)
+    full = _full(model)
+    for name, value in tensor.model.named_parameters():
+        want = spread_shard(name, full[name], rank, world, rank % 2, 2, sections)
+        assert torch.equal(value, want), name
+    experts = tensor.model.model.layers[0].mlp.experts.gate_up_proj
+    assert experts.shape[0] == config.num_experts // world
+
+
+@pytest.mark.slow
+def test_a_trained_actor_reshards_into_tensor_parallel_replicas_with_spread_experts():
+    run_ranks(_spread_reshard_on_ranks, 4)

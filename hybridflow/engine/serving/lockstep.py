@@ -31,6 +31,13 @@ handle means the same slot on every rank: the owner's `reuse` and its release tr
 are. A release (the episode is over, which only its rank knows) is a request of its rank: it
 runs on every rank at the same place in the round's order, between the same two steps.
 Streaming to other ranks and images are not served here.
+
+Experts spread over several replicas (engine/expert_spread.py): ``rounds``
+(spread_rounds.py) makes the replicas' services move together as well. Each replica's ranks
+keep the lockstep above over their own group (None: a replica of one rank), and after the
+ops of a round every rank of the expert-parallel group beats: the ranks with work run a step,
+every rank serves the others' rounds of the experts, and a group operation runs once every
+rank of the expert-parallel group has posted it.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from hybridflow.engine.sampling import SamplingParams
 from hybridflow.engine.serving.handles import RequestHandle
 from hybridflow.engine.serving.service import RolloutService
 from hybridflow.engine.serving.service_stream import ServiceStream
+from hybridflow.engine.serving.spread_rounds import SpreadRounds
 
 ADD, ABORT, RELEASE, GROUP = "add", "abort", "release", "group"
 
@@ -55,14 +63,21 @@ ADD, ABORT, RELEASE, GROUP = "add", "abort", "release", "group"
 class LockstepService(RolloutService):
     """engine: this rank's tensor-parallel Engine. group: a gloo group of the engine's
     ranks, for this service's thread alone (its rounds must not interleave with other
-    collectives). poll_s: how long an idle round waits for a caller before it asks the
-    others (every rank keeps asking while the group is idle: a round is one small
-    all-gather)."""
+    collectives); None: an engine of one rank (with ``rounds``). poll_s: how long an idle
+    round waits for a caller before it asks the others (every rank keeps asking while the
+    group is idle: a round is one small all-gather). rounds: the engine's experts are
+    spread over several replicas (module docstring)."""
 
     def __init__(self, engine, group, poll_s: float = 0.002,
-                 streams: ServiceStream | None = None):  # fmt: skip
-        self.group, self.poll_s = group, poll_s
-        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+                 streams: ServiceStream | None = None,
+                 rounds: SpreadRounds | None = None):  # fmt: skip
+        self.group, self.poll_s, self.rounds = group, poll_s, rounds
+        self.rank, self.size = (0, 1) if group is None else (dist.get_rank(group),
+                                                             dist.get_world_size(group))  # fmt: skip
+        self._group_ops = [0] * self.size  # group operations each rank has posted so far
+        self._group_runs = 0  # group operations run here
+        self._group_limit = 0  # those every rank of the expert group has posted (last beat)
+        self._peers_busy = False  # the last beat found work on some rank
         self._outbox: list[tuple] = []  # (op id, kind, payload) since the last round
         self._local: dict[int, tuple] = {}  # op id -> (what runs here, its Future)
         self._queues = [deque() for _ in range(self.size)]  # each rank's ops not run yet
@@ -153,24 +168,47 @@ class LockstepService(RolloutService):
             self.streams.take_over()
             while not self._stopping:
                 with self._wake:
-                    if not self._outbox and not self._has_work():
+                    if not self._outbox and not self._has_work() and not self._peers_busy:
                         self._wake.wait(self.poll_s)
                     mine, self._outbox = self._outbox, []
-                everyone: list = [None] * self.size
                 try:
-                    dist.all_gather_object(everyone, mine, group=self.group)
+                    everyone = self._gathered(mine)
                 except BaseException as error:  # a rank is gone: nothing can run in step
                     self._fail_everything(error)
                     break
                 for rank, ops in enumerate(everyone):
                     self._queues[rank].extend(ops)
+                    self._group_ops[rank] += sum(op[1] == GROUP for op in ops)
                 self._run_ready()
                 self.wakeups.post()
-                if self._has_work() and not self._stopping:
+                working = self._has_work() and not self._stopping
+                if self.rounds is not None:
+                    try:
+                        working = self._spread_step(working)
+                    except BaseException as error:  # a rank of the expert group is gone
+                        self._fail_everything(error)
+                        break
+                if working:
                     self._step()
                     self._forget_finished()
                     self.wakeups.post()
+                if self.rounds is not None and self._peers_busy:
+                    self.rounds.serve()  # the rounds of this iteration, closed on every rank
             self.streams.hand_back()
+
+    def _gathered(self, mine: list) -> list:
+        """Every rank's ops since the last round, in rank order."""
+        if self.group is None:
+            return [mine]
+        everyone: list = [None] * self.size
+        dist.all_gather_object(everyone, mine, group=self.group)
+        return everyone
+
+    def _spread_step(self, working: bool) -> bool:
+        """The expert group's beat (spread_rounds.py) -> whether this rank steps now."""
+        beat = self.rounds.beat(working, min(self._group_ops))
+        self._group_limit, self._peers_busy = beat.posted, beat.busy
+        return working and beat.busy
 
     def _run_ready(self) -> None:
         """Each rank's requests up to its next group operation; then that group operation
@@ -181,6 +219,9 @@ class LockstepService(RolloutService):
                     self._run_request(rank, *queue.popleft())
             if not all(self._queues):
                 return
+            if self.rounds is not None and self._group_runs >= self._group_limit:
+                return  # a rank of the expert group has not posted it yet
+            self._group_runs += 1
             heads = [queue.popleft() for queue in self._queues]
             task, future = self._local.pop(heads[self.rank][0])
             try:
