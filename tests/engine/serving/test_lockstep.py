@@ -99,9 +99,13 @@ def _update_while_decoding(rank: int, world: int) -> None:
     service.pause()
     handles = [service.submit(p, params, seed=i, stream=True) for i, p in enumerate(PROMPTS[:4])]
     service.resume()
-    next(iter(handles[-1].stream(timeout=60)))
-    if rank == 1:
-        time.sleep(0.2)  # rank 0 posts its update first and waits for rank 1's
+    # rank 0 posts its update after its first token and waits for rank 1's, posted a few
+    # tokens later (a count, not a sleep: a fast host could finish every request in a sleep)
+    seen = 0
+    for delta in handles[-1].stream(timeout=60):
+        seen += len(delta.token_ids)
+        if seen >= (1 if rank == 0 else 6):
+            break
     first = service.policy_version
     version = service.update_weights(_shards(new))  # between two steps, on both ranks
     got = [h.result(timeout=60)[0] for h in handles]
