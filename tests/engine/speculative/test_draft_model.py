@@ -4,8 +4,12 @@ that disagrees with the target now and then, in a slot and a paged cache); a dra
 the target accepts everything at temperature 0; sampled tokens at temperature 1 with top-p
 follow the target's exact distribution (chi-square over many samples, and the same test
 rejects a rule that resamples from p instead of the residual), all three with a draft whose
-embedding table is larger or smaller than the target's too; a draft that could not roll back
-is refused."""
+embedding table is larger or smaller than the target's too. Drafts with per-sequence kinds (a
+Gated DeltaNet model's recurrent states, a GPT-OSS model's ring of 8 positions that wraps,
+a hybrid draft for an attention model) give the plain engine's greedy tokens, their state
+after rejected drafts is the state of their tokens fed afresh, and a hybrid draft's sampled
+tokens follow a hybrid target's distribution. Drafts the engine cannot run are refused,
+naming what to set."""
 
 from __future__ import annotations
 
