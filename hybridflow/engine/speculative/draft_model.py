@@ -51,17 +51,18 @@ if TYPE_CHECKING:
     from hybridflow.engine.scheduling.state import SchedulerState
 
 
-def draft_model_problem(config, target_config, name: str) -> str | None:
-    """Why a draft model of this config cannot draft for the target (one line), or None."""
+def draft_model_problem(config, name: str, prefix: str = "") -> str | None:
+    """Why a draft model of this config cannot draft (one line naming the key, with `prefix`
+    before the option names: "rollout.engine." at validate), or None. Recurrent states and
+    windows' rings draft (DraftCache.resume rolls them back)."""
+    key, ngram = f"{prefix}speculative_draft_model={name!r}", f"{prefix}speculative=ngram"
     gaps = engine_gaps(config.layer_specs())
     if gaps:
-        return (f"speculative_draft_model={name!r}: the engine's passes cannot run it "
-                f"({gaps[0]}); name a draft of layers the engine runs, or set "
-                "speculative=ngram")  # fmt: skip
+        return (f"{key}: the engine's passes cannot run it ({gaps[0]}); name a draft of "
+                f"layers the engine runs, or set {ngram}")  # fmt: skip
     if getattr(config, "vision", None) is not None or getattr(config, "mrope_section", None):
-        return (f"speculative_draft_model={name!r}: a vision-language model cannot draft "
-                "(its positions follow the images); name a text-only model of the same "
-                "tokenizer, or set speculative=ngram")  # fmt: skip
+        return (f"{key}: a vision-language model cannot draft (its positions follow the "
+                f"images); name a text-only model of the same tokenizer, or set {ngram}")  # fmt: skip
     return None
 
 
@@ -160,7 +161,7 @@ class DraftModel:
         if not isinstance(model, CausalLM):
             raise ValueError(f"speculative_draft_model={name!r}: not a model of hybridflow's "
                              "own decoder (the engine's passes run the draft)")  # fmt: skip
-        problem = draft_model_problem(model.config, target_config, name)
+        problem = draft_model_problem(model.config, name)
         if problem is not None:
             raise ValueError(problem)
         self.model = model.eval().requires_grad_(False)

@@ -247,7 +247,7 @@ def test_a_draft_with_another_table_size_gives_the_engine_s_greedy_tokens(
 
 def test_a_draft_the_engine_cannot_run_is_refused_naming_what_to_set(model):
     windows = SimpleNamespace(layer_specs=lambda: [LayerSpec("attention", window=64)])
-    problem = draft_model_problem(windows, model.config, "odd")
+    problem = draft_model_problem(windows, "odd")
     assert problem.startswith("speculative_draft_model='odd': the engine's passes cannot run")
     assert "no windowed cache kind yet" in problem and "speculative=ngram" in problem
     vision = build_model(preset_config("tiny-vl"), seed=0)
