@@ -17,8 +17,9 @@ So after the catch-up, before its drafts are fed, the drafting rows' per-sequenc
 copied (rollback.save: the state at the row's last emitted token, which the verify pass
 keeps whatever it rejects), and the next call restores them (rollback.restore) and feeds
 the tokens emitted since, the accepted drafts among them, again; the attention layers'
-K/V at those positions are recomputed to the same values. A row whose copy is gone (it
-drafted nothing at the last call) is fed again from its first token, its state from zeros.
+K/V at those positions are recomputed (the same values, up to rounding). A row whose copy
+is gone (it drafted nothing at the last call) is fed again from its first token, its state
+from zeros.
 The copies are one call's drafting rows only: at most speculative_max_rows x the draft's
 per-sequence bytes a row (Qwen3.5-0.8B in bf16: 18 Gated DeltaNet layers of a 6,144-channel
 conv (3 inputs) and a 16 x 128 x 128 fp32 state, ~19.5 MB a row; GPT-OSS-20B: 12 rings of
@@ -152,7 +153,7 @@ class DraftCache:
 
 
 class DraftModel:
-    """The draft model of an engine (module docstring); its K/V live in the scheduler's
+    """The draft model of an engine (module docstring); its cache lives in the scheduler's
     DraftCache."""
 
     def __init__(self, model, target_config, name: str = "draft"):
