@@ -1,9 +1,10 @@
 """Checks of rollout.engine.speculative that ``validate()`` runs before any model loads: a
-draft model (speculative=draft) must exist. Its embedding table may be padded to another
-size than the model's (the engine cuts or pads its logits: engine/speculative/draft_model.py);
-when both directories hold a tokenizer whose vocabularies differ, a one-line warning says
-that its drafts will rarely be accepted. Reads presets, config.json and tokenizer files
-only (no weights)."""
+draft model (speculative=draft) must exist, and be one the engine's passes run (no
+vision-language model; recurrent states and windows' rings draft). Its embedding table may
+be padded to another size than the model's (the engine cuts or pads its logits:
+engine/speculative/draft_model.py); when both directories hold a tokenizer whose
+vocabularies differ, a one-line warning says that its drafts will rarely be accepted. Reads
+presets, config.json and tokenizer files only (no weights)."""
 
 from __future__ import annotations
 
@@ -101,5 +102,25 @@ def speculative_problems(cfg: Config) -> list[str]:
     if _preset(draft) is None and _hf_config(draft) is None:
         return [f"{draft_key} = {draft!r}: neither a preset nor a directory holding "
                 "config.json"]  # fmt: skip
+    problem = _unrunnable(draft)
+    if problem is not None:
+        return [problem]
     _tokenizer_warning(cfg, draft_key, draft)
     return []
+
+
+def _unrunnable(draft: str) -> str | None:
+    """The engine's refusal of this draft (engine/speculative/draft_model.py: layers its passes
+    do not run, a vision-language model), read off its preset or config.json; None when it
+    drafts or its config.json is left to the model checks."""
+    from hybridflow.engine.speculative.draft_model import draft_model_problem
+    from hybridflow.models.architecture import ModelArchitecture
+
+    architecture = _preset(draft)
+    if architecture is None:
+        try:
+            hf = json.loads((Path(draft).expanduser() / "config.json").read_text())
+            architecture = ModelArchitecture.from_hf(hf)
+        except (ValueError, TypeError, AttributeError, KeyError, RecursionError, OSError):
+            return None  # what is wrong with it is the model checks' to say
+    return draft_model_problem(architecture, draft, prefix="rollout.engine.")

@@ -1,6 +1,6 @@
 """Speculative decoding at validate: models with recurrent layers (Gated DeltaNet) or sliding
-layers' rings pass (their states are rolled back); a draft model must exist, refused naming
-the key otherwise, and may pad its embedding table to another size than the model's; a draft
+layers' rings pass (their states are rolled back), as drafts too; a draft model must exist and
+be one the engine runs, refused naming the key otherwise, and may pad its embedding table to another size than the model's; a draft
 whose tokenizer's vocabulary differs from the model's is warned of in one line."""
 
 import json
@@ -56,6 +56,23 @@ def test_a_draft_model_must_exist(tmp_path):
         validate(_draft(str(tmp_path / "missing")))
     with pytest.raises(ConfigError, match="speculative='draft' needs speculative_draft_model"):
         validate(load_config(None, ["rollout.engine.speculative=draft"]))
+
+
+@pytest.mark.parametrize("draft", ["tiny-hybrid", "tiny-gpt-oss"])
+def test_a_draft_with_recurrent_states_or_a_ring_validates(draft, tmp_path):
+    validate(_draft(draft))
+    (tmp_path / "config.json").write_text(json.dumps(PRESETS[draft].to_hf()))
+    validate(_draft(str(tmp_path)))
+
+
+def test_a_vision_language_draft_is_refused_naming_what_to_set(tmp_path):
+    expected = ("rollout.engine.speculative_draft_model='tiny-vl': a vision-language model "
+                "cannot draft.*set rollout.engine.speculative=ngram")  # fmt: skip
+    with pytest.raises(ConfigError, match=expected):
+        validate(_draft("tiny-vl"))
+    (tmp_path / "config.json").write_text(json.dumps(PRESETS["tiny-vl"].to_hf()))
+    with pytest.raises(ConfigError, match="a vision-language model cannot draft"):
+        validate(_draft(str(tmp_path)))
 
 
 @pytest.mark.parametrize("vocab_size", [160, 96])

@@ -83,6 +83,28 @@ def test_packed_sequences_start_from_a_zero_state():
         assert torch.allclose(out[start : start + length], expected, atol=1e-5), i
 
 
+def test_short_packed_sequences_are_not_padded_to_a_whole_chunk(monkeypatch):
+    """Rows of a few tokens (an engine pass feeding a token or a draft a row) run in chunks of
+    the longest row, with the zero-state reference's results."""
+    chunks = []
+    chunked = gdr.chunked_gated_delta_rule
+
+    def spy(*args, chunk_size=64, **kwargs):
+        chunks.append(chunk_size)
+        return chunked(*args, chunk_size=chunk_size, **kwargs)
+
+    monkeypatch.setattr(gdr, "chunked_gated_delta_rule", spy)
+    lengths = [1, 3, 2]
+    inputs, cu_seqlens = _packed(lengths)
+    out = gdr.packed_gated_delta_rule(*inputs, cu_seqlens, max(lengths), backend="torch")
+    assert chunks == [3]
+    for i, length in enumerate(lengths):
+        start = int(cu_seqlens[i])
+        alone = [x[start : start + length][None] for x in inputs]
+        expected = gdr.recurrent_gated_delta_rule(*alone)[0][0]
+        assert torch.allclose(out[start : start + length], expected, atol=1e-5), i
+
+
 def test_a_neighbour_in_the_pack_changes_nothing():
     lengths = [6, 11]
     inputs, cu_seqlens = _packed(lengths)

@@ -3,15 +3,28 @@ tokens from its own distribution q, which the verify pass accepts by speculative
 against the target's p (model_verify.py), so the emitted tokens keep the target's
 distribution whatever the draft proposes.
 
-The draft keeps K/V of its own for the rows it drafts for (DraftCache: a slot cache of the
-engine's kinds, speculative_max_rows slots, made with the scheduler and freed with it). A
+The draft keeps a cache of its own for the rows it drafts for (DraftCache: a slot cache of
+the engine's kinds, speculative_max_rows slots, made with the scheduler and freed with it). A
 row's slot holds the K/V of a prefix of its tokens and of the drafts fed after them; each
 call first catches up on the tokens the row emitted since (the accepted drafts already in
 the slot are kept, the rest recomputed), then feeds its drafts one position at a time.
 Rejected drafts are rolled back by length alone, as the target's are (verify.py): their K/V
 lie past the prefix the next call keeps and are overwritten before anything reads them.
-A per-sequence kind (a recurrent state, a window's ring) cannot be rolled back that way, so
-draft models with one are refused.
+
+A per-sequence kind (a Gated DeltaNet layer's recurrent state, a sliding layer's ring: a
+Qwen3.5 or GPT-OSS draft) moves through every draft fed and cannot be cut back by length.
+So after the catch-up, before its drafts are fed, the drafting rows' per-sequence kinds are
+copied (rollback.save: the state at the row's last emitted token, which the verify pass
+keeps whatever it rejects), and the next call restores them (rollback.restore) and feeds
+the tokens emitted since, the accepted drafts among them, again; the attention layers'
+K/V at those positions are recomputed (the same values, up to rounding). A row whose copy
+is gone (it drafted nothing at the last call) is fed again from its first token, its state
+from zeros.
+The copies are one call's drafting rows only: at most speculative_max_rows x the draft's
+per-sequence bytes a row (Qwen3.5-0.8B in bf16: 18 Gated DeltaNet layers of a 6,144-channel
+conv (3 inputs) and a 16 x 128 x 128 fp32 state, ~19.5 MB a row; GPT-OSS-20B: 12 rings of
+128 positions, 8 x 64 K and V in bf16, ~3.1 MB a row), reserved beside the engine's cache
+with the DraftCache (DraftModel.cache_bytes).
 
 The draft's embedding table may be padded to another size than the target's (Qwen2.5-0.5B's
 151,936 rows beside Qwen2.5-7B's 152,064, one tokenizer): its logits are cut or padded with
@@ -32,23 +45,25 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridflow.engine.cache.kinds import engine_gaps
+from hybridflow.engine.speculative import rollback
 from hybridflow.engine.speculative.draws import DRAFT_SALT, draw, row_distributions, salted_keys
 
 if TYPE_CHECKING:
     from hybridflow.engine.scheduling.state import SchedulerState
 
 
-def draft_model_problem(config, target_config, name: str) -> str | None:
-    """Why a draft model of this config cannot draft for the target (one line), or None."""
+def draft_model_problem(config, name: str, prefix: str = "") -> str | None:
+    """Why a draft model of this config cannot draft (one line naming the key, with `prefix`
+    before the option names: "rollout.engine." at validate), or None. Recurrent states and
+    windows' rings draft (DraftCache.resume rolls them back)."""
+    key, ngram = f"{prefix}speculative_draft_model={name!r}", f"{prefix}speculative=ngram"
     gaps = engine_gaps(config.layer_specs())
     if gaps:
-        return f"speculative_draft_model={name!r}: the engine's passes cannot run it ({gaps[0]})"
-    if any(spec.recurrent or spec.window for spec in config.layer_specs()):
-        return (f"speculative_draft_model={name!r}: a recurrent state or a window's ring "
-                "cannot be rolled back past rejected drafts; use a draft with attention "
-                "layers only")  # fmt: skip
+        return (f"{key}: the engine's passes cannot run it ({gaps[0]}); name a draft of "
+                f"layers the engine runs, or set {ngram}")  # fmt: skip
     if getattr(config, "vision", None) is not None or getattr(config, "mrope_section", None):
-        return f"speculative_draft_model={name!r}: a vision-language model cannot draft"
+        return (f"{key}: a vision-language model cannot draft (its positions follow the "
+                f"images); name a text-only model of the same tokenizer, or set {ngram}")  # fmt: skip
     return None
 
 
@@ -64,7 +79,8 @@ def to_vocabulary(logits: torch.Tensor, vocab: int) -> torch.Tensor:
 @dataclass
 class DraftRow:
     """A row's draft slot: K/V of the row's first `kept` tokens (prompt and response), then
-    of the drafts `fed` after them."""
+    of the drafts `fed` after them (none kept in a cache with per-sequence kinds, whose
+    state is restored to `kept`: DraftCache.resume)."""
 
     slot: int
     kept: int = 0
@@ -83,8 +99,9 @@ class DraftRow:
 
 
 class DraftCache:
-    """The draft's K/V for the scheduler's rows (module docstring): made at the first draft
-    and dropped with the scheduler (Engine.release)."""
+    """The draft's cache for the scheduler's rows (module docstring): made at the first draft
+    and dropped with the scheduler (Engine.release). With per-sequence kinds, `saved` holds
+    them for the rows of `saved_slots` as they were after the last call's catch-up."""
 
     def __init__(self, model, slots: int, max_seq_len: int):
         from hybridflow.engine.cache.sizing import make_cache
@@ -95,6 +112,9 @@ class DraftCache:
         self.rope = RopeTable(model.config, max_seq_len, dtype, device)
         self.free = list(range(self.cache.num_slots - 1, -1, -1))
         self.rows: dict[int, DraftRow] = {}  # LiveRequest.key -> its slot
+        self.per_sequence = bool(rollback.sequence_tensors(self.cache))
+        self.saved: list[torch.Tensor] | None = None
+        self.saved_slots: list[int] = []
 
     def slots_for(self, keys: list[int]) -> list[DraftRow | None]:
         """Each key's row (a new one for a new key; None when no slot is free), the slots of
@@ -107,9 +127,33 @@ class DraftCache:
                 self.rows[key] = DraftRow(self.free.pop())
         return [self.rows.get(key) for key in keys]
 
+    def resume(self, entries: list[DraftRow], contexts: list[list[int]]) -> list[int]:
+        """Each row's first position to feed, its slot made ready for it: K/V are valid up
+        to there; per-sequence kinds are valid only at `kept` (restored from the copy saved
+        then), so a row without its copy starts at 0 (its state from zeros)."""
+        starts = [entry.reusable(context) for entry, context in zip(entries, contexts)]
+        if not self.per_sequence:
+            return starts
+        line = {slot: i for i, slot in enumerate(self.saved_slots)}
+        resumed = [r for r, (entry, start) in enumerate(zip(entries, starts))
+                   if 0 < start == entry.kept and entry.slot in line]  # fmt: skip
+        if resumed:
+            rollback.restore(self.cache, self.saved_slots, self.saved,
+                             [line[entries[r].slot] for r in resumed])  # fmt: skip
+        chosen = set(resumed)
+        return [start if r in chosen else 0 for r, start in enumerate(starts)]
+
+    def checkpoint(self, entries: list[DraftRow]) -> None:
+        """Copy these rows' per-sequence kinds (caught up, no draft fed yet), dropping the
+        last call's copies: memory of one call's drafting rows."""
+        if self.per_sequence:
+            self.saved = None  # freed before the new copies are made
+            self.saved_slots = [entry.slot for entry in entries]
+            self.saved = rollback.save(self.cache, self.saved_slots)
+
 
 class DraftModel:
-    """The draft model of an engine (module docstring); its K/V live in the scheduler's
+    """The draft model of an engine (module docstring); its cache lives in the scheduler's
     DraftCache."""
 
     def __init__(self, model, target_config, name: str = "draft"):
@@ -118,7 +162,7 @@ class DraftModel:
         if not isinstance(model, CausalLM):
             raise ValueError(f"speculative_draft_model={name!r}: not a model of hybridflow's "
                              "own decoder (the engine's passes run the draft)")  # fmt: skip
-        problem = draft_model_problem(model.config, target_config, name)
+        problem = draft_model_problem(model.config, name)
         if problem is not None:
             raise ValueError(problem)
         self.model = model.eval().requires_grad_(False)
@@ -126,18 +170,22 @@ class DraftModel:
         self.vocab = target_config.vocab_size  # the ids q is over (the target's)
 
     def cache_bytes(self, slots: int, max_seq_len: int) -> int:
-        """The bytes of a DraftCache of `slots` slots (the engine reserves them beside its
-        own cache: allocation.py)."""
-        from hybridflow.engine.cache.kinds import kv_layer_rows
+        """The bytes of a DraftCache of `slots` slots and the copies of its per-sequence kinds
+        for as many rows (the engine reserves them beside its own cache: allocation.py)."""
+        from hybridflow.engine.cache.kinds import kv_layer_rows, recurrent_state_spec
         from hybridflow.engine.cache.latent import latent_spec
         from hybridflow.engine.cache.sizing import bytes_per_slot
+        from hybridflow.engine.cache.window import window_spec
 
         config, dtype = self.model.config, next(self.model.parameters()).dtype
         layers = sum(row is not None for row in kv_layer_rows(config.layer_specs()))
         latent = latent_spec(config, dtype)
         per_position = latent.bytes_per_position if latent is not None else 0
         shape = (config.num_key_value_heads, config.head_dim)
-        return (slots + 1) * bytes_per_slot(layers, *shape, max_seq_len, dtype, per_position)
+        kinds = (recurrent_state_spec(config, dtype), window_spec(config, dtype, max_seq_len))
+        per_sequence = sum(kind.bytes_per_sequence for kind in kinds if kind is not None)
+        slot = bytes_per_slot(layers, *shape, max_seq_len, dtype, per_position) + per_sequence
+        return (slots + 1) * slot + slots * per_sequence
 
     @classmethod
     def load(cls, name: str, target_config, device, dtype) -> DraftModel:
@@ -169,21 +217,25 @@ class DraftModel:
                                 [contexts[r] for r in active])  # fmt: skip
         tokens, q = self._sample(scheduler, active, limits, contexts, entries, logits, width)
         drafts = [[] for _ in rows]
+        per_sequence = scheduler.draft_cache.per_sequence  # resumes at `kept`, none fed kept
         for r, row_tokens in zip(active, tokens.tolist()):
             drafts[r] = row_tokens[: limits[r]]
-            entries[r].kept, entries[r].fed = len(contexts[r]), drafts[r][:-1]
+            entries[r].kept = len(contexts[r])
+            entries[r].fed = [] if per_sequence else drafts[r][:-1]
         return drafts, q
 
     def _catch_up(self, cache: DraftCache, entries: list[DraftRow], contexts: list[list[int]]):
-        """Feed each row the tokens its slot lacks; -> logits at each row's last token."""
+        """Feed each row the tokens its slot lacks, then copy its per-sequence kinds (before
+        any draft moves them); -> logits at each row's last token."""
         ids, positions, slots, last = [], [], [], []
-        for entry, context in zip(entries, contexts):
-            start = entry.reusable(context)
+        for entry, context, start in zip(entries, contexts, cache.resume(entries, contexts)):
             ids += context[start:]
             positions += range(start, len(context))
             slots += [entry.slot] * (len(context) - start)
             last.append(len(ids) - 1)
-        return self._forward(cache, ids, positions, slots, last)
+        logits = self._forward(cache, ids, positions, slots, last)
+        cache.checkpoint(entries)
+        return logits
 
     def _forward(self, cache: DraftCache, ids, positions, slots, last) -> torch.Tensor:
         from hybridflow.engine.prefill import extend_forward

@@ -4,21 +4,32 @@ that disagrees with the target now and then, in a slot and a paged cache); a dra
 the target accepts everything at temperature 0; sampled tokens at temperature 1 with top-p
 follow the target's exact distribution (chi-square over many samples, and the same test
 rejects a rule that resamples from p instead of the residual), all three with a draft whose
-embedding table is larger or smaller than the target's too; a draft that could not roll back
-is refused."""
+embedding table is larger or smaller than the target's too. Drafts with per-sequence kinds (a
+Gated DeltaNet model's recurrent states, a GPT-OSS model's ring of 8 positions that wraps,
+a hybrid draft for an attention model) give the plain engine's greedy tokens, their state
+after rejected drafts is the state of their tokens fed afresh, and a hybrid draft's sampled
+tokens follow a hybrid target's distribution. Drafts the engine cannot run are refused,
+naming what to set."""
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from hybridflow.engine import Engine, EngineOptions, SamplingParams
 from hybridflow.engine.sampling import allowed_probs_reference
-from hybridflow.engine.speculative import model_verify
-from hybridflow.engine.speculative.draft_model import DraftCache, DraftModel, to_vocabulary
+from hybridflow.engine.speculative import model_verify, rollback
+from hybridflow.engine.speculative.draft_model import (
+    DraftCache,
+    DraftModel,
+    draft_model_problem,
+    to_vocabulary,
+)
 from hybridflow.models import build_model
+from hybridflow.models.layer_spec import LayerSpec
 from hybridflow.models.presets import preset_config
 
 EAGER = dict(decode_backend="torch", cuda_graphs=False, steps_per_sync=4)
@@ -234,20 +245,28 @@ def test_a_draft_with_another_table_size_gives_the_engine_s_greedy_tokens(
 # -- refusals -------------------------------------------------------------------------------------
 
 
-def test_a_recurrent_draft_is_refused(model):
-    hybrid = build_model(preset_config("tiny-hybrid"), seed=0)
-    with pytest.raises(ValueError, match="cannot be rolled back past rejected drafts"):
-        DraftModel(hybrid, model.config, "tiny-hybrid")
+def test_a_draft_the_engine_cannot_run_is_refused_naming_what_to_set(model):
+    windows = SimpleNamespace(layer_specs=lambda: [LayerSpec("attention", window=64)])
+    problem = draft_model_problem(windows, "odd")
+    assert problem.startswith("speculative_draft_model='odd': the engine's passes cannot run")
+    assert "no windowed cache kind yet" in problem and "speculative=ngram" in problem
+    vision = build_model(preset_config("tiny-vl"), seed=0)
+    with pytest.raises(ValueError, match="vision-language model cannot draft.*speculative=ngram"):
+        DraftModel(vision, model.config, "tiny-vl")
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-deepseek-v3"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-deepseek-v3", "tiny-hybrid", "tiny-gpt-oss"])
 def test_the_engine_reserves_what_the_draft_cache_takes(model, preset):
     """The engine's own cache leaves room for the draft's (allocation.py reserves
     DraftModel.cache_bytes): the reserve is the bytes the DraftCache allocates (K/V, or an
-    MLA model's latent)."""
+    MLA model's latent; recurrent states and rings) and the copies of the per-sequence kinds
+    of as many rows."""
     draft = DraftModel(build_model(preset_config(preset), seed=0), model.config, preset)
-    cache = DraftCache(draft.model, 3, 40).cache
-    assert cache.nbytes() == draft.cache_bytes(3, 40) > 0
+    cache = DraftCache(draft.model, 3, 40)
+    copies = rollback.save(cache.cache, [0, 1, 2]) or []
+    copied = sum(t.numel() * t.element_size() for t in copies)
+    assert (copied > 0) == (preset in ("tiny-hybrid", "tiny-gpt-oss"))
+    assert cache.cache.nbytes() + copied == draft.cache_bytes(3, 40) > 0
 
 
 def test_rows_preempted_before_a_pass_leave_the_others_drafts_in_line(model, draft_dir):
@@ -259,3 +278,105 @@ def test_rows_preempted_before_a_pass_leave_the_others_drafts_in_line(model, dra
     engine = _engine(model, draft_dir, block=16, budget=24 * 4096)
     _assert_same(engine.generate(PROMPTS, params), expected)
     assert engine.scheduler.paging.preemptions > 0 and engine.speculation.stats.accepted > 0
+
+
+# -- drafts with per-sequence kinds: a recurrent state, a window's ring ---------------------------
+
+STATEFUL = {  # (target preset, draft preset: None for a noisy copy of the target, kv block)
+    "hybrid": ("tiny-hybrid", None, None),
+    "gpt-oss": ("tiny-gpt-oss", None, 16),  # a ring of 8 positions: it wraps
+    "attention-target-hybrid-draft": ("tiny", "tiny-hybrid", None),
+    "gpt-oss-target-hybrid-draft": ("tiny-gpt-oss", "tiny-hybrid", 16),  # both roll back
+}
+STATEFUL_PROMPTS = [[5, 17, 9, 33, 2, 71] * 2, list(range(60, 70))]
+
+
+def _spread(preset: str, seed: int):
+    """A preset's model with weights of std 0.3: its greedy tokens do not settle into one
+    repeated token."""
+    generator = torch.Generator().manual_seed(seed)
+    model = build_model(preset_config(preset), seed=seed).eval().requires_grad_(False)
+    for name, p in model.named_parameters():
+        if not name.endswith("bias") and p.dim() > 1:
+            p.normal_(0, 0.3, generator=generator)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(STATEFUL))
+def stateful(request, tmp_path_factory):
+    """(target, its draft's directory, the kv block size): the draft a copy of the target
+    with noise (accepted part of the time) or a model of another family (rejected)."""
+    target_preset, draft_preset, block = STATEFUL[request.param]
+    target = _spread(target_preset, 1)
+    draft = _perturbed(target, 0.02) if draft_preset is None else _spread(draft_preset, 2)
+    return target, _saved(draft, tmp_path_factory, "stateful_draft"), block, draft_preset
+
+
+def _assert_rolled_back(stats, other_family: bool):
+    """Drafts were rejected (so the draft's state was rolled back) and, from a copy of the
+    target, accepted too (so accepted drafts were fed again)."""
+    assert stats.accepted < stats.drafted
+    assert other_family or stats.accepted > 0
+
+
+def test_a_draft_with_per_sequence_kinds_gives_the_engine_s_greedy_tokens(stateful):
+    target, draft_dir, block, draft_preset = stateful
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=24, ignore_eos=True)
+    expected = _engine(target, None, block).generate(STATEFUL_PROMPTS, params)
+    engine = _engine(target, draft_dir, block, speculative_draft_tokens=3)
+    got = engine.generate(STATEFUL_PROMPTS, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    for a, b in zip(got, expected):  # a recurrence run in chunks rounds otherwise
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=2e-4)
+    _assert_rolled_back(engine.speculation.stats, draft_preset is not None)
+
+
+def test_a_draft_s_state_after_rejections_is_that_of_its_tokens_fed_afresh(stateful,
+                                                                           monkeypatch):  # fmt: skip
+    """Each draft call's drafts and q equal those of the same draft feeding every row from
+    its first token into a new cache: the per-sequence kinds were rolled back past the
+    rejected drafts and moved through the accepted ones."""
+    target, draft_dir, block, draft_preset = stateful
+    propose = DraftModel.propose
+    calls = []
+
+    def checked(self, scheduler, limits):
+        kept = scheduler.draft_cache
+        scheduler.draft_cache = None  # a new cache for the reference
+        fresh_drafts, fresh_q = propose(self, scheduler, limits)
+        scheduler.draft_cache = kept
+        drafts, q = propose(self, scheduler, limits)
+        assert drafts == fresh_drafts
+        torch.testing.assert_close(q, fresh_q, rtol=0, atol=1e-4)
+        calls.append(len(drafts))
+        return drafts, q
+
+    monkeypatch.setattr(DraftModel, "propose", checked)
+    engine = _engine(target, draft_dir, block, speculative_draft_tokens=3)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=24, ignore_eos=True)
+    engine.generate(STATEFUL_PROMPTS, params, seeds=[1, 2])
+    assert len(calls) > 5
+    _assert_rolled_back(engine.speculation.stats, draft_preset is not None)
+
+
+@pytest.fixture(scope="module")
+def peaked_hybrid():
+    """tiny-hybrid with logits 6x as large (its final norm is zero-centered: a scale of
+    1 + weight): at temperature 1 and top-p 0.9 its first three tokens take ~7,700
+    sequences, 66 of them likely enough for a test of 6,000."""
+    model = build_model(preset_config("tiny-hybrid"), seed=0).eval().requires_grad_(False)
+    model.model.norm.weight.add_(1).mul_(6).sub_(1)
+    return model
+
+
+def test_sampled_tokens_follow_the_target_distribution_with_a_hybrid_draft(peaked_hybrid,
+                                                                           tmp_path):  # fmt: skip
+    draft = _perturbed(peaked_hybrid, 0.2)
+    draft.model.norm.weight.add_(1).div_(1.5).sub_(1)  # q flatter than p: rejected often
+    draft.save_pretrained(str(tmp_path))
+    counts, stats = _sampled_triples(peaked_hybrid, str(tmp_path))
+    assert 0.2 * stats.drafted < stats.accepted < 0.9 * stats.drafted  # both paths, often
+    joint = _exact_joint(peaked_hybrid)
+    assert sum(p * SAMPLES >= 5 for p in joint.values()) >= 50  # a test of many cells
+    stat, critical = _chi2(counts, joint, SAMPLES)
+    assert stat < critical, (stat, critical)
