@@ -40,22 +40,25 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from hybridflow.engine.tensor_parallel import RowParallelLinear, project_out
+
 # Projections kept in the model's dtype (the module docstring says why), by attribute name
 KEPT = ("in_proj_a", "in_proj_b", "shared_expert_gate", "kv_b_proj")
 # torch._scaled_mm's operands: both dims of an fp8 weight multiples of 16
 FP8_DIM_MULTIPLE = 16
 
 
-def eager_linears(model) -> list[nn.Linear]:
-    """The nn.Linear projections of ``model``'s decoder layers the fp8 eager passes quantize
-    (the module docstring's list), in layer order. Subclasses count: an actor training in
-    FP8 shares torchao's Float8Linear modules (learners/fp8_training.py), whose weights the
-    copies then take with the trainer's recipe (EngineOptions.fp8_weight_scales); a
-    tensor-parallel shard's RowParallelLinear is no Linear."""
+def eager_linears(model) -> list[nn.Module]:
+    """The projections of ``model``'s decoder layers the fp8 eager passes quantize (the module
+    docstring's list), in layer order: nn.Linear modules and, on a tensor-parallel shard, the
+    row-parallel ones (tensor_parallel.RowParallelLinear). Subclasses count: an actor training
+    in FP8 shares torchao's Float8Linear modules (learners/fp8_training.py), whose weights the
+    copies then take with the trainer's recipe (EngineOptions.fp8_weight_scales)."""
     linears = []
     for layer in model.model.layers:
         for name, module in layer.named_modules():
-            if not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] in KEPT:
+            projection = isinstance(module, (nn.Linear, RowParallelLinear))
+            if not projection or name.rsplit(".", 1)[-1] in KEPT:
                 continue
             if any(dim % FP8_DIM_MULTIPLE for dim in module.weight.shape):
                 continue
@@ -63,14 +66,16 @@ def eager_linears(model) -> list[nn.Linear]:
     return linears
 
 
-def _fp8_forward(fp8, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _fp8_forward(fp8, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
-    out = fp8.linear(rows, module.weight, module.bias)
+    # a RowParallelLinear's partial product (already dequantized by its scales) summed over
+    # the group, its bias added once after the sum
+    out = project_out(fp8.linear, rows, module)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
 @contextmanager
-def fp8_projections(fp8, linears: list[nn.Linear]) -> Iterator[None]:
+def fp8_projections(fp8, linears: list[nn.Module]) -> Iterator[None]:
     """While inside: each of ``linears`` computes through ``fp8`` (matmul.Fp8Matmul: its
     copy of the module's weight; a weight it holds no copy of goes through F.linear). The
     modules' own forward again on the way out, whatever happened inside."""
@@ -83,7 +88,7 @@ def fp8_projections(fp8, linears: list[nn.Linear]) -> Iterator[None]:
             module.__dict__.pop("forward", None)
 
 
-def with_fp8_projections(fp8, linears: list[nn.Linear], forward: Callable) -> Callable:
+def with_fp8_projections(fp8, linears: list[nn.Module], forward: Callable) -> Callable:
     """``forward`` (an eager pass) run inside fp8_projections."""
 
     @functools.wraps(forward)

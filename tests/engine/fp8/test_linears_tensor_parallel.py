@@ -1,0 +1,157 @@
+"""The fp8 rollout's eager passes (engine/fp8/linears.py) on a tensor-parallel shard, 2 gloo
+processes (fp32 CPU), against one process with the whole model: Qwen3.5-MoE (gated attention,
+Gated DeltaNet, a gated shared expert, 2 of 4 routed experts a rank), DeepSeek-V3 (MLA, a
+dense MLP, shared experts, 4 of 8 grouped-routed experts a rank) and GPT-OSS (sink attention
+with an o_proj bias; its biased experts stay in the model's dtype).
+
+Each rank's e4m3 copies and scales are the slices of the one-process fp8 engine's: a
+column-parallel projection its rows, a row-parallel one (o_proj, out_proj, down_proj) its
+columns with the whole rows' scales; routed experts whole. What a rank computes apart from one
+process is the rounding of a row-parallel projection's input, quantized per row over the
+rank's own columns. So the reference is the whole model in fp32 over the copies' weights
+widened back, each projection's input rounded per row as a rank rounds it (test_linears'
+emulated model, the row-parallel inputs rounded per rank's columns): greedy tokens equal,
+log-probs within test_linears' 1e-4 (the sums' order), and within its 0.3 of the one-process
+fp8 engine. A weight sync (the reshard's load_weights) re-quantizes on both ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from gloo_ranks import run_ranks
+from test_linears import (
+    FP8,
+    GREEDY,
+    MODEL_DTYPE,
+    PROMPTS,
+    _assert_same,
+    _config,
+    _emulated_model,
+    _flip_outputs,
+    _generate,
+    _model,
+    _names,
+    _rounded_rows,
+)
+
+from hybridflow.engine import Engine
+from hybridflow.engine.tensor_parallel import local_shard, tensor_parallel_model
+from hybridflow.models import build_model
+from hybridflow.parallel.blocks import deltanet_sections, rollout_shard_dim
+
+PRESETS = ["tiny-hybrid-moe", "tiny-deepseek-v3", "tiny-gpt-oss"]
+
+
+def _whole(preset: str):
+    """test_linears' model; Qwen3.5-MoE's shared expert 64 wide (32 columns a rank: both
+    dims of an fp8 weight multiples of 16 on a rank too)."""
+    if preset != "tiny-hybrid-moe":
+        return _model(preset)
+    config = _config(preset).replace(shared_expert_intermediate_size=64)
+    generator = torch.Generator().manual_seed(3)
+    model = build_model(config, seed=3).eval().requires_grad_(False)
+    for p in model.parameters():
+        p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+    return model
+
+
+def _state(model):
+    """Parameters and saved buffers (DeepSeek's score correction), HF names."""
+    saved = set(model.state_dict())
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
+    return [(name, tensor) for name, tensor in named if name in saved]
+
+
+def _sync(engine, whole) -> None:
+    """The reshard of a weight sync: each parameter's slice of this rank loaded."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    sections = deltanet_sections(whole.config)
+    engine.load_weights((name, local_shard(name, tensor, rank, size, sections=sections))
+                        for name, tensor in _state(whole))  # fmt: skip
+
+
+def _row_parallel(model) -> set[str]:
+    """Names of the projections whose input columns the ranks split."""
+    return {name for name, module in model.named_modules()
+            if hasattr(module, "weight") and rollout_shard_dim(f"{name}.weight") == 1}  # fmt: skip
+
+
+def _rank_rounded_rows(module, args):
+    """A row-parallel projection's input as the ranks multiply it: each rank's columns
+    rounded per row to e4m3 with their own scale."""
+    (x,) = args
+    parts = x.chunk(dist.get_world_size(), dim=-1)
+    return (torch.cat([_rounded_rows(module, (part,))[0] for part in parts], dim=-1),)
+
+
+def _reference(whole, one):
+    """The whole model over one's copies, its inputs rounded as the ranks round them."""
+    reference = _emulated_model(whole, one)
+    split = _row_parallel(whole)
+    for name, module in reference.named_modules():
+        if name in split and module._forward_pre_hooks:
+            module._forward_pre_hooks.clear()
+            module.register_forward_pre_hook(_rank_rounded_rows)
+    return reference
+
+
+def _assert_copies_are_slices(one, tp, whole) -> None:
+    """Each rank copy: the one-process copy's rows (column-parallel) or columns with the whole
+    rows' scales (row-parallel); routed experts: the rank's experts."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    sections = deltanet_sections(whole.config)
+    shard_names = _names(tp.model)
+    assert shard_names == _names(whole)  # every projection one process quantizes
+    whole_copies = {w.data_ptr(): (w8, s) for w, w8, s in one.fp8.copies.values()}
+    shard_copies = {w.data_ptr(): (w8, s) for w, w8, s in tp.fp8.copies.values()}
+    for name, module in whole.model.layers.named_modules():
+        if name.split(".", 1)[-1] not in shard_names:
+            continue
+        full = f"model.layers.{name}.weight"
+        want8, want_scale = whole_copies[module.weight.data_ptr()]
+        got8, got_scale = shard_copies[tp.model.get_parameter(full).data_ptr()]
+        want8 = local_shard(full, want8.view(torch.uint8), rank, size, sections=sections)
+        if rollout_shard_dim(full) == 0:  # its rows, each with its own scale
+            want_scale = local_shard(full, want_scale.t(), rank, size, sections=sections).t()
+        assert torch.equal(got8.view(torch.uint8), want8), full
+        assert torch.equal(got_scale, want_scale), full
+    for index, copies in tp.fp8.experts.layers.items():
+        whole_copies = one.fp8.experts.layers[index]
+        share = whole_copies.gate_up.shape[0] // size
+        for got, want in zip(copies, whole_copies):
+            want = want[rank * share : (rank + 1) * share]
+            assert torch.equal(got.view(torch.uint8) if got.dtype != torch.float32 else got,
+                               want.view(torch.uint8) if want.dtype != torch.float32 else want)  # fmt: skip
+
+
+def _compare_on_ranks(rank: int, world: int, preset: str) -> None:
+    whole = _whole(preset)
+    one, one_tokens = _generate(whole, FP8)
+    shard = tensor_parallel_model(whole.config, dist.group.WORLD, torch.float32, "cpu")
+    tp = Engine(shard, 4, 64, options=FP8)
+    _sync(tp, whole)
+    got = tp.generate(PROMPTS, GREEDY)
+    _assert_copies_are_slices(one, tp, whole)
+    assert bool(tp.fp8.experts.layers) == (preset != "tiny-gpt-oss")
+    _, expected = _generate(_reference(whole, one), MODEL_DTYPE)
+    _assert_same(got, expected, atol=1e-4)
+    for a, b in zip(got, one_tokens):  # a rank's rounding is the fp8 error's size
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 0.3
+
+    _flip_outputs(whole)  # a training step, resharded into both ranks
+    one.weights_updated()
+    _, synced_one = _generate(one)
+    _sync(tp, whole)
+    synced = tp.generate(PROMPTS, GREEDY)
+    _assert_copies_are_slices(one, tp, whole)
+    assert [a.logprobs for a in synced] != [a.logprobs for a in got]
+    _assert_same(synced, _generate(_reference(whole, one), MODEL_DTYPE)[1], atol=1e-4)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, [c.token_ids for c in synced])
+    assert all(tokens == gathered[0] for tokens in gathered)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_two_ranks_compute_their_slices_of_one_process_copies_and_a_sync_requantizes(preset):
+    run_ranks(_compare_on_ranks, 2, preset)
