@@ -7,9 +7,9 @@ Those passes call the model's own modules (mixer.project_qkv, a Gated DeltaNet's
 the MLP, ...), so the projections go fp8 where the modules are called: while a pass runs,
 each covered ``nn.Linear`` (or RowParallelLinear) of the decoder layers computes through
 matmul.Fp8Matmul.linear (W8A8: its e4m3 copy with a scale per output row, the activations
-quantized per row), and
-outside the pass the module is the model's own again (the engine may decode on the actor's
-modules, workers/rollout.py's shares_actor_weights, and the trainer must see bf16 ones).
+quantized per row), and outside the pass the module is the model's own again (the engine
+may decode on the actor's modules, workers/rollout.py's shares_actor_weights, and the
+trainer must see bf16 ones).
 The copies are matmul.Fp8Matmul's: made with the cache, refreshed in place at every weight
 sync (so captured decode graphs stay valid).
 
