@@ -103,3 +103,44 @@ def test_expert_quantization_on_cuda_is_the_dense_copies_quantize_weight():
     expected, expected_scale = quantize_weight(weight.flatten(0, 1), "engine")
     assert torch.equal(values.flatten(0, 1).view(torch.uint8), expected.view(torch.uint8))
     assert torch.equal(scale.flatten(), expected_scale.flatten())
+
+
+def test_a_ranks_share_of_the_fp8_experts_sums_to_the_whole_layer():
+    """A tensor-parallel rank's share of the experts (models/moe.ExpertSlice) on the W_FP8
+    kernels (layers/moe.fp8_routed_experts): its copies' experts, the pairs routed elsewhere
+    skipped, the output handed to the group's all-reduce. The two shares, run on one GPU and
+    added (what the all-reduce of 2 ranks does), give the whole layer's output."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from hybridflow.engine.fp8.experts import Fp8ExpertWeights
+    from hybridflow.engine.layers.moe import fp8_routed_experts
+    from hybridflow.models.moe import ExpertSlice
+
+    experts, top_k, hidden, inner, tokens = 8, 2, 256, 128, 64
+    generator = torch.Generator("cuda").manual_seed(5)
+    x = torch.randn(tokens, hidden, device="cuda", generator=generator).bfloat16()
+    gate_up = (torch.randn(experts, 2 * inner, hidden, device="cuda", generator=generator)
+               * 0.05).bfloat16()  # fmt: skip
+    down = (torch.randn(experts, hidden, inner, device="cuda", generator=generator)
+            * 0.05).bfloat16()  # fmt: skip
+    logits = torch.randn(tokens, experts, device="cuda", generator=generator)
+    ids, weights = routing.route_topk(logits, top_k, renormalize=True)
+    whole = Fp8ExpertWeights(*_quantized(gate_up), *_quantized(down))
+    layer = SimpleNamespace(experts=SimpleNamespace(gate_up_proj=gate_up, down_proj=down))
+    expected = fp8_routed_experts(layer, x, ids, weights, whole, grouped=True).float()
+    share, group = experts // 2, object()
+    parts = []
+    with mock.patch("torch.distributed.all_reduce") as all_reduce:
+        for first in (0, share):
+            held = slice(first, first + share)
+            rank = SimpleNamespace(experts=SimpleNamespace(gate_up_proj=gate_up[held],
+                                                           down_proj=down[held]),
+                                   expert_slice=ExpertSlice(first, group))  # fmt: skip
+            copies = Fp8ExpertWeights(*(tensor[held] for tensor in whole))
+            parts.append(fp8_routed_experts(rank, x, ids, weights, copies, grouped=True))
+    assert all_reduce.call_count == 2
+    assert all(call.kwargs["group"] is group for call in all_reduce.call_args_list)
+    got = parts[0].float() + parts[1].float()
+    error = (got - expected).norm() / expected.norm()
+    assert error.item() < 1e-2  # each share's output rounded to bf16 before the sum
