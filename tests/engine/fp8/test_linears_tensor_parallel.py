@@ -11,8 +11,9 @@ process is the rounding of a row-parallel projection's input, quantized per row 
 rank's own columns. So the reference is the whole model in fp32 over the copies' weights
 widened back, each projection's input rounded per row as a rank rounds it (test_linears'
 emulated model, the row-parallel inputs rounded per rank's columns): greedy tokens equal,
-log-probs within test_linears' 1e-4 (the sums' order), and within its 0.3 of the one-process
-fp8 engine. A weight sync (the reshard's load_weights) re-quantizes on both ranks."""
+log-probs within test_linears' 1e-4 (the sums' order), and the first token's within its 0.3
+of the one-process fp8 engine. A weight sync (each rank's slices copied into its shard, as the
+reshard does) re-quantizes on both ranks."""
 
 from __future__ import annotations
 
@@ -32,7 +33,6 @@ from test_linears import (
     _generate,
     _model,
     _names,
-    _rounded_rows,
 )
 
 from hybridflow.engine import Engine
@@ -64,36 +64,24 @@ def _state(model):
 
 
 def _sync(engine, whole) -> None:
-    """The reshard of a weight sync: each parameter's slice of this rank loaded."""
+    """A weight sync: this rank's slice of each parameter copied into the shard in place."""
     rank, size = dist.get_rank(), dist.get_world_size()
     sections = deltanet_sections(whole.config)
     engine.load_weights((name, local_shard(name, tensor, rank, size, sections=sections))
                         for name, tensor in _state(whole))  # fmt: skip
 
 
-def _row_parallel(model) -> set[str]:
-    """Names of the projections whose input columns the ranks split."""
-    return {name for name, module in model.named_modules()
-            if hasattr(module, "weight") and rollout_shard_dim(f"{name}.weight") == 1}  # fmt: skip
-
-
-def _rank_rounded_rows(module, args):
-    """A row-parallel projection's input as the ranks multiply it: each rank's columns
-    rounded per row to e4m3 with their own scale."""
-    (x,) = args
-    parts = x.chunk(dist.get_world_size(), dim=-1)
-    return (torch.cat([_rounded_rows(module, (part,))[0] for part in parts], dim=-1),)
-
-
 def _reference(whole, one):
-    """The whole model over one's copies, its inputs rounded as the ranks round them."""
-    reference = _emulated_model(whole, one)
-    split = _row_parallel(whole)
-    for name, module in reference.named_modules():
-        if name in split and module._forward_pre_hooks:
-            module._forward_pre_hooks.clear()
-            module.register_forward_pre_hook(_rank_rounded_rows)
-    return reference
+    """The whole model over one's copies, the row-parallel projections' inputs (the weights
+    whose columns the ranks split) rounded per rank's columns, as the ranks round them."""
+    split = {name: dist.get_world_size() for name, module in whole.named_modules()
+             if hasattr(module, "weight") and rollout_shard_dim(f"{name}.weight") == 1}  # fmt: skip
+    return _emulated_model(whole, one, split)
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """e4m3 values as their bytes (torch.equal compares those), any other tensor as it is."""
+    return tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor
 
 
 def _assert_copies_are_slices(one, tp, whole) -> None:
@@ -119,15 +107,13 @@ def _assert_copies_are_slices(one, tp, whole) -> None:
     for index, copies in tp.fp8.experts.layers.items():
         whole_copies = one.fp8.experts.layers[index]
         share = whole_copies.gate_up.shape[0] // size
-        for got, want in zip(copies, whole_copies):
-            want = want[rank * share : (rank + 1) * share]
-            assert torch.equal(got.view(torch.uint8) if got.dtype != torch.float32 else got,
-                               want.view(torch.uint8) if want.dtype != torch.float32 else want)  # fmt: skip
+        for got, want in zip(copies, whole_copies):  # values and scales, gate_up and down
+            assert torch.equal(_bits(got), _bits(want[rank * share : (rank + 1) * share]))
 
 
 def _compare_on_ranks(rank: int, world: int, preset: str) -> None:
     whole = _whole(preset)
-    one, one_tokens = _generate(whole, FP8)
+    one, one_fp8 = _generate(whole, FP8)
     shard = tensor_parallel_model(whole.config, dist.group.WORLD, torch.float32, "cpu")
     tp = Engine(shard, 4, 64, options=FP8)
     _sync(tp, whole)
@@ -136,12 +122,15 @@ def _compare_on_ranks(rank: int, world: int, preset: str) -> None:
     assert bool(tp.fp8.experts.layers) == (preset != "tiny-gpt-oss")
     _, expected = _generate(_reference(whole, one), MODEL_DTYPE)
     _assert_same(got, expected, atol=1e-4)
-    for a, b in zip(got, one_tokens):  # a rank's rounding is the fp8 error's size
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 0.3
+    # near one process's fp8 engine: the first token (the prompt alone, the same context)
+    # a rounding of the row-parallel inputs apart; the later tokens may part, the rounding
+    # tipping near ties of these tiny models' flat logits
+    for a, b in zip(got, one_fp8):
+        assert abs(a.logprobs[0] - b.logprobs[0]) < 0.3
 
     _flip_outputs(whole)  # a training step, resharded into both ranks
     one.weights_updated()
-    _, synced_one = _generate(one)
+    _generate(one)  # its copies re-quantized, the reference's weights
     _sync(tp, whole)
     synced = tp.generate(PROMPTS, GREEDY)
     _assert_copies_are_slices(one, tp, whole)
