@@ -1,7 +1,8 @@
 """The fp8 rollout's eager passes (engine/fp8/linears.py) on a tensor-parallel shard, 2 gloo
 processes (fp32 CPU), against one process with the whole model: Qwen3.5-MoE (gated attention,
 Gated DeltaNet, a gated shared expert, 2 of 4 routed experts a rank), DeepSeek-V3 (MLA, a
-dense MLP, shared experts, 4 of 8 grouped-routed experts a rank) and GPT-OSS (sink attention
+dense MLP, shared experts, 4 of 8 grouped-routed experts a rank, or all 8 on every rank) and
+GPT-OSS (sink attention
 with an o_proj bias; its biased experts stay in the model's dtype).
 
 Each rank's e4m3 copies and scales are the slices of the one-process fp8 engine's: a
@@ -63,11 +64,11 @@ def _state(model):
     return [(name, tensor) for name, tensor in named if name in saved]
 
 
-def _sync(engine, whole) -> None:
+def _sync(engine, whole, split_experts: bool) -> None:
     """A weight sync: this rank's slice of each parameter copied into the shard in place."""
     rank, size = dist.get_rank(), dist.get_world_size()
     sections = deltanet_sections(whole.config)
-    engine.load_weights((name, local_shard(name, tensor, rank, size, sections=sections))
+    engine.load_weights((name, local_shard(name, tensor, rank, size, split_experts, sections))
                         for name, tensor in _state(whole))  # fmt: skip
 
 
@@ -84,9 +85,9 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor
 
 
-def _assert_copies_are_slices(one, tp, whole) -> None:
+def _assert_copies_are_slices(one, tp, whole, split_experts: bool) -> None:
     """Each rank copy: the one-process copy's rows (column-parallel) or columns with the whole
-    rows' scales (row-parallel); routed experts: the rank's experts."""
+    rows' scales (row-parallel); routed experts: the rank's experts (all of them, unsplit)."""
     rank, size = dist.get_rank(), dist.get_world_size()
     sections = deltanet_sections(whole.config)
     shard_names = _names(tp.model)
@@ -106,19 +107,21 @@ def _assert_copies_are_slices(one, tp, whole) -> None:
         assert torch.equal(got_scale, want_scale), full
     for index, copies in tp.fp8.experts.layers.items():
         whole_copies = one.fp8.experts.layers[index]
-        share = whole_copies.gate_up.shape[0] // size
+        share = whole_copies.gate_up.shape[0] // (size if split_experts else 1)
+        first = rank * share if split_experts else 0
         for got, want in zip(copies, whole_copies):  # values and scales, gate_up and down
-            assert torch.equal(_bits(got), _bits(want[rank * share : (rank + 1) * share]))
+            assert torch.equal(_bits(got), _bits(want[first : first + share]))
 
 
-def _compare_on_ranks(rank: int, world: int, preset: str) -> None:
+def _compare_on_ranks(rank: int, world: int, preset: str, split_experts: bool) -> None:
     whole = _whole(preset)
     one, one_fp8 = _generate(whole, FP8)
-    shard = tensor_parallel_model(whole.config, dist.group.WORLD, torch.float32, "cpu")
+    shard = tensor_parallel_model(whole.config, dist.group.WORLD, torch.float32, "cpu",
+                                  split_experts)  # fmt: skip
     tp = Engine(shard, 4, 64, options=FP8)
-    _sync(tp, whole)
+    _sync(tp, whole, split_experts)
     got = tp.generate(PROMPTS, GREEDY)
-    _assert_copies_are_slices(one, tp, whole)
+    _assert_copies_are_slices(one, tp, whole, split_experts)
     assert bool(tp.fp8.experts.layers) == (preset != "tiny-gpt-oss")
     _, expected = _generate(_reference(whole, one), MODEL_DTYPE)
     _assert_same(got, expected, atol=1e-4)
@@ -131,9 +134,9 @@ def _compare_on_ranks(rank: int, world: int, preset: str) -> None:
     _flip_outputs(whole)  # a training step, resharded into both ranks
     one.weights_updated()
     _generate(one)  # its copies re-quantized, the reference's weights
-    _sync(tp, whole)
+    _sync(tp, whole, split_experts)
     synced = tp.generate(PROMPTS, GREEDY)
-    _assert_copies_are_slices(one, tp, whole)
+    _assert_copies_are_slices(one, tp, whole, split_experts)
     assert [a.logprobs for a in synced] != [a.logprobs for a in got]
     _assert_same(synced, _generate(_reference(whole, one), MODEL_DTYPE)[1], atol=1e-4)
     gathered = [None] * world
@@ -141,6 +144,11 @@ def _compare_on_ranks(rank: int, world: int, preset: str) -> None:
     assert all(tokens == gathered[0] for tokens in gathered)
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-def test_two_ranks_compute_their_slices_of_one_process_copies_and_a_sync_requantizes(preset):
-    run_ranks(_compare_on_ranks, 2, preset)
+@pytest.mark.parametrize(("preset", "split_experts"),
+                         [*((preset, True) for preset in PRESETS), ("tiny-deepseek-v3", False)])  # fmt: skip
+def test_two_ranks_compute_their_slices_of_one_process_copies_and_a_sync_requantizes(
+    preset, split_experts
+):
+    """split_experts=False (rollout.expert_parallel_size=1): every rank holds every expert
+    and runs a sparse layer whole, from copies equal to one process's."""
+    run_ranks(_compare_on_ranks, 2, preset, split_experts)
