@@ -148,8 +148,6 @@ def check_layouts(
             add(problem)
         for problem in rollout_expert_limits(cfg, architecture):
             add(problem)
-        for problem in rollout_fp8_limits(cfg, architecture):
-            add(problem)
         for problem in rollout_fp8_kv_limits(cfg, architecture):
             add(problem)
         _check_runnable(cfg, add)
@@ -163,8 +161,9 @@ def rollout_tensor_parallel_limits(cfg: Config, arch: ModelArchitecture | None) 
     steps in lockstep). Partial rollouts and agent loops run: the group's ranks serve in
     rounds (engine/serving/lockstep.py), kept KV released on every rank at the same step; so
     do the fused decode layers (the split layer's all-reduces: engine/layers/split.py) and
-    the fp8 rollout on them. GQA, sink attention (full or windowed), MLA, gated attention
-    and Gated DeltaNet layers split by heads (engine/tensor_parallel.py)."""
+    the fp8 rollout, on them and on the eager passes' layers (engine/fp8/linears.py). GQA,
+    sink attention (full or windowed), MLA, gated attention and Gated DeltaNet layers split
+    by heads (engine/tensor_parallel.py)."""
     size = cfg.rollout.tensor_parallel_size
     if size <= 1:
         return []
@@ -223,33 +222,6 @@ def _fused_key(cfg: Config) -> str | None:
     if r.engine.decode_backend == "triton":
         return "rollout.engine.decode_backend = triton"
     return None
-
-
-def rollout_fp8_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]:
-    """What the fp8 rollout does not run yet, refused before the model loads. It covers every
-    layer kind of the engine's own passes: the fused decode layers' (engine/fp8/matmul.py,
-    routed SwiGLU experts in engine/fp8/experts.py) and the eager passes' (gated attention,
-    Gated DeltaNet, MLA, sink attention, shared and grouped-routed experts:
-    engine/fp8/linears.py; GPT-OSS's biased experts stay in the model's dtype beside them).
-    Not yet: the eager layers on a tensor-parallel rollout (their row-parallel projections
-    and its scales over the group are not built)."""
-    fp8 = cfg.rollout.dtype == "fp8" or cfg.rollout.engine.weight_format == "fp8"
-    if not fp8 or arch is None:
-        return []
-    from hybridflow.engine.cache.kinds import engine_gaps, unfused_kinds
-
-    specs = arch.layer_specs()
-    if engine_gaps(specs):  # the slow path: not the engine's own layers
-        return []
-    key = "rollout.dtype = fp8" if cfg.rollout.dtype == "fp8" else (
-        "rollout.engine.weight_format = fp8")  # fmt: skip
-    kinds = unfused_kinds(specs)
-    size = cfg.rollout.tensor_parallel_size
-    if not kinds or size <= 1:
-        return []
-    return [f"{key} with rollout.tensor_parallel_size = {size}: the fp8 rollout of this "
-            f"model's {' and its '.join(kinds)} runs on one rank only yet: set "
-            "rollout.tensor_parallel_size=1, or rollout.dtype=model"]  # fmt: skip
 
 
 def rollout_fp8_kv_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]:

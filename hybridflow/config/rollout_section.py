@@ -81,7 +81,8 @@ class RolloutConfig:
     set). A mixture of experts' routed SwiGLU experts (Qwen3-MoE, Mixtral, Qwen3.5-MoE,
     DeepSeek-V3) are weight-only e4m3 (engine/fp8/experts.py); Qwen3.5's, DeepSeek-V3's and
     GPT-OSS's layers run fp8 on the engine's eager passes (engine/fp8/linears.py; GPT-OSS's
-    experts stay in the model's dtype). Same as rollout.engine.weight_format. With actor.precision=fp8 the weights are
+    experts stay in the model's dtype), on one rank or a tensor-parallel rollout. Same as
+    rollout.engine.weight_format. With actor.precision=fp8 the weights are
     quantized with actor.fp8_recipe (rollout.engine.fp8_weight_scales, docs/fp8-training.md);
     it does not follow actor.precision: set both."""
     val_temperature: float = 1.0

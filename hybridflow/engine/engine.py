@@ -23,7 +23,7 @@ from hybridflow.engine.allocation import allocate
 from hybridflow.engine.backend import check_fp8_kv, resolve_backend, triton_pieces
 from hybridflow.engine.cache import kv_cache
 from hybridflow.engine.cache.arithmetic import eager_only
-from hybridflow.engine.cache.kinds import engine_gaps, unfused_kinds
+from hybridflow.engine.cache.kinds import engine_gaps
 from hybridflow.engine.choices import (
     PinnedChoices,
     load_engine_choices,
@@ -161,11 +161,6 @@ class Engine:
             # the backend the engine resolved for their steps
             backend = self.recurrent_step if self.eager_layers else self.decode_backend
             check_fp8_engine(self.device, backend, self.adapted, self.eager_layers)
-            if self.eager_layers and self.tensor_parallel > 1:
-                kinds = " and its ".join(unfused_kinds(self.config.layer_specs()))
-                raise ValueError(f"weight_format='fp8' (rollout.dtype=fp8) runs this model's "
-                                 f"{kinds} on one rank only yet: use tensor_parallel_size=1 "
-                                 "or the model's dtype")  # fmt: skip
         self.kv_fp8 = options.kv_cache_dtype == "fp8"  # cache/fp8_kv.py
         if self.kv_fp8:
             check_fp8_kv(self)

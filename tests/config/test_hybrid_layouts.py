@@ -1,9 +1,8 @@
 """validate() and a model with Gated DeltaNet layers (a recurrent state that spans the
 sequence): the actor, reference and critic split them by tensor and sequence parallelism
 (whole key heads with their value heads), and so does the rollout's tensor parallelism
-(engine/tensor_parallel.py); an fp8 rollout validates (engine/fp8/linears.py), a
-tensor-parallel one is refused; each refusal naming the key to set, before any model is
-loaded."""
+(engine/tensor_parallel.py); an fp8 rollout validates (engine/fp8/linears.py), on one rank
+or tensor-parallel; each refusal naming the key to set, before any model is loaded."""
 
 import pytest
 
@@ -83,12 +82,11 @@ def test_rollout_layouts_of_the_hybrid_layers_not_built_are_refused(tmp_path, si
     assert any(says in p for p in problems), problems
 
 
-def test_an_fp8_tensor_parallel_rollout_of_a_hybrid_is_still_refused():
-    overrides = [*HYBRID, "rollout.tensor_parallel_size=2", "rollout.dtype=fp8",
-                 "trainer.device=cuda"]  # fmt: skip
-    assert ("rollout.dtype = fp8 with rollout.tensor_parallel_size = 2: the fp8 rollout of "
-            "this model's gated_attention and gated_deltanet layers runs on one rank only yet: "
-            "set rollout.tensor_parallel_size=1, or rollout.dtype=model") in _problems(overrides)  # fmt: skip
+def test_an_fp8_tensor_parallel_rollout_of_a_hybrid_validates():
+    """Its gated attention, Gated DeltaNet and row-parallel projections run fp8 on each rank
+    (engine/fp8/linears.py)."""
+    validate(load_config(None, [*HYBRID, "rollout.tensor_parallel_size=2", "rollout.dtype=fp8",
+                                "trainer.device=cuda"]))  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -272,18 +272,11 @@ def test_an_fp8_rollout_of_every_mixture_of_experts_validates():
     """The fp8 rollout covers routed SwiGLU experts on the fused layers (engine/fp8/
     experts.py: Qwen3-MoE, Mixtral) and the eager passes' layers (engine/fp8/linears.py):
     GPT-OSS (its biased experts in the model's dtype) and DeepSeek-V3 validate with either
-    key; a tensor-parallel rollout of the eager layers is refused, naming the key."""
-    from hybridflow.models.presets import preset_config
-
-    gpu = ["trainer.device=cuda"]
+    key, on one rank and on a tensor-parallel rollout (its row-parallel projections and
+    split experts quantized too)."""
+    gpu = ["trainer.device=cuda", "trainer.backend=local", "trainer.n_gpus_per_node=2"]
     for path in ("tiny-moe", "tiny-gpt-oss", "tiny-deepseek-v3"):
         for key in ("rollout.dtype=fp8", "rollout.engine.weight_format=fp8"):
-            validate(load_config(None, [*gpu, f"model.path={path}", key]))
-    cfg = load_config(None, [*gpu, "model.path=tiny-deepseek-v3",
-                             "rollout.tensor_parallel_size=2",
-                             "rollout.engine.weight_format=fp8"])  # fmt: skip
-    assert parallel_checks.rollout_fp8_limits(cfg, preset_config("tiny-deepseek-v3")) == [
-        "rollout.engine.weight_format = fp8 with rollout.tensor_parallel_size = 2: the fp8 "
-        "rollout of this model's mla layers and its grouped_experts_shared MLPs runs on one "
-        "rank only yet: set rollout.tensor_parallel_size=1, or rollout.dtype=model"
-    ]
+            for size in (1, 2):
+                validate(load_config(None, [*gpu, f"model.path={path}", key,
+                                            f"rollout.tensor_parallel_size={size}"]))  # fmt: skip

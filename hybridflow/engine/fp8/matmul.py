@@ -104,7 +104,8 @@ class Fp8Matmul:
     a finer grid, and differently at every tp.) The activations in front of o_proj and
     down_proj are quantized per row over the rank's own columns, with no collective in the
     step (as vLLM's row-parallel fp8 layers do), so the sums differ from one process's by that
-    rounding."""
+    rounding. The eager passes' projections (``linears``) on a shard likewise, their
+    row-parallel ones included (fp8/linears.py)."""
 
     def __init__(self, model, fused, fast_accumulation: bool = True,
                  weight_scales: str = ENGINE_SCALES, linears=None):  # fmt: skip

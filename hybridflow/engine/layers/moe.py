@@ -160,11 +160,13 @@ def triton_experts_run(mlp, x: torch.Tensor) -> bool:
 
 
 def fp8_experts_run(mlp) -> bool:
-    """The fp8 copies of the block's routed experts (fp8/experts.py) can stand for them:
-    every expert here (no expert parallelism, tensor-parallel slice or replicas), no LoRA
-    on them. Elsewhere the experts run in the model's dtype."""
+    """The fp8 copies of the block's routed experts (fp8/experts.py) can stand for them: the
+    experts held here are every expert or a tensor-parallel rank's share of them (an
+    ExpertSlice, whose copies hold its experts: fp8_routed_experts sums the group's partial
+    outputs), not training's expert parallelism or experts over replicas; no LoRA on them.
+    Elsewhere the experts run in the model's dtype."""
     split = (getattr(mlp, name, None) is not None
-             for name in ("expert_group", "expert_slice", "expert_spread"))  # fmt: skip
+             for name in ("expert_group", "expert_spread"))  # fmt: skip
     return not any(split) and _active_adapters(mlp) is None
 
 
@@ -174,14 +176,19 @@ def fp8_routed_experts(mlp, x: torch.Tensor, ids: torch.Tensor, weights: torch.T
     Fp8ExpertWeights, weight-only: x stays in the model's dtype). On CUDA, or where grouped
     is asked, the W_FP8 grouped kernels (routed_experts_triton), prefill and extend included;
     on the CPU's torch step, the model's moe_experts over the copies widened back (the
-    reference arithmetic of the same weights)."""
+    reference arithmetic of the same weights). A tensor-parallel rank's share of the experts
+    (ExpertSlice): its copies' experts, the group's partial outputs summed."""
     if grouped or x.is_cuda:
         return routed_experts_triton(mlp, x.contiguous(), ids, weights, fp8)
     from hybridflow.engine.fp8.experts import dequantized
-    from hybridflow.models.moe import moe_experts
+    from hybridflow.models.moe import moe_experts, sliced_moe_experts
 
     gate_up = dequantized(fp8.gate_up, fp8.gate_up_scale, x.dtype)
     down = dequantized(fp8.down, fp8.down_scale, x.dtype)
+    expert_slice = getattr(mlp, "expert_slice", None)
+    if expert_slice is not None:
+        return sliced_moe_experts(x, ids, weights, gate_up, down, expert_slice,
+                                  mlp.expert_backend)  # fmt: skip
     return moe_experts(x, ids, weights, gate_up, down, mlp.expert_backend)
 
 
@@ -194,19 +201,29 @@ def routed_experts_triton(mlp, x: torch.Tensor, ids: torch.Tensor,
     rows the model's moe_experts took 0.55 ms a Qwen3-30B-A3B layer to these kernels' 0.32
     (H200, docs/performance.md): its argsort, gathered rows, SiLU passes and fp32 weighted
     sum around torch._grouped_mm. No host sync. fp8: the experts' e4m3 copies
-    (fp8/experts.Fp8ExpertWeights), read in the kernels' W_FP8 mode."""
+    (fp8/experts.Fp8ExpertWeights), read in the kernels' W_FP8 mode. A tensor-parallel rank's
+    share of the experts (an ExpertSlice: the fp8 copies only, triton_experts_run refuses the
+    model-dtype path there) runs its experts and sums the group's partial outputs, as
+    experts_triton does."""
     from hybridflow.engine.kernels.experts import moe
 
     gate_up, down = mlp.experts.gate_up_proj, mlp.experts.down_proj
     scales = (None, None)
     if fp8 is not None:
         gate_up, down, scales = fp8.gate_up, fp8.down, (fp8.gate_up_scale, fp8.down_scale)
+    expert_slice = getattr(mlp, "expert_slice", None)
     ids = ids.to(torch.int32).contiguous()
     block_m = moe.block_rows(x.shape[0], ids.shape[1], gate_up.shape[0])
-    blocks = moe.align_pairs(ids, gate_up.shape[0], block_m)
+    first = None if expert_slice is None else expert_slice.first
+    blocks = moe.align_pairs(ids, gate_up.shape[0], block_m, first)
     act = moe.grouped_gate_up(x, gate_up, blocks, scale=scales[0])
     pair_out = moe.grouped_down(act, down, blocks, scale=scales[1])
-    return moe.combine(pair_out, weights.float().contiguous())
+    out = moe.combine(pair_out, weights.float().contiguous())
+    if expert_slice is not None:  # the partial outputs of the group's ranks, summed
+        import torch.distributed as dist
+
+        dist.all_reduce(out, group=expert_slice.group)
+    return out
 
 
 def _active_adapters(mlp):

@@ -101,19 +101,35 @@ def _rounded_rows(module, args):
     return ((values.float() * scale).to(x.dtype).view_as(x),)
 
 
-def _emulated_model(model, engine):
+def _rounded_row_parts(parts: int):
+    """_rounded_rows over each of ``parts`` column slices of the input with its own scale (a
+    row-parallel projection's input as the ranks of a tensor-parallel group round it)."""
+
+    def hook(module, args):
+        (x,) = args
+        pieces = x.chunk(parts, dim=-1)
+        return (torch.cat([_rounded_rows(module, (piece,))[0] for piece in pieces], dim=-1),)
+
+    return hook
+
+
+def _emulated_model(model, engine, split_inputs: dict[str, int] | None = None):
     """A copy of model computing in the model's dtype what the engine's fp8 copies compute:
     its quantized weights widened back from the copies' e4m3 and scales, the inputs of those
-    projections rounded per row (forward pre-hooks on the copy); routed experts weight-only.
+    projections rounded per row (forward pre-hooks on the copy), or, for the modules named in
+    split_inputs, per row of each of that many column slices; routed experts weight-only.
     What is left between the two: the order of the fp32 sums."""
     reference = copy.deepcopy(model)
     by_ptr = {weight.data_ptr(): (w8, scale) for weight, w8, scale in engine.fp8.copies.values()}
+    split_inputs = split_inputs or {}
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and module.weight.data_ptr() in by_ptr:
             w8, scale = by_ptr[module.weight.data_ptr()]
             twin = reference.get_submodule(name)
             twin.weight.copy_((w8.float() * scale.view(-1, 1)).to(module.weight.dtype))
-            twin.register_forward_pre_hook(_rounded_rows)
+            parts = split_inputs.get(name)
+            twin.register_forward_pre_hook(_rounded_rows if parts is None else
+                                           _rounded_row_parts(parts))  # fmt: skip
     for index, copies in engine.fp8.experts.layers.items():
         experts = reference.model.layers[index].mlp.experts
         experts.gate_up_proj.copy_(dequantized(copies.gate_up, copies.gate_up_scale,

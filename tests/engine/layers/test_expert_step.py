@@ -5,8 +5,9 @@ K/V stores in one kernel each there too: DeepSeek-V3's routed experts through ke
 (layers/biased_moe.biased_experts_triton), never the model's moe_experts. In fp32 the whole
 step (with the latent, sink-attention and norm kernels, as the engine runs it) against the
 torch step: logits, routing record, greedy tokens; the engine's triton backend generates the
-torch backend's tokens. Runs on CUDA in bf16 (marked gpu), or on CPU under TRITON_INTERPRET=1
-in fp32."""
+torch backend's tokens; a tensor-parallel rank's share of the fp8 experts on the W_FP8
+kernels sums with the other's to the whole layer. Runs on CUDA in bf16 (marked gpu), or on
+CPU under TRITON_INTERPRET=1 in fp32."""
 
 from __future__ import annotations
 
@@ -120,3 +121,54 @@ def test_triton_backend_generates_the_torch_backends_tokens(name, monkeypatch):
     for got, want in zip(results["triton"], results["torch"]):
         assert got.token_ids == want.token_ids
         assert (got.routed_experts == want.routed_experts).all()
+
+
+def test_a_ranks_share_of_the_fp8_experts_sums_to_the_whole_layer():
+    """A tensor-parallel rank's share of the experts (models/moe.ExpertSlice) on the W_FP8
+    grouped kernels (layers/moe.fp8_routed_experts): its copies' experts, the pairs routed
+    elsewhere skipped, the output handed to the group's all-reduce. The two shares, run in
+    one process and added (what the all-reduce of 2 ranks does), give the whole layer's
+    output."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from hybridflow.engine.fp8.experts import Fp8ExpertWeights, quantize_experts_into
+    from hybridflow.engine.kernels.experts import routing
+    from hybridflow.engine.layers.moe import fp8_routed_experts
+    from hybridflow.models.moe import ExpertSlice
+
+    def quantized(weight):
+        values = torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=DEVICE)
+        scale = torch.empty(weight.shape[:2], dtype=torch.float32, device=DEVICE)
+        quantize_experts_into(weight, values, scale)
+        return values, scale
+
+    experts, top_k, hidden, inner, tokens = 8, 2, 64, 32, 16
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(tokens, hidden, generator=generator).to(DEVICE, dtype)
+    gate_up = (torch.randn(experts, 2 * inner, hidden, generator=generator) * 0.05).to(
+        DEVICE, dtype
+    )
+    down = (torch.randn(experts, hidden, inner, generator=generator) * 0.05).to(DEVICE, dtype)
+    logits = torch.randn(tokens, experts, generator=generator).to(DEVICE)
+    ids, weights = routing.route_topk(logits, top_k, renormalize=True)
+    whole = Fp8ExpertWeights(*quantized(gate_up), *quantized(down))
+    layer = SimpleNamespace(experts=SimpleNamespace(gate_up_proj=gate_up, down_proj=down))
+    expected = fp8_routed_experts(layer, x, ids, weights, whole, grouped=True).float()
+    share, group = experts // 2, object()
+    parts = []
+    with mock.patch("torch.distributed.all_reduce") as all_reduce:
+        for first in (0, share):
+            held = slice(first, first + share)
+            rank = SimpleNamespace(experts=SimpleNamespace(gate_up_proj=gate_up[held],
+                                                           down_proj=down[held]),
+                                   expert_slice=ExpertSlice(first, group))  # fmt: skip
+            copies = Fp8ExpertWeights(*(tensor[held] for tensor in whole))
+            parts.append(fp8_routed_experts(rank, x, ids, weights, copies, grouped=True))
+    assert all_reduce.call_count == 2
+    assert all(call.kwargs["group"] is group for call in all_reduce.call_args_list)
+    got = parts[0].float() + parts[1].float()
+    # fp32: the pairs' sums in another order; bf16: each share's output rounded before the sum
+    error = ((got - expected).norm() / expected.norm()).item()
+    assert error < (1e-5 if DEVICE == "cpu" else 1e-2)
