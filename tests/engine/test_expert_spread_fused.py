@@ -42,27 +42,30 @@ def _model():
     return whole
 
 
-def _engine(model) -> Engine:
+def _engine(model, weight_format: str = "model") -> Engine:
     # cuBLAS-side matmuls (torch on the CPU): the interpreter runs the row-wise and expert
     # kernels only
-    options = EngineOptions(decode_backend="triton", kv_block_size=16, decode_matmul="cublas")
+    options = EngineOptions(decode_backend="triton", kv_block_size=16, decode_matmul="cublas",
+                            weight_format=weight_format)  # fmt: skip
     return Engine(model, max_batch_size=4, max_seq_len=32, options=options)
 
 
-def _spread_engine(whole, mesh, tp: int) -> Engine:
+def _spread_engine(whole, mesh, tp: int, weight_format: str = "model") -> Engine:
     replica = mesh.group("tp") if tp > 1 else None
     shard = expert_parallel_model(whole.config, mesh.group("ep"), replica, torch.float32, "cpu")
-    engine = _engine(shard)
+    engine = _engine(shard, weight_format)
     ep_rank, ep, tp_rank = mesh.rank_in("ep"), mesh.size("ep"), mesh.rank_in("tp")
     engine.load_weights((name, spread_shard(name, tensor, ep_rank, ep, tp_rank, tp))
                         for name, tensor in whole.named_parameters(remove_duplicate=False))  # fmt: skip
     return engine
 
 
-def _fused_on_ranks(rank: int, world: int, tp: int) -> None:
+def _fused_on_ranks(rank: int, world: int, tp: int, weight_format: str = "model") -> None:
+    """weight_format "fp8": every rank's e4m3 copies of its own experts (weight-only, the
+    grouped kernels' W_FP8 mode) against the one-process fp8 engine's of all of them."""
     mesh = build_mesh(rollout_layout(world, tp=tp, ep=world), "cpu")
     whole = _model()
-    engine = _spread_engine(whole, mesh, tp)
+    engine = _spread_engine(whole, mesh, tp, weight_format)
     assert engine.spread and engine.decode_backend == "triton" and not engine.cuda_graphs
     assert engine.model.model.layers[1].mlp.experts.gate_up_proj.shape[0] == 8 // world
     assert engine.peer_experts() is not None  # peers' rows meet the grouped kernels too
@@ -82,8 +85,10 @@ def _fused_on_ranks(rank: int, world: int, tp: int) -> None:
     real_serve = expert_spread.serve_peers
     with mock.patch.object(expert_spread, "serve_peers", serve_peers):
         got = engine.generate([PROMPTS[i] for i in mine], params, max_new_tokens=budgets)
-    expected = _engine(whole).generate([PROMPTS[i] for i in mine], params,
+    expected = _engine(whole, weight_format).generate([PROMPTS[i] for i in mine], params,
                                        max_new_tokens=budgets)  # fmt: skip
+    if weight_format == "fp8":  # the copies of this rank's experts, read by its kernels
+        assert engine.fp8.experts.of(1).gate_up.shape[0] == 8 // world
     assert [c.token_ids for c in got] == [c.token_ids for c in expected]
     assert [len(c.token_ids) for c in got] == budgets
     for a, b in zip(got, expected):
@@ -105,6 +110,48 @@ def test_two_replicas_on_the_fused_layers_draw_one_process_tokens_and_routes():
 
 @interpreted
 @pytest.mark.slow
+def test_two_replicas_with_fp8_experts_draw_the_tokens_of_one_fp8_process():
+    run_ranks(_fused_on_ranks, 2, 1, "fp8")
+
+
+@interpreted
+@pytest.mark.slow
 def test_tensor_parallel_replicas_on_the_fused_layers_draw_one_process_tokens_and_routes():
     """2 replicas of rollout TP 2, the experts over all 4 ranks."""
     run_ranks(_fused_on_ranks, 4, 2)
+
+
+def _family_on_ranks(rank: int, world: int, family: str) -> None:
+    """A family whose layers the eager passes run (MLA, Gated DeltaNet, sink attention) with
+    the Triton steps of the triton backend, its sparse blocks dispatching over the group
+    through the model's experts module: one process's tokens and routes on the same steps."""
+    from test_expert_spread import _family_model
+
+    mesh = build_mesh(rollout_layout(world, ep=world), "cpu")
+    whole = _family_model(family)
+    shard = expert_parallel_model(whole.config, mesh.group("ep"), None, torch.float32, "cpu")
+    engine = _engine(shard)
+    engine.load_weights((name, spread_shard(name, tensor, rank, world))
+                        for name, tensor in whole.named_parameters(remove_duplicate=False))  # fmt: skip
+    with torch.no_grad():  # DeepSeek's router correction bias: a buffer, whole on every rank
+        buffers = dict(engine.model.named_buffers())
+        for name, tensor in whole.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffers[name].copy_(tensor)
+    assert engine.spread and engine.eager_layers and engine.recurrent_step == "triton"
+    prompts = [PROMPTS[rank]]
+    params = SamplingParams(temperature=0, max_new_tokens=3 if rank == 0 else 1, ignore_eos=True)
+    got = engine.generate(prompts, params)
+    expected = _engine(whole).generate(prompts, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs),
+                                   rtol=1e-4, atol=1e-4)  # fmt: skip
+        assert a.routed_experts.tolist() == b.routed_experts.tolist()
+    dist.barrier()
+
+
+@interpreted
+@pytest.mark.parametrize("family", ["deepseek-v3", "gpt-oss", "qwen3.5-moe"])
+def test_replicas_of_each_eager_family_on_the_triton_steps_draw_one_process_tokens(family):
+    run_ranks(_family_on_ranks, 2, family)
