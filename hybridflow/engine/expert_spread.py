@@ -9,7 +9,14 @@ replica routes the same tokens and writes the same routing record), then the tok
 to the ranks that hold their experts and back, the all-to-all dispatch and combine of the
 trainer's expert parallelism (models/sharding/expert_parallel.expert_parallel_moe). Inside
 a tensor-parallel replica each of its tp ranks dispatches 1/tp of the rows and an all-gather
-over the replica puts them together, so no expert computes a row twice.
+over the replica puts them together, so no expert computes a row twice. Both decode
+backends run it: the torch backend's passes compute the rows a rank receives with the
+model's moe_experts, the fused split layer of the triton backend (layers/moe.experts_triton:
+Triton routing, recorded) with the grouped Triton kernels over the rank's E / ep experts
+(layers/moe.spread_local_experts, expert_parallel_moe's ``run_local``; the fp8 rollout: their
+e4m3 copies). The families whose layers the eager passes run take the triton backend's steps
+for those layers beside their experts module's dispatch. CUDA graphs are not captured: the
+all-to-all's sizes are read on the host at every sparse layer.
 
 Every kind of sparse block spreads: the plain routed experts (Qwen3-MoE, Mixtral), beside
 Qwen3.5-MoE's gated shared expert (computed whole on each replica, split by columns in a
@@ -23,9 +30,10 @@ schedules (prefill, decode, a replica with nothing left). So the group moves in 
 forward pass of any rank is one round, opened at its first sparse layer by a MAX all-reduce
 of "still generating" over the group. A rank whose generation is over keeps joining rounds
 with no tokens (:func:`serve_peers`: the sparse layers' collectives with zero rows, its
-experts computing the others' tokens) until a round finds every rank done. Every rank then
-leaves ``Engine.generate`` after the same rounds; nothing is global (the groups travel with
-the model), so the same code runs over gloo on CPU processes and NCCL on GPUs. A rollout
+experts computing the others' tokens, on the kernels of its engine's backend) until a round
+finds every rank done. Every rank then leaves ``Engine.generate`` after the same rounds;
+nothing is global (the groups travel with the model), so the same code runs over gloo on
+CPU processes and NCCL on GPUs. A rollout
 service (agent loops, partial rollouts) joins the same rounds from its thread, each of its
 steps one iteration of the group: engine/serving/spread_rounds.py.
 """
