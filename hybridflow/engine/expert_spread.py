@@ -33,9 +33,9 @@ with no tokens (:func:`serve_peers`: the sparse layers' collectives with zero ro
 experts computing the others' tokens, on the kernels of its engine's backend) until a round
 finds every rank done. Every rank then leaves ``Engine.generate`` after the same rounds;
 nothing is global (the groups travel with the model), so the same code runs over gloo on
-CPU processes and NCCL on GPUs. A rollout
-service (agent loops, partial rollouts) joins the same rounds from its thread, each of its
-steps one iteration of the group: engine/serving/spread_rounds.py.
+CPU processes and NCCL on GPUs. A rollout service (agent loops, partial rollouts) joins the
+same rounds from its thread, each of its steps one iteration of the group:
+engine/serving/spread_rounds.py.
 """
 
 from __future__ import annotations
