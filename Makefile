@@ -25,7 +25,7 @@ KERNEL_TESTS := tests/engine/test_adapters_fused.py tests/engine/kernels/test_ke
 	tests/engine/kernels/experts/test_moe_kernels.py tests/engine/kernels/experts/test_moe_engine_fused.py tests/engine/kernels/test_delta_step.py tests/engine/kernels/test_latent_attention.py tests/engine/layers/test_moe_grouped_mm.py tests/engine/scheduling/test_mixed_fused.py tests/engine/speculative/test_verify_fused.py \
 	tests/engine/kernels/test_chunk_attention.py tests/engine/scheduling/test_static_step_fused.py tests/engine/layers/test_eager.py tests/engine/kernels/test_sink_prefill.py tests/engine/kernels/experts/test_biased_experts.py \
 	tests/engine/layers/test_expert_step.py tests/engine/kernels/test_latent_rope.py tests/engine/kernels/experts/test_grouped_route.py \
-	tests/engine/test_image_engine_fused.py
+	tests/engine/test_image_engine_fused.py tests/engine/test_expert_spread_fused.py
 
 # The main run is spread over TEST_WORKERS processes (pytest-xdist, a test file to a
 # process: most tests wait on processes of their own, so two keep both cores busy; the files

@@ -193,35 +193,19 @@ def rollout_expert_limits(cfg: Config, arch: ModelArchitecture | None) -> list[s
     over several replicas (engine/expert_spread.py: a multiple of tp dividing the rollout's
     GPUs, said by layout_problems). Its replicas move in rounds of the expert group (a
     rollout service joins them too: engine/serving/spread_rounds.py, so agent loops and
-    partial rollouts run), whose all-to-all sizes are read on the host: CUDA graphs and the
-    fused decode layers are refused (a tensor-parallel rollout runs them, experts over
-    replicas do not)."""
+    partial rollouts run), on either decode backend (the fused layers dispatch by all-to-all:
+    layers/moe.experts_triton; the fp8 rollout too), whose all-to-all sizes are read on the
+    host: CUDA graphs are refused."""
     ep, tp = cfg.rollout.expert_parallel_size, cfg.rollout.tensor_parallel_size
     if ep is None or ep <= tp or (arch is not None and not arch.is_moe):
         return []  # a dense model's ep > 1: _check_shape says it has no experts
-    key = f"rollout.expert_parallel_size = {ep} (experts over several replicas)"
+    if cfg.rollout.engine.cuda_graphs is not True:
+        return []
     fix = f"rollout.expert_parallel_size={tp if tp > 1 else 1}"
-    limits = [
-        (cfg.rollout.engine.cuda_graphs is True, "rollout.engine.cuda_graphs = true",
-         "the all-to-all's sizes are read on the host at every sparse layer"),
-        (_fused_key(cfg) is not None, _fused_key(cfg),
-         "the fused decode layers have no all-to-all yet"),
-    ]  # fmt: skip
-    return [f"{key} with {what}: not yet supported ({why}); set {fix}"
-            for applies, what, why in limits if applies]  # fmt: skip
-
-
-def _fused_key(cfg: Config) -> str | None:
-    """The key that asks for the triton backend (the fp8 engine runs on it only,
-    engine/fp8/matmul.check_fp8_engine), as `key = value`; None when none does."""
-    r = cfg.rollout
-    if r.dtype == "fp8":
-        return "rollout.dtype = fp8"
-    if r.engine.weight_format == "fp8":
-        return "rollout.engine.weight_format = fp8"
-    if r.engine.decode_backend == "triton":
-        return "rollout.engine.decode_backend = triton"
-    return None
+    return [f"rollout.expert_parallel_size = {ep} (experts over several replicas) with "
+            "rollout.engine.cuda_graphs = true: not yet supported (the all-to-all's sizes are "
+            f"read on the host at every sparse layer); set {fix}, or leave "
+            "rollout.engine.cuda_graphs unset"]  # fmt: skip
 
 
 def rollout_fp8_kv_limits(cfg: Config, arch: ModelArchitecture | None) -> list[str]:

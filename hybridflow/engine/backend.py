@@ -1,9 +1,8 @@
 """Which backend an Engine decodes with, and the Triton pieces the triton backend runs.
 
-resolve_backend picks torch or triton from EngineOptions.decode_backend and what the model
-is (experts spread over replicas: torch); triton_pieces makes the
-launch settings, the decode matmul, chain and layer chooser (kept across release(): their
-shape choices); check_fp8_kv says what an FP8 KV cache does not cover.
+resolve_backend picks torch or triton from EngineOptions.decode_backend and the device;
+triton_pieces makes the launch settings, the decode matmul, chain and layer chooser (kept
+across release(): their shape choices); check_fp8_kv says what an FP8 KV cache does not cover.
 """
 
 from __future__ import annotations
@@ -21,17 +20,12 @@ def _triton_available() -> bool:
     return True
 
 
-def resolve_backend(requested: str, device: torch.device, spread: bool = False) -> str:
+def resolve_backend(requested: str, device: torch.device) -> str:
     """The backend (torch or triton) for EngineOptions.decode_backend ``requested``. A
     tensor-parallel shard runs the split layer on the triton backend (its all-reduces where
     the eager path has them: layers/split.py), a mixture of experts included (experts_triton
-    sums a rank's share of the experts as the eager path does); experts spread over replicas
-    do not (their all-to-all runs on the eager path only)."""
-    if spread:  # the fused layers have no all-to-all yet
-        if requested == "triton":
-            raise ValueError("decode_backend='triton' does not run a wide expert-parallel "
-                             "model yet: use decode_backend='torch' (or 'auto')")  # fmt: skip
-        return "torch"
+    sums a rank's share of the experts as the eager path does); so do experts spread over
+    replicas (experts_triton dispatches and combines by all-to-all, engine/expert_spread.py)."""
     if requested == "auto":
         return "triton" if device.type == "cuda" and _triton_available() else "torch"
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # kernel tests on CPU

@@ -120,9 +120,14 @@ class Engine:
         self.tensor_parallel = tensor_parallel_size(model)
         from hybridflow.engine.expert_spread import spread_of
 
-        # experts over the replicas (expert_spread.py): the eager path, rounds of the group
+        # experts over the replicas (expert_spread.py): rounds of the group, the all-to-all's
+        # sizes read on the host at every sparse layer (no CUDA graphs)
         self.spread = spread_of(model) is not None
-        self.decode_backend = resolve_backend(options.decode_backend, self.device, self.spread)
+        if self.spread and options.cuda_graphs:
+            raise ValueError("cuda_graphs=True does not run experts spread over replicas yet "
+                             "(the all-to-all's sizes are read on the host at every sparse "
+                             "layer): leave cuda_graphs unset")  # fmt: skip
+        self.decode_backend = resolve_backend(options.decode_backend, self.device)
         self.recurrent_step = "torch"
         if self.eager_layers:
             self.recurrent_step = self.decode_backend
@@ -477,7 +482,22 @@ class Engine:
         if self.spread:
             from hybridflow.engine.expert_spread import serve_peers
 
-            serve_peers(self.model, self.device)
+            serve_peers(self.model, self.device, self.peer_experts())
+
+    def peer_experts(self):
+        """serve_peers' run_local_of for this engine: on the triton backend the fused layers'
+        grouped kernels (fp8: the experts' e4m3 copies), as its passes run them; None: the
+        model's experts modules, as the torch backend's passes run them."""
+        if not self.spread or self.decode_backend != "triton":
+            return None
+        from hybridflow.engine.layers.moe import spread_local_experts
+
+        def run_local_of(index: int, mlp):  # the fp8 copies are made with the cache
+            return spread_local_experts(
+                mlp, None if self.fp8 is None else self.fp8.experts.of(index)
+            )
+
+        return run_local_of
 
     def _reset_scheduler(self) -> None:
         if self.state is None:

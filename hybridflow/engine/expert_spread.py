@@ -9,7 +9,14 @@ replica routes the same tokens and writes the same routing record), then the tok
 to the ranks that hold their experts and back, the all-to-all dispatch and combine of the
 trainer's expert parallelism (models/sharding/expert_parallel.expert_parallel_moe). Inside
 a tensor-parallel replica each of its tp ranks dispatches 1/tp of the rows and an all-gather
-over the replica puts them together, so no expert computes a row twice.
+over the replica puts them together, so no expert computes a row twice. Both decode
+backends run it: the torch backend's passes compute the rows a rank receives with the
+model's moe_experts, the fused split layer of the triton backend (layers/moe.experts_triton:
+Triton routing, recorded) with the grouped Triton kernels over the rank's E / ep experts
+(layers/moe.spread_local_experts, expert_parallel_moe's ``run_local``; the fp8 rollout: their
+e4m3 copies). The families whose layers the eager passes run take the triton backend's steps
+for those layers beside their experts module's dispatch. CUDA graphs are not captured: the
+all-to-all's sizes are read on the host at every sparse layer.
 
 Every kind of sparse block spreads: the plain routed experts (Qwen3-MoE, Mixtral), beside
 Qwen3.5-MoE's gated shared expert (computed whole on each replica, split by columns in a
@@ -23,11 +30,12 @@ schedules (prefill, decode, a replica with nothing left). So the group moves in 
 forward pass of any rank is one round, opened at its first sparse layer by a MAX all-reduce
 of "still generating" over the group. A rank whose generation is over keeps joining rounds
 with no tokens (:func:`serve_peers`: the sparse layers' collectives with zero rows, its
-experts computing the others' tokens) until a round finds every rank done. Every rank then
-leaves ``Engine.generate`` after the same rounds; nothing is global (the groups travel with
-the model), so the same code runs over gloo on CPU processes and NCCL on GPUs. A rollout
-service (agent loops, partial rollouts) joins the same rounds from its thread, each of its
-steps one iteration of the group: engine/serving/spread_rounds.py.
+experts computing the others' tokens, on the kernels of its engine's backend) until a round
+finds every rank done. Every rank then leaves ``Engine.generate`` after the same rounds;
+nothing is global (the groups travel with the model), so the same code runs over gloo on
+CPU processes and NCCL on GPUs. A rollout service (agent loops, partial rollouts) joins the
+same rounds from its thread, each of its steps one iteration of the group:
+engine/serving/spread_rounds.py.
 """
 
 from __future__ import annotations
@@ -73,15 +81,17 @@ def join_round(spread: ExpertSpread, generating: bool, device: torch.device) -> 
 
 
 def spread_moe_experts(mlp, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                       sparse_index: int) -> torch.Tensor:  # fmt: skip
+                       sparse_index: int, run_local=None) -> torch.Tensor:  # fmt: skip
     """x [N, H] routed to ids/weights [N, k] -> the experts' output [N, H], the experts held
-    over the EP group (the engine's torch passes, layers/moe.py). The first sparse layer of a
-    pass opens its round."""
+    over the EP group (the engine's passes, layers/moe.py). The first sparse layer of a pass
+    opens its round. run_local: this rank's experts on the rows it receives
+    (expert_parallel_moe's; the fused layers' grouped Triton kernels), None: the model's
+    moe_experts."""
     spread = mlp.expert_spread
     if sparse_index == 0:
         join_round(spread, True, x.device)
     return _dispatch(x, ids, weights, mlp.experts.gate_up_proj, mlp.experts.down_proj, spread,
-                     mlp.expert_backend)  # fmt: skip
+                     mlp.expert_backend, run_local=run_local)  # fmt: skip
 
 
 def spread_dispatch(x, ids, weights, gate_up, down, group, backend="auto", adapters=None, *,
@@ -100,11 +110,12 @@ def spread_dispatch(x, ids, weights, gate_up, down, group, backend="auto", adapt
 
 
 def _dispatch(x, ids, weights, gate_up, down, spread: ExpertSpread, backend, activation=None,
-              biases=None) -> torch.Tensor:  # fmt: skip
+              biases=None, run_local=None) -> torch.Tensor:  # fmt: skip
     from hybridflow.models.sharding.expert_parallel import expert_parallel_moe
 
     experts = partial(expert_parallel_moe, gate_up=gate_up, down=down, group=spread.group,
-                      backend=backend, activation=activation, biases=biases)  # fmt: skip
+                      backend=backend, activation=activation, biases=biases,
+                      run_local=run_local)  # fmt: skip
     if spread.replica is None:
         return experts(x, ids, weights)
     # the replica's tp ranks hold the same rows: each dispatches its 1/tp, then all-gather
@@ -120,28 +131,39 @@ def _dispatch(x, ids, weights, gate_up, down, spread: ExpertSpread, backend, act
     return torch.cat(chunks)[:rows]
 
 
-def serve_peers(model, device: torch.device) -> int:
+def serve_peers(model, device: torch.device, run_local_of=None) -> int:
     """After this rank's generation: join the EP group's rounds with no tokens (its experts
-    serve the other replicas) until every rank is done. -> rounds served."""
+    serve the other replicas) until every rank is done. -> rounds served. run_local_of:
+    (layer index, its MLP) -> the run_local its passes give expert_parallel_moe (the fused
+    layers' grouped kernels: layers/moe.spread_local_experts), so that the peers' rows meet
+    the kernels they would meet in a pass; None: the layer's own experts module."""
     spread = spread_of(model)
     if spread is None:
         return 0
-    sparse = [layer.mlp for layer in model.model.layers if getattr(layer, "sparse", False)]
+    sparse = [(index, layer.mlp) for index, layer in enumerate(model.model.layers)
+              if getattr(layer, "sparse", False)]  # fmt: skip
     rounds = 0
     while join_round(spread, False, device):
-        for mlp in sparse:
-            _serve_layer(mlp, spread, model.config.hidden_size, device)
+        for index, mlp in sparse:
+            run_local = None if run_local_of is None else run_local_of(index, mlp)
+            _serve_layer(mlp, spread, model.config.hidden_size, device, run_local)
         rounds += 1
     return rounds
 
 
-def _serve_layer(mlp, spread: ExpertSpread, hidden: int, device: torch.device) -> None:
-    """One sparse layer's collectives with no tokens of this rank, through the layer's own
-    experts module (its weights' layout, GPT-OSS's activation and biases), opening no round."""
+def _serve_layer(mlp, spread: ExpertSpread, hidden: int, device: torch.device,
+                 run_local=None) -> None:  # fmt: skip
+    """One sparse layer's collectives with no tokens of this rank, opening no round: through
+    ``run_local`` when given, else through the layer's own experts module (its weights'
+    layout, GPT-OSS's activation and biases)."""
     experts = mlp.experts
     none = torch.zeros(0, hidden, dtype=experts.gate_up_proj.dtype, device=device)
     no_ids = torch.zeros(0, mlp.top_k, dtype=torch.long, device=device)
     no_weights = torch.zeros(0, mlp.top_k, device=device)
+    if run_local is not None:
+        _dispatch(none, no_ids, no_weights, experts.gate_up_proj, experts.down_proj, spread,
+                  mlp.expert_backend, run_local=run_local)  # fmt: skip
+        return
     quiet = partial(spread_dispatch, spread=spread, opens_round=False)
     if isinstance(experts, BiasedExperts):
         experts(none, no_ids, no_weights, mlp.activation, mlp.expert_backend, spread.group, quiet)

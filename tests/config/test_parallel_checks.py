@@ -73,15 +73,13 @@ def test_a_tensor_parallel_rollout_is_accepted_and_what_it_does_not_run_yet_refu
         validate(load_config(None, [*partial, "model.path=tiny-moe",
                                     "rollout.expert_parallel_size=4",
                                     f"rollout.tensor_parallel_size={tp}"]))  # fmt: skip
-    # experts over several replicas of tensor-parallel ranks: the fused layers have no
-    # all-to-all (engine/backend.resolve_backend refuses them)
-    fused = _problems([*FOUR_CPUS, "rollout.tensor_parallel_size=2", "model.path=tiny-moe",
-                       "rollout.expert_parallel_size=4", "rollout.engine.decode_backend=triton"])  # fmt: skip
-    assert fused == [
-        "rollout.expert_parallel_size = 4 (experts over several replicas) with "
-        "rollout.engine.decode_backend = triton: not yet supported (the fused decode layers have "
-        "no all-to-all yet); set rollout.expert_parallel_size=2"
-    ]
+    # experts over several replicas, of one rank or tensor-parallel, on the fused layers
+    # (layers/moe.experts_triton dispatches by all-to-all), the fp8 rollout's included
+    for tp in (1, 2):
+        for key in ("rollout.engine.decode_backend=triton", "rollout.dtype=fp8"):
+            validate(load_config(None, [*four_gpus, "model.path=tiny-moe", key,
+                                        "rollout.expert_parallel_size=4",
+                                        f"rollout.tensor_parallel_size={tp}"]))  # fmt: skip
 
 
 def test_a_tensor_parallel_rollout_of_experts_splits_them_or_holds_them_whole():
@@ -125,15 +123,15 @@ def test_expert_parallel_actor_reference_and_rollout_over_replicas_are_accepted(
     assert derived.layouts.actor.ep == derived.layouts.ref.ep == 2
     derived = validate(load_config(None, [*moe, "rollout.expert_parallel_size=4"]))
     assert (derived.layouts.rollout.tp, derived.layouts.rollout.ep) == (1, 4)
+    validate(load_config(None, [*moe, "rollout.expert_parallel_size=2",
+                                "rollout.engine.decode_backend=triton"]))  # fmt: skip
     problems = _problems([*moe, "rollout.expert_parallel_size=2",
                           "rollout.engine.decode_backend=triton", "rollout.engine.cuda_graphs=true"])  # fmt: skip
     assert problems == [
         "rollout.expert_parallel_size = 2 (experts over several replicas) with "
         "rollout.engine.cuda_graphs = true: not yet supported (the all-to-all's sizes are read "
-        "on the host at every sparse layer); set rollout.expert_parallel_size=1",
-        "rollout.expert_parallel_size = 2 (experts over several replicas) with "
-        "rollout.engine.decode_backend = triton: not yet supported (the fused decode layers "
-        "have no all-to-all yet); set rollout.expert_parallel_size=1"]  # fmt: skip
+        "on the host at every sparse layer); set rollout.expert_parallel_size=1, or leave "
+        "rollout.engine.cuda_graphs unset"]  # fmt: skip
     problems = _problems([*moe, "rollout.expert_parallel_size=3"])
     assert any("rollout.expert_parallel_size = 3 must" in p for p in problems)
 

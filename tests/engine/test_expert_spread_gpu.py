@@ -2,13 +2,14 @@
 (engine/expert_spread.py; tiny-moe, 4 of the 8 experts a GPU). The CPU test
 (tests/engine/test_expert_spread.py) proves tokens and routes over gloo in fp32 on the
 torch loop; this one runs NCCL's uneven all-to-all and the rounds' all-reduce on CUDA
-tensors, in fp32 and through the grouped GEMMs in bf16.
+tensors, in fp32 and through the grouped GEMMs in bf16, on the torch backend and on the
+fused layers (the triton backend: each rank's experts on the grouped Triton kernels).
 
     pytest -m gpu tests/engine/test_expert_spread_gpu.py   # 2 GPUs
 
 Checked: each replica generates its own prompts with budgets that differ (so one replica
 serves the other's experts after its own end); in fp32 the greedy tokens and routing record
-of each are one GPU's with the whole model; in bf16 the spread run draws as many tokens as
+of each are one GPU's with the whole model on the same backend; in bf16 the spread run draws as many tokens as
 asked. The same code runs on CPU processes over gloo, from tests/engine:
 ``python -c 'import test_expert_spread_gpu as t; t.run("cpu")'``.
 """
@@ -39,12 +40,12 @@ def _spread(whole, dtype, device):
     return shard
 
 
-def _generate(model, prompts, budgets):
+def _generate(model, prompts, budgets, backend: str):
     from hybridflow.engine import Engine, EngineOptions, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
-    engine = Engine(model, 4, 64, options=EngineOptions(decode_backend="torch",
-                                                        cuda_graphs=False))  # fmt: skip
+    engine = Engine(model, 4, 64, options=EngineOptions(decode_backend=backend))
+    assert engine.decode_backend == backend and not engine.cuda_graphs
     out = engine.generate(prompts, params, max_new_tokens=budgets)
     return [c.token_ids for c in out], [c.routed_experts.tolist() for c in out]
 
@@ -54,14 +55,17 @@ def _worker(rank: int, world: int, port: int, device_type: str) -> None:
     try:
         mine = list(range(rank, len(PROMPTS), world))  # rank 0: prompts 0 and 2; rank 1: 1
         prompts, budgets = [PROMPTS[i] for i in mine], [BUDGETS[i] for i in mine]
+        # the fused layers' grouped Triton kernels on the GPU, the torch loop everywhere
+        backends = ("torch", "triton") if device_type == "cuda" else ("torch",)
         for dtype in (torch.float32, torch.bfloat16):
             whole = _model(dtype, device)
             spread = _spread(whole, dtype, device)
             assert spread.model.layers[1].mlp.experts.gate_up_proj.shape[0] == 8 // world
-            tokens, routes = _generate(spread, prompts, budgets)
-            assert [len(t) for t in tokens] == budgets
-            if dtype == torch.float32:
-                assert (tokens, routes) == _generate(whole, prompts, budgets)
+            for backend in backends:
+                tokens, routes = _generate(spread, prompts, budgets, backend)
+                assert [len(t) for t in tokens] == budgets
+                if dtype == torch.float32:
+                    assert (tokens, routes) == _generate(whole, prompts, budgets, backend)
         dist.barrier()
     finally:
         leave_group()

@@ -38,16 +38,13 @@ SINGLE = SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True)
 
 
 def test_auto_picks_triton_on_a_gpu_whatever_the_tensor_parallel_size():
-    """The backend no longer depends on tensor parallelism; experts spread over replicas still
-    decode on the torch backend."""
+    """The backend depends on neither tensor nor expert parallelism (experts spread over
+    replicas decode on the fused layers too: test_expert_spread_fused.py)."""
     from hybridflow.engine import backend
 
     assert resolve_backend("auto", torch.device("cpu")) == "torch"
     if backend._triton_available():
         assert resolve_backend("auto", torch.device("cuda")) == "triton"
-    assert resolve_backend("auto", torch.device("cuda"), spread=True) == "torch"
-    with pytest.raises(ValueError, match="does not run a wide expert-parallel model"):
-        resolve_backend("triton", torch.device("cuda"), spread=True)
 
 
 def _model():

@@ -297,6 +297,11 @@ def experts_triton(
     ids, weights = routing.route_topk(logits, mlp.top_k, mlp.norm_topk_prob, record)
     if keep is not None:
         x, ids, weights = x[keep], ids[keep], weights[keep]
+    if getattr(mlp, "expert_spread", None) is not None:  # over the replicas (expert_spread.py)
+        from hybridflow.engine.expert_spread import spread_moe_experts
+
+        run_local = spread_local_experts(mlp, fp8, matmuls if prefill else None)
+        return spread_moe_experts(mlp, x, ids, weights, sparse_index, run_local)
     tokens = x.shape[0]
     gate_up, down = mlp.experts.gate_up_proj, mlp.experts.down_proj
     expert_slice = getattr(mlp, "expert_slice", None)  # this rank's experts (tensor_parallel.py)
@@ -317,6 +322,37 @@ def experts_triton(
 
         dist.all_reduce(out, group=expert_slice.group)
     return out
+
+
+def spread_local_experts(mlp, fp8=None, matmuls: ExpertMatmuls | None = None):
+    """expert_parallel_moe's run_local for a block whose experts are spread over replicas
+    (engine/expert_spread.py), on the fused layers' kernels: the rows this rank receives
+    (rows [R, H], their local expert ids [R, 1]) -> each row's expert output [R, H],
+    unweighted (the sender weighs and sums). The grouped Triton kernels over this rank's
+    E / ep experts (fp8: their e4m3 copies, fp8/experts.Fp8ExpertWeights); matmuls: a
+    prefill or extend pass's ExpertMatmuls, which may pick torch._grouped_mm (None: a
+    decode step, the Triton kernels)."""
+    from hybridflow.engine.kernels.experts import moe
+
+    gate_up, down = mlp.experts.gate_up_proj, mlp.experts.down_proj
+    scales = (None, None)
+    if fp8 is not None:
+        gate_up, down, scales = fp8.gate_up, fp8.down, (fp8.gate_up_scale, fp8.down_scale)
+
+    def run_local(rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        received = rows.shape[0]
+        if received == 0:  # no rows for this rank's experts in this round (sizes: host)
+            return rows.new_zeros(0, down.shape[1])
+        ids = local_ids.to(torch.int32).contiguous()
+        if fp8 is None and matmuls is not None and matmuls.use_grouped_mm(received, rows, True):
+            return _pairs_grouped_mm(rows, ids, gate_up, down)
+        blocks = moe.align_pairs(
+            ids, gate_up.shape[0], moe.block_rows(received, 1, gate_up.shape[0])
+        )
+        act = moe.grouped_gate_up(rows, gate_up, blocks, scale=scales[0])
+        return moe.grouped_down(act, down, blocks, scale=scales[1])  # [R * 1, H]: row order
+
+    return run_local
 
 
 def _pairs_grouped_mm(x, ids, gate_up, down, first_expert: int | None = None) -> torch.Tensor:

@@ -48,6 +48,8 @@ class SpreadRounds:
     model: object
     device: torch.device
     group: object
+    run_local_of: object = None
+    """serve_peers' (the engine's peer_experts())."""
 
     def beat(self, working: bool, posted: int) -> Beat:
         flags = torch.tensor([int(working), -posted], dtype=torch.int64)
@@ -58,7 +60,7 @@ class SpreadRounds:
         """Join the EP group's rounds with no tokens until every rank is done -> rounds."""
         from hybridflow.engine.expert_spread import serve_peers
 
-        return serve_peers(self.model, self.device)
+        return serve_peers(self.model, self.device, self.run_local_of)
 
 
 def spread_rounds(engine, group) -> SpreadRounds:
@@ -66,4 +68,4 @@ def spread_rounds(engine, group) -> SpreadRounds:
     over ``group`` (a gloo group of its EP ranks)."""
     if not engine.spread:
         raise ValueError("spread rounds need an engine whose experts are spread over replicas")
-    return SpreadRounds(engine.model, engine.device, group)
+    return SpreadRounds(engine.model, engine.device, group, engine.peer_experts())

@@ -82,6 +82,7 @@ def expert_parallel_moe(
     *,
     activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
     biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+    run_local: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """:func:`~hybridflow.models.moe.moe_experts` with the experts spread over ``group``.
 
@@ -89,7 +90,9 @@ def expert_parallel_moe(
     [E/EP, 2I, H] and down [E/EP, H, I]: this rank's experts, rank r holding experts
     r*E/EP .. (r+1)*E/EP - 1 (adapters, biases: theirs; activation as moe_experts') ->
     [T, H] in hidden's dtype. Every rank of ``group`` must call it (with T = 0 if it has
-    no tokens)."""
+    no tokens). run_local: runs this rank's experts on the received rows instead of
+    moe_experts over gate_up and down (rows [R, H], their local expert ids [R, 1] -> [R, H],
+    each row its expert's output unweighted: the engine's grouped Triton kernels)."""
     num_tokens, top_k = topk_ids.shape
     ep_size, local_experts = dist.get_world_size(group), gate_up.shape[0]
     num_experts = ep_size * local_experts
@@ -102,11 +105,14 @@ def expert_parallel_moe(
     rows = hidden[order // top_k]  # [T*k, H]
     received = AllToAllRows.apply(rows, send_splits, recv_splits, group)  # [R, H]
     local_ids = local_expert_of_received(received_counts)[:, None]  # [R, 1]
-    unit = torch.ones(local_ids.shape, dtype=torch.float32, device=hidden.device)
     # One assignment per received row with gate weight 1: the local grouped GEMMs, exact
     # in any dtype (x * 1.0); the gate weights apply below, on the sending rank.
-    expert_out = moe_experts(received, local_ids, unit, gate_up, down, backend, adapters,
-                             activation=activation, biases=biases)  # fmt: skip
+    if run_local is not None:
+        expert_out = run_local(received, local_ids)
+    else:
+        unit = torch.ones(local_ids.shape, dtype=torch.float32, device=hidden.device)
+        expert_out = moe_experts(received, local_ids, unit, gate_up, down, backend, adapters,
+                                 activation=activation, biases=biases)  # fmt: skip
     returned = AllToAllRows.apply(expert_out, recv_splits, send_splits, group)  # [T*k, H]
     unsorted = torch.empty_like(returned).index_copy_(0, order, returned)
     weighted = (

@@ -59,10 +59,9 @@ def plan_options(cfg: Config, derived: Derived, gpu_bytes: int | None) -> PlanOp
     critic_tokens = (cfg.critic.max_tokens_per_gpu
                      or cfg.critic.micro_batch_size_per_gpu * max_len)  # fmt: skip
     actor, rollout = sizes_of(cfg, "actor"), sizes_of(cfg, "rollout")
-    # a rollout with experts over replicas runs the eager path (engine/backend.resolve_backend);
-    # a tensor-parallel one fuses its shard's projections
-    unfused = (r.engine.decode_backend == "torch" or r.lora_in_place and m.lora_rank > 0
-               or rollout["ep"] > rollout["tp"])  # fmt: skip
+    # a tensor-parallel rollout fuses its shard's projections, one with experts over
+    # replicas too (the fused layers dispatch by all-to-all: engine/layers/moe.py)
+    unfused = r.engine.decode_backend == "torch" or r.lora_in_place and m.lora_rank > 0
     fuse = "none" if unfused else r.engine.fuse_projections
     named = model_architecture_for(cfg)  # a vision-language model: its images' patches
     patches = 0 if named is None else image_patches(named[1], micro_tokens,
