@@ -134,6 +134,14 @@ class StepGraph:
         self.graph.replay()
 
 
+def drop_step_graphs(runner, kind: str) -> None:
+    """Drop the runner's graphs of static steps of `kind` ("mixed", "verify"): a graph reads
+    the buffers of the step that captured it, and a new step (a new scheduler, as after a
+    call that failed: Engine._reset_scheduler) has buffers of its own."""
+    for key in [key for key in runner.graphs if isinstance(key[0], tuple) and key[0][0] == kind]:
+        del runner.graphs[key]
+
+
 def capture_step(runner, state, step) -> StepGraph:
     """`step` (no arguments; it reads fixed addresses only) captured in the runner's pool.
     Its warm-up (compilation, cuBLAS workspaces) runs it for real: the row state is restored

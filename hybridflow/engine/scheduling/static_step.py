@@ -41,6 +41,7 @@ from hybridflow.engine.scheduling.static_inputs import (
     StaticInputs,
     StepGraph,
     capture_step,
+    drop_step_graphs,
     static_forward,
 )
 
@@ -74,6 +75,7 @@ class StaticMixedStep:
     def __init__(self, engine: EngineView, forward):
         self.engine, self.forward = engine, forward
         self.cache, self.runner = engine.cache, engine.runner
+        drop_step_graphs(self.runner, "mixed")  # captured over an earlier step's buffers
         budget = engine.options.max_prefill_tokens_per_step
         self.buckets = token_buckets(budget)
         self.max_chunks = min(MAX_CHUNKS, self.cache.num_slots, budget)

@@ -45,6 +45,7 @@ from hybridflow.engine.scheduling.static_inputs import (
     StaticInputs,
     StepGraph,
     capture_step,
+    drop_step_graphs,
     static_forward,
 )
 
@@ -104,6 +105,7 @@ class StaticVerifyStep:
     def __init__(self, engine: EngineView, forward):
         self.engine, self.forward = engine, forward
         self.runner = engine.runner
+        drop_step_graphs(self.runner, "verify")  # captured over an earlier step's buffers
         options = engine.options
         self.drafts = options.speculative_draft_tokens  # k: draft tokens a row at most
         self.width = self.drafts + 1

@@ -136,3 +136,19 @@ def test_padding_goes_to_the_scratch_entry_and_the_grid_indexes_each_draft(model
                                                    [3, 3, 3, 3]]  # fmt: skip
     tiles = [tuple(t) for t in views.tiles.tolist() if t[2] > t[1]]
     assert tiles == [(2, 0, 3), (0, 3, 4), (-1, 4, 12)]
+
+
+def test_a_new_scheduler_drops_the_static_graphs_of_the_last_one(model):
+    """A captured static step reads its own step's buffers: the scheduler a failed call
+    leaves behind (Engine._reset_scheduler) makes new steps, whose graphs start afresh; the
+    decode graphs (which read the state and cache only) stay."""
+    options = EngineOptions(decode_backend="triton", graph_verify_steps=True,
+                            max_prefill_tokens_per_step=8, graph_mixed_steps=True,
+                            **SPECULATIVE)  # fmt: skip
+    engine = Engine(model, 4, 64, options=options)
+    engine.start_generation()
+    graphs, mode = engine.runner.graphs, ("mode", False)  # keys as the runner's table has
+    graphs.update({(("verify", 1), mode): "verify", (("mixed", 1, 16), mode): "mixed",
+                   (1, mode): "decode"})  # fmt: skip
+    engine._reset_scheduler()
+    assert graphs == {(1, mode): "decode"}
