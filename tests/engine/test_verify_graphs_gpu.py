@@ -1,0 +1,123 @@
+"""Verify passes captured as CUDA graphs (EngineOptions.graph_verify_steps, speculative/
+static_verify.py) emit what the eager verify passes of the same fused engine emit, in fp32 on
+a tiny model: greedy and sampled, a paged and a slot cache, two calls (the second drafting
+from the first's responses: the graphs replayed), graphs captured by Engine.warm_up, rows
+preempted by a small block budget; and in bf16 a second epoch's drafts are still accepted.
+
+    pytest -m gpu tests/engine/test_verify_graphs_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridflow.engine import Engine, EngineOptions, SamplingParams
+from hybridflow.models import build_model
+from hybridflow.models.presets import preset_config
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+PROMPTS = [[5, 17, 9, 33, 2, 71] * 3, [40, 41, 42, 40, 41], [100, 3, 8, 19, 23, 60, 61], [12, 13]]
+# verify every tail step with a draft (what the measured rule decides: test_rule.py)
+SPECULATIVE = dict(speculative="ngram", speculative_draft_tokens=4, speculative_max_rows=64,
+                   speculative_min_ngram=1, speculative_rule="always", steps_per_sync=4)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model():
+    """std-0.3 weights: peaked logits, greedy far from ties."""
+    generator = torch.Generator().manual_seed(1)
+    model = build_model(preset_config("tiny"), seed=1).eval().requires_grad_(False)
+    for p in model.parameters():
+        p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    return model.to("cuda")
+
+
+def _engine(model, captured: bool, block=16, budget=None, slots=8) -> Engine:
+    """captured: verify passes with static shapes, replayed as CUDA graphs; else the eager
+    verify passes of the same fused engine (its decode steps replayed as graphs either way)."""
+    options = EngineOptions(decode_backend="triton", kv_block_size=block,
+                            graph_verify_steps=captured, **SPECULATIVE)  # fmt: skip
+    return Engine(model, slots, 96, memory_budget=budget, options=options)
+
+
+def _assert_same(got, expected, atol=1e-4):
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=atol)
+
+
+def _counts(engine) -> tuple:
+    stats = engine.speculation.stats
+    return stats.passes, stats.rows, stats.drafted, stats.accepted, stats.emitted
+
+
+@pytest.mark.parametrize("block", [16, None], ids=["paged", "slots"])
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(n=2, temperature=0, max_new_tokens=24, ignore_eos=True),
+     SamplingParams(n=2, temperature=0.8, top_p=0.9, max_new_tokens=24, seed=2,
+                    stop_token_ids=(41,))],
+    ids=["greedy", "sampled+stops"],
+)  # fmt: skip
+def test_captured_verify_passes_emit_what_eager_verify_passes_emit(model, params, block):
+    budgets = [24, 5, 24, 9, 3, 24, 16, 11]  # rows leave at different passes
+    eager, engine = _engine(model, False, block), _engine(model, True, block)
+    captures = []
+    for _ in range(2):  # the second call drafts from the first's responses
+        expected = eager.generate(PROMPTS, params, max_new_tokens=budgets)
+        _assert_same(engine.generate(PROMPTS, params, max_new_tokens=budgets), expected)
+        captures.append(engine.scheduler.static_verify.captures)
+    static = engine.scheduler.static_verify
+    assert _counts(engine) == _counts(eager)
+    assert captures[1] == captures[0] > 0  # the second call replayed the first's graphs
+    assert static.steps == engine.speculation.stats.passes > 0
+    assert engine.speculation.stats.accepted > 0
+
+
+def test_warm_up_captures_the_verify_graphs_that_the_passes_then_replay(model):
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=24, ignore_eos=True)
+    expected = _engine(model, False).generate(PROMPTS, params)
+    engine = _engine(model, True)
+    captured = engine.warm_up(params)
+    static = engine.scheduler.static_verify
+    assert static.captures == len(static.buckets) > 0
+    assert captured == static.captures + len(engine.runner.buckets)
+    _assert_same(engine.generate(PROMPTS, params), expected)
+    assert static.captures == len(static.buckets) and static.steps > 0
+
+
+def test_captured_verify_passes_with_preemption_keep_every_token(model):
+    """Seven blocks of 16 for four sequences growing to two blocks each (as
+    test_static_verify_fused.py's): the newest rows are preempted and prefilled again."""
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=24, ignore_eos=True)
+    prompts = [[40, 41, 42, 40, 41], [12, 13]]
+    expected = _engine(model, False, slots=4).generate(prompts, params)
+    probe = _engine(model, True, slots=4)
+    keys = probe.num_slots and probe.cache.keys  # (num_slots makes the cache)
+    block_bytes = keys[:, 0].numel() * keys.element_size() * 2
+    engine = _engine(model, True, budget=block_bytes * 8, slots=4)
+    _assert_same(engine.generate(prompts, params), expected)
+    assert engine.cache.num_blocks == 7 and engine.scheduler.paging.preemptions > 0
+    assert engine.scheduler.static_verify.captures > 0
+
+
+def test_bf16_captured_verify_passes_accept_a_second_epoch_s_drafts(model):
+    """bf16: the captured drafts attend through the paged chunk kernel (the eager pass
+    through FlashAttention); the second call's drafts, its first call's responses, are
+    accepted (more than one token a row a pass; test_verify_fused.py measured 1.68 of at
+    most 5 for the eager pass on an H100, and bounds it at 1.5)."""
+    half = build_model(preset_config("tiny"), seed=1).eval().requires_grad_(False)
+    half.load_state_dict(model.state_dict())
+    half = half.to("cuda", torch.bfloat16)
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=40, ignore_eos=True)
+    engine = _engine(half, True, slots=8)
+    engine.generate(PROMPTS[:3], params)
+    stats = engine.speculation.stats
+    before = (stats.rows, stats.emitted)
+    engine.generate(PROMPTS[:3], params)
+    assert engine.scheduler.static_verify.captures > 0
+    assert (stats.emitted - before[1]) / (stats.rows - before[0]) > 1.3
