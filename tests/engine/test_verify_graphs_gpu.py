@@ -2,17 +2,22 @@
 static_verify.py) emit what the eager verify passes of the same fused engine emit, in fp32 on
 a tiny model: greedy and sampled, a paged and a slot cache, two calls (the second drafting
 from the first's responses: the graphs replayed), graphs captured by Engine.warm_up, rows
-preempted by a small block budget; and in bf16 a second epoch's drafts are still accepted.
+preempted by a small block budget; a draft model's sampled tokens follow the target's exact
+distribution (chi-square, as tests/engine/speculative/test_draft_model.py's on the eager
+pass); and in bf16 a second epoch's drafts are still accepted.
 
     pytest -m gpu tests/engine/test_verify_graphs_gpu.py
 """
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from hybridflow.engine import Engine, EngineOptions, SamplingParams
+from hybridflow.engine.sampling import allowed_probs_reference
 from hybridflow.models import build_model
 from hybridflow.models.presets import preset_config
 
@@ -103,6 +108,72 @@ def test_captured_verify_passes_with_preemption_keep_every_token(model):
     _assert_same(engine.generate(prompts, params), expected)
     assert engine.cache.num_blocks == 7 and engine.scheduler.paging.preemptions > 0
     assert engine.scheduler.static_verify.captures > 0
+
+
+SAMPLES = 6000
+PROMPT = [5, 17, 9, 33, 2, 71]
+TOP_P = SamplingParams(n=SAMPLES, temperature=1.0, top_p=0.9, max_new_tokens=3, seed=11,
+                       ignore_eos=True)  # fmt: skip
+
+
+def _exact_joint(target) -> dict[tuple[int, ...], float]:
+    """P(t1, t2, t3) of the target's sampler after PROMPT, by enumerating its allowed sets."""
+    joint = {(): 1.0}
+    for _ in range(3):
+        prefixes = list(joint)
+        logits = target(torch.tensor([PROMPT + list(p) for p in prefixes]))[:, -1]
+        probs = allowed_probs_reference(logits, TOP_P)
+        joint = {(*p, t): joint[p] * float(row[t]) for p, row in zip(prefixes, probs)
+                 for t in row.nonzero().flatten().tolist()}  # fmt: skip
+    return joint
+
+
+def _chi2(observed: dict, expected_probs: dict, total: int) -> tuple[float, float]:
+    """Pearson's statistic over the cells expecting >= 5 samples and the rest pooled, and
+    the critical value at p ~ 3e-5 (Wilson-Hilferty, z = 4)."""
+    assert set(observed) <= set(expected_probs), "a sequence the target never samples"
+    big = [cell for cell, p in expected_probs.items() if p * total >= 5]
+    cells = [(observed.get(c, 0), expected_probs[c] * total) for c in big]
+    rest = (total - sum(o for o, _ in cells), total - sum(e for _, e in cells))
+    if rest[1] > 0:
+        cells.append(rest)
+    stat = sum((o - e) ** 2 / e for o, e in cells)
+    dof = len(cells) - 1
+    return stat, dof * (1 - 2 / (9 * dof) + 4.0 * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def test_a_draft_model_s_captured_passes_follow_the_target_distribution(tmp_path):
+    """test_draft_model.py's target and draft (tests/engine/conftest.py's model with logits
+    4x as large: at temperature 1 and top-p 0.9 its first three tokens take ~1,400
+    sequences; the draft the same with noise of 0.2 x each weight's std, accepted 20-90%
+    of the time): one captured pass of two drafts a row, then the rows' last tokens."""
+    generator = torch.Generator().manual_seed(1)
+    target = build_model(preset_config("tiny"), seed=1).eval().requires_grad_(False)
+    for name, p in target.named_parameters():
+        if not name.endswith("bias"):
+            p.normal_(0, 0.3, generator=generator)
+    target.model.norm.weight.mul_(4)
+    generator = torch.Generator().manual_seed(7)
+    draft = build_model(target.config, seed=0).eval().requires_grad_(False)
+    for mine, theirs in zip(draft.parameters(), target.parameters()):
+        noise = torch.randn(mine.shape, generator=generator) * theirs.std().nan_to_num(0)
+        mine.copy_(theirs + 0.2 * noise)
+    draft.save_pretrained(str(tmp_path / "draft"))
+    joint = _exact_joint(target)  # on the CPU, before the engine takes the model
+    assert sum(p * SAMPLES >= 5 for p in joint.values()) >= 50  # a test of many cells
+    fields = {**SPECULATIVE, "speculative": "draft", "speculative_draft_tokens": 2,
+              "speculative_draft_model": str(tmp_path / "draft"), "speculative_max_rows": SAMPLES}  # fmt: skip
+    options = EngineOptions(decode_backend="triton", kv_block_size=None, graph_verify_steps=True,
+                            **fields)  # fmt: skip
+    engine = Engine(target.to("cuda"), SAMPLES, 16, options=options)
+    counts: dict[tuple[int, ...], int] = {}
+    for completion in engine.generate([PROMPT], TOP_P):
+        counts[tuple(completion.token_ids)] = counts.get(tuple(completion.token_ids), 0) + 1
+    stats = engine.speculation.stats
+    assert engine.scheduler.static_verify.captures > 0
+    assert 0.2 * stats.drafted < stats.accepted < 0.9 * stats.drafted  # both paths, often
+    stat, critical = _chi2(counts, joint, SAMPLES)
+    assert stat < critical, (stat, critical)
 
 
 def test_bf16_captured_verify_passes_accept_a_second_epoch_s_drafts(model):

@@ -78,6 +78,38 @@ def test_static_verify_passes_emit_what_eager_verify_passes_emit(model, params, 
         assert engine.blocks.free_blocks == engine.blocks.num_blocks
 
 
+@pytest.fixture(scope="module")
+def draft_dir(model, tmp_path_factory):
+    """A draft model: the target with noise of 0.1 x each weight's std added (it agrees with
+    the target on its confident tokens and disagrees elsewhere)."""
+    generator = torch.Generator().manual_seed(7)
+    draft = build_model(model.config, seed=0).eval().requires_grad_(False)
+    for mine, theirs in zip(draft.parameters(), model.parameters()):
+        noise = torch.randn(mine.shape, generator=generator).to(DEVICE)
+        mine.copy_(theirs + 0.1 * theirs.std().nan_to_num(0) * noise)
+    path = tmp_path_factory.mktemp("draft")
+    draft.save_pretrained(str(path))
+    return str(path)
+
+
+def test_a_draft_model_s_static_passes_emit_what_its_eager_passes_emit(model, draft_dir):
+    """The draft model's acceptance (model_verify.py) reads the static grid's logits."""
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=14, ignore_eos=True)
+    draft = dict(speculative="draft", speculative_draft_model=draft_dir)
+    engines = []
+    for static in (False, True):
+        backend = dict(decode_backend="triton", graph_verify_steps=True) if static else dict(
+            decode_backend="torch", cuda_graphs=False)  # fmt: skip
+        options = EngineOptions(**backend, **{**SPECULATIVE, **draft}, kv_block_size=16)
+        engines.append(Engine(model, 6, 64, options=options))
+    eager, engine = engines
+    _assert_same(engine.generate(PROMPTS, params), eager.generate(PROMPTS, params))
+    assert _counts(engine) == _counts(eager)
+    stats = engine.speculation.stats
+    assert 0 < stats.accepted < stats.drafted  # some drafts kept, some rolled back
+    assert engine.scheduler.static_verify.steps == stats.passes
+
+
 def test_static_verify_passes_with_preemption_keep_every_token(model):
     """Seven blocks of 16 for four sequences growing to two blocks each: verify passes need
     blocks for their drafts, the newest rows are preempted and prefilled again."""
