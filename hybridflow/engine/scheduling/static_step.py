@@ -10,11 +10,18 @@ rows' batch bucket, token bucket, sampling mode) is captured and replayed:
 - the chunks' tokens are packed from 0 and padded to the smallest of token_buckets(budget)
   that holds them; a padding token sits at offset 0 of the scratch slot or block, the only
   place it writes K/V, which no live sequence reads;
-- every input of the chunks (ids, positions, cache entries and offsets, the finished jobs'
-  last tokens, the attention's tiles) lives in one device buffer that each step fills with
-  one copy from a pinned buffer (two, alternating: a step's copy may still be in flight);
+- every input of the chunks (ids, positions, cache entries and offsets, slots, the finished
+  jobs' last tokens, the attention's tiles) lives in one device buffer that each step fills
+  with one copy from a pinned buffer (two, alternating: a step's copy may still be in flight);
 - the logits of the jobs whose last chunk ran go to a buffer outside the graphs' pool, which
   mixed.finish_jobs samples from eagerly (fan-out, first tokens, new rows: host changes).
+
+That machinery (the buffer, the forward of rows beside chunks, the capture) lives in
+static_inputs.py, shared with the verify passes of speculative decoding
+(speculative/static_verify.py, EngineOptions.graph_verify_steps): there the decode rows are
+the rows verified (each its last token), the chunks their drafts (a row with k drafts covers
+k + 1 positions; a row with none is a plain decode row of the same step), and the logits of
+every position go out instead of the rows being sampled in the graph.
 
 The read-back pipelining is the decode path's: the replay is queued, the scheduler queues
 the rows' snapshot after it and reads the previous one while the GPU runs it; nothing here
