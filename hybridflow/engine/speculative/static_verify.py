@@ -59,18 +59,21 @@ KEY = "graph_verify_steps"
 
 def graph_verify_problem(engine: EngineView) -> str | None:
     """Why the engine's verify passes cannot run with static shapes, as a refusal naming
-    the key (None: they can). Before the cache exists only the backend is checked."""
+    the key (None: they can). Before the cache exists, its kinds are not checked (Engine
+    checks the backend and the K/V dtype when made, the scheduler the cache's kinds)."""
     if engine.decode_backend != "triton":
         return (f"{KEY}=true runs verify passes on the fused (triton) backend; this engine "
                 "runs the torch backend (decode_backend=torch, or a model with recurrent, "
                 f"latent or sink-window layers): set {KEY}=false")  # fmt: skip
+    if engine.options.kv_cache_dtype == "fp8":
+        return (f"{KEY}=true covers K/V caches in the model's dtype (the static forward reads "
+                f"no fp8 scales): set {KEY}=false or kv_cache_dtype=model")  # fmt: skip
     cache = engine.cache
     if cache is None:
         return None
     kinds = [name for name, present in (
         ("recurrent or sliding-window state", cache.per_sequence),
         ("latent (MLA) cache", cache.latent is not None),
-        ("fp8 K/V cache (kv_cache_dtype=fp8)", cache.scales is not None),
         ("extend pass other than the fused one", static_forward_of(engine.extend) is None),
     ) if present]  # fmt: skip
     if kinds:

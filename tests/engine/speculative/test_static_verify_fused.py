@@ -4,7 +4,9 @@ packed as chunks padded to speculative_draft_tokens a row, the drafts' attention
 block table. Run eagerly here (the code a CUDA graph captures), they emit the tokens and
 log-probs the eager verify passes emit (fp32: equal tokens), greedy and sampled, over many
 passes that accept some drafts and reject others, with preemption and a kept slot's next
-turn; the uploaded inputs put every padding token on the scratch entry. fp32 tiny model, on
+turn; the uploaded inputs put every padding token on the scratch entry; a new scheduler
+drops the graphs captured over the last one's buffers; an fp8 K/V cache is refused, naming
+the key. fp32 tiny model, on
 CPU under TRITON_INTERPRET=1 (tests/engine/test_verify_graphs_gpu.py checks the captured
 graphs)."""
 
@@ -184,3 +186,14 @@ def test_a_new_scheduler_drops_the_static_graphs_of_the_last_one(model):
                    (1, mode): "decode"})  # fmt: skip
     engine._reset_scheduler()
     assert graphs == {(1, mode): "decode"}
+
+
+def test_an_fp8_kv_cache_is_refused_naming_the_key(model):
+    options = EngineOptions(decode_backend="triton", kv_cache_dtype="fp8", kv_block_size=16,
+                            speculative="ngram", graph_verify_steps=True)  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match="graph_verify_steps=true covers K/V caches in the "
+        "model's dtype.*kv_cache_dtype=model",
+    ):
+        Engine(model, 2, 32, options=options)
