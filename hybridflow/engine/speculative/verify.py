@@ -17,6 +17,10 @@ token overwrites them before any read reaches them. A recurrent layer's state an
 layer's ring cannot be rolled back that way: they are copied before the pass and, for the
 rows that rejected drafts, restored and moved through the kept inputs again (rollback.py).
 
+With EngineOptions.graph_verify_steps (the fused backend) the forward has static shapes and
+replays as a CUDA graph (static_verify.py: the rows as decode rows, their drafts as chunks of
+their slots); the acceptance and bookkeeping after it are the same.
+
 Drafts come from the tokens read back so far, so a verify pass first reads every row back
 (the pass is synchronous: no chunk overlaps the host's work) and its emitted counts are read
 after it (the host's budgets stay exact). In the tail a step is a few rows' tokens against a
