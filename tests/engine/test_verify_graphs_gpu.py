@@ -66,7 +66,7 @@ def _counts(engine) -> tuple:
     [SamplingParams(n=2, temperature=0, max_new_tokens=24, ignore_eos=True),
      SamplingParams(n=2, temperature=0.8, top_p=0.9, max_new_tokens=24, seed=2,
                     stop_token_ids=(41,))],
-    ids=["greedy", "sampled+stops"],
+    ids=["greedy", "sampled"],
 )  # fmt: skip
 def test_captured_verify_passes_emit_what_eager_verify_passes_emit(model, params, block):
     budgets = [24, 5, 24, 9, 3, 24, 16, 11]  # rows leave at different passes

@@ -48,6 +48,7 @@ def _engine(model, static: bool, block=16, slots=6, budget=None) -> Engine:
 
 def _assert_same(got, expected):
     assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    assert [c.finish_reason for c in got] == [c.finish_reason for c in expected]
     for a, b in zip(got, expected):
         torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-4)
 
@@ -60,8 +61,8 @@ def _counts(engine) -> tuple:
 @pytest.mark.parametrize(
     "params",
     [SamplingParams(n=2, temperature=0, max_new_tokens=14, ignore_eos=True),
-     SamplingParams(n=2, temperature=0.8, top_p=0.9, max_new_tokens=14, seed=2,
-                    stop_token_ids=(41,))],
+     SamplingParams(n=2, temperature=0.5, top_k=5, max_new_tokens=14, seed=3,
+                    stop_token_ids=(2, 66))],  # three of the six rows stop
     ids=["greedy", "sampled+stops"],
 )  # fmt: skip
 @pytest.mark.parametrize("block", [16, None], ids=["paged", "slots"])
@@ -74,9 +75,9 @@ def test_static_verify_passes_emit_what_eager_verify_passes_emit(model, params, 
     # the same passes, drafts and acceptances as the eager passes
     assert _counts(engine) == _counts(eager)
     stats = engine.speculation.stats
-    assert stats.accepted > 0 and engine.scheduler.static_verify.steps == stats.passes
-    if block is not None:  # (the slot cache's calls make fewer passes, all accepted)
-        assert stats.passes >= 8 and stats.accepted < stats.drafted  # some drafts rejected
+    assert engine.scheduler.static_verify.steps == stats.passes >= 5
+    assert 0 < stats.accepted < stats.drafted  # some drafts kept, some rejected
+    if block is not None:
         assert engine.blocks.free_blocks == engine.blocks.num_blocks
 
 
