@@ -71,14 +71,12 @@ def _counts(engine) -> tuple:
 def test_captured_verify_passes_emit_what_eager_verify_passes_emit(model, params, block):
     budgets = [24, 5, 24, 9, 3, 24, 16, 11]  # rows leave at different passes
     eager, engine = _engine(model, False, block), _engine(model, True, block)
-    captures = []
     for _ in range(2):  # the second call drafts from the first's responses
         expected = eager.generate(PROMPTS, params, max_new_tokens=budgets)
         _assert_same(engine.generate(PROMPTS, params, max_new_tokens=budgets), expected)
-        captures.append(engine.scheduler.static_verify.captures)
     static = engine.scheduler.static_verify
     assert _counts(engine) == _counts(eager)
-    assert captures[1] == captures[0] > 0  # the second call replayed the first's graphs
+    assert static.steps > static.captures > 0  # passes replayed graphs captured before
     assert static.steps == engine.speculation.stats.passes > 0
     assert engine.speculation.stats.accepted > 0
 
