@@ -58,14 +58,14 @@ def _counts(engine) -> tuple:
     return stats.passes, stats.rows, stats.drafted, stats.accepted, stats.emitted
 
 
-@pytest.mark.parametrize(
-    "params",
-    [SamplingParams(n=2, temperature=0, max_new_tokens=14, ignore_eos=True),
-     SamplingParams(n=2, temperature=0.5, top_k=5, max_new_tokens=14, seed=3,
-                    stop_token_ids=(2, 66))],  # three of the six rows stop
-    ids=["greedy", "sampled+stops"],
-)  # fmt: skip
-@pytest.mark.parametrize("block", [16, None], ids=["paged", "slots"])
+GREEDY = SamplingParams(n=2, temperature=0, max_new_tokens=14, ignore_eos=True)
+# three of the six rows stop
+SAMPLED = SamplingParams(n=2, temperature=0.5, top_k=5, max_new_tokens=14, seed=3,
+                         stop_token_ids=(2, 66))  # fmt: skip
+
+
+@pytest.mark.parametrize(("params", "block"), [(GREEDY, 16), (SAMPLED, 16), (GREEDY, None)],
+                         ids=["greedy-paged", "sampled+stops-paged", "greedy-slots"])  # fmt: skip
 def test_static_verify_passes_emit_what_eager_verify_passes_emit(model, params, block):
     budgets = [14, 5, 14, 9, 3, 14]  # rows leave at different passes: the buckets shrink
     eager, engine = _engine(model, False, block), _engine(model, True, block)
