@@ -23,8 +23,10 @@ import argparse
 
 def with_speculation(args, method: str) -> argparse.Namespace:
     """A copy of `args` whose engine runs with speculative=method (other --engine fields
-    kept; a speculative= field given there is replaced)."""
-    kept = [pair for pair in args.engine if not pair.startswith("speculative=")]
+    kept; a speculative= field given there is replaced, and graph_verify_steps, which
+    needs speculation, is dropped for method "off")."""
+    dropped = ("speculative=", *(("graph_verify_steps=",) if method == "off" else ()))
+    kept = [pair for pair in args.engine if not pair.startswith(dropped)]
     return argparse.Namespace(**{**vars(args), "engine": [*kept, f"speculative={method}"]})
 
 

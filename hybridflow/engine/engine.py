@@ -203,6 +203,12 @@ class Engine:
             from hybridflow.engine.speculative.verify import make_speculation
 
             self.speculation = make_speculation(options, self.config, self.device, self.dtype)
+            if options.graph_verify_steps:  # the backend now; the cache kinds with the cache
+                from hybridflow.engine.speculative.static_verify import graph_verify_problem
+
+                problem = graph_verify_problem(self)
+                if problem is not None:
+                    raise ValueError(problem)
 
     # -- pinned choices (choices.py) -----------------------------------------------------------
 

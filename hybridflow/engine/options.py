@@ -193,6 +193,15 @@ class EngineOptions:
     distribution exact; greedy tokens the same). Runs while at most speculative_max_rows
     rows decode, where the measured rule (speculative_rule) finds it pays. "off" until
     measured on a GPU (bench rollout --speculative)."""
+    graph_verify_steps: bool = False
+    """With speculative on, verify passes run with static shapes (speculative/
+    static_verify.py): the rows padded to the decode graphs' batch buckets, their drafts
+    packed as chunks of their rows padded to speculative_draft_tokens a row, the logits of
+    every position into a fixed buffer, so a pass replays as a CUDA graph in the same step
+    as the rows with no draft (acceptance stays eager after it). The fused (triton) backend
+    over K/V caches in the model's dtype only: refused, naming this key, on engines with
+    recurrent, latent or sink-window layers (the torch backend) or an fp8 K/V cache. False
+    until measured on a GPU (bench rollout --speculative --engine graph_verify_steps=true)."""
     speculative_draft_model: str | None = None
     """speculative="draft": a preset name or a local HF directory of the draft model (the
     target's tokenizer; its embedding table may be padded to another size), loaded in the
@@ -317,6 +326,7 @@ class EngineOptions:
             "admission_gather_ms",
             "max_prefill_tokens_per_step",
             "graph_mixed_steps",
+            "graph_verify_steps",
             "service_stream",
             "record_routes",
             "kv_block_size",  # the attention tile keys on it itself (kernels/attention.py)

@@ -35,6 +35,7 @@ def mixed_forward_static(
     fused=None,
     matmul=None,
     launch: Launch = PLAIN,
+    chunk_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """input_ids/positions [R + T]: R decode rows (row_slots [R], padding rows on the scratch
     slot) then T chunk tokens (padding tokens at position 0 of the scratch entry); cache_at:
@@ -45,7 +46,8 @@ def mixed_forward_static(
     tile, as the extend pass), each chunk token over its sequence up to its position. A
     decode row turns at its position plus its slot's rotary shift (RopeTable.slot_shift,
     read in the graph: mRoPE prompts with images); chunk tokens at their positions (a mixed
-    step prefills no prompt with images: images.check_image_call)."""
+    step prefills no prompt with images: images.check_image_call), or, given chunk_slots
+    [T] (a verify pass's drafts, which continue their rows), plus their slot's shift too."""
     from hybridflow.engine.kernels import attention, rowwise
     from hybridflow.engine.kernels.chunk_attention import chunk_attention
     from hybridflow.engine.layers.moe import route_target
@@ -56,7 +58,10 @@ def mixed_forward_static(
     lengths = positions[:rows] + 1
     rotary = positions
     if rope.slot_shift is not None:
-        rotary = torch.cat([rope.rotary_positions(positions[:rows], row_slots), positions[rows:]])
+        chunk_rotary = positions[rows:]
+        if chunk_slots is not None:
+            chunk_rotary = rope.rotary_positions(chunk_rotary, chunk_slots)
+        rotary = torch.cat([rope.rotary_positions(positions[:rows], row_slots), chunk_rotary])
 
     def attend(index, q, k, v):
         keys, values = cache.keys[index], cache.values[index]

@@ -121,10 +121,13 @@ class Scheduler(SchedulerState):
 
     def capture_graphs(self) -> int:
         """Every batch bucket's decode graph of the current sampling mode, and the static
-        mixed steps' (static_step.py) where they run, captured now. -> how many were new."""
+        mixed steps' (static_step.py) and verify passes' (speculative/static_verify.py)
+        where they run, captured now. -> how many were new."""
         captured = self.runner.capture_all()
         if self.static_step is not None:
             captured += self.static_step.capture_all()
+        if self.static_verify is not None:
+            captured += self.static_verify.capture_all()
         return captured
 
     def release_kept(self, handles) -> None:

@@ -51,6 +51,13 @@ class SchedulerState:
             from hybridflow.engine.scheduling.static_step import static_step_for
 
             self.static_step = static_step_for(engine)
+        # verify passes with static shapes, replayed as CUDA graphs (speculative/
+        # static_verify.py: graph_verify_steps), or None (eager passes)
+        self.static_verify = None
+        if engine.speculation is not None and engine.options.graph_verify_steps:
+            from hybridflow.engine.speculative.static_verify import static_verify_for
+
+            self.static_verify = static_verify_for(engine)
         self.rows: list[LiveRequest] = []  # the request of each live row
         self.row_budget: list[int] = []  # upper bound on steps each row may still take
         self.row_end: list[int] = []  # prompt length + max_new: bound on the row's cache length

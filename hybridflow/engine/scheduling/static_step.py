@@ -10,11 +10,18 @@ rows' batch bucket, token bucket, sampling mode) is captured and replayed:
 - the chunks' tokens are packed from 0 and padded to the smallest of token_buckets(budget)
   that holds them; a padding token sits at offset 0 of the scratch slot or block, the only
   place it writes K/V, which no live sequence reads;
-- every input of the chunks (ids, positions, cache entries and offsets, the finished jobs'
-  last tokens, the attention's tiles) lives in one device buffer that each step fills with
-  one copy from a pinned buffer (two, alternating: a step's copy may still be in flight);
+- every input of the chunks (ids, positions, cache entries and offsets, slots, the finished
+  jobs' last tokens, the attention's tiles) lives in one device buffer that each step fills
+  with one copy from a pinned buffer (two, alternating: a step's copy may still be in flight);
 - the logits of the jobs whose last chunk ran go to a buffer outside the graphs' pool, which
   mixed.finish_jobs samples from eagerly (fan-out, first tokens, new rows: host changes).
+
+That machinery (the buffer, the forward of rows beside chunks, the capture) lives in
+static_inputs.py, shared with the verify passes of speculative decoding
+(speculative/static_verify.py, EngineOptions.graph_verify_steps): there the decode rows are
+the rows verified (each its last token), the chunks their drafts (a row with k drafts covers
+k + 1 positions; a row with none is a plain decode row of the same step), and the logits of
+every position go out instead of the rows being sampled in the graph.
 
 The read-back pipelining is the decode path's: the replay is queued, the scheduler queues
 the rows' snapshot after it and reads the previous one while the GPU runs it; nothing here
@@ -29,21 +36,27 @@ the eager mixed step (static_step_for returns None).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from hybridflow.engine.kernels.chunk_attention import chunk_tiles, tile_count, tile_tokens
+from hybridflow.engine.kernels.chunk_attention import tile_count, tile_tokens
 from hybridflow.engine.scheduling.mixed_forward import static_forward_of
+from hybridflow.engine.scheduling.static_inputs import (
+    ChunkViews,
+    StaticInputs,
+    StepGraph,
+    capture_step,
+    drop_step_graphs,
+    static_forward,
+)
 
 if TYPE_CHECKING:
     from hybridflow.engine.scheduling.paging import Paging
     from hybridflow.engine.scheduling.view import EngineView, PrefillJob
 
 MAX_CHUNKS = 64  # jobs a static step carries chunks of (the rest wait a step)
-FIELDS = ("ids", "positions", "entries", "offsets")  # per chunk token
 
 
 def token_buckets(budget: int) -> list[int]:
@@ -65,41 +78,22 @@ def static_step_for(engine: EngineView) -> StaticMixedStep | None:
     return StaticMixedStep(engine, forward)
 
 
-@dataclass
-class MixedGraph:
-    """A captured static mixed step (kept in the decode runner's graph table, so dropped with
-    its graphs: a sampling mode gone, a parameter moved)."""
-
-    graph: torch.cuda.CUDAGraph
-
-    def replay(self) -> None:
-        self.graph.replay()
-
-
 class StaticMixedStep:
     def __init__(self, engine: EngineView, forward):
         self.engine, self.forward = engine, forward
         self.cache, self.runner = engine.cache, engine.runner
+        drop_step_graphs(self.runner, "mixed")  # captured over an earlier step's buffers
         budget = engine.options.max_prefill_tokens_per_step
         self.buckets = token_buckets(budget)
         self.max_chunks = min(MAX_CHUNKS, self.cache.num_slots, budget)
         config = engine.config
-        self.per_tile = tile_tokens(config.num_attention_heads, config.num_key_value_heads)
-        self.tiles = {t: tile_count(t, self.max_chunks, self.per_tile) for t in self.buckets}
-        top = self.buckets[-1]
-        self.sizes = [top] * len(FIELDS) + [self.max_chunks, 3 * self.tiles[top]]
-        total = sum(self.sizes)
-        device = engine.device
-        self.inputs = torch.zeros(total, dtype=torch.int64, device=device)
-        cuda = device.type == "cuda"
-        self.staging = [torch.zeros(total, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
-        self.copied = [torch.cuda.Event() if cuda else None for _ in range(2)]
-        self.turn = 0
-        self.arange = torch.arange(engine.state.capacity, device=device)
-        self.job_logits = torch.empty(self.max_chunks, config.vocab_size, device=device,
+        per_tile = tile_tokens(config.num_attention_heads, config.num_key_value_heads)
+        tiles = {t: tile_count(t, self.max_chunks, per_tile) for t in self.buckets}
+        # the keep field: the finished jobs' last tokens (their index among the chunks')
+        self.inputs = StaticInputs(engine, tiles, self.max_chunks, per_tile)
+        self.arange = torch.arange(engine.state.capacity, device=engine.device)
+        self.job_logits = torch.empty(self.max_chunks, config.vocab_size, device=engine.device,
                                       dtype=engine.model.lm_head.weight.dtype)  # fmt: skip
-        # a padding token's K/V: offset 0 of the scratch block (paged) or slot
-        self.scratch = self.cache.num_blocks if self.cache.paged else self.cache.scratch_slot
         self.captures = 0  # graphs captured so far (a counter)
         self.steps = 0  # static steps run (a counter)
         self.shape = (0, 0)  # the last step's (batch bucket, token bucket)
@@ -144,81 +138,33 @@ class StaticMixedStep:
     def _upload(self, paging, chunks, finished, tokens: int) -> None:
         """The chunks' inputs, padded to `tokens`, into the device buffer (one copy);
         paging: the scheduler's (paging.py), None for a slot cache."""
-        turn = self.turn = 1 - self.turn
-        if self.copied[turn] is not None:
-            self.copied[turn].synchronize()  # its last copy (two steps ago) read it: long done
-        host = self.staging[turn].numpy()
-        views = np.split(host, np.cumsum(self.sizes)[:-1])
-        ids, positions, entries, offsets, ends, tiles = views
-        counts = np.array([count for _, _, count in chunks], dtype=np.int64)
-        starts = np.array([start for _, start, _ in chunks], dtype=np.int64)
-        slots = np.array([job.slots[0] for job, _, _ in chunks], dtype=np.int64)
-        used = int(counts.sum())
-        firsts = np.cumsum(counts) - counts
-        ids[:used] = [t for job, start, n in chunks for t in job.sequence[start : start + n]]
-        positions[:used] = np.arange(used) - np.repeat(firsts - starts, counts)
-        token_slots = np.repeat(slots, counts)
-        if paging is not None:
-            blocks, at = paging.pool.locate(token_slots, positions[:used])
-            entries[:used], offsets[:used] = blocks, at
-        else:
-            entries[:used], offsets[:used] = token_slots, positions[:used]
-        ids[used:tokens], positions[used:tokens] = 0, 0
-        entries[used:tokens], offsets[used:tokens] = self.scratch, 0
-        ends[:] = 0
-        ends[: len(finished)] = (firsts + counts - 1)[finished]
-        table = chunk_tiles(firsts, counts, slots, tokens, self.per_tile, self.tiles[tokens])
-        tiles[: table.size] = table.reshape(-1)
-        self.inputs.copy_(self.staging[turn], non_blocking=True)
-        if self.copied[turn] is not None:
-            self.copied[turn].record()
+        as_array = lambda values: np.array(values, dtype=np.int64)  # noqa: E731
+        counts = as_array([count for _, _, count in chunks])
+        ends = (np.cumsum(counts) - 1)[finished]  # the finished jobs' last tokens
+        ids = [t for job, start, n in chunks for t in job.sequence[start : start + n]]
+        self.inputs.fill(paging, as_array([job.slots[0] for job, _, _ in chunks]),
+                         as_array([start for _, start, _ in chunks]), counts, ids, ends,
+                         tokens)  # fmt: skip
 
-    def _views(self, tokens: int) -> list[torch.Tensor]:
-        """The device buffer's fields for a token bucket: ids, positions, entries, offsets
-        [tokens], ends [max_chunks], tiles [tiles, 3]."""
-        parts = list(self.inputs.split(self.sizes))
-        views = [part[:tokens] for part in parts[: len(FIELDS)]] + [parts[len(FIELDS)]]
-        return views + [parts[-1][: 3 * self.tiles[tokens]].view(-1, 3)]
+    def _views(self, tokens: int) -> ChunkViews:
+        return self.inputs.views(tokens)
 
     # -- the step (eager, or what a graph captures) ---------------------------------------------
 
     def _step(self, bucket: int, tokens: int) -> None:
-        engine, state = self.engine, self.engine.state
-        ids, positions, entries, offsets, ends, tiles = self._views(tokens)
-        row_slots, row_positions = state.row_slots[:bucket], state.positions[:bucket]
-        row_entries, row_offsets = self.cache.locate(row_slots, row_positions)
-        logits = self.forward(
-            engine.model, self.cache, engine.rope, torch.cat([state.tokens[:bucket], ids]),
-            torch.cat([row_positions, positions]),
-            (torch.cat([row_entries, entries]), torch.cat([row_offsets, offsets])), row_slots,
-            torch.cat([self.arange[:bucket], ends + bucket]), tiles,
-        )  # fmt: skip  # [bucket + max_chunks, V]
+        views = self._views(tokens)
+        keep = torch.cat([self.arange[:bucket], views.keep + bucket])
+        logits = static_forward(self.engine, self.forward, bucket, views, keep)
+        # [bucket + max_chunks, V]
         self.runner.sample_and_advance(logits[:bucket], bucket)
         self.job_logits.copy_(logits[bucket:])
 
-    def _graph(self, bucket: int, tokens: int) -> MixedGraph:
+    def _graph(self, bucket: int, tokens: int) -> StepGraph:
         runner = self.runner
         key = (("mixed", bucket, tokens), (runner.params.mode_key(), runner.shared))
         graph = runner.graphs.get(key)
-        if graph is not None:
-            return graph
-        # Warm-up (compilation, cuBLAS workspaces) runs the step for real: the row state is
-        # restored after, and its cache writes are the ones the replay makes again.
-        state = self.engine.state
-        snapshot = [field.clone() for field in state._row_fields]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._step(bucket, tokens)
-                for field, saved in zip(state._row_fields, snapshot):
-                    field.copy_(saved)
-        torch.cuda.current_stream().wait_stream(stream)
-        if runner.pool is None:
-            runner.pool = torch.cuda.graph_pool_handle()
-        captured = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(captured, pool=runner.pool, capture_error_mode="thread_local"):
-            self._step(bucket, tokens)
-        graph = runner.graphs[key] = MixedGraph(captured)
-        self.captures += 1
+        if graph is None:
+            step = lambda: self._step(bucket, tokens)  # noqa: E731
+            graph = runner.graphs[key] = capture_step(runner, self.engine.state, step)
+            self.captures += 1
         return graph

@@ -37,6 +37,12 @@ def speculative_problems(options) -> list[str]:
     if not _is_int(store) or store < 0:
         problems.append(f"speculative_store_tokens={store!r}: must be an integer >= 0 "
                         "(0: no earlier rollouts kept)")  # fmt: skip
+    graphs = options.graph_verify_steps
+    if not isinstance(graphs, bool):
+        problems.append(f"graph_verify_steps={graphs!r}: must be true or false")
+    elif graphs and options.speculative == "off":
+        problems.append("graph_verify_steps=true captures verify passes: set speculative to "
+                        "ngram or draft too")  # fmt: skip
     return problems + _draft_model_problems(options) + _rule_problems(options)
 
 

@@ -17,6 +17,10 @@ token overwrites them before any read reaches them. A recurrent layer's state an
 layer's ring cannot be rolled back that way: they are copied before the pass and, for the
 rows that rejected drafts, restored and moved through the kept inputs again (rollback.py).
 
+With EngineOptions.graph_verify_steps (the fused backend) the forward has static shapes and
+replays as a CUDA graph (static_verify.py: the rows as decode rows, their drafts as chunks of
+their slots); the acceptance and bookkeeping after it are the same.
+
 Drafts come from the tokens read back so far, so a verify pass first reads every row back
 (the pass is synchronous: no chunk overlaps the host's work) and its emitted counts are read
 after it (the host's budgets stay exact). In the tail a step is a few rows' tokens against a
@@ -176,7 +180,10 @@ def _verify(scheduler: SchedulerState, drafts: list[list[int]],
     drafting = [r for r, draft in enumerate(drafts) if draft]
     slots = [live.slot for live in scheduler.rows]
     saved = rollback.save(scheduler.cache, [slots[r] for r in drafting])  # recurrent states
-    logits, token_rows, offsets, padded, lengths = _forward(scheduler, drafts, width)
+    if scheduler.static_verify is not None:  # static shapes, a CUDA graph (static_verify.py)
+        logits, token_rows, offsets, padded, lengths = _static_forward(scheduler, drafts, width)
+    else:
+        logits, token_rows, offsets, padded, lengths = _forward(scheduler, drafts, width)
     if draft_probs is None:
         sampled, sampled_logprobs = _sample_positions(scheduler, logits, token_rows, offsets,
                                                       width)  # fmt: skip
@@ -251,9 +258,7 @@ def _forward(scheduler: SchedulerState, drafts: list[list[int]], width: int,
     positions = offsets + torch.repeat_interleave(starts, counts)
     token_slots = torch.repeat_interleave(slots, counts)
     token_rows = torch.repeat_interleave(torch.arange(rows), counts)
-    padded = torch.full((rows, width - 1), -1, dtype=torch.int64)
-    for row, d in enumerate(drafts):
-        padded[row, : len(d)] = torch.tensor(d, dtype=torch.int64)
+    padded = _padded(drafts, width)
     triton = engine.decode_backend == "triton"
     spans = host_spans(slots, starts, counts) if triton else ((), ())
     span_tensors = spans[0]
@@ -276,6 +281,29 @@ def _forward(scheduler: SchedulerState, drafts: list[list[int]], width: int,
     every = torch.arange(ids.shape[0], device=ids.device)
     logits = engine.extend(engine.model, scheduler.cache, engine.rope, ids, positions,
                            token_slots, every, max_len=max_len, **extra)  # fmt: skip  # [T, V]
+    return logits, token_rows, offsets, padded.view(rows, width - 1), lengths
+
+
+def _padded(drafts: list[list[int]], width: int) -> torch.Tensor:
+    """The drafts padded with -1 [rows, width - 1] (CPU)."""
+    padded = torch.full((len(drafts), width - 1), -1, dtype=torch.int64)
+    for row, draft in enumerate(drafts):
+        padded[row, : len(draft)] = torch.tensor(draft, dtype=torch.int64)
+    return padded
+
+
+def _static_forward(scheduler: SchedulerState, drafts: list[list[int]], width: int) -> tuple:
+    """_forward's results from the static verify step (static_verify.py): its logits grid
+    cut to `width` positions a row, every position of it scored (those past a row's drafts
+    are sampled and never read: acceptance stops at a row's length)."""
+    grid = scheduler.static_verify.run(scheduler.paging, scheduler.rows, drafts)  # [R, k+1, V]
+    rows = len(drafts)
+    logits = grid[:, :width].reshape(rows * width, -1)  # [R * width, V]
+    device = logits.device
+    token_rows = torch.arange(rows, device=device).repeat_interleave(width)
+    offsets = torch.arange(width, device=device).repeat(rows)
+    lengths = torch.tensor([len(draft) for draft in drafts])
+    padded, lengths = upload(scheduler.engine.device, _padded(drafts, width), lengths)
     return logits, token_rows, offsets, padded.view(rows, width - 1), lengths
 
 

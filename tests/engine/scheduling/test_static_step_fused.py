@@ -128,18 +128,20 @@ def test_padding_tokens_point_at_the_scratch_block_and_tiles_cover_each_chunk(mo
     jobs = [PrefillJob([], [2], sequence, 15), PrefillJob([], [1], [7, 8, 9], 0)]
     chunks = [(jobs[0], 15, 5), (jobs[1], 0, 3)]
     static._upload(scheduler.paging, chunks, [0, 1], 8)
-    ids, positions, entries, offsets, ends, tiles = static._views(8)
+    ids, positions, entries, offsets, slots, ends, tiles = static._views(8)
     assert ids.tolist() == [25, 26, 27, 28, 29, 7, 8, 9]
     assert positions.tolist() == [15, 16, 17, 18, 19, 0, 1, 2]
     table = scheduler.paging.pool.table_array
     assert entries.tolist() == [table[2, 0]] + [table[2, 1]] * 4 + [table[1, 0]] * 3
     assert offsets.tolist() == [15, 0, 1, 2, 3, 0, 1, 2]
+    assert slots.tolist() == [2] * 5 + [1] * 3
     assert ends.tolist()[:2] == [4, 7]
     assert [tuple(t) for t in tiles.tolist() if t[2] > t[1]] == [(2, 0, 5), (1, 5, 8)]
     static._upload(scheduler.paging, chunks[1:], [], 8)  # fewer tokens: the rest is padding
-    ids, positions, entries, offsets, ends, tiles = static._views(8)
+    ids, positions, entries, offsets, slots, ends, tiles = static._views(8)
     assert entries.tolist()[3:] == [engine.cache.num_blocks] * 5 and offsets.tolist()[3:] == [0] * 5
     assert ids.tolist()[3:] == [0] * 5 and positions.tolist()[3:] == [0] * 5
+    assert slots.tolist()[3:] == [engine.state.scratch_slot] * 5
     assert [tuple(t) for t in tiles.tolist() if t[2] > t[1]] == [(1, 0, 3), (-1, 3, 8)]
     static._upload(None, [], [], 8)  # a warm-up's step (capture_all): padding only
     assert [tuple(t) for t in static._views(8)[-1].tolist() if t[2] > t[1]] == [(-1, 0, 8)]
