@@ -291,6 +291,11 @@ class EngineOptions:
         elif self.graph_mixed_steps and per_step == 0:
             problems.append("graph_mixed_steps=true captures mixed steps: set "
                             "max_prefill_tokens_per_step > 0 too (e.g. 2048)")  # fmt: skip
+        elif self.graph_mixed_steps and self.kv_cache_dtype == "fp8":
+            # the static step's chunk attention (kernels/chunk_attention.py) reads K/V in the
+            # model's dtype and its stores take no scales: an e4m3 cache would be misread
+            problems.append("graph_mixed_steps=true does not cover kv_cache_dtype='fp8' yet: "
+                            "set graph_mixed_steps=false or kv_cache_dtype=model")  # fmt: skip
         from hybridflow.engine.speculative.options import speculative_problems
 
         return problems + speculative_problems(self)

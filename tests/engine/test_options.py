@@ -52,3 +52,14 @@ def test_timing_identity_leaves_out_what_does_not_change_timing():
 def test_an_unknown_fp8_weight_scale_is_named_with_the_recipes():
     (problem,) = EngineOptions(fp8_weight_scales="blockwise").validate()
     assert "fp8_weight_scales='blockwise'" in problem and "rowwise, tensorwise" in problem
+
+
+def test_graph_captured_mixed_steps_refuse_an_fp8_kv_cache_naming_both_keys():
+    """The static mixed step's chunk attention reads K/V in the model's dtype: an e4m3 cache
+    would be misread, so the pair is refused rather than run."""
+    fp8 = EngineOptions(graph_mixed_steps=True, max_prefill_tokens_per_step=2048,
+                        kv_cache_dtype="fp8", kv_block_size=64)  # fmt: skip
+    (problem,) = fp8.validate()
+    assert "graph_mixed_steps" in problem and "kv_cache_dtype" in problem
+    assert EngineOptions(graph_mixed_steps=True, max_prefill_tokens_per_step=2048,
+                         kv_block_size=64).validate() == []  # fmt: skip
