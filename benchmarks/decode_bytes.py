@@ -208,17 +208,18 @@ def kernel_stand_ins(counter: StepCounter, live: int) -> ExitStack:
                     nbytes(out.sorted_pairs, out.block_expert))  # fmt: skip
         return out
 
-    def grouped_gate_up(x, gate_up, blocks, tile=None):
+    def grouped_gate_up(x, gate_up, blocks, tile=None, scale=None):
         inner = gate_up.shape[1] // 2
         out = x.new_empty(blocks.sorted_pairs.shape[0], inner)
         rows = blocks.pairs * x.shape[1] * x.element_size()
-        counter.add("triton grouped gate/up + silu*up", 1, nbytes(gate_up) + rows, nbytes(out))
+        counter.add("triton grouped gate/up + silu*up", 1, nbytes(gate_up, scale) + rows,
+                    nbytes(out))  # fmt: skip
         return out
 
-    def grouped_down(act, down, blocks, tile=None):
+    def grouped_down(act, down, blocks, tile=None, scale=None):
         out = act.new_empty(blocks.pairs, down.shape[1])
         rows = blocks.pairs * act.shape[1] * act.element_size()
-        counter.add("triton grouped down", 1, nbytes(down) + rows, nbytes(out))
+        counter.add("triton grouped down", 1, nbytes(down, scale) + rows, nbytes(out))
         return out
 
     def biased_gate_up(x, gate_up, bias, blocks, alpha, limit):
