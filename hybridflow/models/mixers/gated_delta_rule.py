@@ -177,12 +177,14 @@ def packed_gated_delta_rule(
         return grid.index_put((rows, columns), x)
 
     # right padding: a row's padded tail comes after its tokens, so it reaches none of them;
-    # and with k = v = beta = g = 0 there it leaves the row's last state as it was. Chunks no
-    # longer than the longest row: an engine pass of a few tokens a row (a decode-sized
-    # extend, a draft model's step) would otherwise pad each row to 64 tokens
+    # and with k = v = beta = g = 0 there it leaves the row's last state as it was. Without
+    # gradients (the engine's passes) chunks are no longer than the longest row: a pass of a
+    # few tokens a row (a decode-sized extend, a draft model's step) would otherwise pad each
+    # row to 64 tokens. Training keeps 64 whatever the lengths, so its rounding does not
+    # depend on how a layout cuts the stream (Ulysses ranks see other max_seqlen values).
+    chunk = 64 if needs_grad else min(64, max_seqlen)
     out, state = chunked_gated_delta_rule(*(as_rows(x) for x in (q, k, v, g, beta)),
-                                          initial_state=initial_state,
-                                          chunk_size=min(64, max_seqlen))  # fmt: skip
+                                          initial_state=initial_state, chunk_size=chunk)  # fmt: skip
     out = out[rows, columns].to(v.dtype)
     return (out, state) if final_state else out
 
