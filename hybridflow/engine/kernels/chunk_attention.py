@@ -181,7 +181,7 @@ def chunk_attention(
         table_arg, stride_table = table, table.stride(0)
         meta["PAGE"] = key_cache.shape[1]
     # e4m3 values read without their scales would be off by each head's scale, silently
-    assert (kv_scales is not None) == (key_cache.element_size() == 1), "an FP8 cache's scales"
+    assert (kv_scales is not None) == (key_cache.element_size() == 1), "e4m3 K/V need kv_scales"
     if kv_scales is not None:
         key_scales, value_scales = kv_scales
         assert table is not None, "an FP8 cache is paged"
