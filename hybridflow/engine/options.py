@@ -65,9 +65,9 @@ class EngineOptions:
     the chunks' tokens to a bucket of the step's budget, their inputs copied into fixed
     buffers and their attention through the block table (kernels/chunk_attention.py), so a
     step replays as a CUDA graph instead of ~530 launches from Python. The fused (triton)
-    backend only: models on the torch backend (recurrent, latent or sink-attention layers)
-    keep the eager mixed step. False until measured on a GPU (bench agent --engine
-    graph_mixed_steps=true)."""
+    backend only (an fp8 K/V cache included): models on the torch backend (recurrent,
+    latent or sink-attention layers) keep the eager mixed step. False until measured on a
+    GPU (bench agent --engine graph_mixed_steps=true)."""
     kv_block_size: int | None = 64
     """A power of two >= 16: the paged cache (kv_cache.py, blocks.py): blocks of that many
     positions handed out as sequences grow, a prompt's full blocks shared by its samples,
@@ -199,8 +199,8 @@ class EngineOptions:
     packed as chunks of their rows padded to speculative_draft_tokens a row, the logits of
     every position into a fixed buffer, so a pass replays as a CUDA graph in the same step
     as the rows with no draft (acceptance stays eager after it). The fused (triton) backend
-    over K/V caches in the model's dtype only: refused, naming this key, on engines with
-    recurrent, latent or sink-window layers (the torch backend) or an fp8 K/V cache. False
+    over full-attention K/V caches only (in the model's dtype or fp8): refused, naming this
+    key, on engines with recurrent, latent or sink-window layers (the torch backend). False
     until measured on a GPU (bench rollout --speculative --engine graph_verify_steps=true)."""
     speculative_draft_model: str | None = None
     """speculative="draft": a preset name or a local HF directory of the draft model (the
@@ -291,11 +291,6 @@ class EngineOptions:
         elif self.graph_mixed_steps and per_step == 0:
             problems.append("graph_mixed_steps=true captures mixed steps: set "
                             "max_prefill_tokens_per_step > 0 too (e.g. 2048)")  # fmt: skip
-        elif self.graph_mixed_steps and self.kv_cache_dtype == "fp8":
-            # the static step's chunk attention (kernels/chunk_attention.py) reads K/V in the
-            # model's dtype and its stores take no scales: an e4m3 cache would be misread
-            problems.append("graph_mixed_steps=true does not cover kv_cache_dtype='fp8' yet: "
-                            "set graph_mixed_steps=false or kv_cache_dtype=model")  # fmt: skip
         from hybridflow.engine.speculative.options import speculative_problems
 
         return problems + speculative_problems(self)

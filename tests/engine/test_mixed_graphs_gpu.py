@@ -1,8 +1,8 @@
 """Mixed steps captured as CUDA graphs (EngineOptions.graph_mixed_steps, scheduling/
 static_step.py) sample what the eager mixed steps of the same fused engine sample, in fp32
 on a tiny model: prompts joining decoding rows (n = 2 sharing blocks), preemption by a small
-block budget, kept KV continued beside a decoding row, a slot cache; and a bf16 step agrees
-to bf16 rounding.
+block budget, kept KV continued beside a decoding row, a slot cache, an FP8 KV cache; and a
+bf16 step agrees to bf16 rounding.
 
     pytest -m gpu tests/engine/test_mixed_graphs_gpu.py
 """
@@ -33,9 +33,10 @@ def model():
     return model.to("cuda")
 
 
-def _engine(model, captured: bool, block=16, budget=None, slots=4) -> Engine:
+def _engine(model, captured: bool, block=16, budget=None, slots=4, kv="model") -> Engine:
     options = EngineOptions(decode_backend="triton", kv_block_size=block, steps_per_sync=2,
-                            max_prefill_tokens_per_step=16, graph_mixed_steps=captured)  # fmt: skip
+                            max_prefill_tokens_per_step=16, graph_mixed_steps=captured,
+                            kv_cache_dtype=kv)  # fmt: skip
     return Engine(model, slots, 96, memory_budget=budget, options=options)
 
 
@@ -61,6 +62,32 @@ def test_captured_mixed_steps_sample_as_eager_mixed_steps(model, block):
     _assert_same(got, expected)
     again = engine.generate(PROMPTS, params, max_new_tokens=budgets)  # graphs replayed
     _assert_same(again, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_captured_mixed_steps_over_an_fp8_kv_cache_sample_as_eager_ones(model, dtype):
+    """e4m3 K/V with their scales: the captured steps' stores and attention (decode rows and
+    chunks) against the eager fused steps over the same cache, whose extend attends through
+    decode attention (fp32: the same tokens; bf16: the first tokens to rounding)."""
+    params = SamplingParams(n=2, temperature=0.9, max_new_tokens=12, seed=3, ignore_eos=True)
+    budgets = [3, 3, 12, 12, 6, 6, 9, 9]
+    if dtype == torch.bfloat16:
+        params = SamplingParams(n=2, temperature=0, max_new_tokens=10, ignore_eos=True)
+        half = build_model(preset_config("tiny"), seed=1).eval().requires_grad_(False)
+        half.load_state_dict(model.state_dict())
+        model = half.to("cuda", dtype)
+    results = []
+    for captured in (False, True):
+        engine = _engine(model, captured, kv="fp8")
+        results.append(engine.generate(PROMPTS, params, max_new_tokens=budgets))
+        assert engine.cache.keys.dtype == torch.float8_e4m3fn
+    _captured(engine)
+    if dtype == torch.float32:
+        _assert_same(results[1], results[0])
+    else:
+        for got, expected in zip(*results[::-1]):
+            assert got.token_ids[0] == expected.token_ids[0]
+            assert abs(got.logprobs[0] - expected.logprobs[0]) < 0.05
 
 
 def test_warm_up_captures_the_mixed_graphs_that_the_steps_then_replay(model):

@@ -54,12 +54,11 @@ def test_an_unknown_fp8_weight_scale_is_named_with_the_recipes():
     assert "fp8_weight_scales='blockwise'" in problem and "rowwise, tensorwise" in problem
 
 
-def test_graph_captured_mixed_steps_refuse_an_fp8_kv_cache_naming_both_keys():
-    """The static mixed step's chunk attention reads K/V in the model's dtype: an e4m3 cache
-    would be misread, so the pair is refused rather than run."""
-    fp8 = EngineOptions(graph_mixed_steps=True, max_prefill_tokens_per_step=2048,
-                        kv_cache_dtype="fp8", kv_block_size=64)  # fmt: skip
-    (problem,) = fp8.validate()
-    assert "graph_mixed_steps" in problem and "kv_cache_dtype" in problem
-    assert EngineOptions(graph_mixed_steps=True, max_prefill_tokens_per_step=2048,
-                         kv_block_size=64).validate() == []  # fmt: skip
+def test_graph_captured_mixed_and_verify_steps_accept_an_fp8_kv_cache():
+    """The static steps pass an FP8 cache's scales to every kernel (scheduling/
+    mixed_forward.py), so the pairs validate; the fp8 cache still needs the paged cache."""
+    for graphs in (dict(graph_mixed_steps=True, max_prefill_tokens_per_step=2048),
+                   dict(graph_verify_steps=True, speculative="ngram")):  # fmt: skip
+        assert EngineOptions(**graphs, kv_cache_dtype="fp8", kv_block_size=64).validate() == []
+        (problem,) = EngineOptions(**graphs, kv_cache_dtype="fp8", kv_block_size=None).validate()
+        assert "kv_cache_dtype='fp8' covers the paged cache only" in problem

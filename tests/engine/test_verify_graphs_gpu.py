@@ -2,9 +2,10 @@
 static_verify.py) emit what the eager verify passes of the same fused engine emit, in fp32 on
 a tiny model: greedy and sampled, a paged and a slot cache, two calls (the second drafting
 from the first's responses: the graphs replayed), graphs captured by Engine.warm_up, rows
-preempted by a small block budget; a draft model's sampled tokens follow the target's exact
-distribution (chi-square, as tests/engine/speculative/test_draft_model.py's on the eager
-pass); and in bf16 a second epoch's drafts are still accepted.
+preempted by a small block budget, an FP8 KV cache; a draft model's sampled tokens follow
+the target's exact distribution (chi-square, as tests/engine/speculative/
+test_draft_model.py's on the eager pass); and in bf16 a second epoch's drafts are still
+accepted.
 
     pytest -m gpu tests/engine/test_verify_graphs_gpu.py
 """
@@ -41,10 +42,11 @@ def model():
     return model.to("cuda")
 
 
-def _engine(model, captured: bool, block=16, budget=None, slots=8) -> Engine:
+def _engine(model, captured: bool, block=16, budget=None, slots=8, kv="model") -> Engine:
     """captured: verify passes with static shapes, replayed as CUDA graphs; else the eager
-    verify passes of the same fused engine (its decode steps replayed as graphs either way)."""
-    options = EngineOptions(decode_backend="triton", kv_block_size=block,
+    verify passes of the same fused engine (its decode steps replayed as graphs either way);
+    kv: the K/V cache's dtype."""
+    options = EngineOptions(decode_backend="triton", kv_block_size=block, kv_cache_dtype=kv,
                             graph_verify_steps=captured, **SPECULATIVE)  # fmt: skip
     return Engine(model, slots, 96, memory_budget=budget, options=options)
 
@@ -79,6 +81,19 @@ def test_captured_verify_passes_emit_what_eager_verify_passes_emit(model, params
     assert static.steps > static.captures > 0  # passes replayed graphs captured before
     assert static.steps == engine.speculation.stats.passes > 0
     assert engine.speculation.stats.accepted > 0
+
+
+def test_captured_verify_passes_over_an_fp8_kv_cache_emit_what_eager_ones_emit(model):
+    """e4m3 K/V with their scales: the captured passes store the rows' and drafts' K/V
+    quantized and read them dequantized, as the eager passes over the same cache."""
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=24, ignore_eos=True)
+    eager, engine = _engine(model, False, kv="fp8"), _engine(model, True, kv="fp8")
+    for _ in range(2):  # the second call replays the graphs
+        _assert_same(engine.generate(PROMPTS, params), eager.generate(PROMPTS, params))
+    assert engine.cache.keys.dtype == torch.float8_e4m3fn
+    assert _counts(engine) == _counts(eager)
+    assert engine.scheduler.static_verify.captures > 0
+    assert 0 < engine.speculation.stats.accepted < engine.speculation.stats.drafted
 
 
 def test_warm_up_captures_the_verify_graphs_that_the_passes_then_replay(model):

@@ -10,7 +10,8 @@ scale per token and head needs no calibration and follows each head's own range,
 fp32 a head's 64-128 e4m3 values: 3-6% of the bytes beside them.
 
 What it covers: the paged cache (blocks.py) of full-attention layers, in the eager passes
-(prefill, extend, decode) and the Triton ones (rope_store, decode attention). Others are
+(prefill, extend, decode) and the Triton ones (rope_store, decode attention, the chunk
+attention of the static mixed steps and verify passes, graph-captured or not). Others are
 refused when the engine starts (:func:`fp8_kv_problem`): the slot cache, MLA's latent, the
 sliding-window rings and recurrent states (kinds.py) keep their dtype-specific kernels.
 """

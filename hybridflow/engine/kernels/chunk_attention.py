@@ -10,7 +10,8 @@ chunk (chunk_tiles; fewer is fine: the rows past a tile's end are masked): a pro
 group's query heads as one [tokens * G_PAD, D] matrix, so each K/V tile is read once for the
 whole group, over the keys up to the tile's last position. A tile without a sequence (slot
 < 0) writes zeros: the padding tokens of the step's budget, whose rows run through the rest
-of the layer and are never read.
+of the layer and are never read. Over an FP8 KV cache (cache/fp8_kv.py) each K/V tile is
+dequantized with its scales in registers, as the decode kernel does.
 """
 
 from __future__ import annotations
@@ -71,11 +72,15 @@ def _chunk_attention_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, TOKENS: tl.constexpr, D: tl.constexpr,
     BLOCK: tl.constexpr, PAGE: tl.constexpr, FP32_DOT: tl.constexpr, WINDOW: tl.constexpr = 0,
     HAS_SINK: tl.constexpr = False, PDL: tl.constexpr = False,
+    ks_ptr=None, vs_ptr=None, stride_sslot=0, stride_spos=0, KV_FP8: tl.constexpr = False,
 ):  # fmt: skip
     """One (tile, kv head): rows r = token * G_PAD + g of the tile's tokens and the group's
     heads; each row attends over its sequence's positions [0, its own position], the last
     WINDOW of them only when WINDOW > 0; HAS_SINK: each head's logit sink[head] joins the
-    softmax's denominator (GPT-OSS), as in the decode kernel (attention.py)."""
+    softmax's denominator (GPT-OSS), as in the decode kernel (attention.py). KV_FP8 (paged;
+    cache/fp8_kv.py): the caches hold e4m3 values and ks/vs a scale per (position, kv head)
+    [entries, positions, kv heads]; each tile is dequantized to q's dtype before its dots,
+    as the decode kernel's (attention_kernel.py)."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     wait_then_release(PDL)
@@ -113,6 +118,14 @@ def _chunk_attention_kernel(
                                     PAGE, n_mask)  # fmt: skip
         k = tl.load(kc_ptr + offs[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
         v = tl.load(vc_ptr + offs[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
+        if KV_FP8:  # the scales' heads are contiguous: the kv head is their last index
+            s_at = kv_head + cache_offsets(table_ptr, slot, n, stride_table, stride_sslot,
+                                           stride_spos, PAGE, n_mask)  # fmt: skip
+            k_scales = tl.load(ks_ptr + s_at, mask=n_mask, other=0.0)
+            v_scales = tl.load(vs_ptr + s_at, mask=n_mask, other=0.0)
+            dtype = q_ptr.dtype.element_ty
+            k = (k.to(tl.float32) * k_scales[:, None]).to(dtype)
+            v = (v.to(tl.float32) * v_scales[:, None]).to(dtype)
         seen = n[None, :] <= pos[:, None]
         if WINDOW:
             seen = seen & (n[None, :] > pos[:, None] - WINDOW)
@@ -138,6 +151,7 @@ def chunk_attention(
     launch: Launch = PLAIN,
     sinks: torch.Tensor | None = None,
     window: int = 0,
+    kv_scales: tuple | None = None,
 ) -> torch.Tensor:
     """q [T, nh, D] (rows may be strided; heads and dims contiguous), one layer's caches
     ([slots, S, nkv, D], or [blocks, PAGE, nkv, D] with the block table `table` int32),
@@ -145,7 +159,9 @@ def chunk_attention(
     (chunk_tiles, on the device) -> out [T, nh, D]: token t of a tile attends over its slot's
     positions [0, positions[t]]; tokens of slot -1 tiles get zeros. sinks [nh]: a logit per
     head joining each softmax's denominator (None: none); window > 0: token t attends over
-    positions (positions[t] - window, positions[t]] only (a sliding-window layer)."""
+    positions (positions[t] - window, positions[t]] only (a sliding-window layer). kv_scales:
+    an FP8 cache's (key scales, value scales) of this layer [blocks, block size, nkv]
+    (cache/fp8_kv.py; paged only), the caches then e4m3, as decode_attention's."""
     tokens, num_heads, head_dim = q.shape
     num_kv = key_cache.shape[2]
     group = num_heads // num_kv
@@ -164,6 +180,14 @@ def chunk_attention(
         assert table.dtype == torch.int32 and table.stride(1) == 1
         table_arg, stride_table = table, table.stride(0)
         meta["PAGE"] = key_cache.shape[1]
+    # e4m3 values read without their scales would be off by each head's scale, silently
+    assert (kv_scales is not None) == (key_cache.element_size() == 1), "e4m3 K/V need kv_scales"
+    if kv_scales is not None:
+        key_scales, value_scales = kv_scales
+        assert table is not None, "an FP8 cache is paged"
+        assert key_scales.stride() == value_scales.stride() and key_scales.stride(2) == 1
+        meta.update(ks_ptr=key_scales, vs_ptr=value_scales, stride_sslot=key_scales.stride(0),
+                    stride_spos=key_scales.stride(1), KV_FP8=True)  # fmt: skip
     scale_log2 = (1.0 / math.sqrt(head_dim)) * 1.4426950408889634
     _chunk_attention_kernel[(tiles.shape[0], num_kv)](
         q, key_cache, value_cache, positions, tiles, out, table_arg,
@@ -174,8 +198,13 @@ def chunk_attention(
     return out
 
 
-def chunk_attention_reference(q, key_cache, value_cache, positions, tiles, table=None):
-    """chunk_attention in torch (fp32 softmax), each token over its slot's gathered K/V."""
+def chunk_attention_reference(q, key_cache, value_cache, positions, tiles, table=None,
+                              kv_scales=None):  # fmt: skip
+    """chunk_attention in torch (fp32 softmax), each token over its slot's gathered K/V;
+    kv_scales (paged): e4m3 K/V dequantized to q's dtype (fp8_kv.dequantize_heads)."""
+    from hybridflow.engine.cache.fp8_kv import dequantize_heads
+
+    assert kv_scales is None or table is not None, "an FP8 cache is paged"
     out = torch.zeros_like(q)
     group = q.shape[1] // key_cache.shape[2]
     for slot, first, end in tiles.tolist():
@@ -188,8 +217,11 @@ def chunk_attention_reference(q, key_cache, value_cache, positions, tiles, table
                 k, v = key_cache[slot, :length], value_cache[slot, :length]
             else:
                 blocks = table[slot, where // key_cache.shape[1]].long()
-                k = key_cache[blocks, where % key_cache.shape[1]]
-                v = value_cache[blocks, where % key_cache.shape[1]]
+                at = blocks, where % key_cache.shape[1]
+                k, v = key_cache[at], value_cache[at]
+                if kv_scales is not None:
+                    k = dequantize_heads(k, kv_scales[0][at], q.dtype)
+                    v = dequantize_heads(v, kv_scales[1][at], q.dtype)
             k = k.float().repeat_interleave(group, dim=1)  # [L, nh, D]
             v = v.float().repeat_interleave(group, dim=1)
             scores = torch.einsum("hd,lhd->hl", q[t].float(), k) / math.sqrt(q.shape[2])

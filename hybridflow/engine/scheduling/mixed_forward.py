@@ -7,7 +7,9 @@ same function runs eagerly.
 Against the eager extend pass (prefill.extend_forward_triton) only the chunks' attention
 differs: the paged varlen kernel (kernels/chunk_attention.py) reads each chunk's cached
 prefix and its own K/V through the block table, where FlashAttention's varlen kernel takes
-K/V gathered to a size read from the data.
+K/V gathered to a size read from the data. Over an FP8 KV cache (cache/fp8_kv.py) every
+kernel takes the layer's scales, as the extend pass's: the stores quantize, the readers
+dequantize each tile.
 """
 
 from __future__ import annotations
@@ -65,14 +67,16 @@ def mixed_forward_static(
 
     def attend(index, q, k, v):
         keys, values = cache.keys[index], cache.values[index]
+        scales = cache.layer_scales(index)  # an FP8 cache's (fixed addresses too), or None
         rowwise.rope_store(q, k, v, rope.cos, rope.sin, rotary, entries, keys, values,
-                           launch=launch, cache_positions=offsets)  # fmt: skip
+                           launch=launch, cache_positions=offsets, kv_scales=scales)  # fmt: skip
         decoded = attention.decode_attention(
             q[:rows], keys, values, row_slots, lengths, cache.max_seq_len, launch=launch,
-            autotune=False, table=cache.block_table,
+            autotune=False, table=cache.block_table, kv_scales=scales,
         )  # fmt: skip
         chunked = chunk_attention(q[rows:], keys, values, positions[rows:], tiles,
-                                  table=cache.block_table, launch=launch)  # fmt: skip
+                                  table=cache.block_table, launch=launch,
+                                  kv_scales=scales)  # fmt: skip
         return torch.cat([decoded, chunked])
 
     # the experts (a mixture-of-experts model) on the Triton kernels, whose shapes are static

@@ -31,7 +31,9 @@ runs eagerly: its launches are a small share of its work.
 The fused (triton) backend only: engines on the torch backend (hybrid models' recurrent
 state, MLA's latent, sink attention's window ring) run their chunks
 through the model's own modules, whose extend ops size their work from the data; they keep
-the eager mixed step (static_step_for returns None).
+the eager mixed step (static_step_for returns None). An FP8 KV cache (cache/fp8_kv.py) is
+covered: the forward passes the layer's scales to the stores and to both attentions, which
+dequantize each K/V tile as the eager extend pass's kernels do.
 """
 
 from __future__ import annotations

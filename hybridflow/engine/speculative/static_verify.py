@@ -26,10 +26,11 @@ the rows advanced, the counts read back. The K/V of rejected drafts lie past the
 end, as in the eager pass (rolled back by the row's length alone: verify.py). One graph per
 batch bucket (and sampling mode, as every graph in the runner's table).
 
-The fused (triton) backend over K/V caches only: a recurrent state or a sliding window's
-ring is rolled back by copies (rollback.py), a latent (MLA) cache runs the model's own
-modules, an FP8 cache's scales are not read by the static forward; graph_verify_steps on
-such an engine is refused (graph_verify_problem).
+The fused (triton) backend over K/V caches only, in the model's dtype or FP8 (the static
+forward passes an FP8 cache's scales to every kernel, as the eager extend pass): a recurrent
+state or a sliding window's ring is rolled back by copies (rollback.py), a latent (MLA)
+cache runs the model's own modules; graph_verify_steps on such an engine is refused
+(graph_verify_problem).
 """
 
 from __future__ import annotations
@@ -60,14 +61,11 @@ KEY = "graph_verify_steps"
 def graph_verify_problem(engine: EngineView) -> str | None:
     """Why the engine's verify passes cannot run with static shapes, as a refusal naming
     the key (None: they can). Before the cache exists, its kinds are not checked (Engine
-    checks the backend and the K/V dtype when made, the scheduler the cache's kinds)."""
+    checks the backend when made, the scheduler the cache's kinds)."""
     if engine.decode_backend != "triton":
         return (f"{KEY}=true runs verify passes on the fused (triton) backend; this engine "
                 "runs the torch backend (decode_backend=torch, or a model with recurrent, "
                 f"latent or sink-window layers): set {KEY}=false")  # fmt: skip
-    if engine.options.kv_cache_dtype == "fp8":
-        return (f"{KEY}=true covers K/V caches in the model's dtype (the static forward reads "
-                f"no fp8 scales): set {KEY}=false or kv_cache_dtype=model")  # fmt: skip
     cache = engine.cache
     if cache is None:
         return None
@@ -77,7 +75,7 @@ def graph_verify_problem(engine: EngineView) -> str | None:
         ("extend pass other than the fused one", static_forward_of(engine.extend) is None),
     ) if present]  # fmt: skip
     if kinds:
-        return (f"{KEY}=true covers K/V caches in the model's dtype on the fused backend; "
+        return (f"{KEY}=true covers full-attention K/V caches on the fused backend; "
                 f"this engine has a {' and a '.join(kinds)}: set {KEY}=false")  # fmt: skip
     return None
 

@@ -4,7 +4,7 @@ tiles cut at odd places, a kept prefix before a chunk, GQA groups of 2 and 3, an
 tokens that come out zero while the rows past a chunk's end are left alone. Then packed
 prompts attending over their own K/V with a sink logit per head and a sliding window (a
 GPT-OSS prefill) against the model's packed sink attention, a window no prompt fills as
-full attention."""
+full attention. Over an FP8 KV cache: e4m3 K/V dequantized with their scales."""
 
 from __future__ import annotations
 
@@ -69,6 +69,30 @@ def test_chunk_attention_equals_the_gathered_reference(paged, heads, per_tile):
     out = chunk_attention(q, keys, values, positions, tiles, table=table)
     expected = chunk_attention_reference(q, keys, values, positions, tiles, table=table)
     torch.testing.assert_close(out[:used], expected[:used], rtol=1e-5, atol=1e-5)
+    assert not out[used:].any()  # padding tokens: zeros
+
+
+@pytest.mark.parametrize("heads", [4, 6])
+def test_chunk_attention_over_an_fp8_cache_reads_the_dequantized_k_v(heads):
+    """e4m3 K/V with a scale per (position, kv head) (cache/fp8_kv.py): the kernel equals its
+    reference and itself over the dequantized cache in the model's dtype."""
+    from hybridflow.engine.cache.fp8_kv import dequantize_heads, quantize_heads
+
+    generator = torch.Generator().manual_seed(heads)
+    q, keys, values, positions, tiles, table, used = _step(heads, True, generator, 5)
+    # each head's max at 448: e4m3 values read without their scales are far off
+    (keys, key_scales), (values, value_scales) = (quantize_heads(x.cpu()) for x in (keys, values))
+    keys, key_scales, values, value_scales = (t.to(DEVICE) for t in (keys, key_scales, values,
+                                                                      value_scales))  # fmt: skip
+    scales = (key_scales, value_scales)
+    out = chunk_attention(q, keys, values, positions, tiles, table=table, kv_scales=scales)
+    expected = chunk_attention_reference(q, keys, values, positions, tiles, table=table,
+                                         kv_scales=scales)  # fmt: skip
+    torch.testing.assert_close(out[:used], expected[:used], rtol=1e-5, atol=1e-5)
+    plain = chunk_attention(q, dequantize_heads(keys, key_scales, q.dtype),
+                            dequantize_heads(values, value_scales, q.dtype), positions, tiles,
+                            table=table)  # fmt: skip
+    torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-5)
     assert not out[used:].any()  # padding tokens: zeros
 
 

@@ -2,8 +2,9 @@
 fused path: decode rows padded to their batch bucket, chunks padded to a token bucket,
 the chunks' attention through the block table (kernels/chunk_attention.py). Run eagerly
 here (the code a CUDA graph captures), they sample what the eager mixed steps sample, with
-n = 2 samples sharing blocks, preemption and kept KV. fp32 tiny model, on CPU under
-TRITON_INTERPRET=1 (tests/engine/test_mixed_graphs_gpu.py checks the captured graphs)."""
+n = 2 samples sharing blocks, preemption and kept KV, and over an FP8 KV cache. fp32 tiny
+model, on CPU under TRITON_INTERPRET=1 (tests/engine/test_mixed_graphs_gpu.py checks the
+captured graphs)."""
 
 from __future__ import annotations
 
@@ -29,12 +30,13 @@ def model():
     return model.requires_grad_(False)
 
 
-def _engine(model, static: bool, slots=4, block=16, budget=None) -> Engine:
-    """static: the static fused step; else today's eager mixed step (torch backend)."""
+def _engine(model, static: bool, slots=4, block=16, budget=None, kv="model") -> Engine:
+    """static: the static fused step; else today's eager mixed step (torch backend); kv:
+    the K/V cache's dtype (kv_cache_dtype)."""
     backend = dict(decode_backend="triton", graph_mixed_steps=True) if static else dict(
         decode_backend="torch", cuda_graphs=False)  # fmt: skip
     options = EngineOptions(**backend, kv_block_size=block, steps_per_sync=2,
-                            max_prefill_tokens_per_step=8)  # fmt: skip
+                            max_prefill_tokens_per_step=8, kv_cache_dtype=kv)  # fmt: skip
     return Engine(model, slots, 64, memory_budget=budget, options=options)
 
 
@@ -53,6 +55,19 @@ def test_static_mixed_steps_sample_as_the_eager_mixed_steps(model):
     static = engine.scheduler.static_step
     assert static is not None and static.steps > 0  # chunks beside decode rows, static
     assert engine.blocks.free_blocks == engine.blocks.num_blocks
+    _assert_same(got, expected)
+
+
+def test_static_mixed_steps_over_an_fp8_kv_cache_sample_as_the_eager_ones(model):
+    """e4m3 K/V with their scales (cache/fp8_kv.py): the static step's stores quantize and
+    its decode and chunk attention dequantize as the eager passes over the same cache."""
+    params = SamplingParams(n=2, temperature=0.9, max_new_tokens=6, seed=3, ignore_eos=True)
+    budgets = [3, 3, 6, 6, 4, 4]
+    expected = _engine(model, False, kv="fp8").generate(PROMPTS, params, max_new_tokens=budgets)
+    engine = _engine(model, True, kv="fp8")
+    got = engine.generate(PROMPTS, params, max_new_tokens=budgets)
+    assert engine.cache.keys.dtype == torch.float8_e4m3fn
+    assert engine.scheduler.static_step.steps > 0
     _assert_same(got, expected)
 
 

@@ -5,10 +5,9 @@ block table. Run eagerly here (the code a CUDA graph captures), they emit the to
 log-probs the eager verify passes emit (fp32: equal tokens), greedy and sampled, over many
 passes that accept some drafts and reject others, with preemption and a kept slot's next
 turn; the uploaded inputs put every padding token on the scratch entry; a new scheduler
-drops the graphs captured over the last one's buffers; an fp8 K/V cache is refused, naming
-the key. fp32 tiny model, on
-CPU under TRITON_INTERPRET=1 (tests/engine/test_verify_graphs_gpu.py checks the captured
-graphs)."""
+drops the graphs captured over the last one's buffers; over an FP8 K/V cache, as the eager
+passes over one. fp32 tiny model, on CPU under TRITON_INTERPRET=1 (tests/engine/
+test_verify_graphs_gpu.py checks the captured graphs)."""
 
 from __future__ import annotations
 
@@ -37,12 +36,13 @@ def model():
     return model.requires_grad_(False)
 
 
-def _engine(model, static: bool, block=16, slots=6, budget=None) -> Engine:
+def _engine(model, static: bool, block=16, slots=6, budget=None, kv="model") -> Engine:
     """static: the static verify step on the fused backend; else the eager verify passes
-    (torch backend: the eager pass of test_verify.py, fast under the interpreter)."""
+    (torch backend: the eager pass of test_verify.py, fast under the interpreter); kv: the
+    K/V cache's dtype (kv_cache_dtype)."""
     backend = dict(decode_backend="triton", graph_verify_steps=True) if static else dict(
         decode_backend="torch", cuda_graphs=False)  # fmt: skip
-    options = EngineOptions(**backend, **SPECULATIVE, kv_block_size=block)
+    options = EngineOptions(**backend, **SPECULATIVE, kv_block_size=block, kv_cache_dtype=kv)
     return Engine(model, slots, 64, memory_budget=budget, options=options)
 
 
@@ -189,12 +189,15 @@ def test_a_new_scheduler_drops_the_static_graphs_of_the_last_one(model):
     assert graphs == {(1, mode): "decode"}
 
 
-def test_an_fp8_kv_cache_is_refused_naming_the_key(model):
-    options = EngineOptions(decode_backend="triton", kv_cache_dtype="fp8", kv_block_size=16,
-                            speculative="ngram", graph_verify_steps=True)  # fmt: skip
-    with pytest.raises(
-        ValueError,
-        match="graph_verify_steps=true covers K/V caches in the "
-        "model's dtype.*kv_cache_dtype=model",
-    ):
-        Engine(model, 2, 32, options=options)
+def test_static_verify_passes_over_an_fp8_kv_cache_emit_what_eager_ones_emit(model):
+    """e4m3 K/V with their scales (cache/fp8_kv.py): the rows' and drafts' K/V stored
+    quantized, the decode and chunk attention reading them dequantized, as the eager verify
+    passes over the same cache (accepting and rejecting the same drafts)."""
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    eager, engine = _engine(model, False, kv="fp8"), _engine(model, True, kv="fp8")
+    _assert_same(engine.generate(PROMPTS, params), eager.generate(PROMPTS, params))
+    assert engine.cache.keys.dtype == torch.float8_e4m3fn
+    assert _counts(engine) == _counts(eager)
+    stats = engine.speculation.stats
+    assert engine.scheduler.static_verify.steps == stats.passes > 0
+    assert 0 < stats.accepted < stats.drafted
