@@ -42,6 +42,28 @@ def parse_size(text: str) -> int:
     return int(size)
 
 
+def unknown_shape_problem(model_path: str) -> str:
+    """Why the plan has no shape for model.path: the checkpoint check's words where the
+    path is no directory (a misspelt preset) or holds no config.json, else what reading
+    its config.json raised."""
+    from pathlib import Path
+
+    from hybridflow.models.architecture_file import directory_architecture
+    from hybridflow.trainer.lifecycle.preflight import checkpoint_problems
+
+    path = Path(model_path).expanduser()
+    if not (path / "config.json").is_file():
+        return checkpoint_problems("model.path", model_path)[0]
+    try:
+        directory_architecture(model_path)
+        reason = "it names no model shape hybridflow knows"
+    except Exception as error:  # noqa: BLE001 - any reading failure is reported, never raised
+        reason = f"{type(error).__name__}: {error}"
+    return (f"model.path = {model_path}: its config.json gives no shape to plan ({reason}): "
+            "point model.path at a Hugging Face model directory of a supported family, or a "
+            "preset")  # fmt: skip
+
+
 def plan_command(cfg: Config, gpu_memory: str | None = None, out=print, progress=None) -> int:
     """Print the plan; exit status 2 (a ConfigError) when it cannot fit the GPU, which is
     ``--gpu-memory``, else trainer.gpu_memory_gib, else the first visible GPU; with none of
@@ -58,13 +80,7 @@ def plan_command(cfg: Config, gpu_memory: str | None = None, out=print, progress
     available, host_source = host_memory.available_host_bytes()
     host = host_problems(need, cfg, available, host_source)
     if plan is None:
-        raise ConfigError(
-            [
-                f"model.path = {cfg.model.path}: its shape is unknown (no readable config.json): "
-                "point model.path at a Hugging Face model directory or a preset",
-                *host,
-            ]  # fmt: skip
-        )
+        raise ConfigError([unknown_shape_problem(cfg.model.path), *host])
     out(render(plan, source, on_cpu=resolve_device(cfg.trainer.device) == "cpu"))
     for line in memory_choices(cfg, derived, gpu_bytes)[1]:
         out("  " + line)

@@ -295,3 +295,20 @@ def test_a_window_past_the_rollouts_length_is_validated_and_planned_as_its_ring(
     assert kv_item(tmp_path / "wide") == kv_item(tmp_path / "as_long")
     edit_config(tmp_path / "as_long", sliding_window=4)  # a ring shorter than the sequence
     assert kv_item(tmp_path / "as_long").gpu_bytes < kv_item(tmp_path / "wide").gpu_bytes
+
+
+@pytest.mark.parametrize(
+    "make_path, expected",
+    [(lambda tmp: "qwen3.5-27x", "is not a directory, a preset (tiny"),
+     (lambda tmp: str(tmp), "no config.json there"),
+     (lambda tmp: (tmp / "config.json").write_text('{"model_type": "bert"}') and str(tmp),
+      "its config.json gives no shape to plan (KeyError")],
+)  # fmt: skip
+def test_a_model_path_without_a_shape_is_refused_with_its_reason(make_path, expected, tmp_path,
+                                                                 capsys):  # fmt: skip
+    from hybridflow.cli import main
+
+    status = main(["config", "plan", f"model.path={make_path(tmp_path)}"])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err, err
+    assert expected in err, err
