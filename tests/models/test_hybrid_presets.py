@@ -17,7 +17,8 @@ from hybridflow.trainer.plan.plan_command import plan_command
 @pytest.mark.parametrize(
     "name, total, active",
     [("qwen3.5-0.8b", 0.75e9, 0.75e9), ("qwen3.5-4b", 4.21e9, 4.21e9),
-     ("qwen3.5-9b", 8.95e9, 8.95e9), ("qwen3.5-35b-a3b", 34.66e9, 3.45e9)],
+     ("qwen3.5-9b", 8.95e9, 8.95e9), ("qwen3.5-27b", 26.90e9, 26.90e9),
+     ("qwen3.5-35b-a3b", 34.66e9, 3.45e9), ("qwen3.5-397b-a17b", 396.35e9, 17.35e9)],
 )  # fmt: skip
 def test_presets_have_the_published_sizes_without_the_vision_tower(name, total, active):
     a = PRESETS[name]

@@ -292,6 +292,11 @@ QWEN: dict[str, ModelArchitecture] = {
     "qwen3.5-9b": _qwen3_5(32, hidden_size=4096, intermediate_size=12288,
                            num_attention_heads=16, num_key_value_heads=4,
                            linear_num_value_heads=32, tie_word_embeddings=False),
+    # Qwen/Qwen3.5-27B text_config (also Qwen3.6-27B's): 64 layers of 5,120, MLP 17,408, 24
+    # heads (4 KV), 48 DeltaNet value heads, untied lm_head.
+    "qwen3.5-27b": _qwen3_5(64, hidden_size=5120, intermediate_size=17408,
+                            num_attention_heads=24, num_key_value_heads=4,
+                            linear_num_value_heads=48, tie_word_embeddings=False),
     # Qwen/Qwen3.5-35B-A3B text_config (transformers' Qwen3_5MoeTextConfig defaults): 40
     # layers of 2,048, 16 heads (2 KV), 32 DeltaNet value heads; every layer 256 experts of
     # 512 (8 a token, renormalised) plus a shared expert of 512 behind its sigmoid gate.
@@ -302,4 +307,14 @@ QWEN: dict[str, ModelArchitecture] = {
                                 num_experts_per_tok=8, moe_intermediate_size=512,
                                 shared_expert_intermediate_size=512, norm_topk_prob=True,
                                 router_aux_loss_coef=0.001),
+    # Qwen/Qwen3.5-397B-A17B text_config: 60 layers of 4,096, 32 heads (2 KV), 64 DeltaNet
+    # value heads; every layer 512 experts of 1,024 (10 a token, renormalised) plus a shared
+    # expert of 1,024 behind its sigmoid gate.
+    "qwen3.5-397b-a17b": _qwen3_5(60, model_type="qwen3_5_moe_text", hidden_size=4096,
+                                  intermediate_size=0, num_attention_heads=32,
+                                  num_key_value_heads=2, linear_num_value_heads=64,
+                                  tie_word_embeddings=False, num_experts=512,
+                                  num_experts_per_tok=10, moe_intermediate_size=1024,
+                                  shared_expert_intermediate_size=1024, norm_topk_prob=True,
+                                  router_aux_loss_coef=0.001),
 }  # fmt: skip
