@@ -24,6 +24,8 @@ from hybridflow.parallel.blocks import (
 )
 from hybridflow.parallel.layout import Layout, coordinates
 
+VISION_PREFIX = "visual."  # the vision encoder's parameters (models/vision/)
+
 
 def parameter_shapes(arch: ModelArchitecture) -> list[tuple[str, tuple[int, ...]]]:
     """(HF name, shape) of every parameter of the decoder, in the model's order, read off
@@ -31,15 +33,16 @@ def parameter_shapes(arch: ModelArchitecture) -> list[tuple[str, tuple[int, ...]
     projections, GPT-OSS's sinks and biased experts, DeepSeek's shared experts); a tied
     lm_head is the embedding (not repeated). A sparse layer's MLP is its router and its
     packed experts (models/moe.py, the in-memory names the trainer holds)."""
-    import dataclasses
-
     import torch
 
     from hybridflow.models.llama import CausalLM
 
     with torch.device("meta"):
-        model = CausalLM(dataclasses.replace(arch, vision=None))
-    return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+        model = CausalLM(arch)
+    # a vision-language model's encoder is left out: frozen (actor.freeze_vision_tower, the
+    # default) it never changes, and trained it is ~1% of the bytes (0.7 B of the 72B's)
+    return [(name, tuple(p.shape)) for name, p in model.named_parameters()
+            if not name.startswith(VISION_PREFIX)]  # fmt: skip
 
 
 def training_blocks(name: str, shape: tuple[int, ...], layout: Layout) -> list[Block | None]:

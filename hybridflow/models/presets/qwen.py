@@ -106,6 +106,19 @@ QWEN: dict[str, ModelArchitecture] = {
                           out_hidden_size=3584, tokens_per_second=2),
         **_QWEN_TOKEN_IDS,
     ),  # fmt: skip
+    # Qwen/Qwen2.5-VL-72B-Instruct: Qwen2.5-72B's language model (80 layers of 8,192, MLP
+    # 29,568, 64 heads, 8 KV) and the 7B's encoder with an MLP of 3,456 (as the 3B's and
+    # 32B's), merged into 8,192-wide features. 73.4 B parameters.
+    "qwen2.5-vl-72b": ModelArchitecture(
+        model_type="qwen2_5_vl", vocab_size=152064, hidden_size=8192, intermediate_size=29568,
+        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=128000,
+        tie_word_embeddings=False, attention_bias=True, mrope_section=(16, 24, 24),
+        vision=VisionSpec(depth=32, hidden_size=1280, intermediate_size=3456, num_heads=16,
+                          patch_size=14, window_size=112, fullatt_block_indexes=(7, 15, 23, 31),
+                          out_hidden_size=8192, tokens_per_second=2),
+        **_QWEN_TOKEN_IDS,
+    ),  # fmt: skip
     # Shapes below (and rope_theta, rms_norm_eps, max_position_embeddings, tying) are the
     # published config.json of each base model (huggingface.co/<org>/<model>/blob/main/
     # config.json), as mirrored in github.com/citsjtu2020/LLM-Prof, sglang/Model_Config.md.

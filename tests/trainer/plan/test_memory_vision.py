@@ -50,3 +50,12 @@ def test_lora_leaves_the_encoder_frozen_whatever_freeze_vision_tower_says():
     assert lora[activations].gpu_bytes == _items()[activations].gpu_bytes  # one block's
     assert mp.trainable_parameters(VL7B, PlanOptions(lora_rank=8, freeze_vision_tower=False)) \
         == mp.lora_parameters(VL7B, 8, PlanOptions().lora_targets)  # fmt: skip
+
+
+def test_the_vision_language_presets_have_the_published_sizes():
+    # Qwen2.5-VL-7B-Instruct 8.29 B, Qwen2.5-VL-72B-Instruct 73.4 B (encoders of 0.68 / 0.70 B)
+    for name, total, encoder in (("qwen2.5-vl-7b", 8.292e9, 0.677e9),
+                                 ("qwen2.5-vl-72b", 73.41e9, 0.705e9)):  # fmt: skip
+        a = PRESETS[name]
+        assert abs(a.num_parameters() / total - 1) < 1e-3, name
+        assert abs(a.vision.num_parameters() / encoder - 1) < 1e-3, name
