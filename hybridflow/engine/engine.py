@@ -34,7 +34,7 @@ from hybridflow.engine.choices import (
 from hybridflow.engine.fp8.weight_scales import ENGINE_SCALES
 from hybridflow.engine.graphs import DecodeRunner
 from hybridflow.engine.host import cyclic_gc_paused
-from hybridflow.engine.images import ImageFeatures, check_image_call, prepare_images
+from hybridflow.engine.images import ImageFeatures, prepare_images
 from hybridflow.engine.options import EngineOptions
 from hybridflow.engine.prefill import extend_forward, prefill_forward
 from hybridflow.engine.requests import (
@@ -406,7 +406,6 @@ class Engine:
                          on_finish=on_finish)  # fmt: skip
         prepared = prepare_images(self.config, prompts, images)
         if prepared is not None:
-            check_image_call(self.options)
             sub.images = ImageFeatures(prepared, n)
         return sub
 
