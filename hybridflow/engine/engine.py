@@ -362,17 +362,15 @@ class Engine:
         call's sample sample_index[i] + j (sampling.indexed_request_seeds), so the tokens do
         not depend on how the call was split. images: per prompt its images.PromptImages (or
         None), the prompt's ids holding an image-pad token per merged patch (a
-        vision-language model; generate() calls only). While a
-        RolloutService runs this engine, the prompts are submitted to it (and decode beside
-        its other requests)."""
+        vision-language model). While a RolloutService runs this engine, the prompts are
+        submitted to it (and decode beside its other requests, across its weight updates:
+        partial rollouts; a request recomputed after preemption prefills its images again)."""
         self._check_weights_held()
-        if self.service is not None and images is not None:
-            raise ValueError("prompts with images: through generate(), not a running service")
         if self.service is not None:
             if max_new_tokens is not None:
                 raise ValueError("max_new_tokens per request: not through a running service")
             return self.service.generate(prompts, params, seeds, keep=keep, reuse=reuse,
-                                         sample_index=sample_index)  # fmt: skip
+                                         sample_index=sample_index, images=images)  # fmt: skip
         with cyclic_gc_paused():  # also while the results are made (thousands of objects)
             return self._generate(prompts, params, seeds, keep=keep, reuse=reuse,
                                   max_new_tokens=max_new_tokens,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
+import time
 
 import pytest
 import torch
@@ -300,6 +302,57 @@ def test_mixed_steps_with_images_sample_as_separate_prefill_passes(model, per_st
         handle.remove()
     assert engine.scheduler.mixed_steps > 0 and not engine.scheduler.prefilling
     assert sum(encoded) == 2 * 3  # prompts 0 and 2, each twice in the call: 1 + 2 images
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+
+
+def _cut_after_first_decode(service) -> threading.Event:
+    """The service's thread waits, after its first step that decodes, until the caller's
+    next task (a pause) is queued: the requests are cut mid-generation whatever the timing.
+    -> the event set at that step."""
+    decoding, real_step = threading.Event(), service._step
+
+    def step():
+        real_step()
+        if service.engine.scheduler.decode_steps and not decoding.is_set():
+            decoding.set()
+            deadline = time.monotonic() + 30
+            while not service._inbox and time.monotonic() < deadline:
+                time.sleep(0.001)
+
+    service._step = step
+    return decoding
+
+
+@pytest.mark.parametrize("per_step", [0, 5])
+def test_a_partial_rollout_with_images_resumes_as_the_uncut_one(model, per_step):
+    """Engine.generate through a running service (a partial rollout): cut after its first
+    decode step by a pause and a new policy version (same weights), then on in a paged
+    cache that preempts, so rows recompute their prompts, images and all, after the
+    update: the greedy tokens and log-probs of the uncut call."""
+    from hybridflow.engine import RolloutService
+
+    params = SamplingParams(n=3, temperature=0, max_new_tokens=24, ignore_eos=True)
+    probe, expected = _paged(model, params)
+    block = probe.cache.keys[:, 0].numel() * probe.cache.keys.element_size() * 2
+    options = EngineOptions(kv_block_size=16, max_prefill_tokens_per_step=per_step,
+                            steps_per_sync=2)  # fmt: skip
+    engine = Engine(model, max_batch_size=9, max_seq_len=64, memory_budget=block * 15,
+                    options=options)  # fmt: skip
+    got = []
+    with RolloutService(engine) as service:
+        decoding = _cut_after_first_decode(service)
+        thread = threading.Thread(target=lambda: got.extend(
+            engine.generate(PROMPTS, params, images=_images(_pixels()))))  # fmt: skip
+        thread.start()
+        assert decoding.wait(30)
+        service.pause()
+        preempted = engine.scheduler.paging.preemptions
+        service.resume(weights_changed=True)
+        thread.join(60)
+    assert engine.scheduler.paging.preemptions > preempted  # recomputed after the update
+    assert any(len(c.version_spans) == 2 for c in got)  # tokens of both versions
     assert [c.token_ids for c in got] == [c.token_ids for c in expected]
     for a, b in zip(got, expected):
         torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
