@@ -287,8 +287,6 @@ def _check_images(cfg: Config, add) -> None:
         # the built-in tool loop runs them (agents/images.py); an agent program talks to the
         # OpenAI endpoint in text, which refuses images in an episode's request
         "rollout.agent.loop": cfg.rollout.agent.loop == "openai",
-        # the passes with images prefill in the model's dtype (the engine refuses it too)
-        "rollout.dtype": cfg.rollout.dtype == "fp8",
         "actor.sequence_parallel_size": cfg.actor.sequence_parallel_size > 1,
         "rollout.tensor_parallel_size": cfg.rollout.tensor_parallel_size > 1,
         # experts over replicas: the rollout's rows travel without their images (rollout_tp)

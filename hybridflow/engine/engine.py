@@ -155,10 +155,9 @@ class Engine:
             self.pinned = load_engine_choices(self.config, self.dtype, self.device, options)
         self.fused = None
         self.fp8 = None  # fp8.Fp8Matmul with weight_format="fp8", made with the cache
-        if options.weight_format == "fp8" and self.vision:
-            raise ValueError("weight_format='fp8' (rollout.dtype=fp8) does not cover "
-                             "vision-language models yet (their prompts with images prefill "
-                             "in the model's dtype): use the model's dtype")  # fmt: skip
+        # fp8 with a vision-language model: the language model's projections go fp8 in every
+        # pass, those with images included (their embeddings go through the same fused
+        # layers); the vision encoder stays in the model's dtype (images.encode_missing)
         if options.weight_format == "fp8":
             from hybridflow.engine.fp8.matmul import check_fp8_engine
 

@@ -11,7 +11,14 @@ it admits (encode_missing); a prompt's features stay with the submission until i
 sample is admitted (n samples of a prompt may be admitted over several passes when slots
 are few), so the n samples share one encoder call. The features take the places of the
 image-pad tokens in the prompts' embeddings, and each token is turned by its three mRoPE
-rows (the model's own modules run such a pass on either backend: prefill.py).
+rows: the pass takes those embeddings and each token's cos/sin (prefill.py, on either
+backend; an fp8 engine's projections included: the encoder alone stays in the model's dtype).
+
+Mixed steps (scheduling/mixed.py) prefill a prompt a chunk per step: chunk_inputs gives a
+chunk its slice of the prompt's mRoPE rows and its share of the features (an image may
+straddle chunks), encoded at the prompt's first chunk holding image tokens and held until
+its samples are admitted, beside the decode rows and text chunks, which turn at the RoPE
+table's rows. Such a step runs eagerly (the static step's graphs read no embeddings).
 
 Decode: every token after the prompt has equal rows (text), at the prompt's largest position
 plus one and on, so its turn is plain RoPE at ``cache position + shift`` with ``shift =
@@ -174,6 +181,10 @@ def encode_missing(model, segments: list[Segment]) -> None:
     if not wanted:
         return
     entries = [segment.entry for segment in wanted.values()]
+    # The encoder runs in the model's dtype, also under weight_format="fp8" (whose copies are
+    # the decoder layers': fp8/matmul.py): it is small (~0.7B of a 7B model's weights) and
+    # runs once a prompt, not once a token, so fp8 would save little, and its rounding would
+    # move the features of every image token, which every later token attends to.
     weight = next(model.visual.parameters())
     pixels = _device_rows([e.pixel_values for e in entries], weight.device).to(weight.dtype)
     grids = torch.cat([e.image_grid_thw for e in entries])  # on the host, as the encoder reads

@@ -193,3 +193,26 @@ def test_mixed_steps_with_images_equal_the_torch_backends_prefill_passes(model):
     scheduler = engine.scheduler
     assert 0 < scheduler.static_step.steps < scheduler.mixed_steps
     _assert_same(got, expected)
+
+
+def test_an_fp8_engine_runs_prompts_with_images_with_the_encoder_in_the_models_dtype(model):
+    """weight_format="fp8": the passes with images run the language model's fp8 copies (the
+    first token's log-prob moves from the model dtype's, by the e4m3 error), the vision
+    encoder stays in the model's dtype (the same features as without fp8), and the same
+    fp8 path in mixed steps' chunks samples the same tokens."""
+    params = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+    features = []
+    handle = model.visual.register_forward_hook(lambda m, args, out: features.append(out))
+    try:
+        _, plain = _generate(model, "triton", params)
+        engine, got = _generate(model, "triton", params, weight_format="fp8")
+        _, chunked = _generate(model, "triton", params, weight_format="fp8",
+                               max_prefill_tokens_per_step=5)  # fmt: skip
+    finally:
+        handle.remove()
+    visual = {p.data_ptr() for p in model.visual.parameters()}
+    assert engine.fp8.copies and not visual & set(engine.fp8.copies)
+    assert len(features) == 3 and all(torch.equal(f, features[0]) for f in features[1:])
+    for a, b in zip(got, plain):
+        assert 0 < abs(a.logprobs[0] - b.logprobs[0]) < 0.25
+    _assert_same(chunked, got)

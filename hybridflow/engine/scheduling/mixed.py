@@ -11,6 +11,10 @@ chunk's last logits: they are live rows from the next step on. A continuation of
 (kept.py) is a job that starts at the slot's cached length; a preempted request's recompute
 (preemption.py) is a job whose row goes on from the last token it sampled.
 
+A prompt with images is a job too: each of its chunks takes its slice of the prompt's
+mRoPE rows and its share of the encoder's features (images.chunk_inputs), and a step
+holding such a chunk runs eagerly, not as a static step.
+
 So a decode row waits at most one step for a new request, however long its prompt, and a
 turn of an agent's episode costs its own tokens in a step, not a pass of its own. A burst of
 requests that arrives while nothing decodes is the exception: the steps after the first take
