@@ -133,10 +133,16 @@ def test_sampled_logprobs_equal_the_trainers_pass(model):
 
 
 def _paged(model, params, budget=None, per_step=0):
+    """-> (engine, completions); the call's encoder features are all dropped at its end
+    (each prompt's once its last sample was admitted, a recompute's once it ran)."""
     options = EngineOptions(kv_block_size=16, max_prefill_tokens_per_step=per_step)
     engine = Engine(model, max_batch_size=9, max_seq_len=64, memory_budget=budget,
                     options=options)  # fmt: skip
-    return engine, engine.generate(PROMPTS, params, images=_images(_pixels()))
+    subs, submission = [], engine.submission
+    engine.submission = lambda *args, **kwargs: subs.append(submission(*args, **kwargs)) or subs[-1]
+    completions = engine.generate(PROMPTS, params, images=_images(_pixels()))
+    assert len(subs) == 1 and not subs[0].images.features
+    return engine, completions
 
 
 @pytest.mark.parametrize("per_step", [0, 5])
