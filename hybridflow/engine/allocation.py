@@ -162,8 +162,7 @@ def _triton_passes(engine):
     )  # fmt: skip
     prefill = functools.partial(prefill_forward_triton, fused=engine.fused, matmul=matmul,
                                 launch=engine.launch, experts=engine.experts)  # fmt: skip
-    # (a pass with images hands both its embeddings with the encoder's features and its
-    # mRoPE cos/sin: images.py)
+    # (a pass with images gives both passes its embeddings and mRoPE cos/sin: images.py)
     # Extend passes (kept-KV turns) come in whatever token counts the requests arrive with:
     # timing candidates at each new count would stall the engine (an H200 agent benchmark
     # spent 3.7 of its 4.3 s in 14 such passes), so they run cuBLAS and the untuned

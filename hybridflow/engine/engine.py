@@ -133,8 +133,9 @@ class Engine:
             self.recurrent_step = self.decode_backend
             self.decode_backend = "torch"
         # a vision-language model: prompts with images (images.py) decode with a per-slot
-        # rotary shift, which both backends read (RopeTable.slot_shift); their prefill runs
-        # the model's own modules (the vision encoder's features, mRoPE's three rows)
+        # rotary shift, which both backends read (RopeTable.slot_shift); their prefill and
+        # mixed steps take the embeddings with the vision encoder's features and each token's
+        # cos/sin from mRoPE's three rows
         self.vision = self.native and getattr(self.config, "vision", None) is not None
         triton_backend = self.decode_backend == "triton"
         cuda = self.device.type == "cuda"
