@@ -269,8 +269,8 @@ def _check_context(cfg: Config, max_len: int, add) -> None:
 
 def _check_images(cfg: Config, add) -> None:
     """data.image_key: a vision-language model's (a text-only model has no vision encoder);
-    what prompts with images do not run through yet is refused up front (the rollout
-    service, agent programs, mixed prefill steps, and the sharded layouts no test has run)."""
+    what prompts with images do not run through yet is refused up front (agent programs,
+    and the sharded layouts no test has run)."""
     key = cfg.data.image_key
     if key is not None and (not isinstance(key, str) or not key):
         add(f"data.image_key = {key!r} must be the name of the rows' image column (verl's: "
@@ -284,13 +284,9 @@ def _check_images(cfg: Config, add) -> None:
         return
     # what prompts with images do not run through yet (docs/engine.md, Prompts with images)
     unsupported = {
-        "trainer.partial_rollout": cfg.trainer.partial_rollout,
         # the built-in tool loop runs them (agents/images.py); an agent program talks to the
         # OpenAI endpoint in text, which refuses images in an episode's request
         "rollout.agent.loop": cfg.rollout.agent.loop == "openai",
-        "rollout.engine.max_prefill_tokens_per_step": cfg.rollout.engine.max_prefill_tokens_per_step > 0,
-        # the passes with images prefill in the model's dtype (the engine refuses it too)
-        "rollout.dtype": cfg.rollout.dtype == "fp8",
         "actor.sequence_parallel_size": cfg.actor.sequence_parallel_size > 1,
         "rollout.tensor_parallel_size": cfg.rollout.tensor_parallel_size > 1,
         # experts over replicas: the rollout's rows travel without their images (rollout_tp)

@@ -148,11 +148,7 @@ def _triton_passes(engine):
     from hybridflow.engine.adapters import AdapterMatmul
     from hybridflow.engine.layers.chooser import decode_forward_triton
     from hybridflow.engine.layers.matmul_choice import DecodeMatmul
-    from hybridflow.engine.prefill import (
-        extend_forward_triton,
-        prefill_forward_triton,
-        prefill_with_images,
-    )
+    from hybridflow.engine.prefill import extend_forward_triton, prefill_forward_triton
 
     matmul = engine.fp8 if engine.fp8 is not None else engine.matmul
     extend_matmul = engine.fp8 if engine.fp8 is not None else DecodeMatmul("cublas")
@@ -166,8 +162,7 @@ def _triton_passes(engine):
     )  # fmt: skip
     prefill = functools.partial(prefill_forward_triton, fused=engine.fused, matmul=matmul,
                                 launch=engine.launch, experts=engine.experts)  # fmt: skip
-    if engine.vision:  # passes with images: the model's own modules (prefill_with_images)
-        prefill = functools.partial(prefill_with_images, fused_prefill=prefill)
+    # (a pass with images gives both passes its embeddings and mRoPE cos/sin: images.py)
     # Extend passes (kept-KV turns) come in whatever token counts the requests arrive with:
     # timing candidates at each new count would stall the engine (an H200 agent benchmark
     # spent 3.7 of its 4.3 s in 14 such passes), so they run cuBLAS and the untuned

@@ -34,7 +34,7 @@ from hybridflow.engine.choices import (
 from hybridflow.engine.fp8.weight_scales import ENGINE_SCALES
 from hybridflow.engine.graphs import DecodeRunner
 from hybridflow.engine.host import cyclic_gc_paused
-from hybridflow.engine.images import ImageFeatures, check_image_call, prepare_images
+from hybridflow.engine.images import ImageFeatures, prepare_images
 from hybridflow.engine.options import EngineOptions
 from hybridflow.engine.prefill import extend_forward, prefill_forward
 from hybridflow.engine.requests import (
@@ -133,8 +133,9 @@ class Engine:
             self.recurrent_step = self.decode_backend
             self.decode_backend = "torch"
         # a vision-language model: prompts with images (images.py) decode with a per-slot
-        # rotary shift, which both backends read (RopeTable.slot_shift); their prefill runs
-        # the model's own modules (the vision encoder's features, mRoPE's three rows)
+        # rotary shift, which both backends read (RopeTable.slot_shift); their prefill and
+        # mixed steps take the embeddings with the vision encoder's features and each token's
+        # cos/sin from mRoPE's three rows
         self.vision = self.native and getattr(self.config, "vision", None) is not None
         triton_backend = self.decode_backend == "triton"
         cuda = self.device.type == "cuda"
@@ -155,10 +156,9 @@ class Engine:
             self.pinned = load_engine_choices(self.config, self.dtype, self.device, options)
         self.fused = None
         self.fp8 = None  # fp8.Fp8Matmul with weight_format="fp8", made with the cache
-        if options.weight_format == "fp8" and self.vision:
-            raise ValueError("weight_format='fp8' (rollout.dtype=fp8) does not cover "
-                             "vision-language models yet (their prompts with images prefill "
-                             "in the model's dtype): use the model's dtype")  # fmt: skip
+        # fp8 with a vision-language model: the language model's projections go fp8 in every
+        # pass, those with images included (their embeddings go through the same fused
+        # layers); the vision encoder stays in the model's dtype (images.encode_missing)
         if options.weight_format == "fp8":
             from hybridflow.engine.fp8.matmul import check_fp8_engine
 
@@ -362,17 +362,15 @@ class Engine:
         call's sample sample_index[i] + j (sampling.indexed_request_seeds), so the tokens do
         not depend on how the call was split. images: per prompt its images.PromptImages (or
         None), the prompt's ids holding an image-pad token per merged patch (a
-        vision-language model; generate() calls only). While a
-        RolloutService runs this engine, the prompts are submitted to it (and decode beside
-        its other requests)."""
+        vision-language model). While a RolloutService runs this engine, the prompts are
+        submitted to it (and decode beside its other requests, across its weight updates:
+        partial rollouts; a request recomputed after preemption prefills its images again)."""
         self._check_weights_held()
-        if self.service is not None and images is not None:
-            raise ValueError("prompts with images: through generate(), not a running service")
         if self.service is not None:
             if max_new_tokens is not None:
                 raise ValueError("max_new_tokens per request: not through a running service")
             return self.service.generate(prompts, params, seeds, keep=keep, reuse=reuse,
-                                         sample_index=sample_index)  # fmt: skip
+                                         sample_index=sample_index, images=images)  # fmt: skip
         with cyclic_gc_paused():  # also while the results are made (thousands of objects)
             return self._generate(prompts, params, seeds, keep=keep, reuse=reuse,
                                   max_new_tokens=max_new_tokens,
@@ -406,7 +404,6 @@ class Engine:
                          on_finish=on_finish)  # fmt: skip
         prepared = prepare_images(self.config, prompts, images)
         if prepared is not None:
-            check_image_call(self.options)
             sub.images = ImageFeatures(prepared, n)
         return sub
 

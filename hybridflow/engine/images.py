@@ -11,7 +11,14 @@ it admits (encode_missing); a prompt's features stay with the submission until i
 sample is admitted (n samples of a prompt may be admitted over several passes when slots
 are few), so the n samples share one encoder call. The features take the places of the
 image-pad tokens in the prompts' embeddings, and each token is turned by its three mRoPE
-rows (the model's own modules run such a pass on either backend: prefill.py).
+rows: the pass takes those embeddings and each token's cos/sin (prefill.py, on either
+backend; an fp8 engine's projections included: the encoder alone stays in the model's dtype).
+
+Mixed steps (scheduling/mixed.py) prefill a prompt a chunk per step: chunk_inputs gives a
+chunk its slice of the prompt's mRoPE rows and its share of the features (an image may
+straddle chunks), encoded at the prompt's first chunk holding image tokens and held until
+its samples are admitted, beside the decode rows and text chunks, which turn at the RoPE
+table's rows. Such a step runs eagerly (the static step's graphs read no embeddings).
 
 Decode: every token after the prompt has equal rows (text), at the prompt's largest position
 plus one and on, so its turn is plain RoPE at ``cache position + shift`` with ``shift =
@@ -106,14 +113,6 @@ def prepare_images(config, prompts: list[list[int]], images: list | None) -> lis
     return prepared
 
 
-def check_image_call(options) -> None:
-    """What prompts with images do not run through yet: ValueError saying what to change.
-    (Kept KV runs: a continuation's text turns at its slot's shift, scheduling/continuation.py.)"""
-    if options.max_prefill_tokens_per_step > 0:
-        raise ValueError("prompts with images need max_prefill_tokens_per_step=0 (mixed "
-                         "steps prefill them in chunks, without the vision encoder)")  # fmt: skip
-
-
 class ImageFeatures:
     """A submission's encoder features, per prompt, from its first sample's admission to
     its last's (module docstring); encode_missing fills them."""
@@ -121,11 +120,19 @@ class ImageFeatures:
     def __init__(self, prepared: list[PreparedImages | None], n: int):
         self.prepared, self.n = prepared, n
         self.features: dict[int, torch.Tensor] = {}
+        self.all_admitted: set[int] = set()  # prompts whose last sample was admitted
 
     def admitted(self, request: int) -> None:
         """Request admitted: its prompt's features go when it is the prompt's last sample."""
         if request % self.n == self.n - 1:
+            self.all_admitted.add(request // self.n)
             self.features.pop(request // self.n, None)
+
+    def recomputed(self, prompt: int) -> None:
+        """A preempted request's recompute is done with its prompt's features: they go
+        unless samples of the prompt are still to be admitted."""
+        if prompt in self.all_admitted:
+            self.features.pop(prompt, None)
 
 
 @dataclass
@@ -147,6 +154,14 @@ class Segment:
     def shift(self) -> int:
         return 0 if self.entry is None else self.entry.shift
 
+    def rows(self) -> torch.Tensor:
+        """Its mRoPE rows [3, length] (an image prompt's): the prompt's, then its largest
+        position plus one and on."""
+        entry = self.entry
+        after = int(entry.positions.max()) + 1
+        tail = torch.arange(after, after + self.length - self.prompt_length)
+        return torch.cat([entry.positions, tail.expand(3, -1)], dim=1)
+
 
 def has_images(segments: list[Segment]) -> bool:
     return any(segment.entry is not None for segment in segments)
@@ -166,6 +181,10 @@ def encode_missing(model, segments: list[Segment]) -> None:
     if not wanted:
         return
     entries = [segment.entry for segment in wanted.values()]
+    # The encoder runs in the model's dtype, also under weight_format="fp8" (whose copies are
+    # the decoder layers': fp8/matmul.py): it is small (~0.7B of a 7B model's weights) and
+    # runs once a prompt, not once a token, so fp8 would save little, and its rounding would
+    # move the features of every image token, which every later token attends to.
     weight = next(model.visual.parameters())
     pixels = _device_rows([e.pixel_values for e in entries], weight.device).to(weight.dtype)
     grids = torch.cat([e.image_grid_thw for e in entries])  # on the host, as the encoder reads
@@ -205,9 +224,7 @@ def prefill_inputs(model, ids: torch.Tensor, segments: list[Segment]):
         if entry is None:
             rows.append(torch.arange(segment.length).expand(3, -1))
         else:
-            after = int(entry.positions.max()) + 1
-            tail = torch.arange(after, after + segment.length - segment.prompt_length)
-            rows.append(torch.cat([entry.positions, tail.expand(3, -1)], dim=1))
+            rows.append(segment.rows())
             span[: entry.span] = 1  # past it: text (PromptImages.image_span)
             features.append(segment.images.features[segment.prompt])
         spans.append(span)
@@ -216,6 +233,54 @@ def prefill_inputs(model, ids: torch.Tensor, segments: list[Segment]):
         slots = (ids == config.vision.image_token_id) & span.bool()
         hidden = hidden.masked_scatter(slots.unsqueeze(-1), torch.cat(features).to(hidden.dtype))
     cos, sin = mrope_cos_sin(config, positions.view(3, -1), hidden.dtype)
+    return hidden, cos, sin
+
+
+@dataclass
+class ImageChunk:
+    """A chunk of a prompt with images in a mixed step (scheduling/mixed.py): its segment,
+    the ids its slot holds (the prompt, and a preempted request's tokens), the chunk's first
+    position and token count, and the index of its first token among the pass's."""
+
+    segment: Segment
+    ids: list[int]
+    start: int
+    count: int
+    at: int
+
+    def image_tokens(self, image_token_id: int) -> tuple[int, list[int]]:
+        """(how many of the prompt's image tokens come before the chunk, the chunk's own
+        image tokens as indices among the pass's): those within the images' span."""
+        span = self.segment.entry.span
+        before = self.ids[: min(self.start, span)].count(image_token_id)
+        own = self.ids[self.start : min(self.start + self.count, span)]
+        return before, [self.at + i for i, t in enumerate(own) if t == image_token_id]
+
+
+@torch.no_grad()
+def chunk_inputs(model, rope, ids: torch.Tensor, rotary: torch.Tensor,
+                 chunks: list[ImageChunk]):  # fmt: skip
+    """(hidden [N, H], cos, sin [N, D]) for a pass of ids [N] whose tokens turn at rotary
+    [N] (the RoPE table's rows: decode rows, text chunks, continuations), but for chunks of
+    prompts with images: their tokens' mRoPE rows, sliced from the prompt's, and the
+    encoder's features at their image tokens, the chunk's share of the prompt's (an image
+    may straddle chunks). A prompt's images are encoded at its first chunk that holds
+    image tokens (one encoder call for the pass's) and held until its samples are
+    admitted, as a prefill pass's."""
+    image_token_id = model.config.vision.image_token_id
+    found = [(chunk, *chunk.image_tokens(image_token_id)) for chunk in chunks]
+    encode_missing(model, [chunk.segment for chunk, _, own in found if own])
+    index = torch.cat([torch.arange(c.at, c.at + c.count) for c in chunks])
+    rows = torch.cat([c.segment.rows()[:, c.start : c.start + c.count] for c in chunks], dim=1)
+    slots = torch.tensor([i for _, _, own in found for i in own], dtype=torch.int64)
+    index, rows, slots = upload(ids.device, index, rows, slots)
+    hidden = model.model.embed_tokens(ids)
+    cos, sin = rope.cos[rotary], rope.sin[rotary]
+    cos[index], sin[index] = mrope_cos_sin(model.config, rows.view(3, -1), cos.dtype)
+    features = [chunk.segment.images.features[chunk.segment.prompt][before : before + len(own)]
+                for chunk, before, own in found if own]  # fmt: skip
+    if features:
+        hidden[slots] = torch.cat(features).to(hidden.dtype)
     return hidden, cos, sin
 
 

@@ -103,19 +103,6 @@ def prefill_forward(
     return model.lm_head(model.model.norm(hidden))
 
 
-def prefill_with_images(model, cache: KVCache, rope: RopeTable, *args,
-                        fused_prefill, inputs: tuple | None = None,
-                        cache_at: tuple | None = None) -> torch.Tensor:  # fmt: skip
-    """A vision-language engine's prefill on the triton backend: a pass with images
-    (inputs: images.prefill_inputs' embeddings with the encoder's features and mRoPE's
-    three-row cos/sin) runs prefill_forward, the model's own modules; a text-only pass runs
-    fused_prefill (prefill_forward_triton with the engine's kernels). Both write the K/V
-    the fused decode layers read."""
-    if inputs is not None:
-        return prefill_forward(model, cache, rope, *args, cache_at=cache_at, inputs=inputs)
-    return fused_prefill(model, cache, rope, *args, cache_at=cache_at)
-
-
 def _sink_tiles(model, cu_seqlens: torch.Tensor, tokens: int) -> tuple | None:
     """The packed prompts' tiles for the sink layers' kernel, made once for all the layers
     (kernels/chunk_attention.packed_tiles); None: the model has no sink layer."""
@@ -144,11 +131,16 @@ def prefill_forward_triton(
     launch: Launch = PLAIN,
     cache_at: tuple | None = None,
     experts=None,
+    inputs: tuple | None = None,
 ) -> torch.Tensor:
     """Same contract as prefill_forward, with the decode step's fused kernels around the
     model's packed attention (the split layer's stack, layers/split.py). experts: a
-    layers.moe.ExpertMatmuls (mixture-of-experts models)."""
+    layers.moe.ExpertMatmuls (mixture-of-experts models). inputs: as prefill_forward's
+    (prompts with images), the same kernels over them (an fp8 engine's matmuls included)."""
     entries, offsets = cache_at or (token_slots, None)
+    cos, sin, turns = rope_rows(rope, position_ids, inputs)
+    if offsets is None and turns is not position_ids:  # stored at the cache position
+        offsets = position_ids
     from hybridflow.engine.kernels import rowwise
     from hybridflow.engine.layers.moe import route_target
     from hybridflow.engine.layers.split import fused_layers
@@ -170,15 +162,29 @@ def prefill_forward_triton(
         # k rotated in place (a strided view of the qkv product, like q and v): gathering the
         # rotated keys back from the cache cost ~15 us a layer per 16k tokens on the H200.
         rowwise.rope_store(
-            q, k, v, rope.cos, rope.sin, position_ids, entries, cache.keys[index],
-            cache.values[index], rotate_k=True, launch=launch, cache_positions=offsets,
+            q, k, v, cos, sin, turns, entries, cache.keys[index], cache.values[index],
+            rotate_k=True, launch=launch, cache_positions=offsets,
             kv_scales=cache.layer_scales(index),
         )  # fmt: skip
         return packed(q, k, v)
 
     normed = fused_layers(model, input_ids, attend, fused, matmul, keep=last_index, launch=launch,
-                          routes=routes, experts=experts)  # fmt: skip
+                          routes=routes, experts=experts, hidden=_hidden(inputs))  # fmt: skip
     return model.lm_head(normed)
+
+
+def rope_rows(rope: RopeTable, rotary: torch.Tensor, inputs: tuple | None) -> tuple:
+    """(cos table, sin table, each token's row in them) that the fused passes' rope_store
+    reads: the RoPE table at the tokens' rotary positions, or, given inputs (hidden, cos,
+    sin [N, D]: each token's own turn, images.py), row i for token i."""
+    if inputs is None:
+        return rope.cos, rope.sin, rotary
+    _, cos, sin = inputs
+    return cos.contiguous(), sin.contiguous(), torch.arange(cos.shape[0], device=cos.device)
+
+
+def _hidden(inputs: tuple | None) -> torch.Tensor | None:
+    return None if inputs is None else inputs[0]
 
 
 # -------------------------------------------------------------------------------------------
@@ -201,6 +207,7 @@ def extend_forward(
     frozen: torch.Tensor | None = None,
     latent_step: str = "torch",
     fp8_experts=None,
+    inputs: tuple | None = None,
 ) -> torch.Tensor:
     """input_ids/position_ids/token_slots [N]: each sequence's new tokens, contiguous and in
     position order; every token attends to its slot's cache up to its own position (the
@@ -216,7 +223,9 @@ def extend_forward(
     latent_step: an MLA layer's absorbed attention, every token a row over its slot
     ("triton": the kernel reads the paged latents in place, no gather; layers/latent.py).
     Each token turns at its cache position plus its slot's rotary shift (RopeTable.
-    rotary_positions: mRoPE prompts with images, images.py; 0 elsewhere). fp8_experts: as
+    rotary_positions: mRoPE prompts with images, images.py; 0 elsewhere), or by inputs' cos/sin
+    when given: (hidden, cos, sin [N, D]) instead of the ids' embeddings and the table's rows
+    (a mixed step's chunks of prompts with images, images.chunk_inputs). fp8_experts: as
     layers/eager.decode_forward_torch's."""
     from hybridflow.engine.layers import mixing
     from hybridflow.engine.layers.eager import cached_attention_torch, layer_fp8_experts
@@ -237,9 +246,12 @@ def extend_forward(
         slots = token_slots[start : start + chunk_tokens]
         chunk_at = entries[start : start + chunk_tokens], offsets[start : start + chunk_tokens]
         max_len = int(positions.max()) + 1
-        hidden = model.model.embed_tokens(ids)
-        turns = rotary[start : start + chunk_tokens]
-        cos, sin = rope.cos[turns], rope.sin[turns]
+        if inputs is None:
+            hidden = model.model.embed_tokens(ids)
+            turns = rotary[start : start + chunk_tokens]
+            cos, sin = rope.cos[turns], rope.sin[turns]
+        else:
+            hidden, cos, sin = (part[start : start + chunk_tokens] for part in inputs)
         target = route_target(cache, *chunk_at)
         sequences = None
         if cache.states is not None:  # the chunk's sequences, the frozen decode rows' targets
@@ -301,6 +313,7 @@ def extend_forward_triton(
     experts=None,
     decode_rows: int = 0,
     max_len: int | None = None,
+    inputs: tuple | None = None,
 ) -> torch.Tensor:
     """extend_forward with the fused kernels: RoPE and the cache store of every new token
     first (rope_store), then the new tokens' attention over their slots, two launches, so no
@@ -325,7 +338,7 @@ def extend_forward_triton(
     table), whatever the kernel of the rest; the flash path's spans then cover the other
     tokens only. max_len: a host bound on position_ids + 1 over every token (None: read from
     the device, a sync). Each token turns at its cache position plus its slot's rotary shift,
-    as extend_forward's."""
+    as extend_forward's, or by inputs' cos/sin (extend_forward's inputs)."""
     from hybridflow.engine.kernels import attention, rowwise
     from hybridflow.engine.layers.moe import route_target
     from hybridflow.engine.layers.split import fused_layers
@@ -344,7 +357,7 @@ def extend_forward_triton(
         )
     )
     entries, offsets = cache_at or (token_slots, None)
-    rotary = rope.rotary_positions(position_ids, token_slots)
+    cos, sin, rotary = rope_rows(rope, rope.rotary_positions(position_ids, token_slots), inputs)
     if offsets is None and rotary is not position_ids:  # stored at the cache position
         offsets = position_ids
     lengths = position_ids + 1
@@ -360,8 +373,8 @@ def extend_forward_triton(
     def attend(index, q, k, v):
         keys, values = cache.keys[index], cache.values[index]
         scales = cache.layer_scales(index)
-        rowwise.rope_store(q, k, v, rope.cos, rope.sin, rotary, entries, keys, values,
-                           launch=launch, cache_positions=offsets, kv_scales=scales)  # fmt: skip
+        rowwise.rope_store(q, k, v, cos, sin, rotary, entries, keys, values, launch=launch,
+                           cache_positions=offsets, kv_scales=scales)  # fmt: skip
         parts = []
         if decoded:
             parts.append(attention.decode_attention(
@@ -377,7 +390,7 @@ def extend_forward_triton(
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     normed = fused_layers(model, input_ids, attend, fused, matmul, keep=last_index, launch=launch,
-                          routes=routes, experts=experts)  # fmt: skip
+                          routes=routes, experts=experts, hidden=_hidden(inputs))  # fmt: skip
     return model.lm_head(normed)
 
 

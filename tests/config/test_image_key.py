@@ -26,15 +26,22 @@ def test_a_text_only_model_refuses_the_key_naming_it():
 
 
 def test_what_prompts_with_images_do_not_run_through_is_refused_up_front():
-    for settings in (["trainer.mode=async", "trainer.partial_rollout=true"],
-                     ["actor.sequence_parallel_size=2"],
+    for settings in (["actor.sequence_parallel_size=2"],
                      ["rollout.tensor_parallel_size=2"],
-                     ["rollout.expert_parallel_size=2"],
-                     ["rollout.engine.max_prefill_tokens_per_step=256"],
-                     ["rollout.dtype=fp8"]):  # fmt: skip
+                     ["rollout.expert_parallel_size=2"]):  # fmt: skip
         key = settings[-1].split("=")[0]
         with pytest.raises(ConfigError, match=rf"{key} = .* prompts with images"):
             validate(_config("model.path=tiny-vl", *settings))
+
+
+def test_mixed_steps_partial_rollouts_and_fp8_run_prompts_with_images():
+    """The engine chunks prompts with images in mixed steps, keeps them across a partial
+    rollout's weight updates (tests/engine/test_image_engine.py) and runs their passes on
+    its fp8 copies (tests/engine/test_image_engine_fused.py)."""
+    validate(_config("model.path=tiny-vl", "rollout.engine.max_prefill_tokens_per_step=256"))
+    validate(_config("model.path=tiny-vl", "rollout.dtype=fp8"))
+    validate(_config("model.path=tiny-vl", "trainer.mode=async", "trainer.partial_rollout=true",
+                     "trainer.stale_policy=drop"))  # fmt: skip
 
 
 def test_the_tool_loop_runs_prompts_with_images_and_an_agent_program_is_refused():

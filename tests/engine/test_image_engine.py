@@ -1,12 +1,15 @@
 """The engine on prompts with images (tiny-vl, fp32, CPU): greedy tokens equal the model's
 own greedy decoding with its images, sampled log-probs equal the trainer's pass, the vision
 encoder runs once a prompt whatever n and however the samples are admitted, the image
-tokens count in the cache, and what is not supported is refused."""
+tokens count in the cache, mixed steps (chunked prefill beside decode rows) sample what
+separate prefill passes do, and what is not supported is refused."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
+import time
 
 import pytest
 import torch
@@ -129,19 +132,28 @@ def test_sampled_logprobs_equal_the_trainers_pass(model):
     assert (trainer - engine).abs().max() <= 1e-5
 
 
-def _paged(model, params, budget=None):
+def _paged(model, params, budget=None, per_step=0):
+    """-> (engine, completions); the call's encoder features are all dropped at its end
+    (each prompt's once its last sample was admitted, a recompute's once it ran)."""
+    options = EngineOptions(kv_block_size=16, max_prefill_tokens_per_step=per_step)
     engine = Engine(model, max_batch_size=9, max_seq_len=64, memory_budget=budget,
-                    options=EngineOptions(kv_block_size=16))  # fmt: skip
-    return engine, engine.generate(PROMPTS, params, images=_images(_pixels()))
+                    options=options)  # fmt: skip
+    subs, submission = [], engine.submission
+    engine.submission = lambda *args, **kwargs: subs.append(submission(*args, **kwargs)) or subs[-1]
+    completions = engine.generate(PROMPTS, params, images=_images(_pixels()))
+    assert len(subs) == 1 and not subs[0].images.features
+    return engine, completions
 
 
-def test_preempted_image_requests_resume_with_identical_tokens(model):
+@pytest.mark.parametrize("per_step", [0, 5])
+def test_preempted_image_requests_resume_with_identical_tokens(model, per_step):
     """9 sequences of 3 blocks (image tokens included) in 14 blocks: the newest are
-    preempted and prefilled again, their images' features with them."""
+    preempted and prefilled again, their images' features with them (per_step: in chunks
+    of mixed steps)."""
     params = SamplingParams(n=3, temperature=0.9, max_new_tokens=24, seed=3, ignore_eos=True)
     probe, expected = _paged(model, params)
     block = probe.cache.keys[:, 0].numel() * probe.cache.keys.element_size() * 2
-    engine, got = _paged(model, params, budget=block * 15)
+    engine, got = _paged(model, params, budget=block * 15, per_step=per_step)
     assert engine.cache.num_blocks == 14 and engine.scheduler.paging.preemptions > 0
     assert [c.token_ids for c in got] == [c.token_ids for c in expected]
     for a, b in zip(got, expected):
@@ -167,13 +179,6 @@ def test_what_images_do_not_run_through_is_refused(model):
     with pytest.raises(ValueError, match="prompt 0: 23 rows of pixel_values, its grids hold 24"):
         cut = PromptImages(images[0].pixel_values[:-1], images[0].image_grid_thw)
         engine.generate(PROMPTS, SamplingParams(), images=[cut, None, images[2]])
-    mixed = Engine(model, max_batch_size=4, max_seq_len=64,
-                   options=EngineOptions(max_prefill_tokens_per_step=32))  # fmt: skip
-    with pytest.raises(ValueError, match="max_prefill_tokens_per_step=0"):
-        mixed.generate(PROMPTS, SamplingParams(), images=images)
-    with pytest.raises(ValueError, match="does not cover vision-language models"):
-        Engine(model, max_batch_size=4, max_seq_len=64,
-               options=EngineOptions(weight_format="fp8"))  # fmt: skip
     text_only = build_model(preset_config("tiny"), seed=0)
     with pytest.raises(ValueError, match="no vision encoder"):
         Engine(text_only, max_batch_size=4, max_seq_len=64).generate(
@@ -196,14 +201,15 @@ def test_speculative_verify_passes_turn_rows_at_their_shift(model):
         torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
 
 
-def _turns(model, kept: bool, added, span: bool = False, block: int | None = 64):
+def _turns(model, kept: bool, added, span: bool = False, block: int | None = 64,
+           per_step: int = 0):  # fmt: skip
     """Two turns of each prompt with images (n=1, sampled): turn 2's prompt is turn 1's
     with its tokens and `added` (prompt index -> ids, images) after them; with kept, turn 2
     continues turn 1's slot; span: turn 1's prompt is the images' span (image_span); block:
-    the cache's kv_block_size (None: contiguous). -> (turn 1, turn 2 completions,
-    prefilled tokens)."""
-    engine = Engine(model, max_batch_size=4, max_seq_len=96,
-                    options=EngineOptions(kv_block_size=block))  # fmt: skip
+    the cache's kv_block_size (None: contiguous); per_step: max_prefill_tokens_per_step.
+    -> (turn 1, turn 2 completions, prefilled tokens)."""
+    options = EngineOptions(kv_block_size=block, max_prefill_tokens_per_step=per_step)
+    engine = Engine(model, max_batch_size=4, max_seq_len=96, options=options)
     params = SamplingParams(temperature=1.0, max_new_tokens=5, seed=7, ignore_eos=True)
     images = _images(_pixels())
     first = engine.generate(PROMPTS, params, keep=kept, images=images)
@@ -225,13 +231,15 @@ def _turns(model, kept: bool, added, span: bool = False, block: int | None = 64)
     return first, second, engine.prefill_tokens
 
 
-@pytest.mark.parametrize("block", [64, None])
-def test_a_kept_slot_of_a_prompt_with_images_continues_as_a_full_prefill_samples(model, block):
+@pytest.mark.parametrize("block, per_step", [(64, 0), (None, 0), (64, 4), (None, 4)])
+def test_a_kept_slot_of_a_prompt_with_images_continues_as_a_full_prefill_samples(
+    model, block, per_step
+):
     """Turn 2 of prompts with images continues turn 1's kept slot (its text at the slot's
     mRoPE shift): the same tokens and log-probs as prefilling turn 2 in full, and only the
-    added tokens prefilled."""
+    added tokens prefilled (per_step: both turns in mixed steps' chunks)."""
     full = _turns(model, kept=False, added={}, block=block)
-    kept = _turns(model, kept=True, added={}, block=block)
+    kept = _turns(model, kept=True, added={}, block=block, per_step=per_step)
     for full_turn, kept_turn in zip(full[:2], kept[:2]):
         assert [c.token_ids for c in kept_turn] == [c.token_ids for c in full_turn]
         for a, b in zip(kept_turn, full_turn):
@@ -265,3 +273,89 @@ def test_image_pad_ids_past_the_image_span_are_text(model):
     assert kept[2] == 4 + 4 + 3  # continued, each its unread token and the added ones
     with pytest.raises(ValueError, match="image tokens beyond the 1 images' grids"):
         _turns(model, kept=True, added=added)
+
+
+# Mixed steps: rows leave at different steps (budgets), so chunks of later prompts run
+# beside decoding rows; prompt 0's image (ids 2..7) straddles the chunks of 3 and of 5 tokens
+MIXED_PROMPTS = PROMPTS[::-1] + PROMPTS
+MIXED_BUDGETS = [3, 9, 2, 7, 5, 8, 8, 5, 7, 2, 9, 3]
+
+
+def _mixed(model, per_step: int, block: int | None):
+    options = EngineOptions(max_prefill_tokens_per_step=per_step, kv_block_size=block,
+                            steps_per_sync=2)  # fmt: skip
+    engine = Engine(model, max_batch_size=3, max_seq_len=64, options=options)
+    images = _images(_pixels())
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=9, ignore_eos=True)
+    return engine, engine.generate(MIXED_PROMPTS, params, images=images[::-1] + images,
+                                   max_new_tokens=MIXED_BUDGETS)  # fmt: skip
+
+
+@pytest.mark.parametrize("per_step, block", [(3, None), (5, 16), (64, None)])
+def test_mixed_steps_with_images_sample_as_separate_prefill_passes(model, per_step, block):
+    """Chunks of prompts with images (each chunk's share of the encoder's features, its
+    slice of the mRoPE rows) beside decode rows and text chunks: the greedy tokens and
+    log-probs of prefill passes of their own; each prompt's images encoded once for its
+    two samples."""
+    _, expected = _mixed(model, 0, block)
+    encoded, handle = _count_encoder_calls(model)
+    try:
+        engine, got = _mixed(model, per_step, block)
+    finally:
+        handle.remove()
+    assert engine.scheduler.mixed_steps > 0 and not engine.scheduler.prefilling
+    assert sum(encoded) == 2 * 3  # prompts 0 and 2, each twice in the call: 1 + 2 images
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+
+
+def _cut_after_first_decode(service) -> threading.Event:
+    """The service's thread waits, after its first step that decodes, until the caller's
+    next task (a pause) is queued: the requests are cut mid-generation whatever the timing.
+    -> the event set at that step."""
+    decoding, real_step = threading.Event(), service._step
+
+    def step():
+        real_step()
+        if service.engine.scheduler.decode_steps and not decoding.is_set():
+            decoding.set()
+            deadline = time.monotonic() + 30
+            while not service._inbox and time.monotonic() < deadline:
+                time.sleep(0.001)
+
+    service._step = step
+    return decoding
+
+
+@pytest.mark.parametrize("per_step", [0, 5])
+def test_a_partial_rollout_with_images_resumes_as_the_uncut_one(model, per_step):
+    """Engine.generate through a running service (a partial rollout): cut after its first
+    decode step by a pause and a new policy version (same weights), then on in a paged
+    cache that preempts, so rows recompute their prompts, images and all, after the
+    update: the greedy tokens and log-probs of the uncut call."""
+    from hybridflow.engine import RolloutService
+
+    params = SamplingParams(n=3, temperature=0, max_new_tokens=24, ignore_eos=True)
+    probe, expected = _paged(model, params)
+    block = probe.cache.keys[:, 0].numel() * probe.cache.keys.element_size() * 2
+    options = EngineOptions(kv_block_size=16, max_prefill_tokens_per_step=per_step,
+                            steps_per_sync=2)  # fmt: skip
+    engine = Engine(model, max_batch_size=9, max_seq_len=64, memory_budget=block * 15,
+                    options=options)  # fmt: skip
+    got = []
+    with RolloutService(engine) as service:
+        decoding = _cut_after_first_decode(service)
+        thread = threading.Thread(target=lambda: got.extend(
+            engine.generate(PROMPTS, params, images=_images(_pixels()))))  # fmt: skip
+        thread.start()
+        assert decoding.wait(30)
+        service.pause()
+        preempted = engine.scheduler.paging.preemptions
+        service.resume(weights_changed=True)
+        thread.join(60)
+    assert engine.scheduler.paging.preemptions > preempted  # recomputed after the update
+    assert any(len(c.version_spans) == 2 for c in got)  # tokens of both versions
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)

@@ -3,7 +3,9 @@ slot's rows at its cache position plus its mRoPE shift, RopeTable.slot_shift; th
 a pass with images runs the model's own modules): tiny-vl in fp32 samples the tokens and
 log-probs of the torch backend, with images of different sizes (slots of different shifts),
 n > 1 samples sharing their prompt's prefix, preemption, kept slots and speculative verify
-passes. Runs on CUDA (marked gpu; graphs replayed), or on CPU under TRITON_INTERPRET=1."""
+passes, and mixed steps (chunks of prompts with images beside decode rows; a static step
+runs such a step eagerly). Runs on CUDA (marked gpu; graphs replayed), or on CPU under
+TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
@@ -168,3 +170,49 @@ def test_static_mixed_step_turns_decode_rows_at_their_shift(model):
                   (torch.cat([slots, scratch]), torch.cat([positions, zero])), slots,
                   torch.arange(3, device=DEVICE), torch.from_numpy(tiles).to(DEVICE))  # fmt: skip
     torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)
+
+
+def test_mixed_steps_with_images_equal_the_torch_backends_prefill_passes(model):
+    """Chunks of 5 tokens (the images straddle them) beside decode rows, with the static
+    mixed step on (graph_mixed_steps): a step holding a chunk of a prompt with images runs
+    eagerly (its embeddings and mRoPE cos/sin are no static buffer's), the text prompts'
+    steps statically; the tokens and log-probs of the torch backend's prefill passes."""
+    prompts = [PROMPTS[1], *PROMPTS, [15, 16, 17, 18, 19, 20, 21]]
+    images = [None, *_images(), None]
+    budgets = [3, 2, 6, 9, 7, 8]  # rows leave at different steps: later prompts join them
+    params = SamplingParams(temperature=0, max_new_tokens=9, ignore_eos=True)
+
+    def run(**options):
+        engine = Engine(model, max_batch_size=3, max_seq_len=64,
+                        options=EngineOptions(kv_block_size=16, steps_per_sync=2, **options))  # fmt: skip
+        return engine, engine.generate(prompts, params, images=images, max_new_tokens=budgets)
+
+    _, expected = run(decode_backend="torch", cuda_graphs=False)
+    engine, got = run(decode_backend="triton", graph_mixed_steps=True,
+                      max_prefill_tokens_per_step=5)  # fmt: skip
+    scheduler = engine.scheduler
+    assert 0 < scheduler.static_step.steps < scheduler.mixed_steps
+    _assert_same(got, expected)
+
+
+def test_an_fp8_engine_runs_prompts_with_images_with_the_encoder_in_the_models_dtype(model):
+    """weight_format="fp8": the passes with images run the language model's fp8 copies (the
+    first token's log-prob moves from the model dtype's, by the e4m3 error), the vision
+    encoder stays in the model's dtype (the same features as without fp8), and the same
+    fp8 path in mixed steps' chunks samples the same tokens."""
+    params = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+    features = []
+    handle = model.visual.register_forward_hook(lambda m, args, out: features.append(out))
+    try:
+        _, plain = _generate(model, "triton", params)
+        engine, got = _generate(model, "triton", params, weight_format="fp8")
+        _, chunked = _generate(model, "triton", params, weight_format="fp8",
+                               max_prefill_tokens_per_step=5)  # fmt: skip
+    finally:
+        handle.remove()
+    visual = {p.data_ptr() for p in model.visual.parameters()}
+    assert engine.fp8.copies and not visual & set(engine.fp8.copies)
+    assert len(features) == 3 and all(torch.equal(f, features[0]) for f in features[1:])
+    for a, b in zip(got, plain):
+        assert 0 < abs(a.logprobs[0] - b.logprobs[0]) < 0.25
+    _assert_same(chunked, got)

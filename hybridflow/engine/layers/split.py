@@ -29,6 +29,7 @@ def fused_layers(
     launch: Launch = PLAIN,
     routes=None,
     experts=None,
+    hidden: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Embedding + every layer with the fused kernels; attend(layer_index, q, k, v) -> [N, nh,
     D] (q/k unrotated: it applies RoPE and stores k/v in the cache) is the only part that
@@ -38,7 +39,10 @@ def fused_layers(
     whose output is wanted (the last layer past attention runs on those only: prefill).
     launch: the kernels' launch options. Mixture-of-experts layers (layers/moe.py): routes,
     a moe.RouteTarget the tokens record their expert ids in (None: not recorded); experts, a
-    moe.ExpertMatmuls. Returns the final-normed hidden states [N or len(keep), H]."""
+    moe.ExpertMatmuls. hidden: the residual stream's start [N, H] instead of the ids'
+    embeddings (prompts with images: the encoder's features at their image tokens,
+    engine/images.py); it is updated in place. Returns the final-normed hidden states [N or
+    len(keep), H]."""
     from hybridflow.engine.fp8.matmul import Fp8Matmul
     from hybridflow.engine.kernels import gemm, rowwise
     from hybridflow.engine.layers.moe import ExpertMatmuls, experts_triton, is_sparse
@@ -54,7 +58,8 @@ def fused_layers(
         rms_norm, add_rms_norm, silu_mul = rowwise.rms_norm, rowwise.add_rms_norm, rowwise.silu_mul
 
     layers = model.model.layers
-    hidden = model.model.embed_tokens(input_ids)  # [N, H] residual stream, updated in place
+    if hidden is None:
+        hidden = model.model.embed_tokens(input_ids)  # [N, H] residual stream, updated in place
     weighted = fused is None or not fused.folded  # else the norm weights are in the matmuls
     normed = rms_norm(hidden, layers[0].input_layernorm, weighted, launch)
     sparse_index = 0  # the routing record's layer axis counts sparse layers only

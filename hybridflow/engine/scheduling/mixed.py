@@ -11,6 +11,10 @@ chunk's last logits: they are live rows from the next step on. A continuation of
 (kept.py) is a job that starts at the slot's cached length; a preempted request's recompute
 (preemption.py) is a job whose row goes on from the last token it sampled.
 
+A prompt with images is a job too: each of its chunks takes its slice of the prompt's
+mRoPE rows and its share of the encoder's features (images.chunk_inputs), and a step
+holding such a chunk runs eagerly, not as a static step.
+
 So a decode row waits at most one step for a new request, however long its prompt, and a
 turn of an agent's episode costs its own tokens in a step, not a pass of its own. A burst of
 requests that arrives while nothing decodes is the exception: the steps after the first take
@@ -28,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridflow.engine.host import ranges, upload
+from hybridflow.engine.images import ImageChunk, Segment, chunk_inputs, set_slot_shifts
 from hybridflow.engine.prefill import host_spans
 from hybridflow.engine.requests import Completion, Submission
 from hybridflow.engine.scheduling import admission, preemption
@@ -47,7 +52,7 @@ def open_jobs(scheduler: SchedulerState) -> None:
     while scheduler.resuming and preemption.can_resume(scheduler):
         live, sequence = preemption.take_resumed(scheduler)
         job = PrefillJob([(live.sub, live.request)], [live.slot], sequence, 0, resumed=live)
-        scheduler.prefilling.append(job)
+        _start(scheduler, job)
     while scheduler.extending and preemption.extension_fits(scheduler):
         sub, request, slot, cached = scheduler.extending.popleft()
         sub.table.check()  # every id in range before it indexes the embedding
@@ -55,7 +60,7 @@ def open_jobs(scheduler: SchedulerState) -> None:
         if scheduler.paging is not None:
             scheduler.paging.grow([slot], [len(prompt)])
         scheduler.engine.prefill_tokens += len(prompt) - cached
-        scheduler.prefilling.append(PrefillJob([(sub, request)], [slot], prompt, cached))
+        _start(scheduler, PrefillJob([(sub, request)], [slot], prompt, cached))
     while scheduler.waiting and not scheduler.resuming and _has_room(scheduler):
         taken = admission.take_waiting(scheduler)
         if not taken:
@@ -92,7 +97,43 @@ def _open_job(scheduler: SchedulerState, group: list[tuple[Submission, int]]) ->
     copies = None
     if scheduler.paging is not None:  # the first slot's blocks, shared by the other samples
         copies = scheduler.paging.place(slots, [0], [0] * len(group), [len(prompt)])
-    scheduler.prefilling.append(PrefillJob(group, slots, prompt, 0, copies))
+    _start(scheduler, PrefillJob(group, slots, prompt, 0, copies))
+
+
+def _start(scheduler: SchedulerState, job: PrefillJob) -> None:
+    """A job joins the prefilling ones; a vision-language engine sets its slots' decode
+    shift first (images.py; 0 for a text prompt: the slot may have held one with images)."""
+    engine = scheduler.engine
+    if engine.vision:
+        shift = _segment(job).shift
+        set_slot_shifts(engine.rope, job.slots, [shift] * len(job.slots), engine.device)
+    scheduler.prefilling.append(job)
+
+
+def _segment(job: PrefillJob) -> Segment:
+    """The job's sequence as an images.Segment (its prompt's images, or none)."""
+    sub, request = job.requests[0]
+    prompt = request // sub.n
+    return Segment(sub.images, prompt, len(sub.prompt_of(request)), len(job.sequence))
+
+
+def _has_images(job: PrefillJob) -> bool:
+    sub, request = job.requests[0]
+    return sub.images is not None and sub.images.prepared[request // sub.n] is not None
+
+
+def _release_features(jobs: list[PrefillJob]) -> None:
+    """Jobs ended (their last chunk ran, or aborted): their prompts' encoder features go
+    once no sample of the prompt is still to be admitted (images.ImageFeatures)."""
+    for job in jobs:
+        sub, request = job.requests[0]
+        if sub.images is None:
+            continue
+        if job.resumed is not None:
+            sub.images.recomputed(request // sub.n)
+            continue
+        for _, request in job.requests:
+            sub.images.admitted(request)
 
 
 def abort(scheduler: SchedulerState, sub: Submission, request: int) -> bool:
@@ -104,6 +145,7 @@ def abort(scheduler: SchedulerState, sub: Submission, request: int) -> bool:
             continue
         if all(r in s.aborted for s, r in job.requests):
             scheduler.prefilling.remove(job)
+            _release_features([job])
             for slot in job.slots:
                 scheduler.free_slot(slot)
             live = job.resumed  # a preempted request keeps what it had sampled
@@ -134,6 +176,10 @@ def run_step(scheduler: SchedulerState) -> int:
         rows = len(scheduler.rows) if room else 0
     static = scheduler.static_step if rows else None
     chunks = _chunks(scheduler, rows, static.max_chunks if static is not None else None)
+    if any(_has_images(job) for job, _, _ in chunks):
+        # a prompt with images turns by its mRoPE rows and reads the encoder's features,
+        # which the static step's fixed buffers do not hold: its steps run eagerly
+        static = None
     for job, _, count in chunks:
         job.done += count
         scheduler.chunk_tokens += count
@@ -182,7 +228,10 @@ def _eager_forward(scheduler: SchedulerState, rows: int, chunks, finished: list[
     ids, positions, token_slots, keep, *rest = upload(
         engine.device, ids, positions, token_slots, keep, *cache_at, *span_tensors
     )
-    extra = {}
+    all_ids = torch.cat([state.tokens[:rows], ids])
+    all_positions = torch.cat([state.positions[:rows], positions])
+    all_slots = torch.cat([state.row_slots[:rows], token_slots])
+    extra = _image_inputs(engine, chunks, rows, all_ids, all_positions, all_slots)
     if cache_at:
         chunk_at, rest = rest[:2], rest[2:]
         row_at = scheduler.cache.locate(state.row_slots[:rows], state.positions[:rows])
@@ -195,14 +244,27 @@ def _eager_forward(scheduler: SchedulerState, rows: int, chunks, finished: list[
                           cu_all.to(torch.int32), *spans[1])  # fmt: skip
     max_len = max(int((starts + counts).max()), scheduler.max_live_len(1) if rows else 1)
     logits = engine.extend(
-        engine.model, scheduler.cache, engine.rope, torch.cat([state.tokens[:rows], ids]),
-        torch.cat([state.positions[:rows], positions]),
-        torch.cat([state.row_slots[:rows], token_slots]), keep, decode_rows=rows,
-        max_len=min(max_len, scheduler.cache.max_seq_len), **extra,
+        engine.model, scheduler.cache, engine.rope, all_ids, all_positions, all_slots, keep,
+        decode_rows=rows, max_len=min(max_len, scheduler.cache.max_seq_len), **extra,
     )  # fmt: skip  # [rows + finished jobs, V]
     if rows:
         scheduler.runner.advance_rows(logits[:rows], rows)
     return logits[rows:]
+
+
+def _image_inputs(engine, chunks, rows: int, ids, positions, slots) -> dict:
+    """The extend pass's inputs (images.chunk_inputs) when a chunk is of a prompt with
+    images: the forward's embeddings and cos/sin, its image chunks' mRoPE rows and features
+    in their places; {} otherwise."""
+    image_chunks, at = [], rows
+    for job, start, count in chunks:
+        if _has_images(job):
+            image_chunks.append(ImageChunk(_segment(job), job.sequence, start, count, at))
+        at += count
+    if not image_chunks:
+        return {}
+    rotary = engine.rope.rotary_positions(positions, slots)
+    return {"inputs": chunk_inputs(engine.model, engine.rope, ids, rotary, image_chunks)}
 
 
 def _chunks(scheduler: SchedulerState, rows: int,
@@ -232,6 +294,7 @@ def finish_jobs(scheduler: SchedulerState, jobs: list[PrefillJob], logits: torch
     engine = scheduler.engine
     for job in jobs:
         scheduler.prefilling.remove(job)
+    _release_features(jobs)
     for job in jobs:
         if job.resumed is not None:  # its next token is the last it sampled: no sampling
             preemption.append_resumed(scheduler, job.resumed, len(job.sequence))

@@ -47,8 +47,8 @@ def mixed_forward_static(
     Each decode row attends over its slot like a decode step (decode_attention, the untimed
     tile, as the extend pass), each chunk token over its sequence up to its position. A
     decode row turns at its position plus its slot's rotary shift (RopeTable.slot_shift,
-    read in the graph: mRoPE prompts with images); chunk tokens at their positions (a mixed
-    step prefills no prompt with images: images.check_image_call), or, given chunk_slots
+    read in the graph: mRoPE prompts with images); chunk tokens at their positions (a step
+    holding a chunk of a prompt with images runs eagerly: mixed.run_step), or, given chunk_slots
     [T] (a verify pass's drafts, which continue their rows), plus their slot's shift too."""
     from hybridflow.engine.kernels import attention, rowwise
     from hybridflow.engine.kernels.chunk_attention import chunk_attention

@@ -50,7 +50,7 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 
-from hybridflow.engine.requests import Submission
+from hybridflow.engine.requests import Completion, Submission
 from hybridflow.engine.sampling import SamplingParams
 from hybridflow.engine.serving.handles import RequestHandle
 from hybridflow.engine.serving.service import RolloutService
@@ -96,6 +96,12 @@ class LockstepService(RolloutService):
         sub, handle = self._prepare(prompt_ids, params, seed, keep, reuse, stream=stream)
         self._send(sub, handle.on_error)
         return handle
+
+    def generate(self, prompts, params: SamplingParams, seeds=None, *, keep=False,
+                 reuse=None, sample_index=None, images=None) -> list[Completion]:  # fmt: skip
+        _refuse_images(images)
+        return super().generate(prompts, params, seeds, keep=keep, reuse=reuse,
+                                sample_index=sample_index)  # fmt: skip
 
     def submit_many(self, requests: list[dict]) -> list[RequestHandle | BaseException]:
         out: list[RequestHandle | BaseException] = []

@@ -118,14 +118,19 @@ class RolloutService:
         return sub, handle
 
     def generate(self, prompts, params: SamplingParams, seeds=None, *, keep=False,
-                 reuse=None, sample_index=None) -> list[Completion]:  # fmt: skip
-        """Engine.generate through the service: the prompts decode beside other requests."""
+                 reuse=None, sample_index=None, images=None) -> list[Completion]:  # fmt: skip
+        """Engine.generate through the service: the prompts decode beside other requests.
+        images: Engine.generate's (the submission holds them and their encoder features
+        while its requests are in flight, across pauses and weight updates)."""
         if threading.current_thread() is self._thread:
             raise RuntimeError("Engine.generate called on the engine's own thread")
+        if images is not None and not self.engine.native:  # the slow path drops them
+            raise ValueError(f"prompts with images need hybridflow's own decoder; the engine "
+                             f"runs this model on its slow path ({self.engine.slow_reason})")  # fmt: skip
         finished = threading.Event()
         sub = self.engine.submission(prompts, params, seeds, keep=keep, reuse=reuse,
                                      on_finish=lambda *_: sub.done and finished.set(),
-                                     sample_index=sample_index)  # fmt: skip
+                                     sample_index=sample_index, images=images)  # fmt: skip
         sub.table.check()
         errors: list[BaseException] = []
 

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from hybridflow.algos.kl import LOG_RATIO_CLAMP
+from hybridflow.data.image_batch import MROPE_POSITIONS
 from hybridflow.protocol import Batch
 
 NO_TOKEN = torch.iinfo(torch.long).max
@@ -82,7 +83,9 @@ def first_groups(batch: Batch, count: int) -> Batch:
 
 def concat_rollouts(batches: list[Batch], pad_token_id: int) -> Batch:
     """Batch.concat of rollout batches whose prompts were padded to different widths: the
-    narrower ones get more left padding (``prompts``, ``prompt_mask``, ``attention_mask``)."""
+    narrower ones get more left padding (``prompts``, ``prompt_mask``, ``attention_mask``,
+    and prompts with images' ``mrope_positions`` [B, 3, P+R], which line up with
+    attention_mask)."""
     batches = [batch for batch in batches if len(batch)]
     width = max(batch.tensors["prompts"].shape[1] for batch in batches)
     widened = []
@@ -90,7 +93,8 @@ def concat_rollouts(batches: list[Batch], pad_token_id: int) -> Batch:
         extra = width - batch.tensors["prompts"].shape[1]
         if extra:
             batch = Batch(dict(batch.tensors), batch.arrays, batch.meta)
-            pad = {"prompts": pad_token_id, "prompt_mask": 0, "attention_mask": 0}
+            pad = {"prompts": pad_token_id, "prompt_mask": 0, "attention_mask": 0,
+                   MROPE_POSITIONS: 0}  # fmt: skip
             for key, value in pad.items():
                 if key in batch.tensors:
                     batch.tensors[key] = torch.nn.functional.pad(batch.tensors[key], (extra, 0),

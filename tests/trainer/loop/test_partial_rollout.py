@@ -189,3 +189,45 @@ def test_drop_starts_one_version_early_except_after_a_checkpoint():
     assert [producer("drop", never).start_version(j) for j in range(1, 7)] == [0, 0, 0, 1, 2, 3]
     # step 4 follows the checkpoint of step 3: it waits for version 3 under either policy
     assert [producer("drop", every_3).start_version(j) for j in range(1, 7)] == [0, 0, 0, 3, 3, 3]
+
+
+def test_prompts_with_images_decode_across_a_sync_and_their_replacements_keep_them(
+    tmp_path, monkeypatch, quiet
+):
+    """examples/geo3k.yaml shrunk to tiny-vl, async with partial rollouts, s=0 and drop:
+    step 2's rollout (prompts with images) is cut by the sync of version 1, its groups
+    dropped and replaced by groups sampled with version 1, which keep their images and
+    their mRoPE rows beside their tokens; the run trains on them."""
+    from pathlib import Path
+
+    from geo3k_helpers import write_hub_parquet
+
+    from hybridflow.config import load_config
+    from hybridflow.data.geo3k import convert_geo3k_file
+    from hybridflow.data.image_batch import IMAGE_GRID_THW, MROPE_POSITIONS
+
+    _sync_lands_during_second_rollout(monkeypatch)
+    taken = _trained_batches(monkeypatch)
+    data = tmp_path / "data"
+    hub = write_hub_parquet(tmp_path / "hub" / "train-00000-of-00001.parquet", 4)
+    convert_geo3k_file(hub, data)
+    example = Path(__file__).resolve().parents[3] / "examples" / "geo3k.yaml"
+    cfg = load_config(str(example), [
+        "model.path=tiny-vl", "trainer.backend=inprocess", "trainer.n_gpus_per_node=1",
+        "trainer.device=cpu", f"data.train_files=[{data / 'train.parquet'}]",
+        "data.val_files=[]", "data.train_batch_size=2", "data.max_response_length=8",
+        "rollout.n=2", "actor.ppo_mini_batch_size=2", "trainer.total_epochs=null",
+        "trainer.total_steps=3", "trainer.test_freq=-1", "trainer.loggers=[jsonl]",
+        f"trainer.run_dir={tmp_path / 'run'}", f"trainer.cache_dir={tmp_path / 'cache'}",
+        "trainer.max_staleness=0", "trainer.stale_policy=drop", *PARTIAL,
+    ])  # fmt: skip
+    train(cfg, log=quiet)
+    metrics = read_metrics(cfg.trainer.run_dir)
+    assert sorted(metrics) == [1, 2, 3] and metrics[2]["async/dropped_groups"] == 2
+    replaced = taken[2]
+    mask = replaced.tensors["response_mask"].bool()
+    assert torch.all(replaced.tensors["token_versions"][mask] == 1)
+    assert all(len(grid) for grid in replaced.arrays[IMAGE_GRID_THW])
+    positions = replaced.tensors[MROPE_POSITIONS]  # [B, 3, P+R], 0 where attention_mask is
+    assert positions.shape[-1] == replaced.tensors["attention_mask"].shape[-1]
+    assert torch.all(positions.amax(1)[replaced.tensors["attention_mask"] == 0] == 0)

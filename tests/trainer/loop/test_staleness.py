@@ -67,6 +67,20 @@ def test_replacement_groups_join_a_batch_with_wider_prompts():
     assert joined.tensors["attention_mask"][2].tolist() == [0, 1, 1, 1]
 
 
+def test_replacement_groups_with_images_keep_their_mrope_rows_aligned():
+    """Prompts with images carry mrope_positions [B, 3, P+R] beside attention_mask: a
+    narrower replacement group's rows are left-padded with it (0 on padding)."""
+    from hybridflow.data.image_batch import MROPE_POSITIONS
+
+    fresh = _rollout(["c", "c"], [[3, 3]] * 2, prompt_width=1)
+    kept = _rollout(["b", "b"], [[2, 2]] * 2, prompt_width=2)
+    fresh.tensors[MROPE_POSITIONS] = torch.tensor([[0, 5, 6]] * 3).expand(2, 3, 3)
+    kept.tensors[MROPE_POSITIONS] = torch.tensor([[0, 1, 2, 3]] * 3).expand(2, 3, 4)
+    joined = concat_rollouts([kept, fresh], pad_token_id=0)
+    assert joined.tensors[MROPE_POSITIONS].shape == (4, 3, 4)
+    assert joined.tensors[MROPE_POSITIONS][2].tolist() == [[0, 0, 5, 6]] * 3
+
+
 def test_importance_ratio_max_is_taken_before_the_cap():
     old = torch.tensor([[-1.0, -2.0, -0.5]])
     rollout = torch.tensor([[-1.0 - math.log(3), -2.0, 0.0]])  # ratios 3, 1, e^-0.5
