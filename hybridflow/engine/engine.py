@@ -118,15 +118,11 @@ class Engine:
         # a tensor-parallel shard (tensor_parallel.py): its all-reduces run in the eager
         # modules or, on the triton backend, the split layer (layers/split.py)
         self.tensor_parallel = tensor_parallel_size(model)
-        from hybridflow.engine.expert_spread import spread_of
+        from hybridflow.engine.expert_spread import engine_spreads_experts
 
         # experts over the replicas (expert_spread.py): rounds of the group, the all-to-all's
         # sizes read on the host at every sparse layer (no CUDA graphs)
-        self.spread = spread_of(model) is not None
-        if self.spread and options.cuda_graphs:
-            raise ValueError("cuda_graphs=True does not run experts spread over replicas yet "
-                             "(the all-to-all's sizes are read on the host at every sparse "
-                             "layer): leave cuda_graphs unset")  # fmt: skip
+        self.spread = engine_spreads_experts(model, options)
         self.decode_backend = resolve_backend(options.decode_backend, self.device)
         self.recurrent_step = "torch"
         if self.eager_layers:
@@ -198,17 +194,9 @@ class Engine:
         self.prefill_tokens = 0  # prompt tokens run through prefill or extend (a counter)
         self.tail = TailStats()  # the long tail's steps and seconds (scheduling/tail.py)
         # verify passes of drafted tokens in the tail (speculative/verify.py), or None
-        self.speculation = None
-        if options.speculative != "off" and self.native:
-            from hybridflow.engine.speculative.verify import make_speculation
+        from hybridflow.engine.speculative.verify import engine_speculation
 
-            self.speculation = make_speculation(options, self.config, self.device, self.dtype)
-            if options.graph_verify_steps:  # the backend now; the cache kinds with the cache
-                from hybridflow.engine.speculative.static_verify import graph_verify_problem
-
-                problem = graph_verify_problem(self)
-                if problem is not None:
-                    raise ValueError(problem)
+        self.speculation = engine_speculation(self)
 
     # -- pinned choices (choices.py) -----------------------------------------------------------
 
@@ -488,19 +476,10 @@ class Engine:
             serve_peers(self.model, self.device, self.peer_experts())
 
     def peer_experts(self):
-        """serve_peers' run_local_of for this engine: on the triton backend the fused layers'
-        grouped kernels (fp8: the experts' e4m3 copies), as its passes run them; None: the
-        model's experts modules, as the torch backend's passes run them."""
-        if not self.spread or self.decode_backend != "triton":
-            return None
-        from hybridflow.engine.layers.moe import spread_local_experts
+        """serve_peers' run_local_of for this engine (layers/moe.engine_local_experts)."""
+        from hybridflow.engine.layers.moe import engine_local_experts
 
-        def run_local_of(index: int, mlp):  # the fp8 copies are made with the cache
-            return spread_local_experts(
-                mlp, None if self.fp8 is None else self.fp8.experts.of(index)
-            )
-
-        return run_local_of
+        return engine_local_experts(self)
 
     def _reset_scheduler(self) -> None:
         if self.state is None:

@@ -73,6 +73,17 @@ def spread_of(model) -> ExpertSpread | None:
     return None
 
 
+def engine_spreads_experts(model, options) -> bool:
+    """Whether an engine over ``model`` spreads its experts over the replicas; refuses CUDA
+    graphs with them (the all-to-all's sizes are read on the host at every sparse layer)."""
+    spread = spread_of(model) is not None
+    if spread and options.cuda_graphs:
+        raise ValueError("cuda_graphs=True does not run experts spread over replicas yet "
+                         "(the all-to-all's sizes are read on the host at every sparse "
+                         "layer): leave cuda_graphs unset")  # fmt: skip
+    return spread
+
+
 def join_round(spread: ExpertSpread, generating: bool, device: torch.device) -> bool:
     """Open a round of the EP group: whether any rank is still generating."""
     flag = torch.tensor([int(generating)], dtype=torch.int32, device=device)

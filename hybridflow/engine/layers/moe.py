@@ -324,6 +324,21 @@ def experts_triton(
     return out
 
 
+def engine_local_experts(engine):
+    """serve_peers' run_local_of for an engine: on the triton backend the fused layers'
+    grouped kernels (fp8: the experts' e4m3 copies, made with the cache), as its passes run
+    them; None: the model's experts modules, as the torch backend's passes run them."""
+    if not engine.spread or engine.decode_backend != "triton":
+        return None
+
+    def run_local_of(index: int, mlp):
+        return spread_local_experts(
+            mlp, None if engine.fp8 is None else engine.fp8.experts.of(index)
+        )
+
+    return run_local_of
+
+
 def spread_local_experts(mlp, fp8=None, matmuls: ExpertMatmuls | None = None):
     """expert_parallel_moe's run_local for a block whose experts are spread over replicas
     (engine/expert_spread.py), on the fused layers' kernels: the rows this rank receives

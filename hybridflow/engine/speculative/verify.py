@@ -329,6 +329,23 @@ def _advance(state, rows: int, sampled: torch.Tensor, logprobs: torch.Tensor,
     state.finished[:rows] |= moved & stop
 
 
+def engine_speculation(engine) -> Speculation | None:
+    """An engine's Speculation (make_speculation of its options; None: speculative off, or
+    the slow path), refusing graph-captured verify passes its backend cannot run
+    (static_verify.graph_verify_problem; the cache kinds are checked with the cache)."""
+    options = engine.options
+    if options.speculative == "off" or not engine.native:
+        return None
+    speculation = make_speculation(options, engine.config, engine.device, engine.dtype)
+    if options.graph_verify_steps:
+        from hybridflow.engine.speculative.static_verify import graph_verify_problem
+
+        problem = graph_verify_problem(engine)
+        if problem is not None:
+            raise ValueError(problem)
+    return speculation
+
+
 def make_speculation(options: EngineOptions, config, device, dtype) -> Speculation:
     """The engine's Speculation (its draft model loaded on `device` in `dtype` with
     speculative="draft"); ValueError when the draft model cannot draft for the model."""
