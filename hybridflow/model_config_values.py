@@ -413,10 +413,14 @@ def _vision_language_problems(config: dict[str, Any], vision: dict[str, Any]) ->
     whole = isinstance(sections, list) and all(
         isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sections
     )
-    pairs = head_dim // 2 if isinstance(head_dim, int) else None
+    # the pairs RoPE turns: a head's, or its partial_rotary_factor share (Qwen3.5's quarter)
+    factor = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))
+    factor = factor if isinstance(factor, (int, float)) and 0 < factor <= 1 else 1.0
+    pairs = int(head_dim * factor) // 2 if isinstance(head_dim, int) else None
+    turned = "head_dim / 2" if factor == 1.0 else f"head_dim * {factor} / 2"
     if sections is not None and not (whole and len(sections) == 3 and sum(sections) == pairs):
         problems.append(f"mrope_section = {_shown(sections)} must be three whole numbers >= 1 "
-                        f"summing to head_dim / 2 = {pairs} (the frequency pairs each position "
+                        f"summing to {turned} = {pairs} (the frequency pairs each position "
                         "row turns)")  # fmt: skip
     return problems
 

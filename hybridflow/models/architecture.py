@@ -122,6 +122,8 @@ class ModelArchitecture:
     mrope_section: tuple[int, ...] = ()
     """Multimodal RoPE (Qwen2.5-VL): each head's frequency pairs cut into three sections,
     turned by the temporal, height and width position rows (models/mrope.py); () = RoPE."""
+    mrope_interleaved: bool = False
+    """Qwen3.5's mRoPE: the rows take turns pair by pair (models/mrope.py), not in blocks."""
     vision: VisionSpec | None = None
     """The vision encoder of a vision-language model (models/vision/); None = text only."""
 

@@ -35,7 +35,8 @@ from hybridflow.models.mrope import batch_mrope_positions, mrope_cos_sin
 from hybridflow.models.norm import GatedRMSNorm, RMSNorm, ZeroCenteredRMSNorm, make_rms_norm
 from hybridflow.models.rope import rope_cos_sin
 from hybridflow.models.sharding.sequence_parallel import ulysses_attention
-from hybridflow.models.vision.qwen2_5_vl import PatchEmbed, VisionEncoder
+from hybridflow.models.vision.encoders import vision_encoder
+from hybridflow.models.vision.qwen2_5_vl import PatchEmbed
 
 __all__ = ["MLP", "Attention", "CausalLM", "DecoderLayer", "RMSNorm", "RouterTrace"]
 
@@ -154,7 +155,7 @@ class CausalLM(nn.Module):
             self.lm_head = None
             self.score = nn.Linear(config.hidden_size, num_labels, bias=False)
         # a vision-language model's encoder (transformers' ``visual.*``); None: text only
-        self.visual = None if config.vision is None else VisionEncoder(config.vision)
+        self.visual = None if config.vision is None else vision_encoder(config.vision)
         self.gradient_checkpointing = False
         self.attention_backend = "auto"
         self.deterministic_attention = True
@@ -180,6 +181,11 @@ class CausalLM(nn.Module):
                 module.weight.normal_(0.0, std, generator=generator)
             elif isinstance(module, PatchEmbed):  # the vision patches' Conv3d: normal(0, std)
                 module.proj.weight.normal_(0.0, std, generator=generator)
+                if module.proj.bias is not None:
+                    module.proj.bias.zero_()
+            elif isinstance(module, nn.LayerNorm):  # the vision blocks' (Qwen3.5)
+                module.weight.fill_(1.0)
+                module.bias.zero_()
             elif isinstance(module, ZeroCenteredRMSNorm):
                 module.weight.zero_()
             elif isinstance(module, (RMSNorm, GatedRMSNorm)):

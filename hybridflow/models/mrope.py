@@ -102,14 +102,30 @@ def batch_mrope_positions(
 def mrope_cos_sin(
     config, positions: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [..., head_dim] for position rows [3, ...]: frequency section i turned by
-    row i (config.mrope_section, in frequency pairs), computed in fp32, cast to dtype."""
+    """cos and sin [..., rotary_dim] for position rows [3, ...]: frequency section i turned by
+    row i (config.mrope_section, in frequency pairs), or, interleaved (Qwen3.5's
+    config.mrope_interleaved), pair j turned by row j mod 3 while that row's section lasts;
+    computed in fp32, cast to dtype."""
     inv_freq, scale = rope_parameters(config, positions.device)  # [head_dim // 2]
     freqs = positions.float().unsqueeze(-1) * inv_freq  # [3, ..., head_dim // 2]
-    sections = freqs.split(list(config.mrope_section), dim=-1)
-    freqs = torch.cat([section[i % 3] for i, section in enumerate(sections)], dim=-1)
+    if getattr(config, "mrope_interleaved", False):
+        freqs = _interleaved(freqs, config.mrope_section)
+    else:
+        sections = freqs.split(list(config.mrope_section), dim=-1)
+        freqs = torch.cat([section[i % 3] for i, section in enumerate(sections)], dim=-1)
     angles = torch.cat((freqs, freqs), dim=-1)
     cos, sin = angles.cos(), angles.sin()
     if scale != 1.0:
         cos, sin = cos * scale, sin * scale
     return cos.to(dtype), sin.to(dtype)
+
+
+def _interleaved(freqs: torch.Tensor, section: tuple[int, ...]) -> torch.Tensor:
+    """Rows' frequencies [3, ..., P] -> [..., P]: pair j from row 1 (height) when j = 1 mod 3
+    and j < 3 * section[1], from row 2 (width) when j = 2 mod 3 and j < 3 * section[2], else
+    from row 0 (temporal)."""
+    out = freqs[0].clone()
+    for row in (1, 2):
+        pairs = slice(row, 3 * section[row], 3)
+        out[..., pairs] = freqs[row][..., pairs]
+    return out

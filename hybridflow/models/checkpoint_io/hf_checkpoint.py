@@ -26,12 +26,13 @@ from hybridflow.models.llama import CausalLM
 
 
 def announce_text_only(path: str) -> None:
-    """One line on stderr: a multimodal checkpoint runs as its language model alone."""
+    """One line on stderr: a multimodal checkpoint without its encoder (no vision_config)
+    runs as its language model alone."""
     import sys
 
     print(
-        f"hybridflow: {path}: a multimodal checkpoint; its language model is loaded, the "
-        "vision tower is not used yet",
+        f"hybridflow: {path}: a multimodal checkpoint without a vision_config; its language "
+        "model is loaded",
         file=sys.stderr,
     )
 

@@ -9,10 +9,12 @@ every full_attention_interval-th layer is attention), ``linear_*`` the DeltaNet 
 mRoPE sections matter only for image positions: text positions are equal in all three).
 
 The published checkpoints are multimodal (``Qwen3_5ForConditionalGeneration``): their config
-nests the text model under ``text_config`` and their weights under ``model.language_model.``;
-the vision tower (``model.visual.``) and the multi-token-prediction head (``mtp.``) are not
-used yet. What we write is the text model (``Qwen3_5ForCausalLM`` /
-``Qwen3_5MoeForCausalLM``), which transformers loads as is.
+nests the text model under ``text_config`` (its ``rope_parameters`` carry the interleaved
+mRoPE sections the attention layers turn image positions by) and the encoder under
+``vision_config`` (models/vision/qwen3_5.py); their weights sit under
+``model.language_model.`` and ``model.visual.``. The multi-token-prediction head (``mtp.``)
+is not used. A model with its encoder is written back in that layout; a text model as
+``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM``, which transformers loads as is.
 
 Qwen3-Next holds the same DeltaNet weights fused per key head: ``in_proj_qkvz`` rows are, for
 each key head, its q, its k, then the v and z of the value heads it serves; ``in_proj_ba``
@@ -45,7 +47,14 @@ PER_EXPERT_NAMES = {
 }
 MIXER_OF_LAYER_TYPE = {"linear_attention": "gated_deltanet", "full_attention": "gated_attention"}
 _MULTIMODAL_PREFIX = "model.language_model."
-_NOT_USED_PREFIXES = ("model.visual.", "mtp.")
+_VISION_PREFIX = "model.visual."
+_NOT_USED_PREFIXES = ("mtp.",)
+# the multimodal architectures, by the text model_type they hold
+MULTIMODAL_OF = {"qwen3_5_text": ("qwen3_5", "Qwen3_5ForConditionalGeneration"),
+                 "qwen3_5_moe_text": ("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration")}  # fmt: skip
+_TOKEN_ID_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id",
+                  "vision_end_token_id")  # fmt: skip
+DEFAULT_MROPE_SECTION = (11, 11, 10)  # every published Qwen3.5's (32 pairs: 64 rotary dims)
 
 
 def text_config(hf: dict[str, Any]) -> dict[str, Any]:
@@ -59,6 +68,9 @@ def text_config(hf: dict[str, Any]) -> dict[str, Any]:
         for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"):
             if text.get(key) is None and hf.get(key) is not None:
                 text[key] = hf[key]
+        if isinstance(hf.get("vision_config"), dict):  # the encoder and its token ids
+            text["vision_config"] = hf["vision_config"]
+            text.update({key: hf[key] for key in _TOKEN_ID_KEYS if hf.get(key) is not None})
     if text.get("model_type") in MOE_TYPES:
         text.setdefault("intermediate_size", 0)
     return text
@@ -71,8 +83,12 @@ def is_multimodal(hf: dict[str, Any]) -> bool:
 def read_tensor(arch, name: str, tensor) -> list[tuple[str, Any]]:
     """A checkpoint tensor -> [(our name, tensor)]: the multimodal prefix dropped, the vision
     tower and multi-token prediction skipped ([]), Qwen3-Next's fused projections split."""
-    if name.startswith(_NOT_USED_PREFIXES):
+    if name.startswith(_NOT_USED_PREFIXES) or (
+        name.startswith(_VISION_PREFIX) and arch.vision is None
+    ):
         return []
+    if name.startswith(_VISION_PREFIX):
+        return [("visual." + name.removeprefix(_VISION_PREFIX), tensor)]
     if name.startswith(_MULTIMODAL_PREFIX):
         name = "model." + name.removeprefix(_MULTIMODAL_PREFIX)
     if arch.model_type == NEXT and name.endswith(("in_proj_qkvz.weight", "in_proj_ba.weight")):
@@ -113,6 +129,14 @@ def write_tensors(arch, state: dict):
     per key head; everything else as it is."""
     import torch
 
+    if arch.vision is not None:  # the published multimodal layout
+        for name, tensor in state.items():
+            if name.startswith("visual."):
+                name = _VISION_PREFIX + name.removeprefix("visual.")
+            elif name.startswith("model."):
+                name = _MULTIMODAL_PREFIX + name.removeprefix("model.")
+            yield name, tensor
+        return
     if arch.model_type != NEXT:
         yield from state.items()
         return
@@ -161,6 +185,14 @@ def fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "linear_num_key_heads": int(hf.get("linear_num_key_heads", 16)),
         "linear_num_value_heads": int(hf.get("linear_num_value_heads", 32)),
     }
+    if isinstance(hf.get("vision_config"), dict):
+        from hybridflow.models.vision.spec import VisionSpec
+
+        fields.update(
+            vision=VisionSpec.from_hf(hf["vision_config"], hf, kind="qwen3_5"),
+            mrope_section=tuple(int(s) for s in rope.get("mrope_section") or DEFAULT_MROPE_SECTION),
+            mrope_interleaved=bool(rope.get("mrope_interleaved", True)),
+        )
     if hf.get("model_type") in MOE_TYPES:
         fields.update(
             num_experts=int(hf.get("num_experts") or hf.get("num_local_experts") or 0),
@@ -212,6 +244,29 @@ def fields_to_hf(arch) -> dict[str, Any]:
     return hf
 
 
+def nest_config(arch, flat: dict[str, Any]) -> dict[str, Any]:
+    """A model with its encoder: the multimodal config.json (text_config with the interleaved
+    mRoPE sections, vision_config, the image token ids); a text model's as it is."""
+    if arch.vision is None:
+        return flat
+    text = dict(flat)
+    for key in ("architectures", "torch_dtype", "tie_word_embeddings"):
+        text.pop(key, None)
+    text["rope_parameters"] = {**text["rope_parameters"],
+                               "mrope_section": list(arch.mrope_section),
+                               "mrope_interleaved": arch.mrope_interleaved}  # fmt: skip
+    model_type, architecture = MULTIMODAL_OF[text["model_type"]]
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "text_config": text,
+        "vision_config": arch.vision.to_hf(),
+        **arch.vision.token_ids_to_hf(),
+        "tie_word_embeddings": arch.tie_word_embeddings,
+        "torch_dtype": flat.get("torch_dtype"),
+    }
+
+
 def layer_specs(arch) -> list[LayerSpec]:
     from hybridflow.models.families.qwen3_moe import is_sparse_layer
 
@@ -242,9 +297,26 @@ def check(arch) -> None:
         )
     if arch.linear_conv_kernel_dim < 1:
         raise ValueError("linear_conv_kernel_dim must be positive")
+    if arch.vision is not None:
+        _check_vision(arch)
     if arch.model_type in MOE_TYPES:
         from hybridflow.models.families.qwen3_moe import check_experts
 
         check_experts(arch)
     elif arch.num_experts:
         raise ValueError(f"model_type={arch.model_type!r} has no experts (qwen3_5_moe_text has)")
+
+
+def _check_vision(arch) -> None:
+    if arch.model_type not in MULTIMODAL_OF:
+        raise ValueError(f"model_type={arch.model_type!r} has no vision encoder (qwen3_5_text "
+                         "and qwen3_5_moe_text have)")  # fmt: skip
+    if arch.vision.out_hidden_size != arch.hidden_size:
+        raise ValueError(
+            f"vision_config.out_hidden_size={arch.vision.out_hidden_size} must equal the "
+            f"language model's hidden_size={arch.hidden_size}"
+        )
+    pairs = arch.rotary_dim // 2
+    if len(arch.mrope_section) != 3 or sum(arch.mrope_section) != pairs:
+        raise ValueError(f"mrope_section={list(arch.mrope_section)} must be three sections "
+                         f"summing to the rotary pairs, {pairs}")  # fmt: skip

@@ -122,6 +122,24 @@ TINY: dict[str, ModelArchitecture] = {
         router_aux_loss_coef=0.001, tie_word_embeddings=True, eos_token_id=_CHAR_EOS,
         pad_token_id=_CHAR_PAD,
     ),
+    # Qwen3.5 with its encoder at CPU-test size: tiny-hybrid's layers with 32-wide heads (a
+    # quarter turned: 4 pairs, interleaved mRoPE sections 2/1/1) and a 2-block encoder of
+    # 8-pixel patches over a 4 x 4 learned position table; tiny-vl's image token ids.
+    "tiny-hybrid-vl": ModelArchitecture(
+        model_type="qwen3_5_text", vocab_size=128, hidden_size=64, intermediate_size=192,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        rms_norm_eps=1e-6, rope_theta=10000.0, partial_rotary_factor=0.25,
+        max_position_embeddings=2048, tie_word_embeddings=True, qk_norm=True,
+        zero_centered_norms=True, layer_types=("linear_attention",) * 3 + ("full_attention",),
+        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, eos_token_id=_CHAR_EOS,
+        pad_token_id=_CHAR_PAD, mrope_section=(2, 1, 1), mrope_interleaved=True,
+        vision=VisionSpec(kind="qwen3_5", depth=2, hidden_size=32, intermediate_size=64,
+                          num_heads=2, patch_size=8, out_hidden_size=64,
+                          hidden_act="gelu_pytorch_tanh", num_position_embeddings=16,
+                          image_token_id=124, video_token_id=125, vision_start_token_id=126,
+                          vision_end_token_id=127),
+    ),
     # ~0.2M parameters: Qwen2.5-VL at CPU-test size: a 2-layer language model and a 2-block
     # encoder of 8-pixel patches (windows of 2x2 tokens, the second block full); the image
     # token ids past the char tokenizer's.

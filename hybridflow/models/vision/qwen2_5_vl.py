@@ -52,19 +52,21 @@ def vision_rope_cos_sin(
 
 
 class PatchEmbed(nn.Module):
-    """``proj.weight`` [E, C, T, P, P] as transformers stores its Conv3d (no bias); applied
-    to pixel_values rows [N, C*T*P*P] as the one matmul that convolution amounts to."""
+    """``proj.weight`` [E, C, T, P, P] as transformers stores its Conv3d (and ``proj.bias``
+    [E] where it has one: Qwen3.5's); applied to pixel_values rows [N, C*T*P*P] as the one
+    matmul that convolution amounts to."""
 
-    def __init__(self, spec: VisionSpec):
+    def __init__(self, spec: VisionSpec, bias: bool = False):
         super().__init__()
         self.proj = nn.Module()
         shape = (spec.hidden_size, spec.in_channels, spec.temporal_patch_size,
                  spec.patch_size, spec.patch_size)  # fmt: skip
         self.proj.weight = nn.Parameter(torch.empty(shape))
+        self.proj.bias = nn.Parameter(torch.empty(spec.hidden_size)) if bias else None
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight
-        return F.linear(pixels.to(weight.dtype), weight.flatten(1))
+        return F.linear(pixels.to(weight.dtype), weight.flatten(1), self.proj.bias)
 
 
 @dataclass(frozen=True)

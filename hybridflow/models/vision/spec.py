@@ -5,13 +5,19 @@ Kept apart from the encoder's module (no torch import): ModelArchitecture holds 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 # Encoder kinds (one module each under models/vision/):
 #   qwen2_5_vl  RMSNorm blocks with a SwiGLU MLP, windowed attention except on
 #               fullatt_block_indexes, 2-D RoPE over (row, column), an MLP patch merger
-ENCODER_KINDS = ("qwen2_5_vl",)
+#   qwen3_5     (Qwen3.5's, Qwen3-VL's without DeepStack) LayerNorm blocks with an
+#               fc1/act/fc2 MLP, full attention in every block, the same 2-D RoPE plus a
+#               learned position table resampled to each image's grid, a LayerNorm merger
+ENCODER_KINDS = ("qwen2_5_vl", "qwen3_5")
+# vision_config.model_type of each kind (what config.json names and we write)
+HF_MODEL_TYPES = {"qwen2_5_vl": "qwen2_5_vl_vision", "qwen3_5": "qwen3_5_vision"}
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "quick_gelu")
 
 
@@ -38,6 +44,8 @@ class VisionSpec:
     hidden_act: str = "silu"
     rope_theta: float = 10000.0
     tokens_per_second: int = 4
+    num_position_embeddings: int = 0
+    """qwen3_5: entries of the learned square position table (side² of them)."""
     image_token_id: int = 151655
     video_token_id: int = 151656
     vision_start_token_id: int = 151652
@@ -54,6 +62,13 @@ class VisionSpec:
                 f"vision_config.hidden_size={self.hidden_size} must split into num_heads="
                 f"{self.num_heads} heads of a multiple of 4 (2-D RoPE turns quarters)"
             )
+        if self.kind == "qwen3_5":
+            side = math.isqrt(self.num_position_embeddings)
+            if self.num_position_embeddings <= 0 or side * side != self.num_position_embeddings:
+                raise ValueError(f"vision_config.num_position_embeddings="
+                                 f"{self.num_position_embeddings} must be a positive square "
+                                 "(a square table of learned positions)")  # fmt: skip
+            return
         window = self.spatial_merge_size * self.patch_size
         if self.window_size < window:
             raise ValueError(
@@ -82,23 +97,32 @@ class VisionSpec:
     def num_parameters(self) -> int:
         """Weights of the encoder (equals sum(p.numel()) of its module)."""
         e, i = self.hidden_size, self.intermediate_size
+        merged = e * self.merge_unit
+        merger = merged * merged + merged + merged * self.out_hidden_size + self.out_hidden_size
+        if self.kind == "qwen3_5":
+            # two LayerNorms, qkv and proj with biases, fc1/fc2 with biases; the patch
+            # embedding's bias, the position table; the merger's LayerNorm
+            block = 4 * e + (3 * e * e + 3 * e) + (e * e + e) + (2 * e * i + i + e)
+            embed = self.patch_elements * e + e + self.num_position_embeddings * e
+            return embed + self.depth * block + 2 * e + merger
         # two norms, qkv and proj with biases, the SwiGLU MLP with biases
         block = 2 * e + (3 * e * e + 3 * e) + (e * e + e) + (3 * e * i + 2 * i + e)
-        merged = e * self.merge_unit
-        merger = e + merged * merged + merged + merged * self.out_hidden_size
-        merger += self.out_hidden_size
-        return self.patch_elements * e + self.depth * block + merger
+        return self.patch_elements * e + self.depth * block + e + merger
 
     @classmethod
-    def from_hf(cls, vision: dict[str, Any], top: dict[str, Any]) -> VisionSpec:
-        """From a config.json's ``vision_config`` and its top level (the token ids)."""
+    def from_hf(cls, vision: dict[str, Any], top: dict[str, Any],
+                kind: str = "qwen2_5_vl") -> VisionSpec:  # fmt: skip
+        """From a config.json's ``vision_config`` and its top level (the token ids), for the
+        encoder ``kind`` its family holds (the defaults of its published configs where a key
+        is left out)."""
         rope = (
             vision.get("rope_parameters") if isinstance(vision.get("rope_parameters"), dict) else {}
         )
-        defaults = cls()
+        defaults = cls() if kind == "qwen2_5_vl" else QWEN3_5_DEFAULTS
         ids = {key: int(top[key]) for key in ("image_token_id", "video_token_id",
                "vision_start_token_id", "vision_end_token_id") if top.get(key) is not None}  # fmt: skip
         return cls(
+            kind=kind,
             depth=int(vision.get("depth", defaults.depth)),
             hidden_size=int(vision.get("hidden_size", defaults.hidden_size)),
             intermediate_size=int(vision.get("intermediate_size", defaults.intermediate_size)),
@@ -112,16 +136,36 @@ class VisionSpec:
                 int(i) for i in vision.get("fullatt_block_indexes", defaults.fullatt_block_indexes)
             ),  # fmt: skip
             out_hidden_size=int(vision.get("out_hidden_size", defaults.out_hidden_size)),
-            hidden_act=str(vision.get("hidden_act", "silu")),
+            hidden_act=str(vision.get("hidden_act", defaults.hidden_act)),
             rope_theta=float(rope.get("rope_theta", 10000.0)),
             tokens_per_second=int(vision.get("tokens_per_second", 4)),
+            num_position_embeddings=int(
+                vision.get("num_position_embeddings", defaults.num_position_embeddings)
+            ),
             **ids,
         )
 
     def to_hf(self) -> dict[str, Any]:
         """The ``vision_config`` entry of config.json."""
+        if self.kind == "qwen3_5":
+            return {
+                "model_type": HF_MODEL_TYPES[self.kind],
+                "depth": self.depth,
+                "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size,
+                "num_heads": self.num_heads,
+                "in_channels": self.in_channels,
+                "patch_size": self.patch_size,
+                "temporal_patch_size": self.temporal_patch_size,
+                "spatial_merge_size": self.spatial_merge_size,
+                "out_hidden_size": self.out_hidden_size,
+                "hidden_act": self.hidden_act,
+                "num_position_embeddings": self.num_position_embeddings,
+                "rope_parameters": {"rope_type": "axial", "rope_theta": self.rope_theta},
+                "initializer_range": 0.02,
+            }
         return {
-            "model_type": "qwen2_5_vl_vision",
+            "model_type": HF_MODEL_TYPES[self.kind],
             "depth": self.depth,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -143,3 +187,13 @@ class VisionSpec:
         return {"image_token_id": self.image_token_id, "video_token_id": self.video_token_id,
                 "vision_start_token_id": self.vision_start_token_id,
                 "vision_end_token_id": self.vision_end_token_id}  # fmt: skip
+
+
+# Qwen3.5's vision_config defaults (transformers' Qwen3_5VisionConfig: the published encoder
+# of every size), where a config.json leaves a key out
+QWEN3_5_DEFAULTS = VisionSpec(
+    kind="qwen3_5", depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+    patch_size=16, out_hidden_size=3584, hidden_act="gelu_pytorch_tanh",
+    num_position_embeddings=2304, image_token_id=248056, video_token_id=248057,
+    vision_start_token_id=248053, vision_end_token_id=248054,
+)  # fmt: skip
