@@ -288,7 +288,6 @@ def _check_images(cfg: Config, add) -> None:
         # OpenAI endpoint in text, which refuses images in an episode's request
         "rollout.agent.loop": cfg.rollout.agent.loop == "openai",
         "actor.sequence_parallel_size": cfg.actor.sequence_parallel_size > 1,
-        "rollout.tensor_parallel_size": cfg.rollout.tensor_parallel_size > 1,
         # experts over replicas: the rollout's rows travel without their images (rollout_tp)
         "rollout.expert_parallel_size": (cfg.rollout.expert_parallel_size or 1)
         > cfg.rollout.tensor_parallel_size,

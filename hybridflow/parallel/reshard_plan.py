@@ -11,6 +11,7 @@ from hybridflow.models.architecture import ModelArchitecture
 from hybridflow.parallel.blocks import (
     PACKED_EXPERTS,
     SECTIONED_ROWS,
+    VISION_PREFIX,
     Block,
     as_pieces,
     deltanet_sections,
@@ -23,8 +24,6 @@ from hybridflow.parallel.blocks import (
     transfer_plan,
 )
 from hybridflow.parallel.layout import Layout, coordinates
-
-VISION_PREFIX = "visual."  # the vision encoder's parameters (models/vision/)
 
 
 def parameter_shapes(arch: ModelArchitecture) -> list[tuple[str, tuple[int, ...]]]:
