@@ -112,9 +112,15 @@ def _lockstep_with_images(rank: int, world: int) -> None:
     mine = slice(rank * 2, rank * 2 + 2)  # rank 0: prompts 0 and 1, rank 1: prompt 2
     got = service.generate(PROMPTS[mine], SAMPLED, images=_images()[mine],
                            sample_index=first[mine])  # fmt: skip
+    # a request of its own (an agent's turn): its images reach the other rank's copy too
+    other = 2 - 2 * rank  # rank 0: the two-image prompt, rank 1: the one-image prompt
+    handle = service.submit(PROMPTS[other], GREEDY, images=_images()[other])
+    turn = handle.result(timeout=60)
     service.close()
     expected_rows = [c for i, c in enumerate(expected) if mine.start * 2 <= i < mine.stop * 2]
     _same(got, expected_rows)
+    alone = Engine(whole, 8, 64, options=EAGER)
+    _same(turn, alone.generate([PROMPTS[other]], GREEDY, images=[_images()[other]]))
 
 
 def test_lockstep_service_carries_a_requests_images_to_the_other_ranks():
