@@ -86,9 +86,10 @@ def test_a_slice_takes_the_features_of_its_own_image_tokens():
         shard = shard_stream(packed.cu_seqlens, packed.max_seqlen, rank, 2)
         slices.append(sliced_embeddings(model, packed.input_ids, shard, packed.pixel_values,
                                         packed.image_grid_thw, packed.prompt_tokens))  # fmt: skip
-        rows = pad_positions(packed.position_ids, shard)
-        assert rows.shape == (3, 16) and torch.equal(rows[:, : 31 - shard.start][:, :16],
-                                                     packed.position_ids[:, shard.start:][:, :16])  # fmt: skip
+        rows = pad_positions(packed.position_ids, shard)  # [3, 16]: the pad token counts 0
+        real = min(shard.stop, 31) - shard.start
+        assert torch.equal(rows[:, :real], packed.position_ids[:, shard.start : shard.start + real])
+        assert torch.equal(rows[:, real:], torch.zeros(3, 16 - real, dtype=rows.dtype))
     assert torch.equal(torch.cat(slices)[:31], whole)
     assert int((packed.input_ids[:16] == IMAGE).sum()) == 4  # the image straddles the cut
 
