@@ -270,7 +270,7 @@ def _check_context(cfg: Config, max_len: int, add) -> None:
 def _check_images(cfg: Config, add) -> None:
     """data.image_key: a vision-language model's (a text-only model has no vision encoder);
     what prompts with images do not run through yet is refused up front (agent programs,
-    and the sharded layouts no test has run)."""
+    and experts spread over several rollout replicas)."""
     key = cfg.data.image_key
     if key is not None and (not isinstance(key, str) or not key):
         add(f"data.image_key = {key!r} must be the name of the rows' image column (verl's: "
@@ -287,8 +287,6 @@ def _check_images(cfg: Config, add) -> None:
         # the built-in tool loop runs them (agents/images.py); an agent program talks to the
         # OpenAI endpoint in text, which refuses images in an episode's request
         "rollout.agent.loop": cfg.rollout.agent.loop == "openai",
-        "actor.sequence_parallel_size": cfg.actor.sequence_parallel_size > 1,
-        "rollout.tensor_parallel_size": cfg.rollout.tensor_parallel_size > 1,
         # experts over replicas: the rollout's rows travel without their images (rollout_tp)
         "rollout.expert_parallel_size": (cfg.rollout.expert_parallel_size or 1)
         > cfg.rollout.tensor_parallel_size,

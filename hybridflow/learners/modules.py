@@ -146,11 +146,9 @@ def packed_hidden(
     if packed.pixel_values is not None:
         images = {"pixel_values": packed.pixel_values, "image_grid_thw": packed.image_grid_thw,
                   "image_slots": packed.prompt_tokens}  # fmt: skip
-    if sequence_group is not None:
-        if images:
-            raise ValueError("images with actor.sequence_parallel_size > 1 are not supported: "
-                             "set actor.sequence_parallel_size=1")  # fmt: skip
-        return sharded_hidden(lm, packed, sequence_group, **routing, token_multiple=token_multiple)
+    if sequence_group is not None:  # the images embedded before the split (sequence_shard)
+        return sharded_hidden(lm, packed, sequence_group, **routing,
+                              token_multiple=token_multiple, **images)  # fmt: skip
     packed = pad_tokens(packed, token_multiple)
     if "routed_experts" in routing:  # the replayed routes padded with the tokens
         routing = {**routing, "routed_experts": packed.routed_experts}

@@ -282,12 +282,25 @@ class CausalLM(nn.Module):
         hidden = self.model.embed_tokens(input_ids)
         if pixel_values is None:
             return hidden
+        slots, features = self.image_features(input_ids, pixel_values, image_grid_thw,
+                                              image_slots)  # fmt: skip
+        return hidden.masked_scatter(slots.unsqueeze(-1), features.to(hidden.dtype))
+
+    def image_features(
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor,
+        image_grid_thw: torch.Tensor | None,
+        image_slots: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots: bool like input_ids, the tokens the features go to, in order; the vision
+        encoder's features [slots, out_hidden]) of the images of ``input_ids`` (embed)."""
         if self.visual is None:
             raise ValueError(f"pixel_values given to a {self.config.model_type} model, which "
                              "has no vision encoder")  # fmt: skip
         if image_grid_thw is None:
             raise ValueError("pixel_values need their image_grid_thw")
-        features = self.visual(pixel_values, image_grid_thw).to(hidden.dtype)
+        features = self.visual(pixel_values, image_grid_thw)
         slots = input_ids == self.config.vision.image_token_id
         if image_slots is not None:
             slots &= image_slots
@@ -296,7 +309,7 @@ class CausalLM(nn.Module):
                 f"the ids hold {int(slots.sum())} image tokens, the images give "
                 f"{features.shape[0]} features (image_grid_thw {image_grid_thw.tolist()})"
             )
-        return hidden.masked_scatter(slots.unsqueeze(-1), features)
+        return slots, features
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, rows: bool):
         """RoPE's cos/sin for positions, or for mRoPE's three rows [3, ...] when ``rows``."""
@@ -372,6 +385,7 @@ class CausalLM(nn.Module):
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
         image_slots: torch.Tensor | None = None,
+        input_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Many sequences concatenated: input_ids/position_ids [N], cu_seqlens int32 [S+1].
         A vision-language model: position_ids may be mRoPE's rows [3, N], and pixel_values /
@@ -387,12 +401,17 @@ class CausalLM(nn.Module):
         sequence_group: Ulysses sequence parallelism (models/sharding/sequence_parallel.py). Then
         input_ids, position_ids and routed_experts are this rank's contiguous slice of a
         stream of SP × N tokens, cu_seqlens and max_seqlen describe that whole stream, and the
-        result is the slice's hidden states [N, H]."""
+        result is the slice's hidden states [N, H]. Images then come as input_embeds [N, H],
+        the slice's embeddings with the features of its image tokens scattered in
+        (learners/sharding/sequence_shard.sliced_embeddings: the encoder runs on the whole
+        images, as an image's tokens may straddle slices), in place of input_ids'."""
         self._check_window(int(max_seqlen))
         if sequence_group is not None and pixel_values is not None:
-            raise ValueError("images with actor.sequence_parallel_size > 1 are not supported: "
-                             "set actor.sequence_parallel_size=1")  # fmt: skip
-        hidden = self.embed(input_ids, pixel_values, image_grid_thw, image_slots)
+            raise ValueError("under sequence parallelism a slice's images come as input_embeds "
+                             "(sequence_shard.sliced_embeddings), not pixel_values")  # fmt: skip
+        if input_embeds is None:
+            input_embeds = self.embed(input_ids, pixel_values, image_grid_thw, image_slots)
+        hidden = input_embeds
         cos, sin = self._cos_sin(position_ids, hidden.dtype, position_ids.dim() == 2)
         backend = resolve_backend(self.attention_backend, hidden.device, hidden.dtype)
         sp_size = 1 if sequence_group is None else dist.get_world_size(sequence_group)

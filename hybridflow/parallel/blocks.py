@@ -30,13 +30,20 @@ DELTANET_COLUMNS = (".linear_attn.out_proj.weight",)
 # ... of which in_proj_qkv's and the conv's rows run [q; k; v] over all heads: a rank's heads
 # are its part of each of the three sections (deltanet_parallel.head_channels), not one range
 SECTIONED_ROWS = (".linear_attn.in_proj_qkv.weight", ".linear_attn.conv1d.weight")
+# A vision-language model's encoder (models/vision/): whole on every rank, in training's
+# tensor parallelism and in the rollout's (it is small, ~1% of the 72B's weights, and runs
+# once a prompt); its MLP's projections share the decoder's names, so it is told by prefix
+VISION_PREFIX = "visual."
 
 
 def shard_dim(name: str) -> int | None:
     """The dimension along which tensor parallelism splits parameter ``name`` (an HF name),
     Megatron's split (Shoeybi et al. 2019, §3): q/k/v and gate/up by output rows (whole
     heads), o_proj and down_proj by input columns, the embedding and lm_head by vocabulary
-    rows; None: every rank holds all of it (norms, o_proj's bias, added after the sum)."""
+    rows; None: every rank holds all of it (norms, o_proj's bias, added after the sum, the
+    vision encoder's parameters)."""
+    if name.startswith(VISION_PREFIX):
+        return None
     if name in VOCAB or name.endswith(DELTANET_ROWS):
         return 0
     if name.endswith(DELTANET_COLUMNS):

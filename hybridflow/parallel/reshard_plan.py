@@ -11,6 +11,7 @@ from hybridflow.models.architecture import ModelArchitecture
 from hybridflow.parallel.blocks import (
     PACKED_EXPERTS,
     SECTIONED_ROWS,
+    VISION_PREFIX,
     Block,
     as_pieces,
     deltanet_sections,
@@ -23,8 +24,6 @@ from hybridflow.parallel.blocks import (
     transfer_plan,
 )
 from hybridflow.parallel.layout import Layout, coordinates
-
-VISION_PREFIX = "visual."  # the vision encoder's parameters (models/vision/)
 
 
 def parameter_shapes(arch: ModelArchitecture) -> list[tuple[str, tuple[int, ...]]]:
@@ -40,7 +39,9 @@ def parameter_shapes(arch: ModelArchitecture) -> list[tuple[str, tuple[int, ...]
     with torch.device("meta"):
         model = CausalLM(arch)
     # a vision-language model's encoder is left out: frozen (actor.freeze_vision_tower, the
-    # default) it never changes, and trained it is ~1% of the bytes (0.7 B of the 72B's)
+    # default) it never changes (the tensor-parallel rollout copies it once and no sync moves
+    # it: workers/rollout_tp.copy_frozen_encoder), and trained it is ~1% of the bytes (0.7 B
+    # of the 72B's), whole on every rank (blocks.shard_dim)
     return [(name, tuple(p.shape)) for name, p in model.named_parameters()
             if not name.startswith(VISION_PREFIX)]  # fmt: skip
 

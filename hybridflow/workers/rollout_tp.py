@@ -111,7 +111,12 @@ class TensorParallelRollout:
                                                self.split_experts)  # fmt: skip
         self.resharder = None
         if actor is not None:
-            self.resharder = self._resharder(actor)
+            # a group of its own: a sync never queues behind (or between) the actor's
+            # collectives
+            self.reshard_group = dist.new_group(list(range(dist.get_world_size())))
+            frozen = set(frozen_encoder(actor.model))
+            moving = [name for name, _ in self.model.named_parameters() if name not in frozen]
+            self.resharder = self._resharder(actor, moving)
 
     @classmethod
     def from_actor(cls, actor, size: int, dtype: torch.dtype, device: str, path: str,
@@ -124,6 +129,7 @@ class TensorParallelRollout:
         tensor = cls(actor.model.config, size, dtype, device, actor, split_experts,
                      expert_parallel_size, own_group)  # fmt: skip
         tensor.sync(actor)
+        tensor.copy_frozen_encoder(actor)
         tensor.copy_buffers(actor.model.named_buffers())
         return tensor
 
@@ -224,13 +230,15 @@ class TensorParallelRollout:
         share = experts // self.size
         return self.rank_in_group * share, share
 
-    def _resharder(self, actor):
+    def _resharder(self, actor, names: list[str]):
+        """The Resharder of the engine's parameters ``names`` from the actor's (collective)."""
         from hybridflow.engine.reshard import Resharder
         from hybridflow.parallel.blocks import deltanet_sections
         from hybridflow.parallel.reshard_plan import rollout_blocks
 
         rank = dist.get_rank()
-        targets = dict(self.model.named_parameters())
+        params = dict(self.model.named_parameters())
+        targets = {name: params[name] for name in names}
         sources, _ = training_sources(actor.model, targets)
         # the full shapes, read off the trainer's parameters (a DTensor's shape is the whole
         # tensor's), so every layer kind the model has is covered (MLA's projections too)
@@ -238,15 +246,23 @@ class TensorParallelRollout:
         sections = deltanet_sections(self.architecture)
         blocks = {name: rollout_blocks(name, shapes[name], self.layout, self.split_experts,
                                        sections)[rank] for name in targets}  # fmt: skip
-        # a group of its own: a sync never queues behind (or between) the actor's collectives
-        reshard_group = dist.new_group(list(range(dist.get_world_size())))
-        return Resharder(sources, targets, blocks, reshard_group)
+        return Resharder(sources, targets, blocks, self.reshard_group)
 
     def sync(self, actor):
         """The actor's current weights (LoRA merged) into the engine shard ->
-        engine/reshard.ReshardStats."""
-        names = dict(self.model.named_parameters())
+        engine/reshard.ReshardStats. A frozen vision encoder is not among them
+        (copy_frozen_encoder)."""
+        names = {entry.name for entry in self.resharder.parameters}
         return self.resharder.run(*training_sources(actor.model, names))
+
+    def copy_frozen_encoder(self, actor) -> None:
+        """A frozen vision encoder (actor.freeze_vision_tower; LoRA leaves it out of its
+        adapters too) never changes: copied once, whole to every rank (its parameters have no
+        split: parallel/blocks.shard_dim), and left out of every sync, as the memory plan
+        prices a sync (parallel/reshard_plan.parameter_shapes)."""
+        names = frozen_encoder(actor.model)
+        if names:
+            self._resharder(actor, names).run(*training_sources(actor.model, names))
 
     def service_group(self):
         """A gloo group of this rank's tensor-parallel group for its LockstepService's thread
@@ -293,21 +309,39 @@ class TensorParallelRollout:
     def gather_rows(self, batch: Batch) -> tuple[Batch, int, int]:
         """The group's chunks of a generate batch, in rank order (every member gets the
         same rows and meta) -> (rows, this rank's chunk index, chunk rows). A missing seed
-        is drawn once, by the first member, so the members sample alike."""
+        is drawn once, by the first member, so the members sample alike. A row's images
+        (pixels, grids, mRoPE rows: data/image_batch.py) travel with it, so every member
+        encodes the same features for it."""
+        from hybridflow.data.image_batch import IMAGE_GRID_THW, MROPE_POSITIONS, PIXEL_VALUES
+
         tensors = {key: batch.tensors[key] for key in ("prompts", "attention_mask",
-                                                       "sample_index") if key in batch.tensors}  # fmt: skip
+                                                       "sample_index", MROPE_POSITIONS)
+                   if key in batch.tensors}  # fmt: skip
+        arrays = {key: batch.arrays[key] for key in (PIXEL_VALUES, IMAGE_GRID_THW)
+                  if key in batch.arrays}  # fmt: skip
         meta = dict(batch.meta)
         if meta.get("seed") is None:
             meta["seed"] = int(torch.randint(0, 2**62, (1,)).item())
         chunks: list = [None] * self.size
-        dist.all_gather_object(chunks, (tensors, meta, len(batch)), group=self.group)
-        sizes = {rows for _, _, rows in chunks}
+        dist.all_gather_object(chunks, (tensors, arrays, meta, len(batch)), group=self.group)
+        sizes = {rows for *_, rows in chunks}
         if len(sizes) != 1:
             raise RuntimeError(f"tensor-parallel members got chunks of {sorted(sizes)} rows: "
                                "the controller must split a generate batch evenly")  # fmt: skip
-        merged = Batch.concat([Batch(dict(t)) for t, _, _ in chunks])
-        merged.meta = dict(chunks[0][1])
+        merged = Batch.concat([Batch(dict(t), dict(a)) for t, a, _, _ in chunks])
+        merged.meta = dict(chunks[0][2])
         return merged, self.rank_in_group, len(batch)
+
+
+def frozen_encoder(model) -> list[str]:
+    """The names of a vision-language model's vision encoder parameters when the trainer does
+    not train them (none when it does, or the model has no encoder)."""
+    from hybridflow.parallel.blocks import VISION_PREFIX
+
+    visual = getattr(model, "visual", None)
+    if visual is None or any(p.requires_grad for p in visual.parameters()):
+        return []
+    return [VISION_PREFIX + name for name, _ in visual.named_parameters()]
 
 
 def _subgroup(layout, backend: str | None, name: str = "tp"):

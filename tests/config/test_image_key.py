@@ -26,12 +26,27 @@ def test_a_text_only_model_refuses_the_key_naming_it():
 
 
 def test_what_prompts_with_images_do_not_run_through_is_refused_up_front():
-    for settings in (["actor.sequence_parallel_size=2"],
-                     ["rollout.tensor_parallel_size=2"],
-                     ["rollout.expert_parallel_size=2"]):  # fmt: skip
+    for settings in (["rollout.expert_parallel_size=2"],):
         key = settings[-1].split("=")[0]
         with pytest.raises(ConfigError, match=rf"{key} = .* prompts with images"):
             validate(_config("model.path=tiny-vl", *settings))
+
+
+def test_a_tensor_parallel_rollout_runs_prompts_with_images():
+    """Every rank holds the vision encoder whole and the rows' images travel with them
+    (tests/engine/test_image_tensor_parallel.py, tests/workers/test_rollout_tp_images.py)."""
+    validate(_config("model.path=tiny-vl", "trainer.n_gpus_per_node=2", "trainer.backend=local",
+                     "rollout.tensor_parallel_size=2"))  # fmt: skip
+    validate(_config("model.path=tiny-vl", "trainer.n_gpus_per_node=2", "trainer.backend=local",
+                     "rollout.tensor_parallel_size=2", "trainer.mode=async",
+                     "trainer.partial_rollout=true"))  # fmt: skip
+
+
+def test_a_sequence_parallel_actor_trains_on_prompts_with_images():
+    """Every rank of the group encodes the whole images and takes its slice's features and
+    mRoPE rows (tests/learners/test_image_sequence_parallel.py)."""
+    validate(_config("model.path=tiny-vl", "trainer.n_gpus_per_node=2", "trainer.backend=local",
+                     "actor.sequence_parallel_size=2"))  # fmt: skip
 
 
 def test_mixed_steps_partial_rollouts_and_fp8_run_prompts_with_images():

@@ -30,7 +30,10 @@ finish, and the ranks finish the same requests at the same step in the same orde
 handle means the same slot on every rank: the owner's `reuse` and its release travel as they
 are. A release (the episode is over, which only its rank knows) is a request of its rank: it
 runs on every rank at the same place in the round's order, between the same two steps.
-Streaming to other ranks and images are not served here.
+Streaming to other ranks is not served here. A request's images (engine/images.py) travel
+with it: the copies on the other ranks hold the same pixels, grids and mRoPE rows, so every
+rank encodes the same features (the vision encoder is whole on every rank) and prefills
+alike.
 
 Experts spread over several replicas (engine/expert_spread.py): ``rounds``
 (spread_rounds.py) makes the replicas' services move together as well. Each replica's ranks
@@ -92,16 +95,15 @@ class LockstepService(RolloutService):
     def submit(self, prompt_ids: list[int], params: SamplingParams, seed: int | None = None,
                *, keep: bool = False, reuse: int | None = None,
                stream: bool = False, images=None) -> RequestHandle:  # fmt: skip
-        _refuse_images(images)
-        sub, handle = self._prepare(prompt_ids, params, seed, keep, reuse, stream=stream)
+        sub, handle = self._prepare(prompt_ids, params, seed, keep, reuse, stream=stream,
+                                    images=images)  # fmt: skip
         self._send(sub, handle.on_error)
         return handle
 
     def generate(self, prompts, params: SamplingParams, seeds=None, *, keep=False,
                  reuse=None, sample_index=None, images=None) -> list[Completion]:  # fmt: skip
-        _refuse_images(images)
         return super().generate(prompts, params, seeds, keep=keep, reuse=reuse,
-                                sample_index=sample_index)  # fmt: skip
+                                sample_index=sample_index, images=images)  # fmt: skip
 
     def submit_many(self, requests: list[dict]) -> list[RequestHandle | BaseException]:
         out: list[RequestHandle | BaseException] = []
@@ -151,7 +153,7 @@ class LockstepService(RolloutService):
         seeds = [lo | hi << 32 for lo, hi in zip(sub.seed_lo, sub.seed_hi)]
         reuse = None if sub.reuse is None else list(sub.reuse)
         payload = (sub.lockstep_key, [list(p) for p in sub.prompts], sub.params, seeds,
-                   list(sub.max_new), sub.keep, reuse)  # fmt: skip
+                   list(sub.max_new), sub.keep, reuse, _travelling_images(sub))  # fmt: skip
         return self._enqueue(ADD, payload, (sub, on_error))
 
     def _enqueue(self, kind: str, payload, local) -> Future:
@@ -254,9 +256,10 @@ class LockstepService(RolloutService):
     def _copy(self, payload) -> Submission:
         """Another rank's request, run here without a caller: the same prompts, settings,
         budgets and seeds."""
-        key, prompts, params, seeds, max_new, keep, reuse = payload
+        key, prompts, params, seeds, max_new, keep, reuse, images = payload
         sub = self.engine.submission(prompts, params, seeds=[0] * len(prompts), keep=keep,
-                                     reuse=reuse, max_new_tokens=max_new)  # fmt: skip
+                                     reuse=reuse, max_new_tokens=max_new,
+                                     images=images)  # fmt: skip
         sub.seed_lo = [seed & 0xFFFFFFFF for seed in seeds]
         sub.seed_hi = [(seed >> 32) & 0xFFFFFFFF for seed in seeds]
         sub.lockstep_key = key
@@ -290,7 +293,14 @@ def _ignore(error: BaseException) -> None:
     """Another rank's request failed here: its own rank tells its caller."""
 
 
-def _refuse_images(images) -> None:
-    if images is not None:
-        raise ValueError("a tensor-parallel rollout service serves text requests: images are "
-                         "not served in lockstep yet")  # fmt: skip
+def _travelling_images(sub: Submission) -> list | None:
+    """A submission's checked images as the other ranks' copies take them (PromptImages on
+    the host: pickled to the group over gloo), None for a text submission."""
+    from hybridflow.engine.images import PromptImages
+
+    if sub.images is None:
+        return None
+    return [None if entry is None else
+            PromptImages(entry.pixel_values.cpu(), entry.image_grid_thw.cpu(),
+                         entry.positions.cpu(), entry.span)
+            for entry in sub.images.prepared]  # fmt: skip

@@ -9,6 +9,13 @@ count and every other aggregation unchanged); the gather's backward gives each r
 gradient of its own outputs, and FSDP's gradient reduction over the group sums the ranks'
 parts (learners/step.py). A mixture of experts' routing is gathered the same way, so the
 router losses see every token.
+
+A vision-language model's images: every rank of the group runs the vision encoder on the
+micro-batch's whole images (an image's tokens may straddle two slices, and the encoder's
+attention spans an image), then takes the features of the image tokens in its slice, in
+order, into its slice's embeddings (sliced_embeddings), and its slice of mRoPE's three
+position rows. The encoder's gradient on each rank is that of its slice's features, summed
+over the group with every other parameter's.
 """
 
 from __future__ import annotations
@@ -53,11 +60,15 @@ def sharded_hidden(
     routed_experts: torch.Tensor | None = None,
     router_trace: list | None = None,
     token_multiple: int = 1,
+    pixel_values: torch.Tensor | None = None,
+    image_grid_thw: torch.Tensor | None = None,
+    image_slots: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, OutputShard]:
     """Hidden states [m, H] of the tokens that predict this rank's outputs, and which outputs
     they are. ``router_trace`` receives each sparse layer's routing of the whole stream.
     token_multiple: each rank's slice padded to a multiple of it (FP8 training's 16); the pad
-    is a sequence of its own that no output reads (sequence_parallel.shard_stream)."""
+    is a sequence of its own that no output reads (sequence_parallel.shard_stream).
+    pixel_values, image_grid_thw, image_slots: the micro-batch's images (module docstring)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     shards = [
         shard_stream(packed.cu_seqlens, packed.max_seqlen, r, size, token_multiple)
@@ -65,6 +76,10 @@ def sharded_hidden(
     ]
     shard = shards[rank]
     local_trace = [] if router_trace is not None else None
+    embeds = None
+    if pixel_values is not None:
+        embeds = sliced_embeddings(lm, packed.input_ids, shard, pixel_values, image_grid_thw,
+                                   image_slots)  # fmt: skip
     hidden = lm.forward_packed(
         take_slice(packed.input_ids, shard),
         pad_positions(packed.position_ids, shard),
@@ -75,6 +90,7 @@ def sharded_hidden(
         else take_slice(routed_experts, shard, fill=NO_ROUTE),
         router_trace=local_trace,
         sequence_group=group,
+        input_embeds=embeds,
     )  # [N / SP, H]
     if router_trace is not None:
         num_tokens = packed.input_ids.shape[0]
@@ -88,3 +104,18 @@ def sharded_hidden(
     start, stop = spans[rank]
     outputs = OutputShard(start, stop, [b - a for a, b in spans], group)
     return hidden[packed.hidden_index[start:stop] - shard.start], outputs
+
+
+def sliced_embeddings(lm: nn.Module, input_ids: torch.Tensor, shard, pixel_values: torch.Tensor,
+                      image_grid_thw: torch.Tensor, image_slots: torch.Tensor | None = None,
+                      ) -> torch.Tensor:  # fmt: skip
+    """The embeddings [stop - start, H] of this rank's slice of the stream ``input_ids`` [N],
+    the vision encoder's features at its image tokens: the encoder runs on all the images
+    (CausalLM.image_features), and the slice takes the features of the image tokens it holds,
+    those after the image tokens of the slices before it."""
+    slots, features = lm.image_features(input_ids, pixel_values, image_grid_thw, image_slots)
+    hidden = lm.model.embed_tokens(take_slice(input_ids, shard))
+    before = int(slots[: shard.start].sum())
+    mine = take_slice(slots, shard, fill=False)
+    own = features[before : before + int(mine.sum())].to(hidden.dtype)
+    return hidden.masked_scatter(mine.unsqueeze(-1), own)

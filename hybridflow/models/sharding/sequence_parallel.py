@@ -88,14 +88,17 @@ def take_slice(values: torch.Tensor, shard: StreamShard, fill: int = 0) -> torch
 
 
 def pad_positions(position_ids: torch.Tensor, shard: StreamShard) -> torch.Tensor:
-    """Position ids of this rank's slice; the pad sequence counts 0, 1, ... like any other."""
-    local = position_ids[shard.start : shard.stop]
-    missing = (shard.stop - shard.start) - local.shape[0]
+    """Position ids [N] of this rank's slice, or mRoPE's rows [3, N] (a vision-language
+    model's: each row sliced alike); the pad sequence counts 0, 1, ... like any other (text:
+    three equal rows)."""
+    local = position_ids[..., shard.start : shard.stop]
+    missing = (shard.stop - shard.start) - local.shape[-1]
     if missing:
-        num_tokens = position_ids.shape[0]
+        num_tokens = position_ids.shape[-1]
         first = max(shard.start, num_tokens) - num_tokens  # pad tokens before this slice
         pad_positions = torch.arange(first, first + missing, device=position_ids.device)
-        local = torch.cat([local, pad_positions.to(position_ids.dtype)])
+        pad_positions = pad_positions.expand(*position_ids.shape[:-1], missing)
+        local = torch.cat([local, pad_positions.to(position_ids.dtype)], dim=-1)
     return local
 
 

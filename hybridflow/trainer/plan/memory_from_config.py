@@ -63,8 +63,11 @@ def plan_options(cfg: Config, derived: Derived, gpu_bytes: int | None) -> PlanOp
     # replicas too (the fused layers dispatch by all-to-all: engine/layers/moe.py)
     unfused = r.engine.decode_backend == "torch" or r.lora_in_place and m.lora_rank > 0
     fuse = "none" if unfused else r.engine.fuse_projections
-    named = model_architecture_for(cfg)  # a vision-language model: its images' patches
-    patches = 0 if named is None else image_patches(named[1], micro_tokens,
+    # a vision-language model: its images' patches; under sequence parallelism every rank of
+    # the group encodes the whole images of the group's micro-batch (sp times a rank's tokens:
+    # learners/sharding/sequence_shard.py)
+    named = model_architecture_for(cfg)
+    patches = 0 if named is None else image_patches(named[1], micro_tokens * actor["sp"],
                                                     cfg.data.max_prompt_length / max_len)  # fmt: skip
     return PlanOptions(
         master_bytes=master_bytes,

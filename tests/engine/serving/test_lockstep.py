@@ -188,10 +188,3 @@ def _agent_episodes_with_kept_kv(rank: int, world: int) -> None:
 
 def test_agent_episodes_with_kept_kv_sample_the_tokens_of_one_process():
     run_ranks(_agent_episodes_with_kept_kv, 2)
-
-
-def test_generate_with_images_is_refused_before_it_reaches_the_ranks():
-    """Engine.generate through a lockstep service (a tensor-parallel partial rollout): the
-    other ranks' copies of a submission would travel without its images."""
-    with pytest.raises(ValueError, match="images are not served in lockstep"):
-        LockstepService.generate(None, PROMPTS[:1], SAMPLED, images=[object()])

@@ -59,3 +59,20 @@ def test_the_vision_language_presets_have_the_published_sizes():
         a = PRESETS[name]
         assert abs(a.num_parameters() / total - 1) < 1e-3, name
         assert abs(a.vision.num_parameters() / encoder - 1) < 1e-3, name
+
+
+def test_a_sequence_parallel_rank_encodes_the_whole_images_of_its_groups_micro_batch():
+    """Ulysses: each rank runs the encoder on the images of the group's micro-batch, sp times
+    a rank's tokens (learners/sharding/sequence_shard.py)."""
+    from hybridflow.config import load_config, validate
+    from hybridflow.trainer.plan.memory_from_config import plan_options
+
+    def patches(sp: int) -> int:
+        cfg = load_config(None, ["model.path=qwen2.5-vl-7b", "trainer.n_gpus_per_node=8",
+                                 "trainer.backend=local", "trainer.device=cuda",
+                                 "data.image_key=images", "actor.max_tokens_per_gpu=16384",
+                                 f"actor.sequence_parallel_size={sp}"])  # fmt: skip
+        return plan_options(cfg, validate(cfg, planning=True), None).image_patches
+
+    one = patches(1)
+    assert one > 0 and 0 <= patches(2) - 2 * one <= VL7B.vision.merge_unit  # rounding

@@ -51,6 +51,21 @@ def test_every_recommended_layout_passes_validate(model, gpus, batch, expected):
     assert plan.checked_peak() == advice.plan.checked_peak()
 
 
+def test_a_vision_language_model_on_images_gets_a_tensor_parallel_rollout():
+    """Qwen2.5-VL-72B on 2 nodes of 8 × 80 GiB with prompts with images: a replica a GPU
+    does not fit, so the plan splits the rollout (built for images: each rank holds the
+    vision encoder whole), and the layout it recommends passes validate."""
+    cfg = load_config(None, ["model.path=qwen2.5-vl-72b", "data.image_key=images",
+                             "trainer.nnodes=2", "trainer.n_gpus_per_node=8",
+                             "trainer.device=cuda", "trainer.backend=ray",
+                             "data.train_batch_size=128", "actor.ppo_mini_batch_size=64"])  # fmt: skip
+    advice = recommend(cfg, 80 * GIB)
+    assert advice.plan is not None and advice.changes["rollout.tensor_parallel_size"] > 1
+    changed = with_changes(cfg, advice.changes)
+    assert changed.data.image_key == "images"
+    check_memory(changed, validate(changed))  # not refused, and it fits
+
+
 def test_moe_actors_offload_their_expert_shards_and_get_no_tensor_parallelism():
     """Qwen3-30B-A3B on 8 GPUs: the plan may not pick actor tp (not built for experts); it
     offloads the expert-parallel shards (built: learners/sharding/expert_shard.py), at the
