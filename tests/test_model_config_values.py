@@ -265,3 +265,23 @@ def test_a_quantization_config_beside_a_text_config_is_checked_too():
         'quantization_config = ["fp8"] must be an object (e.g. {"quant_method": "mxfp4"}) or '
         "absent (plain weights)"
     ]
+
+
+def test_a_published_qwen3_5_multimodal_config_has_no_problems():
+    # 256-wide heads of which a quarter turns: the interleaved mRoPE sections cover 32 pairs,
+    # not head_dim / 2 (counting a whole head refused every published Qwen3.5 config)
+    rope = {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10], "mrope_interleaved": True}  # fmt: skip
+    text = {"model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 2560,
+            "intermediate_size": 9216, "num_hidden_layers": 32, "num_attention_heads": 16,
+            "num_key_value_heads": 4, "head_dim": 256, "rope_parameters": rope}  # fmt: skip
+    vision = {"model_type": "qwen3_5_vision", "depth": 24, "hidden_size": 1024,
+              "intermediate_size": 4096, "num_heads": 16, "out_hidden_size": 2560,
+              "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+              "num_position_embeddings": 2304}  # fmt: skip
+    config = {"model_type": "qwen3_5", "text_config": text, "vision_config": vision,
+              "image_token_id": 248056, "video_token_id": 248057,
+              "vision_start_token_id": 248053, "vision_end_token_id": 248054}  # fmt: skip
+    assert config_value_problems(config) == []
+    text["rope_parameters"] = {**rope, "mrope_section": [24, 20, 20]}  # a whole head's
+    assert any("summing to head_dim * 0.25 / 2 = 32" in p for p in config_value_problems(config))
