@@ -65,7 +65,8 @@ def text_config(hf: dict[str, Any]) -> dict[str, Any]:
     if is_multimodal(hf):
         text = dict(hf["text_config"])
         text["model_type"] = TEXT_MODEL_TYPES[hf["model_type"]]
-        for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"):
+        for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
+                    "torch_dtype", "dtype"):  # fmt: skip
             if text.get(key) is None and hf.get(key) is not None:
                 text[key] = hf[key]
         if isinstance(hf.get("vision_config"), dict):  # the encoder and its token ids
