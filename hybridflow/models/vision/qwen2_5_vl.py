@@ -166,12 +166,16 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, spec: VisionSpec):
+    """norm1, attention, norm2, MLP, each with its residual: RMSNorm and the SwiGLU MLP, or
+    the ``norm`` (a module of the width) and ``mlp`` (of the spec) another kind gives."""
+
+    def __init__(self, spec: VisionSpec, norm=None, mlp=None):
         super().__init__()
-        self.norm1 = RMSNorm(spec.hidden_size, NORM_EPS)
-        self.norm2 = RMSNorm(spec.hidden_size, NORM_EPS)
+        norm = norm or (lambda width: RMSNorm(width, NORM_EPS))
+        self.norm1 = norm(spec.hidden_size)
+        self.norm2 = norm(spec.hidden_size)
         self.attn = VisionAttention(spec)
-        self.mlp = VisionMLP(spec)
+        self.mlp = (mlp or VisionMLP)(spec)
 
     def forward(self, x, cos, sin, segments: Segments) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, segments)
@@ -225,13 +229,20 @@ class VisionEncoder(nn.Module):
         dtype = hidden.dtype
         frames = Segments.of(frame_cu_seqlens(grid).diff().tolist(), device, dtype)
         windows = Segments.of(window_cu.diff().tolist(), device, dtype)
-        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
-        for index, block in enumerate(self.blocks):
-            segments = frames if index in spec.fullatt_block_indexes else windows
-            if recompute:
-                hidden = torch.utils.checkpoint.checkpoint(
-                    block, hidden, cos, sin, segments, use_reentrant=False
-                )
-            else:
-                hidden = block(hidden, cos, sin, segments)
-        return self.merger(hidden)[unorder]
+        segments = [frames if i in spec.fullatt_block_indexes else windows
+                    for i in range(len(self.blocks))]  # fmt: skip
+        return self.merger(run_blocks(self, hidden, cos, sin, segments))[unorder]
+
+
+def run_blocks(encoder: nn.Module, hidden, cos, sin, segments: list[Segments]) -> torch.Tensor:
+    """encoder.blocks in turn over hidden, block i attending within segments[i]; each block
+    recomputed in the backward when the encoder trains under gradient checkpointing."""
+    recompute = encoder.gradient_checkpointing and encoder.training and torch.is_grad_enabled()
+    for block, within in zip(encoder.blocks, segments):
+        if recompute:
+            hidden = torch.utils.checkpoint.checkpoint(
+                block, hidden, cos, sin, within, use_reentrant=False
+            )
+        else:
+            hidden = block(hidden, cos, sin, within)
+    return hidden

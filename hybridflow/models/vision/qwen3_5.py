@@ -19,8 +19,9 @@ from hybridflow.models.vision.qwen2_5_vl import (
     NORM_EPS,
     PatchEmbed,
     Segments,
-    VisionAttention,
+    VisionBlock,
     activation,
+    run_blocks,
     vision_rope_cos_sin,
 )
 from hybridflow.models.vision.spec import VisionSpec
@@ -52,19 +53,6 @@ class VisionMLP(nn.Module):
         return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
-class VisionBlock(nn.Module):
-    def __init__(self, spec: VisionSpec):
-        super().__init__()
-        self.norm1 = nn.LayerNorm(spec.hidden_size, eps=NORM_EPS)
-        self.norm2 = nn.LayerNorm(spec.hidden_size, eps=NORM_EPS)
-        self.attn = VisionAttention(spec)
-        self.mlp = VisionMLP(spec)
-
-    def forward(self, x, cos, sin, segments: Segments) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, segments)
-        return x + self.mlp(self.norm2(x))
-
-
 class PatchMerger(nn.Module):
     """LayerNorm each patch, concatenate each merge block's patches, fc1, GELU, fc2 to the
     language model's width: one row per language-model token."""
@@ -72,7 +60,7 @@ class PatchMerger(nn.Module):
     def __init__(self, spec: VisionSpec):
         super().__init__()
         self.merged = spec.hidden_size * spec.merge_unit
-        self.norm = nn.LayerNorm(spec.hidden_size, eps=NORM_EPS)
+        self.norm = layer_norm(spec.hidden_size)
         self.linear_fc1 = nn.Linear(self.merged, self.merged)
         self.linear_fc2 = nn.Linear(self.merged, spec.out_hidden_size)
 
@@ -90,7 +78,9 @@ class VisionEncoder(nn.Module):
         self.spec = spec
         self.patch_embed = PatchEmbed(spec, bias=True)
         self.pos_embed = nn.Embedding(spec.num_position_embeddings, spec.hidden_size)
-        self.blocks = nn.ModuleList(VisionBlock(spec) for _ in range(spec.depth))
+        self.blocks = nn.ModuleList(
+            VisionBlock(spec, norm=layer_norm, mlp=VisionMLP) for _ in range(spec.depth)
+        )
         self.merger = PatchMerger(spec)
         self.gradient_checkpointing = False
 
@@ -104,12 +94,8 @@ class VisionEncoder(nn.Module):
         (positions,) = to_device(device, patch_positions(grid, merge))
         cos, sin = vision_rope_cos_sin(spec, positions)
         frames = Segments.of(frame_cu_seqlens(grid).diff().tolist(), device, hidden.dtype)
-        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
-        for block in self.blocks:
-            if recompute:
-                hidden = torch.utils.checkpoint.checkpoint(
-                    block, hidden, cos, sin, frames, use_reentrant=False
-                )
-            else:
-                hidden = block(hidden, cos, sin, frames)
-        return self.merger(hidden)
+        return self.merger(run_blocks(self, hidden, cos, sin, [frames] * len(self.blocks)))
+
+
+def layer_norm(width: int) -> nn.LayerNorm:
+    return nn.LayerNorm(width, eps=NORM_EPS)

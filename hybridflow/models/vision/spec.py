@@ -146,25 +146,9 @@ class VisionSpec:
         )
 
     def to_hf(self) -> dict[str, Any]:
-        """The ``vision_config`` entry of config.json."""
-        if self.kind == "qwen3_5":
-            return {
-                "model_type": HF_MODEL_TYPES[self.kind],
-                "depth": self.depth,
-                "hidden_size": self.hidden_size,
-                "intermediate_size": self.intermediate_size,
-                "num_heads": self.num_heads,
-                "in_channels": self.in_channels,
-                "patch_size": self.patch_size,
-                "temporal_patch_size": self.temporal_patch_size,
-                "spatial_merge_size": self.spatial_merge_size,
-                "out_hidden_size": self.out_hidden_size,
-                "hidden_act": self.hidden_act,
-                "num_position_embeddings": self.num_position_embeddings,
-                "rope_parameters": {"rope_type": "axial", "rope_theta": self.rope_theta},
-                "initializer_range": 0.02,
-            }
-        return {
+        """The ``vision_config`` entry of config.json: the sizes every kind has, then its own
+        (Qwen2.5-VL's windows, Qwen3.5's position table)."""
+        hf: dict[str, Any] = {
             "model_type": HF_MODEL_TYPES[self.kind],
             "depth": self.depth,
             "hidden_size": self.hidden_size,
@@ -174,14 +158,17 @@ class VisionSpec:
             "patch_size": self.patch_size,
             "temporal_patch_size": self.temporal_patch_size,
             "spatial_merge_size": self.spatial_merge_size,
-            "window_size": self.window_size,
-            "fullatt_block_indexes": list(self.fullatt_block_indexes),
             "out_hidden_size": self.out_hidden_size,
             "hidden_act": self.hidden_act,
-            "tokens_per_second": self.tokens_per_second,
             "rope_parameters": {"rope_type": "axial", "rope_theta": self.rope_theta},
             "initializer_range": 0.02,
         }
+        if self.kind == "qwen3_5":
+            hf["num_position_embeddings"] = self.num_position_embeddings
+        else:
+            hf.update(window_size=self.window_size, tokens_per_second=self.tokens_per_second,
+                      fullatt_block_indexes=list(self.fullatt_block_indexes))  # fmt: skip
+        return hf
 
     def token_ids_to_hf(self) -> dict[str, int]:
         return {"image_token_id": self.image_token_id, "video_token_id": self.video_token_id,
